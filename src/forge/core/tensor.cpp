@@ -1,0 +1,88 @@
+#include "forge/core/tensor.h"
+
+#include <cstdlib>
+#include <cstring>
+
+namespace forge {
+
+std::string shape_string(const Shape& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+int64_t shape_numel(const Shape& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+Storage::Storage(size_t bytes, Device device) : bytes_(bytes), device_(device) {
+  FORGE_CHECK(device == Device::cpu, "Storage: only CPU storage is built into the core");
+  size_t rounded = (bytes + 63) / 64 * 64;
+  data_ = std::aligned_alloc(64, rounded == 0 ? 64 : rounded);
+  if (!data_) fail("out of memory allocating {} bytes", bytes);
+}
+
+Storage::~Storage() { std::free(data_); }
+
+Tensor Tensor::empty(Shape shape, DType dtype, Device device) {
+  for (int64_t d : shape)
+    if (d < 0) fail("tensor shape {} has a negative dimension", shape_string(shape));
+  Tensor t;
+  t.shape_ = std::move(shape);
+  t.dtype_ = dtype;
+  t.storage_ = std::make_shared<Storage>(static_cast<size_t>(t.numel()) * dtype_size(dtype), device);
+  return t;
+}
+
+Tensor Tensor::zeros(Shape shape, DType dtype, Device device) {
+  Tensor t = empty(std::move(shape), dtype, device);
+  t.fill_zero();
+  return t;
+}
+
+float* Tensor::f32() const {
+  FORGE_CHECK(dtype_ == DType::f32, "tensor is {}, not fp32", dtype_name(dtype_));
+  return data<float>();
+}
+uint16_t* Tensor::bf16() const {
+  FORGE_CHECK(dtype_ == DType::bf16, "tensor is {}, not bf16", dtype_name(dtype_));
+  return data<uint16_t>();
+}
+int32_t* Tensor::i32() const {
+  FORGE_CHECK(dtype_ == DType::i32, "tensor is {}, not int32", dtype_name(dtype_));
+  return data<int32_t>();
+}
+
+Tensor Tensor::view(int64_t element_offset, Shape shape) const {
+  size_t elem = dtype_size(dtype_);
+  size_t end = (element_offset + shape_numel(shape)) * elem;
+  FORGE_CHECK(element_offset >= 0 && offset_bytes_ + end <= storage_->bytes(),
+              "view {} at offset {} exceeds storage", shape_string(shape), element_offset);
+  Tensor t = *this;
+  t.offset_bytes_ = offset_bytes_ + element_offset * elem;
+  t.shape_ = std::move(shape);
+  return t;
+}
+
+Tensor Tensor::reshape(Shape shape) const {
+  FORGE_CHECK(shape_numel(shape) == numel(), "reshape {} -> {}", shape_string(shape_), shape_string(shape));
+  return view(0, std::move(shape));
+}
+
+void Tensor::fill_zero() { std::memset(raw(), 0, bytes()); }
+
+void Tensor::copy_from(const Tensor& other) {
+  FORGE_CHECK(other.dtype_ == dtype_ && other.numel() == numel(), "copy_from {} {} -> {} {}",
+              dtype_name(other.dtype_), shape_string(other.shape_), dtype_name(dtype_), shape_string(shape_));
+  std::memcpy(raw(), other.raw(), bytes());
+}
+
+Tensor Tensor::clone() const {
+  Tensor t = empty(shape_, dtype_, device());
+  t.copy_from(*this);
+  return t;
+}
+
+}  // namespace forge

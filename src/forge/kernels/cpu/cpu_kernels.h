@@ -1,0 +1,26 @@
+// Declarations of the CPU backend's kernels (one file each in this folder); cpu_table.cpp gathers them.
+#pragma once
+
+#include "forge/kernels/ops.h"
+
+namespace forge::cpu {
+
+void gemm(const ops::GemmParams& p);
+void rmsnorm_forward(const ops::RmsNormParams& p);
+void rmsnorm_backward_input(const ops::RmsNormParams& p);
+void rmsnorm_backward_weight(const ops::RmsNormParams& p);
+void rope(const ops::RopeParams& p);
+void swiglu_forward(const ops::SwigluParams& p);
+void swiglu_backward(const ops::SwigluParams& p);
+void attention_forward(const ops::AttentionParams& p);
+void attention_backward(const ops::AttentionParams& p);
+void embedding_forward(const ops::EmbeddingParams& p);
+void embedding_backward_weight(const ops::EmbeddingParams& p);
+void linear_cross_entropy_forward(const ops::LinearCrossEntropyParams& p);
+void linear_cross_entropy_backward(const ops::LinearCrossEntropyParams& p);
+void adamw(const ops::AdamWParams& p);
+void add_inplace(float* y, const float* x, int64_t n);
+double sum_squares(const float* x, int64_t n);
+void scale_inplace(float* x, float s, int64_t n);
+
+}  // namespace forge::cpu

@@ -1,0 +1,34 @@
+#include "forge/kernels/cpu/cpu_kernels.h"
+
+namespace forge::ops {
+
+const OpTable& cpu_table() {
+  static const OpTable table = {
+      "cpu",
+      cpu::gemm,
+      cpu::rmsnorm_forward,
+      cpu::rmsnorm_backward_input,
+      cpu::rmsnorm_backward_weight,
+      cpu::rope,
+      cpu::swiglu_forward,
+      cpu::swiglu_backward,
+      cpu::attention_forward,
+      cpu::attention_backward,
+      cpu::embedding_forward,
+      cpu::embedding_backward_weight,
+      cpu::linear_cross_entropy_forward,
+      cpu::linear_cross_entropy_backward,
+      cpu::adamw,
+      cpu::add_inplace,
+      cpu::sum_squares,
+      cpu::scale_inplace,
+  };
+  return table;
+}
+
+const OpTable& table(Device device) {
+  if (device == Device::cpu) return cpu_table();
+  fail("no kernel backend is built for this device (CUDA backend not compiled in)");
+}
+
+}  // namespace forge::ops

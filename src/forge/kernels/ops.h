@@ -1,0 +1,199 @@
+// The op table: every numeric op forge runs, once per backend. Modules call the free functions below;
+// they dispatch on the device to that backend's table. Parameters are plain structs of pointers, sizes
+// and strides (elements, not bytes). Activations are fp32 in memory; GEMMs take fp32 or bf16 operands
+// and accumulate in fp32.
+#pragma once
+
+#include <cstdint>
+
+#include "forge/core/dtype.h"
+#include "forge/core/tensor.h"
+
+namespace forge::ops {
+
+// C[M,N] = alpha * op(A) @ op(B) + beta * C, row-major. op(A) is [M,K]: A is stored [M,K] with leading
+// dimension lda, or [K,M] when trans_a. op(B) is [K,N]: B is stored [K,N], or [N,K] when trans_b.
+// Both operands share ab_dtype (f32 or bf16); C is fp32. Training uses three layouts:
+//   forward         y  = x @ W^T          gemm_nt  (trans_b)
+//   backward_input  dx = dy @ W           gemm_nn
+//   backward_weight dW += dy^T @ x        gemm_tn  (trans_a, beta = 1)
+struct GemmParams {
+  int64_t m = 0, n = 0, k = 0;
+  const void* a = nullptr;
+  int64_t lda = 0;
+  bool trans_a = false;
+  const void* b = nullptr;
+  int64_t ldb = 0;
+  bool trans_b = false;
+  DType ab_dtype = DType::f32;
+  float* c = nullptr;
+  int64_t ldc = 0;
+  float alpha = 1.0f;
+  float beta = 0.0f;
+};
+
+// RMSNorm over the last dimension: y = w * x * rstd, rstd = 1/sqrt(mean(x^2) + eps), kept for backward.
+struct RmsNormParams {
+  int64_t rows = 0, dim = 0;
+  const float* x = nullptr;
+  const float* weight = nullptr;
+  float eps = 1e-5f;
+  float* y = nullptr;     // forward output [rows, dim]
+  float* rstd = nullptr;  // [rows]
+  const float* dy = nullptr;
+  float* dx = nullptr;       // backward_input: written (overwrite)
+  float* dweight = nullptr;  // backward_weight: accumulated (+=)
+};
+
+// Rotary position embedding, Hugging Face Llama convention (rotate_half: dims i and i + d/2 pair up).
+// x is [batch, seq, heads, head_dim] with `token_stride` elements between consecutive tokens and head_dim
+// between heads (so q and k can be rotated in place inside a fused qkv buffer). cos/sin are [seq_tables,
+// head_dim/2] tables; token t of the sequence uses row (position_offset + t). inverse = true applies the
+// transposed rotation (the backward pass).
+struct RopeParams {
+  int64_t batch = 0, seq = 0, heads = 0, head_dim = 0, token_stride = 0;
+  float* x = nullptr;
+  const float* cos = nullptr;
+  const float* sin = nullptr;
+  int64_t position_offset = 0;
+  bool inverse = false;
+};
+
+// SwiGLU on a fused [rows, 2*ffn] input: gate = columns [0, ffn), up = [ffn, 2*ffn);
+// out = silu(gate) * up, [rows, ffn].
+struct SwigluParams {
+  int64_t rows = 0, ffn = 0;
+  const float* gate_up = nullptr;
+  float* out = nullptr;
+  const float* dout = nullptr;
+  float* dgate_up = nullptr;  // backward: written (overwrite)
+};
+
+// Causal grouped-query attention, flash style (never materialises seq x seq). q is [batch, seq, heads,
+// head_dim] with q_stride elements between tokens; k, v are [batch, seq, kv_heads, head_dim]. Query head h
+// reads kv head h / (heads / kv_heads). out is [batch, seq, heads, head_dim] (out_stride between tokens).
+// lse [batch, heads, seq] holds each row's log-sum-exp of scaled scores for backward.
+struct AttentionParams {
+  int64_t batch = 0, seq = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  const float* q = nullptr;
+  const float* k = nullptr;
+  const float* v = nullptr;
+  int64_t q_stride = 0, k_stride = 0, v_stride = 0;
+  float* out = nullptr;
+  int64_t out_stride = 0;
+  float* lse = nullptr;
+  float scale = 1.0f;
+  bool causal = true;
+  // Backward: reads dout (+ q, k, v, out, lse), writes dq, dk, dv (overwrite), same layouts as q, k, v.
+  const float* dout = nullptr;
+  int64_t dout_stride = 0;
+  float* dq = nullptr;
+  float* dk = nullptr;
+  float* dv = nullptr;
+  int64_t dq_stride = 0, dk_stride = 0, dv_stride = 0;
+};
+
+// Embedding lookup. forward: out[i] = weight[ids[i]]. backward_weight: dweight[ids[i]] += dout[i].
+struct EmbeddingParams {
+  int64_t rows = 0, dim = 0, vocab = 0;
+  const int32_t* ids = nullptr;
+  const float* weight = nullptr;
+  float* out = nullptr;
+  const float* dout = nullptr;
+  float* dweight = nullptr;
+};
+
+// Softmax cross-entropy fused with the output projection, chunked over the vocabulary: logits = h @ W^T
+// are produced `vocab_chunk` columns at a time and never held whole. Rows whose target is negative are
+// ignored (loss 0, gradient 0).
+//   forward:  lse[r], loss[r] = lse[r] - logit[r, target[r]]
+//   backward: dlogits = (softmax - onehot) * grad_scale (recomputed chunk by chunk);
+//             dhidden = dlogits @ W (overwrite), dweight += dlogits^T @ h (fp32 accumulate)
+// hidden_gemm / weight_gemm are the GEMM operands in gemm_dtype (fp32 pointers when f32; bf16 copies when
+// bf16); hidden (fp32) is unused by the CPU kernel but kept for backends that cast on the fly.
+struct LinearCrossEntropyParams {
+  int64_t rows = 0, dim = 0, vocab = 0, vocab_chunk = 2048;
+  DType gemm_dtype = DType::f32;
+  const void* hidden_gemm = nullptr;  // [rows, dim]
+  const void* weight_gemm = nullptr;  // [vocab, dim]
+  const int32_t* targets = nullptr;   // [rows]
+  float* lse = nullptr;               // [rows]
+  float* loss = nullptr;              // [rows]
+  float grad_scale = 1.0f;
+  float* dhidden = nullptr;  // [rows, dim]
+  float* dweight = nullptr;  // [vocab, dim], accumulated
+  float* workspace = nullptr;  // at least rows * vocab_chunk floats (+ rows*vocab_chunk/2 when bf16)
+};
+int64_t linear_cross_entropy_workspace_floats(const LinearCrossEntropyParams& p);
+
+// Fused AdamW over one contiguous range: decoupled weight decay, bias correction, optional bf16 shadow
+// copy of the updated fp32 master weights written in the same pass.
+struct AdamWParams {
+  int64_t n = 0;
+  float* param = nullptr;
+  const float* grad = nullptr;
+  float* exp_avg = nullptr;
+  float* exp_avg_sq = nullptr;
+  uint16_t* param_bf16 = nullptr;  // optional
+  float lr = 0, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0;
+  int64_t step = 1;  // 1-based, for bias correction
+  float grad_scale = 1.0f;  // grads are multiplied by this first (clipping)
+};
+
+struct OpTable {
+  const char* name;
+  void (*gemm)(const GemmParams&);
+  void (*rmsnorm_forward)(const RmsNormParams&);
+  void (*rmsnorm_backward_input)(const RmsNormParams&);
+  void (*rmsnorm_backward_weight)(const RmsNormParams&);
+  void (*rope)(const RopeParams&);
+  void (*swiglu_forward)(const SwigluParams&);
+  void (*swiglu_backward)(const SwigluParams&);
+  void (*attention_forward)(const AttentionParams&);
+  void (*attention_backward)(const AttentionParams&);
+  void (*embedding_forward)(const EmbeddingParams&);
+  void (*embedding_backward_weight)(const EmbeddingParams&);
+  void (*linear_cross_entropy_forward)(const LinearCrossEntropyParams&);
+  void (*linear_cross_entropy_backward)(const LinearCrossEntropyParams&);
+  void (*adamw)(const AdamWParams&);
+  // y += x
+  void (*add_inplace)(float* y, const float* x, int64_t n);
+  // sum of squares in double (for the global gradient norm)
+  double (*sum_squares)(const float* x, int64_t n);
+  void (*scale_inplace)(float* x, float s, int64_t n);
+};
+
+const OpTable& cpu_table();
+const OpTable& table(Device device);
+
+inline void gemm(const GemmParams& p, Device d = Device::cpu) { table(d).gemm(p); }
+inline void rmsnorm_forward(const RmsNormParams& p, Device d = Device::cpu) { table(d).rmsnorm_forward(p); }
+inline void rmsnorm_backward_input(const RmsNormParams& p, Device d = Device::cpu) {
+  table(d).rmsnorm_backward_input(p);
+}
+inline void rmsnorm_backward_weight(const RmsNormParams& p, Device d = Device::cpu) {
+  table(d).rmsnorm_backward_weight(p);
+}
+inline void rope(const RopeParams& p, Device d = Device::cpu) { table(d).rope(p); }
+inline void swiglu_forward(const SwigluParams& p, Device d = Device::cpu) { table(d).swiglu_forward(p); }
+inline void swiglu_backward(const SwigluParams& p, Device d = Device::cpu) { table(d).swiglu_backward(p); }
+inline void attention_forward(const AttentionParams& p, Device d = Device::cpu) { table(d).attention_forward(p); }
+inline void attention_backward(const AttentionParams& p, Device d = Device::cpu) {
+  table(d).attention_backward(p);
+}
+inline void embedding_forward(const EmbeddingParams& p, Device d = Device::cpu) { table(d).embedding_forward(p); }
+inline void embedding_backward_weight(const EmbeddingParams& p, Device d = Device::cpu) {
+  table(d).embedding_backward_weight(p);
+}
+inline void linear_cross_entropy_forward(const LinearCrossEntropyParams& p, Device d = Device::cpu) {
+  table(d).linear_cross_entropy_forward(p);
+}
+inline void linear_cross_entropy_backward(const LinearCrossEntropyParams& p, Device d = Device::cpu) {
+  table(d).linear_cross_entropy_backward(p);
+}
+inline void adamw(const AdamWParams& p, Device d = Device::cpu) { table(d).adamw(p); }
+inline void add_inplace(float* y, const float* x, int64_t n, Device d = Device::cpu) { table(d).add_inplace(y, x, n); }
+inline double sum_squares(const float* x, int64_t n, Device d = Device::cpu) { return table(d).sum_squares(x, n); }
+inline void scale_inplace(float* x, float s, int64_t n, Device d = Device::cpu) { table(d).scale_inplace(x, s, n); }
+
+}  // namespace forge::ops

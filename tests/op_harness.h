@@ -1,0 +1,74 @@
+// The op harness: helpers every op test uses to compare a kernel with a double-precision reference and
+// to check gradients by central finite differences (evaluated in double on the reference).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <vector>
+
+namespace forge::testing {
+
+inline std::vector<float> random_floats(size_t n, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> v(n);
+  for (auto& x : v) x = dist(gen);
+  return v;
+}
+
+inline std::vector<double> to_double(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+
+// max |a-b| / (atol_floor + max|b|): a relative error against the reference's scale.
+inline double relative_error(const float* got, const double* want, size_t n) {
+  double max_diff = 0, max_ref = 0;
+  for (size_t i = 0; i < n; ++i) {
+    max_diff = std::max(max_diff, std::abs(static_cast<double>(got[i]) - want[i]));
+    max_ref = std::max(max_ref, std::abs(want[i]));
+  }
+  return max_diff / (max_ref + 1e-30);
+}
+inline double relative_error(const std::vector<float>& got, const std::vector<double>& want) {
+  EXPECT_EQ(got.size(), want.size());
+  return relative_error(got.data(), want.data(), got.size());
+}
+
+// Scale-free similarity 1 - 2<x,y>/(|x|^2+|y|^2): 0 for identical vectors (used for low precision).
+inline double dissimilarity(const float* x, const double* y, size_t n) {
+  double xy = 0, xx = 0, yy = 0;
+  for (size_t i = 0; i < n; ++i) {
+    xy += x[i] * y[i];
+    xx += double(x[i]) * x[i];
+    yy += y[i] * y[i];
+  }
+  return 1.0 - 2.0 * xy / (xx + yy + 1e-300);
+}
+
+// Central finite differences of a scalar double-precision function f(x) at x; returns df/dx.
+inline std::vector<double> finite_difference(const std::function<double(const std::vector<double>&)>& f,
+                                             std::vector<double> x, double h = 1e-5) {
+  std::vector<double> g(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    double saved = x[i];
+    x[i] = saved + h;
+    double up = f(x);
+    x[i] = saved - h;
+    double down = f(x);
+    x[i] = saved;
+    g[i] = (up - down) / (2 * h);
+  }
+  return g;
+}
+
+// <w, y>: projects an output onto fixed random weights so a vector-valued op becomes a scalar loss whose
+// gradient with respect to the output is w (the dy fed to the backward kernel).
+inline double dot(const std::vector<double>& w, const std::vector<double>& y) {
+  double s = 0;
+  for (size_t i = 0; i < w.size(); ++i) s += w[i] * y[i];
+  return s;
+}
+
+}  // namespace forge::testing
