@@ -10,7 +10,7 @@ packages=(
   libdnnl-dev                       # oneDNN: CPU GEMM
   libgtest-dev libgmock-dev         # tests
   libbenchmark-dev                  # micro-benchmarks
-  libtomlplusplus-dev nlohmann-json3-dev libcli11-dev libfmt-dev
+  libtomlplusplus-dev nlohmann-json3-dev libcli11-dev libfmt-dev zlib1g-dev
   bible-kjv                         # the default corpus
 )
 if [[ "${1:-}" == "--bench" ]]; then

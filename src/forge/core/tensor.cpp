@@ -1,7 +1,12 @@
 #include "forge/core/tensor.h"
 
+#include <malloc.h>
+
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
+
+#include "forge/core/memory.h"
 
 namespace forge {
 
@@ -17,14 +22,37 @@ int64_t shape_numel(const Shape& shape) {
   return n;
 }
 
+namespace {
+std::atomic<int64_t> g_live_bytes{0};
+std::atomic<int64_t> g_peak_bytes{0};
+
+// Activations are allocated and freed every micro-batch. glibc would hand large blocks back to the
+// kernel (mmap/munmap) and page-fault them in again each step; keeping them in the heap makes reuse free.
+const bool g_malloc_tuned = [] {
+  mallopt(M_MMAP_THRESHOLD, 1 << 30);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  return true;
+}();
+}  // namespace
+
+MemoryStats memory_stats() { return {g_live_bytes.load(), g_peak_bytes.load()}; }
+void reset_peak_memory() { g_peak_bytes.store(g_live_bytes.load()); }
+
 Storage::Storage(size_t bytes, Device device) : bytes_(bytes), device_(device) {
   FORGE_CHECK(device == Device::cpu, "Storage: only CPU storage is built into the core");
   size_t rounded = (bytes + 63) / 64 * 64;
   data_ = std::aligned_alloc(64, rounded == 0 ? 64 : rounded);
   if (!data_) fail("out of memory allocating {} bytes", bytes);
+  int64_t live = g_live_bytes.fetch_add(static_cast<int64_t>(bytes)) + static_cast<int64_t>(bytes);
+  int64_t peak = g_peak_bytes.load();
+  while (live > peak && !g_peak_bytes.compare_exchange_weak(peak, live)) {
+  }
 }
 
-Storage::~Storage() { std::free(data_); }
+Storage::~Storage() {
+  std::free(data_);
+  g_live_bytes.fetch_sub(static_cast<int64_t>(bytes_));
+}
 
 Tensor Tensor::empty(Shape shape, DType dtype, Device device) {
   for (int64_t d : shape)

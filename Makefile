@@ -1,0 +1,36 @@
+# forge: the two commands.
+#   make run   install what is missing, build (Release), train the default model, print a sample
+#   make test  install what is missing, build, run the whole test suite through CTest
+BUILD ?= build
+CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
+RUN_ARGS ?=
+
+.PHONY: all deps deps-bench configure build run test bench clean
+
+all: build
+
+deps:
+	@bash scripts/install-deps.sh
+
+deps-bench:
+	@bash scripts/install-deps.sh --bench
+
+$(BUILD)/build.ninja:
+	cmake -S . -B $(BUILD) -G Ninja $(CMAKE_FLAGS)
+
+configure: deps $(BUILD)/build.ninja
+
+build: configure
+	cmake --build $(BUILD)
+
+run: build
+	$(BUILD)/bin/forge train --config configs/default.toml $(RUN_ARGS)
+
+test: build
+	cd $(BUILD) && ctest --output-on-failure --timeout 600 -j 2
+
+bench: deps-bench build
+	bash bench/run_all.sh $(BUILD)
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,341 @@
+#include "forge/ckpt/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <bit>
+#include <cerrno>
+#include <cstring>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "forge/core/error.h"
+
+namespace forge {
+
+static_assert(std::endian::native == std::endian::little, "safetensors data is little-endian");
+
+namespace {
+
+// A header larger than this is a corrupt length field, not a real checkpoint (HF uses the same bound).
+constexpr uint64_t kMaxHeaderBytes = 100ull << 20;
+
+struct DTypeName {
+  DType dtype;
+  std::string_view name;
+};
+constexpr DTypeName kDTypeNames[] = {
+    {DType::f32, "F32"},      {DType::bf16, "BF16"}, {DType::f16, "F16"}, {DType::e4m3, "F8_E4M3"},
+    {DType::e5m2, "F8_E5M2"}, {DType::i32, "I32"},   {DType::i64, "I64"}, {DType::u8, "U8"},
+};
+
+std::string errno_text() { return std::strerror(errno); }
+
+// Reads exactly `bytes` at `offset`, looping over short reads; false on EOF or error.
+bool pread_all(int fd, void* destination, size_t bytes, uint64_t offset) {
+  char* out = static_cast<char*>(destination);
+  while (bytes > 0) {
+    ssize_t got = ::pread(fd, out, bytes, static_cast<off_t>(offset));
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return false;
+    out += got, bytes -= static_cast<size_t>(got), offset += static_cast<uint64_t>(got);
+  }
+  return true;
+}
+
+void write_all(int fd, const void* source, size_t bytes, const std::string& path) {
+  const char* in = static_cast<const char*>(source);
+  while (bytes > 0) {
+    ssize_t put = ::write(fd, in, bytes);
+    if (put < 0 && errno == EINTR) continue;
+    if (put < 0) fail("safetensors '{}': write failed: {}", path, errno_text());
+    in += put, bytes -= static_cast<size_t>(put);
+  }
+}
+
+// Validates one header entry; every message names the file and the tensor.
+SafetensorsEntry parse_entry(const std::string& path, const std::string& name, const nlohmann::json& value,
+                             uint64_t data_bytes) {
+  auto bad = [&](std::string_view problem) -> Error {
+    return Error(fmt::format("safetensors '{}': tensor '{}': {}", path, name, problem));
+  };
+  if (!value.is_object()) throw bad("header entry is not a JSON object");
+  for (const char* key : {"dtype", "shape", "data_offsets"})
+    if (!value.contains(key)) throw bad(fmt::format("header entry has no \"{}\"", key));
+
+  SafetensorsEntry entry;
+  entry.name = name;
+  const auto& dtype = value["dtype"];
+  if (!dtype.is_string()) throw bad(fmt::format("dtype {} is not a string", dtype.dump()));
+  const std::string dtype_string = dtype.get<std::string>();
+  auto known = std::find_if(std::begin(kDTypeNames), std::end(kDTypeNames),
+                            [&](const DTypeName& d) { return d.name == dtype_string; });
+  if (known == std::end(kDTypeNames)) throw bad(fmt::format("unknown dtype \"{}\"", dtype_string));
+  entry.dtype = known->dtype;
+
+  const auto& shape = value["shape"];
+  if (!shape.is_array()) throw bad(fmt::format("shape {} is not a list of integers", shape.dump()));
+  uint64_t numel = 1;
+  bool numel_overflows = false;
+  for (const auto& dim : shape) {
+    if (!dim.is_number_integer()) throw bad(fmt::format("shape {} is not a list of integers", shape.dump()));
+    if (!dim.is_number_unsigned())  // nlohmann stores every non-negative integer as unsigned
+      throw bad(fmt::format("shape {} has a negative dimension", shape.dump()));
+    const uint64_t d = dim.get<uint64_t>();
+    if (d > static_cast<uint64_t>(INT64_MAX)) throw bad(fmt::format("shape {} is too large", shape.dump()));
+    entry.shape.push_back(static_cast<int64_t>(d));
+    numel_overflows |= __builtin_mul_overflow(numel, d, &numel);
+  }
+
+  const auto& offsets = value["data_offsets"];
+  if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
+      !offsets[1].is_number_unsigned())
+    throw bad(fmt::format("data_offsets {} is not two non-negative integers", offsets.dump()));
+  entry.begin = offsets[0].get<uint64_t>();
+  entry.end = offsets[1].get<uint64_t>();
+  if (entry.end < entry.begin)
+    throw bad(fmt::format("data_offsets [{}, {}] end before begin", entry.begin, entry.end));
+
+  uint64_t expected_bytes = 0;
+  numel_overflows |= __builtin_mul_overflow(numel, dtype_size(entry.dtype), &expected_bytes);
+  if (numel_overflows || entry.end - entry.begin != expected_bytes)
+    throw bad(fmt::format("data_offsets [{}, {}] hold {} bytes but {} {} needs {}", entry.begin, entry.end,
+                          entry.end - entry.begin, dtype_string, shape_string(entry.shape),
+                          numel_overflows ? std::string("more than 2^64") : std::to_string(expected_bytes)));
+  if (entry.end > data_bytes)
+    throw bad(fmt::format("data_offsets [{}, {}] run past the end of the data section ({} bytes)",
+                          entry.begin, entry.end, data_bytes));
+  return entry;
+}
+
+}  // namespace
+
+std::string_view safetensors_dtype_name(DType dtype) {
+  for (const auto& d : kDTypeNames)
+    if (d.dtype == dtype) return d.name;
+  fail("safetensors: dtype code {} has no safetensors name", static_cast<int>(dtype));
+}
+
+DType safetensors_dtype_from_name(std::string_view name) {
+  for (const auto& d : kDTypeNames)
+    if (d.name == name) return d.dtype;
+  fail("safetensors: unknown dtype \"{}\"", name);
+}
+
+SafetensorsFile SafetensorsFile::open(const std::string& path) {
+  SafetensorsFile file;
+  file.path_ = path;
+  file.fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (file.fd_ < 0) fail("safetensors '{}': cannot open: {}", path, errno_text());
+  struct stat info;
+  if (::fstat(file.fd_, &info) != 0) fail("safetensors '{}': cannot stat: {}", path, errno_text());
+  const uint64_t file_bytes = static_cast<uint64_t>(info.st_size);
+
+  if (file_bytes < 8)
+    fail("safetensors '{}': file is {} bytes, shorter than the 8-byte header length", path, file_bytes);
+  uint64_t header_bytes = 0;
+  if (!pread_all(file.fd_, &header_bytes, 8, 0)) fail("safetensors '{}': cannot read header length", path);
+  if (header_bytes > kMaxHeaderBytes)
+    fail("safetensors '{}': header length {} is absurd (limit {} bytes)", path, header_bytes,
+         kMaxHeaderBytes);
+  if (header_bytes > file_bytes - 8)
+    fail("safetensors '{}': header length {} runs past the end of the file ({} bytes)", path, header_bytes,
+         file_bytes);
+  std::string text(header_bytes, '\0');
+  if (!pread_all(file.fd_, text.data(), header_bytes, 8)) fail("safetensors '{}': cannot read header", path);
+  file.data_start_ = 8 + header_bytes;
+  const uint64_t data_bytes = file_bytes - file.data_start_;
+
+  // nlohmann keeps the last of duplicate keys silently; the callback sees every top-level key first.
+  std::set<std::string> seen;
+  std::string duplicate;
+  auto note_keys = [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+    if (depth == 1 && event == nlohmann::json::parse_event_t::key && parsed.is_string()) {
+      const auto& key = parsed.get_ref<const std::string&>();
+      if (!seen.insert(key).second && duplicate.empty()) duplicate = key;
+    }
+    return true;
+  };
+  nlohmann::json header;
+  try {
+    header = nlohmann::json::parse(text, note_keys);
+  } catch (const nlohmann::json::parse_error& e) {
+    fail("safetensors '{}': header is not valid JSON: {}", path, e.what());
+  }
+  if (!header.is_object())
+    fail("safetensors '{}': header is a JSON {}, not an object", path, header.type_name());
+  if (!duplicate.empty())
+    fail("safetensors '{}': tensor '{}': name appears twice in the header", path, duplicate);
+
+  for (const auto& [name, value] : header.items()) {
+    if (name == "__metadata__") {
+      if (!value.is_object()) fail("safetensors '{}': __metadata__ is not a JSON object", path);
+      for (const auto& [key, text_value] : value.items()) {
+        if (!text_value.is_string())
+          fail("safetensors '{}': __metadata__ key '{}' is not a string", path, key);
+        file.metadata_[key] = text_value.get<std::string>();
+      }
+      continue;
+    }
+    file.entries_.push_back(parse_entry(path, name, value, data_bytes));
+  }
+
+  std::sort(file.entries_.begin(), file.entries_.end(),
+            [](const SafetensorsEntry& a, const SafetensorsEntry& b) {
+              return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+            });
+  // After sorting by begin, a range overlaps some earlier one iff it starts before the furthest end so far.
+  // Empty tensors own no bytes and cannot overlap anything.
+  const SafetensorsEntry* furthest = nullptr;
+  for (const auto& entry : file.entries_) {
+    if (entry.begin == entry.end) continue;
+    if (furthest && entry.begin < furthest->end)
+      fail("safetensors '{}': tensor '{}': data_offsets [{}, {}] overlap tensor '{}' at [{}, {}]", path,
+           entry.name, entry.begin, entry.end, furthest->name, furthest->begin, furthest->end);
+    if (!furthest || entry.end > furthest->end) furthest = &entry;
+  }
+  for (size_t i = 0; i < file.entries_.size(); ++i) file.index_.emplace(file.entries_[i].name, i);
+  return file;
+}
+
+SafetensorsFile::SafetensorsFile(SafetensorsFile&& other) noexcept { *this = std::move(other); }
+
+SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    path_ = std::move(other.path_);
+    fd_ = std::exchange(other.fd_, -1);
+    data_start_ = other.data_start_;
+    entries_ = std::move(other.entries_);
+    index_ = std::move(other.index_);
+    metadata_ = std::move(other.metadata_);
+  }
+  return *this;
+}
+
+SafetensorsFile::~SafetensorsFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+const SafetensorsEntry* SafetensorsFile::find(std::string_view name) const {
+  auto it = index_.find(name);
+  return it == index_.end() ? nullptr : &entries_[it->second];
+}
+
+const SafetensorsEntry& SafetensorsFile::require(std::string_view name) const {
+  const SafetensorsEntry* entry = find(name);
+  if (!entry) fail("safetensors '{}': no tensor named '{}'", path_, name);
+  return *entry;
+}
+
+void SafetensorsFile::read_bytes(const SafetensorsEntry& entry, void* destination) const {
+  if (!pread_all(fd_, destination, entry.end - entry.begin, data_start_ + entry.begin))
+    fail("safetensors '{}': tensor '{}': read failed (file truncated after open?): {}", path_, entry.name,
+         errno_text());
+}
+
+Tensor SafetensorsFile::read(std::string_view name) const {
+  const SafetensorsEntry& entry = require(name);
+  Tensor tensor = Tensor::empty(entry.shape, entry.dtype);
+  read_bytes(entry, tensor.raw());
+  return tensor;
+}
+
+Tensor SafetensorsFile::read_f32(std::string_view name) const {
+  const SafetensorsEntry& entry = require(name);
+  Tensor tensor = Tensor::empty(entry.shape, DType::f32);
+  read_into(name, tensor);
+  return tensor;
+}
+
+void SafetensorsFile::read_into(std::string_view name, const Tensor& destination) const {
+  const SafetensorsEntry& entry = require(name);
+  if (!destination.defined() || destination.device() != Device::cpu)
+    fail("safetensors '{}': tensor '{}': destination must be a defined CPU tensor", path_, name);
+  if (destination.numel() != shape_numel(entry.shape))
+    fail("safetensors '{}': tensor '{}': stored shape {} does not fit destination shape {}", path_, name,
+         shape_string(entry.shape), shape_string(destination.shape()));
+  if (destination.dtype() == entry.dtype) return read_bytes(entry, destination.raw());
+  if (destination.dtype() != DType::f32)
+    fail("safetensors '{}': tensor '{}': cannot read {} into a {} tensor", path_, name,
+         safetensors_dtype_name(entry.dtype), dtype_name(destination.dtype()));
+
+  const size_t n = static_cast<size_t>(destination.numel());
+  std::vector<uint8_t> raw(entry.end - entry.begin);
+  float* out = destination.data<float>();
+  switch (entry.dtype) {
+    case DType::bf16:
+      read_bytes(entry, raw.data());
+      return convert_bf16_to_f32(reinterpret_cast<const uint16_t*>(raw.data()), out, n);
+    case DType::f16:
+      read_bytes(entry, raw.data());
+      return convert_f16_to_f32(reinterpret_cast<const uint16_t*>(raw.data()), out, n);
+    case DType::e4m3:
+      read_bytes(entry, raw.data());
+      return convert_e4m3_to_f32(raw.data(), out, n);
+    case DType::e5m2:
+      read_bytes(entry, raw.data());
+      return convert_e5m2_to_f32(raw.data(), out, n);
+    default:
+      fail("safetensors '{}': tensor '{}': {} is not a floating-point dtype, cannot read as fp32", path_,
+           name, safetensors_dtype_name(entry.dtype));
+  }
+}
+
+void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  // ordered_json keeps the caller's tensor order, so the same inputs always give the same bytes.
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::set<std::string_view> names;
+  uint64_t offset = 0;
+  for (const auto& [name, tensor] : tensors) {
+    if (name.empty() || name == "__metadata__")
+      fail("safetensors '{}': tensor name '{}' is reserved or empty", path, name);
+    if (!names.insert(name).second) fail("safetensors '{}': tensor '{}': name given twice", path, name);
+    if (!tensor.defined() || tensor.device() != Device::cpu)
+      fail("safetensors '{}': tensor '{}': must be a defined CPU tensor", path, name);
+    const uint64_t bytes = tensor.bytes();
+    header[name] = {{"dtype", safetensors_dtype_name(tensor.dtype())},
+                    {"shape", tensor.shape()},
+                    {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+  std::string text = header.dump();
+  // Pad with spaces (valid JSON whitespace) so the data section starts 8-byte aligned.
+  text.resize((text.size() + 7) / 8 * 8, ' ');
+  const uint64_t header_bytes = text.size();
+
+  const std::string tmp_path = path + ".tmp";
+  int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) fail("safetensors '{}': cannot create '{}': {}", path, tmp_path, errno_text());
+  try {
+    write_all(fd, &header_bytes, 8, tmp_path);
+    write_all(fd, text.data(), text.size(), tmp_path);
+    for (const auto& [name, tensor] : tensors) write_all(fd, tensor.raw(), tensor.bytes(), tmp_path);
+    if (::fsync(fd) != 0) fail("safetensors '{}': fsync failed: {}", tmp_path, errno_text());
+    if (::close(fd) != 0) {
+      fd = -1;
+      fail("safetensors '{}': close failed: {}", tmp_path, errno_text());
+    }
+    fd = -1;
+    if (::rename(tmp_path.c_str(), path.c_str()) != 0)
+      fail("safetensors '{}': cannot rename '{}' over it: {}", path, tmp_path, errno_text());
+  } catch (...) {
+    if (fd >= 0) ::close(fd);
+    ::unlink(tmp_path.c_str());
+    throw;
+  }
+  // Make the rename itself durable; failure here leaves a complete file, so it is not an error.
+  const size_t slash = path.find_last_of('/');
+  const std::string directory = slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+  int dir_fd = ::open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir_fd >= 0) {
+    ::fsync(dir_fd);
+    ::close(dir_fd);
+  }
+}
+
+}  // namespace forge

@@ -1,0 +1,468 @@
+// Grouped-query attention on CPU, flash style: tiled over query and key blocks with an online softmax, so
+// no seq x seq matrix ever exists; each thread holds a few block-sized tiles.
+//
+// Layout: every tile keeps one block dimension (kBlock queries or kBlock keys) in SIMD lanes, and every
+// matrix product is "rows of a strided matrix, broadcast element by element, times a packed lane panel"
+// (tile_gemm). Per-query softmax statistics then live in lanes (no horizontal reductions), q/k/v/out/dout
+// are read in place from their fused buffers, and only the operand that becomes the panel is transposed,
+// once per work item.
+//
+// Backward is FlashAttention-2 in two race-free passes that both recompute P from q, k and lse: one per
+// (batch, kv head, key block) accumulating dK, dV over the group's query heads and all query blocks, one
+// per (batch, head, query block) for dQ. Each output element is written once, by the item that owns it,
+// so results do not depend on the thread count or the schedule.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "forge/kernels/cpu/cpu_kernels.h"
+
+#if defined(__AVX512F__)
+// GCC 12 flags its own _mm512_undefined_ps() placeholders as maybe-uninitialized once inlined.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+#endif
+
+namespace forge::cpu {
+namespace {
+
+constexpr int kLanes = 16;
+constexpr int kBlock = 64;  // queries or keys per tile
+constexpr int kVectors = kBlock / kLanes;
+constexpr int kRows = 6;  // rows per micro-kernel call: kRows x kVectors = 24 accumulators (of 32 zmm)
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2 = 0.69314718055994531f;
+constexpr float kInfinity = std::numeric_limits<float>::infinity();
+
+// ---- 16-lane vectors: AVX-512 intrinsics, or GCC/Clang vector extensions elsewhere ----
+
+#if defined(__AVX512F__)
+using Vec = __m512;
+inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline void store(float* p, Vec x) { _mm512_storeu_ps(p, x); }
+inline Vec splat(float s) { return _mm512_set1_ps(s); }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c
+inline Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec max(Vec a, Vec b) { return _mm512_max_ps(a, b); }  // NaN in a gives b
+inline Vec min(Vec a, Vec b) { return _mm512_min_ps(a, b); }
+// Lanes where a < b take `yes`, the others `no`.
+inline Vec select_less(Vec a, Vec b, Vec yes, Vec no) {
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), no, yes);
+}
+inline Vec round_nearest(Vec x) {
+  return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+// 2^n for integral n in [-127, 127], built in the exponent field; n = -127 gives exactly 0.
+inline Vec exp2_integral(Vec n) {
+  __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
+}
+#else
+using Vec = float __attribute__((vector_size(64)));
+using VecInt = int32_t __attribute__((vector_size(64)));
+inline Vec load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, Vec x) { std::memcpy(p, &x, sizeof x); }
+inline Vec splat(float s) { return Vec{} + s; }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return a * b + c; }
+inline Vec add(Vec a, Vec b) { return a + b; }
+inline Vec sub(Vec a, Vec b) { return a - b; }
+inline Vec mul(Vec a, Vec b) { return a * b; }
+inline Vec max(Vec a, Vec b) { return a > b ? a : b; }
+inline Vec min(Vec a, Vec b) { return a < b ? a : b; }
+inline Vec select_less(Vec a, Vec b, Vec yes, Vec no) { return a < b ? yes : no; }
+// Adding and removing 1.5 * 2^23 rounds to the nearest integer for |x| < 2^22.
+inline Vec round_nearest(Vec x) { return (x + 12582912.0f) - 12582912.0f; }
+inline Vec exp2_integral(Vec n) {
+  VecInt e = (__builtin_convertvector(n, VecInt) + 127) << 23;
+  Vec v;
+  std::memcpy(&v, &e, sizeof v);
+  return v;
+}
+#endif
+
+// 2^x with relative error ~2e-7. Inputs at or below -127 (including -inf from the causal mask) give exactly
+// 0; NaN gives 0 too. x = n + f with |f| <= 1/2; 2^f by its Taylor series (ln2 f)^k / k! to degree 6.
+inline Vec pow2(Vec x) {
+  x = min(max(x, splat(-127.0f)), splat(127.0f));
+  Vec n = round_nearest(x);
+  Vec f = sub(x, n);
+  Vec p = splat(1.5403530393381608e-4f);
+  p = fmadd(p, f, splat(1.3333558146428443e-3f));
+  p = fmadd(p, f, splat(9.6181291076284772e-3f));
+  p = fmadd(p, f, splat(5.5504108664821580e-2f));
+  p = fmadd(p, f, splat(2.4022650695910071e-1f));
+  p = fmadd(p, f, splat(6.9314718055994531e-1f));
+  p = fmadd(p, f, splat(1.0f));
+  return mul(p, exp2_integral(n));
+}
+
+// Lane l of vector v holds index first + v * kLanes + l (queries or keys of a tile), as floats for compares.
+struct LaneIndex {
+  Vec v[kVectors];
+  explicit LaneIndex(int64_t first) {
+    float lanes[kBlock];
+    for (int i = 0; i < kBlock; ++i) lanes[i] = static_cast<float>(first + i);
+    for (int i = 0; i < kVectors; ++i) v[i] = load(lanes + i * kLanes);
+  }
+};
+
+// ---- the micro-kernel ----
+
+enum class Init { zero, accumulate, scaled };  // C = A@P, C += A@P, C = C * lane_scale + A@P
+
+// C[R, kBlock] (init)= A[R, depth] @ P[depth, kBlock], P packed with row stride kBlock, C likewise.
+// A is read in place and broadcast: element (r, k) sits at a[r * stride + k] when kDepthContiguous (rows of
+// k or q or dout), else at a[r + k * stride] (a transposed view: d-rows of v, k, q or dout).
+template <int R, bool kDepthContiguous, Init kInit>
+inline void tile_rows(const float* a, int64_t stride, int64_t depth, const float* panel, float* c,
+                      const Vec* lane_scale) {
+  Vec acc[R][kVectors];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVectors; ++v) {
+      if constexpr (kInit == Init::zero) acc[r][v] = splat(0.0f);
+      if constexpr (kInit == Init::accumulate) acc[r][v] = load(c + r * kBlock + v * kLanes);
+      if constexpr (kInit == Init::scaled) acc[r][v] = mul(load(c + r * kBlock + v * kLanes), lane_scale[v]);
+    }
+  const float* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = a + r * (kDepthContiguous ? stride : 1);
+  for (int64_t k = 0; k < depth; ++k) {
+    Vec b[kVectors];
+    for (int v = 0; v < kVectors; ++v) b[v] = load(panel + k * kBlock + v * kLanes);
+    for (int r = 0; r < R; ++r) {
+      Vec ar = splat(kDepthContiguous ? rows[r][k] : rows[r][k * stride]);
+      for (int v = 0; v < kVectors; ++v) acc[r][v] = fmadd(ar, b[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVectors; ++v) store(c + r * kBlock + v * kLanes, acc[r][v]);
+}
+
+template <int R, bool kDepthContiguous, Init kInit>
+void tile_rows_tail(int64_t rows, const float* a, int64_t stride, int64_t depth, const float* panel, float* c,
+                    const Vec* lane_scale) {
+  if constexpr (R > 0) {
+    if (rows == R) return tile_rows<R, kDepthContiguous, kInit>(a, stride, depth, panel, c, lane_scale);
+    tile_rows_tail<R - 1, kDepthContiguous, kInit>(rows, a, stride, depth, panel, c, lane_scale);
+  }
+}
+
+// C[rows, kBlock] (init)= A[rows, depth] @ P[depth, kBlock]: kRows rows per micro-kernel call.
+template <bool kDepthContiguous, Init kInit>
+void tile_gemm(int64_t rows, const float* a, int64_t stride, int64_t depth, const float* panel, float* c,
+               const Vec* lane_scale = nullptr) {
+  const int64_t row_step = kDepthContiguous ? stride : 1;
+  int64_t r = 0;
+  for (; r + kRows <= rows; r += kRows)
+    tile_rows<kRows, kDepthContiguous, kInit>(a + r * row_step, stride, depth, panel, c + r * kBlock,
+                                              lane_scale);
+  tile_rows_tail<kRows - 1, kDepthContiguous, kInit>(rows - r, a + r * row_step, stride, depth, panel,
+                                                     c + r * kBlock, lane_scale);
+}
+
+// panel[d, i] = rows[i * stride + d] * factor for i < count; lanes count..kBlock-1 are zero.
+void pack_transposed(const float* rows, int64_t stride, int64_t count, int64_t dim, float factor,
+                     float* panel) {
+  for (int64_t d = 0; d < dim; ++d) std::fill(panel + d * kBlock + count, panel + (d + 1) * kBlock, 0.0f);
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t d = 0; d < dim; ++d) panel[d * kBlock + i] = rows[i * stride + d] * factor;
+}
+
+// rows[i * stride + d] = panel[d, i] * factor for i < count: the inverse of pack_transposed.
+void unpack_transposed(const float* panel, int64_t count, int64_t dim, float factor, float* rows,
+                       int64_t stride) {
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t d = 0; d < dim; ++d) rows[i * stride + d] = panel[d * kBlock + i] * factor;
+}
+
+// ---- shapes, work items, scratch ----
+
+struct Geometry {
+  int64_t batch, seq, heads, kv_heads, head_dim, group, blocks;
+  explicit Geometry(const ops::AttentionParams& p)
+      : batch(p.batch),
+        seq(p.seq),
+        heads(p.heads),
+        kv_heads(p.kv_heads),
+        head_dim(p.head_dim),
+        group(p.heads / p.kv_heads),
+        blocks((p.seq + kBlock - 1) / kBlock) {}
+  // Offset of token t of batch b, head h in a [batch, seq, heads, head_dim] view with token stride `stride`.
+  int64_t at(int64_t b, int64_t t, int64_t h, int64_t stride) const {
+    return (b * seq + t) * stride + h * head_dim;
+  }
+};
+
+void check_params(const ops::AttentionParams& p, bool backward) {
+  FORGE_CHECK(p.batch > 0 && p.seq > 0 && p.heads > 0 && p.kv_heads > 0 && p.head_dim > 0,
+              "attention: empty shape batch={} seq={} heads={} kv_heads={} head_dim={}", p.batch, p.seq,
+              p.heads, p.kv_heads, p.head_dim);
+  FORGE_CHECK(p.heads % p.kv_heads == 0, "attention: heads {} not a multiple of kv_heads {}", p.heads,
+              p.kv_heads);
+  FORGE_CHECK(p.seq < (int64_t{1} << 24), "attention: seq {} too long (positions are compared as floats)",
+              p.seq);
+  FORGE_CHECK(p.q && p.k && p.v && p.out && p.lse, "attention: q, k, v, out and lse must be set");
+  const int64_t q_width = p.heads * p.head_dim, kv_width = p.kv_heads * p.head_dim;
+  FORGE_CHECK(p.q_stride >= q_width && p.out_stride >= q_width, "attention: q_stride {} / out_stride {} < {}",
+              p.q_stride, p.out_stride, q_width);
+  FORGE_CHECK(p.k_stride >= kv_width && p.v_stride >= kv_width, "attention: k_stride {} / v_stride {} < {}",
+              p.k_stride, p.v_stride, kv_width);
+  if (!backward) return;
+  FORGE_CHECK(p.dout && p.dq && p.dk && p.dv, "attention backward: dout, dq, dk and dv must be set");
+  FORGE_CHECK(p.dout_stride >= q_width && p.dq_stride >= q_width,
+              "attention backward: dout_stride {} / dq_stride {} < {}", p.dout_stride, p.dq_stride, q_width);
+  FORGE_CHECK(p.dk_stride >= kv_width && p.dv_stride >= kv_width,
+              "attention backward: dk_stride {} / dv_stride {} < {}", p.dk_stride, p.dv_stride, kv_width);
+}
+
+// One 64-byte aligned block of tile scratch per thread, allocated before the parallel region so an
+// allocation failure throws where it can be caught.
+class ThreadScratch {
+ public:
+  explicit ThreadScratch(int64_t floats_per_thread)
+      : stride_((floats_per_thread + 15) / 16 * 16), buffer_(stride_ * omp_get_max_threads() + 16) {}
+  float* mine() {
+    auto base = reinterpret_cast<uintptr_t>(buffer_.data());
+    auto aligned = reinterpret_cast<float*>((base + 63) / 64 * 64);
+    return aligned + stride_ * omp_get_thread_num();
+  }
+
+ private:
+  int64_t stride_;
+  std::vector<float> buffer_;
+};
+
+// Item index -> (block, rest) so that the costliest blocks come first: with a dynamic schedule the cheap
+// items then fill in the tail and the triangular causal work balances across threads.
+struct Item {
+  int64_t block, rest;
+};
+Item heaviest_first(int64_t item, int64_t rest_count, int64_t blocks, bool cost_grows_with_block) {
+  int64_t rank = item / rest_count;
+  return {cost_grows_with_block ? blocks - 1 - rank : rank, item % rest_count};
+}
+
+// delta[i] = <dout_i, out_i> for the count rows; lanes count..kBlock-1 are zero.
+void row_dots(const float* dout, int64_t dout_stride, const float* out, int64_t out_stride, int64_t count,
+              int64_t dim, float* delta) {
+  for (int64_t i = 0; i < kBlock; ++i) {
+    float s = 0.0f;
+    if (i < count)
+      for (int64_t d = 0; d < dim; ++d) s += dout[i * dout_stride + d] * out[i * out_stride + d];
+    delta[i] = s;
+  }
+}
+
+// ---- forward: one item = (batch, head, query block) ----
+
+void forward_block(const ops::AttentionParams& p, const Geometry& g, int64_t b, int64_t h, int64_t qb,
+                   float* scratch) {
+  const int64_t dim = g.head_dim, kvh = h / g.group;
+  const int64_t q0 = qb * kBlock, nq = std::min<int64_t>(kBlock, g.seq - q0);
+  float* qt = scratch;            // [dim, kBlock] queries, pre-scaled into base-2 logits
+  float* ot = qt + dim * kBlock;  // [dim, kBlock] unnormalised output
+  float* st = ot + dim * kBlock;  // [kBlock keys, kBlock queries] scores, then probabilities
+  pack_transposed(p.q + g.at(b, q0, h, p.q_stride), p.q_stride, nq, dim, p.scale * kLog2e, qt);
+  const float* k = p.k + g.at(b, 0, kvh, p.k_stride);
+  const float* v = p.v + g.at(b, 0, kvh, p.v_stride);
+
+  const LaneIndex query(q0);
+  Vec m[kVectors], l[kVectors];
+  for (int i = 0; i < kVectors; ++i) m[i] = splat(-kInfinity), l[i] = splat(0.0f);
+  const int64_t key_end = p.causal ? q0 + nq : g.seq;
+  for (int64_t k0 = 0; k0 < key_end; k0 += kBlock) {
+    const int64_t nk = std::min<int64_t>(kBlock, key_end - k0);
+    tile_gemm<true, Init::zero>(nk, k + k0 * p.k_stride, p.k_stride, dim, qt, st);
+    // Online softmax per query lane: running max m and sum l, the old output rescaled by alpha.
+    const bool masked = p.causal && k0 + nk - 1 > q0;
+    Vec m_new[kVectors];
+    for (int i = 0; i < kVectors; ++i) m_new[i] = m[i];
+    for (int64_t j = 0; j < nk; ++j) {
+      const Vec key = splat(static_cast<float>(k0 + j));
+      for (int i = 0; i < kVectors; ++i) {
+        Vec s = load(st + j * kBlock + i * kLanes);
+        if (masked) {
+          s = select_less(query.v[i], key, splat(-kInfinity), s);
+          store(st + j * kBlock + i * kLanes, s);
+        }
+        m_new[i] = max(m_new[i], s);
+      }
+    }
+    Vec alpha[kVectors], sum[kVectors];
+    for (int i = 0; i < kVectors; ++i)
+      alpha[i] = pow2(sub(m[i], m_new[i])), m[i] = m_new[i], sum[i] = splat(0.0f);
+    for (int64_t j = 0; j < nk; ++j)
+      for (int i = 0; i < kVectors; ++i) {
+        Vec e = pow2(sub(load(st + j * kBlock + i * kLanes), m[i]));
+        store(st + j * kBlock + i * kLanes, e);
+        sum[i] = add(sum[i], e);
+      }
+    for (int i = 0; i < kVectors; ++i) l[i] = fmadd(l[i], alpha[i], sum[i]);
+    // ot[d, i] = alpha_i ot[d, i] + sum_j v[j, d] st[j, i]
+    if (k0 == 0)
+      tile_gemm<false, Init::zero>(dim, v, p.v_stride, nk, st, ot);
+    else
+      tile_gemm<false, Init::scaled>(dim, v + k0 * p.v_stride, p.v_stride, nk, st, ot, alpha);
+  }
+
+  float m_lanes[kBlock], l_lanes[kBlock];
+  for (int i = 0; i < kVectors; ++i) store(m_lanes + i * kLanes, m[i]), store(l_lanes + i * kLanes, l[i]);
+  float* out = p.out + g.at(b, q0, h, p.out_stride);
+  float* lse = p.lse + (b * g.heads + h) * g.seq + q0;
+  for (int64_t i = 0; i < nq; ++i) {
+    const float inverse = 1.0f / l_lanes[i];
+    for (int64_t d = 0; d < dim; ++d) out[i * p.out_stride + d] = ot[d * kBlock + i] * inverse;
+    lse[i] = (m_lanes[i] + std::log2(l_lanes[i])) * kLn2;
+  }
+}
+
+// ---- backward pass 1: one item = (batch, kv head, key block); dK and dV ----
+
+void backward_key_block(const ops::AttentionParams& p, const Geometry& g, int64_t b, int64_t kvh, int64_t kb,
+                        float* scratch) {
+  const int64_t dim = g.head_dim;
+  const int64_t k0 = kb * kBlock, nk = std::min<int64_t>(kBlock, g.seq - k0);
+  float* kt = scratch;            // [dim, kBlock] keys, pre-scaled so scores come out in base 2
+  float* vt = kt + dim * kBlock;  // [dim, kBlock]
+  float* dkt = vt + dim * kBlock;
+  float* dvt = dkt + dim * kBlock;
+  float* pt = dvt + dim * kBlock;       // [kBlock queries, kBlock keys] probabilities
+  float* dst = pt + kBlock * kBlock;    // [kBlock queries, kBlock keys] dP, then dS
+  float* lse2 = dst + kBlock * kBlock;  // [kBlock] per query row
+  float* delta = lse2 + kBlock;         // [kBlock]
+  pack_transposed(p.k + g.at(b, k0, kvh, p.k_stride), p.k_stride, nk, dim, p.scale * kLog2e, kt);
+  pack_transposed(p.v + g.at(b, k0, kvh, p.v_stride), p.v_stride, nk, dim, 1.0f, vt);
+  std::fill(dkt, dkt + 2 * dim * kBlock, 0.0f);
+
+  const LaneIndex key(k0);
+  for (int64_t h = kvh * g.group; h < (kvh + 1) * g.group; ++h) {
+    // Under the causal mask queries before k0 see none of these keys.
+    for (int64_t q0 = p.causal ? k0 : 0; q0 < g.seq; q0 += kBlock) {
+      const int64_t nq = std::min<int64_t>(kBlock, g.seq - q0);
+      const float* q = p.q + g.at(b, q0, h, p.q_stride);
+      const float* dout = p.dout + g.at(b, q0, h, p.dout_stride);
+      const float* lse = p.lse + (b * g.heads + h) * g.seq + q0;
+      for (int64_t i = 0; i < nq; ++i) lse2[i] = lse[i] * kLog2e;
+      row_dots(dout, p.dout_stride, p.out + g.at(b, q0, h, p.out_stride), p.out_stride, nq, dim, delta);
+      tile_gemm<true, Init::zero>(nq, q, p.q_stride, dim, kt, pt);         // base-2 scores
+      tile_gemm<true, Init::zero>(nq, dout, p.dout_stride, dim, vt, dst);  // dP = dout v^T
+      // Zero the keys after the query (causal) and the padding lanes past the sequence, so that those
+      // lanes of dK^T, dV^T stay finite.
+      const bool masked = (p.causal && k0 + kBlock - 1 > q0) || k0 + kBlock > g.seq;
+      for (int64_t i = 0; i < nq; ++i) {
+        const Vec last_key = splat(static_cast<float>(p.causal ? q0 + i : g.seq - 1));
+        const Vec row_lse = splat(lse2[i]), row_delta = splat(delta[i]);
+        for (int v = 0; v < kVectors; ++v) {
+          Vec prob = pow2(sub(load(pt + i * kBlock + v * kLanes), row_lse));
+          if (masked) prob = select_less(last_key, key.v[v], splat(0.0f), prob);
+          store(pt + i * kBlock + v * kLanes, prob);
+          store(dst + i * kBlock + v * kLanes,
+                mul(prob, sub(load(dst + i * kBlock + v * kLanes), row_delta)));
+        }
+      }
+      tile_gemm<false, Init::accumulate>(dim, dout, p.dout_stride, nq, pt, dvt);  // dV^T += dout^T P
+      tile_gemm<false, Init::accumulate>(dim, q, p.q_stride, nq, dst, dkt);       // dK^T += q^T dS
+    }
+  }
+  unpack_transposed(dkt, nk, dim, p.scale, p.dk + g.at(b, k0, kvh, p.dk_stride), p.dk_stride);
+  unpack_transposed(dvt, nk, dim, 1.0f, p.dv + g.at(b, k0, kvh, p.dv_stride), p.dv_stride);
+}
+
+// ---- backward pass 2: one item = (batch, head, query block); dQ ----
+
+void backward_query_block(const ops::AttentionParams& p, const Geometry& g, int64_t b, int64_t h, int64_t qb,
+                          float* scratch) {
+  const int64_t dim = g.head_dim, kvh = h / g.group;
+  const int64_t q0 = qb * kBlock, nq = std::min<int64_t>(kBlock, g.seq - q0);
+  float* qt = scratch;                  // [dim, kBlock] queries, pre-scaled into base-2 logits
+  float* dot = qt + dim * kBlock;       // [dim, kBlock] dout
+  float* dqt = dot + dim * kBlock;      // [dim, kBlock]
+  float* st = dqt + dim * kBlock;       // [kBlock keys, kBlock queries] scores
+  float* dst = st + kBlock * kBlock;    // [kBlock keys, kBlock queries] dP, then dS
+  float* lse2 = dst + kBlock * kBlock;  // [kBlock] per query lane
+  float* delta = lse2 + kBlock;
+  const float* q = p.q + g.at(b, q0, h, p.q_stride);
+  const float* dout = p.dout + g.at(b, q0, h, p.dout_stride);
+  pack_transposed(q, p.q_stride, nq, dim, p.scale * kLog2e, qt);
+  pack_transposed(dout, p.dout_stride, nq, dim, 1.0f, dot);
+  const float* lse = p.lse + (b * g.heads + h) * g.seq + q0;
+  for (int64_t i = 0; i < kBlock; ++i) lse2[i] = i < nq ? lse[i] * kLog2e : 0.0f;
+  row_dots(dout, p.dout_stride, p.out + g.at(b, q0, h, p.out_stride), p.out_stride, nq, dim, delta);
+  Vec lse_lanes[kVectors], delta_lanes[kVectors];
+  for (int i = 0; i < kVectors; ++i)
+    lse_lanes[i] = load(lse2 + i * kLanes), delta_lanes[i] = load(delta + i * kLanes);
+  const float* k = p.k + g.at(b, 0, kvh, p.k_stride);
+  const float* v = p.v + g.at(b, 0, kvh, p.v_stride);
+
+  const LaneIndex query(q0);
+  const int64_t key_end = p.causal ? q0 + nq : g.seq;
+  for (int64_t k0 = 0; k0 < key_end; k0 += kBlock) {
+    const int64_t nk = std::min<int64_t>(kBlock, key_end - k0);
+    tile_gemm<true, Init::zero>(nk, k + k0 * p.k_stride, p.k_stride, dim, qt, st);
+    tile_gemm<true, Init::zero>(nk, v + k0 * p.v_stride, p.v_stride, dim, dot, dst);
+    const bool masked = p.causal && k0 + nk - 1 > q0;
+    for (int64_t j = 0; j < nk; ++j) {
+      const Vec key = splat(static_cast<float>(k0 + j));
+      for (int i = 0; i < kVectors; ++i) {
+        Vec prob = pow2(sub(load(st + j * kBlock + i * kLanes), lse_lanes[i]));
+        if (masked) prob = select_less(query.v[i], key, splat(0.0f), prob);
+        store(dst + j * kBlock + i * kLanes,
+              mul(prob, sub(load(dst + j * kBlock + i * kLanes), delta_lanes[i])));
+      }
+    }
+    // dQ^T[d, i] += sum_j k[j, d] dS[j, i]
+    if (k0 == 0)
+      tile_gemm<false, Init::zero>(dim, k, p.k_stride, nk, dst, dqt);
+    else
+      tile_gemm<false, Init::accumulate>(dim, k + k0 * p.k_stride, p.k_stride, nk, dst, dqt);
+  }
+  unpack_transposed(dqt, nq, dim, p.scale, p.dq + g.at(b, q0, h, p.dq_stride), p.dq_stride);
+}
+
+}  // namespace
+
+void attention_forward(const ops::AttentionParams& p) {
+  check_params(p, false);
+  const Geometry g(p);
+  ThreadScratch scratch(2 * g.head_dim * kBlock + kBlock * kBlock);
+  const int64_t heads_total = g.batch * g.heads, items = heads_total * g.blocks;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t n = 0; n < items; ++n) {
+    const Item item = heaviest_first(n, heads_total, g.blocks, p.causal);
+    forward_block(p, g, item.rest / g.heads, item.rest % g.heads, item.block, scratch.mine());
+  }
+}
+
+void attention_backward(const ops::AttentionParams& p) {
+  check_params(p, true);
+  const Geometry g(p);
+  ThreadScratch scratch(4 * g.head_dim * kBlock + 2 * kBlock * kBlock + 2 * kBlock);
+  const int64_t kv_total = g.batch * g.kv_heads, heads_total = g.batch * g.heads;
+#pragma omp parallel
+  {
+    // Under the causal mask early key blocks meet the most queries, late query blocks the most keys.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t n = 0; n < kv_total * g.blocks; ++n) {
+      const Item item = heaviest_first(n, kv_total, g.blocks, false);
+      backward_key_block(p, g, item.rest / g.kv_heads, item.rest % g.kv_heads, item.block, scratch.mine());
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t n = 0; n < heads_total * g.blocks; ++n) {
+      const Item item = heaviest_first(n, heads_total, g.blocks, p.causal);
+      backward_query_block(p, g, item.rest / g.heads, item.rest % g.heads, item.block, scratch.mine());
+    }
+  }
+}
+
+}  // namespace forge::cpu

@@ -1,0 +1,46 @@
+// Element-wise helpers for the optimizer and gradient handling. sum_squares accumulates in double over
+// fixed-size blocks and adds the block sums in order, so the gradient norm is the same bitwise whatever
+// the thread count.
+#include <algorithm>
+#include <vector>
+
+#include "forge/kernels/cpu/cpu_kernels.h"
+
+namespace forge::cpu {
+namespace {
+
+// Below this many elements a parallel region costs more than it saves.
+constexpr int64_t kParallelThreshold = 1 << 15;
+constexpr int64_t kSumBlock = 1 << 14;
+
+}  // namespace
+
+void add_inplace(float* y, const float* x, int64_t n) {
+#pragma omp parallel for simd schedule(static) if (n > kParallelThreshold)
+  for (int64_t i = 0; i < n; ++i) y[i] += x[i];
+}
+
+void scale_inplace(float* x, float s, int64_t n) {
+#pragma omp parallel for simd schedule(static) if (n > kParallelThreshold)
+  for (int64_t i = 0; i < n; ++i) x[i] *= s;
+}
+
+double sum_squares(const float* x, int64_t n) {
+  if (n <= 0) return 0.0;
+  const int64_t blocks = (n + kSumBlock - 1) / kSumBlock;
+  std::vector<double> partial(blocks);
+#pragma omp parallel for schedule(static) if (n > kParallelThreshold)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* block = x + b * kSumBlock;
+    const int64_t size = std::min(kSumBlock, n - b * kSumBlock);
+    double sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < size; ++i) sum += double{block[i]} * block[i];
+    partial[b] = sum;
+  }
+  double total = 0;
+  for (double s : partial) total += s;
+  return total;
+}
+
+}  // namespace forge::cpu

@@ -1,0 +1,56 @@
+// Embedding lookup and its weight gradient. Ids are validated before any parallel work (an exception
+// must not escape an OpenMP region). The scatter-add in backward gives each thread a disjoint range of
+// columns and walks the rows in order, so there are no races and every element is summed in the same
+// order whatever the thread count.
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "forge/kernels/cpu/cpu_kernels.h"
+
+namespace forge::cpu {
+namespace {
+
+void check_ids(const ops::EmbeddingParams& p, const char* what) {
+  FORGE_CHECK(p.rows >= 0 && p.dim > 0 && p.vocab > 0, "{}: bad shape rows={} dim={} vocab={}", what, p.rows,
+              p.dim, p.vocab);
+  for (int64_t r = 0; r < p.rows; ++r) {
+    const int32_t id = p.ids[r];
+    if (id < 0 || id >= p.vocab)
+      fail("{}: token id {} at row {} is outside the vocabulary [0, {})", what, id, r, p.vocab);
+  }
+}
+
+// Columns per ownership unit: a cache line of floats, so two threads never write the same line.
+constexpr int64_t kColumnAlign = 16;
+
+}  // namespace
+
+void embedding_forward(const ops::EmbeddingParams& p) {
+  check_ids(p, "embedding_forward");
+  const size_t row_bytes = p.dim * sizeof(float);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < p.rows; ++r)
+    std::memcpy(p.out + r * p.dim, p.weight + int64_t{p.ids[r]} * p.dim, row_bytes);
+}
+
+void embedding_backward_weight(const ops::EmbeddingParams& p) {
+  check_ids(p, "embedding_backward_weight");
+  const int64_t dim = p.dim;
+  const int64_t units = (dim + kColumnAlign - 1) / kColumnAlign;
+#pragma omp parallel
+  {
+    const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
+    const int64_t begin = std::min(dim, units * thread / threads * kColumnAlign);
+    const int64_t end = std::min(dim, units * (thread + 1) / threads * kColumnAlign);
+    for (int64_t r = 0; r < p.rows && begin < end; ++r) {
+      const float* src = p.dout + r * dim;
+      float* dst = p.dweight + int64_t{p.ids[r]} * dim;
+#pragma omp simd
+      for (int64_t j = begin; j < end; ++j) dst[j] += src[j];
+    }
+  }
+}
+
+}  // namespace forge::cpu

@@ -1,0 +1,143 @@
+// Output projection fused with softmax cross-entropy, chunked over the vocabulary so that the
+// [rows, vocab] logits never exist whole. Forward keeps a running max and sum of exponentials per row
+// (online softmax) across chunks. Backward recomputes each chunk's logits, turns them into
+// dlogits = (softmax - onehot) * grad_scale in place and feeds them to two GEMMs:
+//   dhidden (+)= dlogits @ W[chunk]        (NN; the first chunk overwrites)
+//   dweight[chunk] += dlogits^T @ hidden  (TN)
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "forge/kernels/cpu/cpu_kernels.h"
+#include "forge/kernels/cpu/simd_exp.h"
+
+namespace forge::cpu {
+namespace {
+
+int64_t chunk_width(const ops::LinearCrossEntropyParams& p) { return std::min(p.vocab_chunk, p.vocab); }
+
+void check(const ops::LinearCrossEntropyParams& p, const char* what) {
+  FORGE_CHECK(p.rows >= 0 && p.dim > 0 && p.vocab > 0 && p.vocab_chunk > 0,
+              "{}: bad shape rows={} dim={} vocab={} vocab_chunk={}", what, p.rows, p.dim, p.vocab,
+              p.vocab_chunk);
+  FORGE_CHECK(p.gemm_dtype == DType::f32 || p.gemm_dtype == DType::bf16,
+              "{}: gemm_dtype must be fp32 or bf16", what);
+  FORGE_CHECK(p.workspace != nullptr, "{}: workspace is required", what);
+  for (int64_t r = 0; r < p.rows; ++r)
+    if (p.targets[r] >= p.vocab)
+      fail("{}: target {} at row {} is outside the vocabulary [0, {})", what, p.targets[r], r, p.vocab);
+}
+
+// Element `offset` of a GEMM operand stored in gemm_dtype.
+const void* element(const void* base, DType dtype, int64_t offset) {
+  return static_cast<const char*>(base) + offset * static_cast<int64_t>(dtype_size(dtype));
+}
+
+// logits[rows, width] = hidden @ W[first : first + width]^T
+void chunk_logits(const ops::LinearCrossEntropyParams& p, int64_t first, int64_t width, float* logits) {
+  ops::GemmParams g;
+  g.m = p.rows, g.n = width, g.k = p.dim;
+  g.a = p.hidden_gemm, g.lda = p.dim;
+  g.b = element(p.weight_gemm, p.gemm_dtype, first * p.dim), g.ldb = p.dim, g.trans_b = true;
+  g.ab_dtype = p.gemm_dtype;
+  g.c = logits, g.ldc = width;
+  cpu::gemm(g);
+}
+
+}  // namespace
+
+void linear_cross_entropy_forward(const ops::LinearCrossEntropyParams& p) {
+  check(p, "linear_cross_entropy_forward");
+  if (p.rows == 0) return;
+  const int64_t chunk = chunk_width(p);
+  float* logits = p.workspace;
+  std::vector<float> running_max(p.rows, -std::numeric_limits<float>::infinity());
+  std::vector<float> running_sum(p.rows, 0.0f), target_logit(p.rows, 0.0f);
+  for (int64_t first = 0; first < p.vocab; first += chunk) {
+    const int64_t width = std::min(chunk, p.vocab - first);
+    chunk_logits(p, first, width, logits);
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < p.rows; ++r) {
+      const float* row = logits + r * width;
+      float chunk_max = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : chunk_max)
+      for (int64_t j = 0; j < width; ++j) chunk_max = std::max(chunk_max, row[j]);
+      const float new_max = std::max(running_max[r], chunk_max);
+      float sum = 0;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < width; ++j) sum += simd_exp(row[j] - new_max);
+      // Rescale what earlier chunks summed relative to their (smaller or equal) max.
+      const float rescale = running_sum[r] == 0.0f ? 0.0f : std::exp(running_max[r] - new_max);
+      running_sum[r] = running_sum[r] * rescale + sum;
+      running_max[r] = new_max;
+      const int32_t target = p.targets[r];
+      if (target >= first && target < first + width) target_logit[r] = row[target - first];
+    }
+  }
+  for (int64_t r = 0; r < p.rows; ++r) {
+    p.lse[r] = running_max[r] + std::log(running_sum[r]);
+    p.loss[r] = p.targets[r] < 0 ? 0.0f : p.lse[r] - target_logit[r];
+  }
+}
+
+void linear_cross_entropy_backward(const ops::LinearCrossEntropyParams& p) {
+  check(p, "linear_cross_entropy_backward");
+  if (p.rows == 0) return;
+  const int64_t chunk = chunk_width(p);
+  const bool bf16 = p.gemm_dtype == DType::bf16;
+  float* dlogits = p.workspace;
+  // bf16 GEMMs need bf16 dlogits: they live after the fp32 chunk in the workspace.
+  uint16_t* dlogits_bf16 = reinterpret_cast<uint16_t*>(p.workspace + p.rows * chunk);
+  for (int64_t first = 0; first < p.vocab; first += chunk) {
+    const int64_t width = std::min(chunk, p.vocab - first);
+    chunk_logits(p, first, width, dlogits);
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < p.rows; ++r) {
+      float* row = dlogits + r * width;
+      const int32_t target = p.targets[r];
+      if (target < 0) {
+        std::fill(row, row + width, 0.0f);
+        continue;
+      }
+      const float lse = p.lse[r], scale = p.grad_scale;
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) row[j] = simd_exp(row[j] - lse) * scale;
+      if (target >= first && target < first + width) row[target - first] -= scale;
+    }
+    const void* a = dlogits;
+    if (bf16) {
+      convert_f32_to_bf16(dlogits, dlogits_bf16, static_cast<size_t>(p.rows * width));
+      a = dlogits_bf16;
+    }
+    ops::GemmParams input;
+    input.m = p.rows, input.n = p.dim, input.k = width;
+    input.a = a, input.lda = width;
+    input.b = element(p.weight_gemm, p.gemm_dtype, first * p.dim), input.ldb = p.dim;
+    input.ab_dtype = p.gemm_dtype;
+    input.c = p.dhidden, input.ldc = p.dim;
+    input.beta = first == 0 ? 0.0f : 1.0f;
+    cpu::gemm(input);
+
+    ops::GemmParams weight;
+    weight.m = width, weight.n = p.dim, weight.k = p.rows;
+    weight.a = a, weight.lda = width, weight.trans_a = true;
+    weight.b = p.hidden_gemm, weight.ldb = p.dim;
+    weight.ab_dtype = p.gemm_dtype;
+    weight.c = p.dweight + first * p.dim, weight.ldc = p.dim;
+    weight.beta = 1.0f;
+    cpu::gemm(weight);
+  }
+}
+
+}  // namespace forge::cpu
+
+namespace forge::ops {
+
+int64_t linear_cross_entropy_workspace_floats(const LinearCrossEntropyParams& p) {
+  const int64_t logits = p.rows * std::min(p.vocab_chunk, p.vocab);
+  // bf16 dlogits take half a float each, rounded up.
+  return p.gemm_dtype == DType::bf16 ? logits + (logits + 1) / 2 : logits;
+}
+
+}  // namespace forge::ops

@@ -1,0 +1,97 @@
+// RMSNorm forward and the two halves of its backward. Rows are independent, so forward and
+// backward_input parallelise over rows. backward_weight sums over rows: it reduces fixed-size row blocks
+// into partials and adds the partials in block order, so the result does not depend on the thread count.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "forge/kernels/cpu/cpu_kernels.h"
+
+namespace forge::cpu {
+namespace {
+
+// Rows per partial sum in backward_weight: fixed (not per thread) so the summation order is fixed.
+constexpr int64_t kRowsPerBlock = 32;
+constexpr int64_t kColumnTile = 64;
+
+void check(const ops::RmsNormParams& p, const char* what) {
+  FORGE_CHECK(p.rows >= 0 && p.dim > 0, "{}: bad shape rows={} dim={}", what, p.rows, p.dim);
+}
+
+}  // namespace
+
+void rmsnorm_forward(const ops::RmsNormParams& p) {
+  check(p, "rmsnorm_forward");
+  const int64_t dim = p.dim;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < p.rows; ++r) {
+    const float* x = p.x + r * dim;
+    float* y = p.y + r * dim;
+    float sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < dim; ++j) sum += x[j] * x[j];
+    const float rstd = 1.0f / std::sqrt(sum / static_cast<float>(dim) + p.eps);
+    if (p.rstd) p.rstd[r] = rstd;
+#pragma omp simd
+    for (int64_t j = 0; j < dim; ++j) y[j] = p.weight[j] * (x[j] * rstd);
+  }
+}
+
+// y_j = w_j x_j r with r = (mean(x^2) + eps)^-1/2, so
+// dx_j = r w_j dy_j - x_j r^3 / dim * sum_k dy_k w_k x_k.
+void rmsnorm_backward_input(const ops::RmsNormParams& p) {
+  check(p, "rmsnorm_backward_input");
+  const int64_t dim = p.dim;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < p.rows; ++r) {
+    const float* x = p.x + r * dim;
+    const float* dy = p.dy + r * dim;
+    float* dx = p.dx + r * dim;
+    const float rstd = p.rstd[r];
+    float dot = 0;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t j = 0; j < dim; ++j) dot += dy[j] * p.weight[j] * x[j];
+    const float coef = dot * rstd * rstd * rstd / static_cast<float>(dim);
+#pragma omp simd
+    for (int64_t j = 0; j < dim; ++j) dx[j] = rstd * p.weight[j] * dy[j] - coef * x[j];
+  }
+}
+
+// dweight_j += sum_r dy_rj x_rj rstd_r.
+void rmsnorm_backward_weight(const ops::RmsNormParams& p) {
+  check(p, "rmsnorm_backward_weight");
+  const int64_t dim = p.dim;
+  const int64_t blocks = (p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  if (blocks == 0) return;
+  std::vector<float> partial(blocks * dim);
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+      float* acc = partial.data() + b * dim;
+      const int64_t end = std::min(p.rows, (b + 1) * kRowsPerBlock);
+      for (int64_t r = b * kRowsPerBlock; r < end; ++r) {
+        const float* x = p.x + r * dim;
+        const float* dy = p.dy + r * dim;
+        const float rstd = p.rstd[r];
+#pragma omp simd
+        for (int64_t j = 0; j < dim; ++j) acc[j] += dy[j] * x[j] * rstd;
+      }
+    }
+    // Column tiles are split among threads; each column adds its block partials in block order.
+#pragma omp for schedule(static)
+    for (int64_t j0 = 0; j0 < dim; j0 += kColumnTile) {
+      const int64_t width = std::min(kColumnTile, dim - j0);
+      float sum[kColumnTile] = {};
+      for (int64_t b = 0; b < blocks; ++b) {
+        const float* part = partial.data() + b * dim + j0;
+#pragma omp simd
+        for (int64_t j = 0; j < width; ++j) sum[j] += part[j];
+      }
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) p.dweight[j0 + j] += sum[j];
+    }
+  }
+}
+
+}  // namespace forge::cpu

@@ -1,0 +1,36 @@
+// Rotary position embedding in place, Hugging Face Llama convention: dims i and i + d/2 form a pair,
+// (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). The inverse (backward) rotates by -angle.
+#include "forge/kernels/cpu/cpu_kernels.h"
+
+namespace forge::cpu {
+
+void rope(const ops::RopeParams& p) {
+  FORGE_CHECK(p.head_dim > 0 && p.head_dim % 2 == 0, "rope: head_dim must be even and positive, got {}",
+              p.head_dim);
+  FORGE_CHECK(p.token_stride >= p.heads * p.head_dim, "rope: token_stride {} < heads * head_dim = {}",
+              p.token_stride, p.heads * p.head_dim);
+  FORGE_CHECK(p.position_offset >= 0, "rope: negative position_offset {}", p.position_offset);
+  const int64_t half = p.head_dim / 2;
+  // The inverse rotation is the same with sin negated.
+  const float sign = p.inverse ? -1.0f : 1.0f;
+  const int64_t tokens = p.batch * p.seq;
+#pragma omp parallel for schedule(static)
+  for (int64_t token = 0; token < tokens; ++token) {
+    const int64_t t = token % p.seq;
+    const float* cos = p.cos + (p.position_offset + t) * half;
+    const float* sin = p.sin + (p.position_offset + t) * half;
+    float* base = p.x + token * p.token_stride;
+    for (int64_t h = 0; h < p.heads; ++h) {
+      float* x1 = base + h * p.head_dim;
+      float* x2 = x1 + half;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = x1[i], b = x2[i], c = cos[i], s = sign * sin[i];
+        x1[i] = a * c - b * s;
+        x2[i] = b * c + a * s;
+      }
+    }
+  }
+}
+
+}  // namespace forge::cpu

@@ -1,0 +1,33 @@
+// exp() that the compiler can vectorise. glibc's expf is a scalar call (its vector variants need
+// -ffast-math), which would dominate softmax and SwiGLU loops; this version is branch-free arithmetic,
+// accurate to about 2 ulp. Inputs are clamped to [-87, 88] so 2^k stays a normal float: exp(x) for
+// x < -87 returns ~1e-38 instead of 0 and for x > 88 returns exp(88); NaN propagates.
+#pragma once
+
+#include <bit>
+#include <cstdint>
+
+namespace forge::cpu {
+
+inline float simd_exp(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  x = x > 88.0f ? 88.0f : x;
+  // x = k ln2 + r with |r| <= ln2/2; adding and subtracting 1.5 * 2^23 rounds to the nearest integer.
+  const float k = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
+  // ln2 split in a high part exact in float and a low correction (Cody-Waite).
+  float r = x - k * 0.693145752f;
+  r = r - k * 1.42860677e-6f;
+  // Taylor series to degree 7: truncation error < 6e-9 on |r| <= 0.347.
+  float p = 1.98412698e-4f;
+  p = p * r + 1.38888889e-3f;
+  p = p * r + 8.33333333e-3f;
+  p = p * r + 4.16666667e-2f;
+  p = p * r + 1.66666667e-1f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const float scale = std::bit_cast<float>((static_cast<int32_t>(k) + 127) << 23);
+  return p * scale;
+}
+
+}  // namespace forge::cpu

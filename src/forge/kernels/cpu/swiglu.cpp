@@ -1,0 +1,46 @@
+// SwiGLU on the fused gate|up projection output: out = silu(g) * u with silu(g) = g * sigmoid(g).
+// Backward: d/dg silu(g) = sigmoid(g) * (1 + g * (1 - sigmoid(g))).
+#include "forge/kernels/cpu/cpu_kernels.h"
+#include "forge/kernels/cpu/simd_exp.h"
+
+namespace forge::cpu {
+
+void swiglu_forward(const ops::SwigluParams& p) {
+  FORGE_CHECK(p.rows >= 0 && p.ffn > 0, "swiglu_forward: bad shape rows={} ffn={}", p.rows, p.ffn);
+  const int64_t ffn = p.ffn;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < p.rows; ++r) {
+    const float* gate = p.gate_up + r * 2 * ffn;
+    const float* up = gate + ffn;
+    float* out = p.out + r * ffn;
+#pragma omp simd
+    for (int64_t j = 0; j < ffn; ++j) {
+      const float g = gate[j];
+      const float sigmoid = 1.0f / (1.0f + simd_exp(-g));
+      out[j] = g * sigmoid * up[j];
+    }
+  }
+}
+
+void swiglu_backward(const ops::SwigluParams& p) {
+  FORGE_CHECK(p.rows >= 0 && p.ffn > 0, "swiglu_backward: bad shape rows={} ffn={}", p.rows, p.ffn);
+  const int64_t ffn = p.ffn;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < p.rows; ++r) {
+    const float* gate = p.gate_up + r * 2 * ffn;
+    const float* up = gate + ffn;
+    const float* dout = p.dout + r * ffn;
+    float* dgate = p.dgate_up + r * 2 * ffn;
+    float* dup = dgate + ffn;
+#pragma omp simd
+    for (int64_t j = 0; j < ffn; ++j) {
+      const float g = gate[j], u = up[j], d = dout[j];
+      const float sigmoid = 1.0f / (1.0f + simd_exp(-g));
+      const float silu = g * sigmoid;
+      dgate[j] = d * u * sigmoid * (1.0f + g * (1.0f - sigmoid));
+      dup[j] = d * silu;
+    }
+  }
+}
+
+}  // namespace forge::cpu

@@ -1,0 +1,26 @@
+// cos/sin tables for rotary position embedding, computed as Hugging Face transformers computes them
+// (default and "llama3" rope_scaling), in double and stored as float.
+#pragma once
+
+#include <cstdint>
+
+namespace forge {
+
+// Also the rope_scaling of forge::LlamaConfig (models/ include this header; kernels sit below models).
+struct RopeScaling {
+  enum class Kind { none, llama3 };
+  Kind kind = Kind::none;
+  // llama3: frequencies with wavelength beyond original/low_freq_factor are divided by factor, those
+  // below original/high_freq_factor are kept, and the band in between is interpolated smoothly.
+  double factor = 1, low_freq_factor = 1, high_freq_factor = 4;
+  int64_t original_max_position_embeddings = 8192;
+
+  bool operator==(const RopeScaling&) const = default;
+};
+
+// Fills cos and sin, each [positions, head_dim / 2]: entry (t, i) is cos/sin(t * inv_freq[i]) with
+// inv_freq[i] = theta^(-2i / head_dim), rescaled per `scaling`. Throws forge::Error on a bad argument.
+void rope_tables(int64_t positions, int64_t head_dim, double theta, const RopeScaling& scaling, float* cos,
+                 float* sin);
+
+}  // namespace forge

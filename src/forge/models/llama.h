@@ -1,0 +1,66 @@
+// LlamaModel: a LLaMA-family decoder (Hugging Face LlamaForCausalLM semantics) assembled from nn/
+// modules, with parameters under their Hugging Face names in one ParameterStore.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "forge/models/llama_config.h"
+#include "forge/nn/compute.h"
+#include "forge/nn/embedding.h"
+#include "forge/nn/parameters.h"
+#include "forge/nn/rmsnorm.h"
+#include "forge/nn/transformer_layer.h"
+
+namespace forge {
+
+struct LossSum {
+  double sum = 0;      // sum of per-token losses (nats)
+  int64_t tokens = 0;  // tokens with a target (target >= 0)
+  double mean() const { return tokens ? sum / static_cast<double>(tokens) : 0.0; }
+};
+
+class LlamaModel {
+ public:
+  // Registers and allocates parameters; they start at zero until initialize() or a load.
+  LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, float init_std = 0.02f);
+  LlamaModel(const LlamaModel&) = delete;
+  LlamaModel& operator=(const LlamaModel&) = delete;
+
+  void initialize(uint64_t seed) { params_.initialize(seed); }
+  const LlamaConfig& config() const { return config_; }
+  const nn::ComputeOptions& options() const { return options_; }
+  nn::ParameterStore& params() { return params_; }
+  const nn::ParameterStore& params() const { return params_; }
+
+  // One micro-batch: forward, loss, backward. Gradients accumulate (+=) into params().grads(); the
+  // gradient is that of grad_scale * (sum of per-token losses). ids, targets: [batch, seq]; a negative
+  // target is ignored.
+  LossSum forward_backward(const int32_t* ids, const int32_t* targets, int64_t batch, int64_t seq,
+                           float grad_scale);
+  // Loss only (evaluation); keeps no activations.
+  LossSum forward_loss(const int32_t* ids, const int32_t* targets, int64_t batch, int64_t seq);
+  // Full logits [batch * seq, vocab] (tests, generation).
+  Tensor logits(const int32_t* ids, int64_t batch, int64_t seq);
+
+  // Module access for tests of the backward split.
+  const std::vector<nn::TransformerLayer>& layers() const { return layers_; }
+  Tensor embed(const int32_t* ids, int64_t rows) const { return embedding_.forward(ids, rows); }
+
+ private:
+  Tensor final_hidden(const int32_t* ids, int64_t batch, int64_t seq, std::vector<nn::TransformerLayer::Saved>* saved,
+                      nn::RmsNorm::Saved* norm_saved);
+  void check_inputs(const int32_t* ids, const int32_t* targets, int64_t batch, int64_t seq) const;
+  Tensor head_weight_gemm() const;
+
+  LlamaConfig config_;
+  nn::ComputeOptions options_;
+  nn::ParameterStore params_;
+  nn::RopeTable rope_;
+  int embed_id_ = -1, norm_id_ = -1, head_id_ = -1;
+  nn::Embedding embedding_;
+  std::vector<nn::TransformerLayer> layers_;
+  nn::RmsNorm final_norm_;
+};
+
+}  // namespace forge

@@ -1,0 +1,316 @@
+#include "forge/models/llama_config.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "forge/core/error.h"
+
+namespace forge {
+namespace {
+
+using nlohmann::json;
+
+// Keys forge reads.
+constexpr std::array<std::string_view, 12> kKnownKeys = {
+    "hidden_size",         "intermediate_size", "num_hidden_layers",   "num_attention_heads",
+    "num_key_value_heads", "head_dim",          "rms_norm_eps",        "rope_theta",
+    "rope_scaling",        "vocab_size",        "tie_word_embeddings", "max_position_embeddings"};
+
+// HF keys forge knowingly ignores: bookkeeping (names, dtype of the saved weights, token ids the tokenizer
+// owns, init range of HF's own initialiser, generation cache) or, for pretraining_tp, an HF-only way of
+// splitting the same matmuls. The four keys checked in check_ignored_key() are accepted only with the
+// value forge implements.
+constexpr std::array<std::string_view, 15> kIgnoredKeys = {
+    "architectures",  "model_type",     "torch_dtype",  "transformers_version",
+    "bos_token_id",   "eos_token_id",   "pad_token_id", "initializer_range",
+    "hidden_act",     "attention_bias", "mlp_bias",     "attention_dropout",
+    "pretraining_tp", "use_cache",      "_name_or_path"};
+
+constexpr std::array<std::string_view, 6> kRopeScalingKeys = {
+    "rope_type", "type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"};
+
+size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+template <size_t N>
+std::string did_you_mean(std::string_view key, const std::array<std::string_view, N>& candidates) {
+  std::string_view best;
+  size_t best_distance = 3;  // only suggest near misses (edit distance <= 2)
+  for (std::string_view candidate : candidates) {
+    size_t d = edit_distance(key, candidate);
+    if (d < best_distance) best_distance = d, best = candidate;
+  }
+  return best.empty() ? std::string() : fmt::format("; did you mean '{}'?", best);
+}
+
+template <size_t N>
+bool contains(const std::array<std::string_view, N>& keys, std::string_view key) {
+  return std::find(keys.begin(), keys.end(), key) != keys.end();
+}
+
+// Typed readers. A JSON null counts as absent, as HF writes "rope_scaling": null or "head_dim": null.
+std::optional<int64_t> read_integer(const json& object, const char* key, std::string_view source) {
+  auto it = object.find(key);
+  if (it == object.end() || it->is_null()) return std::nullopt;
+  if (it->is_number_unsigned()) {
+    if (it->get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+      fail("{}: key '{}' is out of range: {}", source, key, it->dump());
+    return static_cast<int64_t>(it->get<uint64_t>());
+  }
+  if (!it->is_number_integer())
+    fail("{}: key '{}' must be an integer, got {} {}", source, key, it->type_name(), it->dump());
+  return it->get<int64_t>();
+}
+
+std::optional<double> read_number(const json& object, const char* key, std::string_view source) {
+  auto it = object.find(key);
+  if (it == object.end() || it->is_null()) return std::nullopt;
+  if (!it->is_number())
+    fail("{}: key '{}' must be a number, got {} {}", source, key, it->type_name(), it->dump());
+  return it->get<double>();
+}
+
+std::optional<bool> read_bool(const json& object, const char* key, std::string_view source) {
+  auto it = object.find(key);
+  if (it == object.end() || it->is_null()) return std::nullopt;
+  if (!it->is_boolean())
+    fail("{}: key '{}' must be true or false, got {} {}", source, key, it->type_name(), it->dump());
+  return it->get<bool>();
+}
+
+int64_t require_integer(const json& object, const char* key, std::string_view source) {
+  auto value = read_integer(object, key, source);
+  if (!value) fail("{}: missing required key '{}'", source, key);
+  return *value;
+}
+
+void check_ignored_key(const std::string& key, const json& value, std::string_view source) {
+  if (key == "hidden_act" && !(value.is_string() && value.get<std::string>() == "silu"))
+    fail("{}: key 'hidden_act' is {}, but forge's LLaMA MLP implements only \"silu\"", source, value.dump());
+  if ((key == "attention_bias" || key == "mlp_bias") && !(value.is_boolean() && !value.get<bool>()))
+    fail("{}: key '{}' is {}, but forge's LLaMA has no biases (must be false)", source, key, value.dump());
+  if (key == "attention_dropout" && !(value.is_number() && value.get<double>() == 0.0))
+    fail("{}: key 'attention_dropout' is {}, but forge does not implement dropout (must be 0)", source,
+         value.dump());
+}
+
+RopeScaling read_rope_scaling(const json& object, std::string_view source) {
+  RopeScaling scaling;
+  auto it = object.find("rope_scaling");
+  if (it == object.end() || it->is_null()) return scaling;
+  const json& rope = *it;
+  if (!rope.is_object())
+    fail("{}: key 'rope_scaling' must be an object or null, got {} {}", source, rope.type_name(),
+         rope.dump());
+  for (const auto& [key, value] : rope.items()) {
+    if (!contains(kRopeScalingKeys, key))
+      fail("{}: unknown key 'rope_scaling.{}'{}", source, key, did_you_mean(key, kRopeScalingKeys));
+  }
+  // Older HF configs spell the kind "type", newer ones "rope_type".
+  std::optional<std::string> type;
+  for (const char* type_key : {"rope_type", "type"}) {
+    auto t = rope.find(type_key);
+    if (t == rope.end()) continue;
+    if (!t->is_string())
+      fail("{}: key 'rope_scaling.{}' must be a string, got {}", source, type_key, t->dump());
+    if (type && *type != t->get<std::string>())
+      fail("{}: keys 'rope_scaling.rope_type' and 'rope_scaling.type' disagree", source);
+    type = t->get<std::string>();
+  }
+  if (!type) fail("{}: missing required key 'rope_scaling.rope_type'", source);
+  if (*type == "default") return scaling;
+  if (*type != "llama3")
+    fail("{}: unsupported rope_scaling type '{}' (forge implements 'llama3' and 'default')", source, *type);
+
+  scaling.kind = RopeScaling::Kind::llama3;
+  auto number = [&](const char* key) {
+    auto value = read_number(rope, key, source);
+    if (!value) fail("{}: missing required key 'rope_scaling.{}' for rope_type 'llama3'", source, key);
+    return *value;
+  };
+  scaling.factor = number("factor");
+  scaling.low_freq_factor = number("low_freq_factor");
+  scaling.high_freq_factor = number("high_freq_factor");
+  auto original = read_integer(rope, "original_max_position_embeddings", source);
+  if (!original)
+    fail("{}: missing required key 'rope_scaling.original_max_position_embeddings' for rope_type 'llama3'",
+         source);
+  scaling.original_max_position_embeddings = *original;
+  return scaling;
+}
+
+void require_positive(int64_t value, const char* key, std::string_view source) {
+  if (value <= 0) fail("{}: key '{}' must be positive, got {}", source, key, value);
+}
+
+void require_positive_finite(double value, const char* key, std::string_view source) {
+  if (!(value > 0.0) || !std::isfinite(value))
+    fail("{}: key '{}' must be a positive finite number, got {}", source, key, value);
+}
+
+}  // namespace
+
+LlamaConfig LlamaConfig::from_json_file(const std::filesystem::path& path) {
+  const std::string source = path.string();
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("{}: cannot open model config (no such file or not readable)", source);
+  std::ostringstream text;
+  text << in.rdbuf();
+  json parsed;
+  try {
+    parsed = json::parse(text.str());
+  } catch (const json::parse_error& e) {
+    // e.what() is "[json.exception.parse_error.101] parse error at line 3, column 5: ..."; keep the part
+    // after the bracketed id, which carries the line and column.
+    std::string_view what = e.what();
+    auto close = what.find("] ");
+    fail("{}: invalid JSON: {}", source, close == std::string_view::npos ? what : what.substr(close + 2));
+  }
+  return from_json(parsed, source);
+}
+
+LlamaConfig LlamaConfig::from_json(const json& j, std::string_view source) {
+  if (!j.is_object()) fail("{}: expected a JSON object at the top level, got {}", source, j.type_name());
+  for (const auto& [key, value] : j.items()) {
+    if (contains(kKnownKeys, key)) continue;
+    if (contains(kIgnoredKeys, key)) {
+      check_ignored_key(key, value, source);
+      continue;
+    }
+    fail("{}: unknown key '{}'{}", source, key, did_you_mean(key, kKnownKeys));
+  }
+
+  LlamaConfig c;
+  c.hidden_size = require_integer(j, "hidden_size", source);
+  c.intermediate_size = require_integer(j, "intermediate_size", source);
+  c.num_hidden_layers = require_integer(j, "num_hidden_layers", source);
+  c.num_attention_heads = require_integer(j, "num_attention_heads", source);
+  c.vocab_size = require_integer(j, "vocab_size", source);
+  require_positive(c.hidden_size, "hidden_size", source);
+  require_positive(c.num_attention_heads, "num_attention_heads", source);
+  c.num_key_value_heads = read_integer(j, "num_key_value_heads", source).value_or(c.num_attention_heads);
+  if (auto head_dim = read_integer(j, "head_dim", source)) {
+    c.head_dim = *head_dim;
+  } else {
+    if (c.hidden_size % c.num_attention_heads != 0)
+      fail(
+          "{}: key 'hidden_size' ({}) must be divisible by 'num_attention_heads' ({}) when 'head_dim' is "
+          "absent",
+          source, c.hidden_size, c.num_attention_heads);
+    c.head_dim = c.hidden_size / c.num_attention_heads;
+  }
+  c.rms_norm_eps = read_number(j, "rms_norm_eps", source).value_or(c.rms_norm_eps);
+  c.rope_theta = read_number(j, "rope_theta", source).value_or(c.rope_theta);
+  c.rope_scaling = read_rope_scaling(j, source);
+  c.tie_word_embeddings = read_bool(j, "tie_word_embeddings", source).value_or(c.tie_word_embeddings);
+  c.max_position_embeddings =
+      read_integer(j, "max_position_embeddings", source).value_or(c.max_position_embeddings);
+  c.validate(source);
+  return c;
+}
+
+void LlamaConfig::validate(std::string_view source) const {
+  require_positive(hidden_size, "hidden_size", source);
+  require_positive(intermediate_size, "intermediate_size", source);
+  require_positive(num_hidden_layers, "num_hidden_layers", source);
+  require_positive(num_attention_heads, "num_attention_heads", source);
+  require_positive(num_key_value_heads, "num_key_value_heads", source);
+  require_positive(head_dim, "head_dim", source);
+  require_positive(vocab_size, "vocab_size", source);
+  require_positive(max_position_embeddings, "max_position_embeddings", source);
+  if (num_attention_heads % num_key_value_heads != 0)
+    fail("{}: key 'num_attention_heads' ({}) must be divisible by 'num_key_value_heads' ({})", source,
+         num_attention_heads, num_key_value_heads);
+  // RoPE rotates pairs of channels.
+  if (head_dim % 2 != 0)
+    fail("{}: key 'head_dim' must be even for rotary embeddings, got {}", source, head_dim);
+  require_positive_finite(rms_norm_eps, "rms_norm_eps", source);
+  require_positive_finite(rope_theta, "rope_theta", source);
+  if (rope_scaling.kind == RopeScaling::Kind::llama3) {
+    require_positive_finite(rope_scaling.factor, "rope_scaling.factor", source);
+    require_positive_finite(rope_scaling.low_freq_factor, "rope_scaling.low_freq_factor", source);
+    require_positive_finite(rope_scaling.high_freq_factor, "rope_scaling.high_freq_factor", source);
+    require_positive(rope_scaling.original_max_position_embeddings,
+                     "rope_scaling.original_max_position_embeddings", source);
+    // The llama3 rule interpolates between the two wavelength bounds and divides by their difference.
+    if (!(rope_scaling.high_freq_factor > rope_scaling.low_freq_factor))
+      fail(
+          "{}: key 'rope_scaling.high_freq_factor' ({}) must be greater than 'rope_scaling.low_freq_factor' "
+          "({})",
+          source, rope_scaling.high_freq_factor, rope_scaling.low_freq_factor);
+  }
+}
+
+json LlamaConfig::to_json() const {
+  json j;
+  j["architectures"] = json::array({"LlamaForCausalLM"});
+  j["model_type"] = "llama";
+  j["hidden_act"] = "silu";
+  j["attention_bias"] = false;
+  j["mlp_bias"] = false;
+  j["hidden_size"] = hidden_size;
+  j["intermediate_size"] = intermediate_size;
+  j["num_hidden_layers"] = num_hidden_layers;
+  j["num_attention_heads"] = num_attention_heads;
+  j["num_key_value_heads"] = num_key_value_heads;
+  j["head_dim"] = head_dim;
+  j["rms_norm_eps"] = rms_norm_eps;
+  j["rope_theta"] = rope_theta;
+  if (rope_scaling.kind == RopeScaling::Kind::llama3) {
+    j["rope_scaling"] = {{"rope_type", "llama3"},
+                         {"factor", rope_scaling.factor},
+                         {"low_freq_factor", rope_scaling.low_freq_factor},
+                         {"high_freq_factor", rope_scaling.high_freq_factor},
+                         {"original_max_position_embeddings", rope_scaling.original_max_position_embeddings}};
+  } else {
+    j["rope_scaling"] = nullptr;
+  }
+  j["vocab_size"] = vocab_size;
+  j["tie_word_embeddings"] = tie_word_embeddings;
+  j["max_position_embeddings"] = max_position_embeddings;
+  return j;
+}
+
+int64_t LlamaConfig::matmul_parameters_per_layer() const {
+  const int64_t attention = hidden_size * q_size() + 2 * hidden_size * kv_size() + q_size() * hidden_size;
+  const int64_t mlp = 3 * hidden_size * intermediate_size;
+  return attention + mlp;
+}
+
+int64_t LlamaConfig::num_parameters() const {
+  const int64_t embedding = vocab_size * hidden_size;
+  const int64_t per_layer = matmul_parameters_per_layer() + 2 * hidden_size;  // + two RMSNorm weights
+  const int64_t lm_head = tie_word_embeddings ? 0 : vocab_size * hidden_size;
+  return embedding + num_hidden_layers * per_layer + hidden_size + lm_head;
+}
+
+double LlamaConfig::flops_per_token(int64_t seq_len) const {
+  const double matmul_parameters =
+      static_cast<double>(num_hidden_layers) * static_cast<double>(matmul_parameters_per_layer()) +
+      static_cast<double>(vocab_size) * static_cast<double>(hidden_size);
+  const double attention = 12.0 * static_cast<double>(num_hidden_layers) * static_cast<double>(seq_len) *
+                           static_cast<double>(q_size());
+  return 6.0 * matmul_parameters + attention;
+}
+
+}  // namespace forge

@@ -1,0 +1,56 @@
+// LlamaConfig: the architecture of a LLaMA-family model, read from a Hugging Face config.json.
+//
+// Reading is strict: a key forge does not understand is an error (a typo must not silently train a
+// different model), except the HF bookkeeping keys listed in llama_config.cpp (kIgnoredKeys) that do not
+// change the computation forge performs. Keys that would change it (hidden_act, attention_bias,
+// mlp_bias, attention_dropout) are accepted only with the value forge implements.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <nlohmann/json_fwd.hpp>
+#include <string_view>
+
+#include "forge/kernels/rope_tables.h"
+
+namespace forge {
+
+struct LlamaConfig {
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;
+  int64_t num_hidden_layers = 0;
+  int64_t num_attention_heads = 0;
+  int64_t num_key_value_heads = 0;  // from_json: defaults to num_attention_heads
+  int64_t head_dim = 0;             // from_json: defaults to hidden_size / num_attention_heads
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  RopeScaling rope_scaling;
+  int64_t vocab_size = 0;
+  bool tie_word_embeddings = false;
+  int64_t max_position_embeddings = 2048;
+
+  bool operator==(const LlamaConfig&) const = default;
+
+  // Errors are forge::Error with one line "<path>: <what> '<key>'".
+  static LlamaConfig from_json_file(const std::filesystem::path& path);
+  static LlamaConfig from_json(const nlohmann::json& json, std::string_view source_name);
+  // HF-compatible: from_json(to_json()) round-trips, and transformers can read it as LlamaForCausalLM.
+  nlohmann::json to_json() const;
+  // Checks sizes and divisibility; from_json calls it. Messages start with source_name.
+  void validate(std::string_view source_name) const;
+
+  int64_t q_size() const { return num_attention_heads * head_dim; }
+  int64_t kv_size() const { return num_key_value_heads * head_dim; }
+  // Weights of the q, k, v, o and gate, up, down projections of one layer.
+  int64_t matmul_parameters_per_layer() const;
+  // All trainable parameters (embedding, layers with their norms, final norm, lm_head unless tied).
+  int64_t num_parameters() const;
+  // Model FLOPs per trained token (forward + backward), Megatron's accounting:
+  //   6 * (matmul parameters of all layers + lm_head) + 12 * layers * seq_len * (heads * head_dim).
+  // The embedding lookup does no matmul; the lm_head matmul is counted even when tied. The attention
+  // term (QK^T and PV, 2 FLOPs per multiply-add, x3 for backward) is NOT halved for the causal mask,
+  // matching Megatron and PaLM's MFU definition, so MFU is comparable with their published numbers.
+  double flops_per_token(int64_t seq_len) const;
+};
+
+}  // namespace forge

@@ -1,0 +1,95 @@
+#include "forge/nn/attention.h"
+
+#include <cmath>
+
+#include "forge/kernels/ops.h"
+
+namespace forge::nn {
+
+Attention::Attention(ParameterStore* store, int qkv_param, int o_param, AttentionShape shape,
+                     const RopeTable* rope, ComputeOptions options)
+    : qkv_(store, qkv_param, 3, shape.hidden),
+      o_(store, o_param, 1, shape.heads * shape.head_dim),
+      shape_(shape),
+      rope_(rope),
+      options_(options) {
+  FORGE_CHECK(qkv_.out_features() == shape.qkv_dim(), "q|k|v weights give {} rows, expected {}",
+              qkv_.out_features(), shape.qkv_dim());
+}
+
+void Attention::apply_rope(float* qkv, int64_t batch, int64_t seq, bool inverse) const {
+  FORGE_CHECK(seq <= rope_->positions, "sequence length {} exceeds the RoPE table ({} positions)", seq,
+              rope_->positions);
+  ops::RopeParams p;
+  p.batch = batch, p.seq = seq, p.head_dim = shape_.head_dim, p.token_stride = shape_.qkv_dim();
+  p.cos = rope_->cos.f32(), p.sin = rope_->sin.f32(), p.inverse = inverse;
+  p.x = qkv, p.heads = shape_.heads;
+  ops::rope(p);
+  p.x = qkv + shape_.heads * shape_.head_dim, p.heads = shape_.kv_heads;
+  ops::rope(p);
+}
+
+void Attention::core_forward(Tensor& qkv, int64_t batch, int64_t seq, Tensor& out, Tensor& lse) const {
+  const int64_t rows = batch * seq, qd = shape_.heads * shape_.head_dim, kd = shape_.kv_heads * shape_.head_dim;
+  out = Tensor::empty({rows, qd}, DType::f32);
+  lse = Tensor::empty({batch, shape_.heads, seq}, DType::f32);
+  ops::AttentionParams p;
+  p.batch = batch, p.seq = seq, p.heads = shape_.heads, p.kv_heads = shape_.kv_heads, p.head_dim = shape_.head_dim;
+  p.q = qkv.f32(), p.k = p.q + qd, p.v = p.q + qd + kd;
+  p.q_stride = p.k_stride = p.v_stride = shape_.qkv_dim();
+  p.out = out.f32(), p.out_stride = qd, p.lse = lse.f32();
+  p.scale = 1.0f / std::sqrt(static_cast<float>(shape_.head_dim));
+  p.causal = true;
+  ops::attention_forward(p);
+}
+
+Tensor Attention::forward(const Tensor& h, int64_t batch, int64_t seq, Saved& saved, bool keep_core) const {
+  saved.h_gemm = to_gemm_dtype(h, options_.gemm_dtype);
+  saved.qkv = qkv_.forward(saved.h_gemm);
+  apply_rope(saved.qkv.f32(), batch, seq, false);
+  Tensor out, lse;
+  core_forward(saved.qkv, batch, seq, out, lse);
+  Tensor out_gemm = to_gemm_dtype(out, options_.gemm_dtype);
+  Tensor y = o_.forward(out_gemm);
+  if (keep_core) {
+    saved.out = out, saved.lse = lse, saved.out_gemm = out_gemm;
+  }
+  return y;
+}
+
+Tensor Attention::backward_input(const Tensor& dy, int64_t batch, int64_t seq, Saved& saved) const {
+  if (!saved.out.defined()) {  // selective recompute of the attention core
+    core_forward(saved.qkv, batch, seq, saved.out, saved.lse);
+    saved.out_gemm = to_gemm_dtype(saved.out, options_.gemm_dtype);
+  }
+  saved.dy_gemm = to_gemm_dtype(dy, options_.gemm_dtype);
+  Tensor dout = o_.backward_input(saved.dy_gemm);
+
+  const int64_t rows = batch * seq, qd = shape_.heads * shape_.head_dim, kd = shape_.kv_heads * shape_.head_dim;
+  Tensor dqkv = Tensor::empty({rows, shape_.qkv_dim()}, DType::f32);
+  ops::AttentionParams p;
+  p.batch = batch, p.seq = seq, p.heads = shape_.heads, p.kv_heads = shape_.kv_heads, p.head_dim = shape_.head_dim;
+  p.q = saved.qkv.f32(), p.k = p.q + qd, p.v = p.q + qd + kd;
+  p.q_stride = p.k_stride = p.v_stride = shape_.qkv_dim();
+  p.out = saved.out.f32(), p.out_stride = qd, p.lse = saved.lse.f32();
+  p.scale = 1.0f / std::sqrt(static_cast<float>(shape_.head_dim));
+  p.causal = true;
+  p.dout = dout.f32(), p.dout_stride = qd;
+  p.dq = dqkv.f32(), p.dk = p.dq + qd, p.dv = p.dq + qd + kd;
+  p.dq_stride = p.dk_stride = p.dv_stride = shape_.qkv_dim();
+  ops::attention_backward(p);
+  // The core is no longer needed; the o-projection's weight gradient keeps out_gemm.
+  saved.out = Tensor(), saved.lse = Tensor(), saved.qkv = Tensor();
+
+  apply_rope(dqkv.f32(), batch, seq, true);
+  saved.dqkv_gemm = to_gemm_dtype(dqkv, options_.gemm_dtype);
+  return qkv_.backward_input(saved.dqkv_gemm);
+}
+
+void Attention::backward_weight(Saved& saved) const {
+  o_.backward_weight(saved.dy_gemm, saved.out_gemm);
+  qkv_.backward_weight(saved.dqkv_gemm, saved.h_gemm);
+  saved = Saved{};
+}
+
+}  // namespace forge::nn

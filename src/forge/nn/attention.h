@@ -1,0 +1,51 @@
+// Causal self-attention with grouped-query heads and rotary embeddings (Hugging Face Llama semantics):
+// one fused q|k|v projection, RoPE on q and k in place, flash attention, output projection.
+#pragma once
+
+#include "forge/nn/compute.h"
+#include "forge/nn/linear.h"
+
+namespace forge::nn {
+
+struct AttentionShape {
+  int64_t hidden = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  int64_t qkv_dim() const { return (heads + 2 * kv_heads) * head_dim; }
+};
+
+// Precomputed cos/sin tables [positions, head_dim/2].
+struct RopeTable {
+  int64_t positions = 0, half_dim = 0;
+  Tensor cos, sin;
+};
+
+class Attention {
+ public:
+  struct Saved {
+    Tensor h_gemm;          // input of the qkv projection (GEMM dtype)
+    Tensor qkv;             // q|k|v after RoPE, fp32 [rows, qkv_dim]
+    Tensor out, lse;        // attention core output and row log-sum-exp (absent under selective recompute)
+    Tensor out_gemm;        // core output as the o-projection's GEMM operand
+    Tensor dy_gemm, dqkv_gemm;  // kept from backward_input for backward_weight
+  };
+
+  Attention() = default;
+  // qkv_param: the first of the adjacent q, k, v weights; o_param: the output projection.
+  Attention(ParameterStore* store, int qkv_param, int o_param, AttentionShape shape, const RopeTable* rope,
+            ComputeOptions options);
+
+  // h: normed input [batch*seq, hidden]. keep_core=false drops out/lse (recomputed in backward).
+  Tensor forward(const Tensor& h, int64_t batch, int64_t seq, Saved& saved, bool keep_core) const;
+  Tensor backward_input(const Tensor& dy, int64_t batch, int64_t seq, Saved& saved) const;
+  void backward_weight(Saved& saved) const;
+
+ private:
+  void core_forward(Tensor& qkv, int64_t batch, int64_t seq, Tensor& out, Tensor& lse) const;
+  void apply_rope(float* qkv, int64_t batch, int64_t seq, bool inverse) const;
+
+  Linear qkv_, o_;
+  AttentionShape shape_;
+  const RopeTable* rope_ = nullptr;
+  ComputeOptions options_;
+};
+
+}  // namespace forge::nn

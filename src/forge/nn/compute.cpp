@@ -1,0 +1,29 @@
+#include "forge/nn/compute.h"
+
+namespace forge::nn {
+
+Recompute recompute_from_name(std::string_view name) {
+  if (name == "none") return Recompute::none;
+  if (name == "selective") return Recompute::selective;
+  if (name == "full") return Recompute::full;
+  fail("unknown recompute policy '{}' (expected none, selective or full)", name);
+}
+
+std::string_view recompute_name(Recompute r) {
+  switch (r) {
+    case Recompute::none: return "none";
+    case Recompute::selective: return "selective";
+    case Recompute::full: return "full";
+  }
+  return "?";
+}
+
+Tensor to_gemm_dtype(const Tensor& x, DType gemm_dtype) {
+  if (gemm_dtype == DType::f32) return x;
+  FORGE_CHECK(gemm_dtype == DType::bf16, "unsupported GEMM dtype {}", dtype_name(gemm_dtype));
+  Tensor y = Tensor::empty(x.shape(), DType::bf16, x.device());
+  convert_f32_to_bf16(x.f32(), y.bf16(), static_cast<size_t>(x.numel()));
+  return y;
+}
+
+}  // namespace forge::nn

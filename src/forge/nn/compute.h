@@ -1,0 +1,25 @@
+// Options shared by every module of a model: the GEMM operand type and the recompute policy.
+#pragma once
+
+#include <string_view>
+
+#include "forge/core/tensor.h"
+
+namespace forge::nn {
+
+// none: keep every activation backward needs. selective: keep layer inputs, q/k/v and the gate|up
+// projection; recompute the attention core and SwiGLU in backward. full: keep only each layer's input and
+// recompute the whole layer in backward.
+enum class Recompute { none, selective, full };
+Recompute recompute_from_name(std::string_view name);
+std::string_view recompute_name(Recompute r);
+
+struct ComputeOptions {
+  DType gemm_dtype = DType::bf16;  // f32 or bf16 operands; accumulation and activations are fp32
+  Recompute recompute = Recompute::none;
+};
+
+// x itself when gemm_dtype is fp32, else a bf16 copy (the operand a GEMM reads).
+Tensor to_gemm_dtype(const Tensor& x, DType gemm_dtype);
+
+}  // namespace forge::nn

@@ -1,0 +1,63 @@
+// ParameterStore: every parameter of a model lives in one fp32 allocation (master weights), its gradient
+// in a second, and its bf16 shadow (the GEMM operand under bf16 compute) in a third; parameters are typed
+// views. Parameters registered one after another are adjacent, which lets q/k/v and gate/up run as one
+// fused GEMM over a single weight view. One allocation per state class makes the optimizer one pass and
+// checkpoints and memory accounting simple.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "forge/core/tensor.h"
+
+namespace forge::nn {
+
+enum class Init { normal, ones, zeros };
+
+struct ParamInfo {
+  std::string name;  // Hugging Face tensor name
+  Shape shape;
+  int64_t offset = 0;  // elements into the flat buffers
+  bool weight_decay = true;
+  Init init = Init::normal;
+  float init_std = 0.02f;
+};
+
+class ParameterStore {
+ public:
+  // Registration; returns the parameter's id. Must happen before allocate().
+  int add(std::string name, Shape shape, bool weight_decay, Init init, float init_std = 0.02f);
+  void allocate(bool with_bf16_shadow);
+  bool allocated() const { return params_.defined(); }
+
+  // Deterministic: each element depends only on (seed, name, element index).
+  void initialize(uint64_t seed);
+  void zero_grads() { grads_.fill_zero(); }
+  void refresh_bf16();  // recompute the bf16 shadow from the fp32 master weights
+
+  int64_t numel() const { return total_; }
+  int count() const { return static_cast<int>(infos_.size()); }
+  const ParamInfo& info(int id) const { return infos_.at(id); }
+  const std::vector<ParamInfo>& infos() const { return infos_; }
+  int find(const std::string& name) const;  // -1 when absent
+
+  Tensor param(int id) const { return params_.view(infos_[id].offset, infos_[id].shape); }
+  Tensor grad(int id) const { return grads_.view(infos_[id].offset, infos_[id].shape); }
+  // A view spanning `count` adjacent parameters from `first` as one [rows, cols] matrix.
+  Tensor span(const Tensor& flat, int first, int count, int64_t cols) const;
+
+  const Tensor& params() const { return params_; }
+  const Tensor& grads() const { return grads_; }
+  const Tensor& params_bf16() const { return params_bf16_; }
+  bool has_bf16() const { return params_bf16_.defined(); }
+
+ private:
+  std::vector<ParamInfo> infos_;
+  std::unordered_map<std::string, int> by_name_;
+  int64_t total_ = 0;
+  Tensor params_, grads_, params_bf16_;
+};
+
+}  // namespace forge::nn

@@ -1,0 +1,42 @@
+#include "forge/nn/rmsnorm.h"
+
+#include "forge/kernels/ops.h"
+
+namespace forge::nn {
+
+RmsNorm::RmsNorm(ParameterStore* store, int weight_param, float eps)
+    : store_(store), weight_(weight_param), dim_(store->info(weight_param).shape.at(0)), eps_(eps) {}
+
+Tensor RmsNorm::forward(const Tensor& x, Saved& saved) const {
+  int64_t rows = x.numel() / dim_;
+  Tensor y = Tensor::empty(x.shape(), DType::f32);
+  saved.x = x;
+  saved.rstd = Tensor::empty({rows}, DType::f32);
+  ops::RmsNormParams p;
+  p.rows = rows, p.dim = dim_, p.x = x.f32(), p.weight = store_->param(weight_).f32(), p.eps = eps_;
+  p.y = y.f32(), p.rstd = saved.rstd.f32();
+  ops::rmsnorm_forward(p);
+  return y;
+}
+
+Tensor RmsNorm::backward_input(const Tensor& dy, Saved& saved) const {
+  int64_t rows = dy.numel() / dim_;
+  Tensor dx = Tensor::empty(dy.shape(), DType::f32);
+  ops::RmsNormParams p;
+  p.rows = rows, p.dim = dim_, p.x = saved.x.f32(), p.weight = store_->param(weight_).f32(), p.eps = eps_;
+  p.rstd = saved.rstd.f32(), p.dy = dy.f32(), p.dx = dx.f32();
+  ops::rmsnorm_backward_input(p);
+  saved.dy = dy;
+  return dx;
+}
+
+void RmsNorm::backward_weight(Saved& saved) const {
+  int64_t rows = saved.dy.numel() / dim_;
+  ops::RmsNormParams p;
+  p.rows = rows, p.dim = dim_, p.x = saved.x.f32(), p.eps = eps_;
+  p.rstd = saved.rstd.f32(), p.dy = saved.dy.f32(), p.dweight = store_->grad(weight_).f32();
+  ops::rmsnorm_backward_weight(p);
+  saved = Saved{};
+}
+
+}  // namespace forge::nn

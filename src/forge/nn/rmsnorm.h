@@ -1,0 +1,30 @@
+// RMSNorm module: y = w * x / sqrt(mean(x^2) + eps) over the last dimension.
+#pragma once
+
+#include "forge/nn/parameters.h"
+
+namespace forge::nn {
+
+class RmsNorm {
+ public:
+  struct Saved {
+    Tensor x, rstd;  // forward
+    Tensor dy;       // kept from backward_input for backward_weight
+  };
+
+  RmsNorm() = default;
+  RmsNorm(ParameterStore* store, int weight_param, float eps);
+
+  Tensor forward(const Tensor& x, Saved& saved) const;
+  // Returns dx (fresh tensor).
+  Tensor backward_input(const Tensor& dy, Saved& saved) const;
+  void backward_weight(Saved& saved) const;  // dweight += ..., then releases the saved tensors
+
+ private:
+  ParameterStore* store_ = nullptr;
+  int weight_ = -1;
+  int64_t dim_ = 0;
+  float eps_ = 1e-5f;
+};
+
+}  // namespace forge::nn

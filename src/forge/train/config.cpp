@@ -1,0 +1,501 @@
+#include "forge/train/config.h"
+
+#include <toml++/toml.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <sstream>
+#include <variant>
+#include <vector>
+
+#include "forge/core/error.h"
+
+namespace forge {
+namespace {
+
+// One table drives parsing, overrides, validation of choices and to_toml(), so a key added here is
+// readable, overridable and documented at once.
+using FieldRef = std::variant<int64_t*, uint64_t*, double*, std::string*>;
+
+struct KeySpec {
+  std::string_view section;
+  std::string_view key;
+  FieldRef (*field)(TrainConfig&);
+  std::string_view comment;
+  std::vector<std::string_view> choices;  // allowed values of a string key; empty = any
+
+  std::string full_name() const { return fmt::format("{}.{}", section, key); }
+};
+
+#define FORGE_FIELD(member) +[](TrainConfig& c) -> FieldRef { return &c.member; }
+
+const std::vector<KeySpec>& key_specs() {
+  static const std::vector<KeySpec> specs = {
+      {"model", "config", FORGE_FIELD(model.config), "Hugging Face config.json with the architecture", {}},
+      {"model", "init_std", FORGE_FIELD(model.init_std), "std of the normal initialisation of weights", {}},
+      {"model", "seed", FORGE_FIELD(model.seed), "parameter initialisation seed", {}},
+
+      {"data",
+       "corpus",
+       FORGE_FIELD(data.corpus),
+       "\"kjv\" (King James Bible) or a path to a UTF-8 text file",
+       {}},
+      {"data",
+       "heldout_fraction",
+       FORGE_FIELD(data.heldout_fraction),
+       "tail of the corpus held out for evaluation (cut at a line)",
+       {}},
+      {"data", "seq_len", FORGE_FIELD(data.seq_len), "tokens (bytes) per training sequence", {}},
+      {"data", "cache_dir", FORGE_FIELD(data.cache_dir), "where the default corpus is cached", {}},
+
+      {"train", "micro_batch", FORGE_FIELD(train.micro_batch), "sequences per micro-batch", {}},
+      {"train", "grad_accum", FORGE_FIELD(train.grad_accum), "micro-batches per optimizer step", {}},
+      {"train", "steps", FORGE_FIELD(train.steps), "optimizer steps", {}},
+      {"train",
+       "max_minutes",
+       FORGE_FIELD(train.max_minutes),
+       "stop training after this many minutes, then evaluate and sample (0 = no limit)",
+       {}},
+      {"train", "lr", FORGE_FIELD(train.lr), "peak learning rate", {}},
+      {"train", "min_lr", FORGE_FIELD(train.min_lr), "learning rate at the end of the decay", {}},
+      {"train", "warmup", FORGE_FIELD(train.warmup), "linear warmup steps", {}},
+      {"train",
+       "schedule",
+       FORGE_FIELD(train.schedule),
+       "learning-rate schedule after warmup",
+       {"cosine", "wsd", "constant"}},
+      {"train",
+       "wsd_decay_fraction",
+       FORGE_FIELD(train.wsd_decay_fraction),
+       "wsd: final fraction of the steps that decays linearly to min_lr",
+       {}},
+      {"train", "weight_decay", FORGE_FIELD(train.weight_decay), "AdamW decoupled weight decay", {}},
+      {"train", "beta1", FORGE_FIELD(train.beta1), "AdamW first-moment decay", {}},
+      {"train", "beta2", FORGE_FIELD(train.beta2), "AdamW second-moment decay", {}},
+      {"train", "eps", FORGE_FIELD(train.eps), "AdamW epsilon", {}},
+      {"train",
+       "grad_clip",
+       FORGE_FIELD(train.grad_clip),
+       "clip the global gradient norm to this (0 = off)",
+       {}},
+      {"train",
+       "dtype",
+       FORGE_FIELD(train.dtype),
+       "compute dtype (master weights are always fp32)",
+       {"bf16", "fp32"}},
+      {"train",
+       "recompute",
+       FORGE_FIELD(train.recompute),
+       "activation recomputation",
+       {"none", "selective", "full"}},
+      {"train", "threads", FORGE_FIELD(train.threads), "CPU threads (0 = all cores)", {}},
+
+      {"eval", "every", FORGE_FIELD(eval.every), "evaluate every this many steps (0 = only at the end)", {}},
+      {"eval", "batches", FORGE_FIELD(eval.batches), "held-out micro-batches per evaluation", {}},
+
+      {"log", "every", FORGE_FIELD(log.every), "print and record metrics every this many steps", {}},
+      {"log", "run_dir", FORGE_FIELD(log.run_dir), "metrics.jsonl, config.toml and checkpoints go here", {}},
+
+      {"checkpoint",
+       "every",
+       FORGE_FIELD(checkpoint.every),
+       "save every this many steps (0 = only at the end and on Ctrl-C)",
+       {}},
+      {"checkpoint",
+       "dir",
+       FORGE_FIELD(checkpoint.dir),
+       "checkpoint directory (\"\" = <run_dir>/checkpoint)",
+       {}},
+      {"checkpoint",
+       "resume",
+       FORGE_FIELD(checkpoint.resume),
+       "\"\" = fresh run, \"auto\" = resume from dir if present, or a checkpoint path",
+       {}},
+
+      {"sample", "tokens", FORGE_FIELD(sample.tokens), "bytes to generate after training (0 = none)", {}},
+      {"sample", "prompt", FORGE_FIELD(sample.prompt), "text the sample continues", {}},
+      {"sample", "temperature", FORGE_FIELD(sample.temperature), "softmax temperature (0 = greedy)", {}},
+      {"sample", "top_k", FORGE_FIELD(sample.top_k), "sample among the k most likely tokens (0 = all)", {}},
+      {"sample", "seed", FORGE_FIELD(sample.seed), "sampling seed", {}},
+  };
+  return specs;
+}
+
+#undef FORGE_FIELD
+
+std::vector<std::string_view> section_names() {
+  std::vector<std::string_view> names;
+  for (const KeySpec& spec : key_specs())
+    if (std::find(names.begin(), names.end(), spec.section) == names.end()) names.push_back(spec.section);
+  return names;
+}
+
+const KeySpec* find_key(std::string_view section, std::string_view key) {
+  for (const KeySpec& spec : key_specs())
+    if (spec.section == section && spec.key == key) return &spec;
+  return nullptr;
+}
+
+size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+// "; did you mean 'X'?" for the closest candidate within edit distance 2, or "".
+std::string did_you_mean(std::string_view name, const std::vector<std::string>& candidates) {
+  const std::string* best = nullptr;
+  size_t best_distance = 3;
+  for (const std::string& candidate : candidates) {
+    size_t d = edit_distance(name, candidate);
+    if (d < best_distance) best_distance = d, best = &candidate;
+  }
+  return best ? fmt::format("; did you mean '{}'?", *best) : std::string();
+}
+
+std::vector<std::string> keys_of_section(std::string_view section) {
+  std::vector<std::string> keys;
+  for (const KeySpec& spec : key_specs())
+    if (spec.section == section) keys.emplace_back(spec.key);
+  return keys;
+}
+
+std::vector<std::string> all_full_names() {
+  std::vector<std::string> names;
+  for (const KeySpec& spec : key_specs()) names.push_back(spec.full_name());
+  return names;
+}
+
+std::string location(std::string_view source, const toml::source_region& region) {
+  if (region.begin.line == 0) return std::string(source);
+  return fmt::format("{}:{}", source, region.begin.line);
+}
+
+std::string_view toml_type_name(const toml::node& node) {
+  switch (node.type()) {
+    case toml::node_type::string:
+      return "string";
+    case toml::node_type::integer:
+      return "integer";
+    case toml::node_type::floating_point:
+      return "float";
+    case toml::node_type::boolean:
+      return "boolean";
+    case toml::node_type::table:
+      return "table";
+    case toml::node_type::array:
+      return "array";
+    default:
+      return "date/time";
+  }
+}
+
+void check_choice(const KeySpec& spec, const std::string& value, std::string_view where) {
+  if (spec.choices.empty() ||
+      std::find(spec.choices.begin(), spec.choices.end(), value) != spec.choices.end())
+    return;
+  std::string allowed;
+  for (std::string_view choice : spec.choices)
+    allowed += fmt::format("{}'{}'", allowed.empty() ? "" : ", ", choice);
+  fail("{}: {} must be one of {}, got '{}'", where, spec.full_name(), allowed, value);
+}
+
+void assign_from_toml(TrainConfig& config, const KeySpec& spec, const toml::node& node,
+                      std::string_view where) {
+  auto type_error = [&](std::string_view expected) {
+    fail("{}: {} must be {}, got {}", where, spec.full_name(), expected, toml_type_name(node));
+  };
+  std::visit(
+      [&](auto* field) {
+        using T = std::remove_pointer_t<decltype(field)>;
+        if constexpr (std::is_same_v<T, std::string>) {
+          if (!node.is_string()) type_error("a string");
+          *field = node.as_string()->get();
+          check_choice(spec, *field, where);
+        } else if constexpr (std::is_same_v<T, double>) {
+          if (node.is_floating_point())
+            *field = node.as_floating_point()->get();
+          else if (node.is_integer())
+            *field = static_cast<double>(node.as_integer()->get());
+          else
+            type_error("a number");
+        } else {
+          if (!node.is_integer()) type_error("an integer");
+          const int64_t value = node.as_integer()->get();
+          if constexpr (std::is_same_v<T, uint64_t>) {
+            if (value < 0) fail("{}: {} must be >= 0, got {}", where, spec.full_name(), value);
+            *field = static_cast<uint64_t>(value);
+          } else {
+            *field = value;
+          }
+        }
+      },
+      spec.field(config));
+}
+
+std::string_view trim(std::string_view s) {
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.remove_suffix(1);
+  return s;
+}
+
+// TOML basic string with the escapes the spec requires.
+std::string toml_quote(std::string_view s) {
+  std::string out = "\"";
+  for (char ch : s) {
+    const auto c = static_cast<unsigned char>(ch);
+    switch (ch) {
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      default:
+        if (c < 0x20 || c == 0x7f)
+          out += fmt::format("\\u{:04X}", c);
+        else
+          out += ch;
+    }
+  }
+  return out + "\"";
+}
+
+// Shortest text that reads back to the same double, spelled as a TOML float (never as an integer).
+std::string toml_float(double value) {
+  std::string text = fmt::format("{}", value);
+  if (text.find_first_of(".eEn") == std::string::npos) text += ".0";
+  return text;
+}
+
+}  // namespace
+
+TrainConfig TrainConfig::from_toml_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("{}: cannot open config file (no such file or not readable)", path.string());
+  std::ostringstream text;
+  text << in.rdbuf();
+  return from_toml_string(text.str(), path.string());
+}
+
+TrainConfig TrainConfig::from_toml_string(std::string_view text, std::string_view source_name) {
+  toml::table root;
+  try {
+    root = toml::parse(text, source_name);
+  } catch (const toml::parse_error& e) {
+    fail("{}:{}:{}: invalid TOML: {}", source_name, e.source().begin.line, e.source().begin.column,
+         e.description());
+  }
+  TrainConfig config;
+  config.source = std::string(source_name);
+  const std::vector<std::string_view> sections = section_names();
+  std::vector<std::string> section_candidates(sections.begin(), sections.end());
+  for (auto&& [section_key, section_node] : root) {
+    const std::string_view section = section_key.str();
+    const std::string where = location(source_name, section_key.source());
+    const bool known_section = std::find(sections.begin(), sections.end(), section) != sections.end();
+    if (!section_node.is_table()) {
+      if (known_section)
+        fail("{}: '{}' must be a section ([{}]), got {}", where, section, section,
+             toml_type_name(section_node));
+      // A key written above every section header: point at the section it belongs to.
+      std::string hint;
+      for (const KeySpec& spec : key_specs())
+        if (spec.key == section) {
+          hint = fmt::format("; did you mean '{}' under [{}]?", spec.key, spec.section);
+          break;
+        }
+      if (hint.empty()) hint = did_you_mean(section, all_full_names());
+      fail("{}: unknown key '{}' outside any section{}", where, section, hint);
+    }
+    if (!known_section)
+      fail("{}: unknown section [{}]{}", where, section, did_you_mean(section, section_candidates));
+    for (auto&& [key, node] : *section_node.as_table()) {
+      const std::string key_where = location(source_name, key.source());
+      const KeySpec* spec = find_key(section, key.str());
+      if (!spec)
+        fail("{}: unknown key '{}.{}'{}", key_where, section, key.str(),
+             did_you_mean(key.str(), keys_of_section(section)));
+      assign_from_toml(config, *spec, node, key_where);
+    }
+  }
+  return config;
+}
+
+void TrainConfig::apply_override(std::string_view assignment) {
+  const std::string where = fmt::format("--set '{}'", assignment);
+  const size_t equals = assignment.find('=');
+  if (equals == std::string_view::npos) fail("{}: expected section.key=value", where);
+  const std::string_view name = trim(assignment.substr(0, equals));
+  const std::string_view text = trim(assignment.substr(equals + 1));
+  const size_t dot = name.find('.');
+  const KeySpec* spec =
+      dot == std::string_view::npos ? nullptr : find_key(name.substr(0, dot), name.substr(dot + 1));
+  if (!spec) {
+    // "lr=..." without its section: name the section(s) it belongs to.
+    std::string sections;
+    for (const KeySpec& candidate : key_specs())
+      if (dot == std::string_view::npos && candidate.key == name)
+        sections += fmt::format("{}'{}'", sections.empty() ? "" : " or ", candidate.full_name());
+    if (!sections.empty()) fail("{}: unknown key '{}'; did you mean {}?", where, name, sections);
+    fail("{}: unknown key '{}'{}", where, name, did_you_mean(name, all_full_names()));
+  }
+
+  std::visit(
+      [&](auto* field) {
+        using T = std::remove_pointer_t<decltype(field)>;
+        if constexpr (std::is_same_v<T, std::string>) {
+          std::string_view value = text;
+          if (value.size() >= 2 && (value.front() == '"' || value.front() == '\'') &&
+              value.back() == value.front())
+            value = value.substr(1, value.size() - 2);
+          check_choice(*spec, std::string(value), where);
+          *field = std::string(value);
+        } else if constexpr (std::is_same_v<T, double>) {
+          double value = 0;
+          auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+          if (text.empty() || ec != std::errc() || end != text.data() + text.size() || !std::isfinite(value))
+            fail("{}: '{}' is not a finite number (for {})", where, text, name);
+          *field = value;
+        } else {
+          int64_t value = 0;
+          auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+          if (text.empty() || ec != std::errc() || end != text.data() + text.size())
+            fail("{}: '{}' is not an integer (for {})", where, text, name);
+          if constexpr (std::is_same_v<T, uint64_t>) {
+            if (value < 0) fail("{}: {} must be >= 0, got {}", where, name, value);
+          }
+          *field = static_cast<T>(value);
+        }
+      },
+      spec->field(*this));
+}
+
+void TrainConfig::validate() const {
+  auto check = [&](bool ok, std::string_view key, auto value, std::string_view rule) {
+    if (!ok) fail("{}: {} must be {}, got {}", source, key, rule, value);
+  };
+  auto finite = [](double v) { return std::isfinite(v); };
+  check(!model.config.empty(), "model.config", "\"\"", "a path to a config.json");
+  check(finite(model.init_std) && model.init_std > 0, "model.init_std", model.init_std, "> 0");
+
+  check(!data.corpus.empty(), "data.corpus", "\"\"", "\"kjv\" or a path to a text file");
+  check(data.heldout_fraction > 0 && data.heldout_fraction < 1, "data.heldout_fraction",
+        data.heldout_fraction, "in (0, 1)");
+  check(data.seq_len > 0, "data.seq_len", data.seq_len, "> 0");
+  check(!data.cache_dir.empty(), "data.cache_dir", "\"\"", "a directory");
+
+  check(train.micro_batch > 0, "train.micro_batch", train.micro_batch, "> 0");
+  check(train.grad_accum > 0, "train.grad_accum", train.grad_accum, "> 0");
+  check(train.steps > 0, "train.steps", train.steps, "> 0");
+  check(finite(train.max_minutes) && train.max_minutes >= 0, "train.max_minutes", train.max_minutes,
+        ">= 0 (0 = no limit)");
+  check(finite(train.lr) && train.lr > 0, "train.lr", train.lr, "> 0");
+  check(finite(train.min_lr) && train.min_lr >= 0, "train.min_lr", train.min_lr, ">= 0");
+  if (train.min_lr > train.lr)
+    fail("{}: train.min_lr ({}) must not exceed train.lr ({})", source, train.min_lr, train.lr);
+  check(train.warmup >= 0, "train.warmup", train.warmup, ">= 0");
+  check(finite(train.wsd_decay_fraction) && train.wsd_decay_fraction > 0 && train.wsd_decay_fraction <= 1,
+        "train.wsd_decay_fraction", train.wsd_decay_fraction, "in (0, 1]");
+  check(finite(train.weight_decay) && train.weight_decay >= 0, "train.weight_decay", train.weight_decay,
+        ">= 0");
+  check(train.beta1 >= 0 && train.beta1 < 1, "train.beta1", train.beta1, "in [0, 1)");
+  check(train.beta2 >= 0 && train.beta2 < 1, "train.beta2", train.beta2, "in [0, 1)");
+  check(finite(train.eps) && train.eps > 0, "train.eps", train.eps, "> 0");
+  check(finite(train.grad_clip) && train.grad_clip >= 0, "train.grad_clip", train.grad_clip,
+        ">= 0 (0 = off)");
+  check(train.threads >= 0, "train.threads", train.threads, ">= 0 (0 = all cores)");
+
+  check(eval.every >= 0, "eval.every", eval.every, ">= 0 (0 = only at the end)");
+  check(eval.batches > 0, "eval.batches", eval.batches, "> 0");
+  check(log.every > 0, "log.every", log.every, "> 0");
+  check(!log.run_dir.empty(), "log.run_dir", "\"\"", "a directory");
+  check(checkpoint.every >= 0, "checkpoint.every", checkpoint.every, ">= 0 (0 = only at the end)");
+  check(sample.tokens >= 0, "sample.tokens", sample.tokens, ">= 0");
+  check(finite(sample.temperature) && sample.temperature >= 0, "sample.temperature", sample.temperature,
+        ">= 0 (0 = greedy)");
+  check(sample.top_k >= 0, "sample.top_k", sample.top_k, ">= 0 (0 = all)");
+  check(model.seed <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()), "model.seed", model.seed,
+        "a TOML integer (< 2^63)");
+  check(sample.seed <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()), "sample.seed", sample.seed,
+        "a TOML integer (< 2^63)");
+
+  TrainConfig copy = *this;  // choices are checked through the table so the allowed list lives in one place
+  for (const KeySpec& spec : key_specs()) {
+    FieldRef field = spec.field(copy);
+    if (auto* text = std::get_if<std::string*>(&field)) check_choice(spec, **text, source);
+  }
+}
+
+std::string TrainConfig::to_toml() const {
+  TrainConfig copy = *this;  // the field table hands out mutable pointers
+  std::string out;
+  std::string_view section;
+  for (const KeySpec& spec : key_specs()) {
+    if (spec.section != section) {
+      out += fmt::format("{}[{}]\n", section.empty() ? "" : "\n", spec.section);
+      section = spec.section;
+    }
+    const std::string value = std::visit(
+        [](auto* field) -> std::string {
+          using T = std::remove_pointer_t<decltype(field)>;
+          if constexpr (std::is_same_v<T, std::string>)
+            return toml_quote(*field);
+          else if constexpr (std::is_same_v<T, double>)
+            return toml_float(*field);
+          else
+            return fmt::format("{}", *field);
+        },
+        spec.field(copy));
+    std::string assignment = fmt::format("{} = {}", spec.key, value);
+    std::string comment(spec.comment);
+    for (size_t i = 0; i < spec.choices.size(); ++i)
+      comment += fmt::format("{}{}", i == 0 ? ": " : " | ", spec.choices[i]);
+    out += fmt::format("{:<32} # {}\n", assignment, comment);
+  }
+  return out;
+}
+
+std::filesystem::path TrainConfig::checkpoint_dir() const {
+  if (!checkpoint.dir.empty()) return checkpoint.dir;
+  return std::filesystem::path(log.run_dir) / "checkpoint";
+}
+
+LrSchedule TrainConfig::lr_schedule() const {
+  LrSchedule schedule;
+  schedule.kind = parse_lr_schedule_kind(train.schedule);
+  schedule.peak_lr = static_cast<float>(train.lr);
+  schedule.min_lr = static_cast<float>(train.min_lr);
+  schedule.warmup_steps = train.warmup;
+  schedule.total_steps = train.steps;
+  schedule.decay_fraction = train.wsd_decay_fraction;
+  return schedule;
+}
+
+bool TrainConfig::operator==(const TrainConfig& other) const {
+  return model == other.model && data == other.data && train == other.train && eval == other.eval &&
+         log == other.log && checkpoint == other.checkpoint && sample == other.sample;
+}
+
+}  // namespace forge

@@ -1,0 +1,105 @@
+// TrainConfig: everything a training run needs besides the model architecture (which comes from a
+// Hugging Face config.json named in [model] config). Read from TOML; every key can be overridden with
+// `--set section.key=value`. configs/default.toml lists every key with its default and meaning.
+//
+// Reading is strict: an unknown section or key is an error naming the file, line and key, with a
+// "did you mean" hint for near misses, because a misspelt key silently ignored trains the wrong run.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <string_view>
+
+#include "forge/optim/lr_schedule.h"
+
+namespace forge {
+
+struct TrainConfig {
+  struct Model {
+    std::string config = "configs/llama-default.json";  // relative paths are relative to the working dir
+    double init_std = 0.02;
+    uint64_t seed = 1234;
+    bool operator==(const Model&) const = default;
+  };
+  struct Data {
+    std::string corpus = "kjv";  // "kjv" or a path to a UTF-8 text file
+    double heldout_fraction = 0.01;
+    int64_t seq_len = 256;
+    std::string cache_dir = "data";
+    bool operator==(const Data&) const = default;
+  };
+  struct Train {
+    int64_t micro_batch = 8;
+    int64_t grad_accum = 1;
+    int64_t steps = 2000;
+    double max_minutes = 0;  // 0 = no limit
+    double lr = 3e-3;
+    double min_lr = 3e-4;
+    int64_t warmup = 100;
+    std::string schedule = "cosine";  // cosine | wsd | constant
+    double wsd_decay_fraction = 0.2;
+    double weight_decay = 0.1;
+    double beta1 = 0.9;
+    double beta2 = 0.95;
+    double eps = 1e-8;
+    double grad_clip = 1.0;          // 0 = no clipping
+    std::string dtype = "bf16";      // bf16 | fp32
+    std::string recompute = "none";  // none | selective | full
+    int64_t threads = 0;             // 0 = all cores
+    bool operator==(const Train&) const = default;
+  };
+  struct Eval {
+    int64_t every = 250;  // 0 = only at the end
+    int64_t batches = 16;
+    bool operator==(const Eval&) const = default;
+  };
+  struct Log {
+    int64_t every = 10;
+    std::string run_dir = "runs/default";
+    bool operator==(const Log&) const = default;
+  };
+  struct Checkpoint {
+    int64_t every = 0;   // 0 = only at the end and on Ctrl-C
+    std::string dir;     // empty = <run_dir>/checkpoint
+    std::string resume;  // empty = fresh run, "auto" = resume from dir if a checkpoint is there, or a path
+    bool operator==(const Checkpoint&) const = default;
+  };
+  struct Sample {
+    int64_t tokens = 300;
+    std::string prompt = "And God said";
+    double temperature = 0.8;  // 0 = greedy
+    int64_t top_k = 40;        // 0 = whole vocabulary
+    uint64_t seed = 7;
+    bool operator==(const Sample&) const = default;
+  };
+
+  Model model;
+  Data data;
+  Train train;
+  Eval eval;
+  Log log;
+  Checkpoint checkpoint;
+  Sample sample;
+  std::string source = "<defaults>";  // where the settings came from; prefixes validate()'s messages
+
+  // Keys missing from the file keep their defaults. Errors: forge::Error "<file>:<line>: ...".
+  static TrainConfig from_toml_file(const std::filesystem::path& path);
+  static TrainConfig from_toml_string(std::string_view text, std::string_view source_name);
+  // "section.key=value"; the value is parsed as the key's type (strings may be quoted, bare ones are
+  // trimmed).
+  void apply_override(std::string_view assignment);
+  // Ranges and cross-key rules (lr >= min_lr >= 0, fractions in range, enum values). Call after overrides.
+  void validate() const;
+  // Every key with a comment, in the order of configs/default.toml; from_toml_string(to_toml()) == *this.
+  std::string to_toml() const;
+
+  std::filesystem::path checkpoint_dir() const;
+  LrSchedule lr_schedule() const;
+  int64_t tokens_per_step() const { return train.micro_batch * train.grad_accum * data.seq_len; }
+
+  // Compares the settings, not where they came from.
+  bool operator==(const TrainConfig& other) const;
+};
+
+}  // namespace forge

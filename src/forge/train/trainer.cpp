@@ -1,0 +1,249 @@
+#include "forge/train/trainer.h"
+
+#include <omp.h>
+
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "forge/ckpt/checkpoint.h"
+#include "forge/core/memory.h"
+#include "forge/data/byte_sampler.h"
+#include "forge/data/text_corpus.h"
+#include "forge/models/llama.h"
+#include "forge/models/sampling.h"
+#include "forge/optim/adamw.h"
+#include "forge/train/metrics.h"
+#include "forge/train/peak.h"
+
+namespace forge {
+namespace fs = std::filesystem;
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+std::vector<uint8_t> to_bytes(const std::string& text) { return {text.begin(), text.end()}; }
+
+// Mean loss over held-out windows [0, windows) in batches of `batch`; nats per byte-token.
+LossSum evaluate(LlamaModel& model, const std::vector<uint8_t>& tokens, int64_t seq, int64_t batch, int64_t windows,
+                 ProgressBar::Mode progress_mode) {
+  std::vector<int32_t> ids(batch * seq), targets(batch * seq);
+  LossSum total;
+  ProgressBar progress("eval", windows, progress_mode);
+  for (int64_t w = 0; w < windows; w += batch) {
+    int64_t b = std::min(batch, windows - w);
+    sequential_batch(tokens.data(), static_cast<int64_t>(tokens.size()), w, b, seq, ids.data(), targets.data());
+    LossSum part = model.forward_loss(ids.data(), targets.data(), b, seq);
+    total.sum += part.sum, total.tokens += part.tokens;
+    progress.update(w + b);
+  }
+  progress.finish();
+  return total;
+}
+
+std::atomic<int> g_signal_count{0};
+void on_signal(int) {
+  if (g_signal_count.fetch_add(1) >= 1) std::_Exit(130);  // second Ctrl-C: leave now
+  Trainer::stop_flag().store(true);
+}
+
+}  // namespace
+
+std::atomic<bool>& Trainer::stop_flag() {
+  static std::atomic<bool> flag{false};
+  return flag;
+}
+
+void install_stop_signal_handlers() {
+  std::signal(SIGINT, on_signal);
+  std::signal(SIGTERM, on_signal);
+}
+
+Trainer::Trainer(TrainConfig config) : config_(std::move(config)) { config_.validate(); }
+
+TrainResult Trainer::run() {
+  const auto& c = config_;
+  if (c.train.threads > 0) omp_set_num_threads(static_cast<int>(c.train.threads));
+  const auto start_time = Clock::now();
+  const auto tty = ProgressBar::Mode::automatic;
+
+  LlamaConfig model_config = LlamaConfig::from_json_file(c.model.config);
+  if (model_config.vocab_size < kByteVocabSize)
+    fail("{}: vocab_size {} is smaller than the 256 byte-level tokens of the corpus", c.model.config,
+         model_config.vocab_size);
+  if (c.data.seq_len > model_config.max_position_embeddings)
+    fail("data.seq_len {} exceeds max_position_embeddings {} of {}", c.data.seq_len,
+         model_config.max_position_embeddings, c.model.config);
+
+  std::string text = load_corpus(c.data.corpus, c.data.cache_dir);
+  TextSplit split = split_heldout(text, c.data.heldout_fraction);
+  const std::vector<uint8_t> train_tokens = to_bytes(split.train), heldout_tokens = to_bytes(split.heldout);
+  const int64_t seq = c.data.seq_len, micro = c.train.micro_batch, accum = c.train.grad_accum;
+  if (static_cast<int64_t>(train_tokens.size()) <= seq + 1)
+    fail("corpus '{}': its training split ({} bytes) is shorter than one sequence of {}", c.data.corpus,
+         train_tokens.size(), seq + 1);
+  const int64_t heldout_windows = num_sequential_windows(static_cast<int64_t>(heldout_tokens.size()), seq);
+  if (heldout_windows == 0)
+    fail("corpus '{}': its held-out split ({} bytes) is shorter than one sequence of {}; raise "
+         "data.heldout_fraction", c.data.corpus, heldout_tokens.size(), seq + 1);
+
+  nn::ComputeOptions options;
+  options.gemm_dtype = dtype_from_name(c.train.dtype);
+  options.recompute = nn::recompute_from_name(c.train.recompute);
+  LlamaModel model(model_config, options, static_cast<float>(c.model.init_std));
+  model.initialize(c.model.seed);
+  AdamWConfig adam_config{static_cast<float>(c.train.beta1), static_cast<float>(c.train.beta2),
+                          static_cast<float>(c.train.eps), static_cast<float>(c.train.weight_decay)};
+  AdamW optimizer(&model.params(), adam_config);
+  const LrSchedule schedule = c.lr_schedule();
+
+  const fs::path run_dir(c.log.run_dir);
+  fs::create_directories(run_dir);
+  const fs::path checkpoint_dir = c.checkpoint_dir();
+  int64_t step = 0;
+  fs::path resume_from;
+  if (c.checkpoint.resume == "auto") {
+    if (checkpoint_exists(checkpoint_dir.string())) resume_from = checkpoint_dir;
+  } else if (!c.checkpoint.resume.empty()) {
+    resume_from = c.checkpoint.resume;
+  }
+  if (!resume_from.empty()) {
+    CheckpointState state = read_checkpoint_manifest(resume_from.string());
+    if (state.model_config != model_config.to_json())
+      fail("checkpoint {} was trained with a different model config than {}", resume_from.string(),
+           c.model.config);
+    state = load_checkpoint(resume_from.string(), model.params(), &optimizer);
+    step = state.step;
+    std::printf("resumed from %s at step %lld\n", resume_from.c_str(), static_cast<long long>(step));
+  }
+  {
+    std::ofstream out(run_dir / "config.toml");
+    out << c.to_toml();
+  }
+  MetricsWriter metrics(run_dir, /*truncate=*/resume_from.empty());
+
+  const double flops_per_token = model_config.flops_per_token(seq);
+  const double peak_gflops = measure_gemm_peak_gflops(options.gemm_dtype);
+  std::printf("model %.2fM parameters | %s compute | recompute %s | %lld-token batches (%lld x %lld x %lld) | "
+              "peak %s GEMM %.0f GFLOP/s (measured)\n",
+              static_cast<double>(model_config.num_parameters()) / 1e6, c.train.dtype.c_str(),
+              c.train.recompute.c_str(), static_cast<long long>(c.tokens_per_step()), static_cast<long long>(micro),
+              static_cast<long long>(accum), static_cast<long long>(seq), c.train.dtype.c_str(), peak_gflops);
+  std::printf("corpus %s: %zu training bytes, %zu held-out bytes\n", c.data.corpus.c_str(), train_tokens.size(),
+              heldout_tokens.size());
+  std::fflush(stdout);
+
+  auto save = [&](const char* why) {
+    CheckpointState state;
+    state.step = step;
+    state.model_config = model_config.to_json();
+    state.extra = {{"tokens_seen", step * c.tokens_per_step()}, {"reason", why}};
+    save_checkpoint(checkpoint_dir.string(), model.params(), &optimizer, state);
+    std::printf("checkpoint saved to %s (step %lld, %s)\n", checkpoint_dir.c_str(), static_cast<long long>(step), why);
+    std::fflush(stdout);
+  };
+
+  TrainResult result;
+  std::vector<int32_t> ids(micro * seq), targets(micro * seq);
+  const float grad_scale = 1.0f / static_cast<float>(micro * accum * seq);
+  const auto train_start = Clock::now();
+  auto interval_start = Clock::now();
+  int64_t interval_tokens = 0;
+  const int64_t first_step = step;
+  while (step < c.train.steps) {
+    if (stop_flag().load()) break;
+    if (c.train.max_minutes > 0 && seconds_since(train_start) > c.train.max_minutes * 60) {
+      std::printf("time limit of %.1f minutes reached at step %lld\n", c.train.max_minutes,
+                  static_cast<long long>(step));
+      break;
+    }
+    if (step == first_step) reset_peak_memory();
+    const int64_t live_before = memory_stats().live_bytes;
+    model.params().zero_grads();
+    LossSum loss;
+    for (int64_t m = 0; m < accum; ++m) {
+      sample_batch(train_tokens.data(), static_cast<int64_t>(train_tokens.size()), c.model.seed,
+                   (step * accum + m) * micro, micro, seq, ids.data(), targets.data());
+      LossSum part = model.forward_backward(ids.data(), targets.data(), micro, seq, grad_scale);
+      loss.sum += part.sum, loss.tokens += part.tokens;
+    }
+    if (step == first_step) result.peak_activation_bytes = memory_stats().peak_bytes - live_before;
+    const double mean_loss = loss.mean();
+    if (!std::isfinite(mean_loss)) fail("training loss is {} at step {}: stopping", mean_loss, step);
+    const double grad_norm = global_grad_norm(model.params());
+    const float lr = schedule.lr_at(step);
+    optimizer.step(lr, clip_coefficient(grad_norm, static_cast<float>(c.train.grad_clip)));
+    ++step;
+    result.losses.push_back(mean_loss);
+    interval_tokens += c.tokens_per_step();
+
+    const bool last = step == c.train.steps;
+    if (step % c.log.every == 0 || last || step == first_step + 1) {
+      double dt = seconds_since(interval_start);
+      StepLine m;
+      m.step = step, m.total_steps = c.train.steps, m.loss = mean_loss, m.lr = lr, m.grad_norm = grad_norm;
+      m.tokens_per_s = static_cast<double>(interval_tokens) / dt;
+      m.flops_per_s = m.tokens_per_s * flops_per_token;
+      m.mfu = m.flops_per_s / (peak_gflops * 1e9);
+      m.elapsed_s = seconds_since(start_time);
+      double per_step = seconds_since(train_start) / static_cast<double>(step - first_step);
+      m.eta_s = per_step * static_cast<double>(c.train.steps - step);
+      if (c.train.max_minutes > 0) m.eta_s = std::min(m.eta_s, c.train.max_minutes * 60 - seconds_since(train_start));
+      std::printf("%s\n", format_step_line(m).c_str());
+      std::fflush(stdout);
+      nlohmann::json record = {{"step", step},           {"loss", mean_loss},       {"lr", lr},
+                               {"grad_norm", grad_norm}, {"tokens_per_s", m.tokens_per_s},
+                               {"tflops", m.flops_per_s / 1e12}, {"mfu", m.mfu},
+                               {"tokens", step * c.tokens_per_step()}, {"elapsed_s", m.elapsed_s}};
+      metrics.write(record);
+      interval_start = Clock::now();
+      interval_tokens = 0;
+    }
+    if (c.eval.every > 0 && step % c.eval.every == 0 && !last) {
+      LossSum e = evaluate(model, heldout_tokens, seq, micro, std::min(heldout_windows, c.eval.batches * micro), tty);
+      double bpb = e.mean() / std::log(2.0);
+      std::printf("eval step %lld | held-out loss %.4f | %.4f bits/byte\n", static_cast<long long>(step), e.mean(), bpb);
+      std::fflush(stdout);
+      metrics.write({{"step", step}, {"eval_loss", e.mean()}, {"eval_bits_per_byte", bpb}});
+    }
+    if (c.checkpoint.every > 0 && step % c.checkpoint.every == 0 && !last) save("periodic");
+  }
+  result.steps_done = step;
+  if (stop_flag().load()) {
+    std::printf("interrupted at step %lld: saving a checkpoint\n", static_cast<long long>(step));
+    save("interrupted");
+    result.interrupted = true;
+    return result;
+  }
+
+  LossSum e = evaluate(model, heldout_tokens, seq, micro, heldout_windows, tty);
+  result.heldout_loss = e.mean();
+  result.heldout_bits_per_byte = e.mean() / std::log(2.0);
+  std::printf("final held-out loss %.4f nats/byte = %.4f bits per byte (%lld held-out bytes, %.1f s total)\n",
+              result.heldout_loss, result.heldout_bits_per_byte, static_cast<long long>(e.tokens),
+              seconds_since(start_time));
+  metrics.write({{"step", step}, {"eval_loss", result.heldout_loss}, {"eval_bits_per_byte", result.heldout_bits_per_byte},
+                 {"final", true}});
+  save("final");
+
+  if (c.sample.tokens > 0) {
+    SamplingOptions so;
+    so.max_new_tokens = c.sample.tokens, so.context = seq, so.temperature = c.sample.temperature;
+    so.top_k = c.sample.top_k, so.seed = c.sample.seed;
+    std::vector<int32_t> prompt(c.sample.prompt.begin(), c.sample.prompt.end());
+    if (prompt.empty()) prompt.push_back('\n');
+    std::vector<int32_t> out = generate(model, prompt, so);
+    result.sample = c.sample.prompt;
+    for (int32_t t : out) result.sample.push_back(static_cast<char>(t));
+    std::printf("--- sample (temperature %.2f, top-k %lld) ---\n%s\n---\n", c.sample.temperature,
+                static_cast<long long>(c.sample.top_k), result.sample.c_str());
+  }
+  return result;
+}
+
+}  // namespace forge

@@ -1,0 +1,42 @@
+// The single-process trainer: micro-batches with gradient accumulation, global-norm clipping, AdamW with
+// an LR schedule, held-out evaluation in bits per byte, one log line and one metrics.jsonl record per
+// logged step, checkpoints (periodic, final, and on Ctrl-C) with bitwise-exact resume, and a sample.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "forge/train/config.h"
+
+namespace forge {
+
+struct TrainResult {
+  int64_t steps_done = 0;         // optimizer steps completed in total (including resumed ones)
+  std::vector<double> losses;     // training loss of each step run in this invocation
+  double heldout_loss = 0;        // final evaluation, nats per token
+  double heldout_bits_per_byte = 0;
+  bool interrupted = false;
+  std::string sample;             // generated text ("" when sample.tokens == 0)
+  int64_t peak_activation_bytes = 0;
+};
+
+class Trainer {
+ public:
+  explicit Trainer(TrainConfig config);
+  // Runs to completion, the time limit, or until stop_requested() turns true (then saves a checkpoint).
+  TrainResult run();
+
+  // Set from a signal handler (Ctrl-C) or a test; checked between steps.
+  static std::atomic<bool>& stop_flag();
+
+ private:
+  TrainConfig config_;
+};
+
+// Installs SIGINT/SIGTERM handlers that set Trainer::stop_flag() (a second Ctrl-C exits at once).
+void install_stop_signal_handlers();
+
+}  // namespace forge

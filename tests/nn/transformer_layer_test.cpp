@@ -1,0 +1,177 @@
+// Module contract tests on a stack of transformer layers: B-then-W equals the fused order bitwise, the
+// recompute policies give bitwise-identical gradients (and their peak activation memory is reported),
+// and the layer's gradients agree with central finite differences.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+
+#include "forge/core/memory.h"
+#include "forge/kernels/rope_tables.h"
+#include "forge/nn/transformer_layer.h"
+#include "op_harness.h"
+
+namespace forge::nn {
+namespace {
+
+struct Stack {
+  ParameterStore store;
+  std::vector<TransformerLayer> layers;
+  RopeTable rope;
+  Stack(int count, ComputeOptions options, LayerShape shape, int64_t positions) {
+    for (int i = 0; i < count; ++i) layers.emplace_back(&store, i, shape, 0.2f, count);
+    store.allocate(options.gemm_dtype == DType::bf16);
+    store.initialize(42);
+    // Norm weights away from 1 so their gradients are exercised.
+    for (const auto& info : store.infos())
+      if (info.shape.size() == 1)
+        for (int64_t i = 0; i < info.shape[0]; ++i) store.params().f32()[info.offset + i] = 1.0f + 0.05f * (i % 7);
+    store.refresh_bf16();
+    rope.positions = positions, rope.half_dim = shape.attention.head_dim / 2;
+    rope.cos = Tensor::empty({positions, rope.half_dim}, DType::f32);
+    rope.sin = Tensor::empty({positions, rope.half_dim}, DType::f32);
+    rope_tables(positions, shape.attention.head_dim, 10000.0, RopeScaling{}, rope.cos.f32(), rope.sin.f32());
+    for (auto& l : layers) l.bind(&rope, options);
+  }
+};
+
+LayerShape small_shape() {
+  LayerShape s;
+  s.attention = {32, 4, 2, 8};
+  s.ffn = 48;
+  s.norm_eps = 1e-5f;
+  return s;
+}
+
+Tensor from_vector(const std::vector<float>& v, Shape shape) {
+  Tensor t = Tensor::empty(std::move(shape), DType::f32);
+  std::memcpy(t.f32(), v.data(), v.size() * sizeof(float));
+  return t;
+}
+
+bool bitwise_equal(const Tensor& a, const Tensor& b) {
+  return a.numel() == b.numel() && std::memcmp(a.raw(), b.raw(), a.bytes()) == 0;
+}
+
+constexpr int64_t kBatch = 2, kSeq = 9, kLayers = 2;
+
+// Runs forward then backward over the stack. split: all backward_input first, then all backward_weight.
+Tensor run(Stack& s, const Tensor& x, const Tensor& dy, bool split) {
+  std::vector<TransformerLayer::Saved> saved(s.layers.size());
+  Tensor h = x;
+  for (size_t l = 0; l < s.layers.size(); ++l) h = s.layers[l].forward(h, kBatch, kSeq, saved[l]);
+  Tensor g = dy;
+  for (size_t l = s.layers.size(); l-- > 0;) {
+    g = s.layers[l].backward_input(g, kBatch, kSeq, saved[l]);
+    if (!split) s.layers[l].backward_weight(saved[l]);
+  }
+  if (split)
+    for (size_t l = s.layers.size(); l-- > 0;) s.layers[l].backward_weight(saved[l]);
+  return g;
+}
+
+class LayerContract : public ::testing::TestWithParam<DType> {};
+
+TEST_P(LayerContract, BackwardInputThenWeightEqualsFusedOrderBitwise) {
+  const auto shape = small_shape();
+  Tensor x = from_vector(testing::random_floats(kBatch * kSeq * 32, 1), {kBatch * kSeq, 32});
+  Tensor dy = from_vector(testing::random_floats(kBatch * kSeq * 32, 2), {kBatch * kSeq, 32});
+  Stack fused(kLayers, {GetParam(), Recompute::none}, shape, 16), split(kLayers, {GetParam(), Recompute::none}, shape, 16);
+  Tensor dx_fused = run(fused, x, dy, false);
+  Tensor dx_split = run(split, x, dy, true);
+  EXPECT_TRUE(bitwise_equal(dx_fused, dx_split));
+  EXPECT_TRUE(bitwise_equal(fused.store.grads(), split.store.grads()));
+}
+
+TEST_P(LayerContract, RecomputePoliciesGiveIdenticalGradients) {
+  const auto shape = small_shape();
+  Tensor x = from_vector(testing::random_floats(kBatch * kSeq * 32, 3), {kBatch * kSeq, 32});
+  Tensor dy = from_vector(testing::random_floats(kBatch * kSeq * 32, 4), {kBatch * kSeq, 32});
+  Stack reference(kLayers, {GetParam(), Recompute::none}, shape, 16);
+  Tensor dx_ref = run(reference, x, dy, false);
+  for (Recompute policy : {Recompute::selective, Recompute::full}) {
+    Stack s(kLayers, {GetParam(), policy}, shape, 16);
+    Tensor dx = run(s, x, dy, true);
+    EXPECT_TRUE(bitwise_equal(dx, dx_ref)) << recompute_name(policy);
+    EXPECT_TRUE(bitwise_equal(s.store.grads(), reference.store.grads())) << recompute_name(policy);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(GemmDtypes, LayerContract, ::testing::Values(DType::f32, DType::bf16));
+
+// Peak activation memory (allocator peak during forward+backward minus what was live before) must drop
+// from none to selective to full; the numbers are printed for the record.
+TEST(LayerMemory, RecomputeLowersPeakActivationMemory) {
+  LayerShape shape;
+  shape.attention = {128, 4, 2, 32};
+  shape.ffn = 384;
+  const int64_t batch = 4, seq = 128, layers = 4, rows = batch * seq;
+  Tensor x = from_vector(testing::random_floats(rows * 128, 5), {rows, 128});
+  Tensor dy = from_vector(testing::random_floats(rows * 128, 6), {rows, 128});
+  int64_t peaks[3];
+  int i = 0;
+  for (Recompute policy : {Recompute::none, Recompute::selective, Recompute::full}) {
+    Stack s(layers, {DType::bf16, policy}, shape, seq);
+    int64_t live = memory_stats().live_bytes;
+    reset_peak_memory();
+    std::vector<TransformerLayer::Saved> saved(layers);
+    Tensor h = x;
+    for (int l = 0; l < layers; ++l) h = s.layers[l].forward(h, batch, seq, saved[l]);
+    Tensor g = dy;
+    for (int l = layers; l-- > 0;) {
+      g = s.layers[l].backward_input(g, batch, seq, saved[l]);
+      s.layers[l].backward_weight(saved[l]);
+    }
+    peaks[i++] = memory_stats().peak_bytes - live;
+    std::printf("recompute %-9s peak activation memory %.2f MiB (4 layers, %lld tokens, hidden 128)\n",
+                std::string(recompute_name(policy)).c_str(), peaks[i - 1] / 1048576.0, static_cast<long long>(rows));
+  }
+  EXPECT_GT(peaks[0], peaks[1]);
+  EXPECT_GT(peaks[1], peaks[2]);
+}
+
+// Central finite differences (in fp32, on a smooth layer) against the analytic gradients of
+// L = <w, layer(x)> for the input and a sample of every parameter. Tolerance 2e-2 relative: fp32 FD noise.
+TEST(LayerGradients, MatchFiniteDifferences) {
+  const auto shape = small_shape();
+  const int64_t batch = 1, seq = 5, rows = batch * seq;
+  Stack s(1, {DType::f32, Recompute::none}, shape, 8);
+  auto xv = testing::random_floats(rows * 32, 7);
+  auto wv = testing::random_floats(rows * 32, 8);
+  Tensor x = from_vector(xv, {rows, 32}), w = from_vector(wv, {rows, 32});
+  auto loss = [&](const Tensor& input) {
+    TransformerLayer::Saved saved;
+    Tensor y = s.layers[0].forward(input, batch, seq, saved);
+    double total = 0;
+    for (int64_t i = 0; i < y.numel(); ++i) total += double(y.f32()[i]) * wv[i];
+    return total;
+  };
+  s.store.zero_grads();
+  TransformerLayer::Saved saved;
+  s.layers[0].forward(x, batch, seq, saved);
+  Tensor dx = s.layers[0].backward_input(w, batch, seq, saved);
+  s.layers[0].backward_weight(saved);
+
+  const float h = 1e-2f;
+  auto check = [&](float* value, float analytic, const std::string& what) {
+    float saved_value = *value;
+    *value = saved_value + h;
+    double up = loss(x);
+    *value = saved_value - h;
+    double down = loss(x);
+    *value = saved_value;
+    double numeric = (up - down) / (2 * h);
+    EXPECT_NEAR(analytic, numeric, 2e-2 * std::max(1.0, std::abs(numeric))) << what;
+  };
+  for (int64_t i = 0; i < x.numel(); i += 7) check(x.f32() + i, dx.f32()[i], "x[" + std::to_string(i) + "]");
+  for (const auto& info : s.store.infos()) {
+    int64_t n = shape_numel(info.shape);
+    for (int64_t i = 0; i < n; i += std::max<int64_t>(1, n / 5))
+      check(s.store.params().f32() + info.offset + i, s.store.grads().f32()[info.offset + i],
+            info.name + "[" + std::to_string(i) + "]");
+  }
+}
+
+}  // namespace
+}  // namespace forge::nn
