@@ -14,9 +14,10 @@ namespace {
 
 constexpr int64_t kRows = 2048, kDim = 512, kFfn = 1408, kHeadDim = 64, kVocab = 8192;
 
-std::vector<float> filled(int64_t n, float start) {
+// Deterministic values in [start, start + scale).
+std::vector<float> filled(int64_t n, float start, float scale = 1.0f) {
   std::vector<float> v(n);
-  for (int64_t i = 0; i < n; ++i) v[i] = start + 0.001f * static_cast<float>(i % 997);
+  for (int64_t i = 0; i < n; ++i) v[i] = start + scale * static_cast<float>(i % 997) / 997.0f;
   return v;
 }
 
@@ -61,7 +62,7 @@ void BM_RmsNormBackwardWeight(benchmark::State& state) {
 }
 
 void BM_SwigluForward(benchmark::State& state) {
-  auto gate_up = filled(kRows * 2 * kFfn, -2.0f);
+  auto gate_up = filled(kRows * 2 * kFfn, -4.0f, 8.0f);
   std::vector<float> out(kRows * kFfn);
   ops::SwigluParams p;
   p.rows = kRows, p.ffn = kFfn, p.gate_up = gate_up.data(), p.out = out.data();
@@ -70,7 +71,7 @@ void BM_SwigluForward(benchmark::State& state) {
 }
 
 void BM_SwigluBackward(benchmark::State& state) {
-  auto gate_up = filled(kRows * 2 * kFfn, -2.0f), dout = filled(kRows * kFfn, 0.1f);
+  auto gate_up = filled(kRows * 2 * kFfn, -4.0f, 8.0f), dout = filled(kRows * kFfn, 0.1f);
   std::vector<float> dgate_up(kRows * 2 * kFfn);
   ops::SwigluParams p;
   p.rows = kRows, p.ffn = kFfn, p.gate_up = gate_up.data(), p.dout = dout.data(),
@@ -114,7 +115,8 @@ void BM_AdamW(benchmark::State& state) {
 // (recomputed logits, dhidden, dweight), 2*rows*vocab*dim each.
 void BM_LinearCrossEntropy(benchmark::State& state) {
   const bool backward = state.range(0) != 0, bf16 = state.range(1) != 0;
-  auto hidden = filled(kRows * kDim, -0.3f), weight = filled(kVocab * kDim, -0.4f);
+  // Normalised hidden states and a freshly initialised head (std ~0.02) give logits of order one.
+  auto hidden = filled(kRows * kDim, -1.0f, 2.0f), weight = filled(kVocab * kDim, -0.035f, 0.07f);
   std::vector<uint16_t> hidden16(hidden.size()), weight16(weight.size());
   convert_f32_to_bf16(hidden.data(), hidden16.data(), hidden.size());
   convert_f32_to_bf16(weight.data(), weight16.data(), weight.size());

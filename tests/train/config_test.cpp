@@ -80,7 +80,7 @@ TEST(TrainConfig, DefaultTomlFileEqualsBuiltInDefaults) {
     ++keys;
     EXPECT_NE(line.find(" # "), std::string::npos) << "no comment: " << line;
   }
-  EXPECT_EQ(keys, 36);
+  EXPECT_EQ(keys, 37);
 }
 
 TEST(TrainConfig, PartialFileKeepsDefaults) {

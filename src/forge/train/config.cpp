@@ -98,6 +98,11 @@ const std::vector<KeySpec>& key_specs() {
 
       {"log", "every", FORGE_FIELD(log.every), "print and record metrics every this many steps", {}},
       {"log", "run_dir", FORGE_FIELD(log.run_dir), "metrics.jsonl, config.toml and checkpoints go here", {}},
+      {"log",
+       "peak_gflops",
+       FORGE_FIELD(log.peak_gflops),
+       "peak GEMM GFLOP/s of this machine for MFU (0 = measure at start)",
+       {}},
 
       {"checkpoint",
        "every",
@@ -431,6 +436,8 @@ void TrainConfig::validate() const {
   check(eval.batches > 0, "eval.batches", eval.batches, "> 0");
   check(log.every > 0, "log.every", log.every, "> 0");
   check(!log.run_dir.empty(), "log.run_dir", "\"\"", "a directory");
+  check(finite(log.peak_gflops) && log.peak_gflops >= 0, "log.peak_gflops", log.peak_gflops,
+        ">= 0 (0 = measure)");
   check(checkpoint.every >= 0, "checkpoint.every", checkpoint.every, ">= 0 (0 = only at the end)");
   check(sample.tokens >= 0, "sample.tokens", sample.tokens, ">= 0");
   check(finite(sample.temperature) && sample.temperature >= 0, "sample.temperature", sample.temperature,

@@ -57,6 +57,7 @@ struct TrainConfig {
   struct Log {
     int64_t every = 10;
     std::string run_dir = "runs/default";
+    double peak_gflops = 0;  // 0 = measure the GEMM peak at start
     bool operator==(const Log&) const = default;
   };
   struct Checkpoint {

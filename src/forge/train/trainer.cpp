@@ -128,12 +128,14 @@ TrainResult Trainer::run() {
   MetricsWriter metrics(run_dir, /*truncate=*/resume_from.empty());
 
   const double flops_per_token = model_config.flops_per_token(seq);
-  const double peak_gflops = measure_gemm_peak_gflops(options.gemm_dtype);
+  const double peak_gflops =
+      c.log.peak_gflops > 0 ? c.log.peak_gflops : measure_gemm_peak_gflops(options.gemm_dtype);
   std::printf("model %.2fM parameters | %s compute | recompute %s | %lld-token batches (%lld x %lld x %lld) | "
-              "peak %s GEMM %.0f GFLOP/s (measured)\n",
+              "peak %s GEMM %.0f GFLOP/s (%s)\n",
               static_cast<double>(model_config.num_parameters()) / 1e6, c.train.dtype.c_str(),
               c.train.recompute.c_str(), static_cast<long long>(c.tokens_per_step()), static_cast<long long>(micro),
-              static_cast<long long>(accum), static_cast<long long>(seq), c.train.dtype.c_str(), peak_gflops);
+              static_cast<long long>(accum), static_cast<long long>(seq), c.train.dtype.c_str(), peak_gflops,
+              c.log.peak_gflops > 0 ? "given" : "measured");
   std::printf("corpus %s: %zu training bytes, %zu held-out bytes\n", c.data.corpus.c_str(), train_tokens.size(),
               heldout_tokens.size());
   std::fflush(stdout);
@@ -212,12 +214,14 @@ TrainResult Trainer::run() {
       metrics.write({{"step", step}, {"eval_loss", e.mean()}, {"eval_bits_per_byte", bpb}});
     }
     if (c.checkpoint.every > 0 && step % c.checkpoint.every == 0 && !last) save("periodic");
+    if (on_step_) on_step_(step);
   }
   result.steps_done = step;
   if (stop_flag().load()) {
     std::printf("interrupted at step %lld: saving a checkpoint\n", static_cast<long long>(step));
     save("interrupted");
     result.interrupted = true;
+    stop_flag().store(false);
     return result;
   }
 

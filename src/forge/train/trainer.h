@@ -31,9 +31,12 @@ class Trainer {
 
   // Set from a signal handler (Ctrl-C) or a test; checked between steps.
   static std::atomic<bool>& stop_flag();
+  // Called after every optimizer step with the number of steps done (tests use it to stop at a step).
+  void on_step(std::function<void(int64_t)> callback) { on_step_ = std::move(callback); }
 
  private:
   TrainConfig config_;
+  std::function<void(int64_t)> on_step_;
 };
 
 // Installs SIGINT/SIGTERM handlers that set Trainer::stop_flag() (a second Ctrl-C exits at once).

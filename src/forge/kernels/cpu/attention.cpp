@@ -158,32 +158,111 @@ void tile_rows_tail(int64_t rows, const float* a, int64_t stride, int64_t depth,
   }
 }
 
-// C[rows, kBlock] (init)= A[rows, depth] @ P[depth, kBlock]: kRows rows per micro-kernel call.
+// Software prefetch of upcoming strided rows (the next block's k, v, q, dout, or the out rows about to be
+// written), issued a few lines at a time between micro-kernel calls so that the misses overlap compute.
+// Rows at token strides that are multiples of 4 KiB sit on separate pages, so the hardware stream
+// prefetchers do not follow them.
+class Prefetcher {
+ public:
+  static constexpr int kLinesPerCall = 24;
+  void add(const float* rows, int64_t stride, int64_t count, int64_t dim, bool for_write = false) {
+    if (count <= 0 || queued_ == kMaxBlocks) return;
+    blocks_[queued_++] = {reinterpret_cast<const char*>(rows), stride * int64_t{sizeof(float)}, count,
+                          (dim * int64_t{sizeof(float)} + 63) / 64, for_write};
+  }
+  // Issues up to `lines` prefetches from the queue, oldest block first.
+  void issue(int lines = kLinesPerCall) {
+    for (; lines > 0 && next_ < queued_; --lines) {
+      Block& b = blocks_[next_];
+      const char* line = b.rows + b.row * b.stride + b.line * 64;
+      if (b.for_write)
+        __builtin_prefetch(line, 1, 3);
+      else
+        __builtin_prefetch(line, 0, 3);
+      if (++b.line == b.lines_per_row) b.line = 0, ++b.row;
+      if (b.row == b.count) ++next_;
+    }
+  }
+  void drain() {
+    while (next_ < queued_) issue(1 << 20);
+  }
+  void clear() { queued_ = next_ = 0; }
+
+ private:
+  struct Block {
+    const char* rows;
+    int64_t stride, count, lines_per_row;
+    bool for_write;
+    int64_t row = 0, line = 0;
+  };
+  static constexpr int kMaxBlocks = 4;
+  Block blocks_[kMaxBlocks];
+  int queued_ = 0, next_ = 0;
+};
+
+// C[rows, kBlock] (init)= A[rows, depth] @ P[depth, kBlock]: kRows rows per micro-kernel call, with a slice
+// of the queued prefetches before each call.
 template <bool kDepthContiguous, Init kInit>
 void tile_gemm(int64_t rows, const float* a, int64_t stride, int64_t depth, const float* panel, float* c,
-               const Vec* lane_scale = nullptr) {
+               Prefetcher& prefetcher, const Vec* lane_scale = nullptr) {
   const int64_t row_step = kDepthContiguous ? stride : 1;
   int64_t r = 0;
-  for (; r + kRows <= rows; r += kRows)
+  for (; r + kRows <= rows; r += kRows) {
+    prefetcher.issue();
     tile_rows<kRows, kDepthContiguous, kInit>(a + r * row_step, stride, depth, panel, c + r * kBlock,
                                               lane_scale);
+  }
   tile_rows_tail<kRows - 1, kDepthContiguous, kInit>(rows - r, a + r * row_step, stride, depth, panel,
                                                      c + r * kBlock, lane_scale);
 }
 
-// panel[d, i] = rows[i * stride + d] * factor for i < count; lanes count..kBlock-1 are zero.
+// panel[d, i] = rows[i * stride + d] * factor for i < count; lanes count..kBlock-1 are zero. The rows are
+// usually cold (fresh q, k, v, dout): gathering 16 rows at once keeps 16 cache misses in flight, where
+// scalar transposing stores would fill the store buffer and serialise them.
 void pack_transposed(const float* rows, int64_t stride, int64_t count, int64_t dim, float factor,
                      float* panel) {
+#if defined(__AVX512F__)
+  if (stride < std::numeric_limits<int32_t>::max() / kLanes) {
+    const __m512i offsets =
+        _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                           _mm512_set1_epi32(static_cast<int32_t>(stride)));
+    for (int g = 0; g < kVectors; ++g) {
+      const int64_t lanes = std::clamp<int64_t>(count - g * kLanes, 0, kLanes);
+      if (lanes == 0) {
+        for (int64_t d = 0; d < dim; ++d) store(panel + d * kBlock + g * kLanes, splat(0.0f));
+        continue;
+      }
+      const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
+      const float* base = rows + g * kLanes * stride;
+      for (int64_t d = 0; d < dim; ++d) {
+        Vec x = _mm512_mask_i32gather_ps(splat(0.0f), mask, offsets, base + d, 4);
+        store(panel + d * kBlock + g * kLanes, mul(x, splat(factor)));
+      }
+    }
+    return;
+  }
+#endif
   for (int64_t d = 0; d < dim; ++d) std::fill(panel + d * kBlock + count, panel + (d + 1) * kBlock, 0.0f);
   for (int64_t i = 0; i < count; ++i)
     for (int64_t d = 0; d < dim; ++d) panel[d * kBlock + i] = rows[i * stride + d] * factor;
 }
 
-// rows[i * stride + d] = panel[d, i] * factor for i < count: the inverse of pack_transposed.
-void unpack_transposed(const float* panel, int64_t count, int64_t dim, float factor, float* rows,
-                       int64_t stride) {
-  for (int64_t i = 0; i < count; ++i)
-    for (int64_t d = 0; d < dim; ++d) rows[i * stride + d] = panel[d * kBlock + i] * factor;
+// rows[i * stride + d] = panel[d, i] * factor * row_factor[i] (row_factor may be null) for i < count: the
+// inverse of pack_transposed. Gathers from the L1-resident panel so that each output row is written with
+// full-vector stores.
+void unpack_transposed(const float* panel, int64_t count, int64_t dim, float factor, const float* row_factor,
+                       float* rows, int64_t stride) {
+  for (int64_t i = 0; i < count; ++i) {
+    const float f = row_factor ? factor * row_factor[i] : factor;
+    int64_t d = 0;
+#if defined(__AVX512F__)
+    const __m512i offsets = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(kBlock));
+    for (; d + kLanes <= dim; d += kLanes)
+      store(rows + i * stride + d, mul(_mm512_i32gather_ps(offsets, panel + d * kBlock + i, 4), splat(f)));
+#endif
+    for (; d < dim; ++d) rows[i * stride + d] = panel[d * kBlock + i] * f;
+  }
 }
 
 // ---- shapes, work items, scratch ----
@@ -243,14 +322,21 @@ class ThreadScratch {
   std::vector<float> buffer_;
 };
 
-// Item index -> (block, rest) so that the costliest blocks come first: with a dynamic schedule the cheap
-// items then fill in the tail and the triangular causal work balances across threads.
+// Work items, numbered so that each (batch, kv head) pair's items are adjacent (its k and v stay in cache
+// while both threads work on them) and, within the pair, the costliest blocks come first: a dynamic
+// schedule then fills the tail with cheap items and the triangular causal work balances across threads.
 struct Item {
-  int64_t block, rest;
+  int64_t batch, kv_head, block, member;  // member: query head within the kv head's group, or 0
 };
-Item heaviest_first(int64_t item, int64_t rest_count, int64_t blocks, bool cost_grows_with_block) {
-  int64_t rank = item / rest_count;
-  return {cost_grows_with_block ? blocks - 1 - rank : rank, item % rest_count};
+Item item_at(int64_t n, const Geometry& g, int64_t members, bool heavy_blocks_last) {
+  const int64_t per_kv_head = g.blocks * members, pair = n / per_kv_head, rank = n % per_kv_head / members;
+  return {pair / g.kv_heads, pair % g.kv_heads, heavy_blocks_last ? g.blocks - 1 - rank : rank, n % members};
+}
+
+// tile[i * dim + d] = rows[i * stride + d] for i < count. Operands broadcast from a contiguous copy: at
+// token strides that are multiples of 4 KiB (fused qkv) every row of a block maps to the same L1 set.
+void pack_rows(const float* rows, int64_t stride, int64_t count, int64_t dim, float* tile) {
+  for (int64_t i = 0; i < count; ++i) std::memcpy(tile + i * dim, rows + i * stride, dim * sizeof(float));
 }
 
 // delta[i] = <dout_i, out_i> for the count rows; lanes count..kBlock-1 are zero.
@@ -270,20 +356,36 @@ void forward_block(const ops::AttentionParams& p, const Geometry& g, int64_t b, 
                    float* scratch) {
   const int64_t dim = g.head_dim, kvh = h / g.group;
   const int64_t q0 = qb * kBlock, nq = std::min<int64_t>(kBlock, g.seq - q0);
-  float* qt = scratch;            // [dim, kBlock] queries, pre-scaled into base-2 logits
-  float* ot = qt + dim * kBlock;  // [dim, kBlock] unnormalised output
-  float* st = ot + dim * kBlock;  // [kBlock keys, kBlock queries] scores, then probabilities
-  pack_transposed(p.q + g.at(b, q0, h, p.q_stride), p.q_stride, nq, dim, p.scale * kLog2e, qt);
+  float* qt = scratch;               // [dim, kBlock] queries, pre-scaled into base-2 logits
+  float* ot = qt + dim * kBlock;     // [dim, kBlock] unnormalised output
+  float* st = ot + dim * kBlock;     // [kBlock keys, kBlock queries] scores, then probabilities
+  float* kr = st + kBlock * kBlock;  // [kBlock keys, dim]
+  float* vr = kr + kBlock * dim;     // [kBlock keys, dim]
   const float* k = p.k + g.at(b, 0, kvh, p.k_stride);
   const float* v = p.v + g.at(b, 0, kvh, p.v_stride);
+  float* out = p.out + g.at(b, q0, h, p.out_stride);
+  const int64_t key_end = p.causal ? q0 + nq : g.seq;
+  Prefetcher prefetcher;
+  prefetcher.add(k, p.k_stride, std::min<int64_t>(kBlock, key_end), dim);
+  prefetcher.add(v, p.v_stride, std::min<int64_t>(kBlock, key_end), dim);
+  prefetcher.drain();
+  pack_transposed(p.q + g.at(b, q0, h, p.q_stride), p.q_stride, nq, dim, p.scale * kLog2e, qt);
 
   const LaneIndex query(q0);
   Vec m[kVectors], l[kVectors];
   for (int i = 0; i < kVectors; ++i) m[i] = splat(-kInfinity), l[i] = splat(0.0f);
-  const int64_t key_end = p.causal ? q0 + nq : g.seq;
   for (int64_t k0 = 0; k0 < key_end; k0 += kBlock) {
-    const int64_t nk = std::min<int64_t>(kBlock, key_end - k0);
-    tile_gemm<true, Init::zero>(nk, k + k0 * p.k_stride, p.k_stride, dim, qt, st);
+    const int64_t nk = std::min<int64_t>(kBlock, key_end - k0), next = k0 + kBlock;
+    prefetcher.clear();
+    if (next < key_end) {
+      prefetcher.add(k + next * p.k_stride, p.k_stride, std::min<int64_t>(kBlock, key_end - next), dim);
+      prefetcher.add(v + next * p.v_stride, p.v_stride, std::min<int64_t>(kBlock, key_end - next), dim);
+    } else {
+      prefetcher.add(out, p.out_stride, nq, dim, true);
+    }
+    pack_rows(k + k0 * p.k_stride, p.k_stride, nk, dim, kr);
+    pack_rows(v + k0 * p.v_stride, p.v_stride, nk, dim, vr);
+    tile_gemm<true, Init::zero>(nk, kr, dim, dim, qt, st, prefetcher);
     // Online softmax per query lane: running max m and sum l, the old output rescaled by alpha.
     const bool masked = p.causal && k0 + nk - 1 > q0;
     Vec m_new[kVectors];
@@ -311,21 +413,21 @@ void forward_block(const ops::AttentionParams& p, const Geometry& g, int64_t b, 
     for (int i = 0; i < kVectors; ++i) l[i] = fmadd(l[i], alpha[i], sum[i]);
     // ot[d, i] = alpha_i ot[d, i] + sum_j v[j, d] st[j, i]
     if (k0 == 0)
-      tile_gemm<false, Init::zero>(dim, v, p.v_stride, nk, st, ot);
+      tile_gemm<false, Init::zero>(dim, vr, dim, nk, st, ot, prefetcher);
     else
-      tile_gemm<false, Init::scaled>(dim, v + k0 * p.v_stride, p.v_stride, nk, st, ot, alpha);
+      tile_gemm<false, Init::scaled>(dim, vr, dim, nk, st, ot, prefetcher, alpha);
   }
 
-  float m_lanes[kBlock], l_lanes[kBlock];
+  float m_lanes[kBlock], l_lanes[kBlock], inverse_l[kBlock];
   for (int i = 0; i < kVectors; ++i) store(m_lanes + i * kLanes, m[i]), store(l_lanes + i * kLanes, l[i]);
-  float* out = p.out + g.at(b, q0, h, p.out_stride);
   float* lse = p.lse + (b * g.heads + h) * g.seq + q0;
   for (int64_t i = 0; i < nq; ++i) {
-    const float inverse = 1.0f / l_lanes[i];
-    for (int64_t d = 0; d < dim; ++d) out[i * p.out_stride + d] = ot[d * kBlock + i] * inverse;
+    inverse_l[i] = 1.0f / l_lanes[i];
     lse[i] = (m_lanes[i] + std::log2(l_lanes[i])) * kLn2;
   }
+  unpack_transposed(ot, nq, dim, 1.0f, inverse_l, out, p.out_stride);
 }
+int64_t forward_scratch_floats(int64_t dim) { return 2 * dim * kBlock + kBlock * kBlock + 2 * kBlock * dim; }
 
 // ---- backward pass 1: one item = (batch, kv head, key block); dK and dV ----
 
@@ -337,26 +439,47 @@ void backward_key_block(const ops::AttentionParams& p, const Geometry& g, int64_
   float* vt = kt + dim * kBlock;  // [dim, kBlock]
   float* dkt = vt + dim * kBlock;
   float* dvt = dkt + dim * kBlock;
-  float* pt = dvt + dim * kBlock;       // [kBlock queries, kBlock keys] probabilities
-  float* dst = pt + kBlock * kBlock;    // [kBlock queries, kBlock keys] dP, then dS
-  float* lse2 = dst + kBlock * kBlock;  // [kBlock] per query row
-  float* delta = lse2 + kBlock;         // [kBlock]
+  float* pt = dvt + dim * kBlock;     // [kBlock queries, kBlock keys] probabilities
+  float* dst = pt + kBlock * kBlock;  // [kBlock queries, kBlock keys] dP, then dS
+  float* qr = dst + kBlock * kBlock;  // [kBlock queries, dim]
+  float* dor = qr + kBlock * dim;     // [kBlock queries, dim] dout
+  float* lse2 = dor + kBlock * dim;   // [kBlock] per query row
+  float* delta = lse2 + kBlock;       // [kBlock]
+  // Under the causal mask queries before k0 see none of these keys.
+  const int64_t first_query = p.causal ? k0 : 0;
+  Prefetcher prefetcher;
+  auto queue_rows = [&](int64_t h, int64_t q0) {
+    const int64_t count = std::min<int64_t>(kBlock, g.seq - q0);
+    prefetcher.add(p.q + g.at(b, q0, h, p.q_stride), p.q_stride, count, dim);
+    prefetcher.add(p.dout + g.at(b, q0, h, p.dout_stride), p.dout_stride, count, dim);
+    prefetcher.add(p.out + g.at(b, q0, h, p.out_stride), p.out_stride, count, dim);
+  };
+  queue_rows(kvh * g.group, first_query);
+  prefetcher.drain();
   pack_transposed(p.k + g.at(b, k0, kvh, p.k_stride), p.k_stride, nk, dim, p.scale * kLog2e, kt);
   pack_transposed(p.v + g.at(b, k0, kvh, p.v_stride), p.v_stride, nk, dim, 1.0f, vt);
   std::fill(dkt, dkt + 2 * dim * kBlock, 0.0f);
 
   const LaneIndex key(k0);
   for (int64_t h = kvh * g.group; h < (kvh + 1) * g.group; ++h) {
-    // Under the causal mask queries before k0 see none of these keys.
-    for (int64_t q0 = p.causal ? k0 : 0; q0 < g.seq; q0 += kBlock) {
+    for (int64_t q0 = first_query; q0 < g.seq; q0 += kBlock) {
       const int64_t nq = std::min<int64_t>(kBlock, g.seq - q0);
-      const float* q = p.q + g.at(b, q0, h, p.q_stride);
-      const float* dout = p.dout + g.at(b, q0, h, p.dout_stride);
+      prefetcher.clear();
+      if (q0 + kBlock < g.seq) {
+        queue_rows(h, q0 + kBlock);
+      } else if (h + 1 < (kvh + 1) * g.group) {
+        queue_rows(h + 1, first_query);
+      } else {
+        prefetcher.add(p.dk + g.at(b, k0, kvh, p.dk_stride), p.dk_stride, nk, dim, true);
+        prefetcher.add(p.dv + g.at(b, k0, kvh, p.dv_stride), p.dv_stride, nk, dim, true);
+      }
+      pack_rows(p.q + g.at(b, q0, h, p.q_stride), p.q_stride, nq, dim, qr);
+      pack_rows(p.dout + g.at(b, q0, h, p.dout_stride), p.dout_stride, nq, dim, dor);
       const float* lse = p.lse + (b * g.heads + h) * g.seq + q0;
       for (int64_t i = 0; i < nq; ++i) lse2[i] = lse[i] * kLog2e;
-      row_dots(dout, p.dout_stride, p.out + g.at(b, q0, h, p.out_stride), p.out_stride, nq, dim, delta);
-      tile_gemm<true, Init::zero>(nq, q, p.q_stride, dim, kt, pt);         // base-2 scores
-      tile_gemm<true, Init::zero>(nq, dout, p.dout_stride, dim, vt, dst);  // dP = dout v^T
+      row_dots(dor, dim, p.out + g.at(b, q0, h, p.out_stride), p.out_stride, nq, dim, delta);
+      tile_gemm<true, Init::zero>(nq, qr, dim, dim, kt, pt, prefetcher);    // base-2 scores
+      tile_gemm<true, Init::zero>(nq, dor, dim, dim, vt, dst, prefetcher);  // dP = dout v^T
       // Zero the keys after the query (causal) and the padding lanes past the sequence, so that those
       // lanes of dK^T, dV^T stay finite.
       const bool masked = (p.causal && k0 + kBlock - 1 > q0) || k0 + kBlock > g.seq;
@@ -371,12 +494,12 @@ void backward_key_block(const ops::AttentionParams& p, const Geometry& g, int64_
                 mul(prob, sub(load(dst + i * kBlock + v * kLanes), row_delta)));
         }
       }
-      tile_gemm<false, Init::accumulate>(dim, dout, p.dout_stride, nq, pt, dvt);  // dV^T += dout^T P
-      tile_gemm<false, Init::accumulate>(dim, q, p.q_stride, nq, dst, dkt);       // dK^T += q^T dS
+      tile_gemm<false, Init::accumulate>(dim, dor, dim, nq, pt, dvt, prefetcher);  // dV^T += dout^T P
+      tile_gemm<false, Init::accumulate>(dim, qr, dim, nq, dst, dkt, prefetcher);  // dK^T += q^T dS
     }
   }
-  unpack_transposed(dkt, nk, dim, p.scale, p.dk + g.at(b, k0, kvh, p.dk_stride), p.dk_stride);
-  unpack_transposed(dvt, nk, dim, 1.0f, p.dv + g.at(b, k0, kvh, p.dv_stride), p.dv_stride);
+  unpack_transposed(dkt, nk, dim, p.scale, nullptr, p.dk + g.at(b, k0, kvh, p.dk_stride), p.dk_stride);
+  unpack_transposed(dvt, nk, dim, 1.0f, nullptr, p.dv + g.at(b, k0, kvh, p.dv_stride), p.dv_stride);
 }
 
 // ---- backward pass 2: one item = (batch, head, query block); dQ ----
@@ -385,15 +508,25 @@ void backward_query_block(const ops::AttentionParams& p, const Geometry& g, int6
                           float* scratch) {
   const int64_t dim = g.head_dim, kvh = h / g.group;
   const int64_t q0 = qb * kBlock, nq = std::min<int64_t>(kBlock, g.seq - q0);
-  float* qt = scratch;                  // [dim, kBlock] queries, pre-scaled into base-2 logits
-  float* dot = qt + dim * kBlock;       // [dim, kBlock] dout
-  float* dqt = dot + dim * kBlock;      // [dim, kBlock]
-  float* st = dqt + dim * kBlock;       // [kBlock keys, kBlock queries] scores
-  float* dst = st + kBlock * kBlock;    // [kBlock keys, kBlock queries] dP, then dS
-  float* lse2 = dst + kBlock * kBlock;  // [kBlock] per query lane
+  float* qt = scratch;                // [dim, kBlock] queries, pre-scaled into base-2 logits
+  float* dot = qt + dim * kBlock;     // [dim, kBlock] dout
+  float* dqt = dot + dim * kBlock;    // [dim, kBlock]
+  float* st = dqt + dim * kBlock;     // [kBlock keys, kBlock queries] scores
+  float* dst = st + kBlock * kBlock;  // [kBlock keys, kBlock queries] dP, then dS
+  float* kr = dst + kBlock * kBlock;  // [kBlock keys, dim]
+  float* vr = kr + kBlock * dim;      // [kBlock keys, dim]
+  float* lse2 = vr + kBlock * dim;    // [kBlock] per query lane
   float* delta = lse2 + kBlock;
   const float* q = p.q + g.at(b, q0, h, p.q_stride);
   const float* dout = p.dout + g.at(b, q0, h, p.dout_stride);
+  const float* k = p.k + g.at(b, 0, kvh, p.k_stride);
+  const float* v = p.v + g.at(b, 0, kvh, p.v_stride);
+  const int64_t key_end = p.causal ? q0 + nq : g.seq;
+  Prefetcher prefetcher;
+  prefetcher.add(k, p.k_stride, std::min<int64_t>(kBlock, key_end), dim);
+  prefetcher.add(v, p.v_stride, std::min<int64_t>(kBlock, key_end), dim);
+  prefetcher.add(p.out + g.at(b, q0, h, p.out_stride), p.out_stride, nq, dim);
+  prefetcher.drain();
   pack_transposed(q, p.q_stride, nq, dim, p.scale * kLog2e, qt);
   pack_transposed(dout, p.dout_stride, nq, dim, 1.0f, dot);
   const float* lse = p.lse + (b * g.heads + h) * g.seq + q0;
@@ -402,15 +535,21 @@ void backward_query_block(const ops::AttentionParams& p, const Geometry& g, int6
   Vec lse_lanes[kVectors], delta_lanes[kVectors];
   for (int i = 0; i < kVectors; ++i)
     lse_lanes[i] = load(lse2 + i * kLanes), delta_lanes[i] = load(delta + i * kLanes);
-  const float* k = p.k + g.at(b, 0, kvh, p.k_stride);
-  const float* v = p.v + g.at(b, 0, kvh, p.v_stride);
 
   const LaneIndex query(q0);
-  const int64_t key_end = p.causal ? q0 + nq : g.seq;
   for (int64_t k0 = 0; k0 < key_end; k0 += kBlock) {
-    const int64_t nk = std::min<int64_t>(kBlock, key_end - k0);
-    tile_gemm<true, Init::zero>(nk, k + k0 * p.k_stride, p.k_stride, dim, qt, st);
-    tile_gemm<true, Init::zero>(nk, v + k0 * p.v_stride, p.v_stride, dim, dot, dst);
+    const int64_t nk = std::min<int64_t>(kBlock, key_end - k0), next = k0 + kBlock;
+    prefetcher.clear();
+    if (next < key_end) {
+      prefetcher.add(k + next * p.k_stride, p.k_stride, std::min<int64_t>(kBlock, key_end - next), dim);
+      prefetcher.add(v + next * p.v_stride, p.v_stride, std::min<int64_t>(kBlock, key_end - next), dim);
+    } else {
+      prefetcher.add(p.dq + g.at(b, q0, h, p.dq_stride), p.dq_stride, nq, dim, true);
+    }
+    pack_rows(k + k0 * p.k_stride, p.k_stride, nk, dim, kr);
+    pack_rows(v + k0 * p.v_stride, p.v_stride, nk, dim, vr);
+    tile_gemm<true, Init::zero>(nk, kr, dim, dim, qt, st, prefetcher);
+    tile_gemm<true, Init::zero>(nk, vr, dim, dim, dot, dst, prefetcher);
     const bool masked = p.causal && k0 + nk - 1 > q0;
     for (int64_t j = 0; j < nk; ++j) {
       const Vec key = splat(static_cast<float>(k0 + j));
@@ -423,11 +562,14 @@ void backward_query_block(const ops::AttentionParams& p, const Geometry& g, int6
     }
     // dQ^T[d, i] += sum_j k[j, d] dS[j, i]
     if (k0 == 0)
-      tile_gemm<false, Init::zero>(dim, k, p.k_stride, nk, dst, dqt);
+      tile_gemm<false, Init::zero>(dim, kr, dim, nk, dst, dqt, prefetcher);
     else
-      tile_gemm<false, Init::accumulate>(dim, k + k0 * p.k_stride, p.k_stride, nk, dst, dqt);
+      tile_gemm<false, Init::accumulate>(dim, kr, dim, nk, dst, dqt, prefetcher);
   }
-  unpack_transposed(dqt, nq, dim, p.scale, p.dq + g.at(b, q0, h, p.dq_stride), p.dq_stride);
+  unpack_transposed(dqt, nq, dim, p.scale, nullptr, p.dq + g.at(b, q0, h, p.dq_stride), p.dq_stride);
+}
+int64_t backward_scratch_floats(int64_t dim) {
+  return 4 * dim * kBlock + 2 * kBlock * kBlock + 2 * kBlock * dim + 2 * kBlock;
 }
 
 }  // namespace
@@ -435,32 +577,32 @@ void backward_query_block(const ops::AttentionParams& p, const Geometry& g, int6
 void attention_forward(const ops::AttentionParams& p) {
   check_params(p, false);
   const Geometry g(p);
-  ThreadScratch scratch(2 * g.head_dim * kBlock + kBlock * kBlock);
-  const int64_t heads_total = g.batch * g.heads, items = heads_total * g.blocks;
+  ThreadScratch scratch(forward_scratch_floats(g.head_dim));
+  const int64_t items = g.batch * g.heads * g.blocks;
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t n = 0; n < items; ++n) {
-    const Item item = heaviest_first(n, heads_total, g.blocks, p.causal);
-    forward_block(p, g, item.rest / g.heads, item.rest % g.heads, item.block, scratch.mine());
+    const Item it = item_at(n, g, g.group, p.causal);
+    forward_block(p, g, it.batch, it.kv_head * g.group + it.member, it.block, scratch.mine());
   }
 }
 
 void attention_backward(const ops::AttentionParams& p) {
   check_params(p, true);
   const Geometry g(p);
-  ThreadScratch scratch(4 * g.head_dim * kBlock + 2 * kBlock * kBlock + 2 * kBlock);
-  const int64_t kv_total = g.batch * g.kv_heads, heads_total = g.batch * g.heads;
+  ThreadScratch scratch(backward_scratch_floats(g.head_dim));
+  const int64_t kv_total = g.batch * g.kv_heads;
 #pragma omp parallel
   {
     // Under the causal mask early key blocks meet the most queries, late query blocks the most keys.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t n = 0; n < kv_total * g.blocks; ++n) {
-      const Item item = heaviest_first(n, kv_total, g.blocks, false);
-      backward_key_block(p, g, item.rest / g.kv_heads, item.rest % g.kv_heads, item.block, scratch.mine());
+      const Item it = item_at(n, g, 1, false);
+      backward_key_block(p, g, it.batch, it.kv_head, it.block, scratch.mine());
     }
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t n = 0; n < heads_total * g.blocks; ++n) {
-      const Item item = heaviest_first(n, heads_total, g.blocks, p.causal);
-      backward_query_block(p, g, item.rest / g.heads, item.rest % g.heads, item.block, scratch.mine());
+    for (int64_t n = 0; n < kv_total * g.group * g.blocks; ++n) {
+      const Item it = item_at(n, g, g.group, p.causal);
+      backward_query_block(p, g, it.batch, it.kv_head * g.group + it.member, it.block, scratch.mine());
     }
   }
 }

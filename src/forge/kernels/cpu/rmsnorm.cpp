@@ -23,6 +23,7 @@ void check(const ops::RmsNormParams& p, const char* what) {
 void rmsnorm_forward(const ops::RmsNormParams& p) {
   check(p, "rmsnorm_forward");
   const int64_t dim = p.dim;
+  const float* weight = p.weight;
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < p.rows; ++r) {
     const float* x = p.x + r * dim;
@@ -33,7 +34,7 @@ void rmsnorm_forward(const ops::RmsNormParams& p) {
     const float rstd = 1.0f / std::sqrt(sum / static_cast<float>(dim) + p.eps);
     if (p.rstd) p.rstd[r] = rstd;
 #pragma omp simd
-    for (int64_t j = 0; j < dim; ++j) y[j] = p.weight[j] * (x[j] * rstd);
+    for (int64_t j = 0; j < dim; ++j) y[j] = weight[j] * (x[j] * rstd);
   }
 }
 
@@ -42,6 +43,7 @@ void rmsnorm_forward(const ops::RmsNormParams& p) {
 void rmsnorm_backward_input(const ops::RmsNormParams& p) {
   check(p, "rmsnorm_backward_input");
   const int64_t dim = p.dim;
+  const float* weight = p.weight;
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < p.rows; ++r) {
     const float* x = p.x + r * dim;
@@ -50,10 +52,10 @@ void rmsnorm_backward_input(const ops::RmsNormParams& p) {
     const float rstd = p.rstd[r];
     float dot = 0;
 #pragma omp simd reduction(+ : dot)
-    for (int64_t j = 0; j < dim; ++j) dot += dy[j] * p.weight[j] * x[j];
+    for (int64_t j = 0; j < dim; ++j) dot += dy[j] * weight[j] * x[j];
     const float coef = dot * rstd * rstd * rstd / static_cast<float>(dim);
 #pragma omp simd
-    for (int64_t j = 0; j < dim; ++j) dx[j] = rstd * p.weight[j] * dy[j] - coef * x[j];
+    for (int64_t j = 0; j < dim; ++j) dx[j] = rstd * weight[j] * dy[j] - coef * x[j];
   }
 }
 
@@ -61,6 +63,7 @@ void rmsnorm_backward_input(const ops::RmsNormParams& p) {
 void rmsnorm_backward_weight(const ops::RmsNormParams& p) {
   check(p, "rmsnorm_backward_weight");
   const int64_t dim = p.dim;
+  float* dweight = p.dweight;
   const int64_t blocks = (p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
   if (blocks == 0) return;
   std::vector<float> partial(blocks * dim);
@@ -89,7 +92,7 @@ void rmsnorm_backward_weight(const ops::RmsNormParams& p) {
         for (int64_t j = 0; j < width; ++j) sum[j] += part[j];
       }
 #pragma omp simd
-      for (int64_t j = 0; j < width; ++j) p.dweight[j0 + j] += sum[j];
+      for (int64_t j = 0; j < width; ++j) dweight[j0 + j] += sum[j];
     }
   }
 }

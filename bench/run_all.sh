@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# End-to-end training throughput: forge fp32/bf16 beside PyTorch fp32/bf16-autocast on the same 32M LLaMA
+# (vocab 8192, hidden 512, 8 layers, 8 heads, 4 kv heads, ffn 1408, seq 512, micro-batch 4), in one run,
+# then the micro-benchmarks. Usage: bench/run_all.sh [BUILD_DIR]   (make bench)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD=${1:-build}
+FORGE=$BUILD/bin/forge
+CONFIG=bench/configs/llama-32m.json
+STEPS=${STEPS:-4}
+out=$(mktemp -d)
+
+echo "== GEMM peaks (the MFU denominators)"
+$FORGE bench | tee "$out/peaks.txt"
+peak_bf16=$(awk '/peak bf16/ {print $4}' "$out/peaks.txt")
+peak_fp32=$(awk '/peak fp32/ {print $4}' "$out/peaks.txt")
+
+echo "== end-to-end training, batch 4 x 512 tokens"
+$FORGE bench --model $CONFIG --dtype bf16 --steps "$STEPS" --peak-gflops "$peak_bf16" | tee "$out/forge_bf16.txt"
+$FORGE bench --model $CONFIG --dtype fp32 --steps "$STEPS" --peak-gflops "$peak_fp32" | tee "$out/forge_fp32.txt"
+/usr/bin/python3 bench/torch_llama.py $CONFIG --dtype bf16 --steps "$STEPS" | tee "$out/torch_bf16.txt"
+/usr/bin/python3 bench/torch_llama.py $CONFIG --dtype fp32 --steps 2 | tee "$out/torch_fp32.txt"
+
+/usr/bin/python3 - "$out" <<'PY'
+import json, sys, pathlib
+d = pathlib.Path(sys.argv[1])
+def load(name):
+    return next(json.loads(l) for l in (d / name).read_text().splitlines() if l.startswith("{"))
+fb, ff, tb, tf = (load(n) for n in ("forge_bf16.txt", "forge_fp32.txt", "torch_bf16.txt", "torch_fp32.txt"))
+print("== summary")
+print(f"{'engine':<22}{'tokens/s':>10}{'GFLOP/s':>10}{'MFU':>8}")
+for name, r in (("forge bf16", fb), ("forge fp32", ff), ("pytorch bf16 autocast", tb), ("pytorch fp32", tf)):
+    mfu = f"{100*r['mfu']:.1f}%" if "mfu" in r else ""
+    print(f"{name:<22}{r['tokens_per_s']:>10.0f}{r['model_gflops']:>10.1f}{mfu:>8}")
+print(f"forge bf16 / pytorch bf16: {fb['tokens_per_s']/tb['tokens_per_s']:.2f}x   "
+      f"forge fp32 / pytorch fp32: {ff['tokens_per_s']/tf['tokens_per_s']:.2f}x")
+PY
+
+if [[ -x $BUILD/bin/forge_microbench ]]; then
+  echo "== micro-benchmarks"
+  $BUILD/bin/forge_microbench --benchmark_min_time=0.2 2>&1 | grep -v "^\*\*\*"
+fi
+rm -rf "$out"

@@ -1,0 +1,178 @@
+// Trainer behaviour on a toy model and corpus: bitwise-exact resume after an interruption (the Ctrl-C
+// path: stop flag, checkpoint, exit), learning, and refused inputs.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "forge/ckpt/checkpoint.h"
+#include "forge/train/trainer.h"
+
+namespace forge {
+namespace {
+namespace fs = std::filesystem;
+
+std::string read_file(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+class TrainerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("forge_trainer_test_" + std::to_string(::getpid()) + "_" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    std::ofstream corpus(dir_ / "corpus.txt");
+    for (int i = 0; i < 300; ++i)
+      corpus << "In the beginning was the word " << i % 17 << ", and the word was with the light.\n";
+    std::ofstream model(dir_ / "config.json");
+    model << R"({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 256,
+                 "max_position_embeddings": 64})";
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  TrainConfig config(const std::string& run) const {
+    TrainConfig c;
+    c.model.config = (dir_ / "config.json").string();
+    c.data.corpus = (dir_ / "corpus.txt").string();
+    c.data.cache_dir = dir_.string();
+    c.data.seq_len = 32;
+    c.data.heldout_fraction = 0.1;
+    c.train.micro_batch = 2;
+    c.train.grad_accum = 2;
+    c.train.steps = 6;
+    c.train.warmup = 2;
+    c.train.lr = 1e-2;
+    c.train.min_lr = 1e-3;
+    c.eval.every = 0;
+    c.log.every = 100;
+    c.log.peak_gflops = 100;  // skip the peak measurement
+    c.log.run_dir = (dir_ / run).string();
+    c.sample.tokens = 0;
+    return c;
+  }
+  fs::path dir_;
+};
+
+class TrainerResume : public TrainerTest, public ::testing::WithParamInterface<const char*> {};
+
+TEST_P(TrainerResume, InterruptedRunResumesTheIdenticalLossSequenceBitwise) {
+  TrainConfig straight = config("straight");
+  straight.train.dtype = GetParam();
+  TrainResult full = Trainer(straight).run();
+  ASSERT_EQ(full.losses.size(), 6u);
+  EXPECT_FALSE(full.interrupted);
+
+  // The same run interrupted after step 3 (as Ctrl-C does: stop flag, checkpoint, return) ...
+  TrainConfig split = config("split");
+  split.train.dtype = GetParam();
+  Trainer first(split);
+  first.on_step([](int64_t step) {
+    if (step == 3) Trainer::stop_flag() = true;
+  });
+  TrainResult a = first.run();
+  EXPECT_TRUE(a.interrupted);
+  ASSERT_EQ(a.losses.size(), 3u);
+  ASSERT_TRUE(checkpoint_exists((fs::path(split.log.run_dir) / "checkpoint").string()));
+  EXPECT_EQ(read_checkpoint_manifest((fs::path(split.log.run_dir) / "checkpoint").string()).step, 3);
+
+  // ... and resumed: steps 4..6 repeat the uninterrupted run's losses and weights bit for bit.
+  split.checkpoint.resume = "auto";
+  TrainResult b = Trainer(split).run();
+  ASSERT_EQ(b.losses.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(a.losses[i], full.losses[i]) << "step " << i;
+    EXPECT_EQ(b.losses[i], full.losses[3 + i]) << "step " << 3 + i;
+  }
+  EXPECT_EQ(b.steps_done, 6);
+  EXPECT_EQ(b.heldout_loss, full.heldout_loss);
+  EXPECT_EQ(read_file(fs::path(split.log.run_dir) / "checkpoint" / "model.safetensors"),
+            read_file(fs::path(straight.log.run_dir) / "checkpoint" / "model.safetensors"));
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, TrainerResume, ::testing::Values("fp32", "bf16"));
+
+TEST_F(TrainerTest, LossFallsAndMetricsAreWritten) {
+  TrainConfig c = config("learn");
+  c.train.steps = 40;
+  c.train.warmup = 5;
+  c.log.every = 10;
+  c.sample.tokens = 20;
+  c.sample.prompt = "In the";
+  TrainResult r = Trainer(c).run();
+  ASSERT_EQ(r.losses.size(), 40u);
+  EXPECT_LT(r.losses.back(), r.losses.front() - 1.0);
+  EXPECT_GT(r.heldout_bits_per_byte, 0);
+  EXPECT_EQ(r.sample.size(), 6u + 20u);
+  std::ifstream metrics(fs::path(c.log.run_dir) / "metrics.jsonl");
+  int lines = 0;
+  for (std::string line; std::getline(metrics, line);) {
+    ++lines;
+    EXPECT_NE(line.find("\"step\""), std::string::npos);
+  }
+  EXPECT_GE(lines, 5);  // steps 1, 10, 20, 30, 40 and the final evaluation
+  EXPECT_TRUE(fs::exists(fs::path(c.log.run_dir) / "config.toml"));
+}
+
+TEST_F(TrainerTest, RefusesBadInputsWithOneClearLine) {
+  auto expect_error = [](TrainConfig c, const std::string& culprit) {
+    try {
+      Trainer(c).run();
+      ADD_FAILURE() << "expected an error naming " << culprit;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(culprit), std::string::npos) << e.what();
+      EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << e.what();
+    }
+  };
+  TrainConfig missing_corpus = config("bad1");
+  missing_corpus.data.corpus = (dir_ / "nope.txt").string();
+  expect_error(missing_corpus, "nope.txt");
+  TrainConfig missing_model = config("bad2");
+  missing_model.model.config = (dir_ / "absent.json").string();
+  expect_error(missing_model, "absent.json");
+  TrainConfig long_seq = config("bad3");
+  long_seq.data.seq_len = 128;  // > max_position_embeddings 64
+  expect_error(long_seq, "max_position_embeddings");
+  TrainConfig bad_resume = config("bad4");
+  bad_resume.checkpoint.resume = (dir_ / "no_checkpoint").string();
+  expect_error(bad_resume, "no_checkpoint");
+  std::ofstream(dir_ / "heads.json") << R"({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+      "num_attention_heads": 4, "num_key_value_heads": 3, "vocab_size": 256})";
+  TrainConfig heads = config("bad5");
+  heads.model.config = (dir_ / "heads.json").string();
+  expect_error(heads, "num_key_value_heads");
+}
+
+TEST_F(TrainerTest, IncompleteCheckpointIsRefused) {
+  TrainConfig c = config("incomplete");
+  c.train.steps = 2;
+  Trainer(c).run();
+  fs::path ckpt = fs::path(c.log.run_dir) / "checkpoint";
+  // Corrupt one shard: the manifest's checksum catches it.
+  {
+    std::fstream f(ckpt / "model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-4, std::ios::end);
+    f.write("\x01\x02\x03\x04", 4);
+  }
+  TrainConfig resume = c;
+  resume.checkpoint.resume = ckpt.string();
+  EXPECT_THROW(Trainer(resume).run(), Error);
+  // Without a manifest the checkpoint reads as incomplete.
+  fs::remove(ckpt / "manifest.json");
+  try {
+    Trainer(resume).run();
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("incomplete"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace forge
