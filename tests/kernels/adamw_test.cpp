@@ -32,7 +32,7 @@ void reference_step(std::vector<double>& p, std::vector<double>& m, std::vector<
 
 TEST_P(AdamW, MatchesDoubleReferenceOverSeveralSteps) {
   const Config config = GetParam();
-  const int64_t n = 10007;  // spans several work blocks and a partial one
+  const int64_t n = 40009;  // spans several work blocks and a partial one
   auto param = testing::random_floats(n, 61);
   std::vector<float> m(n, 0), v(n, 0);
   std::vector<uint16_t> shadow(n, 0);

@@ -55,7 +55,7 @@ TEST(TrainConfig, DefaultsMatchTheDocumentedValues) {
   EXPECT_DOUBLE_EQ(c.train.lr, 3e-3);
   EXPECT_DOUBLE_EQ(c.train.min_lr, 3e-4);
   EXPECT_EQ(c.train.schedule, "cosine");
-  EXPECT_EQ(c.train.dtype, "bf16");
+  EXPECT_EQ(c.train.dtype, "auto");
   EXPECT_EQ(c.train.recompute, "none");
   EXPECT_EQ(c.eval.every, 250);
   EXPECT_EQ(c.log.run_dir, "runs/default");
@@ -170,7 +170,7 @@ TEST(TrainConfigErrors, WrongTypesAndValues) {
   expect_parse_error("[train]\nlr = \"fast\"\n", {"train.lr must be a number, got string"});
   expect_parse_error("[data]\ncorpus = 3\n", {"data.corpus must be a string, got integer"});
   expect_parse_error("[train]\nschedule = \"linear\"\n", {"test.toml:2", "train.schedule must be one of"});
-  expect_parse_error("[train]\ndtype = \"fp16\"\n", {"train.dtype must be one of 'bf16', 'fp32'"});
+  expect_parse_error("[train]\ndtype = \"fp16\"\n", {"train.dtype must be one of 'auto', 'bf16', 'fp32'"});
   expect_parse_error("[model]\nseed = -3\n", {"model.seed must be >= 0"});
 }
 

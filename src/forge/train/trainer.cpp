@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "forge/ckpt/checkpoint.h"
+#include "forge/core/cpu_features.h"
 #include "forge/core/memory.h"
 #include "forge/data/byte_sampler.h"
 #include "forge/data/text_corpus.h"
@@ -93,7 +94,9 @@ TrainResult Trainer::run() {
          "data.heldout_fraction", c.data.corpus, heldout_tokens.size(), seq + 1);
 
   nn::ComputeOptions options;
-  options.gemm_dtype = dtype_from_name(c.train.dtype);
+  std::string dtype_name_used = c.train.dtype;
+  if (dtype_name_used == "auto") dtype_name_used = cpu_has_native_bf16() ? "bf16" : "fp32";
+  options.gemm_dtype = dtype_from_name(dtype_name_used);
   options.recompute = nn::recompute_from_name(c.train.recompute);
   LlamaModel model(model_config, options, static_cast<float>(c.model.init_std));
   model.initialize(c.model.seed);
@@ -132,9 +135,10 @@ TrainResult Trainer::run() {
       c.log.peak_gflops > 0 ? c.log.peak_gflops : measure_gemm_peak_gflops(options.gemm_dtype);
   std::printf("model %.2fM parameters | %s compute | recompute %s | %lld-token batches (%lld x %lld x %lld) | "
               "peak %s GEMM %.0f GFLOP/s (%s)\n",
-              static_cast<double>(model_config.num_parameters()) / 1e6, c.train.dtype.c_str(),
+              static_cast<double>(model_config.num_parameters()) / 1e6,
+              (dtype_name_used + (c.train.dtype == "auto" ? " (auto)" : "")).c_str(),
               c.train.recompute.c_str(), static_cast<long long>(c.tokens_per_step()), static_cast<long long>(micro),
-              static_cast<long long>(accum), static_cast<long long>(seq), c.train.dtype.c_str(), peak_gflops,
+              static_cast<long long>(accum), static_cast<long long>(seq), dtype_name_used.c_str(), peak_gflops,
               c.log.peak_gflops > 0 ? "given" : "measured");
   std::printf("corpus %s: %zu training bytes, %zu held-out bytes\n", c.data.corpus.c_str(), train_tokens.size(),
               heldout_tokens.size());

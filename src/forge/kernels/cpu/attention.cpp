@@ -158,60 +158,15 @@ void tile_rows_tail(int64_t rows, const float* a, int64_t stride, int64_t depth,
   }
 }
 
-// Software prefetch of upcoming strided rows (the next block's k, v, q, dout, or the out rows about to be
-// written), issued a few lines at a time between micro-kernel calls so that the misses overlap compute.
-// Rows at token strides that are multiples of 4 KiB sit on separate pages, so the hardware stream
-// prefetchers do not follow them.
-class Prefetcher {
- public:
-  static constexpr int kLinesPerCall = 24;
-  void add(const float* rows, int64_t stride, int64_t count, int64_t dim, bool for_write = false) {
-    if (count <= 0 || queued_ == kMaxBlocks) return;
-    blocks_[queued_++] = {reinterpret_cast<const char*>(rows), stride * int64_t{sizeof(float)}, count,
-                          (dim * int64_t{sizeof(float)} + 63) / 64, for_write};
-  }
-  // Issues up to `lines` prefetches from the queue, oldest block first.
-  void issue(int lines = kLinesPerCall) {
-    for (; lines > 0 && next_ < queued_; --lines) {
-      Block& b = blocks_[next_];
-      const char* line = b.rows + b.row * b.stride + b.line * 64;
-      if (b.for_write)
-        __builtin_prefetch(line, 1, 3);
-      else
-        __builtin_prefetch(line, 0, 3);
-      if (++b.line == b.lines_per_row) b.line = 0, ++b.row;
-      if (b.row == b.count) ++next_;
-    }
-  }
-  void drain() {
-    while (next_ < queued_) issue(1 << 20);
-  }
-  void clear() { queued_ = next_ = 0; }
-
- private:
-  struct Block {
-    const char* rows;
-    int64_t stride, count, lines_per_row;
-    bool for_write;
-    int64_t row = 0, line = 0;
-  };
-  static constexpr int kMaxBlocks = 4;
-  Block blocks_[kMaxBlocks];
-  int queued_ = 0, next_ = 0;
-};
-
-// C[rows, kBlock] (init)= A[rows, depth] @ P[depth, kBlock]: kRows rows per micro-kernel call, with a slice
-// of the queued prefetches before each call.
+// C[rows, kBlock] (init)= A[rows, depth] @ P[depth, kBlock]: kRows rows per micro-kernel call.
 template <bool kDepthContiguous, Init kInit>
 void tile_gemm(int64_t rows, const float* a, int64_t stride, int64_t depth, const float* panel, float* c,
-               Prefetcher& prefetcher, const Vec* lane_scale = nullptr) {
+               const Vec* lane_scale = nullptr) {
   const int64_t row_step = kDepthContiguous ? stride : 1;
   int64_t r = 0;
-  for (; r + kRows <= rows; r += kRows) {
-    prefetcher.issue();
+  for (; r + kRows <= rows; r += kRows)
     tile_rows<kRows, kDepthContiguous, kInit>(a + r * row_step, stride, depth, panel, c + r * kBlock,
                                               lane_scale);
-  }
   tile_rows_tail<kRows - 1, kDepthContiguous, kInit>(rows - r, a + r * row_step, stride, depth, panel,
                                                      c + r * kBlock, lane_scale);
 }
@@ -336,7 +291,11 @@ Item item_at(int64_t n, const Geometry& g, int64_t members, bool heavy_blocks_la
 // tile[i * dim + d] = rows[i * stride + d] for i < count. Operands broadcast from a contiguous copy: at
 // token strides that are multiples of 4 KiB (fused qkv) every row of a block maps to the same L1 set.
 void pack_rows(const float* rows, int64_t stride, int64_t count, int64_t dim, float* tile) {
-  for (int64_t i = 0; i < count; ++i) std::memcpy(tile + i * dim, rows + i * stride, dim * sizeof(float));
+  for (int64_t i = 0; i < count; ++i) {
+    int64_t d = 0;
+    for (; d + kLanes <= dim; d += kLanes) store(tile + i * dim + d, load(rows + i * stride + d));
+    for (; d < dim; ++d) tile[i * dim + d] = rows[i * stride + d];
+  }
 }
 
 // delta[i] = <dout_i, out_i> for the count rows; lanes count..kBlock-1 are zero.
@@ -365,27 +324,16 @@ void forward_block(const ops::AttentionParams& p, const Geometry& g, int64_t b, 
   const float* v = p.v + g.at(b, 0, kvh, p.v_stride);
   float* out = p.out + g.at(b, q0, h, p.out_stride);
   const int64_t key_end = p.causal ? q0 + nq : g.seq;
-  Prefetcher prefetcher;
-  prefetcher.add(k, p.k_stride, std::min<int64_t>(kBlock, key_end), dim);
-  prefetcher.add(v, p.v_stride, std::min<int64_t>(kBlock, key_end), dim);
-  prefetcher.drain();
   pack_transposed(p.q + g.at(b, q0, h, p.q_stride), p.q_stride, nq, dim, p.scale * kLog2e, qt);
 
   const LaneIndex query(q0);
   Vec m[kVectors], l[kVectors];
   for (int i = 0; i < kVectors; ++i) m[i] = splat(-kInfinity), l[i] = splat(0.0f);
   for (int64_t k0 = 0; k0 < key_end; k0 += kBlock) {
-    const int64_t nk = std::min<int64_t>(kBlock, key_end - k0), next = k0 + kBlock;
-    prefetcher.clear();
-    if (next < key_end) {
-      prefetcher.add(k + next * p.k_stride, p.k_stride, std::min<int64_t>(kBlock, key_end - next), dim);
-      prefetcher.add(v + next * p.v_stride, p.v_stride, std::min<int64_t>(kBlock, key_end - next), dim);
-    } else {
-      prefetcher.add(out, p.out_stride, nq, dim, true);
-    }
+    const int64_t nk = std::min<int64_t>(kBlock, key_end - k0);
     pack_rows(k + k0 * p.k_stride, p.k_stride, nk, dim, kr);
     pack_rows(v + k0 * p.v_stride, p.v_stride, nk, dim, vr);
-    tile_gemm<true, Init::zero>(nk, kr, dim, dim, qt, st, prefetcher);
+    tile_gemm<true, Init::zero>(nk, kr, dim, dim, qt, st);
     // Online softmax per query lane: running max m and sum l, the old output rescaled by alpha.
     const bool masked = p.causal && k0 + nk - 1 > q0;
     Vec m_new[kVectors];
@@ -413,9 +361,9 @@ void forward_block(const ops::AttentionParams& p, const Geometry& g, int64_t b, 
     for (int i = 0; i < kVectors; ++i) l[i] = fmadd(l[i], alpha[i], sum[i]);
     // ot[d, i] = alpha_i ot[d, i] + sum_j v[j, d] st[j, i]
     if (k0 == 0)
-      tile_gemm<false, Init::zero>(dim, vr, dim, nk, st, ot, prefetcher);
+      tile_gemm<false, Init::zero>(dim, vr, dim, nk, st, ot);
     else
-      tile_gemm<false, Init::scaled>(dim, vr, dim, nk, st, ot, prefetcher, alpha);
+      tile_gemm<false, Init::scaled>(dim, vr, dim, nk, st, ot, alpha);
   }
 
   float m_lanes[kBlock], l_lanes[kBlock], inverse_l[kBlock];
@@ -447,15 +395,6 @@ void backward_key_block(const ops::AttentionParams& p, const Geometry& g, int64_
   float* delta = lse2 + kBlock;       // [kBlock]
   // Under the causal mask queries before k0 see none of these keys.
   const int64_t first_query = p.causal ? k0 : 0;
-  Prefetcher prefetcher;
-  auto queue_rows = [&](int64_t h, int64_t q0) {
-    const int64_t count = std::min<int64_t>(kBlock, g.seq - q0);
-    prefetcher.add(p.q + g.at(b, q0, h, p.q_stride), p.q_stride, count, dim);
-    prefetcher.add(p.dout + g.at(b, q0, h, p.dout_stride), p.dout_stride, count, dim);
-    prefetcher.add(p.out + g.at(b, q0, h, p.out_stride), p.out_stride, count, dim);
-  };
-  queue_rows(kvh * g.group, first_query);
-  prefetcher.drain();
   pack_transposed(p.k + g.at(b, k0, kvh, p.k_stride), p.k_stride, nk, dim, p.scale * kLog2e, kt);
   pack_transposed(p.v + g.at(b, k0, kvh, p.v_stride), p.v_stride, nk, dim, 1.0f, vt);
   std::fill(dkt, dkt + 2 * dim * kBlock, 0.0f);
@@ -464,22 +403,13 @@ void backward_key_block(const ops::AttentionParams& p, const Geometry& g, int64_
   for (int64_t h = kvh * g.group; h < (kvh + 1) * g.group; ++h) {
     for (int64_t q0 = first_query; q0 < g.seq; q0 += kBlock) {
       const int64_t nq = std::min<int64_t>(kBlock, g.seq - q0);
-      prefetcher.clear();
-      if (q0 + kBlock < g.seq) {
-        queue_rows(h, q0 + kBlock);
-      } else if (h + 1 < (kvh + 1) * g.group) {
-        queue_rows(h + 1, first_query);
-      } else {
-        prefetcher.add(p.dk + g.at(b, k0, kvh, p.dk_stride), p.dk_stride, nk, dim, true);
-        prefetcher.add(p.dv + g.at(b, k0, kvh, p.dv_stride), p.dv_stride, nk, dim, true);
-      }
       pack_rows(p.q + g.at(b, q0, h, p.q_stride), p.q_stride, nq, dim, qr);
       pack_rows(p.dout + g.at(b, q0, h, p.dout_stride), p.dout_stride, nq, dim, dor);
       const float* lse = p.lse + (b * g.heads + h) * g.seq + q0;
       for (int64_t i = 0; i < nq; ++i) lse2[i] = lse[i] * kLog2e;
       row_dots(dor, dim, p.out + g.at(b, q0, h, p.out_stride), p.out_stride, nq, dim, delta);
-      tile_gemm<true, Init::zero>(nq, qr, dim, dim, kt, pt, prefetcher);    // base-2 scores
-      tile_gemm<true, Init::zero>(nq, dor, dim, dim, vt, dst, prefetcher);  // dP = dout v^T
+      tile_gemm<true, Init::zero>(nq, qr, dim, dim, kt, pt);    // base-2 scores
+      tile_gemm<true, Init::zero>(nq, dor, dim, dim, vt, dst);  // dP = dout v^T
       // Zero the keys after the query (causal) and the padding lanes past the sequence, so that those
       // lanes of dK^T, dV^T stay finite.
       const bool masked = (p.causal && k0 + kBlock - 1 > q0) || k0 + kBlock > g.seq;
@@ -494,8 +424,8 @@ void backward_key_block(const ops::AttentionParams& p, const Geometry& g, int64_
                 mul(prob, sub(load(dst + i * kBlock + v * kLanes), row_delta)));
         }
       }
-      tile_gemm<false, Init::accumulate>(dim, dor, dim, nq, pt, dvt, prefetcher);  // dV^T += dout^T P
-      tile_gemm<false, Init::accumulate>(dim, qr, dim, nq, dst, dkt, prefetcher);  // dK^T += q^T dS
+      tile_gemm<false, Init::accumulate>(dim, dor, dim, nq, pt, dvt);  // dV^T += dout^T P
+      tile_gemm<false, Init::accumulate>(dim, qr, dim, nq, dst, dkt);  // dK^T += q^T dS
     }
   }
   unpack_transposed(dkt, nk, dim, p.scale, nullptr, p.dk + g.at(b, k0, kvh, p.dk_stride), p.dk_stride);
@@ -522,11 +452,6 @@ void backward_query_block(const ops::AttentionParams& p, const Geometry& g, int6
   const float* k = p.k + g.at(b, 0, kvh, p.k_stride);
   const float* v = p.v + g.at(b, 0, kvh, p.v_stride);
   const int64_t key_end = p.causal ? q0 + nq : g.seq;
-  Prefetcher prefetcher;
-  prefetcher.add(k, p.k_stride, std::min<int64_t>(kBlock, key_end), dim);
-  prefetcher.add(v, p.v_stride, std::min<int64_t>(kBlock, key_end), dim);
-  prefetcher.add(p.out + g.at(b, q0, h, p.out_stride), p.out_stride, nq, dim);
-  prefetcher.drain();
   pack_transposed(q, p.q_stride, nq, dim, p.scale * kLog2e, qt);
   pack_transposed(dout, p.dout_stride, nq, dim, 1.0f, dot);
   const float* lse = p.lse + (b * g.heads + h) * g.seq + q0;
@@ -538,18 +463,11 @@ void backward_query_block(const ops::AttentionParams& p, const Geometry& g, int6
 
   const LaneIndex query(q0);
   for (int64_t k0 = 0; k0 < key_end; k0 += kBlock) {
-    const int64_t nk = std::min<int64_t>(kBlock, key_end - k0), next = k0 + kBlock;
-    prefetcher.clear();
-    if (next < key_end) {
-      prefetcher.add(k + next * p.k_stride, p.k_stride, std::min<int64_t>(kBlock, key_end - next), dim);
-      prefetcher.add(v + next * p.v_stride, p.v_stride, std::min<int64_t>(kBlock, key_end - next), dim);
-    } else {
-      prefetcher.add(p.dq + g.at(b, q0, h, p.dq_stride), p.dq_stride, nq, dim, true);
-    }
+    const int64_t nk = std::min<int64_t>(kBlock, key_end - k0);
     pack_rows(k + k0 * p.k_stride, p.k_stride, nk, dim, kr);
     pack_rows(v + k0 * p.v_stride, p.v_stride, nk, dim, vr);
-    tile_gemm<true, Init::zero>(nk, kr, dim, dim, qt, st, prefetcher);
-    tile_gemm<true, Init::zero>(nk, vr, dim, dim, dot, dst, prefetcher);
+    tile_gemm<true, Init::zero>(nk, kr, dim, dim, qt, st);
+    tile_gemm<true, Init::zero>(nk, vr, dim, dim, dot, dst);
     const bool masked = p.causal && k0 + nk - 1 > q0;
     for (int64_t j = 0; j < nk; ++j) {
       const Vec key = splat(static_cast<float>(k0 + j));
@@ -562,9 +480,9 @@ void backward_query_block(const ops::AttentionParams& p, const Geometry& g, int6
     }
     // dQ^T[d, i] += sum_j k[j, d] dS[j, i]
     if (k0 == 0)
-      tile_gemm<false, Init::zero>(dim, kr, dim, nk, dst, dqt, prefetcher);
+      tile_gemm<false, Init::zero>(dim, kr, dim, nk, dst, dqt);
     else
-      tile_gemm<false, Init::accumulate>(dim, kr, dim, nk, dst, dqt, prefetcher);
+      tile_gemm<false, Init::accumulate>(dim, kr, dim, nk, dst, dqt);
   }
   unpack_transposed(dqt, nq, dim, p.scale, nullptr, p.dq + g.at(b, q0, h, p.dq_stride), p.dq_stride);
 }
