@@ -171,6 +171,18 @@ void tile_gemm(int64_t rows, const float* a, int64_t stride, int64_t depth, cons
                                                      c + r * kBlock, lane_scale);
 }
 
+// Rows of q, k, v, out, dout sit a token stride apart, usually on separate pages, where the hardware
+// prefetchers do not follow; the copy loops below request rows a few ahead to keep more misses in flight.
+constexpr int64_t kRowsAhead = 8;
+inline void prefetch_row(const float* row, int64_t dim, bool for_write = false) {
+  for (int64_t d = 0; d < dim; d += 64 / sizeof(float)) {
+    if (for_write)
+      __builtin_prefetch(row + d, 1, 3);
+    else
+      __builtin_prefetch(row + d, 0, 3);
+  }
+}
+
 // panel[d, i] = rows[i * stride + d] * factor for i < count; lanes count..kBlock-1 are zero. The rows are
 // usually cold (fresh q, k, v, dout): gathering 16 rows at once keeps 16 cache misses in flight, where
 // scalar transposing stores would fill the store buffer and serialise them.
@@ -189,6 +201,8 @@ void pack_transposed(const float* rows, int64_t stride, int64_t count, int64_t d
       }
       const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
       const float* base = rows + g * kLanes * stride;
+      for (int64_t i = (g + 1) * kLanes; i < std::min<int64_t>(count, (g + 2) * kLanes); ++i)
+        prefetch_row(rows + i * stride, dim);
       for (int64_t d = 0; d < dim; ++d) {
         Vec x = _mm512_mask_i32gather_ps(splat(0.0f), mask, offsets, base + d, 4);
         store(panel + d * kBlock + g * kLanes, mul(x, splat(factor)));
@@ -204,20 +218,79 @@ void pack_transposed(const float* rows, int64_t stride, int64_t count, int64_t d
 
 // rows[i * stride + d] = panel[d, i] * factor * row_factor[i] (row_factor may be null) for i < count: the
 // inverse of pack_transposed. Gathers from the L1-resident panel so that each output row is written with
-// full-vector stores.
+// full-vector stores. (Streaming stores past the cache measured 2x slower here.)
 void unpack_transposed(const float* panel, int64_t count, int64_t dim, float factor, const float* row_factor,
                        float* rows, int64_t stride) {
+#if defined(__AVX512F__)
+  const __m512i offsets = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(kBlock));
+#endif
   for (int64_t i = 0; i < count; ++i) {
+    if (i + kRowsAhead < count) prefetch_row(rows + (i + kRowsAhead) * stride, dim, true);
     const float f = row_factor ? factor * row_factor[i] : factor;
     int64_t d = 0;
 #if defined(__AVX512F__)
-    const __m512i offsets = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(kBlock));
     for (; d + kLanes <= dim; d += kLanes)
       store(rows + i * stride + d, mul(_mm512_i32gather_ps(offsets, panel + d * kBlock + i, 4), splat(f)));
 #endif
     for (; d < dim; ++d) rows[i * stride + d] = panel[d * kBlock + i] * f;
   }
+}
+
+// tile[i * dim + d] = rows[i * stride + d] for i < count.
+void copy_rows(const float* rows, int64_t stride, int64_t count, int64_t dim, float* tile) {
+  for (int64_t i = 0; i < count; ++i) {
+    if (i + kRowsAhead < count) prefetch_row(rows + (i + kRowsAhead) * stride, dim);
+    int64_t d = 0;
+    for (; d + kLanes <= dim; d += kLanes) store(tile + i * dim + d, load(rows + i * stride + d));
+    for (; d < dim; ++d) tile[i * dim + d] = rows[i * stride + d];
+  }
+}
+
+// A thread's contiguous copies of the rows that one (batch, kv head) pair's work items read again and again:
+// k and v in the forward and dQ passes, q and dout of the group's heads in the dK/dV pass. In the fused
+// buffers consecutive rows sit a token stride apart (4 KiB at the training shape), so fetched block by block
+// they keep missing cache: the hardware prefetchers do not cross pages and the rows alias in the cache sets.
+// Each source keeps a window of up to `capacity` consecutive rows. A pair's items run back to back, the
+// costliest first, so after a thread's first item of a pair the window usually covers all the rows it needs.
+class RowStage {
+ public:
+  RowStage(float* buffer, int64_t sources, int64_t capacity, int64_t dim)
+      : buffer_(buffer), capacity_(capacity), dim_(dim), windows_(sources) {}
+
+  // Rows [first, first + count) of `source` (row r at base + r * stride) as a [count, dim] block.
+  // `owner` identifies the (batch, kv head) pair; a new owner drops every window.
+  const float* rows(int64_t owner, int64_t source, const float* base, int64_t stride, int64_t first,
+                    int64_t count) {
+    if (owner != owner_) {
+      owner_ = owner;
+      for (Window& w : windows_) w = {0, 0};
+    }
+    Window& w = windows_[source];
+    float* staged = buffer_ + source * capacity_ * dim_;
+    if (first < w.first || first + count > w.first + w.count) {
+      if (first != w.first + w.count || w.count + count > capacity_) w = {first, 0};
+      const int64_t from = w.first + w.count;  // rows before `from` are already staged
+      copy_rows(base + from * stride, stride, first + count - from, dim_, staged + w.count * dim_);
+      w.count = first + count - w.first;
+    }
+    return staged + (first - w.first) * dim_;
+  }
+
+ private:
+  struct Window {
+    int64_t first, count;
+  };
+  float* buffer_;
+  int64_t capacity_, dim_, owner_ = -1;
+  std::vector<Window> windows_;
+};
+
+// Staged rows per source: the whole sequence when the copies stay under a few MiB per thread, else a
+// window (correct either way; only reuse drops).
+int64_t stage_capacity(int64_t seq, int64_t sources, int64_t dim) {
+  constexpr int64_t kStageFloats = int64_t{2} << 20;  // 8 MiB per thread
+  return std::clamp<int64_t>(kStageFloats / (sources * dim), kBlock, seq);
 }
 
 // ---- shapes, work items, scratch ----
@@ -260,8 +333,8 @@ void check_params(const ops::AttentionParams& p, bool backward) {
               "attention backward: dk_stride {} / dv_stride {} < {}", p.dk_stride, p.dv_stride, kv_width);
 }
 
-// One 64-byte aligned block of tile scratch per thread, allocated before the parallel region so an
-// allocation failure throws where it can be caught.
+// One 64-byte aligned region of scratch per thread (tiles, then staged rows), allocated before the parallel
+// region so that an allocation failure throws where it can be caught.
 class ThreadScratch {
  public:
   explicit ThreadScratch(int64_t floats_per_thread)
@@ -277,62 +350,42 @@ class ThreadScratch {
   std::vector<float> buffer_;
 };
 
-// Work items, numbered so that each (batch, kv head) pair's items are adjacent (its k and v stay in cache
-// while both threads work on them) and, within the pair, the costliest blocks come first: a dynamic
-// schedule then fills the tail with cheap items and the triangular causal work balances across threads.
+// Work items, numbered so that each (batch, kv head) pair's items are adjacent (threads share its staged
+// rows' source lines in cache and each stages the pair once) and, within the pair, the costliest blocks
+// come first: a dynamic schedule then fills the tail with cheap items and the triangular causal work
+// balances across threads.
 struct Item {
   int64_t batch, kv_head, block, member;  // member: query head within the kv head's group, or 0
+  int64_t pair() const { return batch * 1'000'003 + kv_head; }
 };
 Item item_at(int64_t n, const Geometry& g, int64_t members, bool heavy_blocks_last) {
   const int64_t per_kv_head = g.blocks * members, pair = n / per_kv_head, rank = n % per_kv_head / members;
   return {pair / g.kv_heads, pair % g.kv_heads, heavy_blocks_last ? g.blocks - 1 - rank : rank, n % members};
 }
 
-// tile[i * dim + d] = rows[i * stride + d] for i < count. Operands broadcast from a contiguous copy: at
-// token strides that are multiples of 4 KiB (fused qkv) every row of a block maps to the same L1 set.
-void pack_rows(const float* rows, int64_t stride, int64_t count, int64_t dim, float* tile) {
-  for (int64_t i = 0; i < count; ++i) {
-    int64_t d = 0;
-    for (; d + kLanes <= dim; d += kLanes) store(tile + i * dim + d, load(rows + i * stride + d));
-    for (; d < dim; ++d) tile[i * dim + d] = rows[i * stride + d];
-  }
-}
-
-// delta[i] = <dout_i, out_i> for the count rows; lanes count..kBlock-1 are zero.
-void row_dots(const float* dout, int64_t dout_stride, const float* out, int64_t out_stride, int64_t count,
-              int64_t dim, float* delta) {
-  for (int64_t i = 0; i < kBlock; ++i) {
-    float s = 0.0f;
-    if (i < count)
-      for (int64_t d = 0; d < dim; ++d) s += dout[i * dout_stride + d] * out[i * out_stride + d];
-    delta[i] = s;
-  }
-}
-
 // ---- forward: one item = (batch, head, query block) ----
 
-void forward_block(const ops::AttentionParams& p, const Geometry& g, int64_t b, int64_t h, int64_t qb,
-                   float* scratch) {
-  const int64_t dim = g.head_dim, kvh = h / g.group;
-  const int64_t q0 = qb * kBlock, nq = std::min<int64_t>(kBlock, g.seq - q0);
-  float* qt = scratch;               // [dim, kBlock] queries, pre-scaled into base-2 logits
-  float* ot = qt + dim * kBlock;     // [dim, kBlock] unnormalised output
-  float* st = ot + dim * kBlock;     // [kBlock keys, kBlock queries] scores, then probabilities
-  float* kr = st + kBlock * kBlock;  // [kBlock keys, dim]
-  float* vr = kr + kBlock * dim;     // [kBlock keys, dim]
-  const float* k = p.k + g.at(b, 0, kvh, p.k_stride);
-  const float* v = p.v + g.at(b, 0, kvh, p.v_stride);
-  float* out = p.out + g.at(b, q0, h, p.out_stride);
-  const int64_t key_end = p.causal ? q0 + nq : g.seq;
+int64_t forward_tile_floats(int64_t dim) { return 2 * dim * kBlock + kBlock * kBlock; }
+
+void forward_block(const ops::AttentionParams& p, const Geometry& g, const Item& it, float* tiles,
+                   RowStage& stage) {
+  const int64_t dim = g.head_dim, h = it.kv_head * g.group + it.member, b = it.batch;
+  const int64_t q0 = it.block * kBlock, nq = std::min<int64_t>(kBlock, g.seq - q0);
+  float* qt = tiles;              // [dim, kBlock] queries, pre-scaled into base-2 logits
+  float* ot = qt + dim * kBlock;  // [dim, kBlock] unnormalised output
+  float* st = ot + dim * kBlock;  // [kBlock keys, kBlock queries] scores, then probabilities
+  const float* k = p.k + g.at(b, 0, it.kv_head, p.k_stride);
+  const float* v = p.v + g.at(b, 0, it.kv_head, p.v_stride);
   pack_transposed(p.q + g.at(b, q0, h, p.q_stride), p.q_stride, nq, dim, p.scale * kLog2e, qt);
 
   const LaneIndex query(q0);
   Vec m[kVectors], l[kVectors];
   for (int i = 0; i < kVectors; ++i) m[i] = splat(-kInfinity), l[i] = splat(0.0f);
+  const int64_t key_end = p.causal ? q0 + nq : g.seq;
   for (int64_t k0 = 0; k0 < key_end; k0 += kBlock) {
     const int64_t nk = std::min<int64_t>(kBlock, key_end - k0);
-    pack_rows(k + k0 * p.k_stride, p.k_stride, nk, dim, kr);
-    pack_rows(v + k0 * p.v_stride, p.v_stride, nk, dim, vr);
+    const float* kr = stage.rows(it.pair(), 0, k, p.k_stride, k0, nk);
+    const float* vr = stage.rows(it.pair(), 1, v, p.v_stride, k0, nk);
     tile_gemm<true, Init::zero>(nk, kr, dim, dim, qt, st);
     // Online softmax per query lane: running max m and sum l, the old output rescaled by alpha.
     const bool masked = p.causal && k0 + nk - 1 > q0;
@@ -373,41 +426,56 @@ void forward_block(const ops::AttentionParams& p, const Geometry& g, int64_t b, 
     inverse_l[i] = 1.0f / l_lanes[i];
     lse[i] = (m_lanes[i] + std::log2(l_lanes[i])) * kLn2;
   }
-  unpack_transposed(ot, nq, dim, 1.0f, inverse_l, out, p.out_stride);
+  unpack_transposed(ot, nq, dim, 1.0f, inverse_l, p.out + g.at(b, q0, h, p.out_stride), p.out_stride);
 }
-int64_t forward_scratch_floats(int64_t dim) { return 2 * dim * kBlock + kBlock * kBlock + 2 * kBlock * dim; }
 
-// ---- backward pass 1: one item = (batch, kv head, key block); dK and dV ----
+// ---- backward ----
 
-void backward_key_block(const ops::AttentionParams& p, const Geometry& g, int64_t b, int64_t kvh, int64_t kb,
-                        float* scratch) {
-  const int64_t dim = g.head_dim;
-  const int64_t k0 = kb * kBlock, nk = std::min<int64_t>(kBlock, g.seq - k0);
-  float* kt = scratch;            // [dim, kBlock] keys, pre-scaled so scores come out in base 2
+// delta[b, h, t] = <dout_t, out_t> for every row (FlashAttention-2's D = rowsum(dO o O)).
+void row_dots(const ops::AttentionParams& p, const Geometry& g, float* delta) {
+#pragma omp parallel for schedule(static)
+  for (int64_t token = 0; token < g.batch * g.seq; ++token) {
+    const int64_t b = token / g.seq, t = token % g.seq;
+    for (int64_t h = 0; h < g.heads; ++h) {
+      const float* dout = p.dout + g.at(b, t, h, p.dout_stride);
+      const float* out = p.out + g.at(b, t, h, p.out_stride);
+      float s = 0.0f;
+      for (int64_t d = 0; d < g.head_dim; ++d) s += dout[d] * out[d];
+      delta[(b * g.heads + h) * g.seq + t] = s;
+    }
+  }
+}
+
+int64_t backward_tile_floats(int64_t dim) { return 4 * dim * kBlock + 2 * kBlock * kBlock + 2 * kBlock; }
+
+// Pass 1: one item = (batch, kv head, key block); dK and dV, accumulated over the group's query heads and
+// every query block that sees these keys.
+void backward_key_block(const ops::AttentionParams& p, const Geometry& g, const Item& it, const float* delta,
+                        float* tiles, RowStage& stage) {
+  const int64_t dim = g.head_dim, b = it.batch, kvh = it.kv_head;
+  const int64_t k0 = it.block * kBlock, nk = std::min<int64_t>(kBlock, g.seq - k0);
+  float* kt = tiles;              // [dim, kBlock] keys, pre-scaled so scores come out in base 2
   float* vt = kt + dim * kBlock;  // [dim, kBlock]
   float* dkt = vt + dim * kBlock;
   float* dvt = dkt + dim * kBlock;
   float* pt = dvt + dim * kBlock;     // [kBlock queries, kBlock keys] probabilities
   float* dst = pt + kBlock * kBlock;  // [kBlock queries, kBlock keys] dP, then dS
-  float* qr = dst + kBlock * kBlock;  // [kBlock queries, dim]
-  float* dor = qr + kBlock * dim;     // [kBlock queries, dim] dout
-  float* lse2 = dor + kBlock * dim;   // [kBlock] per query row
-  float* delta = lse2 + kBlock;       // [kBlock]
-  // Under the causal mask queries before k0 see none of these keys.
-  const int64_t first_query = p.causal ? k0 : 0;
   pack_transposed(p.k + g.at(b, k0, kvh, p.k_stride), p.k_stride, nk, dim, p.scale * kLog2e, kt);
   pack_transposed(p.v + g.at(b, k0, kvh, p.v_stride), p.v_stride, nk, dim, 1.0f, vt);
   std::fill(dkt, dkt + 2 * dim * kBlock, 0.0f);
 
   const LaneIndex key(k0);
-  for (int64_t h = kvh * g.group; h < (kvh + 1) * g.group; ++h) {
-    for (int64_t q0 = first_query; q0 < g.seq; q0 += kBlock) {
+  for (int64_t member = 0; member < g.group; ++member) {
+    const int64_t h = kvh * g.group + member;
+    const float* q = p.q + g.at(b, 0, h, p.q_stride);
+    const float* dout = p.dout + g.at(b, 0, h, p.dout_stride);
+    // Under the causal mask queries before k0 see none of these keys.
+    for (int64_t q0 = p.causal ? k0 : 0; q0 < g.seq; q0 += kBlock) {
       const int64_t nq = std::min<int64_t>(kBlock, g.seq - q0);
-      pack_rows(p.q + g.at(b, q0, h, p.q_stride), p.q_stride, nq, dim, qr);
-      pack_rows(p.dout + g.at(b, q0, h, p.dout_stride), p.dout_stride, nq, dim, dor);
+      const float* qr = stage.rows(it.pair(), 2 * member, q, p.q_stride, q0, nq);
+      const float* dor = stage.rows(it.pair(), 2 * member + 1, dout, p.dout_stride, q0, nq);
       const float* lse = p.lse + (b * g.heads + h) * g.seq + q0;
-      for (int64_t i = 0; i < nq; ++i) lse2[i] = lse[i] * kLog2e;
-      row_dots(dor, dim, p.out + g.at(b, q0, h, p.out_stride), p.out_stride, nq, dim, delta);
+      const float* row_delta = delta + (b * g.heads + h) * g.seq + q0;
       tile_gemm<true, Init::zero>(nq, qr, dim, dim, kt, pt);    // base-2 scores
       tile_gemm<true, Init::zero>(nq, dor, dim, dim, vt, dst);  // dP = dout v^T
       // Zero the keys after the query (causal) and the padding lanes past the sequence, so that those
@@ -415,13 +483,12 @@ void backward_key_block(const ops::AttentionParams& p, const Geometry& g, int64_
       const bool masked = (p.causal && k0 + kBlock - 1 > q0) || k0 + kBlock > g.seq;
       for (int64_t i = 0; i < nq; ++i) {
         const Vec last_key = splat(static_cast<float>(p.causal ? q0 + i : g.seq - 1));
-        const Vec row_lse = splat(lse2[i]), row_delta = splat(delta[i]);
+        const Vec row_lse = splat(lse[i] * kLog2e), row_d = splat(row_delta[i]);
         for (int v = 0; v < kVectors; ++v) {
           Vec prob = pow2(sub(load(pt + i * kBlock + v * kLanes), row_lse));
           if (masked) prob = select_less(last_key, key.v[v], splat(0.0f), prob);
           store(pt + i * kBlock + v * kLanes, prob);
-          store(dst + i * kBlock + v * kLanes,
-                mul(prob, sub(load(dst + i * kBlock + v * kLanes), row_delta)));
+          store(dst + i * kBlock + v * kLanes, mul(prob, sub(load(dst + i * kBlock + v * kLanes), row_d)));
         }
       }
       tile_gemm<false, Init::accumulate>(dim, dor, dim, nq, pt, dvt);  // dV^T += dout^T P
@@ -432,40 +499,37 @@ void backward_key_block(const ops::AttentionParams& p, const Geometry& g, int64_
   unpack_transposed(dvt, nk, dim, 1.0f, nullptr, p.dv + g.at(b, k0, kvh, p.dv_stride), p.dv_stride);
 }
 
-// ---- backward pass 2: one item = (batch, head, query block); dQ ----
-
-void backward_query_block(const ops::AttentionParams& p, const Geometry& g, int64_t b, int64_t h, int64_t qb,
-                          float* scratch) {
-  const int64_t dim = g.head_dim, kvh = h / g.group;
-  const int64_t q0 = qb * kBlock, nq = std::min<int64_t>(kBlock, g.seq - q0);
-  float* qt = scratch;                // [dim, kBlock] queries, pre-scaled into base-2 logits
-  float* dot = qt + dim * kBlock;     // [dim, kBlock] dout
-  float* dqt = dot + dim * kBlock;    // [dim, kBlock]
-  float* st = dqt + dim * kBlock;     // [kBlock keys, kBlock queries] scores
-  float* dst = st + kBlock * kBlock;  // [kBlock keys, kBlock queries] dP, then dS
-  float* kr = dst + kBlock * kBlock;  // [kBlock keys, dim]
-  float* vr = kr + kBlock * dim;      // [kBlock keys, dim]
-  float* lse2 = vr + kBlock * dim;    // [kBlock] per query lane
-  float* delta = lse2 + kBlock;
-  const float* q = p.q + g.at(b, q0, h, p.q_stride);
-  const float* dout = p.dout + g.at(b, q0, h, p.dout_stride);
-  const float* k = p.k + g.at(b, 0, kvh, p.k_stride);
-  const float* v = p.v + g.at(b, 0, kvh, p.v_stride);
-  const int64_t key_end = p.causal ? q0 + nq : g.seq;
-  pack_transposed(q, p.q_stride, nq, dim, p.scale * kLog2e, qt);
-  pack_transposed(dout, p.dout_stride, nq, dim, 1.0f, dot);
+// Pass 2: one item = (batch, head, query block); dQ.
+void backward_query_block(const ops::AttentionParams& p, const Geometry& g, const Item& it,
+                          const float* delta, float* tiles, RowStage& stage) {
+  const int64_t dim = g.head_dim, h = it.kv_head * g.group + it.member, b = it.batch;
+  const int64_t q0 = it.block * kBlock, nq = std::min<int64_t>(kBlock, g.seq - q0);
+  float* qt = tiles;                     // [dim, kBlock] queries, pre-scaled into base-2 logits
+  float* dot = qt + dim * kBlock;        // [dim, kBlock] dout
+  float* dqt = dot + dim * kBlock;       // [dim, kBlock]
+  float* st = dqt + dim * kBlock;        // [kBlock keys, kBlock queries] scores
+  float* dst = st + kBlock * kBlock;     // [kBlock keys, kBlock queries] dP, then dS
+  float* lanes = dst + kBlock * kBlock;  // [2, kBlock] base-2 lse and delta per query lane
+  pack_transposed(p.q + g.at(b, q0, h, p.q_stride), p.q_stride, nq, dim, p.scale * kLog2e, qt);
+  pack_transposed(p.dout + g.at(b, q0, h, p.dout_stride), p.dout_stride, nq, dim, 1.0f, dot);
   const float* lse = p.lse + (b * g.heads + h) * g.seq + q0;
-  for (int64_t i = 0; i < kBlock; ++i) lse2[i] = i < nq ? lse[i] * kLog2e : 0.0f;
-  row_dots(dout, p.dout_stride, p.out + g.at(b, q0, h, p.out_stride), p.out_stride, nq, dim, delta);
+  const float* row_delta = delta + (b * g.heads + h) * g.seq + q0;
+  for (int64_t i = 0; i < kBlock; ++i) {
+    lanes[i] = i < nq ? lse[i] * kLog2e : 0.0f;
+    lanes[kBlock + i] = i < nq ? row_delta[i] : 0.0f;
+  }
   Vec lse_lanes[kVectors], delta_lanes[kVectors];
   for (int i = 0; i < kVectors; ++i)
-    lse_lanes[i] = load(lse2 + i * kLanes), delta_lanes[i] = load(delta + i * kLanes);
+    lse_lanes[i] = load(lanes + i * kLanes), delta_lanes[i] = load(lanes + kBlock + i * kLanes);
+  const float* k = p.k + g.at(b, 0, it.kv_head, p.k_stride);
+  const float* v = p.v + g.at(b, 0, it.kv_head, p.v_stride);
 
   const LaneIndex query(q0);
+  const int64_t key_end = p.causal ? q0 + nq : g.seq;
   for (int64_t k0 = 0; k0 < key_end; k0 += kBlock) {
     const int64_t nk = std::min<int64_t>(kBlock, key_end - k0);
-    pack_rows(k + k0 * p.k_stride, p.k_stride, nk, dim, kr);
-    pack_rows(v + k0 * p.v_stride, p.v_stride, nk, dim, vr);
+    const float* kr = stage.rows(it.pair(), 0, k, p.k_stride, k0, nk);
+    const float* vr = stage.rows(it.pair(), 1, v, p.v_stride, k0, nk);
     tile_gemm<true, Init::zero>(nk, kr, dim, dim, qt, st);
     tile_gemm<true, Init::zero>(nk, vr, dim, dim, dot, dst);
     const bool masked = p.causal && k0 + nk - 1 > q0;
@@ -486,42 +550,47 @@ void backward_query_block(const ops::AttentionParams& p, const Geometry& g, int6
   }
   unpack_transposed(dqt, nq, dim, p.scale, nullptr, p.dq + g.at(b, q0, h, p.dq_stride), p.dq_stride);
 }
-int64_t backward_scratch_floats(int64_t dim) {
-  return 4 * dim * kBlock + 2 * kBlock * kBlock + 2 * kBlock * dim + 2 * kBlock;
-}
 
 }  // namespace
 
 void attention_forward(const ops::AttentionParams& p) {
   check_params(p, false);
   const Geometry g(p);
-  ThreadScratch scratch(forward_scratch_floats(g.head_dim));
-  const int64_t items = g.batch * g.heads * g.blocks;
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t n = 0; n < items; ++n) {
-    const Item it = item_at(n, g, g.group, p.causal);
-    forward_block(p, g, it.batch, it.kv_head * g.group + it.member, it.block, scratch.mine());
+  const int64_t tile_floats = forward_tile_floats(g.head_dim),
+                capacity = stage_capacity(g.seq, 2, g.head_dim);
+  ThreadScratch scratch(tile_floats + 2 * capacity * g.head_dim);
+#pragma omp parallel
+  {
+    float* mine = scratch.mine();
+    RowStage stage(mine + tile_floats, 2, capacity, g.head_dim);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t n = 0; n < g.batch * g.heads * g.blocks; ++n)
+      forward_block(p, g, item_at(n, g, g.group, p.causal), mine, stage);
   }
 }
 
 void attention_backward(const ops::AttentionParams& p) {
   check_params(p, true);
   const Geometry g(p);
-  ThreadScratch scratch(backward_scratch_floats(g.head_dim));
-  const int64_t kv_total = g.batch * g.kv_heads;
+  std::vector<float> delta(g.batch * g.heads * g.seq);
+  row_dots(p, g, delta.data());
+  const int64_t tile_floats = backward_tile_floats(g.head_dim), sources = std::max<int64_t>(2 * g.group, 2);
+  const int64_t capacity = stage_capacity(g.seq, sources, g.head_dim);
+  ThreadScratch scratch(tile_floats + sources * capacity * g.head_dim);
 #pragma omp parallel
   {
-    // Under the causal mask early key blocks meet the most queries, late query blocks the most keys.
+    float* mine = scratch.mine();
+    {
+      RowStage stage(mine + tile_floats, 2 * g.group, capacity, g.head_dim);
+      // Early key blocks meet the most queries under the causal mask.
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t n = 0; n < kv_total * g.blocks; ++n) {
-      const Item it = item_at(n, g, 1, false);
-      backward_key_block(p, g, it.batch, it.kv_head, it.block, scratch.mine());
+      for (int64_t n = 0; n < g.batch * g.kv_heads * g.blocks; ++n)
+        backward_key_block(p, g, item_at(n, g, 1, false), delta.data(), mine, stage);
     }
+    RowStage stage(mine + tile_floats, 2, capacity, g.head_dim);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t n = 0; n < kv_total * g.group * g.blocks; ++n) {
-      const Item it = item_at(n, g, g.group, p.causal);
-      backward_query_block(p, g, it.batch, it.kv_head * g.group + it.member, it.block, scratch.mine());
-    }
+    for (int64_t n = 0; n < g.batch * g.heads * g.blocks; ++n)
+      backward_query_block(p, g, item_at(n, g, g.group, p.causal), delta.data(), mine, stage);
   }
 }
 
