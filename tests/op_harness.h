@@ -3,6 +3,7 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cmath>
 #include <cstdint>
@@ -69,6 +70,15 @@ inline double dot(const std::vector<double>& w, const std::vector<double>& y) {
   double s = 0;
   for (size_t i = 0; i < w.size(); ++i) s += w[i] * y[i];
   return s;
+}
+
+// Runs f with the OpenMP thread count set to `threads` (for thread-count invariance checks).
+template <typename F>
+void with_threads(int threads, F&& f) {
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(threads);
+  f();
+  omp_set_num_threads(saved);
 }
 
 }  // namespace forge::testing

@@ -265,6 +265,29 @@ TEST(AttentionGradient, MatchesFiniteDifferencesAcrossBlocks) {
   check_finite_differences({1, 67, 1, 1, 4, true, 2.0f});  // 67 tokens: a block boundary inside the range
 }
 
+// head_dim 4096: each thread stages at most 4 MiB of k/v (or q/dout) rows, so 128 of the 150 rows fit and
+// the staging window has to slide.
+TEST(AttentionStaging, SlidingWindowMatchesReference) {
+  const AttentionCase c{1, 150, 1, 1, 4096, true, 8.0f};
+  Problem prob(c, 41);
+  ops::attention_forward(prob.params());
+  ops::attention_backward(prob.params());
+  const Inputs in = prob.inputs();
+  const ReferenceForward want = reference_forward(c, in);
+  EXPECT_LT(testing::relative_error(prob.gather<float>(prob.out, prob.out_stride, 0, prob.q_width), want.out),
+            1e-5);
+  const Gradients grad =
+      reference_backward(c, in, prob.gather<double>(prob.dout, prob.dout_stride, 0, prob.q_width));
+  EXPECT_LT(gradient_error(prob.gather<float>(prob.dqkv, prob.qkv_stride, 0, prob.q_width), grad.dq), 2e-5);
+  EXPECT_LT(
+      gradient_error(prob.gather<float>(prob.dqkv, prob.qkv_stride, prob.q_width, prob.kv_width), grad.dk),
+      2e-5);
+  EXPECT_LT(gradient_error(
+                prob.gather<float>(prob.dqkv, prob.qkv_stride, prob.q_width + prob.kv_width, prob.kv_width),
+                grad.dv),
+            2e-5);
+}
+
 // Work is split over threads by (batch, head, block) items that never share an output element, so the
 // result must not depend on the thread count.
 TEST(AttentionThreads, BitwiseIndependentOfThreadCount) {

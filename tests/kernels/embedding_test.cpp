@@ -36,14 +36,6 @@ struct Problem {
   }
 };
 
-template <typename F>
-void with_threads(int threads, F&& f) {
-  const int saved = omp_get_max_threads();
-  omp_set_num_threads(threads);
-  f();
-  omp_set_num_threads(saved);
-}
-
 TEST(Embedding, ForwardGathersRows) {
   Problem pr;
   ops::embedding_forward(pr.params());
@@ -76,8 +68,8 @@ TEST(Embedding, BackwardWeightDoesNotDependOnThreadCount) {
     pr->weight.assign(pr->vocab * pr->dim, 0);
     pr->dweight.assign(pr->vocab * pr->dim, 0);
   }
-  with_threads(1, [&] { ops::embedding_backward_weight(one.params()); });
-  with_threads(2, [&] { ops::embedding_backward_weight(two.params()); });
+  testing::with_threads(1, [&] { ops::embedding_backward_weight(one.params()); });
+  testing::with_threads(2, [&] { ops::embedding_backward_weight(two.params()); });
   EXPECT_EQ(0, std::memcmp(one.dweight.data(), two.dweight.data(), one.dweight.size() * sizeof(float)));
 }
 

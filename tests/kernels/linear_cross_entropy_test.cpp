@@ -108,14 +108,6 @@ struct Problem {
   }
 };
 
-template <typename F>
-void with_threads(int threads, F&& f) {
-  const int saved = omp_get_max_threads();
-  omp_set_num_threads(threads);
-  f();
-  omp_set_num_threads(saved);
-}
-
 // Chunk widths: not dividing the vocabulary, exactly the vocabulary, and wider than it.
 class LinearCrossEntropyChunks : public ::testing::TestWithParam<int64_t> {};
 
@@ -163,8 +155,8 @@ INSTANTIATE_TEST_SUITE_P(VocabChunks, LinearCrossEntropyChunks, ::testing::Value
 
 TEST(LinearCrossEntropy, ResultsDoNotDependOnThreadCount) {
   Problem one(64, 48, 300, 128), two(64, 48, 300, 128);
-  with_threads(1, [&] { one.run(); });
-  with_threads(2, [&] { two.run(); });
+  testing::with_threads(1, [&] { one.run(); });
+  testing::with_threads(2, [&] { two.run(); });
   EXPECT_EQ(0, std::memcmp(one.lse.data(), two.lse.data(), one.lse.size() * sizeof(float)));
   EXPECT_EQ(0, std::memcmp(one.loss.data(), two.loss.data(), one.loss.size() * sizeof(float)));
   EXPECT_EQ(0, std::memcmp(one.dhidden.data(), two.dhidden.data(), one.dhidden.size() * sizeof(float)));

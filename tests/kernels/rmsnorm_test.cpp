@@ -52,14 +52,6 @@ struct Problem {
   }
 };
 
-template <typename F>
-void with_threads(int threads, F&& f) {
-  const int saved = omp_get_max_threads();
-  omp_set_num_threads(threads);
-  f();
-  omp_set_num_threads(saved);
-}
-
 TEST(RmsNorm, ForwardMatchesDoubleReference) {
   Problem pr(7, 37);  // odd dim exercises the vector tails
   auto p = pr.params();
@@ -106,8 +98,8 @@ TEST(RmsNorm, BackwardWeightAccumulatesAcrossCalls) {
 TEST(RmsNorm, ResultsDoNotDependOnThreadCount) {
   // Enough rows for several reduction blocks in backward_weight.
   Problem one(301, 67), two(301, 67);
-  with_threads(1, [&] { one.run_all(); });
-  with_threads(2, [&] { two.run_all(); });
+  testing::with_threads(1, [&] { one.run_all(); });
+  testing::with_threads(2, [&] { two.run_all(); });
   EXPECT_EQ(0, std::memcmp(one.y.data(), two.y.data(), one.y.size() * sizeof(float)));
   EXPECT_EQ(0, std::memcmp(one.dx.data(), two.dx.data(), one.dx.size() * sizeof(float)));
   EXPECT_EQ(0, std::memcmp(one.dweight.data(), two.dweight.data(), one.dweight.size() * sizeof(float)));

@@ -4,6 +4,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <csignal>
+
 #include <array>
 #include <cstdio>
 #include <filesystem>
@@ -93,6 +95,55 @@ TEST_F(Cli, MisspelledModelKey) {
   std::string model = write("typo.json", R"({"hiden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
       "num_attention_heads": 4, "vocab_size": 256})");
   expect_one_line_error("train --set model.config=" + model, "hiden_size");
+}
+
+// Ctrl-C during training: the run finishes its step, saves a checkpoint, exits with 130, and a resumed
+// run continues from that step.
+TEST_F(Cli, CtrlCSavesACheckpointAndExits130) {
+  std::string corpus = write("corpus.txt", [] {
+    std::string text;
+    for (int i = 0; i < 400; ++i) text += "Blessed are the meek: for they shall inherit the earth.\n";
+    return text;
+  }());
+  std::string model = write("model.json", R"({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+      "num_attention_heads": 4, "vocab_size": 256, "max_position_embeddings": 64})");
+  std::string run_dir = (dir_ / "run").string();
+  std::string args = "train --set model.config=" + model + " --set data.corpus=" + corpus +
+                     " --set data.seq_len=32 --set data.heldout_fraction=0.1 --set train.micro_batch=2" +
+                     " --set train.steps=1000000 --set log.every=1 --set log.peak_gflops=1 --set log.run_dir=" +
+                     run_dir + " --set sample.tokens=0";
+  int out[2];
+  ASSERT_EQ(pipe(out), 0);
+  pid_t pid = fork();
+  if (pid == 0) {
+    dup2(out[1], 1);
+    dup2(out[1], 2);
+    close(out[0]);
+    std::string command = std::string(FORGE_BINARY_DIR) + "/bin/forge " + args;
+    execl("/bin/sh", "sh", "-c", ("exec " + command).c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  close(out[1]);
+  FILE* child_out = fdopen(out[0], "r");
+  std::string output;
+  char line[4096];
+  int steps_seen = 0;
+  while (fgets(line, sizeof line, child_out)) {
+    output += line;
+    if (std::string(line).rfind("step", 0) == 0 && ++steps_seen == 3) kill(pid, SIGINT);
+  }
+  fclose(child_out);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status)) << output;
+  EXPECT_EQ(WEXITSTATUS(status), 130) << output;
+  EXPECT_NE(output.find("checkpoint saved"), std::string::npos) << output;
+  EXPECT_TRUE(fs::exists(fs::path(run_dir) / "checkpoint" / "manifest.json"));
+
+  Outcome resumed = run_forge(args.replace(args.find("train.steps=1000000"), 19, "train.steps=5") +
+                              " --set checkpoint.resume=auto");
+  EXPECT_EQ(resumed.status, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
 }
 
 }  // namespace

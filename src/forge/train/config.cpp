@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "forge/core/error.h"
+#include "forge/core/suggest.h"
 
 namespace forge {
 namespace {
@@ -144,30 +145,8 @@ const KeySpec* find_key(std::string_view section, std::string_view key) {
   return nullptr;
 }
 
-size_t edit_distance(std::string_view a, std::string_view b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diagonal = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      size_t above = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diagonal = above;
-    }
-  }
-  return row[b.size()];
-}
-
-// "; did you mean 'X'?" for the closest candidate within edit distance 2, or "".
 std::string did_you_mean(std::string_view name, const std::vector<std::string>& candidates) {
-  const std::string* best = nullptr;
-  size_t best_distance = 3;
-  for (const std::string& candidate : candidates) {
-    size_t d = edit_distance(name, candidate);
-    if (d < best_distance) best_distance = d, best = &candidate;
-  }
-  return best ? fmt::format("; did you mean '{}'?", *best) : std::string();
+  return forge::did_you_mean(name, std::vector<std::string_view>(candidates.begin(), candidates.end()));
 }
 
 std::vector<std::string> keys_of_section(std::string_view section) {

@@ -178,7 +178,11 @@ TrainResult Trainer::run() {
       LossSum part = model.forward_backward(ids.data(), targets.data(), micro, seq, grad_scale);
       loss.sum += part.sum, loss.tokens += part.tokens;
     }
-    if (step == first_step) result.peak_activation_bytes = memory_stats().peak_bytes - live_before;
+    if (step == first_step) {
+      result.peak_activation_bytes = memory_stats().peak_bytes - live_before;
+      std::printf("peak activation memory %.1f MiB per micro-batch (recompute %s)\n",
+                  static_cast<double>(result.peak_activation_bytes) / 1048576.0, c.train.recompute.c_str());
+    }
     const double mean_loss = loss.mean();
     if (!std::isfinite(mean_loss)) fail("training loss is {} at step {}: stopping", mean_loss, step);
     const double grad_norm = global_grad_norm(model.params());

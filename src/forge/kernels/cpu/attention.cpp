@@ -2,10 +2,10 @@
 // no seq x seq matrix ever exists; each thread holds a few block-sized tiles.
 //
 // Layout: every tile keeps one block dimension (kBlock queries or kBlock keys) in SIMD lanes, and every
-// matrix product is "rows of a strided matrix, broadcast element by element, times a packed lane panel"
-// (tile_gemm). Per-query softmax statistics then live in lanes (no horizontal reductions), q/k/v/out/dout
-// are read in place from their fused buffers, and only the operand that becomes the panel is transposed,
-// once per work item.
+// matrix product is "rows of a matrix, broadcast element by element, times a packed lane panel"
+// (tile_gemm, a register-blocked micro-kernel). Per-query softmax statistics then live in lanes (no
+// horizontal reductions). The operand that becomes the panel is transposed once per work item; the rows
+// that items read again and again are staged per thread in contiguous copies (RowStage).
 //
 // Backward is FlashAttention-2 in two race-free passes that both recompute P from q, k and lse: one per
 // (batch, kv head, key block) accumulating dK, dV over the group's query heads and all query blocks, one
@@ -60,12 +60,12 @@ inline Vec select_less(Vec a, Vec b, Vec yes, Vec no) {
 inline Vec round_nearest(Vec x) {
   return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
-// 2^n for integral n in [-127, 127], built in the exponent field; n = -127 gives exactly 0.
-inline Vec exp2_integral(Vec n) {
-  __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
+// p * 2^n for integral n in [-127, 127], and exactly 0 where n <= -127.
+inline Vec scale_by_pow2(Vec p, Vec n) {
+  return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(n, splat(-127.0f), _CMP_GT_OQ), p, n);
 }
 #else
+#pragma GCC diagnostic ignored "-Wpsabi"  // internal functions only: the vector ABI change does not matter
 using Vec = float __attribute__((vector_size(64)));
 using VecInt = int32_t __attribute__((vector_size(64)));
 inline Vec load(const float* p) {
@@ -73,39 +73,38 @@ inline Vec load(const float* p) {
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline void store(float* p, Vec x) { std::memcpy(p, &x, sizeof x); }
+inline void store(float* p, const Vec& x) { std::memcpy(p, &x, sizeof x); }
 inline Vec splat(float s) { return Vec{} + s; }
-inline Vec fmadd(Vec a, Vec b, Vec c) { return a * b + c; }
-inline Vec add(Vec a, Vec b) { return a + b; }
-inline Vec sub(Vec a, Vec b) { return a - b; }
-inline Vec mul(Vec a, Vec b) { return a * b; }
-inline Vec max(Vec a, Vec b) { return a > b ? a : b; }
-inline Vec min(Vec a, Vec b) { return a < b ? a : b; }
-inline Vec select_less(Vec a, Vec b, Vec yes, Vec no) { return a < b ? yes : no; }
+inline Vec fmadd(const Vec& a, const Vec& b, const Vec& c) { return a * b + c; }
+inline Vec add(const Vec& a, const Vec& b) { return a + b; }
+inline Vec sub(const Vec& a, const Vec& b) { return a - b; }
+inline Vec mul(const Vec& a, const Vec& b) { return a * b; }
+inline Vec max(const Vec& a, const Vec& b) { return a > b ? a : b; }
+inline Vec min(const Vec& a, const Vec& b) { return a < b ? a : b; }
+inline Vec select_less(const Vec& a, const Vec& b, const Vec& yes, const Vec& no) { return a < b ? yes : no; }
 // Adding and removing 1.5 * 2^23 rounds to the nearest integer for |x| < 2^22.
-inline Vec round_nearest(Vec x) { return (x + 12582912.0f) - 12582912.0f; }
-inline Vec exp2_integral(Vec n) {
-  VecInt e = (__builtin_convertvector(n, VecInt) + 127) << 23;
+inline Vec round_nearest(const Vec& x) { return (x + 12582912.0f) - 12582912.0f; }
+inline Vec scale_by_pow2(const Vec& p, const Vec& n) {
+  VecInt e = (__builtin_convertvector(n, VecInt) + 127) << 23;  // 2^n in the exponent field; 0 at n = -127
   Vec v;
   std::memcpy(&v, &e, sizeof v);
-  return v;
+  return p * v;
 }
 #endif
 
-// 2^x with relative error ~2e-7. Inputs at or below -127 (including -inf from the causal mask) give exactly
-// 0; NaN gives 0 too. x = n + f with |f| <= 1/2; 2^f by its Taylor series (ln2 f)^k / k! to degree 6.
-inline Vec pow2(Vec x) {
-  x = min(max(x, splat(-127.0f)), splat(127.0f));
-  Vec n = round_nearest(x);
-  Vec f = sub(x, n);
-  Vec p = splat(1.5403530393381608e-4f);
-  p = fmadd(p, f, splat(1.3333558146428443e-3f));
-  p = fmadd(p, f, splat(9.6181291076284772e-3f));
-  p = fmadd(p, f, splat(5.5504108664821580e-2f));
-  p = fmadd(p, f, splat(2.4022650695910071e-1f));
-  p = fmadd(p, f, splat(6.9314718055994531e-1f));
-  p = fmadd(p, f, splat(1.0f));
-  return mul(p, exp2_integral(n));
+// 2^x with relative error below 2e-7. Inputs at or below -127 (including -inf from the causal mask) give
+// exactly 0, and so does NaN. x = n + f with |f| <= 1/2; 2^f by a degree-5 polynomial fitted for minimal
+// relative error on [-1/2, 1/2] (max 1.6e-7).
+inline Vec pow2(const Vec& exponent) {
+  const Vec x = min(max(exponent, splat(-127.0f)), splat(127.0f));
+  const Vec n = round_nearest(x), f = sub(x, n);
+  Vec p = splat(1.327647129e-3f);
+  p = fmadd(p, f, splat(9.675540961e-3f));
+  p = fmadd(p, f, splat(5.550713092e-2f));
+  p = fmadd(p, f, splat(2.402212024e-1f));
+  p = fmadd(p, f, splat(6.931469440e-1f));
+  p = fmadd(p, f, splat(1.000000119e+00f));
+  return scale_by_pow2(p, n);
 }
 
 // Lane l of vector v holds index first + v * kLanes + l (queries or keys of a tile), as floats for compares.
@@ -122,53 +121,60 @@ struct LaneIndex {
 
 enum class Init { zero, accumulate, scaled };  // C = A@P, C += A@P, C = C * lane_scale + A@P
 
-// C[R, kBlock] (init)= A[R, depth] @ P[depth, kBlock], P packed with row stride kBlock, C likewise.
-// A is read in place and broadcast: element (r, k) sits at a[r * stride + k] when kDepthContiguous (rows of
-// k or q or dout), else at a[r + k * stride] (a transposed view: d-rows of v, k, q or dout).
+// C[R, kBlock] (init)= A[R, depth] @ P[depth, kBlock], P and C with row strides panel_stride and c_stride:
+// R x kVectors accumulators in registers, one panel row loaded and one element of A broadcast per step. A's
+// element (r, k) sits at a[r * stride + k] when kDepthContiguous (token rows of k, v, q or dout), else at
+// a[r + k * stride] (the transposed view: head-dim rows of the same tokens).
 template <int R, bool kDepthContiguous, Init kInit>
-inline void tile_rows(const float* a, int64_t stride, int64_t depth, const float* panel, float* c,
-                      const Vec* lane_scale) {
+inline void tile_rows(const float* a, int64_t stride, int64_t depth, const float* panel, int64_t panel_stride,
+                      float* c, int64_t c_stride, const Vec* lane_scale) {
   Vec acc[R][kVectors];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < kVectors; ++v) {
       if constexpr (kInit == Init::zero) acc[r][v] = splat(0.0f);
-      if constexpr (kInit == Init::accumulate) acc[r][v] = load(c + r * kBlock + v * kLanes);
-      if constexpr (kInit == Init::scaled) acc[r][v] = mul(load(c + r * kBlock + v * kLanes), lane_scale[v]);
+      if constexpr (kInit == Init::accumulate) acc[r][v] = load(c + r * c_stride + v * kLanes);
+      if constexpr (kInit == Init::scaled)
+        acc[r][v] = mul(load(c + r * c_stride + v * kLanes), lane_scale[v]);
     }
   const float* rows[R];
   for (int r = 0; r < R; ++r) rows[r] = a + r * (kDepthContiguous ? stride : 1);
-  for (int64_t k = 0; k < depth; ++k) {
+  int64_t k = 0;
+  do {  // depth >= 1 always; a do-loop lets GCC keep the accumulators in registers through the epilogue
     Vec b[kVectors];
-    for (int v = 0; v < kVectors; ++v) b[v] = load(panel + k * kBlock + v * kLanes);
+    for (int v = 0; v < kVectors; ++v) b[v] = load(panel + k * panel_stride + v * kLanes);
     for (int r = 0; r < R; ++r) {
       Vec ar = splat(kDepthContiguous ? rows[r][k] : rows[r][k * stride]);
       for (int v = 0; v < kVectors; ++v) acc[r][v] = fmadd(ar, b[v], acc[r][v]);
     }
-  }
+  } while (++k < depth);
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kVectors; ++v) store(c + r * kBlock + v * kLanes, acc[r][v]);
+    for (int v = 0; v < kVectors; ++v) store(c + r * c_stride + v * kLanes, acc[r][v]);
 }
 
 template <int R, bool kDepthContiguous, Init kInit>
-void tile_rows_tail(int64_t rows, const float* a, int64_t stride, int64_t depth, const float* panel, float* c,
-                    const Vec* lane_scale) {
+void tile_rows_tail(int64_t rows, const float* a, int64_t stride, int64_t depth, const float* panel,
+                    int64_t panel_stride, float* c, int64_t c_stride, const Vec* lane_scale) {
   if constexpr (R > 0) {
-    if (rows == R) return tile_rows<R, kDepthContiguous, kInit>(a, stride, depth, panel, c, lane_scale);
-    tile_rows_tail<R - 1, kDepthContiguous, kInit>(rows, a, stride, depth, panel, c, lane_scale);
+    if (rows == R)
+      return tile_rows<R, kDepthContiguous, kInit>(a, stride, depth, panel, panel_stride, c, c_stride,
+                                                   lane_scale);
+    tile_rows_tail<R - 1, kDepthContiguous, kInit>(rows, a, stride, depth, panel, panel_stride, c, c_stride,
+                                                   lane_scale);
   }
 }
 
-// C[rows, kBlock] (init)= A[rows, depth] @ P[depth, kBlock]: kRows rows per micro-kernel call.
+// C[rows, kBlock] (init)= A[rows, depth] @ P[depth, kBlock]: kRows rows per micro-kernel call. P and C have
+// row stride kBlock unless given.
 template <bool kDepthContiguous, Init kInit>
 void tile_gemm(int64_t rows, const float* a, int64_t stride, int64_t depth, const float* panel, float* c,
-               const Vec* lane_scale = nullptr) {
+               const Vec* lane_scale = nullptr, int64_t panel_stride = kBlock, int64_t c_stride = kBlock) {
   const int64_t row_step = kDepthContiguous ? stride : 1;
   int64_t r = 0;
   for (; r + kRows <= rows; r += kRows)
-    tile_rows<kRows, kDepthContiguous, kInit>(a + r * row_step, stride, depth, panel, c + r * kBlock,
-                                              lane_scale);
+    tile_rows<kRows, kDepthContiguous, kInit>(a + r * row_step, stride, depth, panel, panel_stride,
+                                              c + r * c_stride, c_stride, lane_scale);
   tile_rows_tail<kRows - 1, kDepthContiguous, kInit>(rows - r, a + r * row_step, stride, depth, panel,
-                                                     c + r * kBlock, lane_scale);
+                                                     panel_stride, c + r * c_stride, c_stride, lane_scale);
 }
 
 // Rows of q, k, v, out, dout sit a token stride apart, usually on separate pages, where the hardware
@@ -237,13 +243,15 @@ void unpack_transposed(const float* panel, int64_t count, int64_t dim, float fac
   }
 }
 
-// tile[i * dim + d] = rows[i * stride + d] for i < count.
-void copy_rows(const float* rows, int64_t stride, int64_t count, int64_t dim, float* tile) {
+// tile[i * tile_stride + d] = rows[i * stride + d] * factor for i < count, d < dim.
+void copy_rows(const float* rows, int64_t stride, int64_t count, int64_t dim, float factor, float* tile,
+               int64_t tile_stride) {
   for (int64_t i = 0; i < count; ++i) {
     if (i + kRowsAhead < count) prefetch_row(rows + (i + kRowsAhead) * stride, dim);
     int64_t d = 0;
-    for (; d + kLanes <= dim; d += kLanes) store(tile + i * dim + d, load(rows + i * stride + d));
-    for (; d < dim; ++d) tile[i * dim + d] = rows[i * stride + d];
+    for (; d + kLanes <= dim; d += kLanes)
+      store(tile + i * tile_stride + d, mul(load(rows + i * stride + d), splat(factor)));
+    for (; d < dim; ++d) tile[i * tile_stride + d] = rows[i * stride + d] * factor;
   }
 }
 
@@ -258,10 +266,10 @@ class RowStage {
   RowStage(float* buffer, int64_t sources, int64_t capacity, int64_t dim)
       : buffer_(buffer), capacity_(capacity), dim_(dim), windows_(sources) {}
 
-  // Rows [first, first + count) of `source` (row r at base + r * stride) as a [count, dim] block.
-  // `owner` identifies the (batch, kv head) pair; a new owner drops every window.
+  // Rows [first, first + count) of `source` (row r at base + r * stride), times `factor` (fixed per source),
+  // as a [count, dim] block. `owner` identifies the (batch, kv head) pair; a new owner drops every window.
   const float* rows(int64_t owner, int64_t source, const float* base, int64_t stride, int64_t first,
-                    int64_t count) {
+                    int64_t count, float factor = 1.0f) {
     if (owner != owner_) {
       owner_ = owner;
       for (Window& w : windows_) w = {0, 0};
@@ -271,7 +279,8 @@ class RowStage {
     if (first < w.first || first + count > w.first + w.count) {
       if (first != w.first + w.count || w.count + count > capacity_) w = {first, 0};
       const int64_t from = w.first + w.count;  // rows before `from` are already staged
-      copy_rows(base + from * stride, stride, first + count - from, dim_, staged + w.count * dim_);
+      copy_rows(base + from * stride, stride, first + count - from, dim_, factor, staged + w.count * dim_,
+                dim_);
       w.count = first + count - w.first;
     }
     return staged + (first - w.first) * dim_;
@@ -286,10 +295,10 @@ class RowStage {
   std::vector<Window> windows_;
 };
 
-// Staged rows per source: the whole sequence when the copies stay under a few MiB per thread, else a
+// Staged rows per source: the whole sequence while the copies fit in 4 MiB per thread, else a sliding
 // window (correct either way; only reuse drops).
 int64_t stage_capacity(int64_t seq, int64_t sources, int64_t dim) {
-  constexpr int64_t kStageFloats = int64_t{2} << 20;  // 8 MiB per thread
+  constexpr int64_t kStageFloats = int64_t{1} << 20;
   return std::clamp<int64_t>(kStageFloats / (sources * dim), kBlock, seq);
 }
 
@@ -350,17 +359,16 @@ class ThreadScratch {
   std::vector<float> buffer_;
 };
 
-// Work items, numbered so that each (batch, kv head) pair's items are adjacent (threads share its staged
-// rows' source lines in cache and each stages the pair once) and, within the pair, the costliest blocks
-// come first: a dynamic schedule then fills the tail with cheap items and the triangular causal work
-// balances across threads.
+// Work items, numbered so that each (batch, kv head) pair's items are adjacent (a thread stages the pair's
+// rows once and reuses them) and, within the pair, the costliest blocks come first: a dynamic schedule
+// then fills the tail with cheap items and the triangular causal work balances across threads.
 struct Item {
-  int64_t batch, kv_head, block, member;  // member: query head within the kv head's group, or 0
-  int64_t pair() const { return batch * 1'000'003 + kv_head; }
+  int64_t pair, batch, kv_head, block, member;  // member: query head within the kv head's group, or 0
 };
 Item item_at(int64_t n, const Geometry& g, int64_t members, bool heavy_blocks_last) {
-  const int64_t per_kv_head = g.blocks * members, pair = n / per_kv_head, rank = n % per_kv_head / members;
-  return {pair / g.kv_heads, pair % g.kv_heads, heavy_blocks_last ? g.blocks - 1 - rank : rank, n % members};
+  const int64_t per_pair = g.blocks * members, pair = n / per_pair, rank = n % per_pair / members;
+  return {pair, pair / g.kv_heads, pair % g.kv_heads, heavy_blocks_last ? g.blocks - 1 - rank : rank,
+          n % members};
 }
 
 // ---- forward: one item = (batch, head, query block) ----
@@ -384,8 +392,8 @@ void forward_block(const ops::AttentionParams& p, const Geometry& g, const Item&
   const int64_t key_end = p.causal ? q0 + nq : g.seq;
   for (int64_t k0 = 0; k0 < key_end; k0 += kBlock) {
     const int64_t nk = std::min<int64_t>(kBlock, key_end - k0);
-    const float* kr = stage.rows(it.pair(), 0, k, p.k_stride, k0, nk);
-    const float* vr = stage.rows(it.pair(), 1, v, p.v_stride, k0, nk);
+    const float* kr = stage.rows(it.pair, 0, k, p.k_stride, k0, nk);
+    const float* vr = stage.rows(it.pair, 1, v, p.v_stride, k0, nk);
     tile_gemm<true, Init::zero>(nk, kr, dim, dim, qt, st);
     // Online softmax per query lane: running max m and sum l, the old output rescaled by alpha.
     const bool masked = p.causal && k0 + nk - 1 > q0;
@@ -446,25 +454,41 @@ void row_dots(const ops::AttentionParams& p, const Geometry& g, float* delta) {
   }
 }
 
-int64_t backward_tile_floats(int64_t dim) { return 4 * dim * kBlock + 2 * kBlock * kBlock + 2 * kBlock; }
+// Columns of the dQ accumulator rows: head_dim rounded up to whole tiles of lanes.
+int64_t padded_dim(int64_t dim) { return (dim + kBlock - 1) / kBlock * kBlock; }
+
+int64_t backward_tile_floats(int64_t dim) {
+  return 4 * dim * kBlock + 2 * kBlock * kBlock + 2 * kBlock + kBlock * padded_dim(dim);
+}
 
 // Pass 1: one item = (batch, kv head, key block); dK and dV, accumulated over the group's query heads and
-// every query block that sees these keys.
+// every query block that sees these keys. With dq_rows set (the fused scheme, whose item owns the whole
+// (batch, kv head) pair) it also adds this key block's dS K to the group's dQ rows [group, seq, padded_dim].
+//
+// Scores here are q k^T with q pre-scaled (the dQ pass computes k q^T the same way), so that both schemes
+// form every P, dS and dQ sum from the same operands in the same order: their dQ agree bitwise.
 void backward_key_block(const ops::AttentionParams& p, const Geometry& g, const Item& it, const float* delta,
-                        float* tiles, RowStage& stage) {
-  const int64_t dim = g.head_dim, b = it.batch, kvh = it.kv_head;
+                        float* tiles, RowStage& stage, float* dq_rows) {
+  const int64_t dim = g.head_dim, b = it.batch, kvh = it.kv_head, dq_width = padded_dim(dim);
   const int64_t k0 = it.block * kBlock, nk = std::min<int64_t>(kBlock, g.seq - k0);
-  float* kt = tiles;              // [dim, kBlock] keys, pre-scaled so scores come out in base 2
+  float* kt = tiles;              // [dim, kBlock] keys
   float* vt = kt + dim * kBlock;  // [dim, kBlock]
   float* dkt = vt + dim * kBlock;
   float* dvt = dkt + dim * kBlock;
-  float* pt = dvt + dim * kBlock;     // [kBlock queries, kBlock keys] probabilities
-  float* dst = pt + kBlock * kBlock;  // [kBlock queries, kBlock keys] dP, then dS
-  pack_transposed(p.k + g.at(b, k0, kvh, p.k_stride), p.k_stride, nk, dim, p.scale * kLog2e, kt);
+  float* pt = dvt + dim * kBlock;                  // [kBlock queries, kBlock keys] probabilities
+  float* dst = pt + kBlock * kBlock;               // [kBlock queries, kBlock keys] dP, then dS
+  float* kr = dst + kBlock * kBlock + 2 * kBlock;  // [kBlock keys, dq_width] rows of k, zero-padded
+  const float* k = p.k + g.at(b, k0, kvh, p.k_stride);
+  pack_transposed(k, p.k_stride, nk, dim, 1.0f, kt);
   pack_transposed(p.v + g.at(b, k0, kvh, p.v_stride), p.v_stride, nk, dim, 1.0f, vt);
   std::fill(dkt, dkt + 2 * dim * kBlock, 0.0f);
+  if (dq_rows) {
+    std::fill(kr, kr + kBlock * dq_width, 0.0f);
+    copy_rows(k, p.k_stride, nk, dim, 1.0f, kr, dq_width);
+  }
 
   const LaneIndex key(k0);
+  const float q_factor = p.scale * kLog2e;  // scores in base 2
   for (int64_t member = 0; member < g.group; ++member) {
     const int64_t h = kvh * g.group + member;
     const float* q = p.q + g.at(b, 0, h, p.q_stride);
@@ -472,8 +496,8 @@ void backward_key_block(const ops::AttentionParams& p, const Geometry& g, const 
     // Under the causal mask queries before k0 see none of these keys.
     for (int64_t q0 = p.causal ? k0 : 0; q0 < g.seq; q0 += kBlock) {
       const int64_t nq = std::min<int64_t>(kBlock, g.seq - q0);
-      const float* qr = stage.rows(it.pair(), 2 * member, q, p.q_stride, q0, nq);
-      const float* dor = stage.rows(it.pair(), 2 * member + 1, dout, p.dout_stride, q0, nq);
+      const float* qr = stage.rows(it.pair, 2 * member, q, p.q_stride, q0, nq, q_factor);
+      const float* dor = stage.rows(it.pair, 2 * member + 1, dout, p.dout_stride, q0, nq);
       const float* lse = p.lse + (b * g.heads + h) * g.seq + q0;
       const float* row_delta = delta + (b * g.heads + h) * g.seq + q0;
       tile_gemm<true, Init::zero>(nq, qr, dim, dim, kt, pt);    // base-2 scores
@@ -492,11 +516,37 @@ void backward_key_block(const ops::AttentionParams& p, const Geometry& g, const 
         }
       }
       tile_gemm<false, Init::accumulate>(dim, dor, dim, nq, pt, dvt);  // dV^T += dout^T P
-      tile_gemm<false, Init::accumulate>(dim, qr, dim, nq, dst, dkt);  // dK^T += q^T dS
+      tile_gemm<false, Init::accumulate>(dim, qr, dim, nq, dst, dkt);  // dK^T += (q_factor q)^T dS
+      if (dq_rows) {
+        float* dq = dq_rows + (member * g.seq + q0) * dq_width;
+        for (int64_t chunk = 0; chunk < dq_width; chunk += kBlock)  // dQ += dS k
+          tile_gemm<true, Init::accumulate>(nq, dst, kBlock, nk, kr + chunk, dq + chunk, nullptr, dq_width,
+                                            dq_width);
+      }
     }
   }
-  unpack_transposed(dkt, nk, dim, p.scale, nullptr, p.dk + g.at(b, k0, kvh, p.dk_stride), p.dk_stride);
+  unpack_transposed(dkt, nk, dim, p.scale / q_factor, nullptr, p.dk + g.at(b, k0, kvh, p.dk_stride),
+                    p.dk_stride);
   unpack_transposed(dvt, nk, dim, 1.0f, nullptr, p.dv + g.at(b, k0, kvh, p.dv_stride), p.dv_stride);
+}
+
+// The fused scheme: one item = one (batch, kv head) pair, all its key blocks in order, dQ accumulated in the
+// thread's rows and written at the end. Five block products per block pair instead of the two-pass
+// scheme's seven, but only batch * kv_heads items.
+void backward_pair(const ops::AttentionParams& p, const Geometry& g, int64_t pair, const float* delta,
+                   float* tiles, RowStage& stage, float* dq_rows) {
+  const int64_t dq_width = padded_dim(g.head_dim);
+  std::fill(dq_rows, dq_rows + g.group * g.seq * dq_width, 0.0f);
+  for (int64_t kb = 0; kb < g.blocks; ++kb)
+    backward_key_block(p, g, item_at(pair * g.blocks + kb, g, 1, false), delta, tiles, stage, dq_rows);
+  const int64_t b = pair / g.kv_heads, kvh = pair % g.kv_heads;
+  for (int64_t member = 0; member < g.group; ++member) {
+    float* dq = p.dq + g.at(b, 0, kvh * g.group + member, p.dq_stride);
+    for (int64_t t = 0; t < g.seq; ++t) {
+      const float* acc = dq_rows + (member * g.seq + t) * dq_width;
+      for (int64_t d = 0; d < g.head_dim; ++d) dq[t * p.dq_stride + d] = acc[d] * p.scale;
+    }
+  }
 }
 
 // Pass 2: one item = (batch, head, query block); dQ.
@@ -528,8 +578,8 @@ void backward_query_block(const ops::AttentionParams& p, const Geometry& g, cons
   const int64_t key_end = p.causal ? q0 + nq : g.seq;
   for (int64_t k0 = 0; k0 < key_end; k0 += kBlock) {
     const int64_t nk = std::min<int64_t>(kBlock, key_end - k0);
-    const float* kr = stage.rows(it.pair(), 0, k, p.k_stride, k0, nk);
-    const float* vr = stage.rows(it.pair(), 1, v, p.v_stride, k0, nk);
+    const float* kr = stage.rows(it.pair, 0, k, p.k_stride, k0, nk);
+    const float* vr = stage.rows(it.pair, 1, v, p.v_stride, k0, nk);
     tile_gemm<true, Init::zero>(nk, kr, dim, dim, qt, st);
     tile_gemm<true, Init::zero>(nk, vr, dim, dim, dot, dst);
     const bool masked = p.causal && k0 + nk - 1 > q0;
@@ -569,28 +619,49 @@ void attention_forward(const ops::AttentionParams& p) {
   }
 }
 
+// The fused scheme does 5/7 of the two-pass scheme's block products but spreads only batch * kv_heads
+// items over the threads; it wins unless that leaves threads idle, and it needs a dQ accumulator of
+// group * seq * head_dim floats per thread. Both give bitwise the same results, so the choice may depend
+// on the thread count.
+bool use_fused_backward(const Geometry& g, int threads) {
+  const int64_t pairs = g.batch * g.kv_heads, rounds = (pairs + threads - 1) / threads;
+  constexpr int64_t kMaxAccumulatorFloats = int64_t{4} << 20;
+  return 5 * rounds * threads < 7 * pairs &&
+         g.group * g.seq * padded_dim(g.head_dim) <= kMaxAccumulatorFloats;
+}
+
 void attention_backward(const ops::AttentionParams& p) {
   check_params(p, true);
   const Geometry g(p);
   std::vector<float> delta(g.batch * g.heads * g.seq);
   row_dots(p, g, delta.data());
+  const bool fused = use_fused_backward(g, omp_get_max_threads());
   const int64_t tile_floats = backward_tile_floats(g.head_dim), sources = std::max<int64_t>(2 * g.group, 2);
   const int64_t capacity = stage_capacity(g.seq, sources, g.head_dim);
-  ThreadScratch scratch(tile_floats + sources * capacity * g.head_dim);
+  const int64_t dq_floats = fused ? g.group * g.seq * padded_dim(g.head_dim) : 0;
+  ThreadScratch scratch(tile_floats + sources * capacity * g.head_dim + dq_floats);
 #pragma omp parallel
   {
     float* mine = scratch.mine();
-    {
-      RowStage stage(mine + tile_floats, 2 * g.group, capacity, g.head_dim);
-      // Early key blocks meet the most queries under the causal mask.
+    float* staged = mine + tile_floats;
+    if (fused) {
+      RowStage stage(staged, 2 * g.group, capacity, g.head_dim);
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t n = 0; n < g.batch * g.kv_heads * g.blocks; ++n)
-        backward_key_block(p, g, item_at(n, g, 1, false), delta.data(), mine, stage);
+      for (int64_t pair = 0; pair < g.batch * g.kv_heads; ++pair)
+        backward_pair(p, g, pair, delta.data(), mine, stage, staged + sources * capacity * g.head_dim);
+    } else {
+      {
+        RowStage stage(staged, 2 * g.group, capacity, g.head_dim);
+        // Early key blocks meet the most queries under the causal mask.
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t n = 0; n < g.batch * g.kv_heads * g.blocks; ++n)
+          backward_key_block(p, g, item_at(n, g, 1, false), delta.data(), mine, stage, nullptr);
+      }
+      RowStage stage(staged, 2, capacity, g.head_dim);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t n = 0; n < g.batch * g.heads * g.blocks; ++n)
+        backward_query_block(p, g, item_at(n, g, g.group, p.causal), delta.data(), mine, stage);
     }
-    RowStage stage(mine + tile_floats, 2, capacity, g.head_dim);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t n = 0; n < g.batch * g.heads * g.blocks; ++n)
-      backward_query_block(p, g, item_at(n, g, g.group, p.causal), delta.data(), mine, stage);
   }
 }
 
