@@ -121,6 +121,21 @@ TEST_F(TrainerTest, LossFallsAndMetricsAreWritten) {
   EXPECT_TRUE(fs::exists(fs::path(c.log.run_dir) / "config.toml"));
 }
 
+// steps = 0 with a time budget: the schedule length is planned from the first steps' speed and the
+// run completes that plan (its LR reaches the end of the decay) inside the budget.
+TEST_F(TrainerTest, TimeBudgetPlansTheScheduleLength) {
+  TrainConfig c = config("budget");
+  c.train.steps = 0;
+  c.train.max_minutes = 0.05;  // 3 seconds
+  c.train.warmup = 5;
+  TrainResult r = Trainer(c).run();
+  EXPECT_FALSE(r.interrupted);
+  EXPECT_GT(r.steps_done, 5);
+  EXPECT_EQ(static_cast<int64_t>(r.losses.size()), r.steps_done);
+  CheckpointState state = read_checkpoint_manifest((fs::path(c.log.run_dir) / "checkpoint").string());
+  EXPECT_EQ(state.extra.at("planned_steps").get<int64_t>(), r.steps_done);
+}
+
 TEST_F(TrainerTest, RefusesBadInputsWithOneClearLine) {
   auto expect_error = [](TrainConfig c, const std::string& culprit) {
     try {

@@ -54,7 +54,11 @@ const std::vector<KeySpec>& key_specs() {
 
       {"train", "micro_batch", FORGE_FIELD(train.micro_batch), "sequences per micro-batch", {}},
       {"train", "grad_accum", FORGE_FIELD(train.grad_accum), "micro-batches per optimizer step", {}},
-      {"train", "steps", FORGE_FIELD(train.steps), "optimizer steps", {}},
+      {"train",
+       "steps",
+       FORGE_FIELD(train.steps),
+       "optimizer steps (0 = as many as fit in max_minutes, planned from the speed of the first steps)",
+       {}},
       {"train",
        "max_minutes",
        FORGE_FIELD(train.max_minutes),
@@ -392,7 +396,8 @@ void TrainConfig::validate() const {
 
   check(train.micro_batch > 0, "train.micro_batch", train.micro_batch, "> 0");
   check(train.grad_accum > 0, "train.grad_accum", train.grad_accum, "> 0");
-  check(train.steps > 0, "train.steps", train.steps, "> 0");
+  check(train.steps > 0 || (train.steps == 0 && train.max_minutes > 0), "train.steps", train.steps,
+        "> 0 (or 0 together with train.max_minutes > 0)");
   check(finite(train.max_minutes) && train.max_minutes >= 0, "train.max_minutes", train.max_minutes,
         ">= 0 (0 = no limit)");
   check(finite(train.lr) && train.lr > 0, "train.lr", train.lr, "> 0");

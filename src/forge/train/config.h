@@ -32,7 +32,7 @@ struct TrainConfig {
   struct Train {
     int64_t micro_batch = 8;
     int64_t grad_accum = 1;
-    int64_t steps = 2000;
+    int64_t steps = 2000;  // 0 = as many as fit in max_minutes
     double max_minutes = 0;  // 0 = no limit
     double lr = 3e-3;
     double min_lr = 3e-4;

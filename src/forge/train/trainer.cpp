@@ -3,7 +3,9 @@
 #include <omp.h>
 
 #include <chrono>
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
@@ -103,7 +105,12 @@ TrainResult Trainer::run() {
   AdamWConfig adam_config{static_cast<float>(c.train.beta1), static_cast<float>(c.train.beta2),
                           static_cast<float>(c.train.eps), static_cast<float>(c.train.weight_decay)};
   AdamW optimizer(&model.params(), adam_config);
-  const LrSchedule schedule = c.lr_schedule();
+  LrSchedule schedule = c.lr_schedule();
+  // Time-budget mode (steps = 0): the schedule's length is planned once, from the measured speed of the
+  // first steps (which are all in warmup, where the LR does not depend on the length).
+  const bool plan_steps = c.train.steps == 0;
+  int64_t total_steps = c.train.steps;
+  if (plan_steps) schedule.total_steps = total_steps = std::numeric_limits<int32_t>::max();
 
   const fs::path run_dir(c.log.run_dir);
   fs::create_directories(run_dir);
@@ -122,6 +129,8 @@ TrainResult Trainer::run() {
            c.model.config);
     state = load_checkpoint(resume_from.string(), model.params(), &optimizer);
     step = state.step;
+    if (plan_steps && state.extra.contains("planned_steps"))
+      schedule.total_steps = total_steps = state.extra["planned_steps"].get<int64_t>();
     std::printf("resumed from %s at step %lld\n", resume_from.c_str(), static_cast<long long>(step));
   }
   {
@@ -149,6 +158,7 @@ TrainResult Trainer::run() {
     state.step = step;
     state.model_config = model_config.to_json();
     state.extra = {{"tokens_seen", step * c.tokens_per_step()}, {"reason", why}};
+    if (plan_steps) state.extra["planned_steps"] = total_steps;
     save_checkpoint(checkpoint_dir.string(), model.params(), &optimizer, state);
     std::printf("checkpoint saved to %s (step %lld, %s)\n", checkpoint_dir.c_str(), static_cast<long long>(step), why);
     std::fflush(stdout);
@@ -161,7 +171,8 @@ TrainResult Trainer::run() {
   auto interval_start = Clock::now();
   int64_t interval_tokens = 0;
   const int64_t first_step = step;
-  while (step < c.train.steps) {
+  double first_step_seconds = 0;
+  while (step < total_steps) {
     if (stop_flag().load()) break;
     if (c.train.max_minutes > 0 && seconds_since(train_start) > c.train.max_minutes * 60) {
       std::printf("time limit of %.1f minutes reached at step %lld\n", c.train.max_minutes,
@@ -192,17 +203,18 @@ TrainResult Trainer::run() {
     result.losses.push_back(mean_loss);
     interval_tokens += c.tokens_per_step();
 
-    const bool last = step == c.train.steps;
+    const bool last = step == total_steps;
     if (step % c.log.every == 0 || last || step == first_step + 1) {
       double dt = seconds_since(interval_start);
       StepLine m;
-      m.step = step, m.total_steps = c.train.steps, m.loss = mean_loss, m.lr = lr, m.grad_norm = grad_norm;
+      const bool planned = total_steps != std::numeric_limits<int32_t>::max();
+      m.step = step, m.total_steps = planned ? total_steps : 0, m.loss = mean_loss, m.lr = lr, m.grad_norm = grad_norm;
       m.tokens_per_s = static_cast<double>(interval_tokens) / dt;
       m.flops_per_s = m.tokens_per_s * flops_per_token;
       m.mfu = m.flops_per_s / (peak_gflops * 1e9);
       m.elapsed_s = seconds_since(start_time);
       double per_step = seconds_since(train_start) / static_cast<double>(step - first_step);
-      m.eta_s = per_step * static_cast<double>(c.train.steps - step);
+      m.eta_s = planned ? per_step * static_cast<double>(total_steps - step) : -1;
       if (c.train.max_minutes > 0) m.eta_s = std::min(m.eta_s, c.train.max_minutes * 60 - seconds_since(train_start));
       std::printf("%s\n", format_step_line(m).c_str());
       std::fflush(stdout);
@@ -222,6 +234,16 @@ TrainResult Trainer::run() {
       metrics.write({{"step", step}, {"eval_loss", e.mean()}, {"eval_bits_per_byte", bpb}});
     }
     if (c.checkpoint.every > 0 && step % c.checkpoint.every == 0 && !last) save("periodic");
+    if (plan_steps && total_steps == std::numeric_limits<int32_t>::max() &&
+        step - first_step == std::clamp<int64_t>(c.train.warmup, 3, 20)) {
+      // Plan from the steps after the first (which pays one-time costs), keeping 3% for evaluations.
+      const double per_step = (seconds_since(train_start) - first_step_seconds) / static_cast<double>(step - first_step - 1);
+      const double left = c.train.max_minutes * 60 * 0.97 - seconds_since(train_start);
+      schedule.total_steps = total_steps = step + std::max<int64_t>(1, static_cast<int64_t>(left / per_step));
+      std::printf("time budget %.3g minutes: planned %lld steps (%.3f s/step)\n", c.train.max_minutes,
+                  static_cast<long long>(total_steps), per_step);
+    }
+    if (step == first_step + 1) first_step_seconds = seconds_since(train_start);
     if (on_step_) on_step_(step);
   }
   result.steps_done = step;
