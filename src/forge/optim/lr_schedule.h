@@ -22,6 +22,9 @@ struct LrSchedule {
   //   wsd:      peak until start = max(warmup, total - round(decay_fraction * total)), then linear to min
   //   constant: peak
   float lr_at(int64_t step) const;
+  // The first step whose LR depends on total_steps (cosine: the end of warmup; wsd: the start of the
+  // decay; constant: never).
+  int64_t decay_begins() const;
 };
 
 // "constant" | "cosine" | "wsd"; throws forge::Error naming the value otherwise.

@@ -172,6 +172,7 @@ TrainResult Trainer::run() {
   int64_t interval_tokens = 0;
   const int64_t first_step = step;
   double first_step_seconds = 0;
+  bool plan_frozen = !plan_steps || total_steps != std::numeric_limits<int32_t>::max();
   while (step < total_steps) {
     if (stop_flag().load()) break;
     if (c.train.max_minutes > 0 && seconds_since(train_start) > c.train.max_minutes * 60) {
@@ -207,7 +208,7 @@ TrainResult Trainer::run() {
     if (step % c.log.every == 0 || last || step == first_step + 1) {
       double dt = seconds_since(interval_start);
       StepLine m;
-      const bool planned = total_steps != std::numeric_limits<int32_t>::max();
+      const bool planned = plan_frozen;
       m.step = step, m.total_steps = planned ? total_steps : 0, m.loss = mean_loss, m.lr = lr, m.grad_norm = grad_norm;
       m.tokens_per_s = static_cast<double>(interval_tokens) / dt;
       m.flops_per_s = m.tokens_per_s * flops_per_token;
@@ -234,14 +235,19 @@ TrainResult Trainer::run() {
       metrics.write({{"step", step}, {"eval_loss", e.mean()}, {"eval_bits_per_byte", bpb}});
     }
     if (c.checkpoint.every > 0 && step % c.checkpoint.every == 0 && !last) save("periodic");
-    if (plan_steps && total_steps == std::numeric_limits<int32_t>::max() &&
-        step - first_step == std::clamp<int64_t>(c.train.warmup, 3, 20)) {
-      // Plan from the steps after the first (which pays one-time costs), keeping 3% for evaluations.
-      const double per_step = (seconds_since(train_start) - first_step_seconds) / static_cast<double>(step - first_step - 1);
+    if (plan_steps && !plan_frozen && step - first_step >= 3) {
+      // Re-estimate the length from the average speed so far (after the first step, which pays one-time
+      // costs), keeping 3% of the budget for evaluations. The plan is frozen when the next step's LR would
+      // depend on it: at the end of warmup for cosine, at the start of the decay for WSD.
+      const double per_step =
+          (seconds_since(train_start) - first_step_seconds) / static_cast<double>(step - first_step - 1);
       const double left = c.train.max_minutes * 60 * 0.97 - seconds_since(train_start);
       schedule.total_steps = total_steps = step + std::max<int64_t>(1, static_cast<int64_t>(left / per_step));
-      std::printf("time budget %.3g minutes: planned %lld steps (%.3f s/step)\n", c.train.max_minutes,
-                  static_cast<long long>(total_steps), per_step);
+      if (step + 1 >= schedule.decay_begins()) {
+        plan_frozen = true;
+        std::printf("time budget %.3g minutes: planned %lld steps (%.3f s/step so far)\n", c.train.max_minutes,
+                    static_cast<long long>(total_steps), per_step);
+      }
     }
     if (step == first_step + 1) first_step_seconds = seconds_since(train_start);
     if (on_step_) on_step_(step);

@@ -172,8 +172,13 @@ void row_dots(const ops::AttentionParams& p, const Geometry& g, float* delta) {
     for (int64_t h = 0; h < g.heads; ++h) {
       const float* dout = p.dout + g.at(b, t, h, p.dout_stride);
       const float* out = p.out + g.at(b, t, h, p.out_stride);
-      float s = 0.0f;
-      for (int64_t d = 0; d < g.head_dim; ++d) s += dout[d] * out[d];
+      Vec lanes = splat(0.0f);
+      int64_t d = 0;
+      for (; d + kLanes <= g.head_dim; d += kLanes) lanes = fmadd(load(dout + d), load(out + d), lanes);
+      float partial[kLanes], s = 0.0f;
+      store(partial, lanes);
+      for (float x : partial) s += x;
+      for (; d < g.head_dim; ++d) s += dout[d] * out[d];
       delta[(b * g.heads + h) * g.seq + t] = s;
     }
   }
@@ -250,8 +255,8 @@ void backward_key_block(const ops::AttentionParams& p, const Geometry& g, const 
       }
     }
   }
-  unpack_transposed(dkt, nk, dim, p.scale / q_factor, nullptr, p.dk + g.at(b, k0, kvh, p.dk_stride),
-                    p.dk_stride);
+  // dK = scale dS^T q = ln2 dS^T (q_factor q), with no division by a zero scale.
+  unpack_transposed(dkt, nk, dim, kLn2, nullptr, p.dk + g.at(b, k0, kvh, p.dk_stride), p.dk_stride);
   unpack_transposed(dvt, nk, dim, 1.0f, nullptr, p.dv + g.at(b, k0, kvh, p.dv_stride), p.dv_stride);
 }
 
@@ -350,7 +355,7 @@ void attention_forward(const ops::AttentionParams& p) {
 // on the thread count.
 bool use_fused_backward(const Geometry& g, int threads) {
   const int64_t pairs = g.batch * g.kv_heads, rounds = (pairs + threads - 1) / threads;
-  constexpr int64_t kMaxAccumulatorFloats = int64_t{4} << 20;
+  constexpr int64_t kMaxAccumulatorFloats = int64_t{1} << 20;  // 4 MiB per thread
   return 5 * rounds * threads < 7 * pairs &&
          g.group * g.seq * padded_dim(g.head_dim) <= kMaxAccumulatorFloats;
 }
