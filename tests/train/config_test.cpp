@@ -51,13 +51,14 @@ TEST(TrainConfig, DefaultsMatchTheDocumentedValues) {
   EXPECT_DOUBLE_EQ(c.data.heldout_fraction, 0.01);
   EXPECT_EQ(c.data.seq_len, 256);
   EXPECT_EQ(c.train.micro_batch, 8);
-  EXPECT_EQ(c.train.steps, 2000);
+  EXPECT_EQ(c.train.steps, 0);  // the default job trains for a time budget
+  EXPECT_DOUBLE_EQ(c.train.max_minutes, 8.5);
   EXPECT_DOUBLE_EQ(c.train.lr, 3e-3);
   EXPECT_DOUBLE_EQ(c.train.min_lr, 3e-4);
-  EXPECT_EQ(c.train.schedule, "cosine");
+  EXPECT_EQ(c.train.schedule, "wsd");
   EXPECT_EQ(c.train.dtype, "auto");
   EXPECT_EQ(c.train.recompute, "none");
-  EXPECT_EQ(c.eval.every, 250);
+  EXPECT_EQ(c.eval.every, 500);
   EXPECT_EQ(c.log.run_dir, "runs/default");
   EXPECT_EQ(c.sample.prompt, "And God said");
   EXPECT_EQ(c.sample.top_k, 40);
@@ -191,7 +192,13 @@ TEST(TrainConfigErrors, Validation) {
   expect_invalid([](TrainConfig& c) { c.data.seq_len = 0; }, {"data.seq_len must be > 0, got 0"});
   expect_invalid([](TrainConfig& c) { c.train.micro_batch = -2; }, {"train.micro_batch"});
   expect_invalid([](TrainConfig& c) { c.train.grad_accum = 0; }, {"train.grad_accum"});
-  expect_invalid([](TrainConfig& c) { c.train.steps = 0; }, {"train.steps"});
+  expect_invalid(
+      [](TrainConfig& c) {
+        c.train.steps = 0;
+        c.train.max_minutes = 0;
+      },
+      {"train.steps"});
+  expect_invalid([](TrainConfig& c) { c.train.steps = -1; }, {"train.steps"});
   expect_invalid([](TrainConfig& c) { c.train.max_minutes = -1; }, {"train.max_minutes"});
   expect_invalid([](TrainConfig& c) { c.train.warmup = -1; }, {"train.warmup"});
   expect_invalid([](TrainConfig& c) { c.train.wsd_decay_fraction = 1.5; }, {"train.wsd_decay_fraction"});

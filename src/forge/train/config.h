@@ -32,12 +32,12 @@ struct TrainConfig {
   struct Train {
     int64_t micro_batch = 8;
     int64_t grad_accum = 1;
-    int64_t steps = 2000;  // 0 = as many as fit in max_minutes
-    double max_minutes = 0;  // 0 = no limit
+    int64_t steps = 0;  // 0 = as many as fit in max_minutes
+    double max_minutes = 8.5;  // 0 = no limit
     double lr = 3e-3;
     double min_lr = 3e-4;
-    int64_t warmup = 100;
-    std::string schedule = "cosine";  // cosine | wsd | constant
+    int64_t warmup = 50;
+    std::string schedule = "wsd";  // cosine | wsd | constant
     double wsd_decay_fraction = 0.2;
     double weight_decay = 0.1;
     double beta1 = 0.9;
@@ -50,7 +50,7 @@ struct TrainConfig {
     bool operator==(const Train&) const = default;
   };
   struct Eval {
-    int64_t every = 250;  // 0 = only at the end
+    int64_t every = 500;  // 0 = only at the end
     int64_t batches = 16;
     bool operator==(const Eval&) const = default;
   };
