@@ -133,7 +133,9 @@ TEST_F(TrainerTest, TimeBudgetPlansTheScheduleLength) {
   EXPECT_GT(r.steps_done, 5);
   EXPECT_EQ(static_cast<int64_t>(r.losses.size()), r.steps_done);
   CheckpointState state = read_checkpoint_manifest((fs::path(c.log.run_dir) / "checkpoint").string());
-  EXPECT_EQ(state.extra.at("planned_steps").get<int64_t>(), r.steps_done);
+  // The plan keeps 3% in reserve; only a machine that slows down sharply mid-run hits the hard limit.
+  if (!r.time_limit_reached) EXPECT_EQ(state.extra.at("planned_steps").get<int64_t>(), r.steps_done);
+  EXPECT_GE(state.extra.at("planned_steps").get<int64_t>(), r.steps_done);
 }
 
 TEST_F(TrainerTest, RefusesBadInputsWithOneClearLine) {

@@ -178,6 +178,7 @@ TrainResult Trainer::run() {
     if (c.train.max_minutes > 0 && seconds_since(train_start) > c.train.max_minutes * 60) {
       std::printf("time limit of %.1f minutes reached at step %lld\n", c.train.max_minutes,
                   static_cast<long long>(step));
+      result.time_limit_reached = true;
       break;
     }
     if (step == first_step) reset_peak_memory();
