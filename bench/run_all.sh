@@ -18,8 +18,8 @@ peak_fp32=$(awk '/peak fp32/ {print $4}' "$out/peaks.txt")
 echo "== end-to-end training, batch 4 x 512 tokens"
 $FORGE bench --model $CONFIG --dtype bf16 --steps "$STEPS" --peak-gflops "$peak_bf16" | tee "$out/forge_bf16.txt"
 $FORGE bench --model $CONFIG --dtype fp32 --steps "$STEPS" --peak-gflops "$peak_fp32" | tee "$out/forge_fp32.txt"
-/usr/bin/python3 bench/torch_llama.py $CONFIG --dtype bf16 --steps "$STEPS" | tee "$out/torch_bf16.txt"
-/usr/bin/python3 bench/torch_llama.py $CONFIG --dtype fp32 --steps 2 | tee "$out/torch_fp32.txt"
+/usr/bin/python3 bench/torch_llama.py $CONFIG --dtype bf16 --steps "$STEPS" --threads "$(nproc)" | tee "$out/torch_bf16.txt"
+/usr/bin/python3 bench/torch_llama.py $CONFIG --dtype fp32 --steps 1 --threads "$(nproc)" | tee "$out/torch_fp32.txt"
 
 /usr/bin/python3 - "$out" <<'PY'
 import json, sys, pathlib

@@ -36,8 +36,9 @@ struct BenchOptions {
 int run_bench(const BenchOptions& o) {
   const forge::DType dtype = forge::dtype_from_name(o.dtype);
   if (o.model.empty()) {
-    std::printf("peak fp32 GEMM: %.0f GFLOP/s\n", forge::measure_gemm_peak_gflops(forge::DType::f32));
-    std::printf("peak bf16 GEMM: %.0f GFLOP/s\n", forge::measure_gemm_peak_gflops(forge::DType::bf16));
+    // 4096^3 GEMMs (137 GFLOP each), best of 3: long enough to be stable on a shared machine.
+    std::printf("peak fp32 GEMM: %.0f GFLOP/s\n", forge::measure_gemm_peak_gflops(forge::DType::f32, 4096, 3));
+    std::printf("peak bf16 GEMM: %.0f GFLOP/s\n", forge::measure_gemm_peak_gflops(forge::DType::bf16, 4096, 3));
     return 0;
   }
   forge::LlamaConfig config = forge::LlamaConfig::from_json_file(o.model);

@@ -1,12 +1,18 @@
 // GEMM through oneDNN matmul. Transposes are expressed as strides on the memory descriptors, so NN, NT
 // and TN all run without copies; bf16 operands accumulate in fp32 (AVX512-BF16 where the CPU has it).
 // Primitives are created once per (shape, layout, dtype, alpha, beta) and cached.
+//
+// On CPUs without native bf16 dot products (no AVX512-BF16, no AMX) oneDNN emulates bf16 matmul at a
+// third of its fp32 rate. Every bf16 value is exact in fp32, so there the operands are widened and the
+// fp32 kernel computes the same products with fp32 accumulation, at fp32 speed.
 #include <dnnl.hpp>
 
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <vector>
 
+#include "forge/core/cpu_features.h"
 #include "forge/kernels/cpu/cpu_kernels.h"
 
 namespace forge::cpu {
@@ -51,12 +57,38 @@ GemmPrimitive make_primitive(const GemmKey& key) {
   return g;
 }
 
+// Copies a stored rows x cols bf16 matrix (leading dimension ld) into a dense fp32 one.
+void widen_bf16(const void* src, int64_t rows, int64_t cols, int64_t ld, std::vector<float>& dst) {
+  dst.resize(static_cast<size_t>(rows * cols));
+  const auto* in = static_cast<const uint16_t*>(src);
+  float* out = dst.data();
+#pragma omp parallel for schedule(static) if (rows * cols > 16384)
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* row = in + r * ld;
+    auto* o = reinterpret_cast<uint32_t*>(out + r * cols);
+    for (int64_t c = 0; c < cols; ++c) o[c] = static_cast<uint32_t>(row[c]) << 16;
+  }
+}
+
+void gemm_bf16_widened(const ops::GemmParams& p) {
+  thread_local std::vector<float> a, b;
+  widen_bf16(p.a, p.trans_a ? p.k : p.m, p.trans_a ? p.m : p.k, p.lda, a);
+  widen_bf16(p.b, p.trans_b ? p.n : p.k, p.trans_b ? p.k : p.n, p.ldb, b);
+  ops::GemmParams q = p;
+  q.ab_dtype = DType::f32;
+  q.a = a.data(), q.lda = p.trans_a ? p.m : p.k;
+  q.b = b.data(), q.ldb = p.trans_b ? p.k : p.n;
+  forge::cpu::gemm(q);
+}
+
 }  // namespace
 
 void gemm(const ops::GemmParams& p) {
   FORGE_CHECK(p.ab_dtype == DType::f32 || p.ab_dtype == DType::bf16, "gemm: operands must be fp32 or bf16, got {}",
               dtype_name(p.ab_dtype));
   FORGE_CHECK(p.m > 0 && p.n > 0 && p.k > 0, "gemm: empty problem {}x{}x{}", p.m, p.n, p.k);
+  static const bool native_bf16 = cpu_has_native_bf16();
+  if (p.ab_dtype == DType::bf16 && !native_bf16) return gemm_bf16_widened(p);
   GemmKey key{p.m, p.n, p.k, p.lda, p.ldb, p.ldc, p.trans_a, p.trans_b, p.ab_dtype, p.alpha, p.beta};
   static std::mutex mutex;
   static std::map<GemmKey, GemmPrimitive> cache;
