@@ -14,7 +14,7 @@ packages=(
   bible-kjv                         # the default corpus
 )
 if [[ "${1:-}" == "--bench" ]]; then
-  packages+=(python3-torch python3-numpy)
+  packages+=(python3-torch python3-numpy libopenblas0-pthread)  # OpenBLAS: PyTorch fp32 otherwise runs on reference BLAS
 fi
 
 missing=()
