@@ -27,7 +27,9 @@ run: build
 	$(BUILD)/bin/forge train --config configs/default.toml $(RUN_ARGS)
 
 test: build
-	cd $(BUILD) && ctest --output-on-failure --timeout 600 -j 2
+	# One test at a time: each test already uses every core through OpenMP, and two at once make
+	# OpenMP barriers spin against each other (100x slower on 2 cores).
+	cd $(BUILD) && ctest --output-on-failure --timeout 600
 
 bench: deps-bench build
 	bash bench/run_all.sh $(BUILD)

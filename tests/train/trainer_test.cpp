@@ -130,11 +130,13 @@ TEST_F(TrainerTest, TimeBudgetPlansTheScheduleLength) {
   c.train.warmup = 5;
   TrainResult r = Trainer(c).run();
   EXPECT_FALSE(r.interrupted);
-  EXPECT_GT(r.steps_done, 5);
+  EXPECT_GE(r.steps_done, 3);  // planning starts after 3 steps; a slow machine plans few
   EXPECT_EQ(static_cast<int64_t>(r.losses.size()), r.steps_done);
   CheckpointState state = read_checkpoint_manifest((fs::path(c.log.run_dir) / "checkpoint").string());
   // The plan keeps 3% in reserve; only a machine that slows down sharply mid-run hits the hard limit.
-  if (!r.time_limit_reached) EXPECT_EQ(state.extra.at("planned_steps").get<int64_t>(), r.steps_done);
+  if (!r.time_limit_reached) {
+    EXPECT_EQ(state.extra.at("planned_steps").get<int64_t>(), r.steps_done);
+  }
   EXPECT_GE(state.extra.at("planned_steps").get<int64_t>(), r.steps_done);
 }
 

@@ -72,27 +72,9 @@ LossSum LlamaModel::forward_backward(const int32_t* ids, const int32_t* targets,
   nn::RmsNorm::Saved norm_saved;
   Tensor hidden = final_hidden(ids, batch, seq, &saved, &norm_saved);
 
-  // Loss head: the vocabulary-chunked fused projection + cross-entropy computes the loss, the hidden
-  // gradient and the head's weight gradient while each logits chunk is live.
-  Tensor hidden_gemm = nn::to_gemm_dtype(hidden, options_.gemm_dtype);
-  Tensor weight_gemm = head_weight_gemm();
-  Tensor lse = Tensor::empty({rows}, DType::f32), loss = Tensor::empty({rows}, DType::f32);
   Tensor dhidden = Tensor::empty({rows, h}, DType::f32);
-  ops::LinearCrossEntropyParams p;
-  p.rows = rows, p.dim = h, p.vocab = config_.vocab_size;
-  p.gemm_dtype = options_.gemm_dtype;
-  p.hidden_gemm = hidden_gemm.raw(), p.weight_gemm = weight_gemm.raw();
-  p.targets = targets, p.lse = lse.f32(), p.loss = loss.f32();
-  p.grad_scale = grad_scale, p.dhidden = dhidden.f32(), p.dweight = params_.grad(head_id_).f32();
-  Tensor workspace = Tensor::empty({ops::linear_cross_entropy_workspace_floats(p)}, DType::f32);
-  p.workspace = workspace.f32();
-  ops::linear_cross_entropy_forward(p);
-  ops::linear_cross_entropy_backward(p);
-  workspace = Tensor(), hidden_gemm = Tensor(), hidden = Tensor();
-
-  LossSum result;
-  for (int64_t i = 0; i < rows; ++i)
-    if (targets[i] >= 0) result.sum += loss.f32()[i], ++result.tokens;
+  LossSum result = loss_head(hidden, targets, grad_scale, &dhidden);
+  hidden = Tensor();
 
   Tensor dx = final_norm_.backward_input(dhidden, norm_saved);
   final_norm_.backward_weight(norm_saved);
@@ -104,10 +86,10 @@ LossSum LlamaModel::forward_backward(const int32_t* ids, const int32_t* targets,
   return result;
 }
 
-LossSum LlamaModel::forward_loss(const int32_t* ids, const int32_t* targets, int64_t batch, int64_t seq) {
-  check_inputs(ids, targets, batch, seq);
-  const int64_t rows = batch * seq;
-  Tensor hidden = final_hidden(ids, batch, seq, nullptr, nullptr);
+LossSum LlamaModel::loss_head(const Tensor& hidden, const int32_t* targets, float grad_scale, Tensor* dhidden) {
+  // The vocabulary-chunked fused projection + cross-entropy; with dhidden it also computes the hidden
+  // gradient and accumulates the head's weight gradient while each logits chunk is live.
+  const int64_t rows = hidden.dim(0);
   Tensor hidden_gemm = nn::to_gemm_dtype(hidden, options_.gemm_dtype);
   Tensor weight_gemm = head_weight_gemm();
   Tensor lse = Tensor::empty({rows}, DType::f32), loss = Tensor::empty({rows}, DType::f32);
@@ -116,13 +98,20 @@ LossSum LlamaModel::forward_loss(const int32_t* ids, const int32_t* targets, int
   p.gemm_dtype = options_.gemm_dtype;
   p.hidden_gemm = hidden_gemm.raw(), p.weight_gemm = weight_gemm.raw();
   p.targets = targets, p.lse = lse.f32(), p.loss = loss.f32();
+  if (dhidden) p.grad_scale = grad_scale, p.dhidden = dhidden->f32(), p.dweight = params_.grad(head_id_).f32();
   Tensor workspace = Tensor::empty({ops::linear_cross_entropy_workspace_floats(p)}, DType::f32);
   p.workspace = workspace.f32();
   ops::linear_cross_entropy_forward(p);
+  if (dhidden) ops::linear_cross_entropy_backward(p);
   LossSum result;
   for (int64_t i = 0; i < rows; ++i)
     if (targets[i] >= 0) result.sum += loss.f32()[i], ++result.tokens;
   return result;
+}
+
+LossSum LlamaModel::forward_loss(const int32_t* ids, const int32_t* targets, int64_t batch, int64_t seq) {
+  check_inputs(ids, targets, batch, seq);
+  return loss_head(final_hidden(ids, batch, seq, nullptr, nullptr), targets, 0.0f, nullptr);
 }
 
 Tensor LlamaModel::logits(const int32_t* ids, int64_t batch, int64_t seq) {

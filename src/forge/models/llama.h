@@ -52,6 +52,7 @@ class LlamaModel {
                       nn::RmsNorm::Saved* norm_saved);
   void check_inputs(const int32_t* ids, const int32_t* targets, int64_t batch, int64_t seq) const;
   Tensor head_weight_gemm() const;
+  LossSum loss_head(const Tensor& hidden, const int32_t* targets, float grad_scale, Tensor* dhidden);
 
   LlamaConfig config_;
   nn::ComputeOptions options_;
