@@ -8,8 +8,13 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
+#include <string>
+#include <string_view>
 #include <random>
 #include <vector>
+
+#include "forge/core/error.h"
 
 namespace forge::testing {
 
@@ -70,6 +75,20 @@ inline double dot(const std::vector<double>& w, const std::vector<double>& y) {
   double s = 0;
   for (size_t i = 0; i < w.size(); ++i) s += w[i] * y[i];
   return s;
+}
+
+// Expects f() to throw forge::Error with a one-line message containing every fragment (the culprit).
+template <typename F>
+void expect_error_containing(F&& f, std::initializer_list<std::string_view> fragments) {
+  try {
+    f();
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    const std::string message = e.what();
+    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+    for (std::string_view fragment : fragments)
+      EXPECT_NE(message.find(fragment), std::string::npos) << "'" << fragment << "' not in: " << message;
+  }
 }
 
 // Runs f with the OpenMP thread count set to `threads` (for thread-count invariance checks).

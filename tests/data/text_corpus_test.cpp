@@ -9,6 +9,7 @@
 #include <regex>
 
 #include "forge/core/error.h"
+#include "op_harness.h"
 
 namespace forge {
 namespace {
@@ -30,18 +31,7 @@ class TempDir {
   std::filesystem::path path_;
 };
 
-template <typename F>
-void expect_error_containing(F&& f, std::initializer_list<std::string_view> fragments) {
-  try {
-    f();
-    ADD_FAILURE() << "no error";
-  } catch (const Error& e) {
-    const std::string message = e.what();
-    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
-    for (std::string_view fragment : fragments)
-      EXPECT_NE(message.find(fragment), std::string::npos) << "'" << fragment << "' not in: " << message;
-  }
-}
+using testing::expect_error_containing;
 
 bool bible_installed() {
   const char* path = std::getenv("PATH");

@@ -6,24 +6,14 @@
 #include <sstream>
 
 #include "forge/core/error.h"
+#include "op_harness.h"
 
 namespace forge {
 namespace {
 
 const std::filesystem::path kRepoRoot = std::filesystem::path(FORGE_FIXTURE_DIR).parent_path().parent_path();
 
-template <typename F>
-void expect_error_containing(F&& f, std::initializer_list<std::string_view> fragments) {
-  try {
-    f();
-    ADD_FAILURE() << "no error";
-  } catch (const Error& e) {
-    const std::string message = e.what();
-    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
-    for (std::string_view fragment : fragments)
-      EXPECT_NE(message.find(fragment), std::string::npos) << "'" << fragment << "' not in: " << message;
-  }
-}
+using testing::expect_error_containing;
 
 void expect_parse_error(std::string_view text, std::initializer_list<std::string_view> fragments) {
   expect_error_containing([&] { TrainConfig::from_toml_string(text, "test.toml"); }, fragments);
