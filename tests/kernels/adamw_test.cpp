@@ -53,11 +53,13 @@ TEST_P(AdamW, MatchesDoubleReferenceOverSeveralSteps) {
     ASSERT_LT(testing::relative_error(param, pd), 2e-6) << "step " << step;
     ASSERT_LT(testing::relative_error(m, md), 2e-6) << "step " << step;
     ASSERT_LT(testing::relative_error(v, vd), 2e-6) << "step " << step;
-    if (config.bf16_shadow)
+    if (config.bf16_shadow) {
       for (int64_t i = 0; i < n; ++i) ASSERT_EQ(shadow[i], f32_to_bf16_bits(param[i])) << i;
+    }
   }
-  if (!config.bf16_shadow)
+  if (!config.bf16_shadow) {
     for (uint16_t s : shadow) ASSERT_EQ(s, 0);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Configs, AdamW,
