@@ -33,11 +33,10 @@ double seconds_since(Clock::time_point t) { return std::chrono::duration<double>
 std::vector<uint8_t> to_bytes(const std::string& text) { return {text.begin(), text.end()}; }
 
 // Mean loss over held-out windows [0, windows) in batches of `batch`; nats per byte-token.
-LossSum evaluate(LlamaModel& model, const std::vector<uint8_t>& tokens, int64_t seq, int64_t batch, int64_t windows,
-                 ProgressBar::Mode progress_mode) {
+LossSum evaluate(LlamaModel& model, const std::vector<uint8_t>& tokens, int64_t seq, int64_t batch, int64_t windows) {
   std::vector<int32_t> ids(batch * seq), targets(batch * seq);
   LossSum total;
-  ProgressBar progress("eval", windows, progress_mode);
+  ProgressBar progress("eval", windows);  // draws only on a terminal
   for (int64_t w = 0; w < windows; w += batch) {
     int64_t b = std::min(batch, windows - w);
     sequential_batch(tokens.data(), static_cast<int64_t>(tokens.size()), w, b, seq, ids.data(), targets.data());
@@ -73,7 +72,6 @@ TrainResult Trainer::run() {
   const auto& c = config_;
   if (c.train.threads > 0) omp_set_num_threads(static_cast<int>(c.train.threads));
   const auto start_time = Clock::now();
-  const auto tty = ProgressBar::Mode::automatic;
 
   LlamaConfig model_config = LlamaConfig::from_json_file(c.model.config);
   if (model_config.vocab_size < kByteVocabSize)
@@ -229,7 +227,7 @@ TrainResult Trainer::run() {
       interval_tokens = 0;
     }
     if (c.eval.every > 0 && step % c.eval.every == 0 && !last) {
-      LossSum e = evaluate(model, heldout_tokens, seq, micro, std::min(heldout_windows, c.eval.batches * micro), tty);
+      LossSum e = evaluate(model, heldout_tokens, seq, micro, std::min(heldout_windows, c.eval.batches * micro));
       double bpb = e.mean() / std::log(2.0);
       std::printf("eval step %lld | held-out loss %.4f | %.4f bits/byte\n", static_cast<long long>(step), e.mean(), bpb);
       std::fflush(stdout);
@@ -262,7 +260,7 @@ TrainResult Trainer::run() {
     return result;
   }
 
-  LossSum e = evaluate(model, heldout_tokens, seq, micro, heldout_windows, tty);
+  LossSum e = evaluate(model, heldout_tokens, seq, micro, heldout_windows);
   result.heldout_loss = e.mean();
   result.heldout_bits_per_byte = e.mean() / std::log(2.0);
   std::printf("final held-out loss %.4f nats/byte = %.4f bits per byte (%lld held-out bytes, %.1f s total)\n",
