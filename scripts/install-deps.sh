@@ -11,6 +11,7 @@ packages=(
   libgtest-dev libgmock-dev         # tests
   libbenchmark-dev                  # micro-benchmarks
   libtomlplusplus-dev nlohmann-json3-dev libcli11-dev libfmt-dev zlib1g-dev
+  libpcre2-dev                      # tokenizer pre-tokenizer patterns (Unicode properties, JIT)
   bible-kjv                         # the default corpus
 )
 if [[ "${1:-}" == "--bench" ]]; then

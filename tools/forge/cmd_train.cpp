@@ -1,0 +1,43 @@
+// forge train: the training loop over a TOML configuration.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "forge/train/config.h"
+#include "forge/train/trainer.h"
+
+namespace forge::cli {
+namespace {
+
+struct TrainOptions {
+  std::string config_path;
+  std::vector<std::string> overrides;
+};
+
+int run_train(const TrainOptions& o) {
+  TrainConfig config = o.config_path.empty() ? TrainConfig{} : TrainConfig::from_toml_file(o.config_path);
+  for (const auto& assignment : o.overrides) config.apply_override(assignment);
+  config.validate();
+  install_stop_signal_handlers();
+  Trainer trainer(config);
+  TrainResult result = trainer.run();
+  return result.interrupted ? 130 : 0;
+}
+
+}  // namespace
+
+void add_train_command(CLI::App& app, Commands& commands) {
+  auto o = std::make_shared<TrainOptions>();
+  auto* train = app.add_subcommand("train", "Train a model (see configs/default.toml for every setting)");
+  train->add_option("-c,--config", o->config_path, "TOML run configuration (default: built-in defaults)")
+      ->check(CLI::ExistingFile);
+  train->add_option("--set", o->overrides,
+                    "Override one setting, section.key=value (repeatable), e.g. --set train.steps=100");
+  train->footer(
+      "Ctrl-C saves a checkpoint to <run_dir>/checkpoint and exits with status 130; resume with\n"
+      "--set checkpoint.resume=auto. Writes <run_dir>/metrics.jsonl and <run_dir>/config.toml.");
+  commands.push_back({train, [o] { return run_train(*o); }});
+}
+
+}  // namespace forge::cli

@@ -1,0 +1,21 @@
+// The forge subcommands. Each lives in its own tools/forge/cmd_<name>.cpp and registers itself on the
+// application: it adds its CLI11 subcommand and options, and returns the function that runs it once the
+// command line is parsed. Runners throw forge::Error for bad input; main() prints it as one line.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <functional>
+#include <vector>
+
+namespace forge::cli {
+
+struct Command {
+  CLI::App* app = nullptr;      // the parsed subcommand
+  std::function<int()> run;     // its exit status
+};
+using Commands = std::vector<Command>;
+
+void add_train_command(CLI::App& app, Commands& commands);
+void add_bench_command(CLI::App& app, Commands& commands);
+
+}  // namespace forge::cli
