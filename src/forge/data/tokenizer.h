@@ -1,0 +1,56 @@
+// Byte-level BPE tokenizers in Hugging Face `tokenizer.json` format (GPT-2 and LLaMA-3 style).
+//
+// Encoding follows the reference implementation (Hugging Face tokenizers): added tokens are split out of
+// the text first; the rest is pre-tokenized by the configured split pattern (a PCRE2 regular expression,
+// Unicode-aware), each piece is mapped through the GPT-2 byte-to-unicode table and merged by BPE ranks;
+// the post-processor may add special tokens (BOS) when asked. Decoding reverses the byte mapping.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace forge {
+
+class Tokenizer {
+ public:
+  // Throws forge::Error naming the file and the offending component for anything unsupported or
+  // malformed (a model type other than BPE, a merge naming an unknown token, bad JSON, ...).
+  static Tokenizer from_file(const std::filesystem::path& path);
+  static Tokenizer from_json(const nlohmann::json& json, std::string_view source_name);
+
+  Tokenizer(Tokenizer&&) noexcept;
+  Tokenizer& operator=(Tokenizer&&) noexcept;
+  ~Tokenizer();
+
+  // add_special_tokens: apply the post-processor (e.g. LLaMA-3's <|begin_of_text|>).
+  std::vector<int32_t> encode(std::string_view text, bool add_special_tokens = false) const;
+  std::string decode(std::span<const int32_t> ids, bool skip_special_tokens = false) const;
+  // Bytes of text that token `id` stands for (for bits-per-byte accounting); special tokens count 0.
+  int64_t token_byte_length(int32_t id) const;
+
+  int64_t vocab_size() const;  // the largest id + 1, added tokens included
+  std::optional<int32_t> token_to_id(std::string_view token) const;
+  std::optional<std::string> id_to_token(int32_t id) const;
+  // End-of-sequence / document token if the tokenizer declares one (e.g. <|endoftext|>, <|end_of_text|>).
+  std::optional<int32_t> eos_id() const;
+  std::optional<int32_t> bos_id() const;
+
+  nlohmann::json to_json() const;
+  void save(const std::filesystem::path& path) const;  // atomic (tmp + rename)
+
+ private:
+  struct Impl;
+  explicit Tokenizer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+  friend struct TokenizerAccess;
+};
+
+}  // namespace forge
