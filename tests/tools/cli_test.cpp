@@ -111,7 +111,7 @@ TEST_F(Cli, CtrlCSavesACheckpointAndExits130) {
   std::string args = "train --set model.config=" + model + " --set data.corpus=" + corpus +
                      " --set data.seq_len=32 --set data.heldout_fraction=0.1 --set train.micro_batch=2" +
                      " --set train.steps=1000000 --set log.every=1 --set log.peak_gflops=1 --set log.run_dir=" +
-                     run_dir + " --set sample.tokens=0";
+                     run_dir + " --set sample.tokens=0 --set data.tokenizer=bytes";
   int out[2];
   ASSERT_EQ(pipe(out), 0);
   pid_t pid = fork();

@@ -42,6 +42,7 @@ class TrainerTest : public ::testing::Test {
     TrainConfig c;
     c.model.config = (dir_ / "config.json").string();
     c.data.corpus = (dir_ / "corpus.txt").string();
+    c.data.tokenizer = "bytes";
     c.data.cache_dir = dir_.string();
     c.data.seq_len = 32;
     c.data.heldout_fraction = 0.1;

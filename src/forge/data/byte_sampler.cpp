@@ -17,7 +17,8 @@ void check_sizes(const char* who, int64_t n, int64_t batch, int64_t seq_len) {
         who, n, seq_len + 1);
 }
 
-void copy_window(const uint8_t* window, int64_t seq_len, int32_t* input_ids, int32_t* targets) {
+template <typename Token>
+void copy_window(const Token* window, int64_t seq_len, int32_t* input_ids, int32_t* targets) {
   for (int64_t t = 0; t < seq_len; ++t) {
     input_ids[t] = window[t];
     targets[t] = window[t + 1];
@@ -42,8 +43,11 @@ int64_t sample_offset(uint64_t seed, int64_t sample_index, int64_t n, int64_t se
   return static_cast<int64_t>((static_cast<unsigned __int128>(random) * range) >> 64);
 }
 
-void sample_batch(const uint8_t* tokens, int64_t n, uint64_t seed, int64_t first_sample_index, int64_t batch,
-                  int64_t seq_len, int32_t* input_ids, int32_t* targets) {
+namespace {
+
+template <typename Token>
+void sample_batch_impl(const Token* tokens, int64_t n, uint64_t seed, int64_t first_sample_index, int64_t batch,
+                       int64_t seq_len, int32_t* input_ids, int32_t* targets) {
   check_sizes("sample_batch", n, batch, seq_len);
   if (first_sample_index < 0)
     fail("sample_batch: first_sample_index must be >= 0, got {}", first_sample_index);
@@ -53,13 +57,18 @@ void sample_batch(const uint8_t* tokens, int64_t n, uint64_t seed, int64_t first
   }
 }
 
+}  // namespace
+
 int64_t num_sequential_windows(int64_t n, int64_t seq_len) {
   if (seq_len <= 0 || n < 1) return 0;
   return (n - 1) / seq_len;
 }
 
-void sequential_batch(const uint8_t* tokens, int64_t n, int64_t first_window, int64_t batch, int64_t seq_len,
-                      int32_t* input_ids, int32_t* targets) {
+namespace {
+
+template <typename Token>
+void sequential_batch_impl(const Token* tokens, int64_t n, int64_t first_window, int64_t batch, int64_t seq_len,
+                           int32_t* input_ids, int32_t* targets) {
   check_sizes("sequential_batch", n, batch, seq_len);
   if (first_window < 0) fail("sequential_batch: first_window must be >= 0, got {}", first_window);
   const int64_t windows = num_sequential_windows(n, seq_len);
@@ -67,6 +76,25 @@ void sequential_batch(const uint8_t* tokens, int64_t n, int64_t first_window, in
     const int64_t window = (first_window + b) % windows;
     copy_window(tokens + window * seq_len, seq_len, input_ids + b * seq_len, targets + b * seq_len);
   }
+}
+
+}  // namespace
+
+void sample_batch(const uint8_t* tokens, int64_t n, uint64_t seed, int64_t first_sample_index, int64_t batch,
+                  int64_t seq_len, int32_t* input_ids, int32_t* targets) {
+  sample_batch_impl(tokens, n, seed, first_sample_index, batch, seq_len, input_ids, targets);
+}
+void sample_batch(const int32_t* tokens, int64_t n, uint64_t seed, int64_t first_sample_index, int64_t batch,
+                  int64_t seq_len, int32_t* input_ids, int32_t* targets) {
+  sample_batch_impl(tokens, n, seed, first_sample_index, batch, seq_len, input_ids, targets);
+}
+void sequential_batch(const uint8_t* tokens, int64_t n, int64_t first_window, int64_t batch, int64_t seq_len,
+                      int32_t* input_ids, int32_t* targets) {
+  sequential_batch_impl(tokens, n, first_window, batch, seq_len, input_ids, targets);
+}
+void sequential_batch(const int32_t* tokens, int64_t n, int64_t first_window, int64_t batch, int64_t seq_len,
+                      int32_t* input_ids, int32_t* targets) {
+  sequential_batch_impl(tokens, n, first_window, batch, seq_len, input_ids, targets);
 }
 
 }  // namespace forge

@@ -1,4 +1,5 @@
-// Batches of byte-level tokens (token = byte value, vocabulary 256) for next-token training.
+// Batches of next-token training windows from a token array: byte-level tokens (token = byte value,
+// vocabulary 256) or the int32 ids of a tokenized corpus.
 //
 // Training samples are random windows whose offset depends only on (seed, global sample index), so the
 // data order is the same however samples are split into micro-batches, ranks or resumed runs.
@@ -24,6 +25,8 @@ int64_t sample_offset(uint64_t seed, int64_t sample_index, int64_t n, int64_t se
 // Throws forge::Error if the token array is shorter than seq_len + 1 or a size is not positive.
 void sample_batch(const uint8_t* tokens, int64_t n, uint64_t seed, int64_t first_sample_index, int64_t batch,
                   int64_t seq_len, int32_t* input_ids, int32_t* targets);
+void sample_batch(const int32_t* tokens, int64_t n, uint64_t seed, int64_t first_sample_index, int64_t batch,
+                  int64_t seq_len, int32_t* input_ids, int32_t* targets);
 
 // Number of windows sequential_batch can produce without wrapping: floor((n - 1) / seq_len).
 int64_t num_sequential_windows(int64_t n, int64_t seq_len);
@@ -33,6 +36,8 @@ int64_t num_sequential_windows(int64_t n, int64_t seq_len);
 // text holds sees the text again rather than an error; callers that want each window once use
 // num_sequential_windows to bound the count. Throws if the text is shorter than seq_len + 1.
 void sequential_batch(const uint8_t* tokens, int64_t n, int64_t first_window, int64_t batch, int64_t seq_len,
+                      int32_t* input_ids, int32_t* targets);
+void sequential_batch(const int32_t* tokens, int64_t n, int64_t first_window, int64_t batch, int64_t seq_len,
                       int32_t* input_ids, int32_t* targets);
 
 }  // namespace forge

@@ -36,6 +36,11 @@ struct KeySpec {
 const std::vector<KeySpec>& key_specs() {
   static const std::vector<KeySpec> specs = {
       {"model", "config", FORGE_FIELD(model.config), "Hugging Face config.json with the architecture", {}},
+      {"model",
+       "init_from",
+       FORGE_FIELD(model.init_from),
+       "\"\" = random init; else a Hugging Face folder or forge checkpoint whose weights (and config) to start from",
+       {}},
       {"model", "init_std", FORGE_FIELD(model.init_std), "std of the normal initialisation of weights", {}},
       {"model", "seed", FORGE_FIELD(model.seed), "parameter initialisation seed", {}},
 
@@ -45,11 +50,17 @@ const std::vector<KeySpec>& key_specs() {
        "\"kjv\" (King James Bible) or a path to a UTF-8 text file",
        {}},
       {"data",
+       "tokenizer",
+       FORGE_FIELD(data.tokenizer),
+       "\"train\" (byte-level BPE learnt on the training split, cached), \"bytes\" (token = byte), or a tokenizer.json",
+       {}},
+      {"data", "vocab_size", FORGE_FIELD(data.vocab_size), "BPE vocabulary size when tokenizer = \"train\"", {}},
+      {"data",
        "heldout_fraction",
        FORGE_FIELD(data.heldout_fraction),
        "tail of the corpus held out for evaluation (cut at a line)",
        {}},
-      {"data", "seq_len", FORGE_FIELD(data.seq_len), "tokens (bytes) per training sequence", {}},
+      {"data", "seq_len", FORGE_FIELD(data.seq_len), "tokens per training sequence", {}},
       {"data", "cache_dir", FORGE_FIELD(data.cache_dir), "where the default corpus is cached", {}},
 
       {"train", "micro_batch", FORGE_FIELD(train.micro_batch), "sequences per micro-batch", {}},
@@ -125,7 +136,7 @@ const std::vector<KeySpec>& key_specs() {
        "\"\" = fresh run, \"auto\" = resume from dir if present, or a checkpoint path",
        {}},
 
-      {"sample", "tokens", FORGE_FIELD(sample.tokens), "bytes to generate after training (0 = none)", {}},
+      {"sample", "tokens", FORGE_FIELD(sample.tokens), "tokens to generate after training (0 = none)", {}},
       {"sample", "prompt", FORGE_FIELD(sample.prompt), "text the sample continues", {}},
       {"sample", "temperature", FORGE_FIELD(sample.temperature), "softmax temperature (0 = greedy)", {}},
       {"sample", "top_k", FORGE_FIELD(sample.top_k), "sample among the k most likely tokens (0 = all)", {}},
@@ -393,6 +404,9 @@ void TrainConfig::validate() const {
         data.heldout_fraction, "in (0, 1)");
   check(data.seq_len > 0, "data.seq_len", data.seq_len, "> 0");
   check(!data.cache_dir.empty(), "data.cache_dir", "\"\"", "a directory");
+  check(!data.tokenizer.empty(), "data.tokenizer", "\"\"", "\"train\", \"bytes\" or a tokenizer.json path");
+  check(data.vocab_size >= 257 && data.vocab_size <= (int64_t{1} << 24), "data.vocab_size", data.vocab_size,
+        "in [257, 16777216] (256 byte tokens, an end-of-text token, then merges)");
 
   check(train.micro_batch > 0, "train.micro_batch", train.micro_batch, "> 0");
   check(train.grad_accum > 0, "train.grad_accum", train.grad_accum, "> 0");

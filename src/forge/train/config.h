@@ -18,12 +18,15 @@ namespace forge {
 struct TrainConfig {
   struct Model {
     std::string config = "configs/llama-default.json";  // relative paths are relative to the working dir
+    std::string init_from;  // "" = random init; else a Hugging Face folder or forge checkpoint
     double init_std = 0.02;
     uint64_t seed = 1234;
     bool operator==(const Model&) const = default;
   };
   struct Data {
     std::string corpus = "kjv";  // "kjv" or a path to a UTF-8 text file
+    std::string tokenizer = "train";  // "train" (BPE learnt on the corpus), "bytes", or a tokenizer.json
+    int64_t vocab_size = 2048;        // BPE vocabulary when tokenizer = "train"
     double heldout_fraction = 0.01;
     int64_t seq_len = 256;
     std::string cache_dir = "data";
