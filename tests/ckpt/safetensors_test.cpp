@@ -304,27 +304,85 @@ const MalformedCase kMalformed[] = {
      8,
      {"'w'", "twice"}},
     {"metadata_not_strings", R"({"__metadata__": {"step": 3}})", 0, {"__metadata__", "'step'"}},
+    {"metadata_not_object", R"({"__metadata__": ["pt"]})", 0, {"__metadata__", "not a JSON object"}},
+    {"metadata_duplicate_key",
+     R"({"__metadata__": {"format": "pt", "format": "np"}})",
+     0,
+     {"__metadata__", "'format'", "twice"}},
+    {"entry_duplicate_field",
+     R"({"w": {"dtype": "F32", "shape": [1], "dtype": "I32", "data_offsets": [0, 4]}})",
+     4,
+     {"'w'", "\"dtype\"", "twice"}},
+    {"missing_dtype", R"({"w": {"shape": [1], "data_offsets": [0, 4]}})", 4, {"'w'", "\"dtype\""}},
+    {"missing_offsets", R"({"w": {"dtype": "F32", "shape": [1]}})", 4, {"'w'", "\"data_offsets\""}},
     {"numel_overflow",
      R"({"w": {"dtype": "F32", "shape": [4294967296, 4294967296], "data_offsets": [0, 0]}})",
      0,
      {"'w'", "more than 2^64"}},
+    {"empty_header", "", 0, {"not valid JSON"}},
+    {"trailing_garbage_after_json", R"({} x)", 0, {"not valid JSON"}},
+    {"invalid_utf8_name",
+     "{\"w\xff\": {\"dtype\": \"U8\", \"shape\": [0], \"data_offsets\": [0, 0]}}",
+     0,
+     {"not valid JSON"}},
+    // The tensors must tile the data section exactly, as the reference implementation requires.
+    {"gap_between_tensors",
+     R"({"ok": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+        "w": {"dtype": "U8", "shape": [4], "data_offsets": [20, 24]}})",
+     24,
+     {"'w'", "[16, 20)", "contiguous"}},
+    {"gap_before_first",
+     R"({"w": {"dtype": "U8", "shape": [4], "data_offsets": [4, 8]}})",
+     8,
+     {"'w'", "[0, 4)", "contiguous"}},
+    {"trailing_bytes",
+     R"({"ok": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})",
+     21,
+     {"21 bytes", "first 16", "5 trailing bytes"}},
+    {"data_but_no_tensors", R"({})", 3, {"3 bytes", "first 0"}},
+    {"empty_tensor_inside_another",
+     R"({"ok": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+        "e": {"dtype": "F32", "shape": [0], "data_offsets": [4, 4]}})",
+     16,
+     {"'e'", "overlap", "'ok'"}},
 };
 
 INSTANTIATE_TEST_SUITE_P(Cases, SafetensorsMalformedTest, ::testing::ValuesIn(kMalformed),
                          [](const auto& info) { return std::string(info.param.label); });
 
-TEST_F(SafetensorsTest, AcceptsEmptyTensorsAndGapsButNotOverlaps) {
-  // Zero-byte tensors own no range, so sharing an offset with another tensor is not an overlap.
-  const std::string path =
-      write_raw("empty_ok.safetensors", R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-      "e": {"dtype": "F32", "shape": [0], "data_offsets": [4, 4]},
-      "b": {"dtype": "U8", "shape": [2], "data_offsets": [10, 12]}})",
-                12);
+TEST_F(SafetensorsTest, AcceptsEmptyTensorsAtBoundariesAndNullMetadata) {
+  // Zero-byte tensors own no range: one may share its offset with a neighbour's boundary, as files
+  // written by the reference implementation do. A null __metadata__ means no metadata.
+  const std::string path = write_raw("empty_ok.safetensors", R"({"__metadata__": null,
+      "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+      "e": {"dtype": "F32", "shape": [0], "data_offsets": [8, 8]},
+      "b": {"dtype": "U8", "shape": [2], "data_offsets": [8, 10]},
+      "z": {"dtype": "BF16", "shape": [3, 0], "data_offsets": [10, 10]}})",
+                                     10);
   SafetensorsFile reader = SafetensorsFile::open(path);
-  ASSERT_EQ(reader.entries().size(), 3u);
+  ASSERT_EQ(reader.entries().size(), 4u);
   EXPECT_EQ(reader.entries()[0].name, "a");  // data-section order
   EXPECT_EQ(reader.entries()[2].name, "b");
   EXPECT_EQ(reader.read("e").numel(), 0);
+  EXPECT_TRUE(reader.metadata().empty());
+}
+
+TEST_F(SafetensorsTest, ReadsTensorsListedOutOfOffsetOrder) {
+  // The header's key order need not follow the data order; every tensor reads its own bytes.
+  std::string path = file("unordered.safetensors");
+  {
+    const std::string header = R"({"z": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]},
+        "a": {"dtype": "U8", "shape": [3], "data_offsets": [2, 5]}})";
+    std::ofstream out(path, std::ios::binary);
+    uint64_t length = header.size();
+    out.write(reinterpret_cast<const char*>(&length), 8);
+    out << header << std::string("\x01\x02\x03\x04\x05", 5);
+  }
+  SafetensorsFile reader = SafetensorsFile::open(path);
+  EXPECT_EQ(reader.entries()[0].name, "z");
+  Tensor a = reader.read("a");
+  EXPECT_EQ(a.data<uint8_t>()[0], 3);
+  EXPECT_EQ(a.data<uint8_t>()[2], 5);
 }
 
 // ---- Golden fixtures from tests/reference/llama_twin.py --------------------------------------------------

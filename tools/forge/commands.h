@@ -17,5 +17,10 @@ using Commands = std::vector<Command>;
 
 void add_train_command(CLI::App& app, Commands& commands);
 void add_bench_command(CLI::App& app, Commands& commands);
+void add_tokenizer_command(CLI::App& app, Commands& commands);
+void add_convert_command(CLI::App& app, Commands& commands);
+void add_data_command(CLI::App& app, Commands& commands);
+void add_eval_command(CLI::App& app, Commands& commands);
+void add_generate_command(CLI::App& app, Commands& commands);
 
 }  // namespace forge::cli

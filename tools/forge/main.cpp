@@ -15,6 +15,11 @@ int main(int argc, char** argv) {
   forge::cli::Commands commands;
   forge::cli::add_train_command(app, commands);
   forge::cli::add_bench_command(app, commands);
+  forge::cli::add_tokenizer_command(app, commands);
+  forge::cli::add_convert_command(app, commands);
+  forge::cli::add_data_command(app, commands);
+  forge::cli::add_eval_command(app, commands);
+  forge::cli::add_generate_command(app, commands);
 
   try {
     app.parse(argc, argv);

@@ -10,9 +10,11 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
-#include <string>
-
 #include <nlohmann/json.hpp>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
 
 #include "forge/core/dtype.h"
 #include "forge/models/llama.h"
@@ -28,25 +30,59 @@ struct PretrainedDir {
   LlamaConfig config;
 };
 
-// Throws forge::Error naming `dir` when it is neither kind, or its config is invalid.
+// Throws forge::Error naming `dir` when it is neither kind, or its config is invalid. For a Hugging Face
+// folder it also checks that the weight files exist (model.safetensors, or the index and every shard it
+// names); the tensors themselves are checked by load_pretrained_weights.
 PretrainedDir open_pretrained(const std::filesystem::path& dir);
+
+// Every LlamaForCausalLM tensor under its Hugging Face name with its shape ([out, in] for linears), in
+// the order LlamaModel registers its parameters (lm_head.weight only when untied).
+std::vector<std::pair<std::string, Shape>> llama_tensor_shapes(const LlamaConfig& config);
+
+// Throws forge::Error (starting with `source`) unless `params` is allocated and holds exactly the tensors
+// of llama_tensor_shapes(config), with those shapes.
+void check_store_matches_config(const nn::ParameterStore& params, const LlamaConfig& config,
+                                const std::string& source);
 
 // Loads every parameter of `params` (fp32 master weights) from the directory; the store must have been
 // built for source.config. Missing, unexpected, mistyped or misshapen tensors are errors naming the
-// tensor and file.
+// tensor and file. Everything is checked before the first weight is written, so on error the store is
+// untouched. F32, BF16 and F16 convert exactly; the bf16 shadow, if any, is refreshed. Tolerated: the
+// `model.layers.N.self_attn.rotary_emb.inv_freq` buffers old exports carry, and, in a tied model, an
+// lm_head.weight bitwise equal to the embedding.
 void load_pretrained_weights(const PretrainedDir& source, nn::ParameterStore& params);
 
 // Builds a model for the directory's config and loads its weights.
-std::unique_ptr<LlamaModel> load_pretrained_model(const std::filesystem::path& dir, nn::ComputeOptions options);
+std::unique_ptr<LlamaModel> load_pretrained_model(const std::filesystem::path& dir,
+                                                  nn::ComputeOptions options);
 
 struct HfExportOptions {
-  DType dtype = DType::f32;               // f32, bf16 or f16
-  uint64_t max_shard_bytes = 5ull << 30;  // a larger model is split into model-0000i-of-0000N.safetensors
+  DType dtype = DType::f32;                  // f32, bf16 or f16 (fp32 rounds to nearest, ties to even)
+  uint64_t max_shard_bytes = 5'000'000'000;  // "5GB", Hugging Face's default; a larger model is split
+                                             // into model-0000i-of-0000N.safetensors
+  // An existing non-empty out_dir is refused unless overwrite is set, and even then only when it holds a
+  // model (config.json or manifest.json), so a mistyped path cannot wipe an unrelated folder.
+  bool overwrite = false;
+  std::vector<std::filesystem::path> extra_files;  // copied into the folder (tokenizer.json, ...)
 };
 
 // Writes a Hugging Face folder (config.json, safetensors shard(s), the index when sharded). The folder is
 // written under a temporary name and renamed into place, so it is either complete or absent.
+// config.json is `config_json` (which must describe the store) with "torch_dtype" set to the dtype.
+// Shards are filled greedily in parameter order; a tensor is never split, so one larger than
+// max_shard_bytes gets a shard of its own. One shard is written as model.safetensors without an index.
 void export_hugging_face(const nn::ParameterStore& params, const nlohmann::json& config_json,
                          const std::filesystem::path& out_dir, const HfExportOptions& options);
+
+// Writes a forge checkpoint (save_checkpoint: fp32 weights, no optimizer state, step 0) with the same
+// staging, overwrite rule and extra files as export_hugging_face.
+void export_forge_checkpoint(const nn::ParameterStore& params, const nlohmann::json& config_json,
+                             const std::filesystem::path& out_dir, bool overwrite,
+                             const std::vector<std::filesystem::path>& extra_files = {});
+
+// A byte count as Hugging Face writes max_shard_size: digits with an optional case-insensitive unit,
+// B, KB/MB/GB/TB (powers of 1000) or KiB/MiB/GiB/TiB (powers of 1024): "5GB", "500MB", "1024".
+// Throws forge::Error naming the text when it is malformed, zero or too large.
+uint64_t parse_byte_size(std::string_view text);
 
 }  // namespace forge

@@ -148,13 +148,24 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   file.data_start_ = 8 + header_bytes;
   const uint64_t data_bytes = file_bytes - file.data_start_;
 
-  // nlohmann keeps the last of duplicate keys silently; the callback sees every top-level key first.
-  std::set<std::string> seen;
-  std::string duplicate;
+  // nlohmann keeps the last of duplicate keys silently; the callback sees every key first. Depth 1 keys
+  // are tensor names (and "__metadata__"); depth 2 keys are the fields of one entry, whose set restarts
+  // with each entry's object.
+  std::set<std::string> seen, seen_in_entry;
+  std::string current, duplicate;
   auto note_keys = [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
-    if (depth == 1 && event == nlohmann::json::parse_event_t::key && parsed.is_string()) {
-      const auto& key = parsed.get_ref<const std::string&>();
-      if (!seen.insert(key).second && duplicate.empty()) duplicate = key;
+    if (!duplicate.empty()) return true;
+    if (depth == 1 && event == nlohmann::json::parse_event_t::object_start) seen_in_entry.clear();
+    if (event != nlohmann::json::parse_event_t::key || !parsed.is_string()) return true;
+    const auto& key = parsed.get_ref<const std::string&>();
+    if (depth == 1) {
+      current = key;
+      if (!seen.insert(key).second)
+        duplicate = fmt::format("tensor '{}': name appears twice in the header", key);
+    } else if (depth == 2 && !seen_in_entry.insert(key).second) {
+      duplicate = current == "__metadata__"
+                      ? fmt::format("__metadata__ key '{}' appears twice", key)
+                      : fmt::format("tensor '{}': key \"{}\" appears twice in its entry", current, key);
     }
     return true;
   };
@@ -166,11 +177,11 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   }
   if (!header.is_object())
     fail("safetensors '{}': header is a JSON {}, not an object", path, header.type_name());
-  if (!duplicate.empty())
-    fail("safetensors '{}': tensor '{}': name appears twice in the header", path, duplicate);
+  if (!duplicate.empty()) fail("safetensors '{}': {}", path, duplicate);
 
   for (const auto& [name, value] : header.items()) {
     if (name == "__metadata__") {
+      if (value.is_null()) continue;  // the reference implementation reads null as "no metadata"
       if (!value.is_object()) fail("safetensors '{}': __metadata__ is not a JSON object", path);
       for (const auto& [key, text_value] : value.items()) {
         if (!text_value.is_string())
@@ -186,16 +197,29 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
             [](const SafetensorsEntry& a, const SafetensorsEntry& b) {
               return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
             });
-  // After sorting by begin, a range overlaps some earlier one iff it starts before the furthest end so far.
-  // Empty tensors own no bytes and cannot overlap anything.
-  const SafetensorsEntry* furthest = nullptr;
+  // Like the reference implementation, the tensors must tile the data section exactly: in offset order
+  // each begins where the previous one ended and the last ends at the end of the file. A gap or trailing
+  // bytes mean a header that does not describe the file (a truncated rewrite, a hand-edited header).
+  // Empty tensors own no bytes and may sit at any boundary.
+  uint64_t covered = 0;
+  const SafetensorsEntry* previous = nullptr;  // the last non-empty tensor, which ends at `covered`
   for (const auto& entry : file.entries_) {
-    if (entry.begin == entry.end) continue;
-    if (furthest && entry.begin < furthest->end)
+    if (entry.begin < covered)
       fail("safetensors '{}': tensor '{}': data_offsets [{}, {}] overlap tensor '{}' at [{}, {}]", path,
-           entry.name, entry.begin, entry.end, furthest->name, furthest->begin, furthest->end);
-    if (!furthest || entry.end > furthest->end) furthest = &entry;
+           entry.name, entry.begin, entry.end, previous->name, previous->begin, previous->end);
+    if (entry.begin > covered)
+      fail(
+          "safetensors '{}': tensor '{}': data_offsets [{}, {}] leave bytes [{}, {}) of the data section "
+          "to no tensor (tensors must be contiguous)",
+          path, entry.name, entry.begin, entry.end, covered, entry.begin);
+    if (entry.end > entry.begin) previous = &entry;
+    covered = entry.end;
   }
+  if (covered != data_bytes)
+    fail(
+        "safetensors '{}': the data section has {} bytes but its tensors cover only the first {} "
+        "({} trailing bytes belong to no tensor)",
+        path, data_bytes, covered, data_bytes - covered);
   for (size_t i = 0; i < file.entries_.size(); ++i) file.index_.emplace(file.entries_[i].name, i);
   return file;
 }

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
@@ -13,15 +14,16 @@
 #include <nlohmann/json.hpp>
 
 #include "forge/ckpt/checkpoint.h"
+#include "forge/ckpt/pretrained.h"
 #include "forge/core/cpu_features.h"
 #include "forge/core/memory.h"
 #include "forge/data/byte_sampler.h"
-#include "forge/data/text_corpus.h"
 #include "forge/models/llama.h"
 #include "forge/models/sampling.h"
 #include "forge/optim/adamw.h"
 #include "forge/train/metrics.h"
 #include "forge/train/peak.h"
+#include "forge/train/training_data.h"
 
 namespace forge {
 namespace fs = std::filesystem;
@@ -30,18 +32,24 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-std::vector<uint8_t> to_bytes(const std::string& text) { return {text.begin(), text.end()}; }
+struct HeldOut {
+  LossSum loss;
+  int64_t bytes = 0;  // bytes of text the predicted tokens stand for
+  double bits_per_byte() const { return bytes ? loss.sum / std::log(2.0) / static_cast<double>(bytes) : 0.0; }
+};
 
-// Mean loss over held-out windows [0, windows) in batches of `batch`; nats per byte-token.
-LossSum evaluate(LlamaModel& model, const std::vector<uint8_t>& tokens, int64_t seq, int64_t batch, int64_t windows) {
+// Loss over held-out windows [0, windows) in batches of `batch`, with the byte count of the targets.
+HeldOut evaluate(LlamaModel& model, const std::vector<int32_t>& tokens, const TextCodec& codec, int64_t seq,
+                 int64_t batch, int64_t windows) {
   std::vector<int32_t> ids(batch * seq), targets(batch * seq);
-  LossSum total;
+  HeldOut total;
   ProgressBar progress("eval", windows);  // draws only on a terminal
   for (int64_t w = 0; w < windows; w += batch) {
     int64_t b = std::min(batch, windows - w);
     sequential_batch(tokens.data(), static_cast<int64_t>(tokens.size()), w, b, seq, ids.data(), targets.data());
     LossSum part = model.forward_loss(ids.data(), targets.data(), b, seq);
-    total.sum += part.sum, total.tokens += part.tokens;
+    total.loss.sum += part.sum, total.loss.tokens += part.tokens;
+    for (int64_t i = 0; i < b * seq; ++i) total.bytes += codec.byte_length(targets[i]);
     progress.update(w + b);
   }
   progress.finish();
@@ -73,24 +81,29 @@ TrainResult Trainer::run() {
   if (c.train.threads > 0) omp_set_num_threads(static_cast<int>(c.train.threads));
   const auto start_time = Clock::now();
 
-  LlamaConfig model_config = LlamaConfig::from_json_file(c.model.config);
-  if (model_config.vocab_size < kByteVocabSize)
-    fail("{}: vocab_size {} is smaller than the 256 byte-level tokens of the corpus", c.model.config,
-         model_config.vocab_size);
+  std::optional<PretrainedDir> init_source;
+  if (!c.model.init_from.empty()) init_source = open_pretrained(c.model.init_from);
+  const std::string model_source = init_source ? init_source->dir.string() : c.model.config;
+  LlamaConfig model_config = init_source ? init_source->config : LlamaConfig::from_json_file(c.model.config);
   if (c.data.seq_len > model_config.max_position_embeddings)
     fail("data.seq_len {} exceeds max_position_embeddings {} of {}", c.data.seq_len,
-         model_config.max_position_embeddings, c.model.config);
+         model_config.max_position_embeddings, model_source);
 
-  std::string text = load_corpus(c.data.corpus, c.data.cache_dir);
-  TextSplit split = split_heldout(text, c.data.heldout_fraction);
-  const std::vector<uint8_t> train_tokens = to_bytes(split.train), heldout_tokens = to_bytes(split.heldout);
+  CorpusTokens corpus = prepare_corpus(c);
+  const TextCodec& codec = corpus.codec;
+  if (model_config.vocab_size < codec.vocab_size())
+    fail("{}: vocab_size {} is smaller than the {} tokens of the tokenizer ({}); set vocab_size >= {} or "
+         "data.vocab_size <= {}", model_source, model_config.vocab_size, codec.vocab_size(), codec.description(),
+         codec.vocab_size(), model_config.vocab_size);
+  const std::vector<int32_t>& train_tokens = corpus.train;
+  const std::vector<int32_t>& heldout_tokens = corpus.heldout;
   const int64_t seq = c.data.seq_len, micro = c.train.micro_batch, accum = c.train.grad_accum;
   if (static_cast<int64_t>(train_tokens.size()) <= seq + 1)
-    fail("corpus '{}': its training split ({} bytes) is shorter than one sequence of {}", c.data.corpus,
+    fail("corpus '{}': its training split ({} tokens) is shorter than one sequence of {}", c.data.corpus,
          train_tokens.size(), seq + 1);
   const int64_t heldout_windows = num_sequential_windows(static_cast<int64_t>(heldout_tokens.size()), seq);
   if (heldout_windows == 0)
-    fail("corpus '{}': its held-out split ({} bytes) is shorter than one sequence of {}; raise "
+    fail("corpus '{}': its held-out split ({} tokens) is shorter than one sequence of {}; raise "
          "data.heldout_fraction", c.data.corpus, heldout_tokens.size(), seq + 1);
 
   nn::ComputeOptions options;
@@ -100,6 +113,10 @@ TrainResult Trainer::run() {
   options.recompute = nn::recompute_from_name(c.train.recompute);
   LlamaModel model(model_config, options, static_cast<float>(c.model.init_std));
   model.initialize(c.model.seed);
+  if (init_source) {
+    load_pretrained_weights(*init_source, model.params());
+    std::printf("initialised from %s\n", init_source->dir.c_str());
+  }
   AdamWConfig adam_config{static_cast<float>(c.train.beta1), static_cast<float>(c.train.beta2),
                           static_cast<float>(c.train.eps), static_cast<float>(c.train.weight_decay)};
   AdamW optimizer(&model.params(), adam_config);
@@ -123,8 +140,10 @@ TrainResult Trainer::run() {
   if (!resume_from.empty()) {
     CheckpointState state = read_checkpoint_manifest(resume_from.string());
     if (state.model_config != model_config.to_json())
-      fail("checkpoint {} was trained with a different model config than {}", resume_from.string(),
-           c.model.config);
+      fail("checkpoint {} was trained with a different model config than {}", resume_from.string(), model_source);
+    if (state.extra.contains("tokenizer") && state.extra["tokenizer"] != codec.description())
+      fail("checkpoint {} was trained with tokenizer {}, not {}", resume_from.string(),
+           state.extra["tokenizer"].get<std::string>(), codec.description());
     state = load_checkpoint(resume_from.string(), model.params(), &optimizer);
     step = state.step;
     if (plan_steps && state.extra.contains("planned_steps"))
@@ -147,15 +166,18 @@ TrainResult Trainer::run() {
               c.train.recompute.c_str(), static_cast<long long>(c.tokens_per_step()), static_cast<long long>(micro),
               static_cast<long long>(accum), static_cast<long long>(seq), dtype_name_used.c_str(), peak_gflops,
               c.log.peak_gflops > 0 ? "given" : "measured");
-  std::printf("corpus %s: %zu training bytes, %zu held-out bytes\n", c.data.corpus.c_str(), train_tokens.size(),
-              heldout_tokens.size());
+  std::printf("corpus %s: %lld training bytes -> %zu tokens (%.2f bytes/token), %lld held-out bytes -> %zu tokens | "
+              "tokenizer %s\n",
+              c.data.corpus.c_str(), static_cast<long long>(corpus.train_bytes), train_tokens.size(),
+              static_cast<double>(corpus.train_bytes) / static_cast<double>(train_tokens.size()),
+              static_cast<long long>(corpus.heldout_bytes), heldout_tokens.size(), codec.description().c_str());
   std::fflush(stdout);
 
   auto save = [&](const char* why) {
     CheckpointState state;
     state.step = step;
     state.model_config = model_config.to_json();
-    state.extra = {{"tokens_seen", step * c.tokens_per_step()}, {"reason", why}};
+    state.extra = {{"tokens_seen", step * c.tokens_per_step()}, {"reason", why}, {"tokenizer", codec.description()}};
     if (plan_steps) state.extra["planned_steps"] = total_steps;
     save_checkpoint(checkpoint_dir.string(), model.params(), &optimizer, state);
     std::printf("checkpoint saved to %s (step %lld, %s)\n", checkpoint_dir.c_str(), static_cast<long long>(step), why);
@@ -227,11 +249,12 @@ TrainResult Trainer::run() {
       interval_tokens = 0;
     }
     if (c.eval.every > 0 && step % c.eval.every == 0 && !last) {
-      LossSum e = evaluate(model, heldout_tokens, seq, micro, std::min(heldout_windows, c.eval.batches * micro));
-      double bpb = e.mean() / std::log(2.0);
-      std::printf("eval step %lld | held-out loss %.4f | %.4f bits/byte\n", static_cast<long long>(step), e.mean(), bpb);
+      HeldOut e = evaluate(model, heldout_tokens, codec, seq, micro, std::min(heldout_windows, c.eval.batches * micro));
+      const double bpb = e.bits_per_byte();
+      std::printf("eval step %lld | held-out loss %.4f | %.4f bits/byte\n", static_cast<long long>(step),
+                  e.loss.mean(), bpb);
       std::fflush(stdout);
-      metrics.write({{"step", step}, {"eval_loss", e.mean()}, {"eval_bits_per_byte", bpb}});
+      metrics.write({{"step", step}, {"eval_loss", e.loss.mean()}, {"eval_bits_per_byte", bpb}});
     }
     if (c.checkpoint.every > 0 && step % c.checkpoint.every == 0 && !last) save("periodic");
     if (plan_steps && !plan_frozen && step - first_step >= 3) {
@@ -260,12 +283,12 @@ TrainResult Trainer::run() {
     return result;
   }
 
-  LossSum e = evaluate(model, heldout_tokens, seq, micro, heldout_windows);
-  result.heldout_loss = e.mean();
-  result.heldout_bits_per_byte = e.mean() / std::log(2.0);
-  std::printf("final held-out loss %.4f nats/byte = %.4f bits per byte (%lld held-out bytes, %.1f s total)\n",
-              result.heldout_loss, result.heldout_bits_per_byte, static_cast<long long>(e.tokens),
-              seconds_since(start_time));
+  HeldOut e = evaluate(model, heldout_tokens, codec, seq, micro, heldout_windows);
+  result.heldout_loss = e.loss.mean();
+  result.heldout_bits_per_byte = e.bits_per_byte();
+  std::printf("final held-out loss %.4f nats/token = %.4f bits per byte (%lld tokens, %lld bytes; %.1f s total)\n",
+              result.heldout_loss, result.heldout_bits_per_byte, static_cast<long long>(e.loss.tokens),
+              static_cast<long long>(e.bytes), seconds_since(start_time));
   metrics.write({{"step", step}, {"eval_loss", result.heldout_loss}, {"eval_bits_per_byte", result.heldout_bits_per_byte},
                  {"final", true}});
   save("final");
@@ -274,11 +297,9 @@ TrainResult Trainer::run() {
     SamplingOptions so;
     so.max_new_tokens = c.sample.tokens, so.context = seq, so.temperature = c.sample.temperature;
     so.top_k = c.sample.top_k, so.seed = c.sample.seed;
-    std::vector<int32_t> prompt(c.sample.prompt.begin(), c.sample.prompt.end());
-    if (prompt.empty()) prompt.push_back('\n');
+    std::vector<int32_t> prompt = codec.encode(c.sample.prompt.empty() ? std::string("\n") : c.sample.prompt);
     std::vector<int32_t> out = generate(model, prompt, so);
-    result.sample = c.sample.prompt;
-    for (int32_t t : out) result.sample.push_back(static_cast<char>(t));
+    result.sample = c.sample.prompt + codec.decode(out);
     std::printf("--- sample (temperature %.2f, top-k %lld) ---\n%s\n---\n", c.sample.temperature,
                 static_cast<long long>(c.sample.top_k), result.sample.c_str());
   }

@@ -1,0 +1,325 @@
+// Pretrained models in: Hugging Face LlamaForCausalLM folders and forge checkpoints (see pretrained.h).
+// Export lives in hf_export.cpp.
+#include "forge/ckpt/pretrained.h"
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <vector>
+
+#include "forge/ckpt/checkpoint.h"
+#include "forge/ckpt/safetensors.h"
+#include "forge/core/error.h"
+
+namespace forge {
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+constexpr const char* kConfigFile = "config.json";
+constexpr const char* kSingleFile = "model.safetensors";
+constexpr const char* kIndexFile = "model.safetensors.index.json";
+
+json read_json_file(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("{}: cannot open (no such file or not readable)", path.string());
+  std::ostringstream text;
+  text << in.rdbuf();
+  try {
+    return json::parse(text.str());
+  } catch (const json::parse_error& e) {
+    std::string_view what = e.what();
+    auto close = what.find("] ");
+    fail("{}: invalid JSON: {}", path.string(),
+         close == std::string_view::npos ? what : what.substr(close + 2));
+  }
+}
+
+// forge implements LlamaForCausalLM; a folder of another architecture would otherwise fail later on an
+// unknown config key, which hides the real reason.
+void check_architecture(const json& config, const std::string& source) {
+  if (!config.is_object()) return;  // LlamaConfig::from_json reports it
+  if (auto it = config.find("model_type"); it != config.end() && !it->is_null()) {
+    if (!it->is_string() || it->get<std::string>() != "llama")
+      fail("{}: model_type {} is not supported (forge reads LlamaForCausalLM models, model_type \"llama\")",
+           source, it->dump());
+  }
+  if (auto it = config.find("architectures"); it != config.end() && !it->is_null()) {
+    const bool llama = it->is_array() && std::any_of(it->begin(), it->end(), [](const json& a) {
+                         return a.is_string() && a.get<std::string>() == "LlamaForCausalLM";
+                       });
+    if (!llama)
+      fail("{}: architectures {} does not include \"LlamaForCausalLM\", the only one forge reads", source,
+           it->dump());
+  }
+}
+
+// Where the tensors of a directory live: the file of each tensor name (relative to the directory), and
+// the file that says so (the index, or the single file itself) for messages about missing tensors.
+struct WeightLayout {
+  fs::path listing;                            // model.safetensors.index.json, or the single file
+  std::map<std::string, std::string> tensors;  // only for an index: tensor -> shard file name
+  std::vector<std::string> files;              // every safetensors file, sorted
+  bool indexed = false;
+};
+
+WeightLayout hugging_face_layout(const fs::path& dir) {
+  WeightLayout layout;
+  const fs::path single = dir / kSingleFile, index = dir / kIndexFile;
+  const bool has_single = fs::exists(single), has_index = fs::exists(index);
+  if (has_single && has_index)
+    fail("{}: holds both {} and {}; remove the stale one so it is clear which weights to read", dir.string(),
+         kSingleFile, kIndexFile);
+  if (!has_single && !has_index) {
+    for (const char* torch_file : {"pytorch_model.bin", "pytorch_model.bin.index.json"})
+      if (fs::exists(dir / torch_file))
+        fail("{}: holds PyTorch pickle weights ({}), which forge does not read; save them as safetensors",
+             dir.string(), torch_file);
+    fail("{}: Hugging Face folder has no weights ({} or {})", dir.string(), kSingleFile, kIndexFile);
+  }
+  if (has_single) {
+    layout.listing = single;
+    layout.files = {kSingleFile};
+    return layout;
+  }
+
+  layout.indexed = true;
+  layout.listing = index;
+  const std::string source = index.string();
+  const json parsed = read_json_file(index);
+  if (!parsed.is_object())
+    fail("{}: expected a JSON object at the top level, got {}", source, parsed.type_name());
+  if (auto it = parsed.find("metadata"); it != parsed.end() && !it->is_null() && !it->is_object())
+    fail("{}: 'metadata' must be an object, got {}", source, it->type_name());
+  auto map = parsed.find("weight_map");
+  if (map == parsed.end()) fail("{}: missing required key 'weight_map'", source);
+  if (!map->is_object()) fail("{}: 'weight_map' must be an object, got {}", source, map->type_name());
+  std::set<std::string> files;
+  for (const auto& [tensor, file] : map->items()) {
+    if (!file.is_string())
+      fail("{}: weight_map entry for tensor '{}' must be a file name, got {}", source, tensor, file.dump());
+    const std::string name = file.get<std::string>();
+    // Shards sit next to the index: a path elsewhere is a malformed (or malicious) index.
+    if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos)
+      fail("{}: weight_map entry for tensor '{}' names '{}', which is not a file name in the folder", source,
+           tensor, name);
+    if (files.insert(name).second && !fs::is_regular_file(dir / name))
+      fail("{}: weight_map names shard '{}' (for tensor '{}'), but {} does not exist", source, name, tensor,
+           (dir / name).string());
+    layout.tensors[tensor] = name;
+  }
+  if (layout.tensors.empty()) fail("{}: 'weight_map' is empty", source);
+  layout.files.assign(files.begin(), files.end());
+  return layout;
+}
+
+WeightLayout weight_layout(const PretrainedDir& source) {
+  if (source.kind == PretrainedDir::Kind::hugging_face) return hugging_face_layout(source.dir);
+  WeightLayout layout;
+  layout.listing = source.dir / kSingleFile;
+  layout.files = {kSingleFile};
+  if (!fs::is_regular_file(layout.listing))
+    fail("checkpoint {} is incomplete: {} is missing", source.dir.string(), kSingleFile);
+  return layout;
+}
+
+struct Located {
+  const SafetensorsFile* file = nullptr;
+  const SafetensorsEntry* entry = nullptr;
+};
+
+// Every tensor of every weight file, by name. For an index, each shard must hold exactly the tensors the
+// weight_map assigns to it.
+std::map<std::string, Located> locate_tensors(const WeightLayout& layout, const fs::path& dir,
+                                              std::vector<SafetensorsFile>& files) {
+  files.clear();
+  files.reserve(layout.files.size());
+  for (const auto& name : layout.files) files.push_back(SafetensorsFile::open((dir / name).string()));
+  std::map<std::string, Located> located;
+  for (size_t f = 0; f < files.size(); ++f) {
+    for (const auto& entry : files[f].entries()) {
+      if (layout.indexed) {
+        auto mapped = layout.tensors.find(entry.name);
+        if (mapped == layout.tensors.end())
+          fail("{}: tensor '{}' is not in the weight_map of {}", files[f].path(), entry.name,
+               layout.listing.string());
+        if (mapped->second != layout.files[f])
+          fail("{}: holds tensor '{}', but the weight_map of {} assigns it to '{}'", files[f].path(),
+               entry.name, layout.listing.string(), mapped->second);
+      }
+      located[entry.name] = {&files[f], &entry};
+    }
+  }
+  for (const auto& [tensor, file] : layout.tensors)
+    if (!located.count(tensor))
+      fail("{}: weight_map assigns tensor '{}' to '{}', which does not hold it", layout.listing.string(),
+           tensor, file);
+  return located;
+}
+
+// Old Hugging Face exports saved each layer's RoPE frequencies as a buffer; forge computes them.
+bool is_rotary_buffer(const std::string& name, int64_t layers) {
+  constexpr std::string_view prefix = "model.layers.", suffix = ".self_attn.rotary_emb.inv_freq";
+  if (name.size() <= prefix.size() + suffix.size() || !name.starts_with(prefix) || !name.ends_with(suffix))
+    return false;
+  const std::string index = name.substr(prefix.size(), name.size() - prefix.size() - suffix.size());
+  if (index.empty() || index.size() > 9 ||
+      !std::all_of(index.begin(), index.end(), [](char c) { return c >= '0' && c <= '9'; }))
+    return false;
+  if (index.size() > 1 && index[0] == '0') return false;
+  return std::stoll(index) < layers;
+}
+
+bool is_float_dtype(DType dtype) {
+  return dtype == DType::f32 || dtype == DType::bf16 || dtype == DType::f16;
+}
+
+void check_tensor(const Located& at, const std::string& name, const Shape& shape,
+                  const std::string& config_source) {
+  if (!is_float_dtype(at.entry->dtype))
+    fail("{}: tensor '{}' has dtype {}; forge loads F32, BF16 or F16 weights", at.file->path(), name,
+         safetensors_dtype_name(at.entry->dtype));
+  if (at.entry->shape != shape)
+    fail("{}: tensor '{}' has shape {}, but the config ({}) needs {}", at.file->path(), name,
+         shape_string(at.entry->shape), config_source, shape_string(shape));
+}
+
+std::string config_source(const PretrainedDir& source) {
+  return source.kind == PretrainedDir::Kind::hugging_face
+             ? (source.dir / kConfigFile).string()
+             : (source.dir / "manifest.json").string() + " model_config";
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, Shape>> llama_tensor_shapes(const LlamaConfig& c) {
+  const int64_t h = c.hidden_size, v = c.vocab_size, ffn = c.intermediate_size;
+  std::vector<std::pair<std::string, Shape>> shapes = {{"model.embed_tokens.weight", {v, h}}};
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    shapes.push_back({p + "input_layernorm.weight", {h}});
+    shapes.push_back({p + "self_attn.q_proj.weight", {c.q_size(), h}});
+    shapes.push_back({p + "self_attn.k_proj.weight", {c.kv_size(), h}});
+    shapes.push_back({p + "self_attn.v_proj.weight", {c.kv_size(), h}});
+    shapes.push_back({p + "self_attn.o_proj.weight", {h, c.q_size()}});
+    shapes.push_back({p + "post_attention_layernorm.weight", {h}});
+    shapes.push_back({p + "mlp.gate_proj.weight", {ffn, h}});
+    shapes.push_back({p + "mlp.up_proj.weight", {ffn, h}});
+    shapes.push_back({p + "mlp.down_proj.weight", {h, ffn}});
+  }
+  shapes.push_back({"model.norm.weight", {h}});
+  if (!c.tie_word_embeddings) shapes.push_back({"lm_head.weight", {v, h}});
+  return shapes;
+}
+
+// Shared with hf_export.cpp: the store must hold exactly the tensors of `config`, with their shapes.
+void check_store_matches_config(const nn::ParameterStore& params, const LlamaConfig& config,
+                                const std::string& source) {
+  if (!params.allocated()) fail("{}: the parameter store is not allocated", source);
+  const auto expected = llama_tensor_shapes(config);
+  for (const auto& [name, shape] : expected) {
+    const int id = params.find(name);
+    if (id < 0) fail("{}: the model has no parameter '{}' that the config needs", source, name);
+    if (params.info(id).shape != shape)
+      fail("{}: parameter '{}' has shape {} in the model, but the config needs {}", source, name,
+           shape_string(params.info(id).shape), shape_string(shape));
+  }
+  if (params.count() != static_cast<int>(expected.size())) {
+    std::set<std::string> names;
+    for (const auto& [name, shape] : expected) names.insert(name);
+    for (const auto& info : params.infos())
+      if (!names.count(info.name))
+        fail("{}: the model has a parameter '{}' that the config does not describe", source, info.name);
+  }
+}
+
+PretrainedDir open_pretrained(const fs::path& dir) {
+  std::error_code ec;
+  if (!fs::exists(dir, ec)) fail("{}: no such directory", dir.string());
+  if (!fs::is_directory(dir, ec)) fail("{}: not a directory", dir.string());
+  PretrainedDir result;
+  result.dir = dir;
+  if (fs::exists(dir / "manifest.json")) {
+    result.kind = PretrainedDir::Kind::forge_checkpoint;
+    CheckpointState state = read_checkpoint_manifest(dir.string());
+    const std::string source = config_source(result);
+    if (!state.model_config.is_object() || state.model_config.empty())
+      fail("{}: the checkpoint records no model config", source);
+    result.config_json = state.model_config;
+    check_architecture(result.config_json, source);
+    result.config = LlamaConfig::from_json(result.config_json, source);
+    weight_layout(result);
+    return result;
+  }
+  if (!fs::exists(dir / kConfigFile))
+    fail("{}: neither a forge checkpoint (no manifest.json) nor a Hugging Face model folder (no {})",
+         dir.string(), kConfigFile);
+  result.kind = PretrainedDir::Kind::hugging_face;
+  const std::string source = config_source(result);
+  result.config_json = read_json_file(dir / kConfigFile);
+  check_architecture(result.config_json, source);
+  result.config = LlamaConfig::from_json(result.config_json, source);
+  weight_layout(result);
+  return result;
+}
+
+void load_pretrained_weights(const PretrainedDir& source, nn::ParameterStore& params) {
+  const std::string config_name = config_source(source);
+  check_store_matches_config(params, source.config, config_name);
+  const WeightLayout layout = weight_layout(source);
+  std::vector<SafetensorsFile> files;
+  const std::map<std::string, Located> located = locate_tensors(layout, source.dir, files);
+
+  // Check everything before writing a single weight.
+  const auto expected = llama_tensor_shapes(source.config);
+  std::set<std::string> expected_names;
+  for (const auto& [name, shape] : expected) {
+    expected_names.insert(name);
+    auto it = located.find(name);
+    if (it == located.end())
+      fail("{}: tensor '{}' is missing (the config {} needs it)", layout.listing.string(), name, config_name);
+    check_tensor(it->second, name, shape, config_name);
+  }
+  const Located* tied_head = nullptr;
+  for (const auto& [name, at] : located) {
+    if (expected_names.count(name) || is_rotary_buffer(name, source.config.num_hidden_layers)) continue;
+    if (name == "lm_head.weight" && source.config.tie_word_embeddings) {
+      check_tensor(at, name, {source.config.vocab_size, source.config.hidden_size}, config_name);
+      tied_head = &at;
+      continue;
+    }
+    fail("{}: unexpected tensor '{}' (not a LlamaForCausalLM parameter under the config {})", at.file->path(),
+         name, config_name);
+  }
+
+  if (tied_head) {
+    // Some exporters write the tied head anyway; it is harmless only if it is the embedding itself.
+    const Located& embedding = located.at("model.embed_tokens.weight");
+    Tensor head = tied_head->file->read_f32("lm_head.weight");
+    Tensor embed = embedding.file->read_f32("model.embed_tokens.weight");
+    if (std::memcmp(head.raw(), embed.raw(), embed.bytes()) != 0)
+      fail(
+          "{}: tensor 'lm_head.weight' differs from 'model.embed_tokens.weight', but the config {} ties them "
+          "(tie_word_embeddings is true)",
+          tied_head->file->path(), config_name);
+  }
+
+  for (const auto& [name, shape] : expected) {
+    const Located& at = located.at(name);
+    at.file->read_into(name, params.param(params.find(name)));
+  }
+  params.refresh_bf16();
+}
+
+std::unique_ptr<LlamaModel> load_pretrained_model(const fs::path& dir, nn::ComputeOptions options) {
+  PretrainedDir source = open_pretrained(dir);
+  auto model = std::make_unique<LlamaModel>(source.config, options);
+  load_pretrained_weights(source, model->params());
+  return model;
+}
+
+}  // namespace forge

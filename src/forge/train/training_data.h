@@ -1,0 +1,58 @@
+// The trainer's view of its data: a text codec (byte-level, or a byte-level BPE tokenizer that forge
+// trains on the corpus and caches, or a given tokenizer.json) and the corpus split into training and
+// held-out token arrays. Held-out results are reported in bits per byte of the original text, whatever
+// the tokenizer, so runs with different tokenizers stay comparable.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "forge/data/tokenizer.h"
+#include "forge/train/config.h"
+
+namespace forge {
+
+class TextCodec {
+ public:
+  static TextCodec bytes();  // token = byte value, vocabulary 256
+  static TextCodec from_tokenizer(Tokenizer tokenizer, std::string description);
+
+  std::vector<int32_t> encode(std::string_view text) const;
+  std::string decode(std::span<const int32_t> ids) const;
+  int64_t vocab_size() const;
+  // Bytes of text token `id` stands for (0 for special tokens).
+  int64_t byte_length(int32_t id) const;
+  std::optional<int32_t> eos_id() const;
+  const std::string& description() const { return description_; }
+  const Tokenizer* tokenizer() const { return tokenizer_.get(); }
+
+ private:
+  std::shared_ptr<const Tokenizer> tokenizer_;  // null: bytes
+  std::vector<int64_t> byte_lengths_;           // per id, cached
+  std::string description_;
+};
+
+// Where a trained tokenizer for `text` is cached: <cache_dir>/bpe-<corpus>-v<vocab>-<crc32 of text>.json.
+std::filesystem::path trained_tokenizer_path(const TrainConfig& config, std::string_view text);
+
+// data.tokenizer = "bytes" | "train" | path. "train" learns a byte-level BPE of data.vocab_size tokens on
+// `training_text` (with the special token <|endoftext|>), or reads it from the cache; prints what it did.
+TextCodec make_text_codec(const TrainConfig& config, std::string_view training_text);
+
+struct CorpusTokens {
+  TextCodec codec = TextCodec::bytes();
+  std::vector<int32_t> train, heldout;
+  int64_t train_bytes = 0, heldout_bytes = 0;
+};
+
+// Loads data.corpus, splits off the held-out tail (data.heldout_fraction), builds the codec from the
+// training part only, and encodes both parts.
+CorpusTokens prepare_corpus(const TrainConfig& config);
+
+}  // namespace forge

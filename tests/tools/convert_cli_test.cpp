@@ -1,0 +1,150 @@
+// forge convert, run as the real binary: Hugging Face <-> forge round trips on the committed bf16 fixture,
+// companion files, --overwrite, and bad arguments answered with one "forge: error:" line and status 1.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "forge/ckpt/safetensors.h"
+
+namespace {
+namespace fs = std::filesystem;
+
+struct Outcome {
+  int status = -1;
+  std::string output;  // stdout + stderr
+};
+
+Outcome run_forge(const std::string& args) {
+  std::string command = std::string(FORGE_BINARY_DIR) + "/bin/forge " + args + " 2>&1";
+  Outcome o;
+  FILE* pipe = popen(command.c_str(), "r");
+  std::array<char, 4096> buffer;
+  while (size_t n = fread(buffer.data(), 1, buffer.size(), pipe)) o.output.append(buffer.data(), n);
+  int raw = pclose(pipe);
+  o.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : 128 + WTERMSIG(raw);
+  return o;
+}
+
+const fs::path kFixture = fs::path(FORGE_FIXTURE_DIR) / "hf_llama_tiny_bf16";
+
+nlohmann::json read_json(const fs::path& path) {
+  std::ifstream in(path);
+  return nlohmann::json::parse(in);
+}
+
+// The shard holding each tensor of a Hugging Face folder.
+std::map<std::string, fs::path> tensor_files(const fs::path& folder) {
+  std::map<std::string, fs::path> files;
+  if (fs::exists(folder / "model.safetensors.index.json")) {
+    for (const auto& [tensor, file] :
+         read_json(folder / "model.safetensors.index.json")["weight_map"].items())
+      files[tensor] = folder / file.get<std::string>();
+  } else {
+    auto st = forge::SafetensorsFile::open((folder / "model.safetensors").string());
+    for (const auto& entry : st.entries()) files[entry.name] = folder / "model.safetensors";
+  }
+  return files;
+}
+
+class ConvertCli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("forge_convert_cli_test_" + std::to_string(::getpid()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+
+  void expect_one_line_error(const std::string& args, const std::string& culprit) {
+    Outcome o = run_forge(args);
+    EXPECT_EQ(o.status, 1) << o.output;
+    EXPECT_EQ(o.output.rfind("forge: error: ", 0), 0u) << o.output;
+    EXPECT_NE(o.output.find(culprit), std::string::npos) << o.output;
+    EXPECT_EQ(std::count(o.output.begin(), o.output.end(), '\n'), 1) << o.output;
+  }
+  fs::path dir_;
+};
+
+TEST_F(ConvertCli, HelpListsTheOptions) {
+  Outcome o = run_forge("convert --help");
+  EXPECT_EQ(o.status, 0);
+  for (const char* option : {"--input", "--output", "--dtype", "--max-shard-size", "--overwrite", "--to"})
+    EXPECT_NE(o.output.find(option), std::string::npos) << option;
+}
+
+// HF bf16 (3 shards) -> forge -> HF bf16: every tensor's bytes survive; companion files are copied.
+TEST_F(ConvertCli, RoundTripThroughForgeKeepsBf16BytesAndCompanions) {
+  fs::copy(kFixture, path("in"), fs::copy_options::recursive);
+  std::ofstream(path("in") + "/tokenizer.json") << R"({"version": "1.0"})";
+  std::ofstream(path("in") + "/generation_config.json") << R"({"bos_token_id": 1})";
+
+  Outcome to_forge = run_forge("convert --input " + path("in") + " --output " + path("ckpt") + " --to forge");
+  ASSERT_EQ(to_forge.status, 0) << to_forge.output;
+  EXPECT_NE(to_forge.output.find("forge checkpoint"), std::string::npos) << to_forge.output;
+  EXPECT_TRUE(fs::exists(path("ckpt") + "/manifest.json"));
+  EXPECT_TRUE(fs::exists(path("ckpt") + "/tokenizer.json"));
+
+  Outcome to_hf =
+      run_forge("convert -i " + path("ckpt") + " -o " + path("out") + " --dtype bf16 --max-shard-size 6000");
+  ASSERT_EQ(to_hf.status, 0) << to_hf.output;
+  EXPECT_TRUE(fs::exists(path("out") + "/model.safetensors.index.json"));
+  EXPECT_EQ(read_json(path("out") + "/config.json")["torch_dtype"], "bfloat16");
+  EXPECT_EQ(read_json(path("out") + "/generation_config.json")["bos_token_id"], 1);
+  EXPECT_TRUE(fs::exists(path("out") + "/tokenizer.json"));
+
+  const auto original = tensor_files(kFixture), converted = tensor_files(path("out"));
+  size_t compared = 0;
+  for (const auto& [tensor, file] : original) {
+    if (tensor.find("rotary_emb") != std::string::npos) {
+      EXPECT_FALSE(converted.count(tensor)) << "computed buffers are not exported";
+      continue;
+    }
+    ASSERT_TRUE(converted.count(tensor)) << tensor;
+    auto a = forge::SafetensorsFile::open(file.string()).read(tensor);
+    auto b = forge::SafetensorsFile::open(converted.at(tensor).string()).read(tensor);
+    ASSERT_EQ(b.dtype(), forge::DType::bf16) << tensor;
+    EXPECT_EQ(std::memcmp(a.raw(), b.raw(), a.bytes()), 0) << tensor;
+    ++compared;
+  }
+  EXPECT_EQ(compared, converted.size());
+}
+
+TEST_F(ConvertCli, OverwriteReplacesAModelFolder) {
+  ASSERT_EQ(run_forge("convert --input " + kFixture.string() + " --output " + path("out")).status, 0);
+  EXPECT_EQ(read_json(path("out") + "/config.json")["torch_dtype"], "float32");
+  expect_one_line_error("convert --input " + kFixture.string() + " --output " + path("out"), path("out"));
+  Outcome o = run_forge("convert --input " + kFixture.string() + " --output " + path("out") +
+                        " --dtype fp16 --overwrite");
+  ASSERT_EQ(o.status, 0) << o.output;
+  EXPECT_EQ(read_json(path("out") + "/config.json")["torch_dtype"], "float16");
+}
+
+TEST_F(ConvertCli, BadArgumentsGetOneLine) {
+  const std::string in = " --input " + kFixture.string();
+  const std::string out = " --output " + path("out");
+  expect_one_line_error("convert" + out, "--input");
+  expect_one_line_error("convert" + in, "--output");
+  expect_one_line_error("convert" + in + out + " --dtype fp8", "fp8");
+  expect_one_line_error("convert" + in + out + " --dtype int32", "int32");
+  expect_one_line_error("convert" + in + out + " --max-shard-size 5XB", "5XB");
+  expect_one_line_error("convert" + in + out + " --max-shard-size 0", "'0'");
+  expect_one_line_error("convert" + in + out + " --to onnx", "onnx");
+  expect_one_line_error("convert" + in + out + " --to forge --dtype bf16", "--dtype");
+  expect_one_line_error("convert" + in + out + " --to forge --max-shard-size 1GB", "--max-shard-size");
+  expect_one_line_error("convert --input " + path("missing") + out, path("missing"));
+  fs::create_directories(path("empty_in"));
+  expect_one_line_error("convert --input " + path("empty_in") + out, "empty_in");
+  EXPECT_FALSE(fs::exists(path("out")));
+}
+
+}  // namespace

@@ -1,0 +1,186 @@
+// forge eval, run as the real binary on a tiny model saved as a forge checkpoint and as a Hugging Face
+// folder: its loss, perplexity and token count equal a direct computation from LlamaModel's logits over the
+// same windows; --max-sequences, and bad input answered with one "forge: error:" line.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "forge/ckpt/checkpoint.h"
+#include "forge/ckpt/pretrained.h"
+#include "forge/data/indexed_dataset.h"
+#include "forge/models/llama.h"
+
+namespace forge {
+namespace {
+namespace fs = std::filesystem;
+
+struct Outcome {
+  int status = -1;
+  std::string output;  // stdout + stderr
+};
+
+Outcome run_forge(const std::string& args) {
+  std::string command = std::string(FORGE_BINARY_DIR) + "/bin/forge " + args + " 2>&1";
+  Outcome o;
+  FILE* pipe = popen(command.c_str(), "r");
+  std::array<char, 4096> buffer;
+  while (size_t n = fread(buffer.data(), 1, buffer.size(), pipe)) o.output.append(buffer.data(), n);
+  int raw = pclose(pipe);
+  o.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : 128 + WTERMSIG(raw);
+  return o;
+}
+
+nlohmann::json last_json_line(const std::string& output) {
+  std::string text = output;
+  while (!text.empty() && text.back() == '\n') text.pop_back();
+  return nlohmann::json::parse(text.substr(text.find_last_of('\n') + 1));
+}
+
+class EvalCli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("forge_eval_cli_test_" + std::to_string(::getpid()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    std::ifstream in(fs::path(FORGE_FIXTURE_DIR) / "llama_tiny.config.json");
+    config_json_ = nlohmann::json::parse(in);
+    config_ = LlamaConfig::from_json(config_json_, "llama_tiny.config.json");
+    // A large init scale makes the predictions far from uniform, so a model whose weights did not load
+    // (loss ln 64) cannot pass for the real one.
+    model_ = std::make_unique<LlamaModel>(config_, nn::ComputeOptions{DType::f32, nn::Recompute::none}, 0.5f);
+    model_->initialize(17);
+    save_checkpoint((dir_ / "ckpt").string(), model_->params(), nullptr, {0, config_json_, {}});
+
+    // 50 tokens in documents of uneven lengths (one of a single token).
+    std::mt19937 gen(3);
+    std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(config_.vocab_size) - 1);
+    IndexedDatasetWriter writer((dir_ / "eval").string(), IndexedDType::u16);
+    for (int length : {13, 7, 20, 1, 9}) {
+      std::vector<int32_t> d(static_cast<size_t>(length));
+      for (auto& t : d) t = token(gen);
+      stream_.insert(stream_.end(), d.begin(), d.end());
+      writer.add_document(d);
+    }
+    writer.finalize();
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  // Mean loss over sequences k < max_sequences of T tokens, each from its own logits, in double.
+  std::pair<double, int64_t> direct_loss(int64_t T, int64_t max_sequences) {
+    double sum = 0;
+    int64_t count = 0;
+    const int64_t predictions = static_cast<int64_t>(stream_.size()) - 1;
+    for (int64_t k = 0; k * T < predictions && k < max_sequences; ++k) {
+      const int64_t length = std::min(T, predictions - k * T);
+      std::vector<int32_t> ids(stream_.begin() + k * T, stream_.begin() + k * T + length);
+      Tensor logits = model_->logits(ids.data(), 1, length);
+      const float* z = logits.data<float>();
+      for (int64_t t = 0; t < length; ++t) {
+        const float* row = z + t * config_.vocab_size;
+        double max = row[0], total = 0;
+        for (int64_t v = 1; v < config_.vocab_size; ++v) max = std::max(max, static_cast<double>(row[v]));
+        for (int64_t v = 0; v < config_.vocab_size; ++v) total += std::exp(static_cast<double>(row[v]) - max);
+        const int32_t target = stream_[static_cast<size_t>(k * T + t + 1)];
+        sum += std::log(total) + max - static_cast<double>(row[target]);
+        ++count;
+      }
+    }
+    return {sum / static_cast<double>(count), count};
+  }
+
+  std::string base_args(const std::string& model) const {
+    return "eval --model " + (dir_ / model).string() + " --data " + (dir_ / "eval").string();
+  }
+  void expect_one_line_error(const std::string& args, const std::string& culprit) {
+    Outcome o = run_forge(args);
+    EXPECT_EQ(o.status, 1) << o.output;
+    EXPECT_EQ(o.output.rfind("forge: error: ", 0), 0u) << o.output;
+    EXPECT_NE(o.output.find(culprit), std::string::npos) << o.output;
+    EXPECT_EQ(std::count(o.output.begin(), o.output.end(), '\n'), 1) << o.output;
+  }
+
+  fs::path dir_;
+  nlohmann::json config_json_;
+  LlamaConfig config_;
+  std::unique_ptr<LlamaModel> model_;
+  std::vector<int32_t> stream_;
+};
+
+TEST_F(EvalCli, MatchesDirectComputation) {
+  // T = 8: 49 predictions = 6 full sequences + one of 1 target; batches of 3 leave a last batch of 1.
+  Outcome o = run_forge(base_args("ckpt") + " --seq-len 8 --batch-size 3 --json --dtype fp32");
+  ASSERT_EQ(o.status, 0) << o.output;
+  const nlohmann::json result = last_json_line(o.output);
+  const auto [loss, tokens] = direct_loss(8, 1000);
+  EXPECT_EQ(tokens, 49);
+  EXPECT_EQ(result["tokens"].get<int64_t>(), 49);
+  EXPECT_EQ(result["sequences"].get<int64_t>(), 7);
+  EXPECT_NEAR(result["loss"].get<double>(), loss, 1e-5 * loss);
+  EXPECT_NEAR(result["perplexity"].get<double>(), std::exp(loss), 1e-5 * std::exp(loss));
+  EXPECT_GT(std::abs(loss - std::log(64.0)), 0.2) << "predictions should be far from uniform";
+  EXPECT_NE(o.output.find("perplexity"), std::string::npos);
+
+  // Batching does not change the numbers.
+  Outcome one = run_forge(base_args("ckpt") + " --seq-len 8 --batch-size 1 --json");
+  ASSERT_EQ(one.status, 0) << one.output;
+  EXPECT_NEAR(last_json_line(one.output)["loss"].get<double>(), result["loss"].get<double>(), 1e-6);
+
+  // --max-sequences counts whole sequences from the start.
+  Outcome two = run_forge(base_args("ckpt") + " --seq-len 8 --batch-size 4 --max-sequences 2 --json");
+  ASSERT_EQ(two.status, 0) << two.output;
+  const auto [loss2, tokens2] = direct_loss(8, 2);
+  EXPECT_EQ(last_json_line(two.output)["tokens"].get<int64_t>(), 16);
+  EXPECT_EQ(tokens2, 16);
+  EXPECT_NEAR(last_json_line(two.output)["loss"].get<double>(), loss2, 1e-5 * loss2);
+}
+
+TEST_F(EvalCli, HuggingFaceFolderAndBf16) {
+  export_hugging_face(model_->params(), config_json_, dir_ / "hf", {});
+  Outcome o = run_forge(base_args("hf") + " --seq-len 7 --batch-size 2 --json");
+  ASSERT_EQ(o.status, 0) << o.output;
+  const auto [loss, tokens] = direct_loss(7, 1000);
+  EXPECT_EQ(last_json_line(o.output)["tokens"].get<int64_t>(), 49);
+  EXPECT_NEAR(last_json_line(o.output)["loss"].get<double>(), loss, 1e-5 * loss);
+  // bf16 GEMM operands: close to the fp32 result, not equal.
+  Outcome bf16 = run_forge(base_args("hf") + " --seq-len 7 --batch-size 2 --json --dtype bf16");
+  ASSERT_EQ(bf16.status, 0) << bf16.output;
+  const double bf16_loss = last_json_line(bf16.output)["loss"].get<double>();
+  EXPECT_NEAR(bf16_loss, loss, 2e-2 * loss);
+  EXPECT_NE(bf16_loss, last_json_line(o.output)["loss"].get<double>());
+}
+
+TEST_F(EvalCli, TokensOutsideTheVocabulary) {
+  IndexedDatasetWriter writer((dir_ / "big").string(), IndexedDType::u16);
+  std::vector<int32_t> d = {1, 2, 3, static_cast<int32_t>(config_.vocab_size), 4};
+  writer.add_document(d);
+  writer.finalize();
+  expect_one_line_error(
+      "eval --model " + (dir_ / "ckpt").string() + " --data " + (dir_ / "big").string() + " --seq-len 4",
+      "outside the model's vocabulary");
+}
+
+TEST_F(EvalCli, BadArguments) {
+  expect_one_line_error(base_args("ckpt") + " --seq-len 0", "--seq-len");
+  expect_one_line_error(base_args("ckpt") + " --seq-len 8 --batch-size 0", "--batch-size");
+  expect_one_line_error(base_args("ckpt") + " --seq-len 8 --dtype fp8", "fp8");
+  expect_one_line_error(base_args("ckpt") + " --seq-len 100000", "max_position_embeddings");
+  expect_one_line_error(base_args("missing") + " --seq-len 8", "missing");
+  expect_one_line_error(
+      "eval --model " + (dir_ / "ckpt").string() + " --data " + (dir_ / "nothing").string() + " --seq-len 8",
+      "nothing.idx");
+  expect_one_line_error("eval --data " + (dir_ / "eval").string() + " --seq-len 8", "--model");
+}
+
+}  // namespace
+}  // namespace forge

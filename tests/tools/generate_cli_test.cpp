@@ -1,0 +1,251 @@
+// forge generate, run as the real binary on tiny models written in the test: a byte-level forge checkpoint
+// and a Hugging Face folder with a tokenizer.json and a generation_config.json. Its text equals the library's
+// generation (greedy and seeded sampling), streaming prints what --no-stream prints (never a split UTF-8
+// character), the prompt may come from stdin, end-of-sequence ids stop it, a full context stops it with a
+// note, and bad input gets one "forge: error:" line.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "forge/ckpt/checkpoint.h"
+#include "forge/ckpt/pretrained.h"
+#include "forge/ckpt/safetensors.h"
+#include "forge/data/tokenizer.h"
+#include "forge/data/tokenizer_text.h"
+#include "forge/models/sampling.h"
+
+namespace forge {
+namespace {
+namespace fs = std::filesystem;
+
+struct Outcome {
+  int status = -1;
+  std::string out, err;
+};
+
+std::string read_file(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+class GenerateCli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("forge_generate_cli_test_" + std::to_string(::getpid()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    // Byte-level model (vocab 256), saved as a forge checkpoint. A large init scale spreads the logits so
+    // that sampling has real choices and greedy decoding has clear winners.
+    nlohmann::json config = small_config(256, 64);
+    LlamaModel bytes(LlamaConfig::from_json(config, "bytes"), {DType::f32, nn::Recompute::none}, 0.5f);
+    bytes.initialize(21);
+    save_checkpoint((dir_ / "bytes").string(), bytes.params(), nullptr, {0, config, {}});
+
+    // A Hugging Face folder with the LLaMA-3-style test tokenizer.
+    const fs::path tokenizer_file = fs::path(FORGE_FIXTURE_DIR) / "tokenizer" / "llama3_style.tokenizer.json";
+    const Tokenizer tokenizer = Tokenizer::from_file(tokenizer_file);
+    const fs::path hf = dir_ / "hf";
+    fs::create_directories(hf);
+    config = small_config(tokenizer.vocab_size(), 64);
+    LlamaModel model(LlamaConfig::from_json(config, "hf"), {DType::f32, nn::Recompute::none}, 0.5f);
+    model.initialize(22);
+    std::vector<std::pair<std::string, Tensor>> tensors;
+    for (int i = 0; i < model.params().count(); ++i)
+      tensors.push_back({model.params().info(i).name, model.params().param(i)});
+    write_safetensors((hf / "model.safetensors").string(), tensors);
+    std::ofstream(hf / "config.json") << config.dump(2);
+    fs::copy_file(tokenizer_file, hf / "tokenizer.json");
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  static nlohmann::json small_config(int64_t vocab, int64_t positions) {
+    return {{"architectures", {"LlamaForCausalLM"}},
+            {"model_type", "llama"},
+            {"hidden_size", 32},
+            {"intermediate_size", 64},
+            {"num_hidden_layers", 2},
+            {"num_attention_heads", 4},
+            {"num_key_value_heads", 2},
+            {"rms_norm_eps", 1e-5},
+            {"vocab_size", vocab},
+            {"max_position_embeddings", positions},
+            {"tie_word_embeddings", false}};
+  }
+
+  // Runs the binary with stdout and stderr apart; `input` (if any) is piped to stdin. One thread: the
+  // models are toys, and a loaded machine makes OpenMP barriers the slowest part.
+  Outcome run(const std::string& args, const std::string* input = nullptr) {
+    const fs::path err = dir_ / "stderr.txt", in = dir_ / "stdin.txt";
+    std::string command = "OMP_NUM_THREADS=1 " + std::string(FORGE_BINARY_DIR) + "/bin/forge " + args;
+    if (input) {
+      std::ofstream(in, std::ios::binary) << *input;
+      command += " < " + in.string();
+    }
+    command += " 2> " + err.string();
+    Outcome o;
+    FILE* pipe = popen(command.c_str(), "r");
+    std::array<char, 4096> buffer;
+    while (size_t n = fread(buffer.data(), 1, buffer.size(), pipe)) o.out.append(buffer.data(), n);
+    const int raw = pclose(pipe);
+    o.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : 128 + WTERMSIG(raw);
+    o.err = read_file(err);
+    return o;
+  }
+  void expect_one_line_error(const std::string& args, const std::string& culprit) {
+    const std::string empty;
+    Outcome o = run(args, &empty);
+    EXPECT_EQ(o.status, 1) << o.err;
+    EXPECT_EQ(o.out, "");
+    EXPECT_EQ(o.err.rfind("forge: error: ", 0), 0u) << o.err;
+    EXPECT_NE(o.err.find(culprit), std::string::npos) << o.err;
+    EXPECT_EQ(std::count(o.err.begin(), o.err.end(), '\n'), 1) << o.err;
+  }
+  std::string model(const std::string& name) const { return " --model " + (dir_ / name).string(); }
+
+  // The library's continuation of `prompt` by the byte model, as text.
+  std::string byte_continuation(const std::string& prompt, SamplingOptions options) {
+    auto model = load_pretrained_model(dir_ / "bytes", {DType::f32, nn::Recompute::none});
+    std::vector<int32_t> ids(prompt.begin(), prompt.end());
+    for (auto& id : ids) id &= 0xff;
+    std::string bytes;
+    for (int32_t t : generate_sequence(*model, ids, options).tokens) bytes.push_back(static_cast<char>(t));
+    return tokenizer_text::utf8_lossy(bytes);
+  }
+
+  fs::path dir_;
+};
+
+std::string with_newline(std::string text) {
+  return text.empty() || text.back() != '\n' ? text + "\n" : text;
+}
+
+TEST_F(GenerateCli, GreedyTextEqualsTheLibrarysAndReportsSpeeds) {
+  Outcome o = run("generate" + model("bytes") + " --prompt Hello --greedy --max-new-tokens 20");
+  ASSERT_EQ(o.status, 0) << o.err;
+  SamplingOptions greedy;
+  greedy.temperature = 0, greedy.max_new_tokens = 20;
+  EXPECT_EQ(o.out, with_newline("Hello" + byte_continuation("Hello", greedy)));
+  // One final line: prompt tokens, prefill speed, generated tokens, decode speed.
+  EXPECT_EQ(std::count(o.err.begin(), o.err.end(), '\n'), 1) << o.err;
+  EXPECT_NE(o.err.find("prompt 5 tokens, prefill "), std::string::npos) << o.err;
+  EXPECT_NE(o.err.find("generated 20 tokens, decode "), std::string::npos) << o.err;
+  EXPECT_NE(o.err.find("tokens/s"), std::string::npos) << o.err;
+  // --top-k 1 is greedy too.
+  EXPECT_EQ(
+      run("generate" + model("bytes") + " --prompt Hello --top-k 1 --temperature 1.3 --max-new-tokens 20")
+          .out,
+      o.out);
+}
+
+// Sampling at a high temperature emits bytes >= 0x80, some of which form multi-byte characters: streaming
+// must print exactly what --no-stream prints, as valid UTF-8, and a seed must reproduce it.
+TEST_F(GenerateCli, StreamingPrintsWhatNoStreamPrintsAndSeedsReproduce) {
+  const std::string prompt = "na\xC3\xAFve \xE2\x9C\x93";  // "naïve ✓"
+  const std::string args = "generate" + model("bytes") + " --prompt '" + prompt +
+                           "' --temperature 1.5 --top-k 0 --top-p 0.98 --max-new-tokens 50 --seed 11";
+  Outcome streamed = run(args), whole = run(args + " --no-stream");
+  ASSERT_EQ(streamed.status, 0) << streamed.err;
+  EXPECT_EQ(streamed.out, whole.out);
+  EXPECT_EQ(streamed.out.rfind(prompt, 0), 0u);
+  EXPECT_EQ(tokenizer_text::find_invalid_utf8(streamed.out), std::string::npos);
+  SamplingOptions o;
+  o.temperature = 1.5, o.top_k = 0, o.top_p = 0.98, o.max_new_tokens = 50, o.seed = 11;
+  EXPECT_EQ(streamed.out, with_newline(prompt + byte_continuation(prompt, o)));
+  EXPECT_NE(run(args + " --seed 12").out, streamed.out);
+}
+
+TEST_F(GenerateCli, ReadsThePromptFromStdin) {
+  const std::string input = "Hello\n";  // echo's newline is not part of the prompt
+  Outcome piped = run("generate" + model("bytes") + " --greedy --max-new-tokens 12", &input);
+  ASSERT_EQ(piped.status, 0) << piped.err;
+  EXPECT_EQ(piped.out, run("generate" + model("bytes") + " --prompt Hello --greedy --max-new-tokens 12").out);
+}
+
+TEST_F(GenerateCli, StopsWithANoteWhenTheContextIsFull) {
+  const std::string prompt(60, 'a');  // 64 positions: room for 4 more
+  Outcome o = run("generate" + model("bytes") + " --prompt " + prompt + " --greedy --max-new-tokens 30");
+  ASSERT_EQ(o.status, 0) << o.err;
+  EXPECT_NE(o.err.find("forge: note: generation stopped after 4 tokens: the context of 64 positions is full"),
+            std::string::npos)
+      << o.err;
+  EXPECT_NE(o.err.find("generated 4 tokens"), std::string::npos) << o.err;
+}
+
+// The Hugging Face folder: the prompt is encoded with BOS, the text decoded without special tokens, and an
+// eos_token_id from generation_config.json ends generation.
+TEST_F(GenerateCli, TokenizerBosAndEndOfSequence) {
+  const Tokenizer tokenizer = Tokenizer::from_file(dir_ / "hf" / "tokenizer.json");
+  auto lm = load_pretrained_model(dir_ / "hf", {DType::f32, nn::Recompute::none});
+  const std::string prompt = "the quick brown fox";
+  const std::vector<int32_t> ids = tokenizer.encode(prompt, true);
+  ASSERT_EQ(ids.front(), *tokenizer.bos_id());
+  SamplingOptions greedy;
+  greedy.temperature = 0, greedy.max_new_tokens = 8;
+  if (auto eos = tokenizer.eos_id()) greedy.stop_tokens = {*eos};
+  const GenerationResult free_run = generate_sequence(*lm, ids, greedy);
+
+  const std::string args =
+      "generate" + model("hf") + " --prompt '" + prompt + "' --greedy --max-new-tokens 8";
+  Outcome o = run(args);
+  ASSERT_EQ(o.status, 0) << o.err;
+  EXPECT_EQ(o.out, with_newline(prompt + tokenizer.decode(free_run.tokens, true)));
+  EXPECT_NE(o.err.find("prompt " + std::to_string(ids.size()) + " tokens"), std::string::npos) << o.err;
+
+  // Make the third greedy token an end-of-sequence id: generation stops there, and the id is not printed.
+  ASSERT_GE(free_run.tokens.size(), 3u);
+  const int32_t stop = free_run.tokens[2];
+  std::ofstream(dir_ / "hf" / "generation_config.json")
+      << nlohmann::json{{"eos_token_id", {999, stop}}}.dump();
+  greedy.stop_tokens.push_back(999);
+  greedy.stop_tokens.push_back(stop);
+  const GenerationResult stopped = generate_sequence(*lm, ids, greedy);
+  ASSERT_EQ(stopped.stop, StopReason::stop_token);
+  o = run(args);
+  ASSERT_EQ(o.status, 0) << o.err;
+  std::vector<int32_t> shown = stopped.tokens;
+  shown.pop_back();
+  EXPECT_EQ(o.out, with_newline(prompt + tokenizer.decode(shown, true)));
+  EXPECT_NE(o.err.find("generated " + std::to_string(stopped.tokens.size()) + " tokens"), std::string::npos)
+      << o.err;
+  EXPECT_NE(o.err.find("stopped at end-of-sequence"), std::string::npos) << o.err;
+
+  std::ofstream(dir_ / "hf" / "generation_config.json") << R"({"eos_token_id": 5000})";
+  expect_one_line_error(args, "generation_config.json: eos_token_id 5000");
+}
+
+TEST_F(GenerateCli, BadInputGetsOneErrorLine) {
+  const std::string bytes = "generate" + model("bytes");
+  expect_one_line_error("generate --model " + (dir_ / "missing").string() + " --prompt hi", "missing");
+  expect_one_line_error(bytes + " --prompt ''", "prompt is empty");
+  const std::string empty;
+  Outcome o = run(bytes, &empty);  // nothing on stdin
+  EXPECT_EQ(o.status, 1);
+  EXPECT_NE(o.err.find("prompt is empty"), std::string::npos) << o.err;
+  expect_one_line_error(bytes + " --prompt " + std::string(70, 'a'),
+                        "does not fit the context of 64 positions");
+  expect_one_line_error(bytes + " --prompt hi --top-p 1.5", "top-p must be in (0, 1]");
+  expect_one_line_error(bytes + " --prompt hi --top-p 0", "top-p");
+  expect_one_line_error(bytes + " --prompt hi --temperature -1", "temperature");
+  expect_one_line_error(bytes + " --prompt hi --top-k -2", "top-k");
+  expect_one_line_error(bytes + " --prompt hi --max-new-tokens 0", "--max-new-tokens");
+  expect_one_line_error(bytes + " --prompt hi --dtype fp8", "fp8");
+  expect_one_line_error(bytes + " --prompt hi --tokenizer " + (dir_ / "none.json").string(), "none.json");
+  // A 1000-token vocabulary without a tokenizer.json cannot fall back to bytes.
+  fs::remove(dir_ / "hf" / "tokenizer.json");
+  expect_one_line_error("generate" + model("hf") + " --prompt hi", "pass --tokenizer");
+}
+
+}  // namespace
+}  // namespace forge

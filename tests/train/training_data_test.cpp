@@ -1,0 +1,178 @@
+// The trainer's data: tokenizer choice (bytes, a BPE trained on the corpus and cached, a tokenizer.json),
+// the byte accounting behind bits per byte, and a short BPE training run end to end.
+#include "forge/train/training_data.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "forge/ckpt/pretrained.h"
+#include "forge/ckpt/safetensors.h"
+#include "forge/data/text_corpus.h"
+#include "forge/train/trainer.h"
+#include "op_harness.h"
+
+namespace forge {
+namespace {
+namespace fs = std::filesystem;
+using forge::testing::expect_error_containing;
+
+class TrainingData : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("forge_training_data_test_" + std::to_string(::getpid()) + "_" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    std::ofstream corpus(dir_ / "corpus.txt");
+    for (int i = 0; i < 300; ++i)
+      corpus << "In the beginning was the word " << i % 17 << ", and the wörd was with the light — ☀.\n";
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  TrainConfig config(const std::string& run) const {
+    TrainConfig c;
+    c.model.config = (dir_ / "config.json").string();
+    c.data.corpus = (dir_ / "corpus.txt").string();
+    c.data.tokenizer = "train";
+    c.data.vocab_size = 300;
+    c.data.cache_dir = (dir_ / "cache").string();
+    c.data.seq_len = 32;
+    c.data.heldout_fraction = 0.1;
+    c.train.micro_batch = 2;
+    c.train.steps = 20;
+    c.train.warmup = 2;
+    c.train.lr = 1e-2;
+    c.train.min_lr = 1e-3;
+    c.eval.every = 0;
+    c.log.every = 100;
+    c.log.peak_gflops = 100;
+    c.log.run_dir = (dir_ / run).string();
+    c.sample.tokens = 0;
+    return c;
+  }
+  void write_model(int64_t vocab) const {
+    std::ofstream model(dir_ / "config.json");
+    model << R"({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "max_position_embeddings": 64, "vocab_size": )"
+          << vocab << "}";
+  }
+  fs::path dir_;
+};
+
+int64_t byte_count(const TextCodec& codec, const std::vector<int32_t>& ids) {
+  int64_t bytes = 0;
+  for (int32_t id : ids) bytes += codec.byte_length(id);
+  return bytes;
+}
+
+// Every byte of the text is in exactly one token, so summing token byte lengths gives the text's bytes:
+// that is what turns a loss per token into bits per byte.
+TEST_F(TrainingData, TrainedBpeCoversEveryByteAndIsCached) {
+  const TrainConfig c = config("unused");
+  const std::string text = load_text_file(c.data.corpus);
+  const TextSplit split = split_heldout(text, c.data.heldout_fraction);
+  CorpusTokens corpus = prepare_corpus(c);
+  EXPECT_EQ(corpus.codec.vocab_size(), 300);
+  EXPECT_EQ(corpus.codec.decode(corpus.train), split.train);
+  EXPECT_EQ(corpus.codec.decode(corpus.heldout), split.heldout);
+  EXPECT_EQ(byte_count(corpus.codec, corpus.train), corpus.train_bytes);
+  EXPECT_EQ(byte_count(corpus.codec, corpus.heldout), corpus.heldout_bytes);
+  EXPECT_EQ(corpus.train_bytes, static_cast<int64_t>(split.train.size()));
+  EXPECT_LT(corpus.train.size() * 2, split.train.size());  // merges compress this repetitive text > 2x
+  ASSERT_TRUE(corpus.codec.eos_id().has_value());
+  EXPECT_EQ(corpus.codec.byte_length(*corpus.codec.eos_id()), 0);
+
+  // The tokenizer is learnt on the training split only and cached under a name that fingerprints it.
+  const fs::path cached = trained_tokenizer_path(c, split.train);
+  ASSERT_TRUE(fs::exists(cached));
+  const auto written = fs::last_write_time(cached);
+  CorpusTokens again = prepare_corpus(c);
+  EXPECT_EQ(fs::last_write_time(cached), written);
+  EXPECT_EQ(again.train, corpus.train);
+  TrainConfig other = c;
+  other.data.vocab_size = 280;
+  EXPECT_NE(trained_tokenizer_path(other, split.train), cached);
+  EXPECT_NE(trained_tokenizer_path(c, split.train + "x"), cached);
+
+  // A tokenizer.json given by path is used as is.
+  TrainConfig by_path = c;
+  by_path.data.tokenizer = cached.string();
+  EXPECT_EQ(prepare_corpus(by_path).train, corpus.train);
+}
+
+TEST_F(TrainingData, BytesCodecIsTheIdentity) {
+  TrainConfig c = config("unused");
+  c.data.tokenizer = "bytes";
+  CorpusTokens corpus = prepare_corpus(c);
+  EXPECT_EQ(corpus.codec.vocab_size(), 256);
+  EXPECT_EQ(static_cast<int64_t>(corpus.train.size()), corpus.train_bytes);
+  EXPECT_EQ(corpus.train[0], 'I');
+  EXPECT_FALSE(corpus.codec.eos_id().has_value());
+  EXPECT_FALSE(fs::exists(dir_ / "cache"));
+}
+
+TEST_F(TrainingData, BadTokenizerSettingsAreRefused) {
+  TrainConfig missing = config("unused");
+  missing.data.tokenizer = (dir_ / "absent.json").string();
+  expect_error_containing([&] { prepare_corpus(missing); }, {"absent.json"});
+
+  write_model(256);  // smaller than the 300-token tokenizer
+  expect_error_containing([&] { Trainer(config("small")).run(); }, {"vocab_size 256 is smaller than the 300 tokens"});
+
+  TrainConfig tiny = config("unused");
+  tiny.data.vocab_size = 100;
+  expect_error_containing([&] { tiny.validate(); }, {"data.vocab_size"});
+}
+
+TEST_F(TrainingData, TrainsOnBpeTokensAndReportsBitsPerByte) {
+  write_model(300);
+  TrainConfig c = config("bpe");
+  c.sample.tokens = 8;
+  c.sample.prompt = "In the";
+  TrainResult r = Trainer(c).run();
+  ASSERT_EQ(r.losses.size(), 20u);
+  EXPECT_LT(r.losses.back(), r.losses.front());
+  // Loss per token over bytes per token: with > 1 byte per token, bits per byte is below nats per token / ln 2.
+  EXPECT_GT(r.heldout_bits_per_byte, 0);
+  EXPECT_LT(r.heldout_bits_per_byte, r.heldout_loss / std::log(2.0));
+  EXPECT_EQ(r.sample.rfind("In the", 0), 0u);
+  EXPECT_GT(r.sample.size(), 6u);
+}
+
+// model.init_from: the run starts from a Hugging Face folder's weights (and architecture). With a
+// vanishing learning rate one step leaves them as they were, so the final checkpoint equals the folder.
+TEST_F(TrainingData, InitFromAHuggingFaceFolder) {
+  write_model(300);
+  LlamaModel source(LlamaConfig::from_json_file((dir_ / "config.json").string()), {});
+  source.initialize(99);
+  nlohmann::json config_json = source.config().to_json();
+  export_hugging_face(source.params(), config_json, dir_ / "hf", {});
+
+  TrainConfig c = config("init");
+  c.model.config = (dir_ / "absent.json").string();  // ignored: the architecture comes from init_from
+  c.model.init_from = (dir_ / "hf").string();
+  c.train.steps = 1;
+  c.train.warmup = 0;
+  c.train.lr = 1e-20;
+  c.train.min_lr = 0;
+  Trainer(c).run();
+  SafetensorsFile saved = SafetensorsFile::open((fs::path(c.log.run_dir) / "checkpoint" / "model.safetensors").string());
+  for (int id = 0; id < source.params().count(); ++id) {
+    const std::string& name = source.params().info(id).name;
+    Tensor expected = source.params().param(id), got = saved.read_f32(name);
+    ASSERT_EQ(got.numel(), expected.numel()) << name;
+    for (int64_t i = 0; i < got.numel(); ++i)
+      ASSERT_NEAR(got.data<float>()[i], expected.data<float>()[i], 1e-6f * std::abs(expected.data<float>()[i]))
+          << name << "[" << i << "]";
+  }
+
+  TrainConfig missing = config("init2");
+  missing.model.init_from = (dir_ / "nowhere").string();
+  expect_error_containing([&] { Trainer(missing).run(); }, {"nowhere"});
+}
+
+}  // namespace
+}  // namespace forge

@@ -1,0 +1,106 @@
+// forge convert: a forge checkpoint or a Hugging Face folder in, a Hugging Face folder (or, with
+// --to forge, a weights-only forge checkpoint) out.
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "forge/ckpt/pretrained.h"
+#include "forge/core/error.h"
+
+namespace forge::cli {
+namespace {
+namespace fs = std::filesystem;
+
+// Files a Hugging Face folder carries besides the weights; copied when present in the input.
+constexpr const char* kCompanionFiles[] = {"tokenizer.json", "tokenizer_config.json",
+                                           "generation_config.json", "special_tokens_map.json"};
+
+struct ConvertOptions {
+  std::string input, output, to = "hf", dtype = "fp32", max_shard_size = "5GB";
+  bool overwrite = false;
+  CLI::Option* dtype_option = nullptr;
+  CLI::Option* shard_option = nullptr;
+};
+
+DType export_dtype(const std::string& name) {
+  for (const auto& [alias, dtype] :
+       {std::pair{"fp32", DType::f32}, std::pair{"float32", DType::f32}, std::pair{"bf16", DType::bf16},
+        std::pair{"bfloat16", DType::bf16}, std::pair{"fp16", DType::f16}, std::pair{"float16", DType::f16}})
+    if (name == alias) return dtype;
+  fail("convert: --dtype must be fp32, bf16 or fp16, got '{}'", name);
+}
+
+int run_convert(const ConvertOptions& o) {
+  if (o.input.empty()) fail("convert: --input DIR is required (a forge checkpoint or a Hugging Face folder)");
+  if (o.output.empty()) fail("convert: --output DIR is required");
+  if (o.to != "hf" && o.to != "forge") fail("convert: --to must be 'hf' or 'forge', got '{}'", o.to);
+  const bool to_forge = o.to == "forge";
+  HfExportOptions options;
+  options.overwrite = o.overwrite;
+  if (to_forge) {
+    // forge checkpoints hold fp32 master weights and one file.
+    if (o.dtype_option->count() && export_dtype(o.dtype) != DType::f32)
+      fail("convert: --dtype {} does not apply to --to forge (forge checkpoints are fp32)", o.dtype);
+    if (o.shard_option->count()) fail("convert: --max-shard-size does not apply to --to forge");
+  } else {
+    options.dtype = export_dtype(o.dtype);
+    try {
+      options.max_shard_bytes = parse_byte_size(o.max_shard_size);
+    } catch (const Error& e) {
+      fail("convert: --max-shard-size: {}", e.what());
+    }
+  }
+
+  PretrainedDir source = open_pretrained(o.input);
+  std::unique_ptr<LlamaModel> model =
+      std::make_unique<LlamaModel>(source.config, nn::ComputeOptions{DType::f32, nn::Recompute::none});
+  load_pretrained_weights(source, model->params());
+  for (const char* name : kCompanionFiles)
+    if (fs::is_regular_file(source.dir / name)) options.extra_files.push_back(source.dir / name);
+
+  const char* kind =
+      source.kind == PretrainedDir::Kind::hugging_face ? "Hugging Face folder" : "forge checkpoint";
+  const double millions = static_cast<double>(model->params().numel()) / 1e6;
+  if (to_forge) {
+    export_forge_checkpoint(model->params(), source.config_json, o.output, o.overwrite, options.extra_files);
+    std::printf("converted %s %s (%.2fM parameters) to forge checkpoint %s\n", kind, o.input.c_str(),
+                millions, o.output.c_str());
+  } else {
+    export_hugging_face(model->params(), source.config_json, o.output, options);
+    std::printf("converted %s %s (%.2fM parameters) to Hugging Face folder %s (%s)\n", kind, o.input.c_str(),
+                millions, o.output.c_str(), std::string(dtype_name(options.dtype)).c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+void add_convert_command(CLI::App& app, Commands& commands) {
+  auto o = std::make_shared<ConvertOptions>();
+  auto* convert = app.add_subcommand(
+      "convert",
+      "Convert a forge checkpoint or Hugging Face LlamaForCausalLM folder to a Hugging Face folder");
+  convert->add_option("-i,--input", o->input, "input directory: a forge checkpoint or a Hugging Face folder");
+  convert->add_option("-o,--output", o->output, "output directory (must not exist or be empty)");
+  convert
+      ->add_option("--to", o->to, "output kind: hf (Hugging Face folder) or forge (weights-only checkpoint)")
+      ->capture_default_str();
+  o->dtype_option =
+      convert->add_option("--dtype", o->dtype, "weight dtype of the Hugging Face output: fp32, bf16 or fp16")
+          ->capture_default_str();
+  o->shard_option =
+      convert
+          ->add_option("--max-shard-size", o->max_shard_size,
+                       "split weights larger than this into shards, e.g. 5GB, 500MB, 2GiB, 1048576")
+          ->capture_default_str();
+  convert->add_flag("--overwrite", o->overwrite, "replace an existing output folder that holds a model");
+  convert->footer(
+      "tokenizer.json, tokenizer_config.json, generation_config.json and special_tokens_map.json are copied\n"
+      "when the input has them. The output is written under a temporary name and renamed into place.");
+  commands.push_back({convert, [o] { return run_convert(*o); }});
+}
+
+}  // namespace forge::cli

@@ -1,0 +1,244 @@
+// forge generate: continue a prompt with a pretrained model (a Hugging Face folder or a forge checkpoint),
+// decoding with a KV cache (src/forge/models/sampling.h): greedy or temperature / top-k / top-p sampling,
+// seeded. The prompt and its continuation go to stdout as they are produced; stderr gets the speeds.
+//
+// Text: --tokenizer FILE, else DIR/tokenizer.json, else, for a 256-token vocabulary, bytes (token = byte).
+// The prompt is encoded with the tokenizer's special tokens (BOS). Generation stops at max-new-tokens, at an
+// end-of-sequence token (the tokenizer's and generation_config.json's eos_token_id), or when the context
+// (max_position_embeddings) is full.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "forge/ckpt/pretrained.h"
+#include "forge/core/error.h"
+#include "forge/data/tokenizer.h"
+#include "forge/data/tokenizer_text.h"
+#include "forge/models/sampling.h"
+
+namespace forge::cli {
+namespace {
+namespace fs = std::filesystem;
+
+struct GenerateOptions {
+  std::string model, tokenizer, prompt, dtype = "fp32";
+  bool prompt_given = false, greedy = false, no_stream = false;
+  int64_t max_new_tokens = 128, top_k = 40;
+  double temperature = 0.8, top_p = 1.0;
+  uint64_t seed = 7;
+};
+
+// Text <-> tokens: a Hugging Face tokenizer, or bytes for a byte-level model.
+class TextCodec {
+ public:
+  TextCodec(const GenerateOptions& o, const fs::path& model_dir, int64_t vocab) {
+    fs::path file = o.tokenizer;
+    if (file.empty() && fs::exists(model_dir / "tokenizer.json")) file = model_dir / "tokenizer.json";
+    if (!file.empty()) {
+      tokenizer_.emplace(Tokenizer::from_file(file));
+      if (tokenizer_->vocab_size() > vocab)
+        fail("tokenizer '{}' has {} tokens but the model's vocabulary holds {}", file.string(),
+             tokenizer_->vocab_size(), vocab);
+    } else if (vocab != 256) {
+      fail(
+          "{} has no tokenizer.json and its vocabulary ({} tokens) is not byte-level (256): pass --tokenizer "
+          "FILE",
+          model_dir.string(), vocab);
+    }
+  }
+  std::vector<int32_t> encode(const std::string& text) const {
+    if (tokenizer_) return tokenizer_->encode(text, /*add_special_tokens=*/true);
+    return {reinterpret_cast<const uint8_t*>(text.data()),
+            reinterpret_cast<const uint8_t*>(text.data()) + text.size()};
+  }
+  // Text of generated tokens (special tokens left out), with ill-formed UTF-8 shown as U+FFFD.
+  std::string decode(const std::vector<int32_t>& ids) const {
+    if (tokenizer_) return tokenizer_->decode(ids, /*skip_special_tokens=*/true);
+    std::string bytes;
+    for (int32_t id : ids) bytes.push_back(static_cast<char>(id));
+    return tokenizer_text::utf8_lossy(bytes);
+  }
+  std::optional<int32_t> eos_id() const { return tokenizer_ ? tokenizer_->eos_id() : std::nullopt; }
+
+ private:
+  std::optional<Tokenizer> tokenizer_;
+};
+
+// eos_token_id (an id or a list of ids) from DIR/generation_config.json, if the file exists.
+std::vector<int32_t> generation_config_eos(const fs::path& dir, int64_t vocab) {
+  const fs::path file = dir / "generation_config.json";
+  if (!fs::exists(file)) return {};
+  std::ifstream in(file);
+  nlohmann::json json = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (json.is_discarded() || !json.is_object()) fail("{}: not a JSON object", file.string());
+  if (!json.contains("eos_token_id") || json["eos_token_id"].is_null()) return {};
+  const nlohmann::json& eos = json["eos_token_id"];
+  std::vector<int32_t> ids;
+  for (const auto& id : eos.is_array() ? eos : nlohmann::json::array({eos})) {
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= vocab)
+      fail("{}: eos_token_id {} is not a token id of the model's vocabulary [0, {})", file.string(),
+           id.dump(), vocab);
+    ids.push_back(id.get<int32_t>());
+  }
+  return ids;
+}
+
+std::string read_prompt(const GenerateOptions& o) {
+  if (o.prompt_given) return o.prompt;
+  if (::isatty(STDIN_FILENO)) fail("generate: no prompt: pass --prompt TEXT or pipe the text on stdin");
+  std::ostringstream buffer;
+  buffer << std::cin.rdbuf();
+  std::string text = buffer.str();
+  // `echo text | forge generate` continues "text", not the newline echo adds.
+  if (!text.empty() && text.back() == '\n') text.pop_back();
+  if (!text.empty() && text.back() == '\r') text.pop_back();
+  return text;
+}
+
+// stdout, flushed at every write, remembering whether the text so far ends a line.
+class Output {
+ public:
+  void write(std::string_view text) {
+    if (text.empty()) return;
+    std::fwrite(text.data(), 1, text.size(), stdout);
+    std::fflush(stdout);
+    ends_line_ = text.back() == '\n';
+  }
+  bool ends_line() const { return ends_line_; }
+
+ private:
+  bool ends_line_ = true;
+};
+
+// Streams the continuation as tokens arrive: each time, the text of all generated tokens is decoded and the
+// part not yet printed goes out, except a trailing U+FFFD, which may be a multi-byte character whose
+// remaining bytes are still to come (it is printed once more tokens settle it, or at the end).
+class Streamer {
+ public:
+  Streamer(const TextCodec& codec, const std::vector<int32_t>& stop, Output& out)
+      : codec_(codec), stop_(stop), out_(out) {}
+  void add(int32_t token) {
+    if (std::find(stop_.begin(), stop_.end(), token) == stop_.end()) tokens_.push_back(token);
+  }
+  void flush(bool final) {
+    std::string text = codec_.decode(tokens_);
+    static constexpr std::string_view kReplacement = "\xEF\xBF\xBD";
+    size_t end = text.size();
+    if (!final)
+      while (end >= printed_ + kReplacement.size() &&
+             std::string_view(text).substr(end - kReplacement.size(), kReplacement.size()) == kReplacement)
+        end -= kReplacement.size();
+    if (end > printed_) out_.write(std::string_view(text).substr(printed_, end - printed_));
+    printed_ = std::max(printed_, end);
+  }
+
+ private:
+  const TextCodec& codec_;
+  const std::vector<int32_t>& stop_;
+  Output& out_;
+  std::vector<int32_t> tokens_;
+  size_t printed_ = 0;
+};
+
+int run_generate(const GenerateOptions& o) {
+  if (o.model.empty())
+    fail("generate: --model DIR is required (a Hugging Face folder or a forge checkpoint)");
+  if (o.max_new_tokens < 1) fail("generate: --max-new-tokens must be at least 1, got {}", o.max_new_tokens);
+  SamplingOptions sampling;
+  sampling.max_new_tokens = o.max_new_tokens;
+  sampling.temperature = o.greedy ? 0.0 : o.temperature;
+  sampling.top_k = o.top_k, sampling.top_p = o.top_p, sampling.seed = o.seed;
+  validate_sampling_options(sampling);
+  const DType dtype = dtype_from_name(o.dtype);
+  if (dtype != DType::f32 && dtype != DType::bf16)
+    fail("generate: --dtype must be fp32 or bf16, got '{}'", o.dtype);
+  const std::string prompt = read_prompt(o);
+  if (prompt.empty()) fail("generate: the prompt is empty");
+
+  std::unique_ptr<LlamaModel> model = load_pretrained_model(o.model, {dtype, nn::Recompute::none});
+  const int64_t vocab = model->config().vocab_size;
+  const TextCodec codec(o, o.model, vocab);
+  std::vector<int32_t> stop = generation_config_eos(o.model, vocab);
+  if (auto eos = codec.eos_id(); eos && std::find(stop.begin(), stop.end(), *eos) == stop.end())
+    stop.push_back(*eos);
+  sampling.stop_tokens = stop;
+  const std::vector<int32_t> ids = codec.encode(prompt);
+
+  // The prompt is echoed with the first token (or at the end), so that a refused prompt prints nothing.
+  Output out;
+  Streamer streamer(codec, stop, out);
+  bool prompt_written = false;
+  sampling.on_token = [&](int32_t token) {
+    streamer.add(token);
+    if (o.no_stream) return;
+    if (!prompt_written) out.write(prompt), prompt_written = true;
+    streamer.flush(false);
+  };
+  const GenerationResult result = generate_sequence(*model, ids, sampling);
+  if (!prompt_written) out.write(prompt);
+  streamer.flush(true);
+  if (!out.ends_line()) out.write("\n");
+
+  if (!result.note().empty()) std::fprintf(stderr, "forge: note: %s\n", result.note().c_str());
+  const auto rate = [](double tokens, double seconds) { return seconds > 0 ? tokens / seconds : 0.0; };
+  const auto generated = static_cast<double>(result.tokens.size());
+  std::fprintf(
+      stderr,
+      "prompt %lld tokens, prefill %.1f tokens/s | generated %lld tokens, decode %.1f tokens/s (%s%s)\n",
+      static_cast<long long>(result.prompt_tokens),
+      rate(static_cast<double>(result.prompt_tokens), result.prefill_seconds),
+      static_cast<long long>(result.tokens.size()), rate(generated, result.decode_seconds), o.dtype.c_str(),
+      result.stop == StopReason::stop_token ? ", stopped at end-of-sequence" : "");
+  return 0;
+}
+
+}  // namespace
+
+void add_generate_command(CLI::App& app, Commands& commands) {
+  auto o = std::make_shared<GenerateOptions>();
+  auto* generate = app.add_subcommand(
+      "generate",
+      "Continue a prompt with a pretrained model (KV-cache decoding; greedy, temperature, top-k, top-p)");
+  generate->add_option("--model", o->model,
+                       "Hugging Face folder (config.json + safetensors) or forge checkpoint");
+  generate->add_option("--tokenizer", o->tokenizer,
+                       "tokenizer.json (default: DIR/tokenizer.json; bytes for a 256-token vocabulary)");
+  auto* prompt = generate->add_option("--prompt", o->prompt, "text to continue (default: read from stdin)");
+  generate->add_option("--max-new-tokens", o->max_new_tokens, "tokens to generate at most")
+      ->capture_default_str();
+  generate->add_option("--temperature", o->temperature, "softmax temperature (0 = greedy)")
+      ->capture_default_str();
+  generate->add_option("--top-k", o->top_k, "sample among the k most likely tokens (0 = all)")
+      ->capture_default_str();
+  generate
+      ->add_option("--top-p", o->top_p, "nucleus: the most likely tokens holding this much mass, in (0, 1]")
+      ->capture_default_str();
+  generate->add_option("--seed", o->seed, "sampling seed (the same seed gives the same text)")
+      ->capture_default_str();
+  generate->add_flag("--greedy", o->greedy, "always take the most likely token (temperature 0)");
+  generate->add_option("--dtype", o->dtype, "GEMM operands: fp32 or bf16")->capture_default_str();
+  generate->add_flag("--no-stream", o->no_stream,
+                     "print the text once generation ends instead of as it goes");
+  generate->footer(
+      "Sampling applies temperature, then top-k, then top-p (Hugging Face's order). Generation stops after "
+      "--max-new-tokens, at an end-of-sequence token (the tokenizer's, and generation_config.json's "
+      "eos_token_id), or when the context (max_position_embeddings) is full. stderr gets the prompt and "
+      "generated token counts with prefill and decode speeds.");
+  commands.push_back({generate, [o, prompt] {
+                        o->prompt_given = prompt->count() > 0;
+                        return run_generate(*o);
+                      }});
+}
+
+}  // namespace forge::cli
