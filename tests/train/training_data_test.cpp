@@ -10,6 +10,7 @@
 
 #include "forge/ckpt/pretrained.h"
 #include "forge/ckpt/safetensors.h"
+#include "forge/data/indexed_dataset.h"
 #include "forge/data/text_corpus.h"
 #include "forge/train/trainer.h"
 #include "op_harness.h"
@@ -172,6 +173,38 @@ TEST_F(TrainingData, InitFromAHuggingFaceFolder) {
   TrainConfig missing = config("init2");
   missing.model.init_from = (dir_ / "nowhere").string();
   expect_error_containing([&] { Trainer(missing).run(); }, {"nowhere"});
+}
+
+// data.dataset: training reads a blend of Megatron indexed datasets (train split), evaluation the
+// valid split; byte tokens here, so bits per byte is the loss in bits.
+TEST_F(TrainingData, TrainsOnABlendOfMegatronDatasets) {
+  write_model(256);
+  for (const char* name : {"a", "b"}) {
+    IndexedDatasetWriter writer((dir_ / name).string(), IndexedDType::u16);
+    for (int doc = 0; doc < 40; ++doc) {
+      std::string text = fmt::format("Document {} of {}: and the light shone in the darkness.\n", doc, name);
+      std::vector<int32_t> tokens(text.begin(), text.end());
+      writer.add_document(tokens);
+    }
+    writer.finalize();
+  }
+  TrainConfig c = config("blend");
+  c.data.tokenizer = "bytes";
+  c.data.dataset = fmt::format("0.75 {} 0.25 {}", (dir_ / "a").string(), (dir_ / "b").string());
+  c.data.split = "90,10,0";
+  TrainResult first = Trainer(c).run();
+  ASSERT_EQ(first.losses.size(), 20u);
+  EXPECT_LT(first.losses.back(), first.losses.front());
+  EXPECT_NEAR(first.heldout_bits_per_byte, first.heldout_loss / std::log(2.0), 1e-9);
+  c.log.run_dir = (dir_ / "blend2").string();
+  EXPECT_EQ(Trainer(c).run().losses, first.losses);  // data order depends only on the seed
+
+  TrainConfig trained_tokenizer = c;
+  trained_tokenizer.data.tokenizer = "train";
+  expect_error_containing([&] { Trainer(trained_tokenizer).run(); }, {"data.dataset", "data.tokenizer"});
+  TrainConfig missing = c;
+  missing.data.dataset = (dir_ / "nothing").string();
+  expect_error_containing([&] { Trainer(missing).run(); }, {"nothing"});
 }
 
 }  // namespace

@@ -17,7 +17,6 @@
 #include "forge/ckpt/pretrained.h"
 #include "forge/core/cpu_features.h"
 #include "forge/core/memory.h"
-#include "forge/data/byte_sampler.h"
 #include "forge/models/llama.h"
 #include "forge/models/sampling.h"
 #include "forge/optim/adamw.h"
@@ -39,17 +38,16 @@ struct HeldOut {
 };
 
 // Loss over held-out windows [0, windows) in batches of `batch`, with the byte count of the targets.
-HeldOut evaluate(LlamaModel& model, const std::vector<int32_t>& tokens, const TextCodec& codec, int64_t seq,
-                 int64_t batch, int64_t windows) {
+HeldOut evaluate(LlamaModel& model, const TrainingData& data, int64_t seq, int64_t batch, int64_t windows) {
   std::vector<int32_t> ids(batch * seq), targets(batch * seq);
   HeldOut total;
   ProgressBar progress("eval", windows);  // draws only on a terminal
   for (int64_t w = 0; w < windows; w += batch) {
     int64_t b = std::min(batch, windows - w);
-    sequential_batch(tokens.data(), static_cast<int64_t>(tokens.size()), w, b, seq, ids.data(), targets.data());
+    data.heldout_batch(w, b, ids.data(), targets.data());
     LossSum part = model.forward_loss(ids.data(), targets.data(), b, seq);
     total.loss.sum += part.sum, total.loss.tokens += part.tokens;
-    for (int64_t i = 0; i < b * seq; ++i) total.bytes += codec.byte_length(targets[i]);
+    for (int64_t i = 0; i < b * seq; ++i) total.bytes += data.codec().byte_length(targets[i]);
     progress.update(w + b);
   }
   progress.finish();
@@ -89,22 +87,14 @@ TrainResult Trainer::run() {
     fail("data.seq_len {} exceeds max_position_embeddings {} of {}", c.data.seq_len,
          model_config.max_position_embeddings, model_source);
 
-  CorpusTokens corpus = prepare_corpus(c);
-  const TextCodec& codec = corpus.codec;
+  std::unique_ptr<TrainingData> data = open_training_data(c);
+  const TextCodec& codec = data->codec();
   if (model_config.vocab_size < codec.vocab_size())
     fail("{}: vocab_size {} is smaller than the {} tokens of the tokenizer ({}); set vocab_size >= {} or "
          "data.vocab_size <= {}", model_source, model_config.vocab_size, codec.vocab_size(), codec.description(),
          codec.vocab_size(), model_config.vocab_size);
-  const std::vector<int32_t>& train_tokens = corpus.train;
-  const std::vector<int32_t>& heldout_tokens = corpus.heldout;
   const int64_t seq = c.data.seq_len, micro = c.train.micro_batch, accum = c.train.grad_accum;
-  if (static_cast<int64_t>(train_tokens.size()) <= seq + 1)
-    fail("corpus '{}': its training split ({} tokens) is shorter than one sequence of {}", c.data.corpus,
-         train_tokens.size(), seq + 1);
-  const int64_t heldout_windows = num_sequential_windows(static_cast<int64_t>(heldout_tokens.size()), seq);
-  if (heldout_windows == 0)
-    fail("corpus '{}': its held-out split ({} tokens) is shorter than one sequence of {}; raise "
-         "data.heldout_fraction", c.data.corpus, heldout_tokens.size(), seq + 1);
+  const int64_t heldout_windows = data->heldout_windows();
 
   nn::ComputeOptions options;
   std::string dtype_name_used = c.train.dtype;
@@ -166,11 +156,7 @@ TrainResult Trainer::run() {
               c.train.recompute.c_str(), static_cast<long long>(c.tokens_per_step()), static_cast<long long>(micro),
               static_cast<long long>(accum), static_cast<long long>(seq), dtype_name_used.c_str(), peak_gflops,
               c.log.peak_gflops > 0 ? "given" : "measured");
-  std::printf("corpus %s: %lld training bytes -> %zu tokens (%.2f bytes/token), %lld held-out bytes -> %zu tokens | "
-              "tokenizer %s\n",
-              c.data.corpus.c_str(), static_cast<long long>(corpus.train_bytes), train_tokens.size(),
-              static_cast<double>(corpus.train_bytes) / static_cast<double>(train_tokens.size()),
-              static_cast<long long>(corpus.heldout_bytes), heldout_tokens.size(), codec.description().c_str());
+  std::printf("%s\n", data->describe().c_str());
   std::fflush(stdout);
 
   auto save = [&](const char* why) {
@@ -206,8 +192,7 @@ TrainResult Trainer::run() {
     model.params().zero_grads();
     LossSum loss;
     for (int64_t m = 0; m < accum; ++m) {
-      sample_batch(train_tokens.data(), static_cast<int64_t>(train_tokens.size()), c.model.seed,
-                   (step * accum + m) * micro, micro, seq, ids.data(), targets.data());
+      data->train_batch((step * accum + m) * micro, micro, ids.data(), targets.data());
       LossSum part = model.forward_backward(ids.data(), targets.data(), micro, seq, grad_scale);
       loss.sum += part.sum, loss.tokens += part.tokens;
     }
@@ -249,7 +234,7 @@ TrainResult Trainer::run() {
       interval_tokens = 0;
     }
     if (c.eval.every > 0 && step % c.eval.every == 0 && !last) {
-      HeldOut e = evaluate(model, heldout_tokens, codec, seq, micro, std::min(heldout_windows, c.eval.batches * micro));
+      HeldOut e = evaluate(model, *data, seq, micro, std::min(heldout_windows, c.eval.batches * micro));
       const double bpb = e.bits_per_byte();
       std::printf("eval step %lld | held-out loss %.4f | %.4f bits/byte\n", static_cast<long long>(step),
                   e.loss.mean(), bpb);
@@ -283,7 +268,7 @@ TrainResult Trainer::run() {
     return result;
   }
 
-  HeldOut e = evaluate(model, heldout_tokens, codec, seq, micro, heldout_windows);
+  HeldOut e = evaluate(model, *data, seq, micro, heldout_windows);
   result.heldout_loss = e.loss.mean();
   result.heldout_bits_per_byte = e.bits_per_byte();
   std::printf("final held-out loss %.4f nats/token = %.4f bits per byte (%lld tokens, %lld bytes; %.1f s total)\n",

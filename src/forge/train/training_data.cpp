@@ -6,6 +6,7 @@
 #include <cstdio>
 
 #include "forge/core/error.h"
+#include "forge/data/blended_dataset.h"
 #include "forge/data/bpe_trainer.h"
 #include "forge/data/byte_sampler.h"
 #include "forge/data/text_corpus.h"
@@ -106,6 +107,87 @@ CorpusTokens prepare_corpus(const TrainConfig& config) {
   out.train_bytes = static_cast<int64_t>(split.train.size());
   out.heldout_bytes = static_cast<int64_t>(split.heldout.size());
   return out;
+}
+
+namespace {
+
+class CorpusData final : public TrainingData {
+ public:
+  CorpusData(CorpusTokens corpus, const TrainConfig& config)
+      : TrainingData(std::move(corpus.codec)), corpus_(std::move(corpus)), config_(config) {
+    const int64_t seq = config.data.seq_len;
+    if (static_cast<int64_t>(corpus_.train.size()) <= seq + 1)
+      fail("corpus '{}': its training split ({} tokens) is shorter than one sequence of {}", config.data.corpus,
+           corpus_.train.size(), seq + 1);
+    windows_ = num_sequential_windows(static_cast<int64_t>(corpus_.heldout.size()), seq);
+    if (windows_ == 0)
+      fail("corpus '{}': its held-out split ({} tokens) is shorter than one sequence of {}; raise "
+           "data.heldout_fraction", config.data.corpus, corpus_.heldout.size(), seq + 1);
+  }
+  void train_batch(int64_t first, int64_t batch, int32_t* ids, int32_t* targets) const override {
+    sample_batch(corpus_.train.data(), static_cast<int64_t>(corpus_.train.size()), config_.model.seed, first, batch,
+                 config_.data.seq_len, ids, targets);
+  }
+  int64_t heldout_windows() const override { return windows_; }
+  void heldout_batch(int64_t first, int64_t batch, int32_t* ids, int32_t* targets) const override {
+    sequential_batch(corpus_.heldout.data(), static_cast<int64_t>(corpus_.heldout.size()), first, batch,
+                     config_.data.seq_len, ids, targets);
+  }
+  std::string describe() const override {
+    return fmt::format(
+        "corpus {}: {} training bytes -> {} tokens ({:.2f} bytes/token), {} held-out bytes -> {} tokens | "
+        "tokenizer {}",
+        config_.data.corpus, corpus_.train_bytes, corpus_.train.size(),
+        static_cast<double>(corpus_.train_bytes) / static_cast<double>(corpus_.train.size()), corpus_.heldout_bytes,
+        corpus_.heldout.size(), codec_.description());
+  }
+
+ private:
+  CorpusTokens corpus_;
+  TrainConfig config_;
+  int64_t windows_ = 0;
+};
+
+class DatasetData final : public TrainingData {
+ public:
+  DatasetData(TextCodec codec, const TrainConfig& config) : TrainingData(std::move(codec)), config_(config) {
+    GptDatasetConfig train_config{.seq_len = config.data.seq_len, .seed = config.model.seed, .shuffle = true};
+    train_ = open_blended_gpt_dataset(config.data.dataset, config.data.split, DataSplit::train, train_config);
+    GptDatasetConfig valid_config{.seq_len = config.data.seq_len, .seed = config.model.seed, .shuffle = false};
+    valid_ = open_blended_gpt_dataset(config.data.dataset, config.data.split, DataSplit::valid, valid_config);
+    // Held out: as many consecutive windows as the valid parts hold together, blended by weight.
+    for (size_t k = 0; k < valid_->num_datasets(); ++k) windows_ += valid_->dataset(k).samples_per_epoch();
+  }
+  void train_batch(int64_t first, int64_t batch, int32_t* ids, int32_t* targets) const override {
+    train_->batch(first, batch, ids, targets);
+  }
+  int64_t heldout_windows() const override { return windows_; }
+  void heldout_batch(int64_t first, int64_t batch, int32_t* ids, int32_t* targets) const override {
+    valid_->batch(first, batch, ids, targets);
+  }
+  std::string describe() const override {
+    int64_t train_tokens = 0, valid_tokens = 0;
+    for (size_t k = 0; k < train_->num_datasets(); ++k) train_tokens += train_->dataset(k).tokens_per_epoch();
+    for (size_t k = 0; k < valid_->num_datasets(); ++k) valid_tokens += valid_->dataset(k).tokens_per_epoch();
+    return fmt::format("dataset \"{}\" (split {}): {} training tokens, {} held-out tokens in {} windows | tokenizer {}",
+                       config_.data.dataset, config_.data.split, train_tokens, valid_tokens, windows_,
+                       codec_.description());
+  }
+
+ private:
+  TrainConfig config_;
+  std::unique_ptr<BlendedDataset> train_, valid_;
+  int64_t windows_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<TrainingData> open_training_data(const TrainConfig& config) {
+  if (config.data.dataset.empty()) return std::make_unique<CorpusData>(prepare_corpus(config), config);
+  if (config.data.tokenizer == "train")
+    fail("data.dataset is set: data.tokenizer must name the tokenizer.json the dataset was preprocessed with "
+         "(or \"bytes\"), not \"train\"");
+  return std::make_unique<DatasetData>(make_text_codec(config, {}), config);
 }
 
 }  // namespace forge

@@ -1,7 +1,9 @@
 // The trainer's view of its data: a text codec (byte-level, or a byte-level BPE tokenizer that forge
-// trains on the corpus and caches, or a given tokenizer.json) and the corpus split into training and
-// held-out token arrays. Held-out results are reported in bits per byte of the original text, whatever
-// the tokenizer, so runs with different tokenizers stay comparable.
+// trains on the corpus and caches, or a given tokenizer.json) and a source of training and held-out
+// windows: either a text corpus split into training and held-out token arrays, or a blend of Megatron
+// indexed datasets (data.dataset) whose train and valid document splits (data.split) give the two parts.
+// Held-out results are reported in bits per byte of the original text, whatever the tokenizer, so runs
+// with different tokenizers stay comparable.
 #pragma once
 
 #include <cstdint>
@@ -54,5 +56,28 @@ struct CorpusTokens {
 // Loads data.corpus, splits off the held-out tail (data.heldout_fraction), builds the codec from the
 // training part only, and encodes both parts.
 CorpusTokens prepare_corpus(const TrainConfig& config);
+
+// Windows of data.seq_len input ids and their next-token targets ([batch, seq_len] row-major each).
+class TrainingData {
+ public:
+  virtual ~TrainingData() = default;
+  const TextCodec& codec() const { return codec_; }
+  // Training samples first_sample .. first_sample + batch - 1: deterministic in (model.seed, index).
+  virtual void train_batch(int64_t first_sample, int64_t batch, int32_t* input_ids, int32_t* targets) const = 0;
+  // The held-out set: consecutive windows, each token after the first predicted once.
+  virtual int64_t heldout_windows() const = 0;
+  virtual void heldout_batch(int64_t first_window, int64_t batch, int32_t* input_ids, int32_t* targets) const = 0;
+  // One line for the run log.
+  virtual std::string describe() const = 0;
+
+ protected:
+  explicit TrainingData(TextCodec codec) : codec_(std::move(codec)) {}
+  TextCodec codec_;
+};
+
+// data.dataset empty: the corpus (prepare_corpus); else the blend, with data.tokenizer naming the
+// tokenizer.json it was preprocessed with (or "bytes"). Throws forge::Error when a part holds less than
+// one window of seq_len + 1 tokens.
+std::unique_ptr<TrainingData> open_training_data(const TrainConfig& config);
 
 }  // namespace forge
