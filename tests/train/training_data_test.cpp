@@ -140,6 +140,11 @@ TEST_F(TrainingData, TrainsOnBpeTokensAndReportsBitsPerByte) {
   EXPECT_GT(r.heldout_bits_per_byte, 0);
   EXPECT_LT(r.heldout_bits_per_byte, r.heldout_loss / std::log(2.0));
   EXPECT_EQ(r.sample.rfind("In the", 0), 0u);
+  // The checkpoint carries its tokenizer.
+  EXPECT_EQ(Tokenizer::from_file(fs::path(c.log.run_dir) / "checkpoint" / "tokenizer.json").to_json(),
+            Tokenizer::from_file(trained_tokenizer_path(c, split_heldout(load_text_file(c.data.corpus),
+                                                                          c.data.heldout_fraction).train))
+                .to_json());
   EXPECT_GT(r.sample.size(), 6u);
 }
 

@@ -165,6 +165,11 @@ TrainResult Trainer::run() {
     state.model_config = model_config.to_json();
     state.extra = {{"tokens_seen", step * c.tokens_per_step()}, {"reason", why}, {"tokenizer", codec.description()}};
     if (plan_steps) state.extra["planned_steps"] = total_steps;
+    // The tokenizer goes along (before the manifest), so `forge generate` and `forge convert` find it.
+    if (codec.tokenizer()) {
+      fs::create_directories(checkpoint_dir);
+      codec.tokenizer()->save(checkpoint_dir / "tokenizer.json");
+    }
     save_checkpoint(checkpoint_dir.string(), model.params(), &optimizer, state);
     std::printf("checkpoint saved to %s (step %lld, %s)\n", checkpoint_dir.c_str(), static_cast<long long>(step), why);
     std::fflush(stdout);
