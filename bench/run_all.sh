@@ -40,4 +40,28 @@ if [[ -x $BUILD/bin/forge_microbench ]]; then
   echo "== micro-benchmarks"
   $BUILD/bin/forge_microbench --benchmark_min_time=0.2 2>&1 | grep -v "^\*\*\*"
 fi
+
+# Tokenizer encode throughput beside Hugging Face tokenizers (its Rust library through the Node binding)
+# on the same text and tokenizer. Optional: needs node and `npm ci` in tests/reference/tokenizer.
+REF=tests/reference/tokenizer
+if [[ -x $BUILD/bin/forge_microbench && -f data/kjv.txt && -d $REF/node_modules/tokenizers ]] && command -v node >/dev/null; then
+  echo "== tokenizer encode, KJV, 4096-token byte-level BPE, one thread: forge vs Hugging Face tokenizers"
+  $FORGE tokenizer train --input data/kjv.txt --vocab-size 4096 --special-token '<|endoftext|>' \
+    --output "$out/kjv4096.json" > "$out/train_tok.txt"
+  head -1 "$out/train_tok.txt"
+  FORGE_BENCH_TOKENIZER="$out/kjv4096.json" $BUILD/bin/forge_microbench --benchmark_filter='BM_TokenizerEncodeKjv/' \
+    --benchmark_min_time=1 --benchmark_format=json 2>/dev/null > "$out/forge_tok.json"
+  RAYON_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false node $REF/bench_encode.js "$out/kjv4096.json" data/kjv.txt 5 \
+    > "$out/hf_tok.json"
+  /usr/bin/python3 - "$out" <<'PY'
+import json, sys, pathlib
+d = pathlib.Path(sys.argv[1])
+forge = json.loads((d / "forge_tok.json").read_text())["benchmarks"][0]
+hf = json.loads((d / "hf_tok.json").read_text())
+forge_mb = forge["bytes_per_second"] / 1e6
+print(f"forge {forge_mb:.1f} MB/s ({forge['tokens']:.0f} tokens)   "
+      f"hf tokenizers {hf['version']} {hf['mb_per_s']:.1f} MB/s ({hf['tokens']} tokens)   "
+      f"forge / hf: {forge_mb / hf['mb_per_s']:.1f}x")
+PY
+fi
 rm -rf "$out"

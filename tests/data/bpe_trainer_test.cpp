@@ -30,7 +30,8 @@ TEST(BpeTrainer, MatchesTheReferenceTrainer) {
     options.full_byte_alphabet = false;
     BpeTrainerStats stats;
     const Tokenizer trained = train_bpe_from_files({tokenizer_fixture("corpus.txt")}, options, &stats);
-    const json expected = read_json(tokenizer_fixture(std::string("hf_trained_") + pattern + ".tokenizer.json"));
+    const json expected =
+        read_json(tokenizer_fixture(std::string("hf_trained_") + pattern + ".tokenizer.json"));
     const json got = trained.to_json();
     EXPECT_EQ(got["model"]["vocab"], expected["model"]["vocab"]) << pattern;
     ASSERT_EQ(got["model"]["merges"].size(), expected["model"]["merges"].size()) << pattern;
@@ -90,7 +91,8 @@ TEST(BpeTrainer, WritesAValidVocabularyAndMerges) {
   EXPECT_EQ(ids.size(), vocab.size());
   EXPECT_EQ(*ids.begin(), 0);
   EXPECT_EQ(*ids.rbegin(), static_cast<int64_t>(vocab.size()) - 1);
-  for (int b = 0; b < 256; ++b) EXPECT_TRUE(vocab.contains(testing::byte_level_char(static_cast<unsigned char>(b))));
+  for (int b = 0; b < 256; ++b)
+    EXPECT_TRUE(vocab.contains(testing::byte_level_char(static_cast<unsigned char>(b))));
   // The reference's alphabet order: specials, then byte symbols by code point ('!' first, 'Ġ' = 221).
   EXPECT_EQ(vocab["<|endoftext|>"], 0);
   EXPECT_EQ(vocab["!"], 1);
@@ -157,6 +159,8 @@ TEST(BpeTrainer, RejectsBadOptionsAndInput) {
   o.vocab_size = 300;
   o.pattern = "(unclosed";
   expect_error_containing([&] { train_bpe(text, o); }, {"(unclosed", "does not compile"});
+  o.pattern = "a\xFF";
+  expect_error_containing([&] { train_bpe(text, o); }, {"pattern", "not valid UTF-8"});
   o.pattern = "gpt2";
   o.bos_token = "<s>";
   expect_error_containing([&] { train_bpe(text, o); }, {"bos_token '<s>'"});
@@ -167,7 +171,8 @@ TEST(BpeTrainer, RejectsBadOptionsAndInput) {
   expect_error_containing([&] { train_bpe("ok\xFF", o); }, {"training text", "not valid UTF-8"});
   testing::TokenizerTempDir dir;
   std::ofstream(dir / "bad.txt") << "fine line\nbroken \xC3 line\n";
-  expect_error_containing([&] { train_bpe_from_files({dir / "bad.txt"}, o); }, {"bad.txt", "line 2", "not valid UTF-8"});
+  expect_error_containing([&] { train_bpe_from_files({dir / "bad.txt"}, o); },
+                          {"bad.txt", "line 2", "not valid UTF-8"});
   expect_error_containing([&] { train_bpe_from_files({dir / "none.txt"}, o); }, {"none.txt", "cannot open"});
   expect_error_containing([&] { train_bpe_from_files({}, o); }, {"no input files"});
 }

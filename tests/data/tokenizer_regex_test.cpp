@@ -22,7 +22,8 @@ TEST(TokenizerRegex, CharacterClassesMatchTheReferenceOnEveryCodePoint) {
     for (const auto& range : classes[name])
       for (uint32_t c = range[0]; c <= range[1].get<uint32_t>(); ++c) expected[c] = 1;
     // One pattern over a string of all code points: every match is one member of the class.
-    const TokenizerRegex regex(std::string("\\") + (name[0] == 's' ? "s" : std::string("p{") + name + "}"), name);
+    const TokenizerRegex regex(std::string("\\") + (name[0] == 's' ? "s" : std::string("p{") + name + "}"),
+                               name);
     std::string all;
     std::vector<uint32_t> code_at;  // code point starting at each byte offset
     for (uint32_t c = 1; c < 0x110000; ++c) {
@@ -35,16 +36,18 @@ TEST(TokenizerRegex, CharacterClassesMatchTheReferenceOnEveryCodePoint) {
     regex.for_each_match(all, [&](size_t start, size_t) { got[code_at[start]] = 1; });
     size_t mismatches = 0;
     for (uint32_t c = 1; c < 0x110000; ++c) {
-      if (got[c] != expected[c] && mismatches++ < 5) ADD_FAILURE() << name << " differs at U+" << std::hex << c;
+      if (got[c] != expected[c] && mismatches++ < 5)
+        ADD_FAILURE() << name << " differs at U+" << std::hex << c;
     }
     EXPECT_EQ(mismatches, 0u) << name;
   }
 }
 
 TEST(TokenizerRegex, TranslatesOnigurumaOnlyConstructs) {
-  EXPECT_EQ(translate_split_pattern("a\\sb", "t"),
-            "a[\\t\\n\\x0B\\f\\r\\x20\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}"
-            "\\x{3000}]b");
+  EXPECT_EQ(
+      translate_split_pattern("a\\sb", "t"),
+      "a[\\t\\n\\x0B\\f\\r\\x20\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}"
+      "\\x{3000}]b");
   EXPECT_EQ(translate_split_pattern("[\\h]\\H", "t"), "[0-9a-fA-F][^0-9a-fA-F]");
   EXPECT_EQ(translate_split_pattern("\\d+\\w\\(\\)", "t"), "\\d+\\w\\(\\)");
   EXPECT_NE(translate_split_pattern("[^\\p{L}]", "t").find("\\x{105C0}"), std::string::npos);
@@ -70,7 +73,7 @@ TEST(TokenizerRegex, IteratesEmptyMatchesLikeTheReference) {
   EXPECT_EQ(matches(TokenizerRegex("", "t"), "ab"), (M{{0, 0}, {1, 1}, {2, 2}}));
   EXPECT_EQ(matches(TokenizerRegex("a*", "t"), "aab"), (M{{0, 2}, {3, 3}}));
   EXPECT_EQ(matches(TokenizerRegex("\\d*", "t"), "a12b"), (M{{0, 0}, {1, 3}, {4, 4}}));
-  EXPECT_EQ(matches(TokenizerRegex("x*", "t"), "é"), (M{{0, 0}, {2, 2}}));  // steps a whole character
+  EXPECT_EQ(matches(TokenizerRegex("x*", "t"), "é"), (M{{0, 0}, {2, 2}}));     // steps a whole character
   EXPECT_EQ(matches(TokenizerRegex("^a", "t"), "a\na"), (M{{0, 1}, {2, 3}}));  // line anchors
 }
 
@@ -87,7 +90,8 @@ TEST(TokenizerRegex, PretokenizesWithTheGpt2AndLlama3Patterns) {
   };
   using V = std::vector<std::string>;
   EXPECT_EQ(pieces(kGpt2SplitPattern, "It'S 'LL  x"), (V{"It", "'", "S", " '", "LL", " ", " x"}));
-  EXPECT_EQ(pieces(kLlama3SplitPattern, "It'S 'LL 12345\r\n\n x"), (V{"It", "'S", " '", "LL", " ", "123", "45", "\r\n\n", " x"}));
+  EXPECT_EQ(pieces(kLlama3SplitPattern, "It'S 'LL 12345\r\n\n x"),
+            (V{"It", "'S", " '", "LL", " ", "123", "45", "\r\n\n", " x"}));
   EXPECT_EQ(pieces(kLlama3SplitPattern, "x'ſs"), (V{"x", "'ſ", "s"}));  // (?i) folds ſ to s, as the reference
 }
 
@@ -100,7 +104,7 @@ TEST(TokenizerRegex, WordCharacters) {
   EXPECT_TRUE(is_word_char(0x200D));  // zero-width joiner
   EXPECT_FALSE(is_word_char('-'));
   EXPECT_FALSE(is_word_char(' '));
-  EXPECT_FALSE(is_word_char(0x00B2));  // superscript two: a number, not a decimal digit
+  EXPECT_FALSE(is_word_char(0x00B2));   // superscript two: a number, not a decimal digit
   EXPECT_FALSE(is_word_char(0x1F642));  // emoji
 }
 

@@ -47,19 +47,21 @@ TEST_P(ReferenceParity, EncodeAndDecodeMatchTheReference) {
   for (const json& c : expected["decode"]) {
     const std::vector<int32_t> ids = ids_of(c["ids"]);
     EXPECT_EQ(tokenizer.decode(ids), c["text"].get<std::string>()) << name << ": " << c.dump();
-    EXPECT_EQ(tokenizer.decode(ids, true), c["text_skip_special"].get<std::string>()) << name << ": " << c.dump();
+    EXPECT_EQ(tokenizer.decode(ids, true), c["text_skip_special"].get<std::string>())
+        << name << ": " << c.dump();
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, ReferenceParity,
-                         ::testing::Values("gpt2_style", "llama3_style", "handwritten", "split_behaviors", "char_unk",
-                                           "hf_trained_gpt2", "hf_trained_llama3"));
+                         ::testing::Values("gpt2_style", "llama3_style", "handwritten", "split_behaviors",
+                                           "char_unk", "hf_trained_gpt2", "hf_trained_llama3"));
 
 // Every fixture text that is valid UTF-8 comes back unchanged from a byte-level tokenizer without a
 // prefix space, including the long words merged by the heap algorithm.
 TEST(Tokenizer, DecodeOfEncodeIsTheText) {
   for (const char* name : {"gpt2_style", "llama3_style"}) {
-    const Tokenizer tokenizer = Tokenizer::from_file(tokenizer_fixture(std::string(name) + ".tokenizer.json"));
+    const Tokenizer tokenizer =
+        Tokenizer::from_file(tokenizer_fixture(std::string(name) + ".tokenizer.json"));
     for (const json& c : read_json(tokenizer_fixture(std::string(name) + ".expected.json"))["encode"]) {
       const std::string text = c["text"];
       EXPECT_EQ(tokenizer.decode(tokenizer.encode(text)), text) << name;
@@ -96,7 +98,8 @@ TEST(Tokenizer, SplitBehavioursMatchTheReference) {
     std::vector<std::string> pieces;
   };
   const std::string t = "ab 12,x Qq. éz";
-  const std::vector<std::string> chars = {"a", "b", " ", "1", "2", ",", "x", " ", "Q", "q", ".", " ", "é", "z"};
+  const std::vector<std::string> chars = {"a", "b", " ", "1", "2", ",", "x",
+                                          " ", "Q", "q", ".", " ", "é", "z"};
   const std::vector<Case> cases = {
       {"", "Isolated", false, true, t.c_str(), chars},
       {"", "Isolated", false, false, t.c_str(), chars},
@@ -104,7 +107,12 @@ TEST(Tokenizer, SplitBehavioursMatchTheReference) {
       {"", "Contiguous", false, false, t.c_str(), chars},
       {"", "Removed", false, false, t.c_str(), chars},
       {"a*", "Isolated", false, false, t.c_str(), chars},
-      {"a*", "MergedWithNext", false, false, t.c_str(), {"ab", " ", "1", "2", ",", "x", " ", "Q", "q", ".", " ", "é", "z"}},
+      {"a*",
+       "MergedWithNext",
+       false,
+       false,
+       t.c_str(),
+       {"ab", " ", "1", "2", ",", "x", " ", "Q", "q", ".", " ", "é", "z"}},
       {" ", "MergedWithPrevious", false, true, t.c_str(), {"ab ", "12,x ", "Qq. ", "éz"}},
       {"\\p{N}+", "Contiguous", true, false, t.c_str(), {"ab ", "12", ",x Qq. éz"}},
       {"[,.!?]", "MergedWithNext", false, false, t.c_str(), {"ab 12", ",x Qq", ". éz"}},
@@ -231,8 +239,8 @@ TEST(Tokenizer, RejectsInvalidUtf8AndUnknownIds) {
   const Tokenizer t = Tokenizer::from_json(small_tokenizer_json(), "small.json");
   expect_error_containing([&] { t.encode("ab\xC3(cd"); }, {"not valid UTF-8", "offset 2"});
   expect_error_containing([&] { t.encode("\xED\xA0\x80"); }, {"not valid UTF-8", "0xED"});  // a surrogate
-  expect_error_containing([&] { t.encode("\xF4\x90\x80\x80"); }, {"not valid UTF-8"});     // above U+10FFFF
-  expect_error_containing([&] { t.encode("\xC0\xAF"); }, {"not valid UTF-8"});             // overlong
+  expect_error_containing([&] { t.encode("\xF4\x90\x80\x80"); }, {"not valid UTF-8"});      // above U+10FFFF
+  expect_error_containing([&] { t.encode("\xC0\xAF"); }, {"not valid UTF-8"});              // overlong
   const std::vector<int32_t> bad = {1, 999};
   expect_error_containing([&] { t.decode(bad); }, {"small.json", "id 999"});
   const std::vector<int32_t> negative = {-1};
@@ -242,33 +250,45 @@ TEST(Tokenizer, RejectsInvalidUtf8AndUnknownIds) {
 
 // One line naming the file and the component, for every malformed or unsupported document.
 TEST(Tokenizer, RejectsMalformedAndUnsupportedFiles) {
-  auto expect_rejected = [](const std::function<void(json&)>& edit, std::initializer_list<std::string_view> parts) {
+  auto expect_rejected = [](const std::function<void(json&)>& edit,
+                            std::initializer_list<std::string_view> parts) {
     json j = small_tokenizer_json();
     edit(j);
     expect_error_containing([&] { Tokenizer::from_json(j, "bad.json"); }, parts);
   };
   expect_rejected([](json& j) { j.erase("model"); }, {"bad.json", "model", "missing"});
   expect_rejected([](json& j) { j["model"]["type"] = "WordPiece"; }, {"bad.json", "model", "WordPiece"});
-  expect_rejected([](json& j) { j["model"]["merges"].push_back("he zz"); }, {"bad.json", "merges", "unknown token 'zz'"});
-  expect_rejected([](json& j) { j["model"]["merges"].push_back("e h"); }, {"bad.json", "merge 3", "'eh'", "not in the vocab"});
-  expect_rejected([](json& j) { j["model"]["merges"].push_back("a b c"); }, {"bad.json", "merges[3]", "a b c"});
+  expect_rejected([](json& j) { j["model"]["merges"].push_back("he zz"); },
+                  {"bad.json", "merges", "unknown token 'zz'"});
+  expect_rejected([](json& j) { j["model"]["merges"].push_back("e h"); },
+                  {"bad.json", "merge 3", "'eh'", "not in the vocab"});
+  expect_rejected([](json& j) { j["model"]["merges"].push_back("a b c"); },
+                  {"bad.json", "merges[3]", "a b c"});
   expect_rejected([](json& j) { j["model"]["merges"].push_back(42); }, {"bad.json", "merges[3]"});
   expect_rejected([](json& j) { j["model"]["vocab"]["dup"] = 5; }, {"bad.json", "vocab", "share id 5"});
   expect_rejected([](json& j) { j["model"]["vocab"]["neg"] = -3; }, {"bad.json", "vocab", "-3"});
   expect_rejected([](json& j) { j["model"]["vocab"]["str"] = "7"; }, {"bad.json", "vocab['str']"});
-  expect_rejected([](json& j) { j["model"]["vocab"]["far"] = 100000000; }, {"bad.json", "vocab", "far beyond"});
+  expect_rejected([](json& j) { j["model"]["vocab"]["far"] = 100000000; },
+                  {"bad.json", "vocab", "far beyond"});
   expect_rejected([](json& j) { j["model"]["dropout"] = 0.1; }, {"bad.json", "model.dropout", "0.1"});
   expect_rejected([](json& j) { j["model"]["byte_fallback"] = true; }, {"bad.json", "byte_fallback"});
-  expect_rejected([](json& j) { j["model"]["continuing_subword_prefix"] = "##"; }, {"bad.json", "continuing_subword_prefix"});
-  expect_rejected([](json& j) { j["model"]["end_of_word_suffix"] = "</w>"; }, {"bad.json", "end_of_word_suffix"});
+  expect_rejected([](json& j) { j["model"]["continuing_subword_prefix"] = "##"; },
+                  {"bad.json", "continuing_subword_prefix"});
+  expect_rejected([](json& j) { j["model"]["end_of_word_suffix"] = "</w>"; },
+                  {"bad.json", "end_of_word_suffix"});
   expect_rejected([](json& j) { j["normalizer"] = {{"type", "NFC"}}; }, {"bad.json", "normalizer", "NFC"});
   expect_rejected([](json& j) { j["truncation"] = {{"max_length", 8}}; }, {"bad.json", "truncation"});
   expect_rejected([](json& j) { j["padding"] = {{"length", 8}}; }, {"bad.json", "padding"});
   expect_rejected([](json& j) { j["version"] = "2.0"; }, {"bad.json", "version", "2.0"});
-  expect_rejected([](json& j) { j["pre_tokenizer"] = {{"type", "Metaspace"}}; }, {"bad.json", "pre_tokenizer", "Metaspace"});
   expect_rejected(
       [](json& j) {
-        j["pre_tokenizer"] = {{"type", "Sequence"}, {"pretokenizers", {{{"type", "ByteLevel"}}, {{"type", "Digits"}}}}};
+        j["pre_tokenizer"] = {{"type", "Metaspace"}};
+      },
+      {"bad.json", "pre_tokenizer", "Metaspace"});
+  expect_rejected(
+      [](json& j) {
+        j["pre_tokenizer"] = {{"type", "Sequence"},
+                              {"pretokenizers", {{{"type", "ByteLevel"}}, {{"type", "Digits"}}}}};
       },
       {"bad.json", "pre_tokenizer.pretokenizers[1]", "Digits"});
   expect_rejected(
@@ -282,11 +302,20 @@ TEST(Tokenizer, RejectsMalformedAndUnsupportedFiles) {
       },
       {"bad.json", "pre_tokenizer.behavior", "Sideways"});
   expect_rejected(
-      [](json& j) { j["pre_tokenizer"] = {{"type", "Split"}, {"pattern", {{"Glob", "a"}}}, {"behavior", "Isolated"}}; },
+      [](json& j) {
+        j["pre_tokenizer"] = {{"type", "Split"}, {"pattern", {{"Glob", "a"}}}, {"behavior", "Isolated"}};
+      },
       {"bad.json", "pre_tokenizer.pattern", "Glob"});
-  expect_rejected([](json& j) { j["decoder"] = {{"type", "WordPiece"}}; }, {"bad.json", "decoder", "WordPiece"});
-  expect_rejected([](json& j) { j["post_processor"] = {{"type", "RobertaProcessing"}}; },
-                  {"bad.json", "post_processor", "RobertaProcessing"});
+  expect_rejected(
+      [](json& j) {
+        j["decoder"] = {{"type", "WordPiece"}};
+      },
+      {"bad.json", "decoder", "WordPiece"});
+  expect_rejected(
+      [](json& j) {
+        j["post_processor"] = {{"type", "RobertaProcessing"}};
+      },
+      {"bad.json", "post_processor", "RobertaProcessing"});
   expect_rejected(
       [](json& j) {
         j["post_processor"] = {{"type", "TemplateProcessing"},
@@ -294,17 +323,24 @@ TEST(Tokenizer, RejectsMalformedAndUnsupportedFiles) {
                                {"special_tokens", json::object()}};
       },
       {"bad.json", "post_processor", "'<s>'"});
-  expect_rejected([](json& j) { j["added_tokens"][0]["id"] = 300; }, {"bad.json", "added_tokens[0]", "id 300", "259"});
-  expect_rejected([](json& j) { j["added_tokens"][0]["content"] = ""; }, {"bad.json", "added_tokens[0]", "empty"});
-  expect_rejected([](json& j) { j["added_tokens"].push_back(j["added_tokens"][0]); }, {"bad.json", "added_tokens[1]", "twice"});
-  expect_rejected([](json& j) { j["added_tokens"][0]["content"] = "he"; }, {"bad.json", "added_tokens[0]", "256"});
+  expect_rejected([](json& j) { j["added_tokens"][0]["id"] = 300; },
+                  {"bad.json", "added_tokens[0]", "id 300", "259"});
+  expect_rejected([](json& j) { j["added_tokens"][0]["content"] = ""; },
+                  {"bad.json", "added_tokens[0]", "empty"});
+  expect_rejected([](json& j) { j["added_tokens"].push_back(j["added_tokens"][0]); },
+                  {"bad.json", "added_tokens[1]", "twice"});
+  expect_rejected([](json& j) { j["added_tokens"][0]["content"] = "he"; },
+                  {"bad.json", "added_tokens[0]", "256"});
   expect_rejected([](json& j) { j["added_tokens"][0].erase("id"); }, {"bad.json", "added_tokens[0]", "'id'"});
   expect_rejected([](json& j) { j = json::array(); }, {"bad.json", "JSON object"});
+  expect_rejected([](json& j) { j["comment"] = "bad \xFF byte"; }, {"bad.json", "malformed"});
 
   testing::TokenizerTempDir dir;
   std::ofstream(dir / "broken.json") << "{\"model\": [1, 2";
-  expect_error_containing([&] { Tokenizer::from_file(dir / "broken.json"); }, {"broken.json", "not valid JSON"});
-  expect_error_containing([&] { Tokenizer::from_file(dir / "missing.json"); }, {"missing.json", "cannot open"});
+  expect_error_containing([&] { Tokenizer::from_file(dir / "broken.json"); },
+                          {"broken.json", "not valid JSON"});
+  expect_error_containing([&] { Tokenizer::from_file(dir / "missing.json"); },
+                          {"missing.json", "cannot open"});
   expect_error_containing([&] { Tokenizer::from_json_text("[1,", "inline"); }, {"inline", "not valid JSON"});
 }
 
@@ -318,19 +354,25 @@ TEST(Tokenizer, AcceptsAlternativeForms) {
   j["model"]["merges"] = json::array({"#version: 0.2", "h e", "l l", "he ll"});
   j["post_processor"] = {
       {"type", "TemplateProcessing"},
-      {"single", {{{"SpecialToken", {{"id", "<|endoftext|>"}, {"type_id", 0}}}}, {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
-      {"pair", {{{"Sequence", {{"id", "A"}, {"type_id", 0}}}}, {{"Sequence", {{"id", "B"}, {"type_id", 1}}}}}},
-      {"special_tokens", {{"<|endoftext|>", {{"id", "<|endoftext|>"}, {"ids", {259}}, {"tokens", {"<|endoftext|>"}}}}}}};
+      {"single",
+       {{{"SpecialToken", {{"id", "<|endoftext|>"}, {"type_id", 0}}}},
+        {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
+      {"pair",
+       {{{"Sequence", {{"id", "A"}, {"type_id", 0}}}}, {{"Sequence", {{"id", "B"}, {"type_id", 1}}}}}},
+      {"special_tokens",
+       {{"<|endoftext|>", {{"id", "<|endoftext|>"}, {"ids", {259}}, {"tokens", {"<|endoftext|>"}}}}}}};
   const Tokenizer t = Tokenizer::from_json(j, "alt");
   EXPECT_EQ(t.encode("hello", true), (std::vector<int32_t>{259, 258, 'o'}));
   EXPECT_EQ(t.decode(t.encode("hello", true), true), "hello");
   // Template strings are not read from tokenizer.json by the reference, nor is a template without "pair".
   json strings = j;
   strings["post_processor"]["single"] = "<|endoftext|> $A";
-  expect_error_containing([&] { Tokenizer::from_json(strings, "t.json"); }, {"t.json", "post_processor.single"});
+  expect_error_containing([&] { Tokenizer::from_json(strings, "t.json"); },
+                          {"t.json", "post_processor.single"});
   json no_pair = j;
   no_pair["post_processor"].erase("pair");
-  expect_error_containing([&] { Tokenizer::from_json(no_pair, "t.json"); }, {"t.json", "post_processor", "'pair'"});
+  expect_error_containing([&] { Tokenizer::from_json(no_pair, "t.json"); },
+                          {"t.json", "post_processor", "'pair'"});
   json mixed = j;
   mixed["model"]["merges"] = json::array({"h e", json::array({"l", "l"})});
   expect_error_containing([&] { Tokenizer::from_json(mixed, "t.json"); }, {"t.json", "merges[1]", "mixes"});

@@ -2,16 +2,15 @@
 // directory, and tokenizer.json documents built in code.
 #pragma once
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
 #include <iterator>
-#include <string>
-
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <string>
 
 namespace forge::testing {
 
@@ -25,7 +24,9 @@ inline std::string read_file(const std::filesystem::path& path) {
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
-inline nlohmann::json read_json(const std::filesystem::path& path) { return nlohmann::json::parse(read_file(path)); }
+inline nlohmann::json read_json(const std::filesystem::path& path) {
+  return nlohmann::json::parse(read_file(path));
+}
 
 // A fresh directory per test, removed at the end.
 class TokenizerTempDir {
@@ -46,7 +47,9 @@ class TokenizerTempDir {
 
 // The GPT-2 byte-level form of one byte.
 inline std::string byte_level_char(unsigned char b) {
-  auto stands_for_itself = [](int x) { return (x >= '!' && x <= '~') || (x >= 0xA1 && x <= 0xAC) || x >= 0xAE; };
+  auto stands_for_itself = [](int x) {
+    return (x >= '!' && x <= '~') || (x >= 0xA1 && x <= 0xAC) || x >= 0xAE;
+  };
   unsigned code = b;
   if (!stands_for_itself(b)) {
     code = 0x100;
@@ -74,18 +77,19 @@ inline nlohmann::json small_tokenizer_json() {
       {"version", "1.0"},
       {"truncation", nullptr},
       {"padding", nullptr},
-      {"added_tokens",
-       nlohmann::json::array({{{"id", 259},
-                               {"content", "<|endoftext|>"},
-                               {"single_word", false},
-                               {"lstrip", false},
-                               {"rstrip", false},
-                               {"normalized", false},
-                               {"special", true}}})},
+      {"added_tokens", nlohmann::json::array({{{"id", 259},
+                                               {"content", "<|endoftext|>"},
+                                               {"single_word", false},
+                                               {"lstrip", false},
+                                               {"rstrip", false},
+                                               {"normalized", false},
+                                               {"special", true}}})},
       {"normalizer", nullptr},
-      {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}}},
+      {"pre_tokenizer",
+       {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}}},
       {"post_processor", nullptr},
-      {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}},
+      {"decoder",
+       {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}},
       {"model",
        {{"type", "BPE"},
         {"dropout", nullptr},

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <iterator>
 #include <string>
+#include <vector>
 
 #include "forge/data/tokenizer.h"
 
@@ -22,7 +23,8 @@ struct Outcome {
 };
 
 Outcome run(const std::string& args, bool with_stderr = true) {
-  const std::string command = std::string(FORGE_BINARY_DIR) + "/bin/forge " + args + (with_stderr ? " 2>&1" : " 2>/dev/null");
+  const std::string command =
+      std::string(FORGE_BINARY_DIR) + "/bin/forge " + args + (with_stderr ? " 2>&1" : " 2>/dev/null");
   Outcome o;
   FILE* pipe = popen(command.c_str(), "r");
   std::array<char, 4096> buffer;
@@ -32,14 +34,27 @@ Outcome run(const std::string& args, bool with_stderr = true) {
   return o;
 }
 
-std::string quote(const fs::path& p) { return "'" + p.string() + "'"; }
+std::string quote(const fs::path& p) {
+  std::string quoted(1, '\'');
+  quoted.append(p.string());
+  quoted.push_back('\'');
+  return quoted;
+}
+
+std::string join_ids(const std::vector<int32_t>& ids) {
+  std::string out;
+  for (int32_t id : ids) {
+    if (!out.empty()) out.push_back(' ');
+    out.append(std::to_string(id));
+  }
+  return out;
+}
 
 class TokenizerCli : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("forge_tokenizer_cli_" + std::to_string(::getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    dir_ = fs::temp_directory_path() / ("forge_tokenizer_cli_" + std::to_string(::getpid()) + "_" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::create_directories(dir_);
     corpus_ = fs::path(FORGE_FIXTURE_DIR) / "tokenizer" / "corpus.txt";
     fixture_ = fs::path(FORGE_FIXTURE_DIR) / "tokenizer" / "llama3_style.tokenizer.json";
@@ -61,9 +76,10 @@ class TokenizerCli : public ::testing::Test {
 
 TEST_F(TokenizerCli, TrainPrintsStatsAndWritesALoadableTokenizer) {
   const fs::path out = dir_ / "tok.json";
-  const Outcome o = run("tokenizer train --input " + quote(corpus_) + " --vocab-size 400 --output " + quote(out) +
-                        " --pattern llama3 --special-token '<|begin_of_text|>' --special-token '<|end_of_text|>'" +
-                        " --bos-token '<|begin_of_text|>'");
+  const Outcome o =
+      run("tokenizer train --input " + quote(corpus_) + " --vocab-size 400 --output " + quote(out) +
+          " --pattern llama3 --special-token '<|begin_of_text|>' --special-token '<|end_of_text|>'" +
+          " --bos-token '<|begin_of_text|>'");
   ASSERT_EQ(o.status, 0) << o.output;
   EXPECT_NE(o.output.find("400-token vocabulary"), std::string::npos) << o.output;
   EXPECT_NE(o.output.find("267 lines"), std::string::npos) << o.output;
@@ -76,20 +92,21 @@ TEST_F(TokenizerCli, TrainPrintsStatsAndWritesALoadableTokenizer) {
 TEST_F(TokenizerCli, EncodeAndDecodeRoundTrip) {
   const forge::Tokenizer t = forge::Tokenizer::from_file(fixture_);
   const std::string text = "In the beginning God created the heaven 中文 👍🏽\n";
-  std::string expected;
-  for (int32_t id : t.encode(text)) expected += (expected.empty() ? "" : " ") + std::to_string(id);
+  const std::string expected = join_ids(t.encode(text));
 
   const fs::path input = write("in.txt", text);
-  const Outcome from_stdin = run("tokenizer encode --tokenizer " + quote(fixture_) + " < " + quote(input), false);
+  const Outcome from_stdin =
+      run("tokenizer encode --tokenizer " + quote(fixture_) + " < " + quote(input), false);
   ASSERT_EQ(from_stdin.status, 0);
   EXPECT_EQ(from_stdin.output, expected + "\n");
 
-  const Outcome from_flag = run("tokenizer encode --tokenizer " + quote(fixture_) + " --text 'Hello world'", false);
-  std::string hello;
-  for (int32_t id : t.encode("Hello world")) hello += (hello.empty() ? "" : " ") + std::to_string(id);
+  const Outcome from_flag =
+      run("tokenizer encode --tokenizer " + quote(fixture_) + " --text 'Hello world'", false);
+  const std::string hello = join_ids(t.encode("Hello world"));
   EXPECT_EQ(from_flag.output, hello + "\n");
 
-  const Outcome special = run("tokenizer encode --tokenizer " + quote(fixture_) + " --add-special-tokens --text Hi", false);
+  const Outcome special =
+      run("tokenizer encode --tokenizer " + quote(fixture_) + " --add-special-tokens --text Hi", false);
   EXPECT_EQ(special.output.rfind(std::to_string(*t.bos_id()) + " ", 0), 0u) << special.output;
 
   const fs::path ids = write("ids.txt", from_stdin.output);
@@ -99,19 +116,23 @@ TEST_F(TokenizerCli, EncodeAndDecodeRoundTrip) {
   const Outcome from_args = run("tokenizer decode --tokenizer " + quote(fixture_) + " " + hello, false);
   EXPECT_EQ(from_args.output, "Hello world");
   const Outcome skip = run("tokenizer decode --skip-special-tokens --tokenizer " + quote(fixture_) + " " +
-                           special.output.substr(0, special.output.size() - 1), false);
+                               special.output.substr(0, special.output.size() - 1),
+                           false);
   EXPECT_EQ(skip.output, "Hi");
 }
 
 TEST_F(TokenizerCli, ErrorsAreOneLine) {
-  expect_one_line_error("tokenizer decode --tokenizer " + quote(fixture_) + " 12 abc", "'abc' is not a token id");
+  expect_one_line_error("tokenizer decode --tokenizer " + quote(fixture_) + " 12 abc",
+                        "'abc' is not a token id");
   expect_one_line_error("tokenizer decode --tokenizer " + quote(fixture_) + " 99999", "id 99999");
   const fs::path broken = write("broken.json", "{ not json");
   expect_one_line_error("tokenizer encode --tokenizer " + quote(broken) + " --text x", "broken.json");
   const fs::path bad_utf8 = write("bad.txt", "ok \xFF no");
-  expect_one_line_error("tokenizer encode --tokenizer " + quote(fixture_) + " < " + quote(bad_utf8), "not valid UTF-8");
-  expect_one_line_error("tokenizer train --input " + quote(corpus_) + " --vocab-size 10 --output " + quote(dir_ / "x.json"),
-                        "vocab_size 10");
+  expect_one_line_error("tokenizer encode --tokenizer " + quote(fixture_) + " < " + quote(bad_utf8),
+                        "not valid UTF-8");
+  expect_one_line_error(
+      "tokenizer train --input " + quote(corpus_) + " --vocab-size 10 --output " + quote(dir_ / "x.json"),
+      "vocab_size 10");
   EXPECT_NE(run("tokenizer").status, 0);
   EXPECT_NE(run("tokenizer encode --text x").status, 0);  // --tokenizer is required
   EXPECT_EQ(run("tokenizer --help").status, 0);

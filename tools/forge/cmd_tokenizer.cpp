@@ -100,24 +100,30 @@ int run_decode(const TokenizerOptions& o) {
 
 void add_tokenizer_command(CLI::App& app, Commands& commands) {
   auto o = std::make_shared<TokenizerOptions>();
-  auto* tok = app.add_subcommand("tokenizer", "Train byte-level BPE tokenizers; encode and decode text with a "
-                                              "Hugging Face tokenizer.json");
+  auto* tok = app.add_subcommand("tokenizer",
+                                 "Train byte-level BPE tokenizers; encode and decode text with a "
+                                 "Hugging Face tokenizer.json");
   tok->require_subcommand(1);
 
-  auto* train = tok->add_subcommand("train", "Train a byte-level BPE tokenizer on text files and write tokenizer.json");
+  auto* train =
+      tok->add_subcommand("train", "Train a byte-level BPE tokenizer on text files and write tokenizer.json");
   train->add_option("--input", o->inputs, "training text files (read line by line)")
       ->required()
       ->check(CLI::ExistingFile);
-  train->add_option("--vocab-size", o->vocab_size, "vocabulary size, special tokens included")->capture_default_str();
+  train->add_option("--vocab-size", o->vocab_size, "vocabulary size, special tokens included")
+      ->capture_default_str();
   train->add_option("--output", o->output, "where to write tokenizer.json")->required();
   train->add_option("--pattern", o->pattern, "pre-tokenization: gpt2, llama3 or a regular expression")
       ->capture_default_str();
-  train->add_option("--special-token", o->special_tokens, "special token, e.g. <|endoftext|> (repeatable; ids 0, 1, ...)");
-  train->add_option("--bos-token", o->bos_token, "special token that --add-special-tokens puts first when encoding");
+  train->add_option("--special-token", o->special_tokens,
+                    "special token, e.g. <|endoftext|> (repeatable; ids 0, 1, ...)");
+  train->add_option("--bos-token", o->bos_token,
+                    "special token that --add-special-tokens puts first when encoding");
   train->add_option("--min-frequency", o->min_frequency, "merge only pairs seen at least this often")
       ->capture_default_str();
 
-  auto* encode = tok->add_subcommand("encode", "Print the token ids of a text (from --text or standard input)");
+  auto* encode =
+      tok->add_subcommand("encode", "Print the token ids of a text (from --text or standard input)");
   encode->add_option("--tokenizer", o->tokenizer, "tokenizer.json")->required()->check(CLI::ExistingFile);
   encode->add_option("--text", o->text, "text to encode (default: all of standard input)")
       ->each([o](const std::string&) { o->text_given = true; });

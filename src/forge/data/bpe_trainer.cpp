@@ -3,10 +3,9 @@
 #include <algorithm>
 #include <chrono>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <queue>
 #include <unordered_map>
-
-#include <nlohmann/json.hpp>
 
 #include "forge/core/error.h"
 #include "forge/data/tokenizer_bpe.h"
@@ -59,7 +58,8 @@ ordered_json tokenizer_json(const BpeTrainerOptions& o, const std::vector<std::s
     t["rstrip"] = false;
     t["normalized"] = false;
     t["special"] = true;
-    if (std::none_of(added.begin(), added.end(), [&](const ordered_json& a) { return a["content"] == special; }))
+    if (std::none_of(added.begin(), added.end(),
+                     [&](const ordered_json& a) { return a["content"] == special; }))
       added.push_back(t);
   }
   j["added_tokens"] = added;
@@ -121,7 +121,8 @@ ordered_json tokenizer_json(const BpeTrainerOptions& o, const std::vector<std::s
   for (size_t id = 0; id < id_to_token.size(); ++id) vocab[id_to_token[id]] = id;
   model["vocab"] = std::move(vocab);
   ordered_json merge_list = ordered_json::array();
-  for (const auto& [a, b] : merges) merge_list.push_back(ordered_json::array({id_to_token[a], id_to_token[b]}));
+  for (const auto& [a, b] : merges)
+    merge_list.push_back(ordered_json::array({id_to_token[a], id_to_token[b]}));
   model["merges"] = std::move(merge_list);
   j["model"] = std::move(model);
   return j;
@@ -186,15 +187,16 @@ void add_word(std::vector<uint32_t>& list, uint32_t index) {
 class Trainer {
  public:
   explicit Trainer(const BpeTrainerOptions& options) : options_(options) {
-    if (options.vocab_size <= 0) fail("BPE trainer: vocab_size must be positive (got {})", options.vocab_size);
+    if (options.vocab_size <= 0)
+      fail("BPE trainer: vocab_size must be positive (got {})", options.vocab_size);
     if (options.min_frequency < 0) fail("BPE trainer: min_frequency must not be negative");
+    tokenizer_text::check_utf8(options.pattern, "BPE trainer: the pattern");
     for (const std::string& s : options.special_tokens) {
       if (s.empty()) fail("BPE trainer: a special token is empty");
       tokenizer_text::check_utf8(s, fmt::format("special token '{}'", s));
     }
-    if (!options.bos_token.empty() &&
-        std::find(options.special_tokens.begin(), options.special_tokens.end(), options.bos_token) ==
-            options.special_tokens.end())
+    if (!options.bos_token.empty() && std::find(options.special_tokens.begin(), options.special_tokens.end(),
+                                                options.bos_token) == options.special_tokens.end())
       fail("BPE trainer: bos_token '{}' is not one of the special tokens", options.bos_token);
     // The pre-tokenizer the trained tokenizer will have, with an empty model, splits the training text.
     BpeTrainerOptions skeleton_options = options;
@@ -263,10 +265,12 @@ Tokenizer Trainer::finish(BpeTrainerStats* stats, std::chrono::steady_clock::tim
   std::vector<std::pair<char32_t, uint8_t>> alphabet;
   for (int b = 0; b < 256; ++b)
     if (seen[b] || options_.full_byte_alphabet)
-      alphabet.emplace_back(tokenizer_text::byte_to_code_point(static_cast<uint8_t>(b)), static_cast<uint8_t>(b));
+      alphabet.emplace_back(tokenizer_text::byte_to_code_point(static_cast<uint8_t>(b)),
+                            static_cast<uint8_t>(b));
   std::sort(alphabet.begin(), alphabet.end());
   int32_t byte_id[256];
-  for (const auto& [code_point, byte] : alphabet) byte_id[byte] = token_id(std::string(tokenizer_text::byte_to_utf8(byte)));
+  for (const auto& [code_point, byte] : alphabet)
+    byte_id[byte] = token_id(std::string(tokenizer_text::byte_to_utf8(byte)));
   const auto initial_size = static_cast<int64_t>(id_to_token_.size());
   if (options_.vocab_size < initial_size)
     fail("BPE trainer: vocab_size {} is smaller than the {} special tokens and byte symbols it must hold",
@@ -335,7 +339,8 @@ Tokenizer Trainer::finish(BpeTrainerStats* stats, std::chrono::steady_clock::tim
   for (size_t i = 0; i < merges.size(); ++i) last_rank[merges[i].first] = i;
   std::vector<std::pair<int32_t, int32_t>> merge_list;
   for (size_t i = 0; i < merges.size(); ++i)
-    if (last_rank[merges[i].first] == i) merge_list.emplace_back(pair_left(merges[i].first), pair_right(merges[i].first));
+    if (last_rank[merges[i].first] == i)
+      merge_list.emplace_back(pair_left(merges[i].first), pair_right(merges[i].first));
 
   Tokenizer result = Tokenizer::from_json_text(tokenizer_json(options_, id_to_token_, merge_list).dump(2),
                                                "trained tokenizer");
@@ -352,7 +357,8 @@ Tokenizer Trainer::finish(BpeTrainerStats* stats, std::chrono::steady_clock::tim
 
 }  // namespace
 
-Tokenizer train_bpe(const std::vector<std::string>& texts, const BpeTrainerOptions& options, BpeTrainerStats* stats) {
+Tokenizer train_bpe(const std::vector<std::string>& texts, const BpeTrainerOptions& options,
+                    BpeTrainerStats* stats) {
   const auto started = std::chrono::steady_clock::now();
   Trainer trainer(options);
   for (size_t i = 0; i < texts.size(); ++i) trainer.add_text(texts[i], fmt::format("training text {}", i));
@@ -366,8 +372,8 @@ Tokenizer train_bpe(std::string_view text, const BpeTrainerOptions& options, Bpe
   return trainer.finish(stats, started);
 }
 
-Tokenizer train_bpe_from_files(const std::vector<std::filesystem::path>& files, const BpeTrainerOptions& options,
-                               BpeTrainerStats* stats) {
+Tokenizer train_bpe_from_files(const std::vector<std::filesystem::path>& files,
+                               const BpeTrainerOptions& options, BpeTrainerStats* stats) {
   const auto started = std::chrono::steady_clock::now();
   if (files.empty()) fail("BPE trainer: no input files");
   Trainer trainer(options);

@@ -51,11 +51,11 @@ struct BpeTrainerOptions {
 };
 
 struct BpeTrainerStats {
-  int64_t sequences = 0;       // texts or lines pre-tokenized
-  int64_t words = 0;           // pre-tokens counted
+  int64_t sequences = 0;  // texts or lines pre-tokenized
+  int64_t words = 0;      // pre-tokens counted
   int64_t distinct_words = 0;
-  int64_t merges = 0;          // merge rules in the tokenizer
-  int64_t vocab_size = 0;      // reached (smaller than asked when the corpus runs out of pairs)
+  int64_t merges = 0;      // merge rules in the tokenizer
+  int64_t vocab_size = 0;  // reached (smaller than asked when the corpus runs out of pairs)
   double seconds = 0;
 };
 
@@ -63,9 +63,10 @@ struct BpeTrainerStats {
 // an unknown or invalid pattern, or a vocab_size below the special tokens plus the byte symbols.
 Tokenizer train_bpe(const std::vector<std::string>& texts, const BpeTrainerOptions& options,
                     BpeTrainerStats* stats = nullptr);
-Tokenizer train_bpe(std::string_view text, const BpeTrainerOptions& options, BpeTrainerStats* stats = nullptr);
+Tokenizer train_bpe(std::string_view text, const BpeTrainerOptions& options,
+                    BpeTrainerStats* stats = nullptr);
 // Trains on files, line by line (see above). Throws forge::Error naming a missing or unreadable file.
-Tokenizer train_bpe_from_files(const std::vector<std::filesystem::path>& files, const BpeTrainerOptions& options,
-                               BpeTrainerStats* stats = nullptr);
+Tokenizer train_bpe_from_files(const std::vector<std::filesystem::path>& files,
+                               const BpeTrainerOptions& options, BpeTrainerStats* stats = nullptr);
 
 }  // namespace forge

@@ -23,12 +23,14 @@ void AddedTokenMatcher::add(const AddedToken* token) {
     only_first_byte_ = token->content[0];
   }
   list.push_back(token);
-  std::stable_sort(list.begin(), list.end(),
-                   [](const AddedToken* a, const AddedToken* b) { return a->content.size() > b->content.size(); });
+  std::stable_sort(list.begin(), list.end(), [](const AddedToken* a, const AddedToken* b) {
+    return a->content.size() > b->content.size();
+  });
   ++count_;
 }
 
-bool AddedTokenMatcher::find(std::string_view text, size_t from, size_t& start, const AddedToken*& token) const {
+bool AddedTokenMatcher::find(std::string_view text, size_t from, size_t& start,
+                             const AddedToken*& token) const {
   for (size_t i = from; i < text.size(); ++i) {
     if (distinct_first_bytes_ == 1) {
       const void* hit = std::memchr(text.data() + i, only_first_byte_, text.size() - i);
@@ -130,7 +132,8 @@ class Encoder {
       search_from = stop;
       if (token->single_word) {
         const bool word_before = start > 0 && is_word_char(last_code_point(sentence.substr(0, start)));
-        const bool word_after = stop < sentence.size() && is_word_char(first_code_point(sentence.substr(stop)));
+        const bool word_after =
+            stop < sentence.size() && is_word_char(first_code_point(sentence.substr(stop)));
         if (word_before || word_after) continue;
       }
       if (token->lstrip) start = std::max(trailing_space_start(sentence.substr(0, start)), start_offset);
@@ -270,7 +273,8 @@ Tokenizer::~Tokenizer() = default;
 
 namespace {
 
-std::unique_ptr<TokenizerAccess::Impl> parse_checked(const nlohmann::json& json, std::string_view source_name) {
+std::unique_ptr<TokenizerAccess::Impl> parse_checked(const nlohmann::json& json,
+                                                     std::string_view source_name) {
   try {
     return TokenizerAccess::parse(json, source_name);
   } catch (const nlohmann::json::exception& e) {
@@ -282,7 +286,11 @@ std::unique_ptr<TokenizerAccess::Impl> parse_checked(const nlohmann::json& json,
 
 Tokenizer Tokenizer::from_json(const nlohmann::json& json, std::string_view source_name) {
   auto impl = parse_checked(json, source_name);
-  impl->json_text = json.dump(2);
+  try {
+    impl->json_text = json.dump(2);
+  } catch (const nlohmann::json::exception& e) {
+    fail("{}: malformed tokenizer.json: {}", source_name, e.what());
+  }
   return Tokenizer(std::move(impl));
 }
 

@@ -15,13 +15,12 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 namespace forge {
 
@@ -54,7 +53,7 @@ class Tokenizer {
   std::optional<int32_t> eos_id() const;
   std::optional<int32_t> bos_id() const;
 
-  nlohmann::json to_json() const;                       // the document it was loaded from
+  nlohmann::json to_json() const;                      // the document it was loaded from
   void save(const std::filesystem::path& path) const;  // atomic (tmp + rename); the loaded text unchanged
 
  private:

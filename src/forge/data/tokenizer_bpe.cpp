@@ -118,12 +118,15 @@ BpeModel::BpeModel(BpeModelConfig config, std::string_view context)
   for (size_t rank = 0; rank < config.merges.size(); ++rank) {
     const auto& [a, b] = config.merges[rank];
     const auto ia = vocab_.find(a), ib = vocab_.find(b);
-    if (ia == vocab_.end()) fail("{}: merges: merge {} ('{} {}') names unknown token '{}'", context, rank, a, b, a);
-    if (ib == vocab_.end()) fail("{}: merges: merge {} ('{} {}') names unknown token '{}'", context, rank, a, b, b);
+    if (ia == vocab_.end())
+      fail("{}: merges: merge {} ('{} {}') names unknown token '{}'", context, rank, a, b, a);
+    if (ib == vocab_.end())
+      fail("{}: merges: merge {} ('{} {}') names unknown token '{}'", context, rank, a, b, b);
     joined = a + b;
     const auto ij = vocab_.find(joined);
     if (ij == vocab_.end())
-      fail("{}: merges: merge {} ('{} {}') makes '{}', which is not in the vocab", context, rank, a, b, joined);
+      fail("{}: merges: merge {} ('{} {}') makes '{}', which is not in the vocab", context, rank, a, b,
+           joined);
     // A pair listed twice keeps its last rank, as in the reference.
     merges_[pair_key(ia->second, ib->second)] = {static_cast<int32_t>(rank), ij->second};
   }
@@ -233,7 +236,8 @@ void BpeModel::tokenize_uncached(std::string_view word, bool byte_level, std::ve
   bool pending_unk = false;  // an unknown symbol not yet emitted (fused with the following ones)
   auto add_unknown = [&](std::string_view character) {
     if (!unk_token_) return;  // no unknown token: the character is dropped
-    if (!unk_id_) fail("the unknown token '{}' is not in the vocabulary (needed for '{}')", *unk_token_, character);
+    if (!unk_id_)
+      fail("the unknown token '{}' is not in the vocabulary (needed for '{}')", *unk_token_, character);
     if (pending_unk && !fuse_unk_) symbols.push_back(*unk_id_);
     pending_unk = true;
   };

@@ -27,7 +27,7 @@ struct StringHash {
 using TokenIdMap = std::unordered_map<std::string, int32_t, StringHash, std::equal_to<>>;
 
 struct BpeModelConfig {
-  TokenIdMap vocab;                                        // token -> id
+  TokenIdMap vocab;                                         // token -> id
   std::vector<std::pair<std::string, std::string>> merges;  // in rank order
   std::optional<std::string> unk_token;
   bool fuse_unk = false;

@@ -43,7 +43,8 @@ class Parser {
     return it->get<std::string>();
   }
 
-  std::optional<std::string> optional_string(const json& obj, const char* key, const std::string& component) const {
+  std::optional<std::string> optional_string(const json& obj, const char* key,
+                                             const std::string& component) const {
     const auto it = obj.find(key);
     if (it == obj.end() || it->is_null()) return std::nullopt;
     if (!it->is_string()) error(component + "." + key, "must be a string or null");
@@ -82,7 +83,8 @@ std::unique_ptr<BpeModel> parse_model(const Parser& p, const json& model) {
   }
   if (const auto it = model.find("dropout"); it != model.end() && !it->is_null()) {
     if (!it->is_number() || it->get<double>() != 0.0)
-      p.error(component + ".dropout", fmt::format("BPE dropout {} is not supported (must be null)", it->dump()));
+      p.error(component + ".dropout",
+              fmt::format("BPE dropout {} is not supported (must be null)", it->dump()));
   }
   for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
     const auto value = p.optional_string(model, key, component);
@@ -162,8 +164,8 @@ void parse_pre_tokenizer(const Parser& p, const json& pt, const std::string& com
     step.kind = PreTokenizerStep::Kind::Split;
     const json& pattern = p.object(pt, "pattern", component);
     if (pattern.size() != 1 || !(pattern.contains("Regex") || pattern.contains("String")))
-      p.error(component + ".pattern", fmt::format("{} is neither {{\"Regex\": ...}} nor {{\"String\": ...}}",
-                                                  pattern.dump()));
+      p.error(component + ".pattern",
+              fmt::format("{} is neither {{\"Regex\": ...}} nor {{\"String\": ...}}", pattern.dump()));
     if (pattern.contains("Regex")) {
       const std::string regex = p.string(pattern, "Regex", component + ".pattern");
       check_utf8_string(p, regex, component + ".pattern");
@@ -184,9 +186,10 @@ void parse_pre_tokenizer(const Parser& p, const json& pt, const std::string& com
     step.behavior = parse_behavior(p, pt, component);
     step.invert = p.boolean(pt, "invert", false, component);
   } else {
-    p.error(component, fmt::format("pre-tokenizer type '{}' is not supported (forge implements ByteLevel, Split, "
-                                   "Sequence)",
-                                   type));
+    p.error(component,
+            fmt::format("pre-tokenizer type '{}' is not supported (forge implements ByteLevel, Split, "
+                        "Sequence)",
+                        type));
   }
   steps.push_back(std::move(step));
 }
@@ -209,7 +212,8 @@ std::vector<int32_t> template_special_ids(const Parser& p, const json& pp, const
 
 // A template: a list of {"SpecialToken": {"id": ...}} and {"Sequence": {"id": "A" or "B"}} pieces (the
 // reference reads no other form from tokenizer.json).
-std::vector<TemplateItem> parse_template(const Parser& p, const json& pp, const char* key, const std::string& component) {
+std::vector<TemplateItem> parse_template(const Parser& p, const json& pp, const char* key,
+                                         const std::string& component) {
   const auto it = pp.find(key);
   if (it == pp.end()) p.error(component, fmt::format("missing '{}'", key));
   std::vector<TemplateItem> items;
@@ -229,7 +233,8 @@ std::vector<TemplateItem> parse_template(const Parser& p, const json& pp, const 
     if (piece.is_object() && piece.contains("Sequence")) {
       add_sequence(p.string(piece["Sequence"], "id", where));
     } else if (piece.is_object() && piece.contains("SpecialToken")) {
-      items.push_back({false, template_special_ids(p, pp, p.string(piece["SpecialToken"], "id", where), component)});
+      items.push_back(
+          {false, template_special_ids(p, pp, p.string(piece["SpecialToken"], "id", where), component)});
     } else {
       p.error(where, fmt::format("{} is neither a Sequence nor a SpecialToken", piece.dump()));
     }
@@ -283,7 +288,8 @@ std::unique_ptr<TokenizerAccess::Impl> TokenizerAccess::parse(const json& root, 
   auto impl = std::make_unique<Impl>();
   impl->source = std::string(source);
 
-  if (const auto it = root.find("version"); it != root.end() && !(it->is_string() && it->get<std::string>() == "1.0"))
+  if (const auto it = root.find("version");
+      it != root.end() && !(it->is_string() && it->get<std::string>() == "1.0"))
     p.error("version", fmt::format("unknown tokenizer.json version {} (expected \"1.0\")", it->dump()));
   for (const char* key : {"truncation", "padding"}) {
     if (const auto it = root.find(key); it != root.end() && !it->is_null())
@@ -305,7 +311,8 @@ std::unique_ptr<TokenizerAccess::Impl> TokenizerAccess::parse(const json& root, 
   if (const auto it = root.find("decoder"); it != root.end() && !it->is_null()) {
     const std::string type = p.type(*it, "decoder");
     if (type != "ByteLevel")
-      p.error("decoder", fmt::format("decoder type '{}' is not supported (forge implements ByteLevel)", type));
+      p.error("decoder",
+              fmt::format("decoder type '{}' is not supported (forge implements ByteLevel)", type));
     impl->byte_level_decoder = true;
   }
 
@@ -338,11 +345,13 @@ std::unique_ptr<TokenizerAccess::Impl> TokenizerAccess::parse(const json& root, 
         expected = v->second;
       } else {
         const auto vocab_size = static_cast<int32_t>(model.vocab().size());
-        expected = !max_added ? vocab_size : (*max_added >= vocab_size || vocab_size == 0) ? *max_added + 1 : vocab_size;
+        expected = !max_added                                      ? vocab_size
+                   : (*max_added >= vocab_size || vocab_size == 0) ? *max_added + 1
+                                                                   : vocab_size;
       }
       if (token.id != expected)
-        p.error(where, fmt::format("'{}' has id {}, but the reference would give it id {}", token.content, token.id,
-                                   expected));
+        p.error(where, fmt::format("'{}' has id {}, but the reference would give it id {}", token.content,
+                                   token.id, expected));
       max_added = std::max(max_added.value_or(expected), expected);
       for (const AddedToken& other : impl->added_tokens)
         if (other.id == token.id)
@@ -382,7 +391,8 @@ std::unique_ptr<TokenizerAccess::Impl> TokenizerAccess::parse(const json& root, 
   // End and beginning of sequence: the first of these names that is a special added token.
   auto find_special = [&](std::initializer_list<const char*> names) -> std::optional<int32_t> {
     for (const char* name : names)
-      if (const auto it = impl->added_by_content.find(std::string_view(name)); it != impl->added_by_content.end())
+      if (const auto it = impl->added_by_content.find(std::string_view(name));
+          it != impl->added_by_content.end())
         if (impl->added_tokens[it->second].special) return impl->added_tokens[it->second].id;
     return std::nullopt;
   };

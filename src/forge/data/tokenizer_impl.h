@@ -5,12 +5,11 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "forge/data/tokenizer.h"
 #include "forge/data/tokenizer_bpe.h"
@@ -85,7 +84,8 @@ struct Tokenizer::Impl {
   std::optional<int32_t> eos, bos;
 
   const tokenizer_detail::AddedToken* added_by_id(int32_t id) const {
-    if (id < 0 || static_cast<size_t>(id) >= added_index_by_id.size() || added_index_by_id[id] < 0) return nullptr;
+    if (id < 0 || static_cast<size_t>(id) >= added_index_by_id.size() || added_index_by_id[id] < 0)
+      return nullptr;
     return &added_tokens[added_index_by_id[id]];
   }
 };

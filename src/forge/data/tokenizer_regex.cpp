@@ -106,10 +106,12 @@ std::string translate_split_pattern(std::string_view pattern, std::string_view c
           negated = !negated;
           name.remove_prefix(1);
         }
-        const std::string_view extra =
-            (name == "L" || name == "Letter") ? kExtraLetters : (name == "N" || name == "Number") ? kExtraDigits : "";
+        const std::string_view extra = (name == "L" || name == "Letter")   ? kExtraLetters
+                                       : (name == "N" || name == "Number") ? kExtraDigits
+                                                                           : "";
         if (!extra.empty() && !(negated && in_class)) {
-          const std::string items = fmt::format("\\p{{{}}}{}", name.size() == 1 ? name : name.substr(0, 1), extra);
+          const std::string items =
+              fmt::format("\\p{{{}}}{}", name.size() == 1 ? name : name.substr(0, 1), extra);
           if (in_class) {
             out.append(items);
           } else {
@@ -131,7 +133,8 @@ std::string translate_split_pattern(std::string_view pattern, std::string_view c
         // POSIX classes ([:alpha:]) are fine; a nested class is Oniguruma-only.
         if (i + 1 < pattern.size() && pattern[i + 1] == ':') {
           const size_t close = pattern.find(":]", i + 2);
-          if (close == std::string_view::npos) fail("{}: pattern '{}': unterminated [: in a class", context, pattern);
+          if (close == std::string_view::npos)
+            fail("{}: pattern '{}': unterminated [: in a class", context, pattern);
           out.append(pattern.substr(i, close + 2 - i));
           i = close + 2;
           continue;
@@ -191,8 +194,9 @@ TokenizerRegex::~TokenizerRegex() { pcre2_code_free(code_); }
 bool TokenizerRegex::search(std::string_view text, size_t from, size_t& start, size_t& end) const {
   MatchScratch& s = scratch();
   const auto* subject = reinterpret_cast<PCRE2_SPTR>(text.data());
-  const int rc = jit_ ? pcre2_jit_match(code_, subject, text.size(), from, PCRE2_NO_UTF_CHECK, s.data, s.context)
-                      : pcre2_match(code_, subject, text.size(), from, PCRE2_NO_UTF_CHECK, s.data, s.context);
+  const int rc =
+      jit_ ? pcre2_jit_match(code_, subject, text.size(), from, PCRE2_NO_UTF_CHECK, s.data, s.context)
+           : pcre2_match(code_, subject, text.size(), from, PCRE2_NO_UTF_CHECK, s.data, s.context);
   if (rc == PCRE2_ERROR_NOMATCH) return false;
   // rc == 0: the match data has room for the whole match only, which is all that is read.
   if (rc < 0) fail("split pattern '{}' failed to match: {}", pattern_, pcre2_error_text(rc));

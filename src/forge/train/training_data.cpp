@@ -64,8 +64,10 @@ fs::path trained_tokenizer_path(const TrainConfig& config, std::string_view text
     done += n;
   }
   std::string corpus = config.data.corpus == "kjv" ? "kjv" : fs::path(config.data.corpus).stem().string();
+  // "bpe1": the version of what train_bpe produces; bump it when the trainer's output changes, so stale
+  // cached tokenizers are not reused.
   return fs::path(config.data.cache_dir) /
-         fmt::format("bpe-{}-v{}-{:08x}.json", corpus, config.data.vocab_size, static_cast<uint32_t>(crc));
+         fmt::format("bpe1-{}-v{}-{:08x}.json", corpus, config.data.vocab_size, static_cast<uint32_t>(crc));
 }
 
 TextCodec make_text_codec(const TrainConfig& config, std::string_view training_text) {

@@ -40,7 +40,8 @@ class TextCodec {
   std::string description_;
 };
 
-// Where a trained tokenizer for `text` is cached: <cache_dir>/bpe-<corpus>-v<vocab>-<crc32 of text>.json.
+// Where a trained tokenizer for `text` is cached: <cache_dir>/bpe1-<corpus>-v<vocab>-<crc32 of text>.json
+// ("bpe1" versions the trainer's output).
 std::filesystem::path trained_tokenizer_path(const TrainConfig& config, std::string_view text);
 
 // data.tokenizer = "bytes" | "train" | path. "train" learns a byte-level BPE of data.vocab_size tokens on

@@ -173,7 +173,7 @@ async function expectations(name) {
     if (ids.every((id) => id !== null && id !== undefined)) decodeInputs.push(ids);
   }
   const vocab = t.getVocab(true);
-  const specials = Object.keys(vocab).filter((k) => k.startsWith("<") && k.endsWith(">"));
+  const specials = Object.keys(vocab).filter((k) => k.startsWith("<") && k.endsWith(">")).sort();
   const valid = (ids) => ids.every((id) => id !== null && id !== undefined);
   for (const s of specials) decodeInputs.push([vocab[s]]);
   for (const s of specials) if (valid(byteIds([0x41]))) decodeInputs.push([vocab[s], ...byteIds([0x41]), vocab[s]]);
