@@ -61,7 +61,7 @@ TEST(LlamaConfig, ReadsTheDefaultModelConfig) {
   EXPECT_DOUBLE_EQ(c.rms_norm_eps, 1e-5);
   EXPECT_DOUBLE_EQ(c.rope_theta, 10000.0);
   EXPECT_EQ(c.rope_scaling.kind, RopeScaling::Kind::none);
-  EXPECT_EQ(c.vocab_size, 256);
+  EXPECT_EQ(c.vocab_size, 2048);  // the BPE vocabulary the default job learns on the corpus
   EXPECT_FALSE(c.tie_word_embeddings);
   EXPECT_EQ(c.max_position_embeddings, 512);
 }
@@ -127,7 +127,7 @@ TEST(LlamaConfig, ReadsConfigsWrittenByTransformers) {
 
 TEST(LlamaConfig, FlopsPerTokenFollowsMegatron) {
   const LlamaConfig c = LlamaConfig::from_json_file(kRepoRoot / "configs/llama-default.json");
-  const double h = 128, q = 8 * 16, kv = 4 * 16, ffn = 352, layers = 6, vocab = 256, seq = 256;
+  const double h = 128, q = 8 * 16, kv = 4 * 16, ffn = 352, layers = 6, vocab = 2048, seq = 256;
   const double per_layer = h * q + 2 * h * kv + q * h + 3 * h * ffn;
   const double expected = 6 * (layers * per_layer + vocab * h) + 12 * layers * seq * q;
   EXPECT_DOUBLE_EQ(c.flops_per_token(256), expected);
@@ -135,9 +135,9 @@ TEST(LlamaConfig, FlopsPerTokenFollowsMegatron) {
   LlamaConfig tied = c;
   tied.tie_word_embeddings = true;
   EXPECT_DOUBLE_EQ(tied.flops_per_token(256), expected);
-  EXPECT_EQ(tied.num_parameters(), c.num_parameters() - 256 * 128);
+  EXPECT_EQ(tied.num_parameters(), c.num_parameters() - 2048 * 128);
   // Hand count of the default model: embedding + lm_head, 6 layers with two norms each, final norm.
-  EXPECT_EQ(c.num_parameters(), 2 * 256 * 128 + 6 * (static_cast<int64_t>(per_layer) + 2 * 128) + 128);
+  EXPECT_EQ(c.num_parameters(), 2 * 2048 * 128 + 6 * (static_cast<int64_t>(per_layer) + 2 * 128) + 128);
 }
 
 TEST(LlamaConfig, JsonRoundTrip) {

@@ -23,8 +23,12 @@ int main(int argc, char** argv) {
 
   try {
     app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
+  } catch (const CLI::Success& e) {  // --help, --version
     return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    // Usage errors follow the same one-line rule as every other error (CLI11 would print two lines).
+    std::fprintf(stderr, "forge: error: %s (see forge --help)\n", e.what());
+    return e.get_exit_code() != 0 ? e.get_exit_code() : 2;
   }
   try {
     for (const auto& command : commands)

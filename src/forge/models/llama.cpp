@@ -1,5 +1,6 @@
 #include "forge/models/llama.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "forge/kernels/ops.h"
@@ -116,8 +117,58 @@ LossSum LlamaModel::forward_loss(const int32_t* ids, const int32_t* targets, int
 
 Tensor LlamaModel::logits(const int32_t* ids, int64_t batch, int64_t seq) {
   check_inputs(ids, nullptr, batch, seq);
-  const int64_t rows = batch * seq, v = config_.vocab_size;
-  Tensor hidden_gemm = nn::to_gemm_dtype(final_hidden(ids, batch, seq, nullptr, nullptr), options_.gemm_dtype);
+  return project_logits(final_hidden(ids, batch, seq, nullptr, nullptr));
+}
+
+KvCache LlamaModel::make_cache(int64_t batch, int64_t capacity) const {
+  const int64_t max_positions = config_.max_position_embeddings;
+  if (capacity == 0) capacity = max_positions;
+  if (capacity < 0 || capacity > max_positions)
+    fail("KV cache capacity {} is outside [1, max_position_embeddings = {}]", capacity, max_positions);
+  if (batch <= 0) fail("KV cache batch must be positive, got {}", batch);
+  return KvCache(config_.num_hidden_layers, batch, capacity, config_.num_key_value_heads, config_.head_dim);
+}
+
+Tensor LlamaModel::forward_cached(const int32_t* ids, int64_t batch, int64_t new_tokens, KvCache& cache,
+                                  bool all_logits) {
+  if (batch <= 0 || new_tokens <= 0)
+    fail("batch ({}) and new tokens ({}) must be positive", batch, new_tokens);
+  if (!cache.allocated() || cache.layers() != config_.num_hidden_layers || cache.batch() != batch ||
+      cache.kv_heads() != config_.num_key_value_heads || cache.head_dim() != config_.head_dim)
+    fail(
+        "KV cache ({} layers, batch {}, {} kv heads x {}) does not fit this model and batch "
+        "({} layers, batch {}, {} kv heads x {}); make it with make_cache",
+        cache.layers(), cache.batch(), cache.kv_heads(), cache.head_dim(), config_.num_hidden_layers, batch,
+        config_.num_key_value_heads, config_.head_dim);
+  const int64_t end = cache.length() + new_tokens;
+  if (end > config_.max_position_embeddings)
+    fail("context full: {} cached + {} new tokens exceed max_position_embeddings {}", cache.length(),
+         new_tokens, config_.max_position_embeddings);
+  if (end > cache.capacity())
+    fail("KV cache full: {} cached + {} new tokens exceed its capacity of {} positions", cache.length(),
+         new_tokens, cache.capacity());
+  for (int64_t i = 0; i < batch * new_tokens; ++i)
+    if (ids[i] < 0 || ids[i] >= config_.vocab_size)
+      fail("token id {} at position {} is outside the vocabulary [0, {})", ids[i], i, config_.vocab_size);
+
+  const int64_t h = config_.hidden_size;
+  Tensor x = embedding_.forward(ids, batch * new_tokens);
+  for (size_t l = 0; l < layers_.size(); ++l)
+    x = layers_[l].forward_cached(x, batch, new_tokens, cache.layer(static_cast<int64_t>(l)));
+  cache.advance(new_tokens);
+  if (!all_logits && new_tokens > 1) {  // only each sequence's last token goes through the head
+    Tensor last = Tensor::empty({batch, h}, DType::f32);
+    for (int64_t b = 0; b < batch; ++b)
+      std::copy_n(x.f32() + ((b + 1) * new_tokens - 1) * h, h, last.f32() + b * h);
+    x = last;
+  }
+  nn::RmsNorm::Saved norm_saved;
+  return project_logits(final_norm_.forward(x, norm_saved));
+}
+
+Tensor LlamaModel::project_logits(const Tensor& hidden) const {
+  const int64_t rows = hidden.dim(0), v = config_.vocab_size;
+  Tensor hidden_gemm = nn::to_gemm_dtype(hidden, options_.gemm_dtype);
   Tensor weight_gemm = head_weight_gemm();
   Tensor out = Tensor::empty({rows, v}, DType::f32);
   ops::GemmParams p;

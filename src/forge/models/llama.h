@@ -1,5 +1,7 @@
 // LlamaModel: a LLaMA-family decoder (Hugging Face LlamaForCausalLM semantics) assembled from nn/
-// modules, with parameters under their Hugging Face names in one ParameterStore.
+// modules, with parameters under their Hugging Face names in one ParameterStore. Training runs
+// forward_backward over whole sequences; inference runs forward_cached over a KvCache, a prompt at once
+// (prefill) and then one token per step (decode).
 #pragma once
 
 #include <cstdint>
@@ -8,11 +10,14 @@
 #include "forge/models/llama_config.h"
 #include "forge/nn/compute.h"
 #include "forge/nn/embedding.h"
+#include "forge/nn/kv_cache.h"
 #include "forge/nn/parameters.h"
 #include "forge/nn/rmsnorm.h"
 #include "forge/nn/transformer_layer.h"
 
 namespace forge {
+
+using nn::KvCache;
 
 struct LossSum {
   double sum = 0;      // sum of per-token losses (nats)
@@ -43,6 +48,17 @@ class LlamaModel {
   // Full logits [batch * seq, vocab] (tests, generation).
   Tensor logits(const int32_t* ids, int64_t batch, int64_t seq);
 
+  // A KV cache for `batch` sequences of up to `capacity` positions (0 = max_position_embeddings, which also
+  // bounds it), allocated once.
+  KvCache make_cache(int64_t batch, int64_t capacity = 0) const;
+  // Inference: runs `new_tokens` tokens per sequence (ids [batch, new_tokens]) at positions cache.length() ..
+  // cache.length() + new_tokens - 1 (many at once to prefill a prompt, one per step to decode), appends
+  // their keys and values to the cache and returns the logits of each sequence's last new token
+  // [batch, vocab], or with all_logits those of every new token [batch * new_tokens, vocab]. Passing the
+  // cache's capacity or max_position_embeddings is an error that leaves the cache unchanged.
+  Tensor forward_cached(const int32_t* ids, int64_t batch, int64_t new_tokens, KvCache& cache,
+                        bool all_logits = false);
+
   // Module access for tests of the backward split.
   const std::vector<nn::TransformerLayer>& layers() const { return layers_; }
   Tensor embed(const int32_t* ids, int64_t rows) const { return embedding_.forward(ids, rows); }
@@ -52,6 +68,7 @@ class LlamaModel {
                       nn::RmsNorm::Saved* norm_saved);
   void check_inputs(const int32_t* ids, const int32_t* targets, int64_t batch, int64_t seq) const;
   Tensor head_weight_gemm() const;
+  Tensor project_logits(const Tensor& hidden) const;  // hidden [rows, hidden] -> logits [rows, vocab]
   LossSum loss_head(const Tensor& hidden, const int32_t* targets, float grad_scale, Tensor* dhidden);
 
   LlamaConfig config_;

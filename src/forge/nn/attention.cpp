@@ -1,6 +1,7 @@
 #include "forge/nn/attention.h"
 
 #include <cmath>
+#include <cstring>
 
 #include "forge/kernels/ops.h"
 
@@ -17,12 +18,15 @@ Attention::Attention(ParameterStore* store, int qkv_param, int o_param, Attentio
               qkv_.out_features(), shape.qkv_dim());
 }
 
-void Attention::apply_rope(float* qkv, int64_t batch, int64_t seq, bool inverse) const {
-  FORGE_CHECK(seq <= rope_->positions, "sequence length {} exceeds the RoPE table ({} positions)", seq,
+void Attention::apply_rope(float* qkv, int64_t batch, int64_t seq, bool inverse,
+                           int64_t first_position) const {
+  FORGE_CHECK(first_position + seq <= rope_->positions,
+              "positions up to {} exceed the RoPE table ({} positions)", first_position + seq,
               rope_->positions);
   ops::RopeParams p;
   p.batch = batch, p.seq = seq, p.head_dim = shape_.head_dim, p.token_stride = shape_.qkv_dim();
   p.cos = rope_->cos.f32(), p.sin = rope_->sin.f32(), p.inverse = inverse;
+  p.position_offset = first_position;
   p.x = qkv, p.heads = shape_.heads;
   ops::rope(p);
   p.x = qkv + shape_.heads * shape_.head_dim, p.heads = shape_.kv_heads;
@@ -90,6 +94,47 @@ void Attention::backward_weight(Saved& saved) const {
   o_.backward_weight(saved.dy_gemm, saved.out_gemm);
   qkv_.backward_weight(saved.dqkv_gemm, saved.h_gemm);
   saved = Saved{};
+}
+
+Tensor Attention::forward_cached(const Tensor& h, int64_t batch, int64_t tokens, const KvLayer& cache) const {
+  FORGE_CHECK(cache.keys && cache.kv_heads == shape_.kv_heads && cache.head_dim == shape_.head_dim,
+              "KV cache of {} kv heads x {} dims does not fit attention with {} x {}", cache.kv_heads,
+              cache.head_dim, shape_.kv_heads, shape_.head_dim);
+  FORGE_CHECK(batch == cache.batch && tokens > 0 && h.numel() == batch * tokens * shape_.hidden,
+              "cached attention: {} tokens x batch {} (cache batch {}) do not match an input of {} elements",
+              tokens, batch, cache.batch, h.numel());
+  if (cache.length + tokens > cache.capacity)
+    fail("KV cache full: {} cached + {} new tokens exceed its capacity of {} positions", cache.length, tokens,
+         cache.capacity);
+  const int64_t qd = shape_.heads * shape_.head_dim, kd = shape_.kv_heads * shape_.head_dim;
+  const int64_t qkv_dim = shape_.qkv_dim();
+  Tensor qkv = qkv_.forward(to_gemm_dtype(h, options_.gemm_dtype));
+  apply_rope(qkv.f32(), batch, tokens, false, cache.length);
+  const int64_t dim = shape_.head_dim;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t t = 0; t < tokens; ++t) {
+      const float* row = qkv.f32() + (b * tokens + t) * qkv_dim;
+      for (int64_t g = 0; g < shape_.kv_heads; ++g) {
+        const int64_t slot = cache.at(b, g, cache.length + t);
+        std::memcpy(cache.keys + slot, row + qd + g * dim, dim * sizeof(float));
+        std::memcpy(cache.values + slot, row + qd + kd + g * dim, dim * sizeof(float));
+      }
+    }
+
+  Tensor out = Tensor::empty({batch * tokens, qd}, DType::f32);
+  ops::AttentionParams p;
+  p.batch = batch, p.seq = tokens, p.heads = shape_.heads, p.kv_heads = shape_.kv_heads,
+  p.head_dim = shape_.head_dim;
+  p.q = qkv.f32(), p.q_stride = qkv_dim;
+  p.k = cache.keys, p.v = cache.values, p.k_stride = p.v_stride = dim;
+  p.k_head_stride = p.v_head_stride = cache.head_stride();
+  p.k_batch_stride = p.v_batch_stride = cache.batch_stride();
+  p.kv_seq = cache.length + tokens, p.q_offset = cache.length;
+  p.out = out.f32(), p.out_stride = qd, p.lse = nullptr;
+  p.scale = 1.0f / std::sqrt(static_cast<float>(shape_.head_dim));
+  p.causal = true;
+  ops::attention_forward(p);
+  return o_.forward(to_gemm_dtype(out, options_.gemm_dtype));
 }
 
 }  // namespace forge::nn

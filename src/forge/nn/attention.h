@@ -1,8 +1,11 @@
 // Causal self-attention with grouped-query heads and rotary embeddings (Hugging Face Llama semantics):
 // one fused q|k|v projection, RoPE on q and k in place, flash attention, output projection.
+// forward_cached is the inference path: new tokens attend to themselves and to the keys and values of
+// earlier tokens kept in a KvCache, to which they append their own.
 #pragma once
 
 #include "forge/nn/compute.h"
+#include "forge/nn/kv_cache.h"
 #include "forge/nn/linear.h"
 
 namespace forge::nn {
@@ -38,9 +41,15 @@ class Attention {
   Tensor backward_input(const Tensor& dy, int64_t batch, int64_t seq, Saved& saved) const;
   void backward_weight(Saved& saved) const;
 
+  // Inference: h is [batch * tokens, hidden] for `tokens` new tokens per sequence at positions
+  // cache.length .. cache.length + tokens - 1. Writes their keys (after RoPE) and values into the cache at
+  // those positions (the caller commits them with KvCache::advance once every layer ran) and attends
+  // causally over everything cached. Keeps nothing for backward.
+  Tensor forward_cached(const Tensor& h, int64_t batch, int64_t tokens, const KvLayer& cache) const;
+
  private:
   void core_forward(Tensor& qkv, int64_t batch, int64_t seq, Tensor& out, Tensor& lse) const;
-  void apply_rope(float* qkv, int64_t batch, int64_t seq, bool inverse) const;
+  void apply_rope(float* qkv, int64_t batch, int64_t seq, bool inverse, int64_t first_position = 0) const;
 
   Linear qkv_, o_;
   AttentionShape shape_;

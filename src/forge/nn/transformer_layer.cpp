@@ -73,6 +73,17 @@ Tensor TransformerLayer::backward_input(const Tensor& dy, int64_t batch, int64_t
   return dx;
 }
 
+Tensor TransformerLayer::forward_cached(const Tensor& x, int64_t batch, int64_t tokens,
+                                        const KvLayer& cache) const {
+  RmsNorm::Saved norm1, norm2;
+  Mlp::Saved mlp;
+  Tensor x2 = attention_.forward_cached(norm1_.forward(x, norm1), batch, tokens, cache);
+  ops::add_inplace(x2.f32(), x.f32(), x.numel());
+  Tensor y = mlp_.forward(norm2_.forward(x2, norm2), mlp, false);
+  ops::add_inplace(y.f32(), x2.f32(), x2.numel());
+  return y;
+}
+
 void TransformerLayer::backward_weight(Saved& saved) const {
   mlp_.backward_weight(saved.mlp);
   norm2_.backward_weight(saved.norm2);

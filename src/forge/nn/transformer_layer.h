@@ -36,6 +36,10 @@ class TransformerLayer {
   Tensor backward_input(const Tensor& dy, int64_t batch, int64_t seq, Saved& saved) const;
   void backward_weight(Saved& saved) const;
 
+  // Inference over a KV cache (see Attention::forward_cached): x is [batch * tokens, hidden] for new tokens
+  // at positions cache.length.. of each sequence; nothing is kept for backward.
+  Tensor forward_cached(const Tensor& x, int64_t batch, int64_t tokens, const KvLayer& cache) const;
+
  private:
   Tensor run_forward(const Tensor& x, int64_t batch, int64_t seq, Saved& saved, bool keep_cores) const;
 

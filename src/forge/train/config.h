@@ -72,7 +72,7 @@ struct TrainConfig {
     bool operator==(const Checkpoint&) const = default;
   };
   struct Sample {
-    int64_t tokens = 300;
+    int64_t tokens = 200;
     std::string prompt = "And God said";
     double temperature = 0.8;  // 0 = greedy
     int64_t top_k = 40;        // 0 = whole vocabulary

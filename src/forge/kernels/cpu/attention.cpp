@@ -13,6 +13,11 @@
 // kv head) that also accumulates dQ in thread-local rows (fewer products, fewer items). Each output element
 // is written once, by the item that owns it, and both schemes add the same terms in the same order, so
 // results do not depend on the thread count, the schedule or the scheme.
+//
+// Inference over a key/value cache generalises the forward: queries sit at positions q_offset.. among kv_seq
+// keys, and k, v may live in a cache with its own head and batch strides. A few queries against a longer
+// cache go to attention_decode.cpp instead, which runs SIMD dot products along head_dim (query tiles would
+// leave most lanes idle).
 #include <omp.h>
 
 #include <algorithm>
@@ -29,8 +34,9 @@ using namespace attention_tiles;  // the tile toolkit is this file's vocabulary
 
 // ---- shapes, work items, scratch ----
 
+// Expects parameters with their defaults resolved (with_defaults).
 struct Geometry {
-  int64_t batch, seq, heads, kv_heads, head_dim, group, blocks;
+  int64_t batch, seq, heads, kv_heads, head_dim, group, blocks, kv_seq, q_offset;
   explicit Geometry(const ops::AttentionParams& p)
       : batch(p.batch),
         seq(p.seq),
@@ -38,12 +44,24 @@ struct Geometry {
         kv_heads(p.kv_heads),
         head_dim(p.head_dim),
         group(p.heads / p.kv_heads),
-        blocks((p.seq + kBlock - 1) / kBlock) {}
+        blocks((p.seq + kBlock - 1) / kBlock),
+        kv_seq(p.kv_seq),
+        q_offset(p.q_offset) {}
   // Offset of token t of batch b, head h in a [batch, seq, heads, head_dim] view with token stride `stride`.
   int64_t at(int64_t b, int64_t t, int64_t h, int64_t stride) const {
     return (b * seq + t) * stride + h * head_dim;
   }
 };
+
+// kv_seq and the k, v head and batch strides with their defaults filled in.
+ops::AttentionParams with_defaults(ops::AttentionParams p) {
+  if (p.kv_seq == 0) p.kv_seq = p.seq;
+  if (p.k_head_stride == 0) p.k_head_stride = p.head_dim;
+  if (p.v_head_stride == 0) p.v_head_stride = p.head_dim;
+  if (p.k_batch_stride == 0) p.k_batch_stride = std::max(p.kv_seq * p.k_stride, p.kv_heads * p.k_head_stride);
+  if (p.v_batch_stride == 0) p.v_batch_stride = std::max(p.kv_seq * p.v_stride, p.kv_heads * p.v_head_stride);
+  return p;
+}
 
 void check_params(const ops::AttentionParams& p, bool backward) {
   FORGE_CHECK(p.batch > 0 && p.seq > 0 && p.heads > 0 && p.kv_heads > 0 && p.head_dim > 0,
@@ -51,38 +69,48 @@ void check_params(const ops::AttentionParams& p, bool backward) {
               p.heads, p.kv_heads, p.head_dim);
   FORGE_CHECK(p.heads % p.kv_heads == 0, "attention: heads {} not a multiple of kv_heads {}", p.heads,
               p.kv_heads);
-  FORGE_CHECK(p.seq < (int64_t{1} << 24), "attention: seq {} too long (positions are compared as floats)",
-              p.seq);
-  FORGE_CHECK(p.q && p.k && p.v && p.out && p.lse, "attention: q, k, v, out and lse must be set");
+  FORGE_CHECK(p.kv_seq >= 0 && p.q_offset >= 0 && p.k_batch_stride >= 0 && p.v_batch_stride >= 0 &&
+                  p.k_head_stride >= 0 && p.v_head_stride >= 0,
+              "attention: negative kv_seq {}, q_offset {} or stride", p.kv_seq, p.q_offset);
+  const int64_t kv_seq = p.kv_seq == 0 ? p.seq : p.kv_seq;
+  FORGE_CHECK(!p.causal || p.q_offset + p.seq <= kv_seq,
+              "attention: queries at positions {}..{} need their keys, but kv_seq is {}", p.q_offset,
+              p.q_offset + p.seq - 1, kv_seq);
+  FORGE_CHECK(p.q_offset + p.seq < (int64_t{1} << 24) && kv_seq < (int64_t{1} << 24),
+              "attention: seq {} / kv_seq {} too long (positions are compared as floats)", p.q_offset + p.seq,
+              kv_seq);
+  FORGE_CHECK(p.q && p.k && p.v && p.out, "attention: q, k, v and out must be set");
+  FORGE_CHECK(p.lse || !backward, "attention backward: lse must be set");
   const int64_t q_width = p.heads * p.head_dim, kv_width = p.kv_heads * p.head_dim;
   FORGE_CHECK(p.q_stride >= q_width && p.out_stride >= q_width, "attention: q_stride {} / out_stride {} < {}",
               p.q_stride, p.out_stride, q_width);
-  FORGE_CHECK(p.k_stride >= kv_width && p.v_stride >= kv_width, "attention: k_stride {} / v_stride {} < {}",
-              p.k_stride, p.v_stride, kv_width);
+  // Heads side by side within a token need a token stride of all of them; heads apart need at least one.
+  const int64_t k_head = p.k_head_stride == 0 ? p.head_dim : p.k_head_stride;
+  const int64_t v_head = p.v_head_stride == 0 ? p.head_dim : p.v_head_stride;
+  FORGE_CHECK(k_head >= p.head_dim && v_head >= p.head_dim, "attention: head strides {} / {} < head_dim {}",
+              k_head, v_head, p.head_dim);
+  FORGE_CHECK(p.k_stride >= (k_head == p.head_dim ? kv_width : p.head_dim) &&
+                  p.v_stride >= (v_head == p.head_dim ? kv_width : p.head_dim),
+              "attention: k_stride {} / v_stride {} too small for {} kv heads of {}", p.k_stride, p.v_stride,
+              p.kv_heads, p.head_dim);
+  FORGE_CHECK(p.batch == 1 || ((p.k_batch_stride == 0 ||
+                                p.k_batch_stride >= std::max(kv_seq * p.k_stride, p.kv_heads * k_head)) &&
+                               (p.v_batch_stride == 0 ||
+                                p.v_batch_stride >= std::max(kv_seq * p.v_stride, p.kv_heads * v_head))),
+              "attention: batch strides {} / {} overlap sequences of {} keys", p.k_batch_stride,
+              p.v_batch_stride, kv_seq);
   if (!backward) return;
+  FORGE_CHECK(kv_seq == p.seq && p.q_offset == 0 && k_head == p.head_dim && v_head == p.head_dim &&
+                  (p.k_batch_stride == 0 || p.k_batch_stride == p.seq * p.k_stride) &&
+                  (p.v_batch_stride == 0 || p.v_batch_stride == p.seq * p.v_stride),
+              "attention backward: only square attention (no kv_seq, q_offset, head or batch strides) is "
+              "supported");
   FORGE_CHECK(p.dout && p.dq && p.dk && p.dv, "attention backward: dout, dq, dk and dv must be set");
   FORGE_CHECK(p.dout_stride >= q_width && p.dq_stride >= q_width,
               "attention backward: dout_stride {} / dq_stride {} < {}", p.dout_stride, p.dq_stride, q_width);
   FORGE_CHECK(p.dk_stride >= kv_width && p.dv_stride >= kv_width,
               "attention backward: dk_stride {} / dv_stride {} < {}", p.dk_stride, p.dv_stride, kv_width);
 }
-
-// One 64-byte aligned region of scratch per thread (tiles, then staged rows), allocated before the parallel
-// region so that an allocation failure throws where it can be caught.
-class ThreadScratch {
- public:
-  explicit ThreadScratch(int64_t floats_per_thread)
-      : stride_((floats_per_thread + 15) / 16 * 16), buffer_(stride_ * omp_get_max_threads() + 16) {}
-  float* mine() {
-    auto base = reinterpret_cast<uintptr_t>(buffer_.data());
-    auto aligned = reinterpret_cast<float*>((base + 63) / 64 * 64);
-    return aligned + stride_ * omp_get_thread_num();
-  }
-
- private:
-  int64_t stride_;
-  std::vector<float> buffer_;
-};
 
 // Work items, numbered so that each (batch, kv head) pair's items are adjacent (a thread stages the pair's
 // rows once and reuses them) and, within the pair, the costliest blocks come first: a dynamic schedule
@@ -107,21 +135,23 @@ void forward_block(const ops::AttentionParams& p, const Geometry& g, const Item&
   float* qt = tiles;              // [dim, kBlock] queries, pre-scaled into base-2 logits
   float* ot = qt + dim * kBlock;  // [dim, kBlock] unnormalised output
   float* st = ot + dim * kBlock;  // [kBlock keys, kBlock queries] scores, then probabilities
-  const float* k = p.k + g.at(b, 0, it.kv_head, p.k_stride);
-  const float* v = p.v + g.at(b, 0, it.kv_head, p.v_stride);
+  const float* k = p.k + b * p.k_batch_stride + it.kv_head * p.k_head_stride;
+  const float* v = p.v + b * p.v_batch_stride + it.kv_head * p.v_head_stride;
   pack_transposed(p.q + g.at(b, q0, h, p.q_stride), p.q_stride, nq, dim, p.scale * kLog2e, qt);
 
-  const LaneIndex query(q0);
+  // Queries of this block sit at key positions q_offset + q0 + i.
+  const int64_t first_query = g.q_offset + q0;
+  const LaneIndex query(first_query);
   Vec m[kVectors], l[kVectors];
   for (int i = 0; i < kVectors; ++i) m[i] = splat(-kInfinity), l[i] = splat(0.0f);
-  const int64_t key_end = p.causal ? q0 + nq : g.seq;
+  const int64_t key_end = p.causal ? first_query + nq : g.kv_seq;
   for (int64_t k0 = 0; k0 < key_end; k0 += kBlock) {
     const int64_t nk = std::min<int64_t>(kBlock, key_end - k0);
     const float* kr = stage.rows(it.pair, 0, k, p.k_stride, k0, nk);
     const float* vr = stage.rows(it.pair, 1, v, p.v_stride, k0, nk);
     tile_gemm<true, Init::zero>(nk, kr, dim, dim, qt, st);
     // Online softmax per query lane: running max m and sum l, the old output rescaled by alpha.
-    const bool masked = p.causal && k0 + nk - 1 > q0;
+    const bool masked = p.causal && k0 + nk - 1 > first_query;
     Vec m_new[kVectors];
     for (int i = 0; i < kVectors; ++i) m_new[i] = m[i];
     for (int64_t j = 0; j < nk; ++j) {
@@ -154,10 +184,10 @@ void forward_block(const ops::AttentionParams& p, const Geometry& g, const Item&
 
   float m_lanes[kBlock], l_lanes[kBlock], inverse_l[kBlock];
   for (int i = 0; i < kVectors; ++i) store(m_lanes + i * kLanes, m[i]), store(l_lanes + i * kLanes, l[i]);
-  float* lse = p.lse + (b * g.heads + h) * g.seq + q0;
-  for (int64_t i = 0; i < nq; ++i) {
-    inverse_l[i] = 1.0f / l_lanes[i];
-    lse[i] = (m_lanes[i] + std::log2(l_lanes[i])) * kLn2;
+  for (int64_t i = 0; i < nq; ++i) inverse_l[i] = 1.0f / l_lanes[i];
+  if (p.lse) {
+    float* lse = p.lse + (b * g.heads + h) * g.seq + q0;
+    for (int64_t i = 0; i < nq; ++i) lse[i] = (m_lanes[i] + std::log2(l_lanes[i])) * kLn2;
   }
   unpack_transposed(ot, nq, dim, 1.0f, inverse_l, p.out + g.at(b, q0, h, p.out_stride), p.out_stride);
 }
@@ -331,13 +361,22 @@ void backward_query_block(const ops::AttentionParams& p, const Geometry& g, cons
   unpack_transposed(dqt, nq, dim, p.scale, nullptr, p.dq + g.at(b, q0, h, p.dq_stride), p.dq_stride);
 }
 
+// A few queries against a longer cache (decoding): query tiles would leave most of their lanes idle, so the
+// decode kernel keeps keys in the lanes instead. Training's square attention always takes the tiles above.
+constexpr int64_t kDecodeMaxQueries = 16;
+bool use_decode_kernel(const ops::AttentionParams& p) {
+  return p.seq <= kDecodeMaxQueries && (p.kv_seq != p.seq || p.q_offset != 0);
+}
+
 }  // namespace
 
-void attention_forward(const ops::AttentionParams& p) {
-  check_params(p, false);
+void attention_forward(const ops::AttentionParams& params) {
+  check_params(params, false);
+  const ops::AttentionParams p = with_defaults(params);
+  if (use_decode_kernel(p)) return attention_forward_decode(p);
   const Geometry g(p);
   const int64_t tile_floats = forward_tile_floats(g.head_dim),
-                capacity = stage_capacity(g.seq, 2, g.head_dim);
+                capacity = stage_capacity(g.kv_seq, 2, g.head_dim);
   ThreadScratch scratch(tile_floats + 2 * capacity * g.head_dim);
 #pragma omp parallel
   {
@@ -360,8 +399,9 @@ bool use_fused_backward(const Geometry& g, int threads) {
          g.group * g.seq * padded_dim(g.head_dim) <= kMaxAccumulatorFloats;
 }
 
-void attention_backward(const ops::AttentionParams& p) {
-  check_params(p, true);
+void attention_backward(const ops::AttentionParams& params) {
+  check_params(params, true);
+  const ops::AttentionParams p = with_defaults(params);
   const Geometry g(p);
   std::vector<float> delta(g.batch * g.heads * g.seq);
   row_dots(p, g, delta.data());

@@ -3,6 +3,8 @@
 // transposing packs, and per-thread staging of rows that work items read again and again.
 #pragma once
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -82,6 +84,23 @@ inline Vec scale_by_pow2(const Vec& p, const Vec& n) {
 }
 #endif
 
+// Horizontal maximum and sum of the lanes.
+#if defined(__AVX512F__)
+inline float reduce_max(Vec x) { return _mm512_reduce_max_ps(x); }
+inline float reduce_add(Vec x) { return _mm512_reduce_add_ps(x); }
+#else
+inline float reduce_max(const Vec& x) {
+  float m = x[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, x[i]);
+  return m;
+}
+inline float reduce_add(const Vec& x) {
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += x[i];
+  return s;
+}
+#endif
+
 // 2^x with relative error below 2e-7. Inputs at or below -127 (including -inf from the causal mask) give
 // exactly 0, and so does NaN. x = n + f with |f| <= 1/2; 2^f by a degree-5 polynomial fitted for minimal
 // relative error on [-1/2, 1/2] (max 1.6e-7).
@@ -105,6 +124,23 @@ struct LaneIndex {
     for (int i = 0; i < kBlock; ++i) lanes[i] = static_cast<float>(first + i);
     for (int i = 0; i < kVectors; ++i) v[i] = load(lanes + i * kLanes);
   }
+};
+
+// One 64-byte aligned region of scratch per thread (tiles, then staged rows), allocated before the parallel
+// region so that an allocation failure throws where it can be caught.
+class ThreadScratch {
+ public:
+  explicit ThreadScratch(int64_t floats_per_thread)
+      : stride_((floats_per_thread + 15) / 16 * 16), buffer_(stride_ * omp_get_max_threads() + 16) {}
+  float* mine() {
+    auto base = reinterpret_cast<uintptr_t>(buffer_.data());
+    auto aligned = reinterpret_cast<float*>((base + 63) / 64 * 64);
+    return aligned + stride_ * omp_get_thread_num();
+  }
+
+ private:
+  int64_t stride_;
+  std::vector<float> buffer_;
 };
 
 // ---- the micro-kernel ----

@@ -14,6 +14,9 @@ void swiglu_forward(const ops::SwigluParams& p);
 void swiglu_backward(const ops::SwigluParams& p);
 void attention_forward(const ops::AttentionParams& p);
 void attention_backward(const ops::AttentionParams& p);
+// attention_forward's kernel for a few queries against a longer key/value cache (attention_decode.cpp);
+// expects checked parameters with their defaults filled in.
+void attention_forward_decode(const ops::AttentionParams& p);
 void embedding_forward(const ops::EmbeddingParams& p);
 void embedding_backward_weight(const ops::EmbeddingParams& p);
 void linear_cross_entropy_forward(const ops::LinearCrossEntropyParams& p);

@@ -30,7 +30,7 @@ constexpr int64_t kColumnAlign = 16;
 void embedding_forward(const ops::EmbeddingParams& p) {
   check_ids(p, "embedding_forward");
   const size_t row_bytes = p.dim * sizeof(float);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (p.rows * p.dim > (1 << 14))
   for (int64_t r = 0; r < p.rows; ++r)
     std::memcpy(p.out + r * p.dim, p.weight + int64_t{p.ids[r]} * p.dim, row_bytes);
 }

@@ -13,6 +13,8 @@ namespace {
 // Rows per partial sum in backward_weight: fixed (not per thread) so the summation order is fixed.
 constexpr int64_t kRowsPerBlock = 32;
 constexpr int64_t kColumnTile = 64;
+// Below this many elements (a decoding step's few rows) a parallel region costs more than it saves.
+constexpr int64_t kParallelElements = 1 << 14;
 
 void check(const ops::RmsNormParams& p, const char* what) {
   FORGE_CHECK(p.rows >= 0 && p.dim > 0, "{}: bad shape rows={} dim={}", what, p.rows, p.dim);
@@ -24,7 +26,7 @@ void rmsnorm_forward(const ops::RmsNormParams& p) {
   check(p, "rmsnorm_forward");
   const int64_t dim = p.dim;
   const float* weight = p.weight;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (p.rows * dim > kParallelElements)
   for (int64_t r = 0; r < p.rows; ++r) {
     const float* x = p.x + r * dim;
     float* y = p.y + r * dim;
@@ -44,7 +46,7 @@ void rmsnorm_backward_input(const ops::RmsNormParams& p) {
   check(p, "rmsnorm_backward_input");
   const int64_t dim = p.dim;
   const float* weight = p.weight;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (p.rows * dim > kParallelElements)
   for (int64_t r = 0; r < p.rows; ++r) {
     const float* x = p.x + r * dim;
     const float* dy = p.dy + r * dim;

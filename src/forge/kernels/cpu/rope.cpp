@@ -14,7 +14,8 @@ void rope(const ops::RopeParams& p) {
   // The inverse rotation is the same with sin negated.
   const float sign = p.inverse ? -1.0f : 1.0f;
   const int64_t tokens = p.batch * p.seq;
-#pragma omp parallel for schedule(static)
+  // A decoding step's few tokens are not worth a parallel region.
+#pragma omp parallel for schedule(static) if (tokens * p.heads * p.head_dim > (1 << 14))
   for (int64_t token = 0; token < tokens; ++token) {
     const int64_t t = token % p.seq;
     const float* cos = p.cos + (p.position_offset + t) * half;

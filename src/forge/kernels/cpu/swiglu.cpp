@@ -4,11 +4,17 @@
 #include "forge/kernels/cpu/simd_exp.h"
 
 namespace forge::cpu {
+namespace {
+
+// Below this many elements (a decoding step's few rows) a parallel region costs more than it saves.
+constexpr int64_t kParallelElements = 1 << 14;
+
+}  // namespace
 
 void swiglu_forward(const ops::SwigluParams& p) {
   FORGE_CHECK(p.rows >= 0 && p.ffn > 0, "swiglu_forward: bad shape rows={} ffn={}", p.rows, p.ffn);
   const int64_t ffn = p.ffn;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (p.rows * ffn > kParallelElements)
   for (int64_t r = 0; r < p.rows; ++r) {
     const float* gate = p.gate_up + r * 2 * ffn;
     const float* up = gate + ffn;
@@ -25,7 +31,7 @@ void swiglu_forward(const ops::SwigluParams& p) {
 void swiglu_backward(const ops::SwigluParams& p) {
   FORGE_CHECK(p.rows >= 0 && p.ffn > 0, "swiglu_backward: bad shape rows={} ffn={}", p.rows, p.ffn);
   const int64_t ffn = p.ffn;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (p.rows * ffn > kParallelElements)
   for (int64_t r = 0; r < p.rows; ++r) {
     const float* gate = p.gate_up + r * 2 * ffn;
     const float* up = gate + ffn;
