@@ -59,9 +59,10 @@ d = pathlib.Path(sys.argv[1])
 forge = json.loads((d / "forge_tok.json").read_text())["benchmarks"][0]
 hf = json.loads((d / "hf_tok.json").read_text())
 forge_mb = forge["bytes_per_second"] / 1e6
-print(f"forge {forge_mb:.1f} MB/s ({forge['tokens']:.0f} tokens)   "
-      f"hf tokenizers {hf['version']} {hf['mb_per_s']:.1f} MB/s ({hf['tokens']} tokens)   "
-      f"forge / hf: {forge_mb / hf['mb_per_s']:.1f}x")
+print(f"forge {forge_mb:.1f} MB/s ({forge['tokens']:.0f} tokens, the text as one string)")
+print(f"hf tokenizers {hf['version']}: {hf['mb_per_s']:.1f} MB/s as one string ({hf['tokens']} tokens), "
+      f"{hf['lines_mb_per_s']:.1f} MB/s line by line in one encodeBatch ({hf['lines']} lines)")
+print(f"forge / hf: {forge_mb / hf['mb_per_s']:.1f}x (one string), {forge_mb / hf['lines_mb_per_s']:.1f}x (hf by lines)")
 PY
 fi
 rm -rf "$out"
