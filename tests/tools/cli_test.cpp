@@ -5,53 +5,20 @@
 #include <unistd.h>
 
 #include <csignal>
-
-#include <array>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <string>
+
+#include "tools/cli_harness.h"
 
 namespace {
 namespace fs = std::filesystem;
+using forge::testing::cli::expect_one_line_error;
+using forge::testing::cli::forge_binary;
+using forge::testing::cli::Outcome;
+using forge::testing::cli::run_forge;
 
-struct Outcome {
-  int status = -1;
-  std::string output;  // stdout + stderr
-};
-
-Outcome run_forge(const std::string& args) {
-  std::string command = std::string(FORGE_BINARY_DIR) + "/bin/forge " + args + " 2>&1";
-  Outcome o;
-  FILE* pipe = popen(command.c_str(), "r");
-  std::array<char, 4096> buffer;
-  while (size_t n = fread(buffer.data(), 1, buffer.size(), pipe)) o.output.append(buffer.data(), n);
-  int raw = pclose(pipe);
-  o.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : 128 + WTERMSIG(raw);
-  return o;
-}
-
-class Cli : public ::testing::Test {
- protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("forge_cli_test_" + std::to_string(::getpid()));
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string write(const std::string& name, const std::string& text) {
-    std::ofstream(dir_ / name) << text;
-    return (dir_ / name).string();
-  }
-  // Exit status 1, and exactly one line that starts with "forge: error:" and names the culprit.
-  void expect_one_line_error(const std::string& args, const std::string& culprit) {
-    Outcome o = run_forge(args);
-    EXPECT_EQ(o.status, 1) << o.output;
-    EXPECT_EQ(o.output.rfind("forge: error: ", 0), 0u) << o.output;
-    EXPECT_NE(o.output.find(culprit), std::string::npos) << o.output;
-    EXPECT_EQ(std::count(o.output.begin(), o.output.end(), '\n'), 1) << o.output;
-  }
-  fs::path dir_;
-};
+class Cli : public forge::testing::cli::ScratchDirTest {};
 
 TEST_F(Cli, HelpAndVersion) {
   Outcome help = run_forge("--help");
@@ -69,9 +36,7 @@ TEST_F(Cli, MisspelledConfigKey) {
   expect_one_line_error("train --config " + path, "stesp");
 }
 
-TEST_F(Cli, UnknownOverride) {
-  expect_one_line_error("train --set train.learning_rate=1", "learning_rate");
-}
+TEST_F(Cli, UnknownOverride) { expect_one_line_error("train --set train.learning_rate=1", "learning_rate"); }
 
 TEST_F(Cli, MissingModelConfig) {
   std::string path = write("m.toml", "[model]\nconfig = \"" + (dir_ / "missing.json").string() + "\"\n");
@@ -79,20 +44,23 @@ TEST_F(Cli, MissingModelConfig) {
 }
 
 TEST_F(Cli, HeadsNotDivisibleByKvHeads) {
-  std::string model = write("bad.json", R"({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+  std::string model =
+      write("bad.json", R"({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
       "num_attention_heads": 4, "num_key_value_heads": 3, "vocab_size": 256})");
   expect_one_line_error("train --set model.config=" + model, "num_key_value_heads");
 }
 
 TEST_F(Cli, NonPositiveSizes) {
-  std::string model = write("zero.json", R"({"hidden_size": 0, "intermediate_size": 128, "num_hidden_layers": 1,
+  std::string model =
+      write("zero.json", R"({"hidden_size": 0, "intermediate_size": 128, "num_hidden_layers": 1,
       "num_attention_heads": 4, "vocab_size": 256})");
   expect_one_line_error("train --set model.config=" + model, "hidden_size");
   expect_one_line_error("train --set train.micro_batch=-2", "micro_batch");
 }
 
 TEST_F(Cli, MisspelledModelKey) {
-  std::string model = write("typo.json", R"({"hiden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+  std::string model =
+      write("typo.json", R"({"hiden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
       "num_attention_heads": 4, "vocab_size": 256})");
   expect_one_line_error("train --set model.config=" + model, "hiden_size");
 }
@@ -105,13 +73,15 @@ TEST_F(Cli, CtrlCSavesACheckpointAndExits130) {
     for (int i = 0; i < 400; ++i) text += "Blessed are the meek: for they shall inherit the earth.\n";
     return text;
   }());
-  std::string model = write("model.json", R"({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+  std::string model =
+      write("model.json", R"({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
       "num_attention_heads": 4, "vocab_size": 256, "max_position_embeddings": 64})");
   std::string run_dir = (dir_ / "run").string();
-  std::string args = "train --set model.config=" + model + " --set data.corpus=" + corpus +
-                     " --set data.seq_len=32 --set data.heldout_fraction=0.1 --set train.micro_batch=2" +
-                     " --set train.steps=1000000 --set log.every=1 --set log.peak_gflops=1 --set log.run_dir=" +
-                     run_dir + " --set sample.tokens=0 --set data.tokenizer=bytes";
+  std::string args =
+      "train --set model.config=" + model + " --set data.corpus=" + corpus +
+      " --set data.seq_len=32 --set data.heldout_fraction=0.1 --set train.micro_batch=2" +
+      " --set train.steps=1000000 --set log.every=1 --set log.peak_gflops=1 --set log.run_dir=" + run_dir +
+      " --set sample.tokens=0 --set data.tokenizer=bytes";
   int out[2];
   ASSERT_EQ(pipe(out), 0);
   pid_t pid = fork();
@@ -119,7 +89,7 @@ TEST_F(Cli, CtrlCSavesACheckpointAndExits130) {
     dup2(out[1], 1);
     dup2(out[1], 2);
     close(out[0]);
-    std::string command = std::string(FORGE_BINARY_DIR) + "/bin/forge " + args;
+    std::string command = forge_binary() + " " + args;
     execl("/bin/sh", "sh", "-c", ("exec " + command).c_str(), static_cast<char*>(nullptr));
     _exit(127);
   }

@@ -1,38 +1,22 @@
 // forge convert, run as the real binary: Hugging Face <-> forge round trips on the committed bf16 fixture,
 // companion files, --overwrite, and bad arguments answered with one "forge: error:" line and status 1.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
-#include <algorithm>
-#include <array>
-#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 
 #include "forge/ckpt/safetensors.h"
+#include "tools/cli_harness.h"
 
 namespace {
 namespace fs = std::filesystem;
-
-struct Outcome {
-  int status = -1;
-  std::string output;  // stdout + stderr
-};
-
-Outcome run_forge(const std::string& args) {
-  std::string command = std::string(FORGE_BINARY_DIR) + "/bin/forge " + args + " 2>&1";
-  Outcome o;
-  FILE* pipe = popen(command.c_str(), "r");
-  std::array<char, 4096> buffer;
-  while (size_t n = fread(buffer.data(), 1, buffer.size(), pipe)) o.output.append(buffer.data(), n);
-  int raw = pclose(pipe);
-  o.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : 128 + WTERMSIG(raw);
-  return o;
-}
+using forge::testing::cli::expect_one_line_error;
+using forge::testing::cli::Outcome;
+using forge::testing::cli::run_forge;
 
 const fs::path kFixture = fs::path(FORGE_FIXTURE_DIR) / "hf_llama_tiny_bf16";
 
@@ -55,25 +39,7 @@ std::map<std::string, fs::path> tensor_files(const fs::path& folder) {
   return files;
 }
 
-class ConvertCli : public ::testing::Test {
- protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("forge_convert_cli_test_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
-
-  void expect_one_line_error(const std::string& args, const std::string& culprit) {
-    Outcome o = run_forge(args);
-    EXPECT_EQ(o.status, 1) << o.output;
-    EXPECT_EQ(o.output.rfind("forge: error: ", 0), 0u) << o.output;
-    EXPECT_NE(o.output.find(culprit), std::string::npos) << o.output;
-    EXPECT_EQ(std::count(o.output.begin(), o.output.end(), '\n'), 1) << o.output;
-  }
-  fs::path dir_;
-};
+class ConvertCli : public forge::testing::cli::ScratchDirTest {};
 
 TEST_F(ConvertCli, HelpListsTheOptions) {
   Outcome o = run_forge("convert --help");

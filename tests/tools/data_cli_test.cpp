@@ -2,46 +2,25 @@
 // whose documents are exactly the tokenizer's encoding plus the end-of-document id, independent of the
 // worker count; malformed input is one "forge: error:" line naming file:line and leaves no dataset.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
-#include <algorithm>
-#include <array>
-#include <cstdio>
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "forge/data/indexed_dataset.h"
 #include "forge/data/tokenizer.h"
+#include "tools/cli_harness.h"
 
 namespace forge {
 namespace {
 namespace fs = std::filesystem;
-
-struct Outcome {
-  int status = -1;
-  std::string output;  // stdout + stderr
-};
-
-Outcome run_forge(const std::string& args) {
-  std::string command = std::string(FORGE_BINARY_DIR) + "/bin/forge " + args + " 2>&1";
-  Outcome o;
-  FILE* pipe = popen(command.c_str(), "r");
-  std::array<char, 4096> buffer;
-  while (size_t n = fread(buffer.data(), 1, buffer.size(), pipe)) o.output.append(buffer.data(), n);
-  int raw = pclose(pipe);
-  o.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : 128 + WTERMSIG(raw);
-  return o;
-}
-
-std::string read_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
+using testing::cli::expect_one_line_error;
+using testing::cli::Outcome;
+using testing::cli::read_file;
+using testing::cli::run_forge;
 
 std::vector<int32_t> document_tokens(const IndexedDataset& data, int64_t document) {
   const auto [first, last] = data.document_sequences(document);
@@ -54,12 +33,10 @@ std::vector<int32_t> document_tokens(const IndexedDataset& data, int64_t documen
   return out;
 }
 
-class DataCli : public ::testing::Test {
+class DataCli : public testing::cli::ScratchDirTest {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("forge_data_cli_test_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    ScratchDirTest::SetUp();
     // A small byte-level BPE tokenizer with <|endoftext|>, trained by forge itself.
     write(
         "train.txt",
@@ -71,20 +48,6 @@ class DataCli : public ::testing::Test {
                           path("tok.json"));
     ASSERT_EQ(o.status, 0) << o.output;
   }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
-  std::string write(const std::string& name, const std::string& text) {
-    std::ofstream(dir_ / name, std::ios::binary) << text;
-    return path(name);
-  }
-  void expect_one_line_error(const std::string& args, const std::string& culprit) {
-    Outcome o = run_forge(args);
-    EXPECT_EQ(o.status, 1) << o.output;
-    EXPECT_EQ(o.output.rfind("forge: error: ", 0), 0u) << o.output;
-    EXPECT_NE(o.output.find(culprit), std::string::npos) << o.output;
-    EXPECT_EQ(std::count(o.output.begin(), o.output.end(), '\n'), 1) << o.output;
-  }
-  fs::path dir_;
 };
 
 TEST_F(DataCli, PreprocessJsonlAndTextDeterministically) {

@@ -2,44 +2,31 @@
 // folder: its loss, perplexity and token count equal a direct computation from LlamaModel's logits over the
 // same windows; --max-sequences, and bad input answered with one "forge: error:" line.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <array>
 #include <cmath>
-#include <cstdio>
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "forge/ckpt/checkpoint.h"
 #include "forge/ckpt/pretrained.h"
 #include "forge/data/indexed_dataset.h"
 #include "forge/models/llama.h"
+#include "tools/cli_harness.h"
 
 namespace forge {
 namespace {
 namespace fs = std::filesystem;
-
-struct Outcome {
-  int status = -1;
-  std::string output;  // stdout + stderr
-};
-
-Outcome run_forge(const std::string& args) {
-  std::string command = std::string(FORGE_BINARY_DIR) + "/bin/forge " + args + " 2>&1";
-  Outcome o;
-  FILE* pipe = popen(command.c_str(), "r");
-  std::array<char, 4096> buffer;
-  while (size_t n = fread(buffer.data(), 1, buffer.size(), pipe)) o.output.append(buffer.data(), n);
-  int raw = pclose(pipe);
-  o.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : 128 + WTERMSIG(raw);
-  return o;
-}
+using testing::cli::expect_one_line_error;
+using testing::cli::Outcome;
+using testing::cli::run_forge;
 
 nlohmann::json last_json_line(const std::string& output) {
   std::string text = output;
@@ -47,12 +34,10 @@ nlohmann::json last_json_line(const std::string& output) {
   return nlohmann::json::parse(text.substr(text.find_last_of('\n') + 1));
 }
 
-class EvalCli : public ::testing::Test {
+class EvalCli : public testing::cli::ScratchDirTest {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("forge_eval_cli_test_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    ScratchDirTest::SetUp();
     std::ifstream in(fs::path(FORGE_FIXTURE_DIR) / "llama_tiny.config.json");
     config_json_ = nlohmann::json::parse(in);
     config_ = LlamaConfig::from_json(config_json_, "llama_tiny.config.json");
@@ -74,7 +59,6 @@ class EvalCli : public ::testing::Test {
     }
     writer.finalize();
   }
-  void TearDown() override { fs::remove_all(dir_); }
 
   // Mean loss over sequences k < max_sequences of T tokens, each from its own logits, in double.
   std::pair<double, int64_t> direct_loss(int64_t T, int64_t max_sequences) {
@@ -102,15 +86,7 @@ class EvalCli : public ::testing::Test {
   std::string base_args(const std::string& model) const {
     return "eval --model " + (dir_ / model).string() + " --data " + (dir_ / "eval").string();
   }
-  void expect_one_line_error(const std::string& args, const std::string& culprit) {
-    Outcome o = run_forge(args);
-    EXPECT_EQ(o.status, 1) << o.output;
-    EXPECT_EQ(o.output.rfind("forge: error: ", 0), 0u) << o.output;
-    EXPECT_NE(o.output.find(culprit), std::string::npos) << o.output;
-    EXPECT_EQ(std::count(o.output.begin(), o.output.end(), '\n'), 1) << o.output;
-  }
 
-  fs::path dir_;
   nlohmann::json config_json_;
   LlamaConfig config_;
   std::unique_ptr<LlamaModel> model_;

@@ -4,17 +4,15 @@
 // character), the prompt may come from stdin, end-of-sequence ids stop it, a full context stops it with a
 // note, and bad input gets one "forge: error:" line.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <array>
-#include <cstdio>
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "forge/ckpt/checkpoint.h"
@@ -23,29 +21,19 @@
 #include "forge/data/tokenizer.h"
 #include "forge/data/tokenizer_text.h"
 #include "forge/models/sampling.h"
+#include "tools/cli_harness.h"
 
 namespace forge {
 namespace {
 namespace fs = std::filesystem;
+using testing::cli::Outcome;
+using testing::cli::RunOptions;
+using testing::cli::Stderr;
 
-struct Outcome {
-  int status = -1;
-  std::string out, err;
-};
-
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-class GenerateCli : public ::testing::Test {
+class GenerateCli : public testing::cli::ScratchDirTest {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("forge_generate_cli_test_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    ScratchDirTest::SetUp();
     // Byte-level model (vocab 256), saved as a forge checkpoint. A large init scale spreads the logits so
     // that sampling has real choices and greedy decoding has clear winners.
     nlohmann::json config = small_config(256, 64);
@@ -68,7 +56,6 @@ class GenerateCli : public ::testing::Test {
     std::ofstream(hf / "config.json") << config.dump(2);
     fs::copy_file(tokenizer_file, hf / "tokenizer.json");
   }
-  void TearDown() override { fs::remove_all(dir_); }
 
   static nlohmann::json small_config(int64_t vocab, int64_t positions) {
     return {{"architectures", {"LlamaForCausalLM"}},
@@ -84,33 +71,20 @@ class GenerateCli : public ::testing::Test {
             {"tie_word_embeddings", false}};
   }
 
-  // Runs the binary with stdout and stderr apart; `input` (if any) is piped to stdin. One thread: the
-  // models are toys, and a loaded machine makes OpenMP barriers the slowest part.
-  Outcome run(const std::string& args, const std::string* input = nullptr) {
-    const fs::path err = dir_ / "stderr.txt", in = dir_ / "stdin.txt";
-    std::string command = "OMP_NUM_THREADS=1 " + std::string(FORGE_BINARY_DIR) + "/bin/forge " + args;
-    if (input) {
-      std::ofstream(in, std::ios::binary) << *input;
-      command += " < " + in.string();
-    }
-    command += " 2> " + err.string();
-    Outcome o;
-    FILE* pipe = popen(command.c_str(), "r");
-    std::array<char, 4096> buffer;
-    while (size_t n = fread(buffer.data(), 1, buffer.size(), pipe)) o.out.append(buffer.data(), n);
-    const int raw = pclose(pipe);
-    o.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : 128 + WTERMSIG(raw);
-    o.err = read_file(err);
-    return o;
+  // How these tests run the binary: stdout and stderr apart, `input` (if any) piped to stdin. One thread:
+  // the models are toys, and a loaded machine makes OpenMP barriers the slowest part.
+  RunOptions options(std::optional<std::string> input = std::nullopt) const {
+    return {.stderr_to = Stderr::apart,
+            .input = std::move(input),
+            .environment = "OMP_NUM_THREADS=1",
+            .scratch_dir = dir_};
   }
-  void expect_one_line_error(const std::string& args, const std::string& culprit) {
-    const std::string empty;
-    Outcome o = run(args, &empty);
-    EXPECT_EQ(o.status, 1) << o.err;
-    EXPECT_EQ(o.out, "");
-    EXPECT_EQ(o.err.rfind("forge: error: ", 0), 0u) << o.err;
-    EXPECT_NE(o.err.find(culprit), std::string::npos) << o.err;
-    EXPECT_EQ(std::count(o.err.begin(), o.err.end(), '\n'), 1) << o.err;
+  Outcome run(const std::string& args, std::optional<std::string> input = std::nullopt) const {
+    return testing::cli::run_forge(args, options(std::move(input)));
+  }
+  // stdin is empty, so that a command missing its prompt cannot wait on the terminal.
+  void expect_one_line_error(const std::string& args, const std::string& culprit) const {
+    testing::cli::expect_one_line_error(args, culprit, options(""));
   }
   std::string model(const std::string& name) const { return " --model " + (dir_ / name).string(); }
 
@@ -123,8 +97,6 @@ class GenerateCli : public ::testing::Test {
     for (int32_t t : generate_sequence(*model, ids, options).tokens) bytes.push_back(static_cast<char>(t));
     return tokenizer_text::utf8_lossy(bytes);
   }
-
-  fs::path dir_;
 };
 
 std::string with_newline(std::string text) {
@@ -136,7 +108,7 @@ TEST_F(GenerateCli, GreedyTextEqualsTheLibrarysAndReportsSpeeds) {
   ASSERT_EQ(o.status, 0) << o.err;
   SamplingOptions greedy;
   greedy.temperature = 0, greedy.max_new_tokens = 20;
-  EXPECT_EQ(o.out, with_newline("Hello" + byte_continuation("Hello", greedy)));
+  EXPECT_EQ(o.output, with_newline("Hello" + byte_continuation("Hello", greedy)));
   // One final line: prompt tokens, prefill speed, generated tokens, decode speed.
   EXPECT_EQ(std::count(o.err.begin(), o.err.end(), '\n'), 1) << o.err;
   EXPECT_NE(o.err.find("prompt 5 tokens, prefill "), std::string::npos) << o.err;
@@ -145,8 +117,8 @@ TEST_F(GenerateCli, GreedyTextEqualsTheLibrarysAndReportsSpeeds) {
   // --top-k 1 is greedy too.
   EXPECT_EQ(
       run("generate" + model("bytes") + " --prompt Hello --top-k 1 --temperature 1.3 --max-new-tokens 20")
-          .out,
-      o.out);
+          .output,
+      o.output);
 }
 
 // Sampling at a high temperature emits bytes >= 0x80, some of which form multi-byte characters: streaming
@@ -157,20 +129,21 @@ TEST_F(GenerateCli, StreamingPrintsWhatNoStreamPrintsAndSeedsReproduce) {
                            "' --temperature 1.5 --top-k 0 --top-p 0.98 --max-new-tokens 50 --seed 11";
   Outcome streamed = run(args), whole = run(args + " --no-stream");
   ASSERT_EQ(streamed.status, 0) << streamed.err;
-  EXPECT_EQ(streamed.out, whole.out);
-  EXPECT_EQ(streamed.out.rfind(prompt, 0), 0u);
-  EXPECT_EQ(tokenizer_text::find_invalid_utf8(streamed.out), std::string::npos);
+  EXPECT_EQ(streamed.output, whole.output);
+  EXPECT_EQ(streamed.output.rfind(prompt, 0), 0u);
+  EXPECT_EQ(tokenizer_text::find_invalid_utf8(streamed.output), std::string::npos);
   SamplingOptions o;
   o.temperature = 1.5, o.top_k = 0, o.top_p = 0.98, o.max_new_tokens = 50, o.seed = 11;
-  EXPECT_EQ(streamed.out, with_newline(prompt + byte_continuation(prompt, o)));
-  EXPECT_NE(run(args + " --seed 12").out, streamed.out);
+  EXPECT_EQ(streamed.output, with_newline(prompt + byte_continuation(prompt, o)));
+  EXPECT_NE(run(args + " --seed 12").output, streamed.output);
 }
 
 TEST_F(GenerateCli, ReadsThePromptFromStdin) {
   const std::string input = "Hello\n";  // echo's newline is not part of the prompt
-  Outcome piped = run("generate" + model("bytes") + " --greedy --max-new-tokens 12", &input);
+  Outcome piped = run("generate" + model("bytes") + " --greedy --max-new-tokens 12", input);
   ASSERT_EQ(piped.status, 0) << piped.err;
-  EXPECT_EQ(piped.out, run("generate" + model("bytes") + " --prompt Hello --greedy --max-new-tokens 12").out);
+  EXPECT_EQ(piped.output,
+            run("generate" + model("bytes") + " --prompt Hello --greedy --max-new-tokens 12").output);
 }
 
 TEST_F(GenerateCli, StopsWithANoteWhenTheContextIsFull) {
@@ -200,7 +173,7 @@ TEST_F(GenerateCli, TokenizerBosAndEndOfSequence) {
       "generate" + model("hf") + " --prompt '" + prompt + "' --greedy --max-new-tokens 8";
   Outcome o = run(args);
   ASSERT_EQ(o.status, 0) << o.err;
-  EXPECT_EQ(o.out, with_newline(prompt + tokenizer.decode(free_run.tokens, true)));
+  EXPECT_EQ(o.output, with_newline(prompt + tokenizer.decode(free_run.tokens, true)));
   EXPECT_NE(o.err.find("prompt " + std::to_string(ids.size()) + " tokens"), std::string::npos) << o.err;
 
   // Make the third greedy token an end-of-sequence id: generation stops there, and the id is not printed.
@@ -216,7 +189,7 @@ TEST_F(GenerateCli, TokenizerBosAndEndOfSequence) {
   ASSERT_EQ(o.status, 0) << o.err;
   std::vector<int32_t> shown = stopped.tokens;
   shown.pop_back();
-  EXPECT_EQ(o.out, with_newline(prompt + tokenizer.decode(shown, true)));
+  EXPECT_EQ(o.output, with_newline(prompt + tokenizer.decode(shown, true)));
   EXPECT_NE(o.err.find("generated " + std::to_string(stopped.tokens.size()) + " tokens"), std::string::npos)
       << o.err;
   EXPECT_NE(o.err.find("stopped at end-of-sequence"), std::string::npos) << o.err;
@@ -230,7 +203,7 @@ TEST_F(GenerateCli, BadInputGetsOneErrorLine) {
   expect_one_line_error("generate --model " + (dir_ / "missing").string() + " --prompt hi", "missing");
   expect_one_line_error(bytes + " --prompt ''", "prompt is empty");
   const std::string empty;
-  Outcome o = run(bytes, &empty);  // nothing on stdin
+  Outcome o = run(bytes, empty);  // nothing on stdin
   EXPECT_EQ(o.status, 1);
   EXPECT_NE(o.err.find("prompt is empty"), std::string::npos) << o.err;
   expect_one_line_error(bytes + " --prompt " + std::string(70, 'a'),

@@ -1,38 +1,27 @@
 // forge tokenizer train / encode / decode, run as the real binary.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
-#include <algorithm>
-#include <array>
-#include <cstdio>
+#include <cstdint>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <string>
 #include <vector>
 
 #include "forge/data/tokenizer.h"
+#include "tools/cli_harness.h"
 
 namespace {
 namespace fs = std::filesystem;
+using forge::testing::cli::expect_one_line_error;
+using forge::testing::cli::Outcome;
+using forge::testing::cli::run_forge;
+using forge::testing::cli::Stderr;
 
-struct Outcome {
-  int status = -1;
-  std::string output;  // stdout (+ stderr when asked)
-};
-
-Outcome run(const std::string& args, bool with_stderr = true) {
-  const std::string command =
-      std::string(FORGE_BINARY_DIR) + "/bin/forge " + args + (with_stderr ? " 2>&1" : " 2>/dev/null");
-  Outcome o;
-  FILE* pipe = popen(command.c_str(), "r");
-  std::array<char, 4096> buffer;
-  while (size_t n = fread(buffer.data(), 1, buffer.size(), pipe)) o.output.append(buffer.data(), n);
-  const int raw = pclose(pipe);
-  o.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : 128 + WTERMSIG(raw);
-  return o;
-}
+// For output compared byte for byte: stdout alone, stderr dropped.
+const forge::testing::cli::RunOptions kStdoutOnly = [] {
+  forge::testing::cli::RunOptions options;
+  options.stderr_to = Stderr::discarded;
+  return options;
+}();
 
 std::string quote(const fs::path& p) {
   std::string quoted(1, '\'');
@@ -50,36 +39,22 @@ std::string join_ids(const std::vector<int32_t>& ids) {
   return out;
 }
 
-class TokenizerCli : public ::testing::Test {
+class TokenizerCli : public forge::testing::cli::ScratchDirTest {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("forge_tokenizer_cli_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::create_directories(dir_);
+    ScratchDirTest::SetUp();
     corpus_ = fs::path(FORGE_FIXTURE_DIR) / "tokenizer" / "corpus.txt";
     fixture_ = fs::path(FORGE_FIXTURE_DIR) / "tokenizer" / "llama3_style.tokenizer.json";
   }
-  void TearDown() override { fs::remove_all(dir_); }
-  fs::path write(const std::string& name, const std::string& text) {
-    std::ofstream(dir_ / name, std::ios::binary) << text;
-    return dir_ / name;
-  }
-  void expect_one_line_error(const std::string& args, const std::string& culprit) {
-    const Outcome o = run(args);
-    EXPECT_EQ(o.status, 1) << o.output;
-    EXPECT_EQ(o.output.rfind("forge: error: ", 0), 0u) << o.output;
-    EXPECT_NE(o.output.find(culprit), std::string::npos) << o.output;
-    EXPECT_EQ(std::count(o.output.begin(), o.output.end(), '\n'), 1) << o.output;
-  }
-  fs::path dir_, corpus_, fixture_;
+  fs::path corpus_, fixture_;
 };
 
 TEST_F(TokenizerCli, TrainPrintsStatsAndWritesALoadableTokenizer) {
   const fs::path out = dir_ / "tok.json";
   const Outcome o =
-      run("tokenizer train --input " + quote(corpus_) + " --vocab-size 400 --output " + quote(out) +
-          " --pattern llama3 --special-token '<|begin_of_text|>' --special-token '<|end_of_text|>'" +
-          " --bos-token '<|begin_of_text|>'");
+      run_forge("tokenizer train --input " + quote(corpus_) + " --vocab-size 400 --output " + quote(out) +
+                " --pattern llama3 --special-token '<|begin_of_text|>' --special-token '<|end_of_text|>'" +
+                " --bos-token '<|begin_of_text|>'");
   ASSERT_EQ(o.status, 0) << o.output;
   EXPECT_NE(o.output.find("400-token vocabulary"), std::string::npos) << o.output;
   EXPECT_NE(o.output.find("267 lines"), std::string::npos) << o.output;
@@ -96,28 +71,30 @@ TEST_F(TokenizerCli, EncodeAndDecodeRoundTrip) {
 
   const fs::path input = write("in.txt", text);
   const Outcome from_stdin =
-      run("tokenizer encode --tokenizer " + quote(fixture_) + " < " + quote(input), false);
+      run_forge("tokenizer encode --tokenizer " + quote(fixture_) + " < " + quote(input), kStdoutOnly);
   ASSERT_EQ(from_stdin.status, 0);
   EXPECT_EQ(from_stdin.output, expected + "\n");
 
   const Outcome from_flag =
-      run("tokenizer encode --tokenizer " + quote(fixture_) + " --text 'Hello world'", false);
+      run_forge("tokenizer encode --tokenizer " + quote(fixture_) + " --text 'Hello world'", kStdoutOnly);
   const std::string hello = join_ids(t.encode("Hello world"));
   EXPECT_EQ(from_flag.output, hello + "\n");
 
-  const Outcome special =
-      run("tokenizer encode --tokenizer " + quote(fixture_) + " --add-special-tokens --text Hi", false);
+  const Outcome special = run_forge(
+      "tokenizer encode --tokenizer " + quote(fixture_) + " --add-special-tokens --text Hi", kStdoutOnly);
   EXPECT_EQ(special.output.rfind(std::to_string(*t.bos_id()) + " ", 0), 0u) << special.output;
 
   const fs::path ids = write("ids.txt", from_stdin.output);
-  const Outcome decoded = run("tokenizer decode --tokenizer " + quote(fixture_) + " < " + quote(ids), false);
+  const Outcome decoded =
+      run_forge("tokenizer decode --tokenizer " + quote(fixture_) + " < " + quote(ids), kStdoutOnly);
   ASSERT_EQ(decoded.status, 0);
   EXPECT_EQ(decoded.output, text);  // exactly, no newline added
-  const Outcome from_args = run("tokenizer decode --tokenizer " + quote(fixture_) + " " + hello, false);
+  const Outcome from_args =
+      run_forge("tokenizer decode --tokenizer " + quote(fixture_) + " " + hello, kStdoutOnly);
   EXPECT_EQ(from_args.output, "Hello world");
-  const Outcome skip = run("tokenizer decode --skip-special-tokens --tokenizer " + quote(fixture_) + " " +
-                               special.output.substr(0, special.output.size() - 1),
-                           false);
+  const Outcome skip = run_forge("tokenizer decode --skip-special-tokens --tokenizer " + quote(fixture_) +
+                                     " " + special.output.substr(0, special.output.size() - 1),
+                                 kStdoutOnly);
   EXPECT_EQ(skip.output, "Hi");
 }
 
@@ -133,9 +110,9 @@ TEST_F(TokenizerCli, ErrorsAreOneLine) {
   expect_one_line_error(
       "tokenizer train --input " + quote(corpus_) + " --vocab-size 10 --output " + quote(dir_ / "x.json"),
       "vocab_size 10");
-  EXPECT_NE(run("tokenizer").status, 0);
-  EXPECT_NE(run("tokenizer encode --text x").status, 0);  // --tokenizer is required
-  EXPECT_EQ(run("tokenizer --help").status, 0);
+  EXPECT_NE(run_forge("tokenizer").status, 0);
+  EXPECT_NE(run_forge("tokenizer encode --text x").status, 0);  // --tokenizer is required
+  EXPECT_EQ(run_forge("tokenizer --help").status, 0);
 }
 
 }  // namespace
