@@ -71,7 +71,7 @@ TEST(TrainConfig, DefaultTomlFileEqualsBuiltInDefaults) {
     ++keys;
     EXPECT_NE(line.find(" # "), std::string::npos) << "no comment: " << line;
   }
-  EXPECT_EQ(keys, 42);
+  EXPECT_EQ(keys, 43);
 }
 
 TEST(TrainConfig, PartialFileKeepsDefaults) {

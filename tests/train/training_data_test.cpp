@@ -20,7 +20,7 @@ namespace {
 namespace fs = std::filesystem;
 using forge::testing::expect_error_containing;
 
-class TrainingData : public ::testing::Test {
+class TrainingDataTest : public ::testing::Test {
  protected:
   void SetUp() override {
     dir_ = fs::temp_directory_path() / ("forge_training_data_test_" + std::to_string(::getpid()) + "_" +
@@ -71,7 +71,7 @@ int64_t byte_count(const TextCodec& codec, const std::vector<int32_t>& ids) {
 
 // Every byte of the text is in exactly one token, so summing token byte lengths gives the text's bytes:
 // that is what turns a loss per token into bits per byte.
-TEST_F(TrainingData, TrainedBpeCoversEveryByteAndIsCached) {
+TEST_F(TrainingDataTest, TrainedBpeCoversEveryByteAndIsCached) {
   const TrainConfig c = config("unused");
   const std::string text = load_text_file(c.data.corpus);
   const TextSplit split = split_heldout(text, c.data.heldout_fraction);
@@ -104,7 +104,7 @@ TEST_F(TrainingData, TrainedBpeCoversEveryByteAndIsCached) {
   EXPECT_EQ(prepare_corpus(by_path).train, corpus.train);
 }
 
-TEST_F(TrainingData, BytesCodecIsTheIdentity) {
+TEST_F(TrainingDataTest, BytesCodecIsTheIdentity) {
   TrainConfig c = config("unused");
   c.data.tokenizer = "bytes";
   CorpusTokens corpus = prepare_corpus(c);
@@ -115,7 +115,7 @@ TEST_F(TrainingData, BytesCodecIsTheIdentity) {
   EXPECT_FALSE(fs::exists(dir_ / "cache"));
 }
 
-TEST_F(TrainingData, BadTokenizerSettingsAreRefused) {
+TEST_F(TrainingDataTest, BadTokenizerSettingsAreRefused) {
   TrainConfig missing = config("unused");
   missing.data.tokenizer = (dir_ / "absent.json").string();
   expect_error_containing([&] { prepare_corpus(missing); }, {"absent.json"});
@@ -128,7 +128,7 @@ TEST_F(TrainingData, BadTokenizerSettingsAreRefused) {
   expect_error_containing([&] { tiny.validate(); }, {"data.vocab_size"});
 }
 
-TEST_F(TrainingData, TrainsOnBpeTokensAndReportsBitsPerByte) {
+TEST_F(TrainingDataTest, TrainsOnBpeTokensAndReportsBitsPerByte) {
   write_model(300);
   TrainConfig c = config("bpe");
   c.sample.tokens = 8;
@@ -150,7 +150,7 @@ TEST_F(TrainingData, TrainsOnBpeTokensAndReportsBitsPerByte) {
 
 // model.init_from: the run starts from a Hugging Face folder's weights (and architecture). With a
 // vanishing learning rate one step leaves them as they were, so the final checkpoint equals the folder.
-TEST_F(TrainingData, InitFromAHuggingFaceFolder) {
+TEST_F(TrainingDataTest, InitFromAHuggingFaceFolder) {
   write_model(300);
   LlamaModel source(LlamaConfig::from_json_file((dir_ / "config.json").string()), {});
   source.initialize(99);
@@ -182,7 +182,7 @@ TEST_F(TrainingData, InitFromAHuggingFaceFolder) {
 
 // data.dataset: training reads a blend of Megatron indexed datasets (train split), evaluation the
 // valid split; byte tokens here, so bits per byte is the loss in bits.
-TEST_F(TrainingData, TrainsOnABlendOfMegatronDatasets) {
+TEST_F(TrainingDataTest, TrainsOnABlendOfMegatronDatasets) {
   write_model(256);
   for (const char* name : {"a", "b"}) {
     IndexedDatasetWriter writer((dir_ / name).string(), IndexedDType::u16);
@@ -203,6 +203,19 @@ TEST_F(TrainingData, TrainsOnABlendOfMegatronDatasets) {
   EXPECT_NEAR(first.heldout_bits_per_byte, first.heldout_loss / std::log(2.0), 1e-9);
   c.log.run_dir = (dir_ / "blend2").string();
   EXPECT_EQ(Trainer(c).run().losses, first.losses);  // data order depends only on the seed
+
+  // Shuffled, sample 0 is some window of a; in order, it is the start of a's first document.
+  const std::string first_document = "Document 0 of a: and the light shone in the darkness.\n";
+  auto first_window = [&](const TrainConfig& config) {
+    std::unique_ptr<TrainingData> data = open_training_data(config);
+    std::vector<int32_t> ids(32), targets(32);
+    data->train_batch(0, 1, ids.data(), targets.data());
+    return std::string(ids.begin(), ids.end());
+  };
+  EXPECT_NE(first_window(c), first_document.substr(0, 32));
+  TrainConfig sequential = c;
+  sequential.data.order = "sequential";
+  EXPECT_EQ(first_window(sequential), first_document.substr(0, 32));
 
   TrainConfig trained_tokenizer = c;
   trained_tokenizer.data.tokenizer = "train";

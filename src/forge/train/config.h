@@ -29,6 +29,7 @@ struct TrainConfig {
     int64_t vocab_size = 2048;        // BPE vocabulary when tokenizer = "train"
     std::string dataset;              // "" = the corpus; else a Megatron blend "PREFIX" or "W1 P1 W2 P2 ..."
     std::string split = "969,30,1";   // train,valid,test weights over each dataset's documents
+    std::string order = "shuffle";    // with dataset: "shuffle" (from the seed) or "sequential"
     double heldout_fraction = 0.01;
     int64_t seq_len = 256;
     std::string cache_dir = "data";

@@ -153,7 +153,8 @@ class CorpusData final : public TrainingData {
 class DatasetData final : public TrainingData {
  public:
   DatasetData(TextCodec codec, const TrainConfig& config) : TrainingData(std::move(codec)), config_(config) {
-    GptDatasetConfig train_config{.seq_len = config.data.seq_len, .seed = config.model.seed, .shuffle = true};
+    GptDatasetConfig train_config{
+        .seq_len = config.data.seq_len, .seed = config.model.seed, .shuffle = config.data.order == "shuffle"};
     train_ = open_blended_gpt_dataset(config.data.dataset, config.data.split, DataSplit::train, train_config);
     GptDatasetConfig valid_config{.seq_len = config.data.seq_len, .seed = config.model.seed, .shuffle = false};
     valid_ = open_blended_gpt_dataset(config.data.dataset, config.data.split, DataSplit::valid, valid_config);
