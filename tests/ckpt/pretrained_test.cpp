@@ -43,6 +43,23 @@ TEST_F(PretrainedTest, TensorShapesFollowTheModelsRegistrationOrder) {
   }
 }
 
+// Loaded models are for inference: no gradient buffers (a third of a training model's fp32 state), and
+// training calls on them are refused with a clear message.
+TEST_F(PretrainedTest, LoadedModelsCarryNoGradients) {
+  auto original = tiny_model(false, 7);
+  export_hugging_face(original->params(), original->config().to_json(), path("hf"), {});
+  auto loaded = load_pretrained_model(path("hf"), kFp32);
+  EXPECT_TRUE(original->params().has_grads());
+  EXPECT_FALSE(loaded->params().has_grads());
+  std::vector<int32_t> ids = {1, 2, 3, 4}, targets = {2, 3, 4, 5};
+  expect_error_containing([&] { loaded->forward_backward(ids.data(), targets.data(), 1, 4, 1.0f); },
+                          {"inference"});
+  expect_error_containing([&] { AdamW optimizer(&loaded->params(), AdamWConfig{}); }, {"inference"});
+  expect_error_containing([&] { loaded->params().grad(0); }, {"model.embed_tokens.weight", "inference"});
+  EXPECT_EQ(loaded->forward_loss(ids.data(), targets.data(), 1, 4).sum,
+            original->forward_loss(ids.data(), targets.data(), 1, 4).sum);
+}
+
 // forge fp32 -> HF fp32 -> forge: bitwise, through both directory kinds.
 TEST_F(PretrainedTest, Fp32RoundTripThroughBothKindsIsBitwise) {
   auto original = tiny_model(false, 7);

@@ -56,7 +56,8 @@ int run_convert(const ConvertOptions& o) {
 
   PretrainedDir source = open_pretrained(o.input);
   std::unique_ptr<LlamaModel> model =
-      std::make_unique<LlamaModel>(source.config, nn::ComputeOptions{DType::f32, nn::Recompute::none});
+      std::make_unique<LlamaModel>(source.config, nn::ComputeOptions{DType::f32, nn::Recompute::none}, 0.02f,
+                                   /*with_grads=*/false);
   load_pretrained_weights(source, model->params());
   for (const char* name : kCompanionFiles)
     if (fs::is_regular_file(source.dir / name)) options.extra_files.push_back(source.dir / name);

@@ -317,7 +317,7 @@ void load_pretrained_weights(const PretrainedDir& source, nn::ParameterStore& pa
 
 std::unique_ptr<LlamaModel> load_pretrained_model(const fs::path& dir, nn::ComputeOptions options) {
   PretrainedDir source = open_pretrained(dir);
-  auto model = std::make_unique<LlamaModel>(source.config, options);
+  auto model = std::make_unique<LlamaModel>(source.config, options, 0.02f, /*with_grads=*/false);
   load_pretrained_weights(source, model->params());
   return model;
 }

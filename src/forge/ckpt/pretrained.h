@@ -52,7 +52,7 @@ void check_store_matches_config(const nn::ParameterStore& params, const LlamaCon
 // lm_head.weight bitwise equal to the embedding.
 void load_pretrained_weights(const PretrainedDir& source, nn::ParameterStore& params);
 
-// Builds a model for the directory's config and loads its weights.
+// Builds an inference model (no gradient buffers) for the directory's config and loads its weights.
 std::unique_ptr<LlamaModel> load_pretrained_model(const std::filesystem::path& dir,
                                                   nn::ComputeOptions options);
 

@@ -8,7 +8,7 @@
 
 namespace forge {
 
-LlamaModel::LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, float init_std)
+LlamaModel::LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, float init_std, bool with_grads)
     : config_(config), options_(options) {
   config_.validate("model config");
   const int64_t h = config.hidden_size, v = config.vocab_size;
@@ -22,7 +22,7 @@ LlamaModel::LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, fl
   norm_id_ = params_.add("model.norm.weight", {h}, false, nn::Init::ones);
   head_id_ = config.tie_word_embeddings ? embed_id_
                                         : params_.add("lm_head.weight", {v, h}, true, nn::Init::normal, init_std);
-  params_.allocate(options.gemm_dtype == DType::bf16);
+  params_.allocate(options.gemm_dtype == DType::bf16, with_grads);
 
   rope_.positions = config.max_position_embeddings;
   rope_.half_dim = config.head_dim / 2;
@@ -67,6 +67,7 @@ Tensor LlamaModel::final_hidden(const int32_t* ids, int64_t batch, int64_t seq,
 
 LossSum LlamaModel::forward_backward(const int32_t* ids, const int32_t* targets, int64_t batch, int64_t seq,
                                      float grad_scale) {
+  if (!params_.has_grads()) fail("forward_backward: this model was built for inference, without gradients");
   check_inputs(ids, targets, batch, seq);
   const int64_t rows = batch * seq, h = config_.hidden_size;
   std::vector<nn::TransformerLayer::Saved> saved(layers_.size());

@@ -28,7 +28,8 @@ struct LossSum {
 class LlamaModel {
  public:
   // Registers and allocates parameters; they start at zero until initialize() or a load.
-  LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, float init_std = 0.02f);
+  // with_grads = false builds an inference model (no gradient buffers; forward_backward is refused).
+  LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, float init_std = 0.02f, bool with_grads = true);
   LlamaModel(const LlamaModel&) = delete;
   LlamaModel& operator=(const LlamaModel&) = delete;
 

@@ -17,10 +17,16 @@ int ParameterStore::add(std::string name, Shape shape, bool weight_decay, Init i
   return static_cast<int>(infos_.size()) - 1;
 }
 
-void ParameterStore::allocate(bool with_bf16_shadow) {
+void ParameterStore::allocate(bool with_bf16_shadow, bool with_grads) {
   params_ = Tensor::zeros({total_}, DType::f32);
-  grads_ = Tensor::zeros({total_}, DType::f32);
+  if (with_grads) grads_ = Tensor::zeros({total_}, DType::f32);
   if (with_bf16_shadow) params_bf16_ = Tensor::zeros({total_}, DType::bf16);
+}
+
+Tensor ParameterStore::grad(int id) const {
+  FORGE_CHECK(has_grads(), "gradient of '{}' asked of a parameter store built without gradients (inference)",
+              infos_.at(id).name);
+  return grads_.view(infos_[id].offset, infos_[id].shape);
 }
 
 void ParameterStore::initialize(uint64_t seed) {

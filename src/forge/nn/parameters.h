@@ -29,12 +29,17 @@ class ParameterStore {
  public:
   // Registration; returns the parameter's id. Must happen before allocate().
   int add(std::string name, Shape shape, bool weight_decay, Init init, float init_std = 0.02f);
-  void allocate(bool with_bf16_shadow);
+  // with_grads = false (inference: eval, generate, convert) leaves out the gradient buffer, a third or
+  // half of the memory; gradient accessors then fail.
+  void allocate(bool with_bf16_shadow, bool with_grads = true);
+  bool has_grads() const { return grads_.defined(); }
   bool allocated() const { return params_.defined(); }
 
   // Deterministic: each element depends only on (seed, name, element index).
   void initialize(uint64_t seed);
-  void zero_grads() { grads_.fill_zero(); }
+  void zero_grads() {
+    if (has_grads()) grads_.fill_zero();
+  }
   void refresh_bf16();  // recompute the bf16 shadow from the fp32 master weights
 
   int64_t numel() const { return total_; }
@@ -44,7 +49,7 @@ class ParameterStore {
   int find(const std::string& name) const;  // -1 when absent
 
   Tensor param(int id) const { return params_.view(infos_[id].offset, infos_[id].shape); }
-  Tensor grad(int id) const { return grads_.view(infos_[id].offset, infos_[id].shape); }
+  Tensor grad(int id) const;
   // A view spanning `count` adjacent parameters from `first` as one [rows, cols] matrix.
   Tensor span(const Tensor& flat, int first, int count, int64_t cols) const;
 

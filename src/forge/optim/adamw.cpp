@@ -2,11 +2,13 @@
 
 #include <cmath>
 
+#include "forge/core/error.h"
 #include "forge/kernels/ops.h"
 
 namespace forge {
 
 double global_grad_norm(const nn::ParameterStore& store) {
+  if (!store.has_grads()) fail("gradient norm of a parameter store built without gradients (inference)");
   return std::sqrt(ops::sum_squares(store.grads().f32(), store.numel()));
 }
 
@@ -21,7 +23,9 @@ AdamW::AdamW(nn::ParameterStore* store, AdamWConfig config)
     : store_(store),
       config_(config),
       exp_avg_(Tensor::zeros({store->numel()}, DType::f32)),
-      exp_avg_sq_(Tensor::zeros({store->numel()}, DType::f32)) {}
+      exp_avg_sq_(Tensor::zeros({store->numel()}, DType::f32)) {
+  if (!store->has_grads()) fail("AdamW over a parameter store built without gradients (inference)");
+}
 
 void AdamW::step(float lr, float grad_scale) {
   ++step_;
