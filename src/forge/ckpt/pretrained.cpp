@@ -12,6 +12,7 @@
 
 #include "forge/ckpt/checkpoint.h"
 #include "forge/ckpt/safetensors.h"
+#include "forge/core/file_io.h"
 #include "forge/core/error.h"
 
 namespace forge {
@@ -25,12 +26,9 @@ constexpr const char* kSingleFile = "model.safetensors";
 constexpr const char* kIndexFile = "model.safetensors.index.json";
 
 json read_json_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("{}: cannot open (no such file or not readable)", path.string());
-  std::ostringstream text;
-  text << in.rdbuf();
+  const std::string text = read_file(path, "JSON file");
   try {
-    return json::parse(text.str());
+    return json::parse(text);
   } catch (const json::parse_error& e) {
     std::string_view what = e.what();
     auto close = what.find("] ");

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "forge/core/file_io.h"
 #include "forge/core/error.h"
 
 namespace forge {
@@ -75,15 +76,6 @@ std::string run_bible_program() {
   return output;
 }
 
-std::string read_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("{}: cannot open text file (no such file or not readable)", path.string());
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) fail("{}: read error", path.string());
-  return std::move(text).str();
-}
-
 void write_file_atomically(const std::filesystem::path& path, std::string_view text) {
   std::filesystem::path temporary = path;
   temporary += fmt::format(".tmp.{}", ::getpid());
@@ -137,7 +129,7 @@ std::string load_kjv_text(const std::filesystem::path& cache_dir) {
   const std::filesystem::path cache = cache_dir / "kjv.txt";
   std::error_code ec;
   if (std::filesystem::is_regular_file(cache, ec) && std::filesystem::file_size(cache, ec) > 0)
-    return read_file(cache);
+    return read_file(cache, "text file");
   std::string text = strip_verse_labels(run_bible_program());
   std::filesystem::create_directories(cache_dir, ec);
   if (ec) fail("{}: cannot create corpus cache directory: {}", cache_dir.string(), ec.message());
@@ -150,7 +142,7 @@ std::string load_text_file(const std::filesystem::path& path) {
   if (!std::filesystem::exists(path, ec)) fail("{}: corpus file not found", path.string());
   if (std::filesystem::is_directory(path, ec))
     fail("{}: corpus is a directory, expected a text file", path.string());
-  std::string text = read_file(path);
+  std::string text = read_file(path, "text file");
   if (text.empty()) fail("{}: corpus file is empty", path.string());
   return text;
 }

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "forge/core/file_io.h"
 #include "forge/core/error.h"
 #include "forge/data/tokenizer_impl.h"
 #include "forge/data/tokenizer_regex.h"
@@ -307,12 +308,7 @@ Tokenizer Tokenizer::from_json_text(std::string_view text, std::string_view sour
 }
 
 Tokenizer Tokenizer::from_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("cannot open tokenizer file '{}'", path.string());
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) fail("cannot read tokenizer file '{}'", path.string());
-  return from_json_text(text.str(), path.string());
+  return from_json_text(read_file(path, "tokenizer file"), path.string());
 }
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special_tokens) const {

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "forge/core/file_io.h"
 #include "forge/core/error.h"
 #include "forge/core/suggest.h"
 
@@ -152,13 +153,10 @@ void require_positive_finite(double value, const char* key, std::string_view sou
 
 LlamaConfig LlamaConfig::from_json_file(const std::filesystem::path& path) {
   const std::string source = path.string();
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("{}: cannot open model config (no such file or not readable)", source);
-  std::ostringstream text;
-  text << in.rdbuf();
+  const std::string text = read_file(path, "model config");
   json parsed;
   try {
-    parsed = json::parse(text.str());
+    parsed = json::parse(text);
   } catch (const json::parse_error& e) {
     // e.what() is "[json.exception.parse_error.101] parse error at line 3, column 5: ..."; keep the part
     // after the bracketed id, which carries the line and column.

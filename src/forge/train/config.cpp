@@ -11,6 +11,7 @@
 #include <variant>
 #include <vector>
 
+#include "forge/core/file_io.h"
 #include "forge/core/error.h"
 #include "forge/core/suggest.h"
 
@@ -306,11 +307,7 @@ std::string toml_float(double value) {
 }  // namespace
 
 TrainConfig TrainConfig::from_toml_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("{}: cannot open config file (no such file or not readable)", path.string());
-  std::ostringstream text;
-  text << in.rdbuf();
-  return from_toml_string(text.str(), path.string());
+  return from_toml_string(read_file(path, "config file"), path.string());
 }
 
 TrainConfig TrainConfig::from_toml_string(std::string_view text, std::string_view source_name) {
