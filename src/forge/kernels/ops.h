@@ -139,6 +139,13 @@ struct LinearCrossEntropyParams {
   float* dhidden = nullptr;  // [rows, dim]
   float* dweight = nullptr;  // [vocab, dim], accumulated
   float* workspace = nullptr;  // at least rows * vocab_chunk floats (+ rows*vocab_chunk/2 when bf16)
+  // Vocabulary-parallel use: W holds global columns [vocab_start, vocab_start + vocab) of a vocabulary of
+  // global_vocab real tokens (0 means vocab_start + vocab); columns at or past global_vocab are padding
+  // and take no part. Targets are global ids; a row whose target lies outside this range has no target
+  // logit here (target_logit 0, no one-hot in backward): the caller combines the per-range lse and
+  // target logits over the group and passes the global lse to backward.
+  int64_t vocab_start = 0, global_vocab = 0;
+  float* target_logit = nullptr;  // optional out [rows]
 };
 int64_t linear_cross_entropy_workspace_floats(const LinearCrossEntropyParams& p);
 

@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
+
+#include "forge/nn/tensor_parallel.h"
 
 #include "forge/kernels/ops.h"
 #include "forge/kernels/rope_tables.h"
@@ -12,16 +15,26 @@ LlamaModel::LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, fl
     : config_(config), options_(options) {
   config_.validate("model config");
   const int64_t h = config.hidden_size, v = config.vocab_size;
-  embed_id_ = params_.add("model.embed_tokens.weight", {v, h}, true, nn::Init::normal, init_std);
+  const int tp_size = options.tp_size(), rank = options.tp_rank();
+  // Vocabulary-parallel embedding and head: rows padded to a multiple of vocab_divisible_by x tp, split
+  // evenly; the padding rows are zero, masked out of the softmax and never saved.
+  const int64_t unit = std::max<int64_t>(1, options.vocab_divisible_by) * tp_size;
+  padded_vocab_ = tp_size > 1 ? (v + unit - 1) / unit * unit : v;
+  local_vocab_ = padded_vocab_ / tp_size, vocab_start_ = rank * local_vocab_;
+  const nn::ShardSpec vocab_shard{0, vocab_start_, {v, h}, true};
+  const nn::ShardSpec replicated{-1, 0, {}, rank == 0};
+  embed_id_ = params_.add("model.embed_tokens.weight", {local_vocab_, h}, true, nn::Init::normal, init_std, vocab_shard);
   nn::LayerShape shape;
   shape.attention = {h, config.num_attention_heads, config.num_key_value_heads, config.head_dim};
   shape.ffn = config.intermediate_size;
   shape.norm_eps = static_cast<float>(config.rms_norm_eps);
+  shape.tp_rank = rank, shape.tp_size = tp_size;
   const int layers = static_cast<int>(config.num_hidden_layers);
   for (int i = 0; i < layers; ++i) layers_.emplace_back(&params_, i, shape, init_std, layers);
-  norm_id_ = params_.add("model.norm.weight", {h}, false, nn::Init::ones);
-  head_id_ = config.tie_word_embeddings ? embed_id_
-                                        : params_.add("lm_head.weight", {v, h}, true, nn::Init::normal, init_std);
+  norm_id_ = params_.add("model.norm.weight", {h}, false, nn::Init::ones, 0.02f, replicated);
+  head_id_ = config.tie_word_embeddings
+                 ? embed_id_
+                 : params_.add("lm_head.weight", {local_vocab_, h}, true, nn::Init::normal, init_std, vocab_shard);
   params_.allocate(options.gemm_dtype == DType::bf16, with_grads);
 
   rope_.positions = config.max_position_embeddings;
@@ -31,7 +44,7 @@ LlamaModel::LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, fl
   rope_tables(rope_.positions, config.head_dim, config.rope_theta, config.rope_scaling, rope_.cos.f32(),
               rope_.sin.f32());
 
-  embedding_ = nn::Embedding(&params_, embed_id_);
+  embedding_ = nn::Embedding(&params_, embed_id_, tp());
   for (auto& layer : layers_) layer.bind(&rope_, options);
   final_norm_ = nn::RmsNorm(&params_, norm_id_, static_cast<float>(config.rms_norm_eps));
 }
@@ -46,6 +59,9 @@ void LlamaModel::check_inputs(const int32_t* ids, const int32_t* targets, int64_
     if (targets && targets[i] >= config_.vocab_size)
       fail("target id {} at position {} is outside the vocabulary [0, {})", targets[i], i, config_.vocab_size);
   }
+  if (tp() && tp()->sequence_parallel() && (batch * seq) % tp()->size() != 0)
+    fail("sequence parallelism splits the {} x {} token rows over tp = {} ranks: they do not divide", batch, seq,
+         tp()->size());
 }
 
 Tensor LlamaModel::head_weight_gemm() const {
@@ -66,45 +82,88 @@ Tensor LlamaModel::final_hidden(const int32_t* ids, int64_t batch, int64_t seq,
 }
 
 LossSum LlamaModel::forward_backward(const int32_t* ids, const int32_t* targets, int64_t batch, int64_t seq,
-                                     float grad_scale) {
+                                     float grad_scale, bool last_micro_batch) {
   if (!params_.has_grads()) fail("forward_backward: this model was built for inference, without gradients");
   check_inputs(ids, targets, batch, seq);
-  const int64_t rows = batch * seq, h = config_.hidden_size;
   std::vector<nn::TransformerLayer::Saved> saved(layers_.size());
   nn::RmsNorm::Saved norm_saved;
   Tensor hidden = final_hidden(ids, batch, seq, &saved, &norm_saved);
 
-  Tensor dhidden = Tensor::empty({rows, h}, DType::f32);
+  Tensor dhidden;
   LossSum result = loss_head(hidden, targets, grad_scale, &dhidden);
   hidden = Tensor();
 
   Tensor dx = final_norm_.backward_input(dhidden, norm_saved);
   final_norm_.backward_weight(norm_saved);
+  if (last_micro_batch) {
+    if (tp() && tp()->sequence_parallel())
+      tp()->all_reduce_sum(params_.grad(norm_id_).f32(), config_.hidden_size);
+    notify_ready(norm_id_);
+  }
   for (size_t l = layers_.size(); l-- > 0;) {
     dx = layers_[l].backward_input(dx, batch, seq, saved[l]);
     layers_[l].backward_weight(saved[l]);
+    if (last_micro_batch) {
+      layers_[l].reduce_replicated_grads();
+      notify_ready(layers_[l].first_param());
+    }
   }
   embedding_.backward_weight(ids, dx);
+  if (last_micro_batch) notify_ready(embed_id_);
   return result;
+}
+
+nn::TensorParallel* LlamaModel::tp() const { return options_.tp && options_.tp->size() > 1 ? options_.tp : nullptr; }
+
+void LlamaModel::notify_ready(int param_id) const {
+  if (grads_ready_) grads_ready_(params_.info(param_id).offset);
 }
 
 LossSum LlamaModel::loss_head(const Tensor& hidden, const int32_t* targets, float grad_scale, Tensor* dhidden) {
   // The vocabulary-chunked fused projection + cross-entropy; with dhidden it also computes the hidden
   // gradient and accumulates the head's weight gradient while each logits chunk is live.
-  const int64_t rows = hidden.dim(0);
-  Tensor hidden_gemm = nn::to_gemm_dtype(hidden, options_.gemm_dtype);
+  // Vocabulary-parallel (tp > 1): each rank covers its vocabulary range over all rows (gathered under
+  // sequence parallelism); the per-range log-sum-exps and target logits combine over the group into the
+  // global loss, and backward's partial hidden gradients sum (or reduce-scatter) over the group.
+  nn::TensorParallel* group = tp();
+  const Tensor full = nn::gather_in(group, hidden);
+  const int64_t rows = full.dim(0);
+  Tensor hidden_gemm = nn::to_gemm_dtype(full, options_.gemm_dtype);
   Tensor weight_gemm = head_weight_gemm();
   Tensor lse = Tensor::empty({rows}, DType::f32), loss = Tensor::empty({rows}, DType::f32);
+  Tensor target_logit = Tensor::empty({rows}, DType::f32);
   ops::LinearCrossEntropyParams p;
-  p.rows = rows, p.dim = config_.hidden_size, p.vocab = config_.vocab_size;
+  p.rows = rows, p.dim = config_.hidden_size, p.vocab = local_vocab_;
+  p.vocab_start = vocab_start_, p.global_vocab = config_.vocab_size;
   p.gemm_dtype = options_.gemm_dtype;
   p.hidden_gemm = hidden_gemm.raw(), p.weight_gemm = weight_gemm.raw();
-  p.targets = targets, p.lse = lse.f32(), p.loss = loss.f32();
-  if (dhidden) p.grad_scale = grad_scale, p.dhidden = dhidden->f32(), p.dweight = params_.grad(head_id_).f32();
+  p.targets = targets, p.lse = lse.f32(), p.loss = loss.f32(), p.target_logit = target_logit.f32();
+  Tensor dfull;
+  if (dhidden) {
+    dfull = Tensor::empty({rows, config_.hidden_size}, DType::f32);
+    p.grad_scale = grad_scale, p.dhidden = dfull.f32(), p.dweight = params_.grad(head_id_).f32();
+  }
   Tensor workspace = Tensor::empty({ops::linear_cross_entropy_workspace_floats(p)}, DType::f32);
   p.workspace = workspace.f32();
   ops::linear_cross_entropy_forward(p);
-  if (dhidden) ops::linear_cross_entropy_backward(p);
+  if (group) {
+    const int n = group->size();
+    std::vector<float> all(static_cast<size_t>(n) * rows);
+    group->all_gather(lse.f32(), all.data(), rows);
+    group->all_reduce_sum(target_logit.f32(), rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int i = 0; i < n; ++i) m = std::max(m, all[i * rows + r]);
+      double sum = 0;
+      for (int i = 0; i < n; ++i) sum += std::exp(static_cast<double>(all[i * rows + r]) - m);
+      lse.f32()[r] = m + static_cast<float>(std::log(sum));
+      loss.f32()[r] = targets[r] < 0 ? 0.0f : lse.f32()[r] - target_logit.f32()[r];
+    }
+  }
+  if (dhidden) {
+    ops::linear_cross_entropy_backward(p);
+    *dhidden = nn::reduce_out(group, dfull);
+  }
   LossSum result;
   for (int64_t i = 0; i < rows; ++i)
     if (targets[i] >= 0) result.sum += loss.f32()[i], ++result.tokens;
@@ -132,6 +191,7 @@ KvCache LlamaModel::make_cache(int64_t batch, int64_t capacity) const {
 
 Tensor LlamaModel::forward_cached(const int32_t* ids, int64_t batch, int64_t new_tokens, KvCache& cache,
                                   bool all_logits) {
+  if (tp()) fail("cached inference runs on one process; this model is split over tp = {} ranks", tp()->size());
   if (batch <= 0 || new_tokens <= 0)
     fail("batch ({}) and new tokens ({}) must be positive", batch, new_tokens);
   if (!cache.allocated() || cache.layers() != config_.num_hidden_layers || cache.batch() != batch ||
@@ -168,16 +228,29 @@ Tensor LlamaModel::forward_cached(const int32_t* ids, int64_t batch, int64_t new
 }
 
 Tensor LlamaModel::project_logits(const Tensor& hidden) const {
-  const int64_t rows = hidden.dim(0), v = config_.vocab_size;
-  Tensor hidden_gemm = nn::to_gemm_dtype(hidden, options_.gemm_dtype);
+  nn::TensorParallel* group = tp();
+  const Tensor full = nn::gather_in(group, hidden);
+  const int64_t rows = full.dim(0), v = config_.vocab_size, local = local_vocab_;
+  Tensor hidden_gemm = nn::to_gemm_dtype(full, options_.gemm_dtype);
   Tensor weight_gemm = head_weight_gemm();
-  Tensor out = Tensor::empty({rows, v}, DType::f32);
+  Tensor out = Tensor::empty({rows, local}, DType::f32);
   ops::GemmParams p;
-  p.m = rows, p.n = v, p.k = config_.hidden_size;
+  p.m = rows, p.n = local, p.k = config_.hidden_size;
   p.a = hidden_gemm.raw(), p.lda = p.k, p.b = weight_gemm.raw(), p.ldb = p.k, p.trans_b = true;
-  p.ab_dtype = options_.gemm_dtype, p.c = out.f32(), p.ldc = v;
+  p.ab_dtype = options_.gemm_dtype, p.c = out.f32(), p.ldc = local;
   ops::gemm(p);
-  return out;
+  if (!group) return out;
+  // Gather the vocabulary ranges and drop the padding: [tp, rows, local] -> [rows, vocab].
+  const int n = group->size();
+  Tensor all = Tensor::empty({n, rows, local}, DType::f32);
+  group->all_gather(out.f32(), all.f32(), rows * local);
+  Tensor logits = Tensor::empty({rows, v}, DType::f32);
+  for (int i = 0; i < n; ++i) {
+    const int64_t width = std::clamp<int64_t>(v - i * local, 0, local);
+    for (int64_t r = 0; r < rows; ++r)
+      std::copy_n(all.f32() + (i * rows + r) * local, width, logits.f32() + r * v + i * local);
+  }
+  return logits;
 }
 
 }  // namespace forge

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "forge/models/llama_config.h"
@@ -42,8 +43,15 @@ class LlamaModel {
   // One micro-batch: forward, loss, backward. Gradients accumulate (+=) into params().grads(); the
   // gradient is that of grad_scale * (sum of per-token losses). ids, targets: [batch, seq]; a negative
   // target is ignored.
+  // Under tensor parallelism every rank of the group passes the same ids and targets and gets the same
+  // loss. last_micro_batch (the last of an optimizer step) finishes the step's gradients: copies held by
+  // several tensor-parallel ranks are summed, and grads_ready (if set) is told as each layer's gradients
+  // become final, from the end of the parameter buffer backwards, so data-parallel reduction can start.
   LossSum forward_backward(const int32_t* ids, const int32_t* targets, int64_t batch, int64_t seq,
-                           float grad_scale);
+                           float grad_scale, bool last_micro_batch = true);
+  // Called with a flat offset into the parameter store: every gradient at or past it is final for the step.
+  void set_grads_ready(std::function<void(int64_t)> callback) { grads_ready_ = std::move(callback); }
+  int64_t padded_vocab_size() const { return padded_vocab_; }  // vocabulary rows over all tp ranks
   // Loss only (evaluation); keeps no activations.
   LossSum forward_loss(const int32_t* ids, const int32_t* targets, int64_t batch, int64_t seq);
   // Full logits [batch * seq, vocab] (tests, generation).
@@ -71,12 +79,16 @@ class LlamaModel {
   Tensor head_weight_gemm() const;
   Tensor project_logits(const Tensor& hidden) const;  // hidden [rows, hidden] -> logits [rows, vocab]
   LossSum loss_head(const Tensor& hidden, const int32_t* targets, float grad_scale, Tensor* dhidden);
+  void notify_ready(int param_id) const;
+  nn::TensorParallel* tp() const;  // null unless split over more than one rank
 
   LlamaConfig config_;
   nn::ComputeOptions options_;
   nn::ParameterStore params_;
   nn::RopeTable rope_;
   int embed_id_ = -1, norm_id_ = -1, head_id_ = -1;
+  int64_t padded_vocab_ = 0, vocab_start_ = 0, local_vocab_ = 0;
+  std::function<void(int64_t)> grads_ready_;
   nn::Embedding embedding_;
   std::vector<nn::TransformerLayer> layers_;
   nn::RmsNorm final_norm_;

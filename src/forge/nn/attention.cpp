@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "forge/kernels/ops.h"
+#include "forge/nn/tensor_parallel.h"
 
 namespace forge::nn {
 
@@ -48,7 +49,7 @@ void Attention::core_forward(Tensor& qkv, int64_t batch, int64_t seq, Tensor& ou
 }
 
 Tensor Attention::forward(const Tensor& h, int64_t batch, int64_t seq, Saved& saved, bool keep_core) const {
-  saved.h_gemm = to_gemm_dtype(h, options_.gemm_dtype);
+  saved.h_gemm = to_gemm_dtype(gather_in(options_.tp, h), options_.gemm_dtype);
   saved.qkv = qkv_.forward(saved.h_gemm);
   apply_rope(saved.qkv.f32(), batch, seq, false);
   Tensor out, lse;
@@ -58,7 +59,7 @@ Tensor Attention::forward(const Tensor& h, int64_t batch, int64_t seq, Saved& sa
   if (keep_core) {
     saved.out = out, saved.lse = lse, saved.out_gemm = out_gemm;
   }
-  return y;
+  return reduce_out(options_.tp, y);
 }
 
 Tensor Attention::backward_input(const Tensor& dy, int64_t batch, int64_t seq, Saved& saved) const {
@@ -66,7 +67,7 @@ Tensor Attention::backward_input(const Tensor& dy, int64_t batch, int64_t seq, S
     core_forward(saved.qkv, batch, seq, saved.out, saved.lse);
     saved.out_gemm = to_gemm_dtype(saved.out, options_.gemm_dtype);
   }
-  saved.dy_gemm = to_gemm_dtype(dy, options_.gemm_dtype);
+  saved.dy_gemm = to_gemm_dtype(gather_in(options_.tp, dy), options_.gemm_dtype);
   Tensor dout = o_.backward_input(saved.dy_gemm);
 
   const int64_t rows = batch * seq, qd = shape_.heads * shape_.head_dim, kd = shape_.kv_heads * shape_.head_dim;
@@ -87,7 +88,7 @@ Tensor Attention::backward_input(const Tensor& dy, int64_t batch, int64_t seq, S
 
   apply_rope(dqkv.f32(), batch, seq, true);
   saved.dqkv_gemm = to_gemm_dtype(dqkv, options_.gemm_dtype);
-  return qkv_.backward_input(saved.dqkv_gemm);
+  return reduce_out(options_.tp, qkv_.backward_input(saved.dqkv_gemm));
 }
 
 void Attention::backward_weight(Saved& saved) const {
@@ -97,6 +98,7 @@ void Attention::backward_weight(Saved& saved) const {
 }
 
 Tensor Attention::forward_cached(const Tensor& h, int64_t batch, int64_t tokens, const KvLayer& cache) const {
+  FORGE_CHECK(options_.tp == nullptr, "cached inference runs on one process (tensor parallelism is for training)");
   FORGE_CHECK(cache.keys && cache.kv_heads == shape_.kv_heads && cache.head_dim == shape_.head_dim,
               "KV cache of {} kv heads x {} dims does not fit attention with {} x {}", cache.kv_heads,
               cache.head_dim, shape_.kv_heads, shape_.head_dim);

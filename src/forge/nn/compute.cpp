@@ -1,5 +1,7 @@
 #include "forge/nn/compute.h"
 
+#include "forge/nn/tensor_parallel.h"
+
 namespace forge::nn {
 
 Recompute recompute_from_name(std::string_view name) {
@@ -17,6 +19,9 @@ std::string_view recompute_name(Recompute r) {
   }
   return "?";
 }
+
+int ComputeOptions::tp_rank() const { return tp ? tp->rank() : 0; }
+int ComputeOptions::tp_size() const { return tp ? tp->size() : 1; }
 
 Tensor to_gemm_dtype(const Tensor& x, DType gemm_dtype) {
   if (gemm_dtype == DType::f32) return x;

@@ -14,9 +14,16 @@ enum class Recompute { none, selective, full };
 Recompute recompute_from_name(std::string_view name);
 std::string_view recompute_name(Recompute r);
 
+class TensorParallel;
+
 struct ComputeOptions {
   DType gemm_dtype = DType::bf16;  // f32 or bf16 operands; accumulation and activations are fp32
   Recompute recompute = Recompute::none;
+  // The tensor-parallel group (null: one rank, nothing split). Modules register and use only their shard.
+  TensorParallel* tp = nullptr;
+  int64_t vocab_divisible_by = 128;  // tp > 1 pads the vocabulary to a multiple of this x tp
+  int tp_rank() const;
+  int tp_size() const;
 };
 
 // x itself when gemm_dtype is fp32, else a bf16 copy (the operand a GEMM reads).

@@ -1,15 +1,21 @@
 // Token embedding. The input is token ids, so there is no input gradient: backward_weight scatters dy
-// into the embedding gradient.
+// into the embedding gradient. Vocabulary-parallel (the weight is a row shard of the table, see ShardSpec):
+// each rank looks up the ids in its range, zeros elsewhere, and the group sums (reduce_out); backward
+// scatters the full (gathered) dy into the rows it holds.
 #pragma once
 
 #include "forge/nn/parameters.h"
+
+namespace forge::nn {
+class TensorParallel;
+}
 
 namespace forge::nn {
 
 class Embedding {
  public:
   Embedding() = default;
-  Embedding(ParameterStore* store, int weight_param);
+  Embedding(ParameterStore* store, int weight_param, TensorParallel* tp = nullptr);
   Tensor forward(const int32_t* ids, int64_t rows) const;
   void backward_weight(const int32_t* ids, const Tensor& dy) const;
 
@@ -17,6 +23,8 @@ class Embedding {
   ParameterStore* store_ = nullptr;
   int weight_ = -1;
   int64_t vocab_ = 0, dim_ = 0;
+  TensorParallel* tp_ = nullptr;
+  int64_t first_ = 0;  // global id of local row 0
 };
 
 }  // namespace forge::nn

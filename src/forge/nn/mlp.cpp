@@ -1,6 +1,7 @@
 #include "forge/nn/mlp.h"
 
 #include "forge/kernels/ops.h"
+#include "forge/nn/tensor_parallel.h"
 
 namespace forge::nn {
 
@@ -18,17 +19,17 @@ Tensor Mlp::activation(const Tensor& gate_up) const {
 }
 
 Tensor Mlp::forward(const Tensor& h, Saved& saved, bool keep_activation) const {
-  saved.h_gemm = to_gemm_dtype(h, options_.gemm_dtype);
+  saved.h_gemm = to_gemm_dtype(gather_in(options_.tp, h), options_.gemm_dtype);
   saved.gate_up = gate_up_.forward(saved.h_gemm);
   Tensor act_gemm = to_gemm_dtype(activation(saved.gate_up), options_.gemm_dtype);
   Tensor y = down_.forward(act_gemm);
   if (keep_activation) saved.act_gemm = act_gemm;
-  return y;
+  return reduce_out(options_.tp, y);
 }
 
 Tensor Mlp::backward_input(const Tensor& dy, Saved& saved) const {
   if (!saved.act_gemm.defined()) saved.act_gemm = to_gemm_dtype(activation(saved.gate_up), options_.gemm_dtype);
-  saved.dy_gemm = to_gemm_dtype(dy, options_.gemm_dtype);
+  saved.dy_gemm = to_gemm_dtype(gather_in(options_.tp, dy), options_.gemm_dtype);
   Tensor dact = down_.backward_input(saved.dy_gemm);
   int64_t rows = dact.numel() / ffn_;
   Tensor dgate_up = Tensor::empty({rows, 2 * ffn_}, DType::f32);
@@ -37,7 +38,7 @@ Tensor Mlp::backward_input(const Tensor& dy, Saved& saved) const {
   ops::swiglu_backward(p);
   saved.gate_up = Tensor();
   saved.dgate_up_gemm = to_gemm_dtype(dgate_up, options_.gemm_dtype);
-  return gate_up_.backward_input(saved.dgate_up_gemm);
+  return reduce_out(options_.tp, gate_up_.backward_input(saved.dgate_up_gemm));
 }
 
 void Mlp::backward_weight(Saved& saved) const {

@@ -1,15 +1,30 @@
 #include "forge/nn/parameters.h"
 
+#include <algorithm>
+
 #include "forge/core/init.h"
 
 namespace forge::nn {
 
-int ParameterStore::add(std::string name, Shape shape, bool weight_decay, Init init, float init_std) {
+int ParameterStore::add(std::string name, Shape shape, bool weight_decay, Init init, float init_std,
+                        ShardSpec shard) {
   FORGE_CHECK(!allocated(), "parameter '{}' registered after allocation", name);
   FORGE_CHECK(!by_name_.count(name), "parameter '{}' registered twice", name);
   for (int64_t d : shape)
     if (d <= 0) fail("parameter '{}' has a non-positive dimension in {}", name, shape_string(shape));
-  ParamInfo info{std::move(name), std::move(shape), total_, weight_decay, init, init_std};
+  if (shard.dim >= 0) {
+    FORGE_CHECK(shard.dim < static_cast<int>(shape.size()) && shard.global_shape.size() == shape.size() &&
+                    shard.start >= 0,
+                "parameter '{}': shard of {} at {} along dim {} does not fit the global shape {}", name,
+                shape_string(shape), shard.start, shard.dim, shape_string(shard.global_shape));
+    for (size_t d = 0; d < shape.size(); ++d)
+      FORGE_CHECK(static_cast<int>(d) == shard.dim || shape[d] == shard.global_shape[d],
+                  "parameter '{}': shard {} and global shape {} differ outside the split dimension", name,
+                  shape_string(shape), shape_string(shard.global_shape));
+  } else if (shard.global_shape.empty()) {
+    shard.global_shape = shape;
+  }
+  ParamInfo info{std::move(name), std::move(shape), total_, weight_decay, init, init_std, std::move(shard)};
   // No padding: parameters registered in a row form one contiguous matrix (fused q|k|v, gate|up).
   total_ += shape_numel(info.shape);
   by_name_[info.name] = static_cast<int>(infos_.size());
@@ -29,13 +44,38 @@ Tensor ParameterStore::grad(int id) const {
   return grads_.view(infos_[id].offset, infos_[id].shape);
 }
 
+namespace {
+// Each element of a shard takes the value of the same global element of the unsplit tensor, so a model
+// split over any number of ranks is the same model. Padding (past the global extent) is zero.
+void init_shard_normal(const ParamInfo& p, float* out, uint64_t seed) {
+  const Shape& global = p.global_shape();
+  const int64_t n = shape_numel(p.shape);
+  if (p.shard.dim < 0) {
+    init_normal(out, n, 0, seed, p.name, 0.0f, p.init_std);
+    return;
+  }
+  // Row-major: `outer` blocks of [extent along dim] x `inner` elements.
+  int64_t outer = 1, inner = 1;
+  for (int d = 0; d < p.shard.dim; ++d) outer *= p.shape[d];
+  for (size_t d = p.shard.dim + 1; d < p.shape.size(); ++d) inner *= p.shape[d];
+  const int64_t local = p.shape[p.shard.dim], extent = global[p.shard.dim];
+  const int64_t real = std::max<int64_t>(0, std::min(local, extent - p.shard.start));
+  for (int64_t o = 0; o < outer; ++o) {
+    float* block = out + o * local * inner;
+    const int64_t global_index = (o * extent + p.shard.start) * inner;
+    init_normal(block, real * inner, global_index, seed, p.name, 0.0f, p.init_std);
+    init_constant(block + real * inner, (local - real) * inner, 0.0f);
+  }
+}
+}  // namespace
+
 void ParameterStore::initialize(uint64_t seed) {
   FORGE_CHECK(allocated(), "initialize before allocate");
   for (const auto& p : infos_) {
     float* out = params_.f32() + p.offset;
     int64_t n = shape_numel(p.shape);
     switch (p.init) {
-      case Init::normal: init_normal(out, n, 0, seed, p.name, 0.0f, p.init_std); break;
+      case Init::normal: init_shard_normal(p, out, seed); break;
       case Init::ones: init_constant(out, n, 1.0f); break;
       case Init::zeros: init_constant(out, n, 0.0f); break;
     }

@@ -16,19 +16,35 @@ namespace forge::nn {
 
 enum class Init { normal, ones, zeros };
 
+// How a parameter is split over the tensor-parallel group. The store holds the slice
+// [start, start + shape[dim]) along `dim` of the global tensor of shape global_shape; indices at or past
+// global_shape[dim] are padding (a padded vocabulary) that exists only in memory: zero, never trained,
+// never saved. dim = -1: the store holds the whole tensor (replicated on every tensor-parallel rank).
+struct ShardSpec {
+  int dim = -1;
+  int64_t start = 0;
+  Shape global_shape;  // empty: the local shape (an unsplit tensor)
+  // False on a copy that a lower tensor-parallel rank also holds (replicated norms, kv heads shared when
+  // tp exceeds the kv heads): the global gradient norm and checkpoints count each element once.
+  bool primary = true;
+};
+
 struct ParamInfo {
   std::string name;  // Hugging Face tensor name
-  Shape shape;
+  Shape shape;       // local shape (the shard this process holds)
   int64_t offset = 0;  // elements into the flat buffers
   bool weight_decay = true;
   Init init = Init::normal;
   float init_std = 0.02f;
+  ShardSpec shard;
+  const Shape& global_shape() const { return shard.global_shape.empty() ? shape : shard.global_shape; }
 };
 
 class ParameterStore {
  public:
   // Registration; returns the parameter's id. Must happen before allocate().
-  int add(std::string name, Shape shape, bool weight_decay, Init init, float init_std = 0.02f);
+  int add(std::string name, Shape shape, bool weight_decay, Init init, float init_std = 0.02f,
+          ShardSpec shard = {});
   // with_grads = false (inference: eval, generate, convert) leaves out the gradient buffer, a third or
   // half of the memory; gradient accessors then fail.
   void allocate(bool with_bf16_shadow, bool with_grads = true);

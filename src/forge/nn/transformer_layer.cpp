@@ -1,35 +1,96 @@
 #include "forge/nn/transformer_layer.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "forge/kernels/ops.h"
+#include "forge/nn/tensor_parallel.h"
 
 namespace forge::nn {
+
+AttentionShape LayerShape::local_attention() const {
+  AttentionShape local = attention;
+  local.heads = attention.heads / tp_size;
+  local.kv_heads = attention.kv_heads >= tp_size ? attention.kv_heads / tp_size : 1;
+  return local;
+}
+
+namespace {
+// Slice [rank * local, (rank + 1) * local) of the global rows (dim 0) or columns (dim 1).
+ShardSpec split(Shape global, int dim, int64_t start, bool primary = true) {
+  return ShardSpec{dim, start, std::move(global), primary};
+}
+}  // namespace
 
 TransformerLayer::TransformerLayer(ParameterStore* store, int index, LayerShape shape, float init_std,
                                    int num_layers)
     : store_(store), shape_(shape) {
   const std::string p = "model.layers." + std::to_string(index) + ".";
   const auto& a = shape.attention;
+  const AttentionShape l = shape.local_attention();
+  const int tp = shape.tp_size, r = shape.tp_rank;
+  FORGE_CHECK(a.heads % tp == 0 && shape.ffn % tp == 0 && (a.kv_heads % tp == 0 || tp % a.kv_heads == 0),
+              "layer {}: {} heads, {} kv heads and ffn {} do not split over tp = {}", index, a.heads, a.kv_heads,
+              shape.ffn, tp);
+  const int64_t d = a.head_dim, qd = a.heads * d, kvd = a.kv_heads * d;
+  // Replicated kv heads: rank r's query heads read kv head r * kv / tp; the first of its holders is primary.
+  const bool kv_split = a.kv_heads >= tp;
+  const int64_t kv_start = kv_split ? r * l.kv_heads * d : (static_cast<int64_t>(r) * a.kv_heads / tp) * d;
+  const bool kv_primary = kv_split || r % (tp / a.kv_heads) == 0;
+  const ShardSpec norm_shard{-1, 0, {}, r == 0};  // every rank holds the norms; rank 0's copy counts
   // Output projections feed the residual stream: scale their init by 1/sqrt(2 * layers) (GPT-2/Megatron).
   const float out_std = init_std / std::sqrt(2.0f * static_cast<float>(num_layers));
-  norm1_id_ = store->add(p + "input_layernorm.weight", {a.hidden}, false, Init::ones);
-  q_id_ = store->add(p + "self_attn.q_proj.weight", {a.heads * a.head_dim, a.hidden}, true, Init::normal, init_std);
-  store->add(p + "self_attn.k_proj.weight", {a.kv_heads * a.head_dim, a.hidden}, true, Init::normal, init_std);
-  store->add(p + "self_attn.v_proj.weight", {a.kv_heads * a.head_dim, a.hidden}, true, Init::normal, init_std);
-  o_id_ = store->add(p + "self_attn.o_proj.weight", {a.hidden, a.heads * a.head_dim}, true, Init::normal, out_std);
-  norm2_id_ = store->add(p + "post_attention_layernorm.weight", {a.hidden}, false, Init::ones);
-  gate_id_ = store->add(p + "mlp.gate_proj.weight", {shape.ffn, a.hidden}, true, Init::normal, init_std);
-  store->add(p + "mlp.up_proj.weight", {shape.ffn, a.hidden}, true, Init::normal, init_std);
-  down_id_ = store->add(p + "mlp.down_proj.weight", {a.hidden, shape.ffn}, true, Init::normal, out_std);
+  norm1_id_ = store->add(p + "input_layernorm.weight", {a.hidden}, false, Init::ones, 0.02f, norm_shard);
+  q_id_ = store->add(p + "self_attn.q_proj.weight", {l.heads * d, a.hidden}, true, Init::normal, init_std,
+                     split({qd, a.hidden}, 0, r * l.heads * d));
+  store->add(p + "self_attn.k_proj.weight", {l.kv_heads * d, a.hidden}, true, Init::normal, init_std,
+             split({kvd, a.hidden}, 0, kv_start, kv_primary));
+  store->add(p + "self_attn.v_proj.weight", {l.kv_heads * d, a.hidden}, true, Init::normal, init_std,
+             split({kvd, a.hidden}, 0, kv_start, kv_primary));
+  o_id_ = store->add(p + "self_attn.o_proj.weight", {a.hidden, l.heads * d}, true, Init::normal, out_std,
+                     split({a.hidden, qd}, 1, r * l.heads * d));
+  norm2_id_ = store->add(p + "post_attention_layernorm.weight", {a.hidden}, false, Init::ones, 0.02f, norm_shard);
+  const int64_t f = shape.ffn / tp;
+  gate_id_ = store->add(p + "mlp.gate_proj.weight", {f, a.hidden}, true, Init::normal, init_std,
+                        split({shape.ffn, a.hidden}, 0, r * f));
+  store->add(p + "mlp.up_proj.weight", {f, a.hidden}, true, Init::normal, init_std,
+             split({shape.ffn, a.hidden}, 0, r * f));
+  down_id_ = store->add(p + "mlp.down_proj.weight", {a.hidden, f}, true, Init::normal, out_std,
+                        split({a.hidden, shape.ffn}, 1, r * f));
 }
 
 void TransformerLayer::bind(const RopeTable* rope, ComputeOptions options) {
   options_ = options;
+  FORGE_CHECK(options.tp_size() == shape_.tp_size && options.tp_rank() == shape_.tp_rank,
+              "layer bound to tensor-parallel rank {} of {} but registered for rank {} of {}", options.tp_rank(),
+              options.tp_size(), shape_.tp_rank, shape_.tp_size);
   norm1_ = RmsNorm(store_, norm1_id_, shape_.norm_eps);
   norm2_ = RmsNorm(store_, norm2_id_, shape_.norm_eps);
-  attention_ = Attention(store_, q_id_, o_id_, shape_.attention, rope, options);
-  mlp_ = Mlp(store_, gate_id_, down_id_, shape_.attention.hidden, shape_.ffn, options);
+  attention_ = Attention(store_, q_id_, o_id_, shape_.local_attention(), rope, options);
+  mlp_ = Mlp(store_, gate_id_, down_id_, shape_.attention.hidden, shape_.ffn / shape_.tp_size, options);
+}
+
+void TransformerLayer::reduce_replicated_grads() const {
+  TensorParallel* tp = options_.tp;
+  if (!tp || tp->size() == 1) return;
+  if (tp->sequence_parallel()) {  // each rank normed only its shard of the rows
+    tp->all_reduce_sum(store_->grad(norm1_id_).f32(), shape_.attention.hidden);
+    tp->all_reduce_sum(store_->grad(norm2_id_).f32(), shape_.attention.hidden);
+  }
+  const auto& a = shape_.attention;
+  if (a.kv_heads >= tp->size()) return;
+  // Replicated kv heads: every holder of head g saw only its own query heads. Sum the copies of each head
+  // through a buffer of all kv heads in which each rank fills its head's slot.
+  const int64_t per_head = a.head_dim * a.hidden;
+  const int64_t head = static_cast<int64_t>(tp->rank()) * a.kv_heads / tp->size();
+  Tensor buffer = Tensor::zeros({2, a.kv_heads, per_head}, DType::f32);
+  for (int kv = 0; kv < 2; ++kv) {
+    const float* g = store_->grad(q_id_ + 1 + kv).f32();
+    std::copy_n(g, per_head, buffer.f32() + (kv * a.kv_heads + head) * per_head);
+  }
+  tp->all_reduce_sum(buffer.f32(), buffer.numel());
+  for (int kv = 0; kv < 2; ++kv)
+    std::copy_n(buffer.f32() + (kv * a.kv_heads + head) * per_head, per_head, store_->grad(q_id_ + 1 + kv).f32());
 }
 
 Tensor TransformerLayer::run_forward(const Tensor& x, int64_t batch, int64_t seq, Saved& saved,

@@ -10,10 +10,15 @@
 
 namespace forge::nn {
 
+// Global shapes (the whole model) and this rank's place in the tensor-parallel group: the layer registers
+// only its shard. Attention heads split over tp; kv heads too when tp divides them, else each rank keeps
+// the one kv head its query heads read (replicated over tp / kv_heads ranks).
 struct LayerShape {
   AttentionShape attention;
   int64_t ffn = 0;
   float norm_eps = 1e-5f;
+  int tp_rank = 0, tp_size = 1;
+  AttentionShape local_attention() const;  // heads and kv heads of this rank
 };
 
 class TransformerLayer {
@@ -35,6 +40,11 @@ class TransformerLayer {
   Tensor forward(const Tensor& x, int64_t batch, int64_t seq, Saved& saved) const;
   Tensor backward_input(const Tensor& dy, int64_t batch, int64_t seq, Saved& saved) const;
   void backward_weight(Saved& saved) const;
+  // Once per optimizer step, after the last micro-batch's backward_weight: sums over the tensor-parallel
+  // group the gradients that several ranks hold copies of and each saw only part of (norm weights under
+  // sequence parallelism, kv heads replicated over ranks).
+  void reduce_replicated_grads() const;
+  int first_param() const { return norm1_id_; }  // the layer's parameters are adjacent from here
 
   // Inference over a KV cache (see Attention::forward_cached): x is [batch * tokens, hidden] for new tokens
   // at positions cache.length.. of each sequence; nothing is kept for backward.

@@ -16,6 +16,13 @@ namespace forge::cpu {
 namespace {
 
 int64_t chunk_width(const ops::LinearCrossEntropyParams& p) { return std::min(p.vocab_chunk, p.vocab); }
+int64_t global_vocab(const ops::LinearCrossEntropyParams& p) {
+  return p.global_vocab > 0 ? p.global_vocab : p.vocab_start + p.vocab;
+}
+// Columns of [first, first + width) (local) that are real tokens, not padding.
+int64_t real_width(const ops::LinearCrossEntropyParams& p, int64_t first, int64_t width) {
+  return std::clamp<int64_t>(global_vocab(p) - p.vocab_start - first, 0, width);
+}
 
 void check(const ops::LinearCrossEntropyParams& p, const char* what) {
   FORGE_CHECK(p.rows >= 0 && p.dim > 0 && p.vocab > 0 && p.vocab_chunk > 0,
@@ -24,9 +31,11 @@ void check(const ops::LinearCrossEntropyParams& p, const char* what) {
   FORGE_CHECK(p.gemm_dtype == DType::f32 || p.gemm_dtype == DType::bf16,
               "{}: gemm_dtype must be fp32 or bf16", what);
   FORGE_CHECK(p.workspace != nullptr, "{}: workspace is required", what);
+  FORGE_CHECK(p.vocab_start >= 0 && global_vocab(p) > p.vocab_start, "{}: vocabulary range {}+{} of {} is empty",
+              what, p.vocab_start, p.vocab, global_vocab(p));
   for (int64_t r = 0; r < p.rows; ++r)
-    if (p.targets[r] >= p.vocab)
-      fail("{}: target {} at row {} is outside the vocabulary [0, {})", what, p.targets[r], r, p.vocab);
+    if (p.targets[r] >= global_vocab(p))
+      fail("{}: target {} at row {} is outside the vocabulary [0, {})", what, p.targets[r], r, global_vocab(p));
 }
 
 // Element `offset` of a GEMM operand stored in gemm_dtype.
@@ -55,29 +64,34 @@ void linear_cross_entropy_forward(const ops::LinearCrossEntropyParams& p) {
   std::vector<float> running_max(p.rows, -std::numeric_limits<float>::infinity());
   std::vector<float> running_sum(p.rows, 0.0f), target_logit(p.rows, 0.0f);
   for (int64_t first = 0; first < p.vocab; first += chunk) {
-    const int64_t width = std::min(chunk, p.vocab - first);
+    const int64_t width = std::min(chunk, p.vocab - first), real = real_width(p, first, width);
+    if (real == 0) break;  // padding from here on
     chunk_logits(p, first, width, logits);
+    const int64_t global_first = p.vocab_start + first;
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < p.rows; ++r) {
       const float* row = logits + r * width;
       float chunk_max = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : chunk_max)
-      for (int64_t j = 0; j < width; ++j) chunk_max = std::max(chunk_max, row[j]);
+      for (int64_t j = 0; j < real; ++j) chunk_max = std::max(chunk_max, row[j]);
       const float new_max = std::max(running_max[r], chunk_max);
       float sum = 0;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < width; ++j) sum += simd_exp(row[j] - new_max);
+      for (int64_t j = 0; j < real; ++j) sum += simd_exp(row[j] - new_max);
       // Rescale what earlier chunks summed relative to their (smaller or equal) max.
       const float rescale = running_sum[r] == 0.0f ? 0.0f : std::exp(running_max[r] - new_max);
       running_sum[r] = running_sum[r] * rescale + sum;
       running_max[r] = new_max;
       const int32_t target = p.targets[r];
-      if (target >= first && target < first + width) target_logit[r] = row[target - first];
+      if (target >= global_first && target < global_first + real) target_logit[r] = row[target - global_first];
     }
   }
   for (int64_t r = 0; r < p.rows; ++r) {
-    p.lse[r] = running_max[r] + std::log(running_sum[r]);
+    // A range of padding only (possible with tiny vocabularies split far) has lse = -inf: exp gives 0.
+    p.lse[r] = running_sum[r] > 0 ? running_max[r] + std::log(running_sum[r])
+                                   : -std::numeric_limits<float>::infinity();
     p.loss[r] = p.targets[r] < 0 ? 0.0f : p.lse[r] - target_logit[r];
+    if (p.target_logit) p.target_logit[r] = target_logit[r];
   }
 }
 
@@ -90,8 +104,13 @@ void linear_cross_entropy_backward(const ops::LinearCrossEntropyParams& p) {
   // bf16 GEMMs need bf16 dlogits: they live after the fp32 chunk in the workspace.
   uint16_t* dlogits_bf16 = reinterpret_cast<uint16_t*>(p.workspace + p.rows * chunk);
   for (int64_t first = 0; first < p.vocab; first += chunk) {
-    const int64_t width = std::min(chunk, p.vocab - first);
+    const int64_t width = std::min(chunk, p.vocab - first), real = real_width(p, first, width);
+    if (real == 0) {  // padding: no gradient, but dhidden must still be written when nothing was
+      if (first == 0) std::fill(p.dhidden, p.dhidden + p.rows * p.dim, 0.0f);
+      break;
+    }
     chunk_logits(p, first, width, dlogits);
+    const int64_t global_first = p.vocab_start + first;
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < p.rows; ++r) {
       float* row = dlogits + r * width;
@@ -102,12 +121,13 @@ void linear_cross_entropy_backward(const ops::LinearCrossEntropyParams& p) {
       }
       const float lse = p.lse[r], scale = p.grad_scale;
 #pragma omp simd
-      for (int64_t j = 0; j < width; ++j) {
+      for (int64_t j = 0; j < real; ++j) {
         // Flush what would be denormal: it changes nothing and would slow both GEMMs dramatically.
         const float d = simd_exp(row[j] - lse) * scale;
         row[j] = std::abs(d) < std::numeric_limits<float>::min() ? 0.0f : d;
       }
-      if (target >= first && target < first + width) row[target - first] -= scale;
+      std::fill(row + real, row + width, 0.0f);
+      if (target >= global_first && target < global_first + real) row[target - global_first] -= scale;
     }
     const void* a = dlogits;
     if (bf16) {

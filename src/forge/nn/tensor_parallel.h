@@ -1,0 +1,47 @@
+// The tensor-parallel group as modules see it. nn/ knows nothing of MPI or NCCL: parallel/ implements this
+// interface over a comm::Communicator, and a model built without one (tp = 1) runs every module unsplit.
+//
+// Megatron's conjugate pairs, expressed as two operations on the token rows:
+//   gather_in   before a column-parallel GEMM (forward) and before a row-parallel GEMM's input gradient
+//               (backward): identity without sequence parallelism; with it, the [rows/tp, d] shard of each
+//               rank becomes the full [rows, d] (all-gather).
+//   reduce_out  after a row-parallel GEMM (forward) and after a column-parallel GEMM's input gradient
+//               (backward): partial sums over ranks become the full sum (all-reduce), or with sequence
+//               parallelism this rank's summed shard of rows (reduce-scatter).
+#pragma once
+
+#include <cstdint>
+
+#include "forge/core/tensor.h"
+
+namespace forge::nn {
+
+class TensorParallel {
+ public:
+  virtual ~TensorParallel() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual bool sequence_parallel() const = 0;
+
+  virtual void all_reduce_sum(float* buf, int64_t count) = 0;  // in place
+  // Gathers each rank's lse-style vector: out[size * count] in rank order.
+  virtual void all_gather(const float* send, float* recv, int64_t count) = 0;
+  // [rows/tp, d] per rank -> [rows, d], shards in rank order.
+  virtual Tensor all_gather_rows(const Tensor& shard) = 0;
+  // [rows, d] partial sums -> this rank's [rows/tp, d] shard of the sum.
+  virtual Tensor reduce_scatter_rows(const Tensor& full) = 0;
+
+  Tensor gather_in(const Tensor& x) { return sequence_parallel() ? all_gather_rows(x) : x; }
+  Tensor reduce_out(const Tensor& x) {
+    if (sequence_parallel()) return reduce_scatter_rows(x);
+    Tensor y = x;
+    all_reduce_sum(y.f32(), y.numel());
+    return y;
+  }
+};
+
+// Identity when tp is null (one rank).
+inline Tensor gather_in(TensorParallel* tp, const Tensor& x) { return tp ? tp->gather_in(x) : x; }
+inline Tensor reduce_out(TensorParallel* tp, const Tensor& x) { return tp ? tp->reduce_out(x) : x; }
+
+}  // namespace forge::nn

@@ -1,0 +1,31 @@
+#include "forge/parallel/tensor_parallel.h"
+
+#include "forge/core/error.h"
+
+namespace forge::parallel {
+
+void CommTensorParallel::all_reduce_sum(float* buf, int64_t count) {
+  group_->all_reduce(buf, count, comm::Type::f32, comm::ReduceOp::sum).wait();
+}
+
+void CommTensorParallel::all_gather(const float* send, float* recv, int64_t count) {
+  group_->all_gather(send, recv, count, comm::Type::f32).wait();
+}
+
+Tensor CommTensorParallel::all_gather_rows(const Tensor& shard) {
+  FORGE_CHECK(shard.rank() == 2, "all_gather_rows expects a [rows, dim] tensor, got {}",
+              shape_string(shard.shape()));
+  Tensor full = Tensor::empty({shard.dim(0) * size(), shard.dim(1)}, DType::f32);
+  group_->all_gather(shard.f32(), full.f32(), shard.numel(), comm::Type::f32).wait();
+  return full;
+}
+
+Tensor CommTensorParallel::reduce_scatter_rows(const Tensor& full) {
+  FORGE_CHECK(full.rank() == 2 && full.dim(0) % size() == 0,
+              "reduce_scatter_rows: {} rows do not split over {} tensor-parallel ranks", full.dim(0), size());
+  Tensor shard = Tensor::empty({full.dim(0) / size(), full.dim(1)}, DType::f32);
+  group_->reduce_scatter(full.f32(), shard.f32(), shard.numel(), comm::Type::f32, comm::ReduceOp::sum).wait();
+  return shard;
+}
+
+}  // namespace forge::parallel

@@ -1,0 +1,30 @@
+// The tensor-parallel group of nn/ (nn::TensorParallel) over a comm::Communicator: the all-reduces,
+// all-gathers and reduce-scatters that Megatron's column- and row-parallel layers, vocabulary-parallel
+// embedding and cross-entropy, and sequence parallelism need. Blocking: these calls sit on the critical
+// path of forward and backward (B), where nothing else is ready to overlap with them.
+#pragma once
+
+#include "forge/comm/comm.h"
+#include "forge/nn/tensor_parallel.h"
+
+namespace forge::parallel {
+
+class CommTensorParallel final : public nn::TensorParallel {
+ public:
+  CommTensorParallel(comm::Communicator* group, bool sequence_parallel)
+      : group_(group), sequence_parallel_(sequence_parallel) {}
+  int rank() const override { return group_->rank(); }
+  int size() const override { return group_->size(); }
+  bool sequence_parallel() const override { return sequence_parallel_; }
+
+  void all_reduce_sum(float* buf, int64_t count) override;
+  void all_gather(const float* send, float* recv, int64_t count) override;
+  Tensor all_gather_rows(const Tensor& shard) override;
+  Tensor reduce_scatter_rows(const Tensor& full) override;
+
+ private:
+  comm::Communicator* group_;
+  bool sequence_parallel_;
+};
+
+}  // namespace forge::parallel
