@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "forge/core/error.h"
+#include "forge/core/file_io.h"
 #include "op_harness.h"
 
 namespace forge {
@@ -53,6 +54,18 @@ TEST(TrainConfig, DefaultsMatchTheDocumentedValues) {
   EXPECT_EQ(c.sample.prompt, "And God said");
   EXPECT_EQ(c.sample.top_k, 40);
   EXPECT_EQ(c.tokens_per_step(), 8 * 256);
+  EXPECT_EQ(c.parallel.tp, 1);
+  EXPECT_EQ(c.parallel.pp, 1);
+  EXPECT_EQ(c.parallel.dp, 0);  // derived from the world size
+  EXPECT_EQ(c.parallel.cp, 1);
+  EXPECT_EQ(c.parallel.ep, 1);
+  EXPECT_FALSE(c.parallel.sequence_parallel);
+  EXPECT_FALSE(c.parallel.distributed_optimizer);
+  EXPECT_TRUE(c.parallel.overlap_grad_reduce);
+  EXPECT_DOUBLE_EQ(c.parallel.bucket_mb, 4.0);
+  EXPECT_EQ(c.parallel.make_vocab_size_divisible_by, 128);
+  EXPECT_DOUBLE_EQ(c.parallel.timeout_s, 300.0);
+  EXPECT_EQ(c.layout_spec(), (parallel::LayoutSpec{.tp = 1, .pp = 1, .dp = 0, .cp = 1, .ep = 1}));
   EXPECT_NO_THROW(c.validate());
 }
 
@@ -71,7 +84,15 @@ TEST(TrainConfig, DefaultTomlFileEqualsBuiltInDefaults) {
     ++keys;
     EXPECT_NE(line.find(" # "), std::string::npos) << "no comment: " << line;
   }
-  EXPECT_EQ(keys, 43);
+  EXPECT_EQ(keys, 54);
+}
+
+TEST(TrainConfig, DefaultTomlFileIsTheGeneratedText) {
+  // The file is its header comment followed by to_toml() of the defaults: same keys, order and comments.
+  const std::string text = read_file(kRepoRoot / "configs/default.toml", "config");
+  const std::string generated = TrainConfig{}.to_toml();
+  ASSERT_GE(text.size(), generated.size());
+  EXPECT_EQ(text.substr(text.size() - generated.size()), generated);
 }
 
 TEST(TrainConfig, PartialFileKeepsDefaults) {
@@ -103,6 +124,17 @@ TEST(TrainConfig, TomlRoundTripPreservesEveryValue) {
   c.checkpoint.resume = "auto";
   c.sample.prompt = "line one\nline\ttwo \\ \"three\"";
   c.sample.temperature = 0.1 + 0.2;  // not exactly 0.3: the text must carry all digits
+  c.parallel.tp = 2;
+  c.parallel.pp = 4;
+  c.parallel.dp = 3;
+  c.parallel.cp = 2;
+  c.parallel.ep = 6;
+  c.parallel.sequence_parallel = true;
+  c.parallel.distributed_optimizer = true;
+  c.parallel.overlap_grad_reduce = false;
+  c.parallel.bucket_mb = 0.25;
+  c.parallel.make_vocab_size_divisible_by = 64;
+  c.parallel.timeout_s = 12.5;
   const std::string text = c.to_toml();
   const TrainConfig back = TrainConfig::from_toml_string(text, "round trip");
   EXPECT_EQ(back, c) << text;
@@ -128,6 +160,33 @@ TEST(TrainConfig, Overrides) {
   EXPECT_DOUBLE_EQ(c.train.max_minutes, 3.0);
   c.apply_override("checkpoint.dir=");
   EXPECT_EQ(c.checkpoint.dir, "");
+  c.apply_override("parallel.tp=2");
+  EXPECT_EQ(c.parallel.tp, 2);
+  c.apply_override("parallel.sequence_parallel=true");
+  EXPECT_TRUE(c.parallel.sequence_parallel);
+  c.apply_override("parallel.overlap_grad_reduce = false");
+  EXPECT_FALSE(c.parallel.overlap_grad_reduce);
+  c.apply_override("parallel.timeout_s=60");
+  EXPECT_DOUBLE_EQ(c.parallel.timeout_s, 60.0);
+}
+
+TEST(TrainConfig, ParallelSection) {
+  const TrainConfig c = TrainConfig::from_toml_string(
+      "[parallel]\ntp = 2\npp = 2\ndp = 2\nep = 2\nsequence_parallel = true\ndistributed_optimizer = true\n"
+      "overlap_grad_reduce = false\nbucket_mb = 25\nmake_vocab_size_divisible_by = 1\ntimeout_s = 0\n",
+      "x.toml");
+  EXPECT_NO_THROW(c.validate());
+  EXPECT_EQ(c.layout_spec(), (parallel::LayoutSpec{.tp = 2, .pp = 2, .dp = 2, .cp = 1, .ep = 2}));
+  EXPECT_TRUE(c.parallel.sequence_parallel);
+  EXPECT_TRUE(c.parallel.distributed_optimizer);
+  EXPECT_FALSE(c.parallel.overlap_grad_reduce);
+  EXPECT_DOUBLE_EQ(c.parallel.bucket_mb, 25.0);
+  EXPECT_EQ(c.parallel.make_vocab_size_divisible_by, 1);
+  EXPECT_DOUBLE_EQ(c.parallel.timeout_s, 0.0);  // wait forever
+  EXPECT_NE(c, TrainConfig{});
+  TrainConfig unchecked;  // layout_spec() narrows to int even without validate()
+  unchecked.parallel.ep = int64_t{1} << 33;
+  expect_error_containing([&] { unchecked.layout_spec(); }, {"parallel.ep is out of range: 8589934592"});
 }
 
 TEST(TrainConfigErrors, Overrides) {
@@ -142,6 +201,12 @@ TEST(TrainConfigErrors, Overrides) {
   expect_override_error("model.seed=-1", {"model.seed must be >= 0"});
   expect_override_error("train.schedule=linear",
                         {"train.schedule must be one of 'cosine', 'wsd', 'constant'", "got 'linear'"});
+  expect_override_error("parallel.sequence_parallel=yes",
+                        {"'yes' is not a boolean (true or false)", "parallel.sequence_parallel"});
+  expect_override_error("parallel.overlap_grad_reduce=1", {"'1' is not a boolean"});
+  expect_override_error("parallel.distributed_optimizer=True", {"'True' is not a boolean"});
+  expect_override_error("parallel.tp=two", {"'two' is not an integer", "parallel.tp"});
+  expect_override_error("tp=2", {"unknown key 'tp'", "did you mean 'parallel.tp'?"});
 }
 
 TEST(TrainConfigErrors, UnknownKeysAndSections) {
@@ -163,6 +228,13 @@ TEST(TrainConfigErrors, WrongTypesAndValues) {
   expect_parse_error("[train]\nschedule = \"linear\"\n", {"test.toml:2", "train.schedule must be one of"});
   expect_parse_error("[train]\ndtype = \"fp16\"\n", {"train.dtype must be one of 'auto', 'bf16', 'fp32'"});
   expect_parse_error("[model]\nseed = -3\n", {"model.seed must be >= 0"});
+  expect_parse_error(
+      "[parallel]\nsequence_parallel = 1\n",
+      {"test.toml:2: parallel.sequence_parallel must be a boolean (true or false), got integer"});
+  expect_parse_error("[parallel]\noverlap_grad_reduce = \"true\"\n",
+                     {"parallel.overlap_grad_reduce must be a boolean", "got string"});
+  expect_parse_error("[parallel]\ntp = 2.0\n", {"parallel.tp must be an integer, got float"});
+  expect_parse_error("[parallel]\ntensor_parallel = 2\n", {"unknown key 'parallel.tensor_parallel'"});
 }
 
 TEST(TrainConfigErrors, InvalidTomlAndMissingFile) {
@@ -201,6 +273,20 @@ TEST(TrainConfigErrors, Validation) {
   expect_invalid([](TrainConfig& c) { c.log.every = 0; }, {"log.every"});
   expect_invalid([](TrainConfig& c) { c.sample.temperature = -0.5; }, {"sample.temperature"});
   expect_invalid([](TrainConfig& c) { c.model.config.clear(); }, {"model.config"});
+  expect_invalid([](TrainConfig& c) { c.parallel.tp = 0; }, {"test.toml: parallel.tp must be >= 1, got 0"});
+  expect_invalid([](TrainConfig& c) { c.parallel.pp = -2; }, {"parallel.pp must be >= 1, got -2"});
+  expect_invalid([](TrainConfig& c) { c.parallel.cp = 0; }, {"parallel.cp must be >= 1, got 0"});
+  expect_invalid([](TrainConfig& c) { c.parallel.ep = 0; }, {"parallel.ep must be >= 1, got 0"});
+  expect_invalid([](TrainConfig& c) { c.parallel.dp = -1; },
+                 {"parallel.dp must be >= 1 (or 0 = derived from the world size), got -1"});
+  expect_invalid([](TrainConfig& c) { c.parallel.tp = int64_t{1} << 40; },
+                 {"parallel.tp must be at most 2147483647"});
+  expect_invalid([](TrainConfig& c) { c.parallel.dp = int64_t{1} << 31; }, {"parallel.dp must be at most"});
+  expect_invalid([](TrainConfig& c) { c.parallel.bucket_mb = 0; }, {"parallel.bucket_mb must be > 0, got 0"});
+  expect_invalid([](TrainConfig& c) { c.parallel.bucket_mb = -1; }, {"parallel.bucket_mb"});
+  expect_invalid([](TrainConfig& c) { c.parallel.make_vocab_size_divisible_by = 0; },
+                 {"parallel.make_vocab_size_divisible_by must be >= 1, got 0"});
+  expect_invalid([](TrainConfig& c) { c.parallel.timeout_s = -5; }, {"parallel.timeout_s must be >= 0"});
 }
 
 TEST(TrainConfig, DerivedSettings) {

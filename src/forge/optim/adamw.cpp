@@ -27,25 +27,35 @@ AdamW::AdamW(nn::ParameterStore* store, AdamWConfig config)
   if (!store->has_grads()) fail("AdamW over a parameter store built without gradients (inference)");
 }
 
-void AdamW::step(float lr, float grad_scale) {
-  ++step_;
-  float* params = store_->params().f32();
-  const float* grads = store_->grads().f32();
-  uint16_t* shadow = store_->has_bf16() ? store_->params_bf16().bf16() : nullptr;
-  for (const auto& info : store_->infos()) {
+void adamw_update_range(nn::ParameterStore& store, int64_t begin, int64_t end, float* exp_avg,
+                        float* exp_avg_sq, const AdamWConfig& config, float lr, float grad_scale,
+                        int64_t step, bool write_bf16) {
+  FORGE_CHECK(0 <= begin && begin <= end && end <= store.numel(),
+              "AdamW range [{}, {}) outside the {} parameters", begin, end, store.numel());
+  float* params = store.params().f32();
+  const float* grads = store.grads().f32();
+  uint16_t* shadow = write_bf16 && store.has_bf16() ? store.params_bf16().bf16() : nullptr;
+  for_each_param_in_range(store, begin, end, [&](const nn::ParamInfo& info, int64_t lo, int64_t hi) {
     ops::AdamWParams p;
-    p.n = shape_numel(info.shape);
-    p.param = params + info.offset;
-    p.grad = grads + info.offset;
-    p.exp_avg = exp_avg_.f32() + info.offset;
-    p.exp_avg_sq = exp_avg_sq_.f32() + info.offset;
-    p.param_bf16 = shadow ? shadow + info.offset : nullptr;
-    p.lr = lr, p.beta1 = config_.beta1, p.beta2 = config_.beta2, p.eps = config_.eps;
-    p.weight_decay = info.weight_decay ? config_.weight_decay : 0.0f;
-    p.step = step_;
+    p.n = hi - lo;
+    p.param = params + lo;
+    p.grad = grads + lo;
+    p.exp_avg = exp_avg + (lo - begin);
+    p.exp_avg_sq = exp_avg_sq + (lo - begin);
+    p.param_bf16 = shadow ? shadow + lo : nullptr;
+    p.lr = lr, p.beta1 = config.beta1, p.beta2 = config.beta2, p.eps = config.eps;
+    p.weight_decay = info.weight_decay ? config.weight_decay : 0.0f;
+    p.step = step;
     p.grad_scale = grad_scale;
     ops::adamw(p);
-  }
+  });
+}
+
+void AdamW::step(float lr, float grad_scale) {
+  ++step_;
+  adamw_update_range(*store_, 0, store_->numel(), exp_avg_.f32(), exp_avg_sq_.f32(), config_, lr, grad_scale,
+                     step_,
+                     /*write_bf16=*/true);
 }
 
 }  // namespace forge

@@ -1,8 +1,11 @@
 // AdamW over a ParameterStore: fp32 moments in one allocation each, decoupled weight decay only on
 // parameters registered with weight_decay (not on norms), global-norm gradient clipping as in
 // torch.nn.utils.clip_grad_norm_, and the bf16 shadow of the weights refreshed in the same pass.
+// The update of a flat range (adamw_update_range) is shared with the data-parallel optimizer
+// (parallel/distributed_optimizer.h), which updates only the ranges its rank owns.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "forge/nn/parameters.h"
@@ -18,6 +21,30 @@ double global_grad_norm(const nn::ParameterStore& store);
 // torch's clip_grad_norm_ coefficient: max_norm / (norm + 1e-6) when that is below 1, else 1.
 // max_norm <= 0 disables clipping.
 float clip_coefficient(double norm, float max_norm);
+
+// Calls fn(info, lo, hi) for every parameter overlapping the flat range [begin, end) of the store's
+// buffers, with [lo, hi) the overlap, in offset order. Ranges of a sharded optimizer or of gradient buckets
+// cross parameter boundaries; per-parameter properties (weight decay, sharding) apply piece by piece.
+template <typename Fn>
+void for_each_param_in_range(const nn::ParameterStore& store, int64_t begin, int64_t end, Fn&& fn) {
+  const auto& infos = store.infos();
+  // The last parameter starting at or before `begin`.
+  auto it = std::upper_bound(infos.begin(), infos.end(), begin,
+                             [](int64_t offset, const nn::ParamInfo& p) { return offset < p.offset; });
+  if (it != infos.begin()) --it;
+  for (; it != infos.end() && it->offset < end; ++it) {
+    const int64_t lo = std::max(begin, it->offset), hi = std::min(end, it->offset + shape_numel(it->shape));
+    if (lo < hi) fn(*it, lo, hi);
+  }
+}
+
+// One AdamW step (1-based `step`) on the flat range [begin, end) of the store's parameters, split by
+// parameter so that each piece gets its own weight decay. exp_avg and exp_avg_sq point at the moments of
+// element `begin`. write_bf16: also write the bf16 shadow of the range, in the same pass (when the store
+// has one). Elementwise: updating a range in pieces gives bitwise the same result as in one call.
+void adamw_update_range(nn::ParameterStore& store, int64_t begin, int64_t end, float* exp_avg,
+                        float* exp_avg_sq, const AdamWConfig& config, float lr, float grad_scale,
+                        int64_t step, bool write_bf16);
 
 class AdamW {
  public:

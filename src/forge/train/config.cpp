@@ -20,7 +20,7 @@ namespace {
 
 // One table drives parsing, overrides, validation of choices and to_toml(), so a key added here is
 // readable, overridable and documented at once.
-using FieldRef = std::variant<int64_t*, uint64_t*, double*, std::string*>;
+using FieldRef = std::variant<int64_t*, uint64_t*, double*, bool*, std::string*>;
 
 struct KeySpec {
   std::string_view section;
@@ -124,6 +124,50 @@ const std::vector<KeySpec>& key_specs() {
        "activation recomputation",
        {"none", "selective", "full"}},
       {"train", "threads", FORGE_FIELD(train.threads), "CPU threads (0 = all cores)", {}},
+
+      {"parallel",
+       "tp",
+       FORGE_FIELD(parallel.tp),
+       "tensor-parallel ranks (split heads, FFN and vocabulary)",
+       {}},
+      {"parallel", "pp", FORGE_FIELD(parallel.pp), "pipeline-parallel stages (split the layers)", {}},
+      {"parallel",
+       "dp",
+       FORGE_FIELD(parallel.dp),
+       "data-parallel replicas (0 = derived: world size / (tp * pp * cp))",
+       {}},
+      {"parallel", "cp", FORGE_FIELD(parallel.cp), "context-parallel ranks (split the sequence)", {}},
+      {"parallel",
+       "ep",
+       FORGE_FIELD(parallel.ep),
+       "expert-parallel ranks, carved from dp x cp (must divide it)",
+       {}},
+      {"parallel",
+       "sequence_parallel",
+       FORGE_FIELD(parallel.sequence_parallel),
+       "with tp > 1: split norms and residuals along the sequence across the tp ranks",
+       {}},
+      {"parallel",
+       "distributed_optimizer",
+       FORGE_FIELD(parallel.distributed_optimizer),
+       "ZeRO-1: shard the Adam state over dp (reduce-scatter grads, all-gather weights)",
+       {}},
+      {"parallel",
+       "overlap_grad_reduce",
+       FORGE_FIELD(parallel.overlap_grad_reduce),
+       "reduce gradient buckets during the backward pass",
+       {}},
+      {"parallel", "bucket_mb", FORGE_FIELD(parallel.bucket_mb), "gradient-reduction bucket size in MiB", {}},
+      {"parallel",
+       "make_vocab_size_divisible_by",
+       FORGE_FIELD(parallel.make_vocab_size_divisible_by),
+       "with tp > 1: pad the vocabulary to a multiple of this x tp",
+       {}},
+      {"parallel",
+       "timeout_s",
+       FORGE_FIELD(parallel.timeout_s),
+       "abort the job when a collective waits longer than this (0 = wait forever)",
+       {}},
 
       {"eval", "every", FORGE_FIELD(eval.every), "evaluate every this many steps (0 = only at the end)", {}},
       {"eval", "batches", FORGE_FIELD(eval.batches), "held-out micro-batches per evaluation", {}},
@@ -239,6 +283,9 @@ void assign_from_toml(TrainConfig& config, const KeySpec& spec, const toml::node
           if (!node.is_string()) type_error("a string");
           *field = node.as_string()->get();
           check_choice(spec, *field, where);
+        } else if constexpr (std::is_same_v<T, bool>) {
+          if (!node.is_boolean()) type_error("a boolean (true or false)");
+          *field = node.as_boolean()->get();
         } else if constexpr (std::is_same_v<T, double>) {
           if (node.is_floating_point())
             *field = node.as_floating_point()->get();
@@ -383,6 +430,10 @@ void TrainConfig::apply_override(std::string_view assignment) {
             value = value.substr(1, value.size() - 2);
           check_choice(*spec, std::string(value), where);
           *field = std::string(value);
+        } else if constexpr (std::is_same_v<T, bool>) {
+          if (text != "true" && text != "false")
+            fail("{}: '{}' is not a boolean (true or false) (for {})", where, text, name);
+          *field = text == "true";
         } else if constexpr (std::is_same_v<T, double>) {
           double value = 0;
           auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
@@ -442,6 +493,24 @@ void TrainConfig::validate() const {
         ">= 0 (0 = off)");
   check(train.threads >= 0, "train.threads", train.threads, ">= 0 (0 = all cores)");
 
+  // The layout holds int sizes; the world size is checked against them when the job starts.
+  auto parallel_size = [&](std::string_view key, int64_t value) {
+    check(value >= 1, key, value, ">= 1");
+    check(value <= std::numeric_limits<int>::max(), key, value, "at most 2147483647");
+  };
+  parallel_size("parallel.tp", parallel.tp);
+  parallel_size("parallel.pp", parallel.pp);
+  check(parallel.dp >= 0, "parallel.dp", parallel.dp, ">= 1 (or 0 = derived from the world size)");
+  check(parallel.dp <= std::numeric_limits<int>::max(), "parallel.dp", parallel.dp, "at most 2147483647");
+  parallel_size("parallel.cp", parallel.cp);
+  parallel_size("parallel.ep", parallel.ep);
+  check(finite(parallel.bucket_mb) && parallel.bucket_mb > 0, "parallel.bucket_mb", parallel.bucket_mb,
+        "> 0");
+  check(parallel.make_vocab_size_divisible_by >= 1, "parallel.make_vocab_size_divisible_by",
+        parallel.make_vocab_size_divisible_by, ">= 1");
+  check(finite(parallel.timeout_s) && parallel.timeout_s >= 0, "parallel.timeout_s", parallel.timeout_s,
+        ">= 0 (0 = wait forever)");
+
   check(eval.every >= 0, "eval.every", eval.every, ">= 0 (0 = only at the end)");
   check(eval.batches > 0, "eval.batches", eval.batches, "> 0");
   check(log.every > 0, "log.every", log.every, "> 0");
@@ -481,6 +550,8 @@ std::string TrainConfig::to_toml() const {
             return toml_quote(*field);
           else if constexpr (std::is_same_v<T, double>)
             return toml_float(*field);
+          else if constexpr (std::is_same_v<T, bool>)
+            return *field ? "true" : "false";
           else
             return fmt::format("{}", *field);
         },
@@ -510,9 +581,26 @@ LrSchedule TrainConfig::lr_schedule() const {
   return schedule;
 }
 
+parallel::LayoutSpec TrainConfig::layout_spec() const {
+  // validate() keeps every size within int; a config used without it still gets a clear error here.
+  auto narrow = [](std::string_view key, int64_t value) {
+    if (value < 0 || value > std::numeric_limits<int>::max())
+      fail("parallel.{} is out of range: {}", key, value);
+    return static_cast<int>(value);
+  };
+  parallel::LayoutSpec spec;
+  spec.tp = narrow("tp", parallel.tp);
+  spec.pp = narrow("pp", parallel.pp);
+  spec.dp = narrow("dp", parallel.dp);
+  spec.cp = narrow("cp", parallel.cp);
+  spec.ep = narrow("ep", parallel.ep);
+  return spec;
+}
+
 bool TrainConfig::operator==(const TrainConfig& other) const {
   return model == other.model && data == other.data && train == other.train && eval == other.eval &&
-         log == other.log && checkpoint == other.checkpoint && sample == other.sample;
+         log == other.log && checkpoint == other.checkpoint && sample == other.sample &&
+         parallel == other.parallel;
 }
 
 }  // namespace forge

@@ -12,6 +12,7 @@
 #include <string_view>
 
 #include "forge/optim/lr_schedule.h"
+#include "forge/parallel/layout.h"
 
 namespace forge {
 
@@ -80,6 +81,21 @@ struct TrainConfig {
     uint64_t seed = 7;
     bool operator==(const Sample&) const = default;
   };
+  // How the world's ranks are split (see forge/parallel/layout.h) and how gradients travel between them.
+  struct Parallel {
+    int64_t tp = 1;  // tensor parallel
+    int64_t pp = 1;  // pipeline parallel
+    int64_t dp = 0;  // data parallel; 0 = derived: world size / (tp * pp * cp)
+    int64_t cp = 1;  // context parallel
+    int64_t ep = 1;  // expert parallel, carved from dp x cp
+    bool sequence_parallel = false;
+    bool distributed_optimizer = false;  // ZeRO-1: optimizer state sharded over dp
+    bool overlap_grad_reduce = true;
+    double bucket_mb = 4.0;
+    int64_t make_vocab_size_divisible_by = 128;
+    double timeout_s = 300;  // 0 = wait forever
+    bool operator==(const Parallel&) const = default;
+  };
 
   Model model;
   Data data;
@@ -88,6 +104,7 @@ struct TrainConfig {
   Log log;
   Checkpoint checkpoint;
   Sample sample;
+  Parallel parallel;
   std::string source = "<defaults>";  // where the settings came from; prefixes validate()'s messages
 
   // Keys missing from the file keep their defaults. Errors: forge::Error "<file>:<line>: ...".
@@ -103,6 +120,8 @@ struct TrainConfig {
 
   std::filesystem::path checkpoint_dir() const;
   LrSchedule lr_schedule() const;
+  // [parallel]'s sizes for parallel::Layout (dp 0 = derived from the world size). Call after validate().
+  parallel::LayoutSpec layout_spec() const;
   int64_t tokens_per_step() const { return train.micro_batch * train.grad_accum * data.seq_len; }
 
   // Compares the settings, not where they came from.

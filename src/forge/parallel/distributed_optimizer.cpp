@@ -1,0 +1,164 @@
+#include "forge/parallel/distributed_optimizer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "forge/core/dtype.h"
+#include "forge/core/error.h"
+#include "forge/kernels/ops.h"
+
+namespace forge::parallel {
+
+DistributedAdamW::DistributedAdamW(nn::ParameterStore* store, AdamWConfig config, comm::Communicator* dp,
+                                   comm::Communicator* model_parallel, const GradBuckets* buckets)
+    : store_(store), config_(config), dp_(dp), model_parallel_(model_parallel), buckets_(buckets) {
+  FORGE_CHECK(store != nullptr && dp != nullptr,
+              "the distributed optimizer needs a parameter store and a dp group");
+  if (!store->has_grads()) fail("AdamW over a parameter store built without gradients (inference)");
+  if (buckets) {
+    FORGE_CHECK(&buckets->store() == store, "the gradient buckets cover another parameter store");
+    sharded_ = buckets->sharded();
+    if (sharded_ && (buckets->dp()->size() != dp->size() || buckets->dp()->rank() != dp->rank()))
+      fail("the optimizer's dp group ({} ranks, rank {}) is not the gradient buckets' ({} ranks, rank {})",
+           dp->size(), dp->rank(), buckets->dp()->size(), buckets->dp()->rank());
+  }
+  if (sharded_)
+    owned_ = buckets->owned_ranges();
+  else if (store->numel() > 0)
+    owned_ = {{0, store->numel()}};
+  int64_t total = 0;
+  for (auto [lo, hi] : owned_) {
+    moment_offsets_.push_back(total);
+    total += hi - lo;
+  }
+  exp_avg_ = Tensor::zeros({total}, DType::f32);
+  exp_avg_sq_ = Tensor::zeros({total}, DType::f32);
+  if (sharded_) {
+    int64_t shards = 0, padded = 0;
+    for (const GradBucket& b : buckets->buckets()) {
+      shards += b.shard_size;
+      if (b.padded_size() != b.size()) padded = std::max(padded, b.padded_size());
+    }
+    gather_send_ = Tensor::zeros({shards}, DType::f32);
+    if (padded > 0) gather_recv_ = Tensor::zeros({padded}, DType::f32);
+  }
+}
+
+double DistributedAdamW::grad_norm() const {
+  const float* grads = store_->grads().f32();
+  // Runs of adjacent primary parameters go to one sum_squares call: with one rank and no replicated copies
+  // this is global_grad_norm's single call, bitwise.
+  double sum = 0;
+  int64_t run_begin = 0, run_end = 0;
+  auto flush = [&] {
+    if (run_end > run_begin) sum += ops::sum_squares(grads + run_begin, run_end - run_begin);
+    run_begin = run_end = 0;
+  };
+  for (auto [begin, end] : owned_) {
+    for_each_param_in_range(*store_, begin, end, [&](const nn::ParamInfo& info, int64_t lo, int64_t hi) {
+      if (!info.shard.primary) return;
+      if (lo != run_end) {
+        flush();
+        run_begin = lo;
+      }
+      run_end = hi;
+    });
+  }
+  flush();
+  if (sharded_ && dp_->size() > 1) sum = comm::all_reduce_sum(*dp_, sum);
+  if (model_parallel_ && model_parallel_->size() > 1) sum = comm::all_reduce_sum(*model_parallel_, sum);
+  return std::sqrt(sum);
+}
+
+void DistributedAdamW::step(float lr, float grad_scale) {
+  ++step_;
+  for (size_t r = 0; r < owned_.size(); ++r) {
+    const int64_t m = moment_offsets_[r];
+    // Sharded: the shadow is refreshed after the gather, over whole buckets.
+    adamw_update_range(*store_, owned_[r].first, owned_[r].second, exp_avg_.f32() + m, exp_avg_sq_.f32() + m,
+                       config_, lr, grad_scale, step_, /*write_bf16=*/!sharded_);
+  }
+  if (sharded_) gather_params();
+}
+
+void DistributedAdamW::gather_params() {
+  const auto& buckets = buckets_->buckets();
+  float* params = store_->params().f32();
+  float* send = gather_send_.f32();
+  std::vector<comm::Request> requests(buckets.size());
+  // Launch every bucket's all-gather, then finish them in order, converting each to bf16 while later ones
+  // are still in flight.
+  for (size_t i = buckets.size(); i-- > 0;) {
+    const GradBucket& b = buckets[i];
+    auto [lo, hi] = buckets_->owned_range(static_cast<int>(i));
+    // The send buffer must not alias the receive buffer (the bucket), so the own shard is staged.
+    std::memcpy(send, params + lo, static_cast<size_t>(hi - lo) * sizeof(float));
+    std::memset(send + (hi - lo), 0, static_cast<size_t>(b.shard_size - (hi - lo)) * sizeof(float));
+    float* recv = b.padded_size() == b.size() ? params + b.begin : gather_recv_.f32();
+    requests[i] = dp_->all_gather(send, recv, b.shard_size, comm::Type::f32);
+    send += b.shard_size;
+  }
+  for (size_t i = buckets.size(); i-- > 0;) {
+    const GradBucket& b = buckets[i];
+    requests[i].wait();
+    if (b.padded_size() != b.size())
+      std::memcpy(params + b.begin, gather_recv_.f32(), static_cast<size_t>(b.size()) * sizeof(float));
+    if (store_->has_bf16())
+      convert_f32_to_bf16(params + b.begin, store_->params_bf16().bf16() + b.begin,
+                          static_cast<size_t>(b.size()));
+  }
+}
+
+void DistributedAdamW::append_pieces(std::vector<ShardPiece>& pieces, int64_t begin, int64_t end, int range,
+                                     bool params, bool moments, bool primary_only) const {
+  for_each_param_in_range(*store_, begin, end, [&](const nn::ParamInfo& info, int64_t lo, int64_t hi) {
+    if (primary_only && !info.shard.primary) return;
+    ShardPiece piece;
+    piece.global_shape = info.global_shape();
+    piece.local_shape = info.shape;
+    piece.split_dim = info.shard.dim;
+    piece.split_start = info.shard.start;
+    piece.flat_begin = lo - info.offset;
+    piece.flat_end = hi - info.offset;
+    if (params) {
+      piece.name = info.name;
+      piece.data = store_->params().f32() + lo;
+      pieces.push_back(piece);
+    }
+    if (moments) {
+      const int64_t m = moment_index(static_cast<size_t>(range), lo);
+      piece.name = "exp_avg." + info.name;
+      piece.data = exp_avg_.f32() + m;
+      pieces.push_back(piece);
+      piece.name = "exp_avg_sq." + info.name;
+      piece.data = exp_avg_sq_.f32() + m;
+      pieces.push_back(piece);
+    }
+  });
+}
+
+std::vector<ShardPiece> DistributedAdamW::checkpoint_pieces(bool include_params) const {
+  std::vector<ShardPiece> pieces;
+  // Unsharded, every dp rank holds the same state: dp rank 0 writes it.
+  if (!sharded_ && dp_->rank() != 0) return pieces;
+  for (size_t r = 0; r < owned_.size(); ++r)
+    append_pieces(pieces, owned_[r].first, owned_[r].second, static_cast<int>(r), include_params,
+                  /*moments=*/true,
+                  /*primary_only=*/true);
+  return pieces;
+}
+
+std::vector<ShardPiece> DistributedAdamW::checkpoint_pieces_for_load(bool include_params) const {
+  std::vector<ShardPiece> pieces;
+  // Every rank needs its whole local weights (ZeRO gathers them after each step, so they must start equal),
+  // replicated tensor-parallel copies included; the moments only where it updates.
+  if (include_params)
+    append_pieces(pieces, 0, store_->numel(), -1, /*params=*/true, /*moments=*/false, /*primary_only=*/false);
+  for (size_t r = 0; r < owned_.size(); ++r)
+    append_pieces(pieces, owned_[r].first, owned_[r].second, static_cast<int>(r), /*params=*/false,
+                  /*moments=*/true, /*primary_only=*/false);
+  return pieces;
+}
+
+}  // namespace forge::parallel

@@ -1,0 +1,84 @@
+// AdamW under data parallelism, with ZeRO-1 when the gradient buckets are sharded.
+//
+// Sharded (Megatron's distributed optimizer): each dp rank keeps fp32 Adam moments only for the ranges it
+// owns (its shard of every gradient bucket, where GradBuckets left the summed gradient), updates those
+// ranges of the fp32 master weights, then all-gathers the updated weights bucket by bucket so every rank
+// holds the whole model again, and refreshes the bf16 shadow. Unsharded: every rank owns everything (the
+// gradients were all-reduced) and the update is exactly forge::AdamW's.
+//
+// The gradient norm counts each element of the model once: over the owned ranges, only parameters whose
+// ShardSpec is primary (a replicated copy on a higher tensor-parallel rank is skipped), summed over dp
+// when sharded and over the model-parallel group (tp x pp ranks holding different parts) always.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "forge/ckpt/sharded.h"
+#include "forge/comm/comm.h"
+#include "forge/core/tensor.h"
+#include "forge/nn/parameters.h"
+#include "forge/optim/adamw.h"
+#include "forge/parallel/grad_buckets.h"
+
+namespace forge::parallel {
+
+class DistributedAdamW {
+ public:
+  // model_parallel may be null (one model-parallel rank). buckets may be null (unsharded, nothing to
+  // gather); when sharded, it must reduce over `dp`. All pointers must outlive the optimizer.
+  DistributedAdamW(nn::ParameterStore* store, AdamWConfig config, comm::Communicator* dp,
+                   comm::Communicator* model_parallel, const GradBuckets* buckets);
+
+  // Global gradient norm (collective over dp when sharded and over model_parallel). Call after
+  // GradBuckets::finish(): only the owned ranges hold summed gradients.
+  double grad_norm() const;
+  // One update with learning rate lr, gradients first multiplied by grad_scale (clipping). Collective over
+  // dp when sharded; afterwards every rank holds the same full parameters and bf16 shadow.
+  void step(float lr, float grad_scale);
+
+  int64_t steps_taken() const { return step_; }
+  void set_steps_taken(int64_t step) { step_ = step; }
+  const AdamWConfig& config() const { return config_; }
+  bool sharded() const { return sharded_; }
+  // Flat ranges of the store this rank updates, in offset order; the moments are their concatenation.
+  const std::vector<std::pair<int64_t, int64_t>>& owned_ranges() const { return owned_; }
+  const Tensor& exp_avg() const { return exp_avg_; }
+  const Tensor& exp_avg_sq() const { return exp_avg_sq_; }
+  // Bytes of optimizer state on this rank (both moments).
+  int64_t state_bytes() const { return 2 * exp_avg_.numel() * static_cast<int64_t>(sizeof(float)); }
+
+  // Pieces to save: the moments ("exp_avg.<name>", "exp_avg_sq.<name>") and, with include_params, the
+  // weights, of primary tensor-parallel copies only, each element from exactly one dp rank (its owner
+  // when sharded, dp rank 0 otherwise).
+  std::vector<ShardPiece> checkpoint_pieces(bool include_params) const;
+  // Destinations to load: with include_params the whole local weights on every rank (replicated copies
+  // too), and the moments of every parameter in the owned ranges. Afterwards call
+  // store->refresh_bf16() and set_steps_taken().
+  std::vector<ShardPiece> checkpoint_pieces_for_load(bool include_params) const;
+
+ private:
+  // The moments of flat element `index`, which lies in owned range `range`.
+  int64_t moment_index(size_t range, int64_t index) const {
+    return moment_offsets_[range] + index - owned_[range].first;
+  }
+  void gather_params();
+  // Appends the pieces of [begin, end) of the store (owned range `range`, or -1: params only).
+  void append_pieces(std::vector<ShardPiece>& pieces, int64_t begin, int64_t end, int range, bool params,
+                     bool moments, bool primary_only) const;
+
+  nn::ParameterStore* store_;
+  AdamWConfig config_;
+  comm::Communicator* dp_;
+  comm::Communicator* model_parallel_;
+  const GradBuckets* buckets_;
+  bool sharded_ = false;
+  std::vector<std::pair<int64_t, int64_t>> owned_;
+  std::vector<int64_t> moment_offsets_;
+  Tensor exp_avg_, exp_avg_sq_;
+  Tensor gather_send_, gather_recv_;  // sharded: this rank's shard of a bucket; a padded bucket
+  int64_t step_ = 0;
+};
+
+}  // namespace forge::parallel

@@ -1,0 +1,184 @@
+#include "forge/parallel/grad_buckets.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "forge/core/error.h"
+
+namespace forge::parallel {
+namespace {
+
+// Shards start on 64-byte boundaries (16 floats): bucket sizes are multiples of 16 * dp from offset 0.
+constexpr int64_t kShardAlign = 16;
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+int64_t round_up(int64_t x, int64_t multiple) { return (x + multiple - 1) / multiple * multiple; }
+
+}  // namespace
+
+double GradReductionStats::overlap_ratio() const {
+  if (communication_seconds <= 0) return 0;
+  return std::clamp(1.0 - exposed_seconds / communication_seconds, 0.0, 1.0);
+}
+
+GradBuckets::GradBuckets(nn::ParameterStore* store, comm::Communicator* dp, BucketOptions options)
+    : store_(store), dp_(dp), options_(options) {
+  FORGE_CHECK(store != nullptr && dp != nullptr,
+              "gradient buckets need a parameter store and a dp communicator");
+  if (!store->has_grads())
+    fail("gradient buckets over a parameter store built without gradients (inference)");
+  if (options.bucket_bytes <= 0)
+    fail("gradient bucket size must be positive, got {} bytes", options.bucket_bytes);
+  const int64_t n = store->numel();
+  const int shards = options.shard ? dp->size() : 1;
+  const int64_t bucket_elements = round_up(
+      std::max<int64_t>(1, options.bucket_bytes / static_cast<int64_t>(sizeof(float))), kShardAlign * shards);
+  // Boundaries at multiples of bucket_elements from offset 0 keep every shard aligned; the top bucket (the
+  // first to launch) takes the remainder, merged into its neighbour when below half a bucket.
+  const int64_t count = n == 0 ? 0 : std::max<int64_t>(1, (n + bucket_elements / 2) / bucket_elements);
+  int64_t reduced_total = 0, padded_size = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    GradBucket b;
+    b.begin = i * bucket_elements;
+    b.end = i == count - 1 ? n : (i + 1) * bucket_elements;
+    b.shards = shards;
+    b.shard_size = (b.size() + shards - 1) / shards;
+    shard_offsets_.push_back(reduced_total);
+    reduced_total += b.shard_size;
+    if (b.padded_size() != b.size()) padded_size = std::max(padded_size, b.padded_size());
+    buckets_.push_back(b);
+  }
+  if (options.shard) {
+    reduced_ = Tensor::zeros({reduced_total}, DType::f32);
+    if (padded_size > 0) padded_ = Tensor::zeros({padded_size}, DType::f32);
+  }
+  in_flight_.resize(buckets_.size());
+}
+
+GradBuckets::~GradBuckets() {
+  if (!in_step_) return;
+  try {
+    for (auto& f : in_flight_)
+      if (f.launched && !f.completed) f.request.wait();
+  } catch (...) {  // a destructor must not throw; the job is going down anyway
+  }
+}
+
+std::pair<int64_t, int64_t> GradBuckets::owned_range(int bucket) const {
+  const GradBucket& b = buckets_.at(bucket);
+  if (!options_.shard) return {b.begin, b.end};
+  const int64_t lo = std::min(b.end, b.begin + dp_->rank() * b.shard_size);
+  return {lo, std::min(b.end, lo + b.shard_size)};
+}
+
+std::vector<std::pair<int64_t, int64_t>> GradBuckets::owned_ranges() const {
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (int i = 0; i < static_cast<int>(buckets_.size()); ++i) {
+    auto [lo, hi] = owned_range(i);
+    if (lo == hi) continue;
+    if (!ranges.empty() && ranges.back().second == lo)
+      ranges.back().second = hi;  // one rank, or unsharded: adjacent buckets form one range
+    else
+      ranges.emplace_back(lo, hi);
+  }
+  return ranges;
+}
+
+void GradBuckets::begin_step() {
+  FORGE_CHECK(!in_step_, "gradient buckets: begin_step() twice without finish()");
+  for (auto& f : in_flight_) f = InFlight{};
+  launched_ = 0;
+  next_ = static_cast<int>(buckets_.size()) - 1;
+  in_step_ = true;
+}
+
+void GradBuckets::ready_from(int64_t flat_offset) {
+  FORGE_CHECK(in_step_, "gradient buckets: ready_from({}) outside begin_step()/finish()", flat_offset);
+  FORGE_CHECK(0 <= flat_offset && flat_offset <= store_->numel(),
+              "gradient buckets: ready_from({}) outside [0, {}]", flat_offset, store_->numel());
+  if (!options_.overlap) return;
+  while (next_ >= 0 && buckets_[next_].begin >= flat_offset) launch(next_--);
+  poll();
+}
+
+void GradBuckets::finish() {
+  FORGE_CHECK(in_step_, "gradient buckets: finish() without begin_step()");
+  const double started = now_seconds();
+  while (next_ >= 0) launch(next_--);
+  for (int i = static_cast<int>(buckets_.size()) - 1; i >= 0; --i) {
+    InFlight& f = in_flight_[i];
+    if (f.completed) continue;
+    f.request.wait();
+    f.completed_at = now_seconds();
+    complete(i);
+  }
+  const double finished = now_seconds();
+  in_step_ = false;
+
+  // Launch times grow with the launch order (descending bucket index): merge the intervals in one sweep.
+  double busy = 0, span_begin = 0, span_end = -1;
+  for (int i = static_cast<int>(buckets_.size()) - 1; i >= 0; --i) {
+    const InFlight& f = in_flight_[i];
+    if (f.launched_at > span_end) {
+      busy += std::max(0.0, span_end - span_begin);
+      span_begin = f.launched_at;
+      span_end = f.completed_at;
+    } else {
+      span_end = std::max(span_end, f.completed_at);
+    }
+  }
+  busy += std::max(0.0, span_end - span_begin);
+  last_step_ =
+      GradReductionStats{1, store_->numel() * static_cast<int64_t>(sizeof(float)), finished - started, busy};
+  total_.steps += 1;
+  total_.bytes += last_step_.bytes;
+  total_.exposed_seconds += last_step_.exposed_seconds;
+  total_.communication_seconds += last_step_.communication_seconds;
+}
+
+void GradBuckets::launch(int bucket) {
+  const GradBucket& b = buckets_[bucket];
+  InFlight& f = in_flight_[bucket];
+  f.launched_at = now_seconds();
+  f.launched = true;
+  ++launched_;
+  float* grads = store_->grads().f32();
+  if (!options_.shard) {
+    f.request = dp_->all_reduce(grads + b.begin, b.size(), comm::Type::f32, comm::ReduceOp::sum);
+    return;
+  }
+  const float* send = grads + b.begin;
+  if (b.padded_size() != b.size()) {
+    // Reduce-scatter needs dp equal blocks: stage the bucket with a zero tail.
+    float* staged = padded_.f32();
+    std::memcpy(staged, send, static_cast<size_t>(b.size()) * sizeof(float));
+    std::memset(staged + b.size(), 0, static_cast<size_t>(b.padded_size() - b.size()) * sizeof(float));
+    send = staged;
+  }
+  f.request = dp_->reduce_scatter(send, reduced_.f32() + shard_offsets_[bucket], b.shard_size,
+                                  comm::Type::f32, comm::ReduceOp::sum);
+}
+
+void GradBuckets::poll() {
+  for (int i = static_cast<int>(buckets_.size()) - 1; i > next_; --i) {
+    InFlight& f = in_flight_[i];
+    if (f.completed || !f.request.test()) continue;
+    f.completed_at = now_seconds();
+    complete(i);
+  }
+}
+
+void GradBuckets::complete(int bucket) {
+  in_flight_[bucket].completed = true;
+  if (!options_.shard) return;
+  // The bucket's gradients are final and its send has completed: the reduced shard may replace them.
+  auto [lo, hi] = owned_range(bucket);
+  std::memcpy(store_->grads().f32() + lo, reduced_.f32() + shard_offsets_[bucket],
+              static_cast<size_t>(hi - lo) * sizeof(float));
+}
+
+}  // namespace forge::parallel

@@ -1,0 +1,113 @@
+// Data-parallel gradient reduction in buckets, overlapped with backward.
+//
+// Backward produces gradients in reverse registration order, so the flat gradient buffer of a
+// ParameterStore becomes final from its end backwards. GradBuckets cuts the buffer into contiguous ranges
+// of about bucket_bytes (a boundary may fall inside a parameter: a bucket is a flat range) and reduces each
+// one (SUM over the dp group) as soon as backward reports that everything above its start is final, so
+// communication runs while earlier layers still compute.
+//
+// shard (ZeRO, Megatron's distributed-optimizer layout): every bucket splits into dp equal shards (the last
+// one padded in a staging copy) and is reduce-scattered: after finish(), rank r holds the summed gradient
+// of shard r of every bucket (its owned ranges); elsewhere its gradient buffer keeps its local values.
+// Without shard, buckets are all-reduced in place and every rank owns the whole buffer.
+//
+// Use, per optimizer step, during the backward of the last micro-batch (gradients of earlier micro-batches
+// are accumulated locally first):
+//   begin_step(); ... ready_from(offset) after each layer's weight gradients ...; ready_from(0); finish();
+// Callers scale losses so that the sum over dp is the global mean.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "forge/comm/comm.h"
+#include "forge/core/tensor.h"
+#include "forge/nn/parameters.h"
+
+namespace forge::parallel {
+
+struct BucketOptions {
+  int64_t bucket_bytes = 32ll << 20;  // fp32 gradient bytes per bucket (rounded to whole aligned shards)
+  bool shard = false;                 // ZeRO: reduce-scatter, each rank owns one shard of every bucket
+  bool overlap = true;                // launch buckets from ready_from(); off: everything in finish()
+};
+
+// Flat range [begin, end) of the gradient buffer. Under shard it splits into `shards` (= dp) shards of
+// shard_size elements; in the one bucket that does not divide, the last shards reach into padding.
+struct GradBucket {
+  int64_t begin = 0, end = 0;
+  int64_t shard_size = 0;  // ceil((end - begin) / dp) under shard; end - begin otherwise
+  int shards = 1;
+  int64_t size() const { return end - begin; }
+  int64_t padded_size() const { return shard_size * shards; }
+};
+
+// Communication time of reductions. exposed: inside finish() (launching what was left and waiting);
+// communication: the union over buckets of [launch, completion observed], where completion is observed by
+// polling in ready_from() and finish(), so it can overstate the time the network was busy.
+struct GradReductionStats {
+  int64_t steps = 0;
+  int64_t bytes = 0;  // gradient bytes reduced
+  double exposed_seconds = 0;
+  double communication_seconds = 0;
+  // Share of communication hidden behind backward: 1 - exposed / communication, in [0, 1].
+  double overlap_ratio() const;
+};
+
+class GradBuckets {
+ public:
+  GradBuckets(nn::ParameterStore* store, comm::Communicator* dp, BucketOptions options);
+  ~GradBuckets();  // waits for reductions still in flight (their buffers are about to go away)
+  GradBuckets(const GradBuckets&) = delete;
+  GradBuckets& operator=(const GradBuckets&) = delete;
+
+  void begin_step();
+  // Every gradient at flat index >= flat_offset is final for this step: with overlap, launches each bucket
+  // lying wholly at or above it, and polls those in flight so that MPI progresses while backward computes.
+  void ready_from(int64_t flat_offset);
+  // Launches the buckets not launched yet, waits for all; afterwards the owned ranges hold the sum over dp.
+  void finish();
+
+  bool sharded() const { return options_.shard; }
+  bool overlapped() const { return options_.overlap; }
+  comm::Communicator* dp() const { return dp_; }
+  const nn::ParameterStore& store() const { return *store_; }
+  // In offset order; launched from the last.
+  const std::vector<GradBucket>& buckets() const { return buckets_; }
+  // This rank's shard of bucket i, clipped to the bucket (may be empty); the whole bucket when unsharded.
+  std::pair<int64_t, int64_t> owned_range(int bucket) const;
+  // The non-empty owned ranges of every bucket, in offset order; {[0, numel)} when unsharded.
+  std::vector<std::pair<int64_t, int64_t>> owned_ranges() const;
+  int buckets_launched() const { return launched_; }  // in the current step
+
+  const GradReductionStats& last_step_stats() const { return last_step_; }
+  const GradReductionStats& total_stats() const { return total_; }
+  void reset_stats() { total_ = {}; }
+
+ private:
+  struct InFlight {
+    comm::Request request;
+    double launched_at = 0, completed_at = 0;
+    bool launched = false, completed = false;
+  };
+  void launch(int bucket);
+  void complete(int bucket);  // after the request finished: copy the reduced shard into the gradients
+  void poll();
+
+  nn::ParameterStore* store_;
+  comm::Communicator* dp_;
+  BucketOptions options_;
+  std::vector<GradBucket> buckets_;
+  std::vector<int64_t> shard_offsets_;  // of each bucket's shard in reduced_
+  Tensor reduced_;                      // under shard: the reduce-scatter results, one shard per bucket
+  Tensor padded_;  // under shard: send buffer of the one bucket that does not divide into dp shards
+  std::vector<InFlight> in_flight_;
+  int launched_ = 0;
+  int next_ = -1;  // next bucket to launch (descending); -1: none
+  bool in_step_ = false;
+  double finish_started_at_ = 0;
+  GradReductionStats last_step_, total_;
+};
+
+}  // namespace forge::parallel

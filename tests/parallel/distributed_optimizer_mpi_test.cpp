@@ -1,0 +1,185 @@
+// The data-parallel AdamW (ZeRO-1 when sharded) across MPI ranks (run by mpirun with 2 and 4 ranks).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "forge/core/dtype.h"
+#include "forge/parallel/distributed_optimizer.h"
+#include "parallel/dp_test_util.h"
+
+namespace forge::parallel {
+namespace {
+
+constexpr int64_t kSmallBucket = 160;
+
+// Sum of squares of `grads` over the primary parameters of `store`, in double.
+double primary_sum_squares(const nn::ParameterStore& store, const std::vector<float>& grads) {
+  double sum = 0;
+  for (const auto& info : store.infos()) {
+    if (!info.shard.primary) continue;
+    for (int64_t i = info.offset; i < info.offset + shape_numel(info.shape); ++i)
+      sum += double(grads[i]) * grads[i];
+  }
+  return sum;
+}
+
+// One step of backward emulated parameter by parameter from the last, then the reduction.
+void backward(nn::ParameterStore& store, GradBuckets& buckets, int rank, int step) {
+  store.zero_grads();
+  buckets.begin_step();
+  for (int p = store.count() - 1; p >= 0; --p) {
+    const int64_t begin = store.info(p).offset, end = begin + shape_numel(store.info(p).shape);
+    testing::fill_toy_grads(store.grads().f32(), rank, step, begin, end);
+    buckets.ready_from(begin);
+  }
+  buckets.ready_from(0);
+  buckets.finish();
+}
+
+class Steps : public ::testing::TestWithParam<bool> {};
+
+// Over several steps, the data-parallel optimizer (each rank its own gradients) follows forge::AdamW on the
+// summed gradients. The toy gradients are dyadic, so the reduced gradients are exactly the sum whatever the
+// reduction order, and the update is the same elementwise kernel on the same inputs: weights and moments
+// must agree to within 1e-6 relative (a few fp32 ulps, for a kernel whose vector body and scalar tail may
+// contract differently where ranges are cut); in practice they agree bitwise.
+TEST_P(Steps, FollowAdamWOnTheSummedGradients) {
+  const bool shard = GetParam();
+  comm::Communicator& world = comm::world();
+  nn::ParameterStore store, reference;
+  testing::build_toy_store(store, true);
+  testing::build_toy_store(reference, true);
+  const int64_t n = store.numel();
+  GradBuckets buckets(&store, &world, {kSmallBucket, shard, true});
+  const AdamWConfig config{0.9f, 0.95f, 1e-8f, 0.1f};
+  DistributedAdamW optimizer(&store, config, &world, nullptr, &buckets);
+  AdamW expected(&reference, config);
+  if (shard) {
+    EXPECT_LT(optimizer.state_bytes(), 2 * n * 4);
+  }
+  auto close = [](float got, float want) {
+    return std::abs(got - want) <= 1e-6f * std::max(1.0f, std::abs(want));
+  };
+  for (int step = 1; step <= 4; ++step) {
+    backward(store, buckets, world.rank(), step);
+    const auto summed = testing::summed_toy_grads(world.size(), step, n, [](int r) { return r; });
+    std::memcpy(reference.grads().f32(), summed.data(), n * sizeof(float));
+    const double want_norm = std::sqrt(primary_sum_squares(reference, summed));
+    const double norm = optimizer.grad_norm();
+    ASSERT_NEAR(norm, want_norm, 1e-12 * want_norm) << "step " << step;
+    const float scale = clip_coefficient(want_norm, 50.0f);
+    optimizer.step(1e-2f, scale);
+    expected.step(1e-2f, scale);
+    for (int64_t i = 0; i < n; ++i) {
+      ASSERT_TRUE(close(store.params().f32()[i], reference.params().f32()[i]))
+          << "step " << step << " element " << i << ": " << store.params().f32()[i] << " vs "
+          << reference.params().f32()[i];
+    }
+  }
+  // The moments, through the checkpoint pieces (which also checks where they point).
+  for (const auto& piece : optimizer.checkpoint_pieces(false)) {
+    const bool first = piece.name.rfind("exp_avg.", 0) == 0;
+    const std::string param = piece.name.substr(first ? 8 : 11);
+    const auto& info = store.info(store.find(param));
+    const float* want = (first ? expected.exp_avg() : expected.exp_avg_sq()).f32() + info.offset;
+    for (int64_t i = piece.flat_begin; i < piece.flat_end; ++i)
+      ASSERT_TRUE(close(piece.data[i - piece.flat_begin], want[i])) << piece.name << " element " << i;
+  }
+  // Every rank ends with the same weights, bitwise, and a shadow that matches them.
+  std::vector<float> all(n * world.size());
+  world.all_gather(store.params().f32(), all.data(), n, comm::Type::f32).wait();
+  for (int r = 1; r < world.size(); ++r)
+    ASSERT_EQ(std::memcmp(all.data(), all.data() + r * n, n * sizeof(float)), 0)
+        << "rank " << r << " differs";
+  for (int64_t i = 0; i < n; ++i)
+    ASSERT_EQ(store.params_bf16().bf16()[i], f32_to_bf16_bits(store.params().f32()[i])) << "element " << i;
+  EXPECT_EQ(optimizer.steps_taken(), 4);
+}
+
+INSTANTIATE_TEST_SUITE_P(ZeroOrNot, Steps, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "sharded" : "unsharded"; });
+
+class Norm : public ::testing::TestWithParam<bool> {};
+
+// dp x model-parallel: ranks pair up into model-parallel groups holding different parts of the model (their
+// gradients differ), and the replicated copy is primary on model-parallel rank 0 only. The norm counts every
+// element of the model once.
+TEST_P(Norm, CountsEachElementOfTheModelOnce) {
+  const bool shard = GetParam();
+  comm::Communicator& world = comm::world();
+  if (world.size() % 2 != 0) GTEST_SKIP() << "needs an even number of ranks";
+  const int mp_rank = world.rank() % 2, dp_rank = world.rank() / 2, dp_size = world.size() / 2;
+  auto dp = world.split(mp_rank, dp_rank, "dp");
+  auto mp = world.split(dp_rank, mp_rank, "mp");
+  ASSERT_EQ(dp->size(), dp_size);
+  nn::ParameterStore store;
+  testing::build_toy_store(store, false, /*replica_primary=*/mp_rank == 0);
+  GradBuckets buckets(&store, dp.get(), {kSmallBucket, shard, true});
+  DistributedAdamW optimizer(&store, AdamWConfig{}, dp.get(), mp.get(), &buckets);
+  backward(store, buckets, world.rank(), 3);
+  const double norm = optimizer.grad_norm();
+
+  double want = 0;
+  for (int m = 0; m < 2; ++m) {
+    nn::ParameterStore part;
+    testing::build_toy_store(part, false, m == 0);
+    const auto summed = testing::summed_toy_grads(dp_size, 3, part.numel(), [m](int d) { return d * 2 + m; });
+    want += primary_sum_squares(part, summed);
+  }
+  want = std::sqrt(want);
+  EXPECT_NEAR(norm, want, 1e-12 * want);
+  // The same value on every rank (the clipping coefficient must agree).
+  EXPECT_EQ(comm::all_reduce_max(world, norm), norm);
+  EXPECT_EQ(-comm::all_reduce_max(world, -norm), norm);
+}
+
+INSTANTIATE_TEST_SUITE_P(ZeroOrNot, Norm, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "sharded" : "unsharded"; });
+
+// Across the dp ranks the saved pieces hold each primary element once (per tensor: weight, exp_avg,
+// exp_avg_sq); the load pieces give every rank its whole weights.
+TEST(DistributedAdamWMpi, CheckpointPiecesSaveEachElementOnce) {
+  comm::Communicator& world = comm::world();
+  nn::ParameterStore store;
+  testing::build_toy_store(store, false);
+  const int64_t n = store.numel();
+  for (bool shard : {false, true}) {
+    GradBuckets buckets(&store, &world, {kSmallBucket, shard, true});
+    DistributedAdamW optimizer(&store, AdamWConfig{}, &world, nullptr, &buckets);
+    // Counts per kind (weight, exp_avg, exp_avg_sq) and flat element of the store.
+    auto count = [&](const std::vector<ShardPiece>& pieces) {
+      std::vector<float> counts(3 * n, 0.0f);
+      for (const auto& piece : pieces) {
+        const int kind = piece.name.rfind("exp_avg_sq.", 0) == 0 ? 2
+                         : piece.name.rfind("exp_avg.", 0) == 0  ? 1
+                                                                 : 0;
+        const std::string param = kind == 0 ? piece.name : piece.name.substr(kind == 1 ? 8 : 11);
+        const int id = store.find(param);
+        EXPECT_GE(id, 0) << piece.name;
+        if (id < 0) continue;
+        for (int64_t i = piece.flat_begin; i < piece.flat_end; ++i)
+          counts[kind * n + store.info(id).offset + i] += 1;
+      }
+      return counts;
+    };
+    auto saved = count(optimizer.checkpoint_pieces(true));
+    comm::all_reduce_sum(world, saved.data(), 3 * n);
+    const auto load = count(optimizer.checkpoint_pieces_for_load(true));
+    auto loaded = load;
+    comm::all_reduce_sum(world, loaded.data(), 3 * n);
+    for (const auto& info : store.infos()) {
+      for (int64_t i = info.offset; i < info.offset + shape_numel(info.shape); ++i) {
+        for (int kind = 0; kind < 3; ++kind)
+          ASSERT_EQ(saved[kind * n + i], info.shard.primary ? 1.0f : 0.0f) << info.name << " kind " << kind;
+        ASSERT_EQ(load[i], 1.0f) << info.name;  // this rank's whole weights
+        for (int kind = 1; kind < 3; ++kind)
+          ASSERT_EQ(loaded[kind * n + i], shard ? 1.0f : static_cast<float>(world.size())) << info.name;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace forge::parallel
