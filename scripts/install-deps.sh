@@ -12,6 +12,7 @@ packages=(
   libbenchmark-dev                  # micro-benchmarks
   libtomlplusplus-dev nlohmann-json3-dev libcli11-dev libfmt-dev zlib1g-dev
   libpcre2-dev                      # tokenizer pre-tokenizer patterns (Unicode properties, JIT)
+  libopenmpi-dev openmpi-bin        # multi-process runs and their tests (mpirun)
   bible-kjv                         # the default corpus
 )
 if [[ "${1:-}" == "--bench" ]]; then

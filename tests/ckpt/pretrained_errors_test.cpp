@@ -286,15 +286,21 @@ TEST_F(PretrainedTest, ForgeCheckpointInputIsChecked) {
   save_checkpoint(path("ckpt").string(), model->params(), nullptr, state);
   EXPECT_EQ(open_pretrained(path("ckpt")).kind, PretrainedDir::Kind::forge_checkpoint);
 
-  // A flipped byte fails the manifest's checksum.
+  // A flipped byte fails the manifest's checksum when the weights are read; a missing shard is found
+  // on opening.
+  const fs::path shard = path("ckpt") / "shard-00000-of-00001.safetensors";
   {
-    std::fstream f(path("ckpt") / "model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
     f.seekg(-3, std::ios::end);
     const char c = static_cast<char>(f.get());
     f.seekp(-3, std::ios::end);
     f.put(static_cast<char>(c ^ 0x55));
   }
-  expect_error_containing([&] { open_pretrained(path("ckpt")); }, {"ckpt", "model.safetensors", "checksum"});
+  expect_error_containing([&] { load_pretrained_model(path("ckpt"), kFp32); },
+                          {"ckpt", "shard-00000-of-00001.safetensors", "checksum"});
+  fs::remove(shard);
+  expect_error_containing([&] { open_pretrained(path("ckpt")); },
+                          {"ckpt", "shard-00000-of-00001.safetensors", "missing"});
 
   state.model_config = json::object();
   save_checkpoint(path("no_config").string(), model->params(), nullptr, state);

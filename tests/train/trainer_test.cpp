@@ -16,6 +16,7 @@ namespace fs = std::filesystem;
 
 std::string read_file(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
+  EXPECT_TRUE(in) << p;  // a comparison of two missing files must not pass
   std::stringstream s;
   s << in.rdbuf();
   return s.str();
@@ -94,8 +95,8 @@ TEST_P(TrainerResume, InterruptedRunResumesTheIdenticalLossSequenceBitwise) {
   }
   EXPECT_EQ(b.steps_done, 6);
   EXPECT_EQ(b.heldout_loss, full.heldout_loss);
-  EXPECT_EQ(read_file(fs::path(split.log.run_dir) / "checkpoint" / "model.safetensors"),
-            read_file(fs::path(straight.log.run_dir) / "checkpoint" / "model.safetensors"));
+  EXPECT_EQ(read_file(fs::path(split.log.run_dir) / "checkpoint" / "shard-00000-of-00001.safetensors"),
+            read_file(fs::path(straight.log.run_dir) / "checkpoint" / "shard-00000-of-00001.safetensors"));
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, TrainerResume, ::testing::Values("fp32", "bf16"));
@@ -177,7 +178,7 @@ TEST_F(TrainerTest, IncompleteCheckpointIsRefused) {
   fs::path ckpt = fs::path(c.log.run_dir) / "checkpoint";
   // Corrupt one shard: the manifest's checksum catches it.
   {
-    std::fstream f(ckpt / "model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    std::fstream f(ckpt / "shard-00000-of-00001.safetensors", std::ios::in | std::ios::out | std::ios::binary);
     f.seekp(-4, std::ios::end);
     f.write("\x01\x02\x03\x04", 4);
   }

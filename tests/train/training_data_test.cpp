@@ -165,7 +165,7 @@ TEST_F(TrainingDataTest, InitFromAHuggingFaceFolder) {
   c.train.lr = 1e-20;
   c.train.min_lr = 0;
   Trainer(c).run();
-  SafetensorsFile saved = SafetensorsFile::open((fs::path(c.log.run_dir) / "checkpoint" / "model.safetensors").string());
+  SafetensorsFile saved = SafetensorsFile::open((fs::path(c.log.run_dir) / "checkpoint" / "shard-00000-of-00001.safetensors").string());
   for (int id = 0; id < source.params().count(); ++id) {
     const std::string& name = source.params().info(id).name;
     Tensor expected = source.params().param(id), got = saved.read_f32(name);

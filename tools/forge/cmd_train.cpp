@@ -36,7 +36,10 @@ void add_train_command(CLI::App& app, Commands& commands) {
                     "Override one setting, section.key=value (repeatable), e.g. --set train.steps=100");
   train->footer(
       "Ctrl-C saves a checkpoint to <run_dir>/checkpoint and exits with status 130; resume with\n"
-      "--set checkpoint.resume=auto. Writes <run_dir>/metrics.jsonl and <run_dir>/config.toml.");
+      "--set checkpoint.resume=auto. Writes <run_dir>/metrics.jsonl and <run_dir>/config.toml.\n"
+      "Many processes: mpirun -np N forge train --set parallel.tp=T [--set parallel.sequence_parallel=true]\n"
+      "[--set parallel.distributed_optimizer=true]: N ranks as tp x dp (dp = N / tp); rank 0 logs, every\n"
+      "rank writes its checkpoint shard (see docs/parallelism.md).");
   commands.push_back({train, [o] { return run_train(*o); }});
 }
 

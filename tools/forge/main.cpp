@@ -5,6 +5,7 @@
 #include <exception>
 
 #include "commands.h"
+#include "forge/comm/comm.h"
 #include "forge/core/error.h"
 
 int main(int argc, char** argv) {
@@ -30,12 +31,20 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "forge: error: %s (see forge --help)\n", e.what());
     return e.get_exit_code() != 0 ? e.get_exit_code() : 2;
   }
+  int status = 0;
   try {
     for (const auto& command : commands)
-      if (*command.app) return command.run();
+      if (*command.app) {
+        status = command.run();
+        break;
+      }
   } catch (const std::exception& e) {
+    // Under mpirun the other ranks would wait for this one in their next collective: end the whole job
+    // (one line, exit status 1) instead of leaving them to time out.
+    if (forge::comm::launched_by_mpi() && forge::comm::world().size() > 1) forge::comm::world().abort(e.what());
     std::fprintf(stderr, "forge: error: %s\n", e.what());
     return 1;
   }
-  return 0;
+  forge::comm::finalize();
+  return status;
 }

@@ -12,6 +12,8 @@
 
 #include "forge/ckpt/checkpoint.h"
 #include "forge/ckpt/safetensors.h"
+#include "forge/ckpt/sharded.h"
+#include "forge/comm/comm.h"
 #include "forge/core/file_io.h"
 #include "forge/core/error.h"
 
@@ -112,16 +114,6 @@ WeightLayout hugging_face_layout(const fs::path& dir) {
   }
   if (layout.tensors.empty()) fail("{}: 'weight_map' is empty", source);
   layout.files.assign(files.begin(), files.end());
-  return layout;
-}
-
-WeightLayout weight_layout(const PretrainedDir& source) {
-  if (source.kind == PretrainedDir::Kind::hugging_face) return hugging_face_layout(source.dir);
-  WeightLayout layout;
-  layout.listing = source.dir / kSingleFile;
-  layout.files = {kSingleFile};
-  if (!fs::is_regular_file(layout.listing))
-    fail("checkpoint {} is incomplete: {} is missing", source.dir.string(), kSingleFile);
   return layout;
 }
 
@@ -243,14 +235,14 @@ PretrainedDir open_pretrained(const fs::path& dir) {
   result.dir = dir;
   if (fs::exists(dir / "manifest.json")) {
     result.kind = PretrainedDir::Kind::forge_checkpoint;
-    CheckpointState state = read_checkpoint_manifest(dir.string());
+    // Files are checked for presence and size here; their checksums when the weights are read.
+    CheckpointState state = read_checkpoint_manifest(dir.string(), /*verify_files=*/false);
     const std::string source = config_source(result);
     if (!state.model_config.is_object() || state.model_config.empty())
       fail("{}: the checkpoint records no model config", source);
     result.config_json = state.model_config;
     check_architecture(result.config_json, source);
     result.config = LlamaConfig::from_json(result.config_json, source);
-    weight_layout(result);
     return result;
   }
   if (!fs::exists(dir / kConfigFile))
@@ -261,14 +253,23 @@ PretrainedDir open_pretrained(const fs::path& dir) {
   result.config_json = read_json_file(dir / kConfigFile);
   check_architecture(result.config_json, source);
   result.config = LlamaConfig::from_json(result.config_json, source);
-  weight_layout(result);
+  hugging_face_layout(dir);
   return result;
 }
 
 void load_pretrained_weights(const PretrainedDir& source, nn::ParameterStore& params) {
   const std::string config_name = config_source(source);
   check_store_matches_config(params, source.config, config_name);
-  const WeightLayout layout = weight_layout(source);
+  if (source.kind == PretrainedDir::Kind::forge_checkpoint) {
+    // Saved under any layout: the store's pieces are assembled from whichever shards hold them, each
+    // element checked present, shapes equal and files checksummed before any weight is written.
+    const auto self = comm::make_self();
+    load_sharded_checkpoint(source.dir.string(), *self,
+                            parameter_store_pieces(params, nullptr, /*for_saving=*/false));
+    params.refresh_bf16();
+    return;
+  }
+  const WeightLayout layout = hugging_face_layout(source.dir);
   std::vector<SafetensorsFile> files;
   const std::map<std::string, Located> located = locate_tensors(layout, source.dir, files);
 

@@ -37,13 +37,13 @@ struct ShardPiece {
   float* data = nullptr;                 // flat_end - flat_begin floats
 };
 
-// Collective over `world`: every rank writes its pieces (at most one per tensor name); rank 0 writes
-// manifest.json last, after all files are complete, with each file's size and CRC32, world.size() and
+// Collective over `world`: every rank writes its pieces (several of one tensor must not overlap); rank 0
+// writes manifest.json last, after all files are complete, with each file's size and CRC32, world.size() and
 // state.layout. The old manifest is removed first, so an interrupted save reads as incomplete; shard files
 // of an older save that the new manifest does not list are removed after it lands. An error on any rank
 // (an unwritable directory, a malformed piece) is thrown on every rank, and no manifest is written.
-void save_sharded_checkpoint(const std::string& dir, comm::Communicator& world, std::span<const ShardPiece> pieces,
-                             const CheckpointState& state);
+void save_sharded_checkpoint(const std::string& dir, comm::Communicator& world,
+                             std::span<const ShardPiece> pieces, const CheckpointState& state);
 
 // Collective over `world`: fills every destination piece; returns the manifest state (step, configs,
 // layout and world size it was saved under). Each rank checks everything before writing any destination
@@ -52,6 +52,9 @@ void save_sharded_checkpoint(const std::string& dir, comm::Communicator& world, 
 // every rank.
 CheckpointState load_sharded_checkpoint(const std::string& dir, comm::Communicator& world,
                                         std::span<const ShardPiece> pieces);
+
+// The names of the tensors a checkpoint holds, sorted (from its manifest; no file is read).
+std::vector<std::string> checkpoint_tensor_names(const std::string& dir);
 
 // Pieces covering a parameter store (and the AdamW moments "exp_avg.<name>", "exp_avg_sq.<name>" when
 // optimizer is given), each whole local tensor as one piece with the store's ShardSpec. For saving, only
@@ -76,10 +79,12 @@ std::string shard_file_name(int rank, int world_size);  // "shard-00003-of-00004
 // up once the new one lands).
 std::vector<std::string> begin_checkpoint_save(const std::string& dir);
 // Writes one rank's shard (tmp file, fsync, rename) and returns its size, CRC32 and piece descriptions.
-ShardFile write_checkpoint_shard(const std::string& dir, int rank, int world_size, std::span<const ShardPiece> pieces);
+ShardFile write_checkpoint_shard(const std::string& dir, int rank, int world_size,
+                                 std::span<const ShardPiece> pieces);
 // Writes manifest.json (tmp file, fsync, rename) for `shards` (one per rank, in rank order), then removes
 // the files of `previous_files` and any shard-*-of-*.safetensors the new manifest does not list.
-void write_checkpoint_manifest(const std::string& dir, std::span<const ShardFile> shards, const CheckpointState& state,
+void write_checkpoint_manifest(const std::string& dir, std::span<const ShardFile> shards,
+                               const CheckpointState& state,
                                std::span<const std::string> previous_files = {});
 
 }  // namespace forge

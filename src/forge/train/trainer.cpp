@@ -4,6 +4,8 @@
 
 #include <chrono>
 #include <algorithm>
+#include <cstdarg>
+#include <cstdlib>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -15,11 +17,17 @@
 
 #include "forge/ckpt/checkpoint.h"
 #include "forge/ckpt/pretrained.h"
+#include "forge/ckpt/sharded.h"
+#include "forge/comm/comm.h"
 #include "forge/core/cpu_features.h"
 #include "forge/core/memory.h"
 #include "forge/models/llama.h"
 #include "forge/models/sampling.h"
 #include "forge/optim/adamw.h"
+#include "forge/parallel/distributed_optimizer.h"
+#include "forge/parallel/grad_buckets.h"
+#include "forge/parallel/layout.h"
+#include "forge/parallel/tensor_parallel.h"
 #include "forge/train/metrics.h"
 #include "forge/train/peak.h"
 #include "forge/train/training_data.h"
@@ -37,12 +45,14 @@ struct HeldOut {
   double bits_per_byte() const { return bytes ? loss.sum / std::log(2.0) / static_cast<double>(bytes) : 0.0; }
 };
 
-// Loss over held-out windows [0, windows) in batches of `batch`, with the byte count of the targets.
-HeldOut evaluate(LlamaModel& model, const TrainingData& data, int64_t seq, int64_t batch, int64_t windows) {
+// Loss over held-out windows [0, windows) in batches of `batch`, with the byte count of the targets. Under
+// data parallelism the batches are dealt round-robin over the dp ranks and the sums added up over dp.
+HeldOut evaluate(LlamaModel& model, const TrainingData& data, int64_t seq, int64_t batch, int64_t windows,
+                 comm::Communicator& dp) {
   std::vector<int32_t> ids(batch * seq), targets(batch * seq);
   HeldOut total;
   ProgressBar progress("eval", windows);  // draws only on a terminal
-  for (int64_t w = 0; w < windows; w += batch) {
+  for (int64_t w = batch * dp.rank(); w < windows; w += batch * dp.size()) {
     int64_t b = std::min(batch, windows - w);
     data.heldout_batch(w, b, ids.data(), targets.data());
     LossSum part = model.forward_loss(ids.data(), targets.data(), b, seq);
@@ -51,7 +61,33 @@ HeldOut evaluate(LlamaModel& model, const TrainingData& data, int64_t seq, int64
     progress.update(w + b);
   }
   progress.finish();
+  if (dp.size() > 1) {
+    double sums[3] = {total.loss.sum, static_cast<double>(total.loss.tokens), static_cast<double>(total.bytes)};
+    comm::all_reduce_sum(dp, sums, 3);
+    total.loss.sum = sums[0], total.loss.tokens = static_cast<int64_t>(sums[1]);
+    total.bytes = static_cast<int64_t>(sums[2]);
+  }
   return total;
+}
+
+// printf on the first rank only: every rank runs the same loop, one of them tells the user.
+bool g_leader = true;
+__attribute__((format(printf, 1, 2))) void say(const char* format, ...) {
+  if (!g_leader) return;
+  va_list args;
+  va_start(args, format);
+  std::vprintf(format, args);
+  va_end(args);
+  std::fflush(stdout);
+}
+
+// OpenMP threads per rank: train.threads, or (0) this node's cores shared by its ranks.
+int threads_per_rank(int64_t configured) {
+  if (configured > 0) return static_cast<int>(configured);
+  int local = 1;
+  if (const char* s = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) local = std::max(1, std::atoi(s));
+  else if (const char* s = std::getenv("SLURM_NTASKS_PER_NODE")) local = std::max(1, std::atoi(s));
+  return std::max(1, omp_get_num_procs() / local);
 }
 
 std::atomic<int> g_signal_count{0};
@@ -72,12 +108,25 @@ void install_stop_signal_handlers() {
   std::signal(SIGTERM, on_signal);
 }
 
-Trainer::Trainer(TrainConfig config) : config_(std::move(config)) { config_.validate(); }
+Trainer::Trainer(TrainConfig config, comm::Communicator* world) : config_(std::move(config)), world_(world) {
+  config_.validate();
+}
 
 TrainResult Trainer::run() {
   const auto& c = config_;
-  if (c.train.threads > 0) omp_set_num_threads(static_cast<int>(c.train.threads));
   const auto start_time = Clock::now();
+
+  // The layout is checked against the world before any work: a wrong -np or a model that does not split
+  // fails here, on every rank, with the same message.
+  comm::Communicator& world = world_ ? *world_ : comm::world();
+  world.set_timeout_seconds(c.parallel.timeout_s);
+  g_leader = world.rank() == 0;
+  const parallel::Layout layout(c.layout_spec(), world.size(), world.rank());
+  if (layout.pp() > 1 || layout.cp() > 1 || layout.ep() > 1)
+    fail("parallel.pp = {}, parallel.cp = {}, parallel.ep = {}: this version trains with tensor and data "
+         "parallelism only; pipeline, context and expert parallelism are not implemented yet",
+         layout.pp(), layout.cp(), layout.ep());
+  omp_set_num_threads(threads_per_rank(c.train.threads));
 
   std::optional<PretrainedDir> init_source;
   if (!c.model.init_from.empty()) init_source = open_pretrained(c.model.init_from);
@@ -86,6 +135,14 @@ TrainResult Trainer::run() {
   if (c.data.seq_len > model_config.max_position_embeddings)
     fail("data.seq_len {} exceeds max_position_embeddings {} of {}", c.data.seq_len,
          model_config.max_position_embeddings, model_source);
+  parallel::validate_model_fit(layout,
+                               {model_config.hidden_size, model_config.num_attention_heads,
+                                model_config.num_key_value_heads, model_config.intermediate_size,
+                                model_config.vocab_size, model_config.num_hidden_layers},
+                               c.parallel.make_vocab_size_divisible_by);
+  parallel::ParallelGroups groups = parallel::make_groups(world, layout);
+  comm::Communicator& dp_group = *groups.dp_cp;
+  const int64_t dp = layout.dp(), dp_rank = layout.coordinate(parallel::Dim::dp);
 
   std::unique_ptr<TrainingData> data = open_training_data(c);
   const TextCodec& codec = data->codec();
@@ -95,21 +152,35 @@ TrainResult Trainer::run() {
          codec.vocab_size(), model_config.vocab_size);
   const int64_t seq = c.data.seq_len, micro = c.train.micro_batch, accum = c.train.grad_accum;
   const int64_t heldout_windows = data->heldout_windows();
+  // A step is micro x accum sequences on each of the dp replicas.
+  const int64_t step_tokens = c.tokens_per_step() * dp;
 
   nn::ComputeOptions options;
   std::string dtype_name_used = c.train.dtype;
   if (dtype_name_used == "auto") dtype_name_used = cpu_has_native_bf16() ? "bf16" : "fp32";
   options.gemm_dtype = dtype_from_name(dtype_name_used);
   options.recompute = nn::recompute_from_name(c.train.recompute);
+  parallel::CommTensorParallel tensor_parallel(groups.tp.get(), c.parallel.sequence_parallel);
+  if (layout.tp() > 1) options.tp = &tensor_parallel;
+  options.vocab_divisible_by = c.parallel.make_vocab_size_divisible_by;
   LlamaModel model(model_config, options, static_cast<float>(c.model.init_std));
   model.initialize(c.model.seed);
   if (init_source) {
+    if (layout.tp() > 1) fail("model.init_from with parallel.tp > 1 is not supported yet: start from tp = 1");
     load_pretrained_weights(*init_source, model.params());
-    std::printf("initialised from %s\n", init_source->dir.c_str());
+    say("initialised from %s\n", init_source->dir.c_str());
   }
+  // Data parallelism: gradients reduced in buckets while backward runs (sharded under ZeRO-1).
+  parallel::BucketOptions bucket_options;
+  bucket_options.bucket_bytes = static_cast<int64_t>(c.parallel.bucket_mb * 1048576.0);
+  bucket_options.shard = c.parallel.distributed_optimizer;
+  bucket_options.overlap = c.parallel.overlap_grad_reduce;
+  parallel::GradBuckets buckets(&model.params(), &dp_group, bucket_options);
+  if (dp > 1) model.set_grads_ready([&buckets](int64_t offset) { buckets.ready_from(offset); });
   AdamWConfig adam_config{static_cast<float>(c.train.beta1), static_cast<float>(c.train.beta2),
                           static_cast<float>(c.train.eps), static_cast<float>(c.train.weight_decay)};
-  AdamW optimizer(&model.params(), adam_config);
+  parallel::DistributedAdamW optimizer(&model.params(), adam_config, &dp_group, groups.model_parallel.get(),
+                                       &buckets);
   LrSchedule schedule = c.lr_schedule();
   // Time-budget mode (steps = 0): the schedule's length is planned once, from the measured speed of the
   // first steps (which are all in warmup, where the LR does not depend on the length).
@@ -128,56 +199,79 @@ TrainResult Trainer::run() {
     resume_from = c.checkpoint.resume;
   }
   if (!resume_from.empty()) {
-    CheckpointState state = read_checkpoint_manifest(resume_from.string());
+    // The load below verifies the checksum of each file it reads; here only the manifest matters.
+    CheckpointState state = read_checkpoint_manifest(resume_from.string(), /*verify_files=*/false);
     if (state.model_config != model_config.to_json())
       fail("checkpoint {} was trained with a different model config than {}", resume_from.string(), model_source);
     if (state.extra.contains("tokenizer") && state.extra["tokenizer"] != codec.description())
       fail("checkpoint {} was trained with tokenizer {}, not {}", resume_from.string(),
            state.extra["tokenizer"].get<std::string>(), codec.description());
-    state = load_checkpoint(resume_from.string(), model.params(), &optimizer);
+    // Any layout loads any other: each rank fills its shard of the weights and its owned optimizer state.
+    std::vector<ShardPiece> pieces = optimizer.checkpoint_pieces_for_load(true);
+    state = load_sharded_checkpoint(resume_from.string(), world, pieces);
+    model.params().refresh_bf16();
+    optimizer.set_steps_taken(state.optimizer_steps >= 0 ? state.optimizer_steps : state.step);
     step = state.step;
     if (plan_steps && state.extra.contains("planned_steps"))
       schedule.total_steps = total_steps = state.extra["planned_steps"].get<int64_t>();
-    std::printf("resumed from %s at step %lld\n", resume_from.c_str(), static_cast<long long>(step));
+    say("resumed from %s at step %lld\n", resume_from.c_str(), static_cast<long long>(step));
   }
-  {
+  if (g_leader) {
     std::ofstream out(run_dir / "config.toml");
     out << c.to_toml();
   }
-  MetricsWriter metrics(run_dir, /*truncate=*/resume_from.empty());
+  std::optional<MetricsWriter> metrics;
+  if (g_leader) metrics.emplace(run_dir, /*truncate=*/resume_from.empty());
+  auto write_metrics = [&](const nlohmann::json& record) {
+    if (metrics) metrics->write(record);
+  };
 
   const double flops_per_token = model_config.flops_per_token(seq);
-  const double peak_gflops =
-      c.log.peak_gflops > 0 ? c.log.peak_gflops : measure_gemm_peak_gflops(options.gemm_dtype);
-  std::printf("model %.2fM parameters | %s compute | recompute %s | %lld-token batches (%lld x %lld x %lld) | "
-              "peak %s GEMM %.0f GFLOP/s (%s)\n",
-              static_cast<double>(model_config.num_parameters()) / 1e6,
-              (dtype_name_used + (c.train.dtype == "auto" ? " (auto)" : "")).c_str(),
-              c.train.recompute.c_str(), static_cast<long long>(c.tokens_per_step()), static_cast<long long>(micro),
-              static_cast<long long>(accum), static_cast<long long>(seq), dtype_name_used.c_str(), peak_gflops,
-              c.log.peak_gflops > 0 ? "given" : "measured");
-  std::printf("%s\n", data->describe().c_str());
-  std::fflush(stdout);
+  // Every rank measures its share of the machine; the job's peak is their sum.
+  const double rank_peak = c.log.peak_gflops > 0 ? c.log.peak_gflops / world.size()
+                                                 : measure_gemm_peak_gflops(options.gemm_dtype);
+  const double peak_gflops = comm::all_reduce_sum(world, rank_peak);
+  say("model %.2fM parameters | %s compute | recompute %s | %lld-token batches (%lld x %lld x %lld x dp %lld) | "
+      "peak %s GEMM %.0f GFLOP/s (%s)\n",
+      static_cast<double>(model_config.num_parameters()) / 1e6,
+      (dtype_name_used + (c.train.dtype == "auto" ? " (auto)" : "")).c_str(), c.train.recompute.c_str(),
+      static_cast<long long>(step_tokens), static_cast<long long>(micro), static_cast<long long>(accum),
+      static_cast<long long>(seq), static_cast<long long>(dp), dtype_name_used.c_str(), peak_gflops,
+      c.log.peak_gflops > 0 ? "given" : "measured");
+  if (world.size() > 1) {
+    say("%s\n", layout.describe().c_str());
+    say("tensor parallel %d%s | data parallel %lld: %zu gradient buckets of <= %.1f MiB, %s, overlap %s | "
+        "optimizer state %.1f MiB per rank | %d OpenMP threads per rank\n",
+        layout.tp(), c.parallel.sequence_parallel ? " + sequence parallel" : "", static_cast<long long>(dp),
+        buckets.buckets().size(), c.parallel.bucket_mb,
+        c.parallel.distributed_optimizer ? "reduce-scatter + ZeRO-1 (sharded Adam state)" : "all-reduce",
+        c.parallel.overlap_grad_reduce ? "on" : "off", static_cast<double>(optimizer.state_bytes()) / 1048576.0,
+        omp_get_max_threads());
+  }
+  say("%s\n", data->describe().c_str());
 
   auto save = [&](const char* why) {
     CheckpointState state;
     state.step = step;
+    state.optimizer_steps = optimizer.steps_taken();
+    state.layout = {{"tp", layout.tp()}, {"dp", layout.dp()}, {"pp", layout.pp()}, {"cp", layout.cp()},
+                    {"ep", layout.ep()}, {"sequence_parallel", c.parallel.sequence_parallel},
+                    {"distributed_optimizer", c.parallel.distributed_optimizer}};
     state.model_config = model_config.to_json();
-    state.extra = {{"tokens_seen", step * c.tokens_per_step()}, {"reason", why}, {"tokenizer", codec.description()}};
+    state.extra = {{"tokens_seen", step * step_tokens}, {"reason", why}, {"tokenizer", codec.description()}};
     if (plan_steps) state.extra["planned_steps"] = total_steps;
     // The tokenizer goes along (before the manifest), so `forge generate` and `forge convert` find it.
-    if (codec.tokenizer()) {
+    if (codec.tokenizer() && g_leader) {
       fs::create_directories(checkpoint_dir);
       codec.tokenizer()->save(checkpoint_dir / "tokenizer.json");
     }
-    save_checkpoint(checkpoint_dir.string(), model.params(), &optimizer, state);
-    std::printf("checkpoint saved to %s (step %lld, %s)\n", checkpoint_dir.c_str(), static_cast<long long>(step), why);
-    std::fflush(stdout);
+    save_sharded_checkpoint(checkpoint_dir.string(), world, optimizer.checkpoint_pieces(true), state);
+    say("checkpoint saved to %s (step %lld, %s)\n", checkpoint_dir.c_str(), static_cast<long long>(step), why);
   };
 
   TrainResult result;
   std::vector<int32_t> ids(micro * seq), targets(micro * seq);
-  const float grad_scale = 1.0f / static_cast<float>(micro * accum * seq);
+  const float grad_scale = 1.0f / static_cast<float>(micro * accum * dp * seq);
   const auto train_start = Clock::now();
   auto interval_start = Clock::now();
   int64_t interval_tokens = 0;
@@ -185,35 +279,52 @@ TrainResult Trainer::run() {
   double first_step_seconds = 0;
   bool plan_frozen = !plan_steps || total_steps != std::numeric_limits<int32_t>::max();
   while (step < total_steps) {
-    if (stop_flag().load()) break;
-    if (c.train.max_minutes > 0 && seconds_since(train_start) > c.train.max_minutes * 60) {
-      std::printf("time limit of %.1f minutes reached at step %lld\n", c.train.max_minutes,
-                  static_cast<long long>(step));
+    // Every rank must take the same decision to stop (Ctrl-C reaches ranks at different moments; clocks
+    // differ): the flags are agreed over the world.
+    double flags[2] = {stop_flag().load() ? 1.0 : 0.0,
+                       c.train.max_minutes > 0 && seconds_since(train_start) > c.train.max_minutes * 60 ? 1.0 : 0.0};
+    if (world.size() > 1) world.all_reduce(flags, 2, comm::Type::f64, comm::ReduceOp::max).wait();
+    if (flags[0] > 0) {
+      stop_flag().store(true);
+      break;
+    }
+    if (flags[1] > 0) {
+      say("time limit of %.1f minutes reached at step %lld\n", c.train.max_minutes, static_cast<long long>(step));
       result.time_limit_reached = true;
       break;
     }
     if (step == first_step) reset_peak_memory();
     const int64_t live_before = memory_stats().live_bytes;
     model.params().zero_grads();
+    buckets.begin_step();
     LossSum loss;
     for (int64_t m = 0; m < accum; ++m) {
-      data->train_batch((step * accum + m) * micro, micro, ids.data(), targets.data());
-      LossSum part = model.forward_backward(ids.data(), targets.data(), micro, seq, grad_scale);
+      // Sample order is that of one rank running dp x accum micro-batches: replica d takes the d-th run.
+      data->train_batch(((step * dp + dp_rank) * accum + m) * micro, micro, ids.data(), targets.data());
+      LossSum part = model.forward_backward(ids.data(), targets.data(), micro, seq, grad_scale, m == accum - 1);
       loss.sum += part.sum, loss.tokens += part.tokens;
+    }
+    if (dp > 1) buckets.ready_from(0);
+    buckets.finish();
+    if (dp > 1) {
+      double sums[2] = {loss.sum, static_cast<double>(loss.tokens)};
+      comm::all_reduce_sum(dp_group, sums, 2);
+      loss.sum = sums[0], loss.tokens = static_cast<int64_t>(sums[1]);
     }
     if (step == first_step) {
       result.peak_activation_bytes = memory_stats().peak_bytes - live_before;
-      std::printf("peak activation memory %.1f MiB per micro-batch (recompute %s)\n",
-                  static_cast<double>(result.peak_activation_bytes) / 1048576.0, c.train.recompute.c_str());
+      say("peak activation memory %.1f MiB per micro-batch (recompute %s)\n",
+          static_cast<double>(result.peak_activation_bytes) / 1048576.0, c.train.recompute.c_str());
     }
     const double mean_loss = loss.mean();
     if (!std::isfinite(mean_loss)) fail("training loss is {} at step {}: stopping", mean_loss, step);
-    const double grad_norm = global_grad_norm(model.params());
+    const double grad_norm = optimizer.grad_norm();
     const float lr = schedule.lr_at(step);
     optimizer.step(lr, clip_coefficient(grad_norm, static_cast<float>(c.train.grad_clip)));
     ++step;
     result.losses.push_back(mean_loss);
-    interval_tokens += c.tokens_per_step();
+    result.grad_norms.push_back(grad_norm);
+    interval_tokens += step_tokens;
 
     const bool last = step == total_steps;
     if (step % c.log.every == 0 || last || step == first_step + 1) {
@@ -228,70 +339,85 @@ TrainResult Trainer::run() {
       double per_step = seconds_since(train_start) / static_cast<double>(step - first_step);
       m.eta_s = planned ? per_step * static_cast<double>(total_steps - step) : -1;
       if (c.train.max_minutes > 0) m.eta_s = std::min(m.eta_s, c.train.max_minutes * 60 - seconds_since(train_start));
-      std::printf("%s\n", format_step_line(m).c_str());
-      std::fflush(stdout);
+      say("%s\n", format_step_line(m).c_str());
       nlohmann::json record = {{"step", step},           {"loss", mean_loss},       {"lr", lr},
                                {"grad_norm", grad_norm}, {"tokens_per_s", m.tokens_per_s},
                                {"tflops", m.flops_per_s / 1e12}, {"mfu", m.mfu},
-                               {"tokens", step * c.tokens_per_step()}, {"elapsed_s", m.elapsed_s}};
-      metrics.write(record);
+                               {"tokens", step * step_tokens}, {"elapsed_s", m.elapsed_s}};
+      if (dp > 1) record["dp_overlap"] = buckets.total_stats().overlap_ratio();
+      write_metrics(record);
       interval_start = Clock::now();
       interval_tokens = 0;
     }
     if (c.eval.every > 0 && step % c.eval.every == 0 && !last) {
-      HeldOut e = evaluate(model, *data, seq, micro, std::min(heldout_windows, c.eval.batches * micro));
+      HeldOut e = evaluate(model, *data, seq, micro, std::min(heldout_windows, c.eval.batches * micro), dp_group);
       const double bpb = e.bits_per_byte();
-      std::printf("eval step %lld | held-out loss %.4f | %.4f bits/byte\n", static_cast<long long>(step),
-                  e.loss.mean(), bpb);
-      std::fflush(stdout);
-      metrics.write({{"step", step}, {"eval_loss", e.loss.mean()}, {"eval_bits_per_byte", bpb}});
+      say("eval step %lld | held-out loss %.4f | %.4f bits/byte\n", static_cast<long long>(step), e.loss.mean(), bpb);
+      write_metrics({{"step", step}, {"eval_loss", e.loss.mean()}, {"eval_bits_per_byte", bpb}});
     }
     if (c.checkpoint.every > 0 && step % c.checkpoint.every == 0 && !last) save("periodic");
     if (plan_steps && !plan_frozen && step - first_step >= 3) {
       // Re-estimate the length from the average speed so far (after the first step, which pays one-time
       // costs), keeping 3% of the budget for evaluations. The plan is frozen when the next step's LR would
-      // depend on it: at the end of warmup for cosine, at the start of the decay for WSD.
+      // depend on it: at the end of warmup for cosine, at the start of the decay for WSD. Ranks agree on
+      // the most pessimistic estimate.
       const double per_step =
           (seconds_since(train_start) - first_step_seconds) / static_cast<double>(step - first_step - 1);
       const double left = c.train.max_minutes * 60 * 0.97 - seconds_since(train_start);
-      schedule.total_steps = total_steps = step + std::max<int64_t>(1, static_cast<int64_t>(left / per_step));
+      double planned = static_cast<double>(step + std::max<int64_t>(1, static_cast<int64_t>(left / per_step)));
+      if (world.size() > 1) planned = -comm::all_reduce_max(world, -planned);
+      schedule.total_steps = total_steps = static_cast<int64_t>(planned);
       if (step + 1 >= schedule.decay_begins()) {
         plan_frozen = true;
-        std::printf("time budget %.3g minutes: planned %lld steps (%.3f s/step so far)\n", c.train.max_minutes,
-                    static_cast<long long>(total_steps), per_step);
+        say("time budget %.3g minutes: planned %lld steps (%.3f s/step so far)\n", c.train.max_minutes,
+            static_cast<long long>(total_steps), per_step);
       }
     }
     if (step == first_step + 1) first_step_seconds = seconds_since(train_start);
     if (on_step_) on_step_(step);
   }
   result.steps_done = step;
+  if (dp > 1 && step > first_step) {
+    const parallel::GradReductionStats& s = buckets.total_stats();
+    say("data-parallel gradient reduction: %.1f MiB per step, communication %.3f s, exposed %.3f s: %.0f%% "
+        "overlapped with backward\n",
+        static_cast<double>(s.bytes) / std::max<int64_t>(1, s.steps) / 1048576.0, s.communication_seconds,
+        s.exposed_seconds, 100.0 * s.overlap_ratio());
+  }
   if (stop_flag().load()) {
-    std::printf("interrupted at step %lld: saving a checkpoint\n", static_cast<long long>(step));
+    say("interrupted at step %lld: saving a checkpoint\n", static_cast<long long>(step));
     save("interrupted");
     result.interrupted = true;
     stop_flag().store(false);
     return result;
   }
 
-  HeldOut e = evaluate(model, *data, seq, micro, heldout_windows);
+  HeldOut e = evaluate(model, *data, seq, micro, heldout_windows, dp_group);
   result.heldout_loss = e.loss.mean();
   result.heldout_bits_per_byte = e.bits_per_byte();
-  std::printf("final held-out loss %.4f nats/token = %.4f bits per byte (%lld tokens, %lld bytes; %.1f s total)\n",
-              result.heldout_loss, result.heldout_bits_per_byte, static_cast<long long>(e.loss.tokens),
-              static_cast<long long>(e.bytes), seconds_since(start_time));
-  metrics.write({{"step", step}, {"eval_loss", result.heldout_loss}, {"eval_bits_per_byte", result.heldout_bits_per_byte},
+  say("final held-out loss %.4f nats/token = %.4f bits per byte (%lld tokens, %lld bytes; %.1f s total)\n",
+      result.heldout_loss, result.heldout_bits_per_byte, static_cast<long long>(e.loss.tokens),
+      static_cast<long long>(e.bytes), seconds_since(start_time));
+  write_metrics({{"step", step}, {"eval_loss", result.heldout_loss}, {"eval_bits_per_byte", result.heldout_bits_per_byte},
                  {"final", true}});
   save("final");
 
-  if (c.sample.tokens > 0) {
+  if (c.sample.tokens > 0 && g_leader) {
     SamplingOptions so;
     so.max_new_tokens = c.sample.tokens, so.context = seq, so.temperature = c.sample.temperature;
     so.top_k = c.sample.top_k, so.seed = c.sample.seed;
     std::vector<int32_t> prompt = codec.encode(c.sample.prompt.empty() ? std::string("\n") : c.sample.prompt);
-    std::vector<int32_t> out = generate(model, prompt, so);
+    // Generation runs on one process: a model split over tp ranks is read back whole from the checkpoint.
+    std::unique_ptr<LlamaModel> whole;
+    if (layout.tp() > 1) {
+      nn::ComputeOptions single;
+      single.gemm_dtype = options.gemm_dtype;
+      whole = load_pretrained_model(checkpoint_dir, single);
+    }
+    std::vector<int32_t> out = generate(whole ? *whole : model, prompt, so);
     result.sample = c.sample.prompt + codec.decode(out);
-    std::printf("--- sample (temperature %.2f, top-k %lld) ---\n%s\n---\n", c.sample.temperature,
-                static_cast<long long>(c.sample.top_k), result.sample.c_str());
+    say("--- sample (temperature %.2f, top-k %lld) ---\n%s\n---\n", c.sample.temperature,
+        static_cast<long long>(c.sample.top_k), result.sample.c_str());
   }
   return result;
 }

@@ -11,11 +11,16 @@
 
 #include "forge/train/config.h"
 
+namespace forge::comm {
+class Communicator;
+}
+
 namespace forge {
 
 struct TrainResult {
   int64_t steps_done = 0;         // optimizer steps completed in total (including resumed ones)
   std::vector<double> losses;     // training loss of each step run in this invocation
+  std::vector<double> grad_norms;  // global gradient norm of each of those steps (before clipping)
   double heldout_loss = 0;        // final evaluation, nats per token
   double heldout_bits_per_byte = 0;
   bool interrupted = false;
@@ -26,7 +31,9 @@ struct TrainResult {
 
 class Trainer {
  public:
-  explicit Trainer(TrainConfig config);
+  // world: the ranks of this run (null: comm::world(), MPI's when launched by mpirun, else one rank).
+  // Every rank of world calls run() with the same config; [parallel] splits them into groups.
+  explicit Trainer(TrainConfig config, comm::Communicator* world = nullptr);
   // Runs to completion, the time limit, or until stop_requested() turns true (then saves a checkpoint).
   TrainResult run();
 
@@ -37,6 +44,7 @@ class Trainer {
 
  private:
   TrainConfig config_;
+  comm::Communicator* world_ = nullptr;
   std::function<void(int64_t)> on_step_;
 };
 

@@ -31,8 +31,8 @@ void check(const ops::LinearCrossEntropyParams& p, const char* what) {
   FORGE_CHECK(p.gemm_dtype == DType::f32 || p.gemm_dtype == DType::bf16,
               "{}: gemm_dtype must be fp32 or bf16", what);
   FORGE_CHECK(p.workspace != nullptr, "{}: workspace is required", what);
-  FORGE_CHECK(p.vocab_start >= 0 && global_vocab(p) > p.vocab_start, "{}: vocabulary range {}+{} of {} is empty",
-              what, p.vocab_start, p.vocab, global_vocab(p));
+  // A range may lie wholly in the padding (a tiny vocabulary split far): it then contributes nothing.
+  FORGE_CHECK(p.vocab_start >= 0, "{}: negative vocabulary start {}", what, p.vocab_start);
   for (int64_t r = 0; r < p.rows; ++r)
     if (p.targets[r] >= global_vocab(p))
       fail("{}: target {} at row {} is outside the vocabulary [0, {})", what, p.targets[r], r, global_vocab(p));

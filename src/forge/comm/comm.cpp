@@ -1,0 +1,252 @@
+#include "forge/comm/comm.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string_view>
+#include <thread>
+
+#include "forge/comm/comm_internal.h"
+#include "forge/comm/mpi/mpi_comm.h"
+#include "forge/core/error.h"
+
+namespace forge::comm {
+
+size_t type_size(Type t) {
+  switch (t) {
+    case Type::f32: return 4;
+    case Type::f64: return 8;
+    case Type::bf16: return 2;
+    case Type::i32: return 4;
+    case Type::i64: return 8;
+    case Type::u8: return 1;
+  }
+  fail("comm: unknown element type {}", static_cast<int>(t));
+}
+
+const char* type_name(Type t) {
+  switch (t) {
+    case Type::f32: return "f32";
+    case Type::f64: return "f64";
+    case Type::bf16: return "bf16";
+    case Type::i32: return "i32";
+    case Type::i64: return "i64";
+    case Type::u8: return "u8";
+  }
+  fail("comm: unknown element type {}", static_cast<int>(t));
+}
+
+const char* reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return "sum";
+    case ReduceOp::max: return "max";
+    case ReduceOp::min: return "min";
+  }
+  fail("comm: unknown reduction {}", static_cast<int>(op));
+}
+
+namespace {
+
+// Spins (yielding the core) for the first few milliseconds, since most operations finish by then and MPI's
+// non-blocking collectives only advance inside test(); then sleeps, doubling up to a millisecond, so that a
+// long wait does not burn a core another rank on the same machine may need.
+class Backoff {
+ public:
+  double elapsed_seconds() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
+  void pause() {
+    if (elapsed_seconds() < kSpinSeconds) {
+      std::this_thread::yield();
+      return;
+    }
+    std::this_thread::sleep_for(sleep_);
+    sleep_ = std::min(sleep_ * 2, std::chrono::microseconds(1000));
+  }
+
+ private:
+  static constexpr double kSpinSeconds = 0.01;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+  std::chrono::microseconds sleep_{20};
+};
+
+bool timed_out(double elapsed, double timeout_s) { return timeout_s > 0 && elapsed > timeout_s; }
+
+}  // namespace
+
+namespace detail {
+
+std::string group_label(const Communicator& c) {
+  return fmt::format("group '{}' (rank {} of {}, world rank {})", c.name(), c.rank(), c.size(), c.world_rank());
+}
+
+std::string timeout_message(const Work& work, const std::string& group_label, double timeout_s) {
+  return fmt::format("{} on {} did not complete within {:g} s", work.description(), group_label, timeout_s);
+}
+
+void abort_job(const std::string& message) {
+  std::string line = message;
+  std::replace(line.begin(), line.end(), '\n', ' ');  // one line, whatever the message
+  std::fflush(stdout);
+  std::fprintf(stderr, "forge: error: %s\n", line.c_str());
+  std::fflush(stderr);
+  if (mpi::running()) mpi::abort_world();
+  std::exit(1);
+}
+
+bool poll_until_complete(Work& work, double timeout_s) {
+  Backoff backoff;
+  while (!work.test()) {
+    if (timed_out(backoff.elapsed_seconds(), timeout_s)) return false;
+    backoff.pause();
+  }
+  return true;
+}
+
+void complete_in_destructor(Work& work, const std::string& group_label, double timeout_s) noexcept {
+  try {
+    if (!poll_until_complete(work, timeout_s)) abort_job(timeout_message(work, group_label, timeout_s));
+  } catch (const std::exception& e) {
+    abort_job(e.what());
+  }
+}
+
+void check_count(const Communicator& c, const char* op, int64_t count, const char* what) {
+  if (count < 0) fail("comm: {} on {}: {} is negative ({})", op, group_label(c), what, count);
+}
+
+void check_per_rank(const Communicator& c, const char* op, std::span<const int64_t> values, const char* what) {
+  if (values.size() != static_cast<size_t>(c.size()))
+    fail("comm: {} on {}: {} has {} entries, expected one per rank ({})", op, group_label(c), what,
+         values.size(), c.size());
+  for (size_t r = 0; r < values.size(); ++r)
+    if (values[r] < 0) fail("comm: {} on {}: {}[{}] is negative ({})", op, group_label(c), what, r, values[r]);
+}
+
+void check_rank(const Communicator& c, const char* op, int rank, const char* what) {
+  if (rank < 0 || rank >= c.size())
+    fail("comm: {} on {}: {} {} is not a rank of the group (0 .. {})", op, group_label(c), what, rank,
+         c.size() - 1);
+}
+
+void check_buffer(const Communicator& c, const char* op, const void* buf, int64_t count, const char* what) {
+  if (buf == nullptr && count > 0)
+    fail("comm: {} on {}: {} is null but holds {} elements", op, group_label(c), what, count);
+}
+
+}  // namespace detail
+
+bool Request::test() {
+  if (!work_) return true;
+  if (!work_->test()) return false;
+  work_.reset();
+  return true;
+}
+
+void Request::wait() {
+  if (!work_) return;
+  const double timeout_s = comm_ ? comm_->timeout_seconds() : 0;
+  if (!detail::poll_until_complete(*work_, timeout_s))
+    comm_->abort(detail::timeout_message(*work_, detail::group_label(*comm_), timeout_s));
+  work_.reset();
+}
+
+void wait_all(std::span<Request> requests) {
+  Backoff backoff;
+  for (;;) {
+    bool all_done = true;
+    for (Request& r : requests) all_done = r.test() && all_done;  // test every one: each drives progress
+    if (all_done) return;
+    const double elapsed = backoff.elapsed_seconds();
+    for (Request& r : requests) {
+      if (r.pending() && r.comm_ && timed_out(elapsed, r.comm_->timeout_seconds()))
+        r.comm_->abort(
+            detail::timeout_message(*r.work_, detail::group_label(*r.comm_), r.comm_->timeout_seconds()));
+    }
+    backoff.pause();
+  }
+}
+
+bool launched_by_mpi() {
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"}) {
+    const char* value = std::getenv(name);
+    if (value && std::atoi(value) > 1) return true;
+  }
+  // PMIx launchers (mpirun, srun --mpi=pmix) set PMIX_RANK in every process they start.
+  return std::getenv("PMIX_RANK") != nullptr;
+}
+
+namespace {
+
+struct WorldState {
+  std::unique_ptr<Communicator> world;
+  bool mpi = false;
+  bool finalized = false;
+};
+
+WorldState& world_state() {
+  static WorldState state;
+  return state;
+}
+
+// FORGE_COMM_TIMEOUT: seconds before a stuck request aborts the job (<= 0 waits forever).
+void apply_timeout_from_environment(Communicator& c) {
+  const char* value = std::getenv("FORGE_COMM_TIMEOUT");
+  if (!value || !*value) return;
+  char* end = nullptr;
+  const double seconds = std::strtod(value, &end);
+  if (end == value || *end != '\0') fail("FORGE_COMM_TIMEOUT='{}' is not a number of seconds", value);
+  c.set_timeout_seconds(seconds);
+}
+
+}  // namespace
+
+Communicator& world(bool force_mpi) {
+  WorldState& state = world_state();
+  if (state.finalized) fail("comm::world: called after comm::finalize()");
+  const bool want_mpi = force_mpi || launched_by_mpi();
+  if (state.world) {
+    if (want_mpi && !state.mpi)
+      fail("comm::world: MPI was requested, but the world was already created as one process without MPI");
+    return *state.world;
+  }
+  if (want_mpi) {
+    state.world = mpi::init_world();
+    state.mpi = true;
+  } else {
+    state.world = make_self("world");
+  }
+  apply_timeout_from_environment(*state.world);
+  return *state.world;
+}
+
+void finalize() {
+  WorldState& state = world_state();
+  state.world.reset();
+  if (state.mpi) mpi::finalize();
+  state.mpi = false;
+  state.finalized = true;
+}
+
+void all_reduce_sum(Communicator& c, float* buf, int64_t count) {
+  c.all_reduce(buf, count, Type::f32, ReduceOp::sum).wait();
+}
+
+void all_reduce_sum(Communicator& c, double* buf, int64_t count) {
+  c.all_reduce(buf, count, Type::f64, ReduceOp::sum).wait();
+}
+
+double all_reduce_sum(Communicator& c, double value) {
+  c.all_reduce(&value, 1, Type::f64, ReduceOp::sum).wait();
+  return value;
+}
+
+double all_reduce_max(Communicator& c, double value) {
+  c.all_reduce(&value, 1, Type::f64, ReduceOp::max).wait();
+  return value;
+}
+
+}  // namespace forge::comm

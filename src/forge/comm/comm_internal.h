@@ -1,0 +1,36 @@
+// Shared by the comm backends (not part of the API): the timeout loop, the job abort, argument checks.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "forge/comm/comm.h"
+
+namespace forge::comm::detail {
+
+// "group 'dp' (rank 0 of 2, world rank 3)": who is speaking, for messages.
+std::string group_label(const Communicator& c);
+
+// "<work description> on <group label> did not complete within <timeout> s".
+std::string timeout_message(const Work& work, const std::string& group_label, double timeout_s);
+
+// Prints "forge: error: <message>" as one line on stderr and ends the job: MPI_Abort(MPI_COMM_WORLD, 1)
+// when forge's MPI backend is running, exit(1) otherwise.
+[[noreturn]] void abort_job(const std::string& message);
+
+// Polls work.test() with a short backoff (spin, then sleeps growing to a millisecond) until it completes.
+// Returns false if timeout_s (> 0) passed first.
+bool poll_until_complete(Work& work, double timeout_s);
+
+// For a backend's Work destructor when the operation was never waited on: its buffers may still be in use,
+// so complete it (under the timeout) or end the job. Never throws.
+void complete_in_destructor(Work& work, const std::string& group_label, double timeout_s) noexcept;
+
+// Argument checks at the API boundary (throw forge::Error naming the operation and the group).
+void check_count(const Communicator& c, const char* op, int64_t count, const char* what = "count");
+void check_per_rank(const Communicator& c, const char* op, std::span<const int64_t> values, const char* what);
+void check_rank(const Communicator& c, const char* op, int rank, const char* what);
+void check_buffer(const Communicator& c, const char* op, const void* buf, int64_t count, const char* what);
+
+}  // namespace forge::comm::detail

@@ -1,0 +1,25 @@
+// The MPI backend (host memory, non-blocking MPI collectives). Internal to comm: everyone else reaches it
+// through comm::world() and Communicator::split().
+#pragma once
+
+#include <memory>
+
+#include "forge/comm/comm.h"
+
+namespace forge::comm::mpi {
+
+// Initialises MPI (MPI_THREAD_FUNNELED) unless it already is, creates forge's MPI objects and returns the
+// world communicator (a duplicate of MPI_COMM_WORLD, so forge's traffic never matches anyone else's).
+std::unique_ptr<Communicator> init_world();
+
+// Frees forge's MPI objects and finalises MPI if init_world() initialised it. Communicators still alive
+// afterwards are inert (their destructors skip MPI).
+void finalize();
+
+// True between init_world() and finalize().
+bool running();
+
+// MPI_Abort(MPI_COMM_WORLD, 1).
+[[noreturn]] void abort_world();
+
+}  // namespace forge::comm::mpi

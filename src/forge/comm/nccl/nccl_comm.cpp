@@ -1,0 +1,387 @@
+// The NCCL backend: device buffers, one CUDA stream per communicator, and a CUDA event per request (test()
+// queries it). Compiled only where CMake found nccl.h, libnccl and the CUDA runtime (FORGE_HAVE_NCCL);
+// elsewhere nccl_unavailable.cpp answers instead.
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+#include <nccl.h>
+
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "forge/comm/comm.h"
+#include "forge/comm/comm_internal.h"
+#include "forge/comm/nccl/device_memory.h"
+#include "forge/core/error.h"
+
+namespace forge::comm::nccl {
+namespace {
+
+std::string_view function_name(std::string_view call) { return call.substr(0, call.find('(')); }
+
+[[noreturn]] void fail_cuda(std::string_view call, cudaError_t code, const char* file, int line) {
+  fail("{}:{}: {} failed: {}", file, line, function_name(call), cudaGetErrorString(code));
+}
+
+[[noreturn]] void fail_nccl(std::string_view call, ncclResult_t code, const char* file, int line) {
+  const char* detail = ncclGetLastError(nullptr);
+  fail("{}:{}: {} failed: {}{}{}", file, line, function_name(call), ncclGetErrorString(code),
+       detail && *detail ? ": " : "", detail ? detail : "");
+}
+
+}  // namespace
+}  // namespace forge::comm::nccl
+
+#define FORGE_CUDA_CHECK(call)                                                                   \
+  do {                                                                                           \
+    const cudaError_t forge_cuda_code_ = (call);                                                 \
+    if (forge_cuda_code_ != cudaSuccess)                                                         \
+      ::forge::comm::nccl::fail_cuda(#call, forge_cuda_code_, __FILE__, __LINE__);               \
+  } while (0)
+
+#define FORGE_NCCL_CHECK(call)                                                                   \
+  do {                                                                                           \
+    const ncclResult_t forge_nccl_code_ = (call);                                                \
+    if (forge_nccl_code_ != ncclSuccess)                                                         \
+      ::forge::comm::nccl::fail_nccl(#call, forge_nccl_code_, __FILE__, __LINE__);               \
+  } while (0)
+
+namespace forge::comm::nccl {
+namespace {
+
+ncclDataType_t datatype(Type t) {
+  switch (t) {
+    case Type::f32: return ncclFloat32;
+    case Type::f64: return ncclFloat64;
+    case Type::bf16: return ncclBfloat16;
+    case Type::i32: return ncclInt32;
+    case Type::i64: return ncclInt64;
+    case Type::u8: return ncclUint8;
+  }
+  fail("comm: unknown element type {}", static_cast<int>(t));
+}
+
+ncclRedOp_t reduction(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return ncclSum;
+    case ReduceOp::max: return ncclMax;
+    case ReduceOp::min: return ncclMin;
+  }
+  fail("comm: unknown reduction {}", static_cast<int>(op));
+}
+
+const char* offset(const void* base, int64_t elements, Type type) {
+  return static_cast<const char*>(base) + elements * static_cast<int64_t>(type_size(type));
+}
+char* offset(void* base, int64_t elements, Type type) {
+  return static_cast<char*>(base) + elements * static_cast<int64_t>(type_size(type));
+}
+
+class NcclWork final : public Work {
+ public:
+  NcclWork(const char* op, ncclComm_t comm, cudaEvent_t event, std::shared_ptr<const std::string> label,
+           double timeout_s, int peer)
+      : op_(op), comm_(comm), event_(event), label_(std::move(label)), timeout_s_(timeout_s), peer_(peer) {}
+  ~NcclWork() override {
+    if (!done_) detail::complete_in_destructor(*this, *label_, timeout_s_);
+    cudaEventDestroy(event_);
+  }
+
+  bool test() override {
+    if (done_) return true;
+    const cudaError_t status = cudaEventQuery(event_);
+    if (status == cudaSuccess) return done_ = true;
+    if (status != cudaErrorNotReady) FORGE_CUDA_CHECK(status);
+    // A failed peer or network shows up as an asynchronous error, never as completion: report it now.
+    ncclResult_t async = ncclSuccess;
+    if (ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress) {
+      const std::string message = fmt::format("{} on {} failed: {}: {}", description(), *label_,
+                                              ncclGetErrorString(async), ncclGetLastError(comm_));
+      ncclCommAbort(comm_);
+      detail::abort_job(message);
+    }
+    return false;
+  }
+  const char* operation() const override { return op_; }
+  std::string description() const override {
+    if (peer_ < 0) return Work::description();
+    return fmt::format("{} {} rank {}", op_, std::string_view(op_) == "send" ? "to" : "from", peer_);
+  }
+
+ private:
+  const char* op_;
+  ncclComm_t comm_;
+  cudaEvent_t event_;
+  std::shared_ptr<const std::string> label_;
+  double timeout_s_;
+  int peer_;
+  bool done_ = false;
+};
+
+class NcclCommunicator final : public Communicator {
+ public:
+  NcclCommunicator(ncclComm_t comm, int device, std::string name, int world_rank, double timeout_s)
+      : comm_(comm), device_(device) {
+    FORGE_NCCL_CHECK(ncclCommUserRank(comm_, &rank_));
+    FORGE_NCCL_CHECK(ncclCommCount(comm_, &size_));
+    name_ = std::move(name);
+    world_rank_ = world_rank;
+    timeout_s_ = timeout_s;
+    label_ = std::make_shared<const std::string>(detail::group_label(*this));
+    FORGE_CUDA_CHECK(cudaSetDevice(device_));
+    FORGE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    FORGE_CUDA_CHECK(cudaMalloc(&scratch_, sizeof(float)));
+    FORGE_CUDA_CHECK(cudaMemsetAsync(scratch_, 0, sizeof(float), stream_));
+  }
+  ~NcclCommunicator() override {
+    // Errors are ignored: a destructor cannot report them, and the process is usually ending.
+    cudaSetDevice(device_);
+    cudaStreamSynchronize(stream_);
+    ncclCommFinalize(comm_);
+    ncclCommDestroy(comm_);
+    cudaFree(scratch_);
+    cudaStreamDestroy(stream_);
+  }
+
+  const char* backend() const override { return "nccl"; }
+
+  Request all_reduce(void* buf, int64_t count, Type type, ReduceOp op) override {
+    detail::check_count(*this, "all_reduce", count);
+    detail::check_buffer(*this, "all_reduce", buf, count, "buffer");
+    if (count == 0) return {};
+    return enqueue("all_reduce", [&] {
+      FORGE_NCCL_CHECK(ncclAllReduce(buf, buf, static_cast<size_t>(count), datatype(type), reduction(op), comm_,
+                                     stream_));
+    });
+  }
+
+  Request all_gather(const void* send, void* recv, int64_t count, Type type) override {
+    check_pair("all_gather", send, recv, count, count * size_);
+    if (count == 0) return {};
+    return enqueue("all_gather", [&] {  // in place (send is this rank's block of recv) is NCCL's in-place form
+      FORGE_NCCL_CHECK(ncclAllGather(send, recv, static_cast<size_t>(count), datatype(type), comm_, stream_));
+    });
+  }
+
+  Request all_gatherv(const void* send, void* recv, std::span<const int64_t> counts, Type type) override {
+    detail::check_per_rank(*this, "all_gatherv", counts, "counts");
+    std::vector<int64_t> displs(counts.size());
+    int64_t total = 0;
+    for (size_t r = 0; r < counts.size(); ++r) displs[r] = std::exchange(total, total + counts[r]);
+    check_pair("all_gatherv", send, recv, counts[rank_], total);
+    if (total == 0) return {};
+    return enqueue("all_gatherv", [&] {
+      // Grouped sends and receives; this rank's own block is a device copy (none when in place).
+      copy_own_block(offset(recv, displs[rank_], type), send, counts[rank_], type);
+      FORGE_NCCL_CHECK(ncclGroupStart());
+      for (int p = 0; p < size_; ++p) {
+        if (p == rank_) continue;
+        if (counts[rank_] > 0)
+          FORGE_NCCL_CHECK(ncclSend(send, static_cast<size_t>(counts[rank_]), datatype(type), p, comm_, stream_));
+        if (counts[p] > 0)
+          FORGE_NCCL_CHECK(ncclRecv(offset(recv, displs[p], type), static_cast<size_t>(counts[p]), datatype(type),
+                                    p, comm_, stream_));
+      }
+      FORGE_NCCL_CHECK(ncclGroupEnd());
+    });
+  }
+
+  Request reduce_scatter(const void* send, void* recv, int64_t count, Type type, ReduceOp op) override {
+    check_pair("reduce_scatter", send, recv, count * size_, count);
+    if (count == 0) return {};
+    return enqueue("reduce_scatter", [&] {
+      FORGE_NCCL_CHECK(ncclReduceScatter(send, recv, static_cast<size_t>(count), datatype(type), reduction(op),
+                                         comm_, stream_));
+    });
+  }
+
+  Request all_to_all(const void* send, void* recv, int64_t count, Type type) override {
+    check_pair("all_to_all", send, recv, count * size_, count * size_);
+    if (count == 0) return {};
+    return enqueue("all_to_all", [&] {
+      copy_own_block(offset(recv, rank_ * count, type), offset(send, rank_ * count, type), count, type);
+      FORGE_NCCL_CHECK(ncclGroupStart());
+      for (int p = 0; p < size_; ++p) {
+        if (p == rank_) continue;
+        FORGE_NCCL_CHECK(
+            ncclSend(offset(send, p * count, type), static_cast<size_t>(count), datatype(type), p, comm_, stream_));
+        FORGE_NCCL_CHECK(
+            ncclRecv(offset(recv, p * count, type), static_cast<size_t>(count), datatype(type), p, comm_, stream_));
+      }
+      FORGE_NCCL_CHECK(ncclGroupEnd());
+    });
+  }
+
+  Request all_to_allv(const void* send, std::span<const int64_t> send_counts, std::span<const int64_t> send_displs,
+                      void* recv, std::span<const int64_t> recv_counts, std::span<const int64_t> recv_displs,
+                      Type type) override {
+    const char* op = "all_to_allv";
+    detail::check_per_rank(*this, op, send_counts, "send_counts");
+    detail::check_per_rank(*this, op, send_displs, "send_displs");
+    detail::check_per_rank(*this, op, recv_counts, "recv_counts");
+    detail::check_per_rank(*this, op, recv_displs, "recv_displs");
+    if (send_counts[rank_] != recv_counts[rank_])
+      fail("comm: all_to_allv on {}: this rank sends itself {} elements but expects {}", *label_,
+           send_counts[rank_], recv_counts[rank_]);
+    return enqueue(op, [&] {
+      copy_own_block(offset(recv, recv_displs[rank_], type), offset(send, send_displs[rank_], type),
+                     send_counts[rank_], type);
+      FORGE_NCCL_CHECK(ncclGroupStart());
+      for (int p = 0; p < size_; ++p) {
+        if (p == rank_) continue;
+        if (send_counts[p] > 0)
+          FORGE_NCCL_CHECK(ncclSend(offset(send, send_displs[p], type), static_cast<size_t>(send_counts[p]),
+                                    datatype(type), p, comm_, stream_));
+        if (recv_counts[p] > 0)
+          FORGE_NCCL_CHECK(ncclRecv(offset(recv, recv_displs[p], type), static_cast<size_t>(recv_counts[p]),
+                                    datatype(type), p, comm_, stream_));
+      }
+      FORGE_NCCL_CHECK(ncclGroupEnd());
+    });
+  }
+
+  Request send(const void* buf, int64_t count, Type type, int peer, int tag) override {
+    check_p2p("send", buf, count, peer);
+    if (count == 0) return {};
+    return enqueue(
+        "send",
+        [&] { FORGE_NCCL_CHECK(ncclSend(buf, static_cast<size_t>(count), datatype(type), peer, comm_, stream_)); },
+        peer);
+  }
+
+  Request recv(void* buf, int64_t count, Type type, int peer, int tag) override {
+    check_p2p("recv", buf, count, peer);
+    if (count == 0) return {};
+    return enqueue(
+        "recv",
+        [&] { FORGE_NCCL_CHECK(ncclRecv(buf, static_cast<size_t>(count), datatype(type), peer, comm_, stream_)); },
+        peer);
+  }
+
+  Request broadcast(void* buf, int64_t count, Type type, int root) override {
+    detail::check_rank(*this, "broadcast", root, "root");
+    detail::check_count(*this, "broadcast", count);
+    detail::check_buffer(*this, "broadcast", buf, count, "buffer");
+    if (count == 0) return {};
+    return enqueue("broadcast", [&] {
+      FORGE_NCCL_CHECK(ncclBroadcast(buf, buf, static_cast<size_t>(count), datatype(type), root, comm_, stream_));
+    });
+  }
+
+  Request barrier() override {
+    return enqueue("barrier", [&] {
+      FORGE_NCCL_CHECK(ncclAllReduce(scratch_, scratch_, 1, ncclFloat32, ncclSum, comm_, stream_));
+    });
+  }
+
+  std::unique_ptr<Communicator> split(int color, int key, std::string name) override {
+    // ncclCommSplit blocks without a timeout: meet every rank first in an operation that has one.
+    enqueue("split", [&] {
+      FORGE_NCCL_CHECK(ncclAllReduce(scratch_, scratch_, 1, ncclFloat32, ncclSum, comm_, stream_));
+    }).wait();
+    ncclComm_t child = nullptr;
+    FORGE_NCCL_CHECK(ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &child, nullptr));
+    if (child == nullptr) return nullptr;
+    return std::make_unique<NcclCommunicator>(child, device_, std::move(name), world_rank_, timeout_s_);
+  }
+
+  [[noreturn]] void abort(const std::string& message) override {
+    ncclCommAbort(comm_);  // unblocks NCCL's kernels and proxy threads so that the process can go
+    detail::abort_job(message);
+  }
+
+ private:
+  template <typename Enqueue>
+  Request enqueue(const char* op, Enqueue&& issue, int peer = -1) {
+    FORGE_CUDA_CHECK(cudaSetDevice(device_));
+    issue();
+    cudaEvent_t event = nullptr;
+    FORGE_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    const cudaError_t recorded = cudaEventRecord(event, stream_);
+    if (recorded != cudaSuccess) {
+      cudaEventDestroy(event);
+      FORGE_CUDA_CHECK(recorded);
+    }
+    return {std::make_shared<NcclWork>(op, comm_, event, label_, timeout_s_, peer), this};
+  }
+
+  void copy_own_block(void* dst, const void* src, int64_t count, Type type) {
+    if (count > 0 && dst != src)
+      FORGE_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(count) * type_size(type),
+                                       cudaMemcpyDeviceToDevice, stream_));
+  }
+
+  void check_pair(const char* op, const void* send, const void* recv, int64_t send_count, int64_t recv_count) {
+    detail::check_count(*this, op, send_count);
+    detail::check_buffer(*this, op, send, send_count, "send");
+    detail::check_buffer(*this, op, recv, recv_count, "recv");
+  }
+
+  void check_p2p(const char* op, const void* buf, int64_t count, int peer) {
+    detail::check_count(*this, op, count);
+    detail::check_buffer(*this, op, buf, count, "buffer");
+    detail::check_rank(*this, op, peer, "peer");
+  }
+
+  ncclComm_t comm_;
+  int device_;
+  cudaStream_t stream_ = nullptr;
+  float* scratch_ = nullptr;  // the barrier's one-element all-reduce
+  std::shared_ptr<const std::string> label_;
+};
+
+}  // namespace
+
+int device_count() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // no driver or no device: clear the sticky error and report none
+    return 0;
+  }
+  return count;
+}
+
+void* device_alloc(int64_t bytes) {
+  void* ptr = nullptr;
+  if (bytes > 0) FORGE_CUDA_CHECK(cudaMalloc(&ptr, static_cast<size_t>(bytes)));
+  return ptr;
+}
+
+void device_free(void* ptr) {
+  if (ptr) FORGE_CUDA_CHECK(cudaFree(ptr));
+}
+
+void copy_to_device(void* device_dst, const void* host_src, int64_t bytes) {
+  if (bytes > 0) FORGE_CUDA_CHECK(cudaMemcpy(device_dst, host_src, static_cast<size_t>(bytes), cudaMemcpyHostToDevice));
+}
+
+void copy_to_host(void* host_dst, const void* device_src, int64_t bytes) {
+  if (bytes > 0) FORGE_CUDA_CHECK(cudaMemcpy(host_dst, device_src, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost));
+}
+
+}  // namespace forge::comm::nccl
+
+namespace forge::comm {
+
+bool nccl_usable() { return nccl::device_count() > 0; }
+
+std::unique_ptr<Communicator> make_nccl(Communicator& bootstrap, int cuda_device, std::string name) {
+  if (std::string_view(bootstrap.backend()) == "nccl")
+    fail("make_nccl: the bootstrap communicator '{}' is nccl; it must hold host memory (mpi or self)",
+         bootstrap.name());
+  const int devices = nccl::device_count();
+  if (devices == 0) fail("make_nccl: no CUDA device is visible to world rank {}", bootstrap.world_rank());
+  if (cuda_device < 0 || cuda_device >= devices)
+    fail("make_nccl: cuda_device {} is out of range: world rank {} sees {} device(s)", cuda_device,
+         bootstrap.world_rank(), devices);
+  FORGE_CUDA_CHECK(cudaSetDevice(cuda_device));
+  ncclUniqueId id{};
+  if (bootstrap.rank() == 0) FORGE_NCCL_CHECK(ncclGetUniqueId(&id));
+  bootstrap.broadcast(&id, sizeof(id), Type::u8, 0).wait();
+  ncclComm_t comm = nullptr;
+  FORGE_NCCL_CHECK(ncclCommInitRank(&comm, bootstrap.size(), id, bootstrap.rank()));
+  return std::make_unique<nccl::NcclCommunicator>(comm, cuda_device, std::move(name), bootstrap.world_rank(),
+                                                  bootstrap.timeout_seconds());
+}
+
+}  // namespace forge::comm

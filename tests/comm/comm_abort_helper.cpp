@@ -1,0 +1,16 @@
+// Run by tests/comm/comm_test.cpp under mpirun with two ranks: world rank 0 skips an all_reduce that world
+// rank 1 waits on, so the communicator's timeout (FORGE_COMM_TIMEOUT, inherited by the split group) must
+// end the whole job with one line naming the group, the operation and the rank.
+#include "forge/comm/comm.h"
+
+int main() {
+  forge::comm::Communicator& world = forge::comm::world(/*force_mpi=*/true);
+  // key = -rank reverses the order: world rank 1 is rank 0 of 'pair'.
+  std::unique_ptr<forge::comm::Communicator> pair = world.split(0, -world.rank(), "pair");
+  if (world.rank() == 1) {
+    float x = 1;
+    pair->all_reduce(&x, 1, forge::comm::Type::f32, forge::comm::ReduceOp::sum).wait();
+  }
+  forge::comm::finalize();  // world rank 0 waits here for a peer that will never come
+  return 0;
+}

@@ -1,0 +1,159 @@
+// Layout equivalence of whole training runs: 20 steps under (tp, dp) in {(2,1), (1,2), (2,2), (4,1)}, with
+// and without sequence parallelism and the ZeRO-1 distributed optimizer, against the same run on one rank
+// (comm::make_self) with dp x grad_accum micro-batches per step. Run by mpirun with 2 and 4 ranks: the
+// layouts whose size is the world's run; each rank also runs the one-rank reference itself.
+//
+// Tolerances (fp32 compute): the layouts sum the same products in different orders (split GEMMs, all-
+// reduces, a vocabulary-parallel log-sum-exp), so results differ from one rank by rounding, which 20 Adam
+// steps amplify a little: every step's loss within 2e-5 relative and gradient norm within 1e-3 relative,
+// every final weight within 2e-4 x the largest magnitude of its tensor (on weights of size ~0.02-1).
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include "forge/ckpt/pretrained.h"
+#include "forge/comm/comm.h"
+#include "forge/models/llama.h"
+#include "forge/train/trainer.h"
+
+namespace forge {
+namespace {
+namespace fs = std::filesystem;
+
+struct Layout {
+  int tp, dp;
+  bool sequence_parallel, zero;
+};
+
+std::string name_of(const Layout& l) {
+  return "tp" + std::to_string(l.tp) + "_dp" + std::to_string(l.dp) + (l.sequence_parallel ? "_sp" : "") +
+         (l.zero ? "_zero1" : "");
+}
+
+class TrainerLayouts : public testing::TestWithParam<Layout> {
+ protected:
+  void SetUp() override {
+    comm::Communicator& world = comm::world();
+    // One directory for the job: rank 0's pid, shared with every rank.
+    int64_t pid = ::getpid();
+    world.broadcast(&pid, 1, comm::Type::i64, 0).wait();
+    dir_ = fs::temp_directory_path() / ("forge_trainer_mpi_" + std::to_string(pid) + "_" + name_of(GetParam()));
+    if (world.rank() == 0) {
+      fs::remove_all(dir_);
+      fs::create_directories(dir_);
+      std::ofstream corpus(dir_ / "corpus.txt");
+      for (int i = 0; i < 200; ++i)
+        corpus << "And the light shineth in darkness " << i % 13 << "; and the darkness comprehended it not.\n";
+      std::ofstream model(dir_ / "config.json");
+      model << R"({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 256,
+                   "max_position_embeddings": 64})";
+    }
+    world.barrier().wait();
+  }
+  void TearDown() override {
+    comm::world().barrier().wait();
+    if (comm::world().rank() == 0) fs::remove_all(dir_);
+  }
+
+  TrainConfig config(const std::string& run) const {
+    TrainConfig c;
+    c.model.config = (dir_ / "config.json").string();
+    c.data.corpus = (dir_ / "corpus.txt").string();
+    c.data.tokenizer = "bytes";
+    c.data.cache_dir = dir_.string();
+    c.data.seq_len = 16;
+    c.data.heldout_fraction = 0.1;
+    c.train.dtype = "fp32";
+    c.train.micro_batch = 2;
+    c.train.grad_accum = 2;
+    c.train.steps = 20;
+    c.train.warmup = 3;
+    c.train.lr = 1e-2;
+    c.train.min_lr = 1e-3;
+    c.train.grad_clip = 0.5;  // clipping is active: the global norm must be right
+    c.eval.every = 0;
+    c.eval.batches = 4;
+    c.log.every = 100;
+    c.log.peak_gflops = 100;
+    c.log.run_dir = (dir_ / run).string();
+    c.sample.tokens = 0;
+    c.parallel.bucket_mb = 0.01;  // several buckets even for this toy model
+    c.parallel.make_vocab_size_divisible_by = 48;  // 256 pads to 288 (tp 2) or 384 (tp 4): padding is live
+    c.parallel.timeout_s = 60;  // a rank that fails leaves the others in a collective: end the job soon
+    return c;
+  }
+  fs::path dir_;
+};
+
+TEST_P(TrainerLayouts, ReproduceTheOneRankRun) {
+  comm::Communicator& world = comm::world();
+  const Layout l = GetParam();
+  if (l.tp * l.dp != world.size()) GTEST_SKIP() << "needs " << l.tp * l.dp << " ranks";
+
+  // The reference: one rank, dp x accum micro-batches.
+  TrainConfig ref = config("reference-" + std::to_string(world.rank()));
+  ref.train.grad_accum = 2 * l.dp;
+  auto self = comm::make_self();
+  TrainResult want = Trainer(ref, self.get()).run();
+
+  TrainConfig par = config("parallel");
+  par.parallel.tp = l.tp;
+  par.parallel.dp = l.dp;
+  par.parallel.sequence_parallel = l.sequence_parallel;
+  par.parallel.distributed_optimizer = l.zero;
+  TrainResult got = Trainer(par, &world).run();
+
+  ASSERT_EQ(got.losses.size(), want.losses.size());
+  // Gradient norms too: Adam's update barely depends on the gradient's scale, so a wrongly scaled
+  // (e.g. summed instead of averaged) gradient would leave the losses almost unchanged, but not the norms.
+  ASSERT_EQ(got.grad_norms.size(), want.grad_norms.size());
+  for (size_t s = 0; s < want.losses.size(); ++s) {
+    EXPECT_NEAR(got.losses[s], want.losses[s], 2e-5 * want.losses[s]) << "step " << s + 1;
+    EXPECT_NEAR(got.grad_norms[s], want.grad_norms[s], 1e-3 * want.grad_norms[s]) << "step " << s + 1;
+  }
+  EXPECT_NEAR(got.heldout_loss, want.heldout_loss, 2e-5 * want.heldout_loss);
+
+  // Final weights: the parallel run's checkpoint (written in shards) read whole, against the reference's.
+  nn::ComputeOptions fp32;
+  fp32.gemm_dtype = DType::f32;
+  auto a = load_pretrained_model(fs::path(ref.log.run_dir) / "checkpoint", fp32);
+  auto b = load_pretrained_model(fs::path(par.log.run_dir) / "checkpoint", fp32);
+  const nn::ParameterStore& pa = a->params();
+  const nn::ParameterStore& pb = b->params();
+  ASSERT_EQ(pa.count(), pb.count());
+  for (int i = 0; i < pa.count(); ++i) {
+    const int64_t n = shape_numel(pa.info(i).shape);
+    const float* x = pa.param(i).f32();
+    const float* y = pb.param(i).f32();
+    double scale = 0, worst = 0;
+    for (int64_t k = 0; k < n; ++k) scale = std::max(scale, std::abs(double(x[k])));
+    for (int64_t k = 0; k < n; ++k) worst = std::max(worst, std::abs(double(x[k]) - y[k]));
+    EXPECT_LE(worst, 2e-4 * scale) << pa.info(i).name;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, TrainerLayouts,
+                         testing::Values(Layout{2, 1, false, false}, Layout{2, 1, true, false},
+                                         Layout{1, 2, false, false}, Layout{1, 2, false, true},
+                                         Layout{2, 2, false, false}, Layout{2, 2, true, true},
+                                         Layout{4, 1, false, false}, Layout{4, 1, true, false}),
+                         [](const auto& info) { return name_of(info.param); });
+
+TEST(TrainerLayoutErrors, WorldSizeMismatchIsOneClearError) {
+  comm::Communicator& world = comm::world();
+  TrainConfig c;
+  c.parallel.tp = world.size() + 1;
+  try {
+    Trainer(c, &world).run();
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("parallel layout"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace forge
