@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -33,14 +34,16 @@ std::string name_of(const Layout& l) {
          (l.zero ? "_zero1" : "");
 }
 
-class TrainerLayouts : public testing::TestWithParam<Layout> {
+class TrainerRuns : public testing::Test {
  protected:
   void SetUp() override {
     comm::Communicator& world = comm::world();
     // One directory for the job: rank 0's pid, shared with every rank.
     int64_t pid = ::getpid();
     world.broadcast(&pid, 1, comm::Type::i64, 0).wait();
-    dir_ = fs::temp_directory_path() / ("forge_trainer_mpi_" + std::to_string(pid) + "_" + name_of(GetParam()));
+    std::string test = testing::UnitTest::GetInstance()->current_test_info()->name();
+    std::replace(test.begin(), test.end(), '/', '_');
+    dir_ = fs::temp_directory_path() / ("forge_trainer_mpi_" + std::to_string(pid) + "_" + test);
     if (world.rank() == 0) {
       fs::remove_all(dir_);
       fs::create_directories(dir_);
@@ -88,6 +91,8 @@ class TrainerLayouts : public testing::TestWithParam<Layout> {
   }
   fs::path dir_;
 };
+
+class TrainerLayouts : public TrainerRuns, public testing::WithParamInterface<Layout> {};
 
 TEST_P(TrainerLayouts, ReproduceTheOneRankRun) {
   comm::Communicator& world = comm::world();
@@ -142,6 +147,49 @@ INSTANTIATE_TEST_SUITE_P(Layouts, TrainerLayouts,
                                          Layout{2, 2, false, false}, Layout{2, 2, true, true},
                                          Layout{4, 1, false, false}, Layout{4, 1, true, false}),
                          [](const auto& info) { return name_of(info.param); });
+
+// A checkpoint saved under one layout resumes under another (tp-split weights and ZeRO-sharded Adam state
+// are resharded on load) and continues the one-rank run's loss sequence.
+TEST_F(TrainerRuns, ResumesUnderAnotherLayout) {
+  comm::Communicator& world = comm::world();
+  const int n = world.size();
+  TrainConfig ref = config("reference-" + std::to_string(world.rank()));
+  ref.train.grad_accum = 2 * n;
+  auto self = comm::make_self();
+  TrainResult want = Trainer(ref, self.get()).run();
+
+  // First half: all ranks tensor-parallel (with sequence parallelism); stopped after 10 steps.
+  TrainConfig first = config("switch");
+  first.train.grad_accum = 2 * n;
+  first.parallel.tp = n;
+  first.parallel.dp = 1;
+  first.parallel.sequence_parallel = true;
+  Trainer a(first, &world);
+  a.on_step([](int64_t step) {
+    if (step == 10) Trainer::stop_flag().store(true);
+  });
+  TrainResult got_a = a.run();
+  ASSERT_TRUE(got_a.interrupted);
+  ASSERT_EQ(got_a.steps_done, 10);
+
+  // Second half: all ranks data-parallel with ZeRO-1, from that checkpoint.
+  TrainConfig second = first;
+  second.train.grad_accum = 2;
+  second.parallel.tp = 1;
+  second.parallel.dp = n;
+  second.parallel.sequence_parallel = false;
+  second.parallel.distributed_optimizer = true;
+  second.checkpoint.resume = "auto";
+  TrainResult got_b = Trainer(second, &world).run();
+  ASSERT_EQ(got_b.steps_done, 20);
+
+  std::vector<double> losses = got_a.losses;
+  losses.insert(losses.end(), got_b.losses.begin(), got_b.losses.end());
+  ASSERT_EQ(losses.size(), want.losses.size());
+  for (size_t s = 0; s < losses.size(); ++s)
+    EXPECT_NEAR(losses[s], want.losses[s], 2e-5 * want.losses[s]) << "step " << s + 1;
+  EXPECT_NEAR(got_b.heldout_loss, want.heldout_loss, 2e-5 * want.heldout_loss);
+}
 
 TEST(TrainerLayoutErrors, WorldSizeMismatchIsOneClearError) {
   comm::Communicator& world = comm::world();
