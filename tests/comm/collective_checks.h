@@ -30,7 +30,9 @@ class Memory {
 
 class HostMemory final : public Memory {
  public:
-  void* alloc(int64_t bytes) override { return bytes > 0 ? std::malloc(static_cast<size_t>(bytes)) : nullptr; }
+  void* alloc(int64_t bytes) override {
+    return bytes > 0 ? std::malloc(static_cast<size_t>(bytes)) : nullptr;
+  }
   void release(void* ptr) override { std::free(ptr); }
   void upload(void* dst, const void* src, int64_t bytes) override {
     if (bytes > 0) std::memcpy(dst, src, static_cast<size_t>(bytes));
@@ -61,23 +63,41 @@ class Values {
   void set(int64_t i, double v) {
     unsigned char* p = bytes_.data() + i * type_size(type_);
     switch (type_) {
-      case Type::f32: store(p, static_cast<float>(v)); break;
-      case Type::f64: store(p, v); break;
-      case Type::bf16: store(p, f32_to_bf16_bits(static_cast<float>(v))); break;
-      case Type::i32: store(p, static_cast<int32_t>(v)); break;
-      case Type::i64: store(p, static_cast<int64_t>(v)); break;
-      case Type::u8: store(p, static_cast<uint8_t>(v)); break;
+      case Type::f32:
+        store(p, static_cast<float>(v));
+        break;
+      case Type::f64:
+        store(p, v);
+        break;
+      case Type::bf16:
+        store(p, f32_to_bf16_bits(static_cast<float>(v)));
+        break;
+      case Type::i32:
+        store(p, static_cast<int32_t>(v));
+        break;
+      case Type::i64:
+        store(p, static_cast<int64_t>(v));
+        break;
+      case Type::u8:
+        store(p, static_cast<uint8_t>(v));
+        break;
     }
   }
   double get(int64_t i) const {
     const unsigned char* p = bytes_.data() + i * type_size(type_);
     switch (type_) {
-      case Type::f32: return load<float>(p);
-      case Type::f64: return load<double>(p);
-      case Type::bf16: return bf16_bits_to_f32(load<uint16_t>(p));
-      case Type::i32: return load<int32_t>(p);
-      case Type::i64: return static_cast<double>(load<int64_t>(p));
-      case Type::u8: return load<uint8_t>(p);
+      case Type::f32:
+        return load<float>(p);
+      case Type::f64:
+        return load<double>(p);
+      case Type::bf16:
+        return bf16_bits_to_f32(load<uint16_t>(p));
+      case Type::i32:
+        return load<int32_t>(p);
+      case Type::i64:
+        return static_cast<double>(load<int64_t>(p));
+      case Type::u8:
+        return load<uint8_t>(p);
     }
     return 0;
   }
@@ -129,7 +149,8 @@ inline std::string describe(const Communicator& c, Type type) {
 }
 
 // Every element equal, reported once (the first mismatch and how many).
-inline void expect_values(const Values& actual, const std::vector<double>& expected, const std::string& what) {
+inline void expect_values(const Values& actual, const std::vector<double>& expected,
+                          const std::string& what) {
   ASSERT_EQ(actual.count(), static_cast<int64_t>(expected.size())) << what;
   int64_t mismatches = 0, first = -1;
   for (int64_t i = 0; i < actual.count(); ++i) {
@@ -139,15 +160,19 @@ inline void expect_values(const Values& actual, const std::vector<double>& expec
     }
   }
   if (mismatches > 0)
-    ADD_FAILURE() << what << ": " << mismatches << " of " << actual.count() << " elements differ; first at " << first
-                  << ": got " << actual.get(first) << ", expected " << expected[static_cast<size_t>(first)];
+    ADD_FAILURE() << what << ": " << mismatches << " of " << actual.count() << " elements differ; first at "
+                  << first << ": got " << actual.get(first) << ", expected "
+                  << expected[static_cast<size_t>(first)];
 }
 
 inline double reduce(ReduceOp op, double a, double b) {
   switch (op) {
-    case ReduceOp::sum: return a + b;
-    case ReduceOp::max: return std::max(a, b);
-    case ReduceOp::min: return std::min(a, b);
+    case ReduceOp::sum:
+      return a + b;
+    case ReduceOp::max:
+      return std::max(a, b);
+    case ReduceOp::min:
+      return std::min(a, b);
   }
   return 0;
 }
@@ -188,8 +213,8 @@ inline void check_all_gather(Communicator& c, Memory& m, Type type, int64_t coun
   m.upload(const_cast<void*>(send_ptr), mine.data(), mine.bytes());
   c.all_gather(send_ptr, recv.get(), count, type).wait();
   expect_values(recv.download(), expected,
-                std::string("all_gather") + (in_place ? " in place" : "") + " count " + std::to_string(count) +
-                    " on " + describe(c, type));
+                std::string("all_gather") + (in_place ? " in place" : "") + " count " +
+                    std::to_string(count) + " on " + describe(c, type));
 }
 
 // Rank r contributes (r + 2) % 3 * scale elements: some ranks none.
@@ -214,8 +239,8 @@ inline void check_all_gatherv(Communicator& c, Memory& m, Type type, int64_t sca
   if (mine_count > 0) m.upload(const_cast<void*>(send_ptr), mine.data(), mine.bytes());
   c.all_gatherv(send_ptr, recv.get(), counts, type).wait();
   expect_values(recv.download(), expected,
-                std::string("all_gatherv") + (in_place ? " in place" : "") + " scale " + std::to_string(scale) +
-                    " on " + describe(c, type));
+                std::string("all_gatherv") + (in_place ? " in place" : "") + " scale " +
+                    std::to_string(scale) + " on " + describe(c, type));
 }
 
 inline void check_reduce_scatter(Communicator& c, Memory& m, Type type, ReduceOp op, int64_t count) {
@@ -229,12 +254,14 @@ inline void check_reduce_scatter(Communicator& c, Memory& m, Type type, ReduceOp
   send.upload(in);
   c.reduce_scatter(send.get(), recv.get(), count, type, op).wait();
   expect_values(recv.download(), expected,
-                "reduce_scatter " + std::string(reduce_op_name(op)) + " count " + std::to_string(count) + " on " +
-                    describe(c, type));
+                "reduce_scatter " + std::string(reduce_op_name(op)) + " count " + std::to_string(count) +
+                    " on " + describe(c, type));
 }
 
 // Element i of the block rank `from` sends to rank `to`.
-inline double exchanged_value(Type type, int from, int to, int64_t i) { return value(type, from, to * 1000 + i, 3); }
+inline double exchanged_value(Type type, int from, int to, int64_t i) {
+  return value(type, from, to * 1000 + i, 3);
+}
 
 inline void check_all_to_all(Communicator& c, Memory& m, Type type, int64_t count) {
   const int n = c.size();
@@ -248,7 +275,8 @@ inline void check_all_to_all(Communicator& c, Memory& m, Type type, int64_t coun
   Buffer send(m, type, count * n), recv(m, type, count * n);
   send.upload(in);
   c.all_to_all(send.get(), recv.get(), count, type).wait();
-  expect_values(recv.download(), expected, "all_to_all count " + std::to_string(count) + " on " + describe(c, type));
+  expect_values(recv.download(), expected,
+                "all_to_all count " + std::to_string(count) + " on " + describe(c, type));
 }
 
 // Rank `from` sends (from + 2 * to) % 3 * scale elements to rank `to`. Blocks are laid out in reverse peer
@@ -279,7 +307,8 @@ inline void check_all_to_allv(Communicator& c, Memory& m, Type type, int64_t sca
   send.upload(in);
   recv.upload(init);
   c.all_to_allv(send.get(), send_counts, send_displs, recv.get(), recv_counts, recv_displs, type).wait();
-  expect_values(recv.download(), expected, "all_to_allv scale " + std::to_string(scale) + " on " + describe(c, type));
+  expect_values(recv.download(), expected,
+                "all_to_allv scale " + std::to_string(scale) + " on " + describe(c, type));
 }
 
 inline void check_broadcast(Communicator& c, Memory& m, Type type, int root, int64_t count) {
@@ -308,9 +337,11 @@ inline void check_send_recv_ring(Communicator& c, Memory& m, Type type, int64_t 
   }
   Buffer send(m, type, count), recv(m, type, count);
   send.upload(out);
-  Request requests[] = {c.recv(recv.get(), count, type, previous, 7), c.send(send.get(), count, type, next, 7)};
+  Request requests[] = {c.recv(recv.get(), count, type, previous, 7),
+                        c.send(send.get(), count, type, next, 7)};
   wait_all(requests);
-  expect_values(recv.download(), expected, "send/recv ring count " + std::to_string(count) + " on " + describe(c, type));
+  expect_values(recv.download(), expected,
+                "send/recv ring count " + std::to_string(count) + " on " + describe(c, type));
 }
 
 // Every collective, every type, several sizes (zero included). Point-to-point only with peers.

@@ -1,6 +1,7 @@
 // Run by tests/comm/comm_test.cpp under mpirun with two ranks: world rank 0 skips an all_reduce that world
 // rank 1 waits on, so the communicator's timeout (FORGE_COMM_TIMEOUT, inherited by the split group) must
-// end the whole job with one line naming the group, the operation and the rank.
+// end the whole job with one line naming the group, the operation and the rank. World rank 0 meanwhile
+// waits in finalize with a longer timeout, so that only rank 1 reports.
 #include "forge/comm/comm.h"
 
 int main() {
@@ -11,6 +12,7 @@ int main() {
     float x = 1;
     pair->all_reduce(&x, 1, forge::comm::Type::f32, forge::comm::ReduceOp::sum).wait();
   }
+  world.set_timeout_seconds(60);
   forge::comm::finalize();  // world rank 0 waits here for a peer that will never come
   return 0;
 }

@@ -110,7 +110,8 @@ TEST(CommMpi, ManyOutstandingRequestsOverlap) {
   const float rank_sum = static_cast<float>(n * (n - 1) / 2);
   for (int k = 0; k < kReduces; ++k)
     for (int64_t i = 0; i < kCount; i += 997)
-      ASSERT_EQ(sums[k][i], rank_sum + static_cast<float>(n * (k + i % 5))) << "reduce " << k << " element " << i;
+      ASSERT_EQ(sums[k][i], rank_sum + static_cast<float>(n * (k + i % 5)))
+          << "reduce " << k << " element " << i;
   for (int r = 0; r < n; ++r) EXPECT_EQ(gathered[100 * r + 99], r);
   EXPECT_EQ(broadcast_value[63], n - 1);
   EXPECT_EQ(ring_in[4999], (me + n - 1) % n);
@@ -183,7 +184,8 @@ TEST(CommMpi, Bf16SumRoundsToNearestEven) {
   EXPECT_EQ(bf16_bits_to_f32(x), 256.0f);
   uint16_t nan_or_one = f32_to_bf16_bits(w.rank() == 1 ? std::numeric_limits<float>::quiet_NaN() : 1.0f);
   w.all_reduce(&nan_or_one, 1, Type::bf16, ReduceOp::max).wait();
-  EXPECT_TRUE(std::isnan(bf16_bits_to_f32(nan_or_one)));  // NaN wins, so an overflow anywhere is seen everywhere
+  EXPECT_TRUE(
+      std::isnan(bf16_bits_to_f32(nan_or_one)));  // NaN wins, so an overflow anywhere is seen everywhere
 }
 
 TEST(CommMpi, ArgumentsAreCheckedBeforeAnyMpiCall) {

@@ -99,7 +99,8 @@ TEST(CommSelf, PointToPointAndBadArgumentsAreErrors) {
   std::unique_ptr<Communicator> self = make_self("solo");
   float x = 1;
   const std::string send_error = error_of([&] { self->send(&x, 1, Type::f32, 0); });
-  EXPECT_NE(send_error.find("send with peer 0 on group 'solo' (rank 0 of 1, world rank 0)"), std::string::npos)
+  EXPECT_NE(send_error.find("send with peer 0 on group 'solo' (rank 0 of 1, world rank 0)"),
+            std::string::npos)
       << send_error;
   EXPECT_NE(send_error.find("no peer"), std::string::npos) << send_error;
   EXPECT_THROW(self->recv(&x, 1, Type::f32, 0), Error);
@@ -177,9 +178,10 @@ TEST(CommRequestDeathTest, WaitPastTheTimeoutEndsTheJobWithOneLine) {
   self->set_timeout_seconds(0.2);
   Request r(std::make_shared<FakeWork>(-1), self.get());
   const auto start = std::chrono::steady_clock::now();
-  EXPECT_EXIT(r.wait(), testing::ExitedWithCode(1),
-              "^forge: error: collective fake_op on group 'slow' \\(rank 0 of 1, world rank 0\\) did not complete "
-              "within 0\\.2 s\n$");
+  EXPECT_EXIT(
+      r.wait(), testing::ExitedWithCode(1),
+      "^forge: error: collective fake_op on group 'slow' \\(rank 0 of 1, world rank 0\\) did not complete "
+      "within 0\\.2 s\n$");
   EXPECT_LT(seconds_since(start), 5.0);
 }
 
@@ -259,12 +261,12 @@ TEST(CommNccl, UnavailableIsAClearError) {
 // 'pair' whose order is reversed, so world rank 1 is its rank 0). With FORGE_COMM_TIMEOUT=1 the job must
 // end within seconds, non-zero, with one line naming the group, the operation and both ranks.
 TEST(CommMpiJob, RankSkippingACollectiveAbortsTheJobWithOneLine) {
-  const std::string command = std::string(
-                                  "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 FORGE_COMM_TIMEOUT=1 "
-                                  "timeout 120 ") +
-                              FORGE_MPIEXEC +
-                              " -np 2 --oversubscribe --bind-to none -x FORGE_COMM_TIMEOUT -x OMP_NUM_THREADS=1 " +
-                              FORGE_COMM_ABORT_HELPER + " 2>&1";
+  const std::string command =
+      std::string(
+          "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 FORGE_COMM_TIMEOUT=1 "
+          "timeout -s KILL 60 ") +
+      FORGE_MPIEXEC + " -np 2 --oversubscribe --bind-to none -x FORGE_COMM_TIMEOUT -x OMP_NUM_THREADS=1 " +
+      FORGE_COMM_ABORT_HELPER + " 2>&1";
   const auto start = std::chrono::steady_clock::now();
   FILE* pipe = popen(command.c_str(), "r");
   ASSERT_NE(pipe, nullptr);
@@ -275,18 +277,17 @@ TEST(CommMpiJob, RankSkippingACollectiveAbortsTheJobWithOneLine) {
   const int status = pclose(pipe);
   const double elapsed = seconds_since(start);
 
-  ASSERT_TRUE(WIFEXITED(status)) << output;
-  EXPECT_NE(WEXITSTATUS(status), 0) << output;
-  EXPECT_NE(WEXITSTATUS(status), 124) << "the job hung until `timeout` killed it\n" << output;
+  EXPECT_FALSE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << output;
   EXPECT_LT(elapsed, 30.0) << output;  // 1 s of timeout plus mpirun's start and teardown on a busy machine
   std::vector<std::string> errors;
   std::istringstream lines(output);
   for (std::string line; std::getline(lines, line);)
     if (line.rfind("forge: error:", 0) == 0) errors.push_back(line);
   ASSERT_EQ(errors.size(), 1u) << output;
-  EXPECT_EQ(errors[0],
-            "forge: error: collective all_reduce on group 'pair' (rank 0 of 2, world rank 1) did not complete "
-            "within 1 s");
+  EXPECT_EQ(
+      errors[0],
+      "forge: error: collective all_reduce on group 'pair' (rank 0 of 2, world rank 1) did not complete "
+      "within 1 s");
 }
 
 }  // namespace

@@ -53,6 +53,7 @@ struct RunOptions {
   std::optional<std::string> input;  // piped to stdin when set; otherwise stdin is the test's own
   std::string environment;           // prepended to the command, e.g. "OMP_NUM_THREADS=1"
   fs::path scratch_dir;              // holds stdin.txt / stderr.txt; needed with `input` or Stderr::apart
+  std::string launcher = {};         // placed before the binary, e.g. "mpirun -np 2 --oversubscribe"
 };
 
 struct Outcome {
@@ -67,6 +68,7 @@ inline Outcome run_forge(const std::string& args, const RunOptions& options = {}
     throw std::invalid_argument("run_forge: stdin input or a separate stderr needs RunOptions::scratch_dir");
   const fs::path in = options.scratch_dir / "stdin.txt", err = options.scratch_dir / "stderr.txt";
   std::string command = forge_binary() + " " + args;
+  if (!options.launcher.empty()) command = options.launcher + " " + command;
   if (!options.environment.empty()) command = options.environment + " " + command;
   if (options.input) {
     std::ofstream(in, std::ios::binary) << *options.input;

@@ -17,33 +17,48 @@ namespace forge::comm {
 
 size_t type_size(Type t) {
   switch (t) {
-    case Type::f32: return 4;
-    case Type::f64: return 8;
-    case Type::bf16: return 2;
-    case Type::i32: return 4;
-    case Type::i64: return 8;
-    case Type::u8: return 1;
+    case Type::f32:
+      return 4;
+    case Type::f64:
+      return 8;
+    case Type::bf16:
+      return 2;
+    case Type::i32:
+      return 4;
+    case Type::i64:
+      return 8;
+    case Type::u8:
+      return 1;
   }
   fail("comm: unknown element type {}", static_cast<int>(t));
 }
 
 const char* type_name(Type t) {
   switch (t) {
-    case Type::f32: return "f32";
-    case Type::f64: return "f64";
-    case Type::bf16: return "bf16";
-    case Type::i32: return "i32";
-    case Type::i64: return "i64";
-    case Type::u8: return "u8";
+    case Type::f32:
+      return "f32";
+    case Type::f64:
+      return "f64";
+    case Type::bf16:
+      return "bf16";
+    case Type::i32:
+      return "i32";
+    case Type::i64:
+      return "i64";
+    case Type::u8:
+      return "u8";
   }
   fail("comm: unknown element type {}", static_cast<int>(t));
 }
 
 const char* reduce_op_name(ReduceOp op) {
   switch (op) {
-    case ReduceOp::sum: return "sum";
-    case ReduceOp::max: return "max";
-    case ReduceOp::min: return "min";
+    case ReduceOp::sum:
+      return "sum";
+    case ReduceOp::max:
+      return "max";
+    case ReduceOp::min:
+      return "min";
   }
   fail("comm: unknown reduction {}", static_cast<int>(op));
 }
@@ -80,7 +95,8 @@ bool timed_out(double elapsed, double timeout_s) { return timeout_s > 0 && elaps
 namespace detail {
 
 std::string group_label(const Communicator& c) {
-  return fmt::format("group '{}' (rank {} of {}, world rank {})", c.name(), c.rank(), c.size(), c.world_rank());
+  return fmt::format("group '{}' (rank {} of {}, world rank {})", c.name(), c.rank(), c.size(),
+                     c.world_rank());
 }
 
 std::string timeout_message(const Work& work, const std::string& group_label, double timeout_s) {
@@ -118,12 +134,14 @@ void check_count(const Communicator& c, const char* op, int64_t count, const cha
   if (count < 0) fail("comm: {} on {}: {} is negative ({})", op, group_label(c), what, count);
 }
 
-void check_per_rank(const Communicator& c, const char* op, std::span<const int64_t> values, const char* what) {
+void check_per_rank(const Communicator& c, const char* op, std::span<const int64_t> values,
+                    const char* what) {
   if (values.size() != static_cast<size_t>(c.size()))
     fail("comm: {} on {}: {} has {} entries, expected one per rank ({})", op, group_label(c), what,
          values.size(), c.size());
   for (size_t r = 0; r < values.size(); ++r)
-    if (values[r] < 0) fail("comm: {} on {}: {}[{}] is negative ({})", op, group_label(c), what, r, values[r]);
+    if (values[r] < 0)
+      fail("comm: {} on {}: {}[{}] is negative ({})", op, group_label(c), what, r, values[r]);
 }
 
 void check_rank(const Communicator& c, const char* op, int rank, const char* what) {
@@ -225,6 +243,7 @@ Communicator& world(bool force_mpi) {
 
 void finalize() {
   WorldState& state = world_state();
+  if (state.mpi && state.world) mpi::meet_before_finalize(*state.world);
   state.world.reset();
   if (state.mpi) mpi::finalize();
   state.mpi = false;

@@ -47,8 +47,7 @@ class Request {
   bool pending() const { return work_ != nullptr; }
 
  private:
-  friend // Waits for every request; each one's timeout counts from the call, not one after another.
-void wait_all(std::span<Request> requests);
+  friend void wait_all(std::span<Request> requests);
   std::shared_ptr<Work> work_;
   class Communicator* comm_ = nullptr;
 };
@@ -62,7 +61,7 @@ class Communicator {
   virtual const char* backend() const = 0;  // "self", "mpi", "nccl"
   int rank() const { return rank_; }
   int size() const { return size_; }
-  int world_rank() const { return world_rank_; }  // this process's rank in the world (for messages)
+  int world_rank() const { return world_rank_; }     // this process's rank in the world (for messages)
   const std::string& name() const { return name_; }  // "world", "tp", "dp", ...
 
   // Seconds a request may take before the job is aborted (default 300; <= 0 waits forever).
@@ -106,9 +105,10 @@ class Communicator {
 
 // The world: MPI's when the process was started by a launcher (mpirun, srun: detected from its
 // environment) or when force_mpi; otherwise a one-rank "self" communicator, and MPI is never initialised.
-// Initialises MPI (MPI_THREAD_FUNNELED) on first use; finalize() at exit shuts it down.
+// Initialises MPI (MPI_THREAD_FUNNELED) on first use. finalize() at exit is collective: it meets every rank
+// under the world's timeout, then shuts MPI down.
 Communicator& world(bool force_mpi = false);
-bool launched_by_mpi();  // OMPI_COMM_WORLD_SIZE, PMI_SIZE, PMIX_RANK or SLURM_NTASKS > 1 in the environment
+bool launched_by_mpi();  // OMPI_COMM_WORLD_SIZE, PMI_SIZE or SLURM_NTASKS > 1, or PMIX_RANK set
 void finalize();
 
 // A one-rank communicator (no MPI): every collective is a copy.
@@ -116,8 +116,9 @@ std::unique_ptr<Communicator> make_self(std::string name = "self");
 
 // NCCL over this process's CUDA device cuda_device: a collective over bootstrap (an MPI communicator, or
 // self for one rank) through which rank 0 hands out the unique id. Buffers are device pointers; operations
-// run on the communicator's own CUDA stream. NCCL matches point-to-point messages by order: tags are
-// ignored. Fails with a clear message where forge was built without NCCL or no CUDA device is present.
+// run on the communicator's own CUDA stream. Sends and receives posted one after another start together at
+// the next test(), wait() or collective; NCCL matches them by order, so tags are ignored. Fails with a clear
+// message where forge was built without NCCL or no CUDA device is present.
 std::unique_ptr<Communicator> make_nccl(Communicator& bootstrap, int cuda_device, std::string name = "world");
 bool nccl_usable();  // built with NCCL and at least one CUDA device is visible
 

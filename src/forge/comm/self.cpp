@@ -51,16 +51,16 @@ class SelfCommunicator final : public Communicator {
     return {};
   }
 
-  Request all_to_allv(const void* send, std::span<const int64_t> send_counts, std::span<const int64_t> send_displs,
-                      void* recv, std::span<const int64_t> recv_counts, std::span<const int64_t> recv_displs,
-                      Type type) override {
+  Request all_to_allv(const void* send, std::span<const int64_t> send_counts,
+                      std::span<const int64_t> send_displs, void* recv, std::span<const int64_t> recv_counts,
+                      std::span<const int64_t> recv_displs, Type type) override {
     detail::check_per_rank(*this, "all_to_allv", send_counts, "send_counts");
     detail::check_per_rank(*this, "all_to_allv", send_displs, "send_displs");
     detail::check_per_rank(*this, "all_to_allv", recv_counts, "recv_counts");
     detail::check_per_rank(*this, "all_to_allv", recv_displs, "recv_displs");
     if (send_counts[0] != recv_counts[0])
-      fail("comm: all_to_allv on {}: this rank sends itself {} elements but expects {}", detail::group_label(*this),
-           send_counts[0], recv_counts[0]);
+      fail("comm: all_to_allv on {}: this rank sends itself {} elements but expects {}",
+           detail::group_label(*this), send_counts[0], recv_counts[0]);
     check_copy("all_to_allv", send, recv, send_counts[0]);
     const size_t element = type_size(type);
     copy(static_cast<char*>(recv) + recv_displs[0] * element,
@@ -68,7 +68,9 @@ class SelfCommunicator final : public Communicator {
     return {};
   }
 
-  Request send(const void* buf, int64_t count, Type type, int peer, int tag) override { no_peer("send", peer); }
+  Request send(const void* buf, int64_t count, Type type, int peer, int tag) override {
+    no_peer("send", peer);
+  }
   Request recv(void* buf, int64_t count, Type type, int peer, int tag) override { no_peer("recv", peer); }
 
   Request broadcast(void* buf, int64_t count, Type type, int root) override {
@@ -97,8 +99,8 @@ class SelfCommunicator final : public Communicator {
   }
 
   [[noreturn]] void no_peer(const char* op, int peer) const {
-    fail("comm: {} with peer {} on {}: the self backend has one rank and no peer to exchange messages with", op,
-         peer, detail::group_label(*this));
+    fail("comm: {} with peer {} on {}: the self backend has one rank and no peer to exchange messages with",
+         op, peer, detail::group_label(*this));
   }
 };
 

@@ -119,7 +119,8 @@ TrainResult Trainer::run() {
   // The layout is checked against the world before any work: a wrong -np or a model that does not split
   // fails here, on every rank, with the same message.
   comm::Communicator& world = world_ ? *world_ : comm::world();
-  world.set_timeout_seconds(c.parallel.timeout_s);
+  // parallel.timeout_s, unless FORGE_COMM_TIMEOUT in the environment (read by comm) says otherwise.
+  if (!std::getenv("FORGE_COMM_TIMEOUT")) world.set_timeout_seconds(c.parallel.timeout_s);
   g_leader = world.rank() == 0;
   const parallel::Layout layout(c.layout_spec(), world.size(), world.rank());
   if (layout.pp() > 1 || layout.cp() > 1 || layout.ep() > 1)

@@ -45,11 +45,11 @@ MpiState& state() {
 
 // Throws forge::Error "file:line: MPI_Xxx failed: <MPI's text>" (forge's communicators return errors
 // instead of MPI's default of aborting without saying where).
-#define FORGE_MPI_CHECK(call)                                                                   \
-  do {                                                                                          \
-    const int forge_mpi_code_ = (call);                                                         \
-    if (forge_mpi_code_ != MPI_SUCCESS)                                                         \
-      ::forge::comm::mpi::fail_call(#call, forge_mpi_code_, __FILE__, __LINE__);                \
+#define FORGE_MPI_CHECK(call)                                                    \
+  do {                                                                           \
+    const int forge_mpi_code_ = (call);                                          \
+    if (forge_mpi_code_ != MPI_SUCCESS)                                          \
+      ::forge::comm::mpi::fail_call(#call, forge_mpi_code_, __FILE__, __LINE__); \
   } while (0)
 
 namespace forge::comm::mpi {
@@ -57,12 +57,18 @@ namespace {
 
 MPI_Datatype datatype(Type t) {
   switch (t) {
-    case Type::f32: return MPI_FLOAT;
-    case Type::f64: return MPI_DOUBLE;
-    case Type::bf16: return MPI_UINT16_T;  // moved as raw bits; reductions use forge's bf16 operations
-    case Type::i32: return MPI_INT32_T;
-    case Type::i64: return MPI_INT64_T;
-    case Type::u8: return MPI_UINT8_T;
+    case Type::f32:
+      return MPI_FLOAT;
+    case Type::f64:
+      return MPI_DOUBLE;
+    case Type::bf16:
+      return MPI_UINT16_T;  // moved as raw bits; reductions use forge's bf16 operations
+    case Type::i32:
+      return MPI_INT32_T;
+    case Type::i64:
+      return MPI_INT64_T;
+    case Type::u8:
+      return MPI_UINT8_T;
   }
   fail("comm: unknown element type {}", static_cast<int>(t));
 }
@@ -70,9 +76,12 @@ MPI_Datatype datatype(Type t) {
 MPI_Op reduction(Type t, ReduceOp op) {
   if (t == Type::bf16) return state().bf16_ops[static_cast<size_t>(op)];
   switch (op) {
-    case ReduceOp::sum: return MPI_SUM;
-    case ReduceOp::max: return MPI_MAX;
-    case ReduceOp::min: return MPI_MIN;
+    case ReduceOp::sum:
+      return MPI_SUM;
+    case ReduceOp::max:
+      return MPI_MAX;
+    case ReduceOp::min:
+      return MPI_MIN;
   }
   fail("comm: unknown reduction {}", static_cast<int>(op));
 }
@@ -121,7 +130,8 @@ class MpiWork final : public Work {
   const char* operation() const override { return op_; }
   std::string description() const override {
     if (peer < 0) return Work::description();
-    return fmt::format("{} {} rank {} (tag {})", op_, std::string_view(op_) == "send" ? "to" : "from", peer, tag);
+    return fmt::format("{} {} rank {} (tag {})", op_, std::string_view(op_) == "send" ? "to" : "from", peer,
+                       tag);
   }
 
   MPI_Request request = MPI_REQUEST_NULL;
@@ -164,10 +174,11 @@ class MpiCommunicator final : public Communicator {
   Request all_gather(const void* send, void* recv, int64_t count, Type type) override {
     check_pair("all_gather", send, recv, count, count * size_);
     const int n = to_int("all_gather", count, "count");
-    const bool in_place = send == static_cast<char*>(recv) + rank_ * count * static_cast<int64_t>(type_size(type));
+    const bool in_place =
+        send == static_cast<char*>(recv) + rank_ * count * static_cast<int64_t>(type_size(type));
     auto work = start("all_gather");
-    FORGE_MPI_CHECK(MPI_Iallgather(in_place ? MPI_IN_PLACE : send, n, datatype(type), recv, n, datatype(type), comm_,
-                                   &work->request));
+    FORGE_MPI_CHECK(MPI_Iallgather(in_place ? MPI_IN_PLACE : send, n, datatype(type), recv, n, datatype(type),
+                                   comm_, &work->request));
     return {std::move(work), this};
   }
 
@@ -194,8 +205,8 @@ class MpiCommunicator final : public Communicator {
     check_pair("reduce_scatter", send, recv, count * size_, count);
     const int n = to_int("reduce_scatter", count, "count");
     auto work = start("reduce_scatter");
-    FORGE_MPI_CHECK(MPI_Ireduce_scatter_block(send, recv, n, datatype(type), reduction(type, op), comm_,
-                                              &work->request));
+    FORGE_MPI_CHECK(
+        MPI_Ireduce_scatter_block(send, recv, n, datatype(type), reduction(type, op), comm_, &work->request));
     return {std::move(work), this};
   }
 
@@ -207,9 +218,9 @@ class MpiCommunicator final : public Communicator {
     return {std::move(work), this};
   }
 
-  Request all_to_allv(const void* send, std::span<const int64_t> send_counts, std::span<const int64_t> send_displs,
-                      void* recv, std::span<const int64_t> recv_counts, std::span<const int64_t> recv_displs,
-                      Type type) override {
+  Request all_to_allv(const void* send, std::span<const int64_t> send_counts,
+                      std::span<const int64_t> send_displs, void* recv, std::span<const int64_t> recv_counts,
+                      std::span<const int64_t> recv_displs, Type type) override {
     const char* op = "all_to_allv";
     detail::check_per_rank(*this, op, send_counts, "send_counts");
     detail::check_per_rank(*this, op, send_displs, "send_displs");
@@ -236,15 +247,15 @@ class MpiCommunicator final : public Communicator {
 
   Request send(const void* buf, int64_t count, Type type, int peer, int tag) override {
     auto work = start_p2p("send", buf, count, peer, tag);
-    FORGE_MPI_CHECK(MPI_Isend(buf, to_int("send", count, "count"), datatype(type), peer, tag, comm_,
-                              &work->request));
+    FORGE_MPI_CHECK(
+        MPI_Isend(buf, to_int("send", count, "count"), datatype(type), peer, tag, comm_, &work->request));
     return {std::move(work), this};
   }
 
   Request recv(void* buf, int64_t count, Type type, int peer, int tag) override {
     auto work = start_p2p("recv", buf, count, peer, tag);
-    FORGE_MPI_CHECK(MPI_Irecv(buf, to_int("recv", count, "count"), datatype(type), peer, tag, comm_,
-                              &work->request));
+    FORGE_MPI_CHECK(
+        MPI_Irecv(buf, to_int("recv", count, "count"), datatype(type), peer, tag, comm_, &work->request));
     return {std::move(work), this};
   }
 
@@ -258,21 +269,19 @@ class MpiCommunicator final : public Communicator {
     return {std::move(work), this};
   }
 
-  Request barrier() override {
-    auto work = start("barrier");
+  Request barrier() override { return barrier_named("barrier"); }
+
+  // A barrier that timeout messages call `op`.
+  Request barrier_named(const char* op) {
+    auto work = start(op);
     FORGE_MPI_CHECK(MPI_Ibarrier(comm_, &work->request));
     return {std::move(work), this};
   }
 
   std::unique_ptr<Communicator> split(int color, int key, std::string name) override {
-    // MPI_Comm_split blocks without a timeout: first meet every rank in a non-blocking collective that has
-    // one, so a rank that never calls split is reported instead of hanging the job.
-    int arrived = 1;
-    {
-      auto work = start("split");
-      FORGE_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, &arrived, 1, MPI_INT, MPI_SUM, comm_, &work->request));
-      Request(std::move(work), this).wait();
-    }
+    // MPI_Comm_split blocks without a timeout: first meet every rank in a barrier that has one, so a rank
+    // that never calls split is reported instead of hanging the job.
+    barrier_named("split").wait();
     MPI_Comm child = MPI_COMM_NULL;
     FORGE_MPI_CHECK(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &child));
     if (child == MPI_COMM_NULL) return nullptr;
@@ -295,7 +304,8 @@ class MpiCommunicator final : public Communicator {
     return work;
   }
 
-  void check_pair(const char* op, const void* send, const void* recv, int64_t send_count, int64_t recv_count) {
+  void check_pair(const char* op, const void* send, const void* recv, int64_t send_count,
+                  int64_t recv_count) {
     detail::check_count(*this, op, send_count);
     detail::check_buffer(*this, op, send, send_count, "send");
     detail::check_buffer(*this, op, recv, recv_count, "recv");
@@ -305,8 +315,8 @@ class MpiCommunicator final : public Communicator {
   int to_int(const char* op, int64_t value, const char* what) const {
     if (value < 0) fail("comm: {} on {}: {} is negative ({})", op, *label_, what, value);
     if (value > INT_MAX)
-      fail("comm: {} on {}: {} {} exceeds MPI's limit of {} elements per call; split the message", op, *label_,
-           what, value, INT_MAX);
+      fail("comm: {} on {}: {} {} exceeds MPI's limit of {} elements per call; split the message", op,
+           *label_, what, value, INT_MAX);
     return static_cast<int>(value);
   }
 
@@ -327,7 +337,8 @@ std::unique_ptr<Communicator> init_world() {
     FORGE_MPI_CHECK(MPI_Query_thread(&provided));
   }
   if (provided < MPI_THREAD_FUNNELED)
-    fail("comm: MPI provides thread level {}, forge needs MPI_THREAD_FUNNELED ({})", provided, MPI_THREAD_FUNNELED);
+    fail("comm: MPI provides thread level {}, forge needs MPI_THREAD_FUNNELED ({})", provided,
+         MPI_THREAD_FUNNELED);
   FORGE_MPI_CHECK(MPI_Op_create(bf16_sum, /*commute=*/1, &s.bf16_ops[static_cast<size_t>(ReduceOp::sum)]));
   FORGE_MPI_CHECK(MPI_Op_create(bf16_select<true>, 1, &s.bf16_ops[static_cast<size_t>(ReduceOp::max)]));
   FORGE_MPI_CHECK(MPI_Op_create(bf16_select<false>, 1, &s.bf16_ops[static_cast<size_t>(ReduceOp::min)]));
@@ -338,6 +349,10 @@ std::unique_ptr<Communicator> init_world() {
   FORGE_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
   s.running = true;
   return std::make_unique<MpiCommunicator>(comm, "world", world_rank, /*timeout_s=*/300);
+}
+
+void meet_before_finalize(Communicator& world) {
+  if (running()) static_cast<MpiCommunicator&>(world).barrier_named("finalize").wait();
 }
 
 void finalize() {

@@ -12,6 +12,12 @@ namespace forge::comm::mpi {
 // world communicator (a duplicate of MPI_COMM_WORLD, so forge's traffic never matches anyone else's).
 std::unique_ptr<Communicator> init_world();
 
+// Meets every rank of the world in a barrier under the world's timeout (reported as "finalize"), before
+// MPI_Finalize's own exit fence, which has none: a rank whose peer died or is aborting is reported instead
+// of waiting there forever (and OpenMPI 4.1's mpirun can deadlock in its teardown when a rank is inside
+// MPI_Finalize while another calls MPI_Abort).
+void meet_before_finalize(Communicator& world);
+
 // Frees forge's MPI objects and finalises MPI if init_world() initialised it. Communicators still alive
 // afterwards are inert (their destructors skip MPI).
 void finalize();

@@ -1,11 +1,15 @@
 // The NCCL backend: device buffers, one CUDA stream per communicator, and a CUDA event per request (test()
-// queries it). Compiled only where CMake found nccl.h, libnccl and the CUDA runtime (FORGE_HAVE_NCCL);
-// elsewhere nccl_unavailable.cpp answers instead.
+// queries it). Point-to-point operations wait on the host until the next test(), wait() or collective, and
+// then start together in one NCCL group: NCCL runs one operation after another on a stream, so a receive
+// posted before its matching send (a ring of sends and receives, as MPI allows) would otherwise deadlock.
+// Compiled only where CMake found nccl.h, libnccl and the CUDA runtime (FORGE_HAVE_NCCL); elsewhere
+// nccl_unavailable.cpp answers instead.
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 #include <nccl.h>
 
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -32,18 +36,18 @@ std::string_view function_name(std::string_view call) { return call.substr(0, ca
 }  // namespace
 }  // namespace forge::comm::nccl
 
-#define FORGE_CUDA_CHECK(call)                                                                   \
-  do {                                                                                           \
-    const cudaError_t forge_cuda_code_ = (call);                                                 \
-    if (forge_cuda_code_ != cudaSuccess)                                                         \
-      ::forge::comm::nccl::fail_cuda(#call, forge_cuda_code_, __FILE__, __LINE__);               \
+#define FORGE_CUDA_CHECK(call)                                                     \
+  do {                                                                             \
+    const cudaError_t forge_cuda_code_ = (call);                                   \
+    if (forge_cuda_code_ != cudaSuccess)                                           \
+      ::forge::comm::nccl::fail_cuda(#call, forge_cuda_code_, __FILE__, __LINE__); \
   } while (0)
 
-#define FORGE_NCCL_CHECK(call)                                                                   \
-  do {                                                                                           \
-    const ncclResult_t forge_nccl_code_ = (call);                                                \
-    if (forge_nccl_code_ != ncclSuccess)                                                         \
-      ::forge::comm::nccl::fail_nccl(#call, forge_nccl_code_, __FILE__, __LINE__);               \
+#define FORGE_NCCL_CHECK(call)                                                     \
+  do {                                                                             \
+    const ncclResult_t forge_nccl_code_ = (call);                                  \
+    if (forge_nccl_code_ != ncclSuccess)                                           \
+      ::forge::comm::nccl::fail_nccl(#call, forge_nccl_code_, __FILE__, __LINE__); \
   } while (0)
 
 namespace forge::comm::nccl {
@@ -51,21 +55,30 @@ namespace {
 
 ncclDataType_t datatype(Type t) {
   switch (t) {
-    case Type::f32: return ncclFloat32;
-    case Type::f64: return ncclFloat64;
-    case Type::bf16: return ncclBfloat16;
-    case Type::i32: return ncclInt32;
-    case Type::i64: return ncclInt64;
-    case Type::u8: return ncclUint8;
+    case Type::f32:
+      return ncclFloat32;
+    case Type::f64:
+      return ncclFloat64;
+    case Type::bf16:
+      return ncclBfloat16;
+    case Type::i32:
+      return ncclInt32;
+    case Type::i64:
+      return ncclInt64;
+    case Type::u8:
+      return ncclUint8;
   }
   fail("comm: unknown element type {}", static_cast<int>(t));
 }
 
 ncclRedOp_t reduction(ReduceOp op) {
   switch (op) {
-    case ReduceOp::sum: return ncclSum;
-    case ReduceOp::max: return ncclMax;
-    case ReduceOp::min: return ncclMin;
+    case ReduceOp::sum:
+      return ncclSum;
+    case ReduceOp::max:
+      return ncclMax;
+    case ReduceOp::min:
+      return ncclMin;
   }
   fail("comm: unknown reduction {}", static_cast<int>(op));
 }
@@ -77,30 +90,39 @@ char* offset(void* base, int64_t elements, Type type) {
   return static_cast<char*>(base) + elements * static_cast<int64_t>(type_size(type));
 }
 
+// A CUDA event shared by the requests of one launch (a group of point-to-point operations shares one).
+using Event = std::shared_ptr<std::remove_pointer_t<cudaEvent_t>>;
+
+Event record_event(cudaStream_t stream) {
+  cudaEvent_t event = nullptr;
+  FORGE_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  Event shared(event, [](cudaEvent_t e) { cudaEventDestroy(e); });
+  FORGE_CUDA_CHECK(cudaEventRecord(event, stream));
+  return shared;
+}
+
+class NcclCommunicator;
+
 class NcclWork final : public Work {
  public:
-  NcclWork(const char* op, ncclComm_t comm, cudaEvent_t event, std::shared_ptr<const std::string> label,
-           double timeout_s, int peer)
-      : op_(op), comm_(comm), event_(event), label_(std::move(label)), timeout_s_(timeout_s), peer_(peer) {}
+  // owner: the communicator that has yet to launch this point-to-point operation (null once launched).
+  NcclWork(const char* op, ncclComm_t comm, std::shared_ptr<const std::string> label, double timeout_s,
+           int peer, NcclCommunicator* owner, Event event)
+      : op_(op),
+        comm_(comm),
+        label_(std::move(label)),
+        timeout_s_(timeout_s),
+        peer_(peer),
+        owner_(owner),
+        event_(std::move(event)) {}
   ~NcclWork() override {
     if (!done_) detail::complete_in_destructor(*this, *label_, timeout_s_);
-    cudaEventDestroy(event_);
   }
 
-  bool test() override {
-    if (done_) return true;
-    const cudaError_t status = cudaEventQuery(event_);
-    if (status == cudaSuccess) return done_ = true;
-    if (status != cudaErrorNotReady) FORGE_CUDA_CHECK(status);
-    // A failed peer or network shows up as an asynchronous error, never as completion: report it now.
-    ncclResult_t async = ncclSuccess;
-    if (ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress) {
-      const std::string message = fmt::format("{} on {} failed: {}: {}", description(), *label_,
-                                              ncclGetErrorString(async), ncclGetLastError(comm_));
-      ncclCommAbort(comm_);
-      detail::abort_job(message);
-    }
-    return false;
+  bool test() override;
+  void launched(Event event) {
+    event_ = std::move(event);
+    owner_ = nullptr;
   }
   const char* operation() const override { return op_; }
   std::string description() const override {
@@ -111,10 +133,11 @@ class NcclWork final : public Work {
  private:
   const char* op_;
   ncclComm_t comm_;
-  cudaEvent_t event_;
   std::shared_ptr<const std::string> label_;
   double timeout_s_;
   int peer_;
+  NcclCommunicator* owner_;
+  Event event_;
   bool done_ = false;
 };
 
@@ -129,12 +152,19 @@ class NcclCommunicator final : public Communicator {
     timeout_s_ = timeout_s;
     label_ = std::make_shared<const std::string>(detail::group_label(*this));
     FORGE_CUDA_CHECK(cudaSetDevice(device_));
-    FORGE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    // A blocking stream: it waits for work queued before on the default stream (where the caller wrote the
+    // buffers) and the default stream waits for it. An explicit event handoff with the CUDA kernel layer's
+    // streams would let computation overlap communication.
+    FORGE_CUDA_CHECK(cudaStreamCreate(&stream_));
     FORGE_CUDA_CHECK(cudaMalloc(&scratch_, sizeof(float)));
     FORGE_CUDA_CHECK(cudaMemsetAsync(scratch_, 0, sizeof(float), stream_));
   }
   ~NcclCommunicator() override {
     // Errors are ignored: a destructor cannot report them, and the process is usually ending.
+    try {
+      launch_point_to_point();
+    } catch (const std::exception&) {
+    }
     cudaSetDevice(device_);
     cudaStreamSynchronize(stream_);
     ncclCommFinalize(comm_);
@@ -150,17 +180,19 @@ class NcclCommunicator final : public Communicator {
     detail::check_buffer(*this, "all_reduce", buf, count, "buffer");
     if (count == 0) return {};
     return enqueue("all_reduce", [&] {
-      FORGE_NCCL_CHECK(ncclAllReduce(buf, buf, static_cast<size_t>(count), datatype(type), reduction(op), comm_,
-                                     stream_));
+      FORGE_NCCL_CHECK(
+          ncclAllReduce(buf, buf, static_cast<size_t>(count), datatype(type), reduction(op), comm_, stream_));
     });
   }
 
   Request all_gather(const void* send, void* recv, int64_t count, Type type) override {
     check_pair("all_gather", send, recv, count, count * size_);
     if (count == 0) return {};
-    return enqueue("all_gather", [&] {  // in place (send is this rank's block of recv) is NCCL's in-place form
-      FORGE_NCCL_CHECK(ncclAllGather(send, recv, static_cast<size_t>(count), datatype(type), comm_, stream_));
-    });
+    return enqueue(
+        "all_gather", [&] {  // in place (send is this rank's block of recv) is NCCL's in-place form
+          FORGE_NCCL_CHECK(
+              ncclAllGather(send, recv, static_cast<size_t>(count), datatype(type), comm_, stream_));
+        });
   }
 
   Request all_gatherv(const void* send, void* recv, std::span<const int64_t> counts, Type type) override {
@@ -177,10 +209,11 @@ class NcclCommunicator final : public Communicator {
       for (int p = 0; p < size_; ++p) {
         if (p == rank_) continue;
         if (counts[rank_] > 0)
-          FORGE_NCCL_CHECK(ncclSend(send, static_cast<size_t>(counts[rank_]), datatype(type), p, comm_, stream_));
+          FORGE_NCCL_CHECK(
+              ncclSend(send, static_cast<size_t>(counts[rank_]), datatype(type), p, comm_, stream_));
         if (counts[p] > 0)
-          FORGE_NCCL_CHECK(ncclRecv(offset(recv, displs[p], type), static_cast<size_t>(counts[p]), datatype(type),
-                                    p, comm_, stream_));
+          FORGE_NCCL_CHECK(ncclRecv(offset(recv, displs[p], type), static_cast<size_t>(counts[p]),
+                                    datatype(type), p, comm_, stream_));
       }
       FORGE_NCCL_CHECK(ncclGroupEnd());
     });
@@ -190,8 +223,8 @@ class NcclCommunicator final : public Communicator {
     check_pair("reduce_scatter", send, recv, count * size_, count);
     if (count == 0) return {};
     return enqueue("reduce_scatter", [&] {
-      FORGE_NCCL_CHECK(ncclReduceScatter(send, recv, static_cast<size_t>(count), datatype(type), reduction(op),
-                                         comm_, stream_));
+      FORGE_NCCL_CHECK(ncclReduceScatter(send, recv, static_cast<size_t>(count), datatype(type),
+                                         reduction(op), comm_, stream_));
     });
   }
 
@@ -203,18 +236,18 @@ class NcclCommunicator final : public Communicator {
       FORGE_NCCL_CHECK(ncclGroupStart());
       for (int p = 0; p < size_; ++p) {
         if (p == rank_) continue;
-        FORGE_NCCL_CHECK(
-            ncclSend(offset(send, p * count, type), static_cast<size_t>(count), datatype(type), p, comm_, stream_));
-        FORGE_NCCL_CHECK(
-            ncclRecv(offset(recv, p * count, type), static_cast<size_t>(count), datatype(type), p, comm_, stream_));
+        FORGE_NCCL_CHECK(ncclSend(offset(send, p * count, type), static_cast<size_t>(count), datatype(type),
+                                  p, comm_, stream_));
+        FORGE_NCCL_CHECK(ncclRecv(offset(recv, p * count, type), static_cast<size_t>(count), datatype(type),
+                                  p, comm_, stream_));
       }
       FORGE_NCCL_CHECK(ncclGroupEnd());
     });
   }
 
-  Request all_to_allv(const void* send, std::span<const int64_t> send_counts, std::span<const int64_t> send_displs,
-                      void* recv, std::span<const int64_t> recv_counts, std::span<const int64_t> recv_displs,
-                      Type type) override {
+  Request all_to_allv(const void* send, std::span<const int64_t> send_counts,
+                      std::span<const int64_t> send_displs, void* recv, std::span<const int64_t> recv_counts,
+                      std::span<const int64_t> recv_displs, Type type) override {
     const char* op = "all_to_allv";
     detail::check_per_rank(*this, op, send_counts, "send_counts");
     detail::check_per_rank(*this, op, send_displs, "send_displs");
@@ -241,21 +274,11 @@ class NcclCommunicator final : public Communicator {
   }
 
   Request send(const void* buf, int64_t count, Type type, int peer, int tag) override {
-    check_p2p("send", buf, count, peer);
-    if (count == 0) return {};
-    return enqueue(
-        "send",
-        [&] { FORGE_NCCL_CHECK(ncclSend(buf, static_cast<size_t>(count), datatype(type), peer, comm_, stream_)); },
-        peer);
+    return post_point_to_point("send", const_cast<void*>(buf), count, type, peer);
   }
 
   Request recv(void* buf, int64_t count, Type type, int peer, int tag) override {
-    check_p2p("recv", buf, count, peer);
-    if (count == 0) return {};
-    return enqueue(
-        "recv",
-        [&] { FORGE_NCCL_CHECK(ncclRecv(buf, static_cast<size_t>(count), datatype(type), peer, comm_, stream_)); },
-        peer);
+    return post_point_to_point("recv", buf, count, type, peer);
   }
 
   Request broadcast(void* buf, int64_t count, Type type, int root) override {
@@ -264,7 +287,8 @@ class NcclCommunicator final : public Communicator {
     detail::check_buffer(*this, "broadcast", buf, count, "buffer");
     if (count == 0) return {};
     return enqueue("broadcast", [&] {
-      FORGE_NCCL_CHECK(ncclBroadcast(buf, buf, static_cast<size_t>(count), datatype(type), root, comm_, stream_));
+      FORGE_NCCL_CHECK(
+          ncclBroadcast(buf, buf, static_cast<size_t>(count), datatype(type), root, comm_, stream_));
     });
   }
 
@@ -290,19 +314,50 @@ class NcclCommunicator final : public Communicator {
     detail::abort_job(message);
   }
 
+  // Starts the posted point-to-point operations, all in one NCCL group.
+  void launch_point_to_point() {
+    if (posted_.empty()) return;
+    std::vector<Posted> batch;
+    batch.swap(posted_);
+    FORGE_CUDA_CHECK(cudaSetDevice(device_));
+    FORGE_NCCL_CHECK(ncclGroupStart());
+    for (const Posted& p : batch) {
+      if (p.send)
+        FORGE_NCCL_CHECK(ncclSend(p.buf, p.count, p.type, p.peer, comm_, stream_));
+      else
+        FORGE_NCCL_CHECK(ncclRecv(p.buf, p.count, p.type, p.peer, comm_, stream_));
+    }
+    FORGE_NCCL_CHECK(ncclGroupEnd());
+    const Event event = record_event(stream_);
+    for (const Posted& p : batch) p.work->launched(event);
+  }
+
  private:
+  struct Posted {
+    bool send;
+    void* buf;
+    size_t count;
+    ncclDataType_t type;
+    int peer;
+    std::shared_ptr<NcclWork> work;
+  };
+
   template <typename Enqueue>
-  Request enqueue(const char* op, Enqueue&& issue, int peer = -1) {
+  Request enqueue(const char* op, Enqueue&& issue) {
+    launch_point_to_point();  // operations start in the order they were posted
     FORGE_CUDA_CHECK(cudaSetDevice(device_));
     issue();
-    cudaEvent_t event = nullptr;
-    FORGE_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-    const cudaError_t recorded = cudaEventRecord(event, stream_);
-    if (recorded != cudaSuccess) {
-      cudaEventDestroy(event);
-      FORGE_CUDA_CHECK(recorded);
-    }
-    return {std::make_shared<NcclWork>(op, comm_, event, label_, timeout_s_, peer), this};
+    return {std::make_shared<NcclWork>(op, comm_, label_, timeout_s_, -1, nullptr, record_event(stream_)),
+            this};
+  }
+
+  Request post_point_to_point(const char* op, void* buf, int64_t count, Type type, int peer) {
+    check_p2p(op, buf, count, peer);
+    if (count == 0) return {};
+    auto work = std::make_shared<NcclWork>(op, comm_, label_, timeout_s_, peer, this, nullptr);
+    posted_.push_back(
+        {std::string_view(op) == "send", buf, static_cast<size_t>(count), datatype(type), peer, work});
+    return {std::move(work), this};
   }
 
   void copy_own_block(void* dst, const void* src, int64_t count, Type type) {
@@ -311,7 +366,8 @@ class NcclCommunicator final : public Communicator {
                                        cudaMemcpyDeviceToDevice, stream_));
   }
 
-  void check_pair(const char* op, const void* send, const void* recv, int64_t send_count, int64_t recv_count) {
+  void check_pair(const char* op, const void* send, const void* recv, int64_t send_count,
+                  int64_t recv_count) {
     detail::check_count(*this, op, send_count);
     detail::check_buffer(*this, op, send, send_count, "send");
     detail::check_buffer(*this, op, recv, recv_count, "recv");
@@ -328,7 +384,26 @@ class NcclCommunicator final : public Communicator {
   cudaStream_t stream_ = nullptr;
   float* scratch_ = nullptr;  // the barrier's one-element all-reduce
   std::shared_ptr<const std::string> label_;
+  std::vector<Posted> posted_;  // point-to-point operations not launched yet
 };
+
+bool NcclWork::test() {
+  if (done_) return true;
+  if (owner_) owner_->launch_point_to_point();  // this request's group starts now
+  const cudaError_t status = cudaEventQuery(event_.get());
+  if (status == cudaSuccess) return done_ = true;
+  if (status != cudaErrorNotReady) FORGE_CUDA_CHECK(status);
+  // A failed peer or network shows up as an asynchronous error, never as completion: report it now.
+  ncclResult_t async = ncclSuccess;
+  if (ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess &&
+      async != ncclInProgress) {
+    const std::string message = fmt::format("{} on {} failed: {}: {}", description(), *label_,
+                                            ncclGetErrorString(async), ncclGetLastError(comm_));
+    ncclCommAbort(comm_);
+    detail::abort_job(message);
+  }
+  return false;
+}
 
 }  // namespace
 
@@ -352,11 +427,13 @@ void device_free(void* ptr) {
 }
 
 void copy_to_device(void* device_dst, const void* host_src, int64_t bytes) {
-  if (bytes > 0) FORGE_CUDA_CHECK(cudaMemcpy(device_dst, host_src, static_cast<size_t>(bytes), cudaMemcpyHostToDevice));
+  if (bytes > 0)
+    FORGE_CUDA_CHECK(cudaMemcpy(device_dst, host_src, static_cast<size_t>(bytes), cudaMemcpyHostToDevice));
 }
 
 void copy_to_host(void* host_dst, const void* device_src, int64_t bytes) {
-  if (bytes > 0) FORGE_CUDA_CHECK(cudaMemcpy(host_dst, device_src, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost));
+  if (bytes > 0)
+    FORGE_CUDA_CHECK(cudaMemcpy(host_dst, device_src, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost));
 }
 
 }  // namespace forge::comm::nccl

@@ -9,8 +9,9 @@ namespace forge::comm {
 bool nccl_usable() { return false; }
 
 std::unique_ptr<Communicator> make_nccl(Communicator& bootstrap, int cuda_device, std::string name) {
-  fail("make_nccl: forge was built without NCCL (CMake found no nccl.h, libnccl and CUDA runtime; "
-       "see FORGE_NCCL)");
+  fail(
+      "make_nccl: forge was built without NCCL (CMake found no nccl.h, libnccl and CUDA runtime; "
+      "see FORGE_NCCL)");
 }
 
 }  // namespace forge::comm

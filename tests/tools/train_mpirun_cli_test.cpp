@@ -1,0 +1,82 @@
+// `mpirun -np 2 forge train ...`: the launch path users take. A layout that does not fit the job ends
+// every rank with the forge error line and a non-zero status (no hang); a tensor-parallel run logs its
+// layout on rank 0 only, trains, checkpoints in shards and samples from the checkpoint read back whole.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "tools/cli_harness.h"
+
+namespace forge::testing::cli {
+namespace {
+
+RunOptions mpirun(int ranks) {
+  RunOptions o;
+  o.launcher = std::string(FORGE_MPIEXEC) + " -np " + std::to_string(ranks) + " --oversubscribe --bind-to none";
+  o.environment = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1";
+  return o;
+}
+
+size_t count(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+class TrainMpirun : public ScratchDirTest {
+ protected:
+  std::string setup() {
+    std::string corpus;
+    for (int i = 0; i < 200; ++i) corpus += "And the evening and the morning were the day " + std::to_string(i % 9) + ".\n";
+    write("corpus.txt", corpus);
+    write("config.json", R"({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64})");
+    return "train --set model.config=" + path("config.json") + " --set data.corpus=" + path("corpus.txt") +
+           " --set data.tokenizer=bytes --set data.seq_len=32 --set train.micro_batch=2 --set train.steps=4"
+           " --set eval.every=0 --set log.peak_gflops=100 --set log.run_dir=" + path("run");
+  }
+};
+
+TEST_F(TrainMpirun, LayoutThatDoesNotFitTheJobEndsEveryRank) {
+  Outcome out = run_forge(setup() + " --set parallel.tp=3", mpirun(2));
+  EXPECT_NE(out.status, 0) << out.output;
+  EXPECT_NE(out.output.find("forge: error: parallel layout tp=3"), std::string::npos) << out.output;
+  EXPECT_NE(out.output.find("2 ranks (mpirun -np)"), std::string::npos) << out.output;
+}
+
+TEST_F(TrainMpirun, HeadsThatDoNotSplitAreRefusedBeforeAnyWork) {
+  const std::string args = setup();
+  write("six_heads.json", R"({"hidden_size": 48, "intermediate_size": 64, "num_hidden_layers": 2,
+      "num_attention_heads": 6, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64})");
+  Outcome out = run_forge(args + " --set model.config=" + path("six_heads.json") + " --set parallel.tp=4", mpirun(4));
+  EXPECT_NE(out.status, 0) << out.output;
+  EXPECT_NE(out.output.find("forge: error: parallel.tp = 4 does not divide num_attention_heads = 6"),
+            std::string::npos)
+      << out.output;
+  EXPECT_EQ(out.output.find("step 1"), std::string::npos) << out.output;
+}
+
+TEST_F(TrainMpirun, KvHeadsAreReplicatedWhenTpExceedsThem) {
+  Outcome out = run_forge(setup() + " --set parallel.tp=4 --set sample.tokens=0", mpirun(4));
+  EXPECT_EQ(out.status, 0) << out.output;  // 2 kv heads over 4 ranks
+  EXPECT_NE(out.output.find("final held-out loss"), std::string::npos) << out.output;
+}
+
+TEST_F(TrainMpirun, TensorParallelRunLogsOnceCheckpointsInShardsAndSamples) {
+  Outcome out = run_forge(setup() + " --set parallel.tp=2 --set parallel.sequence_parallel=true"
+                                    " --set sample.tokens=8 --set log.every=2",
+                          mpirun(2));
+  ASSERT_EQ(out.status, 0) << out.output;
+  EXPECT_EQ(count(out.output, "layout: world 2 = tp 2 x cp 1 x dp 1 x pp 1"), 1u) << out.output;
+  EXPECT_EQ(count(out.output, "step 4/4"), 1u) << out.output;  // rank 0 alone logs
+  EXPECT_NE(out.output.find("--- sample"), std::string::npos) << out.output;
+  EXPECT_TRUE(fs::exists(dir_ / "run" / "checkpoint" / "shard-00000-of-00002.safetensors"));
+  EXPECT_TRUE(fs::exists(dir_ / "run" / "checkpoint" / "shard-00001-of-00002.safetensors"));
+  EXPECT_TRUE(fs::exists(dir_ / "run" / "checkpoint" / "manifest.json"));
+  // The sharded checkpoint is an ordinary forge checkpoint for the single-process tools.
+  Outcome gen = run_forge("generate --model " + path("run/checkpoint") + " --prompt And --max-new-tokens 4 --greedy");
+  EXPECT_EQ(gen.status, 0) << gen.output;
+}
+
+}  // namespace
+}  // namespace forge::testing::cli
