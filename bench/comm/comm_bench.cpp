@@ -7,6 +7,8 @@
 //   algbw  size / time
 //   busbw  algbw x 2(n-1)/n (all_reduce), (n-1)/n (all_gather, reduce_scatter, all_to_all), 1 (broadcast,
 //          sendrecv): the rate each rank's link must sustain, comparable across rank counts
+#define OMPI_SKIP_MPICXX 1  // the C API only (OpenMPI's C++ bindings are not linked)
+#include <mpi.h>
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -126,8 +128,9 @@ int run(int argc, char** argv) {
     std::printf(
         "# busbw = algbw x 2(n-1)/n (all_reduce), (n-1)/n (all_gather, reduce_scatter, all_to_all), "
         "1 (broadcast, sendrecv)\n");
-    std::printf("%-15s %10s %6s %12s %12s %12s\n", "collective", "size", "iters", "time_us", "algbw_GB/s",
-                "busbw_GB/s");
+    std::printf("# peer = the same operation as one blocking MPI call (mpi backend); vs_peer = peer time / forge time\n");
+    std::printf("%-15s %10s %6s %12s %12s %12s %12s %8s\n", "collective", "size", "iters", "time_us", "algbw_GB/s",
+                "busbw_GB/s", "peer_us", "vs_peer");
   }
 
   const double ring = static_cast<double>(n - 1) / n;
@@ -173,22 +176,54 @@ int run(int argc, char** argv) {
         };
       }
 
+      // The peer: the same operation as one blocking MPI call on MPI_COMM_WORLD (what an application
+      // calling MPI directly gets), timed in the same run. Host buffers only.
+      std::function<void()> peer;
+      if (!device) {
+        MPI_Comm w = MPI_COMM_WORLD;
+        const int cnt = static_cast<int>(floats), pr = static_cast<int>(per_rank);
+        if (name == "all_reduce") {
+          peer = [&, w, cnt] { MPI_Allreduce(MPI_IN_PLACE, a.get(), cnt, MPI_FLOAT, MPI_SUM, w); };
+        } else if (name == "all_gather") {
+          peer = [&, w, pr] { MPI_Allgather(a.get(), pr, MPI_FLOAT, b.get(), pr, MPI_FLOAT, w); };
+        } else if (name == "reduce_scatter") {
+          peer = [&, w, pr] { MPI_Reduce_scatter_block(a.get(), b.get(), pr, MPI_FLOAT, MPI_SUM, w); };
+        } else if (name == "all_to_all") {
+          peer = [&, w, pr] { MPI_Alltoall(a.get(), pr, MPI_FLOAT, b.get(), pr, MPI_FLOAT, w); };
+        } else if (name == "broadcast") {
+          peer = [&, w, cnt] { MPI_Bcast(a.get(), cnt, MPI_FLOAT, 0, w); };
+        } else {
+          peer = [&, w, cnt] {
+            if (me == 0) {
+              MPI_Send(a.get(), cnt, MPI_FLOAT, 1, 0, w);
+              MPI_Recv(a.get(), cnt, MPI_FLOAT, 1, 0, w, MPI_STATUS_IGNORE);
+            } else if (me == 1) {
+              MPI_Recv(a.get(), cnt, MPI_FLOAT, 0, 0, w, MPI_STATUS_IGNORE);
+              MPI_Send(a.get(), cnt, MPI_FLOAT, 0, 0, w);
+            }
+          };
+        }
+      }
       const int iters = iterations_for(o, bytes);
-      for (int i = 0; i < o.warmup; ++i) op();
-      c.barrier().wait();
-      const auto start = std::chrono::steady_clock::now();
-      for (int i = 0; i < iters; ++i) op();
-      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      double seconds = elapsed / iters;
-      if (name == "sendrecv") seconds /= 2;  // a round trip is two one-way messages
-      seconds = all_reduce_max(world, seconds);
+      auto time = [&](const std::function<void()>& f) {
+        for (int i = 0; i < o.warmup; ++i) f();
+        c.barrier().wait();
+        const auto start = std::chrono::steady_clock::now();
+        for (int i = 0; i < iters; ++i) f();
+        double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / iters;
+        if (name == "sendrecv") t /= 2;  // a round trip is two one-way messages
+        return all_reduce_max(world, t);
+      };
+      const double seconds = time(op);
+      const double peer_seconds = peer ? time(peer) : 0;
       const int64_t size = name == "all_gather" || name == "reduce_scatter" || name == "all_to_all"
                                ? per_rank * n * 4
                                : floats * 4;
       const double algbw = static_cast<double>(size) / seconds / 1e9;
       if (me == 0)
-        std::printf("%-15s %10s %6d %12.1f %12.3f %12.3f\n", k.name, human_bytes(size).c_str(), iters,
-                    seconds * 1e6, algbw, algbw * k.bus_factor);
+        std::printf("%-15s %10s %6d %12.1f %12.3f %12.3f %12.1f %8.2f\n", k.name, human_bytes(size).c_str(), iters,
+                    seconds * 1e6, algbw, algbw * k.bus_factor, peer_seconds * 1e6,
+                    peer ? peer_seconds / seconds : 0.0);
     }
   }
   std::fflush(stdout);
