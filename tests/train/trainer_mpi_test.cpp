@@ -19,6 +19,7 @@
 #include "forge/comm/comm.h"
 #include "forge/models/llama.h"
 #include "forge/train/trainer.h"
+#include "train/toy_run.h"
 
 namespace forge {
 namespace {
@@ -47,13 +48,7 @@ class TrainerRuns : public testing::Test {
     if (world.rank() == 0) {
       fs::remove_all(dir_);
       fs::create_directories(dir_);
-      std::ofstream corpus(dir_ / "corpus.txt");
-      for (int i = 0; i < 200; ++i)
-        corpus << "And the light shineth in darkness " << i % 13 << "; and the darkness comprehended it not.\n";
-      std::ofstream model(dir_ / "config.json");
-      model << R"({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-                   "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 256,
-                   "max_position_embeddings": 64})";
+      toy::write_toy_run_inputs(dir_);
     }
     world.barrier().wait();
   }
@@ -62,28 +57,14 @@ class TrainerRuns : public testing::Test {
     if (comm::world().rank() == 0) fs::remove_all(dir_);
   }
 
+  // The toy run of trainer_test.cpp, 20 steps of 16 bytes, with clipping and several gradient buckets.
   TrainConfig config(const std::string& run) const {
-    TrainConfig c;
-    c.model.config = (dir_ / "config.json").string();
-    c.data.corpus = (dir_ / "corpus.txt").string();
-    c.data.tokenizer = "bytes";
-    c.data.cache_dir = dir_.string();
+    TrainConfig c = toy::toy_run_config(dir_, run);
     c.data.seq_len = 16;
-    c.data.heldout_fraction = 0.1;
     c.train.dtype = "fp32";
-    c.train.micro_batch = 2;
-    c.train.grad_accum = 2;
     c.train.steps = 20;
     c.train.warmup = 3;
-    c.train.lr = 1e-2;
-    c.train.min_lr = 1e-3;
     c.train.grad_clip = 0.5;  // clipping is active: the global norm must be right
-    c.eval.every = 0;
-    c.eval.batches = 4;
-    c.log.every = 100;
-    c.log.peak_gflops = 100;
-    c.log.run_dir = (dir_ / run).string();
-    c.sample.tokens = 0;
     c.parallel.bucket_mb = 0.01;  // several buckets even for this toy model
     c.parallel.make_vocab_size_divisible_by = 48;  // 256 pads to 288 (tp 2) or 384 (tp 4): padding is live
     c.parallel.timeout_s = 60;  // a rank that fails leaves the others in a collective: end the job soon

@@ -9,6 +9,7 @@
 
 #include "forge/ckpt/checkpoint.h"
 #include "forge/train/trainer.h"
+#include "train/toy_run.h"
 
 namespace forge {
 namespace {
@@ -29,37 +30,11 @@ class TrainerTest : public ::testing::Test {
                                         ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
     fs::create_directories(dir_);
-    std::ofstream corpus(dir_ / "corpus.txt");
-    for (int i = 0; i < 300; ++i)
-      corpus << "In the beginning was the word " << i % 17 << ", and the word was with the light.\n";
-    std::ofstream model(dir_ / "config.json");
-    model << R"({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-                 "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 256,
-                 "max_position_embeddings": 64})";
+    toy::write_toy_run_inputs(dir_);
   }
   void TearDown() override { fs::remove_all(dir_); }
 
-  TrainConfig config(const std::string& run) const {
-    TrainConfig c;
-    c.model.config = (dir_ / "config.json").string();
-    c.data.corpus = (dir_ / "corpus.txt").string();
-    c.data.tokenizer = "bytes";
-    c.data.cache_dir = dir_.string();
-    c.data.seq_len = 32;
-    c.data.heldout_fraction = 0.1;
-    c.train.micro_batch = 2;
-    c.train.grad_accum = 2;
-    c.train.steps = 6;
-    c.train.warmup = 2;
-    c.train.lr = 1e-2;
-    c.train.min_lr = 1e-3;
-    c.eval.every = 0;
-    c.log.every = 100;
-    c.log.peak_gflops = 100;  // skip the peak measurement
-    c.log.run_dir = (dir_ / run).string();
-    c.sample.tokens = 0;
-    return c;
-  }
+  TrainConfig config(const std::string& run) const { return toy::toy_run_config(dir_, run); }
   fs::path dir_;
 };
 

@@ -1,0 +1,47 @@
+// The toy training run shared by the trainer tests: a 300-line corpus, a 2-layer LLaMA of hidden 32
+// (4 heads, 2 kv heads, byte vocabulary) and a short fp32-friendly config, all under one folder.
+#pragma once
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "forge/train/config.h"
+
+namespace forge::toy {
+
+// Writes dir/corpus.txt and dir/config.json.
+inline void write_toy_run_inputs(const std::filesystem::path& dir) {
+  std::ofstream corpus(dir / "corpus.txt");
+  for (int i = 0; i < 300; ++i)
+    corpus << "In the beginning was the word " << i % 17 << ", and the word was with the light.\n";
+  std::ofstream model(dir / "config.json");
+  model << R"({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 256,
+               "max_position_embeddings": 64})";
+}
+
+// 6 steps of 2 x 2 sequences of 32 bytes, logging into dir/run; no evaluation, sample or peak measurement.
+inline TrainConfig toy_run_config(const std::filesystem::path& dir, const std::string& run) {
+  TrainConfig c;
+  c.model.config = (dir / "config.json").string();
+  c.data.corpus = (dir / "corpus.txt").string();
+  c.data.tokenizer = "bytes";
+  c.data.cache_dir = dir.string();
+  c.data.seq_len = 32;
+  c.data.heldout_fraction = 0.1;
+  c.train.micro_batch = 2;
+  c.train.grad_accum = 2;
+  c.train.steps = 6;
+  c.train.warmup = 2;
+  c.train.lr = 1e-2;
+  c.train.min_lr = 1e-3;
+  c.eval.every = 0;
+  c.log.every = 100;
+  c.log.peak_gflops = 100;  // skip the peak measurement
+  c.log.run_dir = (dir / run).string();
+  c.sample.tokens = 0;
+  return c;
+}
+
+}  // namespace forge::toy
