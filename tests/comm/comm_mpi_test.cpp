@@ -162,6 +162,20 @@ TEST(CommMpi, DroppedRequestCompletesBeforeItsBuffersGo) {
   EXPECT_EQ(buf[999], w.size());
 }
 
+TEST(CommMpi, BlockingAllReduceMatchesTheRequest) {
+  Communicator& w = world();
+  for (int64_t count : {int64_t{0}, int64_t{7}, int64_t{300000}}) {
+    std::vector<float> a(count), b(count);
+    for (int64_t i = 0; i < count; ++i) a[i] = b[i] = static_cast<float>((i * 7 + w.rank() * 13) % 101) / 8.0f;
+    w.all_reduce(a.data(), count, Type::f32, ReduceOp::sum).wait();
+    w.all_reduce_blocking(b.data(), count, Type::f32, ReduceOp::sum);
+    EXPECT_EQ(a, b) << count;  // multiples of 1/8: exact in any order
+  }
+  double m = w.rank();
+  w.all_reduce_blocking(&m, 1, Type::f64, ReduceOp::max);
+  EXPECT_EQ(m, w.size() - 1);
+}
+
 TEST(CommMpi, ConvenienceHelpers) {
   Communicator& w = the_world();
   const int n = w.size();

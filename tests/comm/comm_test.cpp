@@ -260,13 +260,15 @@ TEST(CommNccl, UnavailableIsAClearError) {
 // Two ranks under mpirun; world rank 0 never joins an all_reduce that world rank 1 waits on (in a group
 // 'pair' whose order is reversed, so world rank 1 is its rank 0). With FORGE_COMM_TIMEOUT=1 the job must
 // end within seconds, non-zero, with one line naming the group, the operation and both ranks.
-TEST(CommMpiJob, RankSkippingACollectiveAbortsTheJobWithOneLine) {
+class CommMpiJob : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(CommMpiJob, RankSkippingACollectiveAbortsTheJobWithOneLine) {
   const std::string command =
       std::string(
           "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 FORGE_COMM_TIMEOUT=1 "
           "timeout -s KILL 60 ") +
       FORGE_MPIEXEC + " -np 2 --oversubscribe --bind-to none -x FORGE_COMM_TIMEOUT -x OMP_NUM_THREADS=1 " +
-      FORGE_COMM_ABORT_HELPER + " 2>&1";
+      FORGE_COMM_ABORT_HELPER + " " + GetParam() + " 2>&1";
   const auto start = std::chrono::steady_clock::now();
   FILE* pipe = popen(command.c_str(), "r");
   ASSERT_NE(pipe, nullptr);
@@ -289,6 +291,9 @@ TEST(CommMpiJob, RankSkippingACollectiveAbortsTheJobWithOneLine) {
       "forge: error: collective all_reduce on group 'pair' (rank 0 of 2, world rank 1) did not complete "
       "within 1 s");
 }
+
+// request: all_reduce(...).wait(); blocking: all_reduce_blocking, a blocking MPI call under the watchdog.
+INSTANTIATE_TEST_SUITE_P(Waits, CommMpiJob, ::testing::Values("request", "blocking"));
 
 }  // namespace
 }  // namespace forge::comm

@@ -5,7 +5,7 @@
 namespace forge::parallel {
 
 void CommTensorParallel::all_reduce_sum(float* buf, int64_t count) {
-  group_->all_reduce(buf, count, comm::Type::f32, comm::ReduceOp::sum).wait();
+  group_->all_reduce_blocking(buf, count, comm::Type::f32, comm::ReduceOp::sum);
 }
 
 void CommTensorParallel::all_gather(const float* send, float* recv, int64_t count) {

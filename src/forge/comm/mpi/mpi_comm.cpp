@@ -9,8 +9,13 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <climits>
+#include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
+#include <mutex>
+#include <thread>
 #include <string_view>
 #include <vector>
 
@@ -145,6 +150,49 @@ class MpiWork final : public Work {
   bool done_ = false;
 };
 
+// Keeps the timeout of blocking MPI calls, which cannot be polled: armed before the call and disarmed
+// after it; if the deadline passes first it prints the one-line message and ends this process (mpirun then
+// ends the job). It never calls MPI, so MPI_THREAD_FUNNELED suffices. One thread per process, made on
+// first use and never joined (it outlives static destruction by design).
+class Watchdog {
+ public:
+  static Watchdog& get() {
+    static Watchdog* w = new Watchdog();
+    return *w;
+  }
+  void arm(double timeout_s, std::string message) {
+    if (timeout_s <= 0) return;
+    std::lock_guard lock(mutex_);
+    deadline_ = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                       std::chrono::duration<double>(timeout_s));
+    message_ = std::move(message);
+    armed_ = true;
+    wake_.notify_one();
+  }
+  void disarm() {
+    std::lock_guard lock(mutex_);
+    armed_ = false;
+  }
+
+ private:
+  Watchdog() { std::thread([this] { run(); }).detach(); }
+  void run() {
+    std::unique_lock lock(mutex_);
+    for (;;) {
+      wake_.wait(lock, [this] { return armed_; });
+      if (wake_.wait_until(lock, deadline_, [this] { return !armed_; })) continue;
+      std::fprintf(stderr, "forge: error: %s\n", message_.c_str());
+      std::fflush(stderr);
+      std::_Exit(1);
+    }
+  }
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::chrono::steady_clock::time_point deadline_;
+  std::string message_;
+  bool armed_ = false;
+};
+
 class MpiCommunicator final : public Communicator {
  public:
   MpiCommunicator(MPI_Comm comm, std::string name, int world_rank, double timeout_s) : comm_(comm) {
@@ -169,6 +217,17 @@ class MpiCommunicator final : public Communicator {
     FORGE_MPI_CHECK(
         MPI_Iallreduce(MPI_IN_PLACE, buf, n, datatype(type), reduction(type, op), comm_, &work->request));
     return {std::move(work), this};
+  }
+
+  void all_reduce_blocking(void* buf, int64_t count, Type type, ReduceOp op) override {
+    detail::check_count(*this, "all_reduce", count);
+    detail::check_buffer(*this, "all_reduce", buf, count, "buffer");
+    const int n = to_int("all_reduce", count, "count");
+    Watchdog::get().arm(timeout_s_, fmt::format("collective all_reduce on {} did not complete within {:g} s",
+                                                *label_, timeout_s_));
+    const int code = MPI_Allreduce(MPI_IN_PLACE, buf, n, datatype(type), reduction(type, op), comm_);
+    Watchdog::get().disarm();
+    FORGE_MPI_CHECK(code);
   }
 
   Request all_gather(const void* send, void* recv, int64_t count, Type type) override {
