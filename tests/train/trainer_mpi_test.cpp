@@ -172,6 +172,39 @@ TEST_F(TrainerRuns, ResumesUnderAnotherLayout) {
   EXPECT_NEAR(got_b.heldout_loss, want.heldout_loss, 2e-5 * want.heldout_loss);
 }
 
+// model.init_from a Hugging Face folder under tensor parallelism: each rank slices its shard (and the
+// padded vocabulary rows) out of the whole tensors, and training continues as on one rank.
+TEST_F(TrainerRuns, InitFromAHuggingFaceFolderUnderTensorParallelism) {
+  comm::Communicator& world = comm::world();
+  const int n = world.size();
+  // A model that has trained a little (so its weights are not the initialisation), exported by rank 0.
+  TrainConfig warm = config("warm-" + std::to_string(world.rank()));
+  warm.train.steps = 3;
+  auto self = comm::make_self();
+  Trainer(warm, self.get()).run();
+  if (world.rank() == 0) {
+    nn::ComputeOptions fp32;
+    fp32.gemm_dtype = DType::f32;
+    auto model = load_pretrained_model(fs::path(warm.log.run_dir) / "checkpoint", fp32);
+    export_hugging_face(model->params(), model->config().to_json(), dir_ / "hf", {});
+  }
+  world.barrier().wait();
+
+  TrainConfig ref = config("reference-" + std::to_string(world.rank()));
+  ref.model.init_from = (dir_ / "hf").string();
+  ref.train.steps = 5;
+  TrainResult want = Trainer(ref, self.get()).run();
+
+  TrainConfig par = ref;
+  par.log.run_dir = (dir_ / "parallel").string();
+  par.parallel.tp = n;
+  par.parallel.sequence_parallel = true;
+  TrainResult got = Trainer(par, &world).run();
+  ASSERT_EQ(got.losses.size(), want.losses.size());
+  for (size_t s = 0; s < want.losses.size(); ++s)
+    EXPECT_NEAR(got.losses[s], want.losses[s], 2e-5 * want.losses[s]) << "step " << s + 1;
+}
+
 TEST(TrainerLayoutErrors, WorldSizeMismatchIsOneClearError) {
   comm::Communicator& world = comm::world();
   TrainConfig c;

@@ -160,6 +160,11 @@ json output_config(const nn::ParameterStore& params, const json& config_json, DT
   const std::string source = "config of the export to " + out_dir.string();
   const LlamaConfig config = LlamaConfig::from_json(config_json, source);
   check_store_matches_config(params, config, source);
+  for (const auto& info : params.infos())
+    if (info.shape != info.global_shape())
+      fail("{}: parameter '{}' is a tensor-parallel shard {} of {}; export a model loaded whole (forge convert "
+           "reads a checkpoint of any layout)",
+           source, info.name, shape_string(info.shape), shape_string(info.global_shape()));
   json out = config_json;
   out["torch_dtype"] = torch_dtype_name(dtype);
   // Hugging Face's AutoConfig needs these two to pick the model class.

@@ -206,7 +206,8 @@ std::vector<std::pair<std::string, Shape>> llama_tensor_shapes(const LlamaConfig
   return shapes;
 }
 
-// Shared with hf_export.cpp: the store must hold exactly the tensors of `config`, with their shapes.
+// Shared with hf_export.cpp: the store must hold exactly the tensors of `config`, with their (global)
+// shapes; a tensor-parallel store holds shards of them (ShardSpec), which export refuses.
 void check_store_matches_config(const nn::ParameterStore& params, const LlamaConfig& config,
                                 const std::string& source) {
   if (!params.allocated()) fail("{}: the parameter store is not allocated", source);
@@ -214,9 +215,9 @@ void check_store_matches_config(const nn::ParameterStore& params, const LlamaCon
   for (const auto& [name, shape] : expected) {
     const int id = params.find(name);
     if (id < 0) fail("{}: the model has no parameter '{}' that the config needs", source, name);
-    if (params.info(id).shape != shape)
+    if (params.info(id).global_shape() != shape)
       fail("{}: parameter '{}' has shape {} in the model, but the config needs {}", source, name,
-           shape_string(params.info(id).shape), shape_string(shape));
+           shape_string(params.info(id).global_shape()), shape_string(shape));
   }
   if (params.count() != static_cast<int>(expected.size())) {
     std::set<std::string> names;
@@ -224,6 +225,22 @@ void check_store_matches_config(const nn::ParameterStore& params, const LlamaCon
     for (const auto& info : params.infos())
       if (!names.count(info.name))
         fail("{}: the model has a parameter '{}' that the config does not describe", source, info.name);
+  }
+}
+
+// The slice of a global row-major tensor that a ShardSpec describes; local rows or columns past the global
+// extent (vocabulary padding) are zero.
+void copy_shard(const nn::ParamInfo& p, const float* global, float* local) {
+  const Shape& g = p.global_shape();
+  int64_t outer = 1, inner = 1;
+  for (int d = 0; d < p.shard.dim; ++d) outer *= p.shape[d];
+  for (size_t d = p.shard.dim + 1; d < p.shape.size(); ++d) inner *= p.shape[d];
+  const int64_t along = p.shape[p.shard.dim], extent = g[p.shard.dim];
+  const int64_t real = std::clamp<int64_t>(extent - p.shard.start, 0, along);
+  for (int64_t o = 0; o < outer; ++o) {
+    float* out = local + o * along * inner;
+    std::copy_n(global + (o * extent + p.shard.start) * inner, real * inner, out);
+    std::fill(out + real * inner, out + along * inner, 0.0f);
   }
 }
 
@@ -309,7 +326,13 @@ void load_pretrained_weights(const PretrainedDir& source, nn::ParameterStore& pa
 
   for (const auto& [name, shape] : expected) {
     const Located& at = located.at(name);
-    at.file->read_into(name, params.param(params.find(name)));
+    const nn::ParamInfo& info = params.info(params.find(name));
+    if (info.shard.dim < 0) {
+      at.file->read_into(name, params.param(params.find(name)));
+    } else {  // a tensor-parallel shard: read the whole tensor, keep this rank's slice
+      Tensor whole = at.file->read_f32(name);
+      copy_shard(info, whole.f32(), params.param(params.find(name)).f32());
+    }
   }
   params.refresh_bf16();
 }

@@ -167,7 +167,6 @@ TrainResult Trainer::run() {
   LlamaModel model(model_config, options, static_cast<float>(c.model.init_std));
   model.initialize(c.model.seed);
   if (init_source) {
-    if (layout.tp() > 1) fail("model.init_from with parallel.tp > 1 is not supported yet: start from tp = 1");
     load_pretrained_weights(*init_source, model.params());
     say("initialised from %s\n", init_source->dir.c_str());
   }
