@@ -205,6 +205,21 @@ TEST_F(TrainerRuns, InitFromAHuggingFaceFolderUnderTensorParallelism) {
     EXPECT_NEAR(got.losses[s], want.losses[s], 2e-5 * want.losses[s]) << "step " << s + 1;
 }
 
+TEST_F(TrainerRuns, SequenceParallelNeedsSeqLenDivisibleByTp) {
+  comm::Communicator& world = comm::world();
+  TrainConfig c = config("odd");
+  c.data.seq_len = 15;
+  c.parallel.tp = world.size();
+  c.parallel.sequence_parallel = true;
+  try {
+    Trainer(c, &world).run();
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()), "parallel.sequence_parallel: data.seq_len = 15 must be a multiple of parallel.tp = " +
+                                         std::to_string(world.size()));
+  }
+}
+
 TEST(TrainerLayoutErrors, WorldSizeMismatchIsOneClearError) {
   comm::Communicator& world = comm::world();
   TrainConfig c;

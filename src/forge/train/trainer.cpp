@@ -141,6 +141,11 @@ TrainResult Trainer::run() {
                                 model_config.num_key_value_heads, model_config.intermediate_size,
                                 model_config.vocab_size, model_config.num_hidden_layers},
                                c.parallel.make_vocab_size_divisible_by);
+  // Sequence parallelism splits each micro-batch's token rows over tp; with seq_len a multiple of tp every
+  // batch size splits (evaluation's last batch may be smaller), as Megatron requires.
+  if (c.parallel.sequence_parallel && layout.tp() > 1 && c.data.seq_len % layout.tp() != 0)
+    fail("parallel.sequence_parallel: data.seq_len = {} must be a multiple of parallel.tp = {}", c.data.seq_len,
+         layout.tp());
   parallel::ParallelGroups groups = parallel::make_groups(world, layout);
   comm::Communicator& dp_group = *groups.dp_cp;
   const int64_t dp = layout.dp(), dp_rank = layout.coordinate(parallel::Dim::dp);
