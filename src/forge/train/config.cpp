@@ -123,7 +123,7 @@ const std::vector<KeySpec>& key_specs() {
        FORGE_FIELD(train.recompute),
        "activation recomputation",
        {"none", "selective", "full"}},
-      {"train", "threads", FORGE_FIELD(train.threads), "CPU threads (0 = all cores)", {}},
+      {"train", "threads", FORGE_FIELD(train.threads), "CPU threads per rank (0 = OMP_NUM_THREADS, else cores / ranks on the node)", {}},
 
       {"parallel",
        "tp",

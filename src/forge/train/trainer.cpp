@@ -81,9 +81,11 @@ __attribute__((format(printf, 1, 2))) void say(const char* format, ...) {
   std::fflush(stdout);
 }
 
-// OpenMP threads per rank: train.threads, or (0) this node's cores shared by its ranks.
+// OpenMP threads per rank: train.threads, else OMP_NUM_THREADS when set, else this node's cores shared by
+// its ranks.
 int threads_per_rank(int64_t configured) {
   if (configured > 0) return static_cast<int>(configured);
+  if (std::getenv("OMP_NUM_THREADS")) return omp_get_max_threads();
   int local = 1;
   if (const char* s = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) local = std::max(1, std::atoi(s));
   else if (const char* s = std::getenv("SLURM_NTASKS_PER_NODE")) local = std::max(1, std::atoi(s));
