@@ -32,6 +32,76 @@ struct GemmParams {
   float beta = 0.0f;
 };
 
+// Emulated FP8 GEMM: C[m,n] = alpha * op(A)[m,k] @ op(B)[k,n] + beta * C, C fp32 (leading dimension ldc).
+// A and B hold one-byte FP8 codes, each with its own dtype (e4m3 or e5m2: E4M3 x E4M3 in the forward,
+// E4M3 x E5M2 or E5M2 x E4M3 for gradients); trans_a / trans_b / lda / ldb mean what they mean in GemmParams
+// (A stored [m,k], or [k,m] when trans_a; B stored [k,n], or [n,k] when trans_b). A dequantised value is
+// code * scale_inv. The CPU kernel widens the codes to bf16 (every E4M3/E5M2 value is exact in bf16) and runs
+// the bf16 GEMM with fp32 accumulation, so with accumulator_bits = 0 the result is the exact FP8 GEMM up to
+// the fp32 accumulation order.
+//
+// Scaling:
+//   per_tensor  one a_scale_inv and one b_scale_inv, folded into alpha.
+//   block       DeepSeek-V3 fine-grained scaling along K in blocks of kFp8BlockSize = 128 (kb = ceil(k/128)
+//               blocks; the last may be shorter). For every K-block the partial product is computed in fp32,
+//               multiplied by its A and B scales and added into an fp32 accumulator (DeepSeek's promotion).
+//      a_scales  1x128 tiles: one scale per (row i of op(A), K-block), row-major [m][kb], whether or not A is
+//                stored transposed.
+//      b_scales  b_block = tile_1x128: one scale per (column j of op(B), K-block), row-major [n][kb].
+//                b_block = block_128x128: one scale per 128x128 block of B *as stored*, row-major in B's
+//                storage order: [ceil(n/128)][kb] when trans_b (B stored [n,k]), [kb][ceil(n/128)] when not
+//                (B stored [k,n]). A weight W [out,in] therefore keeps a single scale tensor
+//                [ceil(out/128)][ceil(in/128)] that serves both of its GEMMs.
+//   The three Linear GEMMs (x [tokens,in], W [out,in], dy [tokens,out]):
+//      forward          y  = x @ W^T    A = x  (m = tokens, K = in),   1x128 tiles along in;  B = W, trans_b,
+//                                       n = out, 128x128 blocks [out/128][in/128].
+//      backward_input   dx = dy @ W     A = dy (m = tokens, K = out),  1x128 tiles along out; B = W, not
+//                                       transposed (K = out runs down W's rows), same [out/128][in/128]
+//                                       scales.
+//      backward_weight  dW = dy^T @ x   A = dy, trans_a (m = out, K = tokens): dy quantised in 128x1 tiles
+//                                       along tokens, scales [out][tokens/128]; B = x, not transposed
+//                                       (n = in, K = tokens), b_block = tile_1x128, scales [in][tokens/128].
+//
+// Limited-precision accumulation (accumulator_bits > 0) models FP8 tensor cores, which keep only ~14 bits of
+// the running sum inside an MMA: K is cut into promotion intervals of promote_every elements (aligned at 0)
+// and each interval into sub-slices of kFp8AccumulateSlice = 32. The dot product over a sub-slice is computed
+// in fp32; it is added to the interval's running sum, and the sum is truncated (rounded toward zero) to
+// accumulator_bits explicit mantissa bits after every addition, the way the hardware drops the aligned
+// addends' low bits. At the end of each interval the running sum is promoted: scaled (block mode) and added
+// into the fp32 accumulator. This is a model, not the hardware's exact bit behaviour (the sub-slice width,
+// the fp32 sub-slice sums and truncation of the sum rather than of each aligned addend are our choices); it
+// serves to study how accumulator width and promotion interval affect the result. promote_every must be a
+// multiple of 32; in block mode it must divide 128 (a block's scales apply to whole intervals); in per_tensor
+// mode 0 means never promote (the whole K accumulates in limited precision). With accumulator_bits = 0 the
+// accumulation is plain fp32 and promote_every is ignored.
+enum class Fp8Scaling : uint8_t { per_tensor, block };
+enum class Fp8BlockScales : uint8_t { tile_1x128, block_128x128 };
+constexpr int64_t kFp8BlockSize = 128;
+constexpr int64_t kFp8AccumulateSlice = 32;
+
+struct Fp8GemmParams {
+  int64_t m = 0, n = 0, k = 0;
+  const uint8_t* a = nullptr;
+  int64_t lda = 0;
+  bool trans_a = false;
+  DType a_dtype = DType::e4m3;
+  const uint8_t* b = nullptr;
+  int64_t ldb = 0;
+  bool trans_b = false;
+  DType b_dtype = DType::e4m3;
+  float* c = nullptr;
+  int64_t ldc = 0;
+  float alpha = 1.0f;
+  float beta = 0.0f;
+  Fp8Scaling scaling = Fp8Scaling::per_tensor;
+  float a_scale_inv = 1.0f, b_scale_inv = 1.0f;  // per_tensor
+  const float* a_scales = nullptr;               // block: [m][kb]
+  const float* b_scales = nullptr;               // block: see b_block
+  Fp8BlockScales b_block = Fp8BlockScales::block_128x128;
+  int accumulator_bits = 0;     // 0 = exact fp32 accumulation; else 1..23 mantissa bits
+  int64_t promote_every = 128;  // elements of K between promotions to fp32 (limited accumulation only)
+};
+
 // RMSNorm over the last dimension: y = w * x * rstd, rstd = 1/sqrt(mean(x^2) + eps), kept for backward.
 struct RmsNormParams {
   int64_t rows = 0, dim = 0;
@@ -166,6 +236,7 @@ struct AdamWParams {
 struct OpTable {
   const char* name;
   void (*gemm)(const GemmParams&);
+  void (*fp8_gemm)(const Fp8GemmParams&);
   void (*rmsnorm_forward)(const RmsNormParams&);
   void (*rmsnorm_backward_input)(const RmsNormParams&);
   void (*rmsnorm_backward_weight)(const RmsNormParams&);
@@ -190,6 +261,7 @@ const OpTable& cpu_table();
 const OpTable& table(Device device);
 
 inline void gemm(const GemmParams& p, Device d = Device::cpu) { table(d).gemm(p); }
+inline void fp8_gemm(const Fp8GemmParams& p, Device d = Device::cpu) { table(d).fp8_gemm(p); }
 inline void rmsnorm_forward(const RmsNormParams& p, Device d = Device::cpu) { table(d).rmsnorm_forward(p); }
 inline void rmsnorm_backward_input(const RmsNormParams& p, Device d = Device::cpu) {
   table(d).rmsnorm_backward_input(p);

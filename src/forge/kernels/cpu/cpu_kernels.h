@@ -6,6 +6,7 @@
 namespace forge::cpu {
 
 void gemm(const ops::GemmParams& p);
+void fp8_gemm(const ops::Fp8GemmParams& p);
 void rmsnorm_forward(const ops::RmsNormParams& p);
 void rmsnorm_backward_input(const ops::RmsNormParams& p);
 void rmsnorm_backward_weight(const ops::RmsNormParams& p);

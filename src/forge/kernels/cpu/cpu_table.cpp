@@ -6,6 +6,7 @@ const OpTable& cpu_table() {
   static const OpTable table = {
       "cpu",
       cpu::gemm,
+      cpu::fp8_gemm,
       cpu::rmsnorm_forward,
       cpu::rmsnorm_backward_input,
       cpu::rmsnorm_backward_weight,
