@@ -220,6 +220,20 @@ TEST_F(TrainerRuns, SequenceParallelNeedsSeqLenDivisibleByTp) {
   }
 }
 
+TEST(TrainerLayoutErrors, PipelineParallelismIsRefusedUntilItLands) {
+  comm::Communicator& world = comm::world();
+  TrainConfig c;
+  c.parallel.pp = world.size();
+  try {
+    Trainer(c, &world).run();
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("parallel.pp = " + std::to_string(world.size())), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("not implemented yet"), std::string::npos) << e.what();
+  }
+}
+
 TEST(TrainerLayoutErrors, WorldSizeMismatchIsOneClearError) {
   comm::Communicator& world = comm::world();
   TrainConfig c;

@@ -228,22 +228,6 @@ void check_store_matches_config(const nn::ParameterStore& params, const LlamaCon
   }
 }
 
-// The slice of a global row-major tensor that a ShardSpec describes; local rows or columns past the global
-// extent (vocabulary padding) are zero.
-void copy_shard(const nn::ParamInfo& p, const float* global, float* local) {
-  const Shape& g = p.global_shape();
-  int64_t outer = 1, inner = 1;
-  for (int d = 0; d < p.shard.dim; ++d) outer *= p.shape[d];
-  for (size_t d = p.shard.dim + 1; d < p.shape.size(); ++d) inner *= p.shape[d];
-  const int64_t along = p.shape[p.shard.dim], extent = g[p.shard.dim];
-  const int64_t real = std::clamp<int64_t>(extent - p.shard.start, 0, along);
-  for (int64_t o = 0; o < outer; ++o) {
-    float* out = local + o * along * inner;
-    std::copy_n(global + (o * extent + p.shard.start) * inner, real * inner, out);
-    std::fill(out + real * inner, out + along * inner, 0.0f);
-  }
-}
-
 PretrainedDir open_pretrained(const fs::path& dir) {
   std::error_code ec;
   if (!fs::exists(dir, ec)) fail("{}: no such directory", dir.string());
@@ -331,7 +315,9 @@ void load_pretrained_weights(const PretrainedDir& source, nn::ParameterStore& pa
       at.file->read_into(name, params.param(params.find(name)));
     } else {  // a tensor-parallel shard: read the whole tensor, keep this rank's slice
       Tensor whole = at.file->read_f32(name);
-      copy_shard(info, whole.f32(), params.param(params.find(name)).f32());
+      float* local = params.param(params.find(name)).f32();
+      std::fill(local, local + shape_numel(info.shape), 0.0f);  // vocabulary padding
+      for (const nn::ShardRun& r : nn::shard_runs(info)) std::copy_n(whole.f32() + r.global, r.count, local + r.local);
     }
   }
   params.refresh_bf16();

@@ -156,26 +156,11 @@ struct Run {
   int64_t global_end() const { return global_begin + length; }
 };
 
-// A piece's elements as runs of global elements, padding left out. Row-major, the local tensor is
-// `outer` blocks of [local extent along split_dim x inner]; each block's first `real` rows exist
-// globally, contiguously at (o * extent + split_start) * inner.
+// A piece's elements as runs of global elements, padding left out.
 void append_runs(const ShardPiece& p, int piece, std::vector<Run>& out) {
-  if (p.flat_end <= p.flat_begin) return;
-  if (p.split_dim < 0) {
-    out.push_back({p.flat_begin, p.flat_end - p.flat_begin, 0, piece});
-    return;
-  }
-  int64_t inner = 1;
-  for (size_t d = p.split_dim + 1; d < p.local_shape.size(); ++d) inner *= p.local_shape[d];
-  const int64_t local = p.local_shape[p.split_dim], extent = p.global_shape[p.split_dim];
-  const int64_t block = local * inner;  // > 0: the piece is not empty
-  const int64_t real = std::clamp<int64_t>(extent - p.split_start, 0, local) * inner;
-  if (real == 0) return;  // all padding
-  for (int64_t o = p.flat_begin / block; o * block < p.flat_end; ++o) {
-    const int64_t a = std::max(p.flat_begin, o * block), b = std::min(p.flat_end, o * block + real);
-    if (a < b)
-      out.push_back({(o * extent + p.split_start) * inner + (a - o * block), b - a, a - p.flat_begin, piece});
-  }
+  for (const nn::ShardRun& r :
+       nn::shard_runs(p.local_shape, p.global_shape, p.split_dim, p.split_start, p.flat_begin, p.flat_end))
+    out.push_back({r.global, r.count, r.local - p.flat_begin, piece});
 }
 
 // `key`: the shard's tensor holding the piece's data, recorded when it is not the tensor name.

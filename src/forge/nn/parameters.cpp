@@ -44,30 +44,25 @@ Tensor ParameterStore::grad(int id) const {
   return grads_.view(infos_[id].offset, infos_[id].shape);
 }
 
-namespace {
-// Each element of a shard takes the value of the same global element of the unsplit tensor, so a model
-// split over any number of ranks is the same model. Padding (past the global extent) is zero.
-void init_shard_normal(const ParamInfo& p, float* out, uint64_t seed) {
-  const Shape& global = p.global_shape();
-  const int64_t n = shape_numel(p.shape);
-  if (p.shard.dim < 0) {
-    init_normal(out, n, 0, seed, p.name, 0.0f, p.init_std);
-    return;
+std::vector<ShardRun> shard_runs(const Shape& local_shape, const Shape& global_shape, int dim, int64_t start,
+                                 int64_t flat_begin, int64_t flat_end) {
+  std::vector<ShardRun> runs;
+  if (flat_end <= flat_begin) return runs;
+  if (dim < 0) return {{flat_begin, flat_begin, flat_end - flat_begin}};
+  // Row-major, the shard is `outer` blocks of [local extent along dim x inner]; the first `real` elements
+  // of each block exist globally, contiguously from (o * extent + start) * inner.
+  int64_t inner = 1;
+  for (size_t d = dim + 1; d < local_shape.size(); ++d) inner *= local_shape[d];
+  const int64_t local = local_shape[dim], extent = global_shape[dim];
+  const int64_t block = local * inner;
+  const int64_t real = std::clamp<int64_t>(extent - start, 0, local) * inner;
+  if (real == 0) return runs;  // all padding
+  for (int64_t o = flat_begin / block; o * block < flat_end; ++o) {
+    const int64_t a = std::max(flat_begin, o * block), b = std::min(flat_end, o * block + real);
+    if (a < b) runs.push_back({a, (o * extent + start) * inner + (a - o * block), b - a});
   }
-  // Row-major: `outer` blocks of [extent along dim] x `inner` elements.
-  int64_t outer = 1, inner = 1;
-  for (int d = 0; d < p.shard.dim; ++d) outer *= p.shape[d];
-  for (size_t d = p.shard.dim + 1; d < p.shape.size(); ++d) inner *= p.shape[d];
-  const int64_t local = p.shape[p.shard.dim], extent = global[p.shard.dim];
-  const int64_t real = std::max<int64_t>(0, std::min(local, extent - p.shard.start));
-  for (int64_t o = 0; o < outer; ++o) {
-    float* block = out + o * local * inner;
-    const int64_t global_index = (o * extent + p.shard.start) * inner;
-    init_normal(block, real * inner, global_index, seed, p.name, 0.0f, p.init_std);
-    init_constant(block + real * inner, (local - real) * inner, 0.0f);
-  }
+  return runs;
 }
-}  // namespace
 
 void ParameterStore::initialize(uint64_t seed) {
   FORGE_CHECK(allocated(), "initialize before allocate");
@@ -75,7 +70,13 @@ void ParameterStore::initialize(uint64_t seed) {
     float* out = params_.f32() + p.offset;
     int64_t n = shape_numel(p.shape);
     switch (p.init) {
-      case Init::normal: init_shard_normal(p, out, seed); break;
+      case Init::normal:
+        // Each element of a shard takes the value of the same global element of the unsplit tensor, so a
+        // model split over any number of ranks is the same model. Padding is zero.
+        init_constant(out, n, 0.0f);
+        for (const ShardRun& r : shard_runs(p))
+          init_normal(out + r.local, r.count, r.global, seed, p.name, 0.0f, p.init_std);
+        break;
       case Init::ones: init_constant(out, n, 1.0f); break;
       case Init::zeros: init_constant(out, n, 0.0f); break;
     }

@@ -40,6 +40,22 @@ struct ParamInfo {
   const Shape& global_shape() const { return shard.global_shape.empty() ? shape : shard.global_shape; }
 };
 
+// `count` consecutive elements of a shard, from local flat index `local`, are the global tensor's elements
+// from flat index `global` on.
+struct ShardRun {
+  int64_t local = 0, global = 0, count = 0;
+  bool operator==(const ShardRun&) const = default;
+};
+// Elements [flat_begin, flat_end) of a shard of `global_shape` — the slice [start, start +
+// local_shape[dim]) along dim, or the whole tensor when dim = -1 — as runs in order; padding (local
+// indices past the global extent) is left out. The one place that maps shard elements to global ones
+// (initialisation, checkpoints, loading Hugging Face tensors).
+std::vector<ShardRun> shard_runs(const Shape& local_shape, const Shape& global_shape, int dim, int64_t start,
+                                 int64_t flat_begin, int64_t flat_end);
+inline std::vector<ShardRun> shard_runs(const ParamInfo& p) {
+  return shard_runs(p.shape, p.global_shape(), p.shard.dim, p.shard.start, 0, shape_numel(p.shape));
+}
+
 class ParameterStore {
  public:
   // Registration; returns the parameter's id. Must happen before allocate().

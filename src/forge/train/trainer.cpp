@@ -311,7 +311,6 @@ TrainResult Trainer::run() {
       LossSum part = model.forward_backward(ids.data(), targets.data(), micro, seq, grad_scale, m == accum - 1);
       loss.sum += part.sum, loss.tokens += part.tokens;
     }
-    if (dp > 1) buckets.ready_from(0);
     buckets.finish();
     if (dp > 1) {
       double sums[2] = {loss.sum, static_cast<double>(loss.tokens)};

@@ -1,0 +1,52 @@
+// Tensor-parallel shards in the ParameterStore: the element mapping to the global tensor (shard_runs,
+// against runs written out by hand), and initialisation that gives a shard exactly the global tensor's
+// values, zero in the padding.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "forge/nn/parameters.h"
+
+namespace forge::nn {
+
+void PrintTo(const ShardRun& r, std::ostream* os) { *os << "{" << r.local << ", " << r.global << ", " << r.count << "}"; }
+
+namespace {
+
+TEST(ShardRuns, RowSplit) {
+  // Rows 2..3 of a [5, 3] tensor: one run of 6 elements from global element 6.
+  EXPECT_EQ(shard_runs({2, 3}, {5, 3}, 0, 2, 0, 6), (std::vector<ShardRun>{{0, 6, 6}}));
+  // Rows 4..5 of 5: row 5 is padding.
+  EXPECT_EQ(shard_runs({2, 3}, {5, 3}, 0, 4, 0, 6), (std::vector<ShardRun>{{0, 12, 3}}));
+  // Wholly padding.
+  EXPECT_TRUE(shard_runs({2, 3}, {5, 3}, 0, 6, 0, 6).empty());
+}
+
+TEST(ShardRuns, ColumnSplitAndFlatRange) {
+  // Columns 2..3 of a [3, 5] tensor: one run per row.
+  EXPECT_EQ(shard_runs({3, 2}, {3, 5}, 1, 2, 0, 6), (std::vector<ShardRun>{{0, 2, 2}, {2, 7, 2}, {4, 12, 2}}));
+  // Local elements [1, 4) of that shard: the tail of row 0, row 1, nothing of row 2.
+  EXPECT_EQ(shard_runs({3, 2}, {3, 5}, 1, 2, 1, 4), (std::vector<ShardRun>{{1, 3, 1}, {2, 7, 2}}));
+  // Unsplit: the flat range itself.
+  EXPECT_EQ(shard_runs({3, 5}, {3, 5}, -1, 0, 4, 9), (std::vector<ShardRun>{{4, 4, 5}}));
+}
+
+TEST(ShardRuns, InitialisationIsTheGlobalTensorsSlice) {
+  ParameterStore whole, shard;
+  whole.add("w", {3, 5}, true, Init::normal);
+  shard.add("w", {3, 3}, true, Init::normal, 0.02f, ShardSpec{1, 3, {3, 5}, true});  // columns 3..5, 5 is padding
+  whole.allocate(false);
+  shard.allocate(false);
+  whole.initialize(9);
+  shard.initialize(9);
+  const float* a = whole.param(0).f32();
+  const float* b = shard.param(0).f32();
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(b[r * 3 + 0], a[r * 5 + 3]);
+    EXPECT_EQ(b[r * 3 + 1], a[r * 5 + 4]);
+    EXPECT_EQ(b[r * 3 + 2], 0.0f);
+  }
+}
+
+}  // namespace
+}  // namespace forge::nn
