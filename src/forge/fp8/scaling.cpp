@@ -91,4 +91,32 @@ void DelayedScalingGroup::update() {
   std::fill(current_amaxes().begin(), current_amaxes().end(), 0.0f);
 }
 
+void DelayedScalingGroup::export_state(std::span<float> history_by_age, std::span<float> scales) const {
+  const size_t n = dtypes_.size();
+  if (history_by_age.size() != history_.size() || scales.size() != n)
+    fail("DelayedScalingGroup::export_state: buffers of {} and {} floats for a state of {} x {} and {}",
+         history_by_age.size(), scales.size(), history_len_, n, n);
+  for (int64_t age = 0; age < history_len_; ++age) {
+    const int64_t row = ((head_ - age) % history_len_ + history_len_) % history_len_;
+    std::copy_n(history_.data() + static_cast<size_t>(row) * n, n, history_by_age.data() + static_cast<size_t>(age) * n);
+  }
+  std::copy(scales_.begin(), scales_.end(), scales.begin());
+}
+
+void DelayedScalingGroup::import_state(std::span<const float> history_by_age, std::span<const float> scales) {
+  const size_t n = dtypes_.size();
+  if (history_by_age.size() != history_.size() || scales.size() != n)
+    fail("FP8 scaling state of {} history values and {} scales does not fit {} tensors with a history of {} steps",
+         history_by_age.size(), scales.size(), n, history_len_);
+  head_ = 0;  // age a goes to row (-a) mod L
+  for (int64_t age = 0; age < history_len_; ++age) {
+    const int64_t row = (history_len_ - age) % history_len_;
+    std::copy_n(history_by_age.data() + static_cast<size_t>(age) * n, n, history_.data() + static_cast<size_t>(row) * n);
+  }
+  for (size_t i = 0; i < n; ++i) {
+    scales_[i] = scales[i];
+    scale_invs_[i] = 1.0f / scales[i];
+  }
+}
+
 }  // namespace forge::fp8

@@ -72,6 +72,12 @@ class DelayedScalingGroup {
   // The amax recorded `age` steps ago (0 = the current, not yet updated, step), for age < history_len().
   float amax_history(int64_t tensor, int64_t age) const;
 
+  // The whole state, for checkpoints, independent of where the ring buffer's head is: history_by_age is
+  // [history_len][size] with row a holding the amaxes of `a` steps ago (row 0 = the current step), scales
+  // [size]. import_state restores it exactly (scale_inv = 1 / scale); sizes must match (forge::Error).
+  void export_state(std::span<float> history_by_age, std::span<float> scales) const;
+  void import_state(std::span<const float> history_by_age, std::span<const float> scales);
+
  private:
   size_t checked(int64_t tensor) const;
 

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 
+#include "forge/nn/fp8_context.h"
 #include "forge/nn/tensor_parallel.h"
 
 #include "forge/kernels/ops.h"
@@ -45,7 +46,17 @@ LlamaModel::LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, fl
               rope_.sin.f32());
 
   embedding_ = nn::Embedding(&params_, embed_id_, tp());
-  for (auto& layer : layers_) layer.bind(&rope_, options);
+  // FP8: every transformer layer's Linears except the first and last bf16_*_layers, which stay in the
+  // GEMM dtype (the layers nearest the embedding and the loss are the most sensitive to precision).
+  for (int i = 0; i < layers; ++i) {
+    nn::ComputeOptions layer_options = options;
+    if (options.fp8) {
+      const nn::Fp8Options& f = options.fp8->options();
+      if (i < f.bf16_first_layers || i >= layers - f.bf16_last_layers) layer_options.fp8 = nullptr;
+    }
+    layers_[static_cast<size_t>(i)].bind(&rope_, layer_options);
+  }
+  if (options.fp8) options.fp8->seal();
   final_norm_ = nn::RmsNorm(&params_, norm_id_, static_cast<float>(config.rms_norm_eps));
 }
 
@@ -85,6 +96,7 @@ LossSum LlamaModel::forward_backward(const int32_t* ids, const int32_t* targets,
                                      float grad_scale, bool last_micro_batch) {
   if (!params_.has_grads()) fail("forward_backward: this model was built for inference, without gradients");
   check_inputs(ids, targets, batch, seq);
+  const nn::Fp8Recording fp8_recording(options_.fp8, true);  // training micro-batches feed the amax history
   std::vector<nn::TransformerLayer::Saved> saved(layers_.size());
   nn::RmsNorm::Saved norm_saved;
   Tensor hidden = final_hidden(ids, batch, seq, &saved, &norm_saved);

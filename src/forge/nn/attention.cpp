@@ -10,8 +10,8 @@ namespace forge::nn {
 
 Attention::Attention(ParameterStore* store, int qkv_param, int o_param, AttentionShape shape,
                      const RopeTable* rope, ComputeOptions options)
-    : qkv_(store, qkv_param, 3, shape.hidden),
-      o_(store, o_param, 1, shape.heads * shape.head_dim),
+    : qkv_(store, qkv_param, 3, shape.hidden, options),
+      o_(store, o_param, 1, shape.heads * shape.head_dim, options),
       shape_(shape),
       rope_(rope),
       options_(options) {
@@ -49,15 +49,15 @@ void Attention::core_forward(Tensor& qkv, int64_t batch, int64_t seq, Tensor& ou
 }
 
 Tensor Attention::forward(const Tensor& h, int64_t batch, int64_t seq, Saved& saved, bool keep_core) const {
-  saved.h_gemm = to_gemm_dtype(gather_in(options_.tp, h), options_.gemm_dtype);
-  saved.qkv = qkv_.forward(saved.h_gemm);
+  saved.h = qkv_.input(gather_in(options_.tp, h));
+  saved.qkv = qkv_.forward(saved.h);
   apply_rope(saved.qkv.f32(), batch, seq, false);
   Tensor out, lse;
   core_forward(saved.qkv, batch, seq, out, lse);
-  Tensor out_gemm = to_gemm_dtype(out, options_.gemm_dtype);
-  Tensor y = o_.forward(out_gemm);
+  GemmOperand out_op = o_.input(out);
+  Tensor y = o_.forward(out_op);
   if (keep_core) {
-    saved.out = out, saved.lse = lse, saved.out_gemm = out_gemm;
+    saved.out = out, saved.lse = lse, saved.out_op = std::move(out_op);
   }
   return reduce_out(options_.tp, y);
 }
@@ -65,10 +65,11 @@ Tensor Attention::forward(const Tensor& h, int64_t batch, int64_t seq, Saved& sa
 Tensor Attention::backward_input(const Tensor& dy, int64_t batch, int64_t seq, Saved& saved) const {
   if (!saved.out.defined()) {  // selective recompute of the attention core
     core_forward(saved.qkv, batch, seq, saved.out, saved.lse);
-    saved.out_gemm = to_gemm_dtype(saved.out, options_.gemm_dtype);
+    saved.out_op = o_.input(saved.out);
+    o_.keep_for_backward(saved.out_op);
   }
-  saved.dy_gemm = to_gemm_dtype(gather_in(options_.tp, dy), options_.gemm_dtype);
-  Tensor dout = o_.backward_input(saved.dy_gemm);
+  saved.dy = o_.grad_output(gather_in(options_.tp, dy));
+  Tensor dout = o_.backward_input(saved.dy);
 
   const int64_t rows = batch * seq, qd = shape_.heads * shape_.head_dim, kd = shape_.kv_heads * shape_.head_dim;
   Tensor dqkv = Tensor::empty({rows, shape_.qkv_dim()}, DType::f32);
@@ -83,17 +84,17 @@ Tensor Attention::backward_input(const Tensor& dy, int64_t batch, int64_t seq, S
   p.dq = dqkv.f32(), p.dk = p.dq + qd, p.dv = p.dq + qd + kd;
   p.dq_stride = p.dk_stride = p.dv_stride = shape_.qkv_dim();
   ops::attention_backward(p);
-  // The core is no longer needed; the o-projection's weight gradient keeps out_gemm.
+  // The core is no longer needed; the o-projection's weight gradient keeps out_op.
   saved.out = Tensor(), saved.lse = Tensor(), saved.qkv = Tensor();
 
   apply_rope(dqkv.f32(), batch, seq, true);
-  saved.dqkv_gemm = to_gemm_dtype(dqkv, options_.gemm_dtype);
-  return reduce_out(options_.tp, qkv_.backward_input(saved.dqkv_gemm));
+  saved.dqkv = qkv_.grad_output(dqkv);
+  return reduce_out(options_.tp, qkv_.backward_input(saved.dqkv));
 }
 
 void Attention::backward_weight(Saved& saved) const {
-  o_.backward_weight(saved.dy_gemm, saved.out_gemm);
-  qkv_.backward_weight(saved.dqkv_gemm, saved.h_gemm);
+  o_.backward_weight(saved.dy, saved.out_op);
+  qkv_.backward_weight(saved.dqkv, saved.h);
   saved = Saved{};
 }
 
@@ -110,7 +111,8 @@ Tensor Attention::forward_cached(const Tensor& h, int64_t batch, int64_t tokens,
          cache.capacity);
   const int64_t qd = shape_.heads * shape_.head_dim, kd = shape_.kv_heads * shape_.head_dim;
   const int64_t qkv_dim = shape_.qkv_dim();
-  Tensor qkv = qkv_.forward(to_gemm_dtype(h, options_.gemm_dtype));
+  GemmOperand h_op = qkv_.input(h);
+  Tensor qkv = qkv_.forward(h_op);
   apply_rope(qkv.f32(), batch, tokens, false, cache.length);
   const int64_t dim = shape_.head_dim;
   for (int64_t b = 0; b < batch; ++b)
@@ -136,7 +138,8 @@ Tensor Attention::forward_cached(const Tensor& h, int64_t batch, int64_t tokens,
   p.scale = 1.0f / std::sqrt(static_cast<float>(shape_.head_dim));
   p.causal = true;
   ops::attention_forward(p);
-  return o_.forward(to_gemm_dtype(out, options_.gemm_dtype));
+  GemmOperand out_op = o_.input(out);
+  return o_.forward(out_op);
 }
 
 }  // namespace forge::nn

@@ -24,11 +24,11 @@ struct RopeTable {
 class Attention {
  public:
   struct Saved {
-    Tensor h_gemm;          // input of the qkv projection (GEMM dtype)
+    GemmOperand h;          // input of the qkv projection (as its GEMMs read it)
     Tensor qkv;             // q|k|v after RoPE, fp32 [rows, qkv_dim]
     Tensor out, lse;        // attention core output and row log-sum-exp (absent under selective recompute)
-    Tensor out_gemm;        // core output as the o-projection's GEMM operand
-    Tensor dy_gemm, dqkv_gemm;  // kept from backward_input for backward_weight
+    GemmOperand out_op;     // core output as the o-projection's operand
+    GemmOperand dy, dqkv;   // kept from backward_input for backward_weight
   };
 
   Attention() = default;

@@ -15,6 +15,7 @@ Recompute recompute_from_name(std::string_view name);
 std::string_view recompute_name(Recompute r);
 
 class TensorParallel;
+class Fp8Context;
 
 struct ComputeOptions {
   DType gemm_dtype = DType::bf16;  // f32 or bf16 operands; accumulation and activations are fp32
@@ -22,6 +23,9 @@ struct ComputeOptions {
   // The tensor-parallel group (null: one rank, nothing split). Modules register and use only their shard.
   TensorParallel* tp = nullptr;
   int64_t vocab_divisible_by = 128;  // tp > 1 pads the vocabulary to a multiple of this x tp
+  // FP8 training (null: off): the Linears of the transformer layers run their GEMMs in FP8 per the recipe.
+  // The model owns the context; norms, attention, the embedding and the output head stay in higher precision.
+  Fp8Context* fp8 = nullptr;
   int tp_rank() const;
   int tp_size() const;
 };

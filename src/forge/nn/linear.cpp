@@ -1,12 +1,42 @@
 #include "forge/nn/linear.h"
 
+#include "forge/fp8/quantize.h"
 #include "forge/kernels/ops.h"
+#include "forge/nn/tensor_parallel.h"
 
 namespace forge::nn {
 
-Linear::Linear(ParameterStore* store, int first_param, int param_count, int64_t in_features)
-    : store_(store), first_(first_param), count_(param_count), in_(in_features) {
+using fp8::Recipe;
+using fp8::TensorRole;
+
+namespace {
+uint8_t* codes(const Tensor& t) { return t.data<uint8_t>(); }
+}  // namespace
+
+int64_t GemmOperand::bytes() const {
+  int64_t total = 0;
+  for (const Tensor* t : {&data, &tiles, &data_t, &tiles_t, &high})
+    if (t->defined()) total += static_cast<int64_t>(t->bytes());
+  return total;
+}
+
+Linear::Linear(ParameterStore* store, int first_param, int param_count, int64_t in_features,
+               const ComputeOptions& options, std::string name)
+    : store_(store),
+      first_(first_param),
+      count_(param_count),
+      in_(in_features),
+      gemm_dtype_(options.gemm_dtype),
+      fp8_(options.fp8),
+      tp_(options.tp && options.tp->size() > 1 ? options.tp : nullptr) {
   for (int i = first_; i < first_ + count_; ++i) out_ += store_->info(i).shape.at(0);
+  if (!fp8_) return;
+  slot_ = fp8_->add_linear(name.empty() ? store_->info(first_).name : std::move(name));
+  // The FP8 weight lives as long as the model: allocate it with the model, not inside the first step.
+  Fp8Weight& w = fp8_->weight(slot_);
+  w.q = Tensor::empty({out_, in_}, fp8_->dtype(TensorRole::weight));
+  if (fp8_->recipe() == Recipe::block)
+    w.block_scale_inv = Tensor::empty({fp8::num_blocks(out_), fp8::num_blocks(in_)}, DType::f32);
 }
 
 Tensor Linear::weight(DType dtype) const {
@@ -17,46 +47,225 @@ Tensor Linear::weight(DType dtype) const {
   return store_->span(store_->params(), first_, count_, in_);
 }
 
-Tensor Linear::forward(const Tensor& x_gemm) const {
-  int64_t rows = x_gemm.numel() / in_;
+const Fp8Weight& Linear::fp8_weight() const {
+  Fp8Weight& w = fp8_->weight(slot_);
+  if (w.version == store_->version()) return w;
+  const Tensor master = store_->span(store_->params(), first_, count_, in_);
+  const DType dtype = fp8_->dtype(TensorRole::weight);
+  const fp8::RecipeConfig& rc = fp8_->options().recipe;
+  if (rc.recipe == Recipe::block) {
+    fp8::quantize_128x128(master.f32(), out_, in_, dtype, rc.power_of_two_scales, codes(w.q), w.block_scale_inv.f32());
+  } else {
+    float scale = 1.0f;
+    if (rc.recipe == Recipe::delayed) {
+      scale = fp8_->delayed_scale(slot_, TensorRole::weight);
+    } else {
+      // Current scaling: every shard of a split weight takes the scale of the whole weight, so a layout
+      // computes what one process would.
+      float amax = fp8::compute_amax(master.f32(), master.numel());
+      if (tp_) tp_->all_reduce_max(&amax, 1);
+      scale = fp8::compute_scale(amax, fp8::fp8_max(dtype), rc.margin, 1.0f);
+    }
+    const float amax = fp8::quantize(master.f32(), master.numel(), scale, dtype, codes(w.q));
+    if (rc.recipe == Recipe::delayed) fp8_->record_amax(slot_, TensorRole::weight, amax);
+    w.scale_inv = 1.0f / scale;
+  }
+  w.version = store_->version();
+  fp8_->count_weight_cast();
+  return w;
+}
+
+GemmOperand Linear::quantize(const Tensor& x, int64_t cols, TensorRole role, bool with_rows,
+                             bool with_transpose) const {
+  FORGE_CHECK(x.dtype() == DType::f32 && x.numel() % cols == 0,
+              "FP8 Linear '{}': expected an fp32 operand of [*, {}], got {} {}", fp8_->linear_name(slot_), cols,
+              dtype_name(x.dtype()), shape_string(x.shape()));
+  const int64_t rows = x.numel() / cols;
+  const DType dtype = fp8_->dtype(role);
+  const fp8::RecipeConfig& rc = fp8_->options().recipe;
+  GemmOperand op;
+  if (rc.recipe == Recipe::block) {
+    if (with_rows) {
+      op.data = Tensor::empty({rows, cols}, dtype);
+      op.tiles = Tensor::empty({rows, fp8::num_blocks(cols)}, DType::f32);
+      fp8::quantize_1x128(x.f32(), rows, cols, dtype, rc.power_of_two_scales, codes(op.data), op.tiles.f32());
+    }
+    if (with_transpose) {
+      op.data_t = Tensor::empty({cols, rows}, dtype);
+      op.tiles_t = Tensor::empty({cols, fp8::num_blocks(rows)}, DType::f32);
+      fp8::quantize_1x128_transposed(x.f32(), rows, cols, dtype, rc.power_of_two_scales, codes(op.data_t),
+                                     op.tiles_t.f32());
+    }
+    return op;
+  }
+  const float scale =
+      rc.recipe == Recipe::delayed
+          ? fp8_->delayed_scale(slot_, role)
+          : fp8::compute_scale(fp8::compute_amax(x.f32(), x.numel()), fp8::fp8_max(dtype), rc.margin, 1.0f);
+  op.data = Tensor::empty({rows, cols}, dtype);
+  const float amax = fp8::quantize(x.f32(), x.numel(), scale, dtype, codes(op.data));
+  if (rc.recipe == Recipe::delayed && fp8_->recording()) fp8_->record_amax(slot_, role, amax);
+  op.scale_inv = 1.0f / scale;
+  return op;
+}
+
+GemmOperand Linear::input(const Tensor& x) const {
+  GemmOperand op;
+  if (!fp8_) {
+    op.data = to_gemm_dtype(x, gemm_dtype_);
+    return op;
+  }
+  const bool save_fp8 = fp8_->options().save_fp8_inputs;
+  op = quantize(x, in_, TensorRole::input, /*with_rows=*/true, /*with_transpose=*/save_fp8);
+  if (!save_fp8) op.high = to_gemm_dtype(x, gemm_dtype_);
+  return op;
+}
+
+GemmOperand Linear::grad_output(const Tensor& dy) const {
+  if (!fp8_) {
+    GemmOperand op;
+    op.data = to_gemm_dtype(dy, gemm_dtype_);
+    return op;
+  }
+  return quantize(dy, out_, TensorRole::grad_output, true, true);
+}
+
+void Linear::keep_for_backward(GemmOperand& x) const {
+  if (!fp8_) return;
+  if (x.high.defined()) {  // save_fp8_inputs = false: the codes are cast again in backward (same scale)
+    x.data = x.tiles = x.data_t = x.tiles_t = Tensor();
+  } else if (fp8_->recipe() == Recipe::block) {  // the weight gradient reads only the transposed tiles
+    x.data = x.tiles = Tensor();
+  }
+}
+
+namespace {
+ops::Fp8GemmParams fp8_params(const Fp8Options& options) {
+  ops::Fp8GemmParams p;
+  p.accumulator_bits = options.accumulator_bits;
+  p.promote_every = options.promote_every;
+  if (options.recipe.recipe == Recipe::block) p.scaling = ops::Fp8Scaling::block;
+  return p;
+}
+}  // namespace
+
+Tensor Linear::forward(GemmOperand& x) const {
+  FORGE_CHECK(x.data.defined(), "Linear::forward: the operand holds no forward copy");
+  const int64_t rows = x.data.numel() / in_;
   Tensor y = Tensor::empty({rows, out_}, DType::f32);
-  Tensor w = weight(x_gemm.dtype());
-  ops::GemmParams p;
+  if (!fp8_) {
+    Tensor w = weight(x.data.dtype());
+    ops::GemmParams p;
+    p.m = rows, p.n = out_, p.k = in_;
+    p.a = x.data.raw(), p.lda = in_;
+    p.b = w.raw(), p.ldb = in_, p.trans_b = true;
+    p.ab_dtype = x.data.dtype();
+    p.c = y.f32(), p.ldc = out_;
+    ops::gemm(p);
+    return y;
+  }
+  const Fp8Weight& w = fp8_weight();
+  ops::Fp8GemmParams p = fp8_params(fp8_->options());
   p.m = rows, p.n = out_, p.k = in_;
-  p.a = x_gemm.raw(), p.lda = in_;
-  p.b = w.raw(), p.ldb = in_, p.trans_b = true;
-  p.ab_dtype = x_gemm.dtype();
+  p.a = codes(x.data), p.lda = in_, p.a_dtype = x.data.dtype();
+  p.b = codes(w.q), p.ldb = in_, p.trans_b = true, p.b_dtype = w.q.dtype();
   p.c = y.f32(), p.ldc = out_;
-  ops::gemm(p);
+  if (p.scaling == ops::Fp8Scaling::block) {
+    p.a_scales = x.tiles.f32(), p.b_scales = w.block_scale_inv.f32(), p.b_block = ops::Fp8BlockScales::block_128x128;
+  } else {
+    p.a_scale_inv = x.scale_inv, p.b_scale_inv = w.scale_inv;
+  }
+  ops::fp8_gemm(p);
+  keep_for_backward(x);
   return y;
 }
 
-Tensor Linear::backward_input(const Tensor& dy_gemm) const {
-  int64_t rows = dy_gemm.numel() / out_;
+Tensor Linear::backward_input(GemmOperand& dy) const {
+  FORGE_CHECK(dy.data.defined(), "Linear::backward_input: the gradient operand holds no row-wise copy");
+  const int64_t rows = dy.data.numel() / out_;
   Tensor dx = Tensor::empty({rows, in_}, DType::f32);
-  Tensor w = weight(dy_gemm.dtype());
-  ops::GemmParams p;
+  if (!fp8_) {
+    Tensor w = weight(dy.data.dtype());
+    ops::GemmParams p;
+    p.m = rows, p.n = in_, p.k = out_;
+    p.a = dy.data.raw(), p.lda = out_;
+    p.b = w.raw(), p.ldb = in_;
+    p.ab_dtype = dy.data.dtype();
+    p.c = dx.f32(), p.ldc = in_;
+    ops::gemm(p);
+    return dx;
+  }
+  const Fp8Weight& w = fp8_weight();
+  ops::Fp8GemmParams p = fp8_params(fp8_->options());
   p.m = rows, p.n = in_, p.k = out_;
-  p.a = dy_gemm.raw(), p.lda = out_;
-  p.b = w.raw(), p.ldb = in_;
-  p.ab_dtype = dy_gemm.dtype();
+  p.a = codes(dy.data), p.lda = out_, p.a_dtype = dy.data.dtype();
+  p.b = codes(w.q), p.ldb = in_, p.b_dtype = w.q.dtype();  // W [out, in] is [K, N]: not transposed
   p.c = dx.f32(), p.ldc = in_;
-  ops::gemm(p);
+  if (p.scaling == ops::Fp8Scaling::block) {
+    p.a_scales = dy.tiles.f32(), p.b_scales = w.block_scale_inv.f32(), p.b_block = ops::Fp8BlockScales::block_128x128;
+    ops::fp8_gemm(p);
+    dy.data = dy.tiles = Tensor();  // the weight gradient reads the transposed tiles
+  } else {
+    p.a_scale_inv = dy.scale_inv, p.b_scale_inv = w.scale_inv;
+    ops::fp8_gemm(p);
+  }
   return dx;
 }
 
-void Linear::backward_weight(const Tensor& dy_gemm, const Tensor& x_gemm) const {
-  FORGE_CHECK(dy_gemm.dtype() == x_gemm.dtype(), "Linear::backward_weight: operand dtypes differ");
-  int64_t rows = dy_gemm.numel() / out_;
+void Linear::backward_weight(const GemmOperand& dy, const GemmOperand& x) const {
   Tensor dw = store_->span(store_->grads(), first_, count_, in_);
-  ops::GemmParams p;
-  p.m = out_, p.n = in_, p.k = rows;
-  p.a = dy_gemm.raw(), p.lda = out_, p.trans_a = true;
-  p.b = x_gemm.raw(), p.ldb = in_;
-  p.ab_dtype = dy_gemm.dtype();
+  if (!fp8_) {
+    FORGE_CHECK(dy.data.dtype() == x.data.dtype(), "Linear::backward_weight: operand dtypes differ");
+    const int64_t rows = dy.data.numel() / out_;
+    ops::GemmParams p;
+    p.m = out_, p.n = in_, p.k = rows;
+    p.a = dy.data.raw(), p.lda = out_, p.trans_a = true;
+    p.b = x.data.raw(), p.ldb = in_;
+    p.ab_dtype = dy.data.dtype();
+    p.c = dw.f32(), p.ldc = in_;
+    p.beta = 1.0f;
+    ops::gemm(p);
+    return;
+  }
+  // Inputs kept in the GEMM dtype are cast again, with the scale forward used.
+  GemmOperand recast;
+  const GemmOperand* xs = &x;
+  if (x.high.defined()) {
+    Tensor xf = x.high;
+    if (xf.dtype() != DType::f32) {
+      xf = Tensor::empty(x.high.shape(), DType::f32);
+      convert_bf16_to_f32(x.high.bf16(), xf.f32(), static_cast<size_t>(xf.numel()));
+    }
+    if (fp8_->recipe() == Recipe::block) {
+      recast = quantize(xf, in_, TensorRole::input, /*with_rows=*/false, /*with_transpose=*/true);
+    } else {
+      const DType dtype = fp8_->dtype(TensorRole::input);
+      recast.data = Tensor::empty(xf.shape(), dtype);
+      fp8::quantize(xf.f32(), xf.numel(), 1.0f / x.scale_inv, dtype, codes(recast.data));
+      recast.scale_inv = x.scale_inv;
+    }
+    xs = &recast;
+  }
+  ops::Fp8GemmParams p = fp8_params(fp8_->options());
+  p.m = out_, p.n = in_;
   p.c = dw.f32(), p.ldc = in_;
   p.beta = 1.0f;
-  ops::gemm(p);
+  if (p.scaling == ops::Fp8Scaling::block) {
+    FORGE_CHECK(dy.data_t.defined() && xs->data_t.defined(), "Linear::backward_weight: transposed tiles missing");
+    const int64_t rows = dy.data_t.dim(1);
+    p.k = rows;
+    // dy^T [out, rows] and x^T [in, rows], both in 1x128 tiles along the tokens (K).
+    p.a = codes(dy.data_t), p.lda = rows, p.a_dtype = dy.data_t.dtype(), p.a_scales = dy.tiles_t.f32();
+    p.b = codes(xs->data_t), p.ldb = rows, p.trans_b = true, p.b_dtype = xs->data_t.dtype();
+    p.b_scales = xs->tiles_t.f32(), p.b_block = ops::Fp8BlockScales::tile_1x128;
+  } else {
+    const int64_t rows = dy.data.numel() / out_;
+    p.k = rows;
+    p.a = codes(dy.data), p.lda = out_, p.trans_a = true, p.a_dtype = dy.data.dtype();
+    p.b = codes(xs->data), p.ldb = in_, p.b_dtype = xs->data.dtype();
+    p.a_scale_inv = dy.scale_inv, p.b_scale_inv = xs->scale_inv;
+  }
+  ops::fp8_gemm(p);
 }
 
 }  // namespace forge::nn

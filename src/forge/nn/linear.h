@@ -1,32 +1,80 @@
 // Linear without bias: y = x @ W^T, W stored [out_features, in_features] (the Hugging Face layout).
 // The weight may span several adjacent parameters (q|k|v, gate|up), which then run as one GEMM.
+//
+// A Linear runs three GEMMs: forward y = x W^T, input gradient dx = dy W and weight gradient dW += dy^T x.
+// Their activation operands (x and dy) pass through GemmOperand, which holds them as the GEMMs read them:
+// in the GEMM dtype (fp32 or bf16), or under FP8 (ComputeOptions::fp8) as FP8 codes with their scales:
+//   per-tensor recipes (delayed, current)  one copy of the codes, read by both GEMMs that use the operand
+//                                          (the CPU GEMM reads either orientation; a tensor-core backend
+//                                          would take the transposed copy from fp8::cast_transpose);
+//   block recipe (DeepSeek-V3)             the scales run along each GEMM's K, so x and dy are quantised
+//                                          twice: 1x128 tiles along their rows' features (forward, input
+//                                          gradient) and along the tokens (weight gradient, as x^T / dy^T).
+// After forward, an input operand keeps only what the weight gradient reads (under the block recipe, the
+// transposed copy); with Fp8Options::save_fp8_inputs = false it keeps the GEMM-dtype tensor instead and is
+// cast again in backward. The FP8 weight is cast once per weight version and shared (Fp8Context::weight).
 #pragma once
 
+#include <string>
+
 #include "forge/nn/compute.h"
+#include "forge/nn/fp8_context.h"
 #include "forge/nn/parameters.h"
 
 namespace forge::nn {
 
+struct GemmOperand {
+  Tensor data;             // [rows, cols]: fp32 / bf16, or FP8 codes (block: 1x128 tiles along cols)
+  float scale_inv = 1.0f;  // FP8 per-tensor recipes: data * scale_inv is the value
+  Tensor tiles;            // block: scale_inv of data's tiles [rows][ceil(cols/128)]
+  Tensor data_t, tiles_t;  // block: the transpose [cols, rows] in 1x128 tiles along rows, [cols][ceil(rows/128)]
+  Tensor high;             // FP8 with save_fp8_inputs = false: the GEMM-dtype tensor kept for backward
+  bool defined() const { return data.defined() || data_t.defined() || high.defined(); }
+  // Bytes held (what an activation saved for backward costs).
+  int64_t bytes() const;
+};
+
 class Linear {
  public:
   Linear() = default;
-  Linear(ParameterStore* store, int first_param, int param_count, int64_t in_features);
+  // With options.fp8 set, registers this Linear with the FP8 context under `name` (for messages).
+  Linear(ParameterStore* store, int first_param, int param_count, int64_t in_features,
+         const ComputeOptions& options = {}, std::string name = {});
 
   int64_t in_features() const { return in_; }
   int64_t out_features() const { return out_; }
+  bool fp8() const { return fp8_ != nullptr; }
 
-  // y [rows, out] = x_gemm [rows, in] @ W^T; x_gemm is in the GEMM dtype.
-  Tensor forward(const Tensor& x_gemm) const;
-  // dx [rows, in] = dy_gemm @ W
-  Tensor backward_input(const Tensor& dy_gemm) const;
-  // dW += dy_gemm^T @ x_gemm
-  void backward_weight(const Tensor& dy_gemm, const Tensor& x_gemm) const;
+  // x [rows, in] (fp32) as the forward operand: converted to the GEMM dtype, or cast to FP8 per the recipe
+  // (recording its amax under delayed scaling).
+  GemmOperand input(const Tensor& x) const;
+  // dy [rows, out] (fp32) as the operand of the input and weight gradients.
+  GemmOperand grad_output(const Tensor& dy) const;
+
+  // y [rows, out] = x @ W^T; then drops from x what only forward reads (keep_for_backward).
+  Tensor forward(GemmOperand& x) const;
+  // dx [rows, in] = dy @ W; then drops from dy what only this GEMM reads.
+  Tensor backward_input(GemmOperand& dy) const;
+  // dW += dy^T @ x
+  void backward_weight(const GemmOperand& dy, const GemmOperand& x) const;
+  // Drops from an input operand what the weight gradient does not read (for operands recomputed in backward).
+  void keep_for_backward(GemmOperand& x) const;
 
  private:
   Tensor weight(DType dtype) const;
+  const Fp8Weight& fp8_weight() const;  // cast when the master weights changed since the last cast
+  // x [rows, cols] to FP8 in the role's format: the row-wise codes (with_rows) and, under the block recipe,
+  // the transposed tiles (with_transpose).
+  GemmOperand quantize(const Tensor& x, int64_t cols, fp8::TensorRole role, bool with_rows,
+                       bool with_transpose) const;
+
   ParameterStore* store_ = nullptr;
   int first_ = 0, count_ = 0;
   int64_t in_ = 0, out_ = 0;
+  DType gemm_dtype_ = DType::bf16;
+  Fp8Context* fp8_ = nullptr;
+  TensorParallel* tp_ = nullptr;
+  int slot_ = -1;
 };
 
 }  // namespace forge::nn

@@ -9,10 +9,10 @@ namespace forge::nn {
 class Mlp {
  public:
   struct Saved {
-    Tensor h_gemm;           // input of gate|up (GEMM dtype)
+    GemmOperand h;           // input of gate|up (as its GEMMs read it)
     Tensor gate_up;          // fp32 [rows, 2*ffn]
-    Tensor act_gemm;         // silu(gate)*up as the down projection's operand (absent under selective)
-    Tensor dy_gemm, dgate_up_gemm;  // kept from backward_input for backward_weight
+    GemmOperand act;         // silu(gate)*up as the down projection's operand (absent under selective)
+    GemmOperand dy, dgate_up;  // kept from backward_input for backward_weight
   };
 
   Mlp() = default;

@@ -85,6 +85,7 @@ void ParameterStore::initialize(uint64_t seed) {
 }
 
 void ParameterStore::refresh_bf16() {
+  mark_updated();
   if (has_bf16()) convert_f32_to_bf16(params_.f32(), params_bf16_.bf16(), static_cast<size_t>(total_));
 }
 

@@ -72,7 +72,11 @@ class ParameterStore {
   void zero_grads() {
     if (has_grads()) grads_.fill_zero();
   }
-  void refresh_bf16();  // recompute the bf16 shadow from the fp32 master weights
+  void refresh_bf16();  // recompute the bf16 shadow from the fp32 master weights (and mark_updated())
+  // The weights' version: bumped by every writer of the master weights (initialize, refresh_bf16, the
+  // optimizers' steps), so that derived copies (the FP8 weight casts) know when to recompute.
+  uint64_t version() const { return version_; }
+  void mark_updated() { ++version_; }
 
   int64_t numel() const { return total_; }
   int count() const { return static_cast<int>(infos_.size()); }
@@ -94,6 +98,7 @@ class ParameterStore {
   std::vector<ParamInfo> infos_;
   std::unordered_map<std::string, int> by_name_;
   int64_t total_ = 0;
+  uint64_t version_ = 0;
   Tensor params_, grads_, params_bf16_;
 };
 

@@ -24,6 +24,7 @@ class TensorParallel {
   virtual bool sequence_parallel() const = 0;
 
   virtual void all_reduce_sum(float* buf, int64_t count) = 0;  // in place
+  virtual void all_reduce_max(float* buf, int64_t count) = 0;  // in place (FP8 amaxes of split tensors)
   // Gathers each rank's lse-style vector: out[size * count] in rank order.
   virtual void all_gather(const float* send, float* recv, int64_t count) = 0;
   // [rows/tp, d] per rank -> [rows, d], shards in rank order.

@@ -56,6 +56,7 @@ void AdamW::step(float lr, float grad_scale) {
   adamw_update_range(*store_, 0, store_->numel(), exp_avg_.f32(), exp_avg_sq_.f32(), config_, lr, grad_scale,
                      step_,
                      /*write_bf16=*/true);
+  store_->mark_updated();
 }
 
 }  // namespace forge

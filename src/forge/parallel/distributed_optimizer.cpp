@@ -80,6 +80,7 @@ void DistributedAdamW::step(float lr, float grad_scale) {
                        config_, lr, grad_scale, step_, /*write_bf16=*/!sharded_);
   }
   if (sharded_) gather_params();
+  store_->mark_updated();
 }
 
 void DistributedAdamW::gather_params() {

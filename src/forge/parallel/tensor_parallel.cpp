@@ -8,6 +8,10 @@ void CommTensorParallel::all_reduce_sum(float* buf, int64_t count) {
   group_->all_reduce_blocking(buf, count, comm::Type::f32, comm::ReduceOp::sum);
 }
 
+void CommTensorParallel::all_reduce_max(float* buf, int64_t count) {
+  group_->all_reduce_blocking(buf, count, comm::Type::f32, comm::ReduceOp::max);
+}
+
 void CommTensorParallel::all_gather(const float* send, float* recv, int64_t count) {
   group_->all_gather(send, recv, count, comm::Type::f32).wait();
 }

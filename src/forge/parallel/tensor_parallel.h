@@ -18,6 +18,7 @@ class CommTensorParallel final : public nn::TensorParallel {
   bool sequence_parallel() const override { return sequence_parallel_; }
 
   void all_reduce_sum(float* buf, int64_t count) override;
+  void all_reduce_max(float* buf, int64_t count) override;
   void all_gather(const float* send, float* recv, int64_t count) override;
   Tensor all_gather_rows(const Tensor& shard) override;
   Tensor reduce_scatter_rows(const Tensor& full) override;

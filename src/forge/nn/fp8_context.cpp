@@ -1,0 +1,71 @@
+#include "forge/nn/fp8_context.h"
+
+#include "forge/core/error.h"
+
+namespace forge::nn {
+
+void validate(const Fp8Options& options) {
+  fp8::validate(options.recipe);
+  if (options.accumulator_bits < 0 || options.accumulator_bits > 23)
+    fail("fp8.accumulator_bits must be in [0, 23] (0 = exact fp32 accumulation), got {}", options.accumulator_bits);
+  if (options.accumulator_bits > 0) {
+    const int64_t p = options.promote_every;
+    const bool block = options.recipe.recipe == fp8::Recipe::block;
+    if (p < 0 || p % 32 != 0 || (block && (p == 0 || 128 % p != 0)))
+      fail("fp8.promote_every must be a multiple of 32{}, got {}",
+           block ? " that divides 128 (the block recipe's scale tiles)" : " (0 = never promote)", p);
+  }
+  if (options.bf16_first_layers < 0) fail("fp8.bf16_first_layers must be >= 0, got {}", options.bf16_first_layers);
+  if (options.bf16_last_layers < 0) fail("fp8.bf16_last_layers must be >= 0, got {}", options.bf16_last_layers);
+}
+
+Fp8Context::Fp8Context(Fp8Options options) : options_(std::move(options)) { validate(options_); }
+
+int Fp8Context::add_linear(std::string name) {
+  if (sealed_) fail("FP8 Linear '{}' registered after the model's FP8 state was sealed", name);
+  names_.push_back(std::move(name));
+  weights_.emplace_back();
+  return static_cast<int>(names_.size() - 1);
+}
+
+void Fp8Context::seal() {
+  if (sealed_) return;
+  sealed_ = true;
+  if (recipe() != fp8::Recipe::delayed) return;
+  std::vector<DType> dtypes;
+  for (size_t i = 0; i < names_.size(); ++i)
+    for (auto role : {fp8::TensorRole::input, fp8::TensorRole::weight, fp8::TensorRole::grad_output})
+      dtypes.push_back(dtype(role));
+  delayed_.emplace(std::move(dtypes), options_.recipe);
+}
+
+int64_t Fp8Context::slot(int linear, fp8::TensorRole role) const {
+  FORGE_CHECK(linear >= 0 && linear < linears(), "FP8 Linear {} out of range [0, {})", linear, linears());
+  return 3 * static_cast<int64_t>(linear) + static_cast<int64_t>(role);
+}
+
+fp8::DelayedScalingGroup* Fp8Context::delayed_group() {
+  seal();
+  return delayed_ ? &*delayed_ : nullptr;
+}
+
+float Fp8Context::delayed_scale(int linear, fp8::TensorRole role) {
+  fp8::DelayedScalingGroup* group = delayed_group();
+  FORGE_CHECK(group, "delayed_scale under the {} recipe", fp8::recipe_name(recipe()));
+  return group->scale(slot(linear, role));
+}
+
+void Fp8Context::record_amax(int linear, fp8::TensorRole role, float amax) {
+  if (fp8::DelayedScalingGroup* group = delayed_group()) group->record(slot(linear, role), amax);
+}
+
+std::span<float> Fp8Context::step_amaxes() {
+  fp8::DelayedScalingGroup* group = delayed_group();
+  return group ? group->current_amaxes() : std::span<float>();
+}
+
+void Fp8Context::end_step() {
+  if (fp8::DelayedScalingGroup* group = delayed_group()) group->update();
+}
+
+}  // namespace forge::nn

@@ -1,0 +1,120 @@
+// The FP8 training state of a model, as its Linear layers see it: the recipe (fp8/recipe.h), the
+// delayed-scaling amax history of every FP8 Linear's three operands (input, weight, output gradient), and
+// each Linear's FP8 weight, cast once per weight version (once per optimizer step) and reused by every
+// micro-batch, evaluation and both GEMMs that read it.
+//
+// Life of a step under the delayed recipe:
+//   forward/backward   each FP8 Linear casts its input and output gradient with the scale of the previous
+//                      steps' history and records their amaxes (only while recording(): training
+//                      micro-batches, not evaluation or generation); its weight is cast once and its amax
+//                      recorded then;
+//   step_amaxes()      the caller max-reduces this step's amaxes over every rank that must agree (the
+//                      tensor- and data-parallel groups), one all-reduce for the whole model;
+//   end_step()         new scales from the history, history rolled.
+// The current recipe computes each scale from the tensor being cast (weights: the amax over the
+// tensor-parallel group, so every shard of a weight shares one scale); the block recipe from each 1x128 or
+// 128x128 tile. Neither keeps a history; end_step() is then a no-op and step_amaxes() is empty.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "forge/core/tensor.h"
+#include "forge/fp8/recipe.h"
+#include "forge/fp8/scaling.h"
+
+namespace forge::nn {
+
+struct Fp8Options {
+  fp8::RecipeConfig recipe;
+  // Keep each Linear's input for the weight gradient as FP8 codes (1 byte per element, and no second cast in
+  // backward) rather than in the GEMM dtype (2 or 4 bytes, cast again to FP8 in backward).
+  bool save_fp8_inputs = true;
+  // CPU emulation of the FP8 tensor cores' limited accumulator (ops::Fp8GemmParams): 0 = exact fp32.
+  int accumulator_bits = 0;
+  int64_t promote_every = 128;
+  // Models keep their first and last this many transformer layers out of FP8 (their GEMMs in the GEMM dtype).
+  int64_t bf16_first_layers = 0, bf16_last_layers = 0;
+};
+
+// Throws forge::Error naming the first bad field.
+void validate(const Fp8Options& options);
+
+// A Linear's FP8 weight W [out, in]: its codes and how to read them back.
+struct Fp8Weight {
+  uint64_t version = ~uint64_t{0};  // ParameterStore::version() of the master weights it was cast from
+  Tensor q;                         // [out, in] FP8 codes
+  float scale_inv = 1.0f;           // per-tensor recipes
+  Tensor block_scale_inv;           // block recipe: [ceil(out/128)][ceil(in/128)] (fp8/quantize.h)
+};
+
+class Fp8Context {
+ public:
+  explicit Fp8Context(Fp8Options options);
+  Fp8Context(const Fp8Context&) = delete;
+  Fp8Context& operator=(const Fp8Context&) = delete;
+
+  const Fp8Options& options() const { return options_; }
+  fp8::Recipe recipe() const { return options_.recipe.recipe; }
+  DType dtype(fp8::TensorRole role) const { return fp8::dtype_for(options_.recipe.format, role); }
+
+  // Registration, while the model is built: each FP8 Linear takes one slot. seal() ends registration (the
+  // first use of the scaling state seals implicitly); a later add_linear() is an error.
+  int add_linear(std::string name);
+  void seal();
+  int64_t linears() const { return static_cast<int64_t>(names_.size()); }
+  const std::string& linear_name(int linear) const { return names_.at(static_cast<size_t>(linear)); }
+
+  // Delayed recipe: the scale this step uses for a Linear's operand, and the amax to fold into its history.
+  float delayed_scale(int linear, fp8::TensorRole role);
+  void record_amax(int linear, fp8::TensorRole role, float amax);
+  // Whether inputs and gradients record their amaxes (training micro-batches) or not (evaluation,
+  // generation). Weight amaxes are recorded whenever a weight is cast: they describe the weights, not the data.
+  bool recording() const { return recording_; }
+  void set_recording(bool on) { recording_ = on; }
+
+  Fp8Weight& weight(int linear) { return weights_.at(static_cast<size_t>(linear)); }
+  int64_t weight_casts() const { return weight_casts_; }
+  void count_weight_cast() { ++weight_casts_; }
+
+  // End of an optimizer step. Delayed: this step's amaxes, [linears][3] (input, weight, grad_output),
+  // contiguous, for the caller's max all-reduce; then end_step() computes the scales of the next step.
+  std::span<float> step_amaxes();
+  void end_step();
+
+  // Delayed scaling state for checkpoints (history by age [history_len][linears * 3], scales [linears * 3]);
+  // null for the other recipes.
+  fp8::DelayedScalingGroup* delayed_group();
+
+ private:
+  int64_t slot(int linear, fp8::TensorRole role) const;
+
+  Fp8Options options_;
+  std::vector<std::string> names_;
+  std::vector<Fp8Weight> weights_;
+  std::optional<fp8::DelayedScalingGroup> delayed_;
+  bool sealed_ = false, recording_ = false;
+  int64_t weight_casts_ = 0;
+};
+
+// Sets recording() for a scope (training micro-batches), restoring the previous value on exit.
+class Fp8Recording {
+ public:
+  Fp8Recording(Fp8Context* context, bool on) : context_(context) {
+    if (context_) previous_ = context_->recording(), context_->set_recording(on);
+  }
+  ~Fp8Recording() {
+    if (context_) context_->set_recording(previous_);
+  }
+  Fp8Recording(const Fp8Recording&) = delete;
+  Fp8Recording& operator=(const Fp8Recording&) = delete;
+
+ private:
+  Fp8Context* context_;
+  bool previous_ = false;
+};
+
+}  // namespace forge::nn
