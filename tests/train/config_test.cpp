@@ -84,7 +84,7 @@ TEST(TrainConfig, DefaultTomlFileEqualsBuiltInDefaults) {
     ++keys;
     EXPECT_NE(line.find(" # "), std::string::npos) << "no comment: " << line;
   }
-  EXPECT_EQ(keys, 54);
+  EXPECT_EQ(keys, 65);
 }
 
 TEST(TrainConfig, DefaultTomlFileIsTheGeneratedText) {

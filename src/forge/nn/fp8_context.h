@@ -47,7 +47,7 @@ void validate(const Fp8Options& options);
 struct Fp8Weight {
   uint64_t version = ~uint64_t{0};  // ParameterStore::version() of the master weights it was cast from
   Tensor q;                         // [out, in] FP8 codes
-  float scale_inv = 1.0f;           // per-tensor recipes
+  float scale = 1.0f, scale_inv = 1.0f;  // per-tensor recipes
   Tensor block_scale_inv;           // block recipe: [ceil(out/128)][ceil(in/128)] (fp8/quantize.h)
 };
 

@@ -49,10 +49,13 @@ Tensor Linear::weight(DType dtype) const {
 
 const Fp8Weight& Linear::fp8_weight() const {
   Fp8Weight& w = fp8_->weight(slot_);
-  if (w.version == store_->version()) return w;
+  const fp8::RecipeConfig& rc = fp8_->options().recipe;
+  // Delayed scaling: a new scale (end of step) needs a new cast even if the weights did not change.
+  const bool delayed = rc.recipe == Recipe::delayed;
+  if (w.version == store_->version() && (!delayed || w.scale == fp8_->delayed_scale(slot_, TensorRole::weight)))
+    return w;
   const Tensor master = store_->span(store_->params(), first_, count_, in_);
   const DType dtype = fp8_->dtype(TensorRole::weight);
-  const fp8::RecipeConfig& rc = fp8_->options().recipe;
   if (rc.recipe == Recipe::block) {
     fp8::quantize_128x128(master.f32(), out_, in_, dtype, rc.power_of_two_scales, codes(w.q), w.block_scale_inv.f32());
   } else {
@@ -68,7 +71,7 @@ const Fp8Weight& Linear::fp8_weight() const {
     }
     const float amax = fp8::quantize(master.f32(), master.numel(), scale, dtype, codes(w.q));
     if (rc.recipe == Recipe::delayed) fp8_->record_amax(slot_, TensorRole::weight, amax);
-    w.scale_inv = 1.0f / scale;
+    w.scale = scale, w.scale_inv = 1.0f / scale;
   }
   w.version = store_->version();
   fp8_->count_weight_cast();
@@ -105,7 +108,7 @@ GemmOperand Linear::quantize(const Tensor& x, int64_t cols, TensorRole role, boo
   op.data = Tensor::empty({rows, cols}, dtype);
   const float amax = fp8::quantize(x.f32(), x.numel(), scale, dtype, codes(op.data));
   if (rc.recipe == Recipe::delayed && fp8_->recording()) fp8_->record_amax(slot_, role, amax);
-  op.scale_inv = 1.0f / scale;
+  op.scale = scale, op.scale_inv = 1.0f / scale;
   return op;
 }
 
@@ -241,8 +244,8 @@ void Linear::backward_weight(const GemmOperand& dy, const GemmOperand& x) const 
     } else {
       const DType dtype = fp8_->dtype(TensorRole::input);
       recast.data = Tensor::empty(xf.shape(), dtype);
-      fp8::quantize(xf.f32(), xf.numel(), 1.0f / x.scale_inv, dtype, codes(recast.data));
-      recast.scale_inv = x.scale_inv;
+      fp8::quantize(xf.f32(), xf.numel(), x.scale, dtype, codes(recast.data));
+      recast.scale = x.scale, recast.scale_inv = x.scale_inv;
     }
     xs = &recast;
   }

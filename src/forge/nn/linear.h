@@ -25,7 +25,7 @@ namespace forge::nn {
 
 struct GemmOperand {
   Tensor data;             // [rows, cols]: fp32 / bf16, or FP8 codes (block: 1x128 tiles along cols)
-  float scale_inv = 1.0f;  // FP8 per-tensor recipes: data * scale_inv is the value
+  float scale = 1.0f, scale_inv = 1.0f;  // FP8 per-tensor recipes: data * scale_inv is the value
   Tensor tiles;            // block: scale_inv of data's tiles [rows][ceil(cols/128)]
   Tensor data_t, tiles_t;  // block: the transpose [cols, rows] in 1x128 tiles along rows, [cols][ceil(rows/128)]
   Tensor high;             // FP8 with save_fp8_inputs = false: the GEMM-dtype tensor kept for backward

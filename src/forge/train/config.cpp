@@ -169,6 +169,46 @@ const std::vector<KeySpec>& key_specs() {
        "abort the job when a collective waits longer than this (0 = wait forever)",
        {}},
 
+      {"fp8",
+       "recipe",
+       FORGE_FIELD(fp8.recipe),
+       "FP8 GEMMs in the transformer layers' Linears (docs/fp8.md); delayed = amax history, current = own amax, block = 1x128 / 128x128 tiles",
+       {"off", "delayed", "current", "block"}},
+      {"fp8",
+       "format",
+       FORGE_FIELD(fp8.format),
+       "FP8 formats: hybrid = E4M3 forward, E5M2 gradients; auto = hybrid, or e4m3 for the block recipe",
+       {"auto", "hybrid", "e4m3"}},
+      {"fp8", "amax_history_len", FORGE_FIELD(fp8.amax_history_len), "delayed: steps of amax history", {}},
+      {"fp8",
+       "amax_compute",
+       FORGE_FIELD(fp8.amax_compute),
+       "delayed: the amax a scale comes from",
+       {"max", "most_recent"}},
+      {"fp8", "margin", FORGE_FIELD(fp8.margin), "delayed, current: scale = fp8_max / amax / 2^margin", {}},
+      {"fp8",
+       "power_of_two_scales",
+       FORGE_FIELD(fp8.power_of_two_scales),
+       "block: round each tile's scale down to a power of two",
+       {}},
+      {"fp8", "bf16_first_layers", FORGE_FIELD(fp8.bf16_first_layers), "keep the first this many layers out of FP8", {}},
+      {"fp8", "bf16_last_layers", FORGE_FIELD(fp8.bf16_last_layers), "keep the last this many layers out of FP8", {}},
+      {"fp8",
+       "save_fp8_inputs",
+       FORGE_FIELD(fp8.save_fp8_inputs),
+       "keep Linear inputs for backward as FP8 (1 byte) rather than in the GEMM dtype",
+       {}},
+      {"fp8",
+       "accumulator_bits",
+       FORGE_FIELD(fp8.accumulator_bits),
+       "emulate an FP8 tensor core's accumulator of this many mantissa bits (0 = exact fp32; H100 ~ 14)",
+       {}},
+      {"fp8",
+       "promote_every",
+       FORGE_FIELD(fp8.promote_every),
+       "with accumulator_bits: K elements between promotions to fp32",
+       {}},
+
       {"eval", "every", FORGE_FIELD(eval.every), "evaluate every this many steps (0 = only at the end)", {}},
       {"eval", "batches", FORGE_FIELD(eval.batches), "held-out micro-batches per evaluation", {}},
 
@@ -511,6 +551,23 @@ void TrainConfig::validate() const {
   check(finite(parallel.timeout_s) && parallel.timeout_s >= 0, "parallel.timeout_s", parallel.timeout_s,
         ">= 0 (0 = wait forever)");
 
+  if (fp8.recipe != "off") {
+    check(fp8.amax_history_len >= 1, "fp8.amax_history_len", fp8.amax_history_len, ">= 1");
+    check(fp8.margin >= 0 && fp8.margin <= 64, "fp8.margin", fp8.margin, "in [0, 64]");
+    check(fp8.bf16_first_layers >= 0, "fp8.bf16_first_layers", fp8.bf16_first_layers, ">= 0");
+    check(fp8.bf16_last_layers >= 0, "fp8.bf16_last_layers", fp8.bf16_last_layers, ">= 0");
+    check(fp8.accumulator_bits >= 0 && fp8.accumulator_bits <= 23, "fp8.accumulator_bits", fp8.accumulator_bits,
+          "in [0, 23] (0 = exact fp32 accumulation)");
+    if (fp8.accumulator_bits > 0) {
+      if (fp8.recipe == "block")
+        check(fp8.promote_every > 0 && fp8.promote_every % 32 == 0 && 128 % fp8.promote_every == 0,
+              "fp8.promote_every", fp8.promote_every, "32, 64 or 128 under the block recipe (a divisor of its tiles)");
+      else
+        check(fp8.promote_every >= 0 && fp8.promote_every % 32 == 0, "fp8.promote_every", fp8.promote_every,
+              "a multiple of 32 (0 = never promote)");
+    }
+  }
+
   check(eval.every >= 0, "eval.every", eval.every, ">= 0 (0 = only at the end)");
   check(eval.batches > 0, "eval.batches", eval.batches, "> 0");
   check(log.every > 0, "log.every", log.every, "> 0");
@@ -597,10 +654,29 @@ parallel::LayoutSpec TrainConfig::layout_spec() const {
   return spec;
 }
 
+std::optional<nn::Fp8Options> TrainConfig::fp8_options() const {
+  if (fp8.recipe == "off") return std::nullopt;
+  nn::Fp8Options o;
+  o.recipe.recipe = fp8::recipe_from_name(fp8.recipe);
+  const bool block = o.recipe.recipe == fp8::Recipe::block;
+  o.recipe.format = fp8::format_from_name(fp8.format == "auto" ? (block ? "e4m3" : "hybrid") : fp8.format);
+  o.recipe.amax_history_len = fp8.amax_history_len;
+  o.recipe.amax_compute = fp8::amax_compute_from_name(fp8.amax_compute);
+  o.recipe.margin = static_cast<int>(fp8.margin);
+  o.recipe.power_of_two_scales = fp8.power_of_two_scales;
+  o.bf16_first_layers = fp8.bf16_first_layers;
+  o.bf16_last_layers = fp8.bf16_last_layers;
+  o.save_fp8_inputs = fp8.save_fp8_inputs;
+  o.accumulator_bits = static_cast<int>(fp8.accumulator_bits);
+  o.promote_every = fp8.promote_every;
+  nn::validate(o);
+  return o;
+}
+
 bool TrainConfig::operator==(const TrainConfig& other) const {
   return model == other.model && data == other.data && train == other.train && eval == other.eval &&
          log == other.log && checkpoint == other.checkpoint && sample == other.sample &&
-         parallel == other.parallel;
+         parallel == other.parallel && fp8 == other.fp8;
 }
 
 }  // namespace forge

@@ -8,9 +8,11 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <string_view>
 
+#include "forge/nn/fp8_context.h"
 #include "forge/optim/lr_schedule.h"
 #include "forge/parallel/layout.h"
 
@@ -97,6 +99,22 @@ struct TrainConfig {
     bool operator==(const Parallel&) const = default;
   };
 
+  // FP8 mixed precision of the transformer layers' Linears (docs/fp8.md; forge/fp8/recipe.h).
+  struct Fp8 {
+    std::string recipe = "off";  // off | delayed | current | block
+    std::string format = "auto";  // auto (hybrid; e4m3 for block) | hybrid | e4m3
+    int64_t amax_history_len = 1024;
+    std::string amax_compute = "max";  // max | most_recent
+    int64_t margin = 0;
+    bool power_of_two_scales = true;  // block recipe
+    int64_t bf16_first_layers = 0;
+    int64_t bf16_last_layers = 0;
+    bool save_fp8_inputs = true;
+    int64_t accumulator_bits = 0;  // 0 = exact fp32 accumulation
+    int64_t promote_every = 128;
+    bool operator==(const Fp8&) const = default;
+  };
+
   Model model;
   Data data;
   Train train;
@@ -105,6 +123,7 @@ struct TrainConfig {
   Checkpoint checkpoint;
   Sample sample;
   Parallel parallel;
+  Fp8 fp8;
   std::string source = "<defaults>";  // where the settings came from; prefixes validate()'s messages
 
   // Keys missing from the file keep their defaults. Errors: forge::Error "<file>:<line>: ...".
@@ -122,6 +141,8 @@ struct TrainConfig {
   LrSchedule lr_schedule() const;
   // [parallel]'s sizes for parallel::Layout (dp 0 = derived from the world size). Call after validate().
   parallel::LayoutSpec layout_spec() const;
+  // [fp8] as the model's FP8 options; std::nullopt when fp8.recipe = "off". Call after validate().
+  std::optional<nn::Fp8Options> fp8_options() const;
   int64_t tokens_per_step() const { return train.micro_batch * train.grad_accum * data.seq_len; }
 
   // Compares the settings, not where they came from.

@@ -21,6 +21,7 @@
 #include "forge/comm/comm.h"
 #include "forge/core/cpu_features.h"
 #include "forge/core/memory.h"
+#include "forge/fp8/scaling.h"
 #include "forge/models/llama.h"
 #include "forge/models/sampling.h"
 #include "forge/optim/adamw.h"
@@ -171,6 +172,27 @@ TrainResult Trainer::run() {
   parallel::CommTensorParallel tensor_parallel(groups.tp.get(), c.parallel.sequence_parallel);
   if (layout.tp() > 1) options.tp = &tensor_parallel;
   options.vocab_divisible_by = c.parallel.make_vocab_size_divisible_by;
+  // FP8: the context lives as long as the model, which reads it through options.fp8.
+  std::optional<nn::Fp8Context> fp8_context;
+  std::string fp8_summary = "off";
+  if (std::optional<nn::Fp8Options> f = c.fp8_options()) {
+    const int64_t layers = model_config.num_hidden_layers, kept = f->bf16_first_layers + f->bf16_last_layers;
+    if (kept >= layers)
+      fail("{}: fp8.bf16_first_layers + fp8.bf16_last_layers = {} keep all {} layers out of FP8; lower them or set "
+           "fp8.recipe = \"off\"", c.source, kept, layers);
+    fp8_context.emplace(*f);
+    options.fp8 = &*fp8_context;
+    fp8_summary = fmt::format("{} ({}", c.fp8.recipe, fp8::format_name(f->recipe.format));
+    if (f->recipe.recipe == fp8::Recipe::delayed)
+      fp8_summary += fmt::format(", history {} {}", f->recipe.amax_history_len,
+                                 fp8::amax_compute_name(f->recipe.amax_compute));
+    if (f->recipe.recipe == fp8::Recipe::block && f->recipe.power_of_two_scales) fp8_summary += ", 2^k scales";
+    fp8_summary += fmt::format(", layers {}..{}", f->bf16_first_layers, layers - f->bf16_last_layers - 1);
+    if (!f->save_fp8_inputs) fp8_summary += ", inputs saved in " + std::string(dtype_name(options.gemm_dtype));
+    if (f->accumulator_bits > 0)
+      fp8_summary += fmt::format(", {}-bit accumulator promoted every {}", f->accumulator_bits, f->promote_every);
+    fp8_summary += ")";
+  }
   LlamaModel model(model_config, options, static_cast<float>(c.model.init_std));
   model.initialize(c.model.seed);
   if (init_source) {
@@ -195,6 +217,21 @@ TrainResult Trainer::run() {
   int64_t total_steps = c.train.steps;
   if (plan_steps) schedule.total_steps = total_steps = std::numeric_limits<int32_t>::max();
 
+  // The delayed-scaling state (identical on every rank after each step's reduction) travels with
+  // checkpoints, written by rank 0, so a resumed run continues with the same scales.
+  std::vector<float> fp8_history, fp8_scales;
+  auto append_fp8_pieces = [&](std::vector<ShardPiece>& pieces, bool saving) {
+    fp8::DelayedScalingGroup* g = fp8_context ? fp8_context->delayed_group() : nullptr;
+    if (!g) return;
+    const int64_t len = g->history_len(), n = g->size();
+    fp8_history.assign(static_cast<size_t>(len * n), 0.0f);
+    fp8_scales.assign(static_cast<size_t>(n), 1.0f);
+    if (saving) g->export_state(fp8_history, fp8_scales);
+    if (saving && world.rank() != 0) return;
+    pieces.push_back({"fp8.amax_history", {len, n}, {len, n}, -1, 0, 0, len * n, fp8_history.data()});
+    pieces.push_back({"fp8.scales", {n}, {n}, -1, 0, 0, n, fp8_scales.data()});
+  };
+
   const fs::path run_dir(c.log.run_dir);
   fs::create_directories(run_dir);
   const fs::path checkpoint_dir = c.checkpoint_dir();
@@ -215,8 +252,17 @@ TrainResult Trainer::run() {
            state.extra["tokenizer"].get<std::string>(), codec.description());
     // Any layout loads any other: each rank fills its shard of the weights and its owned optimizer state.
     std::vector<ShardPiece> pieces = optimizer.checkpoint_pieces_for_load(true);
+    const std::vector<std::string> saved_names = checkpoint_tensor_names(resume_from.string());
+    const bool fp8_saved = std::binary_search(saved_names.begin(), saved_names.end(), "fp8.amax_history");
+    if (fp8_saved) append_fp8_pieces(pieces, /*saving=*/false);
     state = load_sharded_checkpoint(resume_from.string(), world, pieces);
     model.params().refresh_bf16();
+    if (fp8::DelayedScalingGroup* g = fp8_context ? fp8_context->delayed_group() : nullptr) {
+      if (fp8_saved)
+        g->import_state(fp8_history, fp8_scales);
+      else
+        say("the checkpoint holds no FP8 scaling state: delayed scaling starts from fresh amax histories\n");
+    }
     optimizer.set_steps_taken(state.optimizer_steps >= 0 ? state.optimizer_steps : state.step);
     step = state.step;
     if (plan_steps && state.extra.contains("planned_steps"))
@@ -238,10 +284,11 @@ TrainResult Trainer::run() {
   const double rank_peak = c.log.peak_gflops > 0 ? c.log.peak_gflops / world.size()
                                                  : measure_gemm_peak_gflops(options.gemm_dtype);
   const double peak_gflops = comm::all_reduce_sum(world, rank_peak);
-  say("model %.2fM parameters | %s compute | recompute %s | %lld-token batches (%lld x %lld x %lld x dp %lld) | "
-      "peak %s GEMM %.0f GFLOP/s (%s)\n",
+  say("model %.2fM parameters | %s compute | fp8 %s | recompute %s | %lld-token batches (%lld x %lld x %lld x dp "
+      "%lld) | peak %s GEMM %.0f GFLOP/s (%s)\n",
       static_cast<double>(model_config.num_parameters()) / 1e6,
-      (dtype_name_used + (c.train.dtype == "auto" ? " (auto)" : "")).c_str(), c.train.recompute.c_str(),
+      (dtype_name_used + (c.train.dtype == "auto" ? " (auto)" : "")).c_str(), fp8_summary.c_str(),
+      c.train.recompute.c_str(),
       static_cast<long long>(step_tokens), static_cast<long long>(micro), static_cast<long long>(accum),
       static_cast<long long>(seq), static_cast<long long>(dp), dtype_name_used.c_str(), peak_gflops,
       c.log.peak_gflops > 0 ? "given" : "measured");
@@ -272,7 +319,9 @@ TrainResult Trainer::run() {
       fs::create_directories(checkpoint_dir);
       codec.tokenizer()->save(checkpoint_dir / "tokenizer.json");
     }
-    save_sharded_checkpoint(checkpoint_dir.string(), world, optimizer.checkpoint_pieces(true), state);
+    std::vector<ShardPiece> pieces = optimizer.checkpoint_pieces(true);
+    append_fp8_pieces(pieces, /*saving=*/true);
+    save_sharded_checkpoint(checkpoint_dir.string(), world, pieces, state);
     say("checkpoint saved to %s (step %lld, %s)\n", checkpoint_dir.c_str(), static_cast<long long>(step), why);
   };
 
@@ -327,6 +376,15 @@ TrainResult Trainer::run() {
     const double grad_norm = optimizer.grad_norm();
     const float lr = schedule.lr_at(step);
     optimizer.step(lr, clip_coefficient(grad_norm, static_cast<float>(c.train.grad_clip)));
+    if (fp8_context) {
+      // Delayed scaling: every rank (tensor- and data-parallel) agrees on the step's amaxes, so all use the
+      // same scales next step, those one process running the whole batch would use.
+      std::span<float> amaxes = fp8_context->step_amaxes();
+      if (!amaxes.empty() && world.size() > 1)
+        world.all_reduce(amaxes.data(), static_cast<int64_t>(amaxes.size()), comm::Type::f32, comm::ReduceOp::max)
+            .wait();
+      fp8_context->end_step();
+    }
     ++step;
     result.losses.push_back(mean_loss);
     result.grad_norms.push_back(grad_norm);
