@@ -189,6 +189,55 @@ TEST(TrainConfig, ParallelSection) {
   expect_error_containing([&] { unchecked.layout_spec(); }, {"parallel.ep is out of range: 8589934592"});
 }
 
+TEST(TrainConfig, Fp8Section) {
+  EXPECT_FALSE(TrainConfig{}.fp8_options().has_value());  // off by default
+  TrainConfig c = TrainConfig::from_toml_string(
+      "[fp8]\nrecipe = \"delayed\"\nformat = \"e4m3\"\namax_history_len = 16\namax_compute = \"most_recent\"\n"
+      "margin = 1\nbf16_first_layers = 1\nbf16_last_layers = 2\nsave_fp8_inputs = false\naccumulator_bits = 14\n"
+      "promote_every = 256\n",
+      "x.toml");
+  EXPECT_NO_THROW(c.validate());
+  std::optional<nn::Fp8Options> o = c.fp8_options();
+  ASSERT_TRUE(o.has_value());
+  EXPECT_EQ(o->recipe.recipe, fp8::Recipe::delayed);
+  EXPECT_EQ(o->recipe.format, fp8::Format::e4m3);
+  EXPECT_EQ(o->recipe.amax_history_len, 16);
+  EXPECT_EQ(o->recipe.amax_compute, fp8::AmaxCompute::most_recent);
+  EXPECT_EQ(o->recipe.margin, 1);
+  EXPECT_EQ(o->bf16_first_layers, 1);
+  EXPECT_EQ(o->bf16_last_layers, 2);
+  EXPECT_FALSE(o->save_fp8_inputs);
+  EXPECT_EQ(o->accumulator_bits, 14);
+  EXPECT_EQ(o->promote_every, 256);
+  // format = auto: hybrid (E5M2 gradients) for the per-tensor recipes, E4M3 throughout for block (DeepSeek-V3).
+  c.fp8.format = "auto";
+  EXPECT_EQ(c.fp8_options()->recipe.format, fp8::Format::hybrid);
+  c.fp8.recipe = "block";
+  c.fp8.promote_every = 128;
+  EXPECT_EQ(c.fp8_options()->recipe.format, fp8::Format::e4m3);
+  EXPECT_TRUE(c.fp8_options()->recipe.power_of_two_scales);
+}
+
+TEST(TrainConfigErrors, Fp8Settings) {
+  expect_override_error("fp8.recipe=mxfp8", {"fp8.recipe", "mxfp8", "delayed", "current", "block"});
+  expect_override_error("fp8.format=e5m2", {"fp8.format", "e5m2", "hybrid"});
+  expect_invalid([](TrainConfig& c) { c.fp8.recipe = "delayed", c.fp8.amax_history_len = 0; },
+                 {"test.toml", "fp8.amax_history_len must be >= 1, got 0"});
+  expect_invalid([](TrainConfig& c) { c.fp8.recipe = "current", c.fp8.margin = -1; }, {"fp8.margin", "-1"});
+  expect_invalid([](TrainConfig& c) { c.fp8.recipe = "current", c.fp8.bf16_last_layers = -2; },
+                 {"fp8.bf16_last_layers must be >= 0, got -2"});
+  expect_invalid([](TrainConfig& c) { c.fp8.recipe = "current", c.fp8.accumulator_bits = 24; },
+                 {"fp8.accumulator_bits", "24"});
+  expect_invalid([](TrainConfig& c) { c.fp8.recipe = "block", c.fp8.accumulator_bits = 14, c.fp8.promote_every = 256; },
+                 {"fp8.promote_every", "divisor", "256"});
+  expect_invalid([](TrainConfig& c) { c.fp8.recipe = "delayed", c.fp8.accumulator_bits = 14, c.fp8.promote_every = 100; },
+                 {"fp8.promote_every", "multiple of 32", "100"});
+  // Settings of an unused recipe are not checked while FP8 is off.
+  TrainConfig off;
+  off.fp8.amax_history_len = 0;
+  EXPECT_NO_THROW(off.validate());
+}
+
 TEST(TrainConfigErrors, Overrides) {
   expect_override_error("train.lr", {"--set 'train.lr'", "expected section.key=value"});
   expect_override_error("train.lrr=1", {"unknown key 'train.lrr'", "did you mean 'train.lr'?"});

@@ -441,6 +441,8 @@ TrainResult Trainer::run() {
     if (on_step_) on_step_(step);
   }
   result.steps_done = step;
+  if (fp8::DelayedScalingGroup* g = fp8_context ? fp8_context->delayed_group() : nullptr)
+    result.fp8_scales.assign(g->scales().begin(), g->scales().end());
   if (dp > 1 && step > first_step) {
     const parallel::GradReductionStats& s = buckets.total_stats();
     say("data-parallel gradient reduction: %.1f MiB per step, communication %.3f s, exposed %.3f s: %.0f%% "

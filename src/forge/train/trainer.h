@@ -27,6 +27,9 @@ struct TrainResult {
   bool time_limit_reached = false;  // stopped by train.max_minutes before the planned/configured steps
   std::string sample;             // generated text ("" when sample.tokens == 0)
   int64_t peak_activation_bytes = 0;
+  // FP8 delayed recipe: the scales of every FP8 Linear's operands after the last step ([linears][3]: input,
+  // weight, output gradient); empty for the other recipes and without FP8.
+  std::vector<float> fp8_scales;
 };
 
 class Trainer {
