@@ -9,18 +9,21 @@ usage() {
 Usage: bench/fp8/convergence.sh [BUILD_DIR]        (BUILD_DIR defaults to build; run from anywhere)
 
 Trains configs/default.toml once per setting, then writes the comparison with bench/fp8/report.py:
-  bf16     --set fp8.recipe=off       (the baseline)
-  delayed  --set fp8.recipe=delayed
-  current  --set fp8.recipe=current
-  block    --set fp8.recipe=block
+  bf16         --set fp8.recipe=off       (the baseline)
+  delayed      --set fp8.recipe=delayed
+  current      --set fp8.recipe=current
+  block        --set fp8.recipe=block
+  bf16-seed2   --set fp8.recipe=off --set model.seed=4321   (the noise floor: bf16 from another init)
+  block-acc14  --set fp8.recipe=block --set fp8.accumulator_bits=14   (not run by default: the H100
+               tensor cores' ~14-bit accumulator, promoted to fp32 every 128 elements of K)
 
 Environment:
   STEPS=2000            optimizer steps per run
   EVAL_EVERY=250        held-out evaluation every this many steps
   OUT=runs/fp8-convergence
                         one run directory per setting: OUT/<name>/{metrics.jsonl,train.log,...}
-  RECIPES="bf16 delayed current block"
-                        the settings to train (a space-separated subset)
+  RECIPES="bf16 delayed current block bf16-seed2"
+                        the settings to train (a space-separated list of the names above)
   EXTRA=""              extra arguments appended to every forge command, e.g. "--set train.threads=8"
   FORCE=1               retrain runs that already finished (by default a run whose metrics.jsonl has a
                         final record is skipped, and an interrupted one resumes from its checkpoint)
@@ -47,7 +50,7 @@ FORGE=$BUILD_DIR/bin/forge
 STEPS=${STEPS:-2000}
 EVAL_EVERY=${EVAL_EVERY:-250}
 OUT=${OUT:-runs/fp8-convergence}
-RECIPES=${RECIPES:-bf16 delayed current block}
+RECIPES=${RECIPES:-bf16 delayed current block bf16-seed2}
 EXTRA=${EXTRA:-}
 FORCE=${FORCE:-0}
 REPORT_DIR=${REPORT_DIR:-docs/fp8-convergence}
@@ -65,16 +68,18 @@ if ((STEPS == 0)); then
   exit 2
 fi
 
-# The precision override of each setting.
-declare -A RECIPE_OVERRIDE=([bf16]=off [delayed]=delayed [current]=current [block]=block)
+# The overrides of each setting (space-separated section.key=value).
+declare -A SETTING=([bf16]="fp8.recipe=off" [delayed]="fp8.recipe=delayed" [current]="fp8.recipe=current"
+  [block]="fp8.recipe=block" [bf16-seed2]="fp8.recipe=off model.seed=4321"
+  [block-acc14]="fp8.recipe=block fp8.accumulator_bits=14")
 read -r -a recipes <<<"$RECIPES"
 if ((${#recipes[@]} == 0)); then
   echo "convergence.sh: RECIPES is empty" >&2
   exit 2
 fi
 for name in "${recipes[@]}"; do
-  if [[ -z ${RECIPE_OVERRIDE[$name]+set} ]]; then
-    echo "convergence.sh: unknown setting '$name' in RECIPES (expected some of: bf16 delayed current block)" >&2
+  if [[ -z ${SETTING[$name]+set} ]]; then
+    echo "convergence.sh: unknown setting '$name' in RECIPES (expected some of: ${!SETTING[*]})" >&2
     exit 2
   fi
 done
@@ -105,8 +110,9 @@ for name in "${recipes[@]}"; do
   # to, and report.py keeps the last record of each step); with FORCE the run starts over.
   resume=(--set checkpoint.resume=auto)
   [[ $FORCE == 1 ]] && resume=() && rm -f "$run_dir/train.log"
-  cmd=("$FORGE" train --config configs/default.toml
-    --set "fp8.recipe=${RECIPE_OVERRIDE[$name]}"
+  overrides=()
+  for assignment in ${SETTING[$name]}; do overrides+=(--set "$assignment"); done
+  cmd=("$FORGE" train --config configs/default.toml "${overrides[@]}"
     --set "train.steps=$STEPS" --set train.max_minutes=0 --set "eval.every=$EVAL_EVERY"
     --set sample.tokens=0 --set checkpoint.every=0 --set log.every=10 --set "log.run_dir=$run_dir"
     "${resume[@]}" "${extra[@]}")

@@ -274,6 +274,31 @@ TEST(Fp8BlockQuantize, OneByOneTwentyEightTransposedIsTheTransposeQuantized) {
   }
 }
 
+TEST(Fp8BlockQuantize, WithTransposeEqualsBothSeparatePasses) {
+  // Shapes with partial tiles on both edges, one tile, many tiles (the parallel path), NaN and inf inside.
+  const int64_t shapes[][2] = {{257, 130}, {128, 1}, {1, 3}, {300, 260}, {129, 40}, {512, 384}};
+  for (const auto& shape : shapes) {
+    const int64_t rows = shape[0], cols = shape[1];
+    std::vector<float> x = block_input(rows, cols, 11);
+    x[static_cast<size_t>(rows * cols / 2)] = kNaN;
+    x[0] = -kInf;
+    for (DType fp8 : kFormats) {
+      for (bool power_of_two : {false, true}) {
+        std::vector<uint8_t> q1(rows * cols), qt1(rows * cols), q2(rows * cols), qt2(rows * cols);
+        std::vector<float> s1(rows * num_blocks(cols)), st1(cols * num_blocks(rows)), s2(s1.size()), st2(st1.size());
+        quantize_1x128(x.data(), rows, cols, fp8, power_of_two, q1.data(), s1.data());
+        quantize_1x128_transposed(x.data(), rows, cols, fp8, power_of_two, qt1.data(), st1.data());
+        quantize_1x128_with_transpose(x.data(), rows, cols, fp8, power_of_two, q2.data(), s2.data(), qt2.data(),
+                                      st2.data());
+        EXPECT_EQ(q2, q1) << rows << "x" << cols;
+        EXPECT_EQ(qt2, qt1) << rows << "x" << cols;
+        EXPECT_EQ(0, std::memcmp(s2.data(), s1.data(), s1.size() * sizeof(float))) << rows << "x" << cols;
+        EXPECT_EQ(0, std::memcmp(st2.data(), st1.data(), st1.size() * sizeof(float))) << rows << "x" << cols;
+      }
+    }
+  }
+}
+
 TEST(Fp8BlockQuantize, OneTwentyEightSquareMatchesReferenceAndTranspose) {
   const int64_t shapes[][2] = {{130, 257}, {128, 128}, {1, 1}, {257, 129}, {300, 260}, {5, 0}};
   for (const auto& shape : shapes) {

@@ -2,6 +2,9 @@
 // (4 heads, 2 kv heads, byte vocabulary) and a short fp32-friendly config, all under one folder.
 #pragma once
 
+#include <gtest/gtest.h>
+#include <unistd.h>
+
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -9,6 +12,16 @@
 #include "forge/train/config.h"
 
 namespace forge::toy {
+
+// An empty directory for the running test: <tmp>/<prefix>_<pid>_<test name>, removed first if present.
+inline std::filesystem::path fresh_test_dir(const std::string& prefix) {
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() /
+      (prefix + "_" + std::to_string(::getpid()) + "_" + ::testing::UnitTest::GetInstance()->current_test_info()->name());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
 
 // Writes dir/corpus.txt and dir/config.json.
 inline void write_toy_run_inputs(const std::filesystem::path& dir) {

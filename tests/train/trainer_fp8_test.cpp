@@ -20,10 +20,7 @@ namespace fs = std::filesystem;
 class TrainerFp8 : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("forge_trainer_fp8_test_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    dir_ = toy::fresh_test_dir("forge_trainer_fp8_test");
     toy::write_toy_run_inputs(dir_);
   }
   void TearDown() override { fs::remove_all(dir_); }

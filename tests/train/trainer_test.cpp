@@ -26,10 +26,7 @@ std::string read_file(const fs::path& p) {
 class TrainerTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("forge_trainer_test_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    dir_ = toy::fresh_test_dir("forge_trainer_test");
     toy::write_toy_run_inputs(dir_);
   }
   void TearDown() override { fs::remove_all(dir_); }

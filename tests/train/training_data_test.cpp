@@ -1,6 +1,7 @@
 // The trainer's data: tokenizer choice (bytes, a BPE trained on the corpus and cached, a tokenizer.json),
 // the byte accounting behind bits per byte, and a short BPE training run end to end.
 #include "forge/train/training_data.h"
+#include "train/toy_run.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -23,10 +24,7 @@ using forge::testing::expect_error_containing;
 class TrainingDataTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("forge_training_data_test_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    dir_ = toy::fresh_test_dir("forge_training_data_test");
     std::ofstream corpus(dir_ / "corpus.txt");
     for (int i = 0; i < 300; ++i)
       corpus << "In the beginning was the word " << i % 17 << ", and the wörd was with the light — ☀.\n";

@@ -39,7 +39,9 @@ void add_train_command(CLI::App& app, Commands& commands) {
       "--set checkpoint.resume=auto. Writes <run_dir>/metrics.jsonl and <run_dir>/config.toml.\n"
       "Many processes: mpirun -np N forge train --set parallel.tp=T [--set parallel.sequence_parallel=true]\n"
       "[--set parallel.distributed_optimizer=true]: N ranks as tp x dp (dp = N / tp); rank 0 logs, every\n"
-      "rank writes its checkpoint shard (see docs/parallelism.md).");
+      "rank writes its checkpoint shard (see docs/parallelism.md).\n"
+      "FP8: --set fp8.recipe=delayed|current|block runs the transformer layers' Linear GEMMs in FP8\n"
+      "(emulated exactly on CPU; see docs/fp8.md).");
   commands.push_back({train, [o] { return run_train(*o); }});
 }
 

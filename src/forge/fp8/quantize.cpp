@@ -209,6 +209,53 @@ void quantize_1x128_transposed(const float* x, int64_t rows, int64_t cols, DType
   }
 }
 
+void quantize_1x128_with_transpose(const float* x, int64_t rows, int64_t cols, DType fp8, bool power_of_two_scales,
+                                   uint8_t* q, float* scale_inv, uint8_t* q_t, float* scale_inv_t) {
+  check_args("quantize_1x128_with_transpose", fp8, rows, cols);
+  const float max = fp8_max(fp8);
+  const int64_t row_blocks = num_blocks(rows), col_blocks = num_blocks(cols);
+  // One 128 x 128 tile of x at a time (64 KiB, L2-resident): its rows are 1x128 tiles of x, its columns
+  // 1x128 tiles of x^T, so both quantisations and all their amaxes come from one read of x from memory.
+#pragma omp parallel for collapse(2) schedule(static) if (rows * cols >= kParallelMin)
+  for (int64_t rb = 0; rb < row_blocks; ++rb) {
+    for (int64_t kb = 0; kb < col_blocks; ++kb) {
+      alignas(64) float staged[kBlockRows * kBlockTile];
+      alignas(64) uint8_t tile[kBlockRows * kBlockTile];
+      uint32_t column_bits[kBlockTile] = {};
+      const int64_t r0 = rb * kBlockTile, c0 = kb * kBlockTile;
+      const int64_t tr = std::min(kBlockTile, rows - r0), tc = std::min(kBlockTile, cols - c0);
+      // Row-wise: each row of the tile is one 1x128 tile of x; the column amaxes are gathered on the way.
+      for (int64_t s = 0; s < tr; s += kBlockRows) {
+        const int64_t sr = std::min(kBlockRows, tr - s);
+        for (int64_t r = 0; r < sr; ++r) {
+          const float* xr = x + (r0 + s + r) * cols + c0;
+          for (int64_t c = 0; c < tc; ++c) column_bits[c] = std::max(column_bits[c], abs_bits(xr[c]));
+          const float scale = block_scale(amax_bits(xr, tc), max, power_of_two_scales);
+          scale_inv[(r0 + s + r) * col_blocks + kb] = 1.0f / scale;
+          stage(xr, tc, scale, staged + r * tc, 0);
+        }
+        encode(staged, tile, sr * tc, fp8);
+        for (int64_t r = 0; r < sr; ++r) std::memcpy(q + (r0 + s + r) * cols + c0, tile + r * tc, tc);
+      }
+      // Column-wise: kBlockRows columns at a time, staged transposed (staged[c][r]).
+      for (int64_t s = 0; s < tc; s += kBlockRows) {
+        const int64_t sc = std::min(kBlockRows, tc - s);
+        float scales[kBlockRows];
+        for (int64_t c = 0; c < sc; ++c) {
+          scales[c] = block_scale(column_bits[s + c], max, power_of_two_scales);
+          scale_inv_t[(c0 + s + c) * row_blocks + rb] = 1.0f / scales[c];
+        }
+        for (int64_t r = 0; r < tr; ++r) {
+          const float* xr = x + (r0 + r) * cols + c0 + s;
+          for (int64_t c = 0; c < sc; ++c) staged[c * tr + r] = xr[c] * scales[c];
+        }
+        encode(staged, tile, tr * sc, fp8);
+        for (int64_t c = 0; c < sc; ++c) std::memcpy(q_t + (c0 + s + c) * rows + r0, tile + c * tr, tr);
+      }
+    }
+  }
+}
+
 void quantize_128x128(const float* x, int64_t rows, int64_t cols, DType fp8, bool power_of_two_scales,
                       uint8_t* q, float* scale_inv, uint8_t* q_transposed, float* scale_inv_transposed) {
   check_args("quantize_128x128", fp8, rows, cols);

@@ -47,6 +47,11 @@ void quantize_1x128(const float* x, int64_t rows, int64_t cols, DType fp8, bool 
                     uint8_t* q, float* scale_inv);
 void quantize_1x128_transposed(const float* x, int64_t rows, int64_t cols, DType fp8,
                                bool power_of_two_scales, uint8_t* q_t, float* scale_inv_t);
+// Both of the above from one read of x (tile by tile): bitwise equal to quantize_1x128 followed by
+// quantize_1x128_transposed. The block recipe's activations and gradients need both: 1x128 tiles along
+// their features for forward and the input gradient, along the tokens for the weight gradient.
+void quantize_1x128_with_transpose(const float* x, int64_t rows, int64_t cols, DType fp8, bool power_of_two_scales,
+                                   uint8_t* q, float* scale_inv, uint8_t* q_t, float* scale_inv_t);
 // q_transposed ([cols, rows]) and scale_inv_transposed ([ceil(cols/128)][ceil(rows/128)]) are optional
 // (null to skip): the 128x128 quantisation of x^T is the transpose of x's, block for block, with the same
 // scales, so the backward GEMM's weight operand comes from the same pass.

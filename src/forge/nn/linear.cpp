@@ -78,8 +78,8 @@ const Fp8Weight& Linear::fp8_weight() const {
   return w;
 }
 
-GemmOperand Linear::quantize(const Tensor& x, int64_t cols, TensorRole role, bool with_rows,
-                             bool with_transpose) const {
+GemmOperand Linear::quantize(const Tensor& x, int64_t cols, TensorRole role, bool with_rows, bool with_transpose,
+                             std::optional<float> fixed_scale) const {
   FORGE_CHECK(x.dtype() == DType::f32 && x.numel() % cols == 0,
               "FP8 Linear '{}': expected an fp32 operand of [*, {}], got {} {}", fp8_->linear_name(slot_), cols,
               dtype_name(x.dtype()), shape_string(x.shape()));
@@ -87,27 +87,36 @@ GemmOperand Linear::quantize(const Tensor& x, int64_t cols, TensorRole role, boo
   const DType dtype = fp8_->dtype(role);
   const fp8::RecipeConfig& rc = fp8_->options().recipe;
   GemmOperand op;
+  if (with_rows) op.data = Tensor::empty({rows, cols}, dtype);
+  if (with_transpose) op.data_t = Tensor::empty({cols, rows}, dtype);
   if (rc.recipe == Recipe::block) {
-    if (with_rows) {
-      op.data = Tensor::empty({rows, cols}, dtype);
-      op.tiles = Tensor::empty({rows, fp8::num_blocks(cols)}, DType::f32);
-      fp8::quantize_1x128(x.f32(), rows, cols, dtype, rc.power_of_two_scales, codes(op.data), op.tiles.f32());
-    }
-    if (with_transpose) {
-      op.data_t = Tensor::empty({cols, rows}, dtype);
-      op.tiles_t = Tensor::empty({cols, fp8::num_blocks(rows)}, DType::f32);
-      fp8::quantize_1x128_transposed(x.f32(), rows, cols, dtype, rc.power_of_two_scales, codes(op.data_t),
-                                     op.tiles_t.f32());
-    }
+    const bool pow2 = rc.power_of_two_scales;
+    if (with_rows) op.tiles = Tensor::empty({rows, fp8::num_blocks(cols)}, DType::f32);
+    if (with_transpose) op.tiles_t = Tensor::empty({cols, fp8::num_blocks(rows)}, DType::f32);
+    if (with_rows && with_transpose)
+      fp8::quantize_1x128_with_transpose(x.f32(), rows, cols, dtype, pow2, codes(op.data), op.tiles.f32(),
+                                         codes(op.data_t), op.tiles_t.f32());
+    else if (with_rows)
+      fp8::quantize_1x128(x.f32(), rows, cols, dtype, pow2, codes(op.data), op.tiles.f32());
+    else if (with_transpose)
+      fp8::quantize_1x128_transposed(x.f32(), rows, cols, dtype, pow2, codes(op.data_t), op.tiles_t.f32());
     return op;
   }
-  const float scale =
-      rc.recipe == Recipe::delayed
-          ? fp8_->delayed_scale(slot_, role)
-          : fp8::compute_scale(fp8::compute_amax(x.f32(), x.numel()), fp8::fp8_max(dtype), rc.margin, 1.0f);
-  op.data = Tensor::empty({rows, cols}, dtype);
-  const float amax = fp8::quantize(x.f32(), x.numel(), scale, dtype, codes(op.data));
-  if (rc.recipe == Recipe::delayed && fp8_->recording()) fp8_->record_amax(slot_, role, amax);
+  float scale = 1.0f;
+  if (fixed_scale)
+    scale = *fixed_scale;
+  else if (rc.recipe == Recipe::delayed)
+    scale = fp8_->delayed_scale(slot_, role);
+  else
+    scale = fp8::compute_scale(fp8::compute_amax(x.f32(), x.numel()), fp8::fp8_max(dtype), rc.margin, 1.0f);
+  float amax = 0.0f;
+  if (with_transpose) {  // one pass: both layouts and the amax
+    Tensor rowwise = with_rows ? op.data : Tensor::empty({rows, cols}, dtype);
+    amax = fp8::cast_transpose(x.f32(), rows, cols, scale, dtype, codes(rowwise), codes(op.data_t));
+  } else if (with_rows) {
+    amax = fp8::quantize(x.f32(), x.numel(), scale, dtype, codes(op.data));
+  }
+  if (rc.recipe == Recipe::delayed && !fixed_scale && fp8_->recording()) fp8_->record_amax(slot_, role, amax);
   op.scale = scale, op.scale_inv = 1.0f / scale;
   return op;
 }
@@ -135,11 +144,8 @@ GemmOperand Linear::grad_output(const Tensor& dy) const {
 
 void Linear::keep_for_backward(GemmOperand& x) const {
   if (!fp8_) return;
-  if (x.high.defined()) {  // save_fp8_inputs = false: the codes are cast again in backward (same scale)
-    x.data = x.tiles = x.data_t = x.tiles_t = Tensor();
-  } else if (fp8_->recipe() == Recipe::block) {  // the weight gradient reads only the transposed tiles
-    x.data = x.tiles = Tensor();
-  }
+  x.data = x.tiles = Tensor();  // the weight gradient reads only the transposed copy
+  if (x.high.defined()) x.data_t = x.tiles_t = Tensor();  // save_fp8_inputs = false: cast again in backward
 }
 
 namespace {
@@ -206,12 +212,11 @@ Tensor Linear::backward_input(GemmOperand& dy) const {
   p.c = dx.f32(), p.ldc = in_;
   if (p.scaling == ops::Fp8Scaling::block) {
     p.a_scales = dy.tiles.f32(), p.b_scales = w.block_scale_inv.f32(), p.b_block = ops::Fp8BlockScales::block_128x128;
-    ops::fp8_gemm(p);
-    dy.data = dy.tiles = Tensor();  // the weight gradient reads the transposed tiles
   } else {
     p.a_scale_inv = dy.scale_inv, p.b_scale_inv = w.scale_inv;
-    ops::fp8_gemm(p);
   }
+  ops::fp8_gemm(p);
+  dy.data = dy.tiles = Tensor();  // the weight gradient reads the transposed copy
   return dx;
 }
 
@@ -239,33 +244,24 @@ void Linear::backward_weight(const GemmOperand& dy, const GemmOperand& x) const 
       xf = Tensor::empty(x.high.shape(), DType::f32);
       convert_bf16_to_f32(x.high.bf16(), xf.f32(), static_cast<size_t>(xf.numel()));
     }
-    if (fp8_->recipe() == Recipe::block) {
-      recast = quantize(xf, in_, TensorRole::input, /*with_rows=*/false, /*with_transpose=*/true);
-    } else {
-      const DType dtype = fp8_->dtype(TensorRole::input);
-      recast.data = Tensor::empty(xf.shape(), dtype);
-      fp8::quantize(xf.f32(), xf.numel(), x.scale, dtype, codes(recast.data));
-      recast.scale = x.scale, recast.scale_inv = x.scale_inv;
-    }
+    const bool block = fp8_->recipe() == Recipe::block;
+    recast = quantize(xf, in_, TensorRole::input, /*with_rows=*/false, /*with_transpose=*/true,
+                      block ? std::nullopt : std::optional<float>(x.scale));
     xs = &recast;
   }
+  FORGE_CHECK(dy.data_t.defined() && xs->data_t.defined(), "Linear::backward_weight: transposed operands missing");
+  // dW [out, in] = dy^T [out, tokens] . (x^T [in, tokens])^T: both operands K-major (K = the tokens), the
+  // layout FP8 tensor cores take, and under the block recipe both in 1x128 tiles along the tokens.
+  const int64_t rows = dy.data_t.dim(1);
   ops::Fp8GemmParams p = fp8_params(fp8_->options());
-  p.m = out_, p.n = in_;
+  p.m = out_, p.n = in_, p.k = rows;
+  p.a = codes(dy.data_t), p.lda = rows, p.a_dtype = dy.data_t.dtype();
+  p.b = codes(xs->data_t), p.ldb = rows, p.trans_b = true, p.b_dtype = xs->data_t.dtype();
   p.c = dw.f32(), p.ldc = in_;
   p.beta = 1.0f;
   if (p.scaling == ops::Fp8Scaling::block) {
-    FORGE_CHECK(dy.data_t.defined() && xs->data_t.defined(), "Linear::backward_weight: transposed tiles missing");
-    const int64_t rows = dy.data_t.dim(1);
-    p.k = rows;
-    // dy^T [out, rows] and x^T [in, rows], both in 1x128 tiles along the tokens (K).
-    p.a = codes(dy.data_t), p.lda = rows, p.a_dtype = dy.data_t.dtype(), p.a_scales = dy.tiles_t.f32();
-    p.b = codes(xs->data_t), p.ldb = rows, p.trans_b = true, p.b_dtype = xs->data_t.dtype();
-    p.b_scales = xs->tiles_t.f32(), p.b_block = ops::Fp8BlockScales::tile_1x128;
+    p.a_scales = dy.tiles_t.f32(), p.b_scales = xs->tiles_t.f32(), p.b_block = ops::Fp8BlockScales::tile_1x128;
   } else {
-    const int64_t rows = dy.data.numel() / out_;
-    p.k = rows;
-    p.a = codes(dy.data), p.lda = out_, p.trans_a = true, p.a_dtype = dy.data.dtype();
-    p.b = codes(xs->data), p.ldb = in_, p.b_dtype = xs->data.dtype();
     p.a_scale_inv = dy.scale_inv, p.b_scale_inv = xs->scale_inv;
   }
   ops::fp8_gemm(p);

@@ -3,18 +3,18 @@
 //
 // A Linear runs three GEMMs: forward y = x W^T, input gradient dx = dy W and weight gradient dW += dy^T x.
 // Their activation operands (x and dy) pass through GemmOperand, which holds them as the GEMMs read them:
-// in the GEMM dtype (fp32 or bf16), or under FP8 (ComputeOptions::fp8) as FP8 codes with their scales:
-//   per-tensor recipes (delayed, current)  one copy of the codes, read by both GEMMs that use the operand
-//                                          (the CPU GEMM reads either orientation; a tensor-core backend
-//                                          would take the transposed copy from fp8::cast_transpose);
-//   block recipe (DeepSeek-V3)             the scales run along each GEMM's K, so x and dy are quantised
-//                                          twice: 1x128 tiles along their rows' features (forward, input
-//                                          gradient) and along the tokens (weight gradient, as x^T / dy^T).
-// After forward, an input operand keeps only what the weight gradient reads (under the block recipe, the
-// transposed copy); with Fp8Options::save_fp8_inputs = false it keeps the GEMM-dtype tensor instead and is
-// cast again in backward. The FP8 weight is cast once per weight version and shared (Fp8Context::weight).
+// in the GEMM dtype (fp32 or bf16), or under FP8 (ComputeOptions::fp8) as FP8 codes with their scales, in
+// the two layouts FP8 tensor cores need (both operands K-major), made in one pass over the input:
+//   row-wise     [tokens, features]  for forward (x) and the input gradient (dy), K = the features;
+//   column-wise  [features, tokens]  for the weight gradient (x^T, dy^T), K = the tokens.
+// Per-tensor recipes (delayed, current) share one scale between the two (fp8::cast_transpose); the block
+// recipe (DeepSeek-V3) has 1x128 tiles along each layout's K (fp8::quantize_1x128_with_transpose).
+// After forward, an input operand keeps only the column-wise copy the weight gradient reads; with
+// Fp8Options::save_fp8_inputs = false it keeps the GEMM-dtype tensor instead and is cast again in backward
+// with the forward's scale. The FP8 weight is cast once per weight version and shared (Fp8Context::weight).
 #pragma once
 
+#include <optional>
 #include <string>
 
 #include "forge/nn/compute.h"
@@ -24,10 +24,11 @@
 namespace forge::nn {
 
 struct GemmOperand {
-  Tensor data;             // [rows, cols]: fp32 / bf16, or FP8 codes (block: 1x128 tiles along cols)
-  float scale = 1.0f, scale_inv = 1.0f;  // FP8 per-tensor recipes: data * scale_inv is the value
+  Tensor data;             // [rows, cols]: fp32 / bf16, or FP8 codes row-wise (block: 1x128 tiles along cols)
+  float scale = 1.0f, scale_inv = 1.0f;  // FP8 per-tensor recipes: codes * scale_inv is the value
   Tensor tiles;            // block: scale_inv of data's tiles [rows][ceil(cols/128)]
-  Tensor data_t, tiles_t;  // block: the transpose [cols, rows] in 1x128 tiles along rows, [cols][ceil(rows/128)]
+  Tensor data_t, tiles_t;  // FP8 column-wise: the transpose [cols, rows]; block: its 1x128 tiles along rows,
+                           // scale_inv [cols][ceil(rows/128)]
   Tensor high;             // FP8 with save_fp8_inputs = false: the GEMM-dtype tensor kept for backward
   bool defined() const { return data.defined() || data_t.defined() || high.defined(); }
   // Bytes held (what an activation saved for backward costs).
@@ -65,8 +66,9 @@ class Linear {
   const Fp8Weight& fp8_weight() const;  // cast when the master weights changed since the last cast
   // x [rows, cols] to FP8 in the role's format: the row-wise codes (with_rows) and, under the block recipe,
   // the transposed tiles (with_transpose).
-  GemmOperand quantize(const Tensor& x, int64_t cols, fp8::TensorRole role, bool with_rows,
-                       bool with_transpose) const;
+  // fixed_scale: cast with this per-tensor scale (a re-cast in backward) instead of the recipe's.
+  GemmOperand quantize(const Tensor& x, int64_t cols, fp8::TensorRole role, bool with_rows, bool with_transpose,
+                       std::optional<float> fixed_scale = std::nullopt) const;
 
   ParameterStore* store_ = nullptr;
   int first_ = 0, count_ = 0;
