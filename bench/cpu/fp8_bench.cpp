@@ -85,6 +85,20 @@ BENCHMARK(BM_Fp8QuantizeAmax)->ArgName("n")->Arg(4096)->Arg(256)->UseRealTime();
 BENCHMARK(BM_Fp8CastTransposeAmax)->ArgName("n")->Arg(4096)->Arg(256)->UseRealTime();
 BENCHMARK(BM_Fp8Quantize1x128)->ArgName("n")->Arg(4096)->Arg(256)->UseRealTime();
 BENCHMARK(BM_Fp8Quantize1x128Transposed)->ArgName("n")->Arg(4096)->Arg(256)->UseRealTime();
+
+// What the block recipe's Linear does per activation and gradient: both tile layouts from one read of x.
+void BM_Fp8Quantize1x128WithTranspose(benchmark::State& state) {
+  Data d(state.range(0));
+  std::vector<float> scale_inv_t(d.scale_inv.size());
+  for (auto _ : state) {
+    quantize_1x128_with_transpose(d.x.data(), d.n, d.n, DType::e4m3, true, d.q.data(), d.scale_inv.data(),
+                                  d.q_t.data(), scale_inv_t.data());
+    benchmark::ClobberMemory();
+  }
+  // Reads x (4 bytes), writes both codes (2 bytes) and both scale tensors.
+  bytes_per_call(state, 6 * d.elements() + 8.0 * static_cast<double>(d.scale_inv.size()));
+}
+BENCHMARK(BM_Fp8Quantize1x128WithTranspose)->ArgName("n")->Arg(4096)->Arg(256)->UseRealTime();
 BENCHMARK(BM_Fp8Quantize128x128)->ArgName("n")->Arg(4096)->Arg(256)->UseRealTime();
 
 }  // namespace
