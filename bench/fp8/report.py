@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from xml.sax.saxutils import escape
 
 try:
-    import tomllib  # Python 3.11+: only used to describe the model in the chart title
+    import tomllib  # Python 3.11+: only used to describe the model and each run's settings
 except ImportError:
     tomllib = None
 
@@ -149,6 +149,37 @@ def describe_model(runs):
          if r.train and isinstance(r.train[-1].get("tokens"), int) and r.train[-1]["step"] > 0), None)
     parts.append(f"{steps} steps" + (f" x {tokens_per_step} tokens" if tokens_per_step else ""))
     return ", ".join(parts)
+
+
+# Keys that name where a run writes or whether it resumed, not what it trains.
+IGNORED_SETTINGS = {"log.run_dir", "checkpoint.dir", "checkpoint.resume"}
+
+
+def flat_config(run):
+    """The run's config.toml (written by forge train) as {"section.key": value}; {} when unreadable."""
+    path = run.directory / "config.toml"
+    if not tomllib or not path.is_file():
+        return {}
+    try:
+        config = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, tomllib.TOMLDecodeError):
+        return {}
+    return {f"{section}.{key}": value for section, table in config.items() if isinstance(table, dict)
+            for key, value in table.items()}
+
+
+def settings_differences(runs):
+    """For each run, 'key=value' for every setting that differs from the baseline's (runs[0])."""
+    base = flat_config(runs[0])
+    out = []
+    for run in runs:
+        mine = flat_config(run)
+        if not mine or not base:
+            out.append("?" if run is not runs[0] else "")
+            continue
+        diffs = [f"{k}={mine[k]}" for k in sorted(mine) if k not in IGNORED_SETTINGS and mine.get(k) != base.get(k)]
+        out.append(", ".join(diffs))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- the chart
@@ -352,7 +383,8 @@ def table_rows(runs, tolerance):
     base = runs[0]
     base_final, base_speed = base.final_eval_loss, base.mean_tokens_per_s
     rows, problems = [], []
-    for run in runs:
+    settings = settings_differences(runs)
+    for run, setting in zip(runs, settings):
         final = run.final_eval_loss
         difference = relative(final, base_final)
         speed = run.mean_tokens_per_s
@@ -377,18 +409,19 @@ def table_rows(runs, tolerance):
             f"{run.final_train_loss:.4f}" if run.final_train_loss is not None else "—",
             f"{speed:,.0f}" if speed is not None else "—",
             f"{speed_ratio:.2f}x" if speed_ratio is not None else "—",
+            setting or ("—" if run is not base else "(as configured)"),
         ])
     return rows, problems
 
 
 HEADER = ["run", "steps", "final held-out loss", "vs baseline", "within tolerance", "final training loss (EMA)",
-          "mean tokens/s", "tokens/s vs baseline"]
+          "mean tokens/s", "tokens/s vs baseline", "settings that differ from the baseline"]
 
 
 def markdown_table(rows):
     """A Markdown table padded to aligned columns, readable in a terminal as well."""
     widths = [max(len(row[i]) for row in [HEADER] + rows) for i in range(len(HEADER))]
-    numeric = [False, True, True, True, False, True, True, True]
+    numeric = [False, True, True, True, False, True, True, True, False]
 
     def line(cells):
         return "| " + " | ".join(c.rjust(w) if n else c.ljust(w) for c, w, n in zip(cells, widths, numeric)) + " |"
@@ -405,8 +438,8 @@ def render_markdown(runs, baseline, tolerance, setup, table, problems):
         "",
         f"Produced by `bench/fp8/convergence.sh` ({setup}; held-out evaluation"
         + (f" every {every} steps and" if every else "") + " at the end), "
-        "summarized by `bench/fp8/report.py`. Each run trains `configs/default.toml` from the same seed on the "
-        "same data; only the precision differs.",
+        "summarized by `bench/fp8/report.py`. Each run trains `configs/default.toml` on the same data; the last "
+        "column lists where a run's settings (its `config.toml`) differ from the baseline's.",
         "",
         f"Tolerance: the final held-out loss may differ from `{baseline}` by at most ±{100 * tolerance:g}% "
         "(relative). Training loss is the exponential moving average (α = "
