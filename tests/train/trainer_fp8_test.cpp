@@ -121,6 +121,11 @@ TEST_F(TrainerFp8, Bf16LayersAtBothEndsAndAccumulatorEmulationRun) {
   const TrainResult r = Trainer(c).run();
   EXPECT_EQ(r.losses.size(), 4u);
   EXPECT_TRUE(std::isfinite(r.heldout_loss));
+  // Only layer 1's four Linears (q|k|v, o, gate|up, down) are in FP8, each with three scaled operands.
+  EXPECT_EQ(r.fp8_scales.size(), 4u * 3);
+  c.fp8.bf16_first_layers = 0;
+  c.log.run_dir = (dir_ / "all").string();
+  EXPECT_EQ(Trainer(c).run().fp8_scales.size(), 2u * 4 * 3);
 }
 
 TEST_F(TrainerFp8, RefusesSettingsThatLeaveNoLayerInFp8) {

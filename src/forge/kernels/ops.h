@@ -258,6 +258,9 @@ struct OpTable {
 };
 
 const OpTable& cpu_table();
+// The CUDA backend's table (kernels/cuda; built with FORGE_CUDA). Its ops take device pointers.
+const OpTable& cuda_table();
+// The table of a device; fails with one line when that backend is not built into this binary.
 const OpTable& table(Device device);
 
 inline void gemm(const GemmParams& p, Device d = Device::cpu) { table(d).gemm(p); }

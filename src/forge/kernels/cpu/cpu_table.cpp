@@ -29,7 +29,11 @@ const OpTable& cpu_table() {
 
 const OpTable& table(Device device) {
   if (device == Device::cpu) return cpu_table();
-  fail("no kernel backend is built for this device (CUDA backend not compiled in)");
+#ifdef FORGE_HAVE_CUDA
+  if (device == Device::cuda) return cuda_table();
+#endif
+  fail("no kernel backend is built for this device (CUDA backend not compiled in: configure with -DFORGE_CUDA=ON "
+       "where nvcc is installed)");
 }
 
 }  // namespace forge::ops

@@ -1,0 +1,345 @@
+// GPU GEMM throughput (bench/gpu/run_all.sh): forge's cuBLASLt GEMMs beside a peer in the same run, on the
+// forward GEMM y[m,n] = x[m,k] W[n,k]^T (NT, fp32 output) of a LLaMA-3-8B layer at 8192 tokens plus 8192^3:
+//   bf16  forge::cuda::gemm                  vs cublasGemmEx (bf16 in, fp32 out, CUBLAS_COMPUTE_32F)
+//   fp8   forge::cuda::fp8_gemm, per tensor  vs cublasLtMatmul called directly (E4M3 x E4M3, fp32 out, scale
+//                                               pointers, the heuristic's first algorithm)
+// Both run on forge's stream. One sample times `batch` back-to-back calls between two CUDA events (so the
+// host runs ahead as in training and launch overhead is not what is measured); samples alternate between
+// forge and the peer; the median sample gives TFLOP/s = 2mnk / time. After timing, both outputs' first rows
+// are compared. Without a usable GPU it prints one line and exits 0.
+#include <cublasLt.h>
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "forge/core/dtype.h"
+#include "forge/core/error.h"
+#include "forge/kernels/cuda/cuda_kernels.h"
+#include "forge/kernels/cuda/runtime.h"
+#include "forge/kernels/ops.h"
+
+namespace forge::cuda {
+namespace {
+
+void check_cublas(cublasStatus_t status, const char* what) {
+  if (status != CUBLAS_STATUS_SUCCESS)
+    fail("forge_gpubench: {} failed: {}", what, cublasGetStatusString(status));
+}
+
+struct Options {
+  std::string json_path;
+  std::string dtypes = "all";  // bf16, fp8 or all
+  int samples = 15, warmup = 3, batch = 10;
+};
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) fail("forge_gpubench: {} needs a value", arg);
+      return argv[++i];
+    };
+    if (arg == "--json") {
+      o.json_path = next();
+    } else if (arg == "--dtype") {
+      o.dtypes = next();
+    } else if (arg == "--samples") {
+      o.samples = std::stoi(next());
+    } else if (arg == "--warmup") {
+      o.warmup = std::stoi(next());
+    } else if (arg == "--batch") {
+      o.batch = std::stoi(next());
+    } else if (arg == "--help" || arg == "-h") {
+      std::printf(
+          "usage: forge_gpubench [--json results.jsonl] [--dtype bf16|fp8|all] [--samples 15] [--warmup 3] "
+          "[--batch 10]\n");
+      std::exit(0);
+    } else {
+      fail("forge_gpubench: unknown argument '{}' (see --help)", arg);
+    }
+  }
+  if (o.dtypes != "bf16" && o.dtypes != "fp8" && o.dtypes != "all")
+    fail("forge_gpubench: --dtype is bf16, fp8 or all, not '{}'", o.dtypes);
+  if (o.samples < 1 || o.warmup < 0 || o.batch < 1) fail("forge_gpubench: need --samples >= 1, --batch >= 1");
+  return o;
+}
+
+struct Shape {
+  const char* name;
+  int64_t m, n, k;  // y[m,n] = x[m,k] W[n,k]^T
+};
+
+// LLaMA-3-8B: hidden 4096, 32 heads and 8 kv heads of 128 (q|k|v = 6144), ffn 14336 (gate|up = 28672).
+const Shape kShapes[] = {
+    {"qkv", 8192, 6144, 4096},   {"o", 8192, 4096, 4096},      {"gate_up", 8192, 28672, 4096},
+    {"down", 8192, 4096, 14336}, {"square", 8192, 8192, 8192},
+};
+
+uint64_t next_random(uint64_t& s) {
+  s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+  return s;
+}
+
+// bf16 values uniform in about [-1, 1].
+uint16_t random_bf16(uint64_t& s) {
+  return f32_to_bf16_bits(static_cast<float>(next_random(s) % 2000001) / 1e6f - 1.0f);
+}
+
+// E4M3 codes of values in about [-4, 4] (never NaN): exponent fields 4..8, any mantissa, random sign.
+uint8_t random_e4m3(uint64_t& s) {
+  const uint64_t r = next_random(s);
+  const unsigned exponent = 4 + r % 5, mantissa = (r >> 8) & 7, sign = (r >> 16) & 1;
+  return static_cast<uint8_t>(sign << 7 | exponent << 3 | mantissa);
+}
+
+// Fills a device buffer of T with values from `make`: one host pattern of up to 16M elements, uploaded again
+// and again at shifting offsets (generating gigabytes on the host would take longer than the benchmark).
+template <typename T>
+void fill(DeviceBuffer& buffer, T (*make)(uint64_t&), uint64_t seed) {
+  const size_t count = buffer.bytes() / sizeof(T), chunk = std::min<size_t>(count, size_t{1} << 24);
+  std::vector<T> pattern(chunk + 64);
+  uint64_t state = seed;
+  for (auto& v : pattern) v = make(state);
+  for (size_t at = 0, round = 0; at < count; at += chunk, ++round) {
+    const size_t n = std::min(chunk, count - at);
+    FORGE_CUDA_CHECK(cudaMemcpy(buffer.as<T>() + at, pattern.data() + (round * 7) % 64, n * sizeof(T),
+                                cudaMemcpyHostToDevice));
+  }
+}
+
+// Median time per call (ms) of forge's call and the peer's, in samples of `batch` calls, alternating.
+struct Timing {
+  double forge_ms, peer_ms;
+};
+Timing time_pair(const std::function<void()>& forge_call, const std::function<void()>& peer_call,
+                 const Options& o) {
+  cudaStream_t s = stream();
+  cudaEvent_t start, stop;
+  FORGE_CUDA_CHECK(cudaEventCreate(&start));
+  FORGE_CUDA_CHECK(cudaEventCreate(&stop));
+  auto sample = [&](const std::function<void()>& call) {
+    FORGE_CUDA_CHECK(cudaEventRecord(start, s));
+    for (int i = 0; i < o.batch; ++i) call();
+    FORGE_CUDA_CHECK(cudaEventRecord(stop, s));
+    FORGE_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    FORGE_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    return static_cast<double>(ms) / o.batch;
+  };
+  for (int i = 0; i < o.warmup; ++i) sample(forge_call), sample(peer_call);
+  std::vector<double> forge_times, peer_times;
+  for (int i = 0; i < o.samples; ++i) {
+    forge_times.push_back(sample(forge_call));
+    peer_times.push_back(sample(peer_call));
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+  };
+  return {median(forge_times), median(peer_times)};
+}
+
+// max |forge - peer| / max |peer| over the first `rows` rows of two [m, n] fp32 outputs.
+double compare_rows(const DeviceBuffer& forge_out, const DeviceBuffer& peer_out, int64_t n, int64_t rows) {
+  std::vector<float> a(rows * n), b(rows * n);
+  forge_out.download(a.data(), a.size() * sizeof(float));
+  peer_out.download(b.data(), b.size() * sizeof(float));
+  double diff = 0, ref = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff = std::max(diff, std::abs(double{a[i]} - b[i]));
+    ref = std::max(ref, std::abs(double{b[i]}));
+  }
+  return diff / std::max(ref, 1e-30);
+}
+
+struct Row {
+  std::string dtype, peer;
+  Shape shape;
+  Timing t;
+  double max_rel_diff;
+};
+
+Row bench_bf16(const Shape& sh, cublasHandle_t handle, const Options& o) {
+  DeviceBuffer x(sh.m * sh.k * 2), w(sh.n * sh.k * 2), y_forge(sh.m * sh.n * 4), y_peer(sh.m * sh.n * 4);
+  fill(x, random_bf16, 1), fill(w, random_bf16, 2);
+  ops::GemmParams p;
+  p.m = sh.m, p.n = sh.n, p.k = sh.k;
+  p.a = x.data(), p.lda = sh.k;
+  p.b = w.data(), p.ldb = sh.k, p.trans_b = true;
+  p.ab_dtype = DType::bf16;
+  p.c = y_forge.as<float>(), p.ldc = sh.n;
+  const float alpha = 1, beta = 0;
+  auto forge_call = [&] { cuda::gemm(p); };
+  // Column-major: y^T[n,m] = W^T^T x^T, i.e. op(A) = W stored k x n (transposed), B = x stored k x m.
+  auto peer_call = [&] {
+    check_cublas(
+        cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(sh.n), static_cast<int>(sh.m),
+                     static_cast<int>(sh.k), &alpha, w.data(), CUDA_R_16BF, static_cast<int>(sh.k), x.data(),
+                     CUDA_R_16BF, static_cast<int>(sh.k), &beta, y_peer.data(), CUDA_R_32F,
+                     static_cast<int>(sh.n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+        "cublasGemmEx");
+  };
+  const Timing t = time_pair(forge_call, peer_call, o);
+  return {"bf16", "cublasGemmEx", sh, t, compare_rows(y_forge, y_peer, sh.n, 16)};
+}
+
+// cublasLtMatmul for E4M3 x E4M3 -> fp32 in the TN layout, set up once per shape as a user of cuBLASLt would.
+class LtFp8Peer {
+ public:
+  LtFp8Peer(cublasLtHandle_t handle, const Shape& sh, const void* x, const void* w, float* y,
+            const float* scales)
+      : handle_(handle), x_(x), w_(w), y_(y), workspace_(size_t{32} << 20) {
+    auto check = [](cublasStatus_t s, const char* what) {
+      if (s != CUBLAS_STATUS_SUCCESS) fail("forge_gpubench: {} failed: {}", what, cublasLtGetStatusString(s));
+    };
+    check(cublasLtMatmulDescCreate(&desc_, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
+    const int32_t t = CUBLAS_OP_T, n = CUBLAS_OP_N;
+    check(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof t), "TRANSA");
+    check(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSB, &n, sizeof n), "TRANSB");
+    const void* a_scale = scales;
+    const void* b_scale = scales + 1;
+    check(
+        cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scale, sizeof a_scale),
+        "A_SCALE_POINTER");
+    check(
+        cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale, sizeof b_scale),
+        "B_SCALE_POINTER");
+    check(cublasLtMatrixLayoutCreate(&a_, CUDA_R_8F_E4M3, sh.k, sh.n, sh.k), "layout A");
+    check(cublasLtMatrixLayoutCreate(&b_, CUDA_R_8F_E4M3, sh.k, sh.m, sh.k), "layout B");
+    check(cublasLtMatrixLayoutCreate(&c_, CUDA_R_32F, sh.n, sh.m, sh.n), "layout C");
+    cublasLtMatmulPreference_t pref;
+    check(cublasLtMatmulPreferenceCreate(&pref), "preference");
+    const uint64_t bytes = workspace_.bytes();
+    check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &bytes,
+                                               sizeof bytes),
+          "workspace preference");
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    check(cublasLtMatmulAlgoGetHeuristic(handle_, desc_, a_, b_, c_, c_, pref, 1, &result, &found),
+          "heuristic");
+    cublasLtMatmulPreferenceDestroy(pref);
+    if (found == 0) fail("forge_gpubench: cuBLASLt has no FP8 algorithm for {}x{}x{}", sh.m, sh.n, sh.k);
+    algo_ = result.algo;
+  }
+  ~LtFp8Peer() {
+    cublasLtMatrixLayoutDestroy(a_), cublasLtMatrixLayoutDestroy(b_), cublasLtMatrixLayoutDestroy(c_);
+    cublasLtMatmulDescDestroy(desc_);
+  }
+  void operator()() const {
+    const float alpha = 1, beta = 0;
+    const cublasStatus_t s = cublasLtMatmul(handle_, desc_, &alpha, w_, a_, x_, b_, &beta, y_, c_, y_, c_,
+                                            &algo_, workspace_.data(), workspace_.bytes(), stream());
+    if (s != CUBLAS_STATUS_SUCCESS)
+      fail("forge_gpubench: cublasLtMatmul failed: {}", cublasLtGetStatusString(s));
+  }
+
+ private:
+  cublasLtHandle_t handle_;
+  const void *x_, *w_;
+  float* y_;
+  DeviceBuffer workspace_;
+  cublasLtMatmulDesc_t desc_ = nullptr;
+  cublasLtMatrixLayout_t a_ = nullptr, b_ = nullptr, c_ = nullptr;
+  cublasLtMatmulAlgo_t algo_{};
+};
+
+Row bench_fp8(const Shape& sh, cublasLtHandle_t lt, const Options& o) {
+  DeviceBuffer x(sh.m * sh.k), w(sh.n * sh.k), y_forge(sh.m * sh.n * 4), y_peer(sh.m * sh.n * 4), scales(8);
+  fill(x, random_e4m3, 3), fill(w, random_e4m3, 4);
+  const float scale_values[2] = {0.5f, 0.25f};  // peer: A (= W) scale, B (= x) scale
+  scales.upload(scale_values, sizeof scale_values);
+  ops::Fp8GemmParams p;
+  p.m = sh.m, p.n = sh.n, p.k = sh.k;
+  p.a = x.as<uint8_t>(), p.lda = sh.k, p.a_dtype = DType::e4m3;
+  p.b = w.as<uint8_t>(), p.ldb = sh.k, p.trans_b = true, p.b_dtype = DType::e4m3;
+  p.c = y_forge.as<float>(), p.ldc = sh.n;
+  p.a_scale_inv = 0.25f, p.b_scale_inv = 0.5f;
+  const LtFp8Peer peer(lt, sh, x.data(), w.data(), y_peer.as<float>(), scales.as<float>());
+  auto forge_call = [&] { cuda::fp8_gemm(p); };
+  auto peer_call = [&] { peer(); };
+  const Timing t = time_pair(forge_call, peer_call, o);
+  return {"fp8", "cublasLtMatmul", sh, t, compare_rows(y_forge, y_peer, sh.n, 16)};
+}
+
+double tflops(const Shape& sh, double ms) { return 2.0 * sh.m * sh.n * sh.k / (ms * 1e-3) / 1e12; }
+
+int run(const Options& o) {
+  if (!available()) {
+    std::printf("forge_gpubench: %s: nothing measured\n", describe_device().c_str());
+    return 0;
+  }
+  const std::string device = describe_device();
+  std::printf("forge_gpubench on %s: median of %d samples of %d calls, y = x W^T, fp32 output\n",
+              device.c_str(), o.samples, o.batch);
+  std::FILE* json = nullptr;
+  if (!o.json_path.empty()) {
+    json = std::fopen(o.json_path.c_str(), "w");
+    if (!json) fail("forge_gpubench: cannot write {}", o.json_path);
+  }
+  cublasHandle_t handle;
+  check_cublas(cublasCreate(&handle), "cublasCreate");
+  check_cublas(cublasSetStream(handle, stream()), "cublasSetStream");
+  cublasLtHandle_t lt;
+  check_cublas(cublasLtCreate(&lt), "cublasLtCreate");
+
+  std::printf("%-5s %-8s %6s %6s %6s  %12s  %-15s %12s  %10s  %12s\n", "dtype", "shape", "m", "n", "k",
+              "forge TFLOP/s", "peer", "peer TFLOP/s", "forge/peer", "max rel diff");
+  int failures = 0;
+  for (const char* dtype : {"bf16", "fp8"}) {
+    if (o.dtypes != "all" && o.dtypes != dtype) continue;
+    for (const Shape& sh : kShapes) {
+      try {
+        const Row r = std::string(dtype) == "bf16" ? bench_bf16(sh, handle, o) : bench_fp8(sh, lt, o);
+        const double f = tflops(sh, r.t.forge_ms), q = tflops(sh, r.t.peer_ms);
+        std::printf("%-5s %-8s %6lld %6lld %6lld  %12.1f  %-15s %12.1f  %10.3f  %12.2e\n", dtype, sh.name,
+                    static_cast<long long>(sh.m), static_cast<long long>(sh.n), static_cast<long long>(sh.k),
+                    f, r.peer.c_str(), q, f / q, r.max_rel_diff);
+        std::fflush(stdout);
+        if (json)
+          std::fprintf(
+              json, "%s\n",
+              fmt::format(
+                  "{{\"bench\": \"gemm\", \"dtype\": \"{}\", \"shape\": \"{}\", \"m\": {}, \"n\": {}, "
+                  "\"k\": {}, \"forge_ms\": {:.5f}, \"forge_tflops\": {:.2f}, \"peer\": \"{}\", "
+                  "\"peer_ms\": {:.5f}, \"peer_tflops\": {:.2f}, \"ratio\": {:.4f}, "
+                  "\"max_rel_diff\": {:.3e}, \"samples\": {}, \"batch\": {}, \"device\": \"{}\"}}",
+                  dtype, sh.name, sh.m, sh.n, sh.k, r.t.forge_ms, f, r.peer, r.t.peer_ms, q, f / q,
+                  r.max_rel_diff, o.samples, o.batch, device)
+                  .c_str());
+      } catch (const Error& e) {
+        ++failures;
+        std::printf("%-5s %-8s FAILED: %s\n", dtype, sh.name, e.what());
+        std::fflush(stdout);
+      }
+    }
+  }
+  if (json) std::fclose(json);
+  cublasLtDestroy(lt);
+  cublasDestroy(handle);
+  return failures == 0 ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace forge::cuda
+
+int main(int argc, char** argv) {
+  try {
+    return forge::cuda::run(forge::cuda::parse(argc, argv));
+  } catch (const forge::Error& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,46 @@
+#include "forge/kernels/cuda/device_allocator.h"
+
+#include <cstdint>
+
+#include "forge/kernels/cuda/runtime.h"
+
+namespace forge::cuda {
+namespace {
+
+void* raw_cuda_malloc(size_t bytes, void*) {
+  void* ptr = nullptr;
+  const cudaError_t error = cudaMalloc(&ptr, bytes);
+  if (error == cudaErrorMemoryAllocation) {
+    cudaGetLastError();  // clear it: the allocator releases its cache and retries
+    return nullptr;
+  }
+  FORGE_CUDA_CHECK(error);
+  return ptr;
+}
+
+void raw_cuda_free(void* ptr, void*) { FORGE_CUDA_CHECK(cudaFree(ptr)); }
+
+// Created on first use and never destroyed: cudaFree during static destruction may run after the CUDA
+// runtime has shut down.
+CachingAllocator& allocator() {
+  static CachingAllocator* instance =
+      new CachingAllocator(AllocatorBackend{raw_cuda_malloc, raw_cuda_free, nullptr, "device"});
+  return *instance;
+}
+
+}  // namespace
+
+void* device_alloc(size_t bytes) {
+  // stream() fails with one line when no GPU is usable.
+  return allocator().allocate(bytes, reinterpret_cast<uintptr_t>(stream()));
+}
+
+void device_free(void* ptr) { allocator().free(ptr); }
+
+void empty_cache() { allocator().empty_cache(); }
+
+CachingAllocatorStats allocator_stats() { return allocator().stats(); }
+
+void reset_peak_allocated() { allocator().reset_peak(); }
+
+}  // namespace forge::cuda

@@ -1,0 +1,97 @@
+// Element-wise helpers for the optimizer and gradient handling on device memory. sum_squares reduces in
+// double over fixed chunks of kSumChunk elements (one block each) and then adds the chunk sums in one block,
+// in orders that depend only on n: the gradient norm is the same bitwise on every run and every GPU model.
+#include <string>
+
+#include "forge/kernels/cuda/cuda_kernels.h"
+#include "forge/kernels/cuda/kernel_support.cuh"
+
+namespace forge::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+// Elements per first-pass block (the CPU kernel's block size too, though the orders inside differ).
+constexpr int64_t kSumChunk = 16384;
+constexpr int kFinalThreads = 1024;
+
+void check_size(const char* op, int64_t n, const void* a, const char* a_name, const void* b = nullptr,
+                const char* b_name = nullptr) {
+  if (n < 0) detail::fail_op(op, "negative size " + std::to_string(n));
+  if (n == 0) return;
+  detail::require_pointer(a, op, a_name);
+  if (b_name) detail::require_pointer(b, op, b_name);
+}
+
+// y and x may be the same array (y += y): each element is read before it is written by the same thread.
+__global__ void add_inplace_kernel(float* y, const float* x, int64_t n) {
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += stride) y[i] += x[i];
+}
+
+__global__ void scale_inplace_kernel(float* x, float s, int64_t n) {
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += stride) x[i] *= s;
+}
+
+// One block per chunk. A float squared is exact in double (48 significant bits), so only the additions
+// round, and their order is fixed by the thread index: thread t sums elements t, t + 256, ... of its chunk.
+__global__ void sum_squares_chunks_kernel(const float* __restrict__ x, int64_t n,
+                                          double* __restrict__ partial) {
+  __shared__ double warp_sums[kThreads / detail::kWarpSize];
+  const int64_t begin = int64_t{blockIdx.x} * kSumChunk;
+  const int64_t end = begin + kSumChunk < n ? begin + kSumChunk : n;
+  double sum = 0;
+  for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
+    const double v = x[i];
+    sum += v * v;
+  }
+  sum = detail::block_sum(sum, warp_sums);
+  if (threadIdx.x == 0) partial[blockIdx.x] = sum;
+}
+
+__global__ void sum_partials_kernel(const double* __restrict__ partial, int64_t count,
+                                    double* __restrict__ total) {
+  __shared__ double warp_sums[kFinalThreads / detail::kWarpSize];
+  double sum = 0;
+  for (int64_t i = threadIdx.x; i < count; i += kFinalThreads) sum += partial[i];
+  sum = detail::block_sum(sum, warp_sums);
+  if (threadIdx.x == 0) *total = sum;
+}
+
+}  // namespace
+
+void add_inplace(float* y, const float* x, int64_t n) {
+  check_size("add_inplace", n, y, "y", x, "x");
+  if (n == 0) return;
+  add_inplace_kernel<<<detail::grid_blocks(n, kThreads), kThreads, 0, stream()>>>(y, x, n);
+  FORGE_CUDA_CHECK_LAUNCH("add_inplace");
+}
+
+void scale_inplace(float* x, float s, int64_t n) {
+  check_size("scale_inplace", n, x, "x");
+  if (n == 0) return;
+  scale_inplace_kernel<<<detail::grid_blocks(n, kThreads), kThreads, 0, stream()>>>(x, s, n);
+  FORGE_CUDA_CHECK_LAUNCH("scale_inplace");
+}
+
+double sum_squares(const float* x, int64_t n) {
+  check_size("sum_squares", n, x, "x");
+  if (n == 0) return 0.0;
+  const int64_t chunks = (n + kSumChunk - 1) / kSumChunk;
+  if (chunks > int64_t{0x7fffffff})
+    detail::fail_op("sum_squares", "size " + std::to_string(n) + " is too large");
+  // partial[chunks] then the total, in one allocation.
+  detail::StreamScratch scratch(detail::align_bytes(chunks * sizeof(double)) + sizeof(double));
+  double* partial = scratch.as<double>();
+  double* total = scratch.as<double>(detail::align_bytes(chunks * sizeof(double)));
+  sum_squares_chunks_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, stream()>>>(x, n, partial);
+  FORGE_CUDA_CHECK_LAUNCH("sum_squares");
+  sum_partials_kernel<<<1, kFinalThreads, 0, stream()>>>(partial, chunks, total);
+  FORGE_CUDA_CHECK_LAUNCH("sum_squares");
+  double result = 0;
+  FORGE_CUDA_CHECK(cudaMemcpyAsync(&result, total, sizeof(double), cudaMemcpyDeviceToHost, stream()));
+  synchronize();
+  return result;
+}
+
+}  // namespace forge::cuda

@@ -1,0 +1,85 @@
+// Helpers shared by the CUDA backend's elementwise, norm, embedding and optimizer kernels (.cu files only):
+// host-side parameter checks, launch sizing, scratch memory and a fixed-order block sum.
+//
+// Determinism: forge promises bitwise-reproducible results, so nothing here uses floating-point atomics or
+// sizes a reduction by the device's SM count; every summation order is a function of the problem size alone.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "forge/kernels/cuda/device_allocator.h"
+#include "forge/kernels/cuda/runtime.h"
+
+namespace forge::cuda::detail {
+
+constexpr int kWarpSize = 32;
+
+// Host side. fail_message rather than forge::fail: nvcc cannot compile fmt's format checks (runtime.h).
+// Callers test first and build the message only on failure: checks run on every launch.
+[[noreturn]] inline void fail_op(const char* op, const std::string& what) {
+  fail_message(std::string(op) + ": " + what);
+}
+inline void require_pointer(const void* pointer, const char* op, const char* name) {
+  if (pointer == nullptr) fail_message(std::string(op) + ": " + name + " is null");
+}
+
+// Blocks for a grid-stride loop over n items with `threads` per block. The cap only bounds the launch;
+// grid-stride loops make the result independent of it.
+inline unsigned grid_blocks(int64_t n, int threads, int64_t max_blocks = int64_t{1} << 16) {
+  return static_cast<unsigned>(std::clamp<int64_t>((n + threads - 1) / threads, 1, max_blocks));
+}
+
+// Scratch device memory for work on stream(), from the backend's caching allocator (device_allocator.h).
+// Blocks are stream-ordered: freeing one as soon as the kernels that use it are queued is safe, since the
+// next user of the block runs on the same stream, after them.
+class StreamScratch {
+ public:
+  explicit StreamScratch(size_t bytes) : data_(device_alloc(bytes)) {}
+  ~StreamScratch() { device_free(data_); }
+  StreamScratch(const StreamScratch&) = delete;
+  StreamScratch& operator=(const StreamScratch&) = delete;
+  template <typename T>
+  T* as(size_t byte_offset = 0) const {
+    return reinterpret_cast<T*>(static_cast<char*>(data_) + byte_offset);
+  }
+
+ private:
+  void* data_;
+};
+
+// Rounds byte counts up so that several arrays can share one scratch allocation with aligned starts.
+constexpr size_t align_bytes(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+// Device side.
+
+// Butterfly sum over a warp. Floating-point addition is commutative, so every lane adds the same two
+// operands at every level and all lanes end with the bitwise-same total.
+template <typename T>
+__device__ __forceinline__ T warp_sum(T value) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2)
+    value += __shfl_xor_sync(0xffffffffu, value, offset);
+  return value;
+}
+
+// Sum of one value per thread over the block, in an order fixed by the thread index; every thread gets the
+// total. blockDim.x must be a multiple of 32 (at most 1024) and every thread of the block must call it.
+// warp_sums holds blockDim.x / 32 entries of shared memory; it may be reused by the next call.
+template <typename T>
+__device__ __forceinline__ T block_sum(T value, T* warp_sums) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, warps = blockDim.x / kWarpSize;
+  value = warp_sum(value);
+  if (lane == 0) warp_sums[warp] = value;
+  __syncthreads();
+  // Every warp reduces the warp sums itself (same operands, same order): no second broadcast barrier.
+  T total = lane < warps ? warp_sums[lane] : T(0);
+  total = warp_sum(total);
+  __syncthreads();  // the next call may overwrite warp_sums
+  return total;
+}
+
+}  // namespace forge::cuda::detail

@@ -1,0 +1,157 @@
+// RMSNorm forward and the two halves of its backward on device memory. forward and backward_input run one
+// block per row and reduce the row with warp shuffles. backward_weight sums over rows without atomics: blocks
+// of kRowsPerBlock rows write per-column partials, and a second kernel adds the partials of each column in
+// block order, the same order as the CPU kernel (cpu/rmsnorm.cpp), so the result is deterministic.
+//
+// Products that g++ contracts into FMAs in the CPU kernel are written as explicit __fmaf_rn / __fmul_rn
+// here, which also keeps the results independent of nvcc's own contraction choices.
+#include <string>
+
+#include "forge/kernels/cuda/cuda_kernels.h"
+#include "forge/kernels/cuda/kernel_support.cuh"
+
+namespace forge::cuda {
+namespace {
+
+// Rows per partial sum in backward_weight, as in the CPU kernel (fixed, so the summation order is fixed).
+constexpr int64_t kRowsPerBlock = 32;
+constexpr int kColumnThreads = 256;
+// Few threads per block in the final reduction: it has only dim threads in all, best spread over many SMs.
+constexpr int kReduceThreads = 64;
+constexpr int64_t kMaxGrid = 0x7fffffff;
+
+void check(const ops::RmsNormParams& p, const char* op) {
+  if (p.rows < 0 || p.dim <= 0)
+    detail::fail_op(op, "bad shape rows=" + std::to_string(p.rows) + " dim=" + std::to_string(p.dim));
+}
+
+// Threads per row: about eight elements each, a whole number of warps, between one warp and 512 threads.
+// A function of dim alone, so the reduction order (and the result) never depends on anything else.
+int row_threads(int64_t dim) {
+  const int64_t warps = (dim + 8 * detail::kWarpSize - 1) / (8 * detail::kWarpSize);
+  return static_cast<int>(std::clamp<int64_t>(warps, 1, 16)) * detail::kWarpSize;
+}
+
+unsigned row_grid(int64_t rows) { return static_cast<unsigned>(std::min(rows, kMaxGrid)); }
+
+// x and y may be the same array (as on the CPU): no __restrict__ on them. Each element is read for the sum,
+// then read and written by one thread after the barrier.
+__global__ void forward_kernel(const float* x, const float* __restrict__ weight, float eps, int64_t rows,
+                               int64_t dim, float* y, float* __restrict__ rstd_out) {
+  __shared__ float warp_sums[32];
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const float* xr = x + row * dim;
+    float* yr = y + row * dim;
+    float sum = 0;
+    for (int64_t j = threadIdx.x; j < dim; j += blockDim.x) sum = __fmaf_rn(xr[j], xr[j], sum);
+    sum = detail::block_sum(sum, warp_sums);
+    // The _rn intrinsics pin IEEE division and square root even if fast-math flags are ever added.
+    const float rstd = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sum, static_cast<float>(dim)), eps)));
+    if (rstd_out != nullptr && threadIdx.x == 0) rstd_out[row] = rstd;
+    for (int64_t j = threadIdx.x; j < dim; j += blockDim.x)
+      yr[j] = __fmul_rn(weight[j], __fmul_rn(xr[j], rstd));
+  }
+}
+
+// dx_j = r w_j dy_j - x_j r^3 / dim * sum_k dy_k w_k x_k (see cpu/rmsnorm.cpp). dx may overwrite dy or x in
+// place, as on the CPU.
+__global__ void backward_input_kernel(const float* x, const float* __restrict__ weight, const float* dy,
+                                      const float* __restrict__ rstd_in, int64_t rows, int64_t dim,
+                                      float* dx) {
+  __shared__ float warp_sums[32];
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const float* xr = x + row * dim;
+    const float* dyr = dy + row * dim;
+    float* dxr = dx + row * dim;
+    const float rstd = rstd_in[row];
+    float dot = 0;
+    for (int64_t j = threadIdx.x; j < dim; j += blockDim.x)
+      dot = __fmaf_rn(__fmul_rn(dyr[j], weight[j]), xr[j], dot);
+    dot = detail::block_sum(dot, warp_sums);
+    const float coef =
+        __fdiv_rn(__fmul_rn(__fmul_rn(__fmul_rn(dot, rstd), rstd), rstd), static_cast<float>(dim));
+    for (int64_t j = threadIdx.x; j < dim; j += blockDim.x)
+      dxr[j] = __fmaf_rn(__fmul_rn(rstd, weight[j]), dyr[j], -__fmul_rn(coef, xr[j]));
+  }
+}
+
+// Row block b = blockIdx.x of kRowsPerBlock rows, one column per thread (column block blockIdx.y):
+// partial[b][j] = sum_r dy_rj x_rj rstd_r, rows in order. Consecutive threads read consecutive columns, so
+// every row's loads are coalesced.
+__global__ void weight_partials_kernel(const float* __restrict__ x, const float* __restrict__ dy,
+                                       const float* __restrict__ rstd, int64_t rows, int64_t dim,
+                                       float* __restrict__ partial) {
+  const int64_t j = int64_t{blockIdx.y} * blockDim.x + threadIdx.x;
+  if (j >= dim) return;
+  const int64_t begin = int64_t{blockIdx.x} * kRowsPerBlock;
+  const int64_t end = begin + kRowsPerBlock < rows ? begin + kRowsPerBlock : rows;
+  float acc = 0;
+  for (int64_t r = begin; r < end; ++r)
+    acc = __fmaf_rn(__fmul_rn(dy[r * dim + j], x[r * dim + j]), rstd[r], acc);
+  partial[int64_t{blockIdx.x} * dim + j] = acc;
+}
+
+__global__ void weight_reduce_kernel(const float* __restrict__ partial, int64_t blocks, int64_t dim,
+                                     float* __restrict__ dweight) {
+  const int64_t j = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (j >= dim) return;
+  float sum = 0;
+  // The additions are sequential by design; unrolling lets the loads of later partials start early.
+#pragma unroll 8
+  for (int64_t b = 0; b < blocks; ++b) sum = __fadd_rn(sum, partial[b * dim + j]);
+  dweight[j] = __fadd_rn(dweight[j], sum);
+}
+
+}  // namespace
+
+void rmsnorm_forward(const ops::RmsNormParams& p) {
+  constexpr const char* op = "rmsnorm_forward";
+  check(p, op);
+  if (p.rows == 0) return;
+  detail::require_pointer(p.x, op, "x");
+  detail::require_pointer(p.weight, op, "weight");
+  detail::require_pointer(p.y, op, "y");  // rstd is optional (inference keeps none)
+  forward_kernel<<<row_grid(p.rows), row_threads(p.dim), 0, stream()>>>(p.x, p.weight, p.eps, p.rows, p.dim,
+                                                                        p.y, p.rstd);
+  FORGE_CUDA_CHECK_LAUNCH(op);
+}
+
+void rmsnorm_backward_input(const ops::RmsNormParams& p) {
+  constexpr const char* op = "rmsnorm_backward_input";
+  check(p, op);
+  if (p.rows == 0) return;
+  detail::require_pointer(p.x, op, "x");
+  detail::require_pointer(p.weight, op, "weight");
+  detail::require_pointer(p.dy, op, "dy");
+  detail::require_pointer(p.rstd, op, "rstd");
+  detail::require_pointer(p.dx, op, "dx");
+  backward_input_kernel<<<row_grid(p.rows), row_threads(p.dim), 0, stream()>>>(p.x, p.weight, p.dy, p.rstd,
+                                                                               p.rows, p.dim, p.dx);
+  FORGE_CUDA_CHECK_LAUNCH(op);
+}
+
+void rmsnorm_backward_weight(const ops::RmsNormParams& p) {
+  constexpr const char* op = "rmsnorm_backward_weight";
+  check(p, op);
+  if (p.rows == 0) return;
+  detail::require_pointer(p.x, op, "x");
+  detail::require_pointer(p.dy, op, "dy");
+  detail::require_pointer(p.rstd, op, "rstd");
+  detail::require_pointer(p.dweight, op, "dweight");
+  const int64_t blocks = (p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  const int64_t column_blocks = (p.dim + kColumnThreads - 1) / kColumnThreads;
+  if (column_blocks > 65535 || blocks > kMaxGrid)
+    detail::fail_op(op, "shape rows=" + std::to_string(p.rows) + " dim=" + std::to_string(p.dim) +
+                            " exceeds the kernel's grid (dim at most " +
+                            std::to_string(65535 * kColumnThreads) + ")");
+  detail::StreamScratch partial(static_cast<size_t>(blocks * p.dim) * sizeof(float));
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(column_blocks));
+  weight_partials_kernel<<<grid, kColumnThreads, 0, stream()>>>(p.x, p.dy, p.rstd, p.rows, p.dim,
+                                                                partial.as<float>());
+  FORGE_CUDA_CHECK_LAUNCH(op);
+  weight_reduce_kernel<<<detail::grid_blocks(p.dim, kReduceThreads, kMaxGrid), kReduceThreads, 0, stream()>>>(
+      partial.as<float>(), blocks, p.dim, p.dweight);
+  FORGE_CUDA_CHECK_LAUNCH(op);
+}
+
+}  // namespace forge::cuda

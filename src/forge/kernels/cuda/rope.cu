@@ -1,0 +1,63 @@
+// Rotary position embedding in place on device memory, Hugging Face Llama convention (see cpu/rope.cpp): dims
+// i and i + d/2 of a head form a pair, (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin); the inverse (backward)
+// rotates by -angle. One thread per pair: consecutive threads take consecutive i, so the loads of x1, x2 and
+// of the cos/sin rows are coalesced. Elements outside the rotated heads (e.g. v in a fused q|k|v buffer) are
+// never touched.
+#include <string>
+
+#include "forge/kernels/cuda/cuda_kernels.h"
+#include "forge/kernels/cuda/kernel_support.cuh"
+
+namespace forge::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+// a*c - b*s and b*c + a*s with the FMA pattern g++ gives the CPU kernel (the first product fused, the second
+// rounded), so both backends usually agree bitwise.
+__global__ void rope_kernel(float* x, const float* __restrict__ cos_table,
+                            const float* __restrict__ sin_table, int64_t pairs, int64_t seq, int64_t heads,
+                            int64_t head_dim, int64_t token_stride, int64_t position_offset, float sign) {
+  const int64_t half = head_dim / 2;
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t index = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; index < pairs; index += stride) {
+    const int64_t i = index % half;
+    const int64_t token_head = index / half;
+    const int64_t h = token_head % heads, token = token_head / heads;
+    const int64_t table_row = (position_offset + token % seq) * half;
+    float* x1 = x + token * token_stride + h * head_dim + i;
+    float* x2 = x1 + half;
+    const float a = *x1, b = *x2, c = cos_table[table_row + i];
+    const float s = sign * sin_table[table_row + i];
+    *x1 = __fmaf_rn(a, c, -__fmul_rn(b, s));
+    *x2 = __fmaf_rn(b, c, __fmul_rn(a, s));
+  }
+}
+
+}  // namespace
+
+void rope(const ops::RopeParams& p) {
+  constexpr const char* op = "rope";
+  if (p.head_dim <= 0 || p.head_dim % 2 != 0)
+    detail::fail_op(op, "head_dim must be even and positive, got " + std::to_string(p.head_dim));
+  if (p.batch < 0 || p.seq < 0 || p.heads < 0)
+    detail::fail_op(op, "bad shape batch=" + std::to_string(p.batch) + " seq=" + std::to_string(p.seq) +
+                            " heads=" + std::to_string(p.heads));
+  if (p.token_stride < p.heads * p.head_dim)
+    detail::fail_op(op, "token_stride " + std::to_string(p.token_stride) +
+                            " < heads * head_dim = " + std::to_string(p.heads * p.head_dim));
+  if (p.position_offset < 0)
+    detail::fail_op(op, "negative position_offset " + std::to_string(p.position_offset));
+  const int64_t pairs = p.batch * p.seq * p.heads * (p.head_dim / 2);
+  if (pairs == 0) return;
+  detail::require_pointer(p.x, op, "x");
+  detail::require_pointer(p.cos, op, "cos");
+  detail::require_pointer(p.sin, op, "sin");
+  // The inverse rotation is the same with sin negated (exact: a sign flip).
+  const float sign = p.inverse ? -1.0f : 1.0f;
+  rope_kernel<<<detail::grid_blocks(pairs, kThreads), kThreads, 0, stream()>>>(
+      p.x, p.cos, p.sin, pairs, p.seq, p.heads, p.head_dim, p.token_stride, p.position_offset, sign);
+  FORGE_CUDA_CHECK_LAUNCH(op);
+}
+
+}  // namespace forge::cuda

@@ -1,0 +1,100 @@
+// SwiGLU on the fused gate|up projection output, on device memory (see cpu/swiglu.cpp): per row, gate is
+// columns [0, ffn) and up is [ffn, 2 ffn); out = silu(g) * u with silu(g) = g * sigmoid(g).
+// Backward: d/dg silu(g) = sigmoid(g) * (1 + g * (1 - sigmoid(g))); dgate_up is overwritten.
+//
+// The exponential is the CPU kernel's simd_exp (cpu/simd_exp.h) rather than CUDA's expf: the same
+// polynomial, clamps and FMA pattern g++ gives the CPU loop, so the backends agree to the last bit in
+// almost every element instead of differing by the two libraries' few-ulp errors.
+#include <string>
+
+#include "forge/kernels/cuda/cuda_kernels.h"
+#include "forge/kernels/cuda/kernel_support.cuh"
+
+namespace forge::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+// sigmoid(g) = 1 / (1 + exp(-g)), with exp as simd_exp computes it: exp(x) = p * 2^k, and 1 + p * 2^k fused
+// (g++ contracts the CPU kernel's 1.0f + simd_exp(-g) the same way). simd_exp returns 0 below x = -87
+// (sigmoid exactly 1) and clamps x above 88 (sigmoid about 5.9e-39 instead of underflowing).
+__device__ __forceinline__ float sigmoid_like_cpu(float g) {
+  float x = -g;
+  const bool underflow = x < -87.0f;
+  x = underflow ? -87.0f : x;
+  x = x > 88.0f ? 88.0f : x;
+  // x = k ln2 + r; adding and subtracting 1.5 * 2^23 rounds x / ln2 to the nearest integer.
+  const float k = __fadd_rn(__fmaf_rn(x, 1.44269504f, 12582912.0f), -12582912.0f);
+  float r = __fmaf_rn(-k, 0.693145752f, x);
+  r = __fmaf_rn(-k, 1.42860677e-6f, r);
+  float p = __fmaf_rn(r, 1.98412698e-4f, 1.38888889e-3f);
+  p = __fmaf_rn(p, r, 8.33333333e-3f);
+  p = __fmaf_rn(p, r, 4.16666667e-2f);
+  p = __fmaf_rn(p, r, 1.66666667e-1f);
+  p = __fmaf_rn(p, r, 0.5f);
+  p = __fmaf_rn(p, r, 1.0f);
+  p = __fmaf_rn(p, r, 1.0f);
+  const float scale = __int_as_float((static_cast<int>(k) + 127) << 23);
+  return __fdiv_rn(1.0f, __fmaf_rn(underflow ? 0.0f : p, scale, 1.0f));
+}
+
+__global__ void forward_kernel(const float* __restrict__ gate_up, int64_t rows, int64_t ffn,
+                               float* __restrict__ out) {
+  const int64_t n = rows * ffn, stride = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t index = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; index < n; index += stride) {
+    const int64_t r = index / ffn, j = index - r * ffn;
+    const float* gate = gate_up + r * 2 * ffn;
+    const float g = gate[j], u = gate[ffn + j];
+    out[index] = __fmul_rn(__fmul_rn(g, sigmoid_like_cpu(g)), u);
+  }
+}
+
+// dgate_up may overwrite gate_up in place (as on the CPU): a thread reads its g and u before writing their
+// gradients, and no other thread touches them.
+__global__ void backward_kernel(const float* gate_up, const float* __restrict__ dout, int64_t rows,
+                                int64_t ffn, float* dgate_up) {
+  const int64_t n = rows * ffn, stride = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t index = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; index < n; index += stride) {
+    const int64_t r = index / ffn, j = index - r * ffn;
+    const float* gate = gate_up + r * 2 * ffn;
+    float* dgate = dgate_up + r * 2 * ffn;
+    const float g = gate[j], u = gate[ffn + j], d = dout[index];
+    const float sigmoid = sigmoid_like_cpu(g);
+    const float silu = __fmul_rn(g, sigmoid);
+    // d * u * sigmoid * (1 + g * (1 - sigmoid)), left to right, the last factor fused as in the CPU kernel.
+    dgate[j] = __fmul_rn(__fmul_rn(__fmul_rn(d, u), sigmoid), __fmaf_rn(g, __fsub_rn(1.0f, sigmoid), 1.0f));
+    dgate[ffn + j] = __fmul_rn(d, silu);
+  }
+}
+
+void check(const ops::SwigluParams& p, const char* op) {
+  if (p.rows < 0 || p.ffn <= 0)
+    detail::fail_op(op, "bad shape rows=" + std::to_string(p.rows) + " ffn=" + std::to_string(p.ffn));
+}
+
+}  // namespace
+
+void swiglu_forward(const ops::SwigluParams& p) {
+  constexpr const char* op = "swiglu_forward";
+  check(p, op);
+  if (p.rows == 0) return;
+  detail::require_pointer(p.gate_up, op, "gate_up");
+  detail::require_pointer(p.out, op, "out");
+  forward_kernel<<<detail::grid_blocks(p.rows * p.ffn, kThreads), kThreads, 0, stream()>>>(p.gate_up, p.rows,
+                                                                                           p.ffn, p.out);
+  FORGE_CUDA_CHECK_LAUNCH(op);
+}
+
+void swiglu_backward(const ops::SwigluParams& p) {
+  constexpr const char* op = "swiglu_backward";
+  check(p, op);
+  if (p.rows == 0) return;
+  detail::require_pointer(p.gate_up, op, "gate_up");
+  detail::require_pointer(p.dout, op, "dout");
+  detail::require_pointer(p.dgate_up, op, "dgate_up");
+  backward_kernel<<<detail::grid_blocks(p.rows * p.ffn, kThreads), kThreads, 0, stream()>>>(
+      p.gate_up, p.dout, p.rows, p.ffn, p.dgate_up);
+  FORGE_CUDA_CHECK_LAUNCH(op);
+}
+
+}  // namespace forge::cuda
