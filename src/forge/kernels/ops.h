@@ -233,6 +233,29 @@ struct AdamWParams {
   float grad_scale = 1.0f;  // grads are multiplied by this first (clipping)
 };
 
+// FP8 casts (semantics, saturation and block layouts: fp8/quantize.h, whose functions the CPU table runs). x
+// is [rows, cols] fp32; codes are one byte each in `fp8` (e4m3 or e5m2). Outputs not wanted are null.
+//   fp8_cast_transpose    per-tensor `scale`: q [rows, cols] = fp8(x * scale) and/or q_t [cols, rows], its
+//                         transpose with the same codes; returns amax of x (max |x|, NaN when any element is
+//                         NaN) on the host, computed in the same pass. Either q or q_t may be null.
+//   fp8_quantize_1x128    q with scale_inv [rows][ceil(cols/128)] (tiles of 128 along cols) and/or q_t [cols, rows]
+//                         with scale_inv_t [cols][ceil(rows/128)] (tiles of 128 along rows of x).
+//   fp8_quantize_128x128  q with scale_inv [ceil(rows/128)][ceil(cols/128)]; optionally q_t [cols, rows] with
+//                         scale_inv_t [ceil(cols/128)][ceil(rows/128)] (the same blocks and scales, transposed).
+// Every code is bitwise the CPU's: fp8(x * scale) with saturating round-to-nearest-even; a tile's scale is
+// fp8_max / amax (rounded down to a power of two when power_of_two_scales), 1 for an amax of 0, inf or NaN.
+struct Fp8CastParams {
+  int64_t rows = 0, cols = 0;
+  const float* x = nullptr;
+  DType fp8 = DType::e4m3;
+  float scale = 1.0f;                // per-tensor casts
+  bool power_of_two_scales = false;  // block casts
+  uint8_t* q = nullptr;
+  uint8_t* q_t = nullptr;
+  float* scale_inv = nullptr;    // block: q's scales
+  float* scale_inv_t = nullptr;  // block: q_t's scales
+};
+
 struct OpTable {
   const char* name;
   void (*gemm)(const GemmParams&);
@@ -255,6 +278,14 @@ struct OpTable {
   // sum of squares in double (for the global gradient norm)
   double (*sum_squares)(const float* x, int64_t n);
   void (*scale_inplace)(float* x, float s, int64_t n);
+  // y[i] = bf16(x[i]) (round to nearest even; NaN stays NaN) and back (exact).
+  void (*convert_to_bf16)(const float* x, uint16_t* y, int64_t n);
+  void (*convert_to_f32)(const uint16_t* x, float* y, int64_t n);
+  // max |x[i]| on the host (NaN when any element is NaN).
+  float (*amax)(const float* x, int64_t n);
+  float (*fp8_cast_transpose)(const Fp8CastParams& p);
+  void (*fp8_quantize_1x128)(const Fp8CastParams& p);
+  void (*fp8_quantize_128x128)(const Fp8CastParams& p);
 };
 
 const OpTable& cpu_table();
@@ -293,5 +324,19 @@ inline void adamw(const AdamWParams& p, Device d = Device::cpu) { table(d).adamw
 inline void add_inplace(float* y, const float* x, int64_t n, Device d = Device::cpu) { table(d).add_inplace(y, x, n); }
 inline double sum_squares(const float* x, int64_t n, Device d = Device::cpu) { return table(d).sum_squares(x, n); }
 inline void scale_inplace(float* x, float s, int64_t n, Device d = Device::cpu) { table(d).scale_inplace(x, s, n); }
+inline void convert_to_bf16(const float* x, uint16_t* y, int64_t n, Device d = Device::cpu) {
+  table(d).convert_to_bf16(x, y, n);
+}
+inline void convert_to_f32(const uint16_t* x, float* y, int64_t n, Device d = Device::cpu) {
+  table(d).convert_to_f32(x, y, n);
+}
+inline float amax(const float* x, int64_t n, Device d = Device::cpu) { return table(d).amax(x, n); }
+inline float fp8_cast_transpose(const Fp8CastParams& p, Device d = Device::cpu) {
+  return table(d).fp8_cast_transpose(p);
+}
+inline void fp8_quantize_1x128(const Fp8CastParams& p, Device d = Device::cpu) { table(d).fp8_quantize_1x128(p); }
+inline void fp8_quantize_128x128(const Fp8CastParams& p, Device d = Device::cpu) {
+  table(d).fp8_quantize_128x128(p);
+}
 
 }  // namespace forge::ops

@@ -26,5 +26,13 @@ void adamw(const ops::AdamWParams& p);
 void add_inplace(float* y, const float* x, int64_t n);
 double sum_squares(const float* x, int64_t n);
 void scale_inplace(float* x, float s, int64_t n);
+// Conversions and FP8 casts (fp8_cast.cpp): thin entries over core/dtype.h and fp8/quantize.h, where the CPU
+// implementations live because the FP8 layer and its tests use them directly.
+void convert_to_bf16(const float* x, uint16_t* y, int64_t n);
+void convert_to_f32(const uint16_t* x, float* y, int64_t n);
+float amax(const float* x, int64_t n);
+float fp8_cast_transpose(const ops::Fp8CastParams& p);
+void fp8_quantize_1x128(const ops::Fp8CastParams& p);
+void fp8_quantize_128x128(const ops::Fp8CastParams& p);
 
 }  // namespace forge::cpu

@@ -23,6 +23,12 @@ const OpTable& cpu_table() {
       cpu::add_inplace,
       cpu::sum_squares,
       cpu::scale_inplace,
+      cpu::convert_to_bf16,
+      cpu::convert_to_f32,
+      cpu::amax,
+      cpu::fp8_cast_transpose,
+      cpu::fp8_quantize_1x128,
+      cpu::fp8_quantize_128x128,
   };
   return table;
 }

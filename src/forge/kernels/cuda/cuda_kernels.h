@@ -28,11 +28,28 @@ void add_inplace(float* y, const float* x, int64_t n);
 double sum_squares(const float* x, int64_t n);
 void scale_inplace(float* x, float s, int64_t n);
 
-// Not yet on CUDA (each fails with one line naming the op): attention (cuDNN fused attention or a flash
-// kernel) and the vocabulary-chunked cross-entropy.
+// bf16 <-> fp32 conversions (elementwise.cu), bitwise core/dtype.h's.
+void convert_to_bf16(const float* x, uint16_t* y, int64_t n);
+void convert_to_f32(const uint16_t* x, float* y, int64_t n);
+
+// Attention forward and backward (attention.cu): ops::AttentionParams semantics on device memory.
 void attention_forward(const ops::AttentionParams& p);
 void attention_backward(const ops::AttentionParams& p);
+
+// The vocabulary-chunked cross-entropy fused with the output projection (cross_entropy.cu).
 void linear_cross_entropy_forward(const ops::LinearCrossEntropyParams& p);
 void linear_cross_entropy_backward(const ops::LinearCrossEntropyParams& p);
+
+// FP8 casts (fp8_cast.cu): amax, per-tensor cast + transpose + amax, 1x128 and 128x128 block quantisation,
+// every code and scale bitwise the CPU's (fp8/quantize.h).
+float amax(const float* x, int64_t n);
+float fp8_cast_transpose(const ops::Fp8CastParams& p);
+void fp8_quantize_1x128(const ops::Fp8CastParams& p);
+void fp8_quantize_128x128(const ops::Fp8CastParams& p);
+
+// Block-scaled FP8 GEMM (fp8_block_gemm.cu), DeepSeek-V3 fine-grained scaling: fp8_gemm hands it
+// p.scaling == block. Operands K-major (A [m,k] not transposed, B [n,k] with trans_b), the layout FP8 tensor
+// cores take; partial sums over each 128-wide K block are promoted to an fp32 accumulator with their scales.
+void fp8_block_gemm(const ops::Fp8GemmParams& p);
 
 }  // namespace forge::cuda

@@ -1,20 +1,6 @@
 #include "forge/kernels/cuda/cuda_kernels.h"
 
 namespace forge {
-namespace cuda {
-namespace {
-[[noreturn]] void not_yet(const char* op) {
-  fail("{} is not implemented on the CUDA backend yet (run it on the CPU backend)", op);
-}
-}  // namespace
-
-void attention_forward(const ops::AttentionParams&) { not_yet("attention_forward"); }
-void attention_backward(const ops::AttentionParams&) { not_yet("attention_backward"); }
-void linear_cross_entropy_forward(const ops::LinearCrossEntropyParams&) { not_yet("linear_cross_entropy_forward"); }
-void linear_cross_entropy_backward(const ops::LinearCrossEntropyParams&) { not_yet("linear_cross_entropy_backward"); }
-
-}  // namespace cuda
-
 namespace ops {
 
 const OpTable& cuda_table() {
@@ -38,6 +24,12 @@ const OpTable& cuda_table() {
       cuda::add_inplace,
       cuda::sum_squares,
       cuda::scale_inplace,
+      cuda::convert_to_bf16,
+      cuda::convert_to_f32,
+      cuda::amax,
+      cuda::fp8_cast_transpose,
+      cuda::fp8_quantize_1x128,
+      cuda::fp8_quantize_128x128,
   };
   return table;
 }

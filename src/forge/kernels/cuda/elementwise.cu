@@ -58,7 +58,40 @@ __global__ void sum_partials_kernel(const double* __restrict__ partial, int64_t 
   if (threadIdx.x == 0) *total = sum;
 }
 
+// bf16 = the upper half of the fp32 pattern after round-to-nearest-even; NaN keeps a quiet NaN (core/dtype.h).
+__global__ void to_bf16_kernel(const float* __restrict__ x, uint16_t* __restrict__ y, int64_t n) {
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const uint32_t bits = __float_as_uint(x[i]);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) {
+      y[i] = static_cast<uint16_t>((bits >> 16) | 0x40u);
+    } else {
+      y[i] = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    }
+  }
+}
+
+__global__ void to_f32_kernel(const uint16_t* __restrict__ x, float* __restrict__ y, int64_t n) {
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += stride)
+    y[i] = __uint_as_float(static_cast<uint32_t>(x[i]) << 16);
+}
+
 }  // namespace
+
+void convert_to_bf16(const float* x, uint16_t* y, int64_t n) {
+  check_size("convert_to_bf16", n, x, "x", y, "y");
+  if (n == 0) return;
+  to_bf16_kernel<<<detail::grid_blocks(n, kThreads), kThreads, 0, stream()>>>(x, y, n);
+  FORGE_CUDA_CHECK_LAUNCH("convert_to_bf16");
+}
+
+void convert_to_f32(const uint16_t* x, float* y, int64_t n) {
+  check_size("convert_to_f32", n, x, "x", y, "y");
+  if (n == 0) return;
+  to_f32_kernel<<<detail::grid_blocks(n, kThreads), kThreads, 0, stream()>>>(x, y, n);
+  FORGE_CUDA_CHECK_LAUNCH("convert_to_f32");
+}
 
 void add_inplace(float* y, const float* x, int64_t n) {
   check_size("add_inplace", n, y, "y", x, "x");

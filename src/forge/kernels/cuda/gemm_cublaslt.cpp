@@ -286,14 +286,14 @@ void gemm(const ops::GemmParams& p) {
 
 void fp8_gemm(const ops::Fp8GemmParams& p) {
   // Parameters first (these need no GPU), then the device.
-  if (p.scaling != ops::Fp8Scaling::per_tensor)
-    fail("fp8_gemm: block scaling is not implemented on CUDA yet (run it on the CPU backend)");
   if (p.accumulator_bits != 0)
     fail(
         "fp8_gemm: limited-precision accumulation (accumulator_bits = {}) is not implemented on CUDA yet (it "
         "is "
         "the CPU's model of the tensor cores)",
         p.accumulator_bits);
+  // Block scaling runs forge's own kernel (cuBLASLt's block-scaled modes take other scale layouts).
+  if (p.scaling == ops::Fp8Scaling::block) return fp8_block_gemm(p);
   if (!is_fp8(p.a_dtype) || !is_fp8(p.b_dtype))
     fail("fp8_gemm: a_dtype and b_dtype must be e4m3 or e5m2, got {} and {}", dtype_name(p.a_dtype),
          dtype_name(p.b_dtype));
