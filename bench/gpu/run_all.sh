@@ -1,25 +1,37 @@
 #!/usr/bin/env bash
 # One prepared run for a lent GPU (an H200, 15 minutes of device time in all, start-up included): build the
-# CUDA targets, run the CUDA tests, then measure GEMM throughput beside cuBLAS. Every stage has its own
-# timeout (configure 90 s, build 300 s, tests 120 s, benchmark 90 s: at most 10 minutes, typically 3 to 5),
-# and the benchmark runs even when tests fail. The last line sums up.
+# CUDA targets, run the CUDA tests, then measure kernels beside their peers and a LLaMA-3-8B-shaped training
+# step. Stages run in order; name some to run only those (the device tool allows 10 minutes per command, so a
+# lease runs two commands; the build folder survives between them):
 #
-#   bench/gpu/run_all.sh                   build in $BUILD (default build-gpu) and run
-#   PREBUILT=build-gpubundle bench/gpu/run_all.sh
-#                                          no build: run the binaries of a bundle made here by
-#                                          bench/gpu/bundle.sh (for a machine without forge's build dependencies;
-#                                          carry the bundle folder)
+#   bench/gpu/run_all.sh build test          configure + build (~3 min on 16 cores), ctest -L cuda (~1 min)
+#   bench/gpu/run_all.sh bench train         kernel benchmarks (~4 min), training steps (~4 min)
+#   bench/gpu/run_all.sh                     everything (over 10 minutes: not for one device-tool command)
+#   PREBUILT=build-gpubundle bench/gpu/run_all.sh test bench train
+#                                            no build: the binaries of a bundle made here by bench/gpu/bundle.sh
+#                                            (for a machine without forge's build dependencies; carry the bundle)
+#
+# Stages: build, test (ctest -L cuda), bench (GEMM bf16/FP8 vs cuBLAS, block-scaled FP8 GEMM vs cuBLASLt
+# per-tensor FP8, attention forward/backward, FP8 casts vs a device copy), train (`forge bench --device cuda` on
+# bench/gpu/llama3-8b-4layers.json: hidden 4096, ffn 14336, 32 heads, 8 kv heads, vocab 128256, 4 layers,
+# sequence 4096, batch $TRAIN_BATCH (default 2), in bf16 and each FP8 recipe; tokens/s, MFU, per-step losses).
+# Every stage has its own timeout, and later stages run even when earlier ones fail. The last line sums up.
 #
 # Output: everything is tee'd to $OUT/run_all.log (OUT defaults to bench/gpu/out; on the device tool $OUT is the
-# folder that comes back), the benchmark's JSON lines to $OUT/gemm.jsonl. Copy the numbers into RESULTS.md.
+# folder that comes back); JSON lines to $OUT/{gemm,fp8block,attention,fp8cast,train}.jsonl. Copy the numbers into
+# RESULTS.md.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench/gpu/out}
 BUILD=${BUILD:-build-gpu}
 JOBS=${JOBS:-$(nproc)}
 PREBUILT=${PREBUILT:-}
+TRAIN_BATCH=${TRAIN_BATCH:-2}
+STAGES=${*:-build test bench train}
 mkdir -p "$OUT"
 LOG=$OUT/run_all.log
+[[ -e $LOG ]] && LOG=$OUT/run_all.$(date +%H%M%S).log  # a second command of the same lease keeps the first's log
+want() { [[ " $STAGES " == *" $1 "* ]]; }
 
 main() {
 start=$(date +%s)
@@ -27,9 +39,10 @@ stage() { printf '\n== %s (t+%ss)\n' "$*" "$(($(date +%s) - start))"; }
 build_status="not run"
 test_status="not run"
 bench_status="not run"
+train_status="not run"
 summary() {
-  printf '\n== summary (t+%ss): build %s, tests %s, benchmark %s; log %s, results %s\n' \
-    "$(($(date +%s) - start))" "$build_status" "$test_status" "$bench_status" "$LOG" "$OUT/gemm.jsonl"
+  printf '\n== summary (t+%ss, stages: %s): build %s, tests %s, benchmarks %s, training %s; log %s\n' \
+    "$(($(date +%s) - start))" "$STAGES" "$build_status" "$test_status" "$bench_status" "$train_status" "$LOG"
 }
 trap summary EXIT
 
@@ -37,8 +50,28 @@ stage "device"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem,power.limit --format=csv ||
   echo "nvidia-smi failed"
 command -v nvcc >/dev/null && nvcc --version | tail -1 || echo "no nvcc on PATH"
+git log --oneline -1 2>/dev/null || true
 
-if [[ -z $PREBUILT ]]; then
+if [[ -n $PREBUILT ]]; then
+  build_status="skipped (PREBUILT=$PREBUILT)"
+  [[ -d $PREBUILT/lib ]] && export LD_LIBRARY_PATH=$PWD/$PREBUILT/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  BIN=$PREBUILT/bin
+  # CUDA's libraries come from the image, wherever it keeps them (the toolkit, or Python's nvidia-* wheels).
+  for lib in $(ldd "$BIN"/* 2>/dev/null | awk '/not found/ {print $1}' | sort -u); do
+    dir=$(timeout 30 find /usr/local /usr/lib /opt -xdev -name "$lib" -print -quit 2>/dev/null | xargs -r dirname)
+    if [[ -n $dir ]]; then
+      echo "$lib: from $dir"
+      export LD_LIBRARY_PATH=$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    else
+      echo "$lib: not found on this machine"
+    fi
+  done
+else
+  BIN=$BUILD/bin
+fi
+TARGETS="test_cuda test_comm_nccl forge_gpubench forge_gpubench_attention forge_gpubench_fp8block forge_gpubench_fp8cast forge_cli"
+
+if want build && [[ -z $PREBUILT ]]; then
   stage "preflight: forge's build dependencies"
   missing=()
   for header in dnnl.hpp fmt/format.h toml++/toml.hpp pcre2.h CLI/CLI.hpp mpi.h gtest/gtest.h benchmark/benchmark.h \
@@ -56,55 +89,89 @@ if [[ -z $PREBUILT ]]; then
   stage "configure"
   build_status="failed (configure)"
   # Hopper (sm_90a: wgmma, FP8 tensor cores), stated here so that a cached build dir cannot pick another.
-  timeout 90 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFORGE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a \
-    >"$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
-  grep -E "forge: (CUDA|NCCL)" "$OUT/configure.log" || true
-
-  stage "build (-j$JOBS): test_cuda test_comm_nccl forge_gpubench"
-  build_status="failed (build)"
-  timeout 300 ninja -C "$BUILD" -j"$JOBS" test_cuda test_comm_nccl forge_gpubench >"$OUT/build.log" 2>&1 ||
-    { grep -E -A12 "FAILED|error" "$OUT/build.log" | head -60; exit 1; }
-  build_status="ok"
-  BIN=$BUILD/bin
-
-  stage "tests: ctest -L cuda"
-  test_status=0
-  timeout 120 ctest --test-dir "$BUILD" -L cuda -j8 --output-on-failure --timeout 60 || test_status=$?
-  [[ $test_status == 0 ]] && test_status="passed" || test_status="FAILED (ctest exit $test_status)"
-else
-  build_status="skipped (PREBUILT=$PREBUILT)"
-  [[ -d $PREBUILT/lib ]] && export LD_LIBRARY_PATH=$PWD/$PREBUILT/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  BIN=$PREBUILT/bin
-  # CUDA's libraries come from the image, wherever it keeps them (the toolkit, or Python's nvidia-* wheels).
-  for lib in $(ldd "$BIN"/* 2>/dev/null | awk '/not found/ {print $1}' | sort -u); do
-    dir=$(timeout 30 find /usr/local /usr/lib /opt -xdev -name "$lib" -print -quit 2>/dev/null | xargs -r dirname)
-    if [[ -n $dir ]]; then
-      echo "$lib: from $dir"
-      export LD_LIBRARY_PATH=$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  if timeout 90 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFORGE_CUDA=ON \
+    -DCMAKE_CUDA_ARCHITECTURES=90a >"$OUT/configure.log" 2>&1; then
+    grep -E "forge: (CUDA|NCCL)" "$OUT/configure.log" || true
+    stage "build (-j$JOBS): $TARGETS"
+    build_status="failed (build)"
+    # -k 0: build every target that can be built, so one broken benchmark does not stop the tests.
+    if timeout 420 ninja -C "$BUILD" -j"$JOBS" -k 0 $TARGETS >"$OUT/build.log" 2>&1; then
+      build_status="ok"
     else
-      echo "$lib: not found on this machine"
+      grep -E -A12 "FAILED|error" "$OUT/build.log" | head -80
     fi
-  done
-
-  stage "tests: $BIN/test_cuda"
-  test_status=0
-  timeout 120 "$BIN/test_cuda" --gtest_brief=1 || test_status=$?
-  [[ $test_status == 0 ]] && test_status="passed" || test_status="FAILED (test_cuda exit $test_status)"
-  if [[ -x $BIN/test_comm_nccl ]] && command -v mpirun >/dev/null; then
-    stage "tests: test_comm_nccl, 1 rank"
-    nccl_status=0
-    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 60 mpirun -np 1 --oversubscribe \
-      "$BIN/test_comm_nccl" || nccl_status=$?
-    [[ $nccl_status == 0 ]] || test_status="$test_status, test_comm_nccl FAILED (exit $nccl_status)"
+  else
+    tail -30 "$OUT/configure.log"
   fi
 fi
 
-stage "benchmark: GEMM TFLOP/s, forge vs cuBLAS"
-bench_status=0
-timeout 90 "$BIN/forge_gpubench" --json "$OUT/gemm.jsonl" || bench_status=$?
-[[ $bench_status == 0 ]] && bench_status="ok" || bench_status="FAILED (exit $bench_status)"
-nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv || true
-[[ $test_status == passed && $bench_status == ok ]]
+if want test; then
+  if [[ -z $PREBUILT ]]; then
+    stage "tests: ctest -L cuda"
+    test_status=0
+    timeout 200 ctest --test-dir "$BUILD" -L cuda -j4 --output-on-failure --timeout 120 || test_status=$?
+    [[ $test_status == 0 ]] && test_status="passed" || test_status="FAILED (ctest exit $test_status)"
+  else
+    stage "tests: $BIN/test_cuda"
+    test_status=0
+    timeout 200 "$BIN/test_cuda" --gtest_brief=1 || test_status=$?
+    [[ $test_status == 0 ]] && test_status="passed" || test_status="FAILED (test_cuda exit $test_status)"
+    if [[ -x $BIN/test_comm_nccl ]] && command -v mpirun >/dev/null; then
+      stage "tests: test_comm_nccl, 1 rank"
+      nccl_status=0
+      OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 60 mpirun -np 1 --oversubscribe \
+        "$BIN/test_comm_nccl" || nccl_status=$?
+      [[ $nccl_status == 0 ]] || test_status="$test_status, test_comm_nccl FAILED (exit $nccl_status)"
+    fi
+  fi
+fi
+
+# run_bench NAME SECONDS BINARY ARGS...: one benchmark with its own timeout; failures are counted, not fatal.
+failures=()
+run_bench() {
+  local name=$1 seconds=$2 binary=$3
+  shift 3
+  stage "benchmark: $name"
+  if [[ ! -x $binary ]]; then
+    echo "$binary was not built"
+    failures+=("$name (not built)")
+    return
+  fi
+  local status=0
+  timeout "$seconds" "$binary" "$@" || status=$?
+  ((status == 0)) || failures+=("$name (exit $status)")
+}
+
+if want bench; then
+  run_bench "GEMM TFLOP/s, forge vs cuBLAS" 90 "$BIN/forge_gpubench" --json "$OUT/gemm.jsonl"
+  run_bench "block-scaled FP8 GEMM vs cuBLASLt per-tensor FP8" 75 "$BIN/forge_gpubench_fp8block" --json "$OUT/fp8block.jsonl"
+  run_bench "attention forward/backward TFLOP/s" 75 "$BIN/forge_gpubench_attention" --json "$OUT/attention.jsonl"
+  run_bench "FP8 casts GB/s vs a device copy" 45 "$BIN/forge_gpubench_fp8cast" --json "$OUT/fp8cast.jsonl"
+  ((${#failures[@]})) && bench_status="FAILED: ${failures[*]}" || bench_status="ok"
+  nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv || true
+fi
+
+if want train; then
+  failures=()
+  : >"$OUT/train.jsonl"
+  for recipe in off delayed current block; do
+    stage "training step, LLaMA-3-8B shape (4 layers), batch $TRAIN_BATCH x 4096, fp8 $recipe"
+    status=0
+    timeout 110 "$BIN/forge" bench --model bench/gpu/llama3-8b-4layers.json --device cuda --batch "$TRAIN_BATCH" \
+      --seq 4096 --warmup 2 --steps 5 --fp8 "$recipe" >"$OUT/train_$recipe.txt" 2>&1 || status=$?
+    cat "$OUT/train_$recipe.txt"
+    grep '^{' "$OUT/train_$recipe.txt" >>"$OUT/train.jsonl" || true
+    ((status == 0)) || failures+=("fp8 $recipe (exit $status)")
+  done
+  # FP8 against bf16: throughput ratio and the last step's loss (same weights, same tokens).
+  awk -F'"tokens_per_s": |, "model_gflops"|"fp8": "|", "batch"|"losses": \\[|\\]}' '
+    { fp8 = $2; tps = $4; n = split($6, l, ", "); loss[fp8] = l[n]; speed[fp8] = tps }
+    END { for (r in speed) if (r != "off" && speed["off"] > 0)
+            printf "fp8 %s: %.2fx bf16 throughput, last loss %.4f vs bf16 %.4f (%+.2f%%)\n", r, speed[r] / speed["off"],
+                   loss[r], loss["off"], 100 * (loss[r] - loss["off"]) / loss["off"] }' "$OUT/train.jsonl" || true
+  ((${#failures[@]})) && train_status="FAILED: ${failures[*]}" || train_status="ok"
+fi
+[[ $test_status != FAILED* && $bench_status != FAILED* && $train_status != FAILED* ]]
 }
 
 # main's output goes to the terminal and the log; the script's exit status is main's (pipefail).

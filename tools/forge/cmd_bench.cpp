@@ -1,9 +1,12 @@
 // forge bench: this machine's GEMM peaks, or a model's training throughput and MFU.
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "commands.h"
+#include "forge/core/device.h"
+#include "forge/fp8/recipe.h"
 #include "forge/models/llama_config.h"
 #include "forge/nn/compute.h"
 #include "forge/train/peak.h"
@@ -16,9 +19,22 @@ struct BenchOptions {
   std::string model;
   int64_t batch = 4, seq = 512;
   int steps = 5, warmup = 2;
-  std::string dtype = "bf16", recompute = "none";
+  std::string dtype = "bf16", recompute = "none", device = "cpu", fp8 = "off";
   double peak_gflops = 0;
 };
+
+// Dense tensor-core peaks of the H100/H200 (SXM) in GFLOP/s, the MFU denominators on CUDA.
+constexpr double kHopperBf16Peak = 989e3, kHopperFp8Peak = 1979e3;
+
+std::optional<nn::Fp8Options> fp8_options(const std::string& recipe) {
+  if (recipe == "off") return std::nullopt;
+  nn::Fp8Options o;
+  o.recipe.recipe = fp8::recipe_from_name(recipe);
+  // TransformerEngine's defaults: HYBRID for the per-tensor recipes, E4M3 everywhere for blocks.
+  o.recipe.format = fp8::format_from_name(o.recipe.recipe == fp8::Recipe::block ? "e4m3" : "hybrid");
+  nn::validate(o);
+  return o;
+}
 
 int run_bench(const BenchOptions& o) {
   const DType dtype = dtype_from_name(o.dtype);
@@ -29,16 +45,32 @@ int run_bench(const BenchOptions& o) {
     return 0;
   }
   LlamaConfig config = LlamaConfig::from_json_file(o.model);
-  const double peak = o.peak_gflops > 0 ? o.peak_gflops : measure_gemm_peak_gflops(dtype, 4096, 3);
-  ThroughputResult r = measure_training_throughput(config, {dtype, nn::recompute_from_name(o.recompute)}, o.batch,
-                                                   o.seq, o.warmup, o.steps);
-  std::printf("forge %s: %.0f tokens/s | %.1f model GFLOP/s | MFU %.1f%% of %.0f GFLOP/s %s GEMM peak | "
-              "%.3f s/step | loss %.3f\n",
-              o.dtype.c_str(), r.tokens_per_s, r.model_gflops, 100.0 * r.model_gflops / peak, peak, o.dtype.c_str(),
-              r.seconds_per_step, r.loss);
-  std::printf("{\"engine\": \"forge\", \"dtype\": \"%s\", \"tokens_per_s\": %.2f, \"model_gflops\": %.2f, "
-              "\"peak_gflops\": %.2f, \"mfu\": %.4f}\n",
-              o.dtype.c_str(), r.tokens_per_s, r.model_gflops, peak, r.model_gflops / peak);
+  nn::ComputeOptions options{dtype, nn::recompute_from_name(o.recompute)};
+  options.device = device_from_name(o.device);
+  const std::optional<nn::Fp8Options> fp8 = fp8_options(o.fp8);
+  const bool cuda = options.device == Device::cuda;
+  if (cuda && !device_usable(options.device)) fail("bench: --device cuda, but no usable GPU (or no CUDA backend)");
+  // The precision's peak: the tensor-core table on CUDA (FP8 runs against the FP8 peak), measured on the CPU
+  // (where FP8 is emulated through bf16 GEMMs).
+  const std::string precision = fp8 ? "fp8 " + o.fp8 : o.dtype;
+  double peak = o.peak_gflops;
+  if (peak <= 0) peak = cuda ? (fp8 ? kHopperFp8Peak : kHopperBf16Peak) : measure_gemm_peak_gflops(dtype, 4096, 3);
+  const std::string peak_name = cuda ? (fp8 ? "H100/H200 fp8 dense" : "H100/H200 bf16 dense") : o.dtype + " GEMM";
+  ThroughputResult r = measure_training_throughput(config, options, o.batch, o.seq, o.warmup, o.steps, fp8);
+  std::printf("forge %s on %s: %.0f tokens/s | %.1f model GFLOP/s | MFU %.1f%% of %.0f GFLOP/s %s peak | "
+              "%.3f s/step | loss %.4f",
+              precision.c_str(), o.device.c_str(), r.tokens_per_s, r.model_gflops, 100.0 * r.model_gflops / peak, peak,
+              peak_name.c_str(), r.seconds_per_step, r.loss);
+  if (cuda) std::printf(" | peak device memory %.1f GiB", r.peak_device_gib);
+  std::printf("\n");
+  std::string losses;
+  for (double l : r.losses) losses += (losses.empty() ? "" : ", ") + std::to_string(l);
+  std::printf("{\"engine\": \"forge\", \"device\": \"%s\", \"dtype\": \"%s\", \"fp8\": \"%s\", \"batch\": %lld, "
+              "\"seq\": %lld, \"tokens_per_s\": %.2f, \"model_gflops\": %.2f, \"peak_gflops\": %.2f, \"mfu\": %.4f, "
+              "\"seconds_per_step\": %.5f, \"peak_device_gib\": %.2f, \"losses\": [%s]}\n",
+              o.device.c_str(), o.dtype.c_str(), o.fp8.c_str(), static_cast<long long>(o.batch),
+              static_cast<long long>(o.seq), r.tokens_per_s, r.model_gflops, peak, r.model_gflops / peak,
+              r.seconds_per_step, r.peak_device_gib, losses.c_str());
   return 0;
 }
 
@@ -55,7 +87,12 @@ void add_bench_command(CLI::App& app, Commands& commands) {
   bench->add_option("--warmup", o->warmup, "untimed warm-up steps")->capture_default_str();
   bench->add_option("--dtype", o->dtype, "compute dtype: bf16 or fp32")->capture_default_str();
   bench->add_option("--recompute", o->recompute, "none, selective or full")->capture_default_str();
-  bench->add_option("--peak-gflops", o->peak_gflops, "GEMM peak for MFU (default: measured)");
+  bench->add_option("--device", o->device, "where the model trains: cpu or cuda")->capture_default_str();
+  bench->add_option("--fp8", o->fp8, "FP8 recipe of the transformer layers' GEMMs: off, delayed, current or block")
+      ->capture_default_str();
+  bench->add_option("--peak-gflops", o->peak_gflops,
+                    "peak for MFU (default: measured GEMM peak on the CPU; on CUDA the H100/H200 dense peak of the "
+                    "precision, 989 TFLOP/s bf16, 1979 fp8)");
   commands.push_back({bench, [o] { return run_bench(*o); }});
 }
 

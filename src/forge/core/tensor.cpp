@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "forge/core/device.h"
 #include "forge/core/memory.h"
 
 namespace forge {
@@ -39,7 +40,11 @@ MemoryStats memory_stats() { return {g_live_bytes.load(), g_peak_bytes.load()}; 
 void reset_peak_memory() { g_peak_bytes.store(g_live_bytes.load()); }
 
 Storage::Storage(size_t bytes, Device device) : bytes_(bytes), device_(device) {
-  FORGE_CHECK(device == Device::cpu, "Storage: only CPU storage is built into the core");
+  if (device != Device::cpu) {
+    // Device memory is counted by its backend's allocator (kernels/cuda/device_allocator.h).
+    data_ = bytes == 0 ? nullptr : device_memory(device).alloc(bytes);
+    return;
+  }
   size_t rounded = (bytes + 63) / 64 * 64;
   data_ = std::aligned_alloc(64, rounded == 0 ? 64 : rounded);
   if (!data_) fail("out of memory allocating {} bytes", bytes);
@@ -50,6 +55,10 @@ Storage::Storage(size_t bytes, Device device) : bytes_(bytes), device_(device) {
 }
 
 Storage::~Storage() {
+  if (device_ != Device::cpu) {
+    if (data_) device_memory(device_).free(data_);
+    return;
+  }
   std::free(data_);
   g_live_bytes.fetch_sub(static_cast<int64_t>(bytes_));
 }
@@ -99,16 +108,34 @@ Tensor Tensor::reshape(Shape shape) const {
   return view(0, std::move(shape));
 }
 
-void Tensor::fill_zero() { std::memset(raw(), 0, bytes()); }
+void Tensor::fill_zero() {
+  if (bytes() == 0) return;
+  if (device() == Device::cpu)
+    std::memset(raw(), 0, bytes());
+  else
+    device_memory(device()).zero(raw(), bytes());
+}
 
 void Tensor::copy_from(const Tensor& other) {
   FORGE_CHECK(other.dtype_ == dtype_ && other.numel() == numel(), "copy_from {} {} -> {} {}",
               dtype_name(other.dtype_), shape_string(other.shape_), dtype_name(dtype_), shape_string(shape_));
-  std::memcpy(raw(), other.raw(), bytes());
+  if (bytes() == 0) return;
+  if (device() == Device::cpu && other.device() == Device::cpu)
+    std::memcpy(raw(), other.raw(), bytes());
+  else
+    device_memory(device() == Device::cpu ? other.device() : device()).copy(raw(), device(), other.raw(),
+                                                                             other.device(), bytes());
 }
 
 Tensor Tensor::clone() const {
   Tensor t = empty(shape_, dtype_, device());
+  t.copy_from(*this);
+  return t;
+}
+
+Tensor Tensor::to(Device device) const {
+  if (!defined() || device == this->device()) return *this;
+  Tensor t = empty(shape_, dtype_, device);
   t.copy_from(*this);
   return t;
 }

@@ -20,7 +20,8 @@ using Shape = std::vector<int64_t>;
 std::string shape_string(const Shape& shape);
 int64_t shape_numel(const Shape& shape);
 
-// One allocation. CPU storage is 64-byte aligned.
+// One allocation. CPU storage is 64-byte aligned; device storage comes from the device's backend
+// (core/device.h), 256-byte aligned.
 class Storage {
  public:
   Storage(size_t bytes, Device device);
@@ -65,8 +66,11 @@ class Tensor {
   Tensor view(int64_t element_offset, Shape shape) const;
   Tensor reshape(Shape shape) const;
   void fill_zero();
-  void copy_from(const Tensor& other);  // same dtype and numel
+  // Same dtype and numel; either may live on any device (a copy to the host returns once the data is there).
+  void copy_from(const Tensor& other);
   Tensor clone() const;
+  // This tensor when it already lives on `device`, else a copy there.
+  Tensor to(Device device) const;
 
  private:
   std::shared_ptr<Storage> storage_;

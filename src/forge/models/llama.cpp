@@ -7,16 +7,30 @@
 #include "forge/nn/fp8_context.h"
 #include "forge/nn/tensor_parallel.h"
 
+#include "forge/core/device.h"
 #include "forge/kernels/ops.h"
 #include "forge/kernels/rope_tables.h"
 
 namespace forge {
+namespace {
+// A host array of token ids on `device`: the array itself on the CPU, else a copy kept alive by `holder`.
+const int32_t* ids_on(Device device, const int32_t* ids, int64_t n, Tensor& holder) {
+  if (device == Device::cpu || ids == nullptr) return ids;
+  Tensor host = Tensor::empty({n}, DType::i32);
+  std::copy_n(ids, n, host.i32());
+  holder = host.to(device);
+  return holder.i32();
+}
+}  // namespace
 
 LlamaModel::LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, float init_std, bool with_grads)
     : config_(config), options_(options) {
   config_.validate("model config");
   const int64_t h = config.hidden_size, v = config.vocab_size;
   const int tp_size = options.tp_size(), rank = options.tp_rank();
+  if (tp_size > 1 && options.device != Device::cpu)
+    fail("tensor parallelism runs on the CPU backend only for now (device {}, tp = {})", device_name(options.device),
+         tp_size);
   // Vocabulary-parallel embedding and head: rows padded to a multiple of vocab_divisible_by x tp, split
   // evenly; the padding rows are zero, masked out of the softmax and never saved.
   const int64_t unit = std::max<int64_t>(1, options.vocab_divisible_by) * tp_size;
@@ -36,7 +50,7 @@ LlamaModel::LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, fl
   head_id_ = config.tie_word_embeddings
                  ? embed_id_
                  : params_.add("lm_head.weight", {local_vocab_, h}, true, nn::Init::normal, init_std, vocab_shard);
-  params_.allocate(options.gemm_dtype == DType::bf16, with_grads);
+  params_.allocate(options.gemm_dtype == DType::bf16, with_grads, options.device);
 
   rope_.positions = config.max_position_embeddings;
   rope_.half_dim = config.head_dim / 2;
@@ -44,6 +58,7 @@ LlamaModel::LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, fl
   rope_.sin = Tensor::empty({rope_.positions, rope_.half_dim}, DType::f32);
   rope_tables(rope_.positions, config.head_dim, config.rope_theta, config.rope_scaling, rope_.cos.f32(),
               rope_.sin.f32());
+  rope_.cos = rope_.cos.to(options.device), rope_.sin = rope_.sin.to(options.device);
 
   embedding_ = nn::Embedding(&params_, embed_id_, tp());
   // FP8: every transformer layer's Linears except the first and last bf16_*_layers, which stay in the
@@ -97,12 +112,15 @@ LossSum LlamaModel::forward_backward(const int32_t* ids, const int32_t* targets,
   if (!params_.has_grads()) fail("forward_backward: this model was built for inference, without gradients");
   check_inputs(ids, targets, batch, seq);
   const nn::Fp8Recording fp8_recording(options_.fp8, true);  // training micro-batches feed the amax history
+  Tensor ids_holder, targets_holder;
+  const int32_t* device_ids = ids_on(options_.device, ids, batch * seq, ids_holder);
+  const int32_t* device_targets = ids_on(options_.device, targets, batch * seq, targets_holder);
   std::vector<nn::TransformerLayer::Saved> saved(layers_.size());
   nn::RmsNorm::Saved norm_saved;
-  Tensor hidden = final_hidden(ids, batch, seq, &saved, &norm_saved);
+  Tensor hidden = final_hidden(device_ids, batch, seq, &saved, &norm_saved);
 
   Tensor dhidden;
-  LossSum result = loss_head(hidden, targets, grad_scale, &dhidden);
+  LossSum result = loss_head(hidden, targets, device_targets, grad_scale, &dhidden);
   hidden = Tensor();
 
   Tensor dx = final_norm_.backward_input(dhidden, norm_saved);
@@ -120,7 +138,7 @@ LossSum LlamaModel::forward_backward(const int32_t* ids, const int32_t* targets,
       notify_ready(layers_[l].first_param());
     }
   }
-  embedding_.backward_weight(ids, dx);
+  embedding_.backward_weight(device_ids, dx);
   if (last_micro_batch) notify_ready(embed_id_);
   return result;
 }
@@ -131,7 +149,8 @@ void LlamaModel::notify_ready(int param_id) const {
   if (grads_ready_) grads_ready_(params_.info(param_id).offset);
 }
 
-LossSum LlamaModel::loss_head(const Tensor& hidden, const int32_t* targets, float grad_scale, Tensor* dhidden) {
+LossSum LlamaModel::loss_head(const Tensor& hidden, const int32_t* targets, const int32_t* device_targets,
+                              float grad_scale, Tensor* dhidden) {
   // The vocabulary-chunked fused projection + cross-entropy; with dhidden it also computes the hidden
   // gradient and accumulates the head's weight gradient while each logits chunk is live.
   // Vocabulary-parallel (tp > 1): each rank covers its vocabulary range over all rows (gathered under
@@ -142,22 +161,23 @@ LossSum LlamaModel::loss_head(const Tensor& hidden, const int32_t* targets, floa
   const int64_t rows = full.dim(0);
   Tensor hidden_gemm = nn::to_gemm_dtype(full, options_.gemm_dtype);
   Tensor weight_gemm = head_weight_gemm();
-  Tensor lse = Tensor::empty({rows}, DType::f32), loss = Tensor::empty({rows}, DType::f32);
-  Tensor target_logit = Tensor::empty({rows}, DType::f32);
+  const Device device = options_.device;
+  Tensor lse = Tensor::empty({rows}, DType::f32, device), loss = Tensor::empty({rows}, DType::f32, device);
+  Tensor target_logit = Tensor::empty({rows}, DType::f32, device);
   ops::LinearCrossEntropyParams p;
   p.rows = rows, p.dim = config_.hidden_size, p.vocab = local_vocab_;
   p.vocab_start = vocab_start_, p.global_vocab = config_.vocab_size;
   p.gemm_dtype = options_.gemm_dtype;
   p.hidden_gemm = hidden_gemm.raw(), p.weight_gemm = weight_gemm.raw();
-  p.targets = targets, p.lse = lse.f32(), p.loss = loss.f32(), p.target_logit = target_logit.f32();
+  p.targets = device_targets, p.lse = lse.f32(), p.loss = loss.f32(), p.target_logit = target_logit.f32();
   Tensor dfull;
   if (dhidden) {
-    dfull = Tensor::empty({rows, config_.hidden_size}, DType::f32);
+    dfull = Tensor::empty({rows, config_.hidden_size}, DType::f32, device);
     p.grad_scale = grad_scale, p.dhidden = dfull.f32(), p.dweight = params_.grad(head_id_).f32();
   }
-  Tensor workspace = Tensor::empty({ops::linear_cross_entropy_workspace_floats(p)}, DType::f32);
+  Tensor workspace = Tensor::empty({ops::linear_cross_entropy_workspace_floats(p)}, DType::f32, device);
   p.workspace = workspace.f32();
-  ops::linear_cross_entropy_forward(p);
+  ops::linear_cross_entropy_forward(p, device);
   if (group) {
     const int n = group->size();
     std::vector<float> all(static_cast<size_t>(n) * rows);
@@ -173,23 +193,29 @@ LossSum LlamaModel::loss_head(const Tensor& hidden, const int32_t* targets, floa
     }
   }
   if (dhidden) {
-    ops::linear_cross_entropy_backward(p);
+    ops::linear_cross_entropy_backward(p, device);
     *dhidden = nn::reduce_out(group, dfull);
   }
+  const Tensor host_loss = loss.to(Device::cpu);
   LossSum result;
   for (int64_t i = 0; i < rows; ++i)
-    if (targets[i] >= 0) result.sum += loss.f32()[i], ++result.tokens;
+    if (targets[i] >= 0) result.sum += host_loss.f32()[i], ++result.tokens;
   return result;
 }
 
 LossSum LlamaModel::forward_loss(const int32_t* ids, const int32_t* targets, int64_t batch, int64_t seq) {
   check_inputs(ids, targets, batch, seq);
-  return loss_head(final_hidden(ids, batch, seq, nullptr, nullptr), targets, 0.0f, nullptr);
+  Tensor ids_holder, targets_holder;
+  const int32_t* device_ids = ids_on(options_.device, ids, batch * seq, ids_holder);
+  const int32_t* device_targets = ids_on(options_.device, targets, batch * seq, targets_holder);
+  return loss_head(final_hidden(device_ids, batch, seq, nullptr, nullptr), targets, device_targets, 0.0f, nullptr);
 }
 
 Tensor LlamaModel::logits(const int32_t* ids, int64_t batch, int64_t seq) {
   check_inputs(ids, nullptr, batch, seq);
-  return project_logits(final_hidden(ids, batch, seq, nullptr, nullptr));
+  Tensor ids_holder;
+  const int32_t* device_ids = ids_on(options_.device, ids, batch * seq, ids_holder);
+  return project_logits(final_hidden(device_ids, batch, seq, nullptr, nullptr)).to(Device::cpu);
 }
 
 KvCache LlamaModel::make_cache(int64_t batch, int64_t capacity) const {
@@ -204,6 +230,8 @@ KvCache LlamaModel::make_cache(int64_t batch, int64_t capacity) const {
 Tensor LlamaModel::forward_cached(const int32_t* ids, int64_t batch, int64_t new_tokens, KvCache& cache,
                                   bool all_logits) {
   if (tp()) fail("cached inference runs on one process; this model is split over tp = {} ranks", tp()->size());
+  if (options_.device != Device::cpu)
+    fail("cached inference runs on the CPU backend only for now (this model is on {})", device_name(options_.device));
   if (batch <= 0 || new_tokens <= 0)
     fail("batch ({}) and new tokens ({}) must be positive", batch, new_tokens);
   if (!cache.allocated() || cache.layers() != config_.num_hidden_layers || cache.batch() != batch ||
@@ -245,12 +273,12 @@ Tensor LlamaModel::project_logits(const Tensor& hidden) const {
   const int64_t rows = full.dim(0), v = config_.vocab_size, local = local_vocab_;
   Tensor hidden_gemm = nn::to_gemm_dtype(full, options_.gemm_dtype);
   Tensor weight_gemm = head_weight_gemm();
-  Tensor out = Tensor::empty({rows, local}, DType::f32);
+  Tensor out = Tensor::empty({rows, local}, DType::f32, options_.device);
   ops::GemmParams p;
   p.m = rows, p.n = local, p.k = config_.hidden_size;
   p.a = hidden_gemm.raw(), p.lda = p.k, p.b = weight_gemm.raw(), p.ldb = p.k, p.trans_b = true;
   p.ab_dtype = options_.gemm_dtype, p.c = out.f32(), p.ldc = local;
-  ops::gemm(p);
+  ops::gemm(p, options_.device);
   if (!group) return out;
   // Gather the vocabulary ranges and drop the padding: [tp, rows, local] -> [rows, vocab].
   const int n = group->size();

@@ -1,7 +1,9 @@
 // LlamaModel: a LLaMA-family decoder (Hugging Face LlamaForCausalLM semantics) assembled from nn/
 // modules, with parameters under their Hugging Face names in one ParameterStore. Training runs
 // forward_backward over whole sequences; inference runs forward_cached over a KvCache, a prompt at once
-// (prefill) and then one token per step (decode).
+// (prefill) and then one token per step (decode). ComputeOptions::device places the parameters and every
+// activation on a device (training and loss evaluation; cached inference and tensor parallelism run on the
+// CPU for now); ids and targets are host arrays in every case, and losses come back to the host.
 #pragma once
 
 #include <cstdint>
@@ -54,7 +56,7 @@ class LlamaModel {
   int64_t padded_vocab_size() const { return padded_vocab_; }  // vocabulary rows over all tp ranks
   // Loss only (evaluation); keeps no activations.
   LossSum forward_loss(const int32_t* ids, const int32_t* targets, int64_t batch, int64_t seq);
-  // Full logits [batch * seq, vocab] (tests, generation).
+  // Full logits [batch * seq, vocab] (tests, generation), on the host whatever the model's device.
   Tensor logits(const int32_t* ids, int64_t batch, int64_t seq);
 
   // A KV cache for `batch` sequences of up to `capacity` positions (0 = max_position_embeddings, which also
@@ -78,7 +80,9 @@ class LlamaModel {
   void check_inputs(const int32_t* ids, const int32_t* targets, int64_t batch, int64_t seq) const;
   Tensor head_weight_gemm() const;
   Tensor project_logits(const Tensor& hidden) const;  // hidden [rows, hidden] -> logits [rows, vocab]
-  LossSum loss_head(const Tensor& hidden, const int32_t* targets, float grad_scale, Tensor* dhidden);
+  // targets: the host array; device_targets: the same on the model's device.
+  LossSum loss_head(const Tensor& hidden, const int32_t* targets, const int32_t* device_targets, float grad_scale,
+                    Tensor* dhidden);
   void notify_ready(int param_id) const;
   nn::TensorParallel* tp() const;  // null unless split over more than one rank
 

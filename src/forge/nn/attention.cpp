@@ -29,15 +29,15 @@ void Attention::apply_rope(float* qkv, int64_t batch, int64_t seq, bool inverse,
   p.cos = rope_->cos.f32(), p.sin = rope_->sin.f32(), p.inverse = inverse;
   p.position_offset = first_position;
   p.x = qkv, p.heads = shape_.heads;
-  ops::rope(p);
+  ops::rope(p, options_.device);
   p.x = qkv + shape_.heads * shape_.head_dim, p.heads = shape_.kv_heads;
-  ops::rope(p);
+  ops::rope(p, options_.device);
 }
 
 void Attention::core_forward(Tensor& qkv, int64_t batch, int64_t seq, Tensor& out, Tensor& lse) const {
   const int64_t rows = batch * seq, qd = shape_.heads * shape_.head_dim, kd = shape_.kv_heads * shape_.head_dim;
-  out = Tensor::empty({rows, qd}, DType::f32);
-  lse = Tensor::empty({batch, shape_.heads, seq}, DType::f32);
+  out = Tensor::empty({rows, qd}, DType::f32, options_.device);
+  lse = Tensor::empty({batch, shape_.heads, seq}, DType::f32, options_.device);
   ops::AttentionParams p;
   p.batch = batch, p.seq = seq, p.heads = shape_.heads, p.kv_heads = shape_.kv_heads, p.head_dim = shape_.head_dim;
   p.q = qkv.f32(), p.k = p.q + qd, p.v = p.q + qd + kd;
@@ -45,7 +45,7 @@ void Attention::core_forward(Tensor& qkv, int64_t batch, int64_t seq, Tensor& ou
   p.out = out.f32(), p.out_stride = qd, p.lse = lse.f32();
   p.scale = 1.0f / std::sqrt(static_cast<float>(shape_.head_dim));
   p.causal = true;
-  ops::attention_forward(p);
+  ops::attention_forward(p, options_.device);
 }
 
 Tensor Attention::forward(const Tensor& h, int64_t batch, int64_t seq, Saved& saved, bool keep_core) const {
@@ -72,7 +72,7 @@ Tensor Attention::backward_input(const Tensor& dy, int64_t batch, int64_t seq, S
   Tensor dout = o_.backward_input(saved.dy);
 
   const int64_t rows = batch * seq, qd = shape_.heads * shape_.head_dim, kd = shape_.kv_heads * shape_.head_dim;
-  Tensor dqkv = Tensor::empty({rows, shape_.qkv_dim()}, DType::f32);
+  Tensor dqkv = Tensor::empty({rows, shape_.qkv_dim()}, DType::f32, options_.device);
   ops::AttentionParams p;
   p.batch = batch, p.seq = seq, p.heads = shape_.heads, p.kv_heads = shape_.kv_heads, p.head_dim = shape_.head_dim;
   p.q = saved.qkv.f32(), p.k = p.q + qd, p.v = p.q + qd + kd;
@@ -83,7 +83,7 @@ Tensor Attention::backward_input(const Tensor& dy, int64_t batch, int64_t seq, S
   p.dout = dout.f32(), p.dout_stride = qd;
   p.dq = dqkv.f32(), p.dk = p.dq + qd, p.dv = p.dq + qd + kd;
   p.dq_stride = p.dk_stride = p.dv_stride = shape_.qkv_dim();
-  ops::attention_backward(p);
+  ops::attention_backward(p, options_.device);
   // The core is no longer needed; the o-projection's weight gradient keeps out_op.
   saved.out = Tensor(), saved.lse = Tensor(), saved.qkv = Tensor();
 
@@ -100,6 +100,7 @@ void Attention::backward_weight(Saved& saved) const {
 
 Tensor Attention::forward_cached(const Tensor& h, int64_t batch, int64_t tokens, const KvLayer& cache) const {
   FORGE_CHECK(options_.tp == nullptr, "cached inference runs on one process (tensor parallelism is for training)");
+  FORGE_CHECK(options_.device == Device::cpu, "cached inference runs on the CPU backend only (for now)");
   FORGE_CHECK(cache.keys && cache.kv_heads == shape_.kv_heads && cache.head_dim == shape_.head_dim,
               "KV cache of {} kv heads x {} dims does not fit attention with {} x {}", cache.kv_heads,
               cache.head_dim, shape_.kv_heads, shape_.head_dim);

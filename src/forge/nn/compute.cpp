@@ -1,5 +1,6 @@
 #include "forge/nn/compute.h"
 
+#include "forge/kernels/ops.h"
 #include "forge/nn/tensor_parallel.h"
 
 namespace forge::nn {
@@ -27,7 +28,7 @@ Tensor to_gemm_dtype(const Tensor& x, DType gemm_dtype) {
   if (gemm_dtype == DType::f32) return x;
   FORGE_CHECK(gemm_dtype == DType::bf16, "unsupported GEMM dtype {}", dtype_name(gemm_dtype));
   Tensor y = Tensor::empty(x.shape(), DType::bf16, x.device());
-  convert_f32_to_bf16(x.f32(), y.bf16(), static_cast<size_t>(x.numel()));
+  ops::convert_to_bf16(x.f32(), y.bf16(), x.numel(), x.device());
   return y;
 }
 

@@ -26,11 +26,13 @@ struct ComputeOptions {
   // FP8 training (null: off): the Linears of the transformer layers run their GEMMs in FP8 per the recipe.
   // The model owns the context; norms, attention, the embedding and the output head stay in higher precision.
   Fp8Context* fp8 = nullptr;
+  // Where the model's parameters and activations live and its ops run (the op table of that device).
+  Device device = Device::cpu;
   int tp_rank() const;
   int tp_size() const;
 };
 
-// x itself when gemm_dtype is fp32, else a bf16 copy (the operand a GEMM reads).
+// x itself when gemm_dtype is fp32, else a bf16 copy on x's device (the operand a GEMM reads).
 Tensor to_gemm_dtype(const Tensor& x, DType gemm_dtype);
 
 }  // namespace forge::nn

@@ -16,7 +16,9 @@ Embedding::Embedding(ParameterStore* store, int weight_param, TensorParallel* tp
       first_(store->info(weight_param).shard.dim == 0 ? store->info(weight_param).shard.start : 0) {}
 
 Tensor Embedding::forward(const int32_t* ids, int64_t rows) const {
+  const Device device = store_->device();
   if (tp_) {
+    FORGE_CHECK(device == Device::cpu, "the vocabulary-parallel embedding runs on the CPU backend only (for now)");
     Tensor y = Tensor::zeros({rows, dim_}, DType::f32);
     const float* w = store_->param(weight_).f32();
 #pragma omp parallel for schedule(static)
@@ -26,15 +28,17 @@ Tensor Embedding::forward(const int32_t* ids, int64_t rows) const {
     }
     return tp_->reduce_out(y);
   }
-  Tensor y = Tensor::empty({rows, dim_}, DType::f32);
+  Tensor y = Tensor::empty({rows, dim_}, DType::f32, device);
   ops::EmbeddingParams p;
   p.rows = rows, p.dim = dim_, p.vocab = vocab_, p.ids = ids, p.weight = store_->param(weight_).f32(), p.out = y.f32();
-  ops::embedding_forward(p);
+  ops::embedding_forward(p, device);
   return y;
 }
 
 void Embedding::backward_weight(const int32_t* ids, const Tensor& dy_in) const {
   if (tp_) {
+    FORGE_CHECK(store_->device() == Device::cpu,
+                "the vocabulary-parallel embedding runs on the CPU backend only (for now)");
     Tensor dy = tp_->gather_in(dy_in);
     float* dw = store_->grad(weight_).f32();
     const int64_t rows = dy.numel() / dim_;
@@ -52,7 +56,7 @@ void Embedding::backward_weight(const int32_t* ids, const Tensor& dy_in) const {
   ops::EmbeddingParams p;
   p.rows = dy.numel() / dim_, p.dim = dim_, p.vocab = vocab_, p.ids = ids, p.dout = dy.f32();
   p.dweight = store_->grad(weight_).f32();
-  ops::embedding_backward_weight(p);
+  ops::embedding_backward_weight(p, store_->device());
 }
 
 }  // namespace forge::nn

@@ -47,8 +47,12 @@ void validate(const Fp8Options& options);
 struct Fp8Weight {
   uint64_t version = ~uint64_t{0};  // ParameterStore::version() of the master weights it was cast from
   Tensor q;                         // [out, in] FP8 codes
+  // [in, out]: the same codes transposed, from the same pass. The input gradient reads W [out, in] with K =
+  // out running down its rows; tensor cores take only K-contiguous FP8 operands, so it reads q_t instead.
+  Tensor q_t;
   float scale = 1.0f, scale_inv = 1.0f;  // per-tensor recipes
   Tensor block_scale_inv;           // block recipe: [ceil(out/128)][ceil(in/128)] (fp8/quantize.h)
+  Tensor block_scale_inv_t;         // block recipe: q_t's, [ceil(in/128)][ceil(out/128)]
 };
 
 class Fp8Context {

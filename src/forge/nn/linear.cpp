@@ -1,5 +1,6 @@
 #include "forge/nn/linear.h"
 
+#include "forge/core/device.h"
 #include "forge/fp8/quantize.h"
 #include "forge/kernels/ops.h"
 #include "forge/nn/tensor_parallel.h"
@@ -27,6 +28,7 @@ Linear::Linear(ParameterStore* store, int first_param, int param_count, int64_t 
       count_(param_count),
       in_(in_features),
       gemm_dtype_(options.gemm_dtype),
+      device_(options.device),
       fp8_(options.fp8),
       tp_(options.tp && options.tp->size() > 1 ? options.tp : nullptr) {
   for (int i = first_; i < first_ + count_; ++i) out_ += store_->info(i).shape.at(0);
@@ -34,9 +36,12 @@ Linear::Linear(ParameterStore* store, int first_param, int param_count, int64_t 
   slot_ = fp8_->add_linear(name.empty() ? store_->info(first_).name : std::move(name));
   // The FP8 weight lives as long as the model: allocate it with the model, not inside the first step.
   Fp8Weight& w = fp8_->weight(slot_);
-  w.q = Tensor::empty({out_, in_}, fp8_->dtype(TensorRole::weight));
-  if (fp8_->recipe() == Recipe::block)
-    w.block_scale_inv = Tensor::empty({fp8::num_blocks(out_), fp8::num_blocks(in_)}, DType::f32);
+  w.q = Tensor::empty({out_, in_}, fp8_->dtype(TensorRole::weight), device_);
+  w.q_t = Tensor::empty({in_, out_}, fp8_->dtype(TensorRole::weight), device_);
+  if (fp8_->recipe() == Recipe::block) {
+    w.block_scale_inv = Tensor::empty({fp8::num_blocks(out_), fp8::num_blocks(in_)}, DType::f32, device_);
+    w.block_scale_inv_t = Tensor::empty({fp8::num_blocks(in_), fp8::num_blocks(out_)}, DType::f32, device_);
+  }
 }
 
 Tensor Linear::weight(DType dtype) const {
@@ -56,8 +61,13 @@ const Fp8Weight& Linear::fp8_weight() const {
     return w;
   const Tensor master = store_->span(store_->params(), first_, count_, in_);
   const DType dtype = fp8_->dtype(TensorRole::weight);
+  ops::Fp8CastParams cast;
+  cast.rows = out_, cast.cols = in_, cast.x = master.f32(), cast.fp8 = dtype;
+  cast.q = codes(w.q), cast.q_t = codes(w.q_t);
   if (rc.recipe == Recipe::block) {
-    fp8::quantize_128x128(master.f32(), out_, in_, dtype, rc.power_of_two_scales, codes(w.q), w.block_scale_inv.f32());
+    cast.power_of_two_scales = rc.power_of_two_scales;
+    cast.scale_inv = w.block_scale_inv.f32(), cast.scale_inv_t = w.block_scale_inv_t.f32();
+    ops::fp8_quantize_128x128(cast, device_);
   } else {
     float scale = 1.0f;
     if (rc.recipe == Recipe::delayed) {
@@ -65,11 +75,12 @@ const Fp8Weight& Linear::fp8_weight() const {
     } else {
       // Current scaling: every shard of a split weight takes the scale of the whole weight, so a layout
       // computes what one process would.
-      float amax = fp8::compute_amax(master.f32(), master.numel());
+      float amax = ops::amax(master.f32(), master.numel(), device_);
       if (tp_) tp_->all_reduce_max(&amax, 1);
       scale = fp8::compute_scale(amax, fp8::fp8_max(dtype), rc.margin, 1.0f);
     }
-    const float amax = fp8::quantize(master.f32(), master.numel(), scale, dtype, codes(w.q));
+    cast.scale = scale;
+    const float amax = ops::fp8_cast_transpose(cast, device_);
     if (rc.recipe == Recipe::delayed) fp8_->record_amax(slot_, TensorRole::weight, amax);
     w.scale = scale, w.scale_inv = 1.0f / scale;
   }
@@ -84,22 +95,29 @@ GemmOperand Linear::quantize(const Tensor& x, int64_t cols, TensorRole role, boo
               "FP8 Linear '{}': expected an fp32 operand of [*, {}], got {} {}", fp8_->linear_name(slot_), cols,
               dtype_name(x.dtype()), shape_string(x.shape()));
   const int64_t rows = x.numel() / cols;
+  // Tensor cores read FP8 operands in rows of 16-byte multiples; the transposed copies' rows are the tokens.
+  if (device_ != Device::cpu && (rows % 16 != 0 || cols % 16 != 0))
+    fail("FP8 Linear '{}' on {}: {} x {} operand; FP8 tensor cores need the token count and the features to be "
+         "multiples of 16 (change the batch or sequence length, or keep this layer in bf16)",
+         fp8_->linear_name(slot_), device_name(device_), rows, cols);
   const DType dtype = fp8_->dtype(role);
   const fp8::RecipeConfig& rc = fp8_->options().recipe;
   GemmOperand op;
-  if (with_rows) op.data = Tensor::empty({rows, cols}, dtype);
-  if (with_transpose) op.data_t = Tensor::empty({cols, rows}, dtype);
+  if (with_rows) op.data = Tensor::empty({rows, cols}, dtype, device_);
+  if (with_transpose) op.data_t = Tensor::empty({cols, rows}, dtype, device_);
+  if (!with_rows && !with_transpose) return op;
+  ops::Fp8CastParams cast;
+  cast.rows = rows, cast.cols = cols, cast.x = x.f32(), cast.fp8 = dtype;
+  if (with_rows) cast.q = codes(op.data);
+  if (with_transpose) cast.q_t = codes(op.data_t);
   if (rc.recipe == Recipe::block) {
-    const bool pow2 = rc.power_of_two_scales;
-    if (with_rows) op.tiles = Tensor::empty({rows, fp8::num_blocks(cols)}, DType::f32);
-    if (with_transpose) op.tiles_t = Tensor::empty({cols, fp8::num_blocks(rows)}, DType::f32);
-    if (with_rows && with_transpose)
-      fp8::quantize_1x128_with_transpose(x.f32(), rows, cols, dtype, pow2, codes(op.data), op.tiles.f32(),
-                                         codes(op.data_t), op.tiles_t.f32());
-    else if (with_rows)
-      fp8::quantize_1x128(x.f32(), rows, cols, dtype, pow2, codes(op.data), op.tiles.f32());
-    else if (with_transpose)
-      fp8::quantize_1x128_transposed(x.f32(), rows, cols, dtype, pow2, codes(op.data_t), op.tiles_t.f32());
+    // One read of x gives both layouts' 1x128 tiles.
+    cast.power_of_two_scales = rc.power_of_two_scales;
+    if (with_rows) op.tiles = Tensor::empty({rows, fp8::num_blocks(cols)}, DType::f32, device_);
+    if (with_transpose) op.tiles_t = Tensor::empty({cols, fp8::num_blocks(rows)}, DType::f32, device_);
+    if (with_rows) cast.scale_inv = op.tiles.f32();
+    if (with_transpose) cast.scale_inv_t = op.tiles_t.f32();
+    ops::fp8_quantize_1x128(cast, device_);
     return op;
   }
   float scale = 1.0f;
@@ -108,14 +126,10 @@ GemmOperand Linear::quantize(const Tensor& x, int64_t cols, TensorRole role, boo
   else if (rc.recipe == Recipe::delayed)
     scale = fp8_->delayed_scale(slot_, role);
   else
-    scale = fp8::compute_scale(fp8::compute_amax(x.f32(), x.numel()), fp8::fp8_max(dtype), rc.margin, 1.0f);
-  float amax = 0.0f;
-  if (with_transpose) {  // one pass: both layouts and the amax
-    Tensor rowwise = with_rows ? op.data : Tensor::empty({rows, cols}, dtype);
-    amax = fp8::cast_transpose(x.f32(), rows, cols, scale, dtype, codes(rowwise), codes(op.data_t));
-  } else if (with_rows) {
-    amax = fp8::quantize(x.f32(), x.numel(), scale, dtype, codes(op.data));
-  }
+    scale = fp8::compute_scale(ops::amax(x.f32(), x.numel(), device_), fp8::fp8_max(dtype), rc.margin, 1.0f);
+  // One pass: the layouts asked for and the amax.
+  cast.scale = scale;
+  const float amax = ops::fp8_cast_transpose(cast, device_);
   if (rc.recipe == Recipe::delayed && !fixed_scale && fp8_->recording()) fp8_->record_amax(slot_, role, amax);
   op.scale = scale, op.scale_inv = 1.0f / scale;
   return op;
@@ -161,7 +175,7 @@ ops::Fp8GemmParams fp8_params(const Fp8Options& options) {
 Tensor Linear::forward(GemmOperand& x) const {
   FORGE_CHECK(x.data.defined(), "Linear::forward: the operand holds no forward copy");
   const int64_t rows = x.data.numel() / in_;
-  Tensor y = Tensor::empty({rows, out_}, DType::f32);
+  Tensor y = Tensor::empty({rows, out_}, DType::f32, device_);
   if (!fp8_) {
     Tensor w = weight(x.data.dtype());
     ops::GemmParams p;
@@ -170,7 +184,7 @@ Tensor Linear::forward(GemmOperand& x) const {
     p.b = w.raw(), p.ldb = in_, p.trans_b = true;
     p.ab_dtype = x.data.dtype();
     p.c = y.f32(), p.ldc = out_;
-    ops::gemm(p);
+    ops::gemm(p, device_);
     return y;
   }
   const Fp8Weight& w = fp8_weight();
@@ -184,7 +198,7 @@ Tensor Linear::forward(GemmOperand& x) const {
   } else {
     p.a_scale_inv = x.scale_inv, p.b_scale_inv = w.scale_inv;
   }
-  ops::fp8_gemm(p);
+  ops::fp8_gemm(p, device_);
   keep_for_backward(x);
   return y;
 }
@@ -192,7 +206,7 @@ Tensor Linear::forward(GemmOperand& x) const {
 Tensor Linear::backward_input(GemmOperand& dy) const {
   FORGE_CHECK(dy.data.defined(), "Linear::backward_input: the gradient operand holds no row-wise copy");
   const int64_t rows = dy.data.numel() / out_;
-  Tensor dx = Tensor::empty({rows, in_}, DType::f32);
+  Tensor dx = Tensor::empty({rows, in_}, DType::f32, device_);
   if (!fp8_) {
     Tensor w = weight(dy.data.dtype());
     ops::GemmParams p;
@@ -201,21 +215,23 @@ Tensor Linear::backward_input(GemmOperand& dy) const {
     p.b = w.raw(), p.ldb = in_;
     p.ab_dtype = dy.data.dtype();
     p.c = dx.f32(), p.ldc = in_;
-    ops::gemm(p);
+    ops::gemm(p, device_);
     return dx;
   }
   const Fp8Weight& w = fp8_weight();
   ops::Fp8GemmParams p = fp8_params(fp8_->options());
   p.m = rows, p.n = in_, p.k = out_;
   p.a = codes(dy.data), p.lda = out_, p.a_dtype = dy.data.dtype();
-  p.b = codes(w.q), p.ldb = in_, p.b_dtype = w.q.dtype();  // W [out, in] is [K, N]: not transposed
+  // B = W^T [in, out] = [N, K]: K-major, as the tensor cores take it.
+  p.b = codes(w.q_t), p.ldb = out_, p.trans_b = true, p.b_dtype = w.q_t.dtype();
   p.c = dx.f32(), p.ldc = in_;
   if (p.scaling == ops::Fp8Scaling::block) {
-    p.a_scales = dy.tiles.f32(), p.b_scales = w.block_scale_inv.f32(), p.b_block = ops::Fp8BlockScales::block_128x128;
+    p.a_scales = dy.tiles.f32(), p.b_scales = w.block_scale_inv_t.f32();
+    p.b_block = ops::Fp8BlockScales::block_128x128;
   } else {
     p.a_scale_inv = dy.scale_inv, p.b_scale_inv = w.scale_inv;
   }
-  ops::fp8_gemm(p);
+  ops::fp8_gemm(p, device_);
   dy.data = dy.tiles = Tensor();  // the weight gradient reads the transposed copy
   return dx;
 }
@@ -232,7 +248,7 @@ void Linear::backward_weight(const GemmOperand& dy, const GemmOperand& x) const 
     p.ab_dtype = dy.data.dtype();
     p.c = dw.f32(), p.ldc = in_;
     p.beta = 1.0f;
-    ops::gemm(p);
+    ops::gemm(p, device_);
     return;
   }
   // Inputs kept in the GEMM dtype are cast again, with the scale forward used.
@@ -241,8 +257,8 @@ void Linear::backward_weight(const GemmOperand& dy, const GemmOperand& x) const 
   if (x.high.defined()) {
     Tensor xf = x.high;
     if (xf.dtype() != DType::f32) {
-      xf = Tensor::empty(x.high.shape(), DType::f32);
-      convert_bf16_to_f32(x.high.bf16(), xf.f32(), static_cast<size_t>(xf.numel()));
+      xf = Tensor::empty(x.high.shape(), DType::f32, device_);
+      ops::convert_to_f32(x.high.bf16(), xf.f32(), xf.numel(), device_);
     }
     const bool block = fp8_->recipe() == Recipe::block;
     recast = quantize(xf, in_, TensorRole::input, /*with_rows=*/false, /*with_transpose=*/true,
@@ -264,7 +280,7 @@ void Linear::backward_weight(const GemmOperand& dy, const GemmOperand& x) const 
   } else {
     p.a_scale_inv = dy.scale_inv, p.b_scale_inv = xs->scale_inv;
   }
-  ops::fp8_gemm(p);
+  ops::fp8_gemm(p, device_);
 }
 
 }  // namespace forge::nn

@@ -74,6 +74,7 @@ class Linear {
   int first_ = 0, count_ = 0;
   int64_t in_ = 0, out_ = 0;
   DType gemm_dtype_ = DType::bf16;
+  Device device_ = Device::cpu;
   Fp8Context* fp8_ = nullptr;
   TensorParallel* tp_ = nullptr;
   int slot_ = -1;

@@ -14,10 +14,10 @@ Mlp::Mlp(ParameterStore* store, int gate_up_param, int down_param, int64_t hidde
 
 Tensor Mlp::activation(const Tensor& gate_up) const {
   int64_t rows = gate_up.numel() / (2 * ffn_);
-  Tensor act = Tensor::empty({rows, ffn_}, DType::f32);
+  Tensor act = Tensor::empty({rows, ffn_}, DType::f32, options_.device);
   ops::SwigluParams p;
   p.rows = rows, p.ffn = ffn_, p.gate_up = gate_up.f32(), p.out = act.f32();
-  ops::swiglu_forward(p);
+  ops::swiglu_forward(p, options_.device);
   return act;
 }
 
@@ -38,10 +38,10 @@ Tensor Mlp::backward_input(const Tensor& dy, Saved& saved) const {
   saved.dy = down_.grad_output(gather_in(options_.tp, dy));
   Tensor dact = down_.backward_input(saved.dy);
   int64_t rows = dact.numel() / ffn_;
-  Tensor dgate_up = Tensor::empty({rows, 2 * ffn_}, DType::f32);
+  Tensor dgate_up = Tensor::empty({rows, 2 * ffn_}, DType::f32, options_.device);
   ops::SwigluParams p;
   p.rows = rows, p.ffn = ffn_, p.gate_up = saved.gate_up.f32(), p.dout = dact.f32(), p.dgate_up = dgate_up.f32();
-  ops::swiglu_backward(p);
+  ops::swiglu_backward(p, options_.device);
   saved.gate_up = Tensor();
   saved.dgate_up = gate_up_.grad_output(dgate_up);
   return reduce_out(options_.tp, gate_up_.backward_input(saved.dgate_up));

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "forge/core/init.h"
+#include "forge/kernels/ops.h"
 
 namespace forge::nn {
 
@@ -32,10 +33,11 @@ int ParameterStore::add(std::string name, Shape shape, bool weight_decay, Init i
   return static_cast<int>(infos_.size()) - 1;
 }
 
-void ParameterStore::allocate(bool with_bf16_shadow, bool with_grads) {
-  params_ = Tensor::zeros({total_}, DType::f32);
-  if (with_grads) grads_ = Tensor::zeros({total_}, DType::f32);
-  if (with_bf16_shadow) params_bf16_ = Tensor::zeros({total_}, DType::bf16);
+void ParameterStore::allocate(bool with_bf16_shadow, bool with_grads, Device device) {
+  device_ = device;
+  params_ = Tensor::zeros({total_}, DType::f32, device);
+  if (with_grads) grads_ = Tensor::zeros({total_}, DType::f32, device);
+  if (with_bf16_shadow) params_bf16_ = Tensor::zeros({total_}, DType::bf16, device);
 }
 
 Tensor ParameterStore::grad(int id) const {
@@ -66,8 +68,10 @@ std::vector<ShardRun> shard_runs(const Shape& local_shape, const Shape& global_s
 
 void ParameterStore::initialize(uint64_t seed) {
   FORGE_CHECK(allocated(), "initialize before allocate");
+  // Computed on the host (the values are a function of names and indices), then copied to the device.
+  Tensor host = device_ == Device::cpu ? params_ : Tensor::empty({total_}, DType::f32);
   for (const auto& p : infos_) {
-    float* out = params_.f32() + p.offset;
+    float* out = host.f32() + p.offset;
     int64_t n = shape_numel(p.shape);
     switch (p.init) {
       case Init::normal:
@@ -81,12 +85,13 @@ void ParameterStore::initialize(uint64_t seed) {
       case Init::zeros: init_constant(out, n, 0.0f); break;
     }
   }
+  if (device_ != Device::cpu) params_.copy_from(host);
   refresh_bf16();
 }
 
 void ParameterStore::refresh_bf16() {
   mark_updated();
-  if (has_bf16()) convert_f32_to_bf16(params_.f32(), params_bf16_.bf16(), static_cast<size_t>(total_));
+  if (has_bf16()) ops::convert_to_bf16(params_.f32(), params_bf16_.bf16(), total_, device_);
 }
 
 int ParameterStore::find(const std::string& name) const {

@@ -62,8 +62,10 @@ class ParameterStore {
   int add(std::string name, Shape shape, bool weight_decay, Init init, float init_std = 0.02f,
           ShardSpec shard = {});
   // with_grads = false (inference: eval, generate, convert) leaves out the gradient buffer, a third or
-  // half of the memory; gradient accessors then fail.
-  void allocate(bool with_bf16_shadow, bool with_grads = true);
+  // half of the memory; gradient accessors then fail. The buffers live on `device`; initialisation and
+  // loading compute on the host and copy there.
+  void allocate(bool with_bf16_shadow, bool with_grads = true, Device device = Device::cpu);
+  Device device() const { return device_; }
   bool has_grads() const { return grads_.defined(); }
   bool allocated() const { return params_.defined(); }
 
@@ -99,6 +101,7 @@ class ParameterStore {
   std::unordered_map<std::string, int> by_name_;
   int64_t total_ = 0;
   uint64_t version_ = 0;
+  Device device_ = Device::cpu;
   Tensor params_, grads_, params_bf16_;
 };
 

@@ -9,23 +9,24 @@ RmsNorm::RmsNorm(ParameterStore* store, int weight_param, float eps)
 
 Tensor RmsNorm::forward(const Tensor& x, Saved& saved) const {
   int64_t rows = x.numel() / dim_;
-  Tensor y = Tensor::empty(x.shape(), DType::f32);
+  const Device device = store_->device();
+  Tensor y = Tensor::empty(x.shape(), DType::f32, device);
   saved.x = x;
-  saved.rstd = Tensor::empty({rows}, DType::f32);
+  saved.rstd = Tensor::empty({rows}, DType::f32, device);
   ops::RmsNormParams p;
   p.rows = rows, p.dim = dim_, p.x = x.f32(), p.weight = store_->param(weight_).f32(), p.eps = eps_;
   p.y = y.f32(), p.rstd = saved.rstd.f32();
-  ops::rmsnorm_forward(p);
+  ops::rmsnorm_forward(p, device);
   return y;
 }
 
 Tensor RmsNorm::backward_input(const Tensor& dy, Saved& saved) const {
   int64_t rows = dy.numel() / dim_;
-  Tensor dx = Tensor::empty(dy.shape(), DType::f32);
+  Tensor dx = Tensor::empty(dy.shape(), DType::f32, store_->device());
   ops::RmsNormParams p;
   p.rows = rows, p.dim = dim_, p.x = saved.x.f32(), p.weight = store_->param(weight_).f32(), p.eps = eps_;
   p.rstd = saved.rstd.f32(), p.dy = dy.f32(), p.dx = dx.f32();
-  ops::rmsnorm_backward_input(p);
+  ops::rmsnorm_backward_input(p, store_->device());
   saved.dy = dy;
   return dx;
 }
@@ -35,7 +36,7 @@ void RmsNorm::backward_weight(Saved& saved) const {
   ops::RmsNormParams p;
   p.rows = rows, p.dim = dim_, p.x = saved.x.f32(), p.eps = eps_;
   p.rstd = saved.rstd.f32(), p.dy = saved.dy.f32(), p.dweight = store_->grad(weight_).f32();
-  ops::rmsnorm_backward_weight(p);
+  ops::rmsnorm_backward_weight(p, store_->device());
   saved = Saved{};
 }
 

@@ -73,6 +73,7 @@ void TransformerLayer::bind(const RopeTable* rope, ComputeOptions options) {
 void TransformerLayer::reduce_replicated_grads() const {
   TensorParallel* tp = options_.tp;
   if (!tp || tp->size() == 1) return;
+  FORGE_CHECK(options_.device == Device::cpu, "tensor parallelism runs on the CPU backend only (for now)");
   if (tp->sequence_parallel()) {  // each rank normed only its shard of the rows
     tp->all_reduce_sum(store_->grad(norm1_id_).f32(), shape_.attention.hidden);
     tp->all_reduce_sum(store_->grad(norm2_id_).f32(), shape_.attention.hidden);
@@ -98,10 +99,10 @@ Tensor TransformerLayer::run_forward(const Tensor& x, int64_t batch, int64_t seq
   saved.x = x;
   Tensor h1 = norm1_.forward(x, saved.norm1);
   Tensor x2 = attention_.forward(h1, batch, seq, saved.attention, keep_cores);
-  ops::add_inplace(x2.f32(), x.f32(), x.numel());
+  ops::add_inplace(x2.f32(), x.f32(), x.numel(), options_.device);
   Tensor h2 = norm2_.forward(x2, saved.norm2);
   Tensor y = mlp_.forward(h2, saved.mlp, keep_cores);
-  ops::add_inplace(y.f32(), x2.f32(), x2.numel());
+  ops::add_inplace(y.f32(), x2.f32(), x2.numel(), options_.device);
   saved.complete = true;
   return y;
 }
@@ -125,11 +126,11 @@ Tensor TransformerLayer::backward_input(const Tensor& dy, int64_t batch, int64_t
   // y = x2 + mlp(norm2(x2)):  dx2 = dy + norm2'(mlp'(dy))
   Tensor dh2 = mlp_.backward_input(dy, saved.mlp);
   Tensor dx2 = norm2_.backward_input(dh2, saved.norm2);
-  ops::add_inplace(dx2.f32(), dy.f32(), dy.numel());
+  ops::add_inplace(dx2.f32(), dy.f32(), dy.numel(), options_.device);
   // x2 = x + attn(norm1(x)):  dx = dx2 + norm1'(attn'(dx2))
   Tensor dh1 = attention_.backward_input(dx2, batch, seq, saved.attention);
   Tensor dx = norm1_.backward_input(dh1, saved.norm1);
-  ops::add_inplace(dx.f32(), dx2.f32(), dx2.numel());
+  ops::add_inplace(dx.f32(), dx2.f32(), dx2.numel(), options_.device);
   saved.x = Tensor();
   return dx;
 }
@@ -139,9 +140,9 @@ Tensor TransformerLayer::forward_cached(const Tensor& x, int64_t batch, int64_t 
   RmsNorm::Saved norm1, norm2;
   Mlp::Saved mlp;
   Tensor x2 = attention_.forward_cached(norm1_.forward(x, norm1), batch, tokens, cache);
-  ops::add_inplace(x2.f32(), x.f32(), x.numel());
+  ops::add_inplace(x2.f32(), x.f32(), x.numel(), options_.device);
   Tensor y = mlp_.forward(norm2_.forward(x2, norm2), mlp, false);
-  ops::add_inplace(y.f32(), x2.f32(), x2.numel());
+  ops::add_inplace(y.f32(), x2.f32(), x2.numel(), options_.device);
   return y;
 }
 

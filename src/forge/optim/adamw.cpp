@@ -9,7 +9,7 @@ namespace forge {
 
 double global_grad_norm(const nn::ParameterStore& store) {
   if (!store.has_grads()) fail("gradient norm of a parameter store built without gradients (inference)");
-  return std::sqrt(ops::sum_squares(store.grads().f32(), store.numel()));
+  return std::sqrt(ops::sum_squares(store.grads().f32(), store.numel(), store.device()));
 }
 
 float clip_coefficient(double norm, float max_norm) {
@@ -22,8 +22,8 @@ float clip_coefficient(double norm, float max_norm) {
 AdamW::AdamW(nn::ParameterStore* store, AdamWConfig config)
     : store_(store),
       config_(config),
-      exp_avg_(Tensor::zeros({store->numel()}, DType::f32)),
-      exp_avg_sq_(Tensor::zeros({store->numel()}, DType::f32)) {
+      exp_avg_(Tensor::zeros({store->numel()}, DType::f32, store->device())),
+      exp_avg_sq_(Tensor::zeros({store->numel()}, DType::f32, store->device())) {
   if (!store->has_grads()) fail("AdamW over a parameter store built without gradients (inference)");
 }
 
@@ -47,7 +47,7 @@ void adamw_update_range(nn::ParameterStore& store, int64_t begin, int64_t end, f
     p.weight_decay = info.weight_decay ? config.weight_decay : 0.0f;
     p.step = step;
     p.grad_scale = grad_scale;
-    ops::adamw(p);
+    ops::adamw(p, store.device());
   });
 }
 

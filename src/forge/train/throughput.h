@@ -1,12 +1,16 @@
 // Training throughput of a model on synthetic tokens (the `forge bench` measurement): full steps of
-// forward, backward, gradient norm and AdamW, timed after warm-up.
+// forward, backward, gradient norm and AdamW, timed after warm-up, on the device options.device names, in
+// the GEMM dtype or, with fp8, in FP8 under that recipe (the delayed recipe's scales updated every step).
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "forge/models/llama_config.h"
 #include "forge/nn/compute.h"
+#include "forge/nn/fp8_context.h"
 
 namespace forge {
 
@@ -15,9 +19,14 @@ struct ThroughputResult {
   double model_gflops = 0;     // model FLOP/s (LlamaConfig::flops_per_token) / 1e9
   double seconds_per_step = 0;
   double loss = 0;             // last step's loss (sanity: ~ln(vocab) on random tokens)
+  std::vector<double> losses;  // every step's, warm-up included (the same tokens every step: they fall)
+  double peak_device_gib = 0;  // peak device memory of the run (GPU runs; 0 on the CPU)
 };
 
+// The same fixed batch of random tokens every step, so that the loss falls and runs of different
+// precisions from the same seed can be compared step by step.
 ThroughputResult measure_training_throughput(const LlamaConfig& config, nn::ComputeOptions options, int64_t batch,
-                                             int64_t seq, int warmup_steps, int steps);
+                                             int64_t seq, int warmup_steps, int steps,
+                                             const std::optional<nn::Fp8Options>& fp8 = std::nullopt);
 
 }  // namespace forge

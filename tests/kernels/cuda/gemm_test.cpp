@@ -471,7 +471,7 @@ TEST(CudaFp8GemmErrors, UnsupportedRequestsFailWithOneLine) {
   testing::expect_error_containing([&] { cuda::fp8_gemm(bad); }, {"TN orientation", "dy^T [out,tokens]"});
   bad = p, bad.scaling = ops::Fp8Scaling::block;
   testing::expect_error_containing([&] { cuda::fp8_gemm(bad); },
-                                   {"block scaling", "not implemented on CUDA yet"});
+                                   {"block scaling", "a_scales and b_scales must be set"});
   bad = p, bad.accumulator_bits = 14;
   testing::expect_error_containing([&] { cuda::fp8_gemm(bad); },
                                    {"accumulator_bits = 14", "not implemented"});

@@ -2,6 +2,7 @@
 
 #include <cstdint>
 
+#include "forge/core/device.h"
 #include "forge/kernels/cuda/runtime.h"
 
 namespace forge::cuda {
@@ -42,5 +43,28 @@ void empty_cache() { allocator().empty_cache(); }
 CachingAllocatorStats allocator_stats() { return allocator().stats(); }
 
 void reset_peak_allocated() { allocator().reset_peak(); }
+
+namespace {
+
+void zero_bytes(void* ptr, size_t bytes) { FORGE_CUDA_CHECK(cudaMemsetAsync(ptr, 0, bytes, stream())); }
+
+void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes) {
+  const bool to_host = dst_device == Device::cpu, from_host = src_device == Device::cpu;
+  const cudaMemcpyKind kind = to_host ? (from_host ? cudaMemcpyHostToHost : cudaMemcpyDeviceToHost)
+                                      : (from_host ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToDevice);
+  FORGE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, stream()));
+  // Pageable host memory makes the runtime stage the copy, but only a synchronisation guarantees that a host
+  // destination holds the data (and that a host source may be freed) when this returns.
+  if (to_host || from_host) synchronize();
+}
+
+}  // namespace
+
+const DeviceMemory& device_memory_interface() {
+  static const DeviceMemory memory{"cuda", device_alloc, device_free, zero_bytes, copy_bytes, synchronize};
+  return memory;
+}
+
+bool device_memory_usable() { return available(); }
 
 }  // namespace forge::cuda

@@ -1,0 +1,41 @@
+#include "forge/core/device.h"
+
+namespace forge {
+
+#ifdef FORGE_HAVE_CUDA
+namespace cuda {
+// Defined by the CUDA backend (kernels/cuda/device_allocator.cpp).
+const DeviceMemory& device_memory_interface();
+bool device_memory_usable();
+}  // namespace cuda
+#endif
+
+const char* device_name(Device device) { return device == Device::cpu ? "cpu" : "cuda"; }
+
+Device device_from_name(std::string_view name) {
+  if (name == "cpu") return Device::cpu;
+  if (name == "cuda") return Device::cuda;
+  fail("unknown device '{}' (expected cpu or cuda)", name);
+}
+
+const DeviceMemory& device_memory(Device device) {
+  FORGE_CHECK(device != Device::cpu, "device_memory: the host's memory needs no device interface");
+#ifdef FORGE_HAVE_CUDA
+  return cuda::device_memory_interface();
+#else
+  fail("{} tensors need the CUDA backend, which this binary was built without (configure with -DFORGE_CUDA=ON "
+       "where nvcc is installed)",
+       device_name(device));
+#endif
+}
+
+bool device_usable(Device device) {
+  if (device == Device::cpu) return true;
+#ifdef FORGE_HAVE_CUDA
+  return cuda::device_memory_usable();
+#else
+  return false;
+#endif
+}
+
+}  // namespace forge

@@ -1,0 +1,33 @@
+// Memory of a device other than the host, as the core sees it. Tensor storage on a device is allocated,
+// zeroed and copied through this interface; the device's backend (kernels/cuda for Device::cuda) provides it,
+// so the core includes no vendor header and a binary without that backend fails with one line when a tensor
+// is asked for there.
+#pragma once
+
+#include <cstddef>
+#include <string_view>
+
+#include "forge/core/tensor.h"
+
+namespace forge {
+
+struct DeviceMemory {
+  const char* name;                     // "cuda"
+  void* (*alloc)(size_t bytes);         // never null for bytes > 0: throws forge::Error instead
+  void (*free)(void* ptr);
+  void (*zero)(void* ptr, size_t bytes);  // ordered with the device's kernels
+  // Either side may be host or device memory. Ordered with the device's kernels; returns once a host
+  // destination holds the data and once a host source may be reused.
+  void (*copy)(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes);
+  void (*synchronize)();  // waits for all of the device's queued work
+};
+
+// The device's memory interface; fails with one line when its backend is not built into this binary.
+const DeviceMemory& device_memory(Device device);
+// Whether the device's backend is built in and a device is usable (false for the CPU: it needs no backend).
+bool device_usable(Device device);
+const char* device_name(Device device);
+// "cpu" or "cuda"; anything else fails naming the value.
+Device device_from_name(std::string_view name);
+
+}  // namespace forge
