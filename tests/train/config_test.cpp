@@ -84,7 +84,7 @@ TEST(TrainConfig, DefaultTomlFileEqualsBuiltInDefaults) {
     ++keys;
     EXPECT_NE(line.find(" # "), std::string::npos) << "no comment: " << line;
   }
-  EXPECT_EQ(keys, 65);
+  EXPECT_EQ(keys, 66);
 }
 
 TEST(TrainConfig, DefaultTomlFileIsTheGeneratedText) {
@@ -276,6 +276,7 @@ TEST(TrainConfigErrors, WrongTypesAndValues) {
   expect_parse_error("[data]\ncorpus = 3\n", {"data.corpus must be a string, got integer"});
   expect_parse_error("[train]\nschedule = \"linear\"\n", {"test.toml:2", "train.schedule must be one of"});
   expect_parse_error("[train]\ndtype = \"fp16\"\n", {"train.dtype must be one of 'auto', 'bf16', 'fp32'"});
+  expect_parse_error("[train]\ndevice = \"tpu\"\n", {"train.device must be one of 'cpu', 'cuda'", "got 'tpu'"});
   expect_parse_error("[model]\nseed = -3\n", {"model.seed must be >= 0"});
   expect_parse_error(
       "[parallel]\nsequence_parallel = 1\n",

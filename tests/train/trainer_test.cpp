@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "forge/ckpt/checkpoint.h"
+#include "forge/core/device.h"
 #include "forge/train/trainer.h"
 #include "train/toy_run.h"
 
@@ -141,6 +142,11 @@ TEST_F(TrainerTest, RefusesBadInputsWithOneClearLine) {
   TrainConfig heads = config("bad5");
   heads.model.config = (dir_ / "heads.json").string();
   expect_error(heads, "num_key_value_heads");
+  if (!device_usable(Device::cuda)) {  // no GPU here: a CUDA run is refused up front, naming the key
+    TrainConfig gpu = config("bad6");
+    gpu.train.device = "cuda";
+    expect_error(gpu, "train.device = cuda, but no GPU is usable here");
+  }
 }
 
 TEST_F(TrainerTest, IncompleteCheckpointIsRefused) {

@@ -23,9 +23,6 @@ struct BenchOptions {
   double peak_gflops = 0;
 };
 
-// Dense tensor-core peaks of the H100/H200 (SXM) in GFLOP/s, the MFU denominators on CUDA.
-constexpr double kHopperBf16Peak = 989e3, kHopperFp8Peak = 1979e3;
-
 std::optional<nn::Fp8Options> fp8_options(const std::string& recipe) {
   if (recipe == "off") return std::nullopt;
   nn::Fp8Options o;
@@ -54,7 +51,7 @@ int run_bench(const BenchOptions& o) {
   // (where FP8 is emulated through bf16 GEMMs).
   const std::string precision = fp8 ? "fp8 " + o.fp8 : o.dtype;
   double peak = o.peak_gflops;
-  if (peak <= 0) peak = cuda ? (fp8 ? kHopperFp8Peak : kHopperBf16Peak) : measure_gemm_peak_gflops(dtype, 4096, 3);
+  if (peak <= 0) peak = cuda ? (fp8 ? kHopperFp8PeakGflops : kHopperBf16PeakGflops) : measure_gemm_peak_gflops(dtype, 4096, 3);
   const std::string peak_name = cuda ? (fp8 ? "H100/H200 fp8 dense" : "H100/H200 bf16 dense") : o.dtype + " GEMM";
   ThroughputResult r = measure_training_throughput(config, options, o.batch, o.seq, o.warmup, o.steps, fp8);
   std::printf("forge %s on %s: %.0f tokens/s | %.1f model GFLOP/s | MFU %.1f%% of %.0f GFLOP/s %s peak | "

@@ -308,17 +308,28 @@ void load_pretrained_weights(const PretrainedDir& source, nn::ParameterStore& pa
           tied_head->file->path(), config_name);
   }
 
+  // A model on a device is filled through a host copy of its weights (every one of them comes from the files).
+  const bool staged = params.device() != Device::cpu;
+  const Tensor host = staged ? Tensor::zeros({params.numel()}, DType::f32) : Tensor();
+  auto destination = [&](int id) {
+    const nn::ParamInfo& info = params.info(id);
+    return staged ? host.view(info.offset, info.shape) : params.param(id);
+  };
   for (const auto& [name, shape] : expected) {
     const Located& at = located.at(name);
     const nn::ParamInfo& info = params.info(params.find(name));
     if (info.shard.dim < 0) {
-      at.file->read_into(name, params.param(params.find(name)));
+      at.file->read_into(name, destination(params.find(name)));
     } else {  // a tensor-parallel shard: read the whole tensor, keep this rank's slice
       Tensor whole = at.file->read_f32(name);
-      float* local = params.param(params.find(name)).f32();
+      float* local = destination(params.find(name)).f32();
       std::fill(local, local + shape_numel(info.shape), 0.0f);  // vocabulary padding
       for (const nn::ShardRun& r : nn::shard_runs(info)) std::copy_n(whole.f32() + r.global, r.count, local + r.local);
     }
+  }
+  if (staged) {
+    Tensor weights = params.params();
+    weights.copy_from(host);
   }
   params.refresh_bf16();
 }

@@ -32,8 +32,11 @@ DistributedAdamW::DistributedAdamW(nn::ParameterStore* store, AdamWConfig config
     moment_offsets_.push_back(total);
     total += hi - lo;
   }
-  exp_avg_ = Tensor::zeros({total}, DType::f32);
-  exp_avg_sq_ = Tensor::zeros({total}, DType::f32);
+  exp_avg_ = Tensor::zeros({total}, DType::f32, store->device());
+  exp_avg_sq_ = Tensor::zeros({total}, DType::f32, store->device());
+  if (sharded_ && store->device() != Device::cpu)
+    fail("the sharded (ZeRO-1) optimizer runs on the CPU backend only for now (parameters on {})",
+         store->device() == Device::cuda ? "cuda" : "another device");
   if (sharded_) {
     int64_t shards = 0, padded = 0;
     for (const GradBucket& b : buckets->buckets()) {
@@ -52,7 +55,7 @@ double DistributedAdamW::grad_norm() const {
   double sum = 0;
   int64_t run_begin = 0, run_end = 0;
   auto flush = [&] {
-    if (run_end > run_begin) sum += ops::sum_squares(grads + run_begin, run_end - run_begin);
+    if (run_end > run_begin) sum += ops::sum_squares(grads + run_begin, run_end - run_begin, store_->device());
     run_begin = run_end = 0;
   };
   for (auto [begin, end] : owned_) {
@@ -122,18 +125,19 @@ void DistributedAdamW::append_pieces(std::vector<ShardPiece>& pieces, int64_t be
     piece.split_start = info.shard.start;
     piece.flat_begin = lo - info.offset;
     piece.flat_end = hi - info.offset;
+    const bool staged = on_device();
     if (params) {
       piece.name = info.name;
-      piece.data = store_->params().f32() + lo;
+      piece.data = (staged ? host_params_ : store_->params()).f32() + lo;
       pieces.push_back(piece);
     }
     if (moments) {
       const int64_t m = moment_index(static_cast<size_t>(range), lo);
       piece.name = "exp_avg." + info.name;
-      piece.data = exp_avg_.f32() + m;
+      piece.data = (staged ? host_exp_avg_ : exp_avg_).f32() + m;
       pieces.push_back(piece);
       piece.name = "exp_avg_sq." + info.name;
-      piece.data = exp_avg_sq_.f32() + m;
+      piece.data = (staged ? host_exp_avg_sq_ : exp_avg_sq_).f32() + m;
       pieces.push_back(piece);
     }
   });
@@ -143,6 +147,7 @@ std::vector<ShardPiece> DistributedAdamW::checkpoint_pieces(bool include_params)
   std::vector<ShardPiece> pieces;
   // Unsharded, every dp rank holds the same state: dp rank 0 writes it.
   if (!sharded_ && dp_->rank() != 0) return pieces;
+  stage_on_host(/*download=*/true, include_params);
   for (size_t r = 0; r < owned_.size(); ++r)
     append_pieces(pieces, owned_[r].first, owned_[r].second, static_cast<int>(r), include_params,
                   /*moments=*/true,
@@ -151,6 +156,7 @@ std::vector<ShardPiece> DistributedAdamW::checkpoint_pieces(bool include_params)
 }
 
 std::vector<ShardPiece> DistributedAdamW::checkpoint_pieces_for_load(bool include_params) const {
+  stage_on_host(/*download=*/false, include_params);
   std::vector<ShardPiece> pieces;
   // Every rank needs its whole local weights (ZeRO gathers them after each step, so they must start equal),
   // replicated tensor-parallel copies included; the moments only where it updates.
@@ -160,6 +166,31 @@ std::vector<ShardPiece> DistributedAdamW::checkpoint_pieces_for_load(bool includ
     append_pieces(pieces, owned_[r].first, owned_[r].second, static_cast<int>(r), /*params=*/false,
                   /*moments=*/true, /*primary_only=*/false);
   return pieces;
+}
+
+void DistributedAdamW::stage_on_host(bool download, bool with_params) const {
+  if (!on_device()) return;
+  host_params_ = Tensor();
+  if (download) {
+    if (with_params) host_params_ = store_->params().to(Device::cpu);
+    host_exp_avg_ = exp_avg_.to(Device::cpu), host_exp_avg_sq_ = exp_avg_sq_.to(Device::cpu);
+  } else {
+    if (with_params) host_params_ = Tensor::zeros(store_->params().shape(), DType::f32);
+    host_exp_avg_ = Tensor::zeros(exp_avg_.shape(), DType::f32);
+    host_exp_avg_sq_ = Tensor::zeros(exp_avg_sq_.shape(), DType::f32);
+  }
+}
+
+void DistributedAdamW::finish_save() { host_params_ = host_exp_avg_ = host_exp_avg_sq_ = Tensor(); }
+
+void DistributedAdamW::finish_load() {
+  if (!on_device() || !host_exp_avg_.defined()) return;
+  if (host_params_.defined()) {
+    Tensor params = store_->params();
+    params.copy_from(host_params_);
+  }
+  exp_avg_.copy_from(host_exp_avg_), exp_avg_sq_.copy_from(host_exp_avg_sq_);
+  finish_save();
 }
 
 }  // namespace forge::parallel

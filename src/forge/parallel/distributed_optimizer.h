@@ -54,9 +54,14 @@ class DistributedAdamW {
   // when sharded, dp rank 0 otherwise).
   std::vector<ShardPiece> checkpoint_pieces(bool include_params) const;
   // Destinations to load: with include_params the whole local weights on every rank (replicated copies
-  // too), and the moments of every parameter in the owned ranges. Afterwards call
+  // too), and the moments of every parameter in the owned ranges. Afterwards call finish_load(),
   // store->refresh_bf16() and set_steps_taken().
   std::vector<ShardPiece> checkpoint_pieces_for_load(bool include_params) const;
+  // State on a device is saved and loaded through host copies: checkpoint_pieces() copies it there first and
+  // finish_save() frees them once the checkpoint is written; finish_load() copies what a load wrote back to
+  // the device and frees them. Both do nothing on the CPU.
+  void finish_save();
+  void finish_load();
 
  private:
   // The moments of flat element `index`, which lies in owned range `range`.
@@ -67,6 +72,10 @@ class DistributedAdamW {
   // Appends the pieces of [begin, end) of the store (owned range `range`, or -1: params only).
   void append_pieces(std::vector<ShardPiece>& pieces, int64_t begin, int64_t end, int range, bool params,
                      bool moments, bool primary_only) const;
+  // Where checkpoint pieces point: the state itself on the CPU, else host copies (download: filled from the
+  // device now; otherwise allocated for a load).
+  void stage_on_host(bool download, bool with_params) const;
+  bool on_device() const { return store_->device() != Device::cpu; }
 
   nn::ParameterStore* store_;
   AdamWConfig config_;
@@ -77,6 +86,7 @@ class DistributedAdamW {
   std::vector<std::pair<int64_t, int64_t>> owned_;
   std::vector<int64_t> moment_offsets_;
   Tensor exp_avg_, exp_avg_sq_;
+  mutable Tensor host_params_, host_exp_avg_, host_exp_avg_sq_;  // device runs: checkpoint staging
   Tensor gather_send_, gather_recv_;  // sharded: this rank's shard of a bucket; a padded bucket
   int64_t step_ = 0;
 };

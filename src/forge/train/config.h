@@ -53,6 +53,7 @@ struct TrainConfig {
     double beta2 = 0.95;
     double eps = 1e-8;
     double grad_clip = 1.0;          // 0 = no clipping
+    std::string device = "cpu";      // cpu | cuda
     std::string dtype = "auto";      // auto | bf16 | fp32 (auto: bf16 where the CPU has native bf16)
     std::string recompute = "none";  // none | selective | full
     int64_t threads = 0;             // 0 = all cores

@@ -20,6 +20,7 @@
 #include "forge/ckpt/sharded.h"
 #include "forge/comm/comm.h"
 #include "forge/core/cpu_features.h"
+#include "forge/core/device.h"
 #include "forge/core/memory.h"
 #include "forge/fp8/scaling.h"
 #include "forge/models/llama.h"
@@ -165,8 +166,19 @@ TrainResult Trainer::run() {
   const int64_t step_tokens = c.tokens_per_step() * dp;
 
   nn::ComputeOptions options;
+  options.device = device_from_name(c.train.device);
+  const bool on_gpu = options.device != Device::cpu;
+  if (on_gpu) {
+    if (!device_usable(options.device))
+      fail("{}: train.device = {}, but no GPU is usable here (or this binary has no CUDA backend)", c.source,
+           c.train.device);
+    if (world.size() > 1)
+      fail("{}: train.device = {} runs one process for now ({} were started): multi-GPU data and tensor "
+           "parallelism over NCCL is not wired into the trainer yet",
+           c.source, c.train.device, world.size());
+  }
   std::string dtype_name_used = c.train.dtype;
-  if (dtype_name_used == "auto") dtype_name_used = cpu_has_native_bf16() ? "bf16" : "fp32";
+  if (dtype_name_used == "auto") dtype_name_used = on_gpu || cpu_has_native_bf16() ? "bf16" : "fp32";
   options.gemm_dtype = dtype_from_name(dtype_name_used);
   options.recompute = nn::recompute_from_name(c.train.recompute);
   parallel::CommTensorParallel tensor_parallel(groups.tp.get(), c.parallel.sequence_parallel);
@@ -202,7 +214,7 @@ TrainResult Trainer::run() {
   // Data parallelism: gradients reduced in buckets while backward runs (sharded under ZeRO-1).
   parallel::BucketOptions bucket_options;
   bucket_options.bucket_bytes = static_cast<int64_t>(c.parallel.bucket_mb * 1048576.0);
-  bucket_options.shard = c.parallel.distributed_optimizer;
+  bucket_options.shard = c.parallel.distributed_optimizer && !on_gpu;  // one GPU process: nothing to shard
   bucket_options.overlap = c.parallel.overlap_grad_reduce;
   parallel::GradBuckets buckets(&model.params(), &dp_group, bucket_options);
   if (dp > 1) model.set_grads_ready([&buckets](int64_t offset) { buckets.ready_from(offset); });
@@ -256,6 +268,7 @@ TrainResult Trainer::run() {
     const bool fp8_saved = std::binary_search(saved_names.begin(), saved_names.end(), "fp8.amax_history");
     if (fp8_saved) append_fp8_pieces(pieces, /*saving=*/false);
     state = load_sharded_checkpoint(resume_from.string(), world, pieces);
+    optimizer.finish_load();
     model.params().refresh_bf16();
     if (fp8::DelayedScalingGroup* g = fp8_context ? fp8_context->delayed_group() : nullptr) {
       if (fp8_saved)
@@ -281,17 +294,20 @@ TrainResult Trainer::run() {
 
   const double flops_per_token = model_config.flops_per_token(seq);
   // Every rank measures its share of the machine; the job's peak is their sum.
+  // On a GPU, the tensor cores' dense peak of the precision that runs the Linears.
   const double rank_peak = c.log.peak_gflops > 0 ? c.log.peak_gflops / world.size()
-                                                 : measure_gemm_peak_gflops(options.gemm_dtype);
+                           : on_gpu ? (options.fp8 ? kHopperFp8PeakGflops : kHopperBf16PeakGflops)
+                                    : measure_gemm_peak_gflops(options.gemm_dtype);
   const double peak_gflops = comm::all_reduce_sum(world, rank_peak);
-  say("model %.2fM parameters | %s compute | fp8 %s | recompute %s | %lld-token batches (%lld x %lld x %lld x dp "
+  say("model %.2fM parameters | %s compute%s | fp8 %s | recompute %s | %lld-token batches (%lld x %lld x %lld x dp "
       "%lld) | peak %s GEMM %.0f GFLOP/s (%s)\n",
       static_cast<double>(model_config.num_parameters()) / 1e6,
-      (dtype_name_used + (c.train.dtype == "auto" ? " (auto)" : "")).c_str(), fp8_summary.c_str(),
+      (dtype_name_used + (c.train.dtype == "auto" ? " (auto)" : "")).c_str(),
+      on_gpu ? (" on " + std::string(device_name(options.device))).c_str() : "", fp8_summary.c_str(),
       c.train.recompute.c_str(),
       static_cast<long long>(step_tokens), static_cast<long long>(micro), static_cast<long long>(accum),
-      static_cast<long long>(seq), static_cast<long long>(dp), dtype_name_used.c_str(), peak_gflops,
-      c.log.peak_gflops > 0 ? "given" : "measured");
+      static_cast<long long>(seq), static_cast<long long>(dp), options.fp8 && on_gpu ? "fp8" : dtype_name_used.c_str(),
+      peak_gflops, c.log.peak_gflops > 0 ? "given" : on_gpu ? "H100/H200 dense" : "measured");
   if (world.size() > 1) {
     say("%s\n", layout.describe().c_str());
     say("tensor parallel %d%s | data parallel %lld: %zu gradient buckets of <= %.1f MiB, %s, overlap %s | "
@@ -322,6 +338,7 @@ TrainResult Trainer::run() {
     std::vector<ShardPiece> pieces = optimizer.checkpoint_pieces(true);
     append_fp8_pieces(pieces, /*saving=*/true);
     save_sharded_checkpoint(checkpoint_dir.string(), world, pieces, state);
+    optimizer.finish_save();
     say("checkpoint saved to %s (step %lld, %s)\n", checkpoint_dir.c_str(), static_cast<long long>(step), why);
   };
 
@@ -473,9 +490,10 @@ TrainResult Trainer::run() {
     so.max_new_tokens = c.sample.tokens, so.context = seq, so.temperature = c.sample.temperature;
     so.top_k = c.sample.top_k, so.seed = c.sample.seed;
     std::vector<int32_t> prompt = codec.encode(c.sample.prompt.empty() ? std::string("\n") : c.sample.prompt);
-    // Generation runs on one process: a model split over tp ranks is read back whole from the checkpoint.
+    // Generation runs on one process on the CPU: a model split over tp ranks or trained on a GPU is read back
+    // whole from the checkpoint.
     std::unique_ptr<LlamaModel> whole;
-    if (layout.tp() > 1) {
+    if (layout.tp() > 1 || on_gpu) {
       nn::ComputeOptions single;
       single.gemm_dtype = options.gemm_dtype;
       whole = load_pretrained_model(checkpoint_dir, single);
