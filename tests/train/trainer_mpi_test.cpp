@@ -17,6 +17,7 @@
 
 #include "forge/ckpt/pretrained.h"
 #include "forge/comm/comm.h"
+#include "forge/core/device.h"
 #include "forge/models/llama.h"
 #include "forge/train/trainer.h"
 #include "train/toy_run.h"
@@ -313,6 +314,44 @@ TEST_F(TrainerRuns, SequenceParallelNeedsSeqLenDivisibleByTp) {
   } catch (const Error& e) {
     EXPECT_EQ(std::string(e.what()), "parallel.sequence_parallel: data.seq_len = 15 must be a multiple of parallel.tp = " +
                                          std::to_string(world.size()));
+  }
+}
+
+// Data parallelism on GPUs: one GPU per rank, gradients summed over NCCL on the device. Follows the one-rank
+// CPU run within the GPU's bf16 attention rounding (tests/models/cuda/llama_cuda_test.cpp). Needs a GPU per
+// rank (NCCL refuses two ranks on one device), so it is skipped on smaller machines.
+TEST_F(TrainerRuns, DataParallelOnGpusFollowsTheOneRankRun) {
+  comm::Communicator& world = comm::world();
+  int usable = device_usable(Device::cuda) ? device_memory(Device::cuda).device_count() : 0;
+  usable = static_cast<int>(-comm::all_reduce_max(world, -static_cast<double>(usable)));  // the fewest any rank sees
+  if (usable < world.size()) GTEST_SKIP() << "needs a GPU per rank (" << world.size() << ")";
+  TrainConfig ref = config("reference-" + std::to_string(world.rank()));
+  ref.train.grad_accum = 2 * world.size();
+  auto self = comm::make_self();
+  TrainResult want = Trainer(ref, self.get()).run();
+  TrainConfig par = config("gpu");
+  par.train.device = "cuda";
+  par.parallel.dp = world.size();
+  TrainResult got = Trainer(par, &world).run();
+  ASSERT_EQ(got.losses.size(), want.losses.size());
+  for (size_t s = 0; s < want.losses.size(); ++s) {
+    EXPECT_NEAR(got.losses[s], want.losses[s], 2e-3 * want.losses[s]) << "step " << s + 1;
+    EXPECT_NEAR(got.grad_norms[s], want.grad_norms[s], 2e-2 * want.grad_norms[s]) << "step " << s + 1;
+  }
+}
+
+// A GPU run refuses the layouts it cannot run yet, naming them, before touching a device.
+TEST_F(TrainerRuns, GpuRunsRefuseTensorParallelism) {
+  comm::Communicator& world = comm::world();
+  if (!device_usable(Device::cuda)) GTEST_SKIP() << "no usable GPU: refused earlier, for that";
+  TrainConfig c = config("gpu_tp");
+  c.train.device = "cuda";
+  c.parallel.tp = world.size();
+  try {
+    Trainer(c, &world).run();
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("data parallelism only"), std::string::npos) << e.what();
   }
 }
 

@@ -126,7 +126,12 @@ std::unique_ptr<Communicator> make_self(std::string name = "self");
 // run on the communicator's own CUDA stream. Sends and receives posted one after another start together at
 // the next test(), wait() or collective; NCCL matches them by order, so tags are ignored. Fails with a clear
 // message where forge was built without NCCL or no CUDA device is present.
-std::unique_ptr<Communicator> make_nccl(Communicator& bootstrap, int cuda_device, std::string name = "world");
+// producer_stream (a cudaStream_t, or null): the stream that writes the buffers (the CUDA kernels' stream).
+// Each operation then first waits, on the device, for the work queued there so far; without it the
+// communicator's stream is a blocking one, ordered only with the legacy default stream. Either way wait()
+// returns once the operation is complete, so work issued afterwards sees its result.
+std::unique_ptr<Communicator> make_nccl(Communicator& bootstrap, int cuda_device, std::string name = "world",
+                                        void* producer_stream = nullptr);
 bool nccl_usable();  // built with NCCL and at least one CUDA device is visible
 
 // Convenience, synchronous.

@@ -20,6 +20,11 @@ struct DeviceMemory {
   // destination holds the data and once a host source may be reused.
   void (*copy)(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes);
   void (*synchronize)();  // waits for all of the device's queued work
+  // One device per process: how many this process sees, choosing one (before the first allocation), and the
+  // stream its kernels run on (a cudaStream_t for CUDA), for communicators that must wait for that work.
+  int (*device_count)();
+  void (*select_device)(int ordinal);
+  void* (*stream)();
 };
 
 // The device's memory interface; fails with one line when its backend is not built into this binary.

@@ -94,6 +94,14 @@ int threads_per_rank(int64_t configured) {
   return std::max(1, omp_get_num_procs() / local);
 }
 
+// This process's rank among the ranks on its node (the GPU it drives): from the launcher's environment
+// (OpenMPI, Slurm, torchrun-style LOCAL_RANK), else the world rank (one node).
+int local_rank_on_node(const comm::Communicator& world) {
+  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK"})
+    if (const char* s = std::getenv(name)) return std::max(0, std::atoi(s));
+  return world.rank();
+}
+
 std::atomic<int> g_signal_count{0};
 void on_signal(int) {
   if (g_signal_count.fetch_add(1) >= 1) std::_Exit(130);  // second Ctrl-C: leave now
@@ -154,6 +162,27 @@ TrainResult Trainer::run() {
   comm::Communicator& dp_group = *groups.dp_cp;
   const int64_t dp = layout.dp(), dp_rank = layout.coordinate(parallel::Dim::dp);
 
+  const Device device = device_from_name(c.train.device);
+  const bool on_gpu = device != Device::cpu;
+  // GPUs: one per process, the local rank's; gradients of data-parallel replicas are summed over NCCL on the
+  // device, everything else (scalars, flags, checkpoints' host copies) still goes over MPI.
+  std::unique_ptr<comm::Communicator> dp_nccl;
+  if (on_gpu) {
+    if (!device_usable(device))
+      fail("{}: train.device = {}, but no GPU is usable here (or this binary has no CUDA backend)", c.source,
+           c.train.device);
+    if (layout.tp() > 1 || layout.pp() > 1 || layout.cp() > 1 || layout.ep() > 1)
+      fail("{}: train.device = {} supports data parallelism only for now ({}); tensor, pipeline, context and "
+           "expert parallelism run on the CPU backend",
+           c.source, c.train.device, layout.describe());
+    const DeviceMemory& gpu = device_memory(device);
+    const int local_rank = local_rank_on_node(world);
+    if (world.size() > 1 && gpu.device_count() > 0 && local_rank >= gpu.device_count())
+      fail("{}: local rank {} has no GPU of its own ({} visible): start at most one process per GPU", c.source,
+           local_rank, gpu.device_count());
+    gpu.select_device(local_rank % std::max(1, gpu.device_count()));
+    if (dp > 1) dp_nccl = comm::make_nccl(dp_group, local_rank % gpu.device_count(), "dp", gpu.stream());
+  }
   std::unique_ptr<TrainingData> data = open_training_data(c);
   const TextCodec& codec = data->codec();
   if (model_config.vocab_size < codec.vocab_size())
@@ -166,17 +195,7 @@ TrainResult Trainer::run() {
   const int64_t step_tokens = c.tokens_per_step() * dp;
 
   nn::ComputeOptions options;
-  options.device = device_from_name(c.train.device);
-  const bool on_gpu = options.device != Device::cpu;
-  if (on_gpu) {
-    if (!device_usable(options.device))
-      fail("{}: train.device = {}, but no GPU is usable here (or this binary has no CUDA backend)", c.source,
-           c.train.device);
-    if (world.size() > 1)
-      fail("{}: train.device = {} runs one process for now ({} were started): multi-GPU data and tensor "
-           "parallelism over NCCL is not wired into the trainer yet",
-           c.source, c.train.device, world.size());
-  }
+  options.device = device;
   std::string dtype_name_used = c.train.dtype;
   if (dtype_name_used == "auto") dtype_name_used = on_gpu || cpu_has_native_bf16() ? "bf16" : "fp32";
   options.gemm_dtype = dtype_from_name(dtype_name_used);
@@ -216,7 +235,7 @@ TrainResult Trainer::run() {
   bucket_options.bucket_bytes = static_cast<int64_t>(c.parallel.bucket_mb * 1048576.0);
   bucket_options.shard = c.parallel.distributed_optimizer && !on_gpu;  // one GPU process: nothing to shard
   bucket_options.overlap = c.parallel.overlap_grad_reduce;
-  parallel::GradBuckets buckets(&model.params(), &dp_group, bucket_options);
+  parallel::GradBuckets buckets(&model.params(), dp_nccl ? dp_nccl.get() : &dp_group, bucket_options);
   if (dp > 1) model.set_grads_ready([&buckets](int64_t offset) { buckets.ready_from(offset); });
   AdamWConfig adam_config{static_cast<float>(c.train.beta1), static_cast<float>(c.train.beta2),
                           static_cast<float>(c.train.eps), static_cast<float>(c.train.weight_decay)};

@@ -143,8 +143,9 @@ class NcclWork final : public Work {
 
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(ncclComm_t comm, int device, std::string name, int world_rank, double timeout_s)
-      : comm_(comm), device_(device) {
+  NcclCommunicator(ncclComm_t comm, int device, std::string name, int world_rank, double timeout_s,
+                   cudaStream_t producer)
+      : comm_(comm), device_(device), producer_(producer) {
     FORGE_NCCL_CHECK(ncclCommUserRank(comm_, &rank_));
     FORGE_NCCL_CHECK(ncclCommCount(comm_, &size_));
     name_ = std::move(name);
@@ -306,7 +307,7 @@ class NcclCommunicator final : public Communicator {
     ncclComm_t child = nullptr;
     FORGE_NCCL_CHECK(ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &child, nullptr));
     if (child == nullptr) return nullptr;
-    return std::make_unique<NcclCommunicator>(child, device_, std::move(name), world_rank_, timeout_s_);
+    return std::make_unique<NcclCommunicator>(child, device_, std::move(name), world_rank_, timeout_s_, producer_);
   }
 
   [[noreturn]] void abort(const std::string& message) override {
@@ -320,6 +321,7 @@ class NcclCommunicator final : public Communicator {
     std::vector<Posted> batch;
     batch.swap(posted_);
     FORGE_CUDA_CHECK(cudaSetDevice(device_));
+    wait_for_producer();
     FORGE_NCCL_CHECK(ncclGroupStart());
     for (const Posted& p : batch) {
       if (p.send)
@@ -342,10 +344,21 @@ class NcclCommunicator final : public Communicator {
     std::shared_ptr<NcclWork> work;
   };
 
+  // The communicator's stream waits (on the device) for the work queued so far on the producer stream.
+  void wait_for_producer() {
+    if (!producer_) return;
+    cudaEvent_t event = nullptr;
+    FORGE_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    FORGE_CUDA_CHECK(cudaEventRecord(event, producer_));
+    FORGE_CUDA_CHECK(cudaStreamWaitEvent(stream_, event, 0));
+    FORGE_CUDA_CHECK(cudaEventDestroy(event));  // released once the wait has happened
+  }
+
   template <typename Enqueue>
   Request enqueue(const char* op, Enqueue&& issue) {
     launch_point_to_point();  // operations start in the order they were posted
     FORGE_CUDA_CHECK(cudaSetDevice(device_));
+    wait_for_producer();
     issue();
     return {std::make_shared<NcclWork>(op, comm_, label_, timeout_s_, -1, nullptr, record_event(stream_)),
             this};
@@ -381,6 +394,7 @@ class NcclCommunicator final : public Communicator {
 
   ncclComm_t comm_;
   int device_;
+  cudaStream_t producer_ = nullptr;  // make_nccl's producer_stream
   cudaStream_t stream_ = nullptr;
   float* scratch_ = nullptr;  // the barrier's one-element all-reduce
   std::shared_ptr<const std::string> label_;
@@ -442,7 +456,8 @@ namespace forge::comm {
 
 bool nccl_usable() { return nccl::device_count() > 0; }
 
-std::unique_ptr<Communicator> make_nccl(Communicator& bootstrap, int cuda_device, std::string name) {
+std::unique_ptr<Communicator> make_nccl(Communicator& bootstrap, int cuda_device, std::string name,
+                                        void* producer_stream) {
   if (std::string_view(bootstrap.backend()) == "nccl")
     fail("make_nccl: the bootstrap communicator '{}' is nccl; it must hold host memory (mpi or self)",
          bootstrap.name());
@@ -458,7 +473,8 @@ std::unique_ptr<Communicator> make_nccl(Communicator& bootstrap, int cuda_device
   ncclComm_t comm = nullptr;
   FORGE_NCCL_CHECK(ncclCommInitRank(&comm, bootstrap.size(), id, bootstrap.rank()));
   return std::make_unique<nccl::NcclCommunicator>(comm, cuda_device, std::move(name), bootstrap.world_rank(),
-                                                  bootstrap.timeout_seconds());
+                                                  bootstrap.timeout_seconds(),
+                                                  static_cast<cudaStream_t>(producer_stream));
 }
 
 }  // namespace forge::comm

@@ -8,7 +8,7 @@ namespace forge::comm {
 
 bool nccl_usable() { return false; }
 
-std::unique_ptr<Communicator> make_nccl(Communicator& bootstrap, int cuda_device, std::string name) {
+std::unique_ptr<Communicator> make_nccl(Communicator& bootstrap, int cuda_device, std::string name, void*) {
   fail(
       "make_nccl: forge was built without NCCL (CMake found no nccl.h, libnccl and CUDA runtime; "
       "see FORGE_NCCL)");

@@ -1,10 +1,503 @@
-// Placeholder until the FP8 cast kernels land: every entry fails with one line naming the op.
+// FP8 casts on the GPU: amax, the per-tensor cast (+ transpose) with its amax, and the 1x128 / 128x128 block
+// quantisations (with their transposed copies), every code and scale bitwise fp8/quantize.h's on the CPU.
+//
+// One kernel family does every cast that has a tile structure: a CTA of 256 threads takes a 128 x 128 tile of
+// x into registers (16 float4 per thread, rows 32i + 4w + b and columns 32k + 4a + j of the tile for warp w,
+// lane a + 8b), so that
+//   - a row's 128 elements sit in the 8 lanes that share b: a 1x128 tile's amax is 3 shuffles away;
+//   - a column's 128 elements sit in 4 lanes of each warp: a 128x1 tile's amax is 2 shuffles and a pass
+//     over 8 per-warp partials in shared memory;
+//   - q is written straight from registers (4 rows x 32 bytes per warp store) and q_t through a tile of
+//     codes transposed in shared memory, read back along its rows (128 contiguous bytes per warp store).
+// x is read from memory once per cast. Per-tensor casts without q_t need no tile and run an element-wise
+// kernel; amax runs its own reduction.
+//
+// amax is kept as the integer max of |x|'s bit patterns (fp8_convert.cuh): exact, NaN-propagating, and
+// independent of the order of evaluation, so the device-wide max through atomicMax on an unsigned word is
+// deterministic. No floating-point atomics are used.
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+
 #include "forge/kernels/cuda/cuda_kernels.h"
-#include "forge/kernels/cuda/runtime.h"
+#include "forge/kernels/cuda/fp8_convert.cuh"
+#include "forge/kernels/cuda/kernel_support.cuh"
 
 namespace forge::cuda {
-float amax(const float*, int64_t) { fail_message("amax is not implemented on the CUDA backend yet"); }
-float fp8_cast_transpose(const ops::Fp8CastParams&) { fail_message("fp8_cast_transpose is not implemented on the CUDA backend yet"); }
-void fp8_quantize_1x128(const ops::Fp8CastParams&) { fail_message("fp8_quantize_1x128 is not implemented on the CUDA backend yet"); }
-void fp8_quantize_128x128(const ops::Fp8CastParams&) { fail_message("fp8_quantize_128x128 is not implemented on the CUDA backend yet"); }
+namespace {
+
+using detail::Fp8Encoding;
+
+constexpr int kTile = 128;
+static_assert(kTile == ops::kFp8BlockSize, "the block casts' tile is the FP8 block size");
+constexpr int kTileThreads = 256;
+constexpr int kTileWarps = kTileThreads / detail::kWarpSize;
+// Bytes per row of the transposed code tile: 33 words, an odd count, so the byte stores of one warp
+// instruction (8 columns x 4 consecutive rows) hit 8 distinct banks and the row reads 32 distinct banks.
+constexpr int kCodesPitch = kTile + 4;
+constexpr int kThreads = 256;
+// Grid caps; every kernel loops grid-stride, so results do not depend on them.
+constexpr int64_t kMaxTileGrid = 1024;
+constexpr int64_t kMaxFlatGrid = 4096;
+// float4 groups each thread of a flat kernel loads before using any (memory-level parallelism).
+constexpr int kUnroll = 4;
+
+enum class TileScaling { per_tensor, tile_1x128, block_128x128 };
+
+struct TileArgs {
+  const float* x;
+  int64_t rows, cols, row_blocks, col_blocks;
+  uint8_t* q;
+  uint8_t* q_t;
+  float* scale_inv;
+  float* scale_inv_t;
+  float scale;  // per_tensor
+  bool power_of_two;
+  // float4 loads of x, uint32 stores of q / q_t (shapes and alignment checked on the host).
+  bool vector_x, vector_q, vector_q_t;
+  Fp8Encoding encoding;
+  unsigned* amax;  // per_tensor: the device-wide max of |x| bits
+};
+
+__device__ __forceinline__ uint32_t pack4(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3) {
+  return c0 | (c1 << 8) | (c2 << 16) | (c3 << 24);
+}
+
+// Folds one value per thread of a block of kThreads (= kTileThreads) into *amax. Every thread must call it.
+__device__ __forceinline__ void block_max_to_global(uint32_t value, unsigned* amax) {
+  __shared__ uint32_t warp_max[kThreads / detail::kWarpSize];
+  value = __reduce_max_sync(0xffffffffu, value);
+  if (threadIdx.x % detail::kWarpSize == 0) warp_max[threadIdx.x / detail::kWarpSize] = value;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t total = 0;
+#pragma unroll
+    for (int w = 0; w < kThreads / detail::kWarpSize; ++w) total = max(total, warp_max[w]);
+    atomicMax(amax, total);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    amax_kernel(const float* __restrict__ x, int64_t n, bool vector, unsigned* __restrict__ amax) {
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  const int64_t tid = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  uint32_t m = 0;
+  int64_t scalar_begin = 0;
+  if (vector) {
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    const int64_t groups = n / 4;
+    for (int64_t base = tid; base < groups; base += kUnroll * stride) {
+      float4 f[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t g = base + u * stride;
+        f[u] = g < groups ? x4[g] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        m = max(max(m, max(detail::abs_bits(f[u].x), detail::abs_bits(f[u].y))),
+                max(detail::abs_bits(f[u].z), detail::abs_bits(f[u].w)));
+    }
+    scalar_begin = groups * 4;
+  }
+  for (int64_t i = scalar_begin + tid; i < n; i += stride) m = max(m, detail::abs_bits(x[i]));
+  block_max_to_global(m, amax);
+}
+
+// Per-tensor q = fp8(x * scale) over a flat array (no transpose), and the amax.
+__global__ void __launch_bounds__(kThreads)
+    cast_kernel(const float* __restrict__ x, int64_t n, float scale, Fp8Encoding e, bool vector,
+                uint8_t* __restrict__ q, unsigned* __restrict__ amax) {
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  const int64_t tid = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  uint32_t m = 0;
+  int64_t scalar_begin = 0;
+  if (vector) {
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    uint32_t* q4 = reinterpret_cast<uint32_t*>(q);
+    const int64_t groups = n / 4;
+    for (int64_t base = tid; base < groups; base += kUnroll * stride) {
+      float4 f[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t g = base + u * stride;
+        f[u] = g < groups ? x4[g] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t g = base + u * stride;
+        if (g < groups) {
+          m = max(max(m, max(detail::abs_bits(f[u].x), detail::abs_bits(f[u].y))),
+                  max(detail::abs_bits(f[u].z), detail::abs_bits(f[u].w)));
+          q4[g] = pack4(detail::encode_product(f[u].x, scale, e), detail::encode_product(f[u].y, scale, e),
+                        detail::encode_product(f[u].z, scale, e), detail::encode_product(f[u].w, scale, e));
+        }
+      }
+    }
+    scalar_begin = groups * 4;
+  }
+  for (int64_t i = scalar_begin + tid; i < n; i += stride) {
+    const float v = x[i];
+    m = max(m, detail::abs_bits(v));
+    q[i] = static_cast<uint8_t>(detail::encode_product(v, scale, e));
+  }
+  block_max_to_global(m, amax);
+}
+
+// The tiled casts (see the header comment). kRowwise writes q (and, for the block scalings, scale_inv);
+// kColwise writes q_t (and scale_inv_t).
+template <TileScaling kScaling, bool kRowwise, bool kColwise>
+__global__ void __launch_bounds__(kTileThreads, 2) tile_cast_kernel(const TileArgs args) {
+  constexpr bool kColumnScales = kScaling == TileScaling::tile_1x128 && kColwise;
+  constexpr bool kTileScale = kScaling == TileScaling::block_128x128;
+  // Shared memory is reused from tile to tile; a barrier ends every tile whose kernel uses any.
+  constexpr bool kUsesShared = kColwise || kTileScale;
+  // Codes of the tile transposed: byte (c, r) at c * kCodesPitch + r. Words, for the 4-byte row reads.
+  __shared__ uint32_t codes_t_words[kColwise ? kTile * kCodesPitch / 4 : 1];
+  __shared__ uint32_t column_partial[kColumnScales ? kTileWarps * kTile : 1];  // [warp][column] amax bits
+  __shared__ float column_scale[kColumnScales ? kTile : 1];
+  __shared__ uint32_t warp_max[kTileWarps];
+  uint8_t* codes_t = reinterpret_cast<uint8_t*>(codes_t_words);
+
+  const Fp8Encoding& e = args.encoding;
+  const int warp = threadIdx.x / detail::kWarpSize, lane = threadIdx.x % detail::kWarpSize;
+  const int a = lane & 7, b = lane >> 3;
+  const int64_t rows = args.rows, cols = args.cols;
+  const int64_t tiles = args.row_blocks * args.col_blocks;
+  uint32_t running_amax = 0;  // per_tensor
+
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int64_t rb = tile / args.col_blocks, kb = tile % args.col_blocks;
+    const int64_t r0 = rb * kTile, c0 = kb * kTile;
+    const int tr = static_cast<int>(rows - r0 < kTile ? rows - r0 : kTile);
+    const int tc = static_cast<int>(cols - c0 < kTile ? cols - c0 : kTile);
+
+    // Element (i, k, j) of this thread: tile row 32i + 4*warp + b, tile column 32k + 4a + j. Elements outside
+    // the valid tr x tc part read as 0, which leaves every amax unchanged and is never written out.
+    float v[4][4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = 32 * i + 4 * warp + b;
+      const float* src = args.x + (r0 + r) * cols + c0;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int c = 32 * k + 4 * a;
+        if (args.vector_x) {
+          // cols % 4 == 0, so tc % 4 == 0: the four columns are valid together.
+          const float4 f = r < tr && c < tc ? *reinterpret_cast<const float4*>(src + c)
+                                            : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          v[i][k][0] = f.x, v[i][k][1] = f.y, v[i][k][2] = f.z, v[i][k][3] = f.w;
+        } else {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) v[i][k][j] = r < tr && c + j < tc ? src[c + j] : 0.0f;
+        }
+      }
+    }
+
+    // Row-wise codes of row r (columns c .. c + 3 of group k) go to q straight from registers.
+    auto store_q = [&](int i, int k, uint32_t c0_code, uint32_t c1_code, uint32_t c2_code, uint32_t c3_code) {
+      const int r = 32 * i + 4 * warp + b, c = 32 * k + 4 * a;
+      if (r >= tr) return;
+      uint8_t* dst = args.q + (r0 + r) * cols + c0 + c;
+      if (args.vector_q) {
+        if (c < tc) *reinterpret_cast<uint32_t*>(dst) = pack4(c0_code, c1_code, c2_code, c3_code);
+      } else {
+        if (c < tc) dst[0] = static_cast<uint8_t>(c0_code);
+        if (c + 1 < tc) dst[1] = static_cast<uint8_t>(c1_code);
+        if (c + 2 < tc) dst[2] = static_cast<uint8_t>(c2_code);
+        if (c + 3 < tc) dst[3] = static_cast<uint8_t>(c3_code);
+      }
+    };
+    auto store_code_t = [&](int i, int k, int j, uint32_t code) {
+      codes_t[(32 * k + 4 * a + j) * kCodesPitch + 32 * i + 4 * warp + b] = static_cast<uint8_t>(code);
+    };
+
+    if constexpr (kScaling == TileScaling::tile_1x128) {
+      if constexpr (kRowwise) {
+        // Row r's 1x128 tile: this thread's 16 values, then the 8 lanes that share b (lane bits 0..2).
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          uint32_t m = 0;
+#pragma unroll
+          for (int k = 0; k < 4; ++k)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) m = max(m, detail::abs_bits(v[i][k][j]));
+          m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
+          m = max(m, __shfl_xor_sync(0xffffffffu, m, 2));
+          m = max(m, __shfl_xor_sync(0xffffffffu, m, 4));
+          const float s = detail::block_scale(m, e.max, args.power_of_two);
+          const int r = 32 * i + 4 * warp + b;
+          if (a == 0 && r < tr) args.scale_inv[(r0 + r) * args.col_blocks + kb] = detail::inverse(s);
+#pragma unroll
+          for (int k = 0; k < 4; ++k)
+            store_q(i, k, detail::encode_product(v[i][k][0], s, e), detail::encode_product(v[i][k][1], s, e),
+                    detail::encode_product(v[i][k][2], s, e), detail::encode_product(v[i][k][3], s, e));
+        }
+      }
+      if constexpr (kColwise) {
+        // Column c's 128x1 tile: this thread's 4 rows, the 4 lanes that share a (lane bits 3, 4), then the 8
+        // warps through shared memory.
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            uint32_t m = 0;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) m = max(m, detail::abs_bits(v[i][k][j]));
+            m = max(m, __shfl_xor_sync(0xffffffffu, m, 8));
+            m = max(m, __shfl_xor_sync(0xffffffffu, m, 16));
+            if (b == 0) column_partial[warp * kTile + 32 * k + 4 * a + j] = m;
+          }
+        }
+        __syncthreads();
+        if (threadIdx.x < kTile) {
+          const int c = threadIdx.x;
+          uint32_t m = 0;
+#pragma unroll
+          for (int w = 0; w < kTileWarps; ++w) m = max(m, column_partial[w * kTile + c]);
+          const float s = detail::block_scale(m, e.max, args.power_of_two);
+          column_scale[c] = s;
+          if (c < tc) args.scale_inv_t[(c0 + c) * args.row_blocks + rb] = detail::inverse(s);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float s = column_scale[32 * k + 4 * a + j];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) store_code_t(i, k, j, detail::encode_product(v[i][k][j], s, e));
+          }
+        }
+      }
+    } else {
+      // One scale for the whole tile: the per-tensor scale, or the 128x128 block's.
+      float s = args.scale;
+      if constexpr (kTileScale) {
+        uint32_t m = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int k = 0; k < 4; ++k)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) m = max(m, detail::abs_bits(v[i][k][j]));
+        m = __reduce_max_sync(0xffffffffu, m);
+        if (lane == 0) warp_max[warp] = m;
+        __syncthreads();
+        m = 0;
+#pragma unroll
+        for (int w = 0; w < kTileWarps; ++w) m = max(m, warp_max[w]);
+        s = detail::block_scale(m, e.max, args.power_of_two);
+        if (threadIdx.x == 0) {
+          const float inv = detail::inverse(s);
+          args.scale_inv[rb * args.col_blocks + kb] = inv;
+          if constexpr (kColwise) args.scale_inv_t[kb * args.row_blocks + rb] = inv;
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int k = 0; k < 4; ++k)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) running_amax = max(running_amax, detail::abs_bits(v[i][k][j]));
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          uint32_t code[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            code[j] = detail::encode_product(v[i][k][j], s, e);
+            if constexpr (kColwise) store_code_t(i, k, j, code[j]);
+          }
+          if constexpr (kRowwise) store_q(i, k, code[0], code[1], code[2], code[3]);
+        }
+      }
+    }
+
+    if constexpr (kColwise) {
+      __syncthreads();
+      // Tile column c is q_t's row c0 + c, rows r0 .. r0 + tr - 1 of x: warp w writes columns w, w + 8, ...
+      for (int c = warp; c < tc; c += kTileWarps) {
+        uint8_t* dst = args.q_t + (c0 + c) * rows + r0;
+        if (args.vector_q_t) {
+          // rows % 4 == 0, so tr % 4 == 0: a word is valid as a whole.
+          if (4 * lane < tr)
+            *reinterpret_cast<uint32_t*>(dst + 4 * lane) = codes_t_words[c * (kCodesPitch / 4) + lane];
+        } else {
+#pragma unroll
+          for (int s = 0; s < 4; ++s) {
+            const int r = lane + 32 * s;
+            if (r < tr) dst[r] = codes_t[c * kCodesPitch + r];
+          }
+        }
+      }
+    }
+    if constexpr (kUsesShared) __syncthreads();
+  }
+
+  if constexpr (kScaling == TileScaling::per_tensor) block_max_to_global(running_amax, args.amax);
+}
+
+// ---- host side ----
+
+// The sign of the host CPU's default NaN (inf * 0: negative on x86, positive on Arm), which the CPU's casts
+// encode for such products; the device reproduces it (fp8_convert.cuh).
+uint32_t host_default_nan_sign() {
+  static const uint32_t sign = [] {
+    volatile float inf = std::numeric_limits<float>::infinity(), zero = 0.0f;
+    const float nan = inf * zero;
+    uint32_t bits;
+    std::memcpy(&bits, &nan, sizeof bits);
+    return (bits >> 24) & 0x80u;
+  }();
+  return sign;
+}
+
+Fp8Encoding encoding_for(DType fp8) {
+  return fp8 == DType::e4m3 ? detail::e4m3_encoding(host_default_nan_sign())
+                            : detail::e5m2_encoding(host_default_nan_sign());
+}
+
+float amax_from_bits(uint32_t bits) {
+  if (bits > detail::kFloatInfBits) return std::numeric_limits<float>::quiet_NaN();
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
+bool aligned(const void* pointer, uintptr_t bytes) {
+  return reinterpret_cast<uintptr_t>(pointer) % bytes == 0;
+}
+
+// Checks shared by every cast, before any CUDA call; the callers check their outputs first.
+void check_cast(const char* op, const ops::Fp8CastParams& p) {
+  if (p.fp8 != DType::e4m3 && p.fp8 != DType::e5m2)
+    detail::fail_op(op,
+                    std::string(dtype_name(p.fp8)) + " is not an FP8 dtype (expected fp8_e4m3 or fp8_e5m2)");
+  if (p.rows < 0 || p.cols < 0)
+    detail::fail_op(op, "negative shape [" + std::to_string(p.rows) + ", " + std::to_string(p.cols) + "]");
+  if (p.cols > 0 && p.rows > INT64_MAX / p.cols)
+    detail::fail_op(op,
+                    "shape [" + std::to_string(p.rows) + ", " + std::to_string(p.cols) + "] is too large");
+  if (p.rows > 0 && p.cols > 0) detail::require_pointer(p.x, op, "x");
+}
+
+TileArgs tile_args(const ops::Fp8CastParams& p) {
+  TileArgs t{};
+  t.x = p.x;
+  t.rows = p.rows, t.cols = p.cols;
+  t.row_blocks = (p.rows + kTile - 1) / kTile, t.col_blocks = (p.cols + kTile - 1) / kTile;
+  t.q = p.q, t.q_t = p.q_t, t.scale_inv = p.scale_inv, t.scale_inv_t = p.scale_inv_t;
+  t.scale = p.scale;
+  t.power_of_two = p.power_of_two_scales;
+  t.vector_x = aligned(p.x, 16) && p.cols % 4 == 0;
+  t.vector_q = aligned(p.q, 4) && p.cols % 4 == 0;
+  t.vector_q_t = aligned(p.q_t, 4) && p.rows % 4 == 0;
+  t.encoding = encoding_for(p.fp8);
+  t.amax = nullptr;
+  return t;
+}
+
+template <TileScaling kScaling, bool kRowwise, bool kColwise>
+void launch_tiles(const TileArgs& t, const char* op) {
+  const int64_t tiles = t.row_blocks * t.col_blocks;
+  const auto grid = static_cast<unsigned>(tiles < kMaxTileGrid ? tiles : kMaxTileGrid);
+  tile_cast_kernel<kScaling, kRowwise, kColwise><<<grid, kTileThreads, 0, stream()>>>(t);
+  FORGE_CUDA_CHECK_LAUNCH(op);
+}
+
+// A zeroed word for a device-wide amax, then the amax read back (the one synchronisation of the call).
+class DeviceAmax {
+ public:
+  DeviceAmax() : scratch_(sizeof(unsigned)) {
+    FORGE_CUDA_CHECK(cudaMemsetAsync(scratch_.as<unsigned>(), 0, sizeof(unsigned), stream()));
+  }
+  unsigned* word() const { return scratch_.as<unsigned>(); }
+  float read() const {
+    uint32_t bits = 0;
+    FORGE_CUDA_CHECK(cudaMemcpyAsync(&bits, word(), sizeof bits, cudaMemcpyDeviceToHost, stream()));
+    synchronize();
+    return amax_from_bits(bits);
+  }
+
+ private:
+  detail::StreamScratch scratch_;
+};
+
+}  // namespace
+
+float amax(const float* x, int64_t n) {
+  if (n < 0) detail::fail_op("amax", "negative size " + std::to_string(n));
+  if (n == 0) return 0.0f;
+  detail::require_pointer(x, "amax", "x");
+  const DeviceAmax result;
+  const bool vector = aligned(x, 16);
+  const unsigned grid = detail::grid_blocks((n + 3) / 4, kThreads * kUnroll, kMaxFlatGrid);
+  amax_kernel<<<grid, kThreads, 0, stream()>>>(x, n, vector, result.word());
+  FORGE_CUDA_CHECK_LAUNCH("amax");
+  return result.read();
+}
+
+float fp8_cast_transpose(const ops::Fp8CastParams& p) {
+  constexpr const char* op = "fp8_cast_transpose";
+  if (!p.q && !p.q_t) detail::fail_op(op, "neither q nor q_t is given");
+  check_cast(op, p);
+  if (p.rows == 0 || p.cols == 0) return 0.0f;
+  const DeviceAmax result;
+  if (!p.q_t) {
+    // Row-major q alone is an element-wise cast of the flat array.
+    const int64_t n = p.rows * p.cols;
+    const bool vector = aligned(p.x, 16) && aligned(p.q, 4);
+    const unsigned grid = detail::grid_blocks((n + 3) / 4, kThreads * kUnroll, kMaxFlatGrid);
+    cast_kernel<<<grid, kThreads, 0, stream()>>>(p.x, n, p.scale, encoding_for(p.fp8), vector, p.q,
+                                                 result.word());
+    FORGE_CUDA_CHECK_LAUNCH(op);
+  } else {
+    TileArgs t = tile_args(p);
+    t.amax = result.word();
+    if (p.q)
+      launch_tiles<TileScaling::per_tensor, true, true>(t, op);
+    else
+      launch_tiles<TileScaling::per_tensor, false, true>(t, op);
+  }
+  return result.read();
+}
+
+void fp8_quantize_1x128(const ops::Fp8CastParams& p) {
+  constexpr const char* op = "fp8_quantize_1x128";
+  if (!p.q && !p.q_t) detail::fail_op(op, "neither q nor q_t is given");
+  if (p.q && !p.scale_inv) detail::fail_op(op, "q is given without scale_inv");
+  if (p.q_t && !p.scale_inv_t) detail::fail_op(op, "q_t is given without scale_inv_t");
+  check_cast(op, p);
+  if (p.rows == 0 || p.cols == 0) return;
+  const TileArgs t = tile_args(p);
+  if (p.q && p.q_t)
+    launch_tiles<TileScaling::tile_1x128, true, true>(t, op);
+  else if (p.q)
+    launch_tiles<TileScaling::tile_1x128, true, false>(t, op);
+  else
+    launch_tiles<TileScaling::tile_1x128, false, true>(t, op);
+}
+
+void fp8_quantize_128x128(const ops::Fp8CastParams& p) {
+  constexpr const char* op = "fp8_quantize_128x128";
+  if (!p.q) detail::fail_op(op, "q (the row-wise output) is null");
+  if (!p.scale_inv) detail::fail_op(op, "scale_inv is null");
+  if (p.q_t && !p.scale_inv_t) detail::fail_op(op, "q_t is given without scale_inv_t");
+  check_cast(op, p);
+  if (p.rows == 0 || p.cols == 0) return;
+  const TileArgs t = tile_args(p);
+  if (p.q_t)
+    launch_tiles<TileScaling::block_128x128, true, true>(t, op);
+  else
+    launch_tiles<TileScaling::block_128x128, true, false>(t, op);
+}
+
 }  // namespace forge::cuda

@@ -19,9 +19,32 @@ bool available() {
 
 int compute_capability() {
   if (!available()) return 0;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
   cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return 0;
+  if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) return 0;
   return prop.major * 10 + prop.minor;
+}
+
+int device_count() {
+  if (!available()) return 0;
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess ? count : 0;
+}
+
+namespace {
+bool g_stream_created = false;
+}  // namespace
+
+void select_device(int ordinal) {
+  const int count = device_count();
+  if (ordinal < 0 || ordinal >= count)
+    fail("select_device: device {} does not exist ({} visible: {})", ordinal, count, describe_device());
+  int current = 0;
+  FORGE_CUDA_CHECK(cudaGetDevice(&current));
+  if (g_stream_created && current != ordinal)
+    fail("select_device: device {} requested after this process started using device {}", ordinal, current);
+  FORGE_CUDA_CHECK(cudaSetDevice(ordinal));
 }
 
 std::string describe_device() {
@@ -44,6 +67,7 @@ cudaStream_t stream() {
     if (!available()) fail("no usable GPU: {}", describe_device());
     cudaStream_t created = nullptr;
     FORGE_CUDA_CHECK(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking));
+    g_stream_created = true;
     return created;
   }();
   return s;

@@ -19,6 +19,11 @@ bool available();
 std::string describe_device();
 // Compute capability of device 0 as major * 10 + minor (90 for Hopper); 0 when unavailable.
 int compute_capability();
+// Devices visible to this process (0 when none is usable).
+int device_count();
+// Makes `ordinal` this process's device (one GPU per process: the local rank's). Must come before the first
+// stream(), allocation or kernel; selecting another device afterwards fails with one line.
+void select_device(int ordinal);
 
 // The stream every op of this process runs on (created on first use, non-blocking with respect to the
 // legacy default stream). Ops are asynchronous: synchronize() before reading results on the host.

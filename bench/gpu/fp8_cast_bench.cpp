@@ -1,0 +1,263 @@
+// GPU FP8 cast bandwidth (bench/gpu/run_all.sh): forge's CUDA casts (kernels/cuda/fp8_cast.cu) on fp32 inputs
+// of a LLaMA-3-8B layer at 8192 tokens, [8192, 4096] (hidden) and [8192, 14336] (ffn), in GB/s of bytes read
+// plus bytes written (x once, each FP8 output once, the scales), against
+//   - the memory-bandwidth roofline (H200: 4.8 TB/s), and
+//   - a measured peer: cudaMemcpyAsync device-to-device of the same input (4 bytes read + 4 written per
+//     element), the bandwidth a plain streaming kernel reaches on this device.
+// Casts: amax, the per-tensor cast (q, q_t, both; these return the amax to the host, so every call includes
+// one synchronisation, as in training), 1x128 (q, q_t, both) and 128x128 (q, q + q_t).
+//
+// One sample times `batch` back-to-back calls between two CUDA events; samples alternate between forge and
+// the peer; the median sample is reported. Without a usable GPU it prints one line and exits 0.
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "forge/core/dtype.h"
+#include "forge/core/error.h"
+#include "forge/kernels/cuda/cuda_kernels.h"
+#include "forge/kernels/cuda/runtime.h"
+#include "forge/kernels/ops.h"
+
+namespace forge::cuda {
+namespace {
+
+constexpr const char* kName = "forge_gpubench_fp8cast";
+// H200 HBM3e peak.
+constexpr double kRooflineGBps = 4800.0;
+
+struct Options {
+  std::string json_path;
+  int samples = 15, warmup = 3, batch = 10;
+};
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) fail("{}: {} needs a value", kName, arg);
+      return argv[++i];
+    };
+    if (arg == "--json") {
+      o.json_path = next();
+    } else if (arg == "--samples") {
+      o.samples = std::stoi(next());
+    } else if (arg == "--warmup") {
+      o.warmup = std::stoi(next());
+    } else if (arg == "--batch") {
+      o.batch = std::stoi(next());
+    } else if (arg == "--help" || arg == "-h") {
+      std::printf("usage: %s [--json results.jsonl] [--samples 15] [--warmup 3] [--batch 10]\n", kName);
+      std::exit(0);
+    } else {
+      fail("{}: unknown argument '{}' (see --help)", kName, arg);
+    }
+  }
+  if (o.samples < 1 || o.warmup < 0 || o.batch < 1) fail("{}: need --samples >= 1, --batch >= 1", kName);
+  return o;
+}
+
+struct Shape {
+  const char* name;
+  int64_t rows, cols;
+};
+const Shape kShapes[] = {{"hidden", 8192, 4096}, {"ffn", 8192, 14336}};
+
+uint64_t next_random(uint64_t& s) {
+  s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+  return s;
+}
+
+// Values of about [-4, 4] with a spread of magnitudes, so that block scales differ from tile to tile.
+float random_value(uint64_t& s) {
+  const uint64_t r = next_random(s);
+  const float magnitude = static_cast<float>(r % 1000001) / 250000.0f;
+  return (r >> 32) & 1 ? -magnitude : magnitude;
+}
+
+// Fills a device buffer of floats from one host pattern of up to 16M elements, uploaded at shifting offsets.
+void fill(DeviceBuffer& buffer, uint64_t seed) {
+  const size_t count = buffer.bytes() / sizeof(float), chunk = std::min<size_t>(count, size_t{1} << 24);
+  std::vector<float> pattern(chunk + 64);
+  uint64_t state = seed;
+  for (auto& v : pattern) v = random_value(state);
+  for (size_t at = 0, round = 0; at < count; at += chunk, ++round) {
+    const size_t n = std::min(chunk, count - at);
+    FORGE_CUDA_CHECK(cudaMemcpy(buffer.as<float>() + at, pattern.data() + (round * 7) % 64, n * sizeof(float),
+                                cudaMemcpyHostToDevice));
+  }
+}
+
+struct Timing {
+  double forge_ms, peer_ms;
+};
+
+// Median time per call (ms) of forge's call and the peer's, in samples of `batch` calls, alternating.
+Timing time_pair(const std::function<void()>& forge_call, const std::function<void()>& peer_call,
+                 const Options& o) {
+  cudaStream_t s = stream();
+  cudaEvent_t start, stop;
+  FORGE_CUDA_CHECK(cudaEventCreate(&start));
+  FORGE_CUDA_CHECK(cudaEventCreate(&stop));
+  auto sample = [&](const std::function<void()>& call) {
+    FORGE_CUDA_CHECK(cudaEventRecord(start, s));
+    for (int i = 0; i < o.batch; ++i) call();
+    FORGE_CUDA_CHECK(cudaEventRecord(stop, s));
+    FORGE_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    FORGE_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    return static_cast<double>(ms) / o.batch;
+  };
+  for (int i = 0; i < o.warmup; ++i) sample(forge_call), sample(peer_call);
+  std::vector<double> forge_times, peer_times;
+  for (int i = 0; i < o.samples; ++i) {
+    forge_times.push_back(sample(forge_call));
+    peer_times.push_back(sample(peer_call));
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+  };
+  return {median(forge_times), median(peer_times)};
+}
+
+// Device buffers for one shape: x, both code layouts and both scale arrays (sized for 1x128, the larger),
+// and the peer's copy destination.
+struct Buffers {
+  DeviceBuffer x, q, q_t, scale_inv, scale_inv_t, copy;
+  explicit Buffers(const Shape& sh)
+      : x(sh.rows * sh.cols * sizeof(float)),
+        q(sh.rows * sh.cols),
+        q_t(sh.rows * sh.cols),
+        scale_inv(sh.rows * ((sh.cols + 127) / 128) * sizeof(float)),
+        scale_inv_t(sh.cols * ((sh.rows + 127) / 128) * sizeof(float)),
+        copy(sh.rows * sh.cols * sizeof(float)) {}
+};
+
+struct Cast {
+  const char* name;
+  bool q, q_t;
+  enum Kind { amax, per_tensor, tile_1x128, block_128x128 } kind;
+};
+const Cast kCasts[] = {
+    {"amax", false, false, Cast::amax},
+    {"cast_q", true, false, Cast::per_tensor},
+    {"cast_q_t", false, true, Cast::per_tensor},
+    {"cast_transpose", true, true, Cast::per_tensor},
+    {"1x128_q", true, false, Cast::tile_1x128},
+    {"1x128_q_t", false, true, Cast::tile_1x128},
+    {"1x128_both", true, true, Cast::tile_1x128},
+    {"128x128_q", true, false, Cast::block_128x128},
+    {"128x128_both", true, true, Cast::block_128x128},
+};
+
+// Bytes one call moves: x read once, one byte per element per FP8 output, 4 per scale.
+double bytes_moved(const Cast& c, const Shape& sh) {
+  const double n = static_cast<double>(sh.rows) * sh.cols;
+  double bytes = 4 * n + (c.q ? n : 0) + (c.q_t ? n : 0);
+  const double row_blocks = static_cast<double>((sh.rows + 127) / 128), col_blocks = (sh.cols + 127) / 128;
+  if (c.kind == Cast::tile_1x128)
+    bytes += 4 * ((c.q ? sh.rows * col_blocks : 0) + (c.q_t ? sh.cols * row_blocks : 0));
+  if (c.kind == Cast::block_128x128) bytes += 4 * row_blocks * col_blocks * (c.q_t ? 2 : 1);
+  return bytes;
+}
+
+std::function<void()> forge_call(const Cast& c, const Shape& sh, const Buffers& b) {
+  ops::Fp8CastParams p;
+  p.rows = sh.rows, p.cols = sh.cols, p.x = b.x.as<float>(), p.fp8 = DType::e4m3, p.scale = 0.75f;
+  p.q = c.q ? b.q.as<uint8_t>() : nullptr;
+  p.q_t = c.q_t ? b.q_t.as<uint8_t>() : nullptr;
+  p.scale_inv = c.q ? b.scale_inv.as<float>() : nullptr;
+  p.scale_inv_t = c.q_t ? b.scale_inv_t.as<float>() : nullptr;
+  switch (c.kind) {
+    case Cast::amax:
+      return [p] { cuda::amax(p.x, p.rows * p.cols); };
+    case Cast::per_tensor:
+      return [p] { cuda::fp8_cast_transpose(p); };
+    case Cast::tile_1x128:
+      return [p] { cuda::fp8_quantize_1x128(p); };
+    case Cast::block_128x128:
+      return [p] { cuda::fp8_quantize_128x128(p); };
+  }
+  fail("{}: unknown cast", kName);
+}
+
+int run(const Options& o) {
+  if (!available()) {
+    std::printf("%s: %s: nothing measured\n", kName, describe_device().c_str());
+    return 0;
+  }
+  const std::string device = describe_device();
+  std::printf(
+      "%s on %s: median of %d samples of %d calls; GB/s of bytes read + written; roofline %.0f GB/s; "
+      "peer cudaMemcpyAsync D2D of x\n",
+      kName, device.c_str(), o.samples, o.batch, kRooflineGBps);
+  std::FILE* json = nullptr;
+  if (!o.json_path.empty()) {
+    json = std::fopen(o.json_path.c_str(), "w");
+    if (!json) fail("{}: cannot write {}", kName, o.json_path);
+  }
+  std::printf("%-14s %-7s %6s %6s  %9s %9s %9s  %9s %9s\n", "cast", "shape", "rows", "cols", "forge ms",
+              "GB/s", "roofline", "peer GB/s", "vs peer");
+  int failures = 0;
+  for (const Shape& sh : kShapes) {
+    try {
+      Buffers b(sh);
+      fill(b.x, 1);
+      const size_t x_bytes = static_cast<size_t>(sh.rows * sh.cols) * sizeof(float);
+      auto peer_call = [&] {
+        FORGE_CUDA_CHECK(
+            cudaMemcpyAsync(b.copy.data(), b.x.data(), x_bytes, cudaMemcpyDeviceToDevice, stream()));
+      };
+      for (const Cast& c : kCasts) {
+        const Timing t = time_pair(forge_call(c, sh, b), peer_call, o);
+        const double gbps = bytes_moved(c, sh) / (t.forge_ms * 1e-3) / 1e9;
+        const double peer_gbps = 2.0 * static_cast<double>(x_bytes) / (t.peer_ms * 1e-3) / 1e9;
+        std::printf("%-14s %-7s %6lld %6lld  %9.4f %9.1f %8.1f%%  %9.1f %8.1f%%\n", c.name, sh.name,
+                    static_cast<long long>(sh.rows), static_cast<long long>(sh.cols), t.forge_ms, gbps,
+                    100.0 * gbps / kRooflineGBps, peer_gbps, 100.0 * gbps / peer_gbps);
+        std::fflush(stdout);
+        if (json)
+          std::fprintf(
+              json, "%s\n",
+              fmt::format("{{\"bench\": \"fp8_cast\", \"cast\": \"{}\", \"shape\": \"{}\", \"rows\": {}, "
+                          "\"cols\": {}, \"fp8\": \"e4m3\", \"bytes\": {:.0f}, \"forge_ms\": {:.5f}, "
+                          "\"forge_gbps\": {:.1f}, \"roofline_gbps\": {:.0f}, \"roofline_fraction\": {:.4f}, "
+                          "\"peer\": \"cudaMemcpyAsync D2D\", \"peer_ms\": {:.5f}, \"peer_gbps\": {:.1f}, "
+                          "\"ratio\": {:.4f}, \"samples\": {}, \"batch\": {}, \"device\": \"{}\"}}",
+                          c.name, sh.name, sh.rows, sh.cols, bytes_moved(c, sh), t.forge_ms, gbps,
+                          kRooflineGBps, gbps / kRooflineGBps, t.peer_ms, peer_gbps, gbps / peer_gbps,
+                          o.samples, o.batch, device)
+                  .c_str());
+      }
+    } catch (const Error& e) {
+      ++failures;
+      std::printf("%-7s FAILED: %s\n", sh.name, e.what());
+      std::fflush(stdout);
+    }
+  }
+  if (json) std::fclose(json);
+  return failures == 0 ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace forge::cuda
+
+int main(int argc, char** argv) {
+  try {
+    return forge::cuda::run(forge::cuda::parse(argc, argv));
+  } catch (const forge::Error& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 1;
+  }
+}

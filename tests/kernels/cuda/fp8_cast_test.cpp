@@ -1,0 +1,552 @@
+// The CUDA backend's FP8 casts against the CPU's (ops::cpu_table(), i.e. fp8/quantize.h), bitwise: every
+// code, every scale_inv and the returned amax must be the CPU's exactly (FP8 conversion and block scales are
+// exact functions of their inputs; there is no tolerance to reason about). Inputs are built to hit the edges:
+// ragged shapes (partial tiles on both axes, sizes that rule out vector loads), values with few mantissa bits
+// so that power-of-two scales put many products exactly on FP8 rounding ties, FP8 subnormal and saturating
+// products, fp32 subnormal inputs (an all-subnormal tile's scale overflows to FLT_MAX), NaN of both signs,
+// +-inf, -0 and all-zero tiles. Outputs are allocated with guard bytes before and after, filled with a
+// sentinel: an element the GPU fails to write or a write out of bounds both show up.
+//
+// GPU cases skip without a usable device; the parameter checks, which fail before any CUDA call, run
+// everywhere.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <iomanip>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "forge/core/dtype.h"
+#include "forge/core/error.h"
+#include "forge/kernels/cuda/cuda_kernels.h"
+#include "forge/kernels/cuda/runtime.h"
+#include "forge/kernels/ops.h"
+
+namespace forge {
+namespace {
+
+using cuda::DeviceBuffer;
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr int64_t kTile = ops::kFp8BlockSize;
+// Bytes on each side of every device output that the kernels must leave alone.
+constexpr size_t kGuard = 64;
+
+int64_t blocks(int64_t n) { return (n + kTile - 1) / kTile; }
+
+std::string shape_name(int64_t rows, int64_t cols) {
+  return "[" + std::to_string(rows) + ", " + std::to_string(cols) + "]";
+}
+
+std::string hex(uint32_t bits) {
+  std::ostringstream out;
+  out << "0x" << std::hex << bits;
+  return out.str();
+}
+
+// A cheap deterministic generator (inputs reach 17M elements; mt19937 would dominate the test time).
+struct Random {
+  uint64_t state;
+  explicit Random(uint64_t seed) : state(seed * 0x9e3779b97f4a7c15ull + 1) {}
+  uint32_t next() {
+    state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+    return static_cast<uint32_t>(state >> 16);
+  }
+};
+
+// x [rows, cols]: +-(1 + m/64) * 2^e, six fraction bits (products with a power-of-two scale land exactly on
+// E4M3 / E5M2 ties for 1/8 resp. 1/4 of the values), e in [-6, 6] shifted by up to +-8 per 128x128 block so
+// that block scales differ. With `specials`: NaN of both signs, +-inf, -0, near-FLT_MAX, an all-zero row
+// tile, column tile and 128x128 block, and a row tile of fp32 subnormals (its amax is subnormal: scale
+// FLT_MAX or 2^127, products in FP8 range).
+std::vector<float> make_input(int64_t rows, int64_t cols, uint64_t seed, bool specials = true,
+                              bool nan = true) {
+  std::vector<float> x(static_cast<size_t>(rows * cols));
+  Random random(seed);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const uint32_t bits = random.next();
+      const int block_shift = static_cast<int>((r / kTile * 7 + c / kTile * 13) % 17) - 8;
+      const int exponent = static_cast<int>(bits % 13) - 6 + block_shift;  // normal: [-14, 14]
+      x[r * cols + c] = std::bit_cast<float>(((bits >> 20) & 1u) << 31 | uint32_t(127 + exponent) << 23 |
+                                             ((bits >> 8) % 64) << 17);
+    }
+  }
+  if (!specials || rows * cols == 0) return x;
+  auto at = [&](int64_t r, int64_t c) -> float& {
+    return x[std::min(r, rows - 1) * cols + std::min(c, cols - 1)];
+  };
+  const int64_t row_tile = std::min(cols, kTile), column_tile = std::min(rows, kTile);
+  for (int64_t c = 0; c < row_tile; ++c) at(1, c) = 0.0f;     // a zero 1x128 tile of q
+  for (int64_t r = 0; r < column_tile; ++r) at(r, 3) = 0.0f;  // a zero 128x1 tile of q_t
+  for (int64_t c = 0; c < row_tile; ++c) {                    // a subnormal 1x128 tile
+    const uint32_t bits = random.next();
+    at(2, c) = std::bit_cast<float>((bits & 0x807fffffu) | 1u);  // sign and mantissa random, exponent 0
+  }
+  if (rows > kTile && cols > kTile)
+    for (int64_t r = kTile; r < std::min(rows, 2 * kTile); ++r)
+      for (int64_t c = kTile; c < std::min(cols, 2 * kTile); ++c) x[r * cols + c] = 0.0f;  // zero block
+  at(rows / 3, 0) = -kInf;
+  at(rows - 1, cols - 1) = kInf;
+  at(4, cols / 2) = -0.0f;
+  at(rows - 1, 0) = 3e38f;
+  if (nan) {
+    at(5, 7) = kNaN;
+    at(rows / 2, cols / 2) = std::bit_cast<float>(0xffc00001u);  // negative NaN with a payload
+    at(rows / 2 + 1, 1) = std::bit_cast<float>(0x7f800001u);     // signalling NaN
+  }
+  return x;
+}
+
+// A device output of n elements of T with kGuard sentinel bytes before and after, at a byte offset
+// (0 for aligned; a few bytes to force the kernels' scalar paths).
+template <typename T>
+class GuardedOutput {
+ public:
+  GuardedOutput(size_t n, uint8_t sentinel, size_t offset = 0)
+      : n_(n), offset_(offset), sentinel_(sentinel), buffer_(n * sizeof(T) + 2 * kGuard + offset) {
+    const std::vector<uint8_t> fill(buffer_.bytes(), sentinel);
+    buffer_.upload(fill.data(), fill.size());
+  }
+  T* data() const { return reinterpret_cast<T*>(buffer_.as<uint8_t>() + kGuard + offset_); }
+  // The n elements; reports guard bytes that changed.
+  std::vector<T> download(const std::string& what) const {
+    std::vector<uint8_t> all(buffer_.bytes());
+    buffer_.download(all.data(), all.size());
+    const size_t begin = kGuard + offset_, end = begin + n_ * sizeof(T);
+    size_t bad = 0, first = 0;
+    for (size_t i = 0; i < all.size(); ++i)
+      if ((i < begin || i >= end) && all[i] != sentinel_ && bad++ == 0) first = i;
+    EXPECT_EQ(bad, 0u) << what << ": " << bad << " guard bytes written, first at byte " << first << " of the "
+                       << (first < begin ? "leading" : "trailing") << " guard";
+    std::vector<T> out(n_);
+    if (n_ > 0) std::memcpy(out.data(), all.data() + begin, n_ * sizeof(T));
+    return out;
+  }
+
+ private:
+  size_t n_, offset_;
+  uint8_t sentinel_;
+  DeviceBuffer buffer_;
+};
+
+// One EXPECT per array, naming the first offender as (row, column) of a [rows, cols] layout.
+template <typename T>
+void expect_bitwise(const std::vector<T>& cuda, const std::vector<T>& cpu, int64_t cols,
+                    const std::string& what) {
+  ASSERT_EQ(cuda.size(), cpu.size()) << what;
+  auto bits = [](T v) -> uint32_t {
+    if constexpr (sizeof(T) == 4)
+      return std::bit_cast<uint32_t>(v);
+    else
+      return v;
+  };
+  size_t bad = 0, first = 0;
+  for (size_t i = 0; i < cuda.size(); ++i)
+    if (bits(cuda[i]) != bits(cpu[i]) && bad++ == 0) first = i;
+  if (bad == 0) return;
+  const int64_t c = std::max<int64_t>(cols, 1);
+  ADD_FAILURE() << what << ": " << bad << " of " << cuda.size() << " differ; first at (" << first / c << ", "
+                << first % c << "): cuda " << hex(bits(cuda[first])) << ", cpu " << hex(bits(cpu[first]));
+}
+
+void expect_same_amax(float cuda, float cpu, const std::string& what) {
+  // The CPU returns the canonical quiet NaN for a NaN amax; the device path must return the same bits.
+  EXPECT_EQ(std::bit_cast<uint32_t>(cuda), std::bit_cast<uint32_t>(cpu))
+      << what << ": amax cuda " << cuda << " (" << hex(std::bit_cast<uint32_t>(cuda)) << "), cpu " << cpu;
+}
+
+enum class Cast { per_tensor, tile_1x128, block_128x128 };
+
+const char* cast_name(Cast cast) {
+  switch (cast) {
+    case Cast::per_tensor:
+      return "fp8_cast_transpose";
+    case Cast::tile_1x128:
+      return "fp8_quantize_1x128";
+    case Cast::block_128x128:
+      return "fp8_quantize_128x128";
+  }
+  return "?";
+}
+
+struct CastCase {
+  Cast cast = Cast::per_tensor;
+  int64_t rows = 0, cols = 0;
+  DType fp8 = DType::e4m3;
+  bool q = true, q_t = true;
+  float scale = 1.0f;
+  bool power_of_two = false;
+  // Byte offsets of x (in floats), q and q_t from aligned addresses: nonzero forces the scalar paths.
+  size_t x_offset = 0, q_offset = 0, q_t_offset = 0;
+  uint8_t sentinel = 0xa5;
+
+  std::string name() const {
+    std::ostringstream out;
+    out << cast_name(cast) << " " << shape_name(rows, cols) << " " << dtype_name(fp8) << (q ? " q" : "")
+        << (q_t ? " q_t" : "");
+    if (cast == Cast::per_tensor)
+      out << " scale " << scale << " (" << hex(std::bit_cast<uint32_t>(scale)) << ")";
+    else
+      out << (power_of_two ? " pow2" : " exact");
+    if (x_offset || q_offset || q_t_offset)
+      out << " offsets " << x_offset << "/" << q_offset << "/" << q_t_offset;
+    return out.str();
+  }
+  int64_t scale_count() const {
+    return cast == Cast::tile_1x128 ? rows * blocks(cols) : blocks(rows) * blocks(cols);
+  }
+  int64_t scale_t_count() const {
+    return cast == Cast::tile_1x128 ? cols * blocks(rows) : blocks(rows) * blocks(cols);
+  }
+};
+
+struct CastResult {
+  std::vector<uint8_t> q, q_t;
+  std::vector<float> scale_inv, scale_inv_t;
+  float amax = 0;
+};
+
+ops::Fp8CastParams params_of(const CastCase& c) {
+  ops::Fp8CastParams p;
+  p.rows = c.rows, p.cols = c.cols, p.fp8 = c.fp8, p.scale = c.scale, p.power_of_two_scales = c.power_of_two;
+  return p;
+}
+
+CastResult run_cpu(const CastCase& c, const std::vector<float>& x) {
+  const size_t n = static_cast<size_t>(c.rows * c.cols);
+  const bool block = c.cast != Cast::per_tensor;
+  CastResult r;
+  if (c.q) r.q.assign(n, 0);
+  if (c.q_t) r.q_t.assign(n, 0);
+  if (block && c.q) r.scale_inv.assign(static_cast<size_t>(c.scale_count()), 0.0f);
+  if (block && c.q_t) r.scale_inv_t.assign(static_cast<size_t>(c.scale_t_count()), 0.0f);
+  ops::Fp8CastParams p = params_of(c);
+  p.x = x.data();
+  p.q = c.q ? r.q.data() : nullptr;
+  p.q_t = c.q_t ? r.q_t.data() : nullptr;
+  p.scale_inv = r.scale_inv.empty() ? nullptr : r.scale_inv.data();
+  p.scale_inv_t = r.scale_inv_t.empty() ? nullptr : r.scale_inv_t.data();
+  const ops::OpTable& cpu = ops::cpu_table();
+  if (c.cast == Cast::per_tensor)
+    r.amax = cpu.fp8_cast_transpose(p);
+  else if (c.cast == Cast::tile_1x128)
+    cpu.fp8_quantize_1x128(p);
+  else
+    cpu.fp8_quantize_128x128(p);
+  return r;
+}
+
+CastResult run_cuda(const CastCase& c, const std::vector<float>& x) {
+  const size_t n = static_cast<size_t>(c.rows * c.cols);
+  const bool block = c.cast != Cast::per_tensor;
+  DeviceBuffer dx((n + c.x_offset) * sizeof(float));
+  if (n > 0)
+    FORGE_CUDA_CHECK(
+        cudaMemcpy(dx.as<float>() + c.x_offset, x.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+  GuardedOutput<uint8_t> q(c.q ? n : 0, c.sentinel, c.q_offset), q_t(c.q_t ? n : 0, c.sentinel, c.q_t_offset);
+  GuardedOutput<float> scale_inv(block && c.q ? static_cast<size_t>(c.scale_count()) : 0, c.sentinel);
+  GuardedOutput<float> scale_inv_t(block && c.q_t ? static_cast<size_t>(c.scale_t_count()) : 0, c.sentinel);
+  ops::Fp8CastParams p = params_of(c);
+  p.x = dx.as<float>() + c.x_offset;
+  p.q = c.q ? q.data() : nullptr;
+  p.q_t = c.q_t ? q_t.data() : nullptr;
+  p.scale_inv = block && c.q ? scale_inv.data() : nullptr;
+  p.scale_inv_t = block && c.q_t ? scale_inv_t.data() : nullptr;
+  CastResult r;
+  if (c.cast == Cast::per_tensor)
+    r.amax = cuda::fp8_cast_transpose(p);
+  else if (c.cast == Cast::tile_1x128)
+    cuda::fp8_quantize_1x128(p);
+  else
+    cuda::fp8_quantize_128x128(p);
+  cuda::synchronize();
+  const std::string what = c.name();
+  if (c.q) r.q = q.download(what + ": q");
+  if (c.q_t) r.q_t = q_t.download(what + ": q_t");
+  if (block && c.q) r.scale_inv = scale_inv.download(what + ": scale_inv");
+  if (block && c.q_t) r.scale_inv_t = scale_inv_t.download(what + ": scale_inv_t");
+  return r;
+}
+
+void expect_same(const CastResult& cuda, const CastResult& cpu, const CastCase& c) {
+  const std::string what = c.name();
+  expect_bitwise(cuda.q, cpu.q, c.cols, what + ": q");
+  expect_bitwise(cuda.q_t, cpu.q_t, c.rows, what + ": q_t");
+  // Both block layouts have ceil(cols/128) scales per row of scale_inv, ceil(rows/128) per row of
+  // scale_inv_t.
+  expect_bitwise(cuda.scale_inv, cpu.scale_inv, blocks(c.cols), what + ": scale_inv");
+  expect_bitwise(cuda.scale_inv_t, cpu.scale_inv_t, blocks(c.rows), what + ": scale_inv_t");
+  if (c.cast == Cast::per_tensor) expect_same_amax(cuda.amax, cpu.amax, what);
+}
+
+void check_case(const CastCase& c, const std::vector<float>& x) {
+  SCOPED_TRACE(c.name());
+  expect_same(run_cuda(c, x), run_cpu(c, x), c);
+}
+
+// Ragged on both axes, with every remainder of rows and cols modulo 4 (multiples of 4 take the vector paths),
+// one element, narrow tensors, whole tiles only.
+const std::vector<std::pair<int64_t, int64_t>> kShapes = {{1, 1},    {3, 130}, {129, 257}, {300, 1000},
+                                                          {67, 387}, {200, 3}, {256, 384}};
+
+// The output combinations each cast accepts.
+const std::vector<std::pair<bool, bool>> kAnyOutputs = {{true, false}, {false, true}, {true, true}};
+const std::vector<std::pair<bool, bool>> kRowwiseOutputs = {{true, false}, {true, true}};
+
+bool has_gpu() { return cuda::available(); }
+
+// ---------------------------------------------------------------------------------------------------------------
+// Parameter checks: they run before any CUDA call, so they are tested everywhere. Each names the op and
+// the culprit.
+
+void expect_error(const std::function<void()>& call, const std::string& op, const std::string& culprit) {
+  try {
+    call();
+    ADD_FAILURE() << op << ": expected an error naming '" << culprit << "'";
+  } catch (const Error& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find(op), std::string::npos) << message;
+    EXPECT_NE(message.find(culprit), std::string::npos) << message;
+    EXPECT_EQ(message.find("CUDA error"), std::string::npos) << "checked too late: " << message;
+  }
+}
+
+// Host arrays standing in for device pointers: the checks must fail before anything is dereferenced.
+struct FakePointers {
+  float x[4] = {};
+  uint8_t q[4] = {}, q_t[4] = {};
+  float scale_inv[4] = {}, scale_inv_t[4] = {};
+  ops::Fp8CastParams params() {
+    ops::Fp8CastParams p;
+    p.rows = 2, p.cols = 2, p.x = x, p.q = q, p.q_t = q_t, p.scale_inv = scale_inv,
+    p.scale_inv_t = scale_inv_t;
+    return p;
+  }
+};
+
+TEST(CudaFp8Cast, AmaxRejectsBadArguments) {
+  float x[4] = {};
+  expect_error([&] { cuda::amax(x, -1); }, "amax", "negative size -1");
+  expect_error([&] { cuda::amax(nullptr, 4); }, "amax", "x is null");
+  EXPECT_EQ(cuda::amax(nullptr, 0), 0.0f);  // nothing to read: no CUDA call either
+}
+
+TEST(CudaFp8Cast, CastTransposeRejectsBadArguments) {
+  FakePointers f;
+  const char* op = "fp8_cast_transpose";
+  auto p = f.params();
+  p.q = nullptr, p.q_t = nullptr;
+  expect_error([&] { cuda::fp8_cast_transpose(p); }, op, "neither q nor q_t");
+  p = f.params(), p.fp8 = DType::bf16;
+  expect_error([&] { cuda::fp8_cast_transpose(p); }, op, "bf16 is not an FP8 dtype");
+  p = f.params(), p.rows = -3;
+  expect_error([&] { cuda::fp8_cast_transpose(p); }, op, "negative shape [-3, 2]");
+  p = f.params(), p.cols = -1;
+  expect_error([&] { cuda::fp8_cast_transpose(p); }, op, "negative shape [2, -1]");
+  p = f.params(), p.x = nullptr;
+  expect_error([&] { cuda::fp8_cast_transpose(p); }, op, "x is null");
+  p = f.params(), p.rows = int64_t{1} << 40, p.cols = int64_t{1} << 40;
+  expect_error([&] { cuda::fp8_cast_transpose(p); }, op, "too large");
+  // An empty tensor needs no device: amax 0, nothing written.
+  p = f.params(), p.rows = 0;
+  EXPECT_EQ(cuda::fp8_cast_transpose(p), 0.0f);
+}
+
+TEST(CudaFp8Cast, Quantize1x128RejectsBadArguments) {
+  FakePointers f;
+  const char* op = "fp8_quantize_1x128";
+  auto p = f.params();
+  p.q = nullptr, p.q_t = nullptr;
+  expect_error([&] { cuda::fp8_quantize_1x128(p); }, op, "neither q nor q_t");
+  p = f.params(), p.scale_inv = nullptr;
+  expect_error([&] { cuda::fp8_quantize_1x128(p); }, op, "q is given without scale_inv");
+  p = f.params(), p.scale_inv_t = nullptr;
+  expect_error([&] { cuda::fp8_quantize_1x128(p); }, op, "q_t is given without scale_inv_t");
+  p = f.params(), p.fp8 = DType::f32;
+  expect_error([&] { cuda::fp8_quantize_1x128(p); }, op, "fp32 is not an FP8 dtype");
+  p = f.params(), p.cols = -5;
+  expect_error([&] { cuda::fp8_quantize_1x128(p); }, op, "negative shape [2, -5]");
+  p = f.params(), p.x = nullptr;
+  expect_error([&] { cuda::fp8_quantize_1x128(p); }, op, "x is null");
+  p = f.params(), p.cols = 0;
+  EXPECT_NO_THROW(cuda::fp8_quantize_1x128(p));
+}
+
+TEST(CudaFp8Cast, Quantize128x128RejectsBadArguments) {
+  FakePointers f;
+  const char* op = "fp8_quantize_128x128";
+  auto p = f.params();
+  p.q = nullptr;
+  expect_error([&] { cuda::fp8_quantize_128x128(p); }, op, "q (the row-wise output) is null");
+  p = f.params(), p.scale_inv = nullptr;
+  expect_error([&] { cuda::fp8_quantize_128x128(p); }, op, "scale_inv is null");
+  p = f.params(), p.scale_inv_t = nullptr;
+  expect_error([&] { cuda::fp8_quantize_128x128(p); }, op, "q_t is given without scale_inv_t");
+  p = f.params(), p.fp8 = DType::u8;
+  expect_error([&] { cuda::fp8_quantize_128x128(p); }, op, "uint8 is not an FP8 dtype");
+  p = f.params(), p.rows = -1;
+  expect_error([&] { cuda::fp8_quantize_128x128(p); }, op, "negative shape [-1, 2]");
+  p = f.params(), p.rows = 0, p.cols = 0;
+  EXPECT_NO_THROW(cuda::fp8_quantize_128x128(p));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// amax
+
+TEST(CudaFp8Cast, AmaxMatchesCpu) {
+  if (!has_gpu()) GTEST_SKIP() << cuda::describe_device();
+  // The largest size takes the flat kernels' grid-stride loop through a second round.
+  for (int64_t n : {int64_t{1}, int64_t{5}, int64_t{1000}, int64_t{300001}, (int64_t{1} << 24) + 4099}) {
+    const std::vector<float> original = make_input(1, n, 11, false);
+    for (int variant = 0; variant < 8; ++variant) {
+      std::vector<float> x = original;
+      if (variant == 1) x[n / 2] = -kInf;
+      if (variant == 2) x[n - 1] = std::bit_cast<float>(0xffc00001u);  // NaN in the scalar tail, negative
+      if (variant == 3) x[0] = kNaN;
+      if (variant >= 4) x[std::min(n - 1, n / 2 + variant - 4)] = -1e30f;  // a unique max in each float4 lane
+      // Offset 1 (x not 16-byte aligned) for odd variants: the scalar path.
+      const size_t offset = variant % 2;
+      DeviceBuffer dx((n + offset) * sizeof(float));
+      FORGE_CUDA_CHECK(
+          cudaMemcpy(dx.as<float>() + offset, x.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+      expect_same_amax(cuda::amax(dx.as<float>() + offset, n), ops::cpu_table().amax(x.data(), n),
+                       "amax n=" + std::to_string(n) + " variant " + std::to_string(variant));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Per-tensor cast (+ transpose)
+
+TEST(CudaFp8Cast, CastTransposeMatchesCpu) {
+  if (!has_gpu()) GTEST_SKIP() << cuda::describe_device();
+  // 1 and 2^-3: exact products, ties included; 0.7: inexact products; 3e5: most products saturate; 2^-12:
+  // most products are FP8 subnormals or round to zero; 0: inf * 0 is the host's default NaN.
+  const float scales[] = {1.0f, 0x1p-3f, 0.7f, 3e5f, 0x1p-12f, 0.0f};
+  for (auto [rows, cols] : kShapes) {
+    const std::vector<float> x = make_input(rows, cols, 21);
+    for (DType fp8 : {DType::e4m3, DType::e5m2})
+      for (float scale : scales)
+        for (auto [q, q_t] : kAnyOutputs) {
+          CastCase c;
+          c.cast = Cast::per_tensor, c.rows = rows, c.cols = cols, c.fp8 = fp8, c.q = q, c.q_t = q_t,
+          c.scale = scale;
+          check_case(c, x);
+        }
+  }
+}
+
+TEST(CudaFp8Cast, CastTransposeWithNaNScale) {
+  if (!has_gpu()) GTEST_SKIP() << cuda::describe_device();
+  // A NaN scale makes every product that NaN (quietened, sign kept) on the CPU. Inputs hold no NaN: with two
+  // NaN operands the CPU's choice depends on the operand order its compiler picked.
+  const std::vector<float> x = make_input(129, 257, 22, true, false);
+  for (float scale : {kNaN, std::bit_cast<float>(0xff800123u)})
+    for (auto [q, q_t] : kAnyOutputs) {
+      CastCase c;
+      c.cast = Cast::per_tensor, c.rows = 129, c.cols = 257, c.q = q, c.q_t = q_t, c.scale = scale;
+      check_case(c, x);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Block casts
+
+TEST(CudaFp8Cast, Quantize1x128MatchesCpu) {
+  if (!has_gpu()) GTEST_SKIP() << cuda::describe_device();
+  for (auto [rows, cols] : kShapes) {
+    const std::vector<float> x = make_input(rows, cols, 31);
+    for (DType fp8 : {DType::e4m3, DType::e5m2})
+      for (bool power_of_two : {false, true})
+        for (auto [q, q_t] : kAnyOutputs) {
+          CastCase c;
+          c.cast = Cast::tile_1x128, c.rows = rows, c.cols = cols, c.fp8 = fp8, c.q = q, c.q_t = q_t;
+          c.power_of_two = power_of_two;
+          check_case(c, x);
+        }
+  }
+}
+
+TEST(CudaFp8Cast, Quantize128x128MatchesCpu) {
+  if (!has_gpu()) GTEST_SKIP() << cuda::describe_device();
+  for (auto [rows, cols] : kShapes) {
+    const std::vector<float> x = make_input(rows, cols, 41);
+    for (DType fp8 : {DType::e4m3, DType::e5m2})
+      for (bool power_of_two : {false, true})
+        for (auto [q, q_t] : kRowwiseOutputs) {
+          CastCase c;
+          c.cast = Cast::block_128x128, c.rows = rows, c.cols = cols, c.fp8 = fp8, c.q = q, c.q_t = q_t;
+          c.power_of_two = power_of_two;
+          check_case(c, x);
+        }
+  }
+}
+
+// Shapes that allow float4 loads and word stores, with pointers that do not: the scalar paths on every side.
+TEST(CudaFp8Cast, UnalignedPointersMatchCpu) {
+  if (!has_gpu()) GTEST_SKIP() << cuda::describe_device();
+  const std::vector<float> x = make_input(300, 1000, 51);
+  struct Offsets {
+    size_t x, q, q_t;
+  };
+  for (Offsets o : {Offsets{1, 0, 0}, Offsets{0, 1, 2}, Offsets{2, 3, 1}})
+    for (Cast cast : {Cast::per_tensor, Cast::tile_1x128, Cast::block_128x128})
+      for (auto [q, q_t] : cast == Cast::block_128x128 ? kRowwiseOutputs : kAnyOutputs) {
+        CastCase c;
+        c.cast = cast, c.rows = 300, c.cols = 1000, c.fp8 = DType::e4m3, c.q = q, c.q_t = q_t,
+        c.scale = 0x1p-2f;
+        c.x_offset = o.x, c.q_offset = o.q, c.q_t_offset = o.q_t;
+        check_case(c, x);
+      }
+}
+
+// More tiles than the tiled kernels' grid (1024 CTAs) and more elements than one round of the flat kernels:
+// every kernel loops, carrying its amax across tiles and reusing its shared memory.
+TEST(CudaFp8Cast, LargeInputsMatchCpu) {
+  if (!has_gpu()) GTEST_SKIP() << cuda::describe_device();
+  const int64_t rows = 33 * kTile + 5, cols = 32 * kTile;
+  const std::vector<float> x = make_input(rows, cols, 61);
+  CastCase c;
+  c.rows = rows, c.cols = cols, c.fp8 = DType::e4m3, c.scale = 0x1p-2f;
+  c.cast = Cast::per_tensor, c.q = true, c.q_t = false;
+  check_case(c, x);
+  c.q_t = true;
+  check_case(c, x);
+  c.cast = Cast::tile_1x128, c.power_of_two = true;
+  check_case(c, x);
+  c.cast = Cast::block_128x128, c.fp8 = DType::e5m2;
+  check_case(c, x);
+}
+
+// The same call twice gives the same bits (and fills outputs that started from different sentinels alike,
+// so no element is left unwritten by chance of the sentinel matching).
+TEST(CudaFp8Cast, BitwiseRepeatable) {
+  if (!has_gpu()) GTEST_SKIP() << cuda::describe_device();
+  const std::vector<float> x = make_input(300, 1000, 71);
+  for (Cast cast : {Cast::per_tensor, Cast::tile_1x128, Cast::block_128x128}) {
+    CastCase c;
+    c.cast = cast, c.rows = 300, c.cols = 1000, c.fp8 = DType::e5m2, c.scale = 0.3f, c.power_of_two = false;
+    c.sentinel = 0x00;
+    const CastResult first = run_cuda(c, x);
+    c.sentinel = 0xff;
+    const CastResult second = run_cuda(c, x);
+    const std::string what = c.name() + " (repeat)";
+    expect_bitwise(second.q, first.q, c.cols, what + ": q");
+    expect_bitwise(second.q_t, first.q_t, c.rows, what + ": q_t");
+    expect_bitwise(second.scale_inv, first.scale_inv, blocks(c.cols), what + ": scale_inv");
+    expect_bitwise(second.scale_inv_t, first.scale_inv_t, blocks(c.rows), what + ": scale_inv_t");
+    expect_same_amax(second.amax, first.amax, what);
+  }
+}
+
+}  // namespace
+}  // namespace forge
