@@ -35,20 +35,34 @@ void adamw_update_range(nn::ParameterStore& store, int64_t begin, int64_t end, f
   float* params = store.params().f32();
   const float* grads = store.grads().f32();
   uint16_t* shadow = write_bf16 && store.has_bf16() ? store.params_bf16().bf16() : nullptr;
-  for_each_param_in_range(store, begin, end, [&](const nn::ParamInfo& info, int64_t lo, int64_t hi) {
+  // One fused pass per run of adjacent parameters that share their weight decay (the store is one flat
+  // buffer): a handful of launches per layer instead of one per tensor.
+  int64_t run_lo = 0, run_hi = 0;
+  bool run_decay = false;
+  auto flush = [&] {
+    if (run_hi <= run_lo) return;
     ops::AdamWParams p;
-    p.n = hi - lo;
-    p.param = params + lo;
-    p.grad = grads + lo;
-    p.exp_avg = exp_avg + (lo - begin);
-    p.exp_avg_sq = exp_avg_sq + (lo - begin);
-    p.param_bf16 = shadow ? shadow + lo : nullptr;
+    p.n = run_hi - run_lo;
+    p.param = params + run_lo;
+    p.grad = grads + run_lo;
+    p.exp_avg = exp_avg + (run_lo - begin);
+    p.exp_avg_sq = exp_avg_sq + (run_lo - begin);
+    p.param_bf16 = shadow ? shadow + run_lo : nullptr;
     p.lr = lr, p.beta1 = config.beta1, p.beta2 = config.beta2, p.eps = config.eps;
-    p.weight_decay = info.weight_decay ? config.weight_decay : 0.0f;
+    p.weight_decay = run_decay ? config.weight_decay : 0.0f;
     p.step = step;
     p.grad_scale = grad_scale;
     ops::adamw(p, store.device());
+    run_lo = run_hi = 0;
+  };
+  for_each_param_in_range(store, begin, end, [&](const nn::ParamInfo& info, int64_t lo, int64_t hi) {
+    if (lo != run_hi || info.weight_decay != run_decay) {
+      flush();
+      run_lo = lo, run_decay = info.weight_decay;
+    }
+    run_hi = hi;
   });
+  flush();
 }
 
 void AdamW::step(float lr, float grad_scale) {
