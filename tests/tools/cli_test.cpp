@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <string>
 
+#include "forge/core/device.h"
 #include "tools/cli_harness.h"
 
 namespace {
@@ -117,3 +118,19 @@ TEST_F(Cli, CtrlCSavesACheckpointAndExits130) {
 }
 
 }  // namespace
+
+// forge bench on a GPU: bad values and a machine without one get one line each.
+TEST_F(Cli, BenchDeviceAndFp8Refusals) {
+  const std::string kDefaultModel =
+      (std::filesystem::path(FORGE_FIXTURE_DIR).parent_path().parent_path() / "configs/llama-default.json").string();
+  for (const char* bad : {" --fp8 e4m3", " --device tpu"}) {  // usage errors: CLI11's exit status, one line
+    const Outcome o = run_forge("bench --model " + kDefaultModel + bad);
+    EXPECT_NE(o.status, 0) << o.output;
+    EXPECT_EQ(o.output.rfind("forge: error: --", 0), 0u) << o.output;
+    EXPECT_EQ(o.output.find('\n'), o.output.size() - 1) << o.output;
+  }
+  if (!forge::device_usable(forge::Device::cuda))
+    expect_one_line_error(
+        "bench --model " + kDefaultModel + " --device cuda --steps 1",
+        "no usable GPU");
+}

@@ -84,8 +84,11 @@ void add_bench_command(CLI::App& app, Commands& commands) {
   bench->add_option("--warmup", o->warmup, "untimed warm-up steps")->capture_default_str();
   bench->add_option("--dtype", o->dtype, "compute dtype: bf16 or fp32")->capture_default_str();
   bench->add_option("--recompute", o->recompute, "none, selective or full")->capture_default_str();
-  bench->add_option("--device", o->device, "where the model trains: cpu or cuda")->capture_default_str();
+  bench->add_option("--device", o->device, "where the model trains: cpu or cuda")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
   bench->add_option("--fp8", o->fp8, "FP8 recipe of the transformer layers' GEMMs: off, delayed, current or block")
+      ->check(CLI::IsMember({"off", "delayed", "current", "block"}))
       ->capture_default_str();
   bench->add_option("--peak-gflops", o->peak_gflops,
                     "peak for MFU (default: measured GEMM peak on the CPU; on CUDA the H100/H200 dense peak of the "
