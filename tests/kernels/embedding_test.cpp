@@ -73,6 +73,27 @@ TEST(Embedding, BackwardWeightDoesNotDependOnThreadCount) {
   EXPECT_EQ(0, std::memcmp(one.dweight.data(), two.dweight.data(), one.dweight.size() * sizeof(float)));
 }
 
+// Vocabulary-parallel: the table holds global rows [first, first + vocab); other ids give zero rows and no
+// gradient (another rank holds them). Ids 0..5 of Problem against rows [2, 5) of them.
+TEST(Embedding, VocabularyParallelRangeTakesOnlyItsIds) {
+  Problem pr;
+  const auto initial = pr.dweight;
+  ops::EmbeddingParams p = pr.params();
+  p.vocab_parallel = true, p.first = 2, p.vocab = 3;
+  ops::embedding_forward(p);
+  ops::embedding_backward_weight(p);
+  std::vector<float> want_dweight = initial;
+  for (int64_t r = 0; r < pr.rows; ++r) {
+    const int64_t local = pr.ids[r] - 2;
+    const bool mine = local >= 0 && local < 3;
+    for (int64_t j = 0; j < pr.dim; ++j) {
+      EXPECT_EQ(pr.out[r * pr.dim + j], mine ? pr.weight[local * pr.dim + j] : 0.0f) << r << "," << j;
+      if (mine) want_dweight[local * pr.dim + j] += pr.dout[r * pr.dim + j];
+    }
+  }
+  EXPECT_EQ(pr.dweight, want_dweight);  // rows added in increasing order: bitwise
+}
+
 TEST(Embedding, OutOfRangeIdThrowsNamingIdAndRow) {
   for (int32_t bad : {6, -1}) {
     Problem pr;

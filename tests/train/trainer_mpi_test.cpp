@@ -340,19 +340,25 @@ TEST_F(TrainerRuns, DataParallelOnGpusFollowsTheOneRankRun) {
   }
 }
 
-// A GPU run refuses the layouts it cannot run yet, naming them, before touching a device.
-TEST_F(TrainerRuns, GpuRunsRefuseTensorParallelism) {
+// Tensor (+ sequence) parallelism on GPUs: activations and gradients over NCCL, per-row loss statistics and
+// FP8 amaxes over MPI. Needs a GPU per rank.
+TEST_F(TrainerRuns, TensorParallelOnGpusFollowsTheOneRankRun) {
   comm::Communicator& world = comm::world();
-  if (!device_usable(Device::cuda)) GTEST_SKIP() << "no usable GPU: refused earlier, for that";
-  TrainConfig c = config("gpu_tp");
-  c.train.device = "cuda";
-  c.parallel.tp = world.size();
-  try {
-    Trainer(c, &world).run();
-    ADD_FAILURE() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("data parallelism only"), std::string::npos) << e.what();
-  }
+  int usable = device_usable(Device::cuda) ? device_memory(Device::cuda).device_count() : 0;
+  usable = static_cast<int>(-comm::all_reduce_max(world, -static_cast<double>(usable)));
+  if (usable < world.size()) GTEST_SKIP() << "needs a GPU per rank (" << world.size() << ")";
+  TrainConfig ref = config("reference-" + std::to_string(world.rank()));
+  ref.train.grad_accum = 2;
+  auto self = comm::make_self();
+  TrainResult want = Trainer(ref, self.get()).run();
+  TrainConfig par = config("gpu_tp");
+  par.train.device = "cuda";
+  par.parallel.tp = world.size();
+  par.parallel.sequence_parallel = true;
+  TrainResult got = Trainer(par, &world).run();
+  ASSERT_EQ(got.losses.size(), want.losses.size());
+  for (size_t s = 0; s < want.losses.size(); ++s)
+    EXPECT_NEAR(got.losses[s], want.losses[s], 2e-3 * want.losses[s]) << "step " << s + 1;
 }
 
 TEST(TrainerLayoutErrors, PipelineParallelismIsRefusedUntilItLands) {

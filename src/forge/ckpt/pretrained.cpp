@@ -265,8 +265,19 @@ void load_pretrained_weights(const PretrainedDir& source, nn::ParameterStore& pa
     // Saved under any layout: the store's pieces are assembled from whichever shards hold them, each
     // element checked present, shapes equal and files checksummed before any weight is written.
     const auto self = comm::make_self();
-    load_sharded_checkpoint(source.dir.string(), *self,
-                            parameter_store_pieces(params, nullptr, /*for_saving=*/false));
+    if (params.device() == Device::cpu) {
+      load_sharded_checkpoint(source.dir.string(), *self,
+                              parameter_store_pieces(params, nullptr, /*for_saving=*/false));
+    } else {
+      // A model on a device loads into a host store of the same parameters, then copies it over.
+      nn::ParameterStore host;
+      for (const nn::ParamInfo& info : params.infos())
+        host.add(info.name, info.shape, info.weight_decay, info.init, info.init_std, info.shard);
+      host.allocate(/*with_bf16_shadow=*/false, /*with_grads=*/false);
+      load_sharded_checkpoint(source.dir.string(), *self, parameter_store_pieces(host, nullptr, false));
+      Tensor weights = params.params();
+      weights.copy_from(host.params());
+    }
     params.refresh_bf16();
     return;
   }

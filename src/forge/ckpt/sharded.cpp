@@ -654,6 +654,8 @@ CheckpointState load_sharded_checkpoint(const std::string& dir, comm::Communicat
 std::vector<ShardPiece> parameter_store_pieces(const nn::ParameterStore& params, const AdamW* optimizer,
                                                bool for_saving) {
   std::vector<ShardPiece> pieces;
+  FORGE_CHECK(params.device() == Device::cpu,
+              "checkpoint pieces of a parameter store on a device: stage it through a host copy first");
   auto add = [&](const std::string& prefix, const Tensor& buffer) {
     for (const nn::ParamInfo& info : params.infos()) {
       if (for_saving && !info.shard.primary) continue;

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string_view>
 
 #include "forge/core/tensor.h"
@@ -25,6 +26,9 @@ struct DeviceMemory {
   int (*device_count)();
   void (*select_device)(int ordinal);
   void* (*stream)();
+  // Peak bytes allocated on the device since the last reset_peak() (activation memory of a step).
+  int64_t (*peak_allocated)();
+  void (*reset_peak)();
 };
 
 // The device's memory interface; fails with one line when its backend is not built into this binary.

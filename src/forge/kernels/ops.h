@@ -179,9 +179,14 @@ struct AttentionParams {
   int64_t dq_stride = 0, dk_stride = 0, dv_stride = 0;
 };
 
-// Embedding lookup. forward: out[i] = weight[ids[i]]. backward_weight: dweight[ids[i]] += dout[i].
+// Embedding lookup. forward: out[i] = weight[ids[i]]. backward_weight: dweight[ids[i]] += dout[i], rows added
+// in increasing order. An id outside [0, vocab) is an error, except under vocab_parallel: the weight then holds
+// rows [first, first + vocab) of the whole vocabulary, ids are global, and an id outside that range gives a
+// zero row (forward) and no gradient (backward) — another rank of the tensor-parallel group holds it.
 struct EmbeddingParams {
   int64_t rows = 0, dim = 0, vocab = 0;
+  bool vocab_parallel = false;
+  int64_t first = 0;
   const int32_t* ids = nullptr;
   const float* weight = nullptr;
   float* out = nullptr;

@@ -28,9 +28,6 @@ LlamaModel::LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, fl
   config_.validate("model config");
   const int64_t h = config.hidden_size, v = config.vocab_size;
   const int tp_size = options.tp_size(), rank = options.tp_rank();
-  if (tp_size > 1 && options.device != Device::cpu)
-    fail("tensor parallelism runs on the CPU backend only for now (device {}, tp = {})", device_name(options.device),
-         tp_size);
   // Vocabulary-parallel embedding and head: rows padded to a multiple of vocab_divisible_by x tp, split
   // evenly; the padding rows are zero, masked out of the softmax and never saved.
   const int64_t unit = std::max<int64_t>(1, options.vocab_divisible_by) * tp_size;
@@ -127,7 +124,7 @@ LossSum LlamaModel::forward_backward(const int32_t* ids, const int32_t* targets,
   final_norm_.backward_weight(norm_saved);
   if (last_micro_batch) {
     if (tp() && tp()->sequence_parallel())
-      tp()->all_reduce_sum(params_.grad(norm_id_).f32(), config_.hidden_size);
+      tp()->all_reduce_sum(params_.grad(norm_id_).f32(), config_.hidden_size, options_.device);
     notify_ready(norm_id_);
   }
   for (size_t l = layers_.size(); l-- > 0;) {
@@ -141,6 +138,11 @@ LossSum LlamaModel::forward_backward(const int32_t* ids, const int32_t* targets,
   embedding_.backward_weight(device_ids, dx);
   if (last_micro_batch) notify_ready(embed_id_);
   return result;
+}
+
+Tensor LlamaModel::embed(const int32_t* ids, int64_t rows) const {
+  Tensor holder;
+  return embedding_.forward(ids_on(options_.device, ids, rows, holder), rows);
 }
 
 nn::TensorParallel* LlamaModel::tp() const { return options_.tp && options_.tp->size() > 1 ? options_.tp : nullptr; }
@@ -181,18 +183,23 @@ LossSum LlamaModel::loss_head(const Tensor& hidden, const int32_t* targets, cons
   p.workspace = workspace.f32();
   ops::linear_cross_entropy_forward(p, device);
   if (group) {
+    // The per-row statistics (a float per row each way) are combined on the host; on the CPU the host
+    // tensors are the outputs themselves.
     const int n = group->size();
     std::vector<float> all(static_cast<size_t>(n) * rows);
-    group->all_gather(lse.f32(), all.data(), rows);
-    group->all_reduce_sum(target_logit.f32(), rows);
+    Tensor host_lse = lse.to(Device::cpu), host_target = target_logit.to(Device::cpu);
+    Tensor host_loss = device == Device::cpu ? loss : Tensor::empty({rows}, DType::f32);
+    group->all_gather(host_lse.f32(), all.data(), rows, Device::cpu);
+    group->all_reduce_sum(host_target.f32(), rows, Device::cpu);
     for (int64_t r = 0; r < rows; ++r) {
       float m = -std::numeric_limits<float>::infinity();
       for (int i = 0; i < n; ++i) m = std::max(m, all[i * rows + r]);
       double sum = 0;
       for (int i = 0; i < n; ++i) sum += std::exp(static_cast<double>(all[i * rows + r]) - m);
-      lse.f32()[r] = m + static_cast<float>(std::log(sum));
-      loss.f32()[r] = targets[r] < 0 ? 0.0f : lse.f32()[r] - target_logit.f32()[r];
+      host_lse.f32()[r] = m + static_cast<float>(std::log(sum));
+      host_loss.f32()[r] = targets[r] < 0 ? 0.0f : host_lse.f32()[r] - host_target.f32()[r];
     }
+    if (device != Device::cpu) lse.copy_from(host_lse), loss.copy_from(host_loss);
   }
   if (dhidden) {
     ops::linear_cross_entropy_backward(p, device);
@@ -285,7 +292,8 @@ Tensor LlamaModel::project_logits(const Tensor& hidden) const {
   // Gather the vocabulary ranges and drop the padding: [tp, rows, local] -> [rows, vocab].
   const int n = group->size();
   Tensor all = Tensor::empty({n, rows, local}, DType::f32);
-  group->all_gather(out.f32(), all.f32(), rows * local);
+  const Tensor host_out = out.to(Device::cpu);
+  group->all_gather(host_out.f32(), all.f32(), rows * local, Device::cpu);
   Tensor logits = Tensor::empty({rows, v}, DType::f32);
   for (int i = 0; i < n; ++i) {
     const int64_t width = std::clamp<int64_t>(v - i * local, 0, local);

@@ -72,7 +72,7 @@ class LlamaModel {
 
   // Module access for tests of the backward split.
   const std::vector<nn::TransformerLayer>& layers() const { return layers_; }
-  Tensor embed(const int32_t* ids, int64_t rows) const { return embedding_.forward(ids, rows); }
+  Tensor embed(const int32_t* ids, int64_t rows) const;  // host ids
 
  private:
   Tensor final_hidden(const int32_t* ids, int64_t batch, int64_t seq, std::vector<nn::TransformerLayer::Saved>* saved,

@@ -76,7 +76,7 @@ const Fp8Weight& Linear::fp8_weight() const {
       // Current scaling: every shard of a split weight takes the scale of the whole weight, so a layout
       // computes what one process would.
       float amax = ops::amax(master.f32(), master.numel(), device_);
-      if (tp_) tp_->all_reduce_max(&amax, 1);
+      if (tp_) tp_->all_reduce_max(&amax, 1, Device::cpu);
       scale = fp8::compute_scale(amax, fp8::fp8_max(dtype), rc.margin, 1.0f);
     }
     cast.scale = scale;

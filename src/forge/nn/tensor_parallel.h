@@ -23,20 +23,23 @@ class TensorParallel {
   virtual int size() const = 0;
   virtual bool sequence_parallel() const = 0;
 
-  virtual void all_reduce_sum(float* buf, int64_t count) = 0;  // in place
-  virtual void all_reduce_max(float* buf, int64_t count) = 0;  // in place (FP8 amaxes of split tensors)
+  // `where` says where a buffer lives: the model's device (activations, gradients) or the host (scalars and
+  // per-row statistics brought back to be combined there). Implementations route each to a communicator for
+  // that memory (NCCL for a GPU's, MPI for the host's).
+  virtual void all_reduce_sum(float* buf, int64_t count, Device where) = 0;  // in place
+  virtual void all_reduce_max(float* buf, int64_t count, Device where) = 0;  // in place (FP8 amaxes)
   // Gathers each rank's lse-style vector: out[size * count] in rank order.
-  virtual void all_gather(const float* send, float* recv, int64_t count) = 0;
-  // [rows/tp, d] per rank -> [rows, d], shards in rank order.
+  virtual void all_gather(const float* send, float* recv, int64_t count, Device where) = 0;
+  // [rows/tp, d] per rank -> [rows, d], shards in rank order, on the shard's device.
   virtual Tensor all_gather_rows(const Tensor& shard) = 0;
-  // [rows, d] partial sums -> this rank's [rows/tp, d] shard of the sum.
+  // [rows, d] partial sums -> this rank's [rows/tp, d] shard of the sum, on the input's device.
   virtual Tensor reduce_scatter_rows(const Tensor& full) = 0;
 
   Tensor gather_in(const Tensor& x) { return sequence_parallel() ? all_gather_rows(x) : x; }
   Tensor reduce_out(const Tensor& x) {
     if (sequence_parallel()) return reduce_scatter_rows(x);
     Tensor y = x;
-    all_reduce_sum(y.f32(), y.numel());
+    all_reduce_sum(y.f32(), y.numel(), y.device());
     return y;
   }
 };

@@ -73,10 +73,10 @@ void TransformerLayer::bind(const RopeTable* rope, ComputeOptions options) {
 void TransformerLayer::reduce_replicated_grads() const {
   TensorParallel* tp = options_.tp;
   if (!tp || tp->size() == 1) return;
-  FORGE_CHECK(options_.device == Device::cpu, "tensor parallelism runs on the CPU backend only (for now)");
+  const Device device = options_.device;
   if (tp->sequence_parallel()) {  // each rank normed only its shard of the rows
-    tp->all_reduce_sum(store_->grad(norm1_id_).f32(), shape_.attention.hidden);
-    tp->all_reduce_sum(store_->grad(norm2_id_).f32(), shape_.attention.hidden);
+    tp->all_reduce_sum(store_->grad(norm1_id_).f32(), shape_.attention.hidden, device);
+    tp->all_reduce_sum(store_->grad(norm2_id_).f32(), shape_.attention.hidden, device);
   }
   const auto& a = shape_.attention;
   if (a.kv_heads >= tp->size()) return;
@@ -84,14 +84,16 @@ void TransformerLayer::reduce_replicated_grads() const {
   // through a buffer of all kv heads in which each rank fills its head's slot.
   const int64_t per_head = a.head_dim * a.hidden;
   const int64_t head = static_cast<int64_t>(tp->rank()) * a.kv_heads / tp->size();
-  Tensor buffer = Tensor::zeros({2, a.kv_heads, per_head}, DType::f32);
+  Tensor buffer = Tensor::zeros({2, a.kv_heads, per_head}, DType::f32, device);
   for (int kv = 0; kv < 2; ++kv) {
-    const float* g = store_->grad(q_id_ + 1 + kv).f32();
-    std::copy_n(g, per_head, buffer.f32() + (kv * a.kv_heads + head) * per_head);
+    Tensor slot = buffer.view((kv * a.kv_heads + head) * per_head, {per_head});
+    slot.copy_from(store_->grad(q_id_ + 1 + kv).reshape({per_head}));
   }
-  tp->all_reduce_sum(buffer.f32(), buffer.numel());
-  for (int kv = 0; kv < 2; ++kv)
-    std::copy_n(buffer.f32() + (kv * a.kv_heads + head) * per_head, per_head, store_->grad(q_id_ + 1 + kv).f32());
+  tp->all_reduce_sum(buffer.f32(), buffer.numel(), device);
+  for (int kv = 0; kv < 2; ++kv) {
+    Tensor grad = store_->grad(q_id_ + 1 + kv).reshape({per_head});
+    grad.copy_from(buffer.view((kv * a.kv_heads + head) * per_head, {per_head}));
+  }
 }
 
 Tensor TransformerLayer::run_forward(const Tensor& x, int64_t batch, int64_t seq, Saved& saved,

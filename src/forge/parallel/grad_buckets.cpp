@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <string_view>
 
 #include "forge/core/error.h"
 
@@ -33,6 +34,12 @@ GradBuckets::GradBuckets(nn::ParameterStore* store, comm::Communicator* dp, Buck
     fail("gradient buckets over a parameter store built without gradients (inference)");
   if (options.bucket_bytes <= 0)
     fail("gradient bucket size must be positive, got {} bytes", options.bucket_bytes);
+  // Gradients on a device reduce in place over a communicator of device memory; the sharded path stages
+  // through host copies and stays on the CPU for now.
+  if (store->device() != Device::cpu &&
+      (options.shard || std::string_view(dp->backend()) == "mpi"))
+    fail("gradient buckets over device memory need an nccl (or one-rank) communicator and no sharding; got {}{}",
+         dp->backend(), options.shard ? " with sharding" : "");
   const int64_t n = store->numel();
   const int shards = options.shard ? dp->size() : 1;
   const int64_t bucket_elements = round_up(

@@ -4,31 +4,40 @@
 
 namespace forge::parallel {
 
-void CommTensorParallel::all_reduce_sum(float* buf, int64_t count) {
-  group_->all_reduce_blocking(buf, count, comm::Type::f32, comm::ReduceOp::sum);
+comm::Communicator& CommTensorParallel::group_for(Device where) const {
+  if (where == Device::cpu) return *group_;
+  FORGE_CHECK(device_group_ != nullptr,
+              "tensor parallelism: a device buffer, but the group has no device communicator (NCCL)");
+  return *device_group_;
 }
 
-void CommTensorParallel::all_reduce_max(float* buf, int64_t count) {
-  group_->all_reduce_blocking(buf, count, comm::Type::f32, comm::ReduceOp::max);
+void CommTensorParallel::all_reduce_sum(float* buf, int64_t count, Device where) {
+  group_for(where).all_reduce_blocking(buf, count, comm::Type::f32, comm::ReduceOp::sum);
 }
 
-void CommTensorParallel::all_gather(const float* send, float* recv, int64_t count) {
-  group_->all_gather(send, recv, count, comm::Type::f32).wait();
+void CommTensorParallel::all_reduce_max(float* buf, int64_t count, Device where) {
+  group_for(where).all_reduce_blocking(buf, count, comm::Type::f32, comm::ReduceOp::max);
+}
+
+void CommTensorParallel::all_gather(const float* send, float* recv, int64_t count, Device where) {
+  group_for(where).all_gather(send, recv, count, comm::Type::f32).wait();
 }
 
 Tensor CommTensorParallel::all_gather_rows(const Tensor& shard) {
   FORGE_CHECK(shard.rank() == 2, "all_gather_rows expects a [rows, dim] tensor, got {}",
               shape_string(shard.shape()));
-  Tensor full = Tensor::empty({shard.dim(0) * size(), shard.dim(1)}, DType::f32);
-  group_->all_gather(shard.f32(), full.f32(), shard.numel(), comm::Type::f32).wait();
+  Tensor full = Tensor::empty({shard.dim(0) * size(), shard.dim(1)}, DType::f32, shard.device());
+  group_for(shard.device()).all_gather(shard.f32(), full.f32(), shard.numel(), comm::Type::f32).wait();
   return full;
 }
 
 Tensor CommTensorParallel::reduce_scatter_rows(const Tensor& full) {
   FORGE_CHECK(full.rank() == 2 && full.dim(0) % size() == 0,
               "reduce_scatter_rows: {} rows do not split over {} tensor-parallel ranks", full.dim(0), size());
-  Tensor shard = Tensor::empty({full.dim(0) / size(), full.dim(1)}, DType::f32);
-  group_->reduce_scatter(full.f32(), shard.f32(), shard.numel(), comm::Type::f32, comm::ReduceOp::sum).wait();
+  Tensor shard = Tensor::empty({full.dim(0) / size(), full.dim(1)}, DType::f32, full.device());
+  group_for(full.device())
+      .reduce_scatter(full.f32(), shard.f32(), shard.numel(), comm::Type::f32, comm::ReduceOp::sum)
+      .wait();
   return shard;
 }
 

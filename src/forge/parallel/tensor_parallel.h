@@ -11,20 +11,25 @@ namespace forge::parallel {
 
 class CommTensorParallel final : public nn::TensorParallel {
  public:
-  CommTensorParallel(comm::Communicator* group, bool sequence_parallel)
-      : group_(group), sequence_parallel_(sequence_parallel) {}
+  // group carries host buffers; device_group (an NCCL communicator over the same ranks, when the model lives
+  // on GPUs) carries device buffers. Without device_group every buffer goes to group.
+  CommTensorParallel(comm::Communicator* group, bool sequence_parallel, comm::Communicator* device_group = nullptr)
+      : group_(group), device_group_(device_group), sequence_parallel_(sequence_parallel) {}
   int rank() const override { return group_->rank(); }
   int size() const override { return group_->size(); }
   bool sequence_parallel() const override { return sequence_parallel_; }
 
-  void all_reduce_sum(float* buf, int64_t count) override;
-  void all_reduce_max(float* buf, int64_t count) override;
-  void all_gather(const float* send, float* recv, int64_t count) override;
+  void all_reduce_sum(float* buf, int64_t count, Device where) override;
+  void all_reduce_max(float* buf, int64_t count, Device where) override;
+  void all_gather(const float* send, float* recv, int64_t count, Device where) override;
   Tensor all_gather_rows(const Tensor& shard) override;
   Tensor reduce_scatter_rows(const Tensor& full) override;
 
  private:
+  comm::Communicator& group_for(Device where) const;
+
   comm::Communicator* group_;
+  comm::Communicator* device_group_;
   bool sequence_parallel_;
 };
 

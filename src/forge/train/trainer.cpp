@@ -164,24 +164,40 @@ TrainResult Trainer::run() {
 
   const Device device = device_from_name(c.train.device);
   const bool on_gpu = device != Device::cpu;
-  // GPUs: one per process, the local rank's; gradients of data-parallel replicas are summed over NCCL on the
-  // device, everything else (scalars, flags, checkpoints' host copies) still goes over MPI.
-  std::unique_ptr<comm::Communicator> dp_nccl;
+  // GPUs: one per process, the local rank's. Device buffers (tensor-parallel activations and gradients,
+  // data-parallel gradient buckets) go over NCCL communicators of the tp and dp groups; host buffers (scalars,
+  // flags, per-row loss statistics, FP8 amaxes, checkpoints' host copies) still go over MPI.
+  std::unique_ptr<comm::Communicator> dp_nccl, tp_nccl, dp_self;
   if (on_gpu) {
     if (!device_usable(device))
       fail("{}: train.device = {}, but no GPU is usable here (or this binary has no CUDA backend)", c.source,
            c.train.device);
-    if (layout.tp() > 1 || layout.pp() > 1 || layout.cp() > 1 || layout.ep() > 1)
-      fail("{}: train.device = {} supports data parallelism only for now ({}); tensor, pipeline, context and "
-           "expert parallelism run on the CPU backend",
-           c.source, c.train.device, layout.describe());
+    if (layout.pp() > 1 || layout.cp() > 1 || layout.ep() > 1)
+      fail("{}: train.device = {} supports tensor and data parallelism only for now ({})", c.source,
+           c.train.device, layout.describe());
+    if (c.parallel.distributed_optimizer)
+      fail("{}: parallel.distributed_optimizer (ZeRO-1) runs on the CPU backend only for now; with train.device = "
+           "{} the optimizer state is replicated: set it to false",
+           c.source, c.train.device);
+    if (c.fp8.recipe != "off" && c.data.seq_len % 16 != 0)
+      fail("{}: data.seq_len = {} must be a multiple of 16 for FP8 on {} (FP8 tensor cores read token counts in "
+           "multiples of 16)",
+           c.source, c.data.seq_len, c.train.device);
+    if (c.fp8.recipe != "off" && c.fp8.accumulator_bits > 0)
+      fail("{}: fp8.accumulator_bits = {} models the tensor cores' accumulator on the CPU; on {} the hardware "
+           "accumulates: set it to 0",
+           c.source, c.fp8.accumulator_bits, c.train.device);
     const DeviceMemory& gpu = device_memory(device);
-    const int local_rank = local_rank_on_node(world);
-    if (world.size() > 1 && gpu.device_count() > 0 && local_rank >= gpu.device_count())
+    const int local_rank = local_rank_on_node(world), visible = gpu.device_count();
+    // A process that sees one GPU drives it (Slurm's --gpu-bind or a per-rank CUDA_VISIBLE_DEVICES); one that
+    // sees the node's GPUs drives its local rank's.
+    if (visible > 1 && local_rank >= visible)
       fail("{}: local rank {} has no GPU of its own ({} visible): start at most one process per GPU", c.source,
-           local_rank, gpu.device_count());
-    gpu.select_device(local_rank % std::max(1, gpu.device_count()));
-    if (dp > 1) dp_nccl = comm::make_nccl(dp_group, local_rank % gpu.device_count(), "dp", gpu.stream());
+           local_rank, visible);
+    const int ordinal = visible > 1 ? local_rank : 0;
+    gpu.select_device(ordinal);
+    if (layout.tp() > 1) tp_nccl = comm::make_nccl(*groups.tp, ordinal, "tp", gpu.stream());
+    if (dp > 1) dp_nccl = comm::make_nccl(dp_group, ordinal, "dp", gpu.stream());
   }
   std::unique_ptr<TrainingData> data = open_training_data(c);
   const TextCodec& codec = data->codec();
@@ -200,7 +216,7 @@ TrainResult Trainer::run() {
   if (dtype_name_used == "auto") dtype_name_used = on_gpu || cpu_has_native_bf16() ? "bf16" : "fp32";
   options.gemm_dtype = dtype_from_name(dtype_name_used);
   options.recompute = nn::recompute_from_name(c.train.recompute);
-  parallel::CommTensorParallel tensor_parallel(groups.tp.get(), c.parallel.sequence_parallel);
+  parallel::CommTensorParallel tensor_parallel(groups.tp.get(), c.parallel.sequence_parallel, tp_nccl.get());
   if (layout.tp() > 1) options.tp = &tensor_parallel;
   options.vocab_divisible_by = c.parallel.make_vocab_size_divisible_by;
   // FP8: the context lives as long as the model, which reads it through options.fp8.
@@ -233,9 +249,12 @@ TrainResult Trainer::run() {
   // Data parallelism: gradients reduced in buckets while backward runs (sharded under ZeRO-1).
   parallel::BucketOptions bucket_options;
   bucket_options.bucket_bytes = static_cast<int64_t>(c.parallel.bucket_mb * 1048576.0);
-  bucket_options.shard = c.parallel.distributed_optimizer && !on_gpu;  // one GPU process: nothing to shard
+  bucket_options.shard = c.parallel.distributed_optimizer;
   bucket_options.overlap = c.parallel.overlap_grad_reduce;
-  parallel::GradBuckets buckets(&model.params(), dp_nccl ? dp_nccl.get() : &dp_group, bucket_options);
+  // On GPUs the gradient buckets reduce device memory: over NCCL, or with one replica over nothing at all.
+  if (on_gpu && !dp_nccl) dp_self = comm::make_self("dp");
+  parallel::GradBuckets buckets(&model.params(), on_gpu ? (dp_nccl ? dp_nccl.get() : dp_self.get()) : &dp_group,
+                                bucket_options);
   if (dp > 1) model.set_grads_ready([&buckets](int64_t offset) { buckets.ready_from(offset); });
   AdamWConfig adam_config{static_cast<float>(c.train.beta1), static_cast<float>(c.train.beta2),
                           static_cast<float>(c.train.eps), static_cast<float>(c.train.weight_decay)};
@@ -385,8 +404,9 @@ TrainResult Trainer::run() {
       result.time_limit_reached = true;
       break;
     }
-    if (step == first_step) reset_peak_memory();
-    const int64_t live_before = memory_stats().live_bytes;
+    // Activation memory: the host's allocations, or on a GPU its allocator's.
+    if (step == first_step) on_gpu ? device_memory(device).reset_peak() : reset_peak_memory();
+    const int64_t live_before = on_gpu ? device_memory(device).peak_allocated() : memory_stats().live_bytes;
     model.params().zero_grads();
     buckets.begin_step();
     LossSum loss;
@@ -403,7 +423,8 @@ TrainResult Trainer::run() {
       loss.sum = sums[0], loss.tokens = static_cast<int64_t>(sums[1]);
     }
     if (step == first_step) {
-      result.peak_activation_bytes = memory_stats().peak_bytes - live_before;
+      result.peak_activation_bytes =
+          (on_gpu ? device_memory(device).peak_allocated() : memory_stats().peak_bytes) - live_before;
       say("peak activation memory %.1f MiB per micro-batch (recompute %s)\n",
           static_cast<double>(result.peak_activation_bytes) / 1048576.0, c.train.recompute.c_str());
     }

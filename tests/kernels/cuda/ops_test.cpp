@@ -529,6 +529,33 @@ TEST(CudaOps, EmbeddingBackwardWeightMatchesCpuBitwise) {
   }
 }
 
+// Vocabulary-parallel: the table holds global rows [first, first + vocab); the ids of other ranks' ranges give
+// zero rows and no gradient. A middle third of each case's vocabulary, both ops, against the CPU bitwise.
+TEST(CudaOps, EmbeddingVocabularyParallelMatchesCpuBitwise) {
+  if (!forge::cuda::available()) GTEST_SKIP() << forge::cuda::describe_device();
+  for (const EmbeddingCase& c : kEmbeddingCases) {
+    EmbeddingProblem pr(c, 110);
+    const int64_t first = c.vocab / 3, local = std::max<int64_t>(1, c.vocab / 3);
+    std::vector<float> out(c.rows * c.dim), dweight(pr.dweight.begin(), pr.dweight.begin() + local * c.dim);
+    ops::EmbeddingParams p;
+    p.rows = c.rows, p.dim = c.dim, p.vocab = local, p.vocab_parallel = true, p.first = first;
+    p.ids = pr.ids.data(), p.weight = pr.weight.data(), p.out = out.data(), p.dout = pr.dout.data();
+    p.dweight = dweight.data();
+    ops::cpu_table().embedding_forward(p);
+    ops::cpu_table().embedding_backward_weight(p);
+    const std::vector<float> initial(pr.dweight.begin(), pr.dweight.begin() + local * c.dim);
+    DeviceBuffer dids = to_device(pr.ids), dweight_table = to_device(pr.weight), dout(out.size() * sizeof(float));
+    DeviceBuffer ddout = to_device(pr.dout), ddweight = to_device(initial);
+    p.ids = dids.as<int32_t>(), p.weight = dweight_table.as<float>(), p.out = dout.as<float>();
+    p.dout = ddout.as<float>(), p.dweight = ddweight.as<float>();
+    ops::cuda_table().embedding_forward(p);
+    ops::cuda_table().embedding_backward_weight(p);
+    expect_bitwise_equal(to_host<float>(dout, out.size()), out, pr.name("vocab-parallel embedding_forward"));
+    expect_bitwise_equal(to_host<float>(ddweight, dweight.size()), dweight,
+                         pr.name("vocab-parallel embedding_backward_weight"));
+  }
+}
+
 TEST(CudaOps, EmbeddingBackwardWeightIsBitwiseRepeatable) {
   if (!forge::cuda::available()) GTEST_SKIP() << forge::cuda::describe_device();
   EmbeddingProblem pr({4099, 257, 501, 0.3}, 100);

@@ -15,6 +15,7 @@ namespace {
 void check_ids(const ops::EmbeddingParams& p, const char* what) {
   FORGE_CHECK(p.rows >= 0 && p.dim > 0 && p.vocab > 0, "{}: bad shape rows={} dim={} vocab={}", what, p.rows,
               p.dim, p.vocab);
+  if (p.vocab_parallel) return;  // ids outside this rank's range are another rank's
   for (int64_t r = 0; r < p.rows; ++r) {
     const int32_t id = p.ids[r];
     if (id < 0 || id >= p.vocab)
@@ -25,14 +26,25 @@ void check_ids(const ops::EmbeddingParams& p, const char* what) {
 // Columns per ownership unit: a cache line of floats, so two threads never write the same line.
 constexpr int64_t kColumnAlign = 16;
 
+// Row r's row of the weight, or -1 when a vocabulary-parallel id lies in another rank's range.
+int64_t local_row(const ops::EmbeddingParams& p, int64_t r) {
+  const int64_t local = int64_t{p.ids[r]} - (p.vocab_parallel ? p.first : 0);
+  return local >= 0 && local < p.vocab ? local : -1;
+}
+
 }  // namespace
 
 void embedding_forward(const ops::EmbeddingParams& p) {
   check_ids(p, "embedding_forward");
   const size_t row_bytes = p.dim * sizeof(float);
 #pragma omp parallel for schedule(static) if (p.rows * p.dim > (1 << 14))
-  for (int64_t r = 0; r < p.rows; ++r)
-    std::memcpy(p.out + r * p.dim, p.weight + int64_t{p.ids[r]} * p.dim, row_bytes);
+  for (int64_t r = 0; r < p.rows; ++r) {
+    const int64_t local = local_row(p, r);
+    if (local >= 0)
+      std::memcpy(p.out + r * p.dim, p.weight + local * p.dim, row_bytes);
+    else
+      std::memset(p.out + r * p.dim, 0, row_bytes);
+  }
 }
 
 void embedding_backward_weight(const ops::EmbeddingParams& p) {
@@ -45,8 +57,10 @@ void embedding_backward_weight(const ops::EmbeddingParams& p) {
     const int64_t begin = std::min(dim, units * thread / threads * kColumnAlign);
     const int64_t end = std::min(dim, units * (thread + 1) / threads * kColumnAlign);
     for (int64_t r = 0; r < p.rows && begin < end; ++r) {
+      const int64_t local = local_row(p, r);
+      if (local < 0) continue;
       const float* src = p.dout + r * dim;
-      float* dst = p.dweight + int64_t{p.ids[r]} * dim;
+      float* dst = p.dweight + local * dim;
 #pragma omp simd
       for (int64_t j = begin; j < end; ++j) dst[j] += src[j];
     }

@@ -62,7 +62,8 @@ void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device
 
 const DeviceMemory& device_memory_interface() {
   static const DeviceMemory memory{"cuda",       device_alloc,  device_free,   zero_bytes,    copy_bytes,
-                                   synchronize, device_count, select_device, [] { return static_cast<void*>(stream()); }};
+                                   synchronize, device_count, select_device, [] { return static_cast<void*>(stream()); },
+                                   [] { return allocator_stats().peak_allocated_bytes; }, reset_peak_allocated};
   return memory;
 }
 

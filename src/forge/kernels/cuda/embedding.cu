@@ -8,6 +8,10 @@
 // rows by id, keeping rows of one id in increasing order, and one block per group (and column tile) adds the
 // group's dout rows onto dweight[id] one after another. That is the CPU kernel's order exactly, and additions
 // are all it does, so the two backends give bitwise-equal gradients.
+//
+// Vocabulary-parallel (p.vocab_parallel): ids are global and only [first, first + vocab) is this rank's; the
+// others give zero rows forward and sort behind every real row (key = vocab) in backward, where no block
+// accumulates them. Nothing is out of range then, so there is no id check.
 #include <bit>
 #include <cub/device/device_radix_sort.cuh>
 #include <string>
@@ -37,7 +41,7 @@ void check_ids(const ops::EmbeddingParams& p, const char* op) {
   if (p.rows < 0 || p.dim <= 0 || p.vocab <= 0)
     detail::fail_op(op, "bad shape rows=" + std::to_string(p.rows) + " dim=" + std::to_string(p.dim) +
                             " vocab=" + std::to_string(p.vocab));
-  if (p.rows == 0) return;
+  if (p.rows == 0 || p.vocab_parallel) return;
   detail::require_pointer(p.ids, op, "ids");
   detail::StreamScratch flag(sizeof(unsigned long long));
   auto* first_bad_row = flag.as<unsigned long long>();
@@ -57,12 +61,30 @@ void check_ids(const ops::EmbeddingParams& p, const char* op) {
                           " is outside the vocabulary [0, " + std::to_string(p.vocab) + ")");
 }
 
+// first: the global id of the weight's row 0 (0 unless vocabulary-parallel, where ids outside [first, first +
+// vocab) give zero rows; without it every id was checked to lie in [0, vocab)).
 __global__ void forward_kernel(const int32_t* __restrict__ ids, const float* __restrict__ weight,
-                               int64_t rows, int64_t dim, float* __restrict__ out) {
+                               int64_t rows, int64_t dim, int64_t vocab, int64_t first, float* __restrict__ out) {
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const float* src = weight + int64_t{ids[row]} * dim;
+    const int64_t local = int64_t{ids[row]} - first;
     float* dst = out + row * dim;
+    if (local < 0 || local >= vocab) {
+      for (int64_t j = threadIdx.x; j < dim; j += blockDim.x) dst[j] = 0.0f;
+      continue;
+    }
+    const float* src = weight + local * dim;
     for (int64_t j = threadIdx.x; j < dim; j += blockDim.x) dst[j] = src[j];
+  }
+}
+
+// Sort keys of a vocabulary-parallel backward: the local row, or vocab (behind every real row) for ids that
+// are another rank's.
+__global__ void local_keys_kernel(const int32_t* __restrict__ ids, int64_t rows, int64_t vocab, int64_t first,
+                                  uint32_t* __restrict__ keys) {
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t r = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; r < rows; r += stride) {
+    const int64_t local = int64_t{ids[r]} - first;
+    keys[r] = static_cast<uint32_t>(local >= 0 && local < vocab ? local : vocab);
   }
 }
 
@@ -77,9 +99,10 @@ __global__ void iota_kernel(int32_t* __restrict__ values, int64_t n) {
 // increasing row order, onto dweight[id]. Runs are disjoint, so no two blocks write the same element.
 __global__ void accumulate_kernel(const uint32_t* __restrict__ sorted_ids,
                                   const int32_t* __restrict__ sorted_rows, int64_t rows, int64_t dim,
-                                  const float* __restrict__ dout, float* __restrict__ dweight) {
+                                  int64_t vocab, const float* __restrict__ dout, float* __restrict__ dweight) {
   const int64_t start = blockIdx.x;
   const uint32_t id = sorted_ids[start];
+  if (id >= vocab) return;  // another rank's ids (vocabulary-parallel), uniform across the block
   if (start > 0 && sorted_ids[start - 1] == id) return;  // uniform across the block
   __shared__ int64_t run_end;
   if (threadIdx.x == 0) {
@@ -114,7 +137,7 @@ void embedding_forward(const ops::EmbeddingParams& p) {
   detail::require_pointer(p.weight, op, "weight");
   detail::require_pointer(p.out, op, "out");
   forward_kernel<<<static_cast<unsigned>(std::min(p.rows, kMaxGrid)), kThreads, 0, stream()>>>(
-      p.ids, p.weight, p.rows, p.dim, p.out);
+      p.ids, p.weight, p.rows, p.dim, p.vocab, p.vocab_parallel ? p.first : 0, p.out);
   FORGE_CUDA_CHECK_LAUNCH(op);
 }
 
@@ -131,25 +154,33 @@ void embedding_backward_weight(const ops::EmbeddingParams& p) {
                             std::to_string(65535 * kThreads) + ")");
   const int rows = static_cast<int>(p.rows);
   // Valid ids are non-negative and below vocab: sorting them as unsigned over their significant bits only
-  // saves radix passes.
+  // saves radix passes. Vocabulary-parallel keys also take the value vocab (rows of other ranks).
+  const uint64_t largest_key = static_cast<uint64_t>(p.vocab_parallel ? p.vocab : p.vocab - 1);
+  const int end_bit = std::max(1, static_cast<int>(std::bit_width(largest_key)));
   const auto* keys = reinterpret_cast<const uint32_t*>(p.ids);
-  const int end_bit = std::max(1, static_cast<int>(std::bit_width(static_cast<uint64_t>(p.vocab - 1))));
   size_t sort_bytes = 0;
   FORGE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
       nullptr, sort_bytes, keys, static_cast<uint32_t*>(nullptr), static_cast<const int32_t*>(nullptr),
       static_cast<int32_t*>(nullptr), rows, 0, end_bit, stream()));
   const size_t array_bytes = detail::align_bytes(static_cast<size_t>(rows) * sizeof(int32_t));
-  detail::StreamScratch scratch(3 * array_bytes + sort_bytes);
+  detail::StreamScratch scratch(4 * array_bytes + sort_bytes);
   auto* sorted_ids = scratch.as<uint32_t>();
   auto* row_index = scratch.as<int32_t>(array_bytes);
   auto* sorted_rows = scratch.as<int32_t>(2 * array_bytes);
-  void* sort_storage = scratch.as<char>(3 * array_bytes);
+  auto* local_keys = scratch.as<uint32_t>(3 * array_bytes);
+  void* sort_storage = scratch.as<char>(4 * array_bytes);
+  if (p.vocab_parallel) {
+    local_keys_kernel<<<detail::grid_blocks(p.rows, kThreads), kThreads, 0, stream()>>>(p.ids, p.rows, p.vocab,
+                                                                                        p.first, local_keys);
+    FORGE_CUDA_CHECK_LAUNCH(op);
+    keys = local_keys;
+  }
   iota_kernel<<<detail::grid_blocks(p.rows, kThreads), kThreads, 0, stream()>>>(row_index, p.rows);
   FORGE_CUDA_CHECK_LAUNCH(op);
   FORGE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(sort_storage, sort_bytes, keys, sorted_ids, row_index,
                                                    sorted_rows, rows, 0, end_bit, stream()));
   const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(column_tiles));
-  accumulate_kernel<<<grid, kThreads, 0, stream()>>>(sorted_ids, sorted_rows, p.rows, p.dim, p.dout,
+  accumulate_kernel<<<grid, kThreads, 0, stream()>>>(sorted_ids, sorted_rows, p.rows, p.dim, p.vocab, p.dout,
                                                      p.dweight);
   FORGE_CUDA_CHECK_LAUNCH(op);
 }
