@@ -116,7 +116,7 @@ const std::vector<KeySpec>& key_specs() {
       {"train",
        "device",
        FORGE_FIELD(train.device),
-       "where the model trains: cpu, or cuda (one GPU per process; multi-GPU runs are not wired yet)",
+       "where the model trains: cpu, or cuda (one GPU per process: mpirun -np <GPUs> for tensor and data parallelism)",
        {"cpu", "cuda"}},
       {"train",
        "dtype",
