@@ -23,45 +23,14 @@
 #include "forge/kernels/cuda/cuda_kernels.h"
 #include "forge/kernels/cuda/runtime.h"
 #include "forge/kernels/ops.h"
+#include "bench_support.h"
 
 namespace forge::cuda {
 namespace {
 
 constexpr double kPeakTflops = 989.0;  // dense bf16, H100 / H200 SXM
 
-struct Options {
-  std::string json_path;
-  int samples = 10, warmup = 2, batch = 5;
-};
-
-Options parse(int argc, char** argv) {
-  Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) fail("forge_gpubench_attention: {} needs a value", arg);
-      return argv[++i];
-    };
-    if (arg == "--json") {
-      o.json_path = next();
-    } else if (arg == "--samples") {
-      o.samples = std::stoi(next());
-    } else if (arg == "--warmup") {
-      o.warmup = std::stoi(next());
-    } else if (arg == "--batch") {
-      o.batch = std::stoi(next());
-    } else if (arg == "--help" || arg == "-h") {
-      std::printf(
-          "usage: forge_gpubench_attention [--json results.jsonl] [--samples 10] [--warmup 2] [--batch 5]\n");
-      std::exit(0);
-    } else {
-      fail("forge_gpubench_attention: unknown argument '{}' (see --help)", arg);
-    }
-  }
-  if (o.samples < 1 || o.warmup < 0 || o.batch < 1)
-    fail("forge_gpubench_attention: need --samples >= 1, --batch >= 1");
-  return o;
-}
+using bench::Options;
 
 struct Shape {
   int64_t batch, seq, heads, kv_heads, head_dim;
@@ -70,47 +39,10 @@ struct Shape {
 // LLaMA-3-8B attention: 32 query heads, 8 kv heads of 128.
 const Shape kShapes[] = {{1, 4096, 32, 8, 128}, {2, 4096, 32, 8, 128}, {1, 8192, 32, 8, 128}};
 
-// Fills a device buffer of floats with values in [-1, 1]: one host pattern of up to 16M elements, uploaded
-// again and again at shifting offsets.
-void fill(DeviceBuffer& buffer, uint64_t seed) {
-  const size_t count = buffer.bytes() / sizeof(float), chunk = std::min<size_t>(count, size_t{1} << 24);
-  std::vector<float> pattern(chunk + 64);
-  uint64_t s = seed;
-  for (auto& v : pattern) {
-    s ^= s << 13, s ^= s >> 7, s ^= s << 17;
-    v = static_cast<float>(s % 2000001) / 1e6f - 1.0f;
-  }
-  for (size_t at = 0, round = 0; at < count; at += chunk, ++round) {
-    const size_t n = std::min(chunk, count - at);
-    FORGE_CUDA_CHECK(cudaMemcpy(buffer.as<float>() + at, pattern.data() + (round * 7) % 64, n * sizeof(float),
-                                cudaMemcpyHostToDevice));
-  }
-}
+void fill(DeviceBuffer& buffer, uint64_t seed) { bench::fill(buffer, bench::random_unit, seed); }
 
 // Median time per call (ms), samples of `batch` calls.
-double time_call(const std::function<void()>& call, const Options& o) {
-  cudaStream_t s = stream();
-  cudaEvent_t start, stop;
-  FORGE_CUDA_CHECK(cudaEventCreate(&start));
-  FORGE_CUDA_CHECK(cudaEventCreate(&stop));
-  auto sample = [&] {
-    FORGE_CUDA_CHECK(cudaEventRecord(start, s));
-    for (int i = 0; i < o.batch; ++i) call();
-    FORGE_CUDA_CHECK(cudaEventRecord(stop, s));
-    FORGE_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0;
-    FORGE_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    return static_cast<double>(ms) / o.batch;
-  };
-  for (int i = 0; i < o.warmup; ++i) sample();
-  std::vector<double> times;
-  for (int i = 0; i < o.samples; ++i) times.push_back(sample());
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  std::sort(times.begin(), times.end());
-  return times.size() % 2 ? times[times.size() / 2]
-                          : 0.5 * (times[times.size() / 2 - 1] + times[times.size() / 2]);
-}
+double time_call(const std::function<void()>& call, const Options& o) { return bench::time_calls({call}, o)[0]; }
 
 // Number of non-finite values in a device array of floats.
 size_t non_finite(const float* device, size_t n) {
@@ -217,7 +149,8 @@ int run(const Options& o) {
 
 int main(int argc, char** argv) {
   try {
-    return forge::cuda::run(forge::cuda::parse(argc, argv));
+    namespace bench = forge::cuda::bench;
+    return forge::cuda::run(bench::parse_options(argc, argv, "forge_gpubench_attention", bench::defaults(10, 2, 5)));
   } catch (const forge::Error& e) {
     std::fprintf(stderr, "%s\n", e.what());
     return 1;

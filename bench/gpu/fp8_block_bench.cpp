@@ -29,45 +29,18 @@
 #include "forge/kernels/cuda/cuda_kernels.h"
 #include "forge/kernels/cuda/runtime.h"
 #include "forge/kernels/ops.h"
+#include "bench_support.h"
 
 namespace forge::cuda {
 namespace {
 
 constexpr double kFp8PeakTflops = 1979.0;  // H100/H200 SXM, dense FP8
 
-struct Options {
-  std::string json_path;
-  int samples = 15, warmup = 3, batch = 10;
-};
-
-Options parse(int argc, char** argv) {
-  Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) fail("forge_gpubench_fp8block: {} needs a value", arg);
-      return argv[++i];
-    };
-    if (arg == "--json") {
-      o.json_path = next();
-    } else if (arg == "--samples") {
-      o.samples = std::stoi(next());
-    } else if (arg == "--warmup") {
-      o.warmup = std::stoi(next());
-    } else if (arg == "--batch") {
-      o.batch = std::stoi(next());
-    } else if (arg == "--help" || arg == "-h") {
-      std::printf(
-          "usage: forge_gpubench_fp8block [--json results.jsonl] [--samples 15] [--warmup 3] [--batch 10]\n");
-      std::exit(0);
-    } else {
-      fail("forge_gpubench_fp8block: unknown argument '{}' (see --help)", arg);
-    }
-  }
-  if (o.samples < 1 || o.warmup < 0 || o.batch < 1)
-    fail("forge_gpubench_fp8block: need --samples >= 1, --warmup >= 0, --batch >= 1");
-  return o;
-}
+using bench::fill;
+using bench::Options;
+using bench::random_bf16;
+using bench::random_e4m3;
+using bench::time_calls;
 
 struct Shape {
   const char* name;
@@ -82,69 +55,9 @@ const Shape kShapes[] = {
     {"down", 8192, 4096, 14336},
 };
 
-uint64_t next_random(uint64_t& s) {
-  s ^= s << 13, s ^= s >> 7, s ^= s << 17;
-  return s;
-}
-
-uint16_t random_bf16(uint64_t& s) {
-  return f32_to_bf16_bits(static_cast<float>(next_random(s) % 2000001) / 1e6f - 1.0f);
-}
-
-// E4M3 codes of values in about [-4, 4] (never NaN).
-uint8_t random_e4m3(uint64_t& s) {
-  const uint64_t r = next_random(s);
-  const unsigned exponent = 4 + r % 5, mantissa = (r >> 8) & 7, sign = (r >> 16) & 1;
-  return static_cast<uint8_t>(sign << 7 | exponent << 3 | mantissa);
-}
-
-// Fills a device buffer with a host pattern of up to 16M elements, uploaded at shifting offsets.
-template <typename T>
-void fill(DeviceBuffer& buffer, T (*make)(uint64_t&), uint64_t seed) {
-  const size_t count = buffer.bytes() / sizeof(T), chunk = std::min<size_t>(count, size_t{1} << 24);
-  std::vector<T> pattern(chunk + 64);
-  uint64_t state = seed;
-  for (auto& v : pattern) v = make(state);
-  for (size_t at = 0, round = 0; at < count; at += chunk, ++round) {
-    const size_t n = std::min(chunk, count - at);
-    FORGE_CUDA_CHECK(cudaMemcpy(buffer.as<T>() + at, pattern.data() + (round * 7) % 64, n * sizeof(T),
-                                cudaMemcpyHostToDevice));
-  }
-}
-
 void fill_value(DeviceBuffer& buffer, float value) {
   std::vector<float> host(buffer.bytes() / sizeof(float), value);
   buffer.upload(host.data(), host.size() * sizeof(float));
-}
-
-// Median milliseconds per call of each callable, in samples of `batch` calls, rotating among them.
-std::vector<double> time_calls(const std::vector<std::function<void()>>& calls, const Options& o) {
-  cudaStream_t s = stream();
-  cudaEvent_t start, stop;
-  FORGE_CUDA_CHECK(cudaEventCreate(&start));
-  FORGE_CUDA_CHECK(cudaEventCreate(&stop));
-  auto sample = [&](const std::function<void()>& call) {
-    FORGE_CUDA_CHECK(cudaEventRecord(start, s));
-    for (int i = 0; i < o.batch; ++i) call();
-    FORGE_CUDA_CHECK(cudaEventRecord(stop, s));
-    FORGE_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0;
-    FORGE_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    return static_cast<double>(ms) / o.batch;
-  };
-  for (int i = 0; i < o.warmup; ++i)
-    for (const auto& call : calls) sample(call);
-  std::vector<std::vector<double>> times(calls.size());
-  for (int i = 0; i < o.samples; ++i)
-    for (size_t c = 0; c < calls.size(); ++c) times[c].push_back(sample(calls[c]));
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  std::vector<double> medians;
-  for (auto& v : times) {
-    std::sort(v.begin(), v.end());
-    medians.push_back(v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]));
-  }
-  return medians;
 }
 
 // max |a - b| / max |b| over the first `rows` rows of two [m, n] fp32 outputs.
@@ -335,7 +248,7 @@ int run(const Options& o) {
 
 int main(int argc, char** argv) {
   try {
-    return forge::cuda::run(forge::cuda::parse(argc, argv));
+    return forge::cuda::run(forge::cuda::bench::parse_options(argc, argv, "forge_gpubench_fp8block", {}));
   } catch (const forge::Error& e) {
     std::fprintf(stderr, "%s\n", e.what());
     return 1;

@@ -25,6 +25,7 @@
 #include "forge/kernels/cuda/cuda_kernels.h"
 #include "forge/kernels/cuda/runtime.h"
 #include "forge/kernels/ops.h"
+#include "bench_support.h"
 
 namespace forge::cuda {
 namespace {
@@ -33,48 +34,14 @@ constexpr const char* kName = "forge_gpubench_fp8cast";
 // H200 HBM3e peak.
 constexpr double kRooflineGBps = 4800.0;
 
-struct Options {
-  std::string json_path;
-  int samples = 15, warmup = 3, batch = 10;
-};
-
-Options parse(int argc, char** argv) {
-  Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) fail("{}: {} needs a value", kName, arg);
-      return argv[++i];
-    };
-    if (arg == "--json") {
-      o.json_path = next();
-    } else if (arg == "--samples") {
-      o.samples = std::stoi(next());
-    } else if (arg == "--warmup") {
-      o.warmup = std::stoi(next());
-    } else if (arg == "--batch") {
-      o.batch = std::stoi(next());
-    } else if (arg == "--help" || arg == "-h") {
-      std::printf("usage: %s [--json results.jsonl] [--samples 15] [--warmup 3] [--batch 10]\n", kName);
-      std::exit(0);
-    } else {
-      fail("{}: unknown argument '{}' (see --help)", kName, arg);
-    }
-  }
-  if (o.samples < 1 || o.warmup < 0 || o.batch < 1) fail("{}: need --samples >= 1, --batch >= 1", kName);
-  return o;
-}
+using bench::next_random;
+using bench::Options;
 
 struct Shape {
   const char* name;
   int64_t rows, cols;
 };
 const Shape kShapes[] = {{"hidden", 8192, 4096}, {"ffn", 8192, 14336}};
-
-uint64_t next_random(uint64_t& s) {
-  s ^= s << 13, s ^= s >> 7, s ^= s << 17;
-  return s;
-}
 
 // Values of about [-4, 4] with a spread of magnitudes, so that block scales differ from tile to tile.
 float random_value(uint64_t& s) {
@@ -83,18 +50,7 @@ float random_value(uint64_t& s) {
   return (r >> 32) & 1 ? -magnitude : magnitude;
 }
 
-// Fills a device buffer of floats from one host pattern of up to 16M elements, uploaded at shifting offsets.
-void fill(DeviceBuffer& buffer, uint64_t seed) {
-  const size_t count = buffer.bytes() / sizeof(float), chunk = std::min<size_t>(count, size_t{1} << 24);
-  std::vector<float> pattern(chunk + 64);
-  uint64_t state = seed;
-  for (auto& v : pattern) v = random_value(state);
-  for (size_t at = 0, round = 0; at < count; at += chunk, ++round) {
-    const size_t n = std::min(chunk, count - at);
-    FORGE_CUDA_CHECK(cudaMemcpy(buffer.as<float>() + at, pattern.data() + (round * 7) % 64, n * sizeof(float),
-                                cudaMemcpyHostToDevice));
-  }
-}
+void fill(DeviceBuffer& buffer, uint64_t seed) { bench::fill(buffer, random_value, seed); }
 
 struct Timing {
   double forge_ms, peer_ms;
@@ -103,32 +59,8 @@ struct Timing {
 // Median time per call (ms) of forge's call and the peer's, in samples of `batch` calls, alternating.
 Timing time_pair(const std::function<void()>& forge_call, const std::function<void()>& peer_call,
                  const Options& o) {
-  cudaStream_t s = stream();
-  cudaEvent_t start, stop;
-  FORGE_CUDA_CHECK(cudaEventCreate(&start));
-  FORGE_CUDA_CHECK(cudaEventCreate(&stop));
-  auto sample = [&](const std::function<void()>& call) {
-    FORGE_CUDA_CHECK(cudaEventRecord(start, s));
-    for (int i = 0; i < o.batch; ++i) call();
-    FORGE_CUDA_CHECK(cudaEventRecord(stop, s));
-    FORGE_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0;
-    FORGE_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    return static_cast<double>(ms) / o.batch;
-  };
-  for (int i = 0; i < o.warmup; ++i) sample(forge_call), sample(peer_call);
-  std::vector<double> forge_times, peer_times;
-  for (int i = 0; i < o.samples; ++i) {
-    forge_times.push_back(sample(forge_call));
-    peer_times.push_back(sample(peer_call));
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-  };
-  return {median(forge_times), median(peer_times)};
+  const std::vector<double> ms = bench::time_calls({forge_call, peer_call}, o);
+  return {ms[0], ms[1]};
 }
 
 // Device buffers for one shape: x, both code layouts and both scale arrays (sized for 1x128, the larger),
@@ -255,7 +187,7 @@ int run(const Options& o) {
 
 int main(int argc, char** argv) {
   try {
-    return forge::cuda::run(forge::cuda::parse(argc, argv));
+    return forge::cuda::run(forge::cuda::bench::parse_options(argc, argv, "forge_gpubench_fp8cast", {}));
   } catch (const forge::Error& e) {
     std::fprintf(stderr, "%s\n", e.what());
     return 1;

@@ -27,6 +27,7 @@
 #include "forge/kernels/cuda/cuda_kernels.h"
 #include "forge/kernels/cuda/runtime.h"
 #include "forge/kernels/ops.h"
+#include "bench_support.h"
 
 namespace forge::cuda {
 namespace {
@@ -36,44 +37,10 @@ void check_cublas(cublasStatus_t status, const char* what) {
     fail("forge_gpubench: {} failed: {}", what, cublasGetStatusString(status));
 }
 
-struct Options {
-  std::string json_path;
-  std::string dtypes = "all";  // bf16, fp8 or all
-  int samples = 15, warmup = 3, batch = 10;
-};
-
-Options parse(int argc, char** argv) {
-  Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) fail("forge_gpubench: {} needs a value", arg);
-      return argv[++i];
-    };
-    if (arg == "--json") {
-      o.json_path = next();
-    } else if (arg == "--dtype") {
-      o.dtypes = next();
-    } else if (arg == "--samples") {
-      o.samples = std::stoi(next());
-    } else if (arg == "--warmup") {
-      o.warmup = std::stoi(next());
-    } else if (arg == "--batch") {
-      o.batch = std::stoi(next());
-    } else if (arg == "--help" || arg == "-h") {
-      std::printf(
-          "usage: forge_gpubench [--json results.jsonl] [--dtype bf16|fp8|all] [--samples 15] [--warmup 3] "
-          "[--batch 10]\n");
-      std::exit(0);
-    } else {
-      fail("forge_gpubench: unknown argument '{}' (see --help)", arg);
-    }
-  }
-  if (o.dtypes != "bf16" && o.dtypes != "fp8" && o.dtypes != "all")
-    fail("forge_gpubench: --dtype is bf16, fp8 or all, not '{}'", o.dtypes);
-  if (o.samples < 1 || o.warmup < 0 || o.batch < 1) fail("forge_gpubench: need --samples >= 1, --batch >= 1");
-  return o;
-}
+using bench::fill;
+using bench::Options;
+using bench::random_bf16;
+using bench::random_e4m3;
 
 struct Shape {
   const char* name;
@@ -86,70 +53,14 @@ const Shape kShapes[] = {
     {"down", 8192, 4096, 14336}, {"square", 8192, 8192, 8192},
 };
 
-uint64_t next_random(uint64_t& s) {
-  s ^= s << 13, s ^= s >> 7, s ^= s << 17;
-  return s;
-}
-
-// bf16 values uniform in about [-1, 1].
-uint16_t random_bf16(uint64_t& s) {
-  return f32_to_bf16_bits(static_cast<float>(next_random(s) % 2000001) / 1e6f - 1.0f);
-}
-
-// E4M3 codes of values in about [-4, 4] (never NaN): exponent fields 4..8, any mantissa, random sign.
-uint8_t random_e4m3(uint64_t& s) {
-  const uint64_t r = next_random(s);
-  const unsigned exponent = 4 + r % 5, mantissa = (r >> 8) & 7, sign = (r >> 16) & 1;
-  return static_cast<uint8_t>(sign << 7 | exponent << 3 | mantissa);
-}
-
-// Fills a device buffer of T with values from `make`: one host pattern of up to 16M elements, uploaded again
-// and again at shifting offsets (generating gigabytes on the host would take longer than the benchmark).
-template <typename T>
-void fill(DeviceBuffer& buffer, T (*make)(uint64_t&), uint64_t seed) {
-  const size_t count = buffer.bytes() / sizeof(T), chunk = std::min<size_t>(count, size_t{1} << 24);
-  std::vector<T> pattern(chunk + 64);
-  uint64_t state = seed;
-  for (auto& v : pattern) v = make(state);
-  for (size_t at = 0, round = 0; at < count; at += chunk, ++round) {
-    const size_t n = std::min(chunk, count - at);
-    FORGE_CUDA_CHECK(cudaMemcpy(buffer.as<T>() + at, pattern.data() + (round * 7) % 64, n * sizeof(T),
-                                cudaMemcpyHostToDevice));
-  }
-}
-
 // Median time per call (ms) of forge's call and the peer's, in samples of `batch` calls, alternating.
 struct Timing {
   double forge_ms, peer_ms;
 };
 Timing time_pair(const std::function<void()>& forge_call, const std::function<void()>& peer_call,
                  const Options& o) {
-  cudaStream_t s = stream();
-  cudaEvent_t start, stop;
-  FORGE_CUDA_CHECK(cudaEventCreate(&start));
-  FORGE_CUDA_CHECK(cudaEventCreate(&stop));
-  auto sample = [&](const std::function<void()>& call) {
-    FORGE_CUDA_CHECK(cudaEventRecord(start, s));
-    for (int i = 0; i < o.batch; ++i) call();
-    FORGE_CUDA_CHECK(cudaEventRecord(stop, s));
-    FORGE_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0;
-    FORGE_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    return static_cast<double>(ms) / o.batch;
-  };
-  for (int i = 0; i < o.warmup; ++i) sample(forge_call), sample(peer_call);
-  std::vector<double> forge_times, peer_times;
-  for (int i = 0; i < o.samples; ++i) {
-    forge_times.push_back(sample(forge_call));
-    peer_times.push_back(sample(peer_call));
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-  };
-  return {median(forge_times), median(peer_times)};
+  const std::vector<double> ms = bench::time_calls({forge_call, peer_call}, o);
+  return {ms[0], ms[1]};
 }
 
 // max |forge - peer| / max |peer| over the first `rows` rows of two [m, n] fp32 outputs.
@@ -337,7 +248,7 @@ int run(const Options& o) {
 
 int main(int argc, char** argv) {
   try {
-    return forge::cuda::run(forge::cuda::parse(argc, argv));
+    return forge::cuda::run(forge::cuda::bench::parse_options(argc, argv, "forge_gpubench", {}, "bf16|fp8|all"));
   } catch (const forge::Error& e) {
     std::fprintf(stderr, "%s\n", e.what());
     return 1;
