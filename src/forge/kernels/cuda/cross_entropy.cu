@@ -48,21 +48,8 @@ constexpr float kMinNormal = std::numeric_limits<float>::min();
 // cpu::simd_exp with the FMA pattern g++ gives it (see swiglu.cu): about 2 ulp, 0 below x = -87 (never a
 // denormal), exp(88) above 88, NaN propagates; exp(0) = 1 exactly and exp(-inf) = 0.
 __device__ __forceinline__ float exp_like_cpu(float x) {
-  const bool underflow = x < -87.0f;
-  x = underflow ? -87.0f : x;
-  x = x > 88.0f ? 88.0f : x;
-  const float k = __fadd_rn(__fmaf_rn(x, 1.44269504f, 12582912.0f), -12582912.0f);
-  float r = __fmaf_rn(-k, 0.693145752f, x);
-  r = __fmaf_rn(-k, 1.42860677e-6f, r);
-  float p = __fmaf_rn(r, 1.98412698e-4f, 1.38888889e-3f);
-  p = __fmaf_rn(p, r, 8.33333333e-3f);
-  p = __fmaf_rn(p, r, 4.16666667e-2f);
-  p = __fmaf_rn(p, r, 1.66666667e-1f);
-  p = __fmaf_rn(p, r, 0.5f);
-  p = __fmaf_rn(p, r, 1.0f);
-  p = __fmaf_rn(p, r, 1.0f);
-  const float scale = __int_as_float((static_cast<int>(k) + 127) << 23);
-  return underflow ? 0.0f : __fmul_rn(p, scale);
+  const detail::ExpParts e = detail::exp_parts_like_cpu(x);
+  return e.underflow ? 0.0f : __fmul_rn(e.p, e.scale);
 }
 
 // core/dtype.h's encode_bf16: round to nearest even, NaN stays a quiet NaN.

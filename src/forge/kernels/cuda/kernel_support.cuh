@@ -82,4 +82,29 @@ __device__ __forceinline__ T block_sum(T value, T* warp_sums) {
   return total;
 }
 
+// exp(x) as cpu::simd_exp computes it, with the FMA pattern g++ gives that code, in two parts: exp(x) = p * scale
+// (scale = 2^k), so that callers can fuse the last multiply as the CPU build does (sigmoid's 1 + p * 2^k).
+// x is clamped to [-87, 88]; below -87 `underflow` is set and the CPU's result is 0.
+struct ExpParts {
+  float p, scale;
+  bool underflow;
+};
+__device__ __forceinline__ ExpParts exp_parts_like_cpu(float x) {
+  const bool underflow = x < -87.0f;
+  x = underflow ? -87.0f : x;
+  x = x > 88.0f ? 88.0f : x;
+  // x = k ln2 + r; adding and subtracting 1.5 * 2^23 rounds x / ln2 to the nearest integer.
+  const float k = __fadd_rn(__fmaf_rn(x, 1.44269504f, 12582912.0f), -12582912.0f);
+  float r = __fmaf_rn(-k, 0.693145752f, x);
+  r = __fmaf_rn(-k, 1.42860677e-6f, r);
+  float p = __fmaf_rn(r, 1.98412698e-4f, 1.38888889e-3f);
+  p = __fmaf_rn(p, r, 8.33333333e-3f);
+  p = __fmaf_rn(p, r, 4.16666667e-2f);
+  p = __fmaf_rn(p, r, 1.66666667e-1f);
+  p = __fmaf_rn(p, r, 0.5f);
+  p = __fmaf_rn(p, r, 1.0f);
+  p = __fmaf_rn(p, r, 1.0f);
+  return {p, __int_as_float((static_cast<int>(k) + 127) << 23), underflow};
+}
+
 }  // namespace forge::cuda::detail

@@ -19,23 +19,8 @@ constexpr int kThreads = 256;
 // (g++ contracts the CPU kernel's 1.0f + simd_exp(-g) the same way). simd_exp returns 0 below x = -87
 // (sigmoid exactly 1) and clamps x above 88 (sigmoid about 5.9e-39 instead of underflowing).
 __device__ __forceinline__ float sigmoid_like_cpu(float g) {
-  float x = -g;
-  const bool underflow = x < -87.0f;
-  x = underflow ? -87.0f : x;
-  x = x > 88.0f ? 88.0f : x;
-  // x = k ln2 + r; adding and subtracting 1.5 * 2^23 rounds x / ln2 to the nearest integer.
-  const float k = __fadd_rn(__fmaf_rn(x, 1.44269504f, 12582912.0f), -12582912.0f);
-  float r = __fmaf_rn(-k, 0.693145752f, x);
-  r = __fmaf_rn(-k, 1.42860677e-6f, r);
-  float p = __fmaf_rn(r, 1.98412698e-4f, 1.38888889e-3f);
-  p = __fmaf_rn(p, r, 8.33333333e-3f);
-  p = __fmaf_rn(p, r, 4.16666667e-2f);
-  p = __fmaf_rn(p, r, 1.66666667e-1f);
-  p = __fmaf_rn(p, r, 0.5f);
-  p = __fmaf_rn(p, r, 1.0f);
-  p = __fmaf_rn(p, r, 1.0f);
-  const float scale = __int_as_float((static_cast<int>(k) + 127) << 23);
-  return __fdiv_rn(1.0f, __fmaf_rn(underflow ? 0.0f : p, scale, 1.0f));
+  const detail::ExpParts e = detail::exp_parts_like_cpu(-g);
+  return __fdiv_rn(1.0f, __fmaf_rn(e.underflow ? 0.0f : e.p, e.scale, 1.0f));
 }
 
 __global__ void forward_kernel(const float* __restrict__ gate_up, int64_t rows, int64_t ffn,
