@@ -242,7 +242,11 @@ struct AdamWParams {
 // is [rows, cols] fp32; codes are one byte each in `fp8` (e4m3 or e5m2). Outputs not wanted are null.
 //   fp8_cast_transpose    per-tensor `scale`: q [rows, cols] = fp8(x * scale) and/or q_t [cols, rows], its
 //                         transpose with the same codes; returns amax of x (max |x|, NaN when any element is
-//                         NaN) on the host, computed in the same pass. Either q or q_t may be null.
+//                         NaN) on the host, computed in the same pass. Either q or q_t may be null. With
+//                         amax_accumulate (memory of the op's device) the amax is instead folded into
+//                         *amax_accumulate (max, NaN-propagating; it must hold a value >= 0 or NaN) where the
+//                         op runs, without waiting for it: the return value is then unspecified. This is how
+//                         the delayed recipe gathers a step's amaxes on a GPU without a synchronisation per cast.
 //   fp8_quantize_1x128    q with scale_inv [rows][ceil(cols/128)] (tiles of 128 along cols) and/or q_t [cols, rows]
 //                         with scale_inv_t [cols][ceil(rows/128)] (tiles of 128 along rows of x).
 //   fp8_quantize_128x128  q with scale_inv [ceil(rows/128)][ceil(cols/128)]; optionally q_t [cols, rows] with
@@ -254,6 +258,7 @@ struct Fp8CastParams {
   const float* x = nullptr;
   DType fp8 = DType::e4m3;
   float scale = 1.0f;                // per-tensor casts
+  float* amax_accumulate = nullptr;  // per-tensor casts: see above
   bool power_of_two_scales = false;  // block casts
   uint8_t* q = nullptr;
   uint8_t* q_t = nullptr;

@@ -21,8 +21,11 @@ void validate(const Fp8Options& options) {
 
 Fp8Context::Fp8Context(Fp8Options options) : options_(std::move(options)) { validate(options_); }
 
-int Fp8Context::add_linear(std::string name) {
+int Fp8Context::add_linear(std::string name, Device device) {
   if (sealed_) fail("FP8 Linear '{}' registered after the model's FP8 state was sealed", name);
+  if (!names_.empty() && device != device_)
+    fail("FP8 Linear '{}' runs on another device than the context's other Linears", name);
+  device_ = device;
   names_.push_back(std::move(name));
   weights_.emplace_back();
   return static_cast<int>(names_.size() - 1);
@@ -59,12 +62,28 @@ void Fp8Context::record_amax(int linear, fp8::TensorRole role, float amax) {
   if (fp8::DelayedScalingGroup* group = delayed_group()) group->record(slot(linear, role), amax);
 }
 
+float* Fp8Context::amax_accumulator(int linear, fp8::TensorRole role) {
+  FORGE_CHECK(delayed_group(), "amax_accumulator under the {} recipe", fp8::recipe_name(recipe()));
+  if (!accumulators_.defined()) accumulators_ = Tensor::zeros({3 * linears()}, DType::f32, device_);
+  return accumulators_.f32() + slot(linear, role);
+}
+
+void Fp8Context::fold_accumulators() {
+  fp8::DelayedScalingGroup* group = delayed_group();
+  if (!group || !accumulators_.defined()) return;
+  const Tensor host = accumulators_.to(Device::cpu);  // the step's one synchronisation on a device
+  for (int64_t i = 0; i < host.numel(); ++i) group->record(i, host.f32()[i]);
+  accumulators_.fill_zero();
+}
+
 std::span<float> Fp8Context::step_amaxes() {
+  fold_accumulators();
   fp8::DelayedScalingGroup* group = delayed_group();
   return group ? group->current_amaxes() : std::span<float>();
 }
 
 void Fp8Context::end_step() {
+  fold_accumulators();
   if (fp8::DelayedScalingGroup* group = delayed_group()) group->update();
 }
 

@@ -67,7 +67,8 @@ class Fp8Context {
 
   // Registration, while the model is built: each FP8 Linear takes one slot. seal() ends registration (the
   // first use of the scaling state seals implicitly); a later add_linear() is an error.
-  int add_linear(std::string name);
+  // Every Linear of a context runs on the same device (where its amax accumulators live).
+  int add_linear(std::string name, Device device = Device::cpu);
   void seal();
   int64_t linears() const { return static_cast<int64_t>(names_.size()); }
   const std::string& linear_name(int linear) const { return names_.at(static_cast<size_t>(linear)); }
@@ -75,6 +76,10 @@ class Fp8Context {
   // Delayed recipe: the scale this step uses for a Linear's operand, and the amax to fold into its history.
   float delayed_scale(int linear, fp8::TensorRole role);
   void record_amax(int linear, fp8::TensorRole role, float amax);
+  // Where a cast folds this operand's amax (ops::Fp8CastParams::amax_accumulate), in the Linears' device
+  // memory: the step's amaxes gather there without a host round trip per cast and join the history in
+  // step_amaxes() / end_step() (one copy per step).
+  float* amax_accumulator(int linear, fp8::TensorRole role);
   // Whether inputs and gradients record their amaxes (training micro-batches) or not (evaluation,
   // generation). Weight amaxes are recorded whenever a weight is cast: they describe the weights, not the data.
   bool recording() const { return recording_; }
@@ -95,12 +100,15 @@ class Fp8Context {
 
  private:
   int64_t slot(int linear, fp8::TensorRole role) const;
+  void fold_accumulators();  // the accumulators' amaxes into the group's current step, then zero them
 
   Fp8Options options_;
   std::vector<std::string> names_;
   std::vector<Fp8Weight> weights_;
   std::optional<fp8::DelayedScalingGroup> delayed_;
   bool sealed_ = false, recording_ = false;
+  Device device_ = Device::cpu;
+  Tensor accumulators_;  // [linears * 3] floats on device_, allocated on first use
   int64_t weight_casts_ = 0;
 };
 

@@ -33,7 +33,7 @@ Linear::Linear(ParameterStore* store, int first_param, int param_count, int64_t 
       tp_(options.tp && options.tp->size() > 1 ? options.tp : nullptr) {
   for (int i = first_; i < first_ + count_; ++i) out_ += store_->info(i).shape.at(0);
   if (!fp8_) return;
-  slot_ = fp8_->add_linear(name.empty() ? store_->info(first_).name : std::move(name));
+  slot_ = fp8_->add_linear(name.empty() ? store_->info(first_).name : std::move(name), device_);
   // The FP8 weight lives as long as the model: allocate it with the model, not inside the first step.
   Fp8Weight& w = fp8_->weight(slot_);
   w.q = Tensor::empty({out_, in_}, fp8_->dtype(TensorRole::weight), device_);
@@ -80,8 +80,8 @@ const Fp8Weight& Linear::fp8_weight() const {
       scale = fp8::compute_scale(amax, fp8::fp8_max(dtype), rc.margin, 1.0f);
     }
     cast.scale = scale;
-    const float amax = ops::fp8_cast_transpose(cast, device_);
-    if (rc.recipe == Recipe::delayed) fp8_->record_amax(slot_, TensorRole::weight, amax);
+    if (rc.recipe == Recipe::delayed) cast.amax_accumulate = fp8_->amax_accumulator(slot_, TensorRole::weight);
+    ops::fp8_cast_transpose(cast, device_);
     w.scale = scale, w.scale_inv = 1.0f / scale;
   }
   w.version = store_->version();
@@ -129,8 +129,9 @@ GemmOperand Linear::quantize(const Tensor& x, int64_t cols, TensorRole role, boo
     scale = fp8::compute_scale(ops::amax(x.f32(), x.numel(), device_), fp8::fp8_max(dtype), rc.margin, 1.0f);
   // One pass: the layouts asked for and the amax.
   cast.scale = scale;
-  const float amax = ops::fp8_cast_transpose(cast, device_);
-  if (rc.recipe == Recipe::delayed && !fixed_scale && fp8_->recording()) fp8_->record_amax(slot_, role, amax);
+  if (rc.recipe == Recipe::delayed && !fixed_scale && fp8_->recording())
+    cast.amax_accumulate = fp8_->amax_accumulator(slot_, role);
+  ops::fp8_cast_transpose(cast, device_);
   op.scale = scale, op.scale_inv = 1.0f / scale;
   return op;
 }

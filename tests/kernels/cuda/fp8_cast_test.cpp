@@ -21,6 +21,7 @@
 #include <limits>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "forge/core/dtype.h"
@@ -442,6 +443,39 @@ TEST(CudaFp8Cast, CastTransposeMatchesCpu) {
           c.scale = scale;
           check_case(c, x);
         }
+  }
+}
+
+// The delayed recipe's amax accumulators: the per-tensor cast folds its amax into a float on the device (max,
+// NaN-propagating) without returning it. Three casts into one accumulator, against the CPU's fold of the
+// returned amaxes; both output layouts and the row-wise-only path (a different kernel) take part.
+TEST(CudaFp8Cast, CastTransposeFoldsAmaxIntoAnAccumulator) {
+  if (!has_gpu()) GTEST_SKIP() << cuda::describe_device();
+  for (int variant = 0; variant < 2; ++variant) {
+    float expected = 0.25f;  // a value already there, from an earlier micro-batch
+    DeviceBuffer accumulator(sizeof(float));
+    accumulator.upload(&expected, sizeof(float));
+    int call = 0;
+    for (auto [rows, cols] : {std::pair<int64_t, int64_t>{3, 130}, {129, 257}, {67, 387}}) {
+      std::vector<float> x = make_input(rows, cols, 31 + call, false);
+      if (variant == 1 && call == 1) x[5] = kNaN;  // a NaN amax sticks
+      DeviceBuffer dx = DeviceBuffer(x.size() * sizeof(float)), dq(x.size()), dq_t(x.size());
+      dx.upload(x.data(), x.size() * sizeof(float));
+      ops::Fp8CastParams p;
+      p.rows = rows, p.cols = cols, p.x = dx.as<float>(), p.fp8 = DType::e4m3, p.scale = 0.5f;
+      p.q = dq.as<uint8_t>(), p.q_t = call == 2 ? nullptr : dq_t.as<uint8_t>();
+      p.amax_accumulate = accumulator.as<float>();
+      cuda::fp8_cast_transpose(p);
+      const float amax = ops::cpu_table().amax(x.data(), rows * cols);
+      expected = std::isnan(expected) || std::isnan(amax) ? kNaN : std::max(expected, amax);
+      ++call;
+    }
+    float got = 0;
+    accumulator.download(&got, sizeof(float));
+    if (std::isnan(expected))
+      EXPECT_TRUE(std::isnan(got)) << "variant " << variant << ": " << got;
+    else
+      EXPECT_EQ(got, expected) << "variant " << variant;
   }
 }
 

@@ -1,6 +1,8 @@
 // The CPU table's conversion and FP8 cast entries. The implementations are core/dtype.h's conversions and
 // fp8/quantize.h's casts (the FP8 layer, its tests and benchmarks call those directly); these entries give
 // the nn modules one device-independent way to reach them and the CUDA kernels' tests their reference.
+#include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "forge/core/dtype.h"
@@ -13,13 +15,21 @@ void convert_to_bf16(const float* x, uint16_t* y, int64_t n) { convert_f32_to_bf
 void convert_to_f32(const uint16_t* x, float* y, int64_t n) { convert_bf16_to_f32(x, y, static_cast<size_t>(n)); }
 float amax(const float* x, int64_t n) { return fp8::compute_amax(x, n); }
 
-float fp8_cast_transpose(const ops::Fp8CastParams& p) {
-  FORGE_CHECK(p.q || p.q_t, "fp8_cast_transpose: neither output is given");
+namespace {
+float cast_transpose_amax(const ops::Fp8CastParams& p) {
   if (p.q && p.q_t) return fp8::cast_transpose(p.x, p.rows, p.cols, p.scale, p.fp8, p.q, p.q_t);
   if (p.q) return fp8::quantize(p.x, p.rows * p.cols, p.scale, p.fp8, p.q);
   // Only the transposed copy: cast into a scratch row-wise buffer in the same pass.
   std::vector<uint8_t> scratch(static_cast<size_t>(p.rows * p.cols));
   return fp8::cast_transpose(p.x, p.rows, p.cols, p.scale, p.fp8, scratch.data(), p.q_t);
+}
+}  // namespace
+
+float fp8_cast_transpose(const ops::Fp8CastParams& p) {
+  FORGE_CHECK(p.q || p.q_t, "fp8_cast_transpose: neither output is given");
+  const float amax = cast_transpose_amax(p);
+  if (float* acc = p.amax_accumulate) *acc = std::isnan(*acc) || std::isnan(amax) ? NAN : std::max(*acc, amax);
+  return amax;
 }
 
 void fp8_quantize_1x128(const ops::Fp8CastParams& p) {

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
 
 #include "forge/kernels/cuda/cuda_kernels.h"
@@ -450,24 +451,27 @@ float fp8_cast_transpose(const ops::Fp8CastParams& p) {
   if (!p.q && !p.q_t) detail::fail_op(op, "neither q nor q_t is given");
   check_cast(op, p);
   if (p.rows == 0 || p.cols == 0) return 0.0f;
-  const DeviceAmax result;
+  // The accumulator, a float >= 0 or NaN, compares as the bits of |x| do (NaN's above inf's), so the kernels'
+  // integer max folds straight into it: no scratch word and no synchronisation.
+  const std::optional<DeviceAmax> result =
+      p.amax_accumulate ? std::nullopt : std::optional<DeviceAmax>(std::in_place);
+  unsigned* amax_word = p.amax_accumulate ? reinterpret_cast<unsigned*>(p.amax_accumulate) : result->word();
   if (!p.q_t) {
     // Row-major q alone is an element-wise cast of the flat array.
     const int64_t n = p.rows * p.cols;
     const bool vector = aligned(p.x, 16) && aligned(p.q, 4);
     const unsigned grid = detail::grid_blocks((n + 3) / 4, kThreads * kUnroll, kMaxFlatGrid);
-    cast_kernel<<<grid, kThreads, 0, stream()>>>(p.x, n, p.scale, encoding_for(p.fp8), vector, p.q,
-                                                 result.word());
+    cast_kernel<<<grid, kThreads, 0, stream()>>>(p.x, n, p.scale, encoding_for(p.fp8), vector, p.q, amax_word);
     FORGE_CUDA_CHECK_LAUNCH(op);
   } else {
     TileArgs t = tile_args(p);
-    t.amax = result.word();
+    t.amax = amax_word;
     if (p.q)
       launch_tiles<TileScaling::per_tensor, true, true>(t, op);
     else
       launch_tiles<TileScaling::per_tensor, false, true>(t, op);
   }
-  return result.read();
+  return result ? result->read() : 0.0f;
 }
 
 void fp8_quantize_1x128(const ops::Fp8CastParams& p) {
