@@ -12,7 +12,8 @@ cd "$(dirname "$0")/../.."
 BUILD=${1:-build-gpu}
 BUNDLE=${2:-build-gpubundle}
 case $BUNDLE in build*) ;; *) echo "bundle.sh: BUNDLE_DIR must start with 'build' (git-ignored, so it can be carried)"; exit 1 ;; esac
-bins=("$BUILD/tests/test_cuda" "$BUILD/bin/forge_gpubench")
+bins=("$BUILD/tests/test_cuda" "$BUILD/bin/forge" "$BUILD/bin/forge_gpubench" "$BUILD/bin/forge_gpubench_attention"
+  "$BUILD/bin/forge_gpubench_fp8block" "$BUILD/bin/forge_gpubench_fp8cast")
 [[ -x $BUILD/tests/test_comm_nccl ]] && bins+=("$BUILD/tests/test_comm_nccl")
 for b in "${bins[@]}"; do [[ -x $b ]] || { echo "bundle.sh: $b is missing (build it first)"; exit 1; }; done
 rm -rf "$BUNDLE"
