@@ -2,6 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <string>
+
+#include "forge/core/device.h"
+
 namespace forge {
 namespace {
 
@@ -60,6 +64,44 @@ TEST(Tensor, BadShapesAndAccessThrow) {
     Tensor::empty({3, -2}, DType::f32);
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("[3, -2]"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace forge
+
+namespace forge {
+namespace {
+
+TEST(Tensor, ToTheSameDeviceIsTheTensorItself) {
+  Tensor t = Tensor::zeros({3, 4}, DType::f32);
+  const Tensor same = t.to(Device::cpu);
+  EXPECT_EQ(same.raw(), t.raw());  // no copy
+  EXPECT_FALSE(Tensor().to(Device::cpu).defined());
+}
+
+TEST(Device, NamesAndRefusals) {
+  EXPECT_EQ(device_from_name("cpu"), Device::cpu);
+  EXPECT_EQ(device_from_name("cuda"), Device::cuda);
+  EXPECT_STREQ(device_name(Device::cuda), "cuda");
+  EXPECT_TRUE(device_usable(Device::cpu));
+  try {
+    device_from_name("tpu");
+    FAIL() << "tpu accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("unknown device 'tpu'"), std::string::npos) << e.what();
+  }
+  // The host needs no device interface; a device without a usable GPU is one clear error, not a crash.
+  EXPECT_THROW(device_memory(Device::cpu), Error);
+  if (!device_usable(Device::cuda)) {
+    try {
+      Tensor::empty({16}, DType::f32, Device::cuda);
+      FAIL() << "a CUDA tensor without a GPU";
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_TRUE(what.find("no usable GPU") != std::string::npos || what.find("CUDA backend") != std::string::npos)
+          << what;
+    }
   }
 }
 
