@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <iomanip>
+#include <limits>
 #include <random>
 #include <sstream>
 #include <string>
@@ -144,6 +145,35 @@ TEST(CudaOps, AddInplaceIsExact) {
   ops::cuda_table().add_inplace(dy.as<float>(), dy.as<float>(), 1001);
   ops::cpu_table().add_inplace(y.data(), y.data(), 1001);
   expect_bitwise_equal(to_host<float>(dy, 1001), y, "add_inplace aliased");
+}
+
+// bf16 conversions are exact functions of the bits: round-to-nearest-even (ties included), overflow to inf,
+// NaN kept quiet with its sign, and back by a shift. Bitwise against the CPU on random values plus specials.
+TEST(CudaOps, Bf16ConversionsMatchCpuBitwise) {
+  if (!forge::cuda::available()) GTEST_SKIP() << forge::cuda::describe_device();
+  auto x = testing::random_floats(100003, 7, -1e4, 1e4);
+  const float specials[] = {0.0f, -0.0f, std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                            std::numeric_limits<float>::quiet_NaN(), std::bit_cast<float>(0xffc00001u),
+                            std::bit_cast<float>(0x7f800001u),  // signalling NaN
+                            std::bit_cast<float>(0x3f808000u),  // a tie to even (down)
+                            std::bit_cast<float>(0x3f818000u),  // a tie to even (up)
+                            std::numeric_limits<float>::max(), std::numeric_limits<float>::denorm_min(), 1e-40f};
+  std::copy(std::begin(specials), std::end(specials), x.begin());
+  const int64_t n = static_cast<int64_t>(x.size());
+  std::vector<uint16_t> cpu(x.size());
+  ops::cpu_table().convert_to_bf16(x.data(), cpu.data(), n);
+  DeviceBuffer dx = to_device(x), dy(x.size() * sizeof(uint16_t)), dback(x.size() * sizeof(float));
+  ops::cuda_table().convert_to_bf16(dx.as<float>(), dy.as<uint16_t>(), n);
+  const std::vector<uint16_t> gpu = to_host<uint16_t>(dy, x.size());
+  size_t bad = 0, first = 0;
+  for (size_t i = 0; i < x.size(); ++i)
+    if (gpu[i] != cpu[i] && bad++ == 0) first = i;
+  EXPECT_EQ(bad, 0u) << "convert_to_bf16: first difference at " << first << ": input " << show(x[first])
+                     << ", cuda 0x" << std::hex << gpu[first] << ", cpu 0x" << cpu[first];
+  std::vector<float> back(x.size());
+  ops::cpu_table().convert_to_f32(cpu.data(), back.data(), n);
+  ops::cuda_table().convert_to_f32(dy.as<uint16_t>(), dback.as<float>(), n);
+  expect_bitwise_equal(to_host<float>(dback, x.size()), back, "convert_to_f32");
 }
 
 TEST(CudaOps, ScaleInplaceIsExact) {
