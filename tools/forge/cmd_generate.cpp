@@ -22,6 +22,7 @@
 
 #include "commands.h"
 #include "forge/ckpt/pretrained.h"
+#include "forge/core/device.h"
 #include "forge/core/error.h"
 #include "forge/data/tokenizer.h"
 #include "forge/data/tokenizer_text.h"
@@ -32,7 +33,7 @@ namespace {
 namespace fs = std::filesystem;
 
 struct GenerateOptions {
-  std::string model, tokenizer, prompt, dtype = "fp32";
+  std::string model, tokenizer, prompt, dtype = "fp32", device = "cpu";
   bool prompt_given = false, greedy = false, no_stream = false;
   int64_t max_new_tokens = 128, top_k = 40;
   double temperature = 0.8, top_p = 1.0;
@@ -166,7 +167,11 @@ int run_generate(const GenerateOptions& o) {
   const std::string prompt = read_prompt(o);
   if (prompt.empty()) fail("generate: the prompt is empty");
 
-  std::unique_ptr<LlamaModel> model = load_pretrained_model(o.model, {dtype, nn::Recompute::none});
+  nn::ComputeOptions compute{dtype, nn::Recompute::none};
+  compute.device = device_from_name(o.device);
+  if (compute.device != Device::cpu && !device_usable(compute.device))
+    fail("generate: --device {}, but no usable GPU (or no CUDA backend)", o.device);
+  std::unique_ptr<LlamaModel> model = load_pretrained_model(o.model, compute);
   const int64_t vocab = model->config().vocab_size;
   const TextCodec codec(o, o.model, vocab);
   std::vector<int32_t> stop = generation_config_eos(o.model, vocab);
@@ -228,6 +233,9 @@ void add_generate_command(CLI::App& app, Commands& commands) {
       ->capture_default_str();
   generate->add_flag("--greedy", o->greedy, "always take the most likely token (temperature 0)");
   generate->add_option("--dtype", o->dtype, "GEMM operands: fp32 or bf16")->capture_default_str();
+  generate->add_option("--device", o->device, "where the model runs: cpu or cuda")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
   generate->add_flag("--no-stream", o->no_stream,
                      "print the text once generation ends instead of as it goes");
   generate->footer(

@@ -179,6 +179,19 @@ struct AttentionParams {
   int64_t dq_stride = 0, dk_stride = 0, dv_stride = 0;
 };
 
+// Appends the keys and values of `tokens` new tokens per sequence to a key/value cache (inference): for
+// sequence b, token t and kv head g, the head_dim floats at qkv + (b * tokens + t) * qkv_stride + k_offset +
+// g * head_dim go to keys + b * batch_stride + g * head_stride + (position + t) * head_dim, and those at
+// v_offset likewise to values.
+struct KvAppendParams {
+  int64_t batch = 0, tokens = 0, kv_heads = 0, head_dim = 0;
+  const float* qkv = nullptr;
+  int64_t qkv_stride = 0, k_offset = 0, v_offset = 0;
+  float* keys = nullptr;
+  float* values = nullptr;
+  int64_t batch_stride = 0, head_stride = 0, position = 0;
+};
+
 // Embedding lookup. forward: out[i] = weight[ids[i]]. backward_weight: dweight[ids[i]] += dout[i], rows added
 // in increasing order. An id outside [0, vocab) is an error, except under vocab_parallel: the weight then holds
 // rows [first, first + vocab) of the whole vocabulary, ids are global, and an id outside that range gives a
@@ -296,6 +309,7 @@ struct OpTable {
   float (*fp8_cast_transpose)(const Fp8CastParams& p);
   void (*fp8_quantize_1x128)(const Fp8CastParams& p);
   void (*fp8_quantize_128x128)(const Fp8CastParams& p);
+  void (*kv_append)(const KvAppendParams& p);
 };
 
 const OpTable& cpu_table();
@@ -348,5 +362,6 @@ inline void fp8_quantize_1x128(const Fp8CastParams& p, Device d = Device::cpu) {
 inline void fp8_quantize_128x128(const Fp8CastParams& p, Device d = Device::cpu) {
   table(d).fp8_quantize_128x128(p);
 }
+inline void kv_append(const KvAppendParams& p, Device d = Device::cpu) { table(d).kv_append(p); }
 
 }  // namespace forge::ops

@@ -233,14 +233,13 @@ KvCache LlamaModel::make_cache(int64_t batch, int64_t capacity) const {
   if (capacity < 0 || capacity > max_positions)
     fail("KV cache capacity {} is outside [1, max_position_embeddings = {}]", capacity, max_positions);
   if (batch <= 0) fail("KV cache batch must be positive, got {}", batch);
-  return KvCache(config_.num_hidden_layers, batch, capacity, config_.num_key_value_heads, config_.head_dim);
+  return KvCache(config_.num_hidden_layers, batch, capacity, config_.num_key_value_heads, config_.head_dim,
+                 options_.device);
 }
 
 Tensor LlamaModel::forward_cached(const int32_t* ids, int64_t batch, int64_t new_tokens, KvCache& cache,
                                   bool all_logits) {
   if (tp()) fail("cached inference runs on one process; this model is split over tp = {} ranks", tp()->size());
-  if (options_.device != Device::cpu)
-    fail("cached inference runs on the CPU backend only for now (this model is on {})", device_name(options_.device));
   if (batch <= 0 || new_tokens <= 0)
     fail("batch ({}) and new tokens ({}) must be positive", batch, new_tokens);
   if (!cache.allocated() || cache.layers() != config_.num_hidden_layers || cache.batch() != batch ||
@@ -262,18 +261,21 @@ Tensor LlamaModel::forward_cached(const int32_t* ids, int64_t batch, int64_t new
       fail("token id {} at position {} is outside the vocabulary [0, {})", ids[i], i, config_.vocab_size);
 
   const int64_t h = config_.hidden_size;
-  Tensor x = embedding_.forward(ids, batch * new_tokens);
+  Tensor ids_holder;
+  Tensor x = embedding_.forward(ids_on(options_.device, ids, batch * new_tokens, ids_holder), batch * new_tokens);
   for (size_t l = 0; l < layers_.size(); ++l)
     x = layers_[l].forward_cached(x, batch, new_tokens, cache.layer(static_cast<int64_t>(l)));
   cache.advance(new_tokens);
   if (!all_logits && new_tokens > 1) {  // only each sequence's last token goes through the head
-    Tensor last = Tensor::empty({batch, h}, DType::f32);
-    for (int64_t b = 0; b < batch; ++b)
-      std::copy_n(x.f32() + ((b + 1) * new_tokens - 1) * h, h, last.f32() + b * h);
+    Tensor last = Tensor::empty({batch, h}, DType::f32, options_.device);
+    for (int64_t b = 0; b < batch; ++b) {
+      Tensor row = last.view(b * h, {h});
+      row.copy_from(x.view(((b + 1) * new_tokens - 1) * h, {h}));
+    }
     x = last;
   }
   nn::RmsNorm::Saved norm_saved;
-  return project_logits(final_norm_.forward(x, norm_saved));
+  return project_logits(final_norm_.forward(x, norm_saved)).to(Device::cpu);
 }
 
 Tensor LlamaModel::project_logits(const Tensor& hidden) const {

@@ -1,9 +1,9 @@
 // LlamaModel: a LLaMA-family decoder (Hugging Face LlamaForCausalLM semantics) assembled from nn/
 // modules, with parameters under their Hugging Face names in one ParameterStore. Training runs
 // forward_backward over whole sequences; inference runs forward_cached over a KvCache, a prompt at once
-// (prefill) and then one token per step (decode). ComputeOptions::device places the parameters and every
-// activation on a device (training and loss evaluation; cached inference and tensor parallelism run on the
-// CPU for now); ids and targets are host arrays in every case, and losses come back to the host.
+// (prefill) and then one token per step (decode). ComputeOptions::device places the parameters, every
+// activation and the KV cache on a device; ids and targets are host arrays in every case, and losses and
+// logits come back to the host.
 #pragma once
 
 #include <cstdint>

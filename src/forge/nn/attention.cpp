@@ -1,7 +1,6 @@
 #include "forge/nn/attention.h"
 
 #include <cmath>
-#include <cstring>
 
 #include "forge/kernels/ops.h"
 #include "forge/nn/tensor_parallel.h"
@@ -100,7 +99,6 @@ void Attention::backward_weight(Saved& saved) const {
 
 Tensor Attention::forward_cached(const Tensor& h, int64_t batch, int64_t tokens, const KvLayer& cache) const {
   FORGE_CHECK(options_.tp == nullptr, "cached inference runs on one process (tensor parallelism is for training)");
-  FORGE_CHECK(options_.device == Device::cpu, "cached inference runs on the CPU backend only (for now)");
   FORGE_CHECK(cache.keys && cache.kv_heads == shape_.kv_heads && cache.head_dim == shape_.head_dim,
               "KV cache of {} kv heads x {} dims does not fit attention with {} x {}", cache.kv_heads,
               cache.head_dim, shape_.kv_heads, shape_.head_dim);
@@ -116,17 +114,15 @@ Tensor Attention::forward_cached(const Tensor& h, int64_t batch, int64_t tokens,
   Tensor qkv = qkv_.forward(h_op);
   apply_rope(qkv.f32(), batch, tokens, false, cache.length);
   const int64_t dim = shape_.head_dim;
-  for (int64_t b = 0; b < batch; ++b)
-    for (int64_t t = 0; t < tokens; ++t) {
-      const float* row = qkv.f32() + (b * tokens + t) * qkv_dim;
-      for (int64_t g = 0; g < shape_.kv_heads; ++g) {
-        const int64_t slot = cache.at(b, g, cache.length + t);
-        std::memcpy(cache.keys + slot, row + qd + g * dim, dim * sizeof(float));
-        std::memcpy(cache.values + slot, row + qd + kd + g * dim, dim * sizeof(float));
-      }
-    }
+  ops::KvAppendParams append;
+  append.batch = batch, append.tokens = tokens, append.kv_heads = shape_.kv_heads, append.head_dim = dim;
+  append.qkv = qkv.f32(), append.qkv_stride = qkv_dim, append.k_offset = qd, append.v_offset = qd + kd;
+  append.keys = cache.keys, append.values = cache.values;
+  append.batch_stride = cache.batch_stride(), append.head_stride = cache.head_stride();
+  append.position = cache.length;
+  ops::kv_append(append, options_.device);
 
-  Tensor out = Tensor::empty({batch * tokens, qd}, DType::f32);
+  Tensor out = Tensor::empty({batch * tokens, qd}, DType::f32, options_.device);
   ops::AttentionParams p;
   p.batch = batch, p.seq = tokens, p.heads = shape_.heads, p.kv_heads = shape_.kv_heads,
   p.head_dim = shape_.head_dim;
@@ -138,7 +134,7 @@ Tensor Attention::forward_cached(const Tensor& h, int64_t batch, int64_t tokens,
   p.out = out.f32(), p.out_stride = qd, p.lse = nullptr;
   p.scale = 1.0f / std::sqrt(static_cast<float>(shape_.head_dim));
   p.causal = true;
-  ops::attention_forward(p);
+  ops::attention_forward(p, options_.device);
   GemmOperand out_op = o_.input(out);
   return o_.forward(out_op);
 }

@@ -2,14 +2,15 @@
 
 namespace forge::nn {
 
-KvCache::KvCache(int64_t layers, int64_t batch, int64_t capacity, int64_t kv_heads, int64_t head_dim)
+KvCache::KvCache(int64_t layers, int64_t batch, int64_t capacity, int64_t kv_heads, int64_t head_dim,
+                 Device device)
     : layers_(layers), batch_(batch), capacity_(capacity), kv_heads_(kv_heads), head_dim_(head_dim) {
   if (layers <= 0 || batch <= 0 || capacity <= 0 || kv_heads <= 0 || head_dim <= 0)
     fail("KV cache: every size must be positive (layers {}, batch {}, capacity {}, kv_heads {}, head_dim {})",
          layers, batch, capacity, kv_heads, head_dim);
   const Shape shape{layers, 2, batch, capacity, kv_heads, head_dim};
   try {
-    storage_ = Tensor::empty(shape, DType::f32);
+    storage_ = Tensor::empty(shape, DType::f32, device);
   } catch (const Error&) {
     fail("KV cache: cannot allocate {:.1f} MiB for {} layers x batch {} x {} positions",
          static_cast<double>(shape_numel(shape)) * 4.0 / (1 << 20), layers, batch, capacity);

@@ -32,8 +32,10 @@ struct KvLayer {
 class KvCache {
  public:
   KvCache() = default;
-  // Throws forge::Error for a non-positive size or an allocation that fails.
-  KvCache(int64_t layers, int64_t batch, int64_t capacity, int64_t kv_heads, int64_t head_dim);
+  // Throws forge::Error for a non-positive size or an allocation that fails. The cache lives on `device`
+  // (the model's).
+  KvCache(int64_t layers, int64_t batch, int64_t capacity, int64_t kv_heads, int64_t head_dim,
+          Device device = Device::cpu);
 
   bool allocated() const { return storage_.defined(); }
   int64_t layers() const { return layers_; }

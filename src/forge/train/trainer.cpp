@@ -530,12 +530,13 @@ TrainResult Trainer::run() {
     so.max_new_tokens = c.sample.tokens, so.context = seq, so.temperature = c.sample.temperature;
     so.top_k = c.sample.top_k, so.seed = c.sample.seed;
     std::vector<int32_t> prompt = codec.encode(c.sample.prompt.empty() ? std::string("\n") : c.sample.prompt);
-    // Generation runs on one process on the CPU: a model split over tp ranks or trained on a GPU is read back
-    // whole from the checkpoint.
+    // Generation runs on one process: a model split over tp ranks is read back whole from the checkpoint
+    // (onto this rank's device).
     std::unique_ptr<LlamaModel> whole;
-    if (layout.tp() > 1 || on_gpu) {
+    if (layout.tp() > 1) {
       nn::ComputeOptions single;
       single.gemm_dtype = options.gemm_dtype;
+      single.device = options.device;
       whole = load_pretrained_model(checkpoint_dir, single);
     }
     std::vector<int32_t> out = generate(whole ? *whole : model, prompt, so);

@@ -158,6 +158,31 @@ TEST_F(LlamaCuda, LogitsComeBackToTheHost) {
   EXPECT_LT(dissimilarity(host_vector(a), host_vector(b)), 1e-4);
 }
 
+// Inference through the KV cache on the GPU (cache appends, the tiled attention for the prompt, the decoding
+// kernels for single tokens) against the CPU: a prompt of 20 tokens, then 5 tokens one at a time.
+TEST_F(LlamaCuda, CachedInferenceMatchesCpu) {
+  const LlamaConfig config = tiny_config();
+  nn::ComputeOptions options{DType::bf16, nn::Recompute::none};
+  options.device = Device::cuda;
+  LlamaModel gpu(config, options, 0.02f, /*with_grads=*/false);
+  gpu.initialize(5);
+  options.device = Device::cpu;
+  LlamaModel cpu(config, options, 0.02f, /*with_grads=*/false);
+  cpu.initialize(5);
+  KvCache gpu_cache = gpu.make_cache(2, 64), cpu_cache = cpu.make_cache(2, 64);
+  const Tokens prompt = tokens(2, 20, config.vocab_size), next = tokens(2, 5, config.vocab_size);
+  Tensor a = gpu.forward_cached(prompt.ids.data(), 2, 20, gpu_cache, /*all_logits=*/true);
+  Tensor b = cpu.forward_cached(prompt.ids.data(), 2, 20, cpu_cache, /*all_logits=*/true);
+  ASSERT_EQ(a.device(), Device::cpu);
+  EXPECT_LT(dissimilarity(host_vector(a), host_vector(b)), 1e-4) << "prefill";
+  for (int t = 0; t < 5; ++t) {
+    const int32_t step[2] = {next.ids[t], next.ids[5 + t]};
+    a = gpu.forward_cached(step, 2, 1, gpu_cache), b = cpu.forward_cached(step, 2, 1, cpu_cache);
+    EXPECT_LT(dissimilarity(host_vector(a), host_vector(b)), 1e-4) << "decode step " << t;
+  }
+  EXPECT_EQ(gpu_cache.length(), 25);
+}
+
 // Runs everywhere: without a GPU, a CUDA model is refused with one line, not a crash.
 TEST(LlamaCudaErrors, NoGpuIsOneClearError) {
   if (cuda::available()) GTEST_SKIP() << "a GPU is usable here";

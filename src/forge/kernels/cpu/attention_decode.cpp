@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "forge/kernels/cpu/attention_tiles.h"
@@ -217,6 +218,22 @@ void attention_forward_decode(const ops::AttentionParams& p) {
 #pragma omp for schedule(static)
     for (int64_t pair = 0; pair < pairs; ++pair) combine_pair(p, g, pair, acc, m, l);
   }
+}
+
+void kv_append(const ops::KvAppendParams& p) {
+  FORGE_CHECK(p.batch >= 0 && p.tokens >= 0 && p.kv_heads > 0 && p.head_dim > 0 && p.position >= 0,
+              "kv_append: bad shape batch={} tokens={} kv_heads={} head_dim={} position={}", p.batch, p.tokens,
+              p.kv_heads, p.head_dim, p.position);
+  const size_t row_bytes = static_cast<size_t>(p.head_dim) * sizeof(float);
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t t = 0; t < p.tokens; ++t) {
+      const float* row = p.qkv + (b * p.tokens + t) * p.qkv_stride;
+      for (int64_t g = 0; g < p.kv_heads; ++g) {
+        const int64_t slot = b * p.batch_stride + g * p.head_stride + (p.position + t) * p.head_dim;
+        std::memcpy(p.keys + slot, row + p.k_offset + g * p.head_dim, row_bytes);
+        std::memcpy(p.values + slot, row + p.v_offset + g * p.head_dim, row_bytes);
+      }
+    }
 }
 
 }  // namespace forge::cpu

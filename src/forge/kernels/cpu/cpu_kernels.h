@@ -34,5 +34,6 @@ float amax(const float* x, int64_t n);
 float fp8_cast_transpose(const ops::Fp8CastParams& p);
 void fp8_quantize_1x128(const ops::Fp8CastParams& p);
 void fp8_quantize_128x128(const ops::Fp8CastParams& p);
+void kv_append(const ops::KvAppendParams& p);  // attention_decode.cpp
 
 }  // namespace forge::cpu

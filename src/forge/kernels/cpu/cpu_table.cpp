@@ -29,6 +29,7 @@ const OpTable& cpu_table() {
       cpu::fp8_cast_transpose,
       cpu::fp8_quantize_1x128,
       cpu::fp8_quantize_128x128,
+      cpu::kv_append,
   };
   return table;
 }

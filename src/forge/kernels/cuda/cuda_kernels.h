@@ -32,6 +32,9 @@ void scale_inplace(float* x, float s, int64_t n);
 void convert_to_bf16(const float* x, uint16_t* y, int64_t n);
 void convert_to_f32(const uint16_t* x, float* y, int64_t n);
 
+// Appending new tokens' keys and values to an inference cache (kv_append.cu).
+void kv_append(const ops::KvAppendParams& p);
+
 // Attention forward and backward (attention.cu): ops::AttentionParams semantics on device memory.
 void attention_forward(const ops::AttentionParams& p);
 void attention_backward(const ops::AttentionParams& p);

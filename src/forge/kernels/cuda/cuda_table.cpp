@@ -30,6 +30,7 @@ const OpTable& cuda_table() {
       cuda::fp8_cast_transpose,
       cuda::fp8_quantize_1x128,
       cuda::fp8_quantize_128x128,
+      cuda::kv_append,
   };
   return table;
 }
