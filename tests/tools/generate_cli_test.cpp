@@ -18,6 +18,7 @@
 #include "forge/ckpt/checkpoint.h"
 #include "forge/ckpt/pretrained.h"
 #include "forge/ckpt/safetensors.h"
+#include "forge/core/device.h"
 #include "forge/data/tokenizer.h"
 #include "forge/data/tokenizer_text.h"
 #include "forge/models/sampling.h"
@@ -213,6 +214,8 @@ TEST_F(GenerateCli, BadInputGetsOneErrorLine) {
   expect_one_line_error(bytes + " --prompt hi --temperature -1", "temperature");
   expect_one_line_error(bytes + " --prompt hi --top-k -2", "top-k");
   expect_one_line_error(bytes + " --prompt hi --max-new-tokens 0", "--max-new-tokens");
+  if (!device_usable(Device::cuda))
+    expect_one_line_error(bytes + " --prompt hi --device cuda", "--device cuda, but no usable GPU");
   expect_one_line_error(bytes + " --prompt hi --dtype fp8", "fp8");
   expect_one_line_error(bytes + " --prompt hi --tokenizer " + (dir_ / "none.json").string(), "none.json");
   // A 1000-token vocabulary without a tokenizer.json cannot fall back to bytes.
