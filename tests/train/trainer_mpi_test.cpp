@@ -317,7 +317,7 @@ TEST_F(TrainerRuns, SequenceParallelNeedsSeqLenDivisibleByTp) {
   }
 }
 
-// Data parallelism on GPUs: one GPU per rank, gradients summed over NCCL on the device. Follows the one-rank
+// Data parallelism on GPUs, with and without ZeRO-1: one GPU per rank, gradients summed over NCCL on the device. Follows the one-rank
 // CPU run within the GPU's bf16 attention rounding (tests/models/cuda/llama_cuda_test.cpp). Needs a GPU per
 // rank (NCCL refuses two ranks on one device), so it is skipped on smaller machines.
 TEST_F(TrainerRuns, DataParallelOnGpusFollowsTheOneRankRun) {
@@ -329,14 +329,21 @@ TEST_F(TrainerRuns, DataParallelOnGpusFollowsTheOneRankRun) {
   ref.train.grad_accum = 2 * world.size();
   auto self = comm::make_self();
   TrainResult want = Trainer(ref, self.get()).run();
-  TrainConfig par = config("gpu");
-  par.train.device = "cuda";
-  par.parallel.dp = world.size();
-  TrainResult got = Trainer(par, &world).run();
-  ASSERT_EQ(got.losses.size(), want.losses.size());
-  for (size_t s = 0; s < want.losses.size(); ++s) {
-    EXPECT_NEAR(got.losses[s], want.losses[s], 2e-3 * want.losses[s]) << "step " << s + 1;
-    EXPECT_NEAR(got.grad_norms[s], want.grad_norms[s], 2e-2 * want.grad_norms[s]) << "step " << s + 1;
+  // Replicated Adam state (gradients all-reduced), then ZeRO-1 (reduce-scattered gradients, device shards of
+  // the Adam state, parameters all-gathered over NCCL).
+  for (bool zero : {false, true}) {
+    TrainConfig par = config(zero ? "gpu_zero" : "gpu");
+    par.train.device = "cuda";
+    par.parallel.dp = world.size();
+    par.parallel.distributed_optimizer = zero;
+    par.parallel.bucket_mb = 0.01;  // several buckets
+    TrainResult got = Trainer(par, &world).run();
+    ASSERT_EQ(got.losses.size(), want.losses.size());
+    for (size_t s = 0; s < want.losses.size(); ++s) {
+      EXPECT_NEAR(got.losses[s], want.losses[s], 2e-3 * want.losses[s]) << "step " << s + 1 << " zero " << zero;
+      EXPECT_NEAR(got.grad_norms[s], want.grad_norms[s], 2e-2 * want.grad_norms[s])
+          << "step " << s + 1 << " zero " << zero;
+    }
   }
 }
 

@@ -95,6 +95,12 @@ struct Fp8GemmParams {
   float beta = 0.0f;
   Fp8Scaling scaling = Fp8Scaling::per_tensor;
   float a_scale_inv = 1.0f, b_scale_inv = 1.0f;  // per_tensor
+  // per_tensor, optional: where set, the operand's scale_inv is this float in memory of the op's device, read
+  // where the op runs (in stream order on a GPU), in place of the host value above. A scale computed on a GPU
+  // (current scaling: Fp8CastParams::scale_inv_out) thus reaches the GEMM without a trip to the host. The host
+  // value must be finite (checked); a device value is not checked. Ignored under block scaling.
+  const float* a_scale_inv_ptr = nullptr;
+  const float* b_scale_inv_ptr = nullptr;
   const float* a_scales = nullptr;               // block: [m][kb]
   const float* b_scales = nullptr;               // block: see b_block
   Fp8BlockScales b_block = Fp8BlockScales::block_128x128;
@@ -260,6 +266,14 @@ struct AdamWParams {
 //                         *amax_accumulate (max, NaN-propagating; it must hold a value >= 0 or NaN) where the
 //                         op runs, without waiting for it: the return value is then unspecified. This is how
 //                         the delayed recipe gathers a step's amaxes on a GPU without a synchronisation per cast.
+//                         With amax_in (memory of the op's device, one float) the scale is computed where the op
+//                         runs, from the amax found there, as fp8::compute_scale(*amax_in, fp8_max(fp8), margin,
+//                         1.0f) (an amax of 0, inf or NaN gives 1), and `scale` is ignored: TransformerEngine's
+//                         current scaling without a host round trip (amax_to, then this cast). x's own amax is then
+//                         not computed: the return value is unspecified and nothing synchronises (amax_accumulate
+//                         still works). scale_out / scale_inv_out (memory of the op's device, optional) receive
+//                         the scale used and 1 / scale, whichever its source, for the GEMM
+//                         (Fp8GemmParams::a_scale_inv_ptr) and for later casts.
 //   fp8_quantize_1x128    q with scale_inv [rows][ceil(cols/128)] (tiles of 128 along cols) and/or q_t [cols, rows]
 //                         with scale_inv_t [cols][ceil(rows/128)] (tiles of 128 along rows of x).
 //   fp8_quantize_128x128  q with scale_inv [ceil(rows/128)][ceil(cols/128)]; optionally q_t [cols, rows] with
@@ -272,6 +286,10 @@ struct Fp8CastParams {
   DType fp8 = DType::e4m3;
   float scale = 1.0f;                // per-tensor casts
   float* amax_accumulate = nullptr;  // per-tensor casts: see above
+  const float* amax_in = nullptr;    // per-tensor casts: the scale from this amax, on the device (see above)
+  int margin = 0;                    // with amax_in: compute_scale's margin (>= 0)
+  float* scale_out = nullptr;        // per-tensor casts, optional: the scale used
+  float* scale_inv_out = nullptr;    // per-tensor casts, optional: 1 / the scale used
   bool power_of_two_scales = false;  // block casts
   uint8_t* q = nullptr;
   uint8_t* q_t = nullptr;
@@ -304,8 +322,11 @@ struct OpTable {
   // y[i] = bf16(x[i]) (round to nearest even; NaN stays NaN) and back (exact).
   void (*convert_to_bf16)(const float* x, uint16_t* y, int64_t n);
   void (*convert_to_f32)(const uint16_t* x, float* y, int64_t n);
-  // max |x[i]| on the host (NaN when any element is NaN).
+  // max |x[i]| on the host (NaN when any element is NaN; 0 for n = 0). On a GPU this waits for the device.
   float (*amax)(const float* x, int64_t n);
+  // The same max written to *out, one float in memory of the op's device, where the op runs: on a GPU in stream
+  // order, without a synchronisation (the input of a device-side scale: Fp8CastParams::amax_in).
+  void (*amax_to)(const float* x, int64_t n, float* out);
   float (*fp8_cast_transpose)(const Fp8CastParams& p);
   void (*fp8_quantize_1x128)(const Fp8CastParams& p);
   void (*fp8_quantize_128x128)(const Fp8CastParams& p);
@@ -355,6 +376,7 @@ inline void convert_to_f32(const uint16_t* x, float* y, int64_t n, Device d = De
   table(d).convert_to_f32(x, y, n);
 }
 inline float amax(const float* x, int64_t n, Device d = Device::cpu) { return table(d).amax(x, n); }
+inline void amax_to(const float* x, int64_t n, float* out, Device d = Device::cpu) { table(d).amax_to(x, n, out); }
 inline float fp8_cast_transpose(const Fp8CastParams& p, Device d = Device::cpu) {
   return table(d).fp8_cast_transpose(p);
 }

@@ -34,17 +34,14 @@ DistributedAdamW::DistributedAdamW(nn::ParameterStore* store, AdamWConfig config
   }
   exp_avg_ = Tensor::zeros({total}, DType::f32, store->device());
   exp_avg_sq_ = Tensor::zeros({total}, DType::f32, store->device());
-  if (sharded_ && store->device() != Device::cpu)
-    fail("the sharded (ZeRO-1) optimizer runs on the CPU backend only for now (parameters on {})",
-         store->device() == Device::cuda ? "cuda" : "another device");
   if (sharded_) {
     int64_t shards = 0, padded = 0;
     for (const GradBucket& b : buckets->buckets()) {
       shards += b.shard_size;
       if (b.padded_size() != b.size()) padded = std::max(padded, b.padded_size());
     }
-    gather_send_ = Tensor::zeros({shards}, DType::f32);
-    if (padded > 0) gather_recv_ = Tensor::zeros({padded}, DType::f32);
+    gather_send_ = Tensor::zeros({shards}, DType::f32, store->device());
+    if (padded > 0) gather_recv_ = Tensor::zeros({padded}, DType::f32, store->device());
   }
 }
 
@@ -88,29 +85,37 @@ void DistributedAdamW::step(float lr, float grad_scale) {
 
 void DistributedAdamW::gather_params() {
   const auto& buckets = buckets_->buckets();
-  float* params = store_->params().f32();
-  float* send = gather_send_.f32();
+  const Tensor& params = store_->params();
+  // The buckets' communicator: the same group as dp_ (checked in the constructor), over the memory the
+  // parameters live in (NCCL on GPUs, where dp_ carries only host scalars).
+  comm::Communicator& group = *buckets_->dp();
+  // One rank owns everything: its parameters are whole already.
+  const bool communicate = group.size() > 1;
   std::vector<comm::Request> requests(buckets.size());
   // Launch every bucket's all-gather, then finish them in order, converting each to bf16 while later ones
   // are still in flight.
-  for (size_t i = buckets.size(); i-- > 0;) {
+  int64_t send_offset = 0;
+  for (size_t i = buckets.size(); communicate && i-- > 0;) {
     const GradBucket& b = buckets[i];
     auto [lo, hi] = buckets_->owned_range(static_cast<int>(i));
-    // The send buffer must not alias the receive buffer (the bucket), so the own shard is staged.
-    std::memcpy(send, params + lo, static_cast<size_t>(hi - lo) * sizeof(float));
-    std::memset(send + (hi - lo), 0, static_cast<size_t>(b.shard_size - (hi - lo)) * sizeof(float));
-    float* recv = b.padded_size() == b.size() ? params + b.begin : gather_recv_.f32();
-    requests[i] = dp_->all_gather(send, recv, b.shard_size, comm::Type::f32);
-    send += b.shard_size;
+    // The send buffer must not alias the receive buffer (the bucket), so the own shard is staged (in the
+    // device's stream order, which the communicator waits for).
+    Tensor send = gather_send_.view(send_offset, {b.shard_size});
+    send.view(0, {hi - lo}).copy_from(params.view(lo, {hi - lo}));
+    send.view(hi - lo, {b.shard_size - (hi - lo)}).fill_zero();
+    float* recv = b.padded_size() == b.size() ? params.f32() + b.begin : gather_recv_.f32();
+    requests[i] = group.all_gather(send.f32(), recv, b.shard_size, comm::Type::f32);
+    send_offset += b.shard_size;
   }
   for (size_t i = buckets.size(); i-- > 0;) {
     const GradBucket& b = buckets[i];
-    requests[i].wait();
-    if (b.padded_size() != b.size())
-      std::memcpy(params + b.begin, gather_recv_.f32(), static_cast<size_t>(b.size()) * sizeof(float));
+    if (communicate) {
+      requests[i].wait();
+      if (b.padded_size() != b.size()) params.view(b.begin, {b.size()}).copy_from(gather_recv_.view(0, {b.size()}));
+    }
     if (store_->has_bf16())
-      convert_f32_to_bf16(params + b.begin, store_->params_bf16().bf16() + b.begin,
-                          static_cast<size_t>(b.size()));
+      ops::convert_to_bf16(params.f32() + b.begin, store_->params_bf16().bf16() + b.begin, b.size(),
+                           store_->device());
   }
 }
 

@@ -6,6 +6,9 @@
 // holds the whole model again, and refreshes the bf16 shadow. Unsharded: every rank owns everything (the
 // gradients were all-reduced) and the update is exactly forge::AdamW's.
 //
+// On a device (GPUs) the state lives in device memory: the all-gathers run over the gradient buckets'
+// communicator (NCCL), and only host scalars (the norm's sums) go over `dp` and `model_parallel` (MPI).
+//
 // The gradient norm counts each element of the model once: over the owned ranges, only parameters whose
 // ShardSpec is primary (a replicated copy on a higher tensor-parallel rank is skipped), summed over dp
 // when sharded and over the model-parallel group (tp x pp ranks holding different parts) always.

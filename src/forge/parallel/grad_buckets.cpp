@@ -2,9 +2,9 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 #include <string_view>
 
+#include "forge/core/device.h"
 #include "forge/core/error.h"
 
 namespace forge::parallel {
@@ -34,12 +34,11 @@ GradBuckets::GradBuckets(nn::ParameterStore* store, comm::Communicator* dp, Buck
     fail("gradient buckets over a parameter store built without gradients (inference)");
   if (options.bucket_bytes <= 0)
     fail("gradient bucket size must be positive, got {} bytes", options.bucket_bytes);
-  // Gradients on a device reduce in place over a communicator of device memory; the sharded path stages
-  // through host copies and stays on the CPU for now.
-  if (store->device() != Device::cpu &&
-      (options.shard || std::string_view(dp->backend()) == "mpi"))
-    fail("gradient buckets over device memory need an nccl (or one-rank) communicator and no sharding; got {}{}",
-         dp->backend(), options.shard ? " with sharding" : "");
+  // Gradients on a device reduce over a communicator of device memory (NCCL, or the one-rank one): MPI here
+  // would be handed device pointers.
+  if (store->device() != Device::cpu && std::string_view(dp->backend()) == "mpi")
+    fail("gradient buckets over {} memory need an nccl (or one-rank) communicator, got {}",
+         device_name(store->device()), dp->backend());
   const int64_t n = store->numel();
   const int shards = options.shard ? dp->size() : 1;
   const int64_t bucket_elements = round_up(
@@ -60,8 +59,8 @@ GradBuckets::GradBuckets(nn::ParameterStore* store, comm::Communicator* dp, Buck
     buckets_.push_back(b);
   }
   if (options.shard) {
-    reduced_ = Tensor::zeros({reduced_total}, DType::f32);
-    if (padded_size > 0) padded_ = Tensor::zeros({padded_size}, DType::f32);
+    reduced_ = Tensor::zeros({reduced_total}, DType::f32, store->device());
+    if (padded_size > 0) padded_ = Tensor::zeros({padded_size}, DType::f32, store->device());
   }
   in_flight_.resize(buckets_.size());
 }
@@ -154,17 +153,20 @@ void GradBuckets::launch(int bucket) {
   f.launched = true;
   ++launched_;
   float* grads = store_->grads().f32();
+  // One rank: the sum over dp is the bucket itself, already in place (and a device bucket must not reach the
+  // one-rank communicator's host copy).
+  if (dp_->size() == 1) return;
   if (!options_.shard) {
     f.request = dp_->all_reduce(grads + b.begin, b.size(), comm::Type::f32, comm::ReduceOp::sum);
     return;
   }
   const float* send = grads + b.begin;
   if (b.padded_size() != b.size()) {
-    // Reduce-scatter needs dp equal blocks: stage the bucket with a zero tail.
-    float* staged = padded_.f32();
-    std::memcpy(staged, send, static_cast<size_t>(b.size()) * sizeof(float));
-    std::memset(staged + b.size(), 0, static_cast<size_t>(b.padded_size() - b.size()) * sizeof(float));
-    send = staged;
+    // Reduce-scatter needs dp equal blocks: stage the bucket with a zero tail (in stream order on a device:
+    // the communicator waits for the device's queued work before it starts).
+    padded_.view(0, {b.size()}).copy_from(store_->grads().view(b.begin, {b.size()}));
+    padded_.view(b.size(), {b.padded_size() - b.size()}).fill_zero();
+    send = padded_.f32();
   }
   f.request = dp_->reduce_scatter(send, reduced_.f32() + shard_offsets_[bucket], b.shard_size,
                                   comm::Type::f32, comm::ReduceOp::sum);
@@ -181,11 +183,10 @@ void GradBuckets::poll() {
 
 void GradBuckets::complete(int bucket) {
   in_flight_[bucket].completed = true;
-  if (!options_.shard) return;
+  if (!options_.shard || dp_->size() == 1) return;
   // The bucket's gradients are final and its send has completed: the reduced shard may replace them.
   auto [lo, hi] = owned_range(bucket);
-  std::memcpy(store_->grads().f32() + lo, reduced_.f32() + shard_offsets_[bucket],
-              static_cast<size_t>(hi - lo) * sizeof(float));
+  if (hi > lo) store_->grads().view(lo, {hi - lo}).copy_from(reduced_.view(shard_offsets_[bucket], {hi - lo}));
 }
 
 }  // namespace forge::parallel

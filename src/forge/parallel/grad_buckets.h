@@ -11,6 +11,10 @@
 // of shard r of every bucket (its owned ranges); elsewhere its gradient buffer keeps its local values.
 // Without shard, buckets are all-reduced in place and every rank owns the whole buffer.
 //
+// Gradients in device memory reduce over a communicator of that memory (NCCL); the staging copies run in the
+// device's stream order, which the communicator waits for before it starts. With one dp rank nothing is
+// communicated at all: the bucket already holds its sum.
+//
 // Use, per optimizer step, during the backward of the last micro-batch (gradients of earlier micro-batches
 // are accumulated locally first):
 //   begin_step(); ... ready_from(offset) after each layer's weight gradients ...; ready_from(0); finish();

@@ -165,7 +165,7 @@ TrainResult Trainer::run() {
   const Device device = device_from_name(c.train.device);
   const bool on_gpu = device != Device::cpu;
   // GPUs: one per process, the local rank's. Device buffers (tensor-parallel activations and gradients,
-  // data-parallel gradient buckets) go over NCCL communicators of the tp and dp groups; host buffers (scalars,
+  // data-parallel gradient buckets, ZeRO-1's parameter all-gathers) go over NCCL communicators of the tp and dp groups; host buffers (scalars,
   // flags, per-row loss statistics, FP8 amaxes, checkpoints' host copies) still go over MPI.
   std::unique_ptr<comm::Communicator> dp_nccl, tp_nccl, dp_self;
   if (on_gpu) {
@@ -175,10 +175,6 @@ TrainResult Trainer::run() {
     if (layout.pp() > 1 || layout.cp() > 1 || layout.ep() > 1)
       fail("{}: train.device = {} supports tensor and data parallelism only for now ({})", c.source,
            c.train.device, layout.describe());
-    if (c.parallel.distributed_optimizer)
-      fail("{}: parallel.distributed_optimizer (ZeRO-1) runs on the CPU backend only for now; with train.device = "
-           "{} the optimizer state is replicated: set it to false",
-           c.source, c.train.device);
     if (c.fp8.recipe != "off" && c.data.seq_len % 16 != 0)
       fail("{}: data.seq_len = {} must be a multiple of 16 for FP8 on {} (FP8 tensor cores read token counts in "
            "multiples of 16)",

@@ -1,5 +1,5 @@
 // `forge train` with train.device = cuda against the same run on the CPU, and a GPU run interrupted and
-// resumed: the toy run of toy_run.h (2 layers of hidden 32, head_dim 8, byte vocabulary). The GPU's attention
+// resumed (also under ZeRO-1): the toy run of toy_run.h (2 layers of hidden 32, head_dim 8, byte vocabulary). The GPU's attention
 // rounds its tensor-core operands to bf16, which moves each loss by ~1e-3 relative at most (see
 // tests/models/cuda/llama_cuda_test.cpp); the GPU kernels are deterministic, so a resumed GPU run repeats the
 // uninterrupted one bit for bit. Skipped without a usable GPU.
@@ -62,6 +62,32 @@ TEST_F(TrainerCuda, ResumedRunRepeatsTheLossesBitwise) {
   ASSERT_EQ(b.losses.size(), 3u);
   for (size_t i = 0; i < 3; ++i) EXPECT_EQ(b.losses[i], full.losses[3 + i]) << "step " << 3 + i;
   EXPECT_EQ(b.heldout_loss, full.heldout_loss);
+}
+
+// ZeRO-1 on one GPU: the optimizer's sharded path (device shards, bf16 refresh per bucket, checkpoint staging
+// of the sharded state) with one owner of everything updates exactly as the replicated optimizer, and an
+// interrupted sharded run resumes onto the same losses.
+TEST_F(TrainerCuda, ShardedOptimizerOnOneGpuIsThePlainOneAndResumes) {
+  const TrainResult plain = Trainer(config("plain", "cuda")).run();
+  TrainConfig zero = config("zero", "cuda");
+  zero.parallel.distributed_optimizer = true;
+  zero.parallel.bucket_mb = 0.01;  // several buckets
+  Trainer first(zero);
+  first.on_step([](int64_t step) {
+    if (step == 3) Trainer::stop_flag() = true;
+  });
+  const TrainResult a = first.run();
+  ASSERT_TRUE(a.interrupted);
+  ASSERT_EQ(a.losses.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(a.losses[i], plain.losses[i]) << "step " << i;
+    EXPECT_EQ(a.grad_norms[i], plain.grad_norms[i]) << "step " << i;
+  }
+  zero.checkpoint.resume = "auto";
+  const TrainResult b = Trainer(zero).run();
+  ASSERT_EQ(b.losses.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(b.losses[i], plain.losses[3 + i]) << "step " << 3 + i;
+  EXPECT_EQ(b.heldout_loss, plain.heldout_loss);
 }
 
 }  // namespace
