@@ -3,18 +3,24 @@
 // whole tensor, 1x128 tiles along either dimension, 128x128 blocks), then multiplied in double. Also: the
 // delayed recipe's scales follow the recorded amaxes step to step, the FP8 weight is cast once per weight
 // version, inputs saved in the GEMM dtype give the same gradients as inputs saved in FP8, and what the saved
-// operands cost in bytes.
+// operands cost in bytes. The current recipe, whose scales now live in the operands' device memory, is
+// checked bitwise against the host-scale ops it used before (amax on the host, compute_scale, the cast and
+// GEMMs with host values), with a tensor-parallel group max-reducing the weight's amax.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cfloat>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
 #include "forge/core/dtype.h"
 #include "forge/fp8/scaling.h"
+#include "forge/kernels/ops.h"
 #include "forge/nn/fp8_context.h"
 #include "forge/nn/linear.h"
+#include "forge/nn/tensor_parallel.h"
 
 namespace forge::nn {
 namespace {
@@ -108,7 +114,8 @@ struct Fixture {
   Linear linear;
   std::vector<float> w, x, dy;
 
-  explicit Fixture(Fp8Options options, DType gemm_dtype = DType::f32) : context(options) {
+  explicit Fixture(Fp8Options options, DType gemm_dtype = DType::f32, TensorParallel* tp = nullptr)
+      : context(options) {
     store.add("w", {kOut, kIn}, true, Init::normal);
     store.allocate(gemm_dtype == DType::bf16);
     w = random_matrix(kOut * kIn, 0.05f, 1, false);
@@ -117,6 +124,7 @@ struct Fixture {
     ComputeOptions compute;
     compute.gemm_dtype = gemm_dtype;
     compute.fp8 = &context;
+    compute.tp = tp;
     linear = Linear(&store, 0, 1, kIn, compute);
     context.seal();
     x = random_matrix(kRows * kIn, 1.0f, 2, true);
@@ -266,11 +274,13 @@ TEST_P(Fp8LinearSavedInputs, GemmDtypeInputsGiveTheSameGradientsAndCostMore) {
   Fixture a(saved_fp8), b(saved_high);  // fp32 GEMM dtype: the re-cast reads the exact input
   const Fixture::Result ra = a.step(), rb = b.step();
   for (int64_t i = 0; i < kOut * kIn; ++i) ASSERT_EQ(ra.dw[static_cast<size_t>(i)], rb.dw[static_cast<size_t>(i)]);
-  // FP8 codes: one byte per element (plus tile scales under the block recipe); fp32: four.
+  // FP8 codes: one byte per element (plus tile scales under the block recipe); fp32: four. The current recipe
+  // keeps amax, scale and scale_inv (three floats) with either.
   const int64_t elements = kRows * kIn;
-  EXPECT_EQ(rb.saved_input_bytes, 4 * elements);
+  const int64_t scales = GetParam() == Recipe::current ? kScaleFloats * 4 : 0;
+  EXPECT_EQ(rb.saved_input_bytes, 4 * elements + scales);
   const int64_t tiles = GetParam() == Recipe::block ? kIn * ((kRows + 127) / 128) * 4 : 0;
-  EXPECT_EQ(ra.saved_input_bytes, elements + tiles);
+  EXPECT_EQ(ra.saved_input_bytes, elements + tiles + scales);
 }
 
 INSTANTIATE_TEST_SUITE_P(Recipes, Fp8LinearSavedInputs,
@@ -286,6 +296,147 @@ TEST(Fp8Linear, LimitedAccumulatorChangesTheResultSlightly) {
   const double err = relative_error(rb.y.f32(), want);
   EXPECT_GT(err, 0.0);
   EXPECT_LT(err, 1e-2);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The current recipe against the host-scale path it replaced, bit for bit.
+
+// A tensor-parallel group of two ranks as the weight cast sees it: all_reduce_max folds in the other rank's
+// amax; everything else is unused here.
+class FakeTensorParallel : public TensorParallel {
+ public:
+  explicit FakeTensorParallel(float other_amax) : other_amax_(other_amax) {}
+  int rank() const override { return 0; }
+  int size() const override { return 2; }
+  bool sequence_parallel() const override { return false; }
+  void all_reduce_sum(float*, int64_t, Device) override { ADD_FAILURE() << "all_reduce_sum"; }
+  void all_reduce_max(float* buf, int64_t count, Device where) override {
+    EXPECT_EQ(count, 1);
+    EXPECT_EQ(where, Device::cpu);  // the Linears' device: device memory on a GPU
+    buf[0] = std::isnan(buf[0]) ? buf[0] : std::max(buf[0], other_amax_);
+    ++calls;
+  }
+  void all_gather(const float*, float*, int64_t, Device) override { ADD_FAILURE() << "all_gather"; }
+  Tensor all_gather_rows(const Tensor& shard) override { return shard; }
+  Tensor reduce_scatter_rows(const Tensor& full) override { return full; }
+  int calls = 0;
+
+ private:
+  float other_amax_;
+};
+
+struct HostScaleCast {
+  std::vector<uint8_t> q, q_t;
+  float scale_inv = 1.0f;
+};
+
+// Today's path before the change: amax on the host, compute_scale, the cast with that host scale.
+HostScaleCast host_scale_cast(const std::vector<float>& x, int64_t rows, int64_t cols, DType dtype,
+                              int margin, float other_amax = 0.0f) {
+  float amax = ops::amax(x.data(), rows * cols);
+  if (!std::isnan(amax)) amax = std::max(amax, other_amax);
+  const float scale = fp8::compute_scale(amax, fp8::fp8_max(dtype), margin, 1.0f);
+  HostScaleCast r;
+  r.q.resize(x.size()), r.q_t.resize(x.size());
+  ops::Fp8CastParams p;
+  p.rows = rows, p.cols = cols, p.x = x.data(), p.fp8 = dtype, p.scale = scale, p.q = r.q.data(),
+  p.q_t = r.q_t.data();
+  ops::fp8_cast_transpose(p);
+  r.scale_inv = 1.0f / scale;
+  return r;
+}
+
+// C [m, n] = A [m, k] B [n, k]^T (+ beta * 0, as the weight gradient accumulates) with host scale values.
+std::vector<float> host_scale_gemm(const HostScaleCast& a, const std::vector<uint8_t>& a_codes, DType a_dtype,
+                                   const HostScaleCast& b, const std::vector<uint8_t>& b_codes, DType b_dtype,
+                                   int64_t m, int64_t n, int64_t k, float beta = 0.0f) {
+  std::vector<float> c(static_cast<size_t>(m * n), 0.0f);
+  ops::Fp8GemmParams p;
+  p.m = m, p.n = n, p.k = k;
+  p.a = a_codes.data(), p.lda = k, p.a_dtype = a_dtype;
+  p.b = b_codes.data(), p.ldb = k, p.trans_b = true, p.b_dtype = b_dtype;
+  p.c = c.data(), p.ldc = n, p.beta = beta;
+  p.a_scale_inv = a.scale_inv, p.b_scale_inv = b.scale_inv;
+  ops::fp8_gemm(p);
+  return c;
+}
+
+void expect_same_bits(const float* got, const std::vector<float>& want, const std::string& what) {
+  size_t bad = 0, first = 0;
+  for (size_t i = 0; i < want.size(); ++i)
+    if (std::bit_cast<uint32_t>(got[i]) != std::bit_cast<uint32_t>(want[i]) && bad++ == 0) first = i;
+  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << want.size() << " differ; first at " << first << ": "
+                     << got[first] << " vs " << want[first];
+}
+
+struct CurrentCase {
+  int margin = 0;
+  bool save_fp8_inputs = true;
+  int special = 0;  // 1: a NaN in x; 2: dy all zero (amax 0); 3: a weight amax from the other tp rank
+};
+
+void check_current_against_host_scales(const CurrentCase& c) {
+  Fp8Options options = options_for(Recipe::current);
+  options.recipe.margin = c.margin;
+  options.save_fp8_inputs = c.save_fp8_inputs;
+  const float other_amax = c.special == 3 ? 7.5f : 0.0f;  // W's own amax is ~0.25
+  FakeTensorParallel tp(other_amax);
+  Fixture f(options, DType::f32, c.special == 3 ? &tp : nullptr);
+  if (c.special == 1) f.x[kIn * 3 + 5] = std::numeric_limits<float>::quiet_NaN();
+  if (c.special == 2) std::fill(f.dy.begin(), f.dy.end(), 0.0f);
+  const Fixture::Result r = f.step();
+  const std::string what = "margin " + std::to_string(c.margin) +
+                           (c.save_fp8_inputs ? " fp8 inputs" : " fp32 inputs") + " case " +
+                           std::to_string(c.special);
+  if (c.special == 3) {
+    EXPECT_EQ(tp.calls, 1) << what;
+  }
+
+  const DType e4 = DType::e4m3, e5 = DType::e5m2;
+  const HostScaleCast x = host_scale_cast(f.x, kRows, kIn, e4, c.margin);
+  const HostScaleCast w = host_scale_cast(f.w, kOut, kIn, e4, c.margin, other_amax);
+  const HostScaleCast dy = host_scale_cast(f.dy, kRows, kOut, e5, c.margin);
+  expect_same_bits(r.y.f32(), host_scale_gemm(x, x.q, e4, w, w.q, e4, kRows, kOut, kIn), what + ": y");
+  expect_same_bits(r.dx.f32(), host_scale_gemm(dy, dy.q, e5, w, w.q_t, e4, kRows, kIn, kOut), what + ": dx");
+  expect_same_bits(r.dw.data(), host_scale_gemm(dy, dy.q_t, e5, x, x.q_t, e4, kOut, kIn, kRows, 1.0f),
+                   what + ": dw");
+  // The weight's codes and scales where the GEMMs read them.
+  const Fp8Weight& fw = f.context.weight(0);
+  EXPECT_EQ(0, std::memcmp(fw.q.data<uint8_t>(), w.q.data(), w.q.size())) << what;
+  EXPECT_EQ(std::bit_cast<uint32_t>(fw.scales.f32()[kScaleInv]), std::bit_cast<uint32_t>(w.scale_inv))
+      << what;
+  EXPECT_EQ(1.0f / fw.scales.f32()[kScale], w.scale_inv) << what;
+}
+
+TEST(Fp8LinearCurrentScaling, BitwiseTheHostScalePath) { check_current_against_host_scales({}); }
+TEST(Fp8LinearCurrentScaling, BitwiseWithMargin) { check_current_against_host_scales({.margin = 3}); }
+TEST(Fp8LinearCurrentScaling, BitwiseWithInputsRecastInBackward) {
+  check_current_against_host_scales({.margin = 1, .save_fp8_inputs = false});
+}
+TEST(Fp8LinearCurrentScaling, BitwiseWithANaNInput) { check_current_against_host_scales({.special = 1}); }
+TEST(Fp8LinearCurrentScaling, BitwiseWithAZeroGradient) {
+  check_current_against_host_scales({.save_fp8_inputs = false, .special = 2});
+}
+TEST(Fp8LinearCurrentScaling, WeightAmaxIsReducedOverTheTensorParallelGroup) {
+  check_current_against_host_scales({.margin = 2, .special = 3});
+}
+
+// The operand carries its scales as a small tensor on its device; the host floats stay those of a delayed
+// cast.
+TEST(Fp8LinearCurrentScaling, OperandsCarryTheirScalesOnTheirDevice) {
+  Fixture f(options_for(Recipe::current));
+  Tensor xt = to_tensor(f.x, {kRows, kIn});
+  const GemmOperand xo = f.linear.input(xt);
+  ASSERT_TRUE(xo.scales.defined());
+  EXPECT_EQ(xo.scales.numel(), kScaleFloats);
+  EXPECT_EQ(xo.scales.device(), Device::cpu);
+  float amax = 0;
+  for (float v : f.x) amax = std::max(amax, std::fabs(v));
+  EXPECT_EQ(xo.scales.f32()[kAmax], amax);
+  EXPECT_EQ(xo.scales.f32()[kScale], fp8::compute_scale(amax, 448.0f, 0, 1.0f));
+  EXPECT_EQ(xo.scales.f32()[kScaleInv], 1.0f / xo.scales.f32()[kScale]);
+  Fixture d(options_for(Recipe::delayed));
+  EXPECT_FALSE(d.linear.input(xt).scales.defined());
 }
 
 TEST(Fp8Context, RefusesBadOptionsAndLateRegistration) {

@@ -97,8 +97,9 @@ struct Fp8GemmParams {
   float a_scale_inv = 1.0f, b_scale_inv = 1.0f;  // per_tensor
   // per_tensor, optional: where set, the operand's scale_inv is this float in memory of the op's device, read
   // where the op runs (in stream order on a GPU), in place of the host value above. A scale computed on a GPU
-  // (current scaling: Fp8CastParams::scale_inv_out) thus reaches the GEMM without a trip to the host. The host
-  // value must be finite (checked); a device value is not checked. Ignored under block scaling.
+  // (current scaling: Fp8CastParams::scale_inv_out) thus reaches the GEMM without a trip to the host. Host
+  // values must be finite (checked); a value behind a pointer is checked only on the CPU (on a GPU, reading
+  // it would wait for the device). Ignored under block scaling.
   const float* a_scale_inv_ptr = nullptr;
   const float* b_scale_inv_ptr = nullptr;
   const float* a_scales = nullptr;               // block: [m][kb]
@@ -266,14 +267,15 @@ struct AdamWParams {
 //                         *amax_accumulate (max, NaN-propagating; it must hold a value >= 0 or NaN) where the
 //                         op runs, without waiting for it: the return value is then unspecified. This is how
 //                         the delayed recipe gathers a step's amaxes on a GPU without a synchronisation per cast.
-//                         With amax_in (memory of the op's device, one float) the scale is computed where the op
-//                         runs, from the amax found there, as fp8::compute_scale(*amax_in, fp8_max(fp8), margin,
-//                         1.0f) (an amax of 0, inf or NaN gives 1), and `scale` is ignored: TransformerEngine's
-//                         current scaling without a host round trip (amax_to, then this cast). x's own amax is then
-//                         not computed: the return value is unspecified and nothing synchronises (amax_accumulate
-//                         still works). scale_out / scale_inv_out (memory of the op's device, optional) receive
-//                         the scale used and 1 / scale, whichever its source, for the GEMM
-//                         (Fp8GemmParams::a_scale_inv_ptr) and for later casts.
+//                         With amax_in (memory of the op's device, one float) the scale is computed where
+//                         the op runs, from the amax found there, as fp8::compute_scale(*amax_in,
+//                         fp8_max(fp8), margin, 1.0f) (an amax of 0, inf or NaN gives 1), and `scale` is
+//                         ignored: TransformerEngine's current scaling without a host round trip (amax_to,
+//                         then this cast). x's own amax is then not computed: the return value is unspecified
+//                         and nothing synchronises (amax_accumulate still works). scale_out / scale_inv_out
+//                         (memory of the op's device, optional) receive the scale used and 1 / scale,
+//                         whichever its source, for the GEMM (Fp8GemmParams::a_scale_inv_ptr) and for later
+//                         casts; they must not overlap amax_in. They are written for an empty x too.
 //   fp8_quantize_1x128    q with scale_inv [rows][ceil(cols/128)] (tiles of 128 along cols) and/or q_t [cols, rows]
 //                         with scale_inv_t [cols][ceil(rows/128)] (tiles of 128 along rows of x).
 //   fp8_quantize_128x128  q with scale_inv [ceil(rows/128)][ceil(cols/128)]; optionally q_t [cols, rows] with

@@ -43,6 +43,9 @@ struct Fp8Options {
 // Throws forge::Error naming the first bad field.
 void validate(const Fp8Options& options);
 
+// The floats of a current-scaling `scales` tensor (Fp8Weight::scales, GemmOperand::scales), in device memory.
+constexpr int64_t kAmax = 0, kScale = 1, kScaleInv = 2, kScaleFloats = 3;
+
 // A Linear's FP8 weight W [out, in]: its codes and how to read them back.
 struct Fp8Weight {
   uint64_t version = ~uint64_t{0};  // ParameterStore::version() of the master weights it was cast from
@@ -50,7 +53,10 @@ struct Fp8Weight {
   // [in, out]: the same codes transposed, from the same pass. The input gradient reads W [out, in] with K =
   // out running down its rows; tensor cores take only K-contiguous FP8 operands, so it reads q_t instead.
   Tensor q_t;
-  float scale = 1.0f, scale_inv = 1.0f;  // per-tensor recipes
+  float scale = 1.0f, scale_inv = 1.0f;  // delayed recipe (host values)
+  // Current recipe: [amax, scale, scale_inv] on the Linears' device (nn::kAmax, ...), computed there from the
+  // weight (its amax max-reduced over the tensor-parallel group) and read there by the GEMMs.
+  Tensor scales;
   Tensor block_scale_inv;           // block recipe: [ceil(out/128)][ceil(in/128)] (fp8/quantize.h)
   Tensor block_scale_inv_t;         // block recipe: q_t's, [ceil(in/128)][ceil(out/128)]
 };

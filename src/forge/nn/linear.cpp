@@ -12,11 +12,15 @@ using fp8::TensorRole;
 
 namespace {
 uint8_t* codes(const Tensor& t) { return t.data<uint8_t>(); }
+// A current-recipe scale_inv in device memory for the GEMM, or null (the host value then serves).
+const float* scale_inv_pointer(const Tensor& scales) {
+  return scales.defined() ? scales.f32() + kScaleInv : nullptr;
+}
 }  // namespace
 
 int64_t GemmOperand::bytes() const {
   int64_t total = 0;
-  for (const Tensor* t : {&data, &tiles, &data_t, &tiles_t, &high})
+  for (const Tensor* t : {&data, &tiles, &data_t, &tiles_t, &high, &scales})
     if (t->defined()) total += static_cast<int64_t>(t->bytes());
   return total;
 }
@@ -42,6 +46,7 @@ Linear::Linear(ParameterStore* store, int first_param, int param_count, int64_t 
     w.block_scale_inv = Tensor::empty({fp8::num_blocks(out_), fp8::num_blocks(in_)}, DType::f32, device_);
     w.block_scale_inv_t = Tensor::empty({fp8::num_blocks(in_), fp8::num_blocks(out_)}, DType::f32, device_);
   }
+  if (fp8_->recipe() == Recipe::current) w.scales = Tensor::empty({kScaleFloats}, DType::f32, device_);
 }
 
 Tensor Linear::weight(DType dtype) const {
@@ -68,29 +73,29 @@ const Fp8Weight& Linear::fp8_weight() const {
     cast.power_of_two_scales = rc.power_of_two_scales;
     cast.scale_inv = w.block_scale_inv.f32(), cast.scale_inv_t = w.block_scale_inv_t.f32();
     ops::fp8_quantize_128x128(cast, device_);
-  } else {
-    float scale = 1.0f;
-    if (rc.recipe == Recipe::delayed) {
-      scale = fp8_->delayed_scale(slot_, TensorRole::weight);
-    } else {
-      // Current scaling: every shard of a split weight takes the scale of the whole weight, so a layout
-      // computes what one process would.
-      float amax = ops::amax(master.f32(), master.numel(), device_);
-      if (tp_) tp_->all_reduce_max(&amax, 1, Device::cpu);
-      scale = fp8::compute_scale(amax, fp8::fp8_max(dtype), rc.margin, 1.0f);
-    }
+  } else if (rc.recipe == Recipe::delayed) {
+    const float scale = fp8_->delayed_scale(slot_, TensorRole::weight);
     cast.scale = scale;
-    if (rc.recipe == Recipe::delayed) cast.amax_accumulate = fp8_->amax_accumulator(slot_, TensorRole::weight);
+    cast.amax_accumulate = fp8_->amax_accumulator(slot_, TensorRole::weight);
     ops::fp8_cast_transpose(cast, device_);
     w.scale = scale, w.scale_inv = 1.0f / scale;
+  } else {
+    // Current scaling, in device memory: every shard of a split weight takes the scale of the whole weight
+    // (its amax max-reduced over the tensor-parallel group), so a layout computes what one process would.
+    float* scales = w.scales.f32();
+    ops::amax_to(master.f32(), master.numel(), scales + kAmax, device_);
+    if (tp_) tp_->all_reduce_max(scales + kAmax, 1, device_);
+    cast.amax_in = scales + kAmax, cast.margin = rc.margin;
+    cast.scale_out = scales + kScale, cast.scale_inv_out = scales + kScaleInv;
+    ops::fp8_cast_transpose(cast, device_);
   }
   w.version = store_->version();
   fp8_->count_weight_cast();
   return w;
 }
 
-GemmOperand Linear::quantize(const Tensor& x, int64_t cols, TensorRole role, bool with_rows, bool with_transpose,
-                             std::optional<float> fixed_scale) const {
+GemmOperand Linear::quantize(const Tensor& x, int64_t cols, TensorRole role, bool with_rows,
+                             bool with_transpose, const GemmOperand* scale_of) const {
   FORGE_CHECK(x.dtype() == DType::f32 && x.numel() % cols == 0,
               "FP8 Linear '{}': expected an fp32 operand of [*, {}], got {} {}", fp8_->linear_name(slot_), cols,
               dtype_name(x.dtype()), shape_string(x.shape()));
@@ -120,17 +125,30 @@ GemmOperand Linear::quantize(const Tensor& x, int64_t cols, TensorRole role, boo
     ops::fp8_quantize_1x128(cast, device_);
     return op;
   }
-  float scale = 1.0f;
-  if (fixed_scale)
-    scale = *fixed_scale;
-  else if (rc.recipe == Recipe::delayed)
-    scale = fp8_->delayed_scale(slot_, role);
-  else
-    scale = fp8::compute_scale(ops::amax(x.f32(), x.numel(), device_), fp8::fp8_max(dtype), rc.margin, 1.0f);
-  // One pass: the layouts asked for and the amax.
+  if (rc.recipe == Recipe::current) {
+    // Two passes in stream order, nothing back to the host: max |x| into device memory, then the cast, which
+    // computes the scale from it where it runs and writes scale and scale_inv beside it for the GEMMs. A
+    // re-cast takes the earlier cast's amax (the same amax gives the same scale) and its scale_inv.
+    cast.margin = rc.margin;
+    if (scale_of) {
+      FORGE_CHECK(scale_of->scales.defined(), "FP8 Linear '{}': the re-cast operand carries no scales",
+                  fp8_->linear_name(slot_));
+      op.scales = scale_of->scales;
+      cast.amax_in = op.scales.f32() + kAmax;
+    } else {
+      op.scales = Tensor::empty({kScaleFloats}, DType::f32, device_);
+      float* scales = op.scales.f32();
+      ops::amax_to(x.f32(), x.numel(), scales + kAmax, device_);
+      cast.amax_in = scales + kAmax;
+      cast.scale_out = scales + kScale, cast.scale_inv_out = scales + kScaleInv;
+    }
+    ops::fp8_cast_transpose(cast, device_);
+    return op;
+  }
+  // Delayed: the scale of the previous steps' history (host), and one pass giving the layouts and the amax.
+  const float scale = scale_of ? scale_of->scale : fp8_->delayed_scale(slot_, role);
   cast.scale = scale;
-  if (rc.recipe == Recipe::delayed && !fixed_scale && fp8_->recording())
-    cast.amax_accumulate = fp8_->amax_accumulator(slot_, role);
+  if (!scale_of && fp8_->recording()) cast.amax_accumulate = fp8_->amax_accumulator(slot_, role);
   ops::fp8_cast_transpose(cast, device_);
   op.scale = scale, op.scale_inv = 1.0f / scale;
   return op;
@@ -198,6 +216,7 @@ Tensor Linear::forward(GemmOperand& x) const {
     p.a_scales = x.tiles.f32(), p.b_scales = w.block_scale_inv.f32(), p.b_block = ops::Fp8BlockScales::block_128x128;
   } else {
     p.a_scale_inv = x.scale_inv, p.b_scale_inv = w.scale_inv;
+    p.a_scale_inv_ptr = scale_inv_pointer(x.scales), p.b_scale_inv_ptr = scale_inv_pointer(w.scales);
   }
   ops::fp8_gemm(p, device_);
   keep_for_backward(x);
@@ -231,6 +250,7 @@ Tensor Linear::backward_input(GemmOperand& dy) const {
     p.b_block = ops::Fp8BlockScales::block_128x128;
   } else {
     p.a_scale_inv = dy.scale_inv, p.b_scale_inv = w.scale_inv;
+    p.a_scale_inv_ptr = scale_inv_pointer(dy.scales), p.b_scale_inv_ptr = scale_inv_pointer(w.scales);
   }
   ops::fp8_gemm(p, device_);
   dy.data = dy.tiles = Tensor();  // the weight gradient reads the transposed copy
@@ -263,7 +283,7 @@ void Linear::backward_weight(const GemmOperand& dy, const GemmOperand& x) const 
     }
     const bool block = fp8_->recipe() == Recipe::block;
     recast = quantize(xf, in_, TensorRole::input, /*with_rows=*/false, /*with_transpose=*/true,
-                      block ? std::nullopt : std::optional<float>(x.scale));
+                      block ? nullptr : &x);
     xs = &recast;
   }
   FORGE_CHECK(dy.data_t.defined() && xs->data_t.defined(), "Linear::backward_weight: transposed operands missing");
@@ -280,6 +300,7 @@ void Linear::backward_weight(const GemmOperand& dy, const GemmOperand& x) const 
     p.a_scales = dy.tiles_t.f32(), p.b_scales = xs->tiles_t.f32(), p.b_block = ops::Fp8BlockScales::tile_1x128;
   } else {
     p.a_scale_inv = dy.scale_inv, p.b_scale_inv = xs->scale_inv;
+    p.a_scale_inv_ptr = scale_inv_pointer(dy.scales), p.b_scale_inv_ptr = scale_inv_pointer(xs->scales);
   }
   ops::fp8_gemm(p, device_);
 }

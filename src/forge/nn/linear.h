@@ -12,9 +12,14 @@
 // After forward, an input operand keeps only the column-wise copy the weight gradient reads; with
 // Fp8Options::save_fp8_inputs = false it keeps the GEMM-dtype tensor instead and is cast again in backward
 // with the forward's scale. The FP8 weight is cast once per weight version and shared (Fp8Context::weight).
+//
+// Where the per-tensor scales live: the delayed recipe's come from the host (the previous steps' history), so
+// they travel as host floats. The current recipe's come from the tensor itself, and on a GPU the host never
+// sees them: the amax is reduced into the operand's `scales` in device memory (ops::amax_to), the cast
+// computes the scale there and writes scale and scale_inv beside it, and the GEMMs read scale_inv from there
+// (ops::Fp8GemmParams::a_scale_inv_ptr), all in stream order, without a synchronisation per cast.
 #pragma once
 
-#include <optional>
 #include <string>
 
 #include "forge/nn/compute.h"
@@ -25,7 +30,8 @@ namespace forge::nn {
 
 struct GemmOperand {
   Tensor data;             // [rows, cols]: fp32 / bf16, or FP8 codes row-wise (block: 1x128 tiles along cols)
-  float scale = 1.0f, scale_inv = 1.0f;  // FP8 per-tensor recipes: codes * scale_inv is the value
+  float scale = 1.0f, scale_inv = 1.0f;  // FP8 delayed recipe: codes * scale_inv is the value
+  Tensor scales;  // FP8 current recipe: [amax, scale, scale_inv] on the operand's device (kAmax, kScale, ...)
   Tensor tiles;            // block: scale_inv of data's tiles [rows][ceil(cols/128)]
   Tensor data_t, tiles_t;  // FP8 column-wise: the transpose [cols, rows]; block: its 1x128 tiles along rows,
                            // scale_inv [cols][ceil(rows/128)]
@@ -66,9 +72,10 @@ class Linear {
   const Fp8Weight& fp8_weight() const;  // cast when the master weights changed since the last cast
   // x [rows, cols] to FP8 in the role's format: the row-wise codes (with_rows) and, under the block recipe,
   // the transposed tiles (with_transpose).
-  // fixed_scale: cast with this per-tensor scale (a re-cast in backward) instead of the recipe's.
-  GemmOperand quantize(const Tensor& x, int64_t cols, fp8::TensorRole role, bool with_rows, bool with_transpose,
-                       std::optional<float> fixed_scale = std::nullopt) const;
+  // scale_of: cast with the per-tensor scale of this earlier cast of the same tensor (a re-cast in backward)
+  // instead of the recipe's.
+  GemmOperand quantize(const Tensor& x, int64_t cols, fp8::TensorRole role, bool with_rows,
+                       bool with_transpose, const GemmOperand* scale_of = nullptr) const;
 
   ParameterStore* store_ = nullptr;
   int first_ = 0, count_ = 0;

@@ -31,6 +31,7 @@ void scale_inplace(float* x, float s, int64_t n);
 void convert_to_bf16(const float* x, uint16_t* y, int64_t n);
 void convert_to_f32(const uint16_t* x, float* y, int64_t n);
 float amax(const float* x, int64_t n);
+void amax_to(const float* x, int64_t n, float* out);
 float fp8_cast_transpose(const ops::Fp8CastParams& p);
 void fp8_quantize_1x128(const ops::Fp8CastParams& p);
 void fp8_quantize_128x128(const ops::Fp8CastParams& p);

@@ -26,6 +26,7 @@ const OpTable& cpu_table() {
       cpu::convert_to_bf16,
       cpu::convert_to_f32,
       cpu::amax,
+      cpu::amax_to,
       cpu::fp8_cast_transpose,
       cpu::fp8_quantize_1x128,
       cpu::fp8_quantize_128x128,

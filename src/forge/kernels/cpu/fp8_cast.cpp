@@ -7,6 +7,7 @@
 
 #include "forge/core/dtype.h"
 #include "forge/fp8/quantize.h"
+#include "forge/fp8/scaling.h"
 #include "forge/kernels/cpu/cpu_kernels.h"
 
 namespace forge::cpu {
@@ -14,6 +15,12 @@ namespace forge::cpu {
 void convert_to_bf16(const float* x, uint16_t* y, int64_t n) { convert_f32_to_bf16(x, y, static_cast<size_t>(n)); }
 void convert_to_f32(const uint16_t* x, float* y, int64_t n) { convert_bf16_to_f32(x, y, static_cast<size_t>(n)); }
 float amax(const float* x, int64_t n) { return fp8::compute_amax(x, n); }
+
+void amax_to(const float* x, int64_t n, float* out) {
+  FORGE_CHECK(n >= 0 && out && (n == 0 || x), "amax_to: bad arguments (n = {}, x {}, out {})", n,
+              x ? "set" : "null", out ? "set" : "null");
+  *out = fp8::compute_amax(x, n);
+}
 
 namespace {
 float cast_transpose_amax(const ops::Fp8CastParams& p) {
@@ -27,8 +34,15 @@ float cast_transpose_amax(const ops::Fp8CastParams& p) {
 
 float fp8_cast_transpose(const ops::Fp8CastParams& p) {
   FORGE_CHECK(p.q || p.q_t, "fp8_cast_transpose: neither output is given");
-  const float amax = cast_transpose_amax(p);
+  ops::Fp8CastParams cast = p;
+  if (p.amax_in) {  // current scaling: the scale from an amax in (here: host) memory, as the GPU computes it
+    FORGE_CHECK(p.margin >= 0, "fp8_cast_transpose: negative margin {}", p.margin);
+    cast.scale = fp8::compute_scale(*p.amax_in, fp8::fp8_max(p.fp8), p.margin, 1.0f);
+  }
+  const float amax = cast_transpose_amax(cast);
   if (float* acc = p.amax_accumulate) *acc = std::isnan(*acc) || std::isnan(amax) ? NAN : std::max(*acc, amax);
+  if (p.scale_out) *p.scale_out = cast.scale;
+  if (p.scale_inv_out) *p.scale_inv_out = 1.0f / cast.scale;
   return amax;
 }
 

@@ -92,7 +92,13 @@ void check(const ops::Fp8GemmParams& p) {
 
 }  // namespace
 
-void fp8_gemm(const ops::Fp8GemmParams& p) {
+void fp8_gemm(const ops::Fp8GemmParams& params) {
+  // Scales behind pointers (host memory here) become the values they hold, then everything is as for values.
+  ops::Fp8GemmParams p = params;
+  if (p.scaling == ops::Fp8Scaling::per_tensor) {
+    if (p.a_scale_inv_ptr) p.a_scale_inv = *p.a_scale_inv_ptr;
+    if (p.b_scale_inv_ptr) p.b_scale_inv = *p.b_scale_inv_ptr;
+  }
   check(p);
   const int64_t m = p.m, n = p.n, k = p.k;
   const int64_t a_cols = p.trans_a ? m : k, b_cols = p.trans_b ? k : n;

@@ -43,9 +43,11 @@ void attention_backward(const ops::AttentionParams& p);
 void linear_cross_entropy_forward(const ops::LinearCrossEntropyParams& p);
 void linear_cross_entropy_backward(const ops::LinearCrossEntropyParams& p);
 
-// FP8 casts (fp8_cast.cu): amax, per-tensor cast + transpose + amax, 1x128 and 128x128 block quantisation,
-// every code and scale bitwise the CPU's (fp8/quantize.h).
+// FP8 casts (fp8_cast.cu): amax (to the host, or into device memory without a synchronisation), per-tensor
+// cast + transpose + amax (with a host scale or one computed on the device from an amax there), 1x128 and
+// 128x128 block quantisation, every code and scale bitwise the CPU's (fp8/quantize.h, fp8/scaling.h).
 float amax(const float* x, int64_t n);
+void amax_to(const float* x, int64_t n, float* out);
 float fp8_cast_transpose(const ops::Fp8CastParams& p);
 void fp8_quantize_1x128(const ops::Fp8CastParams& p);
 void fp8_quantize_128x128(const ops::Fp8CastParams& p);

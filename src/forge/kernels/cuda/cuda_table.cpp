@@ -27,6 +27,7 @@ const OpTable& cuda_table() {
       cuda::convert_to_bf16,
       cuda::convert_to_f32,
       cuda::amax,
+      cuda::amax_to,
       cuda::fp8_cast_transpose,
       cuda::fp8_quantize_1x128,
       cuda::fp8_quantize_128x128,

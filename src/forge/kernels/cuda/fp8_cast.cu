@@ -12,6 +12,11 @@
 // x is read from memory once per cast. Per-tensor casts without q_t need no tile and run an element-wise
 // kernel; amax runs its own reduction.
 //
+// Current scaling stays in stream order: amax_to reduces max |x| into device memory (a memset and one
+// kernel), and the per-tensor cast that follows takes its scale from there (TensorScale): every CTA reads the
+// one float and computes compute_scale's quotient itself, which costs less than a kernel between the two, and
+// CTA 0 writes the scale and its inverse for the GEMM. Nothing comes back to the host.
+//
 // amax is kept as the integer max of |x|'s bit patterns (fp8_convert.cuh): exact, NaN-propagating, and
 // independent of the order of evaluation, so the device-wide max through atomicMax on an unsigned word is
 // deterministic. No floating-point atomics are used.
@@ -50,6 +55,17 @@ constexpr int kUnroll = 4;
 
 enum class TileScaling { per_tensor, tile_1x128, block_128x128 };
 
+// Where a per-tensor cast takes its scale: the host's `scale`, or, with amax_in, the scale of the amax in
+// device memory (ops::Fp8CastParams::amax_in). scaled_max = ldexp(fp8_max, -margin) comes from the host,
+// computed as fp8::compute_scale computes it, so the device's quotient is the CPU's bit for bit.
+struct TensorScale {
+  float scale;
+  const float* amax_in;
+  float scaled_max;
+  float* scale_out;      // optional: the scale used
+  float* scale_inv_out;  // optional: its inverse
+};
+
 struct TileArgs {
   const float* x;
   int64_t rows, cols, row_blocks, col_blocks;
@@ -57,19 +73,20 @@ struct TileArgs {
   uint8_t* q_t;
   float* scale_inv;
   float* scale_inv_t;
-  float scale;  // per_tensor
+  TensorScale tensor_scale;  // per_tensor
   bool power_of_two;
   // float4 loads of x, uint32 stores of q / q_t (shapes and alignment checked on the host).
   bool vector_x, vector_q, vector_q_t;
   Fp8Encoding encoding;
-  unsigned* amax;  // per_tensor: the device-wide max of |x| bits
+  unsigned* amax;  // per_tensor, optional: the device-wide max of |x| bits
 };
 
 __device__ __forceinline__ uint32_t pack4(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3) {
   return c0 | (c1 << 8) | (c2 << 16) | (c3 << 24);
 }
 
-// Folds one value per thread of a block of kThreads (= kTileThreads) into *amax. Every thread must call it.
+// Folds one value per thread of a block of kThreads (= kTileThreads) into *amax. Every thread must call it. A
+// NaN is folded as the CPU's quiet NaN, so that an amax in device memory (amax_to) is the CPU's bit for bit.
 __device__ __forceinline__ void block_max_to_global(uint32_t value, unsigned* amax) {
   __shared__ uint32_t warp_max[kThreads / detail::kWarpSize];
   value = __reduce_max_sync(0xffffffffu, value);
@@ -79,8 +96,20 @@ __device__ __forceinline__ void block_max_to_global(uint32_t value, unsigned* am
     uint32_t total = 0;
 #pragma unroll
     for (int w = 0; w < kThreads / detail::kWarpSize; ++w) total = max(total, warp_max[w]);
-    atomicMax(amax, total);
+    atomicMax(amax, total > detail::kFloatInfBits ? detail::kQuietNanBits : total);
   }
+}
+
+// A per-tensor cast's scale (every thread of every CTA; the amax is one float, read through the cache). CTA 0
+// writes the outputs, which the caller keeps apart from amax_in, so no CTA can read a half-updated value.
+__device__ __forceinline__ float resolve_scale(const TensorScale& t) {
+  const float s =
+      t.amax_in ? detail::scale_from_amax_bits(__float_as_uint(*t.amax_in), t.scaled_max, false) : t.scale;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    if (t.scale_out) *t.scale_out = s;
+    if (t.scale_inv_out) *t.scale_inv_out = detail::inverse(s);
+  }
+  return s;
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -110,10 +139,11 @@ __global__ void __launch_bounds__(kThreads)
   block_max_to_global(m, amax);
 }
 
-// Per-tensor q = fp8(x * scale) over a flat array (no transpose), and the amax.
+// Per-tensor q = fp8(x * scale) over a flat array (no transpose), and the amax when asked (amax not null).
 __global__ void __launch_bounds__(kThreads)
-    cast_kernel(const float* __restrict__ x, int64_t n, float scale, Fp8Encoding e, bool vector,
-                uint8_t* __restrict__ q, unsigned* __restrict__ amax) {
+    cast_kernel(const float* __restrict__ x, int64_t n, const TensorScale tensor_scale, Fp8Encoding e,
+                bool vector, uint8_t* __restrict__ q, unsigned* __restrict__ amax) {
+  const float scale = resolve_scale(tensor_scale);
   const int64_t stride = int64_t{gridDim.x} * blockDim.x;
   const int64_t tid = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   uint32_t m = 0;
@@ -147,7 +177,7 @@ __global__ void __launch_bounds__(kThreads)
     m = max(m, detail::abs_bits(v));
     q[i] = static_cast<uint8_t>(detail::encode_product(v, scale, e));
   }
-  block_max_to_global(m, amax);
+  if (amax) block_max_to_global(m, amax);  // the same for the whole grid: no divergent barrier
 }
 
 // The tiled casts (see the header comment). kRowwise writes q (and, for the block scalings, scale_inv);
@@ -171,6 +201,8 @@ __global__ void __launch_bounds__(kTileThreads, 2) tile_cast_kernel(const TileAr
   const int64_t rows = args.rows, cols = args.cols;
   const int64_t tiles = args.row_blocks * args.col_blocks;
   uint32_t running_amax = 0;  // per_tensor
+  float tensor_scale = 1.0f;
+  if constexpr (kScaling == TileScaling::per_tensor) tensor_scale = resolve_scale(args.tensor_scale);
 
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const int64_t rb = tile / args.col_blocks, kb = tile % args.col_blocks;
@@ -231,7 +263,7 @@ __global__ void __launch_bounds__(kTileThreads, 2) tile_cast_kernel(const TileAr
           m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
           m = max(m, __shfl_xor_sync(0xffffffffu, m, 2));
           m = max(m, __shfl_xor_sync(0xffffffffu, m, 4));
-          const float s = detail::block_scale(m, e.max, args.power_of_two);
+          const float s = detail::scale_from_amax_bits(m, e.max, args.power_of_two);
           const int r = 32 * i + 4 * warp + b;
           if (a == 0 && r < tr) args.scale_inv[(r0 + r) * args.col_blocks + kb] = detail::inverse(s);
 #pragma unroll
@@ -261,7 +293,7 @@ __global__ void __launch_bounds__(kTileThreads, 2) tile_cast_kernel(const TileAr
           uint32_t m = 0;
 #pragma unroll
           for (int w = 0; w < kTileWarps; ++w) m = max(m, column_partial[w * kTile + c]);
-          const float s = detail::block_scale(m, e.max, args.power_of_two);
+          const float s = detail::scale_from_amax_bits(m, e.max, args.power_of_two);
           column_scale[c] = s;
           if (c < tc) args.scale_inv_t[(c0 + c) * args.row_blocks + rb] = detail::inverse(s);
         }
@@ -278,7 +310,7 @@ __global__ void __launch_bounds__(kTileThreads, 2) tile_cast_kernel(const TileAr
       }
     } else {
       // One scale for the whole tile: the per-tensor scale, or the 128x128 block's.
-      float s = args.scale;
+      float s = tensor_scale;
       if constexpr (kTileScale) {
         uint32_t m = 0;
 #pragma unroll
@@ -293,7 +325,7 @@ __global__ void __launch_bounds__(kTileThreads, 2) tile_cast_kernel(const TileAr
         m = 0;
 #pragma unroll
         for (int w = 0; w < kTileWarps; ++w) m = max(m, warp_max[w]);
-        s = detail::block_scale(m, e.max, args.power_of_two);
+        s = detail::scale_from_amax_bits(m, e.max, args.power_of_two);
         if (threadIdx.x == 0) {
           const float inv = detail::inverse(s);
           args.scale_inv[rb * args.col_blocks + kb] = inv;
@@ -343,7 +375,8 @@ __global__ void __launch_bounds__(kTileThreads, 2) tile_cast_kernel(const TileAr
     if constexpr (kUsesShared) __syncthreads();
   }
 
-  if constexpr (kScaling == TileScaling::per_tensor) block_max_to_global(running_amax, args.amax);
+  if constexpr (kScaling == TileScaling::per_tensor)
+    if (args.amax) block_max_to_global(running_amax, args.amax);  // uniform over the grid
 }
 
 // ---- host side ----
@@ -390,13 +423,23 @@ void check_cast(const char* op, const ops::Fp8CastParams& p) {
   if (p.rows > 0 && p.cols > 0) detail::require_pointer(p.x, op, "x");
 }
 
+TensorScale tensor_scale(const ops::Fp8CastParams& p) {
+  TensorScale t{};
+  t.scale = p.scale;
+  t.amax_in = p.amax_in;
+  // fp8::compute_scale's first step, in the same float arithmetic (encoding max = fp8::fp8_max).
+  t.scaled_max = std::ldexp(encoding_for(p.fp8).max, -p.margin);
+  t.scale_out = p.scale_out, t.scale_inv_out = p.scale_inv_out;
+  return t;
+}
+
 TileArgs tile_args(const ops::Fp8CastParams& p) {
   TileArgs t{};
   t.x = p.x;
   t.rows = p.rows, t.cols = p.cols;
   t.row_blocks = (p.rows + kTile - 1) / kTile, t.col_blocks = (p.cols + kTile - 1) / kTile;
   t.q = p.q, t.q_t = p.q_t, t.scale_inv = p.scale_inv, t.scale_inv_t = p.scale_inv_t;
-  t.scale = p.scale;
+  t.tensor_scale = tensor_scale(p);
   t.power_of_two = p.power_of_two_scales;
   t.vector_x = aligned(p.x, 16) && p.cols % 4 == 0;
   t.vector_q = aligned(p.q, 4) && p.cols % 4 == 0;
@@ -432,6 +475,14 @@ class DeviceAmax {
   detail::StreamScratch scratch_;
 };
 
+// Folds max |x| bits into *word (zeroed by the caller); n > 0.
+void launch_amax(const char* op, const float* x, int64_t n, unsigned* word) {
+  const bool vector = aligned(x, 16);
+  const unsigned grid = detail::grid_blocks((n + 3) / 4, kThreads * kUnroll, kMaxFlatGrid);
+  amax_kernel<<<grid, kThreads, 0, stream()>>>(x, n, vector, word);
+  FORGE_CUDA_CHECK_LAUNCH(op);
+}
+
 }  // namespace
 
 float amax(const float* x, int64_t n) {
@@ -439,29 +490,44 @@ float amax(const float* x, int64_t n) {
   if (n == 0) return 0.0f;
   detail::require_pointer(x, "amax", "x");
   const DeviceAmax result;
-  const bool vector = aligned(x, 16);
-  const unsigned grid = detail::grid_blocks((n + 3) / 4, kThreads * kUnroll, kMaxFlatGrid);
-  amax_kernel<<<grid, kThreads, 0, stream()>>>(x, n, vector, result.word());
-  FORGE_CUDA_CHECK_LAUNCH("amax");
+  launch_amax("amax", x, n, result.word());
   return result.read();
+}
+
+void amax_to(const float* x, int64_t n, float* out) {
+  constexpr const char* op = "amax_to";
+  if (n < 0) detail::fail_op(op, "negative size " + std::to_string(n));
+  detail::require_pointer(out, op, "out");
+  if (n > 0) detail::require_pointer(x, op, "x");
+  // out becomes the word the kernel max-reduces into: +0's bits, then the max of |x|'s bits, which read as a
+  // float are max |x| (a NaN when some |x| is one).
+  FORGE_CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(float), stream()));
+  if (n > 0) launch_amax(op, x, n, reinterpret_cast<unsigned*>(out));
 }
 
 float fp8_cast_transpose(const ops::Fp8CastParams& p) {
   constexpr const char* op = "fp8_cast_transpose";
   if (!p.q && !p.q_t) detail::fail_op(op, "neither q nor q_t is given");
   check_cast(op, p);
-  if (p.rows == 0 || p.cols == 0) return 0.0f;
-  // The accumulator, a float >= 0 or NaN, compares as the bits of |x| do (NaN's above inf's), so the kernels'
-  // integer max folds straight into it: no scratch word and no synchronisation.
-  const std::optional<DeviceAmax> result =
-      p.amax_accumulate ? std::nullopt : std::optional<DeviceAmax>(std::in_place);
-  unsigned* amax_word = p.amax_accumulate ? reinterpret_cast<unsigned*>(p.amax_accumulate) : result->word();
-  if (!p.q_t) {
-    // Row-major q alone is an element-wise cast of the flat array.
-    const int64_t n = p.rows * p.cols;
+  if (p.amax_in && p.margin < 0) detail::fail_op(op, "negative margin " + std::to_string(p.margin));
+  const int64_t n = p.rows * p.cols;
+  const bool scale_outputs = p.scale_out || p.scale_inv_out;
+  if (n == 0 && !scale_outputs) return 0.0f;
+  // The amax goes into the accumulator, a float >= 0 or NaN that compares as the bits of |x| do (NaN's above
+  // inf's), so the kernels' integer max folds straight into it; or into a scratch word read back (a host
+  // scale and no accumulator: the one synchronisation); or nowhere (a device scale: the caller has the amax).
+  std::optional<DeviceAmax> result;
+  unsigned* amax_word = nullptr;
+  if (p.amax_accumulate)
+    amax_word = reinterpret_cast<unsigned*>(p.amax_accumulate);
+  else if (!p.amax_in && n > 0)
+    amax_word = result.emplace().word();
+  if (!p.q_t || n == 0) {
+    // Row-major q alone is an element-wise cast of the flat array (an empty one still writes the scale).
     const bool vector = aligned(p.x, 16) && aligned(p.q, 4);
     const unsigned grid = detail::grid_blocks((n + 3) / 4, kThreads * kUnroll, kMaxFlatGrid);
-    cast_kernel<<<grid, kThreads, 0, stream()>>>(p.x, n, p.scale, encoding_for(p.fp8), vector, p.q, amax_word);
+    cast_kernel<<<grid, kThreads, 0, stream()>>>(p.x, n, tensor_scale(p), encoding_for(p.fp8), vector, p.q,
+                                                 amax_word);
     FORGE_CUDA_CHECK_LAUNCH(op);
   } else {
     TileArgs t = tile_args(p);

@@ -19,6 +19,8 @@ namespace forge::cuda::detail {
 
 constexpr uint32_t kFloatAbsMask = 0x7fffffffu;
 constexpr uint32_t kFloatInfBits = 0x7f800000u;
+// std::numeric_limits<float>::quiet_NaN(): the NaN the CPU writes for a NaN amax (fp8/quantize.cpp).
+constexpr uint32_t kQuietNanBits = 0x7fc00000u;
 
 __device__ __forceinline__ float mul_rn(float a, float b) {
   float r;
@@ -123,11 +125,15 @@ __device__ __forceinline__ float round_down_to_power_of_two(float x) {
   return __uint_as_float(exponent != 0u ? exponent : 1u << (31 - __clz(bits)));
 }
 
-// A block's scale from its amax bits: compute_scale(amax, fp8_max, margin 0, previous 1, power_of_two).
-// fp8_max / amax, FLT_MAX when the quotient overflows, 1 for an amax of 0, inf or NaN.
-__device__ __forceinline__ float block_scale(uint32_t amax_bits, float fp8_max, bool power_of_two) {
+// A scale from an amax's bits: fp8/scaling.cpp's compute_scale(amax, fp8_max, margin, previous 1,
+// power_of_two) with scaled_max = ldexp(fp8_max, -margin), which the host computes exactly as compute_scale
+// does (block scales: margin 0, scaled_max = fp8_max). scaled_max / amax, FLT_MAX when the quotient
+// overflows, 1 for an amax of 0, inf or NaN. The bits are taken as they are: a value with the sign bit set
+// (-0, a negative, a negative NaN) compares above inf's bits and gives 1, as !(amax > 0) does on the host.
+__device__ __forceinline__ float scale_from_amax_bits(uint32_t amax_bits, float scaled_max,
+                                                      bool power_of_two) {
   if (amax_bits == 0u || amax_bits >= kFloatInfBits) return 1.0f;
-  float scale = div_rn(fp8_max, __uint_as_float(amax_bits));
+  float scale = div_rn(scaled_max, __uint_as_float(amax_bits));
   if (__float_as_uint(scale) == kFloatInfBits) scale = FLT_MAX;
   return power_of_two ? round_down_to_power_of_two(scale) : scale;
 }

@@ -25,10 +25,14 @@
 // Types: E4M3 x E4M3, E4M3 x E5M2, E5M2 x E4M3 (E5M2 x E5M2 has no tensor-core instruction), D = C = fp32
 // (cuBLASLt's FP8 table allows an fp32 C only with an fp32 D), compute and scale type fp32. The operands need
 // 16-byte alignment: a and b 16-byte aligned, lda and ldb multiples of 16.
-// The dequantisation scales travel as cuBLASLt's A/B scale pointers, which must be device floats: two floats
-// of device scratch, written in stream order (cuMemsetD32Async, which takes the value itself, so no host
-// memory has to outlive the call) and only when they change. Because cuBLASLt's A is forge's B,
-// A_SCALE_POINTER points to b_scale_inv and B_SCALE_POINTER to a_scale_inv. FAST_ACCUM stays off: cuBLASLt
+// The dequantisation scales travel as cuBLASLt's A/B scale pointers, which must be device floats. A scale_inv
+// already in device memory (Fp8GemmParams::a_scale_inv_ptr / b_scale_inv_ptr: current scaling computes its
+// scales on the device) is pointed at directly, so the GEMM reads it in stream order; a host value goes to
+// one of two floats of device scratch, written in stream order (cuMemsetD32Async, which takes the value
+// itself, so no host memory has to outlive the call) and only when it changes. The pointers are set on the
+// cached descriptor per call (a host-side attribute write, skipped when unchanged; the descriptor is read
+// when cublasLtMatmul enqueues, under the engine's mutex). Because cuBLASLt's A is forge's B, A_SCALE_POINTER
+// points to b's scale_inv and B_SCALE_POINTER to a's. FAST_ACCUM stays off: cuBLASLt
 // then promotes the tensor cores' partial sums to fp32 periodically. Within such an interval Hopper
 // accumulates FP8 products in less than fp32 precision, so on arbitrary data results match the emulated CPU
 // GEMM to a few 2^-13 of the summed magnitudes, and exactly (up to fp32 rounding of the scales) where the
@@ -121,6 +125,7 @@ struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t lt_a = nullptr, lt_b = nullptr, lt_c = nullptr;
   cublasLtMatmulAlgo_t algo{};
+  const void* scale_pointers[2] = {nullptr, nullptr};  // FP8: the A/B scale pointers desc holds now
 };
 
 using MemsetD32Async = CUresult (*)(CUdeviceptr, unsigned int, size_t, CUstream);
@@ -136,7 +141,7 @@ class Engine {
 
   std::mutex mutex;
 
-  const Plan& plan(const PlanKey& key) {
+  Plan& plan(const PlanKey& key) {
     auto it = plans_.find(key);
     if (it == plans_.end()) it = plans_.emplace(key, make_plan(key)).first;
     return it->second;
@@ -158,6 +163,22 @@ class Engine {
     }
     last_scales_[0] = lt_a_scale, last_scales_[1] = lt_b_scale;
     scales_valid_ = true;
+  }
+
+  // Scratch float i (0: cuBLASLt's A = forge's B, 1: cuBLASLt's B = forge's A), which set_fp8_scales writes.
+  const float* scale_scratch(int i) const { return scales_ + i; }
+
+  // Points the plan's A/B scale pointers at these device floats (set_fp8_scales' scratch or the caller's).
+  void set_scale_pointers(Plan& plan, const float* lt_a_scale, const float* lt_b_scale) {
+    const void* pointers[2] = {lt_a_scale, lt_b_scale};
+    const cublasLtMatmulDescAttributes_t attributes[2] = {CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                                          CUBLASLT_MATMUL_DESC_B_SCALE_POINTER};
+    for (int i = 0; i < 2; ++i) {
+      if (plan.scale_pointers[i] == pointers[i]) continue;
+      FORGE_CUBLASLT_CHECK(
+          cublasLtMatmulDescSetAttribute(plan.desc, attributes[i], &pointers[i], sizeof pointers[i]));
+      plan.scale_pointers[i] = pointers[i];
+    }
   }
 
   void run(const Plan& plan, const void* lt_a, const void* lt_b, float* c, float alpha, float beta) {
@@ -193,13 +214,10 @@ class Engine {
     FORGE_CUBLASLT_CHECK(
         cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof op_b));
     if (fp8) {
-      const void* lt_a_scale = scales_;      // b_scale_inv
-      const void* lt_b_scale = scales_ + 1;  // a_scale_inv
+      // The scale pointers start at the scratch (the heuristic sees an FP8 descriptor with scales); each call
+      // points them where its scales are (set_scale_pointers).
+      set_scale_pointers(p, scales_, scales_ + 1);
       const int8_t fast_accumulation = 0;
-      FORGE_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-                                                          &lt_a_scale, sizeof lt_a_scale));
-      FORGE_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-                                                          &lt_b_scale, sizeof lt_b_scale));
       FORGE_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM,
                                                           &fast_accumulation, sizeof fast_accumulation));
     }
@@ -314,7 +332,9 @@ void fp8_gemm(const ops::Fp8GemmParams& p) {
         "and "
         "a, b 16-byte aligned (alignments {} and {} bytes)",
         p.lda, p.ldb, alignment(p.a), alignment(p.b));
-  if (!std::isfinite(p.a_scale_inv) || !std::isfinite(p.b_scale_inv))
+  // Host values only: one behind a pointer is on the device, and reading it would wait for the device.
+  if ((!p.a_scale_inv_ptr && !std::isfinite(p.a_scale_inv)) ||
+      (!p.b_scale_inv_ptr && !std::isfinite(p.b_scale_inv)))
     fail("fp8_gemm: per-tensor scale_inv must be finite, got a_scale_inv={} b_scale_inv={}", p.a_scale_inv,
          p.b_scale_inv);
   static const int capability = compute_capability();  // a device-properties query: once
@@ -323,12 +343,17 @@ void fp8_gemm(const ops::Fp8GemmParams& p) {
   check_device_pointer("fp8_gemm", "a", p.a);
   check_device_pointer("fp8_gemm", "b", p.b);
   check_device_pointer("fp8_gemm", "c", p.c);
+  if (p.a_scale_inv_ptr) check_device_pointer("fp8_gemm", "a_scale_inv_ptr", p.a_scale_inv_ptr);
+  if (p.b_scale_inv_ptr) check_device_pointer("fp8_gemm", "b_scale_inv_ptr", p.b_scale_inv_ptr);
   const PlanKey key{p.a_dtype, p.b_dtype, p.trans_a,      p.trans_b,      p.m,           p.n, p.k, p.lda,
                     p.ldb,     p.ldc,     alignment(p.a), alignment(p.b), alignment(p.c)};
   Engine& engine = Engine::get();
   std::lock_guard<std::mutex> lock(engine.mutex);
-  const Plan& plan = engine.plan(key);
-  engine.set_fp8_scales(p.b_scale_inv, p.a_scale_inv);  // cuBLASLt's A is forge's B
+  Plan& plan = engine.plan(key);
+  // cuBLASLt's A is forge's B. Host values go through the scratch (written only when they change).
+  if (!p.a_scale_inv_ptr || !p.b_scale_inv_ptr) engine.set_fp8_scales(p.b_scale_inv, p.a_scale_inv);
+  engine.set_scale_pointers(plan, p.b_scale_inv_ptr ? p.b_scale_inv_ptr : engine.scale_scratch(0),
+                            p.a_scale_inv_ptr ? p.a_scale_inv_ptr : engine.scale_scratch(1));
   engine.run(plan, p.b, p.a, p.c, p.alpha, p.beta);
 }
 
