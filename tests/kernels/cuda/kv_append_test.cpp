@@ -4,6 +4,7 @@
 // (several tokens) and a decode step (one token) at a non-zero position.
 #include "forge/kernels/ops.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <bit>
@@ -25,9 +26,8 @@ struct Case {
 };
 
 std::string describe(const Case& c) {
-  return "b" + std::to_string(c.batch) + " t" + std::to_string(c.tokens) + " h" + std::to_string(c.heads) + "/" +
-         std::to_string(c.kv_heads) + " d" + std::to_string(c.head_dim) + " cap" + std::to_string(c.capacity) +
-         " pos" + std::to_string(c.position);
+  return fmt::format("b{} t{} h{}/{} d{} cap{} pos{}", c.batch, c.tokens, c.heads, c.kv_heads, c.head_dim,
+                     c.capacity, c.position);
 }
 
 std::vector<float> random_floats(size_t n, uint32_t seed) {
