@@ -224,6 +224,11 @@ TEST(TrainConfigErrors, Fp8Settings) {
   expect_invalid([](TrainConfig& c) { c.fp8.recipe = "delayed", c.fp8.amax_history_len = 0; },
                  {"test.toml", "fp8.amax_history_len must be >= 1, got 0"});
   expect_invalid([](TrainConfig& c) { c.fp8.recipe = "current", c.fp8.margin = -1; }, {"fp8.margin", "-1"});
+  expect_invalid([](TrainConfig& c) { c.fp8.recipe = "delayed", c.fp8.margin = 65; },
+                 {"test.toml: fp8.margin must be in [0, 64], got 65"});
+  // Too large for the int it becomes: refused before the conversion could wrap it into range.
+  expect_invalid([](TrainConfig& c) { c.fp8.recipe = "delayed", c.fp8.margin = 4294967296; },
+                 {"fp8.margin", "range of an int", "4294967296"});
   expect_invalid([](TrainConfig& c) { c.fp8.recipe = "current", c.fp8.bf16_last_layers = -2; },
                  {"fp8.bf16_last_layers must be >= 0, got -2"});
   expect_invalid([](TrainConfig& c) { c.fp8.recipe = "current", c.fp8.accumulator_bits = 24; },

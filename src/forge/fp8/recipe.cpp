@@ -5,9 +5,10 @@
 namespace forge::fp8 {
 
 void validate(const RecipeConfig& config) {
-  if (config.amax_history_len < 1)
-    fail("fp8 amax_history_len must be at least 1, got {}", config.amax_history_len);
-  if (config.margin < 0) fail("fp8 margin must be non-negative, got {}", config.margin);
+  // Messages name the fp8.* keys of a training config, which hold these values.
+  if (config.amax_history_len < 1) fail("fp8.amax_history_len must be >= 1, got {}", config.amax_history_len);
+  // 2^-64 of the format's range is already far below any amax a scale could serve.
+  if (config.margin < 0 || config.margin > 64) fail("fp8.margin must be in [0, 64], got {}", config.margin);
   if (config.tile != kBlockTile)
     fail("fp8 block tile must be {} (the block kernels' tile), got {}", kBlockTile, config.tile);
 }

@@ -39,7 +39,8 @@ struct RecipeConfig {
   int64_t tile = kBlockTile;
 };
 
-// Throws forge::Error naming the first bad field (history length < 1, margin < 0, tile != kBlockTile).
+// Throws forge::Error naming the first bad field (history length < 1, margin outside [0, 64], tile !=
+// kBlockTile). The one statement of these rules: training configs check their fp8.* keys through it.
 void validate(const RecipeConfig& config);
 
 // The largest finite value of an FP8 dtype: 448 (E4M3), 57344 (E5M2); throws for a non-FP8 dtype.

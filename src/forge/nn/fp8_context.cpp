@@ -5,15 +5,19 @@
 namespace forge::nn {
 
 void validate(const Fp8Options& options) {
+  // The one statement of these rules (with fp8::validate): TrainConfig::validate checks its fp8.* keys here,
+  // and the messages name those keys.
   fp8::validate(options.recipe);
   if (options.accumulator_bits < 0 || options.accumulator_bits > 23)
     fail("fp8.accumulator_bits must be in [0, 23] (0 = exact fp32 accumulation), got {}", options.accumulator_bits);
   if (options.accumulator_bits > 0) {
     const int64_t p = options.promote_every;
-    const bool block = options.recipe.recipe == fp8::Recipe::block;
-    if (p < 0 || p % 32 != 0 || (block && (p == 0 || 128 % p != 0)))
-      fail("fp8.promote_every must be a multiple of 32{}, got {}",
-           block ? " that divides 128 (the block recipe's scale tiles)" : " (0 = never promote)", p);
+    if (options.recipe.recipe == fp8::Recipe::block) {
+      if (p <= 0 || p % 32 != 0 || 128 % p != 0)
+        fail("fp8.promote_every must be 32, 64 or 128 under the block recipe (a divisor of its tiles), got {}", p);
+    } else if (p < 0 || p % 32 != 0) {
+      fail("fp8.promote_every must be a multiple of 32 (0 = never promote), got {}", p);
+    }
   }
   if (options.bf16_first_layers < 0) fail("fp8.bf16_first_layers must be >= 0, got {}", options.bf16_first_layers);
   if (options.bf16_last_layers < 0) fail("fp8.bf16_last_layers must be >= 0, got {}", options.bf16_last_layers);

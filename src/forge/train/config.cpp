@@ -557,19 +557,16 @@ void TrainConfig::validate() const {
         ">= 0 (0 = wait forever)");
 
   if (fp8.recipe != "off") {
-    check(fp8.amax_history_len >= 1, "fp8.amax_history_len", fp8.amax_history_len, ">= 1");
-    check(fp8.margin >= 0 && fp8.margin <= 64, "fp8.margin", fp8.margin, "in [0, 64]");
-    check(fp8.bf16_first_layers >= 0, "fp8.bf16_first_layers", fp8.bf16_first_layers, ">= 0");
-    check(fp8.bf16_last_layers >= 0, "fp8.bf16_last_layers", fp8.bf16_last_layers, ">= 0");
-    check(fp8.accumulator_bits >= 0 && fp8.accumulator_bits <= 23, "fp8.accumulator_bits", fp8.accumulator_bits,
-          "in [0, 23] (0 = exact fp32 accumulation)");
-    if (fp8.accumulator_bits > 0) {
-      if (fp8.recipe == "block")
-        check(fp8.promote_every > 0 && fp8.promote_every % 32 == 0 && 128 % fp8.promote_every == 0,
-              "fp8.promote_every", fp8.promote_every, "32, 64 or 128 under the block recipe (a divisor of its tiles)");
-      else
-        check(fp8.promote_every >= 0 && fp8.promote_every % 32 == 0, "fp8.promote_every", fp8.promote_every,
-              "a multiple of 32 (0 = never promote)");
+    // The FP8 rules are stated once, with the options they govern (nn::validate and fp8::validate, which
+    // fp8_options() runs and whose messages name these keys); here only that the int fields convert.
+    for (auto [key, value] : {std::pair<std::string_view, int64_t>{"fp8.margin", fp8.margin},
+                              {"fp8.accumulator_bits", fp8.accumulator_bits}})
+      check(value >= std::numeric_limits<int>::min() && value <= std::numeric_limits<int>::max(), key, value,
+            "within the range of an int");
+    try {
+      (void)fp8_options();
+    } catch (const Error& e) {
+      fail("{}: {}", source, e.what());
     }
   }
 
