@@ -3,6 +3,7 @@
 // argument checks (which every rank fails alike, before any MPI call).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <limits>
@@ -76,6 +77,17 @@ TEST(CommMpi, SplitWithNegativeColorLeavesTheRankOut) {
   EXPECT_EQ(rest->size(), w.size() - 1);
   EXPECT_EQ(rest->rank(), w.rank() - 1);
   EXPECT_EQ(all_reduce_max(*rest, static_cast<double>(w.rank())), w.size() - 1);
+}
+
+// Host memory has no stream to order by: wait_on_stream waits on the host, and the handle is spent.
+TEST(CommMpi, WaitOnStreamWaitsOnTheHost) {
+  Communicator& w = world();
+  std::vector<float> values(1000, static_cast<float>(w.rank() + 1));
+  Request request = w.all_reduce(values.data(), static_cast<int64_t>(values.size()), Type::f32, ReduceOp::sum);
+  w.wait_on_stream(request);
+  EXPECT_FALSE(request.pending());
+  const float want = static_cast<float>(w.size() * (w.size() + 1) / 2);
+  EXPECT_EQ(std::count(values.begin(), values.end(), want), static_cast<std::ptrdiff_t>(values.size()));
 }
 
 TEST(CommMpi, ManyOutstandingRequestsOverlap) {

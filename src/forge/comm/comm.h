@@ -45,6 +45,10 @@ class Request {
   bool test();  // non-blocking; true once complete
   void wait();  // blocks until complete; aborts the job past the communicator's timeout
   bool pending() const { return work_ != nullptr; }
+  // For backends: the operation behind the handle (null once complete), and dropping the handle of an
+  // operation the backend has completed another way (Communicator::wait_on_stream).
+  Work* work() const { return work_.get(); }
+  void release() { work_.reset(); }
 
  private:
   friend void wait_all(std::span<Request> requests);
@@ -77,6 +81,14 @@ class Communicator {
   virtual void all_reduce_blocking(void* buf, int64_t count, Type type, ReduceOp op) {
     all_reduce(buf, count, type, op).wait();
   }
+  // Completion in the device's stream order, for device collectives on the critical path of device
+  // computation (tensor parallelism), where a host wait would drain the device's queue of work: afterwards
+  // everything queued on the stream the communicator was made to follow (make_nccl's producer_stream) runs
+  // after the operation, and the host goes on at once. The request is then complete for every holder, and
+  // its buffers may be released (the device's allocator reuses them in that stream's order). A watchdog keeps
+  // the timeout: an operation still running past it ends the process with the usual one-line message.
+  // Host-memory backends, and NCCL without a producer stream, wait() on the host.
+  virtual void wait_on_stream(Request& request) { request.wait(); }
   // recv[size * count] = concatenation of every rank's send[count], in rank order. send may be this rank's
   // own block of recv (in place); otherwise send and recv of any operation must not overlap.
   virtual Request all_gather(const void* send, void* recv, int64_t count, Type type) = 0;
@@ -127,9 +139,10 @@ std::unique_ptr<Communicator> make_self(std::string name = "self");
 // the next test(), wait() or collective; NCCL matches them by order, so tags are ignored. Fails with a clear
 // message where forge was built without NCCL or no CUDA device is present.
 // producer_stream (a cudaStream_t, or null): the stream that writes the buffers (the CUDA kernels' stream).
-// Each operation then first waits, on the device, for the work queued there so far; without it the
-// communicator's stream is a blocking one, ordered only with the legacy default stream. Either way wait()
-// returns once the operation is complete, so work issued afterwards sees its result.
+// Each operation then first waits, on the device, for the work queued there so far, and wait_on_stream()
+// makes the producer stream wait for the operation in turn; without it the communicator's stream is a
+// blocking one, ordered only with the legacy default stream. Either way wait() returns once the operation is
+// complete, so work issued afterwards sees its result.
 std::unique_ptr<Communicator> make_nccl(Communicator& bootstrap, int cuda_device, std::string name = "world",
                                         void* producer_stream = nullptr);
 bool nccl_usable();  // built with NCCL and at least one CUDA device is visible

@@ -25,7 +25,9 @@ class TensorParallel {
 
   // `where` says where a buffer lives: the model's device (activations, gradients) or the host (scalars and
   // per-row statistics brought back to be combined there). Implementations route each to a communicator for
-  // that memory (NCCL for a GPU's, MPI for the host's).
+  // that memory (NCCL for a GPU's, MPI for the host's). A result in host memory is there on return; one in
+  // device memory is there for the device's later work (kernels and copies on its stream), the host need not
+  // have waited for it.
   virtual void all_reduce_sum(float* buf, int64_t count, Device where) = 0;  // in place
   virtual void all_reduce_max(float* buf, int64_t count, Device where) = 0;  // in place (FP8 amaxes)
   // Gathers each rank's lse-style vector: out[size * count] in rank order.

@@ -11,23 +11,38 @@ comm::Communicator& CommTensorParallel::group_for(Device where) const {
   return *device_group_;
 }
 
+// Host buffers: blocking MPI calls. Device buffers: NCCL operations completed in the device's stream order
+// (Communicator::wait_on_stream), so the host goes on queueing kernels instead of draining the GPU's queue at
+// every collective; results are read by later kernels, or by copies that wait for them.
 void CommTensorParallel::all_reduce_sum(float* buf, int64_t count, Device where) {
-  group_for(where).all_reduce_blocking(buf, count, comm::Type::f32, comm::ReduceOp::sum);
+  reduce(buf, count, comm::ReduceOp::sum, where);
 }
 
 void CommTensorParallel::all_reduce_max(float* buf, int64_t count, Device where) {
-  group_for(where).all_reduce_blocking(buf, count, comm::Type::f32, comm::ReduceOp::max);
+  reduce(buf, count, comm::ReduceOp::max, where);
+}
+
+void CommTensorParallel::reduce(float* buf, int64_t count, comm::ReduceOp op, Device where) {
+  comm::Communicator& group = group_for(where);
+  if (where == Device::cpu) {
+    group.all_reduce_blocking(buf, count, comm::Type::f32, op);
+    return;
+  }
+  comm::Request request = group.all_reduce(buf, count, comm::Type::f32, op);
+  group.wait_on_stream(request);
 }
 
 void CommTensorParallel::all_gather(const float* send, float* recv, int64_t count, Device where) {
-  group_for(where).all_gather(send, recv, count, comm::Type::f32).wait();
+  comm::Communicator& group = group_for(where);
+  comm::Request request = group.all_gather(send, recv, count, comm::Type::f32);
+  group.wait_on_stream(request);
 }
 
 Tensor CommTensorParallel::all_gather_rows(const Tensor& shard) {
   FORGE_CHECK(shard.rank() == 2, "all_gather_rows expects a [rows, dim] tensor, got {}",
               shape_string(shard.shape()));
   Tensor full = Tensor::empty({shard.dim(0) * size(), shard.dim(1)}, DType::f32, shard.device());
-  group_for(shard.device()).all_gather(shard.f32(), full.f32(), shard.numel(), comm::Type::f32).wait();
+  all_gather(shard.f32(), full.f32(), shard.numel(), shard.device());
   return full;
 }
 
@@ -35,9 +50,10 @@ Tensor CommTensorParallel::reduce_scatter_rows(const Tensor& full) {
   FORGE_CHECK(full.rank() == 2 && full.dim(0) % size() == 0,
               "reduce_scatter_rows: {} rows do not split over {} tensor-parallel ranks", full.dim(0), size());
   Tensor shard = Tensor::empty({full.dim(0) / size(), full.dim(1)}, DType::f32, full.device());
-  group_for(full.device())
-      .reduce_scatter(full.f32(), shard.f32(), shard.numel(), comm::Type::f32, comm::ReduceOp::sum)
-      .wait();
+  comm::Communicator& group = group_for(full.device());
+  comm::Request request =
+      group.reduce_scatter(full.f32(), shard.f32(), shard.numel(), comm::Type::f32, comm::ReduceOp::sum);
+  group.wait_on_stream(request);
   return shard;
 }
 

@@ -1,7 +1,9 @@
 // The tensor-parallel group of nn/ (nn::TensorParallel) over a comm::Communicator: the all-reduces,
 // all-gathers and reduce-scatters that Megatron's column- and row-parallel layers, vocabulary-parallel
-// embedding and cross-entropy, and sequence parallelism need. Blocking: these calls sit on the critical
-// path of forward and backward (B), where nothing else is ready to overlap with them.
+// embedding and cross-entropy, and sequence parallelism need. These calls sit on the critical path of
+// forward and backward, where nothing else is ready to overlap with them: on host buffers they block; on
+// device buffers they complete in the device's stream order (the kernels queued after them run after them,
+// and the host does not wait).
 #pragma once
 
 #include "forge/comm/comm.h"
@@ -27,6 +29,7 @@ class CommTensorParallel final : public nn::TensorParallel {
 
  private:
   comm::Communicator& group_for(Device where) const;
+  void reduce(float* buf, int64_t count, comm::ReduceOp op, Device where);
 
   comm::Communicator* group_;
   comm::Communicator* device_group_;

@@ -8,7 +8,14 @@
 #include <fmt/format.h>
 #include <nccl.h>
 
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <deque>
+#include <mutex>
 #include <string_view>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -124,6 +131,14 @@ class NcclWork final : public Work {
     event_ = std::move(event);
     owner_ = nullptr;
   }
+  // Completes this request in `stream`'s order instead of on the host (Communicator::wait_on_stream): the
+  // stream waits for the operation's event, which is returned for the watchdog. Call after test() said
+  // "not yet" (so the operation has been launched).
+  Event ordered_on(cudaStream_t stream) {
+    FORGE_CUDA_CHECK(cudaStreamWaitEvent(stream, event_.get(), 0));
+    done_ = true;
+    return event_;
+  }
   const char* operation() const override { return op_; }
   std::string description() const override {
     if (peer_ < 0) return Work::description();
@@ -141,6 +156,75 @@ class NcclWork final : public Work {
   bool done_ = false;
 };
 
+// Keeps the timeout of operations completed in stream order (wait_on_stream), which no host thread waits
+// for: a thread per communicator, started on first use, looks at the oldest such operation every 50 ms.
+// Past the timeout, or on an asynchronous NCCL error (a peer or the network failed), it prints the one-line
+// message and ends the process (mpirun then ends the job); it never calls MPI, so MPI_THREAD_FUNNELED still
+// suffices. Operations complete in order on the communicator's one stream, so the oldest is the one to watch.
+class StreamWatchdog {
+ public:
+  StreamWatchdog(ncclComm_t comm, int device, std::shared_ptr<const std::string> label)
+      : comm_(comm), device_(device), label_(std::move(label)) {}
+  ~StreamWatchdog() { stop(); }
+
+  // timeout_s <= 0: waits forever (an asynchronous error still ends the process).
+  void watch(Event event, std::string what, double timeout_s) {
+    std::lock_guard lock(mutex_);
+    watched_.push_back({std::move(event), std::move(what), std::chrono::steady_clock::now(), timeout_s});
+    if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+  }
+  // Joins the thread (before the communicator goes): what is still watched then is the destructor's to wait for.
+  void stop() {
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_one();
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  struct Watched {
+    Event event;
+    std::string what;
+    std::chrono::steady_clock::time_point since;
+    double timeout_s;
+  };
+
+  [[noreturn]] static void end_process(const std::string& message) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "forge: error: %s\n", message.c_str());
+    std::fflush(stderr);
+    std::_Exit(1);
+  }
+
+  void run() {
+    cudaSetDevice(device_);  // event queries are the device's
+    std::unique_lock lock(mutex_);
+    while (!wake_.wait_for(lock, std::chrono::milliseconds(50), [this] { return stopping_; })) {
+      while (!watched_.empty() && cudaEventQuery(watched_.front().event.get()) == cudaSuccess) watched_.pop_front();
+      if (watched_.empty()) continue;
+      const Watched& oldest = watched_.front();
+      ncclResult_t async = ncclSuccess;
+      if (ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress)
+        end_process(fmt::format("{} on {} failed: {}: {}", oldest.what, *label_, ncclGetErrorString(async),
+                                ncclGetLastError(comm_)));
+      const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - oldest.since).count();
+      if (oldest.timeout_s > 0 && waited > oldest.timeout_s)
+        end_process(fmt::format("{} on {} did not complete within {:g} s", oldest.what, *label_, oldest.timeout_s));
+    }
+  }
+
+  ncclComm_t comm_;
+  int device_;
+  std::shared_ptr<const std::string> label_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<Watched> watched_;
+  std::thread thread_;
+  bool stopping_ = false;
+};
+
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(ncclComm_t comm, int device, std::string name, int world_rank, double timeout_s,
@@ -152,6 +236,7 @@ class NcclCommunicator final : public Communicator {
     world_rank_ = world_rank;
     timeout_s_ = timeout_s;
     label_ = std::make_shared<const std::string>(detail::group_label(*this));
+    watchdog_ = std::make_unique<StreamWatchdog>(comm_, device_, label_);
     FORGE_CUDA_CHECK(cudaSetDevice(device_));
     // A blocking stream: it waits for work queued before on the default stream (where the caller wrote the
     // buffers) and the default stream waits for it. An explicit event handoff with the CUDA kernel layer's
@@ -166,6 +251,7 @@ class NcclCommunicator final : public Communicator {
       launch_point_to_point();
     } catch (const std::exception&) {
     }
+    watchdog_->stop();
     cudaSetDevice(device_);
     cudaStreamSynchronize(stream_);
     ncclCommFinalize(comm_);
@@ -184,6 +270,21 @@ class NcclCommunicator final : public Communicator {
       FORGE_NCCL_CHECK(
           ncclAllReduce(buf, buf, static_cast<size_t>(count), datatype(type), reduction(op), comm_, stream_));
     });
+  }
+
+  void wait_on_stream(Request& request) override {
+    auto* work = dynamic_cast<NcclWork*>(request.work());
+    if (work == nullptr || producer_ == nullptr) {
+      request.wait();
+      return;
+    }
+    // test() launches a pending group of sends and receives and reports asynchronous errors; an operation
+    // already complete needs no ordering.
+    if (!work->test()) {
+      FORGE_CUDA_CHECK(cudaSetDevice(device_));
+      watchdog_->watch(work->ordered_on(producer_), work->description(), timeout_s_);
+    }
+    request.release();
   }
 
   Request all_gather(const void* send, void* recv, int64_t count, Type type) override {
@@ -399,6 +500,7 @@ class NcclCommunicator final : public Communicator {
   float* scratch_ = nullptr;  // the barrier's one-element all-reduce
   std::shared_ptr<const std::string> label_;
   std::vector<Posted> posted_;  // point-to-point operations not launched yet
+  std::unique_ptr<StreamWatchdog> watchdog_;
 };
 
 bool NcclWork::test() {
