@@ -29,11 +29,14 @@
 #include "forge/kernels/cuda/cuda_kernels.h"
 #include "forge/kernels/cuda/runtime.h"
 #include "forge/kernels/ops.h"
+#include "kernels/cuda/bitwise_compare.h"
 
 namespace forge {
 namespace {
 
 using cuda::DeviceBuffer;
+using test::expect_bitwise;
+using test::hex;
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -45,12 +48,6 @@ int64_t blocks(int64_t n) { return (n + kTile - 1) / kTile; }
 
 std::string shape_name(int64_t rows, int64_t cols) {
   return "[" + std::to_string(rows) + ", " + std::to_string(cols) + "]";
-}
-
-std::string hex(uint32_t bits) {
-  std::ostringstream out;
-  out << "0x" << std::hex << bits;
-  return out.str();
 }
 
 // A cheap deterministic generator (inputs reach 17M elements; mt19937 would dominate the test time).
@@ -138,26 +135,6 @@ class GuardedOutput {
   uint8_t sentinel_;
   DeviceBuffer buffer_;
 };
-
-// One EXPECT per array, naming the first offender as (row, column) of a [rows, cols] layout.
-template <typename T>
-void expect_bitwise(const std::vector<T>& cuda, const std::vector<T>& cpu, int64_t cols,
-                    const std::string& what) {
-  ASSERT_EQ(cuda.size(), cpu.size()) << what;
-  auto bits = [](T v) -> uint32_t {
-    if constexpr (sizeof(T) == 4)
-      return std::bit_cast<uint32_t>(v);
-    else
-      return v;
-  };
-  size_t bad = 0, first = 0;
-  for (size_t i = 0; i < cuda.size(); ++i)
-    if (bits(cuda[i]) != bits(cpu[i]) && bad++ == 0) first = i;
-  if (bad == 0) return;
-  const int64_t c = std::max<int64_t>(cols, 1);
-  ADD_FAILURE() << what << ": " << bad << " of " << cuda.size() << " differ; first at (" << first / c << ", "
-                << first % c << "): cuda " << hex(bits(cuda[first])) << ", cpu " << hex(bits(cpu[first]));
-}
 
 void expect_same_amax(float cuda, float cpu, const std::string& what) {
   // The CPU returns the canonical quiet NaN for a NaN amax; the device path must return the same bits.

@@ -32,11 +32,14 @@
 #include "forge/kernels/cuda/cuda_kernels.h"
 #include "forge/kernels/cuda/runtime.h"
 #include "forge/kernels/ops.h"
+#include "kernels/cuda/bitwise_compare.h"
 
 namespace forge {
 namespace {
 
 using cuda::DeviceBuffer;
+using test::expect_bitwise;
+using test::hex;
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -46,12 +49,6 @@ bool has_gpu() { return cuda::available(); }
 bool has_fp8_gpu() { return has_gpu() && cuda::compute_capability() >= 89; }
 
 uint32_t bits(float x) { return std::bit_cast<uint32_t>(x); }
-
-std::string hex(uint32_t value) {
-  std::ostringstream out;
-  out << "0x" << std::hex << value;
-  return out.str();
-}
 
 // Copies on cuda::stream(), in order with the kernels there (a plain cudaMemcpy runs on the legacy stream,
 // which a non-blocking stream does not wait for), finished when they return.
@@ -111,24 +108,6 @@ class Guarded {
   size_t n_, offset_;
   DeviceBuffer buffer_;
 };
-
-// One EXPECT per array, naming the first offender.
-template <typename T>
-void expect_bitwise(const std::vector<T>& cuda, const std::vector<T>& cpu, const std::string& what) {
-  ASSERT_EQ(cuda.size(), cpu.size()) << what;
-  auto as_bits = [](T v) -> uint32_t {
-    if constexpr (sizeof(T) == 4)
-      return std::bit_cast<uint32_t>(v);
-    else
-      return v;
-  };
-  size_t bad = 0, first = 0;
-  for (size_t i = 0; i < cuda.size(); ++i)
-    if (as_bits(cuda[i]) != as_bits(cpu[i]) && bad++ == 0) first = i;
-  if (bad > 0)
-    ADD_FAILURE() << what << ": " << bad << " of " << cuda.size() << " differ; first at " << first
-                  << ": cuda " << hex(as_bits(cuda[first])) << ", cpu " << hex(as_bits(cpu[first]));
-}
 
 void expect_error(const std::function<void()>& call, const std::string& op, const std::string& culprit) {
   try {
