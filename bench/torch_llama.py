@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
 """PyTorch peer of `forge bench --model`: trains the same LLaMA (Hugging Face Llama semantics) on random
-tokens and prints tokens/s. Run with Debian's python3-torch: /usr/bin/python3 bench/torch_llama.py CONFIG.
+tokens and prints tokens/s. On the CPU with Debian's python3-torch: /usr/bin/python3 bench/torch_llama.py
+CONFIG; on a GPU (bench/gpu/run_all.sh) with --device cuda.
 
-fp32, or bf16 autocast (the usual PyTorch CPU mixed precision: fp32 master weights, bf16 matmuls).
-Attention is written out (PyTorch 1.13 has no fused scaled_dot_product_attention)."""
+fp32, or bf16 autocast (PyTorch's usual mixed precision: fp32 master weights, bf16 matmuls). Attention is
+PyTorch's fused scaled_dot_product_attention where it exists (2.0 and later: flash attention on GPUs),
+written out otherwise (1.13). On a GPU AdamW is the fused (multi-tensor) one, and MFU is printed against the
+H100/H200 dense bf16 peak (989 TFLOP/s), with the same FLOP count as forge (LlamaConfig::flops_per_token)."""
 import argparse
 import json
 import math
@@ -31,6 +34,17 @@ def rotate_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def attend(q, k, v, mask, rep):
+    """Causal grouped-query attention, [b, heads, t, hd] each (k, v with heads / rep heads). The kv heads are
+    expanded to the query heads first: every fused backend takes that (enable_gqa is not taken by all), and
+    the copies cost little beside the attention itself."""
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    if hasattr(F, "scaled_dot_product_attention"):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1]) + mask
+    return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+
 class Layer(torch.nn.Module):
     def __init__(self, c):
         super().__init__()
@@ -50,10 +64,7 @@ class Layer(torch.nn.Module):
         k = self.k(h).view(b, t, self.nkv, self.hd).transpose(1, 2)
         v = self.v(h).view(b, t, self.nkv, self.hd).transpose(1, 2)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        rep = self.nh // self.nkv
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        s = (q @ k.transpose(-1, -2)) / math.sqrt(self.hd) + mask
-        a = torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+        a = attend(q, k, v, mask, self.nh // self.nkv)
         x = x + self.o(a.transpose(1, 2).reshape(b, t, -1))
         h = self.n2(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
@@ -72,7 +83,8 @@ class Llama(torch.nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos())
         self.register_buffer("sin", emb.sin())
-        self.register_buffer("mask", torch.full((seq, seq), float("-inf")).triu(1))
+        fused_attention = hasattr(F, "scaled_dot_product_attention")
+        self.register_buffer("mask", None if fused_attention else torch.full((seq, seq), float("-inf")).triu(1))
 
     def forward(self, ids, targets):
         x = self.embed(ids)
@@ -90,10 +102,14 @@ def flops_per_token(c, seq):
     return 6 * matmul + 12 * L * seq * q
 
 
+PEAK_BF16_TFLOPS = 989.0  # H100 / H200 SXM, dense (forge's train/peak.h)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("config")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=3)
@@ -102,33 +118,50 @@ def main():
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
+    gpu = a.device == "cuda"
+    if gpu and not torch.cuda.is_available():
+        raise SystemExit("torch_llama.py: --device cuda, but this PyTorch sees no GPU")
     c = json.load(open(a.config))
     torch.manual_seed(0)
-    model = Llama(c, a.seq)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
-    ids = torch.randint(0, c["vocab_size"], (a.batch, a.seq + 1))
+    if gpu:
+        with torch.device("cuda"):  # initialised where it lives: no host copy of a billion-parameter model
+            model = Llama(c, a.seq)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    else:
+        model = Llama(c, a.seq)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    ids = torch.randint(0, c["vocab_size"], (a.batch, a.seq + 1), device=a.device)
     x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
     def step():
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.dtype == "bf16"):
+        with torch.autocast(a.device, dtype=torch.bfloat16, enabled=a.dtype == "bf16"):
             loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        return loss.item()
+        return loss.item()  # waits for the step (a device's queue drains here, as forge's loss copy does)
 
     for _ in range(a.warmup):
         step()
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    for _ in range(a.steps):
-        loss = step()
+    losses = [step() for _ in range(a.steps)]
     dt = (time.perf_counter() - t0) / a.steps
     tps = a.batch * a.seq / dt
     gflops = tps * flops_per_token(c, a.seq) / 1e9
+    where = f"{torch.get_num_threads()} threads"
+    result = {"engine": "pytorch", "device": a.device, "dtype": a.dtype, "batch": a.batch, "seq": a.seq,
+              "tokens_per_s": tps, "model_gflops": gflops}
+    if gpu:
+        where = torch.cuda.get_device_name()
+        result["mfu"] = gflops / 1e3 / PEAK_BF16_TFLOPS
+        result["peak_device_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    result["losses"] = losses
     print(f"pytorch {torch.__version__} {a.dtype}: {tps:.0f} tokens/s | {gflops:.1f} model GFLOP/s | "
-          f"{dt:.3f} s/step | loss {loss:.3f} | {torch.get_num_threads()} threads")
-    print(json.dumps({"engine": "pytorch", "dtype": a.dtype, "tokens_per_s": tps, "model_gflops": gflops}))
+          f"{dt:.3f} s/step | loss {losses[-1]:.3f} | {where}")
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

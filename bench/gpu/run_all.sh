@@ -5,21 +5,27 @@
 # lease runs two commands; the build folder survives between them):
 #
 #   bench/gpu/run_all.sh build test          configure + build (~3 min on 16 cores), ctest -L cuda (~1 min)
-#   bench/gpu/run_all.sh bench train         kernel benchmarks (at most 4 min), training steps (at most 5 min)
+#   bench/gpu/run_all.sh bench train peer    kernel benchmarks (at most 4 min), training steps (at most 5 min),
+#                                            PyTorch peers (at most 3 min; about 1)
 #   bench/gpu/run_all.sh                     everything (over 10 minutes: not for one device-tool command)
-#   PREBUILT=build-gpubundle bench/gpu/run_all.sh test bench train
+#   PREBUILT=build-gpubundle bench/gpu/run_all.sh test bench train peer
 #                                            no build: the binaries of a bundle made here by bench/gpu/bundle.sh
 #                                            (for a machine without forge's build dependencies; carry the bundle)
 #
 # Stages: build, test (ctest -L cuda), bench (GEMM bf16/FP8 vs cuBLAS, block-scaled FP8 GEMM vs cuBLASLt
 # per-tensor FP8, attention forward/backward, FP8 casts vs a device copy), train (`forge bench --device cuda` on
 # bench/gpu/llama3-8b-4layers.json: hidden 4096, ffn 14336, 32 heads, 8 kv heads, vocab 128256, 4 layers,
-# sequence 4096, batch $TRAIN_BATCH (default 2), in bf16 and each FP8 recipe; tokens/s, MFU, per-step losses).
+# sequence 4096, batch $TRAIN_BATCH (default 2), in bf16 and each FP8 recipe; tokens/s, MFU, per-step losses),
+# peer (PyTorch on the same GPU, where the image has it: bench/torch_llama.py --device cuda on the same model and
+# batch in bf16 autocast, and bench/gpu/torch_attention.py, scaled_dot_product_attention at the attention
+# bench's shapes). The last stage run prints bench/gpu/summarize.py's table: FP8 against bf16, forge against
+# PyTorch.
 # Every stage has its own timeout, and later stages run even when earlier ones fail. The last line sums up.
 #
 # Output: everything is tee'd to $OUT/run_all.log (OUT defaults to bench/gpu/out; on the device tool $OUT is the
-# folder that comes back); JSON lines to $OUT/{gemm,fp8block,attention,fp8cast,train}.jsonl. Copy the numbers into
-# RESULTS.md.
+# folder that comes back, at most 8 files); JSON lines to $OUT/{gemm,fp8block,attention,attention_torch,fp8cast,
+# train}.jsonl (train.jsonl: forge's recipes and PyTorch's step). Configure and build logs and each training run's
+# own output go to $SCRATCH (their errors and output are copied into the log). Copy the numbers into RESULTS.md.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench/gpu/out}
@@ -27,8 +33,9 @@ BUILD=${BUILD:-build-gpu}
 JOBS=${JOBS:-$(nproc)}
 PREBUILT=${PREBUILT:-}
 TRAIN_BATCH=${TRAIN_BATCH:-2}
-STAGES=${*:-build test bench train}
-mkdir -p "$OUT"
+STAGES=${*:-build test bench train peer}
+SCRATCH=${SCRATCH:-${TMPDIR:-/tmp}/forge-gpu-run}
+mkdir -p "$OUT" "$SCRATCH"
 LOG=$OUT/run_all.log
 [[ -e $LOG ]] && LOG=$OUT/run_all.$(date +%H%M%S).log  # a second command of the same lease keeps the first's log
 want() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -40,9 +47,11 @@ build_status="not run"
 test_status="not run"
 bench_status="not run"
 train_status="not run"
+peer_status="not run"
 summary() {
-  printf '\n== summary (t+%ss, stages: %s): build %s, tests %s, benchmarks %s, training %s; log %s\n' \
-    "$(($(date +%s) - start))" "$STAGES" "$build_status" "$test_status" "$bench_status" "$train_status" "$LOG"
+  printf '\n== summary (t+%ss, stages: %s): build %s, tests %s, benchmarks %s, training %s, peers %s; log %s\n' \
+    "$(($(date +%s) - start))" "$STAGES" "$build_status" "$test_status" "$bench_status" "$train_status" \
+    "$peer_status" "$LOG"
 }
 trap summary EXIT
 
@@ -90,21 +99,21 @@ if want build && [[ -z $PREBUILT ]]; then
   build_status="failed (configure)"
   # Hopper (sm_90a: wgmma, FP8 tensor cores), stated here so that a cached build dir cannot pick another.
   if timeout 90 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFORGE_CUDA=ON \
-    -DCMAKE_CUDA_ARCHITECTURES=90a >"$OUT/configure.log" 2>&1; then
-    grep -E "forge: (CUDA|NCCL)" "$OUT/configure.log" || true
+    -DCMAKE_CUDA_ARCHITECTURES=90a >"$SCRATCH/configure.log" 2>&1; then
+    grep -E "forge: (CUDA|NCCL)" "$SCRATCH/configure.log" || true
     # Only targets this configuration has (test_comm_nccl needs NCCL): ninja stops at an unknown target.
     known=$(ninja -C "$BUILD" -t targets all 2>/dev/null | cut -d: -f1)
     TARGETS=$(for t in $TARGETS; do grep -qx "$t" <<<"$known" && echo "$t"; done | xargs)
     stage "build (-j$JOBS): $TARGETS"
     build_status="failed (build)"
     # -k 0: build every target that can be built, so one broken benchmark does not stop the tests.
-    if timeout 420 ninja -C "$BUILD" -j"$JOBS" -k 0 $TARGETS >"$OUT/build.log" 2>&1; then
+    if timeout 420 ninja -C "$BUILD" -j"$JOBS" -k 0 $TARGETS >"$SCRATCH/build.log" 2>&1; then
       build_status="ok"
     else
-      grep -E -A12 "FAILED|error" "$OUT/build.log" | head -80
+      grep -E -A12 "FAILED|error" "$SCRATCH/build.log" | head -80
     fi
   else
-    tail -30 "$OUT/configure.log"
+    tail -30 "$SCRATCH/configure.log"
   fi
 fi
 
@@ -161,20 +170,41 @@ if want train; then
     stage "training step, LLaMA-3-8B shape (4 layers), batch $TRAIN_BATCH x 4096, fp8 $recipe"
     status=0
     timeout 75 "$BIN/forge" bench --model bench/gpu/llama3-8b-4layers.json --device cuda --batch "$TRAIN_BATCH" \
-      --seq 4096 --warmup 2 --steps 5 --fp8 "$recipe" >"$OUT/train_$recipe.txt" 2>&1 || status=$?
-    cat "$OUT/train_$recipe.txt"
-    grep '^{' "$OUT/train_$recipe.txt" >>"$OUT/train.jsonl" || true
+      --seq 4096 --warmup 2 --steps 5 --fp8 "$recipe" >"$SCRATCH/train_$recipe.txt" 2>&1 || status=$?
+    cat "$SCRATCH/train_$recipe.txt"
+    grep '^{' "$SCRATCH/train_$recipe.txt" >>"$OUT/train.jsonl" || true
     ((status == 0)) || failures+=("fp8 $recipe (exit $status)")
   done
-  # FP8 against bf16: throughput ratio and the last step's loss (same weights, same tokens).
-  awk -F'"tokens_per_s": |, "model_gflops"|"fp8": "|", "batch"|"losses": \\[|\\]}' '
-    { fp8 = $2; tps = $4; n = split($6, l, ", "); loss[fp8] = l[n]; speed[fp8] = tps }
-    END { for (r in speed) if (r != "off" && speed["off"] > 0)
-            printf "fp8 %s: %.2fx bf16 throughput, last loss %.4f vs bf16 %.4f (%+.2f%%)\n", r, speed[r] / speed["off"],
-                   loss[r], loss["off"], 100 * (loss[r] - loss["off"]) / loss["off"] }' "$OUT/train.jsonl" || true
   ((${#failures[@]})) && train_status="FAILED: ${failures[*]}" || train_status="ok"
 fi
-[[ $test_status != FAILED* && $bench_status != FAILED* && $train_status != FAILED* ]]
+if want peer; then
+  if command -v python3 >/dev/null && python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    failures=()
+    stage "peer: PyTorch scaled_dot_product_attention at the attention bench's shapes"
+    status=0
+    timeout 60 python3 bench/gpu/torch_attention.py --samples 8 --batch 4 --json "$OUT/attention_torch.jsonl" || status=$?
+    ((status == 0)) || failures+=("attention (exit $status)")
+    stage "peer: PyTorch training step, LLaMA-3-8B shape (4 layers), batch $TRAIN_BATCH x 4096, bf16 autocast"
+    status=0
+    timeout 120 python3 bench/torch_llama.py bench/gpu/llama3-8b-4layers.json --device cuda --batch "$TRAIN_BATCH" \
+      --seq 4096 --warmup 2 --steps 5 >"$SCRATCH/train_torch.txt" 2>&1 || status=$?
+    cat "$SCRATCH/train_torch.txt"
+    [[ -e $OUT/train.jsonl ]] && grep -v '"engine": "pytorch"' "$OUT/train.jsonl" >"$SCRATCH/train.jsonl" &&
+      cp "$SCRATCH/train.jsonl" "$OUT/train.jsonl"  # a rerun replaces the peer's line
+    grep '^{' "$SCRATCH/train_torch.txt" >>"$OUT/train.jsonl" || true
+    ((status == 0)) || failures+=("training step (exit $status)")
+    ((${#failures[@]})) && peer_status="FAILED: ${failures[*]}" || peer_status="ok"
+  else
+    peer_status="skipped (no python3 with a CUDA PyTorch)"
+    echo "$peer_status"
+  fi
+fi
+
+if want bench || want train || want peer; then
+  stage "summary of the measurements"
+  command -v python3 >/dev/null && python3 bench/gpu/summarize.py "$OUT" || echo "(python3 missing: see the JSON lines)"
+fi
+[[ $test_status != FAILED* && $bench_status != FAILED* && $train_status != FAILED* && $peer_status != FAILED* ]]
 }
 
 # main's output goes to the terminal and the log; the script's exit status is main's (pipefail).

@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""Sums up a bench/gpu/run_all.sh run from its JSON lines: the training step per precision (tokens/s, MFU,
+FP8 throughput against bf16 and the last losses side by side), forge's bf16 step against PyTorch's on the same
+model, and forge's attention against PyTorch's scaled_dot_product_attention per shape and pass. Files that are
+missing or empty are skipped, so it works on whatever stages ran.
+
+  python3 bench/gpu/summarize.py OUT_DIR"""
+import json
+import os
+import sys
+
+
+def read(path):
+    rows = []
+    if not os.path.exists(path):
+        return rows
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line.startswith("{"):
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    print(f"{path}: skipped a line that is not JSON: {line[:80]}")
+    return rows
+
+
+def training(rows):
+    forge = {r["fp8"]: r for r in rows if r.get("engine") == "forge"}
+    torch = [r for r in rows if r.get("engine") == "pytorch"]
+    if not forge and not torch:
+        return
+    print("training step (LLaMA-3-8B shape, 4 layers):")
+    base = forge.get("off")
+    for recipe in ("off", "delayed", "current", "block"):
+        r = forge.get(recipe)
+        if not r:
+            continue
+        name = "bf16" if recipe == "off" else f"fp8 {recipe}"
+        line = (f"  forge {name:<12} {r['tokens_per_s']:>9.0f} tokens/s  MFU {100 * r['mfu']:5.1f}% "
+                f"(of {r['peak_gflops'] / 1e3:.0f} TFLOP/s)  {r['seconds_per_step']:.3f} s/step  "
+                f"peak {r['peak_device_gib']:.1f} GiB  last loss {r['losses'][-1]:.4f}")
+        if base and recipe != "off":
+            ratio = r["tokens_per_s"] / base["tokens_per_s"]
+            rel = (r["losses"][-1] - base["losses"][-1]) / base["losses"][-1]
+            line += f"  -> {ratio:.2f}x bf16 throughput, loss {100 * rel:+.2f}% vs bf16"
+        print(line)
+    for r in torch:
+        line = (f"  pytorch bf16       {r['tokens_per_s']:>9.0f} tokens/s  MFU {100 * r.get('mfu', 0):5.1f}%  "
+                f"peak {r.get('peak_device_gib', 0):.1f} GiB  last loss {r['losses'][-1]:.4f}")
+        if base:
+            line += f"  -> forge bf16 is {base['tokens_per_s'] / r['tokens_per_s']:.2f}x PyTorch"
+        print(line)
+
+
+def attention(forge_rows, torch_rows):
+    if not forge_rows:
+        return
+    key = lambda r: (r["pass"], r["batch"], r["seq"])
+    peer = {key(r): r for r in torch_rows}
+    print("attention (causal GQA, 32/8 heads of 128):")
+    for r in forge_rows:
+        line = f"  {r['pass']:<8} b{r['batch']} s{r['seq']:<5}  forge {r['tflops']:6.1f} TFLOP/s"
+        p = peer.get(key(r))
+        if p:
+            line += f"  pytorch {p['tflops']:6.1f} TFLOP/s  -> {r['tflops'] / p['tflops']:.2f}x"
+        print(line)
+
+
+def main():
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    out = sys.argv[1]
+    training(read(os.path.join(out, "train.jsonl")))
+    attention(read(os.path.join(out, "attention.jsonl")), read(os.path.join(out, "attention_torch.jsonl")))
+
+
+if __name__ == "__main__":
+    main()
