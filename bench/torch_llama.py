@@ -111,6 +111,7 @@ def main():
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches of --batch accumulated per step")
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
@@ -130,17 +131,22 @@ def main():
     else:
         model = Llama(c, a.seq)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
-    ids = torch.randint(0, c["vocab_size"], (a.batch, a.seq + 1), device=a.device)
-    x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    if a.grad_accum < 1:
+        raise SystemExit("torch_llama.py: --grad-accum must be at least 1")
+    ids = torch.randint(0, c["vocab_size"], (a.grad_accum, a.batch, a.seq + 1), device=a.device)
+    micro = [(m[:, :-1].contiguous(), m[:, 1:].contiguous()) for m in ids]
 
     def step():
         opt.zero_grad(set_to_none=True)
-        with torch.autocast(a.device, dtype=torch.bfloat16, enabled=a.dtype == "bf16"):
-            loss = model(x, y)
-        loss.backward()
+        total = 0.0
+        for x, y in micro:
+            with torch.autocast(a.device, dtype=torch.bfloat16, enabled=a.dtype == "bf16"):
+                loss = model(x, y) / a.grad_accum
+            loss.backward()
+            total = total + loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        return loss.item()  # waits for the step (a device's queue drains here, as forge's loss copy does)
+        return float(total)  # waits for the step (a device's queue drains here, as forge's loss copy does)
 
     for _ in range(a.warmup):
         step()
@@ -149,10 +155,11 @@ def main():
     t0 = time.perf_counter()
     losses = [step() for _ in range(a.steps)]
     dt = (time.perf_counter() - t0) / a.steps
-    tps = a.batch * a.seq / dt
+    tps = a.grad_accum * a.batch * a.seq / dt
     gflops = tps * flops_per_token(c, a.seq) / 1e9
     where = f"{torch.get_num_threads()} threads"
-    result = {"engine": "pytorch", "device": a.device, "dtype": a.dtype, "batch": a.batch, "seq": a.seq,
+    result = {"engine": "pytorch", "device": a.device, "dtype": a.dtype, "batch": a.batch,
+              "grad_accum": a.grad_accum, "seq": a.seq,
               "tokens_per_s": tps, "model_gflops": gflops}
     if gpu:
         where = torch.cuda.get_device_name()

@@ -15,9 +15,10 @@
 # Stages: build, test (ctest -L cuda), bench (GEMM bf16/FP8 vs cuBLAS, block-scaled FP8 GEMM vs cuBLASLt
 # per-tensor FP8, attention forward/backward, FP8 casts vs a device copy), train (`forge bench --device cuda` on
 # bench/gpu/llama3-8b-4layers.json: hidden 4096, ffn 14336, 32 heads, 8 kv heads, vocab 128256, 4 layers,
-# sequence 4096, batch $TRAIN_BATCH (default 2), in bf16 and each FP8 recipe; tokens/s, MFU, per-step losses),
+# sequence 4096, $TRAIN_ACCUM (default 4) micro-batches of $TRAIN_BATCH (default 2) per optimizer step, in bf16
+# and each FP8 recipe, and bf16 with one micro-batch per step; tokens/s, MFU, per-step losses),
 # peer (PyTorch on the same GPU, where the image has it: bench/torch_llama.py --device cuda on the same model and
-# batch in bf16 autocast, and bench/gpu/torch_attention.py, scaled_dot_product_attention at the attention
+# step in bf16 autocast, and bench/gpu/torch_attention.py, scaled_dot_product_attention at the attention
 # bench's shapes). The last stage run prints bench/gpu/summarize.py's table: FP8 against bf16, forge against
 # PyTorch.
 # Every stage has its own timeout, and later stages run even when earlier ones fail. The last line sums up.
@@ -33,6 +34,7 @@ BUILD=${BUILD:-build-gpu}
 JOBS=${JOBS:-$(nproc)}
 PREBUILT=${PREBUILT:-}
 TRAIN_BATCH=${TRAIN_BATCH:-2}
+TRAIN_ACCUM=${TRAIN_ACCUM:-4}
 STAGES=${*:-build test bench train peer}
 SCRATCH=${SCRATCH:-${TMPDIR:-/tmp}/forge-gpu-run}
 mkdir -p "$OUT" "$SCRATCH"
@@ -166,14 +168,18 @@ fi
 if want train; then
   failures=()
   : >"$OUT/train.jsonl"
-  for recipe in off delayed current block; do
-    stage "training step, LLaMA-3-8B shape (4 layers), batch $TRAIN_BATCH x 4096, fp8 $recipe"
+  # Each FP8 recipe and bf16 with $TRAIN_ACCUM micro-batches per optimizer step (as training accumulates), and
+  # bf16 with one (the optimizer's pass over 1.9 billion parameters then weighs on every 8192 tokens).
+  for run in "off 1" "off $TRAIN_ACCUM" "delayed $TRAIN_ACCUM" "current $TRAIN_ACCUM" "block $TRAIN_ACCUM"; do
+    read -r recipe accum <<<"$run"
+    stage "training step, LLaMA-3-8B shape (4 layers), $accum x batch $TRAIN_BATCH x 4096, fp8 $recipe"
     status=0
     timeout 75 "$BIN/forge" bench --model bench/gpu/llama3-8b-4layers.json --device cuda --batch "$TRAIN_BATCH" \
-      --seq 4096 --warmup 2 --steps 5 --fp8 "$recipe" >"$SCRATCH/train_$recipe.txt" 2>&1 || status=$?
+      --grad-accum "$accum" --seq 4096 --warmup 2 --steps 5 --fp8 "$recipe" >"$SCRATCH/train_$recipe.txt" 2>&1 ||
+      status=$?
     cat "$SCRATCH/train_$recipe.txt"
     grep '^{' "$SCRATCH/train_$recipe.txt" >>"$OUT/train.jsonl" || true
-    ((status == 0)) || failures+=("fp8 $recipe (exit $status)")
+    ((status == 0)) || failures+=("fp8 $recipe x$accum (exit $status)")
   done
   ((${#failures[@]})) && train_status="FAILED: ${failures[*]}" || train_status="ok"
 fi
@@ -184,10 +190,10 @@ if want peer; then
     status=0
     timeout 60 python3 bench/gpu/torch_attention.py --samples 8 --batch 4 --json "$OUT/attention_torch.jsonl" || status=$?
     ((status == 0)) || failures+=("attention (exit $status)")
-    stage "peer: PyTorch training step, LLaMA-3-8B shape (4 layers), batch $TRAIN_BATCH x 4096, bf16 autocast"
+    stage "peer: PyTorch training step, LLaMA-3-8B shape (4 layers), $TRAIN_ACCUM x batch $TRAIN_BATCH x 4096, bf16"
     status=0
     timeout 120 python3 bench/torch_llama.py bench/gpu/llama3-8b-4layers.json --device cuda --batch "$TRAIN_BATCH" \
-      --seq 4096 --warmup 2 --steps 5 >"$SCRATCH/train_torch.txt" 2>&1 || status=$?
+      --grad-accum "$TRAIN_ACCUM" --seq 4096 --warmup 2 --steps 5 >"$SCRATCH/train_torch.txt" 2>&1 || status=$?
     cat "$SCRATCH/train_torch.txt"
     [[ -e $OUT/train.jsonl ]] && grep -v '"engine": "pytorch"' "$OUT/train.jsonl" >"$SCRATCH/train.jsonl" &&
       cp "$SCRATCH/train.jsonl" "$OUT/train.jsonl"  # a rerun replaces the peer's line

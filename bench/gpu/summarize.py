@@ -26,28 +26,30 @@ def read(path):
 
 
 def training(rows):
-    forge = {r["fp8"]: r for r in rows if r.get("engine") == "forge"}
+    forge = [r for r in rows if r.get("engine") == "forge"]
     torch = [r for r in rows if r.get("engine") == "pytorch"]
     if not forge and not torch:
         return
-    print("training step (LLaMA-3-8B shape, 4 layers):")
-    base = forge.get("off")
-    for recipe in ("off", "delayed", "current", "block"):
-        r = forge.get(recipe)
-        if not r:
-            continue
-        name = "bf16" if recipe == "off" else f"fp8 {recipe}"
-        line = (f"  forge {name:<12} {r['tokens_per_s']:>9.0f} tokens/s  MFU {100 * r['mfu']:5.1f}% "
+    print("training step (LLaMA-3-8B shape, 4 layers; accum = micro-batches per optimizer step):")
+    bf16 = {r.get("grad_accum", 1): r for r in forge if r["fp8"] == "off"}
+    order = {"off": 0, "delayed": 1, "current": 2, "block": 3}
+    for r in sorted(forge, key=lambda r: (r.get("grad_accum", 1), order.get(r["fp8"], 9))):
+        accum = r.get("grad_accum", 1)
+        name = "bf16" if r["fp8"] == "off" else f"fp8 {r['fp8']}"
+        line = (f"  forge {name:<12} accum {accum}  {r['tokens_per_s']:>9.0f} tokens/s  MFU {100 * r['mfu']:5.1f}% "
                 f"(of {r['peak_gflops'] / 1e3:.0f} TFLOP/s)  {r['seconds_per_step']:.3f} s/step  "
                 f"peak {r['peak_device_gib']:.1f} GiB  last loss {r['losses'][-1]:.4f}")
-        if base and recipe != "off":
+        base = bf16.get(accum)
+        if base and r["fp8"] != "off":
             ratio = r["tokens_per_s"] / base["tokens_per_s"]
             rel = (r["losses"][-1] - base["losses"][-1]) / base["losses"][-1]
             line += f"  -> {ratio:.2f}x bf16 throughput, loss {100 * rel:+.2f}% vs bf16"
         print(line)
     for r in torch:
-        line = (f"  pytorch bf16       {r['tokens_per_s']:>9.0f} tokens/s  MFU {100 * r.get('mfu', 0):5.1f}%  "
+        accum = r.get("grad_accum", 1)
+        line = (f"  pytorch {'bf16':<10} accum {accum}  {r['tokens_per_s']:>9.0f} tokens/s  MFU {100 * r.get('mfu', 0):5.1f}%  "
                 f"peak {r.get('peak_device_gib', 0):.1f} GiB  last loss {r['losses'][-1]:.4f}")
+        base = bf16.get(accum)
         if base:
             line += f"  -> forge bf16 is {base['tokens_per_s'] / r['tokens_per_s']:.2f}x PyTorch"
         print(line)

@@ -17,7 +17,7 @@ namespace {
 
 struct BenchOptions {
   std::string model;
-  int64_t batch = 4, seq = 512;
+  int64_t batch = 4, seq = 512, grad_accum = 1;
   int steps = 5, warmup = 2;
   std::string dtype = "bf16", recompute = "none", device = "cpu", fp8 = "off";
   double peak_gflops = 0;
@@ -53,7 +53,8 @@ int run_bench(const BenchOptions& o) {
   double peak = o.peak_gflops;
   if (peak <= 0) peak = cuda ? (fp8 ? kHopperFp8PeakGflops : kHopperBf16PeakGflops) : measure_gemm_peak_gflops(dtype, 4096, 3);
   const std::string peak_name = cuda ? (fp8 ? "H100/H200 fp8 dense" : "H100/H200 bf16 dense") : o.dtype + " GEMM";
-  ThroughputResult r = measure_training_throughput(config, options, o.batch, o.seq, o.warmup, o.steps, fp8);
+  ThroughputResult r =
+      measure_training_throughput(config, options, o.batch, o.seq, o.warmup, o.steps, fp8, o.grad_accum);
   std::printf("forge %s on %s: %.0f tokens/s | %.1f model GFLOP/s | MFU %.1f%% of %.0f GFLOP/s %s peak | "
               "%.3f s/step | loss %.4f",
               precision.c_str(), o.device.c_str(), r.tokens_per_s, r.model_gflops, 100.0 * r.model_gflops / peak, peak,
@@ -63,11 +64,12 @@ int run_bench(const BenchOptions& o) {
   std::string losses;
   for (double l : r.losses) losses += (losses.empty() ? "" : ", ") + std::to_string(l);
   std::printf("{\"engine\": \"forge\", \"device\": \"%s\", \"dtype\": \"%s\", \"fp8\": \"%s\", \"batch\": %lld, "
-              "\"seq\": %lld, \"tokens_per_s\": %.2f, \"model_gflops\": %.2f, \"peak_gflops\": %.2f, \"mfu\": %.4f, "
-              "\"seconds_per_step\": %.5f, \"peak_device_gib\": %.2f, \"losses\": [%s]}\n",
+              "\"grad_accum\": %lld, \"seq\": %lld, \"tokens_per_s\": %.2f, \"model_gflops\": %.2f, "
+              "\"peak_gflops\": %.2f, \"mfu\": %.4f, \"seconds_per_step\": %.5f, \"peak_device_gib\": %.2f, "
+              "\"losses\": [%s]}\n",
               o.device.c_str(), o.dtype.c_str(), o.fp8.c_str(), static_cast<long long>(o.batch),
-              static_cast<long long>(o.seq), r.tokens_per_s, r.model_gflops, peak, r.model_gflops / peak,
-              r.seconds_per_step, r.peak_device_gib, losses.c_str());
+              static_cast<long long>(o.grad_accum), static_cast<long long>(o.seq), r.tokens_per_s, r.model_gflops,
+              peak, r.model_gflops / peak, r.seconds_per_step, r.peak_device_gib, losses.c_str());
   return 0;
 }
 
@@ -80,6 +82,10 @@ void add_bench_command(CLI::App& app, Commands& commands) {
   bench->add_option("--model", o->model, "Hugging Face config.json of the model to train")->check(CLI::ExistingFile);
   bench->add_option("--batch", o->batch, "micro-batch size")->capture_default_str();
   bench->add_option("--seq", o->seq, "sequence length")->capture_default_str();
+  bench->add_option("--grad-accum", o->grad_accum,
+                    "micro-batches accumulated per optimizer step (a step trains grad-accum x batch sequences)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1000000}))
+      ->capture_default_str();
   bench->add_option("--steps", o->steps, "timed steps")->capture_default_str();
   bench->add_option("--warmup", o->warmup, "untimed warm-up steps")->capture_default_str();
   bench->add_option("--dtype", o->dtype, "compute dtype: bf16 or fp32")->capture_default_str();

@@ -16,8 +16,9 @@ namespace forge {
 
 ThroughputResult measure_training_throughput(const LlamaConfig& config, nn::ComputeOptions options, int64_t batch,
                                              int64_t seq, int warmup_steps, int steps,
-                                             const std::optional<nn::Fp8Options>& fp8) {
-  if (batch <= 0 || seq <= 0 || steps <= 0) fail("bench: batch, seq and steps must be positive");
+                                             const std::optional<nn::Fp8Options>& fp8, int64_t grad_accum) {
+  if (batch <= 0 || seq <= 0 || steps <= 0 || grad_accum <= 0)
+    fail("bench: batch, seq, steps and grad_accum must be positive");
   if (!device_usable(options.device)) fail("bench: no usable {} device", device_name(options.device));
   std::optional<nn::Fp8Context> fp8_context;
   if (fp8) options.fp8 = &fp8_context.emplace(*fp8);
@@ -29,13 +30,24 @@ ThroughputResult measure_training_throughput(const LlamaConfig& config, nn::Comp
     LlamaModel model(config, options);
     model.initialize(1);
     AdamW optimizer(&model.params(), AdamWConfig{});
-    std::vector<int32_t> ids(batch * (seq + 1));
-    for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(splitmix64(i) % config.vocab_size);
-    std::vector<int32_t> inputs(ids.begin(), ids.begin() + batch * seq), targets(ids.begin() + 1, ids.end());
-    const float scale = 1.0f / static_cast<float>(batch * seq);
+    // Micro-batch a holds sequences [a * batch, (a + 1) * batch) of seq + 1 tokens: inputs and shifted targets.
+    const int64_t sequences = batch * grad_accum;
+    std::vector<int32_t> inputs(sequences * seq), targets(sequences * seq);
+    for (int64_t s = 0; s < sequences; ++s)
+      for (int64_t t = 0; t < seq; ++t) {
+        const auto at = static_cast<uint64_t>(s * (seq + 1) + t);
+        inputs[s * seq + t] = static_cast<int32_t>(splitmix64(at) % config.vocab_size);
+        targets[s * seq + t] = static_cast<int32_t>(splitmix64(at + 1) % config.vocab_size);
+      }
+    const float scale = 1.0f / static_cast<float>(sequences * seq);
     auto step = [&] {
       model.params().zero_grads();
-      LossSum loss = model.forward_backward(inputs.data(), targets.data(), batch, seq, scale);
+      LossSum loss;
+      for (int64_t a = 0; a < grad_accum; ++a) {
+        const LossSum part = model.forward_backward(inputs.data() + a * batch * seq,
+                                                    targets.data() + a * batch * seq, batch, seq, scale);
+        loss.sum += part.sum, loss.tokens += part.tokens;
+      }
       // The gradient norm and the loss come back to the host: each step ends with the device idle.
       optimizer.step(1e-4f, clip_coefficient(global_grad_norm(model.params()), 1.0f));
       if (fp8_context) fp8_context->end_step();  // one process: the step's amaxes are already global
@@ -50,7 +62,7 @@ ThroughputResult measure_training_throughput(const LlamaConfig& config, nn::Comp
     double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     r.seconds_per_step = seconds / steps;
   }
-  r.tokens_per_s = static_cast<double>(batch * seq) / r.seconds_per_step;
+  r.tokens_per_s = static_cast<double>(batch * grad_accum * seq) / r.seconds_per_step;
   r.model_gflops = r.tokens_per_s * config.flops_per_token(seq) / 1e9;
 #ifdef FORGE_HAVE_CUDA
   if (options.device == Device::cuda)

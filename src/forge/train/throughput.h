@@ -24,9 +24,12 @@ struct ThroughputResult {
 };
 
 // The same fixed batch of random tokens every step, so that the loss falls and runs of different
-// precisions from the same seed can be compared step by step.
+// precisions from the same seed can be compared step by step. A step is grad_accum micro-batches of `batch`
+// sequences (each its own tokens) accumulated into one gradient, then one optimizer update, as training
+// with train.grad_accum does: the update's cost is shared by grad_accum x batch x seq tokens.
 ThroughputResult measure_training_throughput(const LlamaConfig& config, nn::ComputeOptions options, int64_t batch,
                                              int64_t seq, int warmup_steps, int steps,
-                                             const std::optional<nn::Fp8Options>& fp8 = std::nullopt);
+                                             const std::optional<nn::Fp8Options>& fp8 = std::nullopt,
+                                             int64_t grad_accum = 1);
 
 }  // namespace forge
