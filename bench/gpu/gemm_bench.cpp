@@ -1,9 +1,9 @@
 // GPU GEMM throughput (bench/gpu/run_all.sh): forge's cuBLASLt GEMMs beside a peer in the same run, on the
 // forward GEMM y[m,n] = x[m,k] W[n,k]^T (NT) of a LLaMA-3-8B layer at 8192 tokens plus 8192^3, each with an
 // fp32 and a bf16 output (C/D; column "out"):
-//   bf16  forge::cuda::gemm                  vs cublasGemmEx (bf16 in, fp32 or bf16 out, CUBLAS_COMPUTE_32F)
-//   fp8   forge::cuda::fp8_gemm, per tensor  vs cublasLtMatmul called directly (E4M3 x E4M3, fp32 or bf16 out,
-//                                               scale pointers, the heuristic's first algorithm)
+//   bf16  forge::cuda::gemm                  vs cublasGemmEx (bf16 in, CUBLAS_COMPUTE_32F)
+//   fp8   forge::cuda::fp8_gemm, per tensor  vs cublasLtMatmul called directly (E4M3 x E4M3, scale
+//                                               pointers, the heuristic's first algorithm)
 // Both run on forge's stream. One sample times `batch` back-to-back calls between two CUDA events (so the
 // host runs ahead as in training and launch overhead is not what is measured); samples alternate between
 // forge and the peer; the median sample gives TFLOP/s = 2mnk / time. After timing, both outputs' first rows
@@ -120,7 +120,8 @@ Row bench_bf16(const Shape& sh, DType out, cublasHandle_t handle, const Options&
         "cublasGemmEx");
   };
   const Timing t = time_pair(forge_call, peer_call, o);
-  return {"bf16", std::string(dtype_name(out)), "cublasGemmEx", sh, t, compare_rows(y_forge, y_peer, out, sh.n, 16)};
+  const double diff = compare_rows(y_forge, y_peer, out, sh.n, 16);
+  return {"bf16", std::string(dtype_name(out)), "cublasGemmEx", sh, t, diff};
 }
 
 // cublasLtMatmul for E4M3 x E4M3 -> fp32 or bf16 (C = D) in the TN layout, set up once per shape as a user of
@@ -200,7 +201,8 @@ Row bench_fp8(const Shape& sh, DType out, cublasLtHandle_t lt, const Options& o)
   auto forge_call = [&] { cuda::fp8_gemm(p); };
   auto peer_call = [&] { peer(); };
   const Timing t = time_pair(forge_call, peer_call, o);
-  return {"fp8", std::string(dtype_name(out)), "cublasLtMatmul", sh, t, compare_rows(y_forge, y_peer, out, sh.n, 16)};
+  const double diff = compare_rows(y_forge, y_peer, out, sh.n, 16);
+  return {"fp8", std::string(dtype_name(out)), "cublasLtMatmul", sh, t, diff};
 }
 
 double tflops(const Shape& sh, double ms) { return 2.0 * sh.m * sh.n * sh.k / (ms * 1e-3) / 1e12; }
@@ -244,9 +246,9 @@ int run(const Options& o) {
             std::fprintf(
                 json, "%s\n",
                 fmt::format(
-                    "{{\"bench\": \"gemm\", \"dtype\": \"{}\", \"out\": \"{}\", \"shape\": \"{}\", \"m\": {}, "
-                    "\"n\": {}, \"k\": {}, \"forge_ms\": {:.5f}, \"forge_tflops\": {:.2f}, \"peer\": \"{}\", "
-                    "\"peer_ms\": {:.5f}, \"peer_tflops\": {:.2f}, \"ratio\": {:.4f}, "
+                    "{{\"bench\": \"gemm\", \"dtype\": \"{}\", \"out\": \"{}\", \"shape\": \"{}\", "
+                    "\"m\": {}, \"n\": {}, \"k\": {}, \"forge_ms\": {:.5f}, \"forge_tflops\": {:.2f}, "
+                    "\"peer\": \"{}\", \"peer_ms\": {:.5f}, \"peer_tflops\": {:.2f}, \"ratio\": {:.4f}, "
                     "\"max_rel_diff\": {:.3e}, \"samples\": {}, \"batch\": {}, \"device\": \"{}\"}}",
                     dtype, r.out, sh.name, sh.m, sh.n, sh.k, r.t.forge_ms, f, r.peer, r.t.peer_ms, q, f / q,
                     r.max_rel_diff, o.samples, o.batch, device)

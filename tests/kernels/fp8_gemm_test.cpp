@@ -392,6 +392,91 @@ TEST(Fp8GemmAccumulator, BlockScalingPromotesWithinBlocks) {
 }
 
 // ------------------------------------------------------------------------------------------------------------
+// bf16 output (c_dtype = bf16): the fp32-output result of the same call, rounded once to bf16, bitwise, in
+// every scaling mode and with limited accumulation; beta != 0 reads the old C as bf16.
+
+struct Bf16OutputCase {
+  const char* name;
+  Layout layout;
+  DTypes dtypes;
+  Mode mode;
+  int accumulator_bits;
+};
+
+void check_bf16_output(int64_t m, int64_t n, int64_t k, const Bf16OutputCase& bc) {
+  SCOPED_TRACE(bc.name);
+  Fp8GemmParams p;
+  p.m = m, p.n = n, p.k = k;
+  p.trans_a = bc.layout.trans_a, p.trans_b = bc.layout.trans_b;
+  p.a_dtype = bc.dtypes.a, p.b_dtype = bc.dtypes.b;
+  p.lda = (p.trans_a ? m : k) + 3, p.ldb = (p.trans_b ? k : n) + 5, p.ldc = n + 2;
+  p.alpha = bc.layout.alpha, p.beta = bc.layout.beta;
+  p.accumulator_bits = bc.accumulator_bits, p.promote_every = 64;
+  const auto a = random_codes((p.trans_a ? k : m) * p.lda, p.a_dtype, 41);
+  const auto b = random_codes((p.trans_b ? n : k) * p.ldb, p.b_dtype, 42);
+  p.a = a.data(), p.b = b.data();
+  std::vector<float> a_scales, b_scales;
+  if (bc.mode == Mode::per_tensor) {
+    p.a_scale_inv = 0.0123f, p.b_scale_inv = 3.71f;
+  } else {
+    p.scaling = Fp8Scaling::block;
+    p.b_block = bc.mode == Mode::block_1x128 ? Fp8BlockScales::tile_1x128 : Fp8BlockScales::block_128x128;
+    a_scales = testing::random_floats(m * blocks(k), 43, 0.01f, 2.0f);
+    b_scales =
+        testing::random_floats((bc.mode == Mode::block_1x128 ? n : blocks(n)) * blocks(k), 44, 0.01f, 2.0f);
+    p.a_scales = a_scales.data(), p.b_scales = b_scales.data();
+  }
+  const auto c0 = testing::random_floats(m * p.ldc, 45, -100.0f, 100.0f);
+  std::vector<uint16_t> c16(c0.size());
+  for (size_t i = 0; i < c0.size(); ++i)
+    c16[i] = p.beta == 0 ? uint16_t{0x7fc0} : f32_to_bf16_bits(c0[i]);  // NaN where it must not be read
+  std::vector<float> c32(c16.size());
+  for (size_t i = 0; i < c16.size(); ++i) c32[i] = bf16_bits_to_f32(c16[i]);
+  const std::vector<uint16_t> before = c16;
+
+  Fp8GemmParams f32 = p;
+  f32.c = c32.data();
+  ops::fp8_gemm(f32);
+  p.c = c16.data(), p.c_dtype = DType::bf16;
+  ops::fp8_gemm(p);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j)
+      ASSERT_EQ(c16[i * p.ldc + j], f32_to_bf16_bits(c32[i * p.ldc + j]))
+          << "C[" << i << "," << j << "]: bf16 output " << bf16_bits_to_f32(c16[i * p.ldc + j])
+          << ", fp32 output " << c32[i * p.ldc + j];
+    EXPECT_EQ(std::memcmp(&c16[i * p.ldc + n], &before[i * p.ldc + n], (p.ldc - n) * sizeof(uint16_t)), 0)
+        << "padding of row " << i << " was written";
+  }
+}
+
+TEST(Fp8GemmBf16Output, IsTheFp32OutputRoundedBitwise) {
+  const DTypes e4m3{DType::e4m3, DType::e4m3}, e4m3_e5m2{DType::e4m3, DType::e5m2},
+      e5m2_e4m3{DType::e5m2, DType::e4m3};
+  const Bf16OutputCase cases[] = {
+      {"per_tensor nt", Layout{false, true, 1, 0}, e4m3, Mode::per_tensor, 0},
+      {"per_tensor nn beta", Layout{false, false, 0.5f, 0.25f}, e4m3_e5m2, Mode::per_tensor, 0},
+      {"block_1x128 tn beta", Layout{true, false, 1, 1}, e5m2_e4m3, Mode::block_1x128, 0},
+      {"block_128x128 nt", Layout{false, true, 1, 0}, e4m3, Mode::block_128x128, 0},
+      {"block_128x128 tt beta", Layout{true, true, 2, 0.5f}, e4m3_e5m2, Mode::block_128x128, 0},
+      {"per_tensor 14-bit accumulator beta", Layout{false, true, 1, 1}, e4m3, Mode::per_tensor, 14},
+  };
+  for (const auto& bc : cases) check_bf16_output(37, 150, 300, bc);
+}
+
+// m * n > 16384: the kernel's loops and the widening and rounding passes run threaded.
+TEST(Fp8GemmBf16Output, ThreadedPassesAreTheFp32OutputRounded) {
+  for (int threads : {1, 2})
+    testing::with_threads(threads, [] {
+      check_bf16_output(
+          160, 200, 160,
+          {"per_tensor", Layout{false, true, 1, 0}, DTypes{DType::e4m3, DType::e4m3}, Mode::per_tensor, 0});
+      check_bf16_output(160, 200, 160,
+                        {"block beta", Layout{false, true, 1, 1}, DTypes{DType::e4m3, DType::e4m3},
+                         Mode::block_128x128, 0});
+    });
+}
+
+// ------------------------------------------------------------------------------------------------------------
 // Bad input.
 
 TEST(Fp8GemmErrors, NameTheCulprit) {
@@ -421,6 +506,9 @@ TEST(Fp8GemmErrors, NameTheCulprit) {
   expect_error([&](Fp8GemmParams& p) { p.scaling = Fp8Scaling::block, p.a_scales = scales.data(); },
                {"fp8_gemm", "b_scales", "null"});
   expect_error([](Fp8GemmParams& p) { p.accumulator_bits = 24; }, {"fp8_gemm", "accumulator_bits", "24"});
+  expect_error([](Fp8GemmParams& p) { p.c_dtype = DType::f16; },
+               {"fp8_gemm", "c_dtype", "fp32 or bf16", "fp16"});
+  expect_error([](Fp8GemmParams& p) { p.c_dtype = DType::e5m2; }, {"fp8_gemm", "c_dtype", "fp8_e5m2"});
   expect_error([](Fp8GemmParams& p) { p.accumulator_bits = 14, p.promote_every = 48; },
                {"fp8_gemm", "promote_every", "48"});
   expect_error(

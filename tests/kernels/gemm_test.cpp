@@ -1,5 +1,9 @@
 #include <gtest/gtest.h>
 
+#include <cstring>
+#include <limits>
+#include <string>
+
 #include "forge/core/dtype.h"
 #include "forge/kernels/ops.h"
 #include "op_harness.h"
@@ -66,6 +70,80 @@ INSTANTIATE_TEST_SUITE_P(Layouts, GemmTest,
                          ::testing::Combine(::testing::Values(GemmCase{false, true, 1, 0}, GemmCase{false, false, 1, 0},
                                                               GemmCase{true, false, 1, 1}, GemmCase{true, true, 0.5f, 0.25f}),
                                             ::testing::Values(DType::f32, DType::bf16)));
+
+// ------------------------------------------------------------------------------------------------------------
+// bf16 output (c_dtype = bf16): the fp32-output GEMM of the same operands, rounded once to bf16, bitwise.
+
+std::vector<uint16_t> to_bf16(const std::vector<float>& x) {
+  std::vector<uint16_t> y(x.size());
+  for (size_t i = 0; i < x.size(); ++i) y[i] = f32_to_bf16_bits(x[i]);
+  return y;
+}
+
+// Runs op(A)[m,k] op(B)[k,n] (bf16 operands, padded leading dimensions) twice: into an fp32 C holding the old
+// bf16 C's exact values, and into the bf16 C itself; the bf16 result must be the fp32 one rounded, and C's
+// padding columns untouched.
+void check_bf16_output(int64_t m, int64_t n, int64_t k, GemmCase gc, uint32_t seed) {
+  ops::GemmParams p;
+  p.m = m, p.n = n, p.k = k;
+  p.trans_a = gc.trans_a, p.trans_b = gc.trans_b;
+  p.lda = (gc.trans_a ? m : k) + 3, p.ldb = (gc.trans_b ? k : n) + 5, p.ldc = n + 2;
+  p.alpha = gc.alpha, p.beta = gc.beta;
+  p.ab_dtype = DType::bf16;
+  const auto a16 = to_bf16(testing::random_floats((gc.trans_a ? k : m) * p.lda, seed));
+  const auto b16 = to_bf16(testing::random_floats((gc.trans_b ? n : k) * p.ldb, seed + 1));
+  p.a = a16.data(), p.b = b16.data();
+  std::vector<uint16_t> c16 = to_bf16(testing::random_floats(m * p.ldc, seed + 2));
+  if (p.beta == 0) std::fill(c16.begin(), c16.end(), uint16_t{0x7fc0});  // NaN: beta = 0 must not read C
+  std::vector<float> c32(c16.size());
+  for (size_t i = 0; i < c16.size(); ++i) c32[i] = bf16_bits_to_f32(c16[i]);
+  const std::vector<uint16_t> before = c16;
+
+  ops::GemmParams f32 = p;
+  f32.c = c32.data();
+  ops::gemm(f32);
+  p.c = c16.data(), p.c_dtype = DType::bf16;
+  ops::gemm(p);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j)
+      ASSERT_EQ(c16[i * p.ldc + j], f32_to_bf16_bits(c32[i * p.ldc + j]))
+          << "C[" << i << "," << j << "]: bf16 output " << bf16_bits_to_f32(c16[i * p.ldc + j])
+          << ", fp32 output " << c32[i * p.ldc + j];
+    EXPECT_EQ(std::memcmp(&c16[i * p.ldc + n], &before[i * p.ldc + n], (p.ldc - n) * sizeof(uint16_t)), 0)
+        << "padding of row " << i << " was written";
+  }
+}
+
+class GemmBf16Output : public ::testing::TestWithParam<GemmCase> {};
+
+TEST_P(GemmBf16Output, IsTheFp32OutputRoundedBitwise) { check_bf16_output(37, 29, 53, GetParam(), 7); }
+
+INSTANTIATE_TEST_SUITE_P(Layouts, GemmBf16Output,
+                         ::testing::Values(GemmCase{false, true, 1, 0}, GemmCase{false, false, 1, 0},
+                                           GemmCase{true, false, 1, 1}, GemmCase{true, true, 0.5f, 0.25f}));
+
+// m * n > 16384: the widening and rounding passes run threaded.
+TEST(GemmBf16OutputThreads, ThreadedPassesAreTheFp32OutputRounded) {
+  for (int threads : {1, 2})
+    testing::with_threads(threads, [] {
+      check_bf16_output(160, 130, 64, GemmCase{false, true, 1, 0}, 17);
+      check_bf16_output(160, 130, 64, GemmCase{true, false, 1, 1}, 27);
+    });
+}
+
+TEST(GemmErrors, OutputDtypeIsFp32OrBf16FromBf16Operands) {
+  std::vector<float> a(16, 1.0f), b(16, 1.0f), c(16);
+  ops::GemmParams p;
+  p.m = p.n = p.k = 4, p.lda = p.ldb = p.ldc = 4;
+  p.a = a.data(), p.b = b.data(), p.c = c.data();
+  p.c_dtype = DType::f16;
+  testing::expect_error_containing([&] { ops::gemm(p); }, {"gemm", "c_dtype", "fp32 or bf16", "fp16"});
+  p.c_dtype = DType::e4m3;
+  testing::expect_error_containing([&] { ops::gemm(p); }, {"gemm", "c_dtype", "fp8_e4m3"});
+  p.c_dtype = DType::bf16;  // fp32 operands
+  testing::expect_error_containing([&] { ops::gemm(p); },
+                                   {"gemm", "c_dtype bf16 needs bf16 operands", "fp32"});
+}
 
 }  // namespace
 }  // namespace forge

@@ -67,8 +67,11 @@ struct Problem {
   std::vector<uint16_t> hidden16, weight16;
   std::vector<int32_t> targets;
 
-  Problem(int64_t rows_, int64_t dim_, int64_t vocab_, int64_t chunk_, DType dtype_ = DType::f32)
-      : rows(rows_), dim(dim_), vocab(vocab_), chunk(chunk_), dtype(dtype_) {
+  bool keep_logits = false;
+
+  Problem(int64_t rows_, int64_t dim_, int64_t vocab_, int64_t chunk_, DType dtype_ = DType::f32,
+          bool keep_logits_ = false)
+      : rows(rows_), dim(dim_), vocab(vocab_), chunk(chunk_), dtype(dtype_), keep_logits(keep_logits_) {
     hidden = testing::random_floats(rows * dim, 51, -1.5f, 1.5f);
     weight = testing::random_floats(vocab * dim, 52, -1.5f, 1.5f);
     targets.resize(rows);
@@ -88,6 +91,7 @@ struct Problem {
   ops::LinearCrossEntropyParams params() {
     ops::LinearCrossEntropyParams p;
     p.rows = rows, p.dim = dim, p.vocab = vocab, p.vocab_chunk = chunk, p.gemm_dtype = dtype;
+    p.keep_logits = keep_logits;
     p.hidden_gemm = dtype == DType::bf16 ? static_cast<const void*>(hidden16.data()) : hidden.data();
     p.weight_gemm = dtype == DType::bf16 ? static_cast<const void*>(weight16.data()) : weight.data();
     p.targets = targets.data(), p.lse = lse.data(), p.loss = loss.data(), p.grad_scale = grad_scale;
@@ -185,6 +189,26 @@ TEST(LinearCrossEntropy, Bf16MatchesReferenceBySimilarity) {
   EXPECT_GT(loss_dissimilarity, 1e-10);
 }
 
+// Keeping the logits for backward reads the very values a recompute would produce (the same GEMM into a block
+// of the same shape), so every output is bitwise the recomputing run's; the workspace holds all chunks and
+// nothing is written past it. Chunks that do not divide the vocabulary, fp32 and bf16.
+TEST(LinearCrossEntropy, KeptLogitsGiveTheRecomputedResultsBitwise) {
+  for (DType dtype : {DType::f32, DType::bf16})
+    for (int64_t chunk : {37, 300}) {
+      Problem recompute(64, 48, 300, chunk, dtype), keep(64, 48, 300, chunk, dtype, /*keep_logits=*/true);
+      recompute.run();
+      keep.run();
+      keep.expect_guard_intact();
+      const std::string what = std::string(dtype_name(dtype)) + " chunk " + std::to_string(chunk);
+      EXPECT_EQ(0, std::memcmp(keep.lse.data(), recompute.lse.data(), keep.lse.size() * sizeof(float))) << what;
+      EXPECT_EQ(0, std::memcmp(keep.loss.data(), recompute.loss.data(), keep.loss.size() * sizeof(float))) << what;
+      EXPECT_EQ(0, std::memcmp(keep.dhidden.data(), recompute.dhidden.data(), keep.dhidden.size() * sizeof(float)))
+          << what;
+      EXPECT_EQ(0, std::memcmp(keep.dweight.data(), recompute.dweight.data(), keep.dweight.size() * sizeof(float)))
+          << what;
+    }
+}
+
 TEST(LinearCrossEntropy, WorkspaceSize) {
   ops::LinearCrossEntropyParams p;
   p.rows = 5, p.vocab = 100, p.vocab_chunk = 33;
@@ -194,6 +218,14 @@ TEST(LinearCrossEntropy, WorkspaceSize) {
   p.vocab_chunk = 4096;  // never more than one whole-vocabulary chunk
   p.gemm_dtype = DType::f32;
   EXPECT_EQ(ops::linear_cross_entropy_workspace_floats(p), 5 * 100);
+  // keep_logits: every chunk's block (4 chunks of 5 x 33 floats, each rounded up to 192), then one chunk of
+  // bf16 dlogits.
+  p.vocab_chunk = 33, p.keep_logits = true;
+  EXPECT_EQ(ops::linear_cross_entropy_chunk_offset(p, 0), 0);
+  EXPECT_EQ(ops::linear_cross_entropy_chunk_offset(p, 66), 2 * 192);
+  EXPECT_EQ(ops::linear_cross_entropy_workspace_floats(p), 4 * 192);
+  p.gemm_dtype = DType::bf16;
+  EXPECT_EQ(ops::linear_cross_entropy_workspace_floats(p), 4 * 192 + (5 * 33 + 1) / 2);
 }
 
 TEST(LinearCrossEntropy, TargetBeyondVocabularyThrows) {

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <string>
 
 #include "forge/ckpt/safetensors.h"
@@ -106,6 +107,24 @@ TEST_P(LlamaGolden, Bf16ComputeStaysCloseToFp32Twin) {
   Tensor want = file_->read("logits");
   std::vector<double> ref(want.f32(), want.f32() + want.numel());
   EXPECT_LT(testing::dissimilarity(logits.f32(), ref.data(), ref.size()), 1e-4);
+}
+
+// The loss head keeps each micro-batch's logits for backward by default (ComputeOptions::keep_logits_bytes);
+// with no budget it computes them again. Both give bitwise the same loss and gradients, in fp32 and bf16.
+TEST_P(LlamaGolden, KeptLogitsTrainBitwiseLikeRecomputedOnes) {
+  Tensor ids = file_->read("input_ids"), labels = file_->read("labels");
+  const int64_t batch = ids.dim(0), seq = ids.dim(1);
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    nn::ComputeOptions keep{dtype, nn::Recompute::none}, recompute = keep;
+    recompute.keep_logits_bytes = 0;
+    auto a = load_model(keep), b = load_model(recompute);
+    a->params().zero_grads(), b->params().zero_grads();
+    const LossSum la = a->forward_backward(ids.i32(), labels.i32(), batch, seq, 0.01f);
+    const LossSum lb = b->forward_backward(ids.i32(), labels.i32(), batch, seq, 0.01f);
+    EXPECT_EQ(la.sum, lb.sum) << dtype_name(dtype);
+    const Tensor ga = a->params().grads(), gb = b->params().grads();
+    EXPECT_EQ(0, std::memcmp(ga.raw(), gb.raw(), ga.bytes())) << dtype_name(dtype);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, LlamaGolden, ::testing::Values("llama_tiny", "llama_tiny_tied_llama3"));

@@ -1,7 +1,7 @@
 // The op table: every numeric op forge runs, once per backend. Modules call the free functions below;
 // they dispatch on the device to that backend's table. Parameters are plain structs of pointers, sizes
-// and strides (elements, not bytes). Activations are fp32 in memory; GEMMs take fp32 or bf16 operands
-// and accumulate in fp32.
+// and strides (elements, not bytes). Activations are fp32 in memory; GEMMs take fp32 or bf16 operands,
+// accumulate in fp32 and write fp32 or bf16.
 #pragma once
 
 #include <cstdint>
@@ -13,10 +13,15 @@ namespace forge::ops {
 
 // C[M,N] = alpha * op(A) @ op(B) + beta * C, row-major. op(A) is [M,K]: A is stored [M,K] with leading
 // dimension lda, or [K,M] when trans_a. op(B) is [K,N]: B is stored [K,N], or [N,K] when trans_b.
-// Both operands share ab_dtype (f32 or bf16); C is fp32. Training uses three layouts:
+// Both operands share ab_dtype (f32 or bf16). Training uses three layouts:
 //   forward         y  = x @ W^T          gemm_nt  (trans_b)
 //   backward_input  dx = dy @ W           gemm_nn
 //   backward_weight dW += dy^T @ x        gemm_tn  (trans_a, beta = 1)
+// C holds c_dtype elements: f32 (float), or bf16 (uint16_t bits) with bf16 operands. A bf16 C is the fp32
+// result rounded once: alpha * op(A) op(B) + beta * C is computed in fp32 (beta != 0 reads the old C as bf16,
+// widened exactly) and rounded to nearest even on the store, so on the CPU it equals the fp32-output GEMM of
+// the same operands rounded to bf16, bitwise. Any other c_dtype, or bf16 C with fp32 operands (cuBLASLt has
+// no fp32 x fp32 -> bf16 matmul), fails with one line naming the op and the dtype.
 struct GemmParams {
   int64_t m = 0, n = 0, k = 0;
   const void* a = nullptr;
@@ -26,13 +31,16 @@ struct GemmParams {
   int64_t ldb = 0;
   bool trans_b = false;
   DType ab_dtype = DType::f32;
-  float* c = nullptr;
+  void* c = nullptr;  // c_dtype elements; a float* assigns to it as it is
   int64_t ldc = 0;
+  DType c_dtype = DType::f32;
   float alpha = 1.0f;
   float beta = 0.0f;
 };
 
-// Emulated FP8 GEMM: C[m,n] = alpha * op(A)[m,k] @ op(B)[k,n] + beta * C, C fp32 (leading dimension ldc).
+// Emulated FP8 GEMM: C[m,n] = alpha * op(A)[m,k] @ op(B)[k,n] + beta * C, C in c_dtype (leading dimension
+// ldc): f32, or bf16 with GemmParams' rule (the fp32 result, beta's old C read as bf16, rounded once to
+// nearest even; on the CPU bitwise the fp32-output result rounded). Other output dtypes fail with one line.
 // A and B hold one-byte FP8 codes, each with its own dtype (e4m3 or e5m2: E4M3 x E4M3 in the forward,
 // E4M3 x E5M2 or E5M2 x E4M3 for gradients); trans_a / trans_b / lda / ldb mean what they mean in GemmParams
 // (A stored [m,k], or [k,m] when trans_a; B stored [k,n], or [n,k] when trans_b). A dequantised value is
@@ -89,8 +97,9 @@ struct Fp8GemmParams {
   int64_t ldb = 0;
   bool trans_b = false;
   DType b_dtype = DType::e4m3;
-  float* c = nullptr;
+  void* c = nullptr;  // c_dtype elements; a float* assigns to it as it is
   int64_t ldc = 0;
+  DType c_dtype = DType::f32;
   float alpha = 1.0f;
   float beta = 0.0f;
   Fp8Scaling scaling = Fp8Scaling::per_tensor;
@@ -215,10 +224,9 @@ struct EmbeddingParams {
 };
 
 // Softmax cross-entropy fused with the output projection, chunked over the vocabulary: logits = h @ W^T
-// are produced `vocab_chunk` columns at a time and never held whole. Rows whose target is negative are
-// ignored (loss 0, gradient 0).
+// are produced `vocab_chunk` columns at a time. Rows whose target is negative are ignored (loss 0, gradient 0).
 //   forward:  lse[r], loss[r] = lse[r] - logit[r, target[r]]
-//   backward: dlogits = (softmax - onehot) * grad_scale (recomputed chunk by chunk);
+//   backward: dlogits = (softmax - onehot) * grad_scale (chunk by chunk);
 //             dhidden = dlogits @ W (overwrite), dweight += dlogits^T @ h (fp32 accumulate)
 // hidden_gemm / weight_gemm are the GEMM operands in gemm_dtype (fp32 pointers when f32; bf16 copies when
 // bf16); hidden (fp32) is unused by the CPU kernel but kept for backends that cast on the fly.
@@ -233,7 +241,13 @@ struct LinearCrossEntropyParams {
   float grad_scale = 1.0f;
   float* dhidden = nullptr;  // [rows, dim]
   float* dweight = nullptr;  // [vocab, dim], accumulated
-  float* workspace = nullptr;  // at least rows * vocab_chunk floats (+ rows*vocab_chunk/2 when bf16)
+  // Without keep_logits the logits never exist whole: the workspace holds one chunk, and backward computes
+  // each chunk's logits again. With it the workspace holds every chunk's ([rows, width] blocks at
+  // linear_cross_entropy_chunk_offset, each as aligned as the workspace, so a chunk's GEMM is the same one in
+  // both modes): forward leaves them there and backward, given the same params and workspace, reads them
+  // instead, one [rows, dim] x [dim, vocab] GEMM less for about rows * vocab floats of memory.
+  bool keep_logits = false;
+  float* workspace = nullptr;  // linear_cross_entropy_workspace_floats(*this) floats
   // Vocabulary-parallel use: W holds global columns [vocab_start, vocab_start + vocab) of a vocabulary of
   // global_vocab real tokens (0 means vocab_start + vocab); columns at or past global_vocab are padding
   // and take no part. Targets are global ids; a row whose target lies outside this range has no target
@@ -242,7 +256,13 @@ struct LinearCrossEntropyParams {
   int64_t vocab_start = 0, global_vocab = 0;
   float* target_logit = nullptr;  // optional out [rows]
 };
+// rows * vocab_chunk floats (every chunk's block with keep_logits), + rows * vocab_chunk / 2 for bf16 dlogits.
 int64_t linear_cross_entropy_workspace_floats(const LinearCrossEntropyParams& p);
+// Where the logits of the chunk starting at column `first` go in the workspace: 0 without keep_logits, else
+// first / vocab_chunk blocks of rows * vocab_chunk floats rounded up to 64 (256 bytes).
+int64_t linear_cross_entropy_chunk_offset(const LinearCrossEntropyParams& p, int64_t first);
+// The fp32 logits area at the start of the workspace (one chunk, or every chunk's block); bf16 dlogits follow.
+int64_t linear_cross_entropy_logits_floats(const LinearCrossEntropyParams& p);
 
 // Fused AdamW over one contiguous range: decoupled weight decay, bias correction, optional bf16 shadow
 // copy of the updated fp32 master weights written in the same pass.

@@ -179,6 +179,10 @@ LossSum LlamaModel::loss_head(const Tensor& hidden, const int32_t* targets, cons
     dfull = Tensor::empty({rows, config_.hidden_size}, DType::f32, device);
     p.grad_scale = grad_scale, p.dhidden = dfull.f32(), p.dweight = params_.grad(head_id_).f32();
   }
+  // Training (forward then backward here, on the same workspace): keep the logits for backward when the
+  // budget allows, rather than computing them twice.
+  p.keep_logits = dhidden != nullptr &&
+                  rows * local_vocab_ * static_cast<int64_t>(sizeof(float)) <= options_.keep_logits_bytes;
   Tensor workspace = Tensor::empty({ops::linear_cross_entropy_workspace_floats(p)}, DType::f32, device);
   p.workspace = workspace.f32();
   ops::linear_cross_entropy_forward(p, device);

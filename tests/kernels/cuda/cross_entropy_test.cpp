@@ -109,6 +109,7 @@ struct Problem {
   std::vector<uint16_t> hidden16, weight16;
   std::vector<int32_t> targets;  // global ids; negative = ignored
   std::vector<float> dweight0;   // backward accumulates onto this
+  bool keep_logits = false;      // forward's logits kept for backward (LinearCrossEntropyParams::keep_logits)
 
   int64_t global_vocab() const { return c.global_vocab > 0 ? c.global_vocab : c.vocab_start + c.vocab; }
   int64_t chunk_width() const { return std::min(c.chunk, c.vocab); }
@@ -122,6 +123,7 @@ struct Problem {
     ops::LinearCrossEntropyParams p;
     p.rows = c.rows, p.dim = c.dim, p.vocab = c.vocab, p.vocab_chunk = c.chunk, p.gemm_dtype = c.dtype;
     p.vocab_start = c.vocab_start, p.global_vocab = c.global_vocab, p.grad_scale = c.grad_scale;
+    p.keep_logits = keep_logits;
     return p;
   }
 };
@@ -399,6 +401,25 @@ TEST_P(CudaLinearCrossEntropy, IsBitwiseRepeatable) {
   const std::vector<float>* backward_lse = vocabulary_parallel(c) ? &lse_in : nullptr;
   const Outputs first = run_cuda(pr, backward_lse), second = run_cuda(pr, backward_lse);
   expect_bitwise_equal(second, first, std::string(c.name) + " second run");
+}
+
+// Logits kept from forward for backward are the very values a recompute would produce (each chunk's block is
+// as aligned as the workspace, so its GEMM is the same cuBLASLt plan): every output is bitwise the recomputing
+// run's, the CPU agrees as before, and the larger workspace is not overrun (run_cuda checks its guards).
+TEST_P(CudaLinearCrossEntropy, KeptLogitsGiveTheRecomputedResultsBitwise) {
+  if (!cuda::available()) GTEST_SKIP() << cuda::describe_device();
+  const Case& c = GetParam();
+  Problem pr = make_problem(c, 31);
+  const std::vector<float> lse_in(c.rows, 4.0f);  // any lse will do: both runs read the same
+  const std::vector<float>* backward_lse = vocabulary_parallel(c) ? &lse_in : nullptr;
+  const Outputs recompute = run_cuda(pr, backward_lse);
+  pr.keep_logits = true;
+  const Outputs keep = run_cuda(pr, backward_lse);
+  expect_bitwise_equal(keep, recompute, std::string(c.name) + " keep_logits");
+  if (!vocabulary_parallel(c)) {
+    const Outputs cpu = run_cpu(pr, nullptr);
+    expect_match(keep, cpu, tolerances(pr, cpu, nullptr), std::string(c.name) + " keep_logits vs cpu");
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaLinearCrossEntropy, ::testing::ValuesIn(kCases),

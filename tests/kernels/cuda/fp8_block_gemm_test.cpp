@@ -332,6 +332,96 @@ TEST(CudaFp8BlockGemmErrors, HostPointersAreRefusedAndTheDeviceStaysUsable) {
 }
 
 // ------------------------------------------------------------------------------------------------------------
+// bf16 output (c_dtype = bf16). The epilogue is the fp32 one (explicit _rn intrinsics, so no contraction can
+// differ) followed by one round-to-nearest-even store, and the rest of the kernel does not depend on the
+// output type: the bf16 output is the kernel's own fp32 output rounded, bitwise. Against the CPU's bf16
+// output (its fp32 result rounded once), the fp32-order bound plus one bf16 ulp: each rounding moves a value
+// by at most half an ulp (taken at the larger of the two values, as a rounding may cross a binade).
+
+std::vector<uint16_t> to_bf16_bits(const std::vector<float>& x) {
+  std::vector<uint16_t> y(x.size());
+  for (size_t i = 0; i < x.size(); ++i) y[i] = f32_to_bf16_bits(x[i]);
+  return y;
+}
+
+double bf16_ulp(double x) { return x == 0 ? 0.0 : std::ldexp(1.0, std::ilogb(x) - 7); }
+
+// Like run_cuda with a bf16 C (NaN where beta = 0) at c_offset elements into its allocation (odd: 2-byte
+// aligned, so the kernel stores element by element).
+std::vector<uint16_t> run_cuda_bf16(const Problem& f, int64_t c_offset, std::vector<uint16_t>* before_out) {
+  std::vector<uint16_t> before = to_bf16_bits(f.c0);
+  if (f.p.beta == 0) std::fill(before.begin(), before.end(), uint16_t{0x7fc0});
+  const DeviceBuffer a = to_device(f.a, 16), b = to_device(f.b, 16);
+  const DeviceBuffer a_scales = to_device(f.a_scales, 1), b_scales = to_device(f.b_scales, 3);
+  const DeviceBuffer c = to_device(before, static_cast<size_t>(c_offset));
+  ops::Fp8GemmParams p = f.p;
+  p.a = a.as<uint8_t>() + 16, p.b = b.as<uint8_t>() + 16;
+  p.a_scales = a_scales.as<float>() + 1, p.b_scales = b_scales.as<float>() + 3;
+  p.c = c.as<uint16_t>() + c_offset, p.c_dtype = DType::bf16;
+  ops::fp8_gemm(p, Device::cuda);
+  std::vector<uint16_t> all(c_offset + before.size());
+  c.download(all.data(), all.size() * sizeof(uint16_t));
+  *before_out = before;
+  return {all.begin() + c_offset, all.end()};
+}
+
+std::vector<uint16_t> run_cpu_bf16(const Problem& f) {
+  std::vector<uint16_t> c = to_bf16_bits(f.c0);
+  ops::Fp8GemmParams p = f.p;
+  p.c = c.data(), p.c_dtype = DType::bf16;
+  ops::cpu_table().fp8_gemm(p);
+  return c;
+}
+
+class CudaFp8BlockGemmBf16Output : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CudaFp8BlockGemmBf16Output, IsTheFp32OutputRoundedAndMatchesCpu) {
+  SKIP_WITHOUT_FP8_GPU();
+  const Case c = GetParam();
+  Problem f = make_problem(c, Data::integers, static_cast<uint32_t>(c.m * 5 + c.n + c.k));
+  for (float& x : f.c0) x = bf16_bits_to_f32(f32_to_bf16_bits(x));  // C's values exact in bf16 for every run
+  std::vector<uint16_t> before;
+  const auto got = run_cuda_bf16(f, c.c_offset, &before);
+  const auto fp32 = run_cuda(f, c.c_offset);
+  const auto want = run_cpu_bf16(f);
+  const auto mag = magnitudes(f);
+  const ops::Fp8GemmParams& p = f.p;
+  int64_t bad_rounding = -1, bad_cpu = -1;
+  for (int64_t i = 0; i < p.m; ++i)
+    for (int64_t j = 0; j < p.n; ++j) {
+      const int64_t e = i * p.ldc + j;
+      if (bad_rounding < 0 && got[e] != f32_to_bf16_bits(fp32[e])) bad_rounding = e;
+      const double g = bf16_bits_to_f32(got[e]), w = bf16_bits_to_f32(want[e]);
+      const double tolerance =
+          fp32_order_bound(c.k, mag[i * p.n + j]) + bf16_ulp(std::max(std::abs(g), std::abs(w)));
+      if (bad_cpu < 0 && !(std::abs(g - w) <= tolerance)) bad_cpu = e;
+    }
+  EXPECT_LT(bad_rounding, 0) << "C[" << bad_rounding / p.ldc << "," << bad_rounding % p.ldc
+                             << "] bf16 output "
+                             << (bad_rounding < 0 ? 0.0f : bf16_bits_to_f32(got[bad_rounding]))
+                             << " is not the fp32 output " << (bad_rounding < 0 ? 0.0f : fp32[bad_rounding])
+                             << " rounded";
+  EXPECT_LT(bad_cpu, 0) << "C[" << bad_cpu / p.ldc << "," << bad_cpu % p.ldc << "] cuda "
+                        << (bad_cpu < 0 ? 0.0f : bf16_bits_to_f32(got[bad_cpu])) << " cpu "
+                        << (bad_cpu < 0 ? 0.0f : bf16_bits_to_f32(want[bad_cpu]));
+  for (int64_t i = 0; i < p.m && p.ldc > p.n; ++i)
+    if (std::memcmp(&got[i * p.ldc + p.n], &before[i * p.ldc + p.n], (p.ldc - p.n) * sizeof(uint16_t)) != 0) {
+      ADD_FAILURE() << "padding of C's row " << i << " was written";
+      break;
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, CudaFp8BlockGemmBf16Output,
+    ::testing::Values(Case{257, 384, 300, e4, e4, block, 1, 0, 0, 0},      // bf16x2 stores
+                      Case{200, 260, 129, e4, e5, tile, -1.5f, 1, 16, 0},  // beta reads bf16 pairs
+                      Case{130, 70, 200, e4, e5, block, 0.5f, 0.25f, 16,
+                           1},                                        // C 2-byte aligned: element stores
+                      Case{33, 129, 16, e4, e4, block, 1, 0, 32, 2},  // odd ldc: element stores
+                      Case{130, 70, 200, e5, e4, tile, 1, 1, 0, 0}),  // ragged edges, beta
+    [](const ::testing::TestParamInfo<Case>& info) { return case_name(info.param); });
+
+// ------------------------------------------------------------------------------------------------------------
 // Parameter checks: they come before any device call, so these run without a GPU too.
 
 ops::Fp8GemmParams valid_host_params() {
@@ -384,7 +474,12 @@ TEST(CudaFp8BlockGemmErrors, BadParametersFailWithOneLine) {
   bad = p, bad.b = p.b + 8;
   testing::expect_error_containing([&] { cuda::fp8_block_gemm(bad); }, {"16-byte aligned", "b % 16 = 8"});
   bad = p, bad.c = reinterpret_cast<float*>(reinterpret_cast<uintptr_t>(p.c) + 2);
-  testing::expect_error_containing([&] { cuda::fp8_block_gemm(bad); }, {"4-byte aligned"});
+  testing::expect_error_containing([&] { cuda::fp8_block_gemm(bad); }, {"c must be aligned", "4-byte fp32"});
+  bad = p, bad.c_dtype = DType::bf16, bad.c = static_cast<char*>(p.c) + 1;
+  testing::expect_error_containing([&] { cuda::fp8_block_gemm(bad); }, {"c must be aligned", "2-byte bf16"});
+  bad = p, bad.c_dtype = DType::f16;
+  testing::expect_error_containing([&] { cuda::fp8_gemm(bad); },
+                                   {"fp8_gemm (block scaling)", "c_dtype", "fp32 or bf16", "fp16"});
   bad = p, bad.scaling = ops::Fp8Scaling::per_tensor;
   testing::expect_error_containing([&] { cuda::fp8_block_gemm(bad); }, {"per-tensor scaling"});
   bad = p, bad.accumulator_bits = 14;

@@ -3,6 +3,7 @@
 // GEMMs make before touching the device, run everywhere.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -226,6 +227,130 @@ TEST(CudaGemmErrors, BadParametersFailWithOneLine) {
   testing::expect_error_containing([&] { cuda::gemm(bad); }, {"ldc 3"});
   bad = p, bad.trans_a = true, bad.m = 8;
   testing::expect_error_containing([&] { cuda::gemm(bad); }, {"lda 4", "8 stored columns"});
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// bf16 output (c_dtype = bf16), against the CPU's bf16 output.
+//
+// Tolerance: each side computes an fp32 result and rounds it once to bf16 (cuBLASLt's epilogue forms
+// alpha acc + beta C in its fp32 scale type and converts on the store; the CPU rounds its fp32-output
+// result). The two fp32 results differ by at most d, the bound of the fp32-output comparisons above (they may
+// differ in their last fp32 bits), and each rounding moves a value by at most half a bf16 ulp, so the bf16
+// outputs differ by at most d + one bf16 ulp (taken at the larger of the two: a rounding may cross a binade).
+// Most elements round to the same bf16 value; the ulp admits the neighbour where d straddles a rounding
+// boundary.
+
+std::vector<uint16_t> to_bf16_bits(const std::vector<float>& x) {
+  std::vector<uint16_t> y(x.size());
+  for (size_t i = 0; i < x.size(); ++i) y[i] = f32_to_bf16_bits(x[i]);
+  return y;
+}
+std::vector<float> widen_bf16(const std::vector<uint16_t>& x) {
+  std::vector<float> y(x.size());
+  for (size_t i = 0; i < x.size(); ++i) y[i] = bf16_bits_to_f32(x[i]);
+  return y;
+}
+
+// One bf16 ulp at |x| (8 significant bits: the spacing in x's binade; 0 at 0).
+double bf16_ulp(double x) { return x == 0 ? 0.0 : std::ldexp(1.0, std::ilogb(x) - 7); }
+
+// got and want are bf16 [m, ldc]: the first n columns within tolerance * magnitude + one bf16 ulp, the
+// padding columns past n what they were (bitwise).
+void expect_close_bf16(const std::vector<uint16_t>& got, const std::vector<uint16_t>& want,
+                       const std::vector<uint16_t>& before, const std::vector<double>& mag, int64_t m,
+                       int64_t n, int64_t ldc, double tolerance) {
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      const double g = bf16_bits_to_f32(got[i * ldc + j]), w = bf16_bits_to_f32(want[i * ldc + j]);
+      ASSERT_LE(std::abs(g - w), tolerance * mag[i * n + j] + bf16_ulp(std::max(std::abs(g), std::abs(w))))
+          << "C[" << i << "," << j << "] cuda " << g << " cpu " << w;
+    }
+    if (ldc > n) {
+      EXPECT_EQ(std::memcmp(&got[i * ldc + n], &before[i * ldc + n], (ldc - n) * sizeof(uint16_t)), 0)
+          << "padding of row " << i << " was written";
+    }
+  }
+}
+
+constexpr uint16_t kBf16Nan = 0x7fc0;
+
+// A bf16-operand problem with a bf16 C: the CPU op and CUDA (a, b and C `offset` elements into their device
+// buffers: only 2-byte aligned when odd) from the same bf16 C, NaN where beta = 0 (it must not be read).
+void check_gemm_bf16_output(const GemmProblem& g, int64_t offset = 0) {
+  ops::GemmParams p = g.p;
+  ASSERT_EQ(p.ab_dtype, DType::bf16);
+  p.c_dtype = DType::bf16;
+  std::vector<uint16_t> before = to_bf16_bits(g.c0);
+  if (p.beta == 0) std::fill(before.begin(), before.end(), kBf16Nan);
+  std::vector<uint16_t> want = before;
+  ops::GemmParams cpu = p;
+  cpu.c = want.data();
+  ops::cpu_table().gemm(cpu);
+
+  auto shifted_copy = [&](const std::vector<uint16_t>& host) {
+    std::vector<uint16_t> padded(offset + host.size(), 0);
+    std::copy(host.begin(), host.end(), padded.begin() + offset);
+    return to_device(padded);
+  };
+  const DeviceBuffer a = shifted_copy(g.a16), b = shifted_copy(g.b16), c = shifted_copy(before);
+  ops::GemmParams dev = p;
+  dev.a = a.as<uint16_t>() + offset, dev.b = b.as<uint16_t>() + offset, dev.c = c.as<uint16_t>() + offset;
+  ops::gemm(dev, Device::cuda);
+  const std::vector<uint16_t> shifted = to_host<uint16_t>(c, offset + before.size());
+  const std::vector<uint16_t> got(shifted.begin() + offset, shifted.end());
+
+  const std::vector<float> c0 = widen_bf16(before);  // what both sides read as C when beta != 0
+  const auto mag = magnitudes(
+      p.m, p.n, p.k, p.trans_a, p.lda, p.trans_b, p.ldb, p.alpha, p.beta, c0, p.ldc,
+      [&](int64_t i) { return double{g.a[i]}; }, [&](int64_t i) { return double{g.b[i]}; });
+  expect_close_bf16(got, want, before, mag, p.m, p.n, p.ldc, std::ldexp(2.0 * (p.k + 8), -23));
+}
+
+class CudaGemmBf16Output : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(CudaGemmBf16Output, MatchesCpuOnOddShapes) {
+  if (!cuda::available()) GTEST_SKIP() << cuda::describe_device();
+  check_gemm_bf16_output(make_gemm(37, 29, 61, GetParam(), DType::bf16, 3, 111));  // odd ldc: 2-byte C rows
+}
+
+TEST_P(CudaGemmBf16Output, MatchesCpuOnPointersOffByOneElement) {
+  if (!cuda::available()) GTEST_SKIP() << cuda::describe_device();
+  check_gemm_bf16_output(make_gemm(40, 24, 64, GetParam(), DType::bf16, 0, 121), 1);  // C only 2-byte aligned
+}
+
+INSTANTIATE_TEST_SUITE_P(AllLayouts, CudaGemmBf16Output,
+                         ::testing::Values(Layout{false, true, 1, 0}, Layout{false, false, 1, 0},
+                                           Layout{true, false, 1, 1}, Layout{true, true, 0.5f, 0.25f}),
+                         [](const ::testing::TestParamInfo<Layout>& info) {
+                           const Layout& l = info.param;
+                           return std::string(l.trans_a ? "t" : "n") + (l.trans_b ? "t" : "n") +
+                                  (l.beta != 0 ? "_beta" : "");
+                         });
+
+TEST(CudaGemmLarge, Bf16OutputTensorCoreShapeMatchesCpu) {
+  if (!cuda::available()) GTEST_SKIP() << cuda::describe_device();
+  for (Layout layout : {Layout{false, true, 1, 0}, Layout{false, false, 1, 0}, Layout{true, false, 1, 1}}) {
+    SCOPED_TRACE(std::string(layout.trans_a ? "t" : "n") + (layout.trans_b ? "t" : "n"));
+    check_gemm_bf16_output(make_gemm(256, 384, 1024, layout, DType::bf16, 0, 131));
+  }
+}
+
+// Output checks come before any device call: these run without a GPU too.
+TEST(CudaGemmErrors, OutputDtypeAndAlignmentFailWithOneLine) {
+  alignas(256) static uint16_t dummy[64];
+  ops::GemmParams p;
+  p.m = p.n = p.k = 4, p.lda = p.ldb = p.ldc = 4;
+  p.a = p.b = dummy, p.c = dummy;
+  p.ab_dtype = DType::bf16, p.c_dtype = DType::bf16;
+  ops::GemmParams bad = p;
+  bad.c_dtype = DType::f16;
+  testing::expect_error_containing([&] { cuda::gemm(bad); }, {"gemm", "c_dtype", "fp32 or bf16", "fp16"});
+  bad = p, bad.ab_dtype = DType::f32;
+  testing::expect_error_containing([&] { cuda::gemm(bad); },
+                                   {"gemm", "c_dtype bf16 needs bf16 operands", "fp32"});
+  bad = p, bad.c = reinterpret_cast<char*>(dummy) + 1;
+  testing::expect_error_containing([&] { cuda::gemm(bad); },
+                                   {"gemm", "not aligned to its 2-byte bf16 elements"});
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -453,6 +578,48 @@ TEST(CudaFp8GemmData, LinearGemmsThroughTransposedCopies) {
   }
 }
 
+// FP8 with a bf16 C against the CPU's bf16 output: the fp32 results agree within the fp32-output tests'
+// bounds (exact integer sums: a few roundings of the scales, alpha and beta; spread data: the tensor cores'
+// accumulation), and each side rounds once to bf16, hence one bf16 ulp more (see expect_close_bf16). ldc is a
+// multiple of 8 (16-byte bf16 rows, which FP8 matmuls need).
+void check_fp8_bf16_output(Fp8Problem f, double tolerance) {
+  ops::Fp8GemmParams& p = f.p;
+  p.ldc = p.n + 8, p.c_dtype = DType::bf16;
+  std::vector<uint16_t> before = to_bf16_bits(testing::random_floats(p.m * p.ldc, 99));
+  if (p.beta == 0) std::fill(before.begin(), before.end(), kBf16Nan);
+  f.c0 = widen_bf16(before);  // what both sides read as C when beta != 0 (and the magnitudes' |beta C|)
+
+  std::vector<uint16_t> want = before;
+  ops::Fp8GemmParams cpu = p;
+  cpu.c = want.data();
+  ops::cpu_table().fp8_gemm(cpu);
+
+  DeviceBuffer a = to_device(f.a), b = to_device(f.b), c = to_device(before);
+  ops::Fp8GemmParams dev = p;
+  dev.a = a.as<uint8_t>(), dev.b = b.as<uint8_t>(), dev.c = c.as<uint16_t>();
+  ops::fp8_gemm(dev, Device::cuda);
+  const auto got = to_host<uint16_t>(c, before.size());
+  expect_close_bf16(got, want, before, fp8_magnitudes(f), p.m, p.n, p.ldc, tolerance);
+}
+
+TEST_P(CudaFp8Gemm, Bf16OutputMatchesCpuEmulation) {
+  if (!cuda::available()) GTEST_SKIP() << cuda::describe_device();
+  if (cuda::compute_capability() < 89) GTEST_SKIP() << "no FP8 tensor cores: " << cuda::describe_device();
+  const Fp8Case fc = GetParam();
+  check_fp8_bf16_output(make_fp8(48, 80, 160, fc.a, fc.b, fc.alpha, fc.beta, 16, true, 161),
+                        std::ldexp(16.0, -24));
+}
+
+TEST(CudaFp8GemmData, Bf16OutputOnSpreadValuesAgreesWithinTensorCoreAccumulation) {
+  if (!cuda::available()) GTEST_SKIP() << cuda::describe_device();
+  if (cuda::compute_capability() < 89) GTEST_SKIP() << "no FP8 tensor cores: " << cuda::describe_device();
+  for (DType b_dtype : {DType::e4m3, DType::e5m2}) {
+    SCOPED_TRACE(std::string("e4m3 x ") + std::string(dtype_name(b_dtype)));
+    check_fp8_bf16_output(make_fp8(64, 96, 512, DType::e4m3, b_dtype, 1, 0, 0, false, 171),
+                          std::ldexp(1.0, -8));
+  }
+}
+
 // Parameter checks come before any device call: these run without a GPU too.
 TEST(CudaFp8GemmErrors, UnsupportedRequestsFailWithOneLine) {
   alignas(256) static uint8_t codes[64 * 64];
@@ -485,6 +652,15 @@ TEST(CudaFp8GemmErrors, UnsupportedRequestsFailWithOneLine) {
   testing::expect_error_containing([&] { cuda::fp8_gemm(bad); }, {"16-byte aligned"});
   bad = p, bad.a_scale_inv = std::numeric_limits<float>::infinity();
   testing::expect_error_containing([&] { cuda::fp8_gemm(bad); }, {"scale_inv must be finite"});
+  bad = p, bad.c_dtype = DType::f16;
+  testing::expect_error_containing([&] { cuda::fp8_gemm(bad); },
+                                   {"fp8_gemm", "c_dtype", "fp32 or bf16", "fp16"});
+  bad = p, bad.c_dtype = DType::bf16, bad.ldc = 36;
+  testing::expect_error_containing([&] { cuda::fp8_gemm(bad); },
+                                   {"fp8_gemm", "bf16 C", "ldc 36", "multiple of 8"});
+  bad = p, bad.c_dtype = DType::bf16, bad.c = reinterpret_cast<char*>(c) + 8;
+  testing::expect_error_containing([&] { cuda::fp8_gemm(bad); },
+                                   {"bf16 C", "16-byte aligned", "alignment 8"});
 }
 
 // ------------------------------------------------------------------------------------------------------------

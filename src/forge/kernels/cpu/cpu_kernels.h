@@ -1,12 +1,23 @@
 // Declarations of the CPU backend's kernels (one file each in this folder); cpu_table.cpp gathers them.
 #pragma once
 
+#include <vector>
+
 #include "forge/kernels/ops.h"
 
 namespace forge::cpu {
 
 void gemm(const ops::GemmParams& p);
 void fp8_gemm(const ops::Fp8GemmParams& p);
+// GEMM outputs (gemm_onednn.cpp). check_gemm_output fails with one line naming `op` unless c_dtype is f32, or
+// bf16 with operands other than fp32. A bf16 C [rows, cols] (leading dimension ldc) is computed through fp32
+// scratch with the same leading dimension: fp32_scratch_for_bf16 sizes it (holding C widened when read_c) and
+// returns it for the fp32-output GEMM; round_scratch_to_bf16 then rounds the cols of each row into C, leaving
+// its padding alone.
+void check_gemm_output(const char* op, DType c_dtype, DType operand_dtype);
+float* fp32_scratch_for_bf16(const void* c, int64_t rows, int64_t cols, int64_t ldc, bool read_c,
+                             std::vector<float>& scratch);
+void round_scratch_to_bf16(const float* scratch, void* c, int64_t rows, int64_t cols, int64_t ldc);
 void rmsnorm_forward(const ops::RmsNormParams& p);
 void rmsnorm_backward_input(const ops::RmsNormParams& p);
 void rmsnorm_backward_weight(const ops::RmsNormParams& p);

@@ -3,6 +3,8 @@
 // are applied to fp32 partial products, never to the operands, which keeps the products exact.
 //
 // Scales never reach oneDNN as alpha: its primitives are cached per alpha, and scales change every step.
+// A bf16 C is the fp32 result rounded once: the fp32 kernel writes scratch, one pass rounds it (as gemm
+// does).
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -64,6 +66,7 @@ void check(const ops::Fp8GemmParams& p) {
   if (p.m <= 0 || p.n <= 0 || p.k <= 0) fail("fp8_gemm: empty problem m={} n={} k={}", p.m, p.n, p.k);
   if (!is_fp8(p.a_dtype)) fail("fp8_gemm: a_dtype must be e4m3 or e5m2, got {}", dtype_name(p.a_dtype));
   if (!is_fp8(p.b_dtype)) fail("fp8_gemm: b_dtype must be e4m3 or e5m2, got {}", dtype_name(p.b_dtype));
+  check_gemm_output("fp8_gemm", p.c_dtype, p.a_dtype);
   if (!p.a || !p.b || !p.c) fail("fp8_gemm: null operand pointer (a, b or c)");
   const int64_t a_cols = p.trans_a ? p.m : p.k, b_cols = p.trans_b ? p.k : p.n;
   if (p.lda < a_cols) fail("fp8_gemm: lda {} is smaller than A's {} stored columns", p.lda, a_cols);
@@ -90,16 +93,9 @@ void check(const ops::Fp8GemmParams& p) {
   }
 }
 
-}  // namespace
-
-void fp8_gemm(const ops::Fp8GemmParams& params) {
-  // Scales behind pointers (host memory here) become the values they hold, then everything is as for values.
-  ops::Fp8GemmParams p = params;
-  if (p.scaling == ops::Fp8Scaling::per_tensor) {
-    if (p.a_scale_inv_ptr) p.a_scale_inv = *p.a_scale_inv_ptr;
-    if (p.b_scale_inv_ptr) p.b_scale_inv = *p.b_scale_inv_ptr;
-  }
-  check(p);
+// The kernel for checked parameters with scale values (no pointers) and an fp32 C.
+void fp8_gemm_f32(const ops::Fp8GemmParams& p) {
+  float* const c_out = static_cast<float*>(p.c);
   const int64_t m = p.m, n = p.n, k = p.k;
   const int64_t a_cols = p.trans_a ? m : k, b_cols = p.trans_b ? k : n;
   thread_local std::vector<uint16_t> a16, b16;
@@ -126,11 +122,11 @@ void fp8_gemm(const ops::Fp8GemmParams& params) {
   const bool parallel = mn > 16384;
 
   if (!block && bits == 0 && beta == 0.0f) {  // the common case: one GEMM straight into C
-    multiply_slice(0, k, p.c, p.ldc);
+    multiply_slice(0, k, c_out, p.ldc);
     if (alpha != 1.0f) {
 #pragma omp parallel for schedule(static) if (parallel)
       for (int64_t i = 0; i < m; ++i)
-        for (int64_t j = 0; j < n; ++j) p.c[i * p.ldc + j] *= alpha;
+        for (int64_t j = 0; j < n; ++j) c_out[i * p.ldc + j] *= alpha;
     }
     return;
   }
@@ -187,7 +183,7 @@ void fp8_gemm(const ops::Fp8GemmParams& params) {
       const float a_scale = block ? p.a_scales[i * k_blocks + kb] : 1.0f;
       const float* pr = partial + i * n;
       float* acc = accumulator + i * n;
-      float* c = p.c + i * p.ldc;
+      float* c = c_out + i * p.ldc;
       for (int64_t j = 0; j < n; ++j) {
         float v = block ? pr[j] * (a_scale * b_scale[j]) : pr[j];
         if (!first) v += acc[j];
@@ -198,6 +194,26 @@ void fp8_gemm(const ops::Fp8GemmParams& params) {
       }
     }
   }
+}
+
+}  // namespace
+
+void fp8_gemm(const ops::Fp8GemmParams& params) {
+  // Scales behind pointers (host memory here) become the values they hold, then everything is as for values.
+  ops::Fp8GemmParams p = params;
+  if (p.scaling == ops::Fp8Scaling::per_tensor) {
+    if (p.a_scale_inv_ptr) p.a_scale_inv = *p.a_scale_inv_ptr;
+    if (p.b_scale_inv_ptr) p.b_scale_inv = *p.b_scale_inv_ptr;
+  }
+  p.a_scale_inv_ptr = p.b_scale_inv_ptr = nullptr;
+  check(p);
+  if (p.c_dtype == DType::f32) return fp8_gemm_f32(p);
+  thread_local std::vector<float> scratch;
+  ops::Fp8GemmParams q = p;
+  q.c_dtype = DType::f32;
+  q.c = fp32_scratch_for_bf16(p.c, p.m, p.n, p.ldc, p.beta != 0.0f, scratch);
+  fp8_gemm_f32(q);
+  round_scratch_to_bf16(static_cast<const float*>(q.c), p.c, p.m, p.n, p.ldc);
 }
 
 }  // namespace forge::cpu

@@ -1,7 +1,8 @@
 // Output projection fused with softmax cross-entropy, chunked over the vocabulary so that the
-// [rows, vocab] logits never exist whole. Forward keeps a running max and sum of exponentials per row
-// (online softmax) across chunks. Backward recomputes each chunk's logits, turns them into
-// dlogits = (softmax - onehot) * grad_scale in place and feeds them to two GEMMs:
+// [rows, vocab] logits need not exist whole. Forward keeps a running max and sum of exponentials per row
+// (online softmax) across chunks. Backward recomputes each chunk's logits (or, with keep_logits, finds them
+// where forward left them), turns them into dlogits = (softmax - onehot) * grad_scale in place and feeds them
+// to two GEMMs:
 //   dhidden (+)= dlogits @ W[chunk]        (NN; the first chunk overwrites)
 //   dweight[chunk] += dlogits^T @ hidden  (TN)
 #include <algorithm>
@@ -38,6 +39,11 @@ void check(const ops::LinearCrossEntropyParams& p, const char* what) {
       fail("{}: target {} at row {} is outside the vocabulary [0, {})", what, p.targets[r], r, global_vocab(p));
 }
 
+// Where chunk `first`'s logits go in the workspace.
+float* chunk_area(const ops::LinearCrossEntropyParams& p, int64_t first) {
+  return p.workspace + ops::linear_cross_entropy_chunk_offset(p, first);
+}
+
 // Element `offset` of a GEMM operand stored in gemm_dtype.
 const void* element(const void* base, DType dtype, int64_t offset) {
   return static_cast<const char*>(base) + offset * static_cast<int64_t>(dtype_size(dtype));
@@ -60,12 +66,12 @@ void linear_cross_entropy_forward(const ops::LinearCrossEntropyParams& p) {
   check(p, "linear_cross_entropy_forward");
   if (p.rows == 0) return;
   const int64_t chunk = chunk_width(p);
-  float* logits = p.workspace;
   std::vector<float> running_max(p.rows, -std::numeric_limits<float>::infinity());
   std::vector<float> running_sum(p.rows, 0.0f), target_logit(p.rows, 0.0f);
   for (int64_t first = 0; first < p.vocab; first += chunk) {
     const int64_t width = std::min(chunk, p.vocab - first), real = real_width(p, first, width);
     if (real == 0) break;  // padding from here on
+    float* logits = chunk_area(p, first);
     chunk_logits(p, first, width, logits);
     const int64_t global_first = p.vocab_start + first;
 #pragma omp parallel for schedule(static)
@@ -100,16 +106,16 @@ void linear_cross_entropy_backward(const ops::LinearCrossEntropyParams& p) {
   if (p.rows == 0) return;
   const int64_t chunk = chunk_width(p);
   const bool bf16 = p.gemm_dtype == DType::bf16;
-  float* dlogits = p.workspace;
-  // bf16 GEMMs need bf16 dlogits: they live after the fp32 chunk in the workspace.
-  uint16_t* dlogits_bf16 = reinterpret_cast<uint16_t*>(p.workspace + p.rows * chunk);
+  // bf16 GEMMs need bf16 dlogits: they live after the fp32 logits in the workspace.
+  uint16_t* dlogits_bf16 = reinterpret_cast<uint16_t*>(p.workspace + ops::linear_cross_entropy_logits_floats(p));
   for (int64_t first = 0; first < p.vocab; first += chunk) {
     const int64_t width = std::min(chunk, p.vocab - first), real = real_width(p, first, width);
     if (real == 0) {  // padding: no gradient, but dhidden must still be written when nothing was
       if (first == 0) std::fill(p.dhidden, p.dhidden + p.rows * p.dim, 0.0f);
       break;
     }
-    chunk_logits(p, first, width, dlogits);
+    float* dlogits = chunk_area(p, first);
+    if (!p.keep_logits) chunk_logits(p, first, width, dlogits);
     const int64_t global_first = p.vocab_start + first;
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < p.rows; ++r) {
@@ -158,10 +164,28 @@ void linear_cross_entropy_backward(const ops::LinearCrossEntropyParams& p) {
 
 namespace forge::ops {
 
+namespace {
+constexpr int64_t kChunkAlign = 64;  // floats: 256 bytes, the most a GEMM's output alignment is told
+int64_t kept_chunk_floats(const LinearCrossEntropyParams& p) {
+  return (p.rows * std::min(p.vocab_chunk, p.vocab) + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
+}
+}  // namespace
+
+int64_t linear_cross_entropy_chunk_offset(const LinearCrossEntropyParams& p, int64_t first) {
+  if (!p.keep_logits) return 0;
+  const int64_t chunk = std::min(p.vocab_chunk, p.vocab);
+  return (first + chunk - 1) / chunk * kept_chunk_floats(p);  // first = vocab: past the last block
+}
+
+int64_t linear_cross_entropy_logits_floats(const LinearCrossEntropyParams& p) {
+  return p.keep_logits ? linear_cross_entropy_chunk_offset(p, p.vocab) : p.rows * std::min(p.vocab_chunk, p.vocab);
+}
+
 int64_t linear_cross_entropy_workspace_floats(const LinearCrossEntropyParams& p) {
-  const int64_t logits = p.rows * std::min(p.vocab_chunk, p.vocab);
-  // bf16 dlogits take half a float each, rounded up.
-  return p.gemm_dtype == DType::bf16 ? logits + (logits + 1) / 2 : logits;
+  const int64_t chunk = p.rows * std::min(p.vocab_chunk, p.vocab);
+  const int64_t logits = linear_cross_entropy_logits_floats(p);
+  // One chunk of bf16 dlogits takes half a float per element, rounded up.
+  return p.gemm_dtype == DType::bf16 ? logits + (chunk + 1) / 2 : logits;
 }
 
 }  // namespace forge::ops

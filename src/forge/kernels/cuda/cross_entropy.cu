@@ -1,6 +1,7 @@
 // Output projection fused with softmax cross-entropy on device memory, chunked over the vocabulary exactly as
 // the CPU kernel (cpu/linear_cross_entropy.cpp): per chunk, cuBLASLt writes the logits [rows, width] into
-// the workspace, then one block per row
+// the workspace (with keep_logits each chunk into its own block, which backward then reads instead of
+// computing the chunk again), then one block per row
 //   forward   folds the chunk's max and sum of exponentials into the row's running (max, sum) and picks up
 //             the target logit when the target falls in the chunk; the last real chunk writes lse and loss;
 //   backward  turns the logits into dlogits = (softmax - onehot) * grad_scale (in place in fp32, or into the
@@ -338,6 +339,11 @@ const void* element(const void* base, DType dtype, int64_t offset) {
   return static_cast<const char*>(base) + offset * static_cast<int64_t>(dtype_size(dtype));
 }
 
+// Where chunk `first`'s logits live in the workspace: its own block with keep_logits, else the one chunk area.
+float* chunk_area(const ops::LinearCrossEntropyParams& p, int64_t first) {
+  return p.workspace + ops::linear_cross_entropy_chunk_offset(p, first);
+}
+
 // logits[rows, width] (ldc = width) = hidden @ W[first : first + width]^T
 void chunk_logits(const ops::LinearCrossEntropyParams& p, int64_t first, int64_t width, float* logits) {
   ops::GemmParams g;
@@ -375,9 +381,9 @@ void linear_cross_entropy_forward(const ops::LinearCrossEntropyParams& p) {
     FORGE_CUDA_CHECK_LAUNCH(op);
     return;
   }
-  float* logits = p.workspace;
   for (int64_t first = 0; first < c.real_columns; first += c.chunk) {
     const int64_t width = std::min(c.chunk, p.vocab - first), real = std::min(width, c.real_columns - first);
+    float* logits = chunk_area(p, first);
     chunk_logits(p, first, width, logits);
     const bool vector = width % 4 == 0 && aligned(logits, 16);
     forward_chunk_kernel<<<rows, row_threads(width), 0, stream()>>>(
@@ -412,13 +418,14 @@ void linear_cross_entropy_backward(const ops::LinearCrossEntropyParams& p) {
     return;
   }
   const bool bf16 = p.gemm_dtype == DType::bf16;
-  float* logits = p.workspace;
-  // bf16 GEMMs take bf16 dlogits, after the fp32 chunk in the workspace (the CPU's layout and size).
-  uint16_t* dlogits_bf16 = bf16 ? reinterpret_cast<uint16_t*>(p.workspace + p.rows * c.chunk) : nullptr;
+  // bf16 GEMMs take bf16 dlogits, after the fp32 logits in the workspace (the CPU's layout and size).
+  uint16_t* dlogits_bf16 =
+      bf16 ? reinterpret_cast<uint16_t*>(p.workspace + ops::linear_cross_entropy_logits_floats(p)) : nullptr;
   const auto rows = static_cast<unsigned>(p.rows);
   for (int64_t first = 0; first < c.real_columns; first += c.chunk) {
     const int64_t width = std::min(c.chunk, p.vocab - first), real = std::min(width, c.real_columns - first);
-    chunk_logits(p, first, width, logits);
+    float* logits = chunk_area(p, first);
+    if (!p.keep_logits) chunk_logits(p, first, width, logits);
     const bool vector = width % 4 == 0 && aligned(logits, 16);
     const bool vector_bf16 = bf16 && width % 4 == 0 && aligned(dlogits_bf16, 8);
     backward_chunk_kernel<<<rows, row_threads(width), 0, stream()>>>(

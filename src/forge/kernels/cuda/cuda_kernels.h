@@ -7,9 +7,9 @@
 
 namespace forge::cuda {
 
-// GEMMs through cuBLASLt (gemm_cublaslt.cpp): fp32 or bf16 operands, fp32 output; FP8 per-tensor scaling
-// (E4M3 x E4M3, E4M3 x E5M2, E5M2 x E4M3) on devices with FP8 tensor cores (sm_89+). Block scaling goes to
-// fp8_block_gemm below.
+// GEMMs through cuBLASLt (gemm_cublaslt.cpp): fp32 or bf16 operands, fp32 or bf16 output (c_dtype; bf16
+// from bf16 or FP8 operands); FP8 per-tensor scaling (E4M3 x E4M3, E4M3 x E5M2, E5M2 x E4M3) on devices
+// with FP8 tensor cores (sm_89+). Block scaling goes to fp8_block_gemm below.
 void gemm(const ops::GemmParams& p);
 void fp8_gemm(const ops::Fp8GemmParams& p);
 

@@ -21,10 +21,16 @@
 // blocks in K order); the promotion is one fused multiply-add where the CPU rounds the product first, and
 // the tensor cores sum a block in their own order (on Hopper with a narrower internal accumulator), so
 // results agree with the CPU to rounding, bitwise only where partial sums are exact. Deterministic: no
-// atomics, no split-K; each output element's arithmetic depends on the problem alone.
+// atomics, no split-K; each output element's arithmetic depends on the problem alone. A bf16 C (c_dtype)
+// takes the same fp32 epilogue, the old C widened exactly when beta != 0, and one round-to-nearest-even
+// conversion on the store.
 //
 // Requirements, checked on the host before anything touches the GPU: lda and ldb multiples of 16 and a, b
-// 16-byte aligned (16-byte vector copies); there is no slow fallback for unaligned operands.
+// 16-byte aligned (16-byte vector copies); there is no slow fallback for unaligned operands. C needs only the
+// alignment of its elements (pairs are stored as one 8-byte float2 or 4-byte bf16x2 where ldc is even and c
+// aligned to a pair).
+#include <cuda_bf16.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -63,7 +69,7 @@ constexpr int64_t kGroupM = 16;
 struct Args {
   const uint8_t* a;
   const uint8_t* b;
-  float* c;
+  void* c;  // float, or __nv_bfloat16 when c_bf16
   const float* a_scales;
   const float* b_scales;
   int64_t m, n, k, lda, ldb, ldc;
@@ -71,8 +77,9 @@ struct Args {
   int k_blocks;
   bool b_scales_per_128_columns;  // block_128x128: one scale per 128 columns of C (rows of B)
   float alpha, beta;
+  bool c_bf16;    // C holds bf16 (else fp32)
   bool read_c;    // beta != 0 (beta = 0 never reads C, which may hold NaN)
-  bool vector_c;  // ldc even and c 8-byte aligned: float2 accesses to C
+  bool vector_c;  // ldc even and c aligned to a pair of elements: float2 / bf16x2 accesses to C
 };
 
 template <MmaTypes kTypes>
@@ -218,11 +225,12 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_block_gemm_nt_kernel(const Ar
   }
   copy_async_wait<0>();  // only empty groups can remain; leave nothing in flight
 
-  // C = alpha * acc + beta * C inside [m, n]; the CPU's expression (beta = 0 never reads C).
+  // C = alpha * acc + beta * C inside [m, n] in fp32; the CPU's expression (beta = 0 never reads C). A bf16 C
+  // is read widened (exact) and written rounded to nearest even, once.
   const float alpha = p.alpha, beta = p.beta;
-  auto finish = [&](float v, const float* old) {
+  auto finish = [&](float v, float old) {
     const float scaled = __fmul_rn(alpha, v);
-    return p.read_c ? __fadd_rn(scaled, __fmul_rn(beta, *old)) : scaled;
+    return p.read_c ? __fadd_rn(scaled, __fmul_rn(beta, old)) : scaled;
   };
 #pragma unroll
   for (int mi = 0; mi < kMmaTilesM; ++mi) {
@@ -230,20 +238,33 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_block_gemm_nt_kernel(const Ar
     for (int half = 0; half < 2; ++half) {
       const int64_t row = row0 + warp_m * kWarpM + mi * 16 + group + half * 8;
       if (row >= p.m) continue;
-      float* c_row = p.c + row * p.ldc;
 #pragma unroll
       for (int ni = 0; ni < kMmaTilesN; ++ni) {
         const int64_t col = col0 + warp_n * kWarpN + ni * 8 + 2 * quad;
         if (col >= p.n) continue;
         const float v0 = acc[mi][ni][2 * half], v1 = acc[mi][ni][2 * half + 1];
-        float* out = c_row + col;
-        if (col + 1 < p.n && p.vector_c) {
-          float2 old = make_float2(0.0f, 0.0f);
-          if (p.read_c) old = *reinterpret_cast<const float2*>(out);
-          *reinterpret_cast<float2*>(out) = make_float2(finish(v0, &old.x), finish(v1, &old.y));
+        const bool pair = col + 1 < p.n;
+        if (p.c_bf16) {
+          __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.c) + row * p.ldc + col;
+          if (pair && p.vector_c) {
+            float2 old = make_float2(0.0f, 0.0f);
+            if (p.read_c) old = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(out));
+            *reinterpret_cast<__nv_bfloat162*>(out) =
+                __floats2bfloat162_rn(finish(v0, old.x), finish(v1, old.y));
+          } else {
+            out[0] = __float2bfloat16_rn(finish(v0, p.read_c ? __bfloat162float(out[0]) : 0.0f));
+            if (pair) out[1] = __float2bfloat16_rn(finish(v1, p.read_c ? __bfloat162float(out[1]) : 0.0f));
+          }
         } else {
-          out[0] = finish(v0, out);
-          if (col + 1 < p.n) out[1] = finish(v1, out + 1);
+          float* out = static_cast<float*>(p.c) + row * p.ldc + col;
+          if (pair && p.vector_c) {
+            float2 old = make_float2(0.0f, 0.0f);
+            if (p.read_c) old = *reinterpret_cast<const float2*>(out);
+            *reinterpret_cast<float2*>(out) = make_float2(finish(v0, old.x), finish(v1, old.y));
+          } else {
+            out[0] = finish(v0, p.read_c ? out[0] : 0.0f);
+            if (pair) out[1] = finish(v1, p.read_c ? out[1] : 0.0f);
+          }
         }
       }
     }
@@ -281,6 +302,8 @@ void check_parameters(const ops::Fp8GemmParams& p) {
                (p.trans_b ? "[n,k]" : "[k,n]") +
                ") is not supported on CUDA: the operands must be K-major, trans_a = false and trans_b = true "
                "(A stored [m,k], B stored [n,k]); pass transposed copies");
+  if (p.c_dtype != DType::f32 && p.c_dtype != DType::bf16)
+    fail_block("c_dtype must be fp32 or bf16, got " + name(p.c_dtype));
   if (!p.a || !p.b || !p.c) fail_block("null operand pointer (a, b or c)");
   if (!p.a_scales || !p.b_scales)
     fail_block(std::string("a_scales and b_scales must be set (got ") + (p.a_scales ? "set" : "null") +
@@ -294,8 +317,11 @@ void check_parameters(const ops::Fp8GemmParams& p) {
     fail_block("the kernel copies operands in 16-byte vectors: lda " + str(p.lda) + " and ldb " + str(p.ldb) +
                " must be multiples of 16 and a, b 16-byte aligned (a % 16 = " + str(address(p.a) % 16) +
                ", b % 16 = " + str(address(p.b) % 16) + ")");
-  if (address(p.c) % 4 != 0 || address(p.a_scales) % 4 != 0 || address(p.b_scales) % 4 != 0)
-    fail_block("c, a_scales and b_scales must be 4-byte aligned floats");
+  if (address(p.c) % dtype_size(p.c_dtype) != 0)
+    fail_block("c must be aligned to its " + std::to_string(dtype_size(p.c_dtype)) + "-byte " +
+               name(p.c_dtype) + " elements (c % 16 = " + str(address(p.c) % 16) + ")");
+  if (address(p.a_scales) % 4 != 0 || address(p.b_scales) % 4 != 0)
+    fail_block("a_scales and b_scales must be 4-byte aligned floats");
   constexpr int64_t kMaxTiles = 0x7fffffff;
   const int64_t tiles_m = (p.m + kBlockM - 1) / kBlockM, tiles_n = (p.n + kBlockN - 1) / kBlockN;
   if (tiles_m > kMaxTiles / tiles_n || p.k > int64_t{0x7fffffff})
@@ -346,8 +372,9 @@ void fp8_block_gemm(const ops::Fp8GemmParams& p) {
   args.k_blocks = static_cast<int>((p.k + kBlockK - 1) / kBlockK);
   args.b_scales_per_128_columns = p.b_block == ops::Fp8BlockScales::block_128x128;
   args.alpha = p.alpha, args.beta = p.beta;
+  args.c_bf16 = p.c_dtype == DType::bf16;
   args.read_c = p.beta != 0.0f;
-  args.vector_c = p.ldc % 2 == 0 && address(p.c) % 8 == 0;
+  args.vector_c = p.ldc % 2 == 0 && address(p.c) % (2 * dtype_size(p.c_dtype)) == 0;
   const auto grid = static_cast<unsigned>(args.tiles_m * args.tiles_n);
   if (p.a_dtype == DType::e4m3 && p.b_dtype == DType::e4m3)
     launch<MmaTypes::e4m3_e4m3>(args, grid);

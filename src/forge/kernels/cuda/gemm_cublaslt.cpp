@@ -13,7 +13,11 @@
 //   C [m,n], ldc            C = D: [n,m] column-major, ld = ldc (D written in place over C)
 //
 // fp32 operands run with CUBLAS_COMPUTE_32F (exact fp32 SGEMM: TF32 would need COMPUTE_32F_FAST_TF32); bf16
-// operands with fp32 accumulation and fp32 C/D.
+// operands with fp32 accumulation and fp32 or bf16 C/D (GemmParams::c_dtype). C and D always share one type
+// and layout (D is written over C); with a bf16 D, cuBLASLt computes alpha * acc + beta * C in the fp32 scale
+// type and rounds once on the store (the heuristic may pick split-K only with fp32 reductions, so that no
+// partial sum is rounded to bf16 on the way). cuBLASLt has no fp32 x fp32 -> bf16 matmul under COMPUTE_32F,
+// and ops.h refuses that pairing on every backend.
 //
 // FP8 (per-tensor scaling): Hopper's FP8 tensor cores take both operands K-major, which cuBLASLt calls "TN"
 // (its A transposed, its B not). Under the mapping above that is forge's NT orientation, trans_a = false and
@@ -22,9 +26,12 @@
 //   backward_input   dx = dy W       needs W^T stored [in,out] (a transposed FP8 copy of the weight);
 //   backward_weight  dW = dy^T x     needs dy^T stored [out,tokens] and x^T stored [in,tokens] (a fused
 //                                    cast+transpose, which fp8/ already has for the CPU).
-// Types: E4M3 x E4M3, E4M3 x E5M2, E5M2 x E4M3 (E5M2 x E5M2 has no tensor-core instruction), D = C = fp32
-// (cuBLASLt's FP8 table allows an fp32 C only with an fp32 D), compute and scale type fp32. The operands need
-// 16-byte alignment: a and b 16-byte aligned, lda and ldb multiples of 16.
+// Types: E4M3 x E4M3, E4M3 x E5M2, E5M2 x E4M3 (E5M2 x E5M2 has no tensor-core instruction), D = C = fp32 or
+// D = C = bf16 (cuBLASLt's FP8 table: an fp32 C only with an fp32 D; a bf16 C with a bf16 D, or an FP8 D that
+// ops does not offer), compute and scale type fp32. FP8 matmuls need 16-byte alignment of every matrix: a and
+// b 16-byte aligned with lda and ldb multiples of 16 (checked), and a bf16 C 16-byte aligned with ldc a
+// multiple of 8 (16-byte rows; checked). An fp32 C is left to the heuristic, which says when it has no
+// algorithm for the C it is given.
 // The dequantisation scales travel as cuBLASLt's A/B scale pointers, which must be device floats. A scale_inv
 // already in device memory (Fp8GemmParams::a_scale_inv_ptr / b_scale_inv_ptr: current scaling computes its
 // scales on the device) is pointed at directly, so the GEMM reads it in stream order; a host value goes to
@@ -37,12 +44,12 @@
 // accumulates FP8 products in less than fp32 precision, so on arbitrary data results match the emulated CPU
 // GEMM to a few 2^-13 of the summed magnitudes, and exactly (up to fp32 rounding of the scales) where the
 // partial sums are exact (small integers). No amax epilogue: with FP8 inputs cuBLASLt computes AMAX_D only
-// for FP8 outputs, and ops' FP8 GEMM writes fp32 (an amax of C, where a recipe wants one, is a separate
-// pass).
+// for FP8 outputs, and ops' FP8 GEMM writes fp32 or bf16 (an amax of C, where a recipe wants one, is a
+// separate pass).
 //
-// Per shape (dtypes, orientation, sizes, leading dimensions, pointer alignments) the matmul descriptor,
-// layouts and the heuristic's first algorithm are made once and cached; one 32 MiB workspace (Hopper's
-// recommended size) serves every call. Everything runs on cuda::stream(); a mutex makes the calls
+// Per shape (dtypes (C's included), orientation, sizes, leading dimensions, pointer alignments) the matmul
+// descriptor, layouts and the heuristic's first algorithm are made once and cached; one 32 MiB workspace
+// (Hopper's recommended size) serves every call. Everything runs on cuda::stream(); a mutex makes the calls
 // thread-safe.
 #include <cublasLt.h>
 #include <cuda.h>  // CUresult, CUdeviceptr: cuMemsetD32Async's signature (fetched through the runtime)
@@ -104,19 +111,20 @@ std::string orientation(bool trans_a, bool trans_b) {
 }
 
 struct PlanKey {
-  DType a_dtype, b_dtype;
+  DType a_dtype, b_dtype, c_dtype;
   bool trans_a, trans_b;
   int64_t m, n, k, lda, ldb, ldc;
   uint32_t align_a, align_b, align_c;
   auto tie() const {
-    return std::tie(a_dtype, b_dtype, trans_a, trans_b, m, n, k, lda, ldb, ldc, align_a, align_b, align_c);
+    return std::tie(a_dtype, b_dtype, c_dtype, trans_a, trans_b, m, n, k, lda, ldb, ldc, align_a, align_b,
+                    align_c);
   }
   bool operator<(const PlanKey& o) const { return tie() < o.tie(); }
   std::string describe() const {
     return fmt::format(
-        "{}x{} {} m={} n={} k={} lda={} ldb={} ldc={} (pointer alignment a={} b={} c={} bytes)",
-        dtype_name(a_dtype), dtype_name(b_dtype), orientation(trans_a, trans_b), m, n, k, lda, ldb, ldc,
-        align_a, align_b, align_c);
+        "{}x{} -> {} {} m={} n={} k={} lda={} ldb={} ldc={} (pointer alignment a={} b={} c={} bytes)",
+        dtype_name(a_dtype), dtype_name(b_dtype), dtype_name(c_dtype), orientation(trans_a, trans_b), m, n, k,
+        lda, ldb, ldc, align_a, align_b, align_c);
   }
 };
 
@@ -181,7 +189,7 @@ class Engine {
     }
   }
 
-  void run(const Plan& plan, const void* lt_a, const void* lt_b, float* c, float alpha, float beta) {
+  void run(const Plan& plan, const void* lt_a, const void* lt_b, void* c, float alpha, float beta) {
     FORGE_CUBLASLT_CHECK(cublasLtMatmul(handle_, plan.desc, &alpha, lt_a, plan.lt_a, lt_b, plan.lt_b, &beta,
                                         c, plan.lt_c, c, plan.lt_c, &plan.algo, workspace_, kWorkspaceBytes,
                                         stream()));
@@ -228,7 +236,8 @@ class Engine {
     FORGE_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&p.lt_b, cuda_type(key.a_dtype),
                                                     rows(key.trans_a ? key.m : key.k),
                                                     rows(key.trans_a ? key.k : key.m), key.lda));
-    FORGE_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&p.lt_c, CUDA_R_32F, rows(key.n), rows(key.m), key.ldc));
+    FORGE_CUBLASLT_CHECK(
+        cublasLtMatrixLayoutCreate(&p.lt_c, cuda_type(key.c_dtype), rows(key.n), rows(key.m), key.ldc));
 
     cublasLtMatmulPreference_t preference = nullptr;
     FORGE_CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&preference));
@@ -244,6 +253,13 @@ class Engine {
         preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof align_c));
     FORGE_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(
         preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof align_c));
+    if (key.c_dtype != DType::f32) {
+      // A split-K algorithm that reduced its parts in the output type (in place in D, or through workspace in
+      // that type) would round to bf16 once per part; only fp32 (compute-type) reductions keep one rounding.
+      const uint32_t reductions = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+      FORGE_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(
+          preference, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reductions, sizeof reductions));
+    }
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
     const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.lt_a, p.lt_b, p.lt_c,
@@ -252,7 +268,7 @@ class Engine {
     if (status != CUBLAS_STATUS_SUCCESS || found == 0)
       fail("{}: cuBLASLt has no algorithm for {} ({}){}", fp8 ? "fp8_gemm" : "gemm", key.describe(),
            status != CUBLAS_STATUS_SUCCESS ? cublasLtGetStatusName(status) : "no heuristic result",
-           fp8 ? "; FP8 needs k, lda, ldb multiples of 16 and 16-byte aligned operands" : "");
+           fp8 ? "; FP8 needs k, lda, ldb multiples of 16 and 16-byte aligned operands and C rows" : "");
     p.algo = result.algo;
     return p;
   }
@@ -276,7 +292,7 @@ void check_device_pointer(const char* op, const char* name, const void* ptr) {
 }
 
 void check_shape(const char* op, int64_t m, int64_t n, int64_t k, const void* a, int64_t lda, bool trans_a,
-                 const void* b, int64_t ldb, bool trans_b, const float* c, int64_t ldc) {
+                 const void* b, int64_t ldb, bool trans_b, const void* c, int64_t ldc) {
   if (m <= 0 || n <= 0 || k <= 0) fail("{}: empty problem m={} n={} k={}", op, m, n, k);
   if (!a || !b || !c) fail("{}: null operand pointer (a, b or c)", op);
   const int64_t a_cols = trans_a ? m : k, b_cols = trans_b ? k : n;
@@ -285,18 +301,32 @@ void check_shape(const char* op, int64_t m, int64_t n, int64_t k, const void* a,
   if (ldc < n) fail("{}: ldc {} is smaller than n {}", op, ldc, n);
 }
 
+// The output rules of ops.h (f32, or bf16 from bf16 or FP8 operands), then C's element alignment.
+void check_output(const char* op, DType c_dtype, DType operand_dtype, const void* c) {
+  if (c_dtype != DType::f32 && c_dtype != DType::bf16)
+    fail("{}: c_dtype must be fp32 or bf16, got {}", op, dtype_name(c_dtype));
+  if (c_dtype == DType::bf16 && operand_dtype == DType::f32)
+    fail("{}: c_dtype bf16 needs bf16 operands, got {} (fp32 operands write an fp32 C)", op,
+         dtype_name(operand_dtype));
+  if (alignment(c) < dtype_size(c_dtype))
+    fail("{}: c ({}) is not aligned to its {}-byte {} elements", op, c, dtype_size(c_dtype),
+         dtype_name(c_dtype));
+}
+
 }  // namespace
 
 void gemm(const ops::GemmParams& p) {
   if (p.ab_dtype != DType::f32 && p.ab_dtype != DType::bf16)
     fail("gemm: operands must be fp32 or bf16 on CUDA, got {}", dtype_name(p.ab_dtype));
   check_shape("gemm", p.m, p.n, p.k, p.a, p.lda, p.trans_a, p.b, p.ldb, p.trans_b, p.c, p.ldc);
+  check_output("gemm", p.c_dtype, p.ab_dtype, p.c);
   if (!available()) fail("gemm: {}", describe_device());  // "no usable GPU (...)"
   check_device_pointer("gemm", "a", p.a);
   check_device_pointer("gemm", "b", p.b);
   check_device_pointer("gemm", "c", p.c);
-  const PlanKey key{p.ab_dtype, p.ab_dtype, p.trans_a,      p.trans_b,      p.m,           p.n, p.k, p.lda,
-                    p.ldb,      p.ldc,      alignment(p.a), alignment(p.b), alignment(p.c)};
+  const PlanKey key{
+      p.ab_dtype, p.ab_dtype, p.c_dtype, p.trans_a,      p.trans_b,      p.m,           p.n, p.k,
+      p.lda,      p.ldb,      p.ldc,     alignment(p.a), alignment(p.b), alignment(p.c)};
   Engine& engine = Engine::get();
   std::lock_guard<std::mutex> lock(engine.mutex);
   engine.run(engine.plan(key), p.b, p.a, p.c, p.alpha, p.beta);
@@ -318,6 +348,7 @@ void fp8_gemm(const ops::Fp8GemmParams& p) {
   if (p.a_dtype == DType::e5m2 && p.b_dtype == DType::e5m2)
     fail("fp8_gemm: e5m2 x e5m2 has no FP8 tensor-core instruction (one operand must be e4m3)");
   check_shape("fp8_gemm", p.m, p.n, p.k, p.a, p.lda, p.trans_a, p.b, p.ldb, p.trans_b, p.c, p.ldc);
+  check_output("fp8_gemm", p.c_dtype, p.a_dtype, p.c);
   if (p.trans_a || !p.trans_b)
     fail(
         "fp8_gemm: the {} orientation (A stored {}, B stored {}) is not supported on CUDA: FP8 tensor cores "
@@ -332,6 +363,11 @@ void fp8_gemm(const ops::Fp8GemmParams& p) {
         "and "
         "a, b 16-byte aligned (alignments {} and {} bytes)",
         p.lda, p.ldb, alignment(p.a), alignment(p.b));
+  if (p.c_dtype == DType::bf16 && (p.ldc % 8 != 0 || alignment(p.c) < 16))
+    fail(
+        "fp8_gemm: a bf16 C needs 16-byte rows for FP8 tensor cores: ldc {} must be a multiple of 8 and c "
+        "16-byte aligned (alignment {} bytes)",
+        p.ldc, alignment(p.c));
   // Host values only: one behind a pointer is on the device, and reading it would wait for the device.
   if ((!p.a_scale_inv_ptr && !std::isfinite(p.a_scale_inv)) ||
       (!p.b_scale_inv_ptr && !std::isfinite(p.b_scale_inv)))
@@ -345,8 +381,8 @@ void fp8_gemm(const ops::Fp8GemmParams& p) {
   check_device_pointer("fp8_gemm", "c", p.c);
   if (p.a_scale_inv_ptr) check_device_pointer("fp8_gemm", "a_scale_inv_ptr", p.a_scale_inv_ptr);
   if (p.b_scale_inv_ptr) check_device_pointer("fp8_gemm", "b_scale_inv_ptr", p.b_scale_inv_ptr);
-  const PlanKey key{p.a_dtype, p.b_dtype, p.trans_a,      p.trans_b,      p.m,           p.n, p.k, p.lda,
-                    p.ldb,     p.ldc,     alignment(p.a), alignment(p.b), alignment(p.c)};
+  const PlanKey key{p.a_dtype, p.b_dtype, p.c_dtype, p.trans_a,      p.trans_b,      p.m,           p.n, p.k,
+                    p.lda,     p.ldb,     p.ldc,     alignment(p.a), alignment(p.b), alignment(p.c)};
   Engine& engine = Engine::get();
   std::lock_guard<std::mutex> lock(engine.mutex);
   Plan& plan = engine.plan(key);
