@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <initializer_list>
 #include <string>
@@ -14,6 +15,7 @@
 #include <random>
 #include <vector>
 
+#include "forge/core/dtype.h"
 #include "forge/core/error.h"
 
 namespace forge::testing {
@@ -98,6 +100,30 @@ void with_threads(int threads, F&& f) {
   omp_set_num_threads(threads);
   f();
   omp_set_num_threads(saved);
+}
+
+// A GEMM-like op (ops::gemm, ops::fp8_gemm) with a bf16 output against the same op with an fp32 one. c16 is the
+// bf16 C [m, p.ldc] (NaN where beta = 0 must not read it); run(p) runs the op. It runs once into an fp32 C
+// holding c16's exact values, then into c16 with c_dtype bf16: every element must be the fp32 result rounded,
+// bitwise, and each row's padding columns [n, ldc) untouched.
+template <typename Params, typename Run>
+void expect_bf16_output_is_fp32_rounded(Params p, std::vector<uint16_t> c16, Run run) {
+  std::vector<float> c32(c16.size());
+  for (size_t i = 0; i < c16.size(); ++i) c32[i] = bf16_bits_to_f32(c16[i]);
+  const std::vector<uint16_t> before = c16;
+  Params f32 = p;
+  f32.c = c32.data();
+  run(f32);
+  p.c = c16.data(), p.c_dtype = DType::bf16;
+  run(p);
+  for (int64_t i = 0; i < p.m; ++i) {
+    for (int64_t j = 0; j < p.n; ++j)
+      ASSERT_EQ(c16[i * p.ldc + j], f32_to_bf16_bits(c32[i * p.ldc + j]))
+          << "C[" << i << "," << j << "]: bf16 output " << bf16_bits_to_f32(c16[i * p.ldc + j]) << ", fp32 output "
+          << c32[i * p.ldc + j];
+    EXPECT_EQ(std::memcmp(&c16[i * p.ldc + p.n], &before[i * p.ldc + p.n], (p.ldc - p.n) * sizeof(uint16_t)), 0)
+        << "padding of row " << i << " was written";
+  }
 }
 
 }  // namespace forge::testing

@@ -111,32 +111,48 @@ void BM_AdamW(benchmark::State& state) {
   bytes_per_call(state, 7.0 * n * sizeof(float) + (shadow ? 2.0 * n : 0.0));
 }
 
+// The loss head at kRows x kDim x kVocab: normalised hidden states and a freshly initialised head (std ~0.02)
+// give logits of order one.
+struct CrossEntropySetup {
+  std::vector<float> hidden = filled(kRows * kDim, -1.0f, 2.0f), weight = filled(kVocab * kDim, -0.035f, 0.07f);
+  std::vector<uint16_t> hidden16, weight16;
+  std::vector<int32_t> targets;
+  std::vector<float> lse, loss, dhidden, dweight, workspace;
+  ops::LinearCrossEntropyParams p;
+
+  CrossEntropySetup(bool bf16, bool keep_logits)
+      : hidden16(hidden.size()),
+        weight16(weight.size()),
+        targets(kRows),
+        lse(kRows),
+        loss(kRows),
+        dhidden(kRows * kDim),
+        dweight(kVocab * kDim) {
+    convert_f32_to_bf16(hidden.data(), hidden16.data(), hidden.size());
+    convert_f32_to_bf16(weight.data(), weight16.data(), weight.size());
+    for (int64_t r = 0; r < kRows; ++r) targets[r] = static_cast<int32_t>((r * 31) % kVocab);
+    p.rows = kRows, p.dim = kDim, p.vocab = kVocab, p.gemm_dtype = bf16 ? DType::bf16 : DType::f32;
+    p.keep_logits = keep_logits;
+    p.hidden_gemm = bf16 ? static_cast<const void*>(hidden16.data()) : hidden.data();
+    p.weight_gemm = bf16 ? static_cast<const void*>(weight16.data()) : weight.data();
+    p.targets = targets.data(), p.lse = lse.data(), p.loss = loss.data(), p.grad_scale = 1.0f / kRows;
+    p.dhidden = dhidden.data(), p.dweight = dweight.data();
+    workspace.resize(ops::linear_cross_entropy_workspace_floats(p));
+    p.workspace = workspace.data();
+  }
+};
+
 // Arguments: backward (0/1), bf16 (0/1). FLOPs count the GEMMs: forward one (logits), backward three
 // (recomputed logits, dhidden, dweight), 2*rows*vocab*dim each.
 void BM_LinearCrossEntropy(benchmark::State& state) {
   const bool backward = state.range(0) != 0, bf16 = state.range(1) != 0;
-  // Normalised hidden states and a freshly initialised head (std ~0.02) give logits of order one.
-  auto hidden = filled(kRows * kDim, -1.0f, 2.0f), weight = filled(kVocab * kDim, -0.035f, 0.07f);
-  std::vector<uint16_t> hidden16(hidden.size()), weight16(weight.size());
-  convert_f32_to_bf16(hidden.data(), hidden16.data(), hidden.size());
-  convert_f32_to_bf16(weight.data(), weight16.data(), weight.size());
-  std::vector<int32_t> targets(kRows);
-  for (int64_t r = 0; r < kRows; ++r) targets[r] = static_cast<int32_t>((r * 31) % kVocab);
-  std::vector<float> lse(kRows), loss(kRows), dhidden(kRows * kDim), dweight(kVocab * kDim);
-  ops::LinearCrossEntropyParams p;
-  p.rows = kRows, p.dim = kDim, p.vocab = kVocab, p.gemm_dtype = bf16 ? DType::bf16 : DType::f32;
-  p.hidden_gemm = bf16 ? static_cast<const void*>(hidden16.data()) : hidden.data();
-  p.weight_gemm = bf16 ? static_cast<const void*>(weight16.data()) : weight.data();
-  p.targets = targets.data(), p.lse = lse.data(), p.loss = loss.data(), p.grad_scale = 1.0f / kRows;
-  p.dhidden = dhidden.data(), p.dweight = dweight.data();
-  std::vector<float> workspace(ops::linear_cross_entropy_workspace_floats(p));
-  p.workspace = workspace.data();
-  ops::linear_cross_entropy_forward(p);
+  CrossEntropySetup s(bf16, /*keep_logits=*/false);
+  ops::linear_cross_entropy_forward(s.p);
   for (auto _ : state) {
     if (backward) {
-      ops::linear_cross_entropy_backward(p);
+      ops::linear_cross_entropy_backward(s.p);
     } else {
-      ops::linear_cross_entropy_forward(p);
+      ops::linear_cross_entropy_forward(s.p);
     }
   }
   const double flops = (backward ? 3.0 : 1.0) * 2.0 * kRows * kVocab * kDim;
@@ -149,25 +165,10 @@ void BM_LinearCrossEntropy(benchmark::State& state) {
 // model step needs (2*rows*vocab*dim each), so the time saved shows as a higher rate.
 void BM_LinearCrossEntropyStep(benchmark::State& state) {
   const bool keep = state.range(0) != 0, bf16 = state.range(1) != 0;
-  auto hidden = filled(kRows * kDim, -1.0f, 2.0f), weight = filled(kVocab * kDim, -0.035f, 0.07f);
-  std::vector<uint16_t> hidden16(hidden.size()), weight16(weight.size());
-  convert_f32_to_bf16(hidden.data(), hidden16.data(), hidden.size());
-  convert_f32_to_bf16(weight.data(), weight16.data(), weight.size());
-  std::vector<int32_t> targets(kRows);
-  for (int64_t r = 0; r < kRows; ++r) targets[r] = static_cast<int32_t>((r * 31) % kVocab);
-  std::vector<float> lse(kRows), loss(kRows), dhidden(kRows * kDim), dweight(kVocab * kDim);
-  ops::LinearCrossEntropyParams p;
-  p.rows = kRows, p.dim = kDim, p.vocab = kVocab, p.gemm_dtype = bf16 ? DType::bf16 : DType::f32;
-  p.keep_logits = keep;
-  p.hidden_gemm = bf16 ? static_cast<const void*>(hidden16.data()) : hidden.data();
-  p.weight_gemm = bf16 ? static_cast<const void*>(weight16.data()) : weight.data();
-  p.targets = targets.data(), p.lse = lse.data(), p.loss = loss.data(), p.grad_scale = 1.0f / kRows;
-  p.dhidden = dhidden.data(), p.dweight = dweight.data();
-  std::vector<float> workspace(ops::linear_cross_entropy_workspace_floats(p));
-  p.workspace = workspace.data();
+  CrossEntropySetup s(bf16, keep);
   for (auto _ : state) {
-    ops::linear_cross_entropy_forward(p);
-    ops::linear_cross_entropy_backward(p);
+    ops::linear_cross_entropy_forward(s.p);
+    ops::linear_cross_entropy_backward(s.p);
   }
   state.counters["GFLOP/s"] =
       benchmark::Counter(3.0 * 2.0 * kRows * kVocab * kDim * 1e-9, benchmark::Counter::kIsIterationInvariantRate);

@@ -430,23 +430,7 @@ void check_bf16_output(int64_t m, int64_t n, int64_t k, const Bf16OutputCase& bc
   std::vector<uint16_t> c16(c0.size());
   for (size_t i = 0; i < c0.size(); ++i)
     c16[i] = p.beta == 0 ? uint16_t{0x7fc0} : f32_to_bf16_bits(c0[i]);  // NaN where it must not be read
-  std::vector<float> c32(c16.size());
-  for (size_t i = 0; i < c16.size(); ++i) c32[i] = bf16_bits_to_f32(c16[i]);
-  const std::vector<uint16_t> before = c16;
-
-  Fp8GemmParams f32 = p;
-  f32.c = c32.data();
-  ops::fp8_gemm(f32);
-  p.c = c16.data(), p.c_dtype = DType::bf16;
-  ops::fp8_gemm(p);
-  for (int64_t i = 0; i < m; ++i) {
-    for (int64_t j = 0; j < n; ++j)
-      ASSERT_EQ(c16[i * p.ldc + j], f32_to_bf16_bits(c32[i * p.ldc + j]))
-          << "C[" << i << "," << j << "]: bf16 output " << bf16_bits_to_f32(c16[i * p.ldc + j])
-          << ", fp32 output " << c32[i * p.ldc + j];
-    EXPECT_EQ(std::memcmp(&c16[i * p.ldc + n], &before[i * p.ldc + n], (p.ldc - n) * sizeof(uint16_t)), 0)
-        << "padding of row " << i << " was written";
-  }
+  testing::expect_bf16_output_is_fp32_rounded(p, c16, [](const auto& params) { ops::fp8_gemm(params); });
 }
 
 TEST(Fp8GemmBf16Output, IsTheFp32OutputRoundedBitwise) {
