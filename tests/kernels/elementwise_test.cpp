@@ -35,6 +35,20 @@ TEST(Elementwise, SumSquaresMatchesDoubleReference) {
   EXPECT_EQ(ops::sum_squares(x.data(), 1), double{x[0]} * x[0]);
 }
 
+// Accumulating over ranges adds each range's sum to the total in call order: bitwise the host's additions.
+TEST(Elementwise, SumSquaresAccumulateAddsEachRangeInOrder) {
+  auto x = testing::random_floats(kN, 86, -100, 100);
+  const int64_t cut = kN / 3;
+  double total = 1.5;
+  ops::sum_squares_accumulate(x.data(), cut, &total);
+  ops::sum_squares_accumulate(x.data() + cut, kN - cut, &total);
+  ops::sum_squares_accumulate(x.data(), 0, &total);
+  double want = 1.5;
+  want += ops::sum_squares(x.data(), cut);
+  want += ops::sum_squares(x.data() + cut, kN - cut);
+  EXPECT_EQ(total, want);
+}
+
 TEST(Elementwise, SumSquaresDoesNotDependOnThreadCount) {
   auto x = testing::random_floats(kN, 85, -100, 100);
   const int saved = omp_get_max_threads();

@@ -340,6 +340,10 @@ struct OpTable {
   void (*add_inplace)(float* y, const float* x, int64_t n);
   // sum of squares in double (for the global gradient norm)
   double (*sum_squares)(const float* x, int64_t n);
+  // *total += the same sum, where the op runs (total: one double in memory of the op's device); on a GPU in
+  // stream order, without a synchronisation, so that a norm over many ranges reads back once. The additions
+  // happen in call order, each the same double addition a host `total += sum_squares(...)` would make.
+  void (*sum_squares_accumulate)(const float* x, int64_t n, double* total);
   void (*scale_inplace)(float* x, float s, int64_t n);
   // y[i] = bf16(x[i]) (round to nearest even; NaN stays NaN) and back (exact).
   void (*convert_to_bf16)(const float* x, uint16_t* y, int64_t n);
@@ -390,6 +394,9 @@ inline void linear_cross_entropy_backward(const LinearCrossEntropyParams& p, Dev
 inline void adamw(const AdamWParams& p, Device d = Device::cpu) { table(d).adamw(p); }
 inline void add_inplace(float* y, const float* x, int64_t n, Device d = Device::cpu) { table(d).add_inplace(y, x, n); }
 inline double sum_squares(const float* x, int64_t n, Device d = Device::cpu) { return table(d).sum_squares(x, n); }
+inline void sum_squares_accumulate(const float* x, int64_t n, double* total, Device d = Device::cpu) {
+  table(d).sum_squares_accumulate(x, n, total);
+}
 inline void scale_inplace(float* x, float s, int64_t n, Device d = Device::cpu) { table(d).scale_inplace(x, s, n); }
 inline void convert_to_bf16(const float* x, uint16_t* y, int64_t n, Device d = Device::cpu) {
   table(d).convert_to_bf16(x, y, n);

@@ -47,12 +47,18 @@ DistributedAdamW::DistributedAdamW(nn::ParameterStore* store, AdamWConfig config
 
 double DistributedAdamW::grad_norm() const {
   const float* grads = store_->grads().f32();
-  // Runs of adjacent primary parameters go to one sum_squares call: with one rank and no replicated copies
-  // this is global_grad_norm's single call, bitwise.
+  const Device device = store_->device();
+  // The sum lives where the gradients do, and each run's squares are added to it there, in order: one read
+  // back per norm instead of one per run (a device synchronisation each), bitwise the same double additions.
   double sum = 0;
+  Tensor device_sum;  // one double (as two floats' bytes) on a device
+  if (device != Device::cpu) device_sum = Tensor::zeros({2}, DType::f32, device);
+  double* total = device_sum.defined() ? static_cast<double*>(device_sum.raw()) : &sum;
+  // Runs of adjacent primary parameters go to one call: with one rank and no replicated copies this is
+  // global_grad_norm's single sum, bitwise.
   int64_t run_begin = 0, run_end = 0;
   auto flush = [&] {
-    if (run_end > run_begin) sum += ops::sum_squares(grads + run_begin, run_end - run_begin, store_->device());
+    if (run_end > run_begin) ops::sum_squares_accumulate(grads + run_begin, run_end - run_begin, total, device);
     run_begin = run_end = 0;
   };
   for (auto [begin, end] : owned_) {
@@ -66,6 +72,7 @@ double DistributedAdamW::grad_norm() const {
     });
   }
   flush();
+  if (device_sum.defined()) std::memcpy(&sum, device_sum.to(Device::cpu).raw(), sizeof(double));
   if (sharded_ && dp_->size() > 1) sum = comm::all_reduce_sum(*dp_, sum);
   if (model_parallel_ && model_parallel_->size() > 1) sum = comm::all_reduce_sum(*model_parallel_, sum);
   return std::sqrt(sum);

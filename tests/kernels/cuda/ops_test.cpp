@@ -215,6 +215,23 @@ TEST(CudaOps, SumSquaresIsBitwiseRepeatable) {
               std::bit_cast<uint64_t>(first));
 }
 
+// The accumulating form adds each range's sum into a device double in stream order: the total is bitwise the
+// host's additions of the returning form's sums, in the same order.
+TEST(CudaOps, SumSquaresAccumulateIsTheHostSumOfRanges) {
+  if (!forge::cuda::available()) GTEST_SKIP() << forge::cuda::describe_device();
+  const int64_t n = 1000003, cut = 400001;
+  const auto x = testing::random_floats(n, 7, -3, 3);
+  DeviceBuffer dx = to_device(x);
+  DeviceBuffer total = to_device(std::vector<double>{0.25});
+  ops::cuda_table().sum_squares_accumulate(dx.as<float>(), cut, total.as<double>());
+  ops::cuda_table().sum_squares_accumulate(dx.as<float>() + cut, n - cut, total.as<double>());
+  ops::cuda_table().sum_squares_accumulate(dx.as<float>(), 0, total.as<double>());
+  double want = 0.25;
+  want += ops::cuda_table().sum_squares(dx.as<float>(), cut);
+  want += ops::cuda_table().sum_squares(dx.as<float>() + cut, n - cut);
+  EXPECT_EQ(std::bit_cast<uint64_t>(to_host<double>(total, 1)[0]), std::bit_cast<uint64_t>(want));
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // RMSNorm
 

@@ -36,6 +36,7 @@ void linear_cross_entropy_backward(const ops::LinearCrossEntropyParams& p);
 void adamw(const ops::AdamWParams& p);
 void add_inplace(float* y, const float* x, int64_t n);
 double sum_squares(const float* x, int64_t n);
+void sum_squares_accumulate(const float* x, int64_t n, double* total);
 void scale_inplace(float* x, float s, int64_t n);
 // Conversions and FP8 casts (fp8_cast.cpp): thin entries over core/dtype.h and fp8/quantize.h, where the CPU
 // implementations live because the FP8 layer and its tests use them directly.

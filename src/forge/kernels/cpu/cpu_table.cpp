@@ -22,6 +22,7 @@ const OpTable& cpu_table() {
       cpu::adamw,
       cpu::add_inplace,
       cpu::sum_squares,
+      cpu::sum_squares_accumulate,
       cpu::scale_inplace,
       cpu::convert_to_bf16,
       cpu::convert_to_f32,

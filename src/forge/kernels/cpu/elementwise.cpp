@@ -43,4 +43,9 @@ double sum_squares(const float* x, int64_t n) {
   return total;
 }
 
+void sum_squares_accumulate(const float* x, int64_t n, double* total) {
+  FORGE_CHECK(total != nullptr, "sum_squares_accumulate: total is null");
+  *total += sum_squares(x, n);
+}
+
 }  // namespace forge::cpu

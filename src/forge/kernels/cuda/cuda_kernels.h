@@ -26,6 +26,7 @@ void embedding_backward_weight(const ops::EmbeddingParams& p);
 void adamw(const ops::AdamWParams& p);
 void add_inplace(float* y, const float* x, int64_t n);
 double sum_squares(const float* x, int64_t n);
+void sum_squares_accumulate(const float* x, int64_t n, double* total);  // in stream order, no synchronisation
 void scale_inplace(float* x, float s, int64_t n);
 
 // bf16 <-> fp32 conversions (elementwise.cu), bitwise core/dtype.h's.

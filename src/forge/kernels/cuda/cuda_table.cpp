@@ -23,6 +23,7 @@ const OpTable& cuda_table() {
       cuda::adamw,
       cuda::add_inplace,
       cuda::sum_squares,
+      cuda::sum_squares_accumulate,
       cuda::scale_inplace,
       cuda::convert_to_bf16,
       cuda::convert_to_f32,

@@ -49,13 +49,14 @@ __global__ void sum_squares_chunks_kernel(const float* __restrict__ x, int64_t n
   if (threadIdx.x == 0) partial[blockIdx.x] = sum;
 }
 
-__global__ void sum_partials_kernel(const double* __restrict__ partial, int64_t count,
-                                    double* __restrict__ total) {
+// *total = the sum of the partials, or with accumulate *total += it (one addition, in stream order).
+__global__ void sum_partials_kernel(const double* __restrict__ partial, int64_t count, double* __restrict__ total,
+                                    bool accumulate) {
   __shared__ double warp_sums[kFinalThreads / detail::kWarpSize];
   double sum = 0;
   for (int64_t i = threadIdx.x; i < count; i += kFinalThreads) sum += partial[i];
   sum = detail::block_sum(sum, warp_sums);
-  if (threadIdx.x == 0) *total = sum;
+  if (threadIdx.x == 0) *total = accumulate ? *total + sum : sum;
 }
 
 // bf16 = the upper half of the fp32 pattern after round-to-nearest-even; NaN keeps a quiet NaN (core/dtype.h).
@@ -107,24 +108,38 @@ void scale_inplace(float* x, float s, int64_t n) {
   FORGE_CUDA_CHECK_LAUNCH("scale_inplace");
 }
 
+namespace {
+
+// The two-pass reduction of x's squares into *total (overwritten, or added to with accumulate).
+void launch_sum_squares(const char* op, const float* x, int64_t n, double* total, bool accumulate) {
+  const int64_t chunks = (n + kSumChunk - 1) / kSumChunk;
+  if (chunks > int64_t{0x7fffffff}) detail::fail_op(op, "size " + std::to_string(n) + " is too large");
+  detail::StreamScratch scratch(chunks * sizeof(double));
+  double* partial = scratch.as<double>();
+  sum_squares_chunks_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, stream()>>>(x, n, partial);
+  FORGE_CUDA_CHECK_LAUNCH(op);
+  sum_partials_kernel<<<1, kFinalThreads, 0, stream()>>>(partial, chunks, total, accumulate);
+  FORGE_CUDA_CHECK_LAUNCH(op);
+}
+
+}  // namespace
+
 double sum_squares(const float* x, int64_t n) {
   check_size("sum_squares", n, x, "x");
   if (n == 0) return 0.0;
-  const int64_t chunks = (n + kSumChunk - 1) / kSumChunk;
-  if (chunks > int64_t{0x7fffffff})
-    detail::fail_op("sum_squares", "size " + std::to_string(n) + " is too large");
-  // partial[chunks] then the total, in one allocation.
-  detail::StreamScratch scratch(detail::align_bytes(chunks * sizeof(double)) + sizeof(double));
-  double* partial = scratch.as<double>();
-  double* total = scratch.as<double>(detail::align_bytes(chunks * sizeof(double)));
-  sum_squares_chunks_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, stream()>>>(x, n, partial);
-  FORGE_CUDA_CHECK_LAUNCH("sum_squares");
-  sum_partials_kernel<<<1, kFinalThreads, 0, stream()>>>(partial, chunks, total);
-  FORGE_CUDA_CHECK_LAUNCH("sum_squares");
+  detail::StreamScratch total(sizeof(double));
+  launch_sum_squares("sum_squares", x, n, total.as<double>(), /*accumulate=*/false);
   double result = 0;
-  FORGE_CUDA_CHECK(cudaMemcpyAsync(&result, total, sizeof(double), cudaMemcpyDeviceToHost, stream()));
+  FORGE_CUDA_CHECK(cudaMemcpyAsync(&result, total.as<double>(), sizeof(double), cudaMemcpyDeviceToHost, stream()));
   synchronize();
   return result;
+}
+
+void sum_squares_accumulate(const float* x, int64_t n, double* total) {
+  constexpr const char* op = "sum_squares_accumulate";
+  check_size(op, n, x, "x");
+  detail::require_pointer(total, op, "total");
+  if (n > 0) launch_sum_squares(op, x, n, total, /*accumulate=*/true);
 }
 
 }  // namespace forge::cuda
