@@ -99,18 +99,33 @@ std::string group_label(const Communicator& c) {
                      c.world_rank());
 }
 
-std::string timeout_message(const Work& work, const std::string& group_label, double timeout_s) {
-  return fmt::format("{} on {} did not complete within {:g} s", work.description(), group_label, timeout_s);
+std::string timeout_message(const std::string& what, const std::string& group_label, double timeout_s) {
+  return fmt::format("{} on {} did not complete within {:g} s", what, group_label, timeout_s);
 }
 
-void abort_job(const std::string& message) {
+std::string timeout_message(const Work& work, const std::string& group_label, double timeout_s) {
+  return timeout_message(work.description(), group_label, timeout_s);
+}
+
+namespace {
+void print_error_line(const std::string& message) {
   std::string line = message;
   std::replace(line.begin(), line.end(), '\n', ' ');  // one line, whatever the message
   std::fflush(stdout);
   std::fprintf(stderr, "forge: error: %s\n", line.c_str());
   std::fflush(stderr);
+}
+}  // namespace
+
+void abort_job(const std::string& message) {
+  print_error_line(message);
   if (mpi::running()) mpi::abort_world();
   std::exit(1);
+}
+
+void exit_from_watchdog(const std::string& message) {
+  print_error_line(message);
+  std::_Exit(1);
 }
 
 bool poll_until_complete(Work& work, double timeout_s) {

@@ -14,10 +14,14 @@ std::string group_label(const Communicator& c);
 
 // "<work description> on <group label> did not complete within <timeout> s".
 std::string timeout_message(const Work& work, const std::string& group_label, double timeout_s);
+std::string timeout_message(const std::string& what, const std::string& group_label, double timeout_s);
 
 // Prints "forge: error: <message>" as one line on stderr and ends the job: MPI_Abort(MPI_COMM_WORLD, 1)
 // when forge's MPI backend is running, exit(1) otherwise.
 [[noreturn]] void abort_job(const std::string& message);
+// The same line, then _Exit(1) without calling MPI: for watchdog threads (MPI_THREAD_FUNNELED lets only the
+// main thread call MPI); mpirun then ends the job.
+[[noreturn]] void exit_from_watchdog(const std::string& message);
 
 // Polls work.test() with a short backoff (spin, then sleeps growing to a millisecond) until it completes.
 // Returns false if timeout_s (> 0) passed first.

@@ -37,6 +37,9 @@ struct GemmParams {
   float alpha = 1.0f;
   float beta = 0.0f;
 };
+// The output rule above (both backends check it): fails with one line naming `op` unless c_dtype is f32, or
+// bf16 with non-fp32 operands.
+void check_gemm_output(const char* op, DType c_dtype, DType operand_dtype);
 
 // Emulated FP8 GEMM: C[m,n] = alpha * op(A)[m,k] @ op(B)[k,n] + beta * C, C in c_dtype (leading dimension
 // ldc): f32, or bf16 with GemmParams' rule (the fp32 result, beta's old C read as bf16, rounded once to

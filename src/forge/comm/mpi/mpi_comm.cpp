@@ -181,9 +181,7 @@ class Watchdog {
     for (;;) {
       wake_.wait(lock, [this] { return armed_; });
       if (wake_.wait_until(lock, deadline_, [this] { return !armed_; })) continue;
-      std::fprintf(stderr, "forge: error: %s\n", message_.c_str());
-      std::fflush(stderr);
-      std::_Exit(1);
+      detail::exit_from_watchdog(message_);
     }
   }
   std::mutex mutex_;
@@ -223,8 +221,7 @@ class MpiCommunicator final : public Communicator {
     detail::check_count(*this, "all_reduce", count);
     detail::check_buffer(*this, "all_reduce", buf, count, "buffer");
     const int n = to_int("all_reduce", count, "count");
-    Watchdog::get().arm(timeout_s_, fmt::format("collective all_reduce on {} did not complete within {:g} s",
-                                                *label_, timeout_s_));
+    Watchdog::get().arm(timeout_s_, detail::timeout_message("collective all_reduce", *label_, timeout_s_));
     const int code = MPI_Allreduce(MPI_IN_PLACE, buf, n, datatype(type), reduction(type, op), comm_);
     Watchdog::get().disarm();
     FORGE_MPI_CHECK(code);

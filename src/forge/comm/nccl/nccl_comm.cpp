@@ -10,8 +10,6 @@
 
 #include <chrono>
 #include <condition_variable>
-#include <cstdio>
-#include <cstdlib>
 #include <deque>
 #include <mutex>
 #include <string_view>
@@ -191,13 +189,6 @@ class StreamWatchdog {
     double timeout_s;
   };
 
-  [[noreturn]] static void end_process(const std::string& message) {
-    std::fflush(stdout);
-    std::fprintf(stderr, "forge: error: %s\n", message.c_str());
-    std::fflush(stderr);
-    std::_Exit(1);
-  }
-
   void run() {
     cudaSetDevice(device_);  // event queries are the device's
     std::unique_lock lock(mutex_);
@@ -207,11 +198,11 @@ class StreamWatchdog {
       const Watched& oldest = watched_.front();
       ncclResult_t async = ncclSuccess;
       if (ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress)
-        end_process(fmt::format("{} on {} failed: {}: {}", oldest.what, *label_, ncclGetErrorString(async),
+        detail::exit_from_watchdog(fmt::format("{} on {} failed: {}: {}", oldest.what, *label_, ncclGetErrorString(async),
                                 ncclGetLastError(comm_)));
       const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - oldest.since).count();
       if (oldest.timeout_s > 0 && waited > oldest.timeout_s)
-        end_process(fmt::format("{} on {} did not complete within {:g} s", oldest.what, *label_, oldest.timeout_s));
+        detail::exit_from_watchdog(detail::timeout_message(oldest.what, *label_, oldest.timeout_s));
     }
   }
 

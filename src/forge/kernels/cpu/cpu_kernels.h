@@ -3,21 +3,37 @@
 
 #include <vector>
 
+#include "forge/core/dtype.h"
 #include "forge/kernels/ops.h"
 
 namespace forge::cpu {
 
 void gemm(const ops::GemmParams& p);
 void fp8_gemm(const ops::Fp8GemmParams& p);
-// GEMM outputs (gemm_onednn.cpp). check_gemm_output fails with one line naming `op` unless c_dtype is f32, or
-// bf16 with operands other than fp32. A bf16 C [rows, cols] (leading dimension ldc) is computed through fp32
-// scratch with the same leading dimension: fp32_scratch_for_bf16 sizes it (holding C widened when read_c) and
-// returns it for the fp32-output GEMM; round_scratch_to_bf16 then rounds the cols of each row into C, leaving
-// its padding alone.
-void check_gemm_output(const char* op, DType c_dtype, DType operand_dtype);
-float* fp32_scratch_for_bf16(const void* c, int64_t rows, int64_t cols, int64_t ldc, bool read_c,
-                             std::vector<float>& scratch);
-void round_scratch_to_bf16(const float* scratch, void* c, int64_t rows, int64_t cols, int64_t ldc);
+// A GEMM with a bf16 C (gemm, fp8_gemm): run(q) is the fp32-output kernel, given params q whose C is fp32
+// scratch with C's leading dimension (holding the old C widened when beta != 0); each row's cols are then
+// rounded into C once, its padding left alone. So a bf16 C is the fp32 result rounded, bitwise.
+template <typename Params, typename Run>
+void gemm_through_fp32_output(const Params& p, Run run) {
+  thread_local std::vector<float> buffer;
+  buffer.resize(static_cast<size_t>((p.m - 1) * p.ldc + p.n));
+  // A plain pointer for the parallel loops: in another thread the thread_local names that thread's buffer.
+  float* scratch = buffer.data();
+  auto* c = static_cast<uint16_t*>(p.c);
+  const bool parallel = p.m * p.n > 16384;
+  if (p.beta != 0.0f) {
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t r = 0; r < p.m; ++r)
+      convert_bf16_to_f32(c + r * p.ldc, scratch + r * p.ldc, static_cast<size_t>(p.n));
+  }
+  Params q = p;
+  q.c_dtype = DType::f32;
+  q.c = scratch;
+  run(q);
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t r = 0; r < p.m; ++r)
+    convert_f32_to_bf16(scratch + r * p.ldc, c + r * p.ldc, static_cast<size_t>(p.n));
+}
 void rmsnorm_forward(const ops::RmsNormParams& p);
 void rmsnorm_backward_input(const ops::RmsNormParams& p);
 void rmsnorm_backward_weight(const ops::RmsNormParams& p);

@@ -66,7 +66,7 @@ void check(const ops::Fp8GemmParams& p) {
   if (p.m <= 0 || p.n <= 0 || p.k <= 0) fail("fp8_gemm: empty problem m={} n={} k={}", p.m, p.n, p.k);
   if (!is_fp8(p.a_dtype)) fail("fp8_gemm: a_dtype must be e4m3 or e5m2, got {}", dtype_name(p.a_dtype));
   if (!is_fp8(p.b_dtype)) fail("fp8_gemm: b_dtype must be e4m3 or e5m2, got {}", dtype_name(p.b_dtype));
-  check_gemm_output("fp8_gemm", p.c_dtype, p.a_dtype);
+  ops::check_gemm_output("fp8_gemm", p.c_dtype, p.a_dtype);
   if (!p.a || !p.b || !p.c) fail("fp8_gemm: null operand pointer (a, b or c)");
   const int64_t a_cols = p.trans_a ? p.m : p.k, b_cols = p.trans_b ? p.k : p.n;
   if (p.lda < a_cols) fail("fp8_gemm: lda {} is smaller than A's {} stored columns", p.lda, a_cols);
@@ -208,12 +208,7 @@ void fp8_gemm(const ops::Fp8GemmParams& params) {
   p.a_scale_inv_ptr = p.b_scale_inv_ptr = nullptr;
   check(p);
   if (p.c_dtype == DType::f32) return fp8_gemm_f32(p);
-  thread_local std::vector<float> scratch;
-  ops::Fp8GemmParams q = p;
-  q.c_dtype = DType::f32;
-  q.c = fp32_scratch_for_bf16(p.c, p.m, p.n, p.ldc, p.beta != 0.0f, scratch);
-  fp8_gemm_f32(q);
-  round_scratch_to_bf16(static_cast<const float*>(q.c), p.c, p.m, p.n, p.ldc);
+  gemm_through_fp32_output(p, fp8_gemm_f32);
 }
 
 }  // namespace forge::cpu

@@ -87,53 +87,14 @@ void gemm_bf16_widened(const ops::GemmParams& p) {
   forge::cpu::gemm(q);
 }
 
-void gemm_bf16_output(const ops::GemmParams& p) {
-  thread_local std::vector<float> scratch;
-  ops::GemmParams q = p;
-  q.c_dtype = DType::f32;
-  q.c = fp32_scratch_for_bf16(p.c, p.m, p.n, p.ldc, p.beta != 0.0f, scratch);
-  forge::cpu::gemm(q);
-  round_scratch_to_bf16(scratch.data(), p.c, p.m, p.n, p.ldc);
-}
-
 }  // namespace
-
-void check_gemm_output(const char* op, DType c_dtype, DType operand_dtype) {
-  if (c_dtype != DType::f32 && c_dtype != DType::bf16)
-    fail("{}: c_dtype must be fp32 or bf16, got {}", op, dtype_name(c_dtype));
-  // The CUDA backend cannot write bf16 from fp32 operands (cuBLASLt has no such matmul); the CPU refuses too,
-  // so that a program behaves the same on both.
-  if (c_dtype == DType::bf16 && operand_dtype == DType::f32)
-    fail("{}: c_dtype bf16 needs bf16 operands, got {} (fp32 operands write an fp32 C)", op,
-         dtype_name(operand_dtype));
-}
-
-float* fp32_scratch_for_bf16(const void* c, int64_t rows, int64_t cols, int64_t ldc, bool read_c,
-                             std::vector<float>& scratch) {
-  scratch.resize(static_cast<size_t>((rows - 1) * ldc + cols));
-  float* out = scratch.data();
-  if (read_c) {
-    const auto* in = static_cast<const uint16_t*>(c);
-#pragma omp parallel for schedule(static) if (rows * cols > 16384)
-    for (int64_t r = 0; r < rows; ++r)
-      convert_bf16_to_f32(in + r * ldc, out + r * ldc, static_cast<size_t>(cols));
-  }
-  return out;
-}
-
-void round_scratch_to_bf16(const float* scratch, void* c, int64_t rows, int64_t cols, int64_t ldc) {
-  auto* out = static_cast<uint16_t*>(c);
-#pragma omp parallel for schedule(static) if (rows * cols > 16384)
-  for (int64_t r = 0; r < rows; ++r)
-    convert_f32_to_bf16(scratch + r * ldc, out + r * ldc, static_cast<size_t>(cols));
-}
 
 void gemm(const ops::GemmParams& p) {
   FORGE_CHECK(p.ab_dtype == DType::f32 || p.ab_dtype == DType::bf16, "gemm: operands must be fp32 or bf16, got {}",
               dtype_name(p.ab_dtype));
-  check_gemm_output("gemm", p.c_dtype, p.ab_dtype);
+  ops::check_gemm_output("gemm", p.c_dtype, p.ab_dtype);
   FORGE_CHECK(p.m > 0 && p.n > 0 && p.k > 0, "gemm: empty problem {}x{}x{}", p.m, p.n, p.k);
-  if (p.c_dtype == DType::bf16) return gemm_bf16_output(p);
+  if (p.c_dtype == DType::bf16) return gemm_through_fp32_output(p, [](const ops::GemmParams& q) { cpu::gemm(q); });
   static const bool native_bf16 = cpu_has_native_bf16();
   if (p.ab_dtype == DType::bf16 && !native_bf16) return gemm_bf16_widened(p);
   GemmKey key{p.m, p.n, p.k, p.lda, p.ldb, p.ldc, p.trans_a, p.trans_b, p.ab_dtype, p.alpha, p.beta};
@@ -156,3 +117,17 @@ void gemm(const ops::GemmParams& p) {
 }
 
 }  // namespace forge::cpu
+
+namespace forge::ops {
+
+void check_gemm_output(const char* op, DType c_dtype, DType operand_dtype) {
+  if (c_dtype != DType::f32 && c_dtype != DType::bf16)
+    fail("{}: c_dtype must be fp32 or bf16, got {}", op, dtype_name(c_dtype));
+  // The CUDA backend cannot write bf16 from fp32 operands (cuBLASLt has no such matmul); the CPU refuses too,
+  // so that a program behaves the same on both.
+  if (c_dtype == DType::bf16 && operand_dtype == DType::f32)
+    fail("{}: c_dtype bf16 needs bf16 operands, got {} (fp32 operands write an fp32 C)", op,
+         dtype_name(operand_dtype));
+}
+
+}  // namespace forge::ops

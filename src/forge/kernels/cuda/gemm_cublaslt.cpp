@@ -303,11 +303,7 @@ void check_shape(const char* op, int64_t m, int64_t n, int64_t k, const void* a,
 
 // The output rules of ops.h (f32, or bf16 from bf16 or FP8 operands), then C's element alignment.
 void check_output(const char* op, DType c_dtype, DType operand_dtype, const void* c) {
-  if (c_dtype != DType::f32 && c_dtype != DType::bf16)
-    fail("{}: c_dtype must be fp32 or bf16, got {}", op, dtype_name(c_dtype));
-  if (c_dtype == DType::bf16 && operand_dtype == DType::f32)
-    fail("{}: c_dtype bf16 needs bf16 operands, got {} (fp32 operands write an fp32 C)", op,
-         dtype_name(operand_dtype));
+  ops::check_gemm_output(op, c_dtype, operand_dtype);
   if (alignment(c) < dtype_size(c_dtype))
     fail("{}: c ({}) is not aligned to its {}-byte {} elements", op, c, dtype_size(c_dtype),
          dtype_name(c_dtype));
