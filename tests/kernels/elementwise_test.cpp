@@ -1,6 +1,9 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <string>
+
+#include "forge/core/error.h"
 #include "forge/kernels/ops.h"
 #include "op_harness.h"
 
@@ -47,6 +50,12 @@ TEST(Elementwise, SumSquaresAccumulateAddsEachRangeInOrder) {
   want += ops::sum_squares(x.data(), cut);
   want += ops::sum_squares(x.data() + cut, kN - cut);
   EXPECT_EQ(total, want);
+  try {
+    ops::sum_squares_accumulate(x.data(), kN, nullptr);
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("sum_squares_accumulate: total is null"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Elementwise, SumSquaresDoesNotDependOnThreadCount) {
