@@ -175,7 +175,8 @@ if want train; then
     stage "training step, LLaMA-3-8B shape (4 layers), $accum x batch $TRAIN_BATCH x 4096, fp8 $recipe"
     status=0
     timeout 75 "$BIN/forge" bench --model bench/gpu/llama3-8b-4layers.json --device cuda --batch "$TRAIN_BATCH" \
-      --grad-accum "$accum" --seq 4096 --warmup 2 --steps 5 --fp8 "$recipe" >"$SCRATCH/train_$recipe.txt" 2>&1 ||
+      --grad-accum "$accum" --seq 4096 --warmup 2 --steps 5 --profile-steps 1 --fp8 "$recipe" \
+      >"$SCRATCH/train_$recipe.txt" 2>&1 ||
       status=$?
     cat "$SCRATCH/train_$recipe.txt"
     grep '^{' "$SCRATCH/train_$recipe.txt" >>"$OUT/train.jsonl" || true

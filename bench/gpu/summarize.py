@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Sums up a bench/gpu/run_all.sh run from its JSON lines: the training step per precision (tokens/s, MFU,
-FP8 throughput against bf16 and the last losses side by side), forge's bf16 step against PyTorch's on the same
-model, and forge's attention against PyTorch's scaled_dot_product_attention per shape and pass. Files that are
+FP8 throughput against bf16 and the last losses side by side), where each forge run's step went (its op profile,
+by kind of op, and the largest rows of the bf16 run), forge's bf16 step against PyTorch's on the same model, and
+forge's attention against PyTorch's scaled_dot_product_attention per shape and pass. Files that are
 missing or empty are skipped, so it works on whatever stages ran.
 
   python3 bench/gpu/summarize.py OUT_DIR"""
@@ -55,6 +56,45 @@ def training(rows):
         print(line)
 
 
+def kind(op):
+    if op in ("gemm", "fp8_gemm"):
+        return "GEMM"
+    if op.startswith("linear_cross_entropy"):
+        return "loss head"
+    if op.startswith("attention"):
+        return "attention"
+    if op.startswith("fp8_") or op.startswith("amax"):
+        return "FP8 casts"
+    if op in ("adamw", "sum_squares", "sum_squares_accumulate", "scale_inplace"):
+        return "optimizer"
+    return "other ops"
+
+
+def profiles(rows):
+    runs = [r for r in rows if r.get("engine") == "forge" and "profile" in r]
+    if not runs:
+        return
+    kinds = ["GEMM", "loss head", "attention", "FP8 casts", "optimizer", "other ops"]
+    print("where a step goes (ms per step from one profiled step; unattributed = the GPU idle, copies, memsets):")
+    print("  " + f"{'run':<22}" + "".join(f"{k:>11}" for k in kinds) + f"{'unattrib.':>11}{'wall':>10}")
+    for r in runs:
+        p = r["profile"]
+        by_kind = {k: 0.0 for k in kinds}
+        for row in p["rows"]:
+            by_kind[kind(row["op"])] += row["seconds"]
+        name = ("bf16" if r["fp8"] == "off" else f"fp8 {r['fp8']}") + f" accum {r.get('grad_accum', 1)}"
+        print("  " + f"{name:<22}" + "".join(f"{1e3 * by_kind[k]:>11.1f}" for k in kinds) +
+              f"{1e3 * max(0.0, p['wall_seconds'] - p['op_seconds']):>11.1f}{1e3 * p['wall_seconds']:>10.1f}")
+    base = max((r for r in runs if r["fp8"] == "off"), key=lambda r: r.get("grad_accum", 1), default=None)
+    if base:
+        p = base["profile"]
+        print(f"  largest rows of bf16 accum {base.get('grad_accum', 1)} (of {len(p['rows'])}):")
+        for row in p["rows"][:15]:
+            t = row["seconds"]
+            rate = f"{row['flops'] / t / 1e12:7.1f} TFLOP/s" if row["flops"] and t else f"{row['bytes'] / t / 1e9:7.0f} GB/s  " if t else ""
+            print(f"    {1e3 * t:8.2f} ms  {row['calls']:>4} calls  {rate}  {row['op']:<30} {row['detail']}")
+
+
 def attention(forge_rows, torch_rows):
     if not forge_rows:
         return
@@ -74,6 +114,7 @@ def main():
         sys.exit(__doc__)
     out = sys.argv[1]
     training(read(os.path.join(out, "train.jsonl")))
+    profiles(read(os.path.join(out, "train.jsonl")))
     attention(read(os.path.join(out, "attention.jsonl")), read(os.path.join(out, "attention_torch.jsonl")))
 
 

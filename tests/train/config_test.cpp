@@ -84,7 +84,7 @@ TEST(TrainConfig, DefaultTomlFileEqualsBuiltInDefaults) {
     ++keys;
     EXPECT_NE(line.find(" # "), std::string::npos) << "no comment: " << line;
   }
-  EXPECT_EQ(keys, 66);
+  EXPECT_EQ(keys, 67);
 }
 
 TEST(TrainConfig, DefaultTomlFileIsTheGeneratedText) {
@@ -326,6 +326,7 @@ TEST(TrainConfigErrors, Validation) {
   expect_invalid([](TrainConfig& c) { c.train.recompute = "some"; }, {"train.recompute must be one of"});
   expect_invalid([](TrainConfig& c) { c.eval.batches = 0; }, {"eval.batches"});
   expect_invalid([](TrainConfig& c) { c.log.every = 0; }, {"log.every"});
+  expect_invalid([](TrainConfig& c) { c.log.profile_step = -1; }, {"log.profile_step must be >= 0 (0 = off), got -1"});
   expect_invalid([](TrainConfig& c) { c.sample.temperature = -0.5; }, {"sample.temperature"});
   expect_invalid([](TrainConfig& c) { c.model.config.clear(); }, {"model.config"});
   expect_invalid([](TrainConfig& c) { c.parallel.tp = 0; }, {"test.toml: parallel.tp must be >= 1, got 0"});

@@ -41,12 +41,41 @@ TEST(Throughput, AccumulatedMicroBatchesTrainLikeOneBatch) {
   EXPECT_NEAR(split.tokens_per_s * split.seconds_per_step, 64.0, 1e-6);
 }
 
+TEST(Throughput, ProfileStepsFollowTheTimedOnes) {
+  nn::ComputeOptions options;
+  options.gemm_dtype = DType::f32;
+  const ThroughputResult r = measure_training_throughput(tiny(), options, 2, 16, 1, 2, std::nullopt, 2, 1);
+  EXPECT_TRUE(r.profile_error.empty()) << r.profile_error;
+  ASSERT_TRUE(r.profile.has_value());
+  EXPECT_EQ(r.profile_steps, 1);
+  EXPECT_EQ(r.losses.size(), 4u);  // warm-up, two timed steps, the profiled one
+  // A micro-batch runs 12 GEMMs per layer (4 Linears: forward, backward input, backward weight); the loss head
+  // is its own op. Two layers, two micro-batches.
+  int64_t gemms = 0, heads = 0, adamw = 0;
+  for (const ops::OpProfileRow& row : r.profile->rows) {
+    if (row.op == "gemm") gemms += row.calls;
+    if (row.op == "linear_cross_entropy_forward") heads += row.calls;
+    if (row.op == "adamw") adamw += row.calls;
+  }
+  EXPECT_EQ(gemms, 12 * 2 * 2) << ops::format_profile(*r.profile);
+  EXPECT_EQ(heads, 2);
+  EXPECT_GT(adamw, 0);
+  EXPECT_LE(r.profile->op_seconds, r.profile->wall_seconds);
+  EXPECT_FALSE(ops::profiling());
+}
+
 TEST(Throughput, NonPositiveSizesAreOneError) {
   try {
     measure_training_throughput(tiny(), nn::ComputeOptions{}, 2, 16, 0, 1, std::nullopt, 0);
     ADD_FAILURE() << "expected an error";
   } catch (const Error& e) {
     EXPECT_EQ(std::string(e.what()), "bench: batch, seq, steps and grad_accum must be positive");
+  }
+  try {
+    measure_training_throughput(tiny(), nn::ComputeOptions{}, 2, 16, 0, 1, std::nullopt, 1, -1);
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()), "bench: profile steps must be 0 (no profile) or positive, got -1");
   }
 }
 

@@ -7,8 +7,11 @@
 #include <fstream>
 #include <sstream>
 
+#include <nlohmann/json.hpp>
+
 #include "forge/ckpt/checkpoint.h"
 #include "forge/core/device.h"
+#include "forge/kernels/profiler.h"
 #include "forge/train/trainer.h"
 #include "train/toy_run.h"
 
@@ -94,6 +97,24 @@ TEST_F(TrainerTest, LossFallsAndMetricsAreWritten) {
   }
   EXPECT_GE(lines, 5);  // steps 1, 10, 20, 30, 40 and the final evaluation
   EXPECT_TRUE(fs::exists(fs::path(c.log.run_dir) / "config.toml"));
+}
+
+// log.profile_step times that step's ops into <run_dir>/profile.json without changing a single bit of training.
+TEST_F(TrainerTest, ProfileStepWritesTheStepsOpsAndChangesNothing) {
+  const TrainResult plain = Trainer(config("plain")).run();
+  TrainConfig c = config("profiled");
+  c.log.profile_step = 3;
+  const TrainResult profiled = Trainer(c).run();
+  EXPECT_EQ(profiled.losses, plain.losses);
+  EXPECT_FALSE(ops::profiling());
+  const nlohmann::json j = nlohmann::json::parse(read_file(fs::path(c.log.run_dir) / "profile.json"));
+  EXPECT_EQ(j["device"], "cpu");
+  int64_t gemms = 0;
+  for (const auto& row : j["rows"])
+    if (row["op"] == "gemm") gemms += row["calls"].get<int64_t>();
+  EXPECT_EQ(gemms, 12 * 2 * 2);  // 12 per layer and micro-batch; 2 layers, grad_accum 2
+  EXPECT_GT(j["wall_seconds"].get<double>(), 0);
+  EXPECT_FALSE(fs::exists(fs::path(config("plain").log.run_dir) / "profile.json"));
 }
 
 // steps = 0 with a time budget: the schedule length is planned from the first steps' speed and the

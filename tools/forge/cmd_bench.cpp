@@ -18,7 +18,7 @@ namespace {
 struct BenchOptions {
   std::string model;
   int64_t batch = 4, seq = 512, grad_accum = 1;
-  int steps = 5, warmup = 2;
+  int steps = 5, warmup = 2, profile_steps = 0;
   std::string dtype = "bf16", recompute = "none", device = "cpu", fp8 = "off";
   double peak_gflops = 0;
 };
@@ -54,7 +54,8 @@ int run_bench(const BenchOptions& o) {
   if (peak <= 0) peak = cuda ? (fp8 ? kHopperFp8PeakGflops : kHopperBf16PeakGflops) : measure_gemm_peak_gflops(dtype, 4096, 3);
   const std::string peak_name = cuda ? (fp8 ? "H100/H200 fp8 dense" : "H100/H200 bf16 dense") : o.dtype + " GEMM";
   ThroughputResult r =
-      measure_training_throughput(config, options, o.batch, o.seq, o.warmup, o.steps, fp8, o.grad_accum);
+      measure_training_throughput(config, options, o.batch, o.seq, o.warmup, o.steps, fp8, o.grad_accum,
+                                  o.profile_steps);
   std::printf("forge %s on %s: %.0f tokens/s | %.1f model GFLOP/s | MFU %.1f%% of %.0f GFLOP/s %s peak | "
               "%.3f s/step | loss %.4f",
               precision.c_str(), o.device.c_str(), r.tokens_per_s, r.model_gflops, 100.0 * r.model_gflops / peak, peak,
@@ -66,10 +67,17 @@ int run_bench(const BenchOptions& o) {
   std::printf("{\"engine\": \"forge\", \"device\": \"%s\", \"dtype\": \"%s\", \"fp8\": \"%s\", \"batch\": %lld, "
               "\"grad_accum\": %lld, \"seq\": %lld, \"tokens_per_s\": %.2f, \"model_gflops\": %.2f, "
               "\"peak_gflops\": %.2f, \"mfu\": %.4f, \"seconds_per_step\": %.5f, \"peak_device_gib\": %.2f, "
-              "\"losses\": [%s]}\n",
+              "\"losses\": [%s]%s}\n",
               o.device.c_str(), o.dtype.c_str(), o.fp8.c_str(), static_cast<long long>(o.batch),
               static_cast<long long>(o.grad_accum), static_cast<long long>(o.seq), r.tokens_per_s, r.model_gflops,
-              peak, r.model_gflops / peak, r.seconds_per_step, r.peak_device_gib, losses.c_str());
+              peak, r.model_gflops / peak, r.seconds_per_step, r.peak_device_gib, losses.c_str(),
+              r.profile ? (", \"profile\": " + ops::profile_json(*r.profile, r.profile_steps)).c_str() : "");
+  if (r.profile) std::printf("%s", ops::format_profile(*r.profile, r.profile_steps).c_str());
+  if (!r.profile_error.empty()) {
+    // The timed result above stands; the profile did not.
+    std::fprintf(stderr, "forge bench: the op profile failed: %s\n", r.profile_error.c_str());
+    return 1;
+  }
   return 0;
 }
 
@@ -88,6 +96,11 @@ void add_bench_command(CLI::App& app, Commands& commands) {
       ->capture_default_str();
   bench->add_option("--steps", o->steps, "timed steps")->capture_default_str();
   bench->add_option("--warmup", o->warmup, "untimed warm-up steps")->capture_default_str();
+  bench->add_option("--profile-steps", o->profile_steps,
+                    "after the timed steps, run this many more with every op timed and print where a step's time goes "
+                    "(op, shape, calls, ms, TFLOP/s or GFLOP/s, GB/s; also in the JSON line as \"profile\")")
+      ->check(CLI::Range(0, 1000))
+      ->capture_default_str();
   bench->add_option("--dtype", o->dtype, "compute dtype: bf16 or fp32")->capture_default_str();
   bench->add_option("--recompute", o->recompute, "none, selective or full")->capture_default_str();
   bench->add_option("--device", o->device, "where the model trains: cpu or cuda")

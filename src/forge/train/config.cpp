@@ -224,6 +224,12 @@ const std::vector<KeySpec>& key_specs() {
        FORGE_FIELD(log.peak_gflops),
        "peak GEMM GFLOP/s of this machine for MFU (0 = measure at start)",
        {}},
+      {"log",
+       "profile_step",
+       FORGE_FIELD(log.profile_step),
+       "time every op of this step and print where its time went; the table also goes to <run_dir>/profile.json "
+       "(0 = off)",
+       {}},
 
       {"checkpoint",
        "every",
@@ -576,6 +582,7 @@ void TrainConfig::validate() const {
   check(!log.run_dir.empty(), "log.run_dir", "\"\"", "a directory");
   check(finite(log.peak_gflops) && log.peak_gflops >= 0, "log.peak_gflops", log.peak_gflops,
         ">= 0 (0 = measure)");
+  check(log.profile_step >= 0, "log.profile_step", log.profile_step, ">= 0 (0 = off)");
   check(checkpoint.every >= 0, "checkpoint.every", checkpoint.every, ">= 0 (0 = only at the end)");
   check(sample.tokens >= 0, "sample.tokens", sample.tokens, ">= 0");
   check(finite(sample.temperature) && sample.temperature >= 0, "sample.temperature", sample.temperature,

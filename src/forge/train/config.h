@@ -68,6 +68,7 @@ struct TrainConfig {
     int64_t every = 10;
     std::string run_dir = "runs/default";
     double peak_gflops = 0;  // 0 = measure the GEMM peak at start
+    int64_t profile_step = 0;  // time every op of this step (1-based, as logged) and print where it went; 0 = off
     bool operator==(const Log&) const = default;
   };
   struct Checkpoint {

@@ -16,9 +16,11 @@ namespace forge {
 
 ThroughputResult measure_training_throughput(const LlamaConfig& config, nn::ComputeOptions options, int64_t batch,
                                              int64_t seq, int warmup_steps, int steps,
-                                             const std::optional<nn::Fp8Options>& fp8, int64_t grad_accum) {
+                                             const std::optional<nn::Fp8Options>& fp8, int64_t grad_accum,
+                                             int profile_steps) {
   if (batch <= 0 || seq <= 0 || steps <= 0 || grad_accum <= 0)
     fail("bench: batch, seq, steps and grad_accum must be positive");
+  if (profile_steps < 0) fail("bench: profile steps must be 0 (no profile) or positive, got {}", profile_steps);
   if (!device_usable(options.device)) fail("bench: no usable {} device", device_name(options.device));
   std::optional<nn::Fp8Context> fp8_context;
   if (fp8) options.fp8 = &fp8_context.emplace(*fp8);
@@ -61,6 +63,22 @@ ThroughputResult measure_training_throughput(const LlamaConfig& config, nn::Comp
     if (options.device != Device::cpu) device_memory(options.device).synchronize();
     double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     r.seconds_per_step = seconds / steps;
+    if (profile_steps > 0) {
+      // After the timed steps, so that timing every op cannot slow them. The losses of these steps are kept too.
+      try {
+        ops::profile_begin(options.device);
+        try {
+          for (int i = 0; i < profile_steps; ++i) step();
+        } catch (...) {
+          ops::profile_end();
+          throw;
+        }
+        r.profile = ops::profile_end();
+        r.profile_steps = profile_steps;
+      } catch (const Error& e) {
+        r.profile_error = e.what();
+      }
+    }
   }
   r.tokens_per_s = static_cast<double>(batch * grad_accum * seq) / r.seconds_per_step;
   r.model_gflops = r.tokens_per_s * config.flops_per_token(seq) / 1e9;

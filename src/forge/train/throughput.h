@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "forge/kernels/profiler.h"
 #include "forge/models/llama_config.h"
 #include "forge/nn/compute.h"
 #include "forge/nn/fp8_context.h"
@@ -21,6 +22,11 @@ struct ThroughputResult {
   double loss = 0;             // last step's loss (sanity: ~ln(vocab) on random tokens)
   std::vector<double> losses;  // every step's, warm-up included (the same tokens every step: they fall)
   double peak_device_gib = 0;  // peak device memory of the run (GPU runs; 0 on the CPU)
+  // With profile_steps > 0: an op profile of that many more steps, run after the timed ones (which it does not
+  // touch). A profile that fails leaves the timed result standing and says why in profile_error.
+  std::optional<ops::OpProfile> profile;
+  int profile_steps = 0;
+  std::string profile_error;
 };
 
 // The same fixed batch of random tokens every step, so that the loss falls and runs of different
@@ -30,6 +36,6 @@ struct ThroughputResult {
 ThroughputResult measure_training_throughput(const LlamaConfig& config, nn::ComputeOptions options, int64_t batch,
                                              int64_t seq, int warmup_steps, int steps,
                                              const std::optional<nn::Fp8Options>& fp8 = std::nullopt,
-                                             int64_t grad_accum = 1);
+                                             int64_t grad_accum = 1, int profile_steps = 0);
 
 }  // namespace forge

@@ -23,6 +23,7 @@
 #include "forge/core/device.h"
 #include "forge/core/memory.h"
 #include "forge/fp8/scaling.h"
+#include "forge/kernels/profiler.h"
 #include "forge/models/llama.h"
 #include "forge/models/sampling.h"
 #include "forge/optim/adamw.h"
@@ -403,6 +404,8 @@ TrainResult Trainer::run() {
     // Activation memory: the host's allocations, or on a GPU its allocator's.
     if (step == first_step) on_gpu ? device_memory(device).reset_peak() : reset_peak_memory();
     const int64_t live_before = on_gpu ? device_memory(device).peak_allocated() : memory_stats().live_bytes;
+    const bool profile_this_step = step + 1 == c.log.profile_step;  // steps are logged 1-based
+    if (profile_this_step) ops::profile_begin(device);
     model.params().zero_grads();
     buckets.begin_step();
     LossSum loss;
@@ -439,6 +442,16 @@ TrainResult Trainer::run() {
       fp8_context->end_step();
     }
     ++step;
+    if (profile_this_step) {
+      // This rank's ops; rank 0 reports (the ranks of a balanced layout run the same ops).
+      const ops::OpProfile profile = ops::profile_end();
+      say("%s", ops::format_profile(profile).c_str());
+      if (g_leader) {
+        std::ofstream out(run_dir / "profile.json");
+        out << ops::profile_json(profile) << "\n";
+        if (!out) fail("{}: cannot write the op profile", (run_dir / "profile.json").string());
+      }
+    }
     result.losses.push_back(mean_loss);
     result.grad_norms.push_back(grad_norm);
     interval_tokens += step_tokens;

@@ -1,4 +1,5 @@
 #include "forge/kernels/cpu/cpu_kernels.h"
+#include "forge/kernels/profiler.h"
 
 namespace forge::ops {
 
@@ -37,6 +38,7 @@ const OpTable& cpu_table() {
 }
 
 const OpTable& table(Device device) {
+  if (const OpTable* profiled = profiled_table(device)) return *profiled;  // an op profile is open
   if (device == Device::cpu) return cpu_table();
 #ifdef FORGE_HAVE_CUDA
   if (device == Device::cuda) return cuda_table();

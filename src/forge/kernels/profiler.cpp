@@ -1,0 +1,427 @@
+#include "forge/kernels/profiler.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <mutex>
+#include <utility>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "forge/core/device.h"
+#include "forge/core/error.h"
+#include "forge/kernels/ops.h"
+
+#ifdef FORGE_HAVE_CUDA
+#include "forge/kernels/cuda/runtime.h"
+#endif
+
+namespace forge::ops {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// What one call costs and how its row is named.
+struct Cost {
+  std::string detail;
+  double flops = 0, bytes = 0;
+};
+
+double d(int64_t v) { return static_cast<double>(v); }
+char layout(bool trans) { return trans ? 'T' : 'N'; }
+
+Cost cost(const GemmParams& p) {
+  const double ab = d(dtype_size(p.ab_dtype)), c = d(dtype_size(p.c_dtype)) * (p.beta != 0.0f ? 2 : 1);
+  return {fmt::format("{} {}{} {}x{}x{} -> {}{}", dtype_name(p.ab_dtype), layout(p.trans_a), layout(p.trans_b), p.m,
+                      p.n, p.k, dtype_name(p.c_dtype), p.beta != 0.0f ? " (+=)" : ""),
+          2.0 * d(p.m) * d(p.n) * d(p.k), ab * d(p.m) * d(p.k) + ab * d(p.k) * d(p.n) + c * d(p.m) * d(p.n)};
+}
+
+Cost cost(const Fp8GemmParams& p) {
+  const double c = d(dtype_size(p.c_dtype)) * (p.beta != 0.0f ? 2 : 1);
+  return {fmt::format("{}x{} {} {}{} {}x{}x{} -> {}{}", dtype_name(p.a_dtype), dtype_name(p.b_dtype),
+                      p.scaling == Fp8Scaling::block ? "block" : "per-tensor", layout(p.trans_a), layout(p.trans_b),
+                      p.m, p.n, p.k, dtype_name(p.c_dtype), p.beta != 0.0f ? " (+=)" : ""),
+          2.0 * d(p.m) * d(p.n) * d(p.k), d(p.m) * d(p.k) + d(p.k) * d(p.n) + c * d(p.m) * d(p.n)};
+}
+
+std::string matrix(int64_t rows, int64_t cols) { return fmt::format("{}x{}", rows, cols); }
+std::string vector_of(int64_t n) { return fmt::format("n={}", n); }
+
+// Query-key pairs the mask lets through, per (sequence, head): query t (position q_offset + t) sees keys
+// [0, min(kv_seq, q_offset + t + 1)).
+double visible_pairs(const AttentionParams& p) {
+  const int64_t kv = p.kv_seq > 0 ? p.kv_seq : p.seq;
+  if (!p.causal) return d(p.seq) * d(kv);
+  // Rows t < kv - q_offset see q_offset + t + 1 keys; the rest see all kv.
+  const int64_t partial = std::clamp<int64_t>(kv - p.q_offset, 0, p.seq);
+  const double first = d(p.q_offset + 1), last = d(p.q_offset + partial);
+  return d(partial) * (first + last) / 2.0 + d(p.seq - partial) * d(kv);
+}
+
+Cost attention_cost(const AttentionParams& p, bool backward) {
+  const int64_t kv = p.kv_seq > 0 ? p.kv_seq : p.seq;
+  // Forward: S = Q K^T and O = P V, 2 FLOPs per multiply-add each. Backward: S again, dV = P^T dO, dP = dO V^T,
+  // dQ = dS K and dK = dS^T Q: 2.5 times the forward.
+  const double forward = 4.0 * d(p.head_dim) * visible_pairs(p) * d(p.batch) * d(p.heads);
+  const double q = d(p.batch) * d(p.seq) * d(p.heads) * d(p.head_dim) * 4;
+  const double kv_bytes = 2.0 * d(p.batch) * d(kv) * d(p.kv_heads) * d(p.head_dim) * 4;
+  std::string detail = fmt::format("b{} s{} h{}/{} d{}{}", p.batch, p.seq, p.heads, p.kv_heads, p.head_dim,
+                                   p.causal ? " causal" : "");
+  if (kv != p.seq) detail += fmt::format(" kv{}", kv);
+  // Forward reads q, k, v and writes out; backward reads those and dout, writes dq, dk, dv.
+  return backward ? Cost{std::move(detail), 2.5 * forward, 3 * q + 2 * kv_bytes}
+                  : Cost{std::move(detail), forward, 2 * q + kv_bytes};
+}
+
+Cost cast_cost(const Fp8CastParams& p, const char* blocks) {
+  const double n = d(p.rows) * d(p.cols);
+  std::string what = p.q && p.q_t ? "rows+transpose" : p.q_t ? "transpose" : "rows";
+  return {fmt::format("{} {} {}{}", dtype_name(p.fp8), matrix(p.rows, p.cols), what, blocks),
+          0, 4 * n + n * ((p.q ? 1 : 0) + (p.q_t ? 1 : 0))};
+}
+
+// A row's identity: op and detail.
+using Key = std::pair<const char*, std::string>;
+struct KeyLess {
+  bool operator()(const Key& a, const Key& b) const {
+    const int c = std::string_view(a.first).compare(b.first);
+    return c != 0 ? c < 0 : a.second < b.second;
+  }
+};
+
+#ifdef FORGE_HAVE_CUDA
+struct Pending {
+  size_t row;
+  cudaEvent_t start, stop;
+};
+#endif
+
+struct State {
+  std::mutex mutex;
+  Device device = Device::cpu;
+  const OpTable* inner = nullptr;  // the device's own table
+  Clock::time_point begin;
+  std::map<Key, size_t, KeyLess> index;
+  std::vector<OpProfileRow> rows;
+#ifdef FORGE_HAVE_CUDA
+  std::vector<Pending> pending;
+#endif
+
+  size_t row(const char* op, std::string detail) {
+    Key key{op, std::move(detail)};
+    auto it = index.find(key);
+    if (it != index.end()) return it->second;
+    rows.push_back(OpProfileRow{op, key.second});
+    return index.emplace(std::move(key), rows.size() - 1).first->second;
+  }
+};
+
+State& state() {
+  static State s;
+  return s;
+}
+// The profiled device as an int, -1 when no profile is open: one relaxed load per op when profiling is off.
+std::atomic<int> g_profiled{-1};
+thread_local int g_depth = 0;  // ops in progress on this thread (only the outermost is timed)
+
+const OpTable& inner() { return *state().inner; }
+
+// Times `call` (the op) as row (op, cost_of().detail) unless it runs inside another timed op. The time is
+// kept even when the op throws: the caller reports the error and the profile stays consistent.
+template <typename CostFn, typename Call>
+auto timed(const char* op, CostFn&& cost_of, Call&& call) {
+  if (g_depth > 0) return call();
+  struct Depth {
+    Depth() { ++g_depth; }
+    ~Depth() { --g_depth; }
+  } depth;
+  State& s = state();
+  Cost c = cost_of();
+  size_t row;
+  {
+    std::lock_guard lock(s.mutex);
+    row = s.row(op, std::move(c.detail));
+    s.rows[row].calls += 1, s.rows[row].flops += c.flops, s.rows[row].bytes += c.bytes;
+  }
+#ifdef FORGE_HAVE_CUDA
+  if (s.device == Device::cuda) {
+    Pending p{row, nullptr, nullptr};
+    FORGE_CUDA_CHECK(cudaEventCreate(&p.start));
+    if (const cudaError_t e = cudaEventCreate(&p.stop); e != cudaSuccess) {
+      cudaEventDestroy(p.start);
+      cuda::fail_cuda(e, "cudaEventCreate(&p.stop)", __FILE__, __LINE__);
+    }
+    {
+      std::lock_guard lock(s.mutex);
+      s.pending.push_back(p);  // the state owns both events from here on, whatever the op does
+    }
+    FORGE_CUDA_CHECK(cudaEventRecord(p.start, cuda::stream()));
+    struct StopEvent {
+      cudaEvent_t stop;
+      ~StopEvent() { cudaEventRecord(stop, cuda::stream()); }  // an error here surfaces in profile_end
+    } stop_event{p.stop};
+    return call();
+  }
+#endif
+  struct Stopwatch {
+    State& s;
+    size_t row;
+    Clock::time_point t0;
+    ~Stopwatch() {
+      const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+      std::lock_guard lock(s.mutex);
+      s.rows[row].seconds += seconds;
+    }
+  } stopwatch{s, row, Clock::now()};
+  return call();
+}
+
+const OpTable& profiled() {
+  static const OpTable table = {
+      "profiled",
+      [](const GemmParams& p) { timed("gemm", [&] { return cost(p); }, [&] { inner().gemm(p); }); },
+      [](const Fp8GemmParams& p) { timed("fp8_gemm", [&] { return cost(p); }, [&] { inner().fp8_gemm(p); }); },
+      [](const RmsNormParams& p) {
+        timed("rmsnorm_forward", [&] { return Cost{matrix(p.rows, p.dim), 0, 8 * d(p.rows) * d(p.dim)}; },
+              [&] { inner().rmsnorm_forward(p); });
+      },
+      [](const RmsNormParams& p) {
+        timed("rmsnorm_backward_input", [&] { return Cost{matrix(p.rows, p.dim), 0, 12 * d(p.rows) * d(p.dim)}; },
+              [&] { inner().rmsnorm_backward_input(p); });
+      },
+      [](const RmsNormParams& p) {
+        timed("rmsnorm_backward_weight", [&] { return Cost{matrix(p.rows, p.dim), 0, 8 * d(p.rows) * d(p.dim)}; },
+              [&] { inner().rmsnorm_backward_weight(p); });
+      },
+      [](const RopeParams& p) {
+        timed(
+            "rope",
+            [&] {
+              return Cost{fmt::format("b{} s{} h{} d{}{}", p.batch, p.seq, p.heads, p.head_dim,
+                                      p.inverse ? " inverse" : ""),
+                          0, 8 * d(p.batch) * d(p.seq) * d(p.heads) * d(p.head_dim)};
+            },
+            [&] { inner().rope(p); });
+      },
+      [](const SwigluParams& p) {
+        timed("swiglu_forward", [&] { return Cost{matrix(p.rows, p.ffn), 0, 12 * d(p.rows) * d(p.ffn)}; },
+              [&] { inner().swiglu_forward(p); });
+      },
+      [](const SwigluParams& p) {
+        timed("swiglu_backward", [&] { return Cost{matrix(p.rows, p.ffn), 0, 20 * d(p.rows) * d(p.ffn)}; },
+              [&] { inner().swiglu_backward(p); });
+      },
+      [](const AttentionParams& p) {
+        timed("attention_forward", [&] { return attention_cost(p, false); }, [&] { inner().attention_forward(p); });
+      },
+      [](const AttentionParams& p) {
+        timed("attention_backward", [&] { return attention_cost(p, true); }, [&] { inner().attention_backward(p); });
+      },
+      [](const EmbeddingParams& p) {
+        timed("embedding_forward", [&] { return Cost{matrix(p.rows, p.dim), 0, 8 * d(p.rows) * d(p.dim)}; },
+              [&] { inner().embedding_forward(p); });
+      },
+      [](const EmbeddingParams& p) {
+        timed("embedding_backward_weight", [&] { return Cost{matrix(p.rows, p.dim), 0, 12 * d(p.rows) * d(p.dim)}; },
+              [&] { inner().embedding_backward_weight(p); });
+      },
+      [](const LinearCrossEntropyParams& p) {
+        timed(
+            "linear_cross_entropy_forward",
+            [&] {
+              const double s = d(dtype_size(p.gemm_dtype)), logits = d(p.rows) * d(p.vocab);
+              return Cost{fmt::format("{} {}x{}x{}{}", dtype_name(p.gemm_dtype), p.rows, p.vocab, p.dim,
+                                      p.keep_logits ? " keep" : ""),
+                          2 * logits * d(p.dim),
+                          s * (d(p.rows) + d(p.vocab)) * d(p.dim) + (p.keep_logits ? 4 * logits : 0)};
+            },
+            [&] { inner().linear_cross_entropy_forward(p); });
+      },
+      [](const LinearCrossEntropyParams& p) {
+        timed(
+            "linear_cross_entropy_backward",
+            [&] {
+              const double s = d(dtype_size(p.gemm_dtype)), logits = d(p.rows) * d(p.vocab);
+              // dhidden and dweight from the chunk's gradients, and the logits again unless they were kept.
+              return Cost{fmt::format("{} {}x{}x{}{}", dtype_name(p.gemm_dtype), p.rows, p.vocab, p.dim,
+                                      p.keep_logits ? " keep" : ""),
+                          (p.keep_logits ? 4 : 6) * logits * d(p.dim),
+                          s * (d(p.rows) + d(p.vocab)) * d(p.dim) + 4 * d(p.rows) * d(p.dim) +
+                              8 * d(p.vocab) * d(p.dim) + (p.keep_logits ? 4 * logits : 0)};
+            },
+            [&] { inner().linear_cross_entropy_backward(p); });
+      },
+      [](const AdamWParams& p) {
+        // Read param, grad, both moments; write param, both moments (and the bf16 copy).
+        timed("adamw", [&] { return Cost{vector_of(p.n), 0, d(p.n) * (28 + (p.param_bf16 ? 2 : 0))}; },
+              [&] { inner().adamw(p); });
+      },
+      [](float* y, const float* x, int64_t n) {
+        timed("add_inplace", [&] { return Cost{vector_of(n), 0, 12 * d(n)}; }, [&] { inner().add_inplace(y, x, n); });
+      },
+      [](const float* x, int64_t n) {
+        return timed("sum_squares", [&] { return Cost{vector_of(n), 0, 4 * d(n)}; },
+                     [&] { return inner().sum_squares(x, n); });
+      },
+      [](const float* x, int64_t n, double* total) {
+        timed("sum_squares_accumulate", [&] { return Cost{vector_of(n), 0, 4 * d(n)}; },
+              [&] { inner().sum_squares_accumulate(x, n, total); });
+      },
+      [](float* x, float s, int64_t n) {
+        timed("scale_inplace", [&] { return Cost{vector_of(n), 0, 8 * d(n)}; },
+              [&] { inner().scale_inplace(x, s, n); });
+      },
+      [](const float* x, uint16_t* y, int64_t n) {
+        timed("convert_to_bf16", [&] { return Cost{vector_of(n), 0, 6 * d(n)}; },
+              [&] { inner().convert_to_bf16(x, y, n); });
+      },
+      [](const uint16_t* x, float* y, int64_t n) {
+        timed("convert_to_f32", [&] { return Cost{vector_of(n), 0, 6 * d(n)}; },
+              [&] { inner().convert_to_f32(x, y, n); });
+      },
+      [](const float* x, int64_t n) {
+        return timed("amax", [&] { return Cost{vector_of(n), 0, 4 * d(n)}; }, [&] { return inner().amax(x, n); });
+      },
+      [](const float* x, int64_t n, float* out) {
+        timed("amax_to", [&] { return Cost{vector_of(n), 0, 4 * d(n)}; }, [&] { inner().amax_to(x, n, out); });
+      },
+      [](const Fp8CastParams& p) {
+        return timed("fp8_cast_transpose", [&] { return cast_cost(p, ""); },
+                     [&] { return inner().fp8_cast_transpose(p); });
+      },
+      [](const Fp8CastParams& p) {
+        timed("fp8_quantize_1x128", [&] { return cast_cost(p, " 1x128"); },
+              [&] { inner().fp8_quantize_1x128(p); });
+      },
+      [](const Fp8CastParams& p) {
+        timed("fp8_quantize_128x128", [&] { return cast_cost(p, " 128x128"); },
+              [&] { inner().fp8_quantize_128x128(p); });
+      },
+      [](const KvAppendParams& p) {
+        timed(
+            "kv_append",
+            [&] {
+              return Cost{fmt::format("b{} t{} kv{} d{}", p.batch, p.tokens, p.kv_heads, p.head_dim), 0,
+                          16 * d(p.batch) * d(p.tokens) * d(p.kv_heads) * d(p.head_dim)};
+            },
+            [&] { inner().kv_append(p); });
+      },
+  };
+  return table;
+}
+
+void drain(Device device) {
+  if (device != Device::cpu) device_memory(device).synchronize();
+}
+
+}  // namespace
+
+const OpTable* profiled_table(Device device) {
+  return g_profiled.load(std::memory_order_relaxed) == static_cast<int>(device) ? &profiled() : nullptr;
+}
+
+bool profiling() { return g_profiled.load() >= 0; }
+
+void profile_begin(Device device) {
+  State& s = state();
+  std::lock_guard lock(s.mutex);
+  if (g_profiled.load() >= 0) fail("op profile: one is already open (profile_end closes it)");
+  const OpTable& own = table(device);  // fails with one line when the device's backend is not built in
+  drain(device);
+  s.device = device, s.inner = &own;
+  s.index.clear(), s.rows.clear();
+  s.begin = Clock::now();
+  g_profiled.store(static_cast<int>(device));
+}
+
+OpProfile profile_end() {
+  State& s = state();
+  if (g_profiled.load() < 0) fail("op profile: profile_end without profile_begin");
+  g_profiled.store(-1);  // later ops run untimed; the ones in flight finish on the device
+  OpProfile out;
+  out.device = s.device;
+  drain(s.device);
+  out.wall_seconds = std::chrono::duration<double>(Clock::now() - s.begin).count();
+  std::lock_guard lock(s.mutex);
+#ifdef FORGE_HAVE_CUDA
+  // Every event has completed (the device is drained). Read them all, then release them all, even on error.
+  std::vector<Pending> pending = std::move(s.pending);
+  s.pending.clear();
+  cudaError_t first_error = cudaSuccess;
+  for (const Pending& p : pending) {
+    float ms = 0;
+    const cudaError_t e = cudaEventElapsedTime(&ms, p.start, p.stop);
+    if (e == cudaSuccess) s.rows[p.row].seconds += ms / 1e3;
+    else if (first_error == cudaSuccess) first_error = e;
+    cudaEventDestroy(p.start);
+    cudaEventDestroy(p.stop);
+  }
+  if (first_error != cudaSuccess) cuda::fail_cuda(first_error, "cudaEventElapsedTime (op profile)", __FILE__, __LINE__);
+#endif
+  out.rows = std::move(s.rows);
+  s.rows.clear(), s.index.clear();
+  std::stable_sort(out.rows.begin(), out.rows.end(),
+                   [](const OpProfileRow& a, const OpProfileRow& b) { return a.seconds > b.seconds; });
+  for (const OpProfileRow& r : out.rows) out.op_seconds += r.seconds;
+  return out;
+}
+
+std::string format_profile(const OpProfile& profile, int steps, double min_share) {
+  if (steps <= 0) fail("format_profile: steps must be positive, got {}", steps);
+  const bool gpu = profile.device != Device::cpu;
+  // GPUs in TFLOP/s, CPUs in GFLOP/s: three significant digits either way.
+  const double flop_unit = gpu ? 1e12 : 1e9;
+  const double wall = profile.wall_seconds > 0 ? profile.wall_seconds : 1;
+  std::string out = fmt::format("op profile ({}, {} step{}): wall {:.2f} ms/step, ops {:.2f} ms/step ({:.1f}%)\n",
+                                device_name(profile.device), steps, steps == 1 ? "" : "s",
+                                1e3 * profile.wall_seconds / steps, 1e3 * profile.op_seconds / steps,
+                                100 * profile.op_seconds / wall);
+  out += fmt::format("  {:>9} {:>6} {:>6} {:>8} {:>7}  {:<30} {}\n", "ms/step", "share", "calls",
+                     gpu ? "TFLOP/s" : "GFLOP/s", "GB/s", "op", "detail");
+  auto rate = [](double amount, double seconds, double unit) {
+    return amount > 0 && seconds > 0 ? fmt::format("{:.1f}", amount / seconds / unit) : std::string("-");
+  };
+  int64_t rest_rows = 0, rest_calls = 0;
+  double rest_seconds = 0;
+  for (const OpProfileRow& r : profile.rows) {
+    if (r.seconds / wall < min_share) {
+      rest_rows += 1, rest_calls += r.calls, rest_seconds += r.seconds;
+      continue;
+    }
+    out += fmt::format("  {:>9.3f} {:>5.1f}% {:>6} {:>8} {:>7}  {:<30} {}\n", 1e3 * r.seconds / steps,
+                       100 * r.seconds / wall, r.calls / steps, rate(r.flops, r.seconds, flop_unit),
+                       rate(r.bytes, r.seconds, 1e9), r.op, r.detail);
+  }
+  if (rest_rows > 0)
+    out += fmt::format("  {:>9.3f} {:>5.1f}% {:>6} {:>8} {:>7}  {} smaller rows\n", 1e3 * rest_seconds / steps,
+                       100 * rest_seconds / wall, rest_calls / steps, "", "", rest_rows);
+  const double unattributed = std::max(0.0, profile.wall_seconds - profile.op_seconds);
+  out += fmt::format("  {:>9.3f} {:>5.1f}% {:>6} {:>8} {:>7}  unattributed: {}\n", 1e3 * unattributed / steps,
+                     100 * unattributed / wall, "", "", "",
+                     gpu ? "the device idle or in copies, memsets and collectives"
+                         : "host work outside the ops: copies, memsets, collectives, bookkeeping");
+  return out;
+}
+
+std::string profile_json(const OpProfile& profile, int steps) {
+  if (steps <= 0) fail("profile_json: steps must be positive, got {}", steps);
+  nlohmann::json rows = nlohmann::json::array();
+  for (const OpProfileRow& r : profile.rows)
+    rows.push_back({{"op", r.op},
+                    {"detail", r.detail},
+                    {"calls", r.calls / steps},
+                    {"seconds", r.seconds / steps},
+                    {"flops", r.flops / steps},
+                    {"bytes", r.bytes / steps}});
+  nlohmann::json j = {{"device", device_name(profile.device)},
+                      {"steps", steps},
+                      {"wall_seconds", profile.wall_seconds / steps},
+                      {"op_seconds", profile.op_seconds / steps},
+                      {"rows", std::move(rows)}};
+  return j.dump();
+}
+
+}  // namespace forge::ops
