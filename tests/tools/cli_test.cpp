@@ -134,3 +134,22 @@ TEST_F(Cli, BenchDeviceAndFp8Refusals) {
         "bench --model " + kDefaultModel + " --device cuda --steps 1",
         "no usable GPU");
 }
+
+// The GPU benchmark's command (bench/gpu/run_all.sh) on its whole GPU path, on the host: FORGE_EMULATE_DEVICE=1
+// runs --device cuda under the device emulation (kernels/emulated_device.h), where any host access to device
+// memory kills the process and host pointers handed to device ops are refused. FP8 current scaling, gradient
+// accumulation and the op profile, as the benchmark runs them.
+TEST_F(Cli, BenchGpuPathRunsUnderDeviceEmulation) {
+  const std::string model = write("tiny.json", R"({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 97})");
+  for (const char* fp8 : {"off", "current"}) {
+    const Outcome o = run_forge("bench --model " + model + " --device cuda --batch 2 --seq 32 --grad-accum 2 --steps 1 "
+                                "--warmup 1 --profile-steps 1 --fp8 " + fp8,
+                                {.environment = "FORGE_EMULATE_DEVICE=1 OMP_NUM_THREADS=1"});
+    EXPECT_EQ(o.status, 0) << o.output;
+    EXPECT_NE(o.output.find("cuda is emulated on the host"), std::string::npos) << o.output;
+    EXPECT_NE(o.output.find(std::string("on cuda: ")), std::string::npos) << o.output;
+    EXPECT_NE(o.output.find("\"profile\": {\"device\":\"cuda\""), std::string::npos) << o.output;
+    EXPECT_NE(o.output.find("op profile (cuda, 1 step)"), std::string::npos) << o.output;
+  }
+}

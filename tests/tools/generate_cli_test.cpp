@@ -124,6 +124,20 @@ TEST_F(GenerateCli, GreedyTextEqualsTheLibrarysAndReportsSpeeds) {
 
 // Sampling at a high temperature emits bytes >= 0x80, some of which form multi-byte characters: streaming
 // must print exactly what --no-stream prints, as valid UTF-8, and a seed must reproduce it.
+// --device cuda on the host under FORGE_EMULATE_DEVICE=1 (kernels/emulated_device.h: the CPU kernels, device
+// memory closed to host code): the GPU path (weights staged to the device, the KV cache there, logits copied
+// back) prints the CPU's text.
+TEST_F(GenerateCli, DevicePathUnderEmulationPrintsTheCpusText) {
+  RunOptions emulated = options();
+  emulated.environment += " FORGE_EMULATE_DEVICE=1";
+  const std::string args = "generate" + model("bytes") + " --prompt Hello --greedy --max-new-tokens 12 --dtype fp32";
+  const Outcome cpu = run(args), device = testing::cli::run_forge(args + " --device cuda", emulated);
+  ASSERT_EQ(cpu.status, 0) << cpu.err;
+  ASSERT_EQ(device.status, 0) << device.err;
+  EXPECT_NE(device.err.find("cuda is emulated on the host"), std::string::npos) << device.err;
+  EXPECT_EQ(device.output, cpu.output);
+}
+
 TEST_F(GenerateCli, StreamingPrintsWhatNoStreamPrintsAndSeedsReproduce) {
   const std::string prompt = "na\xC3\xAFve \xE2\x9C\x93";  // "naïve ✓"
   const std::string args = "generate" + model("bytes") + " --prompt '" + prompt +

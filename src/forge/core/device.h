@@ -33,6 +33,10 @@ struct DeviceMemory {
 
 // The device's memory interface; fails with one line when its backend is not built into this binary.
 const DeviceMemory& device_memory(Device device);
+// Replaces the memory interface of a (non-host) device, null to restore its backend's: how the device
+// emulation of kernels/emulated_device.h runs a device's code paths on a machine without one. The device is
+// then usable. Not thread-safe with respect to running work: install before, remove after.
+void override_device_memory(Device device, const DeviceMemory* memory);
 // Whether the device's backend is built in and a device is usable (false for the CPU: it needs no backend).
 bool device_usable(Device device);
 const char* device_name(Device device);

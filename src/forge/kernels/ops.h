@@ -365,8 +365,12 @@ struct OpTable {
 const OpTable& cpu_table();
 // The CUDA backend's table (kernels/cuda; built with FORGE_CUDA). Its ops take device pointers.
 const OpTable& cuda_table();
-// The table of a device; fails with one line when that backend is not built into this binary.
+// The table of a device; fails with one line when that backend is not built into this binary. An open op
+// profile (profiler.h) or an override comes first.
 const OpTable& table(Device device);
+// Replaces a (non-host) device's table, null to restore its backend's (the device emulation of
+// kernels/emulated_device.h). Install before running work, remove after.
+void override_table(Device device, const OpTable* table);
 
 inline void gemm(const GemmParams& p, Device d = Device::cpu) { table(d).gemm(p); }
 inline void fp8_gemm(const Fp8GemmParams& p, Device d = Device::cpu) { table(d).fp8_gemm(p); }

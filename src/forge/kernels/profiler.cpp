@@ -103,6 +103,7 @@ struct State {
   std::mutex mutex;
   Device device = Device::cpu;
   const OpTable* inner = nullptr;  // the device's own table
+  bool events = false;             // time on the CUDA stream (the CUDA backend's table; not an emulation)
   Clock::time_point begin;
   std::map<Key, size_t, KeyLess> index;
   std::vector<OpProfileRow> rows;
@@ -147,7 +148,7 @@ auto timed(const char* op, CostFn&& cost_of, Call&& call) {
     s.rows[row].calls += 1, s.rows[row].flops += c.flops, s.rows[row].bytes += c.bytes;
   }
 #ifdef FORGE_HAVE_CUDA
-  if (s.device == Device::cuda) {
+  if (s.events) {
     Pending p{row, nullptr, nullptr};
     FORGE_CUDA_CHECK(cudaEventCreate(&p.start));
     if (const cudaError_t e = cudaEventCreate(&p.stop); e != cudaSuccess) {
@@ -332,6 +333,9 @@ void profile_begin(Device device) {
   const OpTable& own = table(device);  // fails with one line when the device's backend is not built in
   drain(device);
   s.device = device, s.inner = &own;
+#ifdef FORGE_HAVE_CUDA
+  s.events = &own == &cuda_table();
+#endif
   s.index.clear(), s.rows.clear();
   s.begin = Clock::now();
   g_profiled.store(static_cast<int>(device));

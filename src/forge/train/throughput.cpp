@@ -8,10 +8,6 @@
 #include "forge/models/llama.h"
 #include "forge/optim/adamw.h"
 
-#ifdef FORGE_HAVE_CUDA
-#include "forge/kernels/cuda/device_allocator.h"
-#endif
-
 namespace forge {
 
 ThroughputResult measure_training_throughput(const LlamaConfig& config, nn::ComputeOptions options, int64_t batch,
@@ -24,9 +20,7 @@ ThroughputResult measure_training_throughput(const LlamaConfig& config, nn::Comp
   if (!device_usable(options.device)) fail("bench: no usable {} device", device_name(options.device));
   std::optional<nn::Fp8Context> fp8_context;
   if (fp8) options.fp8 = &fp8_context.emplace(*fp8);
-#ifdef FORGE_HAVE_CUDA
-  if (options.device == Device::cuda) cuda::reset_peak_allocated();
-#endif
+  if (options.device != Device::cpu) device_memory(options.device).reset_peak();
   ThroughputResult r;
   {
     LlamaModel model(config, options);
@@ -82,10 +76,8 @@ ThroughputResult measure_training_throughput(const LlamaConfig& config, nn::Comp
   }
   r.tokens_per_s = static_cast<double>(batch * grad_accum * seq) / r.seconds_per_step;
   r.model_gflops = r.tokens_per_s * config.flops_per_token(seq) / 1e9;
-#ifdef FORGE_HAVE_CUDA
-  if (options.device == Device::cuda)
-    r.peak_device_gib = static_cast<double>(cuda::allocator_stats().peak_allocated_bytes) / (1 << 30);
-#endif
+  if (options.device != Device::cpu)
+    r.peak_device_gib = static_cast<double>(device_memory(options.device).peak_allocated()) / (1 << 30);
   return r;
 }
 

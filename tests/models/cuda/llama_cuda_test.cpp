@@ -9,7 +9,8 @@
 //     at worst, and the gradients as a scale-free dissimilarity of ~(2^-9)^2 = 4e-6 (bound 1e-4);
 //   - FP8 recipes round activations to 3 (E4M3) or 2 (E5M2) mantissa bits; a GEMM-order difference flips a
 //     few codes by one FP8 step, so FP8 losses agree to 1e-2 relative.
-// Skipped without a usable GPU, except the error-path case at the end, which runs everywhere.
+// Each case runs on the GPU (skipped without one) and under the device emulation (device_backends.h: the CPU
+// kernels, device memory closed to the host), except the error-path case at the end, which runs everywhere.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -25,6 +26,7 @@
 #include "forge/models/llama.h"
 #include "forge/nn/fp8_context.h"
 #include "forge/optim/adamw.h"
+#include "device_backends.h"
 
 namespace forge {
 namespace {
@@ -107,32 +109,27 @@ void expect_close_runs(const TrainRun& gpu, const TrainRun& cpu, double loss_rel
   EXPECT_LT(dissimilarity(gpu.final_params, cpu.final_params), grad_dissimilarity) << what << ": parameters";
 }
 
-class LlamaCuda : public testing::Test {
- protected:
-  void SetUp() override {
-    if (!cuda::available()) GTEST_SKIP() << "no usable GPU";
-  }
-};
+class LlamaCuda : public DeviceBackendTest {};
 
-TEST_F(LlamaCuda, Bf16TrainingMatchesCpu) {
+TEST_P(LlamaCuda, Bf16TrainingMatchesCpu) {
   const TrainRun gpu = train(Device::cuda, DType::bf16, std::nullopt, 3), cpu = train(Device::cpu, DType::bf16, std::nullopt, 3);
   EXPECT_NEAR(cpu.losses[0], std::log(1000.0), 0.5);  // a fresh model: about uniform
   expect_close_runs(gpu, cpu, 2e-3, 1e-4, "bf16");
 }
 
-TEST_F(LlamaCuda, Fp32TrainingMatchesCpu) {
+TEST_P(LlamaCuda, Fp32TrainingMatchesCpu) {
   const TrainRun gpu = train(Device::cuda, DType::f32, std::nullopt, 2), cpu = train(Device::cpu, DType::f32, std::nullopt, 2);
   expect_close_runs(gpu, cpu, 2e-3, 1e-4, "fp32");
 }
 
-TEST_F(LlamaCuda, TrainingIsBitwiseRepeatable) {
+TEST_P(LlamaCuda, TrainingIsBitwiseRepeatable) {
   const TrainRun a = train(Device::cuda, DType::bf16, std::nullopt, 2), b = train(Device::cuda, DType::bf16, std::nullopt, 2);
   EXPECT_EQ(a.losses, b.losses);
   EXPECT_EQ(a.first_grads, b.first_grads);
   EXPECT_EQ(a.final_params, b.final_params);
 }
 
-TEST_F(LlamaCuda, Fp8RecipesMatchCpu) {
+TEST_P(LlamaCuda, Fp8RecipesMatchCpu) {
   for (const char* recipe : {"delayed", "current", "block"}) {
     nn::Fp8Options o;
     o.recipe.recipe = fp8::recipe_from_name(recipe);
@@ -142,7 +139,7 @@ TEST_F(LlamaCuda, Fp8RecipesMatchCpu) {
   }
 }
 
-TEST_F(LlamaCuda, LogitsComeBackToTheHost) {
+TEST_P(LlamaCuda, LogitsComeBackToTheHost) {
   const LlamaConfig config = tiny_config();
   nn::ComputeOptions options{DType::bf16, nn::Recompute::none};
   options.device = Device::cuda;
@@ -160,7 +157,7 @@ TEST_F(LlamaCuda, LogitsComeBackToTheHost) {
 
 // Inference through the KV cache on the GPU (cache appends, the tiled attention for the prompt, the decoding
 // kernels for single tokens) against the CPU: a prompt of 20 tokens, then 5 tokens one at a time.
-TEST_F(LlamaCuda, CachedInferenceMatchesCpu) {
+TEST_P(LlamaCuda, CachedInferenceMatchesCpu) {
   const LlamaConfig config = tiny_config();
   nn::ComputeOptions options{DType::bf16, nn::Recompute::none};
   options.device = Device::cuda;
@@ -182,6 +179,8 @@ TEST_F(LlamaCuda, CachedInferenceMatchesCpu) {
   }
   EXPECT_EQ(gpu_cache.length(), 25);
 }
+
+FORGE_INSTANTIATE_DEVICE_BACKENDS(LlamaCuda);
 
 // Runs everywhere: without a GPU, a CUDA model is refused with one line, not a crash.
 TEST(LlamaCudaErrors, NoGpuIsOneClearError) {

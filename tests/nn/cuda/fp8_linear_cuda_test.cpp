@@ -10,7 +10,8 @@
 //   - inputs saved in fp32 and cast again in backward give the bits of inputs saved in FP8 on the GPU too
 //   (the
 //     re-cast reads the forward's amax from device memory).
-// Skipped without a GPU with FP8 tensor cores.
+// Each case runs on a GPU with FP8 tensor cores (skipped without one) and under the device emulation
+// (device_backends.h: the CPU kernels, device memory closed to the host).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -24,6 +25,7 @@
 #include "forge/kernels/cuda/runtime.h"
 #include "forge/nn/fp8_context.h"
 #include "forge/nn/linear.h"
+#include "device_backends.h"
 
 namespace forge::nn {
 namespace {
@@ -112,11 +114,12 @@ void expect_bitwise(const std::vector<T>& gpu, const std::vector<T>& cpu, const 
                      << ": gpu " << double(gpu[first]) << ", cpu " << double(cpu[first]);
 }
 
-class Fp8LinearCuda : public ::testing::Test {
+class Fp8LinearCuda : public DeviceBackendTest {
  protected:
   void SetUp() override {
-    if (!cuda::available()) GTEST_SKIP() << cuda::describe_device();
-    if (cuda::compute_capability() < 89) GTEST_SKIP() << "no FP8 tensor cores: " << cuda::describe_device();
+    DeviceBackendTest::SetUp();
+    if (!IsSkipped() && !emulated() && cuda::compute_capability() < 89)
+      GTEST_SKIP() << "no FP8 tensor cores: " << cuda::describe_device();
   }
 };
 
@@ -129,7 +132,7 @@ Fp8Options current(int margin, bool save_fp8_inputs) {
   return o;
 }
 
-TEST_F(Fp8LinearCuda, CurrentScalingMatchesCpu) {
+TEST_P(Fp8LinearCuda, CurrentScalingMatchesCpu) {
   for (int margin : {0, 2}) {
     const std::string what = "margin " + std::to_string(margin);
     const LinearRun gpu = run_linear(Device::cuda, current(margin, true));
@@ -148,13 +151,15 @@ TEST_F(Fp8LinearCuda, CurrentScalingMatchesCpu) {
   }
 }
 
-TEST_F(Fp8LinearCuda, InputsRecastInBackwardGiveTheSameBits) {
+TEST_P(Fp8LinearCuda, InputsRecastInBackwardGiveTheSameBits) {
   const LinearRun saved_fp8 = run_linear(Device::cuda, current(1, true));
   const LinearRun saved_fp32 = run_linear(Device::cuda, current(1, false));
   expect_bitwise(saved_fp32.x_scales, saved_fp8.x_scales, "x scales");
   expect_bitwise(saved_fp32.dw, saved_fp8.dw, "dW");
   expect_bitwise(saved_fp32.y, saved_fp8.y, "y");
 }
+
+FORGE_INSTANTIATE_DEVICE_BACKENDS(Fp8LinearCuda);
 
 }  // namespace
 }  // namespace forge::nn

@@ -2,14 +2,15 @@
 // resumed (also under ZeRO-1): the toy run of toy_run.h (2 layers of hidden 32, head_dim 8, byte vocabulary). The GPU's attention
 // rounds its tensor-core operands to bf16, which moves each loss by ~1e-3 relative at most (see
 // tests/models/cuda/llama_cuda_test.cpp); the GPU kernels are deterministic, so a resumed GPU run repeats the
-// uninterrupted one bit for bit. Skipped without a usable GPU.
+// uninterrupted one bit for bit. Each case runs on the GPU (skipped without one) and under the device emulation
+// (device_backends.h), where the "device" runs the CPU kernels and faults on host access to its memory.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <filesystem>
 
 #include "forge/ckpt/checkpoint.h"
-#include "forge/kernels/cuda/runtime.h"
+#include "device_backends.h"
 #include "forge/train/trainer.h"
 #include "train/toy_run.h"
 
@@ -18,15 +19,17 @@ namespace {
 
 namespace fs = std::filesystem;
 
-class TrainerCuda : public ::testing::Test {
+class TrainerCuda : public DeviceBackendTest {
  protected:
   void SetUp() override {
-    if (!cuda::available()) GTEST_SKIP() << "no usable GPU";
+    DeviceBackendTest::SetUp();
+    if (IsSkipped()) return;
     dir_ = toy::fresh_test_dir("forge_trainer_cuda_test");
     toy::write_toy_run_inputs(dir_);
   }
   void TearDown() override {
     if (!dir_.empty()) fs::remove_all(dir_);
+    DeviceBackendTest::TearDown();
   }
   TrainConfig config(const std::string& run, const char* device) const {
     TrainConfig c = toy::toy_run_config(dir_, run);
@@ -37,7 +40,7 @@ class TrainerCuda : public ::testing::Test {
   fs::path dir_;
 };
 
-TEST_F(TrainerCuda, FollowsTheCpuRunAndSamples) {
+TEST_P(TrainerCuda, FollowsTheCpuRunAndSamples) {
   TrainConfig gpu = config("gpu", "cuda"), cpu = config("cpu", "cpu");
   gpu.sample.tokens = cpu.sample.tokens = 8;
   const TrainResult g = Trainer(gpu).run(), c = Trainer(cpu).run();
@@ -48,7 +51,7 @@ TEST_F(TrainerCuda, FollowsTheCpuRunAndSamples) {
   EXPECT_EQ(g.sample.size(), c.sample.size());  // generated on the GPU, through its KV cache
 }
 
-TEST_F(TrainerCuda, ResumedRunRepeatsTheLossesBitwise) {
+TEST_P(TrainerCuda, ResumedRunRepeatsTheLossesBitwise) {
   const TrainResult full = Trainer(config("straight", "cuda")).run();
   TrainConfig split = config("split", "cuda");
   Trainer first(split);
@@ -67,7 +70,7 @@ TEST_F(TrainerCuda, ResumedRunRepeatsTheLossesBitwise) {
 // ZeRO-1 on one GPU: the optimizer's sharded path (device shards, bf16 refresh per bucket, checkpoint staging
 // of the sharded state) with one owner of everything updates exactly as the replicated optimizer, and an
 // interrupted sharded run resumes onto the same losses.
-TEST_F(TrainerCuda, ShardedOptimizerOnOneGpuIsThePlainOneAndResumes) {
+TEST_P(TrainerCuda, ShardedOptimizerOnOneGpuIsThePlainOneAndResumes) {
   const TrainResult plain = Trainer(config("plain", "cuda")).run();
   TrainConfig zero = config("zero", "cuda");
   zero.parallel.distributed_optimizer = true;
@@ -89,6 +92,8 @@ TEST_F(TrainerCuda, ShardedOptimizerOnOneGpuIsThePlainOneAndResumes) {
   for (size_t i = 0; i < 3; ++i) EXPECT_EQ(b.losses[i], plain.losses[3 + i]) << "step " << 3 + i;
   EXPECT_EQ(b.heldout_loss, plain.heldout_loss);
 }
+
+FORGE_INSTANTIATE_DEVICE_BACKENDS(TrainerCuda);
 
 }  // namespace
 }  // namespace forge

@@ -1,0 +1,333 @@
+#include "forge/kernels/emulated_device.h"
+
+#include <execinfo.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <mutex>
+
+#include "forge/core/device.h"
+#include "forge/core/error.h"
+#include "forge/kernels/ops.h"
+
+namespace forge {
+namespace {
+
+struct Allocation {
+  size_t bytes = 0;   // asked for
+  size_t mapped = 0;  // whole pages
+};
+
+struct State {
+  std::recursive_mutex mutex;
+  std::map<uintptr_t, Allocation> allocations;  // by base address
+  int open = 0;                                 // nested windows (an op inside which a copy runs, ...)
+  int64_t live_bytes = 0, peak_bytes = 0, ops = 0;
+  struct sigaction previous_segv{}, previous_bus{};
+};
+
+State* g_state = nullptr;
+std::atomic<bool> g_active{false};
+
+size_t page_size() {
+  static const size_t size = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  return size;
+}
+
+void protect_all(State& s, int prot) {
+  for (const auto& [base, a] : s.allocations)
+    if (::mprotect(reinterpret_cast<void*>(base), a.mapped, prot) != 0)
+      fail("device emulation: mprotect failed: {}", std::strerror(errno));
+}
+
+// Device memory is open to the host while one of these lives (an op, a copy, a memset).
+class Window {
+ public:
+  Window() : lock_(g_state->mutex) {
+    if (g_state->open++ == 0) protect_all(*g_state, PROT_READ | PROT_WRITE);
+  }
+  ~Window() {
+    if (--g_state->open == 0) {
+      try {
+        protect_all(*g_state, PROT_NONE);
+      } catch (const Error& e) {
+        std::fprintf(stderr, "%s\n", e.what());
+        std::abort();
+      }
+    }
+  }
+
+ private:
+  std::lock_guard<std::recursive_mutex> lock_;
+};
+
+// The allocation holding `address`, or null.
+const Allocation* find(State& s, uintptr_t address, uintptr_t* base_out = nullptr) {
+  auto it = s.allocations.upper_bound(address);
+  if (it == s.allocations.begin()) return nullptr;
+  --it;
+  if (address >= it->first + it->second.mapped) return nullptr;
+  if (base_out) *base_out = it->first;
+  return &it->second;
+}
+
+// Every pointer handed to a device op must be null or device memory.
+void check(const void* p, const char* op, const char* field) {
+  if (p == nullptr) return;
+  std::lock_guard lock(g_state->mutex);
+  if (!find(*g_state, reinterpret_cast<uintptr_t>(p)))
+    fail("{} on the emulated device: {} = {} is not device memory (a host pointer handed to a device op)", op,
+         field, p);
+}
+
+#define FORGE_CHECK_FIELD(op, params, field) check((params).field, op, #field)
+
+void check_args(const char* op, const ops::GemmParams& p) {
+  FORGE_CHECK_FIELD(op, p, a), FORGE_CHECK_FIELD(op, p, b), FORGE_CHECK_FIELD(op, p, c);
+}
+void check_args(const char* op, const ops::Fp8GemmParams& p) {
+  FORGE_CHECK_FIELD(op, p, a), FORGE_CHECK_FIELD(op, p, b), FORGE_CHECK_FIELD(op, p, c);
+  FORGE_CHECK_FIELD(op, p, a_scale_inv_ptr), FORGE_CHECK_FIELD(op, p, b_scale_inv_ptr);
+  FORGE_CHECK_FIELD(op, p, a_scales), FORGE_CHECK_FIELD(op, p, b_scales);
+}
+void check_args(const char* op, const ops::RmsNormParams& p) {
+  FORGE_CHECK_FIELD(op, p, x), FORGE_CHECK_FIELD(op, p, weight), FORGE_CHECK_FIELD(op, p, y);
+  FORGE_CHECK_FIELD(op, p, rstd), FORGE_CHECK_FIELD(op, p, dy), FORGE_CHECK_FIELD(op, p, dx);
+  FORGE_CHECK_FIELD(op, p, dweight);
+}
+void check_args(const char* op, const ops::RopeParams& p) {
+  FORGE_CHECK_FIELD(op, p, x), FORGE_CHECK_FIELD(op, p, cos), FORGE_CHECK_FIELD(op, p, sin);
+}
+void check_args(const char* op, const ops::SwigluParams& p) {
+  FORGE_CHECK_FIELD(op, p, gate_up), FORGE_CHECK_FIELD(op, p, out), FORGE_CHECK_FIELD(op, p, dout);
+  FORGE_CHECK_FIELD(op, p, dgate_up);
+}
+void check_args(const char* op, const ops::AttentionParams& p) {
+  FORGE_CHECK_FIELD(op, p, q), FORGE_CHECK_FIELD(op, p, k), FORGE_CHECK_FIELD(op, p, v);
+  FORGE_CHECK_FIELD(op, p, out), FORGE_CHECK_FIELD(op, p, lse), FORGE_CHECK_FIELD(op, p, dout);
+  FORGE_CHECK_FIELD(op, p, dq), FORGE_CHECK_FIELD(op, p, dk), FORGE_CHECK_FIELD(op, p, dv);
+}
+void check_args(const char* op, const ops::EmbeddingParams& p) {
+  FORGE_CHECK_FIELD(op, p, ids), FORGE_CHECK_FIELD(op, p, weight), FORGE_CHECK_FIELD(op, p, out);
+  FORGE_CHECK_FIELD(op, p, dout), FORGE_CHECK_FIELD(op, p, dweight);
+}
+void check_args(const char* op, const ops::LinearCrossEntropyParams& p) {
+  FORGE_CHECK_FIELD(op, p, hidden_gemm), FORGE_CHECK_FIELD(op, p, weight_gemm), FORGE_CHECK_FIELD(op, p, targets);
+  FORGE_CHECK_FIELD(op, p, lse), FORGE_CHECK_FIELD(op, p, loss), FORGE_CHECK_FIELD(op, p, dhidden);
+  FORGE_CHECK_FIELD(op, p, dweight), FORGE_CHECK_FIELD(op, p, workspace), FORGE_CHECK_FIELD(op, p, target_logit);
+}
+void check_args(const char* op, const ops::AdamWParams& p) {
+  FORGE_CHECK_FIELD(op, p, param), FORGE_CHECK_FIELD(op, p, grad), FORGE_CHECK_FIELD(op, p, exp_avg);
+  FORGE_CHECK_FIELD(op, p, exp_avg_sq), FORGE_CHECK_FIELD(op, p, param_bf16);
+}
+void check_args(const char* op, const ops::Fp8CastParams& p) {
+  FORGE_CHECK_FIELD(op, p, x), FORGE_CHECK_FIELD(op, p, amax_accumulate), FORGE_CHECK_FIELD(op, p, amax_in);
+  FORGE_CHECK_FIELD(op, p, scale_out), FORGE_CHECK_FIELD(op, p, scale_inv_out), FORGE_CHECK_FIELD(op, p, q);
+  FORGE_CHECK_FIELD(op, p, q_t), FORGE_CHECK_FIELD(op, p, scale_inv), FORGE_CHECK_FIELD(op, p, scale_inv_t);
+}
+void check_args(const char* op, const ops::KvAppendParams& p) {
+  FORGE_CHECK_FIELD(op, p, qkv), FORGE_CHECK_FIELD(op, p, keys), FORGE_CHECK_FIELD(op, p, values);
+}
+#undef FORGE_CHECK_FIELD
+
+// The loose arguments of the element-wise ops: every pointer is device memory, sizes and scalars pass.
+template <typename T>
+void check_arg(const char* op, int index, T* p) {
+  static const char* const kNames[] = {"argument 1", "argument 2", "argument 3", "argument 4"};
+  check(p, op, kNames[index]);
+}
+template <typename T>
+void check_arg(const char*, int, const T&) {}
+
+template <typename... A>
+void check_args(const char* op, A... args) {
+  int index = 0;
+  (check_arg(op, index++, args), ...);
+}
+
+// One op of the emulated table: its pointers checked, then the CPU kernel with device memory open.
+template <auto Member, typename... A>
+auto guarded(const char* op, const A&... args) {
+  check_args(op, args...);
+  ++g_state->ops;
+  Window window;
+  return (ops::cpu_table().*Member)(args...);
+}
+
+const ops::OpTable& emulated_table() {
+  using T = ops::OpTable;
+  static const ops::OpTable table = {
+      "emulated cuda",
+      [](const ops::GemmParams& p) { guarded<&T::gemm>("gemm", p); },
+      [](const ops::Fp8GemmParams& p) { guarded<&T::fp8_gemm>("fp8_gemm", p); },
+      [](const ops::RmsNormParams& p) { guarded<&T::rmsnorm_forward>("rmsnorm_forward", p); },
+      [](const ops::RmsNormParams& p) { guarded<&T::rmsnorm_backward_input>("rmsnorm_backward_input", p); },
+      [](const ops::RmsNormParams& p) { guarded<&T::rmsnorm_backward_weight>("rmsnorm_backward_weight", p); },
+      [](const ops::RopeParams& p) { guarded<&T::rope>("rope", p); },
+      [](const ops::SwigluParams& p) { guarded<&T::swiglu_forward>("swiglu_forward", p); },
+      [](const ops::SwigluParams& p) { guarded<&T::swiglu_backward>("swiglu_backward", p); },
+      [](const ops::AttentionParams& p) { guarded<&T::attention_forward>("attention_forward", p); },
+      [](const ops::AttentionParams& p) { guarded<&T::attention_backward>("attention_backward", p); },
+      [](const ops::EmbeddingParams& p) { guarded<&T::embedding_forward>("embedding_forward", p); },
+      [](const ops::EmbeddingParams& p) { guarded<&T::embedding_backward_weight>("embedding_backward_weight", p); },
+      [](const ops::LinearCrossEntropyParams& p) {
+        guarded<&T::linear_cross_entropy_forward>("linear_cross_entropy_forward", p);
+      },
+      [](const ops::LinearCrossEntropyParams& p) {
+        guarded<&T::linear_cross_entropy_backward>("linear_cross_entropy_backward", p);
+      },
+      [](const ops::AdamWParams& p) { guarded<&T::adamw>("adamw", p); },
+      [](float* y, const float* x, int64_t n) { guarded<&T::add_inplace>("add_inplace", y, x, n); },
+      [](const float* x, int64_t n) { return guarded<&T::sum_squares>("sum_squares", x, n); },
+      [](const float* x, int64_t n, double* total) {
+        guarded<&T::sum_squares_accumulate>("sum_squares_accumulate", x, n, total);
+      },
+      [](float* x, float s, int64_t n) { guarded<&T::scale_inplace>("scale_inplace", x, s, n); },
+      [](const float* x, uint16_t* y, int64_t n) { guarded<&T::convert_to_bf16>("convert_to_bf16", x, y, n); },
+      [](const uint16_t* x, float* y, int64_t n) { guarded<&T::convert_to_f32>("convert_to_f32", x, y, n); },
+      [](const float* x, int64_t n) { return guarded<&T::amax>("amax", x, n); },
+      [](const float* x, int64_t n, float* out) { guarded<&T::amax_to>("amax_to", x, n, out); },
+      [](const ops::Fp8CastParams& p) { return guarded<&T::fp8_cast_transpose>("fp8_cast_transpose", p); },
+      [](const ops::Fp8CastParams& p) { guarded<&T::fp8_quantize_1x128>("fp8_quantize_1x128", p); },
+      [](const ops::Fp8CastParams& p) { guarded<&T::fp8_quantize_128x128>("fp8_quantize_128x128", p); },
+      [](const ops::KvAppendParams& p) { guarded<&T::kv_append>("kv_append", p); },
+  };
+  return table;
+}
+
+// The emulated memory interface.
+void* emulated_alloc(size_t bytes) {
+  const size_t mapped = (std::max<size_t>(bytes, 1) + page_size() - 1) / page_size() * page_size();
+  void* p = ::mmap(nullptr, mapped, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) fail("device emulation: cannot map {} bytes: {}", bytes, std::strerror(errno));
+  std::lock_guard lock(g_state->mutex);
+  // Inside an open window the new allocation opens too (an op's output allocated by a copy in progress).
+  if (g_state->open > 0) ::mprotect(p, mapped, PROT_READ | PROT_WRITE);
+  g_state->allocations[reinterpret_cast<uintptr_t>(p)] = Allocation{bytes, mapped};
+  g_state->live_bytes += static_cast<int64_t>(bytes);
+  g_state->peak_bytes = std::max(g_state->peak_bytes, g_state->live_bytes);
+  return p;
+}
+
+void emulated_free(void* p) {
+  if (!p) return;
+  std::lock_guard lock(g_state->mutex);
+  auto it = g_state->allocations.find(reinterpret_cast<uintptr_t>(p));
+  FORGE_CHECK(it != g_state->allocations.end(), "device emulation: free of {}, which is no allocation's base", p);
+  ::munmap(p, it->second.mapped);
+  g_state->live_bytes -= static_cast<int64_t>(it->second.bytes);
+  g_state->allocations.erase(it);
+}
+
+void emulated_zero(void* p, size_t bytes) {
+  check(p, "device memset", "destination");
+  Window window;
+  std::memset(p, 0, bytes);
+}
+
+void emulated_copy(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes) {
+  if (dst_device != Device::cpu) check(dst, "device copy", "destination");
+  if (src_device != Device::cpu) check(src, "device copy", "source");
+  Window window;
+  std::memmove(dst, src, bytes);
+}
+
+const DeviceMemory& emulated_memory() {
+  static const DeviceMemory memory{
+      "cuda",
+      emulated_alloc,
+      emulated_free,
+      emulated_zero,
+      emulated_copy,
+      [] {},
+      [] { return 1; },
+      [](int ordinal) {
+        if (ordinal != 0) fail("device emulation: one device (ordinal 0), asked for {}", ordinal);
+      },
+      [] { return static_cast<void*>(nullptr); },
+      [] {
+        std::lock_guard lock(g_state->mutex);
+        return g_state->peak_bytes;
+      },
+      [] {
+        std::lock_guard lock(g_state->mutex);
+        g_state->peak_bytes = g_state->live_bytes;
+      },
+  };
+  return memory;
+}
+
+// A host access to device memory faults here: name it, show where it came from, then die as the fault would.
+void on_fault(int signal, siginfo_t* info, void* context) {
+  const auto address = reinterpret_cast<uintptr_t>(info->si_addr);
+  uintptr_t base = 0;
+  const Allocation* a = g_state ? find(*g_state, address, &base) : nullptr;
+  if (a) {
+    char line[256];
+    const int n = std::snprintf(line, sizeof line,
+                                "device emulation: host code touched device memory at %p (byte %zu of an "
+                                "allocation of %zu bytes at %p) outside a device op or copy; backtrace:\n",
+                                info->si_addr, static_cast<size_t>(address - base), a->bytes,
+                                reinterpret_cast<void*>(base));
+    if (n > 0) (void)!::write(STDERR_FILENO, line, static_cast<size_t>(n));
+    void* frames[48];
+    ::backtrace_symbols_fd(frames, ::backtrace(frames, 48), STDERR_FILENO);
+  }
+  // Hand the fault to whoever handled it before (the default: end the process with the signal).
+  const struct sigaction& previous = signal == SIGSEGV ? g_state->previous_segv : g_state->previous_bus;
+  if (previous.sa_flags & SA_SIGINFO) {
+    if (previous.sa_sigaction) return previous.sa_sigaction(signal, info, context);
+  } else if (previous.sa_handler != SIG_DFL && previous.sa_handler != SIG_IGN && previous.sa_handler) {
+    return previous.sa_handler(signal);
+  }
+  ::signal(signal, SIG_DFL);
+  ::raise(signal);
+}
+
+}  // namespace
+
+EmulatedDevice::EmulatedDevice() {
+  if (g_active.exchange(true)) fail("device emulation: one is already active");
+  g_state = new State();
+  struct sigaction action{};
+  action.sa_sigaction = on_fault;
+  action.sa_flags = SA_SIGINFO;
+  sigemptyset(&action.sa_mask);
+  ::sigaction(SIGSEGV, &action, &g_state->previous_segv);
+  ::sigaction(SIGBUS, &action, &g_state->previous_bus);
+  override_device_memory(Device::cuda, &emulated_memory());
+  ops::override_table(Device::cuda, &emulated_table());
+}
+
+EmulatedDevice::~EmulatedDevice() {
+  ops::override_table(Device::cuda, nullptr);
+  override_device_memory(Device::cuda, nullptr);
+  ::sigaction(SIGSEGV, &g_state->previous_segv, nullptr);
+  ::sigaction(SIGBUS, &g_state->previous_bus, nullptr);
+  if (!g_state->allocations.empty()) {
+    // Tensors that outlive the emulation will hand their pointers to the real backend, which never made them:
+    // a misuse of this test tool. Say so; keep the mappings.
+    std::fprintf(stderr, "device emulation: %zu device allocations outlive it (leaked)\n",
+                 g_state->allocations.size());
+  } else {
+    delete g_state;
+  }
+  g_state = nullptr;
+  g_active.store(false);
+}
+
+int64_t EmulatedDevice::live_allocations() {
+  if (!g_state) return 0;
+  std::lock_guard lock(g_state->mutex);
+  return static_cast<int64_t>(g_state->allocations.size());
+}
+
+int64_t EmulatedDevice::ops_run() { return g_state ? g_state->ops : 0; }
+
+}  // namespace forge

@@ -1,0 +1,35 @@
+// A GPU's memory discipline on the host, for running forge's device code paths on machines without one.
+//
+// While an EmulatedDevice lives, Device::cuda is "usable": its memory interface and op table are replaced by
+// host implementations (the CPU kernels) under two rules a real GPU enforces and a host happily ignores:
+//   - device memory is host pages mapped PROT_NONE, opened (read/write) only while an op, a device copy or a
+//     device memset runs; any other host access (reading a loss straight from device memory, writing ids into
+//     a device buffer, touching a freed allocation) faults at once, and the fault handler names the address and
+//     the allocation and prints a backtrace before the process dies;
+//   - every pointer an op is handed must be null or lie inside live device memory; a host pointer passed to a
+//     device op fails with one line naming the op and the field.
+// So the trainer, checkpoints, generation, FP8 recipes and the optimizer run their GPU paths (staging copies,
+// device scalars, device-side scales) in CI, where no GPU is lent. It says nothing about the CUDA kernels
+// themselves, streams or NCCL: those need the GPU tests (ctest -L cuda).
+//
+// One emulation at a time, single-process layouts only (the NCCL communicators of tp/dp > 1 need a GPU). Not
+// for production: every op opens and closes every live allocation (two mprotect calls each).
+#pragma once
+
+#include <cstdint>
+
+namespace forge {
+
+class EmulatedDevice {
+ public:
+  EmulatedDevice();  // fails with one line when another emulation is active
+  ~EmulatedDevice();  // restores the backend's interface and table; live allocations are released
+  EmulatedDevice(const EmulatedDevice&) = delete;
+  EmulatedDevice& operator=(const EmulatedDevice&) = delete;
+
+  // Device allocations alive now, and ops run since construction (for tests of the emulation itself).
+  static int64_t live_allocations();
+  static int64_t ops_run();
+};
+
+}  // namespace forge

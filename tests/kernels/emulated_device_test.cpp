@@ -1,0 +1,113 @@
+// The device emulation (kernels/emulated_device.h): while it lives Device::cuda is usable and runs the CPU kernels
+// on memory the host cannot touch outside ops and copies. A host read of device memory or a freed allocation
+// dies naming the address; a host pointer (or a freed one) handed to a device op is one line naming the op and the field.
+#include "forge/kernels/emulated_device.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "forge/core/device.h"
+#include "forge/core/error.h"
+#include "forge/core/tensor.h"
+#include "forge/kernels/ops.h"
+#include "op_harness.h"
+
+namespace forge {
+namespace {
+
+Tensor device_copy(const std::vector<float>& host) {
+  Tensor t = Tensor::empty({static_cast<int64_t>(host.size())}, DType::f32, Device::cuda);
+  device_memory(Device::cuda).copy(t.raw(), Device::cuda, host.data(), Device::cpu, host.size() * sizeof(float));
+  return t;
+}
+
+std::vector<float> host_copy(const Tensor& t) {
+  std::vector<float> host(static_cast<size_t>(t.numel()));
+  device_memory(Device::cuda).copy(host.data(), Device::cpu, t.raw(), Device::cuda, host.size() * sizeof(float));
+  return host;
+}
+
+TEST(EmulatedDevice, RunsTheCpuKernelsOnDeviceTensors) {
+  const bool usable_before = device_usable(Device::cuda);
+  {
+    EmulatedDevice emulation;
+    EXPECT_TRUE(device_usable(Device::cuda));
+    const auto x = testing::random_floats(1000, 1), y = testing::random_floats(1000, 2);
+    {
+      Tensor dx = device_copy(x), dy = device_copy(y);
+      EXPECT_EQ(EmulatedDevice::live_allocations(), 2);
+      ops::add_inplace(dy.f32(), dx.f32(), 1000, Device::cuda);
+      std::vector<float> want = y;
+      ops::add_inplace(want.data(), x.data(), 1000);
+      EXPECT_EQ(host_copy(dy), want);
+      EXPECT_EQ(ops::sum_squares(dx.f32(), 1000, Device::cuda), ops::sum_squares(x.data(), 1000));
+      Tensor zeros = Tensor::zeros({7}, DType::f32, Device::cuda);
+      EXPECT_EQ(host_copy(zeros), std::vector<float>(7, 0.0f));
+      EXPECT_EQ(EmulatedDevice::ops_run(), 2);
+      EXPECT_EQ(host_copy(dx.to(Device::cpu).to(Device::cuda)), x);
+    }
+    EXPECT_EQ(EmulatedDevice::live_allocations(), 0);
+  }
+  EXPECT_EQ(device_usable(Device::cuda), usable_before);  // the backend's own again
+}
+
+TEST(EmulatedDevice, HostPointersHandedToDeviceOpsAreOneLine) {
+  EmulatedDevice emulation;
+  Tensor d = Tensor::zeros({16}, DType::f32, Device::cuda);
+  std::vector<float> host(16);
+  try {
+    ops::add_inplace(d.f32(), host.data(), 16, Device::cuda);
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("add_inplace on the emulated device: argument 2 = "), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("is not device memory (a host pointer handed to a device op)"),
+              std::string::npos)
+        << e.what();
+  }
+  ops::GemmParams p;
+  p.m = p.n = p.k = 4, p.a = d.f32(), p.lda = 4, p.b = host.data(), p.ldb = 4, p.c = d.f32(), p.ldc = 4;
+  try {
+    ops::gemm(p, Device::cuda);
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("gemm on the emulated device: b = "), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(EmulatedDevice(), Error);  // one emulation at a time
+}
+
+using EmulatedDeviceDeathTest = ::testing::Test;
+
+TEST_F(EmulatedDeviceDeathTest, HostReadOfDeviceMemoryDiesNamingIt) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        EmulatedDevice emulation;
+        Tensor d = Tensor::zeros({64}, DType::f32, Device::cuda);
+        volatile float v = d.f32()[3];  // what a host read of a device loss would do
+        (void)v;
+      },
+      "host code touched device memory at 0x[0-9a-f]+ \\(byte 12 of an allocation of 256 bytes");
+}
+
+// A freed allocation is unmapped: an op handed a stale pointer refuses it (a host read of it would fault).
+TEST(EmulatedDevice, FreedMemoryIsNoDeviceMemory) {
+  EmulatedDevice emulation;
+  float* stale = nullptr;
+  {
+    Tensor d = Tensor::zeros({64}, DType::f32, Device::cuda);
+    stale = d.f32();
+  }
+  try {
+    ops::scale_inplace(stale, 2.0f, 64, Device::cuda);
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("scale_inplace on the emulated device: argument 1 = "), std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace forge
