@@ -1,5 +1,5 @@
 // GPU tests that run twice: on the GPU (skipped where none is usable) and on the host under the device emulation
-// of kernels/emulated_device.h, where Device::cuda runs the CPU kernels but device memory faults on any host
+// of kernels/emulated_device.h (with its communicators, train/device_emulation.h), where Device::cuda runs the CPU kernels but device memory faults on any host
 // access outside an op or copy, and device ops refuse host pointers. The emulated instance checks the host side
 // of every GPU code path (staging copies, device scalars and scales, checkpoints, the KV cache) in CI, where no
 // GPU is lent; what it cannot check (the CUDA kernels, streams, NCCL) stays with the GPU instance.
@@ -16,6 +16,7 @@
 
 #include "forge/kernels/cuda/runtime.h"
 #include "forge/kernels/emulated_device.h"
+#include "forge/train/device_emulation.h"
 
 namespace forge {
 
@@ -37,7 +38,7 @@ class DeviceBackendTest : public ::testing::TestWithParam<DeviceBackend> {
   bool emulated() const { return GetParam() == DeviceBackend::emulated; }
 
  private:
-  std::optional<EmulatedDevice> emulation_;
+  std::optional<DeviceEmulation> emulation_;
 };
 
 inline std::string device_backend_name(const ::testing::TestParamInfo<DeviceBackend>& info) {

@@ -10,7 +10,7 @@
 #include "commands.h"
 #include "forge/comm/comm.h"
 #include "forge/core/error.h"
-#include "forge/kernels/emulated_device.h"
+#include "forge/train/device_emulation.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"forge: train large language models natively in C++ (LLaMA-family on CPU and GPU)", "forge"};
@@ -36,10 +36,10 @@ int main(int argc, char** argv) {
     return e.get_exit_code() != 0 ? e.get_exit_code() : 2;
   }
   int status = 0;
-  // FORGE_EMULATE_DEVICE=1: --device cuda runs on the host under the device emulation (kernels/emulated_device.h:
-  // the CPU kernels, device memory closed to host code), to test every command's GPU code path on a machine
-  // without a GPU. Slow, and its speeds mean nothing.
-  std::optional<forge::EmulatedDevice> emulation;
+  // FORGE_EMULATE_DEVICE=1: --device cuda runs on the host under the device emulation (train/device_emulation.h:
+  // the CPU kernels, device memory closed to host code, MPI standing in for NCCL), to test every command's GPU
+  // code path on a machine without a GPU. Slow, and its speeds mean nothing.
+  std::optional<forge::DeviceEmulation> emulation;
   try {
     if (const char* e = std::getenv("FORGE_EMULATE_DEVICE"); e && std::string_view(e) == "1") {
       emulation.emplace();

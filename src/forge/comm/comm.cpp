@@ -265,6 +265,21 @@ void finalize() {
   state.finalized = true;
 }
 
+namespace {
+DeviceCommunicatorFactory g_device_communicators = nullptr;
+}  // namespace
+
+void override_device_communicators(DeviceCommunicatorFactory factory) { g_device_communicators = factory; }
+
+std::unique_ptr<Communicator> make_nccl(Communicator& bootstrap, int cuda_device, std::string name,
+                                        void* producer_stream) {
+  if (std::string_view(bootstrap.backend()) == "nccl")
+    fail("make_nccl: the bootstrap communicator '{}' is nccl; it must hold host memory (mpi or self)",
+         bootstrap.name());
+  if (g_device_communicators) return g_device_communicators(bootstrap, std::move(name));
+  return detail::make_nccl_backend(bootstrap, cuda_device, std::move(name), producer_stream);
+}
+
 void all_reduce_sum(Communicator& c, float* buf, int64_t count) {
   c.all_reduce(buf, count, Type::f32, ReduceOp::sum).wait();
 }

@@ -146,6 +146,11 @@ std::unique_ptr<Communicator> make_self(std::string name = "self");
 std::unique_ptr<Communicator> make_nccl(Communicator& bootstrap, int cuda_device, std::string name = "world",
                                         void* producer_stream = nullptr);
 bool nccl_usable();  // built with NCCL and at least one CUDA device is visible
+// Replaces what make_nccl builds (null: NCCL again). The device emulation (train/device_emulation.h) installs
+// communicators over emulated device memory here, so that the GPU paths of tensor and data parallelism run
+// under mpirun on machines without GPUs. The factory gets make_nccl's bootstrap and name.
+using DeviceCommunicatorFactory = std::unique_ptr<Communicator> (*)(Communicator& bootstrap, std::string name);
+void override_device_communicators(DeviceCommunicatorFactory factory);
 
 // Convenience, synchronous.
 void all_reduce_sum(Communicator& c, float* buf, int64_t count);

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 
@@ -36,5 +37,10 @@ void check_count(const Communicator& c, const char* op, int64_t count, const cha
 void check_per_rank(const Communicator& c, const char* op, std::span<const int64_t> values, const char* what);
 void check_rank(const Communicator& c, const char* op, int rank, const char* what);
 void check_buffer(const Communicator& c, const char* op, const void* buf, int64_t count, const char* what);
+
+// make_nccl's backend (comm/nccl/nccl_comm.cpp, or nccl_unavailable.cpp where forge has no NCCL); make_nccl
+// itself checks the bootstrap and the override first.
+std::unique_ptr<Communicator> make_nccl_backend(Communicator& bootstrap, int cuda_device, std::string name,
+                                                void* producer_stream);
 
 }  // namespace forge::comm::detail

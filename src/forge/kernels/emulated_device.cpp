@@ -33,6 +33,7 @@ struct State {
 };
 
 State* g_state = nullptr;
+constexpr int kEmulatedDevices = 8;
 std::atomic<bool> g_active{false};
 
 size_t page_size() {
@@ -46,25 +47,28 @@ void protect_all(State& s, int prot) {
       fail("device emulation: mprotect failed: {}", std::strerror(errno));
 }
 
-// Device memory is open to the host while one of these lives (an op, a copy, a memset).
-class Window {
- public:
-  Window() : lock_(g_state->mutex) {
-    if (g_state->open++ == 0) protect_all(*g_state, PROT_READ | PROT_WRITE);
-  }
-  ~Window() {
-    if (--g_state->open == 0) {
-      try {
-        protect_all(*g_state, PROT_NONE);
-      } catch (const Error& e) {
-        std::fprintf(stderr, "%s\n", e.what());
-        std::abort();
-      }
+// Device memory is open to the host while windows are open (ops, copies, memsets, EmulatedDevice::Access).
+void open_window() {
+  std::lock_guard lock(g_state->mutex);
+  if (g_state->open++ == 0) protect_all(*g_state, PROT_READ | PROT_WRITE);
+}
+
+void close_window() noexcept {
+  std::lock_guard lock(g_state->mutex);
+  if (--g_state->open == 0) {
+    try {
+      protect_all(*g_state, PROT_NONE);
+    } catch (const Error& e) {
+      std::fprintf(stderr, "%s\n", e.what());
+      std::abort();
     }
   }
+}
 
- private:
-  std::lock_guard<std::recursive_mutex> lock_;
+class Window {
+ public:
+  Window() { open_window(); }
+  ~Window() { close_window(); }
 };
 
 // The allocation holding `address`, or null.
@@ -246,9 +250,10 @@ const DeviceMemory& emulated_memory() {
       emulated_zero,
       emulated_copy,
       [] {},
-      [] { return 1; },
+      [] { return kEmulatedDevices; },
       [](int ordinal) {
-        if (ordinal != 0) fail("device emulation: one device (ordinal 0), asked for {}", ordinal);
+        if (ordinal < 0 || ordinal >= kEmulatedDevices)
+          fail("device emulation: devices 0..{}, asked for {}", kEmulatedDevices - 1, ordinal);
       },
       [] { return static_cast<void*>(nullptr); },
       [] {
@@ -329,5 +334,18 @@ int64_t EmulatedDevice::live_allocations() {
 }
 
 int64_t EmulatedDevice::ops_run() { return g_state ? g_state->ops : 0; }
+
+bool EmulatedDevice::is_device_memory(const void* p) {
+  if (!g_state || !p) return false;
+  std::lock_guard lock(g_state->mutex);
+  return find(*g_state, reinterpret_cast<uintptr_t>(p)) != nullptr;
+}
+
+EmulatedDevice::Access::Access() {
+  FORGE_CHECK(g_state != nullptr, "EmulatedDevice::Access without an active emulation");
+  open_window();
+}
+
+EmulatedDevice::Access::~Access() { close_window(); }
 
 }  // namespace forge

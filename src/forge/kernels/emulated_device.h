@@ -12,8 +12,9 @@
 // device scalars, device-side scales) in CI, where no GPU is lent. It says nothing about the CUDA kernels
 // themselves, streams or NCCL: those need the GPU tests (ctest -L cuda).
 //
-// One emulation at a time, single-process layouts only (the NCCL communicators of tp/dp > 1 need a GPU). Not
-// for production: every op opens and closes every live allocation (two mprotect calls each).
+// One emulation at a time. It reports 8 devices (one per rank of a node's worth of processes: every process has
+// its own emulation); train/device_emulation.h adds communicators over emulated device memory for tp/dp > 1.
+// Not for production: every op opens and closes every live allocation (two mprotect calls each).
 #pragma once
 
 #include <cstdint>
@@ -30,6 +31,18 @@ class EmulatedDevice {
   // Device allocations alive now, and ops run since construction (for tests of the emulation itself).
   static int64_t live_allocations();
   static int64_t ops_run();
+  // Whether p lies inside live device memory (false when no emulation is active).
+  static bool is_device_memory(const void* p);
+
+  // Opens device memory to host code while it lives, for what stands in for the device's own engines: the
+  // emulated communicators (train/device_emulation.h) hand device buffers to MPI. Nests with ops and copies.
+  class Access {
+   public:
+    Access();
+    ~Access();
+    Access(const Access&) = delete;
+    Access& operator=(const Access&) = delete;
+  };
 };
 
 }  // namespace forge

@@ -549,11 +549,8 @@ namespace forge::comm {
 
 bool nccl_usable() { return nccl::device_count() > 0; }
 
-std::unique_ptr<Communicator> make_nccl(Communicator& bootstrap, int cuda_device, std::string name,
-                                        void* producer_stream) {
-  if (std::string_view(bootstrap.backend()) == "nccl")
-    fail("make_nccl: the bootstrap communicator '{}' is nccl; it must hold host memory (mpi or self)",
-         bootstrap.name());
+std::unique_ptr<Communicator> detail::make_nccl_backend(Communicator& bootstrap, int cuda_device, std::string name,
+                                                        void* producer_stream) {
   const int devices = nccl::device_count();
   if (devices == 0) fail("make_nccl: no CUDA device is visible to world rank {}", bootstrap.world_rank());
   if (cuda_device < 0 || cuda_device >= devices)

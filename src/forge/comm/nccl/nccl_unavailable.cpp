@@ -1,6 +1,7 @@
 // Stands in for the nccl backend where forge was built without NCCL (CMake found no nccl.h, libnccl or CUDA
 // runtime): callers need no #ifdef, they learn at run time that NCCL is not there.
 #include "forge/comm/comm.h"
+#include "forge/comm/comm_internal.h"
 #include "forge/comm/nccl/device_memory.h"
 #include "forge/core/error.h"
 
@@ -8,7 +9,7 @@ namespace forge::comm {
 
 bool nccl_usable() { return false; }
 
-std::unique_ptr<Communicator> make_nccl(Communicator& bootstrap, int cuda_device, std::string name, void*) {
+std::unique_ptr<Communicator> detail::make_nccl_backend(Communicator&, int, std::string, void*) {
   fail(
       "make_nccl: forge was built without NCCL (CMake found no nccl.h, libnccl and CUDA runtime; "
       "see FORGE_NCCL)");
