@@ -7,9 +7,14 @@
 #include <nlohmann/json.hpp>
 
 #include <cmath>
+#include <optional>
 #include <string>
 
+#include "forge/core/device.h"
 #include "forge/core/error.h"
+#include "forge/fp8/recipe.h"
+#include "forge/kernels/emulated_device.h"
+#include "forge/train/device_emulation.h"
 
 namespace forge {
 namespace {
@@ -62,6 +67,33 @@ TEST(Throughput, ProfileStepsFollowTheTimedOnes) {
   EXPECT_GT(adamw, 0);
   EXPECT_LE(r.profile->op_seconds, r.profile->wall_seconds);
   EXPECT_FALSE(ops::profiling());
+}
+
+// On a GPU every read-back makes the host wait for the device's queue. A training step on the device (under
+// the device emulation, which counts the traffic) reads back one loss per micro-batch and the gradient norm once,
+// plus the step's amaxes under delayed scaling, and uploads each micro-batch's inputs and targets: nothing per
+// layer or per op. A change that adds a synchronisation to the step fails here.
+TEST(Throughput, DeviceStepsWaitForTheDeviceOncePerMicroBatch) {
+  for (const char* recipe : {"off", "delayed", "current", "block"})
+    for (int64_t accum : {1, 2}) {
+      auto traffic_of = [&](int steps) {
+        DeviceEmulation emulation;
+        nn::ComputeOptions options;
+        options.device = Device::cuda;
+        std::optional<nn::Fp8Options> fp8;
+        if (std::string(recipe) != "off") fp8.emplace().recipe.recipe = fp8::recipe_from_name(recipe);
+        measure_training_throughput(tiny(), options, 2, 16, 0, steps, fp8, accum);
+        return EmulatedDevice::traffic();
+      };
+      const EmulatedDevice::Traffic one = traffic_of(1), two = traffic_of(2);
+      const std::string what = std::string(recipe) + " accum " + std::to_string(accum) + ", per step: ";
+      const bool delayed = std::string(recipe) == "delayed";
+      EXPECT_EQ(two.to_host - one.to_host, accum + (delayed ? 1 : 0)) << what << "device-to-host copies";
+      EXPECT_EQ(two.to_device - one.to_device, 2 * accum) << what << "host-to-device copies";
+      EXPECT_EQ(two.host_results - one.host_results, 1) << what << "ops returning a host value";
+      EXPECT_EQ(two.synchronizations - one.synchronizations, 0) << what << "synchronisations";
+      EXPECT_EQ(two.device_to_device - one.device_to_device, 0) << what << "device copies";
+    }
 }
 
 TEST(Throughput, NonPositiveSizesAreOneError) {

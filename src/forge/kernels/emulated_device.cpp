@@ -29,6 +29,7 @@ struct State {
   std::map<uintptr_t, Allocation> allocations;  // by base address
   int open = 0;                                 // nested windows (an op inside which a copy runs, ...)
   int64_t live_bytes = 0, peak_bytes = 0, ops = 0;
+  EmulatedDevice::Traffic traffic;
   struct sigaction previous_segv{}, previous_bus{};
 };
 
@@ -188,16 +189,26 @@ const ops::OpTable& emulated_table() {
       },
       [](const ops::AdamWParams& p) { guarded<&T::adamw>("adamw", p); },
       [](float* y, const float* x, int64_t n) { guarded<&T::add_inplace>("add_inplace", y, x, n); },
-      [](const float* x, int64_t n) { return guarded<&T::sum_squares>("sum_squares", x, n); },
+      [](const float* x, int64_t n) {
+        g_state->traffic.host_results += 1;
+        return guarded<&T::sum_squares>("sum_squares", x, n);
+      },
       [](const float* x, int64_t n, double* total) {
         guarded<&T::sum_squares_accumulate>("sum_squares_accumulate", x, n, total);
       },
       [](float* x, float s, int64_t n) { guarded<&T::scale_inplace>("scale_inplace", x, s, n); },
       [](const float* x, uint16_t* y, int64_t n) { guarded<&T::convert_to_bf16>("convert_to_bf16", x, y, n); },
       [](const uint16_t* x, float* y, int64_t n) { guarded<&T::convert_to_f32>("convert_to_f32", x, y, n); },
-      [](const float* x, int64_t n) { return guarded<&T::amax>("amax", x, n); },
+      [](const float* x, int64_t n) {
+        g_state->traffic.host_results += 1;
+        return guarded<&T::amax>("amax", x, n);
+      },
       [](const float* x, int64_t n, float* out) { guarded<&T::amax_to>("amax_to", x, n, out); },
-      [](const ops::Fp8CastParams& p) { return guarded<&T::fp8_cast_transpose>("fp8_cast_transpose", p); },
+      [](const ops::Fp8CastParams& p) {
+        // The amax it returns is awaited unless the cast folds it into device memory or takes its scale there.
+        if (!p.amax_accumulate && !p.amax_in) g_state->traffic.host_results += 1;
+        return guarded<&T::fp8_cast_transpose>("fp8_cast_transpose", p);
+      },
       [](const ops::Fp8CastParams& p) { guarded<&T::fp8_quantize_1x128>("fp8_quantize_1x128", p); },
       [](const ops::Fp8CastParams& p) { guarded<&T::fp8_quantize_128x128>("fp8_quantize_128x128", p); },
       [](const ops::KvAppendParams& p) { guarded<&T::kv_append>("kv_append", p); },
@@ -238,6 +249,8 @@ void emulated_zero(void* p, size_t bytes) {
 void emulated_copy(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes) {
   if (dst_device != Device::cpu) check(dst, "device copy", "destination");
   if (src_device != Device::cpu) check(src, "device copy", "source");
+  EmulatedDevice::Traffic& t = g_state->traffic;
+  (dst_device == Device::cpu ? t.to_host : src_device == Device::cpu ? t.to_device : t.device_to_device) += 1;
   Window window;
   std::memmove(dst, src, bytes);
 }
@@ -249,7 +262,7 @@ const DeviceMemory& emulated_memory() {
       emulated_free,
       emulated_zero,
       emulated_copy,
-      [] {},
+      [] { g_state->traffic.synchronizations += 1; },
       [] { return kEmulatedDevices; },
       [](int ordinal) {
         if (ordinal < 0 || ordinal >= kEmulatedDevices)
@@ -334,6 +347,8 @@ int64_t EmulatedDevice::live_allocations() {
 }
 
 int64_t EmulatedDevice::ops_run() { return g_state ? g_state->ops : 0; }
+
+EmulatedDevice::Traffic EmulatedDevice::traffic() { return g_state ? g_state->traffic : Traffic{}; }
 
 bool EmulatedDevice::is_device_memory(const void* p) {
   if (!g_state || !p) return false;

@@ -31,6 +31,15 @@ class EmulatedDevice {
   // Device allocations alive now, and ops run since construction (for tests of the emulation itself).
   static int64_t live_allocations();
   static int64_t ops_run();
+  // Traffic between host and device since construction: copies each way, explicit synchronisations and ops
+  // that return a value to the host. On a GPU each device-to-host copy, synchronisation and host result makes the
+  // host wait for the device's queue, so these count the stalls a step imposes (performance tests of the GPU
+  // path).
+  struct Traffic {
+    int64_t to_host = 0, to_device = 0, device_to_device = 0, synchronizations = 0;
+    int64_t host_results = 0;  // ops whose result the host waits for: sum_squares, amax, a cast returning amax
+  };
+  static Traffic traffic();
   // Whether p lies inside live device memory (false when no emulation is active).
   static bool is_device_memory(const void* p);
 
