@@ -78,6 +78,54 @@ TEST(EmulatedDevice, HostPointersHandedToDeviceOpsAreOneLine) {
   EXPECT_THROW(EmulatedDevice(), Error);  // one emulation at a time
 }
 
+// Where the CUDA backend's limits are narrower than the CPU kernels' (FP8 GEMMs NT only, 16-byte aligned), the
+// emulation applies them too (builds with the CUDA backend): what a GPU would refuse is refused here.
+TEST(EmulatedDevice, CudaBackendLimitsApply) {
+#ifndef FORGE_HAVE_CUDA
+  GTEST_SKIP() << "built without the CUDA backend";
+#else
+  EmulatedDevice emulation;
+  Tensor a = Tensor::zeros({32, 32}, DType::e4m3, Device::cuda), c = Tensor::zeros({32, 32}, DType::f32, Device::cuda);
+  ops::Fp8GemmParams p;
+  p.m = p.n = p.k = 32, p.a = a.data<uint8_t>(), p.lda = 32, p.b = a.data<uint8_t>(), p.ldb = 32;
+  p.c = c.f32(), p.ldc = 32;  // NN: the CPU kernel takes it, FP8 tensor cores do not
+  try {
+    ops::fp8_gemm(p, Device::cuda);
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("fp8_gemm: the NN orientation"), std::string::npos) << e.what();
+  }
+  p.trans_b = true;
+  ops::fp8_gemm(p, Device::cuda);  // NT runs
+#endif
+}
+
+// A dry run (Mode::check_only) checks every op and moves no data: results read as zeros, and device memory is
+// never committed, so allocations far beyond this machine's memory succeed and only count toward peak_bytes.
+TEST(EmulatedDevice, CheckOnlyRunsNothingAndCommitsNothing) {
+  EmulatedDevice emulation(EmulatedDevice::Mode::check_only);
+  EXPECT_TRUE(EmulatedDevice::check_only());
+  const int64_t huge = int64_t{64} << 30;  // 256 GiB of floats
+  {
+    Tensor big = Tensor::empty({huge}, DType::f32, Device::cuda);
+    EXPECT_EQ(ops::sum_squares(big.f32(), huge, Device::cuda), 0.0);
+    ops::scale_inplace(big.f32(), 2.0f, huge, Device::cuda);
+    std::vector<float> host(4, 7.0f);
+    device_memory(Device::cuda).copy(host.data(), Device::cpu, big.raw(), Device::cuda, 16);
+    EXPECT_EQ(host, std::vector<float>(4, 0.0f));
+    EXPECT_EQ(EmulatedDevice::peak_bytes(), huge * 4);
+    std::vector<float> small(2);
+    try {  // pointers are still checked
+      ops::add_inplace(big.f32(), small.data(), 2, Device::cuda);
+      ADD_FAILURE() << "expected an error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("add_inplace on the emulated device: argument 2"), std::string::npos);
+    }
+  }
+  EXPECT_EQ(EmulatedDevice::ops_run(), 2);
+  EXPECT_EQ(EmulatedDevice::live_allocations(), 0);
+}
+
 using EmulatedDeviceDeathTest = ::testing::Test;
 
 TEST_F(EmulatedDeviceDeathTest, HostReadOfDeviceMemoryDiesNamingIt) {

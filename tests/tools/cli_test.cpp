@@ -135,6 +135,14 @@ TEST_F(Cli, BenchDeviceAndFp8Refusals) {
         "no usable GPU");
 }
 
+namespace {
+forge::testing::cli::RunOptions environment(std::string variables) {
+  forge::testing::cli::RunOptions options;
+  options.environment = std::move(variables);
+  return options;
+}
+}  // namespace
+
 // The GPU benchmark's command (bench/gpu/run_all.sh) on its whole GPU path, on the host: FORGE_EMULATE_DEVICE=1
 // runs --device cuda under the device emulation (kernels/emulated_device.h), where any host access to device
 // memory kills the process and host pointers handed to device ops are refused. FP8 current scaling, gradient
@@ -145,11 +153,26 @@ TEST_F(Cli, BenchGpuPathRunsUnderDeviceEmulation) {
   for (const char* fp8 : {"off", "current"}) {
     const Outcome o = run_forge("bench --model " + model + " --device cuda --batch 2 --seq 32 --grad-accum 2 --steps 1 "
                                 "--warmup 1 --profile-steps 1 --fp8 " + fp8,
-                                {.environment = "FORGE_EMULATE_DEVICE=1 OMP_NUM_THREADS=1"});
+                                environment("FORGE_EMULATE_DEVICE=1 OMP_NUM_THREADS=1"));
     EXPECT_EQ(o.status, 0) << o.output;
     EXPECT_NE(o.output.find("cuda is emulated on the host"), std::string::npos) << o.output;
     EXPECT_NE(o.output.find(std::string("on cuda: ")), std::string::npos) << o.output;
     EXPECT_NE(o.output.find("\"profile\": {\"device\":\"cuda\""), std::string::npos) << o.output;
     EXPECT_NE(o.output.find("op profile (cuda, 1 step)"), std::string::npos) << o.output;
   }
+}
+
+// FORGE_EMULATE_DEVICE=dry: the same command as a dry run (ops checked, not computed), which ends with the ops
+// checked and the peak device memory; a value other than 1 or dry is one line.
+TEST_F(Cli, BenchGpuPathDryRun) {
+  const std::string model = write("tiny.json", R"({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 97})");
+  const std::string args = "bench --model " + model + " --device cuda --batch 2 --seq 32 --steps 1 --warmup 0 --fp8 block";
+  const Outcome o = run_forge(args, environment("FORGE_EMULATE_DEVICE=dry OMP_NUM_THREADS=1"));
+  EXPECT_EQ(o.status, 0) << o.output;
+  EXPECT_NE(o.output.find("a dry run: ops are checked, not computed"), std::string::npos) << o.output;
+  EXPECT_NE(o.output.find("forge: dry run: "), std::string::npos) << o.output;
+  EXPECT_NE(o.output.find(" device ops checked, peak device memory "), std::string::npos) << o.output;
+  expect_one_line_error(args, "FORGE_EMULATE_DEVICE=2: expected 1 (run on the host) or dry (check only)",
+                        environment("FORGE_EMULATE_DEVICE=2"));
 }

@@ -41,9 +41,13 @@ int main(int argc, char** argv) {
   // code path on a machine without a GPU. Slow, and its speeds mean nothing.
   std::optional<forge::DeviceEmulation> emulation;
   try {
-    if (const char* e = std::getenv("FORGE_EMULATE_DEVICE"); e && std::string_view(e) == "1") {
-      emulation.emplace();
-      std::fprintf(stderr, "forge: FORGE_EMULATE_DEVICE=1: cuda is emulated on the host (tests only)\n");
+    if (const char* e = std::getenv("FORGE_EMULATE_DEVICE"); e && *e) {
+      const std::string_view mode(e);
+      if (mode != "1" && mode != "dry")
+        forge::fail("FORGE_EMULATE_DEVICE={}: expected 1 (run on the host) or dry (check only)", mode);
+      emulation.emplace(mode == "dry" ? forge::EmulatedDevice::Mode::check_only : forge::EmulatedDevice::Mode::run);
+      std::fprintf(stderr, "forge: FORGE_EMULATE_DEVICE=%s: cuda is emulated on the host (%s)\n", e,
+                   mode == "dry" ? "a dry run: ops are checked, not computed; results are zeros" : "tests only");
     }
     for (const auto& command : commands)
       if (*command.app) {
@@ -57,6 +61,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "forge: error: %s\n", e.what());
     return 1;
   }
+  if (emulation && forge::EmulatedDevice::check_only())
+    std::fprintf(stderr, "forge: dry run: %lld device ops checked, peak device memory %.2f GiB\n",
+                 static_cast<long long>(forge::EmulatedDevice::ops_run()),
+                 static_cast<double>(forge::EmulatedDevice::peak_bytes()) / (1 << 30));
   forge::comm::finalize();
   return status;
 }

@@ -11,10 +11,15 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <string_view>
 
 #include "forge/core/device.h"
 #include "forge/core/error.h"
 #include "forge/kernels/ops.h"
+
+#ifdef FORGE_HAVE_CUDA
+#include "forge/kernels/cuda/cuda_kernels.h"
+#endif
 
 namespace forge {
 namespace {
@@ -28,6 +33,7 @@ struct State {
   std::recursive_mutex mutex;
   std::map<uintptr_t, Allocation> allocations;  // by base address
   int open = 0;                                 // nested windows (an op inside which a copy runs, ...)
+  bool dry = false;                             // EmulatedDevice::Mode::check_only
   int64_t live_bytes = 0, peak_bytes = 0, ops = 0;
   EmulatedDevice::Traffic traffic;
   struct sigaction previous_segv{}, previous_bus{};
@@ -49,14 +55,15 @@ void protect_all(State& s, int prot) {
 }
 
 // Device memory is open to the host while windows are open (ops, copies, memsets, EmulatedDevice::Access).
+// A dry run never opens device memory: nothing reads or writes it (its pages are never even committed).
 void open_window() {
   std::lock_guard lock(g_state->mutex);
-  if (g_state->open++ == 0) protect_all(*g_state, PROT_READ | PROT_WRITE);
+  if (g_state->open++ == 0 && !g_state->dry) protect_all(*g_state, PROT_READ | PROT_WRITE);
 }
 
 void close_window() noexcept {
   std::lock_guard lock(g_state->mutex);
-  if (--g_state->open == 0) {
+  if (--g_state->open == 0 && !g_state->dry) {
     try {
       protect_all(*g_state, PROT_NONE);
     } catch (const Error& e) {
@@ -156,11 +163,30 @@ void check_args(const char* op, A... args) {
   (check_arg(op, index++, args), ...);
 }
 
-// One op of the emulated table: its pointers checked, then the CPU kernel with device memory open.
+// The CUDA backend's own parameter checks where its limits are narrower than the CPU kernels' (cuda_kernels.h),
+// in builds that have it; nothing otherwise.
+template <typename... A>
+void check_backend(const char*, const A&...) {}
+#ifdef FORGE_HAVE_CUDA
+void check_backend(const char*, const ops::GemmParams& p) { cuda::check_gemm(p); }
+void check_backend(const char*, const ops::Fp8GemmParams& p) { cuda::check_fp8_gemm(p); }
+void check_backend(const char* op, const ops::AttentionParams& p) {
+  cuda::check_attention(p, std::string_view(op) == "attention_backward");
+}
+void check_backend(const char* op, const ops::LinearCrossEntropyParams& p) {
+  cuda::check_linear_cross_entropy(p, std::string_view(op) == "linear_cross_entropy_backward");
+}
+#endif
+
+// One op of the emulated table: its pointers and the CUDA backend's limits checked, then the CPU kernel with
+// device memory open.
 template <auto Member, typename... A>
 auto guarded(const char* op, const A&... args) {
   check_args(op, args...);
+  check_backend(op, args...);
   ++g_state->ops;
+  using Result = decltype((ops::cpu_table().*Member)(args...));
+  if (g_state->dry) return Result();  // checked, not run: sums and amaxes read as 0
   Window window;
   return (ops::cpu_table().*Member)(args...);
 }
@@ -242,6 +268,7 @@ void emulated_free(void* p) {
 
 void emulated_zero(void* p, size_t bytes) {
   check(p, "device memset", "destination");
+  if (g_state->dry) return;
   Window window;
   std::memset(p, 0, bytes);
 }
@@ -251,6 +278,10 @@ void emulated_copy(void* dst, Device dst_device, const void* src, Device src_dev
   if (src_device != Device::cpu) check(src, "device copy", "source");
   EmulatedDevice::Traffic& t = g_state->traffic;
   (dst_device == Device::cpu ? t.to_host : src_device == Device::cpu ? t.to_device : t.device_to_device) += 1;
+  if (g_state->dry) {
+    if (dst_device == Device::cpu) std::memset(dst, 0, bytes);  // what the host reads back: zeros
+    return;
+  }
   Window window;
   std::memmove(dst, src, bytes);
 }
@@ -310,9 +341,10 @@ void on_fault(int signal, siginfo_t* info, void* context) {
 
 }  // namespace
 
-EmulatedDevice::EmulatedDevice() {
+EmulatedDevice::EmulatedDevice(Mode mode) {
   if (g_active.exchange(true)) fail("device emulation: one is already active");
   g_state = new State();
+  g_state->dry = mode == Mode::check_only;
   struct sigaction action{};
   action.sa_sigaction = on_fault;
   action.sa_flags = SA_SIGINFO;
@@ -347,6 +379,14 @@ int64_t EmulatedDevice::live_allocations() {
 }
 
 int64_t EmulatedDevice::ops_run() { return g_state ? g_state->ops : 0; }
+
+bool EmulatedDevice::check_only() { return g_state && g_state->dry; }
+
+int64_t EmulatedDevice::peak_bytes() {
+  if (!g_state) return 0;
+  std::lock_guard lock(g_state->mutex);
+  return g_state->peak_bytes;
+}
 
 EmulatedDevice::Traffic EmulatedDevice::traffic() { return g_state ? g_state->traffic : Traffic{}; }
 

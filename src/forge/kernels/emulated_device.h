@@ -23,7 +23,13 @@ namespace forge {
 
 class EmulatedDevice {
  public:
-  EmulatedDevice();  // fails with one line when another emulation is active
+  // run: ops run the CPU kernels on the device memory. check_only: a dry run at any scale. Ops check their
+  // pointers and the CUDA backend's limits and return without computing (sums and amaxes read as 0), copies and
+  // memsets move nothing (a read-back gives zeros), device memory is never committed, so a model far larger than
+  // this machine's memory "trains" in seconds per step: every parameter every op would get is checked, every
+  // host access to device memory still faults, and peak_bytes() is the device memory the run allocates at most.
+  enum class Mode { run, check_only };
+  explicit EmulatedDevice(Mode mode = Mode::run);  // fails with one line when another emulation is active
   ~EmulatedDevice();  // restores the backend's interface and table; live allocations are released
   EmulatedDevice(const EmulatedDevice&) = delete;
   EmulatedDevice& operator=(const EmulatedDevice&) = delete;
@@ -31,6 +37,9 @@ class EmulatedDevice {
   // Device allocations alive now, and ops run since construction (for tests of the emulation itself).
   static int64_t live_allocations();
   static int64_t ops_run();
+  static bool check_only();  // the active emulation is a dry run
+  // The most device memory allocated at once since construction (bytes asked for, before any allocator rounding).
+  static int64_t peak_bytes();
   // Traffic between host and device since construction: copies each way, explicit synchronisations and ops
   // that return a value to the host. On a GPU each device-to-host copy, synchronisation and host result makes the
   // host wait for the device's queue, so these count the stalls a step imposes (performance tests of the GPU

@@ -84,6 +84,7 @@ class EmulatedDeviceCommunicator final : public comm::Communicator {
   }
   template <typename Issue>
   comm::Request run(Issue&& issue) {
+    if (EmulatedDevice::check_only()) return {};  // a dry run moves no data (device memory is never committed)
     EmulatedDevice::Access open;
     issue().wait();
     return {};
@@ -98,7 +99,9 @@ std::unique_ptr<comm::Communicator> make_emulated(comm::Communicator& bootstrap,
 
 }  // namespace
 
-DeviceEmulation::DeviceEmulation() { comm::override_device_communicators(make_emulated); }
+DeviceEmulation::DeviceEmulation(EmulatedDevice::Mode mode) : device_(mode) {
+  comm::override_device_communicators(make_emulated);
+}
 
 DeviceEmulation::~DeviceEmulation() { comm::override_device_communicators(nullptr); }
 

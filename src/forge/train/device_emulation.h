@@ -13,7 +13,8 @@ namespace forge {
 
 class DeviceEmulation {
  public:
-  DeviceEmulation();  // fails with one line when another emulation is active
+  // check_only: the dry run of EmulatedDevice (communicators check their buffers and move nothing).
+  explicit DeviceEmulation(EmulatedDevice::Mode mode = EmulatedDevice::Mode::run);  // one at a time
   ~DeviceEmulation();
   DeviceEmulation(const DeviceEmulation&) = delete;
   DeviceEmulation& operator=(const DeviceEmulation&) = delete;

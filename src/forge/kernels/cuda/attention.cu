@@ -208,6 +208,8 @@ void forward_decode(const ops::AttentionParams& p) {
 
 }  // namespace
 
+void check_attention(const ops::AttentionParams& p, bool backward) { check_params(p, backward); }
+
 void attention_forward(const ops::AttentionParams& params) {
   check_params(params, false);
   const ops::AttentionParams p = with_defaults(params);

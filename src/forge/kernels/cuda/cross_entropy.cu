@@ -357,6 +357,10 @@ void chunk_logits(const ops::LinearCrossEntropyParams& p, int64_t first, int64_t
 
 }  // namespace
 
+void check_linear_cross_entropy(const ops::LinearCrossEntropyParams& p, bool backward) {
+  check(p, backward ? "linear_cross_entropy_backward" : "linear_cross_entropy_forward");
+}
+
 void linear_cross_entropy_forward(const ops::LinearCrossEntropyParams& p) {
   constexpr const char* op = "linear_cross_entropy_forward";
   check(p, op);

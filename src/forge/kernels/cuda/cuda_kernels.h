@@ -58,4 +58,15 @@ void fp8_quantize_128x128(const ops::Fp8CastParams& p);
 // cores take; partial sums over each 128-wide K block are promoted to an fp32 accumulator with their scales.
 void fp8_block_gemm(const ops::Fp8GemmParams& p);
 
+// The checks the ops above make on their parameters before touching the device, where the CUDA backend's
+// limits are narrower than the CPU's (FP8 GEMMs NT only with 16-byte aligned operands, the attention kernels'
+// head dimensions and grid, ...): the same functions the ops call first, needing no GPU. The device emulation
+// (kernels/emulated_device.h) runs them before each CPU kernel, so a parameter this backend refuses fails there
+// too.
+void check_gemm(const ops::GemmParams& p);
+void check_fp8_gemm(const ops::Fp8GemmParams& p);  // block scaling: check_fp8_block_gemm
+void check_fp8_block_gemm(const ops::Fp8GemmParams& p);
+void check_attention(const ops::AttentionParams& p, bool backward);
+void check_linear_cross_entropy(const ops::LinearCrossEntropyParams& p, bool backward);
+
 }  // namespace forge::cuda

@@ -351,6 +351,8 @@ void launch(const Args& args, unsigned grid) {
 
 }  // namespace
 
+void check_fp8_block_gemm(const ops::Fp8GemmParams& p) { check_parameters(p); }
+
 void fp8_block_gemm(const ops::Fp8GemmParams& p) {
   check_parameters(p);
   if (!available()) fail_block(describe_device());

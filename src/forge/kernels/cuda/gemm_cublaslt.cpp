@@ -311,11 +311,15 @@ void check_output(const char* op, DType c_dtype, DType operand_dtype, const void
 
 }  // namespace
 
-void gemm(const ops::GemmParams& p) {
+void check_gemm(const ops::GemmParams& p) {
   if (p.ab_dtype != DType::f32 && p.ab_dtype != DType::bf16)
     fail("gemm: operands must be fp32 or bf16 on CUDA, got {}", dtype_name(p.ab_dtype));
   check_shape("gemm", p.m, p.n, p.k, p.a, p.lda, p.trans_a, p.b, p.ldb, p.trans_b, p.c, p.ldc);
   check_output("gemm", p.c_dtype, p.ab_dtype, p.c);
+}
+
+void gemm(const ops::GemmParams& p) {
+  check_gemm(p);
   if (!available()) fail("gemm: {}", describe_device());  // "no usable GPU (...)"
   check_device_pointer("gemm", "a", p.a);
   check_device_pointer("gemm", "b", p.b);
@@ -328,16 +332,14 @@ void gemm(const ops::GemmParams& p) {
   engine.run(engine.plan(key), p.b, p.a, p.c, p.alpha, p.beta);
 }
 
-void fp8_gemm(const ops::Fp8GemmParams& p) {
-  // Parameters first (these need no GPU), then the device.
+void check_fp8_gemm(const ops::Fp8GemmParams& p) {
   if (p.accumulator_bits != 0)
     fail(
         "fp8_gemm: limited-precision accumulation (accumulator_bits = {}) is not implemented on CUDA yet (it "
         "is "
         "the CPU's model of the tensor cores)",
         p.accumulator_bits);
-  // Block scaling runs forge's own kernel (cuBLASLt's block-scaled modes take other scale layouts).
-  if (p.scaling == ops::Fp8Scaling::block) return fp8_block_gemm(p);
+  if (p.scaling == ops::Fp8Scaling::block) return check_fp8_block_gemm(p);  // forge's own kernel's limits
   if (!is_fp8(p.a_dtype) || !is_fp8(p.b_dtype))
     fail("fp8_gemm: a_dtype and b_dtype must be e4m3 or e5m2, got {} and {}", dtype_name(p.a_dtype),
          dtype_name(p.b_dtype));
@@ -369,6 +371,13 @@ void fp8_gemm(const ops::Fp8GemmParams& p) {
       (!p.b_scale_inv_ptr && !std::isfinite(p.b_scale_inv)))
     fail("fp8_gemm: per-tensor scale_inv must be finite, got a_scale_inv={} b_scale_inv={}", p.a_scale_inv,
          p.b_scale_inv);
+}
+
+void fp8_gemm(const ops::Fp8GemmParams& p) {
+  // Parameters first (these need no GPU), then the device.
+  check_fp8_gemm(p);
+  // Block scaling runs forge's own kernel (cuBLASLt's block-scaled modes take other scale layouts).
+  if (p.scaling == ops::Fp8Scaling::block) return fp8_block_gemm(p);
   static const int capability = compute_capability();  // a device-properties query: once
   if (capability < 89)
     fail("fp8_gemm needs FP8 tensor cores (compute capability 8.9 or newer): {}", describe_device());
