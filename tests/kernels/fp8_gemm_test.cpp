@@ -315,7 +315,7 @@ AccumulatorCase make_accumulator_case(int64_t k, int64_t size = 16) {
   return ac;
 }
 std::vector<float> run_limited(const AccumulatorCase& ac, int bits, int64_t promote_every,
-                               Fp8Scaling scaling = Fp8Scaling::per_tensor) {
+                               Fp8Scaling scaling = Fp8Scaling::per_tensor, bool fast_accumulation = false) {
   Fp8GemmParams p;
   p.m = ac.size, p.n = ac.size, p.k = ac.k;
   p.a = ac.a.data(), p.lda = ac.k;
@@ -326,6 +326,7 @@ std::vector<float> run_limited(const AccumulatorCase& ac, int bits, int64_t prom
   p.scaling = scaling, p.b_block = Fp8BlockScales::tile_1x128;
   p.a_scales = a_scales.data(), p.b_scales = b_scales.data();
   p.accumulator_bits = bits, p.promote_every = promote_every;
+  p.fast_accumulation = fast_accumulation;
   ops::fp8_gemm(p);
   return y;
 }
@@ -389,6 +390,19 @@ TEST(Fp8GemmAccumulator, BlockScalingPromotesWithinBlocks) {
   EXPECT_GT(every_128, 0);
   EXPECT_LT(every_128, 4 * std::ldexp(1.0, -12));
   EXPECT_LT(every_32, every_128);  // promoting after every sub-slice truncates only once per 32 products
+}
+
+// Fast accumulation (Hopper's FAST_ACCUM) is "never promote" in the accumulator model, nothing with exact
+// accumulation, and nothing under block scaling, whose promotion at every K-block applies the scales.
+TEST(Fp8GemmAccumulator, FastAccumulationNeverPromotesPerTensor) {
+  AccumulatorCase ac = make_accumulator_case(1024);
+  const auto fast = [&](int bits, int64_t every, Fp8Scaling scaling) {
+    return run_limited(ac, bits, every, scaling, /*fast_accumulation=*/true);
+  };
+  EXPECT_EQ(fast(0, 128, Fp8Scaling::per_tensor), run_limited(ac, 0, 128));
+  EXPECT_EQ(fast(12, 128, Fp8Scaling::per_tensor), run_limited(ac, 12, 0));
+  EXPECT_NE(fast(12, 128, Fp8Scaling::per_tensor), run_limited(ac, 12, 128));
+  EXPECT_EQ(fast(12, 64, Fp8Scaling::block), run_limited(ac, 12, 64, Fp8Scaling::block));
 }
 
 // ------------------------------------------------------------------------------------------------------------

@@ -298,6 +298,25 @@ TEST(Fp8Linear, LimitedAccumulatorChangesTheResultSlightly) {
   EXPECT_LT(err, 1e-2);
 }
 
+// forward_fast_accumulation (TransformerEngine's default) makes the forward GEMM accumulate without promotion,
+// and leaves the gradient GEMMs promoting: under the accumulator model, y is that of a Linear that never
+// promotes, dx and dW those of one that promotes every promote_every.
+TEST(Fp8Linear, FastAccumulationIsTheForwardsOnly) {
+  Fp8Options fast = options_for(Recipe::current);
+  fast.accumulator_bits = 10, fast.promote_every = 32;
+  ASSERT_TRUE(fast.forward_fast_accumulation);  // the default
+  Fp8Options promoting = fast, never = fast;
+  promoting.forward_fast_accumulation = never.forward_fast_accumulation = false;
+  never.promote_every = 0;
+  Fixture a(fast), b(promoting), c(never);
+  const Fixture::Result ra = a.step(), rb = b.step(), rc = c.step();
+  auto floats = [](const Tensor& t) { return std::vector<float>(t.f32(), t.f32() + t.numel()); };
+  EXPECT_EQ(floats(ra.y), floats(rc.y));
+  EXPECT_NE(floats(ra.y), floats(rb.y));
+  EXPECT_EQ(floats(ra.dx), floats(rb.dx));
+  EXPECT_EQ(ra.dw, rb.dw);
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // The current recipe against the host-scale path it replaced, bit for bit.
 

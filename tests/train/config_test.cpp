@@ -84,7 +84,7 @@ TEST(TrainConfig, DefaultTomlFileEqualsBuiltInDefaults) {
     ++keys;
     EXPECT_NE(line.find(" # "), std::string::npos) << "no comment: " << line;
   }
-  EXPECT_EQ(keys, 67);
+  EXPECT_EQ(keys, 68);
 }
 
 TEST(TrainConfig, DefaultTomlFileIsTheGeneratedText) {

@@ -119,6 +119,12 @@ struct Fp8GemmParams {
   Fp8BlockScales b_block = Fp8BlockScales::block_128x128;
   int accumulator_bits = 0;     // 0 = exact fp32 accumulation; else 1..23 mantissa bits
   int64_t promote_every = 128;  // elements of K between promotions to fp32 (limited accumulation only)
+  // Per-tensor scaling only: Hopper's fast accumulation. The tensor cores' partial sums are never promoted to
+  // fp32 inside K (cuBLASLt's FAST_ACCUM): faster, less exact; TransformerEngine's choice for forward GEMMs
+  // (gradients promote). The CPU model with accumulator_bits > 0 then accumulates the whole K in limited
+  // precision, as promote_every = 0; with exact accumulation it changes nothing. Block scaling ignores it: its
+  // promotion at every K-block is where the block scales apply.
+  bool fast_accumulation = false;
 };
 
 // RMSNorm over the last dimension: y = w * x * rstd, rstd = 1/sqrt(mean(x^2) + eps), kept for backward.

@@ -36,6 +36,9 @@ struct Fp8Options {
   // CPU emulation of the FP8 tensor cores' limited accumulator (ops::Fp8GemmParams): 0 = exact fp32.
   int accumulator_bits = 0;
   int64_t promote_every = 128;
+  // Forward GEMMs (per-tensor recipes) accumulate without promotion to fp32 (ops::Fp8GemmParams::
+  // fast_accumulation): TransformerEngine's default, faster on Hopper; the gradient GEMMs always promote.
+  bool forward_fast_accumulation = true;
   // Models keep their first and last this many transformer layers out of FP8 (their GEMMs in the GEMM dtype).
   int64_t bf16_first_layers = 0, bf16_last_layers = 0;
 };

@@ -208,6 +208,7 @@ Tensor Linear::forward(GemmOperand& x) const {
   }
   const Fp8Weight& w = fp8_weight();
   ops::Fp8GemmParams p = fp8_params(fp8_->options());
+  p.fast_accumulation = fp8_->options().forward_fast_accumulation;  // forward only (block scaling ignores it)
   p.m = rows, p.n = out_, p.k = in_;
   p.a = codes(x.data), p.lda = in_, p.a_dtype = x.data.dtype();
   p.b = codes(w.q), p.ldb = in_, p.trans_b = true, p.b_dtype = w.q.dtype();

@@ -213,6 +213,12 @@ const std::vector<KeySpec>& key_specs() {
        FORGE_FIELD(fp8.promote_every),
        "with accumulator_bits: K elements between promotions to fp32",
        {}},
+      {"fp8",
+       "forward_fast_accumulation",
+       FORGE_FIELD(fp8.forward_fast_accumulation),
+       "delayed, current: forward GEMMs accumulate without promotion to fp32 (Hopper's fast accumulation, as "
+       "TransformerEngine); gradient GEMMs always promote",
+       {}},
 
       {"eval", "every", FORGE_FIELD(eval.every), "evaluate every this many steps (0 = only at the end)", {}},
       {"eval", "batches", FORGE_FIELD(eval.batches), "held-out micro-batches per evaluation", {}},
@@ -678,6 +684,7 @@ std::optional<nn::Fp8Options> TrainConfig::fp8_options() const {
   o.save_fp8_inputs = fp8.save_fp8_inputs;
   o.accumulator_bits = static_cast<int>(fp8.accumulator_bits);
   o.promote_every = fp8.promote_every;
+  o.forward_fast_accumulation = fp8.forward_fast_accumulation;
   nn::validate(o);
   return o;
 }

@@ -114,6 +114,7 @@ struct TrainConfig {
     bool save_fp8_inputs = true;
     int64_t accumulator_bits = 0;  // 0 = exact fp32 accumulation
     int64_t promote_every = 128;
+    bool forward_fast_accumulation = true;
     bool operator==(const Fp8&) const = default;
   };
 

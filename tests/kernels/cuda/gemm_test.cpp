@@ -11,6 +11,7 @@
 #include <random>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "forge/core/dtype.h"
@@ -447,12 +448,17 @@ TEST_P(CudaFp8Gemm, MatchesCpuEmulationExactlyUpToScaling) {
   if (!cuda::available()) GTEST_SKIP() << cuda::describe_device();
   if (cuda::compute_capability() < 89) GTEST_SKIP() << "no FP8 tensor cores: " << cuda::describe_device();
   const Fp8Case fc = GetParam();
-  const Fp8Problem f = make_fp8(48, 80, 160, fc.a, fc.b, fc.alpha, fc.beta, 16, true, 61);
-  std::vector<float> before;
-  const auto got = run_fp8_cuda(f, &before);
-  const auto want = run_fp8_cpu(f);
-  // The integer sums are exact on both sides; scale, alpha and beta cost a few roundings each.
-  expect_close(got, want, before, fp8_magnitudes(f), f.p.m, f.p.n, f.p.ldc, std::ldexp(16.0, -24));
+  Fp8Problem f = make_fp8(48, 80, 160, fc.a, fc.b, fc.alpha, fc.beta, 16, true, 61);
+  // The integer sums (|sum| <= 160 x 16 < 2^12) are exact on both sides, with or without fast accumulation
+  // (no promotion: the tensor cores' accumulator keeps them whole); scale, alpha and beta cost a few roundings.
+  for (bool fast : {false, true}) {
+    SCOPED_TRACE(fast ? "fast accumulation" : "promoted accumulation");
+    f.p.fast_accumulation = fast;
+    std::vector<float> before;
+    const auto got = run_fp8_cuda(f, &before);
+    const auto want = run_fp8_cpu(f);
+    expect_close(got, want, before, fp8_magnitudes(f), f.p.m, f.p.n, f.p.ldc, std::ldexp(16.0, -24));
+  }
 }
 
 std::string fp8_case_name(const ::testing::TestParamInfo<Fp8Case>& info) {
@@ -471,8 +477,12 @@ INSTANTIATE_TEST_SUITE_P(DTypes, CudaFp8Gemm,
 TEST(CudaFp8GemmData, SpreadValuesAgreeWithinTensorCoreAccumulation) {
   if (!cuda::available()) GTEST_SKIP() << cuda::describe_device();
   if (cuda::compute_capability() < 89) GTEST_SKIP() << "no FP8 tensor cores: " << cuda::describe_device();
-  for (DType b_dtype : {DType::e4m3, DType::e5m2}) {
-    const Fp8Problem f = make_fp8(64, 96, 512, DType::e4m3, b_dtype, 1, 0, 0, false, 71);
+  for (const auto& [b_dtype, fast] : {std::pair{DType::e4m3, false}, std::pair{DType::e5m2, false},
+                                       std::pair{DType::e4m3, true}, std::pair{DType::e5m2, true}}) {
+    Fp8Problem f = make_fp8(64, 96, 512, DType::e4m3, b_dtype, 1, 0, 0, false, 71);
+    // Fast accumulation (no promotion) truncates the running sum at each of the 16 MMA steps of K = 512: still
+    // within the per-element bound below, and a larger Frobenius error than promotion's, printed.
+    f.p.fast_accumulation = fast;
     const auto got = run_fp8_cuda(f);
     const auto want = run_fp8_cpu(f);
     const auto mag = fp8_magnitudes(f);
@@ -489,8 +499,8 @@ TEST(CudaFp8GemmData, SpreadValuesAgreeWithinTensorCoreAccumulation) {
       }
     const double relative = std::sqrt(err2 / ref2);
     std::printf(
-        "fp8 e4m3x%s k=512 spread data: relative Frobenius error %.3g, worst |error|/magnitude %.3g\n",
-        std::string(dtype_name(b_dtype)).c_str(), relative, worst);
+        "fp8 e4m3x%s k=512 spread data%s: relative Frobenius error %.3g, worst |error|/magnitude %.3g\n",
+        std::string(dtype_name(b_dtype)).c_str(), fast ? " (fast accumulation)" : "", relative, worst);
     EXPECT_LT(relative, 5e-3);
   }
 }

@@ -134,7 +134,7 @@ void fp8_gemm_f32(const ops::Fp8GemmParams& p) {
   // Elements of K summed before the fp32 accumulator takes them: the scaling block when exact (the whole of K
   // without block scales), the promotion interval when the accumulator is limited.
   int64_t interval = block ? ops::kFp8BlockSize : k;
-  if (bits > 0 && p.promote_every > 0) interval = p.promote_every;
+  if (bits > 0 && p.promote_every > 0 && (block || !p.fast_accumulation)) interval = p.promote_every;
   const int64_t k_blocks = (k + ops::kFp8BlockSize - 1) / ops::kFp8BlockSize;
   const int64_t n_blocks = (n + ops::kFp8BlockSize - 1) / ops::kFp8BlockSize;
 

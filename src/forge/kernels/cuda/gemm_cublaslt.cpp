@@ -39,11 +39,11 @@
 // itself, so no host memory has to outlive the call) and only when it changes. The pointers are set on the
 // cached descriptor per call (a host-side attribute write, skipped when unchanged; the descriptor is read
 // when cublasLtMatmul enqueues, under the engine's mutex). Because cuBLASLt's A is forge's B, A_SCALE_POINTER
-// points to b's scale_inv and B_SCALE_POINTER to a's. FAST_ACCUM stays off: cuBLASLt
-// then promotes the tensor cores' partial sums to fp32 periodically. Within such an interval Hopper
-// accumulates FP8 products in less than fp32 precision, so on arbitrary data results match the emulated CPU
-// GEMM to a few 2^-13 of the summed magnitudes, and exactly (up to fp32 rounding of the scales) where the
-// partial sums are exact (small integers). No amax epilogue: with FP8 inputs cuBLASLt computes AMAX_D only
+// points to b's scale_inv and B_SCALE_POINTER to a's. FAST_ACCUM is Fp8GemmParams::fast_accumulation (part
+// of the plan): off, cuBLASLt promotes the tensor cores' partial sums to fp32 periodically. Within such an
+// interval Hopper accumulates FP8 products in less than fp32 precision, so on arbitrary data results match the
+// emulated CPU GEMM to a few 2^-13 of the summed magnitudes, and exactly (up to fp32 rounding of the scales)
+// where the partial sums are exact (small integers); on, nothing is promoted (TransformerEngine's forward). No amax epilogue: with FP8 inputs cuBLASLt computes AMAX_D only
 // for FP8 outputs, and ops' FP8 GEMM writes fp32 or bf16 (an amax of C, where a recipe wants one, is a
 // separate pass).
 //
@@ -115,16 +115,17 @@ struct PlanKey {
   bool trans_a, trans_b;
   int64_t m, n, k, lda, ldb, ldc;
   uint32_t align_a, align_b, align_c;
+  bool fast_accumulation = false;  // FP8 only
   auto tie() const {
     return std::tie(a_dtype, b_dtype, c_dtype, trans_a, trans_b, m, n, k, lda, ldb, ldc, align_a, align_b,
-                    align_c);
+                    align_c, fast_accumulation);
   }
   bool operator<(const PlanKey& o) const { return tie() < o.tie(); }
   std::string describe() const {
     return fmt::format(
-        "{}x{} -> {} {} m={} n={} k={} lda={} ldb={} ldc={} (pointer alignment a={} b={} c={} bytes)",
+        "{}x{} -> {} {} m={} n={} k={} lda={} ldb={} ldc={} (pointer alignment a={} b={} c={} bytes){}",
         dtype_name(a_dtype), dtype_name(b_dtype), dtype_name(c_dtype), orientation(trans_a, trans_b), m, n, k,
-        lda, ldb, ldc, align_a, align_b, align_c);
+        lda, ldb, ldc, align_a, align_b, align_c, fast_accumulation ? ", fast accumulation" : "");
   }
 };
 
@@ -225,7 +226,7 @@ class Engine {
       // The scale pointers start at the scratch (the heuristic sees an FP8 descriptor with scales); each call
       // points them where its scales are (set_scale_pointers).
       set_scale_pointers(p, scales_, scales_ + 1);
-      const int8_t fast_accumulation = 0;
+      const int8_t fast_accumulation = key.fast_accumulation ? 1 : 0;
       FORGE_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM,
                                                           &fast_accumulation, sizeof fast_accumulation));
     }
@@ -386,8 +387,9 @@ void fp8_gemm(const ops::Fp8GemmParams& p) {
   check_device_pointer("fp8_gemm", "c", p.c);
   if (p.a_scale_inv_ptr) check_device_pointer("fp8_gemm", "a_scale_inv_ptr", p.a_scale_inv_ptr);
   if (p.b_scale_inv_ptr) check_device_pointer("fp8_gemm", "b_scale_inv_ptr", p.b_scale_inv_ptr);
-  const PlanKey key{p.a_dtype, p.b_dtype, p.c_dtype, p.trans_a,      p.trans_b,      p.m,           p.n, p.k,
-                    p.lda,     p.ldb,     p.ldc,     alignment(p.a), alignment(p.b), alignment(p.c)};
+  const PlanKey key{p.a_dtype,      p.b_dtype,      p.c_dtype,      p.trans_a, p.trans_b,          p.m, p.n, p.k,
+                    p.lda,          p.ldb,          p.ldc,          alignment(p.a), alignment(p.b), alignment(p.c),
+                    p.fast_accumulation};
   Engine& engine = Engine::get();
   std::lock_guard<std::mutex> lock(engine.mutex);
   Plan& plan = engine.plan(key);
