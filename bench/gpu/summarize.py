@@ -67,6 +67,8 @@ def kind(op):
         return "FP8 casts"
     if op in ("adamw", "sum_squares", "sum_squares_accumulate", "scale_inplace"):
         return "optimizer"
+    if op in ("memset", "copy"):
+        return "memset/copy"
     return "other ops"
 
 
@@ -74,17 +76,17 @@ def profiles(rows):
     runs = [r for r in rows if r.get("engine") == "forge" and "profile" in r]
     if not runs:
         return
-    kinds = ["GEMM", "loss head", "attention", "FP8 casts", "optimizer", "other ops"]
-    print("where a step goes (ms per step from one profiled step; unattributed = the GPU idle, copies, memsets):")
-    print("  " + f"{'run':<22}" + "".join(f"{k:>11}" for k in kinds) + f"{'unattrib.':>11}{'wall':>10}")
+    kinds = ["GEMM", "loss head", "attention", "FP8 casts", "optimizer", "memset/copy", "other ops"]
+    print("where a step goes (ms per step from one profiled step; unattributed = the GPU idle or in collectives):")
+    print("  " + f"{'run':<22}" + "".join(f"{k:>12}" for k in kinds) + f"{'unattrib.':>12}{'wall':>10}")
     for r in runs:
         p = r["profile"]
         by_kind = {k: 0.0 for k in kinds}
         for row in p["rows"]:
             by_kind[kind(row["op"])] += row["seconds"]
         name = ("bf16" if r["fp8"] == "off" else f"fp8 {r['fp8']}") + f" accum {r.get('grad_accum', 1)}"
-        print("  " + f"{name:<22}" + "".join(f"{1e3 * by_kind[k]:>11.1f}" for k in kinds) +
-              f"{1e3 * max(0.0, p['wall_seconds'] - p['op_seconds']):>11.1f}{1e3 * p['wall_seconds']:>10.1f}")
+        print("  " + f"{name:<22}" + "".join(f"{1e3 * by_kind[k]:>12.1f}" for k in kinds) +
+              f"{1e3 * max(0.0, p['wall_seconds'] - p['op_seconds']):>12.1f}{1e3 * p['wall_seconds']:>10.1f}")
     # FP8 runs only the transformer layers' Linears; on this 4-layer cut the bf16 loss head holds 38% of the matmul
     # FLOPs, which bounds the step's speed-up. The layers' own ratio (the step minus its loss head) is what a
     # full-depth model, whose head weighs little, would see.

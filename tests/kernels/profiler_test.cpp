@@ -9,7 +9,10 @@
 #include <string>
 #include <vector>
 
+#include "forge/core/device.h"
 #include "forge/core/error.h"
+#include "forge/core/tensor.h"
+#include "forge/kernels/emulated_device.h"
 #include "forge/kernels/ops.h"
 #include "op_harness.h"
 
@@ -178,6 +181,31 @@ TEST(Profiler, AnOpThatFailsIsCountedAndTheProfileStaysUsable) {
   ASSERT_TRUE(row) << ops::format_profile(profile);
   EXPECT_EQ(row->calls, 1);
   EXPECT_TRUE(find_row(profile, "amax", "n=0"));
+}
+
+// On a device, memsets and copies through its memory interface are rows too (here the device emulation's,
+// which the profile wraps and then puts back).
+TEST(Profiler, DeviceMemsetsAndCopiesAreRows) {
+  ProfileGuard guard;
+  EmulatedDevice emulation;
+  const DeviceMemory* before = &device_memory(Device::cuda);
+  std::vector<float> host(256, 1.0f);
+  ops::profile_begin(Device::cuda);
+  {
+    Tensor d = Tensor::zeros({256}, DType::f32, Device::cuda);
+    device_memory(Device::cuda).copy(d.raw(), Device::cuda, host.data(), Device::cpu, 1024);
+    device_memory(Device::cuda).copy(host.data(), Device::cpu, d.raw(), Device::cuda, 1024);
+    ops::scale_inplace(d.f32(), 2.0f, 256, Device::cuda);
+  }
+  const ops::OpProfile profile = ops::profile_end();
+  EXPECT_EQ(&device_memory(Device::cuda), before);
+  const ops::OpProfileRow* memset = find_row(profile, "memset", "device");
+  const ops::OpProfileRow* up = find_row(profile, "copy", "host -> device");
+  const ops::OpProfileRow* down = find_row(profile, "copy", "device -> host");
+  ASSERT_TRUE(memset && up && down && find_row(profile, "scale_inplace", "n=256")) << ops::format_profile(profile);
+  EXPECT_EQ(memset->bytes, 1024);
+  EXPECT_EQ(up->calls, 1);
+  EXPECT_EQ(down->bytes, 1024);
 }
 
 TEST(Profiler, MisuseIsOneLine) {

@@ -1,5 +1,7 @@
 #include "forge/core/device.h"
 
+#include <utility>
+
 namespace forge {
 
 #ifdef FORGE_HAVE_CUDA
@@ -22,9 +24,9 @@ namespace {
 const DeviceMemory* g_override = nullptr;  // Device::cuda's replacement (one non-host device kind exists)
 }  // namespace
 
-void override_device_memory(Device device, const DeviceMemory* memory) {
+const DeviceMemory* override_device_memory(Device device, const DeviceMemory* memory) {
   FORGE_CHECK(device != Device::cpu, "override_device_memory: the host's memory has no device interface");
-  g_override = memory;
+  return std::exchange(g_override, memory);
 }
 
 const DeviceMemory& device_memory(Device device) {

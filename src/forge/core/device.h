@@ -35,8 +35,10 @@ struct DeviceMemory {
 const DeviceMemory& device_memory(Device device);
 // Replaces the memory interface of a (non-host) device, null to restore its backend's: how the device
 // emulation of kernels/emulated_device.h runs a device's code paths on a machine without one. The device is
-// then usable. Not thread-safe with respect to running work: install before, remove after.
-void override_device_memory(Device device, const DeviceMemory* memory);
+// then usable. Returns the replacement it displaces (null: none), so that overrides nest (the op profiler times
+// copies and memsets this way, over the backend's interface or an emulation's). Not thread-safe with respect to
+// running work: install before, remove after.
+const DeviceMemory* override_device_memory(Device device, const DeviceMemory* memory);
 // Whether the device's backend is built in and a device is usable (false for the CPU: it needs no backend).
 bool device_usable(Device device);
 const char* device_name(Device device);

@@ -103,6 +103,10 @@ struct State {
   std::mutex mutex;
   Device device = Device::cpu;
   const OpTable* inner = nullptr;  // the device's own table
+  // A device's memsets and copies are timed too: the profile puts a timing interface over the device's memory
+  // interface (inner_memory), displacing `displaced` (an emulation's, or null for the backend's) until it ends.
+  const DeviceMemory* inner_memory = nullptr;
+  const DeviceMemory* displaced = nullptr;
   bool events = false;             // time on the CUDA stream (the CUDA backend's table; not an emulation)
   Clock::time_point begin;
   std::map<Key, size_t, KeyLess> index;
@@ -318,6 +322,36 @@ void drain(Device device) {
   if (device != Device::cpu) device_memory(device).synchronize();
 }
 
+const DeviceMemory& inner_memory() { return *state().inner_memory; }
+
+const char* direction(Device dst, Device src) {
+  return dst == Device::cpu ? "device -> host" : src == Device::cpu ? "host -> device" : "device -> device";
+}
+
+// The device memory interface while a profile is open: memsets and copies timed like ops, the rest forwarded.
+const DeviceMemory& timing_memory() {
+  static const DeviceMemory memory{
+      "profiled",
+      [](size_t bytes) { return inner_memory().alloc(bytes); },
+      [](void* p) { inner_memory().free(p); },
+      [](void* p, size_t bytes) {
+        timed("memset", [&] { return Cost{"device", 0, static_cast<double>(bytes)}; },
+              [&] { inner_memory().zero(p, bytes); });
+      },
+      [](void* dst, Device dst_device, const void* src, Device src_device, size_t bytes) {
+        timed("copy", [&] { return Cost{direction(dst_device, src_device), 0, static_cast<double>(bytes)}; },
+              [&] { inner_memory().copy(dst, dst_device, src, src_device, bytes); });
+      },
+      [] { inner_memory().synchronize(); },
+      [] { return inner_memory().device_count(); },
+      [](int ordinal) { inner_memory().select_device(ordinal); },
+      [] { return inner_memory().stream(); },
+      [] { return inner_memory().peak_allocated(); },
+      [] { inner_memory().reset_peak(); },
+  };
+  return memory;
+}
+
 }  // namespace
 
 const OpTable* profiled_table(Device device) {
@@ -337,6 +371,10 @@ void profile_begin(Device device) {
   s.events = &own == &cuda_table();
 #endif
   s.index.clear(), s.rows.clear();
+  if (device != Device::cpu) {
+    s.inner_memory = &device_memory(device);
+    s.displaced = override_device_memory(device, &timing_memory());
+  }
   s.begin = Clock::now();
   g_profiled.store(static_cast<int>(device));
 }
@@ -348,6 +386,7 @@ OpProfile profile_end() {
   OpProfile out;
   out.device = s.device;
   drain(s.device);
+  if (s.device != Device::cpu) override_device_memory(s.device, s.displaced);
   out.wall_seconds = std::chrono::duration<double>(Clock::now() - s.begin).count();
   std::lock_guard lock(s.mutex);
 #ifdef FORGE_HAVE_CUDA
@@ -405,8 +444,8 @@ std::string format_profile(const OpProfile& profile, int steps, double min_share
   const double unattributed = std::max(0.0, profile.wall_seconds - profile.op_seconds);
   out += fmt::format("  {:>9.3f} {:>5.1f}% {:>6} {:>8} {:>7}  unattributed: {}\n", 1e3 * unattributed / steps,
                      100 * unattributed / wall, "", "", "",
-                     gpu ? "the device idle or in copies, memsets and collectives"
-                         : "host work outside the ops: copies, memsets, collectives, bookkeeping");
+                     gpu ? "the device idle (waiting for the host) or in collectives"
+                         : "host work outside the ops: memsets, collectives, data, bookkeeping");
   return out;
 }
 
