@@ -32,7 +32,9 @@ class DeviceBackendTest : public ::testing::TestWithParam<DeviceBackend> {
     emulation_.emplace();
   }
   void TearDown() override {
-    if (emulation_) EXPECT_EQ(EmulatedDevice::live_allocations(), 0) << "device memory outlived the test";
+    if (emulation_) {
+      EXPECT_EQ(EmulatedDevice::live_allocations(), 0) << "device memory outlived the test";
+    }
     emulation_.reset();
   }
   bool emulated() const { return GetParam() == DeviceBackend::emulated; }

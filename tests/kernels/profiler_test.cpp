@@ -84,7 +84,9 @@ TEST(Profiler, GroupsCallsByShapeAndForwardsToTheBackend) {
   double sum = 0;
   for (size_t i = 0; i < profile.rows.size(); ++i) {
     EXPECT_GE(profile.rows[i].seconds, 0);
-    if (i > 0) EXPECT_GE(profile.rows[i - 1].seconds, profile.rows[i].seconds) << "rows sorted by time";
+    if (i > 0) {
+      EXPECT_GE(profile.rows[i - 1].seconds, profile.rows[i].seconds) << "rows sorted by time";
+    }
     sum += profile.rows[i].seconds;
   }
   EXPECT_DOUBLE_EQ(profile.op_seconds, sum);

@@ -355,7 +355,9 @@ void data_parallel_on_gpus_follows_the_one_rank_run(TrainerRuns& t, bool emulate
           << "step " << s + 1 << " zero " << zero;
     }
   }
-  if (emulation) EXPECT_EQ(EmulatedDevice::live_allocations(), 0);
+  if (emulation) {
+    EXPECT_EQ(EmulatedDevice::live_allocations(), 0);
+  }
 }
 
 TEST_F(TrainerRuns, DataParallelOnGpusFollowsTheOneRankRun) { data_parallel_on_gpus_follows_the_one_rank_run(*this, false); }
@@ -385,7 +387,9 @@ void tensor_parallel_on_gpus_follows_the_one_rank_run(TrainerRuns& t, bool emula
   const double tolerance = emulated ? 2e-5 : 2e-3;
   for (size_t s = 0; s < want.losses.size(); ++s)
     EXPECT_NEAR(got.losses[s], want.losses[s], tolerance * want.losses[s]) << "step " << s + 1;
-  if (emulation) EXPECT_EQ(EmulatedDevice::live_allocations(), 0);
+  if (emulation) {
+    EXPECT_EQ(EmulatedDevice::live_allocations(), 0);
+  }
 }
 
 TEST_F(TrainerRuns, TensorParallelOnGpusFollowsTheOneRankRun) {

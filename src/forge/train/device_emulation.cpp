@@ -1,5 +1,6 @@
 #include "forge/train/device_emulation.h"
 
+#include <cstdlib>
 #include <memory>
 #include <span>
 #include <string>
@@ -74,7 +75,10 @@ class EmulatedDeviceCommunicator final : public comm::Communicator {
     return std::make_unique<EmulatedDeviceCommunicator>(std::move(child), std::move(name));
   }
 
-  [[noreturn]] void abort(const std::string& message) override { host_->abort(message); }
+  [[noreturn]] void abort(const std::string& message) override {
+    host_->abort(message);
+    std::abort();  // not reached: the host communicator's abort ends the job
+  }
 
  private:
   // NCCL reads and writes device memory only: a host buffer here is the bug a GPU run would hit.
