@@ -8,6 +8,8 @@
 #   bench/gpu/run_all.sh bench train peer    kernel benchmarks (at most 4 min), training steps (at most 5 min),
 #                                            PyTorch peers (at most 3 min; about 1)
 #   bench/gpu/run_all.sh                     everything (over 10 minutes: not for one device-tool command)
+#   BUILD=build bench/gpu/run_all.sh dry     no GPU: the training commands as dry runs of the device emulation
+#                                            (about a minute each on 2 cores), before a lease
 #   PREBUILT=build-gpubundle bench/gpu/run_all.sh test bench train peer
 #                                            no build: the binaries of a bundle made here by bench/gpu/bundle.sh
 #                                            (for a machine without forge's build dependencies; carry the bundle)
@@ -50,10 +52,11 @@ test_status="not run"
 bench_status="not run"
 train_status="not run"
 peer_status="not run"
+dry_status="not run"
 summary() {
-  printf '\n== summary (t+%ss, stages: %s): build %s, tests %s, benchmarks %s, training %s, peers %s; log %s\n' \
+  printf '\n== summary (t+%ss, stages: %s): build %s, tests %s, benchmarks %s, training %s, peers %s, dry runs %s; log %s\n' \
     "$(($(date +%s) - start))" "$STAGES" "$build_status" "$test_status" "$bench_status" "$train_status" \
-    "$peer_status" "$LOG"
+    "$peer_status" "$dry_status" "$LOG"
 }
 trap summary EXIT
 
@@ -80,6 +83,8 @@ if [[ -n $PREBUILT ]]; then
 else
   BIN=$BUILD/bin
 fi
+# The training runs (FP8 recipe, micro-batches per step) of the train stage, and of the dry stage.
+TRAIN_RUNS=("off 1" "off $TRAIN_ACCUM" "delayed $TRAIN_ACCUM" "current $TRAIN_ACCUM" "block $TRAIN_ACCUM")
 TARGETS="test_cuda test_comm_nccl forge_gpubench forge_gpubench_attention forge_gpubench_fp8block forge_gpubench_fp8cast forge_cli"
 
 if want build && [[ -z $PREBUILT ]]; then
@@ -170,7 +175,7 @@ if want train; then
   : >"$OUT/train.jsonl"
   # Each FP8 recipe and bf16 with $TRAIN_ACCUM micro-batches per optimizer step (as training accumulates), and
   # bf16 with one (the optimizer's pass over 1.9 billion parameters then weighs on every 8192 tokens).
-  for run in "off 1" "off $TRAIN_ACCUM" "delayed $TRAIN_ACCUM" "current $TRAIN_ACCUM" "block $TRAIN_ACCUM"; do
+  for run in "${TRAIN_RUNS[@]}"; do
     read -r recipe accum <<<"$run"
     stage "training step, LLaMA-3-8B shape (4 layers), $accum x batch $TRAIN_BATCH x 4096, fp8 $recipe"
     status=0
@@ -183,6 +188,23 @@ if want train; then
     ((status == 0)) || failures+=("fp8 $recipe x$accum (exit $status)")
   done
   ((${#failures[@]})) && train_status="FAILED: ${failures[*]}" || train_status="ok"
+fi
+if want dry; then
+  # No GPU needed: the train stage's exact commands as dry runs of the device emulation (docs/cuda.md): every op
+  # checks its pointers and the CUDA kernels' parameter limits without computing, and host code that touches
+  # device memory faults. For a CPU machine before a lease: BUILD=build bench/gpu/run_all.sh dry
+  failures=()
+  for run in "${TRAIN_RUNS[@]}"; do
+    read -r recipe accum <<<"$run"
+    stage "dry run on the host: LLaMA-3-8B shape (4 layers), $accum x batch $TRAIN_BATCH x 4096, fp8 $recipe"
+    status=0
+    FORGE_EMULATE_DEVICE=dry timeout 600 "$BIN/forge" bench --model bench/gpu/llama3-8b-4layers.json --device cuda \
+      --batch "$TRAIN_BATCH" --grad-accum "$accum" --seq 4096 --warmup 0 --steps 1 --fp8 "$recipe" \
+      >"$SCRATCH/dry_$recipe.txt" 2>&1 || status=$?
+    grep -E "^forge: (dry run|error)|host code touched" "$SCRATCH/dry_$recipe.txt" || tail -5 "$SCRATCH/dry_$recipe.txt"
+    ((status == 0)) || failures+=("fp8 $recipe x$accum (exit $status)")
+  done
+  ((${#failures[@]})) && dry_status="FAILED: ${failures[*]}" || dry_status="ok"
 fi
 if want peer; then
   if command -v python3 >/dev/null && python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
@@ -211,7 +233,8 @@ if want bench || want train || want peer; then
   stage "summary of the measurements"
   command -v python3 >/dev/null && python3 bench/gpu/summarize.py "$OUT" || echo "(python3 missing: see the JSON lines)"
 fi
-[[ $test_status != FAILED* && $bench_status != FAILED* && $train_status != FAILED* && $peer_status != FAILED* ]]
+[[ $test_status != FAILED* && $bench_status != FAILED* && $train_status != FAILED* && $peer_status != FAILED* &&
+  $dry_status != FAILED* ]]
 }
 
 # main's output goes to the terminal and the log; the script's exit status is main's (pipefail).
