@@ -418,10 +418,16 @@ std::string format_profile(const OpProfile& profile, int steps, double min_share
   // GPUs in TFLOP/s, CPUs in GFLOP/s: three significant digits either way.
   const double flop_unit = gpu ? 1e12 : 1e9;
   const double wall = profile.wall_seconds > 0 ? profile.wall_seconds : 1;
-  std::string out = fmt::format("op profile ({}, {} step{}): wall {:.2f} ms/step, ops {:.2f} ms/step ({:.1f}%)\n",
-                                device_name(profile.device), steps, steps == 1 ? "" : "s",
-                                1e3 * profile.wall_seconds / steps, 1e3 * profile.op_seconds / steps,
-                                100 * profile.op_seconds / wall);
+  // The FLOPs the ops executed (recomputation included) over the wall time: the hardware FLOP rate, beside which
+  // the model FLOP rate (MFU's numerator) shows what recomputation and uncounted work cost.
+  double flops = 0;
+  for (const OpProfileRow& r : profile.rows) flops += r.flops;
+  std::string out = fmt::format(
+      "op profile ({}, {} step{}): wall {:.2f} ms/step, ops {:.2f} ms/step ({:.1f}%), {:.4g} {} executed per "
+      "step, {:.4g} {}/s over the wall\n",
+      device_name(profile.device), steps, steps == 1 ? "" : "s", 1e3 * profile.wall_seconds / steps,
+      1e3 * profile.op_seconds / steps, 100 * profile.op_seconds / wall, flops / steps / flop_unit,
+      gpu ? "TFLOP" : "GFLOP", flops / wall / flop_unit, gpu ? "TFLOP" : "GFLOP");
   out += fmt::format("  {:>9} {:>6} {:>6} {:>8} {:>7}  {:<30} {}\n", "ms/step", "share", "calls",
                      gpu ? "TFLOP/s" : "GFLOP/s", "GB/s", "op", "detail");
   auto rate = [](double amount, double seconds, double unit) {
