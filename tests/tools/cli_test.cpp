@@ -123,7 +123,7 @@ TEST_F(Cli, CtrlCSavesACheckpointAndExits130) {
 TEST_F(Cli, BenchDeviceAndFp8Refusals) {
   const std::string kDefaultModel =
       (std::filesystem::path(FORGE_FIXTURE_DIR).parent_path().parent_path() / "configs/llama-default.json").string();
-  for (const char* bad : {" --fp8 e4m3", " --device tpu", " --grad-accum 0"}) {  // usage errors: CLI11's exit status, one line
+  for (const char* bad : {" --fp8 e4m3", " --device tpu", " --grad-accum 0", " --profile-steps -1"}) {  // usage errors: CLI11's exit status, one line
     const Outcome o = run_forge("bench --model " + kDefaultModel + bad);
     EXPECT_NE(o.status, 0) << o.output;
     EXPECT_EQ(o.output.rfind("forge: error: --", 0), 0u) << o.output;

@@ -75,7 +75,7 @@ int run_bench(const BenchOptions& o) {
   if (r.profile) std::printf("%s", ops::format_profile(*r.profile, r.profile_steps).c_str());
   if (!r.profile_error.empty()) {
     // The timed result above stands; the profile did not.
-    std::fprintf(stderr, "forge bench: the op profile failed: %s\n", r.profile_error.c_str());
+    std::fprintf(stderr, "forge: error: bench: the op profile failed: %s\n", r.profile_error.c_str());
     return 1;
   }
   return 0;
