@@ -47,20 +47,21 @@ class ShardedTest : public ::testing::Test {
   template <typename Drop>
   void save_as(const std::string& dir, const SimLayout& layout, const std::vector<SimTensor>& tensors,
                Drop drop) {
-    const std::vector<std::string> previous = begin_checkpoint_save(dir);
+    const std::string staging = begin_checkpoint_save(dir);
     std::vector<ShardFile> shards;
     for (int r = 0; r < layout.world(); ++r) {
       std::vector<LocalTensor> locals = rank_tensors(tensors, layout, r % layout.tp, r / layout.tp, true);
       std::vector<ShardPiece> pieces;
       for (LocalTensor& l : locals)
         if (!drop(r, l.tensor.name)) pieces.push_back(l.piece());
-      shards.push_back(write_checkpoint_shard(dir, r, layout.world(), pieces));
+      shards.push_back(write_checkpoint_shard(staging, r, layout.world(), pieces));
     }
     CheckpointState state;
     state.step = 7;
     state.layout = layout.json();
     state.extra = {{"tokens_seen", 1234}};
-    write_checkpoint_manifest(dir, shards, state, previous);
+    write_checkpoint_manifest(staging, shards, state);
+    commit_checkpoint(staging, dir);
   }
   void save_as(const std::string& dir, const SimLayout& layout, const std::vector<SimTensor>& tensors) {
     save_as(dir, layout, tensors, [](int, const std::string&) { return false; });
@@ -132,7 +133,7 @@ TEST_F(ShardedTest, ManifestListsFilesAndPieces) {
   save_as(path("m"), layout, toy_tensors());
   const json manifest = pretrained_testing::read_json(path("m") + "/manifest.json");
   EXPECT_EQ(manifest["format"], "forge-checkpoint");
-  EXPECT_EQ(manifest["version"], 2);
+  EXPECT_EQ(manifest["version"], 3);
   EXPECT_EQ(manifest["step"], 7);
   EXPECT_EQ(manifest["world_size"], 4);
   EXPECT_EQ(manifest["layout"], layout.json());
@@ -248,15 +249,16 @@ TEST_F(ShardedTest, ParameterStoresSplitOverRanksLoadAsOneModel) {
   std::vector<std::unique_ptr<nn::ParameterStore>> ranks;
   ranks.push_back(build(0, 2));
   ranks.push_back(build(1, 2));
-  begin_checkpoint_save(path("tp2"));
+  const std::string staged_tp2 = begin_checkpoint_save(path("tp2"));
   std::vector<ShardFile> shards;
   for (int r = 0; r < 2; ++r) {
     ranks[r]->initialize(11);
     const std::vector<ShardPiece> pieces = parameter_store_pieces(*ranks[r], nullptr, true);
     EXPECT_EQ(pieces.size(), r == 0 ? 2u : 1u);  // rank 1's norm is a copy
-    shards.push_back(write_checkpoint_shard(path("tp2"), r, 2, pieces));
+    shards.push_back(write_checkpoint_shard(staged_tp2, r, 2, pieces));
   }
-  write_checkpoint_manifest(path("tp2"), shards, CheckpointState{});
+  write_checkpoint_manifest(staged_tp2, shards, CheckpointState{});
+  commit_checkpoint(staged_tp2, path("tp2"));
 
   auto whole = build(0, 1), expected = build(0, 1);
   whole->initialize(99);
@@ -277,7 +279,7 @@ TEST_F(ShardedTest, PretrainedLoadingReadsAnyLayout) {
   auto model = pretrained_testing::tiny_model(false, 21);
   AdamW optimizer(&model->params(), AdamWConfig{});
   // Two "ranks" each save one flat half of every tensor (moments too, which pretrained loading skips).
-  begin_checkpoint_save(path("zero"));
+  const std::string staged_zero = begin_checkpoint_save(path("zero"));
   std::vector<ShardFile> shards;
   const std::vector<ShardPiece> whole = parameter_store_pieces(model->params(), &optimizer, true);
   for (int r = 0; r < 2; ++r) {
@@ -288,12 +290,13 @@ TEST_F(ShardedTest, PretrainedLoadingReadsAnyLayout) {
       p.flat_end = r == 0 ? cut : n;
       p.data += p.flat_begin;
     }
-    shards.push_back(write_checkpoint_shard(path("zero"), r, 2, pieces));
+    shards.push_back(write_checkpoint_shard(staged_zero, r, 2, pieces));
   }
   CheckpointState state;
   state.model_config = model->config().to_json();
   state.layout = {{"dp", 2}, {"zero", true}};
-  write_checkpoint_manifest(path("zero"), shards, state);
+  write_checkpoint_manifest(staged_zero, shards, state);
+  commit_checkpoint(staged_zero, path("zero"));
 
   const PretrainedDir source = open_pretrained(path("zero"));
   EXPECT_EQ(source.kind, PretrainedDir::Kind::forge_checkpoint);
@@ -301,12 +304,13 @@ TEST_F(ShardedTest, PretrainedLoadingReadsAnyLayout) {
   EXPECT_TRUE(pretrained_testing::bitwise_equal(loaded->params(), model->params()));
 
   // A missing tensor is named.
-  begin_checkpoint_save(path("no_head"));
+  const std::string staged_no_head = begin_checkpoint_save(path("no_head"));
   std::vector<ShardPiece> pieces;
   for (const ShardPiece& p : whole)
     if (p.name != "lm_head.weight") pieces.push_back(p);
-  ShardFile shard = write_checkpoint_shard(path("no_head"), 0, 1, pieces);
-  write_checkpoint_manifest(path("no_head"), std::span(&shard, 1), state);
+  ShardFile shard = write_checkpoint_shard(staged_no_head, 0, 1, pieces);
+  write_checkpoint_manifest(staged_no_head, std::span(&shard, 1), state);
+  commit_checkpoint(staged_no_head, path("no_head"));
   expect_error_containing([&] { load_pretrained_model(path("no_head"), pretrained_testing::kFp32); },
                           {"no_head", "has no tensor 'lm_head.weight'"});
 }
@@ -325,12 +329,13 @@ TEST_F(ShardedTest, SeveralRangesOfOneTensorOnOneRank) {
   std::vector<ShardPiece> rank0 = {range(whole[0], 40, 60), range(whole[0], 0, 7)},
                           rank1 = {range(whole[0], 7, 40)};
   for (size_t i = 1; i < whole.size(); ++i) rank1.push_back(whole[i]);
-  begin_checkpoint_save(path("c"));
-  const std::vector<ShardFile> shards = {write_checkpoint_shard(path("c"), 0, 2, rank0),
-                                         write_checkpoint_shard(path("c"), 1, 2, rank1)};
+  const std::string staged_c = begin_checkpoint_save(path("c"));
+  const std::vector<ShardFile> shards = {write_checkpoint_shard(staged_c, 0, 2, rank0),
+                                         write_checkpoint_shard(staged_c, 1, 2, rank1)};
   CheckpointState state;
   state.step = 7;
-  write_checkpoint_manifest(path("c"), shards, state);
+  write_checkpoint_manifest(staged_c, shards, state);
+  commit_checkpoint(staged_c, path("c"));
   load_and_check(path("c"), SimLayout{3, 1, false}, toy_tensors(), "two ranges -> tp3");
 
   const json pieces = pretrained_testing::read_json(
@@ -384,15 +389,19 @@ TEST_F(ShardedTest, NoManifestReadsAsIncomplete) {
   EXPECT_FALSE(checkpoint_exists(path("c")));
   expect_error_containing([&] { load_whole(path("c"), toy_tensors()); }, {"incomplete", "no manifest.json"});
 
-  // A save interrupted after its first shard: the old manifest is gone, so the old checkpoint is not
-  // mistaken for the new one.
+  // A save interrupted after its first shard (even after its manifest): it happened in the staging folder,
+  // so the checkpoint already there is untouched and still loads; the next save clears the leftovers.
   save_as(path("d"), SimLayout{2, 1, false}, toy_tensors());
-  begin_checkpoint_save(path("d"));
+  const std::string staging = begin_checkpoint_save(path("d"));
   std::vector<LocalTensor> locals = rank_tensors(toy_tensors(), SimLayout{2, 1, false}, 0, 0, true);
   std::vector<ShardPiece> pieces = pieces_of(locals);
-  write_checkpoint_shard(path("d"), 0, 2, pieces);
-  EXPECT_FALSE(checkpoint_exists(path("d")));
-  expect_error_containing([&] { read_checkpoint_manifest(path("d")); }, {"incomplete"});
+  for (float& v : locals[0].values) v = 1.0f;  // the new state differs
+  write_checkpoint_shard(staging, 0, 2, pieces);
+  EXPECT_TRUE(checkpoint_exists(path("d")));
+  load_and_check(path("d"), SimLayout{1, 1, false}, toy_tensors(), "after an interrupted save");
+  save_as(path("d"), SimLayout{2, 1, false}, toy_tensors());
+  EXPECT_FALSE(fs::exists(staging));
+  expect_error_containing([&] { read_checkpoint_manifest(path("absent")); }, {"absent", "does not exist"});
   expect_error_containing([&] { read_checkpoint_manifest(path("absent")); }, {"absent", "does not exist"});
 }
 
@@ -437,17 +446,30 @@ TEST_F(ShardedTest, MissingTensorIsNamed) {
   expect_error_containing([&] { load_whole(path("c"), more); }, {"has no tensor 'extra.weight'"});
 }
 
-// Saving over an older checkpoint of a bigger world leaves only the new shards (and the files the
-// directory holds besides checkpoints).
-TEST_F(ShardedTest, SavingOverAnOlderCheckpointRemovesItsShards) {
+// Saving over an older checkpoint of a bigger world replaces the folder in one step: only the new
+// checkpoint's files remain (the old shards, and anything else the old folder held, go with it), and files
+// handed to the save are listed and checksummed like shards.
+TEST_F(ShardedTest, SavingOverAnOlderCheckpointReplacesItWhole) {
   save_as(path("c"), SimLayout{4, 1, false}, toy_tensors());
-  std::ofstream(path("c") + "/tokenizer.json") << "{}";
   std::ofstream(path("c") + "/shard-00007-of-00008.safetensors.tmp") << "half-written";
-  save_as(path("c"), SimLayout{2, 1, false}, toy_tensors());
+  std::vector<LocalTensor> locals = rank_tensors(toy_tensors(), SimLayout{}, 0, 0, true);
+  const NamedFile tokenizer{"tokenizer.json", "{\"model\": {}}\n"};
+  CheckpointState state;
+  state.step = 7;
+  save_sharded_checkpoint(path("c"), *self_, pieces_of(locals), state, std::span(&tokenizer, 1));
   EXPECT_EQ(files_in(path("c")),
-            (std::set<std::string>{"manifest.json", "tokenizer.json", "shard-00000-of-00002.safetensors",
-                                   "shard-00001-of-00002.safetensors"}));
-  load_and_check(path("c"), SimLayout{4, 1, false}, toy_tensors(), "tp2 over tp4 -> tp4");
+            (std::set<std::string>{"manifest.json", "tokenizer.json", "shard-00000-of-00001.safetensors"}));
+  const json manifest = pretrained_testing::read_json(path("c") + "/manifest.json");
+  EXPECT_EQ(manifest["files"]["tokenizer.json"]["bytes"], tokenizer.bytes.size());
+  load_and_check(path("c"), SimLayout{4, 1, false}, toy_tensors(), "tp1 over tp4 -> tp4");
+  std::ofstream(path("c") + "/tokenizer.json") << "{}";  // an edit the manifest catches
+  expect_error_containing([&] { read_checkpoint_manifest(path("c")); }, {"corrupt", "tokenizer.json"});
+  // A folder that is not a checkpoint is never replaced.
+  fs::create_directories(path("mine"));
+  std::ofstream(path("mine") + "/notes.txt") << "keep me";
+  expect_error_containing([&] { save_sharded_checkpoint(path("mine"), *self_, pieces_of(locals), state); },
+                          {"mine", "holds no checkpoint; refusing to replace it"});
+  EXPECT_EQ(files_in(path("mine")), (std::set<std::string>{"notes.txt"}));
 }
 
 TEST_F(ShardedTest, SavingRefusesMalformedPieces) {
@@ -485,11 +507,13 @@ TEST_F(ShardedTest, SavingRefusesMalformedPieces) {
                           {"'model.norm.weight'", "global shape [6]", "[7]"});
   EXPECT_FALSE(checkpoint_exists(path("bad")));
 
-  // Through the collective entry point: the error, and no manifest.
+  // Through the collective entry point: the error, the checkpoint already there untouched, no staging left.
   save_as(path("old"), SimLayout{}, toy_tensors());
   expect_error_containing([&] { save_sharded_checkpoint(path("old"), *self_, twice, CheckpointState{}); },
                           {"overlapping pieces"});
-  EXPECT_FALSE(checkpoint_exists(path("old")));
+  EXPECT_TRUE(checkpoint_exists(path("old")));
+  load_and_check(path("old"), SimLayout{}, toy_tensors(), "after a failed save");
+  EXPECT_FALSE(fs::exists(checkpoint_staging_dir(path("old"))));
 }
 
 // Version 1 (one process: model.safetensors, optimizer.safetensors) is still read; saving over it leaves
@@ -539,20 +563,23 @@ TEST_F(ShardedTest, Version1CheckpointsAreStillRead) {
 
   save_checkpoint(dir, other->params(), &other_optimizer, state);
   EXPECT_EQ(files_in(dir), (std::set<std::string>{"manifest.json", "shard-00000-of-00001.safetensors"}));
-  EXPECT_EQ(pretrained_testing::read_json(dir + "/manifest.json")["version"], 2);
+  EXPECT_EQ(pretrained_testing::read_json(dir + "/manifest.json")["version"], 3);
 
   json future = pretrained_testing::read_json(dir + "/manifest.json");
-  future["version"] = 3;
+  future["version"] = 4;
+  future["checksum"] = manifest_checksum(future);
   pretrained_testing::write_json(dir + "/manifest.json", future);
   expect_error_containing([&] { read_checkpoint_manifest(dir); },
-                          {"manifest.json", "unsupported checkpoint version 3"});
+                          {"manifest.json", "unsupported checkpoint version 4"});
 }
 
 TEST_F(ShardedTest, MalformedManifestIsNamed) {
   save_as(path("c"), SimLayout{2, 1, false}, toy_tensors());
   const std::string file = path("c") + "/manifest.json";
   const json good = pretrained_testing::read_json(file);
+  // Each edit is signed with a fresh checksum, so that the structural checks behind it are reached.
   auto expect_refused = [&](json manifest, std::initializer_list<std::string_view> fragments) {
+    manifest["checksum"] = manifest_checksum(manifest);
     pretrained_testing::write_json(file, manifest);
     expect_error_containing([&] { load_whole(path("c"), toy_tensors()); }, fragments);
   };
@@ -571,8 +598,49 @@ TEST_F(ShardedTest, MalformedManifestIsNamed) {
   bad = good;
   bad["format"] = "something-else";
   expect_refused(bad, {"manifest.json", "not a forge checkpoint manifest"});
+  // Values are validated, each error naming the checkpoint's manifest and the field.
+  bad = good;
+  bad["step"] = -3;
+  expect_refused(bad, {"manifest.json", "'step' must be an integer in [0,", "got -3"});
+  bad = good;
+  bad["world_size"] = 0;
+  expect_refused(bad, {"manifest.json", "'world_size'", "got 0"});
+  bad = good;
+  bad["files"]["shard-00000-of-00002.safetensors"]["bytes"] = "12";
+  expect_refused(bad, {"manifest.json", "'bytes'", "\"12\""});
+  // A tensor's pieces pointed at the data of another tensor of as many elements (up_proj [8, 6] and
+  // down_proj [6, 8]): refused, whatever the checksum says.
+  bad = good;
+  for (json& piece : bad["tensors"]["mlp.up_proj.weight"]["pieces"]) piece["key"] = "mlp.down_proj.weight";
+  expect_refused(bad, {"manifest.json", "'mlp.up_proj.weight'", "stored as 'mlp.down_proj.weight'"});
   std::ofstream(file) << "{\"format\": ";
-  expect_error_containing([&] { load_whole(path("c"), toy_tensors()); }, {"manifest.json", "not valid JSON"});
+  expect_error_containing([&] { load_whole(path("c"), toy_tensors()); }, {"manifest.json", "invalid JSON"});
+}
+
+// The manifest checksums itself: an edited step (which would resume at the wrong step with the other step's
+// weights) or any other edit is refused as corrupt; a key given twice is refused by name.
+TEST_F(ShardedTest, EditedManifestIsRefusedAsCorrupt) {
+  save_as(path("c"), SimLayout{2, 1, false}, toy_tensors());
+  const std::string file = path("c") + "/manifest.json";
+  const std::string text = pretrained_testing::read_file(file);
+  json edited = pretrained_testing::read_json(file);
+  ASSERT_EQ(edited["version"], 3);
+  ASSERT_TRUE(edited["checksum"].is_string());
+  edited["step"] = 8;
+  pretrained_testing::write_json(file, edited);
+  expect_error_containing([&] { load_whole(path("c"), toy_tensors()); },
+                          {"corrupt", "manifest.json does not match its checksum"});
+  expect_error_containing([&] { read_checkpoint_manifest(path("c")); }, {"corrupt", "checksum"});
+  // The checksum does not depend on layout: the same manifest re-indented still reads.
+  std::ofstream(file) << json::parse(text).dump(4);
+  EXPECT_EQ(read_checkpoint_manifest(path("c")).step, 7);
+  // A duplicated key would silently take the last value.
+  std::string twice = text;
+  twice.insert(twice.find("\"step\""), "\"step\": 3,\n  ");
+  std::ofstream(file) << twice;
+  expect_error_containing([&] { read_checkpoint_manifest(path("c")); }, {"manifest.json", "key 'step' appears twice"});
+  std::ofstream(file) << text;
+  load_and_check(path("c"), SimLayout{1, 1, false}, toy_tensors(), "restored manifest");
 }
 
 }  // namespace

@@ -109,7 +109,11 @@ TEST_F(Cli, CtrlCSavesACheckpointAndExits130) {
   ASSERT_TRUE(WIFEXITED(status)) << output;
   EXPECT_EQ(WEXITSTATUS(status), 130) << output;
   EXPECT_NE(output.find("checkpoint saved"), std::string::npos) << output;
-  EXPECT_TRUE(fs::exists(fs::path(run_dir) / "checkpoint" / "manifest.json"));
+  // `latest` names the committed step folder, which holds the manifest.
+  std::string latest = forge::testing::cli::read_file(fs::path(run_dir) / "checkpoint" / "latest");
+  ASSERT_EQ(latest.rfind("step-", 0), 0u) << latest;
+  latest.pop_back();
+  EXPECT_TRUE(fs::exists(fs::path(run_dir) / "checkpoint" / latest / "manifest.json"));
 
   Outcome resumed = run_forge(args.replace(args.find("train.steps=1000000"), 19, "train.steps=5") +
                               " --set checkpoint.resume=auto");

@@ -70,9 +70,9 @@ TEST_F(TrainMpirun, TensorParallelRunLogsOnceCheckpointsInShardsAndSamples) {
   EXPECT_EQ(count(out.output, "layout: world 2 = tp 2 x cp 1 x dp 1 x pp 1"), 1u) << out.output;
   EXPECT_EQ(count(out.output, "step 4/4"), 1u) << out.output;  // rank 0 alone logs
   EXPECT_NE(out.output.find("--- sample"), std::string::npos) << out.output;
-  EXPECT_TRUE(fs::exists(dir_ / "run" / "checkpoint" / "shard-00000-of-00002.safetensors"));
-  EXPECT_TRUE(fs::exists(dir_ / "run" / "checkpoint" / "shard-00001-of-00002.safetensors"));
-  EXPECT_TRUE(fs::exists(dir_ / "run" / "checkpoint" / "manifest.json"));
+  EXPECT_TRUE(fs::exists(dir_ / "run" / "checkpoint" / "step-00000004" / "shard-00000-of-00002.safetensors"));
+  EXPECT_TRUE(fs::exists(dir_ / "run" / "checkpoint" / "step-00000004" / "shard-00001-of-00002.safetensors"));
+  EXPECT_TRUE(fs::exists(dir_ / "run" / "checkpoint" / "step-00000004" / "manifest.json"));
   // The sharded checkpoint is an ordinary forge checkpoint for the single-process tools.
   Outcome gen = run_forge("generate --model " + path("run/checkpoint") + " --prompt And --max-new-tokens 4 --greedy");
   EXPECT_EQ(gen.status, 0) << gen.output;

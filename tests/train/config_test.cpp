@@ -84,7 +84,7 @@ TEST(TrainConfig, DefaultTomlFileEqualsBuiltInDefaults) {
     ++keys;
     EXPECT_NE(line.find(" # "), std::string::npos) << "no comment: " << line;
   }
-  EXPECT_EQ(keys, 68);
+  EXPECT_EQ(keys, 70);
 }
 
 TEST(TrainConfig, DefaultTomlFileIsTheGeneratedText) {

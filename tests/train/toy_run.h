@@ -9,6 +9,7 @@
 #include <fstream>
 #include <string>
 
+#include "forge/ckpt/checkpoint_dir.h"
 #include "forge/train/config.h"
 
 namespace forge::toy {
@@ -55,6 +56,11 @@ inline TrainConfig toy_run_config(const std::filesystem::path& dir, const std::s
   c.log.run_dir = (dir / run).string();
   c.sample.tokens = 0;
   return c;
+}
+
+// The checkpoint folder a run's checkpoint directory resolves to (its `latest`).
+inline std::filesystem::path latest_checkpoint(const TrainConfig& c) {
+  return resolve_checkpoint(c.checkpoint_dir().string()).dir;
 }
 
 }  // namespace forge::toy

@@ -71,8 +71,8 @@ TEST_P(TrainerResume, InterruptedRunResumesTheIdenticalLossSequenceBitwise) {
   }
   EXPECT_EQ(b.steps_done, 6);
   EXPECT_EQ(b.heldout_loss, full.heldout_loss);
-  EXPECT_EQ(read_file(fs::path(split.log.run_dir) / "checkpoint" / "shard-00000-of-00001.safetensors"),
-            read_file(fs::path(straight.log.run_dir) / "checkpoint" / "shard-00000-of-00001.safetensors"));
+  EXPECT_EQ(read_file(toy::latest_checkpoint(split) / "shard-00000-of-00001.safetensors"),
+            read_file(toy::latest_checkpoint(straight) / "shard-00000-of-00001.safetensors"));
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, TrainerResume, ::testing::Values("fp32", "bf16"));
@@ -174,7 +174,7 @@ TEST_F(TrainerTest, IncompleteCheckpointIsRefused) {
   TrainConfig c = config("incomplete");
   c.train.steps = 2;
   Trainer(c).run();
-  fs::path ckpt = fs::path(c.log.run_dir) / "checkpoint";
+  const fs::path ckpt = toy::latest_checkpoint(c);
   // Corrupt one shard: the manifest's checksum catches it.
   {
     std::fstream f(ckpt / "shard-00000-of-00001.safetensors", std::ios::in | std::ios::out | std::ios::binary);
@@ -183,6 +183,7 @@ TEST_F(TrainerTest, IncompleteCheckpointIsRefused) {
   }
   TrainConfig resume = c;
   resume.checkpoint.resume = ckpt.string();
+  resume.log.run_dir = (dir_ / "elsewhere").string();
   EXPECT_THROW(Trainer(resume).run(), Error);
   // Without a manifest the checkpoint reads as incomplete.
   fs::remove(ckpt / "manifest.json");

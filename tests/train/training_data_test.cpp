@@ -139,7 +139,7 @@ TEST_F(TrainingDataTest, TrainsOnBpeTokensAndReportsBitsPerByte) {
   EXPECT_LT(r.heldout_bits_per_byte, r.heldout_loss / std::log(2.0));
   EXPECT_EQ(r.sample.rfind("In the", 0), 0u);
   // The checkpoint carries its tokenizer.
-  EXPECT_EQ(Tokenizer::from_file(fs::path(c.log.run_dir) / "checkpoint" / "tokenizer.json").to_json(),
+  EXPECT_EQ(Tokenizer::from_file(toy::latest_checkpoint(c) / "tokenizer.json").to_json(),
             Tokenizer::from_file(trained_tokenizer_path(c, split_heldout(load_text_file(c.data.corpus),
                                                                           c.data.heldout_fraction).train))
                 .to_json());
@@ -163,7 +163,7 @@ TEST_F(TrainingDataTest, InitFromAHuggingFaceFolder) {
   c.train.lr = 1e-20;
   c.train.min_lr = 0;
   Trainer(c).run();
-  SafetensorsFile saved = SafetensorsFile::open((fs::path(c.log.run_dir) / "checkpoint" / "shard-00000-of-00001.safetensors").string());
+  SafetensorsFile saved = SafetensorsFile::open((toy::latest_checkpoint(c) / "shard-00000-of-00001.safetensors").string());
   for (int id = 0; id < source.params().count(); ++id) {
     const std::string& name = source.params().info(id).name;
     Tensor expected = source.params().param(id), got = saved.read_f32(name);

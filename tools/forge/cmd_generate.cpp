@@ -173,7 +173,7 @@ int run_generate(const GenerateOptions& o) {
     fail("generate: --device {}, but no usable GPU (or no CUDA backend)", o.device);
   std::unique_ptr<LlamaModel> model = load_pretrained_model(o.model, compute);
   const int64_t vocab = model->config().vocab_size;
-  const TextCodec codec(o, o.model, vocab);
+  const TextCodec codec(o, model_folder(o.model), vocab);
   std::vector<int32_t> stop = generation_config_eos(o.model, vocab);
   if (auto eos = codec.eos_id(); eos && std::find(stop.begin(), stop.end(), *eos) == stop.end())
     stop.push_back(*eos);

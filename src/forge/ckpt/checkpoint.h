@@ -34,10 +34,12 @@ struct CheckpointState {
 void save_checkpoint(const std::string& dir, const nn::ParameterStore& params, const AdamW* optimizer,
                      const CheckpointState& state);
 
-// Reads manifest.json and checks its structure and that every file it lists exists with its size; with
-// verify_files, also each file's CRC32 (reading every byte). Throws forge::Error naming the problem.
+// Reads manifest.json of the checkpoint `dir` stands for (a checkpoint folder, or a checkpoint directory
+// resolved to its latest complete checkpoint: checkpoint_dir.h) and checks its structure, its checksum and
+// that every file it lists exists with its size; with verify_files, also each file's CRC32 (reading every
+// byte). Throws forge::Error naming the problem.
 CheckpointState read_checkpoint_manifest(const std::string& dir, bool verify_files = true);
-bool checkpoint_exists(const std::string& dir);  // a manifest is present
+bool checkpoint_exists(const std::string& dir);  // `dir` resolves to a complete checkpoint
 
 // Loads weights (and, when optimizer is given, its moments and step count) into existing buffers, from a
 // checkpoint saved under any layout; every element of every parameter must be covered, global shapes

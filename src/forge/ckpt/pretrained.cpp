@@ -2,6 +2,8 @@
 // Export lives in hf_export.cpp.
 #include "forge/ckpt/pretrained.h"
 
+#include "forge/ckpt/checkpoint_dir.h"
+
 #include <algorithm>
 #include <cstring>
 #include <fstream>
@@ -228,16 +230,22 @@ void check_store_matches_config(const nn::ParameterStore& params, const LlamaCon
   }
 }
 
+fs::path model_folder(const fs::path& dir) {
+  return holds_checkpoint_data(dir.string()) ? fs::path(resolve_checkpoint(dir.string()).dir) : dir;
+}
+
 PretrainedDir open_pretrained(const fs::path& dir) {
   std::error_code ec;
   if (!fs::exists(dir, ec)) fail("{}: no such directory", dir.string());
   if (!fs::is_directory(dir, ec)) fail("{}: not a directory", dir.string());
   PretrainedDir result;
   result.dir = dir;
-  if (fs::exists(dir / "manifest.json")) {
+  if (holds_checkpoint_data(dir.string())) {
     result.kind = PretrainedDir::Kind::forge_checkpoint;
+    // A checkpoint directory stands for its latest complete checkpoint (checkpoint_dir.h).
+    result.dir = resolve_checkpoint(dir.string()).dir;
     // Files are checked for presence and size here; their checksums when the weights are read.
-    CheckpointState state = read_checkpoint_manifest(dir.string(), /*verify_files=*/false);
+    CheckpointState state = read_checkpoint_manifest(result.dir.string(), /*verify_files=*/false);
     const std::string source = config_source(result);
     if (!state.model_config.is_object() || state.model_config.empty())
       fail("{}: the checkpoint records no model config", source);

@@ -33,7 +33,11 @@ struct PretrainedDir {
 // Throws forge::Error naming `dir` when it is neither kind, or its config is invalid. For a Hugging Face
 // folder it also checks that the weight files exist (model.safetensors, or the index and every shard it
 // names); the tensors themselves are checked by load_pretrained_weights.
+// A forge checkpoint directory (step folders and `latest`) is read as its latest complete checkpoint.
 PretrainedDir open_pretrained(const std::filesystem::path& dir);
+// The folder whose files a model at `dir` is read from: the checkpoint a checkpoint directory resolves to,
+// else `dir` itself (where its tokenizer.json lies).
+std::filesystem::path model_folder(const std::filesystem::path& dir);
 
 // Every LlamaForCausalLM tensor under its Hugging Face name with its shape ([out, in] for linears), in
 // the order LlamaModel registers its parameters (lm_head.weight only when untied).

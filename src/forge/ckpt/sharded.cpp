@@ -4,10 +4,13 @@
 #include "forge/ckpt/sharded.h"
 
 #include <fcntl.h>
+#include <stdio.h>
 #include <unistd.h>
 #include <zlib.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -17,8 +20,11 @@
 #include <set>
 #include <utility>
 
+#include "forge/ckpt/checkpoint_dir.h"
 #include "forge/ckpt/safetensors.h"
 #include "forge/core/error.h"
+#include "forge/core/fault_injection.h"
+#include "forge/core/file_io.h"
 
 namespace forge {
 namespace fs = std::filesystem;
@@ -27,7 +33,7 @@ using nlohmann::json;
 namespace {
 
 constexpr const char* kFormat = "forge-checkpoint";
-constexpr int kVersion = 2;
+constexpr int kVersion = 3;  // 3 added the manifest's own checksum
 constexpr const char* kManifest = "manifest.json";
 // Version 1 (one process): whole tensors in these two files.
 constexpr const char* kV1Model = "model.safetensors";
@@ -58,34 +64,9 @@ FileDigest digest_file(const fs::path& path) {
   return d;
 }
 
-void fsync_directory(const fs::path& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
-}
-
-void write_file_durably(const fs::path& path, const std::string& text) {
-  fs::path tmp = path;
-  tmp += ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) fail("cannot write {}", tmp.string());
-    out << text;
-    out.flush();
-    if (!out) fail("cannot write {}", tmp.string());
-  }
-  const int fd = ::open(tmp.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0 || ::fsync(fd) != 0) {
-    if (fd >= 0) ::close(fd);
-    fail("cannot fsync {}", tmp.string());
-  }
-  ::close(fd);
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) fail("cannot rename {} to {}: {}", tmp.string(), path.string(), ec.message());
-  fsync_directory(path.parent_path());
+uint32_t crc32_of(std::string_view bytes) {
+  return static_cast<uint32_t>(
+      crc32(crc32(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(bytes.data()), static_cast<uInt>(bytes.size())));
 }
 
 // A name the manifest may list: a plain file inside the checkpoint directory, never a path out of it.
@@ -224,6 +205,21 @@ void read_v1_tensors(Manifest& m) {
   }
 }
 
+// An integer field of the manifest, checked: present when `required`, an integer, within [lo, hi].
+int64_t manifest_integer(const json& j, const char* key, int64_t fallback, int64_t lo, int64_t hi,
+                         const std::string& where, bool required = false) {
+  if (!j.contains(key)) {
+    if (required) fail("{}: '{}' is missing", where, key);
+    return fallback;
+  }
+  const json& v = j[key];
+  if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(hi)))
+    fail("{}: '{}' must be an integer in [{}, {}], got {}", where, key, lo, hi, v.dump());
+  const int64_t value = v.get<int64_t>();
+  if (value < lo || value > hi) fail("{}: '{}' must be an integer in [{}, {}], got {}", where, key, lo, hi, value);
+  return value;
+}
+
 Manifest read_manifest(const std::string& dir) {
   Manifest m;
   m.root = dir;
@@ -232,35 +228,42 @@ Manifest read_manifest(const std::string& dir) {
   if (!fs::is_directory(m.root, ec)) fail("checkpoint {} does not exist", dir);
   if (!fs::exists(m.path, ec)) fail("checkpoint {} is incomplete: it has no manifest.json", dir);
   const std::string where = m.path.string();
-  json j;
-  {
-    std::ifstream in(m.path, std::ios::binary);
-    if (!in) fail("checkpoint manifest {} cannot be opened", where);
-    try {
-      j = json::parse(in);
-    } catch (const json::exception& e) {
-      fail("checkpoint manifest {} is not valid JSON: {}", where, e.what());
-    }
-  }
+  // Strict: a key given twice (an edit, or two writers) is refused rather than resolved to the last.
+  const json j = parse_json_strict(read_file(m.path, "checkpoint manifest"), "checkpoint manifest " + where);
   if (!j.is_object() || !j.contains("format") || j["format"] != kFormat)
     fail("{} is not a forge checkpoint manifest", where);
   try {
-    m.version = j.at("version").get<int>();
-    if (m.version != 1 && m.version != kVersion)
-      fail("{}: unsupported checkpoint version {} (this forge reads versions 1 and {})", where, m.version,
+    m.version = static_cast<int>(manifest_integer(j, "version", 0, 0, 1 << 20, where, /*required=*/true));
+    if (m.version < 1 || m.version > kVersion)
+      fail("{}: unsupported checkpoint version {} (this forge reads versions 1 to {})", where, m.version,
            kVersion);
-    m.state.step = j.value("step", int64_t{0});
+    if (m.version >= 3) {
+      if (!j.contains("checksum") || !j["checksum"].is_string())
+        fail("checkpoint {} is corrupt: manifest.json has no checksum", dir);
+      if (j["checksum"].get<std::string>() != manifest_checksum(j))
+        fail("checkpoint {} is corrupt: manifest.json does not match its checksum (edited or damaged)", dir);
+    }
+    constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+    m.state.step = manifest_integer(j, "step", 0, 0, kMax, where, /*required=*/m.version >= 3);
+    m.state.optimizer_steps = manifest_integer(j, "optimizer_steps", -1, -1, kMax, where);
+    m.state.world_size = static_cast<int>(
+        manifest_integer(j, "world_size", 1, 1, std::numeric_limits<int>::max(), where));
     m.state.model_config = j.value("model_config", json::object());
     m.state.extra = j.value("extra", json::object());
     m.state.layout = j.value("layout", json());
-    m.state.optimizer_steps = j.value("optimizer_steps", int64_t{-1});
-    m.state.world_size = j.value("world_size", 1);
+    for (const char* key : {"model_config", "extra"}) {
+      json& field = std::string_view(key) == "extra" ? m.state.extra : m.state.model_config;
+      if (field.is_null()) field = json::object();  // saved from a default CheckpointState
+      if (!field.is_object()) fail("{}: '{}' must be an object, got {}", where, key, field.type_name());
+    }
     const json& files = j.at("files");
     if (!files.is_object()) fail("{}: 'files' must be an object", where);
     for (const auto& [name, entry] : files.items()) {
       if (!is_plain_file_name(name))
         fail("{}: file '{}' is not a file name in the checkpoint directory", where, name);
-      m.files[name] = {entry.at("bytes").get<uint64_t>(), entry.at("crc32").get<uint32_t>()};
+      const std::string file_where = fmt::format("{}: file '{}'", where, name);
+      m.files[name] = {static_cast<uint64_t>(manifest_integer(entry, "bytes", 0, 0, kMax, file_where, true)),
+                       static_cast<uint32_t>(manifest_integer(entry, "crc32", 0, 0, UINT32_MAX, file_where, true))};
     }
     if (m.version == 1) {
       read_v1_tensors(m);
@@ -282,9 +285,14 @@ Manifest read_manifest(const std::string& dir) {
         piece.flat_end = p.at("flat_end").get<int64_t>();
         check_piece(piece, where, /*needs_data=*/false);
         const std::string file = p.at("file").get<std::string>();
-        if (!m.files.count(file))
-          fail("{}: tensor '{}' has a piece in '{}', which 'files' does not list", where, name, file);
-        t.keys.push_back(p.value("key", name));
+        if (!m.files.count(file) || !is_shard_file_name(file))
+          fail("{}: tensor '{}' has a piece in '{}', which 'files' does not list as a shard", where, name, file);
+        // The data of a piece is stored under its tensor's name, or "<name>@<flat_begin>" (write_checkpoint_shard):
+        // any other key would load another tensor's values.
+        const std::string key = p.value("key", name);
+        if (key != name && key != fmt::format("{}@{}", name, piece.flat_begin))
+          fail("{}: tensor '{}' has a piece stored as '{}', which is not its own name", where, name, key);
+        t.keys.push_back(key);
         t.pieces.push_back(std::move(piece));
         t.files.push_back(file);
       }
@@ -409,24 +417,6 @@ std::vector<SourcePlan> plan_load(const Manifest& m, std::span<const ShardPiece>
 
 // ---- Agreement across ranks
 
-std::vector<std::string> all_gather_strings(comm::Communicator& world, const std::string& mine) {
-  const int n = world.size();
-  std::vector<int64_t> lengths(n);
-  const int64_t length = static_cast<int64_t>(mine.size());
-  world.all_gather(&length, lengths.data(), 1, comm::Type::i64).wait();
-  int64_t total = 0;
-  for (int64_t l : lengths) total += l;
-  std::string all(static_cast<size_t>(total), '\0');
-  world.all_gatherv(mine.data(), all.data(), lengths, comm::Type::u8).wait();
-  std::vector<std::string> out;
-  int64_t at = 0;
-  for (int64_t l : lengths) {
-    out.push_back(all.substr(static_cast<size_t>(at), static_cast<size_t>(l)));
-    at += l;
-  }
-  return out;
-}
-
 // Every rank throws the first failing rank's error, or none does: a rank that failed alone would leave the
 // others waiting in the next collective.
 void agree(comm::Communicator& world, const std::string& error) {
@@ -434,7 +424,7 @@ void agree(comm::Communicator& world, const std::string& error) {
     if (!error.empty()) throw Error(error);
     return;
   }
-  const std::vector<std::string> errors = all_gather_strings(world, error);
+  const std::vector<std::string> errors = comm::all_gather_strings(world, error);
   for (size_t r = 0; r < errors.size(); ++r)
     if (!errors[r].empty()) throw Error(fmt::format("rank {}: {}", r, errors[r]));
 }
@@ -453,31 +443,39 @@ std::string error_of(F&& f) {
 
 // ---- Public
 
+std::string manifest_checksum(const json& manifest) {
+  json body = manifest;
+  body.erase("checksum");
+  return fmt::format("crc32:{:08x}", crc32_of(body.dump()));
+}
+
 std::string shard_file_name(int rank, int world_size) {
   return fmt::format("shard-{:05d}-of-{:05d}.safetensors", rank, world_size);
 }
 
-std::vector<std::string> begin_checkpoint_save(const std::string& dir) {
-  const fs::path root(dir);
+std::string checkpoint_staging_dir(const std::string& dir) {
+  fs::path target = fs::path(dir).lexically_normal();
+  if (!target.has_filename()) target = target.parent_path();  // "ckpt/" names "ckpt"
+  return (target.parent_path() / fmt::format(".{}.partial", target.filename().string())).string();
+}
+
+std::string begin_checkpoint_save(const std::string& dir) {
+  const fs::path target(dir);
   std::error_code ec;
-  fs::create_directories(root, ec);
-  if (ec) fail("cannot create checkpoint directory {}: {}", dir, ec.message());
-  std::vector<std::string> previous;
-  const fs::path manifest = root / kManifest;
-  if (!fs::exists(manifest, ec)) return previous;
-  try {  // best effort: an unreadable old manifest only means its files are not cleaned up
-    std::ifstream in(manifest, std::ios::binary);
-    const json old = json::parse(in);
-    if (old.is_object() && old.contains("files") && old["files"].is_object())
-      for (const auto& [name, entry] : old["files"].items())
-        if (is_plain_file_name(name)) previous.push_back(name);
-  } catch (const json::exception&) {
+  const auto status = fs::symlink_status(target, ec);
+  if (fs::exists(status)) {
+    if (!fs::is_directory(status)) fail("checkpoint {}: exists and is not a directory", dir);
+    // Replacing is for checkpoints only: a folder of anything else is never deleted by a save.
+    if (!fs::is_empty(target, ec) && !fs::exists(target / kManifest, ec) && !holds_checkpoint_data(dir))
+      fail("checkpoint {}: exists, is not empty and holds no checkpoint; refusing to replace it", dir);
   }
-  // From here until the new manifest lands, the directory reads as incomplete.
-  fs::remove(manifest, ec);
-  if (ec) fail("cannot remove the old manifest {}: {}", manifest.string(), ec.message());
-  fsync_directory(root);
-  return previous;
+  const fs::path staging = checkpoint_staging_dir(dir);
+  fs::remove_all(staging, ec);  // a crashed save's leftovers
+  if (ec) fail("checkpoint {}: cannot remove the stale staging folder {}: {}", dir, staging.string(), ec.message());
+  fs::create_directories(staging, ec);
+  if (ec) fail("cannot create checkpoint directory {}: {}", staging.string(), ec.message());
+  fsync_directory(staging.parent_path());
+  return staging.string();
 }
 
 ShardFile write_checkpoint_shard(const std::string& dir, int rank, int world_size,
@@ -529,7 +527,7 @@ ShardFile write_checkpoint_shard(const std::string& dir, int rank, int world_siz
 }
 
 void write_checkpoint_manifest(const std::string& dir, std::span<const ShardFile> shards,
-                               const CheckpointState& state, std::span<const std::string> previous_files) {
+                               const CheckpointState& state, std::span<const NamedFile> files) {
   const fs::path root(dir);
   json head;
   head["format"] = kFormat;
@@ -564,59 +562,103 @@ void write_checkpoint_manifest(const std::string& dir, std::span<const ShardFile
       t["pieces"].push_back(std::move(piece));
     }
   }
-  write_file_durably(root / kManifest, manifest_text(head, tensors));
-
-  // The new checkpoint is complete; files of older saves go (a bigger world's shards, version 1 files).
-  std::set<std::string> keep;
-  for (const ShardFile& shard : shards) keep.insert(shard.file);
-  std::error_code ec;
-  for (const std::string& name : previous_files)
-    if (is_plain_file_name(name) && !keep.count(name)) fs::remove(root / name, ec);
-  for (const auto& entry : fs::directory_iterator(root, ec)) {
-    std::string name = entry.path().filename().string();
-    const bool tmp = name.ends_with(".tmp");
-    if (tmp) name.resize(name.size() - 4);
-    if (is_shard_file_name(name) && (tmp || !keep.count(name))) fs::remove(entry.path(), ec);
+  for (const NamedFile& f : files) {
+    if (!is_plain_file_name(f.name) || is_shard_file_name(f.name) || head["files"].contains(f.name))
+      fail("checkpoint {}: file '{}' is invalid or given twice", dir, f.name);
+    write_file_atomically(root / f.name, f.bytes, "checkpoint file");
+    head["files"][f.name] = {{"bytes", f.bytes.size()}, {"crc32", crc32_of(f.bytes)}};
   }
+  json whole = head;
+  whole["tensors"] = json::object();
+  for (const auto& [name, entry] : tensors) whole["tensors"][name] = entry;
+  head["checksum"] = manifest_checksum(whole);
+  write_file_atomically(root / kManifest, manifest_text(head, tensors), "checkpoint manifest");
+}
+
+void commit_checkpoint(const std::string& staging, const std::string& dir) {
+  fsync_directory(staging);
+  std::error_code ec;
+  const fs::path target(dir);
+  if (!fs::exists(fs::symlink_status(target, ec))) {
+    if (::rename(staging.c_str(), dir.c_str()) != 0)
+      fail("checkpoint {}: cannot rename {} into place: {}", dir, staging, std::strerror(errno));
+  } else if (::renameat2(AT_FDCWD, staging.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) == 0) {
+    fs::remove_all(staging, ec);  // now the previous checkpoint
+  } else {
+    if (errno != EINVAL && errno != ENOSYS)
+      fail("checkpoint {}: cannot exchange it with {}: {}", dir, staging, std::strerror(errno));
+    // A file system without the exchange: the old folder moves aside first (briefly no folder at all;
+    // a checkpoint directory's `latest` then resolves to the previous step, see checkpoint_dir.h).
+    const std::string aside = staging + ".old";
+    fs::remove_all(aside, ec);
+    if (::rename(dir.c_str(), aside.c_str()) != 0)
+      fail("checkpoint {}: cannot move it aside: {}", dir, std::strerror(errno));
+    if (::rename(staging.c_str(), dir.c_str()) != 0) {
+      const int error = errno;
+      ::rename(aside.c_str(), dir.c_str());
+      fail("checkpoint {}: cannot rename {} into place: {}", dir, staging, std::strerror(error));
+    }
+    fs::remove_all(aside, ec);
+  }
+  fsync_directory(target.parent_path());
 }
 
 void save_sharded_checkpoint(const std::string& dir, comm::Communicator& world,
-                             std::span<const ShardPiece> pieces, const CheckpointState& state) {
-  std::vector<std::string> previous;
+                             std::span<const ShardPiece> pieces, const CheckpointState& state,
+                             std::span<const NamedFile> files) {
+  const std::string staging = checkpoint_staging_dir(dir);  // the same name on every rank
+  const int rank = world.rank();
   std::string error;
-  if (world.rank() == 0) error = error_of([&] { previous = begin_checkpoint_save(dir); });
-  agree(world, error);  // also the barrier: no rank replaces a shard while an old manifest still lists it
+  if (rank == 0) error = error_of([&] { begin_checkpoint_save(dir); });
+  agree(world, error);  // also the barrier: the staging folder exists before any rank writes into it
 
+  auto discard_staging = [&] {
+    std::error_code ec;
+    if (rank == 0) fs::remove_all(staging, ec);
+  };
   ShardFile mine;
-  error = error_of([&] { mine = write_checkpoint_shard(dir, world.rank(), world.size(), pieces); });
+  error = error_of([&] { mine = write_checkpoint_shard(staging, rank, world.size(), pieces); });
+  kill_point("save.shard_written", rank);
   const json report = {{"error", error},
                        {"file", mine.file},
                        {"bytes", mine.bytes},
                        {"crc32", mine.crc32},
                        {"pieces", mine.pieces}};
   const std::vector<std::string> reports =
-      world.size() == 1 ? std::vector<std::string>{report.dump()} : all_gather_strings(world, report.dump());
+      world.size() == 1 ? std::vector<std::string>{report.dump()} : comm::all_gather_strings(world, report.dump());
   std::vector<ShardFile> shards;
   for (size_t r = 0; r < reports.size(); ++r) {
     const json got = json::parse(reports[r]);
     const std::string failed = got["error"].get<std::string>();
-    if (!failed.empty()) throw Error(world.size() == 1 ? failed : fmt::format("rank {}: {}", r, failed));
+    if (!failed.empty()) {
+      discard_staging();
+      throw Error(world.size() == 1 ? failed : fmt::format("rank {}: {}", r, failed));
+    }
     shards.push_back({got["file"].get<std::string>(), got["bytes"].get<uint64_t>(),
                       got["crc32"].get<uint32_t>(), got["pieces"]});
   }
 
   error.clear();
-  if (world.rank() == 0) error = error_of([&] { write_checkpoint_manifest(dir, shards, state, previous); });
+  if (rank == 0)
+    error = error_of([&] {
+      write_checkpoint_manifest(staging, shards, state, files);
+      kill_point("save.manifest_written", rank);
+      commit_checkpoint(staging, dir);
+      kill_point("save.committed", rank);
+    });
+  if (!error.empty()) discard_staging();
   agree(world, error);
 }
 
-CheckpointState load_sharded_checkpoint(const std::string& dir, comm::Communicator& world,
+CheckpointState load_sharded_checkpoint(const std::string& path, comm::Communicator& world,
                                         std::span<const ShardPiece> pieces) {
   Manifest m;
   std::vector<SourcePlan> plans;
   std::map<std::string, SafetensorsFile> files;
   int64_t largest = 0;
+  std::string dir = path;
   std::string error = error_of([&] {
+    dir = resolve_checkpoint(path).dir;
     m = read_manifest(dir);
     plans = plan_load(m, pieces);
     // Every file this rank reads is checked whole before any destination is written.
@@ -642,6 +684,19 @@ CheckpointState load_sharded_checkpoint(const std::string& dir, comm::Communicat
     for (const SourcePlan& plan : plans) {
       const Tensor source = buffer.view(0, {plan.length});
       files.at(plan.file).read_into(plan.key, source);
+      // A non-finite weight or moment cannot come from a healthy run (the trainer never saves one): the
+      // checkpoint is damaged, and training or evaluating on it would only spread the NaN.
+      const float* values = source.f32();
+      int64_t bad = 0, first = -1;
+      for (int64_t i = 0; i < plan.length; ++i)
+        if (!std::isfinite(values[i])) {
+          if (first < 0) first = i;
+          ++bad;
+        }
+      if (bad > 0)
+        fail("checkpoint {}: tensor '{}' in {} holds {} non-finite value{} (the first is {} at element {} of "
+             "its piece)",
+             dir, plan.tensor, plan.file, bad, bad == 1 ? "" : "s", values[first], first);
       for (const CopyOp& op : plan.ops)
         std::memcpy(pieces[op.destination].data + op.destination_offset, source.f32() + op.source_offset,
                     static_cast<size_t>(op.length) * sizeof(float));
@@ -680,17 +735,28 @@ std::vector<ShardPiece> parameter_store_pieces(const nn::ParameterStore& params,
 
 std::vector<std::string> checkpoint_tensor_names(const std::string& dir) {
   std::vector<std::string> names;
-  for (const auto& [name, tensor] : read_manifest(dir).tensors) names.push_back(name);
+  for (const auto& [name, tensor] : read_manifest(resolve_checkpoint(dir).dir).tensors) names.push_back(name);
   return names;
 }
 
 // Declared in checkpoint.h: the manifest is this file's business.
-bool checkpoint_exists(const std::string& dir) { return fs::exists(fs::path(dir) / kManifest); }
+bool checkpoint_exists(const std::string& dir) {
+  try {
+    resolve_checkpoint(dir);
+    return true;
+  } catch (const Error&) {
+    return false;
+  }
+}
 
-CheckpointState read_checkpoint_manifest(const std::string& dir, bool verify_files) {
+CheckpointState read_checkpoint_manifest_at(const std::string& dir, bool verify_files) {
   const Manifest m = read_manifest(dir);
   for (const auto& [name, digest] : m.files) check_file(m, name, verify_files);
   return m.state;
+}
+
+CheckpointState read_checkpoint_manifest(const std::string& dir, bool verify_files) {
+  return read_checkpoint_manifest_at(resolve_checkpoint(dir).dir, verify_files);
 }
 
 }  // namespace forge

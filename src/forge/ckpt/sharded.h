@@ -11,8 +11,10 @@
 //
 // On disk (docs/formats.md): shard-RRRRR-of-WWWWW.safetensors per rank, each piece a 1-D F32 tensor under
 // its tensor name, and manifest.json, written last by rank 0, listing every file (size, CRC32) and every
-// piece (file, shapes, split, flat range) with the step, configs, layout and world size. The directory
-// must be on a file system every rank sees.
+// piece (file, shapes, split, flat range) with the step, configs, layout, world size and its own checksum.
+// The directory must be on a file system every rank sees. Functions that read take a checkpoint folder
+// or a checkpoint directory of step folders (checkpoint_dir.h), which they resolve to its latest
+// complete checkpoint.
 #pragma once
 
 #include <cstdint>
@@ -37,13 +39,25 @@ struct ShardPiece {
   float* data = nullptr;                 // flat_end - flat_begin floats
 };
 
-// Collective over `world`: every rank writes its pieces (several of one tensor must not overlap); rank 0
-// writes manifest.json last, after all files are complete, with each file's size and CRC32, world.size() and
-// state.layout. The old manifest is removed first, so an interrupted save reads as incomplete; shard files
-// of an older save that the new manifest does not list are removed after it lands. An error on any rank
-// (an unwritable directory, a malformed piece) is thrown on every rank, and no manifest is written.
+// A file rank 0 adds to a checkpoint before its manifest (the run's tokenizer.json), listed in the
+// manifest with its size and CRC32 like the shards.
+struct NamedFile {
+  std::string name;
+  std::string bytes;
+};
+
+// Collective over `world`: writes one complete checkpoint at `dir`, atomically. The ranks write their
+// shards into a staging folder beside it (".<name>.partial", each file tmp + fsync + rename); rank 0 adds
+// `files` and then manifest.json (with each file's size and CRC32, world.size(), state.layout and the
+// manifest's own checksum), and renames the folder to `dir` in one step: exchanging it with a checkpoint
+// already there, which is then deleted. Until that rename `dir` is exactly as it was, so a crash or an
+// error at any moment leaves the previous checkpoint intact. An error on any rank (an unwritable
+// directory, a malformed piece, a full disk) is thrown on every rank, and the staging folder is removed.
+// A `dir` that exists and is neither empty nor a checkpoint is refused, never replaced.
+// Checkpoint series (step folders, `latest`, keep_last) are built on this in checkpoint_dir.h.
 void save_sharded_checkpoint(const std::string& dir, comm::Communicator& world,
-                             std::span<const ShardPiece> pieces, const CheckpointState& state);
+                             std::span<const ShardPiece> pieces, const CheckpointState& state,
+                             std::span<const NamedFile> files = {});
 
 // Collective over `world`: fills every destination piece; returns the manifest state (step, configs,
 // layout and world size it was saved under). Each rank checks everything before writing any destination
@@ -52,6 +66,10 @@ void save_sharded_checkpoint(const std::string& dir, comm::Communicator& world,
 // every rank.
 CheckpointState load_sharded_checkpoint(const std::string& dir, comm::Communicator& world,
                                         std::span<const ShardPiece> pieces);
+
+// The manifest of the checkpoint folder `dir` itself (not resolved through `latest`), with the checks of
+// read_checkpoint_manifest (checkpoint.h).
+CheckpointState read_checkpoint_manifest_at(const std::string& dir, bool verify_files);
 
 // The names of the tensors a checkpoint holds, sorted (from its manifest; no file is read).
 std::vector<std::string> checkpoint_tensor_names(const std::string& dir);
@@ -63,8 +81,8 @@ std::vector<ShardPiece> parameter_store_pieces(const nn::ParameterStore& params,
                                                bool for_saving);
 
 // ---- The steps of a save, for callers that drive the ranks themselves (tests simulate several ranks in one
-// process); save_sharded_checkpoint is begin (rank 0), barrier, write_checkpoint_shard (every rank), gather,
-// write_checkpoint_manifest (rank 0).
+// process): save_sharded_checkpoint is begin_checkpoint_save (rank 0), barrier, write_checkpoint_shard into
+// the staging folder (every rank), gather, write_checkpoint_manifest and commit_checkpoint (rank 0).
 
 struct ShardFile {
   std::string file;  // name inside the checkpoint directory
@@ -75,16 +93,24 @@ struct ShardFile {
 
 std::string shard_file_name(int rank, int world_size);  // "shard-00003-of-00004.safetensors"
 
-// Creates the directory and removes its manifest; returns the files the removed manifest listed (to clean
-// up once the new one lands).
-std::vector<std::string> begin_checkpoint_save(const std::string& dir);
+// The checksum a version 3 manifest records under "checksum": the CRC32 of its canonical text (sorted keys,
+// no spaces) without that key, so that it does not depend on the file's layout ("crc32:1a2b3c4d").
+std::string manifest_checksum(const nlohmann::json& manifest);
+
+// The staging folder of a save to `dir`: ".<name>.partial" beside it.
+std::string checkpoint_staging_dir(const std::string& dir);
+// Refuses a `dir` that is neither absent, empty nor a checkpoint; creates its parent and a fresh, empty
+// staging folder (removing one a crashed save left) and returns it.
+std::string begin_checkpoint_save(const std::string& dir);
 // Writes one rank's shard (tmp file, fsync, rename) and returns its size, CRC32 and piece descriptions.
 ShardFile write_checkpoint_shard(const std::string& dir, int rank, int world_size,
                                  std::span<const ShardPiece> pieces);
-// Writes manifest.json (tmp file, fsync, rename) for `shards` (one per rank, in rank order), then removes
-// the files of `previous_files` and any shard-*-of-*.safetensors the new manifest does not list.
+// Writes `files`, then manifest.json (tmp file, fsync, rename) for `shards` (one per rank, in rank order)
+// into `dir`. The manifest is the last file of a checkpoint: a folder without one is incomplete.
 void write_checkpoint_manifest(const std::string& dir, std::span<const ShardFile> shards,
-                               const CheckpointState& state,
-                               std::span<const std::string> previous_files = {});
+                               const CheckpointState& state, std::span<const NamedFile> files = {});
+// Renames the staging folder to `dir` in one step (exchanging and then deleting a previous checkpoint
+// there), with fsyncs so that the rename survives a power loss.
+void commit_checkpoint(const std::string& staging, const std::string& dir);
 
 }  // namespace forge

@@ -298,4 +298,23 @@ double all_reduce_max(Communicator& c, double value) {
   return value;
 }
 
+std::vector<std::string> all_gather_strings(Communicator& c, const std::string& mine) {
+  const int n = c.size();
+  if (n == 1) return {mine};
+  std::vector<int64_t> lengths(n);
+  const int64_t length = static_cast<int64_t>(mine.size());
+  c.all_gather(&length, lengths.data(), 1, Type::i64).wait();
+  int64_t total = 0;
+  for (int64_t l : lengths) total += l;
+  std::string all(static_cast<size_t>(total), '\0');
+  c.all_gatherv(mine.data(), all.data(), lengths, Type::u8).wait();
+  std::vector<std::string> out;
+  int64_t at = 0;
+  for (int64_t l : lengths) {
+    out.push_back(all.substr(static_cast<size_t>(at), static_cast<size_t>(l)));
+    at += l;
+  }
+  return out;
+}
+
 }  // namespace forge::comm

@@ -157,5 +157,7 @@ void all_reduce_sum(Communicator& c, float* buf, int64_t count);
 void all_reduce_sum(Communicator& c, double* buf, int64_t count);
 double all_reduce_sum(Communicator& c, double value);
 double all_reduce_max(Communicator& c, double value);
+// Every rank's string, in rank order, on every rank (error messages, small reports).
+std::vector<std::string> all_gather_strings(Communicator& c, const std::string& mine);
 
 }  // namespace forge::comm

@@ -370,6 +370,7 @@ std::optional<int32_t> Tokenizer::eos_id() const { return impl_->eos; }
 std::optional<int32_t> Tokenizer::bos_id() const { return impl_->bos; }
 
 nlohmann::json Tokenizer::to_json() const { return nlohmann::json::parse(impl_->json_text); }
+const std::string& Tokenizer::json_text() const { return impl_->json_text; }
 
 void Tokenizer::save(const std::filesystem::path& path) const {
   const std::filesystem::path tmp = path.string() + ".tmp";

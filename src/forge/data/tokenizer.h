@@ -54,6 +54,7 @@ class Tokenizer {
   std::optional<int32_t> bos_id() const;
 
   nlohmann::json to_json() const;                      // the document it was loaded from
+  const std::string& json_text() const;                // ... as the text it was loaded from
   void save(const std::filesystem::path& path) const;  // atomic (tmp + rename); the loaded text unchanged
 
  private:

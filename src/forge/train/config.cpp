@@ -250,7 +250,19 @@ const std::vector<KeySpec>& key_specs() {
       {"checkpoint",
        "resume",
        FORGE_FIELD(checkpoint.resume),
-       "\"\" = fresh run, \"auto\" = resume from dir if present, or a checkpoint path",
+       "\"\" = fresh run, \"auto\" = continue from the newest complete checkpoint in dir (fresh if none), or a "
+       "checkpoint path",
+       {}},
+      {"checkpoint",
+       "keep_last",
+       FORGE_FIELD(checkpoint.keep_last),
+       "checkpoints kept in dir, the newest included (0 = all); older ones are deleted after each save",
+       {}},
+      {"checkpoint",
+       "overwrite",
+       FORGE_FIELD(checkpoint.overwrite),
+       "let a fresh run (or one resumed from elsewhere) replace the checkpoints already in dir; without it such a "
+       "run is refused",
        {}},
 
       {"sample", "tokens", FORGE_FIELD(sample.tokens), "tokens to generate after training (0 = none)", {}},
@@ -590,6 +602,7 @@ void TrainConfig::validate() const {
         ">= 0 (0 = measure)");
   check(log.profile_step >= 0, "log.profile_step", log.profile_step, ">= 0 (0 = off)");
   check(checkpoint.every >= 0, "checkpoint.every", checkpoint.every, ">= 0 (0 = only at the end)");
+  check(checkpoint.keep_last >= 0, "checkpoint.keep_last", checkpoint.keep_last, ">= 0 (0 = keep all)");
   check(sample.tokens >= 0, "sample.tokens", sample.tokens, ">= 0");
   check(finite(sample.temperature) && sample.temperature >= 0, "sample.temperature", sample.temperature,
         ">= 0 (0 = greedy)");

@@ -75,6 +75,8 @@ struct TrainConfig {
     int64_t every = 0;   // 0 = only at the end and on Ctrl-C
     std::string dir;     // empty = <run_dir>/checkpoint
     std::string resume;  // empty = fresh run, "auto" = resume from dir if a checkpoint is there, or a path
+    int64_t keep_last = 3;   // checkpoints kept in dir, the newest included (0 = all)
+    bool overwrite = false;  // a fresh run may replace the checkpoints already in dir
     bool operator==(const Checkpoint&) const = default;
   };
   struct Sample {

@@ -16,11 +16,13 @@
 #include <nlohmann/json.hpp>
 
 #include "forge/ckpt/checkpoint.h"
+#include "forge/ckpt/checkpoint_dir.h"
 #include "forge/ckpt/pretrained.h"
 #include "forge/ckpt/sharded.h"
 #include "forge/comm/comm.h"
 #include "forge/core/cpu_features.h"
 #include "forge/core/device.h"
+#include "forge/core/file_io.h"
 #include "forge/core/memory.h"
 #include "forge/fp8/scaling.h"
 #include "forge/kernels/profiler.h"
@@ -33,6 +35,7 @@
 #include "forge/parallel/tensor_parallel.h"
 #include "forge/train/metrics.h"
 #include "forge/train/peak.h"
+#include "forge/train/run_directory.h"
 #include "forge/train/training_data.h"
 
 namespace forge {
@@ -45,17 +48,32 @@ double seconds_since(Clock::time_point t) { return std::chrono::duration<double>
 struct HeldOut {
   LossSum loss;
   int64_t bytes = 0;  // bytes of text the predicted tokens stand for
+  bool interrupted = false;
   double bits_per_byte() const { return bytes ? loss.sum / std::log(2.0) / static_cast<double>(bytes) : 0.0; }
 };
 
 // Loss over held-out windows [0, windows) in batches of `batch`, with the byte count of the targets. Under
 // data parallelism the batches are dealt round-robin over the dp ranks and the sums added up over dp.
+// Ctrl-C (the stop flag, agreed over `world` before each batch) ends it early with interrupted set.
 HeldOut evaluate(LlamaModel& model, const TrainingData& data, int64_t seq, int64_t batch, int64_t windows,
-                 comm::Communicator& dp) {
+                 comm::Communicator& dp, comm::Communicator& world) {
   std::vector<int32_t> ids(batch * seq), targets(batch * seq);
   HeldOut total;
   ProgressBar progress("eval", windows);  // draws only on a terminal
-  for (int64_t w = batch * dp.rank(); w < windows; w += batch * dp.size()) {
+  // Every rank runs the same number of rounds (some with no batch of their own), so that all of them take
+  // each agreed stop decision.
+  const int64_t per_round = batch * dp.size();
+  for (int64_t round = 0; round * per_round < windows; ++round) {
+    double stop = Trainer::stop_flag().load() ? 1.0 : 0.0;
+    if (world.size() > 1) stop = comm::all_reduce_max(world, stop);
+    if (stop > 0) {
+      Trainer::stop_flag().store(true);
+      progress.finish();
+      total.interrupted = true;
+      return total;
+    }
+    const int64_t w = round * per_round + batch * dp.rank();
+    if (w >= windows) continue;
     int64_t b = std::min(batch, windows - w);
     data.heldout_batch(w, b, ids.data(), targets.data());
     LossSum part = model.forward_loss(ids.data(), targets.data(), b, seq);
@@ -87,6 +105,11 @@ __attribute__((format(printf, 1, 2))) void say(const char* format, ...) {
 // OpenMP threads per rank: train.threads, else OMP_NUM_THREADS when set, else this node's cores shared by
 // its ranks.
 int threads_per_rank(int64_t configured) {
+  // More threads than cores only make OpenMP's barriers spin against each other (10-100x slower), and
+  // libgomp itself fails on absurd counts.
+  if (configured > omp_get_num_procs())
+    fail("train.threads = {} exceeds the {} cores this process may run on; set at most {} (0 = all)", configured,
+         omp_get_num_procs(), omp_get_num_procs());
   if (configured > 0) return static_cast<int>(configured);
   if (std::getenv("OMP_NUM_THREADS")) return omp_get_max_threads();
   int local = 1;
@@ -101,6 +124,91 @@ int local_rank_on_node(const comm::Communicator& world) {
   for (const char* name : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK"})
     if (const char* s = std::getenv(name)) return std::max(0, std::atoi(s));
   return world.rank();
+}
+
+// The first parameter whose gradient holds a non-finite value on this rank ("" if none).
+std::string first_non_finite_gradient(const nn::ParameterStore& params) {
+  const Tensor host = params.device() == Device::cpu ? params.grads() : params.grads().to(Device::cpu);
+  const float* g = host.f32();
+  for (const nn::ParamInfo& info : params.infos()) {
+    const int64_t n = shape_numel(info.shape);
+    for (int64_t i = 0; i < n; ++i)
+      if (!std::isfinite(g[info.offset + i])) return fmt::format("'{}' ({})", info.name, g[info.offset + i]);
+  }
+  return "";
+}
+
+// What went wrong in a step whose loss or gradient norm is not finite, and on which ranks (collective).
+std::string describe_non_finite_step(comm::Communicator& world, const nn::ParameterStore& params,
+                                     double local_loss, double loss, double grad_norm) {
+  std::string mine;
+  if (!std::isfinite(local_loss)) mine = fmt::format("loss {}", local_loss);
+  if (const std::string g = first_non_finite_gradient(params); !g.empty())
+    mine += fmt::format("{}gradient of {}", mine.empty() ? "" : ", ", g);
+  const std::vector<std::string> reports = comm::all_gather_strings(world, mine);
+  std::string where;
+  for (size_t r = 0; r < reports.size(); ++r)
+    if (!reports[r].empty()) {
+      where = fmt::format("first on rank {}: {}", r, reports[r]);
+      break;
+    }
+  std::string what = !std::isfinite(loss) ? fmt::format("the training loss is {}", loss)
+                                          : fmt::format("the gradient norm is {} (loss {:.4f})", grad_norm, loss);
+  return where.empty() ? what : fmt::format("{} ({})", what, where);
+}
+
+// Samples (sequences) a checkpoint's run had consumed: recorded since samples_seen was; older checkpoints
+// recorded tokens, which give it when the sequence length is the same.
+int64_t samples_seen_of(const CheckpointState& state, int64_t seq) {
+  if (state.extra.contains("samples_seen")) return state.extra["samples_seen"].get<int64_t>();
+  const int64_t tokens = state.extra.value("tokens_seen", int64_t{0});
+  return tokens / seq;
+}
+
+// Refuses a checkpoint this run cannot continue exactly: another model, tokenizer or sequence length,
+// weights without optimizer state. Each refusal is one line naming the checkpoint and what differs.
+void check_resumable(const CheckpointState& state, const fs::path& dir, const LlamaConfig& model_config,
+                     const std::string& model_source, const TextCodec& codec, const TrainConfig& c) {
+  const std::string where = dir.string();
+  std::optional<LlamaConfig> saved;
+  try {
+    saved = LlamaConfig::from_json(state.model_config, where + " (manifest.json model_config)");
+  } catch (const Error& e) {
+    fail("checkpoint {} cannot be resumed: its model config is unreadable: {}", where, e.what());
+  }
+  if (saved->to_json() != model_config.to_json())
+    fail("checkpoint {} was trained with a different model config than {} (saved: {})", where, model_source,
+         state.model_config.dump());
+  const std::vector<std::string> names = checkpoint_tensor_names(where);
+  if (std::none_of(names.begin(), names.end(), [](const std::string& n) { return n.starts_with("exp_avg."); }))
+    fail("checkpoint {} holds weights only, no optimizer state (as forge convert --to forge writes), so it cannot "
+         "be resumed; start a new run from its weights with --set model.init_from={}",
+         where, where);
+  // The tokenizer by content, never by path: the same file elsewhere is the same tokenizer, another file at
+  // the same path is not.
+  std::string saved_tokenizer;
+  if (state.extra.contains("tokenizer_fingerprint")) {
+    saved_tokenizer = state.extra["tokenizer_fingerprint"].get<std::string>();
+  } else if (fs::exists(dir / "tokenizer.json")) {
+    saved_tokenizer = TextCodec::from_tokenizer(Tokenizer::from_file(dir / "tokenizer.json"), "").fingerprint();
+  } else if (state.extra.contains("tokenizer")) {
+    saved_tokenizer = TextCodec::bytes().fingerprint();  // saved without tokenizer.json: byte-level
+  }
+  if (!saved_tokenizer.empty() && saved_tokenizer != codec.fingerprint())
+    fail("checkpoint {} was trained with another tokenizer ({}) than this run's {} ({}); resuming would feed it "
+         "other token ids",
+         where, state.extra.value("tokenizer", std::string("unknown")), codec.description(), codec.fingerprint());
+  // Samples are windows of seq_len tokens: another length has no sample at which to continue.
+  const int64_t saved_seq = state.extra.value("seq_len", int64_t{0});
+  if (saved_seq > 0 && saved_seq != c.data.seq_len)
+    fail("checkpoint {} was trained with data.seq_len = {}, this run has {}: resuming would skip or repeat data; "
+         "keep data.seq_len = {} (micro_batch, grad_accum and the world size may change)",
+         where, saved_seq, c.data.seq_len, saved_seq);
+  if (saved_seq == 0 && !state.extra.contains("samples_seen") &&
+      state.extra.value("tokens_seen", int64_t{0}) % c.data.seq_len != 0)
+    fail("checkpoint {} saw {} tokens, not a whole number of data.seq_len = {} sequences: it was trained with "
+         "another sequence length",
+         where, state.extra.value("tokens_seen", int64_t{0}), c.data.seq_len);
 }
 
 std::atomic<int> g_signal_count{0};
@@ -280,23 +388,51 @@ TrainResult Trainer::run() {
   };
 
   const fs::path run_dir(c.log.run_dir);
-  fs::create_directories(run_dir);
   const fs::path checkpoint_dir = c.checkpoint_dir();
-  int64_t step = 0;
-  fs::path resume_from;
-  if (c.checkpoint.resume == "auto") {
-    if (checkpoint_exists(checkpoint_dir.string())) resume_from = checkpoint_dir;
-  } else if (!c.checkpoint.resume.empty()) {
-    resume_from = c.checkpoint.resume;
+  // Rank 0 holds the run's directories against other runs and decides where the run starts; every rank
+  // learns the outcome (or the refusal) from it.
+  DirectoryLock run_dir_lock, checkpoint_dir_lock;
+  ResumeDecision decision;
+  {
+    std::string error;
+    nlohmann::json shared;
+    if (g_leader) {
+      try {
+        run_dir_lock = DirectoryLock(run_dir, "log.run_dir");
+        std::error_code ec;
+        const fs::path relative = fs::relative(checkpoint_dir, run_dir, ec);
+        if (ec || relative.empty() || *relative.begin() == "..")
+          checkpoint_dir_lock = DirectoryLock(checkpoint_dir, "checkpoint.dir");
+        decision = decide_resume(c);
+        shared = {{"checkpoint", decision.checkpoint.string()},
+                  {"note", decision.note},
+                  {"own", decision.from_own_directory}};
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+    }
+    const std::string message = error.empty() ? shared.dump() : "!" + error;
+    const std::string outcome = world.size() > 1 ? comm::all_gather_strings(world, message)[0] : message;
+    if (outcome.starts_with("!")) throw Error(outcome.substr(1));
+    const nlohmann::json got = nlohmann::json::parse(outcome);
+    decision.checkpoint = got["checkpoint"].get<std::string>();
+    decision.note = got["note"].get<std::string>();
+    decision.from_own_directory = got["own"].get<bool>();
   }
+  if (!decision.note.empty()) say("%s\n", decision.note.c_str());
+  const fs::path& resume_from = decision.checkpoint;
+  int64_t step = 0;
+  // The data position: samples (sequences) consumed before step `base_step`, so that a resumed run with
+  // another batch size or world size continues at the exact next sample.
+  int64_t base_step = 0, base_samples = 0;
+  const int64_t samples_per_step = micro * accum * dp;
+  // The step whose checkpoint is already committed in checkpoint_dir (-1: none), so that saving it again
+  // (Ctrl-C right after a resume) is skipped.
+  int64_t committed_step = -1;
   if (!resume_from.empty()) {
     // The load below verifies the checksum of each file it reads; here only the manifest matters.
     CheckpointState state = read_checkpoint_manifest(resume_from.string(), /*verify_files=*/false);
-    if (state.model_config != model_config.to_json())
-      fail("checkpoint {} was trained with a different model config than {}", resume_from.string(), model_source);
-    if (state.extra.contains("tokenizer") && state.extra["tokenizer"] != codec.description())
-      fail("checkpoint {} was trained with tokenizer {}, not {}", resume_from.string(),
-           state.extra["tokenizer"].get<std::string>(), codec.description());
+    check_resumable(state, resume_from, model_config, model_source, codec, c);
     // Any layout loads any other: each rank fills its shard of the weights and its owned optimizer state.
     std::vector<ShardPiece> pieces = optimizer.checkpoint_pieces_for_load(true);
     const std::vector<std::string> saved_names = checkpoint_tensor_names(resume_from.string());
@@ -312,17 +448,25 @@ TrainResult Trainer::run() {
         say("the checkpoint holds no FP8 scaling state: delayed scaling starts from fresh amax histories\n");
     }
     optimizer.set_steps_taken(state.optimizer_steps >= 0 ? state.optimizer_steps : state.step);
-    step = state.step;
+    step = base_step = state.step;
+    base_samples = samples_seen_of(state, seq);
+    if (decision.from_own_directory) committed_step = step;
     if (plan_steps && state.extra.contains("planned_steps"))
       schedule.total_steps = total_steps = state.extra["planned_steps"].get<int64_t>();
-    say("resumed from %s at step %lld\n", resume_from.c_str(), static_cast<long long>(step));
+    const int64_t saved_per_step = state.extra.value("samples_per_step", int64_t{0});
+    say("resumed from %s at step %lld (sample %lld%s)\n", resume_from.c_str(), static_cast<long long>(step),
+        static_cast<long long>(base_samples),
+        saved_per_step > 0 && saved_per_step != samples_per_step
+            ? fmt::format("; {} sequences per step now, {} before", samples_per_step, saved_per_step).c_str()
+            : "");
   }
-  if (g_leader) {
-    std::ofstream out(run_dir / "config.toml");
-    out << c.to_toml();
-  }
+  if (g_leader) write_file_atomically(run_dir / "config.toml", c.to_toml(), "run configuration");
   std::optional<MetricsWriter> metrics;
-  if (g_leader) metrics.emplace(run_dir, /*truncate=*/resume_from.empty());
+  if (g_leader) {
+    if (!resume_from.empty()) trim_metrics(run_dir, step);
+    metrics.emplace(run_dir, /*truncate=*/resume_from.empty());
+    if (!resume_from.empty()) metrics->write({{"event", "resume"}, {"step", step}, {"checkpoint", resume_from.string()}});
+  }
   auto write_metrics = [&](const nlohmann::json& record) {
     if (metrics) metrics->write(record);
   };
@@ -355,7 +499,19 @@ TrainResult Trainer::run() {
   }
   say("%s\n", data->describe().c_str());
 
+  // The tokenizer travels inside each checkpoint (listed and checksummed in its manifest), so that `forge
+  // generate`, `forge convert` and a resume find it.
+  std::vector<NamedFile> checkpoint_files;
+  if (const Tokenizer* t = codec.tokenizer()) {
+    std::string text = t->json_text();
+    if (text.empty() || text.back() != '\n') text += '\n';
+    checkpoint_files.push_back({"tokenizer.json", std::move(text)});
+  }
   auto save = [&](const char* why) {
+    if (step == committed_step) {
+      say("checkpoint of step %lld is already saved in %s\n", static_cast<long long>(step), checkpoint_dir.c_str());
+      return;
+    }
     CheckpointState state;
     state.step = step;
     state.optimizer_steps = optimizer.steps_taken();
@@ -363,18 +519,28 @@ TrainResult Trainer::run() {
                     {"ep", layout.ep()}, {"sequence_parallel", c.parallel.sequence_parallel},
                     {"distributed_optimizer", c.parallel.distributed_optimizer}};
     state.model_config = model_config.to_json();
-    state.extra = {{"tokens_seen", step * step_tokens}, {"reason", why}, {"tokenizer", codec.description()}};
+    const int64_t samples = base_samples + (step - base_step) * samples_per_step;
+    state.extra = {{"tokens_seen", samples * seq},
+                   {"samples_seen", samples},
+                   {"samples_per_step", samples_per_step},
+                   {"seq_len", seq},
+                   {"reason", why},
+                   {"tokenizer", codec.description()},
+                   {"tokenizer_fingerprint", codec.fingerprint()}};
     if (plan_steps) state.extra["planned_steps"] = total_steps;
-    // The tokenizer goes along (before the manifest), so `forge generate` and `forge convert` find it.
-    if (codec.tokenizer() && g_leader) {
-      fs::create_directories(checkpoint_dir);
-      codec.tokenizer()->save(checkpoint_dir / "tokenizer.json");
-    }
     std::vector<ShardPiece> pieces = optimizer.checkpoint_pieces(true);
     append_fp8_pieces(pieces, /*saving=*/true);
-    save_sharded_checkpoint(checkpoint_dir.string(), world, pieces, state);
+    CheckpointSaveOptions save_options;
+    save_options.keep_last = c.checkpoint.keep_last;
+    save_options.files = checkpoint_files;
+    const auto save_start = Clock::now();
+    const std::string saved = save_checkpoint_step(checkpoint_dir.string(), world, pieces, state, save_options);
     optimizer.finish_save();
-    say("checkpoint saved to %s (step %lld, %s)\n", checkpoint_dir.c_str(), static_cast<long long>(step), why);
+    committed_step = step;
+    const double seconds = seconds_since(save_start);
+    say("checkpoint saved to %s (step %lld, %s, %.2f s)\n", saved.c_str(), static_cast<long long>(step), why,
+        seconds);
+    write_metrics({{"event", "checkpoint"}, {"step", step}, {"reason", why}, {"dir", saved}, {"seconds", seconds}});
   };
 
   TrainResult result;
@@ -409,13 +575,16 @@ TrainResult Trainer::run() {
     model.params().zero_grads();
     buckets.begin_step();
     LossSum loss;
+    // Sample order is that of one rank running dp x accum micro-batches: replica d takes the d-th run.
+    const int64_t step_samples = base_samples + (step - base_step) * samples_per_step;
     for (int64_t m = 0; m < accum; ++m) {
-      // Sample order is that of one rank running dp x accum micro-batches: replica d takes the d-th run.
-      data->train_batch(((step * dp + dp_rank) * accum + m) * micro, micro, ids.data(), targets.data());
+      data->train_batch(step_samples + (dp_rank * accum + m) * micro, micro, ids.data(), targets.data());
       LossSum part = model.forward_backward(ids.data(), targets.data(), micro, seq, grad_scale, m == accum - 1);
       loss.sum += part.sum, loss.tokens += part.tokens;
     }
     buckets.finish();
+    if (on_gradients_) on_gradients_(step + 1, model.params());
+    const double local_loss = loss.mean();
     if (dp > 1) {
       double sums[2] = {loss.sum, static_cast<double>(loss.tokens)};
       comm::all_reduce_sum(dp_group, sums, 2);
@@ -428,8 +597,17 @@ TrainResult Trainer::run() {
           static_cast<double>(result.peak_activation_bytes) / 1048576.0, c.train.recompute.c_str());
     }
     const double mean_loss = loss.mean();
-    if (!std::isfinite(mean_loss)) fail("training loss is {} at step {}: stopping", mean_loss, step);
     const double grad_norm = optimizer.grad_norm();
+    // A non-finite loss or gradient norm (the same on every rank: both are reduced) is never applied: the
+    // weights, the optimizer state and the checkpoints stay those of the last good step.
+    if (!std::isfinite(mean_loss) || !std::isfinite(grad_norm)) {
+      const std::string cause = describe_non_finite_step(world, model.params(), local_loss, mean_loss, grad_norm);
+      const std::string last =
+          committed_step >= 0 ? fmt::format("the last checkpoint is step {} in {}", committed_step, checkpoint_dir.string())
+                              : std::string("no checkpoint of this run was saved");
+      write_metrics({{"event", "non_finite"}, {"step", step + 1}, {"cause", cause}});
+      fail("step {}: {}; the update was not applied and nothing was saved ({})", step + 1, cause, last);
+    }
     const float lr = schedule.lr_at(step);
     optimizer.step(lr, clip_coefficient(grad_norm, static_cast<float>(c.train.grad_clip)));
     if (fp8_context) {
@@ -480,7 +658,9 @@ TrainResult Trainer::run() {
       interval_tokens = 0;
     }
     if (c.eval.every > 0 && step % c.eval.every == 0 && !last) {
-      HeldOut e = evaluate(model, *data, seq, micro, std::min(heldout_windows, c.eval.batches * micro), dp_group);
+      HeldOut e =
+          evaluate(model, *data, seq, micro, std::min(heldout_windows, c.eval.batches * micro), dp_group, world);
+      if (e.interrupted) continue;  // the next step's stop check saves and ends the run
       const double bpb = e.bits_per_byte();
       say("eval step %lld | held-out loss %.4f | %.4f bits/byte\n", static_cast<long long>(step), e.loss.mean(), bpb);
       write_metrics({{"step", step}, {"eval_loss", e.loss.mean()}, {"eval_bits_per_byte", bpb}});
@@ -524,7 +704,16 @@ TrainResult Trainer::run() {
     return result;
   }
 
-  HeldOut e = evaluate(model, *data, seq, micro, heldout_windows, dp_group);
+  // The final checkpoint first: a Ctrl-C (or a crash) during the evaluation or the sample loses nothing.
+  save("final");
+  HeldOut e = evaluate(model, *data, seq, micro, heldout_windows, dp_group, world);
+  if (e.interrupted) {
+    say("interrupted during the final evaluation (the checkpoint of step %lld is saved)\n",
+        static_cast<long long>(step));
+    result.interrupted = true;
+    stop_flag().store(false);
+    return result;
+  }
   result.heldout_loss = e.loss.mean();
   result.heldout_bits_per_byte = e.bits_per_byte();
   say("final held-out loss %.4f nats/token = %.4f bits per byte (%lld tokens, %lld bytes; %.1f s total)\n",
@@ -532,7 +721,6 @@ TrainResult Trainer::run() {
       static_cast<long long>(e.bytes), seconds_since(start_time));
   write_metrics({{"step", step}, {"eval_loss", result.heldout_loss}, {"eval_bits_per_byte", result.heldout_bits_per_byte},
                  {"final", true}});
-  save("final");
 
   if (c.sample.tokens > 0 && g_leader) {
     SamplingOptions so;
@@ -550,6 +738,10 @@ TrainResult Trainer::run() {
     }
     std::vector<int32_t> out = generate(whole ? *whole : model, prompt, so);
     result.sample = c.sample.prompt + codec.decode(out);
+    if (stop_flag().load()) {  // Ctrl-C while sampling: the run still ends as interrupted (exit 130)
+      result.interrupted = true;
+      stop_flag().store(false);
+    }
     say("--- sample (temperature %.2f, top-k %lld) ---\n%s\n---\n", c.sample.temperature,
         static_cast<long long>(c.sample.top_k), result.sample.c_str());
   }

@@ -14,6 +14,9 @@
 namespace forge::comm {
 class Communicator;
 }
+namespace forge::nn {
+class ParameterStore;
+}
 
 namespace forge {
 
@@ -44,11 +47,17 @@ class Trainer {
   static std::atomic<bool>& stop_flag();
   // Called after every optimizer step with the number of steps done (tests use it to stop at a step).
   void on_step(std::function<void(int64_t)> callback) { on_step_ = std::move(callback); }
+  // Called in every step once its gradients are reduced, before they are checked and applied, with the
+  // step's number (1-based, as logged) and the parameters (tests poison a gradient here).
+  void on_gradients(std::function<void(int64_t, nn::ParameterStore&)> callback) {
+    on_gradients_ = std::move(callback);
+  }
 
  private:
   TrainConfig config_;
   comm::Communicator* world_ = nullptr;
   std::function<void(int64_t)> on_step_;
+  std::function<void(int64_t, nn::ParameterStore&)> on_gradients_;
 };
 
 // Installs SIGINT/SIGTERM handlers that set Trainer::stop_flag() (a second Ctrl-C exits at once).

@@ -17,6 +17,7 @@ namespace fs = std::filesystem;
 TextCodec TextCodec::bytes() {
   TextCodec codec;
   codec.description_ = "bytes (vocabulary 256)";
+  codec.fingerprint_ = "bytes";
   codec.byte_lengths_.assign(kByteVocabSize, 1);
   return codec;
 }
@@ -25,6 +26,11 @@ TextCodec TextCodec::from_tokenizer(Tokenizer tokenizer, std::string description
   TextCodec codec;
   codec.tokenizer_ = std::make_shared<const Tokenizer>(std::move(tokenizer));
   codec.description_ = std::move(description);
+  // The document's canonical text (sorted keys, no spaces): the same tokenizer in any formatting.
+  const std::string canonical = codec.tokenizer_->to_json().dump();
+  const uLong crc = crc32(crc32(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(canonical.data()),
+                          static_cast<uInt>(canonical.size()));
+  codec.fingerprint_ = fmt::format("tokenizer.json crc32:{:08x} ({} bytes)", crc, canonical.size());
   codec.byte_lengths_.resize(codec.tokenizer_->vocab_size());
   for (int64_t id = 0; id < codec.tokenizer_->vocab_size(); ++id)
     codec.byte_lengths_[id] = codec.tokenizer_->token_byte_length(static_cast<int32_t>(id));

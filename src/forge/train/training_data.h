@@ -32,12 +32,16 @@ class TextCodec {
   int64_t byte_length(int32_t id) const;
   std::optional<int32_t> eos_id() const;
   const std::string& description() const { return description_; }
+  // What the codec maps, independent of where it was read from: "bytes", or the CRC32 and size of the
+  // tokenizer's canonical JSON. Checkpoints record it; a resume compares it.
+  const std::string& fingerprint() const { return fingerprint_; }
   const Tokenizer* tokenizer() const { return tokenizer_.get(); }
 
  private:
   std::shared_ptr<const Tokenizer> tokenizer_;  // null: bytes
   std::vector<int64_t> byte_lengths_;           // per id, cached
   std::string description_;
+  std::string fingerprint_;
 };
 
 // Where a trained tokenizer for `text` is cached: <cache_dir>/bpe1-<corpus>-v<vocab>-<crc32 of text>.json

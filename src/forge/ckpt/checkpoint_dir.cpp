@@ -1,0 +1,231 @@
+// Checkpoint directories: step folders committed by `latest` (checkpoint_dir.h, docs/formats.md).
+#include "forge/ckpt/checkpoint_dir.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <vector>
+
+#include "forge/core/error.h"
+#include "forge/core/fault_injection.h"
+#include "forge/core/file_io.h"
+
+namespace forge {
+namespace fs = std::filesystem;
+namespace {
+
+constexpr const char* kLatest = "latest";
+constexpr const char* kManifest = "manifest.json";
+
+bool all_digits(std::string_view s) {
+  return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+// "step-<digits>" -> the step.
+std::optional<int64_t> step_of_name(std::string_view name) {
+  if (!name.starts_with("step-")) return std::nullopt;
+  name.remove_prefix(5);
+  if (!all_digits(name) || name.size() > 18) return std::nullopt;
+  return std::stoll(std::string(name));
+}
+
+struct StepFolder {
+  int64_t step = 0;
+  std::string name;
+};
+
+// The step folders under root, oldest first.
+std::vector<StepFolder> step_folders(const fs::path& root) {
+  std::vector<StepFolder> out;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(root, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (const auto step = step_of_name(name); step && entry.is_directory(ec)) out.push_back({*step, name});
+  }
+  std::sort(out.begin(), out.end(), [](const StepFolder& a, const StepFolder& b) {
+    return a.step != b.step ? a.step < b.step : a.name < b.name;
+  });
+  return out;
+}
+
+// A staging folder a save writes before renaming it into place (".<name>.partial", ".<name>.partial.old").
+bool is_staging_name(std::string_view name) {
+  return name.starts_with(".") && (name.ends_with(".partial") || name.ends_with(".partial.old"));
+}
+
+// A shard of a single-folder checkpoint (or its temporary).
+bool is_shard_name(std::string_view name) {
+  constexpr std::string_view prefix = "shard-", suffix = ".safetensors";
+  if (name.ends_with(".tmp")) name.remove_suffix(4);
+  return name.starts_with(prefix) && name.ends_with(suffix) && name.find("-of-") != std::string_view::npos;
+}
+
+// The files of a single-folder checkpoint, version 1 (model.safetensors, optimizer.safetensors) included.
+bool is_legacy_file_name(std::string_view name) {
+  return is_shard_name(name) || name == "model.safetensors" || name == "optimizer.safetensors" ||
+         name == "model.safetensors.tmp" || name == "optimizer.safetensors.tmp";
+}
+
+// Why the checkpoint folder `dir` is not complete ("" when it is).
+std::string incompleteness(const fs::path& dir) {
+  std::error_code ec;
+  if (!fs::exists(dir / kManifest, ec)) return "it has no manifest.json";
+  try {
+    const CheckpointState state = read_checkpoint_manifest_at(dir.string(), /*verify_files=*/false);
+    if (const auto step = step_of_name(dir.filename().string()); step && *step != state.step)
+      return fmt::format("its manifest.json says step {}, its name step {}", state.step, *step);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+std::string read_latest(const fs::path& root) {
+  std::error_code ec;
+  if (!fs::is_regular_file(root / kLatest, ec)) return "";
+  std::string text = read_file(root / kLatest, "checkpoint pointer");
+  while (!text.empty() && (text.back() == '\n' || text.back() == '\r' || text.back() == ' ')) text.pop_back();
+  return text;
+}
+
+}  // namespace
+
+std::string checkpoint_step_name(int64_t step) { return fmt::format("step-{:08d}", step); }
+
+ResolvedCheckpoint resolve_checkpoint(const std::string& path) {
+  const fs::path root(path);
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) fail("checkpoint {} does not exist", path);
+  ResolvedCheckpoint out;
+  const std::string latest = read_latest(root);
+  if (!latest.empty()) {
+    if (step_of_name(latest)) {
+      const std::string why = incompleteness(root / latest);
+      if (why.empty()) return {(root / latest).string(), ""};
+      out.note = fmt::format("{}/latest names {}, which is unusable ({})", path, latest, why);
+    } else {
+      out.note = fmt::format("{}/latest names '{}', which is not a step folder", path, latest);
+    }
+  }
+  const std::vector<StepFolder> steps = step_folders(root);
+  std::string newest_problem;
+  for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
+    const std::string why = incompleteness(root / it->name);
+    if (why.empty()) {
+      out.dir = (root / it->name).string();
+      return out;
+    }
+    if (newest_problem.empty()) newest_problem = fmt::format("{}: {}", it->name, why);
+  }
+  if (fs::exists(root / kManifest, ec)) return {path, out.note};
+  if (!steps.empty())
+    fail("checkpoint {} is incomplete: no step folder holds a complete checkpoint (the newest, {})", path,
+         newest_problem);
+  if (holds_checkpoint_data(path)) fail("checkpoint {} is incomplete: it has no manifest.json", path);
+  fail("checkpoint {} holds no checkpoint (no manifest.json, no step-* folders)", path);
+}
+
+bool holds_checkpoint_data(const std::string& path) {
+  std::error_code ec;
+  if (!fs::is_directory(path, ec)) return false;
+  for (const auto& entry : fs::directory_iterator(path, ec)) {
+    const std::string name = entry.path().filename().string();
+    // model.safetensors alone is a Hugging Face folder (a version 1 checkpoint also has its manifest), and a
+    // staging folder is never a checkpoint: a crash during a run's first save leaves nothing to resume.
+    if (name == kManifest || name == kLatest || step_of_name(name) || is_shard_name(name)) return true;
+  }
+  return false;
+}
+
+std::optional<int64_t> latest_checkpoint_step(const std::string& path) {
+  try {
+    return read_checkpoint_manifest_at(resolve_checkpoint(path).dir, /*verify_files=*/false).step;
+  } catch (const Error&) {
+    return std::nullopt;
+  }
+}
+
+namespace {
+
+// Deletes a single-folder checkpoint at `root` (the layout before step folders): the manifest first, so
+// that it never reads as complete with files missing.
+void remove_single_folder_checkpoint(const fs::path& root) {
+  std::error_code ec;
+  fs::remove(root / kManifest, ec);
+  fsync_directory(root);
+  for (const auto& entry : fs::directory_iterator(root, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (is_legacy_file_name(name) || name == "tokenizer.json" || name == "manifest.json.tmp")
+      fs::remove(entry.path(), ec);
+  }
+}
+
+// Everything `latest_name` supersedes (checkpoint_dir.h).
+void prune(const fs::path& root, const std::string& latest_name, int64_t keep_last) {
+  std::error_code ec;
+  const std::vector<StepFolder> steps = step_folders(root);
+  const auto latest = std::find_if(steps.begin(), steps.end(), [&](const StepFolder& f) { return f.name == latest_name; });
+  if (latest == steps.end()) return;
+  std::vector<std::string> doomed;
+  for (auto it = latest + 1; it != steps.end(); ++it) doomed.push_back(it->name);  // newer: another timeline
+  if (keep_last > 0) {
+    const int64_t older = latest - steps.begin();
+    for (int64_t i = 0; i < older - (keep_last - 1); ++i) doomed.push_back(steps[static_cast<size_t>(i)].name);
+  }
+  for (const std::string& name : doomed) {
+    // Renamed to a staging name first, so that a crash mid-deletion leaves no half-deleted step folder that
+    // could read as a checkpoint.
+    const fs::path aside = root / fmt::format(".{}.partial", name);
+    fs::remove_all(aside, ec);
+    fs::rename(root / name, aside, ec);
+    fs::remove_all(ec ? root / name : aside, ec);
+  }
+  for (const auto& entry : fs::directory_iterator(root, ec))
+    if (is_staging_name(entry.path().filename().string())) fs::remove_all(entry.path(), ec);
+  if (fs::exists(root / kManifest, ec)) remove_single_folder_checkpoint(root);
+  fsync_directory(root);
+}
+
+}  // namespace
+
+std::string save_checkpoint_step(const std::string& root, comm::Communicator& world,
+                                 std::span<const ShardPiece> pieces, const CheckpointState& state,
+                                 const CheckpointSaveOptions& options) {
+  const std::string name = checkpoint_step_name(state.step);
+  const fs::path dir = fs::path(root) / name;
+  std::error_code ec;
+  if (world.rank() == 0) fs::create_directories(root, ec);  // errors surface in the save's first step
+  save_sharded_checkpoint(dir.string(), world, pieces, state, options.files);
+  std::string error;
+  if (world.rank() == 0) {
+    try {
+      write_file_atomically(fs::path(root) / kLatest, name + "\n", "checkpoint pointer");
+      kill_point("save.latest_written", 0);
+      prune(root, name, options.keep_last);
+      kill_point("save.pruned", 0);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  // Every rank returns once the checkpoint is committed (or fails with rank 0's error).
+  if (world.size() > 1) {
+    const std::vector<std::string> errors = comm::all_gather_strings(world, error);
+    error = errors[0];
+  }
+  if (!error.empty()) throw Error(error);
+  return dir.string();
+}
+
+void remove_checkpoint_data(const std::string& path) {
+  const fs::path root(path);
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return;
+  fs::remove(root / kLatest, ec);
+  fsync_directory(root);
+  for (const auto& entry : fs::directory_iterator(root, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (step_of_name(name) || is_staging_name(name)) fs::remove_all(entry.path(), ec);
+  }
+  if (fs::exists(root / kManifest, ec) || holds_checkpoint_data(path)) remove_single_folder_checkpoint(root);
+}
+
+}  // namespace forge

@@ -1,0 +1,46 @@
+#include "forge/core/fault_injection.h"
+
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+namespace forge {
+namespace {
+
+struct KillSpec {
+  bool armed = false;
+  std::string point;
+  long nth = 1, rank = -1, seen = 0;
+};
+
+KillSpec parse_spec() {
+  KillSpec spec;
+  const char* env = std::getenv("FORGE_TEST_KILL_AT");
+  if (!env || !*env) return spec;
+  std::string text(env);
+  if (const size_t at = text.find('@'); at != std::string::npos) {
+    spec.rank = std::strtol(text.c_str() + at + 1, nullptr, 10);
+    text.resize(at);
+  }
+  if (const size_t colon = text.find(':'); colon != std::string::npos) {
+    spec.nth = std::strtol(text.c_str() + colon + 1, nullptr, 10);
+    text.resize(colon);
+  }
+  spec.point = text;
+  spec.armed = true;
+  return spec;
+}
+
+}  // namespace
+
+void kill_point(std::string_view point, int rank) {
+  static KillSpec spec = parse_spec();
+  if (!spec.armed || point != spec.point || (spec.rank >= 0 && spec.rank != rank)) return;
+  if (++spec.seen != spec.nth) return;
+  std::fprintf(stderr, "forge: FORGE_TEST_KILL_AT: killed at %s (rank %d)\n", spec.point.c_str(), rank);
+  std::fflush(stderr);
+  std::raise(SIGKILL);
+}
+
+}  // namespace forge
