@@ -66,6 +66,16 @@ TEST_F(Cli, NonPositiveSizes) {
   expect_one_line_error("train --set train.micro_batch=-2", "micro_batch");
 }
 
+// A bad --set value is blamed on the --set, not on the config file it overrides.
+TEST_F(Cli, BadOverrideIsBlamedOnTheOverride) {
+  const std::string config =
+      (std::filesystem::path(FORGE_FIXTURE_DIR).parent_path().parent_path() / "configs/default.toml")
+          .string();
+  expect_one_line_error("train --config " + config + " --set train.lr=-1",
+                        "forge: error: --set 'train.lr=-1': train.lr must be > 0, got -1");
+  expect_one_line_error("train --set train.threads=100000", "train.threads must be in [0, 4096]");
+}
+
 TEST_F(Cli, MisspelledModelKey) {
   std::string model =
       write("typo.json", R"({"hiden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
