@@ -148,6 +148,10 @@ TEST_F(Cli, BenchDeviceAndFp8Refusals) {
     EXPECT_EQ(o.output.rfind("forge: error: --", 0), 0u) << o.output;
     EXPECT_EQ(o.output.find('\n'), o.output.size() - 1) << o.output;
   }
+  // The error lists exactly the dtypes the option accepts (it used to list fp16, fp8_e4m3, int32, ...).
+  expect_one_line_error("bench --model " + kDefaultModel + " --dtype fp8", "--dtype: fp8 not in {bf16,fp32}");
+  expect_one_line_error("bench --model " + kDefaultModel + " --dtype fp16",
+                        "--dtype: fp16 not in {bf16,fp32}");
   if (!forge::device_usable(forge::Device::cuda))
     expect_one_line_error("bench --model " + kDefaultModel + " --device cuda --steps 1", "no usable GPU");
 }

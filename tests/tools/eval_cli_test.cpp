@@ -149,7 +149,9 @@ TEST_F(EvalCli, TokensOutsideTheVocabulary) {
 TEST_F(EvalCli, BadArguments) {
   expect_one_line_error(base_args("ckpt") + " --seq-len 0", "--seq-len");
   expect_one_line_error(base_args("ckpt") + " --seq-len 8 --batch-size 0", "--batch-size");
-  expect_one_line_error(base_args("ckpt") + " --seq-len 8 --dtype fp8", "fp8");
+  // The error lists exactly the dtypes the option accepts (it used to list fp16, fp8_e4m3, int32, ...).
+  expect_one_line_error(base_args("ckpt") + " --seq-len 8 --dtype fp8", "--dtype: fp8 not in {fp32,bf16}");
+  expect_one_line_error(base_args("ckpt") + " --seq-len 8 --dtype fp16", "--dtype: fp16 not in {fp32,bf16}");
   expect_one_line_error(base_args("ckpt") + " --seq-len 100000", "max_position_embeddings");
   expect_one_line_error(base_args("missing") + " --seq-len 8", "missing");
   expect_one_line_error(

@@ -122,7 +122,10 @@ void add_eval_command(CLI::App& app, Commands& commands) {
   eval->add_option("--batch-size", o->batch_size, "sequences per forward pass")->capture_default_str();
   eval->add_option("--max-sequences", o->max_sequences, "evaluate only the first N sequences (0: all)")
       ->capture_default_str();
-  eval->add_option("--dtype", o->dtype, "GEMM operands: fp32 or bf16")->capture_default_str();
+  // The choices listed are exactly those accepted (dtype_from_name alone would list fp16 or int32).
+  eval->add_option("--dtype", o->dtype, "GEMM operands: fp32 or bf16")
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->capture_default_str();
   eval->add_flag("--json", o->json, "also print the results as one JSON object (the last line)");
   eval->footer(
       "The documents form one stream in order; sequence k reads tokens [k*T, k*T + T] (T inputs, T "
