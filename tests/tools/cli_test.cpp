@@ -29,7 +29,7 @@ TEST_F(Cli, HelpAndVersion) {
   EXPECT_EQ(train_help.status, 0);
   EXPECT_NE(train_help.output.find("--set"), std::string::npos);
   EXPECT_EQ(run_forge("--version").status, 0);
-  expect_one_line_error("frobnicate", "frobnicate");
+  expect_one_line_error("frobnicate", "A subcommand is required");
 }
 
 // Usage errors (CLI11's) exit with status 1 like every other error, not CLI11's 104-109.

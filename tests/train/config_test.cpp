@@ -384,7 +384,7 @@ TEST(TrainConfigErrors, ValidationNamesWhereTheValueCameFrom) {
 
   // FP8 rules: the key the message names, and the recipe that turned its check on.
   c = TrainConfig::from_toml_string("[fp8]\nrecipe = \"delayed\"\nmargin = 65\n", "a.toml");
-  EXPECT_EQ(validate_error(c), "a.toml:3: fp8.margin must be in [0, 64], got 65");
+  EXPECT_EQ(validate_error(c), "a.toml:3: fp8.margin must be in [0, 64], got 65 (fp8.recipe: a.toml:2)");
   c = TrainConfig::from_toml_string("[fp8]\nmargin = 65\n", "a.toml");
   c.apply_override("fp8.recipe=current");
   EXPECT_EQ(validate_error(c),
