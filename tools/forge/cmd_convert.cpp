@@ -25,7 +25,7 @@ struct ConvertOptions {
   CLI::Option* shard_option = nullptr;
 };
 
-// The accepted values are exactly the listed ones (the option checks them with CLI::IsMember too).
+// The accepted values are exactly the ones the message (and --help, and the README) lists.
 DType export_dtype(const std::string& name) {
   for (const auto& [choice, dtype] :
        {std::pair{"fp32", DType::f32}, std::pair{"bf16", DType::bf16}, std::pair{"fp16", DType::f16}})

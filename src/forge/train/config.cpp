@@ -535,9 +535,10 @@ void TrainConfig::validate() const {
     auto first = std::find_if(keys.begin(), keys.end(), [&](std::string_view k) { return origins.count(k); });
     b.where = first != keys.end() ? origin_of(*first) : source;
     for (std::string_view key : keys) {
-      const std::string origin = origins.count(key) ? origin_of(key) : "its default";
-      if (origin_of(key) != b.where)
-        b.others += fmt::format("{}{}: {}", b.others.empty() ? " (" : "; ", key, origin);
+      const std::string from = origin_of(key);
+      if (from != b.where)
+        b.others += fmt::format("{}{}: {}", b.others.empty() ? " (" : "; ", key,
+                                origins.count(key) ? from : std::string("its default"));
     }
     if (!b.others.empty()) b.others += ")";
     return b;
