@@ -29,7 +29,10 @@ TEST_F(Cli, HelpAndVersion) {
   EXPECT_EQ(train_help.status, 0);
   EXPECT_NE(train_help.output.find("--set"), std::string::npos);
   EXPECT_EQ(run_forge("--version").status, 0);
-  expect_one_line_error("frobnicate", "A subcommand is required");
+  expect_one_line_error("frobnicate", "unknown command 'frobnicate'");
+  expect_one_line_error("trian", "unknown command 'trian'; did you mean 'train'?");
+  expect_one_line_error("--frob", "unknown option '--frob'");
+  expect_one_line_error("", "A subcommand is required");
 }
 
 // Usage errors (CLI11's) exit with status 1 like every other error, not CLI11's 104-109.

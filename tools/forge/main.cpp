@@ -5,11 +5,14 @@
 #include <cstdlib>
 #include <exception>
 #include <optional>
+#include <string>
 #include <string_view>
+#include <vector>
 
 #include "commands.h"
 #include "forge/comm/comm.h"
 #include "forge/core/error.h"
+#include "forge/core/suggest.h"
 #include "forge/train/device_emulation.h"
 
 int main(int argc, char** argv) {
@@ -33,7 +36,17 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     // Usage errors follow the same rule as every other error: one line (CLI11 would print two) and exit
     // status 1 (not CLI11's 104-109), so scripts need to know a single failure code.
-    std::fprintf(stderr, "forge: error: %s (see forge --help)\n", e.what());
+    std::string message = e.what();
+    // "forge frobnicate" or "forge --frob": CLI11 says only that a subcommand is required; name the word.
+    if (dynamic_cast<const CLI::RequiredError*>(&e) && app.get_subcommands().empty() && argc > 1) {
+      const std::string_view word = argv[1];
+      std::vector<std::string_view> names;
+      for (const auto& command : commands) names.push_back(command.app->get_name());
+      message = word.starts_with("-")
+                    ? fmt::format("unknown option '{}'", word)
+                    : fmt::format("unknown command '{}'{}", word, forge::did_you_mean(word, names));
+    }
+    std::fprintf(stderr, "forge: error: %s (see forge --help)\n", message.c_str());
     return 1;
   }
   int status = 0;
