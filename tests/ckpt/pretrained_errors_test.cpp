@@ -258,6 +258,16 @@ TEST_F(PretrainedTest, RejectsBadConfigsNamingTheKey) {
   expect_error_containing([&] { open_pretrained(path("bad_json")); },
                           {"bad_json/config.json", "invalid JSON"});
 
+  // A key given twice is refused, not resolved to the last one.
+  hf_folder("duplicate_key", tiny_config_json(false), tensors_of(*model));
+  {
+    std::string text = tiny_config_json(false).dump();
+    text.insert(1, "\"num_hidden_layers\": 64, ");
+    std::ofstream(path("duplicate_key") / "config.json") << text;
+  }
+  expect_error_containing([&] { open_pretrained(path("duplicate_key")); },
+                          {"duplicate_key/config.json", "key 'num_hidden_layers' appears twice"});
+
   // The config says 3 layers, the weights hold 2: the third layer's tensors are missing.
   config = tiny_config_json(false);
   config["num_hidden_layers"] = 3;

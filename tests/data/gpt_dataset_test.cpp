@@ -276,5 +276,24 @@ TEST(GptDataset, Errors) {
   expect_error_containing([&] { bounded.batch(0, 0, input.data(), target.data()); }, {"batch"});
 }
 
+// With a vocabulary bound, a token id outside it names the .bin file, the document, the position and the id.
+TEST(GptDataset, TokensOutsideTheVocabularyNameTheFile) {
+  DatasetTempDir dir("gpt");
+  testing::write_documents(dir / "ids", {{1, 2, 3}, {4, 4464, 5}});
+  auto data = std::make_shared<const IndexedDataset>(dir / "ids");
+  std::vector<int32_t> input(6), target(6);
+  GptDataset unbounded(data, {0, 2}, {.seq_len = 5, .shuffle = false});
+  unbounded.sample(0, input.data(), target.data());  // no bound: ids are not checked
+  EXPECT_EQ(input[4], 4464);
+  GptDataset bounded(
+      data, {0, 2},
+      {.seq_len = 5, .shuffle = false, .vocab_size = 256, .vocab_name = "the model's vocabulary"});
+  expect_error_containing([&] { bounded.sample(0, input.data(), target.data()); },
+                          {dir / "ids.bin" + ": document 1, position 1: token id 4464 is outside the model's "
+                                             "vocabulary [0, 256)"});
+  GptDataset enough(data, {0, 2}, {.seq_len = 5, .shuffle = false, .vocab_size = 4465});
+  EXPECT_NO_THROW(enough.sample(0, input.data(), target.data()));
+}
+
 }  // namespace
 }  // namespace forge

@@ -237,6 +237,91 @@ TEST(LlamaConfigErrors, UnsupportedFeatures) {
   expect_error(j, {"'rope_scaling.high_freq_factor' (4)", "greater than"});
 }
 
+// Sizes beyond forge's bounds are refused naming the key and the memory they would need, before any product
+// of them could wrap: 2^32 + 2 layers used to build a 2-layer model, 2^31 a 0-layer one.
+TEST(LlamaConfigErrors, HugeSizesAreRefusedNamingTheKey) {
+  json j = tiny_config();
+  j["num_hidden_layers"] = (int64_t{1} << 32) + 2;
+  expect_error(j, {"key 'num_hidden_layers' is 4294967298, above forge's limit of 65536",
+                   "for its fp32 weights alone", "TiB"});
+  j["num_hidden_layers"] = int64_t{1} << 31;
+  expect_error(j, {"key 'num_hidden_layers' is 2147483648"});
+  for (const auto& [key, value] : {std::pair<const char*, int64_t>{"hidden_size", int64_t{1} << 22},
+                                   {"intermediate_size", int64_t{1} << 23},
+                                   {"num_attention_heads", int64_t{1} << 17},
+                                   {"num_key_value_heads", int64_t{1} << 17},
+                                   {"head_dim", int64_t{1} << 17},
+                                   {"vocab_size", int64_t{1} << 31},
+                                   {"max_position_embeddings", int64_t{1} << 25}}) {
+    j = tiny_config();
+    j["head_dim"] = 16;  // so that hidden_size need not divide by the heads
+    j[key] = value;
+    expect_error(j, {fmt::format("key '{}' is {}, above forge's limit", key, value)});
+  }
+  j = tiny_config();
+  j["rope_scaling"] = {{"rope_type", "llama3"},
+                       {"factor", 8.0},
+                       {"low_freq_factor", 1.0},
+                       {"high_freq_factor", 4.0},
+                       {"original_max_position_embeddings", int64_t{1} << 40}};
+  expect_error(j, {"key 'rope_scaling.original_max_position_embeddings' is 1099511627776"});
+
+  // Every size within bounds, but their product is not: the count is formed without wrapping.
+  j = {{"hidden_size", int64_t{1} << 20},         {"intermediate_size", int64_t{1} << 22},
+       {"num_hidden_layers", int64_t{1} << 16},   {"num_attention_heads", int64_t{1} << 16},
+       {"num_key_value_heads", int64_t{1} << 16}, {"head_dim", int64_t{1} << 16},
+       {"vocab_size", int64_t{1} << 30}};
+  expect_error(
+      j, {"the model would have 1.18e+21 parameters", "num_hidden_layers 65536", "ZiB", "limit is 2^50"});
+}
+
+// The memory a model needs is stated, and a model bigger than the machine refused, before allocation.
+TEST(LlamaConfig, MemoryBytesAndTheMachinesLimit) {
+  const LlamaConfig tiny = LlamaConfig::from_json(tiny_config(), "tiny.json");
+  EXPECT_EQ(tiny.origin.name, "tiny.json");
+  const int64_t rope = 2 * tiny.max_position_embeddings * (tiny.head_dim / 2) * 4;
+  EXPECT_EQ(tiny.memory_bytes(false, false), 4 * tiny.num_parameters() + rope);
+  EXPECT_EQ(tiny.memory_bytes(true, true), 18 * tiny.num_parameters() + rope);
+  EXPECT_NO_THROW(tiny.check_fits_in_memory(true, true, tiny.memory_bytes(true, true), "tiny.json"));
+
+  // LLaMA 3 70B: 70.6e9 parameters, 16 bytes each to train in fp32 with AdamW.
+  const LlamaConfig big = LlamaConfig::from_json({{"hidden_size", 8192},
+                                                  {"intermediate_size", 28672},
+                                                  {"num_hidden_layers", 80},
+                                                  {"num_attention_heads", 64},
+                                                  {"num_key_value_heads", 8},
+                                                  {"vocab_size", 128256}},
+                                                 "70b/config.json");
+  try {
+    big.check_fits_in_memory(true, false, int64_t{24} << 30, big.origin.name);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(
+        std::string(e.what()),
+        "70b/config.json: the model needs 1.0 TiB for its weights, gradients and optimizer state (7.06e+10 "
+        "parameters: hidden_size 8192, intermediate_size 28672, num_hidden_layers 80, vocab_size 128256); "
+        "this machine has 24.0 GiB");
+  }
+  try {
+    big.check_fits_in_memory(false, false, int64_t{24} << 30, big.origin.name);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("needs 262.8 GiB for its weights ("), std::string::npos) << e.what();
+  }
+}
+
+// A key given twice in config.json is refused (nlohmann alone keeps the last, silently).
+TEST(LlamaConfigErrors, DuplicateKeysAreRefused) {
+  TempFile twice(R"({"hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "vocab_size": 256, "num_hidden_layers": 4096})");
+  try {
+    LlamaConfig::from_json_file(twice.path());
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()), twice.path().string() + ": key 'num_hidden_layers' appears twice");
+  }
+}
+
 TEST(LlamaConfigErrors, FileErrorsNameThePath) {
   const std::filesystem::path missing = std::filesystem::temp_directory_path() / "forge_no_such_config.json";
   try {

@@ -29,7 +29,17 @@ TEST_F(Cli, HelpAndVersion) {
   EXPECT_EQ(train_help.status, 0);
   EXPECT_NE(train_help.output.find("--set"), std::string::npos);
   EXPECT_EQ(run_forge("--version").status, 0);
-  EXPECT_NE(run_forge("frobnicate").status, 0);
+  expect_one_line_error("frobnicate", "unknown command 'frobnicate'");
+  expect_one_line_error("trian", "unknown command 'trian'; did you mean 'train'?");
+  expect_one_line_error("--frob", "unknown option '--frob'");
+  expect_one_line_error("", "A subcommand is required");
+}
+
+// Usage errors (CLI11's) exit with status 1 like every other error, not CLI11's 104-109.
+TEST_F(Cli, UsageErrorsExitWithStatusOne) {
+  expect_one_line_error("train --config " + (dir_ / "missing.toml").string(), "missing.toml");
+  expect_one_line_error("train --frobnicate", "--frobnicate");
+  expect_one_line_error("eval --seq-len x", "--seq-len");
 }
 
 TEST_F(Cli, MisspelledConfigKey) {
@@ -57,6 +67,16 @@ TEST_F(Cli, NonPositiveSizes) {
       "num_attention_heads": 4, "vocab_size": 256})");
   expect_one_line_error("train --set model.config=" + model, "hidden_size");
   expect_one_line_error("train --set train.micro_batch=-2", "micro_batch");
+}
+
+// A bad --set value is blamed on the --set, not on the config file it overrides.
+TEST_F(Cli, BadOverrideIsBlamedOnTheOverride) {
+  const std::string config =
+      (std::filesystem::path(FORGE_FIXTURE_DIR).parent_path().parent_path() / "configs/default.toml")
+          .string();
+  expect_one_line_error("train --config " + config + " --set train.lr=-1",
+                        "forge: error: --set 'train.lr=-1': train.lr must be > 0, got -1");
+  expect_one_line_error("train --set train.threads=100000", "train.threads must be in [0, 4096]");
 }
 
 TEST_F(Cli, MisspelledModelKey) {
@@ -126,17 +146,21 @@ TEST_F(Cli, CtrlCSavesACheckpointAndExits130) {
 // forge bench on a GPU: bad values and a machine without one get one line each.
 TEST_F(Cli, BenchDeviceAndFp8Refusals) {
   const std::string kDefaultModel =
-      (std::filesystem::path(FORGE_FIXTURE_DIR).parent_path().parent_path() / "configs/llama-default.json").string();
-  for (const char* bad : {" --fp8 e4m3", " --device tpu", " --grad-accum 0", " --profile-steps -1"}) {  // usage errors: CLI11's exit status, one line
+      (std::filesystem::path(FORGE_FIXTURE_DIR).parent_path().parent_path() / "configs/llama-default.json")
+          .string();
+  for (const char* bad : {" --fp8 e4m3", " --device tpu", " --grad-accum 0",
+                          " --profile-steps -1"}) {  // usage errors: status 1, one line
     const Outcome o = run_forge("bench --model " + kDefaultModel + bad);
-    EXPECT_NE(o.status, 0) << o.output;
+    EXPECT_EQ(o.status, 1) << o.output;
     EXPECT_EQ(o.output.rfind("forge: error: --", 0), 0u) << o.output;
     EXPECT_EQ(o.output.find('\n'), o.output.size() - 1) << o.output;
   }
+  // The error lists exactly the dtypes the option accepts (it used to list fp16, fp8_e4m3, int32, ...).
+  expect_one_line_error("bench --model " + kDefaultModel + " --dtype fp8", "--dtype: fp8 not in {bf16,fp32}");
+  expect_one_line_error("bench --model " + kDefaultModel + " --dtype fp16",
+                        "--dtype: fp16 not in {bf16,fp32}");
   if (!forge::device_usable(forge::Device::cuda))
-    expect_one_line_error(
-        "bench --model " + kDefaultModel + " --device cuda --steps 1",
-        "no usable GPU");
+    expect_one_line_error("bench --model " + kDefaultModel + " --device cuda --steps 1", "no usable GPU");
 }
 
 namespace {
@@ -147,16 +171,19 @@ forge::testing::cli::RunOptions environment(std::string variables) {
 }
 }  // namespace
 
-// The GPU benchmark's command (bench/gpu/run_all.sh) on its whole GPU path, on the host: FORGE_EMULATE_DEVICE=1
-// runs --device cuda under the device emulation (kernels/emulated_device.h), where any host access to device
-// memory kills the process and host pointers handed to device ops are refused. FP8 current scaling, gradient
-// accumulation and the op profile, as the benchmark runs them.
+// The GPU benchmark's command (bench/gpu/run_all.sh) on its whole GPU path, on the host:
+// FORGE_EMULATE_DEVICE=1 runs --device cuda under the device emulation (kernels/emulated_device.h), where any
+// host access to device memory kills the process and host pointers handed to device ops are refused. FP8
+// current scaling, gradient accumulation and the op profile, as the benchmark runs them.
 TEST_F(Cli, BenchGpuPathRunsUnderDeviceEmulation) {
-  const std::string model = write("tiny.json", R"({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+  const std::string model =
+      write("tiny.json", R"({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
       "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 97})");
   for (const char* fp8 : {"off", "current"}) {
-    const Outcome o = run_forge("bench --model " + model + " --device cuda --batch 2 --seq 32 --grad-accum 2 --steps 1 "
-                                "--warmup 1 --profile-steps 1 --fp8 " + fp8,
+    const Outcome o = run_forge("bench --model " + model +
+                                    " --device cuda --batch 2 --seq 32 --grad-accum 2 --steps 1 "
+                                    "--warmup 1 --profile-steps 1 --fp8 " +
+                                    fp8,
                                 environment("FORGE_EMULATE_DEVICE=1 OMP_NUM_THREADS=1"));
     EXPECT_EQ(o.status, 0) << o.output;
     EXPECT_NE(o.output.find("cuda is emulated on the host"), std::string::npos) << o.output;
@@ -166,12 +193,14 @@ TEST_F(Cli, BenchGpuPathRunsUnderDeviceEmulation) {
   }
 }
 
-// FORGE_EMULATE_DEVICE=dry: the same command as a dry run (ops checked, not computed), which ends with the ops
-// checked and the peak device memory; a value other than 1 or dry is one line.
+// FORGE_EMULATE_DEVICE=dry: the same command as a dry run (ops checked, not computed), which ends with the
+// ops checked and the peak device memory; a value other than 1 or dry is one line.
 TEST_F(Cli, BenchGpuPathDryRun) {
-  const std::string model = write("tiny.json", R"({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+  const std::string model =
+      write("tiny.json", R"({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
       "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 97})");
-  const std::string args = "bench --model " + model + " --device cuda --batch 2 --seq 32 --steps 1 --warmup 0 --fp8 block";
+  const std::string args =
+      "bench --model " + model + " --device cuda --batch 2 --seq 32 --steps 1 --warmup 0 --fp8 block";
   const Outcome o = run_forge(args, environment("FORGE_EMULATE_DEVICE=dry OMP_NUM_THREADS=1"));
   EXPECT_EQ(o.status, 0) << o.output;
   EXPECT_NE(o.output.find("a dry run: ops are checked, not computed"), std::string::npos) << o.output;

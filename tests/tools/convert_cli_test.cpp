@@ -100,7 +100,10 @@ TEST_F(ConvertCli, BadArgumentsGetOneLine) {
   const std::string out = " --output " + path("out");
   expect_one_line_error("convert" + out, "--input");
   expect_one_line_error("convert" + in, "--output");
-  expect_one_line_error("convert" + in + out + " --dtype fp8", "fp8");
+  expect_one_line_error("convert" + in + out + " --dtype fp8",
+                        "--dtype must be fp32, bf16 or fp16, got 'fp8'");
+  // Only the listed names are accepted (float16 used to be taken without being listed).
+  expect_one_line_error("convert" + in + out + " --dtype float16", "got 'float16'");
   expect_one_line_error("convert" + in + out + " --dtype int32", "int32");
   expect_one_line_error("convert" + in + out + " --max-shard-size 5XB", "5XB");
   expect_one_line_error("convert" + in + out + " --max-shard-size 0", "'0'");
@@ -108,6 +111,12 @@ TEST_F(ConvertCli, BadArgumentsGetOneLine) {
   expect_one_line_error("convert" + in + out + " --to forge --dtype bf16", "--dtype");
   expect_one_line_error("convert" + in + out + " --to forge --max-shard-size 1GB", "--max-shard-size");
   expect_one_line_error("convert --input " + path("missing") + out, path("missing"));
+  // A config.json too big for the machine is refused before the model is built (2^48 parameters: 1 PiB).
+  fs::create_directories(path("huge"));
+  write("huge/config.json", R"({"hidden_size": 65536, "intermediate_size": 262144, "num_hidden_layers": 4096,
+      "num_attention_heads": 512, "vocab_size": 1048576})");
+  write("huge/model.safetensors", "");
+  expect_one_line_error("convert --input " + path("huge") + out, "huge/config.json: the model needs 1.0 PiB");
   fs::create_directories(path("empty_in"));
   expect_one_line_error("convert --input " + path("empty_in") + out, "empty_in");
   EXPECT_FALSE(fs::exists(path("out")));

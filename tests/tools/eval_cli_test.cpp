@@ -1,6 +1,7 @@
 // forge eval, run as the real binary on a tiny model saved as a forge checkpoint and as a Hugging Face
 // folder: its loss, perplexity and token count equal a direct computation from LlamaModel's logits over the
 // same windows; --max-sequences, and bad input answered with one "forge: error:" line.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -141,15 +142,19 @@ TEST_F(EvalCli, TokensOutsideTheVocabulary) {
   std::vector<int32_t> d = {1, 2, 3, static_cast<int32_t>(config_.vocab_size), 4};
   writer.add_document(d);
   writer.finalize();
+  // The culprit: the .bin file, the document and the position in it, the id and the vocabulary.
   expect_one_line_error(
       "eval --model " + (dir_ / "ckpt").string() + " --data " + (dir_ / "big").string() + " --seq-len 4",
-      "outside the model's vocabulary");
+      fmt::format("{}: document 0, position 3: token id {} is outside the model's vocabulary [0, {})",
+                  (dir_ / "big.bin").string(), config_.vocab_size, config_.vocab_size));
 }
 
 TEST_F(EvalCli, BadArguments) {
   expect_one_line_error(base_args("ckpt") + " --seq-len 0", "--seq-len");
   expect_one_line_error(base_args("ckpt") + " --seq-len 8 --batch-size 0", "--batch-size");
-  expect_one_line_error(base_args("ckpt") + " --seq-len 8 --dtype fp8", "fp8");
+  // The error lists exactly the dtypes the option accepts (it used to list fp16, fp8_e4m3, int32, ...).
+  expect_one_line_error(base_args("ckpt") + " --seq-len 8 --dtype fp8", "--dtype: fp8 not in {fp32,bf16}");
+  expect_one_line_error(base_args("ckpt") + " --seq-len 8 --dtype fp16", "--dtype: fp16 not in {fp32,bf16}");
   expect_one_line_error(base_args("ckpt") + " --seq-len 100000", "max_position_embeddings");
   expect_one_line_error(base_args("missing") + " --seq-len 8", "missing");
   expect_one_line_error(

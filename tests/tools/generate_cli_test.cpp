@@ -211,6 +211,8 @@ TEST_F(GenerateCli, TokenizerBosAndEndOfSequence) {
 
   std::ofstream(dir_ / "hf" / "generation_config.json") << R"({"eos_token_id": 5000})";
   expect_one_line_error(args, "generation_config.json: eos_token_id 5000");
+  std::ofstream(dir_ / "hf" / "generation_config.json") << R"({"eos_token_id": 1, "eos_token_id": 2})";
+  expect_one_line_error(args, "generation_config.json: key 'eos_token_id' appears twice");
 }
 
 TEST_F(GenerateCli, BadInputGetsOneErrorLine) {
@@ -230,7 +232,9 @@ TEST_F(GenerateCli, BadInputGetsOneErrorLine) {
   expect_one_line_error(bytes + " --prompt hi --max-new-tokens 0", "--max-new-tokens");
   if (!device_usable(Device::cuda))
     expect_one_line_error(bytes + " --prompt hi --device cuda", "--device cuda, but no usable GPU");
-  expect_one_line_error(bytes + " --prompt hi --dtype fp8", "fp8");
+  // The error lists exactly the dtypes the option accepts (it used to list fp16, fp8_e4m3, int32, ...).
+  expect_one_line_error(bytes + " --prompt hi --dtype fp8", "--dtype: fp8 not in {fp32,bf16}");
+  expect_one_line_error(bytes + " --prompt hi --dtype fp16", "--dtype: fp16 not in {fp32,bf16}");
   expect_one_line_error(bytes + " --prompt hi --tokenizer " + (dir_ / "none.json").string(), "none.json");
   // A 1000-token vocabulary without a tokenizer.json cannot fall back to bytes.
   fs::remove(dir_ / "hf" / "tokenizer.json");

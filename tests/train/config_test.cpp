@@ -345,6 +345,69 @@ TEST(TrainConfigErrors, Validation) {
   expect_invalid([](TrainConfig& c) { c.parallel.timeout_s = -5; }, {"parallel.timeout_s must be >= 0"});
 }
 
+// validate() blames the origin of the value at fault: the file and line, or the --set that set it.
+TEST(TrainConfigErrors, ValidationNamesWhereTheValueCameFrom) {
+  auto validate_error = [](const TrainConfig& c) {
+    try {
+      c.validate();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  TrainConfig c = TrainConfig::from_toml_string("[train]\nsteps = 5\nlr = -1\n", "a.toml");
+  EXPECT_EQ(validate_error(c), "a.toml:3: train.lr must be > 0, got -1");
+  EXPECT_EQ(c.origin_of("train.lr"), "a.toml:3");
+  EXPECT_EQ(c.origin_of("train.min_lr"), "a.toml");  // a default
+
+  // The case: a bad --set over a good file is the --set's fault, not the file's.
+  c = TrainConfig::from_toml_string("[train]\nsteps = 5\nlr = 0.001\n", "configs/default.toml");
+  c.apply_override("train.lr=-1");
+  EXPECT_EQ(validate_error(c), "--set 'train.lr=-1': train.lr must be > 0, got -1");
+  EXPECT_EQ(validate_error(c).find("configs/default.toml"), std::string::npos);
+
+  // A rule over two keys names both origins.
+  c = TrainConfig::from_toml_string("[train]\nsteps = 5\nmin_lr = 0.01\n", "a.toml");
+  c.apply_override("train.lr=0.001");
+  EXPECT_EQ(
+      validate_error(c),
+      "a.toml:3: train.min_lr (0.01) must not exceed train.lr (0.001) (train.lr: --set 'train.lr=0.001')");
+  c = TrainConfig::from_toml_string("[train]\nsteps = 5\n", "a.toml");
+  c.apply_override("train.lr=0.0001");  // below the default min_lr
+  EXPECT_EQ(
+      validate_error(c),
+      "--set 'train.lr=0.0001': train.min_lr (0.0003) must not exceed train.lr (0.0001) (train.min_lr: its "
+      "default)");
+  c = TrainConfig::from_toml_string("[train]\nmax_minutes = 0\n", "a.toml");
+  EXPECT_EQ(validate_error(c).rfind("a.toml:2: train.steps must be > 0", 0), 0u) << validate_error(c);
+  EXPECT_NE(validate_error(c).find("train.steps: its default"), std::string::npos) << validate_error(c);
+
+  // FP8 rules: the key the message names, and the recipe that turned its check on.
+  c = TrainConfig::from_toml_string("[fp8]\nrecipe = \"delayed\"\nmargin = 65\n", "a.toml");
+  EXPECT_EQ(validate_error(c), "a.toml:3: fp8.margin must be in [0, 64], got 65 (fp8.recipe: a.toml:2)");
+  c = TrainConfig::from_toml_string("[fp8]\nmargin = 65\n", "a.toml");
+  c.apply_override("fp8.recipe=current");
+  EXPECT_EQ(validate_error(c),
+            "a.toml:2: fp8.margin must be in [0, 64], got 65 (fp8.recipe: --set 'fp8.recipe=current')");
+
+  // Where a value came from is not a setting.
+  TrainConfig from_file = TrainConfig::from_toml_string("[train]\nsteps = 5\n", "a.toml");
+  TrainConfig from_set;
+  from_set.apply_override("train.steps=5");
+  EXPECT_NE(from_file.origins, from_set.origins);
+  EXPECT_EQ(from_file, from_set);
+}
+
+// train.threads = 100000 crashed libgomp; anything above 4096 is refused up front.
+TEST(TrainConfigErrors, ThreadsAreBounded) {
+  TrainConfig c;
+  c.train.threads = 4096;
+  EXPECT_NO_THROW(c.validate());
+  c.apply_override("train.threads=100000");
+  expect_error_containing([&] { c.validate(); },
+                          {"--set 'train.threads=100000': train.threads must be in [0, 4096]", "got 100000"});
+}
+
 TEST(TrainConfig, DerivedSettings) {
   TrainConfig c;
   EXPECT_EQ(c.checkpoint_dir(), std::filesystem::path("runs/default/checkpoint"));

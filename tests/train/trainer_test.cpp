@@ -163,6 +163,18 @@ TEST_F(TrainerTest, RefusesBadInputsWithOneClearLine) {
   TrainConfig heads = config("bad5");
   heads.model.config = (dir_ / "heads.json").string();
   expect_error(heads, "num_key_value_heads");
+  // 2^32 + 2 layers used to train a 2-layer model; a model too big for the machine is refused before any
+  // allocation (2^48 parameters: 4 PiB to train), not by bad_alloc or the OOM killer.
+  std::ofstream(dir_ / "layers.json") << R"({"hidden_size": 32, "intermediate_size": 64,
+      "num_hidden_layers": 4294967298, "num_attention_heads": 4, "vocab_size": 256})";
+  TrainConfig layers = config("bad7");
+  layers.model.config = (dir_ / "layers.json").string();
+  expect_error(layers, "layers.json: key 'num_hidden_layers' is 4294967298, above forge's limit of 65536");
+  std::ofstream(dir_ / "huge.json") << R"({"hidden_size": 65536, "intermediate_size": 262144,
+      "num_hidden_layers": 4096, "num_attention_heads": 512, "vocab_size": 1048576})";
+  TrainConfig huge = config("bad8");
+  huge.model.config = (dir_ / "huge.json").string();
+  expect_error(huge, "huge.json: the model needs 4.0 PiB for its weights, gradients and optimizer state");
   if (!device_usable(Device::cuda)) {  // no GPU here: a CUDA run is refused up front, naming the key
     TrainConfig gpu = config("bad6");
     gpu.train.device = "cuda";

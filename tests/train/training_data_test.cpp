@@ -223,5 +223,30 @@ TEST_F(TrainingDataTest, TrainsOnABlendOfMegatronDatasets) {
   expect_error_containing([&] { Trainer(missing).run(); }, {"nothing"});
 }
 
+// A token id beyond the tokenizer's vocabulary (a dataset preprocessed with another tokenizer, or a corrupt
+// file) names the .bin file, the document, the position and the id, not just "token id ... at position ...".
+TEST_F(TrainingDataTest, DatasetTokensOutsideTheVocabularyNameTheFile) {
+  {
+    IndexedDatasetWriter writer((dir_ / "wide").string(), IndexedDType::u16);
+    std::vector<int32_t> tokens(200, 'a');
+    tokens[77] = 300;  // outside "bytes"' 256
+    writer.add_document(tokens);
+    writer.add_document(std::vector<int32_t>(100, 'b'));  // the held-out part
+    writer.finalize();
+  }
+  TrainConfig c = config("wide");
+  c.data.tokenizer = "bytes";
+  c.data.dataset = (dir_ / "wide").string();
+  c.data.split = "50,50,0";
+  c.data.order = "sequential";
+  std::unique_ptr<TrainingData> data = open_training_data(c);
+  std::vector<int32_t> ids(4 * 32), targets(4 * 32);
+  expect_error_containing(
+      [&] { data->train_batch(0, 4, ids.data(), targets.data()); },
+      {(dir_ / "wide.bin").string() + ": document 0, position 77: token id 300 is outside the "
+                                      "vocabulary of the tokenizer bytes",
+       "[0, 256)"});
+}
+
 }  // namespace
 }  // namespace forge

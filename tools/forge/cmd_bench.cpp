@@ -101,7 +101,10 @@ void add_bench_command(CLI::App& app, Commands& commands) {
                     "(op, shape, calls, ms, TFLOP/s or GFLOP/s, GB/s; also in the JSON line as \"profile\")")
       ->check(CLI::Range(0, 1000))
       ->capture_default_str();
-  bench->add_option("--dtype", o->dtype, "compute dtype: bf16 or fp32")->capture_default_str();
+  // The choices listed are exactly those accepted (dtype_from_name alone would take fp16 or int32).
+  bench->add_option("--dtype", o->dtype, "compute dtype: bf16 or fp32")
+      ->check(CLI::IsMember({"bf16", "fp32"}))
+      ->capture_default_str();
   bench->add_option("--recompute", o->recompute, "none, selective or full")->capture_default_str();
   bench->add_option("--device", o->device, "where the model trains: cpu or cuda")
       ->check(CLI::IsMember({"cpu", "cuda"}))

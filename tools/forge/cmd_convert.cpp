@@ -25,11 +25,11 @@ struct ConvertOptions {
   CLI::Option* shard_option = nullptr;
 };
 
+// The accepted values are exactly the ones the message (and --help, and the README) lists.
 DType export_dtype(const std::string& name) {
-  for (const auto& [alias, dtype] :
-       {std::pair{"fp32", DType::f32}, std::pair{"float32", DType::f32}, std::pair{"bf16", DType::bf16},
-        std::pair{"bfloat16", DType::bf16}, std::pair{"fp16", DType::f16}, std::pair{"float16", DType::f16}})
-    if (name == alias) return dtype;
+  for (const auto& [choice, dtype] :
+       {std::pair{"fp32", DType::f32}, std::pair{"bf16", DType::bf16}, std::pair{"fp16", DType::f16}})
+    if (name == choice) return dtype;
   fail("convert: --dtype must be fp32, bf16 or fp16, got '{}'", name);
 }
 

@@ -24,6 +24,7 @@
 #include "forge/ckpt/pretrained.h"
 #include "forge/core/device.h"
 #include "forge/core/error.h"
+#include "forge/core/file_io.h"
 #include "forge/data/tokenizer.h"
 #include "forge/data/tokenizer_text.h"
 #include "forge/models/sampling.h"
@@ -80,9 +81,9 @@ class TextCodec {
 std::vector<int32_t> generation_config_eos(const fs::path& dir, int64_t vocab) {
   const fs::path file = dir / "generation_config.json";
   if (!fs::exists(file)) return {};
-  std::ifstream in(file);
-  nlohmann::json json = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  if (json.is_discarded() || !json.is_object()) fail("{}: not a JSON object", file.string());
+  // Strict: a key given twice (two eos_token_id) is refused rather than resolved to the last.
+  nlohmann::json json = parse_json_strict(read_file(file, "generation config"), file.string());
+  if (!json.is_object()) fail("{}: not a JSON object", file.string());
   if (!json.contains("eos_token_id") || json["eos_token_id"].is_null()) return {};
   const nlohmann::json& eos = json["eos_token_id"];
   std::vector<int32_t> ids;
@@ -232,7 +233,10 @@ void add_generate_command(CLI::App& app, Commands& commands) {
   generate->add_option("--seed", o->seed, "sampling seed (the same seed gives the same text)")
       ->capture_default_str();
   generate->add_flag("--greedy", o->greedy, "always take the most likely token (temperature 0)");
-  generate->add_option("--dtype", o->dtype, "GEMM operands: fp32 or bf16")->capture_default_str();
+  // The choices listed are exactly those accepted (dtype_from_name alone would list fp16 or int32).
+  generate->add_option("--dtype", o->dtype, "GEMM operands: fp32 or bf16")
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->capture_default_str();
   generate->add_option("--device", o->device, "where the model runs: cpu or cuda")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();

@@ -29,16 +29,9 @@ constexpr const char* kConfigFile = "config.json";
 constexpr const char* kSingleFile = "model.safetensors";
 constexpr const char* kIndexFile = "model.safetensors.index.json";
 
+// Strict: a key given twice (in config.json or the index) is refused, not silently resolved to the last.
 json read_json_file(const fs::path& path) {
-  const std::string text = read_file(path, "JSON file");
-  try {
-    return json::parse(text);
-  } catch (const json::parse_error& e) {
-    std::string_view what = e.what();
-    auto close = what.find("] ");
-    fail("{}: invalid JSON: {}", path.string(),
-         close == std::string_view::npos ? what : what.substr(close + 2));
-  }
+  return parse_json_strict(read_file(path, "JSON file"), path.string());
 }
 
 // forge implements LlamaForCausalLM; a folder of another architecture would otherwise fail later on an

@@ -97,7 +97,11 @@ nlohmann::json parse_json_strict(std::string_view text, std::string_view where) 
   try {
     j = nlohmann::json::parse(text.begin(), text.end(), note);
   } catch (const nlohmann::json::exception& e) {
-    fail("{}: invalid JSON: {}", where, e.what());
+    // e.what() is "[json.exception.parse_error.101] parse error at line 3, column 5: ..."; keep the part
+    // after the bracketed id, which carries the line and column.
+    std::string_view what = e.what();
+    const size_t close = what.find("] ");
+    fail("{}: invalid JSON: {}", where, close == std::string_view::npos ? what : what.substr(close + 2));
   }
   if (!duplicate.empty()) fail("{}: key '{}' appears twice", where, duplicate);
   return j;

@@ -15,4 +15,7 @@ struct MemoryStats {
 MemoryStats memory_stats();
 void reset_peak_memory();  // peak := live
 
+// Memory this process may use on the host: the physical memory, or the cgroup's limit when lower.
+int64_t host_memory_bytes();
+
 }  // namespace forge

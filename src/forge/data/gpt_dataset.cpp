@@ -214,6 +214,12 @@ void GptDataset::read_stream(int64_t start, int64_t count, int32_t* out) const {
     const int64_t document_start = p == 0 ? 0 : table->ends[p - 1];
     const int64_t take = std::min(count, table->ends[p] - offset);
     data_->read_tokens(table->order[p], offset - document_start, take, out);
+    if (config_.vocab_size > 0)
+      for (int64_t i = 0; i < take; ++i)
+        if (out[i] < 0 || out[i] >= config_.vocab_size)
+          fail("{}: document {}, position {}: token id {} is outside {} [0, {})",
+               indexed_bin_path(data_->prefix()), table->order[p], offset - document_start + i, out[i],
+               config_.vocab_name, config_.vocab_size);
     out += take;
     start += take;
     count -= take;

@@ -54,6 +54,10 @@ struct GptDatasetConfig {
   uint64_t seed = 1234;
   bool shuffle = true;      // false: documents in order, samples in order
   int64_t num_samples = 0;  // 0: unbounded; else sample(i) requires i < num_samples
+  // > 0: every token read must be an id in [0, vocab_size); one outside is an error naming the .bin file,
+  // the document, the position in it, the id and vocab_name (e.g. "the model's vocabulary").
+  int64_t vocab_size = 0;
+  std::string vocab_name = "the vocabulary";
 };
 
 class GptDataset {

@@ -4,12 +4,12 @@
 #include <cmath>
 #include <limits>
 
-#include "forge/nn/fp8_context.h"
-#include "forge/nn/tensor_parallel.h"
-
 #include "forge/core/device.h"
+#include "forge/core/memory.h"
 #include "forge/kernels/ops.h"
 #include "forge/kernels/rope_tables.h"
+#include "forge/nn/fp8_context.h"
+#include "forge/nn/tensor_parallel.h"
 
 namespace forge {
 namespace {
@@ -25,7 +25,17 @@ const int32_t* ids_on(Device device, const int32_t* ids, int64_t n, Tensor& hold
 
 LlamaModel::LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, float init_std, bool with_grads)
     : config_(config), options_(options) {
-  config_.validate("model config");
+  const std::string source = config.origin.name.empty() ? "model config" : config.origin.name;
+  config_.validate(source);
+  // Refused before anything is allocated, so a config too big for the machine is one line, not bad_alloc or
+  // the OOM killer. On the CPU the host holds everything (with gradients, the optimizer's two moments too:
+  // whoever trains a model with gradients steps it with AdamW); a model on a device needs a full fp32 host
+  // copy while its weights are initialised or loaded, and the device's allocator reports its own memory.
+  // Under tensor parallelism a rank holds 1/tp of the model, but a group's ranks usually share a machine, so
+  // the whole model is what the machine must hold (an over-estimate when the group spans machines).
+  const bool on_host = options.device == Device::cpu;
+  config_.check_fits_in_memory(on_host && with_grads, on_host && options.gemm_dtype == DType::bf16,
+                               host_memory_bytes(), source);
   const int64_t h = config.hidden_size, v = config.vocab_size;
   const int tp_size = options.tp_size(), rank = options.tp_rank();
   // Vocabulary-parallel embedding and head: rows padded to a multiple of vocab_divisible_by x tp, split

@@ -4,6 +4,7 @@
 #include <array>
 #include <cmath>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -11,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "forge/core/file_io.h"
 #include "forge/core/error.h"
+#include "forge/core/file_io.h"
 #include "forge/core/suggest.h"
 
 namespace forge {
@@ -149,22 +150,59 @@ void require_positive_finite(double value, const char* key, std::string_view sou
     fail("{}: key '{}' must be a positive finite number, got {}", source, key, value);
 }
 
+// Upper bounds on the sizes: far above any published model (LLaMA 3 405B: hidden 16384, FFN 53248, 126
+// layers, vocabulary 128256; contexts of 10M positions), low enough that no size wraps the int the modules
+// take and no product of sizes wraps int64. A config beyond them is corrupt or hostile, not a model.
+struct SizeLimit {
+  const char* key;
+  int64_t LlamaConfig::*field;
+  int64_t max;
+};
+constexpr SizeLimit kSizeLimits[] = {
+    {"hidden_size", &LlamaConfig::hidden_size, int64_t{1} << 20},
+    {"intermediate_size", &LlamaConfig::intermediate_size, int64_t{1} << 22},
+    {"num_hidden_layers", &LlamaConfig::num_hidden_layers, int64_t{1} << 16},
+    {"num_attention_heads", &LlamaConfig::num_attention_heads, int64_t{1} << 16},
+    {"num_key_value_heads", &LlamaConfig::num_key_value_heads, int64_t{1} << 16},
+    {"head_dim", &LlamaConfig::head_dim, int64_t{1} << 16},
+    {"vocab_size", &LlamaConfig::vocab_size, int64_t{1} << 30},  // token ids are int32
+    {"max_position_embeddings", &LlamaConfig::max_position_embeddings, int64_t{1} << 24},
+};
+// Beyond every machine (4 PiB of fp32 weights) and far from int64's end, so that counts of parameters and
+// their bytes never wrap.
+constexpr int64_t kMaxParameters = int64_t{1} << 50;
+
+// The parameter count without overflow, for sizes that may be out of range (exact up to 2^64).
+long double wide_parameter_count(const LlamaConfig& c) {
+  const long double h = c.hidden_size, v = c.vocab_size, layers = c.num_hidden_layers;
+  const long double q = static_cast<long double>(c.num_attention_heads) * c.head_dim;
+  const long double kv = static_cast<long double>(c.num_key_value_heads) * c.head_dim;
+  const long double per_layer = 2 * h * q + 2 * h * kv + 3 * h * c.intermediate_size + 2 * h;
+  return v * h * (c.tie_word_embeddings ? 1 : 2) + layers * per_layer + h;
+}
+
+// "12.3 TiB", "24.0 GiB", "512 B": sizes of any magnitude, for messages.
+std::string human_bytes(long double bytes) {
+  constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB"};
+  size_t unit = 0;
+  while (bytes >= 1024 && unit + 1 < std::size(kUnits)) bytes /= 1024, ++unit;
+  return unit == 0 ? fmt::format("{} B", static_cast<int64_t>(bytes))
+                   : fmt::format("{:.1f} {}", static_cast<double>(bytes), kUnits[unit]);
+}
+
+// The sizes that make a model big, for messages about its memory.
+std::string size_summary(const LlamaConfig& c) {
+  return fmt::format("hidden_size {}, intermediate_size {}, num_hidden_layers {}, vocab_size {}",
+                     c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.vocab_size);
+}
+
 }  // namespace
 
 LlamaConfig LlamaConfig::from_json_file(const std::filesystem::path& path) {
   const std::string source = path.string();
   const std::string text = read_file(path, "model config");
-  json parsed;
-  try {
-    parsed = json::parse(text);
-  } catch (const json::parse_error& e) {
-    // e.what() is "[json.exception.parse_error.101] parse error at line 3, column 5: ..."; keep the part
-    // after the bracketed id, which carries the line and column.
-    std::string_view what = e.what();
-    auto close = what.find("] ");
-    fail("{}: invalid JSON: {}", source, close == std::string_view::npos ? what : what.substr(close + 2));
-  }
-  return from_json(parsed, source);
+  // Strict: a key given twice is refused (nlohmann would keep the last one silently).
+  return from_json(parse_json_strict(text, source), source);
 }
 
 LlamaConfig LlamaConfig::from_json(const json& j, std::string_view source) {
@@ -203,6 +241,7 @@ LlamaConfig LlamaConfig::from_json(const json& j, std::string_view source) {
   c.tie_word_embeddings = read_bool(j, "tie_word_embeddings", source).value_or(c.tie_word_embeddings);
   c.max_position_embeddings =
       read_integer(j, "max_position_embeddings", source).value_or(c.max_position_embeddings);
+  c.origin.name = std::string(source);
   c.validate(source);
   return c;
 }
@@ -216,6 +255,17 @@ void LlamaConfig::validate(std::string_view source) const {
   require_positive(head_dim, "head_dim", source);
   require_positive(vocab_size, "vocab_size", source);
   require_positive(max_position_embeddings, "max_position_embeddings", source);
+  // Sizes are bounded before any product of them is formed (a wrapped size would build another model).
+  for (const SizeLimit& limit : kSizeLimits)
+    if (this->*limit.field > limit.max)
+      fail(
+          "{}: key '{}' is {}, above forge's limit of {}; the model would need {} for its fp32 weights alone",
+          source, limit.key, this->*limit.field, limit.max, human_bytes(4 * wide_parameter_count(*this)));
+  if (const long double parameters = wide_parameter_count(*this); parameters > kMaxParameters)
+    fail(
+        "{}: the model would have {:.3g} parameters ({}), needing {} for its fp32 weights alone; forge's "
+        "limit is 2^50",
+        source, static_cast<double>(parameters), size_summary(*this), human_bytes(4 * parameters));
   if (num_attention_heads % num_key_value_heads != 0)
     fail("{}: key 'num_attention_heads' ({}) must be divisible by 'num_key_value_heads' ({})", source,
          num_attention_heads, num_key_value_heads);
@@ -230,6 +280,9 @@ void LlamaConfig::validate(std::string_view source) const {
     require_positive_finite(rope_scaling.high_freq_factor, "rope_scaling.high_freq_factor", source);
     require_positive(rope_scaling.original_max_position_embeddings,
                      "rope_scaling.original_max_position_embeddings", source);
+    if (rope_scaling.original_max_position_embeddings > (int64_t{1} << 24))
+      fail("{}: key 'rope_scaling.original_max_position_embeddings' is {}, above forge's limit of {}", source,
+           rope_scaling.original_max_position_embeddings, int64_t{1} << 24);
     // The llama3 rule interpolates between the two wavelength bounds and divides by their difference.
     if (!(rope_scaling.high_freq_factor > rope_scaling.low_freq_factor))
       fail(
@@ -280,6 +333,22 @@ int64_t LlamaConfig::num_parameters() const {
   const int64_t per_layer = matmul_parameters_per_layer() + 2 * hidden_size;  // + two RMSNorm weights
   const int64_t lm_head = tie_word_embeddings ? 0 : vocab_size * hidden_size;
   return embedding + num_hidden_layers * per_layer + hidden_size + lm_head;
+}
+
+int64_t LlamaConfig::memory_bytes(bool training, bool bf16_shadow) const {
+  // Per parameter: fp32 weight, bf16 copy, fp32 gradient, AdamW's fp32 first and second moments.
+  const int64_t per_parameter = 4 + (bf16_shadow ? 2 : 0) + (training ? 4 + 8 : 0);
+  const int64_t rope_tables = 2 * max_position_embeddings * (head_dim / 2) * 4;  // cos and sin, fp32
+  return num_parameters() * per_parameter + rope_tables;
+}
+
+void LlamaConfig::check_fits_in_memory(bool training, bool bf16_shadow, int64_t available_bytes,
+                                       std::string_view source) const {
+  const int64_t needed = memory_bytes(training, bf16_shadow);
+  if (needed <= available_bytes) return;
+  fail("{}: the model needs {} for its {} ({:.3g} parameters: {}); this machine has {}", source,
+       human_bytes(needed), training ? "weights, gradients and optimizer state" : "weights",
+       static_cast<double>(num_parameters()), size_summary(*this), human_bytes(available_bytes));
 }
 
 double LlamaConfig::flops_per_token(int64_t seq_len) const {

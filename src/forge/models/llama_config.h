@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <nlohmann/json_fwd.hpp>
+#include <string>
 #include <string_view>
 
 #include "forge/kernels/rope_tables.h"
@@ -28,6 +29,13 @@ struct LlamaConfig {
   int64_t vocab_size = 0;
   bool tie_word_embeddings = false;
   int64_t max_position_embeddings = 2048;
+  // Where the config was read from (the config.json path; from_json's source_name), for messages. Not part
+  // of the architecture: == ignores it.
+  struct Origin {
+    std::string name;
+    bool operator==(const Origin&) const { return true; }
+  };
+  Origin origin;
 
   bool operator==(const LlamaConfig&) const = default;
 
@@ -36,8 +44,19 @@ struct LlamaConfig {
   static LlamaConfig from_json(const nlohmann::json& json, std::string_view source_name);
   // HF-compatible: from_json(to_json()) round-trips, and transformers can read it as LlamaForCausalLM.
   nlohmann::json to_json() const;
-  // Checks sizes and divisibility; from_json calls it. Messages start with source_name.
+  // Checks sizes (each within the bounds of llama_config.cpp, and the parameter count within 2^50, so that
+  // no size or product wraps) and divisibility; from_json calls it. Messages start with source_name.
   void validate(std::string_view source_name) const;
+
+  // Host bytes a model of this config holds before its first step: fp32 weights, a bf16 copy of them with
+  // bf16_shadow, with `training` fp32 gradients and AdamW's two fp32 moments, and the rotary tables.
+  // Call after validate() (which keeps it within int64).
+  int64_t memory_bytes(bool training, bool bf16_shadow) const;
+  // Refuses, before anything is allocated, a model that needs more than available_bytes:
+  // "<source_name>: the model needs 12.3 TiB for its weights, gradients and optimizer state (...); this
+  // machine has 24.0 GiB".
+  void check_fits_in_memory(bool training, bool bf16_shadow, int64_t available_bytes,
+                            std::string_view source_name) const;
 
   int64_t q_size() const { return num_attention_heads * head_dim; }
   int64_t kv_size() const { return num_key_value_heads * head_dim; }

@@ -32,6 +32,9 @@ struct KeySpec {
   std::string full_name() const { return fmt::format("{}.{}", section, key); }
 };
 
+// train.threads' upper bound: far above any machine's cores, below what OpenMP runtimes survive.
+constexpr int64_t kMaxThreads = 4096;
+
 #define FORGE_FIELD(member) +[](TrainConfig& c) -> FieldRef { return &c.member; }
 
 const std::vector<KeySpec>& key_specs() {
@@ -465,6 +468,7 @@ TrainConfig TrainConfig::from_toml_string(std::string_view text, std::string_vie
         fail("{}: unknown key '{}.{}'{}", key_where, section, key.str(),
              did_you_mean(key.str(), keys_of_section(section)));
       assign_from_toml(config, *spec, node, key_where);
+      config.origins[spec->full_name()] = key_where;
     }
   }
   return config;
@@ -521,11 +525,35 @@ void TrainConfig::apply_override(std::string_view assignment) {
         }
       },
       spec->field(*this));
+  origins[spec->full_name()] = where;
+}
+
+std::string TrainConfig::origin_of(std::string_view key) const {
+  auto it = origins.find(key);
+  return it != origins.end() ? it->second : source;
 }
 
 void TrainConfig::validate() const {
   auto check = [&](bool ok, std::string_view key, auto value, std::string_view rule) {
-    if (!ok) fail("{}: {} must be {}, got {}", source, key, rule, value);
+    if (!ok) fail("{}: {} must be {}, got {}", origin_of(key), key, rule, value);
+  };
+  // A rule over several keys: the message starts with the origin of the first key (in `keys`' order) that
+  // was set, and ends naming each other key's origin where it differs, so both culprits are named.
+  struct Blame {
+    std::string where, others;
+  };
+  auto blame = [&](std::initializer_list<std::string_view> keys) {
+    Blame b;
+    auto first = std::find_if(keys.begin(), keys.end(), [&](std::string_view k) { return origins.count(k); });
+    b.where = first != keys.end() ? origin_of(*first) : source;
+    for (std::string_view key : keys) {
+      const std::string from = origin_of(key);
+      if (from != b.where)
+        b.others += fmt::format("{}{}: {}", b.others.empty() ? " (" : "; ", key,
+                                origins.count(key) ? from : std::string("its default"));
+    }
+    if (!b.others.empty()) b.others += ")";
+    return b;
   };
   auto finite = [](double v) { return std::isfinite(v); };
   check(!model.config.empty(), "model.config", "\"\"", "a path to a config.json");
@@ -542,14 +570,21 @@ void TrainConfig::validate() const {
 
   check(train.micro_batch > 0, "train.micro_batch", train.micro_batch, "> 0");
   check(train.grad_accum > 0, "train.grad_accum", train.grad_accum, "> 0");
-  check(train.steps > 0 || (train.steps == 0 && train.max_minutes > 0), "train.steps", train.steps,
-        "> 0 (or 0 together with train.max_minutes > 0)");
+  if (!(train.steps > 0 || (train.steps == 0 && train.max_minutes > 0))) {
+    const Blame b = blame({"train.steps", "train.max_minutes"});
+    fail(
+        "{}: train.steps must be > 0 (or 0 together with train.max_minutes > 0), got {} with "
+        "train.max_minutes = {}{}",
+        b.where, train.steps, train.max_minutes, b.others);
+  }
   check(finite(train.max_minutes) && train.max_minutes >= 0, "train.max_minutes", train.max_minutes,
         ">= 0 (0 = no limit)");
   check(finite(train.lr) && train.lr > 0, "train.lr", train.lr, "> 0");
   check(finite(train.min_lr) && train.min_lr >= 0, "train.min_lr", train.min_lr, ">= 0");
-  if (train.min_lr > train.lr)
-    fail("{}: train.min_lr ({}) must not exceed train.lr ({})", source, train.min_lr, train.lr);
+  if (train.min_lr > train.lr) {
+    const Blame b = blame({"train.min_lr", "train.lr"});
+    fail("{}: train.min_lr ({}) must not exceed train.lr ({}){}", b.where, train.min_lr, train.lr, b.others);
+  }
   check(train.warmup >= 0, "train.warmup", train.warmup, ">= 0");
   check(finite(train.wsd_decay_fraction) && train.wsd_decay_fraction > 0 && train.wsd_decay_fraction <= 1,
         "train.wsd_decay_fraction", train.wsd_decay_fraction, "in (0, 1]");
@@ -560,7 +595,10 @@ void TrainConfig::validate() const {
   check(finite(train.eps) && train.eps > 0, "train.eps", train.eps, "> 0");
   check(finite(train.grad_clip) && train.grad_clip >= 0, "train.grad_clip", train.grad_clip,
         ">= 0 (0 = off)");
-  check(train.threads >= 0, "train.threads", train.threads, ">= 0 (0 = all cores)");
+  // OpenMP's runtime crashes on absurd team sizes (100000 threads segfaults libgomp); the trainer checks the
+  // machine's cores.
+  check(train.threads >= 0 && train.threads <= kMaxThreads, "train.threads", train.threads,
+        fmt::format("in [0, {}] (0 = all cores)", kMaxThreads));
 
   // The layout holds int sizes; the world size is checked against them when the job starts.
   auto parallel_size = [&](std::string_view key, int64_t value) {
@@ -590,7 +628,25 @@ void TrainConfig::validate() const {
     try {
       (void)fp8_options();
     } catch (const Error& e) {
-      fail("{}: {}", source, e.what());
+      // The message names the key(s) at fault; the recipe is what turned their checks on.
+      const std::string_view what = e.what();
+      std::vector<std::string> named;
+      for (const KeySpec& spec : key_specs())
+        if (spec.section == "fp8" && spec.key != "recipe" &&
+            what.find(spec.full_name()) != std::string_view::npos)
+          named.push_back(spec.full_name());
+      Blame b;
+      switch (named.size()) {
+        case 0:
+          b = blame({"fp8.recipe"});
+          break;
+        case 1:
+          b = blame({named[0], "fp8.recipe"});
+          break;
+        default:
+          b = blame({named[0], named[1], "fp8.recipe"});
+      }
+      fail("{}: {}{}", b.where, what, b.others);
     }
   }
 
@@ -615,7 +671,8 @@ void TrainConfig::validate() const {
   TrainConfig copy = *this;  // choices are checked through the table so the allowed list lives in one place
   for (const KeySpec& spec : key_specs()) {
     FieldRef field = spec.field(copy);
-    if (auto* text = std::get_if<std::string*>(&field)) check_choice(spec, **text, source);
+    if (auto* text = std::get_if<std::string*>(&field))
+      check_choice(spec, **text, origin_of(spec.full_name()));
   }
 }
 

@@ -8,6 +8,8 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -129,7 +131,11 @@ struct TrainConfig {
   Sample sample;
   Parallel parallel;
   Fp8 fp8;
-  std::string source = "<defaults>";  // where the settings came from; prefixes validate()'s messages
+  std::string source = "<defaults>";  // where the settings came from (the file, or "<defaults>")
+  // Where each key ("section.key") got its value: "<file>:<line>" from the TOML, or "--set 'train.lr=-1'";
+  // keys left at their defaults have no entry. validate()'s messages start with the culprit's origin.
+  // Not a setting: operator== ignores it.
+  std::map<std::string, std::string, std::less<>> origins;
 
   // Keys missing from the file keep their defaults. Errors: forge::Error "<file>:<line>: ...".
   static TrainConfig from_toml_file(const std::filesystem::path& path);
@@ -138,7 +144,11 @@ struct TrainConfig {
   // trimmed).
   void apply_override(std::string_view assignment);
   // Ranges and cross-key rules (lr >= min_lr >= 0, fractions in range, enum values). Call after overrides.
+  // Each message starts with the origin of the key at fault (origin_of); a rule between two keys names
+  // the other key's origin too when it differs.
   void validate() const;
+  // origins' entry for the key, else `source` (a default, or a value set in code).
+  std::string origin_of(std::string_view key) const;
   // Every key with a comment, in the order of configs/default.toml; from_toml_string(to_toml()) == *this.
   std::string to_toml() const;
 

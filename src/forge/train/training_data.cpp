@@ -159,10 +159,17 @@ class CorpusData final : public TrainingData {
 class DatasetData final : public TrainingData {
  public:
   DatasetData(TextCodec codec, const TrainConfig& config) : TrainingData(std::move(codec)), config_(config) {
-    GptDatasetConfig train_config{
-        .seq_len = config.data.seq_len, .seed = config.model.seed, .shuffle = config.data.order == "shuffle"};
+    // Every token read must be one of the tokenizer's (the dataset was preprocessed with it; the model's
+    // vocabulary holds at least as many, which the trainer checks): an id beyond it names the file.
+    const std::string vocab_name = fmt::format("the vocabulary of the tokenizer {}", codec_.description());
+    GptDatasetConfig train_config{.seq_len = config.data.seq_len,
+                                  .seed = config.model.seed,
+                                  .shuffle = config.data.order == "shuffle",
+                                  .vocab_size = codec_.vocab_size(),
+                                  .vocab_name = vocab_name};
     train_ = open_blended_gpt_dataset(config.data.dataset, config.data.split, DataSplit::train, train_config);
-    GptDatasetConfig valid_config{.seq_len = config.data.seq_len, .seed = config.model.seed, .shuffle = false};
+    GptDatasetConfig valid_config = train_config;
+    valid_config.shuffle = false;
     valid_ = open_blended_gpt_dataset(config.data.dataset, config.data.split, DataSplit::valid, valid_config);
     // Held out: as many consecutive windows as the valid parts hold together, blended by weight.
     for (size_t k = 0; k < valid_->num_datasets(); ++k) windows_ += valid_->dataset(k).samples_per_epoch();
