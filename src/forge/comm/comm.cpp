@@ -257,6 +257,7 @@ struct WorldState {
   std::unique_ptr<Communicator> world;
   bool mpi = false;
   bool finalized = false;
+  double startup_timeout_s = 300;  // set_startup_timeout_seconds
 };
 
 WorldState& world_state() {
@@ -278,15 +279,13 @@ void apply_timeout_from_environment(Communicator& c) {
   if (const std::optional<double> seconds = timeout_from_environment()) c.set_timeout_seconds(*seconds);
 }
 
-double g_startup_timeout_s = 300;
-
 // MPI start-up's timeout: FORGE_COMM_TIMEOUT, else set_startup_timeout_seconds's. A malformed variable is
 // reported (as one line) right after start-up, by apply_timeout_from_environment; start-up keeps the other.
 double startup_timeout_seconds() {
   try {
-    return timeout_from_environment().value_or(g_startup_timeout_s);
+    return timeout_from_environment().value_or(world_state().startup_timeout_s);
   } catch (const Error&) {
-    return g_startup_timeout_s;
+    return world_state().startup_timeout_s;
   }
 }
 
@@ -311,7 +310,7 @@ Communicator& world(bool force_mpi) {
   return *state.world;
 }
 
-void set_startup_timeout_seconds(double s) { g_startup_timeout_s = s; }
+void set_startup_timeout_seconds(double s) { world_state().startup_timeout_s = s; }
 
 void finalize() {
   WorldState& state = world_state();
