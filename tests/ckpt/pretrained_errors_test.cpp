@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <set>
 #include <tuple>
 
@@ -82,6 +83,40 @@ TEST_F(PretrainedTest, RejectsMalformedTensorsNamingThem) {
     EXPECT_EQ(std::memcmp(before.raw(), target->params().params().raw(), before.bytes()), 0)
         << "store modified";
   }
+}
+
+// NaN and infinity are refused in F32 and BF16 Hugging Face weights and in forge checkpoints, naming the
+// tensor, the file (the checkpoint), how many values and the first index. (Found while reading, so unlike
+// the checks above this one may leave part of the store written.)
+TEST_F(PretrainedTest, RejectsNonFiniteWeightsNamingTensorFileAndIndex) {
+  auto source = tiny_model(false, 41);
+  auto tensors = tensors_of(*source);
+  const std::string name = tensors[5].first;  // model.layers.0.self_attn.o_proj.weight
+  Tensor poisoned = tensors[5].second.clone();
+  poisoned.f32()[3] = std::numeric_limits<float>::quiet_NaN();
+  poisoned.f32()[9] = -std::numeric_limits<float>::infinity();
+  tensors[5].second = poisoned;
+  const fs::path f32 = hf_folder("nan_f32", tiny_config_json(false), tensors);
+  auto target = tiny_model(false, 43);
+  expect_error_containing([&] { load_pretrained_weights(open_pretrained(f32), target->params()); },
+                          {(f32 / "model.safetensors").string() + ": tensor '" + name + "'",
+                           "holds 2 non-finite values (NaN or infinity) of 256", "first at index 3 (nan)"});
+
+  Tensor bf16 = Tensor::empty(poisoned.shape(), DType::bf16);
+  convert_f32_to_bf16(poisoned.f32(), bf16.data<uint16_t>(), static_cast<size_t>(poisoned.numel()));
+  tensors[5].second = bf16;
+  const fs::path half = hf_folder("nan_bf16", tiny_config_json(false), tensors);
+  expect_error_containing(
+      [&] { load_pretrained_weights(open_pretrained(half), target->params()); },
+      {(half / "model.safetensors").string(), "'" + name + "'", "2 non-finite values", "index 3 (nan)"});
+
+  source->params().param(source->params().find("model.norm.weight")).f32()[15] =
+      std::numeric_limits<float>::infinity();
+  const fs::path checkpoint = path("inf_ckpt");
+  save_checkpoint(checkpoint.string(), source->params(), nullptr, {0, tiny_config_json(false), {}});
+  expect_error_containing([&] { load_pretrained_weights(open_pretrained(checkpoint), target->params()); },
+                          {"forge checkpoint " + checkpoint.string() + ": tensor 'model.norm.weight'",
+                           "holds 1 non-finite value (NaN or infinity) of 16", "index 15 (inf)"});
 }
 
 TEST_F(PretrainedTest, RejectsCorruptSafetensorsNamingTheFile) {

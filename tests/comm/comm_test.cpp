@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -13,6 +14,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "comm/collective_checks.h"
@@ -294,6 +296,73 @@ TEST_P(CommMpiJob, RankSkippingACollectiveAbortsTheJobWithOneLine) {
 
 // request: all_reduce(...).wait(); blocking: all_reduce_blocking, a blocking MPI call under the watchdog.
 INSTANTIATE_TEST_SUITE_P(Waits, CommMpiJob, ::testing::Values("request", "blocking"));
+
+// Runs comm_abort_helper's clean two-rank job with FORGE_COMM_TIMEOUT=3 and FORGE_FAULT_STALL=`stall`;
+// returns the exit status, the output and the seconds it took.
+struct JobResult {
+  int status = 0;
+  std::string output;
+  double seconds = 0;
+};
+
+JobResult run_clean_job(const std::string& stall) {
+  const std::string command =
+      "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 FORGE_COMM_TIMEOUT=3 FORGE_FAULT_STALL=" +
+      stall + " timeout -s KILL 60 " + FORGE_MPIEXEC +
+      " -np 2 --oversubscribe --bind-to none -x FORGE_COMM_TIMEOUT -x FORGE_FAULT_STALL -x "
+      "OMP_NUM_THREADS=1 " +
+      FORGE_COMM_ABORT_HELPER + " clean 2>&1";
+  const auto start = std::chrono::steady_clock::now();
+  FILE* pipe = popen(command.c_str(), "r");
+  JobResult result;
+  if (!pipe) return {-1, "popen failed", 0};
+  char chunk[4096];
+  size_t n;
+  while ((n = std::fread(chunk, 1, sizeof(chunk), pipe)) > 0) result.output.append(chunk, n);
+  result.status = pclose(pipe);
+  result.seconds = seconds_since(start);
+  return result;
+}
+
+// A rank that stalls before MPI_Init (every other rank waits inside it) or after the last collective (the
+// others wait in MPI_Finalize) used to hang the job forever; now the watchdog of start-up and shutdown ends
+// it within the timeout, non-zero, each report one line. The stalled rank is rank 1; the rank waiting on it
+// may report too, with its own rank.
+class CommMpiStall : public ::testing::TestWithParam<std::pair<const char*, const char*>> {};
+
+TEST_P(CommMpiStall, StalledRankEndsTheJobWithinTheTimeout) {
+  const auto [stall, phase] = GetParam();
+  const JobResult job = run_clean_job(stall);
+  EXPECT_FALSE(WIFEXITED(job.status) && WEXITSTATUS(job.status) == 0) << job.output;
+  EXPECT_FALSE(WIFSIGNALED(job.status)) << "killed by the test's own timeout: " << job.output;
+  EXPECT_LT(job.seconds, 30.0) << job.output;  // 3 s of timeout plus mpirun's start and teardown
+  std::vector<std::string> errors;
+  std::istringstream lines(job.output);
+  for (std::string line; std::getline(lines, line);)
+    if (line.rfind("forge: error:", 0) == 0) errors.push_back(line);
+  ASSERT_GE(errors.size(), 1u) << job.output;
+  ASSERT_LE(errors.size(), 2u) << job.output;
+  for (const std::string& line : errors) {
+    const std::string head =
+        line.substr(0, std::min(line.size(), std::string("forge: error: rank 0").size()));
+    EXPECT_TRUE(head == "forge: error: rank 0" || head == "forge: error: rank 1") << line;
+    EXPECT_NE(line.find(std::string(": MPI ") + phase +
+                        " did not complete within 3 s (parallel.timeout_s / FORGE_COMM_TIMEOUT); "),
+              std::string::npos)
+        << line;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Phases, CommMpiStall,
+                         ::testing::Values(std::pair{"before_init:1", "start-up"},
+                                           std::pair{"after_last_collective:1", "shutdown"}));
+
+// Without a stall the same job succeeds, so the two above fail for the stall alone.
+TEST(CommMpiClean, JobWithoutAStallSucceeds) {
+  const JobResult job = run_clean_job("none:1");
+  EXPECT_TRUE(WIFEXITED(job.status) && WEXITSTATUS(job.status) == 0) << job.output;
+  EXPECT_EQ(job.output.find("forge: error:"), std::string::npos) << job.output;
+}
 
 }  // namespace
 }  // namespace forge::comm

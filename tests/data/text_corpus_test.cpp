@@ -9,6 +9,7 @@
 #include <regex>
 
 #include "forge/core/error.h"
+#include "forge/core/file_io.h"
 #include "op_harness.h"
 
 namespace forge {
@@ -135,6 +136,32 @@ TEST(TextCorpus, MissingBibleProgramIsAClearError) {
   }
   ::setenv("PATH", saved.c_str(), 1);
   EXPECT_FALSE(std::filesystem::exists(empty.path() / "cache" / "kjv.txt"));
+}
+
+// Filling the cache on a full disk (this process's temporary linked to /dev/full): one line with the reason
+// and nothing left in the cache folder, which a full disk cannot spare; with space, the cache is written.
+TEST(TextCorpus, CacheOnAFullDiskFailsAndLeavesNoTemporary) {
+  if (!std::filesystem::exists("/dev/full")) GTEST_SKIP() << "no /dev/full";
+  TempDir dir;
+  const std::filesystem::path bin = dir.path() / "bin", cache = dir.path() / "cache";
+  std::filesystem::create_directories(bin);
+  std::filesystem::create_directories(cache);
+  std::ofstream(bin / "bible") << "#!/bin/sh\nprintf 'Ge1:1 In the beginning.\\nGe1:2 And the earth.\\n'\n";
+  std::filesystem::permissions(bin / "bible", std::filesystem::perms::owner_all);
+  const char* old = std::getenv("PATH");
+  const std::string saved = old ? old : "";
+  ::setenv("PATH", (bin.string() + ":" + saved).c_str(), 1);
+  const std::filesystem::path temporary = cache / fmt::format("kjv.txt.{}.tmp", ::getpid());
+  std::filesystem::create_symlink("/dev/full", temporary);
+  expect_error_containing([&] { load_kjv_text(cache); },
+                          {"corpus cache", temporary.string(), "No space left on device"});
+  EXPECT_TRUE(std::filesystem::is_empty(cache));
+  const std::string text = load_kjv_text(cache);
+  ::setenv("PATH", saved.c_str(), 1);
+  EXPECT_EQ(text, "In the beginning.\nAnd the earth.\n");
+  EXPECT_EQ(read_file(cache / "kjv.txt", "cache"), text);
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(cache), std::filesystem::directory_iterator()),
+            1);
 }
 
 TEST(TextCorpus, LoadTextFile) {

@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <fstream>
 #include <random>
 #include <thread>
 
@@ -204,6 +206,21 @@ TEST(Tokenizer, SaveWritesTheLoadedTextAndLoadsBack) {
   // from_json writes its document back.
   const Tokenizer small = Tokenizer::from_json(small_tokenizer_json(), "small");
   EXPECT_EQ(small.to_json(), small_tokenizer_json());
+}
+
+// A full disk (the temporary linked to /dev/full): one line with the reason, no temporary left behind, an
+// existing file untouched.
+TEST(Tokenizer, SaveToAFullDiskFailsAndLeavesNoTemporary) {
+  if (!std::filesystem::exists("/dev/full")) GTEST_SKIP() << "no /dev/full";
+  testing::TokenizerTempDir dir;
+  const Tokenizer t = Tokenizer::from_file(tokenizer_fixture("llama3_style.tokenizer.json"));
+  std::ofstream(dir / "tokenizer.json") << "old";
+  std::filesystem::create_symlink("/dev/full", dir / "tokenizer.json.tmp");
+  expect_error_containing(
+      [&] { t.save(dir / "tokenizer.json"); },
+      {"tokenizer file", (dir / "tokenizer.json.tmp").string(), "No space left on device"});
+  EXPECT_FALSE(std::filesystem::exists(std::filesystem::symlink_status(dir / "tokenizer.json.tmp")));
+  EXPECT_EQ(read_file(dir / "tokenizer.json"), "old");
 }
 
 // The scan and the heap merge algorithms agree on random words (the heap takes words over 96 symbols).

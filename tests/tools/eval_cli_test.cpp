@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -147,6 +148,37 @@ TEST_F(EvalCli, TokensOutsideTheVocabulary) {
       "eval --model " + (dir_ / "ckpt").string() + " --data " + (dir_ / "big").string() + " --seq-len 4",
       fmt::format("{}: document 0, position 3: token id {} is outside the model's vocabulary [0, {})",
                   (dir_ / "big.bin").string(), config_.vocab_size, config_.vocab_size));
+}
+
+// A model with NaN or infinite weights is refused when it loads, naming the tensor and where it came from.
+TEST_F(EvalCli, NonFiniteWeightsAreRefused) {
+  nn::ParameterStore& params = model_->params();
+  const int id = params.find("model.layers.1.self_attn.v_proj.weight");
+  ASSERT_GE(id, 0);
+  params.param(id).f32()[5] = std::numeric_limits<float>::quiet_NaN();
+  save_checkpoint((dir_ / "nan_ckpt").string(), params, nullptr, {0, config_json_, {}});
+  expect_one_line_error(base_args("nan_ckpt") + " --seq-len 8",
+                        "tensor 'model.layers.1.self_attn.v_proj.weight' holds 1 non-finite value (NaN or "
+                        "infinity) of " +
+                            std::to_string(shape_numel(params.info(id).shape)) +
+                            ", the first at index 5 (nan)");
+  params.param(id).f32()[5] = std::numeric_limits<float>::infinity();
+  export_hugging_face(params, config_json_, dir_ / "inf_hf", {});
+  expect_one_line_error(base_args("inf_hf") + " --seq-len 8",
+                        (dir_ / "inf_hf" / "model.safetensors").string() +
+                            ": tensor 'model.layers.1.self_attn.v_proj.weight' holds 1 non-finite value");
+}
+
+// Finite weights whose logits overflow fp32: the loss is not finite, which eval reports as an error (it
+// used to print "loss nan" and exit 0).
+TEST_F(EvalCli, NonFiniteLossIsAnError) {
+  nn::ParameterStore& params = model_->params();
+  for (const char* name : {"model.norm.weight", "lm_head.weight"}) {
+    Tensor w = params.param(params.find(name));
+    std::fill(w.f32(), w.f32() + w.numel(), 1e30f);
+  }
+  save_checkpoint((dir_ / "huge").string(), params, nullptr, {0, config_json_, {}});
+  expect_one_line_error(base_args("huge") + " --seq-len 8 --json", "is not finite");
 }
 
 TEST_F(EvalCli, BadArguments) {

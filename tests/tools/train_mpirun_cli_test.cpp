@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <utility>
 
 #include "tools/cli_harness.h"
 
@@ -54,6 +55,25 @@ TEST_F(TrainMpirun, HeadsThatDoNotSplitAreRefusedBeforeAnyWork) {
             std::string::npos)
       << out.output;
   EXPECT_EQ(out.output.find("step 1"), std::string::npos) << out.output;
+}
+
+// A rank stalled at MPI start-up or after the last collective (FORGE_FAULT_STALL, the test hook) ends the
+// job within parallel.timeout_s, which forge train applies to MPI_Init and MPI_Finalize too, with the
+// one-line message; `timeout` turns a hang into status 137.
+TEST_F(TrainMpirun, StalledRankEndsTheJobWithinParallelTimeout) {
+  for (const auto& [stall, message] :
+       {std::pair{"before_init:1", "MPI start-up did not complete within 3 s (parallel.timeout_s"},
+        std::pair{"after_last_collective:1",
+                  "MPI shutdown did not complete within 3 s (parallel.timeout_s"}}) {
+    SCOPED_TRACE(stall);
+    RunOptions o = mpirun(2);
+    o.launcher = "timeout -s KILL 90 " + o.launcher + " -x FORGE_FAULT_STALL";
+    o.environment += std::string(" FORGE_FAULT_STALL=") + stall;
+    Outcome out = run_forge(setup() + " --set parallel.timeout_s=3 --set sample.tokens=0", o);
+    EXPECT_NE(out.status, 0) << out.output;
+    EXPECT_NE(out.status, 137) << "hung until killed: " << out.output;
+    EXPECT_NE(out.output.find(message), std::string::npos) << out.output;
+  }
 }
 
 TEST_F(TrainMpirun, KvHeadsAreReplicatedWhenTpExceedsThem) {

@@ -1,5 +1,6 @@
 // forge convert: a forge checkpoint or a Hugging Face folder in, a Hugging Face folder (or, with
 // --to forge, a weights-only forge checkpoint) out.
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -9,6 +10,7 @@
 #include "commands.h"
 #include "forge/ckpt/pretrained.h"
 #include "forge/core/error.h"
+#include "forge/data/tokenizer.h"
 
 namespace forge::cli {
 namespace {
@@ -33,10 +35,38 @@ DType export_dtype(const std::string& name) {
   fail("convert: --dtype must be fp32, bf16 or fp16, got '{}'", name);
 }
 
+// The output replacing its own input (the same folder under another spelling, a link to it, or a folder
+// inside the other) would destroy the source: a training checkpoint would lose its optimizer state to a
+// weights-only copy of itself.
+void check_output_is_not_input(const std::string& input, const std::string& output) {
+  std::error_code ec;
+  auto normal = [](const std::string& path) {
+    std::error_code e;
+    fs::path p = fs::weakly_canonical(fs::absolute(path), e);  // resolves links where the path exists
+    if (e) p = fs::absolute(path);
+    p = p.lexically_normal();
+    return p.has_filename() ? p : p.parent_path();  // "dir/" names "dir"
+  };
+  const fs::path in = normal(input), out = normal(output);
+  auto inside = [](const fs::path& inner, const fs::path& outer) {
+    return std::mismatch(outer.begin(), outer.end(), inner.begin(), inner.end()).first == outer.end();
+  };
+  if (in == out || fs::equivalent(input, output, ec))
+    fail("convert: --output {} is the input folder {}; write the conversion to another folder", output,
+         input);
+  if (inside(out, in))
+    fail("convert: --output {} lies inside the input folder {}; write the conversion to another folder",
+         output, input);
+  if (inside(in, out))
+    fail("convert: --output {} holds the input folder {}; write the conversion to another folder", output,
+         input);
+}
+
 int run_convert(const ConvertOptions& o) {
   if (o.input.empty()) fail("convert: --input DIR is required (a forge checkpoint or a Hugging Face folder)");
   if (o.output.empty()) fail("convert: --output DIR is required");
   if (o.to != "hf" && o.to != "forge") fail("convert: --to must be 'hf' or 'forge', got '{}'", o.to);
+  check_output_is_not_input(o.input, o.output);
   const bool to_forge = o.to == "forge";
   HfExportOptions options;
   options.overwrite = o.overwrite;
@@ -55,6 +85,15 @@ int run_convert(const ConvertOptions& o) {
   }
 
   PretrainedDir source = open_pretrained(o.input);
+  // A tokenizer is copied only if it loads: a corrupt one would otherwise surface only when the output is
+  // used (the error names the file).
+  if (const fs::path tokenizer = source.dir / "tokenizer.json"; fs::is_regular_file(tokenizer)) {
+    try {
+      Tokenizer::from_file(tokenizer);
+    } catch (const Error& e) {
+      fail("convert: refusing to copy a tokenizer that does not load: {}", e.what());
+    }
+  }
   std::unique_ptr<LlamaModel> model =
       std::make_unique<LlamaModel>(source.config, nn::ComputeOptions{DType::f32, nn::Recompute::none}, 0.02f,
                                    /*with_grads=*/false);
@@ -99,8 +138,9 @@ void add_convert_command(CLI::App& app, Commands& commands) {
           ->capture_default_str();
   convert->add_flag("--overwrite", o->overwrite, "replace an existing output folder that holds a model");
   convert->footer(
-      "tokenizer.json, tokenizer_config.json, generation_config.json and special_tokens_map.json are copied\n"
-      "when the input has them. The output is written under a temporary name and renamed into place.");
+      "tokenizer.json (which must load), tokenizer_config.json, generation_config.json and\n"
+      "special_tokens_map.json are copied when the input has them. Weights must be finite. The output is\n"
+      "written under a temporary name and renamed into place; it may not be the input or lie inside it.");
   commands.push_back({convert, [o] { return run_convert(*o); }});
 }
 

@@ -84,6 +84,13 @@ int run_eval(const EvalOptions& o) {
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const double loss = total.mean(), perplexity = std::exp(loss);
+  // Finite weights can still overflow (huge values, an fp32 range exceeded in a matmul): a NaN or infinite
+  // loss is no measurement, and a script reading the exit status must not take it for one.
+  if (!std::isfinite(loss))
+    fail(
+        "eval: the loss of model '{}' on '{}' is not finite ({}) over {} tokens (its weights are finite, so "
+        "the forward pass overflowed)",
+        o.model, o.data, loss, total.tokens);
   const double tokens_per_s = seconds > 0 ? static_cast<double>(total.tokens) / seconds : 0.0;
 
   std::printf(

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "forge/comm/comm.h"
 #include "forge/train/config.h"
 #include "forge/train/trainer.h"
 
@@ -19,6 +20,9 @@ int run_train(const TrainOptions& o) {
   TrainConfig config = o.config_path.empty() ? TrainConfig{} : TrainConfig::from_toml_file(o.config_path);
   for (const auto& assignment : o.overrides) config.apply_override(assignment);
   config.validate();
+  // MPI starts inside the trainer, after the configuration is read: its start-up keeps parallel.timeout_s
+  // too (unless FORGE_COMM_TIMEOUT says otherwise).
+  comm::set_startup_timeout_seconds(config.parallel.timeout_s);
   install_stop_signal_handlers();
   Trainer trainer(config);
   TrainResult result = trainer.run();

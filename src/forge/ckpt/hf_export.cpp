@@ -11,13 +11,13 @@
 #include <cctype>
 #include <cerrno>
 #include <cstring>
-#include <fstream>
 #include <limits>
 
 #include "forge/ckpt/checkpoint.h"
 #include "forge/ckpt/pretrained.h"
 #include "forge/ckpt/safetensors.h"
 #include "forge/core/error.h"
+#include "forge/core/file_io.h"
 
 namespace forge {
 namespace fs = std::filesystem;
@@ -31,17 +31,6 @@ void fsync_path(const fs::path& path, int flags) {
     ::fsync(fd);
     ::close(fd);
   }
-}
-
-void write_text_file(const fs::path& path, const std::string& text) {
-  {
-    std::ofstream out(path, std::ios::binary | std::ios::trunc);
-    if (!out) fail("cannot create {}", path.string());
-    out << text;
-    out.flush();
-    if (!out) fail("cannot write {}", path.string());
-  }
-  fsync_path(path, O_RDONLY);
 }
 
 // A hidden staging folder next to the output, committed by renaming it into place.
@@ -92,10 +81,9 @@ class StagedDir {
   void copy_in(const std::vector<fs::path>& files) const {
     for (const auto& file : files) {
       if (!fs::is_regular_file(file)) fail("{}: cannot copy into the output: not a file", file.string());
-      std::error_code ec;
-      fs::copy_file(file, staging_ / file.filename(), fs::copy_options::overwrite_existing, ec);
-      if (ec) fail("{}: cannot copy into the output: {}", file.string(), ec.message());
-      fsync_path(staging_ / file.filename(), O_RDONLY);
+      // Companion files are small; a checked write and fsync report a full disk, naming the file.
+      write_file_atomically(staging_ / file.filename(), read_file(file, "file to copy"),
+                            "copy of " + file.string());
     }
   }
 
@@ -228,9 +216,10 @@ void export_hugging_face(const nn::ParameterStore& params, const json& config_js
   }
   if (n > 1) {
     json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};
-    write_text_file(staged.path() / "model.safetensors.index.json", index.dump(2) + "\n");
+    write_file_atomically(staged.path() / "model.safetensors.index.json", index.dump(2) + "\n",
+                          "weight index");
   }
-  write_text_file(staged.path() / "config.json", config_out.dump(2) + "\n");
+  write_file_atomically(staged.path() / "config.json", config_out.dump(2) + "\n", "model config");
   staged.copy_in(options.extra_files);
   staged.commit();
 }
@@ -240,7 +229,11 @@ void export_forge_checkpoint(const nn::ParameterStore& params, const json& confi
                              const std::vector<fs::path>& extra_files) {
   CheckpointState state;
   state.step = 0;
-  state.model_config = output_config(params, config_json, DType::f32, out_dir);
+  output_config(params, config_json, DType::f32, out_dir);  // checks the config against the store
+  // Exactly what the trainer writes and compares on resume (LlamaConfig::to_json), not the source's text:
+  // bookkeeping keys of a Hugging Face config.json would make the two differ.
+  state.model_config =
+      LlamaConfig::from_json(config_json, "config of the export to " + out_dir.string()).to_json();
   state.extra = {{"weights_only", true}};
   StagedDir staged(out_dir, overwrite);
   save_checkpoint(staged.path().string(), params, nullptr, state);

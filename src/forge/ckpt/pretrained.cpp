@@ -13,11 +13,12 @@
 #include <vector>
 
 #include "forge/ckpt/checkpoint.h"
+#include "forge/ckpt/finite_check.h"
 #include "forge/ckpt/safetensors.h"
 #include "forge/ckpt/sharded.h"
 #include "forge/comm/comm.h"
-#include "forge/core/file_io.h"
 #include "forge/core/error.h"
+#include "forge/core/file_io.h"
 
 namespace forge {
 namespace fs = std::filesystem;
@@ -173,6 +174,16 @@ void check_tensor(const Located& at, const std::string& name, const Shape& shape
          shape_string(at.entry->shape), config_source, shape_string(shape));
 }
 
+// A forge checkpoint's weights, once loaded into a host store: its files are the loader's business, so the
+// message names the checkpoint (and, for a tensor-parallel part, the index is within this rank's part).
+void check_store_finite(const nn::ParameterStore& params, const fs::path& checkpoint) {
+  const std::string where = "forge checkpoint " + checkpoint.string();
+  for (int id = 0; id < params.count(); ++id) {
+    const Tensor weights = params.param(id);
+    check_finite(weights.f32(), weights.numel(), params.info(id).name, where);
+  }
+}
+
 std::string config_source(const PretrainedDir& source) {
   return source.kind == PretrainedDir::Kind::hugging_face
              ? (source.dir / kConfigFile).string()
@@ -269,6 +280,7 @@ void load_pretrained_weights(const PretrainedDir& source, nn::ParameterStore& pa
     if (params.device() == Device::cpu) {
       load_sharded_checkpoint(source.dir.string(), *self,
                               parameter_store_pieces(params, nullptr, /*for_saving=*/false));
+      check_store_finite(params, source.dir);
     } else {
       // A model on a device loads into a host store of the same parameters, then copies it over.
       nn::ParameterStore host;
@@ -276,6 +288,7 @@ void load_pretrained_weights(const PretrainedDir& source, nn::ParameterStore& pa
         host.add(info.name, info.shape, info.weight_decay, info.init, info.init_std, info.shard);
       host.allocate(/*with_bf16_shadow=*/false, /*with_grads=*/false);
       load_sharded_checkpoint(source.dir.string(), *self, parameter_store_pieces(host, nullptr, false));
+      check_store_finite(host, source.dir);
       Tensor weights = params.params();
       weights.copy_from(host.params());
     }
@@ -331,9 +344,12 @@ void load_pretrained_weights(const PretrainedDir& source, nn::ParameterStore& pa
     const Located& at = located.at(name);
     const nn::ParamInfo& info = params.info(params.find(name));
     if (info.shard.dim < 0) {
-      at.file->read_into(name, destination(params.find(name)));
+      const Tensor into = destination(params.find(name));
+      at.file->read_into(name, into);
+      check_finite(into.f32(), into.numel(), name, at.file->path());
     } else {  // a tensor-parallel shard: read the whole tensor, keep this rank's slice
       Tensor whole = at.file->read_f32(name);
+      check_finite(whole.f32(), whole.numel(), name, at.file->path());
       float* local = destination(params.find(name)).f32();
       std::fill(local, local + shape_numel(info.shape), 0.0f);  // vocabulary padding
       for (const nn::ShardRun& r : nn::shard_runs(info)) std::copy_n(whole.f32() + r.global, r.count, local + r.local);

@@ -51,9 +51,11 @@ void check_store_matches_config(const nn::ParameterStore& params, const LlamaCon
 // Loads every parameter of `params` (fp32 master weights) from the directory; the store must have been
 // built for source.config. Missing, unexpected, mistyped or misshapen tensors are errors naming the
 // tensor and file. Everything is checked before the first weight is written, so on error the store is
-// untouched. F32, BF16 and F16 convert exactly; the bf16 shadow, if any, is refreshed. Tolerated: the
-// `model.layers.N.self_attn.rotary_emb.inv_freq` buffers old exports carry, and, in a tied model, an
-// lm_head.weight bitwise equal to the embedding.
+// untouched, except for non-finite weights (NaN, infinity; check_finite in finite_check.h): they are found
+// as each tensor is read, so that error, naming the tensor, the file and the first bad index, leaves part
+// of the store overwritten (discard it). F32, BF16 and F16 convert exactly; the bf16 shadow, if any, is
+// refreshed. Tolerated: the `model.layers.N.self_attn.rotary_emb.inv_freq` buffers old exports carry, and,
+// in a tied model, an lm_head.weight bitwise equal to the embedding.
 void load_pretrained_weights(const PretrainedDir& source, nn::ParameterStore& params);
 
 // Builds an inference model (no gradient buffers) for the directory's config and loads its weights.
@@ -79,7 +81,8 @@ void export_hugging_face(const nn::ParameterStore& params, const nlohmann::json&
                          const std::filesystem::path& out_dir, const HfExportOptions& options);
 
 // Writes a forge checkpoint (save_checkpoint: fp32 weights, no optimizer state, step 0) with the same
-// staging, overwrite rule and extra files as export_hugging_face.
+// staging, overwrite rule and extra files as export_hugging_face. Its model_config is
+// LlamaConfig::from_json(config_json).to_json(), what the trainer records and compares on resume.
 void export_forge_checkpoint(const nn::ParameterStore& params, const nlohmann::json& config_json,
                              const std::filesystem::path& out_dir, bool overwrite,
                              const std::vector<std::filesystem::path>& extra_files = {});

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <string_view>
 #include <thread>
 
@@ -105,6 +106,44 @@ std::string timeout_message(const std::string& what, const std::string& group_la
 
 std::string timeout_message(const Work& work, const std::string& group_label, double timeout_s) {
   return timeout_message(work.description(), group_label, timeout_s);
+}
+
+std::string phase_timeout_message(std::string_view phase, int rank, double timeout_s) {
+  const bool start = phase == "start-up";
+  return fmt::format(
+      "rank {}: MPI {} did not complete within {:g} s (parallel.timeout_s / FORGE_COMM_TIMEOUT); {}",
+      rank < 0 ? std::string("?") : std::to_string(rank), phase, timeout_s,
+      start ? "a rank that never reached MPI_Init, or died in it, holds up every rank"
+            : "a rank stalled or died between its last collective and the end of MPI_Finalize");
+}
+
+int launcher_rank() {
+  for (const char* name : {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"}) {
+    const char* value = std::getenv(name);
+    char* end = nullptr;
+    if (!value || !*value) continue;
+    const long rank = std::strtol(value, &end, 10);
+    if (*end == '\0' && rank >= 0) return static_cast<int>(rank);
+  }
+  return -1;
+}
+
+void stall_if_injected(std::string_view point, int rank) {
+  const char* value = std::getenv("FORGE_FAULT_STALL");
+  if (!value || !*value) return;
+  std::string_view rest(value);
+  while (!rest.empty()) {
+    const size_t comma = rest.find(',');
+    const std::string_view item = rest.substr(0, comma);
+    rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
+    const size_t colon = item.rfind(':');
+    if (colon == std::string_view::npos || item.substr(0, colon) != point) continue;
+    if (item.substr(colon + 1) != std::to_string(rank)) continue;
+    std::fprintf(stderr, "forge: FORGE_FAULT_STALL: rank %d stalls at %.*s (test fault injection)\n", rank,
+                 static_cast<int>(point.size()), point.data());
+    std::fflush(stderr);
+    for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+  }
 }
 
 namespace {
@@ -218,6 +257,7 @@ struct WorldState {
   std::unique_ptr<Communicator> world;
   bool mpi = false;
   bool finalized = false;
+  double startup_timeout_s = 300;  // set_startup_timeout_seconds
 };
 
 WorldState& world_state() {
@@ -225,14 +265,28 @@ WorldState& world_state() {
   return state;
 }
 
-// FORGE_COMM_TIMEOUT: seconds before a stuck request aborts the job (<= 0 waits forever).
-void apply_timeout_from_environment(Communicator& c) {
+// FORGE_COMM_TIMEOUT: seconds before a stuck request aborts the job (<= 0 waits forever). Unset: nullopt.
+std::optional<double> timeout_from_environment() {
   const char* value = std::getenv("FORGE_COMM_TIMEOUT");
-  if (!value || !*value) return;
+  if (!value || !*value) return std::nullopt;
   char* end = nullptr;
   const double seconds = std::strtod(value, &end);
   if (end == value || *end != '\0') fail("FORGE_COMM_TIMEOUT='{}' is not a number of seconds", value);
-  c.set_timeout_seconds(seconds);
+  return seconds;
+}
+
+void apply_timeout_from_environment(Communicator& c) {
+  if (const std::optional<double> seconds = timeout_from_environment()) c.set_timeout_seconds(*seconds);
+}
+
+// MPI start-up's timeout: FORGE_COMM_TIMEOUT, else set_startup_timeout_seconds's. A malformed variable is
+// reported (as one line) right after start-up, by apply_timeout_from_environment; start-up keeps the other.
+double startup_timeout_seconds() {
+  try {
+    return timeout_from_environment().value_or(world_state().startup_timeout_s);
+  } catch (const Error&) {
+    return world_state().startup_timeout_s;
+  }
 }
 
 }  // namespace
@@ -247,7 +301,7 @@ Communicator& world(bool force_mpi) {
     return *state.world;
   }
   if (want_mpi) {
-    state.world = mpi::init_world();
+    state.world = mpi::init_world(startup_timeout_seconds());
     state.mpi = true;
   } else {
     state.world = make_self("world");
@@ -256,11 +310,14 @@ Communicator& world(bool force_mpi) {
   return *state.world;
 }
 
+void set_startup_timeout_seconds(double s) { world_state().startup_timeout_s = s; }
+
 void finalize() {
   WorldState& state = world_state();
   if (state.mpi && state.world) mpi::meet_before_finalize(*state.world);
+  const double timeout_s = state.world ? state.world->timeout_seconds() : startup_timeout_seconds();
   state.world.reset();
-  if (state.mpi) mpi::finalize();
+  if (state.mpi) mpi::finalize(timeout_s);
   state.mpi = false;
   state.finalized = true;
 }

@@ -126,9 +126,18 @@ class Communicator {
 // environment) or when force_mpi; otherwise a one-rank "self" communicator, and MPI is never initialised.
 // Initialises MPI (MPI_THREAD_FUNNELED) on first use. finalize() at exit is collective: it meets every rank
 // under the world's timeout, then shuts MPI down.
+//
+// Start-up and shutdown have timeouts too, kept by a watchdog thread, since MPI_Init and MPI_Finalize wait
+// for every rank without one: a rank that never reaches MPI_Init, or stalls after its last collective,
+// would hang the job forever. Past the timeout the process prints one line "forge: error: rank R: MPI
+// start-up (shutdown) did not complete within N s (parallel.timeout_s / FORGE_COMM_TIMEOUT); ..." and exits
+// with status 1, and mpirun ends the job. Start-up uses FORGE_COMM_TIMEOUT when set, else
+// set_startup_timeout_seconds's value (default 300; <= 0 waits forever); shutdown the world's timeout.
 Communicator& world(bool force_mpi = false);
 bool launched_by_mpi();  // OMPI_COMM_WORLD_SIZE, PMI_SIZE or SLURM_NTASKS > 1, or PMIX_RANK set
 void finalize();
+// For a caller that reads its own setting before first calling world() (forge train: parallel.timeout_s).
+void set_startup_timeout_seconds(double s);
 
 // A one-rank communicator (no MPI): every collective is a copy.
 std::unique_ptr<Communicator> make_self(std::string name = "self");

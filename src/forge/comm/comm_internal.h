@@ -5,6 +5,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 
 #include "forge/comm/comm.h"
 
@@ -16,6 +17,20 @@ std::string group_label(const Communicator& c);
 // "<work description> on <group label> did not complete within <timeout> s".
 std::string timeout_message(const Work& work, const std::string& group_label, double timeout_s);
 std::string timeout_message(const std::string& what, const std::string& group_label, double timeout_s);
+
+// "rank R: MPI start-up did not complete within N s (parallel.timeout_s / FORGE_COMM_TIMEOUT); ...": what the
+// watchdog of MPI_Init (phase "start-up") or MPI_Finalize (phase "shutdown") prints. rank < 0: not known.
+std::string phase_timeout_message(std::string_view phase, int rank, double timeout_s);
+
+// This process's rank as its launcher set it (OMPI_COMM_WORLD_RANK, PMIX_RANK, PMI_RANK, SLURM_PROCID),
+// known before MPI_Init; -1 when none is set.
+int launcher_rank();
+
+// Test-only fault injection: FORGE_FAULT_STALL="<point>:<rank>[,<point>:<rank>...]" makes that rank stop
+// at that point for good (it sleeps, saying so on stderr), so tests can check that a stalled rank ends the
+// job within the timeout instead of hanging it. Points: "before_init" (before MPI_Init) and
+// "after_last_collective" (after finalize's barrier, before MPI_Finalize). Unset: does nothing.
+void stall_if_injected(std::string_view point, int rank);
 
 // Prints "forge: error: <message>" as one line on stderr and ends the job: MPI_Abort(MPI_COMM_WORLD, 1)
 // when forge's MPI backend is running, exit(1) otherwise.

@@ -8,11 +8,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <sstream>
 
-#include "forge/core/file_io.h"
 #include "forge/core/error.h"
+#include "forge/core/file_io.h"
 
 namespace forge {
 namespace {
@@ -76,21 +75,19 @@ std::string run_bible_program() {
   return output;
 }
 
-void write_file_atomically(const std::filesystem::path& path, std::string_view text) {
-  std::filesystem::path temporary = path;
-  temporary += fmt::format(".tmp.{}", ::getpid());
-  {
-    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
-    if (!out) fail("{}: cannot write corpus cache", temporary.string());
-    out.write(text.data(), static_cast<std::streamsize>(text.size()));
-    out.flush();
-    if (!out) fail("{}: write failed (disk full?)", temporary.string());
-  }
+// Every rank of a job may fill the cache at once: each writes its own "<cache>.<pid>" (checked writes,
+// fsync, removed on failure, so a full disk keeps no half-written temporary) and renames it into place; the
+// copies are identical, so whichever rename lands last is as good as the first.
+void write_cache(const std::filesystem::path& cache, std::string_view text) {
+  std::filesystem::path own = cache;
+  own += fmt::format(".{}", ::getpid());
+  write_file_atomically(own, text, "corpus cache");
   std::error_code ec;
-  std::filesystem::rename(temporary, path, ec);
+  std::filesystem::rename(own, cache, ec);
   if (ec) {
-    std::filesystem::remove(temporary, ec);
-    fail("{}: cannot move corpus cache into place", path.string());
+    std::error_code ignored;
+    std::filesystem::remove(own, ignored);
+    fail("{}: cannot move corpus cache into place: {}", cache.string(), ec.message());
   }
 }
 
@@ -133,7 +130,7 @@ std::string load_kjv_text(const std::filesystem::path& cache_dir) {
   std::string text = strip_verse_labels(run_bible_program());
   std::filesystem::create_directories(cache_dir, ec);
   if (ec) fail("{}: cannot create corpus cache directory: {}", cache_dir.string(), ec.message());
-  write_file_atomically(cache, text);
+  write_cache(cache, text);
   return text;
 }
 

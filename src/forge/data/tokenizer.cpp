@@ -5,11 +5,10 @@
 #include <algorithm>
 #include <cstring>
 #include <deque>
-#include <fstream>
 #include <sstream>
 
-#include "forge/core/file_io.h"
 #include "forge/core/error.h"
+#include "forge/core/file_io.h"
 #include "forge/data/tokenizer_impl.h"
 #include "forge/data/tokenizer_regex.h"
 #include "forge/data/tokenizer_text.h"
@@ -373,18 +372,9 @@ nlohmann::json Tokenizer::to_json() const { return nlohmann::json::parse(impl_->
 const std::string& Tokenizer::json_text() const { return impl_->json_text; }
 
 void Tokenizer::save(const std::filesystem::path& path) const {
-  const std::filesystem::path tmp = path.string() + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) fail("cannot write tokenizer file '{}'", tmp.string());
-    out << impl_->json_text;
-    if (impl_->json_text.empty() || impl_->json_text.back() != '\n') out << '\n';
-    out.flush();
-    if (!out) fail("cannot write tokenizer file '{}'", tmp.string());
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) fail("cannot rename '{}' to '{}': {}", tmp.string(), path.string(), ec.message());
+  const std::string& text = impl_->json_text;
+  // Checked writes, fsync and rename; a failed write (a full disk) leaves no temporary behind.
+  write_file_atomically(path, text.empty() || text.back() != '\n' ? text + '\n' : text, "tokenizer file");
 }
 
 }  // namespace forge

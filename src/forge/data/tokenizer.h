@@ -55,7 +55,8 @@ class Tokenizer {
 
   nlohmann::json to_json() const;                      // the document it was loaded from
   const std::string& json_text() const;                // ... as the text it was loaded from
-  void save(const std::filesystem::path& path) const;  // atomic (tmp + rename); the loaded text unchanged
+  // Atomic (checked writes, fsync, tmp + rename; no temporary left on failure); the loaded text unchanged.
+  void save(const std::filesystem::path& path) const;
 
  private:
   struct Impl;

@@ -28,6 +28,7 @@ namespace {
 
 struct MpiState {
   bool running = false;
+  int world_rank = -1;
   bool initialised_here = false;  // forge called MPI_Init_thread, so forge finalises
   std::array<MPI_Op, 3> bf16_ops{MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL};  // indexed by ReduceOp
 };
@@ -382,8 +383,26 @@ class MpiCommunicator final : public Communicator {
 
 }  // namespace
 
-std::unique_ptr<Communicator> init_world() {
+namespace {
+
+// Keeps one blocking phase (start-up, shutdown) to its timeout with the watchdog, for the scope's length.
+class GuardedPhase {
+ public:
+  GuardedPhase(std::string_view phase, int rank, double timeout_s) {
+    Watchdog::get().arm(timeout_s, detail::phase_timeout_message(phase, rank, timeout_s));
+  }
+  GuardedPhase(const GuardedPhase&) = delete;
+  GuardedPhase& operator=(const GuardedPhase&) = delete;
+  ~GuardedPhase() { Watchdog::get().disarm(); }
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> init_world(double timeout_s) {
   MpiState& s = state();
+  // MPI_Init (and MPI_Comm_dup below) wait for every rank of the job, without a timeout of their own.
+  const GuardedPhase guard("start-up", detail::launcher_rank(), timeout_s);
+  detail::stall_if_injected("before_init", detail::launcher_rank());
   int initialised = 0, provided = 0;
   FORGE_MPI_CHECK(MPI_Initialized(&initialised));
   if (!initialised) {
@@ -404,6 +423,7 @@ std::unique_ptr<Communicator> init_world() {
   int world_rank = 0;
   FORGE_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
   s.running = true;
+  s.world_rank = world_rank;
   return std::make_unique<MpiCommunicator>(comm, "world", world_rank, /*timeout_s=*/300);
 }
 
@@ -411,9 +431,13 @@ void meet_before_finalize(Communicator& world) {
   if (running()) static_cast<MpiCommunicator&>(world).barrier_named("finalize").wait();
 }
 
-void finalize() {
+void finalize(double timeout_s) {
   MpiState& s = state();
   if (!s.running) return;
+  // MPI_Finalize waits for every rank (OpenMPI's exit fence) without a timeout; the barrier before it has
+  // one, but a rank can still stall between the two.
+  const GuardedPhase guard("shutdown", s.world_rank, timeout_s);
+  detail::stall_if_injected("after_last_collective", s.world_rank);
   for (MPI_Op& op : s.bf16_ops)
     if (op != MPI_OP_NULL) MPI_Op_free(&op);
   s.running = false;

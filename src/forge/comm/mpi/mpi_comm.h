@@ -9,8 +9,9 @@
 namespace forge::comm::mpi {
 
 // Initialises MPI (MPI_THREAD_FUNNELED) unless it already is, creates forge's MPI objects and returns the
-// world communicator (a duplicate of MPI_COMM_WORLD, so forge's traffic never matches anyone else's).
-std::unique_ptr<Communicator> init_world();
+// world communicator (a duplicate of MPI_COMM_WORLD, so forge's traffic never matches anyone else's). A
+// watchdog ends the process with one line if that has not completed within timeout_s (> 0).
+std::unique_ptr<Communicator> init_world(double timeout_s);
 
 // Meets every rank of the world in a barrier under the world's timeout (reported as "finalize"), before
 // MPI_Finalize's own exit fence, which has none: a rank whose peer died or is aborting is reported instead
@@ -18,9 +19,10 @@ std::unique_ptr<Communicator> init_world();
 // MPI_Finalize while another calls MPI_Abort).
 void meet_before_finalize(Communicator& world);
 
-// Frees forge's MPI objects and finalises MPI if init_world() initialised it. Communicators still alive
+// Frees forge's MPI objects and finalises MPI if init_world() initialised it, under a watchdog that ends the
+// process with one line if that has not completed within timeout_s (> 0). Communicators still alive
 // afterwards are inert (their destructors skip MPI).
-void finalize();
+void finalize(double timeout_s);
 
 // True between init_world() and finalize().
 bool running();
