@@ -115,7 +115,7 @@ TEST_F(PretrainedTest, RejectsNonFiniteWeightsNamingTensorFileAndIndex) {
   const fs::path checkpoint = path("inf_ckpt");
   save_checkpoint(checkpoint.string(), source->params(), nullptr, {0, tiny_config_json(false), {}});
   expect_error_containing([&] { load_pretrained_weights(open_pretrained(checkpoint), target->params()); },
-                          {"forge checkpoint " + checkpoint.string() + ": tensor 'model.norm.weight'",
+                          {"checkpoint " + checkpoint.string() + ": shard-00000-of-00001.safetensors: tensor 'model.norm.weight'",
                            "holds 1 non-finite value (NaN or infinity) of 16", "index 15 (inf)"});
 }
 

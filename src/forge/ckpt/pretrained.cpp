@@ -174,16 +174,6 @@ void check_tensor(const Located& at, const std::string& name, const Shape& shape
          shape_string(at.entry->shape), config_source, shape_string(shape));
 }
 
-// A forge checkpoint's weights, once loaded into a host store: its files are the loader's business, so the
-// message names the checkpoint (and, for a tensor-parallel part, the index is within this rank's part).
-void check_store_finite(const nn::ParameterStore& params, const fs::path& checkpoint) {
-  const std::string where = "forge checkpoint " + checkpoint.string();
-  for (int id = 0; id < params.count(); ++id) {
-    const Tensor weights = params.param(id);
-    check_finite(weights.f32(), weights.numel(), params.info(id).name, where);
-  }
-}
-
 std::string config_source(const PretrainedDir& source) {
   return source.kind == PretrainedDir::Kind::hugging_face
              ? (source.dir / kConfigFile).string()
@@ -275,12 +265,12 @@ void load_pretrained_weights(const PretrainedDir& source, nn::ParameterStore& pa
   check_store_matches_config(params, source.config, config_name);
   if (source.kind == PretrainedDir::Kind::forge_checkpoint) {
     // Saved under any layout: the store's pieces are assembled from whichever shards hold them, each
-    // element checked present, shapes equal and files checksummed before any weight is written.
+    // element checked present, shapes equal and files checksummed before any weight is written (and every
+    // value checked finite as it is read).
     const auto self = comm::make_self();
     if (params.device() == Device::cpu) {
       load_sharded_checkpoint(source.dir.string(), *self,
                               parameter_store_pieces(params, nullptr, /*for_saving=*/false));
-      check_store_finite(params, source.dir);
     } else {
       // A model on a device loads into a host store of the same parameters, then copies it over.
       nn::ParameterStore host;
@@ -288,7 +278,6 @@ void load_pretrained_weights(const PretrainedDir& source, nn::ParameterStore& pa
         host.add(info.name, info.shape, info.weight_decay, info.init, info.init_std, info.shard);
       host.allocate(/*with_bf16_shadow=*/false, /*with_grads=*/false);
       load_sharded_checkpoint(source.dir.string(), *self, parameter_store_pieces(host, nullptr, false));
-      check_store_finite(host, source.dir);
       Tensor weights = params.params();
       weights.copy_from(host.params());
     }

@@ -21,6 +21,7 @@
 #include <utility>
 
 #include "forge/ckpt/checkpoint_dir.h"
+#include "forge/ckpt/finite_check.h"
 #include "forge/ckpt/safetensors.h"
 #include "forge/core/error.h"
 #include "forge/core/fault_injection.h"
@@ -686,17 +687,7 @@ CheckpointState load_sharded_checkpoint(const std::string& path, comm::Communica
       files.at(plan.file).read_into(plan.key, source);
       // A non-finite weight or moment cannot come from a healthy run (the trainer never saves one): the
       // checkpoint is damaged, and training or evaluating on it would only spread the NaN.
-      const float* values = source.f32();
-      int64_t bad = 0, first = -1;
-      for (int64_t i = 0; i < plan.length; ++i)
-        if (!std::isfinite(values[i])) {
-          if (first < 0) first = i;
-          ++bad;
-        }
-      if (bad > 0)
-        fail("checkpoint {}: tensor '{}' in {} holds {} non-finite value{} (the first is {} at element {} of "
-             "its piece)",
-             dir, plan.tensor, plan.file, bad, bad == 1 ? "" : "s", values[first], first);
+      check_finite(source.f32(), plan.length, plan.key, fmt::format("checkpoint {}: {}", dir, plan.file));
       for (const CopyOp& op : plan.ops)
         std::memcpy(pieces[op.destination].data + op.destination_offset, source.f32() + op.source_offset,
                     static_cast<size_t>(op.length) * sizeof(float));
