@@ -541,6 +541,7 @@ TrainResult Trainer::run() {
     say("checkpoint saved to %s (step %lld, %s, %.2f s)\n", saved.c_str(), static_cast<long long>(step), why,
         seconds);
     write_metrics({{"event", "checkpoint"}, {"step", step}, {"reason", why}, {"dir", saved}, {"seconds", seconds}});
+    if (on_saved_) on_saved_(step, why);
   };
 
   TrainResult result;

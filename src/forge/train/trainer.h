@@ -47,6 +47,9 @@ class Trainer {
   static std::atomic<bool>& stop_flag();
   // Called after every optimizer step with the number of steps done (tests use it to stop at a step).
   void on_step(std::function<void(int64_t)> callback) { on_step_ = std::move(callback); }
+  // Called after each checkpoint is committed, with its step and why it was saved ("periodic", "final",
+  // "interrupted").
+  void on_saved(std::function<void(int64_t, const std::string&)> callback) { on_saved_ = std::move(callback); }
   // Called in every step once its gradients are reduced, before they are checked and applied, with the
   // step's number (1-based, as logged) and the parameters (tests poison a gradient here).
   void on_gradients(std::function<void(int64_t, nn::ParameterStore&)> callback) {
@@ -58,6 +61,7 @@ class Trainer {
   comm::Communicator* world_ = nullptr;
   std::function<void(int64_t)> on_step_;
   std::function<void(int64_t, nn::ParameterStore&)> on_gradients_;
+  std::function<void(int64_t, const std::string&)> on_saved_;
 };
 
 // Installs SIGINT/SIGTERM handlers that set Trainer::stop_flag() (a second Ctrl-C exits at once).
