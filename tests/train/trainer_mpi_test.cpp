@@ -16,6 +16,7 @@
 #include <fstream>
 #include <optional>
 
+#include "forge/ckpt/checkpoint.h"
 #include "forge/ckpt/pretrained.h"
 #include "forge/comm/comm.h"
 #include "forge/core/device.h"
@@ -201,7 +202,7 @@ TEST_F(TrainerRuns, Fp8DelayedScalesAgreeAcrossRanksAndWithOneRank) {
       c.fp8.recipe = "delayed";
       return c;
     };
-    TrainConfig ref = fp8_config("reference-" + std::to_string(world.rank()));
+    TrainConfig ref = fp8_config(std::string("reference-") + (tensor_parallel ? "tp-" : "dp-") + std::to_string(world.rank()));
     ref.train.grad_accum = tensor_parallel ? 2 : 2 * n;
     auto self = comm::make_self();
     const TrainResult want = Trainer(ref, self.get()).run();
@@ -271,6 +272,30 @@ TEST_F(TrainerRuns, ResumesUnderAnotherLayout) {
   for (size_t s = 0; s < losses.size(); ++s)
     EXPECT_NEAR(losses[s], want.losses[s], 2e-5 * want.losses[s]) << "step " << s + 1;
   EXPECT_NEAR(got_b.heldout_loss, want.heldout_loss, 2e-5 * want.heldout_loss);
+}
+
+// A NaN in one rank's gradients stops every rank at the same step, naming that rank; no rank applies the
+// step and the checkpoint stays the previous step's.
+TEST_F(TrainerRuns, NonFiniteGradientOnOneRankStopsEveryRank) {
+  comm::Communicator& world = comm::world();
+  TrainConfig c = config("nan");
+  c.train.steps = 4;
+  c.checkpoint.every = 1;
+  Trainer t(c, &world);
+  const int bad_rank = world.size() - 1;
+  t.on_gradients([&](int64_t step, nn::ParameterStore& params) {
+    if (step == 3 && world.rank() == bad_rank) params.grads().f32()[0] = NAN;
+  });
+  std::string error;
+  try {
+    t.run();
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  EXPECT_NE(error.find("step 3:"), std::string::npos) << error;
+  EXPECT_NE(error.find("first on rank " + std::to_string(bad_rank) + ": gradient of"), std::string::npos) << error;
+  world.barrier().wait();
+  EXPECT_EQ(read_checkpoint_manifest((fs::path(c.log.run_dir) / "checkpoint").string()).step, 2);
 }
 
 // model.init_from a Hugging Face folder under tensor parallelism: each rank slices its shard (and the

@@ -152,8 +152,9 @@ std::string describe_non_finite_step(comm::Communicator& world, const nn::Parame
       where = fmt::format("first on rank {}: {}", r, reports[r]);
       break;
     }
-  std::string what = !std::isfinite(loss) ? fmt::format("the training loss is {}", loss)
-                                          : fmt::format("the gradient norm is {} (loss {:.4f})", grad_norm, loss);
+  std::string what = !std::isfinite(loss)        ? fmt::format("the training loss is {}", loss)
+                     : !std::isfinite(grad_norm) ? fmt::format("the gradient norm is {} (loss {:.4f})", grad_norm, loss)
+                                                 : std::string("a rank's gradients are not finite");
   return where.empty() ? what : fmt::format("{} ({})", what, where);
 }
 
@@ -601,7 +602,11 @@ TrainResult Trainer::run() {
     const double grad_norm = optimizer.grad_norm();
     // A non-finite loss or gradient norm (the same on every rank: both are reduced) is never applied: the
     // weights, the optimizer state and the checkpoints stay those of the last good step.
-    if (!std::isfinite(mean_loss) || !std::isfinite(grad_norm)) {
+    // Agreed over the world: a rank whose copy alone went bad (replicated gradients are not reduced again for
+    // the norm) must not leave the others applying the step without it.
+    bool non_finite = !std::isfinite(mean_loss) || !std::isfinite(grad_norm);
+    if (world.size() > 1) non_finite = comm::all_reduce_max(world, non_finite ? 1.0 : 0.0) > 0;
+    if (non_finite) {
       const std::string cause = describe_non_finite_step(world, model.params(), local_loss, mean_loss, grad_norm);
       const std::string last =
           committed_step >= 0 ? fmt::format("the last checkpoint is step {} in {}", committed_step, checkpoint_dir.string())
