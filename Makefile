@@ -23,8 +23,9 @@ configure: deps $(BUILD)/build.ninja
 build: configure
 	cmake --build $(BUILD)
 
+# The demo starts over each time (checkpoint.overwrite): its previous run's checkpoints in runs/default go.
 run: build
-	$(BUILD)/bin/forge train --config configs/default.toml $(RUN_ARGS)
+	$(BUILD)/bin/forge train --config configs/default.toml --set checkpoint.overwrite=true $(RUN_ARGS)
 
 test: build
 	# One test at a time: each test already uses every core through OpenMP, and two at once make

@@ -13,6 +13,8 @@
 #include <string>
 #include <string_view>
 #include <random>
+
+#include "forge/kernels/ops.h"
 #include <vector>
 
 #include "forge/core/dtype.h"
@@ -100,6 +102,21 @@ void with_threads(int threads, F&& f) {
   omp_set_num_threads(threads);
   f();
   omp_set_num_threads(saved);
+}
+
+// Whether this CPU's fp32 GEMM of [m, k] x [k, n] gives other bits with 1 and 2 threads. oneDNN's AVX-512
+// kernels do not; its AVX2 ones may split k between threads, which reorders the sum. Tests of bitwise
+// thread-count invariance of ops built on GEMMs hold only where the GEMM itself is invariant.
+inline bool gemm_bits_depend_on_thread_count(int64_t m, int64_t n, int64_t k) {
+  const std::vector<float> a = random_floats(m * k, 11), b = random_floats(k * n, 12);
+  std::vector<float> c1(m * n), c2(m * n);
+  ops::GemmParams p;
+  p.m = m, p.n = n, p.k = k, p.a = a.data(), p.lda = k, p.b = b.data(), p.ldb = n, p.ldc = n;
+  p.c = c1.data();
+  with_threads(1, [&] { ops::gemm(p); });
+  p.c = c2.data();
+  with_threads(2, [&] { ops::gemm(p); });
+  return std::memcmp(c1.data(), c2.data(), c1.size() * sizeof(float)) != 0;
 }
 
 // A GEMM-like op (ops::gemm, ops::fp8_gemm) with a bf16 output against the same op with an fp32 one. c16 is the

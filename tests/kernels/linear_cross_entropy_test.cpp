@@ -161,6 +161,20 @@ TEST(LinearCrossEntropy, ResultsDoNotDependOnThreadCount) {
   Problem one(64, 48, 300, 128), two(64, 48, 300, 128);
   testing::with_threads(1, [&] { one.run(); });
   testing::with_threads(2, [&] { two.run(); });
+  // The head's own reductions are thread-count invariant; its GEMMs (logits [64, 128] over k = 48, the
+  // gradients over k = 128 and k = 64) are only where this CPU's GEMM is. There, the results agree to
+  // rounding of the reordered sums.
+  if (testing::gemm_bits_depend_on_thread_count(64, 128, 48) || testing::gemm_bits_depend_on_thread_count(64, 48, 128) ||
+      testing::gemm_bits_depend_on_thread_count(128, 48, 64)) {
+    auto close = [](const std::vector<float>& x, const std::vector<float>& y) {
+      return testing::relative_error(x, std::vector<double>(y.begin(), y.end()));
+    };
+    EXPECT_LT(close(one.lse, two.lse), 1e-6);
+    EXPECT_LT(close(one.loss, two.loss), 1e-6);
+    EXPECT_LT(close(one.dhidden, two.dhidden), 1e-5);
+    EXPECT_LT(close(one.dweight, two.dweight), 1e-5);
+    GTEST_SKIP() << "this CPU's GEMM gives other bits with 1 and 2 threads: compared to rounding only";
+  }
   EXPECT_EQ(0, std::memcmp(one.lse.data(), two.lse.data(), one.lse.size() * sizeof(float)));
   EXPECT_EQ(0, std::memcmp(one.loss.data(), two.loss.data(), one.loss.size() * sizeof(float)));
   EXPECT_EQ(0, std::memcmp(one.dhidden.data(), two.dhidden.data(), one.dhidden.size() * sizeof(float)));

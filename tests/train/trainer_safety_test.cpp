@@ -312,3 +312,40 @@ TEST_F(TrainerSafety, CtrlCDuringTheFinalEvaluationEndsInterruptedWithTheFinalCh
 
 }  // namespace
 }  // namespace forge
+
+namespace forge {
+namespace {
+
+// A run of forge before step folders kept one checkpoint folder at <run_dir>/checkpoint itself (manifest
+// version 2, no checksum): it resumes, and the first save writes a step folder and `latest` and then removes
+// the old files.
+TEST_F(TrainerSafety, OldSingleFolderLayoutResumesAndIsReplaced) {
+  TrainConfig straight = config("straight");
+  Trainer(straight).run();
+  TrainConfig c = config("old");
+  Trainer first(c);
+  first.on_step([](int64_t step) {
+    if (step == 3) Trainer::stop_flag() = true;
+  });
+  first.run();
+  const fs::path root = c.checkpoint_dir(), step3 = root / "step-00000003";
+  for (const auto& entry : fs::directory_iterator(step3)) fs::rename(entry.path(), root / entry.path().filename());
+  fs::remove(step3);
+  fs::remove(root / "latest");
+  nlohmann::json manifest = nlohmann::json::parse(slurp(root / "manifest.json"));
+  manifest.erase("checksum");
+  manifest["version"] = 2;
+  std::ofstream(root / "manifest.json") << manifest.dump(2);
+  EXPECT_EQ(read_checkpoint_manifest(root.string()).step, 3);
+
+  c.checkpoint.resume = "auto";
+  const TrainResult r = Trainer(c).run();
+  EXPECT_EQ(r.losses.size(), 3u);
+  EXPECT_FALSE(fs::exists(root / "manifest.json"));
+  EXPECT_FALSE(fs::exists(root / "shard-00000-of-00001.safetensors"));
+  EXPECT_EQ(slurp(toy::latest_checkpoint(c) / "shard-00000-of-00001.safetensors"),
+            slurp(toy::latest_checkpoint(straight) / "shard-00000-of-00001.safetensors"));
+}
+
+}  // namespace
+}  // namespace forge

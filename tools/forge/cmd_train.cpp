@@ -39,8 +39,10 @@ void add_train_command(CLI::App& app, Commands& commands) {
   train->add_option("--set", o->overrides,
                     "Override one setting, section.key=value (repeatable), e.g. --set train.steps=100");
   train->footer(
-      "Ctrl-C saves a checkpoint to <run_dir>/checkpoint and exits with status 130; resume with\n"
-      "--set checkpoint.resume=auto. Writes <run_dir>/metrics.jsonl and <run_dir>/config.toml.\n"
+      "Ctrl-C saves a checkpoint to <run_dir>/checkpoint/step-N (committed by <run_dir>/checkpoint/latest) and\n"
+      "exits with status 130; resume with --set checkpoint.resume=auto (the newest complete checkpoint). A run\n"
+      "directory that holds checkpoints is not started over unless --set checkpoint.overwrite=true.\n"
+      "Writes <run_dir>/metrics.jsonl and <run_dir>/config.toml.\n"
       "Many processes: mpirun -np N forge train --set parallel.tp=T [--set parallel.sequence_parallel=true]\n"
       "[--set parallel.distributed_optimizer=true]: N ranks as tp x dp (dp = N / tp); rank 0 logs, every\n"
       "rank writes its checkpoint shard (see docs/parallelism.md).\n"

@@ -280,19 +280,19 @@ TrainResult Trainer::run() {
   std::unique_ptr<comm::Communicator> dp_nccl, tp_nccl, dp_self;
   if (on_gpu) {
     if (!device_usable(device))
-      fail("{}: train.device = {}, but no GPU is usable here (or this binary has no CUDA backend)", c.source,
+      fail("{}: train.device = {}, but no GPU is usable here (or this binary has no CUDA backend)", c.origin_of("train.device"),
            c.train.device);
     if (layout.pp() > 1 || layout.cp() > 1 || layout.ep() > 1)
-      fail("{}: train.device = {} supports tensor and data parallelism only for now ({})", c.source,
+      fail("{}: train.device = {} supports tensor and data parallelism only for now ({})", c.origin_of("train.device"),
            c.train.device, layout.describe());
     if (c.fp8.recipe != "off" && c.data.seq_len % 16 != 0)
       fail("{}: data.seq_len = {} must be a multiple of 16 for FP8 on {} (FP8 tensor cores read token counts in "
            "multiples of 16)",
-           c.source, c.data.seq_len, c.train.device);
+           c.origin_of("data.seq_len"), c.data.seq_len, c.train.device);
     if (c.fp8.recipe != "off" && c.fp8.accumulator_bits > 0)
       fail("{}: fp8.accumulator_bits = {} models the tensor cores' accumulator on the CPU; on {} the hardware "
            "accumulates: set it to 0",
-           c.source, c.fp8.accumulator_bits, c.train.device);
+           c.origin_of("fp8.accumulator_bits"), c.fp8.accumulator_bits, c.train.device);
     const DeviceMemory& gpu = device_memory(device);
     const int local_rank = local_rank_on_node(world), visible = gpu.device_count();
     // A process that sees one GPU drives it (Slurm's --gpu-bind or a per-rank CUDA_VISIBLE_DEVICES); one that
@@ -332,7 +332,7 @@ TrainResult Trainer::run() {
     const int64_t layers = model_config.num_hidden_layers, kept = f->bf16_first_layers + f->bf16_last_layers;
     if (kept >= layers)
       fail("{}: fp8.bf16_first_layers + fp8.bf16_last_layers = {} keep all {} layers out of FP8; lower them or set "
-           "fp8.recipe = \"off\"", c.source, kept, layers);
+           "fp8.recipe = \"off\"", c.origin_of("fp8.bf16_first_layers"), kept, layers);
     fp8_context.emplace(*f);
     options.fp8 = &*fp8_context;
     fp8_summary = fmt::format("{} ({}", c.fp8.recipe, fp8::format_name(f->recipe.format));
@@ -631,9 +631,7 @@ TrainResult Trainer::run() {
       const ops::OpProfile profile = ops::profile_end();
       say("%s", ops::format_profile(profile).c_str());
       if (g_leader) {
-        std::ofstream out(run_dir / "profile.json");
-        out << ops::profile_json(profile) << "\n";
-        if (!out) fail("{}: cannot write the op profile", (run_dir / "profile.json").string());
+        write_file_atomically(run_dir / "profile.json", ops::profile_json(profile) + "\n", "op profile");
       }
     }
     result.losses.push_back(mean_loss);
