@@ -193,7 +193,12 @@ std::string save_checkpoint_step(const std::string& root, comm::Communicator& wo
   const std::string name = checkpoint_step_name(state.step);
   const fs::path dir = fs::path(root) / name;
   std::error_code ec;
-  if (world.rank() == 0) fs::create_directories(root, ec);  // errors surface in the save's first step
+  if (world.rank() == 0) {
+    fs::create_directories(root, ec);  // errors surface in the save's first step
+    // A folder of this step that `latest` does not name is not committed (a crash between the rename and
+    // `latest`, or a damaged one resolving skipped): it goes, rather than being exchanged as a checkpoint.
+    if (fs::exists(dir, ec) && read_latest(root) != name) fs::remove_all(dir, ec);
+  }
   save_sharded_checkpoint(dir.string(), world, pieces, state, options.files);
   std::string error;
   if (world.rank() == 0) {
