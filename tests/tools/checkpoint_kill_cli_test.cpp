@@ -175,6 +175,25 @@ TEST_F(CheckpointKill, OneProcessAtRandomMoments) {
   kill_at_random(24, 1, "", seconds);
 }
 
+// A save that fails (a full disk, an I/O error: FORGE_TEST_FAIL_AT injects the error where the shard or the
+// manifest is written) ends the run with one error line on every rank, removes its staging folder and leaves
+// the previous checkpoint committed; resuming ends on the uninterrupted run's weights.
+TEST_F(CheckpointKill, FailedSaveLeavesThePreviousCheckpoint) {
+  train_reference("");
+  int trial = 0;
+  for (const char* point : {"save.write_shard:3", "save.write_manifest:3"}) {
+    const std::string run = "fail" + std::to_string(trial++);
+    const auto [status, seconds] = run_train(command(train_args(run), std::string("FORGE_TEST_FAIL_AT=") + point, ""),
+                                             std::nullopt);
+    const std::string log = read_file(path("log.txt"));
+    EXPECT_EQ(status, 1) << point << "\n" << log;
+    EXPECT_NE(log.find("forge: error: save."), std::string::npos) << log;
+    EXPECT_NE(log.find("injected failure"), std::string::npos) << log;
+    EXPECT_FALSE(fs::exists(path(run) + "/checkpoint/.step-00000003.partial")) << point;
+    check_after_kill(run, 1, "", point, 2);
+  }
+}
+
 std::string mpirun(int ranks) {
   return std::string(FORGE_MPIEXEC) + " -np " + std::to_string(ranks) + " --oversubscribe --bind-to none";
 }
@@ -184,6 +203,13 @@ TEST_F(CheckpointKill, TwoRanksUnderMpirun) {
   const double seconds = train_reference(mpirun(2));
   kill_at_every_point(2, mpirun(2));
   kill_at_random(8, 2, mpirun(2), seconds);
+  // One rank's save fails: the job ends (no rank waits forever) and the previous checkpoint stays.
+  const auto [status, unused] =
+      run_train(command(train_args("fail"), "FORGE_TEST_FAIL_AT=save.write_shard:2@1", mpirun(2)), std::nullopt);
+  const std::string log = read_file(path("log.txt"));
+  EXPECT_NE(status, 0) << log;
+  EXPECT_NE(log.find("rank 1: save.write_shard: injected failure"), std::string::npos) << log;
+  check_after_kill("fail", 2, mpirun(2), "failed save on rank 1", 1);
 }
 
 }  // namespace

@@ -618,7 +618,10 @@ void save_sharded_checkpoint(const std::string& dir, comm::Communicator& world,
     if (rank == 0) fs::remove_all(staging, ec);
   };
   ShardFile mine;
-  error = error_of([&] { mine = write_checkpoint_shard(staging, rank, world.size(), pieces); });
+  error = error_of([&] {
+    fail_point("save.write_shard", rank);
+    mine = write_checkpoint_shard(staging, rank, world.size(), pieces);
+  });
   kill_point("save.shard_written", rank);
   const json report = {{"error", error},
                        {"file", mine.file},
@@ -642,6 +645,7 @@ void save_sharded_checkpoint(const std::string& dir, comm::Communicator& world,
   error.clear();
   if (rank == 0)
     error = error_of([&] {
+      fail_point("save.write_manifest", rank);
       write_checkpoint_manifest(staging, shards, state, files);
       kill_point("save.manifest_written", rank);
       commit_checkpoint(staging, dir);

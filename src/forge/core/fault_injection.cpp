@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <string>
 
+#include "forge/core/error.h"
+
 namespace forge {
 namespace {
 
@@ -14,9 +16,9 @@ struct KillSpec {
   long nth = 1, rank = -1, seen = 0;
 };
 
-KillSpec parse_spec() {
+KillSpec parse_spec(const char* variable) {
   KillSpec spec;
-  const char* env = std::getenv("FORGE_TEST_KILL_AT");
+  const char* env = std::getenv(variable);
   if (!env || !*env) return spec;
   std::string text(env);
   if (const size_t at = text.find('@'); at != std::string::npos) {
@@ -32,12 +34,21 @@ KillSpec parse_spec() {
   return spec;
 }
 
+bool reached(KillSpec& spec, std::string_view point, int rank) {
+  if (!spec.armed || point != spec.point || (spec.rank >= 0 && spec.rank != rank)) return false;
+  return ++spec.seen == spec.nth;
+}
+
 }  // namespace
 
+void fail_point(std::string_view point, int rank) {
+  static KillSpec spec = parse_spec("FORGE_TEST_FAIL_AT");
+  if (reached(spec, point, rank)) fail("{}: injected failure (FORGE_TEST_FAIL_AT)", point);
+}
+
 void kill_point(std::string_view point, int rank) {
-  static KillSpec spec = parse_spec();
-  if (!spec.armed || point != spec.point || (spec.rank >= 0 && spec.rank != rank)) return;
-  if (++spec.seen != spec.nth) return;
+  static KillSpec spec = parse_spec("FORGE_TEST_KILL_AT");
+  if (!reached(spec, point, rank)) return;
   std::fprintf(stderr, "forge: FORGE_TEST_KILL_AT: killed at %s (rank %d)\n", spec.point.c_str(), rank);
   std::fflush(stderr);
   std::raise(SIGKILL);
