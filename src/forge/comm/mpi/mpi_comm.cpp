@@ -436,8 +436,10 @@ void finalize(double timeout_s) {
   if (!s.running) return;
   // MPI_Finalize waits for every rank (OpenMPI's exit fence) without a timeout; the barrier before it has
   // one, but a rank can still stall between the two.
-  const GuardedPhase guard("shutdown", s.world_rank, timeout_s);
+  // The injected stall is outside this rank's own guard, as a real one (a hung file system, a stuck thread)
+  // would be: the other ranks' guards end the job, and mpirun then kills the stalled rank.
   detail::stall_if_injected("after_last_collective", s.world_rank);
+  const GuardedPhase guard("shutdown", s.world_rank, timeout_s);
   for (MPI_Op& op : s.bf16_ops)
     if (op != MPI_OP_NULL) MPI_Op_free(&op);
   s.running = false;
