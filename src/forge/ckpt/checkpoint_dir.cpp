@@ -54,9 +54,8 @@ bool is_staging_name(std::string_view name) {
 
 // A shard of a single-folder checkpoint (or its temporary).
 bool is_shard_name(std::string_view name) {
-  constexpr std::string_view prefix = "shard-", suffix = ".safetensors";
   if (name.ends_with(".tmp")) name.remove_suffix(4);
-  return name.starts_with(prefix) && name.ends_with(suffix) && name.find("-of-") != std::string_view::npos;
+  return is_shard_file_name(name);
 }
 
 // The files of a single-folder checkpoint, version 1 (model.safetensors, optimizer.safetensors) included.

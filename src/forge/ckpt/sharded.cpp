@@ -80,7 +80,8 @@ bool all_digits(std::string_view s) {
   return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
 }
 
-// shard-<digits>-of-<digits>.safetensors, the names any save writes (whatever its world size).
+}  // namespace
+
 bool is_shard_file_name(std::string_view name) {
   constexpr std::string_view prefix = "shard-", middle = "-of-", suffix = ".safetensors";
   if (!name.starts_with(prefix) || !name.ends_with(suffix)) return false;
@@ -89,6 +90,8 @@ bool is_shard_file_name(std::string_view name) {
   return of != std::string_view::npos && all_digits(name.substr(0, of)) &&
          all_digits(name.substr(of + middle.size()));
 }
+
+namespace {
 
 // ---- Pieces as runs of global elements
 
@@ -252,11 +255,12 @@ Manifest read_manifest(const std::string& dir) {
     m.state.model_config = j.value("model_config", json::object());
     m.state.extra = j.value("extra", json::object());
     m.state.layout = j.value("layout", json());
-    for (const char* key : {"model_config", "extra"}) {
-      json& field = std::string_view(key) == "extra" ? m.state.extra : m.state.model_config;
+    auto object_field = [&](json& field, const char* key) {
       if (field.is_null()) field = json::object();  // saved from a default CheckpointState
       if (!field.is_object()) fail("{}: '{}' must be an object, got {}", where, key, field.type_name());
-    }
+    };
+    object_field(m.state.model_config, "model_config");
+    object_field(m.state.extra, "extra");
     const json& files = j.at("files");
     if (!files.is_object()) fail("{}: 'files' must be an object", where);
     for (const auto& [name, entry] : files.items()) {

@@ -21,6 +21,7 @@
 #include <nlohmann/json.hpp>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "forge/ckpt/checkpoint.h"
@@ -92,6 +93,8 @@ struct ShardFile {
 };
 
 std::string shard_file_name(int rank, int world_size);  // "shard-00003-of-00004.safetensors"
+// shard-<digits>-of-<digits>.safetensors: the names any save writes, whatever its world size.
+bool is_shard_file_name(std::string_view name);
 
 // The checksum a version 3 manifest records under "checksum": the CRC32 of its canonical text (sorted keys,
 // no spaces) without that key, so that it does not depend on the file's layout ("crc32:1a2b3c4d").

@@ -10,14 +10,14 @@
 namespace forge {
 namespace {
 
-struct KillSpec {
+struct FaultSpec {
   bool armed = false;
   std::string point;
   long nth = 1, rank = -1, seen = 0;
 };
 
-KillSpec parse_spec(const char* variable) {
-  KillSpec spec;
+FaultSpec parse_spec(const char* variable) {
+  FaultSpec spec;
   const char* env = std::getenv(variable);
   if (!env || !*env) return spec;
   std::string text(env);
@@ -34,7 +34,7 @@ KillSpec parse_spec(const char* variable) {
   return spec;
 }
 
-bool reached(KillSpec& spec, std::string_view point, int rank) {
+bool reached(FaultSpec& spec, std::string_view point, int rank) {
   if (!spec.armed || point != spec.point || (spec.rank >= 0 && spec.rank != rank)) return false;
   return ++spec.seen == spec.nth;
 }
@@ -42,12 +42,12 @@ bool reached(KillSpec& spec, std::string_view point, int rank) {
 }  // namespace
 
 void fail_point(std::string_view point, int rank) {
-  static KillSpec spec = parse_spec("FORGE_TEST_FAIL_AT");
+  static FaultSpec spec = parse_spec("FORGE_TEST_FAIL_AT");
   if (reached(spec, point, rank)) fail("{}: injected failure (FORGE_TEST_FAIL_AT)", point);
 }
 
 void kill_point(std::string_view point, int rank) {
-  static KillSpec spec = parse_spec("FORGE_TEST_KILL_AT");
+  static FaultSpec spec = parse_spec("FORGE_TEST_KILL_AT");
   if (!reached(spec, point, rank)) return;
   std::fprintf(stderr, "forge: FORGE_TEST_KILL_AT: killed at %s (rank %d)\n", spec.point.c_str(), rank);
   std::fflush(stderr);

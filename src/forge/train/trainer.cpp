@@ -168,8 +168,9 @@ int64_t samples_seen_of(const CheckpointState& state, int64_t seq) {
 
 // Refuses a checkpoint this run cannot continue exactly: another model, tokenizer or sequence length,
 // weights without optimizer state. Each refusal is one line naming the checkpoint and what differs.
-void check_resumable(const CheckpointState& state, const fs::path& dir, const LlamaConfig& model_config,
-                     const std::string& model_source, const TextCodec& codec, const TrainConfig& c) {
+void check_resumable(const CheckpointState& state, const fs::path& dir, const std::vector<std::string>& names,
+                     const LlamaConfig& model_config, const std::string& model_source, const TextCodec& codec,
+                     const TrainConfig& c) {
   const std::string where = dir.string();
   std::optional<LlamaConfig> saved;
   try {
@@ -180,7 +181,6 @@ void check_resumable(const CheckpointState& state, const fs::path& dir, const Ll
   if (saved->to_json() != model_config.to_json())
     fail("checkpoint {} was trained with a different model config than {} (saved: {})", where, model_source,
          state.model_config.dump());
-  const std::vector<std::string> names = checkpoint_tensor_names(where);
   if (std::none_of(names.begin(), names.end(), [](const std::string& n) { return n.starts_with("exp_avg."); }))
     fail("checkpoint {} holds weights only, no optimizer state (as forge convert --to forge writes), so it cannot "
          "be resumed; start a new run from its weights with --set model.init_from={}",
@@ -433,10 +433,10 @@ TrainResult Trainer::run() {
   if (!resume_from.empty()) {
     // The load below verifies the checksum of each file it reads; here only the manifest matters.
     CheckpointState state = read_checkpoint_manifest(resume_from.string(), /*verify_files=*/false);
-    check_resumable(state, resume_from, model_config, model_source, codec, c);
+    const std::vector<std::string> saved_names = checkpoint_tensor_names(resume_from.string());
+    check_resumable(state, resume_from, saved_names, model_config, model_source, codec, c);
     // Any layout loads any other: each rank fills its shard of the weights and its owned optimizer state.
     std::vector<ShardPiece> pieces = optimizer.checkpoint_pieces_for_load(true);
-    const std::vector<std::string> saved_names = checkpoint_tensor_names(resume_from.string());
     const bool fp8_saved = std::binary_search(saved_names.begin(), saved_names.end(), "fp8.amax_history");
     if (fp8_saved) append_fp8_pieces(pieces, /*saving=*/false);
     state = load_sharded_checkpoint(resume_from.string(), world, pieces);
