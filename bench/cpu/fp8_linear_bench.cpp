@@ -33,7 +33,7 @@ void BM_LinearTrainingStep(benchmark::State& state) {
   store.add("w", {kOut, kIn}, true, Init::normal);
   store.allocate(true);
   store.initialize(1);
-  Linear linear(&store, 0, 1, kIn, options);
+  Linear linear(&store, {0}, kIn, options);
   if (context) context->seal();
   Tensor x = Tensor::empty({kTokens, kIn}, DType::f32), dy = Tensor::empty({kTokens, kOut}, DType::f32);
   for (int64_t i = 0; i < x.numel(); ++i) x.f32()[i] = static_cast<float>(i % 1999 - 999) * 1e-3f;

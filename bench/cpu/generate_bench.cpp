@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "forge/kernels/ops.h"
-#include "forge/models/llama.h"
+#include "forge/models/llama/llama_model.h"
 
 namespace forge {
 namespace {

@@ -14,10 +14,10 @@
 #include <fstream>
 #include <set>
 
-#include "ckpt/pretrained_test_util.h"
+#include "models/pretrained_test_util.h"
 #include "ckpt/sharded_test_util.h"
 #include "forge/ckpt/checkpoint.h"
-#include "forge/ckpt/pretrained.h"
+#include "forge/models/pretrained.h"
 #include "forge/ckpt/safetensors.h"
 #include "forge/optim/adamw.h"
 #include "op_harness.h"
@@ -185,14 +185,14 @@ TEST_F(ShardedTest, ModelAndOptimizerRoundTripIsBitwise) {
   state.step = 5;
   state.model_config = model->config().to_json();
   state.extra = {{"reason", "test"}};
-  save_checkpoint(path("ckpt"), model->params(), &optimizer, state);
+  save_checkpoint(path("ckpt"), model->params(), &optimizer.moments(), state);
   EXPECT_EQ(files_in(path("ckpt")),
             (std::set<std::string>{"manifest.json", "shard-00000-of-00001.safetensors"}));
   EXPECT_TRUE(checkpoint_exists(path("ckpt")));
 
   auto other = pretrained_testing::tiny_model(false, 6);
   AdamW other_optimizer(&other->params(), AdamWConfig{});
-  const CheckpointState loaded = load_checkpoint(path("ckpt"), other->params(), &other_optimizer);
+  const CheckpointState loaded = load_checkpoint(path("ckpt"), other->params(), &other_optimizer.moments());
   EXPECT_EQ(loaded.step, 5);
   EXPECT_EQ(loaded.optimizer_steps, 5);
   EXPECT_EQ(loaded.world_size, 1);
@@ -208,7 +208,7 @@ TEST_F(ShardedTest, ModelAndOptimizerRoundTripIsBitwise) {
             0);
 
   // Saving the same state again gives the same bytes (no timestamps, no save ids).
-  save_checkpoint(path("again"), model->params(), &optimizer, state);
+  save_checkpoint(path("again"), model->params(), &optimizer.moments(), state);
   for (const char* file : {"manifest.json", "shard-00000-of-00001.safetensors"})
     EXPECT_EQ(pretrained_testing::read_file(path("ckpt") + "/" + file),
               pretrained_testing::read_file(path("again") + "/" + file))
@@ -217,16 +217,16 @@ TEST_F(ShardedTest, ModelAndOptimizerRoundTripIsBitwise) {
   // A save that records no AdamW count (the collective entry point, as a trainer may call it): the
   // optimizer resumes at the training step.
   state.step = 4;
-  save_sharded_checkpoint(path("no_count"), *self_, parameter_store_pieces(model->params(), &optimizer, true),
+  save_sharded_checkpoint(path("no_count"), *self_, parameter_store_pieces(model->params(), &optimizer.moments(), true),
                           state);
   EXPECT_EQ(read_checkpoint_manifest(path("no_count")).optimizer_steps, -1);
-  load_checkpoint(path("no_count"), other->params(), &other_optimizer);
+  load_checkpoint(path("no_count"), other->params(), &other_optimizer.moments());
   EXPECT_EQ(other_optimizer.steps_taken(), 4);
 
   // Weights only: no optimizer state, and asking for it says so.
   save_checkpoint(path("weights"), model->params(), nullptr, state);
   EXPECT_EQ(read_checkpoint_manifest(path("weights")).optimizer_steps, -1);
-  expect_error_containing([&] { load_checkpoint(path("weights"), other->params(), &other_optimizer); },
+  expect_error_containing([&] { load_checkpoint(path("weights"), other->params(), &other_optimizer.moments()); },
                           {"weights", "holds no optimizer state"});
   load_checkpoint(path("weights"), other->params(), nullptr);
 }
@@ -235,18 +235,18 @@ TEST_F(ShardedTest, ModelAndOptimizerRoundTripIsBitwise) {
 // copy) saves its primary pieces; loading into a whole store gives the model initialised unsplit.
 TEST_F(ShardedTest, ParameterStoresSplitOverRanksLoadAsOneModel) {
   auto build = [](int tp_rank, int tp) {
-    auto store = std::make_unique<nn::ParameterStore>();
+    auto store = std::make_unique<ParameterStore>();
     if (tp == 1) {
-      store->add("w", {5, 4}, true, nn::Init::normal);
-      store->add("n", {4}, false, nn::Init::normal);
+      store->add("w", {5, 4}, true, Init::normal);
+      store->add("n", {4}, false, Init::normal);
     } else {
-      store->add("w", {3, 4}, true, nn::Init::normal, 0.02f, nn::ShardSpec{0, 3 * tp_rank, {5, 4}});
-      store->add("n", {4}, false, nn::Init::normal, 0.02f, nn::ShardSpec{-1, 0, {}, tp_rank == 0});
+      store->add("w", {3, 4}, true, Init::normal, 0.02f, ShardSpec{0, 3 * tp_rank, {5, 4}});
+      store->add("n", {4}, false, Init::normal, 0.02f, ShardSpec{-1, 0, {}, tp_rank == 0});
     }
     store->allocate(false, false);
     return store;
   };
-  std::vector<std::unique_ptr<nn::ParameterStore>> ranks;
+  std::vector<std::unique_ptr<ParameterStore>> ranks;
   ranks.push_back(build(0, 2));
   ranks.push_back(build(1, 2));
   const std::string staged_tp2 = begin_checkpoint_save(path("tp2"));
@@ -281,7 +281,7 @@ TEST_F(ShardedTest, PretrainedLoadingReadsAnyLayout) {
   // Two "ranks" each save one flat half of every tensor (moments too, which pretrained loading skips).
   const std::string staged_zero = begin_checkpoint_save(path("zero"));
   std::vector<ShardFile> shards;
-  const std::vector<ShardPiece> whole = parameter_store_pieces(model->params(), &optimizer, true);
+  const std::vector<ShardPiece> whole = parameter_store_pieces(model->params(), &optimizer.moments(), true);
   for (int r = 0; r < 2; ++r) {
     std::vector<ShardPiece> pieces = whole;
     for (ShardPiece& p : pieces) {
@@ -551,7 +551,7 @@ TEST_F(ShardedTest, Version1CheckpointsAreStillRead) {
 
   auto other = pretrained_testing::tiny_model(false, 32);
   AdamW other_optimizer(&other->params(), AdamWConfig{});
-  const CheckpointState state = load_checkpoint(dir, other->params(), &other_optimizer);
+  const CheckpointState state = load_checkpoint(dir, other->params(), &other_optimizer.moments());
   EXPECT_EQ(state.step, 9);
   EXPECT_EQ(other_optimizer.steps_taken(), 9);
   EXPECT_TRUE(pretrained_testing::bitwise_equal(other->params(), model->params()));
@@ -561,7 +561,7 @@ TEST_F(ShardedTest, Version1CheckpointsAreStillRead) {
   auto loaded = load_pretrained_model(dir, pretrained_testing::kFp32);
   EXPECT_TRUE(pretrained_testing::bitwise_equal(loaded->params(), model->params()));
 
-  save_checkpoint(dir, other->params(), &other_optimizer, state);
+  save_checkpoint(dir, other->params(), &other_optimizer.moments(), state);
   EXPECT_EQ(files_in(dir), (std::set<std::string>{"manifest.json", "shard-00000-of-00001.safetensors"}));
   EXPECT_EQ(pretrained_testing::read_json(dir + "/manifest.json")["version"], 3);
 

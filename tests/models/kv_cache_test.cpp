@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "forge/ckpt/safetensors.h"
-#include "forge/models/llama.h"
+#include "forge/models/llama/llama_model.h"
 #include "forge/models/sampling.h"
 #include "op_harness.h"
 

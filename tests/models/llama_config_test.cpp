@@ -1,4 +1,4 @@
-#include "forge/models/llama_config.h"
+#include "forge/models/llama/llama_config.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>

@@ -7,7 +7,7 @@
 #include <string>
 
 #include "forge/ckpt/safetensors.h"
-#include "forge/models/llama.h"
+#include "forge/models/llama/llama_model.h"
 #include "forge/optim/adamw.h"
 #include "op_harness.h"
 

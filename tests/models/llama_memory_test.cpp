@@ -5,7 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "forge/core/error.h"
-#include "forge/models/llama.h"
+#include "forge/models/llama/llama_model.h"
 #include "op_harness.h"
 
 namespace forge {

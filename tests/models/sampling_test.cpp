@@ -1,6 +1,7 @@
 // Sampling (temperature, top-k, top-p in Hugging Face's order, greedy) against an independent reference of
 // the distribution each setting defines, and generation's contracts: determinism by seed, a draw per token
 // that depends only on (seed, n), stop tokens, the context limit, streaming, and refused settings.
+#include "forge/models/llama/llama_model.h"
 #include "forge/models/sampling.h"
 
 #include <gtest/gtest.h>

@@ -125,7 +125,7 @@ struct Fixture {
     compute.gemm_dtype = gemm_dtype;
     compute.fp8 = &context;
     compute.tp = tp;
-    linear = Linear(&store, 0, 1, kIn, compute);
+    linear = Linear(&store, {0}, kIn, compute);
     context.seal();
     x = random_matrix(kRows * kIn, 1.0f, 2, true);
     dy = random_matrix(kRows * kOut, 1e-4f, 3, true);  // gradients are small: E5M2's range matters

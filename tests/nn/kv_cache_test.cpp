@@ -7,28 +7,29 @@
 #include <cstring>
 
 #include "forge/kernels/rope_tables.h"
-#include "forge/nn/transformer_layer.h"
+#include "nn/layer_stack.h"
 #include "op_harness.h"
 
 namespace forge::nn {
 namespace {
+using namespace testing_layers;
 
 struct OneLayer {
   ParameterStore store;
-  std::vector<TransformerLayer> layers;
+  std::vector<DecoderLayer> layers;
   RopeTable rope;
   AttentionShape attention{32, 4, 2, 8};
   OneLayer(DType dtype, int64_t positions) {
     LayerShape shape;
     shape.attention = attention, shape.ffn = 48;
-    layers.emplace_back(&store, 0, shape, 0.2f, 1);
+    const LayerIds ids = register_layer(store, 0, shape, 0.2f, 1);
     store.allocate(dtype == DType::bf16);
     store.initialize(3);
     rope.positions = positions, rope.half_dim = attention.head_dim / 2;
     rope.cos = Tensor::empty({positions, rope.half_dim}, DType::f32);
     rope.sin = Tensor::empty({positions, rope.half_dim}, DType::f32);
     rope_tables(positions, attention.head_dim, 10000.0, RopeScaling{}, rope.cos.f32(), rope.sin.f32());
-    layers[0].bind(&rope, {dtype, Recompute::none});
+    layers.push_back(make_layer(store, ids, shape, &rope, {dtype, Recompute::none}));
   }
 };
 
@@ -49,7 +50,7 @@ TEST_P(CachedLayer, ChunksReproduceTheFullForward) {
   Tensor x = Tensor::empty({batch * seq, 32}, DType::f32);
   const auto values = testing::random_floats(x.numel(), 1);
   std::memcpy(x.f32(), values.data(), x.bytes());
-  TransformerLayer::Saved saved;
+  DecoderLayer::Saved saved;
   const Tensor full = s.layers[0].forward(x, batch, seq, saved);
   // fp32: only the attention's summation order differs. bf16: that difference may flip the rounding of an
   // attention output element on its way into the o-projection (2^-9 relative of one term), so the bound is
@@ -72,7 +73,7 @@ TEST_P(CachedLayer, ChunksReproduceTheFullForward) {
   // The cache holds each token's key after RoPE: the k part of the training forward's q|k|v, up to the
   // summation order of the projection's GEMM, which some CPUs' kernels vary with the row count (5, 19, 1
   // here against 60): within a few ulps of the keys' scale.
-  const Tensor& qkv = saved.attention.qkv;
+  const Tensor& qkv = static_cast<const Attention::Saved&>(*saved.mixer).qkv;
   KvLayer layer = cache.layer(0);
   double scale = 0;
   for (int64_t i = 0; i < batch * seq; ++i)

@@ -14,15 +14,15 @@ namespace forge {
 namespace {
 
 // Three parameters of odd sizes (10 + 7 + 33 = 50 elements), the middle one without weight decay.
-void build(nn::ParameterStore& store, bool bf16) {
-  store.add("a", {2, 5}, true, nn::Init::normal, 0.5f);
-  store.add("b", {7}, false, nn::Init::ones);
-  store.add("c", {3, 11}, true, nn::Init::normal, 0.5f);
+void build(ParameterStore& store, bool bf16) {
+  store.add("a", {2, 5}, true, Init::normal, 0.5f);
+  store.add("b", {7}, false, Init::ones);
+  store.add("c", {3, 11}, true, Init::normal, 0.5f);
   store.allocate(bf16);
   store.initialize(7);
 }
 
-void fill_grads(nn::ParameterStore& store, int step) {
+void fill_grads(ParameterStore& store, int step) {
   float* g = store.grads().f32();
   for (int64_t i = 0; i < store.numel(); ++i) g[i] = std::sin(0.37f * static_cast<float>(i + 13 * step));
 }
@@ -32,10 +32,10 @@ bool bitwise_equal(const float* a, const float* b, int64_t n) {
 }
 
 TEST(ForEachParamInRange, SplitsRangesAtParameterBoundaries) {
-  nn::ParameterStore store;
+  ParameterStore store;
   build(store, false);
   std::vector<std::tuple<std::string, int64_t, int64_t>> pieces;
-  auto collect = [&](const nn::ParamInfo& p, int64_t lo, int64_t hi) { pieces.emplace_back(p.name, lo, hi); };
+  auto collect = [&](const ParamInfo& p, int64_t lo, int64_t hi) { pieces.emplace_back(p.name, lo, hi); };
   for_each_param_in_range(store, 4, 20, collect);
   using Piece = std::tuple<std::string, int64_t, int64_t>;
   EXPECT_EQ(pieces, (std::vector<Piece>{{"a", 4, 10}, {"b", 10, 17}, {"c", 17, 20}}));
@@ -53,7 +53,7 @@ TEST(ForEachParamInRange, SplitsRangesAtParameterBoundaries) {
 // AdamW::step is one ops::adamw call per parameter with that parameter's weight decay: pinned here so that
 // the shared range update keeps the single-process optimizer bitwise as it was.
 TEST(AdamW, StepIsTheFusedKernelPerParameter) {
-  nn::ParameterStore store, manual;
+  ParameterStore store, manual;
   build(store, true);
   build(manual, true);
   AdamWConfig config{0.9f, 0.95f, 1e-8f, 0.1f};
@@ -86,7 +86,7 @@ TEST(AdamW, StepIsTheFusedKernelPerParameter) {
 // A range updated in pieces cut anywhere (inside parameters) equals the whole update: the kernel is
 // elementwise and the weight decay follows the parameter.
 TEST(AdamWUpdateRange, PiecesEqualTheWholeRange) {
-  nn::ParameterStore whole, pieces;
+  ParameterStore whole, pieces;
   build(whole, true);
   build(pieces, true);
   const int64_t n = whole.numel();
@@ -109,7 +109,7 @@ TEST(AdamWUpdateRange, PiecesEqualTheWholeRange) {
 }
 
 TEST(AdamWUpdateRange, WithoutShadowLeavesTheShadowAlone) {
-  nn::ParameterStore store;
+  ParameterStore store;
   build(store, true);
   const std::vector<uint16_t> before(store.params_bf16().bf16(), store.params_bf16().bf16() + store.numel());
   std::vector<float> m(store.numel(), 0), v(store.numel(), 0);
@@ -119,7 +119,7 @@ TEST(AdamWUpdateRange, WithoutShadowLeavesTheShadowAlone) {
 }
 
 TEST(AdamWUpdateRange, RejectsARangeOutsideTheStore) {
-  nn::ParameterStore store;
+  ParameterStore store;
   build(store, false);
   std::vector<float> m(60, 0), v(60, 0);
   EXPECT_THROW(adamw_update_range(store, 40, 60, m.data(), v.data(), AdamWConfig{}, 1e-2f, 1.0f, 1, false),
@@ -127,7 +127,7 @@ TEST(AdamWUpdateRange, RejectsARangeOutsideTheStore) {
 }
 
 TEST(GlobalGradNorm, IsTheNormOfTheWholeBuffer) {
-  nn::ParameterStore store;
+  ParameterStore store;
   build(store, false);
   fill_grads(store, 2);
   double sum = 0;

@@ -15,7 +15,7 @@ namespace {
 constexpr int64_t kSmallBucket = 160;
 
 // Sum of squares of `grads` over the primary parameters of `store`, in double.
-double primary_sum_squares(const nn::ParameterStore& store, const std::vector<float>& grads) {
+double primary_sum_squares(const ParameterStore& store, const std::vector<float>& grads) {
   double sum = 0;
   for (const auto& info : store.infos()) {
     if (!info.shard.primary) continue;
@@ -26,7 +26,7 @@ double primary_sum_squares(const nn::ParameterStore& store, const std::vector<fl
 }
 
 // One step of backward emulated parameter by parameter from the last, then the reduction.
-void backward(nn::ParameterStore& store, GradBuckets& buckets, int rank, int step) {
+void backward(ParameterStore& store, GradBuckets& buckets, int rank, int step) {
   store.zero_grads();
   buckets.begin_step();
   for (int p = store.count() - 1; p >= 0; --p) {
@@ -48,7 +48,7 @@ class Steps : public ::testing::TestWithParam<bool> {};
 TEST_P(Steps, FollowAdamWOnTheSummedGradients) {
   const bool shard = GetParam();
   comm::Communicator& world = comm::world();
-  nn::ParameterStore store, reference;
+  ParameterStore store, reference;
   testing::build_toy_store(store, true);
   testing::build_toy_store(reference, true);
   const int64_t n = store.numel();
@@ -114,7 +114,7 @@ TEST_P(Norm, CountsEachElementOfTheModelOnce) {
   auto dp = world.split(mp_rank, dp_rank, "dp");
   auto mp = world.split(dp_rank, mp_rank, "mp");
   ASSERT_EQ(dp->size(), dp_size);
-  nn::ParameterStore store;
+  ParameterStore store;
   testing::build_toy_store(store, false, /*replica_primary=*/mp_rank == 0);
   GradBuckets buckets(&store, dp.get(), {kSmallBucket, shard, true});
   DistributedAdamW optimizer(&store, AdamWConfig{}, dp.get(), mp.get(), &buckets);
@@ -123,7 +123,7 @@ TEST_P(Norm, CountsEachElementOfTheModelOnce) {
 
   double want = 0;
   for (int m = 0; m < 2; ++m) {
-    nn::ParameterStore part;
+    ParameterStore part;
     testing::build_toy_store(part, false, m == 0);
     const auto summed = testing::summed_toy_grads(dp_size, 3, part.numel(), [m](int d) { return d * 2 + m; });
     want += primary_sum_squares(part, summed);
@@ -142,7 +142,7 @@ INSTANTIATE_TEST_SUITE_P(ZeroOrNot, Norm, ::testing::Bool(),
 // exp_avg_sq); the load pieces give every rank its whole weights.
 TEST(DistributedAdamWMpi, CheckpointPiecesSaveEachElementOnce) {
   comm::Communicator& world = comm::world();
-  nn::ParameterStore store;
+  ParameterStore store;
   testing::build_toy_store(store, false);
   const int64_t n = store.numel();
   for (bool shard : {false, true}) {

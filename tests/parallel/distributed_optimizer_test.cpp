@@ -26,7 +26,7 @@ class OneRank : public ::testing::TestWithParam<Mode> {};
 // gradient norm, whether it updates through buckets, unsharded or sharded.
 TEST_P(OneRank, MatchesAdamWBitwise) {
   const Mode mode = GetParam();
-  nn::ParameterStore store, reference;
+  ParameterStore store, reference;
   testing::build_toy_store(store, true, /*replica_primary=*/true);
   testing::build_toy_store(reference, true, /*replica_primary=*/true);
   auto self = comm::make_self("dp");
@@ -65,7 +65,7 @@ TEST_P(OneRank, MatchesAdamWBitwise) {
 INSTANTIATE_TEST_SUITE_P(Modes, OneRank, ::testing::Values(Mode::no_buckets, Mode::unsharded, Mode::sharded));
 
 TEST(DistributedAdamW, GradNormSkipsReplicatedCopies) {
-  nn::ParameterStore store;
+  ParameterStore store;
   testing::build_toy_store(store, false, /*replica_primary=*/false);
   auto self = comm::make_self("dp");
   DistributedAdamW optimizer(&store, AdamWConfig{}, self.get(), nullptr, nullptr);
@@ -82,7 +82,7 @@ TEST(DistributedAdamW, GradNormSkipsReplicatedCopies) {
 }
 
 // Per tensor name, how many times each local element is covered by the pieces.
-std::map<std::string, std::vector<int>> coverage(const nn::ParameterStore& store,
+std::map<std::string, std::vector<int>> coverage(const ParameterStore& store,
                                                  const std::vector<ShardPiece>& pieces) {
   std::map<std::string, std::vector<int>> covered;
   for (const auto& piece : pieces) {
@@ -118,7 +118,7 @@ void add_coverage(std::map<std::string, std::vector<int>>& total,
 }
 
 // Every element of every primary tensor exactly `times` times; no replicated copy unless `replicas`.
-void expect_coverage(const nn::ParameterStore& store, const std::map<std::string, std::vector<int>>& covered,
+void expect_coverage(const ParameterStore& store, const std::map<std::string, std::vector<int>>& covered,
                      bool params, bool moments, bool replicas, int times, const std::string& what) {
   size_t names = 0;
   for (const auto& info : store.infos()) {
@@ -142,7 +142,7 @@ void expect_coverage(const nn::ParameterStore& store, const std::map<std::string
 }
 
 TEST(DistributedAdamW, CheckpointPiecesOnOneRank) {
-  nn::ParameterStore store;
+  ParameterStore store;
   testing::build_toy_store(store, false);
   auto self = comm::make_self("dp");
   for (bool shard : {false, true}) {
@@ -157,7 +157,7 @@ TEST(DistributedAdamW, CheckpointPiecesOnOneRank) {
 }
 
 TEST(DistributedAdamW, CheckpointPiecesAcrossDataParallelRanks) {
-  nn::ParameterStore store;
+  ParameterStore store;
   testing::build_toy_store(store, false);
   const int dp = 3;
   for (bool shard : {false, true}) {
@@ -182,7 +182,7 @@ TEST(DistributedAdamW, CheckpointPiecesAcrossDataParallelRanks) {
 }
 
 TEST(DistributedAdamW, RejectsMismatchedBuckets) {
-  nn::ParameterStore store, other;
+  ParameterStore store, other;
   testing::build_toy_store(store, false);
   testing::build_toy_store(other, false);
   FakeGroup two(0, 2), four(0, 4);

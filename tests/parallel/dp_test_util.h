@@ -10,26 +10,26 @@
 
 #include "forge/comm/comm.h"
 #include "forge/core/error.h"
-#include "forge/nn/parameters.h"
+#include "forge/core/parameters.h"
 
 namespace forge::testing {
 
 // 421 elements: bucket boundaries fall inside parameters for any small bucket size.
-inline void build_toy_store(nn::ParameterStore& store, bool bf16_shadow, bool replica_primary = false) {
-  store.add("embed", {13, 7}, true, nn::Init::normal, 0.5f);
-  store.add("layer.0.norm", {7}, false, nn::Init::ones);
-  store.add("layer.0.w", {11, 7}, true, nn::Init::normal, 0.5f);
+inline void build_toy_store(ParameterStore& store, bool bf16_shadow, bool replica_primary = false) {
+  store.add("embed", {13, 7}, true, Init::normal, 0.5f);
+  store.add("layer.0.norm", {7}, false, Init::ones);
+  store.add("layer.0.w", {11, 7}, true, Init::normal, 0.5f);
   // A copy a lower tensor-parallel rank also holds: excluded from the norm and from checkpoints.
-  nn::ShardSpec replica;
+  ShardSpec replica;
   replica.primary = replica_primary;
-  store.add("layer.0.replica", {5}, false, nn::Init::normal, 0.5f, replica);
-  store.add("layer.1.w", {3, 29}, true, nn::Init::normal, 0.5f);
-  store.add("layer.1.b", {1}, false, nn::Init::zeros);
+  store.add("layer.0.replica", {5}, false, Init::normal, 0.5f, replica);
+  store.add("layer.1.w", {3, 29}, true, Init::normal, 0.5f);
+  store.add("layer.1.b", {1}, false, Init::zeros);
   // The first half of a [34, 9] tensor split along rows.
-  nn::ShardSpec split;
+  ShardSpec split;
   split.dim = 0;
   split.global_shape = {34, 9};
-  store.add("head", {17, 9}, true, nn::Init::normal, 0.5f, split);
+  store.add("head", {17, 9}, true, Init::normal, 0.5f, split);
   store.allocate(bf16_shadow);
   store.initialize(1234);
 }

@@ -22,7 +22,7 @@ class Reduction : public ::testing::TestWithParam<std::tuple<bool, bool>> {};
 TEST_P(Reduction, EqualsAPlainAllReduceInTheOwnedRanges) {
   const auto [shard, overlap] = GetParam();
   comm::Communicator& world = comm::world();
-  nn::ParameterStore store;
+  ParameterStore store;
   testing::build_toy_store(store, false);
   const int64_t n = store.numel();
   GradBuckets buckets(&store, &world, {kSmallBucket, shard, overlap});
@@ -74,7 +74,7 @@ INSTANTIATE_TEST_SUITE_P(ShardOverlap, Reduction, ::testing::Combine(::testing::
 // Under ZeRO the owned ranges of the ranks partition the buffer: every element has exactly one owner.
 TEST(GradBucketsMpi, OwnedRangesPartitionTheBufferAcrossRanks) {
   comm::Communicator& world = comm::world();
-  nn::ParameterStore store;
+  ParameterStore store;
   testing::build_toy_store(store, false);
   for (bool shard : {false, true}) {
     GradBuckets buckets(&store, &world, {kSmallBucket, shard, true});
@@ -93,7 +93,7 @@ TEST(GradBucketsMpi, ReducesOverASubGroup) {
   if (world.size() % 2 != 0) GTEST_SKIP() << "needs an even number of ranks";
   auto dp = world.split(world.rank() / 2, world.rank(), "dp");
   ASSERT_EQ(dp->size(), 2);
-  nn::ParameterStore store;
+  ParameterStore store;
   testing::build_toy_store(store, false);
   GradBuckets buckets(&store, dp.get(), {kSmallBucket, true, true});
   testing::fill_toy_grads(store.grads().f32(), world.rank(), 7, 0, store.numel());

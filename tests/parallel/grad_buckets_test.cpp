@@ -16,7 +16,7 @@ using testing::FakeGroup;
 constexpr int64_t kSmallBucket = 160;
 
 TEST(GradBuckets, PartitionIsContiguousAlignedAndCoversTheBuffer) {
-  nn::ParameterStore store;
+  ParameterStore store;
   testing::build_toy_store(store, false);
   const int64_t n = store.numel();
   for (bool shard : {false, true}) {
@@ -54,7 +54,7 @@ TEST(GradBuckets, PartitionIsContiguousAlignedAndCoversTheBuffer) {
 }
 
 TEST(GradBuckets, BoundariesFallInsideParameters) {
-  nn::ParameterStore store;
+  ParameterStore store;
   testing::build_toy_store(store, false);
   FakeGroup group(0, 2);
   GradBuckets buckets(&store, &group, {kSmallBucket, true, true});
@@ -68,7 +68,7 @@ TEST(GradBuckets, BoundariesFallInsideParameters) {
 }
 
 TEST(GradBuckets, ShardedOwnedRangesOfAllRanksPartitionTheBuffer) {
-  nn::ParameterStore store;
+  ParameterStore store;
   testing::build_toy_store(store, false);
   for (int dp : {2, 3, 4}) {
     std::vector<int> owners(store.numel(), 0);
@@ -92,7 +92,7 @@ TEST(GradBuckets, ShardedOwnedRangesOfAllRanksPartitionTheBuffer) {
 }
 
 TEST(GradBuckets, UnshardedOwnsEverything) {
-  nn::ParameterStore store;
+  ParameterStore store;
   testing::build_toy_store(store, false);
   FakeGroup group(1, 4);
   GradBuckets buckets(&store, &group, {kSmallBucket, false, true});
@@ -105,7 +105,7 @@ TEST(GradBuckets, UnshardedOwnsEverything) {
 }
 
 TEST(GradBuckets, OneBucketWhenTheBufferIsSmall) {
-  nn::ParameterStore store;
+  ParameterStore store;
   testing::build_toy_store(store, false);
   auto self = comm::make_self("dp");
   GradBuckets buckets(&store, self.get(), {1 << 20, false, true});
@@ -116,7 +116,7 @@ TEST(GradBuckets, OneBucketWhenTheBufferIsSmall) {
 
 // With overlap, ready_from(x) launches exactly the buckets lying wholly at or above x, top first.
 TEST(GradBuckets, ReadyFromLaunchesTheBucketsAboveTheOffset) {
-  nn::ParameterStore store;
+  ParameterStore store;
   testing::build_toy_store(store, false);
   auto self = comm::make_self("dp");
   for (bool shard : {false, true}) {
@@ -146,7 +146,7 @@ TEST(GradBuckets, ReadyFromLaunchesTheBucketsAboveTheOffset) {
 }
 
 TEST(GradBuckets, WithoutOverlapEverythingWaitsForFinish) {
-  nn::ParameterStore store;
+  ParameterStore store;
   testing::build_toy_store(store, false);
   auto self = comm::make_self("dp");
   GradBuckets buckets(&store, self.get(), {kSmallBucket, true, false});
@@ -174,7 +174,7 @@ TEST(GradBuckets, OverlapRatio) {
 }
 
 TEST(GradBuckets, MisuseFailsWithAMessage) {
-  nn::ParameterStore store;
+  ParameterStore store;
   testing::build_toy_store(store, false);
   auto self = comm::make_self("dp");
   GradBuckets buckets(&store, self.get(), {kSmallBucket, false, true});
@@ -185,8 +185,8 @@ TEST(GradBuckets, MisuseFailsWithAMessage) {
   EXPECT_THROW(buckets.ready_from(store.numel() + 1), Error);
   buckets.finish();
   EXPECT_THROW(GradBuckets(&store, self.get(), {0, false, true}), Error);
-  nn::ParameterStore inference;
-  inference.add("w", {4}, true, nn::Init::zeros);
+  ParameterStore inference;
+  inference.add("w", {4}, true, Init::zeros);
   inference.allocate(false, /*with_grads=*/false);
   EXPECT_THROW(GradBuckets(&inference, self.get(), {kSmallBucket, false, true}), Error);
 }

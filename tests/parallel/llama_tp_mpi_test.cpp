@@ -10,7 +10,7 @@
 
 #include "forge/comm/comm.h"
 #include "forge/core/philox.h"
-#include "forge/models/llama.h"
+#include "forge/models/llama/llama_model.h"
 #include "forge/parallel/tensor_parallel.h"
 
 namespace forge {
@@ -58,21 +58,24 @@ TEST_P(LlamaTensorParallel, MatchesOneRank) {
     targets[i] = i % 7 == 3 ? -1 : static_cast<int32_t>(bits[1] % config.vocab_size);
   }
   const float scale = 1.0f / (batch * seq);
-  // Two micro-batches: replicated gradients are summed over the group once, after the last.
-  LossSum want = reference.forward_backward(ids.data(), targets.data(), batch, seq, scale, false);
-  LossSum want2 = reference.forward_backward(ids.data(), targets.data(), batch, seq, scale, true);
-  LossSum got = split.forward_backward(ids.data(), targets.data(), batch, seq, scale, false);
-  LossSum got2 = split.forward_backward(ids.data(), targets.data(), batch, seq, scale, true);
+  // Two micro-batches: replicated gradients are summed over the group once, when the last makes them final.
+  reference.params().begin_grad_step(2);
+  LossSum want = reference.forward_backward(ids.data(), targets.data(), batch, seq, scale);
+  LossSum want2 = reference.forward_backward(ids.data(), targets.data(), batch, seq, scale);
+  split.params().begin_grad_step(2);
+  LossSum got = split.forward_backward(ids.data(), targets.data(), batch, seq, scale);
+  LossSum got2 = split.forward_backward(ids.data(), targets.data(), batch, seq, scale);
+  EXPECT_FALSE(split.params().grad_step_active());
   EXPECT_EQ(got.tokens, want.tokens);
   EXPECT_NEAR(got.sum, want.sum, 1e-4 * std::abs(want.sum));
   EXPECT_NEAR(got2.sum, want2.sum, 1e-4 * std::abs(want2.sum));
 
   // Every gradient element of every shard equals the reference's at its global index.
-  const nn::ParameterStore& ref = reference.params();
-  const nn::ParameterStore& mine = split.params();
+  const ParameterStore& ref = reference.params();
+  const ParameterStore& mine = split.params();
   ASSERT_EQ(ref.count(), mine.count());
   for (int id = 0; id < mine.count(); ++id) {
-    const nn::ParamInfo& p = mine.info(id);
+    const ParamInfo& p = mine.info(id);
     const int ref_id = ref.find(p.name);
     ASSERT_GE(ref_id, 0) << p.name;
     ASSERT_EQ(ref.info(ref_id).shape, p.global_shape()) << p.name;
@@ -85,7 +88,7 @@ TEST_P(LlamaTensorParallel, MatchesOneRank) {
     // Padding rows: zero weights, no gradient. Everything else: the reference's element at its global index.
     std::vector<bool> covered(shape_numel(p.shape), false);
     int bad = 0;
-    for (const nn::ShardRun& r : nn::shard_runs(p))
+    for (const ShardRun& r : shard_runs(p))
       for (int64_t j = 0; j < r.count; ++j) {
         const int64_t i = r.local + j, gi = r.global + j;
         covered[i] = true;

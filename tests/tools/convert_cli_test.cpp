@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "forge/ckpt/safetensors.h"
-#include "forge/models/llama_config.h"
+#include "forge/models/llama/llama_config.h"
 #include "tools/cli_harness.h"
 
 namespace {

@@ -18,9 +18,9 @@
 #include <vector>
 
 #include "forge/ckpt/checkpoint.h"
-#include "forge/ckpt/pretrained.h"
+#include "forge/models/pretrained.h"
 #include "forge/data/indexed_dataset.h"
-#include "forge/models/llama.h"
+#include "forge/models/llama/llama_model.h"
 #include "tools/cli_harness.h"
 
 namespace forge {
@@ -152,7 +152,7 @@ TEST_F(EvalCli, TokensOutsideTheVocabulary) {
 
 // A model with NaN or infinite weights is refused when it loads, naming the tensor and where it came from.
 TEST_F(EvalCli, NonFiniteWeightsAreRefused) {
-  nn::ParameterStore& params = model_->params();
+  ParameterStore& params = model_->params();
   const int id = params.find("model.layers.1.self_attn.v_proj.weight");
   ASSERT_GE(id, 0);
   params.param(id).f32()[5] = std::numeric_limits<float>::quiet_NaN();
@@ -172,7 +172,7 @@ TEST_F(EvalCli, NonFiniteWeightsAreRefused) {
 // Finite weights whose logits overflow fp32: the loss is not finite, which eval reports as an error (it
 // used to print "loss nan" and exit 0).
 TEST_F(EvalCli, NonFiniteLossIsAnError) {
-  nn::ParameterStore& params = model_->params();
+  ParameterStore& params = model_->params();
   for (const char* name : {"model.norm.weight", "lm_head.weight"}) {
     Tensor w = params.param(params.find(name));
     std::fill(w.f32(), w.f32() + w.numel(), 1e30f);

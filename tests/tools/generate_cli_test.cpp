@@ -15,8 +15,9 @@
 #include <utility>
 #include <vector>
 
+#include "forge/models/llama/llama_model.h"
 #include "forge/ckpt/checkpoint.h"
-#include "forge/ckpt/pretrained.h"
+#include "forge/models/pretrained.h"
 #include "forge/ckpt/safetensors.h"
 #include "forge/core/device.h"
 #include "forge/data/tokenizer.h"

@@ -1,6 +1,7 @@
 // The `forge bench` measurement (train/throughput.h): a step of grad_accum micro-batches trains on the same
 // sequences as one micro-batch of all of them, so losses agree up to the order of fp32 sums, and bad sizes are
 // one clear error.
+#include "forge/models/llama/llama_model.h"
 #include "forge/train/throughput.h"
 
 #include <gtest/gtest.h>

@@ -8,7 +8,7 @@
 #include <filesystem>
 
 #include "forge/ckpt/checkpoint.h"
-#include "forge/ckpt/pretrained.h"
+#include "forge/models/pretrained.h"
 #include "forge/ckpt/sharded.h"
 #include "forge/train/trainer.h"
 #include "train/toy_run.h"
@@ -109,7 +109,7 @@ TEST_F(TrainerFp8, CheckpointOfAnFp8RunLoadsForInference) {
   c.train.steps = 3;
   Trainer(c).run();
   auto model = load_pretrained_model(fs::path(c.log.run_dir) / "checkpoint", nn::ComputeOptions{});
-  EXPECT_EQ(model->config().num_hidden_layers, 2);
+  EXPECT_EQ(model->config().shape().layers, 2);
 }
 
 TEST_F(TrainerFp8, Bf16LayersAtBothEndsAndAccumulatorEmulationRun) {

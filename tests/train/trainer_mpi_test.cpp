@@ -17,10 +17,10 @@
 #include <optional>
 
 #include "forge/ckpt/checkpoint.h"
-#include "forge/ckpt/pretrained.h"
+#include "forge/models/pretrained.h"
 #include "forge/comm/comm.h"
 #include "forge/core/device.h"
-#include "forge/models/llama.h"
+#include "forge/models/llama/llama_model.h"
 #include "forge/kernels/emulated_device.h"
 #include "forge/train/device_emulation.h"
 #include "forge/train/trainer.h"
@@ -114,8 +114,8 @@ TEST_P(TrainerLayouts, ReproduceTheOneRankRun) {
   fp32.gemm_dtype = DType::f32;
   auto a = load_pretrained_model(fs::path(ref.log.run_dir) / "checkpoint", fp32);
   auto b = load_pretrained_model(fs::path(par.log.run_dir) / "checkpoint", fp32);
-  const nn::ParameterStore& pa = a->params();
-  const nn::ParameterStore& pb = b->params();
+  const ParameterStore& pa = a->params();
+  const ParameterStore& pb = b->params();
   ASSERT_EQ(pa.count(), pb.count());
   for (int i = 0; i < pa.count(); ++i) {
     const int64_t n = shape_numel(pa.info(i).shape);
@@ -283,7 +283,7 @@ TEST_F(TrainerRuns, NonFiniteGradientOnOneRankStopsEveryRank) {
   c.checkpoint.every = 1;
   Trainer t(c, &world);
   const int bad_rank = world.size() - 1;
-  t.on_gradients([&](int64_t step, nn::ParameterStore& params) {
+  t.on_gradients([&](int64_t step, ParameterStore& params) {
     if (step == 3 && world.rank() == bad_rank) params.grads().f32()[0] = NAN;
   });
   std::string error;

@@ -17,8 +17,8 @@
 #include "forge/ckpt/checkpoint_dir.h"
 #include "forge/core/error.h"
 #include "forge/data/bpe_trainer.h"
-#include "forge/models/llama.h"
-#include "forge/nn/parameters.h"
+#include "forge/models/llama/llama_model.h"
+#include "forge/core/parameters.h"
 #include "forge/train/run_directory.h"
 #include "forge/train/trainer.h"
 #include "train/toy_run.h"
@@ -64,7 +64,7 @@ TEST_F(TrainerSafety, NonFiniteGradientIsNeverAppliedNorSaved) {
   c.checkpoint.every = 1;
   c.checkpoint.keep_last = 0;
   const std::string e = error_of(c, [](Trainer& t) {
-    t.on_gradients([](int64_t step, nn::ParameterStore& params) {
+    t.on_gradients([](int64_t step, ParameterStore& params) {
       if (step == 4) params.grads().f32()[params.info(params.find("model.norm.weight")).offset] = NAN;
     });
   });
@@ -87,7 +87,7 @@ TEST_F(TrainerSafety, NonFiniteGradientIsNeverAppliedNorSaved) {
   // A non-finite loss is refused the same way, as the loss.
   TrainConfig inf = config("inf");
   const std::string l = error_of(inf, [](Trainer& t) {
-    t.on_gradients([](int64_t step, nn::ParameterStore& params) {
+    t.on_gradients([](int64_t step, ParameterStore& params) {
       if (step == 2) params.grads().f32()[0] = std::numeric_limits<float>::infinity();
     });
   });

@@ -1,5 +1,6 @@
 // The trainer's data: tokenizer choice (bytes, a BPE trained on the corpus and cached, a tokenizer.json),
 // the byte accounting behind bits per byte, and a short BPE training run end to end.
+#include "forge/models/llama/llama_model.h"
 #include "forge/train/training_data.h"
 #include "train/toy_run.h"
 
@@ -9,7 +10,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "forge/ckpt/pretrained.h"
+#include "forge/models/pretrained.h"
 #include "forge/ckpt/safetensors.h"
 #include "forge/data/indexed_dataset.h"
 #include "forge/data/text_corpus.h"

@@ -7,7 +7,7 @@
 #include "commands.h"
 #include "forge/core/device.h"
 #include "forge/fp8/recipe.h"
-#include "forge/models/llama_config.h"
+#include "forge/models/model.h"
 #include "forge/nn/compute.h"
 #include "forge/train/peak.h"
 #include "forge/train/throughput.h"
@@ -41,7 +41,7 @@ int run_bench(const BenchOptions& o) {
     std::printf("peak bf16 GEMM: %.0f GFLOP/s\n", measure_gemm_peak_gflops(DType::bf16, 4096, 3));
     return 0;
   }
-  LlamaConfig config = LlamaConfig::from_json_file(o.model);
+  const std::unique_ptr<ModelConfig> config = read_model_config(o.model);
   nn::ComputeOptions options{dtype, nn::recompute_from_name(o.recompute)};
   options.device = device_from_name(o.device);
   const std::optional<nn::Fp8Options> fp8 = fp8_options(o.fp8);
@@ -54,7 +54,7 @@ int run_bench(const BenchOptions& o) {
   if (peak <= 0) peak = cuda ? (fp8 ? kHopperFp8PeakGflops : kHopperBf16PeakGflops) : measure_gemm_peak_gflops(dtype, 4096, 3);
   const std::string peak_name = cuda ? (fp8 ? "H100/H200 fp8 dense" : "H100/H200 bf16 dense") : o.dtype + " GEMM";
   ThroughputResult r =
-      measure_training_throughput(config, options, o.batch, o.seq, o.warmup, o.steps, fp8, o.grad_accum,
+      measure_training_throughput(*config, options, o.batch, o.seq, o.warmup, o.steps, fp8, o.grad_accum,
                                   o.profile_steps);
   std::printf("forge %s on %s: %.0f tokens/s | %.1f model GFLOP/s | MFU %.1f%% of %.0f GFLOP/s %s peak | "
               "%.3f s/step | loss %.4f",

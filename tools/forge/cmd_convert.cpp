@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "commands.h"
-#include "forge/ckpt/pretrained.h"
+#include "forge/models/pretrained.h"
 #include "forge/core/error.h"
 #include "forge/data/tokenizer.h"
 
@@ -94,9 +94,8 @@ int run_convert(const ConvertOptions& o) {
       fail("convert: refusing to copy a tokenizer that does not load: {}", e.what());
     }
   }
-  std::unique_ptr<LlamaModel> model =
-      std::make_unique<LlamaModel>(source.config, nn::ComputeOptions{DType::f32, nn::Recompute::none}, 0.02f,
-                                   /*with_grads=*/false);
+  std::unique_ptr<Model> model = build_model(*source.config, nn::ComputeOptions{DType::f32, nn::Recompute::none},
+                                             StageSpec::whole(), 0.02f, /*with_grads=*/false);
   load_pretrained_weights(source, model->params());
   for (const char* name : kCompanionFiles)
     if (fs::is_regular_file(source.dir / name)) options.extra_files.push_back(source.dir / name);

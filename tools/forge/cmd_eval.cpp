@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "commands.h"
-#include "forge/ckpt/pretrained.h"
+#include "forge/models/pretrained.h"
 #include "forge/core/dtype.h"
 #include "forge/core/error.h"
 #include "forge/data/gpt_dataset.h"
@@ -46,18 +46,18 @@ int run_eval(const EvalOptions& o) {
   const int64_t n = data->total_tokens();
   if (n < 2) fail("eval: dataset '{}' holds {} token(s); at least 2 are needed", o.data, n);
   const auto start = std::chrono::steady_clock::now();
-  std::unique_ptr<LlamaModel> model = load_pretrained_model(o.model, {dtype, nn::Recompute::none});
-  const LlamaConfig& config = model->config();
+  std::unique_ptr<Model> model = load_pretrained_model(o.model, {dtype, nn::Recompute::none});
+  const ModelShape config = model->config().shape();
   // The stream: every sequence of the dataset in order (GptDataset without shuffling reads epoch 0 in order);
   // a token outside the model's vocabulary is an error naming the .bin file, the document and the position.
   const GptDataset stream(data, {0, data->num_sequences()},
                           {.seq_len = o.seq_len,
                            .shuffle = false,
-                           .vocab_size = config.vocab_size,
+                           .vocab_size = config.vocab,
                            .vocab_name = "the model's vocabulary"});
-  if (o.seq_len > config.max_position_embeddings)
+  if (o.seq_len > config.max_positions)
     fail("eval: --seq-len {} exceeds the model's max_position_embeddings {}", o.seq_len,
-         config.max_position_embeddings);
+         config.max_positions);
 
   const int64_t T = o.seq_len, predictions = n - 1;
   const int64_t full = predictions / T, tail = predictions % T;

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "commands.h"
-#include "forge/ckpt/pretrained.h"
+#include "forge/models/pretrained.h"
 #include "forge/core/device.h"
 #include "forge/core/error.h"
 #include "forge/core/file_io.h"
@@ -172,8 +172,8 @@ int run_generate(const GenerateOptions& o) {
   compute.device = device_from_name(o.device);
   if (compute.device != Device::cpu && !device_usable(compute.device))
     fail("generate: --device {}, but no usable GPU (or no CUDA backend)", o.device);
-  std::unique_ptr<LlamaModel> model = load_pretrained_model(o.model, compute);
-  const int64_t vocab = model->config().vocab_size;
+  std::unique_ptr<Model> model = load_pretrained_model(o.model, compute);
+  const int64_t vocab = model->config().shape().vocab;
   const TextCodec codec(o, model_folder(o.model), vocab);
   std::vector<int32_t> stop = generation_config_eos(o.model, vocab);
   if (auto eos = codec.eos_id(); eos && std::find(stop.begin(), stop.end(), *eos) == stop.end())

@@ -11,15 +11,15 @@
 
 namespace forge {
 
-void save_checkpoint(const std::string& dir, const nn::ParameterStore& params, const AdamW* optimizer,
+void save_checkpoint(const std::string& dir, const ParameterStore& params, const OptimizerMoments* optimizer,
                      const CheckpointState& state) {
   CheckpointState saved = state;
-  saved.optimizer_steps = optimizer ? optimizer->steps_taken() : -1;
+  saved.optimizer_steps = optimizer ? optimizer->steps : -1;
   const auto self = comm::make_self();
   save_sharded_checkpoint(dir, *self, parameter_store_pieces(params, optimizer, /*for_saving=*/true), saved);
 }
 
-CheckpointState load_checkpoint(const std::string& dir, nn::ParameterStore& params, AdamW* optimizer) {
+CheckpointState load_checkpoint(const std::string& dir, ParameterStore& params, OptimizerMoments* optimizer) {
   // Said up front: otherwise the first missing moment would be the error.
   if (optimizer) {
     const std::vector<std::string> names = checkpoint_tensor_names(dir);
@@ -32,7 +32,7 @@ CheckpointState load_checkpoint(const std::string& dir, nn::ParameterStore& para
       load_sharded_checkpoint(dir, *self, parameter_store_pieces(params, optimizer, /*for_saving=*/false));
   params.refresh_bf16();
   // A save that did not record AdamW's count took one optimizer step per training step.
-  if (optimizer) optimizer->set_steps_taken(state.optimizer_steps >= 0 ? state.optimizer_steps : state.step);
+  if (optimizer) optimizer->steps = state.optimizer_steps >= 0 ? state.optimizer_steps : state.step;
   return state;
 }
 

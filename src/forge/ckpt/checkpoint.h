@@ -16,8 +16,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include "forge/nn/parameters.h"
-#include "forge/optim/adamw.h"
+#include "forge/core/parameters.h"
 
 namespace forge {
 
@@ -31,7 +30,7 @@ struct CheckpointState {
 };
 
 // Saves the store (and the optimizer's moments and step count, when given) as a one-rank checkpoint.
-void save_checkpoint(const std::string& dir, const nn::ParameterStore& params, const AdamW* optimizer,
+void save_checkpoint(const std::string& dir, const ParameterStore& params, const OptimizerMoments* optimizer,
                      const CheckpointState& state);
 
 // Reads manifest.json of the checkpoint `dir` stands for (a checkpoint folder, or a checkpoint directory
@@ -41,9 +40,10 @@ void save_checkpoint(const std::string& dir, const nn::ParameterStore& params, c
 CheckpointState read_checkpoint_manifest(const std::string& dir, bool verify_files = true);
 bool checkpoint_exists(const std::string& dir);  // `dir` resolves to a complete checkpoint
 
-// Loads weights (and, when optimizer is given, its moments and step count) into existing buffers, from a
+// Loads weights (and, when optimizer is given, its moments and step count: AdamW::moments()) into existing
+// buffers, from a
 // checkpoint saved under any layout; every element of every parameter must be covered, global shapes
 // equal. Nothing is written before everything is checked.
-CheckpointState load_checkpoint(const std::string& dir, nn::ParameterStore& params, AdamW* optimizer);
+CheckpointState load_checkpoint(const std::string& dir, ParameterStore& params, OptimizerMoments* optimizer);
 
 }  // namespace forge

@@ -143,8 +143,8 @@ struct Run {
 
 // A piece's elements as runs of global elements, padding left out.
 void append_runs(const ShardPiece& p, int piece, std::vector<Run>& out) {
-  for (const nn::ShardRun& r :
-       nn::shard_runs(p.local_shape, p.global_shape, p.split_dim, p.split_start, p.flat_begin, p.flat_end))
+  for (const ShardRun& r :
+       shard_runs(p.local_shape, p.global_shape, p.split_dim, p.split_start, p.flat_begin, p.flat_end))
     out.push_back({r.global, r.count, r.local - p.flat_begin, piece});
 }
 
@@ -705,13 +705,13 @@ CheckpointState load_sharded_checkpoint(const std::string& path, comm::Communica
   return m.state;
 }
 
-std::vector<ShardPiece> parameter_store_pieces(const nn::ParameterStore& params, const AdamW* optimizer,
+std::vector<ShardPiece> parameter_store_pieces(const ParameterStore& params, const OptimizerMoments* optimizer,
                                                bool for_saving) {
   std::vector<ShardPiece> pieces;
   FORGE_CHECK(params.device() == Device::cpu,
               "checkpoint pieces of a parameter store on a device: stage it through a host copy first");
   auto add = [&](const std::string& prefix, const Tensor& buffer) {
-    for (const nn::ParamInfo& info : params.infos()) {
+    for (const ParamInfo& info : params.infos()) {
       if (for_saving && !info.shard.primary) continue;
       ShardPiece p;
       p.name = prefix + info.name;
@@ -726,8 +726,8 @@ std::vector<ShardPiece> parameter_store_pieces(const nn::ParameterStore& params,
   };
   add("", params.params());
   if (optimizer) {
-    add("exp_avg.", optimizer->exp_avg());
-    add("exp_avg_sq.", optimizer->exp_avg_sq());
+    add("exp_avg.", optimizer->exp_avg);
+    add("exp_avg_sq.", optimizer->exp_avg_sq);
   }
   return pieces;
 }

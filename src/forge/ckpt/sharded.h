@@ -26,19 +26,10 @@
 
 #include "forge/ckpt/checkpoint.h"
 #include "forge/comm/comm.h"
+#include "forge/core/parameters.h"
 #include "forge/core/tensor.h"
 
 namespace forge {
-
-struct ShardPiece {
-  std::string name;    // tensor name: the parameter's HF name, or "exp_avg.<name>", "exp_avg_sq.<name>"
-  Shape global_shape;  // of the whole tensor
-  Shape local_shape;   // of this rank's slice
-  int split_dim = -1;
-  int64_t split_start = 0;
-  int64_t flat_begin = 0, flat_end = 0;  // elements of the local tensor this piece covers
-  float* data = nullptr;                 // flat_end - flat_begin floats
-};
 
 // A file rank 0 adds to a checkpoint before its manifest (the run's tokenizer.json), listed in the
 // manifest with its size and CRC32 like the shards.
@@ -78,7 +69,7 @@ std::vector<std::string> checkpoint_tensor_names(const std::string& dir);
 // Pieces covering a parameter store (and the AdamW moments "exp_avg.<name>", "exp_avg_sq.<name>" when
 // optimizer is given), each whole local tensor as one piece with the store's ShardSpec. For saving, only
 // primary copies (ShardSpec::primary); for loading, every parameter, replicated copies included.
-std::vector<ShardPiece> parameter_store_pieces(const nn::ParameterStore& params, const AdamW* optimizer,
+std::vector<ShardPiece> parameter_store_pieces(const ParameterStore& params, const OptimizerMoments* optimizer,
                                                bool for_saving);
 
 // ---- The steps of a save, for callers that drive the ranks themselves (tests simulate several ranks in one

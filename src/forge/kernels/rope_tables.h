@@ -6,7 +6,7 @@
 
 namespace forge {
 
-// Also the rope_scaling of forge::LlamaConfig (models/ include this header; kernels sit below models).
+// Also the rope_scaling of the model configs (models/ include this header; kernels sit below models).
 struct RopeScaling {
   enum class Kind { none, llama3 };
   Kind kind = Kind::none;

@@ -133,15 +133,15 @@ std::string GenerationResult::note() const {
       tokens.size(), context, prompt_tokens);
 }
 
-GenerationResult generate_sequence(LlamaModel& model, const std::vector<int32_t>& prompt,
+GenerationResult generate_sequence(Model& model, const std::vector<int32_t>& prompt,
                                    const SamplingOptions& options) {
   validate_sampling_options(options);
   if (prompt.empty()) fail("generation needs a non-empty prompt");
-  const LlamaConfig& config = model.config();
+  const ModelShape config = model.config().shape();
   GenerationResult result;
   result.prompt_tokens = static_cast<int64_t>(prompt.size());
-  result.context = options.context > 0 ? std::min(options.context, config.max_position_embeddings)
-                                       : config.max_position_embeddings;
+  result.context = options.context > 0 ? std::min(options.context, config.max_positions)
+                                       : config.max_positions;
   if (result.prompt_tokens > result.context)
     fail("the prompt of {} tokens does not fit the context of {} positions", result.prompt_tokens,
          result.context);
@@ -154,8 +154,8 @@ GenerationResult generate_sequence(LlamaModel& model, const std::vector<int32_t>
   // Positions the model runs: the prompt and every generated token but the last, which ends the sequence
   // at the latest when it fills the context.
   const int64_t capacity = std::min(result.context - 1, result.prompt_tokens + options.max_new_tokens - 1);
-  KvCache cache = model.make_cache(1, capacity);
-  const int64_t vocab = config.vocab_size;
+  nn::KvCache cache = model.make_cache(1, capacity);
+  const int64_t vocab = config.vocab;
   auto start = std::chrono::steady_clock::now();
   Tensor logits = model.forward_cached(prompt.data(), 1, result.prompt_tokens, cache);
   auto now = std::chrono::steady_clock::now();
@@ -190,7 +190,7 @@ GenerationResult generate_sequence(LlamaModel& model, const std::vector<int32_t>
   return result;
 }
 
-std::vector<int32_t> generate(LlamaModel& model, const std::vector<int32_t>& prompt,
+std::vector<int32_t> generate(Model& model, const std::vector<int32_t>& prompt,
                               const SamplingOptions& options) {
   GenerationResult result = generate_sequence(model, prompt, options);
   if (result.stop == StopReason::context_full) std::fprintf(stderr, "note: %s\n", result.note().c_str());

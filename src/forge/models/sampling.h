@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "forge/models/llama.h"
+#include "forge/models/model.h"
 
 namespace forge {
 
@@ -58,12 +58,12 @@ struct GenerationResult {
   std::string note() const;
 };
 
-GenerationResult generate_sequence(LlamaModel& model, const std::vector<int32_t>& prompt,
+GenerationResult generate_sequence(Model& model, const std::vector<int32_t>& prompt,
                                    const SamplingOptions& options);
 
 // The generated tokens only (the trainer's end-of-run sample). A stop at the context limit is noted on
 // stderr.
-std::vector<int32_t> generate(LlamaModel& model, const std::vector<int32_t>& prompt,
+std::vector<int32_t> generate(Model& model, const std::vector<int32_t>& prompt,
                               const SamplingOptions& options);
 
 }  // namespace forge

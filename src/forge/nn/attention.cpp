@@ -7,10 +7,10 @@
 
 namespace forge::nn {
 
-Attention::Attention(ParameterStore* store, int qkv_param, int o_param, AttentionShape shape,
-                     const RopeTable* rope, ComputeOptions options)
-    : qkv_(store, qkv_param, 3, shape.hidden, options),
-      o_(store, o_param, 1, shape.heads * shape.head_dim, options),
+Attention::Attention(ParameterStore* store, AttentionParams params, AttentionShape shape, const RopeTable* rope,
+                     ComputeOptions options)
+    : qkv_(store, {params.q, params.k, params.v}, shape.hidden, options),
+      o_(store, {params.o}, shape.heads * shape.head_dim, options),
       shape_(shape),
       rope_(rope),
       options_(options) {

@@ -6,6 +6,7 @@
 
 #include "forge/nn/compute.h"
 #include "forge/nn/kv_cache.h"
+#include "forge/nn/layer_part.h"
 #include "forge/nn/linear.h"
 
 namespace forge::nn {
@@ -21,9 +22,14 @@ struct RopeTable {
   Tensor cos, sin;
 };
 
-class Attention {
+// Its parameters, by id in the store: q, k, v registered one after another (one fused GEMM), and o.
+struct AttentionParams {
+  int q = -1, k = -1, v = -1, o = -1;
+};
+
+class Attention final : public LayerPart {
  public:
-  struct Saved {
+  struct Saved : LayerPart::Saved {
     GemmOperand h;          // input of the qkv projection (as its GEMMs read it)
     Tensor qkv;             // q|k|v after RoPE, fp32 [rows, qkv_dim]
     Tensor out, lse;        // attention core output and row log-sum-exp (absent under selective recompute)
@@ -32,14 +38,26 @@ class Attention {
   };
 
   Attention() = default;
-  // qkv_param: the first of the adjacent q, k, v weights; o_param: the output projection.
-  Attention(ParameterStore* store, int qkv_param, int o_param, AttentionShape shape, const RopeTable* rope,
+  // shape: this rank's heads (its tensor-parallel shard).
+  Attention(ParameterStore* store, AttentionParams params, AttentionShape shape, const RopeTable* rope,
             ComputeOptions options);
 
+  std::unique_ptr<LayerPart::Saved> new_saved() const override { return std::make_unique<Saved>(); }
   // h: normed input [batch*seq, hidden]. keep_core=false drops out/lse (recomputed in backward).
   Tensor forward(const Tensor& h, int64_t batch, int64_t seq, Saved& saved, bool keep_core) const;
   Tensor backward_input(const Tensor& dy, int64_t batch, int64_t seq, Saved& saved) const;
   void backward_weight(Saved& saved) const;
+  Tensor forward(const Tensor& h, int64_t batch, int64_t seq, LayerPart::Saved& saved, bool keep) const override {
+    return forward(h, batch, seq, static_cast<Saved&>(saved), keep);
+  }
+  Tensor backward_input(const Tensor& dy, int64_t batch, int64_t seq, LayerPart::Saved& saved) const override {
+    return backward_input(dy, batch, seq, static_cast<Saved&>(saved));
+  }
+  void backward_weight(LayerPart::Saved& saved) const override { backward_weight(static_cast<Saved&>(saved)); }
+  Tensor forward_cached(const Tensor& h, int64_t batch, int64_t tokens, const KvLayer* cache) const override {
+    FORGE_CHECK(cache != nullptr, "attention's cached inference needs a KV cache");
+    return forward_cached(h, batch, tokens, *cache);
+  }
 
   // Inference: h is [batch * tokens, hidden] for `tokens` new tokens per sequence at positions
   // cache.length .. cache.length + tokens - 1. Writes their keys (after RoPE) and values into the cache at

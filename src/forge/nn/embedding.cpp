@@ -32,6 +32,7 @@ void Embedding::backward_weight(const int32_t* ids, const Tensor& dy_in) const {
   p.vocab_parallel = tp_ != nullptr, p.first = first_;
   p.dweight = store_->grad(weight_).f32();
   ops::embedding_backward_weight(p, store_->device());
+  store_->note_grad(weight_);
 }
 
 }  // namespace forge::nn

@@ -4,7 +4,7 @@
 // scatters the full (gathered) dy into the rows it holds.
 #pragma once
 
-#include "forge/nn/parameters.h"
+#include "forge/core/parameters.h"
 
 namespace forge::nn {
 class TensorParallel;

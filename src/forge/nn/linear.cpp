@@ -25,17 +25,21 @@ int64_t GemmOperand::bytes() const {
   return total;
 }
 
-Linear::Linear(ParameterStore* store, int first_param, int param_count, int64_t in_features,
-               const ComputeOptions& options, std::string name)
+Linear::Linear(ParameterStore* store, std::vector<int> params, int64_t in_features, const ComputeOptions& options,
+               std::string name)
     : store_(store),
-      first_(first_param),
-      count_(param_count),
+      first_(params.at(0)),
+      count_(static_cast<int>(params.size())),
       in_(in_features),
       gemm_dtype_(options.gemm_dtype),
       device_(options.device),
       fp8_(options.fp8),
       tp_(options.tp && options.tp->size() > 1 ? options.tp : nullptr) {
-  for (int i = first_; i < first_ + count_; ++i) out_ += store_->info(i).shape.at(0);
+  for (int i = 0; i < count_; ++i) {
+    FORGE_CHECK(params[static_cast<size_t>(i)] == first_ + i, "Linear over '{}': its weights are not registered in a row",
+                store_->info(first_).name);
+    out_ += store_->info(first_ + i).shape.at(0);
+  }
   if (!fp8_) return;
   slot_ = fp8_->add_linear(name.empty() ? store_->info(first_).name : std::move(name), device_);
   // The FP8 weight lives as long as the model: allocate it with the model, not inside the first step.
@@ -259,6 +263,11 @@ Tensor Linear::backward_input(GemmOperand& dy) const {
 }
 
 void Linear::backward_weight(const GemmOperand& dy, const GemmOperand& x) const {
+  accumulate_weight_grad(dy, x);
+  for (int i = first_; i < first_ + count_; ++i) store_->note_grad(i);
+}
+
+void Linear::accumulate_weight_grad(const GemmOperand& dy, const GemmOperand& x) const {
   Tensor dw = store_->span(store_->grads(), first_, count_, in_);
   if (!fp8_) {
     FORGE_CHECK(dy.data.dtype() == x.data.dtype(), "Linear::backward_weight: operand dtypes differ");

@@ -21,10 +21,11 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "forge/nn/compute.h"
 #include "forge/nn/fp8_context.h"
-#include "forge/nn/parameters.h"
+#include "forge/core/parameters.h"
 
 namespace forge::nn {
 
@@ -44,9 +45,11 @@ struct GemmOperand {
 class Linear {
  public:
   Linear() = default;
-  // With options.fp8 set, registers this Linear with the FP8 context under `name` (for messages).
-  Linear(ParameterStore* store, int first_param, int param_count, int64_t in_features,
-         const ComputeOptions& options = {}, std::string name = {});
+  // params: the weights, stacked along the output rows in this order (q, k, v; gate, up); they must have been
+  // registered one after another, so that they form one matrix in the store. With options.fp8 set, registers
+  // this Linear with the FP8 context under `name` (for messages).
+  Linear(ParameterStore* store, std::vector<int> params, int64_t in_features, const ComputeOptions& options = {},
+         std::string name = {});
 
   int64_t in_features() const { return in_; }
   int64_t out_features() const { return out_; }
@@ -62,13 +65,14 @@ class Linear {
   Tensor forward(GemmOperand& x) const;
   // dx [rows, in] = dy @ W; then drops from dy what only this GEMM reads.
   Tensor backward_input(GemmOperand& dy) const;
-  // dW += dy^T @ x
+  // dW += dy^T @ x, reported to the store (ParameterStore::note_grad) for each weight.
   void backward_weight(const GemmOperand& dy, const GemmOperand& x) const;
   // Drops from an input operand what the weight gradient does not read (for operands recomputed in backward).
   void keep_for_backward(GemmOperand& x) const;
 
  private:
   Tensor weight(DType dtype) const;
+  void accumulate_weight_grad(const GemmOperand& dy, const GemmOperand& x) const;
   const Fp8Weight& fp8_weight() const;  // cast when the master weights changed since the last cast
   // x [rows, cols] to FP8 in the role's format: the row-wise codes (with_rows) and, under the block recipe,
   // the transposed tiles (with_transpose).

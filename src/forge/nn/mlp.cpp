@@ -5,10 +5,9 @@
 
 namespace forge::nn {
 
-Mlp::Mlp(ParameterStore* store, int gate_up_param, int down_param, int64_t hidden, int64_t ffn,
-         ComputeOptions options)
-    : gate_up_(store, gate_up_param, 2, hidden, options),
-      down_(store, down_param, 1, ffn, options),
+Mlp::Mlp(ParameterStore* store, MlpParams params, int64_t hidden, int64_t ffn, ComputeOptions options)
+    : gate_up_(store, {params.gate, params.up}, hidden, options),
+      down_(store, {params.down}, ffn, options),
       ffn_(ffn),
       options_(options) {}
 

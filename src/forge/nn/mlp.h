@@ -2,13 +2,19 @@
 #pragma once
 
 #include "forge/nn/compute.h"
+#include "forge/nn/layer_part.h"
 #include "forge/nn/linear.h"
 
 namespace forge::nn {
 
-class Mlp {
+// Its parameters, by id in the store: gate and up registered one after another (one fused GEMM), and down.
+struct MlpParams {
+  int gate = -1, up = -1, down = -1;
+};
+
+class Mlp final : public LayerPart {
  public:
-  struct Saved {
+  struct Saved : LayerPart::Saved {
     GemmOperand h;           // input of gate|up (as its GEMMs read it)
     Tensor gate_up;          // fp32 [rows, 2*ffn]
     GemmOperand act;         // silu(gate)*up as the down projection's operand (absent under selective)
@@ -16,12 +22,25 @@ class Mlp {
   };
 
   Mlp() = default;
-  Mlp(ParameterStore* store, int gate_up_param, int down_param, int64_t hidden, int64_t ffn,
-      ComputeOptions options);
+  // ffn: this rank's share of the intermediate size (its tensor-parallel shard).
+  Mlp(ParameterStore* store, MlpParams params, int64_t hidden, int64_t ffn, ComputeOptions options);
 
   Tensor forward(const Tensor& h, Saved& saved, bool keep_activation) const;
   Tensor backward_input(const Tensor& dy, Saved& saved) const;
   void backward_weight(Saved& saved) const;
+
+  std::unique_ptr<LayerPart::Saved> new_saved() const override { return std::make_unique<Saved>(); }
+  Tensor forward(const Tensor& h, int64_t, int64_t, LayerPart::Saved& saved, bool keep) const override {
+    return forward(h, static_cast<Saved&>(saved), keep);
+  }
+  Tensor backward_input(const Tensor& dy, int64_t, int64_t, LayerPart::Saved& saved) const override {
+    return backward_input(dy, static_cast<Saved&>(saved));
+  }
+  void backward_weight(LayerPart::Saved& saved) const override { backward_weight(static_cast<Saved&>(saved)); }
+  Tensor forward_cached(const Tensor& h, int64_t, int64_t, const KvLayer*) const override {
+    Saved scratch;
+    return forward(h, scratch, false);
+  }
 
  private:
   Tensor activation(const Tensor& gate_up) const;

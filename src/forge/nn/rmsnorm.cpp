@@ -37,6 +37,7 @@ void RmsNorm::backward_weight(Saved& saved) const {
   p.rows = rows, p.dim = dim_, p.x = saved.x.f32(), p.eps = eps_;
   p.rstd = saved.rstd.f32(), p.dy = saved.dy.f32(), p.dweight = store_->grad(weight_).f32();
   ops::rmsnorm_backward_weight(p, store_->device());
+  store_->note_grad(weight_);
   saved = Saved{};
 }
 

@@ -1,7 +1,7 @@
 // RMSNorm module: y = w * x / sqrt(mean(x^2) + eps) over the last dimension.
 #pragma once
 
-#include "forge/nn/parameters.h"
+#include "forge/core/parameters.h"
 
 namespace forge::nn {
 

@@ -7,7 +7,7 @@
 
 namespace forge {
 
-double global_grad_norm(const nn::ParameterStore& store) {
+double global_grad_norm(const ParameterStore& store) {
   if (!store.has_grads()) fail("gradient norm of a parameter store built without gradients (inference)");
   return std::sqrt(ops::sum_squares(store.grads().f32(), store.numel(), store.device()));
 }
@@ -19,15 +19,15 @@ float clip_coefficient(double norm, float max_norm) {
   return coefficient < 1.0f ? coefficient : 1.0f;
 }
 
-AdamW::AdamW(nn::ParameterStore* store, AdamWConfig config)
+AdamW::AdamW(ParameterStore* store, AdamWConfig config)
     : store_(store),
       config_(config),
-      exp_avg_(Tensor::zeros({store->numel()}, DType::f32, store->device())),
-      exp_avg_sq_(Tensor::zeros({store->numel()}, DType::f32, store->device())) {
+      state_{Tensor::zeros({store->numel()}, DType::f32, store->device()),
+             Tensor::zeros({store->numel()}, DType::f32, store->device()), 0} {
   if (!store->has_grads()) fail("AdamW over a parameter store built without gradients (inference)");
 }
 
-void adamw_update_range(nn::ParameterStore& store, int64_t begin, int64_t end, float* exp_avg,
+void adamw_update_range(ParameterStore& store, int64_t begin, int64_t end, float* exp_avg,
                         float* exp_avg_sq, const AdamWConfig& config, float lr, float grad_scale,
                         int64_t step, bool write_bf16) {
   FORGE_CHECK(0 <= begin && begin <= end && end <= store.numel(),
@@ -55,7 +55,7 @@ void adamw_update_range(nn::ParameterStore& store, int64_t begin, int64_t end, f
     ops::adamw(p, store.device());
     run_lo = run_hi = 0;
   };
-  for_each_param_in_range(store, begin, end, [&](const nn::ParamInfo& info, int64_t lo, int64_t hi) {
+  for_each_param_in_range(store, begin, end, [&](const ParamInfo& info, int64_t lo, int64_t hi) {
     if (lo != run_hi || info.weight_decay != run_decay) {
       flush();
       run_lo = lo, run_decay = info.weight_decay;
@@ -66,9 +66,9 @@ void adamw_update_range(nn::ParameterStore& store, int64_t begin, int64_t end, f
 }
 
 void AdamW::step(float lr, float grad_scale) {
-  ++step_;
-  adamw_update_range(*store_, 0, store_->numel(), exp_avg_.f32(), exp_avg_sq_.f32(), config_, lr, grad_scale,
-                     step_,
+  ++state_.steps;
+  adamw_update_range(*store_, 0, store_->numel(), state_.exp_avg.f32(), state_.exp_avg_sq.f32(), config_, lr,
+                     grad_scale, state_.steps,
                      /*write_bf16=*/true);
   store_->mark_updated();
 }

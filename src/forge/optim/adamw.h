@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "forge/nn/parameters.h"
+#include "forge/core/parameters.h"
 
 namespace forge {
 
@@ -17,7 +17,7 @@ struct AdamWConfig {
 };
 
 // sqrt of the sum of squares of all gradients, accumulated in double.
-double global_grad_norm(const nn::ParameterStore& store);
+double global_grad_norm(const ParameterStore& store);
 // torch's clip_grad_norm_ coefficient: max_norm / (norm + 1e-6) when that is below 1, else 1.
 // max_norm <= 0 disables clipping.
 float clip_coefficient(double norm, float max_norm);
@@ -26,11 +26,11 @@ float clip_coefficient(double norm, float max_norm);
 // buffers, with [lo, hi) the overlap, in offset order. Ranges of a sharded optimizer or of gradient buckets
 // cross parameter boundaries; per-parameter properties (weight decay, sharding) apply piece by piece.
 template <typename Fn>
-void for_each_param_in_range(const nn::ParameterStore& store, int64_t begin, int64_t end, Fn&& fn) {
+void for_each_param_in_range(const ParameterStore& store, int64_t begin, int64_t end, Fn&& fn) {
   const auto& infos = store.infos();
   // The last parameter starting at or before `begin`.
   auto it = std::upper_bound(infos.begin(), infos.end(), begin,
-                             [](int64_t offset, const nn::ParamInfo& p) { return offset < p.offset; });
+                             [](int64_t offset, const ParamInfo& p) { return offset < p.offset; });
   if (it != infos.begin()) --it;
   for (; it != infos.end() && it->offset < end; ++it) {
     const int64_t lo = std::max(begin, it->offset), hi = std::min(end, it->offset + shape_numel(it->shape));
@@ -42,27 +42,29 @@ void for_each_param_in_range(const nn::ParameterStore& store, int64_t begin, int
 // parameter so that each piece gets its own weight decay. exp_avg and exp_avg_sq point at the moments of
 // element `begin`. write_bf16: also write the bf16 shadow of the range, in the same pass (when the store
 // has one). Elementwise: updating a range in pieces gives bitwise the same result as in one call.
-void adamw_update_range(nn::ParameterStore& store, int64_t begin, int64_t end, float* exp_avg,
+void adamw_update_range(ParameterStore& store, int64_t begin, int64_t end, float* exp_avg,
                         float* exp_avg_sq, const AdamWConfig& config, float lr, float grad_scale,
                         int64_t step, bool write_bf16);
 
 class AdamW {
  public:
-  AdamW(nn::ParameterStore* store, AdamWConfig config);
+  AdamW(ParameterStore* store, AdamWConfig config);
   // One update with learning rate lr; gradients are first multiplied by grad_scale (clipping).
   void step(float lr, float grad_scale);
 
-  int64_t steps_taken() const { return step_; }
-  void set_steps_taken(int64_t step) { step_ = step; }
-  const Tensor& exp_avg() const { return exp_avg_; }
-  const Tensor& exp_avg_sq() const { return exp_avg_sq_; }
+  int64_t steps_taken() const { return state_.steps; }
+  void set_steps_taken(int64_t step) { state_.steps = step; }
+  const Tensor& exp_avg() const { return state_.exp_avg; }
+  const Tensor& exp_avg_sq() const { return state_.exp_avg_sq; }
+  // The moments and the step count, as checkpoints read and write them (ckpt/checkpoint.h).
+  OptimizerMoments& moments() { return state_; }
+  const OptimizerMoments& moments() const { return state_; }
   const AdamWConfig& config() const { return config_; }
 
  private:
-  nn::ParameterStore* store_;
+  ParameterStore* store_;
   AdamWConfig config_;
-  Tensor exp_avg_, exp_avg_sq_;
-  int64_t step_ = 0;
+  OptimizerMoments state_;
 };
 
 }  // namespace forge

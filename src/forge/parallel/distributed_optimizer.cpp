@@ -10,7 +10,7 @@
 
 namespace forge::parallel {
 
-DistributedAdamW::DistributedAdamW(nn::ParameterStore* store, AdamWConfig config, comm::Communicator* dp,
+DistributedAdamW::DistributedAdamW(ParameterStore* store, AdamWConfig config, comm::Communicator* dp,
                                    comm::Communicator* model_parallel, const GradBuckets* buckets)
     : store_(store), config_(config), dp_(dp), model_parallel_(model_parallel), buckets_(buckets) {
   FORGE_CHECK(store != nullptr && dp != nullptr,
@@ -62,7 +62,7 @@ double DistributedAdamW::grad_norm() const {
     run_begin = run_end = 0;
   };
   for (auto [begin, end] : owned_) {
-    for_each_param_in_range(*store_, begin, end, [&](const nn::ParamInfo& info, int64_t lo, int64_t hi) {
+    for_each_param_in_range(*store_, begin, end, [&](const ParamInfo& info, int64_t lo, int64_t hi) {
       if (!info.shard.primary) return;
       if (lo != run_end) {
         flush();
@@ -128,7 +128,7 @@ void DistributedAdamW::gather_params() {
 
 void DistributedAdamW::append_pieces(std::vector<ShardPiece>& pieces, int64_t begin, int64_t end, int range,
                                      bool params, bool moments, bool primary_only) const {
-  for_each_param_in_range(*store_, begin, end, [&](const nn::ParamInfo& info, int64_t lo, int64_t hi) {
+  for_each_param_in_range(*store_, begin, end, [&](const ParamInfo& info, int64_t lo, int64_t hi) {
     if (primary_only && !info.shard.primary) return;
     ShardPiece piece;
     piece.global_shape = info.global_shape();

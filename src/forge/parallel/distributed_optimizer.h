@@ -18,10 +18,9 @@
 #include <utility>
 #include <vector>
 
-#include "forge/ckpt/sharded.h"
 #include "forge/comm/comm.h"
 #include "forge/core/tensor.h"
-#include "forge/nn/parameters.h"
+#include "forge/core/parameters.h"
 #include "forge/optim/adamw.h"
 #include "forge/parallel/grad_buckets.h"
 
@@ -31,7 +30,7 @@ class DistributedAdamW {
  public:
   // model_parallel may be null (one model-parallel rank). buckets may be null (unsharded, nothing to
   // gather); when sharded, it must reduce over `dp`. All pointers must outlive the optimizer.
-  DistributedAdamW(nn::ParameterStore* store, AdamWConfig config, comm::Communicator* dp,
+  DistributedAdamW(ParameterStore* store, AdamWConfig config, comm::Communicator* dp,
                    comm::Communicator* model_parallel, const GradBuckets* buckets);
 
   // Global gradient norm (collective over dp when sharded and over model_parallel). Call after
@@ -80,7 +79,7 @@ class DistributedAdamW {
   void stage_on_host(bool download, bool with_params) const;
   bool on_device() const { return store_->device() != Device::cpu; }
 
-  nn::ParameterStore* store_;
+  ParameterStore* store_;
   AdamWConfig config_;
   comm::Communicator* dp_;
   comm::Communicator* model_parallel_;

@@ -26,7 +26,7 @@ double GradReductionStats::overlap_ratio() const {
   return std::clamp(1.0 - exposed_seconds / communication_seconds, 0.0, 1.0);
 }
 
-GradBuckets::GradBuckets(nn::ParameterStore* store, comm::Communicator* dp, BucketOptions options)
+GradBuckets::GradBuckets(ParameterStore* store, comm::Communicator* dp, BucketOptions options)
     : store_(store), dp_(dp), options_(options) {
   FORGE_CHECK(store != nullptr && dp != nullptr,
               "gradient buckets need a parameter store and a dp communicator");
@@ -39,7 +39,8 @@ GradBuckets::GradBuckets(nn::ParameterStore* store, comm::Communicator* dp, Buck
   if (store->device() != Device::cpu && std::string_view(dp->backend()) == "mpi")
     fail("gradient buckets over {} memory need an nccl (or one-rank) communicator, got {}",
          device_name(store->device()), dp->backend());
-  const int64_t n = store->numel();
+  const auto [group_begin, group_end] = store->group_range(options.group);
+  const int64_t n = group_end - group_begin;
   const int shards = options.shard ? dp->size() : 1;
   const int64_t bucket_elements = round_up(
       std::max<int64_t>(1, options.bucket_bytes / static_cast<int64_t>(sizeof(float))), kShardAlign * shards);
@@ -49,8 +50,8 @@ GradBuckets::GradBuckets(nn::ParameterStore* store, comm::Communicator* dp, Buck
   int64_t reduced_total = 0, padded_size = 0;
   for (int64_t i = 0; i < count; ++i) {
     GradBucket b;
-    b.begin = i * bucket_elements;
-    b.end = i == count - 1 ? n : (i + 1) * bucket_elements;
+    b.begin = group_begin + i * bucket_elements;
+    b.end = group_begin + (i == count - 1 ? n : (i + 1) * bucket_elements);
     b.shards = shards;
     b.shard_size = (b.size() + shards - 1) / shards;
     shard_offsets_.push_back(reduced_total);
@@ -63,9 +64,21 @@ GradBuckets::GradBuckets(nn::ParameterStore* store, comm::Communicator* dp, Buck
     if (padded_size > 0) padded_ = Tensor::zeros({padded_size}, DType::f32, store->device());
   }
   in_flight_.resize(buckets_.size());
+  // Which buckets each of the group's parameters overlaps, and how many parameters each bucket waits for.
+  buckets_of_param_.resize(static_cast<size_t>(store->count()));
+  params_in_bucket_.assign(buckets_.size(), 0);
+  for (int id = 0; id < store->count(); ++id) {
+    const ParamInfo& p = store->info(id);
+    if (p.group != options.group) continue;
+    const int64_t lo = p.offset, hi = p.offset + shape_numel(p.shape);
+    for (int b = 0; b < static_cast<int>(buckets_.size()); ++b)
+      if (buckets_[b].begin < hi && lo < buckets_[b].end) buckets_of_param_[id].push_back(b), ++params_in_bucket_[b];
+  }
+  if (options.overlap) listener_ = store->add_grad_listener([this](int id) { param_ready(id); });
 }
 
 GradBuckets::~GradBuckets() {
+  if (listener_ >= 0) store_->remove_grad_listener(listener_);
   if (!in_step_) return;
   try {
     for (auto& f : in_flight_)
@@ -97,6 +110,7 @@ std::vector<std::pair<int64_t, int64_t>> GradBuckets::owned_ranges() const {
 void GradBuckets::begin_step() {
   FORGE_CHECK(!in_step_, "gradient buckets: begin_step() twice without finish()");
   for (auto& f : in_flight_) f = InFlight{};
+  params_waiting_ = params_in_bucket_;
   launched_ = 0;
   next_ = static_cast<int>(buckets_.size()) - 1;
   in_step_ = true;
@@ -107,14 +121,26 @@ void GradBuckets::ready_from(int64_t flat_offset) {
   FORGE_CHECK(0 <= flat_offset && flat_offset <= store_->numel(),
               "gradient buckets: ready_from({}) outside [0, {}]", flat_offset, store_->numel());
   if (!options_.overlap) return;
-  while (next_ >= 0 && buckets_[next_].begin >= flat_offset) launch(next_--);
+  while (next_ >= 0 && buckets_[next_].begin >= flat_offset) launch_if_pending(next_--);
   poll();
+}
+
+void GradBuckets::param_ready(int id) {
+  if (!in_step_ || !options_.overlap) return;
+  for (int b : buckets_of_param_.at(id))
+    if (--params_waiting_[b] == 0) launch_if_pending(b);
+  poll();
+}
+
+void GradBuckets::launch_if_pending(int bucket) {
+  if (!in_flight_[bucket].launched) launch(bucket);
 }
 
 void GradBuckets::finish() {
   FORGE_CHECK(in_step_, "gradient buckets: finish() without begin_step()");
   const double started = now_seconds();
-  while (next_ >= 0) launch(next_--);
+  for (int i = static_cast<int>(buckets_.size()) - 1; i >= 0; --i) launch_if_pending(i);
+  next_ = -1;
   for (int i = static_cast<int>(buckets_.size()) - 1; i >= 0; --i) {
     InFlight& f = in_flight_[i];
     if (f.completed) continue;
@@ -125,9 +151,13 @@ void GradBuckets::finish() {
   const double finished = now_seconds();
   in_step_ = false;
 
-  // Launch times grow with the launch order (descending bucket index): merge the intervals in one sweep.
+  // Merge the [launch, completion] intervals in one sweep, in launch order (whatever order readiness gave).
+  std::vector<int> order(buckets_.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
+  std::sort(order.begin(), order.end(),
+            [this](int a, int b) { return in_flight_[a].launched_at < in_flight_[b].launched_at; });
   double busy = 0, span_begin = 0, span_end = -1;
-  for (int i = static_cast<int>(buckets_.size()) - 1; i >= 0; --i) {
+  for (int i : order) {
     const InFlight& f = in_flight_[i];
     if (f.launched_at > span_end) {
       busy += std::max(0.0, span_end - span_begin);
@@ -138,8 +168,8 @@ void GradBuckets::finish() {
     }
   }
   busy += std::max(0.0, span_end - span_begin);
-  last_step_ =
-      GradReductionStats{1, store_->numel() * static_cast<int64_t>(sizeof(float)), finished - started, busy};
+  const int64_t elements = buckets_.empty() ? 0 : buckets_.back().end - buckets_.front().begin;
+  last_step_ = GradReductionStats{1, elements * static_cast<int64_t>(sizeof(float)), finished - started, busy};
   total_.steps += 1;
   total_.bytes += last_step_.bytes;
   total_.exposed_seconds += last_step_.exposed_seconds;
@@ -173,9 +203,9 @@ void GradBuckets::launch(int bucket) {
 }
 
 void GradBuckets::poll() {
-  for (int i = static_cast<int>(buckets_.size()) - 1; i > next_; --i) {
+  for (int i = static_cast<int>(buckets_.size()) - 1; i >= 0; --i) {
     InFlight& f = in_flight_[i];
-    if (f.completed || !f.request.test()) continue;
+    if (!f.launched || f.completed || !f.request.test()) continue;
     f.completed_at = now_seconds();
     complete(i);
   }

@@ -1,10 +1,10 @@
 // Data-parallel gradient reduction in buckets, overlapped with backward.
 //
-// Backward produces gradients in reverse registration order, so the flat gradient buffer of a
-// ParameterStore becomes final from its end backwards. GradBuckets cuts the buffer into contiguous ranges
-// of about bucket_bytes (a boundary may fall inside a parameter: a bucket is a flat range) and reduces each
-// one (SUM over the dp group) as soon as backward reports that everything above its start is final, so
-// communication runs while earlier layers still compute.
+// GradBuckets cuts the flat gradient range of one parameter group of a ParameterStore (BucketOptions::group)
+// into contiguous ranges of about bucket_bytes (a boundary may fall inside a parameter: a bucket is a flat
+// range) and reduces each one (SUM over the group's dp communicator) as soon as every parameter overlapping it
+// is final for the step: readiness by count (ParameterStore::begin_grad_step / note_grad), whatever order the
+// schedule runs the weight gradients in, so communication runs while other layers still compute.
 //
 // shard (ZeRO, Megatron's distributed-optimizer layout): every bucket splits into dp equal shards (the last
 // one padded in a staging copy) and is reduce-scattered: after finish(), rank r holds the summed gradient
@@ -17,24 +17,28 @@
 //
 // Use, per optimizer step, during the backward of the last micro-batch (gradients of earlier micro-batches
 // are accumulated locally first):
-//   begin_step(); ... ready_from(offset) after each layer's weight gradients ...; ready_from(0); finish();
+//   store.begin_grad_step(micro_batches); begin_step(); ... backward (each final parameter is announced by the
+//   store; a bucket launches when its last one is) ...; finish();
+// ready_from(offset) is the manual alternative, for callers that know a suffix of the buffer is final.
 // Callers scale losses so that the sum over dp is the global mean.
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "forge/comm/comm.h"
 #include "forge/core/tensor.h"
-#include "forge/nn/parameters.h"
+#include "forge/core/parameters.h"
 
 namespace forge::parallel {
 
 struct BucketOptions {
   int64_t bucket_bytes = 32ll << 20;  // fp32 gradient bytes per bucket (rounded to whole aligned shards)
   bool shard = false;                 // ZeRO: reduce-scatter, each rank owns one shard of every bucket
-  bool overlap = true;                // launch buckets from ready_from(); off: everything in finish()
+  bool overlap = true;                // launch buckets as they become ready; off: everything in finish()
+  std::string group = "dense";        // the parameter group (ParamInfo::group) these buckets reduce
 };
 
 // Flat range [begin, end) of the gradient buffer. Under shard it splits into `shards` (= dp) shards of
@@ -61,7 +65,7 @@ struct GradReductionStats {
 
 class GradBuckets {
  public:
-  GradBuckets(nn::ParameterStore* store, comm::Communicator* dp, BucketOptions options);
+  GradBuckets(ParameterStore* store, comm::Communicator* dp, BucketOptions options);
   ~GradBuckets();  // waits for reductions still in flight (their buffers are about to go away)
   GradBuckets(const GradBuckets&) = delete;
   GradBuckets& operator=(const GradBuckets&) = delete;
@@ -70,13 +74,16 @@ class GradBuckets {
   // Every gradient at flat index >= flat_offset is final for this step: with overlap, launches each bucket
   // lying wholly at or above it, and polls those in flight so that MPI progresses while backward computes.
   void ready_from(int64_t flat_offset);
+  // Parameter `id` is final for this step (the store's listener calls it): with overlap, launches each bucket
+  // whose parameters are now all final, and polls those in flight.
+  void param_ready(int id);
   // Launches the buckets not launched yet, waits for all; afterwards the owned ranges hold the sum over dp.
   void finish();
 
   bool sharded() const { return options_.shard; }
   bool overlapped() const { return options_.overlap; }
   comm::Communicator* dp() const { return dp_; }
-  const nn::ParameterStore& store() const { return *store_; }
+  const ParameterStore& store() const { return *store_; }
   // In offset order; launched from the last.
   const std::vector<GradBucket>& buckets() const { return buckets_; }
   // This rank's shard of bucket i, clipped to the bucket (may be empty); the whole bucket when unsharded.
@@ -98,8 +105,9 @@ class GradBuckets {
   void launch(int bucket);
   void complete(int bucket);  // after the request finished: copy the reduced shard into the gradients
   void poll();
+  void launch_if_pending(int bucket);
 
-  nn::ParameterStore* store_;
+  ParameterStore* store_;
   comm::Communicator* dp_;
   BucketOptions options_;
   std::vector<GradBucket> buckets_;
@@ -107,6 +115,9 @@ class GradBuckets {
   Tensor reduced_;                      // under shard: the reduce-scatter results, one shard per bucket
   Tensor padded_;  // under shard: send buffer of the one bucket that does not divide into dp shards
   std::vector<InFlight> in_flight_;
+  std::vector<std::vector<int>> buckets_of_param_;  // per parameter id: the buckets it overlaps
+  std::vector<int> params_in_bucket_, params_waiting_;  // per bucket: overlapping parameters, those not final yet
+  int listener_ = -1;
   int launched_ = 0;
   int next_ = -1;  // next bucket to launch (descending); -1: none
   bool in_step_ = false;

@@ -37,7 +37,7 @@ struct StepLine {
   double lr = 0;
   double grad_norm = 0;
   double tokens_per_s = 0;
-  double flops_per_s = 0;  // achieved model FLOP/s (LlamaConfig::flops_per_token * tokens_per_s)
+  double flops_per_s = 0;  // achieved model FLOP/s (ModelConfig::flops_per_token * tokens_per_s)
   double mfu = -1;         // fraction of peak; negative or NaN = unknown peak, not printed
   double elapsed_s = 0;
   double eta_s = -1;  // negative or NaN = unknown

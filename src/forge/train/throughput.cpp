@@ -5,12 +5,12 @@
 
 #include "forge/core/device.h"
 #include "forge/data/byte_sampler.h"
-#include "forge/models/llama.h"
+#include "forge/models/model.h"
 #include "forge/optim/adamw.h"
 
 namespace forge {
 
-ThroughputResult measure_training_throughput(const LlamaConfig& config, nn::ComputeOptions options, int64_t batch,
+ThroughputResult measure_training_throughput(const ModelConfig& config, nn::ComputeOptions options, int64_t batch,
                                              int64_t seq, int warmup_steps, int steps,
                                              const std::optional<nn::Fp8Options>& fp8, int64_t grad_accum,
                                              int profile_steps) {
@@ -23,21 +23,24 @@ ThroughputResult measure_training_throughput(const LlamaConfig& config, nn::Comp
   if (options.device != Device::cpu) device_memory(options.device).reset_peak();
   ThroughputResult r;
   {
-    LlamaModel model(config, options);
+    const std::unique_ptr<Model> built = build_model(config, options);
+    Model& model = *built;
     model.initialize(1);
     AdamW optimizer(&model.params(), AdamWConfig{});
+    const int64_t vocab = config.shape().vocab;
     // Micro-batch a holds sequences [a * batch, (a + 1) * batch) of seq + 1 tokens: inputs and shifted targets.
     const int64_t sequences = batch * grad_accum;
     std::vector<int32_t> inputs(sequences * seq), targets(sequences * seq);
     for (int64_t s = 0; s < sequences; ++s)
       for (int64_t t = 0; t < seq; ++t) {
         const auto at = static_cast<uint64_t>(s * (seq + 1) + t);
-        inputs[s * seq + t] = static_cast<int32_t>(splitmix64(at) % config.vocab_size);
-        targets[s * seq + t] = static_cast<int32_t>(splitmix64(at + 1) % config.vocab_size);
+        inputs[s * seq + t] = static_cast<int32_t>(splitmix64(at) % vocab);
+        targets[s * seq + t] = static_cast<int32_t>(splitmix64(at + 1) % vocab);
       }
     const float scale = 1.0f / static_cast<float>(sequences * seq);
     auto step = [&] {
       model.params().zero_grads();
+      model.params().begin_grad_step(static_cast<int>(grad_accum));
       LossSum loss;
       for (int64_t a = 0; a < grad_accum; ++a) {
         const LossSum part = model.forward_backward(inputs.data() + a * batch * seq,

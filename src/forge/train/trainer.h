@@ -1,6 +1,8 @@
-// The single-process trainer: micro-batches with gradient accumulation, global-norm clipping, AdamW with
-// an LR schedule, held-out evaluation in bits per byte, one log line and one metrics.jsonl record per
-// logged step, checkpoints (periodic, final, and on Ctrl-C) with bitwise-exact resume, and a sample.
+// The trainer: micro-batches with gradient accumulation, global-norm clipping, AdamW with an LR schedule,
+// held-out evaluation in bits per byte, one log line and one metrics.jsonl record per logged step, checkpoints
+// (periodic, final, and on Ctrl-C) with bitwise-exact resume, and a sample, on one process or under
+// tensor x data parallelism. Built as setup (setup.h), state (train_state.h), step (step.h) and the loop
+// (trainer.cpp), which decides when to log, evaluate, checkpoint, sample and stop.
 #pragma once
 
 #include <atomic>
@@ -14,8 +16,9 @@
 namespace forge::comm {
 class Communicator;
 }
-namespace forge::nn {
+namespace forge {
 class ParameterStore;
+struct TrainState;
 }
 
 namespace forge {
@@ -35,6 +38,14 @@ struct TrainResult {
   std::vector<float> fp8_scales;
 };
 
+// Callbacks into the loop (tests, tools). Each may be empty.
+struct TrainerHooks {
+  std::function<void(int64_t)> on_step;
+  std::function<void(int64_t, ParameterStore&)> on_gradients;
+  std::function<void(int64_t, const std::string&)> on_saved;
+  std::function<void(TrainState&)> on_state;
+};
+
 class Trainer {
  public:
   // world: the ranks of this run (null: comm::world(), MPI's when launched by mpirun, else one rank).
@@ -46,22 +57,23 @@ class Trainer {
   // Set from a signal handler (Ctrl-C) or a test; checked between steps.
   static std::atomic<bool>& stop_flag();
   // Called after every optimizer step with the number of steps done (tests use it to stop at a step).
-  void on_step(std::function<void(int64_t)> callback) { on_step_ = std::move(callback); }
+  void on_step(std::function<void(int64_t)> callback) { hooks_.on_step = std::move(callback); }
   // Called after each checkpoint is committed, with its step and why it was saved ("periodic", "final",
   // "interrupted").
-  void on_saved(std::function<void(int64_t, const std::string&)> callback) { on_saved_ = std::move(callback); }
+  void on_saved(std::function<void(int64_t, const std::string&)> callback) { hooks_.on_saved = std::move(callback); }
   // Called in every step once its gradients are reduced, before they are checked and applied, with the
   // step's number (1-based, as logged) and the parameters (tests poison a gradient here).
-  void on_gradients(std::function<void(int64_t, nn::ParameterStore&)> callback) {
-    on_gradients_ = std::move(callback);
+  void on_gradients(std::function<void(int64_t, ParameterStore&)> callback) {
+    hooks_.on_gradients = std::move(callback);
   }
+  // Called after every step (after on_step) with the run's state: tests snapshot it and restore it here, and
+  // the loop continues from whatever step the state then holds.
+  void on_state(std::function<void(TrainState&)> callback) { hooks_.on_state = std::move(callback); }
 
  private:
   TrainConfig config_;
   comm::Communicator* world_ = nullptr;
-  std::function<void(int64_t)> on_step_;
-  std::function<void(int64_t, nn::ParameterStore&)> on_gradients_;
-  std::function<void(int64_t, const std::string&)> on_saved_;
+  TrainerHooks hooks_;
 };
 
 // Installs SIGINT/SIGTERM handlers that set Trainer::stop_flag() (a second Ctrl-C exits at once).

@@ -23,7 +23,7 @@
 #include "forge/core/error.h"
 #include "forge/data/byte_sampler.h"
 #include "forge/kernels/cuda/runtime.h"
-#include "forge/models/llama.h"
+#include "forge/models/llama/llama_model.h"
 #include "forge/nn/fp8_context.h"
 #include "forge/optim/adamw.h"
 #include "device_backends.h"
@@ -89,8 +89,9 @@ TrainRun train(Device device, DType gemm_dtype, const std::optional<nn::Fp8Optio
   TrainRun run;
   for (int s = 0; s < steps; ++s) {
     model.params().zero_grads();
-    LossSum l1 = model.forward_backward(a.ids.data(), a.targets.data(), batch, seq, 1.0f / 256, false);
-    LossSum l2 = model.forward_backward(b.ids.data(), b.targets.data(), batch, seq2, 1.0f / 256, true);
+    model.params().begin_grad_step(2);
+    LossSum l1 = model.forward_backward(a.ids.data(), a.targets.data(), batch, seq, 1.0f / 256);
+    LossSum l2 = model.forward_backward(b.ids.data(), b.targets.data(), batch, seq2, 1.0f / 256);
     run.losses.push_back((l1.sum + l2.sum) / static_cast<double>(l1.tokens + l2.tokens));
     if (s == 0) run.first_grads = host_vector(model.params().grads());
     optimizer.step(1e-3f, clip_coefficient(global_grad_norm(model.params()), 1.0f));

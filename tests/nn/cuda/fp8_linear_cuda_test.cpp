@@ -82,7 +82,7 @@ LinearRun run_linear(Device device, const Fp8Options& options) {
   compute.gemm_dtype = DType::f32;
   compute.fp8 = &context;
   compute.device = device;
-  Linear linear(&store, 0, 1, kIn, compute);
+  Linear linear(&store, {0}, kIn, compute);
   context.seal();
 
   const Fp8Recording recording(&context, true);

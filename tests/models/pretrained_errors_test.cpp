@@ -13,9 +13,9 @@
 #include <set>
 #include <tuple>
 
-#include "ckpt/pretrained_test_util.h"
+#include "models/pretrained_test_util.h"
 #include "forge/ckpt/checkpoint.h"
-#include "forge/ckpt/pretrained.h"
+#include "forge/models/pretrained.h"
 #include "forge/ckpt/safetensors.h"
 #include "forge/optim/adamw.h"
 #include "op_harness.h"

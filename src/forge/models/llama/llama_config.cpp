@@ -1,4 +1,4 @@
-#include "forge/models/llama_config.h"
+#include "forge/models/llama/llama_config.h"
 
 #include <algorithm>
 #include <array>
@@ -358,6 +358,40 @@ double LlamaConfig::flops_per_token(int64_t seq_len) const {
   const double attention = 12.0 * static_cast<double>(num_hidden_layers) * static_cast<double>(seq_len) *
                            static_cast<double>(q_size());
   return 6.0 * matmul_parameters + attention;
+}
+
+}  // namespace forge
+
+namespace forge {
+
+ModelShape LlamaConfig::shape() const {
+  ModelShape s;
+  s.hidden = hidden_size, s.heads = num_attention_heads, s.kv_heads = num_key_value_heads, s.head_dim = head_dim;
+  s.ffn = intermediate_size, s.vocab = vocab_size, s.layers = num_hidden_layers;
+  s.max_positions = max_position_embeddings;
+  return s;
+}
+
+// The Hugging Face state_dict of LlamaForCausalLM: forge registers its parameters under these very names, so
+// import and export map each tensor to itself.
+std::vector<std::pair<std::string, Shape>> LlamaConfig::tensor_shapes() const {
+  const int64_t h = hidden_size, v = vocab_size, ffn = intermediate_size;
+  std::vector<std::pair<std::string, Shape>> shapes = {{"model.embed_tokens.weight", {v, h}}};
+  for (int64_t i = 0; i < num_hidden_layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    shapes.push_back({p + "input_layernorm.weight", {h}});
+    shapes.push_back({p + "self_attn.q_proj.weight", {q_size(), h}});
+    shapes.push_back({p + "self_attn.k_proj.weight", {kv_size(), h}});
+    shapes.push_back({p + "self_attn.v_proj.weight", {kv_size(), h}});
+    shapes.push_back({p + "self_attn.o_proj.weight", {h, q_size()}});
+    shapes.push_back({p + "post_attention_layernorm.weight", {h}});
+    shapes.push_back({p + "mlp.gate_proj.weight", {ffn, h}});
+    shapes.push_back({p + "mlp.up_proj.weight", {ffn, h}});
+    shapes.push_back({p + "mlp.down_proj.weight", {h, ffn}});
+  }
+  shapes.push_back({"model.norm.weight", {h}});
+  if (!tie_word_embeddings) shapes.push_back({"lm_head.weight", {v, h}});
+  return shapes;
 }
 
 }  // namespace forge

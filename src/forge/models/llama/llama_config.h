@@ -13,10 +13,11 @@
 #include <string_view>
 
 #include "forge/kernels/rope_tables.h"
+#include "forge/models/model.h"
 
 namespace forge {
 
-struct LlamaConfig {
+struct LlamaConfig final : ModelConfig {
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
   int64_t num_hidden_layers = 0;
@@ -37,13 +38,20 @@ struct LlamaConfig {
   };
   Origin origin;
 
-  bool operator==(const LlamaConfig&) const = default;
+  bool operator==(const LlamaConfig& o) const { return to_json() == o.to_json(); }
+
+  // ModelConfig
+  std::unique_ptr<ModelConfig> clone() const override { return std::make_unique<LlamaConfig>(*this); }
+  std::string architecture() const override { return "LlamaForCausalLM"; }
+  ModelShape shape() const override;
+  const std::string& source() const override { return origin.name; }
+  std::vector<std::pair<std::string, Shape>> tensor_shapes() const override;
 
   // Errors are forge::Error with one line "<path>: <what> '<key>'".
   static LlamaConfig from_json_file(const std::filesystem::path& path);
   static LlamaConfig from_json(const nlohmann::json& json, std::string_view source_name);
   // HF-compatible: from_json(to_json()) round-trips, and transformers can read it as LlamaForCausalLM.
-  nlohmann::json to_json() const;
+  nlohmann::json to_json() const override;
   // Checks sizes (each within the bounds of llama_config.cpp, and the parameter count within 2^50, so that
   // no size or product wraps) and divisibility; from_json calls it. Messages start with source_name.
   void validate(std::string_view source_name) const;
@@ -56,20 +64,20 @@ struct LlamaConfig {
   // "<source_name>: the model needs 12.3 TiB for its weights, gradients and optimizer state (...); this
   // machine has 24.0 GiB".
   void check_fits_in_memory(bool training, bool bf16_shadow, int64_t available_bytes,
-                            std::string_view source_name) const;
+                            std::string_view source_name) const override;
 
   int64_t q_size() const { return num_attention_heads * head_dim; }
   int64_t kv_size() const { return num_key_value_heads * head_dim; }
   // Weights of the q, k, v, o and gate, up, down projections of one layer.
   int64_t matmul_parameters_per_layer() const;
   // All trainable parameters (embedding, layers with their norms, final norm, lm_head unless tied).
-  int64_t num_parameters() const;
+  int64_t num_parameters() const override;
   // Model FLOPs per trained token (forward + backward), Megatron's accounting:
   //   6 * (matmul parameters of all layers + lm_head) + 12 * layers * seq_len * (heads * head_dim).
   // The embedding lookup does no matmul; the lm_head matmul is counted even when tied. The attention
   // term (QK^T and PV, 2 FLOPs per multiply-add, x3 for backward) is NOT halved for the causal mask,
   // matching Megatron and PaLM's MFU definition, so MFU is comparable with their published numbers.
-  double flops_per_token(int64_t seq_len) const;
+  double flops_per_token(int64_t seq_len) const override;
 };
 
 }  // namespace forge

@@ -14,7 +14,7 @@
 #include <limits>
 
 #include "forge/ckpt/checkpoint.h"
-#include "forge/ckpt/pretrained.h"
+#include "forge/models/pretrained.h"
 #include "forge/ckpt/safetensors.h"
 #include "forge/core/error.h"
 #include "forge/core/file_io.h"
@@ -143,11 +143,11 @@ std::string torch_dtype_name(DType dtype) {
 }
 
 // The config as written: the caller's, checked against the store, with the dtype of the weights.
-json output_config(const nn::ParameterStore& params, const json& config_json, DType dtype,
+json output_config(const ParameterStore& params, const json& config_json, DType dtype,
                    const fs::path& out_dir) {
   const std::string source = "config of the export to " + out_dir.string();
-  const LlamaConfig config = LlamaConfig::from_json(config_json, source);
-  check_store_matches_config(params, config, source);
+  const std::unique_ptr<ModelConfig> config = parse_model_config(config_json, source);
+  check_store_matches_config(params, *config, source);
   for (const auto& info : params.infos())
     if (info.shape != info.global_shape())
       fail("{}: parameter '{}' is a tensor-parallel shard {} of {}; export a model loaded whole (forge convert "
@@ -156,9 +156,10 @@ json output_config(const nn::ParameterStore& params, const json& config_json, DT
   json out = config_json;
   out["torch_dtype"] = torch_dtype_name(dtype);
   // Hugging Face's AutoConfig needs these two to pick the model class.
+  const ModelFamily& family = family_named(config->architecture());
   if (!out.contains("architectures") || out["architectures"].is_null())
-    out["architectures"] = json::array({"LlamaForCausalLM"});
-  if (!out.contains("model_type") || out["model_type"].is_null()) out["model_type"] = "llama";
+    out["architectures"] = json::array({family.architecture});
+  if (!out.contains("model_type") || out["model_type"].is_null()) out["model_type"] = family.model_type;
   return out;
 }
 
@@ -175,7 +176,7 @@ Tensor converted(const Tensor& param, DType dtype) {
 
 }  // namespace
 
-void export_hugging_face(const nn::ParameterStore& params, const json& config_json, const fs::path& out_dir,
+void export_hugging_face(const ParameterStore& params, const json& config_json, const fs::path& out_dir,
                          const HfExportOptions& options) {
   const json config_out = output_config(params, config_json, options.dtype, out_dir);
   if (options.max_shard_bytes == 0)
@@ -224,16 +225,15 @@ void export_hugging_face(const nn::ParameterStore& params, const json& config_js
   staged.commit();
 }
 
-void export_forge_checkpoint(const nn::ParameterStore& params, const json& config_json,
+void export_forge_checkpoint(const ParameterStore& params, const json& config_json,
                              const fs::path& out_dir, bool overwrite,
                              const std::vector<fs::path>& extra_files) {
   CheckpointState state;
   state.step = 0;
   output_config(params, config_json, DType::f32, out_dir);  // checks the config against the store
-  // Exactly what the trainer writes and compares on resume (LlamaConfig::to_json), not the source's text:
+  // Exactly what the trainer writes and compares on resume (ModelConfig::to_json), not the source's text:
   // bookkeeping keys of a Hugging Face config.json would make the two differ.
-  state.model_config =
-      LlamaConfig::from_json(config_json, "config of the export to " + out_dir.string()).to_json();
+  state.model_config = parse_model_config(config_json, "config of the export to " + out_dir.string())->to_json();
   state.extra = {{"weights_only", true}};
   StagedDir staged(out_dir, overwrite);
   save_checkpoint(staged.path().string(), params, nullptr, state);

@@ -13,7 +13,8 @@
 #include <utility>
 #include <vector>
 
-#include "forge/ckpt/pretrained.h"
+#include "forge/models/llama/llama_model.h"
+#include "forge/models/pretrained.h"
 #include "forge/ckpt/safetensors.h"
 
 namespace forge::pretrained_testing {
@@ -48,7 +49,7 @@ inline std::unique_ptr<LlamaModel> tiny_model(bool tied, uint64_t seed, nn::Comp
 
 // Overwrites every weight with finite values of every magnitude (fp32 bits with exponents 2^-30..2^17):
 // bf16 and fp16 rounding ties, fp16 subnormals and fp16 overflow all occur.
-inline void fill_with_wide_values(nn::ParameterStore& params, uint32_t seed) {
+inline void fill_with_wide_values(ParameterStore& params, uint32_t seed) {
   float* w = params.params().f32();
   uint32_t state = seed;
   for (int64_t i = 0; i < params.numel(); ++i) {
@@ -67,7 +68,7 @@ inline HfExportOptions with_dtype(DType dtype) {
   return options;
 }
 
-inline bool bitwise_equal(const nn::ParameterStore& a, const nn::ParameterStore& b) {
+inline bool bitwise_equal(const ParameterStore& a, const ParameterStore& b) {
   return a.numel() == b.numel() && std::memcmp(a.params().raw(), b.params().raw(), a.params().bytes()) == 0;
 }
 

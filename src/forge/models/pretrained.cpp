@@ -1,6 +1,7 @@
-// Pretrained models in: Hugging Face LlamaForCausalLM folders and forge checkpoints (see pretrained.h).
+// Pretrained models in: Hugging Face folders of the families in the registry and forge checkpoints (see
+// pretrained.h).
 // Export lives in hf_export.cpp.
-#include "forge/ckpt/pretrained.h"
+#include "forge/models/pretrained.h"
 
 #include "forge/ckpt/checkpoint_dir.h"
 
@@ -33,25 +34,6 @@ constexpr const char* kIndexFile = "model.safetensors.index.json";
 // Strict: a key given twice (in config.json or the index) is refused, not silently resolved to the last.
 json read_json_file(const fs::path& path) {
   return parse_json_strict(read_file(path, "JSON file"), path.string());
-}
-
-// forge implements LlamaForCausalLM; a folder of another architecture would otherwise fail later on an
-// unknown config key, which hides the real reason.
-void check_architecture(const json& config, const std::string& source) {
-  if (!config.is_object()) return;  // LlamaConfig::from_json reports it
-  if (auto it = config.find("model_type"); it != config.end() && !it->is_null()) {
-    if (!it->is_string() || it->get<std::string>() != "llama")
-      fail("{}: model_type {} is not supported (forge reads LlamaForCausalLM models, model_type \"llama\")",
-           source, it->dump());
-  }
-  if (auto it = config.find("architectures"); it != config.end() && !it->is_null()) {
-    const bool llama = it->is_array() && std::any_of(it->begin(), it->end(), [](const json& a) {
-                         return a.is_string() && a.get<std::string>() == "LlamaForCausalLM";
-                       });
-    if (!llama)
-      fail("{}: architectures {} does not include \"LlamaForCausalLM\", the only one forge reads", source,
-           it->dump());
-  }
 }
 
 // Where the tensors of a directory live: the file of each tensor name (relative to the directory), and
@@ -182,32 +164,12 @@ std::string config_source(const PretrainedDir& source) {
 
 }  // namespace
 
-std::vector<std::pair<std::string, Shape>> llama_tensor_shapes(const LlamaConfig& c) {
-  const int64_t h = c.hidden_size, v = c.vocab_size, ffn = c.intermediate_size;
-  std::vector<std::pair<std::string, Shape>> shapes = {{"model.embed_tokens.weight", {v, h}}};
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    const std::string p = "model.layers." + std::to_string(i) + ".";
-    shapes.push_back({p + "input_layernorm.weight", {h}});
-    shapes.push_back({p + "self_attn.q_proj.weight", {c.q_size(), h}});
-    shapes.push_back({p + "self_attn.k_proj.weight", {c.kv_size(), h}});
-    shapes.push_back({p + "self_attn.v_proj.weight", {c.kv_size(), h}});
-    shapes.push_back({p + "self_attn.o_proj.weight", {h, c.q_size()}});
-    shapes.push_back({p + "post_attention_layernorm.weight", {h}});
-    shapes.push_back({p + "mlp.gate_proj.weight", {ffn, h}});
-    shapes.push_back({p + "mlp.up_proj.weight", {ffn, h}});
-    shapes.push_back({p + "mlp.down_proj.weight", {h, ffn}});
-  }
-  shapes.push_back({"model.norm.weight", {h}});
-  if (!c.tie_word_embeddings) shapes.push_back({"lm_head.weight", {v, h}});
-  return shapes;
-}
-
 // Shared with hf_export.cpp: the store must hold exactly the tensors of `config`, with their (global)
 // shapes; a tensor-parallel store holds shards of them (ShardSpec), which export refuses.
-void check_store_matches_config(const nn::ParameterStore& params, const LlamaConfig& config,
+void check_store_matches_config(const ParameterStore& params, const ModelConfig& config,
                                 const std::string& source) {
   if (!params.allocated()) fail("{}: the parameter store is not allocated", source);
-  const auto expected = llama_tensor_shapes(config);
+  const auto expected = config.tensor_shapes();
   for (const auto& [name, shape] : expected) {
     const int id = params.find(name);
     if (id < 0) fail("{}: the model has no parameter '{}' that the config needs", source, name);
@@ -244,8 +206,7 @@ PretrainedDir open_pretrained(const fs::path& dir) {
     if (!state.model_config.is_object() || state.model_config.empty())
       fail("{}: the checkpoint records no model config", source);
     result.config_json = state.model_config;
-    check_architecture(result.config_json, source);
-    result.config = LlamaConfig::from_json(result.config_json, source);
+    result.config = parse_model_config(result.config_json, source);
     return result;
   }
   if (!fs::exists(dir / kConfigFile))
@@ -254,15 +215,14 @@ PretrainedDir open_pretrained(const fs::path& dir) {
   result.kind = PretrainedDir::Kind::hugging_face;
   const std::string source = config_source(result);
   result.config_json = read_json_file(dir / kConfigFile);
-  check_architecture(result.config_json, source);
-  result.config = LlamaConfig::from_json(result.config_json, source);
+  result.config = parse_model_config(result.config_json, source);
   hugging_face_layout(dir);
   return result;
 }
 
-void load_pretrained_weights(const PretrainedDir& source, nn::ParameterStore& params) {
+void load_pretrained_weights(const PretrainedDir& source, ParameterStore& params) {
   const std::string config_name = config_source(source);
-  check_store_matches_config(params, source.config, config_name);
+  check_store_matches_config(params, *source.config, config_name);
   if (source.kind == PretrainedDir::Kind::forge_checkpoint) {
     // Saved under any layout: the store's pieces are assembled from whichever shards hold them, each
     // element checked present, shapes equal and files checksummed before any weight is written (and every
@@ -273,8 +233,8 @@ void load_pretrained_weights(const PretrainedDir& source, nn::ParameterStore& pa
                               parameter_store_pieces(params, nullptr, /*for_saving=*/false));
     } else {
       // A model on a device loads into a host store of the same parameters, then copies it over.
-      nn::ParameterStore host;
-      for (const nn::ParamInfo& info : params.infos())
+      ParameterStore host;
+      for (const ParamInfo& info : params.infos())
         host.add(info.name, info.shape, info.weight_decay, info.init, info.init_std, info.shard);
       host.allocate(/*with_bf16_shadow=*/false, /*with_grads=*/false);
       load_sharded_checkpoint(source.dir.string(), *self, parameter_store_pieces(host, nullptr, false));
@@ -289,7 +249,8 @@ void load_pretrained_weights(const PretrainedDir& source, nn::ParameterStore& pa
   const std::map<std::string, Located> located = locate_tensors(layout, source.dir, files);
 
   // Check everything before writing a single weight.
-  const auto expected = llama_tensor_shapes(source.config);
+  const auto expected = source.config->tensor_shapes();
+  const ModelShape shape = source.config->shape();
   std::set<std::string> expected_names;
   for (const auto& [name, shape] : expected) {
     expected_names.insert(name);
@@ -300,14 +261,14 @@ void load_pretrained_weights(const PretrainedDir& source, nn::ParameterStore& pa
   }
   const Located* tied_head = nullptr;
   for (const auto& [name, at] : located) {
-    if (expected_names.count(name) || is_rotary_buffer(name, source.config.num_hidden_layers)) continue;
-    if (name == "lm_head.weight" && source.config.tie_word_embeddings) {
-      check_tensor(at, name, {source.config.vocab_size, source.config.hidden_size}, config_name);
+    if (expected_names.count(name) || is_rotary_buffer(name, shape.layers)) continue;
+    if (name == "lm_head.weight" && !expected_names.count(name) && expected_names.count("model.embed_tokens.weight")) {
+      check_tensor(at, name, {shape.vocab, shape.hidden}, config_name);
       tied_head = &at;
       continue;
     }
-    fail("{}: unexpected tensor '{}' (not a LlamaForCausalLM parameter under the config {})", at.file->path(),
-         name, config_name);
+    fail("{}: unexpected tensor '{}' (not a {} parameter under the config {})", at.file->path(),
+         name, source.config->architecture(), config_name);
   }
 
   if (tied_head) {
@@ -326,12 +287,12 @@ void load_pretrained_weights(const PretrainedDir& source, nn::ParameterStore& pa
   const bool staged = params.device() != Device::cpu;
   const Tensor host = staged ? Tensor::zeros({params.numel()}, DType::f32) : Tensor();
   auto destination = [&](int id) {
-    const nn::ParamInfo& info = params.info(id);
+    const ParamInfo& info = params.info(id);
     return staged ? host.view(info.offset, info.shape) : params.param(id);
   };
   for (const auto& [name, shape] : expected) {
     const Located& at = located.at(name);
-    const nn::ParamInfo& info = params.info(params.find(name));
+    const ParamInfo& info = params.info(params.find(name));
     if (info.shard.dim < 0) {
       const Tensor into = destination(params.find(name));
       at.file->read_into(name, into);
@@ -341,7 +302,7 @@ void load_pretrained_weights(const PretrainedDir& source, nn::ParameterStore& pa
       check_finite(whole.f32(), whole.numel(), name, at.file->path());
       float* local = destination(params.find(name)).f32();
       std::fill(local, local + shape_numel(info.shape), 0.0f);  // vocabulary padding
-      for (const nn::ShardRun& r : nn::shard_runs(info)) std::copy_n(whole.f32() + r.global, r.count, local + r.local);
+      for (const ShardRun& r : shard_runs(info)) std::copy_n(whole.f32() + r.global, r.count, local + r.local);
     }
   }
   if (staged) {
@@ -351,9 +312,9 @@ void load_pretrained_weights(const PretrainedDir& source, nn::ParameterStore& pa
   params.refresh_bf16();
 }
 
-std::unique_ptr<LlamaModel> load_pretrained_model(const fs::path& dir, nn::ComputeOptions options) {
+std::unique_ptr<Model> load_pretrained_model(const fs::path& dir, nn::ComputeOptions options) {
   PretrainedDir source = open_pretrained(dir);
-  auto model = std::make_unique<LlamaModel>(source.config, options, 0.02f, /*with_grads=*/false);
+  std::unique_ptr<Model> model = build_model(*source.config, options, StageSpec::whole(), 0.02f, /*with_grads=*/false);
   load_pretrained_weights(source, model->params());
   return model;
 }

@@ -5,9 +5,9 @@
 
 #include <vector>
 
-#include "forge/nn/parameters.h"
+#include "forge/core/parameters.h"
 
-namespace forge::nn {
+namespace forge {
 
 void PrintTo(const ShardRun& r, std::ostream* os) { *os << "{" << r.local << ", " << r.global << ", " << r.count << "}"; }
 
@@ -49,4 +49,4 @@ TEST(ShardRuns, InitialisationIsTheGlobalTensorsSlice) {
 }
 
 }  // namespace
-}  // namespace forge::nn
+}  // namespace forge

@@ -1,14 +1,13 @@
-#include "forge/nn/parameters.h"
+#include "forge/core/parameters.h"
 
 #include <algorithm>
 
 #include "forge/core/init.h"
-#include "forge/kernels/ops.h"
 
-namespace forge::nn {
+namespace forge {
 
 int ParameterStore::add(std::string name, Shape shape, bool weight_decay, Init init, float init_std,
-                        ShardSpec shard) {
+                        ShardSpec shard, std::string group) {
   FORGE_CHECK(!allocated(), "parameter '{}' registered after allocation", name);
   FORGE_CHECK(!by_name_.count(name), "parameter '{}' registered twice", name);
   for (int64_t d : shape)
@@ -25,12 +24,87 @@ int ParameterStore::add(std::string name, Shape shape, bool weight_decay, Init i
   } else if (shard.global_shape.empty()) {
     shard.global_shape = shape;
   }
+  // A group's parameters are adjacent: its buckets and its optimizer shard are one flat range.
+  if (!infos_.empty() && infos_.back().group != group)
+    for (const ParamInfo& p : infos_)
+      FORGE_CHECK(p.group != group, "parameter '{}' of group '{}' registered apart from the group's others ('{}')",
+                  name, group, p.name);
   ParamInfo info{std::move(name), std::move(shape), total_, weight_decay, init, init_std, std::move(shard)};
+  info.group = std::move(group);
   // No padding: parameters registered in a row form one contiguous matrix (fused q|k|v, gate|up).
   total_ += shape_numel(info.shape);
   by_name_[info.name] = static_cast<int>(infos_.size());
   infos_.push_back(std::move(info));
   return static_cast<int>(infos_.size()) - 1;
+}
+
+void ParameterStore::set_grad_uses(int id, int uses) {
+  FORGE_CHECK(uses >= 1, "parameter '{}': {} gradient uses per micro-batch", infos_.at(id).name, uses);
+  infos_.at(id).grad_uses = uses;
+}
+
+std::pair<int64_t, int64_t> ParameterStore::group_range(const std::string& group) const {
+  int64_t begin = -1, end = -1;
+  for (const ParamInfo& p : infos_)
+    if (p.group == group) {
+      if (begin < 0) begin = p.offset;
+      end = p.offset + shape_numel(p.shape);
+    }
+  return begin < 0 ? std::pair<int64_t, int64_t>{0, 0} : std::pair<int64_t, int64_t>{begin, end};
+}
+
+void ParameterStore::begin_grad_step(int micro_batches) {
+  FORGE_CHECK(micro_batches >= 1, "a gradient step of {} micro-batches", micro_batches);
+  FORGE_CHECK(!grad_step_active(), "begin_grad_step: the previous step still waits for {} parameters' gradients",
+              params_pending_);
+  expected_uses_ = micro_batches;
+  grads_seen_.assign(infos_.size(), 0);
+  params_pending_ = count();
+  for (Finalizer& f : finalizers_) f.pending = static_cast<int>(f.ids.size());
+  if (params_pending_ == 0) expected_uses_ = 0;
+}
+
+bool ParameterStore::grad_final(int id) const {
+  return grad_step_active() && grads_seen_.at(id) == expected_uses_ * infos_.at(id).grad_uses;
+}
+
+void ParameterStore::note_grad(int id) {
+  if (!grad_step_active()) return;
+  const int expected = expected_uses_ * infos_.at(id).grad_uses;
+  FORGE_CHECK(grads_seen_[id] < expected, "parameter '{}' received more than its {} weight gradients of the step",
+              infos_[id].name, expected);
+  if (++grads_seen_[id] < expected) return;
+  // A parameter with a finalizer is announced once the finalizer ran, with the finalizer's other parameters.
+  const int f = finalizers_of_.empty() ? -1 : finalizers_of_[id];
+  if (f < 0) return announce_final(id);
+  if (--finalizers_[f].pending > 0) return;
+  finalizers_[f].fn();
+  for (int other : finalizers_[f].ids) announce_final(other);
+}
+
+void ParameterStore::announce_final(int id) {
+  for (auto& [handle, fn] : listeners_) fn(id);
+  if (--params_pending_ == 0) expected_uses_ = 0;  // every gradient is final: the step is over
+}
+
+void ParameterStore::add_grad_finalizer(std::vector<int> ids, std::function<void()> fn) {
+  FORGE_CHECK(!ids.empty(), "a gradient finalizer without parameters");
+  finalizers_of_.resize(infos_.size(), -1);
+  const int index = static_cast<int>(finalizers_.size());
+  for (int id : ids) {
+    FORGE_CHECK(finalizers_of_.at(id) < 0, "parameter '{}' has two gradient finalizers", infos_[id].name);
+    finalizers_of_[id] = index;
+  }
+  finalizers_.push_back({std::move(ids), std::move(fn), 0});
+}
+
+int ParameterStore::add_grad_listener(std::function<void(int)> fn) {
+  listeners_.emplace_back(next_listener_, std::move(fn));
+  return next_listener_++;
+}
+
+void ParameterStore::remove_grad_listener(int handle) {
+  std::erase_if(listeners_, [handle](const auto& l) { return l.first == handle; });
 }
 
 void ParameterStore::allocate(bool with_bf16_shadow, bool with_grads, Device device) {
@@ -91,7 +165,18 @@ void ParameterStore::initialize(uint64_t seed) {
 
 void ParameterStore::refresh_bf16() {
   mark_updated();
-  if (has_bf16()) ops::convert_to_bf16(params_.f32(), params_bf16_.bf16(), total_, device_);
+  if (!has_bf16()) return;
+  // The core's exact conversion (round to nearest even, NaN kept), which both backends' kernels implement
+  // bitwise; a device's store converts a host copy (this runs at initialisation and loads, not per step:
+  // the optimizers write the shadow in their own pass).
+  if (device_ == Device::cpu) {
+    convert_f32_to_bf16(params_.f32(), params_bf16_.bf16(), static_cast<size_t>(total_));
+    return;
+  }
+  const Tensor host = params_.to(Device::cpu);
+  Tensor host_bf16 = Tensor::empty({total_}, DType::bf16);
+  convert_f32_to_bf16(host.f32(), host_bf16.bf16(), static_cast<size_t>(total_));
+  params_bf16_.copy_from(host_bf16);
 }
 
 int ParameterStore::find(const std::string& name) const {
@@ -111,4 +196,4 @@ Tensor ParameterStore::span(const Tensor& flat, int first, int count, int64_t co
   return flat.view(infos_[first].offset, {rows, cols});
 }
 
-}  // namespace forge::nn
+}  // namespace forge

@@ -9,18 +9,20 @@
 
 #include "forge/core/memory.h"
 #include "forge/kernels/rope_tables.h"
-#include "forge/nn/transformer_layer.h"
+#include "nn/layer_stack.h"
 #include "op_harness.h"
 
 namespace forge::nn {
 namespace {
+using namespace testing_layers;
 
 struct Stack {
   ParameterStore store;
-  std::vector<TransformerLayer> layers;
+  std::vector<DecoderLayer> layers;
   RopeTable rope;
   Stack(int count, ComputeOptions options, LayerShape shape, int64_t positions) {
-    for (int i = 0; i < count; ++i) layers.emplace_back(&store, i, shape, 0.2f, count);
+    std::vector<LayerIds> ids;
+    for (int i = 0; i < count; ++i) ids.push_back(register_layer(store, i, shape, 0.2f, count));
     store.allocate(options.gemm_dtype == DType::bf16);
     store.initialize(42);
     // Norm weights away from 1 so their gradients are exercised.
@@ -32,7 +34,7 @@ struct Stack {
     rope.cos = Tensor::empty({positions, rope.half_dim}, DType::f32);
     rope.sin = Tensor::empty({positions, rope.half_dim}, DType::f32);
     rope_tables(positions, shape.attention.head_dim, 10000.0, RopeScaling{}, rope.cos.f32(), rope.sin.f32());
-    for (auto& l : layers) l.bind(&rope, options);
+    for (const LayerIds& l : ids) layers.push_back(make_layer(store, l, shape, &rope, options));
   }
 };
 
@@ -58,7 +60,7 @@ constexpr int64_t kBatch = 2, kSeq = 9, kLayers = 2;
 
 // Runs forward then backward over the stack. split: all backward_input first, then all backward_weight.
 Tensor run(Stack& s, const Tensor& x, const Tensor& dy, bool split) {
-  std::vector<TransformerLayer::Saved> saved(s.layers.size());
+  std::vector<DecoderLayer::Saved> saved(s.layers.size());
   Tensor h = x;
   for (size_t l = 0; l < s.layers.size(); ++l) h = s.layers[l].forward(h, kBatch, kSeq, saved[l]);
   Tensor g = dy;
@@ -115,7 +117,7 @@ TEST(LayerMemory, RecomputeLowersPeakActivationMemory) {
     Stack s(layers, {DType::bf16, policy}, shape, seq);
     int64_t live = memory_stats().live_bytes;
     reset_peak_memory();
-    std::vector<TransformerLayer::Saved> saved(layers);
+    std::vector<DecoderLayer::Saved> saved(layers);
     Tensor h = x;
     for (int l = 0; l < layers; ++l) h = s.layers[l].forward(h, batch, seq, saved[l]);
     Tensor g = dy;
@@ -141,14 +143,14 @@ TEST(LayerGradients, MatchFiniteDifferences) {
   auto wv = testing::random_floats(rows * 32, 8);
   Tensor x = from_vector(xv, {rows, 32}), w = from_vector(wv, {rows, 32});
   auto loss = [&](const Tensor& input) {
-    TransformerLayer::Saved saved;
+    DecoderLayer::Saved saved;
     Tensor y = s.layers[0].forward(input, batch, seq, saved);
     double total = 0;
     for (int64_t i = 0; i < y.numel(); ++i) total += double(y.f32()[i]) * wv[i];
     return total;
   };
   s.store.zero_grads();
-  TransformerLayer::Saved saved;
+  DecoderLayer::Saved saved;
   s.layers[0].forward(x, batch, seq, saved);
   Tensor dx = s.layers[0].backward_input(w, batch, seq, saved);
   s.layers[0].backward_weight(saved);

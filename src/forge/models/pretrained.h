@@ -1,4 +1,6 @@
-// Pretrained models in and out: Hugging Face LlamaForCausalLM folders and forge checkpoints.
+// Pretrained models in and out: Hugging Face folders (of any family in the registry, models/model.h) and forge
+// checkpoints. A family's tensors are its Hugging Face state_dict (ModelConfig::tensor_shapes), which forge
+// registers under the same names.
 //
 // A Hugging Face folder holds config.json and either model.safetensors or model.safetensors.index.json
 // with the shards it names ({"metadata": {"total_size": N}, "weight_map": {tensor: file}}); tensors are
@@ -17,8 +19,8 @@
 #include <vector>
 
 #include "forge/core/dtype.h"
-#include "forge/models/llama.h"
-#include "forge/nn/parameters.h"
+#include "forge/models/model.h"
+#include "forge/core/parameters.h"
 
 namespace forge {
 
@@ -27,7 +29,7 @@ struct PretrainedDir {
   Kind kind = Kind::hugging_face;
   std::filesystem::path dir;
   nlohmann::json config_json;  // the Hugging Face config.json
-  LlamaConfig config;
+  std::shared_ptr<const ModelConfig> config;  // parsed by its family
 };
 
 // Throws forge::Error naming `dir` when it is neither kind, or its config is invalid. For a Hugging Face
@@ -39,13 +41,9 @@ PretrainedDir open_pretrained(const std::filesystem::path& dir);
 // else `dir` itself (where its tokenizer.json lies).
 std::filesystem::path model_folder(const std::filesystem::path& dir);
 
-// Every LlamaForCausalLM tensor under its Hugging Face name with its shape ([out, in] for linears), in
-// the order LlamaModel registers its parameters (lm_head.weight only when untied).
-std::vector<std::pair<std::string, Shape>> llama_tensor_shapes(const LlamaConfig& config);
-
 // Throws forge::Error (starting with `source`) unless `params` is allocated and holds exactly the tensors
-// of llama_tensor_shapes(config), with those shapes.
-void check_store_matches_config(const nn::ParameterStore& params, const LlamaConfig& config,
+// of config.tensor_shapes(), with those shapes.
+void check_store_matches_config(const ParameterStore& params, const ModelConfig& config,
                                 const std::string& source);
 
 // Loads every parameter of `params` (fp32 master weights) from the directory; the store must have been
@@ -56,10 +54,10 @@ void check_store_matches_config(const nn::ParameterStore& params, const LlamaCon
 // of the store overwritten (discard it). F32, BF16 and F16 convert exactly; the bf16 shadow, if any, is
 // refreshed. Tolerated: the `model.layers.N.self_attn.rotary_emb.inv_freq` buffers old exports carry, and,
 // in a tied model, an lm_head.weight bitwise equal to the embedding.
-void load_pretrained_weights(const PretrainedDir& source, nn::ParameterStore& params);
+void load_pretrained_weights(const PretrainedDir& source, ParameterStore& params);
 
 // Builds an inference model (no gradient buffers) for the directory's config and loads its weights.
-std::unique_ptr<LlamaModel> load_pretrained_model(const std::filesystem::path& dir,
+std::unique_ptr<Model> load_pretrained_model(const std::filesystem::path& dir,
                                                   nn::ComputeOptions options);
 
 struct HfExportOptions {
@@ -77,13 +75,13 @@ struct HfExportOptions {
 // config.json is `config_json` (which must describe the store) with "torch_dtype" set to the dtype.
 // Shards are filled greedily in parameter order; a tensor is never split, so one larger than
 // max_shard_bytes gets a shard of its own. One shard is written as model.safetensors without an index.
-void export_hugging_face(const nn::ParameterStore& params, const nlohmann::json& config_json,
+void export_hugging_face(const ParameterStore& params, const nlohmann::json& config_json,
                          const std::filesystem::path& out_dir, const HfExportOptions& options);
 
 // Writes a forge checkpoint (save_checkpoint: fp32 weights, no optimizer state, step 0) with the same
 // staging, overwrite rule and extra files as export_hugging_face. Its model_config is
-// LlamaConfig::from_json(config_json).to_json(), what the trainer records and compares on resume.
-void export_forge_checkpoint(const nn::ParameterStore& params, const nlohmann::json& config_json,
+// the family's parse of config_json, to_json(): what the trainer records and compares on resume.
+void export_forge_checkpoint(const ParameterStore& params, const nlohmann::json& config_json,
                              const std::filesystem::path& out_dir, bool overwrite,
                              const std::vector<std::filesystem::path>& extra_files = {});
 

@@ -6,13 +6,14 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 #include "forge/core/tensor.h"
 
-namespace forge::nn {
+namespace forge {
 
 enum class Init { normal, ones, zeros };
 
@@ -37,6 +38,12 @@ struct ParamInfo {
   Init init = Init::normal;
   float init_std = 0.02f;
   ShardSpec shard;
+  // Weight-gradient contributions per micro-batch: the modules that accumulate into it (2 for an embedding
+  // tied to the loss head in the same store).
+  int grad_uses = 1;
+  // The reduction group it belongs to ("dense"; experts and pipeline chunks get their own): parameters of a
+  // group are adjacent in the buffers, and each group is reduced by its own gradient buckets.
+  std::string group = "dense";
   const Shape& global_shape() const { return shard.global_shape.empty() ? shape : shard.global_shape; }
 };
 
@@ -56,11 +63,33 @@ inline std::vector<ShardRun> shard_runs(const ParamInfo& p) {
   return shard_runs(p.shape, p.global_shape(), p.shard.dim, p.shard.start, 0, shape_numel(p.shape));
 }
 
+// A contiguous range of one rank's piece of a tensor, by global index: elements [flat_begin, flat_end) of
+// the row-major local tensor, which is the slice [split_start, split_start + local_shape[split_dim]) along
+// split_dim of the global tensor (split_dim = -1: the whole tensor). What sharded checkpoints save and load
+// (ckpt/sharded.h) and what the optimizers describe their state with.
+struct ShardPiece {
+  std::string name;    // tensor name: the parameter's HF name, or "exp_avg.<name>", "exp_avg_sq.<name>"
+  Shape global_shape;  // of the whole tensor
+  Shape local_shape;   // of this rank's slice
+  int split_dim = -1;
+  int64_t split_start = 0;
+  int64_t flat_begin = 0, flat_end = 0;  // elements of the local tensor this piece covers
+  float* data = nullptr;                 // flat_end - flat_begin floats
+};
+
+// AdamW's state over a whole store, as one-process checkpoints read and write it: the two fp32 moments, laid
+// out like the store's parameter buffer, and the number of updates taken.
+struct OptimizerMoments {
+  Tensor exp_avg, exp_avg_sq;
+  int64_t steps = 0;
+};
+
 class ParameterStore {
  public:
   // Registration; returns the parameter's id. Must happen before allocate().
   int add(std::string name, Shape shape, bool weight_decay, Init init, float init_std = 0.02f,
-          ShardSpec shard = {});
+          ShardSpec shard = {}, std::string group = "dense");
+  void set_grad_uses(int id, int uses);
   // with_grads = false (inference: eval, generate, convert) leaves out the gradient buffer, a third or
   // half of the memory; gradient accessors then fail. The buffers live on `device`; initialisation and
   // loading compute on the host and copy there.
@@ -91,6 +120,26 @@ class ParameterStore {
   // A view spanning `count` adjacent parameters from `first` as one [rows, cols] matrix.
   Tensor span(const Tensor& flat, int first, int count, int64_t cols) const;
 
+  // The flat range [begin, end) of a group's parameters (empty when it has none).
+  std::pair<int64_t, int64_t> group_range(const std::string& group) const;
+
+  // ---- Gradient readiness by count. A gradient step of n micro-batches expects n * grad_uses weight-gradient
+  // contributions to every parameter, in whatever order the schedule runs them; each module's backward_weight
+  // reports each one (note_grad). The last one makes the parameter final for the step: the finalizers whose
+  // parameters are now all final run (the tensor-parallel sums of replicated copies), then every listener is
+  // told (the gradient buckets, which start reducing a bucket once all of its parameters are final). The step
+  // ends when every parameter is final. Outside a step note_grad does nothing.
+  void begin_grad_step(int micro_batches);
+  bool grad_step_active() const { return expected_uses_ > 0; }
+  void note_grad(int id);
+  bool grad_final(int id) const;
+  // Runs fn (collectives are allowed: every rank runs the same schedule) once per step, when every one of ids
+  // has become final, before the listeners hear of them. A parameter has at most one finalizer.
+  void add_grad_finalizer(std::vector<int> ids, std::function<void()> fn);
+  // Returns a handle for remove_grad_listener.
+  int add_grad_listener(std::function<void(int id)> fn);
+  void remove_grad_listener(int handle);
+
   const Tensor& params() const { return params_; }
   const Tensor& grads() const { return grads_; }
   const Tensor& params_bf16() const { return params_bf16_; }
@@ -101,8 +150,22 @@ class ParameterStore {
   std::unordered_map<std::string, int> by_name_;
   int64_t total_ = 0;
   uint64_t version_ = 0;
+  void announce_final(int id);
+
   Device device_ = Device::cpu;
   Tensor params_, grads_, params_bf16_;
+
+  struct Finalizer {
+    std::vector<int> ids;
+    std::function<void()> fn;
+    int pending = 0;
+  };
+  int expected_uses_ = 0;              // per parameter and use in the current step (0: no step)
+  std::vector<int> grads_seen_;        // contributions so far, per parameter
+  std::vector<int> finalizers_of_;  // per parameter: its finalizer's index (-1: none; empty: no finalizers)
+  std::vector<Finalizer> finalizers_;
+  std::vector<std::pair<int, std::function<void(int)>>> listeners_;
+  int next_listener_ = 0, params_pending_ = 0;
 };
 
-}  // namespace forge::nn
+}  // namespace forge

@@ -1,0 +1,88 @@
+// LlamaModel: a stage of a LLaMA-family decoder (Hugging Face LlamaForCausalLM semantics): decoder layers
+// of grouped-query attention and SwiGLU (nn/ parts), with the embedding on the first stage and the final
+// norm and fused loss head on the last, its parameters under their Hugging Face names in one ParameterStore.
+// It implements the stage interface of models/model.h; the whole model is the one-stage case, and only that
+// one runs inference (forward_cached over a KvCache: a prompt at once, then one token per step).
+// ComputeOptions::device places the parameters, every activation and the KV cache on a device; ids and
+// targets are host arrays in every case, and losses and logits come back to the host.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "forge/models/llama/llama_config.h"
+#include "forge/models/model.h"
+#include "forge/nn/attention.h"
+#include "forge/nn/decoder_layer.h"
+#include "forge/nn/embedding.h"
+#include "forge/nn/loss_head.h"
+#include "forge/nn/mlp.h"
+#include "forge/nn/rmsnorm.h"
+
+namespace forge {
+
+using nn::KvCache;
+
+class LlamaModel final : public Model {
+ public:
+  // Registers and allocates the stage's parameters; they start at zero until initialize() or a load.
+  // with_grads = false builds an inference model (no gradient buffers; backward is refused).
+  LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, float init_std = 0.02f, bool with_grads = true,
+             StageSpec stage = StageSpec::whole());
+  LlamaModel(const LlamaModel&) = delete;
+  LlamaModel& operator=(const LlamaModel&) = delete;
+
+  const LlamaConfig& config() const override { return config_; }
+  const StageSpec& stage() const override { return stage_; }
+  const nn::ComputeOptions& options() const override { return options_; }
+  ParameterStore& params() override { return params_; }
+  const ParameterStore& params() const override { return params_; }
+  int64_t padded_vocab_size() const { return padded_vocab_; }  // vocabulary rows over all tp ranks
+
+  StageOutput forward(const MicroBatch& mb, const Tensor& hidden, std::unique_ptr<StageActivations>* saved) override;
+  Tensor backward_input(const Tensor& doutput, StageActivations& saved) override;
+  void backward_weight(StageActivations& saved) override;
+  Tensor backward(const Tensor& doutput, StageActivations& saved) override;
+
+  Tensor logits(const int32_t* ids, int64_t batch, int64_t seq) override;
+  KvCache make_cache(int64_t batch, int64_t capacity = 0) const override;
+  Tensor forward_cached(const int32_t* ids, int64_t batch, int64_t new_tokens, KvCache& cache,
+                        bool all_logits = false) override;
+
+  // Module access for tests of the backward split.
+  const std::vector<nn::DecoderLayer>& layers() const { return layers_; }
+  Tensor embed(const int32_t* ids, int64_t rows) const;  // host ids; first stage only
+
+ private:
+  struct Activations;
+  void register_layer(int64_t index, float init_std);
+  void check_inputs(const MicroBatch& mb) const;
+  Tensor final_hidden(const int32_t* ids, int64_t batch, int64_t seq);
+  void require_whole(const char* what) const;
+  nn::TensorParallel* tp() const;  // null unless split over more than one rank
+
+  LlamaConfig config_;
+  nn::ComputeOptions options_;
+  StageSpec stage_;
+  ParameterStore params_;
+  nn::RopeTable rope_;
+  int embed_id_ = -1, norm_id_ = -1, head_id_ = -1;
+  int64_t padded_vocab_ = 0, vocab_start_ = 0, local_vocab_ = 0;
+  nn::Embedding embedding_;
+  // Per local layer: the parameter ids registered for it.
+  struct LayerIds {
+    int norm1 = -1, norm2 = -1;
+    nn::AttentionParams attention;
+    nn::MlpParams mlp;
+  };
+  std::vector<LayerIds> layer_ids_;
+  std::vector<nn::DecoderLayer> layers_;
+  nn::RmsNorm final_norm_;
+  nn::LossHead head_;
+};
+
+// The registry's entry for LlamaForCausalLM.
+ModelFamily llama_family();
+
+}  // namespace forge

@@ -1,0 +1,166 @@
+// The model interface every architecture implements, and the registry that builds one from a Hugging Face
+// config.json by its `architectures` entry.
+//
+// A Model is a *stage*: the decoder layers [first_layer, end_layer) of an architecture, with the embedding
+// when it is the first stage (Megatron's pre_process) and the final norm and loss head when it is the last
+// (post_process). The whole model is the one-stage case. Each stage owns the parameters of its part, under
+// their Hugging Face names, in its own ParameterStore; initialisation depends only on (seed, name, element),
+// so stages built apart hold exactly the weights of the whole model.
+//
+// Per micro-batch a stage runs three entry points, the module contract of nn/:
+//   forward         ids (first stage) or the previous stage's hidden states in; hidden states out, or on the
+//                   last stage the loss (whose head, a fused kernel, also computes its own gradients here);
+//   backward_input  (B, the critical path) the gradient of this stage's output in, of its input out;
+//   backward_weight (W, may run later) accumulates (+=) the weight gradients B left pending.
+// What a micro-batch keeps between them lives in a StageActivations the caller owns, so that a schedule can
+// keep several micro-batches in flight and run their B and W in any order: each W reports every gradient it
+// accumulated to the ParameterStore, which counts them (readiness by count, core/parameters.h).
+//
+// Inference (forward_cached over a KvCache) goes through the same interface, on a one-stage model.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "forge/core/parameters.h"
+#include "forge/nn/compute.h"
+#include "forge/nn/kv_cache.h"
+
+namespace forge {
+
+struct LossSum {
+  double sum = 0;      // sum of per-token losses (nats)
+  int64_t tokens = 0;  // tokens with a target (target >= 0)
+  double mean() const { return tokens ? sum / static_cast<double>(tokens) : 0.0; }
+};
+
+// The sizes layouts, data and accounting need, whatever the family.
+struct ModelShape {
+  int64_t hidden = 0, heads = 0, kv_heads = 0, head_dim = 0, ffn = 0;
+  int64_t vocab = 0, layers = 0, max_positions = 0;
+};
+
+// A model's architecture, read from a Hugging Face config.json by its family (models/<family>/).
+class ModelConfig {
+ public:
+  virtual ~ModelConfig() = default;
+  virtual std::unique_ptr<ModelConfig> clone() const = 0;
+  virtual std::string architecture() const = 0;  // "LlamaForCausalLM"
+  virtual ModelShape shape() const = 0;
+  // HF-compatible config.json: the family's from_json reads it back to an equal config.
+  virtual nlohmann::json to_json() const = 0;
+  // Where it was read from (a config.json path), for messages.
+  virtual const std::string& source() const = 0;
+  virtual int64_t num_parameters() const = 0;
+  // Model FLOPs per trained token (forward + backward), Megatron's accounting (the family documents its terms).
+  virtual double flops_per_token(int64_t seq_len) const = 0;
+  // Refuses, before anything is allocated, a model larger than available_bytes (one line naming source_name).
+  virtual void check_fits_in_memory(bool training, bool bf16_shadow, int64_t available_bytes,
+                                    std::string_view source_name) const = 0;
+  // Every tensor of the Hugging Face checkpoint under its name, with its shape, in registration order.
+  virtual std::vector<std::pair<std::string, Shape>> tensor_shapes() const = 0;
+  // The same architecture (what resuming a checkpoint compares).
+  bool same_as(const ModelConfig& other) const { return to_json() == other.to_json(); }
+};
+
+// Which part of the model a stage holds.
+struct StageSpec {
+  int64_t first_layer = 0;
+  int64_t end_layer = -1;   // -1: through the last layer
+  bool pre_process = true;  // the embedding (the first stage)
+  bool post_process = true; // the final norm and the loss head (the last stage)
+  static StageSpec whole() { return {}; }
+  // Stage `index` of `stages` over `layers` decoder layers, split as evenly as possible (the first stages
+  // take the remainder).
+  static StageSpec split(int64_t layers, int stages, int index);
+};
+
+// One micro-batch: ids and targets [batch, seq] on the host (a negative target is ignored). A stage that is
+// not the first reads no ids; one that is not the last reads no targets. The loss gradient is that of
+// grad_scale * (sum of per-token losses).
+struct MicroBatch {
+  const int32_t* ids = nullptr;
+  const int32_t* targets = nullptr;
+  int64_t batch = 0, seq = 0;
+  float grad_scale = 0.0f;
+};
+
+// What a stage keeps of one micro-batch between forward, backward_input and backward_weight.
+class StageActivations {
+ public:
+  virtual ~StageActivations() = default;
+};
+
+struct StageOutput {
+  Tensor hidden;  // not the last stage: [rows, hidden] for the next stage (rows / tp under sequence parallelism)
+  LossSum loss;   // the last stage
+};
+
+class Model {
+ public:
+  virtual ~Model() = default;
+  virtual const ModelConfig& config() const = 0;
+  virtual const StageSpec& stage() const = 0;
+  virtual const nn::ComputeOptions& options() const = 0;
+  virtual ParameterStore& params() = 0;
+  virtual const ParameterStore& params() const = 0;
+  virtual void initialize(uint64_t seed) { params().initialize(seed); }
+  int64_t num_local_layers() const { return stage().end_layer - stage().first_layer; }
+
+  // ---- The stage entry points. `saved` null: no backward will follow (evaluation), nothing is kept.
+  // hidden: the previous stage's output (ignored by the first stage).
+  virtual StageOutput forward(const MicroBatch& mb, const Tensor& hidden, std::unique_ptr<StageActivations>* saved) = 0;
+  // doutput: the gradient of forward's hidden output (ignored by the last stage). Returns the gradient of its
+  // hidden input (undefined for the first stage, whose embedding gradient is a weight gradient).
+  virtual Tensor backward_input(const Tensor& doutput, StageActivations& saved) = 0;
+  virtual void backward_weight(StageActivations& saved) = 0;
+  // B and W in the fused order (each layer's W right after its B: the least memory), bitwise the same
+  // gradients as backward_input then backward_weight. Returns what backward_input returns.
+  virtual Tensor backward(const Tensor& doutput, StageActivations& saved) = 0;
+
+  // ---- Whole-model conveniences (one stage holding everything).
+  // One micro-batch's forward, loss and backward (B then W); gradients accumulate (+=). Outside a counted
+  // gradient step (ParameterStore::begin_grad_step) it is a step of its own: its gradients are final on return.
+  LossSum forward_backward(const int32_t* ids, const int32_t* targets, int64_t batch, int64_t seq, float grad_scale);
+  // Loss only (evaluation); keeps no activations.
+  LossSum forward_loss(const int32_t* ids, const int32_t* targets, int64_t batch, int64_t seq);
+  // Full logits [batch * seq, vocab] on the host.
+  virtual Tensor logits(const int32_t* ids, int64_t batch, int64_t seq) = 0;
+  // A KV cache for `batch` sequences of up to `capacity` positions (0 = max_position_embeddings).
+  virtual nn::KvCache make_cache(int64_t batch, int64_t capacity = 0) const = 0;
+  // Runs new_tokens tokens per sequence at positions cache.length().., appends their keys and values and
+  // returns the logits of each sequence's last new token [batch, vocab] (all_logits: of every new token).
+  virtual Tensor forward_cached(const int32_t* ids, int64_t batch, int64_t new_tokens, nn::KvCache& cache,
+                                bool all_logits = false) = 0;
+};
+
+// ---- The registry: one entry per family, keyed by the Hugging Face `architectures` name.
+struct ModelFamily {
+  std::string architecture;  // "LlamaForCausalLM"
+  std::string model_type;    // "llama"
+  // Reads and validates a config.json (strict: unknown keys are errors naming source).
+  std::function<std::unique_ptr<ModelConfig>(const nlohmann::json& json, std::string_view source)> parse_config;
+  // Builds a stage; with_grads = false builds an inference model (no gradient buffers).
+  std::function<std::unique_ptr<Model>(const ModelConfig& config, const nn::ComputeOptions& options,
+                                       const StageSpec& stage, float init_std, bool with_grads)>
+      build;
+};
+
+const std::vector<ModelFamily>& model_families();
+// The family of a config.json, by its `architectures` (or, without it, `model_type`); throws forge::Error
+// naming source and the families forge implements when there is none.
+const ModelFamily& family_of(const nlohmann::json& config_json, std::string_view source);
+const ModelFamily& family_named(std::string_view architecture);
+std::unique_ptr<ModelConfig> parse_model_config(const nlohmann::json& config_json, std::string_view source);
+std::unique_ptr<ModelConfig> read_model_config(const std::string& path);  // a config.json file
+std::unique_ptr<Model> build_model(const ModelConfig& config, const nn::ComputeOptions& options,
+                                   const StageSpec& stage = StageSpec::whole(), float init_std = 0.02f,
+                                   bool with_grads = true);
+
+}  // namespace forge

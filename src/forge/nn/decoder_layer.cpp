@@ -1,0 +1,74 @@
+#include "forge/nn/decoder_layer.h"
+
+#include "forge/kernels/ops.h"
+
+namespace forge::nn {
+
+DecoderLayer::DecoderLayer(ParameterStore* store, int norm1, std::unique_ptr<LayerPart> mixer, int norm2,
+                           std::unique_ptr<LayerPart> ffn, float norm_eps, ComputeOptions options)
+    : options_(options),
+      norm1_(store, norm1, norm_eps),
+      norm2_(store, norm2, norm_eps),
+      mixer_(std::move(mixer)),
+      ffn_(std::move(ffn)) {}
+
+Tensor DecoderLayer::run_forward(const Tensor& x, int64_t batch, int64_t seq, Saved& saved, bool keep_cores) const {
+  saved.x = x;
+  if (!saved.mixer) saved.mixer = mixer_->new_saved();
+  if (!saved.ffn) saved.ffn = ffn_->new_saved();
+  Tensor h1 = norm1_.forward(x, saved.norm1);
+  Tensor x2 = mixer_->forward(h1, batch, seq, *saved.mixer, keep_cores);
+  ops::add_inplace(x2.f32(), x.f32(), x.numel(), options_.device);
+  Tensor h2 = norm2_.forward(x2, saved.norm2);
+  Tensor y = ffn_->forward(h2, batch, seq, *saved.ffn, keep_cores);
+  ops::add_inplace(y.f32(), x2.f32(), x2.numel(), options_.device);
+  saved.complete = true;
+  return y;
+}
+
+Tensor DecoderLayer::forward(const Tensor& x, int64_t batch, int64_t seq, Saved& saved) const {
+  if (options_.recompute != Recompute::full)
+    return run_forward(x, batch, seq, saved, options_.recompute == Recompute::none);
+  // Full recompute: run the layer, keep only its input.
+  Saved scratch;
+  Tensor y = run_forward(x, batch, seq, scratch, false);
+  saved = Saved{};
+  saved.x = x;
+  return y;
+}
+
+Tensor DecoderLayer::backward_input(const Tensor& dy, int64_t batch, int64_t seq, Saved& saved) const {
+  if (!saved.complete) {
+    Tensor x = saved.x;
+    run_forward(x, batch, seq, saved, true);
+  }
+  // y = x2 + ffn(norm2(x2)):  dx2 = dy + norm2'(ffn'(dy))
+  Tensor dh2 = ffn_->backward_input(dy, batch, seq, *saved.ffn);
+  Tensor dx2 = norm2_.backward_input(dh2, saved.norm2);
+  ops::add_inplace(dx2.f32(), dy.f32(), dy.numel(), options_.device);
+  // x2 = x + mixer(norm1(x)):  dx = dx2 + norm1'(mixer'(dx2))
+  Tensor dh1 = mixer_->backward_input(dx2, batch, seq, *saved.mixer);
+  Tensor dx = norm1_.backward_input(dh1, saved.norm1);
+  ops::add_inplace(dx.f32(), dx2.f32(), dx2.numel(), options_.device);
+  saved.x = Tensor();
+  return dx;
+}
+
+void DecoderLayer::backward_weight(Saved& saved) const {
+  ffn_->backward_weight(*saved.ffn);
+  norm2_.backward_weight(saved.norm2);
+  mixer_->backward_weight(*saved.mixer);
+  norm1_.backward_weight(saved.norm1);
+  saved = Saved{};
+}
+
+Tensor DecoderLayer::forward_cached(const Tensor& x, int64_t batch, int64_t tokens, const KvLayer& cache) const {
+  RmsNorm::Saved norm1, norm2;
+  Tensor x2 = mixer_->forward_cached(norm1_.forward(x, norm1), batch, tokens, &cache);
+  ops::add_inplace(x2.f32(), x.f32(), x.numel(), options_.device);
+  Tensor y = ffn_->forward_cached(norm2_.forward(x2, norm2), batch, tokens, nullptr);
+  ops::add_inplace(y.f32(), x2.f32(), x2.numel(), options_.device);
+  return y;
+}
+
+}  // namespace forge::nn

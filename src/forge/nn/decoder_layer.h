@@ -1,0 +1,46 @@
+// One pre-norm decoder layer: x + mixer(norm1(x)), then + ffn(norm2(.)), composed of the two parts its
+// family chooses (nn/layer_part.h). Its three entry points follow the module contract: forward,
+// backward_input (B, the critical path) and backward_weight (W, may run later).
+#pragma once
+
+#include <memory>
+
+#include "forge/nn/compute.h"
+#include "forge/nn/layer_part.h"
+#include "forge/nn/rmsnorm.h"
+
+namespace forge::nn {
+
+class DecoderLayer {
+ public:
+  struct Saved {
+    Tensor x;  // layer input (always kept)
+    RmsNorm::Saved norm1, norm2;
+    std::unique_ptr<LayerPart::Saved> mixer, ffn;
+    bool complete = false;  // false under full recompute until backward recomputes the layer
+  };
+
+  DecoderLayer() = default;
+  // norm1, norm2: ids of the two RMSNorm weights in the store.
+  DecoderLayer(ParameterStore* store, int norm1, std::unique_ptr<LayerPart> mixer, int norm2,
+               std::unique_ptr<LayerPart> ffn, float norm_eps, ComputeOptions options);
+
+  Tensor forward(const Tensor& x, int64_t batch, int64_t seq, Saved& saved) const;
+  Tensor backward_input(const Tensor& dy, int64_t batch, int64_t seq, Saved& saved) const;
+  void backward_weight(Saved& saved) const;
+  // Inference over a KV cache: x is [batch * tokens, hidden] for new tokens at positions cache.length..;
+  // nothing is kept for backward.
+  Tensor forward_cached(const Tensor& x, int64_t batch, int64_t tokens, const KvLayer& cache) const;
+
+  const LayerPart& mixer() const { return *mixer_; }
+  const LayerPart& ffn() const { return *ffn_; }
+
+ private:
+  Tensor run_forward(const Tensor& x, int64_t batch, int64_t seq, Saved& saved, bool keep_cores) const;
+
+  ComputeOptions options_;
+  RmsNorm norm1_, norm2_;
+  std::unique_ptr<LayerPart> mixer_, ffn_;
+};
+
+}  // namespace forge::nn

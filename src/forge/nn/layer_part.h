@@ -1,0 +1,37 @@
+// A part of a decoder layer: its token mixer (attention: GQA today, MLA next) or its feed-forward network
+// (SwiGLU today, mixture-of-experts next). Every part follows the module contract: forward, backward_input
+// (B, the critical path) and backward_weight (W, may run later), with the micro-batch's saved state owned
+// by the caller. A family composes its layers from parts (nn/decoder_layer.h); the parts know nothing of
+// tensor names, which the family registers.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "forge/core/tensor.h"
+#include "forge/nn/kv_cache.h"
+
+namespace forge::nn {
+
+class LayerPart {
+ public:
+  // What one micro-batch keeps between forward and backward; each part derives its own.
+  struct Saved {
+    virtual ~Saved() = default;
+  };
+  virtual ~LayerPart() = default;
+  virtual std::unique_ptr<Saved> new_saved() const = 0;
+  // h: the normed input [batch * seq, hidden] (this rank's rows under sequence parallelism); returns the
+  // part's output, to be added to the residual stream. keep_all = false (selective recompute): drop what
+  // backward_input can recompute cheaply.
+  virtual Tensor forward(const Tensor& h, int64_t batch, int64_t seq, Saved& saved, bool keep_all) const = 0;
+  // dy: the gradient of the output; returns that of h. Keeps what backward_weight needs.
+  virtual Tensor backward_input(const Tensor& dy, int64_t batch, int64_t seq, Saved& saved) const = 0;
+  // Accumulates (+=) the weight gradients and releases the saved state.
+  virtual void backward_weight(Saved& saved) const = 0;
+  // Inference for new tokens at positions cache->length..; keeps nothing. cache: this layer's KV cache (null
+  // for parts that keep none).
+  virtual Tensor forward_cached(const Tensor& h, int64_t batch, int64_t tokens, const KvLayer* cache) const = 0;
+};
+
+}  // namespace forge::nn

@@ -1,0 +1,172 @@
+#include "forge/train/setup.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdlib>
+
+#include "forge/core/cpu_features.h"
+#include "forge/core/device.h"
+#include "forge/fp8/recipe.h"
+
+namespace forge {
+namespace {
+
+// This process's rank among the ranks on its node (the GPU it drives): from the launcher's environment
+// (OpenMPI, Slurm, torchrun-style LOCAL_RANK), else the world rank (one node).
+int local_rank_on_node(const comm::Communicator& world) {
+  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK"})
+    if (const char* s = std::getenv(name)) return std::max(0, std::atoi(s));
+  return world.rank();
+}
+
+parallel::Layout checked_layout(const TrainConfig& c, comm::Communicator& world) {
+  // parallel.timeout_s, unless FORGE_COMM_TIMEOUT in the environment (read by comm) says otherwise.
+  if (!std::getenv("FORGE_COMM_TIMEOUT")) world.set_timeout_seconds(c.parallel.timeout_s);
+  // The layout is checked against the world before any work: a wrong -np or a model that does not split
+  // fails here, on every rank, with the same message.
+  parallel::Layout layout(c.layout_spec(), world.size(), world.rank());
+  if (layout.pp() > 1 || layout.cp() > 1 || layout.ep() > 1)
+    fail("parallel.pp = {}, parallel.cp = {}, parallel.ep = {}: this version trains with tensor and data "
+         "parallelism only; pipeline, context and expert parallelism are not implemented yet",
+         layout.pp(), layout.cp(), layout.ep());
+  return layout;
+}
+
+}  // namespace
+
+int threads_per_rank(int64_t configured) {
+  // More threads than cores only make OpenMP's barriers spin against each other (10-100x slower), and
+  // libgomp itself fails on absurd counts.
+  if (configured > omp_get_num_procs())
+    fail("train.threads = {} exceeds the {} cores this process may run on; set at most {} (0 = all)", configured,
+         omp_get_num_procs(), omp_get_num_procs());
+  if (configured > 0) return static_cast<int>(configured);
+  if (std::getenv("OMP_NUM_THREADS")) return omp_get_max_threads();
+  int local = 1;
+  if (const char* s = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) local = std::max(1, std::atoi(s));
+  else if (const char* s = std::getenv("SLURM_NTASKS_PER_NODE")) local = std::max(1, std::atoi(s));
+  return std::max(1, omp_get_num_procs() / local);
+}
+
+TrainSetup::TrainSetup(const TrainConfig& c, comm::Communicator& world_)
+    : config(c), world(world_), layout(checked_layout(c, world_)) {
+  omp_set_num_threads(threads_per_rank(c.train.threads));
+  if (!c.model.init_from.empty()) init_source = open_pretrained(c.model.init_from);
+  model_source = init_source ? init_source->dir.string() : c.model.config;
+  model_config = init_source ? init_source->config->clone() : read_model_config(c.model.config);
+  check_model_fits();
+  groups = parallel::make_groups(world, layout);
+  dp = layout.dp(), dp_rank = layout.coordinate(parallel::Dim::dp);
+  seq = c.data.seq_len, micro = c.train.micro_batch, accum = c.train.grad_accum;
+  device = device_from_name(c.train.device);
+  open_devices();
+  data = open_training_data(c);
+  const TextCodec& codec = data->codec();
+  const int64_t vocab = model_config->shape().vocab;
+  if (vocab < codec.vocab_size())
+    fail("{}: vocab_size {} is smaller than the {} tokens of the tokenizer ({}); set vocab_size >= {} or "
+         "data.vocab_size <= {}", model_source, vocab, codec.vocab_size(), codec.description(), codec.vocab_size(),
+         vocab);
+  make_compute_options();
+  model = build_model(*model_config, options, StageSpec::whole(), static_cast<float>(c.model.init_std));
+  model->initialize(c.model.seed);
+  if (init_source) load_pretrained_weights(*init_source, model->params());
+
+  // Data parallelism: gradients reduced in buckets while backward runs (sharded under ZeRO-1).
+  parallel::BucketOptions bucket_options;
+  bucket_options.bucket_bytes = static_cast<int64_t>(c.parallel.bucket_mb * 1048576.0);
+  bucket_options.shard = c.parallel.distributed_optimizer;
+  bucket_options.overlap = c.parallel.overlap_grad_reduce && dp > 1;
+  // On GPUs the gradient buckets reduce device memory: over NCCL, or with one replica over nothing at all.
+  if (on_gpu() && !dp_nccl) dp_self = comm::make_self("dp");
+  buckets = std::make_unique<parallel::GradBuckets>(
+      &model->params(), on_gpu() ? (dp_nccl ? dp_nccl.get() : dp_self.get()) : &dp_group(), bucket_options);
+  AdamWConfig adam_config{static_cast<float>(c.train.beta1), static_cast<float>(c.train.beta2),
+                          static_cast<float>(c.train.eps), static_cast<float>(c.train.weight_decay)};
+  optimizer = std::make_unique<parallel::DistributedAdamW>(&model->params(), adam_config, &dp_group(),
+                                                           groups.model_parallel.get(), buckets.get());
+  schedule = c.lr_schedule();
+}
+
+void TrainSetup::check_model_fits() const {
+  const TrainConfig& c = config;
+  const ModelShape s = model_config->shape();
+  if (c.data.seq_len > s.max_positions)
+    fail("data.seq_len {} exceeds max_position_embeddings {} of {}", c.data.seq_len, s.max_positions, model_source);
+  parallel::validate_model_fit(layout, {s.hidden, s.heads, s.kv_heads, s.ffn, s.vocab, s.layers},
+                               c.parallel.make_vocab_size_divisible_by);
+  // Sequence parallelism splits each micro-batch's token rows over tp; with seq_len a multiple of tp every
+  // batch size splits (evaluation's last batch may be smaller), as Megatron requires.
+  if (c.parallel.sequence_parallel && layout.tp() > 1 && c.data.seq_len % layout.tp() != 0)
+    fail("parallel.sequence_parallel: data.seq_len = {} must be a multiple of parallel.tp = {}", c.data.seq_len,
+         layout.tp());
+}
+
+// GPUs: one per process, the local rank's. Device buffers (tensor-parallel activations and gradients,
+// data-parallel gradient buckets, ZeRO-1's parameter all-gathers) go over NCCL communicators of the tp and dp
+// groups; host buffers (scalars, flags, per-row loss statistics, FP8 amaxes, checkpoints' host copies) still
+// go over MPI.
+void TrainSetup::open_devices() {
+  if (!on_gpu()) return;
+  const TrainConfig& c = config;
+  if (!device_usable(device))
+    fail("{}: train.device = {}, but no GPU is usable here (or this binary has no CUDA backend)",
+         c.origin_of("train.device"), c.train.device);
+  if (layout.pp() > 1 || layout.cp() > 1 || layout.ep() > 1)
+    fail("{}: train.device = {} supports tensor and data parallelism only for now ({})", c.origin_of("train.device"),
+         c.train.device, layout.describe());
+  if (c.fp8.recipe != "off" && c.data.seq_len % 16 != 0)
+    fail("{}: data.seq_len = {} must be a multiple of 16 for FP8 on {} (FP8 tensor cores read token counts in "
+         "multiples of 16)",
+         c.origin_of("data.seq_len"), c.data.seq_len, c.train.device);
+  if (c.fp8.recipe != "off" && c.fp8.accumulator_bits > 0)
+    fail("{}: fp8.accumulator_bits = {} models the tensor cores' accumulator on the CPU; on {} the hardware "
+         "accumulates: set it to 0",
+         c.origin_of("fp8.accumulator_bits"), c.fp8.accumulator_bits, c.train.device);
+  const DeviceMemory& gpu = device_memory(device);
+  const int local_rank = local_rank_on_node(world), visible = gpu.device_count();
+  // A process that sees one GPU drives it (Slurm's --gpu-bind or a per-rank CUDA_VISIBLE_DEVICES); one that
+  // sees the node's GPUs drives its local rank's.
+  if (visible > 1 && local_rank >= visible)
+    fail("{}: local rank {} has no GPU of its own ({} visible): start at most one process per GPU", c.source,
+         local_rank, visible);
+  const int ordinal = visible > 1 ? local_rank : 0;
+  gpu.select_device(ordinal);
+  if (layout.tp() > 1) tp_nccl = comm::make_nccl(*groups.tp, ordinal, "tp", gpu.stream());
+  if (dp > 1) dp_nccl = comm::make_nccl(dp_group(), ordinal, "dp", gpu.stream());
+}
+
+void TrainSetup::make_compute_options() {
+  const TrainConfig& c = config;
+  options.device = device;
+  dtype_name = c.train.dtype;
+  if (dtype_name == "auto") dtype_name = on_gpu() || cpu_has_native_bf16() ? "bf16" : "fp32";
+  options.gemm_dtype = dtype_from_name(dtype_name);
+  options.recompute = nn::recompute_from_name(c.train.recompute);
+  tensor_parallel =
+      std::make_unique<parallel::CommTensorParallel>(groups.tp.get(), c.parallel.sequence_parallel, tp_nccl.get());
+  if (layout.tp() > 1) options.tp = tensor_parallel.get();
+  options.vocab_divisible_by = c.parallel.make_vocab_size_divisible_by;
+  // FP8: the context lives as long as the model, which reads it through options.fp8.
+  std::optional<nn::Fp8Options> f = c.fp8_options();
+  if (!f) return;
+  const int64_t layers = model_config->shape().layers, kept = f->bf16_first_layers + f->bf16_last_layers;
+  if (kept >= layers)
+    fail("{}: fp8.bf16_first_layers + fp8.bf16_last_layers = {} keep all {} layers out of FP8; lower them or set "
+         "fp8.recipe = \"off\"", c.origin_of("fp8.bf16_first_layers"), kept, layers);
+  fp8 = std::make_unique<nn::Fp8Context>(*f);
+  options.fp8 = fp8.get();
+  fp8_summary = fmt::format("{} ({}", c.fp8.recipe, fp8::format_name(f->recipe.format));
+  if (f->recipe.recipe == fp8::Recipe::delayed)
+    fp8_summary += fmt::format(", history {} {}", f->recipe.amax_history_len,
+                               fp8::amax_compute_name(f->recipe.amax_compute));
+  if (f->recipe.recipe == fp8::Recipe::block && f->recipe.power_of_two_scales) fp8_summary += ", 2^k scales";
+  fp8_summary += fmt::format(", layers {}..{}", f->bf16_first_layers, layers - f->bf16_last_layers - 1);
+  if (!f->save_fp8_inputs) fp8_summary += ", inputs saved in " + std::string(forge::dtype_name(options.gemm_dtype));
+  if (f->accumulator_bits > 0)
+    fp8_summary += fmt::format(", {}-bit accumulator promoted every {}", f->accumulator_bits, f->promote_every);
+  fp8_summary += ")";
+}
+
+}  // namespace forge

@@ -1,0 +1,73 @@
+// What a training run builds before its first step, on every rank, apart from the state, the step and the
+// loop (train_state.h, step.h, trainer.cpp): the layout and its groups, the device and its communicators,
+// the model config and the model (this rank's shard), the FP8 context, the gradient buckets, the optimizer,
+// the learning-rate schedule and the data. Everything that can be refused (a layout that does not fit the
+// world or the model, a device that is not there, a tokenizer larger than the vocabulary) is refused here,
+// on every rank, with the same one line.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "forge/comm/comm.h"
+#include "forge/models/model.h"
+#include "forge/models/pretrained.h"
+#include "forge/nn/fp8_context.h"
+#include "forge/optim/lr_schedule.h"
+#include "forge/parallel/distributed_optimizer.h"
+#include "forge/parallel/grad_buckets.h"
+#include "forge/parallel/layout.h"
+#include "forge/parallel/tensor_parallel.h"
+#include "forge/train/config.h"
+#include "forge/train/training_data.h"
+
+namespace forge {
+
+class TrainSetup {
+ public:
+  // Collective over world (every rank, the same config).
+  TrainSetup(const TrainConfig& config, comm::Communicator& world);
+  TrainSetup(const TrainSetup&) = delete;
+  TrainSetup& operator=(const TrainSetup&) = delete;
+
+  const TrainConfig& config;
+  comm::Communicator& world;
+  const parallel::Layout layout;
+  parallel::ParallelGroups groups;
+  comm::Communicator& dp_group() const { return *groups.dp_cp; }
+  int64_t dp = 1, dp_rank = 0;
+  int64_t seq = 0, micro = 0, accum = 0;
+
+  Device device = Device::cpu;
+  bool on_gpu() const { return device != Device::cpu; }
+  // On GPUs: NCCL communicators over the tp and dp groups (device buffers), or a one-rank one for dp = 1.
+  std::unique_ptr<comm::Communicator> dp_nccl, tp_nccl, dp_self;
+
+  std::optional<PretrainedDir> init_source;  // model.init_from
+  std::string model_source;                  // where the model config came from, for messages
+  std::unique_ptr<ModelConfig> model_config;
+  std::unique_ptr<TrainingData> data;
+
+  std::string dtype_name;  // the GEMM dtype in use ("bf16", "fp32")
+  nn::ComputeOptions options;
+  std::unique_ptr<parallel::CommTensorParallel> tensor_parallel;
+  std::unique_ptr<nn::Fp8Context> fp8;  // null without FP8
+  std::string fp8_summary = "off";
+  std::unique_ptr<Model> model;
+  std::unique_ptr<parallel::GradBuckets> buckets;
+  std::unique_ptr<parallel::DistributedAdamW> optimizer;
+  LrSchedule schedule;
+
+ private:
+  void check_model_fits() const;
+  void open_devices();
+  void make_compute_options();
+};
+
+// OpenMP threads per rank: train.threads, else OMP_NUM_THREADS when set, else this node's cores shared by
+// its ranks.
+int threads_per_rank(int64_t configured);
+
+}  // namespace forge

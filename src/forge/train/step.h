@@ -1,0 +1,59 @@
+// The training step: zero the gradients, hand the step's micro-batches to a schedule, reduce, check, clip and
+// update. A schedule decides the order in which each micro-batch's forward, backward_input (B) and
+// backward_weight (W) run; gradients become final by count (ParameterStore::begin_grad_step), so the
+// data-parallel buckets start reducing whatever order it picks. The no-pipelining schedule is the first; the
+// pipeline schedules (parallel/pipeline/) run their action lists through the same interface.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "forge/models/model.h"
+#include "forge/train/setup.h"
+#include "forge/train/train_state.h"
+
+namespace forge {
+
+class Schedule {
+ public:
+  virtual ~Schedule() = default;
+  // Runs micro-batches 0 .. count - 1 of one step through `model`; micro_batch(m) gives micro-batch m (its ids
+  // and targets stay valid until the step ends). Returns the loss summed over the micro-batches.
+  virtual LossSum run(Model& model, int count, const std::function<MicroBatch(int)>& micro_batch) = 0;
+};
+
+// One stage holding the whole model, micro-batch after micro-batch.
+//   fused      each micro-batch's backward with every layer's W right after its B (the least memory);
+//   b_then_w   each micro-batch's B for every layer, then its W;
+//   deferred_w every micro-batch's forward and B first, all the W at the end (the order zero-bubble
+//              schedules create), holding every micro-batch's activations until then.
+// All three give bitwise the same gradients.
+class NoPipelining final : public Schedule {
+ public:
+  enum class Order { fused, b_then_w, deferred_w };
+  explicit NoPipelining(Order order = Order::fused) : order_(order) {}
+  LossSum run(Model& model, int count, const std::function<MicroBatch(int)>& micro_batch) override;
+
+ private:
+  Order order_;
+};
+
+struct StepResult {
+  double loss = 0;        // mean training loss of the step over every dp replica
+  double local_loss = 0;  // this rank's mean
+  double grad_norm = 0;   // global, before clipping
+  float lr = 0;
+  bool applied = false;    // false: the loss or the gradients were not finite, nothing was changed
+  std::string non_finite;  // what was not finite, and on which rank first (collective)
+};
+
+// Runs one optimizer step of state.step + 1 (collective over the setup's world). The update is applied only when
+// the loss and gradient norm are finite on every rank; then state.step advances. on_gradients (may be empty)
+// sees the reduced gradients before they are checked.
+StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule,
+                      const std::function<void(int64_t, ParameterStore&)>& on_gradients = {});
+
+}  // namespace forge

@@ -1,0 +1,66 @@
+// TrainState: everything a run's future depends on, in one place. The step counter, the parameters and the
+// optimizer state (this rank's owned moments and the update count), the FP8 delayed-scaling histories, the
+// data position (samples consumed before a base step, and samples per step since: a resume under another
+// batch or world size continues at the exact next sample) and the planned length of a time-budget run.
+// Training has no random state of its own: the data order is a function of (seed, sample index).
+//
+// It can be saved to a checkpoint and loaded from one (any layout loads any other), and snapshotted to host
+// memory and restored, bitwise: a restore followed by the same steps gives the same losses and weights as
+// the first time (what rollback builds on).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "forge/ckpt/sharded.h"
+#include "forge/core/parameters.h"
+
+namespace forge {
+namespace nn {
+class Fp8Context;
+}
+namespace parallel {
+class DistributedAdamW;
+}
+
+struct TrainState {
+  ParameterStore* params = nullptr;
+  parallel::DistributedAdamW* optimizer = nullptr;
+  nn::Fp8Context* fp8 = nullptr;  // null without FP8
+
+  int64_t step = 0;  // optimizer steps completed
+  // The data position: samples consumed before step base_step, then samples_per_step per step.
+  int64_t base_step = 0, base_samples = 0, samples_per_step = 0;
+  // Time-budget runs (train.steps = 0): the planned length, and whether it is final yet.
+  int64_t total_steps = 0;
+  bool plan_frozen = true;
+
+  int64_t samples_seen() const { return base_samples + (step - base_step) * samples_per_step; }
+  // Index of the first sample of step `s` (0-based; s >= base_step).
+  int64_t first_sample_of(int64_t s) const { return base_samples + (s - base_step) * samples_per_step; }
+
+  // ---- Host snapshots (collective over nothing: each rank keeps its own part).
+  struct Snapshot {
+    int64_t step = 0, base_step = 0, base_samples = 0, samples_per_step = 0, total_steps = 0;
+    bool plan_frozen = true;
+    int64_t optimizer_steps = 0;
+    std::vector<float> params, exp_avg, exp_avg_sq;
+    std::vector<float> fp8_history, fp8_scales;
+  };
+  Snapshot snapshot() const;
+  // Puts everything back as it was at snapshot(); the bf16 shadow and FP8 weight casts follow.
+  void restore(const Snapshot& s);
+
+  // ---- Checkpoints. The pieces of this rank's state to save (the delayed-scaling state from rank 0 only), and
+  // the destinations to load into; after a load, finish_load() applies what was read.
+  std::vector<ShardPiece> pieces_to_save(int world_rank);
+  std::vector<ShardPiece> pieces_to_load(bool with_fp8);
+  void finish_load(bool with_fp8);
+  void finish_save();
+
+ private:
+  std::vector<float> fp8_history_, fp8_scales_;  // staging of the delayed-scaling state for checkpoints
+  void stage_fp8(bool export_state);
+};
+
+}  // namespace forge
