@@ -3,8 +3,10 @@
 // values, zero in the padding.
 #include <gtest/gtest.h>
 
+#include <string>
 #include <vector>
 
+#include "forge/core/error.h"
 #include "forge/core/parameters.h"
 
 namespace forge {
@@ -46,6 +48,51 @@ TEST(ShardRuns, InitialisationIsTheGlobalTensorsSlice) {
     EXPECT_EQ(b[r * 3 + 1], a[r * 5 + 4]);
     EXPECT_EQ(b[r * 3 + 2], 0.0f);
   }
+}
+
+// Gradient readiness by count: each parameter is final after micro_batches x grad_uses contributions; a
+// finalizer runs once all of its parameters are final and before the listeners hear of them; the step ends
+// when every parameter is final; too many contributions are an error naming the parameter.
+TEST(ParameterStore, GradientReadinessByCount) {
+  ParameterStore store;
+  const int a = store.add("a", {4}, true, Init::zeros);
+  const int b = store.add("b", {4}, true, Init::zeros);
+  const int c = store.add("c", {4}, true, Init::zeros);
+  store.set_grad_uses(c, 2);  // as a tied embedding: two modules accumulate into it
+  store.allocate(false);
+  std::vector<std::string> events;
+  store.add_grad_finalizer({a, b}, [&] { events.push_back("finalize a+b"); });
+  const int listener = store.add_grad_listener([&](int id) { events.push_back("final " + store.info(id).name); });
+  store.note_grad(a);  // outside a step: nothing happens
+  EXPECT_TRUE(events.empty());
+  for (int round = 0; round < 2; ++round) {
+    events.clear();
+    store.begin_grad_step(2);
+    EXPECT_TRUE(store.grad_step_active());
+    store.note_grad(b), store.note_grad(c), store.note_grad(a), store.note_grad(c);
+    EXPECT_TRUE(events.empty());
+    store.note_grad(b);  // b final, but its finalizer waits for a
+    EXPECT_TRUE(events.empty());
+    EXPECT_TRUE(store.grad_final(b));
+    store.note_grad(c), store.note_grad(c);
+    EXPECT_EQ(events, std::vector<std::string>{"final c"});
+    store.note_grad(a);
+    EXPECT_EQ(events, (std::vector<std::string>{"final c", "finalize a+b", "final a", "final b"}));
+    EXPECT_FALSE(store.grad_step_active());
+  }
+  store.remove_grad_listener(listener);
+  store.begin_grad_step(1);
+  store.note_grad(a);
+  EXPECT_THROW(store.note_grad(a), Error);
+  EXPECT_THROW(store.begin_grad_step(1), Error);  // the step still waits for b and c
+  EXPECT_THROW(store.add_grad_finalizer({a}, [] {}), Error);  // a already has one
+}
+
+TEST(ParameterStore, GroupsAreAdjacent) {
+  ParameterStore store;
+  store.add("a", {4}, true, Init::zeros);
+  store.add("e", {4}, true, Init::zeros, 0.02f, {}, "expert");
+  EXPECT_THROW(store.add("b", {4}, true, Init::zeros), Error);  // "dense" again after "expert"
 }
 
 }  // namespace

@@ -145,6 +145,72 @@ TEST(GradBuckets, ReadyFromLaunchesTheBucketsAboveTheOffset) {
   }
 }
 
+// Readiness by count: whatever order the weight gradients arrive in (the schedule's), a bucket launches exactly
+// when the last parameter overlapping it has received its last gradient of the step, and not before.
+TEST(GradBuckets, ReadinessByCountLaunchesEachBucketWhenItsLastParameterIsFinal) {
+  ParameterStore store;
+  testing::build_toy_store(store, false);
+  auto self = comm::make_self("dp");
+  const int n = store.count();
+  std::vector<std::vector<int>> orders(3);
+  for (int p = 0; p < n; ++p) orders[0].push_back(p), orders[1].push_back(n - 1 - p);
+  for (int p = 0; p < n; ++p) orders[2].push_back((p * 5 + 3) % n);  // 5 is coprime with the toy store's count
+  ASSERT_EQ(n % 5 == 0, false);
+  for (bool shard : {false, true})
+    for (const std::vector<int>& order : orders) {
+      GradBuckets buckets(&store, self.get(), {kSmallBucket, shard, true});
+      const auto& b = buckets.buckets();
+      constexpr int kMicroBatches = 2;
+      store.begin_grad_step(kMicroBatches);
+      buckets.begin_step();
+      std::vector<int> seen(n, 0);
+      for (int m = 0; m < kMicroBatches; ++m)
+        for (int p : order) {
+          store.note_grad(p);
+          ++seen[p];
+          int ready = 0;
+          for (const GradBucket& bucket : b) {
+            bool all = true;
+            for (int q = 0; q < n; ++q) {
+              const int64_t lo = store.info(q).offset, hi = lo + shape_numel(store.info(q).shape);
+              if (lo < bucket.end && bucket.begin < hi && seen[q] < kMicroBatches) all = false;
+            }
+            ready += all;
+          }
+          EXPECT_EQ(buckets.buckets_launched(), ready) << "after parameter " << p << " of micro-batch " << m;
+        }
+      EXPECT_FALSE(store.grad_step_active());
+      EXPECT_EQ(buckets.buckets_launched(), static_cast<int>(b.size()));
+      buckets.finish();
+    }
+}
+
+// A group's buckets cover only that group's parameters.
+TEST(GradBuckets, CoverOneParameterGroup) {
+  ParameterStore store;
+  store.add("dense.a", {40}, true, Init::zeros);
+  store.add("dense.b", {24}, true, Init::zeros);
+  store.add("expert.a", {32}, true, Init::zeros, 0.02f, {}, "expert");
+  store.add("expert.b", {8}, true, Init::zeros, 0.02f, {}, "expert");
+  store.allocate(false);
+  EXPECT_EQ(store.group_range("dense"), std::make_pair(int64_t{0}, int64_t{64}));
+  EXPECT_EQ(store.group_range("expert"), std::make_pair(int64_t{64}, int64_t{104}));
+  auto self = comm::make_self("dp");
+  BucketOptions options{1 << 20, false, true};
+  options.group = "expert";
+  GradBuckets experts(&store, self.get(), options);
+  ASSERT_EQ(experts.buckets().size(), 1u);
+  EXPECT_EQ(experts.buckets()[0].begin, 64);
+  EXPECT_EQ(experts.buckets()[0].end, 104);
+  store.begin_grad_step(1);
+  experts.begin_step();
+  store.note_grad(2), store.note_grad(0), store.note_grad(1);
+  EXPECT_EQ(experts.buckets_launched(), 0);  // the dense parameters do not count for the expert bucket
+  store.note_grad(3);
+  EXPECT_EQ(experts.buckets_launched(), 1);
+  experts.finish();
+}
+
 TEST(GradBuckets, WithoutOverlapEverythingWaitsForFinish) {
   ParameterStore store;
   testing::build_toy_store(store, false);
