@@ -1,8 +1,8 @@
 // A model cut into stages is the same model: LLaMA built as 2 and as 3 stages in one process, each
-// micro-batch's hidden states handed from stage to stage by hand, gives bitwise the losses and every parameter
-// gradient of the one-stage model, whatever order B and W run in: fused (each layer's W after its B),
-// all B then all W, and W of every micro-batch deferred past the later micro-batches' forwards (the order a
-// zero-bubble schedule creates). Gradients become final by count in every order.
+// micro-batch's hidden states handed from stage to stage by hand, gives bitwise the losses and every
+// parameter gradient of the one-stage model, whatever order B and W run in: fused (each layer's W after its
+// B), all B then all W, and W of every micro-batch deferred past the later micro-batches' forwards (the order
+// a zero-bubble schedule creates). Gradients become final by count in every order.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -71,7 +71,8 @@ Outcome run(int stage_count, Order order, nn::ComputeOptions options) {
       Model& stage = *out.stages[s];
       d = order == Order::fused ? stage.backward(d, *saved[m][s]) : stage.backward_input(d, *saved[m][s]);
     }
-    EXPECT_FALSE(d.defined());  // the first stage returns nothing: its embedding's gradient is a weight gradient
+    EXPECT_FALSE(
+        d.defined());  // the first stage returns nothing: its embedding's gradient is a weight gradient
   };
   auto backward_weight = [&](int m) {
     for (int s = 0; s < stage_count; ++s) out.stages[s]->backward_weight(*saved[m][s]);
@@ -92,7 +93,8 @@ Outcome run(int stage_count, Order order, nn::ComputeOptions options) {
   // order's only when added in the same order (every schedule keeps a stage's W in micro-batch order).
   if (order == Order::deferred_w)
     for (int m = 0; m < kMicroBatches; ++m) backward_weight(m);
-  for (const auto& stage : out.stages) EXPECT_FALSE(stage->params().grad_step_active()) << "a gradient is not final";
+  for (const auto& stage : out.stages)
+    EXPECT_FALSE(stage->params().grad_step_active()) << "a gradient is not final";
   return out;
 }
 
@@ -111,7 +113,8 @@ TEST_P(Stages, CutModelMatchesTheWholeModelBitwiseInEveryOrder) {
       SCOPED_TRACE(::testing::Message() << stages << " stages, order " << static_cast<int>(order));
       const Outcome cut = run(stages, order, options);
       ASSERT_EQ(cut.losses.size(), whole.losses.size());
-      for (size_t m = 0; m < whole.losses.size(); ++m) EXPECT_EQ(cut.losses[m], whole.losses[m]) << "micro-batch " << m;
+      for (size_t m = 0; m < whole.losses.size(); ++m)
+        EXPECT_EQ(cut.losses[m], whole.losses[m]) << "micro-batch " << m;
       // Every parameter lives on exactly one stage, with the whole model's gradient, bitwise.
       int covered = 0;
       for (const auto& stage : cut.stages) {
@@ -146,7 +149,9 @@ TEST_P(Stages, SplitsLayersEvenlyAndRefusesWholeModelCallsOnAStage) {
   // A middle stage needs hidden states of the right shape.
   std::unique_ptr<StageActivations> saved;
   testing::expect_error_containing(
-      [&] { middle->forward({nullptr, nullptr, 1, kSeq, 1.0f}, Tensor::zeros({kSeq, 7}, DType::f32), &saved); },
+      [&] {
+        middle->forward({nullptr, nullptr, 1, kSeq, 1.0f}, Tensor::zeros({kSeq, 7}, DType::f32), &saved);
+      },
       {"stage input"});
 }
 

@@ -24,8 +24,10 @@ struct LayerIds {
   MlpParams mlp;
 };
 
-// Registers layer `index` of `layers` (output projections' init scaled by 1/sqrt(2 layers), as the families do).
-inline LayerIds register_layer(ParameterStore& store, int index, const LayerShape& s, float init_std, int layers) {
+// Registers layer `index` of `layers` (output projections' init scaled by 1/sqrt(2 layers), as the families
+// do).
+inline LayerIds register_layer(ParameterStore& store, int index, const LayerShape& s, float init_std,
+                               int layers) {
   const std::string p = "layers." + std::to_string(index) + ".";
   const auto& a = s.attention;
   const int64_t d = a.head_dim;
@@ -44,9 +46,10 @@ inline LayerIds register_layer(ParameterStore& store, int index, const LayerShap
 }
 
 // Once the store is allocated.
-inline DecoderLayer make_layer(ParameterStore& store, const LayerIds& ids, const LayerShape& s, const RopeTable* rope,
-                               ComputeOptions options) {
-  return DecoderLayer(&store, ids.norm1, std::make_unique<Attention>(&store, ids.attention, s.attention, rope, options),
+inline DecoderLayer make_layer(ParameterStore& store, const LayerIds& ids, const LayerShape& s,
+                               const RopeTable* rope, ComputeOptions options) {
+  return DecoderLayer(&store, ids.norm1,
+                      std::make_unique<Attention>(&store, ids.attention, s.attention, rope, options),
                       ids.norm2, std::make_unique<Mlp>(&store, ids.mlp, s.attention.hidden, s.ffn, options),
                       s.norm_eps, options);
 }

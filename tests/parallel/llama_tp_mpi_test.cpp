@@ -11,7 +11,7 @@
 #include "forge/comm/comm.h"
 #include "forge/core/philox.h"
 #include "forge/models/llama/llama_model.h"
-#include "forge/parallel/tensor_parallel.h"
+#include "forge/parallel/comm_tensor_parallel.h"
 
 namespace forge {
 namespace {

@@ -3,7 +3,7 @@
 
     /usr/bin/python3 tests/reference/hf_checkpoint_fixture.py
 
-Outputs (committed; the C++ tests in tests/ckpt/pretrained_test.cpp read them):
+Outputs (committed; the C++ tests in tests/models/pretrained_test.cpp read them):
 
   tests/fixtures/hf_llama_tiny_bf16/config.json                      Hugging Face config ("torch_dtype": "bfloat16")
   tests/fixtures/hf_llama_tiny_bf16/model-0000{1,2,3}-of-00003.safetensors   BF16 weights in three shards

@@ -2,12 +2,13 @@
 // give bitwise the losses and weights of the first time, and of a run that was never rolled back: with the
 // FP8 delayed recipe's amax histories too. (The same state through a disk checkpoint is the bitwise resume of
 // trainer_test.cpp; under tp x dp with ZeRO-1 both are in trainer_mpi_test.cpp.)
+#include "forge/train/train_state.h"
+
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <vector>
 
-#include "forge/train/train_state.h"
 #include "forge/train/trainer.h"
 #include "train/toy_run.h"
 

@@ -23,7 +23,8 @@ StageSpec StageSpec::split(int64_t layers, int stages, int index) {
 LossSum Model::forward_backward(const int32_t* ids, const int32_t* targets, int64_t batch, int64_t seq,
                                 float grad_scale) {
   if (!params().has_grads()) fail("forward_backward: this model was built for inference, without gradients");
-  FORGE_CHECK(stage().pre_process && stage().post_process, "forward_backward needs the first and the last stage");
+  FORGE_CHECK(stage().pre_process && stage().post_process,
+              "forward_backward needs the first and the last stage");
   const bool own_step = !params().grad_step_active();
   if (own_step) params().begin_grad_step(1);
   std::unique_ptr<StageActivations> saved;
@@ -68,15 +69,20 @@ const ModelFamily& family_of(const nlohmann::json& config, std::string_view sour
     for (const auto& name : *it)
       for (const ModelFamily& f : model_families())
         if (!family && name.is_string() && name.get<std::string>() == f.architecture) family = &f;
-    if (!family) fail("{}: architectures {} names none that forge implements ({})", source, it->dump(), family_names());
+    if (!family)
+      fail("{}: architectures {} names none that forge implements ({})", source, it->dump(), family_names());
   }
   if (auto it = config.find("model_type"); it != config.end() && !it->is_null()) {
-    const auto matches = [&](const ModelFamily& f) { return it->is_string() && it->get<std::string>() == f.model_type; };
+    const auto matches = [&](const ModelFamily& f) {
+      return it->is_string() && it->get<std::string>() == f.model_type;
+    };
     if (family && !matches(*family))
-      fail("{}: model_type {} is not {}'s (\"{}\")", source, it->dump(), family->architecture, family->model_type);
+      fail("{}: model_type {} is not {}'s (\"{}\")", source, it->dump(), family->architecture,
+           family->model_type);
     for (const ModelFamily& f : model_families())
       if (!family && matches(f)) family = &f;
-    if (!family) fail("{}: model_type {} is not one that forge implements ({})", source, it->dump(), family_names());
+    if (!family)
+      fail("{}: model_type {} is not one that forge implements ({})", source, it->dump(), family_names());
   }
   // Neither key: forge's own configs have always meant LLaMA.
   return family ? *family : model_families().front();

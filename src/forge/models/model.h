@@ -58,7 +58,8 @@ class ModelConfig {
   // Where it was read from (a config.json path), for messages.
   virtual const std::string& source() const = 0;
   virtual int64_t num_parameters() const = 0;
-  // Model FLOPs per trained token (forward + backward), Megatron's accounting (the family documents its terms).
+  // Model FLOPs per trained token (forward + backward), Megatron's accounting (the family documents its
+  // terms).
   virtual double flops_per_token(int64_t seq_len) const = 0;
   // Refuses, before anything is allocated, a model larger than available_bytes (one line naming source_name).
   virtual void check_fits_in_memory(bool training, bool bf16_shadow, int64_t available_bytes,
@@ -72,9 +73,9 @@ class ModelConfig {
 // Which part of the model a stage holds.
 struct StageSpec {
   int64_t first_layer = 0;
-  int64_t end_layer = -1;   // -1: through the last layer
-  bool pre_process = true;  // the embedding (the first stage)
-  bool post_process = true; // the final norm and the loss head (the last stage)
+  int64_t end_layer = -1;    // -1: through the last layer
+  bool pre_process = true;   // the embedding (the first stage)
+  bool post_process = true;  // the final norm and the loss head (the last stage)
   static StageSpec whole() { return {}; }
   // Stage `index` of `stages` over `layers` decoder layers, split as evenly as possible (the first stages
   // take the remainder).
@@ -98,8 +99,9 @@ class StageActivations {
 };
 
 struct StageOutput {
-  Tensor hidden;  // not the last stage: [rows, hidden] for the next stage (rows / tp under sequence parallelism)
-  LossSum loss;   // the last stage
+  Tensor
+      hidden;  // not the last stage: [rows, hidden] for the next stage (rows / tp under sequence parallelism)
+  LossSum loss;  // the last stage
 };
 
 class Model {
@@ -115,7 +117,8 @@ class Model {
 
   // ---- The stage entry points. `saved` null: no backward will follow (evaluation), nothing is kept.
   // hidden: the previous stage's output (ignored by the first stage).
-  virtual StageOutput forward(const MicroBatch& mb, const Tensor& hidden, std::unique_ptr<StageActivations>* saved) = 0;
+  virtual StageOutput forward(const MicroBatch& mb, const Tensor& hidden,
+                              std::unique_ptr<StageActivations>* saved) = 0;
   // doutput: the gradient of forward's hidden output (ignored by the last stage). Returns the gradient of its
   // hidden input (undefined for the first stage, whose embedding gradient is a weight gradient).
   virtual Tensor backward_input(const Tensor& doutput, StageActivations& saved) = 0;
@@ -126,8 +129,10 @@ class Model {
 
   // ---- Whole-model conveniences (one stage holding everything).
   // One micro-batch's forward, loss and backward (B then W); gradients accumulate (+=). Outside a counted
-  // gradient step (ParameterStore::begin_grad_step) it is a step of its own: its gradients are final on return.
-  LossSum forward_backward(const int32_t* ids, const int32_t* targets, int64_t batch, int64_t seq, float grad_scale);
+  // gradient step (ParameterStore::begin_grad_step) it is a step of its own: its gradients are final on
+  // return.
+  LossSum forward_backward(const int32_t* ids, const int32_t* targets, int64_t batch, int64_t seq,
+                           float grad_scale);
   // Loss only (evaluation); keeps no activations.
   LossSum forward_loss(const int32_t* ids, const int32_t* targets, int64_t batch, int64_t seq);
   // Full logits [batch * seq, vocab] on the host.
@@ -145,7 +150,8 @@ struct ModelFamily {
   std::string architecture;  // "LlamaForCausalLM"
   std::string model_type;    // "llama"
   // Reads and validates a config.json (strict: unknown keys are errors naming source).
-  std::function<std::unique_ptr<ModelConfig>(const nlohmann::json& json, std::string_view source)> parse_config;
+  std::function<std::unique_ptr<ModelConfig>(const nlohmann::json& json, std::string_view source)>
+      parse_config;
   // Builds a stage; with_grads = false builds an inference model (no gradient buffers).
   std::function<std::unique_ptr<Model>(const ModelConfig& config, const nn::ComputeOptions& options,
                                        const StageSpec& stage, float init_std, bool with_grads)>

@@ -12,7 +12,8 @@ DecoderLayer::DecoderLayer(ParameterStore* store, int norm1, std::unique_ptr<Lay
       mixer_(std::move(mixer)),
       ffn_(std::move(ffn)) {}
 
-Tensor DecoderLayer::run_forward(const Tensor& x, int64_t batch, int64_t seq, Saved& saved, bool keep_cores) const {
+Tensor DecoderLayer::run_forward(const Tensor& x, int64_t batch, int64_t seq, Saved& saved,
+                                 bool keep_cores) const {
   saved.x = x;
   if (!saved.mixer) saved.mixer = mixer_->new_saved();
   if (!saved.ffn) saved.ffn = ffn_->new_saved();
@@ -62,7 +63,8 @@ void DecoderLayer::backward_weight(Saved& saved) const {
   saved = Saved{};
 }
 
-Tensor DecoderLayer::forward_cached(const Tensor& x, int64_t batch, int64_t tokens, const KvLayer& cache) const {
+Tensor DecoderLayer::forward_cached(const Tensor& x, int64_t batch, int64_t tokens,
+                                    const KvLayer& cache) const {
   RmsNorm::Saved norm1, norm2;
   Tensor x2 = mixer_->forward_cached(norm1_.forward(x, norm1), batch, tokens, &cache);
   ops::add_inplace(x2.f32(), x.f32(), x.numel(), options_.device);

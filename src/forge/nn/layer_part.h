@@ -31,7 +31,8 @@ class LayerPart {
   virtual void backward_weight(Saved& saved) const = 0;
   // Inference for new tokens at positions cache->length..; keeps nothing. cache: this layer's KV cache (null
   // for parts that keep none).
-  virtual Tensor forward_cached(const Tensor& h, int64_t batch, int64_t tokens, const KvLayer* cache) const = 0;
+  virtual Tensor forward_cached(const Tensor& h, int64_t batch, int64_t tokens,
+                                const KvLayer* cache) const = 0;
 };
 
 }  // namespace forge::nn

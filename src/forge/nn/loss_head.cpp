@@ -10,13 +10,16 @@
 
 namespace forge::nn {
 
-LossHead::LossHead(ParameterStore* store, int weight, int64_t vocab, int64_t vocab_start, ComputeOptions options)
+LossHead::LossHead(ParameterStore* store, int weight, int64_t vocab, int64_t vocab_start,
+                   ComputeOptions options)
     : store_(store), weight_(weight), vocab_(vocab), vocab_start_(vocab_start), options_(options) {
   const Shape& shape = store->info(weight).shape;
   local_vocab_ = shape.at(0), dim_ = shape.at(1);
 }
 
-TensorParallel* LossHead::tp() const { return options_.tp && options_.tp->size() > 1 ? options_.tp : nullptr; }
+TensorParallel* LossHead::tp() const {
+  return options_.tp && options_.tp->size() > 1 ? options_.tp : nullptr;
+}
 
 Tensor LossHead::weight_gemm() const {
   const auto& info = store_->info(weight_);

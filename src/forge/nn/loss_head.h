@@ -1,8 +1,8 @@
-// The loss head: the output projection fused with cross-entropy (ops::linear_cross_entropy_*), over vocabulary
-// chunks so that the full logits never have to exist, vocabulary-parallel under tensor parallelism: each rank
-// covers its range of the (padded) vocabulary, and the per-range log-sum-exps and target logits combine over
-// the group into the global loss. Its weight is an [local vocab, hidden] parameter (tied to the embedding or
-// not: the family decides). Multi-token prediction heads reuse it.
+// The loss head: the output projection fused with cross-entropy (ops::linear_cross_entropy_*), over
+// vocabulary chunks so that the full logits never have to exist, vocabulary-parallel under tensor
+// parallelism: each rank covers its range of the (padded) vocabulary, and the per-range log-sum-exps and
+// target logits combine over the group into the global loss. Its weight is an [local vocab, hidden] parameter
+// (tied to the embedding or not: the family decides). Multi-token prediction heads reuse it.
 #pragma once
 
 #include <cstdint>
@@ -27,8 +27,8 @@ class LossHead {
   // `targets` and the same on the model's device, negative = ignored). With dhidden it also computes the
   // gradient of grad_scale * (sum of losses) with respect to hidden, and accumulates (+=) the weight's
   // gradient while each logits chunk is live (reported to the store: ParameterStore::note_grad).
-  LossTotals forward(const Tensor& hidden, const int32_t* targets, const int32_t* device_targets, float grad_scale,
-                     Tensor* dhidden) const;
+  LossTotals forward(const Tensor& hidden, const int32_t* targets, const int32_t* device_targets,
+                     float grad_scale, Tensor* dhidden) const;
   // Full logits [rows, vocab] (every rank's range gathered, padding dropped), on the model's device without
   // tensor parallelism, else on the host.
   Tensor logits(const Tensor& hidden) const;

@@ -27,9 +27,10 @@ parallel::Layout checked_layout(const TrainConfig& c, comm::Communicator& world)
   // fails here, on every rank, with the same message.
   parallel::Layout layout(c.layout_spec(), world.size(), world.rank());
   if (layout.pp() > 1 || layout.cp() > 1 || layout.ep() > 1)
-    fail("parallel.pp = {}, parallel.cp = {}, parallel.ep = {}: this version trains with tensor and data "
-         "parallelism only; pipeline, context and expert parallelism are not implemented yet",
-         layout.pp(), layout.cp(), layout.ep());
+    fail(
+        "parallel.pp = {}, parallel.cp = {}, parallel.ep = {}: this version trains with tensor and data "
+        "parallelism only; pipeline, context and expert parallelism are not implemented yet",
+        layout.pp(), layout.cp(), layout.ep());
   return layout;
 }
 
@@ -39,13 +40,15 @@ int threads_per_rank(int64_t configured) {
   // More threads than cores only make OpenMP's barriers spin against each other (10-100x slower), and
   // libgomp itself fails on absurd counts.
   if (configured > omp_get_num_procs())
-    fail("train.threads = {} exceeds the {} cores this process may run on; set at most {} (0 = all)", configured,
-         omp_get_num_procs(), omp_get_num_procs());
+    fail("train.threads = {} exceeds the {} cores this process may run on; set at most {} (0 = all)",
+         configured, omp_get_num_procs(), omp_get_num_procs());
   if (configured > 0) return static_cast<int>(configured);
   if (std::getenv("OMP_NUM_THREADS")) return omp_get_max_threads();
   int local = 1;
-  if (const char* s = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) local = std::max(1, std::atoi(s));
-  else if (const char* s = std::getenv("SLURM_NTASKS_PER_NODE")) local = std::max(1, std::atoi(s));
+  if (const char* s = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE"))
+    local = std::max(1, std::atoi(s));
+  else if (const char* s = std::getenv("SLURM_NTASKS_PER_NODE"))
+    local = std::max(1, std::atoi(s));
   return std::max(1, omp_get_num_procs() / local);
 }
 
@@ -65,9 +68,10 @@ TrainSetup::TrainSetup(const TrainConfig& c, comm::Communicator& world_)
   const TextCodec& codec = data->codec();
   const int64_t vocab = model_config->shape().vocab;
   if (vocab < codec.vocab_size())
-    fail("{}: vocab_size {} is smaller than the {} tokens of the tokenizer ({}); set vocab_size >= {} or "
-         "data.vocab_size <= {}", model_source, vocab, codec.vocab_size(), codec.description(), codec.vocab_size(),
-         vocab);
+    fail(
+        "{}: vocab_size {} is smaller than the {} tokens of the tokenizer ({}); set vocab_size >= {} or "
+        "data.vocab_size <= {}",
+        model_source, vocab, codec.vocab_size(), codec.description(), codec.vocab_size(), vocab);
   make_compute_options();
   model = build_model(*model_config, options, StageSpec::whole(), static_cast<float>(c.model.init_std));
   model->initialize(c.model.seed);
@@ -93,14 +97,15 @@ void TrainSetup::check_model_fits() const {
   const TrainConfig& c = config;
   const ModelShape s = model_config->shape();
   if (c.data.seq_len > s.max_positions)
-    fail("data.seq_len {} exceeds max_position_embeddings {} of {}", c.data.seq_len, s.max_positions, model_source);
+    fail("data.seq_len {} exceeds max_position_embeddings {} of {}", c.data.seq_len, s.max_positions,
+         model_source);
   parallel::validate_model_fit(layout, {s.hidden, s.heads, s.kv_heads, s.ffn, s.vocab, s.layers},
                                c.parallel.make_vocab_size_divisible_by);
   // Sequence parallelism splits each micro-batch's token rows over tp; with seq_len a multiple of tp every
   // batch size splits (evaluation's last batch may be smaller), as Megatron requires.
   if (c.parallel.sequence_parallel && layout.tp() > 1 && c.data.seq_len % layout.tp() != 0)
-    fail("parallel.sequence_parallel: data.seq_len = {} must be a multiple of parallel.tp = {}", c.data.seq_len,
-         layout.tp());
+    fail("parallel.sequence_parallel: data.seq_len = {} must be a multiple of parallel.tp = {}",
+         c.data.seq_len, layout.tp());
 }
 
 // GPUs: one per process, the local rank's. Device buffers (tensor-parallel activations and gradients,
@@ -114,16 +119,18 @@ void TrainSetup::open_devices() {
     fail("{}: train.device = {}, but no GPU is usable here (or this binary has no CUDA backend)",
          c.origin_of("train.device"), c.train.device);
   if (layout.pp() > 1 || layout.cp() > 1 || layout.ep() > 1)
-    fail("{}: train.device = {} supports tensor and data parallelism only for now ({})", c.origin_of("train.device"),
-         c.train.device, layout.describe());
+    fail("{}: train.device = {} supports tensor and data parallelism only for now ({})",
+         c.origin_of("train.device"), c.train.device, layout.describe());
   if (c.fp8.recipe != "off" && c.data.seq_len % 16 != 0)
-    fail("{}: data.seq_len = {} must be a multiple of 16 for FP8 on {} (FP8 tensor cores read token counts in "
-         "multiples of 16)",
-         c.origin_of("data.seq_len"), c.data.seq_len, c.train.device);
+    fail(
+        "{}: data.seq_len = {} must be a multiple of 16 for FP8 on {} (FP8 tensor cores read token counts in "
+        "multiples of 16)",
+        c.origin_of("data.seq_len"), c.data.seq_len, c.train.device);
   if (c.fp8.recipe != "off" && c.fp8.accumulator_bits > 0)
-    fail("{}: fp8.accumulator_bits = {} models the tensor cores' accumulator on the CPU; on {} the hardware "
-         "accumulates: set it to 0",
-         c.origin_of("fp8.accumulator_bits"), c.fp8.accumulator_bits, c.train.device);
+    fail(
+        "{}: fp8.accumulator_bits = {} models the tensor cores' accumulator on the CPU; on {} the hardware "
+        "accumulates: set it to 0",
+        c.origin_of("fp8.accumulator_bits"), c.fp8.accumulator_bits, c.train.device);
   const DeviceMemory& gpu = device_memory(device);
   const int local_rank = local_rank_on_node(world), visible = gpu.device_count();
   // A process that sees one GPU drives it (Slurm's --gpu-bind or a per-rank CUDA_VISIBLE_DEVICES); one that
@@ -144,8 +151,8 @@ void TrainSetup::make_compute_options() {
   if (dtype_name == "auto") dtype_name = on_gpu() || cpu_has_native_bf16() ? "bf16" : "fp32";
   options.gemm_dtype = dtype_from_name(dtype_name);
   options.recompute = nn::recompute_from_name(c.train.recompute);
-  tensor_parallel =
-      std::make_unique<parallel::CommTensorParallel>(groups.tp.get(), c.parallel.sequence_parallel, tp_nccl.get());
+  tensor_parallel = std::make_unique<parallel::CommTensorParallel>(
+      groups.tp.get(), c.parallel.sequence_parallel, tp_nccl.get());
   if (layout.tp() > 1) options.tp = tensor_parallel.get();
   options.vocab_divisible_by = c.parallel.make_vocab_size_divisible_by;
   // FP8: the context lives as long as the model, which reads it through options.fp8.
@@ -153,8 +160,11 @@ void TrainSetup::make_compute_options() {
   if (!f) return;
   const int64_t layers = model_config->shape().layers, kept = f->bf16_first_layers + f->bf16_last_layers;
   if (kept >= layers)
-    fail("{}: fp8.bf16_first_layers + fp8.bf16_last_layers = {} keep all {} layers out of FP8; lower them or set "
-         "fp8.recipe = \"off\"", c.origin_of("fp8.bf16_first_layers"), kept, layers);
+    fail(
+        "{}: fp8.bf16_first_layers + fp8.bf16_last_layers = {} keep all {} layers out of FP8; lower them or "
+        "set "
+        "fp8.recipe = \"off\"",
+        c.origin_of("fp8.bf16_first_layers"), kept, layers);
   fp8 = std::make_unique<nn::Fp8Context>(*f);
   options.fp8 = fp8.get();
   fp8_summary = fmt::format("{} ({}", c.fp8.recipe, fp8::format_name(f->recipe.format));
@@ -163,9 +173,11 @@ void TrainSetup::make_compute_options() {
                                fp8::amax_compute_name(f->recipe.amax_compute));
   if (f->recipe.recipe == fp8::Recipe::block && f->recipe.power_of_two_scales) fp8_summary += ", 2^k scales";
   fp8_summary += fmt::format(", layers {}..{}", f->bf16_first_layers, layers - f->bf16_last_layers - 1);
-  if (!f->save_fp8_inputs) fp8_summary += ", inputs saved in " + std::string(forge::dtype_name(options.gemm_dtype));
+  if (!f->save_fp8_inputs)
+    fp8_summary += ", inputs saved in " + std::string(forge::dtype_name(options.gemm_dtype));
   if (f->accumulator_bits > 0)
-    fp8_summary += fmt::format(", {}-bit accumulator promoted every {}", f->accumulator_bits, f->promote_every);
+    fp8_summary +=
+        fmt::format(", {}-bit accumulator promoted every {}", f->accumulator_bits, f->promote_every);
   fp8_summary += ")";
 }
 

@@ -19,7 +19,7 @@
 #include "forge/parallel/distributed_optimizer.h"
 #include "forge/parallel/grad_buckets.h"
 #include "forge/parallel/layout.h"
-#include "forge/parallel/tensor_parallel.h"
+#include "forge/parallel/comm_tensor_parallel.h"
 #include "forge/train/config.h"
 #include "forge/train/training_data.h"
 

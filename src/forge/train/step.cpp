@@ -21,8 +21,8 @@ std::string first_non_finite_gradient(const ParameterStore& params) {
 }
 
 // What went wrong in a step whose loss or gradient norm is not finite, and on which ranks (collective).
-std::string describe_non_finite_step(comm::Communicator& world, const ParameterStore& params, double local_loss,
-                                     double loss, double grad_norm) {
+std::string describe_non_finite_step(comm::Communicator& world, const ParameterStore& params,
+                                     double local_loss, double loss, double grad_norm) {
   std::string mine;
   if (!std::isfinite(local_loss)) mine = fmt::format("loss {}", local_loss);
   if (const std::string g = first_non_finite_gradient(params); !g.empty())
@@ -34,9 +34,10 @@ std::string describe_non_finite_step(comm::Communicator& world, const ParameterS
       where = fmt::format("first on rank {}: {}", r, reports[r]);
       break;
     }
-  std::string what = !std::isfinite(loss)        ? fmt::format("the training loss is {}", loss)
-                     : !std::isfinite(grad_norm) ? fmt::format("the gradient norm is {} (loss {:.4f})", grad_norm, loss)
-                                                 : std::string("a rank's gradients are not finite");
+  std::string what = !std::isfinite(loss) ? fmt::format("the training loss is {}", loss)
+                     : !std::isfinite(grad_norm)
+                         ? fmt::format("the gradient norm is {} (loss {:.4f})", grad_norm, loss)
+                         : std::string("a rank's gradients are not finite");
   return where.empty() ? what : fmt::format("{} ({})", what, where);
 }
 
@@ -50,7 +51,9 @@ LossSum NoPipelining::run(Model& model, int count, const std::function<MicroBatc
     const StageOutput out = model.forward(micro_batch(m), Tensor(), &saved);
     total.sum += out.loss.sum, total.tokens += out.loss.tokens;
     switch (order_) {
-      case Order::fused: model.backward(Tensor(), *saved); break;
+      case Order::fused:
+        model.backward(Tensor(), *saved);
+        break;
       case Order::b_then_w:
         model.backward_input(Tensor(), *saved);
         model.backward_weight(*saved);
@@ -85,7 +88,8 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule,
                             targets[m].data());
     return MicroBatch{ids[m].data(), targets[m].data(), micro, seq, grad_scale};
   });
-  FORGE_CHECK(!params.grad_step_active(), "the schedule left parameters without their last gradient of the step");
+  FORGE_CHECK(!params.grad_step_active(),
+              "the schedule left parameters without their last gradient of the step");
   setup.buckets->finish();
   if (on_gradients) on_gradients(state.step + 1, params);
 
@@ -112,11 +116,13 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule,
   r.lr = setup.schedule.lr_at(state.step);
   setup.optimizer->step(r.lr, clip_coefficient(r.grad_norm, static_cast<float>(c.train.grad_clip)));
   if (nn::Fp8Context* fp8 = setup.fp8.get()) {
-    // Delayed scaling: every rank (tensor- and data-parallel) agrees on the step's amaxes, so all use the same
-    // scales next step, those one process running the whole batch would use.
+    // Delayed scaling: every rank (tensor- and data-parallel) agrees on the step's amaxes, so all use the
+    // same scales next step, those one process running the whole batch would use.
     std::span<float> amaxes = fp8->step_amaxes();
     if (!amaxes.empty() && world.size() > 1)
-      world.all_reduce(amaxes.data(), static_cast<int64_t>(amaxes.size()), comm::Type::f32, comm::ReduceOp::max)
+      world
+          .all_reduce(amaxes.data(), static_cast<int64_t>(amaxes.size()), comm::Type::f32,
+                      comm::ReduceOp::max)
           .wait();
     fp8->end_step();
   }

@@ -20,8 +20,8 @@ namespace forge {
 class Schedule {
  public:
   virtual ~Schedule() = default;
-  // Runs micro-batches 0 .. count - 1 of one step through `model`; micro_batch(m) gives micro-batch m (its ids
-  // and targets stay valid until the step ends). Returns the loss summed over the micro-batches.
+  // Runs micro-batches 0 .. count - 1 of one step through `model`; micro_batch(m) gives micro-batch m (its
+  // ids and targets stay valid until the step ends). Returns the loss summed over the micro-batches.
   virtual LossSum run(Model& model, int count, const std::function<MicroBatch(int)>& micro_batch) = 0;
 };
 
@@ -50,9 +50,9 @@ struct StepResult {
   std::string non_finite;  // what was not finite, and on which rank first (collective)
 };
 
-// Runs one optimizer step of state.step + 1 (collective over the setup's world). The update is applied only when
-// the loss and gradient norm are finite on every rank; then state.step advances. on_gradients (may be empty)
-// sees the reduced gradients before they are checked.
+// Runs one optimizer step of state.step + 1 (collective over the setup's world). The update is applied only
+// when the loss and gradient norm are finite on every rank; then state.step advances. on_gradients (may be
+// empty) sees the reduced gradients before they are checked.
 StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule,
                       const std::function<void(int64_t, ParameterStore&)>& on_gradients = {});
 

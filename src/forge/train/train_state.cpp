@@ -16,8 +16,8 @@ std::vector<float> to_host_vector(const Tensor& t) {
 }
 
 void from_host_vector(Tensor dst, const std::vector<float>& v, const char* what) {
-  FORGE_CHECK(static_cast<int64_t>(v.size()) == dst.numel(), "restoring {}: the snapshot holds {} values, the state {}",
-              what, v.size(), dst.numel());
+  FORGE_CHECK(static_cast<int64_t>(v.size()) == dst.numel(),
+              "restoring {}: the snapshot holds {} values, the state {}", what, v.size(), dst.numel());
   Tensor host = Tensor::empty({dst.numel()}, DType::f32);
   std::copy(v.begin(), v.end(), host.f32());
   dst.copy_from(host);
@@ -29,7 +29,8 @@ fp8::DelayedScalingGroup* delayed_group(nn::Fp8Context* fp8) { return fp8 ? fp8-
 
 TrainState::Snapshot TrainState::snapshot() const {
   Snapshot s;
-  s.step = step, s.base_step = base_step, s.base_samples = base_samples, s.samples_per_step = samples_per_step;
+  s.step = step, s.base_step = base_step, s.base_samples = base_samples,
+  s.samples_per_step = samples_per_step;
   s.total_steps = total_steps, s.plan_frozen = plan_frozen;
   s.optimizer_steps = optimizer->steps_taken();
   s.params = to_host_vector(params->params());
@@ -44,7 +45,8 @@ TrainState::Snapshot TrainState::snapshot() const {
 }
 
 void TrainState::restore(const Snapshot& s) {
-  step = s.step, base_step = s.base_step, base_samples = s.base_samples, samples_per_step = s.samples_per_step;
+  step = s.step, base_step = s.base_step, base_samples = s.base_samples,
+  samples_per_step = s.samples_per_step;
   total_steps = s.total_steps, plan_frozen = s.plan_frozen;
   optimizer->set_steps_taken(s.optimizer_steps);
   from_host_vector(params->params(), s.params, "the weights");
@@ -93,7 +95,8 @@ std::vector<ShardPiece> TrainState::pieces_to_load(bool with_fp8) {
 void TrainState::finish_load(bool with_fp8) {
   optimizer->finish_load();
   params->refresh_bf16();
-  if (fp8::DelayedScalingGroup* g = delayed_group(fp8); g && with_fp8) g->import_state(fp8_history_, fp8_scales_);
+  if (fp8::DelayedScalingGroup* g = delayed_group(fp8); g && with_fp8)
+    g->import_state(fp8_history_, fp8_scales_);
 }
 
 }  // namespace forge

@@ -51,8 +51,8 @@ struct TrainState {
   // Puts everything back as it was at snapshot(); the bf16 shadow and FP8 weight casts follow.
   void restore(const Snapshot& s);
 
-  // ---- Checkpoints. The pieces of this rank's state to save (the delayed-scaling state from rank 0 only), and
-  // the destinations to load into; after a load, finish_load() applies what was read.
+  // ---- Checkpoints. The pieces of this rank's state to save (the delayed-scaling state from rank 0 only),
+  // and the destinations to load into; after a load, finish_load() applies what was read.
   std::vector<ShardPiece> pieces_to_save(int world_rank);
   std::vector<ShardPiece> pieces_to_load(bool with_fp8);
   void finish_load(bool with_fp8);

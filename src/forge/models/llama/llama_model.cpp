@@ -27,8 +27,8 @@ ShardSpec split(Shape global, int dim, int64_t start, bool primary = true) {
   return ShardSpec{dim, start, std::move(global), primary};
 }
 
-// Heads and kv heads of one tensor-parallel rank: heads split over tp; kv heads too when tp divides them, else
-// each rank keeps the one kv head its query heads read (replicated over tp / kv_heads ranks).
+// Heads and kv heads of one tensor-parallel rank: heads split over tp; kv heads too when tp divides them,
+// else each rank keeps the one kv head its query heads read (replicated over tp / kv_heads ranks).
 nn::AttentionShape local_attention(const LlamaConfig& c, int tp) {
   nn::AttentionShape a{c.hidden_size, c.num_attention_heads / tp, 0, c.head_dim};
   a.kv_heads = c.num_key_value_heads >= tp ? c.num_key_value_heads / tp : 1;
@@ -43,8 +43,8 @@ struct LlamaModel::Activations final : StageActivations {
   const int32_t* device_ids = nullptr;
   std::vector<nn::DecoderLayer::Saved> layers;
   nn::RmsNorm::Saved norm;
-  Tensor dhead;   // last stage: the loss head's gradient at the final norm's output, for B
-  Tensor dembed;  // first stage: the gradient at the embedding's output, for W
+  Tensor dhead;              // last stage: the loss head's gradient at the final norm's output, for B
+  Tensor dembed;             // first stage: the gradient at the embedding's output, for W
   bool input_done = false;   // backward_input ran
   bool weight_done = false;  // backward_weight ran
 };
@@ -57,8 +57,8 @@ LlamaModel::LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, fl
   const int64_t layers = config.num_hidden_layers;
   if (stage_.end_layer < 0) stage_.end_layer = layers;
   if (stage_.first_layer < 0 || stage_.first_layer > stage_.end_layer || stage_.end_layer > layers)
-    fail("{}: stage layers [{}, {}) are outside the model's {} layers", source, stage_.first_layer, stage_.end_layer,
-         layers);
+    fail("{}: stage layers [{}, {}) are outside the model's {} layers", source, stage_.first_layer,
+         stage_.end_layer, layers);
   // Refused before anything is allocated, so a config too big for the machine is one line, not bad_alloc or
   // the OOM killer. On the CPU the host holds everything (with gradients, the optimizer's two moments too:
   // whoever trains a model with gradients steps it with AdamW); a model on a device needs a full fp32 host
@@ -72,8 +72,8 @@ LlamaModel::LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, fl
   const int tp_size = options.tp_size(), rank = options.tp_rank();
   FORGE_CHECK(config.num_attention_heads % tp_size == 0 && config.intermediate_size % tp_size == 0 &&
                   (config.num_key_value_heads % tp_size == 0 || tp_size % config.num_key_value_heads == 0),
-              "{}: {} heads, {} kv heads and ffn {} do not split over tp = {}", source, config.num_attention_heads,
-              config.num_key_value_heads, config.intermediate_size, tp_size);
+              "{}: {} heads, {} kv heads and ffn {} do not split over tp = {}", source,
+              config.num_attention_heads, config.num_key_value_heads, config.intermediate_size, tp_size);
   // Vocabulary-parallel embedding and head: rows padded to a multiple of vocab_divisible_by x tp, split
   // evenly; the padding rows are zero, masked out of the softmax and never saved.
   const int64_t unit = std::max<int64_t>(1, options.vocab_divisible_by) * tp_size;
@@ -82,12 +82,13 @@ LlamaModel::LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, fl
   const ShardSpec vocab_shard{0, vocab_start_, {v, h}, true};
   const ShardSpec replicated{-1, 0, {}, rank == 0};
   if (stage_.pre_process)
-    embed_id_ = params_.add("model.embed_tokens.weight", {local_vocab_, h}, true, Init::normal, init_std, vocab_shard);
+    embed_id_ = params_.add("model.embed_tokens.weight", {local_vocab_, h}, true, Init::normal, init_std,
+                            vocab_shard);
   for (int64_t i = stage_.first_layer; i < stage_.end_layer; ++i) register_layer(i, init_std);
   if (stage_.post_process) {
     norm_id_ = params_.add("model.norm.weight", {h}, false, Init::ones, 0.02f, replicated);
-    // Tied: the head reads the embedding; a last stage without the embedding holds its own copy under the same
-    // name (the same values: initialisation depends on the name), which pipelines keep equal.
+    // Tied: the head reads the embedding; a last stage without the embedding holds its own copy under the
+    // same name (the same values: initialisation depends on the name), which pipelines keep equal.
     if (config.tie_word_embeddings && stage_.pre_process) {
       head_id_ = embed_id_;
       params_.set_grad_uses(embed_id_, 2);  // the embedding's and the head's gradients
@@ -119,12 +120,11 @@ LlamaModel::LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, fl
       const nn::Fp8Options& f = options.fp8->options();
       if (i < f.bf16_first_layers || i >= layers - f.bf16_last_layers) layer_options.fp8 = nullptr;
     }
-    layers_.emplace_back(&params_, ids.norm1,
-                         std::make_unique<nn::Attention>(&params_, ids.attention, attention, &rope_, layer_options),
-                         ids.norm2,
-                         std::make_unique<nn::Mlp>(&params_, ids.mlp, h, config.intermediate_size / tp_size,
-                                                   layer_options),
-                         eps, layer_options);
+    layers_.emplace_back(
+        &params_, ids.norm1,
+        std::make_unique<nn::Attention>(&params_, ids.attention, attention, &rope_, layer_options), ids.norm2,
+        std::make_unique<nn::Mlp>(&params_, ids.mlp, h, config.intermediate_size / tp_size, layer_options),
+        eps, layer_options);
   }
   if (options.fp8) options.fp8->seal();
   if (stage_.post_process) {
@@ -132,12 +132,18 @@ LlamaModel::LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, fl
     head_ = nn::LossHead(&params_, head_id_, v, vocab_start_, options);
   }
 
-  // Gradients that several tensor-parallel ranks hold copies of, each having seen only part of them, are summed
-  // over the group as soon as they are final: norm weights under sequence parallelism (each rank normed only
-  // its rows), kv heads replicated over ranks (each holder saw only its own query heads).
+  if (with_grads) register_tensor_parallel_sums();
+}
+
+// Gradients that several tensor-parallel ranks hold copies of, each having seen only part of them, are summed
+// over the group as soon as they are final: norm weights under sequence parallelism (each rank normed only
+// its rows), kv heads replicated over ranks (each holder saw only its own query heads).
+void LlamaModel::register_tensor_parallel_sums() {
   nn::TensorParallel* group = tp();
-  if (!group || !with_grads) return;
-  const Device device = options.device;
+  if (!group) return;
+  const Device device = options_.device;
+  const LlamaConfig& config = config_;
+  const int64_t h = config.hidden_size;
   auto sum_over_group = [this, group, device](int id) {
     params_.add_grad_finalizer({id}, [this, group, device, id] {
       group->all_reduce_sum(params_.grad(id).f32(), params_.grad(id).numel(), device);
@@ -158,10 +164,13 @@ LlamaModel::LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, fl
       Tensor buffer = Tensor::zeros({2, kv_heads, per_head}, DType::f32, device);
       const int kv_ids[2] = {k, vv};
       for (int kv = 0; kv < 2; ++kv)
-        buffer.view((kv * kv_heads + head) * per_head, {per_head}).copy_from(params_.grad(kv_ids[kv]).reshape({per_head}));
+        buffer.view((kv * kv_heads + head) * per_head, {per_head})
+            .copy_from(params_.grad(kv_ids[kv]).reshape({per_head}));
       group->all_reduce_sum(buffer.f32(), buffer.numel(), device);
       for (int kv = 0; kv < 2; ++kv)
-        params_.grad(kv_ids[kv]).reshape({per_head}).copy_from(buffer.view((kv * kv_heads + head) * per_head, {per_head}));
+        params_.grad(kv_ids[kv])
+            .reshape({per_head})
+            .copy_from(buffer.view((kv * kv_heads + head) * per_head, {per_head}));
     });
   }
 }
@@ -184,15 +193,16 @@ void LlamaModel::register_layer(int64_t index, float init_std) {
   const float out_std = init_std / std::sqrt(2.0f * static_cast<float>(c.num_hidden_layers));
   LayerIds ids;
   ids.norm1 = params_.add(p + "input_layernorm.weight", {hidden}, false, Init::ones, 0.02f, norm_shard);
-  ids.attention.q = params_.add(p + "self_attn.q_proj.weight", {l.heads * d, hidden}, true, Init::normal, init_std,
-                                split({qd, hidden}, 0, r * l.heads * d));
+  ids.attention.q = params_.add(p + "self_attn.q_proj.weight", {l.heads * d, hidden}, true, Init::normal,
+                                init_std, split({qd, hidden}, 0, r * l.heads * d));
   ids.attention.k = params_.add(p + "self_attn.k_proj.weight", {l.kv_heads * d, hidden}, true, Init::normal,
                                 init_std, split({kvd, hidden}, 0, kv_start, kv_primary));
   ids.attention.v = params_.add(p + "self_attn.v_proj.weight", {l.kv_heads * d, hidden}, true, Init::normal,
                                 init_std, split({kvd, hidden}, 0, kv_start, kv_primary));
-  ids.attention.o = params_.add(p + "self_attn.o_proj.weight", {hidden, l.heads * d}, true, Init::normal, out_std,
-                                split({hidden, qd}, 1, r * l.heads * d));
-  ids.norm2 = params_.add(p + "post_attention_layernorm.weight", {hidden}, false, Init::ones, 0.02f, norm_shard);
+  ids.attention.o = params_.add(p + "self_attn.o_proj.weight", {hidden, l.heads * d}, true, Init::normal,
+                                out_std, split({hidden, qd}, 1, r * l.heads * d));
+  ids.norm2 =
+      params_.add(p + "post_attention_layernorm.weight", {hidden}, false, Init::ones, 0.02f, norm_shard);
   const int64_t f = c.intermediate_size / tp;
   ids.mlp.gate = params_.add(p + "mlp.gate_proj.weight", {f, hidden}, true, Init::normal, init_std,
                              split({c.intermediate_size, hidden}, 0, r * f));
@@ -203,17 +213,21 @@ void LlamaModel::register_layer(int64_t index, float init_std) {
   layer_ids_.push_back(ids);
 }
 
-nn::TensorParallel* LlamaModel::tp() const { return options_.tp && options_.tp->size() > 1 ? options_.tp : nullptr; }
+nn::TensorParallel* LlamaModel::tp() const {
+  return options_.tp && options_.tp->size() > 1 ? options_.tp : nullptr;
+}
 
 void LlamaModel::require_whole(const char* what) const {
   if (!stage_.pre_process || !stage_.post_process || stage_.first_layer != 0 ||
       stage_.end_layer != config_.num_hidden_layers)
     fail("{} needs the whole model; this stage holds layers [{}, {}){}{}", what, stage_.first_layer,
-         stage_.end_layer, stage_.pre_process ? " with the embedding" : "", stage_.post_process ? " with the head" : "");
+         stage_.end_layer, stage_.pre_process ? " with the embedding" : "",
+         stage_.post_process ? " with the head" : "");
 }
 
 void LlamaModel::check_inputs(const MicroBatch& mb) const {
-  if (mb.batch <= 0 || mb.seq <= 0) fail("batch ({}) and sequence length ({}) must be positive", mb.batch, mb.seq);
+  if (mb.batch <= 0 || mb.seq <= 0)
+    fail("batch ({}) and sequence length ({}) must be positive", mb.batch, mb.seq);
   if (mb.seq > config_.max_position_embeddings)
     fail("sequence length {} exceeds max_position_embeddings {}", mb.seq, config_.max_position_embeddings);
   const int64_t n = mb.batch * mb.seq;
@@ -221,19 +235,23 @@ void LlamaModel::check_inputs(const MicroBatch& mb) const {
     FORGE_CHECK(mb.ids != nullptr, "the first stage needs token ids");
     for (int64_t i = 0; i < n; ++i)
       if (mb.ids[i] < 0 || mb.ids[i] >= config_.vocab_size)
-        fail("token id {} at position {} is outside the vocabulary [0, {})", mb.ids[i], i, config_.vocab_size);
+        fail("token id {} at position {} is outside the vocabulary [0, {})", mb.ids[i], i,
+             config_.vocab_size);
   }
   if (stage_.post_process && mb.targets)
     for (int64_t i = 0; i < n; ++i)
       if (mb.targets[i] >= config_.vocab_size)
-        fail("target id {} at position {} is outside the vocabulary [0, {})", mb.targets[i], i, config_.vocab_size);
+        fail("target id {} at position {} is outside the vocabulary [0, {})", mb.targets[i], i,
+             config_.vocab_size);
   if (tp() && tp()->sequence_parallel() && n % tp()->size() != 0)
-    fail("sequence parallelism splits the {} x {} token rows over tp = {} ranks: they do not divide", mb.batch,
-         mb.seq, tp()->size());
+    fail("sequence parallelism splits the {} x {} token rows over tp = {} ranks: they do not divide",
+         mb.batch, mb.seq, tp()->size());
 }
 
-StageOutput LlamaModel::forward(const MicroBatch& mb, const Tensor& hidden, std::unique_ptr<StageActivations>* saved) {
-  if (saved && !params_.has_grads()) fail("forward for backward: this model was built for inference, without gradients");
+StageOutput LlamaModel::forward(const MicroBatch& mb, const Tensor& hidden,
+                                std::unique_ptr<StageActivations>* saved) {
+  if (saved && !params_.has_grads())
+    fail("forward for backward: this model was built for inference, without gradients");
   check_inputs(mb);
   if (stage_.post_process) FORGE_CHECK(mb.targets != nullptr, "the last stage needs targets");
   // Training micro-batches (those that will run backward) feed the FP8 amax history.
@@ -248,8 +266,8 @@ StageOutput LlamaModel::forward(const MicroBatch& mb, const Tensor& hidden, std:
   } else {
     const int64_t rows = tp() && tp()->sequence_parallel() ? n / tp()->size() : n;
     FORGE_CHECK(hidden.defined() && hidden.numel() == rows * config_.hidden_size,
-                "stage input: {} elements, expected [{}, {}] hidden states", hidden.defined() ? hidden.numel() : 0,
-                rows, config_.hidden_size);
+                "stage input: {} elements, expected [{}, {}] hidden states",
+                hidden.defined() ? hidden.numel() : 0, rows, config_.hidden_size);
     x = hidden;
   }
   if (saved) acts->layers.resize(layers_.size());
@@ -281,7 +299,8 @@ Tensor LlamaModel::backward_input(const Tensor& doutput, StageActivations& state
   Tensor dx = doutput;
   if (stage_.post_process) dx = final_norm_.backward_input(acts.dhead, acts.norm), acts.dhead = Tensor();
   FORGE_CHECK(dx.defined(), "backward_input of a stage that is not the last needs its output's gradient");
-  for (size_t l = layers_.size(); l-- > 0;) dx = layers_[l].backward_input(dx, acts.batch, acts.seq, acts.layers[l]);
+  for (size_t l = layers_.size(); l-- > 0;)
+    dx = layers_[l].backward_input(dx, acts.batch, acts.seq, acts.layers[l]);
   acts.input_done = true;
   if (!stage_.pre_process) return dx;
   acts.dembed = dx;
@@ -357,7 +376,8 @@ KvCache LlamaModel::make_cache(int64_t batch, int64_t capacity) const {
 Tensor LlamaModel::forward_cached(const int32_t* ids, int64_t batch, int64_t new_tokens, KvCache& cache,
                                   bool all_logits) {
   require_whole("cached inference");
-  if (tp()) fail("cached inference runs on one process; this model is split over tp = {} ranks", tp()->size());
+  if (tp())
+    fail("cached inference runs on one process; this model is split over tp = {} ranks", tp()->size());
   if (batch <= 0 || new_tokens <= 0)
     fail("batch ({}) and new tokens ({}) must be positive", batch, new_tokens);
   if (!cache.allocated() || cache.layers() != config_.num_hidden_layers || cache.batch() != batch ||
@@ -380,7 +400,8 @@ Tensor LlamaModel::forward_cached(const int32_t* ids, int64_t batch, int64_t new
 
   const int64_t h = config_.hidden_size;
   Tensor ids_holder;
-  Tensor x = embedding_.forward(ids_on(options_.device, ids, batch * new_tokens, ids_holder), batch * new_tokens);
+  Tensor x =
+      embedding_.forward(ids_on(options_.device, ids, batch * new_tokens, ids_holder), batch * new_tokens);
   for (size_t l = 0; l < layers_.size(); ++l)
     x = layers_[l].forward_cached(x, batch, new_tokens, cache.layer(static_cast<int64_t>(l)));
   cache.advance(new_tokens);
@@ -396,7 +417,6 @@ Tensor LlamaModel::forward_cached(const int32_t* ids, int64_t batch, int64_t new
   return head_.logits(final_norm_.forward(x, norm_saved)).to(Device::cpu);
 }
 
-
 ModelFamily llama_family() {
   ModelFamily f;
   f.architecture = "LlamaForCausalLM";
@@ -404,8 +424,8 @@ ModelFamily llama_family() {
   f.parse_config = [](const nlohmann::json& json, std::string_view source) -> std::unique_ptr<ModelConfig> {
     return std::make_unique<LlamaConfig>(LlamaConfig::from_json(json, source));
   };
-  f.build = [](const ModelConfig& config, const nn::ComputeOptions& options, const StageSpec& stage, float init_std,
-               bool with_grads) -> std::unique_ptr<Model> {
+  f.build = [](const ModelConfig& config, const nn::ComputeOptions& options, const StageSpec& stage,
+               float init_std, bool with_grads) -> std::unique_ptr<Model> {
     const auto* llama = dynamic_cast<const LlamaConfig*>(&config);
     FORGE_CHECK(llama != nullptr, "a {} config given to the LlamaForCausalLM family", config.architecture());
     return std::make_unique<LlamaModel>(*llama, options, init_std, with_grads, stage);

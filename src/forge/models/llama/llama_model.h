@@ -28,8 +28,8 @@ class LlamaModel final : public Model {
  public:
   // Registers and allocates the stage's parameters; they start at zero until initialize() or a load.
   // with_grads = false builds an inference model (no gradient buffers; backward is refused).
-  LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, float init_std = 0.02f, bool with_grads = true,
-             StageSpec stage = StageSpec::whole());
+  LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, float init_std = 0.02f,
+             bool with_grads = true, StageSpec stage = StageSpec::whole());
   LlamaModel(const LlamaModel&) = delete;
   LlamaModel& operator=(const LlamaModel&) = delete;
 
@@ -40,7 +40,8 @@ class LlamaModel final : public Model {
   const ParameterStore& params() const override { return params_; }
   int64_t padded_vocab_size() const { return padded_vocab_; }  // vocabulary rows over all tp ranks
 
-  StageOutput forward(const MicroBatch& mb, const Tensor& hidden, std::unique_ptr<StageActivations>* saved) override;
+  StageOutput forward(const MicroBatch& mb, const Tensor& hidden,
+                      std::unique_ptr<StageActivations>* saved) override;
   Tensor backward_input(const Tensor& doutput, StageActivations& saved) override;
   void backward_weight(StageActivations& saved) override;
   Tensor backward(const Tensor& doutput, StageActivations& saved) override;
@@ -57,6 +58,7 @@ class LlamaModel final : public Model {
  private:
   struct Activations;
   void register_layer(int64_t index, float init_std);
+  void register_tensor_parallel_sums();
   void check_inputs(const MicroBatch& mb) const;
   Tensor final_hidden(const int32_t* ids, int64_t batch, int64_t seq);
   void require_whole(const char* what) const;

@@ -1,4 +1,4 @@
-#include "forge/parallel/tensor_parallel.h"
+#include "forge/parallel/comm_tensor_parallel.h"
 
 #include "forge/core/error.h"
 
