@@ -19,6 +19,7 @@
 #include "forge/train/device_emulation.h"
 
 namespace forge {
+using namespace forge::train;
 
 enum class DeviceBackend { gpu, emulated };
 

@@ -12,6 +12,7 @@
 #include "forge/models/llama/llama_model.h"
 
 namespace forge {
+using namespace forge::models;
 namespace {
 
 LlamaConfig default_model() {

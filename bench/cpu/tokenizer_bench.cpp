@@ -16,6 +16,7 @@
 #include "forge/data/tokenizer.h"
 
 namespace forge {
+using namespace forge::data;
 namespace {
 
 struct Kjv {

@@ -12,6 +12,7 @@
 #include "forge/core/error.h"
 
 namespace forge {
+using namespace forge::ckpt;
 namespace {
 
 std::string error_of(const std::vector<float>& values) {

@@ -12,6 +12,7 @@
 #include <optional>
 
 namespace forge {
+using namespace forge::ckpt;
 namespace {
 
 namespace fs = std::filesystem;

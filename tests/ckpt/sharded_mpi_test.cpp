@@ -10,6 +10,7 @@
 #include "op_harness.h"
 
 namespace forge {
+using namespace forge::ckpt;
 namespace {
 
 namespace fs = std::filesystem;

@@ -23,6 +23,7 @@
 #include "op_harness.h"
 
 namespace forge {
+using namespace forge::optim; using namespace forge::models; using namespace forge::ckpt;
 namespace {
 
 namespace fs = std::filesystem;

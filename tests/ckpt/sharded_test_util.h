@@ -21,6 +21,7 @@
 #include "forge/ckpt/sharded.h"
 
 namespace forge::sharded_testing {
+using namespace forge::ckpt;
 
 struct SimLayout {
   int tp = 1, dp = 1;

@@ -12,6 +12,7 @@
 #include "tokenizer_test_util.h"
 
 namespace forge {
+using namespace forge::data;
 namespace {
 
 using nlohmann::json;

@@ -8,6 +8,7 @@
 #include "forge/core/error.h"
 
 namespace forge {
+using namespace forge::data;
 namespace {
 
 // tokens[i] = i, so the first input id of a window is its offset.

@@ -16,6 +16,7 @@
 #include "forge/data/indexed_dataset.h"
 
 namespace forge::testing {
+using namespace forge::data;
 
 // A fresh directory per test, removed at the end.
 class DatasetTempDir {

@@ -15,6 +15,7 @@
 #include "op_harness.h"
 
 namespace forge {
+using namespace forge::data;
 namespace {
 
 using testing::DatasetTempDir;

@@ -16,6 +16,7 @@
 #include "op_harness.h"
 
 namespace forge {
+using namespace forge::data;
 namespace {
 
 namespace fs = std::filesystem;

@@ -14,6 +14,7 @@
 #include "op_harness.h"
 
 namespace forge {
+using namespace forge::data;
 namespace {
 
 using testing::DatasetTempDir;

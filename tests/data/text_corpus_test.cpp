@@ -13,6 +13,7 @@
 #include "op_harness.h"
 
 namespace forge {
+using namespace forge::data;
 namespace {
 
 // A fresh directory per test, removed at the end.

@@ -11,6 +11,7 @@
 #include "tokenizer_test_util.h"
 
 namespace forge {
+using namespace forge::data;
 namespace {
 
 using testing::expect_error_containing;

@@ -9,6 +9,7 @@
 #include "forge/core/error.h"
 
 namespace forge {
+using namespace forge::models;
 namespace {
 
 using nlohmann::json;

@@ -9,6 +9,7 @@
 #include "op_harness.h"
 
 namespace forge {
+using namespace forge::models;
 namespace {
 
 TEST(LlamaModel, RefusesAModelTooBigForTheMachineBeforeAllocating) {

@@ -18,6 +18,7 @@
 #include "forge/ckpt/safetensors.h"
 
 namespace forge::pretrained_testing {
+using namespace forge::models; using namespace forge::ckpt;
 
 namespace fs = std::filesystem;
 using nlohmann::json;

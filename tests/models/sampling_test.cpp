@@ -15,6 +15,7 @@
 #include "op_harness.h"
 
 namespace forge {
+using namespace forge::models;
 namespace {
 
 SamplingOptions settings(double temperature, int64_t top_k, double top_p) {

@@ -15,6 +15,7 @@
 #include "op_harness.h"
 
 namespace forge {
+using namespace forge::models;
 namespace {
 
 LlamaConfig six_layers() {

@@ -11,6 +11,7 @@
 #include "forge/kernels/ops.h"
 
 namespace forge {
+using namespace forge::optim;
 namespace {
 
 // Three parameters of odd sizes (10 + 7 + 33 = 50 elements), the middle one without weight decay.

@@ -8,6 +8,7 @@
 #include "forge/core/error.h"
 
 namespace forge {
+using namespace forge::optim;
 namespace {
 
 LrSchedule make(LrSchedule::Kind kind, int64_t warmup, int64_t total, double decay_fraction = 0.2) {

@@ -10,6 +10,7 @@
 #include "parallel/dp_test_util.h"
 
 namespace forge::parallel {
+using namespace forge::optim;
 namespace {
 
 constexpr int64_t kSmallBucket = 160;
@@ -40,7 +41,7 @@ void backward(ParameterStore& store, GradBuckets& buckets, int rank, int step) {
 
 class Steps : public ::testing::TestWithParam<bool> {};
 
-// Over several steps, the data-parallel optimizer (each rank its own gradients) follows forge::AdamW on the
+// Over several steps, the data-parallel optimizer (each rank its own gradients) follows forge::optim::AdamW on the
 // summed gradients. The toy gradients are dyadic, so the reduced gradients are exactly the sum whatever the
 // reduction order, and the update is the same elementwise kernel on the same inputs: weights and moments
 // must agree to within 1e-6 relative (a few fp32 ulps, for a kernel whose vector body and scalar tail may

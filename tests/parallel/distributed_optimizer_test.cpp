@@ -12,6 +12,7 @@
 #include "parallel/dp_test_util.h"
 
 namespace forge::parallel {
+using namespace forge::optim;
 namespace {
 
 using testing::FakeGroup;
@@ -22,7 +23,7 @@ enum class Mode { no_buckets, unsharded, sharded };
 
 class OneRank : public ::testing::TestWithParam<Mode> {};
 
-// With one dp rank, the distributed optimizer is forge::AdamW bitwise: weights, moments, bf16 shadow and
+// With one dp rank, the distributed optimizer is forge::optim::AdamW bitwise: weights, moments, bf16 shadow and
 // gradient norm, whether it updates through buckets, unsharded or sharded.
 TEST_P(OneRank, MatchesAdamWBitwise) {
   const Mode mode = GetParam();

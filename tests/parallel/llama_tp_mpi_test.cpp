@@ -14,6 +14,7 @@
 #include "forge/parallel/comm_tensor_parallel.h"
 
 namespace forge {
+using namespace forge::models;
 namespace {
 
 LlamaConfig tiny_config(int64_t kv_heads, bool tied) {

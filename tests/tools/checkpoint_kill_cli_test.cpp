@@ -18,6 +18,7 @@
 #include "tools/cli_harness.h"
 
 namespace forge::testing::cli {
+using namespace forge::ckpt;
 namespace {
 
 constexpr int kSteps = 5;

@@ -14,6 +14,7 @@
 #include "forge/ckpt/safetensors.h"
 #include "forge/models/llama/llama_config.h"
 #include "tools/cli_harness.h"
+using namespace forge::models; using namespace forge::ckpt;
 
 namespace {
 namespace fs = std::filesystem;
@@ -38,7 +39,7 @@ std::map<std::string, fs::path> tensor_files(const fs::path& folder) {
     for (const auto& [tensor, file] : index["weight_map"].items())
       files[tensor] = folder / file.get<std::string>();
   } else {
-    auto st = forge::SafetensorsFile::open((folder / "model.safetensors").string());
+    auto st = forge::ckpt::SafetensorsFile::open((folder / "model.safetensors").string());
     for (const auto& entry : st.entries()) files[entry.name] = folder / "model.safetensors";
   }
   return files;
@@ -46,8 +47,8 @@ std::map<std::string, fs::path> tensor_files(const fs::path& folder) {
 
 // Overwrites element `index` of BF16 tensor `tensor` in safetensors file `file` with the raw bits `bits`.
 void poke_bf16(const fs::path& file, const std::string& tensor, int64_t index, uint16_t bits) {
-  const auto st = forge::SafetensorsFile::open(file.string());
-  const forge::SafetensorsEntry* entry = st.find(tensor);
+  const auto st = forge::ckpt::SafetensorsFile::open(file.string());
+  const forge::ckpt::SafetensorsEntry* entry = st.find(tensor);
   ASSERT_NE(entry, nullptr) << tensor;
   ASSERT_EQ(entry->dtype, forge::DType::bf16);
   std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
@@ -95,8 +96,8 @@ TEST_F(ConvertCli, RoundTripThroughForgeKeepsBf16BytesAndCompanions) {
       continue;
     }
     ASSERT_TRUE(converted.count(tensor)) << tensor;
-    auto a = forge::SafetensorsFile::open(file.string()).read(tensor);
-    auto b = forge::SafetensorsFile::open(converted.at(tensor).string()).read(tensor);
+    auto a = forge::ckpt::SafetensorsFile::open(file.string()).read(tensor);
+    auto b = forge::ckpt::SafetensorsFile::open(converted.at(tensor).string()).read(tensor);
     ASSERT_EQ(b.dtype(), forge::DType::bf16) << tensor;
     EXPECT_EQ(std::memcmp(a.raw(), b.raw(), a.bytes()), 0) << tensor;
     ++compared;
@@ -214,7 +215,7 @@ TEST_F(ConvertCli, ForgeCheckpointRecordsTheTrainersModelConfig) {
       0);
   const nlohmann::json recorded = read_json(path("ckpt") + "/manifest.json")["model_config"];
   const nlohmann::json expected =
-      forge::LlamaConfig::from_json(read_json(kFixture / "config.json"), "fixture").to_json();
+      forge::models::LlamaConfig::from_json(read_json(kFixture / "config.json"), "fixture").to_json();
   EXPECT_EQ(recorded, expected) << recorded.dump(2);
   // And a checkpoint converted from that checkpoint again records the same.
   ASSERT_EQ(

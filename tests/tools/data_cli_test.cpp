@@ -15,6 +15,7 @@
 #include "tools/cli_harness.h"
 
 namespace forge {
+using namespace forge::data;
 namespace {
 namespace fs = std::filesystem;
 using testing::cli::expect_one_line_error;

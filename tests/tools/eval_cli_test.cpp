@@ -24,6 +24,7 @@
 #include "tools/cli_harness.h"
 
 namespace forge {
+using namespace forge::models; using namespace forge::data; using namespace forge::ckpt;
 namespace {
 namespace fs = std::filesystem;
 using testing::cli::expect_one_line_error;

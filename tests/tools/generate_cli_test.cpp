@@ -26,6 +26,7 @@
 #include "tools/cli_harness.h"
 
 namespace forge {
+using namespace forge::models; using namespace forge::data; using namespace forge::ckpt;
 namespace {
 namespace fs = std::filesystem;
 using testing::cli::Outcome;

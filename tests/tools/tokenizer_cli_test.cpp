@@ -8,6 +8,7 @@
 
 #include "forge/data/tokenizer.h"
 #include "tools/cli_harness.h"
+using namespace forge::data;
 
 namespace {
 namespace fs = std::filesystem;
@@ -58,14 +59,14 @@ TEST_F(TokenizerCli, TrainPrintsStatsAndWritesALoadableTokenizer) {
   ASSERT_EQ(o.status, 0) << o.output;
   EXPECT_NE(o.output.find("400-token vocabulary"), std::string::npos) << o.output;
   EXPECT_NE(o.output.find("267 lines"), std::string::npos) << o.output;
-  const forge::Tokenizer t = forge::Tokenizer::from_file(out);
+  const forge::data::Tokenizer t = forge::data::Tokenizer::from_file(out);
   EXPECT_EQ(t.vocab_size(), 400);
   EXPECT_EQ(t.bos_id(), 0);
   EXPECT_EQ(t.eos_id(), 1);
 }
 
 TEST_F(TokenizerCli, EncodeAndDecodeRoundTrip) {
-  const forge::Tokenizer t = forge::Tokenizer::from_file(fixture_);
+  const forge::data::Tokenizer t = forge::data::Tokenizer::from_file(fixture_);
   const std::string text = "In the beginning God created the heaven 中文 👍🏽\n";
   const std::string expected = join_ids(t.encode(text));
 

@@ -10,6 +10,7 @@
 #include "op_harness.h"
 
 namespace forge {
+using namespace forge::optim; using namespace forge::train;
 namespace {
 
 const std::filesystem::path kRepoRoot = std::filesystem::path(FORGE_FIXTURE_DIR).parent_path().parent_path();

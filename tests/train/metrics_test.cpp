@@ -12,6 +12,7 @@
 #include "forge/core/error.h"
 
 namespace forge {
+using namespace forge::train;
 namespace {
 
 class TempDir {

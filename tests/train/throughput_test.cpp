@@ -18,6 +18,7 @@
 #include "forge/train/device_emulation.h"
 
 namespace forge {
+using namespace forge::models; using namespace forge::train;
 namespace {
 
 LlamaConfig tiny() {

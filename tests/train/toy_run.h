@@ -13,6 +13,7 @@
 #include "forge/train/config.h"
 
 namespace forge::toy {
+using namespace forge::optim; using namespace forge::ckpt; using namespace forge::train;
 
 // An empty directory for the running test: <tmp>/<prefix>_<pid>_<test name>, removed first if present.
 inline std::filesystem::path fresh_test_dir(const std::string& prefix) {

@@ -13,6 +13,7 @@
 #include "train/toy_run.h"
 
 namespace forge {
+using namespace forge::optim; using namespace forge::ckpt; using namespace forge::train;
 namespace {
 
 std::vector<float> host_weights(const TrainState& s) {

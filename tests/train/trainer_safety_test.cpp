@@ -24,6 +24,7 @@
 #include "train/toy_run.h"
 
 namespace forge {
+using namespace forge::optim; using namespace forge::models; using namespace forge::data; using namespace forge::ckpt; using namespace forge::train;
 namespace {
 namespace fs = std::filesystem;
 

@@ -18,6 +18,7 @@
 #include "op_harness.h"
 
 namespace forge {
+using namespace forge::optim; using namespace forge::models; using namespace forge::data; using namespace forge::ckpt; using namespace forge::train;
 namespace {
 namespace fs = std::filesystem;
 using forge::testing::expect_error_containing;

@@ -13,6 +13,7 @@
 #include "forge/train/throughput.h"
 
 namespace forge::cli {
+using namespace forge::models; using namespace forge::train;
 namespace {
 
 struct BenchOptions {

@@ -13,6 +13,7 @@
 #include "forge/data/tokenizer.h"
 
 namespace forge::cli {
+using namespace forge::data;
 namespace {
 
 struct DataOptions {

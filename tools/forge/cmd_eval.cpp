@@ -24,6 +24,7 @@
 #include "forge/data/indexed_dataset.h"
 
 namespace forge::cli {
+using namespace forge::models; using namespace forge::data;
 namespace {
 
 struct EvalOptions {

@@ -30,6 +30,7 @@
 #include "forge/models/sampling.h"
 
 namespace forge::cli {
+using namespace forge::models; using namespace forge::data;
 namespace {
 namespace fs = std::filesystem;
 

@@ -14,6 +14,7 @@
 #include "forge/data/tokenizer.h"
 
 namespace forge::cli {
+using namespace forge::data;
 namespace {
 
 struct TokenizerOptions {

@@ -9,6 +9,7 @@
 #include "forge/train/trainer.h"
 
 namespace forge::cli {
+using namespace forge::optim; using namespace forge::train;
 namespace {
 
 struct TrainOptions {

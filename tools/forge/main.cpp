@@ -14,6 +14,7 @@
 #include "forge/core/error.h"
 #include "forge/core/suggest.h"
 #include "forge/train/device_emulation.h"
+using namespace forge::train;
 
 int main(int argc, char** argv) {
   CLI::App app{"forge: train large language models natively in C++ (LLaMA-family on CPU and GPU)", "forge"};
@@ -53,7 +54,7 @@ int main(int argc, char** argv) {
   // FORGE_EMULATE_DEVICE=1: --device cuda runs on the host under the device emulation
   // (train/device_emulation.h: the CPU kernels, device memory closed to host code, MPI standing in for NCCL),
   // to test every command's GPU code path on a machine without a GPU. Slow, and its speeds mean nothing.
-  std::optional<forge::DeviceEmulation> emulation;
+  std::optional<forge::train::DeviceEmulation> emulation;
   try {
     if (const char* e = std::getenv("FORGE_EMULATE_DEVICE"); e && *e) {
       const std::string_view mode(e);

@@ -9,7 +9,7 @@
 #include "forge/comm/comm.h"
 #include "forge/core/error.h"
 
-namespace forge {
+namespace forge::ckpt {
 
 void save_checkpoint(const std::string& dir, const ParameterStore& params, const OptimizerMoments* optimizer,
                      const CheckpointState& state) {
@@ -36,4 +36,4 @@ CheckpointState load_checkpoint(const std::string& dir, ParameterStore& params, 
   return state;
 }
 
-}  // namespace forge
+}  // namespace forge::ckpt

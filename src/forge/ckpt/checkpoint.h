@@ -18,7 +18,7 @@
 
 #include "forge/core/parameters.h"
 
-namespace forge {
+namespace forge::ckpt {
 
 struct CheckpointState {
   int64_t step = 0;                 // optimizer steps completed
@@ -46,4 +46,4 @@ bool checkpoint_exists(const std::string& dir);  // `dir` resolves to a complete
 // equal. Nothing is written before everything is checked.
 CheckpointState load_checkpoint(const std::string& dir, ParameterStore& params, OptimizerMoments* optimizer);
 
-}  // namespace forge
+}  // namespace forge::ckpt

@@ -9,7 +9,7 @@
 #include "forge/core/fault_injection.h"
 #include "forge/core/file_io.h"
 
-namespace forge {
+namespace forge::ckpt {
 namespace fs = std::filesystem;
 namespace {
 
@@ -232,4 +232,4 @@ void remove_checkpoint_data(const std::string& path) {
   if (fs::exists(root / kManifest, ec) || holds_checkpoint_data(path)) remove_single_folder_checkpoint(root);
 }
 
-}  // namespace forge
+}  // namespace forge::ckpt

@@ -18,7 +18,7 @@
 
 #include "forge/ckpt/sharded.h"
 
-namespace forge {
+namespace forge::ckpt {
 
 std::string checkpoint_step_name(int64_t step);  // "step-00000042"
 
@@ -60,4 +60,4 @@ std::optional<int64_t> latest_checkpoint_step(const std::string& path);
 // a single-folder checkpoint's files), nothing else. For a fresh run told to overwrite.
 void remove_checkpoint_data(const std::string& root);
 
-}  // namespace forge
+}  // namespace forge::ckpt

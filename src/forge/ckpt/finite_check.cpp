@@ -4,7 +4,7 @@
 
 #include "forge/core/error.h"
 
-namespace forge {
+namespace forge::ckpt {
 namespace {
 
 // By the bits rather than std::isfinite, so that no floating-point mode can optimise the test away: all
@@ -32,4 +32,4 @@ void check_finite(const float* data, int64_t n, std::string_view tensor, std::st
       file, tensor, bad, bad == 1 ? "" : "s", n, first, value);
 }
 
-}  // namespace forge
+}  // namespace forge::ckpt

@@ -6,11 +6,11 @@
 #include <cstdint>
 #include <string_view>
 
-namespace forge {
+namespace forge::ckpt {
 
 // Throws forge::Error, one line naming the file, the tensor, how many of its n values are NaN or infinite
 // and the first of them ("<file>: tensor '<name>' holds 3 non-finite values (NaN or infinity) of 256, the
 // first at index 17 (nan); refusing to load it"), unless all n are finite.
 void check_finite(const float* data, int64_t n, std::string_view tensor, std::string_view file);
 
-}  // namespace forge
+}  // namespace forge::ckpt

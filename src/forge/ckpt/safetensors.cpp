@@ -13,7 +13,7 @@
 
 #include "forge/core/error.h"
 
-namespace forge {
+namespace forge::ckpt {
 
 static_assert(std::endian::native == std::endian::little, "safetensors data is little-endian");
 
@@ -362,4 +362,4 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
   }
 }
 
-}  // namespace forge
+}  // namespace forge::ckpt

@@ -17,7 +17,7 @@
 #include "forge/core/dtype.h"
 #include "forge/core/tensor.h"
 
-namespace forge {
+namespace forge::ckpt {
 
 // safetensors dtype strings ("F32", "BF16", "F16", "F8_E4M3", "F8_E5M2", "I32", "I64", "U8").
 std::string_view safetensors_dtype_name(DType dtype);
@@ -75,4 +75,4 @@ class SafetensorsFile {
 void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
                        const std::map<std::string, std::string>& metadata = {});
 
-}  // namespace forge
+}  // namespace forge::ckpt

@@ -27,7 +27,7 @@
 #include "forge/core/fault_injection.h"
 #include "forge/core/file_io.h"
 
-namespace forge {
+namespace forge::ckpt {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
@@ -758,4 +758,4 @@ CheckpointState read_checkpoint_manifest(const std::string& dir, bool verify_fil
   return read_checkpoint_manifest_at(resolve_checkpoint(dir).dir, verify_files);
 }
 
-}  // namespace forge
+}  // namespace forge::ckpt

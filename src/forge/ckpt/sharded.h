@@ -29,7 +29,7 @@
 #include "forge/core/parameters.h"
 #include "forge/core/tensor.h"
 
-namespace forge {
+namespace forge::ckpt {
 
 // A file rank 0 adds to a checkpoint before its manifest (the run's tokenizer.json), listed in the
 // manifest with its size and CRC32 like the shards.
@@ -107,4 +107,4 @@ void write_checkpoint_manifest(const std::string& dir, std::span<const ShardFile
 // there), with fsyncs so that the rename survives a power loss.
 void commit_checkpoint(const std::string& staging, const std::string& dir);
 
-}  // namespace forge
+}  // namespace forge::ckpt

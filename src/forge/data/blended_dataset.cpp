@@ -6,7 +6,7 @@
 
 #include "forge/core/error.h"
 
-namespace forge {
+namespace forge::data {
 
 std::vector<BlendComponent> parse_blend(std::string_view blend) {
   std::vector<std::string> words;
@@ -162,4 +162,4 @@ std::unique_ptr<BlendedDataset> open_blended_gpt_dataset(std::string_view blend,
   return std::make_unique<BlendedDataset>(std::move(datasets), std::move(weights), config.num_samples);
 }
 
-}  // namespace forge
+}  // namespace forge::data

@@ -26,7 +26,7 @@
 
 #include "forge/data/gpt_dataset.h"
 
-namespace forge {
+namespace forge::data {
 
 struct BlendComponent {
   double weight = 1;  // normalised
@@ -80,4 +80,4 @@ class BlendedDataset {
 std::unique_ptr<BlendedDataset> open_blended_gpt_dataset(std::string_view blend, std::string_view split,
                                                          DataSplit which, const GptDatasetConfig& config);
 
-}  // namespace forge
+}  // namespace forge::data

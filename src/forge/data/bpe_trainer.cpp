@@ -13,7 +13,7 @@
 #include "forge/data/tokenizer_regex.h"
 #include "forge/data/tokenizer_text.h"
 
-namespace forge {
+namespace forge::data {
 namespace {
 
 using ordered_json = nlohmann::ordered_json;
@@ -393,4 +393,4 @@ Tokenizer train_bpe_from_files(const std::vector<std::filesystem::path>& files,
   return trainer.finish(stats, started);
 }
 
-}  // namespace forge
+}  // namespace forge::data

@@ -31,7 +31,7 @@
 
 #include "forge/data/tokenizer.h"
 
-namespace forge {
+namespace forge::data {
 
 struct BpeTrainerOptions {
   int64_t vocab_size = 4096;  // special tokens, byte symbols and merged tokens together
@@ -69,4 +69,4 @@ Tokenizer train_bpe(std::string_view text, const BpeTrainerOptions& options,
 Tokenizer train_bpe_from_files(const std::vector<std::filesystem::path>& files,
                                const BpeTrainerOptions& options, BpeTrainerStats* stats = nullptr);
 
-}  // namespace forge
+}  // namespace forge::data

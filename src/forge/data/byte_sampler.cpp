@@ -2,7 +2,7 @@
 
 #include "forge/core/error.h"
 
-namespace forge {
+namespace forge::data {
 namespace {
 
 constexpr uint64_t kGoldenGamma = 0x9E3779B97F4A7C15ull;  // splitmix64's stream increment
@@ -97,4 +97,4 @@ void sequential_batch(const int32_t* tokens, int64_t n, int64_t first_window, in
   sequential_batch_impl(tokens, n, first_window, batch, seq_len, input_ids, targets);
 }
 
-}  // namespace forge
+}  // namespace forge::data

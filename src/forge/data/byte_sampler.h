@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-namespace forge {
+namespace forge::data {
 
 inline constexpr int64_t kByteVocabSize = 256;
 
@@ -40,4 +40,4 @@ void sequential_batch(const uint8_t* tokens, int64_t n, int64_t first_window, in
 void sequential_batch(const int32_t* tokens, int64_t n, int64_t first_window, int64_t batch, int64_t seq_len,
                       int32_t* input_ids, int32_t* targets);
 
-}  // namespace forge
+}  // namespace forge::data

@@ -7,7 +7,7 @@
 #include "forge/core/error.h"
 #include "forge/data/byte_sampler.h"
 
-namespace forge {
+namespace forge::data {
 namespace {
 
 constexpr uint64_t kGoldenGamma = 0x9E3779B97F4A7C15ull;
@@ -240,4 +240,4 @@ void GptDataset::batch(int64_t first_index, int64_t batch, int32_t* input_ids, i
     sample(first_index + b, input_ids + b * config_.seq_len, targets + b * config_.seq_len);
 }
 
-}  // namespace forge
+}  // namespace forge::data

@@ -33,7 +33,7 @@
 
 #include "forge/data/indexed_dataset.h"
 
-namespace forge {
+namespace forge::data {
 
 // Sequences [begin, end) of an indexed dataset.
 struct DocumentRange {
@@ -113,4 +113,4 @@ class GptDataset {
 // A uniformly random permutation of [0, n) (Fisher-Yates) from a splitmix64 stream seeded with `key`.
 std::vector<int64_t> seeded_permutation(int64_t n, uint64_t key);
 
-}  // namespace forge
+}  // namespace forge::data

@@ -12,7 +12,7 @@
 
 #include "forge/core/error.h"
 
-namespace forge {
+namespace forge::data {
 
 static_assert(std::endian::native == std::endian::little, "Megatron indexed datasets are little-endian");
 
@@ -561,4 +561,4 @@ void IndexedDataset::read_tokens(int64_t sequence, int64_t offset, int64_t count
   }
 }
 
-}  // namespace forge
+}  // namespace forge::data

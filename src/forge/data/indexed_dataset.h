@@ -24,7 +24,7 @@
 #include <utility>
 #include <vector>
 
-namespace forge {
+namespace forge::data {
 
 // Megatron's dtype codes.
 enum class IndexedDType : uint8_t { u8 = 1, i8 = 2, i16 = 3, i32 = 4, i64 = 5, f64 = 6, f32 = 7, u16 = 8 };
@@ -135,4 +135,4 @@ class IndexedDataset {
   size_t lengths_at_ = 0, offsets_at_ = 0, documents_at_ = 0;
 };
 
-}  // namespace forge
+}  // namespace forge::data

@@ -13,7 +13,7 @@
 #include "forge/core/error.h"
 #include "forge/data/indexed_dataset.h"
 
-namespace forge {
+namespace forge::data {
 namespace {
 
 namespace fs = std::filesystem;
@@ -216,4 +216,4 @@ PreprocessStats preprocess_to_indexed_dataset(const PreprocessOptions& options,
   return stats;
 }
 
-}  // namespace forge
+}  // namespace forge::data

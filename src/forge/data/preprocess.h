@@ -20,7 +20,7 @@
 #include <string_view>
 #include <vector>
 
-namespace forge {
+namespace forge::data {
 
 enum class TextDocuments { file, lines, blank_lines };
 // "file", "lines", "blank-lines"; anything else is an error listing them.
@@ -52,4 +52,4 @@ struct PreprocessStats {
 // an id outside [0, vocab_size). The output appears only when everything succeeded.
 PreprocessStats preprocess_to_indexed_dataset(const PreprocessOptions& options, const EncodeFunction& encode);
 
-}  // namespace forge
+}  // namespace forge::data

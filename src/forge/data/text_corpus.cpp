@@ -13,7 +13,7 @@
 #include "forge/core/error.h"
 #include "forge/core/file_io.h"
 
-namespace forge {
+namespace forge::data {
 namespace {
 
 // The whole Bible, Genesis 1:1 to Revelation 22:21; -f turns pretty-printing off (one labelled verse a line).
@@ -169,4 +169,4 @@ TextSplit split_heldout(const std::string& text, double fraction) {
   return TextSplit{text.substr(0, cut), text.substr(cut)};
 }
 
-}  // namespace forge
+}  // namespace forge::data

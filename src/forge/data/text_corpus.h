@@ -6,7 +6,7 @@
 #include <string>
 #include <string_view>
 
-namespace forge {
+namespace forge::data {
 
 // The KJV text, one verse per line without its reference label. The first call runs
 // `bible -f Gen1:1-Rev22:21`, strips the labels and caches the text in <cache_dir>/kjv.txt (written to a
@@ -37,4 +37,4 @@ struct TextSplit {
 // train + heldout == text. Throws if fraction is not in (0, 1) or either part would be empty.
 TextSplit split_heldout(const std::string& text, double fraction);
 
-}  // namespace forge
+}  // namespace forge::data

@@ -13,7 +13,7 @@
 #include "forge/data/tokenizer_regex.h"
 #include "forge/data/tokenizer_text.h"
 
-namespace forge {
+namespace forge::data {
 namespace tokenizer_detail {
 
 void AddedTokenMatcher::add(const AddedToken* token) {
@@ -377,4 +377,4 @@ void Tokenizer::save(const std::filesystem::path& path) const {
   write_file_atomically(path, text.empty() || text.back() != '\n' ? text + '\n' : text, "tokenizer file");
 }
 
-}  // namespace forge
+}  // namespace forge::data

@@ -22,7 +22,7 @@
 #include <string_view>
 #include <vector>
 
-namespace forge {
+namespace forge::data {
 
 class Tokenizer {
  public:
@@ -65,4 +65,4 @@ class Tokenizer {
   friend struct TokenizerAccess;
 };
 
-}  // namespace forge
+}  // namespace forge::data

@@ -9,7 +9,7 @@
 #include "forge/core/error.h"
 #include "forge/data/tokenizer_text.h"
 
-namespace forge {
+namespace forge::data {
 namespace {
 
 // Words longer than this many symbols merge with the heap; shorter ones rescan an array of pair ranks.
@@ -292,4 +292,4 @@ void BpeModel::tokenize(std::string_view word, bool byte_level, std::vector<int3
   cache.table.insert(word, hash, out.data() + before, out.size() - before);
 }
 
-}  // namespace forge
+}  // namespace forge::data

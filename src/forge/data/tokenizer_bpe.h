@@ -18,7 +18,7 @@
 #include <unordered_map>
 #include <vector>
 
-namespace forge {
+namespace forge::data {
 
 struct StringHash {
   using is_transparent = void;
@@ -99,4 +99,4 @@ class BpeModel {
   mutable Cache caches_[2];
 };
 
-}  // namespace forge
+}  // namespace forge::data

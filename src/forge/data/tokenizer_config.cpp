@@ -8,7 +8,7 @@
 #include "forge/data/tokenizer_impl.h"
 #include "forge/data/tokenizer_text.h"
 
-namespace forge {
+namespace forge::data {
 namespace {
 
 using nlohmann::json;
@@ -401,4 +401,4 @@ std::unique_ptr<TokenizerAccess::Impl> TokenizerAccess::parse(const json& root, 
   return impl;
 }
 
-}  // namespace forge
+}  // namespace forge::data

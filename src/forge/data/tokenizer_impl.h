@@ -1,4 +1,4 @@
-// Internals of forge::Tokenizer shared by its translation units (tokenizer.cpp runs the pipeline,
+// Internals of forge::data::Tokenizer shared by its translation units (tokenizer.cpp runs the pipeline,
 // tokenizer_config.cpp builds it from tokenizer.json). Not part of the public interface.
 #pragma once
 
@@ -15,7 +15,7 @@
 #include "forge/data/tokenizer_bpe.h"
 #include "forge/data/tokenizer_regex.h"
 
-namespace forge {
+namespace forge::data {
 namespace tokenizer_detail {
 
 struct AddedToken {
@@ -103,4 +103,4 @@ struct TokenizerAccess {
                            const std::function<void(std::string_view word, bool byte_level)>& on_word);
 };
 
-}  // namespace forge
+}  // namespace forge::data

@@ -7,7 +7,7 @@
 
 #include "forge/core/error.h"
 
-namespace forge {
+namespace forge::data {
 namespace {
 
 // Unicode White_Space, the reference's \s.
@@ -215,4 +215,4 @@ bool is_word_char(char32_t c) {
   return word.search(utf8, 0, start, end);
 }
 
-}  // namespace forge
+}  // namespace forge::data

@@ -25,7 +25,7 @@
 
 struct pcre2_real_code_8;
 
-namespace forge {
+namespace forge::data {
 
 // The pre-tokenization patterns of GPT-2 (the ByteLevel pre-tokenizer's built-in pattern) and LLaMA-3.
 inline constexpr std::string_view kGpt2SplitPattern =
@@ -79,4 +79,4 @@ std::string translate_split_pattern(std::string_view pattern, std::string_view c
 // (Rust regex \w: Alphabetic, marks, decimal digits, connector punctuation, join controls).
 bool is_word_char(char32_t c);
 
-}  // namespace forge
+}  // namespace forge::data

@@ -19,7 +19,8 @@
 #include "forge/core/error.h"
 #include "forge/core/file_io.h"
 
-namespace forge {
+namespace forge::models {
+using namespace forge::ckpt;
 namespace fs = std::filesystem;
 using nlohmann::json;
 
@@ -281,4 +282,4 @@ uint64_t parse_byte_size(std::string_view text) {
   throw bad(fmt::format("has an unknown unit '{}'", text.substr(digits)));
 }
 
-}  // namespace forge
+}  // namespace forge::models

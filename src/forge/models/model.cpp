@@ -6,7 +6,7 @@
 #include "forge/core/file_io.h"
 #include "forge/models/llama/llama_model.h"
 
-namespace forge {
+namespace forge::models {
 
 StageSpec StageSpec::split(int64_t layers, int stages, int index) {
   FORGE_CHECK(stages >= 1 && index >= 0 && index < stages && layers >= stages,
@@ -101,4 +101,4 @@ std::unique_ptr<Model> build_model(const ModelConfig& config, const nn::ComputeO
   return family_named(config.architecture()).build(config, options, stage, init_std, with_grads);
 }
 
-}  // namespace forge
+}  // namespace forge::models

@@ -32,7 +32,7 @@
 #include "forge/nn/compute.h"
 #include "forge/nn/kv_cache.h"
 
-namespace forge {
+namespace forge::models {
 
 struct LossSum {
   double sum = 0;      // sum of per-token losses (nats)
@@ -169,4 +169,4 @@ std::unique_ptr<Model> build_model(const ModelConfig& config, const nn::ComputeO
                                    const StageSpec& stage = StageSpec::whole(), float init_std = 0.02f,
                                    bool with_grads = true);
 
-}  // namespace forge
+}  // namespace forge::models

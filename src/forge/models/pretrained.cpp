@@ -21,7 +21,8 @@
 #include "forge/core/error.h"
 #include "forge/core/file_io.h"
 
-namespace forge {
+namespace forge::models {
+using namespace forge::ckpt;
 namespace fs = std::filesystem;
 using nlohmann::json;
 
@@ -319,4 +320,4 @@ std::unique_ptr<Model> load_pretrained_model(const fs::path& dir, nn::ComputeOpt
   return model;
 }
 
-}  // namespace forge
+}  // namespace forge::models

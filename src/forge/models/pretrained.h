@@ -22,7 +22,7 @@
 #include "forge/models/model.h"
 #include "forge/core/parameters.h"
 
-namespace forge {
+namespace forge::models {
 
 struct PretrainedDir {
   enum class Kind { hugging_face, forge_checkpoint };
@@ -90,4 +90,4 @@ void export_forge_checkpoint(const ParameterStore& params, const nlohmann::json&
 // Throws forge::Error naming the text when it is malformed, zero or too large.
 uint64_t parse_byte_size(std::string_view text);
 
-}  // namespace forge
+}  // namespace forge::models

@@ -10,7 +10,7 @@
 
 #include "forge/core/philox.h"
 
-namespace forge {
+namespace forge::models {
 namespace {
 
 double seconds_between(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
@@ -197,4 +197,4 @@ std::vector<int32_t> generate(Model& model, const std::vector<int32_t>& prompt,
   return std::move(result.tokens);
 }
 
-}  // namespace forge
+}  // namespace forge::models

@@ -20,7 +20,7 @@
 
 #include "forge/models/model.h"
 
-namespace forge {
+namespace forge::models {
 
 struct SamplingOptions {
   int64_t max_new_tokens = 100;
@@ -66,4 +66,4 @@ GenerationResult generate_sequence(Model& model, const std::vector<int32_t>& pro
 std::vector<int32_t> generate(Model& model, const std::vector<int32_t>& prompt,
                               const SamplingOptions& options);
 
-}  // namespace forge
+}  // namespace forge::models

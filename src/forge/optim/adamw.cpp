@@ -5,7 +5,7 @@
 #include "forge/core/error.h"
 #include "forge/kernels/ops.h"
 
-namespace forge {
+namespace forge::optim {
 
 double global_grad_norm(const ParameterStore& store) {
   if (!store.has_grads()) fail("gradient norm of a parameter store built without gradients (inference)");
@@ -73,4 +73,4 @@ void AdamW::step(float lr, float grad_scale) {
   store_->mark_updated();
 }
 
-}  // namespace forge
+}  // namespace forge::optim

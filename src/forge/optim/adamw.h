@@ -10,7 +10,7 @@
 
 #include "forge/core/parameters.h"
 
-namespace forge {
+namespace forge::optim {
 
 struct AdamWConfig {
   float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0.1f;
@@ -67,4 +67,4 @@ class AdamW {
   OptimizerMoments state_;
 };
 
-}  // namespace forge
+}  // namespace forge::optim

@@ -7,7 +7,7 @@
 
 #include "forge/core/error.h"
 
-namespace forge {
+namespace forge::optim {
 
 float LrSchedule::lr_at(int64_t step) const {
   const double peak = peak_lr, floor = min_lr;
@@ -50,4 +50,4 @@ std::string_view lr_schedule_kind_name(LrSchedule::Kind kind) {
   return "?";
 }
 
-}  // namespace forge
+}  // namespace forge::optim

@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <string_view>
 
-namespace forge {
+namespace forge::optim {
 
 struct LrSchedule {
   enum class Kind { constant, cosine, wsd };
@@ -31,4 +31,4 @@ struct LrSchedule {
 LrSchedule::Kind parse_lr_schedule_kind(std::string_view name);
 std::string_view lr_schedule_kind_name(LrSchedule::Kind kind);
 
-}  // namespace forge
+}  // namespace forge::optim

@@ -9,6 +9,7 @@
 #include "forge/kernels/ops.h"
 
 namespace forge::parallel {
+using namespace forge::optim;
 
 DistributedAdamW::DistributedAdamW(ParameterStore* store, AdamWConfig config, comm::Communicator* dp,
                                    comm::Communicator* model_parallel, const GradBuckets* buckets)

@@ -4,7 +4,7 @@
 // owns (its shard of every gradient bucket, where GradBuckets left the summed gradient), updates those
 // ranges of the fp32 master weights, then all-gathers the updated weights bucket by bucket so every rank
 // holds the whole model again, and refreshes the bf16 shadow. Unsharded: every rank owns everything (the
-// gradients were all-reduced) and the update is exactly forge::AdamW's.
+// gradients were all-reduced) and the update is exactly forge::optim::AdamW's.
 //
 // On a device (GPUs) the state lives in device memory: the all-gathers run over the gradient buckets'
 // communicator (NCCL), and only host scalars (the norm's sums) go over `dp` and `model_parallel` (MPI).
@@ -30,7 +30,7 @@ class DistributedAdamW {
  public:
   // model_parallel may be null (one model-parallel rank). buckets may be null (unsharded, nothing to
   // gather); when sharded, it must reduce over `dp`. All pointers must outlive the optimizer.
-  DistributedAdamW(ParameterStore* store, AdamWConfig config, comm::Communicator* dp,
+  DistributedAdamW(ParameterStore* store, optim::AdamWConfig config, comm::Communicator* dp,
                    comm::Communicator* model_parallel, const GradBuckets* buckets);
 
   // Global gradient norm (collective over dp when sharded and over model_parallel). Call after
@@ -42,7 +42,7 @@ class DistributedAdamW {
 
   int64_t steps_taken() const { return step_; }
   void set_steps_taken(int64_t step) { step_ = step; }
-  const AdamWConfig& config() const { return config_; }
+  const optim::AdamWConfig& config() const { return config_; }
   bool sharded() const { return sharded_; }
   // Flat ranges of the store this rank updates, in offset order; the moments are their concatenation.
   const std::vector<std::pair<int64_t, int64_t>>& owned_ranges() const { return owned_; }
@@ -80,7 +80,7 @@ class DistributedAdamW {
   bool on_device() const { return store_->device() != Device::cpu; }
 
   ParameterStore* store_;
-  AdamWConfig config_;
+  optim::AdamWConfig config_;
   comm::Communicator* dp_;
   comm::Communicator* model_parallel_;
   const GradBuckets* buckets_;

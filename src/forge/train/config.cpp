@@ -15,7 +15,8 @@
 #include "forge/core/error.h"
 #include "forge/core/suggest.h"
 
-namespace forge {
+namespace forge::train {
+using namespace forge::optim;
 namespace {
 
 // One table drives parsing, overrides, validation of choices and to_toml(), so a key added here is
@@ -765,4 +766,4 @@ bool TrainConfig::operator==(const TrainConfig& other) const {
          parallel == other.parallel && fp8 == other.fp8;
 }
 
-}  // namespace forge
+}  // namespace forge::train

@@ -18,7 +18,7 @@
 #include "forge/optim/lr_schedule.h"
 #include "forge/parallel/layout.h"
 
-namespace forge {
+namespace forge::train {
 
 struct TrainConfig {
   struct Model {
@@ -153,7 +153,7 @@ struct TrainConfig {
   std::string to_toml() const;
 
   std::filesystem::path checkpoint_dir() const;
-  LrSchedule lr_schedule() const;
+  optim::LrSchedule lr_schedule() const;
   // [parallel]'s sizes for parallel::Layout (dp 0 = derived from the world size). Call after validate().
   parallel::LayoutSpec layout_spec() const;
   // [fp8] as the model's FP8 options; std::nullopt when fp8.recipe = "off". Call after validate().
@@ -164,4 +164,4 @@ struct TrainConfig {
   bool operator==(const TrainConfig& other) const;
 };
 
-}  // namespace forge
+}  // namespace forge::train

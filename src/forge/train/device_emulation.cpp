@@ -9,7 +9,7 @@
 #include "forge/comm/comm.h"
 #include "forge/core/error.h"
 
-namespace forge {
+namespace forge::train {
 namespace {
 
 // A communicator over emulated device memory: the host communicator it wraps (a duplicate of make_nccl's
@@ -109,4 +109,4 @@ DeviceEmulation::DeviceEmulation(EmulatedDevice::Mode mode) : device_(mode) {
 
 DeviceEmulation::~DeviceEmulation() { comm::override_device_communicators(nullptr); }
 
-}  // namespace forge
+}  // namespace forge::train

@@ -9,7 +9,7 @@
 
 #include "forge/kernels/emulated_device.h"
 
-namespace forge {
+namespace forge::train {
 
 class DeviceEmulation {
  public:
@@ -23,4 +23,4 @@ class DeviceEmulation {
   EmulatedDevice device_;
 };
 
-}  // namespace forge
+}  // namespace forge::train

@@ -10,7 +10,7 @@
 
 #include "forge/core/error.h"
 
-namespace forge {
+namespace forge::train {
 
 MetricsWriter::MetricsWriter(const std::filesystem::path& run_dir, bool truncate)
     : path_(run_dir / "metrics.jsonl") {
@@ -121,4 +121,4 @@ void ProgressBar::draw(int64_t done) {
   std::fflush(stream_);
 }
 
-}  // namespace forge
+}  // namespace forge::train

@@ -9,7 +9,7 @@
 #include <nlohmann/json_fwd.hpp>
 #include <string>
 
-namespace forge {
+namespace forge::train {
 
 // Appends to <run_dir>/metrics.jsonl, one compact JSON object a line, flushed per line so a crashed or
 // interrupted run keeps everything logged so far and `tail -f` works.
@@ -80,4 +80,4 @@ class ProgressBar {
   std::chrono::steady_clock::time_point last_draw_{};
 };
 
-}  // namespace forge
+}  // namespace forge::train

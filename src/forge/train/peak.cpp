@@ -6,7 +6,7 @@
 #include "forge/core/tensor.h"
 #include "forge/kernels/ops.h"
 
-namespace forge {
+namespace forge::train {
 
 double measure_gemm_peak_gflops(DType dtype, int64_t size, int repetitions) {
   Tensor a = Tensor::zeros({size, size}, dtype), b = Tensor::zeros({size, size}, dtype);
@@ -25,4 +25,4 @@ double measure_gemm_peak_gflops(DType dtype, int64_t size, int repetitions) {
   return 2.0 * static_cast<double>(size) * size * size / best / 1e9;
 }
 
-}  // namespace forge
+}  // namespace forge::train

@@ -3,7 +3,7 @@
 
 #include "forge/core/dtype.h"
 
-namespace forge {
+namespace forge::train {
 
 // Dense tensor-core peaks of the H100/H200 (SXM), in GFLOP/s: the MFU denominators of GPU runs.
 constexpr double kHopperBf16PeakGflops = 989e3, kHopperFp8PeakGflops = 1979e3;
@@ -12,4 +12,4 @@ constexpr double kHopperBf16PeakGflops = 989e3, kHopperFp8PeakGflops = 1979e3;
 // a few repetitions after a warm-up. Takes well under a second on this class of CPU.
 double measure_gemm_peak_gflops(DType dtype, int64_t size = 2048, int repetitions = 4);
 
-}  // namespace forge
+}  // namespace forge::train

@@ -16,7 +16,8 @@
 #include "forge/core/error.h"
 #include "forge/core/file_io.h"
 
-namespace forge {
+namespace forge::train {
+using namespace forge::optim; using namespace forge::ckpt;
 namespace fs = std::filesystem;
 
 DirectoryLock::DirectoryLock(const fs::path& dir, std::string_view key) {
@@ -153,4 +154,4 @@ void trim_metrics(const fs::path& run_dir, int64_t step) {
   if (dropped) write_file_atomically(path, kept, "metrics file");
 }
 
-}  // namespace forge
+}  // namespace forge::train

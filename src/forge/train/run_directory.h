@@ -8,7 +8,7 @@
 
 #include "forge/train/config.h"
 
-namespace forge {
+namespace forge::train {
 
 // An exclusive lock on a directory (an flock on <dir>/.forge.lock, released when the holder exits, crashed
 // or not): two runs writing one run directory or one checkpoint directory would overwrite each other's
@@ -49,4 +49,4 @@ ResumeDecision decide_resume(const TrainConfig& config);
 // replacing the file in one step.
 void trim_metrics(const std::filesystem::path& run_dir, int64_t step);
 
-}  // namespace forge
+}  // namespace forge::train

@@ -9,7 +9,8 @@
 #include "forge/core/device.h"
 #include "forge/fp8/recipe.h"
 
-namespace forge {
+namespace forge::train {
+using namespace forge::optim; using namespace forge::models; using namespace forge::data;
 namespace {
 
 // This process's rank among the ranks on its node (the GPU it drives): from the launcher's environment
@@ -181,4 +182,4 @@ void TrainSetup::make_compute_options() {
   fp8_summary += ")";
 }
 
-}  // namespace forge
+}  // namespace forge::train

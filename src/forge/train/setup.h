@@ -23,7 +23,7 @@
 #include "forge/train/config.h"
 #include "forge/train/training_data.h"
 
-namespace forge {
+namespace forge::train {
 
 class TrainSetup {
  public:
@@ -45,9 +45,9 @@ class TrainSetup {
   // On GPUs: NCCL communicators over the tp and dp groups (device buffers), or a one-rank one for dp = 1.
   std::unique_ptr<comm::Communicator> dp_nccl, tp_nccl, dp_self;
 
-  std::optional<PretrainedDir> init_source;  // model.init_from
+  std::optional<models::PretrainedDir> init_source;  // model.init_from
   std::string model_source;                  // where the model config came from, for messages
-  std::unique_ptr<ModelConfig> model_config;
+  std::unique_ptr<models::ModelConfig> model_config;
   std::unique_ptr<TrainingData> data;
 
   std::string dtype_name;  // the GEMM dtype in use ("bf16", "fp32")
@@ -55,10 +55,10 @@ class TrainSetup {
   std::unique_ptr<parallel::CommTensorParallel> tensor_parallel;
   std::unique_ptr<nn::Fp8Context> fp8;  // null without FP8
   std::string fp8_summary = "off";
-  std::unique_ptr<Model> model;
+  std::unique_ptr<models::Model> model;
   std::unique_ptr<parallel::GradBuckets> buckets;
   std::unique_ptr<parallel::DistributedAdamW> optimizer;
-  LrSchedule schedule;
+  optim::LrSchedule schedule;
 
  private:
   void check_model_fits() const;
@@ -70,4 +70,4 @@ class TrainSetup {
 // its ranks.
 int threads_per_rank(int64_t configured);
 
-}  // namespace forge
+}  // namespace forge::train

@@ -5,7 +5,8 @@
 #include "forge/fp8/scaling.h"
 #include "forge/optim/adamw.h"
 
-namespace forge {
+namespace forge::train {
+using namespace forge::optim; using namespace forge::models; using namespace forge::data; using namespace forge::ckpt;
 namespace {
 
 // The first parameter whose gradient holds a non-finite value on this rank ("" if none).
@@ -131,4 +132,4 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule,
   return r;
 }
 
-}  // namespace forge
+}  // namespace forge::train

@@ -15,14 +15,14 @@
 #include "forge/train/setup.h"
 #include "forge/train/train_state.h"
 
-namespace forge {
+namespace forge::train {
 
 class Schedule {
  public:
   virtual ~Schedule() = default;
   // Runs micro-batches 0 .. count - 1 of one step through `model`; micro_batch(m) gives micro-batch m (its
   // ids and targets stay valid until the step ends). Returns the loss summed over the micro-batches.
-  virtual LossSum run(Model& model, int count, const std::function<MicroBatch(int)>& micro_batch) = 0;
+  virtual models::LossSum run(models::Model& model, int count, const std::function<models::MicroBatch(int)>& micro_batch) = 0;
 };
 
 // One stage holding the whole model, micro-batch after micro-batch.
@@ -35,7 +35,7 @@ class NoPipelining final : public Schedule {
  public:
   enum class Order { fused, b_then_w, deferred_w };
   explicit NoPipelining(Order order = Order::fused) : order_(order) {}
-  LossSum run(Model& model, int count, const std::function<MicroBatch(int)>& micro_batch) override;
+  models::LossSum run(models::Model& model, int count, const std::function<models::MicroBatch(int)>& micro_batch) override;
 
  private:
   Order order_;
@@ -56,4 +56,4 @@ struct StepResult {
 StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule,
                       const std::function<void(int64_t, ParameterStore&)>& on_gradients = {});
 
-}  // namespace forge
+}  // namespace forge::train

@@ -8,7 +8,8 @@
 #include "forge/models/model.h"
 #include "forge/optim/adamw.h"
 
-namespace forge {
+namespace forge::train {
+using namespace forge::optim; using namespace forge::models; using namespace forge::data;
 
 ThroughputResult measure_training_throughput(const ModelConfig& config, nn::ComputeOptions options, int64_t batch,
                                              int64_t seq, int warmup_steps, int steps,
@@ -84,4 +85,4 @@ ThroughputResult measure_training_throughput(const ModelConfig& config, nn::Comp
   return r;
 }
 
-}  // namespace forge
+}  // namespace forge::train

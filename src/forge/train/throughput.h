@@ -13,7 +13,7 @@
 #include "forge/nn/compute.h"
 #include "forge/nn/fp8_context.h"
 
-namespace forge {
+namespace forge::train {
 
 struct ThroughputResult {
   double tokens_per_s = 0;
@@ -33,9 +33,9 @@ struct ThroughputResult {
 // precisions from the same seed can be compared step by step. A step is grad_accum micro-batches of `batch`
 // sequences (each its own tokens) accumulated into one gradient, then one optimizer update, as training
 // with train.grad_accum does: the update's cost is shared by grad_accum x batch x seq tokens.
-ThroughputResult measure_training_throughput(const ModelConfig& config, nn::ComputeOptions options, int64_t batch,
+ThroughputResult measure_training_throughput(const models::ModelConfig& config, nn::ComputeOptions options, int64_t batch,
                                              int64_t seq, int warmup_steps, int steps,
                                              const std::optional<nn::Fp8Options>& fp8 = std::nullopt,
                                              int64_t grad_accum = 1, int profile_steps = 0);
 
-}  // namespace forge
+}  // namespace forge::train

@@ -7,7 +7,8 @@
 #include "forge/nn/fp8_context.h"
 #include "forge/parallel/distributed_optimizer.h"
 
-namespace forge {
+namespace forge::train {
+using namespace forge::optim; using namespace forge::ckpt;
 namespace {
 
 std::vector<float> to_host_vector(const Tensor& t) {
@@ -99,4 +100,4 @@ void TrainState::finish_load(bool with_fp8) {
     g->import_state(fp8_history_, fp8_scales_);
 }
 
-}  // namespace forge
+}  // namespace forge::train

@@ -15,13 +15,14 @@
 #include "forge/ckpt/sharded.h"
 #include "forge/core/parameters.h"
 
-namespace forge {
-namespace nn {
+namespace forge::nn {
 class Fp8Context;
 }
-namespace parallel {
+namespace forge::parallel {
 class DistributedAdamW;
 }
+
+namespace forge::train {
 
 struct TrainState {
   ParameterStore* params = nullptr;
@@ -63,4 +64,4 @@ struct TrainState {
   void stage_fp8(bool export_state);
 };
 
-}  // namespace forge
+}  // namespace forge::train

@@ -34,7 +34,8 @@
 #include "forge/train/train_state.h"
 #include "forge/train/training_data.h"
 
-namespace forge {
+namespace forge::train {
+using namespace forge::optim; using namespace forge::models; using namespace forge::data; using namespace forge::ckpt;
 namespace fs = std::filesystem;
 namespace {
 
@@ -598,4 +599,4 @@ TrainResult Trainer::run() {
   return run.run();
 }
 
-}  // namespace forge
+}  // namespace forge::train

@@ -18,10 +18,12 @@ class Communicator;
 }
 namespace forge {
 class ParameterStore;
+}
+namespace forge::train {
 struct TrainState;
 }
 
-namespace forge {
+namespace forge::train {
 
 struct TrainResult {
   int64_t steps_done = 0;         // optimizer steps completed in total (including resumed ones)
@@ -79,4 +81,4 @@ class Trainer {
 // Installs SIGINT/SIGTERM handlers that set Trainer::stop_flag() (a second Ctrl-C exits at once).
 void install_stop_signal_handlers();
 
-}  // namespace forge
+}  // namespace forge::train

@@ -11,7 +11,8 @@
 #include "forge/data/byte_sampler.h"
 #include "forge/data/text_corpus.h"
 
-namespace forge {
+namespace forge::train {
+using namespace forge::optim; using namespace forge::data;
 namespace fs = std::filesystem;
 
 TextCodec TextCodec::bytes() {
@@ -206,4 +207,4 @@ std::unique_ptr<TrainingData> open_training_data(const TrainConfig& config) {
   return std::make_unique<DatasetData>(make_text_codec(config, {}), config);
 }
 
-}  // namespace forge
+}  // namespace forge::train

@@ -18,12 +18,12 @@
 #include "forge/data/tokenizer.h"
 #include "forge/train/config.h"
 
-namespace forge {
+namespace forge::train {
 
 class TextCodec {
  public:
   static TextCodec bytes();  // token = byte value, vocabulary 256
-  static TextCodec from_tokenizer(Tokenizer tokenizer, std::string description);
+  static TextCodec from_tokenizer(data::Tokenizer tokenizer, std::string description);
 
   std::vector<int32_t> encode(std::string_view text) const;
   std::string decode(std::span<const int32_t> ids) const;
@@ -35,10 +35,10 @@ class TextCodec {
   // What the codec maps, independent of where it was read from: "bytes", or the CRC32 and size of the
   // tokenizer's canonical JSON. Checkpoints record it; a resume compares it.
   const std::string& fingerprint() const { return fingerprint_; }
-  const Tokenizer* tokenizer() const { return tokenizer_.get(); }
+  const data::Tokenizer* tokenizer() const { return tokenizer_.get(); }
 
  private:
-  std::shared_ptr<const Tokenizer> tokenizer_;  // null: bytes
+  std::shared_ptr<const data::Tokenizer> tokenizer_;  // null: bytes
   std::vector<int64_t> byte_lengths_;           // per id, cached
   std::string description_;
   std::string fingerprint_;
@@ -85,4 +85,4 @@ class TrainingData {
 // one window of seq_len + 1 tokens.
 std::unique_ptr<TrainingData> open_training_data(const TrainConfig& config);
 
-}  // namespace forge
+}  // namespace forge::train

@@ -29,6 +29,7 @@
 #include "device_backends.h"
 
 namespace forge {
+using namespace forge::optim; using namespace forge::models; using namespace forge::data; using namespace forge::train;
 namespace {
 
 // Dimensions are multiples of 128 where FP8 tensor cores and 128-wide scale blocks want them; the vocabulary

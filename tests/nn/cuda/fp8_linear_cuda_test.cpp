@@ -28,6 +28,7 @@
 #include "device_backends.h"
 
 namespace forge::nn {
+using namespace forge::train;
 namespace {
 
 // Multiples of 16 (FP8 tensor cores), not of 128.

@@ -16,7 +16,7 @@
 #include "forge/core/file_io.h"
 #include "forge/core/suggest.h"
 
-namespace forge {
+namespace forge::models {
 namespace {
 
 using nlohmann::json;
@@ -360,9 +360,9 @@ double LlamaConfig::flops_per_token(int64_t seq_len) const {
   return 6.0 * matmul_parameters + attention;
 }
 
-}  // namespace forge
+}  // namespace forge::models
 
-namespace forge {
+namespace forge::models {
 
 ModelShape LlamaConfig::shape() const {
   ModelShape s;
@@ -394,4 +394,4 @@ std::vector<std::pair<std::string, Shape>> LlamaConfig::tensor_shapes() const {
   return shapes;
 }
 
-}  // namespace forge
+}  // namespace forge::models

@@ -15,7 +15,7 @@
 #include "forge/kernels/rope_tables.h"
 #include "forge/models/model.h"
 
-namespace forge {
+namespace forge::models {
 
 struct LlamaConfig final : ModelConfig {
   int64_t hidden_size = 0;
@@ -80,4 +80,4 @@ struct LlamaConfig final : ModelConfig {
   double flops_per_token(int64_t seq_len) const override;
 };
 
-}  // namespace forge
+}  // namespace forge::models

@@ -11,7 +11,7 @@
 #include "forge/nn/mlp.h"
 #include "forge/nn/tensor_parallel.h"
 
-namespace forge {
+namespace forge::models {
 namespace {
 // A host array of token ids on `device`: the array itself on the CPU, else a copy kept alive by `holder`.
 const int32_t* ids_on(Device device, const int32_t* ids, int64_t n, Tensor& holder) {
@@ -433,4 +433,4 @@ ModelFamily llama_family() {
   return f;
 }
 
-}  // namespace forge
+}  // namespace forge::models

@@ -20,7 +20,7 @@
 #include "forge/nn/mlp.h"
 #include "forge/nn/rmsnorm.h"
 
-namespace forge {
+namespace forge::models {
 
 using nn::KvCache;
 
@@ -87,4 +87,4 @@ class LlamaModel final : public Model {
 // The registry's entry for LlamaForCausalLM.
 ModelFamily llama_family();
 
-}  // namespace forge
+}  // namespace forge::models
