@@ -1,8 +1,8 @@
 // The support query (ops::supports_<op>, kernels/ops.h): for each backend built in, parameters it takes and
-// parameters it refuses, the refusal's reason being exactly the line the op fails with when called anyway (the
-// kernel checks its parameters through the same predicate). The CUDA backend's predicates need no GPU: they are
-// asked of its table directly, and its ops fail with them before touching a device. Also the empty inputs of
-// op_tests/empty_inputs.h on the CPU and the device emulation.
+// parameters it refuses, the refusal's reason being exactly the line the op fails with when called anyway
+// (the kernel checks its parameters through the same predicate). The CUDA backend's predicates need no GPU:
+// they are asked of its table directly, and its ops fail with them before touching a device. Also the empty
+// inputs of op_tests/empty_inputs.h on the CPU and the device emulation.
 #include <gtest/gtest.h>
 
 #include <initializer_list>
@@ -21,13 +21,14 @@
 
 namespace forge {
 namespace op_tests::empty_inputs {
-FORGE_INSTANTIATE_OP_TEST(EmptyInputs, testing::kFixedCase, testing::Backend::cpu, testing::Backend::emulated);
+FORGE_INSTANTIATE_OP_TEST(EmptyInputs, testing::kFixedCase, testing::Backend::cpu,
+                          testing::Backend::emulated);
 }  // namespace op_tests::empty_inputs
 
 namespace {
 
-// query(reason) must refuse, with a one-line reason naming every fragment, and say so without a reason too; call()
-// must then fail with that very line.
+// query(reason) must refuse, with a one-line reason naming every fragment, and say so without a reason too;
+// call() must then fail with that very line.
 template <typename Query, typename Call>
 void expect_refused(Query query, Call call, std::initializer_list<std::string_view> fragments) {
   std::string why;
@@ -45,12 +46,12 @@ void expect_refused(Query query, Call call, std::initializer_list<std::string_vi
 }
 
 // table.supports_<op>(args..., reason) and table.<op>(args...).
-#define EXPECT_REFUSED(table, op, args, ...)                                                                    \
+#define EXPECT_REFUSED(table, op, args, ...)                                                                 \
   expect_refused([&](std::string* reason_) { return (table).supports_##op FORGE_OP_APPEND(args, reason_); }, \
                  [&] { (table).op args; }, {__VA_ARGS__})
-#define EXPECT_SUPPORTED(table, op, args)                                                  \
-  do {                                                                                     \
-    std::string why_;                                                                      \
+#define EXPECT_SUPPORTED(table, op, args)                                                \
+  do {                                                                                   \
+    std::string why_;                                                                    \
     EXPECT_TRUE((table).supports_##op FORGE_OP_APPEND(args, &why_)) << #op ": " << why_; \
   } while (0)
 
@@ -91,8 +92,10 @@ TEST(OpSupport, CpuBackend) {
   Memory m;
   EXPECT_SUPPORTED(cpu, gemm, (gemm_params(m, DType::f32, DType::f32)));
   EXPECT_SUPPORTED(cpu, gemm, (gemm_params(m, DType::bf16, DType::bf16)));
-  EXPECT_REFUSED(cpu, gemm, (gemm_params(m, DType::f32, DType::bf16)), "gemm: c_dtype bf16 needs bf16 operands");
-  EXPECT_REFUSED(cpu, gemm, (gemm_params(m, DType::f16, DType::f32)), "gemm: operands must be fp32 or bf16", "fp16");
+  EXPECT_REFUSED(cpu, gemm, (gemm_params(m, DType::f32, DType::bf16)),
+                 "gemm: c_dtype bf16 needs bf16 operands");
+  EXPECT_REFUSED(cpu, gemm, (gemm_params(m, DType::f16, DType::f32)), "gemm: operands must be fp32 or bf16",
+                 "fp16");
   ops::GemmParams empty = gemm_params(m, DType::f32, DType::f32);
   empty.k = 0;
   EXPECT_REFUSED(cpu, gemm, (empty), "gemm: empty problem 4x4x0");
@@ -106,7 +109,8 @@ TEST(OpSupport, CpuBackend) {
   fp8 = fp8_params(m), fp8.a_scale_inv = std::numeric_limits<float>::infinity();
   EXPECT_REFUSED(cpu, fp8_gemm, (fp8), "fp8_gemm: per-tensor scale_inv must be finite");
   EXPECT_SUPPORTED(cpu, attention_forward, (attention_params(m, 512)));  // no head_dim limit here
-  EXPECT_REFUSED(cpu, attention_backward, (attention_params(m, 64)), "attention backward: dout, dq, dk and dv");
+  EXPECT_REFUSED(cpu, attention_backward, (attention_params(m, 64)),
+                 "attention backward: dout, dq, dk and dv");
   // The element-wise kernels take any size (a negative one does nothing).
   EXPECT_SUPPORTED(cpu, add_inplace, (nullptr, nullptr, -1));
   EXPECT_REFUSED(cpu, sum_squares_accumulate, (m.f, 4, nullptr), "sum_squares_accumulate: total is null");
@@ -143,7 +147,8 @@ TEST(OpSupport, CudaBackend) {
   EXPECT_SUPPORTED(gpu, gemm, (gemm_params(m, DType::f32, DType::f32)));
   EXPECT_SUPPORTED(gpu, gemm, (gemm_params(m, DType::bf16, DType::bf16)));
   // cuBLASLt has no fp32 x fp32 -> bf16 matmul.
-  EXPECT_REFUSED(gpu, gemm, (gemm_params(m, DType::f32, DType::bf16)), "gemm: c_dtype bf16 needs bf16 operands");
+  EXPECT_REFUSED(gpu, gemm, (gemm_params(m, DType::f32, DType::bf16)),
+                 "gemm: c_dtype bf16 needs bf16 operands");
   ops::GemmParams misaligned = gemm_params(m, DType::bf16, DType::bf16);
   misaligned.c = reinterpret_cast<char*>(m.bf16 + 512) + 1;
   EXPECT_REFUSED(gpu, gemm, (misaligned), "gemm: c", "is not aligned to its 2-byte bf16 elements");
@@ -173,11 +178,12 @@ TEST(OpSupport, CudaBackend) {
                  "not supported on the CUDA backend");
   ops::LinearCrossEntropyParams loss;
   loss.rows = 2, loss.dim = 4, loss.vocab = 8;
-  EXPECT_REFUSED(gpu, linear_cross_entropy_forward, (loss), "linear_cross_entropy_forward: workspace is required");
+  EXPECT_REFUSED(gpu, linear_cross_entropy_forward, (loss),
+                 "linear_cross_entropy_forward: workspace is required");
 }
 
-// Every parameter check of the element-wise, norm, rotary, SwiGLU, embedding and optimizer kernels names the op
-// and the culprit, and is the query's reason.
+// Every parameter check of the element-wise, norm, rotary, SwiGLU, embedding and optimizer kernels names the
+// op and the culprit, and is the query's reason.
 TEST(OpSupport, CudaBackendBadParametersNameTheOp) {
   const ops::OpTable& gpu = ops::cuda_table();
   Memory m;
@@ -219,8 +225,8 @@ TEST(OpSupport, CudaBackendBadParametersNameTheOp) {
 }
 #endif
 
-// The emulated device answers, and refuses, as the GPU would (builds with the CUDA backend) and as the CPU kernel
-// it runs would.
+// The emulated device answers, and refuses, as the GPU would (builds with the CUDA backend) and as the CPU
+// kernel it runs would.
 TEST(OpSupport, EmulatedDevice) {
   EmulatedDevice emulation;
   const ops::OpTable& emulated = ops::table(Device::cuda);
@@ -238,7 +244,8 @@ TEST(OpSupport, EmulatedDevice) {
   EXPECT_NO_THROW(ops::fp8_gemm(fp8, Device::cuda));
   fp8.accumulator_bits = 30;  // the CPU kernel's limit
   EXPECT_REFUSED(emulated, fp8_gemm, (fp8), "accumulator_bits");
-  EXPECT_REFUSED(emulated, sum_squares_accumulate, (out.f32(), 4, nullptr), "sum_squares_accumulate: total is null");
+  EXPECT_REFUSED(emulated, sum_squares_accumulate, (out.f32(), 4, nullptr),
+                 "sum_squares_accumulate: total is null");
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // The CUDA GEMMs (kernels/cuda/gemm_cublaslt.cpp, fp8_block_gemm.cu) against the CPU op table on the same host
-// data (fp32 and bf16 through the op tests of kernels/op_tests/gemm.h), and the device allocator. Every case that needs a GPU skips where none is usable; the parameter checks, which the
-// GEMMs make before touching the device, run everywhere.
+// data (fp32 and bf16 through the op tests of kernels/op_tests/gemm.h), and the device allocator. Every case that
+// needs a GPU skips where none is usable; the parameter checks, which the GEMMs make before touching the device,
+// run everywhere.
 #include <gtest/gtest.h>
 
 #include <algorithm>

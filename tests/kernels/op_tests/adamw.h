@@ -1,9 +1,10 @@
-// Fused AdamW (ops::adamw), written once for every backend (op_harness.h): on the CPU against torch.optim.AdamW's
-// update in double over several steps, elsewhere step by step against the CPU kernel from the same state.
+// Fused AdamW (ops::adamw), written once for every backend (op_harness.h): on the CPU against
+// torch.optim.AdamW's update in double over several steps, elsewhere step by step against the CPU kernel from
+// the same state.
 //
-// The CUDA kernel shares the CPU's operation order and FMAs, so its results are usually bitwise the CPU's. The
-// bounds allow one rounding more or less per operation (another compiler's contraction), measured against the
-// operands: about 2 ulp of the larger term of each sum, propagated into the weight update.
+// The CUDA kernel shares the CPU's operation order and FMAs, so its results are usually bitwise the CPU's.
+// The bounds allow one rounding more or less per operation (another compiler's contraction), measured against
+// the operands: about 2 ulp of the larger term of each sum, propagated into the weight update.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -28,7 +29,7 @@ struct Case {
   int64_t n;
   float lr, beta1, beta2, eps, weight_decay, grad_scale;
   int64_t first_step, steps;
-  bool shadow;          // a bf16 copy of the updated weights
+  bool shadow;         // a bf16 copy of the updated weights
   bool fresh_moments;  // zero moments (a run's first steps); else random ones
   std::string name() const {
     auto digits = [](double v) {
@@ -37,14 +38,15 @@ struct Case {
         if (ch == '.' || ch == '-') ch = '_';
       return s;
     };
-    return std::string("n").append(std::to_string(n)) + "_lr" + digits(lr) + "_wd" + digits(weight_decay) + "_scale" +
-           digits(grad_scale) + "_step" + std::to_string(first_step) + "x" + std::to_string(steps) +
-           (shadow ? "_shadow" : "") + (fresh_moments ? "" : "_moments");
+    return std::string("n").append(std::to_string(n)) + "_lr" + digits(lr) + "_wd" + digits(weight_decay) +
+           "_scale" + digits(grad_scale) + "_step" + std::to_string(first_step) + "x" +
+           std::to_string(steps) + (shadow ? "_shadow" : "") + (fresh_moments ? "" : "_moments");
   }
 };
 
-// Several steps from zero moments, with and without decay, gradient scaling and the bf16 shadow (n spans several
-// work blocks and a partial one); single steps from random moments, late in a run and with other betas.
+// Several steps from zero moments, with and without decay, gradient scaling and the bf16 shadow (n spans
+// several work blocks and a partial one); single steps from random moments, late in a run and with other
+// betas.
 inline const std::vector<Case> kCases = {
     {40009, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.0f, 1.0f, 1, 5, false, true},
     {40009, 1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f, 1, 5, false, true},
@@ -80,7 +82,8 @@ inline void step_on(Device on, const Case& c, State& state, const std::vector<fl
   DeviceArray<float> param(on, state.param), g(on, grad), m(on, state.exp_avg), v(on, state.exp_avg_sq);
   DeviceArray<uint16_t> shadow(on, state.shadow);
   ops::AdamWParams p;
-  p.n = c.n, p.lr = c.lr, p.beta1 = c.beta1, p.beta2 = c.beta2, p.eps = c.eps, p.weight_decay = c.weight_decay;
+  p.n = c.n, p.lr = c.lr, p.beta1 = c.beta1, p.beta2 = c.beta2, p.eps = c.eps,
+  p.weight_decay = c.weight_decay;
   p.grad_scale = c.grad_scale, p.step = step;
   p.param = param.data(), p.grad = g.data(), p.exp_avg = m.data(), p.exp_avg_sq = v.data();
   p.param_bf16 = c.shadow ? shadow.data() : nullptr;
@@ -95,8 +98,10 @@ TEST_P(AdamWOp, Steps) {
   const Case& c = test_case();
   State state;
   state.param = testing::random_floats(c.n, 61);
-  state.exp_avg = c.fresh_moments ? std::vector<float>(c.n, 0) : testing::random_floats(c.n, 122, -0.1f, 0.1f);
-  state.exp_avg_sq = c.fresh_moments ? std::vector<float>(c.n, 0) : testing::random_floats(c.n, 123, 0.0f, 0.01f);
+  state.exp_avg =
+      c.fresh_moments ? std::vector<float>(c.n, 0) : testing::random_floats(c.n, 122, -0.1f, 0.1f);
+  state.exp_avg_sq =
+      c.fresh_moments ? std::vector<float>(c.n, 0) : testing::random_floats(c.n, 123, 0.0f, 0.01f);
   state.shadow.assign(c.n, 0);
   auto pd = testing::to_double(state.param), md = testing::to_double(state.exp_avg);
   auto vd = testing::to_double(state.exp_avg_sq);
@@ -143,7 +148,8 @@ TEST_P(AdamWOp, Steps) {
       }
     }
     if (c.shadow) {
-      for (int64_t i = 0; i < c.n; ++i) ASSERT_EQ(state.shadow[i], f32_to_bf16_bits(state.param[i])) << what << " " << i;
+      for (int64_t i = 0; i < c.n; ++i)
+        ASSERT_EQ(state.shadow[i], f32_to_bf16_bits(state.param[i])) << what << " " << i;
     }
   }
   if (!c.shadow) {
@@ -162,8 +168,8 @@ TEST_P(AdamWFixed, DecayIsDecoupledFromTheGradient) {
   EXPECT_FLOAT_EQ(state.param[1], -4.0f * 0.95f);
 }
 
-// With lr = 0 the weights pass through unchanged, so the shadow shows the rounding of chosen values: ties to even,
-// carries, overflow to inf, subnormals, signed zero, infinities and NaN.
+// With lr = 0 the weights pass through unchanged, so the shadow shows the rounding of chosen values: ties to
+// even, carries, overflow to inf, subnormals, signed zero, infinities and NaN.
 TEST_P(AdamWFixed, ShadowRoundsToNearestEven) {
   const std::vector<std::pair<uint32_t, uint16_t>> cases = {
       {0x3f808000u, 0x3f80u},                                                  // tie, even below: down
@@ -185,7 +191,8 @@ TEST_P(AdamWFixed, ShadowRoundsToNearestEven) {
   for (size_t i = 0; i < cases.size(); ++i) {
     EXPECT_EQ(std::bit_cast<uint32_t>(state.param[i]), cases[i].first) << "weight " << i << " changed";
     EXPECT_EQ(state.shadow[i], cases[i].second) << std::hex << "bf16 of 0x" << cases[i].first;
-    EXPECT_EQ(state.shadow[i], f32_to_bf16_bits(param[i])) << std::hex << "core's bf16 of 0x" << cases[i].first;
+    EXPECT_EQ(state.shadow[i], f32_to_bf16_bits(param[i]))
+        << std::hex << "core's bf16 of 0x" << cases[i].first;
   }
   EXPECT_TRUE(std::isnan(state.param[n - 1]));
   EXPECT_EQ(state.shadow[n - 1], f32_to_bf16_bits(state.param[n - 1])) << "NaN stays a quiet NaN";

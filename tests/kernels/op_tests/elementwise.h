@@ -1,9 +1,9 @@
-// The element-wise ops (ops::add_inplace, scale_inplace, sum_squares, sum_squares_accumulate, convert_to_bf16,
-// convert_to_f32, amax, amax_to), written once for every backend (op_harness.h): on the CPU against the exact or
-// double-precision result, elsewhere against the CPU kernel on the same inputs. Copies, additions and products in
-// the same order are bitwise equal; sum_squares, whose order differs between backends, within the rounding bound
-// of n double additions (each square is exact in double) and bitwise repeatable; the conversions and amax are
-// exact functions of the bits.
+// The element-wise ops (ops::add_inplace, scale_inplace, sum_squares, sum_squares_accumulate,
+// convert_to_bf16, convert_to_f32, amax, amax_to), written once for every backend (op_harness.h): on the CPU
+// against the exact or double-precision result, elsewhere against the CPU kernel on the same inputs. Copies,
+// additions and products in the same order are bitwise equal; sum_squares, whose order differs between
+// backends, within the rounding bound of n double additions (each square is exact in double) and bitwise
+// repeatable; the conversions and amax are exact functions of the bits.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -28,11 +28,22 @@ struct Case {
   std::string name() const { return std::string("n").append(std::to_string(n)); }
 };
 
-// Empty; one element; sizes around the CPU's and the GPU's block sizes (16384) with ragged tails; large enough
-// for the parallel paths and many reduction blocks; and past 2^24 for the flat GPU kernels' grid-stride loops.
-inline const std::vector<Case> kCases = {{0},      {1},      {5},       {37},      {255},
-                                         {1000},   {16384},  {16385},   {100003},  {300001},
-                                         {1000003}, {3000017}, {(int64_t{1} << 24) + 4099}};
+// Empty; one element; sizes around the CPU's and the GPU's block sizes (16384) with ragged tails; large
+// enough for the parallel paths and many reduction blocks; and past 2^24 for the flat GPU kernels'
+// grid-stride loops.
+inline const std::vector<Case> kCases = {{0},
+                                         {1},
+                                         {5},
+                                         {37},
+                                         {255},
+                                         {1000},
+                                         {16384},
+                                         {16385},
+                                         {100003},
+                                         {300001},
+                                         {1000003},
+                                         {3000017},
+                                         {(int64_t{1} << 24) + 4099}};
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -47,8 +58,8 @@ struct Random {
   }
 };
 
-// +-(1 + m/64) * 2^e with six fraction bits, e in [-6, 6] shifted by up to +-8 per 128 elements: one row of the
-// FP8 casts' test inputs (kernels/cuda/fp8_cast_test.cpp), without their specials.
+// +-(1 + m/64) * 2^e with six fraction bits, e in [-6, 6] shifted by up to +-8 per 128 elements: one row of
+// the FP8 casts' test inputs (kernels/cuda/fp8_cast_test.cpp), without their specials.
 inline std::vector<float> spread_values(int64_t n, uint64_t seed) {
   std::vector<float> x(static_cast<size_t>(n));
   Random random(seed);
@@ -56,7 +67,8 @@ inline std::vector<float> spread_values(int64_t n, uint64_t seed) {
     const uint32_t bits = random.next();
     const int block_shift = static_cast<int>((i / 128 * 13) % 17) - 8;
     const int exponent = static_cast<int>(bits % 13) - 6 + block_shift;
-    x[i] = std::bit_cast<float>(((bits >> 20) & 1u) << 31 | uint32_t(127 + exponent) << 23 | ((bits >> 8) % 64) << 17);
+    x[i] = std::bit_cast<float>(((bits >> 20) & 1u) << 31 | uint32_t(127 + exponent) << 23 |
+                                ((bits >> 8) % 64) << 17);
   }
   return x;
 }
@@ -100,7 +112,8 @@ TEST_P(ElementwiseOp, ScaleInplace) {
     } else {
       FORGE_TEST_OP(scale_inplace, Device::cpu, want.data(), s, n);
     }
-    testing::expect_bitwise_equal(x.download(), want, "scale_inplace n=" + std::to_string(n) + " s=" + std::to_string(s));
+    testing::expect_bitwise_equal(x.download(), want,
+                                  "scale_inplace n=" + std::to_string(n) + " s=" + std::to_string(s));
   }
 }
 
@@ -110,7 +123,8 @@ TEST_P(ElementwiseOp, SumSquares) {
   DeviceArray<float> dx(device(), x);
   const double got = FORGE_TEST_OP(sum_squares, device(), dx.data(), n);
   if (on_cpu()) {
-    // Each square is exact in double; the sum in long double with compensation is exact to far below the bound.
+    // Each square is exact in double; the sum in long double with compensation is exact to far below the
+    // bound.
     long double want = 0, compensation = 0;
     for (float v : x) {
       const long double term = static_cast<long double>(double{v} * v) - compensation, sum = want + term;
@@ -137,11 +151,12 @@ TEST_P(ElementwiseOp, SumSquaresIsBitwiseRepeatable) {
   DeviceArray<float> x(device(), inputs(n, 85, -10, 10));
   const double first = FORGE_TEST_OP(sum_squares, device(), x.data(), n);
   for (int run = 0; run < 3; ++run)
-    EXPECT_EQ(std::bit_cast<uint64_t>(FORGE_TEST_OP(sum_squares, device(), x.data(), n)), std::bit_cast<uint64_t>(first));
+    EXPECT_EQ(std::bit_cast<uint64_t>(FORGE_TEST_OP(sum_squares, device(), x.data(), n)),
+              std::bit_cast<uint64_t>(first));
 }
 
-// Accumulating over ranges adds each range's sum into the total, where the op runs, in call order: bitwise the
-// host's additions of the returning form's sums (on the same backend), in the same order.
+// Accumulating over ranges adds each range's sum into the total, where the op runs, in call order: bitwise
+// the host's additions of the returning form's sums (on the same backend), in the same order.
 TEST_P(ElementwiseOp, SumSquaresAccumulateAddsEachRangeInOrder) {
   const int64_t n = test_case().n, cut = n / 3;
   DeviceArray<float> x(device(), inputs(n, 86, -100, 100));
@@ -158,16 +173,23 @@ TEST_P(ElementwiseOp, SumSquaresAccumulateAddsEachRangeInOrder) {
                                    {"sum_squares_accumulate: total is null"});
 }
 
-// bf16 conversions are exact functions of the bits: round-to-nearest-even (ties included), overflow to inf, NaN
-// kept quiet with its sign, and back by a shift.
+// bf16 conversions are exact functions of the bits: round-to-nearest-even (ties included), overflow to inf,
+// NaN kept quiet with its sign, and back by a shift.
 TEST_P(ElementwiseOp, Bf16Conversions) {
   const int64_t n = test_case().n;
   std::vector<float> x = inputs(n, 7, -1e4, 1e4);
-  const float specials[] = {0.0f, -0.0f, kInf, -kInf, kNaN, std::bit_cast<float>(0xffc00001u),
+  const float specials[] = {0.0f,
+                            -0.0f,
+                            kInf,
+                            -kInf,
+                            kNaN,
+                            std::bit_cast<float>(0xffc00001u),
                             std::bit_cast<float>(0x7f800001u),  // signalling NaN
                             std::bit_cast<float>(0x3f808000u),  // a tie to even (down)
                             std::bit_cast<float>(0x3f818000u),  // a tie to even (up)
-                            std::numeric_limits<float>::max(), std::numeric_limits<float>::denorm_min(), 1e-40f};
+                            std::numeric_limits<float>::max(),
+                            std::numeric_limits<float>::denorm_min(),
+                            1e-40f};
   std::copy_n(std::begin(specials), std::min<int64_t>(n, std::size(specials)), x.begin());
   DeviceArray<float> dx(device(), x), back(device(), x.size());
   DeviceArray<uint16_t> dy(device(), x.size());
@@ -177,7 +199,8 @@ TEST_P(ElementwiseOp, Bf16Conversions) {
   std::vector<uint16_t> want(x.size());
   std::vector<float> want_back(x.size());
   if (on_cpu()) {
-    for (int64_t i = 0; i < n; ++i) want[i] = f32_to_bf16_bits(x[i]), want_back[i] = bf16_bits_to_f32(want[i]);
+    for (int64_t i = 0; i < n; ++i)
+      want[i] = f32_to_bf16_bits(x[i]), want_back[i] = bf16_bits_to_f32(want[i]);
   } else {
     FORGE_TEST_OP(convert_to_bf16, Device::cpu, x.data(), want.data(), n);
     FORGE_TEST_OP(convert_to_f32, Device::cpu, want.data(), want_back.data(), n);
@@ -185,14 +208,16 @@ TEST_P(ElementwiseOp, Bf16Conversions) {
   size_t bad = 0, first = 0;
   for (int64_t i = 0; i < n; ++i)
     if (bf16[i] != want[i] && bad++ == 0) first = static_cast<size_t>(i);
-  EXPECT_EQ(bad, 0u) << "convert_to_bf16: first difference at " << first << ": input " << testing::show(x[first])
-                     << ", got 0x" << std::hex << bf16[first] << ", want 0x" << want[first];
+  EXPECT_EQ(bad, 0u) << "convert_to_bf16: first difference at " << first << ": input "
+                     << testing::show(x[first]) << ", got 0x" << std::hex << bf16[first] << ", want 0x"
+                     << want[first];
   testing::expect_bitwise_equal(back.download(), want_back, "convert_to_f32");
 }
 
 // max |x| on the host and into device memory (amax_to): NaN when any element is NaN (the canonical quiet NaN,
-// whatever the NaN's bits), 0 for n = 0. Variants put -inf, NaNs (in the vector tail, negative; at the front) or a
-// unique maximum in each float4 lane; odd variants start one element past an aligned address (the scalar path).
+// whatever the NaN's bits), 0 for n = 0. Variants put -inf, NaNs (in the vector tail, negative; at the front)
+// or a unique maximum in each float4 lane; odd variants start one element past an aligned address (the scalar
+// path).
 TEST_P(ElementwiseOp, Amax) {
   const int64_t n = test_case().n;
   const std::vector<float> original = spread_values(n, 11);
@@ -216,9 +241,10 @@ TEST_P(ElementwiseOp, Amax) {
     } else {
       want = FORGE_TEST_OP(amax, Device::cpu, x.data(), n);
     }
-    EXPECT_EQ(std::bit_cast<uint32_t>(got), std::bit_cast<uint32_t>(want)) << what << ": got " << testing::show(got)
-                                                                          << ", want " << testing::show(want);
-    EXPECT_EQ(std::bit_cast<uint32_t>(out.download()[0]), std::bit_cast<uint32_t>(got)) << what << " (amax_to)";
+    EXPECT_EQ(std::bit_cast<uint32_t>(got), std::bit_cast<uint32_t>(want))
+        << what << ": got " << testing::show(got) << ", want " << testing::show(want);
+    EXPECT_EQ(std::bit_cast<uint32_t>(out.download()[0]), std::bit_cast<uint32_t>(got))
+        << what << " (amax_to)";
   }
 }
 

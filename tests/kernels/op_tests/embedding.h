@@ -1,7 +1,7 @@
-// Embedding lookup and its weight gradient (ops::embedding_*), written once for every backend (op_harness.h): on
-// the CPU against the gathered rows and the double-precision sum of each id's gradient rows (and finite differences
-// where small), elsewhere against the CPU kernel, bitwise: the forward is a copy, and every backend adds each id's
-// rows onto dweight[id] one after another in row order.
+// Embedding lookup and its weight gradient (ops::embedding_*), written once for every backend (op_harness.h):
+// on the CPU against the gathered rows and the double-precision sum of each id's gradient rows (and finite
+// differences where small), elsewhere against the CPU kernel, bitwise: the forward is a copy, and every
+// backend adds each id's rows onto dweight[id] one after another in row order.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -31,9 +31,9 @@ struct Case {
 };
 
 inline const std::vector<Case> kCases = {
-    {11, 37, 6, 0.0},    {37, 200, 50, 0.0},   {1000, 129, 7, 0.0},  // many repeats of few ids
-    {1000, 300, 97, 0.6},                                            // one frequent id; most of the table untouched
-    {5, 1, 1, 0.0},      {20000, 33, 70000, 0.1},                    // a wide vocabulary: several radix passes
+    {11, 37, 6, 0.0},      {37, 200, 50, 0.0},      {1000, 129, 7, 0.0},  // many repeats of few ids
+    {1000, 300, 97, 0.6},                            // one frequent id; most of the table untouched
+    {5, 1, 1, 0.0},        {20000, 33, 70000, 0.1},  // a wide vocabulary: several radix passes
     {4099, 257, 501, 0.3},
 };
 
@@ -57,7 +57,8 @@ struct Problem {
   std::string what(const char* op) const { return std::string(op) + " " + c.name(); }
 };
 
-// Every array of the ops on one device; `local` rows of the tables (the whole vocabulary unless vocab-parallel).
+// Every array of the ops on one device; `local` rows of the tables (the whole vocabulary unless
+// vocab-parallel).
 struct Buffers {
   DeviceArray<int32_t> ids;
   DeviceArray<float> weight, out, dout, dweight;
@@ -110,8 +111,8 @@ TEST_P(EmbeddingOp, BackwardWeight) {
     testing::expect_bitwise_equal(run(device(), pr, true), cpu, pr.what("embedding_backward_weight"));
     return;
   }
-  // dweight + each id's dout rows, in double: a float sum of count additions errs by at most count ulps of the
-  // sum of its terms' magnitudes (u = 2^-24 each, to first order).
+  // dweight + each id's dout rows, in double: a float sum of count additions errs by at most count ulps of
+  // the sum of its terms' magnitudes (u = 2^-24 each, to first order).
   std::vector<double> want(pr.dweight.begin(), pr.dweight.end()), magnitude(cpu.size());
   std::vector<int64_t> count(pr.c.vocab, 0);
   for (size_t i = 0; i < magnitude.size(); ++i) magnitude[i] = std::abs(pr.dweight[i]);
@@ -124,7 +125,8 @@ TEST_P(EmbeddingOp, BackwardWeight) {
   }
   size_t bad = 0, first = 0;
   for (size_t i = 0; i < cpu.size(); ++i)
-    if (std::abs(double{cpu[i]} - want[i]) > (count[i / dim] + 1) * testing::kU * magnitude[i] && bad++ == 0) first = i;
+    if (std::abs(double{cpu[i]} - want[i]) > (count[i / dim] + 1) * testing::kU * magnitude[i] && bad++ == 0)
+      first = i;
   EXPECT_EQ(bad, 0u) << pr.what("embedding_backward_weight") << ": first at " << first << ": " << cpu[first]
                      << ", want " << want[first];
   // For small tables also the finite differences of <dout, out(weight)>.
@@ -143,8 +145,8 @@ TEST_P(EmbeddingOp, BackwardWeight) {
   EXPECT_LT(testing::relative_error(delta, fd), 1e-6);
 }
 
-// Vocabulary-parallel: the table holds global rows [first, first + local); the ids of other ranks' ranges give
-// zero rows and no gradient. A middle third of each case's vocabulary, both ops.
+// Vocabulary-parallel: the table holds global rows [first, first + local); the ids of other ranks' ranges
+// give zero rows and no gradient. A middle third of each case's vocabulary, both ops.
 TEST_P(EmbeddingOp, VocabularyParallelRangeTakesOnlyItsIds) {
   const Problem pr(test_case(), 110);
   const int64_t rows = pr.c.rows, dim = pr.c.dim;
@@ -184,13 +186,16 @@ TEST_P(EmbeddingOp, BackwardWeightIsBitwiseRepeatable) {
                                   pr.what("embedding_backward_weight") + " run " + std::to_string(run_index));
 }
 
-// An id outside [0, vocab) fails both ops with one line naming the id and its row (the first bad row, when there
-// are several), before anything is written.
+// An id outside [0, vocab) fails both ops with one line naming the id and its row (the first bad row, when
+// there are several), before anything is written.
 TEST_P(EmbeddingOp, RejectsIdsOutsideTheVocabulary) {
   const Problem pr(test_case(), 110);
   const int64_t rows = pr.c.rows, vocab = pr.c.vocab;
-  const std::vector<std::pair<int64_t, int64_t>> bad = {
-      {std::min<int64_t>(3, rows - 1), -1}, {rows - 1, vocab}, {0, int64_t{1} << 30}, {4 % rows, vocab}, {4 % rows, -1}};
+  const std::vector<std::pair<int64_t, int64_t>> bad = {{std::min<int64_t>(3, rows - 1), -1},
+                                                        {rows - 1, vocab},
+                                                        {0, int64_t{1} << 30},
+                                                        {4 % rows, vocab},
+                                                        {4 % rows, -1}};
   for (auto [row, id] : bad) {
     Problem wrong = pr;
     wrong.ids[row] = static_cast<int32_t>(id);

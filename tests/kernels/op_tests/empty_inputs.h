@@ -1,5 +1,5 @@
-// Empty inputs on every backend (op_harness.h): each op with nothing to do returns without touching memory, so
-// null pointers are fine there.
+// Empty inputs on every backend (op_harness.h): each op with nothing to do returns without touching memory,
+// so null pointers are fine there.
 #pragma once
 
 #include <gtest/gtest.h>

@@ -2,10 +2,11 @@
 // reference (a bf16 C: bitwise the fp32-output GEMM rounded), elsewhere against the CPU kernel on the same
 // operands.
 //
-// Tolerance against the CPU: products of fp32/bf16 values are exact or rounded once, and each side's k additions
-// err by at most k ulps of the magnitude sum_l |op(A)[i,l] op(B)[l,j]| (2^-23: tensor cores may truncate), so the
-// two differ by at most about 2 k 2^-23 of it. A bf16 C is each side's fp32 result rounded once: they differ by
-// that bound plus one bf16 ulp (taken at the larger value: a rounding may cross a binade).
+// Tolerance against the CPU: products of fp32/bf16 values are exact or rounded once, and each side's k
+// additions err by at most k ulps of the magnitude sum_l |op(A)[i,l] op(B)[l,j]| (2^-23: tensor cores may
+// truncate), so the two differ by at most about 2 k 2^-23 of it. A bf16 C is each side's fp32 result rounded
+// once: they differ by that bound plus one bf16 ulp (taken at the larger value: a rounding may cross a
+// binade).
 #pragma once
 
 #include <gtest/gtest.h>
@@ -30,7 +31,8 @@ struct Layout {
   float alpha, beta;
 };
 
-// The layouts of training's GEMMs (forward NT, backward_input NN, backward_weight TN accumulating) and a scaled TT.
+// The layouts of training's GEMMs (forward NT, backward_input NN, backward_weight TN accumulating) and a
+// scaled TT.
 inline constexpr Layout kNT{false, true, 1, 0}, kNN{false, false, 1, 0}, kTN{true, false, 1, 1},
     kTT{true, true, 0.5f, 0.25f};
 
@@ -43,16 +45,17 @@ struct Case {
                    // aligned pointers, which the GPU's plans must not assume away
   std::string name() const {
     return std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k) + "_" +
-           (layout.trans_a ? "t" : "n") + (layout.trans_b ? "t" : "n") + (layout.beta != 0 ? "_beta" : "") + "_" +
-           std::string(dtype_name(ab_dtype)) + "_to_" + std::string(dtype_name(c_dtype)) + "_pad" + std::to_string(pad) +
-           (offset ? "_offset" + std::to_string(offset) : "");
+           (layout.trans_a ? "t" : "n") + (layout.trans_b ? "t" : "n") + (layout.beta != 0 ? "_beta" : "") +
+           "_" + std::string(dtype_name(ab_dtype)) + "_to_" + std::string(dtype_name(c_dtype)) + "_pad" +
+           std::to_string(pad) + (offset ? "_offset" + std::to_string(offset) : "");
   }
 };
 
 inline std::vector<Case> make_cases() {
   std::vector<Case> cases;
   for (Layout layout : {kNT, kNN, kTN, kTT})
-    for (auto [ab, c] : {std::pair{DType::f32, DType::f32}, {DType::bf16, DType::f32}, {DType::bf16, DType::bf16}}) {
+    for (auto [ab, c] :
+         {std::pair{DType::f32, DType::f32}, {DType::bf16, DType::f32}, {DType::bf16, DType::bf16}}) {
       cases.push_back({37, 29, 53, layout, ab, c, 3, 0});  // odd shapes, padded leading dimensions
       cases.push_back({37, 29, 61, layout, ab, c, 3, 0});
       cases.push_back({40, 24, 64, layout, ab, c, 0, 1});  // dense, pointers off by one element
@@ -65,8 +68,8 @@ inline std::vector<Case> make_cases() {
 }
 inline const std::vector<Case> kCases = make_cases();
 
-// A case's operands: fp32 values (the exact values of the bf16 operands when ab_dtype is bf16) and their bytes
-// in ab_dtype; C before the op (NaN where beta = 0: it must not be read).
+// A case's operands: fp32 values (the exact values of the bf16 operands when ab_dtype is bf16) and their
+// bytes in ab_dtype; C before the op (NaN where beta = 0: it must not be read).
 struct Problem {
   ops::GemmParams p;  // no pointers
   std::vector<float> a, b, c0;
@@ -74,7 +77,8 @@ struct Problem {
   Problem(const Case& c, uint32_t seed) {
     p.m = c.m, p.n = c.n, p.k = c.k;
     p.trans_a = c.layout.trans_a, p.trans_b = c.layout.trans_b;
-    p.lda = (p.trans_a ? c.m : c.k) + c.pad, p.ldb = (p.trans_b ? c.k : c.n) + c.pad + 2, p.ldc = c.n + c.pad + 1;
+    p.lda = (p.trans_a ? c.m : c.k) + c.pad, p.ldb = (p.trans_b ? c.k : c.n) + c.pad + 2,
+    p.ldc = c.n + c.pad + 1;
     p.alpha = c.layout.alpha, p.beta = c.layout.beta;
     p.ab_dtype = c.ab_dtype, p.c_dtype = c.c_dtype;
     a = testing::random_floats((p.trans_a ? c.k : c.m) * p.lda, seed);
@@ -134,15 +138,16 @@ inline double bf16_ulp(double x) { return x == 0 ? 0.0 : std::ldexp(1.0, std::il
 // aligned, as in the GPU tests these cases come from).
 inline std::vector<uint8_t> run_gemm(Device on, const Problem& pr, int64_t offset) {
   const size_t ab = dtype_size(pr.p.ab_dtype), c_offset = pr.p.c_dtype == DType::bf16 ? offset * 2 : 0;
-  DeviceArray<uint8_t> a(on, pr.a_bytes, offset * ab), b(on, pr.b_bytes, offset * ab), c(on, pr.c_bytes, c_offset);
+  DeviceArray<uint8_t> a(on, pr.a_bytes, offset * ab), b(on, pr.b_bytes, offset * ab),
+      c(on, pr.c_bytes, c_offset);
   ops::GemmParams p = pr.p;
   p.a = a.data(), p.b = b.data(), p.c = c.data();
   FORGE_TEST_OP(gemm, on, p);
   return c.download();
 }
 
-// The case on `on` (a device) against the CPU kernel on the same operands, within the bound above; C's padding
-// columns untouched.
+// The case on `on` (a device) against the CPU kernel on the same operands, within the bound above; C's
+// padding columns untouched.
 inline void expect_matches_cpu(Device on, const Case& c, const Problem& pr) {
   const ops::GemmParams& p = pr.p;
   std::vector<double> want, magnitude;
@@ -160,7 +165,8 @@ inline void expect_matches_cpu(Device on, const Case& c, const Problem& pr) {
     }
     // Compared bitwise: NaN where beta = 0.
     const size_t row = i * p.ldc * esize;
-    EXPECT_EQ(std::memcmp(&got_bytes[row + p.n * esize], &pr.c_bytes[row + p.n * esize], (p.ldc - p.n) * esize), 0)
+    EXPECT_EQ(
+        std::memcmp(&got_bytes[row + p.n * esize], &pr.c_bytes[row + p.n * esize], (p.ldc - p.n) * esize), 0)
         << c.name() << ": padding of row " << i << " was written";
   }
 }
@@ -186,7 +192,8 @@ TEST_P(GemmOp, MatchesTheCpu) {
   reference(pr, want, magnitude);
   const std::vector<float> got = pr.decode(run_gemm(Device::cpu, pr, 0));
   for (int64_t i = 0; i < p.m; ++i)
-    for (int64_t j = 0; j < p.n; ++j) ASSERT_NEAR(got[i * p.ldc + j], want[i * p.ldc + j], 2e-5 * p.k) << i << "," << j;
+    for (int64_t j = 0; j < p.n; ++j)
+      ASSERT_NEAR(got[i * p.ldc + j], want[i * p.ldc + j], 2e-5 * p.k) << i << "," << j;
 }
 
 // The plan (cached per shape) gives the same bits on every call.

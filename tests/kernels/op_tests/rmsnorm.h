@@ -1,11 +1,12 @@
-// RMSNorm (ops::rmsnorm_*), written once for every backend (op_harness.h): on the CPU against the double-precision
-// reference and finite differences, elsewhere against the CPU kernel on the same inputs.
+// RMSNorm (ops::rmsnorm_*), written once for every backend (op_harness.h): on the CPU against the
+// double-precision reference and finite differences, elsewhere against the CPU kernel on the same inputs.
 //
 // Tolerances against the CPU come from the arithmetic, not from trial runs (they were written on a machine
-// without a GPU): the backends' reductions over a row differ in order, so rstd and the backward sums err within
-// the bound of that many additions; element-wise formulas, which the CUDA kernels evaluate with the FMA pattern of
-// the CPU build, within a few roundings of their operands' magnitudes; backward_weight adds 32-row partials in
-// block order on every backend, so its bound only allows for another compiler's FMA contraction.
+// without a GPU): the backends' reductions over a row differ in order, so rstd and the backward sums err
+// within the bound of that many additions; element-wise formulas, which the CUDA kernels evaluate with the
+// FMA pattern of the CPU build, within a few roundings of their operands' magnitudes; backward_weight adds
+// 32-row partials in block order on every backend, so its bound only allows for another compiler's FMA
+// contraction.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -36,14 +37,14 @@ struct Case {
 };
 
 // An odd dim for the vector tails (7 x 37); small rows for finite differences; awkward sizes for the device
-// kernels (never multiples of their block sizes), a wide row, a single column and a single row; and enough rows
-// for several reduction blocks in backward_weight.
-inline const std::vector<Case> kCases = {{7, 37},    {5, 23}, {3, 16}, {37, 200}, {300, 1031},
+// kernels (never multiples of their block sizes), a wide row, a single column and a single row; and enough
+// rows for several reduction blocks in backward_weight.
+inline const std::vector<Case> kCases = {{7, 37},   {5, 23}, {3, 16}, {37, 200},   {300, 1031},
                                          {4, 4096}, {5, 1},  {1, 33}, {1000, 1031}};
 
 // y = w * x / sqrt(mean(x^2) + eps), in double.
-inline std::vector<double> reference_forward(const std::vector<double>& x, const std::vector<double>& w, int64_t rows,
-                                             int64_t dim, std::vector<double>* rstd = nullptr) {
+inline std::vector<double> reference_forward(const std::vector<double>& x, const std::vector<double>& w,
+                                             int64_t rows, int64_t dim, std::vector<double>* rstd = nullptr) {
   std::vector<double> y(rows * dim);
   if (rstd) rstd->resize(rows);
   for (int64_t r = 0; r < rows; ++r) {
@@ -56,7 +57,8 @@ inline std::vector<double> reference_forward(const std::vector<double>& x, const
   return y;
 }
 
-// A case's inputs (seed, seed + 1, ... for x, weight, dy and the dweight that backward_weight accumulates onto).
+// A case's inputs (seed, seed + 1, ... for x, weight, dy and the dweight that backward_weight accumulates
+// onto).
 struct Problem {
   int64_t rows, dim;
   std::vector<float> x, weight, dy, dweight;
@@ -101,7 +103,8 @@ TEST_P(RmsNormOp, Forward) {
   const std::vector<float> y = cpu.y.download(), rstd = cpu.rstd.download();
   if (on_cpu()) {
     std::vector<double> want_rstd;
-    const auto want = reference_forward(testing::to_double(pr.x), testing::to_double(pr.weight), rows, dim, &want_rstd);
+    const auto want =
+        reference_forward(testing::to_double(pr.x), testing::to_double(pr.weight), rows, dim, &want_rstd);
     EXPECT_LT(testing::relative_error(y, want), 1e-6);
     EXPECT_LT(testing::relative_error(rstd, want_rstd), 1e-6);
     return;
@@ -183,7 +186,9 @@ TEST_P(RmsNormOp, BackwardWeight) {
     FORGE_TEST_OP(rmsnorm_backward_weight, Device::cpu, p);
     const auto xd = testing::to_double(pr.x), dyd = testing::to_double(pr.dy);
     const auto dw_fd = testing::finite_difference(
-        [&](const std::vector<double>& w) { return testing::dot(dyd, reference_forward(xd, w, pr.rows, pr.dim)); },
+        [&](const std::vector<double>& w) {
+          return testing::dot(dyd, reference_forward(xd, w, pr.rows, pr.dim));
+        },
         testing::to_double(pr.weight));
     const std::vector<float> dweight = cpu.dweight.download();
     std::vector<float> delta(pr.dim);
@@ -204,7 +209,8 @@ TEST_P(RmsNormOp, BackwardWeight) {
   std::vector<double> magnitude(dim);
   for (int64_t j = 0; j < dim; ++j) {
     double sum = std::abs(pr.dweight[j]);
-    for (int64_t r = 0; r < rows; ++r) sum += std::abs(double{pr.dy[r * dim + j]} * pr.x[r * dim + j] * rstd[r]);
+    for (int64_t r = 0; r < rows; ++r)
+      sum += std::abs(double{pr.dy[r * dim + j]} * pr.x[r * dim + j] * rstd[r]);
     magnitude[j] = sum;
   }
   testing::expect_close(dev.dweight.download(), dweight, pr.what("rmsnorm_backward_weight"),
@@ -239,7 +245,8 @@ TEST_P(RmsNormOp, BackwardWeightIsBitwiseRepeatable) {
     if (run == 0)
       first = dweight;
     else
-      testing::expect_bitwise_equal(dweight, first, pr.what("rmsnorm_backward_weight") + " run " + std::to_string(run));
+      testing::expect_bitwise_equal(dweight, first,
+                                    pr.what("rmsnorm_backward_weight") + " run " + std::to_string(run));
   }
 }
 

@@ -1,6 +1,6 @@
-// Rotary position embedding (ops::rope), written once for every backend (op_harness.h): on the CPU against the
-// double-precision reference (the inverse against finite differences: it is the gradient), elsewhere against the
-// CPU kernel on the same inputs.
+// Rotary position embedding (ops::rope), written once for every backend (op_harness.h): on the CPU against
+// the double-precision reference (the inverse against finite differences: it is the gradient), elsewhere
+// against the CPU kernel on the same inputs.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -117,7 +117,8 @@ TEST_P(RopeOp, Rotates) {
     const int64_t within = static_cast<int64_t>(i) % c.token_stride;
     if (within >= rotated) return std::bit_cast<uint32_t>(got[i]) == std::bit_cast<uint32_t>(pr.x[i]);
     const size_t partner = within % c.head_dim < half ? i + half : i - half;
-    return std::abs(double{got[i]} - double{cpu[i]}) <= 4 * kU * (std::abs(pr.x[i]) + std::abs(pr.x[partner]));
+    return std::abs(double{got[i]} - double{cpu[i]}) <=
+           4 * kU * (std::abs(pr.x[i]) + std::abs(pr.x[partner]));
   });
 }
 

@@ -1,8 +1,9 @@
-// SwiGLU (ops::swiglu_*), written once for every backend (op_harness.h): on the CPU against the double-precision
-// reference and finite differences, elsewhere against the CPU kernel on the same inputs.
+// SwiGLU (ops::swiglu_*), written once for every backend (op_harness.h): on the CPU against the
+// double-precision reference and finite differences, elsewhere against the CPU kernel on the same inputs.
 //
 // The CUDA kernels use the CPU's exponential and operation order; the bounds against the CPU allow another
-// compiler's contraction of the polynomial (a few ulp in exp, at most as much in sigmoid) and of the products.
+// compiler's contraction of the polynomial (a few ulp in exp, at most as much in sigmoid) and of the
+// products.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -25,8 +26,8 @@ struct Case {
   bool finite_differences() const { return rows * ffn <= 300; }
 };
 
-// Odd widths for the vector tails, small ones for finite differences, awkward sizes for the device kernels and a
-// single element.
+// Odd widths for the vector tails, small ones for finite differences, awkward sizes for the device kernels
+// and a single element.
 inline const std::vector<Case> kCases = {{6, 29}, {4, 19}, {37, 200}, {129, 1000}, {1, 1}, {3, 11}};
 
 // out[r, j] = silu(g) * u with g = gate_up[r, j], u = gate_up[r, ffn + j], in double.
@@ -62,7 +63,8 @@ struct Problem {
 
 class SwigluOp : public testing::OpTest<Case> {
  protected:
-  // out (forward) or dgate_up (backward) of the op on `device`; dgate_up starts as NaN (overwritten, never read).
+  // out (forward) or dgate_up (backward) of the op on `device`; dgate_up starts as NaN (overwritten, never
+  // read).
   std::vector<float> run(Device on, const Problem& pr, bool backward) {
     DeviceArray<float> gate_up(on, pr.gate_up), dout(on, pr.dout), out(on, pr.dout.size());
     DeviceArray<float> dgate_up(on, std::vector<float>(pr.gate_up.size(), std::nanf("")));
@@ -83,8 +85,9 @@ TEST_P(SwigluOp, Forward) {
   const Problem pr(test_case(), 60);
   const std::vector<float> out = run(Device::cpu, pr, false);
   if (on_cpu()) {
-    EXPECT_LT(testing::relative_error(out, reference_forward(testing::to_double(pr.gate_up), pr.rows, pr.ffn)),
-              1e-6);
+    EXPECT_LT(
+        testing::relative_error(out, reference_forward(testing::to_double(pr.gate_up), pr.rows, pr.ffn)),
+        1e-6);
     return;
   }
   // The 1e-30 floor: gates near -100 give results of subnormal scale, which a CPU flushing subnormals zeroes.
@@ -105,8 +108,8 @@ TEST_P(SwigluOp, Backward) {
     EXPECT_LT(testing::relative_error(dgate_up, fd), 1e-6);
     return;
   }
-  // dgate = d u s (1 + g (1 - s)): 1 - s cancels as s -> 1, so its error is relative to |g|, not to the (tiny)
-  // g (1 - s). dup = d g s: a few roundings.
+  // dgate = d u s (1 + g (1 - s)): 1 - s cancels as s -> 1, so its error is relative to |g|, not to the
+  // (tiny) g (1 - s). dup = d g s: a few roundings.
   testing::expect_close(run(device(), pr, true), dgate_up, pr.what("swiglu_backward"), [&](size_t i) {
     const int64_t r = static_cast<int64_t>(i) / (2 * ffn), j = static_cast<int64_t>(i) % (2 * ffn);
     const size_t gate = r * 2 * ffn + (j % ffn);
@@ -135,7 +138,8 @@ TEST_P(SwigluSaturation, SaturatesCleanlyForLargeGates) {
   for (int j = 0; j < 4; ++j) {
     EXPECT_NEAR(out[j], want_out[j], 1e-30f + 1e-6f * std::abs(want_out[j])) << j;
     EXPECT_NEAR(dgate_up[j], want_dgate[j], 1e-6f) << j;
-    EXPECT_NEAR(dgate_up[4 + j], want_out[j] / gate_up_values[4 + j], 1e-30f + 1e-6f * std::abs(want_out[j])) << j;
+    EXPECT_NEAR(dgate_up[4 + j], want_out[j] / gate_up_values[4 + j], 1e-30f + 1e-6f * std::abs(want_out[j]))
+        << j;
   }
 }
 
