@@ -1,3 +1,4 @@
+// RoPE: the cos/sin tables, and the op tests (op_tests/rope.h) on the CPU and the device emulation.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -6,9 +7,14 @@
 #include "forge/core/error.h"
 #include "forge/kernels/ops.h"
 #include "forge/kernels/rope_tables.h"
+#include "kernels/op_tests/rope.h"
 #include "op_harness.h"
 
 namespace forge {
+namespace op_tests::rope {
+FORGE_INSTANTIATE_OP_TEST(RopeOp, kCases, testing::Backend::cpu, testing::Backend::emulated);
+}  // namespace op_tests::rope
+
 namespace {
 
 struct TableValue {
@@ -78,75 +84,6 @@ TEST(RopeTables, Llama3MatchesPyTorch) {
 TEST(RopeTables, RejectsOddHeadDim) {
   std::vector<float> cos(10), sin(10);
   EXPECT_THROW(rope_tables(2, 7, 10000.0, RopeScaling{}, cos.data(), sin.data()), Error);
-}
-
-// A [batch, seq, heads, head_dim] tensor inside a wider token row (as q sits inside a fused qkv buffer).
-struct Problem {
-  int64_t batch = 2, seq = 5, heads = 3, head_dim = 8, token_stride = 3 * 8 + 10, offset = 2;
-  int64_t positions = 7;
-  std::vector<float> x, cos, sin;
-  Problem() {
-    x = testing::random_floats(batch * seq * token_stride, 21);
-    cos.resize(positions * head_dim / 2), sin.resize(positions * head_dim / 2);
-    rope_tables(positions, head_dim, 10000.0, RopeScaling{}, cos.data(), sin.data());
-  }
-  ops::RopeParams params(float* data, bool inverse) const {
-    ops::RopeParams p;
-    p.batch = batch, p.seq = seq, p.heads = heads, p.head_dim = head_dim, p.token_stride = token_stride;
-    p.x = data, p.cos = cos.data(), p.sin = sin.data(), p.position_offset = offset, p.inverse = inverse;
-    return p;
-  }
-  // HF: out = x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), rotate_half(x) = cat(-x2, x1). Padding
-  // between tokens passes through unchanged.
-  std::vector<double> reference(const std::vector<double>& in) const {
-    std::vector<double> out = in;
-    const int64_t half = head_dim / 2;
-    for (int64_t b = 0; b < batch; ++b)
-      for (int64_t t = 0; t < seq; ++t)
-        for (int64_t h = 0; h < heads; ++h) {
-          const int64_t base = (b * seq + t) * token_stride + h * head_dim;
-          for (int64_t i = 0; i < half; ++i) {
-            const double c = cos[(offset + t) * half + i], s = sin[(offset + t) * half + i];
-            const double x1 = in[base + i], x2 = in[base + half + i];
-            out[base + i] = x1 * c - x2 * s;
-            out[base + half + i] = x2 * c + x1 * s;
-          }
-        }
-    return out;
-  }
-};
-
-TEST(Rope, ForwardMatchesDoubleReference) {
-  Problem pr;
-  auto want = pr.reference(testing::to_double(pr.x));
-  auto got = pr.x;
-  ops::rope(pr.params(got.data(), false));
-  EXPECT_LT(testing::relative_error(got, want), 1e-6);
-  // Padding columns are untouched bitwise.
-  for (int64_t token = 0; token < pr.batch * pr.seq; ++token)
-    for (int64_t j = pr.heads * pr.head_dim; j < pr.token_stride; ++j)
-      ASSERT_EQ(got[token * pr.token_stride + j], pr.x[token * pr.token_stride + j]);
-}
-
-TEST(Rope, InverseUndoesForward) {
-  Problem pr;
-  auto got = pr.x;
-  ops::rope(pr.params(got.data(), false));
-  ops::rope(pr.params(got.data(), true));
-  EXPECT_LT(testing::relative_error(got, testing::to_double(pr.x)), 1e-6);
-}
-
-TEST(Rope, InverseIsTheGradient) {
-  // For loss <w, rope(x)>, dL/dx = rope^T w: the inverse rotation applied to w.
-  Problem pr;
-  const auto w = testing::random_floats(pr.x.size(), 22);
-  const auto wd = testing::to_double(w);
-  auto fd = testing::finite_difference(
-      [&](const std::vector<double>& x) { return testing::dot(wd, pr.reference(x)); },
-      testing::to_double(pr.x));
-  auto grad = w;
-  ops::rope(pr.params(grad.data(), true));
-  EXPECT_LT(testing::relative_error(grad, fd), 1e-6);
 }
 
 }  // namespace

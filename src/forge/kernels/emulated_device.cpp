@@ -11,7 +11,8 @@
 #include <cstring>
 #include <map>
 #include <mutex>
-#include <string_view>
+#include <string>
+#include <type_traits>
 
 #include "forge/core/device.h"
 #include "forge/core/error.h"
@@ -163,82 +164,54 @@ void check_args(const char* op, A... args) {
   (check_arg(op, index++, args), ...);
 }
 
-// The CUDA backend's own parameter checks where its limits are narrower than the CPU kernels' (cuda_kernels.h),
-// in builds that have it; nothing otherwise.
-template <typename... A>
-void check_backend(const char*, const A&...) {}
+// The parameters an op on the emulated device takes: what the CUDA backend takes (in builds that have it: a GPU
+// would refuse the rest), and what the CPU kernel that runs it takes.
 #ifdef FORGE_HAVE_CUDA
-void check_backend(const char*, const ops::GemmParams& p) { cuda::check_gemm(p); }
-void check_backend(const char*, const ops::Fp8GemmParams& p) { cuda::check_fp8_gemm(p); }
-void check_backend(const char* op, const ops::AttentionParams& p) {
-  cuda::check_attention(p, std::string_view(op) == "attention_backward");
-}
-void check_backend(const char* op, const ops::LinearCrossEntropyParams& p) {
-  cuda::check_linear_cross_entropy(p, std::string_view(op) == "linear_cross_entropy_backward");
-}
+#define FORGE_EMULATED_CUDA_SUPPORTS(name, args) cuda::supports_##name FORGE_OP_APPEND(args, reason) &&
+#else
+#define FORGE_EMULATED_CUDA_SUPPORTS(name, args)
 #endif
+#define FORGE_EMULATED_SUPPORTS(name, result, params, args)                      \
+  bool supports_##name FORGE_OP_APPEND(params, std::string* reason) {            \
+    return FORGE_EMULATED_CUDA_SUPPORTS(name, args)                              \
+        ops::cpu_table().supports_##name FORGE_OP_APPEND(args, reason);          \
+  }
+FORGE_OPS(FORGE_EMULATED_SUPPORTS)
+#undef FORGE_EMULATED_SUPPORTS
+#undef FORGE_EMULATED_CUDA_SUPPORTS
 
-// One op of the emulated table: its pointers and the CUDA backend's limits checked, then the CPU kernel with
-// device memory open.
-template <auto Member, typename... A>
-auto guarded(const char* op, const A&... args) {
-  check_args(op, args...);
-  check_backend(op, args...);
-  ++g_state->ops;
+// Whether a call makes the host wait for its result (Traffic::host_results): every op that returns a value to
+// the host, except a cast whose amax goes into device memory or which takes its scale there.
+template <ops::OpId Id>
+using Op = std::integral_constant<ops::OpId, Id>;
+template <ops::OpId Id, typename... A>
+bool awaits_result(Op<Id>, const A&...) {
+  return true;
+}
+bool awaits_result(Op<ops::OpId::fp8_cast_transpose>, const ops::Fp8CastParams& p) {
+  return !p.amax_accumulate && !p.amax_in;
+}
+
+// One op of the emulated table: its pointers and parameters checked, then the CPU kernel with device memory open.
+template <ops::OpId Id, auto Member, auto Supports, typename... A>
+auto guarded(const A&... args) {
   using Result = decltype((ops::cpu_table().*Member)(args...));
+  if constexpr (!std::is_void_v<Result>) g_state->traffic.host_results += awaits_result(Op<Id>{}, args...) ? 1 : 0;
+  const char* op = ops::op_name(Id);
+  check_args(op, args...);
+  if (std::string why; !Supports(args..., &why)) fail("{}", why);
+  ++g_state->ops;
   if (g_state->dry) return Result();  // checked, not run: sums and amaxes read as 0
   Window window;
   return (ops::cpu_table().*Member)(args...);
 }
 
 const ops::OpTable& emulated_table() {
-  using T = ops::OpTable;
-  static const ops::OpTable table = {
-      "emulated cuda",
-      [](const ops::GemmParams& p) { guarded<&T::gemm>("gemm", p); },
-      [](const ops::Fp8GemmParams& p) { guarded<&T::fp8_gemm>("fp8_gemm", p); },
-      [](const ops::RmsNormParams& p) { guarded<&T::rmsnorm_forward>("rmsnorm_forward", p); },
-      [](const ops::RmsNormParams& p) { guarded<&T::rmsnorm_backward_input>("rmsnorm_backward_input", p); },
-      [](const ops::RmsNormParams& p) { guarded<&T::rmsnorm_backward_weight>("rmsnorm_backward_weight", p); },
-      [](const ops::RopeParams& p) { guarded<&T::rope>("rope", p); },
-      [](const ops::SwigluParams& p) { guarded<&T::swiglu_forward>("swiglu_forward", p); },
-      [](const ops::SwigluParams& p) { guarded<&T::swiglu_backward>("swiglu_backward", p); },
-      [](const ops::AttentionParams& p) { guarded<&T::attention_forward>("attention_forward", p); },
-      [](const ops::AttentionParams& p) { guarded<&T::attention_backward>("attention_backward", p); },
-      [](const ops::EmbeddingParams& p) { guarded<&T::embedding_forward>("embedding_forward", p); },
-      [](const ops::EmbeddingParams& p) { guarded<&T::embedding_backward_weight>("embedding_backward_weight", p); },
-      [](const ops::LinearCrossEntropyParams& p) {
-        guarded<&T::linear_cross_entropy_forward>("linear_cross_entropy_forward", p);
-      },
-      [](const ops::LinearCrossEntropyParams& p) {
-        guarded<&T::linear_cross_entropy_backward>("linear_cross_entropy_backward", p);
-      },
-      [](const ops::AdamWParams& p) { guarded<&T::adamw>("adamw", p); },
-      [](float* y, const float* x, int64_t n) { guarded<&T::add_inplace>("add_inplace", y, x, n); },
-      [](const float* x, int64_t n) {
-        g_state->traffic.host_results += 1;
-        return guarded<&T::sum_squares>("sum_squares", x, n);
-      },
-      [](const float* x, int64_t n, double* total) {
-        guarded<&T::sum_squares_accumulate>("sum_squares_accumulate", x, n, total);
-      },
-      [](float* x, float s, int64_t n) { guarded<&T::scale_inplace>("scale_inplace", x, s, n); },
-      [](const float* x, uint16_t* y, int64_t n) { guarded<&T::convert_to_bf16>("convert_to_bf16", x, y, n); },
-      [](const uint16_t* x, float* y, int64_t n) { guarded<&T::convert_to_f32>("convert_to_f32", x, y, n); },
-      [](const float* x, int64_t n) {
-        g_state->traffic.host_results += 1;
-        return guarded<&T::amax>("amax", x, n);
-      },
-      [](const float* x, int64_t n, float* out) { guarded<&T::amax_to>("amax_to", x, n, out); },
-      [](const ops::Fp8CastParams& p) {
-        // The amax it returns is awaited unless the cast folds it into device memory or takes its scale there.
-        if (!p.amax_accumulate && !p.amax_in) g_state->traffic.host_results += 1;
-        return guarded<&T::fp8_cast_transpose>("fp8_cast_transpose", p);
-      },
-      [](const ops::Fp8CastParams& p) { guarded<&T::fp8_quantize_1x128>("fp8_quantize_1x128", p); },
-      [](const ops::Fp8CastParams& p) { guarded<&T::fp8_quantize_128x128>("fp8_quantize_128x128", p); },
-      [](const ops::KvAppendParams& p) { guarded<&T::kv_append>("kv_append", p); },
-  };
+#define FORGE_EMULATED_ENTRY(name, result, params, args)                                               \
+  .name = [] params -> result { return guarded<ops::OpId::name, &ops::OpTable::name, supports_##name> args; }, \
+  .supports_##name = supports_##name,
+  static const ops::OpTable table = {.name = "emulated cuda", FORGE_OPS(FORGE_EMULATED_ENTRY)};
+#undef FORGE_EMULATED_ENTRY
   return table;
 }
 

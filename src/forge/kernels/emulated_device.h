@@ -8,6 +8,9 @@
 //     the allocation and prints a backtrace before the process dies;
 //   - every pointer an op is handed must be null or lie inside live device memory; a host pointer passed to a
 //     device op fails with one line naming the op and the field.
+// And every op's parameters must be ones the CUDA backend takes (its support predicates, ops.h's OpTable, in
+// builds with that backend): what a GPU would refuse fails here with the GPU's line, and
+// ops::supports_<op>(..., Device::cuda) answers for the emulation as it would for the GPU.
 // So the trainer, checkpoints, generation, FP8 recipes and the optimizer run their GPU paths (staging copies,
 // device scalars, device-side scales) in CI, where no GPU is lent. It says nothing about the CUDA kernels
 // themselves, streams or NCCL: those need the GPU tests (ctest -L cuda).
@@ -24,10 +27,11 @@ namespace forge {
 class EmulatedDevice {
  public:
   // run: ops run the CPU kernels on the device memory. check_only: a dry run at any scale. Ops check their
-  // pointers and the CUDA backend's limits and return without computing (sums and amaxes read as 0), copies and
-  // memsets move nothing (a read-back gives zeros), device memory is never committed, so a model far larger than
-  // this machine's memory "trains" in seconds per step: every parameter every op would get is checked, every
-  // host access to device memory still faults, and peak_bytes() is the device memory the run allocates at most.
+  // pointers and parameters (the CUDA backend's and the CPU kernel's predicates) and return without computing
+  // (sums and amaxes read as 0), copies and memsets move nothing (a read-back gives zeros), device memory is never
+  // committed, so a model far larger than this machine's memory "trains" in seconds per step: every parameter
+  // every op would get is checked, every host access to device memory still faults, and peak_bytes() is the
+  // device memory the run allocates at most.
   enum class Mode { run, check_only };
   explicit EmulatedDevice(Mode mode = Mode::run);  // fails with one line when another emulation is active
   ~EmulatedDevice();  // restores the backend's interface and table; live allocations are released

@@ -5,9 +5,11 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "forge/core/dtype.h"
 #include "forge/core/tensor.h"
+#include "forge/kernels/op_list.h"
 
 namespace forge::ops {
 
@@ -37,9 +39,9 @@ struct GemmParams {
   float alpha = 1.0f;
   float beta = 0.0f;
 };
-// The output rule above (both backends check it): fails with one line naming `op` unless c_dtype is f32, or
-// bf16 with non-fp32 operands.
-void check_gemm_output(const char* op, DType c_dtype, DType operand_dtype);
+// The output rule above, part of both backends' support predicates: false (the reason, naming `op`, in *reason
+// when not null) unless c_dtype is f32, or bf16 with non-fp32 operands.
+bool supports_gemm_output(const char* op, DType c_dtype, DType operand_dtype, std::string* reason);
 
 // Emulated FP8 GEMM: C[m,n] = alpha * op(A)[m,k] @ op(B)[k,n] + beta * C, C in c_dtype (leading dimension
 // ldc): f32, or bf16 with GemmParams' rule (the fp32 result, beta's old C read as bf16, rounded once to
@@ -328,44 +330,28 @@ struct Fp8CastParams {
   float* scale_inv_t = nullptr;  // block: q_t's scales
 };
 
+// The op list (op_list.h) names every op once; everything below follows from it.
+enum class OpId : int {
+#define FORGE_OP_ID(name, result, params, args) name,
+  FORGE_OPS(FORGE_OP_ID)
+#undef FORGE_OP_ID
+};
+// The op's name as the list spells it ("gemm", "rmsnorm_forward", ...).
+const char* op_name(OpId id);
+
+// One backend's ops, and for each its support query: supports_<op>(same arguments, reason) is false where the
+// backend would refuse the parameters, with the one-line error the op would fail with in *reason (when not null).
+// It judges the parameters alone (shapes, dtypes, strides, alignment, which pointers are set): not the data
+// (token ids, targets), not whether pointers are device memory or a GPU is present, which the op checks when
+// it runs. Every op checks its parameters through the same predicate, so a caller that skips the query gets the
+// same line as an error.
 struct OpTable {
   const char* name;
-  void (*gemm)(const GemmParams&);
-  void (*fp8_gemm)(const Fp8GemmParams&);
-  void (*rmsnorm_forward)(const RmsNormParams&);
-  void (*rmsnorm_backward_input)(const RmsNormParams&);
-  void (*rmsnorm_backward_weight)(const RmsNormParams&);
-  void (*rope)(const RopeParams&);
-  void (*swiglu_forward)(const SwigluParams&);
-  void (*swiglu_backward)(const SwigluParams&);
-  void (*attention_forward)(const AttentionParams&);
-  void (*attention_backward)(const AttentionParams&);
-  void (*embedding_forward)(const EmbeddingParams&);
-  void (*embedding_backward_weight)(const EmbeddingParams&);
-  void (*linear_cross_entropy_forward)(const LinearCrossEntropyParams&);
-  void (*linear_cross_entropy_backward)(const LinearCrossEntropyParams&);
-  void (*adamw)(const AdamWParams&);
-  // y += x
-  void (*add_inplace)(float* y, const float* x, int64_t n);
-  // sum of squares in double (for the global gradient norm)
-  double (*sum_squares)(const float* x, int64_t n);
-  // *total += the same sum, where the op runs (total: one double in memory of the op's device); on a GPU in
-  // stream order, without a synchronisation, so that a norm over many ranges reads back once. The additions
-  // happen in call order, each the same double addition a host `total += sum_squares(...)` would make.
-  void (*sum_squares_accumulate)(const float* x, int64_t n, double* total);
-  void (*scale_inplace)(float* x, float s, int64_t n);
-  // y[i] = bf16(x[i]) (round to nearest even; NaN stays NaN) and back (exact).
-  void (*convert_to_bf16)(const float* x, uint16_t* y, int64_t n);
-  void (*convert_to_f32)(const uint16_t* x, float* y, int64_t n);
-  // max |x[i]| on the host (NaN when any element is NaN; 0 for n = 0). On a GPU this waits for the device.
-  float (*amax)(const float* x, int64_t n);
-  // The same max written to *out, one float in memory of the op's device, where the op runs: on a GPU in stream
-  // order, without a synchronisation (the input of a device-side scale: Fp8CastParams::amax_in).
-  void (*amax_to)(const float* x, int64_t n, float* out);
-  float (*fp8_cast_transpose)(const Fp8CastParams& p);
-  void (*fp8_quantize_1x128)(const Fp8CastParams& p);
-  void (*fp8_quantize_128x128)(const Fp8CastParams& p);
-  void (*kv_append)(const KvAppendParams& p);
+#define FORGE_OP_MEMBERS(name, result, params, args) \
+  result(*name) params;                               \
+  bool(*supports_##name) FORGE_OP_APPEND(params, std::string* reason);
+  FORGE_OPS(FORGE_OP_MEMBERS)
+#undef FORGE_OP_MEMBERS
 };
 
 const OpTable& cpu_table();
@@ -378,54 +364,14 @@ const OpTable& table(Device device);
 // kernels/emulated_device.h). Install before running work, remove after.
 void override_table(Device device, const OpTable* table);
 
-inline void gemm(const GemmParams& p, Device d = Device::cpu) { table(d).gemm(p); }
-inline void fp8_gemm(const Fp8GemmParams& p, Device d = Device::cpu) { table(d).fp8_gemm(p); }
-inline void rmsnorm_forward(const RmsNormParams& p, Device d = Device::cpu) { table(d).rmsnorm_forward(p); }
-inline void rmsnorm_backward_input(const RmsNormParams& p, Device d = Device::cpu) {
-  table(d).rmsnorm_backward_input(p);
-}
-inline void rmsnorm_backward_weight(const RmsNormParams& p, Device d = Device::cpu) {
-  table(d).rmsnorm_backward_weight(p);
-}
-inline void rope(const RopeParams& p, Device d = Device::cpu) { table(d).rope(p); }
-inline void swiglu_forward(const SwigluParams& p, Device d = Device::cpu) { table(d).swiglu_forward(p); }
-inline void swiglu_backward(const SwigluParams& p, Device d = Device::cpu) { table(d).swiglu_backward(p); }
-inline void attention_forward(const AttentionParams& p, Device d = Device::cpu) { table(d).attention_forward(p); }
-inline void attention_backward(const AttentionParams& p, Device d = Device::cpu) {
-  table(d).attention_backward(p);
-}
-inline void embedding_forward(const EmbeddingParams& p, Device d = Device::cpu) { table(d).embedding_forward(p); }
-inline void embedding_backward_weight(const EmbeddingParams& p, Device d = Device::cpu) {
-  table(d).embedding_backward_weight(p);
-}
-inline void linear_cross_entropy_forward(const LinearCrossEntropyParams& p, Device d = Device::cpu) {
-  table(d).linear_cross_entropy_forward(p);
-}
-inline void linear_cross_entropy_backward(const LinearCrossEntropyParams& p, Device d = Device::cpu) {
-  table(d).linear_cross_entropy_backward(p);
-}
-inline void adamw(const AdamWParams& p, Device d = Device::cpu) { table(d).adamw(p); }
-inline void add_inplace(float* y, const float* x, int64_t n, Device d = Device::cpu) { table(d).add_inplace(y, x, n); }
-inline double sum_squares(const float* x, int64_t n, Device d = Device::cpu) { return table(d).sum_squares(x, n); }
-inline void sum_squares_accumulate(const float* x, int64_t n, double* total, Device d = Device::cpu) {
-  table(d).sum_squares_accumulate(x, n, total);
-}
-inline void scale_inplace(float* x, float s, int64_t n, Device d = Device::cpu) { table(d).scale_inplace(x, s, n); }
-inline void convert_to_bf16(const float* x, uint16_t* y, int64_t n, Device d = Device::cpu) {
-  table(d).convert_to_bf16(x, y, n);
-}
-inline void convert_to_f32(const uint16_t* x, float* y, int64_t n, Device d = Device::cpu) {
-  table(d).convert_to_f32(x, y, n);
-}
-inline float amax(const float* x, int64_t n, Device d = Device::cpu) { return table(d).amax(x, n); }
-inline void amax_to(const float* x, int64_t n, float* out, Device d = Device::cpu) { table(d).amax_to(x, n, out); }
-inline float fp8_cast_transpose(const Fp8CastParams& p, Device d = Device::cpu) {
-  return table(d).fp8_cast_transpose(p);
-}
-inline void fp8_quantize_1x128(const Fp8CastParams& p, Device d = Device::cpu) { table(d).fp8_quantize_1x128(p); }
-inline void fp8_quantize_128x128(const Fp8CastParams& p, Device d = Device::cpu) {
-  table(d).fp8_quantize_128x128(p);
-}
-inline void kv_append(const KvAppendParams& p, Device d = Device::cpu) { table(d).kv_append(p); }
+// ops::gemm(p, device), ops::add_inplace(y, x, n, device), ...: the op on `device`'s table; and
+// ops::supports_gemm(p, device, &reason), ...: whether that table takes these parameters (see OpTable).
+#define FORGE_OP_WRAPPERS(name, result, params, args)                                                    \
+  inline result name FORGE_OP_APPEND(params, Device d = Device::cpu) { return table(d).name args; }      \
+  inline bool supports_##name FORGE_OP_APPEND(params, Device d = Device::cpu, std::string* reason = nullptr) { \
+    return table(d).supports_##name FORGE_OP_APPEND(args, reason);                                       \
+  }
+FORGE_OPS(FORGE_OP_WRAPPERS)
+#undef FORGE_OP_WRAPPERS
 
 }  // namespace forge::ops

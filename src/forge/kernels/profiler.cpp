@@ -32,21 +32,6 @@ struct Cost {
 double d(int64_t v) { return static_cast<double>(v); }
 char layout(bool trans) { return trans ? 'T' : 'N'; }
 
-Cost cost(const GemmParams& p) {
-  const double ab = d(dtype_size(p.ab_dtype)), c = d(dtype_size(p.c_dtype)) * (p.beta != 0.0f ? 2 : 1);
-  return {fmt::format("{} {}{} {}x{}x{} -> {}{}", dtype_name(p.ab_dtype), layout(p.trans_a), layout(p.trans_b), p.m,
-                      p.n, p.k, dtype_name(p.c_dtype), p.beta != 0.0f ? " (+=)" : ""),
-          2.0 * d(p.m) * d(p.n) * d(p.k), ab * d(p.m) * d(p.k) + ab * d(p.k) * d(p.n) + c * d(p.m) * d(p.n)};
-}
-
-Cost cost(const Fp8GemmParams& p) {
-  const double c = d(dtype_size(p.c_dtype)) * (p.beta != 0.0f ? 2 : 1);
-  return {fmt::format("{}x{} {} {}{} {}x{}x{} -> {}{}", dtype_name(p.a_dtype), dtype_name(p.b_dtype),
-                      p.scaling == Fp8Scaling::block ? "block" : "per-tensor", layout(p.trans_a), layout(p.trans_b),
-                      p.m, p.n, p.k, dtype_name(p.c_dtype), p.beta != 0.0f ? " (+=)" : ""),
-          2.0 * d(p.m) * d(p.n) * d(p.k), d(p.m) * d(p.k) + d(p.k) * d(p.n) + c * d(p.m) * d(p.n)};
-}
-
 std::string matrix(int64_t rows, int64_t cols) { return fmt::format("{}x{}", rows, cols); }
 std::string vector_of(int64_t n) { return fmt::format("n={}", n); }
 
@@ -82,6 +67,82 @@ Cost cast_cost(const Fp8CastParams& p, const char* blocks) {
   return {fmt::format("{} {} {}{}", dtype_name(p.fp8), matrix(p.rows, p.cols), what, blocks),
           0, 4 * n + n * ((p.q ? 1 : 0) + (p.q_t ? 1 : 0))};
 }
+
+// What each op costs, by the op's name (op_list.h): the row's detail, the FLOPs and the bytes of one call.
+namespace cost {
+
+Cost gemm(const GemmParams& p) {
+  const double ab = d(dtype_size(p.ab_dtype)), c = d(dtype_size(p.c_dtype)) * (p.beta != 0.0f ? 2 : 1);
+  return {fmt::format("{} {}{} {}x{}x{} -> {}{}", dtype_name(p.ab_dtype), layout(p.trans_a), layout(p.trans_b), p.m,
+                      p.n, p.k, dtype_name(p.c_dtype), p.beta != 0.0f ? " (+=)" : ""),
+          2.0 * d(p.m) * d(p.n) * d(p.k), ab * d(p.m) * d(p.k) + ab * d(p.k) * d(p.n) + c * d(p.m) * d(p.n)};
+}
+
+Cost fp8_gemm(const Fp8GemmParams& p) {
+  const double c = d(dtype_size(p.c_dtype)) * (p.beta != 0.0f ? 2 : 1);
+  return {fmt::format("{}x{} {} {}{} {}x{}x{} -> {}{}", dtype_name(p.a_dtype), dtype_name(p.b_dtype),
+                      p.scaling == Fp8Scaling::block ? "block" : "per-tensor", layout(p.trans_a), layout(p.trans_b),
+                      p.m, p.n, p.k, dtype_name(p.c_dtype), p.beta != 0.0f ? " (+=)" : ""),
+          2.0 * d(p.m) * d(p.n) * d(p.k), d(p.m) * d(p.k) + d(p.k) * d(p.n) + c * d(p.m) * d(p.n)};
+}
+
+Cost rmsnorm_forward(const RmsNormParams& p) { return {matrix(p.rows, p.dim), 0, 8 * d(p.rows) * d(p.dim)}; }
+Cost rmsnorm_backward_input(const RmsNormParams& p) { return {matrix(p.rows, p.dim), 0, 12 * d(p.rows) * d(p.dim)}; }
+Cost rmsnorm_backward_weight(const RmsNormParams& p) { return {matrix(p.rows, p.dim), 0, 8 * d(p.rows) * d(p.dim)}; }
+
+Cost rope(const RopeParams& p) {
+  return {fmt::format("b{} s{} h{} d{}{}", p.batch, p.seq, p.heads, p.head_dim, p.inverse ? " inverse" : ""), 0,
+          8 * d(p.batch) * d(p.seq) * d(p.heads) * d(p.head_dim)};
+}
+
+Cost swiglu_forward(const SwigluParams& p) { return {matrix(p.rows, p.ffn), 0, 12 * d(p.rows) * d(p.ffn)}; }
+Cost swiglu_backward(const SwigluParams& p) { return {matrix(p.rows, p.ffn), 0, 20 * d(p.rows) * d(p.ffn)}; }
+
+Cost attention_forward(const AttentionParams& p) { return attention_cost(p, false); }
+Cost attention_backward(const AttentionParams& p) { return attention_cost(p, true); }
+
+Cost embedding_forward(const EmbeddingParams& p) { return {matrix(p.rows, p.dim), 0, 8 * d(p.rows) * d(p.dim)}; }
+Cost embedding_backward_weight(const EmbeddingParams& p) {
+  return {matrix(p.rows, p.dim), 0, 12 * d(p.rows) * d(p.dim)};
+}
+
+Cost linear_cross_entropy_forward(const LinearCrossEntropyParams& p) {
+  const double s = d(dtype_size(p.gemm_dtype)), logits = d(p.rows) * d(p.vocab);
+  return {fmt::format("{} {}x{}x{}{}", dtype_name(p.gemm_dtype), p.rows, p.vocab, p.dim, p.keep_logits ? " keep" : ""),
+          2 * logits * d(p.dim), s * (d(p.rows) + d(p.vocab)) * d(p.dim) + (p.keep_logits ? 4 * logits : 0)};
+}
+
+Cost linear_cross_entropy_backward(const LinearCrossEntropyParams& p) {
+  const double s = d(dtype_size(p.gemm_dtype)), logits = d(p.rows) * d(p.vocab);
+  // dhidden and dweight from the chunk's gradients, and the logits again unless they were kept.
+  return {fmt::format("{} {}x{}x{}{}", dtype_name(p.gemm_dtype), p.rows, p.vocab, p.dim, p.keep_logits ? " keep" : ""),
+          (p.keep_logits ? 4 : 6) * logits * d(p.dim),
+          s * (d(p.rows) + d(p.vocab)) * d(p.dim) + 4 * d(p.rows) * d(p.dim) + 8 * d(p.vocab) * d(p.dim) +
+              (p.keep_logits ? 4 * logits : 0)};
+}
+
+// Read param, grad, both moments; write param, both moments (and the bf16 copy).
+Cost adamw(const AdamWParams& p) { return {vector_of(p.n), 0, d(p.n) * (28 + (p.param_bf16 ? 2 : 0))}; }
+
+Cost add_inplace(float*, const float*, int64_t n) { return {vector_of(n), 0, 12 * d(n)}; }
+Cost sum_squares(const float*, int64_t n) { return {vector_of(n), 0, 4 * d(n)}; }
+Cost sum_squares_accumulate(const float*, int64_t n, double*) { return {vector_of(n), 0, 4 * d(n)}; }
+Cost scale_inplace(float*, float, int64_t n) { return {vector_of(n), 0, 8 * d(n)}; }
+Cost convert_to_bf16(const float*, uint16_t*, int64_t n) { return {vector_of(n), 0, 6 * d(n)}; }
+Cost convert_to_f32(const uint16_t*, float*, int64_t n) { return {vector_of(n), 0, 6 * d(n)}; }
+Cost amax(const float*, int64_t n) { return {vector_of(n), 0, 4 * d(n)}; }
+Cost amax_to(const float*, int64_t n, float*) { return {vector_of(n), 0, 4 * d(n)}; }
+
+Cost fp8_cast_transpose(const Fp8CastParams& p) { return cast_cost(p, ""); }
+Cost fp8_quantize_1x128(const Fp8CastParams& p) { return cast_cost(p, " 1x128"); }
+Cost fp8_quantize_128x128(const Fp8CastParams& p) { return cast_cost(p, " 128x128"); }
+
+Cost kv_append(const KvAppendParams& p) {
+  return {fmt::format("b{} t{} kv{} d{}", p.batch, p.tokens, p.kv_heads, p.head_dim), 0,
+          16 * d(p.batch) * d(p.tokens) * d(p.kv_heads) * d(p.head_dim)};
+}
+
+}  // namespace cost
 
 // A row's identity: op and detail.
 using Key = std::pair<const char*, std::string>;
@@ -184,137 +245,17 @@ auto timed(const char* op, CostFn&& cost_of, Call&& call) {
   return call();
 }
 
+// The timed table: each op through timed() with its cost, each support query forwarded untimed.
 const OpTable& profiled() {
-  static const OpTable table = {
-      "profiled",
-      [](const GemmParams& p) { timed("gemm", [&] { return cost(p); }, [&] { inner().gemm(p); }); },
-      [](const Fp8GemmParams& p) { timed("fp8_gemm", [&] { return cost(p); }, [&] { inner().fp8_gemm(p); }); },
-      [](const RmsNormParams& p) {
-        timed("rmsnorm_forward", [&] { return Cost{matrix(p.rows, p.dim), 0, 8 * d(p.rows) * d(p.dim)}; },
-              [&] { inner().rmsnorm_forward(p); });
-      },
-      [](const RmsNormParams& p) {
-        timed("rmsnorm_backward_input", [&] { return Cost{matrix(p.rows, p.dim), 0, 12 * d(p.rows) * d(p.dim)}; },
-              [&] { inner().rmsnorm_backward_input(p); });
-      },
-      [](const RmsNormParams& p) {
-        timed("rmsnorm_backward_weight", [&] { return Cost{matrix(p.rows, p.dim), 0, 8 * d(p.rows) * d(p.dim)}; },
-              [&] { inner().rmsnorm_backward_weight(p); });
-      },
-      [](const RopeParams& p) {
-        timed(
-            "rope",
-            [&] {
-              return Cost{fmt::format("b{} s{} h{} d{}{}", p.batch, p.seq, p.heads, p.head_dim,
-                                      p.inverse ? " inverse" : ""),
-                          0, 8 * d(p.batch) * d(p.seq) * d(p.heads) * d(p.head_dim)};
-            },
-            [&] { inner().rope(p); });
-      },
-      [](const SwigluParams& p) {
-        timed("swiglu_forward", [&] { return Cost{matrix(p.rows, p.ffn), 0, 12 * d(p.rows) * d(p.ffn)}; },
-              [&] { inner().swiglu_forward(p); });
-      },
-      [](const SwigluParams& p) {
-        timed("swiglu_backward", [&] { return Cost{matrix(p.rows, p.ffn), 0, 20 * d(p.rows) * d(p.ffn)}; },
-              [&] { inner().swiglu_backward(p); });
-      },
-      [](const AttentionParams& p) {
-        timed("attention_forward", [&] { return attention_cost(p, false); }, [&] { inner().attention_forward(p); });
-      },
-      [](const AttentionParams& p) {
-        timed("attention_backward", [&] { return attention_cost(p, true); }, [&] { inner().attention_backward(p); });
-      },
-      [](const EmbeddingParams& p) {
-        timed("embedding_forward", [&] { return Cost{matrix(p.rows, p.dim), 0, 8 * d(p.rows) * d(p.dim)}; },
-              [&] { inner().embedding_forward(p); });
-      },
-      [](const EmbeddingParams& p) {
-        timed("embedding_backward_weight", [&] { return Cost{matrix(p.rows, p.dim), 0, 12 * d(p.rows) * d(p.dim)}; },
-              [&] { inner().embedding_backward_weight(p); });
-      },
-      [](const LinearCrossEntropyParams& p) {
-        timed(
-            "linear_cross_entropy_forward",
-            [&] {
-              const double s = d(dtype_size(p.gemm_dtype)), logits = d(p.rows) * d(p.vocab);
-              return Cost{fmt::format("{} {}x{}x{}{}", dtype_name(p.gemm_dtype), p.rows, p.vocab, p.dim,
-                                      p.keep_logits ? " keep" : ""),
-                          2 * logits * d(p.dim),
-                          s * (d(p.rows) + d(p.vocab)) * d(p.dim) + (p.keep_logits ? 4 * logits : 0)};
-            },
-            [&] { inner().linear_cross_entropy_forward(p); });
-      },
-      [](const LinearCrossEntropyParams& p) {
-        timed(
-            "linear_cross_entropy_backward",
-            [&] {
-              const double s = d(dtype_size(p.gemm_dtype)), logits = d(p.rows) * d(p.vocab);
-              // dhidden and dweight from the chunk's gradients, and the logits again unless they were kept.
-              return Cost{fmt::format("{} {}x{}x{}{}", dtype_name(p.gemm_dtype), p.rows, p.vocab, p.dim,
-                                      p.keep_logits ? " keep" : ""),
-                          (p.keep_logits ? 4 : 6) * logits * d(p.dim),
-                          s * (d(p.rows) + d(p.vocab)) * d(p.dim) + 4 * d(p.rows) * d(p.dim) +
-                              8 * d(p.vocab) * d(p.dim) + (p.keep_logits ? 4 * logits : 0)};
-            },
-            [&] { inner().linear_cross_entropy_backward(p); });
-      },
-      [](const AdamWParams& p) {
-        // Read param, grad, both moments; write param, both moments (and the bf16 copy).
-        timed("adamw", [&] { return Cost{vector_of(p.n), 0, d(p.n) * (28 + (p.param_bf16 ? 2 : 0))}; },
-              [&] { inner().adamw(p); });
-      },
-      [](float* y, const float* x, int64_t n) {
-        timed("add_inplace", [&] { return Cost{vector_of(n), 0, 12 * d(n)}; }, [&] { inner().add_inplace(y, x, n); });
-      },
-      [](const float* x, int64_t n) {
-        return timed("sum_squares", [&] { return Cost{vector_of(n), 0, 4 * d(n)}; },
-                     [&] { return inner().sum_squares(x, n); });
-      },
-      [](const float* x, int64_t n, double* total) {
-        timed("sum_squares_accumulate", [&] { return Cost{vector_of(n), 0, 4 * d(n)}; },
-              [&] { inner().sum_squares_accumulate(x, n, total); });
-      },
-      [](float* x, float s, int64_t n) {
-        timed("scale_inplace", [&] { return Cost{vector_of(n), 0, 8 * d(n)}; },
-              [&] { inner().scale_inplace(x, s, n); });
-      },
-      [](const float* x, uint16_t* y, int64_t n) {
-        timed("convert_to_bf16", [&] { return Cost{vector_of(n), 0, 6 * d(n)}; },
-              [&] { inner().convert_to_bf16(x, y, n); });
-      },
-      [](const uint16_t* x, float* y, int64_t n) {
-        timed("convert_to_f32", [&] { return Cost{vector_of(n), 0, 6 * d(n)}; },
-              [&] { inner().convert_to_f32(x, y, n); });
-      },
-      [](const float* x, int64_t n) {
-        return timed("amax", [&] { return Cost{vector_of(n), 0, 4 * d(n)}; }, [&] { return inner().amax(x, n); });
-      },
-      [](const float* x, int64_t n, float* out) {
-        timed("amax_to", [&] { return Cost{vector_of(n), 0, 4 * d(n)}; }, [&] { inner().amax_to(x, n, out); });
-      },
-      [](const Fp8CastParams& p) {
-        return timed("fp8_cast_transpose", [&] { return cast_cost(p, ""); },
-                     [&] { return inner().fp8_cast_transpose(p); });
-      },
-      [](const Fp8CastParams& p) {
-        timed("fp8_quantize_1x128", [&] { return cast_cost(p, " 1x128"); },
-              [&] { inner().fp8_quantize_1x128(p); });
-      },
-      [](const Fp8CastParams& p) {
-        timed("fp8_quantize_128x128", [&] { return cast_cost(p, " 128x128"); },
-              [&] { inner().fp8_quantize_128x128(p); });
-      },
-      [](const KvAppendParams& p) {
-        timed(
-            "kv_append",
-            [&] {
-              return Cost{fmt::format("b{} t{} kv{} d{}", p.batch, p.tokens, p.kv_heads, p.head_dim), 0,
-                          16 * d(p.batch) * d(p.tokens) * d(p.kv_heads) * d(p.head_dim)};
-            },
-            [&] { inner().kv_append(p); });
-      },
-  };
+#define FORGE_PROFILED_ENTRY(name, result, params, args)                                   \
+  .name = [] params -> result {                                                            \
+    return timed(#name, [&] { return cost::name args; }, [&] { return inner().name args; }); \
+  },                                                                                       \
+  .supports_##name = [] FORGE_OP_APPEND(params, std::string* reason) -> bool {             \
+    return inner().supports_##name FORGE_OP_APPEND(args, reason);                          \
+  },
+  static const OpTable table = {.name = "profiled", FORGE_OPS(FORGE_PROFILED_ENTRY)};
+#undef FORGE_PROFILED_ENTRY
   return table;
 }
 

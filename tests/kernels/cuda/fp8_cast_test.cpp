@@ -8,7 +8,8 @@
 // sentinel: an element the GPU fails to write or a write out of bounds both show up.
 //
 // GPU cases skip without a usable device; the parameter checks, which fail before any CUDA call, run
-// everywhere.
+// everywhere. amax alone (ops::amax, against the CPU on every backend) is an element-wise op test
+// (kernels/op_tests/elementwise.h).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -375,31 +376,6 @@ TEST(CudaFp8Cast, Quantize128x128RejectsBadArguments) {
   expect_error([&] { cuda::fp8_quantize_128x128(p); }, op, "negative shape [-1, 2]");
   p = f.params(), p.rows = 0, p.cols = 0;
   EXPECT_NO_THROW(cuda::fp8_quantize_128x128(p));
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-// amax
-
-TEST(CudaFp8Cast, AmaxMatchesCpu) {
-  if (!has_gpu()) GTEST_SKIP() << cuda::describe_device();
-  // The largest size takes the flat kernels' grid-stride loop through a second round.
-  for (int64_t n : {int64_t{1}, int64_t{5}, int64_t{1000}, int64_t{300001}, (int64_t{1} << 24) + 4099}) {
-    const std::vector<float> original = make_input(1, n, 11, false);
-    for (int variant = 0; variant < 8; ++variant) {
-      std::vector<float> x = original;
-      if (variant == 1) x[n / 2] = -kInf;
-      if (variant == 2) x[n - 1] = std::bit_cast<float>(0xffc00001u);  // NaN in the scalar tail, negative
-      if (variant == 3) x[0] = kNaN;
-      if (variant >= 4) x[std::min(n - 1, n / 2 + variant - 4)] = -1e30f;  // a unique max in each float4 lane
-      // Offset 1 (x not 16-byte aligned) for odd variants: the scalar path.
-      const size_t offset = variant % 2;
-      DeviceBuffer dx((n + offset) * sizeof(float));
-      FORGE_CUDA_CHECK(
-          cudaMemcpy(dx.as<float>() + offset, x.data(), n * sizeof(float), cudaMemcpyHostToDevice));
-      expect_same_amax(cuda::amax(dx.as<float>() + offset, n), ops::cpu_table().amax(x.data(), n),
-                       "amax n=" + std::to_string(n) + " variant " + std::to_string(variant));
-    }
-  }
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-// The CUDA GEMMs (kernels/cuda/gemm_cublaslt.cpp) against the CPU op table on the same host data, and the
-// device allocator. Every case that needs a GPU skips where none is usable; the parameter checks, which the
-// GEMMs make before touching the device, run everywhere.
+// The CUDA GEMMs (kernels/cuda/gemm_cublaslt.cpp, fp8_block_gemm.cu) against the CPU op table on the same host
+// data (fp32 and bf16 through the op tests of kernels/op_tests/gemm.h), and the device allocator. Every case that
+// needs a GPU skips where none is usable; the parameter checks, which the GEMMs make before touching the device,
+// run everywhere.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -19,6 +20,7 @@
 #include "forge/kernels/cuda/device_allocator.h"
 #include "forge/kernels/cuda/runtime.h"
 #include "forge/kernels/ops.h"
+#include "kernels/op_tests/gemm.h"
 #include "op_harness.h"
 
 namespace forge {
@@ -75,141 +77,26 @@ void expect_close(const std::vector<float>& got, const std::vector<float>& want,
 }
 
 // ------------------------------------------------------------------------------------------------------------
-// fp32 and bf16
+// fp32 and bf16: the op tests of kernels/op_tests/gemm.h (odd shapes, padded leading dimensions, pointers off by
+// one element, the tensor-core shapes of a training step, plan reuse; fp32 and bf16 output, with gemm.h's bounds)
+// on the GPU, and what only the GPU refuses.
 
-struct Layout {
-  bool trans_a, trans_b;
-  float alpha, beta;
-};
-
-struct GemmProblem {
-  ops::GemmParams p;  // host pointers into the vectors below
-  std::vector<float> a, b, c0;
-  std::vector<uint16_t> a16, b16;
-};
-
-// op(A)[m,k] op(B)[k,n] with leading dimensions padded by `pad` (larger than the minimum).
-GemmProblem make_gemm(int64_t m, int64_t n, int64_t k, Layout layout, DType dtype, int64_t pad,
-                      uint32_t seed) {
-  GemmProblem g;
-  ops::GemmParams& p = g.p;
-  p.m = m, p.n = n, p.k = k;
-  p.trans_a = layout.trans_a, p.trans_b = layout.trans_b;
-  p.lda = (p.trans_a ? m : k) + pad, p.ldb = (p.trans_b ? k : n) + pad + 2, p.ldc = n + pad + 1;
-  p.alpha = layout.alpha, p.beta = layout.beta;
-  p.ab_dtype = dtype;
-  g.a = testing::random_floats((p.trans_a ? k : m) * p.lda, seed);
-  g.b = testing::random_floats((p.trans_b ? n : k) * p.ldb, seed + 1);
-  g.c0 = testing::random_floats(m * p.ldc, seed + 2);
-  if (dtype == DType::bf16) {
-    // Both sides see the same bf16 operands; the fp32 copies hold their exact values.
-    g.a16.resize(g.a.size()), g.b16.resize(g.b.size());
-    for (size_t i = 0; i < g.a.size(); ++i)
-      g.a16[i] = f32_to_bf16_bits(g.a[i]), g.a[i] = bf16_bits_to_f32(g.a16[i]);
-    for (size_t i = 0; i < g.b.size(); ++i)
-      g.b16[i] = f32_to_bf16_bits(g.b[i]), g.b[i] = bf16_bits_to_f32(g.b16[i]);
-    p.a = g.a16.data(), p.b = g.b16.data();
-  } else {
-    p.a = g.a.data(), p.b = g.b.data();
-  }
-  return g;
-}
-
-// Runs the problem on the CPU table and on CUDA (operands `offset` elements into their device buffers, to
-// test pointers that are not 256-byte aligned) and compares. Tolerance: products of fp32/bf16 values are
-// exact or rounded once, and each side's k additions err by at most k ulps of the magnitude (2^-23: tensor
-// cores may truncate), so the two differ by at most about 2 k 2^-23 of it.
-void check_gemm(GemmProblem& g, int64_t offset = 0) {
-  const ops::GemmParams& p = g.p;
-  std::vector<float> want = g.c0;
-  ops::GemmParams cpu = p;
-  cpu.c = want.data();
-  ops::cpu_table().gemm(cpu);
-
-  const size_t esize = dtype_size(p.ab_dtype), shift = offset * esize;
-  auto shifted_copy = [&](const void* host, size_t bytes) {
-    std::vector<char> padded(shift + bytes, 0);
-    std::memcpy(padded.data() + shift, host, bytes);
-    return to_device(padded);
-  };
-  const DeviceBuffer a = shifted_copy(p.a, g.a.size() * esize), b = shifted_copy(p.b, g.b.size() * esize);
-  // beta = 0: C must not be read, so it starts as NaN.
-  std::vector<float> before = g.c0;
-  if (p.beta == 0) std::fill(before.begin(), before.end(), std::numeric_limits<float>::quiet_NaN());
-  DeviceBuffer c = to_device(before);
-  ops::GemmParams dev = p;
-  dev.a = static_cast<const char*>(a.data()) + shift;
-  dev.b = static_cast<const char*>(b.data()) + shift;
-  dev.c = c.as<float>();
-  ops::gemm(dev, Device::cuda);
-  const std::vector<float> got = to_host<float>(c, before.size());
-
-  const auto mag = magnitudes(
-      p.m, p.n, p.k, p.trans_a, p.lda, p.trans_b, p.ldb, p.alpha, p.beta, g.c0, p.ldc,
-      [&](int64_t i) { return double{g.a[i]}; }, [&](int64_t i) { return double{g.b[i]}; });
-  expect_close(got, want, before, mag, p.m, p.n, p.ldc, std::ldexp(2.0 * (p.k + 8), -23));
-}
-
-class CudaGemm : public ::testing::TestWithParam<std::tuple<Layout, DType>> {};
-
-TEST_P(CudaGemm, MatchesCpuGemmOnOddShapes) {
-  if (!cuda::available()) GTEST_SKIP() << cuda::describe_device();
-  const auto [layout, dtype] = GetParam();
-  GemmProblem g = make_gemm(37, 29, 61, layout, dtype, 3, 11);
-  check_gemm(g);
-}
-
-TEST_P(CudaGemm, MatchesCpuGemmOnPointersOffByOneElement) {
-  if (!cuda::available()) GTEST_SKIP() << cuda::describe_device();
-  const auto [layout, dtype] = GetParam();
-  GemmProblem g = make_gemm(40, 24, 64, layout, dtype, 0, 21);
-  check_gemm(g, 1);  // 2- or 4-byte aligned operands: the plan must not assume cudaMalloc's alignment
-}
-
-std::string layout_name(const ::testing::TestParamInfo<CudaGemm::ParamType>& info) {
-  const auto [layout, dtype] = info.param;
-  return std::string(layout.trans_a ? "t" : "n") + (layout.trans_b ? "t" : "n") + "_" +
-         std::string(dtype_name(dtype)) + (layout.beta != 0 ? "_beta" : "");
-}
-
-INSTANTIATE_TEST_SUITE_P(
-    AllLayouts, CudaGemm,
-    ::testing::Combine(::testing::Values(Layout{false, true, 1, 0}, Layout{false, false, 1, 0},
-                                         Layout{true, false, 1, 1}, Layout{true, true, 0.5f, 0.25f}),
-                       ::testing::Values(DType::f32, DType::bf16)),
-    layout_name);
-
-TEST(CudaGemmLarge, Bf16TensorCoreShapeMatchesCpu) {
-  if (!cuda::available()) GTEST_SKIP() << cuda::describe_device();
-  // Big enough for the tensor-core kernels a training step uses; the three Linear layouts.
-  for (Layout layout : {Layout{false, true, 1, 0}, Layout{false, false, 1, 0}, Layout{true, false, 1, 1}}) {
-    GemmProblem g = make_gemm(256, 384, 1024, layout, DType::bf16, 0, 31);
-    check_gemm(g);
-  }
-}
-
-TEST(CudaGemmLarge, RepeatedCallsReuseThePlanAndGiveTheSameBits) {
-  if (!cuda::available()) GTEST_SKIP() << cuda::describe_device();
-  GemmProblem g = make_gemm(128, 192, 256, Layout{false, true, 1, 0}, DType::bf16, 0, 41);
-  DeviceBuffer a = to_device(g.a16), b = to_device(g.b16), c(g.c0.size() * sizeof(float));
-  ops::GemmParams p = g.p;
-  p.a = a.data(), p.b = b.data(), p.c = c.as<float>();
-  ops::gemm(p, Device::cuda);
-  const auto first = to_host<float>(c, g.c0.size());
-  c.zero();
-  ops::gemm(p, Device::cuda);
-  const auto second = to_host<float>(c, g.c0.size());
-  EXPECT_EQ(std::memcmp(first.data(), second.data(), first.size() * sizeof(float)), 0);
-}
+}  // namespace
+namespace op_tests::gemm {
+FORGE_INSTANTIATE_OP_TEST(GemmOp, kCases, testing::Backend::gpu);
+}  // namespace op_tests::gemm
+namespace {
 
 TEST(CudaGemmErrors, HostPointersAreRefusedAndTheDeviceStaysUsable) {
   if (!cuda::available()) GTEST_SKIP() << cuda::describe_device();
-  GemmProblem g = make_gemm(16, 16, 16, Layout{false, true, 1, 0}, DType::f32, 0, 51);
-  std::vector<float> c = g.c0;
-  ops::GemmParams p = g.p;
-  p.c = c.data();
+  const op_tests::gemm::Case c{16, 16, 16, op_tests::gemm::kNT, DType::f32, DType::f32, 0, 0};
+  const op_tests::gemm::Problem pr(c, 51);
+  std::vector<float> host_c(pr.c0.size());
+  DeviceBuffer a = to_device(pr.a_bytes), b = to_device(pr.b_bytes);
+  ops::GemmParams p = pr.p;
+  p.a = a.data(), p.b = b.data(), p.c = host_c.data();
   testing::expect_error_containing([&] { ops::gemm(p, Device::cuda); }, {"gemm", "not device memory"});
-  check_gemm(g);  // nothing was launched, so the context is fine
+  op_tests::gemm::expect_matches_cpu(Device::cuda, c, pr);  // nothing was launched, so the context is fine
 }
 
 // Parameter checks come before any device call: these run without a GPU too.
@@ -231,11 +118,11 @@ TEST(CudaGemmErrors, BadParametersFailWithOneLine) {
 }
 
 // ------------------------------------------------------------------------------------------------------------
-// bf16 output (c_dtype = bf16), against the CPU's bf16 output.
+// bf16 output (c_dtype = bf16), against the CPU's bf16 output (the FP8 GEMMs' below; gemm's in op_tests/gemm.h).
 //
 // Tolerance: each side computes an fp32 result and rounds it once to bf16 (cuBLASLt's epilogue forms
 // alpha acc + beta C in its fp32 scale type and converts on the store; the CPU rounds its fp32-output
-// result). The two fp32 results differ by at most d, the bound of the fp32-output comparisons above (they may
+// result). The two fp32 results differ by at most d, the bound of the fp32-output comparison (they may
 // differ in their last fp32 bits), and each rounding moves a value by at most half a bf16 ulp, so the bf16
 // outputs differ by at most d + one bf16 ulp (taken at the larger of the two: a rounding may cross a binade).
 // Most elements round to the same bf16 value; the ulp admits the neighbour where d straddles a rounding
@@ -274,67 +161,6 @@ void expect_close_bf16(const std::vector<uint16_t>& got, const std::vector<uint1
 }
 
 constexpr uint16_t kBf16Nan = 0x7fc0;
-
-// A bf16-operand problem with a bf16 C: the CPU op and CUDA (a, b and C `offset` elements into their device
-// buffers: only 2-byte aligned when odd) from the same bf16 C, NaN where beta = 0 (it must not be read).
-void check_gemm_bf16_output(const GemmProblem& g, int64_t offset = 0) {
-  ops::GemmParams p = g.p;
-  ASSERT_EQ(p.ab_dtype, DType::bf16);
-  p.c_dtype = DType::bf16;
-  std::vector<uint16_t> before = to_bf16_bits(g.c0);
-  if (p.beta == 0) std::fill(before.begin(), before.end(), kBf16Nan);
-  std::vector<uint16_t> want = before;
-  ops::GemmParams cpu = p;
-  cpu.c = want.data();
-  ops::cpu_table().gemm(cpu);
-
-  auto shifted_copy = [&](const std::vector<uint16_t>& host) {
-    std::vector<uint16_t> padded(offset + host.size(), 0);
-    std::copy(host.begin(), host.end(), padded.begin() + offset);
-    return to_device(padded);
-  };
-  const DeviceBuffer a = shifted_copy(g.a16), b = shifted_copy(g.b16), c = shifted_copy(before);
-  ops::GemmParams dev = p;
-  dev.a = a.as<uint16_t>() + offset, dev.b = b.as<uint16_t>() + offset, dev.c = c.as<uint16_t>() + offset;
-  ops::gemm(dev, Device::cuda);
-  const std::vector<uint16_t> shifted = to_host<uint16_t>(c, offset + before.size());
-  const std::vector<uint16_t> got(shifted.begin() + offset, shifted.end());
-
-  const std::vector<float> c0 = widen_bf16(before);  // what both sides read as C when beta != 0
-  const auto mag = magnitudes(
-      p.m, p.n, p.k, p.trans_a, p.lda, p.trans_b, p.ldb, p.alpha, p.beta, c0, p.ldc,
-      [&](int64_t i) { return double{g.a[i]}; }, [&](int64_t i) { return double{g.b[i]}; });
-  expect_close_bf16(got, want, before, mag, p.m, p.n, p.ldc, std::ldexp(2.0 * (p.k + 8), -23));
-}
-
-class CudaGemmBf16Output : public ::testing::TestWithParam<Layout> {};
-
-TEST_P(CudaGemmBf16Output, MatchesCpuOnOddShapes) {
-  if (!cuda::available()) GTEST_SKIP() << cuda::describe_device();
-  check_gemm_bf16_output(make_gemm(37, 29, 61, GetParam(), DType::bf16, 3, 111));  // odd ldc: 2-byte C rows
-}
-
-TEST_P(CudaGemmBf16Output, MatchesCpuOnPointersOffByOneElement) {
-  if (!cuda::available()) GTEST_SKIP() << cuda::describe_device();
-  check_gemm_bf16_output(make_gemm(40, 24, 64, GetParam(), DType::bf16, 0, 121), 1);  // C only 2-byte aligned
-}
-
-INSTANTIATE_TEST_SUITE_P(AllLayouts, CudaGemmBf16Output,
-                         ::testing::Values(Layout{false, true, 1, 0}, Layout{false, false, 1, 0},
-                                           Layout{true, false, 1, 1}, Layout{true, true, 0.5f, 0.25f}),
-                         [](const ::testing::TestParamInfo<Layout>& info) {
-                           const Layout& l = info.param;
-                           return std::string(l.trans_a ? "t" : "n") + (l.trans_b ? "t" : "n") +
-                                  (l.beta != 0 ? "_beta" : "");
-                         });
-
-TEST(CudaGemmLarge, Bf16OutputTensorCoreShapeMatchesCpu) {
-  if (!cuda::available()) GTEST_SKIP() << cuda::describe_device();
-  for (Layout layout : {Layout{false, true, 1, 0}, Layout{false, false, 1, 0}, Layout{true, false, 1, 1}}) {
-    SCOPED_TRACE(std::string(layout.trans_a ? "t" : "n") + (layout.trans_b ? "t" : "n"));
-    check_gemm_bf16_output(make_gemm(256, 384, 1024, layout, DType::bf16, 0, 131));
-  }
-}
 
 // Output checks come before any device call: these run without a GPU too.
 TEST(CudaGemmErrors, OutputDtypeAndAlignmentFailWithOneLine) {

@@ -17,9 +17,14 @@ constexpr int64_t kBlock = 16384;
 
 }  // namespace
 
+bool supports_adamw(const ops::AdamWParams& p, std::string* reason) {
+  if (p.n < 0) return ops::refuse(reason, "adamw: negative size {}", p.n);
+  if (p.step < 1) return ops::refuse(reason, "adamw: step is 1-based, got {}", p.step);
+  return true;
+}
+
 void adamw(const ops::AdamWParams& p) {
-  FORGE_CHECK(p.n >= 0, "adamw: negative size {}", p.n);
-  FORGE_CHECK(p.step >= 1, "adamw: step is 1-based, got {}", p.step);
+  if (std::string why; !supports_adamw(p, &why)) fail("{}", why);
   const double t = static_cast<double>(p.step);
   const float decay = static_cast<float>(1.0 - double{p.lr} * p.weight_decay);
   const float beta1 = p.beta1, beta2 = p.beta2, one_minus_beta1 = 1.0f - p.beta1,

@@ -63,53 +63,61 @@ ops::AttentionParams with_defaults(ops::AttentionParams p) {
   return p;
 }
 
-void check_params(const ops::AttentionParams& p, bool backward) {
-  FORGE_CHECK(p.batch > 0 && p.seq > 0 && p.heads > 0 && p.kv_heads > 0 && p.head_dim > 0,
-              "attention: empty shape batch={} seq={} heads={} kv_heads={} head_dim={}", p.batch, p.seq,
-              p.heads, p.kv_heads, p.head_dim);
-  FORGE_CHECK(p.heads % p.kv_heads == 0, "attention: heads {} not a multiple of kv_heads {}", p.heads,
-              p.kv_heads);
-  FORGE_CHECK(p.kv_seq >= 0 && p.q_offset >= 0 && p.k_batch_stride >= 0 && p.v_batch_stride >= 0 &&
-                  p.k_head_stride >= 0 && p.v_head_stride >= 0,
-              "attention: negative kv_seq {}, q_offset {} or stride", p.kv_seq, p.q_offset);
+bool supports(const ops::AttentionParams& p, bool backward, std::string* reason) {
+  using ops::refuse;
+  if (!(p.batch > 0 && p.seq > 0 && p.heads > 0 && p.kv_heads > 0 && p.head_dim > 0))
+    return refuse(reason, "attention: empty shape batch={} seq={} heads={} kv_heads={} head_dim={}", p.batch, p.seq,
+                  p.heads, p.kv_heads, p.head_dim);
+  if (p.heads % p.kv_heads != 0)
+    return refuse(reason, "attention: heads {} not a multiple of kv_heads {}", p.heads, p.kv_heads);
+  if (!(p.kv_seq >= 0 && p.q_offset >= 0 && p.k_batch_stride >= 0 && p.v_batch_stride >= 0 &&
+        p.k_head_stride >= 0 && p.v_head_stride >= 0))
+    return refuse(reason, "attention: negative kv_seq {}, q_offset {} or stride", p.kv_seq, p.q_offset);
   const int64_t kv_seq = p.kv_seq == 0 ? p.seq : p.kv_seq;
-  FORGE_CHECK(!p.causal || p.q_offset + p.seq <= kv_seq,
-              "attention: queries at positions {}..{} need their keys, but kv_seq is {}", p.q_offset,
-              p.q_offset + p.seq - 1, kv_seq);
-  FORGE_CHECK(p.q_offset + p.seq < (int64_t{1} << 24) && kv_seq < (int64_t{1} << 24),
-              "attention: seq {} / kv_seq {} too long (positions are compared as floats)", p.q_offset + p.seq,
-              kv_seq);
-  FORGE_CHECK(p.q && p.k && p.v && p.out, "attention: q, k, v and out must be set");
-  FORGE_CHECK(p.lse || !backward, "attention backward: lse must be set");
+  if (p.causal && p.q_offset + p.seq > kv_seq)
+    return refuse(reason, "attention: queries at positions {}..{} need their keys, but kv_seq is {}", p.q_offset,
+                  p.q_offset + p.seq - 1, kv_seq);
+  if (!(p.q_offset + p.seq < (int64_t{1} << 24) && kv_seq < (int64_t{1} << 24)))
+    return refuse(reason, "attention: seq {} / kv_seq {} too long (positions are compared as floats)",
+                  p.q_offset + p.seq, kv_seq);
+  if (!(p.q && p.k && p.v && p.out)) return refuse(reason, "attention: q, k, v and out must be set");
+  if (!p.lse && backward) return refuse(reason, "attention backward: lse must be set");
   const int64_t q_width = p.heads * p.head_dim, kv_width = p.kv_heads * p.head_dim;
-  FORGE_CHECK(p.q_stride >= q_width && p.out_stride >= q_width, "attention: q_stride {} / out_stride {} < {}",
-              p.q_stride, p.out_stride, q_width);
+  if (!(p.q_stride >= q_width && p.out_stride >= q_width))
+    return refuse(reason, "attention: q_stride {} / out_stride {} < {}", p.q_stride, p.out_stride, q_width);
   // Heads side by side within a token need a token stride of all of them; heads apart need at least one.
   const int64_t k_head = p.k_head_stride == 0 ? p.head_dim : p.k_head_stride;
   const int64_t v_head = p.v_head_stride == 0 ? p.head_dim : p.v_head_stride;
-  FORGE_CHECK(k_head >= p.head_dim && v_head >= p.head_dim, "attention: head strides {} / {} < head_dim {}",
-              k_head, v_head, p.head_dim);
-  FORGE_CHECK(p.k_stride >= (k_head == p.head_dim ? kv_width : p.head_dim) &&
-                  p.v_stride >= (v_head == p.head_dim ? kv_width : p.head_dim),
-              "attention: k_stride {} / v_stride {} too small for {} kv heads of {}", p.k_stride, p.v_stride,
-              p.kv_heads, p.head_dim);
-  FORGE_CHECK(p.batch == 1 || ((p.k_batch_stride == 0 ||
-                                p.k_batch_stride >= std::max(kv_seq * p.k_stride, p.kv_heads * k_head)) &&
-                               (p.v_batch_stride == 0 ||
-                                p.v_batch_stride >= std::max(kv_seq * p.v_stride, p.kv_heads * v_head))),
-              "attention: batch strides {} / {} overlap sequences of {} keys", p.k_batch_stride,
-              p.v_batch_stride, kv_seq);
-  if (!backward) return;
-  FORGE_CHECK(kv_seq == p.seq && p.q_offset == 0 && k_head == p.head_dim && v_head == p.head_dim &&
-                  (p.k_batch_stride == 0 || p.k_batch_stride == p.seq * p.k_stride) &&
-                  (p.v_batch_stride == 0 || p.v_batch_stride == p.seq * p.v_stride),
-              "attention backward: only square attention (no kv_seq, q_offset, head or batch strides) is "
-              "supported");
-  FORGE_CHECK(p.dout && p.dq && p.dk && p.dv, "attention backward: dout, dq, dk and dv must be set");
-  FORGE_CHECK(p.dout_stride >= q_width && p.dq_stride >= q_width,
-              "attention backward: dout_stride {} / dq_stride {} < {}", p.dout_stride, p.dq_stride, q_width);
-  FORGE_CHECK(p.dk_stride >= kv_width && p.dv_stride >= kv_width,
-              "attention backward: dk_stride {} / dv_stride {} < {}", p.dk_stride, p.dv_stride, kv_width);
+  if (!(k_head >= p.head_dim && v_head >= p.head_dim))
+    return refuse(reason, "attention: head strides {} / {} < head_dim {}", k_head, v_head, p.head_dim);
+  if (!(p.k_stride >= (k_head == p.head_dim ? kv_width : p.head_dim) &&
+        p.v_stride >= (v_head == p.head_dim ? kv_width : p.head_dim)))
+    return refuse(reason, "attention: k_stride {} / v_stride {} too small for {} kv heads of {}", p.k_stride,
+                  p.v_stride, p.kv_heads, p.head_dim);
+  if (!(p.batch == 1 ||
+        ((p.k_batch_stride == 0 || p.k_batch_stride >= std::max(kv_seq * p.k_stride, p.kv_heads * k_head)) &&
+         (p.v_batch_stride == 0 || p.v_batch_stride >= std::max(kv_seq * p.v_stride, p.kv_heads * v_head)))))
+    return refuse(reason, "attention: batch strides {} / {} overlap sequences of {} keys", p.k_batch_stride,
+                  p.v_batch_stride, kv_seq);
+  if (!backward) return true;
+  if (!(kv_seq == p.seq && p.q_offset == 0 && k_head == p.head_dim && v_head == p.head_dim &&
+        (p.k_batch_stride == 0 || p.k_batch_stride == p.seq * p.k_stride) &&
+        (p.v_batch_stride == 0 || p.v_batch_stride == p.seq * p.v_stride)))
+    return refuse(reason,
+                  "attention backward: only square attention (no kv_seq, q_offset, head or batch strides) is "
+                  "supported");
+  if (!(p.dout && p.dq && p.dk && p.dv)) return refuse(reason, "attention backward: dout, dq, dk and dv must be set");
+  if (!(p.dout_stride >= q_width && p.dq_stride >= q_width))
+    return refuse(reason, "attention backward: dout_stride {} / dq_stride {} < {}", p.dout_stride, p.dq_stride,
+                  q_width);
+  if (!(p.dk_stride >= kv_width && p.dv_stride >= kv_width))
+    return refuse(reason, "attention backward: dk_stride {} / dv_stride {} < {}", p.dk_stride, p.dv_stride,
+                  kv_width);
+  return true;
+}
+
+void check_params(const ops::AttentionParams& p, bool backward) {
+  if (std::string why; !supports(p, backward, &why)) fail("{}", why);
 }
 
 // Work items, numbered so that each (batch, kv head) pair's items are adjacent (a thread stages the pair's
@@ -369,6 +377,13 @@ bool use_decode_kernel(const ops::AttentionParams& p) {
 }
 
 }  // namespace
+
+bool supports_attention_forward(const ops::AttentionParams& p, std::string* reason) {
+  return supports(p, false, reason);
+}
+bool supports_attention_backward(const ops::AttentionParams& p, std::string* reason) {
+  return supports(p, true, reason);
+}
 
 void attention_forward(const ops::AttentionParams& params) {
   check_params(params, false);

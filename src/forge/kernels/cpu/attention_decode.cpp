@@ -220,10 +220,14 @@ void attention_forward_decode(const ops::AttentionParams& p) {
   }
 }
 
+bool supports_kv_append(const ops::KvAppendParams& p, std::string* reason) {
+  if (p.batch >= 0 && p.tokens >= 0 && p.kv_heads > 0 && p.head_dim > 0 && p.position >= 0) return true;
+  return ops::refuse(reason, "kv_append: bad shape batch={} tokens={} kv_heads={} head_dim={} position={}", p.batch,
+                     p.tokens, p.kv_heads, p.head_dim, p.position);
+}
+
 void kv_append(const ops::KvAppendParams& p) {
-  FORGE_CHECK(p.batch >= 0 && p.tokens >= 0 && p.kv_heads > 0 && p.head_dim > 0 && p.position >= 0,
-              "kv_append: bad shape batch={} tokens={} kv_heads={} head_dim={} position={}", p.batch, p.tokens,
-              p.kv_heads, p.head_dim, p.position);
+  if (std::string why; !supports_kv_append(p, &why)) fail("{}", why);
   const size_t row_bytes = static_cast<size_t>(p.head_dim) * sizeof(float);
   for (int64_t b = 0; b < p.batch; ++b)
     for (int64_t t = 0; t < p.tokens; ++t) {

@@ -4,37 +4,19 @@
 namespace forge::ops {
 
 const OpTable& cpu_table() {
-  static const OpTable table = {
-      "cpu",
-      cpu::gemm,
-      cpu::fp8_gemm,
-      cpu::rmsnorm_forward,
-      cpu::rmsnorm_backward_input,
-      cpu::rmsnorm_backward_weight,
-      cpu::rope,
-      cpu::swiglu_forward,
-      cpu::swiglu_backward,
-      cpu::attention_forward,
-      cpu::attention_backward,
-      cpu::embedding_forward,
-      cpu::embedding_backward_weight,
-      cpu::linear_cross_entropy_forward,
-      cpu::linear_cross_entropy_backward,
-      cpu::adamw,
-      cpu::add_inplace,
-      cpu::sum_squares,
-      cpu::sum_squares_accumulate,
-      cpu::scale_inplace,
-      cpu::convert_to_bf16,
-      cpu::convert_to_f32,
-      cpu::amax,
-      cpu::amax_to,
-      cpu::fp8_cast_transpose,
-      cpu::fp8_quantize_1x128,
-      cpu::fp8_quantize_128x128,
-      cpu::kv_append,
-  };
+#define FORGE_CPU_ENTRY(name, result, params, args) .name = cpu::name, .supports_##name = cpu::supports_##name,
+  static const OpTable table = {.name = "cpu", FORGE_OPS(FORGE_CPU_ENTRY)};
+#undef FORGE_CPU_ENTRY
   return table;
+}
+
+const char* op_name(OpId id) {
+  static const char* const kNames[] = {
+#define FORGE_OP_NAME(name, result, params, args) #name,
+      FORGE_OPS(FORGE_OP_NAME)
+#undef FORGE_OP_NAME
+  };
+  return kNames[static_cast<int>(id)];
 }
 
 namespace {

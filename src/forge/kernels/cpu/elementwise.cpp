@@ -15,6 +15,14 @@ constexpr int64_t kSumBlock = 1 << 14;
 
 }  // namespace
 
+// The element-wise ops take any size (n <= 0 does nothing) and dereference only what n covers.
+bool supports_add_inplace(float*, const float*, int64_t, std::string*) { return true; }
+bool supports_scale_inplace(float*, float, int64_t, std::string*) { return true; }
+bool supports_sum_squares(const float*, int64_t, std::string*) { return true; }
+bool supports_sum_squares_accumulate(const float*, int64_t, double* total, std::string* reason) {
+  return total != nullptr || ops::refuse(reason, "sum_squares_accumulate: total is null");
+}
+
 void add_inplace(float* y, const float* x, int64_t n) {
 #pragma omp parallel for simd schedule(static) if (n > kParallelThreshold)
   for (int64_t i = 0; i < n; ++i) y[i] += x[i];
@@ -44,7 +52,7 @@ double sum_squares(const float* x, int64_t n) {
 }
 
 void sum_squares_accumulate(const float* x, int64_t n, double* total) {
-  FORGE_CHECK(total != nullptr, "sum_squares_accumulate: total is null");
+  if (std::string why; !supports_sum_squares_accumulate(x, n, total, &why)) fail("{}", why);
   *total += sum_squares(x, n);
 }
 

@@ -12,9 +12,14 @@
 namespace forge::cpu {
 namespace {
 
+bool supports(const ops::EmbeddingParams& p, const char* what, std::string* reason) {
+  if (p.rows >= 0 && p.dim > 0 && p.vocab > 0) return true;
+  return ops::refuse(reason, "{}: bad shape rows={} dim={} vocab={}", what, p.rows, p.dim, p.vocab);
+}
+
+// The parameters (the predicate), then the ids (data).
 void check_ids(const ops::EmbeddingParams& p, const char* what) {
-  FORGE_CHECK(p.rows >= 0 && p.dim > 0 && p.vocab > 0, "{}: bad shape rows={} dim={} vocab={}", what, p.rows,
-              p.dim, p.vocab);
+  if (std::string why; !supports(p, what, &why)) fail("{}", why);
   if (p.vocab_parallel) return;  // ids outside this rank's range are another rank's
   for (int64_t r = 0; r < p.rows; ++r) {
     const int32_t id = p.ids[r];
@@ -33,6 +38,13 @@ int64_t local_row(const ops::EmbeddingParams& p, int64_t r) {
 }
 
 }  // namespace
+
+bool supports_embedding_forward(const ops::EmbeddingParams& p, std::string* reason) {
+  return supports(p, "embedding_forward", reason);
+}
+bool supports_embedding_backward_weight(const ops::EmbeddingParams& p, std::string* reason) {
+  return supports(p, "embedding_backward_weight", reason);
+}
 
 void embedding_forward(const ops::EmbeddingParams& p) {
   check_ids(p, "embedding_forward");

@@ -62,35 +62,16 @@ float truncate_mantissa(double x, int bits) {
 
 bool is_fp8(DType dtype) { return dtype == DType::e4m3 || dtype == DType::e5m2; }
 
-void check(const ops::Fp8GemmParams& p) {
-  if (p.m <= 0 || p.n <= 0 || p.k <= 0) fail("fp8_gemm: empty problem m={} n={} k={}", p.m, p.n, p.k);
-  if (!is_fp8(p.a_dtype)) fail("fp8_gemm: a_dtype must be e4m3 or e5m2, got {}", dtype_name(p.a_dtype));
-  if (!is_fp8(p.b_dtype)) fail("fp8_gemm: b_dtype must be e4m3 or e5m2, got {}", dtype_name(p.b_dtype));
-  ops::check_gemm_output("fp8_gemm", p.c_dtype, p.a_dtype);
-  if (!p.a || !p.b || !p.c) fail("fp8_gemm: null operand pointer (a, b or c)");
-  const int64_t a_cols = p.trans_a ? p.m : p.k, b_cols = p.trans_b ? p.k : p.n;
-  if (p.lda < a_cols) fail("fp8_gemm: lda {} is smaller than A's {} stored columns", p.lda, a_cols);
-  if (p.ldb < b_cols) fail("fp8_gemm: ldb {} is smaller than B's {} stored columns", p.ldb, b_cols);
-  if (p.ldc < p.n) fail("fp8_gemm: ldc {} is smaller than n {}", p.ldc, p.n);
-  if (p.scaling == ops::Fp8Scaling::per_tensor) {
-    if (!std::isfinite(p.a_scale_inv) || !std::isfinite(p.b_scale_inv))
-      fail("fp8_gemm: per-tensor scale_inv must be finite, got a_scale_inv={} b_scale_inv={}", p.a_scale_inv,
-           p.b_scale_inv);
-  } else if (!p.a_scales || !p.b_scales) {
-    fail("fp8_gemm: block scaling needs a_scales and b_scales (got {} and {})", p.a_scales ? "set" : "null",
-         p.b_scales ? "set" : "null");
-  }
-  if (p.accumulator_bits < 0 || p.accumulator_bits > 23)
-    fail("fp8_gemm: accumulator_bits must be 0 (exact fp32) or 1..23, got {}", p.accumulator_bits);
-  if (p.accumulator_bits > 0) {
-    if (p.promote_every < 0 || p.promote_every % ops::kFp8AccumulateSlice != 0)
-      fail("fp8_gemm: promote_every must be a multiple of {}, got {}", ops::kFp8AccumulateSlice,
-           p.promote_every);
-    if (p.scaling == ops::Fp8Scaling::block &&
-        (p.promote_every == 0 || ops::kFp8BlockSize % p.promote_every != 0))
-      fail("fp8_gemm: with block scaling promote_every must divide {}, got {}", ops::kFp8BlockSize,
-           p.promote_every);
-  }
+bool refuse_scales(const ops::Fp8GemmParams& p, std::string* reason) {
+  return ops::refuse(reason, "fp8_gemm: per-tensor scale_inv must be finite, got a_scale_inv={} b_scale_inv={}",
+                     p.a_scale_inv, p.b_scale_inv);
+}
+
+// Per-tensor scale values, those read from behind pointers included.
+bool scales_finite(const ops::Fp8GemmParams& p, std::string* reason) {
+  if (p.scaling != ops::Fp8Scaling::per_tensor || (std::isfinite(p.a_scale_inv) && std::isfinite(p.b_scale_inv)))
+    return true;
+  return refuse_scales(p, reason);
 }
 
 // The kernel for checked parameters with scale values (no pointers) and an fp32 C.
@@ -198,7 +179,43 @@ void fp8_gemm_f32(const ops::Fp8GemmParams& p) {
 
 }  // namespace
 
+// Scale values on the host are checked here; one behind a pointer (host memory on the CPU) is data, which the
+// kernel checks once it has read it.
+bool supports_fp8_gemm(const ops::Fp8GemmParams& p, std::string* reason) {
+  using ops::refuse;
+  if (p.m <= 0 || p.n <= 0 || p.k <= 0) return refuse(reason, "fp8_gemm: empty problem m={} n={} k={}", p.m, p.n, p.k);
+  if (!is_fp8(p.a_dtype))
+    return refuse(reason, "fp8_gemm: a_dtype must be e4m3 or e5m2, got {}", dtype_name(p.a_dtype));
+  if (!is_fp8(p.b_dtype))
+    return refuse(reason, "fp8_gemm: b_dtype must be e4m3 or e5m2, got {}", dtype_name(p.b_dtype));
+  if (!ops::supports_gemm_output("fp8_gemm", p.c_dtype, p.a_dtype, reason)) return false;
+  if (!p.a || !p.b || !p.c) return refuse(reason, "fp8_gemm: null operand pointer (a, b or c)");
+  const int64_t a_cols = p.trans_a ? p.m : p.k, b_cols = p.trans_b ? p.k : p.n;
+  if (p.lda < a_cols) return refuse(reason, "fp8_gemm: lda {} is smaller than A's {} stored columns", p.lda, a_cols);
+  if (p.ldb < b_cols) return refuse(reason, "fp8_gemm: ldb {} is smaller than B's {} stored columns", p.ldb, b_cols);
+  if (p.ldc < p.n) return refuse(reason, "fp8_gemm: ldc {} is smaller than n {}", p.ldc, p.n);
+  if (p.scaling == ops::Fp8Scaling::per_tensor) {
+    if ((!p.a_scale_inv_ptr && !std::isfinite(p.a_scale_inv)) || (!p.b_scale_inv_ptr && !std::isfinite(p.b_scale_inv)))
+      return refuse_scales(p, reason);
+  } else if (!p.a_scales || !p.b_scales) {
+    return refuse(reason, "fp8_gemm: block scaling needs a_scales and b_scales (got {} and {})",
+                  p.a_scales ? "set" : "null", p.b_scales ? "set" : "null");
+  }
+  if (p.accumulator_bits < 0 || p.accumulator_bits > 23)
+    return refuse(reason, "fp8_gemm: accumulator_bits must be 0 (exact fp32) or 1..23, got {}", p.accumulator_bits);
+  if (p.accumulator_bits > 0) {
+    if (p.promote_every < 0 || p.promote_every % ops::kFp8AccumulateSlice != 0)
+      return refuse(reason, "fp8_gemm: promote_every must be a multiple of {}, got {}", ops::kFp8AccumulateSlice,
+                    p.promote_every);
+    if (p.scaling == ops::Fp8Scaling::block && (p.promote_every == 0 || ops::kFp8BlockSize % p.promote_every != 0))
+      return refuse(reason, "fp8_gemm: with block scaling promote_every must divide {}, got {}", ops::kFp8BlockSize,
+                    p.promote_every);
+  }
+  return true;
+}
+
 void fp8_gemm(const ops::Fp8GemmParams& params) {
+  if (std::string why; !supports_fp8_gemm(params, &why)) fail("{}", why);
   // Scales behind pointers (host memory here) become the values they hold, then everything is as for values.
   ops::Fp8GemmParams p = params;
   if (p.scaling == ops::Fp8Scaling::per_tensor) {
@@ -206,7 +223,7 @@ void fp8_gemm(const ops::Fp8GemmParams& params) {
     if (p.b_scale_inv_ptr) p.b_scale_inv = *p.b_scale_inv_ptr;
   }
   p.a_scale_inv_ptr = p.b_scale_inv_ptr = nullptr;
-  check(p);
+  if (std::string why; !scales_finite(p, &why)) fail("{}", why);
   if (p.c_dtype == DType::f32) return fp8_gemm_f32(p);
   gemm_through_fp32_output(p, fp8_gemm_f32);
 }

@@ -89,11 +89,16 @@ void gemm_bf16_widened(const ops::GemmParams& p) {
 
 }  // namespace
 
+bool supports_gemm(const ops::GemmParams& p, std::string* reason) {
+  if (p.ab_dtype != DType::f32 && p.ab_dtype != DType::bf16)
+    return ops::refuse(reason, "gemm: operands must be fp32 or bf16, got {}", dtype_name(p.ab_dtype));
+  if (!ops::supports_gemm_output("gemm", p.c_dtype, p.ab_dtype, reason)) return false;
+  if (p.m <= 0 || p.n <= 0 || p.k <= 0) return ops::refuse(reason, "gemm: empty problem {}x{}x{}", p.m, p.n, p.k);
+  return true;
+}
+
 void gemm(const ops::GemmParams& p) {
-  FORGE_CHECK(p.ab_dtype == DType::f32 || p.ab_dtype == DType::bf16, "gemm: operands must be fp32 or bf16, got {}",
-              dtype_name(p.ab_dtype));
-  ops::check_gemm_output("gemm", p.c_dtype, p.ab_dtype);
-  FORGE_CHECK(p.m > 0 && p.n > 0 && p.k > 0, "gemm: empty problem {}x{}x{}", p.m, p.n, p.k);
+  if (std::string why; !supports_gemm(p, &why)) fail("{}", why);
   if (p.c_dtype == DType::bf16) return gemm_through_fp32_output(p, [](const ops::GemmParams& q) { cpu::gemm(q); });
   static const bool native_bf16 = cpu_has_native_bf16();
   if (p.ab_dtype == DType::bf16 && !native_bf16) return gemm_bf16_widened(p);
@@ -120,14 +125,15 @@ void gemm(const ops::GemmParams& p) {
 
 namespace forge::ops {
 
-void check_gemm_output(const char* op, DType c_dtype, DType operand_dtype) {
+bool supports_gemm_output(const char* op, DType c_dtype, DType operand_dtype, std::string* reason) {
   if (c_dtype != DType::f32 && c_dtype != DType::bf16)
-    fail("{}: c_dtype must be fp32 or bf16, got {}", op, dtype_name(c_dtype));
+    return refuse(reason, "{}: c_dtype must be fp32 or bf16, got {}", op, dtype_name(c_dtype));
   // The CUDA backend cannot write bf16 from fp32 operands (cuBLASLt has no such matmul); the CPU refuses too,
   // so that a program behaves the same on both.
   if (c_dtype == DType::bf16 && operand_dtype == DType::f32)
-    fail("{}: c_dtype bf16 needs bf16 operands, got {} (fp32 operands write an fp32 C)", op,
-         dtype_name(operand_dtype));
+    return refuse(reason, "{}: c_dtype bf16 needs bf16 operands, got {} (fp32 operands write an fp32 C)", op,
+                  dtype_name(operand_dtype));
+  return true;
 }
 
 }  // namespace forge::ops

@@ -25,15 +25,22 @@ int64_t real_width(const ops::LinearCrossEntropyParams& p, int64_t first, int64_
   return std::clamp<int64_t>(global_vocab(p) - p.vocab_start - first, 0, width);
 }
 
-void check(const ops::LinearCrossEntropyParams& p, const char* what) {
-  FORGE_CHECK(p.rows >= 0 && p.dim > 0 && p.vocab > 0 && p.vocab_chunk > 0,
-              "{}: bad shape rows={} dim={} vocab={} vocab_chunk={}", what, p.rows, p.dim, p.vocab,
-              p.vocab_chunk);
-  FORGE_CHECK(p.gemm_dtype == DType::f32 || p.gemm_dtype == DType::bf16,
-              "{}: gemm_dtype must be fp32 or bf16", what);
-  FORGE_CHECK(p.workspace != nullptr, "{}: workspace is required", what);
+bool supports(const ops::LinearCrossEntropyParams& p, const char* what, std::string* reason) {
+  using ops::refuse;
+  if (p.rows < 0 || p.dim <= 0 || p.vocab <= 0 || p.vocab_chunk <= 0)
+    return refuse(reason, "{}: bad shape rows={} dim={} vocab={} vocab_chunk={}", what, p.rows, p.dim, p.vocab,
+                  p.vocab_chunk);
+  if (p.gemm_dtype != DType::f32 && p.gemm_dtype != DType::bf16)
+    return refuse(reason, "{}: gemm_dtype must be fp32 or bf16", what);
+  if (p.workspace == nullptr) return refuse(reason, "{}: workspace is required", what);
   // A range may lie wholly in the padding (a tiny vocabulary split far): it then contributes nothing.
-  FORGE_CHECK(p.vocab_start >= 0, "{}: negative vocabulary start {}", what, p.vocab_start);
+  if (p.vocab_start < 0) return refuse(reason, "{}: negative vocabulary start {}", what, p.vocab_start);
+  return true;
+}
+
+// The parameters (the predicate), then the targets (data).
+void check(const ops::LinearCrossEntropyParams& p, const char* what) {
+  if (std::string why; !supports(p, what, &why)) fail("{}", why);
   for (int64_t r = 0; r < p.rows; ++r)
     if (p.targets[r] >= global_vocab(p))
       fail("{}: target {} at row {} is outside the vocabulary [0, {})", what, p.targets[r], r, global_vocab(p));
@@ -61,6 +68,13 @@ void chunk_logits(const ops::LinearCrossEntropyParams& p, int64_t first, int64_t
 }
 
 }  // namespace
+
+bool supports_linear_cross_entropy_forward(const ops::LinearCrossEntropyParams& p, std::string* reason) {
+  return supports(p, "linear_cross_entropy_forward", reason);
+}
+bool supports_linear_cross_entropy_backward(const ops::LinearCrossEntropyParams& p, std::string* reason) {
+  return supports(p, "linear_cross_entropy_backward", reason);
+}
 
 void linear_cross_entropy_forward(const ops::LinearCrossEntropyParams& p) {
   check(p, "linear_cross_entropy_forward");

@@ -16,11 +16,26 @@ constexpr int64_t kColumnTile = 64;
 // Below this many elements (a decoding step's few rows) a parallel region costs more than it saves.
 constexpr int64_t kParallelElements = 1 << 14;
 
+bool supports(const ops::RmsNormParams& p, const char* what, std::string* reason) {
+  if (p.rows >= 0 && p.dim > 0) return true;
+  return ops::refuse(reason, "{}: bad shape rows={} dim={}", what, p.rows, p.dim);
+}
+
 void check(const ops::RmsNormParams& p, const char* what) {
-  FORGE_CHECK(p.rows >= 0 && p.dim > 0, "{}: bad shape rows={} dim={}", what, p.rows, p.dim);
+  if (std::string why; !supports(p, what, &why)) fail("{}", why);
 }
 
 }  // namespace
+
+bool supports_rmsnorm_forward(const ops::RmsNormParams& p, std::string* reason) {
+  return supports(p, "rmsnorm_forward", reason);
+}
+bool supports_rmsnorm_backward_input(const ops::RmsNormParams& p, std::string* reason) {
+  return supports(p, "rmsnorm_backward_input", reason);
+}
+bool supports_rmsnorm_backward_weight(const ops::RmsNormParams& p, std::string* reason) {
+  return supports(p, "rmsnorm_backward_weight", reason);
+}
 
 void rmsnorm_forward(const ops::RmsNormParams& p) {
   check(p, "rmsnorm_forward");

@@ -4,12 +4,17 @@
 
 namespace forge::cpu {
 
+bool supports_rope(const ops::RopeParams& p, std::string* reason) {
+  if (p.head_dim <= 0 || p.head_dim % 2 != 0)
+    return ops::refuse(reason, "rope: head_dim must be even and positive, got {}", p.head_dim);
+  if (p.token_stride < p.heads * p.head_dim)
+    return ops::refuse(reason, "rope: token_stride {} < heads * head_dim = {}", p.token_stride, p.heads * p.head_dim);
+  if (p.position_offset < 0) return ops::refuse(reason, "rope: negative position_offset {}", p.position_offset);
+  return true;
+}
+
 void rope(const ops::RopeParams& p) {
-  FORGE_CHECK(p.head_dim > 0 && p.head_dim % 2 == 0, "rope: head_dim must be even and positive, got {}",
-              p.head_dim);
-  FORGE_CHECK(p.token_stride >= p.heads * p.head_dim, "rope: token_stride {} < heads * head_dim = {}",
-              p.token_stride, p.heads * p.head_dim);
-  FORGE_CHECK(p.position_offset >= 0, "rope: negative position_offset {}", p.position_offset);
+  if (std::string why; !supports_rope(p, &why)) fail("{}", why);
   const int64_t half = p.head_dim / 2;
   // The inverse rotation is the same with sin negated.
   const float sign = p.inverse ? -1.0f : 1.0f;

@@ -9,10 +9,22 @@ namespace {
 // Below this many elements (a decoding step's few rows) a parallel region costs more than it saves.
 constexpr int64_t kParallelElements = 1 << 14;
 
+bool supports(const ops::SwigluParams& p, const char* what, std::string* reason) {
+  if (p.rows >= 0 && p.ffn > 0) return true;
+  return ops::refuse(reason, "{}: bad shape rows={} ffn={}", what, p.rows, p.ffn);
+}
+
 }  // namespace
 
+bool supports_swiglu_forward(const ops::SwigluParams& p, std::string* reason) {
+  return supports(p, "swiglu_forward", reason);
+}
+bool supports_swiglu_backward(const ops::SwigluParams& p, std::string* reason) {
+  return supports(p, "swiglu_backward", reason);
+}
+
 void swiglu_forward(const ops::SwigluParams& p) {
-  FORGE_CHECK(p.rows >= 0 && p.ffn > 0, "swiglu_forward: bad shape rows={} ffn={}", p.rows, p.ffn);
+  if (std::string why; !supports_swiglu_forward(p, &why)) fail("{}", why);
   const int64_t ffn = p.ffn;
 #pragma omp parallel for schedule(static) if (p.rows * ffn > kParallelElements)
   for (int64_t r = 0; r < p.rows; ++r) {
@@ -29,7 +41,7 @@ void swiglu_forward(const ops::SwigluParams& p) {
 }
 
 void swiglu_backward(const ops::SwigluParams& p) {
-  FORGE_CHECK(p.rows >= 0 && p.ffn > 0, "swiglu_backward: bad shape rows={} ffn={}", p.rows, p.ffn);
+  if (std::string why; !supports_swiglu_backward(p, &why)) fail("{}", why);
   const int64_t ffn = p.ffn;
 #pragma omp parallel for schedule(static) if (p.rows * ffn > kParallelElements)
   for (int64_t r = 0; r < p.rows; ++r) {

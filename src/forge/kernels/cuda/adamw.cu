@@ -48,15 +48,20 @@ __global__ void adamw_kernel(float* __restrict__ param, const float* __restrict_
 
 }  // namespace
 
-void adamw(const ops::AdamWParams& p) {
+bool supports_adamw(const ops::AdamWParams& p, std::string* reason) {
   constexpr const char* op = "adamw";
-  if (p.n < 0) detail::fail_op(op, "negative size " + std::to_string(p.n));
-  if (p.step < 1) detail::fail_op(op, "step is 1-based, got " + std::to_string(p.step));
+  if (p.n < 0) return detail::refuse(reason, op, "negative size " + std::to_string(p.n));
+  if (p.step < 1) return detail::refuse(reason, op, "step is 1-based, got " + std::to_string(p.step));
+  if (p.n == 0) return true;
+  using detail::pointer_set;
+  return pointer_set(p.param, op, "param", reason) && pointer_set(p.grad, op, "grad", reason) &&
+         pointer_set(p.exp_avg, op, "exp_avg", reason) &&
+         pointer_set(p.exp_avg_sq, op, "exp_avg_sq", reason);  // param_bf16 is optional
+}
+
+void adamw(const ops::AdamWParams& p) {
+  if (std::string why; !supports_adamw(p, &why)) fail_message(why);
   if (p.n == 0) return;
-  detail::require_pointer(p.param, op, "param");
-  detail::require_pointer(p.grad, op, "grad");
-  detail::require_pointer(p.exp_avg, op, "exp_avg");
-  detail::require_pointer(p.exp_avg_sq, op, "exp_avg_sq");  // param_bf16 is optional
   // The CPU kernel's scalar expressions, verbatim.
   const double t = static_cast<double>(p.step);
   Scalars s{};
@@ -68,7 +73,7 @@ void adamw(const ops::AdamWParams& p) {
   s.eps = p.eps, s.grad_scale = p.grad_scale;
   adamw_kernel<<<detail::grid_blocks(p.n, kThreads), kThreads, 0, stream()>>>(
       p.param, p.grad, p.exp_avg, p.exp_avg_sq, p.param_bf16, p.n, s);
-  FORGE_CUDA_CHECK_LAUNCH(op);
+  FORGE_CUDA_CHECK_LAUNCH("adamw");
 }
 
 }  // namespace forge::cuda

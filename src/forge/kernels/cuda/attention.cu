@@ -37,6 +37,10 @@ constexpr int64_t kMaxGridYZ = 65535;
 std::string str(int64_t x) { return std::to_string(x); }
 
 [[noreturn]] void fail(const std::string& message) { fail_message(message); }
+bool refuse(std::string* reason, const std::string& message) {
+  if (reason) *reason = message;
+  return false;
+}
 
 // kv_seq and the k, v head and batch strides with their defaults filled in (as cpu/attention.cpp).
 ops::AttentionParams with_defaults(ops::AttentionParams p) {
@@ -48,63 +52,72 @@ ops::AttentionParams with_defaults(ops::AttentionParams p) {
   return p;
 }
 
-// cpu/attention.cpp's check_params, message for message, plus this backend's own limits.
-void check_params(const ops::AttentionParams& p, bool backward) {
+// cpu/attention.cpp's predicate, message for message, plus this backend's own limits.
+bool supports(const ops::AttentionParams& p, bool backward, std::string* reason) {
   if (!(p.batch > 0 && p.seq > 0 && p.heads > 0 && p.kv_heads > 0 && p.head_dim > 0))
-    fail("attention: empty shape batch=" + str(p.batch) + " seq=" + str(p.seq) + " heads=" + str(p.heads) +
-         " kv_heads=" + str(p.kv_heads) + " head_dim=" + str(p.head_dim));
+    return refuse(reason, "attention: empty shape batch=" + str(p.batch) + " seq=" + str(p.seq) + " heads=" +
+                              str(p.heads) + " kv_heads=" + str(p.kv_heads) + " head_dim=" + str(p.head_dim));
   if (p.heads % p.kv_heads != 0)
-    fail("attention: heads " + str(p.heads) + " not a multiple of kv_heads " + str(p.kv_heads));
+    return refuse(reason,
+                  "attention: heads " + str(p.heads) + " not a multiple of kv_heads " + str(p.kv_heads));
   if (!(p.kv_seq >= 0 && p.q_offset >= 0 && p.k_batch_stride >= 0 && p.v_batch_stride >= 0 &&
         p.k_head_stride >= 0 && p.v_head_stride >= 0))
-    fail("attention: negative kv_seq " + str(p.kv_seq) + ", q_offset " + str(p.q_offset) + " or stride");
+    return refuse(reason, "attention: negative kv_seq " + str(p.kv_seq) + ", q_offset " + str(p.q_offset) +
+                              " or stride");
   const int64_t kv_seq = p.kv_seq == 0 ? p.seq : p.kv_seq;
   if (p.causal && p.q_offset + p.seq > kv_seq)
-    fail("attention: queries at positions " + str(p.q_offset) + ".." + str(p.q_offset + p.seq - 1) +
-         " need their keys, but kv_seq is " + str(kv_seq));
+    return refuse(reason, "attention: queries at positions " + str(p.q_offset) + ".." +
+                              str(p.q_offset + p.seq - 1) + " need their keys, but kv_seq is " + str(kv_seq));
   if (!(p.q_offset + p.seq < (int64_t{1} << 24) && kv_seq < (int64_t{1} << 24)))
-    fail("attention: seq " + str(p.q_offset + p.seq) + " / kv_seq " + str(kv_seq) +
-         " too long (positions are compared as floats)");
-  if (!(p.q && p.k && p.v && p.out)) fail("attention: q, k, v and out must be set");
-  if (!(p.lse || !backward)) fail("attention backward: lse must be set");
+    return refuse(reason, "attention: seq " + str(p.q_offset + p.seq) + " / kv_seq " + str(kv_seq) +
+                              " too long (positions are compared as floats)");
+  if (!(p.q && p.k && p.v && p.out)) return refuse(reason, "attention: q, k, v and out must be set");
+  if (!(p.lse || !backward)) return refuse(reason, "attention backward: lse must be set");
   const int64_t q_width = p.heads * p.head_dim, kv_width = p.kv_heads * p.head_dim;
   if (!(p.q_stride >= q_width && p.out_stride >= q_width))
-    fail("attention: q_stride " + str(p.q_stride) + " / out_stride " + str(p.out_stride) + " < " +
-         str(q_width));
+    return refuse(reason, "attention: q_stride " + str(p.q_stride) + " / out_stride " + str(p.out_stride) +
+                              " < " + str(q_width));
   const int64_t k_head = p.k_head_stride == 0 ? p.head_dim : p.k_head_stride;
   const int64_t v_head = p.v_head_stride == 0 ? p.head_dim : p.v_head_stride;
   if (!(k_head >= p.head_dim && v_head >= p.head_dim))
-    fail("attention: head strides " + str(k_head) + " / " + str(v_head) + " < head_dim " + str(p.head_dim));
+    return refuse(reason, "attention: head strides " + str(k_head) + " / " + str(v_head) + " < head_dim " +
+                              str(p.head_dim));
   if (!(p.k_stride >= (k_head == p.head_dim ? kv_width : p.head_dim) &&
         p.v_stride >= (v_head == p.head_dim ? kv_width : p.head_dim)))
-    fail("attention: k_stride " + str(p.k_stride) + " / v_stride " + str(p.v_stride) + " too small for " +
-         str(p.kv_heads) + " kv heads of " + str(p.head_dim));
+    return refuse(reason, "attention: k_stride " + str(p.k_stride) + " / v_stride " + str(p.v_stride) +
+                              " too small for " + str(p.kv_heads) + " kv heads of " + str(p.head_dim));
   if (!(p.batch == 1 ||
         ((p.k_batch_stride == 0 || p.k_batch_stride >= std::max(kv_seq * p.k_stride, p.kv_heads * k_head)) &&
          (p.v_batch_stride == 0 || p.v_batch_stride >= std::max(kv_seq * p.v_stride, p.kv_heads * v_head)))))
-    fail("attention: batch strides " + str(p.k_batch_stride) + " / " + str(p.v_batch_stride) +
-         " overlap sequences of " + str(kv_seq) + " keys");
+    return refuse(reason, "attention: batch strides " + str(p.k_batch_stride) + " / " +
+                              str(p.v_batch_stride) + " overlap sequences of " + str(kv_seq) + " keys");
   // This backend's limits: the widest tiles, and the decode grid's y and z extents (heads and batch).
   if (p.head_dim > kMaxHeadDim)
-    fail("attention: head_dim " + str(p.head_dim) + " > " + str(kMaxHeadDim) +
-         " is not supported on the CUDA backend");
+    return refuse(reason, "attention: head_dim " + str(p.head_dim) + " > " + str(kMaxHeadDim) +
+                              " is not supported on the CUDA backend");
   if (p.heads > kMaxGridYZ || p.batch > kMaxGridYZ)
-    fail("attention: heads " + str(p.heads) + " / batch " + str(p.batch) + " exceed the CUDA grid's " +
-         str(kMaxGridYZ));
-  if (!backward) return;
+    return refuse(reason, "attention: heads " + str(p.heads) + " / batch " + str(p.batch) +
+                              " exceed the CUDA grid's " + str(kMaxGridYZ));
+  if (!backward) return true;
   if (!(kv_seq == p.seq && p.q_offset == 0 && k_head == p.head_dim && v_head == p.head_dim &&
         (p.k_batch_stride == 0 || p.k_batch_stride == p.seq * p.k_stride) &&
         (p.v_batch_stride == 0 || p.v_batch_stride == p.seq * p.v_stride)))
-    fail(
-        "attention backward: only square attention (no kv_seq, q_offset, head or batch strides) is "
-        "supported");
-  if (!(p.dout && p.dq && p.dk && p.dv)) fail("attention backward: dout, dq, dk and dv must be set");
+    return refuse(reason,
+                  "attention backward: only square attention (no kv_seq, q_offset, head or batch strides) is "
+                  "supported");
+  if (!(p.dout && p.dq && p.dk && p.dv))
+    return refuse(reason, "attention backward: dout, dq, dk and dv must be set");
   if (!(p.dout_stride >= q_width && p.dq_stride >= q_width))
-    fail("attention backward: dout_stride " + str(p.dout_stride) + " / dq_stride " + str(p.dq_stride) +
-         " < " + str(q_width));
+    return refuse(reason, "attention backward: dout_stride " + str(p.dout_stride) + " / dq_stride " +
+                              str(p.dq_stride) + " < " + str(q_width));
   if (!(p.dk_stride >= kv_width && p.dv_stride >= kv_width))
-    fail("attention backward: dk_stride " + str(p.dk_stride) + " / dv_stride " + str(p.dv_stride) + " < " +
-         str(kv_width));
+    return refuse(reason, "attention backward: dk_stride " + str(p.dk_stride) + " / dv_stride " +
+                              str(p.dv_stride) + " < " + str(kv_width));
+  return true;
+}
+
+void check_params(const ops::AttentionParams& p, bool backward) {
+  if (std::string why; !supports(p, backward, &why)) fail(why);
 }
 
 // As the CPU: a few queries against a longer cache take the decode kernels; training's square attention
@@ -208,7 +221,12 @@ void forward_decode(const ops::AttentionParams& p) {
 
 }  // namespace
 
-void check_attention(const ops::AttentionParams& p, bool backward) { check_params(p, backward); }
+bool supports_attention_forward(const ops::AttentionParams& p, std::string* reason) {
+  return supports(p, false, reason);
+}
+bool supports_attention_backward(const ops::AttentionParams& p, std::string* reason) {
+  return supports(p, true, reason);
+}
 
 void attention_forward(const ops::AttentionParams& params) {
   check_params(params, false);

@@ -263,18 +263,21 @@ Chunking chunking(const ops::LinearCrossEntropyParams& p) {
 }
 
 // Everything that needs no GPU, in the CPU kernel's order and words; then the pointers the op touches.
-void check(const ops::LinearCrossEntropyParams& p, const char* op) {
+// The checks both directions share; then, where there are rows, the pointers each reads or writes.
+bool shape_ok(const ops::LinearCrossEntropyParams& p, const char* op, std::string* reason) {
+  using detail::refuse;
   if (p.rows < 0 || p.dim <= 0 || p.vocab <= 0 || p.vocab_chunk <= 0)
-    detail::fail_op(op, "bad shape rows=" + std::to_string(p.rows) + " dim=" + std::to_string(p.dim) +
-                            " vocab=" + std::to_string(p.vocab) +
-                            " vocab_chunk=" + std::to_string(p.vocab_chunk));
+    return refuse(reason, op,
+                  "bad shape rows=" + std::to_string(p.rows) + " dim=" + std::to_string(p.dim) +
+                      " vocab=" + std::to_string(p.vocab) + " vocab_chunk=" + std::to_string(p.vocab_chunk));
   if (p.gemm_dtype != DType::f32 && p.gemm_dtype != DType::bf16)
-    detail::fail_op(op, "gemm_dtype must be fp32 or bf16, got " + std::string(dtype_name(p.gemm_dtype)));
-  if (p.workspace == nullptr) detail::fail_op(op, "workspace is required");
-  if (p.vocab_start < 0) detail::fail_op(op, "negative vocabulary start " + std::to_string(p.vocab_start));
+    return refuse(reason, op, "gemm_dtype must be fp32 or bf16, got " + std::string(dtype_name(p.gemm_dtype)));
+  if (p.workspace == nullptr) return refuse(reason, op, "workspace is required");
+  if (p.vocab_start < 0) return refuse(reason, op, "negative vocabulary start " + std::to_string(p.vocab_start));
   if (p.rows > INT_MAX)
-    detail::fail_op(op,
-                    "rows=" + std::to_string(p.rows) + " exceeds the row kernels' grid (at most 2^31 - 1)");
+    return refuse(reason, op,
+                  "rows=" + std::to_string(p.rows) + " exceeds the row kernels' grid (at most 2^31 - 1)");
+  return true;
 }
 
 // A host pointer would fault inside a kernel and poison the context for the whole process: one driver query
@@ -357,19 +360,31 @@ void chunk_logits(const ops::LinearCrossEntropyParams& p, int64_t first, int64_t
 
 }  // namespace
 
-void check_linear_cross_entropy(const ops::LinearCrossEntropyParams& p, bool backward) {
-  check(p, backward ? "linear_cross_entropy_backward" : "linear_cross_entropy_forward");
+bool supports_linear_cross_entropy_forward(const ops::LinearCrossEntropyParams& p, std::string* reason) {
+  constexpr const char* op = "linear_cross_entropy_forward";
+  if (!shape_ok(p, op, reason)) return false;
+  using detail::pointer_set;
+  return p.rows == 0 || (pointer_set(p.hidden_gemm, op, "hidden_gemm", reason) &&
+                         pointer_set(p.weight_gemm, op, "weight_gemm", reason) &&
+                         pointer_set(p.targets, op, "targets", reason) && pointer_set(p.lse, op, "lse", reason) &&
+                         pointer_set(p.loss, op, "loss", reason));
+}
+
+bool supports_linear_cross_entropy_backward(const ops::LinearCrossEntropyParams& p, std::string* reason) {
+  constexpr const char* op = "linear_cross_entropy_backward";
+  if (!shape_ok(p, op, reason)) return false;
+  using detail::pointer_set;
+  return p.rows == 0 || (pointer_set(p.hidden_gemm, op, "hidden_gemm", reason) &&
+                         pointer_set(p.weight_gemm, op, "weight_gemm", reason) &&
+                         pointer_set(p.targets, op, "targets", reason) && pointer_set(p.lse, op, "lse", reason) &&
+                         pointer_set(p.dhidden, op, "dhidden", reason) &&
+                         pointer_set(p.dweight, op, "dweight", reason));
 }
 
 void linear_cross_entropy_forward(const ops::LinearCrossEntropyParams& p) {
   constexpr const char* op = "linear_cross_entropy_forward";
-  check(p, op);
+  if (std::string why; !supports_linear_cross_entropy_forward(p, &why)) fail_message(why);
   if (p.rows == 0) return;
-  detail::require_pointer(p.hidden_gemm, op, "hidden_gemm");
-  detail::require_pointer(p.weight_gemm, op, "weight_gemm");
-  detail::require_pointer(p.targets, op, "targets");
-  detail::require_pointer(p.lse, op, "lse");
-  detail::require_pointer(p.loss, op, "loss");
   require_device_pointer(p.targets, op, "targets");
   require_device_pointer(p.lse, op, "lse");
   require_device_pointer(p.loss, op, "loss");
@@ -400,14 +415,8 @@ void linear_cross_entropy_forward(const ops::LinearCrossEntropyParams& p) {
 
 void linear_cross_entropy_backward(const ops::LinearCrossEntropyParams& p) {
   constexpr const char* op = "linear_cross_entropy_backward";
-  check(p, op);
+  if (std::string why; !supports_linear_cross_entropy_backward(p, &why)) fail_message(why);
   if (p.rows == 0) return;
-  detail::require_pointer(p.hidden_gemm, op, "hidden_gemm");
-  detail::require_pointer(p.weight_gemm, op, "weight_gemm");
-  detail::require_pointer(p.targets, op, "targets");
-  detail::require_pointer(p.lse, op, "lse");
-  detail::require_pointer(p.dhidden, op, "dhidden");
-  detail::require_pointer(p.dweight, op, "dweight");
   require_device_pointer(p.targets, op, "targets");
   require_device_pointer(p.lse, op, "lse");
   require_device_pointer(p.dhidden, op, "dhidden");

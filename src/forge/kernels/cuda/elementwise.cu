@@ -14,12 +14,18 @@ constexpr int kThreads = 256;
 constexpr int64_t kSumChunk = 16384;
 constexpr int kFinalThreads = 1024;
 
-void check_size(const char* op, int64_t n, const void* a, const char* a_name, const void* b = nullptr,
-                const char* b_name = nullptr) {
-  if (n < 0) detail::fail_op(op, "negative size " + std::to_string(n));
-  if (n == 0) return;
-  detail::require_pointer(a, op, a_name);
-  if (b_name) detail::require_pointer(b, op, b_name);
+// n >= 0 and, where there is something to touch, the arrays set.
+bool size_ok(const char* op, int64_t n, const void* a, const char* a_name, std::string* reason,
+             const void* b = nullptr, const char* b_name = nullptr) {
+  if (n < 0) return detail::refuse(reason, op, "negative size " + std::to_string(n));
+  if (n == 0) return true;
+  return detail::pointer_set(a, op, a_name, reason) && (!b_name || detail::pointer_set(b, op, b_name, reason));
+}
+
+// sum_squares' first pass: one block per chunk.
+bool chunks_ok(const char* op, int64_t n, std::string* reason) {
+  if ((n + kSumChunk - 1) / kSumChunk <= int64_t{0x7fffffff}) return true;
+  return detail::refuse(reason, op, "size " + std::to_string(n) + " is too large");
 }
 
 // y and x may be the same array (y += y): each element is read before it is written by the same thread.
@@ -80,29 +86,50 @@ __global__ void to_f32_kernel(const uint16_t* __restrict__ x, float* __restrict_
 
 }  // namespace
 
+bool supports_convert_to_bf16(const float* x, uint16_t* y, int64_t n, std::string* reason) {
+  return size_ok("convert_to_bf16", n, x, "x", reason, y, "y");
+}
+bool supports_convert_to_f32(const uint16_t* x, float* y, int64_t n, std::string* reason) {
+  return size_ok("convert_to_f32", n, x, "x", reason, y, "y");
+}
+bool supports_add_inplace(float* y, const float* x, int64_t n, std::string* reason) {
+  return size_ok("add_inplace", n, y, "y", reason, x, "x");
+}
+bool supports_scale_inplace(float* x, float, int64_t n, std::string* reason) {
+  return size_ok("scale_inplace", n, x, "x", reason);
+}
+bool supports_sum_squares(const float* x, int64_t n, std::string* reason) {
+  return size_ok("sum_squares", n, x, "x", reason) && chunks_ok("sum_squares", n, reason);
+}
+bool supports_sum_squares_accumulate(const float* x, int64_t n, double* total, std::string* reason) {
+  constexpr const char* op = "sum_squares_accumulate";
+  return size_ok(op, n, x, "x", reason) && detail::pointer_set(total, op, "total", reason) &&
+         chunks_ok(op, n, reason);
+}
+
 void convert_to_bf16(const float* x, uint16_t* y, int64_t n) {
-  check_size("convert_to_bf16", n, x, "x", y, "y");
+  if (std::string why; !supports_convert_to_bf16(x, y, n, &why)) fail_message(why);
   if (n == 0) return;
   to_bf16_kernel<<<detail::grid_blocks(n, kThreads), kThreads, 0, stream()>>>(x, y, n);
   FORGE_CUDA_CHECK_LAUNCH("convert_to_bf16");
 }
 
 void convert_to_f32(const uint16_t* x, float* y, int64_t n) {
-  check_size("convert_to_f32", n, x, "x", y, "y");
+  if (std::string why; !supports_convert_to_f32(x, y, n, &why)) fail_message(why);
   if (n == 0) return;
   to_f32_kernel<<<detail::grid_blocks(n, kThreads), kThreads, 0, stream()>>>(x, y, n);
   FORGE_CUDA_CHECK_LAUNCH("convert_to_f32");
 }
 
 void add_inplace(float* y, const float* x, int64_t n) {
-  check_size("add_inplace", n, y, "y", x, "x");
+  if (std::string why; !supports_add_inplace(y, x, n, &why)) fail_message(why);
   if (n == 0) return;
   add_inplace_kernel<<<detail::grid_blocks(n, kThreads), kThreads, 0, stream()>>>(y, x, n);
   FORGE_CUDA_CHECK_LAUNCH("add_inplace");
 }
 
 void scale_inplace(float* x, float s, int64_t n) {
-  check_size("scale_inplace", n, x, "x");
+  if (std::string why; !supports_scale_inplace(x, s, n, &why)) fail_message(why);
   if (n == 0) return;
   scale_inplace_kernel<<<detail::grid_blocks(n, kThreads), kThreads, 0, stream()>>>(x, s, n);
   FORGE_CUDA_CHECK_LAUNCH("scale_inplace");
@@ -112,8 +139,7 @@ namespace {
 
 // The two-pass reduction of x's squares into *total (overwritten, or added to with accumulate).
 void launch_sum_squares(const char* op, const float* x, int64_t n, double* total, bool accumulate) {
-  const int64_t chunks = (n + kSumChunk - 1) / kSumChunk;
-  if (chunks > int64_t{0x7fffffff}) detail::fail_op(op, "size " + std::to_string(n) + " is too large");
+  const int64_t chunks = (n + kSumChunk - 1) / kSumChunk;  // checked by the predicates
   detail::StreamScratch scratch(chunks * sizeof(double));
   double* partial = scratch.as<double>();
   sum_squares_chunks_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, stream()>>>(x, n, partial);
@@ -125,7 +151,7 @@ void launch_sum_squares(const char* op, const float* x, int64_t n, double* total
 }  // namespace
 
 double sum_squares(const float* x, int64_t n) {
-  check_size("sum_squares", n, x, "x");
+  if (std::string why; !supports_sum_squares(x, n, &why)) fail_message(why);
   if (n == 0) return 0.0;
   detail::StreamScratch total(sizeof(double));
   launch_sum_squares("sum_squares", x, n, total.as<double>(), /*accumulate=*/false);
@@ -137,8 +163,7 @@ double sum_squares(const float* x, int64_t n) {
 
 void sum_squares_accumulate(const float* x, int64_t n, double* total) {
   constexpr const char* op = "sum_squares_accumulate";
-  check_size(op, n, x, "x");
-  detail::require_pointer(total, op, "total");
+  if (std::string why; !supports_sum_squares_accumulate(x, n, total, &why)) fail_message(why);
   if (n > 0) launch_sum_squares(op, x, n, total, /*accumulate=*/true);
 }
 

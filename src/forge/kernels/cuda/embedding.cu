@@ -36,13 +36,19 @@ __global__ void find_bad_id_kernel(const int32_t* __restrict__ ids, int64_t rows
   }
 }
 
-// Fails like the CPU kernel when an id lies outside [0, vocab). Synchronises.
-void check_ids(const ops::EmbeddingParams& p, const char* op) {
+// The shape, and where there are rows the ids set.
+bool ids_ok(const ops::EmbeddingParams& p, const char* op, std::string* reason) {
   if (p.rows < 0 || p.dim <= 0 || p.vocab <= 0)
-    detail::fail_op(op, "bad shape rows=" + std::to_string(p.rows) + " dim=" + std::to_string(p.dim) +
-                            " vocab=" + std::to_string(p.vocab));
+    return detail::refuse(reason, op,
+                          "bad shape rows=" + std::to_string(p.rows) + " dim=" + std::to_string(p.dim) +
+                              " vocab=" + std::to_string(p.vocab));
+  return p.rows == 0 || detail::pointer_set(p.ids, op, "ids", reason);
+}
+
+// The ids themselves (data, after the predicate): fails like the CPU kernel when one lies outside [0, vocab).
+// Synchronises.
+void check_ids(const ops::EmbeddingParams& p, const char* op) {
   if (p.rows == 0 || p.vocab_parallel) return;
-  detail::require_pointer(p.ids, op, "ids");
   detail::StreamScratch flag(sizeof(unsigned long long));
   auto* first_bad_row = flag.as<unsigned long long>();
   FORGE_CUDA_CHECK(cudaMemsetAsync(first_bad_row, 0xff, sizeof(unsigned long long), stream()));
@@ -130,12 +136,33 @@ __global__ void accumulate_kernel(const uint32_t* __restrict__ sorted_ids,
 
 }  // namespace
 
+bool supports_embedding_forward(const ops::EmbeddingParams& p, std::string* reason) {
+  constexpr const char* op = "embedding_forward";
+  if (!ids_ok(p, op, reason)) return false;
+  return p.rows == 0 ||
+         (detail::pointer_set(p.weight, op, "weight", reason) && detail::pointer_set(p.out, op, "out", reason));
+}
+
+bool supports_embedding_backward_weight(const ops::EmbeddingParams& p, std::string* reason) {
+  constexpr const char* op = "embedding_backward_weight";
+  if (!ids_ok(p, op, reason)) return false;
+  if (p.rows == 0) return true;
+  if (!detail::pointer_set(p.dout, op, "dout", reason) || !detail::pointer_set(p.dweight, op, "dweight", reason))
+    return false;
+  const int64_t column_tiles = (p.dim + kThreads - 1) / kThreads;
+  if (p.rows > kMaxGrid || column_tiles > 65535)
+    return detail::refuse(reason, op,
+                          "shape rows=" + std::to_string(p.rows) + " dim=" + std::to_string(p.dim) +
+                              " exceeds the kernel's grid (rows < 2^31, dim at most " +
+                              std::to_string(65535 * kThreads) + ")");
+  return true;
+}
+
 void embedding_forward(const ops::EmbeddingParams& p) {
   constexpr const char* op = "embedding_forward";
+  if (std::string why; !supports_embedding_forward(p, &why)) fail_message(why);
   check_ids(p, op);
   if (p.rows == 0) return;
-  detail::require_pointer(p.weight, op, "weight");
-  detail::require_pointer(p.out, op, "out");
   forward_kernel<<<static_cast<unsigned>(std::min(p.rows, kMaxGrid)), kThreads, 0, stream()>>>(
       p.ids, p.weight, p.rows, p.dim, p.vocab, p.vocab_parallel ? p.first : 0, p.out);
   FORGE_CUDA_CHECK_LAUNCH(op);
@@ -143,15 +170,10 @@ void embedding_forward(const ops::EmbeddingParams& p) {
 
 void embedding_backward_weight(const ops::EmbeddingParams& p) {
   constexpr const char* op = "embedding_backward_weight";
+  if (std::string why; !supports_embedding_backward_weight(p, &why)) fail_message(why);
   check_ids(p, op);
   if (p.rows == 0) return;
-  detail::require_pointer(p.dout, op, "dout");
-  detail::require_pointer(p.dweight, op, "dweight");
   const int64_t column_tiles = (p.dim + kThreads - 1) / kThreads;
-  if (p.rows > kMaxGrid || column_tiles > 65535)
-    detail::fail_op(op, "shape rows=" + std::to_string(p.rows) + " dim=" + std::to_string(p.dim) +
-                            " exceeds the kernel's grid (rows < 2^31, dim at most " +
-                            std::to_string(65535 * kThreads) + ")");
   const int rows = static_cast<int>(p.rows);
   // Valid ids are non-negative and below vocab: sorting them as unsigned over their significant bits only
   // saves radix passes. Vocabulary-parallel keys also take the value vocab (rows of other ranks).

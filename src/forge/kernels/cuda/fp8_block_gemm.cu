@@ -275,6 +275,10 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_block_gemm_nt_kernel(const Ar
 // Host side
 
 [[noreturn]] void fail_block(const std::string& what) { fail_message("fp8_gemm (block scaling): " + what); }
+bool refuse_block(std::string* reason, const std::string& what) {
+  if (reason) *reason = "fp8_gemm (block scaling): " + what;
+  return false;
+}
 
 bool is_fp8(DType dtype) { return dtype == DType::e4m3 || dtype == DType::e5m2; }
 std::string name(DType dtype) { return std::string(dtype_name(dtype)); }
@@ -282,50 +286,61 @@ std::string str(int64_t x) { return std::to_string(x); }
 uintptr_t address(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer); }
 
 // Every check that needs no GPU, in the order a caller would fix them.
-void check_parameters(const ops::Fp8GemmParams& p) {
+bool supported(const ops::Fp8GemmParams& p, std::string* reason) {
   if (p.scaling != ops::Fp8Scaling::block)
-    fail_block("called with per-tensor scaling (fp8_gemm runs that through cuBLASLt)");
+    return refuse_block(reason, "called with per-tensor scaling (fp8_gemm runs that through cuBLASLt)");
   if (p.accumulator_bits != 0)
-    fail_block("limited-precision accumulation (accumulator_bits = " + std::to_string(p.accumulator_bits) +
-               ") is the CPU's model of the tensor cores; the CUDA kernel accumulates every block in fp32");
+    return refuse_block(
+        reason,
+        "limited-precision accumulation (accumulator_bits = " + std::to_string(p.accumulator_bits) +
+            ") is the CPU's model of the tensor cores; the CUDA kernel accumulates every block in fp32");
   if (p.m <= 0 || p.n <= 0 || p.k <= 0)
-    fail_block("empty problem m=" + str(p.m) + " n=" + str(p.n) + " k=" + str(p.k));
+    return refuse_block(reason, "empty problem m=" + str(p.m) + " n=" + str(p.n) + " k=" + str(p.k));
   if (!is_fp8(p.a_dtype) || !is_fp8(p.b_dtype))
-    fail_block("a_dtype and b_dtype must be e4m3 or e5m2, got " + name(p.a_dtype) + " and " +
-               name(p.b_dtype));
+    return refuse_block(reason, "a_dtype and b_dtype must be e4m3 or e5m2, got " + name(p.a_dtype) + " and " +
+                                    name(p.b_dtype));
   if (p.a_dtype == DType::e5m2 && p.b_dtype == DType::e5m2)
-    fail_block(
+    return refuse_block(
+        reason,
         "e5m2 x e5m2 is not supported (E4M3 x E4M3, E4M3 x E5M2 or E5M2 x E4M3; one operand must be e4m3)");
   if (p.trans_a || !p.trans_b)
-    fail_block(std::string("the ") + (p.trans_a ? "T" : "N") + (p.trans_b ? "T" : "N") +
-               " orientation (A stored " + (p.trans_a ? "[k,m]" : "[m,k]") + ", B stored " +
-               (p.trans_b ? "[n,k]" : "[k,n]") +
-               ") is not supported on CUDA: the operands must be K-major, trans_a = false and trans_b = true "
-               "(A stored [m,k], B stored [n,k]); pass transposed copies");
+    return refuse_block(
+        reason,
+        std::string("the ") + (p.trans_a ? "T" : "N") + (p.trans_b ? "T" : "N") + " orientation (A stored " +
+            (p.trans_a ? "[k,m]" : "[m,k]") + ", B stored " + (p.trans_b ? "[n,k]" : "[k,n]") +
+            ") is not supported on CUDA: the operands must be K-major, trans_a = false and trans_b = true "
+            "(A stored [m,k], B stored [n,k]); pass transposed copies");
   if (p.c_dtype != DType::f32 && p.c_dtype != DType::bf16)
-    fail_block("c_dtype must be fp32 or bf16, got " + name(p.c_dtype));
-  if (!p.a || !p.b || !p.c) fail_block("null operand pointer (a, b or c)");
+    return refuse_block(reason, "c_dtype must be fp32 or bf16, got " + name(p.c_dtype));
+  if (!p.a || !p.b || !p.c) return refuse_block(reason, "null operand pointer (a, b or c)");
   if (!p.a_scales || !p.b_scales)
-    fail_block(std::string("a_scales and b_scales must be set (got ") + (p.a_scales ? "set" : "null") +
-               " and " + (p.b_scales ? "set" : "null") + ")");
+    return refuse_block(reason, std::string("a_scales and b_scales must be set (got ") +
+                                    (p.a_scales ? "set" : "null") + " and " + (p.b_scales ? "set" : "null") +
+                                    ")");
   if (p.b_block != ops::Fp8BlockScales::tile_1x128 && p.b_block != ops::Fp8BlockScales::block_128x128)
-    fail_block("unknown b_block " + std::to_string(static_cast<int>(p.b_block)));
-  if (p.lda < p.k) fail_block("lda " + str(p.lda) + " is smaller than A's " + str(p.k) + " stored columns");
-  if (p.ldb < p.k) fail_block("ldb " + str(p.ldb) + " is smaller than B's " + str(p.k) + " stored columns");
-  if (p.ldc < p.n) fail_block("ldc " + str(p.ldc) + " is smaller than n " + str(p.n));
+    return refuse_block(reason, "unknown b_block " + std::to_string(static_cast<int>(p.b_block)));
+  if (p.lda < p.k)
+    return refuse_block(reason, "lda " + str(p.lda) + " is smaller than A's " + str(p.k) + " stored columns");
+  if (p.ldb < p.k)
+    return refuse_block(reason, "ldb " + str(p.ldb) + " is smaller than B's " + str(p.k) + " stored columns");
+  if (p.ldc < p.n) return refuse_block(reason, "ldc " + str(p.ldc) + " is smaller than n " + str(p.n));
   if (p.lda % 16 != 0 || p.ldb % 16 != 0 || address(p.a) % 16 != 0 || address(p.b) % 16 != 0)
-    fail_block("the kernel copies operands in 16-byte vectors: lda " + str(p.lda) + " and ldb " + str(p.ldb) +
-               " must be multiples of 16 and a, b 16-byte aligned (a % 16 = " + str(address(p.a) % 16) +
-               ", b % 16 = " + str(address(p.b) % 16) + ")");
+    return refuse_block(reason, "the kernel copies operands in 16-byte vectors: lda " + str(p.lda) +
+                                    " and ldb " + str(p.ldb) +
+                                    " must be multiples of 16 and a, b 16-byte aligned (a % 16 = " +
+                                    str(address(p.a) % 16) + ", b % 16 = " + str(address(p.b) % 16) + ")");
   if (address(p.c) % dtype_size(p.c_dtype) != 0)
-    fail_block("c must be aligned to its " + std::to_string(dtype_size(p.c_dtype)) + "-byte " +
-               name(p.c_dtype) + " elements (c % 16 = " + str(address(p.c) % 16) + ")");
+    return refuse_block(reason, "c must be aligned to its " + std::to_string(dtype_size(p.c_dtype)) +
+                                    "-byte " + name(p.c_dtype) +
+                                    " elements (c % 16 = " + str(address(p.c) % 16) + ")");
   if (address(p.a_scales) % 4 != 0 || address(p.b_scales) % 4 != 0)
-    fail_block("a_scales and b_scales must be 4-byte aligned floats");
+    return refuse_block(reason, "a_scales and b_scales must be 4-byte aligned floats");
   constexpr int64_t kMaxTiles = 0x7fffffff;
   const int64_t tiles_m = (p.m + kBlockM - 1) / kBlockM, tiles_n = (p.n + kBlockN - 1) / kBlockN;
   if (tiles_m > kMaxTiles / tiles_n || p.k > int64_t{0x7fffffff})
-    fail_block("problem too large for one launch: m=" + str(p.m) + " n=" + str(p.n) + " k=" + str(p.k));
+    return refuse_block(
+        reason, "problem too large for one launch: m=" + str(p.m) + " n=" + str(p.n) + " k=" + str(p.k));
+  return true;
 }
 
 // A host pointer would fault on the device and poison the context for the whole process: one driver query
@@ -351,10 +366,10 @@ void launch(const Args& args, unsigned grid) {
 
 }  // namespace
 
-void check_fp8_block_gemm(const ops::Fp8GemmParams& p) { check_parameters(p); }
+bool supports_fp8_block_gemm(const ops::Fp8GemmParams& p, std::string* reason) { return supported(p, reason); }
 
 void fp8_block_gemm(const ops::Fp8GemmParams& p) {
-  check_parameters(p);
+  if (std::string why; !supported(p, &why)) fail_message(why);
   if (!available()) fail_block(describe_device());
   static const int capability = compute_capability();
   if (capability < 89)

@@ -410,17 +410,17 @@ bool aligned(const void* pointer, uintptr_t bytes) {
   return reinterpret_cast<uintptr_t>(pointer) % bytes == 0;
 }
 
-// Checks shared by every cast, before any CUDA call; the callers check their outputs first.
-void check_cast(const char* op, const ops::Fp8CastParams& p) {
+// Checks shared by every cast's predicate, after its outputs'.
+bool cast_ok(const char* op, const ops::Fp8CastParams& p, std::string* reason) {
+  using detail::refuse;
   if (p.fp8 != DType::e4m3 && p.fp8 != DType::e5m2)
-    detail::fail_op(op,
-                    std::string(dtype_name(p.fp8)) + " is not an FP8 dtype (expected fp8_e4m3 or fp8_e5m2)");
+    return refuse(reason, op,
+                  std::string(dtype_name(p.fp8)) + " is not an FP8 dtype (expected fp8_e4m3 or fp8_e5m2)");
   if (p.rows < 0 || p.cols < 0)
-    detail::fail_op(op, "negative shape [" + std::to_string(p.rows) + ", " + std::to_string(p.cols) + "]");
+    return refuse(reason, op, "negative shape [" + std::to_string(p.rows) + ", " + std::to_string(p.cols) + "]");
   if (p.cols > 0 && p.rows > INT64_MAX / p.cols)
-    detail::fail_op(op,
-                    "shape [" + std::to_string(p.rows) + ", " + std::to_string(p.cols) + "] is too large");
-  if (p.rows > 0 && p.cols > 0) detail::require_pointer(p.x, op, "x");
+    return refuse(reason, op, "shape [" + std::to_string(p.rows) + ", " + std::to_string(p.cols) + "] is too large");
+  return p.rows == 0 || p.cols == 0 || detail::pointer_set(p.x, op, "x", reason);
 }
 
 TensorScale tensor_scale(const ops::Fp8CastParams& p) {
@@ -485,10 +485,44 @@ void launch_amax(const char* op, const float* x, int64_t n, unsigned* word) {
 
 }  // namespace
 
+bool supports_amax(const float* x, int64_t n, std::string* reason) {
+  if (n < 0) return detail::refuse(reason, "amax", "negative size " + std::to_string(n));
+  return n == 0 || detail::pointer_set(x, "amax", "x", reason);
+}
+
+bool supports_amax_to(const float* x, int64_t n, float* out, std::string* reason) {
+  constexpr const char* op = "amax_to";
+  if (n < 0) return detail::refuse(reason, op, "negative size " + std::to_string(n));
+  return detail::pointer_set(out, op, "out", reason) && (n == 0 || detail::pointer_set(x, op, "x", reason));
+}
+
+bool supports_fp8_cast_transpose(const ops::Fp8CastParams& p, std::string* reason) {
+  constexpr const char* op = "fp8_cast_transpose";
+  if (!p.q && !p.q_t) return detail::refuse(reason, op, "neither q nor q_t is given");
+  if (!cast_ok(op, p, reason)) return false;
+  if (p.amax_in && p.margin < 0) return detail::refuse(reason, op, "negative margin " + std::to_string(p.margin));
+  return true;
+}
+
+bool supports_fp8_quantize_1x128(const ops::Fp8CastParams& p, std::string* reason) {
+  constexpr const char* op = "fp8_quantize_1x128";
+  if (!p.q && !p.q_t) return detail::refuse(reason, op, "neither q nor q_t is given");
+  if (p.q && !p.scale_inv) return detail::refuse(reason, op, "q is given without scale_inv");
+  if (p.q_t && !p.scale_inv_t) return detail::refuse(reason, op, "q_t is given without scale_inv_t");
+  return cast_ok(op, p, reason);
+}
+
+bool supports_fp8_quantize_128x128(const ops::Fp8CastParams& p, std::string* reason) {
+  constexpr const char* op = "fp8_quantize_128x128";
+  if (!p.q) return detail::refuse(reason, op, "q (the row-wise output) is null");
+  if (!p.scale_inv) return detail::refuse(reason, op, "scale_inv is null");
+  if (p.q_t && !p.scale_inv_t) return detail::refuse(reason, op, "q_t is given without scale_inv_t");
+  return cast_ok(op, p, reason);
+}
+
 float amax(const float* x, int64_t n) {
-  if (n < 0) detail::fail_op("amax", "negative size " + std::to_string(n));
+  if (std::string why; !supports_amax(x, n, &why)) fail_message(why);
   if (n == 0) return 0.0f;
-  detail::require_pointer(x, "amax", "x");
   const DeviceAmax result;
   launch_amax("amax", x, n, result.word());
   return result.read();
@@ -496,9 +530,7 @@ float amax(const float* x, int64_t n) {
 
 void amax_to(const float* x, int64_t n, float* out) {
   constexpr const char* op = "amax_to";
-  if (n < 0) detail::fail_op(op, "negative size " + std::to_string(n));
-  detail::require_pointer(out, op, "out");
-  if (n > 0) detail::require_pointer(x, op, "x");
+  if (std::string why; !supports_amax_to(x, n, out, &why)) fail_message(why);
   // out becomes the word the kernel max-reduces into: +0's bits, then the max of |x|'s bits, which read as a
   // float are max |x| (a NaN when some |x| is one).
   FORGE_CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(float), stream()));
@@ -507,9 +539,7 @@ void amax_to(const float* x, int64_t n, float* out) {
 
 float fp8_cast_transpose(const ops::Fp8CastParams& p) {
   constexpr const char* op = "fp8_cast_transpose";
-  if (!p.q && !p.q_t) detail::fail_op(op, "neither q nor q_t is given");
-  check_cast(op, p);
-  if (p.amax_in && p.margin < 0) detail::fail_op(op, "negative margin " + std::to_string(p.margin));
+  if (std::string why; !supports_fp8_cast_transpose(p, &why)) fail_message(why);
   const int64_t n = p.rows * p.cols;
   const bool scale_outputs = p.scale_out || p.scale_inv_out;
   if (n == 0 && !scale_outputs) return 0.0f;
@@ -542,10 +572,7 @@ float fp8_cast_transpose(const ops::Fp8CastParams& p) {
 
 void fp8_quantize_1x128(const ops::Fp8CastParams& p) {
   constexpr const char* op = "fp8_quantize_1x128";
-  if (!p.q && !p.q_t) detail::fail_op(op, "neither q nor q_t is given");
-  if (p.q && !p.scale_inv) detail::fail_op(op, "q is given without scale_inv");
-  if (p.q_t && !p.scale_inv_t) detail::fail_op(op, "q_t is given without scale_inv_t");
-  check_cast(op, p);
+  if (std::string why; !supports_fp8_quantize_1x128(p, &why)) fail_message(why);
   if (p.rows == 0 || p.cols == 0) return;
   const TileArgs t = tile_args(p);
   if (p.q && p.q_t)
@@ -558,10 +585,7 @@ void fp8_quantize_1x128(const ops::Fp8CastParams& p) {
 
 void fp8_quantize_128x128(const ops::Fp8CastParams& p) {
   constexpr const char* op = "fp8_quantize_128x128";
-  if (!p.q) detail::fail_op(op, "q (the row-wise output) is null");
-  if (!p.scale_inv) detail::fail_op(op, "scale_inv is null");
-  if (p.q_t && !p.scale_inv_t) detail::fail_op(op, "q_t is given without scale_inv_t");
-  check_cast(op, p);
+  if (std::string why; !supports_fp8_quantize_128x128(p, &why)) fail_message(why);
   if (p.rows == 0 || p.cols == 0) return;
   const TileArgs t = tile_args(p);
   if (p.q_t)

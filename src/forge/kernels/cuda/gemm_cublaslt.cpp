@@ -65,6 +65,7 @@
 #include "forge/kernels/cuda/cuda_kernels.h"
 #include "forge/kernels/cuda/device_allocator.h"
 #include "forge/kernels/cuda/runtime.h"
+#include "forge/kernels/support.h"
 
 namespace forge::cuda {
 namespace {
@@ -292,35 +293,38 @@ void check_device_pointer(const char* op, const char* name, const void* ptr) {
     fail("{}: {} ({}) is not device memory; the CUDA backend takes device pointers", op, name, ptr);
 }
 
-void check_shape(const char* op, int64_t m, int64_t n, int64_t k, const void* a, int64_t lda, bool trans_a,
-                 const void* b, int64_t ldb, bool trans_b, const void* c, int64_t ldc) {
-  if (m <= 0 || n <= 0 || k <= 0) fail("{}: empty problem m={} n={} k={}", op, m, n, k);
-  if (!a || !b || !c) fail("{}: null operand pointer (a, b or c)", op);
+bool shape_ok(const char* op, int64_t m, int64_t n, int64_t k, const void* a, int64_t lda, bool trans_a,
+              const void* b, int64_t ldb, bool trans_b, const void* c, int64_t ldc, std::string* reason) {
+  using ops::refuse;
+  if (m <= 0 || n <= 0 || k <= 0) return refuse(reason, "{}: empty problem m={} n={} k={}", op, m, n, k);
+  if (!a || !b || !c) return refuse(reason, "{}: null operand pointer (a, b or c)", op);
   const int64_t a_cols = trans_a ? m : k, b_cols = trans_b ? k : n;
-  if (lda < a_cols) fail("{}: lda {} is smaller than A's {} stored columns", op, lda, a_cols);
-  if (ldb < b_cols) fail("{}: ldb {} is smaller than B's {} stored columns", op, ldb, b_cols);
-  if (ldc < n) fail("{}: ldc {} is smaller than n {}", op, ldc, n);
+  if (lda < a_cols) return refuse(reason, "{}: lda {} is smaller than A's {} stored columns", op, lda, a_cols);
+  if (ldb < b_cols) return refuse(reason, "{}: ldb {} is smaller than B's {} stored columns", op, ldb, b_cols);
+  if (ldc < n) return refuse(reason, "{}: ldc {} is smaller than n {}", op, ldc, n);
+  return true;
 }
 
 // The output rules of ops.h (f32, or bf16 from bf16 or FP8 operands), then C's element alignment.
-void check_output(const char* op, DType c_dtype, DType operand_dtype, const void* c) {
-  ops::check_gemm_output(op, c_dtype, operand_dtype);
+bool output_ok(const char* op, DType c_dtype, DType operand_dtype, const void* c, std::string* reason) {
+  if (!ops::supports_gemm_output(op, c_dtype, operand_dtype, reason)) return false;
   if (alignment(c) < dtype_size(c_dtype))
-    fail("{}: c ({}) is not aligned to its {}-byte {} elements", op, c, dtype_size(c_dtype),
-         dtype_name(c_dtype));
+    return ops::refuse(reason, "{}: c ({}) is not aligned to its {}-byte {} elements", op, c, dtype_size(c_dtype),
+                       dtype_name(c_dtype));
+  return true;
 }
 
 }  // namespace
 
-void check_gemm(const ops::GemmParams& p) {
+bool supports_gemm(const ops::GemmParams& p, std::string* reason) {
   if (p.ab_dtype != DType::f32 && p.ab_dtype != DType::bf16)
-    fail("gemm: operands must be fp32 or bf16 on CUDA, got {}", dtype_name(p.ab_dtype));
-  check_shape("gemm", p.m, p.n, p.k, p.a, p.lda, p.trans_a, p.b, p.ldb, p.trans_b, p.c, p.ldc);
-  check_output("gemm", p.c_dtype, p.ab_dtype, p.c);
+    return ops::refuse(reason, "gemm: operands must be fp32 or bf16 on CUDA, got {}", dtype_name(p.ab_dtype));
+  return shape_ok("gemm", p.m, p.n, p.k, p.a, p.lda, p.trans_a, p.b, p.ldb, p.trans_b, p.c, p.ldc, reason) &&
+         output_ok("gemm", p.c_dtype, p.ab_dtype, p.c, reason);
 }
 
 void gemm(const ops::GemmParams& p) {
-  check_gemm(p);
+  if (std::string why; !supports_gemm(p, &why)) fail("{}", why);
   if (!available()) fail("gemm: {}", describe_device());  // "no usable GPU (...)"
   check_device_pointer("gemm", "a", p.a);
   check_device_pointer("gemm", "b", p.b);
@@ -333,23 +337,30 @@ void gemm(const ops::GemmParams& p) {
   engine.run(engine.plan(key), p.b, p.a, p.c, p.alpha, p.beta);
 }
 
-void check_fp8_gemm(const ops::Fp8GemmParams& p) {
+bool supports_fp8_gemm(const ops::Fp8GemmParams& p, std::string* reason) {
+  using ops::refuse;
   if (p.accumulator_bits != 0)
-    fail(
+    return refuse(
+        reason,
         "fp8_gemm: limited-precision accumulation (accumulator_bits = {}) is not implemented on CUDA yet (it "
         "is "
         "the CPU's model of the tensor cores)",
         p.accumulator_bits);
-  if (p.scaling == ops::Fp8Scaling::block) return check_fp8_block_gemm(p);  // forge's own kernel's limits
+  // Block scaling: forge's own kernel's limits.
+  if (p.scaling == ops::Fp8Scaling::block) return supports_fp8_block_gemm(p, reason);
   if (!is_fp8(p.a_dtype) || !is_fp8(p.b_dtype))
-    fail("fp8_gemm: a_dtype and b_dtype must be e4m3 or e5m2, got {} and {}", dtype_name(p.a_dtype),
-         dtype_name(p.b_dtype));
+    return refuse(reason, "fp8_gemm: a_dtype and b_dtype must be e4m3 or e5m2, got {} and {}",
+                  dtype_name(p.a_dtype), dtype_name(p.b_dtype));
   if (p.a_dtype == DType::e5m2 && p.b_dtype == DType::e5m2)
-    fail("fp8_gemm: e5m2 x e5m2 has no FP8 tensor-core instruction (one operand must be e4m3)");
-  check_shape("fp8_gemm", p.m, p.n, p.k, p.a, p.lda, p.trans_a, p.b, p.ldb, p.trans_b, p.c, p.ldc);
-  check_output("fp8_gemm", p.c_dtype, p.a_dtype, p.c);
+    return refuse(reason,
+                  "fp8_gemm: e5m2 x e5m2 has no FP8 tensor-core instruction (one operand must be e4m3)");
+  if (!shape_ok("fp8_gemm", p.m, p.n, p.k, p.a, p.lda, p.trans_a, p.b, p.ldb, p.trans_b, p.c, p.ldc,
+                reason) ||
+      !output_ok("fp8_gemm", p.c_dtype, p.a_dtype, p.c, reason))
+    return false;
   if (p.trans_a || !p.trans_b)
-    fail(
+    return refuse(
+        reason,
         "fp8_gemm: the {} orientation (A stored {}, B stored {}) is not supported on CUDA: FP8 tensor cores "
         "need "
         "both operands K-major, i.e. NT (trans_a = false, trans_b = true: A [m,k], B [n,k]); pass transposed "
@@ -357,26 +368,29 @@ void check_fp8_gemm(const ops::Fp8GemmParams& p) {
         "[in,tokens])",
         orientation(p.trans_a, p.trans_b), p.trans_a ? "[k,m]" : "[m,k]", p.trans_b ? "[n,k]" : "[k,n]");
   if (p.lda % 16 != 0 || p.ldb % 16 != 0 || alignment(p.a) < 16 || alignment(p.b) < 16)
-    fail(
+    return refuse(
+        reason,
         "fp8_gemm: FP8 tensor cores need 16-byte aligned operands: lda {} and ldb {} must be multiples of 16 "
         "and "
         "a, b 16-byte aligned (alignments {} and {} bytes)",
         p.lda, p.ldb, alignment(p.a), alignment(p.b));
   if (p.c_dtype == DType::bf16 && (p.ldc % 8 != 0 || alignment(p.c) < 16))
-    fail(
+    return refuse(
+        reason,
         "fp8_gemm: a bf16 C needs 16-byte rows for FP8 tensor cores: ldc {} must be a multiple of 8 and c "
         "16-byte aligned (alignment {} bytes)",
         p.ldc, alignment(p.c));
   // Host values only: one behind a pointer is on the device, and reading it would wait for the device.
   if ((!p.a_scale_inv_ptr && !std::isfinite(p.a_scale_inv)) ||
       (!p.b_scale_inv_ptr && !std::isfinite(p.b_scale_inv)))
-    fail("fp8_gemm: per-tensor scale_inv must be finite, got a_scale_inv={} b_scale_inv={}", p.a_scale_inv,
-         p.b_scale_inv);
+    return refuse(reason, "fp8_gemm: per-tensor scale_inv must be finite, got a_scale_inv={} b_scale_inv={}",
+                  p.a_scale_inv, p.b_scale_inv);
+  return true;
 }
 
 void fp8_gemm(const ops::Fp8GemmParams& p) {
   // Parameters first (these need no GPU), then the device.
-  check_fp8_gemm(p);
+  if (std::string why; !supports_fp8_gemm(p, &why)) fail("{}", why);
   // Block scaling runs forge's own kernel (cuBLASLt's block-scaled modes take other scale layouts).
   if (p.scaling == ops::Fp8Scaling::block) return fp8_block_gemm(p);
   static const int capability = compute_capability();  // a device-properties query: once

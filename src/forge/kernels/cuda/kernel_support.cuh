@@ -23,8 +23,15 @@ constexpr int kWarpSize = 32;
 [[noreturn]] inline void fail_op(const char* op, const std::string& what) {
   fail_message(std::string(op) + ": " + what);
 }
-inline void require_pointer(const void* pointer, const char* op, const char* name) {
-  if (pointer == nullptr) fail_message(std::string(op) + ": " + name + " is null");
+// For the support predicates (OpTable::supports_<op>): a refusal, "op: what" into *reason when one is asked for,
+// and false. A kernel runs its own predicate first:
+//   if (std::string why; !supports_op(p, &why)) fail_message(why);
+inline bool refuse(std::string* reason, const char* op, const std::string& what) {
+  if (reason) *reason = std::string(op) + ": " + what;
+  return false;
+}
+inline bool pointer_set(const void* pointer, const char* op, const char* name, std::string* reason) {
+  return pointer != nullptr || refuse(reason, op, std::string(name) + " is null");
 }
 
 // Blocks for a grid-stride loop over n items with `threads` per block. The cap only bounds the launch;

@@ -25,20 +25,26 @@ __global__ void kv_append_kernel(ops::KvAppendParams p) {
 
 }  // namespace
 
-void kv_append(const ops::KvAppendParams& p) {
+bool supports_kv_append(const ops::KvAppendParams& p, std::string* reason) {
   constexpr const char* op = "kv_append";
   if (p.batch < 0 || p.tokens < 0 || p.kv_heads <= 0 || p.head_dim <= 0 || p.position < 0)
-    detail::fail_op(op, "bad shape batch=" + std::to_string(p.batch) + " tokens=" + std::to_string(p.tokens) +
-                            " kv_heads=" + std::to_string(p.kv_heads) + " head_dim=" + std::to_string(p.head_dim) +
-                            " position=" + std::to_string(p.position));
+    return detail::refuse(reason, op,
+                          "bad shape batch=" + std::to_string(p.batch) + " tokens=" + std::to_string(p.tokens) +
+                              " kv_heads=" + std::to_string(p.kv_heads) +
+                              " head_dim=" + std::to_string(p.head_dim) + " position=" + std::to_string(p.position));
+  if (p.batch * p.tokens * p.kv_heads == 0) return true;
+  using detail::pointer_set;
+  return pointer_set(p.qkv, op, "qkv", reason) && pointer_set(p.keys, op, "keys", reason) &&
+         pointer_set(p.values, op, "values", reason);
+}
+
+void kv_append(const ops::KvAppendParams& p) {
+  if (std::string why; !supports_kv_append(p, &why)) fail_message(why);
   const int64_t rows = p.batch * p.tokens * p.kv_heads;
   if (rows == 0) return;
-  detail::require_pointer(p.qkv, op, "qkv");
-  detail::require_pointer(p.keys, op, "keys");
-  detail::require_pointer(p.values, op, "values");
   const auto grid = static_cast<unsigned>(rows < 65536 ? rows : 65536);
   kv_append_kernel<<<grid, kThreads, 0, stream()>>>(p);
-  FORGE_CUDA_CHECK_LAUNCH(op);
+  FORGE_CUDA_CHECK_LAUNCH("kv_append");
 }
 
 }  // namespace forge::cuda

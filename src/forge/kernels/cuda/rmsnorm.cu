@@ -20,9 +20,9 @@ constexpr int kColumnThreads = 256;
 constexpr int kReduceThreads = 64;
 constexpr int64_t kMaxGrid = 0x7fffffff;
 
-void check(const ops::RmsNormParams& p, const char* op) {
-  if (p.rows < 0 || p.dim <= 0)
-    detail::fail_op(op, "bad shape rows=" + std::to_string(p.rows) + " dim=" + std::to_string(p.dim));
+bool shape_ok(const ops::RmsNormParams& p, const char* op, std::string* reason) {
+  if (p.rows >= 0 && p.dim > 0) return true;
+  return detail::refuse(reason, op, "bad shape rows=" + std::to_string(p.rows) + " dim=" + std::to_string(p.dim));
 }
 
 // Threads per row: about eight elements each, a whole number of warps, between one warp and 512 threads.
@@ -104,54 +104,72 @@ __global__ void weight_reduce_kernel(const float* __restrict__ partial, int64_t 
 
 }  // namespace
 
-void rmsnorm_forward(const ops::RmsNormParams& p) {
+bool supports_rmsnorm_forward(const ops::RmsNormParams& p, std::string* reason) {
   constexpr const char* op = "rmsnorm_forward";
-  check(p, op);
-  if (p.rows == 0) return;
-  detail::require_pointer(p.x, op, "x");
-  detail::require_pointer(p.weight, op, "weight");
-  detail::require_pointer(p.y, op, "y");  // rstd is optional (inference keeps none)
-  forward_kernel<<<row_grid(p.rows), row_threads(p.dim), 0, stream()>>>(p.x, p.weight, p.eps, p.rows, p.dim,
-                                                                        p.y, p.rstd);
-  FORGE_CUDA_CHECK_LAUNCH(op);
+  if (!shape_ok(p, op, reason)) return false;
+  if (p.rows == 0) return true;
+  using detail::pointer_set;
+  return pointer_set(p.x, op, "x", reason) && pointer_set(p.weight, op, "weight", reason) &&
+         pointer_set(p.y, op, "y", reason);  // rstd is optional (inference keeps none)
 }
 
-void rmsnorm_backward_input(const ops::RmsNormParams& p) {
+bool supports_rmsnorm_backward_input(const ops::RmsNormParams& p, std::string* reason) {
   constexpr const char* op = "rmsnorm_backward_input";
-  check(p, op);
-  if (p.rows == 0) return;
-  detail::require_pointer(p.x, op, "x");
-  detail::require_pointer(p.weight, op, "weight");
-  detail::require_pointer(p.dy, op, "dy");
-  detail::require_pointer(p.rstd, op, "rstd");
-  detail::require_pointer(p.dx, op, "dx");
-  backward_input_kernel<<<row_grid(p.rows), row_threads(p.dim), 0, stream()>>>(p.x, p.weight, p.dy, p.rstd,
-                                                                               p.rows, p.dim, p.dx);
-  FORGE_CUDA_CHECK_LAUNCH(op);
+  if (!shape_ok(p, op, reason)) return false;
+  if (p.rows == 0) return true;
+  using detail::pointer_set;
+  return pointer_set(p.x, op, "x", reason) && pointer_set(p.weight, op, "weight", reason) &&
+         pointer_set(p.dy, op, "dy", reason) && pointer_set(p.rstd, op, "rstd", reason) &&
+         pointer_set(p.dx, op, "dx", reason);
 }
 
-void rmsnorm_backward_weight(const ops::RmsNormParams& p) {
+bool supports_rmsnorm_backward_weight(const ops::RmsNormParams& p, std::string* reason) {
   constexpr const char* op = "rmsnorm_backward_weight";
-  check(p, op);
-  if (p.rows == 0) return;
-  detail::require_pointer(p.x, op, "x");
-  detail::require_pointer(p.dy, op, "dy");
-  detail::require_pointer(p.rstd, op, "rstd");
-  detail::require_pointer(p.dweight, op, "dweight");
+  if (!shape_ok(p, op, reason)) return false;
+  if (p.rows == 0) return true;
+  using detail::pointer_set;
+  if (!(pointer_set(p.x, op, "x", reason) && pointer_set(p.dy, op, "dy", reason) &&
+        pointer_set(p.rstd, op, "rstd", reason) && pointer_set(p.dweight, op, "dweight", reason)))
+    return false;
   const int64_t blocks = (p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
   const int64_t column_blocks = (p.dim + kColumnThreads - 1) / kColumnThreads;
   if (column_blocks > 65535 || blocks > kMaxGrid)
-    detail::fail_op(op, "shape rows=" + std::to_string(p.rows) + " dim=" + std::to_string(p.dim) +
-                            " exceeds the kernel's grid (dim at most " +
-                            std::to_string(65535 * kColumnThreads) + ")");
+    return detail::refuse(reason, op,
+                          "shape rows=" + std::to_string(p.rows) + " dim=" + std::to_string(p.dim) +
+                              " exceeds the kernel's grid (dim at most " + std::to_string(65535 * kColumnThreads) +
+                              ")");
+  return true;
+}
+
+void rmsnorm_forward(const ops::RmsNormParams& p) {
+  if (std::string why; !supports_rmsnorm_forward(p, &why)) fail_message(why);
+  if (p.rows == 0) return;
+  forward_kernel<<<row_grid(p.rows), row_threads(p.dim), 0, stream()>>>(p.x, p.weight, p.eps, p.rows, p.dim,
+                                                                        p.y, p.rstd);
+  FORGE_CUDA_CHECK_LAUNCH("rmsnorm_forward");
+}
+
+void rmsnorm_backward_input(const ops::RmsNormParams& p) {
+  if (std::string why; !supports_rmsnorm_backward_input(p, &why)) fail_message(why);
+  if (p.rows == 0) return;
+  backward_input_kernel<<<row_grid(p.rows), row_threads(p.dim), 0, stream()>>>(p.x, p.weight, p.dy, p.rstd,
+                                                                               p.rows, p.dim, p.dx);
+  FORGE_CUDA_CHECK_LAUNCH("rmsnorm_backward_input");
+}
+
+void rmsnorm_backward_weight(const ops::RmsNormParams& p) {
+  if (std::string why; !supports_rmsnorm_backward_weight(p, &why)) fail_message(why);
+  if (p.rows == 0) return;
+  const int64_t blocks = (p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  const int64_t column_blocks = (p.dim + kColumnThreads - 1) / kColumnThreads;
   detail::StreamScratch partial(static_cast<size_t>(blocks * p.dim) * sizeof(float));
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(column_blocks));
   weight_partials_kernel<<<grid, kColumnThreads, 0, stream()>>>(p.x, p.dy, p.rstd, p.rows, p.dim,
                                                                 partial.as<float>());
-  FORGE_CUDA_CHECK_LAUNCH(op);
+  FORGE_CUDA_CHECK_LAUNCH("rmsnorm_backward_weight");
   weight_reduce_kernel<<<detail::grid_blocks(p.dim, kReduceThreads, kMaxGrid), kReduceThreads, 0, stream()>>>(
       partial.as<float>(), blocks, p.dim, p.dweight);
-  FORGE_CUDA_CHECK_LAUNCH(op);
+  FORGE_CUDA_CHECK_LAUNCH("rmsnorm_backward_weight");
 }
 
 }  // namespace forge::cuda

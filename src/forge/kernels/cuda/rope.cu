@@ -36,28 +36,35 @@ __global__ void rope_kernel(float* x, const float* __restrict__ cos_table,
 
 }  // namespace
 
-void rope(const ops::RopeParams& p) {
+bool supports_rope(const ops::RopeParams& p, std::string* reason) {
   constexpr const char* op = "rope";
+  using detail::refuse;
   if (p.head_dim <= 0 || p.head_dim % 2 != 0)
-    detail::fail_op(op, "head_dim must be even and positive, got " + std::to_string(p.head_dim));
+    return refuse(reason, op, "head_dim must be even and positive, got " + std::to_string(p.head_dim));
   if (p.batch < 0 || p.seq < 0 || p.heads < 0)
-    detail::fail_op(op, "bad shape batch=" + std::to_string(p.batch) + " seq=" + std::to_string(p.seq) +
-                            " heads=" + std::to_string(p.heads));
+    return refuse(reason, op,
+                  "bad shape batch=" + std::to_string(p.batch) + " seq=" + std::to_string(p.seq) +
+                      " heads=" + std::to_string(p.heads));
   if (p.token_stride < p.heads * p.head_dim)
-    detail::fail_op(op, "token_stride " + std::to_string(p.token_stride) +
-                            " < heads * head_dim = " + std::to_string(p.heads * p.head_dim));
+    return refuse(reason, op,
+                  "token_stride " + std::to_string(p.token_stride) +
+                      " < heads * head_dim = " + std::to_string(p.heads * p.head_dim));
   if (p.position_offset < 0)
-    detail::fail_op(op, "negative position_offset " + std::to_string(p.position_offset));
+    return refuse(reason, op, "negative position_offset " + std::to_string(p.position_offset));
+  if (p.batch * p.seq * p.heads * (p.head_dim / 2) == 0) return true;
+  return detail::pointer_set(p.x, op, "x", reason) && detail::pointer_set(p.cos, op, "cos", reason) &&
+         detail::pointer_set(p.sin, op, "sin", reason);
+}
+
+void rope(const ops::RopeParams& p) {
+  if (std::string why; !supports_rope(p, &why)) fail_message(why);
   const int64_t pairs = p.batch * p.seq * p.heads * (p.head_dim / 2);
   if (pairs == 0) return;
-  detail::require_pointer(p.x, op, "x");
-  detail::require_pointer(p.cos, op, "cos");
-  detail::require_pointer(p.sin, op, "sin");
   // The inverse rotation is the same with sin negated (exact: a sign flip).
   const float sign = p.inverse ? -1.0f : 1.0f;
   rope_kernel<<<detail::grid_blocks(pairs, kThreads), kThreads, 0, stream()>>>(
       p.x, p.cos, p.sin, pairs, p.seq, p.heads, p.head_dim, p.token_stride, p.position_offset, sign);
-  FORGE_CUDA_CHECK_LAUNCH(op);
+  FORGE_CUDA_CHECK_LAUNCH("rope");
 }
 
 }  // namespace forge::cuda

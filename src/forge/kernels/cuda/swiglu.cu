@@ -52,34 +52,42 @@ __global__ void backward_kernel(const float* gate_up, const float* __restrict__ 
   }
 }
 
-void check(const ops::SwigluParams& p, const char* op) {
-  if (p.rows < 0 || p.ffn <= 0)
-    detail::fail_op(op, "bad shape rows=" + std::to_string(p.rows) + " ffn=" + std::to_string(p.ffn));
+bool shape_ok(const ops::SwigluParams& p, const char* op, std::string* reason) {
+  if (p.rows >= 0 && p.ffn > 0) return true;
+  return detail::refuse(reason, op, "bad shape rows=" + std::to_string(p.rows) + " ffn=" + std::to_string(p.ffn));
 }
 
 }  // namespace
 
-void swiglu_forward(const ops::SwigluParams& p) {
+bool supports_swiglu_forward(const ops::SwigluParams& p, std::string* reason) {
   constexpr const char* op = "swiglu_forward";
-  check(p, op);
+  if (!shape_ok(p, op, reason)) return false;
+  return p.rows == 0 ||
+         (detail::pointer_set(p.gate_up, op, "gate_up", reason) && detail::pointer_set(p.out, op, "out", reason));
+}
+
+bool supports_swiglu_backward(const ops::SwigluParams& p, std::string* reason) {
+  constexpr const char* op = "swiglu_backward";
+  if (!shape_ok(p, op, reason)) return false;
+  return p.rows == 0 || (detail::pointer_set(p.gate_up, op, "gate_up", reason) &&
+                         detail::pointer_set(p.dout, op, "dout", reason) &&
+                         detail::pointer_set(p.dgate_up, op, "dgate_up", reason));
+}
+
+void swiglu_forward(const ops::SwigluParams& p) {
+  if (std::string why; !supports_swiglu_forward(p, &why)) fail_message(why);
   if (p.rows == 0) return;
-  detail::require_pointer(p.gate_up, op, "gate_up");
-  detail::require_pointer(p.out, op, "out");
   forward_kernel<<<detail::grid_blocks(p.rows * p.ffn, kThreads), kThreads, 0, stream()>>>(p.gate_up, p.rows,
                                                                                            p.ffn, p.out);
-  FORGE_CUDA_CHECK_LAUNCH(op);
+  FORGE_CUDA_CHECK_LAUNCH("swiglu_forward");
 }
 
 void swiglu_backward(const ops::SwigluParams& p) {
-  constexpr const char* op = "swiglu_backward";
-  check(p, op);
+  if (std::string why; !supports_swiglu_backward(p, &why)) fail_message(why);
   if (p.rows == 0) return;
-  detail::require_pointer(p.gate_up, op, "gate_up");
-  detail::require_pointer(p.dout, op, "dout");
-  detail::require_pointer(p.dgate_up, op, "dgate_up");
   backward_kernel<<<detail::grid_blocks(p.rows * p.ffn, kThreads), kThreads, 0, stream()>>>(
       p.gate_up, p.dout, p.rows, p.ffn, p.dgate_up);
-  FORGE_CUDA_CHECK_LAUNCH(op);
+  FORGE_CUDA_CHECK_LAUNCH("swiglu_backward");
 }
 
 }  // namespace forge::cuda

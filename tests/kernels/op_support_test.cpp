@@ -1,0 +1,252 @@
+// The support query (ops::supports_<op>, kernels/ops.h): for each backend built in, parameters it takes and
+// parameters it refuses, the refusal's reason being exactly the line the op fails with when called anyway
+// (the kernel checks its parameters through the same predicate). The CUDA backend's predicates need no GPU:
+// they are asked of its table directly, and its ops fail with them before touching a device. Also the empty
+// inputs of op_tests/empty_inputs.h on the CPU and the device emulation.
+#include <gtest/gtest.h>
+
+#include <initializer_list>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "forge/core/device.h"
+#include "forge/core/error.h"
+#include "forge/core/tensor.h"
+#include "forge/kernels/emulated_device.h"
+#include "forge/kernels/ops.h"
+#include "forge/kernels/profiler.h"
+#include "kernels/op_tests/empty_inputs.h"
+#include "op_harness.h"
+
+namespace forge {
+namespace op_tests::empty_inputs {
+FORGE_INSTANTIATE_OP_TEST(EmptyInputs, testing::kFixedCase, testing::Backend::cpu,
+                          testing::Backend::emulated);
+}  // namespace op_tests::empty_inputs
+
+namespace {
+
+// query(reason) must refuse, with a one-line reason naming every fragment, and say so without a reason too;
+// call() must then fail with that very line.
+template <typename Query, typename Call>
+void expect_refused(Query query, Call call, std::initializer_list<std::string_view> fragments) {
+  std::string why;
+  EXPECT_FALSE(query(&why));
+  EXPECT_FALSE(query(nullptr));
+  EXPECT_EQ(why.find('\n'), std::string::npos) << why;
+  for (std::string_view fragment : fragments)
+    EXPECT_NE(why.find(fragment), std::string::npos) << "'" << fragment << "' not in: " << why;
+  try {
+    call();
+    ADD_FAILURE() << "the op ran parameters its query refuses: " << why;
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()), why);
+  }
+}
+
+// table.supports_<op>(args..., reason) and table.<op>(args...).
+#define EXPECT_REFUSED(table, op, args, ...)                                                                 \
+  expect_refused([&](std::string* reason_) { return (table).supports_##op FORGE_OP_APPEND(args, reason_); }, \
+                 [&] { (table).op args; }, {__VA_ARGS__})
+#define EXPECT_SUPPORTED(table, op, args)                                                \
+  do {                                                                                   \
+    std::string why_;                                                                    \
+    EXPECT_TRUE((table).supports_##op FORGE_OP_APPEND(args, &why_)) << #op ": " << why_; \
+  } while (0)
+
+// Host arrays for the parameters (the queries judge parameters, not memory).
+struct Memory {
+  alignas(256) float f[1024] = {};
+  alignas(256) uint8_t codes[1024] = {};
+  alignas(256) uint16_t bf16[1024] = {};
+};
+
+ops::GemmParams gemm_params(Memory& m, DType ab, DType c) {
+  ops::GemmParams p;
+  p.m = p.n = p.k = 4, p.lda = p.ldb = p.ldc = 4;
+  p.ab_dtype = ab, p.c_dtype = c;
+  p.a = ab == DType::bf16 ? static_cast<const void*>(m.bf16) : m.f;
+  p.b = p.a;
+  p.c = c == DType::bf16 ? static_cast<void*>(m.bf16 + 512) : m.f + 512;
+  return p;
+}
+
+// An FP8 GEMM 32x32x32, per-tensor scaling, both operands stored [32, 32]: NN unless told otherwise.
+ops::Fp8GemmParams fp8_params(Memory& m) {
+  ops::Fp8GemmParams p;
+  p.m = p.n = p.k = 32, p.a = m.codes, p.lda = 32, p.b = m.codes, p.ldb = 32, p.c = m.f, p.ldc = 32;
+  return p;
+}
+
+ops::AttentionParams attention_params(Memory& m, int64_t head_dim) {
+  ops::AttentionParams p;
+  p.batch = 1, p.seq = 1, p.heads = 1, p.kv_heads = 1, p.head_dim = head_dim;
+  p.q = p.k = p.v = m.f, p.out = m.f + 512, p.lse = m.f + 1000;
+  p.q_stride = p.k_stride = p.v_stride = p.out_stride = head_dim;
+  return p;
+}
+
+TEST(OpSupport, CpuBackend) {
+  const ops::OpTable& cpu = ops::cpu_table();
+  Memory m;
+  EXPECT_SUPPORTED(cpu, gemm, (gemm_params(m, DType::f32, DType::f32)));
+  EXPECT_SUPPORTED(cpu, gemm, (gemm_params(m, DType::bf16, DType::bf16)));
+  EXPECT_REFUSED(cpu, gemm, (gemm_params(m, DType::f32, DType::bf16)),
+                 "gemm: c_dtype bf16 needs bf16 operands");
+  EXPECT_REFUSED(cpu, gemm, (gemm_params(m, DType::f16, DType::f32)), "gemm: operands must be fp32 or bf16",
+                 "fp16");
+  ops::GemmParams empty = gemm_params(m, DType::f32, DType::f32);
+  empty.k = 0;
+  EXPECT_REFUSED(cpu, gemm, (empty), "gemm: empty problem 4x4x0");
+  // The CPU's FP8 GEMM takes every orientation and models limited-precision accumulation.
+  ops::Fp8GemmParams fp8 = fp8_params(m);
+  EXPECT_SUPPORTED(cpu, fp8_gemm, (fp8));
+  fp8.accumulator_bits = 14;
+  EXPECT_SUPPORTED(cpu, fp8_gemm, (fp8));
+  fp8.accumulator_bits = 30;
+  EXPECT_REFUSED(cpu, fp8_gemm, (fp8), "fp8_gemm: accumulator_bits must be 0 (exact fp32) or 1..23, got 30");
+  fp8 = fp8_params(m), fp8.a_scale_inv = std::numeric_limits<float>::infinity();
+  EXPECT_REFUSED(cpu, fp8_gemm, (fp8), "fp8_gemm: per-tensor scale_inv must be finite");
+  EXPECT_SUPPORTED(cpu, attention_forward, (attention_params(m, 512)));  // no head_dim limit here
+  EXPECT_REFUSED(cpu, attention_backward, (attention_params(m, 64)),
+                 "attention backward: dout, dq, dk and dv");
+  // The element-wise kernels take any size (a negative one does nothing).
+  EXPECT_SUPPORTED(cpu, add_inplace, (nullptr, nullptr, -1));
+  EXPECT_REFUSED(cpu, sum_squares_accumulate, (m.f, 4, nullptr), "sum_squares_accumulate: total is null");
+  ops::RmsNormParams norm;
+  norm.rows = 3, norm.dim = 0;
+  EXPECT_REFUSED(cpu, rmsnorm_forward, (norm), "rmsnorm_forward: bad shape rows=3 dim=0");
+  ops::Fp8CastParams cast;
+  cast.rows = cast.cols = 2, cast.x = m.f, cast.q = m.codes;
+  EXPECT_SUPPORTED(cpu, fp8_cast_transpose, (cast));
+  EXPECT_REFUSED(cpu, fp8_quantize_1x128, (cast), "fp8_quantize_1x128: an output lacks its scales");
+}
+
+// ops::supports_<op>(..., device) asks the device's table, an open profile's included.
+TEST(OpSupport, WrappersAskTheDevicesTable) {
+  Memory m;
+  std::string why;
+  EXPECT_TRUE(ops::supports_gemm(gemm_params(m, DType::f32, DType::f32)));
+  EXPECT_FALSE(ops::supports_gemm(gemm_params(m, DType::f32, DType::bf16), Device::cpu, &why));
+  EXPECT_NE(why.find("c_dtype bf16 needs bf16 operands"), std::string::npos) << why;
+  ops::profile_begin(Device::cpu);
+  std::string profiled_why;
+  EXPECT_FALSE(ops::supports_gemm(gemm_params(m, DType::f32, DType::bf16), Device::cpu, &profiled_why));
+  EXPECT_FALSE(ops::supports_rmsnorm_forward(ops::RmsNormParams{}, Device::cpu));  // dim 0
+  const ops::OpProfile profile = ops::profile_end();
+  EXPECT_EQ(profiled_why, why);
+  EXPECT_TRUE(profile.rows.empty()) << "a query is no op call";
+}
+
+#ifdef FORGE_HAVE_CUDA
+// The CUDA backend's limits, narrower than the CPU's in places. No GPU needed: parameters are checked first.
+TEST(OpSupport, CudaBackend) {
+  const ops::OpTable& gpu = ops::cuda_table();
+  Memory m;
+  EXPECT_SUPPORTED(gpu, gemm, (gemm_params(m, DType::f32, DType::f32)));
+  EXPECT_SUPPORTED(gpu, gemm, (gemm_params(m, DType::bf16, DType::bf16)));
+  // cuBLASLt has no fp32 x fp32 -> bf16 matmul.
+  EXPECT_REFUSED(gpu, gemm, (gemm_params(m, DType::f32, DType::bf16)),
+                 "gemm: c_dtype bf16 needs bf16 operands");
+  ops::GemmParams misaligned = gemm_params(m, DType::bf16, DType::bf16);
+  misaligned.c = reinterpret_cast<char*>(m.bf16 + 512) + 1;
+  EXPECT_REFUSED(gpu, gemm, (misaligned), "gemm: c", "is not aligned to its 2-byte bf16 elements");
+  ops::GemmParams wide = gemm_params(m, DType::f32, DType::f32);
+  wide.ldc = 3;
+  EXPECT_REFUSED(gpu, gemm, (wide), "gemm: ldc 3 is smaller than n 4");
+  // FP8 tensor cores: NT only, 16-byte aligned operands; no limited-precision accumulation model.
+  ops::Fp8GemmParams fp8 = fp8_params(m);
+  EXPECT_REFUSED(gpu, fp8_gemm, (fp8), "fp8_gemm: the NN orientation");
+  fp8.trans_b = true;
+  EXPECT_SUPPORTED(gpu, fp8_gemm, (fp8));
+  fp8.lda = 40;
+  EXPECT_REFUSED(gpu, fp8_gemm, (fp8), "fp8_gemm: FP8 tensor cores need 16-byte aligned operands", "lda 40");
+  fp8.lda = 32, fp8.accumulator_bits = 14;
+  EXPECT_REFUSED(gpu, fp8_gemm, (fp8), "accumulator_bits = 14", "not implemented on CUDA");
+  fp8.accumulator_bits = 0, fp8.a_dtype = fp8.b_dtype = DType::e5m2;
+  EXPECT_REFUSED(gpu, fp8_gemm, (fp8), "e5m2 x e5m2");
+  // Block scaling: forge's own kernel's limits.
+  fp8 = fp8_params(m), fp8.trans_b = true, fp8.scaling = ops::Fp8Scaling::block;
+  fp8.a_scales = fp8.b_scales = m.f + 768;
+  EXPECT_SUPPORTED(gpu, fp8_gemm, (fp8));
+  fp8.trans_a = true, fp8.trans_b = false;
+  EXPECT_REFUSED(gpu, fp8_gemm, (fp8), "fp8_gemm (block scaling): the TN orientation");
+  // The attention kernels' widest tiles.
+  EXPECT_SUPPORTED(gpu, attention_forward, (attention_params(m, 256)));
+  EXPECT_REFUSED(gpu, attention_forward, (attention_params(m, 512)), "attention: head_dim 512 > 256",
+                 "not supported on the CUDA backend");
+  ops::LinearCrossEntropyParams loss;
+  loss.rows = 2, loss.dim = 4, loss.vocab = 8;
+  EXPECT_REFUSED(gpu, linear_cross_entropy_forward, (loss),
+                 "linear_cross_entropy_forward: workspace is required");
+}
+
+// Every parameter check of the element-wise, norm, rotary, SwiGLU, embedding and optimizer kernels names the
+// op and the culprit, and is the query's reason.
+TEST(OpSupport, CudaBackendBadParametersNameTheOp) {
+  const ops::OpTable& gpu = ops::cuda_table();
+  Memory m;
+  EXPECT_SUPPORTED(gpu, add_inplace, (m.f, m.f, 4));
+  EXPECT_REFUSED(gpu, add_inplace, (nullptr, nullptr, -1), "add_inplace: negative size -1");
+  EXPECT_REFUSED(gpu, sum_squares, (nullptr, 5), "sum_squares: x is null");
+  EXPECT_REFUSED(gpu, sum_squares_accumulate, (m.f, 4, nullptr), "sum_squares_accumulate: total is null");
+  EXPECT_REFUSED(gpu, amax_to, (m.f, 4, nullptr), "amax_to: out is null");
+  ops::RmsNormParams norm;
+  norm.rows = 3, norm.dim = 0;
+  EXPECT_REFUSED(gpu, rmsnorm_forward, (norm), "rmsnorm_forward: bad shape rows=3 dim=0");
+  norm.dim = 4, norm.x = m.f, norm.weight = m.f, norm.y = m.f, norm.dy = m.f, norm.dx = m.f;
+  EXPECT_SUPPORTED(gpu, rmsnorm_forward, (norm));
+  EXPECT_REFUSED(gpu, rmsnorm_backward_input, (norm), "rmsnorm_backward_input: rstd is null");
+  ops::RopeParams rope;
+  rope.batch = 1, rope.seq = 1, rope.heads = 1, rope.head_dim = 7, rope.token_stride = 7;
+  EXPECT_REFUSED(gpu, rope, (rope), "rope: head_dim must be even and positive, got 7");
+  rope.head_dim = 8, rope.token_stride = 4;
+  EXPECT_REFUSED(gpu, rope, (rope), "rope: token_stride 4");
+  rope.token_stride = 8, rope.position_offset = -2;
+  EXPECT_REFUSED(gpu, rope, (rope), "rope: negative position_offset -2");
+  ops::SwigluParams swiglu;
+  swiglu.rows = -1, swiglu.ffn = 3;
+  EXPECT_REFUSED(gpu, swiglu_forward, (swiglu), "swiglu_forward: bad shape rows=-1");
+  ops::EmbeddingParams embedding;
+  embedding.rows = 2, embedding.dim = 4, embedding.vocab = 0;
+  EXPECT_REFUSED(gpu, embedding_forward, (embedding), "embedding_forward: bad shape", "vocab=0");
+  ops::AdamWParams adamw;
+  adamw.n = 4, adamw.step = 0;
+  EXPECT_REFUSED(gpu, adamw, (adamw), "adamw: step is 1-based");
+  adamw.step = 1;
+  EXPECT_REFUSED(gpu, adamw, (adamw), "adamw: param is null");
+  ops::Fp8CastParams cast;
+  cast.rows = cast.cols = 2, cast.x = m.f, cast.q = m.codes, cast.fp8 = DType::bf16;
+  EXPECT_REFUSED(gpu, fp8_cast_transpose, (cast), "fp8_cast_transpose: bf16 is not an FP8 dtype");
+  ops::KvAppendParams kv;
+  kv.batch = 1, kv.tokens = 1, kv.kv_heads = 0, kv.head_dim = 8;
+  EXPECT_REFUSED(gpu, kv_append, (kv), "kv_append: bad shape", "kv_heads=0");
+}
+#endif
+
+// The emulated device answers, and refuses, as the GPU would (builds with the CUDA backend) and as the CPU
+// kernel it runs would.
+TEST(OpSupport, EmulatedDevice) {
+  EmulatedDevice emulation;
+  const ops::OpTable& emulated = ops::table(Device::cuda);
+  Tensor codes = Tensor::zeros({32, 32}, DType::e4m3, Device::cuda);
+  Tensor out = Tensor::zeros({32, 32}, DType::f32, Device::cuda);
+  ops::Fp8GemmParams fp8;
+  fp8.m = fp8.n = fp8.k = 32, fp8.a = codes.data<uint8_t>(), fp8.lda = 32, fp8.b = codes.data<uint8_t>();
+  fp8.ldb = 32, fp8.c = out.f32(), fp8.ldc = 32;
+#ifdef FORGE_HAVE_CUDA
+  EXPECT_REFUSED(emulated, fp8_gemm, (fp8), "fp8_gemm: the NN orientation");
+  EXPECT_REFUSED(emulated, add_inplace, (nullptr, nullptr, -1), "add_inplace: negative size -1");
+#endif
+  fp8.trans_b = true;
+  EXPECT_SUPPORTED(emulated, fp8_gemm, (fp8));
+  EXPECT_NO_THROW(ops::fp8_gemm(fp8, Device::cuda));
+  fp8.accumulator_bits = 30;  // the CPU kernel's limit
+  EXPECT_REFUSED(emulated, fp8_gemm, (fp8), "accumulator_bits");
+  EXPECT_REFUSED(emulated, sum_squares_accumulate, (out.f32(), 4, nullptr),
+                 "sum_squares_accumulate: total is null");
+}
+
+}  // namespace
+}  // namespace forge
