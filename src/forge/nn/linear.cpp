@@ -195,6 +195,15 @@ ops::Fp8GemmParams fp8_params(const Fp8Options& options) {
 }
 }  // namespace
 
+// The backend is asked first, so that a shape it cannot take (a token count FP8 tensor cores do not tile) is
+// refused naming this Linear, not from inside the kernel.
+void Linear::run_fp8_gemm(const ops::Fp8GemmParams& p) const {
+  if (std::string why; !ops::supports_fp8_gemm(p, device_, &why))
+    fail("FP8 GEMM of '{}' ([{}, {}] weight, {} x {} x {}) on {}: {}", fp8_->linear_name(slot_), out_, in_, p.m,
+         p.n, p.k, device_name(device_), why);
+  ops::fp8_gemm(p, device_);
+}
+
 Tensor Linear::forward(GemmOperand& x) const {
   FORGE_CHECK(x.data.defined(), "Linear::forward: the operand holds no forward copy");
   const int64_t rows = x.data.numel() / in_;
@@ -223,7 +232,7 @@ Tensor Linear::forward(GemmOperand& x) const {
     p.a_scale_inv = x.scale_inv, p.b_scale_inv = w.scale_inv;
     p.a_scale_inv_ptr = scale_inv_pointer(x.scales), p.b_scale_inv_ptr = scale_inv_pointer(w.scales);
   }
-  ops::fp8_gemm(p, device_);
+  run_fp8_gemm(p);
   keep_for_backward(x);
   return y;
 }
@@ -257,7 +266,7 @@ Tensor Linear::backward_input(GemmOperand& dy) const {
     p.a_scale_inv = dy.scale_inv, p.b_scale_inv = w.scale_inv;
     p.a_scale_inv_ptr = scale_inv_pointer(dy.scales), p.b_scale_inv_ptr = scale_inv_pointer(w.scales);
   }
-  ops::fp8_gemm(p, device_);
+  run_fp8_gemm(p);
   dy.data = dy.tiles = Tensor();  // the weight gradient reads the transposed copy
   return dx;
 }
@@ -312,7 +321,7 @@ void Linear::accumulate_weight_grad(const GemmOperand& dy, const GemmOperand& x)
     p.a_scale_inv = dy.scale_inv, p.b_scale_inv = xs->scale_inv;
     p.a_scale_inv_ptr = scale_inv_pointer(dy.scales), p.b_scale_inv_ptr = scale_inv_pointer(xs->scales);
   }
-  ops::fp8_gemm(p, device_);
+  run_fp8_gemm(p);
 }
 
 }  // namespace forge::nn

@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "forge/kernels/ops.h"
 #include "forge/nn/compute.h"
 #include "forge/nn/fp8_context.h"
 #include "forge/core/parameters.h"
@@ -73,6 +74,7 @@ class Linear {
  private:
   Tensor weight(DType dtype) const;
   void accumulate_weight_grad(const GemmOperand& dy, const GemmOperand& x) const;
+  void run_fp8_gemm(const ops::Fp8GemmParams& p) const;
   const Fp8Weight& fp8_weight() const;  // cast when the master weights changed since the last cast
   // x [rows, cols] to FP8 in the role's format: the row-wise codes (with_rows) and, under the block recipe,
   // the transposed tiles (with_transpose).

@@ -26,6 +26,7 @@
 #include "forge/nn/fp8_context.h"
 #include "forge/nn/linear.h"
 #include "device_backends.h"
+#include "op_harness.h"
 
 namespace forge::nn {
 using namespace forge::train;
@@ -158,6 +159,33 @@ TEST_P(Fp8LinearCuda, InputsRecastInBackwardGiveTheSameBits) {
   expect_bitwise(saved_fp32.x_scales, saved_fp8.x_scales, "x scales");
   expect_bitwise(saved_fp32.dw, saved_fp8.dw, "dW");
   expect_bitwise(saved_fp32.y, saved_fp8.y, "y");
+}
+
+// A token count FP8 tensor cores do not tile (24 rows) is refused before any kernel runs, naming the Linear (its
+// operand check; the support query before each FP8 GEMM backs it up for what only the backend knows).
+TEST_P(Fp8LinearCuda, UnsupportedShapeIsRefusedNamingTheLinear) {
+  constexpr int64_t rows = 24;
+  ParameterStore store;
+  store.add("w", {kOut, kIn}, true, Init::normal);
+  store.allocate(false, true, Device::cuda);
+  store.initialize(1);
+  Fp8Context context(current(0, true));
+  ComputeOptions compute;
+  compute.gemm_dtype = DType::f32;
+  compute.fp8 = &context;
+  compute.device = Device::cuda;
+  Linear linear(&store, {0}, kIn, compute, "layer.w");
+  context.seal();
+  const Fp8Recording recording(&context, true);
+  testing::expect_error_containing(
+      [&] {
+        GemmOperand xo = linear.input(on(Device::cuda, random_matrix(rows * kIn, 1.0f, 4), {rows, kIn}));
+        linear.forward(xo);
+        GemmOperand dyo = linear.grad_output(on(Device::cuda, random_matrix(rows * kOut, 1e-4f, 5), {rows, kOut}));
+        linear.backward_input(dyo);
+        linear.backward_weight(dyo, xo);
+      },
+      {"'layer.w'", "on cuda", "multiples of 16"});
 }
 
 FORGE_INSTANTIATE_DEVICE_BACKENDS(Fp8LinearCuda);
