@@ -17,7 +17,7 @@ namespace forge::train {
 
 struct ThroughputResult {
   double tokens_per_s = 0;
-  double model_gflops = 0;     // model FLOP/s (LlamaConfig::flops_per_token) / 1e9
+  double model_gflops = 0;     // model FLOP/s (ModelConfig::flops_per_token) / 1e9
   double seconds_per_step = 0;
   double loss = 0;             // last step's loss (sanity: ~ln(vocab) on random tokens)
   std::vector<double> losses;  // every step's, warm-up included (the same tokens every step: they fall)
