@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "forge/core/dtype.h"
+#include "forge/core/error.h"
 #include "forge/parallel/distributed_optimizer.h"
 #include "parallel/dp_test_util.h"
 
@@ -180,6 +181,60 @@ TEST(DistributedAdamWMpi, CheckpointPiecesSaveEachElementOnce) {
       }
     }
   }
+}
+
+// Parameter groups (dense and experts), each with its own gradient buckets and ZeRO-1 shards: the optimizer over
+// both groups follows the one over a store holding the same parameters as one group, bitwise (the update is
+// elementwise; the norm's sum is split per group, so it agrees to rounding), and its checkpoint pieces still
+// save each element once.
+TEST(DistributedAdamWMpi, ParameterGroupsShardAndUpdateLikeOneGroup) {
+  comm::Communicator& world = comm::world();
+  auto build = [](ParameterStore& store, bool two_groups) {
+    const std::string experts = two_groups ? "expert" : "dense";
+    store.add("embed", {13, 7}, true, Init::normal, 0.5f);
+    store.add("layer.0.w", {11, 7}, true, Init::normal, 0.5f);
+    store.add("layer.0.norm", {7}, false, Init::ones);
+    store.add("experts.0.w", {9, 7}, true, Init::normal, 0.5f, {}, experts);
+    store.add("experts.1.w", {5, 7}, true, Init::normal, 0.5f, {}, experts);
+    store.allocate(true);
+    store.initialize(99);
+  };
+  ParameterStore grouped, single;
+  build(grouped, true), build(single, false);
+  const int64_t n = grouped.numel();
+  ASSERT_EQ(n, single.numel());
+  BucketOptions dense_options{kSmallBucket, true, true}, expert_options{kSmallBucket, true, true};
+  expert_options.group = "expert";
+  GradBuckets dense(&grouped, &world, dense_options), experts(&grouped, &world, expert_options);
+  GradBuckets whole(&single, &world, dense_options);
+  const optim::AdamWConfig config{0.9f, 0.95f, 1e-8f, 0.1f};
+  DistributedAdamW two(&grouped, config, {{&dense, &world}, {&experts, &world}}, nullptr);
+  DistributedAdamW one(&single, config, &world, nullptr, &whole);
+  EXPECT_TRUE(two.sharded());
+  for (int step = 1; step <= 3; ++step) {
+    for (ParameterStore* store : {&grouped, &single}) {
+      store->zero_grads();
+      testing::fill_toy_grads(store->grads().f32(), world.rank(), step, 0, n);
+    }
+    dense.begin_step(), experts.begin_step(), whole.begin_step();
+    dense.finish(), experts.finish(), whole.finish();
+    const double norm_two = two.grad_norm(), norm_one = one.grad_norm();
+    EXPECT_NEAR(norm_two, norm_one, 1e-12 * norm_one) << "step " << step;
+    two.step(1e-2f, 1.0f), one.step(1e-2f, 1.0f);
+    ASSERT_EQ(std::memcmp(grouped.params().f32(), single.params().f32(), n * sizeof(float)), 0) << "step " << step;
+    ASSERT_EQ(std::memcmp(grouped.params_bf16().bf16(), single.params_bf16().bf16(), n * sizeof(uint16_t)), 0);
+  }
+  // Each element of each moment is saved by exactly one rank.
+  std::vector<double> counts(2 * n, 0.0);
+  for (const auto& piece : two.checkpoint_pieces(false)) {
+    const bool first = piece.name.rfind("exp_avg.", 0) == 0;
+    const auto& info = grouped.info(grouped.find(piece.name.substr(first ? 8 : 11)));
+    for (int64_t i = piece.flat_begin; i < piece.flat_end; ++i) counts[(first ? 0 : n) + info.offset + i] += 1;
+  }
+  comm::all_reduce_sum(world, counts.data(), static_cast<int64_t>(counts.size()));
+  for (int64_t i = 0; i < 2 * n; ++i) ASSERT_EQ(counts[i], 1.0) << "moment element " << i;
+  // A parameter group the optimizer was not given is refused.
+  EXPECT_THROW(DistributedAdamW(&grouped, config, {{&dense, &world}}, nullptr), Error);
 }
 
 }  // namespace

@@ -11,23 +11,39 @@
 namespace forge::parallel {
 using namespace forge::optim;
 
-DistributedAdamW::DistributedAdamW(ParameterStore* store, AdamWConfig config, comm::Communicator* dp,
-                                   comm::Communicator* model_parallel, const GradBuckets* buckets)
-    : store_(store), config_(config), dp_(dp), model_parallel_(model_parallel), buckets_(buckets) {
-  FORGE_CHECK(store != nullptr && dp != nullptr,
-              "the distributed optimizer needs a parameter store and a dp group");
+DistributedAdamW::DistributedAdamW(ParameterStore* store, optim::AdamWConfig config, std::vector<OptimizerGroup> groups,
+                                   comm::Communicator* model_parallel)
+    : store_(store), config_(config), groups_(std::move(groups)), model_parallel_(model_parallel) {
+  FORGE_CHECK(store != nullptr && !groups_.empty(), "the distributed optimizer needs a parameter store and its groups");
   if (!store->has_grads()) fail("AdamW over a parameter store built without gradients (inference)");
-  if (buckets) {
-    FORGE_CHECK(&buckets->store() == store, "the gradient buckets cover another parameter store");
-    sharded_ = buckets->sharded();
-    if (sharded_ && (buckets->dp()->size() != dp->size() || buckets->dp()->rank() != dp->rank()))
-      fail("the optimizer's dp group ({} ranks, rank {}) is not the gradient buckets' ({} ranks, rank {})",
-           dp->size(), dp->rank(), buckets->dp()->size(), buckets->dp()->rank());
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const GradBuckets* buckets = groups_[g].buckets;
+    comm::Communicator* dp = groups_[g].dp;
+    FORGE_CHECK(dp != nullptr, "optimizer group {} has no dp group", g);
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+    if (buckets) {
+      FORGE_CHECK(&buckets->store() == store, "the gradient buckets cover another parameter store");
+      if (buckets->sharded() && (buckets->dp()->size() != dp->size() || buckets->dp()->rank() != dp->rank()))
+        fail("the optimizer's dp group ({} ranks, rank {}) is not the gradient buckets' ({} ranks, rank {})",
+             dp->size(), dp->rank(), buckets->dp()->size(), buckets->dp()->rank());
+      if (buckets->sharded()) {
+        sharded_ = true;
+        ranges = buckets->owned_ranges();
+      } else if (auto [lo, hi] = store->group_range(buckets->group()); hi > lo) {
+        ranges = {{lo, hi}};
+      }
+    } else {
+      FORGE_CHECK(groups_.size() == 1, "an optimizer group without gradient buckets must be the only one");
+      if (store->numel() > 0) ranges = {{0, store->numel()}};
+    }
+    for (const auto& r : ranges) owned_.push_back(r), range_group_.push_back(g);
   }
-  if (sharded_)
-    owned_ = buckets->owned_ranges();
-  else if (store->numel() > 0)
-    owned_ = {{0, store->numel()}};
+  // Every parameter group of the store has its optimizer group (else its weights would never move).
+  for (const ParamInfo& p : store->infos()) {
+    bool covered = groups_.size() == 1 && !groups_[0].buckets;
+    for (const OptimizerGroup& g : groups_) covered = covered || (g.buckets && g.buckets->group() == p.group);
+    if (!covered) fail("parameter '{}' of group '{}' has no optimizer group", p.name, p.group);
+  }
   int64_t total = 0;
   for (auto [lo, hi] : owned_) {
     moment_offsets_.push_back(total);
@@ -35,15 +51,16 @@ DistributedAdamW::DistributedAdamW(ParameterStore* store, AdamWConfig config, co
   }
   exp_avg_ = Tensor::zeros({total}, DType::f32, store->device());
   exp_avg_sq_ = Tensor::zeros({total}, DType::f32, store->device());
-  if (sharded_) {
-    int64_t shards = 0, padded = 0;
-    for (const GradBucket& b : buckets->buckets()) {
+  int64_t shards = 0, padded = 0;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    if (!group_sharded(g)) continue;
+    for (const GradBucket& b : groups_[g].buckets->buckets()) {
       shards += b.shard_size;
       if (b.padded_size() != b.size()) padded = std::max(padded, b.padded_size());
     }
-    gather_send_ = Tensor::zeros({shards}, DType::f32, store->device());
-    if (padded > 0) gather_recv_ = Tensor::zeros({padded}, DType::f32, store->device());
   }
+  if (shards > 0) gather_send_ = Tensor::zeros({shards}, DType::f32, store->device());
+  if (padded > 0) gather_recv_ = Tensor::zeros({padded}, DType::f32, store->device());
 }
 
 double DistributedAdamW::grad_norm() const {
@@ -62,19 +79,29 @@ double DistributedAdamW::grad_norm() const {
     if (run_end > run_begin) ops::sum_squares_accumulate(grads + run_begin, run_end - run_begin, total, device);
     run_begin = run_end = 0;
   };
-  for (auto [begin, end] : owned_) {
-    for_each_param_in_range(*store_, begin, end, [&](const ParamInfo& info, int64_t lo, int64_t hi) {
-      if (!info.shard.primary) return;
-      if (lo != run_end) {
-        flush();
-        run_begin = lo;
-      }
-      run_end = hi;
-    });
+  // Each group's sum is complete once reduced over the ranks that share that group's shards.
+  double total_sum = 0;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    sum = 0;
+    if (device_sum.defined()) device_sum.fill_zero();
+    for (size_t r = 0; r < owned_.size(); ++r) {
+      if (range_group_[r] != g) continue;
+      for_each_param_in_range(*store_, owned_[r].first, owned_[r].second,
+                              [&](const ParamInfo& info, int64_t lo, int64_t hi) {
+                                if (!info.shard.primary) return;
+                                if (lo != run_end) {
+                                  flush();
+                                  run_begin = lo;
+                                }
+                                run_end = hi;
+                              });
+    }
+    flush();
+    if (device_sum.defined()) std::memcpy(&sum, device_sum.to(Device::cpu).raw(), sizeof(double));
+    if (group_sharded(g) && groups_[g].dp->size() > 1) sum = comm::all_reduce_sum(*groups_[g].dp, sum);
+    total_sum = g == 0 ? sum : total_sum + sum;
   }
-  flush();
-  if (device_sum.defined()) std::memcpy(&sum, device_sum.to(Device::cpu).raw(), sizeof(double));
-  if (sharded_ && dp_->size() > 1) sum = comm::all_reduce_sum(*dp_, sum);
+  sum = total_sum;
   if (model_parallel_ && model_parallel_->size() > 1) sum = comm::all_reduce_sum(*model_parallel_, sum);
   return std::sqrt(sum);
 }
@@ -85,27 +112,28 @@ void DistributedAdamW::step(float lr, float grad_scale) {
     const int64_t m = moment_offsets_[r];
     // Sharded: the shadow is refreshed after the gather, over whole buckets.
     adamw_update_range(*store_, owned_[r].first, owned_[r].second, exp_avg_.f32() + m, exp_avg_sq_.f32() + m,
-                       config_, lr, grad_scale, step_, /*write_bf16=*/!sharded_);
+                       config_, lr, grad_scale, step_, /*write_bf16=*/!group_sharded(range_group_[r]));
   }
-  if (sharded_) gather_params();
+  int64_t send_offset = 0;
+  for (size_t g = 0; g < groups_.size(); ++g)
+    if (group_sharded(g)) gather_params(*groups_[g].buckets, send_offset);
   store_->mark_updated();
 }
 
-void DistributedAdamW::gather_params() {
-  const auto& buckets = buckets_->buckets();
+void DistributedAdamW::gather_params(const GradBuckets& group_buckets, int64_t& send_offset) {
+  const auto& buckets = group_buckets.buckets();
   const Tensor& params = store_->params();
-  // The buckets' communicator: the same group as dp_ (checked in the constructor), over the memory the
-  // parameters live in (NCCL on GPUs, where dp_ carries only host scalars).
-  comm::Communicator& group = *buckets_->dp();
+  // The buckets' communicator: the same ranks as the group's dp (checked in the constructor), over the memory
+  // the parameters live in (NCCL on GPUs, where dp carries only host scalars).
+  comm::Communicator& group = *group_buckets.dp();
   // One rank owns everything: its parameters are whole already.
   const bool communicate = group.size() > 1;
   std::vector<comm::Request> requests(buckets.size());
   // Launch every bucket's all-gather, then finish them in order, converting each to bf16 while later ones
   // are still in flight.
-  int64_t send_offset = 0;
   for (size_t i = buckets.size(); communicate && i-- > 0;) {
     const GradBucket& b = buckets[i];
-    auto [lo, hi] = buckets_->owned_range(static_cast<int>(i));
+    auto [lo, hi] = group_buckets.owned_range(static_cast<int>(i));
     // The send buffer must not alias the receive buffer (the bucket), so the own shard is staged (in the
     // device's stream order, which the communicator waits for).
     Tensor send = gather_send_.view(send_offset, {b.shard_size});
@@ -158,13 +186,15 @@ void DistributedAdamW::append_pieces(std::vector<ShardPiece>& pieces, int64_t be
 
 std::vector<ShardPiece> DistributedAdamW::checkpoint_pieces(bool include_params) const {
   std::vector<ShardPiece> pieces;
-  // Unsharded, every dp rank holds the same state: dp rank 0 writes it.
-  if (!sharded_ && dp_->rank() != 0) return pieces;
   stage_on_host(/*download=*/true, include_params);
-  for (size_t r = 0; r < owned_.size(); ++r)
+  for (size_t r = 0; r < owned_.size(); ++r) {
+    // An unsharded group's state is the same on each of its dp ranks: dp rank 0 writes it.
+    const size_t g = range_group_[r];
+    if (!group_sharded(g) && groups_[g].dp->rank() != 0) continue;
     append_pieces(pieces, owned_[r].first, owned_[r].second, static_cast<int>(r), include_params,
                   /*moments=*/true,
                   /*primary_only=*/true);
+  }
   return pieces;
 }
 

@@ -26,14 +26,26 @@
 
 namespace forge::parallel {
 
+// One parameter group as the optimizer sees it: the gradient buckets that reduce it (which say whether it is
+// sharded, ZeRO-1, and over which ranks) and the communicator of host values (norms) over the same ranks.
+struct OptimizerGroup {
+  const GradBuckets* buckets = nullptr;
+  comm::Communicator* dp = nullptr;
+};
+
 class DistributedAdamW {
  public:
-  // model_parallel may be null (one model-parallel rank). buckets may be null (unsharded, nothing to
-  // gather); when sharded, it must reduce over `dp`. All pointers must outlive the optimizer.
+  // One group per parameter group of the store (ParamInfo::group: dense, experts, ...), each sharded or not
+  // over its own data-parallel ranks. model_parallel may be null (one model-parallel rank). All pointers must
+  // outlive the optimizer.
+  DistributedAdamW(ParameterStore* store, optim::AdamWConfig config, std::vector<OptimizerGroup> groups,
+                   comm::Communicator* model_parallel);
+  // One group. buckets may be null (unsharded, nothing to gather); when sharded, it must reduce over `dp`.
   DistributedAdamW(ParameterStore* store, optim::AdamWConfig config, comm::Communicator* dp,
-                   comm::Communicator* model_parallel, const GradBuckets* buckets);
+                   comm::Communicator* model_parallel, const GradBuckets* buckets)
+      : DistributedAdamW(store, config, std::vector<OptimizerGroup>{{buckets, dp}}, model_parallel) {}
 
-  // Global gradient norm (collective over dp when sharded and over model_parallel). Call after
+  // Global gradient norm (collective over each sharded group's dp and over model_parallel). Call after
   // GradBuckets::finish(): only the owned ranges hold summed gradients.
   double grad_norm() const;
   // One update with learning rate lr, gradients first multiplied by grad_scale (clipping). Collective over
@@ -70,7 +82,8 @@ class DistributedAdamW {
   int64_t moment_index(size_t range, int64_t index) const {
     return moment_offsets_[range] + index - owned_[range].first;
   }
-  void gather_params();
+  void gather_params(const GradBuckets& buckets, int64_t& send_offset);
+  bool group_sharded(size_t g) const { return groups_[g].buckets && groups_[g].buckets->sharded(); }
   // Appends the pieces of [begin, end) of the store (owned range `range`, or -1: params only).
   void append_pieces(std::vector<ShardPiece>& pieces, int64_t begin, int64_t end, int range, bool params,
                      bool moments, bool primary_only) const;
@@ -81,11 +94,11 @@ class DistributedAdamW {
 
   ParameterStore* store_;
   optim::AdamWConfig config_;
-  comm::Communicator* dp_;
+  std::vector<OptimizerGroup> groups_;
   comm::Communicator* model_parallel_;
-  const GradBuckets* buckets_;
-  bool sharded_ = false;
+  bool sharded_ = false;  // any group
   std::vector<std::pair<int64_t, int64_t>> owned_;
+  std::vector<size_t> range_group_;  // the group of each owned range
   std::vector<int64_t> moment_offsets_;
   Tensor exp_avg_, exp_avg_sq_;
   mutable Tensor host_params_, host_exp_avg_, host_exp_avg_sq_;  // device runs: checkpoint staging

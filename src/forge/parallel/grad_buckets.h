@@ -81,6 +81,7 @@ class GradBuckets {
   void finish();
 
   bool sharded() const { return options_.shard; }
+  const std::string& group() const { return options_.group; }
   bool overlapped() const { return options_.overlap; }
   comm::Communicator* dp() const { return dp_; }
   const ParameterStore& store() const { return *store_; }
