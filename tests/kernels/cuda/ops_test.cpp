@@ -1,12 +1,14 @@
 // The op tests of tests/kernels/op_tests/ (written once for every backend) on the GPU: the CUDA backend's
-// element-wise, norm, rotary, SwiGLU, embedding and optimizer ops against the CPU backend on the same inputs
-// (awkward sizes, never multiples of the block sizes), within bounds that come from the arithmetic. Each case
-// skips where no GPU is usable; test_kernels runs the same tests on the CPU and on the device emulation. GEMMs:
-// gemm_test.cpp; the support queries and parameter checks, which need no GPU: kernels/op_support_test.cpp.
+// element-wise, norm, rotary, SwiGLU, embedding, optimizer and kv-cache append ops against the CPU
+// backend on the same inputs (awkward sizes, never multiples of the block sizes), within bounds that come
+// from the arithmetic. Each case skips where no GPU is usable; test_kernels runs the same tests on the CPU
+// and on the device emulation. GEMMs: gemm_test.cpp; attention: attention_test.cpp; the support queries and
+// parameter checks, which need no GPU: kernels/op_support_test.cpp.
 #include "kernels/op_tests/adamw.h"
 #include "kernels/op_tests/elementwise.h"
 #include "kernels/op_tests/embedding.h"
 #include "kernels/op_tests/empty_inputs.h"
+#include "kernels/op_tests/kv_append.h"
 #include "kernels/op_tests/rmsnorm.h"
 #include "kernels/op_tests/rope.h"
 #include "kernels/op_tests/swiglu.h"
@@ -30,6 +32,11 @@ FORGE_INSTANTIATE_OP_TEST(EmbeddingOp, kCases, testing::Backend::gpu);
 namespace empty_inputs {
 FORGE_INSTANTIATE_OP_TEST(EmptyInputs, testing::kFixedCase, testing::Backend::gpu);
 }  // namespace empty_inputs
+
+namespace kv_append {
+FORGE_INSTANTIATE_OP_TEST(KvAppendOp, kCases, testing::Backend::gpu);
+FORGE_INSTANTIATE_OP_TEST(KvAppendFixed, testing::kFixedCase, testing::Backend::gpu);
+}  // namespace kv_append
 
 namespace rmsnorm {
 FORGE_INSTANTIATE_OP_TEST(RmsNormOp, kCases, testing::Backend::gpu);
