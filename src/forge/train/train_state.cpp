@@ -57,24 +57,22 @@ void TrainState::restore(const Snapshot& s) {
   if (fp8::DelayedScalingGroup* g = delayed_group(fp8)) g->import_state(s.fp8_history, s.fp8_scales);
 }
 
-void TrainState::stage_fp8(bool export_state) {
+void TrainState::stage_fp8(bool export_state, std::vector<ShardPiece>* pieces) {
   const fp8::DelayedScalingGroup* g = delayed_group(fp8);
   const int64_t len = g->history_len(), n = g->size();
   fp8_history_.assign(static_cast<size_t>(len * n), 0.0f);
   fp8_scales_.assign(static_cast<size_t>(n), 1.0f);
   if (export_state) g->export_state(fp8_history_, fp8_scales_);
+  if (!pieces) return;
+  pieces->push_back({"fp8.amax_history", {len, n}, {len, n}, -1, 0, 0, len * n, fp8_history_.data()});
+  pieces->push_back({"fp8.scales", {n}, {n}, -1, 0, 0, n, fp8_scales_.data()});
 }
 
 // The delayed-scaling state is identical on every rank after each step's reduction: rank 0 writes it.
 std::vector<ShardPiece> TrainState::pieces_to_save(int world_rank) {
   std::vector<ShardPiece> pieces = optimizer->checkpoint_pieces(true);
-  if (const fp8::DelayedScalingGroup* g = delayed_group(fp8)) {
-    stage_fp8(/*export_state=*/true);
-    if (world_rank == 0) {
-      const int64_t len = g->history_len(), n = g->size();
-      pieces.push_back({"fp8.amax_history", {len, n}, {len, n}, -1, 0, 0, len * n, fp8_history_.data()});
-      pieces.push_back({"fp8.scales", {n}, {n}, -1, 0, 0, n, fp8_scales_.data()});
-    }
+  if (delayed_group(fp8)) {
+    stage_fp8(/*export_state=*/true, world_rank == 0 ? &pieces : nullptr);
   }
   return pieces;
 }
@@ -84,11 +82,8 @@ void TrainState::finish_save() { optimizer->finish_save(); }
 std::vector<ShardPiece> TrainState::pieces_to_load(bool with_fp8) {
   // Any layout loads any other: each rank fills its shard of the weights and its owned optimizer state.
   std::vector<ShardPiece> pieces = optimizer->checkpoint_pieces_for_load(true);
-  if (const fp8::DelayedScalingGroup* g = delayed_group(fp8); g && with_fp8) {
-    stage_fp8(/*export_state=*/false);
-    const int64_t len = g->history_len(), n = g->size();
-    pieces.push_back({"fp8.amax_history", {len, n}, {len, n}, -1, 0, 0, len * n, fp8_history_.data()});
-    pieces.push_back({"fp8.scales", {n}, {n}, -1, 0, 0, n, fp8_scales_.data()});
+  if (delayed_group(fp8) && with_fp8) {
+    stage_fp8(/*export_state=*/false, &pieces);
   }
   return pieces;
 }

@@ -61,7 +61,9 @@ struct TrainState {
 
  private:
   std::vector<float> fp8_history_, fp8_scales_;  // staging of the delayed-scaling state for checkpoints
-  void stage_fp8(bool export_state);
+  // Sizes the staging of the delayed-scaling state (filled from it with export_state) and appends its two
+  // checkpoint pieces to `pieces` when given.
+  void stage_fp8(bool export_state, std::vector<ShardPiece>* pieces);
 };
 
 }  // namespace forge::train
