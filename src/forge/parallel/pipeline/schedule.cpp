@@ -1,0 +1,223 @@
+#include "forge/parallel/pipeline/schedule.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "forge/core/error.h"
+#include "forge/parallel/pipeline/generators.h"
+
+namespace forge::pipeline {
+
+const char* op_name(Op op) {
+  switch (op) {
+    case Op::forward:
+      return "forward";
+    case Op::backward:
+      return "backward";
+    case Op::backward_input:
+      return "backward_input";
+    case Op::backward_weight:
+      return "backward_weight";
+    case Op::forward_backward:
+      return "forward_backward";
+    case Op::send_activation:
+      return "send_activation";
+    case Op::recv_activation:
+      return "recv_activation";
+    case Op::send_gradient:
+      return "send_gradient";
+    case Op::recv_gradient:
+      return "recv_gradient";
+  }
+  return "?";
+}
+
+bool is_compute(Op op) { return op <= Op::forward_backward; }
+bool is_send(Op op) { return op == Op::send_activation || op == Op::send_gradient; }
+bool is_recv(Op op) { return op == Op::recv_activation || op == Op::recv_gradient; }
+
+std::string to_string(const Action& a, bool show_chunk) {
+  auto unit = [&](char letter, int chunk, int micro_batch) {
+    return show_chunk ? fmt::format("{}{}.{}", letter, micro_batch, chunk)
+                      : fmt::format("{}{}", letter, micro_batch);
+  };
+  switch (a.op) {
+    case Op::forward:
+      return unit('F', a.chunk, a.micro_batch);
+    case Op::backward:
+      return unit('B', a.chunk, a.micro_batch);
+    case Op::backward_input:
+      return unit('I', a.chunk, a.micro_batch);
+    case Op::backward_weight:
+      return unit('W', a.chunk, a.micro_batch);
+    case Op::forward_backward:
+      return unit('F', a.chunk, a.micro_batch) + "+" + unit('B', a.chunk_b, a.micro_batch_b);
+    case Op::send_activation:
+      return "send" + unit('A', a.chunk, a.micro_batch) + fmt::format(">{}", a.peer);
+    case Op::recv_activation:
+      return "recv" + unit('A', a.chunk, a.micro_batch) + fmt::format("<{}", a.peer);
+    case Op::send_gradient:
+      return "send" + unit('G', a.chunk, a.micro_batch) + fmt::format(">{}", a.peer);
+    case Op::recv_gradient:
+      return "recv" + unit('G', a.chunk, a.micro_batch) + fmt::format("<{}", a.peer);
+  }
+  return "?";
+}
+
+Slot Placement::locate(int micro_batch, int stage) const {
+  if (mirrored) {
+    // Direction 0 (the first half of the micro-batches) runs stage s on rank s, chunk 0; direction 1 runs
+    // it on rank P-1-s, chunk 1.
+    const bool reverse = micro_batch >= micro_batches / 2;
+    return reverse ? Slot{ranks - 1 - stage, 1} : Slot{stage, 0};
+  }
+  for (int r = 0; r < ranks; ++r)
+    for (int c = 0; c < chunks; ++c)
+      if (this->stage(r, c) == stage) return {r, c};
+  FORGE_CHECK(false, "stage {} is on no rank", stage);
+}
+
+bool Placement::serves(int rank, int chunk, int micro_batch) const {
+  return locate(micro_batch, stage(rank, chunk)) == Slot{rank, chunk};
+}
+
+std::vector<int> Placement::micro_batches_of(int rank, int chunk) const {
+  std::vector<int> out;
+  for (int m = 0; m < micro_batches; ++m)
+    if (serves(rank, chunk, m)) out.push_back(m);
+  return out;
+}
+
+const std::vector<std::string>& schedule_names() {
+  static const std::vector<std::string> names = {"1f1b", "interleaved", "zb-h1",
+                                                 "zbv",  "dualpipe",    "dualpipev"};
+  return names;
+}
+
+int stage_count(const ScheduleRequest& request) {
+  if (request.name == "interleaved") return request.ranks * request.vpp;
+  if (request.name == "zbv" || request.name == "dualpipev") return 2 * request.ranks;
+  return request.ranks;
+}
+
+namespace {
+
+void check_request(const ScheduleRequest& q) {
+  const auto& names = schedule_names();
+  if (std::find(names.begin(), names.end(), q.name) == names.end())
+    fail("unknown pipeline schedule '{}' (known: {})", q.name, fmt::join(names, ", "));
+  if (q.ranks < 1) fail("schedule {}: pp must be >= 1 (got {})", q.name, q.ranks);
+  if (q.micro_batches < 1)
+    fail("schedule {}: micro-batches per step must be >= 1 (got {})", q.name, q.micro_batches);
+  if (q.vpp < 1) fail("schedule {}: vpp must be >= 1 (got {})", q.name, q.vpp);
+  if (q.vpp != 1 && q.name != "interleaved")
+    fail("schedule {}: vpp = {} is only for schedule interleaved ({} places its own chunks)", q.name, q.vpp,
+         q.name);
+  if (q.name == "interleaved") {
+    if (q.vpp < 2)
+      fail("schedule interleaved needs vpp >= 2 model chunks per rank (got {}; use 1f1b)", q.vpp);
+    if (q.micro_batches % q.ranks != 0)
+      fail(
+          "schedule interleaved needs micro-batches per step divisible by pp = {} (got {}): they run in "
+          "groups "
+          "of pp per chunk",
+          q.ranks, q.micro_batches);
+  }
+  if (q.name == "dualpipe") {
+    if (q.ranks % 2 != 0)
+      fail("schedule dualpipe needs an even pp (got {}); dualpipev runs on any pp", q.ranks);
+    if (q.micro_batches % 2 != 0 || q.micro_batches < 2 * q.ranks)
+      fail("schedule dualpipe needs an even number of micro-batches per step, at least 2 * pp = {} (got {})",
+           2 * q.ranks, q.micro_batches);
+  }
+  if (q.name == "dualpipev" && q.micro_batches < 2 * q.ranks)
+    fail("schedule dualpipev needs at least 2 * pp = {} micro-batches per step (got {})", 2 * q.ranks,
+         q.micro_batches);
+  if (q.name == "zbv" && q.micro_batches < 2 * q.ranks)
+    fail("schedule zbv needs at least 2 * pp = {} micro-batches per step (got {}): its warm-up fills the V",
+         2 * q.ranks, q.micro_batches);
+}
+
+}  // namespace
+
+Schedule make_schedule(const ScheduleRequest& request) {
+  check_request(request);
+  Schedule s;
+  s.name = request.name;
+  if (request.name == "1f1b") s = generate_1f1b(request.ranks, request.micro_batches);
+  if (request.name == "interleaved")
+    s = generate_interleaved(request.ranks, request.vpp, request.micro_batches);
+  if (request.name == "zb-h1") s = generate_zb_h1(request.ranks, request.micro_batches);
+  if (request.name == "zbv") s = generate_zbv(request.ranks, request.micro_batches);
+  if (request.name == "dualpipe") s = generate_dualpipe(request.ranks, request.micro_batches, false);
+  if (request.name == "dualpipev") s = generate_dualpipe(request.ranks, request.micro_batches, true);
+  s.name = request.name;
+  add_communication(s);
+  return s;
+}
+
+void add_communication(Schedule& schedule) {
+  const Placement& p = schedule.placement;
+  for (int r = 0; r < p.ranks; ++r) {
+    const std::vector<Action>& compute = schedule.actions[r];
+    // recvs_before[i]: the receives posted just before compute action i; sends_after[i]: sent right after it.
+    std::vector<std::vector<Action>> recvs_before(compute.size() + 1), sends_after(compute.size());
+    auto add_forward = [&](size_t i, int chunk, int micro_batch) {
+      const int stage = p.stage(r, chunk);
+      if (stage > 0) {
+        const Slot from = p.locate(micro_batch, stage - 1);
+        if (from.rank != r)
+          recvs_before[i == 0 ? 0 : i - 1].push_back(
+              {Op::recv_activation, chunk, micro_batch, -1, -1, from.rank});
+      }
+      if (stage < p.stages - 1) {
+        const Slot to = p.locate(micro_batch, stage + 1);
+        if (to.rank != r)
+          sends_after[i].push_back({Op::send_activation, chunk, micro_batch, -1, -1, to.rank});
+      }
+    };
+    auto add_backward = [&](size_t i, int chunk, int micro_batch) {
+      const int stage = p.stage(r, chunk);
+      if (stage < p.stages - 1) {
+        const Slot from = p.locate(micro_batch, stage + 1);
+        if (from.rank != r)
+          recvs_before[i == 0 ? 0 : i - 1].push_back(
+              {Op::recv_gradient, chunk, micro_batch, -1, -1, from.rank});
+      }
+      if (stage > 0) {
+        const Slot to = p.locate(micro_batch, stage - 1);
+        if (to.rank != r) sends_after[i].push_back({Op::send_gradient, chunk, micro_batch, -1, -1, to.rank});
+      }
+    };
+    for (size_t i = 0; i < compute.size(); ++i) {
+      const Action& a = compute[i];
+      FORGE_CHECK(is_compute(a.op), "add_communication wants compute-only lists (rank {}: {})", r,
+                  op_name(a.op));
+      if (a.op == Op::forward || a.op == Op::forward_backward) add_forward(i, a.chunk, a.micro_batch);
+      if (a.op == Op::backward || a.op == Op::backward_input) add_backward(i, a.chunk, a.micro_batch);
+      if (a.op == Op::forward_backward) add_backward(i, a.chunk_b, a.micro_batch_b);
+    }
+    std::vector<Action> out;
+    for (size_t i = 0; i < compute.size(); ++i) {
+      out.insert(out.end(), recvs_before[i].begin(), recvs_before[i].end());
+      out.push_back(compute[i]);
+      out.insert(out.end(), sends_after[i].begin(), sends_after[i].end());
+    }
+    schedule.actions[r] = std::move(out);
+  }
+}
+
+std::string format_schedule(const Schedule& schedule, bool with_comm) {
+  const bool show_chunk = schedule.placement.chunks > 1;
+  std::string out;
+  for (size_t r = 0; r < schedule.actions.size(); ++r) {
+    out += fmt::format("rank {}:", r);
+    for (const Action& a : schedule.actions[r])
+      if (with_comm || is_compute(a.op)) out += " " + to_string(a, show_chunk);
+    out += "\n";
+  }
+  return out;
+}
+
+}  // namespace forge::pipeline
