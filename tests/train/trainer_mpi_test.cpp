@@ -483,15 +483,15 @@ TEST_F(TrainerRuns, TensorParallelOnEmulatedGpusFollowsTheOneRankRun) {
   tensor_parallel_on_gpus_follows_the_one_rank_run(*this, true);
 }
 
-TEST(TrainerLayoutErrors, PipelineParallelismIsRefusedUntilItLands) {
+TEST(TrainerLayoutErrors, ContextParallelismIsRefusedUntilItLands) {
   comm::Communicator& world = comm::world();
   TrainConfig c;
-  c.parallel.pp = world.size();
+  c.parallel.cp = world.size();
   try {
     Trainer(c, &world).run();
     ADD_FAILURE() << "expected an error";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("parallel.pp = " + std::to_string(world.size())), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("parallel.cp = " + std::to_string(world.size())), std::string::npos)
         << e.what();
     EXPECT_NE(std::string(e.what()).find("not implemented yet"), std::string::npos) << e.what();
   }

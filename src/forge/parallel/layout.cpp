@@ -221,9 +221,11 @@ void validate_model_fit(const Layout& layout, const ModelDims& dims, int64_t voc
         "across the tp ranks, or replicated when tp exceeds them)",
         tp, dims.kv_heads);
   if (dims.ffn % tp != 0) fail("parallel.tp = {} does not divide intermediate_size = {}", tp, dims.ffn);
-  // Every pipeline stage holds the same number of layers.
-  if (dims.layers % layout.pp() != 0)
-    fail("parallel.pp = {} does not divide num_hidden_layers = {}", layout.pp(), dims.layers);
+  // How the layers split into pipeline stages is the pipeline's to check (pipeline::stage_layer_counts:
+  // even splits, or parallel.pp_layers); here only that every stage can hold one.
+  if (dims.layers < layout.pp())
+    fail("parallel.pp = {} exceeds num_hidden_layers = {}: every pipeline stage needs at least one layer",
+         layout.pp(), dims.layers);
 }
 
 int64_t padded_vocab_size(int64_t vocab, int64_t divisible_by, int tp) {

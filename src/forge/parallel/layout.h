@@ -106,7 +106,8 @@ struct ModelDims {
 
 // Checks that the model splits under the layout: tp divides the attention heads and the FFN width; the kv
 // heads are split by tp or (when tp exceeds them) replicated, so kv_heads % tp == 0 or tp % kv_heads == 0;
-// pp divides the layers. The vocabulary is padded (padded_vocab_size), not checked. Throws forge::Error
+// every pipeline stage gets a layer (pp <= layers; pipeline::stage_layer_counts splits them). The vocabulary
+// is padded (padded_vocab_size), not checked. Throws forge::Error
 // "parallel.tp = 3 does not divide num_attention_heads = 8" for the first rule broken.
 void validate_model_fit(const Layout& layout, const ModelDims& dims, int64_t vocab_divisible_by);
 

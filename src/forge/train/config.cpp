@@ -11,8 +11,8 @@
 #include <variant>
 #include <vector>
 
-#include "forge/core/file_io.h"
 #include "forge/core/error.h"
+#include "forge/core/file_io.h"
 #include "forge/core/suggest.h"
 
 namespace forge::train {
@@ -44,7 +44,8 @@ const std::vector<KeySpec>& key_specs() {
       {"model",
        "init_from",
        FORGE_FIELD(model.init_from),
-       "\"\" = random init; else a Hugging Face folder or forge checkpoint whose weights (and config) to start from",
+       "\"\" = random init; else a Hugging Face folder or forge checkpoint whose weights (and config) to "
+       "start from",
        {}},
       {"model", "init_std", FORGE_FIELD(model.init_std), "std of the normal initialisation of weights", {}},
       {"model", "seed", FORGE_FIELD(model.seed), "parameter initialisation seed", {}},
@@ -57,13 +58,19 @@ const std::vector<KeySpec>& key_specs() {
       {"data",
        "tokenizer",
        FORGE_FIELD(data.tokenizer),
-       "\"train\" (byte-level BPE learnt on the training split, cached), \"bytes\" (token = byte), or a tokenizer.json",
+       "\"train\" (byte-level BPE learnt on the training split, cached), \"bytes\" (token = byte), or a "
+       "tokenizer.json",
        {}},
-      {"data", "vocab_size", FORGE_FIELD(data.vocab_size), "BPE vocabulary size when tokenizer = \"train\"", {}},
+      {"data",
+       "vocab_size",
+       FORGE_FIELD(data.vocab_size),
+       "BPE vocabulary size when tokenizer = \"train\"",
+       {}},
       {"data",
        "dataset",
        FORGE_FIELD(data.dataset),
-       "\"\" = train on the corpus; else Megatron indexed datasets: \"PREFIX\" or a blend \"0.7 PREFIX_A 0.3 PREFIX_B\"",
+       "\"\" = train on the corpus; else Megatron indexed datasets: \"PREFIX\" or a blend \"0.7 PREFIX_A 0.3 "
+       "PREFIX_B\"",
        {}},
       {"data",
        "split",
@@ -120,26 +127,51 @@ const std::vector<KeySpec>& key_specs() {
       {"train",
        "device",
        FORGE_FIELD(train.device),
-       "where the model trains: cpu, or cuda (one GPU per process: mpirun -np <GPUs> for tensor and data parallelism)",
+       "where the model trains: cpu, or cuda (one GPU per process: mpirun -np <GPUs> for tensor and data "
+       "parallelism)",
        {"cpu", "cuda"}},
       {"train",
        "dtype",
        FORGE_FIELD(train.dtype),
-       "GEMM dtype (master weights are always fp32); auto = bf16 where the CPU has native bf16 dot products, else fp32",
+       "GEMM dtype (master weights are always fp32); auto = bf16 where the CPU has native bf16 dot products, "
+       "else fp32",
        {"auto", "bf16", "fp32"}},
       {"train",
        "recompute",
        FORGE_FIELD(train.recompute),
        "activation recomputation",
        {"none", "selective", "full"}},
-      {"train", "threads", FORGE_FIELD(train.threads), "CPU threads per rank (0 = OMP_NUM_THREADS, else cores / ranks on the node)", {}},
+      {"train",
+       "threads",
+       FORGE_FIELD(train.threads),
+       "CPU threads per rank (0 = OMP_NUM_THREADS, else cores / ranks on the node)",
+       {}},
 
       {"parallel",
        "tp",
        FORGE_FIELD(parallel.tp),
        "tensor-parallel ranks (split heads, FFN and vocabulary)",
        {}},
-      {"parallel", "pp", FORGE_FIELD(parallel.pp), "pipeline-parallel stages (split the layers)", {}},
+      {"parallel",
+       "pp",
+       FORGE_FIELD(parallel.pp),
+       "pipeline-parallel ranks (split the layers into stages)",
+       {}},
+      {"parallel",
+       "schedule",
+       FORGE_FIELD(parallel.schedule),
+       "with pp > 1: the pipeline schedule (forge plan schedule shows each)",
+       {"1f1b", "interleaved", "zb-h1", "zbv", "dualpipe", "dualpipev"}},
+      {"parallel",
+       "vpp",
+       FORGE_FIELD(parallel.vpp),
+       "schedule interleaved: model chunks per pipeline rank",
+       {}},
+      {"parallel",
+       "pp_layers",
+       FORGE_FIELD(parallel.pp_layers),
+       "decoder layers per pipeline stage, e.g. \"3,5,5,3\" (\"\" = even split)",
+       {}},
       {"parallel",
        "dp",
        FORGE_FIELD(parallel.dp),
@@ -181,7 +213,8 @@ const std::vector<KeySpec>& key_specs() {
       {"fp8",
        "recipe",
        FORGE_FIELD(fp8.recipe),
-       "FP8 GEMMs in the transformer layers' Linears (docs/fp8.md); delayed = amax history, current = own amax, block = 1x128 / 128x128 tiles",
+       "FP8 GEMMs in the transformer layers' Linears (docs/fp8.md); delayed = amax history, current = own "
+       "amax, block = 1x128 / 128x128 tiles",
        {"off", "delayed", "current", "block"}},
       {"fp8",
        "format",
@@ -200,8 +233,16 @@ const std::vector<KeySpec>& key_specs() {
        FORGE_FIELD(fp8.power_of_two_scales),
        "block: round each tile's scale down to a power of two",
        {}},
-      {"fp8", "bf16_first_layers", FORGE_FIELD(fp8.bf16_first_layers), "keep the first this many layers out of FP8", {}},
-      {"fp8", "bf16_last_layers", FORGE_FIELD(fp8.bf16_last_layers), "keep the last this many layers out of FP8", {}},
+      {"fp8",
+       "bf16_first_layers",
+       FORGE_FIELD(fp8.bf16_first_layers),
+       "keep the first this many layers out of FP8",
+       {}},
+      {"fp8",
+       "bf16_last_layers",
+       FORGE_FIELD(fp8.bf16_last_layers),
+       "keep the last this many layers out of FP8",
+       {}},
       {"fp8",
        "save_fp8_inputs",
        FORGE_FIELD(fp8.save_fp8_inputs),
@@ -237,7 +278,8 @@ const std::vector<KeySpec>& key_specs() {
       {"log",
        "profile_step",
        FORGE_FIELD(log.profile_step),
-       "time every op of this step and print where its time went; the table also goes to <run_dir>/profile.json "
+       "time every op of this step and print where its time went; the table also goes to "
+       "<run_dir>/profile.json "
        "(0 = off)",
        {}},
 
@@ -254,7 +296,8 @@ const std::vector<KeySpec>& key_specs() {
       {"checkpoint",
        "resume",
        FORGE_FIELD(checkpoint.resume),
-       "\"\" = fresh run, \"auto\" = continue from the newest complete checkpoint in dir (fresh if none), or a "
+       "\"\" = fresh run, \"auto\" = continue from the newest complete checkpoint in dir (fresh if none), or "
+       "a "
        "checkpoint path",
        {}},
       {"checkpoint",
@@ -265,7 +308,8 @@ const std::vector<KeySpec>& key_specs() {
       {"checkpoint",
        "overwrite",
        FORGE_FIELD(checkpoint.overwrite),
-       "let a fresh run (or one resumed from elsewhere) replace the checkpoints already in dir; without it such a "
+       "let a fresh run (or one resumed from elsewhere) replace the checkpoints already in dir; without it "
+       "such a "
        "run is refused",
        {}},
 
@@ -608,6 +652,7 @@ void TrainConfig::validate() const {
   };
   parallel_size("parallel.tp", parallel.tp);
   parallel_size("parallel.pp", parallel.pp);
+  parallel_size("parallel.vpp", parallel.vpp);
   check(parallel.dp >= 0, "parallel.dp", parallel.dp, ">= 1 (or 0 = derived from the world size)");
   check(parallel.dp <= std::numeric_limits<int>::max(), "parallel.dp", parallel.dp, "at most 2147483647");
   parallel_size("parallel.cp", parallel.cp);

@@ -29,7 +29,7 @@ struct TrainConfig {
     bool operator==(const Model&) const = default;
   };
   struct Data {
-    std::string corpus = "kjv";  // "kjv" or a path to a UTF-8 text file
+    std::string corpus = "kjv";       // "kjv" or a path to a UTF-8 text file
     std::string tokenizer = "train";  // "train" (BPE learnt on the corpus), "bytes", or a tokenizer.json
     int64_t vocab_size = 2048;        // BPE vocabulary when tokenizer = "train"
     std::string dataset;              // "" = the corpus; else a Megatron blend "PREFIX" or "W1 P1 W2 P2 ..."
@@ -43,7 +43,7 @@ struct TrainConfig {
   struct Train {
     int64_t micro_batch = 8;
     int64_t grad_accum = 1;
-    int64_t steps = 0;  // 0 = as many as fit in max_minutes
+    int64_t steps = 0;         // 0 = as many as fit in max_minutes
     double max_minutes = 8.5;  // 0 = no limit
     double lr = 3e-3;
     double min_lr = 3e-4;
@@ -70,14 +70,15 @@ struct TrainConfig {
     int64_t every = 10;
     std::string run_dir = "runs/default";
     double peak_gflops = 0;  // 0 = measure the GEMM peak at start
-    int64_t profile_step = 0;  // time every op of this step (1-based, as logged) and print where it went; 0 = off
+    int64_t profile_step =
+        0;  // time every op of this step (1-based, as logged) and print where it went; 0 = off
     bool operator==(const Log&) const = default;
   };
   struct Checkpoint {
-    int64_t every = 0;   // 0 = only at the end and on Ctrl-C
-    std::string dir;     // empty = <run_dir>/checkpoint
-    std::string resume;  // empty = fresh run, "auto" = resume from dir if a checkpoint is there, or a path
-    int64_t keep_last = 3;   // checkpoints kept in dir, the newest included (0 = all)
+    int64_t every = 0;      // 0 = only at the end and on Ctrl-C
+    std::string dir;        // empty = <run_dir>/checkpoint
+    std::string resume;     // empty = fresh run, "auto" = resume from dir if a checkpoint is there, or a path
+    int64_t keep_last = 3;  // checkpoints kept in dir, the newest included (0 = all)
     bool overwrite = false;  // a fresh run may replace the checkpoints already in dir
     bool operator==(const Checkpoint&) const = default;
   };
@@ -91,11 +92,14 @@ struct TrainConfig {
   };
   // How the world's ranks are split (see forge/parallel/layout.h) and how gradients travel between them.
   struct Parallel {
-    int64_t tp = 1;  // tensor parallel
-    int64_t pp = 1;  // pipeline parallel
-    int64_t dp = 0;  // data parallel; 0 = derived: world size / (tp * pp * cp)
-    int64_t cp = 1;  // context parallel
-    int64_t ep = 1;  // expert parallel, carved from dp x cp
+    int64_t tp = 1;                 // tensor parallel
+    int64_t pp = 1;                 // pipeline parallel
+    std::string schedule = "1f1b";  // pipeline schedule (parallel/pipeline/schedule.h)
+    int64_t vpp = 1;                // interleaved: chunks per pipeline rank
+    std::string pp_layers;          // layers per stage, "3,5,5,3"; empty: even
+    int64_t dp = 0;                 // data parallel; 0 = derived: world size / (tp * pp * cp)
+    int64_t cp = 1;                 // context parallel
+    int64_t ep = 1;                 // expert parallel, carved from dp x cp
     bool sequence_parallel = false;
     bool distributed_optimizer = false;  // ZeRO-1: optimizer state sharded over dp
     bool overlap_grad_reduce = true;
@@ -107,7 +111,7 @@ struct TrainConfig {
 
   // FP8 mixed precision of the transformer layers' Linears (docs/fp8.md; forge/fp8/recipe.h).
   struct Fp8 {
-    std::string recipe = "off";  // off | delayed | current | block
+    std::string recipe = "off";   // off | delayed | current | block
     std::string format = "auto";  // auto (hybrid; e4m3 for block) | hybrid | e4m3
     int64_t amax_history_len = 1024;
     std::string amax_compute = "max";  // max | most_recent

@@ -8,9 +8,12 @@
 #include "forge/core/cpu_features.h"
 #include "forge/core/device.h"
 #include "forge/fp8/recipe.h"
+#include "forge/parallel/pipeline/replay.h"
 
 namespace forge::train {
-using namespace forge::optim; using namespace forge::models; using namespace forge::data;
+using namespace forge::optim;
+using namespace forge::models;
+using namespace forge::data;
 namespace {
 
 // This process's rank among the ranks on its node (the GPU it drives): from the launcher's environment
@@ -27,11 +30,11 @@ parallel::Layout checked_layout(const TrainConfig& c, comm::Communicator& world)
   // The layout is checked against the world before any work: a wrong -np or a model that does not split
   // fails here, on every rank, with the same message.
   parallel::Layout layout(c.layout_spec(), world.size(), world.rank());
-  if (layout.pp() > 1 || layout.cp() > 1 || layout.ep() > 1)
+  if (layout.cp() > 1 || layout.ep() > 1)
     fail(
-        "parallel.pp = {}, parallel.cp = {}, parallel.ep = {}: this version trains with tensor and data "
-        "parallelism only; pipeline, context and expert parallelism are not implemented yet",
-        layout.pp(), layout.cp(), layout.ep());
+        "parallel.cp = {}, parallel.ep = {}: this version trains with tensor, pipeline and data parallelism; "
+        "context and expert parallelism are not implemented yet",
+        layout.cp(), layout.ep());
   return layout;
 }
 
@@ -74,7 +77,8 @@ TrainSetup::TrainSetup(const TrainConfig& c, comm::Communicator& world_)
         "data.vocab_size <= {}",
         model_source, vocab, codec.vocab_size(), codec.description(), codec.vocab_size(), vocab);
   make_compute_options();
-  model = build_model(*model_config, options, StageSpec::whole(), static_cast<float>(c.model.init_std));
+  make_pipeline();
+  model = build_model(*model_config, options, stage, static_cast<float>(c.model.init_std));
   model->initialize(c.model.seed);
   if (init_source) load_pretrained_weights(*init_source, model->params());
 
@@ -92,6 +96,64 @@ TrainSetup::TrainSetup(const TrainConfig& c, comm::Communicator& world_)
   optimizer = std::make_unique<parallel::DistributedAdamW>(&model->params(), adam_config, &dp_group(),
                                                            groups.model_parallel.get(), buckets.get());
   schedule = c.lr_schedule();
+}
+
+// This rank's stage: the schedule's placement of the stages over the pp ranks, and the layers of each stage
+// (an even split, or parallel.pp_layers).
+void TrainSetup::make_pipeline() {
+  const TrainConfig& c = config;
+  const int pp = layout.pp();
+  const int64_t layers = model_config->shape().layers;
+  stage = StageSpec::whole();
+  stage_rows = micro * seq / (c.parallel.sequence_parallel && layout.tp() > 1 ? layout.tp() : 1);
+  if (pp == 1) {
+    if (!c.parallel.pp_layers.empty())
+      (void)pipeline::stage_layer_counts(layers, 1, c.parallel.pp_layers, "parallel.pp = 1");
+    return;
+  }
+  pp_rank = layout.coordinate(parallel::Dim::pp);
+  const pipeline::ScheduleRequest request{c.parallel.schedule, pp, static_cast<int>(accum),
+                                          static_cast<int>(c.parallel.vpp)};
+  try {
+    pipeline = std::make_unique<pipeline::Schedule>(pipeline::make_schedule(request));
+  } catch (const Error& e) {
+    fail("{}: {} (micro-batches per step = train.grad_accum)", c.origin_of("parallel.schedule"), e.what());
+  }
+  const pipeline::Placement& p = pipeline->placement;
+  if (p.chunks > 1)
+    fail(
+        "{}: parallel.schedule = {} puts {} model chunks on every pipeline rank; the trainer holds one chunk "
+        "per "
+        "rank so far: use 1f1b or zb-h1",
+        c.origin_of("parallel.schedule"), c.parallel.schedule, p.chunks);
+  if (model_config->to_json().value("tie_word_embeddings", false))
+    fail(
+        "{}: tie_word_embeddings with parallel.pp = {}: the embedding and the loss head sit on different "
+        "stages, and keeping their copies tied is not implemented yet",
+        model_source, pp);
+  if (c.fp8.recipe == "delayed")
+    fail(
+        "{}: fp8.recipe = delayed with parallel.pp = {}: its amax histories are kept per rank and not yet "
+        "per "
+        "stage; use current or block scaling",
+        c.origin_of("fp8.recipe"), pp);
+  const std::vector<int64_t> counts = pipeline::stage_layer_counts(layers, p.stages, c.parallel.pp_layers,
+                                                                   fmt::format("parallel.pp = {}", pp));
+  const int mine = p.stage(pp_rank, 0);
+  for (int s = 0; s < mine; ++s) stage.first_layer += counts[s];
+  stage.end_layer = stage.first_layer + counts[mine];
+  stage.pre_process = mine == 0;
+  stage.post_process = mine == p.stages - 1;
+  const pipeline::Replay unit = pipeline::replay(*pipeline);
+  std::vector<std::string> ranges;
+  for (int64_t s = 0, first = 0; s < p.stages; first += counts[s++])
+    ranges.push_back(counts[s] == 1 ? fmt::format("{}", first)
+                                    : fmt::format("{}-{}", first, first + counts[s] - 1));
+  pipeline_summary = fmt::format(
+      "pipeline parallel {}: schedule {}, {} micro-batches per step, layers {} | bubble {:.0f}% of the step "
+      "under unit costs, peak {} micro-batches' activations per rank",
+      pp, pipeline->name, accum, fmt::join(ranges, " | "), 100 * unit.bubble_fraction(),
+      unit.max_peak_activations());
 }
 
 void TrainSetup::check_model_fits() const {

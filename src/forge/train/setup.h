@@ -16,10 +16,11 @@
 #include "forge/models/pretrained.h"
 #include "forge/nn/fp8_context.h"
 #include "forge/optim/lr_schedule.h"
+#include "forge/parallel/comm_tensor_parallel.h"
 #include "forge/parallel/distributed_optimizer.h"
 #include "forge/parallel/grad_buckets.h"
 #include "forge/parallel/layout.h"
-#include "forge/parallel/comm_tensor_parallel.h"
+#include "forge/parallel/pipeline/schedule.h"
 #include "forge/train/config.h"
 #include "forge/train/training_data.h"
 
@@ -46,7 +47,7 @@ class TrainSetup {
   std::unique_ptr<comm::Communicator> dp_nccl, tp_nccl, dp_self;
 
   std::optional<models::PretrainedDir> init_source;  // model.init_from
-  std::string model_source;                  // where the model config came from, for messages
+  std::string model_source;                          // where the model config came from, for messages
   std::unique_ptr<models::ModelConfig> model_config;
   std::unique_ptr<TrainingData> data;
 
@@ -55,7 +56,16 @@ class TrainSetup {
   std::unique_ptr<parallel::CommTensorParallel> tensor_parallel;
   std::unique_ptr<nn::Fp8Context> fp8;  // null without FP8
   std::string fp8_summary = "off";
-  std::unique_ptr<models::Model> model;
+  // Pipeline parallelism: the part of the model this rank holds (the whole model when pp = 1), the
+  // schedule's action lists (null when pp = 1), this rank's place in them and the hidden-state rows one
+  // micro-batch hands from stage to stage.
+  models::StageSpec stage;
+  std::unique_ptr<pipeline::Schedule> pipeline;
+  int pp_rank = 0;
+  int64_t stage_rows = 0;
+  std::string pipeline_summary;  // for the run log
+  comm::Communicator& pp_group() const { return *groups.pp; }
+  std::unique_ptr<models::Model> model;  // this rank's stage
   std::unique_ptr<parallel::GradBuckets> buckets;
   std::unique_ptr<parallel::DistributedAdamW> optimizer;
   optim::LrSchedule schedule;
@@ -64,6 +74,7 @@ class TrainSetup {
   void check_model_fits() const;
   void open_devices();
   void make_compute_options();
+  void make_pipeline();
 };
 
 // OpenMP threads per rank: train.threads, else OMP_NUM_THREADS when set, else this node's cores shared by

@@ -6,7 +6,10 @@
 #include "forge/optim/adamw.h"
 
 namespace forge::train {
-using namespace forge::optim; using namespace forge::models; using namespace forge::data; using namespace forge::ckpt;
+using namespace forge::optim;
+using namespace forge::models;
+using namespace forge::data;
+using namespace forge::ckpt;
 namespace {
 
 // The first parameter whose gradient holds a non-finite value on this rank ("" if none).
@@ -95,6 +98,11 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule,
   if (on_gradients) on_gradients(state.step + 1, params);
 
   StepResult r;
+  if (setup.layout.pp() > 1) {  // the loss lives on the last stage
+    double sums[2] = {loss.sum, static_cast<double>(loss.tokens)};
+    comm::all_reduce_sum(setup.pp_group(), sums, 2);
+    loss.sum = sums[0], loss.tokens = static_cast<int64_t>(sums[1]);
+  }
   r.local_loss = loss.mean();
   if (dp > 1) {
     double sums[2] = {loss.sum, static_cast<double>(loss.tokens)};

@@ -28,6 +28,7 @@
 #include "forge/models/sampling.h"
 #include "forge/train/metrics.h"
 #include "forge/train/peak.h"
+#include "forge/train/pipelining.h"
 #include "forge/train/run_directory.h"
 #include "forge/train/setup.h"
 #include "forge/train/step.h"
@@ -35,7 +36,10 @@
 #include "forge/train/training_data.h"
 
 namespace forge::train {
-using namespace forge::optim; using namespace forge::models; using namespace forge::data; using namespace forge::ckpt;
+using namespace forge::optim;
+using namespace forge::models;
+using namespace forge::data;
+using namespace forge::ckpt;
 namespace fs = std::filesystem;
 namespace {
 
@@ -52,8 +56,10 @@ struct HeldOut {
 // Loss over held-out windows [0, windows) in batches of `batch`, with the byte count of the targets. Under
 // data parallelism the batches are dealt round-robin over the dp ranks and the sums added up over dp.
 // Ctrl-C (the stop flag, agreed over `world` before each batch) ends it early with interrupted set.
-HeldOut evaluate(Model& model, const TrainingData& data, int64_t seq, int64_t batch, int64_t windows,
-                 comm::Communicator& dp, comm::Communicator& world) {
+// Under pipeline parallelism (pipelining set) each batch runs through the stages and the loss, which the
+// last stage computes, is summed over pp.
+HeldOut evaluate(Model& model, Pipelining* pipelining, const TrainingData& data, int64_t seq, int64_t batch,
+                 int64_t windows, comm::Communicator& dp, comm::Communicator& pp, comm::Communicator& world) {
   std::vector<int32_t> ids(batch * seq), targets(batch * seq);
   HeldOut total;
   ProgressBar progress("eval", windows);  // draws only on a terminal
@@ -73,14 +79,21 @@ HeldOut evaluate(Model& model, const TrainingData& data, int64_t seq, int64_t ba
     if (w >= windows) continue;
     int64_t b = std::min(batch, windows - w);
     data.heldout_batch(w, b, ids.data(), targets.data());
-    LossSum part = model.forward_loss(ids.data(), targets.data(), b, seq);
+    LossSum part = pipelining ? pipelining->forward_loss(model, {ids.data(), targets.data(), b, seq, 0.0f})
+                              : model.forward_loss(ids.data(), targets.data(), b, seq);
     total.loss.sum += part.sum, total.loss.tokens += part.tokens;
     for (int64_t i = 0; i < b * seq; ++i) total.bytes += data.codec().byte_length(targets[i]);
     progress.update(w + b);
   }
   progress.finish();
+  if (pipelining) {
+    double sums[2] = {total.loss.sum, static_cast<double>(total.loss.tokens)};
+    comm::all_reduce_sum(pp, sums, 2);
+    total.loss.sum = sums[0], total.loss.tokens = static_cast<int64_t>(sums[1]);
+  }
   if (dp.size() > 1) {
-    double sums[3] = {total.loss.sum, static_cast<double>(total.loss.tokens), static_cast<double>(total.bytes)};
+    double sums[3] = {total.loss.sum, static_cast<double>(total.loss.tokens),
+                      static_cast<double>(total.bytes)};
     comm::all_reduce_sum(dp, sums, 3);
     total.loss.sum = sums[0], total.loss.tokens = static_cast<int64_t>(sums[1]);
     total.bytes = static_cast<int64_t>(sums[2]);
@@ -122,35 +135,45 @@ void check_resumable(const CheckpointState& state, const fs::path& dir, const st
   if (!saved->same_as(model_config))
     fail("checkpoint {} was trained with a different model config than {} (saved: {})", where, model_source,
          state.model_config.dump());
-  if (std::none_of(names.begin(), names.end(), [](const std::string& n) { return n.starts_with("exp_avg."); }))
-    fail("checkpoint {} holds weights only, no optimizer state (as forge convert --to forge writes), so it cannot "
-         "be resumed; start a new run from its weights with --set model.init_from={}",
-         where, where);
+  if (std::none_of(names.begin(), names.end(),
+                   [](const std::string& n) { return n.starts_with("exp_avg."); }))
+    fail(
+        "checkpoint {} holds weights only, no optimizer state (as forge convert --to forge writes), so it "
+        "cannot "
+        "be resumed; start a new run from its weights with --set model.init_from={}",
+        where, where);
   // The tokenizer by content, never by path: the same file elsewhere is the same tokenizer, another file at
   // the same path is not.
   std::string saved_tokenizer;
   if (state.extra.contains("tokenizer_fingerprint")) {
     saved_tokenizer = state.extra["tokenizer_fingerprint"].get<std::string>();
   } else if (fs::exists(dir / "tokenizer.json")) {
-    saved_tokenizer = TextCodec::from_tokenizer(Tokenizer::from_file(dir / "tokenizer.json"), "").fingerprint();
+    saved_tokenizer =
+        TextCodec::from_tokenizer(Tokenizer::from_file(dir / "tokenizer.json"), "").fingerprint();
   } else if (state.extra.contains("tokenizer")) {
     saved_tokenizer = TextCodec::bytes().fingerprint();  // saved without tokenizer.json: byte-level
   }
   if (!saved_tokenizer.empty() && saved_tokenizer != codec.fingerprint())
-    fail("checkpoint {} was trained with another tokenizer ({}) than this run's {} ({}); resuming would feed it "
-         "other token ids",
-         where, state.extra.value("tokenizer", std::string("unknown")), codec.description(), codec.fingerprint());
+    fail(
+        "checkpoint {} was trained with another tokenizer ({}) than this run's {} ({}); resuming would feed "
+        "it "
+        "other token ids",
+        where, state.extra.value("tokenizer", std::string("unknown")), codec.description(),
+        codec.fingerprint());
   // Samples are windows of seq_len tokens: another length has no sample at which to continue.
   const int64_t saved_seq = state.extra.value("seq_len", int64_t{0});
   if (saved_seq > 0 && saved_seq != c.data.seq_len)
-    fail("checkpoint {} was trained with data.seq_len = {}, this run has {}: resuming would skip or repeat data; "
-         "keep data.seq_len = {} (micro_batch, grad_accum and the world size may change)",
-         where, saved_seq, c.data.seq_len, saved_seq);
+    fail(
+        "checkpoint {} was trained with data.seq_len = {}, this run has {}: resuming would skip or repeat "
+        "data; "
+        "keep data.seq_len = {} (micro_batch, grad_accum and the world size may change)",
+        where, saved_seq, c.data.seq_len, saved_seq);
   if (saved_seq == 0 && !state.extra.contains("samples_seen") &&
       state.extra.value("tokens_seen", int64_t{0}) % c.data.seq_len != 0)
-    fail("checkpoint {} saw {} tokens, not a whole number of data.seq_len = {} sequences: it was trained with "
-         "another sequence length",
-         where, state.extra.value("tokens_seen", int64_t{0}), c.data.seq_len);
+    fail(
+        "checkpoint {} saw {} tokens, not a whole number of data.seq_len = {} sequences: it was trained with "
+        "another sequence length",
+        where, state.extra.value("tokens_seen", int64_t{0}), c.data.seq_len);
 }
 
 std::atomic<int> g_signal_count{0};
@@ -158,7 +181,6 @@ void on_signal(int) {
   if (g_signal_count.fetch_add(1) >= 1) std::_Exit(130);  // second Ctrl-C: leave now
   Trainer::stop_flag().store(true);
 }
-
 
 // One run of the loop: the setup, the state, and what the loop decides with them.
 class TrainingRun {
@@ -190,7 +212,8 @@ class TrainingRun {
   const Clock::time_point start_time_;
   std::unique_ptr<TrainSetup> setup_;
   TrainState state_;
-  NoPipelining schedule_;
+  std::unique_ptr<Schedule> schedule_;  // NoPipelining, or Pipelining under pp > 1
+  Pipelining* pipelining_ = nullptr;    // schedule_ when it pipelines
   fs::path run_dir_, checkpoint_dir_;
   DirectoryLock run_dir_lock_, checkpoint_dir_lock_;
   ResumeDecision decision_;
@@ -259,7 +282,8 @@ void TrainingRun::resume() {
   say("resumed from %s at step %lld (sample %lld%s)\n", from.c_str(), static_cast<long long>(state_.step),
       static_cast<long long>(state_.base_samples),
       saved_per_step > 0 && saved_per_step != state_.samples_per_step
-          ? fmt::format("; {} sequences per step now, {} before", state_.samples_per_step, saved_per_step).c_str()
+          ? fmt::format("; {} sequences per step now, {} before", state_.samples_per_step, saved_per_step)
+                .c_str()
           : "");
 }
 
@@ -270,7 +294,8 @@ void TrainingRun::open_metrics() {
   if (resumed) trim_metrics(run_dir_, state_.step);
   metrics_.emplace(run_dir_, /*truncate=*/!resumed);
   if (resumed)
-    metrics_->write({{"event", "resume"}, {"step", state_.step}, {"checkpoint", decision_.checkpoint.string()}});
+    metrics_->write(
+        {{"event", "resume"}, {"step", state_.step}, {"checkpoint", decision_.checkpoint.string()}});
 }
 
 void TrainingRun::print_banner() {
@@ -283,7 +308,8 @@ void TrainingRun::print_banner() {
                            : on_gpu ? (s.options.fp8 ? kHopperFp8PeakGflops : kHopperBf16PeakGflops)
                                     : measure_gemm_peak_gflops(s.options.gemm_dtype);
   peak_gflops_ = comm::all_reduce_sum(world_, rank_peak);
-  say("model %.2fM parameters | %s compute%s | fp8 %s | recompute %s | %lld-token batches (%lld x %lld x %lld x dp "
+  say("model %.2fM parameters | %s compute%s | fp8 %s | recompute %s | %lld-token batches (%lld x %lld x "
+      "%lld x dp "
       "%lld) | peak %s GEMM %.0f GFLOP/s (%s)\n",
       static_cast<double>(s.model_config->num_parameters()) / 1e6,
       (s.dtype_name + (c_.train.dtype == "auto" ? " (auto)" : "")).c_str(),
@@ -291,16 +317,19 @@ void TrainingRun::print_banner() {
       c_.train.recompute.c_str(), static_cast<long long>(step_tokens_), static_cast<long long>(s.micro),
       static_cast<long long>(s.accum), static_cast<long long>(s.seq), static_cast<long long>(s.dp),
       s.options.fp8 && on_gpu ? "fp8" : s.dtype_name.c_str(), peak_gflops_,
-      c_.log.peak_gflops > 0 ? "given" : on_gpu ? "H100/H200 dense" : "measured");
+      c_.log.peak_gflops > 0 ? "given"
+      : on_gpu               ? "H100/H200 dense"
+                             : "measured");
   if (world_.size() > 1) {
     say("%s\n", s.layout.describe().c_str());
+    if (!s.pipeline_summary.empty()) say("%s\n", s.pipeline_summary.c_str());
     say("tensor parallel %d%s | data parallel %lld: %zu gradient buckets of <= %.1f MiB, %s, overlap %s | "
         "optimizer state %.1f MiB per rank | %d OpenMP threads per rank\n",
-        s.layout.tp(), c_.parallel.sequence_parallel ? " + sequence parallel" : "", static_cast<long long>(s.dp),
-        s.buckets->buckets().size(), c_.parallel.bucket_mb,
+        s.layout.tp(), c_.parallel.sequence_parallel ? " + sequence parallel" : "",
+        static_cast<long long>(s.dp), s.buckets->buckets().size(), c_.parallel.bucket_mb,
         c_.parallel.distributed_optimizer ? "reduce-scatter + ZeRO-1 (sharded Adam state)" : "all-reduce",
-        c_.parallel.overlap_grad_reduce ? "on" : "off", static_cast<double>(s.optimizer->state_bytes()) / 1048576.0,
-        omp_get_max_threads());
+        c_.parallel.overlap_grad_reduce ? "on" : "off",
+        static_cast<double>(s.optimizer->state_bytes()) / 1048576.0, omp_get_max_threads());
   }
   say("%s\n", s.data->describe().c_str());
 }
@@ -317,8 +346,12 @@ void TrainingRun::save(const char* why) {
   CheckpointState saved;
   saved.step = state_.step;
   saved.optimizer_steps = s.optimizer->steps_taken();
-  saved.layout = {{"tp", layout.tp()}, {"dp", layout.dp()}, {"pp", layout.pp()}, {"cp", layout.cp()},
-                  {"ep", layout.ep()}, {"sequence_parallel", c_.parallel.sequence_parallel},
+  saved.layout = {{"tp", layout.tp()},
+                  {"dp", layout.dp()},
+                  {"pp", layout.pp()},
+                  {"cp", layout.cp()},
+                  {"ep", layout.ep()},
+                  {"sequence_parallel", c_.parallel.sequence_parallel},
                   {"distributed_optimizer", c_.parallel.distributed_optimizer}};
   saved.model_config = s.model_config->to_json();
   const int64_t samples = state_.samples_seen();
@@ -339,24 +372,27 @@ void TrainingRun::save(const char* why) {
   state_.finish_save();
   committed_step_ = state_.step;
   const double seconds = seconds_since(save_start);
-  say("checkpoint saved to %s (step %lld, %s, %.2f s)\n", dir.c_str(), static_cast<long long>(state_.step), why,
-      seconds);
-  write_metrics({{"event", "checkpoint"}, {"step", state_.step}, {"reason", why}, {"dir", dir}, {"seconds", seconds}});
+  say("checkpoint saved to %s (step %lld, %s, %.2f s)\n", dir.c_str(), static_cast<long long>(state_.step),
+      why, seconds);
+  write_metrics(
+      {{"event", "checkpoint"}, {"step", state_.step}, {"reason", why}, {"dir", dir}, {"seconds", seconds}});
   if (hooks_.on_saved) hooks_.on_saved(state_.step, why);
 }
 
 // Every rank must take the same decision to stop (Ctrl-C reaches ranks at different moments; clocks differ):
 // the flags are agreed over the world.
 bool TrainingRun::stop_before_step(TrainResult& result) {
-  double flags[2] = {Trainer::stop_flag().load() ? 1.0 : 0.0,
-                     c_.train.max_minutes > 0 && seconds_since(train_start_) > c_.train.max_minutes * 60 ? 1.0 : 0.0};
+  double flags[2] = {
+      Trainer::stop_flag().load() ? 1.0 : 0.0,
+      c_.train.max_minutes > 0 && seconds_since(train_start_) > c_.train.max_minutes * 60 ? 1.0 : 0.0};
   if (world_.size() > 1) world_.all_reduce(flags, 2, comm::Type::f64, comm::ReduceOp::max).wait();
   if (flags[0] > 0) {
     Trainer::stop_flag().store(true);
     return true;
   }
   if (flags[1] > 0) {
-    say("time limit of %.1f minutes reached at step %lld\n", c_.train.max_minutes, static_cast<long long>(state_.step));
+    say("time limit of %.1f minutes reached at step %lld\n", c_.train.max_minutes,
+        static_cast<long long>(state_.step));
     result.time_limit_reached = true;
     return true;
   }
@@ -373,7 +409,7 @@ bool TrainingRun::run_step(TrainResult& result) {
   const int64_t live_before = s.on_gpu() ? device_memory(device).peak_allocated() : memory_stats().live_bytes;
   const bool profile_this_step = state_.step + 1 == c_.log.profile_step;  // steps are logged 1-based
   if (profile_this_step) ops::profile_begin(device);
-  const StepResult r = train_step(s, state_, schedule_, hooks_.on_gradients);
+  const StepResult r = train_step(s, state_, *schedule_, hooks_.on_gradients);
   if (first) {
     result.peak_activation_bytes =
         (s.on_gpu() ? device_memory(device).peak_allocated() : memory_stats().peak_bytes) - live_before;
@@ -382,17 +418,19 @@ bool TrainingRun::run_step(TrainResult& result) {
   }
   if (!r.applied) {
     if (profile_this_step) ops::profile_end();
-    const std::string last = committed_step_ >= 0 ? fmt::format("the last checkpoint is step {} in {}", committed_step_,
-                                                                checkpoint_dir_.string())
+    const std::string last = committed_step_ >= 0 ? fmt::format("the last checkpoint is step {} in {}",
+                                                                committed_step_, checkpoint_dir_.string())
                                                   : std::string("no checkpoint of this run was saved");
     write_metrics({{"event", "non_finite"}, {"step", state_.step + 1}, {"cause", r.non_finite}});
-    fail("step {}: {}; the update was not applied and nothing was saved ({})", state_.step + 1, r.non_finite, last);
+    fail("step {}: {}; the update was not applied and nothing was saved ({})", state_.step + 1, r.non_finite,
+         last);
   }
   if (profile_this_step) {
     // This rank's ops; rank 0 reports (the ranks of a balanced layout run the same ops).
     const ops::OpProfile profile = ops::profile_end();
     say("%s", ops::format_profile(profile).c_str());
-    if (g_leader) write_file_atomically(run_dir_ / "profile.json", ops::profile_json(profile) + "\n", "op profile");
+    if (g_leader)
+      write_file_atomically(run_dir_ / "profile.json", ops::profile_json(profile) + "\n", "op profile");
   }
   result.losses.push_back(r.loss);
   result.grad_norms.push_back(r.grad_norm);
@@ -416,27 +454,35 @@ void TrainingRun::log_step(const StepResult& r, TrainResult&) {
   m.elapsed_s = seconds_since(start_time_);
   const double per_step = seconds_since(train_start_) / static_cast<double>(step - first_step_);
   m.eta_s = planned ? per_step * static_cast<double>(state_.total_steps - step) : -1;
-  if (c_.train.max_minutes > 0) m.eta_s = std::min(m.eta_s, c_.train.max_minutes * 60 - seconds_since(train_start_));
+  if (c_.train.max_minutes > 0)
+    m.eta_s = std::min(m.eta_s, c_.train.max_minutes * 60 - seconds_since(train_start_));
   say("%s\n", format_step_line(m).c_str());
-  nlohmann::json record = {{"step", step},           {"loss", r.loss},           {"lr", r.lr},
-                           {"grad_norm", r.grad_norm}, {"tokens_per_s", m.tokens_per_s},
-                           {"tflops", m.flops_per_s / 1e12}, {"mfu", m.mfu},
-                           {"tokens", step * step_tokens_}, {"elapsed_s", m.elapsed_s}};
+  nlohmann::json record = {{"step", step},
+                           {"loss", r.loss},
+                           {"lr", r.lr},
+                           {"grad_norm", r.grad_norm},
+                           {"tokens_per_s", m.tokens_per_s},
+                           {"tflops", m.flops_per_s / 1e12},
+                           {"mfu", m.mfu},
+                           {"tokens", step * step_tokens_},
+                           {"elapsed_s", m.elapsed_s}};
   if (setup_->dp > 1) record["dp_overlap"] = setup_->buckets->total_stats().overlap_ratio();
   write_metrics(record);
   interval_start_ = Clock::now();
   interval_tokens_ = 0;
 }
 
-// A periodic evaluation; false when Ctrl-C interrupted it (the next step's stop check saves and ends the run).
+// A periodic evaluation; false when Ctrl-C interrupted it (the next step's stop check saves and ends the
+// run).
 bool TrainingRun::evaluate_now() {
   TrainSetup& s = *setup_;
-  HeldOut e = evaluate(*s.model, *s.data, s.seq, s.micro, std::min(heldout_windows_, c_.eval.batches * s.micro),
-                       s.dp_group(), world_);
+  HeldOut e =
+      evaluate(*s.model, pipelining_, *s.data, s.seq, s.micro,
+               std::min(heldout_windows_, c_.eval.batches * s.micro), s.dp_group(), s.pp_group(), world_);
   if (e.interrupted) return false;
   const double bpb = e.bits_per_byte();
-  say("eval step %lld | held-out loss %.4f | %.4f bits/byte\n", static_cast<long long>(state_.step), e.loss.mean(),
-      bpb);
+  say("eval step %lld | held-out loss %.4f | %.4f bits/byte\n", static_cast<long long>(state_.step),
+      e.loss.mean(), bpb);
   write_metrics({{"step", state_.step}, {"eval_loss", e.loss.mean()}, {"eval_bits_per_byte", bpb}});
   return true;
 }
@@ -466,6 +512,14 @@ TrainResult TrainingRun::run() {
   setup_ = std::make_unique<TrainSetup>(c_, world_);
   TrainSetup& s = *setup_;
   if (s.init_source) say("initialised from %s\n", s.init_source->dir.c_str());
+  if (s.pipeline) {
+    auto p = std::make_unique<Pipelining>(*s.pipeline, s.pp_rank, s.pp_group(), s.stage_rows,
+                                          c_.parallel.sequence_parallel ? s.layout.tp() : 1);
+    pipelining_ = p.get();
+    schedule_ = std::move(p);
+  } else {
+    schedule_ = std::make_unique<NoPipelining>();
+  }
   state_.params = &s.model->params();
   state_.optimizer = s.optimizer.get();
   state_.fp8 = s.fp8.get();
@@ -532,7 +586,8 @@ TrainResult TrainingRun::finish(TrainResult result) {
   }
   // The final checkpoint first: a Ctrl-C (or a crash) during the evaluation or the sample loses nothing.
   save("final");
-  HeldOut e = evaluate(*s.model, *s.data, s.seq, s.micro, heldout_windows_, s.dp_group(), world_);
+  HeldOut e = evaluate(*s.model, pipelining_, *s.data, s.seq, s.micro, heldout_windows_, s.dp_group(),
+                       s.pp_group(), world_);
   if (e.interrupted) {
     say("interrupted during the final evaluation (the checkpoint of step %lld is saved)\n",
         static_cast<long long>(state_.step));
@@ -545,8 +600,10 @@ TrainResult TrainingRun::finish(TrainResult result) {
   say("final held-out loss %.4f nats/token = %.4f bits per byte (%lld tokens, %lld bytes; %.1f s total)\n",
       result.heldout_loss, result.heldout_bits_per_byte, static_cast<long long>(e.loss.tokens),
       static_cast<long long>(e.bytes), seconds_since(start_time_));
-  write_metrics({{"step", state_.step}, {"eval_loss", result.heldout_loss},
-                 {"eval_bits_per_byte", result.heldout_bits_per_byte}, {"final", true}});
+  write_metrics({{"step", state_.step},
+                 {"eval_loss", result.heldout_loss},
+                 {"eval_bits_per_byte", result.heldout_bits_per_byte},
+                 {"final", true}});
   if (c_.sample.tokens > 0 && g_leader) sample(result);
   return result;
 }
@@ -558,10 +615,10 @@ void TrainingRun::sample(TrainResult& result) {
   so.top_k = c_.sample.top_k, so.seed = c_.sample.seed;
   const TextCodec& codec = s.data->codec();
   std::vector<int32_t> prompt = codec.encode(c_.sample.prompt.empty() ? std::string("\n") : c_.sample.prompt);
-  // Generation runs on one process: a model split over tp ranks is read back whole from the checkpoint (onto
-  // this rank's device).
+  // Generation runs on one process: a model split over tp or pp ranks is read back whole from the checkpoint
+  // (onto this rank's device).
   std::unique_ptr<Model> whole;
-  if (s.layout.tp() > 1) {
+  if (s.layout.tp() > 1 || s.layout.pp() > 1) {
     nn::ComputeOptions single;
     single.gemm_dtype = s.options.gemm_dtype;
     single.device = s.options.device;

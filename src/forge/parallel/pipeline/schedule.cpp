@@ -141,6 +141,15 @@ void check_request(const ScheduleRequest& q) {
 
 }  // namespace
 
+std::string schedule_refusal(const ScheduleRequest& request) {
+  try {
+    check_request(request);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
 Schedule make_schedule(const ScheduleRequest& request) {
   check_request(request);
   Schedule s;
@@ -155,6 +164,56 @@ Schedule make_schedule(const ScheduleRequest& request) {
   s.name = request.name;
   add_communication(s);
   return s;
+}
+
+std::vector<int64_t> stage_layer_counts(int64_t layers, int stages, const std::string& counts,
+                                        const std::string& stages_from) {
+  std::vector<int64_t> out;
+  if (counts.empty()) {
+    if (stages > layers)
+      fail("{} makes {} pipeline stages, more than the model's {} layers: every stage needs at least one",
+           stages_from, stages, layers);
+    if (layers % stages != 0)
+      fail(
+          "{} makes {} pipeline stages, which do not divide num_hidden_layers = {}; place them unevenly with "
+          "parallel.pp_layers (e.g. \"{}\")",
+          stages_from, stages, layers, [&] {
+            std::vector<int64_t> even(stages, layers / stages);
+            for (int64_t i = 0; i < layers % stages; ++i) ++even[stages - 1 - i];
+            return fmt::format("{}", fmt::join(even, ","));
+          }());
+    out.assign(stages, layers / stages);
+    return out;
+  }
+  size_t begin = 0;
+  while (begin <= counts.size()) {
+    const size_t end = std::min(counts.find(',', begin), counts.size());
+    const std::string entry = counts.substr(begin, end - begin);
+    size_t used = 0;
+    int64_t n = -1;
+    try {
+      n = std::stoll(entry, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (entry.empty() || used != entry.size())
+      fail("parallel.pp_layers = \"{}\": '{}' is not a layer count (write one count per stage: \"3,5,5,3\")",
+           counts, entry);
+    if (n < 1)
+      fail("parallel.pp_layers = \"{}\": stage {} gets {} layers; every stage needs at least one", counts,
+           out.size(), n);
+    out.push_back(n);
+    begin = end + 1;
+  }
+  if (static_cast<int>(out.size()) != stages)
+    fail("parallel.pp_layers = \"{}\" has {} entries, but {} makes {} stages", counts, out.size(),
+         stages_from, stages);
+  int64_t total = 0;
+  for (int64_t n : out) total += n;
+  if (total != layers)
+    fail("parallel.pp_layers = \"{}\" places {} layers, but the model has num_hidden_layers = {}", counts,
+         total, layers);
+  return out;
 }
 
 void add_communication(Schedule& schedule) {

@@ -91,9 +91,18 @@ struct ScheduleRequest {
 const std::vector<std::string>& schedule_names();
 // The stages a request cuts the model into: P, P * vpp, or 2P for the V schedules.
 int stage_count(const ScheduleRequest& request);
+// Why make_schedule would refuse the request (one line naming the setting), or "" when it can run.
+std::string schedule_refusal(const ScheduleRequest& request);
 // Builds the schedule, sends and receives included. A request a schedule cannot run (P odd for DualPipe,
 // too few micro-batches, ...) fails with one line naming the setting.
 Schedule make_schedule(const ScheduleRequest& request);
+
+// The decoder layers of each of `stages` stages: `counts` ("3,5,5,3": one entry per stage, each >= 1, adding
+// up to `layers`), or with counts empty an even split, which needs `stages` to divide `layers`. Failures are
+// one line naming parallel.pp_layers, or the stage count as `stages_from` describes it
+// ("parallel.pp = 4").
+std::vector<int64_t> stage_layer_counts(int64_t layers, int stages, const std::string& counts,
+                                        const std::string& stages_from);
 
 // The schedule's compute actions in order, with the sends and receives the placement implies added: a send
 // right after the action producing a message for another rank, each receive before the compute action

@@ -10,6 +10,7 @@
 #include <deque>
 #include <map>
 #include <queue>
+#include <set>
 #include <tuple>
 
 #include "forge/core/error.h"
@@ -44,6 +45,7 @@ void place_weight_gradients(Schedule& s, int cap, std::vector<std::vector<Action
     return stage == p.stages - 1 || ended_by(input_end, p.locate(a.micro_batch, stage + 1), a.micro_batch, t);
   };
 
+  std::set<double> ends;                 // when the actions scheduled so far end
   using Event = std::pair<double, int>;  // (time, rank): the rank is free at that time
   std::priority_queue<Event, std::vector<Event>, std::greater<>> events;
   for (int r = 0; r < p.ranks; ++r) events.push({0.0, r});
@@ -77,12 +79,15 @@ void place_weight_gradients(Schedule& s, int cap, std::vector<std::vector<Action
       st.pending_w.pop_front();
       --st.in_flight;
     } else {
-      st.waiting = true;  // woken when any action ends
+      // Wait for the next action to end anywhere: one already running, or one scheduled later.
+      st.waiting = true;
+      if (auto next_end = ends.upper_bound(t); next_end != ends.end()) events.push({*next_end, r});
       continue;
     }
     s.actions[r].push_back(a);
     --left;
     st.free_at = t + cost;
+    ends.insert(st.free_at);
     events.push({st.free_at, r});
     for (int q = 0; q < p.ranks; ++q)
       if (ranks[q].waiting) events.push({st.free_at, q});
