@@ -109,6 +109,13 @@ TEST_F(PlanCli, BadInputIsOneLine) {
   expect_one_line_error("plan schedule --schedule 1f1b --pp 4 --microbatches 8 --costs 1,1,-1", "--costs");
   expect_one_line_error("plan schedule --schedule 1f1b --pp 4", "--microbatches");
   expect_one_line_error("plan", "schedule");
+  // Nothing is printed before an unwritable file's error.
+  testing::cli::RunOptions apart;
+  apart.stderr_to = testing::cli::Stderr::apart;
+  apart.scratch_dir = dir_;
+  expect_one_line_error(
+      "plan schedule --schedule 1f1b --pp 2 --microbatches 2 --svg " + path("no/such/dir.svg"),
+      "no/such/dir.svg", apart);
 }
 
 TEST_F(PlanCli, HelpExplainsTheOptions) {

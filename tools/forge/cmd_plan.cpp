@@ -57,6 +57,10 @@ StageCosts parse_costs(const std::string& text) {
   return c;
 }
 
+std::string plural(int n, const char* one, const char* many) {
+  return fmt::format("{} {}", n, n == 1 ? one : many);
+}
+
 int run_schedule(const PlanOptions& o) {
   if (o.latency < 0 || !std::isfinite(o.latency)) fail("--latency {}: expected a number >= 0", o.latency);
   Costs costs;
@@ -71,11 +75,33 @@ int run_schedule(const PlanOptions& o) {
   const double pair = c.forward_backward >= 0 ? c.forward_backward : c.forward + backward;
   const std::string name =
       o.schedule == "interleaved" ? fmt::format("interleaved (vpp {})", o.vpp) : o.schedule;
-  std::printf("schedule %s: pp %d, %d micro-batches, %d stages (%d chunk%s per rank)\n", name.c_str(),
-              p.ranks, p.micro_batches, p.stages, p.chunks, p.chunks == 1 ? "" : "s");
   const std::string cost_line =
       fmt::format("F {:g}, I {:g}, W {:g}, B {:g}, F&B {:g}{}", c.forward, c.backward_input,
                   c.backward_weight, backward, pair, c.forward_backward >= 0 ? "" : " (F + B)");
+
+  // The files first: a path that cannot be written is then the only thing printed.
+  const std::vector<TimelineSpan> spans = timeline_of(schedule, replay, /*with_comm=*/!o.trace.empty());
+  if (!o.svg.empty()) {
+    TimelineSvgStyle style;
+    style.subtitle = "costs per chunk: " + cost_line;
+    const std::string title = fmt::format("{}: pp {}, {}, makespan {:g}, bubble {:.1f}%", name, p.ranks,
+                                          plural(p.micro_batches, "micro-batch", "micro-batches"),
+                                          replay.makespan, 100 * replay.bubble_fraction());
+    std::vector<TimelineSpan> compute;
+    for (const TimelineSpan& s : spans)
+      if (is_compute(s.op)) compute.push_back(s);
+    write_file_atomically(o.svg, timeline_svg(compute, p.ranks, title, style), "timeline SVG");
+  }
+  if (!o.trace.empty()) {
+    std::vector<std::string> rows;
+    for (int r = 0; r < p.ranks; ++r) rows.push_back(fmt::format("pp rank {}", r));
+    // One cost unit shows as one millisecond.
+    write_file_atomically(o.trace, chrome_trace_json(spans, rows, 1e-3), "Chrome trace");
+  }
+
+  std::printf("schedule %s: pp %d, %s, %s (%s per rank)\n", name.c_str(), p.ranks,
+              plural(p.micro_batches, "micro-batch", "micro-batches").c_str(),
+              plural(p.stages, "stage", "stages").c_str(), plural(p.chunks, "chunk", "chunks").c_str());
   std::printf("costs per chunk: %s; latency %g\n\n", cost_line.c_str(), o.latency);
   std::fputs(format_schedule(schedule, o.comm).c_str(), stdout);
 
@@ -85,27 +111,8 @@ int run_schedule(const PlanOptions& o) {
                 100 * replay.idle(r) / replay.makespan, replay.ranks[r].peak_activations);
   std::printf("makespan %g, average bubble %.1f%%, max idle %g, max peak activations %d\n", replay.makespan,
               100 * replay.bubble_fraction(), replay.max_idle(), replay.max_peak_activations());
-
-  const std::vector<TimelineSpan> spans = timeline_of(schedule, replay, /*with_comm=*/!o.trace.empty());
-  if (!o.svg.empty()) {
-    TimelineSvgStyle style;
-    style.subtitle = "costs per chunk: " + cost_line;
-    const std::string title =
-        fmt::format("{}: pp {}, {} micro-batches, makespan {:g}, bubble {:.1f}%", name, p.ranks,
-                    p.micro_batches, replay.makespan, 100 * replay.bubble_fraction());
-    std::vector<TimelineSpan> compute;
-    for (const TimelineSpan& s : spans)
-      if (is_compute(s.op)) compute.push_back(s);
-    write_file_atomically(o.svg, timeline_svg(compute, p.ranks, title, style), "timeline SVG");
-    std::printf("wrote %s\n", o.svg.c_str());
-  }
-  if (!o.trace.empty()) {
-    std::vector<std::string> rows;
-    for (int r = 0; r < p.ranks; ++r) rows.push_back(fmt::format("pp rank {}", r));
-    // One cost unit shows as one millisecond.
-    write_file_atomically(o.trace, chrome_trace_json(spans, rows, 1e-3), "Chrome trace");
-    std::printf("wrote %s\n", o.trace.c_str());
-  }
+  if (!o.svg.empty()) std::printf("wrote %s\n", o.svg.c_str());
+  if (!o.trace.empty()) std::printf("wrote %s\n", o.trace.c_str());
   return 0;
 }
 
@@ -122,20 +129,32 @@ void add_plan_command(CLI::App& app, Commands& commands) {
       "and peak activations");
   std::string known;
   for (const std::string& n : schedule_names()) known += (known.empty() ? "" : ", ") + n;
-  schedule->add_option("--schedule", o->schedule, "pipeline schedule: " + known)->required();
-  schedule->add_option("--pp", o->pp, "pipeline ranks")->required();
-  schedule->add_option("--microbatches", o->micro_batches, "micro-batches per step")->required();
-  schedule->add_option("--vpp", o->vpp, "model chunks per rank (interleaved only)")->capture_default_str();
+  schedule->add_option("--schedule", o->schedule, "pipeline schedule: " + known)
+      ->required()
+      ->type_name("NAME");
+  schedule->add_option("--pp", o->pp, "pipeline ranks")->required()->type_name("P");
+  schedule->add_option("--microbatches", o->micro_batches, "micro-batches per step")
+      ->required()
+      ->type_name("M");
+  schedule->add_option("--vpp", o->vpp, "model chunks per rank (interleaved only)")
+      ->capture_default_str()
+      ->type_name("V");
   schedule->add_flag("--comm", o->comm, "list the sends and receives among the actions too");
-  schedule->add_option("--costs", o->costs,
-                       "F,I,W[,FB]: time of a forward, backward-input and backward-weight of one chunk, and "
-                       "of an overlapped F&B pair (default 1,1,1 and F&B = F + B; B is I + W)");
+  schedule
+      ->add_option("--costs", o->costs,
+                   "times of one chunk's forward, backward-input and backward-weight, and of an "
+                   "overlapped F&B pair (default 1,1,1 and F&B = F + B; B is I + W)")
+      ->type_name("F,I,W[,FB]");
   schedule->add_option("--latency", o->latency, "time from the end of a send to its arrival")
-      ->capture_default_str();
-  schedule->add_option("--svg", o->svg, "write the replayed timeline as an SVG picture to FILE");
-  schedule->add_option("--trace", o->trace,
-                       "write the replayed timeline, sends and receives included, as a Chrome trace (JSON; "
-                       "chrome://tracing or Perfetto) to FILE; one cost unit shows as 1 ms");
+      ->capture_default_str()
+      ->type_name("L");
+  schedule->add_option("--svg", o->svg, "write the replayed timeline as an SVG picture to FILE")
+      ->type_name("FILE");
+  schedule
+      ->add_option("--trace", o->trace,
+                   "write the replayed timeline, sends and receives included, as a Chrome trace (JSON; "
+                   "chrome://tracing or Perfetto) to FILE; one cost unit shows as 1 ms")
+      ->type_name("FILE");
   schedule->footer(
       "Output: the action list of every rank (F forward, B backward, I backward-input, W backward-weight, "
       "F3+B1 an overlapped pair; .c the chunk when a rank holds several), then per rank its busy and idle "
