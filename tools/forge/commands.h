@@ -10,8 +10,8 @@
 namespace forge::cli {
 
 struct Command {
-  CLI::App* app = nullptr;      // the parsed subcommand
-  std::function<int()> run;     // its exit status
+  CLI::App* app = nullptr;   // the parsed subcommand
+  std::function<int()> run;  // its exit status
 };
 using Commands = std::vector<Command>;
 
@@ -22,5 +22,6 @@ void add_convert_command(CLI::App& app, Commands& commands);
 void add_data_command(CLI::App& app, Commands& commands);
 void add_eval_command(CLI::App& app, Commands& commands);
 void add_generate_command(CLI::App& app, Commands& commands);
+void add_plan_command(CLI::App& app, Commands& commands);
 
 }  // namespace forge::cli

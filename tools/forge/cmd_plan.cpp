@@ -1,0 +1,170 @@
+// forge plan: look at a parallel layout before running it. `plan schedule` builds a pipeline schedule,
+// replays it under per-action costs and prints each rank's actions, busy and idle time and peak activations;
+// it can draw the timeline (SVG) and write it as a Chrome trace. Later: `plan memory`, `plan search`.
+#include <fmt/format.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "forge/core/error.h"
+#include "forge/core/file_io.h"
+#include "forge/parallel/pipeline/replay.h"
+#include "forge/parallel/pipeline/schedule.h"
+#include "forge/parallel/pipeline/timeline.h"
+
+namespace forge::cli {
+using namespace forge::pipeline;
+namespace {
+
+struct PlanOptions {
+  std::string schedule, svg, trace, costs;
+  int pp = 0, micro_batches = 0, vpp = 1;
+  bool comm = false;
+  double latency = 0;
+};
+
+// "--costs F,I,W[,FB]": B = I + W; the overlapped pair F&B defaults to F + B (no overlap).
+StageCosts parse_costs(const std::string& text) {
+  StageCosts c;
+  if (text.empty()) return c;
+  std::vector<double> values;
+  size_t begin = 0;
+  while (true) {
+    const size_t comma = text.find(',', begin);
+    const std::string field =
+        text.substr(begin, comma == std::string::npos ? std::string::npos : comma - begin);
+    char* end = nullptr;
+    errno = 0;
+    const double v = std::strtod(field.c_str(), &end);
+    if (field.empty() || *end != '\0' || errno == ERANGE || !std::isfinite(v) || v <= 0)
+      fail("--costs '{}': expected F,I,W or F,I,W,FB, positive numbers (e.g. 1,1,1 or 1,1,1,2.5)", text);
+    values.push_back(v);
+    if (comma == std::string::npos) break;
+    begin = comma + 1;
+  }
+  if (values.size() != 3 && values.size() != 4)
+    fail("--costs '{}': expected 3 or 4 numbers F,I,W[,FB] (got {})", text, values.size());
+  c.forward = values[0];
+  c.backward_input = values[1];
+  c.backward_weight = values[2];
+  if (values.size() == 4) c.forward_backward = values[3];
+  return c;
+}
+
+std::string plural(int n, const char* one, const char* many) {
+  return fmt::format("{} {}", n, n == 1 ? one : many);
+}
+
+int run_schedule(const PlanOptions& o) {
+  if (o.latency < 0 || !std::isfinite(o.latency)) fail("--latency {}: expected a number >= 0", o.latency);
+  Costs costs;
+  costs.uniform = parse_costs(o.costs);
+  costs.latency = o.latency;
+  const Schedule schedule = make_schedule({o.schedule, o.pp, o.micro_batches, o.vpp});
+  const Replay replay = pipeline::replay(schedule, costs);
+  const Placement& p = schedule.placement;
+
+  const StageCosts& c = costs.uniform;
+  const double backward = c.backward_input + c.backward_weight;
+  const double pair = c.forward_backward >= 0 ? c.forward_backward : c.forward + backward;
+  const std::string name =
+      o.schedule == "interleaved" ? fmt::format("interleaved (vpp {})", o.vpp) : o.schedule;
+  const std::string cost_line =
+      fmt::format("F {:g}, I {:g}, W {:g}, B {:g}, F&B {:g}{}", c.forward, c.backward_input,
+                  c.backward_weight, backward, pair, c.forward_backward >= 0 ? "" : " (F + B)");
+
+  // The files first: a path that cannot be written is then the only thing printed.
+  const std::vector<TimelineSpan> spans = timeline_of(schedule, replay, /*with_comm=*/!o.trace.empty());
+  if (!o.svg.empty()) {
+    TimelineSvgStyle style;
+    style.subtitle = "costs per chunk: " + cost_line;
+    const std::string title = fmt::format("{}: pp {}, {}, makespan {:g}, bubble {:.1f}%", name, p.ranks,
+                                          plural(p.micro_batches, "micro-batch", "micro-batches"),
+                                          replay.makespan, 100 * replay.bubble_fraction());
+    std::vector<TimelineSpan> compute;
+    for (const TimelineSpan& s : spans)
+      if (is_compute(s.op)) compute.push_back(s);
+    write_file_atomically(o.svg, timeline_svg(compute, p.ranks, title, style), "timeline SVG");
+  }
+  if (!o.trace.empty()) {
+    std::vector<std::string> rows;
+    for (int r = 0; r < p.ranks; ++r) rows.push_back(fmt::format("pp rank {}", r));
+    // One cost unit shows as one millisecond.
+    write_file_atomically(o.trace, chrome_trace_json(spans, rows, 1e-3), "Chrome trace");
+  }
+
+  std::printf("schedule %s: pp %d, %s, %s (%s per rank)\n", name.c_str(), p.ranks,
+              plural(p.micro_batches, "micro-batch", "micro-batches").c_str(),
+              plural(p.stages, "stage", "stages").c_str(), plural(p.chunks, "chunk", "chunks").c_str());
+  std::printf("costs per chunk: %s; latency %g\n\n", cost_line.c_str(), o.latency);
+  std::fputs(format_schedule(schedule, o.comm).c_str(), stdout);
+
+  std::printf("\n%4s %10s %10s %8s  %s\n", "rank", "busy", "idle", "bubble", "peak activations (chunks)");
+  for (int r = 0; r < p.ranks; ++r)
+    std::printf("%4d %10g %10g %7.1f%%  %d\n", r, replay.ranks[r].busy, replay.idle(r),
+                100 * replay.idle(r) / replay.makespan, replay.ranks[r].peak_activations);
+  std::printf("makespan %g, average bubble %.1f%%, max idle %g, max peak activations %d\n", replay.makespan,
+              100 * replay.bubble_fraction(), replay.max_idle(), replay.max_peak_activations());
+  if (!o.svg.empty()) std::printf("wrote %s\n", o.svg.c_str());
+  if (!o.trace.empty()) std::printf("wrote %s\n", o.trace.c_str());
+  return 0;
+}
+
+}  // namespace
+
+void add_plan_command(CLI::App& app, Commands& commands) {
+  auto o = std::make_shared<PlanOptions>();
+  auto* plan = app.add_subcommand("plan", "Look at a parallel layout before running it (pipeline schedules)");
+  plan->footer("Nothing here needs a GPU or MPI: each subcommand computes on this process only.");
+
+  auto* schedule = plan->add_subcommand(
+      "schedule",
+      "Build a pipeline schedule, replay it under per-action costs and print each rank's actions, idle time "
+      "and peak activations");
+  std::string known;
+  for (const std::string& n : schedule_names()) known += (known.empty() ? "" : ", ") + n;
+  schedule->add_option("--schedule", o->schedule, "pipeline schedule: " + known)
+      ->required()
+      ->type_name("NAME");
+  schedule->add_option("--pp", o->pp, "pipeline ranks")->required()->type_name("P");
+  schedule->add_option("--microbatches", o->micro_batches, "micro-batches per step")
+      ->required()
+      ->type_name("M");
+  schedule->add_option("--vpp", o->vpp, "model chunks per rank (interleaved only)")
+      ->capture_default_str()
+      ->type_name("V");
+  schedule->add_flag("--comm", o->comm, "list the sends and receives among the actions too");
+  schedule
+      ->add_option("--costs", o->costs,
+                   "times of one chunk's forward, backward-input and backward-weight, and of an "
+                   "overlapped F&B pair (default 1,1,1 and F&B = F + B; B is I + W)")
+      ->type_name("F,I,W[,FB]");
+  schedule->add_option("--latency", o->latency, "time from the end of a send to its arrival")
+      ->capture_default_str()
+      ->type_name("L");
+  schedule->add_option("--svg", o->svg, "write the replayed timeline as an SVG picture to FILE")
+      ->type_name("FILE");
+  schedule
+      ->add_option("--trace", o->trace,
+                   "write the replayed timeline, sends and receives included, as a Chrome trace (JSON; "
+                   "chrome://tracing or Perfetto) to FILE; one cost unit shows as 1 ms")
+      ->type_name("FILE");
+  schedule->footer(
+      "Output: the action list of every rank (F forward, B backward, I backward-input, W backward-weight, "
+      "F3+B1 an overlapped pair; .c the chunk when a rank holds several), then per rank its busy and idle "
+      "time, the idle share of the makespan (bubble) and the most chunks holding activations at once. "
+      "Example: forge plan schedule --schedule zb-h1 --pp 4 --microbatches 8 --svg zb-h1.svg");
+
+  commands.push_back({plan, [o, schedule] {
+                        if (*schedule) return run_schedule(*o);
+                        fail("plan needs a subcommand: schedule (see forge plan --help)");
+                      }});
+}
+
+}  // namespace forge::cli
