@@ -37,11 +37,12 @@ class PipelineRuns : public testing::Test {
       fs::remove_all(dir_);
       fs::create_directories(dir_);
       toy::write_toy_run_inputs(dir_);
-      std::ofstream model(dir_ / "config4.json");  // 4 layers: up to 4 stages
-      model
-          << R"({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
-                   "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 256,
-                   "max_position_embeddings": 64})";
+      for (int layers : {4, 8}) {  // up to 4 or 8 stages
+        std::ofstream model(dir_ / ("config" + std::to_string(layers) + ".json"));
+        model << R"({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": )" << layers
+              << R"(, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+                   "vocab_size": 256, "max_position_embeddings": 64})";
+      }
     }
     world.barrier().wait();
   }
@@ -74,7 +75,16 @@ struct PipelineCase {
   const char* recompute = "none";
   const char* pp_layers = "";
   const char* fp8 = "off";
+  int vpp = 1, layers = 4, accum = 4;
 };
+
+// The multi-chunk schedules: interleaved (vpp 2), the V placements and DualPipe's mirrored copies.
+PipelineCase chunked(const char* name, int pp, int tp, int dp, const char* schedule, int vpp, int layers,
+                     int accum, bool zero = false) {
+  PipelineCase c{name, pp, tp, dp, schedule, tp > 1, zero};
+  c.vpp = vpp, c.layers = layers, c.accum = accum;
+  return c;
+}
 
 class PipelineLayouts : public PipelineRuns, public testing::WithParamInterface<PipelineCase> {};
 
@@ -106,12 +116,13 @@ TEST_P(PipelineLayouts, ReproduceTheOneRankRun) {
   const bool fp8 = std::string(p.fp8) != "off";
   auto make = [&](const std::string& run) {
     TrainConfig c = config(run);
+    c.model.config = (dir_ / ("config" + std::to_string(p.layers) + ".json")).string();
     c.train.recompute = p.recompute;
     if (fp8) c.train.dtype = "bf16", c.fp8.recipe = p.fp8;
     return c;
   };
   TrainConfig ref = make("reference-" + std::to_string(world.rank()));
-  ref.train.grad_accum = 4 * p.dp;
+  ref.train.grad_accum = p.accum * p.dp;
   auto self = comm::make_self();
   const TrainResult want = Trainer(ref, self.get()).run();
 
@@ -121,6 +132,8 @@ TEST_P(PipelineLayouts, ReproduceTheOneRankRun) {
   par.parallel.sequence_parallel = p.sequence_parallel;
   par.parallel.distributed_optimizer = p.zero;
   par.parallel.pp_layers = p.pp_layers;
+  par.parallel.vpp = p.vpp;
+  par.train.grad_accum = p.accum;
   const TrainResult got = Trainer(par, &world).run();
 
   ASSERT_EQ(got.losses.size(), want.losses.size());
@@ -141,15 +154,23 @@ TEST_P(PipelineLayouts, ReproduceTheOneRankRun) {
 
 INSTANTIATE_TEST_SUITE_P(
     Layouts, PipelineLayouts,
-    testing::Values(PipelineCase{"pp2_1f1b", 2, 1, 1, "1f1b"}, PipelineCase{"pp2_zbh1", 2, 1, 1, "zb-h1"},
-                    PipelineCase{"pp2_1f1b_recompute_full", 2, 1, 1, "1f1b", false, false, "full"},
-                    PipelineCase{"pp2_zbh1_uneven_1_3", 2, 1, 1, "zb-h1", false, false, "none", "1,3"},
-                    PipelineCase{"pp2_1f1b_fp8_current", 2, 1, 1, "1f1b", false, false, "none", "",
-                                 "current"},
-                    PipelineCase{"pp4_1f1b", 4, 1, 1, "1f1b"}, PipelineCase{"pp4_zbh1", 4, 1, 1, "zb-h1"},
-                    PipelineCase{"pp2_tp2_sp_1f1b", 2, 2, 1, "1f1b", true},
-                    PipelineCase{"pp2_dp2_zero1_zbh1", 2, 1, 2, "zb-h1", false, true},
-                    PipelineCase{"pp2_dp2_zbh1_uneven_3_1", 2, 1, 2, "zb-h1", false, false, "none", "3,1"}),
+    testing::Values(
+        PipelineCase{"pp2_1f1b", 2, 1, 1, "1f1b"}, PipelineCase{"pp2_zbh1", 2, 1, 1, "zb-h1"},
+        PipelineCase{"pp2_1f1b_recompute_full", 2, 1, 1, "1f1b", false, false, "full"},
+        PipelineCase{"pp2_zbh1_uneven_1_3", 2, 1, 1, "zb-h1", false, false, "none", "1,3"},
+        PipelineCase{"pp2_1f1b_fp8_current", 2, 1, 1, "1f1b", false, false, "none", "", "current"},
+        PipelineCase{"pp4_1f1b", 4, 1, 1, "1f1b"}, PipelineCase{"pp4_zbh1", 4, 1, 1, "zb-h1"},
+        PipelineCase{"pp2_tp2_sp_1f1b", 2, 2, 1, "1f1b", true},
+        PipelineCase{"pp2_dp2_zero1_zbh1", 2, 1, 2, "zb-h1", false, true},
+        PipelineCase{"pp2_dp2_zbh1_uneven_3_1", 2, 1, 2, "zb-h1", false, false, "none", "3,1"},
+        chunked("pp2_interleaved_vpp2", 2, 1, 1, "interleaved", 2, 4, 4),
+        chunked("pp2_zbv", 2, 1, 1, "zbv", 1, 4, 4), chunked("pp2_dualpipe", 2, 1, 1, "dualpipe", 1, 4, 4),
+        chunked("pp2_dualpipev", 2, 1, 1, "dualpipev", 1, 4, 6),
+        chunked("pp4_interleaved_vpp2", 4, 1, 1, "interleaved", 2, 8, 4),
+        chunked("pp4_zbv", 4, 1, 1, "zbv", 1, 8, 8), chunked("pp4_dualpipe", 4, 1, 1, "dualpipe", 1, 4, 8),
+        chunked("pp4_dualpipev", 4, 1, 1, "dualpipev", 1, 8, 8),
+        chunked("pp2_dp2_zero1_dualpipe", 2, 1, 2, "dualpipe", 1, 4, 4, true),
+        chunked("pp2_tp2_sp_dualpipev", 2, 2, 1, "dualpipev", 1, 4, 4)),
     [](const auto& info) { return std::string(info.param.name); });
 
 // Stopped after 6 steps under pp = 2 (each rank saves its stage's tensors), resumed under dp = 2 (each
@@ -213,20 +234,33 @@ TEST_F(PipelineRuns, BadPipelineSettingsAreOneLineEach) {
   c.train.grad_accum = 2 * n - 1;
   expect(c, "schedule dualpipev needs at least 2 * pp = " + std::to_string(2 * n));
   c.train.grad_accum = 2 * n;
-  expect(c, "the trainer holds one chunk per rank so far: use 1f1b or zb-h1");
+  c.parallel.pp_layers = n == 2 ? "1,1,1" : "1,1,1,1,1,1,1";  // dualpipev cuts 2 x pp stages
+  expect(c, "parallel.pp_layers = \"" + c.parallel.pp_layers + "\" has " + std::to_string(2 * n - 1) +
+                " entries, but parallel.pp = " + std::to_string(n) + " x 2 (schedule dualpipev) makes " +
+                std::to_string(2 * n) + " stages");
+  c.parallel.pp_layers = "";
+  c.parallel.schedule = "interleaved";
+  c.parallel.vpp = 2;
+  c.train.grad_accum = n + 1;
+  expect(c, "divisible by pp = " + std::to_string(n));
+  c.parallel.vpp = 1;
   if (n == 4) {
     c.parallel.pp = 3;  // 3 x 1 does not fill 4 ranks: the layout says so first
     c.parallel.schedule = "1f1b";
     c.parallel.dp = 1;
     expect(c, "parallel layout");
   }
-  TrainConfig odd = config("odd");
-  odd.parallel.pp = n;
-  odd.parallel.schedule = "dualpipe";
-  odd.train.grad_accum = 2 * n;
-  if (n == 4) {  // 4 layers over 4 stages of dualpipe is fine for the generator; it is the chunks
-    expect(odd, "one chunk per rank");
+  TrainConfig tied = config("tied");
+  tied.parallel.pp = n;
+  const fs::path tied_json = dir_ / ("tied" + std::to_string(world.rank()) + ".json");
+  {
+    std::ofstream model(tied_json);
+    model << R"({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 256, "max_position_embeddings": 64,
+                 "tie_word_embeddings": true})";
   }
+  tied.model.config = tied_json.string();
+  expect(tied, "tie_word_embeddings with parallel.pp = " + std::to_string(n));
   TrainConfig uneven = config("uneven");
   uneven.model.config = (dir_ / "config.json").string();  // 2 layers
   uneven.parallel.pp = n;

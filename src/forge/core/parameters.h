@@ -90,6 +90,9 @@ class ParameterStore {
   int add(std::string name, Shape shape, bool weight_decay, Init init, float init_std = 0.02f,
           ShardSpec shard = {}, std::string group = "dense");
   void set_grad_uses(int id, int uses);
+  // The parameter is a copy of one another rank holds as primary (DualPipe's mirrored chunks): like a
+  // replicated tensor-parallel copy, it is left out of the gradient norm and of checkpoints' saved pieces.
+  void mark_copy(int id) { infos_.at(id).shard.primary = false; }
   // with_grads = false (inference: eval, generate, convert) leaves out the gradient buffer, a third or
   // half of the memory; gradient accessors then fail. The buffers live on `device`; initialisation and
   // loading compute on the host and copy there.

@@ -97,8 +97,9 @@ std::unique_ptr<ModelConfig> read_model_config(const std::string& path) {
 }
 
 std::unique_ptr<Model> build_model(const ModelConfig& config, const nn::ComputeOptions& options,
-                                   const StageSpec& stage, float init_std, bool with_grads) {
-  return family_named(config.architecture()).build(config, options, stage, init_std, with_grads);
+                                   const StageSpec& stage, float init_std, bool with_grads,
+                                   ParameterStore* into) {
+  return family_named(config.architecture()).build(config, options, stage, init_std, with_grads, into);
 }
 
 }  // namespace forge::models

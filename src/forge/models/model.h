@@ -152,9 +152,11 @@ struct ModelFamily {
   // Reads and validates a config.json (strict: unknown keys are errors naming source).
   std::function<std::unique_ptr<ModelConfig>(const nlohmann::json& json, std::string_view source)>
       parse_config;
-  // Builds a stage; with_grads = false builds an inference model (no gradient buffers).
+  // Builds a stage; with_grads = false builds an inference model (no gradient buffers). into: see
+  // build_model.
   std::function<std::unique_ptr<Model>(const ModelConfig& config, const nn::ComputeOptions& options,
-                                       const StageSpec& stage, float init_std, bool with_grads)>
+                                       const StageSpec& stage, float init_std, bool with_grads,
+                                       ParameterStore* into)>
       build;
 };
 
@@ -165,8 +167,12 @@ const ModelFamily& family_of(const nlohmann::json& config_json, std::string_view
 const ModelFamily& family_named(std::string_view architecture);
 std::unique_ptr<ModelConfig> parse_model_config(const nlohmann::json& config_json, std::string_view source);
 std::unique_ptr<ModelConfig> read_model_config(const std::string& path);  // a config.json file
+// into (null: the stage's own store): register the stage's parameters into this store, which the chunks of
+// one pipeline rank share (interleaved, V and DualPipe schedules: one optimizer, one set of gradient buckets
+// and one checkpoint per rank). The caller allocates it once every chunk is built (bf16 shadow when the GEMM
+// dtype is bf16, gradients, on options.device) and then seals options.fp8; params() is the shared store.
 std::unique_ptr<Model> build_model(const ModelConfig& config, const nn::ComputeOptions& options,
                                    const StageSpec& stage = StageSpec::whole(), float init_std = 0.02f,
-                                   bool with_grads = true);
+                                   bool with_grads = true, ParameterStore* into = nullptr);
 
 }  // namespace forge::models

@@ -1,34 +1,107 @@
 #include "forge/train/pipelining.h"
 
+#include <algorithm>
+#include <memory>
+
 #include "forge/parallel/pipeline/executor.h"
 #include "forge/train/pipeline_chunk.h"
 
 namespace forge::train {
 
-models::LossSum Pipelining::run(models::Model& model, int count,
-                                const std::function<models::MicroBatch(int)>& micro_batch) {
+Pipelining::Pipelining(const pipeline::Schedule& schedule, int pp_rank, comm::Communicator& pp,
+                       std::vector<models::Model*> chunks, int64_t rows, int64_t sequence_split,
+                       comm::Communicator* mirror, std::vector<std::pair<int64_t, int64_t>> chunk_ranges)
+    : schedule_(schedule),
+      pp_rank_(pp_rank),
+      pp_(pp),
+      chunks_(std::move(chunks)),
+      rows_(rows),
+      sequence_split_(sequence_split),
+      mirror_(mirror),
+      chunk_ranges_(std::move(chunk_ranges)) {
+  FORGE_CHECK(static_cast<int>(chunks_.size()) == schedule.placement.chunks,
+              "schedule {} has {} chunks per rank, got {}", schedule.name, schedule.placement.chunks,
+              chunks_.size());
+  FORGE_CHECK(!mirror_ || chunk_ranges_.size() == chunks_.size(), "mirrored chunks need their ranges");
+}
+
+int Pipelining::micro_batches_per_chunk(int count) const {
   FORGE_CHECK(count == schedule_.placement.micro_batches,
               "schedule {} was made for {} micro-batches, the step has {}", schedule_.name,
               schedule_.placement.micro_batches, count);
-  ModelChunk chunk(model, micro_batch, rows_);
-  pipeline::Executor executor(schedule_, pp_rank_, {&chunk}, pp_, pp_);
-  executor.run();
-  return chunk.loss();
+  return static_cast<int>(schedule_.placement.micro_batches_of(pp_rank_, 0).size());
 }
 
-models::LossSum Pipelining::forward_loss(models::Model& model, const models::MicroBatch& mb) {
-  const pipeline::Placement& p = schedule_.placement;
-  const int stage = p.stage(pp_rank_, 0);
-  Tensor input;
-  if (stage > 0) {
-    const int64_t rows = mb.batch * mb.seq / sequence_split_;
-    input = Tensor::empty({rows, model.config().shape().hidden}, DType::f32, model.options().device);
-    pp_.recv(input.raw(), input.numel(), comm::Type::f32, p.locate(0, stage - 1).rank, 0).wait();
+models::LossSum Pipelining::run(models::Model& model, int count,
+                                const std::function<models::MicroBatch(int)>& micro_batch) {
+  FORGE_CHECK(&model == chunks_[0], "Pipelining runs the chunks it was made with");
+  (void)micro_batches_per_chunk(count);
+  std::vector<std::unique_ptr<ModelChunk>> chunks;
+  std::vector<pipeline::Chunk*> views;
+  for (models::Model* m : chunks_) {
+    chunks.push_back(std::make_unique<ModelChunk>(*m, micro_batch, rows_));
+    views.push_back(chunks.back().get());
   }
-  const models::StageOutput out = model.forward(mb, input, nullptr);
-  if (stage < p.stages - 1)
-    pp_.send(out.hidden.raw(), out.hidden.numel(), comm::Type::f32, p.locate(0, stage + 1).rank, 0).wait();
-  return out.loss;
+  pipeline::Executor executor(schedule_, pp_rank_, views, pp_, pp_);
+  executor.run();
+  if (mirror_) sum_mirrored_gradients();
+  models::LossSum loss;
+  for (const auto& c : chunks) loss.sum += c->loss().sum, loss.tokens += c->loss().tokens;
+  return loss;
+}
+
+// Rank r's chunk holding stage s and its mirror's chunk holding stage s cover the same tensors in the same
+// order; both ranks visit their stages in increasing order, so each all-reduce meets its partner.
+void Pipelining::sum_mirrored_gradients() {
+  ParameterStore& store = chunks_[0]->params();
+  std::vector<int> order(chunks_.size());
+  for (size_t c = 0; c < order.size(); ++c) order[c] = static_cast<int>(c);
+  std::sort(order.begin(), order.end(), [&](int a, int b) {
+    return schedule_.placement.stage(pp_rank_, a) < schedule_.placement.stage(pp_rank_, b);
+  });
+  for (int c : order) {
+    const auto [begin, end] = chunk_ranges_[c];
+    comm::all_reduce_sum(*mirror_, store.grads().f32() + begin, end - begin);
+  }
+}
+
+// Every rank walks the stages in order and takes part where it holds one, so each send meets a receive
+// posted by a rank that has finished everything before it.
+models::LossSum Pipelining::forward_loss(const models::MicroBatch& mb) {
+  const pipeline::Placement& p = schedule_.placement;
+  models::LossSum loss;
+  Tensor handed;  // the output of this rank's previous stage, when the next one is here too
+  std::vector<comm::Request> sends;
+  std::vector<Tensor> sent;
+  for (int s = 0; s < p.stages; ++s) {
+    const pipeline::Slot here = p.locate(0, s);
+    if (here.rank != pp_rank_) continue;
+    models::Model& model = *chunks_[here.chunk];
+    Tensor input;
+    if (s > 0) {
+      const pipeline::Slot from = p.locate(0, s - 1);
+      if (from.rank == pp_rank_) {
+        input = handed;
+      } else {
+        input = Tensor::empty({mb.batch * mb.seq / sequence_split_, model.config().shape().hidden},
+                              DType::f32, model.options().device);
+        pp_.recv(input.raw(), input.numel(), comm::Type::f32, from.rank, 0).wait();
+      }
+    }
+    const models::StageOutput out = model.forward(mb, input, nullptr);
+    loss.sum += out.loss.sum, loss.tokens += out.loss.tokens;
+    if (s + 1 < p.stages) {
+      const pipeline::Slot to = p.locate(0, s + 1);
+      if (to.rank == pp_rank_) {
+        handed = out.hidden;
+      } else {
+        sends.push_back(pp_.send(out.hidden.raw(), out.hidden.numel(), comm::Type::f32, to.rank, 0));
+        sent.push_back(out.hidden);
+      }
+    }
+  }
+  comm::wait_all(sends);
+  return loss;
 }
 
 }  // namespace forge::train

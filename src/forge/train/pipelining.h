@@ -1,7 +1,10 @@
-// The step's pipeline schedule: runs a step's micro-batches through this rank's stage with the executor
+// The step's pipeline schedule: runs a step's micro-batches through this rank's chunks with the executor
 // (parallel/pipeline/executor.h), over the pp group, in the order of the configured schedule's action list.
 // The no-pipelining schedule (step.h) is the one-stage case.
 #pragma once
+
+#include <utility>
+#include <vector>
 
 #include "forge/comm/comm.h"
 #include "forge/parallel/pipeline/schedule.h"
@@ -11,24 +14,35 @@ namespace forge::train {
 
 class Pipelining final : public Schedule {
  public:
-  // rows: the hidden-state rows of one training micro-batch between stages (TrainSetup::stage_rows);
-  // sequence_split: tp under sequence parallelism (a batch's rows are split over it), else 1.
-  Pipelining(const pipeline::Schedule& schedule, int pp_rank, comm::Communicator& pp, int64_t rows,
-             int64_t sequence_split)
-      : schedule_(schedule), pp_rank_(pp_rank), pp_(pp), rows_(rows), sequence_split_(sequence_split) {}
+  // chunks: this rank's chunks in the placement's order (TrainSetup::chunks()). rows: the hidden-state rows
+  // of one training micro-batch between stages (TrainSetup::stage_rows); sequence_split: tp under sequence
+  // parallelism (a batch's rows are split over it), else 1. DualPipe: mirror pairs this rank with the one
+  // holding copies of its stages, chunk_ranges are the chunks' flat ranges of the shared store, and each
+  // step's gradients of the two copies of a stage are summed over it.
+  Pipelining(const pipeline::Schedule& schedule, int pp_rank, comm::Communicator& pp,
+             std::vector<models::Model*> chunks, int64_t rows, int64_t sequence_split,
+             comm::Communicator* mirror = nullptr,
+             std::vector<std::pair<int64_t, int64_t>> chunk_ranges = {});
 
-  // The loss of the micro-batches this rank's stage ended: all of them on the last stage, none elsewhere.
+  // Every chunk computes the same number of micro-batches: all of them, or (DualPipe) one direction's half.
+  int micro_batches_per_chunk(int count) const override;
+  // The loss of the micro-batches this rank's chunks ended. model: the first chunk.
   models::LossSum run(models::Model& model, int count,
                       const std::function<models::MicroBatch(int)>& micro_batch) override;
-  // Evaluation: one batch through every stage, forward only (nothing kept); its loss on the last stage.
-  // Collective over the pp group.
-  models::LossSum forward_loss(models::Model& model, const models::MicroBatch& mb);
+  // Evaluation: one batch through every stage, forward only (nothing kept); its loss where the last stage
+  // is, 0 elsewhere. Collective over the pp group.
+  models::LossSum forward_loss(const models::MicroBatch& mb);
 
  private:
+  void sum_mirrored_gradients();
+
   const pipeline::Schedule& schedule_;
   int pp_rank_;
   comm::Communicator& pp_;
+  std::vector<models::Model*> chunks_;
   int64_t rows_, sequence_split_;
+  comm::Communicator* mirror_;
+  std::vector<std::pair<int64_t, int64_t>> chunk_ranges_;
 };
 
 }  // namespace forge::train

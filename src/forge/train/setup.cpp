@@ -78,7 +78,7 @@ TrainSetup::TrainSetup(const TrainConfig& c, comm::Communicator& world_)
         model_source, vocab, codec.vocab_size(), codec.description(), codec.vocab_size(), vocab);
   make_compute_options();
   make_pipeline();
-  model = build_model(*model_config, options, stage, static_cast<float>(c.model.init_std));
+  build_chunks();
   model->initialize(c.model.seed);
   if (init_source) load_pretrained_weights(*init_source, model->params());
 
@@ -86,7 +86,8 @@ TrainSetup::TrainSetup(const TrainConfig& c, comm::Communicator& world_)
   parallel::BucketOptions bucket_options;
   bucket_options.bucket_bytes = static_cast<int64_t>(c.parallel.bucket_mb * 1048576.0);
   bucket_options.shard = c.parallel.distributed_optimizer;
-  bucket_options.overlap = c.parallel.overlap_grad_reduce && dp > 1;
+  // DualPipe's mirrored copies are summed once the schedule is done, before the buckets reduce over dp.
+  bucket_options.overlap = c.parallel.overlap_grad_reduce && dp > 1 && !mirror;
   // On GPUs the gradient buckets reduce device memory: over NCCL, or with one replica over nothing at all.
   if (on_gpu() && !dp_nccl) dp_self = comm::make_self("dp");
   buckets = std::make_unique<parallel::GradBuckets>(
@@ -98,13 +99,48 @@ TrainSetup::TrainSetup(const TrainConfig& c, comm::Communicator& world_)
   schedule = c.lr_schedule();
 }
 
+std::vector<Model*> TrainSetup::chunks() const {
+  std::vector<Model*> out{model.get()};
+  for (const auto& m : more_chunks) out.push_back(m.get());
+  return out;
+}
+
+void TrainSetup::build_chunks() {
+  const float init_std = static_cast<float>(config.model.init_std);
+  if (chunk_stages.size() == 1) {
+    model = build_model(*model_config, options, chunk_stages[0], init_std);
+    return;
+  }
+  rank_params = std::make_unique<ParameterStore>();
+  for (size_t c = 0; c < chunk_stages.size(); ++c) {
+    const int64_t begin = rank_params->numel();
+    std::unique_ptr<Model> built =
+        build_model(*model_config, options, chunk_stages[c], init_std, true, rank_params.get());
+    chunk_ranges.push_back({begin, rank_params->numel()});
+    if (c == 0)
+      model = std::move(built);
+    else
+      more_chunks.push_back(std::move(built));
+  }
+  rank_params->allocate(options.gemm_dtype == DType::bf16, true, options.device);
+  if (options.fp8) options.fp8->seal();
+  if (pipeline->placement.mirrored) {
+    // Rank r holds stage r as chunk 0 and a copy of stage P-1-r as chunk 1, which rank P-1-r holds as its
+    // chunk 0: the copies are not primary, so each element counts once in the norm and in checkpoints.
+    for (int id = 0; id < rank_params->count(); ++id)
+      if (rank_params->info(id).offset >= chunk_ranges[1].first) rank_params->mark_copy(id);
+    const int P = layout.pp();
+    mirror = groups.pp->split(std::min(pp_rank, P - 1 - pp_rank), pp_rank, "pp_mirror");
+  }
+}
+
 // This rank's stage: the schedule's placement of the stages over the pp ranks, and the layers of each stage
 // (an even split, or parallel.pp_layers).
 void TrainSetup::make_pipeline() {
   const TrainConfig& c = config;
   const int pp = layout.pp();
   const int64_t layers = model_config->shape().layers;
-  stage = StageSpec::whole();
+  chunk_stages = {StageSpec::whole()};
   stage_rows = micro * seq / (c.parallel.sequence_parallel && layout.tp() > 1 ? layout.tp() : 1);
   if (pp == 1) {
     if (!c.parallel.pp_layers.empty())
@@ -120,12 +156,6 @@ void TrainSetup::make_pipeline() {
     fail("{}: {} (micro-batches per step = train.grad_accum)", c.origin_of("parallel.schedule"), e.what());
   }
   const pipeline::Placement& p = pipeline->placement;
-  if (p.chunks > 1)
-    fail(
-        "{}: parallel.schedule = {} puts {} model chunks on every pipeline rank; the trainer holds one chunk "
-        "per "
-        "rank so far: use 1f1b or zb-h1",
-        c.origin_of("parallel.schedule"), c.parallel.schedule, p.chunks);
   if (model_config->to_json().value("tie_word_embeddings", false))
     fail(
         "{}: tie_word_embeddings with parallel.pp = {}: the embedding and the loss head sit on different "
@@ -137,21 +167,31 @@ void TrainSetup::make_pipeline() {
         "per "
         "stage; use current or block scaling",
         c.origin_of("fp8.recipe"), pp);
-  const std::vector<int64_t> counts = pipeline::stage_layer_counts(layers, p.stages, c.parallel.pp_layers,
-                                                                   fmt::format("parallel.pp = {}", pp));
-  const int mine = p.stage(pp_rank, 0);
-  for (int s = 0; s < mine; ++s) stage.first_layer += counts[s];
-  stage.end_layer = stage.first_layer + counts[mine];
-  stage.pre_process = mine == 0;
-  stage.post_process = mine == p.stages - 1;
+  const std::string stages_from =
+      p.stages == pp ? fmt::format("parallel.pp = {}", pp)
+      : c.parallel.schedule == "interleaved"
+          ? fmt::format("parallel.pp = {} x parallel.vpp = {}", pp, c.parallel.vpp)
+          : fmt::format("parallel.pp = {} x 2 (schedule {})", pp, c.parallel.schedule);
+  const std::vector<int64_t> counts =
+      pipeline::stage_layer_counts(layers, p.stages, c.parallel.pp_layers, stages_from);
+  chunk_stages.clear();
+  for (int chunk = 0; chunk < p.chunks; ++chunk) {
+    const int mine = p.stage(pp_rank, chunk);
+    StageSpec spec;
+    for (int s = 0; s < mine; ++s) spec.first_layer += counts[s];
+    spec.end_layer = spec.first_layer + counts[mine];
+    spec.pre_process = mine == 0;
+    spec.post_process = mine == p.stages - 1;
+    chunk_stages.push_back(spec);
+  }
   const pipeline::Replay unit = pipeline::replay(*pipeline);
   std::vector<std::string> ranges;
   for (int64_t s = 0, first = 0; s < p.stages; first += counts[s++])
     ranges.push_back(counts[s] == 1 ? fmt::format("{}", first)
                                     : fmt::format("{}-{}", first, first + counts[s] - 1));
   pipeline_summary = fmt::format(
-      "pipeline parallel {}: schedule {}, {} micro-batches per step, layers {} | bubble {:.0f}% of the step "
-      "under unit costs, peak {} micro-batches' activations per rank",
+      "pipeline parallel {}: schedule {}, {} micro-batches per step, stages of layers {} | bubble {:.0f}% of "
+      "the step under unit costs, peak {} chunks' activations per rank",
       pp, pipeline->name, accum, fmt::join(ranges, " | "), 100 * unit.bubble_fraction(),
       unit.max_peak_activations());
 }

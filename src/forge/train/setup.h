@@ -59,13 +59,22 @@ class TrainSetup {
   // Pipeline parallelism: the part of the model this rank holds (the whole model when pp = 1), the
   // schedule's action lists (null when pp = 1), this rank's place in them and the hidden-state rows one
   // micro-batch hands from stage to stage.
-  models::StageSpec stage;
+  // Schedules that place several chunks on a rank (interleaved, zbv, dualpipe, dualpipev) build each into
+  // one shared parameter store (rank_params), so that the rank has one optimizer, one set of gradient buckets
+  // and one checkpoint; chunk_ranges[c] is chunk c's flat range of it. DualPipe's mirror pairs ranks r and
+  // P-1-r, which hold copies of each other's stages and sum their gradients.
+  std::vector<models::StageSpec> chunk_stages;  // [chunk]
   std::unique_ptr<pipeline::Schedule> pipeline;
   int pp_rank = 0;
   int64_t stage_rows = 0;
   std::string pipeline_summary;  // for the run log
   comm::Communicator& pp_group() const { return *groups.pp; }
-  std::unique_ptr<models::Model> model;  // this rank's stage
+  std::unique_ptr<ParameterStore> rank_params;
+  std::vector<std::pair<int64_t, int64_t>> chunk_ranges;
+  std::unique_ptr<comm::Communicator> mirror;
+  std::unique_ptr<models::Model> model;                     // this rank's stage (its first chunk)
+  std::vector<std::unique_ptr<models::Model>> more_chunks;  // its other chunks
+  std::vector<models::Model*> chunks() const;
   std::unique_ptr<parallel::GradBuckets> buckets;
   std::unique_ptr<parallel::DistributedAdamW> optimizer;
   optim::LrSchedule schedule;
@@ -75,6 +84,7 @@ class TrainSetup {
   void open_devices();
   void make_compute_options();
   void make_pipeline();
+  void build_chunks();
 };
 
 // OpenMP threads per rank: train.threads, else OMP_NUM_THREADS when set, else this node's cores shared by

@@ -79,7 +79,7 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule,
   ParameterStore& params = model.params();
   const int64_t micro = setup.micro, seq = setup.seq, accum = setup.accum, dp = setup.dp;
   params.zero_grads();
-  params.begin_grad_step(static_cast<int>(accum));
+  params.begin_grad_step(schedule.micro_batches_per_chunk(static_cast<int>(accum)));
   setup.buckets->begin_step();
   // Sample order is that of one rank running dp x accum micro-batches: replica d takes the d-th run. Each
   // micro-batch has its own ids and targets, which a schedule may still read (the embedding's W) later.

@@ -23,6 +23,9 @@ class Schedule {
   // Runs micro-batches 0 .. count - 1 of one step through `model`; micro_batch(m) gives micro-batch m (its
   // ids and targets stay valid until the step ends). Returns the loss summed over the micro-batches.
   virtual models::LossSum run(models::Model& model, int count, const std::function<models::MicroBatch(int)>& micro_batch) = 0;
+  // The micro-batches of a step of `count` that pass through each of the rank's chunks, and so how many
+  // weight-gradient contributions every parameter expects (ParameterStore::begin_grad_step).
+  virtual int micro_batches_per_chunk(int count) const { return count; }
 };
 
 // One stage holding the whole model, micro-batch after micro-batch.

@@ -79,7 +79,7 @@ HeldOut evaluate(Model& model, Pipelining* pipelining, const TrainingData& data,
     if (w >= windows) continue;
     int64_t b = std::min(batch, windows - w);
     data.heldout_batch(w, b, ids.data(), targets.data());
-    LossSum part = pipelining ? pipelining->forward_loss(model, {ids.data(), targets.data(), b, seq, 0.0f})
+    LossSum part = pipelining ? pipelining->forward_loss({ids.data(), targets.data(), b, seq, 0.0f})
                               : model.forward_loss(ids.data(), targets.data(), b, seq);
     total.loss.sum += part.sum, total.loss.tokens += part.tokens;
     for (int64_t i = 0; i < b * seq; ++i) total.bytes += data.codec().byte_length(targets[i]);
@@ -513,8 +513,9 @@ TrainResult TrainingRun::run() {
   TrainSetup& s = *setup_;
   if (s.init_source) say("initialised from %s\n", s.init_source->dir.c_str());
   if (s.pipeline) {
-    auto p = std::make_unique<Pipelining>(*s.pipeline, s.pp_rank, s.pp_group(), s.stage_rows,
-                                          c_.parallel.sequence_parallel ? s.layout.tp() : 1);
+    auto p = std::make_unique<Pipelining>(*s.pipeline, s.pp_rank, s.pp_group(), s.chunks(), s.stage_rows,
+                                          c_.parallel.sequence_parallel ? s.layout.tp() : 1, s.mirror.get(),
+                                          s.chunk_ranges);
     pipelining_ = p.get();
     schedule_ = std::move(p);
   } else {

@@ -50,8 +50,8 @@ struct LlamaModel::Activations final : StageActivations {
 };
 
 LlamaModel::LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, float init_std, bool with_grads,
-                       StageSpec stage)
-    : config_(config), options_(options), stage_(stage) {
+                       StageSpec stage, ParameterStore* into)
+    : config_(config), options_(options), stage_(stage), params_(into ? *into : own_params_) {
   const std::string source = config.origin.name.empty() ? "model config" : config.origin.name;
   config_.validate(source);
   const int64_t layers = config.num_hidden_layers;
@@ -97,7 +97,7 @@ LlamaModel::LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, fl
                              {local_vocab_, h}, true, Init::normal, init_std, vocab_shard);
     }
   }
-  params_.allocate(options.gemm_dtype == DType::bf16, with_grads, options.device);
+  if (!into) params_.allocate(options.gemm_dtype == DType::bf16, with_grads, options.device);
 
   rope_.positions = config.max_position_embeddings;
   rope_.half_dim = config.head_dim / 2;
@@ -126,7 +126,7 @@ LlamaModel::LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, fl
         std::make_unique<nn::Mlp>(&params_, ids.mlp, h, config.intermediate_size / tp_size, layer_options),
         eps, layer_options);
   }
-  if (options.fp8) options.fp8->seal();
+  if (options.fp8 && !into) options.fp8->seal();
   if (stage_.post_process) {
     final_norm_ = nn::RmsNorm(&params_, norm_id_, eps);
     head_ = nn::LossHead(&params_, head_id_, v, vocab_start_, options);
@@ -425,10 +425,10 @@ ModelFamily llama_family() {
     return std::make_unique<LlamaConfig>(LlamaConfig::from_json(json, source));
   };
   f.build = [](const ModelConfig& config, const nn::ComputeOptions& options, const StageSpec& stage,
-               float init_std, bool with_grads) -> std::unique_ptr<Model> {
+               float init_std, bool with_grads, ParameterStore* into) -> std::unique_ptr<Model> {
     const auto* llama = dynamic_cast<const LlamaConfig*>(&config);
     FORGE_CHECK(llama != nullptr, "a {} config given to the LlamaForCausalLM family", config.architecture());
-    return std::make_unique<LlamaModel>(*llama, options, init_std, with_grads, stage);
+    return std::make_unique<LlamaModel>(*llama, options, init_std, with_grads, stage, into);
   };
   return f;
 }

@@ -27,9 +27,10 @@ using nn::KvCache;
 class LlamaModel final : public Model {
  public:
   // Registers and allocates the stage's parameters; they start at zero until initialize() or a load.
-  // with_grads = false builds an inference model (no gradient buffers; backward is refused).
+  // with_grads = false builds an inference model (no gradient buffers; backward is refused). into: see
+  // models::build_model (the parameters go into a store shared with other chunks, allocated by the caller).
   LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, float init_std = 0.02f,
-             bool with_grads = true, StageSpec stage = StageSpec::whole());
+             bool with_grads = true, StageSpec stage = StageSpec::whole(), ParameterStore* into = nullptr);
   LlamaModel(const LlamaModel&) = delete;
   LlamaModel& operator=(const LlamaModel&) = delete;
 
@@ -67,7 +68,8 @@ class LlamaModel final : public Model {
   LlamaConfig config_;
   nn::ComputeOptions options_;
   StageSpec stage_;
-  ParameterStore params_;
+  ParameterStore own_params_;  // unless built into a shared store
+  ParameterStore& params_;
   nn::RopeTable rope_;
   int embed_id_ = -1, norm_id_ = -1, head_id_ = -1;
   int64_t padded_vocab_ = 0, vocab_start_ = 0, local_vocab_ = 0;
