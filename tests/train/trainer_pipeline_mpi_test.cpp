@@ -12,9 +12,11 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "forge/comm/comm.h"
 #include "forge/models/pretrained.h"
+#include "forge/parallel/pipeline/schedule.h"
 #include "forge/train/trainer.h"
 #include "train/toy_run.h"
 
@@ -206,6 +208,40 @@ TEST_F(PipelineRuns, CheckpointUnderPipelineResumesUnderDataParallelism) {
   ASSERT_EQ(losses.size(), want.losses.size());
   for (size_t s = 0; s < losses.size(); ++s)
     EXPECT_NEAR(losses[s], want.losses[s], 2e-5 * want.losses[s]) << "step " << s + 1;
+}
+
+// log.profile_step under pp writes the step's measured timeline as a Chrome trace: one row per pp rank, one
+// complete event per compute action of the schedule, within the step.
+TEST_F(PipelineRuns, ProfileStepWritesTheMeasuredPipelineTimeline) {
+  comm::Communicator& world = comm::world();
+  TrainConfig c = config("profiled");
+  c.train.steps = 2;
+  c.log.profile_step = 2;
+  c.parallel.pp = world.size();
+  c.parallel.schedule = "dualpipev";
+  c.train.grad_accum = 2 * world.size();
+  c.model.config = (dir_ / (world.size() == 2 ? "config4.json" : "config8.json")).string();
+  Trainer(c, &world).run();
+  if (world.rank() != 0) return;
+  std::ifstream in(fs::path(c.log.run_dir) / "pipeline_trace.json");
+  ASSERT_TRUE(in.good());
+  const nlohmann::json trace = nlohmann::json::parse(in);
+  const pipeline::Schedule schedule =
+      pipeline::make_schedule({"dualpipev", world.size(), 2 * world.size(), 1});
+  size_t compute = 0;
+  for (const auto& list : schedule.actions)
+    for (const pipeline::Action& a : list) compute += pipeline::is_compute(a.op);
+  size_t events = 0, names = 0;
+  for (const auto& e : trace["traceEvents"]) {
+    if (e["ph"] == "X") {
+      ++events;
+      EXPECT_GE(e["dur"].get<double>(), 0);
+      EXPECT_LT(e["tid"].get<int>(), world.size());
+    }
+    if (e["ph"] == "M" && e["name"] == "thread_name") ++names;
+  }
+  EXPECT_EQ(events, compute);
+  EXPECT_EQ(names, static_cast<size_t>(world.size()));
 }
 
 std::string error_of(TrainConfig c) {

@@ -279,7 +279,8 @@ const std::vector<KeySpec>& key_specs() {
        "profile_step",
        FORGE_FIELD(log.profile_step),
        "time every op of this step and print where its time went; the table also goes to "
-       "<run_dir>/profile.json "
+       "<run_dir>/profile.json, and with pp > 1 the step's pipeline timeline to "
+       "<run_dir>/pipeline_trace.json "
        "(0 = off)",
        {}},
 

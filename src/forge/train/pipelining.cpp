@@ -1,7 +1,10 @@
 #include "forge/train/pipelining.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <memory>
+#include <sstream>
 
 #include "forge/parallel/pipeline/executor.h"
 #include "forge/train/pipeline_chunk.h"
@@ -43,7 +46,19 @@ models::LossSum Pipelining::run(models::Model& model, int count,
     views.push_back(chunks.back().get());
   }
   pipeline::Executor executor(schedule_, pp_rank_, views, pp_, pp_);
-  executor.run();
+  if (measure_) pp_.barrier().wait();
+  executor.run(measure_);
+  if (measure_) {
+    measured_.clear();
+    const std::vector<pipeline::Action>& list = schedule_.actions[pp_rank_];
+    for (size_t i = 0; i < list.size(); ++i) {
+      const pipeline::Action& a = list[i];
+      if (!pipeline::is_compute(a.op)) continue;
+      measured_.push_back({pp_rank_, executor.measured()[i].start, executor.measured()[i].end, a.op, a.chunk,
+                           a.micro_batch, a.chunk_b, a.micro_batch_b});
+    }
+    measure_ = false;
+  }
   if (mirror_) sum_mirrored_gradients();
   models::LossSum loss;
   for (const auto& c : chunks) loss.sum += c->loss().sum, loss.tokens += c->loss().tokens;
@@ -102,6 +117,38 @@ models::LossSum Pipelining::forward_loss(const models::MicroBatch& mb) {
   }
   comm::wait_all(sends);
   return loss;
+}
+
+PipelineTrace gather_pipeline_trace(comm::Communicator& pp, const std::vector<pipeline::TimelineSpan>& mine) {
+  std::string text;
+  for (const pipeline::TimelineSpan& s : mine)
+    text += fmt::format("{} {:.9f} {:.9f} {} {} {} {} {}\n", s.row, s.start, s.end, static_cast<int>(s.op),
+                        s.chunk, s.micro_batch, s.chunk_b, s.micro_batch_b);
+  const std::vector<std::string> all = comm::all_gather_strings(pp, text);
+  PipelineTrace trace;
+  if (pp.rank() != 0) return trace;
+  std::vector<pipeline::TimelineSpan> spans;
+  std::vector<double> busy(all.size(), 0.0);
+  double step = 0;
+  for (const std::string& part : all) {
+    std::istringstream in(part);
+    pipeline::TimelineSpan s;
+    int op = 0;
+    while (in >> s.row >> s.start >> s.end >> op >> s.chunk >> s.micro_batch >> s.chunk_b >>
+           s.micro_batch_b) {
+      s.op = static_cast<pipeline::Op>(op);
+      spans.push_back(s);
+      busy.at(s.row) += s.end - s.start;
+      step = std::max(step, s.end);
+    }
+  }
+  std::vector<std::string> names;
+  for (size_t r = 0; r < all.size(); ++r) {
+    names.push_back(fmt::format("pp rank {}", r));
+    trace.idle_fraction.push_back(step > 0 ? 1 - busy[r] / step : 0);
+  }
+  trace.json = pipeline::chrome_trace_json(spans, names, 1.0);
+  return trace;
 }
 
 }  // namespace forge::train

@@ -8,6 +8,7 @@
 
 #include "forge/comm/comm.h"
 #include "forge/parallel/pipeline/schedule.h"
+#include "forge/parallel/pipeline/timeline.h"
 #include "forge/train/step.h"
 
 namespace forge::train {
@@ -33,6 +34,11 @@ class Pipelining final : public Schedule {
   // is, 0 elsewhere. Collective over the pp group.
   models::LossSum forward_loss(const models::MicroBatch& mb);
 
+  // The next run times every action (after a barrier over pp, so the ranks' clocks start together);
+  // measured_spans() then holds this rank's compute actions, in seconds since that start.
+  void measure_next_run() { measure_ = true; }
+  const std::vector<pipeline::TimelineSpan>& measured_spans() const { return measured_; }
+
  private:
   void sum_mirrored_gradients();
 
@@ -43,6 +49,16 @@ class Pipelining final : public Schedule {
   int64_t rows_, sequence_split_;
   comm::Communicator* mirror_;
   std::vector<std::pair<int64_t, int64_t>> chunk_ranges_;
+  bool measure_ = false;
+  std::vector<pipeline::TimelineSpan> measured_;
 };
+
+// The measured timelines of every pp rank as one Chrome trace (collective over pp; the text on pp rank 0,
+// "" elsewhere), and each rank's idle share of the step.
+struct PipelineTrace {
+  std::string json;
+  std::vector<double> idle_fraction;  // [pp rank], on pp rank 0
+};
+PipelineTrace gather_pipeline_trace(comm::Communicator& pp, const std::vector<pipeline::TimelineSpan>& mine);
 
 }  // namespace forge::train

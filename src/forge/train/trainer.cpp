@@ -409,6 +409,7 @@ bool TrainingRun::run_step(TrainResult& result) {
   const int64_t live_before = s.on_gpu() ? device_memory(device).peak_allocated() : memory_stats().live_bytes;
   const bool profile_this_step = state_.step + 1 == c_.log.profile_step;  // steps are logged 1-based
   if (profile_this_step) ops::profile_begin(device);
+  if (profile_this_step && pipelining_) pipelining_->measure_next_run();
   const StepResult r = train_step(s, state_, *schedule_, hooks_.on_gradients);
   if (first) {
     result.peak_activation_bytes =
@@ -431,6 +432,18 @@ bool TrainingRun::run_step(TrainResult& result) {
     say("%s", ops::format_profile(profile).c_str());
     if (g_leader)
       write_file_atomically(run_dir_ / "profile.json", ops::profile_json(profile) + "\n", "op profile");
+    if (pipelining_) {
+      // The step's measured pipeline timeline, one row per pp rank (of the first data-parallel replica).
+      const PipelineTrace trace = gather_pipeline_trace(s.pp_group(), pipelining_->measured_spans());
+      if (g_leader) {
+        write_file_atomically(run_dir_ / "pipeline_trace.json", trace.json + "\n", "pipeline trace");
+        std::string idle;
+        for (size_t r = 0; r < trace.idle_fraction.size(); ++r)
+          idle += fmt::format("{}{:.0f}%", r ? " | " : "", 100 * trace.idle_fraction[r]);
+        say("pipeline timeline of step %lld: %s (chrome://tracing, ui.perfetto.dev) | idle per pp rank %s\n",
+            static_cast<long long>(state_.step), (run_dir_ / "pipeline_trace.json").c_str(), idle.c_str());
+      }
+    }
   }
   result.losses.push_back(r.loss);
   result.grad_norms.push_back(r.grad_norm);

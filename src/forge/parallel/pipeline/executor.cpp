@@ -44,6 +44,8 @@ void Executor::note_held() {
 Tensor Executor::take_input(int kind, Unit unit) {
   if (auto it = receiving_[kind].find(unit); it != receiving_[kind].end()) {
     it->second.request.wait();
+    if (measuring_ && input_ready_ < 0)
+      input_ready_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
     Tensor t = std::move(it->second.buffer);
     receiving_[kind].erase(it);
     return t;
@@ -151,16 +153,20 @@ void Executor::run(bool measure) {
   done_.assign(list.size(), false);
   measured_.assign(measure ? list.size() : 0, {});
   peak_held_ = 0;
-  using clock = std::chrono::steady_clock;
-  const auto t0 = clock::now();
-  auto seconds = [&] { return std::chrono::duration<double>(clock::now() - t0).count(); };
+  measuring_ = measure;
+  t0_ = std::chrono::steady_clock::now();
+  auto seconds = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+  };
   for (size_t i = 0; i < list.size(); ++i) {
     if (done_[i]) continue;
     const double start = measure ? seconds() : 0;
+    input_ready_ = -1;
     execute(i);
     done_[i] = true;
-    if (measure) measured_[i] = {start, seconds()};
+    if (measure) measured_[i] = {input_ready_ >= 0 ? input_ready_ : start, seconds()};
   }
+  measuring_ = false;
   for (Send& s : sending_) s.request.wait();
   sending_.clear();
   for (int k = 0; k < 2; ++k)

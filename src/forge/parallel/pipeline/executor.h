@@ -12,6 +12,7 @@
 // After a step nothing may be left: every message matched, every chunk's activations released.
 #pragma once
 
+#include <chrono>
 #include <map>
 #include <memory>
 #include <vector>
@@ -42,6 +43,7 @@ class Chunk {
   virtual int live_micro_batches() const = 0;  // micro-batches whose activations it still holds
 };
 
+// A compute action's start is when its input was there: the time it waited for a message is not its own.
 struct MeasuredAction {
   double start = 0, end = 0;  // seconds since the step began
 };
@@ -93,6 +95,9 @@ class Executor {
   std::map<Unit, Receive> receiving_[2];  // posted receives
   std::vector<Send> sending_;
   std::vector<MeasuredAction> measured_;
+  std::chrono::steady_clock::time_point t0_;
+  bool measuring_ = false;
+  double input_ready_ = -1;  // measuring: when the running action's first input was taken
   int peak_held_ = 0;
 };
 
