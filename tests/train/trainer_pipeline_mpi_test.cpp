@@ -40,10 +40,13 @@ class PipelineRuns : public testing::Test {
       fs::create_directories(dir_);
       toy::write_toy_run_inputs(dir_);
       for (int layers : {4, 8}) {  // up to 4 or 8 stages
-        std::ofstream model(dir_ / ("config" + std::to_string(layers) + ".json"));
-        model << R"({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": )" << layers
-              << R"(, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
-                   "vocab_size": 256, "max_position_embeddings": 64})";
+        for (const bool tied : {false, true}) {
+          std::ofstream model(dir_ / ("config" + std::to_string(layers) + (tied ? "_tied" : "") + ".json"));
+          model << R"({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": )" << layers
+                << R"(, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+                     "vocab_size": 256, "max_position_embeddings": 64, "tie_word_embeddings": )"
+                << (tied ? "true" : "false") << "}";
+        }
       }
     }
     world.barrier().wait();
@@ -78,7 +81,16 @@ struct PipelineCase {
   const char* pp_layers = "";
   const char* fp8 = "off";
   int vpp = 1, layers = 4, accum = 4;
+  bool tied = false;
 };
+
+// Tied embeddings: the first and last stage on two ranks (their copies summed), or on one (the V).
+PipelineCase tied(const char* name, int pp, int dp, const char* schedule, int layers, int accum,
+                  bool zero = false, int vpp = 1) {
+  PipelineCase c{name, pp, 1, dp, schedule, false, zero};
+  c.layers = layers, c.accum = accum, c.tied = true, c.vpp = vpp;
+  return c;
+}
 
 // The multi-chunk schedules: interleaved (vpp 2), the V placements and DualPipe's mirrored copies.
 PipelineCase chunked(const char* name, int pp, int tp, int dp, const char* schedule, int vpp, int layers,
@@ -118,7 +130,8 @@ TEST_P(PipelineLayouts, ReproduceTheOneRankRun) {
   const bool fp8 = std::string(p.fp8) != "off";
   auto make = [&](const std::string& run) {
     TrainConfig c = config(run);
-    c.model.config = (dir_ / ("config" + std::to_string(p.layers) + ".json")).string();
+    c.model.config =
+        (dir_ / ("config" + std::to_string(p.layers) + (p.tied ? "_tied" : "") + ".json")).string();
     c.train.recompute = p.recompute;
     if (fp8) c.train.dtype = "bf16", c.fp8.recipe = p.fp8;
     return c;
@@ -172,7 +185,11 @@ INSTANTIATE_TEST_SUITE_P(
         chunked("pp4_zbv", 4, 1, 1, "zbv", 1, 8, 8), chunked("pp4_dualpipe", 4, 1, 1, "dualpipe", 1, 4, 8),
         chunked("pp4_dualpipev", 4, 1, 1, "dualpipev", 1, 8, 8),
         chunked("pp2_dp2_zero1_dualpipe", 2, 1, 2, "dualpipe", 1, 4, 4, true),
-        chunked("pp2_tp2_sp_dualpipev", 2, 2, 1, "dualpipev", 1, 4, 4)),
+        chunked("pp2_tp2_sp_dualpipev", 2, 2, 1, "dualpipev", 1, 4, 4),
+        tied("pp2_1f1b_tied", 2, 1, "1f1b", 4, 4), tied("pp2_zbv_tied", 2, 1, "zbv", 4, 4),
+        tied("pp4_zbh1_tied", 4, 1, "zb-h1", 4, 4),
+        tied("pp4_interleaved_tied", 4, 1, "interleaved", 8, 4, false, 2),
+        tied("pp2_dp2_zero1_1f1b_tied", 2, 2, "1f1b", 4, 4, true)),
     [](const auto& info) { return std::string(info.param.name); });
 
 // Stopped after 6 steps under pp = 2 (each rank saves its stage's tensors), resumed under dp = 2 (each
@@ -286,17 +303,12 @@ TEST_F(PipelineRuns, BadPipelineSettingsAreOneLineEach) {
     c.parallel.dp = 1;
     expect(c, "parallel layout");
   }
-  TrainConfig tied = config("tied");
-  tied.parallel.pp = n;
-  const fs::path tied_json = dir_ / ("tied" + std::to_string(world.rank()) + ".json");
-  {
-    std::ofstream model(tied_json);
-    model << R"({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
-                 "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 256, "max_position_embeddings": 64,
-                 "tie_word_embeddings": true})";
-  }
-  tied.model.config = tied_json.string();
-  expect(tied, "tie_word_embeddings with parallel.pp = " + std::to_string(n));
+  TrainConfig tied_dualpipe = config("tied");
+  tied_dualpipe.model.config = (dir_ / "config4_tied.json").string();
+  tied_dualpipe.parallel.pp = n;
+  tied_dualpipe.parallel.schedule = "dualpipe";
+  tied_dualpipe.train.grad_accum = 2 * n;
+  expect(tied_dualpipe, "tie_word_embeddings with parallel.schedule = dualpipe");
   TrainConfig uneven = config("uneven");
   uneven.model.config = (dir_ / "config.json").string();  // 2 layers
   uneven.parallel.pp = n;

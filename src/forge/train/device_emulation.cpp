@@ -17,7 +17,8 @@ namespace {
 // device memory. Operations are therefore complete when they return; nothing overlaps.
 class EmulatedDeviceCommunicator final : public comm::Communicator {
  public:
-  EmulatedDeviceCommunicator(std::unique_ptr<comm::Communicator> host, std::string name) : host_(std::move(host)) {
+  EmulatedDeviceCommunicator(std::unique_ptr<comm::Communicator> host, std::string name)
+      : host_(std::move(host)) {
     rank_ = host_->rank(), size_ = host_->size(), world_rank_ = host_->world_rank();
     name_ = std::move(name);
     timeout_s_ = host_->timeout_seconds();
@@ -48,8 +49,9 @@ class EmulatedDeviceCommunicator final : public comm::Communicator {
     return run([&] { return host_->all_to_all(send, recv, count, type); });
   }
   comm::Request all_to_allv(const void* send, std::span<const int64_t> send_counts,
-                            std::span<const int64_t> send_displs, void* recv, std::span<const int64_t> recv_counts,
-                            std::span<const int64_t> recv_displs, comm::Type type) override {
+                            std::span<const int64_t> send_displs, void* recv,
+                            std::span<const int64_t> recv_counts, std::span<const int64_t> recv_displs,
+                            comm::Type type) override {
     check("all_to_allv", send, "send"), check("all_to_allv", recv, "recv");
     return run([&] {
       return host_->all_to_allv(send, send_counts, send_displs, recv, recv_counts, recv_displs, type);
@@ -67,7 +69,9 @@ class EmulatedDeviceCommunicator final : public comm::Communicator {
     check("broadcast", buf, "buffer");
     return run([&] { return host_->broadcast(buf, count, type, root); });
   }
-  comm::Request barrier() override { return run([&] { return host_->barrier(); }); }
+  comm::Request barrier() override {
+    return run([&] { return host_->barrier(); });
+  }
 
   std::unique_ptr<comm::Communicator> split(int color, int key, std::string name) override {
     std::unique_ptr<comm::Communicator> child = host_->split(color, key, name);
@@ -84,11 +88,13 @@ class EmulatedDeviceCommunicator final : public comm::Communicator {
   // NCCL reads and writes device memory only: a host buffer here is the bug a GPU run would hit.
   void check(const char* op, const void* p, const char* what) const {
     if (p != nullptr && !EmulatedDevice::is_device_memory(p))
-      fail("{} on the emulated nccl communicator '{}': the {} buffer {} is not device memory", op, name_, what, p);
+      fail("{} on the emulated nccl communicator '{}': the {} buffer {} is not device memory", op, name_,
+           what, p);
   }
   template <typename Issue>
   comm::Request run(Issue&& issue) {
-    if (EmulatedDevice::check_only()) return {};  // a dry run moves no data (device memory is never committed)
+    if (EmulatedDevice::check_only())
+      return {};  // a dry run moves no data (device memory is never committed)
     EmulatedDevice::Access open;
     issue().wait();
     return {};

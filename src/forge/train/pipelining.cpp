@@ -60,6 +60,10 @@ models::LossSum Pipelining::run(models::Model& model, int count,
     measure_ = false;
   }
   if (mirror_) sum_mirrored_gradients();
+  if (tied_group_ && tied_param_ >= 0) {
+    const Tensor g = chunks_[0]->params().grad(tied_param_);
+    comm::all_reduce_sum(*tied_group_, g.f32(), g.numel());
+  }
   models::LossSum loss;
   for (const auto& c : chunks) loss.sum += c->loss().sum, loss.tokens += c->loss().tokens;
   return loss;

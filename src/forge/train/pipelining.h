@@ -34,6 +34,10 @@ class Pipelining final : public Schedule {
   // is, 0 elsewhere. Collective over the pp group.
   models::LossSum forward_loss(const models::MicroBatch& mb);
 
+  // Tied embeddings with the first and the last stage on two ranks: after each step's schedule, the
+  // gradient of `param` (this rank's embedding or its copy) is summed over `group`, the two ranks.
+  void tie(comm::Communicator* group, int param) { tied_group_ = group, tied_param_ = param; }
+
   // The next run times every action (after a barrier over pp, so the ranks' clocks start together);
   // measured_spans() then holds this rank's compute actions, in seconds since that start.
   void measure_next_run() { measure_ = true; }
@@ -49,6 +53,8 @@ class Pipelining final : public Schedule {
   int64_t rows_, sequence_split_;
   comm::Communicator* mirror_;
   std::vector<std::pair<int64_t, int64_t>> chunk_ranges_;
+  comm::Communicator* tied_group_ = nullptr;
+  int tied_param_ = -1;
   bool measure_ = false;
   std::vector<pipeline::TimelineSpan> measured_;
 };

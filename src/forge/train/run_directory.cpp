@@ -17,7 +17,8 @@
 #include "forge/core/file_io.h"
 
 namespace forge::train {
-using namespace forge::optim; using namespace forge::ckpt;
+using namespace forge::optim;
+using namespace forge::ckpt;
 namespace fs = std::filesystem;
 
 DirectoryLock::DirectoryLock(const fs::path& dir, std::string_view key) {
@@ -88,7 +89,7 @@ ResumeDecision decide_resume(const TrainConfig& c) {
   const bool has_data = holds_checkpoint_data(root.string());
   ResumeDecision d;
   if (c.checkpoint.resume == "auto") {
-    if (!has_data) return d;  // nothing to continue: a fresh run
+    if (!has_data) return d;                                         // nothing to continue: a fresh run
     const ResolvedCheckpoint r = resolve_checkpoint(root.string());  // "incomplete" when nothing is
     d.checkpoint = r.dir;
     d.note = r.note;
@@ -98,9 +99,10 @@ ResumeDecision decide_resume(const TrainConfig& c) {
   if (c.checkpoint.resume.empty()) {
     if (!has_data) return d;
     if (!c.checkpoint.overwrite)
-      fail("{} already holds checkpoints ({}): continue that run with --set checkpoint.resume=auto, or start "
-           "over with --set checkpoint.overwrite=true, or give this run another log.run_dir",
-           root.string(), step_text(root.string()));
+      fail(
+          "{} already holds checkpoints ({}): continue that run with --set checkpoint.resume=auto, or start "
+          "over with --set checkpoint.overwrite=true, or give this run another log.run_dir",
+          root.string(), step_text(root.string()));
     remove_checkpoint_data(root.string());
     d.note = fmt::format("checkpoint.overwrite: removed the checkpoints in {}", root.string());
     return d;
@@ -117,10 +119,11 @@ ResumeDecision decide_resume(const TrainConfig& c) {
   d.from_own_directory = !own.empty() && same_folder(own, r.dir);
   if (d.from_own_directory) return d;
   if (!c.checkpoint.overwrite)
-    fail("checkpoint.resume = {}: this run saves into {}, which holds other checkpoints ({}); saving there "
-         "would mix the two runs. Set checkpoint.dir (or log.run_dir) to another directory, or "
-         "--set checkpoint.overwrite=true to let this run replace them",
-         c.checkpoint.resume, root.string(), step_text(root.string()));
+    fail(
+        "checkpoint.resume = {}: this run saves into {}, which holds other checkpoints ({}); saving there "
+        "would mix the two runs. Set checkpoint.dir (or log.run_dir) to another directory, or "
+        "--set checkpoint.overwrite=true to let this run replace them",
+        c.checkpoint.resume, root.string(), step_text(root.string()));
   // Checkpoints past the resumed one go at this run's first save (checkpoint_dir.h); a directory the
   // resumed checkpoint does not live in is cleared now.
   if (!inside(r.dir, root)) {

@@ -87,7 +87,7 @@ TrainSetup::TrainSetup(const TrainConfig& c, comm::Communicator& world_)
   bucket_options.bucket_bytes = static_cast<int64_t>(c.parallel.bucket_mb * 1048576.0);
   bucket_options.shard = c.parallel.distributed_optimizer;
   // DualPipe's mirrored copies are summed once the schedule is done, before the buckets reduce over dp.
-  bucket_options.overlap = c.parallel.overlap_grad_reduce && dp > 1 && !mirror;
+  bucket_options.overlap = c.parallel.overlap_grad_reduce && dp > 1 && !mirror && tied_param < 0;
   // On GPUs the gradient buckets reduce device memory: over NCCL, or with one replica over nothing at all.
   if (on_gpu() && !dp_nccl) dp_self = comm::make_self("dp");
   buckets = std::make_unique<parallel::GradBuckets>(
@@ -97,6 +97,22 @@ TrainSetup::TrainSetup(const TrainConfig& c, comm::Communicator& world_)
   optimizer = std::make_unique<parallel::DistributedAdamW>(&model->params(), adam_config, &dp_group(),
                                                            groups.model_parallel.get(), buckets.get());
   schedule = c.lr_schedule();
+}
+
+// Tied embeddings under pp: where the first and the last stage are on two ranks (of the same tp and dp
+// position), the last stage's copy of the embedding is a copy (out of the norm and the checkpoint) whose
+// gradient is summed with the embedding's every step, so that both take the same update and stay equal.
+void TrainSetup::tie_embeddings_across_stages() {
+  if (!pipeline || !model_config->to_json().value("tie_word_embeddings", false)) return;
+  const pipeline::Placement& p = pipeline->placement;
+  const int first = p.locate(0, 0).rank, last = p.locate(0, p.stages - 1).rank;
+  if (first == last) return;  // one tensor in the rank's store (LlamaModel shares it between the chunks)
+  const bool mine = pp_rank == first || pp_rank == last;
+  tied_group = groups.pp->split(mine ? 0 : -1, pp_rank, "pp_tied_embedding");
+  if (!mine) return;
+  tied_param = model->params().find("model.embed_tokens.weight");
+  FORGE_CHECK(tied_param >= 0, "pp rank {} holds a tied end stage without the embedding", pp_rank);
+  if (pp_rank == last) model->params().mark_copy(tied_param);
 }
 
 std::vector<Model*> TrainSetup::chunks() const {
@@ -109,6 +125,7 @@ void TrainSetup::build_chunks() {
   const float init_std = static_cast<float>(config.model.init_std);
   if (chunk_stages.size() == 1) {
     model = build_model(*model_config, options, chunk_stages[0], init_std);
+    tie_embeddings_across_stages();
     return;
   }
   rank_params = std::make_unique<ParameterStore>();
@@ -124,6 +141,7 @@ void TrainSetup::build_chunks() {
   }
   rank_params->allocate(options.gemm_dtype == DType::bf16, true, options.device);
   if (options.fp8) options.fp8->seal();
+  tie_embeddings_across_stages();
   if (pipeline->placement.mirrored) {
     // Rank r holds stage r as chunk 0 and a copy of stage P-1-r as chunk 1, which rank P-1-r holds as its
     // chunk 0: the copies are not primary, so each element counts once in the norm and in checkpoints.
@@ -156,11 +174,12 @@ void TrainSetup::make_pipeline() {
     fail("{}: {} (micro-batches per step = train.grad_accum)", c.origin_of("parallel.schedule"), e.what());
   }
   const pipeline::Placement& p = pipeline->placement;
-  if (model_config->to_json().value("tie_word_embeddings", false))
+  if (model_config->to_json().value("tie_word_embeddings", false) && p.mirrored)
     fail(
-        "{}: tie_word_embeddings with parallel.pp = {}: the embedding and the loss head sit on different "
-        "stages, and keeping their copies tied is not implemented yet",
-        model_source, pp);
+        "{}: tie_word_embeddings with parallel.schedule = dualpipe: its mirrored copies of the first and "
+        "last "
+        "stages are not kept tied yet; use dualpipev (the same schedule on a V, which ties them on one rank)",
+        model_source);
   if (c.fp8.recipe == "delayed")
     fail(
         "{}: fp8.recipe = delayed with parallel.pp = {}: its amax histories are kept per rank and not yet "

@@ -72,6 +72,11 @@ class TrainSetup {
   std::unique_ptr<ParameterStore> rank_params;
   std::vector<std::pair<int64_t, int64_t>> chunk_ranges;
   std::unique_ptr<comm::Communicator> mirror;
+  // Tied embeddings with the first and the last stage on two ranks: the pair's communicator (null on the
+  // other ranks) and the tied tensor's id in this rank's store; the last stage's copy sums its gradient with
+  // the embedding's after each schedule.
+  std::unique_ptr<comm::Communicator> tied_group;
+  int tied_param = -1;
   std::unique_ptr<models::Model> model;                     // this rank's stage (its first chunk)
   std::vector<std::unique_ptr<models::Model>> more_chunks;  // its other chunks
   std::vector<models::Model*> chunks() const;
@@ -85,6 +90,7 @@ class TrainSetup {
   void make_compute_options();
   void make_pipeline();
   void build_chunks();
+  void tie_embeddings_across_stages();
 };
 
 // OpenMP threads per rank: train.threads, else OMP_NUM_THREADS when set, else this node's cores shared by

@@ -9,15 +9,18 @@
 #include "forge/optim/adamw.h"
 
 namespace forge::train {
-using namespace forge::optim; using namespace forge::models; using namespace forge::data;
+using namespace forge::optim;
+using namespace forge::models;
+using namespace forge::data;
 
-ThroughputResult measure_training_throughput(const ModelConfig& config, nn::ComputeOptions options, int64_t batch,
-                                             int64_t seq, int warmup_steps, int steps,
+ThroughputResult measure_training_throughput(const ModelConfig& config, nn::ComputeOptions options,
+                                             int64_t batch, int64_t seq, int warmup_steps, int steps,
                                              const std::optional<nn::Fp8Options>& fp8, int64_t grad_accum,
                                              int profile_steps) {
   if (batch <= 0 || seq <= 0 || steps <= 0 || grad_accum <= 0)
     fail("bench: batch, seq, steps and grad_accum must be positive");
-  if (profile_steps < 0) fail("bench: profile steps must be 0 (no profile) or positive, got {}", profile_steps);
+  if (profile_steps < 0)
+    fail("bench: profile steps must be 0 (no profile) or positive, got {}", profile_steps);
   if (!device_usable(options.device)) fail("bench: no usable {} device", device_name(options.device));
   std::optional<nn::Fp8Context> fp8_context;
   if (fp8) options.fp8 = &fp8_context.emplace(*fp8);
@@ -29,7 +32,8 @@ ThroughputResult measure_training_throughput(const ModelConfig& config, nn::Comp
     model.initialize(1);
     AdamW optimizer(&model.params(), AdamWConfig{});
     const int64_t vocab = config.shape().vocab;
-    // Micro-batch a holds sequences [a * batch, (a + 1) * batch) of seq + 1 tokens: inputs and shifted targets.
+    // Micro-batch a holds sequences [a * batch, (a + 1) * batch) of seq + 1 tokens: inputs and shifted
+    // targets.
     const int64_t sequences = batch * grad_accum;
     std::vector<int32_t> inputs(sequences * seq), targets(sequences * seq);
     for (int64_t s = 0; s < sequences; ++s)
@@ -62,7 +66,8 @@ ThroughputResult measure_training_throughput(const ModelConfig& config, nn::Comp
     double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     r.seconds_per_step = seconds / steps;
     if (profile_steps > 0) {
-      // After the timed steps, so that timing every op cannot slow them. The losses of these steps are kept too.
+      // After the timed steps, so that timing every op cannot slow them. The losses of these steps are kept
+      // too.
       try {
         ops::profile_begin(options.device);
         try {

@@ -8,7 +8,8 @@
 #include "forge/parallel/distributed_optimizer.h"
 
 namespace forge::train {
-using namespace forge::optim; using namespace forge::ckpt;
+using namespace forge::optim;
+using namespace forge::ckpt;
 namespace {
 
 std::vector<float> to_host_vector(const Tensor& t) {

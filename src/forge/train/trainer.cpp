@@ -529,6 +529,7 @@ TrainResult TrainingRun::run() {
     auto p = std::make_unique<Pipelining>(*s.pipeline, s.pp_rank, s.pp_group(), s.chunks(), s.stage_rows,
                                           c_.parallel.sequence_parallel ? s.layout.tp() : 1, s.mirror.get(),
                                           s.chunk_ranges);
+    p->tie(s.tied_group.get(), s.tied_param);
     pipelining_ = p.get();
     schedule_ = std::move(p);
   } else {

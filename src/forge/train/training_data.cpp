@@ -12,7 +12,8 @@
 #include "forge/data/text_corpus.h"
 
 namespace forge::train {
-using namespace forge::optim; using namespace forge::data;
+using namespace forge::optim;
+using namespace forge::data;
 namespace fs = std::filesystem;
 
 TextCodec TextCodec::bytes() {
@@ -40,7 +41,8 @@ TextCodec TextCodec::from_tokenizer(Tokenizer tokenizer, std::string description
 
 std::vector<int32_t> TextCodec::encode(std::string_view text) const {
   if (tokenizer_) return tokenizer_->encode(text);
-  return {reinterpret_cast<const uint8_t*>(text.data()), reinterpret_cast<const uint8_t*>(text.data()) + text.size()};
+  return {reinterpret_cast<const uint8_t*>(text.data()),
+          reinterpret_cast<const uint8_t*>(text.data()) + text.size()};
 }
 
 std::string TextCodec::decode(std::span<const int32_t> ids) const {
@@ -57,7 +59,8 @@ std::string TextCodec::decode(std::span<const int32_t> ids) const {
 int64_t TextCodec::vocab_size() const { return static_cast<int64_t>(byte_lengths_.size()); }
 
 int64_t TextCodec::byte_length(int32_t id) const {
-  if (id < 0 || id >= vocab_size()) fail("token {} is outside the vocabulary of {} ({})", id, vocab_size(), description_);
+  if (id < 0 || id >= vocab_size())
+    fail("token {} is outside the vocabulary of {} ({})", id, vocab_size(), description_);
   return byte_lengths_[id];
 }
 
@@ -88,9 +91,9 @@ TextCodec make_text_codec(const TrainConfig& config, std::string_view training_t
   const fs::path cached = trained_tokenizer_path(config, training_text);
   if (fs::exists(cached)) {
     Tokenizer tokenizer = Tokenizer::from_file(cached);
-    return TextCodec::from_tokenizer(std::move(tokenizer),
-                                     fmt::format("byte-level BPE, vocabulary {} ({})", config.data.vocab_size,
-                                                 cached.string()));
+    return TextCodec::from_tokenizer(
+        std::move(tokenizer),
+        fmt::format("byte-level BPE, vocabulary {} ({})", config.data.vocab_size, cached.string()));
   }
   const auto start = std::chrono::steady_clock::now();
   BpeTrainerOptions options;
@@ -101,9 +104,11 @@ TextCodec make_text_codec(const TrainConfig& config, std::string_view training_t
   tokenizer.save(cached);
   std::printf("trained a byte-level BPE tokenizer of %lld tokens on %.1f MB in %.1f s -> %s\n",
               static_cast<long long>(config.data.vocab_size), static_cast<double>(training_text.size()) / 1e6,
-              std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), cached.c_str());
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+              cached.c_str());
   return TextCodec::from_tokenizer(
-      std::move(tokenizer), fmt::format("byte-level BPE, vocabulary {} ({})", config.data.vocab_size, cached.string()));
+      std::move(tokenizer),
+      fmt::format("byte-level BPE, vocabulary {} ({})", config.data.vocab_size, cached.string()));
 }
 
 CorpusTokens prepare_corpus(const TrainConfig& config) {
@@ -126,16 +131,18 @@ class CorpusData final : public TrainingData {
       : TrainingData(std::move(corpus.codec)), corpus_(std::move(corpus)), config_(config) {
     const int64_t seq = config.data.seq_len;
     if (static_cast<int64_t>(corpus_.train.size()) <= seq + 1)
-      fail("corpus '{}': its training split ({} tokens) is shorter than one sequence of {}", config.data.corpus,
-           corpus_.train.size(), seq + 1);
+      fail("corpus '{}': its training split ({} tokens) is shorter than one sequence of {}",
+           config.data.corpus, corpus_.train.size(), seq + 1);
     windows_ = num_sequential_windows(static_cast<int64_t>(corpus_.heldout.size()), seq);
     if (windows_ == 0)
-      fail("corpus '{}': its held-out split ({} tokens) is shorter than one sequence of {}; raise "
-           "data.heldout_fraction", config.data.corpus, corpus_.heldout.size(), seq + 1);
+      fail(
+          "corpus '{}': its held-out split ({} tokens) is shorter than one sequence of {}; raise "
+          "data.heldout_fraction",
+          config.data.corpus, corpus_.heldout.size(), seq + 1);
   }
   void train_batch(int64_t first, int64_t batch, int32_t* ids, int32_t* targets) const override {
-    sample_batch(corpus_.train.data(), static_cast<int64_t>(corpus_.train.size()), config_.model.seed, first, batch,
-                 config_.data.seq_len, ids, targets);
+    sample_batch(corpus_.train.data(), static_cast<int64_t>(corpus_.train.size()), config_.model.seed, first,
+                 batch, config_.data.seq_len, ids, targets);
   }
   int64_t heldout_windows() const override { return windows_; }
   void heldout_batch(int64_t first, int64_t batch, int32_t* ids, int32_t* targets) const override {
@@ -147,8 +154,8 @@ class CorpusData final : public TrainingData {
         "corpus {}: {} training bytes -> {} tokens ({:.2f} bytes/token), {} held-out bytes -> {} tokens | "
         "tokenizer {}",
         config_.data.corpus, corpus_.train_bytes, corpus_.train.size(),
-        static_cast<double>(corpus_.train_bytes) / static_cast<double>(corpus_.train.size()), corpus_.heldout_bytes,
-        corpus_.heldout.size(), codec_.description());
+        static_cast<double>(corpus_.train_bytes) / static_cast<double>(corpus_.train.size()),
+        corpus_.heldout_bytes, corpus_.heldout.size(), codec_.description());
   }
 
  private:
@@ -186,9 +193,9 @@ class DatasetData final : public TrainingData {
     int64_t train_tokens = 0, valid_tokens = 0;
     for (size_t k = 0; k < train_->num_datasets(); ++k) train_tokens += train_->dataset(k).tokens_per_epoch();
     for (size_t k = 0; k < valid_->num_datasets(); ++k) valid_tokens += valid_->dataset(k).tokens_per_epoch();
-    return fmt::format("dataset \"{}\" (split {}): {} training tokens, {} held-out tokens in {} windows | tokenizer {}",
-                       config_.data.dataset, config_.data.split, train_tokens, valid_tokens, windows_,
-                       codec_.description());
+    return fmt::format(
+        "dataset \"{}\" (split {}): {} training tokens, {} held-out tokens in {} windows | tokenizer {}",
+        config_.data.dataset, config_.data.split, train_tokens, valid_tokens, windows_, codec_.description());
   }
 
  private:
@@ -202,8 +209,9 @@ class DatasetData final : public TrainingData {
 std::unique_ptr<TrainingData> open_training_data(const TrainConfig& config) {
   if (config.data.dataset.empty()) return std::make_unique<CorpusData>(prepare_corpus(config), config);
   if (config.data.tokenizer == "train")
-    fail("data.dataset is set: data.tokenizer must name the tokenizer.json the dataset was preprocessed with "
-         "(or \"bytes\"), not \"train\"");
+    fail(
+        "data.dataset is set: data.tokenizer must name the tokenizer.json the dataset was preprocessed with "
+        "(or \"bytes\"), not \"train\"");
   return std::make_unique<DatasetData>(make_text_codec(config, {}), config);
 }
 

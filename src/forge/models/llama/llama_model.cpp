@@ -81,17 +81,22 @@ LlamaModel::LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, fl
   local_vocab_ = padded_vocab_ / tp_size, vocab_start_ = rank * local_vocab_;
   const ShardSpec vocab_shard{0, vocab_start_, {v, h}, true};
   const ShardSpec replicated{-1, 0, {}, rank == 0};
+  // Tied embeddings in a store shared with another chunk of the rank (the V schedules put the first and the
+  // last stage on one rank): the tensor is registered once and both chunks use it.
+  const int shared_embedding = config.tie_word_embeddings ? params_.find("model.embed_tokens.weight") : -1;
   if (stage_.pre_process)
-    embed_id_ = params_.add("model.embed_tokens.weight", {local_vocab_, h}, true, Init::normal, init_std,
-                            vocab_shard);
+    embed_id_ = shared_embedding >= 0 ? shared_embedding
+                                      : params_.add("model.embed_tokens.weight", {local_vocab_, h}, true,
+                                                    Init::normal, init_std, vocab_shard);
+  if (stage_.pre_process && shared_embedding >= 0) params_.set_grad_uses(embed_id_, 2);
   for (int64_t i = stage_.first_layer; i < stage_.end_layer; ++i) register_layer(i, init_std);
   if (stage_.post_process) {
     norm_id_ = params_.add("model.norm.weight", {h}, false, Init::ones, 0.02f, replicated);
     // Tied: the head reads the embedding; a last stage without the embedding holds its own copy under the
     // same name (the same values: initialisation depends on the name), which pipelines keep equal.
-    if (config.tie_word_embeddings && stage_.pre_process) {
-      head_id_ = embed_id_;
-      params_.set_grad_uses(embed_id_, 2);  // the embedding's and the head's gradients
+    if (config.tie_word_embeddings && (stage_.pre_process || shared_embedding >= 0)) {
+      head_id_ = stage_.pre_process ? embed_id_ : shared_embedding;
+      params_.set_grad_uses(head_id_, 2);  // the embedding's and the head's gradients
     } else {
       head_id_ = params_.add(config.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight",
                              {local_vocab_, h}, true, Init::normal, init_std, vocab_shard);
