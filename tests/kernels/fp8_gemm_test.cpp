@@ -1,3 +1,10 @@
+// The FP8 GEMM: the op tests (op_tests/fp8_gemm.h: K-major operands, per-tensor and block scales, fp32 and
+// bf16 C, against the double reference) on the CPU and the device emulation, and what only the CPU kernel
+// takes or has: every orientation and unaligned leading dimensions against the double reference, its threaded
+// passes, the quantisation recipes' accuracy, the limited-precision accumulator model, the bf16 output in
+// those layouts and its parameter errors.
+#include "kernels/op_tests/fp8_gemm.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -14,6 +21,12 @@
 #include "op_harness.h"
 
 namespace forge {
+namespace op_tests::fp8_gemm {
+FORGE_INSTANTIATE_OP_TEST(Fp8GemmOp, kCases, testing::Backend::cpu, testing::Backend::emulated);
+FORGE_INSTANTIATE_OP_TEST(Fp8GemmFixed, testing::kFixedCase, testing::Backend::cpu,
+                          testing::Backend::emulated);
+}  // namespace op_tests::fp8_gemm
+
 namespace {
 
 using ops::Fp8BlockScales;

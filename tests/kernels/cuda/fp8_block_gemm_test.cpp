@@ -1,20 +1,11 @@
-// The block-scaled FP8 GEMM on CUDA (kernels/cuda/fp8_block_gemm.cu) against the CPU op (ops::cpu_table's
-// fp8_gemm with the same block parameters on host copies), and its parameter checks. Cases that need a GPU
-// skip where none is usable; the checks, which run before anything touches the device, run everywhere.
-//
-// Tolerances. The CPU sums each K block of exact FP8 products (every product of two FP8 values is exact in
-// fp32) in fp32, then scales and adds the blocks in K order; the GPU does the same with the tensor cores'
-// summation order inside a block and one fused multiply-add per promotion. Two fp32 sums of the same k terms
-// in different orders differ by at most about 2 k 2^-24 of the sum of the terms' magnitudes, so per element
-//   |gpu - cpu| <= 2 (k + 16) 2^-24 S,  S = |alpha| sum_kb |a_scale b_scale| sum_{l in kb} |a_il b_jl| +
-//   |beta C|
-// (S computed in double on the host; the 16 covers the scale products, alpha and beta). Integer-valued codes
-// make every partial sum exact in any accumulator, so those cases hold the GPU to that bound whatever the
-// tensor cores' internal precision. On data spread over many binades Hopper's FP8 MMA keeps fewer than fp32's
-// bits inside a block (DeepSeek-V3 reports about 14); a model with 13 (12, 10) bits and truncation gives a
-// worst |error| of 2^-11.7 (2^-10.6, 2^-8.8) S per element and relative Frobenius errors of 6e-4
-// (1.2e-3, 4.9e-3) on the spread cases below, hence 2^-8 S per element and 4e-3 overall there; the test
-// prints what it saw.
+// The block-scaled FP8 GEMM on CUDA (kernels/cuda/fp8_block_gemm.cu): what only the CUDA backend checks, host
+// pointers refused (the device stays usable) and its parameter checks, which run before anything touches the
+// device (these run without a GPU too). Its comparisons with the CPU (integer and spread codes, 1x128 tiles
+// and 128x128 blocks, the FP8 Linear's shapes, bf16 output, repeatability) are op tests of
+// kernels/op_tests/fp8_gemm.h, instantiated for the GPU in gemm_test.cpp. The tolerance of the comparison
+// below: integer-valued codes make every partial sum exact in any accumulator, so two fp32 sums of the same k
+// terms in different orders differ by at most 2 (k + 16) 2^-24 S, S = |alpha| sum_kb |a_scale b_scale| sum_{l
+// in kb} |a_il b_jl| + |beta C|.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -208,118 +199,9 @@ double expect_close(const Problem& f, const std::vector<float>& got, const std::
 
 double fp32_order_bound(int64_t k, double s) { return 2.0 * (k + 16) * std::ldexp(s, -24); }
 
-std::string case_name(const Case& c) {
-  auto mix = [&] { return std::string(dtype_name(c.a_dtype)) + "x" + std::string(dtype_name(c.b_dtype)); };
-  return std::to_string(c.m) + "x" + std::to_string(c.n) + "x" + std::to_string(c.k) + "_" + mix() + "_" +
-         (c.b_block == Fp8BlockScales::tile_1x128 ? "tile1x128" : "block128") + (c.beta != 0 ? "_beta" : "") +
-         (c.pad ? "_padded" : "");
-}
-
-// ------------------------------------------------------------------------------------------------------------
-// Integer codes: exact block sums, so the fp32-order bound holds whatever the tensor cores keep.
-
-class CudaFp8BlockGemm : public ::testing::TestWithParam<Case> {};
-
-TEST_P(CudaFp8BlockGemm, MatchesCpuWithinFp32OrderBound) {
-  SKIP_WITHOUT_FP8_GPU();
-  const Case c = GetParam();
-  const Problem f = make_problem(c, Data::integers, static_cast<uint32_t>(c.m * 7 + c.n * 3 + c.k));
-  std::vector<float> before;
-  const auto got = run_cuda(f, c.c_offset, &before);
-  const auto want = run_cpu(f);
-  const auto mag = magnitudes(f);
-  const double worst =
-      expect_close(f, got, want, before, mag, [&](double s) { return fp32_order_bound(c.k, s); });
-  std::printf("%s: worst |cuda - cpu| / S = %.3g (bound %.3g)\n", case_name(c).c_str(), worst,
-              fp32_order_bound(c.k, 1.0));
-}
-
-constexpr DType e4 = DType::e4m3, e5 = DType::e5m2;
-constexpr Fp8BlockScales tile = Fp8BlockScales::tile_1x128, block = Fp8BlockScales::block_128x128;
-
-INSTANTIATE_TEST_SUITE_P(
-    Shapes, CudaFp8BlockGemm,
-    ::testing::Values(
-        Case{1, 1, 1, e4, e4, tile, 1, 0, 0, 0},  // one element, one partial 16-byte chunk
-        Case{1, 1, 1, e5, e4, block, 0.5f, 2, 16, 1},
-        Case{130, 70, 200, e4, e5, block, 0.5f, 0.25f, 16, 1},  // ragged m, n, k; scalar C stores
-        Case{130, 70, 200, e5, e4, tile, 1, 0, 0, 0},
-        Case{33, 129, 16, e4, e4, block, 1, 0, 32, 2},       // k one chunk; n just past a 128-block
-        Case{200, 260, 129, e4, e5, tile, -1.5f, 1, 16, 0},  // second K block holds one element
-        Case{257, 384, 300, e4, e4, block, 1, 0, 0, 0},      // three scale blocks along n
-        Case{257, 384, 300, e4, e5, tile, -2, 1, 48, 2},
-        Case{257, 384, 300, e5, e4, block, 0.75f, -0.5f, 16, 1},
-        Case{2100, 136, 64, e4, e4, tile, 1, 0, 0, 0},  // 17 tile rows: a second, partial raster group
-        Case{512, 512, 1024, e4, e4, block, 1, 0, 0, 0}, Case{512, 512, 1024, e5, e4, tile, 1, 1, 32, 2}),
-    [](const ::testing::TestParamInfo<Case>& info) { return case_name(info.param); });
-
-// The FP8 Linear's three GEMMs (nn/linear.cpp) at a toy size, in the layouts the CUDA path gets: forward and
-// backward_input with the weight's 128x128 scales, the weight gradient with 1x128 tiles along the tokens and
-// beta = 1 (it accumulates).
-TEST(CudaFp8BlockGemmLinear, ForwardBackwardInputAndWeightGradientShapes) {
-  SKIP_WITHOUT_FP8_GPU();
-  const int64_t tokens = 192, in = 320, out = 160;
-  const Case cases[] = {
-      {tokens, out, in, e4, e4, block, 1, 0, 0, 0},  // y = x W^T
-      {tokens, in, out, e5, e4, block, 1, 0, 0, 0},  // dx = dy (W^T)^T, B = W^T stored [in, out]
-      // dW += dy^T x: A = dy^T [out, tokens], B = x^T [in, tokens]
-      {out, in, tokens, e5, e4, tile, 1, 1, 0, 0},
-  };
-  for (const Case& c : cases) {
-    SCOPED_TRACE(case_name(c));
-    const Problem f = make_problem(c, Data::integers, 5);
-    std::vector<float> before;
-    const auto got = run_cuda(f, 0, &before);
-    expect_close(f, got, run_cpu(f), before, magnitudes(f),
-                 [&](double s) { return fp32_order_bound(c.k, s); });
-  }
-}
-
-// ------------------------------------------------------------------------------------------------------------
-// Values over many binades: the tensor cores' own accumulation inside a block shows.
-
-TEST(CudaFp8BlockGemmData, SpreadValuesAgreeWithinTensorCoreAccumulation) {
-  SKIP_WITHOUT_FP8_GPU();
-  const Case cases[] = {{256, 320, 1024, e4, e4, block, 1, 0, 0, 0},
-                        {192, 256, 1000, e4, e5, tile, 1, 0, 16, 0}};
-  for (const Case& c : cases) {
-    SCOPED_TRACE(case_name(c));
-    const Problem f = make_problem(c, Data::spread, 17);
-    std::vector<float> before;
-    const auto got = run_cuda(f, c.c_offset, &before);
-    const auto want = run_cpu(f);
-    const auto mag = magnitudes(f);
-    const double worst = expect_close(f, got, want, before, mag, [](double s) { return std::ldexp(s, -8); });
-    double err2 = 0, ref2 = 0;
-    int64_t within_fp32_bound = 0;
-    for (int64_t i = 0; i < c.m; ++i)
-      for (int64_t j = 0; j < c.n; ++j) {
-        const double d = double{got[i * f.p.ldc + j]} - want[i * f.p.ldc + j], w = want[i * f.p.ldc + j];
-        err2 += d * d, ref2 += w * w;
-        within_fp32_bound += std::abs(d) <= fp32_order_bound(c.k, mag[i * c.n + j]);
-      }
-    const double relative = std::sqrt(err2 / ref2);
-    std::printf(
-        "%s spread data: worst |cuda - cpu| / S = %.3g (2^%.1f), relative Frobenius error %.3g, %.1f%% of "
-        "elements "
-        "within the fp32-order bound\n",
-        case_name(c).c_str(), worst, worst > 0 ? std::log2(worst) : -999.0, relative,
-        100.0 * within_fp32_bound / (c.m * c.n));
-    EXPECT_LT(relative, 4e-3);
-  }
-}
-
-TEST(CudaFp8BlockGemmData, RepeatedCallsGiveTheSameBits) {
-  SKIP_WITHOUT_FP8_GPU();
-  const Problem f = make_problem({384, 256, 640, e4, e4, block, 1, 0, 0, 0}, Data::spread, 23);
-  const auto first = run_cuda(f, 0), second = run_cuda(f, 0);
-  ASSERT_EQ(first.size(), second.size());
-  EXPECT_EQ(std::memcmp(first.data(), second.data(), first.size() * sizeof(float)), 0);
-}
-
 TEST(CudaFp8BlockGemmErrors, HostPointersAreRefusedAndTheDeviceStaysUsable) {
   SKIP_WITHOUT_FP8_GPU();
-  const Case c{40, 24, 64, e4, e4, tile, 1, 0, 0, 0};
+  const Case c{40, 24, 64, DType::e4m3, DType::e4m3, Fp8BlockScales::tile_1x128, 1, 0, 0, 0};
   const Problem f = make_problem(c, Data::integers, 31);
   std::vector<float> host_c = f.c0;
   ops::Fp8GemmParams p = f.p;  // every pointer a host pointer
@@ -330,96 +212,6 @@ TEST(CudaFp8BlockGemmErrors, HostPointersAreRefusedAndTheDeviceStaysUsable) {
   const auto got = run_cuda(f, 0, &before);  // nothing was launched: the context is fine
   expect_close(f, got, run_cpu(f), before, magnitudes(f), [&](double s) { return fp32_order_bound(c.k, s); });
 }
-
-// ------------------------------------------------------------------------------------------------------------
-// bf16 output (c_dtype = bf16). The epilogue is the fp32 one (explicit _rn intrinsics, so no contraction can
-// differ) followed by one round-to-nearest-even store, and the rest of the kernel does not depend on the
-// output type: the bf16 output is the kernel's own fp32 output rounded, bitwise. Against the CPU's bf16
-// output (its fp32 result rounded once), the fp32-order bound plus one bf16 ulp: each rounding moves a value
-// by at most half an ulp (taken at the larger of the two values, as a rounding may cross a binade).
-
-std::vector<uint16_t> to_bf16_bits(const std::vector<float>& x) {
-  std::vector<uint16_t> y(x.size());
-  for (size_t i = 0; i < x.size(); ++i) y[i] = f32_to_bf16_bits(x[i]);
-  return y;
-}
-
-double bf16_ulp(double x) { return x == 0 ? 0.0 : std::ldexp(1.0, std::ilogb(x) - 7); }
-
-// Like run_cuda with a bf16 C (NaN where beta = 0) at c_offset elements into its allocation (odd: 2-byte
-// aligned, so the kernel stores element by element).
-std::vector<uint16_t> run_cuda_bf16(const Problem& f, int64_t c_offset, std::vector<uint16_t>* before_out) {
-  std::vector<uint16_t> before = to_bf16_bits(f.c0);
-  if (f.p.beta == 0) std::fill(before.begin(), before.end(), uint16_t{0x7fc0});
-  const DeviceBuffer a = to_device(f.a, 16), b = to_device(f.b, 16);
-  const DeviceBuffer a_scales = to_device(f.a_scales, 1), b_scales = to_device(f.b_scales, 3);
-  const DeviceBuffer c = to_device(before, static_cast<size_t>(c_offset));
-  ops::Fp8GemmParams p = f.p;
-  p.a = a.as<uint8_t>() + 16, p.b = b.as<uint8_t>() + 16;
-  p.a_scales = a_scales.as<float>() + 1, p.b_scales = b_scales.as<float>() + 3;
-  p.c = c.as<uint16_t>() + c_offset, p.c_dtype = DType::bf16;
-  ops::fp8_gemm(p, Device::cuda);
-  std::vector<uint16_t> all(c_offset + before.size());
-  c.download(all.data(), all.size() * sizeof(uint16_t));
-  *before_out = before;
-  return {all.begin() + c_offset, all.end()};
-}
-
-std::vector<uint16_t> run_cpu_bf16(const Problem& f) {
-  std::vector<uint16_t> c = to_bf16_bits(f.c0);
-  ops::Fp8GemmParams p = f.p;
-  p.c = c.data(), p.c_dtype = DType::bf16;
-  ops::cpu_table().fp8_gemm(p);
-  return c;
-}
-
-class CudaFp8BlockGemmBf16Output : public ::testing::TestWithParam<Case> {};
-
-TEST_P(CudaFp8BlockGemmBf16Output, IsTheFp32OutputRoundedAndMatchesCpu) {
-  SKIP_WITHOUT_FP8_GPU();
-  const Case c = GetParam();
-  Problem f = make_problem(c, Data::integers, static_cast<uint32_t>(c.m * 5 + c.n + c.k));
-  for (float& x : f.c0) x = bf16_bits_to_f32(f32_to_bf16_bits(x));  // C's values exact in bf16 for every run
-  std::vector<uint16_t> before;
-  const auto got = run_cuda_bf16(f, c.c_offset, &before);
-  const auto fp32 = run_cuda(f, c.c_offset);
-  const auto want = run_cpu_bf16(f);
-  const auto mag = magnitudes(f);
-  const ops::Fp8GemmParams& p = f.p;
-  int64_t bad_rounding = -1, bad_cpu = -1;
-  for (int64_t i = 0; i < p.m; ++i)
-    for (int64_t j = 0; j < p.n; ++j) {
-      const int64_t e = i * p.ldc + j;
-      if (bad_rounding < 0 && got[e] != f32_to_bf16_bits(fp32[e])) bad_rounding = e;
-      const double g = bf16_bits_to_f32(got[e]), w = bf16_bits_to_f32(want[e]);
-      const double tolerance =
-          fp32_order_bound(c.k, mag[i * p.n + j]) + bf16_ulp(std::max(std::abs(g), std::abs(w)));
-      if (bad_cpu < 0 && !(std::abs(g - w) <= tolerance)) bad_cpu = e;
-    }
-  EXPECT_LT(bad_rounding, 0) << "C[" << bad_rounding / p.ldc << "," << bad_rounding % p.ldc
-                             << "] bf16 output "
-                             << (bad_rounding < 0 ? 0.0f : bf16_bits_to_f32(got[bad_rounding]))
-                             << " is not the fp32 output " << (bad_rounding < 0 ? 0.0f : fp32[bad_rounding])
-                             << " rounded";
-  EXPECT_LT(bad_cpu, 0) << "C[" << bad_cpu / p.ldc << "," << bad_cpu % p.ldc << "] cuda "
-                        << (bad_cpu < 0 ? 0.0f : bf16_bits_to_f32(got[bad_cpu])) << " cpu "
-                        << (bad_cpu < 0 ? 0.0f : bf16_bits_to_f32(want[bad_cpu]));
-  for (int64_t i = 0; i < p.m && p.ldc > p.n; ++i)
-    if (std::memcmp(&got[i * p.ldc + p.n], &before[i * p.ldc + p.n], (p.ldc - p.n) * sizeof(uint16_t)) != 0) {
-      ADD_FAILURE() << "padding of C's row " << i << " was written";
-      break;
-    }
-}
-
-INSTANTIATE_TEST_SUITE_P(
-    Shapes, CudaFp8BlockGemmBf16Output,
-    ::testing::Values(Case{257, 384, 300, e4, e4, block, 1, 0, 0, 0},      // bf16x2 stores
-                      Case{200, 260, 129, e4, e5, tile, -1.5f, 1, 16, 0},  // beta reads bf16 pairs
-                      Case{130, 70, 200, e4, e5, block, 0.5f, 0.25f, 16,
-                           1},                                        // C 2-byte aligned: element stores
-                      Case{33, 129, 16, e4, e4, block, 1, 0, 32, 2},  // odd ldc: element stores
-                      Case{130, 70, 200, e5, e4, tile, 1, 1, 0, 0}),  // ragged edges, beta
-    [](const ::testing::TestParamInfo<Case>& info) { return case_name(info.param); });
 
 // ------------------------------------------------------------------------------------------------------------
 // Parameter checks: they come before any device call, so these run without a GPU too.

@@ -1,7 +1,9 @@
-// The CUDA GEMMs (kernels/cuda/gemm_cublaslt.cpp, fp8_block_gemm.cu) against the CPU op table on the same host
-// data (fp32 and bf16 through the op tests of kernels/op_tests/gemm.h), and the device allocator. Every case that
-// needs a GPU skips where none is usable; the parameter checks, which the GEMMs make before touching the device,
-// run everywhere.
+// The CUDA GEMMs (kernels/cuda/gemm_cublaslt.cpp, fp8_block_gemm.cu) against the CPU op table on the same
+// host data (fp32 and bf16 through the op tests of kernels/op_tests/gemm.h), and the device allocator. Every
+// case that needs a GPU skips where none is usable; the parameter checks, which the GEMMs make before
+// touching the device, run everywhere.
+#include "kernels/op_tests/gemm.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -20,7 +22,7 @@
 #include "forge/kernels/cuda/device_allocator.h"
 #include "forge/kernels/cuda/runtime.h"
 #include "forge/kernels/ops.h"
-#include "kernels/op_tests/gemm.h"
+#include "kernels/op_tests/fp8_gemm.h"
 #include "op_harness.h"
 
 namespace forge {
@@ -77,14 +79,21 @@ void expect_close(const std::vector<float>& got, const std::vector<float>& want,
 }
 
 // ------------------------------------------------------------------------------------------------------------
-// fp32 and bf16: the op tests of kernels/op_tests/gemm.h (odd shapes, padded leading dimensions, pointers off by
-// one element, the tensor-core shapes of a training step, plan reuse; fp32 and bf16 output, with gemm.h's bounds)
-// on the GPU, and what only the GPU refuses.
+// fp32 and bf16: the op tests of kernels/op_tests/gemm.h (odd shapes, padded leading dimensions, pointers off
+// by one element, the tensor-core shapes of a training step, plan reuse; fp32 and bf16 output, with gemm.h's
+// bounds) on the GPU, and what only the GPU refuses.
 
 }  // namespace
 namespace op_tests::gemm {
 FORGE_INSTANTIATE_OP_TEST(GemmOp, kCases, testing::Backend::gpu);
 }  // namespace op_tests::gemm
+namespace op_tests::fp8_gemm {
+FORGE_INSTANTIATE_OP_TEST(Fp8GemmOp, kCases, testing::Backend::gpu);
+FORGE_INSTANTIATE_OP_TEST(Fp8GemmFixed, testing::kFixedCase, testing::Backend::gpu);
+// The FP8 tests skip on a GPU without FP8 tensor cores.
+const bool kFp8GemmQuery = (
+    gpu_runs_fp8_gemms = [] { return cuda::compute_capability() >= 89; }, true);
+}  // namespace op_tests::fp8_gemm
 namespace {
 
 TEST(CudaGemmErrors, HostPointersAreRefusedAndTheDeviceStaysUsable) {
@@ -116,51 +125,6 @@ TEST(CudaGemmErrors, BadParametersFailWithOneLine) {
   bad = p, bad.trans_a = true, bad.m = 8;
   testing::expect_error_containing([&] { cuda::gemm(bad); }, {"lda 4", "8 stored columns"});
 }
-
-// ------------------------------------------------------------------------------------------------------------
-// bf16 output (c_dtype = bf16), against the CPU's bf16 output (the FP8 GEMMs' below; gemm's in op_tests/gemm.h).
-//
-// Tolerance: each side computes an fp32 result and rounds it once to bf16 (cuBLASLt's epilogue forms
-// alpha acc + beta C in its fp32 scale type and converts on the store; the CPU rounds its fp32-output
-// result). The two fp32 results differ by at most d, the bound of the fp32-output comparison (they may
-// differ in their last fp32 bits), and each rounding moves a value by at most half a bf16 ulp, so the bf16
-// outputs differ by at most d + one bf16 ulp (taken at the larger of the two: a rounding may cross a binade).
-// Most elements round to the same bf16 value; the ulp admits the neighbour where d straddles a rounding
-// boundary.
-
-std::vector<uint16_t> to_bf16_bits(const std::vector<float>& x) {
-  std::vector<uint16_t> y(x.size());
-  for (size_t i = 0; i < x.size(); ++i) y[i] = f32_to_bf16_bits(x[i]);
-  return y;
-}
-std::vector<float> widen_bf16(const std::vector<uint16_t>& x) {
-  std::vector<float> y(x.size());
-  for (size_t i = 0; i < x.size(); ++i) y[i] = bf16_bits_to_f32(x[i]);
-  return y;
-}
-
-// One bf16 ulp at |x| (8 significant bits: the spacing in x's binade; 0 at 0).
-double bf16_ulp(double x) { return x == 0 ? 0.0 : std::ldexp(1.0, std::ilogb(x) - 7); }
-
-// got and want are bf16 [m, ldc]: the first n columns within tolerance * magnitude + one bf16 ulp, the
-// padding columns past n what they were (bitwise).
-void expect_close_bf16(const std::vector<uint16_t>& got, const std::vector<uint16_t>& want,
-                       const std::vector<uint16_t>& before, const std::vector<double>& mag, int64_t m,
-                       int64_t n, int64_t ldc, double tolerance) {
-  for (int64_t i = 0; i < m; ++i) {
-    for (int64_t j = 0; j < n; ++j) {
-      const double g = bf16_bits_to_f32(got[i * ldc + j]), w = bf16_bits_to_f32(want[i * ldc + j]);
-      ASSERT_LE(std::abs(g - w), tolerance * mag[i * n + j] + bf16_ulp(std::max(std::abs(g), std::abs(w))))
-          << "C[" << i << "," << j << "] cuda " << g << " cpu " << w;
-    }
-    if (ldc > n) {
-      EXPECT_EQ(std::memcmp(&got[i * ldc + n], &before[i * ldc + n], (ldc - n) * sizeof(uint16_t)), 0)
-          << "padding of row " << i << " was written";
-    }
-  }
-}
-
-constexpr uint16_t kBf16Nan = 0x7fc0;
 
 // Output checks come before any device call: these run without a GPU too.
 TEST(CudaGemmErrors, OutputDtypeAndAlignmentFailWithOneLine) {
@@ -263,74 +227,6 @@ std::vector<float> run_fp8_cpu(const Fp8Problem& f) {
   return c;
 }
 
-struct Fp8Case {
-  DType a, b;
-  float alpha, beta;
-};
-
-class CudaFp8Gemm : public ::testing::TestWithParam<Fp8Case> {};
-
-TEST_P(CudaFp8Gemm, MatchesCpuEmulationExactlyUpToScaling) {
-  if (!cuda::available()) GTEST_SKIP() << cuda::describe_device();
-  if (cuda::compute_capability() < 89) GTEST_SKIP() << "no FP8 tensor cores: " << cuda::describe_device();
-  const Fp8Case fc = GetParam();
-  Fp8Problem f = make_fp8(48, 80, 160, fc.a, fc.b, fc.alpha, fc.beta, 16, true, 61);
-  // The integer sums (|sum| <= 160 x 16 < 2^12) are exact on both sides, with or without fast accumulation
-  // (no promotion: the tensor cores' accumulator keeps them whole); scale, alpha and beta cost a few roundings.
-  for (bool fast : {false, true}) {
-    SCOPED_TRACE(fast ? "fast accumulation" : "promoted accumulation");
-    f.p.fast_accumulation = fast;
-    std::vector<float> before;
-    const auto got = run_fp8_cuda(f, &before);
-    const auto want = run_fp8_cpu(f);
-    expect_close(got, want, before, fp8_magnitudes(f), f.p.m, f.p.n, f.p.ldc, std::ldexp(16.0, -24));
-  }
-}
-
-std::string fp8_case_name(const ::testing::TestParamInfo<Fp8Case>& info) {
-  return std::string(dtype_name(info.param.a)) + "x" + std::string(dtype_name(info.param.b)) +
-         (info.param.beta != 0 ? "_beta" : "");
-}
-
-INSTANTIATE_TEST_SUITE_P(DTypes, CudaFp8Gemm,
-                         ::testing::Values(Fp8Case{DType::e4m3, DType::e4m3, 1, 0},
-                                           Fp8Case{DType::e4m3, DType::e5m2, 1, 0},
-                                           Fp8Case{DType::e5m2, DType::e4m3, 1, 0},
-                                           Fp8Case{DType::e4m3, DType::e4m3, 0.5f, 0.25f},
-                                           Fp8Case{DType::e4m3, DType::e5m2, 2, 1}),
-                         fp8_case_name);
-
-TEST(CudaFp8GemmData, SpreadValuesAgreeWithinTensorCoreAccumulation) {
-  if (!cuda::available()) GTEST_SKIP() << cuda::describe_device();
-  if (cuda::compute_capability() < 89) GTEST_SKIP() << "no FP8 tensor cores: " << cuda::describe_device();
-  for (const auto& [b_dtype, fast] : {std::pair{DType::e4m3, false}, std::pair{DType::e5m2, false},
-                                       std::pair{DType::e4m3, true}, std::pair{DType::e5m2, true}}) {
-    Fp8Problem f = make_fp8(64, 96, 512, DType::e4m3, b_dtype, 1, 0, 0, false, 71);
-    // Fast accumulation (no promotion) truncates the running sum at each of the 16 MMA steps of K = 512: still
-    // within the per-element bound below, and a larger Frobenius error than promotion's, printed.
-    f.p.fast_accumulation = fast;
-    const auto got = run_fp8_cuda(f);
-    const auto want = run_fp8_cpu(f);
-    const auto mag = fp8_magnitudes(f);
-    // Hopper adds FP8 products inside an MMA with less than fp32 precision (cuBLASLt promotes to fp32 between
-    // MMAs): per element at most about 2^-8 of the magnitude (32 products, each truncated near 2^-13 of the
-    // largest); typical errors are far smaller, hence the tighter bound on the whole matrix.
-    double err2 = 0, ref2 = 0, worst = 0;
-    for (int64_t i = 0; i < f.p.m; ++i)
-      for (int64_t j = 0; j < f.p.n; ++j) {
-        const double d = double{got[i * f.p.ldc + j]} - want[i * f.p.ldc + j];
-        ASSERT_LE(std::abs(d), std::ldexp(1.0, -8) * mag[i * f.p.n + j]) << i << "," << j;
-        err2 += d * d, ref2 += double{want[i * f.p.ldc + j]} * want[i * f.p.ldc + j];
-        worst = std::max(worst, std::abs(d) / mag[i * f.p.n + j]);
-      }
-    const double relative = std::sqrt(err2 / ref2);
-    std::printf(
-        "fp8 e4m3x%s k=512 spread data%s: relative Frobenius error %.3g, worst |error|/magnitude %.3g\n",
-        std::string(dtype_name(b_dtype)).c_str(), fast ? " (fast accumulation)" : "", relative, worst);
-    EXPECT_LT(relative, 5e-3);
-  }
-}
-
 TEST(CudaFp8GemmData, OddMAndNWhereCublasLtAllowsThem) {
   if (!cuda::available()) GTEST_SKIP() << cuda::describe_device();
   if (cuda::compute_capability() < 89) GTEST_SKIP() << "no FP8 tensor cores: " << cuda::describe_device();
@@ -411,48 +307,6 @@ TEST(CudaFp8GemmData, LinearGemmsThroughTransposedCopies) {
           std::ldexp(16.0, -24) * (std::abs(want[i]) + std::abs(double{c0[i]}) + scale * 64);
       ASSERT_NEAR(got[i], want[i], tolerance) << i;
     }
-  }
-}
-
-// FP8 with a bf16 C against the CPU's bf16 output: the fp32 results agree within the fp32-output tests'
-// bounds (exact integer sums: a few roundings of the scales, alpha and beta; spread data: the tensor cores'
-// accumulation), and each side rounds once to bf16, hence one bf16 ulp more (see expect_close_bf16). ldc is a
-// multiple of 8 (16-byte bf16 rows, which FP8 matmuls need).
-void check_fp8_bf16_output(Fp8Problem f, double tolerance) {
-  ops::Fp8GemmParams& p = f.p;
-  p.ldc = p.n + 8, p.c_dtype = DType::bf16;
-  std::vector<uint16_t> before = to_bf16_bits(testing::random_floats(p.m * p.ldc, 99));
-  if (p.beta == 0) std::fill(before.begin(), before.end(), kBf16Nan);
-  f.c0 = widen_bf16(before);  // what both sides read as C when beta != 0 (and the magnitudes' |beta C|)
-
-  std::vector<uint16_t> want = before;
-  ops::Fp8GemmParams cpu = p;
-  cpu.c = want.data();
-  ops::cpu_table().fp8_gemm(cpu);
-
-  DeviceBuffer a = to_device(f.a), b = to_device(f.b), c = to_device(before);
-  ops::Fp8GemmParams dev = p;
-  dev.a = a.as<uint8_t>(), dev.b = b.as<uint8_t>(), dev.c = c.as<uint16_t>();
-  ops::fp8_gemm(dev, Device::cuda);
-  const auto got = to_host<uint16_t>(c, before.size());
-  expect_close_bf16(got, want, before, fp8_magnitudes(f), p.m, p.n, p.ldc, tolerance);
-}
-
-TEST_P(CudaFp8Gemm, Bf16OutputMatchesCpuEmulation) {
-  if (!cuda::available()) GTEST_SKIP() << cuda::describe_device();
-  if (cuda::compute_capability() < 89) GTEST_SKIP() << "no FP8 tensor cores: " << cuda::describe_device();
-  const Fp8Case fc = GetParam();
-  check_fp8_bf16_output(make_fp8(48, 80, 160, fc.a, fc.b, fc.alpha, fc.beta, 16, true, 161),
-                        std::ldexp(16.0, -24));
-}
-
-TEST(CudaFp8GemmData, Bf16OutputOnSpreadValuesAgreesWithinTensorCoreAccumulation) {
-  if (!cuda::available()) GTEST_SKIP() << cuda::describe_device();
-  if (cuda::compute_capability() < 89) GTEST_SKIP() << "no FP8 tensor cores: " << cuda::describe_device();
-  for (DType b_dtype : {DType::e4m3, DType::e5m2}) {
-    SCOPED_TRACE(std::string("e4m3 x ") + std::string(dtype_name(b_dtype)));
-    check_fp8_bf16_output(make_fp8(64, 96, 512, DType::e4m3, b_dtype, 1, 0, 0, false, 171),
-                          std::ldexp(1.0, -8));
   }
 }
 

@@ -114,6 +114,25 @@ inline const std::vector<Case> kCacheCases = {
     {1, 16, 2, 1, 72, false, false, 0, 129, 7},          // 16 queries, full
     {1, 3, 2, 2, 256, true, false, 0, 17, 14, true},     // head_dim 256 decode
     {1, 4, 8, 1, 128, true, false, 0, 1000, 996},        // GQA 8, eight chunks
+    // The CPU cache test's shapes (padded q and out rows). Decode: a few queries against a longer cache.
+    {2, 1, 4, 2, 16, true, false, 3, 37, 36},                // one new token, GQA, batch 2
+    {1, 1, 2, 2, 16, true, false, 3, 1, 0},                  // the first token
+    {1, 1, 4, 1, 64, true, false, 3, 300, 299},              // MQA, two chunks (one partial)
+    {2, 3, 6, 2, 24, true, false, 3, 70, 67},                // three new tokens, head_dim 24 (padded)
+    {1, 2, 2, 1, 8, true, false, 3, 600, 598, false, 4.0f},  // three chunks, peaky softmax
+    {1, 1, 2, 2, 200, true, false, 3, 65, 64},         // head_dim 200: more output vectors than registers
+    {2, 2, 4, 4, 16, false, false, 3, 50, 48},         // non-causal: every cached key
+    {1, 16, 8, 2, 32, true, false, 3, 116, 100},       // the largest decode chunk, 32 rows per pair
+    {1, 1, 4, 2, 16, true, false, 3, 300, 10},         // causal: a query early in a longer cache
+    {2, 1, 8, 2, 64, true, false, 3, 300, 299, true},  // head-major cache (forge's KvCache)
+    {1, 3, 4, 4, 24, true, false, 3, 43, 40, true},    // head-major, staged head_dim
+    // Flash tiles with an offset: prefill onto a cache.
+    {1, 40, 4, 2, 16, true, false, 3, 100, 60},  // a chunk of prompt after earlier tokens
+    {2, 17, 4, 1, 16, true, false, 3, 17, 0},    // prompt into an empty cache (MQA)
+    {1, 130, 2, 2, 64, true, false, 3, 135, 5, false,
+     3.0f},                                           // three query blocks, offset not a block multiple
+    {1, 20, 2, 1, 16, false, false, 3, 90, 0},        // non-causal, kv longer than the queries
+    {2, 33, 4, 2, 16, true, false, 3, 43, 10, true},  // head-major prefill
 };
 
 // One problem: q, k, v live in one `inputs` array at offsets with their strides (so a fused qkv buffer and
@@ -528,6 +547,21 @@ TEST_P(AttentionCacheOp, Forward) {
     check_forward(pr, "attention_forward " + c.name());
 }
 
+// lse may be null in the cache forward too; out must not change (bitwise).
+TEST_P(AttentionCacheOp, LseIsOptional) {
+  const Case& c = test_case();
+  Problem pr(c, 29);
+  Buffers on(device(), pr);
+  FORGE_TEST_OP(attention_forward, device(), on.params(pr));
+  const auto with = on.out.download();
+  on.out.upload(pr.out);
+  auto p = on.params(pr);
+  p.lse = nullptr;
+  FORGE_TEST_OP(attention_forward, device(), p);
+  const auto without = on.out.download();
+  EXPECT_EQ(0, std::memcmp(with.data(), without.data(), with.size() * sizeof(float))) << c.name();
+}
+
 class AttentionFixed : public testing::OpTest<testing::FixedCase> {};
 
 // Determinism: no atomics, fixed reduction orders; two identical runs agree bitwise (backward on the CPU's
@@ -612,7 +646,8 @@ TEST_P(AttentionFixed, LaterTokensDoNotLeak) {
 // Cache positions past kv_seq (stale or never written) take no part, in both kernels and both layouts.
 TEST_P(AttentionFixed, IgnoresCachePositionsPastKvSeq) {
   for (const Case& c :
-       {Case{1, 1, 2, 2, 64, true, false, 0, 41, 40}, Case{1, 1, 2, 2, 64, true, false, 0, 41, 40, true},
+       {Case{1, 1, 2, 2, 16, true, false, 0, 41, 40}, Case{1, 1, 2, 2, 16, true, false, 0, 41, 40, true},
+        Case{1, 1, 2, 2, 64, true, false, 0, 41, 40}, Case{1, 1, 2, 2, 64, true, false, 0, 41, 40, true},
         Case{1, 30, 2, 1, 64, true, false, 0, 41, 11}, Case{1, 30, 2, 1, 64, true, false, 0, 41, 11, true}}) {
     Problem a(c, 700), b(c, 700);
     for (int64_t j = c.kv_seq; j < b.capacity; ++j)
