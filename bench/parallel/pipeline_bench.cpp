@@ -19,6 +19,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -27,6 +28,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "forge/comm/comm.h"
@@ -174,29 +176,33 @@ class TimedChunk final : public pipeline::Chunk {
   Shape activation_shape() const override { return inner_.activation_shape(); }
   Device device() const override { return inner_.device(); }
   Tensor forward(int m, const Tensor& input) override {
-    return timed([&] { return inner_.forward(m, input); });
+    return timed(kF, [&] { return inner_.forward(m, input); });
   }
   Tensor backward_input(int m, const Tensor& doutput) override {
-    return timed([&] { return inner_.backward_input(m, doutput); });
+    return timed(kI, [&] { return inner_.backward_input(m, doutput); });
   }
   void backward_weight(int m) override {
-    timed([&] {
+    timed(kW, [&] {
       inner_.backward_weight(m);
       return Tensor();
     });
   }
   Tensor backward(int m, const Tensor& doutput) override {
-    return timed([&] { return inner_.backward(m, doutput); });
+    return timed(kB, [&] { return inner_.backward(m, doutput); });
   }
   int live_micro_batches() const override { return inner_.live_micro_batches(); }
-  double busy = 0;
+
+  static constexpr int kF = 0, kB = 1, kI = 2, kW = 3;
+  double busy = 0;               // this step
+  std::vector<double> calls[4];  // [kind]: every call's seconds since the last clear (the timed steps)
 
  private:
   template <class F>
-  Tensor timed(F&& f) {
+  Tensor timed(int kind, F&& f) {
     const auto t0 = clock_type::now();
     Tensor out = f();
-    busy += std::chrono::duration<double>(clock_type::now() - t0).count();
+    const double t = std::chrono::duration<double>(clock_type::now() - t0).count();
+    busy += t, calls[kind].push_back(t);
     return out;
   }
   train::ModelChunk& inner_;
@@ -345,13 +351,46 @@ SendCosts time_send(comm::Communicator& world, const Shape& shape, int reps) {
   return out;
 }
 
+// One chunk's F, B, I, W and F&B pair in seconds; < 0 where not measured.
+using StageFields = std::array<double, 5>;
+
+// Every rank's per-chunk costs as one Costs with an entry per stage, on every rank. Each stage's entry is
+// the mean over the chunks that compute it: one, or with DualPipe's mirrored copies one on each rank. A
+// field nobody measured keeps the replay's meaning of < 0 (B = I + W, F&B = F + B); F, I or W unmeasured
+// (1F1B runs no I or W) are 0, which no action of that schedule reads.
+pipeline::Costs gather_costs(comm::Communicator& world, const pipeline::Placement& p,
+                             const std::vector<StageFields>& per_chunk, const SendCosts& send) {
+  constexpr int kFields = std::tuple_size_v<StageFields>;
+  std::vector<double> sums(static_cast<size_t>(p.stages) * kFields * 2, 0.0);  // [stage][sum..., count...]
+  for (int c = 0; c < p.chunks; ++c) {
+    double* at = sums.data() + static_cast<size_t>(p.stage(world.rank(), c)) * kFields * 2;
+    for (int k = 0; k < kFields; ++k)
+      if (per_chunk[c][k] >= 0) at[k] += per_chunk[c][k], at[kFields + k] += 1;
+  }
+  comm::all_reduce_sum(world, sums.data(), static_cast<int64_t>(sums.size()));
+  pipeline::Costs costs;
+  costs.send = send.post;
+  costs.latency = std::max(0.0, send.one_way - send.post);
+  for (int st = 0; st < p.stages; ++st) {
+    const double* at = sums.data() + static_cast<size_t>(st) * kFields * 2;
+    auto mean = [&](int k, double none) { return at[kFields + k] > 0 ? at[k] / at[kFields + k] : none; };
+    pipeline::StageCosts sc;
+    sc.forward = mean(0, 0), sc.backward = mean(1, -1), sc.backward_input = mean(2, 0);
+    sc.backward_weight = mean(3, 0), sc.forward_backward = mean(4, -1);
+    costs.per_stage.push_back(sc);
+  }
+  return costs;
+}
+
 struct Result {
   std::string name;
   double step = 0, replay_makespan = 0, bubble = 0, replay_bubble = 0;
   double bubble_actions = 0;  // from the executor's per-action times (their compute actions include waits)
   int peak_activations = 0, executor_peak_held = 0;
   std::vector<double> rank_busy, rank_bubble;
-  pipeline::Costs costs;
+  pipeline::Costs costs;                 // timed apart (1.)
+  pipeline::Costs step_costs;            // the medians of the chunks' calls within the timed steps
+  double replay_step_costs = 0;          // the replay under step_costs
   double pair = -1, apart = -1;          // averaged over the ranks' paired chunks
   double replay_bubble_no_overlap = -1;  // with F&B = F + B (the pair schedules)
   double replay_makespan_no_overlap = -1;
@@ -367,34 +406,19 @@ Result run_schedule(const std::string& name, const Options& o, const LlamaConfig
   const Batches batches = make_batches(o.micro_batches, o.batch, o.seq, config.vocab_size);
   Stages s = build_stages(p, rank, config, options, batches, o.batch * o.seq);
 
-  // 1. Per-action costs, gathered per stage: [stage][F, B, I, W, pair] summed with counts, since DualPipe's
-  // mirrored copies put each stage on both ranks (their costs are averaged).
-  constexpr int kFields = 5;
-  std::vector<double> sums(static_cast<size_t>(p.stages) * kFields * 2, 0.0);
+  // 1. Per-action costs.
+  std::vector<StageFields> mine(static_cast<size_t>(p.chunks));
   double pair_totals[3] = {0, 0, 0};  // pair, F + B apart, pairs
   for (int c = 0; c < p.chunks; ++c) {
     const int partner = pair_partner(schedule, rank, c);
     const ChunkCosts cc = time_chunk(s, p, rank, c, partner, o.reps);
-    double* at = sums.data() + static_cast<size_t>(p.stage(rank, c)) * kFields * 2;
-    const double values[kFields] = {cc.forward, cc.backward, cc.backward_input, cc.backward_weight, cc.pair};
-    for (int k = 0; k < kFields; ++k)
-      if (values[k] >= 0) at[k] += values[k], at[kFields + k] += 1;
+    mine[c] = {cc.forward, cc.backward, cc.backward_input, cc.backward_weight, cc.pair};
     if (cc.pair >= 0) pair_totals[0] += cc.pair, pair_totals[1] += cc.apart, pair_totals[2] += 1;
   }
-  comm::all_reduce_sum(world, sums.data(), static_cast<int64_t>(sums.size()));
   comm::all_reduce_sum(world, pair_totals, 3);
   Result res;
   res.name = name;
-  res.costs.send = send.post;
-  res.costs.latency = std::max(0.0, send.one_way - send.post);
-  for (int st = 0; st < p.stages; ++st) {
-    const double* at = sums.data() + static_cast<size_t>(st) * kFields * 2;
-    auto mean = [&](int k) { return at[kFields + k] > 0 ? at[k] / at[kFields + k] : -1.0; };
-    pipeline::StageCosts sc;
-    sc.forward = mean(0), sc.backward = mean(1), sc.backward_input = mean(2), sc.backward_weight = mean(3);
-    sc.forward_backward = mean(4);
-    res.costs.per_stage.push_back(sc);
-  }
+  res.costs = gather_costs(world, p, mine, send);
   if (pair_totals[2] > 0)
     res.pair = pair_totals[0] / pair_totals[2], res.apart = pair_totals[1] / pair_totals[2];
 
@@ -415,7 +439,11 @@ Result run_schedule(const std::string& name, const Options& o, const LlamaConfig
     executor.run(/*measure=*/true);
     const double mine = seconds_since(t0);
     const double step = comm::all_reduce_max(world, mine);
-    if (i < o.warmup) continue;
+    if (i < o.warmup) {
+      for (auto& t : s.timed)
+        for (auto& v : t->calls) v.clear();
+      continue;
+    }
     steps.push_back(step);
     double b = 0;
     for (auto& t : s.timed) b += t->busy;
@@ -427,6 +455,13 @@ Result run_schedule(const std::string& name, const Options& o, const LlamaConfig
     busy_actions.push_back(ba);
   }
   res.step = median(steps);
+  std::vector<StageFields> in_step(static_cast<size_t>(p.chunks));
+  for (int c = 0; c < p.chunks; ++c) {
+    const TimedChunk& t = *s.timed[c];
+    for (int k = 0; k < 4; ++k) in_step[c][k] = t.calls[k].empty() ? -1 : median(t.calls[k]);
+    in_step[c][4] = -1;  // in a step the pair's halves are the chunks' F and B calls
+  }
+  res.step_costs = gather_costs(world, p, in_step, send);
   res.executor_peak_held = static_cast<int>(comm::all_reduce_max(world, executor.peak_held_tensors()));
   std::vector<double> per_rank(static_cast<size_t>(ranks) * 2, 0.0);
   per_rank[rank] = median(busy), per_rank[ranks + rank] = median(busy_actions);
@@ -445,6 +480,7 @@ Result run_schedule(const std::string& name, const Options& o, const LlamaConfig
   res.replay_makespan = predicted.makespan;
   res.replay_bubble = predicted.bubble_fraction();
   res.peak_activations = predicted.max_peak_activations();
+  res.replay_step_costs = pipeline::replay(schedule, res.step_costs).makespan;
   if (res.pair >= 0) {
     pipeline::Costs no_overlap = res.costs;
     for (pipeline::StageCosts& sc : no_overlap.per_stage) sc.forward_backward = -1;
@@ -549,16 +585,21 @@ int run(int argc, char** argv) {
       }
       std::printf("\n");
     }
-    std::printf("\n%-12s %10s %10s %9s %9s %9s %9s\n", "schedule", "step ms", "replay ms", "meas/rep",
-                "bubble%", "replay%", "peak act");
+    std::printf("\n%-12s %10s %10s %9s %9s %9s %9s %11s %9s\n", "schedule", "step ms", "replay ms",
+                "meas/rep", "bubble%", "replay%", "peak act", "replay* ms", "meas/rep*");
     for (const Result& r : results)
-      std::printf("%-12s %10.1f %10.1f %9.3f %9.1f %9.1f %9d\n", r.name.c_str(), r.step * 1e3,
+      std::printf("%-12s %10.1f %10.1f %9.3f %9.1f %9.1f %9d %11.1f %9.3f\n", r.name.c_str(), r.step * 1e3,
                   r.replay_makespan * 1e3, r.step / r.replay_makespan, r.bubble * 100, r.replay_bubble * 100,
-                  r.peak_activations);
+                  r.peak_activations, r.replay_step_costs * 1e3, r.step / r.replay_step_costs);
     std::printf(
-        "(step: median over steps of the slowest rank; bubble: 1 - time inside the chunks' compute / step, "
-        "averaged over ranks; replay: the same schedule replayed under the costs above; peak act: the most "
-        "micro-batches' activations one rank holds, replay)\n");
+        "(step: median over the steps of the slowest rank; bubble: 1 - time inside the chunks' compute / "
+        "step, "
+        "averaged over the ranks; replay: the same schedule replayed under the costs above; peak act: the "
+        "most "
+        "micro-batches' activations one rank holds, in the replay; replay*: replayed under the medians of "
+        "the "
+        "chunks' own calls within the timed steps instead, which separates an error of the costs timed apart "
+        "from one of the replay's model of the schedule)\n");
     for (const Result& r : results) {
       if (r.pair < 0) continue;
       std::printf(
@@ -628,7 +669,9 @@ int run(int argc, char** argv) {
                             {"executor_peak_held_tensors", r.executor_peak_held},
                             {"rank_busy_s", r.rank_busy},
                             {"rank_bubble", r.rank_bubble},
-                            {"costs", costs_json(r.costs)}};
+                            {"costs", costs_json(r.costs)},
+                            {"replay_s_step_costs", r.replay_step_costs},
+                            {"step_costs", costs_json(r.step_costs)}};
         if (r.pair >= 0) {
           s["pair_s"] = r.pair, s["pair_apart_s"] = r.apart, s["pair_over_apart"] = r.pair / r.apart;
           s["replay_s_no_overlap"] = r.replay_makespan_no_overlap;
