@@ -9,7 +9,8 @@
 //      slowest rank, after a barrier) and each rank's busy time: the seconds spent inside the chunks'
 //      compute, so that the measured bubble 1 - busy / step is idle time however it arose (waiting on a
 //      message or on the schedule);
-//   3. replays the schedule under the measured costs, and prints measured beside predicted.
+//   3. replays the schedule under the measured costs, and again under the medians of the chunks' own calls
+//      within the steps (replay*), and prints measured beside predicted.
 //
 // The replay is the model every schedule choice rests on (forge plan schedule, docs/parallelism.md); this
 // is where it meets a real run. What it cannot show on a CPU with one core per rank: DualPipe's F&B pair
