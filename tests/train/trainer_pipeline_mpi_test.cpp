@@ -56,6 +56,7 @@ class PipelineRuns : public testing::Test {
     if (comm::world().rank() == 0) fs::remove_all(dir_);
   }
 
+ public:
   TrainConfig config(const std::string& run) const {
     TrainConfig c = toy::toy_run_config(dir_, run);
     c.model.config = (dir_ / "config4.json").string();
@@ -192,19 +193,23 @@ INSTANTIATE_TEST_SUITE_P(
         tied("pp2_dp2_zero1_1f1b_tied", 2, 2, "1f1b", 4, 4, true)),
     [](const auto& info) { return std::string(info.param.name); });
 
-// Stopped after 6 steps under pp = 2 (each rank saves its stage's tensors), resumed under dp = 2 (each
-// rank loads the whole model): the run continues the one-rank loss sequence.
-TEST_F(PipelineRuns, CheckpointUnderPipelineResumesUnderDataParallelism) {
-  comm::Communicator& world = comm::world();
-  if (world.size() != 2) GTEST_SKIP() << "needs 2 ranks";
-  TrainConfig ref = config("reference-" + std::to_string(world.rank()));
-  ref.train.grad_accum = 4;
-  auto self = comm::make_self();
-  const TrainResult want = Trainer(ref, self.get()).run();
+// A checkpoint written under one pipeline layout resumes under another and continues the one-rank loss
+// sequence: stopped after 6 steps, resumed for the other 6. zb-h1 (each rank saves its stage) -> dp = 2
+// (each rank loads the whole model); dualpipe (mirrored copies, saved once) -> zbv (a V, chunks shared);
+// interleaved -> dualpipev.
+struct Resharding {
+  const char* first;
+  int first_vpp;
+  const char* second;  // "" : pp = 1, dp = 2
+};
 
-  TrainConfig first = config("switch");
+void resume_under_another_layout(PipelineRuns& t, const Resharding& r, const TrainResult& want) {
+  comm::Communicator& world = comm::world();
+  SCOPED_TRACE(std::string(r.first) + " -> " + (*r.second ? r.second : "dp 2"));
+  TrainConfig first = t.config(std::string("switch-") + r.first + "-" + r.second);
   first.parallel.pp = 2;
-  first.parallel.schedule = "zb-h1";
+  first.parallel.schedule = r.first;
+  first.parallel.vpp = r.first_vpp;
   Trainer a(first, &world);
   a.on_step([](int64_t step) {
     if (step == 6) Trainer::stop_flag().store(true);
@@ -214,9 +219,14 @@ TEST_F(PipelineRuns, CheckpointUnderPipelineResumesUnderDataParallelism) {
   ASSERT_EQ(got_a.steps_done, 6);
 
   TrainConfig second = first;
-  second.parallel.pp = 1;
-  second.parallel.dp = 2;
-  second.train.grad_accum = 2;
+  second.parallel.vpp = 1;
+  if (*r.second) {
+    second.parallel.schedule = r.second;
+  } else {
+    second.parallel.pp = 1;
+    second.parallel.dp = 2;
+    second.train.grad_accum = 2;
+  }
   second.checkpoint.resume = "auto";
   const TrainResult got_b = Trainer(second, &world).run();
   ASSERT_EQ(got_b.steps_done, 12);
@@ -225,6 +235,17 @@ TEST_F(PipelineRuns, CheckpointUnderPipelineResumesUnderDataParallelism) {
   ASSERT_EQ(losses.size(), want.losses.size());
   for (size_t s = 0; s < losses.size(); ++s)
     EXPECT_NEAR(losses[s], want.losses[s], 2e-5 * want.losses[s]) << "step " << s + 1;
+}
+
+TEST_F(PipelineRuns, CheckpointsResumeUnderAnotherPipelineLayout) {
+  comm::Communicator& world = comm::world();
+  if (world.size() != 2) GTEST_SKIP() << "needs 2 ranks";
+  TrainConfig ref = config("reference-" + std::to_string(world.rank()));
+  auto self = comm::make_self();
+  const TrainResult want = Trainer(ref, self.get()).run();
+  for (const Resharding& r : {Resharding{"zb-h1", 1, ""}, Resharding{"dualpipe", 1, "zbv"},
+                              Resharding{"interleaved", 2, "dualpipev"}})
+    resume_under_another_layout(*this, r, want);
 }
 
 // log.profile_step under pp writes the step's measured timeline as a Chrome trace: one row per pp rank, one
