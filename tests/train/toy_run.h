@@ -5,24 +5,40 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <string>
 
 #include "forge/ckpt/checkpoint_dir.h"
+#include "forge/comm/comm.h"
 #include "forge/train/config.h"
 
 namespace forge::toy {
-using namespace forge::optim; using namespace forge::ckpt; using namespace forge::train;
+using namespace forge::optim;
+using namespace forge::ckpt;
+using namespace forge::train;
 
 // An empty directory for the running test: <tmp>/<prefix>_<pid>_<test name>, removed first if present.
 inline std::filesystem::path fresh_test_dir(const std::string& prefix) {
-  const std::filesystem::path dir =
-      std::filesystem::temp_directory_path() /
-      (prefix + "_" + std::to_string(::getpid()) + "_" + ::testing::UnitTest::GetInstance()->current_test_info()->name());
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                                    (prefix + "_" + std::to_string(::getpid()) + "_" +
+                                     ::testing::UnitTest::GetInstance()->current_test_info()->name());
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   return dir;
+}
+
+// Multi-process tests: one directory for the job and the running test (rank 0's pid in its name), made
+// fresh by rank 0, which also writes the toy inputs and whatever `also_write` adds, while the others wait.
+inline std::filesystem::path make_shared_test_dir(
+    comm::Communicator& world, const std::string& prefix,
+    const std::function<void(const std::filesystem::path&)>& also_write = {});
+// Removes it once every rank is done with it.
+inline void remove_shared_test_dir(comm::Communicator& world, const std::filesystem::path& dir) {
+  world.barrier().wait();
+  if (world.rank() == 0) std::filesystem::remove_all(dir);
 }
 
 // Writes dir/corpus.txt and dir/config.json.
@@ -34,6 +50,25 @@ inline void write_toy_run_inputs(const std::filesystem::path& dir) {
   model << R"({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
                "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 256,
                "max_position_embeddings": 64})";
+}
+
+inline std::filesystem::path make_shared_test_dir(
+    comm::Communicator& world, const std::string& prefix,
+    const std::function<void(const std::filesystem::path&)>& also_write) {
+  int64_t pid = ::getpid();
+  world.broadcast(&pid, 1, comm::Type::i64, 0).wait();
+  std::string test = ::testing::UnitTest::GetInstance()->current_test_info()->name();
+  std::replace(test.begin(), test.end(), '/', '_');
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / (prefix + "_" + std::to_string(pid) + "_" + test);
+  if (world.rank() == 0) {
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(dir);
+    write_toy_run_inputs(dir);
+    if (also_write) also_write(dir);
+  }
+  world.barrier().wait();
+  return dir;
 }
 
 // 6 steps of 2 x 2 sequences of 32 bytes, logging into dir/run; no evaluation, sample or peak measurement.

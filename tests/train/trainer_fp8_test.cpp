@@ -8,13 +8,17 @@
 #include <filesystem>
 
 #include "forge/ckpt/checkpoint.h"
-#include "forge/models/pretrained.h"
 #include "forge/ckpt/sharded.h"
+#include "forge/models/pretrained.h"
+#include "forge/train/train_state.h"
 #include "forge/train/trainer.h"
 #include "train/toy_run.h"
 
 namespace forge {
-using namespace forge::optim; using namespace forge::models; using namespace forge::ckpt; using namespace forge::train;
+using namespace forge::optim;
+using namespace forge::models;
+using namespace forge::ckpt;
+using namespace forge::train;
 namespace {
 namespace fs = std::filesystem;
 
@@ -67,9 +71,23 @@ TEST_F(TrainerFp8, DelayedScalingStateSurvivesACheckpoint) {
   });
   const TrainResult a = first.run();
   ASSERT_TRUE(a.interrupted);
-  const std::vector<std::string> names = checkpoint_tensor_names((fs::path(split.log.run_dir) / "checkpoint").string());
-  EXPECT_TRUE(std::binary_search(names.begin(), names.end(), "fp8.amax_history"));
-  EXPECT_TRUE(std::binary_search(names.begin(), names.end(), "fp8.scales"));
+  const std::vector<std::string> names =
+      checkpoint_tensor_names((fs::path(split.log.run_dir) / "checkpoint").string());
+  // Saved per FP8 Linear, under its name, so that another pipeline layout can load it.
+  int histories = 0;
+  for (const std::string& n : names) {
+    if (!n.starts_with("fp8.") || !n.ends_with(".amax_history")) continue;
+    ++histories;
+    const std::string scales = n.substr(0, n.size() - std::string(".amax_history").size()) + ".scales";
+    EXPECT_TRUE(std::binary_search(names.begin(), names.end(), scales)) << scales;
+  }
+  EXPECT_GT(histories, 0);
+  EXPECT_TRUE(
+      std::binary_search(names.begin(), names.end(), "fp8.model.layers.1.mlp.down_proj.weight.amax_history"));
+  EXPECT_EQ(TrainState::fp8_format_of(names), TrainState::Fp8Format::by_linear);
+  EXPECT_EQ(TrainState::fp8_format_of({"fp8.amax_history", "fp8.scales", "model.norm.weight"}),
+            TrainState::Fp8Format::whole);  // the format of older checkpoints
+  EXPECT_EQ(TrainState::fp8_format_of({"model.norm.weight"}), TrainState::Fp8Format::none);
   // Resumed, the scales are those of the uninterrupted run (fresh ones would start at 1 and differ).
   split.checkpoint.resume = "auto";
   const TrainResult b = Trainer(split).run();

@@ -17,18 +17,21 @@
 #include <optional>
 
 #include "forge/ckpt/checkpoint.h"
-#include "forge/models/pretrained.h"
 #include "forge/comm/comm.h"
 #include "forge/core/device.h"
-#include "forge/models/llama/llama_model.h"
 #include "forge/kernels/emulated_device.h"
+#include "forge/models/llama/llama_model.h"
+#include "forge/models/pretrained.h"
 #include "forge/train/device_emulation.h"
 #include "forge/train/train_state.h"
 #include "forge/train/trainer.h"
 #include "train/toy_run.h"
 
 namespace forge {
-using namespace forge::optim; using namespace forge::models; using namespace forge::ckpt; using namespace forge::train;
+using namespace forge::optim;
+using namespace forge::models;
+using namespace forge::ckpt;
+using namespace forge::train;
 namespace {
 namespace fs = std::filesystem;
 
@@ -44,25 +47,8 @@ std::string name_of(const Layout& l) {
 
 class TrainerRuns : public testing::Test {
  protected:
-  void SetUp() override {
-    comm::Communicator& world = comm::world();
-    // One directory for the job: rank 0's pid, shared with every rank.
-    int64_t pid = ::getpid();
-    world.broadcast(&pid, 1, comm::Type::i64, 0).wait();
-    std::string test = testing::UnitTest::GetInstance()->current_test_info()->name();
-    std::replace(test.begin(), test.end(), '/', '_');
-    dir_ = fs::temp_directory_path() / ("forge_trainer_mpi_" + std::to_string(pid) + "_" + test);
-    if (world.rank() == 0) {
-      fs::remove_all(dir_);
-      fs::create_directories(dir_);
-      toy::write_toy_run_inputs(dir_);
-    }
-    world.barrier().wait();
-  }
-  void TearDown() override {
-    comm::world().barrier().wait();
-    if (comm::world().rank() == 0) fs::remove_all(dir_);
-  }
+  void SetUp() override { dir_ = toy::make_shared_test_dir(comm::world(), "forge_trainer_mpi"); }
+  void TearDown() override { toy::remove_shared_test_dir(comm::world(), dir_); }
 
  public:
   // The toy run of trainer_test.cpp, 20 steps of 16 bytes, with clipping and several gradient buckets.
@@ -72,8 +58,8 @@ class TrainerRuns : public testing::Test {
     c.train.dtype = "fp32";
     c.train.steps = 20;
     c.train.warmup = 3;
-    c.train.grad_clip = 0.5;  // clipping is active: the global norm must be right
-    c.parallel.bucket_mb = 0.01;  // several buckets even for this toy model
+    c.train.grad_clip = 0.5;                       // clipping is active: the global norm must be right
+    c.parallel.bucket_mb = 0.01;                   // several buckets even for this toy model
     c.parallel.make_vocab_size_divisible_by = 48;  // 256 pads to 288 (tp 2) or 384 (tp 4): padding is live
     c.parallel.timeout_s = 60;  // a rank that fails leaves the others in a collective: end the job soon
     return c;
@@ -204,7 +190,8 @@ TEST_F(TrainerRuns, Fp8DelayedScalesAgreeAcrossRanksAndWithOneRank) {
       c.fp8.recipe = "delayed";
       return c;
     };
-    TrainConfig ref = fp8_config(std::string("reference-") + (tensor_parallel ? "tp-" : "dp-") + std::to_string(world.rank()));
+    TrainConfig ref = fp8_config(std::string("reference-") + (tensor_parallel ? "tp-" : "dp-") +
+                                 std::to_string(world.rank()));
     ref.train.grad_accum = tensor_parallel ? 2 : 2 * n;
     auto self = comm::make_self();
     const TrainResult want = Trainer(ref, self.get()).run();
@@ -214,7 +201,9 @@ TEST_F(TrainerRuns, Fp8DelayedScalesAgreeAcrossRanksAndWithOneRank) {
     ASSERT_EQ(got.fp8_scales.size(), want.fp8_scales.size());
     ASSERT_EQ(got.fp8_scales.size(), 2u * 4 * 3);  // 2 layers x 4 Linears x (input, weight, gradient)
     std::vector<float> all(got.fp8_scales.size() * n);
-    world.all_gather(got.fp8_scales.data(), all.data(), static_cast<int64_t>(got.fp8_scales.size()), comm::Type::f32)
+    world
+        .all_gather(got.fp8_scales.data(), all.data(), static_cast<int64_t>(got.fp8_scales.size()),
+                    comm::Type::f32)
         .wait();
     for (size_t i = 0; i < all.size(); ++i) ASSERT_EQ(all[i], got.fp8_scales[i % got.fp8_scales.size()]) << i;
     // With tp beyond the 2 kv heads, each rank's q|k|v output gradient holds only its query heads' share of
@@ -230,7 +219,8 @@ INSTANTIATE_TEST_SUITE_P(Recipes, TrainerFp8Layouts,
                                          Fp8Case{"current", true}, Fp8Case{"current", false},
                                          Fp8Case{"block", true}, Fp8Case{"block", false}),
                          [](const auto& info) {
-                           return std::string(info.param.recipe) + (info.param.tensor_parallel ? "_tp_sp" : "_dp_zero1");
+                           return std::string(info.param.recipe) +
+                                  (info.param.tensor_parallel ? "_tp_sp" : "_dp_zero1");
                          });
 
 // A checkpoint saved under one layout resumes under another (tp-split weights and ZeRO-sharded Adam state
@@ -352,7 +342,8 @@ TEST_F(TrainerRuns, NonFiniteGradientOnOneRankStopsEveryRank) {
     error = e.what();
   }
   EXPECT_NE(error.find("step 3:"), std::string::npos) << error;
-  EXPECT_NE(error.find("first on rank " + std::to_string(bad_rank) + ": gradient of"), std::string::npos) << error;
+  EXPECT_NE(error.find("first on rank " + std::to_string(bad_rank) + ": gradient of"), std::string::npos)
+      << error;
   world.barrier().wait();
   EXPECT_EQ(read_checkpoint_manifest((fs::path(c.log.run_dir) / "checkpoint").string()).step, 2);
 }
@@ -400,22 +391,24 @@ TEST_F(TrainerRuns, SequenceParallelNeedsSeqLenDivisibleByTp) {
     Trainer(c, &world).run();
     ADD_FAILURE() << "expected an error";
   } catch (const Error& e) {
-    EXPECT_EQ(std::string(e.what()), "parallel.sequence_parallel: data.seq_len = 15 must be a multiple of parallel.tp = " +
-                                         std::to_string(world.size()));
+    EXPECT_EQ(std::string(e.what()),
+              "parallel.sequence_parallel: data.seq_len = 15 must be a multiple of parallel.tp = " +
+                  std::to_string(world.size()));
   }
 }
 
 // Data parallelism on GPUs, with and without ZeRO-1: one GPU per rank, gradients summed over NCCL on the
 // device. Follows the one-rank CPU run within the GPU's bf16 attention rounding (tests/models/cuda/
-// llama_cuda_test.cpp). On GPUs it needs one per rank (NCCL refuses two ranks on one device), so it is skipped on
-// smaller machines; under the device emulation (train/device_emulation.h: the CPU kernels on memory closed to
-// host code, MPI standing in for NCCL) it runs everywhere.
+// llama_cuda_test.cpp). On GPUs it needs one per rank (NCCL refuses two ranks on one device), so it is
+// skipped on smaller machines; under the device emulation (train/device_emulation.h: the CPU kernels on
+// memory closed to host code, MPI standing in for NCCL) it runs everywhere.
 void data_parallel_on_gpus_follows_the_one_rank_run(TrainerRuns& t, bool emulated) {
   comm::Communicator& world = comm::world();
   std::optional<DeviceEmulation> emulation;
   if (emulated) emulation.emplace();
   int usable = device_usable(Device::cuda) ? device_memory(Device::cuda).device_count() : 0;
-  usable = static_cast<int>(-comm::all_reduce_max(world, -static_cast<double>(usable)));  // the fewest any rank sees
+  usable = static_cast<int>(
+      -comm::all_reduce_max(world, -static_cast<double>(usable)));  // the fewest any rank sees
   if (usable < world.size()) GTEST_SKIP() << "needs a GPU per rank (" << world.size() << ")";
   TrainConfig ref = t.config("reference-" + std::to_string(world.rank()));
   ref.train.grad_accum = 2 * world.size();
@@ -434,7 +427,8 @@ void data_parallel_on_gpus_follows_the_one_rank_run(TrainerRuns& t, bool emulate
     // Emulated, the device runs the CPU kernels: only the order of the gradient sums differs.
     const double loss_tolerance = emulated ? 2e-5 : 2e-3, norm_tolerance = emulated ? 2e-4 : 2e-2;
     for (size_t s = 0; s < want.losses.size(); ++s) {
-      EXPECT_NEAR(got.losses[s], want.losses[s], loss_tolerance * want.losses[s]) << "step " << s + 1 << " zero " << zero;
+      EXPECT_NEAR(got.losses[s], want.losses[s], loss_tolerance * want.losses[s])
+          << "step " << s + 1 << " zero " << zero;
       EXPECT_NEAR(got.grad_norms[s], want.grad_norms[s], norm_tolerance * want.grad_norms[s])
           << "step " << s + 1 << " zero " << zero;
     }
@@ -444,7 +438,9 @@ void data_parallel_on_gpus_follows_the_one_rank_run(TrainerRuns& t, bool emulate
   }
 }
 
-TEST_F(TrainerRuns, DataParallelOnGpusFollowsTheOneRankRun) { data_parallel_on_gpus_follows_the_one_rank_run(*this, false); }
+TEST_F(TrainerRuns, DataParallelOnGpusFollowsTheOneRankRun) {
+  data_parallel_on_gpus_follows_the_one_rank_run(*this, false);
+}
 TEST_F(TrainerRuns, DataParallelOnEmulatedGpusFollowsTheOneRankRun) {
   data_parallel_on_gpus_follows_the_one_rank_run(*this, true);
 }

@@ -28,33 +28,21 @@ namespace fs = std::filesystem;
 
 class PipelineRuns : public testing::Test {
  protected:
+  // The toy inputs, and 4- and 8-layer models (up to 8 stages), untied and tied.
   void SetUp() override {
-    comm::Communicator& world = comm::world();
-    int64_t pid = ::getpid();
-    world.broadcast(&pid, 1, comm::Type::i64, 0).wait();
-    std::string test = testing::UnitTest::GetInstance()->current_test_info()->name();
-    std::replace(test.begin(), test.end(), '/', '_');
-    dir_ = fs::temp_directory_path() / ("forge_pipeline_mpi_" + std::to_string(pid) + "_" + test);
-    if (world.rank() == 0) {
-      fs::remove_all(dir_);
-      fs::create_directories(dir_);
-      toy::write_toy_run_inputs(dir_);
-      for (int layers : {4, 8}) {  // up to 4 or 8 stages
+    dir_ = toy::make_shared_test_dir(comm::world(), "forge_pipeline_mpi", [](const fs::path& dir) {
+      for (int layers : {4, 8}) {
         for (const bool tied : {false, true}) {
-          std::ofstream model(dir_ / ("config" + std::to_string(layers) + (tied ? "_tied" : "") + ".json"));
+          std::ofstream model(dir / ("config" + std::to_string(layers) + (tied ? "_tied" : "") + ".json"));
           model << R"({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": )" << layers
                 << R"(, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
                      "vocab_size": 256, "max_position_embeddings": 64, "tie_word_embeddings": )"
                 << (tied ? "true" : "false") << "}";
         }
       }
-    }
-    world.barrier().wait();
+    });
   }
-  void TearDown() override {
-    comm::world().barrier().wait();
-    if (comm::world().rank() == 0) fs::remove_all(dir_);
-  }
+  void TearDown() override { toy::remove_shared_test_dir(comm::world(), dir_); }
 
  public:
   TrainConfig config(const std::string& run) const {
@@ -190,7 +178,10 @@ INSTANTIATE_TEST_SUITE_P(
         tied("pp2_1f1b_tied", 2, 1, "1f1b", 4, 4), tied("pp2_zbv_tied", 2, 1, "zbv", 4, 4),
         tied("pp4_zbh1_tied", 4, 1, "zb-h1", 4, 4),
         tied("pp4_interleaved_tied", 4, 1, "interleaved", 8, 4, false, 2),
-        tied("pp2_dp2_zero1_1f1b_tied", 2, 2, "1f1b", 4, 4, true)),
+        tied("pp2_dp2_zero1_1f1b_tied", 2, 2, "1f1b", 4, 4, true),
+        PipelineCase{"pp2_zbh1_fp8_delayed", 2, 1, 1, "zb-h1", false, false, "none", "", "delayed"},
+        PipelineCase{"pp2_tp2_sp_1f1b_fp8_delayed", 2, 2, 1, "1f1b", true, false, "none", "", "delayed"},
+        PipelineCase{"pp4_zbh1_fp8_block", 4, 1, 1, "zb-h1", false, false, "none", "", "block"}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // A checkpoint written under one pipeline layout resumes under another and continues the one-rank loss
@@ -246,6 +237,46 @@ TEST_F(PipelineRuns, CheckpointsResumeUnderAnotherPipelineLayout) {
   for (const Resharding& r : {Resharding{"zb-h1", 1, ""}, Resharding{"dualpipe", 1, "zbv"},
                               Resharding{"interleaved", 2, "dualpipev"}})
     resume_under_another_layout(*this, r, want);
+}
+
+// FP8 delayed scaling under pp: each stage's amax histories, saved per Linear by one rank of the stage,
+// come back on resume: under the same layout bitwise the uninterrupted run, and under dp = 2 (every Linear
+// on every rank) the same run up to FP8's chaotic drift.
+TEST_F(PipelineRuns, Fp8DelayedStateResumesPerStage) {
+  comm::Communicator& world = comm::world();
+  if (world.size() != 2) GTEST_SKIP() << "needs 2 ranks";
+  auto fp8 = [&](const std::string& run) {
+    TrainConfig c = config(run);
+    c.train.dtype = "bf16";
+    c.fp8.recipe = "delayed";
+    c.fp8.amax_history_len = 4;
+    c.parallel.pp = 2;
+    c.parallel.schedule = "zb-h1";
+    return c;
+  };
+  const TrainResult want = Trainer(fp8("straight"), &world).run();
+  for (const bool same_layout : {true, false}) {
+    SCOPED_TRACE(same_layout ? "pp 2 -> pp 2" : "pp 2 -> dp 2");
+    TrainConfig first = fp8(same_layout ? "same" : "other");
+    Trainer a(first, &world);
+    a.on_step([](int64_t step) {
+      if (step == 6) Trainer::stop_flag().store(true);
+    });
+    const TrainResult got_a = a.run();
+    ASSERT_EQ(got_a.steps_done, 6);
+    TrainConfig second = first;
+    if (!same_layout) second.parallel.pp = 1, second.parallel.dp = 2, second.train.grad_accum = 2;
+    second.checkpoint.resume = "auto";
+    const TrainResult got_b = Trainer(second, &world).run();
+    ASSERT_EQ(got_b.losses.size(), 6u);
+    for (size_t s = 0; s < 6; ++s) {
+      if (same_layout)
+        EXPECT_EQ(got_b.losses[s], want.losses[6 + s]) << "step " << 7 + s;
+      else  // fresh histories (scales of 1) would be off by far more at step 7
+        EXPECT_NEAR(got_b.losses[s], want.losses[6 + s], (s == 0 ? 2e-3 : 6e-2) * want.losses[6 + s])
+            << "step " << 7 + s;
+    }
+  }
 }
 
 // log.profile_step under pp writes the step's measured timeline as a Chrome trace: one row per pp rank, one

@@ -180,12 +180,12 @@ void TrainSetup::make_pipeline() {
         "last "
         "stages are not kept tied yet; use dualpipev (the same schedule on a V, which ties them on one rank)",
         model_source);
-  if (c.fp8.recipe == "delayed")
+  if (c.fp8.recipe == "delayed" && p.mirrored)
     fail(
-        "{}: fp8.recipe = delayed with parallel.pp = {}: its amax histories are kept per rank and not yet "
-        "per "
-        "stage; use current or block scaling",
-        c.origin_of("fp8.recipe"), pp);
+        "{}: fp8.recipe = delayed with parallel.schedule = dualpipe: the mirrored copies of a stage would "
+        "keep "
+        "separate amax histories; use dualpipev, or current or block scaling",
+        c.origin_of("fp8.recipe"));
   const std::string stages_from =
       p.stages == pp ? fmt::format("parallel.pp = {}", pp)
       : c.parallel.schedule == "interleaved"

@@ -128,11 +128,16 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule,
     // Delayed scaling: every rank (tensor- and data-parallel) agrees on the step's amaxes, so all use the
     // same scales next step, those one process running the whole batch would use.
     std::span<float> amaxes = fp8->step_amaxes();
-    if (!amaxes.empty() && world.size() > 1)
-      world
-          .all_reduce(amaxes.data(), static_cast<int64_t>(amaxes.size()), comm::Type::f32,
-                      comm::ReduceOp::max)
-          .wait();
+    // Under pipeline parallelism each stage's ranks hold other Linears than the other stages': the
+    // reduction runs over the ranks of this stage (tp, then dp) instead of the world.
+    std::vector<comm::Communicator*> over{&world};
+    if (setup.layout.pp() > 1) over = {setup.groups.tp.get(), &setup.dp_group()};
+    for (comm::Communicator* group : over)
+      if (!amaxes.empty() && group->size() > 1)
+        group
+            ->all_reduce(amaxes.data(), static_cast<int64_t>(amaxes.size()), comm::Type::f32,
+                         comm::ReduceOp::max)
+            .wait();
     fp8->end_step();
   }
   ++state.step;

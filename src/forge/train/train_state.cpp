@@ -58,42 +58,82 @@ void TrainState::restore(const Snapshot& s) {
   if (fp8::DelayedScalingGroup* g = delayed_group(fp8)) g->import_state(s.fp8_history, s.fp8_scales);
 }
 
-void TrainState::stage_fp8(bool export_state, std::vector<ShardPiece>* pieces) {
+TrainState::Fp8Format TrainState::fp8_format_of(const std::vector<std::string>& names) {
+  if (std::binary_search(names.begin(), names.end(), "fp8.amax_history")) return Fp8Format::whole;
+  for (const std::string& n : names)
+    if (n.starts_with("fp8.") && n.ends_with(".amax_history")) return Fp8Format::by_linear;
+  return Fp8Format::none;
+}
+
+void TrainState::stage_fp8(bool export_state, Fp8Format format, std::vector<ShardPiece>* pieces) {
   const fp8::DelayedScalingGroup* g = delayed_group(fp8);
   const int64_t len = g->history_len(), n = g->size();
   fp8_history_.assign(static_cast<size_t>(len * n), 0.0f);
   fp8_scales_.assign(static_cast<size_t>(n), 1.0f);
   if (export_state) g->export_state(fp8_history_, fp8_scales_);
   if (!pieces) return;
-  pieces->push_back({"fp8.amax_history", {len, n}, {len, n}, -1, 0, 0, len * n, fp8_history_.data()});
-  pieces->push_back({"fp8.scales", {n}, {n}, -1, 0, 0, n, fp8_scales_.data()});
+  if (format == Fp8Format::whole) {
+    // Slot s of the arrays is Linear s / 3's role s % 3, in the order this rank registered them: only the
+    // layout that wrote them (one stage holding every Linear) reads them back.
+    pieces->push_back({"fp8.amax_history", {len, n}, {len, n}, -1, 0, 0, len * n, fp8_history_.data()});
+    pieces->push_back({"fp8.scales", {n}, {n}, -1, 0, 0, n, fp8_scales_.data()});
+    return;
+  }
+  const int64_t linears = fp8->linears();
+  FORGE_CHECK(n == 3 * linears, "delayed scaling holds {} slots for {} Linears", n, linears);
+  fp8_linear_history_.assign(static_cast<size_t>(linears), std::vector<float>(static_cast<size_t>(len * 3)));
+  fp8_linear_scales_.assign(static_cast<size_t>(linears), std::vector<float>(3));
+  for (int64_t l = 0; l < linears; ++l) {
+    std::vector<float>& h = fp8_linear_history_[l];
+    std::vector<float>& sc = fp8_linear_scales_[l];
+    for (int64_t age = 0; age < len; ++age)
+      for (int64_t role = 0; role < 3; ++role) h[age * 3 + role] = fp8_history_[age * n + 3 * l + role];
+    for (int64_t role = 0; role < 3; ++role) sc[role] = fp8_scales_[3 * l + role];
+    const std::string& name = fp8->linear_name(static_cast<int>(l));
+    pieces->push_back({"fp8." + name + ".amax_history", {len, 3}, {len, 3}, -1, 0, 0, len * 3, h.data()});
+    pieces->push_back({"fp8." + name + ".scales", {3}, {3}, -1, 0, 0, 3, sc.data()});
+  }
 }
 
-// The delayed-scaling state is identical on every rank after each step's reduction: rank 0 writes it.
+// The per-Linear staging back into the arrays import_state takes.
+static void unstage_by_linear(const std::vector<std::vector<float>>& history,
+                              const std::vector<std::vector<float>>& scales, int64_t len, int64_t n,
+                              std::vector<float>& all_history, std::vector<float>& all_scales) {
+  for (size_t l = 0; l < history.size(); ++l) {
+    for (int64_t age = 0; age < len; ++age)
+      for (int64_t role = 0; role < 3; ++role)
+        all_history[age * n + 3 * l + role] = history[l][age * 3 + role];
+    for (int64_t role = 0; role < 3; ++role) all_scales[3 * l + role] = scales[l][role];
+  }
+}
+
+// The delayed-scaling state is identical on every rank of a stage after each step's reduction: one of them
+// writes it.
 std::vector<ShardPiece> TrainState::pieces_to_save(int world_rank) {
   std::vector<ShardPiece> pieces = optimizer->checkpoint_pieces(true);
-  if (delayed_group(fp8)) {
-    stage_fp8(/*export_state=*/true, world_rank == 0 ? &pieces : nullptr);
-  }
+  if (delayed_group(fp8))
+    stage_fp8(/*export_state=*/true, Fp8Format::by_linear, world_rank == 0 || fp8_saver ? &pieces : nullptr);
   return pieces;
 }
 
 void TrainState::finish_save() { optimizer->finish_save(); }
 
-std::vector<ShardPiece> TrainState::pieces_to_load(bool with_fp8) {
+std::vector<ShardPiece> TrainState::pieces_to_load(Fp8Format saved) {
   // Any layout loads any other: each rank fills its shard of the weights and its owned optimizer state.
   std::vector<ShardPiece> pieces = optimizer->checkpoint_pieces_for_load(true);
-  if (delayed_group(fp8) && with_fp8) {
-    stage_fp8(/*export_state=*/false, &pieces);
-  }
+  if (delayed_group(fp8) && saved != Fp8Format::none) stage_fp8(/*export_state=*/false, saved, &pieces);
   return pieces;
 }
 
-void TrainState::finish_load(bool with_fp8) {
+void TrainState::finish_load(Fp8Format saved) {
   optimizer->finish_load();
   params->refresh_bf16();
-  if (fp8::DelayedScalingGroup* g = delayed_group(fp8); g && with_fp8)
-    g->import_state(fp8_history_, fp8_scales_);
+  fp8::DelayedScalingGroup* g = delayed_group(fp8);
+  if (!g || saved == Fp8Format::none) return;
+  if (saved == Fp8Format::by_linear)
+    unstage_by_linear(fp8_linear_history_, fp8_linear_scales_, g->history_len(), g->size(), fp8_history_,
+                      fp8_scales_);
+  g->import_state(fp8_history_, fp8_scales_);
 }
 
 }  // namespace forge::train

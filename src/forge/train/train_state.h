@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "forge/ckpt/sharded.h"
@@ -52,18 +53,27 @@ struct TrainState {
   // Puts everything back as it was at snapshot(); the bf16 shadow and FP8 weight casts follow.
   void restore(const Snapshot& s);
 
-  // ---- Checkpoints. The pieces of this rank's state to save (the delayed-scaling state from rank 0 only),
-  // and the destinations to load into; after a load, finish_load() applies what was read.
+  // ---- Checkpoints. The pieces of this rank's state to save, and the destinations to load into; after a
+  // load, finish_load() applies what was read. The delayed-scaling state is saved per FP8 Linear, under its
+  // name ("fp8.<linear>.amax_history" [history_len, 3], "fp8.<linear>.scales" [3]: input, weight,
+  // gradient), so that any pipeline layout loads any other; it is the same on every rank of a stage after
+  // each step's reduction, so one rank per stage writes it: world rank 0, or with fp8_saver set this rank
+  // (the trainer sets it on tensor- and data-parallel rank 0 of every pipeline rank).
+  enum class Fp8Format { none, by_linear, whole };  // whole: the single-array format of older checkpoints
+  bool fp8_saver = false;
   std::vector<ShardPiece> pieces_to_save(int world_rank);
-  std::vector<ShardPiece> pieces_to_load(bool with_fp8);
-  void finish_load(bool with_fp8);
+  std::vector<ShardPiece> pieces_to_load(Fp8Format saved);
+  void finish_load(Fp8Format saved);
   void finish_save();
+  // What a checkpoint holds of the delayed-scaling state, from its tensor names (sorted).
+  static Fp8Format fp8_format_of(const std::vector<std::string>& names);
 
  private:
   std::vector<float> fp8_history_, fp8_scales_;  // staging of the delayed-scaling state for checkpoints
-  // Sizes the staging of the delayed-scaling state (filled from it with export_state) and appends its two
-  // checkpoint pieces to `pieces` when given.
-  void stage_fp8(bool export_state, std::vector<ShardPiece>* pieces);
+  std::vector<std::vector<float>> fp8_linear_history_, fp8_linear_scales_;  // per Linear, by_linear
+  // Sizes the staging of the delayed-scaling state (filled from it with export_state) and appends its
+  // checkpoint pieces in `format` to `pieces` when given.
+  void stage_fp8(bool export_state, Fp8Format format, std::vector<ShardPiece>* pieces);
 };
 
 }  // namespace forge::train

@@ -266,12 +266,18 @@ void TrainingRun::resume() {
   CheckpointState saved = read_checkpoint_manifest(from.string(), /*verify_files=*/false);
   const std::vector<std::string> names = checkpoint_tensor_names(from.string());
   check_resumable(saved, from, names, *setup_->model_config, setup_->model_source, setup_->data->codec(), c_);
-  const bool fp8_saved = std::binary_search(names.begin(), names.end(), "fp8.amax_history");
+  TrainState::Fp8Format fp8_saved = TrainState::fp8_format_of(names);
+  const bool delayed = setup_->fp8 && setup_->fp8->delayed_group();
+  if (delayed && fp8_saved == TrainState::Fp8Format::whole && setup_->layout.pp() > 1) {
+    say("the checkpoint's FP8 scaling state is in the single-array format of older versions, which only a "
+        "one-stage layout reads: delayed scaling starts from fresh amax histories\n");
+    fp8_saved = TrainState::Fp8Format::none;
+  } else if (delayed && fp8_saved == TrainState::Fp8Format::none) {
+    say("the checkpoint holds no FP8 scaling state: delayed scaling starts from fresh amax histories\n");
+  }
   std::vector<ShardPiece> pieces = state_.pieces_to_load(fp8_saved);
   saved = load_sharded_checkpoint(from.string(), world_, pieces);
   state_.finish_load(fp8_saved);
-  if (setup_->fp8 && setup_->fp8->delayed_group() && !fp8_saved)
-    say("the checkpoint holds no FP8 scaling state: delayed scaling starts from fresh amax histories\n");
   setup_->optimizer->set_steps_taken(saved.optimizer_steps >= 0 ? saved.optimizer_steps : saved.step);
   state_.step = state_.base_step = saved.step;
   state_.base_samples = samples_seen_of(saved, setup_->seq);
@@ -538,6 +544,8 @@ TrainResult TrainingRun::run() {
   state_.params = &s.model->params();
   state_.optimizer = s.optimizer.get();
   state_.fp8 = s.fp8.get();
+  // Each pipeline stage's FP8 Linears are its own: one rank per stage saves their state.
+  state_.fp8_saver = s.layout.pp() > 1 && s.layout.coordinate(parallel::Dim::tp) == 0 && s.dp_rank == 0;
   state_.samples_per_step = s.micro * s.accum * s.dp;
   // Time-budget mode (steps = 0): the schedule's length is planned once, from the measured speed of the first
   // steps (which are all in warmup, where the LR does not depend on the length).
