@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -96,6 +97,48 @@ TEST_F(PlanCli, SvgAndTraceWriteTheirFiles) {
   int complete = 0;
   for (const auto& e : events) complete += e["ph"] == "X" && e["cat"] == "forward";
   EXPECT_EQ(complete, 4 * 8 * 2);  // every micro-batch's F on both chunks of every rank
+}
+
+// --costs-from: a run's measured timeline (as log.profile_step writes it) gives per-stage costs. Here 1F1B
+// on 2 ranks, 2 micro-batches, stage 1's forward 3 ms, everything else 1 ms (F) or 2 ms (B): the replay
+// under those costs is 1 + 3 + 2 + 3 + 2 + 2 = 13 ms, where the traced step took 14.
+TEST_F(PlanCli, CostsFromAMeasuredTrace) {
+  nlohmann::json events = nlohmann::json::array();
+  for (int r = 0; r < 2; ++r)
+    events.push_back(
+        {{"name", "thread_name"}, {"ph", "M"}, {"pid", 0}, {"tid", r}, {"args", {{"name", "pp rank"}}}});
+  auto x = [&](int rank, const char* op, int mb, double ts_ms, double dur_ms) {
+    events.push_back({{"name", op},
+                      {"cat", op},
+                      {"ph", "X"},
+                      {"pid", 0},
+                      {"tid", rank},
+                      {"ts", ts_ms * 1000},
+                      {"dur", dur_ms * 1000},
+                      {"args", {{"chunk", 0}, {"micro_batch", mb}}}});
+  };
+  x(0, "forward", 0, 0, 1), x(0, "forward", 1, 1, 1), x(0, "backward", 0, 6, 2), x(0, "backward", 1, 12, 2);
+  x(1, "forward", 0, 1, 3), x(1, "backward", 0, 4, 2), x(1, "forward", 1, 6, 3), x(1, "backward", 1, 10, 2);
+  const std::string trace = path("pipeline_trace.json");
+  {
+    std::ofstream out(trace);
+    out << nlohmann::json{{"traceEvents", events}}.dump();
+  }
+  const Outcome o = run_forge("plan schedule --schedule 1f1b --pp 2 --microbatches 2 --costs-from " + trace);
+  ASSERT_EQ(o.status, 0) << o.output;
+  EXPECT_NE(o.output.find("stage 0: 1.000 / 1.000 / 1.000 / 2.000 / F + B"), std::string::npos) << o.output;
+  EXPECT_NE(o.output.find("stage 1: 3.000 / 1.000 / 1.000 / 2.000 / F + B"), std::string::npos) << o.output;
+  EXPECT_NE(o.output.find("the traced step took 14.000 ms; replayed under its costs: 13.000 ms"),
+            std::string::npos)
+      << o.output;
+  // A schedule with I and W cannot take its costs from a trace without them; the wrong pp is named.
+  expect_one_line_error("plan schedule --schedule zb-h1 --pp 2 --microbatches 2 --costs-from " + trace,
+                        "no backward_input and backward_weight times of stage 0");
+  expect_one_line_error("plan schedule --schedule 1f1b --pp 4 --microbatches 4 --costs-from " + trace,
+                        "the trace has 2 pipeline ranks, --pp is 4");
+  expect_one_line_error(
+      "plan schedule --schedule 1f1b --pp 2 --microbatches 2 --costs 1,1,1 --costs-from " + trace,
+      "give one of them");
 }
 
 TEST_F(PlanCli, BadInputIsOneLine) {

@@ -3,11 +3,14 @@
 // it can draw the timeline (SVG) and write it as a Chrome trace. Later: `plan memory`, `plan search`.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -23,7 +26,7 @@ using namespace forge::pipeline;
 namespace {
 
 struct PlanOptions {
-  std::string schedule, svg, trace, costs;
+  std::string schedule, svg, trace, costs, costs_from;
   int pp = 0, micro_batches = 0, vpp = 1;
   bool comm = false;
   double latency = 0;
@@ -57,18 +60,90 @@ StageCosts parse_costs(const std::string& text) {
   return c;
 }
 
+// "--costs-from TRACE": per-stage costs from a training run's measured pipeline timeline (log.profile_step
+// writes <run_dir>/pipeline_trace.json), the median time (ms) of each kind of action per stage, for the
+// schedule being planned: the trace's rank and chunk name the stage under this schedule's placement, so the
+// trace must come from the same pp and placement. Returns the measured step (ms).
+double costs_from_trace(const std::string& path, const Placement& p, bool needs_split, Costs& costs) {
+  nlohmann::json trace;
+  try {
+    trace = nlohmann::json::parse(read_file(path, "pipeline trace"));
+  } catch (const nlohmann::json::exception& e) {
+    fail("--costs-from {}: not a JSON trace ({})", path, e.what());
+  }
+  if (!trace.contains("traceEvents") || !trace["traceEvents"].is_array())
+    fail("--costs-from {}: no traceEvents (expected the pipeline_trace.json of a run with log.profile_step)",
+         path);
+  // [stage][op]: durations in ms.
+  std::vector<std::map<std::string, std::vector<double>>> times(static_cast<size_t>(p.stages));
+  double begin = 1e300, end = -1e300;
+  int rows = 0;
+  for (const auto& e : trace["traceEvents"]) {
+    if (e.value("ph", "") == "M" && e.value("name", "") == "thread_name") ++rows;
+    if (e.value("ph", "") != "X") continue;
+    const int rank = e.value("tid", -1), chunk = e.contains("args") ? e["args"].value("chunk", -1) : -1;
+    const std::string op = e.value("cat", "");
+    if (rank < 0 || rank >= p.ranks || chunk < 0 || chunk >= p.chunks)
+      fail(
+          "--costs-from {}: an action of rank {} chunk {}, outside this schedule's {} ranks x {} chunks: "
+          "record "
+          "the trace with the same --pp and schedule",
+          path, rank, chunk, p.ranks, p.chunks);
+    const double ts = e.value("ts", 0.0) / 1000.0, dur = e.value("dur", 0.0) / 1000.0;
+    begin = std::min(begin, ts), end = std::max(end, ts + dur);
+    times[static_cast<size_t>(p.stage(rank, chunk))][op].push_back(dur);
+  }
+  if (rows != p.ranks)
+    fail("--costs-from {}: the trace has {} pipeline ranks, --pp is {}", path, rows, p.ranks);
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? -1.0 : v[v.size() / 2];
+  };
+  costs.per_stage.assign(static_cast<size_t>(p.stages), {});
+  for (int stage = 0; stage < p.stages; ++stage) {
+    auto& t = times[static_cast<size_t>(stage)];
+    StageCosts& c = costs.per_stage[static_cast<size_t>(stage)];
+    c.forward = median(t["forward"]);
+    const double input = median(t["backward_input"]), weight = median(t["backward_weight"]);
+    const double backward = median(t["backward"]), pair = median(t["forward_backward"]);
+    if (c.forward < 0 && pair < 0) fail("--costs-from {}: no forward of stage {} in the trace", path, stage);
+    if (needs_split && (input < 0 || weight < 0))
+      fail(
+          "--costs-from {}: the schedule splits backwards into I and W, but the trace has no backward_input "
+          "and backward_weight times of stage {}: record it with a schedule that splits them (zb-h1, zbv, "
+          "dualpipe, dualpipev)",
+          path, stage);
+    // A stage seen only fused (B) or only split (I, W) keeps what it has: B = I + W, or I and W from B.
+    c.backward_input = input >= 0 ? input : backward / 2;
+    c.backward_weight = weight >= 0 ? weight : backward / 2;
+    c.backward = backward >= 0 ? backward : -1;
+    c.forward_backward = pair;
+    if (c.forward < 0)
+      c.forward = pair - (c.backward >= 0 ? c.backward : c.backward_input + c.backward_weight);
+  }
+  return end - begin;
+}
+
 std::string plural(int n, const char* one, const char* many) {
   return fmt::format("{} {}", n, n == 1 ? one : many);
 }
 
 int run_schedule(const PlanOptions& o) {
   if (o.latency < 0 || !std::isfinite(o.latency)) fail("--latency {}: expected a number >= 0", o.latency);
+  if (!o.costs_from.empty() && !o.costs.empty()) fail("--costs and --costs-from: give one of them");
   Costs costs;
   costs.uniform = parse_costs(o.costs);
   costs.latency = o.latency;
   const Schedule schedule = make_schedule({o.schedule, o.pp, o.micro_batches, o.vpp});
-  const Replay replay = pipeline::replay(schedule, costs);
   const Placement& p = schedule.placement;
+  double measured_step = -1;
+  if (!o.costs_from.empty()) {
+    bool split = false;
+    for (const auto& list : schedule.actions)
+      for (const Action& a : list) split = split || a.op == Op::backward_input;
+    measured_step = costs_from_trace(o.costs_from, p, split, costs);
+  }
+  const Replay replay = pipeline::replay(schedule, costs);
 
   const StageCosts& c = costs.uniform;
   const double backward = c.backward_input + c.backward_weight;
@@ -102,7 +177,19 @@ int run_schedule(const PlanOptions& o) {
   std::printf("schedule %s: pp %d, %s, %s (%s per rank)\n", name.c_str(), p.ranks,
               plural(p.micro_batches, "micro-batch", "micro-batches").c_str(),
               plural(p.stages, "stage", "stages").c_str(), plural(p.chunks, "chunk", "chunks").c_str());
-  std::printf("costs per chunk: %s; latency %g\n\n", cost_line.c_str(), o.latency);
+  if (costs.per_stage.empty()) {
+    std::printf("costs per chunk: %s; latency %g\n\n", cost_line.c_str(), o.latency);
+  } else {
+    std::printf("costs per stage (ms, medians of %s): F / I / W / B / F&B\n", o.costs_from.c_str());
+    for (int s = 0; s < p.stages; ++s) {
+      const StageCosts& sc = costs.per_stage[static_cast<size_t>(s)];
+      const double b = sc.backward >= 0 ? sc.backward : sc.backward_input + sc.backward_weight;
+      std::printf("  stage %d: %.3f / %.3f / %.3f / %.3f / %s\n", s, sc.forward, sc.backward_input,
+                  sc.backward_weight, b,
+                  sc.forward_backward >= 0 ? fmt::format("{:.3f}", sc.forward_backward).c_str() : "F + B");
+    }
+    std::printf("latency %g\n\n", o.latency);
+  }
   std::fputs(format_schedule(schedule, o.comm).c_str(), stdout);
 
   std::printf("\n%4s %10s %10s %8s  %s\n", "rank", "busy", "idle", "bubble", "peak activations (chunks)");
@@ -111,6 +198,9 @@ int run_schedule(const PlanOptions& o) {
                 100 * replay.idle(r) / replay.makespan, replay.ranks[r].peak_activations);
   std::printf("makespan %g, average bubble %.1f%%, max idle %g, max peak activations %d\n", replay.makespan,
               100 * replay.bubble_fraction(), replay.max_idle(), replay.max_peak_activations());
+  if (measured_step >= 0)
+    std::printf("the traced step took %.3f ms; replayed under its costs: %.3f ms (measured / replay %.3f)\n",
+                measured_step, replay.makespan, measured_step / replay.makespan);
   if (!o.svg.empty()) std::printf("wrote %s\n", o.svg.c_str());
   if (!o.trace.empty()) std::printf("wrote %s\n", o.trace.c_str());
   return 0;
@@ -145,6 +235,13 @@ void add_plan_command(CLI::App& app, Commands& commands) {
                    "times of one chunk's forward, backward-input and backward-weight, and of an "
                    "overlapped F&B pair (default 1,1,1 and F&B = F + B; B is I + W)")
       ->type_name("F,I,W[,FB]");
+  schedule
+      ->add_option(
+          "--costs-from", o->costs_from,
+          "per-stage costs (ms): the median time of each kind of action in a run's measured pipeline "
+          "timeline (<run_dir>/pipeline_trace.json, written with log.profile_step); the run must "
+          "have the same --pp and placement, and a schedule with I and W needs a trace that has them")
+      ->type_name("TRACE");
   schedule->add_option("--latency", o->latency, "time from the end of a send to its arrival")
       ->capture_default_str()
       ->type_name("L");
