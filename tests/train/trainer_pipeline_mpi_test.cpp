@@ -178,6 +178,7 @@ INSTANTIATE_TEST_SUITE_P(
         tied("pp2_1f1b_tied", 2, 1, "1f1b", 4, 4), tied("pp2_zbv_tied", 2, 1, "zbv", 4, 4),
         tied("pp4_zbh1_tied", 4, 1, "zb-h1", 4, 4),
         tied("pp4_interleaved_tied", 4, 1, "interleaved", 8, 4, false, 2),
+        tied("pp2_dualpipe_tied", 2, 1, "dualpipe", 4, 4), tied("pp4_dualpipe_tied", 4, 1, "dualpipe", 4, 8),
         tied("pp2_dp2_zero1_1f1b_tied", 2, 2, "1f1b", 4, 4, true),
         PipelineCase{"pp2_zbh1_fp8_delayed", 2, 1, 1, "zb-h1", false, false, "none", "", "delayed"},
         PipelineCase{"pp2_tp2_sp_1f1b_fp8_delayed", 2, 2, 1, "1f1b", true, false, "none", "", "delayed"},
@@ -355,12 +356,6 @@ TEST_F(PipelineRuns, BadPipelineSettingsAreOneLineEach) {
     c.parallel.dp = 1;
     expect(c, "parallel layout");
   }
-  TrainConfig tied_dualpipe = config("tied");
-  tied_dualpipe.model.config = (dir_ / "config4_tied.json").string();
-  tied_dualpipe.parallel.pp = n;
-  tied_dualpipe.parallel.schedule = "dualpipe";
-  tied_dualpipe.train.grad_accum = 2 * n;
-  expect(tied_dualpipe, "tie_word_embeddings with parallel.schedule = dualpipe");
   TrainConfig uneven = config("uneven");
   uneven.model.config = (dir_ / "config.json").string();  // 2 layers
   uneven.parallel.pp = n;

@@ -78,9 +78,19 @@ void Pipelining::sum_mirrored_gradients() {
   std::sort(order.begin(), order.end(), [&](int a, int b) {
     return schedule_.placement.stage(pp_rank_, a) < schedule_.placement.stage(pp_rank_, b);
   });
+  // A tied embedding is one tensor shared by a rank's end chunks (the embedding of one direction, the head
+  // of the other): it is left out of the regions and summed over the tied pair after them.
+  int64_t skip_begin = -1, skip_end = -1;
+  if (tied_param_ >= 0) {
+    skip_begin = store.info(tied_param_).offset;
+    skip_end = skip_begin + shape_numel(store.info(tied_param_).shape);
+  }
   for (int c : order) {
     const auto [begin, end] = chunk_ranges_[c];
-    comm::all_reduce_sum(*mirror_, store.grads().f32() + begin, end - begin);
+    std::vector<std::pair<int64_t, int64_t>> parts = {{begin, end}};
+    if (skip_begin >= begin && skip_end <= end) parts = {{begin, skip_begin}, {skip_end, end}};
+    for (const auto [from, to] : parts)
+      if (to > from) comm::all_reduce_sum(*mirror_, store.grads().f32() + from, to - from);
   }
 }
 

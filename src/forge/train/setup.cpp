@@ -174,12 +174,6 @@ void TrainSetup::make_pipeline() {
     fail("{}: {} (micro-batches per step = train.grad_accum)", c.origin_of("parallel.schedule"), e.what());
   }
   const pipeline::Placement& p = pipeline->placement;
-  if (model_config->to_json().value("tie_word_embeddings", false) && p.mirrored)
-    fail(
-        "{}: tie_word_embeddings with parallel.schedule = dualpipe: its mirrored copies of the first and "
-        "last "
-        "stages are not kept tied yet; use dualpipev (the same schedule on a V, which ties them on one rank)",
-        model_source);
   if (c.fp8.recipe == "delayed" && p.mirrored)
     fail(
         "{}: fp8.recipe = delayed with parallel.schedule = dualpipe: the mirrored copies of a stage would "
