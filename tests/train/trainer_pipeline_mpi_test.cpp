@@ -73,6 +73,13 @@ struct PipelineCase {
   bool tied = false;
 };
 
+// FP8 delayed scaling under the multi-chunk schedules (DualPipe's copies share their amaxes).
+PipelineCase fp8(const char* name, int pp, const char* schedule, int accum) {
+  PipelineCase c{name, pp, 1, 1, schedule};
+  c.fp8 = "delayed", c.accum = accum;
+  return c;
+}
+
 // Tied embeddings: the first and last stage on two ranks (their copies summed), or on one (the V).
 PipelineCase tied(const char* name, int pp, int dp, const char* schedule, int layers, int accum,
                   bool zero = false, int vpp = 1) {
@@ -182,7 +189,9 @@ INSTANTIATE_TEST_SUITE_P(
         tied("pp2_dp2_zero1_1f1b_tied", 2, 2, "1f1b", 4, 4, true),
         PipelineCase{"pp2_zbh1_fp8_delayed", 2, 1, 1, "zb-h1", false, false, "none", "", "delayed"},
         PipelineCase{"pp2_tp2_sp_1f1b_fp8_delayed", 2, 2, 1, "1f1b", true, false, "none", "", "delayed"},
-        PipelineCase{"pp4_zbh1_fp8_block", 4, 1, 1, "zb-h1", false, false, "none", "", "block"}),
+        PipelineCase{"pp4_zbh1_fp8_block", 4, 1, 1, "zb-h1", false, false, "none", "", "block"},
+        fp8("pp2_dualpipe_fp8_delayed", 2, "dualpipe", 4), fp8("pp4_dualpipe_fp8_delayed", 4, "dualpipe", 8),
+        fp8("pp2_dualpipev_fp8_delayed", 2, "dualpipev", 4)),
     [](const auto& info) { return std::string(info.param.name); });
 
 // A checkpoint written under one pipeline layout resumes under another and continues the one-rank loss
@@ -246,38 +255,69 @@ TEST_F(PipelineRuns, CheckpointsResumeUnderAnotherPipelineLayout) {
 TEST_F(PipelineRuns, Fp8DelayedStateResumesPerStage) {
   comm::Communicator& world = comm::world();
   if (world.size() != 2) GTEST_SKIP() << "needs 2 ranks";
-  auto fp8 = [&](const std::string& run) {
-    TrainConfig c = config(run);
-    c.train.dtype = "bf16";
-    c.fp8.recipe = "delayed";
-    c.fp8.amax_history_len = 4;
-    c.parallel.pp = 2;
-    c.parallel.schedule = "zb-h1";
-    return c;
-  };
-  const TrainResult want = Trainer(fp8("straight"), &world).run();
-  for (const bool same_layout : {true, false}) {
-    SCOPED_TRACE(same_layout ? "pp 2 -> pp 2" : "pp 2 -> dp 2");
-    TrainConfig first = fp8(same_layout ? "same" : "other");
-    Trainer a(first, &world);
-    a.on_step([](int64_t step) {
-      if (step == 6) Trainer::stop_flag().store(true);
-    });
-    const TrainResult got_a = a.run();
-    ASSERT_EQ(got_a.steps_done, 6);
-    TrainConfig second = first;
-    if (!same_layout) second.parallel.pp = 1, second.parallel.dp = 2, second.train.grad_accum = 2;
-    second.checkpoint.resume = "auto";
-    const TrainResult got_b = Trainer(second, &world).run();
-    ASSERT_EQ(got_b.losses.size(), 6u);
-    for (size_t s = 0; s < 6; ++s) {
-      if (same_layout)
-        EXPECT_EQ(got_b.losses[s], want.losses[6 + s]) << "step " << 7 + s;
-      else  // fresh histories (scales of 1) would be off by far more at step 7
-        EXPECT_NEAR(got_b.losses[s], want.losses[6 + s], (s == 0 ? 2e-3 : 6e-2) * want.losses[6 + s])
-            << "step " << 7 + s;
+  // zb-h1, and dualpipe, whose mirrored copies save their state once and load it twice.
+  for (const std::string schedule : {"zb-h1", "dualpipe"}) {
+    auto fp8 = [&](const std::string& run) {
+      TrainConfig c = config(run + "-" + schedule);
+      c.train.dtype = "bf16";
+      c.fp8.recipe = "delayed";
+      c.fp8.amax_history_len = 4;
+      c.parallel.pp = 2;
+      c.parallel.schedule = schedule;
+      return c;
+    };
+    const TrainResult want = Trainer(fp8("straight"), &world).run();
+    for (const bool same_layout : {true, false}) {
+      SCOPED_TRACE(schedule + (same_layout ? ": pp 2 -> pp 2" : ": pp 2 -> dp 2"));
+      TrainConfig first = fp8(same_layout ? "same" : "other");
+      Trainer a(first, &world);
+      a.on_step([](int64_t step) {
+        if (step == 6) Trainer::stop_flag().store(true);
+      });
+      const TrainResult got_a = a.run();
+      ASSERT_EQ(got_a.steps_done, 6);
+      TrainConfig second = first;
+      if (!same_layout) second.parallel.pp = 1, second.parallel.dp = 2, second.train.grad_accum = 2;
+      second.checkpoint.resume = "auto";
+      const TrainResult got_b = Trainer(second, &world).run();
+      ASSERT_EQ(got_b.losses.size(), 6u);
+      for (size_t s = 0; s < 6; ++s) {
+        if (same_layout)
+          EXPECT_EQ(got_b.losses[s], want.losses[6 + s]) << "step " << 7 + s;
+        else  // fresh histories (scales of 1) would be off by far more at step 7
+          EXPECT_NEAR(got_b.losses[s], want.losses[6 + s], (s == 0 ? 2e-3 : 6e-2) * want.losses[6 + s])
+              << "step " << 7 + s;
+      }
     }
   }
+}
+
+// DualPipe under FP8 delayed scaling: the two copies of a stage (rank r's chunk 0, rank P-1-r's chunk 1) see
+// one direction's micro-batches each, yet take the max of both amaxes, so they end with the same scales
+// bitwise. On 2 ranks with 2 layers per stage: rank 0 holds stage 0 | stage 1, rank 1 stage 1 | stage 0.
+TEST_F(PipelineRuns, DualPipeCopiesShareTheirFp8DelayedScales) {
+  comm::Communicator& world = comm::world();
+  if (world.size() != 2) GTEST_SKIP() << "needs 2 ranks";
+  TrainConfig c = config("dualpipe_fp8");
+  c.train.dtype = "bf16";
+  c.train.steps = 3;
+  c.fp8.recipe = "delayed";
+  c.parallel.pp = 2;
+  c.parallel.schedule = "dualpipe";
+  const TrainResult got = Trainer(c, &world).run();
+  const size_t n = got.fp8_scales.size();
+  ASSERT_GT(n, 0u);
+  ASSERT_EQ(n % 2, 0u);
+  std::vector<float> all(2 * n);
+  world.all_gather(got.fp8_scales.data(), all.data(), static_cast<int64_t>(n), comm::Type::f32).wait();
+  const size_t half = n / 2;
+  for (size_t i = 0; i < half; ++i) {
+    EXPECT_EQ(all[i], all[n + half + i]) << "stage 0, slot " << i;  // rank 0 chunk 0 vs rank 1 chunk 1
+    EXPECT_EQ(all[half + i], all[n + i]) << "stage 1, slot " << i;  // rank 0 chunk 1 vs rank 1 chunk 0
+  }
+  bool changed = false;  // the scales moved off 1: the amaxes were recorded
+  for (float v : got.fp8_scales) changed = changed || v != 1.0f;
+  EXPECT_TRUE(changed);
 }
 
 // log.profile_step under pp writes the step's measured timeline as a Chrome trace: one row per pp rank, one

@@ -130,10 +130,11 @@ void TrainSetup::build_chunks() {
   }
   rank_params = std::make_unique<ParameterStore>();
   for (size_t c = 0; c < chunk_stages.size(); ++c) {
-    const int64_t begin = rank_params->numel();
+    const int64_t begin = rank_params->numel(), first_linear = options.fp8 ? options.fp8->linears() : 0;
     std::unique_ptr<Model> built =
         build_model(*model_config, options, chunk_stages[c], init_std, true, rank_params.get());
     chunk_ranges.push_back({begin, rank_params->numel()});
+    chunk_fp8_linears.push_back({first_linear, options.fp8 ? options.fp8->linears() : 0});
     if (c == 0)
       model = std::move(built);
     else
@@ -174,12 +175,7 @@ void TrainSetup::make_pipeline() {
     fail("{}: {} (micro-batches per step = train.grad_accum)", c.origin_of("parallel.schedule"), e.what());
   }
   const pipeline::Placement& p = pipeline->placement;
-  if (c.fp8.recipe == "delayed" && p.mirrored)
-    fail(
-        "{}: fp8.recipe = delayed with parallel.schedule = dualpipe: the mirrored copies of a stage would "
-        "keep "
-        "separate amax histories; use dualpipev, or current or block scaling",
-        c.origin_of("fp8.recipe"));
+
   const std::string stages_from =
       p.stages == pp ? fmt::format("parallel.pp = {}", pp)
       : c.parallel.schedule == "interleaved"

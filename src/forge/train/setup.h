@@ -71,6 +71,7 @@ class TrainSetup {
   comm::Communicator& pp_group() const { return *groups.pp; }
   std::unique_ptr<ParameterStore> rank_params;
   std::vector<std::pair<int64_t, int64_t>> chunk_ranges;
+  std::vector<std::pair<int64_t, int64_t>> chunk_fp8_linears;  // [chunk]: its FP8 Linears' slots (with FP8)
   std::unique_ptr<comm::Communicator> mirror;
   // Tied embeddings with the first and the last stage on two ranks: the pair's communicator (null on the
   // other ranks) and the tied tensor's id in this rank's store; the last stage's copy sums its gradient with

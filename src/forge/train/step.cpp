@@ -1,5 +1,6 @@
 #include "forge/train/step.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "forge/fp8/scaling.h"
@@ -130,6 +131,22 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule,
     std::span<float> amaxes = fp8->step_amaxes();
     // Under pipeline parallelism each stage's ranks hold other Linears than the other stages': the
     // reduction runs over the ranks of this stage (tp, then dp) instead of the world.
+    // DualPipe: a stage's two copies see one direction's micro-batches each; their Linears take the max of
+    // both, stage by stage in increasing order on both ranks of the mirror pair.
+    if (setup.mirror && !amaxes.empty()) {
+      const pipeline::Placement& p = setup.pipeline->placement;
+      std::vector<int> order(setup.chunk_fp8_linears.size());
+      for (size_t c = 0; c < order.size(); ++c) order[c] = static_cast<int>(c);
+      std::sort(order.begin(), order.end(),
+                [&](int a, int b) { return p.stage(setup.pp_rank, a) < p.stage(setup.pp_rank, b); });
+      for (int c : order) {
+        const auto [first, end] = setup.chunk_fp8_linears[c];
+        if (end > first)
+          setup.mirror
+              ->all_reduce(amaxes.data() + 3 * first, 3 * (end - first), comm::Type::f32, comm::ReduceOp::max)
+              .wait();
+      }
+    }
     std::vector<comm::Communicator*> over{&world};
     if (setup.layout.pp() > 1) over = {setup.groups.tp.get(), &setup.dp_group()};
     for (comm::Communicator* group : over)

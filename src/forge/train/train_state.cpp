@@ -84,11 +84,14 @@ void TrainState::stage_fp8(bool export_state, Fp8Format format, std::vector<Shar
   fp8_linear_history_.assign(static_cast<size_t>(linears), std::vector<float>(static_cast<size_t>(len * 3)));
   fp8_linear_scales_.assign(static_cast<size_t>(linears), std::vector<float>(3));
   for (int64_t l = 0; l < linears; ++l) {
+    const bool skip =
+        export_state && fp8_saved_linears >= 0 && l >= fp8_saved_linears;  // a copy's: not saved
     std::vector<float>& h = fp8_linear_history_[l];
     std::vector<float>& sc = fp8_linear_scales_[l];
     for (int64_t age = 0; age < len; ++age)
       for (int64_t role = 0; role < 3; ++role) h[age * 3 + role] = fp8_history_[age * n + 3 * l + role];
     for (int64_t role = 0; role < 3; ++role) sc[role] = fp8_scales_[3 * l + role];
+    if (skip) continue;
     const std::string& name = fp8->linear_name(static_cast<int>(l));
     pieces->push_back({"fp8." + name + ".amax_history", {len, 3}, {len, 3}, -1, 0, 0, len * 3, h.data()});
     pieces->push_back({"fp8." + name + ".scales", {3}, {3}, -1, 0, 0, 3, sc.data()});

@@ -61,6 +61,9 @@ struct TrainState {
   // (the trainer sets it on tensor- and data-parallel rank 0 of every pipeline rank).
   enum class Fp8Format { none, by_linear, whole };  // whole: the single-array format of older checkpoints
   bool fp8_saver = false;
+  // The Linears whose state this rank saves, [0, fp8_saved_linears) (DualPipe: its own chunk's, not the
+  // mirrored copy's); -1: all.
+  int64_t fp8_saved_linears = -1;
   std::vector<ShardPiece> pieces_to_save(int world_rank);
   std::vector<ShardPiece> pieces_to_load(Fp8Format saved);
   void finish_load(Fp8Format saved);

@@ -546,6 +546,7 @@ TrainResult TrainingRun::run() {
   state_.fp8 = s.fp8.get();
   // Each pipeline stage's FP8 Linears are its own: one rank per stage saves their state.
   state_.fp8_saver = s.layout.pp() > 1 && s.layout.coordinate(parallel::Dim::tp) == 0 && s.dp_rank == 0;
+  if (s.mirror && !s.chunk_fp8_linears.empty()) state_.fp8_saved_linears = s.chunk_fp8_linears[0].second;
   state_.samples_per_step = s.micro * s.accum * s.dp;
   // Time-budget mode (steps = 0): the schedule's length is planned once, from the measured speed of the first
   // steps (which are all in warmup, where the LR does not depend on the length).
