@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -13,6 +14,7 @@
 
 #include "forge/ckpt/checkpoint_dir.h"
 #include "forge/comm/comm.h"
+#include "forge/models/pretrained.h"
 #include "forge/train/config.h"
 
 namespace forge::toy {
@@ -92,6 +94,30 @@ inline TrainConfig toy_run_config(const std::filesystem::path& dir, const std::s
   c.log.run_dir = (dir / run).string();
   c.sample.tokens = 0;
   return c;
+}
+
+// Two checkpoints read whole (any layout wrote them) hold the same weights: every tensor of `a` is in `b`,
+// within `tolerance` x the largest magnitude of the tensor.
+inline void expect_weights_close(const std::filesystem::path& a_dir, const std::filesystem::path& b_dir,
+                                 double tolerance) {
+  nn::ComputeOptions fp32;
+  fp32.gemm_dtype = DType::f32;
+  auto a = models::load_pretrained_model(a_dir, fp32);
+  auto b = models::load_pretrained_model(b_dir, fp32);
+  const ParameterStore& pa = a->params();
+  const ParameterStore& pb = b->params();
+  ASSERT_EQ(pa.count(), pb.count());
+  for (int i = 0; i < pa.count(); ++i) {
+    const int j = pb.find(pa.info(i).name);
+    ASSERT_GE(j, 0) << pa.info(i).name;
+    const int64_t n = shape_numel(pa.info(i).shape);
+    const float* x = pa.param(i).f32();
+    const float* y = pb.param(j).f32();
+    double scale = 0, worst = 0;
+    for (int64_t k = 0; k < n; ++k) scale = std::max(scale, std::abs(double(x[k])));
+    for (int64_t k = 0; k < n; ++k) worst = std::max(worst, std::abs(double(x[k]) - y[k]));
+    EXPECT_LE(worst, tolerance * scale) << pa.info(i).name;
+  }
 }
 
 // The checkpoint folder a run's checkpoint directory resolves to (its `latest`).

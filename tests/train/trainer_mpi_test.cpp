@@ -98,22 +98,8 @@ TEST_P(TrainerLayouts, ReproduceTheOneRankRun) {
   EXPECT_NEAR(got.heldout_loss, want.heldout_loss, 2e-5 * want.heldout_loss);
 
   // Final weights: the parallel run's checkpoint (written in shards) read whole, against the reference's.
-  nn::ComputeOptions fp32;
-  fp32.gemm_dtype = DType::f32;
-  auto a = load_pretrained_model(fs::path(ref.log.run_dir) / "checkpoint", fp32);
-  auto b = load_pretrained_model(fs::path(par.log.run_dir) / "checkpoint", fp32);
-  const ParameterStore& pa = a->params();
-  const ParameterStore& pb = b->params();
-  ASSERT_EQ(pa.count(), pb.count());
-  for (int i = 0; i < pa.count(); ++i) {
-    const int64_t n = shape_numel(pa.info(i).shape);
-    const float* x = pa.param(i).f32();
-    const float* y = pb.param(i).f32();
-    double scale = 0, worst = 0;
-    for (int64_t k = 0; k < n; ++k) scale = std::max(scale, std::abs(double(x[k])));
-    for (int64_t k = 0; k < n; ++k) worst = std::max(worst, std::abs(double(x[k]) - y[k]));
-    EXPECT_LE(worst, 2e-4 * scale) << pa.info(i).name;
-  }
+  toy::expect_weights_close(fs::path(ref.log.run_dir) / "checkpoint",
+                            fs::path(par.log.run_dir) / "checkpoint", 2e-4);
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, TrainerLayouts,

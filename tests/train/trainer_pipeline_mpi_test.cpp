@@ -98,27 +98,6 @@ PipelineCase chunked(const char* name, int pp, int tp, int dp, const char* sched
 
 class PipelineLayouts : public PipelineRuns, public testing::WithParamInterface<PipelineCase> {};
 
-void expect_weights_close(const fs::path& a_dir, const fs::path& b_dir, double tolerance) {
-  nn::ComputeOptions fp32;
-  fp32.gemm_dtype = DType::f32;
-  auto a = load_pretrained_model(a_dir, fp32);
-  auto b = load_pretrained_model(b_dir, fp32);
-  const ParameterStore& pa = a->params();
-  const ParameterStore& pb = b->params();
-  ASSERT_EQ(pa.count(), pb.count());
-  for (int i = 0; i < pa.count(); ++i) {
-    const int j = pb.find(pa.info(i).name);
-    ASSERT_GE(j, 0) << pa.info(i).name;
-    const int64_t n = shape_numel(pa.info(i).shape);
-    const float* x = pa.param(i).f32();
-    const float* y = pb.param(j).f32();
-    double scale = 0, worst = 0;
-    for (int64_t k = 0; k < n; ++k) scale = std::max(scale, std::abs(double(x[k])));
-    for (int64_t k = 0; k < n; ++k) worst = std::max(worst, std::abs(double(x[k]) - y[k]));
-    EXPECT_LE(worst, tolerance * scale) << pa.info(i).name;
-  }
-}
-
 TEST_P(PipelineLayouts, ReproduceTheOneRankRun) {
   comm::Communicator& world = comm::world();
   const PipelineCase p = GetParam();
@@ -159,8 +138,8 @@ TEST_P(PipelineLayouts, ReproduceTheOneRankRun) {
   }
   EXPECT_NEAR(got.heldout_loss, want.heldout_loss, (fp8 ? 4e-2 : 2e-5) * want.heldout_loss);
   if (!fp8)
-    expect_weights_close(fs::path(ref.log.run_dir) / "checkpoint", fs::path(par.log.run_dir) / "checkpoint",
-                         2e-4);
+    toy::expect_weights_close(fs::path(ref.log.run_dir) / "checkpoint",
+                              fs::path(par.log.run_dir) / "checkpoint", 2e-4);
 }
 
 INSTANTIATE_TEST_SUITE_P(
