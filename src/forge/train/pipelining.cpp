@@ -26,7 +26,17 @@ Pipelining::Pipelining(const pipeline::Schedule& schedule, int pp_rank, comm::Co
               "schedule {} has {} chunks per rank, got {}", schedule.name, schedule.placement.chunks,
               chunks_.size());
   FORGE_CHECK(!mirror_ || chunk_ranges_.size() == chunks_.size(), "mirrored chunks need their ranges");
+  // Built once (the executor replays the schedule to check it): each step only hands over its micro-batches.
+  std::vector<pipeline::Chunk*> views;
+  for (models::Model* m : chunks_) {
+    model_chunks_.push_back(std::make_unique<ModelChunk>(
+        *m, [this](int i) { return micro_batch_(i); }, rows_));
+    views.push_back(model_chunks_.back().get());
+  }
+  executor_ = std::make_unique<pipeline::Executor>(schedule_, pp_rank_, views, pp_, pp_);
 }
+
+Pipelining::~Pipelining() = default;
 
 int Pipelining::micro_batches_per_chunk(int count) const {
   FORGE_CHECK(count == schedule_.placement.micro_batches,
@@ -39,13 +49,9 @@ models::LossSum Pipelining::run(models::Model& model, int count,
                                 const std::function<models::MicroBatch(int)>& micro_batch) {
   FORGE_CHECK(&model == chunks_[0], "Pipelining runs the chunks it was made with");
   (void)micro_batches_per_chunk(count);
-  std::vector<std::unique_ptr<ModelChunk>> chunks;
-  std::vector<pipeline::Chunk*> views;
-  for (models::Model* m : chunks_) {
-    chunks.push_back(std::make_unique<ModelChunk>(*m, micro_batch, rows_));
-    views.push_back(chunks.back().get());
-  }
-  pipeline::Executor executor(schedule_, pp_rank_, views, pp_, pp_);
+  micro_batch_ = micro_batch;
+  for (const auto& c : model_chunks_) c->reset_loss();
+  pipeline::Executor& executor = *executor_;
   if (measure_) pp_.barrier().wait();
   executor.run(measure_);
   if (measure_) {
@@ -65,7 +71,8 @@ models::LossSum Pipelining::run(models::Model& model, int count,
     comm::all_reduce_sum(*tied_group_, g.f32(), g.numel());
   }
   models::LossSum loss;
-  for (const auto& c : chunks) loss.sum += c->loss().sum, loss.tokens += c->loss().tokens;
+  for (const auto& c : model_chunks_) loss.sum += c->loss().sum, loss.tokens += c->loss().tokens;
+  micro_batch_ = nullptr;  // the step's micro-batches are gone after it
   return loss;
 }
 
@@ -73,11 +80,6 @@ models::LossSum Pipelining::run(models::Model& model, int count,
 // order; both ranks visit their stages in increasing order, so each all-reduce meets its partner.
 void Pipelining::sum_mirrored_gradients() {
   ParameterStore& store = chunks_[0]->params();
-  std::vector<int> order(chunks_.size());
-  for (size_t c = 0; c < order.size(); ++c) order[c] = static_cast<int>(c);
-  std::sort(order.begin(), order.end(), [&](int a, int b) {
-    return schedule_.placement.stage(pp_rank_, a) < schedule_.placement.stage(pp_rank_, b);
-  });
   // A tied embedding is one tensor shared by a rank's end chunks (the embedding of one direction, the head
   // of the other): it is left out of the regions and summed over the tied pair after them.
   int64_t skip_begin = -1, skip_end = -1;
@@ -85,7 +87,7 @@ void Pipelining::sum_mirrored_gradients() {
     skip_begin = store.info(tied_param_).offset;
     skip_end = skip_begin + shape_numel(store.info(tied_param_).shape);
   }
-  for (int c : order) {
+  for (int c : schedule_.placement.chunks_by_stage(pp_rank_)) {
     const auto [begin, end] = chunk_ranges_[c];
     std::vector<std::pair<int64_t, int64_t>> parts = {{begin, end}};
     if (skip_begin >= begin && skip_end <= end) parts = {{begin, skip_begin}, {skip_end, end}};

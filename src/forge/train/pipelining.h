@@ -3,6 +3,7 @@
 // The no-pipelining schedule (step.h) is the one-stage case.
 #pragma once
 
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -11,7 +12,12 @@
 #include "forge/parallel/pipeline/timeline.h"
 #include "forge/train/step.h"
 
+namespace forge::pipeline {
+class Executor;
+}
+
 namespace forge::train {
+class ModelChunk;
 
 class Pipelining final : public Schedule {
  public:
@@ -24,6 +30,7 @@ class Pipelining final : public Schedule {
              std::vector<models::Model*> chunks, int64_t rows, int64_t sequence_split,
              comm::Communicator* mirror = nullptr,
              std::vector<std::pair<int64_t, int64_t>> chunk_ranges = {});
+  ~Pipelining() override;
 
   // Every chunk computes the same number of micro-batches: all of them, or (DualPipe) one direction's half.
   int micro_batches_per_chunk(int count) const override;
@@ -56,6 +63,9 @@ class Pipelining final : public Schedule {
   comm::Communicator* tied_group_ = nullptr;
   int tied_param_ = -1;
   bool measure_ = false;
+  std::function<models::MicroBatch(int)> micro_batch_;  // the running step's
+  std::vector<std::unique_ptr<ModelChunk>> model_chunks_;
+  std::unique_ptr<pipeline::Executor> executor_;
   std::vector<pipeline::TimelineSpan> measured_;
 };
 

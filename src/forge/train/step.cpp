@@ -134,12 +134,7 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule,
     // DualPipe: a stage's two copies see one direction's micro-batches each; their Linears take the max of
     // both, stage by stage in increasing order on both ranks of the mirror pair.
     if (setup.mirror && !amaxes.empty()) {
-      const pipeline::Placement& p = setup.pipeline->placement;
-      std::vector<int> order(setup.chunk_fp8_linears.size());
-      for (size_t c = 0; c < order.size(); ++c) order[c] = static_cast<int>(c);
-      std::sort(order.begin(), order.end(),
-                [&](int a, int b) { return p.stage(setup.pp_rank, a) < p.stage(setup.pp_rank, b); });
-      for (int c : order) {
+      for (int c : setup.pipeline->placement.chunks_by_stage(setup.pp_rank)) {
         const auto [first, end] = setup.chunk_fp8_linears[c];
         if (end > first)
           setup.mirror

@@ -82,6 +82,13 @@ bool Placement::serves(int rank, int chunk, int micro_batch) const {
   return locate(micro_batch, stage(rank, chunk)) == Slot{rank, chunk};
 }
 
+std::vector<int> Placement::chunks_by_stage(int rank) const {
+  std::vector<int> order(static_cast<size_t>(chunks));
+  for (int c = 0; c < chunks; ++c) order[static_cast<size_t>(c)] = c;
+  std::sort(order.begin(), order.end(), [&](int a, int b) { return stage(rank, a) < stage(rank, b); });
+  return order;
+}
+
 std::vector<int> Placement::micro_batches_of(int rank, int chunk) const {
   std::vector<int> out;
   for (int m = 0; m < micro_batches; ++m)

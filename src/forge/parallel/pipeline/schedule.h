@@ -70,6 +70,9 @@ struct Placement {
   bool serves(int rank, int chunk, int micro_batch) const;
   // The micro-batches (rank, chunk) computes, in order.
   std::vector<int> micro_batches_of(int rank, int chunk) const;
+  // The rank's chunks in increasing stage order (the order two ranks holding copies of the same stages visit
+  // them in for collectives over those copies).
+  std::vector<int> chunks_by_stage(int rank) const;
   bool is_first_stage(int rank, int chunk) const { return stage(rank, chunk) == 0; }
   bool is_last_stage(int rank, int chunk) const { return stage(rank, chunk) == stages - 1; }
 };
