@@ -180,6 +180,13 @@ TEST(OpSupport, CudaBackend) {
   loss.rows = 2, loss.dim = 4, loss.vocab = 8;
   EXPECT_REFUSED(gpu, linear_cross_entropy_forward, (loss),
                  "linear_cross_entropy_forward: workspace is required");
+  // The router's per-thread masks.
+  ops::MoeRouterParams router;
+  router.tokens = 4, router.experts = 2048, router.top_k = 8, router.logits = m.f,
+  router.expert_ids = reinterpret_cast<int32_t*>(m.f + 256);
+  router.weights = router.scores = m.f;
+  EXPECT_REFUSED(gpu, moe_router_forward, (router), "moe_router_forward: experts=2048",
+                 "beyond the CUDA router");
 }
 
 // Every parameter check of the element-wise, norm, rotary, SwiGLU, embedding and optimizer kernels names the
@@ -246,6 +253,34 @@ TEST(OpSupport, EmulatedDevice) {
   EXPECT_REFUSED(emulated, fp8_gemm, (fp8), "accumulator_bits");
   EXPECT_REFUSED(emulated, sum_squares_accumulate, (out.f32(), 4, nullptr),
                  "sum_squares_accumulate: total is null");
+}
+
+// Both backends refuse a router that cannot route: every shape rule names the setting.
+TEST(OpSupport, MoeRouterShapeRules) {
+  std::vector<const ops::OpTable*> tables = {&ops::cpu_table()};
+#ifdef FORGE_HAVE_CUDA
+  tables.push_back(&ops::cuda_table());
+#endif
+  for (const ops::OpTable* table : tables) {
+    ops::MoeRouterParams p;
+    p.tokens = 4, p.experts = 8, p.top_k = 2;
+    EXPECT_REFUSED(*table, moe_router_forward, (p),
+                   "moe_router_forward: logits, expert_ids, weights and scores");
+    p.groups = 3;
+    EXPECT_REFUSED(*table, moe_router_forward, (p), "3 groups do not divide 8 experts");
+    p.groups = 8;
+    EXPECT_REFUSED(*table, moe_router_forward, (p), "groups of 1 expert");
+    p.groups = 4, p.topk_groups = 5;
+    EXPECT_REFUSED(*table, moe_router_forward, (p), "topk_groups 5 outside [1, groups = 4]");
+    p.topk_groups = 1, p.top_k = 3;
+    EXPECT_REFUSED(*table, moe_router_forward, (p), "top_k 3 > the 2 experts of the 1 kept groups");
+    p.top_k = 2, p.seq_len = 3;
+    EXPECT_REFUSED(*table, moe_router_forward, (p), "4 tokens are not whole sequences of seq_len 3");
+    p.seq_len = 0, p.balance_scale = 1;
+    EXPECT_REFUSED(*table, moe_router_backward, (p), "moe_router_backward: balance_scale without seq_len");
+    EXPECT_REFUSED(*table, moe_bias_update, (nullptr, nullptr, 0, 1e-3f, false),
+                   "moe_bias_update: bad experts=0");
+  }
 }
 
 }  // namespace

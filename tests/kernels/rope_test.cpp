@@ -1,4 +1,6 @@
 // RoPE: the cos/sin tables, and the op tests (op_tests/rope.h) on the CPU and the device emulation.
+#include "kernels/op_tests/rope.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -7,7 +9,6 @@
 #include "forge/core/error.h"
 #include "forge/kernels/ops.h"
 #include "forge/kernels/rope_tables.h"
-#include "kernels/op_tests/rope.h"
 #include "op_harness.h"
 
 namespace forge {
@@ -51,6 +52,46 @@ TEST(RopeTables, DefaultMatchesFormula) {
 // _compute_llama3_parameters (torch.where over wavelengths, then cos/sin of arange(positions) x inv_freq),
 // run with Debian's python3-torch. The chosen indices cover the high-frequency (kept), interpolated and
 // low-frequency (divided by factor) bands.
+// Expected values from an independent float64 Python implementation of Hugging Face's
+// _compute_yarn_parameters (correction range floored / ceiled and clamped, linear ramp between extrapolated
+// and interpolated frequencies, cos and sin times get_mscale(factor, mscale) / get_mscale(factor,
+// mscale_all_dim)). The small case's ramp spans pairs 0..5 and its magnitude is 0.9643; DeepSeek-V3's (factor
+// 40 over 4096 positions, mscale = mscale_all_dim = 1) has magnitude 1 and a ramp over pairs 10..23.
+TEST(RopeTables, YarnMatchesHuggingFace) {
+  RopeScaling small;
+  small.kind = RopeScaling::Kind::yarn;
+  small.factor = 4, small.original_max_position_embeddings = 64, small.beta_fast = 8, small.beta_slow = 1;
+  small.mscale = 0.707, small.mscale_all_dim = 1.0;
+  EXPECT_NEAR(small.attention_factor(), 0.964326914892074, 1e-12);
+  expect_table_values(100, 16, 100.0, small,
+                      {{1, 0, 5.210280557e-01, 8.114531188e-01},
+                       {37, 1, 3.816241407e-01, -8.856011597e-01},
+                       {99, 2, -9.615018022e-01, 7.376098705e-02},
+                       {50, 3, 1.706307341e-01, -9.491109268e-01},
+                       {99, 4, -6.590063593e-01, -7.040149268e-01},
+                       {77, 5, 4.523809652e-01, 8.516324683e-01},
+                       {99, 7, 8.724253778e-01, 4.108532085e-01}});
+  RopeScaling deepseek;
+  deepseek.kind = RopeScaling::Kind::yarn;
+  deepseek.factor = 40, deepseek.original_max_position_embeddings = 4096, deepseek.beta_fast = 32;
+  deepseek.beta_slow = 1, deepseek.mscale = 1.0, deepseek.mscale_all_dim = 1.0;
+  EXPECT_EQ(deepseek.attention_factor(), 1.0);
+  expect_table_values(5000, 64, 10000.0, deepseek,
+                      {{1, 0, 5.403023059e-01, 8.414709848e-01},
+                       {4095, 5, -9.475221249e-01, -3.196901981e-01},
+                       {4999, 10, -5.808132831e-02, -9.983118547e-01},
+                       {3000, 16, -7.023970575e-01, -7.117853424e-01},
+                       {4999, 20, -6.891623966e-01, -7.246069218e-01},
+                       {777, 25, 9.998939076e-01, 1.456617987e-02},
+                       {4999, 31, 9.998611307e-01, 1.666491264e-02}});
+  // Without mscale_all_dim the magnitude is get_mscale(factor) = 0.1 ln 4 + 1.
+  small.mscale_all_dim = 0;
+  EXPECT_NEAR(small.attention_factor(), 0.1 * std::log(4.0) + 1, 1e-15);
+  RopeScaling bad = deepseek;
+  bad.beta_fast = 0.5;
+  EXPECT_THROW(expect_table_values(10, 64, 10000.0, bad, {}), Error);
+}
+
 TEST(RopeTables, Llama3MatchesPyTorch) {
   RopeScaling small;
   small.kind = RopeScaling::Kind::llama3;

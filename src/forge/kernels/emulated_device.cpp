@@ -37,7 +37,8 @@ struct State {
   bool dry = false;                             // EmulatedDevice::Mode::check_only
   int64_t live_bytes = 0, peak_bytes = 0, ops = 0;
   EmulatedDevice::Traffic traffic;
-  struct sigaction previous_segv{}, previous_bus{};
+  struct sigaction previous_segv {
+  }, previous_bus{};
 };
 
 State* g_state = nullptr;
@@ -131,9 +132,11 @@ void check_args(const char* op, const ops::EmbeddingParams& p) {
   FORGE_CHECK_FIELD(op, p, dout), FORGE_CHECK_FIELD(op, p, dweight);
 }
 void check_args(const char* op, const ops::LinearCrossEntropyParams& p) {
-  FORGE_CHECK_FIELD(op, p, hidden_gemm), FORGE_CHECK_FIELD(op, p, weight_gemm), FORGE_CHECK_FIELD(op, p, targets);
+  FORGE_CHECK_FIELD(op, p, hidden_gemm), FORGE_CHECK_FIELD(op, p, weight_gemm),
+      FORGE_CHECK_FIELD(op, p, targets);
   FORGE_CHECK_FIELD(op, p, lse), FORGE_CHECK_FIELD(op, p, loss), FORGE_CHECK_FIELD(op, p, dhidden);
-  FORGE_CHECK_FIELD(op, p, dweight), FORGE_CHECK_FIELD(op, p, workspace), FORGE_CHECK_FIELD(op, p, target_logit);
+  FORGE_CHECK_FIELD(op, p, dweight), FORGE_CHECK_FIELD(op, p, workspace),
+      FORGE_CHECK_FIELD(op, p, target_logit);
 }
 void check_args(const char* op, const ops::AdamWParams& p) {
   FORGE_CHECK_FIELD(op, p, param), FORGE_CHECK_FIELD(op, p, grad), FORGE_CHECK_FIELD(op, p, exp_avg);
@@ -146,6 +149,12 @@ void check_args(const char* op, const ops::Fp8CastParams& p) {
 }
 void check_args(const char* op, const ops::KvAppendParams& p) {
   FORGE_CHECK_FIELD(op, p, qkv), FORGE_CHECK_FIELD(op, p, keys), FORGE_CHECK_FIELD(op, p, values);
+}
+void check_args(const char* op, const ops::MoeRouterParams& p) {
+  FORGE_CHECK_FIELD(op, p, logits), FORGE_CHECK_FIELD(op, p, bias), FORGE_CHECK_FIELD(op, p, expert_ids);
+  FORGE_CHECK_FIELD(op, p, weights), FORGE_CHECK_FIELD(op, p, scores), FORGE_CHECK_FIELD(op, p, score_sums);
+  FORGE_CHECK_FIELD(op, p, expert_fraction), FORGE_CHECK_FIELD(op, p, balance_loss);
+  FORGE_CHECK_FIELD(op, p, dweights), FORGE_CHECK_FIELD(op, p, dlogits);
 }
 #undef FORGE_CHECK_FIELD
 
@@ -164,17 +173,17 @@ void check_args(const char* op, A... args) {
   (check_arg(op, index++, args), ...);
 }
 
-// The parameters an op on the emulated device takes: what the CUDA backend takes (in builds that have it: a GPU
-// would refuse the rest), and what the CPU kernel that runs it takes.
+// The parameters an op on the emulated device takes: what the CUDA backend takes (in builds that have it: a
+// GPU would refuse the rest), and what the CPU kernel that runs it takes.
 #ifdef FORGE_HAVE_CUDA
-#define FORGE_EMULATED_CUDA_SUPPORTS(name, args) cuda::supports_##name FORGE_OP_APPEND(args, reason) &&
+#define FORGE_EMULATED_CUDA_SUPPORTS(name, args) cuda::supports_##name FORGE_OP_APPEND(args, reason)&&
 #else
 #define FORGE_EMULATED_CUDA_SUPPORTS(name, args)
 #endif
-#define FORGE_EMULATED_SUPPORTS(name, result, params, args)                      \
-  bool supports_##name FORGE_OP_APPEND(params, std::string* reason) {            \
-    return FORGE_EMULATED_CUDA_SUPPORTS(name, args)                              \
-        ops::cpu_table().supports_##name FORGE_OP_APPEND(args, reason);          \
+#define FORGE_EMULATED_SUPPORTS(name, result, params, args)                                           \
+  bool supports_##name FORGE_OP_APPEND(params, std::string* reason) {                                 \
+    return FORGE_EMULATED_CUDA_SUPPORTS(name, args) ops::cpu_table().supports_##name FORGE_OP_APPEND( \
+        args, reason);                                                                                \
   }
 FORGE_OPS(FORGE_EMULATED_SUPPORTS)
 #undef FORGE_EMULATED_SUPPORTS
@@ -192,11 +201,13 @@ bool awaits_result(Op<ops::OpId::fp8_cast_transpose>, const ops::Fp8CastParams& 
   return !p.amax_accumulate && !p.amax_in;
 }
 
-// One op of the emulated table: its pointers and parameters checked, then the CPU kernel with device memory open.
+// One op of the emulated table: its pointers and parameters checked, then the CPU kernel with device memory
+// open.
 template <ops::OpId Id, auto Member, auto Supports, typename... A>
 auto guarded(const A&... args) {
   using Result = decltype((ops::cpu_table().*Member)(args...));
-  if constexpr (!std::is_void_v<Result>) g_state->traffic.host_results += awaits_result(Op<Id>{}, args...) ? 1 : 0;
+  if constexpr (!std::is_void_v<Result>)
+    g_state->traffic.host_results += awaits_result(Op<Id>{}, args...) ? 1 : 0;
   const char* op = ops::op_name(Id);
   check_args(op, args...);
   if (std::string why; !Supports(args..., &why)) fail("{}", why);
@@ -207,8 +218,10 @@ auto guarded(const A&... args) {
 }
 
 const ops::OpTable& emulated_table() {
-#define FORGE_EMULATED_ENTRY(name, result, params, args)                                               \
-  .name = [] params -> result { return guarded<ops::OpId::name, &ops::OpTable::name, supports_##name> args; }, \
+#define FORGE_EMULATED_ENTRY(name, result, params, args)                        \
+  .name = [] params -> result {                                                 \
+    return guarded<ops::OpId::name, &ops::OpTable::name, supports_##name> args; \
+  },                                                                            \
   .supports_##name = supports_##name,
   static const ops::OpTable table = {.name = "emulated cuda", FORGE_OPS(FORGE_EMULATED_ENTRY)};
 #undef FORGE_EMULATED_ENTRY
@@ -233,7 +246,8 @@ void emulated_free(void* p) {
   if (!p) return;
   std::lock_guard lock(g_state->mutex);
   auto it = g_state->allocations.find(reinterpret_cast<uintptr_t>(p));
-  FORGE_CHECK(it != g_state->allocations.end(), "device emulation: free of {}, which is no allocation's base", p);
+  FORGE_CHECK(it != g_state->allocations.end(), "device emulation: free of {}, which is no allocation's base",
+              p);
   ::munmap(p, it->second.mapped);
   g_state->live_bytes -= static_cast<int64_t>(it->second.bytes);
   g_state->allocations.erase(it);
@@ -318,7 +332,7 @@ EmulatedDevice::EmulatedDevice(Mode mode) {
   if (g_active.exchange(true)) fail("device emulation: one is already active");
   g_state = new State();
   g_state->dry = mode == Mode::check_only;
-  struct sigaction action{};
+  struct sigaction action {};
   action.sa_sigaction = on_fault;
   action.sa_flags = SA_SIGINFO;
   sigemptyset(&action.sa_mask);

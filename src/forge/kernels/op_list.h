@@ -47,7 +47,13 @@
   X(fp8_cast_transpose, float, (const ops::Fp8CastParams& p), (p))                                             \
   X(fp8_quantize_1x128, void, (const ops::Fp8CastParams& p), (p))                                              \
   X(fp8_quantize_128x128, void, (const ops::Fp8CastParams& p), (p))                                            \
-  X(kv_append, void, (const ops::KvAppendParams& p), (p))
+  X(kv_append, void, (const ops::KvAppendParams& p), (p))                                                     \
+  X(moe_router_forward, void, (const ops::MoeRouterParams& p), (p))                                           \
+  X(moe_router_backward, void, (const ops::MoeRouterParams& p), (p))                                          \
+  /* Auxiliary-loss-free balancing: bias[e] += rate * sign(mean - load[e]), mean = sum(load) / experts, and  \
+     with zero_mean the updates' mean subtracted (sign(0) = 0). load: tokens routed to each expert. */        \
+  X(moe_bias_update, void, (float* bias, const double* load, int64_t experts, float rate, bool zero_mean),    \
+    (bias, load, experts, rate, zero_mean))
 // clang-format on
 
 // (a, b) -> a, b: a parenthesised list's contents.

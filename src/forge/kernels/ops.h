@@ -39,8 +39,8 @@ struct GemmParams {
   float alpha = 1.0f;
   float beta = 0.0f;
 };
-// The output rule above, part of both backends' support predicates: false (the reason, naming `op`, in *reason
-// when not null) unless c_dtype is f32, or bf16 with non-fp32 operands.
+// The output rule above, part of both backends' support predicates: false (the reason, naming `op`, in
+// *reason when not null) unless c_dtype is f32, or bf16 with non-fp32 operands.
 bool supports_gemm_output(const char* op, DType c_dtype, DType operand_dtype, std::string* reason);
 
 // Emulated FP8 GEMM: C[m,n] = alpha * op(A)[m,k] @ op(B)[k,n] + beta * C, C in c_dtype (leading dimension
@@ -116,16 +116,16 @@ struct Fp8GemmParams {
   // it would wait for the device). Ignored under block scaling.
   const float* a_scale_inv_ptr = nullptr;
   const float* b_scale_inv_ptr = nullptr;
-  const float* a_scales = nullptr;               // block: [m][kb]
-  const float* b_scales = nullptr;               // block: see b_block
+  const float* a_scales = nullptr;  // block: [m][kb]
+  const float* b_scales = nullptr;  // block: see b_block
   Fp8BlockScales b_block = Fp8BlockScales::block_128x128;
   int accumulator_bits = 0;     // 0 = exact fp32 accumulation; else 1..23 mantissa bits
   int64_t promote_every = 128;  // elements of K between promotions to fp32 (limited accumulation only)
   // Per-tensor scaling only: Hopper's fast accumulation. The tensor cores' partial sums are never promoted to
   // fp32 inside K (cuBLASLt's FAST_ACCUM): faster, less exact; TransformerEngine's choice for forward GEMMs
   // (gradients promote). The CPU model with accumulator_bits > 0 then accumulates the whole K in limited
-  // precision, as promote_every = 0; with exact accumulation it changes nothing. Block scaling ignores it: its
-  // promotion at every K-block is where the block scales apply.
+  // precision, as promote_every = 0; with exact accumulation it changes nothing. Block scaling ignores it:
+  // its promotion at every K-block is where the block scales apply.
   bool fast_accumulation = false;
 };
 
@@ -154,6 +154,10 @@ struct RopeParams {
   const float* sin = nullptr;
   int64_t position_offset = 0;
   bool inverse = false;
+  // Pairs (2i, 2i + 1) instead of (i, i + head_dim / 2): DeepSeek-V3's rope_interleave. Hugging Face then
+  // also moves the rotated pairs to halves, a permutation applied to q and k alike that leaves every q.k, and
+  // so attention, unchanged; forge rotates in place and keeps the interleaved layout.
+  bool interleaved = false;
 };
 
 // SwiGLU on a fused [rows, 2*ffn] input: gate = columns [0, ffn), up = [ffn, 2*ffn);
@@ -220,9 +224,9 @@ struct KvAppendParams {
 };
 
 // Embedding lookup. forward: out[i] = weight[ids[i]]. backward_weight: dweight[ids[i]] += dout[i], rows added
-// in increasing order. An id outside [0, vocab) is an error, except under vocab_parallel: the weight then holds
-// rows [first, first + vocab) of the whole vocabulary, ids are global, and an id outside that range gives a
-// zero row (forward) and no gradient (backward) — another rank of the tensor-parallel group holds it.
+// in increasing order. An id outside [0, vocab) is an error, except under vocab_parallel: the weight then
+// holds rows [first, first + vocab) of the whole vocabulary, ids are global, and an id outside that range
+// gives a zero row (forward) and no gradient (backward) — another rank of the tensor-parallel group holds it.
 struct EmbeddingParams {
   int64_t rows = 0, dim = 0, vocab = 0;
   bool vocab_parallel = false;
@@ -235,7 +239,8 @@ struct EmbeddingParams {
 };
 
 // Softmax cross-entropy fused with the output projection, chunked over the vocabulary: logits = h @ W^T
-// are produced `vocab_chunk` columns at a time. Rows whose target is negative are ignored (loss 0, gradient 0).
+// are produced `vocab_chunk` columns at a time. Rows whose target is negative are ignored (loss 0, gradient
+// 0).
 //   forward:  lse[r], loss[r] = lse[r] - logit[r, target[r]]
 //   backward: dlogits = (softmax - onehot) * grad_scale (chunk by chunk);
 //             dhidden = dlogits @ W (overwrite), dweight += dlogits^T @ h (fp32 accumulate)
@@ -267,12 +272,14 @@ struct LinearCrossEntropyParams {
   int64_t vocab_start = 0, global_vocab = 0;
   float* target_logit = nullptr;  // optional out [rows]
 };
-// rows * vocab_chunk floats (every chunk's block with keep_logits), + rows * vocab_chunk / 2 for bf16 dlogits.
+// rows * vocab_chunk floats (every chunk's block with keep_logits), + rows * vocab_chunk / 2 for bf16
+// dlogits.
 int64_t linear_cross_entropy_workspace_floats(const LinearCrossEntropyParams& p);
 // Where the logits of the chunk starting at column `first` go in the workspace: 0 without keep_logits, else
 // first / vocab_chunk blocks of rows * vocab_chunk floats rounded up to 64 (256 bytes).
 int64_t linear_cross_entropy_chunk_offset(const LinearCrossEntropyParams& p, int64_t first);
-// The fp32 logits area at the start of the workspace (one chunk, or every chunk's block); bf16 dlogits follow.
+// The fp32 logits area at the start of the workspace (one chunk, or every chunk's block); bf16 dlogits
+// follow.
 int64_t linear_cross_entropy_logits_floats(const LinearCrossEntropyParams& p);
 
 // Fused AdamW over one contiguous range: decoupled weight decay, bias correction, optional bf16 shadow
@@ -285,7 +292,7 @@ struct AdamWParams {
   float* exp_avg_sq = nullptr;
   uint16_t* param_bf16 = nullptr;  // optional
   float lr = 0, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0;
-  int64_t step = 1;  // 1-based, for bias correction
+  int64_t step = 1;         // 1-based, for bias correction
   float grad_scale = 1.0f;  // grads are multiplied by this first (clipping)
 };
 
@@ -297,9 +304,9 @@ struct AdamWParams {
 //                         amax_accumulate (memory of the op's device) the amax is instead folded into
 //                         *amax_accumulate (max, NaN-propagating; it must hold a value >= 0 or NaN) where the
 //                         op runs, without waiting for it: the return value is then unspecified. This is how
-//                         the delayed recipe gathers a step's amaxes on a GPU without a synchronisation per cast.
-//                         With amax_in (memory of the op's device, one float) the scale is computed where
-//                         the op runs, from the amax found there, as fp8::compute_scale(*amax_in,
+//                         the delayed recipe gathers a step's amaxes on a GPU without a synchronisation per
+//                         cast. With amax_in (memory of the op's device, one float) the scale is computed
+//                         where the op runs, from the amax found there, as fp8::compute_scale(*amax_in,
 //                         fp8_max(fp8), margin, 1.0f) (an amax of 0, inf or NaN gives 1), and `scale` is
 //                         ignored: TransformerEngine's current scaling without a host round trip (amax_to,
 //                         then this cast). x's own amax is then not computed: the return value is unspecified
@@ -307,10 +314,12 @@ struct AdamWParams {
 //                         (memory of the op's device, optional) receive the scale used and 1 / scale,
 //                         whichever its source, for the GEMM (Fp8GemmParams::a_scale_inv_ptr) and for later
 //                         casts; they must not overlap amax_in. They are written for an empty x too.
-//   fp8_quantize_1x128    q with scale_inv [rows][ceil(cols/128)] (tiles of 128 along cols) and/or q_t [cols, rows]
+//   fp8_quantize_1x128    q with scale_inv [rows][ceil(cols/128)] (tiles of 128 along cols) and/or q_t [cols,
+//   rows]
 //                         with scale_inv_t [cols][ceil(rows/128)] (tiles of 128 along rows of x).
 //   fp8_quantize_128x128  q with scale_inv [ceil(rows/128)][ceil(cols/128)]; optionally q_t [cols, rows] with
-//                         scale_inv_t [ceil(cols/128)][ceil(rows/128)] (the same blocks and scales, transposed).
+//                         scale_inv_t [ceil(cols/128)][ceil(rows/128)] (the same blocks and scales,
+//                         transposed).
 // Every code is bitwise the CPU's: fp8(x * scale) with saturating round-to-nearest-even; a tile's scale is
 // fp8_max / amax (rounded down to a power of two when power_of_two_scales), 1 for an amax of 0, inf or NaN.
 struct Fp8CastParams {
@@ -330,6 +339,51 @@ struct Fp8CastParams {
   float* scale_inv_t = nullptr;  // block: q_t's scales
 };
 
+// Mixture-of-experts routing of `tokens` tokens over `experts` experts (DeepSeek-V3's router), from the
+// router logits z [tokens, experts] (fp32). Per token:
+//   scores    s = sigmoid(z) (score = sigmoid), or softmax(z) over the experts (score = softmax)
+//   choice    c = s + bias (bias null: c = s); the bias steers selection only
+//   groups    with groups > 1 the experts form `groups` groups of experts / groups consecutive experts; a
+//             group's score is the sum of its two largest c; the topk_groups best groups stay, the others'
+//             experts are masked
+//   top-k     the top_k largest c among the unmasked experts, in decreasing order of c; ties go to the lower
+//             expert (and group) index
+//   weights   w_j = s[e_j] (the unbiased score), divided by (sum_j s[e_j] + 1e-20) when normalize, times
+//   scaling
+// Outputs expert_ids [tokens, top_k], weights [tokens, top_k] and scores s [tokens, experts] (backward reads
+// them).
+//
+// Sequence-wise balance loss (seq_len > 0): the tokens are tokens / seq_len sequences of seq_len consecutive
+// tokens. Per sequence q, with n_t = sum_e s[t, e]:
+//   f[q, i] = experts / (top_k * seq_len) * #{(t, j) : e_{t,j} = i}     (a count: no gradient)
+//   P[q, i] = 1 / seq_len * sum_t s[t, i] / n_t
+//   balance_loss[q] = sum_i f[q, i] * P[q, i]       (1 for perfectly uniform routing)
+// The forward then also writes score_sums n [tokens] and expert_fraction f [sequences, experts] for backward.
+//
+// Backward writes dlogits [tokens, experts] (overwrite): the gradient through the weights (dweights
+// [tokens, top_k]) plus balance_scale times that of sum_q balance_loss[q] (balance_scale = 0: none, and
+// score_sums / expert_fraction are not read).
+enum class MoeScore : uint8_t { sigmoid, softmax };
+struct MoeRouterParams {
+  int64_t tokens = 0, experts = 0, top_k = 0;
+  int64_t groups = 1, topk_groups = 1;
+  MoeScore score = MoeScore::sigmoid;
+  bool normalize = true;
+  float scaling = 1.0f;
+  const float* logits = nullptr;
+  const float* bias = nullptr;
+  int32_t* expert_ids = nullptr;
+  float* weights = nullptr;
+  float* scores = nullptr;
+  int64_t seq_len = 0;
+  float* score_sums = nullptr;
+  float* expert_fraction = nullptr;
+  float* balance_loss = nullptr;
+  const float* dweights = nullptr;
+  float balance_scale = 0.0f;
+  float* dlogits = nullptr;
+};
+
 // The op list (op_list.h) names every op once; everything below follows from it.
 enum class OpId : int {
 #define FORGE_OP_ID(name, result, params, args) name,
@@ -340,15 +394,15 @@ enum class OpId : int {
 const char* op_name(OpId id);
 
 // One backend's ops, and for each its support query: supports_<op>(same arguments, reason) is false where the
-// backend would refuse the parameters, with the one-line error the op would fail with in *reason (when not null).
-// It judges the parameters alone (shapes, dtypes, strides, alignment, which pointers are set): not the data
-// (token ids, targets), not whether pointers are device memory or a GPU is present, which the op checks when
-// it runs. Every op checks its parameters through the same predicate, so a caller that skips the query gets the
-// same line as an error.
+// backend would refuse the parameters, with the one-line error the op would fail with in *reason (when not
+// null). It judges the parameters alone (shapes, dtypes, strides, alignment, which pointers are set): not the
+// data (token ids, targets), not whether pointers are device memory or a GPU is present, which the op checks
+// when it runs. Every op checks its parameters through the same predicate, so a caller that skips the query
+// gets the same line as an error.
 struct OpTable {
   const char* name;
 #define FORGE_OP_MEMBERS(name, result, params, args) \
-  result(*name) params;                               \
+  result(*name) params;                              \
   bool(*supports_##name) FORGE_OP_APPEND(params, std::string* reason);
   FORGE_OPS(FORGE_OP_MEMBERS)
 #undef FORGE_OP_MEMBERS
@@ -366,10 +420,11 @@ void override_table(Device device, const OpTable* table);
 
 // ops::gemm(p, device), ops::add_inplace(y, x, n, device), ...: the op on `device`'s table; and
 // ops::supports_gemm(p, device, &reason), ...: whether that table takes these parameters (see OpTable).
-#define FORGE_OP_WRAPPERS(name, result, params, args)                                                    \
-  inline result name FORGE_OP_APPEND(params, Device d = Device::cpu) { return table(d).name args; }      \
-  inline bool supports_##name FORGE_OP_APPEND(params, Device d = Device::cpu, std::string* reason = nullptr) { \
-    return table(d).supports_##name FORGE_OP_APPEND(args, reason);                                       \
+#define FORGE_OP_WRAPPERS(name, result, params, args)                                               \
+  inline result name FORGE_OP_APPEND(params, Device d = Device::cpu) { return table(d).name args; } \
+  inline bool supports_##name FORGE_OP_APPEND(params, Device d = Device::cpu,                       \
+                                              std::string* reason = nullptr) {                      \
+    return table(d).supports_##name FORGE_OP_APPEND(args, reason);                                  \
   }
 FORGE_OPS(FORGE_OP_WRAPPERS)
 #undef FORGE_OP_WRAPPERS

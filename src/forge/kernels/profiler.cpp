@@ -1,14 +1,14 @@
 #include "forge/kernels/profiler.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <map>
 #include <mutex>
-#include <utility>
-
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <utility>
 
 #include "forge/core/device.h"
 #include "forge/core/error.h"
@@ -48,8 +48,8 @@ double visible_pairs(const AttentionParams& p) {
 
 Cost attention_cost(const AttentionParams& p, bool backward) {
   const int64_t kv = p.kv_seq > 0 ? p.kv_seq : p.seq;
-  // Forward: S = Q K^T and O = P V, 2 FLOPs per multiply-add each. Backward: S again, dV = P^T dO, dP = dO V^T,
-  // dQ = dS K and dK = dS^T Q: 2.5 times the forward.
+  // Forward: S = Q K^T and O = P V, 2 FLOPs per multiply-add each. Backward: S again, dV = P^T dO, dP = dO
+  // V^T, dQ = dS K and dK = dS^T Q: 2.5 times the forward.
   const double forward = 4.0 * d(p.head_dim) * visible_pairs(p) * d(p.batch) * d(p.heads);
   const double q = d(p.batch) * d(p.seq) * d(p.heads) * d(p.head_dim) * 4;
   const double kv_bytes = 2.0 * d(p.batch) * d(kv) * d(p.kv_heads) * d(p.head_dim) * 4;
@@ -64,8 +64,8 @@ Cost attention_cost(const AttentionParams& p, bool backward) {
 Cost cast_cost(const Fp8CastParams& p, const char* blocks) {
   const double n = d(p.rows) * d(p.cols);
   std::string what = p.q && p.q_t ? "rows+transpose" : p.q_t ? "transpose" : "rows";
-  return {fmt::format("{} {} {}{}", dtype_name(p.fp8), matrix(p.rows, p.cols), what, blocks),
-          0, 4 * n + n * ((p.q ? 1 : 0) + (p.q_t ? 1 : 0))};
+  return {fmt::format("{} {} {}{}", dtype_name(p.fp8), matrix(p.rows, p.cols), what, blocks), 0,
+          4 * n + n * ((p.q ? 1 : 0) + (p.q_t ? 1 : 0))};
 }
 
 // What each op costs, by the op's name (op_list.h): the row's detail, the FLOPs and the bytes of one call.
@@ -73,26 +73,30 @@ namespace cost {
 
 Cost gemm(const GemmParams& p) {
   const double ab = d(dtype_size(p.ab_dtype)), c = d(dtype_size(p.c_dtype)) * (p.beta != 0.0f ? 2 : 1);
-  return {fmt::format("{} {}{} {}x{}x{} -> {}{}", dtype_name(p.ab_dtype), layout(p.trans_a), layout(p.trans_b), p.m,
-                      p.n, p.k, dtype_name(p.c_dtype), p.beta != 0.0f ? " (+=)" : ""),
+  return {fmt::format("{} {}{} {}x{}x{} -> {}{}", dtype_name(p.ab_dtype), layout(p.trans_a),
+                      layout(p.trans_b), p.m, p.n, p.k, dtype_name(p.c_dtype), p.beta != 0.0f ? " (+=)" : ""),
           2.0 * d(p.m) * d(p.n) * d(p.k), ab * d(p.m) * d(p.k) + ab * d(p.k) * d(p.n) + c * d(p.m) * d(p.n)};
 }
 
 Cost fp8_gemm(const Fp8GemmParams& p) {
   const double c = d(dtype_size(p.c_dtype)) * (p.beta != 0.0f ? 2 : 1);
   return {fmt::format("{}x{} {} {}{} {}x{}x{} -> {}{}", dtype_name(p.a_dtype), dtype_name(p.b_dtype),
-                      p.scaling == Fp8Scaling::block ? "block" : "per-tensor", layout(p.trans_a), layout(p.trans_b),
-                      p.m, p.n, p.k, dtype_name(p.c_dtype), p.beta != 0.0f ? " (+=)" : ""),
+                      p.scaling == Fp8Scaling::block ? "block" : "per-tensor", layout(p.trans_a),
+                      layout(p.trans_b), p.m, p.n, p.k, dtype_name(p.c_dtype), p.beta != 0.0f ? " (+=)" : ""),
           2.0 * d(p.m) * d(p.n) * d(p.k), d(p.m) * d(p.k) + d(p.k) * d(p.n) + c * d(p.m) * d(p.n)};
 }
 
 Cost rmsnorm_forward(const RmsNormParams& p) { return {matrix(p.rows, p.dim), 0, 8 * d(p.rows) * d(p.dim)}; }
-Cost rmsnorm_backward_input(const RmsNormParams& p) { return {matrix(p.rows, p.dim), 0, 12 * d(p.rows) * d(p.dim)}; }
-Cost rmsnorm_backward_weight(const RmsNormParams& p) { return {matrix(p.rows, p.dim), 0, 8 * d(p.rows) * d(p.dim)}; }
+Cost rmsnorm_backward_input(const RmsNormParams& p) {
+  return {matrix(p.rows, p.dim), 0, 12 * d(p.rows) * d(p.dim)};
+}
+Cost rmsnorm_backward_weight(const RmsNormParams& p) {
+  return {matrix(p.rows, p.dim), 0, 8 * d(p.rows) * d(p.dim)};
+}
 
 Cost rope(const RopeParams& p) {
-  return {fmt::format("b{} s{} h{} d{}{}", p.batch, p.seq, p.heads, p.head_dim, p.inverse ? " inverse" : ""), 0,
-          8 * d(p.batch) * d(p.seq) * d(p.heads) * d(p.head_dim)};
+  return {fmt::format("b{} s{} h{} d{}{}", p.batch, p.seq, p.heads, p.head_dim, p.inverse ? " inverse" : ""),
+          0, 8 * d(p.batch) * d(p.seq) * d(p.heads) * d(p.head_dim)};
 }
 
 Cost swiglu_forward(const SwigluParams& p) { return {matrix(p.rows, p.ffn), 0, 12 * d(p.rows) * d(p.ffn)}; }
@@ -101,21 +105,25 @@ Cost swiglu_backward(const SwigluParams& p) { return {matrix(p.rows, p.ffn), 0, 
 Cost attention_forward(const AttentionParams& p) { return attention_cost(p, false); }
 Cost attention_backward(const AttentionParams& p) { return attention_cost(p, true); }
 
-Cost embedding_forward(const EmbeddingParams& p) { return {matrix(p.rows, p.dim), 0, 8 * d(p.rows) * d(p.dim)}; }
+Cost embedding_forward(const EmbeddingParams& p) {
+  return {matrix(p.rows, p.dim), 0, 8 * d(p.rows) * d(p.dim)};
+}
 Cost embedding_backward_weight(const EmbeddingParams& p) {
   return {matrix(p.rows, p.dim), 0, 12 * d(p.rows) * d(p.dim)};
 }
 
 Cost linear_cross_entropy_forward(const LinearCrossEntropyParams& p) {
   const double s = d(dtype_size(p.gemm_dtype)), logits = d(p.rows) * d(p.vocab);
-  return {fmt::format("{} {}x{}x{}{}", dtype_name(p.gemm_dtype), p.rows, p.vocab, p.dim, p.keep_logits ? " keep" : ""),
+  return {fmt::format("{} {}x{}x{}{}", dtype_name(p.gemm_dtype), p.rows, p.vocab, p.dim,
+                      p.keep_logits ? " keep" : ""),
           2 * logits * d(p.dim), s * (d(p.rows) + d(p.vocab)) * d(p.dim) + (p.keep_logits ? 4 * logits : 0)};
 }
 
 Cost linear_cross_entropy_backward(const LinearCrossEntropyParams& p) {
   const double s = d(dtype_size(p.gemm_dtype)), logits = d(p.rows) * d(p.vocab);
   // dhidden and dweight from the chunk's gradients, and the logits again unless they were kept.
-  return {fmt::format("{} {}x{}x{}{}", dtype_name(p.gemm_dtype), p.rows, p.vocab, p.dim, p.keep_logits ? " keep" : ""),
+  return {fmt::format("{} {}x{}x{}{}", dtype_name(p.gemm_dtype), p.rows, p.vocab, p.dim,
+                      p.keep_logits ? " keep" : ""),
           (p.keep_logits ? 4 : 6) * logits * d(p.dim),
           s * (d(p.rows) + d(p.vocab)) * d(p.dim) + 4 * d(p.rows) * d(p.dim) + 8 * d(p.vocab) * d(p.dim) +
               (p.keep_logits ? 4 * logits : 0)};
@@ -142,6 +150,21 @@ Cost kv_append(const KvAppendParams& p) {
           16 * d(p.batch) * d(p.tokens) * d(p.kv_heads) * d(p.head_dim)};
 }
 
+// Scores, group scores and k selection passes over the experts per token; the balance loss reads the scores
+// and ids once more.
+Cost moe_router_forward(const MoeRouterParams& p) {
+  return {fmt::format("t{} e{} k{} g{}/{}{}", p.tokens, p.experts, p.top_k, p.topk_groups, p.groups,
+                      p.seq_len > 0 ? " balance" : ""),
+          0, d(p.tokens) * d(p.experts) * (12 + (p.seq_len > 0 ? 4 : 0)) + 8 * d(p.tokens) * d(p.top_k)};
+}
+Cost moe_router_backward(const MoeRouterParams& p) {
+  return {fmt::format("t{} e{} k{}", p.tokens, p.experts, p.top_k), 0,
+          12 * d(p.tokens) * d(p.experts) + 8 * d(p.tokens) * d(p.top_k)};
+}
+Cost moe_bias_update(float*, const double*, int64_t experts, float, bool) {
+  return {vector_of(experts), 0, 16 * d(experts)};
+}
+
 }  // namespace cost
 
 // A row's identity: op and detail.
@@ -165,10 +188,11 @@ struct State {
   Device device = Device::cpu;
   const OpTable* inner = nullptr;  // the device's own table
   // A device's memsets and copies are timed too: the profile puts a timing interface over the device's memory
-  // interface (inner_memory), displacing `displaced` (an emulation's, or null for the backend's) until it ends.
+  // interface (inner_memory), displacing `displaced` (an emulation's, or null for the backend's) until it
+  // ends.
   const DeviceMemory* inner_memory = nullptr;
   const DeviceMemory* displaced = nullptr;
-  bool events = false;             // time on the CUDA stream (the CUDA backend's table; not an emulation)
+  bool events = false;  // time on the CUDA stream (the CUDA backend's table; not an emulation)
   Clock::time_point begin;
   std::map<Key, size_t, KeyLess> index;
   std::vector<OpProfileRow> rows;
@@ -247,12 +271,13 @@ auto timed(const char* op, CostFn&& cost_of, Call&& call) {
 
 // The timed table: each op through timed() with its cost, each support query forwarded untimed.
 const OpTable& profiled() {
-#define FORGE_PROFILED_ENTRY(name, result, params, args)                                   \
-  .name = [] params -> result {                                                            \
-    return timed(#name, [&] { return cost::name args; }, [&] { return inner().name args; }); \
-  },                                                                                       \
-  .supports_##name = [] FORGE_OP_APPEND(params, std::string* reason) -> bool {             \
-    return inner().supports_##name FORGE_OP_APPEND(args, reason);                          \
+#define FORGE_PROFILED_ENTRY(name, result, params, args)                            \
+  .name = [] params -> result {                                                     \
+    return timed(                                                                   \
+        #name, [&] { return cost::name args; }, [&] { return inner().name args; }); \
+  },                                                                                \
+  .supports_##name = [] FORGE_OP_APPEND(params, std::string * reason) -> bool {     \
+    return inner().supports_##name FORGE_OP_APPEND(args, reason);                   \
   },
   static const OpTable table = {.name = "profiled", FORGE_OPS(FORGE_PROFILED_ENTRY)};
 #undef FORGE_PROFILED_ENTRY
@@ -276,12 +301,20 @@ const DeviceMemory& timing_memory() {
       [](size_t bytes) { return inner_memory().alloc(bytes); },
       [](void* p) { inner_memory().free(p); },
       [](void* p, size_t bytes) {
-        timed("memset", [&] { return Cost{"device", 0, static_cast<double>(bytes)}; },
-              [&] { inner_memory().zero(p, bytes); });
+        timed(
+            "memset",
+            [&] {
+              return Cost{"device", 0, static_cast<double>(bytes)};
+            },
+            [&] { inner_memory().zero(p, bytes); });
       },
       [](void* dst, Device dst_device, const void* src, Device src_device, size_t bytes) {
-        timed("copy", [&] { return Cost{direction(dst_device, src_device), 0, static_cast<double>(bytes)}; },
-              [&] { inner_memory().copy(dst, dst_device, src, src_device, bytes); });
+        timed(
+            "copy",
+            [&] {
+              return Cost{direction(dst_device, src_device), 0, static_cast<double>(bytes)};
+            },
+            [&] { inner_memory().copy(dst, dst_device, src, src_device, bytes); });
       },
       [] { inner_memory().synchronize(); },
       [] { return inner_memory().device_count(); },
@@ -338,12 +371,15 @@ OpProfile profile_end() {
   for (const Pending& p : pending) {
     float ms = 0;
     const cudaError_t e = cudaEventElapsedTime(&ms, p.start, p.stop);
-    if (e == cudaSuccess) s.rows[p.row].seconds += ms / 1e3;
-    else if (first_error == cudaSuccess) first_error = e;
+    if (e == cudaSuccess)
+      s.rows[p.row].seconds += ms / 1e3;
+    else if (first_error == cudaSuccess)
+      first_error = e;
     cudaEventDestroy(p.start);
     cudaEventDestroy(p.stop);
   }
-  if (first_error != cudaSuccess) cuda::fail_cuda(first_error, "cudaEventElapsedTime (op profile)", __FILE__, __LINE__);
+  if (first_error != cudaSuccess)
+    cuda::fail_cuda(first_error, "cudaEventElapsedTime (op profile)", __FILE__, __LINE__);
 #endif
   out.rows = std::move(s.rows);
   s.rows.clear(), s.index.clear();
@@ -359,8 +395,8 @@ std::string format_profile(const OpProfile& profile, int steps, double min_share
   // GPUs in TFLOP/s, CPUs in GFLOP/s: three significant digits either way.
   const double flop_unit = gpu ? 1e12 : 1e9;
   const double wall = profile.wall_seconds > 0 ? profile.wall_seconds : 1;
-  // The FLOPs the ops executed (recomputation included) over the wall time: the hardware FLOP rate, beside which
-  // the model FLOP rate (MFU's numerator) shows what recomputation and uncounted work cost.
+  // The FLOPs the ops executed (recomputation included) over the wall time: the hardware FLOP rate, beside
+  // which the model FLOP rate (MFU's numerator) shows what recomputation and uncounted work cost.
   double flops = 0;
   for (const OpProfileRow& r : profile.rows) flops += r.flops;
   std::string out = fmt::format(
@@ -386,8 +422,9 @@ std::string format_profile(const OpProfile& profile, int steps, double min_share
                        rate(r.bytes, r.seconds, 1e9), r.op, r.detail);
   }
   if (rest_rows > 0)
-    out += fmt::format("  {:>9.3f} {:>5.1f}% {:>6} {:>8} {:>7}  {} smaller rows\n", 1e3 * rest_seconds / steps,
-                       100 * rest_seconds / wall, rest_calls / steps, "", "", rest_rows);
+    out +=
+        fmt::format("  {:>9.3f} {:>5.1f}% {:>6} {:>8} {:>7}  {} smaller rows\n", 1e3 * rest_seconds / steps,
+                    100 * rest_seconds / wall, rest_calls / steps, "", "", rest_rows);
   const double unattributed = std::max(0.0, profile.wall_seconds - profile.op_seconds);
   out += fmt::format("  {:>9.3f} {:>5.1f}% {:>6} {:>8} {:>7}  unattributed: {}\n", 1e3 * unattributed / steps,
                      100 * unattributed / wall, "", "", "",

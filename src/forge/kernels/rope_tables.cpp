@@ -1,5 +1,6 @@
 #include "forge/kernels/rope_tables.h"
 
+#include <algorithm>
 #include <cmath>
 #include <numbers>
 #include <vector>
@@ -7,6 +8,46 @@
 #include "forge/core/error.h"
 
 namespace forge {
+
+double RopeScaling::yarn_mscale(double scale, double m) {
+  return scale <= 1 ? 1.0 : 0.1 * m * std::log(scale) + 1.0;
+}
+
+double RopeScaling::attention_factor() const {
+  if (kind != Kind::yarn) return 1.0;
+  if (mscale != 0 && mscale_all_dim != 0)
+    return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim);
+  return yarn_mscale(factor);
+}
+
+namespace {
+
+// The dimension index at which a pair turns `rotations` times over `positions` positions.
+double yarn_correction_dim(double rotations, int64_t head_dim, double theta, double positions) {
+  return static_cast<double>(head_dim) * std::log(positions / (rotations * 2 * std::numbers::pi)) /
+         (2 * std::log(theta));
+}
+
+void apply_yarn(const RopeScaling& s, int64_t head_dim, double theta, std::vector<double>& inv_freq) {
+  const double original = static_cast<double>(s.original_max_position_embeddings);
+  if (!(s.factor >= 1) || !(original > 0) || !(s.beta_fast > s.beta_slow) || !(s.beta_slow > 0))
+    fail(
+        "rope_tables: bad yarn rope_scaling (factor {}, beta_fast {}, beta_slow {}, "
+        "original_max_position_embeddings {})",
+        s.factor, s.beta_fast, s.beta_slow, s.original_max_position_embeddings);
+  const int64_t half = head_dim / 2;
+  double low = std::floor(yarn_correction_dim(s.beta_fast, head_dim, theta, original));
+  double high = std::ceil(yarn_correction_dim(s.beta_slow, head_dim, theta, original));
+  low = std::max(low, 0.0), high = std::min(high, static_cast<double>(head_dim - 1));
+  if (low == high) high += 0.001;  // a ramp of zero width would divide by zero
+  for (int64_t i = 0; i < half; ++i) {
+    const double ramp = std::clamp((static_cast<double>(i) - low) / (high - low), 0.0, 1.0);
+    // ramp 0: extrapolate (keep the frequency); ramp 1: interpolate (divide by factor).
+    inv_freq[i] = inv_freq[i] / s.factor * ramp + inv_freq[i] * (1 - ramp);
+  }
+}
+
+}  // namespace
 
 void rope_tables(int64_t positions, int64_t head_dim, double theta, const RopeScaling& scaling, float* cos,
                  float* sin) {
@@ -38,11 +79,14 @@ void rope_tables(int64_t positions, int64_t head_dim, double theta, const RopeSc
     }
   }
 
+  if (scaling.kind == RopeScaling::Kind::yarn) apply_yarn(scaling, head_dim, theta, inv_freq);
+  const double magnitude = scaling.attention_factor();
+
   for (int64_t t = 0; t < positions; ++t)
     for (int64_t i = 0; i < half; ++i) {
       const double angle = static_cast<double>(t) * inv_freq[i];
-      cos[t * half + i] = static_cast<float>(std::cos(angle));
-      sin[t * half + i] = static_cast<float>(std::sin(angle));
+      cos[t * half + i] = static_cast<float>(std::cos(angle) * magnitude);
+      sin[t * half + i] = static_cast<float>(std::sin(angle) * magnitude);
     }
 }
 

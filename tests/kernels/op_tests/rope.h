@@ -24,10 +24,12 @@ using testing::kU;
 struct Case {
   int64_t batch, seq, heads, head_dim, token_stride, position_offset;
   bool inverse;
+  bool interleaved = false;
   std::string name() const {
     return "b" + std::to_string(batch) + "_s" + std::to_string(seq) + "_h" + std::to_string(heads) + "_d" +
            std::to_string(head_dim) + "_stride" + std::to_string(token_stride) + "_offset" +
-           std::to_string(position_offset) + (inverse ? "_inverse" : "");
+           std::to_string(position_offset) + (inverse ? "_inverse" : "") +
+           (interleaved ? "_interleaved" : "");
   }
   int64_t elements() const { return batch * seq * token_stride; }
 };
@@ -41,6 +43,11 @@ inline const std::vector<Case> kCases = {
     {3, 7, 5, 128, 5 * 128 + 64, 11, true},  // padding between tokens
     {1, 1, 1, 2, 2, 0, false},
     {2, 29, 3, 96, 3 * 96 + 32, 7, false},
+    // DeepSeek-V3's rope_interleave: pairs (2i, 2i + 1).
+    {2, 5, 3, 8, 3 * 8 + 10, 2, false, true},
+    {2, 5, 3, 8, 3 * 8 + 10, 2, true, true},
+    {2, 13, 4, 64, 4 * 64 + 64, 3, false, true},
+    {1, 9, 1, 6, 20, 0, true, true},
 };
 
 struct Problem {
@@ -52,8 +59,9 @@ struct Problem {
     cos.resize(positions * c.head_dim / 2), sin.resize(positions * c.head_dim / 2);
     rope_tables(positions, c.head_dim, 10000.0, RopeScaling{}, cos.data(), sin.data());
   }
-  // HF: out = x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), rotate_half(x) = cat(-x2, x1); the inverse
-  // rotates by -angle. Padding between tokens passes through unchanged.
+  // HF: out = x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), rotate_half(x) = cat(-x2, x1); interleaved,
+  // the pair of frequency i is (x[2i], x[2i + 1]), rotated in place; the inverse rotates by -angle. Padding
+  // between tokens passes through unchanged.
   std::vector<double> reference(const std::vector<double>& in, bool inverse) const {
     std::vector<double> out = in;
     const int64_t half = c.head_dim / 2;
@@ -65,9 +73,11 @@ struct Problem {
           for (int64_t i = 0; i < half; ++i) {
             const int64_t row = (c.position_offset + t) * half + i;
             const double cs = cos[row], sn = sign * sin[row];
-            const double x1 = in[base + i], x2 = in[base + half + i];
-            out[base + i] = x1 * cs - x2 * sn;
-            out[base + half + i] = x2 * cs + x1 * sn;
+            const int64_t first = base + (c.interleaved ? 2 * i : i),
+                          second = first + (c.interleaved ? 1 : half);
+            const double x1 = in[first], x2 = in[second];
+            out[first] = x1 * cs - x2 * sn;
+            out[second] = x2 * cs + x1 * sn;
           }
         }
     return out;
@@ -82,6 +92,7 @@ class RopeOp : public testing::OpTest<Case> {
     ops::RopeParams p;
     p.batch = pr.c.batch, p.seq = pr.c.seq, p.heads = pr.c.heads, p.head_dim = pr.c.head_dim;
     p.token_stride = pr.c.token_stride, p.position_offset = pr.c.position_offset, p.inverse = inverse;
+    p.interleaved = pr.c.interleaved;
     p.x = data.data(), p.cos = cos.data(), p.sin = sin.data();
     FORGE_TEST_OP(rope, on, p);
     return data.download();
@@ -116,7 +127,10 @@ TEST_P(RopeOp, Rotates) {
   testing::expect_all(got, cpu, "rope " + c.name(), [&](size_t i) {
     const int64_t within = static_cast<int64_t>(i) % c.token_stride;
     if (within >= rotated) return std::bit_cast<uint32_t>(got[i]) == std::bit_cast<uint32_t>(pr.x[i]);
-    const size_t partner = within % c.head_dim < half ? i + half : i - half;
+    const int64_t in_head = within % c.head_dim;
+    const size_t partner = c.interleaved    ? (in_head % 2 == 0 ? i + 1 : i - 1)
+                           : in_head < half ? i + half
+                                            : i - half;
     return std::abs(double{got[i]} - double{cpu[i]}) <=
            4 * kU * (std::abs(pr.x[i]) + std::abs(pr.x[partner]));
   });

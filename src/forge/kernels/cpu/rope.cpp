@@ -1,5 +1,6 @@
 // Rotary position embedding in place, Hugging Face Llama convention: dims i and i + d/2 form a pair,
-// (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). The inverse (backward) rotates by -angle.
+// (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin); interleaved (DeepSeek-V3), dims 2i and 2i + 1 do. The
+// inverse (backward) rotates by -angle.
 #include "forge/kernels/cpu/cpu_kernels.h"
 
 namespace forge::cpu {
@@ -8,8 +9,10 @@ bool supports_rope(const ops::RopeParams& p, std::string* reason) {
   if (p.head_dim <= 0 || p.head_dim % 2 != 0)
     return ops::refuse(reason, "rope: head_dim must be even and positive, got {}", p.head_dim);
   if (p.token_stride < p.heads * p.head_dim)
-    return ops::refuse(reason, "rope: token_stride {} < heads * head_dim = {}", p.token_stride, p.heads * p.head_dim);
-  if (p.position_offset < 0) return ops::refuse(reason, "rope: negative position_offset {}", p.position_offset);
+    return ops::refuse(reason, "rope: token_stride {} < heads * head_dim = {}", p.token_stride,
+                       p.heads * p.head_dim);
+  if (p.position_offset < 0)
+    return ops::refuse(reason, "rope: negative position_offset {}", p.position_offset);
   return true;
 }
 
@@ -28,6 +31,14 @@ void rope(const ops::RopeParams& p) {
     float* base = p.x + token * p.token_stride;
     for (int64_t h = 0; h < p.heads; ++h) {
       float* x1 = base + h * p.head_dim;
+      if (p.interleaved) {
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = x1[2 * i], b = x1[2 * i + 1], c = cos[i], s = sign * sin[i];
+          x1[2 * i] = a * c - b * s;
+          x1[2 * i + 1] = b * c + a * s;
+        }
+        continue;
+      }
       float* x2 = x1 + half;
 #pragma omp simd
       for (int64_t i = 0; i < half; ++i) {

@@ -1,8 +1,8 @@
 // Rotary position embedding in place on device memory, Hugging Face Llama convention (see cpu/rope.cpp): dims
 // i and i + d/2 of a head form a pair, (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin); the inverse (backward)
-// rotates by -angle. One thread per pair: consecutive threads take consecutive i, so the loads of x1, x2 and
-// of the cos/sin rows are coalesced. Elements outside the rotated heads (e.g. v in a fused q|k|v buffer) are
-// never touched.
+// rotates by -angle; interleaved (DeepSeek-V3), dims 2i and 2i + 1 pair instead. One thread per pair:
+// consecutive threads take consecutive i, so the loads of x1, x2 and of the cos/sin rows are coalesced.
+// Elements outside the rotated heads (e.g. v in a fused q|k|v buffer) are never touched.
 #include <string>
 
 #include "forge/kernels/cuda/cuda_kernels.h"
@@ -17,7 +17,8 @@ constexpr int kThreads = 256;
 // rounded), so both backends usually agree bitwise.
 __global__ void rope_kernel(float* x, const float* __restrict__ cos_table,
                             const float* __restrict__ sin_table, int64_t pairs, int64_t seq, int64_t heads,
-                            int64_t head_dim, int64_t token_stride, int64_t position_offset, float sign) {
+                            int64_t head_dim, int64_t token_stride, int64_t position_offset, float sign,
+                            bool interleaved) {
   const int64_t half = head_dim / 2;
   const int64_t stride = int64_t{gridDim.x} * blockDim.x;
   for (int64_t index = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; index < pairs; index += stride) {
@@ -25,8 +26,8 @@ __global__ void rope_kernel(float* x, const float* __restrict__ cos_table,
     const int64_t token_head = index / half;
     const int64_t h = token_head % heads, token = token_head / heads;
     const int64_t table_row = (position_offset + token % seq) * half;
-    float* x1 = x + token * token_stride + h * head_dim + i;
-    float* x2 = x1 + half;
+    float* x1 = x + token * token_stride + h * head_dim + (interleaved ? 2 * i : i);
+    float* x2 = x1 + (interleaved ? 1 : half);
     const float a = *x1, b = *x2, c = cos_table[table_row + i];
     const float s = sign * sin_table[table_row + i];
     *x1 = __fmaf_rn(a, c, -__fmul_rn(b, s));
@@ -63,7 +64,8 @@ void rope(const ops::RopeParams& p) {
   // The inverse rotation is the same with sin negated (exact: a sign flip).
   const float sign = p.inverse ? -1.0f : 1.0f;
   rope_kernel<<<detail::grid_blocks(pairs, kThreads), kThreads, 0, stream()>>>(
-      p.x, p.cos, p.sin, pairs, p.seq, p.heads, p.head_dim, p.token_stride, p.position_offset, sign);
+      p.x, p.cos, p.sin, pairs, p.seq, p.heads, p.head_dim, p.token_stride, p.position_offset, sign,
+      p.interleaved);
   FORGE_CUDA_CHECK_LAUNCH("rope");
 }
 

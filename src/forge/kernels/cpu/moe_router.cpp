@@ -1,0 +1,188 @@
+// Mixture-of-experts routing (ops::MoeRouterParams: DeepSeek-V3's sigmoid, group-limited top-k router and its
+// sequence-wise balance loss) and the auxiliary-loss-free bias update.
+//
+// Backward, per token t with chosen experts e_j and upstream dw_j (c = scaling):
+//   through the weights: w_j = c s_j / S with S = sum_j s_{e_j} + 1e-20 (normalize), so
+//     dL/ds_{e_i} = c (dw_i / S - sum_j dw_j s_{e_j} / S^2);  without normalize dL/ds_{e_i} = c dw_i.
+//   through the balance loss of t's sequence q (T = seq_len, n_t = sum_e s[t, e]):
+//     d/ds[t, e] sum_i f_i P_i = (f_e / n_t - sum_i f_i s[t, i] / n_t^2) / T.
+//   then through the score function: sigmoid ds/dz = s (1 - s); softmax dz_e = s_e (g_e - sum_i g_i s_i).
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "forge/kernels/cpu/cpu_kernels.h"
+#include "forge/kernels/moe_router_checks.h"
+
+namespace forge::cpu {
+namespace {
+
+bool refuse_with(const std::string& problem, std::string* reason) {
+  if (problem.empty()) return true;
+  if (reason) *reason = problem;
+  return false;
+}
+
+float sigmoid(float z) { return 1.0f / (1.0f + std::exp(-z)); }
+
+// Scores, selection and weights of token t.
+void route_token(const ops::MoeRouterParams& p, int64_t t, std::vector<float>& choice,
+                 std::vector<char>& usable) {
+  const int64_t experts = p.experts, k = p.top_k;
+  const float* z = p.logits + t * experts;
+  float* s = p.scores + t * experts;
+  if (p.score == ops::MoeScore::sigmoid) {
+    for (int64_t e = 0; e < experts; ++e) s[e] = sigmoid(z[e]);
+  } else {
+    float max = -std::numeric_limits<float>::infinity();
+    for (int64_t e = 0; e < experts; ++e) max = std::max(max, z[e]);
+    float sum = 0;
+    for (int64_t e = 0; e < experts; ++e) sum += (s[e] = std::exp(z[e] - max));
+    for (int64_t e = 0; e < experts; ++e) s[e] /= sum;
+  }
+  for (int64_t e = 0; e < experts; ++e) choice[e] = s[e] + (p.bias ? p.bias[e] : 0.0f);
+
+  std::fill(usable.begin(), usable.end(), 1);
+  if (p.groups > 1) {
+    const int64_t size = experts / p.groups;
+    std::vector<float> group_score(p.groups);
+    for (int64_t g = 0; g < p.groups; ++g) {
+      float first = -std::numeric_limits<float>::infinity(), second = first;
+      for (int64_t e = g * size; e < (g + 1) * size; ++e) {
+        if (choice[e] > first)
+          second = first, first = choice[e];
+        else if (choice[e] > second)
+          second = choice[e];
+      }
+      group_score[g] = first + second;
+    }
+    std::vector<char> kept(p.groups, 0);
+    for (int64_t pick = 0; pick < p.topk_groups; ++pick) {
+      int64_t best = -1;
+      for (int64_t g = 0; g < p.groups; ++g)
+        if (!kept[g] && (best < 0 || group_score[g] > group_score[best])) best = g;
+      kept[best] = 1;
+    }
+    for (int64_t e = 0; e < experts; ++e) usable[e] = kept[e / size];
+  }
+
+  int32_t* ids = p.expert_ids + t * k;
+  float* w = p.weights + t * k;
+  for (int64_t j = 0; j < k; ++j) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < experts; ++e)
+      if (usable[e] && (best < 0 || choice[e] > choice[best])) best = e;
+    usable[best] = 0;
+    ids[j] = static_cast<int32_t>(best);
+  }
+  float sum = 0;
+  for (int64_t j = 0; j < k; ++j) sum += (w[j] = s[ids[j]]);
+  for (int64_t j = 0; j < k; ++j) w[j] = (p.normalize ? w[j] / (sum + 1e-20f) : w[j]) * p.scaling;
+}
+
+// f, n and the balance loss of sequence q (tokens [q T, (q + 1) T)).
+void balance_forward(const ops::MoeRouterParams& p, int64_t q) {
+  const int64_t experts = p.experts, k = p.top_k, T = p.seq_len;
+  float* f = p.expert_fraction + q * experts;
+  std::vector<double> counts(experts, 0.0), mean_score(experts, 0.0);
+  for (int64_t t = q * T; t < (q + 1) * T; ++t) {
+    const float* s = p.scores + t * experts;
+    float n = 0;
+    for (int64_t e = 0; e < experts; ++e) n += s[e];
+    p.score_sums[t] = n;
+    for (int64_t e = 0; e < experts; ++e) mean_score[e] += s[e] / n;
+    for (int64_t j = 0; j < k; ++j) counts[p.expert_ids[t * k + j]] += 1;
+  }
+  double loss = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    f[e] = static_cast<float>(static_cast<double>(experts) / static_cast<double>(k * T) * counts[e]);
+    loss += double{f[e]} * (mean_score[e] / static_cast<double>(T));
+  }
+  p.balance_loss[q] = static_cast<float>(loss);
+}
+
+}  // namespace
+
+bool supports_moe_router_forward(const ops::MoeRouterParams& p, std::string* reason) {
+  return refuse_with(ops::moe_router_problem(p, "moe_router_forward", false), reason);
+}
+bool supports_moe_router_backward(const ops::MoeRouterParams& p, std::string* reason) {
+  return refuse_with(ops::moe_router_problem(p, "moe_router_backward", true), reason);
+}
+
+void moe_router_forward(const ops::MoeRouterParams& p) {
+  if (std::string why; !supports_moe_router_forward(p, &why)) fail("{}", why);
+#pragma omp parallel
+  {
+    std::vector<float> choice(p.experts);
+    std::vector<char> usable(p.experts);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < p.tokens; ++t) route_token(p, t, choice, usable);
+    if (p.seq_len > 0) {
+#pragma omp for schedule(static)
+      for (int64_t q = 0; q < p.tokens / p.seq_len; ++q) balance_forward(p, q);
+    }
+  }
+}
+
+void moe_router_backward(const ops::MoeRouterParams& p) {
+  if (std::string why; !supports_moe_router_backward(p, &why)) fail("{}", why);
+  const int64_t experts = p.experts, k = p.top_k;
+  const bool balance = p.balance_scale != 0.0f;
+#pragma omp parallel
+  {
+    std::vector<float> g(experts);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < p.tokens; ++t) {
+      const float* s = p.scores + t * experts;
+      const int32_t* ids = p.expert_ids + t * k;
+      const float* dw = p.dweights + t * k;
+      std::fill(g.begin(), g.end(), 0.0f);
+      if (p.normalize) {
+        float sum = 0, weighted = 0;
+        for (int64_t j = 0; j < k; ++j) sum += s[ids[j]];
+        sum += 1e-20f;
+        for (int64_t j = 0; j < k; ++j) weighted += dw[j] * s[ids[j]];
+        for (int64_t j = 0; j < k; ++j) g[ids[j]] += p.scaling * (dw[j] / sum - weighted / (sum * sum));
+      } else {
+        for (int64_t j = 0; j < k; ++j) g[ids[j]] += p.scaling * dw[j];
+      }
+      if (balance) {
+        const float* f = p.expert_fraction + (t / p.seq_len) * experts;
+        const float n = p.score_sums[t], scale = p.balance_scale / static_cast<float>(p.seq_len);
+        float fs = 0;
+        for (int64_t e = 0; e < experts; ++e) fs += f[e] * s[e];
+        for (int64_t e = 0; e < experts; ++e) g[e] += scale * (f[e] / n - fs / (n * n));
+      }
+      float* dz = p.dlogits + t * experts;
+      if (p.score == ops::MoeScore::sigmoid) {
+        for (int64_t e = 0; e < experts; ++e) dz[e] = g[e] * s[e] * (1.0f - s[e]);
+      } else {
+        float gs = 0;
+        for (int64_t e = 0; e < experts; ++e) gs += g[e] * s[e];
+        for (int64_t e = 0; e < experts; ++e) dz[e] = s[e] * (g[e] - gs);
+      }
+    }
+  }
+}
+
+bool supports_moe_bias_update(float*, const double*, int64_t experts, float rate, bool, std::string* reason) {
+  return refuse_with(ops::moe_bias_update_problem(experts, rate), reason);
+}
+
+void moe_bias_update(float* bias, const double* load, int64_t experts, float rate, bool zero_mean) {
+  if (std::string why; !supports_moe_bias_update(bias, load, experts, rate, zero_mean, &why)) fail("{}", why);
+  double total = 0;
+  for (int64_t e = 0; e < experts; ++e) total += load[e];
+  const double mean = total / static_cast<double>(experts);
+  std::vector<float> update(experts);
+  float update_mean = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    update[e] = mean > load[e] ? rate : mean < load[e] ? -rate : 0.0f;
+    update_mean += update[e];
+  }
+  update_mean /= static_cast<float>(experts);
+  for (int64_t e = 0; e < experts; ++e) bias[e] += zero_mean ? update[e] - update_mean : update[e];
+}
+
+}  // namespace forge::cpu

@@ -1,0 +1,301 @@
+// The MoE router (ops::moe_router_forward / moe_router_backward) and the auxiliary-loss-free bias update
+// (ops::moe_bias_update), written once for every backend (op_harness.h): on the CPU against a
+// double-precision reference (selection, weights, balance loss) and finite differences of the gradient,
+// elsewhere against the CPU kernel on the same inputs; and hand-made scores for group masking, ties, the bias
+// and the balance loss.
+//
+// Random logits are drawn so that no two choices of a token lie within float rounding of each other, so every
+// backend and the double reference select the same experts (tests below check ties on purpose).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "forge/kernels/ops.h"
+#include "op_harness.h"
+
+namespace forge::op_tests::moe_router {
+
+using testing::DeviceArray;
+
+struct Case {
+  int64_t tokens, experts, top_k, groups, topk_groups;
+  ops::MoeScore score;
+  bool normalize;
+  float scaling;
+  bool bias;
+  int64_t seq_len;
+  float balance_scale;
+  std::string name() const {
+    return "t" + std::to_string(tokens) + "_e" + std::to_string(experts) + "_k" + std::to_string(top_k) +
+           "_g" + std::to_string(groups) + "of" + std::to_string(topk_groups) +
+           (score == ops::MoeScore::sigmoid ? "_sigmoid" : "_softmax") + (normalize ? "_norm" : "") +
+           (bias ? "_bias" : "") + (seq_len > 0 ? "_seq" + std::to_string(seq_len) : "");
+  }
+  bool finite_differences() const { return tokens * experts <= 200; }
+};
+
+inline const std::vector<Case> kCases = {
+    {12, 8, 2, 1, 1, ops::MoeScore::sigmoid, true, 2.5f, true, 6, 0.7f},
+    {10, 16, 4, 4, 2, ops::MoeScore::sigmoid, true, 1.0f, true, 5, 0.3f},
+    {9, 6, 3, 1, 1, ops::MoeScore::softmax, false, 1.0f, false, 3, 0.5f},
+    {7, 12, 2, 3, 1, ops::MoeScore::sigmoid, false, 2.0f, true, 0, 0.0f},
+    {6, 10, 3, 5, 3, ops::MoeScore::softmax, true, 1.5f, true, 2, 0.2f},
+    {300, 64, 8, 8, 4, ops::MoeScore::sigmoid, true, 2.5f, true, 100, 0.01f},
+    {0, 8, 2, 2, 1, ops::MoeScore::sigmoid, true, 1.0f, false, 0, 0.0f},
+};
+
+struct Reference {
+  std::vector<int32_t> ids;
+  std::vector<double> weights, scores, sums, fractions, losses;
+};
+
+inline double score_of(ops::MoeScore score, const double* z, int64_t e, int64_t experts) {
+  if (score == ops::MoeScore::sigmoid) return 1.0 / (1.0 + std::exp(-z[e]));
+  double max = z[0], sum = 0;
+  for (int64_t i = 1; i < experts; ++i) max = std::max(max, z[i]);
+  for (int64_t i = 0; i < experts; ++i) sum += std::exp(z[i] - max);
+  return std::exp(z[e] - max) / sum;
+}
+
+// The router in double. fixed_ids (not null): use these experts instead of selecting (for finite differences,
+// which differentiate the piecewise-smooth function on one piece).
+inline Reference reference(const Case& c, const std::vector<double>& z, const std::vector<double>& bias,
+                           const std::vector<int32_t>* fixed_ids = nullptr) {
+  const int64_t E = c.experts, K = c.top_k;
+  Reference r;
+  r.ids.resize(c.tokens * K), r.weights.resize(c.tokens * K), r.scores.resize(c.tokens * E);
+  for (int64_t t = 0; t < c.tokens; ++t) {
+    double* s = &r.scores[t * E];
+    for (int64_t e = 0; e < E; ++e) s[e] = score_of(c.score, &z[t * E], e, E);
+    std::vector<double> choice(E);
+    for (int64_t e = 0; e < E; ++e) choice[e] = s[e] + (c.bias ? bias[e] : 0.0);
+    std::vector<bool> usable(E, true);
+    if (c.groups > 1) {
+      const int64_t size = E / c.groups;
+      std::vector<double> group_score(c.groups);
+      for (int64_t g = 0; g < c.groups; ++g) {
+        std::vector<double> members(choice.begin() + g * size, choice.begin() + (g + 1) * size);
+        std::sort(members.rbegin(), members.rend());
+        group_score[g] = members[0] + members[1];
+      }
+      std::vector<bool> kept(c.groups, false);
+      for (int64_t pick = 0; pick < c.topk_groups; ++pick) {
+        int64_t best = -1;
+        for (int64_t g = 0; g < c.groups; ++g)
+          if (!kept[g] && (best < 0 || group_score[g] > group_score[best])) best = g;
+        kept[best] = true;
+      }
+      for (int64_t e = 0; e < E; ++e) usable[e] = kept[e / size];
+    }
+    double sum = 0;
+    for (int64_t j = 0; j < K; ++j) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; ++e)
+        if (usable[e] && (best < 0 || choice[e] > choice[best])) best = e;
+      if (fixed_ids) best = (*fixed_ids)[t * K + j];
+      usable[best] = false;
+      r.ids[t * K + j] = static_cast<int32_t>(best);
+      sum += s[best];
+    }
+    for (int64_t j = 0; j < K; ++j)
+      r.weights[t * K + j] =
+          (c.normalize ? s[r.ids[t * K + j]] / (sum + 1e-20) : s[r.ids[t * K + j]]) * c.scaling;
+  }
+  if (c.seq_len > 0) {
+    const int64_t T = c.seq_len, sequences = c.tokens / T;
+    r.sums.resize(c.tokens), r.fractions.assign(sequences * E, 0.0), r.losses.assign(sequences, 0.0);
+    for (int64_t q = 0; q < sequences; ++q) {
+      std::vector<double> mean_score(E, 0.0);
+      for (int64_t t = q * T; t < (q + 1) * T; ++t) {
+        double n = 0;
+        for (int64_t e = 0; e < E; ++e) n += r.scores[t * E + e];
+        r.sums[t] = n;
+        for (int64_t e = 0; e < E; ++e) mean_score[e] += r.scores[t * E + e] / n / static_cast<double>(T);
+        for (int64_t j = 0; j < K; ++j) r.fractions[q * E + r.ids[t * K + j]] += double(E) / double(K * T);
+      }
+      for (int64_t e = 0; e < E; ++e) r.losses[q] += r.fractions[q * E + e] * mean_score[e];
+    }
+  }
+  return r;
+}
+
+struct Problem {
+  Case c;
+  std::vector<float> logits, bias, dweights;
+  explicit Problem(const Case& c_, uint32_t seed) : c(c_) {
+    logits = testing::random_floats(c.tokens * c.experts, seed, -4, 4);
+    bias = testing::random_floats(c.experts, seed + 1, -0.2f, 0.2f);
+    dweights = testing::random_floats(c.tokens * c.top_k, seed + 2);
+  }
+  std::vector<double> bias_double() const { return testing::to_double(bias); }
+};
+
+struct Result {
+  std::vector<int32_t> ids;
+  std::vector<float> weights, scores, sums, fractions, losses, dlogits;
+};
+
+class MoeRouterOp : public testing::OpTest<Case> {
+ protected:
+  Result run(Device on, const Problem& pr) {
+    const Case& c = pr.c;
+    const int64_t sequences = c.seq_len > 0 ? c.tokens / c.seq_len : 0;
+    DeviceArray<float> logits(on, pr.logits), bias(on, pr.bias), dweights(on, pr.dweights);
+    DeviceArray<int32_t> ids(on, c.tokens * c.top_k);
+    DeviceArray<float> weights(on, c.tokens * c.top_k), scores(on, c.tokens * c.experts);
+    DeviceArray<float> sums(on, c.seq_len > 0 ? c.tokens : 0), fractions(on, sequences * c.experts);
+    DeviceArray<float> losses(on, sequences), dlogits(on, c.tokens * c.experts);
+    ops::MoeRouterParams p;
+    p.tokens = c.tokens, p.experts = c.experts, p.top_k = c.top_k, p.groups = c.groups;
+    p.topk_groups = c.topk_groups, p.score = c.score, p.normalize = c.normalize, p.scaling = c.scaling;
+    p.logits = logits.data(), p.bias = c.bias ? bias.data() : nullptr, p.expert_ids = ids.data();
+    p.weights = weights.data(), p.scores = scores.data(), p.seq_len = c.seq_len;
+    if (c.seq_len > 0)
+      p.score_sums = sums.data(), p.expert_fraction = fractions.data(), p.balance_loss = losses.data();
+    FORGE_TEST_OP(moe_router_forward, on, p);
+    p.dweights = dweights.data(), p.balance_scale = c.balance_scale, p.dlogits = dlogits.data();
+    FORGE_TEST_OP(moe_router_backward, on, p);
+    return {ids.download(),       weights.download(), scores.download(), sums.download(),
+            fractions.download(), losses.download(),  dlogits.download()};
+  }
+};
+
+TEST_P(MoeRouterOp, ForwardAndBackward) {
+  const Case& c = test_case();
+  const Problem pr(c, 300);
+  const Result cpu = run(Device::cpu, pr);
+  if (on_cpu()) {
+    const Reference want = reference(c, testing::to_double(pr.logits), pr.bias_double());
+    EXPECT_EQ(cpu.ids, want.ids);
+    EXPECT_LT(testing::relative_error(cpu.weights, want.weights), 1e-6);
+    EXPECT_LT(testing::relative_error(cpu.scores, want.scores), 1e-6);
+    if (c.seq_len > 0) {
+      EXPECT_LT(testing::relative_error(cpu.sums, want.sums), 1e-6);
+      EXPECT_LT(testing::relative_error(cpu.fractions, want.fractions), 1e-6);
+      EXPECT_LT(testing::relative_error(cpu.losses, want.losses), 1e-6);
+    }
+    if (!c.finite_differences()) return;
+    const std::vector<double> dw = testing::to_double(pr.dweights);
+    const auto fd = testing::finite_difference(
+        [&](const std::vector<double>& z) {
+          const Reference r = reference(c, z, pr.bias_double(), &want.ids);
+          double loss = testing::dot(dw, r.weights);
+          for (double l : r.losses) loss += c.balance_scale * l;
+          return loss;
+        },
+        testing::to_double(pr.logits));
+    EXPECT_LT(testing::relative_error(cpu.dlogits, fd), 1e-5);
+    return;
+  }
+  const Result got = run(device(), pr);
+  EXPECT_EQ(got.ids, cpu.ids);
+  // Sums over at most `experts` terms in the same order, with each backend's exp (a few ulp apart).
+  const double bound = 64 * testing::kU;
+  const auto close = [&](const std::vector<float>& g, const std::vector<float>& w, const char* what) {
+    double scale = 0;
+    for (float x : w) scale = std::max(scale, double{std::abs(x)});
+    testing::expect_close(g, w, c.name() + " " + what, [&](size_t) { return bound * (scale + 1e-30); });
+  };
+  close(got.weights, cpu.weights, "weights");
+  close(got.scores, cpu.scores, "scores");
+  close(got.sums, cpu.sums, "score_sums");
+  close(got.fractions, cpu.fractions, "expert_fraction");
+  close(got.losses, cpu.losses, "balance_loss");
+  close(got.dlogits, cpu.dlogits, "dlogits");
+}
+
+// Hand-made scores: logits z give scores sigmoid(z); these helpers pick z for wanted scores.
+inline float logit_of(double s) { return static_cast<float>(std::log(s / (1 - s))); }
+
+struct Routed {
+  std::vector<int32_t> ids;
+  std::vector<float> weights, losses;
+};
+
+inline Routed route(Device on, ops::MoeRouterParams p, const std::vector<float>& logits,
+                    const std::vector<float>& bias) {
+  DeviceArray<float> z(on, logits), b(on, bias);
+  DeviceArray<int32_t> ids(on, p.tokens * p.top_k);
+  DeviceArray<float> weights(on, p.tokens * p.top_k), scores(on, p.tokens * p.experts);
+  const int64_t sequences = p.seq_len > 0 ? p.tokens / p.seq_len : 0;
+  DeviceArray<float> sums(on, p.seq_len > 0 ? p.tokens : 0), fractions(on, sequences * p.experts);
+  DeviceArray<float> losses(on, sequences);
+  p.logits = z.data(), p.bias = bias.empty() ? nullptr : b.data(), p.expert_ids = ids.data();
+  p.weights = weights.data(), p.scores = scores.data();
+  if (p.seq_len > 0)
+    p.score_sums = sums.data(), p.expert_fraction = fractions.data(), p.balance_loss = losses.data();
+  FORGE_TEST_OP(moe_router_forward, on, p);
+  return {ids.download(), weights.download(), losses.download()};
+}
+
+class MoeRouterHandMade : public testing::OpTest<testing::FixedCase> {};
+
+// Eight experts in four groups of two, two groups kept: the best expert (0.9) sits in a group whose sum
+// (0.9 + 0.1) loses to groups 1 (0.6 + 0.6) and 2 (0.55 + 0.5), so it is masked; the top-2 of the kept groups
+// are the tied experts 2 and 3 (lower index first).
+TEST_P(MoeRouterHandMade, GroupMaskingAndTies) {
+  ops::MoeRouterParams p;
+  p.tokens = 1, p.experts = 8, p.top_k = 2, p.groups = 4, p.topk_groups = 2, p.normalize = false;
+  const std::vector<float> z = {logit_of(0.9),  logit_of(0.1), logit_of(0.6), logit_of(0.6),
+                                logit_of(0.55), logit_of(0.5), logit_of(0.2), logit_of(0.2)};
+  const Routed r = route(device(), p, z, {});
+  EXPECT_EQ(r.ids, (std::vector<int32_t>{2, 3}));
+  EXPECT_NEAR(r.weights[0], 0.6f, 1e-6f);
+  // Without groups the best expert wins.
+  p.groups = 1, p.topk_groups = 1;
+  EXPECT_EQ(route(device(), p, z, {}).ids, (std::vector<int32_t>{0, 2}));
+  // Every score equal: the lowest indices.
+  p.top_k = 3;
+  EXPECT_EQ(route(device(), p, std::vector<float>(8, 0.3f), {}).ids, (std::vector<int32_t>{0, 1, 2}));
+}
+
+// The bias picks the experts; the weights are the unbiased scores, normalised and scaled.
+TEST_P(MoeRouterHandMade, BiasSelectsButDoesNotWeigh) {
+  ops::MoeRouterParams p;
+  p.tokens = 1, p.experts = 4, p.top_k = 2, p.normalize = true, p.scaling = 2.5f;
+  const std::vector<float> z = {logit_of(0.8), logit_of(0.7), logit_of(0.3), logit_of(0.2)};
+  const Routed plain = route(device(), p, z, {});
+  EXPECT_EQ(plain.ids, (std::vector<int32_t>{0, 1}));
+  const Routed biased = route(device(), p, z, {0.0f, 0.0f, 0.0f, 0.65f});  // expert 3: 0.2 + 0.65 = 0.85
+  EXPECT_EQ(biased.ids, (std::vector<int32_t>{3, 0}));
+  EXPECT_NEAR(biased.weights[0], 2.5 * 0.2 / (0.2 + 0.8), 1e-6);
+  EXPECT_NEAR(biased.weights[1], 2.5 * 0.8 / (0.2 + 0.8), 1e-6);
+}
+
+// Equal scores make every P_i = 1/E, and then sum_i f_i P_i = (1 / (K T)) sum_i count_i = 1 whichever experts
+// are chosen: the balance loss of uniform routing is exactly its coefficient.
+TEST_P(MoeRouterHandMade, UniformRoutingBalanceLossIsOne) {
+  ops::MoeRouterParams p;
+  p.tokens = 12, p.experts = 6, p.top_k = 2, p.seq_len = 4;
+  const Routed r = route(device(), p, std::vector<float>(12 * 6, 0.7f), {});
+  ASSERT_EQ(r.losses.size(), 3u);
+  for (float loss : r.losses) EXPECT_NEAR(loss, 1.0f, 1e-6f);
+}
+
+// bias += rate * sign(mean - load): underloaded experts up, overloaded down, exactly by the rate; the
+// zero-mean variant subtracts the updates' mean.
+TEST_P(MoeRouterHandMade, BiasUpdateMovesByExactlyTheRate) {
+  const float rate = 0.001f;
+  const std::vector<float> start = {0.5f, -0.25f, 0.0f, 0.125f};
+  DeviceArray<float> bias(device(), start);
+  DeviceArray<double> load(device(), std::vector<double>{5, 1, 3, 3});  // mean 3
+  FORGE_TEST_OP(moe_bias_update, device(), bias.data(), load.data(), 4, rate, false);
+  const std::vector<float> after = bias.download();
+  EXPECT_EQ(after[0], start[0] - rate);
+  EXPECT_EQ(after[1], start[1] + rate);
+  EXPECT_EQ(after[2], start[2]);
+  EXPECT_EQ(after[3], start[3]);
+  DeviceArray<float> zero(device(), std::vector<float>(4, 0.0f));
+  load.upload({5, 1, 1, 1});  // mean 2: updates (-r, r, r, r), their mean r / 2
+  FORGE_TEST_OP(moe_bias_update, device(), zero.data(), load.data(), 4, rate, true);
+  const std::vector<float> centred = zero.download();
+  EXPECT_FLOAT_EQ(centred[0], -1.5f * rate);
+  for (int e = 1; e < 4; ++e) EXPECT_FLOAT_EQ(centred[e], 0.5f * rate);
+}
+
+}  // namespace forge::op_tests::moe_router
