@@ -140,7 +140,7 @@ TEST(DeepseekV3Config, ParameterCountsMatchThePublishedModel) {
   // tensor_shapes lists exactly the checkpoint without the MTP module's two copies.
   const auto shapes = c.tensor_shapes();
   int64_t elements = 0;
-  for (const auto& [name, shape] : shapes) elements += shape.numel();
+  for (const auto& [name, shape] : shapes) elements += shape_numel(shape);
   EXPECT_EQ(elements, c.checkpoint_elements() - 2 * 926679040);
   // 1 embedding + 3 dense layers of 12 + 58 MoE layers of 782 (9 attention and norms, router and bias, 768
   // routed and 3 shared expert matrices) + norm + lm_head + the MTP module (enorm, hnorm, eh_proj, 782,
@@ -294,7 +294,7 @@ TEST(DeepseekV3Config, TensorShapesInRegistrationOrder) {
 
   // The parameter count is the tensors' sum without the correction biases.
   int64_t elements = 0;
-  for (const auto& [name, shape] : shapes) elements += shape.numel();
+  for (const auto& [name, shape] : shapes) elements += shape_numel(shape);
   EXPECT_EQ(elements, c.num_parameters() + 4 * 8);
   EXPECT_EQ(c.checkpoint_elements(), elements + 2 * 2 * 64 * 32);
 
