@@ -482,7 +482,9 @@ def generate(name, spec):
     assert stats.min_margin > MIN_MARGIN, f"{name}: a routing decision is {stats.min_margin:.2e} from a tie"
     assert changed > 0, f"{name}: the correction biases change no selection"
 
-    tensors = [(n, t) for n, t in initial.items()] + [(n, t) for n, t in biases.items()]
+    names = [n for n, _ in parameter_shapes(model)]  # DeepseekV3Config::tensor_shapes order, biases included
+    everything = dict(initial, **biases)
+    tensors = [(n, everything[n]) for n in names]
     tensors += [("input_ids", input_ids), ("labels", labels), ("logits", result["logits"].detach())]
     for k, lg in enumerate(result["mtp_logits"], start=1):
         tensors.append((f"mtp{k}.logits", lg.detach()))
@@ -507,8 +509,8 @@ def generate(name, spec):
     tensors += [("adamw.losses", torch.tensor(run["losses"], dtype=torch.float32)),
                 ("adamw.main_losses", torch.tensor(run["main_losses"], dtype=torch.float32)),
                 ("adamw.grad_norms", torch.tensor(run["grad_norms"], dtype=torch.float32))]
-    tensors += [("final." + n, t) for n, t in run["final"].items()]
-    tensors += [("final." + n, t) for n, t in run["final_biases"].items()]
+    final = dict(run["final"], **run["final_biases"])
+    tensors += [("final." + n, final[n]) for n in names]
 
     metadata = {key: repr(value) for key, value in ADAMW.items()}
     metadata.update(
