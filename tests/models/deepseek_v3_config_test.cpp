@@ -238,6 +238,32 @@ TEST(DeepseekV3Config, JsonRoundTripKeepsBookkeeping) {
   EXPECT_FALSE(other == t);
 }
 
+// transformers v5 writes rope_theta and rope_scaling as one rope_parameters object.
+TEST(DeepseekV3Config, ReadsRopeParametersOfTransformersV5) {
+  json v4 = deepseek_v3_config();
+  json v5 = v4;
+  v5.erase("rope_theta");
+  v5.erase("rope_scaling");
+  v5["rope_parameters"] = {{"rope_type", "yarn"},   {"rope_theta", 10000.0},
+                           {"factor", 40.0},        {"beta_fast", 32.0},
+                           {"beta_slow", 1.0},      {"mscale", 1.0},
+                           {"mscale_all_dim", 1.0}, {"original_max_position_embeddings", 4096}};
+  EXPECT_EQ(DeepseekV3Config::from_json(v5, "v5"), DeepseekV3Config::from_json(v4, "v4"));
+  v5["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 50000.0}};
+  const DeepseekV3Config plain = DeepseekV3Config::from_json(v5, "v5");
+  EXPECT_FALSE(plain.rope_scaling.enabled);
+  EXPECT_DOUBLE_EQ(plain.rope_theta, 50000.0);
+  v5["rope_parameters"]["factr"] = 2.0;
+  EXPECT_THROW(DeepseekV3Config::from_json(v5, "v5"), Error);
+  json both = tiny_config();
+  both["rope_theta"] = 10000.0;
+  both["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 10000.0}};
+  expect_error(both, {"'rope_parameters' and 'rope_scaling' or 'rope_theta' are both given"});
+  both.erase("rope_theta");
+  both["rope_parameters"] = {{"rope_type", "yarn"}};
+  expect_error(both, {"missing required key 'rope_parameters.factor'"});
+}
+
 TEST(DeepseekV3Config, TensorShapesInRegistrationOrder) {
   json j = tiny_config();
   const DeepseekV3Config c = DeepseekV3Config::from_json(j, "tiny");

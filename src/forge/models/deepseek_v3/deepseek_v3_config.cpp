@@ -23,7 +23,8 @@ using nlohmann::json;
 // Keys forge reads: every key of HF's DeepseekV3Config that changes the computation. head_dim and
 // qk_head_dim are attributes HF derives (qk_rope_head_dim and qk_nope + qk_rope) and save_pretrained writes;
 // they are checked against the sizes they derive from.
-constexpr std::array<std::string_view, 35> kKnownKeys = {"hidden_size",
+constexpr std::array<std::string_view, 36> kKnownKeys = {"rope_parameters",
+                                                         "hidden_size",
                                                          "intermediate_size",
                                                          "moe_intermediate_size",
                                                          "num_hidden_layers",
@@ -173,17 +174,17 @@ void check_fixed_keys(const json& j, std::string_view source) {
   }
 }
 
-YarnScaling read_rope_scaling(const json& object, int64_t max_position_embeddings, std::string_view source) {
+// `rope` is the object of key `name`: "rope_scaling" (HF up to v4), or "rope_parameters" (transformers v5,
+// which also holds rope_theta).
+YarnScaling read_rope_scaling(const json& rope, const std::string& name, int64_t max_position_embeddings,
+                              std::string_view source) {
   YarnScaling yarn;
-  auto it = object.find("rope_scaling");
-  if (it == object.end() || it->is_null()) return yarn;
-  const json& rope = *it;
   if (!rope.is_object())
-    fail("{}: key 'rope_scaling' must be an object or null, got {} {}", source, rope.type_name(),
-         rope.dump());
+    fail("{}: key '{}' must be an object or null, got {} {}", source, name, rope.type_name(), rope.dump());
   for (const auto& [key, value] : rope.items()) {
+    if (key == "rope_theta" && name == "rope_parameters") continue;
     if (!contains(kRopeScalingKeys, key))
-      fail("{}: unknown key 'rope_scaling.{}'{}", source, key,
+      fail("{}: unknown key '{}.{}'{}", source, name, key,
            forge::did_you_mean(
                key, std::vector<std::string_view>(kRopeScalingKeys.begin(), kRopeScalingKeys.end())));
   }
@@ -192,36 +193,35 @@ YarnScaling read_rope_scaling(const json& object, int64_t max_position_embedding
   for (const char* type_key : {"rope_type", "type"}) {
     auto t = rope.find(type_key);
     if (t == rope.end()) continue;
-    if (!t->is_string())
-      fail("{}: key 'rope_scaling.{}' must be a string, got {}", source, type_key, t->dump());
+    if (!t->is_string()) fail("{}: key '{}.{}' must be a string, got {}", source, name, type_key, t->dump());
     if (type && *type != t->get<std::string>())
-      fail("{}: keys 'rope_scaling.rope_type' and 'rope_scaling.type' disagree", source);
+      fail("{}: keys '{}.rope_type' and '{}.type' disagree", source, name, name);
     type = t->get<std::string>();
   }
-  if (!type) fail("{}: missing required key 'rope_scaling.rope_type'", source);
+  if (!type) fail("{}: missing required key '{}.rope_type'", source, name);
   if (*type == "default") return yarn;
   if (*type != "yarn")
-    fail("{}: unsupported rope_scaling type '{}' (forge's DeepSeek-V3 implements 'yarn' and 'default')",
-         source, *type);
-  constexpr std::string_view kPrefix = "rope_scaling.";
+    fail("{}: unsupported {} type '{}' (forge's DeepSeek-V3 implements 'yarn' and 'default')", source, name,
+         *type);
+  const std::string prefix = name + ".";
+  const std::string_view field = prefix;
   yarn.enabled = true;
-  auto factor = read_number(rope, "factor", source, kPrefix);
-  if (!factor) fail("{}: missing required key 'rope_scaling.factor' for rope_type 'yarn'", source);
+  auto factor = read_number(rope, "factor", source, field);
+  if (!factor) fail("{}: missing required key '{}factor' for rope_type 'yarn'", source, field);
   yarn.factor = *factor;
   yarn.original_max_position_embeddings =
-      read_integer(rope, "original_max_position_embeddings", source, kPrefix)
-          .value_or(max_position_embeddings);
-  yarn.beta_fast = read_number(rope, "beta_fast", source, kPrefix).value_or(yarn.beta_fast);
-  yarn.beta_slow = read_number(rope, "beta_slow", source, kPrefix).value_or(yarn.beta_slow);
-  yarn.mscale = read_number(rope, "mscale", source, kPrefix).value_or(0.0);
-  yarn.mscale_all_dim = read_number(rope, "mscale_all_dim", source, kPrefix).value_or(0.0);
-  if (auto attention_factor = read_number(rope, "attention_factor", source, kPrefix)) {
+      read_integer(rope, "original_max_position_embeddings", source, field).value_or(max_position_embeddings);
+  yarn.beta_fast = read_number(rope, "beta_fast", source, field).value_or(yarn.beta_fast);
+  yarn.beta_slow = read_number(rope, "beta_slow", source, field).value_or(yarn.beta_slow);
+  yarn.mscale = read_number(rope, "mscale", source, field).value_or(0.0);
+  yarn.mscale_all_dim = read_number(rope, "mscale_all_dim", source, field).value_or(0.0);
+  if (auto attention_factor = read_number(rope, "attention_factor", source, field)) {
     if (!(*attention_factor > 0.0) || !std::isfinite(*attention_factor))
-      fail("{}: key 'rope_scaling.attention_factor' must be a positive finite number, got {}", source,
+      fail("{}: key '{}attention_factor' must be a positive finite number, got {}", source, field,
            *attention_factor);
     yarn.attention_factor = *attention_factor;
   }
-  yarn.truncate = read_bool(rope, "truncate", source, kPrefix).value_or(true);
+  yarn.truncate = read_bool(rope, "truncate", source, field).value_or(true);
   return yarn;
 }
 
@@ -397,8 +397,23 @@ DeepseekV3Config DeepseekV3Config::from_json(const json& j, std::string_view sou
   c.vocab_size = require_integer(j, "vocab_size", source);
   c.max_position_embeddings =
       read_integer(j, "max_position_embeddings", source).value_or(c.max_position_embeddings);
-  c.rope_theta = read_number(j, "rope_theta", source).value_or(c.rope_theta);
-  c.rope_scaling = read_rope_scaling(j, c.max_position_embeddings, source);
+  // transformers v5 writes rope_theta and the scaling together as rope_parameters; to_json writes the v4
+  // form, which v5 still reads.
+  const auto present = [&](const char* key) { return j.contains(key) && !j[key].is_null(); };
+  if (present("rope_parameters")) {
+    if (present("rope_scaling") || present("rope_theta"))
+      fail("{}: keys 'rope_parameters' and 'rope_scaling' or 'rope_theta' are both given; keep one form",
+           source);
+    const json& rope = j["rope_parameters"];
+    if (rope.is_object())
+      c.rope_theta = read_number(rope, "rope_theta", source, "rope_parameters.").value_or(c.rope_theta);
+    c.rope_scaling = read_rope_scaling(rope, "rope_parameters", c.max_position_embeddings, source);
+  } else {
+    c.rope_theta = read_number(j, "rope_theta", source).value_or(c.rope_theta);
+    if (present("rope_scaling"))
+      c.rope_scaling =
+          read_rope_scaling(j["rope_scaling"], "rope_scaling", c.max_position_embeddings, source);
+  }
   c.rope_interleave = read_bool(j, "rope_interleave", source).value_or(true);
   c.rms_norm_eps = read_number(j, "rms_norm_eps", source).value_or(c.rms_norm_eps);
   c.tie_word_embeddings = read_bool(j, "tie_word_embeddings", source).value_or(false);
