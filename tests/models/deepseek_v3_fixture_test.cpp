@@ -74,8 +74,9 @@ TEST_P(DeepseekV3Fixture, TensorsFollowTensorShapes) {
     std::string_view name = entry.name;
     for (std::string_view prefix : {"grad.", "final."})
       if (name.starts_with(prefix)) name.remove_prefix(prefix.size());
-    if (name.starts_with("model.") || name.starts_with("lm_head."))
+    if (name.starts_with("model.") || name.starts_with("lm_head.")) {
       EXPECT_TRUE(expected.count(std::string(name))) << entry.name;
+    }
   }
 }
 
@@ -112,10 +113,11 @@ TEST_P(DeepseekV3Fixture, LogitsLossesAndRouting) {
     }
     ++moe_layers;
     balance += scalar("loss.balance." + tag);
-    const int64_t tokens = batch * (seq - std::max<int64_t>(0, layer - c.num_hidden_layers + 1));
+    const int64_t length = seq - std::max<int64_t>(0, layer - c.num_hidden_layers + 1);
+    const int64_t tokens = batch * length;
     Tensor experts = file_->read("route." + tag + ".experts"),
            weights = file_->read("route." + tag + ".weights");
-    ASSERT_EQ(experts.shape(), (Shape{tokens, c.num_experts_per_tok})) << tag;
+    ASSERT_EQ(experts.shape(), (Shape{batch, length, c.num_experts_per_tok})) << tag;
     ASSERT_EQ(weights.shape(), experts.shape()) << tag;
     for (int64_t t = 0; t < tokens; ++t) {
       std::set<int64_t> groups;
@@ -124,14 +126,18 @@ TEST_P(DeepseekV3Fixture, LogitsLossesAndRouting) {
         const int32_t e = experts.i32()[t * c.num_experts_per_tok + j];
         ASSERT_GE(e, 0);
         ASSERT_LT(e, c.n_routed_experts);
-        if (j > 0) EXPECT_LT(experts.i32()[t * c.num_experts_per_tok + j - 1], e) << "sorted, distinct";
+        if (j > 0) {
+          EXPECT_LT(experts.i32()[t * c.num_experts_per_tok + j - 1], e) << "sorted, distinct";
+        }
         groups.insert(e / c.experts_per_group());
         const float w = weights.f32()[t * c.num_experts_per_tok + j];
         EXPECT_GT(w, 0.0f);
         sum += w;
       }
       EXPECT_LE(static_cast<int64_t>(groups.size()), c.topk_group) << tag << " token " << t;
-      if (c.norm_topk_prob) EXPECT_NEAR(sum, c.routed_scaling_factor, 1e-5) << tag << " token " << t;
+      if (c.norm_topk_prob) {
+        EXPECT_NEAR(sum, c.routed_scaling_factor, 1e-5) << tag << " token " << t;
+      }
     }
   }
   EXPECT_GT(moe_layers, 0);
