@@ -47,7 +47,15 @@
   X(fp8_cast_transpose, float, (const ops::Fp8CastParams& p), (p))                                             \
   X(fp8_quantize_1x128, void, (const ops::Fp8CastParams& p), (p))                                              \
   X(fp8_quantize_128x128, void, (const ops::Fp8CastParams& p), (p))                                            \
-  X(kv_append, void, (const ops::KvAppendParams& p), (p))
+  X(kv_append, void, (const ops::KvAppendParams& p), (p))                                                      \
+  /* Mixture of experts (the parameter structs say what each computes). */                                     \
+  X(moe_sort_by_expert, void, (const ops::MoeSortParams& p), (p))                                              \
+  X(moe_permute, void, (const ops::MoePermuteParams& p), (p))                                                  \
+  X(moe_permute_backward, void, (const ops::MoePermuteParams& p), (p))                                         \
+  X(moe_unpermute, void, (const ops::MoeUnpermuteParams& p), (p))                                              \
+  X(moe_unpermute_backward, void, (const ops::MoeUnpermuteParams& p), (p))                                     \
+  X(m_grouped_gemm, void, (const ops::GroupedGemmParams& p), (p))                                              \
+  X(k_grouped_gemm, void, (const ops::GroupedGemmParams& p), (p))
 // clang-format on
 
 // (a, b) -> a, b: a parenthesised list's contents.
