@@ -313,5 +313,98 @@ TEST(OpSupport, MoeRouterShapeRules) {
   }
 }
 
+// Mixture of experts: the sort, the permutes and the grouped GEMMs refuse the same parameters on both
+// backends (the CUDA sort also caps the experts at its per-block counters).
+ops::GroupedGemmParams grouped_params(Memory& m, const int64_t* offsets) {
+  ops::GroupedGemmParams p;
+  p.groups = 2, p.offsets = offsets, p.m = p.n = p.k = 4, p.lda = p.ldb = p.ldc = 4;
+  p.a = m.f, p.b = m.f + 256, p.c = m.f + 512, p.c_group_stride = 16;
+  return p;
+}
+
+void expect_moe_refusals(const ops::OpTable& table, Memory& m) {
+  ops::MoeSortParams sort;
+  sort.tokens = 4, sort.top_k = 2, sort.experts = 0;
+  EXPECT_REFUSED(table, moe_sort_by_expert, (sort),
+                 "moe_sort_by_expert: bad shape tokens=4 top_k=2 experts=0");
+  sort.experts = 3, sort.capacity = -1;
+  EXPECT_REFUSED(table, moe_sort_by_expert, (sort), "moe_sort_by_expert: negative capacity -1");
+  sort.capacity = 0;
+  EXPECT_REFUSED(table, moe_sort_by_expert, (sort), "moe_sort_by_expert: offsets is null");
+  sort.tokens = int64_t{1} << 30, sort.top_k = 4;
+  EXPECT_REFUSED(table, moe_sort_by_expert, (sort), "does not fit the int32 rows");
+  ops::MoePermuteParams permute;
+  permute.tokens = 2, permute.top_k = 2, permute.hidden = 8, permute.rows = 5;
+  EXPECT_REFUSED(table, moe_permute, (permute), "moe_permute: rows 5 exceeds tokens * top_k = 4");
+  permute.rows = 4, permute.x_stride = 6;
+  EXPECT_REFUSED(table, moe_permute, (permute), "moe_permute: x_stride 6 is smaller than hidden 8");
+  permute.x_stride = 0;
+  EXPECT_REFUSED(table, moe_permute, (permute), "moe_permute: source is null");
+  EXPECT_REFUSED(table, moe_permute_backward, (permute), "moe_permute_backward: row_of is null");
+  ops::MoeUnpermuteParams unpermute;
+  unpermute.tokens = 2, unpermute.top_k = 2, unpermute.hidden = 0;
+  EXPECT_REFUSED(table, moe_unpermute, (unpermute), "moe_unpermute: bad shape", "hidden=0");
+  unpermute.hidden = 8, unpermute.rows = 3, unpermute.dy = m.f;
+  EXPECT_REFUSED(table, moe_unpermute_backward, (unpermute), "moe_unpermute_backward: source is null");
+  const int64_t offsets[3] = {0, 2, 4};
+  EXPECT_SUPPORTED(table, m_grouped_gemm, (grouped_params(m, offsets)));
+  EXPECT_SUPPORTED(table, k_grouped_gemm, (grouped_params(m, offsets)));
+  ops::GroupedGemmParams grouped = grouped_params(m, offsets);
+  grouped.c_dtype = DType::bf16;
+  EXPECT_REFUSED(table, m_grouped_gemm, (grouped), "m_grouped_gemm: c_dtype bf16 needs bf16 operands");
+  grouped = grouped_params(m, offsets), grouped.ab_dtype = DType::f16;
+  EXPECT_REFUSED(table, k_grouped_gemm, (grouped), "k_grouped_gemm: operands must be fp32 or bf16", "fp16");
+  grouped = grouped_params(m, offsets), grouped.offsets = nullptr;
+  EXPECT_REFUSED(table, m_grouped_gemm, (grouped), "m_grouped_gemm: offsets (host memory");
+  grouped = grouped_params(m, offsets), grouped.groups = 0;
+  EXPECT_REFUSED(table, m_grouped_gemm, (grouped), "m_grouped_gemm: groups must be positive, got 0");
+  grouped = grouped_params(m, offsets), grouped.k = 0;
+  EXPECT_REFUSED(table, m_grouped_gemm, (grouped), "m_grouped_gemm: empty problem n=4 k=0");
+  grouped = grouped_params(m, offsets), grouped.trans_b = true, grouped.ldb = 3;
+  EXPECT_REFUSED(table, m_grouped_gemm, (grouped),
+                 "m_grouped_gemm: ldb 3 is smaller than B's 4 stored columns");
+  grouped = grouped_params(m, offsets), grouped.lda = 3;
+  EXPECT_REFUSED(table, k_grouped_gemm, (grouped), "k_grouped_gemm: lda 3 is smaller than m 4");
+  grouped = grouped_params(m, offsets), grouped.c_group_stride = 15;
+  EXPECT_REFUSED(table, k_grouped_gemm, (grouped),
+                 "k_grouped_gemm: c_group_stride 15 is smaller than one group's C");
+}
+
+TEST(OpSupport, MoeCpuBackend) {
+  Memory m;
+  expect_moe_refusals(ops::cpu_table(), m);
+}
+
+#ifdef FORGE_HAVE_CUDA
+TEST(OpSupport, MoeCudaBackend) {
+  const ops::OpTable& gpu = ops::cuda_table();
+  Memory m;
+  expect_moe_refusals(gpu, m);
+  ops::MoeSortParams sort;
+  sort.tokens = 4, sort.top_k = 2, sort.experts = 10000, sort.offsets = reinterpret_cast<int64_t*>(m.f);
+  EXPECT_REFUSED(gpu, moe_sort_by_expert, (sort), "moe_sort_by_expert: experts 10000 > 8192");
+  const int64_t offsets[3] = {0, 2, 4};
+  ops::GroupedGemmParams grouped = grouped_params(m, offsets);
+  grouped.ab_dtype = grouped.c_dtype = DType::bf16, grouped.c = reinterpret_cast<char*>(m.bf16) + 1;
+  EXPECT_REFUSED(gpu, m_grouped_gemm, (grouped), "m_grouped_gemm: c is not aligned to its 2-byte elements");
+}
+#endif
+
+// The emulated device: the grouped GEMMs' offsets must be host memory (a GPU's loop over the groups reads
+// them on the host).
+TEST(OpSupport, MoeEmulatedDeviceTakesHostOffsets) {
+  EmulatedDevice emulation;
+  Tensor operands = Tensor::zeros({3, 16}, DType::f32, Device::cuda);
+  Tensor device_offsets = Tensor::zeros({3}, DType::i64, Device::cuda);
+  ops::GroupedGemmParams p;
+  const int64_t offsets[3] = {0, 2, 4};
+  p.groups = 2, p.offsets = offsets, p.m = p.n = p.k = 4, p.lda = p.ldb = p.ldc = 4;
+  p.a = operands.f32(), p.b = operands.f32() + 16, p.c = operands.f32() + 32;
+  EXPECT_NO_THROW(ops::m_grouped_gemm(p, Device::cuda));
+  p.offsets = device_offsets.data<int64_t>();
+  testing::expect_error_containing([&] { ops::m_grouped_gemm(p, Device::cuda); },
+                                   {"m_grouped_gemm on the emulated device", "offsets", "is device memory"});
+}
+
 }  // namespace
 }  // namespace forge

@@ -156,6 +156,31 @@ void check_args(const char* op, const ops::MoeRouterParams& p) {
   FORGE_CHECK_FIELD(op, p, expert_fraction), FORGE_CHECK_FIELD(op, p, balance_loss);
   FORGE_CHECK_FIELD(op, p, dweights), FORGE_CHECK_FIELD(op, p, dlogits);
 }
+void check_args(const char* op, const ops::MoeSortParams& p) {
+  FORGE_CHECK_FIELD(op, p, expert_ids), FORGE_CHECK_FIELD(op, p, row_of), FORGE_CHECK_FIELD(op, p, source);
+  FORGE_CHECK_FIELD(op, p, offsets), FORGE_CHECK_FIELD(op, p, counts);
+}
+void check_args(const char* op, const ops::MoePermuteParams& p) {
+  FORGE_CHECK_FIELD(op, p, row_of), FORGE_CHECK_FIELD(op, p, source), FORGE_CHECK_FIELD(op, p, x);
+  FORGE_CHECK_FIELD(op, p, out), FORGE_CHECK_FIELD(op, p, dout), FORGE_CHECK_FIELD(op, p, dx);
+}
+void check_args(const char* op, const ops::MoeUnpermuteParams& p) {
+  FORGE_CHECK_FIELD(op, p, row_of), FORGE_CHECK_FIELD(op, p, source), FORGE_CHECK_FIELD(op, p, weights);
+  FORGE_CHECK_FIELD(op, p, y), FORGE_CHECK_FIELD(op, p, out), FORGE_CHECK_FIELD(op, p, dout);
+  FORGE_CHECK_FIELD(op, p, dy), FORGE_CHECK_FIELD(op, p, dweights);
+}
+// The grouped GEMMs' offsets are host memory (the host loops over the groups): device memory there is the
+// error, which the emulation's open window would otherwise let the CPU kernel read.
+void check_args(const char* op, const ops::GroupedGemmParams& p) {
+  FORGE_CHECK_FIELD(op, p, a), FORGE_CHECK_FIELD(op, p, b), FORGE_CHECK_FIELD(op, p, c);
+  std::lock_guard lock(g_state->mutex);
+  if (p.offsets && find(*g_state, reinterpret_cast<uintptr_t>(p.offsets)))
+    fail(
+        "{} on the emulated device: offsets = {} is device memory; the grouped GEMMs take their offsets in "
+        "host "
+        "memory",
+        op, static_cast<const void*>(p.offsets));
+}
 #undef FORGE_CHECK_FIELD
 
 // The loose arguments of the element-wise ops: every pointer is device memory, sizes and scalars pass.

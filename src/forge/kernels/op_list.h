@@ -1,6 +1,6 @@
-// Every op of the op table, declared once (included by ops.h after the parameter structs). From this list follow
-// the table's members (OpTable), the public wrappers (ops::gemm(p, device), ...) and their support queries
-// (ops::supports_gemm(p, device, &reason)), OpId, the backends' declarations and table initialisers
+// Every op of the op table, declared once (included by ops.h after the parameter structs). From this list
+// follow the table's members (OpTable), the public wrappers (ops::gemm(p, device), ...) and their support
+// queries (ops::supports_gemm(p, device, &reason)), OpId, the backends' declarations and table initialisers
 // (cpu_kernels.h / cpu_table.cpp, cuda_kernels.h / cuda_table.cpp), the device emulation's guarded wrappers
 // and the profiler's timed ones. docs/adding-an-op.md says what else a new op needs.
 //
@@ -47,12 +47,20 @@
   X(fp8_cast_transpose, float, (const ops::Fp8CastParams& p), (p))                                             \
   X(fp8_quantize_1x128, void, (const ops::Fp8CastParams& p), (p))                                              \
   X(fp8_quantize_128x128, void, (const ops::Fp8CastParams& p), (p))                                            \
-  X(kv_append, void, (const ops::KvAppendParams& p), (p))                                                     \
-  X(moe_router_forward, void, (const ops::MoeRouterParams& p), (p))                                           \
-  X(moe_router_backward, void, (const ops::MoeRouterParams& p), (p))                                          \
-  /* Auxiliary-loss-free balancing: bias[e] += rate * sign(mean - load[e]), mean = sum(load) / experts, and  \
-     with zero_mean the updates' mean subtracted (sign(0) = 0). load: tokens routed to each expert. */        \
-  X(moe_bias_update, void, (float* bias, const double* load, int64_t experts, float rate, bool zero_mean),    \
+  X(kv_append, void, (const ops::KvAppendParams& p), (p))                                                      \
+  /* Mixture of experts (the parameter structs say what each computes). */                                     \
+  X(moe_sort_by_expert, void, (const ops::MoeSortParams& p), (p))                                              \
+  X(moe_permute, void, (const ops::MoePermuteParams& p), (p))                                                  \
+  X(moe_permute_backward, void, (const ops::MoePermuteParams& p), (p))                                         \
+  X(moe_unpermute, void, (const ops::MoeUnpermuteParams& p), (p))                                              \
+  X(moe_unpermute_backward, void, (const ops::MoeUnpermuteParams& p), (p))                                     \
+  X(m_grouped_gemm, void, (const ops::GroupedGemmParams& p), (p))                                              \
+  X(k_grouped_gemm, void, (const ops::GroupedGemmParams& p), (p))                                              \
+  X(moe_router_forward, void, (const ops::MoeRouterParams& p), (p))                                            \
+  X(moe_router_backward, void, (const ops::MoeRouterParams& p), (p))                                           \
+  /* Auxiliary-loss-free balancing: bias[e] += rate * sign(mean - load[e]), mean = sum(load) / experts, and    \
+     with zero_mean the updates' mean subtracted (sign(0) = 0). load: tokens routed to each expert. */         \
+  X(moe_bias_update, void, (float* bias, const double* load, int64_t experts, float rate, bool zero_mean),     \
     (bias, load, experts, rate, zero_mean))
 // clang-format on
 

@@ -390,6 +390,137 @@ struct MoeRouterParams {
   float* dlogits = nullptr;
 };
 
+// Mixture of experts: the token shuffling around the experts and the grouped GEMMs that run them. A layer
+// sorts its tokens' top-k assignments by expert (moe_sort_by_expert), copies the hidden rows into that order
+// (moe_permute), runs every expert as one GEMM over its contiguous rows (m_grouped_gemm; k_grouped_gemm for
+// the weight gradient) and combines each token's rows weighted by the router's gates (moe_unpermute).
+
+// Sorts the top-k expert assignments of `tokens` tokens by expert. expert_ids [tokens * top_k] int32 holds
+// assignment (t, j), token t's j-th choice, at index a = t * top_k + j; each id lies in [0, experts) (an id
+// outside fails with one line naming the assignment). A token may name one expert twice: each assignment is
+// its own row. The order is by expert and, within an expert, by increasing assignment index (stable); it is a
+// function of expert_ids alone, the same on every backend.
+//   capacity  0: dropless, every assignment gets a row. > 0: each expert keeps its first `capacity`
+//             assignments in that order and drops the rest.
+//   offsets   [experts + 1] int64: expert e owns sorted rows [offsets[e], offsets[e + 1]); offsets[0] = 0 and
+//             offsets[experts] = R, the rows kept (tokens * top_k when dropless).
+//   counts    optional, [experts] int64: each expert's assignments counted before any drop (what the load
+//             balancing loss and bias updates read).
+//   row_of    [tokens * top_k] int32: assignment a's sorted row, -1 when dropped.
+//   source    [tokens * top_k] int32: for each sorted row r < R, the assignment it holds (its token is
+//             source[r] / top_k); entries R .. tokens * top_k - 1 are -1.
+// Every output is overwritten, in memory of the op's device: the grouped GEMMs take their offsets in host
+// memory, so a GPU's offsets are copied back (R, which sizes the sorted buffers, with them).
+struct MoeSortParams {
+  int64_t tokens = 0, top_k = 0, experts = 0;
+  int64_t capacity = 0;
+  const int32_t* expert_ids = nullptr;
+  int32_t* row_of = nullptr;
+  int32_t* source = nullptr;
+  int64_t* offsets = nullptr;
+  int64_t* counts = nullptr;
+};
+
+// Hidden rows from token order into the expert-sorted order of moe_sort_by_expert and back: rows = R (that
+// op's offsets[experts], known on the host), row_of and source as it wrote them. The token side is [tokens,
+// hidden] with x_stride / dx_stride elements between rows (0 = hidden); the sorted side is [rows, hidden],
+// dense.
+//   moe_permute           out[r] = x[source[r] / top_k] for every r < rows (dispatch: a row per kept
+//   assignment). moe_permute_backward  dx[t] = sum of dout[row_of[t * top_k + j]] over j = 0 .. top_k - 1 in
+//   increasing j,
+//                         dropped assignments (row -1) skipped; overwritten (zeros where all are dropped).
+//                         One thread sums one token's rows in that order: no atomics, the same bits every
+//                         run.
+// Indices are data: the CPU checks them (source[r] in [0, tokens * top_k), row_of in [-1, rows)) and fails
+// with one line; the CUDA kernels, which cannot report without waiting for the device, read and write nothing
+// for an index out of range.
+struct MoePermuteParams {
+  int64_t tokens = 0, top_k = 0, hidden = 0, rows = 0;
+  const int32_t* row_of = nullptr;  // [tokens * top_k]: backward
+  const int32_t* source = nullptr;  // [rows]: forward
+  const float* x = nullptr;         // [tokens, hidden], x_stride
+  int64_t x_stride = 0;
+  float* out = nullptr;         // [rows, hidden]
+  const float* dout = nullptr;  // [rows, hidden]
+  float* dx = nullptr;          // [tokens, hidden], dx_stride
+  int64_t dx_stride = 0;
+};
+
+// The combination of each token's expert outputs, weighted by its gates (fp32 weights [tokens * top_k], a =
+// t * top_k + j), and its gradients; shapes, indices and strides as MoePermuteParams (token side [tokens,
+// hidden] with out_stride / dout_stride, 0 = hidden; y and dy [rows, hidden], dense).
+//   moe_unpermute           out[t] = sum over j = 0 .. top_k - 1 of weights[a] * y[row_of[a]] in increasing
+//   j,
+//                           dropped assignments skipped; overwritten (zeros where all are dropped).
+//   moe_unpermute_backward  dy[r] = weights[a] * dout[a / top_k] for every sorted row r < rows, a = source[r]
+//                           (overwritten); dweights[a] = <dout[t], y[row_of[a]]>, each summed by one thread
+//                           or block in an order fixed by hidden alone, 0 for a dropped assignment
+//                           (overwritten). Either output may be null (not computed).
+struct MoeUnpermuteParams {
+  int64_t tokens = 0, top_k = 0, hidden = 0, rows = 0;
+  const int32_t* row_of = nullptr;  // [tokens * top_k]
+  const int32_t* source = nullptr;  // [rows]: backward's dy
+  const float* weights = nullptr;   // [tokens * top_k]
+  const float* y = nullptr;         // [rows, hidden]
+  float* out = nullptr;             // [tokens, hidden], out_stride
+  int64_t out_stride = 0;
+  const float* dout = nullptr;  // [tokens, hidden], dout_stride
+  int64_t dout_stride = 0;
+  float* dy = nullptr;        // [rows, hidden], optional
+  float* dweights = nullptr;  // [tokens * top_k], optional
+};
+
+// Grouped GEMMs (DeepGEMM's names: what is grouped comes first), one GEMM per expert over its contiguous rows
+// of the expert-sorted tokens. offsets [groups + 1] int64 lies in HOST memory on every backend (the loop over
+// groups runs on the host); it must be non-decreasing from offsets[0] >= 0 (checked when the op runs), and
+// group g owns rows rows_g = [offsets[g], offsets[g + 1]). Operands and output follow GemmParams exactly:
+// ab_dtype f32 or bf16; c_dtype f32, or bf16 with bf16 operands (the fp32 result rounded once); lda, ldb, ldc
+// its leading dimensions. Each non-empty group runs one GEMM of its sub-matrices, on the CPU ops::gemm's,
+// bitwise.
+//   m_grouped_gemm  M grouped (an expert's forward and input gradient): C[rows_g, :n] = alpha * A[rows_g, :k]
+//   @
+//                   op(B_g) + beta * C[rows_g, :n] for every g, with A [R, k] and C [R, n]; B_g = b +
+//                   g * b_group_stride elements, stored [n, k] with trans_b (y = x W_g^T, W_g [n, k]) or [k,
+//                   n] without (dx = dy W_g). Empty groups and rows outside [offsets[0], offsets[groups]) are
+//                   not touched. m and c_group_stride are unused.
+//   k_grouped_gemm  K grouped (an expert's weight gradient): C_g = alpha * A[rows_g, :m]^T @ B[rows_g, :n] +
+//   beta *
+//                   C_g for every g, with A [R, m], B [R, n], and C_g = c + g * c_group_stride elements
+//                   stored [m, n]: dW_g [out, in] += dy_g^T x_g is A = dy, B = x, beta = 1. An empty group's
+//                   C_g becomes beta * C_g: unchanged with beta = 1, zeros with beta = 0 (C never read, as
+//                   GemmParams' beta = 0; a NaN there is cleared), else scaled in fp32 (a bf16 C rounded
+//                   once). k, trans_b and b_group_stride are unused.
+struct GroupedGemmParams {
+  int64_t groups = 0;
+  const int64_t* offsets = nullptr;  // host memory, [groups + 1]
+  int64_t m = 0, n = 0, k = 0;
+  const void* a = nullptr;
+  int64_t lda = 0;
+  const void* b = nullptr;
+  int64_t ldb = 0;
+  bool trans_b = false;        // m_grouped
+  int64_t b_group_stride = 0;  // m_grouped: elements between experts' B
+  DType ab_dtype = DType::f32;
+  void* c = nullptr;  // c_dtype elements
+  int64_t ldc = 0;
+  int64_t c_group_stride = 0;  // k_grouped: elements between experts' C
+  DType c_dtype = DType::f32;
+  float alpha = 1.0f;
+  float beta = 0.0f;
+};
+
+// Shared by both backends' grouped GEMMs. The parameter rules above (false with the reason, naming `op`, in
+// *reason when not null): dtypes as GemmParams, groups >= 1, offsets set, positive non-grouped sizes, leading
+// dimensions and strides that fit; k_grouped: the groups' C disjoint.
+bool supports_grouped_gemm(const char* op, bool k_grouped, const GroupedGemmParams& p, std::string* reason);
+// What the kernels check when they run (the offsets are data): fails with one line unless the host offsets
+// are non-decreasing from offsets[0] >= 0, and the operands the groups use are set (none are where no group
+// has rows, except a k_grouped C that beta != 1 rewrites).
+void check_grouped_gemm_offsets(const char* op, bool k_grouped, const GroupedGemmParams& p);
+// Group g's GEMM (offsets[g + 1] > offsets[g]): its sub-matrices as GemmParams.
+GemmParams m_grouped_gemm_group(const GroupedGemmParams& p, int64_t g);
+GemmParams k_grouped_gemm_group(const GroupedGemmParams& p, int64_t g);
+
 // The op list (op_list.h) names every op once; everything below follows from it.
 enum class OpId : int {
 #define FORGE_OP_ID(name, result, params, args) name,

@@ -171,6 +171,68 @@ Cost moe_bias_update(float*, const double*, int64_t experts, float, bool) {
   return {vector_of(experts), 0, 16 * d(experts)};
 }
 
+// Mixture of experts. The sort reads the ids and writes row_of, source, offsets and counts; the permutes move
+// R rows of hidden floats each way (gathers) plus their indices.
+Cost moe_sort_by_expert(const MoeSortParams& p) {
+  const double n = d(p.tokens) * d(p.top_k);
+  return {fmt::format("t{} k{} e{}{}", p.tokens, p.top_k, p.experts,
+                      p.capacity > 0 ? fmt::format(" cap{}", p.capacity) : std::string()),
+          0, 12 * n + 8 * d(2 * p.experts + 1)};
+}
+
+std::string moe_rows(int64_t tokens, int64_t top_k, int64_t hidden, int64_t rows) {
+  return fmt::format("t{} k{} h{} r{}", tokens, top_k, hidden, rows);
+}
+
+Cost moe_permute(const MoePermuteParams& p) {
+  return {moe_rows(p.tokens, p.top_k, p.hidden, p.rows), 0, 8 * d(p.rows) * d(p.hidden) + 4 * d(p.rows)};
+}
+Cost moe_permute_backward(const MoePermuteParams& p) {
+  return {moe_rows(p.tokens, p.top_k, p.hidden, p.rows), d(p.rows) * d(p.hidden),
+          4 * (d(p.rows) + d(p.tokens)) * d(p.hidden) + 4 * d(p.tokens) * d(p.top_k)};
+}
+Cost moe_unpermute(const MoeUnpermuteParams& p) {
+  return {moe_rows(p.tokens, p.top_k, p.hidden, p.rows), 2 * d(p.rows) * d(p.hidden),
+          4 * (d(p.rows) + d(p.tokens)) * d(p.hidden) + 8 * d(p.tokens) * d(p.top_k)};
+}
+// dy: read dout, write dy (R rows); dweights: read dout and y again, a dot product per kept row.
+Cost moe_unpermute_backward(const MoeUnpermuteParams& p) {
+  const double rows = d(p.rows) * d(p.hidden);
+  return {
+      moe_rows(p.tokens, p.top_k, p.hidden, p.rows) + (p.dy ? " dy" : "") + (p.dweights ? " dweights" : ""),
+      (p.dy ? rows : 0) + (p.dweights ? 2 * rows : 0),
+      (p.dy ? 8 * rows + 8 * d(p.rows) : 0) + (p.dweights ? 8 * rows + 8 * d(p.tokens) * d(p.top_k) : 0)};
+}
+
+// Grouped GEMMs: 2 R n k FLOPs over the R grouped rows (or contraction), the operands each read once, every
+// non-empty group's B (m_grouped) or C (k_grouped) once; C read too where beta != 0.
+// (Parameters the op will refuse, null offsets included, cost nothing.)
+int64_t grouped_rows(const GroupedGemmParams& p) {
+  return p.offsets && p.groups > 0 ? p.offsets[p.groups] - p.offsets[0] : 0;
+}
+bool group_empty(const GroupedGemmParams& p, int64_t g) { return p.offsets[g + 1] <= p.offsets[g]; }
+
+Cost m_grouped_gemm(const GroupedGemmParams& p) {
+  const int64_t rows = grouped_rows(p);
+  int64_t used = 0;
+  for (int64_t g = 0; p.offsets && g < p.groups; ++g) used += group_empty(p, g) ? 0 : 1;
+  const double ab = d(dtype_size(p.ab_dtype)), c = d(dtype_size(p.c_dtype)) * (p.beta != 0.0f ? 2 : 1);
+  return {fmt::format("{} N{} G{} R{} n{} k{} -> {}{}", dtype_name(p.ab_dtype), layout(p.trans_b), p.groups,
+                      rows, p.n, p.k, dtype_name(p.c_dtype), p.beta != 0.0f ? " (+=)" : ""),
+          2.0 * d(rows) * d(p.n) * d(p.k),
+          ab * d(rows) * d(p.k) + ab * d(used) * d(p.n) * d(p.k) + c * d(rows) * d(p.n)};
+}
+Cost k_grouped_gemm(const GroupedGemmParams& p) {
+  const int64_t rows = grouped_rows(p);
+  int64_t written = 0;  // groups whose C is touched: every non-empty one, and empty ones unless beta = 1
+  for (int64_t g = 0; p.offsets && g < p.groups; ++g) written += !group_empty(p, g) || p.beta != 1.0f ? 1 : 0;
+  const double ab = d(dtype_size(p.ab_dtype)), c = d(dtype_size(p.c_dtype)) * (p.beta != 0.0f ? 2 : 1);
+  return {fmt::format("{} TN G{} R{} m{} n{} -> {}{}", dtype_name(p.ab_dtype), p.groups, rows, p.m, p.n,
+                      dtype_name(p.c_dtype), p.beta != 0.0f ? " (+=)" : ""),
+          2.0 * d(rows) * d(p.m) * d(p.n),
+          ab * d(rows) * (d(p.m) + d(p.n)) + c * d(written) * d(p.m) * d(p.n)};
+}
+
 }  // namespace cost
 
 // A row's identity: op and detail.

@@ -1,14 +1,17 @@
 // The op tests of tests/kernels/op_tests/ (written once for every backend) on the GPU: the CUDA backend's
-// element-wise, norm, rotary, SwiGLU, embedding, optimizer and kv-cache append ops against the CPU
-// backend on the same inputs (awkward sizes, never multiples of the block sizes), within bounds that come
-// from the arithmetic. Each case skips where no GPU is usable; test_kernels runs the same tests on the CPU
-// and on the device emulation. GEMMs: gemm_test.cpp; attention: attention_test.cpp; the support queries and
-// parameter checks, which need no GPU: kernels/op_support_test.cpp.
+// element-wise, norm, rotary, SwiGLU, embedding, optimizer, kv-cache append and mixture-of-experts (sort,
+// permutes, grouped GEMMs) ops against the CPU backend on the same inputs (awkward sizes, never multiples of
+// the block sizes), within bounds that come from the arithmetic. Each case skips where no GPU is usable;
+// test_kernels runs the same tests on the CPU and on the device emulation. GEMMs: gemm_test.cpp; attention:
+// attention_test.cpp; the support queries and parameter checks, which need no GPU:
+// kernels/op_support_test.cpp.
 #include "kernels/op_tests/adamw.h"
 #include "kernels/op_tests/elementwise.h"
 #include "kernels/op_tests/embedding.h"
 #include "kernels/op_tests/empty_inputs.h"
+#include "kernels/op_tests/grouped_gemm.h"
 #include "kernels/op_tests/kv_append.h"
+#include "kernels/op_tests/moe_permute.h"
 #include "kernels/op_tests/rmsnorm.h"
 #include "kernels/op_tests/rope.h"
 #include "kernels/op_tests/swiglu.h"
@@ -33,10 +36,21 @@ namespace empty_inputs {
 FORGE_INSTANTIATE_OP_TEST(EmptyInputs, testing::kFixedCase, testing::Backend::gpu);
 }  // namespace empty_inputs
 
+namespace grouped_gemm {
+FORGE_INSTANTIATE_OP_TEST(GroupedGemmOp, kCases, testing::Backend::gpu);
+FORGE_INSTANTIATE_OP_TEST(GroupedGemmFixed, testing::kFixedCase, testing::Backend::gpu);
+}  // namespace grouped_gemm
+
 namespace kv_append {
 FORGE_INSTANTIATE_OP_TEST(KvAppendOp, kCases, testing::Backend::gpu);
 FORGE_INSTANTIATE_OP_TEST(KvAppendFixed, testing::kFixedCase, testing::Backend::gpu);
 }  // namespace kv_append
+
+namespace moe_permute {
+FORGE_INSTANTIATE_OP_TEST(MoeSortOp, kCases, testing::Backend::gpu);
+FORGE_INSTANTIATE_OP_TEST(MoePermuteOp, kCases, testing::Backend::gpu);
+FORGE_INSTANTIATE_OP_TEST(MoeSortFixed, testing::kFixedCase, testing::Backend::gpu);
+}  // namespace moe_permute
 
 namespace rmsnorm {
 FORGE_INSTANTIATE_OP_TEST(RmsNormOp, kCases, testing::Backend::gpu);

@@ -1,0 +1,44 @@
+// The mixture-of-experts token shuffling: the op tests (op_tests/moe_permute.h) on the CPU and the device
+// emulation, and what only the CPU kernels promise (results independent of the OpenMP thread count).
+#include "kernels/op_tests/moe_permute.h"
+
+#include <gtest/gtest.h>
+
+#include "op_harness.h"
+
+namespace forge::op_tests::moe_permute {
+namespace {
+
+FORGE_INSTANTIATE_OP_TEST(MoeSortOp, kCases, testing::Backend::cpu, testing::Backend::emulated);
+FORGE_INSTANTIATE_OP_TEST(MoePermuteOp, kCases, testing::Backend::cpu, testing::Backend::emulated);
+FORGE_INSTANTIATE_OP_TEST(MoeSortFixed, testing::kFixedCase, testing::Backend::cpu,
+                          testing::Backend::emulated);
+
+TEST(MoePermute, ResultsDoNotDependOnThreadCount) {
+  const Problem pr({4099, 8, 64, 31, 0, 60, 2}, 9);
+  Results one, two;
+  testing::with_threads(1, [&] { one = run_ops(Device::cpu, pr); });
+  testing::with_threads(2, [&] { two = run_ops(Device::cpu, pr); });
+  testing::expect_bitwise_equal(two.permuted, one.permuted, "permuted");
+  testing::expect_bitwise_equal(two.dx, one.dx, "dx");
+  testing::expect_bitwise_equal(two.combined, one.combined, "combined");
+  testing::expect_bitwise_equal(two.dy, one.dy, "dy");
+  testing::expect_bitwise_equal(two.dweights, one.dweights, "dweights");
+}
+
+// Bad indices (data) fail on the CPU with one line before any parallel work.
+TEST(MoePermute, IndicesOutOfRangeAreOneLine) {
+  const std::vector<int32_t> row_of = {0, 5, 1, -1}, source = {0, 7};
+  std::vector<float> x(8, 1.0f), out(8);
+  ops::MoePermuteParams p;
+  p.tokens = 2, p.top_k = 2, p.hidden = 2, p.rows = 2, p.row_of = row_of.data(), p.source = source.data();
+  p.x = x.data(), p.out = out.data(), p.dout = x.data(), p.dx = out.data();
+  testing::expect_error_containing([&] { ops::moe_permute(p); },
+                                   {"moe_permute", "source[1] = 7", "outside the assignments [0, 4)"});
+  testing::expect_error_containing(
+      [&] { ops::moe_permute_backward(p); },
+      {"moe_permute_backward", "row_of[1] = 5", "outside the sorted rows [0, 2)"});
+}
+
+}  // namespace
+}  // namespace forge::op_tests::moe_permute

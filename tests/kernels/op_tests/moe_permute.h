@@ -1,0 +1,310 @@
+// The mixture-of-experts token shuffling (ops::moe_sort_by_expert, moe_permute*, moe_unpermute*), written
+// once for every backend (op_harness.h).
+//
+// Sort: against a reference built another way (a std::stable_sort of (expert, assignment) pairs, then each
+// expert's first `capacity`), exactly, on every backend: it is integer work with one right answer.
+// Permutes: on the CPU against double-precision references and finite differences of the forward passes (the
+// backward ops are their exact adjoints); elsewhere against the CPU kernel. moe_permute and
+// moe_permute_backward are copies and in-order sums of the same values, and dy is one product: bitwise.
+// moe_unpermute sums top_k products (a backend may fuse them, FMA or not): top_k + 1 roundings of the
+// magnitude sum |w y|. dweights is a dot product over hidden in each backend's fixed order:
+// reduction_tolerance(hidden) of sum |dout y|.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "forge/kernels/ops.h"
+#include "op_harness.h"
+
+namespace forge::op_tests::moe_permute {
+
+using testing::DeviceArray;
+
+struct Case {
+  int64_t tokens, top_k, experts, hidden, capacity;
+  int64_t used_experts;  // ids drawn from [0, used_experts): the rest stay empty
+  int64_t pad;           // token-side row strides are hidden + pad
+  std::string name() const {
+    return "t" + std::to_string(tokens) + "_k" + std::to_string(top_k) + "_e" + std::to_string(experts) +
+           "_h" + std::to_string(hidden) + (capacity ? "_cap" + std::to_string(capacity) : "") +
+           (used_experts < experts ? "_used" + std::to_string(used_experts) : "") +
+           (pad ? "_pad" + std::to_string(pad) : "");
+  }
+  bool finite_differences() const { return tokens * hidden <= 400; }
+};
+
+// Small ones for finite differences (one with drops, one with a single expert, one token), a capacity that
+// drops most rows, empty experts, odd hidden sizes, and one of a training step's shape (many chunks of the
+// GPU sort, 64 experts).
+inline const std::vector<Case> kCases = {
+    {7, 2, 4, 13, 0, 4, 3},      {9, 3, 5, 11, 2, 5, 0},      {6, 1, 1, 17, 0, 1, 1},
+    {1, 4, 8, 9, 0, 8, 0},       {50, 2, 16, 33, 0, 10, 5},   {200, 4, 8, 65, 30, 8, 0},
+    {301, 6, 64, 129, 0, 64, 0}, {4099, 8, 64, 31, 0, 60, 2}, {3000, 2, 256, 20, 7, 256, 0},
+};
+
+// The sort's outputs.
+struct Sorted {
+  std::vector<int32_t> row_of, source;
+  std::vector<int64_t> offsets, counts;
+  int64_t rows() const { return offsets.back(); }
+};
+
+// Stable sort by expert, then each expert's first `capacity` kept.
+inline Sorted reference_sort(const std::vector<int32_t>& ids, int64_t experts, int64_t capacity) {
+  const int64_t n = static_cast<int64_t>(ids.size());
+  std::vector<std::pair<int32_t, int32_t>> pairs;
+  for (int64_t a = 0; a < n; ++a) pairs.push_back({ids[a], static_cast<int32_t>(a)});
+  std::stable_sort(pairs.begin(), pairs.end(), [](auto x, auto y) { return x.first < y.first; });
+  Sorted s;
+  s.row_of.assign(n, -1), s.source.assign(n, -1), s.counts.assign(experts, 0),
+      s.offsets.assign(experts + 1, 0);
+  std::vector<int64_t> kept(experts, 0);
+  int64_t row = 0;
+  for (auto [e, a] : pairs) {
+    ++s.counts[e];
+    if (capacity > 0 && kept[e] >= capacity) continue;
+    ++kept[e];
+    s.row_of[a] = static_cast<int32_t>(row), s.source[row] = a, ++row;
+  }
+  for (int64_t e = 0; e < experts; ++e) s.offsets[e + 1] = s.offsets[e] + kept[e];
+  return s;
+}
+
+inline std::vector<int32_t> random_ids(const Case& c, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::uniform_int_distribution<int32_t> id(0, static_cast<int32_t>(c.used_experts) - 1);
+  std::vector<int32_t> ids(c.tokens * c.top_k);
+  for (auto& v : ids) v = id(gen);  // a token may pick one expert twice
+  // Used experts spread over the range (every other one empty when half are used), not just the first ones.
+  if (c.used_experts < c.experts)
+    for (auto& v : ids) v = static_cast<int32_t>(v * c.experts / c.used_experts);
+  return ids;
+}
+
+// The sort on `on`.
+inline Sorted run_sort(Device on, const std::vector<int32_t>& ids, int64_t tokens, int64_t top_k,
+                       int64_t experts, int64_t capacity) {
+  const int64_t n = tokens * top_k;
+  DeviceArray<int32_t> d_ids(on, ids), row_of(on, std::vector<int32_t>(n, 12345)),
+      source(on, std::vector<int32_t>(n, 12345));
+  DeviceArray<int64_t> offsets(on, std::vector<int64_t>(experts + 1, 777)), counts(on, experts);
+  ops::MoeSortParams p;
+  p.tokens = tokens, p.top_k = top_k, p.experts = experts, p.capacity = capacity;
+  p.expert_ids = d_ids.data(), p.row_of = row_of.data(), p.source = source.data();
+  p.offsets = offsets.data(), p.counts = counts.data();
+  FORGE_TEST_OP(moe_sort_by_expert, on, p);
+  return {row_of.download(), source.download(), offsets.download(), counts.download()};
+}
+
+inline void expect_sorted_equal(const Sorted& got, const Sorted& want, const std::string& what) {
+  EXPECT_EQ(got.offsets, want.offsets) << what << ": offsets";
+  EXPECT_EQ(got.counts, want.counts) << what << ": counts";
+  EXPECT_EQ(got.row_of, want.row_of) << what << ": row_of";
+  EXPECT_EQ(got.source, want.source) << what << ": source";
+}
+
+// A case's inputs and its (CPU) sort.
+struct Problem {
+  Case c;
+  std::vector<int32_t> ids;
+  Sorted sorted;
+  int64_t rows, x_stride;
+  std::vector<float> x, weights, dsorted, y, dout;
+  Problem(const Case& c_, uint32_t seed) : c(c_) {
+    ids = random_ids(c, seed);
+    sorted = reference_sort(ids, c.experts, c.capacity);
+    rows = sorted.rows(), x_stride = c.hidden + c.pad;
+    x = testing::random_floats(c.tokens * x_stride, seed + 1);
+    weights = testing::random_floats(c.tokens * c.top_k, seed + 2, 0.0f, 1.0f);
+    dsorted = testing::random_floats(rows * c.hidden, seed + 3);  // dout of permute
+    y = testing::random_floats(rows * c.hidden, seed + 4);
+    dout = testing::random_floats(c.tokens * x_stride, seed + 5);  // dout of unpermute
+  }
+  std::string what(const char* op) const { return std::string(op) + " " + c.name(); }
+};
+
+// moe_permute in double: out[r] = x[source[r] / top_k] (x with the case's stride).
+inline std::vector<double> reference_permute(const Problem& pr, const std::vector<double>& x) {
+  std::vector<double> out(pr.rows * pr.c.hidden);
+  for (int64_t r = 0; r < pr.rows; ++r)
+    for (int64_t i = 0; i < pr.c.hidden; ++i)
+      out[r * pr.c.hidden + i] = x[(pr.sorted.source[r] / pr.c.top_k) * pr.x_stride + i];
+  return out;
+}
+
+// moe_unpermute in double: out[t] = sum_j w[a] y[row_of[a]] (out with the case's stride, padding 0).
+inline std::vector<double> reference_unpermute(const Problem& pr, const std::vector<double>& y,
+                                               const std::vector<double>& w) {
+  std::vector<double> out(pr.c.tokens * pr.x_stride, 0.0);
+  for (int64_t t = 0; t < pr.c.tokens; ++t)
+    for (int64_t j = 0; j < pr.c.top_k; ++j) {
+      const int64_t a = t * pr.c.top_k + j, row = pr.sorted.row_of[a];
+      if (row < 0) continue;
+      for (int64_t i = 0; i < pr.c.hidden; ++i) out[t * pr.x_stride + i] += w[a] * y[row * pr.c.hidden + i];
+    }
+  return out;
+}
+
+// The token-side entries of a strided [tokens, hidden] array (the padding is never written).
+inline std::vector<float> token_rows(const std::vector<float>& v, const Problem& pr) {
+  std::vector<float> out;
+  for (int64_t t = 0; t < pr.c.tokens; ++t)
+    out.insert(out.end(), v.begin() + t * pr.x_stride, v.begin() + t * pr.x_stride + pr.c.hidden);
+  return out;
+}
+inline std::vector<double> token_rows(const std::vector<double>& v, const Problem& pr) {
+  std::vector<double> out;
+  for (int64_t t = 0; t < pr.c.tokens; ++t)
+    out.insert(out.end(), v.begin() + t * pr.x_stride, v.begin() + t * pr.x_stride + pr.c.hidden);
+  return out;
+}
+
+// Every op's outputs on one device, from the problem's inputs (outputs start as NaN: overwritten, never
+// read).
+struct Results {
+  std::vector<float> permuted, dx, combined, dy, dweights;
+};
+
+inline Results run_ops(Device on, const Problem& pr) {
+  const int64_t tokens = pr.c.tokens, hidden = pr.c.hidden, n = tokens * pr.c.top_k;
+  const float nan = std::nanf("");
+  DeviceArray<int32_t> row_of(on, pr.sorted.row_of), source(on, pr.sorted.source);
+  DeviceArray<float> x(on, pr.x), dsorted(on, pr.dsorted), weights(on, pr.weights), y(on, pr.y),
+      dout(on, pr.dout);
+  DeviceArray<float> permuted(on, std::vector<float>(pr.rows * hidden, nan));
+  DeviceArray<float> dx(on, std::vector<float>(tokens * pr.x_stride, nan));
+  DeviceArray<float> combined(on, std::vector<float>(tokens * pr.x_stride, nan));
+  DeviceArray<float> dy(on, std::vector<float>(pr.rows * hidden, nan)),
+      dweights(on, std::vector<float>(n, nan));
+  ops::MoePermuteParams p;
+  p.tokens = tokens, p.top_k = pr.c.top_k, p.hidden = hidden, p.rows = pr.rows;
+  p.row_of = row_of.data(), p.source = source.data();
+  p.x = x.data(), p.x_stride = pr.x_stride, p.out = permuted.data();
+  p.dout = dsorted.data(), p.dx = dx.data(), p.dx_stride = pr.x_stride;
+  FORGE_TEST_OP(moe_permute, on, p);
+  FORGE_TEST_OP(moe_permute_backward, on, p);
+  ops::MoeUnpermuteParams u;
+  u.tokens = tokens, u.top_k = pr.c.top_k, u.hidden = hidden, u.rows = pr.rows;
+  u.row_of = row_of.data(), u.source = source.data(), u.weights = weights.data(), u.y = y.data();
+  u.out = combined.data(), u.out_stride = pr.x_stride;
+  u.dout = dout.data(), u.dout_stride = pr.x_stride, u.dy = dy.data(), u.dweights = dweights.data();
+  FORGE_TEST_OP(moe_unpermute, on, u);
+  FORGE_TEST_OP(moe_unpermute_backward, on, u);
+  return {permuted.download(), token_rows(dx.download(), pr), token_rows(combined.download(), pr),
+          dy.download(), dweights.download()};
+}
+
+class MoeSortOp : public testing::OpTest<Case> {};
+
+TEST_P(MoeSortOp, IsTheStableSortWithCapacity) {
+  const Case& c = test_case();
+  const std::vector<int32_t> ids = random_ids(c, 5);
+  const Sorted want = reference_sort(ids, c.experts, c.capacity);
+  expect_sorted_equal(run_sort(device(), ids, c.tokens, c.top_k, c.experts, c.capacity), want, c.name());
+  // Dropless, the same ids.
+  expect_sorted_equal(run_sort(device(), ids, c.tokens, c.top_k, c.experts, 0),
+                      reference_sort(ids, c.experts, 0), c.name() + " dropless");
+}
+
+class MoePermuteOp : public testing::OpTest<Case> {};
+
+TEST_P(MoePermuteOp, MatchesTheReference) {
+  const Problem pr(test_case(), 21);
+  const Results cpu = run_ops(Device::cpu, pr);
+  if (!on_cpu()) {
+    const Results got = run_ops(device(), pr);
+    testing::expect_bitwise_equal(got.permuted, cpu.permuted, pr.what("moe_permute"));
+    testing::expect_bitwise_equal(got.dx, cpu.dx, pr.what("moe_permute_backward"));
+    testing::expect_bitwise_equal(got.dy, cpu.dy, pr.what("moe_unpermute_backward dy"));
+    const int64_t k = pr.c.top_k, hidden = pr.c.hidden;
+    testing::expect_close(got.combined, cpu.combined, pr.what("moe_unpermute"), [&](size_t i) {
+      const int64_t t = static_cast<int64_t>(i) / hidden, col = static_cast<int64_t>(i) % hidden;
+      double magnitude = 0;
+      for (int64_t j = 0; j < k; ++j)
+        if (const int32_t row = pr.sorted.row_of[t * k + j]; row >= 0)
+          magnitude += std::abs(double{pr.weights[t * k + j]} * pr.y[row * hidden + col]);
+      return 2 * (k + 1) * testing::kU * magnitude;
+    });
+    testing::expect_close(
+        got.dweights, cpu.dweights, pr.what("moe_unpermute_backward dweights"), [&](size_t a) {
+          const int32_t row = pr.sorted.row_of[a];
+          double magnitude = 0;
+          for (int64_t i = 0; row >= 0 && i < hidden; ++i)
+            magnitude += std::abs(double{pr.dout[(a / k) * pr.x_stride + i]} * pr.y[row * hidden + i]);
+          return 2 * testing::reduction_tolerance(hidden) * magnitude;
+        });
+    return;
+  }
+  const auto x = testing::to_double(pr.x), y = testing::to_double(pr.y), w = testing::to_double(pr.weights);
+  // Copies are exact.
+  const std::vector<double> permuted = reference_permute(pr, x);
+  EXPECT_EQ(testing::relative_error(cpu.permuted, permuted), 0.0) << pr.what("moe_permute");
+  EXPECT_LT(testing::relative_error(cpu.combined, token_rows(reference_unpermute(pr, y, w), pr)), 1e-6);
+  // dy is the exact product; dweights has zeros exactly where the assignment was dropped.
+  for (int64_t a = 0; a < pr.c.tokens * pr.c.top_k; ++a)
+    if (pr.sorted.row_of[a] < 0) EXPECT_EQ(cpu.dweights[a], 0.0f) << "dropped assignment " << a;
+  if (!test_case().finite_differences()) return;
+  // Gradients: the loss <dout, forward(input)>, differentiated numerically in double.
+  const auto dsorted = testing::to_double(pr.dsorted), dout = testing::to_double(pr.dout);
+  const auto dx = testing::finite_difference(
+      [&](const std::vector<double>& v) { return testing::dot(dsorted, reference_permute(pr, v)); }, x);
+  EXPECT_LT(testing::relative_error(cpu.dx, token_rows(dx, pr)), 1e-6) << pr.what("moe_permute_backward");
+  const auto dy = testing::finite_difference(
+      [&](const std::vector<double>& v) { return testing::dot(dout, reference_unpermute(pr, v, w)); }, y);
+  if (pr.rows > 0)
+    EXPECT_LT(testing::relative_error(cpu.dy, dy), 1e-6) << pr.what("moe_unpermute_backward dy");
+  const auto dw = testing::finite_difference(
+      [&](const std::vector<double>& v) { return testing::dot(dout, reference_unpermute(pr, y, v)); }, w);
+  EXPECT_LT(testing::relative_error(cpu.dweights, dw), 1e-5) << pr.what("moe_unpermute_backward dweights");
+}
+
+// The same inputs give the same bits (no atomics, no order left to the scheduler).
+TEST_P(MoePermuteOp, RepeatedCallsGiveTheSameBits) {
+  const Problem pr(test_case(), 31);
+  const Results first = run_ops(device(), pr), second = run_ops(device(), pr);
+  testing::expect_bitwise_equal(second.dx, first.dx, "dx");
+  testing::expect_bitwise_equal(second.combined, first.combined, "combined");
+  testing::expect_bitwise_equal(second.dweights, first.dweights, "dweights");
+}
+
+// A hand-worked example: 4 tokens, top 2 of 4 experts (expert 3 unused), dropless and with capacity 2.
+class MoeSortFixed : public testing::OpTest<testing::FixedCase> {};
+
+TEST_P(MoeSortFixed, StableOrderCapacityAndEmptyExperts) {
+  // Assignment a = t * 2 + j:   a: 0  1  2  3  4  5  6  7
+  const std::vector<int32_t> ids = {2, 0, 0, 2, 2, 1, 0, 2};
+  Sorted dropless = run_sort(device(), ids, 4, 2, 4, 0);
+  EXPECT_EQ(dropless.offsets, (std::vector<int64_t>{0, 3, 4, 8, 8}));
+  EXPECT_EQ(dropless.counts, (std::vector<int64_t>{3, 1, 4, 0}));
+  EXPECT_EQ(dropless.source, (std::vector<int32_t>{1, 2, 6, 5, 0, 3, 4, 7}));
+  EXPECT_EQ(dropless.row_of, (std::vector<int32_t>{4, 0, 1, 5, 6, 3, 2, 7}));
+  // Capacity 2: expert 0 drops its third assignment (6), expert 2 its last two (4, 7); counts are before the
+  // drop; source ends in -1 past the 5 kept rows.
+  Sorted capped = run_sort(device(), ids, 4, 2, 4, 2);
+  EXPECT_EQ(capped.offsets, (std::vector<int64_t>{0, 2, 3, 5, 5}));
+  EXPECT_EQ(capped.counts, (std::vector<int64_t>{3, 1, 4, 0}));
+  EXPECT_EQ(capped.source, (std::vector<int32_t>{1, 2, 5, 0, 3, -1, -1, -1}));
+  EXPECT_EQ(capped.row_of, (std::vector<int32_t>{3, 0, 1, 4, -1, 2, -1, -1}));
+  // No tokens: offsets all zero, counts zero.
+  Sorted none = run_sort(device(), {}, 0, 2, 3, 0);
+  EXPECT_EQ(none.offsets, (std::vector<int64_t>{0, 0, 0, 0}));
+  EXPECT_EQ(none.counts, (std::vector<int64_t>{0, 0, 0}));
+}
+
+TEST_P(MoeSortFixed, AnExpertIdOutOfRangeIsOneLine) {
+  for (int32_t bad : {4, -1}) {
+    const std::vector<int32_t> ids = {2, 0, 0, 2, 1, bad, 0, 2};
+    testing::expect_error_containing([&] { run_sort(device(), ids, 4, 2, 4, 0); },
+                                     {"moe_sort_by_expert", "expert id " + std::to_string(bad),
+                                      "assignment 5 (token 2, choice 1)", "outside [0, 4)"});
+  }
+}
+
+}  // namespace forge::op_tests::moe_permute
