@@ -1,0 +1,292 @@
+#include "forge/nn/moe.h"
+
+#include <cmath>
+
+#include "forge/core/error.h"
+#include "forge/nn/tensor_parallel.h"
+
+namespace forge::nn {
+
+Moe::Moe(ParameterStore* store, MoeParams params, MoeShape shape, ComputeOptions options, MoeStats* stats,
+         const MoeStepScale* scale)
+    : store_(store), params_(params), shape_(shape), options_(options), stats_(stats), scale_(scale) {
+  FORGE_CHECK(shape.experts > 0 && shape.top_k > 0 && shape.expert_ffn > 0 && shape.hidden > 0,
+              "Moe: bad shape experts={} top_k={} expert_ffn={} hidden={}", shape.experts, shape.top_k,
+              shape.expert_ffn, shape.hidden);
+  // The routed experts' GEMMs have no FP8 path yet; refusing beats silently running them in higher precision.
+  FORGE_CHECK(options.fp8 == nullptr,
+              "FP8 training of the routed experts (grouped GEMMs) is not implemented yet");
+  if (params.shared.gate >= 0)
+    shared_ = std::make_unique<Mlp>(store, params.shared, shape.hidden, shape.shared_ffn, options);
+  if (stats_ && stats_->load.empty()) stats_->reset(shape.experts);
+}
+
+Tensor Moe::weights(DType dtype, int first, int count, int64_t cols) const {
+  if (dtype == DType::bf16) {
+    FORGE_CHECK(store_->has_bf16(), "bf16 GEMM requested but the model keeps no bf16 weights");
+    return store_->span(store_->params_bf16(), first, count, cols);
+  }
+  return store_->span(store_->params(), first, count, cols);
+}
+
+// C [rows, n] = A_g [rows_g, k] @ op(W_g) per expert, W_g the g-th of `count / experts`-parameter blocks from
+// `first` (stored [n, k]; trans_b = false reads it as [k, n], the input gradient's dx = dy W_g).
+Tensor Moe::grouped(const GemmOperand& a, int64_t rows, int first, int count, int64_t n, int64_t k,
+                    bool trans_b, const std::vector<int64_t>& offsets) const {
+  Tensor c = Tensor::empty({rows, n}, DType::f32, options_.device);
+  if (rows == 0) return c;
+  const Tensor w = weights(a.data.dtype(), first, count, trans_b ? k : n);
+  ops::GroupedGemmParams p;
+  p.groups = shape_.experts, p.offsets = offsets.data(), p.n = n, p.k = k;
+  p.a = a.data.raw(), p.lda = k, p.b = w.raw(), p.ldb = trans_b ? k : n, p.trans_b = trans_b;
+  p.b_group_stride = n * k, p.ab_dtype = a.data.dtype(), p.c = c.f32(), p.ldc = n;
+  ops::m_grouped_gemm(p, options_.device);
+  return c;
+}
+
+// dW_g [m, n] += dy_g^T x_g per expert, over the gradient blocks from `first`.
+void Moe::grouped_weight_grad(const GemmOperand& dy, const GemmOperand& x, int first, int count, int64_t m,
+                              int64_t n, const std::vector<int64_t>& offsets) const {
+  if (offsets.back() > 0) {
+    const Tensor dw = store_->span(store_->grads(), first, count, n);
+    ops::GroupedGemmParams p;
+    p.groups = shape_.experts, p.offsets = offsets.data(), p.m = m, p.n = n;
+    p.a = dy.data.raw(), p.lda = m, p.b = x.data.raw(), p.ldb = n, p.ab_dtype = dy.data.dtype();
+    p.c = dw.f32(), p.ldc = n, p.c_group_stride = m * n, p.beta = 1.0f;
+    ops::k_grouped_gemm(p, options_.device);
+  }
+  for (int id = first; id < first + count; ++id) store_->note_grad(id);
+}
+
+Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training) const {
+  const Device device = options_.device;
+  const int64_t hidden = shape_.hidden, experts = shape_.experts, k = shape_.top_k, ffn = shape_.expert_ffn;
+  const int64_t rows = h.numel() / hidden;
+
+  // Router logits in fp32 (the scores decide the routing; bf16 would flip near-ties).
+  Tensor logits = Tensor::empty({rows, experts}, DType::f32, device);
+  if (rows > 0) {
+    ops::GemmParams g;
+    g.m = rows, g.n = experts, g.k = hidden, g.a = h.f32(), g.lda = hidden;
+    g.b = store_->param(params_.router).f32(), g.ldb = hidden, g.trans_b = true, g.c = logits.f32(),
+    g.ldc = experts;
+    ops::gemm(g, device);
+  }
+  s.h = h;
+  s.expert_ids = Tensor::empty({rows, k}, DType::i32, device);
+  s.weights = Tensor::empty({rows, k}, DType::f32, device);
+  s.scores = Tensor::empty({rows, experts}, DType::f32, device);
+  ops::MoeRouterParams r;
+  r.tokens = rows, r.experts = experts, r.top_k = k, r.groups = shape_.groups,
+  r.topk_groups = shape_.topk_groups;
+  r.score = shape_.score, r.normalize = shape_.normalize, r.scaling = shape_.scaling, r.logits = logits.f32();
+  r.bias = params_.bias >= 0 ? store_->param(params_.bias).f32() : nullptr;
+  r.expert_ids = s.expert_ids.i32(), r.weights = s.weights.f32(), r.scores = s.scores.f32();
+  // The balance loss per sequence: its gradient when it has a coefficient, its value for the statistics.
+  const bool balance = training && seq > 0 && rows % seq == 0 && (stats_ || (scale_ && scale_->balance != 0));
+  Tensor losses;
+  if (balance) {
+    s.score_sums = Tensor::empty({rows}, DType::f32, device);
+    s.fraction = Tensor::empty({rows / seq, experts}, DType::f32, device);
+    losses = Tensor::empty({rows / seq}, DType::f32, device);
+    r.seq_len = seq, r.score_sums = s.score_sums.f32(), r.expert_fraction = s.fraction.f32();
+    r.balance_loss = losses.f32();
+  }
+  s.balance_scale = balance && scale_ ? scale_->balance : 0.0f;
+  ops::moe_router_forward(r, device);
+
+  // Sort the assignments by expert; the grouped GEMMs take the offsets on the host.
+  const int64_t capacity =
+      shape_.capacity_factor > 0
+          ? static_cast<int64_t>(std::ceil(static_cast<double>(rows * k) / experts * shape_.capacity_factor))
+          : 0;
+  s.row_of = Tensor::empty({rows * k}, DType::i32, device);
+  s.source = Tensor::empty({rows * k}, DType::i32, device);
+  Tensor offsets = Tensor::empty({experts + 1}, DType::i64, device);
+  Tensor counts = Tensor::empty({experts}, DType::i64, device);
+  ops::MoeSortParams q;
+  q.tokens = rows, q.top_k = k, q.experts = experts, q.capacity = capacity, q.expert_ids = s.expert_ids.i32();
+  q.row_of = s.row_of.i32(), q.source = s.source.i32(), q.offsets = offsets.data<int64_t>();
+  q.counts = counts.data<int64_t>();
+  ops::moe_sort_by_expert(q, device);
+  const Tensor host_offsets = offsets.to(Device::cpu);
+  s.offsets.assign(host_offsets.data<int64_t>(), host_offsets.data<int64_t>() + experts + 1);
+  const int64_t sorted = s.offsets.back();
+  if (training) {
+    const Tensor host_counts = counts.to(Device::cpu);
+    s.load.assign(host_counts.data<int64_t>(), host_counts.data<int64_t>() + experts);
+    if (balance) {
+      const Tensor host_losses = losses.to(Device::cpu);
+      double sum = 0;
+      for (int64_t i = 0; i < host_losses.numel(); ++i) sum += host_losses.f32()[i];
+      s.balance_sum = sum, s.sequences = rows / seq;
+    }
+  }
+
+  Tensor xs = Tensor::empty({sorted, hidden}, DType::f32, device);
+  ops::MoePermuteParams pp;
+  pp.tokens = rows, pp.top_k = k, pp.hidden = hidden, pp.rows = sorted, pp.row_of = s.row_of.i32();
+  pp.source = s.source.i32(), pp.x = h.f32(), pp.out = xs.f32();
+  ops::moe_permute(pp, device);
+  s.xs = GemmOperand{to_gemm_dtype(xs, options_.gemm_dtype)};
+  s.gate_up = grouped(s.xs, sorted, params_.first_gate_up, 2 * static_cast<int>(experts), 2 * ffn, hidden,
+                      true, s.offsets);
+  Tensor act = Tensor::empty({sorted, ffn}, DType::f32, device);
+  if (sorted > 0) {
+    ops::SwigluParams sw;
+    sw.rows = sorted, sw.ffn = ffn, sw.gate_up = s.gate_up.f32(), sw.out = act.f32();
+    ops::swiglu_forward(sw, device);
+  }
+  s.act = GemmOperand{to_gemm_dtype(act, options_.gemm_dtype)};
+  s.ys = grouped(s.act, sorted, params_.first_down, static_cast<int>(experts), hidden, ffn, true, s.offsets);
+
+  Tensor out = Tensor::empty({rows, hidden}, DType::f32, device);
+  ops::MoeUnpermuteParams u;
+  u.tokens = rows, u.top_k = k, u.hidden = hidden, u.rows = sorted, u.row_of = s.row_of.i32();
+  u.source = s.source.i32(), u.weights = s.weights.f32(), u.y = s.ys.f32(), u.out = out.f32();
+  ops::moe_unpermute(u, device);
+  return out;
+}
+
+Tensor Moe::forward(const Tensor& h, int64_t, int64_t seq, LayerPart::Saved& saved, bool keep_all) const {
+  Saved& s = static_cast<Saved&>(saved);
+  const Tensor full = gather_in(options_.tp, h);
+  Tensor y = reduce_out(options_.tp, routed_forward(full, seq, s, true));
+  if (!keep_all) s.act = GemmOperand{};  // selective recompute: SwiGLU again in backward
+  if (shared_) {
+    const Tensor z = shared_->forward(h, s.shared, keep_all);
+    ops::add_inplace(y.f32(), z.f32(), y.numel(), options_.device);
+  }
+  return y;
+}
+
+Tensor Moe::backward_input(const Tensor& dy_in, int64_t, int64_t, LayerPart::Saved& saved) const {
+  Saved& s = static_cast<Saved&>(saved);
+  const Device device = options_.device;
+  const int64_t hidden = shape_.hidden, experts = shape_.experts, k = shape_.top_k, ffn = shape_.expert_ffn;
+  const int64_t rows = s.h.numel() / hidden, sorted = s.offsets.back();
+  if (stats_ && !s.load.empty()) {
+    for (int64_t e = 0; e < experts; ++e) stats_->load[e] += s.load[e];
+    stats_->dropped += rows * k - sorted;
+    stats_->balance_sum += s.balance_sum, stats_->sequences += s.sequences;
+  }
+  const Tensor dy = gather_in(options_.tp, dy_in);
+
+  // Through the combination: each sorted row's gradient, and the gates' (partial over tp ranks, whose expert
+  // outputs are partial sums).
+  Tensor dys = Tensor::empty({sorted, hidden}, DType::f32, device);
+  Tensor dweights = Tensor::empty({rows, k}, DType::f32, device);
+  ops::MoeUnpermuteParams u;
+  u.tokens = rows, u.top_k = k, u.hidden = hidden, u.rows = sorted, u.row_of = s.row_of.i32();
+  u.source = s.source.i32(), u.weights = s.weights.f32(), u.y = s.ys.f32(), u.dout = dy.f32();
+  u.dy = dys.f32(), u.dweights = dweights.f32();
+  ops::moe_unpermute_backward(u, device);
+  s.ys = Tensor();
+  if (options_.tp) options_.tp->all_reduce_sum(dweights.f32(), dweights.numel(), device);
+
+  // Through the experts.
+  if (!s.act.defined()) {
+    Tensor act = Tensor::empty({sorted, ffn}, DType::f32, device);
+    if (sorted > 0) {
+      ops::SwigluParams sw;
+      sw.rows = sorted, sw.ffn = ffn, sw.gate_up = s.gate_up.f32(), sw.out = act.f32();
+      ops::swiglu_forward(sw, device);
+    }
+    s.act = GemmOperand{to_gemm_dtype(act, options_.gemm_dtype)};
+  }
+  s.dys = GemmOperand{to_gemm_dtype(dys, options_.gemm_dtype)};
+  const Tensor dact =
+      grouped(s.dys, sorted, params_.first_down, static_cast<int>(experts), ffn, hidden, false, s.offsets);
+  Tensor dgate_up = Tensor::empty({sorted, 2 * ffn}, DType::f32, device);
+  if (sorted > 0) {
+    ops::SwigluParams sw;
+    sw.rows = sorted, sw.ffn = ffn, sw.gate_up = s.gate_up.f32(), sw.dout = dact.f32(),
+    sw.dgate_up = dgate_up.f32();
+    ops::swiglu_backward(sw, device);
+  }
+  s.gate_up = Tensor();
+  s.dgate_up = GemmOperand{to_gemm_dtype(dgate_up, options_.gemm_dtype)};
+  const Tensor dxs = grouped(s.dgate_up, sorted, params_.first_gate_up, 2 * static_cast<int>(experts), hidden,
+                             2 * ffn, false, s.offsets);
+  Tensor dh = Tensor::empty({rows, hidden}, DType::f32, device);
+  ops::MoePermuteParams pp;
+  pp.tokens = rows, pp.top_k = k, pp.hidden = hidden, pp.rows = sorted, pp.row_of = s.row_of.i32();
+  pp.source = s.source.i32(), pp.dout = dxs.f32(), pp.dx = dh.f32();
+  ops::moe_permute_backward(pp, device);
+
+  // Through the router: the gates' gradient and the balance loss's, to the logits and on to h. Every rank
+  // computes the same (full) router gradient; only rank 0 adds it to the partial sums reduce_out completes.
+  s.dlogits = Tensor::empty({rows, experts}, DType::f32, device);
+  ops::MoeRouterParams r;
+  r.tokens = rows, r.experts = experts, r.top_k = k, r.groups = shape_.groups,
+  r.topk_groups = shape_.topk_groups;
+  r.score = shape_.score, r.normalize = shape_.normalize, r.scaling = shape_.scaling;
+  r.expert_ids = s.expert_ids.i32(), r.scores = s.scores.f32(), r.dweights = dweights.f32();
+  r.dlogits = s.dlogits.f32();
+  if (s.balance_scale != 0.0f) {
+    r.seq_len = rows / s.fraction.dim(0), r.score_sums = s.score_sums.f32(),
+    r.expert_fraction = s.fraction.f32();
+    r.balance_scale = s.balance_scale;
+  }
+  ops::moe_router_backward(r, device);
+  if (rows > 0 && options_.tp_rank() == 0) {
+    ops::GemmParams g;
+    g.m = rows, g.n = hidden, g.k = experts, g.a = s.dlogits.f32(), g.lda = experts;
+    g.b = store_->param(params_.router).f32(), g.ldb = hidden, g.c = dh.f32(), g.ldc = hidden, g.beta = 1.0f;
+    ops::gemm(g, device);
+  }
+  s.scores = s.score_sums = s.fraction = s.weights = s.expert_ids = Tensor();
+  Tensor dx = reduce_out(options_.tp, dh);
+  if (shared_) {
+    const Tensor dz = shared_->backward_input(dy_in, s.shared);
+    ops::add_inplace(dx.f32(), dz.f32(), dx.numel(), device);
+  }
+  return dx;
+}
+
+void Moe::backward_weight(LayerPart::Saved& saved) const {
+  Saved& s = static_cast<Saved&>(saved);
+  const int64_t hidden = shape_.hidden, experts = shape_.experts, ffn = shape_.expert_ffn;
+  grouped_weight_grad(s.dys, s.act, params_.first_down, static_cast<int>(experts), hidden, ffn, s.offsets);
+  grouped_weight_grad(s.dgate_up, s.xs, params_.first_gate_up, 2 * static_cast<int>(experts), 2 * ffn, hidden,
+                      s.offsets);
+  const int64_t rows = s.h.numel() / hidden;
+  if (rows > 0) {
+    ops::GemmParams g;
+    g.m = experts, g.n = hidden, g.k = rows, g.a = s.dlogits.f32(), g.lda = experts, g.trans_a = true;
+    g.b = s.h.f32(), g.ldb = hidden, g.c = store_->grad(params_.router).f32(), g.ldc = hidden, g.beta = 1.0f;
+    ops::gemm(g, options_.device);
+  }
+  store_->note_grad(params_.router);
+  if (params_.bias >= 0) store_->note_grad(params_.bias);  // no gradient: its zeros are final
+  if (shared_) shared_->backward_weight(s.shared);
+  s = Saved{};
+}
+
+Tensor Moe::forward_cached(const Tensor& h, int64_t, int64_t, const KvLayer*) const {
+  Saved scratch;
+  const Tensor full = gather_in(options_.tp, h);
+  Tensor y = reduce_out(options_.tp, routed_forward(full, 0, scratch, false));
+  if (shared_) {
+    Mlp::Saved shared;
+    const Tensor z = shared_->forward(h, shared, false);
+    ops::add_inplace(y.f32(), z.f32(), y.numel(), options_.device);
+  }
+  return y;
+}
+
+void Moe::apply_bias_update(float rate, bool zero_mean) const {
+  FORGE_CHECK(stats_ != nullptr, "Moe::apply_bias_update: the layer keeps no statistics");
+  if (params_.bias >= 0) {
+    // The op reads doubles (exact counts); forge's tensors have no f64 dtype, so an i64 tensor holds them.
+    Tensor load = Tensor::empty({shape_.experts}, DType::i64, Device::cpu);
+    std::copy(stats_->load.begin(), stats_->load.end(), reinterpret_cast<double*>(load.raw()));
+    const Tensor on_device = load.to(options_.device);
+    ops::moe_bias_update(store_->param(params_.bias).f32(), reinterpret_cast<const double*>(on_device.raw()),
+                         shape_.experts, rate, zero_mean, options_.device);
+    store_->mark_updated();
+  }
+  stats_->reset(shape_.experts);
+}
+
+}  // namespace forge::nn

@@ -1,0 +1,126 @@
+// DeepSeekMoE feed-forward: a router picks top_k of `experts` SwiGLU experts per token (ops::moe_router_*:
+// sigmoid or softmax scores, group-limited top-k on scores + correction bias, weights from the unbiased
+// scores), the tokens are sorted by expert (ops::moe_sort_by_expert) and every expert runs as one GEMM over
+// its contiguous rows (ops::m_grouped_gemm / k_grouped_gemm), each token's expert outputs are combined with
+// its weights (ops::moe_unpermute), and the shared experts (a plain SwiGLU Mlp every token passes through)
+// are added.
+//
+// Balancing (DeepSeek-V3, auxiliary-loss-free): the correction bias steers selection only and is updated once
+// per optimizer step from the tokens each expert received over the global batch (apply_bias_update, after the
+// caller has summed the loads over its data-parallel ranks); the optional sequence-wise balance loss
+// alpha * mean over sequences of sum_i f_i P_i reaches the router through its gradient (MoeStepScale).
+//
+// Tensor parallelism (expert-tensor-parallel = tp): every expert's width is split over the group like an Mlp
+// (gate|up column-parallel, down row-parallel); the router and its bias are replicated and route the same
+// gathered rows on every rank. The experts' output is a partial sum that reduce_out completes; the gates'
+// gradient, partial for the same reason, is summed over the group before the router's backward.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "forge/kernels/ops.h"
+#include "forge/nn/compute.h"
+#include "forge/nn/layer_part.h"
+#include "forge/nn/linear.h"
+#include "forge/nn/mlp.h"
+
+namespace forge::nn {
+
+struct MoeShape {
+  int64_t hidden = 0, experts = 0, top_k = 0;
+  int64_t groups = 1, topk_groups = 1;
+  int64_t expert_ffn = 0;  // this rank's share of one routed expert's width
+  int64_t shared_ffn = 0;  // this rank's share of the shared experts' width (0: no shared experts)
+  ops::MoeScore score = ops::MoeScore::sigmoid;
+  bool normalize = true;
+  float scaling = 1.0f;
+  // Tokens an expert takes per micro-batch: ceil(tokens * top_k / experts * capacity_factor); 0: dropless.
+  double capacity_factor = 0;
+};
+
+// Its parameters, by id in the store. The routed experts' weights are registered gate_0, up_0, gate_1, up_1,
+// ..., then down_0, down_1, ...: all gate|up matrices form one [experts * 2 * ffn, hidden] block and all down
+// matrices one [experts * hidden, ffn] block, the grouped GEMMs' stacked operands.
+struct MoeParams {
+  int router = -1;         // gate.weight [experts, hidden]
+  int bias = -1;           // gate.e_score_correction_bias [experts] (-1: none); never has a gradient
+  int first_gate_up = -1;  // expert e: gate first_gate_up + 2e, up first_gate_up + 2e + 1
+  int first_down = -1;     // expert e: down first_down + e
+  MlpParams shared;        // shared_experts (gate -1: none)
+};
+
+// Per layer and optimizer step, on the host: what balancing and the metrics read.
+struct MoeStats {
+  std::vector<double> load;  // tokens routed to each expert by this step's training micro-batches
+  double balance_sum = 0;    // sum over their sequences of sum_i f_i P_i (before the coefficient)
+  int64_t sequences = 0;
+  int64_t dropped = 0;  // assignments over capacity
+  void reset(int64_t experts) { load.assign(experts, 0.0), balance_sum = 0, sequences = 0, dropped = 0; }
+};
+
+// Set by the model for each step: d(total loss) / d(balance loss of one sequence), i.e. the coefficient
+// divided by the sequences of the global batch (0: no balance loss). Read at forward and kept with the
+// micro-batch.
+struct MoeStepScale {
+  float balance = 0.0f;
+};
+
+class Moe final : public LayerPart {
+ public:
+  struct Saved : LayerPart::Saved {
+    Tensor h;                             // the router's input (gathered rows), fp32
+    Tensor expert_ids, weights;           // [rows, top_k]
+    Tensor scores, score_sums, fraction;  // router state for its backward
+    Tensor row_of, source;                // the sort
+    std::vector<int64_t> offsets;         // host: expert e owns sorted rows [offsets[e], offsets[e + 1])
+    float balance_scale = 0;
+    GemmOperand xs;             // permuted rows as the gate|up GEMMs read them
+    Tensor gate_up;             // fp32 [R, 2 ffn]
+    GemmOperand act;            // silu(gate) * up as the down GEMMs read it
+    Tensor ys;                  // expert outputs (unweighted) [R, hidden]
+    GemmOperand dys, dgate_up;  // from backward_input, for backward_weight
+    Tensor dlogits;             // [rows, experts]
+    std::vector<double> load;   // this micro-batch's tokens per expert (counted before any drop)
+    double balance_sum = 0;     // sum over its sequences of sum_i f_i P_i
+    int64_t sequences = 0;
+    Mlp::Saved shared;
+  };
+
+  Moe() = default;
+  // stats, scale: owned by the model (null: no statistics / no balance loss).
+  Moe(ParameterStore* store, MoeParams params, MoeShape shape, ComputeOptions options, MoeStats* stats,
+      const MoeStepScale* scale);
+
+  std::unique_ptr<LayerPart::Saved> new_saved() const override { return std::make_unique<Saved>(); }
+  Tensor forward(const Tensor& h, int64_t batch, int64_t seq, LayerPart::Saved& saved,
+                 bool keep_all) const override;
+  Tensor backward_input(const Tensor& dy, int64_t batch, int64_t seq, LayerPart::Saved& saved) const override;
+  void backward_weight(LayerPart::Saved& saved) const override;
+  Tensor forward_cached(const Tensor& h, int64_t batch, int64_t tokens, const KvLayer* cache) const override;
+
+  const MoeShape& shape() const { return shape_; }
+  // bias += rate * sign(mean - load) from stats->load (which the caller has summed over data-parallel ranks),
+  // optionally zero-mean; then clears the statistics for the next step.
+  void apply_bias_update(float rate, bool zero_mean) const;
+
+ private:
+  // The routed experts over h [rows, hidden] (gathered); fills the saved state (training) or a scratch one.
+  Tensor routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training) const;
+  Tensor grouped(const GemmOperand& a, int64_t rows, int first, int count, int64_t n, int64_t k, bool trans_b,
+                 const std::vector<int64_t>& offsets) const;
+  void grouped_weight_grad(const GemmOperand& dy, const GemmOperand& x, int first, int count, int64_t m,
+                           int64_t n, const std::vector<int64_t>& offsets) const;
+  Tensor weights(DType dtype, int first, int count, int64_t cols) const;
+
+  ParameterStore* store_ = nullptr;
+  MoeParams params_;
+  MoeShape shape_;
+  ComputeOptions options_;
+  MoeStats* stats_ = nullptr;
+  const MoeStepScale* scale_ = nullptr;
+  std::unique_ptr<Mlp> shared_;
+};
+
+}  // namespace forge::nn

@@ -1,0 +1,271 @@
+// The DeepSeekMoE feed-forward part (nn::Moe) against a double-precision reference of the whole layer: router
+// (group-limited top-k on biased sigmoid scores), routed SwiGLU experts, shared experts, the sequence-wise
+// balance loss, token dropping at a capacity; gradients of the input and of every weight against finite
+// differences; the load statistics and the bias update.
+#include "forge/nn/moe.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "forge/core/parameters.h"
+#include "kernels/op_tests/moe_router.h"
+#include "op_harness.h"
+
+namespace forge::nn {
+namespace {
+
+constexpr int64_t kHidden = 8, kExperts = 6, kTopK = 2, kFfn = 6, kSharedFfn = 4, kBatch = 2, kSeq = 5;
+constexpr int64_t kRows = kBatch * kSeq;
+
+struct Layer {
+  ParameterStore store;
+  MoeParams ids;
+  MoeShape shape;
+  MoeStats stats;
+  MoeStepScale scale;
+  std::unique_ptr<Moe> moe;
+
+  explicit Layer(double capacity_factor = 0, bool shared = true, float balance = 0.5f) {
+    shape.hidden = kHidden, shape.experts = kExperts, shape.top_k = kTopK, shape.groups = 3,
+    shape.topk_groups = 2;
+    shape.expert_ffn = kFfn, shape.shared_ffn = shared ? kSharedFfn : 0, shape.scaling = 2.5f;
+    shape.capacity_factor = capacity_factor;
+    ids.router = store.add("router", {kExperts, kHidden}, true, Init::normal);
+    ids.bias = store.add("bias", {kExperts}, false, Init::zeros);
+    for (int64_t e = 0; e < kExperts; ++e) {
+      const int gate = store.add("gate" + std::to_string(e), {kFfn, kHidden}, true, Init::normal);
+      store.add("up" + std::to_string(e), {kFfn, kHidden}, true, Init::normal);
+      if (e == 0) ids.first_gate_up = gate;
+    }
+    for (int64_t e = 0; e < kExperts; ++e) {
+      const int down = store.add("down" + std::to_string(e), {kHidden, kFfn}, true, Init::normal);
+      if (e == 0) ids.first_down = down;
+    }
+    if (shared) {
+      ids.shared.gate = store.add("shared.gate", {kSharedFfn, kHidden}, true, Init::normal);
+      ids.shared.up = store.add("shared.up", {kSharedFfn, kHidden}, true, Init::normal);
+      ids.shared.down = store.add("shared.down", {kHidden, kSharedFfn}, true, Init::normal);
+    }
+    store.allocate(false);
+    // Weights of order one, so that routing margins dwarf finite-difference steps.
+    const std::vector<float> values = testing::random_floats(store.numel(), 5, -0.8f, 0.8f);
+    std::memcpy(store.params().f32(), values.data(), values.size() * sizeof(float));
+    const float bias[kExperts] = {0.05f, -0.1f, 0.15f, 0.0f, -0.05f, 0.1f};
+    std::memcpy(store.param(ids.bias).f32(), bias, sizeof(bias));
+    scale.balance = balance;
+    ComputeOptions options;
+    options.gemm_dtype = DType::f32;
+    moe = std::make_unique<Moe>(&store, ids, shape, options, &stats, &scale);
+  }
+  std::vector<double> param(int id) const {
+    const Tensor t = store.param(id);
+    return {t.f32(), t.f32() + t.numel()};
+  }
+};
+
+// The layer in double: y and the balance losses per sequence. fixed_ids: the routing to use (finite
+// differences stay on one piece of the piecewise-smooth function).
+struct ReferenceOut {
+  std::vector<double> y, balance;
+  std::vector<int32_t> ids;
+};
+
+double silu(double g) { return g / (1 + std::exp(-g)); }
+
+ReferenceOut reference(const Layer& l, const std::vector<double>& h,
+                       const std::vector<std::vector<double>>& w, const std::vector<int32_t>* fixed_ids) {
+  // w: every parameter by id.
+  const std::vector<double>& router = w[l.ids.router];
+  std::vector<double> z(kRows * kExperts, 0.0);
+  for (int64_t t = 0; t < kRows; ++t)
+    for (int64_t e = 0; e < kExperts; ++e)
+      for (int64_t i = 0; i < kHidden; ++i)
+        z[t * kExperts + e] += h[t * kHidden + i] * router[e * kHidden + i];
+  op_tests::moe_router::Case c{
+      kRows, kExperts, kTopK, l.shape.groups, l.shape.topk_groups, ops::MoeScore::sigmoid, true, 2.5f,
+      true,  kSeq,     0.0f};
+  const op_tests::moe_router::Reference r = op_tests::moe_router::reference(c, z, w[l.ids.bias], fixed_ids);
+  ReferenceOut out;
+  out.ids = r.ids, out.balance = r.losses, out.y.assign(kRows * kHidden, 0.0);
+  // Capacity: each expert keeps its first assignments in assignment order.
+  std::vector<bool> kept(kRows * kTopK, true);
+  if (l.shape.capacity_factor > 0) {
+    const int64_t capacity = static_cast<int64_t>(
+        std::ceil(static_cast<double>(kRows * kTopK) / kExperts * l.shape.capacity_factor));
+    std::vector<int64_t> taken(kExperts, 0);
+    for (int64_t a = 0; a < kRows * kTopK; ++a) kept[a] = taken[r.ids[a]]++ < capacity;
+  }
+  auto swiglu = [&](const std::vector<double>& gate, const std::vector<double>& up,
+                    const std::vector<double>& down, int64_t ffn, const double* x, double weight, double* y) {
+    std::vector<double> act(ffn);
+    for (int64_t f = 0; f < ffn; ++f) {
+      double g = 0, u = 0;
+      for (int64_t i = 0; i < kHidden; ++i)
+        g += gate[f * kHidden + i] * x[i], u += up[f * kHidden + i] * x[i];
+      act[f] = silu(g) * u;
+    }
+    for (int64_t i = 0; i < kHidden; ++i) {
+      double o = 0;
+      for (int64_t f = 0; f < ffn; ++f) o += down[i * ffn + f] * act[f];
+      y[i] += weight * o;
+    }
+  };
+  for (int64_t t = 0; t < kRows; ++t) {
+    for (int64_t j = 0; j < kTopK; ++j) {
+      const int64_t a = t * kTopK + j, e = r.ids[a];
+      if (!kept[a]) continue;
+      swiglu(w[l.ids.first_gate_up + 2 * e], w[l.ids.first_gate_up + 2 * e + 1], w[l.ids.first_down + e],
+             kFfn, &h[t * kHidden], r.weights[a], &out.y[t * kHidden]);
+    }
+    if (l.ids.shared.gate >= 0)
+      swiglu(w[l.ids.shared.gate], w[l.ids.shared.up], w[l.ids.shared.down], kSharedFfn, &h[t * kHidden], 1.0,
+             &out.y[t * kHidden]);
+  }
+  return out;
+}
+
+std::vector<std::vector<double>> all_params(const Layer& l) {
+  std::vector<std::vector<double>> w;
+  for (int id = 0; id < l.store.count(); ++id) w.push_back(l.param(id));
+  return w;
+}
+
+Tensor from_vector(const std::vector<float>& v, Shape shape) {
+  Tensor t = Tensor::empty(std::move(shape), DType::f32);
+  std::memcpy(t.f32(), v.data(), v.size() * sizeof(float));
+  return t;
+}
+
+std::vector<float> to_vector(const Tensor& t) { return {t.f32(), t.f32() + t.numel()}; }
+
+TEST(Moe, ForwardMatchesDoubleReference) {
+  for (double capacity : {0.0, 0.75}) {
+    Layer l(capacity);
+    const std::vector<float> h = testing::random_floats(kRows * kHidden, 7);
+    Moe::Saved saved;
+    const Tensor y = l.moe->forward(from_vector(h, {kRows, kHidden}), kBatch, kSeq, saved, true);
+    const ReferenceOut want = reference(l, testing::to_double(h), all_params(l), nullptr);
+    EXPECT_LT(testing::relative_error(to_vector(y), want.y), 1e-5) << "capacity_factor " << capacity;
+    EXPECT_EQ(std::vector<int32_t>(saved.expert_ids.i32(), saved.expert_ids.i32() + kRows * kTopK), want.ids);
+    if (capacity > 0) EXPECT_LT(saved.offsets.back(), kRows * kTopK) << "nothing was dropped";
+  }
+}
+
+// L = <dy, y> + balance_scale * sum_q balance_q: the module's dh and every weight gradient against central
+// differences of the reference.
+TEST(Moe, GradientsMatchFiniteDifferences) {
+  for (double capacity : {0.0, 0.75}) {
+    Layer l(capacity);
+    const std::vector<float> h = testing::random_floats(kRows * kHidden, 8);
+    const std::vector<float> dy = testing::random_floats(kRows * kHidden, 9);
+    l.store.zero_grads();
+    Moe::Saved saved;
+    l.moe->forward(from_vector(h, {kRows, kHidden}), kBatch, kSeq, saved, true);
+    const std::vector<int32_t> ids(saved.expert_ids.i32(), saved.expert_ids.i32() + kRows * kTopK);
+    const Tensor dh = l.moe->backward_input(from_vector(dy, {kRows, kHidden}), kBatch, kSeq, saved);
+    l.moe->backward_weight(saved);
+
+    const std::vector<double> dyd = testing::to_double(dy);
+    std::vector<std::vector<double>> w = all_params(l);
+    auto loss = [&](const std::vector<double>& hh, const std::vector<std::vector<double>>& ww) {
+      const ReferenceOut r = reference(l, hh, ww, &ids);
+      double sum = testing::dot(dyd, r.y);
+      for (double b : r.balance) sum += l.scale.balance * b;
+      return sum;
+    };
+    const auto fd_h = testing::finite_difference([&](const std::vector<double>& x) { return loss(x, w); },
+                                                 testing::to_double(h));
+    EXPECT_LT(testing::relative_error(to_vector(dh), fd_h), 1e-4) << "dh, capacity_factor " << capacity;
+    for (int id = 0; id < l.store.count(); ++id) {
+      if (id == l.ids.bias) continue;
+      const auto fd = testing::finite_difference(
+          [&](const std::vector<double>& x) {
+            std::vector<std::vector<double>> ww = w;
+            ww[id] = x;
+            return loss(testing::to_double(h), ww);
+          },
+          w[id]);
+      EXPECT_LT(testing::relative_error(to_vector(l.store.grad(id)), fd), 1e-4)
+          << l.store.info(id).name << ", capacity_factor " << capacity;
+    }
+    // The correction bias steers routing only: it never gets a gradient.
+    for (float g : to_vector(l.store.grad(l.ids.bias))) EXPECT_EQ(g, 0.0f);
+  }
+}
+
+// Without a coefficient the balance loss adds nothing to the gradient; the statistics still see its value.
+TEST(Moe, BalanceCoefficientZeroLeavesGradientsToTheExperts) {
+  Layer with(0, false, 0.5f), without(0, false, 0.0f);
+  const std::vector<float> h = testing::random_floats(kRows * kHidden, 10);
+  const std::vector<float> dy = testing::random_floats(kRows * kHidden, 11);
+  for (Layer* l : {&with, &without}) {
+    l->store.zero_grads();
+    Moe::Saved saved;
+    l->moe->forward(from_vector(h, {kRows, kHidden}), kBatch, kSeq, saved, true);
+    l->moe->backward_input(from_vector(dy, {kRows, kHidden}), kBatch, kSeq, saved);
+    l->moe->backward_weight(saved);
+  }
+  EXPECT_NE(to_vector(with.store.grad(with.ids.router)), to_vector(without.store.grad(without.ids.router)));
+  EXPECT_EQ(to_vector(with.store.grad(with.ids.first_down)),
+            to_vector(without.store.grad(without.ids.first_down)));
+  EXPECT_EQ(with.stats.sequences, kBatch);
+  EXPECT_NEAR(with.stats.balance_sum, without.stats.balance_sum, 1e-12);
+  const ReferenceOut want = reference(with, testing::to_double(h), all_params(with), nullptr);
+  EXPECT_NEAR(with.stats.balance_sum, want.balance[0] + want.balance[1], 1e-5);
+}
+
+// Selective recompute (SwiGLU again in backward) gives the same gradients bitwise.
+TEST(Moe, SelectiveRecomputeIsBitwiseTheSame) {
+  Layer keep, recompute;
+  const std::vector<float> h = testing::random_floats(kRows * kHidden, 12);
+  const std::vector<float> dy = testing::random_floats(kRows * kHidden, 13);
+  std::vector<float> dh[2];
+  Layer* layers[2] = {&keep, &recompute};
+  for (int i = 0; i < 2; ++i) {
+    layers[i]->store.zero_grads();
+    Moe::Saved saved;
+    layers[i]->moe->forward(from_vector(h, {kRows, kHidden}), kBatch, kSeq, saved, i == 0);
+    dh[i] = to_vector(layers[i]->moe->backward_input(from_vector(dy, {kRows, kHidden}), kBatch, kSeq, saved));
+    layers[i]->moe->backward_weight(saved);
+  }
+  EXPECT_EQ(dh[0], dh[1]);
+  EXPECT_EQ(std::memcmp(keep.store.grads().raw(), recompute.store.grads().raw(), keep.store.grads().bytes()),
+            0);
+}
+
+// The step's loads count every training micro-batch's assignments (before any drop); the bias update moves
+// each expert's bias by exactly the rate towards the mean and clears the statistics.
+TEST(Moe, LoadStatisticsAndBiasUpdate) {
+  Layer l(0.75);
+  const std::vector<float> h = testing::random_floats(kRows * kHidden, 14);
+  std::vector<double> counts(kExperts, 0.0);
+  for (int micro = 0; micro < 2; ++micro) {
+    Moe::Saved saved;
+    l.moe->forward(from_vector(h, {kRows, kHidden}), kBatch, kSeq, saved, true);
+    for (int64_t a = 0; a < kRows * kTopK; ++a) counts[saved.expert_ids.i32()[a]] += 1;
+    l.moe->backward_input(from_vector(h, {kRows, kHidden}), kBatch, kSeq, saved);
+    l.moe->backward_weight(saved);
+  }
+  EXPECT_EQ(l.stats.load, counts);
+  EXPECT_GT(l.stats.dropped, 0);
+  const std::vector<float> before = to_vector(l.store.param(l.ids.bias));
+  const float rate = 1e-3f;
+  l.moe->apply_bias_update(rate, false);
+  const std::vector<float> after = to_vector(l.store.param(l.ids.bias));
+  const double mean = 2.0 * kRows * kTopK / kExperts;
+  for (int64_t e = 0; e < kExperts; ++e) {
+    const float want = counts[e] < mean ? before[e] + rate : counts[e] > mean ? before[e] - rate : before[e];
+    EXPECT_EQ(after[e], want) << "expert " << e << " load " << counts[e];
+  }
+  EXPECT_EQ(l.stats.load, std::vector<double>(kExperts, 0.0));
+  // Evaluation forwards (no backward) count nothing.
+  Moe::Saved saved;
+  l.moe->forward(from_vector(h, {kRows, kHidden}), kBatch, kSeq, saved, true);
+  EXPECT_EQ(l.stats.load, std::vector<double>(kExperts, 0.0));
+}
+
+}  // namespace
+}  // namespace forge::nn
