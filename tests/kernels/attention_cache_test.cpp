@@ -96,6 +96,35 @@ TEST(AttentionCache, TokenByTokenMatchesSquareAttention) {
   }
 }
 
+// MLA's absorbed decode: one kv head of q/k 576 whose values are the first 512 columns of each key row
+// (v = k). Token by token through the decode kernel it must give the rows of square attention over the same
+// aliased rows (the flash tiles), within fp32 rounding: dot products of 576 terms and sums over up to 40 keys
+// of O(1) values, ~1e-6.
+TEST(AttentionCache, AbsorbedMlaDecodeMatchesSquareAttention) {
+  const int64_t seq = 40, heads = 16, dim = 576, v_dim = 512, stride = heads * dim + dim;
+  std::vector<float> qk = testing::random_floats(seq * stride, 9);
+  std::vector<float> square(seq * heads * v_dim), lse(heads * seq);
+  ops::AttentionParams p;
+  p.batch = 1, p.seq = seq, p.heads = heads, p.kv_heads = 1, p.head_dim = dim, p.v_head_dim = v_dim;
+  p.q = qk.data(), p.k = p.v = p.q + heads * dim;
+  p.q_stride = p.k_stride = p.v_stride = stride;
+  p.v_head_stride = dim;  // the alias keeps k's layout
+  p.out = square.data(), p.out_stride = heads * v_dim, p.lse = lse.data();
+  p.scale = 1.0f / std::sqrt(192.0f);  // DeepSeek-V3 scales by the unabsorbed q/k width
+  ops::attention_forward(p);
+
+  std::vector<float> row(heads * v_dim);
+  for (int64_t t = 0; t < seq; ++t) {
+    ops::AttentionParams d = p;
+    d.seq = 1, d.q_offset = t, d.kv_seq = t + 1;
+    d.q = qk.data() + t * stride;
+    d.out = row.data(), d.lse = nullptr;
+    ops::attention_forward(d);
+    for (int64_t e = 0; e < heads * v_dim; ++e)
+      ASSERT_NEAR(row[e], square[t * heads * v_dim + e], 1e-5) << "token " << t << ", element " << e;
+  }
+}
+
 // Chunks are fixed by the cache length, not the thread count: results are bitwise independent of it.
 TEST(AttentionCache, DecodeBitwiseIndependentOfThreadCount) {
   const CacheCase c{2, 2, 698, 700, 4, 2, 32};

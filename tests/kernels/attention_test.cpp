@@ -29,25 +29,30 @@ using op_tests::attention::Problem;
 // head_dim 8192: each thread stages at most 4 MiB of k/v (or q/dout) rows, so 64 of the 80 rows fit and
 // the staging window has to slide. One (batch, kv head) pair: 1 thread runs the fused backward, 2 threads
 // the two-pass one.
+// The same with values wider than keys (6144 / 8192: 73 rows of both fit), so that the two staged sources
+// of each pair differ in width.
 TEST(AttentionStaging, SlidingWindowMatchesReference) {
   // Dot products of length 8192 in fp32: a modest scale keeps the logits' rounding error ~1e-6.
-  const Case c{1, 80, 1, 1, 8192, true, true, 3, 0, 0, false, 2.0f};
-  for (int threads : {1, 2})
-    testing::with_threads(threads, [&] {
-      Problem pr(c, 41);
-      // q and k in [-1, 1] (as v): with the op tests' [-2, 2] the logits' rounding error doubles.
-      for (size_t i : pr.q_elements()) pr.inputs[i] *= 0.5f;
-      for (size_t i : pr.kv_elements(pr.k_offset)) pr.inputs[i] *= 0.5f;
-      op_tests::attention::expect_matches_reference(pr, true, std::to_string(threads) + " threads");
-    });
+  for (const Case& c : {Case{1, 80, 1, 1, 8192, true, true, 3, 0, 0, false, 2.0f},
+                        Case{1, 80, 1, 1, 6144, true, true, 3, 0, 0, false, 2.0f, 8192}})
+    for (int threads : {1, 2})
+      testing::with_threads(threads, [&] {
+        Problem pr(c, 41);
+        // q and k in [-1, 1] (as v): with the op tests' [-2, 2] the logits' rounding error doubles.
+        for (size_t i : pr.q_elements()) pr.inputs[i] *= 0.5f;
+        for (size_t i : pr.k_elements()) pr.inputs[i] *= 0.5f;
+        op_tests::attention::expect_matches_reference(pr, true,
+                                                      c.name() + ", " + std::to_string(threads) + " threads");
+      });
 }
 
 // Work is split over threads by items that never share an output element, so the result must not depend
 // on the thread count. With 4 (batch, kv head) pairs, 1 and 2 threads run the fused backward and 3 threads
-// the two-pass one, so this also checks that the two schemes agree bitwise.
+// the two-pass one, so this also checks that the two schemes agree bitwise (also with values of another
+// width than keys).
 TEST(AttentionThreads, BitwiseIndependentOfThreadCount) {
-  for (bool causal : {true, false}) {
-    const Case c{2, 150, 4, 2, 64, causal, true, 3};
+  for (const auto& [causal, v_head_dim] : {std::pair{true, 0}, std::pair{false, 0}, std::pair{true, 40}}) {
+    const Case c{2, 150, 4, 2, 64, causal, true, 3, 0, 0, false, 1.0f, v_head_dim};
     std::vector<Problem> runs;
     for (int threads : {1, 2, 3})
       testing::with_threads(threads, [&] {
@@ -60,7 +65,7 @@ TEST(AttentionThreads, BitwiseIndependentOfThreadCount) {
       EXPECT_EQ(0, std::memcmp(runs[0].lse.data(), runs[r].lse.data(), runs[0].lse.size() * sizeof(float)));
       EXPECT_EQ(0,
                 std::memcmp(runs[0].grads.data(), runs[r].grads.data(), runs[0].grads.size() * sizeof(float)))
-          << "causal " << causal << ", threads " << r + 1;
+          << c.name() << ", threads " << r + 1;
     }
   }
 }

@@ -87,6 +87,15 @@ ops::AttentionParams attention_params(Memory& m, int64_t head_dim) {
   return p;
 }
 
+// MLA's absorbed decode: two new tokens of one head against 10 cached positions of one kv head whose values
+// are the first 512 columns of its key rows (v = k, same strides).
+ops::AttentionParams absorbed_mla_decode_params(Memory& m, int64_t head_dim) {
+  ops::AttentionParams p = attention_params(m, head_dim);
+  p.seq = 2, p.kv_seq = 10, p.q_offset = 8, p.v_head_dim = 512, p.out_stride = 512;
+  p.v = p.k, p.v_head_stride = head_dim;
+  return p;
+}
+
 TEST(OpSupport, CpuBackend) {
   const ops::OpTable& cpu = ops::cpu_table();
   Memory m;
@@ -109,6 +118,14 @@ TEST(OpSupport, CpuBackend) {
   fp8 = fp8_params(m), fp8.a_scale_inv = std::numeric_limits<float>::infinity();
   EXPECT_REFUSED(cpu, fp8_gemm, (fp8), "fp8_gemm: per-tensor scale_inv must be finite");
   EXPECT_SUPPORTED(cpu, attention_forward, (attention_params(m, 512)));  // no head_dim limit here
+  ops::AttentionParams mla = absorbed_mla_decode_params(m, 576);
+  EXPECT_SUPPORTED(cpu, attention_forward, (mla));
+  mla.v_head_dim = mla.v_head_stride = mla.v_stride = mla.out_stride = 1024;  // wider than keys: fine here
+  EXPECT_SUPPORTED(cpu, attention_forward, (mla));
+  mla = absorbed_mla_decode_params(m, 576), mla.v_head_dim = -1;
+  EXPECT_REFUSED(cpu, attention_forward, (mla), "attention: negative v_head_dim -1");
+  mla = absorbed_mla_decode_params(m, 576), mla.out_stride = 500;
+  EXPECT_REFUSED(cpu, attention_forward, (mla), "attention: q_stride 576 / out_stride 500 < 576 / 512");
   EXPECT_REFUSED(cpu, attention_backward, (attention_params(m, 64)),
                  "attention backward: dout, dq, dk and dv");
   // The element-wise kernels take any size (a negative one does nothing).
@@ -176,6 +193,19 @@ TEST(OpSupport, CudaBackend) {
   EXPECT_SUPPORTED(gpu, attention_forward, (attention_params(m, 256)));
   EXPECT_REFUSED(gpu, attention_forward, (attention_params(m, 512)), "attention: head_dim 512 > 256",
                  "not supported on the CUDA backend");
+  // Values of another width: the tensor-core kernels run at the wider of the two (DeepSeek-V3's 192 / 128).
+  ops::AttentionParams mla = attention_params(m, 192);
+  mla.v_head_dim = 128, mla.v_stride = mla.out_stride = 128;
+  EXPECT_SUPPORTED(gpu, attention_forward, (mla));
+  mla.v_head_dim = 512, mla.v_stride = mla.out_stride = 512;
+  EXPECT_REFUSED(gpu, attention_forward, (mla), "attention: v_head_dim 512 > 256",
+                 "not supported on the CUDA backend");
+  // The decode kernels take MLA's absorbed widths (576 / 512), but no wider, and only for a few queries.
+  EXPECT_SUPPORTED(gpu, attention_forward, (absorbed_mla_decode_params(m, 576)));
+  EXPECT_REFUSED(gpu, attention_forward, (absorbed_mla_decode_params(m, 640)),
+                 "attention: head_dim 640 / v_head_dim 512 > 576", "decode kernels");
+  mla = absorbed_mla_decode_params(m, 576), mla.seq = 17, mla.kv_seq = 20, mla.q_offset = 3;
+  EXPECT_REFUSED(gpu, attention_forward, (mla), "attention: head_dim 576 > 256", "decode kernels");
   ops::LinearCrossEntropyParams loss;
   loss.rows = 2, loss.dim = 4, loss.vocab = 8;
   EXPECT_REFUSED(gpu, linear_cross_entropy_forward, (loss),

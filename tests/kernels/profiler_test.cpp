@@ -135,14 +135,20 @@ TEST(Profiler, AttentionFlopsCountTheVisiblePairs) {
   std::vector<float> keys(10 * kv * dim), values(10 * kv * dim);
   decode.k = keys.data(), decode.v = values.data();
   ops::attention_forward(decode);
+  // Values of 8 columns per head (v_head_dim, as MLA's): S counts head_dim, P V counts v_head_dim.
+  ops::AttentionParams narrow = p;
+  narrow.v_head_dim = 8, narrow.v_stride = kv * 8, narrow.out_stride = h * 8;
+  ops::attention_forward(narrow);
   const ops::OpProfile profile = ops::profile_end();
   const ops::OpProfileRow* fwd = find_row(profile, "attention_forward", "b1 s8 h2/1 d16 causal");
   const ops::OpProfileRow* bwd = find_row(profile, "attention_backward", "b1 s8 h2/1 d16 causal");
   const ops::OpProfileRow* dec = find_row(profile, "attention_forward", "b1 s2 h2/1 d16 causal kv10");
-  ASSERT_TRUE(fwd && bwd && dec) << ops::format_profile(profile);
+  const ops::OpProfileRow* mla = find_row(profile, "attention_forward", "b1 s8 h2/1 d16 causal v8");
+  ASSERT_TRUE(fwd && bwd && dec && mla) << ops::format_profile(profile);
   EXPECT_EQ(fwd->flops, 4.0 * dim * (s * (s + 1) / 2) * b * h);
   EXPECT_EQ(bwd->flops, 2.5 * fwd->flops);
   EXPECT_EQ(dec->flops, 4.0 * dim * (6 + 7) * b * h);
+  EXPECT_EQ(mla->flops, 2.0 * (dim + 8) * (s * (s + 1) / 2) * b * h);
 }
 
 TEST(Profiler, FormatsATableAndJson) {

@@ -171,23 +171,28 @@ struct SwigluParams {
 };
 
 // Causal grouped-query attention, flash style (never materialises seq x seq). q is [batch, seq, heads,
-// head_dim] with q_stride elements between tokens; k, v are [batch, kv_seq, kv_heads, head_dim]. Query head h
-// reads kv head h / (heads / kv_heads). out is [batch, seq, heads, head_dim] (out_stride between tokens).
-// lse [batch, heads, seq] holds each row's log-sum-exp of scaled scores for backward.
+// head_dim] with q_stride elements between tokens; k is [batch, kv_seq, kv_heads, head_dim] and v [batch,
+// kv_seq, kv_heads, v_head_dim]. Query head h reads kv head h / (heads / kv_heads). out is [batch, seq,
+// heads, v_head_dim] (out_stride between tokens). lse [batch, heads, seq] holds each row's log-sum-exp of
+// scaled scores for backward. v_head_dim (0 = head_dim) may be smaller or larger than head_dim: DeepSeek-V3's
+// MLA trains at q/k 192 (128 + 64 rope) and v 128.
 //
 // Inference over a key/value cache (forward only): the seq queries are the tokens at positions
 // q_offset .. q_offset + seq - 1 of sequences whose keys and values hold kv_seq positions, and under the
 // causal mask query row t attends to the keys at positions <= q_offset + t (so q_offset + seq <= kv_seq).
 // Key j of sequence b, kv head g sits at k + b * k_batch_stride + g * k_head_stride + j * k_stride (v
 // alike), which lets k and v live in a cache allocated for more positions than it holds, in either layout:
-// heads side by side within a token (head stride head_dim, the default) or each head's positions together
-// (head stride >= positions * head_dim, token stride head_dim). lse may be null in the forward. Defaults
-// (kv_seq 0 = seq, q_offset 0, head strides 0 = head_dim, batch strides 0 = max(kv_seq * token stride,
-// kv_heads * head stride)) give training's square causal attention; backward supports only those. A few
-// queries against a longer cache (decoding) run a kernel of SIMD dot products along head_dim that splits long
-// caches into fixed chunks, so its results do not depend on the thread count.
+// heads side by side within a token (head stride head_dim or v_head_dim, the default) or each head's
+// positions together (head stride >= positions * head_dim, token stride head_dim). v may alias k (the forward
+// only reads them): MLA's absorbed decode runs one kv head of q/k 576 (512 latent + 64 rope) whose values are
+// the first 512 columns of each key row (v = k, same strides, v_head_dim 512). lse may be null in the
+// forward. Defaults (kv_seq 0 = seq, q_offset 0, head strides 0 = head_dim / v_head_dim, batch strides 0 =
+// max(kv_seq * token stride, kv_heads * head stride)) give training's square causal attention; backward
+// supports only those. A few queries against a longer cache (decoding) run a kernel of SIMD dot products
+// along head_dim that splits long caches into fixed chunks, so its results do not depend on the thread count.
 struct AttentionParams {
   int64_t batch = 0, seq = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  int64_t v_head_dim = 0;  // columns per head of v, out, dout and dv (0 = head_dim)
   const float* q = nullptr;
   const float* k = nullptr;
   const float* v = nullptr;
@@ -200,8 +205,9 @@ struct AttentionParams {
   int64_t kv_seq = 0;                              // keys and values per sequence (0 = seq)
   int64_t q_offset = 0;                            // position of query row 0 among the keys
   int64_t k_batch_stride = 0, v_batch_stride = 0;  // elements between sequences (0 = dense)
-  int64_t k_head_stride = 0, v_head_stride = 0;    // elements between kv heads (0 = head_dim)
-  // Backward: reads dout (+ q, k, v, out, lse), writes dq, dk, dv (overwrite), same layouts as q, k, v.
+  int64_t k_head_stride = 0, v_head_stride = 0;    // elements between kv heads (0 = head_dim / v_head_dim)
+  // Backward: reads dout (+ q, k, v, out, lse), writes dq, dk, dv (overwrite), same layouts as q, k, v (dout
+  // as out).
   const float* dout = nullptr;
   int64_t dout_stride = 0;
   float* dq = nullptr;

@@ -48,17 +48,23 @@ double visible_pairs(const AttentionParams& p) {
 
 Cost attention_cost(const AttentionParams& p, bool backward) {
   const int64_t kv = p.kv_seq > 0 ? p.kv_seq : p.seq;
-  // Forward: S = Q K^T and O = P V, 2 FLOPs per multiply-add each. Backward: S again, dV = P^T dO, dP = dO
-  // V^T, dQ = dS K and dK = dS^T Q: 2.5 times the forward.
-  const double forward = 4.0 * d(p.head_dim) * visible_pairs(p) * d(p.batch) * d(p.heads);
+  const int64_t v_dim = p.v_head_dim > 0 ? p.v_head_dim : p.head_dim;
+  // Forward: S = Q K^T (head_dim) and O = P V (v_head_dim), 2 FLOPs per multiply-add each. Backward: S and
+  // dQ = dS K, dK = dS^T Q (head_dim), dV = P^T dO and dP = dO V^T (v_head_dim): 2.5 times the forward when
+  // the two are equal.
+  const double pairs = visible_pairs(p) * d(p.batch) * d(p.heads);
+  const double forward = 2.0 * (d(p.head_dim) + d(v_dim)) * pairs;
   const double q = d(p.batch) * d(p.seq) * d(p.heads) * d(p.head_dim) * 4;
-  const double kv_bytes = 2.0 * d(p.batch) * d(kv) * d(p.kv_heads) * d(p.head_dim) * 4;
+  const double out = d(p.batch) * d(p.seq) * d(p.heads) * d(v_dim) * 4;
+  const double kv_bytes = d(p.batch) * d(kv) * d(p.kv_heads) * (d(p.head_dim) + d(v_dim)) * 4;
   std::string detail = fmt::format("b{} s{} h{}/{} d{}{}", p.batch, p.seq, p.heads, p.kv_heads, p.head_dim,
                                    p.causal ? " causal" : "");
+  if (v_dim != p.head_dim) detail += fmt::format(" v{}", v_dim);
   if (kv != p.seq) detail += fmt::format(" kv{}", kv);
-  // Forward reads q, k, v and writes out; backward reads those and dout, writes dq, dk, dv.
-  return backward ? Cost{std::move(detail), 2.5 * forward, 3 * q + 2 * kv_bytes}
-                  : Cost{std::move(detail), forward, 2 * q + kv_bytes};
+  // Forward reads q, k, v and writes out; backward reads q, k, v and dout, writes dq, dk, dv.
+  return backward ? Cost{std::move(detail), 2.0 * (3 * d(p.head_dim) + 2 * d(v_dim)) * pairs,
+                         2 * q + out + 2 * kv_bytes}
+                  : Cost{std::move(detail), forward, q + out + kv_bytes};
 }
 
 Cost cast_cost(const Fp8CastParams& p, const char* blocks) {

@@ -5,7 +5,8 @@
 // padded token strides, or as a key/value cache (forward only) in either layout; the gradients land in the
 // same places of a grads array. Shapes are ragged (never multiples of the GPU's 128-query / 64-key tiles),
 // cover GQA groups of 1, 2, 4 and 8, head dims from 4 to 256, causal and full attention and the cache forward
-// (prefill tiles and decode kernels).
+// (prefill tiles and decode kernels), and values of another width than queries and keys (v_head_dim: MLA's
+// 192 / 128 in training, and its absorbed decode at 576 / 512 with v aliasing the keys).
 //
 // Bounds against the CPU (derived for the CUDA kernels; the device emulation runs the CPU kernels and meets
 // them trivially). The tensor-core kernels round q (pre-scaled), k, v, dout, P and dS to bf16, unit roundoff
@@ -62,6 +63,8 @@ struct Case {
   int64_t q_offset = 0;
   bool head_major = false;    // cache [batch, kv_heads, capacity, head_dim] instead of [batch, capacity, ...]
   float scale_factor = 1.0f;  // scale = scale_factor / sqrt(head_dim); > 1 makes the softmax peaky
+  int64_t v_head_dim = 0;     // columns of v and out per head (0 = head_dim)
+  bool v_aliases_k = false;   // v = the first v_head_dim columns of each key row (MLA's absorbed decode)
   std::string name() const {
     std::string s = "b" + std::to_string(batch) + "_t" + std::to_string(seq) + "_h" + std::to_string(heads) +
                     "_kvh" + std::to_string(kv_heads) + "_d" + std::to_string(head_dim) +
@@ -71,6 +74,8 @@ struct Case {
       s += "_kv" + std::to_string(kv_seq) + "_at" + std::to_string(q_offset) +
            (head_major ? "_headmajor" : "_tokenmajor");
     if (scale_factor != 1.0f) s += "_x" + std::to_string(static_cast<int>(scale_factor));
+    if (v_head_dim) s += "_v" + std::to_string(v_head_dim);
+    if (v_aliases_k) s += "_alias";
     return s;
   }
 };
@@ -100,6 +105,16 @@ inline const std::vector<Case> kCases = {
     {1, 50, 2, 2, 256, false},                               // head_dim 256, full
     {2, 100, 4, 4, 64, false, false, 0, 0, 0, false, 4.0f},  // sharp softmax (scale x4)
     {1, 96, 8, 8, 72, true, true, 3},                        // fused and padded, head_dim 72
+    // v_head_dim != head_dim (MLA's values): narrower and wider, GQA, causal and full, fused and separate.
+    {1, 6, 4, 2, 16, true, true, 3, 0, 0, false, 2.0f, 8},       // finite differences, causal, narrower v
+    {2, 5, 2, 1, 8, false, true, 3, 0, 0, false, 2.0f, 24},      // finite differences, full, wider v
+    {1, 67, 1, 1, 4, true, true, 3, 0, 0, false, 2.0f, 12},      // finite differences across a block boundary
+    {1, 7, 2, 2, 12, false, false, 2, 0, 0, false, 2.0f, 20},    // finite differences, separate tensors
+    {1, 130, 4, 2, 192, true, true, 3, 0, 0, false, 1.0f, 128},  // DeepSeek-V3's training shape 192 / 128
+    {2, 100, 4, 2, 64, false, false, 5, 0, 0, false, 1.0f, 40},  // full, padded, v not a multiple of 16
+    {1, 70, 2, 1, 40, true, false, 0, 0, 0, false, 1.0f, 64},    // wider v, MQA
+    {1, 50, 2, 2, 128, false, true, 0, 0, 0, false, 1.0f, 256},  // v 256: the 256-wide kernels for v alone
+    {1, 150, 8, 2, 24, true, true, 3, 0, 0, false, 3.0f, 16},    // GQA 4, three CPU blocks, peaky softmax
 };
 
 // The key/value-cache forward: queries at q_offset.. against a cache holding more positions than kv_seq, in
@@ -133,56 +148,84 @@ inline const std::vector<Case> kCacheCases = {
      3.0f},                                           // three query blocks, offset not a block multiple
     {1, 20, 2, 1, 16, false, false, 3, 90, 0},        // non-causal, kv longer than the queries
     {2, 33, 4, 2, 16, true, false, 3, 43, 10, true},  // head-major prefill
+    // v_head_dim != head_dim: prefill tiles and decode, both layouts, rows staged or read in place.
+    {2, 40, 4, 2, 48, true, false, 3, 100, 60, false, 1.0f, 32},  // prefill tiles, token-major, narrower v
+    {1, 70, 2, 1, 64, true, false, 0, 300, 230, true, 1.0f, 96},  // prefill tiles, head-major, wider v
+    {2, 1, 4, 1, 64, true, false, 0, 300, 299, false, 1.0f, 48},  // one decode step, several chunks
+    {1, 5, 8, 2, 40, true, false, 2, 200, 150, true, 1.0f, 24},   // GQA 4, head-major, both rows staged
+    {2, 2, 4, 4, 16, false, false, 3, 50, 48, false, 1.0f, 40},   // non-causal, only v staged
+    {1, 3, 2, 1, 24, true, false, 0, 43, 40, false, 1.0f, 32},    // only k staged
+    // MLA's absorbed decode: one kv head, v the first v_head_dim columns of each key row (v = k).
+    {1, 3, 4, 1, 40, true, false, 0, 90, 87, false, 1.0f, 32, true},      // small, k staged, v in place
+    {2, 1, 16, 1, 40, true, false, 3, 300, 299, true, 1.0f, 32, true},    // 16 heads, head-major, two chunks
+    {1, 20, 4, 1, 40, true, false, 0, 60, 40, false, 1.0f, 32, true},     // prefill tiles over the alias
+    {1, 2, 16, 1, 576, true, false, 0, 70, 68, false, 1.0f, 512, true},   // the real widths, 16 heads
+    {1, 1, 128, 1, 576, true, false, 0, 40, 39, false, 1.0f, 512, true},  // 128 heads, one token
+    {1, 16, 16, 1, 576, true, false, 0, 140, 124, false, 1.0f, 512, true},  // 16 queries: the widest rows
 };
 
 // One problem: q, k, v live in one `inputs` array at offsets with their strides (so a fused qkv buffer and
 // separate tensors are the same code), gradients in `grads` at the same places. Padding and gaps hold random
-// values in inputs and kSentinel in the outputs (which must stay untouched).
+// values in inputs and kSentinel in the outputs (which must stay untouched). v has v_dim columns per head
+// (v_head_dim, or head_dim), out and dout too; with v_aliases_k (forward only) v is the first v_dim columns
+// of k, with k's strides.
 struct Problem {
   Case c;
-  int64_t kv_seq, q_stride, out_stride, k_stride, head_stride, batch_stride, k_offset, v_offset, capacity;
+  int64_t kv_seq, v_dim, q_stride, out_stride, k_stride, v_stride, k_head_stride, v_head_stride,
+      k_batch_stride, v_batch_stride, k_offset, v_offset, capacity;
   std::vector<float> inputs, dout, out, lse, grads;
 
   Problem(const Case& cc, uint32_t seed) : c(cc) {
     const int64_t d = c.head_dim, q_width = c.heads * d, kv_width = c.kv_heads * d;
     kv_seq = c.kv_seq ? c.kv_seq : c.seq;
-    out_stride = q_width + c.pad;
+    v_dim = c.v_head_dim ? c.v_head_dim : d;
+    const int64_t v_width = c.kv_heads * v_dim;
+    out_stride = c.heads * v_dim + c.pad;
     size_t total;
     if (c.fused) {
-      q_stride = k_stride = q_width + 2 * kv_width + c.pad;
-      head_stride = d, batch_stride = c.seq * q_stride, capacity = c.seq;
+      q_stride = k_stride = v_stride = q_width + kv_width + v_width + c.pad;
+      k_head_stride = d, v_head_stride = v_dim, capacity = c.seq;
+      k_batch_stride = v_batch_stride = c.seq * q_stride;
       k_offset = q_width, v_offset = q_width + kv_width;
       total = c.batch * c.seq * q_stride;
     } else {
       q_stride = q_width + c.pad;
       capacity = c.kv_seq ? kv_seq + 5 : kv_seq;  // a cache holds more positions than are filled
+      const int64_t gap = c.kv_seq ? 8 : 0;
       k_stride = c.head_major ? d : kv_width + c.pad;
-      head_stride = c.head_major ? capacity * d + 4 : d;
-      batch_stride = (c.head_major ? c.kv_heads * head_stride : capacity * k_stride) + (c.kv_seq ? 8 : 0);
+      k_head_stride = c.head_major ? capacity * d + 4 : d;
+      k_batch_stride = (c.head_major ? c.kv_heads * k_head_stride : capacity * k_stride) + gap;
+      v_stride = c.head_major ? v_dim : v_width + c.pad;
+      v_head_stride = c.head_major ? capacity * v_dim + 4 : v_dim;
+      v_batch_stride = (c.head_major ? c.kv_heads * v_head_stride : capacity * v_stride) + gap;
       k_offset = c.batch * c.seq * q_stride;
-      v_offset = k_offset + c.batch * batch_stride;
-      total = v_offset + c.batch * batch_stride;
+      v_offset = k_offset + c.batch * k_batch_stride;
+      total = v_offset + c.batch * v_batch_stride;
+    }
+    if (c.v_aliases_k) {  // v reads the keys: no v region of its own
+      EXPECT_TRUE(!c.fused && c.kv_seq && v_dim <= d) << c.name();
+      v_stride = k_stride, v_head_stride = k_head_stride, v_batch_stride = k_batch_stride;
+      v_offset = k_offset;
+      total = k_offset + c.batch * k_batch_stride;
     }
     inputs = testing::random_floats(total, seed, -2.0f, 2.0f);
     // v in [-1, 1]: rescale its region (fused: every v element) so outputs are O(1)
     for (int64_t b = 0; b < c.batch; ++b)
       for (int64_t j = 0; j < kv_seq; ++j)
         for (int64_t g = 0; g < c.kv_heads; ++g)
-          for (int64_t e = 0; e < d; ++e) inputs[v_at(b, j, g) + e] *= 0.5f;
+          for (int64_t e = 0; e < v_dim; ++e) inputs[v_at(b, j, g) + e] *= 0.5f;
     dout = testing::random_floats(c.batch * c.seq * out_stride, seed + 1);
     out.assign(c.batch * c.seq * out_stride, kSentinel);
     lse.assign(c.batch * c.heads * c.seq, kSentinel);
     grads.assign(total, kSentinel);
   }
   int64_t q_at(int64_t b, int64_t t, int64_t h) const { return (b * c.seq + t) * q_stride + h * c.head_dim; }
-  int64_t o_at(int64_t b, int64_t t, int64_t h) const {
-    return (b * c.seq + t) * out_stride + h * c.head_dim;
-  }
+  int64_t o_at(int64_t b, int64_t t, int64_t h) const { return (b * c.seq + t) * out_stride + h * v_dim; }
   int64_t k_at(int64_t b, int64_t j, int64_t g) const {
-    return k_offset + b * batch_stride + g * head_stride + j * k_stride;
+    return k_offset + b * k_batch_stride + g * k_head_stride + j * k_stride;
   }
   int64_t v_at(int64_t b, int64_t j, int64_t g) const {
-    return v_offset + b * batch_stride + g * head_stride + j * k_stride;
+    return v_offset + b * v_batch_stride + g * v_head_stride + j * v_stride;
   }
   bool decode() const { return c.seq <= 16 && (kv_seq != c.seq || c.q_offset != 0); }
   double scale() const { return c.scale_factor / std::sqrt(static_cast<float>(c.head_dim)); }
@@ -192,19 +235,21 @@ struct Problem {
                               float* grads_base) const {
     ops::AttentionParams p;
     p.batch = c.batch, p.seq = c.seq, p.heads = c.heads, p.kv_heads = c.kv_heads, p.head_dim = c.head_dim;
+    p.v_head_dim = c.v_head_dim;  // 0 in most cases: the default must work as head_dim
     p.q = in, p.k = in + k_offset, p.v = in + v_offset;
-    p.q_stride = q_stride, p.k_stride = p.v_stride = k_stride;
+    p.q_stride = q_stride, p.k_stride = k_stride, p.v_stride = v_stride;
     p.out = out_base, p.out_stride = out_stride, p.lse = lse_base;
     p.scale = c.scale_factor / std::sqrt(static_cast<float>(c.head_dim));
     p.causal = c.causal;
     if (c.kv_seq) {
       p.kv_seq = kv_seq, p.q_offset = c.q_offset;
-      p.k_head_stride = p.v_head_stride = c.head_major ? head_stride : 0;
-      p.k_batch_stride = p.v_batch_stride = batch_stride;
+      p.k_head_stride = c.head_major ? k_head_stride : 0;
+      p.v_head_stride = c.head_major || c.v_aliases_k ? v_head_stride : 0;
+      p.k_batch_stride = k_batch_stride, p.v_batch_stride = v_batch_stride;
     }
     p.dout = dout_base, p.dout_stride = out_stride;
     p.dq = grads_base, p.dk = grads_base + k_offset, p.dv = grads_base + v_offset;
-    p.dq_stride = q_stride, p.dk_stride = p.dv_stride = k_stride;
+    p.dq_stride = q_stride, p.dk_stride = k_stride, p.dv_stride = v_stride;
     return p;
   }
   ops::AttentionParams host_params() {
@@ -221,21 +266,25 @@ struct Problem {
           for (int64_t e = 0; e < c.head_dim; ++e) at.push_back(q_at(b, t, h) + e);
     return at;
   }
-  std::vector<size_t> kv_elements(int64_t offset) const {
-    std::vector<size_t> at;
-    for (int64_t b = 0; b < c.batch; ++b)
-      for (int64_t j = 0; j < kv_seq; ++j)
-        for (int64_t g = 0; g < c.kv_heads; ++g)
-          for (int64_t e = 0; e < c.head_dim; ++e)
-            at.push_back(offset + b * batch_stride + g * head_stride + j * k_stride + e);
-    return at;
-  }
+  std::vector<size_t> k_elements() const { return kv_elements(&Problem::k_at, c.head_dim); }
+  std::vector<size_t> v_elements() const { return kv_elements(&Problem::v_at, v_dim); }
   std::vector<size_t> out_elements() const {
     std::vector<size_t> at;
     for (int64_t b = 0; b < c.batch; ++b)
       for (int64_t t = 0; t < c.seq; ++t)
         for (int64_t h = 0; h < c.heads; ++h)
-          for (int64_t e = 0; e < c.head_dim; ++e) at.push_back(o_at(b, t, h) + e);
+          for (int64_t e = 0; e < v_dim; ++e) at.push_back(o_at(b, t, h) + e);
+    return at;
+  }
+
+ private:
+  std::vector<size_t> kv_elements(int64_t (Problem::*row_at)(int64_t, int64_t, int64_t) const,
+                                  int64_t width) const {
+    std::vector<size_t> at;
+    for (int64_t b = 0; b < c.batch; ++b)
+      for (int64_t j = 0; j < kv_seq; ++j)
+        for (int64_t g = 0; g < c.kv_heads; ++g)
+          for (int64_t e = 0; e < width; ++e) at.push_back((this->*row_at)(b, j, g) + e);
     return at;
   }
 };
@@ -256,7 +305,7 @@ struct Reference {
 };
 inline Reference reference(const Problem& pr, const std::vector<double>& in, bool backward) {
   const Case& c = pr.c;
-  const int64_t d = c.head_dim, group = c.heads / c.kv_heads;
+  const int64_t d = c.head_dim, dv = pr.v_dim, group = c.heads / c.kv_heads;
   const double scale = c.scale_factor / std::sqrt(double(d));
   Reference r;
   r.out.assign(pr.out.size(), 0.0), r.lse.assign(pr.lse.size(), 0.0);
@@ -281,7 +330,7 @@ inline Reference reference(const Problem& pr, const std::vector<double>& in, boo
         for (int64_t j = 0; j < keys; ++j) {
           s[j] = std::exp(s[j] - m) / sum;  // now P
           const double* v = &in[pr.v_at(b, j, g)];
-          for (int64_t i = 0; i < d; ++i) out[i] += s[j] * v[i];
+          for (int64_t i = 0; i < dv; ++i) out[i] += s[j] * v[i];
         }
         if (!backward) continue;
         const float* dout = &pr.dout[pr.o_at(b, t, h)];
@@ -289,14 +338,14 @@ inline Reference reference(const Problem& pr, const std::vector<double>& in, boo
         for (int64_t j = 0; j < keys; ++j) {
           const double* v = &in[pr.v_at(b, j, g)];
           dp[j] = 0;
-          for (int64_t i = 0; i < d; ++i) dp[j] += double{dout[i]} * v[i];
+          for (int64_t i = 0; i < dv; ++i) dp[j] += double{dout[i]} * v[i];
           delta += s[j] * dp[j];
         }
         for (int64_t j = 0; j < keys; ++j) {
           const double ds = s[j] * (dp[j] - delta);
           const double* k = &in[pr.k_at(b, j, g)];
+          for (int64_t i = 0; i < dv; ++i) r.grads[pr.v_at(b, j, g) + i] += s[j] * dout[i];
           for (int64_t i = 0; i < d; ++i) {
-            r.grads[pr.v_at(b, j, g) + i] += s[j] * dout[i];
             r.grads[pr.q_at(b, t, h) + i] += scale * ds * k[i];
             r.grads[pr.k_at(b, j, g) + i] += scale * ds * q[i];
           }
@@ -329,8 +378,8 @@ inline void expect_padding_untouched(const Problem& pr, bool backward) {
   if (!backward) return;
   written.assign(pr.grads.size(), false);
   for (size_t i : pr.q_elements()) written[i] = true;
-  for (size_t i : pr.kv_elements(pr.k_offset)) written[i] = true;
-  for (size_t i : pr.kv_elements(pr.v_offset)) written[i] = true;
+  for (size_t i : pr.k_elements()) written[i] = true;
+  for (size_t i : pr.v_elements()) written[i] = true;
   for (size_t i = 0; i < pr.grads.size(); ++i)
     if (!written[i]) {
       ASSERT_EQ(pr.grads[i], kSentinel) << "grads padding written at " << i;
@@ -352,8 +401,7 @@ inline void expect_matches_reference(Problem& pr, bool backward, const std::stri
   expect_padding_untouched(pr, backward);
   if (!backward) return;
   for (const auto& [name, at] :
-       {std::pair{"dq", pr.q_elements()}, std::pair{"dk", pr.kv_elements(pr.k_offset)},
-        std::pair{"dv", pr.kv_elements(pr.v_offset)}})
+       {std::pair{"dq", pr.q_elements()}, std::pair{"dk", pr.k_elements()}, std::pair{"dv", pr.v_elements()}})
     EXPECT_LT(gradient_error(pick<float>(pr.grads, at), pick<double>(want.grads, at)), 2e-5)
         << what << " " << name;
 }
@@ -376,7 +424,7 @@ struct Bounds {
 
 inline Bounds error_bounds(const Problem& pr, bool backward, const std::vector<float>& forward_out) {
   const Case& c = pr.c;
-  const int64_t d = c.head_dim, group = c.heads / c.kv_heads;
+  const int64_t d = c.head_dim, dv = pr.v_dim, group = c.heads / c.kv_heads;
   const double u = pr.decode() ? kDecodeUnit : kBf16Unit;
   const double fp32 = (pr.kv_seq + d + 32) * kFp32Unit;  // fp32 accumulation and roundings, either backend
   const double dot_unit = 2 * u + (d + 8) * kFp32Unit;
@@ -405,19 +453,19 @@ inline Bounds error_bounds(const Problem& pr, bool backward, const std::vector<f
         const double lse = m + std::log(l);
         bd.lse[(b * c.heads + h) * c.seq + t] = kSafety * (worst + 64 * kFp32Unit * (std::abs(lse) + 1));
         double* out_bound = &bd.out[pr.o_at(b, t, h)];
-        for (int64_t i = 0; i < d; ++i) out_bound[i] = 0;
+        for (int64_t i = 0; i < dv; ++i) out_bound[i] = 0;
         for (int64_t j = 0; j < keys; ++j) {
           const double rel = std::expm1(e[j] + worst) + 4 * u + fp32;
           const float* v = &pr.inputs[pr.v_at(b, j, g)];
-          for (int64_t i = 0; i < d; ++i) out_bound[i] += kSafety * prob[j] * rel * std::abs(v[i]);
+          for (int64_t i = 0; i < dv; ++i) out_bound[i] += kSafety * prob[j] * rel * std::abs(v[i]);
         }
         if (!backward) continue;
         const float* dout = &pr.dout[pr.o_at(b, t, h)];
         const float* out = &forward_out[pr.o_at(b, t, h)];
         double delta = 0, delta_abs = 0;
-        for (int64_t i = 0; i < d; ++i)
+        for (int64_t i = 0; i < dv; ++i)
           delta += double{dout[i]} * out[i], delta_abs += std::abs(double{dout[i]} * out[i]);
-        const double delta_error = (d + 8) * kFp32Unit * delta_abs;
+        const double delta_error = (dv + 8) * kFp32Unit * delta_abs;
         double* dq = &bd.grads[pr.q_at(b, t, h)];
         for (int64_t i = 0; i < d; ++i)
           if (dq[i] < 0) dq[i] = 0;
@@ -425,33 +473,36 @@ inline Bounds error_bounds(const Problem& pr, bool backward, const std::vector<f
           const float* k = &pr.inputs[pr.k_at(b, j, g)];
           const float* v = &pr.inputs[pr.v_at(b, j, g)];
           double dp = 0, dp_abs = 0;
-          for (int64_t i = 0; i < d; ++i)
+          for (int64_t i = 0; i < dv; ++i)
             dp += double{dout[i]} * v[i], dp_abs += std::abs(double{dout[i]} * v[i]);
           const double p_error = prob[j] * (std::expm1(e[j]) + fp32);  // same lse on both backends
-          const double dp_error = dot_unit * dp_abs;
+          const double dp_error = (2 * u + (dv + 8) * kFp32Unit) * dp_abs;
           const double ds = prob[j] * (dp - delta);
           const double ds_error = p_error * std::abs(dp - delta) +
                                   (prob[j] + p_error) * (dp_error + delta_error) +
                                   (2 * u + fp32) * std::abs(ds);
           double* dk = &bd.grads[pr.k_at(b, j, g)];
-          double* dv = &bd.grads[pr.v_at(b, j, g)];
+          double* dvb = &bd.grads[pr.v_at(b, j, g)];
           for (int64_t i = 0; i < d; ++i) {
             if (dk[i] < 0) dk[i] = 0;
-            if (dv[i] < 0) dv[i] = 0;
             dq[i] += kSafety * scale * ds_error * std::abs(k[i]);
             dk[i] += kSafety * scale * ds_error * std::abs(q[i]);
-            dv[i] += kSafety * (p_error + (2 * u + fp32) * prob[j]) * std::abs(dout[i]);
+          }
+          for (int64_t i = 0; i < dv; ++i) {
+            if (dvb[i] < 0) dvb[i] = 0;
+            dvb[i] += kSafety * (p_error + (2 * u + fp32) * prob[j]) * std::abs(dout[i]);
           }
         }
       }
   if (backward)  // keys no query sees (none in square attention, but keep every gradient element bounded)
     for (int64_t b = 0; b < c.batch; ++b)
       for (int64_t j = 0; j < c.seq; ++j)
-        for (int64_t g = 0; g < c.kv_heads; ++g)
-          for (int64_t i = 0; i < d; ++i) {
+        for (int64_t g = 0; g < c.kv_heads; ++g) {
+          for (int64_t i = 0; i < d; ++i)
             bd.grads[pr.k_at(b, j, g) + i] = std::max(bd.grads[pr.k_at(b, j, g) + i], 0.0);
+          for (int64_t i = 0; i < dv; ++i)
             bd.grads[pr.v_at(b, j, g) + i] = std::max(bd.grads[pr.v_at(b, j, g) + i], 0.0);
-          }
+        }
   return bd;
 }
 
@@ -529,10 +580,7 @@ TEST_P(AttentionOp, Backward) {
       [&](const std::vector<double>& in) { return testing::dot(w, reference(pr, in, false).out); },
       testing::to_double(pr.inputs));
   std::vector<size_t> at = pr.q_elements();
-  for (int64_t offset : {pr.k_offset, pr.v_offset}) {
-    const auto kv = pr.kv_elements(offset);
-    at.insert(at.end(), kv.begin(), kv.end());
-  }
+  for (const auto& kv : {pr.k_elements(), pr.v_elements()}) at.insert(at.end(), kv.begin(), kv.end());
   EXPECT_LT(testing::relative_error(pick<float>(pr.grads, at), pick<double>(numeric, at)), 2e-5);
 }
 
@@ -567,7 +615,9 @@ class AttentionFixed : public testing::OpTest<testing::FixedCase> {};
 // Determinism: no atomics, fixed reduction orders; two identical runs agree bitwise (backward on the CPU's
 // lse and out).
 TEST_P(AttentionFixed, BitwiseRepeatable) {
-  for (const Case& c : {Case{2, 300, 8, 2, 128, true}, Case{1, 3, 4, 1, 64, true, false, 0, 600, 500}}) {
+  for (const Case& c : {Case{2, 300, 8, 2, 128, true}, Case{1, 3, 4, 1, 64, true, false, 0, 600, 500},
+                        Case{1, 200, 4, 2, 192, true, true, 0, 0, 0, false, 1.0f, 128},
+                        Case{1, 2, 16, 1, 576, true, false, 0, 300, 298, false, 1.0f, 512, true}}) {
     Problem pr(c, 400);
     FORGE_TEST_OP(attention_forward, Device::cpu, pr.host_params());
     Buffers on(device(), pr);
@@ -580,6 +630,30 @@ TEST_P(AttentionFixed, BitwiseRepeatable) {
       if (pr.decode()) continue;
       on.lse.upload(pr.lse), on.out.upload(pr.out);
       FORGE_TEST_OP(attention_backward, device(), p);
+      runs.push_back(on.grads.download());
+    }
+    const size_t per_run = runs.size() / 2;
+    for (size_t i = 0; i < per_run; ++i)
+      EXPECT_EQ(0, std::memcmp(runs[i].data(), runs[per_run + i].data(), runs[i].size() * sizeof(float)))
+          << c.name() << " array " << i;
+  }
+}
+
+// v_head_dim = head_dim is the default (0), bitwise: forward (flash tiles and decode) and backward.
+TEST_P(AttentionFixed, VHeadDimDefaultsToHeadDim) {
+  for (Case c : {Case{1, 70, 4, 2, 40, true, true, 3}, Case{1, 3, 4, 2, 64, true, false, 0, 90, 87, true}}) {
+    std::vector<std::vector<float>> runs;
+    for (int64_t v_head_dim : {int64_t{0}, c.head_dim}) {
+      c.v_head_dim = v_head_dim;
+      Problem pr(c, 450);
+      FORGE_TEST_OP(attention_forward, Device::cpu, pr.host_params());  // out and lse for the backward
+      Buffers on(device(), pr);
+      FORGE_TEST_OP(attention_forward, device(), on.params(pr));
+      runs.push_back(on.out.download());
+      runs.push_back(on.lse.download());
+      if (pr.decode()) continue;
+      on.lse.upload(pr.lse), on.out.upload(pr.out);
+      FORGE_TEST_OP(attention_backward, device(), on.params(pr));
       runs.push_back(on.grads.download());
     }
     const size_t per_run = runs.size() / 2;
@@ -615,9 +689,10 @@ TEST_P(AttentionFixed, LaterTokensDoNotLeak) {
     for (int64_t t = cut + 1; t < c.seq; ++t)
       for (int64_t i = 0; i < b.q_stride; ++i) b.inputs[t * b.q_stride + i] += 1.0f;
     for (int64_t j = cut + 1; j < c.seq; ++j)
-      for (int64_t g = 0; g < c.kv_heads; ++g)
-        for (int64_t i = 0; i < c.head_dim; ++i)
-          b.inputs[b.k_at(0, j, g) + i] *= -1.0f, b.inputs[b.v_at(0, j, g) + i] += 0.5f;
+      for (int64_t g = 0; g < c.kv_heads; ++g) {
+        for (int64_t i = 0; i < c.head_dim; ++i) b.inputs[b.k_at(0, j, g) + i] *= -1.0f;
+        for (int64_t i = 0; i < b.v_dim; ++i) b.inputs[b.v_at(0, j, g) + i] += 0.5f;
+      }
     std::vector<std::vector<float>> out, lse, dq;
     for (Problem* pr : {&a, &b}) {
       FORGE_TEST_OP(attention_forward, Device::cpu, pr->host_params());  // same lse for rows <= cut on both
@@ -651,10 +726,11 @@ TEST_P(AttentionFixed, IgnoresCachePositionsPastKvSeq) {
         Case{1, 30, 2, 1, 64, true, false, 0, 41, 11}, Case{1, 30, 2, 1, 64, true, false, 0, 41, 11, true}}) {
     Problem a(c, 700), b(c, 700);
     for (int64_t j = c.kv_seq; j < b.capacity; ++j)
-      for (int64_t g = 0; g < c.kv_heads; ++g)
+      for (int64_t g = 0; g < c.kv_heads; ++g) {
+        for (int64_t i = 0; i < b.v_dim; ++i) b.inputs[b.v_at(0, j, g) + i] = 1e30f;
         for (int64_t i = 0; i < c.head_dim; ++i)
-          b.inputs[b.k_at(0, j, g) + i] = std::numeric_limits<float>::quiet_NaN(),
-                                     b.inputs[b.v_at(0, j, g) + i] = 1e30f;
+          b.inputs[b.k_at(0, j, g) + i] = std::numeric_limits<float>::quiet_NaN();
+      }
     std::vector<std::vector<float>> out;
     for (Problem* pr : {&a, &b}) {
       Buffers on(device(), *pr);

@@ -14,6 +14,9 @@
 // is written once, by the item that owns it, and both schemes add the same terms in the same order, so
 // results do not depend on the thread count, the schedule or the scheme.
 //
+// Values may be narrower or wider than queries and keys (v_head_dim, MLA): the value, output and dout tiles
+// and rows are v_head_dim tall or wide, the query, key, dq and dk ones head_dim.
+//
 // Inference over a key/value cache generalises the forward: queries sit at positions q_offset.. among kv_seq
 // keys, and k, v may live in a cache with its own head and batch strides. A few queries against a longer
 // cache go to attention_decode.cpp instead, which runs SIMD dot products along head_dim (query tiles would
@@ -36,13 +39,14 @@ using namespace attention_tiles;  // the tile toolkit is this file's vocabulary
 
 // Expects parameters with their defaults resolved (with_defaults).
 struct Geometry {
-  int64_t batch, seq, heads, kv_heads, head_dim, group, blocks, kv_seq, q_offset;
+  int64_t batch, seq, heads, kv_heads, head_dim, v_dim, group, blocks, kv_seq, q_offset;
   explicit Geometry(const ops::AttentionParams& p)
       : batch(p.batch),
         seq(p.seq),
         heads(p.heads),
         kv_heads(p.kv_heads),
         head_dim(p.head_dim),
+        v_dim(p.v_head_dim),
         group(p.heads / p.kv_heads),
         blocks((p.seq + kBlock - 1) / kBlock),
         kv_seq(p.kv_seq),
@@ -51,13 +55,18 @@ struct Geometry {
   int64_t at(int64_t b, int64_t t, int64_t h, int64_t stride) const {
     return (b * seq + t) * stride + h * head_dim;
   }
+  // The same in a [batch, seq, heads, v_dim] view (v, out, dout, dv).
+  int64_t at_v(int64_t b, int64_t t, int64_t h, int64_t stride) const {
+    return (b * seq + t) * stride + h * v_dim;
+  }
 };
 
-// kv_seq and the k, v head and batch strides with their defaults filled in.
+// v_head_dim, kv_seq and the k, v head and batch strides with their defaults filled in.
 ops::AttentionParams with_defaults(ops::AttentionParams p) {
+  if (p.v_head_dim == 0) p.v_head_dim = p.head_dim;
   if (p.kv_seq == 0) p.kv_seq = p.seq;
   if (p.k_head_stride == 0) p.k_head_stride = p.head_dim;
-  if (p.v_head_stride == 0) p.v_head_stride = p.head_dim;
+  if (p.v_head_stride == 0) p.v_head_stride = p.v_head_dim;
   if (p.k_batch_stride == 0) p.k_batch_stride = std::max(p.kv_seq * p.k_stride, p.kv_heads * p.k_head_stride);
   if (p.v_batch_stride == 0) p.v_batch_stride = std::max(p.kv_seq * p.v_stride, p.kv_heads * p.v_head_stride);
   return p;
@@ -66,53 +75,59 @@ ops::AttentionParams with_defaults(ops::AttentionParams p) {
 bool supports(const ops::AttentionParams& p, bool backward, std::string* reason) {
   using ops::refuse;
   if (!(p.batch > 0 && p.seq > 0 && p.heads > 0 && p.kv_heads > 0 && p.head_dim > 0))
-    return refuse(reason, "attention: empty shape batch={} seq={} heads={} kv_heads={} head_dim={}", p.batch, p.seq,
-                  p.heads, p.kv_heads, p.head_dim);
+    return refuse(reason, "attention: empty shape batch={} seq={} heads={} kv_heads={} head_dim={}", p.batch,
+                  p.seq, p.heads, p.kv_heads, p.head_dim);
   if (p.heads % p.kv_heads != 0)
     return refuse(reason, "attention: heads {} not a multiple of kv_heads {}", p.heads, p.kv_heads);
+  if (p.v_head_dim < 0) return refuse(reason, "attention: negative v_head_dim {}", p.v_head_dim);
+  const int64_t v_dim = p.v_head_dim == 0 ? p.head_dim : p.v_head_dim;
   if (!(p.kv_seq >= 0 && p.q_offset >= 0 && p.k_batch_stride >= 0 && p.v_batch_stride >= 0 &&
         p.k_head_stride >= 0 && p.v_head_stride >= 0))
     return refuse(reason, "attention: negative kv_seq {}, q_offset {} or stride", p.kv_seq, p.q_offset);
   const int64_t kv_seq = p.kv_seq == 0 ? p.seq : p.kv_seq;
   if (p.causal && p.q_offset + p.seq > kv_seq)
-    return refuse(reason, "attention: queries at positions {}..{} need their keys, but kv_seq is {}", p.q_offset,
-                  p.q_offset + p.seq - 1, kv_seq);
+    return refuse(reason, "attention: queries at positions {}..{} need their keys, but kv_seq is {}",
+                  p.q_offset, p.q_offset + p.seq - 1, kv_seq);
   if (!(p.q_offset + p.seq < (int64_t{1} << 24) && kv_seq < (int64_t{1} << 24)))
     return refuse(reason, "attention: seq {} / kv_seq {} too long (positions are compared as floats)",
                   p.q_offset + p.seq, kv_seq);
   if (!(p.q && p.k && p.v && p.out)) return refuse(reason, "attention: q, k, v and out must be set");
   if (!p.lse && backward) return refuse(reason, "attention backward: lse must be set");
   const int64_t q_width = p.heads * p.head_dim, kv_width = p.kv_heads * p.head_dim;
-  if (!(p.q_stride >= q_width && p.out_stride >= q_width))
-    return refuse(reason, "attention: q_stride {} / out_stride {} < {}", p.q_stride, p.out_stride, q_width);
+  const int64_t out_width = p.heads * v_dim, v_width = p.kv_heads * v_dim;
+  if (!(p.q_stride >= q_width && p.out_stride >= out_width))
+    return refuse(reason, "attention: q_stride {} / out_stride {} < {} / {}", p.q_stride, p.out_stride,
+                  q_width, out_width);
   // Heads side by side within a token need a token stride of all of them; heads apart need at least one.
   const int64_t k_head = p.k_head_stride == 0 ? p.head_dim : p.k_head_stride;
-  const int64_t v_head = p.v_head_stride == 0 ? p.head_dim : p.v_head_stride;
-  if (!(k_head >= p.head_dim && v_head >= p.head_dim))
-    return refuse(reason, "attention: head strides {} / {} < head_dim {}", k_head, v_head, p.head_dim);
+  const int64_t v_head = p.v_head_stride == 0 ? v_dim : p.v_head_stride;
+  if (!(k_head >= p.head_dim && v_head >= v_dim))
+    return refuse(reason, "attention: head strides {} / {} < head_dim {} / v_head_dim {}", k_head, v_head,
+                  p.head_dim, v_dim);
   if (!(p.k_stride >= (k_head == p.head_dim ? kv_width : p.head_dim) &&
-        p.v_stride >= (v_head == p.head_dim ? kv_width : p.head_dim)))
-    return refuse(reason, "attention: k_stride {} / v_stride {} too small for {} kv heads of {}", p.k_stride,
-                  p.v_stride, p.kv_heads, p.head_dim);
+        p.v_stride >= (v_head == v_dim ? v_width : v_dim)))
+    return refuse(reason, "attention: k_stride {} / v_stride {} too small for {} kv heads of {} / {}",
+                  p.k_stride, p.v_stride, p.kv_heads, p.head_dim, v_dim);
   if (!(p.batch == 1 ||
         ((p.k_batch_stride == 0 || p.k_batch_stride >= std::max(kv_seq * p.k_stride, p.kv_heads * k_head)) &&
          (p.v_batch_stride == 0 || p.v_batch_stride >= std::max(kv_seq * p.v_stride, p.kv_heads * v_head)))))
     return refuse(reason, "attention: batch strides {} / {} overlap sequences of {} keys", p.k_batch_stride,
                   p.v_batch_stride, kv_seq);
   if (!backward) return true;
-  if (!(kv_seq == p.seq && p.q_offset == 0 && k_head == p.head_dim && v_head == p.head_dim &&
+  if (!(kv_seq == p.seq && p.q_offset == 0 && k_head == p.head_dim && v_head == v_dim &&
         (p.k_batch_stride == 0 || p.k_batch_stride == p.seq * p.k_stride) &&
         (p.v_batch_stride == 0 || p.v_batch_stride == p.seq * p.v_stride)))
     return refuse(reason,
                   "attention backward: only square attention (no kv_seq, q_offset, head or batch strides) is "
                   "supported");
-  if (!(p.dout && p.dq && p.dk && p.dv)) return refuse(reason, "attention backward: dout, dq, dk and dv must be set");
-  if (!(p.dout_stride >= q_width && p.dq_stride >= q_width))
-    return refuse(reason, "attention backward: dout_stride {} / dq_stride {} < {}", p.dout_stride, p.dq_stride,
-                  q_width);
-  if (!(p.dk_stride >= kv_width && p.dv_stride >= kv_width))
-    return refuse(reason, "attention backward: dk_stride {} / dv_stride {} < {}", p.dk_stride, p.dv_stride,
-                  kv_width);
+  if (!(p.dout && p.dq && p.dk && p.dv))
+    return refuse(reason, "attention backward: dout, dq, dk and dv must be set");
+  if (!(p.dout_stride >= out_width && p.dq_stride >= q_width))
+    return refuse(reason, "attention backward: dout_stride {} / dq_stride {} < {} / {}", p.dout_stride,
+                  p.dq_stride, out_width, q_width);
+  if (!(p.dk_stride >= kv_width && p.dv_stride >= v_width))
+    return refuse(reason, "attention backward: dk_stride {} / dv_stride {} < {} / {}", p.dk_stride,
+                  p.dv_stride, kv_width, v_width);
   return true;
 }
 
@@ -134,15 +149,15 @@ Item item_at(int64_t n, const Geometry& g, int64_t members, bool heavy_blocks_la
 
 // ---- forward: one item = (batch, head, query block) ----
 
-int64_t forward_tile_floats(int64_t dim) { return 2 * dim * kBlock + kBlock * kBlock; }
+int64_t forward_tile_floats(int64_t dim, int64_t v_dim) { return (dim + v_dim) * kBlock + kBlock * kBlock; }
 
 void forward_block(const ops::AttentionParams& p, const Geometry& g, const Item& it, float* tiles,
                    RowStage& stage) {
-  const int64_t dim = g.head_dim, h = it.kv_head * g.group + it.member, b = it.batch;
+  const int64_t dim = g.head_dim, v_dim = g.v_dim, h = it.kv_head * g.group + it.member, b = it.batch;
   const int64_t q0 = it.block * kBlock, nq = std::min<int64_t>(kBlock, g.seq - q0);
-  float* qt = tiles;              // [dim, kBlock] queries, pre-scaled into base-2 logits
-  float* ot = qt + dim * kBlock;  // [dim, kBlock] unnormalised output
-  float* st = ot + dim * kBlock;  // [kBlock keys, kBlock queries] scores, then probabilities
+  float* qt = tiles;                // [dim, kBlock] queries, pre-scaled into base-2 logits
+  float* ot = qt + dim * kBlock;    // [v_dim, kBlock] unnormalised output
+  float* st = ot + v_dim * kBlock;  // [kBlock keys, kBlock queries] scores, then probabilities
   const float* k = p.k + b * p.k_batch_stride + it.kv_head * p.k_head_stride;
   const float* v = p.v + b * p.v_batch_stride + it.kv_head * p.v_head_stride;
   pack_transposed(p.q + g.at(b, q0, h, p.q_stride), p.q_stride, nq, dim, p.scale * kLog2e, qt);
@@ -185,9 +200,9 @@ void forward_block(const ops::AttentionParams& p, const Geometry& g, const Item&
     for (int i = 0; i < kVectors; ++i) l[i] = fmadd(l[i], alpha[i], sum[i]);
     // ot[d, i] = alpha_i ot[d, i] + sum_j v[j, d] st[j, i]
     if (k0 == 0)
-      tile_gemm<false, Init::zero>(dim, vr, dim, nk, st, ot);
+      tile_gemm<false, Init::zero>(v_dim, vr, v_dim, nk, st, ot);
     else
-      tile_gemm<false, Init::scaled>(dim, vr, dim, nk, st, ot, alpha);
+      tile_gemm<false, Init::scaled>(v_dim, vr, v_dim, nk, st, ot, alpha);
   }
 
   float m_lanes[kBlock], l_lanes[kBlock], inverse_l[kBlock];
@@ -197,7 +212,7 @@ void forward_block(const ops::AttentionParams& p, const Geometry& g, const Item&
     float* lse = p.lse + (b * g.heads + h) * g.seq + q0;
     for (int64_t i = 0; i < nq; ++i) lse[i] = (m_lanes[i] + std::log2(l_lanes[i])) * kLn2;
   }
-  unpack_transposed(ot, nq, dim, 1.0f, inverse_l, p.out + g.at(b, q0, h, p.out_stride), p.out_stride);
+  unpack_transposed(ot, nq, v_dim, 1.0f, inverse_l, p.out + g.at_v(b, q0, h, p.out_stride), p.out_stride);
 }
 
 // ---- backward ----
@@ -208,15 +223,15 @@ void row_dots(const ops::AttentionParams& p, const Geometry& g, float* delta) {
   for (int64_t token = 0; token < g.batch * g.seq; ++token) {
     const int64_t b = token / g.seq, t = token % g.seq;
     for (int64_t h = 0; h < g.heads; ++h) {
-      const float* dout = p.dout + g.at(b, t, h, p.dout_stride);
-      const float* out = p.out + g.at(b, t, h, p.out_stride);
+      const float* dout = p.dout + g.at_v(b, t, h, p.dout_stride);
+      const float* out = p.out + g.at_v(b, t, h, p.out_stride);
       Vec lanes = splat(0.0f);
       int64_t d = 0;
-      for (; d + kLanes <= g.head_dim; d += kLanes) lanes = fmadd(load(dout + d), load(out + d), lanes);
+      for (; d + kLanes <= g.v_dim; d += kLanes) lanes = fmadd(load(dout + d), load(out + d), lanes);
       float partial[kLanes], s = 0.0f;
       store(partial, lanes);
       for (float x : partial) s += x;
-      for (; d < g.head_dim; ++d) s += dout[d] * out[d];
+      for (; d < g.v_dim; ++d) s += dout[d] * out[d];
       delta[(b * g.heads + h) * g.seq + t] = s;
     }
   }
@@ -225,8 +240,8 @@ void row_dots(const ops::AttentionParams& p, const Geometry& g, float* delta) {
 // Columns of the dQ accumulator rows: head_dim rounded up to whole tiles of lanes.
 int64_t padded_dim(int64_t dim) { return (dim + kBlock - 1) / kBlock * kBlock; }
 
-int64_t backward_tile_floats(int64_t dim) {
-  return 4 * dim * kBlock + 2 * kBlock * kBlock + 2 * kBlock + kBlock * padded_dim(dim);
+int64_t backward_tile_floats(int64_t dim, int64_t v_dim) {
+  return 2 * (dim + v_dim) * kBlock + 2 * kBlock * kBlock + 2 * kBlock + kBlock * padded_dim(dim);
 }
 
 // Pass 1: one item = (batch, kv head, key block); dK and dV, accumulated over the group's query heads and
@@ -237,19 +252,19 @@ int64_t backward_tile_floats(int64_t dim) {
 // form every P, dS and dQ sum from the same operands in the same order: their dQ agree bitwise.
 void backward_key_block(const ops::AttentionParams& p, const Geometry& g, const Item& it, const float* delta,
                         float* tiles, RowStage& stage, float* dq_rows) {
-  const int64_t dim = g.head_dim, b = it.batch, kvh = it.kv_head, dq_width = padded_dim(dim);
+  const int64_t dim = g.head_dim, v_dim = g.v_dim, b = it.batch, kvh = it.kv_head, dq_width = padded_dim(dim);
   const int64_t k0 = it.block * kBlock, nk = std::min<int64_t>(kBlock, g.seq - k0);
-  float* kt = tiles;              // [dim, kBlock] keys
-  float* vt = kt + dim * kBlock;  // [dim, kBlock]
-  float* dkt = vt + dim * kBlock;
-  float* dvt = dkt + dim * kBlock;
-  float* pt = dvt + dim * kBlock;                  // [kBlock queries, kBlock keys] probabilities
+  float* kt = tiles;                               // [dim, kBlock] keys
+  float* vt = kt + dim * kBlock;                   // [v_dim, kBlock]
+  float* dkt = vt + v_dim * kBlock;                // [dim, kBlock]
+  float* dvt = dkt + dim * kBlock;                 // [v_dim, kBlock]
+  float* pt = dvt + v_dim * kBlock;                // [kBlock queries, kBlock keys] probabilities
   float* dst = pt + kBlock * kBlock;               // [kBlock queries, kBlock keys] dP, then dS
   float* kr = dst + kBlock * kBlock + 2 * kBlock;  // [kBlock keys, dq_width] rows of k, zero-padded
   const float* k = p.k + g.at(b, k0, kvh, p.k_stride);
   pack_transposed(k, p.k_stride, nk, dim, 1.0f, kt);
-  pack_transposed(p.v + g.at(b, k0, kvh, p.v_stride), p.v_stride, nk, dim, 1.0f, vt);
-  std::fill(dkt, dkt + 2 * dim * kBlock, 0.0f);
+  pack_transposed(p.v + g.at_v(b, k0, kvh, p.v_stride), p.v_stride, nk, v_dim, 1.0f, vt);
+  std::fill(dkt, dkt + (dim + v_dim) * kBlock, 0.0f);
   if (dq_rows) {
     std::fill(kr, kr + kBlock * dq_width, 0.0f);
     copy_rows(k, p.k_stride, nk, dim, 1.0f, kr, dq_width);
@@ -260,7 +275,7 @@ void backward_key_block(const ops::AttentionParams& p, const Geometry& g, const 
   for (int64_t member = 0; member < g.group; ++member) {
     const int64_t h = kvh * g.group + member;
     const float* q = p.q + g.at(b, 0, h, p.q_stride);
-    const float* dout = p.dout + g.at(b, 0, h, p.dout_stride);
+    const float* dout = p.dout + g.at_v(b, 0, h, p.dout_stride);
     // Under the causal mask queries before k0 see none of these keys.
     for (int64_t q0 = p.causal ? k0 : 0; q0 < g.seq; q0 += kBlock) {
       const int64_t nq = std::min<int64_t>(kBlock, g.seq - q0);
@@ -268,8 +283,8 @@ void backward_key_block(const ops::AttentionParams& p, const Geometry& g, const 
       const float* dor = stage.rows(it.pair, 2 * member + 1, dout, p.dout_stride, q0, nq);
       const float* lse = p.lse + (b * g.heads + h) * g.seq + q0;
       const float* row_delta = delta + (b * g.heads + h) * g.seq + q0;
-      tile_gemm<true, Init::zero>(nq, qr, dim, dim, kt, pt);    // base-2 scores
-      tile_gemm<true, Init::zero>(nq, dor, dim, dim, vt, dst);  // dP = dout v^T
+      tile_gemm<true, Init::zero>(nq, qr, dim, dim, kt, pt);        // base-2 scores
+      tile_gemm<true, Init::zero>(nq, dor, v_dim, v_dim, vt, dst);  // dP = dout v^T
       // Zero the keys after the query (causal) and the padding lanes past the sequence, so that those
       // lanes of dK^T, dV^T stay finite.
       const bool masked = (p.causal && k0 + kBlock - 1 > q0) || k0 + kBlock > g.seq;
@@ -283,8 +298,8 @@ void backward_key_block(const ops::AttentionParams& p, const Geometry& g, const 
           store(dst + i * kBlock + v * kLanes, mul(prob, sub(load(dst + i * kBlock + v * kLanes), row_d)));
         }
       }
-      tile_gemm<false, Init::accumulate>(dim, dor, dim, nq, pt, dvt);  // dV^T += dout^T P
-      tile_gemm<false, Init::accumulate>(dim, qr, dim, nq, dst, dkt);  // dK^T += (q_factor q)^T dS
+      tile_gemm<false, Init::accumulate>(v_dim, dor, v_dim, nq, pt, dvt);  // dV^T += dout^T P
+      tile_gemm<false, Init::accumulate>(dim, qr, dim, nq, dst, dkt);      // dK^T += (q_factor q)^T dS
       if (dq_rows) {
         float* dq = dq_rows + (member * g.seq + q0) * dq_width;
         for (int64_t chunk = 0; chunk < dq_width; chunk += kBlock)  // dQ += dS k
@@ -295,7 +310,7 @@ void backward_key_block(const ops::AttentionParams& p, const Geometry& g, const 
   }
   // dK = scale dS^T q = ln2 dS^T (q_factor q), with no division by a zero scale.
   unpack_transposed(dkt, nk, dim, kLn2, nullptr, p.dk + g.at(b, k0, kvh, p.dk_stride), p.dk_stride);
-  unpack_transposed(dvt, nk, dim, 1.0f, nullptr, p.dv + g.at(b, k0, kvh, p.dv_stride), p.dv_stride);
+  unpack_transposed(dvt, nk, v_dim, 1.0f, nullptr, p.dv + g.at_v(b, k0, kvh, p.dv_stride), p.dv_stride);
 }
 
 // The fused scheme: one item = one (batch, kv head) pair, all its key blocks in order, dQ accumulated in the
@@ -320,16 +335,16 @@ void backward_pair(const ops::AttentionParams& p, const Geometry& g, int64_t pai
 // Pass 2: one item = (batch, head, query block); dQ.
 void backward_query_block(const ops::AttentionParams& p, const Geometry& g, const Item& it,
                           const float* delta, float* tiles, RowStage& stage) {
-  const int64_t dim = g.head_dim, h = it.kv_head * g.group + it.member, b = it.batch;
+  const int64_t dim = g.head_dim, v_dim = g.v_dim, h = it.kv_head * g.group + it.member, b = it.batch;
   const int64_t q0 = it.block * kBlock, nq = std::min<int64_t>(kBlock, g.seq - q0);
   float* qt = tiles;                     // [dim, kBlock] queries, pre-scaled into base-2 logits
-  float* dot = qt + dim * kBlock;        // [dim, kBlock] dout
-  float* dqt = dot + dim * kBlock;       // [dim, kBlock]
+  float* dot = qt + dim * kBlock;        // [v_dim, kBlock] dout
+  float* dqt = dot + v_dim * kBlock;     // [dim, kBlock]
   float* st = dqt + dim * kBlock;        // [kBlock keys, kBlock queries] scores
   float* dst = st + kBlock * kBlock;     // [kBlock keys, kBlock queries] dP, then dS
   float* lanes = dst + kBlock * kBlock;  // [2, kBlock] base-2 lse and delta per query lane
   pack_transposed(p.q + g.at(b, q0, h, p.q_stride), p.q_stride, nq, dim, p.scale * kLog2e, qt);
-  pack_transposed(p.dout + g.at(b, q0, h, p.dout_stride), p.dout_stride, nq, dim, 1.0f, dot);
+  pack_transposed(p.dout + g.at_v(b, q0, h, p.dout_stride), p.dout_stride, nq, v_dim, 1.0f, dot);
   const float* lse = p.lse + (b * g.heads + h) * g.seq + q0;
   const float* row_delta = delta + (b * g.heads + h) * g.seq + q0;
   for (int64_t i = 0; i < kBlock; ++i) {
@@ -340,7 +355,7 @@ void backward_query_block(const ops::AttentionParams& p, const Geometry& g, cons
   for (int i = 0; i < kVectors; ++i)
     lse_lanes[i] = load(lanes + i * kLanes), delta_lanes[i] = load(lanes + kBlock + i * kLanes);
   const float* k = p.k + g.at(b, 0, it.kv_head, p.k_stride);
-  const float* v = p.v + g.at(b, 0, it.kv_head, p.v_stride);
+  const float* v = p.v + g.at_v(b, 0, it.kv_head, p.v_stride);
 
   const LaneIndex query(q0);
   const int64_t key_end = p.causal ? q0 + nq : g.seq;
@@ -349,7 +364,7 @@ void backward_query_block(const ops::AttentionParams& p, const Geometry& g, cons
     const float* kr = stage.rows(it.pair, 0, k, p.k_stride, k0, nk);
     const float* vr = stage.rows(it.pair, 1, v, p.v_stride, k0, nk);
     tile_gemm<true, Init::zero>(nk, kr, dim, dim, qt, st);
-    tile_gemm<true, Init::zero>(nk, vr, dim, dim, dot, dst);
+    tile_gemm<true, Init::zero>(nk, vr, v_dim, v_dim, dot, dst);
     const bool masked = p.causal && k0 + nk - 1 > q0;
     for (int64_t j = 0; j < nk; ++j) {
       const Vec key = splat(static_cast<float>(k0 + j));
@@ -390,13 +405,14 @@ void attention_forward(const ops::AttentionParams& params) {
   const ops::AttentionParams p = with_defaults(params);
   if (use_decode_kernel(p)) return attention_forward_decode(p);
   const Geometry g(p);
-  const int64_t tile_floats = forward_tile_floats(g.head_dim),
-                capacity = stage_capacity(g.kv_seq, 2, g.head_dim);
-  ThreadScratch scratch(tile_floats + 2 * capacity * g.head_dim);
+  // Staged rows: k (head_dim) and v (v_dim) of one (batch, kv head) pair.
+  const int64_t tile_floats = forward_tile_floats(g.head_dim, g.v_dim),
+                capacity = stage_capacity(g.kv_seq, g.head_dim + g.v_dim);
+  ThreadScratch scratch(tile_floats + capacity * (g.head_dim + g.v_dim));
 #pragma omp parallel
   {
     float* mine = scratch.mine();
-    RowStage stage(mine + tile_floats, 2, capacity, g.head_dim);
+    RowStage stage(mine + tile_floats, 1, capacity, g.head_dim, g.v_dim);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t n = 0; n < g.batch * g.heads * g.blocks; ++n)
       forward_block(p, g, item_at(n, g, g.group, p.causal), mine, stage);
@@ -421,28 +437,31 @@ void attention_backward(const ops::AttentionParams& params) {
   std::vector<float> delta(g.batch * g.heads * g.seq);
   row_dots(p, g, delta.data());
   const bool fused = use_fused_backward(g, omp_get_max_threads());
-  const int64_t tile_floats = backward_tile_floats(g.head_dim), sources = std::max<int64_t>(2 * g.group, 2);
-  const int64_t capacity = stage_capacity(g.seq, sources, g.head_dim);
+  // Staged rows: q (head_dim) and dout (v_dim) of each of the group's heads in the dK/dV pass, k and v in the
+  // dQ pass.
+  const int64_t tile_floats = backward_tile_floats(g.head_dim, g.v_dim);
+  const int64_t row_floats = g.group * (g.head_dim + g.v_dim);
+  const int64_t capacity = stage_capacity(g.seq, row_floats);
   const int64_t dq_floats = fused ? g.group * g.seq * padded_dim(g.head_dim) : 0;
-  ThreadScratch scratch(tile_floats + sources * capacity * g.head_dim + dq_floats);
+  ThreadScratch scratch(tile_floats + capacity * row_floats + dq_floats);
 #pragma omp parallel
   {
     float* mine = scratch.mine();
     float* staged = mine + tile_floats;
     if (fused) {
-      RowStage stage(staged, 2 * g.group, capacity, g.head_dim);
+      RowStage stage(staged, g.group, capacity, g.head_dim, g.v_dim);
 #pragma omp for schedule(dynamic, 1)
       for (int64_t pair = 0; pair < g.batch * g.kv_heads; ++pair)
-        backward_pair(p, g, pair, delta.data(), mine, stage, staged + sources * capacity * g.head_dim);
+        backward_pair(p, g, pair, delta.data(), mine, stage, staged + capacity * row_floats);
     } else {
       {
-        RowStage stage(staged, 2 * g.group, capacity, g.head_dim);
+        RowStage stage(staged, g.group, capacity, g.head_dim, g.v_dim);
         // Early key blocks meet the most queries under the causal mask.
 #pragma omp for schedule(dynamic, 1)
         for (int64_t n = 0; n < g.batch * g.kv_heads * g.blocks; ++n)
           backward_key_block(p, g, item_at(n, g, 1, false), delta.data(), mine, stage, nullptr);
       }
-      RowStage stage(staged, 2, capacity, g.head_dim);
+      RowStage stage(staged, 1, capacity, g.head_dim, g.v_dim);
 #pragma omp for schedule(dynamic, 1)
       for (int64_t n = 0; n < g.batch * g.heads * g.blocks; ++n)
         backward_query_block(p, g, item_at(n, g, g.group, p.causal), delta.data(), mine, stage);

@@ -7,7 +7,9 @@
 // all of them (what makes grouped-query decoding cheap). Per tile of kBlock keys: scores by SIMD dot
 // products of each key row with every query row, an online softmax along each row, then O[rows, dim] += P V
 // with the accumulators in registers. Decoding is memory-bound, so rows are read where they lie (staged
-// only when head_dim is not a multiple of the lane count) with a short software prefetch. Chunks write
+// only when head_dim, or v_head_dim for values, is not a multiple of the lane count) with a short software
+// prefetch. Values may alias the keys (MLA's absorbed decode reads them from the first v_head_dim columns of
+// the key rows): both are only read. Chunks write
 // unnormalised partial outputs with their row maxima and sums; a second pass combines the chunks of each
 // pair in chunk order. The chunk size is fixed, so a long cache spreads over the threads while results stay
 // independent of the thread count.
@@ -32,25 +34,31 @@ constexpr int kMaxAccumulators = 8;  // output vectors per row kept in registers
 // overflowing them (8 rows ahead measured slower at head_dim 128), and pulls the values in for P V.
 constexpr int64_t kDecodeRowsAhead = 2;
 
+// Expects parameters with their defaults resolved (v_head_dim set).
 struct DecodeGeometry {
-  int64_t batch, seq, heads, kv_heads, dim, group, rows, kv_seq, q_offset, chunks, dim_padded;
+  int64_t batch, seq, heads, kv_heads, dim, v_dim, group, rows, kv_seq, q_offset, chunks, dim_padded,
+      v_dim_padded;
   explicit DecodeGeometry(const ops::AttentionParams& p)
       : batch(p.batch),
         seq(p.seq),
         heads(p.heads),
         kv_heads(p.kv_heads),
         dim(p.head_dim),
+        v_dim(p.v_head_dim),
         group(p.heads / p.kv_heads),
         rows(group * p.seq),
         kv_seq(p.kv_seq),
         q_offset(p.q_offset),
         chunks((p.kv_seq + kChunkKeys - 1) / kChunkKeys),
-        dim_padded((p.head_dim + kLanes - 1) / kLanes * kLanes) {}
+        dim_padded((p.head_dim + kLanes - 1) / kLanes * kLanes),
+        v_dim_padded((p.v_head_dim + kLanes - 1) / kLanes * kLanes) {}
   // Row r of a pair is query head (kv_head * group + r / seq) at new token r % seq; the last key it sees.
   int64_t last_key(const ops::AttentionParams& p, int64_t row) const {
     return p.causal ? q_offset + row % seq : kv_seq - 1;
   }
-  int64_t scratch_floats() const { return rows * dim_padded + rows * kBlock + 2 * kBlock * dim_padded; }
+  int64_t scratch_floats() const {
+    return rows * dim_padded + rows * kBlock + kBlock * dim_padded + kBlock * v_dim_padded;
+  }
 };
 
 // acc[0, kVectorsPerRow * kLanes) = acc * alpha + sum_j probs[j] * values[j, :] for j < count (values rows
@@ -94,16 +102,17 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return reduce_add(add(s0, s1));
 }
 
-// One (pair, chunk) item: writes acc [rows, dim_padded] (unnormalised), row maxima m (base 2, -inf for a row
-// that sees none of the chunk's keys) and row sums l.
+// One (pair, chunk) item: writes acc [rows, v_dim_padded] (unnormalised), row maxima m (base 2, -inf for a
+// row that sees none of the chunk's keys) and row sums l.
 void decode_chunk(const ops::AttentionParams& p, const DecodeGeometry& g, int64_t pair, int64_t chunk,
                   float* scratch, float* acc, float* m, float* l) {
   const int64_t b = pair / g.kv_heads, kv_head = pair % g.kv_heads, dim = g.dim, width = g.dim_padded;
+  const int64_t v_dim = g.v_dim, v_width = g.v_dim_padded;
   float* qs = scratch;               // [rows, width] queries, pre-scaled into base-2 logits, zero-padded
   float* st = qs + g.rows * width;   // [rows, kBlock] scores, then probabilities
-  float* kr = st + g.rows * kBlock;  // [kBlock, width] keys and values, zero-padded (when dim is not a
-  float* vr = kr + kBlock * width;   // multiple of kLanes; otherwise rows are read in place)
-  std::fill(acc, acc + g.rows * width, 0.0f);
+  float* kr = st + g.rows * kBlock;  // [kBlock, width] keys and [kBlock, v_width] values, zero-padded (when
+  float* vr = kr + kBlock * width;   // dim or v_dim is not a multiple of kLanes; otherwise read in place)
+  std::fill(acc, acc + g.rows * v_width, 0.0f);
   std::fill(m, m + g.rows, -kInfinity);
   std::fill(l, l + g.rows, 0.0f);
 
@@ -112,33 +121,37 @@ void decode_chunk(const ops::AttentionParams& p, const DecodeGeometry& g, int64_
   if (p.causal) key_end = std::min(key_end, g.q_offset + g.seq);
   if (key_begin >= key_end) return;
 
-  const bool staged = width != dim;
-  if (staged) {
+  const bool k_staged = width != dim, v_staged = v_width != v_dim;
+  if (k_staged) {
     std::fill(qs, qs + g.rows * width, 0.0f);
-    std::fill(kr, kr + 2 * kBlock * width, 0.0f);
+    std::fill(kr, kr + kBlock * width, 0.0f);
   }
+  if (v_staged) std::fill(vr, vr + kBlock * v_width, 0.0f);
   for (int64_t member = 0; member < g.group; ++member) {
     const float* q = p.q + b * g.seq * p.q_stride + (kv_head * g.group + member) * dim;
     copy_rows(q, p.q_stride, g.seq, dim, p.scale * kLog2e, qs + member * g.seq * width, width);
   }
   const float* k = p.k + b * p.k_batch_stride + kv_head * p.k_head_stride;
   const float* v = p.v + b * p.v_batch_stride + kv_head * p.v_head_stride;
-  const int64_t k_stride = staged ? width : p.k_stride, v_stride = staged ? width : p.v_stride;
+  const int64_t k_stride = k_staged ? width : p.k_stride, v_stride = v_staged ? v_width : p.v_stride;
 
   for (int64_t k0 = key_begin; k0 < key_end; k0 += kBlock) {
     const int64_t nk = std::min<int64_t>(kBlock, key_end - k0);
     const float* keys = k + k0 * p.k_stride;
     const float* values = v + k0 * p.v_stride;
-    if (staged) {
+    if (k_staged) {
       copy_rows(keys, p.k_stride, nk, dim, 1.0f, kr, width);
-      copy_rows(values, p.v_stride, nk, dim, 1.0f, vr, width);
-      keys = kr, values = vr;
+      keys = kr;
+    }
+    if (v_staged) {
+      copy_rows(values, p.v_stride, nk, v_dim, 1.0f, vr, v_width);
+      values = vr;
     }
     // Scores, key by key: each key row is read once for all rows of the group.
     for (int64_t j = 0; j < nk; ++j) {
-      if (!staged && j + kDecodeRowsAhead < key_end - k0) {
-        prefetch_row(keys + (j + kDecodeRowsAhead) * k_stride, dim);
-        prefetch_row(values + (j + kDecodeRowsAhead) * v_stride, dim);
+      if (j + kDecodeRowsAhead < key_end - k0) {
+        if (!k_staged) prefetch_row(keys + (j + kDecodeRowsAhead) * k_stride, dim);
+        if (!v_staged) prefetch_row(values + (j + kDecodeRowsAhead) * v_stride, v_dim);
       }
       const float* key = keys + j * k_stride;
       for (int64_t r = 0; r < g.rows; ++r) st[r * kBlock + j] = dot(qs + r * width, key, width);
@@ -160,7 +173,7 @@ void decode_chunk(const ops::AttentionParams& p, const DecodeGeometry& g, int64_
       }
       l[r] = l[r] * alpha + reduce_add(sum);
       m[r] = m_new;
-      accumulate(acc + r * width, alpha, s, values, visible, width, v_stride);
+      accumulate(acc + r * v_width, alpha, s, values, visible, v_width, v_stride);
     }
   }
 }
@@ -168,25 +181,25 @@ void decode_chunk(const ops::AttentionParams& p, const DecodeGeometry& g, int64_
 // Combines the chunks of one pair in chunk order and writes out (and lse) for its rows.
 void combine_pair(const ops::AttentionParams& p, const DecodeGeometry& g, int64_t pair, const float* acc,
                   const float* m, const float* l) {
-  const int64_t b = pair / g.kv_heads, kv_head = pair % g.kv_heads, dim = g.dim;
+  const int64_t b = pair / g.kv_heads, kv_head = pair % g.kv_heads, v_dim = g.v_dim;
   const int64_t item_rows = g.rows, first_item = pair * g.chunks;
   for (int64_t r = 0; r < g.rows; ++r) {
     float row_max = -kInfinity;
     for (int64_t c = 0; c < g.chunks; ++c) row_max = std::max(row_max, m[(first_item + c) * item_rows + r]);
     float total = 0.0f;
     const int64_t member = r / g.seq, t = r % g.seq, h = kv_head * g.group + member;
-    float* out = p.out + (b * g.seq + t) * p.out_stride + h * dim;
-    std::fill(out, out + dim, 0.0f);
+    float* out = p.out + (b * g.seq + t) * p.out_stride + h * v_dim;
+    std::fill(out, out + v_dim, 0.0f);
     for (int64_t c = 0; c < g.chunks; ++c) {
       const int64_t row = (first_item + c) * item_rows + r;
       if (m[row] == -kInfinity) continue;
       const float weight = std::exp2(m[row] - row_max);
       total += l[row] * weight;
-      const float* a = acc + row * g.dim_padded;
-      for (int64_t d = 0; d < dim; ++d) out[d] += a[d] * weight;
+      const float* a = acc + row * g.v_dim_padded;
+      for (int64_t d = 0; d < v_dim; ++d) out[d] += a[d] * weight;
     }
     const float inverse = 1.0f / total;
-    for (int64_t d = 0; d < dim; ++d) out[d] *= inverse;
+    for (int64_t d = 0; d < v_dim; ++d) out[d] *= inverse;
     if (p.lse) p.lse[(b * g.heads + h) * g.seq + t] = (row_max + std::log2(total)) * kLn2;
   }
 }
@@ -200,10 +213,10 @@ void attention_forward_decode(const ops::AttentionParams& p) {
   // decoding step calls this once per layer, and fresh pages every call would cost more than long caches'
   // attention itself.
   thread_local std::vector<float> partials;
-  const size_t partial_floats = static_cast<size_t>(items * g.rows * (g.dim_padded + 2));
+  const size_t partial_floats = static_cast<size_t>(items * g.rows * (g.v_dim_padded + 2));
   if (partials.size() < partial_floats) partials.resize(partial_floats);
   float* acc = partials.data();
-  float* m = acc + items * g.rows * g.dim_padded;
+  float* m = acc + items * g.rows * g.v_dim_padded;
   float* l = m + items * g.rows;
   ThreadScratch scratch(g.scratch_floats());
   // A short cache of a small model is not worth a parallel region (a decoding step runs one per layer).
@@ -213,7 +226,7 @@ void attention_forward_decode(const ops::AttentionParams& p) {
     float* mine = scratch.mine();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t n = 0; n < items; ++n)
-      decode_chunk(p, g, n / g.chunks, n % g.chunks, mine, acc + n * g.rows * g.dim_padded, m + n * g.rows,
+      decode_chunk(p, g, n / g.chunks, n % g.chunks, mine, acc + n * g.rows * g.v_dim_padded, m + n * g.rows,
                    l + n * g.rows);
 #pragma omp for schedule(static)
     for (int64_t pair = 0; pair < pairs; ++pair) combine_pair(p, g, pair, acc, m, l);
@@ -222,8 +235,8 @@ void attention_forward_decode(const ops::AttentionParams& p) {
 
 bool supports_kv_append(const ops::KvAppendParams& p, std::string* reason) {
   if (p.batch >= 0 && p.tokens >= 0 && p.kv_heads > 0 && p.head_dim > 0 && p.position >= 0) return true;
-  return ops::refuse(reason, "kv_append: bad shape batch={} tokens={} kv_heads={} head_dim={} position={}", p.batch,
-                     p.tokens, p.kv_heads, p.head_dim, p.position);
+  return ops::refuse(reason, "kv_append: bad shape batch={} tokens={} kv_heads={} head_dim={} position={}",
+                     p.batch, p.tokens, p.kv_heads, p.head_dim, p.position);
 }
 
 void kv_append(const ops::KvAppendParams& p) {

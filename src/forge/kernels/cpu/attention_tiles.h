@@ -287,13 +287,16 @@ inline void copy_rows(const float* rows, int64_t stride, int64_t count, int64_t 
 // they keep missing cache: the hardware prefetchers do not cross pages and the rows alias in the cache sets.
 // Each source keeps a window of up to `capacity` consecutive rows. A pair's items run back to back, the
 // costliest first, so after a thread's first item of a pair the window usually covers all the rows it needs.
+// Sources come in pairs (k and v, or q and dout of one query head): even sources hold rows of even_dim floats
+// (head_dim), odd ones of odd_dim (v_head_dim); the buffer holds capacity * pairs * (even_dim + odd_dim).
 class RowStage {
  public:
-  RowStage(float* buffer, int64_t sources, int64_t capacity, int64_t dim)
-      : buffer_(buffer), capacity_(capacity), dim_(dim), windows_(sources) {}
+  RowStage(float* buffer, int64_t pairs, int64_t capacity, int64_t even_dim, int64_t odd_dim)
+      : buffer_(buffer), capacity_(capacity), even_dim_(even_dim), odd_dim_(odd_dim), windows_(2 * pairs) {}
 
   // Rows [first, first + count) of `source` (row r at base + r * stride), times `factor` (fixed per source),
-  // as a [count, dim] block. `owner` identifies the (batch, kv head) pair; a new owner drops every window.
+  // as a [count, dim] block, dim the source's width. `owner` identifies the (batch, kv head) pair; a new
+  // owner drops every window.
   const float* rows(int64_t owner, int64_t source, const float* base, int64_t stride, int64_t first,
                     int64_t count, float factor = 1.0f) {
     if (owner != owner_) {
@@ -301,15 +304,15 @@ class RowStage {
       for (Window& w : windows_) w = {0, 0};
     }
     Window& w = windows_[source];
-    float* staged = buffer_ + source * capacity_ * dim_;
+    const int64_t dim = source % 2 == 0 ? even_dim_ : odd_dim_;
+    float* staged = buffer_ + capacity_ * (source / 2 * (even_dim_ + odd_dim_) + source % 2 * even_dim_);
     if (first < w.first || first + count > w.first + w.count) {
       if (first != w.first + w.count || w.count + count > capacity_) w = {first, 0};
       const int64_t from = w.first + w.count;  // rows before `from` are already staged
-      copy_rows(base + from * stride, stride, first + count - from, dim_, factor, staged + w.count * dim_,
-                dim_);
+      copy_rows(base + from * stride, stride, first + count - from, dim, factor, staged + w.count * dim, dim);
       w.count = first + count - w.first;
     }
-    return staged + (first - w.first) * dim_;
+    return staged + (first - w.first) * dim;
   }
 
  private:
@@ -317,15 +320,15 @@ class RowStage {
     int64_t first, count;
   };
   float* buffer_;
-  int64_t capacity_, dim_, owner_ = -1;
+  int64_t capacity_, even_dim_, odd_dim_, owner_ = -1;
   std::vector<Window> windows_;
 };
 
-// Staged rows per source: the whole sequence while the copies fit in 4 MiB per thread, else a sliding
-// window (correct either way; only reuse drops).
-inline int64_t stage_capacity(int64_t seq, int64_t sources, int64_t dim) {
+// Staged rows per source, for sources whose rows together take row_floats: the whole sequence while the
+// copies fit in 4 MiB per thread, else a sliding window (correct either way; only reuse drops).
+inline int64_t stage_capacity(int64_t seq, int64_t row_floats) {
   constexpr int64_t kStageFloats = int64_t{1} << 20;
-  return std::clamp<int64_t>(kStageFloats / (sources * dim), kBlock, seq);
+  return std::clamp<int64_t>(kStageFloats / row_floats, kBlock, seq);
 }
 
 }  // namespace forge::cpu::attention_tiles

@@ -10,7 +10,10 @@
 //             (dK, dV) and the query kernel (dQ) of attention_backward.cuh: deterministic, no atomics.
 //
 // The head dimension is padded to 64, 128 or 256 (zeros), so any head_dim up to 256 runs on the same kernels;
-// 64 and 128 waste nothing. Products are bf16 x bf16 with fp32 accumulation, softmax statistics fp32.
+// 64 and 128 waste nothing. v (and out, dout, dv) may have another width, v_head_dim: the tensor-core kernels
+// then run at the wider of the two, padded, each copy zero past its own width (DeepSeek-V3's 192 / 128 at
+// 256). The decode kernels take rows up to 576 wide (MLA's absorbed decode: q/k 576, v 512 aliasing the
+// keys). Products are bf16 x bf16 with fp32 accumulation, softmax statistics fp32.
 //
 // Every check below runs before the first CUDA call, so bad parameters fail the same way with or without a
 // GPU.
@@ -31,7 +34,7 @@ namespace {
 using attention::kLog2e;
 using attention::kRowPadding;
 
-constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kMaxHeadDim = 256;  // the tensor-core kernels' widest tiles
 constexpr int64_t kMaxGridYZ = 65535;
 
 std::string str(int64_t x) { return std::to_string(x); }
@@ -42,14 +45,22 @@ bool refuse(std::string* reason, const std::string& message) {
   return false;
 }
 
-// kv_seq and the k, v head and batch strides with their defaults filled in (as cpu/attention.cpp).
+// v_head_dim, kv_seq and the k, v head and batch strides with their defaults filled in (as
+// cpu/attention.cpp).
 ops::AttentionParams with_defaults(ops::AttentionParams p) {
+  if (p.v_head_dim == 0) p.v_head_dim = p.head_dim;
   if (p.kv_seq == 0) p.kv_seq = p.seq;
   if (p.k_head_stride == 0) p.k_head_stride = p.head_dim;
-  if (p.v_head_stride == 0) p.v_head_stride = p.head_dim;
+  if (p.v_head_stride == 0) p.v_head_stride = p.v_head_dim;
   if (p.k_batch_stride == 0) p.k_batch_stride = std::max(p.kv_seq * p.k_stride, p.kv_heads * p.k_head_stride);
   if (p.v_batch_stride == 0) p.v_batch_stride = std::max(p.kv_seq * p.v_stride, p.kv_heads * p.v_head_stride);
   return p;
+}
+
+// As the CPU: a few queries against a longer cache take the decode kernels; training's square attention
+// never. Expects kv_seq resolved.
+bool use_decode_kernels(const ops::AttentionParams& p) {
+  return p.seq <= attention::kDecodeMaxQueries && (p.kv_seq != p.seq || p.q_offset != 0);
 }
 
 // cpu/attention.cpp's predicate, message for message, plus this backend's own limits.
@@ -60,6 +71,8 @@ bool supports(const ops::AttentionParams& p, bool backward, std::string* reason)
   if (p.heads % p.kv_heads != 0)
     return refuse(reason,
                   "attention: heads " + str(p.heads) + " not a multiple of kv_heads " + str(p.kv_heads));
+  if (p.v_head_dim < 0) return refuse(reason, "attention: negative v_head_dim " + str(p.v_head_dim));
+  const int64_t v_dim = p.v_head_dim == 0 ? p.head_dim : p.v_head_dim;
   if (!(p.kv_seq >= 0 && p.q_offset >= 0 && p.k_batch_stride >= 0 && p.v_batch_stride >= 0 &&
         p.k_head_stride >= 0 && p.v_head_stride >= 0))
     return refuse(reason, "attention: negative kv_seq " + str(p.kv_seq) + ", q_offset " + str(p.q_offset) +
@@ -74,32 +87,49 @@ bool supports(const ops::AttentionParams& p, bool backward, std::string* reason)
   if (!(p.q && p.k && p.v && p.out)) return refuse(reason, "attention: q, k, v and out must be set");
   if (!(p.lse || !backward)) return refuse(reason, "attention backward: lse must be set");
   const int64_t q_width = p.heads * p.head_dim, kv_width = p.kv_heads * p.head_dim;
-  if (!(p.q_stride >= q_width && p.out_stride >= q_width))
+  const int64_t out_width = p.heads * v_dim, v_width = p.kv_heads * v_dim;
+  if (!(p.q_stride >= q_width && p.out_stride >= out_width))
     return refuse(reason, "attention: q_stride " + str(p.q_stride) + " / out_stride " + str(p.out_stride) +
-                              " < " + str(q_width));
+                              " < " + str(q_width) + " / " + str(out_width));
   const int64_t k_head = p.k_head_stride == 0 ? p.head_dim : p.k_head_stride;
-  const int64_t v_head = p.v_head_stride == 0 ? p.head_dim : p.v_head_stride;
-  if (!(k_head >= p.head_dim && v_head >= p.head_dim))
+  const int64_t v_head = p.v_head_stride == 0 ? v_dim : p.v_head_stride;
+  if (!(k_head >= p.head_dim && v_head >= v_dim))
     return refuse(reason, "attention: head strides " + str(k_head) + " / " + str(v_head) + " < head_dim " +
-                              str(p.head_dim));
+                              str(p.head_dim) + " / v_head_dim " + str(v_dim));
   if (!(p.k_stride >= (k_head == p.head_dim ? kv_width : p.head_dim) &&
-        p.v_stride >= (v_head == p.head_dim ? kv_width : p.head_dim)))
+        p.v_stride >= (v_head == v_dim ? v_width : v_dim)))
     return refuse(reason, "attention: k_stride " + str(p.k_stride) + " / v_stride " + str(p.v_stride) +
-                              " too small for " + str(p.kv_heads) + " kv heads of " + str(p.head_dim));
+                              " too small for " + str(p.kv_heads) + " kv heads of " + str(p.head_dim) +
+                              " / " + str(v_dim));
   if (!(p.batch == 1 ||
         ((p.k_batch_stride == 0 || p.k_batch_stride >= std::max(kv_seq * p.k_stride, p.kv_heads * k_head)) &&
          (p.v_batch_stride == 0 || p.v_batch_stride >= std::max(kv_seq * p.v_stride, p.kv_heads * v_head)))))
     return refuse(reason, "attention: batch strides " + str(p.k_batch_stride) + " / " +
                               str(p.v_batch_stride) + " overlap sequences of " + str(kv_seq) + " keys");
-  // This backend's limits: the widest tiles, and the decode grid's y and z extents (heads and batch).
-  if (p.head_dim > kMaxHeadDim)
-    return refuse(reason, "attention: head_dim " + str(p.head_dim) + " > " + str(kMaxHeadDim) +
-                              " is not supported on the CUDA backend");
+  // This backend's limits: the widest rows of each kernel family, and the decode grid's y and z extents
+  // (heads and batch).
+  ops::AttentionParams resolved = p;
+  resolved.kv_seq = kv_seq;
+  if (!backward && use_decode_kernels(resolved)) {
+    if (p.head_dim > attention::kDecodeMaxHeadDim || v_dim > attention::kDecodeMaxHeadDim)
+      return refuse(reason, "attention: head_dim " + str(p.head_dim) + " / v_head_dim " + str(v_dim) + " > " +
+                                str(attention::kDecodeMaxHeadDim) +
+                                " is not supported by the CUDA backend's decode kernels");
+  } else if (p.head_dim > kMaxHeadDim || v_dim > kMaxHeadDim) {
+    const std::string what =
+        p.head_dim > kMaxHeadDim ? "head_dim " + str(p.head_dim) : "v_head_dim " + str(v_dim);
+    return refuse(reason, "attention: " + what + " > " + str(kMaxHeadDim) +
+                              " is not supported on the CUDA backend (by its tensor-core kernels; the decode "
+                              "kernels, for up to " +
+                              str(attention::kDecodeMaxQueries) +
+                              " queries against a longer cache, take up to " +
+                              str(attention::kDecodeMaxHeadDim) + ")");
+  }
   if (p.heads > kMaxGridYZ || p.batch > kMaxGridYZ)
     return refuse(reason, "attention: heads " + str(p.heads) + " / batch " + str(p.batch) +
                               " exceed the CUDA grid's " + str(kMaxGridYZ));
   if (!backward) return true;
-  if (!(kv_seq == p.seq && p.q_offset == 0 && k_head == p.head_dim && v_head == p.head_dim &&
+  if (!(kv_seq == p.seq && p.q_offset == 0 && k_head == p.head_dim && v_head == v_dim &&
         (p.k_batch_stride == 0 || p.k_batch_stride == p.seq * p.k_stride) &&
         (p.v_batch_stride == 0 || p.v_batch_stride == p.seq * p.v_stride)))
     return refuse(reason,
@@ -107,23 +137,17 @@ bool supports(const ops::AttentionParams& p, bool backward, std::string* reason)
                   "supported");
   if (!(p.dout && p.dq && p.dk && p.dv))
     return refuse(reason, "attention backward: dout, dq, dk and dv must be set");
-  if (!(p.dout_stride >= q_width && p.dq_stride >= q_width))
+  if (!(p.dout_stride >= out_width && p.dq_stride >= q_width))
     return refuse(reason, "attention backward: dout_stride " + str(p.dout_stride) + " / dq_stride " +
-                              str(p.dq_stride) + " < " + str(q_width));
-  if (!(p.dk_stride >= kv_width && p.dv_stride >= kv_width))
+                              str(p.dq_stride) + " < " + str(out_width) + " / " + str(q_width));
+  if (!(p.dk_stride >= kv_width && p.dv_stride >= v_width))
     return refuse(reason, "attention backward: dk_stride " + str(p.dk_stride) + " / dv_stride " +
-                              str(p.dv_stride) + " < " + str(kv_width));
+                              str(p.dv_stride) + " < " + str(kv_width) + " / " + str(v_width));
   return true;
 }
 
 void check_params(const ops::AttentionParams& p, bool backward) {
   if (std::string why; !supports(p, backward, &why)) fail(why);
-}
-
-// As the CPU: a few queries against a longer cache take the decode kernels; training's square attention
-// never.
-bool use_decode_kernels(const ops::AttentionParams& p) {
-  return p.seq <= attention::kDecodeMaxQueries && (p.kv_seq != p.seq || p.q_offset != 0);
 }
 
 int padded_head_dim(int64_t head_dim) { return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256; }
@@ -201,9 +225,10 @@ void forward_decode(const ops::AttentionParams& p) {
   d.q_offset = p.q_offset;
   d.key_end = p.causal ? std::min(p.kv_seq, p.q_offset + p.seq) : p.kv_seq;
   d.chunks = (d.key_end + attention::kDecodeKeys - 1) / attention::kDecodeKeys;
-  d.head_dim = static_cast<int>(p.head_dim), d.factor = p.scale * kLog2e, d.causal = p.causal;
+  d.head_dim = static_cast<int>(p.head_dim), d.v_head_dim = static_cast<int>(p.v_head_dim);
+  d.factor = p.scale * kLog2e, d.causal = p.causal;
   const int64_t items = p.batch * p.heads * d.chunks * p.seq;
-  const size_t partial_bytes = detail::align_bytes(static_cast<size_t>(items * p.head_dim) * sizeof(float));
+  const size_t partial_bytes = detail::align_bytes(static_cast<size_t>(items * p.v_head_dim) * sizeof(float));
   const size_t stats_bytes = detail::align_bytes(static_cast<size_t>(items) * sizeof(float));
   detail::StreamScratch scratch(partial_bytes + 2 * stats_bytes);
   d.partial = scratch.as<float>();
@@ -211,7 +236,9 @@ void forward_decode(const ops::AttentionParams& p) {
   d.partial_sum = scratch.as<float>(partial_bytes + stats_bytes);
   const dim3 chunk_grid(grid_x(d.chunks, "decode"), static_cast<unsigned>(p.heads),
                         static_cast<unsigned>(p.batch));
-  attention::attention_decode_chunk_kernel<<<chunk_grid, attention::kDecodeKeys, 0, stream()>>>(d);
+  attention::attention_decode_chunk_kernel<<<chunk_grid, attention::kDecodeKeys,
+                                             attention::decode_shared_bytes(p.seq, p.head_dim), stream()>>>(
+      d);
   FORGE_CUDA_CHECK_LAUNCH("attention_forward (decode chunks)");
   const dim3 row_grid(static_cast<unsigned>(p.seq), static_cast<unsigned>(p.heads),
                       static_cast<unsigned>(p.batch));
@@ -233,7 +260,7 @@ void attention_forward(const ops::AttentionParams& params) {
   const ops::AttentionParams p = with_defaults(params);
   if (use_decode_kernels(p)) return forward_decode(p);
 
-  const int dim = padded_head_dim(p.head_dim);
+  const int dim = padded_head_dim(std::max(p.head_dim, p.v_head_dim));
   const int64_t padded_seq = padded_rows(p.seq), padded_kv_seq = padded_rows(p.kv_seq);
   const size_t q_bytes = detail::align_bytes(static_cast<size_t>(p.batch * p.heads * padded_seq * dim) * 2);
   const size_t kv_bytes =
@@ -246,15 +273,16 @@ void attention_forward(const ops::AttentionParams& params) {
                 p.scale * kLog2e, q));
   stage(staging(p.k, p.k_batch_stride, p.k_head_stride, p.k_stride, p.batch, p.kv_heads, p.kv_seq, p.head_dim,
                 dim, 1.0f, k));
-  stage(staging(p.v, p.v_batch_stride, p.v_head_stride, p.v_stride, p.batch, p.kv_heads, p.kv_seq, p.head_dim,
-                dim, 1.0f, v));
+  stage(staging(p.v, p.v_batch_stride, p.v_head_stride, p.v_stride, p.batch, p.kv_heads, p.kv_seq,
+                p.v_head_dim, dim, 1.0f, v));
 
   attention::ForwardParams f;
   f.q = q, f.k = k, f.v = v, f.out = p.out, f.out_stride = p.out_stride, f.lse = p.lse;
   f.batch = p.batch, f.heads = p.heads, f.kv_heads = p.kv_heads, f.group = p.heads / p.kv_heads,
   f.seq = p.seq, f.kv_seq = p.kv_seq;
   f.q_offset = p.q_offset, f.padded_seq = padded_seq, f.padded_kv_seq = padded_kv_seq;
-  f.head_dim = static_cast<int>(p.head_dim), f.causal = p.causal;
+  f.head_dim = static_cast<int>(p.head_dim), f.v_head_dim = static_cast<int>(p.v_head_dim);
+  f.causal = p.causal;
   switch (dim) {
     case 64:
       return launch_forward<64>(f);
@@ -268,7 +296,7 @@ void attention_forward(const ops::AttentionParams& params) {
 void attention_backward(const ops::AttentionParams& params) {
   check_params(params, true);
   const ops::AttentionParams p = with_defaults(params);
-  const int dim = padded_head_dim(p.head_dim);
+  const int dim = padded_head_dim(std::max(p.head_dim, p.v_head_dim));
   const int64_t padded_seq = padded_rows(p.seq);
   const size_t q_bytes = detail::align_bytes(static_cast<size_t>(p.batch * p.heads * padded_seq * dim) * 2);
   const size_t kv_bytes =
@@ -285,12 +313,12 @@ void attention_backward(const ops::AttentionParams& params) {
                 p.scale * kLog2e, q));
   stage(staging(p.k, p.k_batch_stride, p.k_head_stride, p.k_stride, p.batch, p.kv_heads, p.seq, p.head_dim,
                 dim, 1.0f, k));
-  stage(staging(p.v, p.v_batch_stride, p.v_head_stride, p.v_stride, p.batch, p.kv_heads, p.seq, p.head_dim,
+  stage(staging(p.v, p.v_batch_stride, p.v_head_stride, p.v_stride, p.batch, p.kv_heads, p.seq, p.v_head_dim,
                 dim, 1.0f, v));
-  attention::StagingParams s = staging(p.dout, p.seq * p.dout_stride, p.head_dim, p.dout_stride, p.batch,
-                                       p.heads, p.seq, p.head_dim, dim, 1.0f, dout);
+  attention::StagingParams s = staging(p.dout, p.seq * p.dout_stride, p.v_head_dim, p.dout_stride, p.batch,
+                                       p.heads, p.seq, p.v_head_dim, dim, 1.0f, dout);
   s.dot = p.out, s.dot_token_stride = p.out_stride;
-  s.dot_vector_loads = aligned16(p.out) && p.out_stride % 4 == 0 && p.head_dim % 4 == 0;
+  s.dot_vector_loads = aligned16(p.out) && p.out_stride % 4 == 0 && p.v_head_dim % 4 == 0;
   s.lse = p.lse, s.delta = delta, s.lse2 = lse2;
   stage(s);
 
@@ -300,7 +328,8 @@ void attention_backward(const ops::AttentionParams& params) {
   bp.dq_stride = p.dq_stride, bp.dk_stride = p.dk_stride, bp.dv_stride = p.dv_stride;
   bp.batch = p.batch, bp.heads = p.heads, bp.kv_heads = p.kv_heads, bp.group = p.heads / p.kv_heads,
   bp.seq = p.seq;
-  bp.padded_seq = padded_seq, bp.head_dim = static_cast<int>(p.head_dim), bp.scale = p.scale;
+  bp.padded_seq = padded_seq, bp.head_dim = static_cast<int>(p.head_dim);
+  bp.v_head_dim = static_cast<int>(p.v_head_dim), bp.scale = p.scale;
   bp.causal = p.causal;
   switch (dim) {
     case 64:

@@ -13,6 +13,9 @@
 //
 // Scores are in base 2 (q is staged pre-scaled by scale * log2(e)); P = 2^(S - lse log2(e)) is the true
 // softmax, dS the true score gradient, so dK = scale dS^T q = ln(2) dS^T (staged q) and dQ = scale dS K.
+// D is the wider of head_dim and v_head_dim, padded: the staged copies are zero past their own width, so dP
+// sums only v_head_dim columns and the columns of dK past head_dim and of dV past v_head_dim (zero) are not
+// stored.
 #ifndef FORGE_KERNELS_CUDA_ATTENTION_BACKWARD_CUH
 #define FORGE_KERNELS_CUDA_ATTENTION_BACKWARD_CUH
 
@@ -25,17 +28,17 @@ namespace forge::cuda::attention {
 
 struct BackwardParams {
   const uint16_t* q = nullptr;     // [batch, heads, padded_seq, D], scaled by scale * log2(e)
-  const uint16_t* dout = nullptr;  // [batch, heads, padded_seq, D]
+  const uint16_t* dout = nullptr;  // [batch, heads, padded_seq, D], zero past v_head_dim
   const uint16_t* k = nullptr;     // [batch, kv_heads, padded_seq, D]
-  const uint16_t* v = nullptr;
-  const float* lse2 = nullptr;   // [batch, heads, padded_seq]: lse * log2(e)
-  const float* delta = nullptr;  // [batch, heads, padded_seq]: <dout, out>
-  float* dq = nullptr;           // [batch, seq, heads, head_dim]
-  float* dk = nullptr;           // [batch, seq, kv_heads, head_dim]
-  float* dv = nullptr;
+  const uint16_t* v = nullptr;     // the same, zero past v_head_dim
+  const float* lse2 = nullptr;     // [batch, heads, padded_seq]: lse * log2(e)
+  const float* delta = nullptr;    // [batch, heads, padded_seq]: <dout, out>
+  float* dq = nullptr;             // [batch, seq, heads, head_dim]
+  float* dk = nullptr;             // [batch, seq, kv_heads, head_dim]
+  float* dv = nullptr;             // [batch, seq, kv_heads, v_head_dim]
   int64_t dq_stride = 0, dk_stride = 0, dv_stride = 0;
   int64_t batch = 0, heads = 0, kv_heads = 0, group = 0, seq = 0, padded_seq = 0;
-  int head_dim = 0;
+  int head_dim = 0, v_head_dim = 0;  // D covers both
   float scale = 1.0f;
   bool causal = true;
 };
@@ -191,16 +194,14 @@ __global__ void __launch_bounds__(BackwardShape<D>::kWarps * 32, 1)
     const int64_t row = key + 8 * half;
     if (row >= p.seq) continue;
     float* dk_row = p.dk + (b * p.seq + row) * p.dk_stride + kv_head * p.head_dim;
-    float* dv_row = p.dv + (b * p.seq + row) * p.dv_stride + kv_head * p.head_dim;
+    float* dv_row = p.dv + (b * p.seq + row) * p.dv_stride + kv_head * p.v_head_dim;
 #pragma unroll
     for (int i = 0; i < kColumnTiles; ++i)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int column = column0 + i * 8 + 2 * t + e;
-        if (column < p.head_dim) {
-          dk_row[column] = dk[i][2 * half + e] * kLn2;
-          dv_row[column] = dv[i][2 * half + e];
-        }
+        if (column < p.head_dim) dk_row[column] = dk[i][2 * half + e] * kLn2;
+        if (column < p.v_head_dim) dv_row[column] = dv[i][2 * half + e];
       }
   }
 }

@@ -1,12 +1,14 @@
 // Attention for a few new queries (at most kDecodeMaxQueries) against a longer key/value cache: generation's
 // decoding step. Tensor-core tiles of 128 queries would be almost empty and staging the whole cache in bf16
 // would triple the memory traffic of a memory-bound step, so these kernels read the fp32 cache where it lies
-// (either layout) and compute in fp32.
+// (either layout) and compute in fp32. Values have v_head_dim columns and may alias the keys (MLA's absorbed
+// decode: one kv head of q/k 576 whose values are the first 512 columns of each key row); both are only read.
 //
 //   attention_decode_chunk_kernel    one CTA per (batch, head, chunk of kDecodeKeys keys), one thread per
 //   key:
-//                                    each thread's dot products with every query row, the chunk's row maxima
-//                                    and sums (block reductions), then threads over head_dim accumulate P V.
+//                                    each thread's dot products with every query row (the queries in dynamic
+//                                    shared memory, decode_shared_bytes), the chunk's row maxima and sums
+//                                    (block reductions), then threads over v_head_dim accumulate P V.
 //                                    Unnormalised partial outputs go to scratch.
 //   attention_decode_combine_kernel  one CTA per (batch, head, query row): the chunks in chunk order.
 // The chunk size is fixed and every reduction has a fixed order, so results are bitwise reproducible.
@@ -22,7 +24,14 @@ namespace forge::cuda::attention {
 
 constexpr int kDecodeKeys = 128;  // keys per chunk = threads per CTA
 constexpr int kDecodeMaxQueries = 16;
-constexpr int kDecodeMaxHeadDim = 256;
+// The widest q/k rows: 16 query rows of 576 floats (36 KiB) and the static scores (8 KiB) stay under the
+// 48 KiB a CTA may use without opting in. 576 is MLA's absorbed decode (512 latent + 64 rope).
+constexpr int kDecodeMaxHeadDim = 576;
+
+// Dynamic shared memory of the chunk kernel: the scaled queries [seq, head_dim].
+inline int decode_shared_bytes(int64_t seq, int64_t head_dim) {
+  return static_cast<int>(seq * head_dim * sizeof(float));
+}
 
 struct DecodeParams {
   const float* q = nullptr;  // [batch, seq, heads, head_dim], q_stride between tokens
@@ -31,16 +40,16 @@ struct DecodeParams {
   const float* v = nullptr;
   int64_t k_stride = 0, v_stride = 0, k_head_stride = 0, v_head_stride = 0, k_batch_stride = 0,
           v_batch_stride = 0;
-  float* partial = nullptr;      // [batch, heads, chunks, seq, head_dim]
+  float* partial = nullptr;      // [batch, heads, chunks, seq, v_head_dim]
   float* partial_max = nullptr;  // [batch, heads, chunks, seq], base 2
   float* partial_sum = nullptr;
   float* out = nullptr;
   int64_t out_stride = 0;
   float* lse = nullptr;  // optional [batch, heads, seq]
   int64_t heads = 0, group = 0, seq = 0, kv_seq = 0, q_offset = 0, chunks = 0;
-  int64_t key_end = 0;  // keys [0, key_end) are visible to some row
-  int head_dim = 0;
-  float factor = 1.0f;  // scale * log2(e)
+  int64_t key_end = 0;               // keys [0, key_end) are visible to some row
+  int head_dim = 0, v_head_dim = 0;  // columns of q and k; of v and out
+  float factor = 1.0f;               // scale * log2(e)
   bool causal = true;
 };
 
@@ -66,11 +75,11 @@ __device__ __forceinline__ float decode_block_sum(float x, float* scratch) {
 __global__ void __launch_bounds__(kDecodeKeys) attention_decode_chunk_kernel(const DecodeParams p) {
   static_assert(kDecodeKeys == 128, "the block reductions combine four warps");
   constexpr float kInf = INFINITY;
-  __shared__ float queries[kDecodeMaxQueries * kDecodeMaxHeadDim];  // [seq, head_dim], scaled
-  __shared__ float scores[kDecodeMaxQueries * kDecodeKeys];         // [seq, kDecodeKeys], then probabilities
+  float* queries = reinterpret_cast<float*>(dynamic_shared_memory());  // [seq, head_dim], scaled
+  __shared__ float scores[kDecodeMaxQueries * kDecodeKeys];  // [seq, kDecodeKeys], then probabilities
   __shared__ float reduce[4];
   const int64_t chunk = blockIdx.x, h = blockIdx.y, b = blockIdx.z, kv_head = h / p.group;
-  const int tid = threadIdx.x, dim = p.head_dim;
+  const int tid = threadIdx.x, dim = p.head_dim, v_dim = p.v_head_dim;
   const int rows = static_cast<int>(p.seq);
   for (int i = tid; i < rows * dim; i += kDecodeKeys) {
     const int r = i / dim, d = i % dim;
@@ -115,7 +124,7 @@ __global__ void __launch_bounds__(kDecodeKeys) attention_decode_chunk_kernel(con
   int64_t count = p.key_end - c0;
   if (count > kDecodeKeys) count = kDecodeKeys;
   const float* values = p.v + b * p.v_batch_stride + kv_head * p.v_head_stride + c0 * p.v_stride;
-  for (int d = tid; d < dim; d += kDecodeKeys) {
+  for (int d = tid; d < v_dim; d += kDecodeKeys) {
     float acc[kDecodeMaxQueries];
 #pragma unroll
     for (int r = 0; r < kDecodeMaxQueries; ++r) acc[r] = 0.0f;
@@ -127,7 +136,7 @@ __global__ void __launch_bounds__(kDecodeKeys) attention_decode_chunk_kernel(con
     }
 #pragma unroll
     for (int r = 0; r < kDecodeMaxQueries; ++r)
-      if (r < rows) p.partial[(item * p.seq + r) * dim + d] = acc[r];
+      if (r < rows) p.partial[(item * p.seq + r) * v_dim + d] = acc[r];
   }
 }
 
@@ -143,12 +152,12 @@ __global__ void __launch_bounds__(kDecodeKeys) attention_decode_combine_kernel(c
     if (mc != -kInf) total += p.partial_sum[(first + c) * p.seq + r] * exp2f(mc - m);
   }
   const float inverse = 1.0f / total;
-  float* out = p.out + (b * p.seq + r) * p.out_stride + h * p.head_dim;
-  for (int d = threadIdx.x; d < p.head_dim; d += kDecodeKeys) {
+  float* out = p.out + (b * p.seq + r) * p.out_stride + h * p.v_head_dim;
+  for (int d = threadIdx.x; d < p.v_head_dim; d += kDecodeKeys) {
     float acc = 0.0f;
     for (int64_t c = 0; c < p.chunks; ++c) {
       const float mc = p.partial_max[(first + c) * p.seq + r];
-      if (mc != -kInf) acc += p.partial[((first + c) * p.seq + r) * p.head_dim + d] * exp2f(mc - m);
+      if (mc != -kInf) acc += p.partial[((first + c) * p.seq + r) * p.v_head_dim + d] * exp2f(mc - m);
     }
     out[d] = acc * inverse;
   }

@@ -5,6 +5,9 @@
 // rescales O and adds P V, with P handed from the score accumulators to the next MMA in registers. Nothing of
 // size seq x seq exists anywhere.
 //
+// D is the wider of head_dim and v_head_dim, padded; q and k are zero past head_dim and v past v_head_dim, so
+// S sums head_dim columns and O has v_head_dim (the rest zero, not stored).
+//
 // Every row's scores, maxima and sums are reduced in an order fixed by the problem size, so results are
 // bitwise reproducible.
 #ifndef FORGE_KERNELS_CUDA_ATTENTION_FORWARD_CUH
@@ -20,13 +23,13 @@ namespace forge::cuda::attention {
 struct ForwardParams {
   const uint16_t* q = nullptr;  // [batch, heads, padded_seq, D], scaled by scale * log2(e)
   const uint16_t* k = nullptr;  // [batch, kv_heads, padded_kv_seq, D]
-  const uint16_t* v = nullptr;
-  float* out = nullptr;  // [batch, seq, heads, head_dim], out_stride between tokens
+  const uint16_t* v = nullptr;  // the same, zero past v_head_dim
+  float* out = nullptr;         // [batch, seq, heads, v_head_dim], out_stride between tokens
   int64_t out_stride = 0;
   float* lse = nullptr;  // optional [batch, heads, seq]
   int64_t batch = 0, heads = 0, kv_heads = 0, group = 0, seq = 0, kv_seq = 0, q_offset = 0, padded_seq = 0,
           padded_kv_seq = 0;
-  int head_dim = 0;
+  int head_dim = 0, v_head_dim = 0;  // D covers both
   bool causal = true;
 };
 
@@ -181,19 +184,20 @@ __global__ void __launch_bounds__(kForwardThreads, 1) attention_forward_kernel(c
     __syncthreads();  // the next iteration's copies overwrite the stage read here
   }
 
-  // out = O / sum (rows inside the sequence, columns inside head_dim); lse = ln(sum) + max in natural units.
+  // out = O / sum (rows inside the sequence, columns inside v_head_dim); lse = ln(sum) + max in natural
+  // units.
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const float total = quad_sum(row_sum[half]);
     const int64_t row = m0 + warp_row + g + 8 * half;
     if (row >= p.seq) continue;
     const float inverse = 1.0f / total;
-    float* out = p.out + (b * p.seq + row) * p.out_stride + h * p.head_dim;
+    float* out = p.out + (b * p.seq + row) * p.out_stride + h * p.v_head_dim;
 #pragma unroll
     for (int i = 0; i < kOutTiles; ++i) {
       const int column = i * 8 + 2 * t;
-      if (column < p.head_dim) out[column] = o[i][2 * half] * inverse;
-      if (column + 1 < p.head_dim) out[column + 1] = o[i][2 * half + 1] * inverse;
+      if (column < p.v_head_dim) out[column] = o[i][2 * half] * inverse;
+      if (column + 1 < p.v_head_dim) out[column + 1] = o[i][2 * half + 1] * inverse;
     }
     if (p.lse != nullptr && t == 0)
       p.lse[(b * p.heads + h) * p.seq + row] = (row_max[half] + log2f(total)) * kLn2;
