@@ -29,6 +29,8 @@ struct Config {
   }
 };
 
+void PrintTo(const Config& c, std::ostream* os) { *os << c.name(); }
+
 // The tiny sizes of the brief: hidden 16, 2 heads, nope 4, rope 4, v 6, kv latent 8, q latent 8.
 MlaShape tiny_shape(const Config& c) {
   MlaShape s;
