@@ -15,6 +15,8 @@
 #include <vector>
 
 #include "forge/kernels/rope_tables.h"
+#include "forge/nn/decoder_layer.h"
+#include "forge/nn/mlp.h"
 #include "forge/nn/tensor_parallel.h"
 #include "op_harness.h"
 
@@ -56,8 +58,13 @@ struct Fixture {
   MlaShape shape;
   RopeTable rope;
   std::unique_ptr<MlaAttention> mla;
+  // With with_layer: a whole decoder layer around it (norms, SwiGLU of 24), the way a family composes MLA.
+  int norm1 = -1, norm2 = -1;
+  MlpParams mlp;
+  std::unique_ptr<DecoderLayer> layer;
 
-  Fixture(const Config& c, ComputeOptions options, int64_t positions = 16, MlaShape s = {}) {
+  Fixture(const Config& c, ComputeOptions options, int64_t positions = 16, MlaShape s = {},
+          bool with_layer = false) {
     shape = s.hidden ? s : tiny_shape(c);
     RopeScaling scaling;
     if (c.yarn) {
@@ -81,6 +88,15 @@ struct Fixture {
     ids.kv_b =
         store.add(p + "kv_b_proj.weight", {shape.kv_dim(), shape.kv_lora_rank}, true, Init::normal, 0.4f);
     ids.o = store.add(p + "o_proj.weight", {shape.hidden, H * shape.v_head_dim}, true, Init::normal, 0.3f);
+    if (with_layer) {
+      norm1 = store.add("model.layers.0.input_layernorm.weight", {shape.hidden}, false, Init::ones);
+      norm2 = store.add("model.layers.0.post_attention_layernorm.weight", {shape.hidden}, false, Init::ones);
+      mlp.gate =
+          store.add("model.layers.0.mlp.gate_proj.weight", {24, shape.hidden}, true, Init::normal, 0.3f);
+      mlp.up = store.add("model.layers.0.mlp.up_proj.weight", {24, shape.hidden}, true, Init::normal, 0.3f);
+      mlp.down =
+          store.add("model.layers.0.mlp.down_proj.weight", {shape.hidden, 24}, true, Init::normal, 0.3f);
+    }
     store.allocate(options.gemm_dtype == DType::bf16);
     store.initialize(11);
     for (const auto& info : store.infos())  // norm weights away from 1 so their gradients are exercised
@@ -94,6 +110,10 @@ struct Fixture {
     rope.sin = Tensor::empty({positions, dr / 2}, DType::f32);
     rope_tables(positions, dr, 10000.0, scaling, rope.cos.f32(), rope.sin.f32());
     mla = std::make_unique<MlaAttention>(&store, ids, shape, &rope, options);
+    if (with_layer)
+      layer = std::make_unique<DecoderLayer>(&store, norm1, std::make_unique<MlaAttention>(*mla), norm2,
+                                             std::make_unique<Mlp>(&store, mlp, shape.hidden, 24, options),
+                                             1e-6f, options);
   }
   std::vector<double> param(int id) const {
     Tensor t = store.param(id);
@@ -328,6 +348,33 @@ TEST_P(MlaContract, SelectiveRecomputeEqualsKeepingTheCoreBitwise) {
 }
 
 INSTANTIATE_TEST_SUITE_P(GemmDtypes, MlaContract, ::testing::Values(DType::f32, DType::bf16));
+
+// MLA as the token mixer of a decoder layer (through the LayerPart interface): the three recompute policies
+// and B then W give the same gradients bitwise.
+TEST_P(MlaContract, InADecoderLayerEveryRecomputePolicyGivesTheSameGradients) {
+  const Config c{true, true, true};
+  const int64_t rows = kBatch * kSeq;
+  Tensor x = from_vector(testing::random_floats(rows * 16, 14), {rows, 16});
+  Tensor dy = from_vector(testing::random_floats(rows * 16, 15), {rows, 16});
+  Tensor dx_ref, grads_ref;
+  for (Recompute policy : {Recompute::none, Recompute::selective, Recompute::full}) {
+    for (bool split : {false, true}) {
+      Fixture f(c, {GetParam(), policy}, 16, {}, true);
+      f.store.zero_grads();
+      DecoderLayer::Saved saved;
+      f.layer->forward(x, kBatch, kSeq, saved);
+      Tensor dx = f.layer->backward_input(dy, kBatch, kSeq, saved);
+      if (split) f.layer->forward(x, kBatch, kSeq, *std::make_unique<DecoderLayer::Saved>());
+      f.layer->backward_weight(saved);
+      if (!dx_ref.defined()) {
+        dx_ref = dx, grads_ref = f.store.grads().clone();
+        continue;
+      }
+      EXPECT_TRUE(bitwise_equal(dx, dx_ref)) << recompute_name(policy) << " split " << split;
+      EXPECT_TRUE(bitwise_equal(f.store.grads(), grads_ref)) << recompute_name(policy) << " split " << split;
+    }
+  }
+}
 
 // bf16 GEMM operands (fp32 accumulation) against the double reference, by the scale-free dissimilarity:
 // bf16's 8-bit mantissa gives ~4e-3 relative error per operand, ~1e-5 dissimilarity; thresholds 1e-4 for
