@@ -1,5 +1,7 @@
 #include "forge/nn/mla_attention.h"
 
+#include <algorithm>
+
 #include "forge/kernels/ops.h"
 #include "forge/nn/tensor_parallel.h"
 
@@ -8,14 +10,17 @@ namespace {
 
 // Strided row copies through kv_append, the op table's pure copy (bitwise on every backend): for r < rows and
 // g < groups, `width` floats from src + r * src_stride + g * width to dst + r * dst_stride + g *
-// group_stride. (kv_append writes its keys and values rows alike; both go to dst.)
+// group_stride. kv_append writes its keys and values rows alike: both go to dst, or the values to dst2 when
+// given (a second copy of the same rows in the same call).
 void copy_rows(const float* src, int64_t src_stride, float* dst, int64_t dst_stride, int64_t rows,
-               int64_t width, Device device, int64_t groups = 1, int64_t group_stride = 0) {
+               int64_t width, Device device, int64_t groups = 1, int64_t group_stride = 0,
+               float* dst2 = nullptr) {
   if (rows == 0) return;
   ops::KvAppendParams p;
   p.batch = rows, p.tokens = 1, p.kv_heads = groups, p.head_dim = width;
   p.qkv = src, p.qkv_stride = src_stride, p.k_offset = 0, p.v_offset = 0;
-  p.keys = dst, p.values = dst, p.batch_stride = dst_stride, p.head_stride = group_stride, p.position = 0;
+  p.keys = dst, p.values = dst2 ? dst2 : dst, p.batch_stride = dst_stride, p.head_stride = group_stride,
+  p.position = 0;
   ops::kv_append(p, device);
 }
 
@@ -146,9 +151,9 @@ Tensor MlaAttention::forward(const Tensor& h, int64_t batch, int64_t seq, Saved&
   saved.v = Tensor::empty({rows, s.out_dim()}, DType::f32, options_.device);
   copy_rows(kv.f32(), kv_head, saved.k.f32(), qk, rows * H, dn, options_.device);
   copy_rows(kv.f32() + dn, kv_head, saved.v.f32(), dv, rows * H, dv, options_.device);
-  for (int64_t head = 0; head < H; ++head)
+  for (int64_t head = 0; head < H; head += 2)  // the shared rope key into two heads per copy
     copy_rows(kv_a.f32() + s.kv_lora_rank, s.kv_a_dim(), saved.k.f32() + head * qk + dn, s.q_dim(), rows, dr,
-              options_.device);
+              options_.device, 1, 0, saved.k.f32() + std::min(head + 1, H - 1) * qk + dn);
   core_forward(saved, batch, seq);
   saved.out_op = o_.input(saved.out);
   Tensor y = o_.forward(saved.out_op);
