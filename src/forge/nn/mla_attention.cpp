@@ -39,21 +39,21 @@ MlaAttention::MlaAttention(ParameterStore* store, MlaParams params, MlaShape sha
               "MLA: RoPE tables of {} dims for a rope head of {}", rope ? rope->half_dim * 2 : 0,
               s.qk_rope_head_dim);
   if (s.q_lora_rank > 0) {
-    q_a_ = Linear(store, {params.q_a}, s.hidden, options, "q_a_proj");
+    q_a_ = Linear(store, {params.q_a}, s.hidden, options);
     q_norm_ = RmsNorm(store, params.q_a_norm, s.latent_norm_eps);
-    q_b_ = Linear(store, {params.q_b}, s.q_lora_rank, options, "q_b_proj");
+    q_b_ = Linear(store, {params.q_b}, s.q_lora_rank, options);
     FORGE_CHECK(q_a_.out_features() == s.q_lora_rank && q_b_.out_features() == s.q_dim(),
                 "MLA: q_a_proj gives {} rows (q_lora_rank {}), q_b_proj {} (expected {})",
                 q_a_.out_features(), s.q_lora_rank, q_b_.out_features(), s.q_dim());
   } else {
-    q_ = Linear(store, {params.q}, s.hidden, options, "q_proj");
+    q_ = Linear(store, {params.q}, s.hidden, options);
     FORGE_CHECK(q_.out_features() == s.q_dim(), "MLA: q_proj gives {} rows, expected {}", q_.out_features(),
                 s.q_dim());
   }
-  kv_a_ = Linear(store, {params.kv_a}, s.hidden, options, "kv_a_proj_with_mqa");
+  kv_a_ = Linear(store, {params.kv_a}, s.hidden, options);
   kv_norm_ = RmsNorm(store, params.kv_a_norm, s.latent_norm_eps);
-  kv_b_ = Linear(store, {params.kv_b}, s.kv_lora_rank, options, "kv_b_proj");
-  o_ = Linear(store, {params.o}, s.out_dim(), options, "o_proj");
+  kv_b_ = Linear(store, {params.kv_b}, s.kv_lora_rank, options);
+  o_ = Linear(store, {params.o}, s.out_dim(), options);
   FORGE_CHECK(kv_a_.out_features() == s.kv_a_dim() && kv_b_.out_features() == s.kv_dim() &&
                   o_.out_features() == s.hidden,
               "MLA: kv_a_proj_with_mqa gives {} rows (expected {}), kv_b_proj {} (expected {}), o_proj {} "
