@@ -105,7 +105,10 @@ void MlaAttention::project(const Tensor& h, int64_t batch, int64_t seq, int64_t 
   }
   rope_q(q.f32(), batch, seq, false, first_position);
 
-  keep.h_kv = kv_a_.input(h);
+  // Without FP8 both projections read h in the GEMM dtype: one conversion, shared (an FP8 operand carries its
+  // own Linear's scales).
+  const Linear& q_in = s.q_lora_rank > 0 ? q_a_ : q_;
+  keep.h_kv = kv_a_.fp8() || q_in.fp8() ? kv_a_.input(h) : keep.h_q;
   kv_a = kv_a_.forward(keep.h_kv);
   Tensor latent = Tensor::empty({rows, L}, DType::f32, options_.device);
   copy_rows(kv_a.f32(), s.kv_a_dim(), latent.f32(), L, rows, L, options_.device);
