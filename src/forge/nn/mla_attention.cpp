@@ -89,7 +89,7 @@ void MlaAttention::rope_k(float* x, int64_t token_stride, int64_t batch, int64_t
 }
 
 void MlaAttention::project(const Tensor& h, int64_t batch, int64_t seq, int64_t first_position, Saved* saved,
-                           Tensor& q, Tensor& kv_a, Tensor& kv) const {
+                           Tensor& q, Tensor& kv_a, Tensor* kv) const {
   const MlaShape& s = shape_;
   const int64_t rows = batch * seq, L = s.kv_lora_rank;
   Saved local;
@@ -114,12 +114,24 @@ void MlaAttention::project(const Tensor& h, int64_t batch, int64_t seq, int64_t 
   copy_rows(kv_a.f32(), s.kv_a_dim(), latent.f32(), L, rows, L, options_.device);
   rope_k(kv_a.f32() + L, s.kv_a_dim(), batch, seq, false, first_position);
   Tensor kv_latent = kv_norm_.forward(latent, keep.kv_norm);
-  if (!saved) {  // inference: the cache row is [normed latent, rotated rope key]
+  if (!saved)  // inference: the cache row is [normed latent, rotated rope key]
     copy_rows(kv_latent.f32(), L, kv_a.f32(), s.kv_a_dim(), rows, L, options_.device);
-    return;
-  }
+  if (!kv) return;
   keep.kv_latent = kv_b_.input(kv_latent);
-  kv = kv_b_.forward(keep.kv_latent);
+  *kv = kv_b_.forward(keep.kv_latent);
+}
+
+void MlaAttention::expand_keys(const Tensor& kv, const Tensor& kv_a, int64_t rows, Saved& saved) const {
+  const MlaShape& s = shape_;
+  const int64_t H = s.heads, dn = s.qk_nope_head_dim, dr = s.qk_rope_head_dim, dv = s.v_head_dim;
+  const int64_t qk = s.qk_head_dim(), kv_head = dn + dv;
+  saved.k = Tensor::empty({rows, s.q_dim()}, DType::f32, options_.device);
+  saved.v = Tensor::empty({rows, s.out_dim()}, DType::f32, options_.device);
+  copy_rows(kv.f32(), kv_head, saved.k.f32(), qk, rows * H, dn, options_.device);
+  copy_rows(kv.f32() + dn, kv_head, saved.v.f32(), dv, rows * H, dv, options_.device);
+  for (int64_t head = 0; head < H; head += 2)  // the shared rope key into two heads per copy
+    copy_rows(kv_a.f32() + s.kv_lora_rank, s.kv_a_dim(), saved.k.f32() + head * qk + dn, s.q_dim(), rows, dr,
+              options_.device, 1, 0, saved.k.f32() + std::min(head + 1, H - 1) * qk + dn);
 }
 
 ops::AttentionParams MlaAttention::core_params(const Saved& saved, int64_t batch, int64_t seq) const {
@@ -144,19 +156,9 @@ void MlaAttention::core_forward(Saved& saved, int64_t batch, int64_t seq) const 
 
 Tensor MlaAttention::forward(const Tensor& h, int64_t batch, int64_t seq, Saved& saved,
                              bool keep_core) const {
-  const MlaShape& s = shape_;
-  const int64_t rows = batch * seq, H = s.heads, dn = s.qk_nope_head_dim, dr = s.qk_rope_head_dim;
-  const int64_t dv = s.v_head_dim, qk = s.qk_head_dim(), kv_head = dn + dv;
   Tensor kv_a, kv;
-  project(gather_in(options_.tp, h), batch, seq, 0, &saved, saved.q, kv_a, kv);
-  // Keys [k_nope (per head), k_rope (shared)] and values, each head's columns together.
-  saved.k = Tensor::empty({rows, s.q_dim()}, DType::f32, options_.device);
-  saved.v = Tensor::empty({rows, s.out_dim()}, DType::f32, options_.device);
-  copy_rows(kv.f32(), kv_head, saved.k.f32(), qk, rows * H, dn, options_.device);
-  copy_rows(kv.f32() + dn, kv_head, saved.v.f32(), dv, rows * H, dv, options_.device);
-  for (int64_t head = 0; head < H; head += 2)  // the shared rope key into two heads per copy
-    copy_rows(kv_a.f32() + s.kv_lora_rank, s.kv_a_dim(), saved.k.f32() + head * qk + dn, s.q_dim(), rows, dr,
-              options_.device, 1, 0, saved.k.f32() + std::min(head + 1, H - 1) * qk + dn);
+  project(gather_in(options_.tp, h), batch, seq, 0, &saved, saved.q, kv_a, &kv);
+  expand_keys(kv, kv_a, batch * seq, saved);
   core_forward(saved, batch, seq);
   saved.out_op = o_.input(saved.out);
   Tensor y = o_.forward(saved.out_op);
@@ -259,8 +261,11 @@ Tensor MlaAttention::forward_cached(const Tensor& h, int64_t batch, int64_t toke
   const int64_t rows = batch * tokens, H = s.heads, dn = s.qk_nope_head_dim, dv = s.v_head_dim;
   const int64_t L = s.kv_lora_rank, qk = s.qk_head_dim(), row = s.kv_a_dim(), kv_head = dn + dv;
   const Device device = options_.device;
-  Tensor q, kv_a, unused;
-  project(h, batch, tokens, cache.length, nullptr, q, kv_a, unused);
+  // A prompt into an empty cache attends only to itself: the training path's per-head keys and values, at
+  // head_dim dn + dr and dv (a third of the absorbed form's work per query-key pair at DeepSeek-V3's sizes).
+  const bool prefill = cache.length == 0;
+  Tensor q, kv_a, kv;
+  project(h, batch, tokens, cache.length, nullptr, q, kv_a, prefill ? &kv : nullptr);
   ops::KvAppendParams append;
   append.batch = batch, append.tokens = tokens, append.kv_heads = 1, append.head_dim = row;
   append.qkv = kv_a.f32(), append.qkv_stride = row, append.k_offset = 0, append.v_offset = 0;
@@ -268,6 +273,14 @@ Tensor MlaAttention::forward_cached(const Tensor& h, int64_t batch, int64_t toke
   append.batch_stride = cache.batch_stride(), append.head_stride = cache.head_stride();
   append.position = cache.length;
   ops::kv_append(append, device);
+  if (prefill) {
+    Saved core;
+    core.q = q;
+    expand_keys(kv, kv_a, rows, core);
+    core_forward(core, batch, tokens);
+    GemmOperand out_op = o_.input(core.out);
+    return o_.forward(out_op);
+  }
 
   // Absorbed queries [rows, H, L + dr]: q_nope_h . W_kb_h (W_kb_h = kv_b_proj's rows of head h's k_nope, [dn,
   // L]), then the rotated q_rope_h.

@@ -19,10 +19,11 @@
 //
 // forward_cached keeps DeepSeek's compressed cache: per token the normed latent (L) and the rotated rope key
 // (dr) as ONE kv head of L + dr values (576 at DeepSeek-V3 sizes), in KvLayer::keys (KvCache(layers, batch,
-// capacity, 1, L + dr); the values half of the cache is written with the same rows and never read). Decoding
-// absorbs the projections: q_nope . W_kb folds the query into the latent space, multi-query attention over
-// the cache runs at head_dim L + dr with v_head_dim L, the values aliasing the first L columns of the keys,
-// and W_vb maps each head's latent output to its dv values.
+// capacity, 1, L + dr); the values half of the cache is written with the same rows and never read). A prompt
+// into an empty cache runs the training path's per-head attention; decoding after it absorbs the projections:
+// q_nope . W_kb folds the query into the latent space, multi-query attention over the cache runs at head_dim
+// L + dr with v_head_dim L, the values aliasing the first L columns of the keys, and W_vb maps each head's
+// latent output to its dv values.
 #pragma once
 
 #include <vector>
@@ -115,9 +116,13 @@ class MlaAttention final : public LayerPart {
 
  private:
   // q [rows, H (dn + dr)] and kv_a [rows, L + dr] from h, RoPE applied; keeps the operands and norm states in
-  // saved (null: inference, nothing kept). kv [rows, H (dn + dv)] from the normed latent.
+  // saved (null: inference, nothing kept, and kv_a becomes the cache row [normed latent, rope key]). kv (when
+  // not null): [rows, H (dn + dv)] from the normed latent.
   void project(const Tensor& h, int64_t batch, int64_t seq, int64_t first_position, Saved* saved, Tensor& q,
-               Tensor& kv_a, Tensor& kv) const;
+               Tensor& kv_a, Tensor* kv) const;
+  // The core's keys [k_nope (per head), k_rope (shared)] and values into saved.k and saved.v, each head's
+  // columns together.
+  void expand_keys(const Tensor& kv, const Tensor& kv_a, int64_t rows, Saved& saved) const;
   void rope_q(float* q, int64_t batch, int64_t seq, bool inverse, int64_t first_position) const;
   void rope_k(float* x, int64_t token_stride, int64_t batch, int64_t seq, bool inverse,
               int64_t first_position) const;
