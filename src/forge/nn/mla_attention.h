@@ -23,7 +23,7 @@
 // into an empty cache runs the training path's per-head attention; decoding after it absorbs the projections:
 // q_nope . W_kb folds the query into the latent space, multi-query attention over the cache runs at head_dim
 // L + dr with v_head_dim L, the values aliasing the first L columns of the keys, and W_vb maps each head's
-// latent output to its dv values.
+// latent output to its dv values (these absorbed products: fp32 GEMMs on the master weights, one per head).
 #pragma once
 
 #include <vector>
