@@ -492,6 +492,34 @@ TEST(MlaCached, CompressedCacheDecodeMatchesFullForward) {
   }
 }
 
+// DeepSeek-V3's head sizes (nope 128, rope 64, v 128, kv latent 512: the core at 192/128, the absorbed decode
+// at 576/512) with few heads and a narrow hidden: the forward against the reference, the cache against it.
+TEST(MlaCached, DeepSeekV3HeadSizes) {
+  MlaShape s;
+  s.hidden = 32, s.heads = 2, s.q_lora_rank = 48, s.kv_lora_rank = 512;
+  s.qk_nope_head_dim = 128, s.qk_rope_head_dim = 64, s.v_head_dim = 128;
+  s.rope_interleave = true;
+  s.softmax_scale = static_cast<float>(1.0 / std::sqrt(192.0));
+  const Config c{true, true, true};
+  Fixture f(c, {DType::f32, Recompute::none}, 16, s);
+  const int64_t seq = 6, rows = kBatch * seq, hidden = s.hidden;
+  auto xv = testing::random_floats(rows * hidden, 18);
+  Tensor x = from_vector(xv, {rows, hidden});
+  MlaAttention::Saved saved;
+  Tensor full = f.mla->forward(x, kBatch, seq, saved, true);
+  auto want = reference(f.shape, ref_weights(f), f.rope, testing::to_double(xv), kBatch, seq);
+  EXPECT_LT(testing::relative_error(full.f32(), want.data(), want.size()), 1e-5);
+  KvCache cache(1, kBatch, 8, 1, 576);
+  int64_t at = 0;
+  for (int64_t chunk : {4, 1, 1}) {
+    Tensor y = f.mla->forward_cached(rows_of(x, kBatch, seq, at, chunk), kBatch, chunk, cache.layer(0));
+    cache.advance(chunk);
+    const auto w = doubles(rows_of(full, kBatch, seq, at, chunk));
+    EXPECT_LT(testing::relative_error(y.f32(), w.data(), w.size()), 1e-5) << "at " << at;
+    at += chunk;
+  }
+}
+
 // A tensor-parallel group as seen by one rank, whose collectives leave the data alone: the test sums the
 // ranks' partial results itself.
 class OneRankOf : public TensorParallel {
