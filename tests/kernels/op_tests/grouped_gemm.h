@@ -1,12 +1,11 @@
 // The grouped GEMMs (ops::m_grouped_gemm, ops::k_grouped_gemm), written once for every backend
 // (op_harness.h).
 //
-// On the CPU: against the double-precision reference; bitwise equal to one ops::gemm per non-empty group on
-// the same sub-matrices (fp32 and bf16 operands, fp32 and bf16 C: the CPU kernel is that loop, and this is
-// what lets a MoE layer be checked against per-expert dense Linears); and the three layouts as one another's
-// gradients: for y = m_grouped(x, W, NT), finite differences of <dy, y> are m_grouped(dy, W, NN) in x and
-// k_grouped(dy, x) in W. Elsewhere against the CPU kernel within gemm.h's bound: 2 (k + 8) 2^-23 of the
-// magnitude sum |a b| (+ |beta c|), plus a bf16 ulp for a bf16 C.
+// On the CPU: against the double-precision reference, and bitwise equal to one ops::gemm per non-empty group
+// on the same sub-matrices (fp32 and bf16 operands, fp32 and bf16 C: the CPU kernel is that loop, and this is
+// what lets a MoE layer be checked against per-expert dense Linears); grouped_gemm_test.cpp checks the three
+// layouts as one another's gradients by finite differences. Elsewhere against the CPU kernel within gemm.h's
+// bound: 2 (k + 8) 2^-23 of the magnitude sum |a b| (+ |beta c|), plus a bf16 ulp for a bf16 C.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -299,47 +298,6 @@ TEST_P(GroupedGemmFixed, DecreasingOffsetsAreOneLine) {
   testing::expect_error_containing(
       [&] { ops::m_grouped_gemm(p, device()); },
       {"m_grouped_gemm", "offsets must not decrease", "offsets[2] = 2 < offsets[1] = 3"});
-}
-
-// For y = m_grouped(x, W) (NT: W_g [n, k]) and the loss <dy, y>: the input gradient is m_grouped(dy, W) (NN)
-// and the weight gradient k_grouped(dy, x), checked by finite differences in double (fp32, small sizes).
-class GroupedGemmGradients : public testing::OpTest<testing::FixedCase> {};
-
-TEST_P(GroupedGemmGradients, ThreeLayoutsAreOneAnothersGradients) {
-  if (!on_cpu()) GTEST_SKIP() << "finite differences: the CPU";
-  const std::vector<int64_t> offsets = {0, 3, 3, 8, 9};  // 4 experts, the second empty
-  const int64_t groups = 4, rows = 9, n = 5, k = 7;
-  const std::vector<float> x = testing::random_floats(rows * k, 1),
-                           w = testing::random_floats(groups * n * k, 2);
-  const std::vector<float> dy = testing::random_floats(rows * n, 3);
-  const auto forward = [&](const std::vector<double>& xv, const std::vector<double>& wv) {
-    std::vector<double> y(rows * n, 0.0);
-    for (int64_t g = 0; g < groups; ++g)
-      for (int64_t r = offsets[g]; r < offsets[g + 1]; ++r)
-        for (int64_t j = 0; j < n; ++j)
-          for (int64_t l = 0; l < k; ++l) y[r * n + j] += xv[r * k + l] * wv[g * n * k + j * k + l];
-    return y;
-  };
-  const auto dyd = testing::to_double(dy), xd = testing::to_double(x), wd = testing::to_double(w);
-  const auto want_dx = testing::finite_difference(
-      [&](const std::vector<double>& v) { return testing::dot(dyd, forward(v, wd)); }, xd);
-  const auto want_dw = testing::finite_difference(
-      [&](const std::vector<double>& v) { return testing::dot(dyd, forward(xd, v)); }, wd);
-  ops::GroupedGemmParams p;
-  p.groups = groups, p.offsets = offsets.data();
-  std::vector<float> dx(rows * k, std::nanf("")), dw(groups * n * k, 0.0f);
-  p.n = k, p.k = n, p.a = dy.data(), p.lda = n, p.b = w.data(), p.ldb = k, p.b_group_stride = n * k;
-  p.trans_b = false, p.c = dx.data(), p.ldc = k;
-  ops::m_grouped_gemm(p);
-  EXPECT_LT(testing::relative_error(dx, want_dx), 1e-6);
-  ops::GroupedGemmParams q;
-  q.groups = groups, q.offsets = offsets.data(), q.m = n, q.n = k;
-  q.a = dy.data(), q.lda = n, q.b = x.data(), q.ldb = k, q.c = dw.data(), q.ldc = k, q.c_group_stride = n * k;
-  q.beta = 1;
-  ops::k_grouped_gemm(q);
-  EXPECT_LT(testing::relative_error(dw, want_dw), 1e-6);
-  // The empty expert's gradient stays what it was (zero): beta = 1.
-  for (int64_t i = 0; i < n * k; ++i) EXPECT_EQ(dw[n * k + i], 0.0f);
 }
 
 }  // namespace forge::op_tests::grouped_gemm
