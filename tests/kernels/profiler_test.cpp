@@ -151,6 +151,42 @@ TEST(Profiler, AttentionFlopsCountTheVisiblePairs) {
   EXPECT_EQ(mla->flops, 2.0 * (dim + 8) * (s * (s + 1) / 2) * b * h);
 }
 
+// Grouped GEMMs count 2 R n k FLOPs over the grouped rows (empty groups add nothing), each non-empty group's
+// weight once; permutes count the rows they move.
+TEST(Profiler, MoeRowsCountGroupedRowsAndMovedRows) {
+  ProfileGuard guard;
+  const std::vector<int64_t> offsets = {0, 5, 5, 12};  // 3 experts, the second empty
+  const int64_t n = 6, k = 4, rows = 12;
+  const auto x = testing::random_floats(rows * k, 1), w = testing::random_floats(3 * n * k, 2);
+  std::vector<float> y(rows * n), dw(3 * n * k, 0.0f);
+  ops::GroupedGemmParams p;
+  p.groups = 3, p.offsets = offsets.data(), p.n = n, p.k = k, p.a = x.data(), p.lda = k, p.b = w.data();
+  p.ldb = k, p.trans_b = true, p.b_group_stride = n * k, p.c = y.data(), p.ldc = n;
+  ops::GroupedGemmParams q;
+  q.groups = 3, q.offsets = offsets.data(), q.m = n, q.n = k, q.a = y.data(), q.lda = n, q.b = x.data();
+  q.ldb = k, q.c = dw.data(), q.ldc = k, q.c_group_stride = n * k, q.beta = 1;
+  const std::vector<int32_t> source = {0, 1, 2}, row_of = {0, 1, 2, -1};
+  std::vector<float> permuted(3 * k);
+  ops::MoePermuteParams permute;
+  permute.tokens = 2, permute.top_k = 2, permute.hidden = k, permute.rows = 3, permute.source = source.data();
+  permute.row_of = row_of.data(), permute.x = x.data(), permute.out = permuted.data();
+  ops::profile_begin(Device::cpu);
+  ops::m_grouped_gemm(p);
+  ops::k_grouped_gemm(q);
+  ops::moe_permute(permute);
+  const ops::OpProfile profile = ops::profile_end();
+  const ops::OpProfileRow* forward = find_row(profile, "m_grouped_gemm", "fp32 NT G3 R12 n6 k4 -> fp32");
+  const ops::OpProfileRow* weight = find_row(profile, "k_grouped_gemm", "fp32 TN G3 R12 m6 n4 -> fp32 (+=)");
+  const ops::OpProfileRow* moved = find_row(profile, "moe_permute", "t2 k2 h4 r3");
+  ASSERT_TRUE(forward && weight && moved) << ops::format_profile(profile);
+  EXPECT_EQ(forward->flops, 2.0 * rows * n * k);
+  EXPECT_EQ(forward->bytes, 4.0 * (rows * k + 2 * n * k + rows * n));  // A, two experts' W, C
+  EXPECT_EQ(weight->flops, 2.0 * rows * n * k);
+  EXPECT_EQ(weight->bytes,
+            4.0 * rows * (n + k) + 2 * 4.0 * 2 * n * k);  // A, B; two groups' C read and written
+  EXPECT_EQ(moved->bytes, 8.0 * 3 * k + 4 * 3);           // three rows read and written, their indices
+}
+
 TEST(Profiler, FormatsATableAndJson) {
   ProfileGuard guard;
   const auto x = testing::random_floats(1000, 8);

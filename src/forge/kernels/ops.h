@@ -426,9 +426,9 @@ struct MoeSortParams {
 // hidden] with x_stride / dx_stride elements between rows (0 = hidden); the sorted side is [rows, hidden],
 // dense.
 //   moe_permute           out[r] = x[source[r] / top_k] for every r < rows (dispatch: a row per kept
-//   assignment). moe_permute_backward  dx[t] = sum of dout[row_of[t * top_k + j]] over j = 0 .. top_k - 1 in
-//   increasing j,
-//                         dropped assignments (row -1) skipped; overwritten (zeros where all are dropped).
+//                         assignment).
+//   moe_permute_backward  dx[t] = sum of dout[row_of[t * top_k + j]] over j = 0 .. top_k - 1 in increasing
+//                         j, dropped assignments (row -1) skipped; overwritten (zeros where all are dropped).
 //                         One thread sums one token's rows in that order: no atomics, the same bits every
 //                         run.
 // Indices are data: the CPU checks them (source[r] in [0, tokens * top_k), row_of in [-1, rows)) and fails
@@ -449,9 +449,9 @@ struct MoePermuteParams {
 // The combination of each token's expert outputs, weighted by its gates (fp32 weights [tokens * top_k], a =
 // t * top_k + j), and its gradients; shapes, indices and strides as MoePermuteParams (token side [tokens,
 // hidden] with out_stride / dout_stride, 0 = hidden; y and dy [rows, hidden], dense).
-//   moe_unpermute           out[t] = sum over j = 0 .. top_k - 1 of weights[a] * y[row_of[a]] in increasing
-//   j,
-//                           dropped assignments skipped; overwritten (zeros where all are dropped).
+//   moe_unpermute           out[t] = sum over j = 0 .. top_k - 1 of weights[a] * y[row_of[a]] in
+//                           increasing j, dropped assignments skipped; overwritten (zeros where all are
+//                           dropped).
 //   moe_unpermute_backward  dy[r] = weights[a] * dout[a / top_k] for every sorted row r < rows, a = source[r]
 //                           (overwritten); dweights[a] = <dout[t], y[row_of[a]]>, each summed by one thread
 //                           or block in an order fixed by hidden alone, 0 for a dropped assignment
@@ -477,19 +477,18 @@ struct MoeUnpermuteParams {
 // ab_dtype f32 or bf16; c_dtype f32, or bf16 with bf16 operands (the fp32 result rounded once); lda, ldb, ldc
 // its leading dimensions. Each non-empty group runs one GEMM of its sub-matrices, on the CPU ops::gemm's,
 // bitwise.
-//   m_grouped_gemm  M grouped (an expert's forward and input gradient): C[rows_g, :n] = alpha * A[rows_g, :k]
-//   @
-//                   op(B_g) + beta * C[rows_g, :n] for every g, with A [R, k] and C [R, n]; B_g = b +
-//                   g * b_group_stride elements, stored [n, k] with trans_b (y = x W_g^T, W_g [n, k]) or [k,
-//                   n] without (dx = dy W_g). Empty groups and rows outside [offsets[0], offsets[groups]) are
-//                   not touched. m and c_group_stride are unused.
-//   k_grouped_gemm  K grouped (an expert's weight gradient): C_g = alpha * A[rows_g, :m]^T @ B[rows_g, :n] +
-//   beta *
-//                   C_g for every g, with A [R, m], B [R, n], and C_g = c + g * c_group_stride elements
-//                   stored [m, n]: dW_g [out, in] += dy_g^T x_g is A = dy, B = x, beta = 1. An empty group's
-//                   C_g becomes beta * C_g: unchanged with beta = 1, zeros with beta = 0 (C never read, as
-//                   GemmParams' beta = 0; a NaN there is cleared), else scaled in fp32 (a bf16 C rounded
-//                   once). k, trans_b and b_group_stride are unused.
+//   m_grouped_gemm  M grouped (an expert's forward and input gradient): for every g,
+//                   C[rows_g, :n] = alpha * A[rows_g, :k] @ op(B_g) + beta * C[rows_g, :n], with A [R, k] and
+//                   C [R, n]; B_g = b + g * b_group_stride elements, stored [n, k] with trans_b (y = x W_g^T,
+//                   W_g [n, k]) or [k, n] without (dx = dy W_g). Empty groups and rows outside
+//                   [offsets[0], offsets[groups]) are not touched. m and c_group_stride are unused.
+//   k_grouped_gemm  K grouped (an expert's weight gradient): for every g,
+//                   C_g = alpha * A[rows_g, :m]^T @ B[rows_g, :n] + beta * C_g, with A [R, m], B [R, n] and
+//                   C_g = c + g * c_group_stride elements stored [m, n]: dW_g [out, in] += dy_g^T x_g is
+//                   A = dy, B = x, beta = 1. An empty group's C_g becomes beta * C_g: unchanged with
+//                   beta = 1, zeros with beta = 0 (C never read, as GemmParams' beta = 0; a NaN there is
+//                   cleared), else scaled in fp32 (a bf16 C rounded once). k, trans_b and b_group_stride
+//                   are unused.
 struct GroupedGemmParams {
   int64_t groups = 0;
   const int64_t* offsets = nullptr;  // host memory, [groups + 1]

@@ -1,18 +1,17 @@
 // moe_sort_by_expert on device memory (ops.h, MoeSortParams; cpu/moe_sort.cpp): a counting sort,
 // deterministic and stable, in four small kernels. Integer atomics only (their sums do not depend on the
 // order).
-//   1. check:  the first assignment whose id lies outside [0, experts) (an integer minimum), copied back: a
-//   bad
-//              id fails with the CPU's line before anything is written. One round trip per call (the caller
-//              copies the offsets back for the grouped GEMMs anyway).
+//   1. check:  the first assignment whose id lies outside [0, experts) (an integer minimum), copied back:
+//              a bad id fails with the CPU's line before anything is written. One round trip per call (the
+//              caller copies the offsets back for the grouped GEMMs anyway).
 //   2. count:  one block per chunk of kChunk assignments: each assignment's rank among the earlier ones of
-//   the
-//              chunk with the same expert (a loop over them: kChunk is small), and the chunk's per-expert
-//              counts.
+//              the chunk with the same expert (a loop over them: kChunk is small), and the chunk's
+//              per-expert counts.
 //   3. scan:   one block: per expert, an exclusive scan of the chunks' counts (its total is counts[e]), then
 //              the offsets over the experts (kept = min(count, capacity) under a capacity).
-//   4. place:  one block per chunk: position within the expert = chunk base + rank, which is the assignment's
-//              place in increasing assignment order; under a capacity positions >= capacity are dropped.
+//   4. place:  one block per chunk: position within the expert = chunk base + rank, which is the
+//              assignment's place in increasing assignment order; under a capacity positions >= capacity
+//              are dropped.
 #include <string>
 
 #include "forge/kernels/cuda/cuda_kernels.h"
