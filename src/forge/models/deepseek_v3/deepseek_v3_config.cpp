@@ -14,11 +14,14 @@
 #include "forge/core/error.h"
 #include "forge/core/file_io.h"
 #include "forge/core/suggest.h"
+#include "forge/kernels/rope_tables.h"
+#include "forge/models/config_json.h"
 
 namespace forge::models {
 namespace {
 
 using nlohmann::json;
+using namespace config_json;
 
 // Keys forge reads: every key of HF's DeepseekV3Config that changes the computation. head_dim and
 // qk_head_dim are attributes HF derives (qk_rope_head_dim and qk_nope + qk_rope) and save_pretrained writes;
@@ -87,63 +90,11 @@ constexpr std::array<std::string_view, 10> kRopeScalingKeys = {
     "beta_fast",        "beta_slow", "mscale", "mscale_all_dim",
     "attention_factor", "truncate"};
 
-template <size_t N>
-bool contains(const std::array<std::string_view, N>& keys, std::string_view key) {
-  return std::find(keys.begin(), keys.end(), key) != keys.end();
-}
-
 std::string did_you_mean_key(std::string_view key) {
   std::vector<std::string_view> candidates(kKnownKeys.begin(), kKnownKeys.end());
   candidates.insert(candidates.end(), kKeptKeys.begin(), kKeptKeys.end());
   candidates.insert(candidates.end(), kNameKeys.begin(), kNameKeys.end());
   return forge::did_you_mean(key, candidates);
-}
-
-// Typed readers. A JSON null counts as absent (HF writes "rope_scaling": null, "q_lora_rank": null).
-std::optional<int64_t> read_integer(const json& object, const char* key, std::string_view source,
-                                    std::string_view prefix = "") {
-  auto it = object.find(key);
-  if (it == object.end() || it->is_null()) return std::nullopt;
-  if (it->is_number_unsigned()) {
-    if (it->get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
-      fail("{}: key '{}{}' is out of range: {}", source, prefix, key, it->dump());
-    return static_cast<int64_t>(it->get<uint64_t>());
-  }
-  if (!it->is_number_integer())
-    fail("{}: key '{}{}' must be an integer, got {} {}", source, prefix, key, it->type_name(), it->dump());
-  return it->get<int64_t>();
-}
-
-std::optional<double> read_number(const json& object, const char* key, std::string_view source,
-                                  std::string_view prefix = "") {
-  auto it = object.find(key);
-  if (it == object.end() || it->is_null()) return std::nullopt;
-  if (!it->is_number())
-    fail("{}: key '{}{}' must be a number, got {} {}", source, prefix, key, it->type_name(), it->dump());
-  return it->get<double>();
-}
-
-std::optional<bool> read_bool(const json& object, const char* key, std::string_view source,
-                              std::string_view prefix = "") {
-  auto it = object.find(key);
-  if (it == object.end() || it->is_null()) return std::nullopt;
-  if (!it->is_boolean())
-    fail("{}: key '{}{}' must be true or false, got {} {}", source, prefix, key, it->type_name(), it->dump());
-  return it->get<bool>();
-}
-
-std::optional<std::string> read_string(const json& object, const char* key, std::string_view source) {
-  auto it = object.find(key);
-  if (it == object.end() || it->is_null()) return std::nullopt;
-  if (!it->is_string())
-    fail("{}: key '{}' must be a string, got {} {}", source, key, it->type_name(), it->dump());
-  return it->get<std::string>();
-}
-
-int64_t require_integer(const json& object, const char* key, std::string_view source) {
-  auto value = read_integer(object, key, source);
-  if (!value) fail("{}: missing required key '{}'", source, key);
-  return *value;
 }
 
 // The keys whose only accepted value is the one forge implements, and the two name keys.
@@ -225,15 +176,6 @@ YarnScaling read_rope_scaling(const json& rope, const std::string& name, int64_t
   return yarn;
 }
 
-void require_positive(int64_t value, const char* key, std::string_view source) {
-  if (value <= 0) fail("{}: key '{}' must be positive, got {}", source, key, value);
-}
-
-void require_positive_finite(double value, const char* key, std::string_view source) {
-  if (!(value > 0.0) || !std::isfinite(value))
-    fail("{}: key '{}' must be a positive finite number, got {}", source, key, value);
-}
-
 // Upper bounds far above any published model (DeepSeek-V3: hidden 7168, 61 layers, 256 experts, vocabulary
 // 129280, 163840 positions), low enough that no size wraps an int and no product of sizes wraps int64.
 struct SizeLimit {
@@ -279,14 +221,6 @@ long double wide_parameter_count(const DeepseekV3Config& c) {
   return static_cast<long double>(c.vocab_size) * h * 2 + layers * (attention + mlp + 2 * h * h + 3 * h) + h;
 }
 
-std::string human_bytes(long double bytes) {
-  constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB"};
-  size_t unit = 0;
-  while (bytes >= 1024 && unit + 1 < std::size(kUnits)) bytes /= 1024, ++unit;
-  return unit == 0 ? fmt::format("{} B", static_cast<int64_t>(bytes))
-                   : fmt::format("{:.1f} {}", static_cast<double>(bytes), kUnits[unit]);
-}
-
 std::string size_summary(const DeepseekV3Config& c) {
   return fmt::format(
       "hidden_size {}, num_hidden_layers {} + {} MTP, n_routed_experts {}, moe_intermediate_size {}, "
@@ -295,10 +229,6 @@ std::string size_summary(const DeepseekV3Config& c) {
       c.moe_intermediate_size, c.vocab_size);
 }
 
-// HF's yarn_get_mscale.
-double yarn_get_mscale(double scale, double mscale) {
-  return scale <= 1 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0;
-}
 
 }  // namespace
 
@@ -610,14 +540,14 @@ double DeepseekV3Config::rope_attention_factor() const {
   if (!y.enabled) return 1.0;
   if (y.attention_factor != 0) return y.attention_factor;
   if (y.mscale != 0 && y.mscale_all_dim != 0)
-    return yarn_get_mscale(y.factor, y.mscale) / yarn_get_mscale(y.factor, y.mscale_all_dim);
-  return yarn_get_mscale(y.factor, 1.0);
+    return RopeScaling::yarn_mscale(y.factor, y.mscale) / RopeScaling::yarn_mscale(y.factor, y.mscale_all_dim);
+  return RopeScaling::yarn_mscale(y.factor, 1.0);
 }
 
 double DeepseekV3Config::softmax_scale() const {
   double scale = 1.0 / std::sqrt(static_cast<double>(qk_head_dim()));
   if (rope_scaling.enabled && rope_scaling.mscale_all_dim != 0) {
-    const double m = yarn_get_mscale(rope_scaling.factor, rope_scaling.mscale_all_dim);
+    const double m = RopeScaling::yarn_mscale(rope_scaling.factor, rope_scaling.mscale_all_dim);
     scale *= m * m;
   }
   return scale;

@@ -15,11 +15,13 @@
 #include "forge/core/error.h"
 #include "forge/core/file_io.h"
 #include "forge/core/suggest.h"
+#include "forge/models/config_json.h"
 
 namespace forge::models {
 namespace {
 
 using nlohmann::json;
+using namespace config_json;
 
 // Keys forge reads.
 constexpr std::array<std::string_view, 12> kKnownKeys = {
@@ -43,47 +45,6 @@ constexpr std::array<std::string_view, 6> kRopeScalingKeys = {
 template <size_t N>
 std::string did_you_mean(std::string_view key, const std::array<std::string_view, N>& candidates) {
   return forge::did_you_mean(key, std::vector<std::string_view>(candidates.begin(), candidates.end()));
-}
-
-template <size_t N>
-bool contains(const std::array<std::string_view, N>& keys, std::string_view key) {
-  return std::find(keys.begin(), keys.end(), key) != keys.end();
-}
-
-// Typed readers. A JSON null counts as absent, as HF writes "rope_scaling": null or "head_dim": null.
-std::optional<int64_t> read_integer(const json& object, const char* key, std::string_view source) {
-  auto it = object.find(key);
-  if (it == object.end() || it->is_null()) return std::nullopt;
-  if (it->is_number_unsigned()) {
-    if (it->get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
-      fail("{}: key '{}' is out of range: {}", source, key, it->dump());
-    return static_cast<int64_t>(it->get<uint64_t>());
-  }
-  if (!it->is_number_integer())
-    fail("{}: key '{}' must be an integer, got {} {}", source, key, it->type_name(), it->dump());
-  return it->get<int64_t>();
-}
-
-std::optional<double> read_number(const json& object, const char* key, std::string_view source) {
-  auto it = object.find(key);
-  if (it == object.end() || it->is_null()) return std::nullopt;
-  if (!it->is_number())
-    fail("{}: key '{}' must be a number, got {} {}", source, key, it->type_name(), it->dump());
-  return it->get<double>();
-}
-
-std::optional<bool> read_bool(const json& object, const char* key, std::string_view source) {
-  auto it = object.find(key);
-  if (it == object.end() || it->is_null()) return std::nullopt;
-  if (!it->is_boolean())
-    fail("{}: key '{}' must be true or false, got {} {}", source, key, it->type_name(), it->dump());
-  return it->get<bool>();
-}
-
-int64_t require_integer(const json& object, const char* key, std::string_view source) {
-  auto value = read_integer(object, key, source);
-  if (!value) fail("{}: missing required key '{}'", source, key);
-  return *value;
 }
 
 void check_ignored_key(const std::string& key, const json& value, std::string_view source) {
@@ -141,15 +102,6 @@ RopeScaling read_rope_scaling(const json& object, std::string_view source) {
   return scaling;
 }
 
-void require_positive(int64_t value, const char* key, std::string_view source) {
-  if (value <= 0) fail("{}: key '{}' must be positive, got {}", source, key, value);
-}
-
-void require_positive_finite(double value, const char* key, std::string_view source) {
-  if (!(value > 0.0) || !std::isfinite(value))
-    fail("{}: key '{}' must be a positive finite number, got {}", source, key, value);
-}
-
 // Upper bounds on the sizes: far above any published model (LLaMA 3 405B: hidden 16384, FFN 53248, 126
 // layers, vocabulary 128256; contexts of 10M positions), low enough that no size wraps the int the modules
 // take and no product of sizes wraps int64. A config beyond them is corrupt or hostile, not a model.
@@ -179,15 +131,6 @@ long double wide_parameter_count(const LlamaConfig& c) {
   const long double kv = static_cast<long double>(c.num_key_value_heads) * c.head_dim;
   const long double per_layer = 2 * h * q + 2 * h * kv + 3 * h * c.intermediate_size + 2 * h;
   return v * h * (c.tie_word_embeddings ? 1 : 2) + layers * per_layer + h;
-}
-
-// "12.3 TiB", "24.0 GiB", "512 B": sizes of any magnitude, for messages.
-std::string human_bytes(long double bytes) {
-  constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB"};
-  size_t unit = 0;
-  while (bytes >= 1024 && unit + 1 < std::size(kUnits)) bytes /= 1024, ++unit;
-  return unit == 0 ? fmt::format("{} B", static_cast<int64_t>(bytes))
-                   : fmt::format("{:.1f} {}", static_cast<double>(bytes), kUnits[unit]);
 }
 
 // The sizes that make a model big, for messages about its memory.
