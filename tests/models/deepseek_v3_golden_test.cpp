@@ -1,8 +1,8 @@
 // Golden tests of DeepseekV3Model against the PyTorch twin (tests/reference/deepseek_v3_twin.py): logits,
 // the main, MTP and balance losses, every gradient, and three AdamW steps with clipping and the bias update,
-// within the fp32 tolerances stated below. Also: MTP at weight 0 leaves the base model's gradients bitwise
-// unchanged, a checkpoint without the MTP modules loads into the base model, and two stages run in sequence
-// equal the whole model.
+// within the fp32 tolerances stated below; cached inference against the full forward. Also: MTP at weight 0
+// leaves the base model's gradients bitwise unchanged, a checkpoint without the MTP modules loads into the
+// base model, and two stages run in sequence equal the whole model.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -226,6 +226,40 @@ TEST_P(DeepseekV3Golden, TwoStagesEqualTheWholeModel) {
       EXPECT_LT(rel_error(sum, params.grad(i)), 1e-6) << name;  // the embedding: another summation order
     }
   }
+}
+
+// Cached inference over MLA's compressed cache (a prompt at once, then one token per step with the absorbed
+// projections) gives the full forward's logits at every position: within 1e-5 of the largest logit (fp32,
+// another summation order).
+TEST_P(DeepseekV3Golden, CachedLogitsEqualTheFullForward) {
+  auto model = load_model();
+  Tensor ids = file_->read("input_ids");
+  const int64_t batch = ids.dim(0), seq = ids.dim(1), vocab = config_.vocab_size, prompt = 4;
+  const Tensor full = model->logits(ids.i32(), batch, seq);
+  nn::KvCache cache = model->make_cache(batch, seq);
+  double max_diff = 0, max_ref = 0;
+  auto compare = [&](const Tensor& got, int64_t b, int64_t t, int64_t row) {
+    for (int64_t v = 0; v < vocab; ++v) {
+      const double want = full.f32()[(b * seq + t) * vocab + v];
+      max_diff = std::max(max_diff, std::abs(double(got.f32()[row * vocab + v]) - want));
+      max_ref = std::max(max_ref, std::abs(want));
+    }
+  };
+  std::vector<int32_t> step(static_cast<size_t>(batch * prompt));
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t t = 0; t < prompt; ++t) step[static_cast<size_t>(b * prompt + t)] = ids.i32()[b * seq + t];
+  const Tensor first = model->forward_cached(step.data(), batch, prompt, cache, /*all_logits=*/true);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t t = 0; t < prompt; ++t) compare(first, b, t, b * prompt + t);
+  for (int64_t t = prompt; t < seq; ++t) {
+    std::vector<int32_t> next(static_cast<size_t>(batch));
+    for (int64_t b = 0; b < batch; ++b) next[static_cast<size_t>(b)] = ids.i32()[b * seq + t];
+    const Tensor got = model->forward_cached(next.data(), batch, 1, cache);
+    for (int64_t b = 0; b < batch; ++b) compare(got, b, t, b);
+  }
+  EXPECT_EQ(cache.length(), seq);
+  EXPECT_LT(max_diff / max_ref, 1e-5);
+  std::printf("%s: cached logits %.2e rel\n", GetParam().c_str(), max_diff / max_ref);
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, DeepseekV3Golden,

@@ -559,12 +559,61 @@ Tensor DeepseekV3Model::logits(const int32_t* ids, int64_t batch, int64_t seq) {
   return head_.logits(final_norm_.forward(x, scratch)).to(Device::cpu);
 }
 
-nn::KvCache DeepseekV3Model::make_cache(int64_t, int64_t) const {
-  fail("cached inference of DeepseekV3ForCausalLM is not supported yet");
+// MLA's compressed cache: per layer and token one kv head of kv_lora_rank + qk_rope_head_dim values (the
+// normed latent and the rotated rope key).
+nn::KvCache DeepseekV3Model::make_cache(int64_t batch, int64_t capacity) const {
+  require_whole("a KV cache");
+  const int64_t max_positions = config_.max_position_embeddings;
+  if (capacity == 0) capacity = max_positions;
+  if (capacity < 0 || capacity > max_positions)
+    fail("KV cache capacity {} is outside [1, max_position_embeddings = {}]", capacity, max_positions);
+  if (batch <= 0) fail("KV cache batch must be positive, got {}", batch);
+  return nn::KvCache(config_.num_hidden_layers, batch, capacity, 1,
+                     config_.kv_lora_rank + config_.qk_rope_head_dim, options_.device);
 }
 
-Tensor DeepseekV3Model::forward_cached(const int32_t*, int64_t, int64_t, nn::KvCache&, bool) {
-  fail("cached inference of DeepseekV3ForCausalLM is not supported yet");
+// Inference over the compressed cache through the main model (the MTP modules are not used).
+Tensor DeepseekV3Model::forward_cached(const int32_t* ids, int64_t batch, int64_t new_tokens,
+                                       nn::KvCache& cache, bool all_logits) {
+  require_whole("cached inference");
+  if (tp())
+    fail("cached inference runs on one process; this model is split over tp = {} ranks", tp()->size());
+  if (batch <= 0 || new_tokens <= 0)
+    fail("batch ({}) and new tokens ({}) must be positive", batch, new_tokens);
+  const int64_t row = config_.kv_lora_rank + config_.qk_rope_head_dim;
+  if (!cache.allocated() || cache.layers() != config_.num_hidden_layers || cache.batch() != batch ||
+      cache.kv_heads() != 1 || cache.head_dim() != row)
+    fail(
+        "KV cache ({} layers, batch {}, {} kv heads x {}) does not fit this model and batch "
+        "({} layers, batch {}, 1 compressed head x {}); make it with make_cache",
+        cache.layers(), cache.batch(), cache.kv_heads(), cache.head_dim(), config_.num_hidden_layers, batch,
+        row);
+  const int64_t end = cache.length() + new_tokens;
+  if (end > config_.max_position_embeddings)
+    fail("context full: {} cached + {} new tokens exceed max_position_embeddings {}", cache.length(),
+         new_tokens, config_.max_position_embeddings);
+  if (end > cache.capacity())
+    fail("KV cache full: {} cached + {} new tokens exceed its capacity of {} positions", cache.length(),
+         new_tokens, cache.capacity());
+  for (int64_t i = 0; i < batch * new_tokens; ++i)
+    if (ids[i] < 0 || ids[i] >= config_.vocab_size)
+      fail("token id {} at position {} is outside the vocabulary [0, {})", ids[i], i, config_.vocab_size);
+
+  const int64_t h = config_.hidden_size;
+  Tensor ids_holder;
+  Tensor x =
+      embedding_.forward(ids_on(options_.device, ids, batch * new_tokens, ids_holder), batch * new_tokens);
+  for (size_t l = 0; l < layers_.size(); ++l)
+    x = layers_[l].forward_cached(x, batch, new_tokens, cache.layer(static_cast<int64_t>(l)));
+  cache.advance(new_tokens);
+  if (!all_logits && new_tokens > 1) {  // only each sequence's last token goes through the head
+    Tensor last = Tensor::empty({batch, h}, DType::f32, options_.device);
+    for (int64_t b = 0; b < batch; ++b)
+      last.view(b * h, {h}).copy_from(x.view(((b + 1) * new_tokens - 1) * h, {h}));
+    x = last;
+  }
+  nn::RmsNorm::Saved norm_saved;
+  return head_.logits(final_norm_.forward(x, norm_saved)).to(Device::cpu);
 }
 
 ModelFamily deepseek_v3_family() {

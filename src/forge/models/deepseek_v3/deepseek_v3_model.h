@@ -16,8 +16,11 @@
 // grad_scale = 1 / tokens of the micro-batch). The sequence-wise balance loss reaches the routers through
 // set_balance_scale.
 //
-// Not supported yet (refused in one line): cached inference (make_cache / forward_cached), FP8 (the MoE's
-// grouped GEMMs have no FP8 path), MTP under sequence parallelism.
+// Inference (forward_cached, on a one-stage model without tensor parallelism) keeps MLA's compressed cache:
+// make_cache gives one kv head of kv_lora_rank + qk_rope_head_dim per layer; the MTP modules are not used.
+//
+// Not supported yet (refused in one line): FP8 (the MoE's grouped GEMMs have no FP8 path), topk_method
+// greedy, MTP under sequence parallelism.
 #pragma once
 
 #include <cstdint>
