@@ -17,6 +17,7 @@
 #include "forge/models/deepseek_v3/deepseek_v3_model.h"
 #include "forge/models/pretrained.h"
 #include "forge/optim/adamw.h"
+#include "op_harness.h"
 
 namespace forge {
 using namespace forge::optim;
@@ -54,7 +55,9 @@ class DeepseekV3Golden : public ::testing::TestWithParam<std::string> {
   double meta(const std::string& key) const { return std::stod(file_->metadata().at(key)); }
   float scalar(const std::string& name) const { return file_->read(name).f32()[0]; }
   std::unique_ptr<DeepseekV3Model> load_model(DeepseekV3Options model_options = {},
-                                              StageSpec stage = StageSpec::whole()) {
+                                              StageSpec stage = StageSpec::whole(),
+                                              nn::ComputeOptions options = {DType::f32,
+                                                                            nn::Recompute::none}) {
     model_options.mtp_weight = static_cast<float>(meta("mtp_weight"));
     auto model =
         std::make_unique<DeepseekV3Model>(config_, nn::ComputeOptions{DType::f32, nn::Recompute::none}, 0.02f,
@@ -246,6 +249,39 @@ TEST_P(DeepseekV3Golden, BackwardSplitEqualsFusedBitwise) {
   const Tensor ga = fused->params().grads(), gb = split->params().grads();
   ASSERT_EQ(ga.bytes(), gb.bytes());
   EXPECT_EQ(0, std::memcmp(ga.raw(), gb.raw(), ga.bytes()));
+}
+
+// Selective and full recomputation train bitwise like keeping every activation.
+TEST_P(DeepseekV3Golden, RecomputeTrainsBitwiseLikeKeepingEverything) {
+  Tensor ids = file_->read("input_ids"), labels = file_->read("labels");
+  const int64_t batch = ids.dim(0), seq = ids.dim(1);
+  const float scale = 1.0f / static_cast<float>(valid_targets(labels));
+  Tensor want;
+  for (nn::Recompute r : {nn::Recompute::none, nn::Recompute::selective, nn::Recompute::full}) {
+    auto model = load_model({}, StageSpec::whole(), {DType::f32, r});
+    model->set_balance_scale(balance_scale(batch));
+    model->params().zero_grads();
+    model->forward_backward(ids.i32(), labels.i32(), batch, seq, scale);
+    const Tensor grads = model->params().grads();
+    if (r == nn::Recompute::none) {
+      want = grads.to(Device::cpu);
+      continue;
+    }
+    ASSERT_EQ(grads.bytes(), want.bytes());
+    EXPECT_EQ(0, std::memcmp(grads.raw(), want.raw(), want.bytes())) << nn::recompute_name(r);
+  }
+}
+
+// bf16 GEMM operands stay close to the fp32 twin (the scale-free similarity of DESIGN.md, llama's threshold).
+TEST_P(DeepseekV3Golden, Bf16ComputeStaysCloseToFp32Twin) {
+  auto model = load_model({}, StageSpec::whole(), {DType::bf16, nn::Recompute::none});
+  Tensor ids = file_->read("input_ids");
+  Tensor logits = model->logits(ids.i32(), ids.dim(0), ids.dim(1));
+  Tensor want = file_->read("logits");
+  std::vector<double> ref(want.f32(), want.f32() + want.numel());
+  const double d = testing::dissimilarity(logits.f32(), ref.data(), ref.size());
+  EXPECT_LT(d, 1e-4);
+  std::printf("%s: bf16 logits dissimilarity %.2e\n", GetParam().c_str(), d);
 }
 
 // Cached inference over MLA's compressed cache (a prompt at once, then one token per step with the absorbed
