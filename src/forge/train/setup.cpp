@@ -105,7 +105,8 @@ TrainSetup::TrainSetup(const TrainConfig& c, comm::Communicator& world_)
 // DeepSeek-V3's multi-token prediction modules (on the last stage) read the embedding too: the same pairing.
 void TrainSetup::tie_embeddings_across_stages() {
   const nlohmann::json json = model_config->to_json();
-  const bool mtp = json.contains("num_nextn_predict_layers") && json["num_nextn_predict_layers"].is_number() &&
+  const bool mtp = json.contains("num_nextn_predict_layers") &&
+                   json["num_nextn_predict_layers"].is_number() &&
                    json["num_nextn_predict_layers"].get<int64_t>() > 0;
   if (!pipeline || !(json.value("tie_word_embeddings", false) || mtp)) return;
   const pipeline::Placement& p = pipeline->placement;
