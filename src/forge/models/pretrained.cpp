@@ -3,8 +3,6 @@
 // Export lives in hf_export.cpp.
 #include "forge/models/pretrained.h"
 
-#include "forge/ckpt/checkpoint_dir.h"
-
 #include <algorithm>
 #include <cstring>
 #include <fstream>
@@ -14,12 +12,14 @@
 #include <vector>
 
 #include "forge/ckpt/checkpoint.h"
+#include "forge/ckpt/checkpoint_dir.h"
 #include "forge/ckpt/finite_check.h"
 #include "forge/ckpt/safetensors.h"
 #include "forge/ckpt/sharded.h"
 #include "forge/comm/comm.h"
 #include "forge/core/error.h"
 #include "forge/core/file_io.h"
+#include "forge/models/deepseek_v3/deepseek_v3_config.h"
 
 namespace forge::models {
 using namespace forge::ckpt;
@@ -263,13 +263,18 @@ void load_pretrained_weights(const PretrainedDir& source, ParameterStore& params
   const Located* tied_head = nullptr;
   for (const auto& [name, at] : located) {
     if (expected_names.count(name) || is_rotary_buffer(name, shape.layers)) continue;
-    if (name == "lm_head.weight" && !expected_names.count(name) && expected_names.count("model.embed_tokens.weight")) {
+    // DeepSeek's release stores copies of the shared embedding and head per MTP module.
+    if (const auto* deepseek = dynamic_cast<const DeepseekV3Config*>(source.config.get());
+        deepseek && deepseek->is_ignored_duplicate(name))
+      continue;
+    if (name == "lm_head.weight" && !expected_names.count(name) &&
+        expected_names.count("model.embed_tokens.weight")) {
       check_tensor(at, name, {shape.vocab, shape.hidden}, config_name);
       tied_head = &at;
       continue;
     }
-    fail("{}: unexpected tensor '{}' (not a {} parameter under the config {})", at.file->path(),
-         name, source.config->architecture(), config_name);
+    fail("{}: unexpected tensor '{}' (not a {} parameter under the config {})", at.file->path(), name,
+         source.config->architecture(), config_name);
   }
 
   if (tied_head) {
@@ -284,7 +289,8 @@ void load_pretrained_weights(const PretrainedDir& source, ParameterStore& params
           tied_head->file->path(), config_name);
   }
 
-  // A model on a device is filled through a host copy of its weights (every one of them comes from the files).
+  // A model on a device is filled through a host copy of its weights (every one of them comes from the
+  // files).
   const bool staged = params.device() != Device::cpu;
   const Tensor host = staged ? Tensor::zeros({params.numel()}, DType::f32) : Tensor();
   auto destination = [&](int id) {
@@ -303,7 +309,8 @@ void load_pretrained_weights(const PretrainedDir& source, ParameterStore& params
       check_finite(whole.f32(), whole.numel(), name, at.file->path());
       float* local = destination(params.find(name)).f32();
       std::fill(local, local + shape_numel(info.shape), 0.0f);  // vocabulary padding
-      for (const ShardRun& r : shard_runs(info)) std::copy_n(whole.f32() + r.global, r.count, local + r.local);
+      for (const ShardRun& r : shard_runs(info))
+        std::copy_n(whole.f32() + r.global, r.count, local + r.local);
     }
   }
   if (staged) {
@@ -315,7 +322,8 @@ void load_pretrained_weights(const PretrainedDir& source, ParameterStore& params
 
 std::unique_ptr<Model> load_pretrained_model(const fs::path& dir, nn::ComputeOptions options) {
   PretrainedDir source = open_pretrained(dir);
-  std::unique_ptr<Model> model = build_model(*source.config, options, StageSpec::whole(), 0.02f, /*with_grads=*/false);
+  std::unique_ptr<Model> model =
+      build_model(*source.config, options, StageSpec::whole(), 0.02f, /*with_grads=*/false);
   load_pretrained_weights(source, model->params());
   return model;
 }

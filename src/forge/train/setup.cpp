@@ -102,8 +102,13 @@ TrainSetup::TrainSetup(const TrainConfig& c, comm::Communicator& world_)
 // Tied embeddings under pp: where the first and the last stage are on two ranks (of the same tp and dp
 // position), the last stage's copy of the embedding is a copy (out of the norm and the checkpoint) whose
 // gradient is summed with the embedding's every step, so that both take the same update and stay equal.
+// DeepSeek-V3's multi-token prediction modules (on the last stage) read the embedding too: the same pairing.
 void TrainSetup::tie_embeddings_across_stages() {
-  if (!pipeline || !model_config->to_json().value("tie_word_embeddings", false)) return;
+  const nlohmann::json json = model_config->to_json();
+  const bool mtp = json.contains("num_nextn_predict_layers") &&
+                   json["num_nextn_predict_layers"].is_number() &&
+                   json["num_nextn_predict_layers"].get<int64_t>() > 0;
+  if (!pipeline || !(json.value("tie_word_embeddings", false) || mtp)) return;
   const pipeline::Placement& p = pipeline->placement;
   const int first = p.locate(0, 0).rank, last = p.locate(0, p.stages - 1).rank;
   if (first == last) return;  // one tensor in the rank's store (LlamaModel shares it between the chunks)
