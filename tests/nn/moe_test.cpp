@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "forge/core/parameters.h"
-#include "kernels/op_tests/moe_router.h"
+#include "kernels/op_tests/moe_router_reference.h"
 #include "op_harness.h"
 
 namespace forge::nn {
