@@ -58,6 +58,18 @@ void Moe::grouped_weight_grad(const GemmOperand& dy, const GemmOperand& x, int f
   for (int id = first; id < first + count; ++id) store_->note_grad(id);
 }
 
+// silu(gate) * up of the sorted rows [R, 2 ffn], as the down GEMMs read it.
+GemmOperand Moe::activation(const Tensor& gate_up) const {
+  const int64_t rows = gate_up.numel() / (2 * shape_.expert_ffn);
+  Tensor act = Tensor::empty({rows, shape_.expert_ffn}, DType::f32, options_.device);
+  if (rows > 0) {
+    ops::SwigluParams sw;
+    sw.rows = rows, sw.ffn = shape_.expert_ffn, sw.gate_up = gate_up.f32(), sw.out = act.f32();
+    ops::swiglu_forward(sw, options_.device);
+  }
+  return GemmOperand{to_gemm_dtype(act, options_.gemm_dtype)};
+}
+
 Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training) const {
   const Device device = options_.device;
   const int64_t hidden = shape_.hidden, experts = shape_.experts, k = shape_.top_k, ffn = shape_.expert_ffn;
@@ -131,13 +143,7 @@ Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training
   s.xs = GemmOperand{to_gemm_dtype(xs, options_.gemm_dtype)};
   s.gate_up = grouped(s.xs, sorted, params_.first_gate_up, 2 * static_cast<int>(experts), 2 * ffn, hidden,
                       true, s.offsets);
-  Tensor act = Tensor::empty({sorted, ffn}, DType::f32, device);
-  if (sorted > 0) {
-    ops::SwigluParams sw;
-    sw.rows = sorted, sw.ffn = ffn, sw.gate_up = s.gate_up.f32(), sw.out = act.f32();
-    ops::swiglu_forward(sw, device);
-  }
-  s.act = GemmOperand{to_gemm_dtype(act, options_.gemm_dtype)};
+  s.act = activation(s.gate_up);
   s.ys = grouped(s.act, sorted, params_.first_down, static_cast<int>(experts), hidden, ffn, true, s.offsets);
 
   Tensor out = Tensor::empty({rows, hidden}, DType::f32, device);
@@ -185,15 +191,7 @@ Tensor Moe::backward_input(const Tensor& dy_in, int64_t, int64_t, LayerPart::Sav
   if (options_.tp) options_.tp->all_reduce_sum(dweights.f32(), dweights.numel(), device);
 
   // Through the experts.
-  if (!s.act.defined()) {
-    Tensor act = Tensor::empty({sorted, ffn}, DType::f32, device);
-    if (sorted > 0) {
-      ops::SwigluParams sw;
-      sw.rows = sorted, sw.ffn = ffn, sw.gate_up = s.gate_up.f32(), sw.out = act.f32();
-      ops::swiglu_forward(sw, device);
-    }
-    s.act = GemmOperand{to_gemm_dtype(act, options_.gemm_dtype)};
-  }
+  if (!s.act.defined()) s.act = activation(s.gate_up);  // selective recompute
   s.dys = GemmOperand{to_gemm_dtype(dys, options_.gemm_dtype)};
   const Tensor dact =
       grouped(s.dys, sorted, params_.first_down, static_cast<int>(experts), ffn, hidden, false, s.offsets);

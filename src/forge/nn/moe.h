@@ -113,6 +113,7 @@ class Moe final : public LayerPart {
   void grouped_weight_grad(const GemmOperand& dy, const GemmOperand& x, int first, int count, int64_t m,
                            int64_t n, const std::vector<int64_t>& offsets) const;
   Tensor weights(DType dtype, int first, int count, int64_t cols) const;
+  GemmOperand activation(const Tensor& gate_up) const;
 
   ParameterStore* store_ = nullptr;
   MoeParams params_;

@@ -26,8 +26,17 @@ bool refuse_with(const std::string& problem, std::string* reason) {
 float sigmoid(float z) { return 1.0f / (1.0f + std::exp(-z)); }
 
 // Scores, selection and weights of token t.
-void route_token(const ops::MoeRouterParams& p, int64_t t, std::vector<float>& choice,
-                 std::vector<char>& usable) {
+// One thread's scratch, allocated once per parallel region rather than per token.
+struct RouteScratch {
+  std::vector<float> choice, group_score;
+  std::vector<char> usable, kept;
+  explicit RouteScratch(const ops::MoeRouterParams& p)
+      : choice(p.experts), group_score(p.groups), usable(p.experts), kept(p.groups) {}
+};
+
+void route_token(const ops::MoeRouterParams& p, int64_t t, RouteScratch& scratch) {
+  std::vector<float>& choice = scratch.choice;
+  std::vector<char>& usable = scratch.usable;
   const int64_t experts = p.experts, k = p.top_k;
   const float* z = p.logits + t * experts;
   float* s = p.scores + t * experts;
@@ -45,7 +54,7 @@ void route_token(const ops::MoeRouterParams& p, int64_t t, std::vector<float>& c
   std::fill(usable.begin(), usable.end(), 1);
   if (p.groups > 1) {
     const int64_t size = experts / p.groups;
-    std::vector<float> group_score(p.groups);
+    std::vector<float>& group_score = scratch.group_score;
     for (int64_t g = 0; g < p.groups; ++g) {
       float first = -std::numeric_limits<float>::infinity(), second = first;
       for (int64_t e = g * size; e < (g + 1) * size; ++e) {
@@ -56,7 +65,8 @@ void route_token(const ops::MoeRouterParams& p, int64_t t, std::vector<float>& c
       }
       group_score[g] = first + second;
     }
-    std::vector<char> kept(p.groups, 0);
+    std::vector<char>& kept = scratch.kept;
+    std::fill(kept.begin(), kept.end(), 0);
     for (int64_t pick = 0; pick < p.topk_groups; ++pick) {
       int64_t best = -1;
       for (int64_t g = 0; g < p.groups; ++g)
@@ -114,10 +124,9 @@ void moe_router_forward(const ops::MoeRouterParams& p) {
   if (std::string why; !supports_moe_router_forward(p, &why)) fail("{}", why);
 #pragma omp parallel
   {
-    std::vector<float> choice(p.experts);
-    std::vector<char> usable(p.experts);
+    RouteScratch scratch(p);
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < p.tokens; ++t) route_token(p, t, choice, usable);
+    for (int64_t t = 0; t < p.tokens; ++t) route_token(p, t, scratch);
     if (p.seq_len > 0) {
 #pragma omp for schedule(static)
       for (int64_t q = 0; q < p.tokens / p.seq_len; ++q) balance_forward(p, q);
