@@ -85,7 +85,7 @@ TEST(TrainConfig, DefaultTomlFileEqualsBuiltInDefaults) {
     ++keys;
     EXPECT_NE(line.find(" # "), std::string::npos) << "no comment: " << line;
   }
-  EXPECT_EQ(keys, 73);
+  EXPECT_EQ(keys, 79);
 }
 
 TEST(TrainConfig, DefaultTomlFileIsTheGeneratedText) {

@@ -54,6 +54,22 @@ inline void write_toy_run_inputs(const std::filesystem::path& dir) {
                "max_position_embeddings": 64})";
 }
 
+// Writes dir/deepseek.json: a 3-layer DeepSeek-V3 of hidden 32 for the byte vocabulary (MLA without a query
+// LoRA, the first layer dense, then DeepSeekMoE of 8 experts in 4 groups, top-2 of 2 groups, 2 shared
+// experts), with one MTP depth.
+inline void write_toy_deepseek_config(const std::filesystem::path& dir) {
+  std::ofstream model(dir / "deepseek.json");
+  model << R"({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "hidden_size": 32, "intermediate_size": 40, "moe_intermediate_size": 12, "num_hidden_layers": 3,
+    "first_k_dense_replace": 1, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": null,
+    "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6,
+    "n_routed_experts": 8, "n_shared_experts": 2, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2,
+    "routed_scaling_factor": 2.5, "norm_topk_prob": true, "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc", "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "rope_interleave": true, "vocab_size": 256, "max_position_embeddings": 64,
+    "tie_word_embeddings": false})";
+}
+
 inline std::filesystem::path make_shared_test_dir(
     comm::Communicator& world, const std::string& prefix,
     const std::function<void(const std::filesystem::path&)>& also_write) {

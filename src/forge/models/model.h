@@ -31,6 +31,7 @@
 #include "forge/core/parameters.h"
 #include "forge/nn/compute.h"
 #include "forge/nn/kv_cache.h"
+#include "forge/nn/moe.h"
 
 namespace forge::models {
 
@@ -104,6 +105,31 @@ struct StageOutput {
   LossSum loss;  // the last stage
 };
 
+// ---- What the trainer sets and reads each step in families with routed experts or multi-token prediction
+// (DeepSeek-V3); the defaults of Model are those of a family without them.
+struct TrainStepSettings {
+  // d(total loss) / d(one sequence's balance loss in one MoE layer): the sequence-wise balance loss's
+  // coefficient divided by the sequences of the global batch (0: no balance loss).
+  float balance_scale = 0.0f;
+  float mtp_weight = 0.0f;  // lambda of main + lambda / D * sum_k L_k
+};
+
+// One of this stage's MoE layers. slot: its place among the model's MoE layers over every stage (main layers
+// in order, then the MTP modules'), 0 .. Model::expert_layer_count() - 1. The statistics are those of this
+// step's training micro-batches on this rank (loads counted in backward_input).
+struct ExpertLayerView {
+  int64_t layer = 0;  // the Hugging Face layer index (an MTP module's is num_hidden_layers + k - 1)
+  int64_t slot = 0;
+  nn::MoeStats* stats = nullptr;
+  int bias = -1;  // the correction bias' parameter id (-1: none)
+};
+
+// One MTP depth over this step's training micro-batches on this rank.
+struct MtpDepthTotals {
+  LossSum loss;
+  int64_t top1 = 0;  // tokens whose target is the argmax of the depth's logits (ties count)
+};
+
 class Model {
  public:
   virtual ~Model() = default;
@@ -143,6 +169,21 @@ class Model {
   // returns the logits of each sequence's last new token [batch, vocab] (all_logits: of every new token).
   virtual Tensor forward_cached(const int32_t* ids, int64_t batch, int64_t new_tokens, nn::KvCache& cache,
                                 bool all_logits = false) = 0;
+
+  // ---- Expert balancing and multi-token prediction (train/step.cpp drives them).
+  // Before a step's micro-batches: clears the step's statistics and sets its scales.
+  virtual void begin_train_step(const TrainStepSettings&) {}
+  // MoE layers of the whole model (every stage), and this stage's.
+  virtual int64_t expert_layer_count() const { return 0; }
+  virtual int64_t routed_experts() const { return 0; }  // per MoE layer
+  virtual std::vector<ExpertLayerView> expert_layers() { return {}; }
+  // After an applied optimizer step, once each layer's loads are summed over the global batch (every data-
+  // parallel replica, every copy of the stage): bias += rate * sign(mean - load), or its zero-mean variant.
+  virtual void apply_bias_updates(float /*rate*/, bool /*zero_mean*/) {}
+  // The step's per-depth MTP totals on this rank (empty: no MTP on this stage).
+  virtual std::vector<MtpDepthTotals> mtp_totals() const { return {}; }
+  // MTP depths of the whole model (the last stage holds them).
+  virtual int64_t mtp_depth_count() const { return 0; }
 };
 
 // ---- The registry: one entry per family, keyed by the Hugging Face `architectures` name.

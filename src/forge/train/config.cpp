@@ -265,6 +265,39 @@ const std::vector<KeySpec>& key_specs() {
        "TransformerEngine); gradient GEMMs always promote",
        {}},
 
+      {"moe",
+       "bias_update_rate",
+       FORGE_FIELD(moe.bias_update_rate),
+       "auxiliary-loss-free balancing: after each optimizer step every MoE layer's routing bias moves by "
+       "this "
+       "towards balance, from the expert loads of the global batch (0 = fixed biases)",
+       {}},
+      {"moe",
+       "bias_update",
+       FORGE_FIELD(moe.bias_update),
+       "sign: bias += rate * sign(mean load - load) (DeepSeek-V3); zero_mean: the same updates less their "
+       "mean",
+       {"sign", "zero_mean"}},
+      {"moe",
+       "seq_aux_loss_coeff",
+       FORGE_FIELD(moe.seq_aux_loss_coeff),
+       "alpha of the sequence-wise balance loss alpha * sum_i f_i P_i, averaged over sequences and added per "
+       "MoE layer (0 = off)",
+       {}},
+
+      {"mtp",
+       "loss_weight",
+       FORGE_FIELD(mtp.loss_weight),
+       "multi-token prediction: the loss is main + lambda / D * (sum of the D depths' losses), lambda = this",
+       {}},
+      {"mtp",
+       "switch_step",
+       FORGE_FIELD(mtp.switch_step),
+       "from this step on lambda = loss_weight_after (0 = loss_weight throughout; DeepSeek-V3 went from 0.3 "
+       "to 0.1)",
+       {}},
+      {"mtp", "loss_weight_after", FORGE_FIELD(mtp.loss_weight_after), "lambda from switch_step on", {}},
+
       {"eval", "every", FORGE_FIELD(eval.every), "evaluate every this many steps (0 = only at the end)", {}},
       {"eval", "batches", FORGE_FIELD(eval.batches), "held-out micro-batches per evaluation", {}},
 
@@ -697,6 +730,15 @@ void TrainConfig::validate() const {
     }
   }
 
+  check(finite(moe.bias_update_rate) && moe.bias_update_rate >= 0, "moe.bias_update_rate",
+        moe.bias_update_rate, ">= 0 (0 = fixed biases)");
+  check(finite(moe.seq_aux_loss_coeff) && moe.seq_aux_loss_coeff >= 0, "moe.seq_aux_loss_coeff",
+        moe.seq_aux_loss_coeff, ">= 0 (0 = off)");
+  check(finite(mtp.loss_weight) && mtp.loss_weight >= 0, "mtp.loss_weight", mtp.loss_weight, ">= 0");
+  check(mtp.switch_step >= 0, "mtp.switch_step", mtp.switch_step, ">= 0 (0 = no switch)");
+  check(finite(mtp.loss_weight_after) && mtp.loss_weight_after >= 0, "mtp.loss_weight_after",
+        mtp.loss_weight_after, ">= 0");
+
   check(eval.every >= 0, "eval.every", eval.every, ">= 0 (0 = only at the end)");
   check(eval.batches > 0, "eval.batches", eval.batches, "> 0");
   check(log.every > 0, "log.every", log.every, "> 0");
@@ -809,7 +851,7 @@ std::optional<nn::Fp8Options> TrainConfig::fp8_options() const {
 bool TrainConfig::operator==(const TrainConfig& other) const {
   return model == other.model && data == other.data && train == other.train && eval == other.eval &&
          log == other.log && checkpoint == other.checkpoint && sample == other.sample &&
-         parallel == other.parallel && fp8 == other.fp8;
+         parallel == other.parallel && fp8 == other.fp8 && moe == other.moe && mtp == other.mtp;
 }
 
 }  // namespace forge::train

@@ -126,6 +126,21 @@ struct TrainConfig {
     bool operator==(const Fp8&) const = default;
   };
 
+  // DeepSeekMoE's balancing (models with routed experts; others ignore it).
+  struct Moe {
+    double bias_update_rate = 1e-3;    // 0 = the correction biases stay fixed
+    std::string bias_update = "sign";  // sign | zero_mean
+    double seq_aux_loss_coeff = 1e-4;  // 0 = no sequence-wise balance loss
+    bool operator==(const Moe&) const = default;
+  };
+  // Multi-token prediction (models with MTP modules; others ignore it).
+  struct Mtp {
+    double loss_weight = 0.3;  // lambda of main + lambda / D * sum_k L_k
+    int64_t switch_step = 0;   // 0 = loss_weight throughout; else loss_weight_after from this step on
+    double loss_weight_after = 0.1;
+    bool operator==(const Mtp&) const = default;
+  };
+
   Model model;
   Data data;
   Train train;
@@ -135,6 +150,8 @@ struct TrainConfig {
   Sample sample;
   Parallel parallel;
   Fp8 fp8;
+  Moe moe;
+  Mtp mtp;
   std::string source = "<defaults>";  // where the settings came from (the file, or "<defaults>")
   // Where each key ("section.key") got its value: "<file>:<line>" from the TOML, or "--set 'train.lr=-1'";
   // keys left at their defaults have no entry. validate()'s messages start with the culprit's origin.
@@ -162,6 +179,10 @@ struct TrainConfig {
   parallel::LayoutSpec layout_spec() const;
   // [fp8] as the model's FP8 options; std::nullopt when fp8.recipe = "off". Call after validate().
   std::optional<nn::Fp8Options> fp8_options() const;
+  // lambda of step `step` (1-based).
+  double mtp_loss_weight_at(int64_t step) const {
+    return mtp.switch_step > 0 && step >= mtp.switch_step ? mtp.loss_weight_after : mtp.loss_weight;
+  }
   int64_t tokens_per_step() const { return train.micro_batch * train.grad_accum * data.seq_len; }
 
   // Compares the settings, not where they came from.

@@ -74,6 +74,7 @@ std::string format_step_line(const StepLine& s) {
                                  s.step, width, total, s.loss, s.lr, s.grad_norm,
                                  format_count(s.tokens_per_s), format_flops_rate(s.flops_per_s));
   if (std::isfinite(s.mfu) && s.mfu >= 0) line += fmt::format(" | mfu {:.1f}%", 100.0 * s.mfu);
+  if (!s.extra.empty()) line += " | " + s.extra;
   line += fmt::format(" | {} eta {}", format_duration(s.elapsed_s), format_duration(s.eta_s));
   return line;
 }

@@ -41,6 +41,7 @@ struct StepLine {
   double mfu = -1;         // fraction of peak; negative or NaN = unknown peak, not printed
   double elapsed_s = 0;
   double eta_s = -1;  // negative or NaN = unknown
+  std::string extra;  // the family's own measures ("moe maxvio 0.12 | mtp 2.31"), after mfu; "" = none
 };
 
 // "step  120/2000 | loss 1.9342 | lr 2.95e-03 | gnorm 0.412 | 15.2k tok/s | 212.3 TFLOP/s | mfu 41.2% |

@@ -62,15 +62,6 @@ TrainSetup::TrainSetup(const TrainConfig& c, comm::Communicator& world_)
   if (!c.model.init_from.empty()) init_source = open_pretrained(c.model.init_from);
   model_source = init_source ? init_source->dir.string() : c.model.config;
   model_config = init_source ? init_source->config->clone() : read_model_config(c.model.config);
-  // DeepSeek-V3's model is built and tested, but the trainer does not yet drive its expert balancing (the
-  // bias update over the global batch, the balance-loss coefficient) nor log its MTP losses: a run now would
-  // silently train without them.
-  if (model_config->architecture() == "DeepseekV3ForCausalLM")
-    fail(
-        "{}: training DeepseekV3ForCausalLM with forge train is not supported yet (the trainer does not "
-        "drive "
-        "its expert balancing or log its multi-token-prediction losses)",
-        model_source);
   check_model_fits();
   groups = parallel::make_groups(world, layout);
   dp = layout.dp(), dp_rank = layout.coordinate(parallel::Dim::dp);

@@ -46,7 +46,136 @@ std::string describe_non_finite_step(comm::Communicator& world, const ParameterS
   return where.empty() ? what : fmt::format("{} ({})", what, where);
 }
 
+// The step's expert loads and MTP totals over the global batch, into r; then every MoE layer's bias update
+// (collective over the world). Each rank lays out every MoE layer of the model by slot, filled where its
+// chunks hold the layer, and sums over pp (the stages hold different layers; DualPipe's two copies of a stage
+// saw half of the micro-batches each) and then over dp; tensor-parallel ranks route the same gathered rows
+// and so hold the same counts already.
+void finish_balancing(TrainSetup& setup, StepResult& r) {
+  const TrainConfig& c = setup.config;
+  Model& first = *setup.model;
+  const int64_t slots = first.expert_layer_count(), experts = first.routed_experts(),
+                depth = first.mtp_depth_count();
+  if (slots == 0 && depth == 0) return;
+  const int64_t stride = experts + 3;  // loads, balance sum, sequences, dropped
+  std::vector<double> sums(static_cast<size_t>(slots * stride + 3 * depth), 0.0);
+  std::vector<double> maxes(static_cast<size_t>(2 * slots), 0.0);  // layer index, bias norm
+  std::vector<ExpertLayerView> views;
+  for (Model* m : setup.chunks())
+    for (const ExpertLayerView& v : m->expert_layers()) {
+      double* at = sums.data() + v.slot * stride;
+      std::copy(v.stats->load.begin(), v.stats->load.end(), at);
+      at[experts] = v.stats->balance_sum, at[experts + 1] = static_cast<double>(v.stats->sequences);
+      at[experts + 2] = static_cast<double>(v.stats->dropped);
+      maxes[2 * v.slot] = static_cast<double>(v.layer);
+      if (v.bias >= 0) {
+        const Tensor bias = m->params().param(v.bias).to(Device::cpu);
+        double norm = 0;
+        for (int64_t e = 0; e < bias.numel(); ++e) norm += static_cast<double>(bias.f32()[e]) * bias.f32()[e];
+        maxes[2 * v.slot + 1] = std::sqrt(norm);
+      }
+      views.push_back(v);
+    }
+  // MTP runs on the last stage, each micro-batch once (under DualPipe on whichever copy ended it).
+  for (Model* m : setup.chunks()) {
+    const std::vector<MtpDepthTotals> totals = m->mtp_totals();
+    for (size_t d = 0; d < totals.size(); ++d) {
+      double* at = sums.data() + slots * stride + 3 * static_cast<int64_t>(d);
+      at[0] += totals[d].loss.sum, at[1] += static_cast<double>(totals[d].loss.tokens);
+      at[2] += static_cast<double>(totals[d].top1);
+    }
+  }
+  const int64_t n = static_cast<int64_t>(sums.size());
+  if (setup.layout.pp() > 1) {
+    comm::all_reduce_sum(setup.pp_group(), sums.data(), n);
+    if (slots > 0)
+      setup.pp_group()
+          .all_reduce(maxes.data(), static_cast<int64_t>(maxes.size()), comm::Type::f64, comm::ReduceOp::max)
+          .wait();
+  }
+  if (setup.dp > 1) comm::all_reduce_sum(setup.dp_group(), sums.data(), n);
+
+  r.experts.resize(static_cast<size_t>(slots));
+  for (int64_t slot = 0; slot < slots; ++slot) {
+    const double* at = sums.data() + slot * stride;
+    ExpertLayerReport& e = r.experts[static_cast<size_t>(slot)];
+    e.layer = static_cast<int64_t>(maxes[2 * slot]), e.bias_norm = maxes[2 * slot + 1];
+    e.load.assign(at, at + experts);
+    e.balance_loss = at[experts + 1] > 0 ? c.moe.seq_aux_loss_coeff * at[experts] / at[experts + 1] : 0.0;
+    e.dropped = static_cast<int64_t>(at[experts + 2]);
+  }
+  r.mtp.resize(static_cast<size_t>(depth));
+  for (int64_t d = 0; d < depth; ++d) {
+    const double* at = sums.data() + slots * stride + 3 * d;
+    MtpDepthTotals& t = r.mtp[static_cast<size_t>(d)];
+    t.loss.sum = at[0], t.loss.tokens = static_cast<int64_t>(at[1]), t.top1 = static_cast<int64_t>(at[2]);
+  }
+  // The update every copy of a layer makes alike, from the global loads.
+  for (const ExpertLayerView& v : views) v.stats->load = r.experts[static_cast<size_t>(v.slot)].load;
+  const bool zero_mean = c.moe.bias_update == "zero_mean";
+  for (Model* m : setup.chunks())
+    m->apply_bias_updates(static_cast<float>(c.moe.bias_update_rate), zero_mean);
+}
+
 }  // namespace
+
+LoadSummary summarize_load(const std::vector<double>& load) {
+  LoadSummary s;
+  if (load.empty()) return s;
+  s.min = *std::min_element(load.begin(), load.end()), s.max = *std::max_element(load.begin(), load.end());
+  double sum = 0;
+  for (double x : load) sum += x;
+  s.mean = sum / static_cast<double>(load.size());
+  if (s.mean <= 0) return s;
+  double var = 0;
+  for (double x : load) var += (x - s.mean) * (x - s.mean);
+  s.cv = std::sqrt(var / static_cast<double>(load.size())) / s.mean;
+  s.max_violation = (s.max - s.mean) / s.mean;
+  return s;
+}
+
+nlohmann::json balance_metrics(const StepResult& r) {
+  nlohmann::json out = nlohmann::json::object();
+  std::string summary;
+  if (!r.experts.empty()) {
+    nlohmann::json layers = nlohmann::json::array();
+    double worst = 0, cv = 0, balance = 0, bias = 0;
+    int64_t dropped = 0;
+    for (const ExpertLayerReport& e : r.experts) {
+      const LoadSummary s = summarize_load(e.load);
+      layers.push_back({{"layer", e.layer},
+                        {"min", s.min},
+                        {"max", s.max},
+                        {"cv", s.cv},
+                        {"max_violation", s.max_violation},
+                        {"bias_norm", e.bias_norm},
+                        {"balance_loss", e.balance_loss},
+                        {"dropped", e.dropped}});
+      worst = std::max(worst, s.max_violation), cv += s.cv, balance += e.balance_loss;
+      bias = std::max(bias, e.bias_norm), dropped += e.dropped;
+    }
+    cv /= static_cast<double>(r.experts.size());
+    out["moe"] = {{"max_violation", worst}, {"cv", cv},           {"balance_loss", balance},
+                  {"bias_norm", bias},      {"dropped", dropped}, {"layers", layers}};
+    summary = fmt::format("maxvio {:.2f} cv {:.2f} bal {:.2e}", worst, cv, balance);
+  }
+  if (!r.mtp.empty()) {
+    nlohmann::json depths = nlohmann::json::array();
+    std::string losses, top1;
+    for (size_t d = 0; d < r.mtp.size(); ++d) {
+      const MtpDepthTotals& t = r.mtp[d];
+      const double accepted =
+          t.loss.tokens > 0 ? static_cast<double>(t.top1) / static_cast<double>(t.loss.tokens) : 0.0;
+      depths.push_back({{"depth", d + 1}, {"loss", t.loss.mean()}, {"top1", accepted}});
+      losses += fmt::format("{}{:.3f}", d ? "/" : "", t.loss.mean());
+      top1 += fmt::format("{}{:.0f}%", d ? "/" : "", 100 * accepted);
+    }
+    out["mtp"] = depths;
+    summary += fmt::format("{}mtp {} top1 {}", summary.empty() ? "" : " | ", losses, top1);
+  }
+  if (!summary.empty()) out["summary"] = summary;
+  return out;
+}
 
 LossSum NoPipelining::run(Model& model, int count, const std::function<MicroBatch(int)>& micro_batch) {
   LossSum total;
@@ -87,6 +216,11 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule,
   const int64_t first_sample = state.first_sample_of(state.step);
   std::vector<std::vector<int32_t>> ids(accum), targets(accum);
   const float grad_scale = 1.0f / static_cast<float>(micro * accum * dp * seq);
+  TrainStepSettings settings;
+  settings.balance_scale =
+      static_cast<float>(c.moe.seq_aux_loss_coeff / static_cast<double>(micro * accum * dp));
+  settings.mtp_weight = static_cast<float>(c.mtp_loss_weight_at(state.step + 1));
+  for (Model* m : setup.chunks()) m->begin_train_step(settings);
   LossSum loss = schedule.run(model, static_cast<int>(accum), [&](int m) {
     ids[m].resize(micro * seq), targets[m].resize(micro * seq);
     setup.data->train_batch(first_sample + (setup.dp_rank * accum + m) * micro, micro, ids[m].data(),
@@ -152,6 +286,7 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule,
             .wait();
     fp8->end_step();
   }
+  finish_balancing(setup, r);
   ++state.step;
   r.applied = true;
   return r;

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -44,6 +45,21 @@ class NoPipelining final : public Schedule {
   Order order_;
 };
 
+// One MoE layer over the step's global batch (every data-parallel replica, every micro-batch).
+struct ExpertLayerReport {
+  int64_t layer = 0;         // the Hugging Face layer index
+  std::vector<double> load;  // tokens routed to each expert
+  double balance_loss = 0;   // moe.seq_aux_loss_coeff * the mean over sequences of sum_i f_i P_i
+  int64_t dropped = 0;       // assignments over capacity
+  double bias_norm = 0;      // L2 norm of the correction bias the step routed with
+};
+
+// min / max / coefficient of variation / MaxVio = (max - mean) / mean of an expert-load vector.
+struct LoadSummary {
+  double min = 0, max = 0, mean = 0, cv = 0, max_violation = 0;
+};
+LoadSummary summarize_load(const std::vector<double>& load);
+
 struct StepResult {
   double loss = 0;        // mean training loss of the step over every dp replica
   double local_loss = 0;  // this rank's mean
@@ -51,11 +67,22 @@ struct StepResult {
   float lr = 0;
   bool applied = false;    // false: the loss or the gradients were not finite, nothing was changed
   std::string non_finite;  // what was not finite, and on which rank first (collective)
+  // Models with routed experts or MTP, on every rank after an applied step: every MoE layer of the model in
+  // slot order, and every MTP depth, over the global batch.
+  std::vector<ExpertLayerReport> experts;
+  std::vector<models::MtpDepthTotals> mtp;
 };
 
+// A step's expert balance and MTP measures for metrics.jsonl: {"moe": {"max_violation" (the largest over
+// layers), "cv" (their mean), "balance_loss" (the sum), "bias_norm" (the largest), "dropped", "layers": [per
+// layer: "layer", "min", "max", "cv", "max_violation", "bias_norm", "balance_loss", "dropped"]}, "mtp": [per
+// depth: "depth", "loss", "top1"], "summary": the step line's short form}; {} for a model without either.
+nlohmann::json balance_metrics(const StepResult& r);
+
 // Runs one optimizer step of state.step + 1 (collective over the setup's world). The update is applied only
-// when the loss and gradient norm are finite on every rank; then state.step advances. on_gradients (may be
-// empty) sees the reduced gradients before they are checked.
+// when the loss and gradient norm are finite on every rank; then state.step advances, and in models with
+// routed experts each MoE layer's correction bias moves from the loads of the global batch. on_gradients (may
+// be empty) sees the reduced gradients before they are checked.
 StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule,
                       const std::function<void(int64_t, ParameterStore&)>& on_gradients = {});
 

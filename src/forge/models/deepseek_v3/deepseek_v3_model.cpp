@@ -177,6 +177,7 @@ DeepseekV3Model::DeepseekV3Model(const DeepseekV3Config& config, nn::ComputeOpti
     }
   }
   mtp_stats_.resize(mtp_.size());
+  step_mtp_.resize(mtp_.size());
   if (with_grads) register_tensor_parallel_sums();
 }
 
@@ -277,9 +278,9 @@ nn::DecoderLayer DeepseekV3Model::make_layer(int64_t index, const LayerIds& ids)
     auto moe =
         std::make_unique<nn::Moe>(&params_, ids.experts, s, options_, &moe_stats_.back(), &balance_scale_);
     moe_layers_.push_back(moe.get());
+    moe_layer_ids_.emplace_back(index, ids.experts.bias);
     ffn = std::move(moe);
   }
-  (void)index;
   return nn::DecoderLayer(&params_, ids.norm1, std::move(mixer), ids.norm2, std::move(ffn),
                           static_cast<float>(c.rms_norm_eps), options_);
 }
@@ -434,6 +435,10 @@ void DeepseekV3Model::mtp_forward(const MicroBatch& mb, const Tensor& h0, int64_
     const nn::LossTotals loss =
         head_.forward(normed, s.targets.data(), device_targets, s.grad_scale, acts ? &s.dhead : nullptr);
     mtp_stats_[d].loss.sum = loss.sum, mtp_stats_[d].loss.tokens = loss.tokens;
+    if (acts) {
+      MtpDepthTotals& t = step_mtp_[d];
+      t.loss.sum += loss.sum, t.loss.tokens += loss.tokens;
+    }
     prev = x;
   }
 }
@@ -544,6 +549,27 @@ double DeepseekV3Model::balance_loss(double coefficient) const {
 
 void DeepseekV3Model::apply_bias_updates(float rate, bool zero_mean) {
   for (const nn::Moe* moe : moe_layers_) moe->apply_bias_update(rate, zero_mean);
+}
+
+void DeepseekV3Model::begin_train_step(const TrainStepSettings& settings) {
+  set_balance_scale(settings.balance_scale);
+  model_options_.mtp_weight = settings.mtp_weight;
+  for (nn::MoeStats& s : moe_stats_) s.reset(config_.n_routed_experts);
+  std::fill(step_mtp_.begin(), step_mtp_.end(), MtpDepthTotals{});
+}
+
+int64_t DeepseekV3Model::expert_layer_count() const {
+  const int64_t layers = config_.num_hidden_layers + mtp_depth_count();
+  return std::max<int64_t>(0, layers - config_.first_k_dense_replace);
+}
+
+std::vector<ExpertLayerView> DeepseekV3Model::expert_layers() {
+  std::vector<ExpertLayerView> views;
+  for (size_t i = 0; i < moe_layer_ids_.size(); ++i) {
+    const auto [layer, bias] = moe_layer_ids_[i];
+    views.push_back({layer, layer - config_.first_k_dense_replace, &moe_stats_[i], bias});
+  }
+  return views;
 }
 
 Tensor DeepseekV3Model::logits(const int32_t* ids, int64_t batch, int64_t seq) {

@@ -91,10 +91,20 @@ class DeepseekV3Model final : public Model {
   double balance_loss(double coefficient) const;
   // Every MoE layer's bias += rate * sign(mean - load) (the caller has summed the loads over data-parallel
   // ranks); clears the statistics.
-  void apply_bias_updates(float rate, bool zero_mean);
 
   // The last forward's per-depth MTP losses (not part of StageOutput::loss, which is the main loss).
   const std::vector<MtpDepthStats>& mtp_stats() const { return mtp_stats_; }
+
+  // ---- The trainer's hooks (models/model.h).
+  void begin_train_step(const TrainStepSettings& settings) override;
+  int64_t expert_layer_count() const override;
+  int64_t routed_experts() const override { return config_.n_routed_experts; }
+  std::vector<ExpertLayerView> expert_layers() override;
+  void apply_bias_updates(float rate, bool zero_mean) override;
+  std::vector<MtpDepthTotals> mtp_totals() const override { return step_mtp_; }
+  int64_t mtp_depth_count() const override {
+    return model_options_.with_mtp ? config_.num_nextn_predict_layers : 0;
+  }
 
  private:
   struct Activations;
@@ -140,12 +150,14 @@ class DeepseekV3Model final : public Model {
   std::vector<MtpIds> mtp_ids_;
   std::deque<nn::MoeStats> moe_stats_;  // stable addresses: the Moe layers point at them
   std::vector<const nn::Moe*> moe_layers_;
+  std::vector<std::pair<int64_t, int>> moe_layer_ids_;  // [local MoE layer]: its layer index, its bias id
   nn::MoeStepScale balance_scale_;
   std::vector<nn::DecoderLayer> layers_;
   std::vector<std::unique_ptr<MtpModule>> mtp_;
   nn::RmsNorm final_norm_;
   nn::LossHead head_;
   std::vector<MtpDepthStats> mtp_stats_;
+  std::vector<MtpDepthTotals> step_mtp_;  // the step's training forwards (begin_train_step clears them)
 };
 
 // The registry's entry for DeepseekV3ForCausalLM.

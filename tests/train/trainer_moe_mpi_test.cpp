@@ -1,0 +1,130 @@
+// DeepSeek-V3 training runs under parallel layouts against the one-rank run (toy_run.h's DeepSeek-V3 of
+// hidden 32 with MoE layers and an MTP module, 10 steps with the routing biases moving every step): tensor
+// parallelism (heads and experts split, routers replicated), data parallelism with and without ZeRO-1, and
+// pipeline stages (the MTP module on the last stage, reading its own copy of the embedding; DualPipe's
+// mirrored copies of each stage summing their halves of the expert loads). Each must reproduce the one-rank
+// losses, gradient norms, MTP losses, expert balance and final weights, the biases included, within the
+// tolerances of trainer_mpi_test.cpp (fp32; the layouts sum in other orders).
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "forge/comm/comm.h"
+#include "forge/train/trainer.h"
+#include "train/toy_run.h"
+
+namespace forge {
+using namespace forge::train;
+namespace {
+namespace fs = std::filesystem;
+
+std::vector<nlohmann::json> step_records(const TrainConfig& c) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(fs::path(c.log.run_dir) / "metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    nlohmann::json j = nlohmann::json::parse(line);
+    if (j.contains("loss")) out.push_back(std::move(j));
+  }
+  return out;
+}
+
+struct MoeCase {
+  const char* name;
+  int tp = 1, dp = 1, pp = 1;
+  bool zero = false;
+  const char* schedule = "1f1b";
+  int layers = 3;
+  int accum = 2;  // micro-batches per step and replica
+  const char* pp_layers = "";
+};
+
+class MoeLayouts : public testing::TestWithParam<MoeCase> {
+ protected:
+  void SetUp() override {
+    dir_ = toy::make_shared_test_dir(comm::world(), "forge_trainer_moe_mpi", [](const fs::path& dir) {
+      toy::write_toy_deepseek_config(dir);
+      // A 4-layer variant, for the schedules with two chunks per rank.
+      std::ifstream in(dir / "deepseek.json");
+      nlohmann::json four = nlohmann::json::parse(in);
+      four["num_hidden_layers"] = 4;
+      std::ofstream(dir / "deepseek4.json") << four.dump();
+    });
+  }
+  void TearDown() override { toy::remove_shared_test_dir(comm::world(), dir_); }
+
+  TrainConfig config(const std::string& run, int layers) const {
+    TrainConfig c = toy::toy_run_config(dir_, run);
+    c.model.config = (dir_ / (layers == 3 ? "deepseek.json" : "deepseek4.json")).string();
+    c.data.seq_len = 16;
+    c.train.dtype = "fp32";
+    c.train.steps = 10;
+    c.train.warmup = 2;
+    c.train.grad_clip = 0.5;
+    c.moe.bias_update_rate = 0.01;
+    c.moe.seq_aux_loss_coeff = 0.01;
+    c.log.every = 1;
+    c.parallel.bucket_mb = 0.01;
+    c.parallel.timeout_s = 60;
+    return c;
+  }
+  fs::path dir_;
+};
+
+TEST_P(MoeLayouts, ReproduceTheOneRankRun) {
+  comm::Communicator& world = comm::world();
+  const MoeCase p = GetParam();
+  if (p.tp * p.dp * p.pp != world.size()) GTEST_SKIP() << "needs " << p.tp * p.dp * p.pp << " ranks";
+  const int accum = p.accum;
+  TrainConfig ref = config("reference-" + std::to_string(world.rank()), p.layers);
+  ref.train.grad_accum = accum * p.dp;
+  auto self = comm::make_self();
+  const TrainResult want = Trainer(ref, self.get()).run();
+
+  TrainConfig par = config("parallel", p.layers);
+  par.parallel.tp = p.tp, par.parallel.dp = p.dp, par.parallel.pp = p.pp;
+  par.parallel.distributed_optimizer = p.zero;
+  par.parallel.schedule = p.schedule;
+  par.parallel.pp_layers = p.pp_layers;
+  par.train.grad_accum = accum;
+  const TrainResult got = Trainer(par, &world).run();
+
+  ASSERT_EQ(got.losses.size(), want.losses.size());
+  for (size_t s = 0; s < want.losses.size(); ++s) {
+    EXPECT_NEAR(got.losses[s], want.losses[s], 2e-5 * want.losses[s]) << "step " << s + 1;
+    EXPECT_NEAR(got.grad_norms[s], want.grad_norms[s], 1e-3 * want.grad_norms[s]) << "step " << s + 1;
+  }
+  EXPECT_NEAR(got.heldout_loss, want.heldout_loss, 2e-5 * want.heldout_loss);
+  // Rank 0 logs what every rank measured: the same expert loads (integers, summed over the replicas and
+  // the stages' copies) and MTP losses as one rank.
+  if (world.rank() == 0) {
+    const std::vector<nlohmann::json> a = step_records(ref), b = step_records(par);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t s = 0; s < a.size(); ++s) {
+      const nlohmann::json &x = a[s]["moe"]["layers"], &y = b[s]["moe"]["layers"];
+      ASSERT_EQ(x.size(), y.size()) << "step " << s + 1;
+      for (size_t l = 0; l < x.size(); ++l)
+        for (const char* key : {"layer", "min", "max", "dropped"}) EXPECT_EQ(x[l][key], y[l][key]) << key;
+      EXPECT_NEAR(b[s]["mtp"][0]["loss"].get<double>(), a[s]["mtp"][0]["loss"].get<double>(),
+                  2e-5 * a[s]["mtp"][0]["loss"].get<double>())
+          << "step " << s + 1;
+    }
+  }
+  toy::expect_weights_close(fs::path(ref.log.run_dir) / "checkpoint",
+                            fs::path(par.log.run_dir) / "checkpoint", 2e-4);
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, MoeLayouts,
+                         testing::Values(MoeCase{"tp2", 2}, MoeCase{"dp2", 1, 2},
+                                         MoeCase{"dp2_zero1", 1, 2, 1, true},
+                                         MoeCase{"pp2_1f1b", 1, 1, 2, false, "1f1b", 3, 2, "2,1"},
+                                         MoeCase{"pp2_dualpipe", 1, 1, 2, false, "dualpipe", 4, 4},
+                                         MoeCase{"pp2_dualpipev", 1, 1, 2, false, "dualpipev", 4, 6},
+                                         MoeCase{"tp2_dp2_zero1", 2, 2, 1, true},
+                                         MoeCase{"pp2_dp2_zbh1", 1, 2, 2, false, "zb-h1", 3, 2, "1,2"},
+                                         MoeCase{"pp2_tp2_1f1b", 2, 1, 2, false, "1f1b", 3, 2, "2,1"}),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+}  // namespace
+}  // namespace forge

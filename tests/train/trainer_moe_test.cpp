@@ -1,0 +1,208 @@
+// `forge train` on a DeepSeek-V3-family model (toy_run.h's 3-layer DeepSeek-V3 of hidden 32: MLA, a dense
+// layer, then MoE in layers 1 and 2 and in the MTP module): it learns; every logged step records each MoE
+// layer's expert loads, bias norm and balance loss and each MTP depth's loss in metrics.jsonl; the routing
+// biases move by exactly +-rate per step from the global batch's loads; the MTP weight follows its
+// schedule; and an interrupted run resumes bit for bit (the biases are in the checkpoint).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "forge/ckpt/checkpoint.h"
+#include "forge/models/pretrained.h"
+#include "forge/train/step.h"
+#include "forge/train/trainer.h"
+#include "train/toy_run.h"
+
+namespace forge {
+using namespace forge::ckpt;
+using namespace forge::train;
+namespace {
+namespace fs = std::filesystem;
+
+std::string read_file(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  EXPECT_TRUE(in) << p;
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// The step records of a run's metrics.jsonl.
+std::vector<nlohmann::json> step_records(const TrainConfig& c) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(fs::path(c.log.run_dir) / "metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    nlohmann::json j = nlohmann::json::parse(line);
+    if (j.contains("loss")) out.push_back(std::move(j));
+  }
+  return out;
+}
+
+class TrainerMoe : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = toy::fresh_test_dir("forge_trainer_moe");
+    toy::write_toy_run_inputs(dir_);
+    toy::write_toy_deepseek_config(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  TrainConfig config(const std::string& run) const {
+    TrainConfig c = toy::toy_run_config(dir_, run);
+    c.model.config = (dir_ / "deepseek.json").string();
+    c.train.dtype = "fp32";
+    c.log.every = 1;
+    return c;
+  }
+  fs::path dir_;
+};
+
+TEST_F(TrainerMoe, LearnsAndRecordsExpertBalanceAndMtp) {
+  TrainConfig c = config("learn");
+  c.train.steps = 30;
+  c.train.warmup = 3;
+  c.moe.bias_update_rate = 0.01;
+  c.moe.seq_aux_loss_coeff = 0.01;
+  const TrainResult r = Trainer(c).run();
+  ASSERT_EQ(r.losses.size(), 30u);
+  EXPECT_LT(r.losses.back(), r.losses.front() - 1.0);
+  const std::vector<nlohmann::json> steps = step_records(c);
+  ASSERT_EQ(steps.size(), 30u);
+  for (size_t s = 0; s < steps.size(); ++s) {
+    const nlohmann::json& moe = steps[s]["moe"];
+    ASSERT_EQ(moe["layers"].size(), 3u) << steps[s];  // layers 1 and 2 and the MTP module's (3)
+    for (int l = 0; l < 3; ++l) EXPECT_EQ(moe["layers"][l]["layer"], l + 1);
+    double worst = 0;
+    for (const nlohmann::json& layer : moe["layers"]) {
+      const double lo = layer["min"], hi = layer["max"], maxvio = layer["max_violation"];
+      EXPECT_LE(lo, hi);
+      EXPECT_GE(maxvio, 0);
+      // MaxVio = (max - mean) / mean with the mean of 2 x 2 x 32 tokens x top-2 over 8 experts (the MTP
+      // layer routes 31 of each sequence's 32 positions).
+      const double tokens = layer["layer"] == 3 ? 2 * 2 * 31 : 2 * 2 * 32;
+      EXPECT_NEAR(maxvio, (hi - tokens * 2 / 8) / (tokens * 2 / 8), 1e-12) << layer;
+      EXPECT_GT(layer["balance_loss"].get<double>(), 0);
+      EXPECT_EQ(layer["dropped"], 0);
+      // The bias each step routed with: after s updates of +-0.01 per element, at most 0.01 s sqrt(8).
+      const double norm = layer["bias_norm"];
+      if (s == 0) EXPECT_EQ(norm, 0) << layer;
+      if (s == 1) {
+        // One update: every element is +-0.01 or 0, so (norm / 0.01)^2 counts the ones that moved.
+        const double moved = norm * norm / 1e-4;
+        EXPECT_NEAR(moved, std::round(moved), 1e-3) << layer;
+        EXPECT_GE(std::round(moved), 1) << layer;
+      }
+      EXPECT_LE(norm, 0.01 * static_cast<double>(s) * std::sqrt(8.0) + 1e-6);
+      worst = std::max(worst, maxvio);
+    }
+    EXPECT_DOUBLE_EQ(moe["max_violation"].get<double>(), worst);
+    ASSERT_EQ(steps[s]["mtp"].size(), 1u);
+    const double mtp = steps[s]["mtp"][0]["loss"], top1 = steps[s]["mtp"][0]["top1"];
+    EXPECT_GT(mtp, 0);
+    EXPECT_GE(top1, 0);
+    EXPECT_LE(top1, 1);
+  }
+  // The depth-1 module learns too.
+  EXPECT_LT(steps.back()["mtp"][0]["loss"].get<double>(),
+            steps.front()["mtp"][0]["loss"].get<double>() - 0.5);
+
+  // The checkpoint's biases: whole multiples of the rate (every update moved each by exactly +-rate or 0).
+  auto model = models::load_pretrained_model(toy::latest_checkpoint(c), nn::ComputeOptions{});
+  int biases = 0;
+  for (int i = 0; i < model->params().count(); ++i) {
+    const std::string& name = model->params().info(i).name;
+    if (name.find("e_score_correction_bias") == std::string::npos) continue;
+    ++biases;
+    const float* b = model->params().param(i).f32();
+    for (int e = 0; e < 8; ++e) {
+      const double steps_moved = b[e] / 0.01;
+      EXPECT_NEAR(steps_moved, std::round(steps_moved), 1e-3) << name << "[" << e << "] = " << b[e];
+    }
+  }
+  EXPECT_EQ(biases, 3);
+}
+
+TEST_F(TrainerMoe, NoBiasUpdateKeepsTheBiasesAtZero) {
+  TrainConfig c = config("fixed");
+  c.train.steps = 3;
+  c.moe.bias_update_rate = 0;
+  Trainer(c).run();
+  for (const nlohmann::json& s : step_records(c))
+    for (const nlohmann::json& layer : s["moe"]["layers"]) EXPECT_EQ(layer["bias_norm"], 0) << s;
+}
+
+// lambda switches to loss_weight_after at switch_step: a run switching to 0 at step 1 is bitwise the run with
+// lambda = 0; one switching at step 5 follows the lambda = 0.3 run through step 5's loss (computed with the
+// weights of step 4, the last trained with 0.3) and then leaves it.
+TEST_F(TrainerMoe, MtpWeightFollowsItsSchedule) {
+  auto run = [&](const std::string& name, double weight, int64_t switch_step, double after) {
+    TrainConfig c = config(name);
+    c.train.steps = 7;
+    c.mtp.loss_weight = weight, c.mtp.switch_step = switch_step, c.mtp.loss_weight_after = after;
+    return Trainer(c).run().losses;
+  };
+  const std::vector<double> zero = run("zero", 0.0, 0, 0.0), at_one = run("at_one", 0.3, 1, 0.0);
+  const std::vector<double> full = run("full", 0.3, 0, 0.0), at_five = run("at_five", 0.3, 5, 0.0);
+  EXPECT_EQ(at_one, zero);
+  for (size_t s = 0; s < 5; ++s) EXPECT_EQ(at_five[s], full[s]) << "step " << s + 1;
+  EXPECT_NE(at_five[6], full[6]);
+  EXPECT_NE(full[1], zero[1]);  // lambda matters at all
+}
+
+TEST_F(TrainerMoe, InterruptedRunResumesBitwise) {
+  TrainConfig straight = config("straight");
+  straight.moe.bias_update_rate = 0.01;
+  const TrainResult full = Trainer(straight).run();
+  ASSERT_EQ(full.losses.size(), 6u);
+  TrainConfig split = config("split");
+  split.moe.bias_update_rate = 0.01;
+  Trainer first(split);
+  first.on_step([](int64_t step) {
+    if (step == 3) Trainer::stop_flag() = true;
+  });
+  const TrainResult a = first.run();
+  ASSERT_TRUE(a.interrupted);
+  split.checkpoint.resume = "auto";
+  const TrainResult b = Trainer(split).run();
+  ASSERT_EQ(b.losses.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(b.losses[i], full.losses[3 + i]) << "step " << 4 + i;
+  EXPECT_EQ(read_file(toy::latest_checkpoint(split) / "shard-00000-of-00001.safetensors"),
+            read_file(toy::latest_checkpoint(straight) / "shard-00000-of-00001.safetensors"));
+  // The resumed run's records continue the straight run's, balance included.
+  const std::vector<nlohmann::json> want = step_records(straight), got = step_records(split);
+  ASSERT_EQ(got.size(), want.size());
+  EXPECT_EQ(got.back()["moe"], want.back()["moe"]);
+  EXPECT_EQ(got.back()["mtp"], want.back()["mtp"]);
+}
+
+TEST(LoadSummary, MinMaxCvAndMaxViolation) {
+  const LoadSummary s = summarize_load({2, 4, 6, 4});
+  EXPECT_EQ(s.min, 2);
+  EXPECT_EQ(s.max, 6);
+  EXPECT_EQ(s.mean, 4);
+  EXPECT_DOUBLE_EQ(s.cv, std::sqrt(2.0) / 4);
+  EXPECT_DOUBLE_EQ(s.max_violation, 0.5);
+  const LoadSummary idle = summarize_load({0, 0});
+  EXPECT_EQ(idle.cv, 0);
+  EXPECT_EQ(idle.max_violation, 0);
+}
+
+TEST(BalanceMetrics, RecordsAndSummary) {
+  StepResult r;
+  EXPECT_TRUE(balance_metrics(r).empty());
+  r.experts.push_back({4, {1, 3}, 0.25, 0, 0.5});
+  r.mtp.push_back({{6.0, 4}, 1});
+  const nlohmann::json j = balance_metrics(r);
+  EXPECT_EQ(j["moe"]["layers"][0]["layer"], 4);
+  EXPECT_DOUBLE_EQ(j["moe"]["max_violation"].get<double>(), 0.5);
+  EXPECT_DOUBLE_EQ(j["moe"]["balance_loss"].get<double>(), 0.25);
+  EXPECT_DOUBLE_EQ(j["mtp"][0]["loss"].get<double>(), 1.5);
+  EXPECT_DOUBLE_EQ(j["mtp"][0]["top1"].get<double>(), 0.25);
+  EXPECT_EQ(j["summary"], "maxvio 0.50 cv 0.50 bal 2.50e-01 | mtp 1.500 top1 25%");
+}
+
+}  // namespace
+}  // namespace forge
