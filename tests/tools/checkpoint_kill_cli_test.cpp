@@ -8,10 +8,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <functional>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "forge/ckpt/checkpoint.h"
 #include "forge/ckpt/checkpoint_dir.h"
@@ -43,15 +47,64 @@ class CheckpointKill : public ScratchDirTest {
            " --set checkpoint.every=1 --set checkpoint.keep_last=2 --set log.run_dir=" + path(run) + extra;
   }
 
-  // The command line of `forge train` under `launcher` (empty, or mpirun ...).
+  // The command line of `forge train` under `launcher` (empty, or mpirun ...). FORGE_TEST_JOB marks every
+  // process of the job (the variable is inherited), so that job_processes() finds even ranks whose launcher
+  // died.
   std::string command(const std::string& args, const std::string& env, const std::string& launcher) const {
-    return "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 " + env + " " + launcher +
-           (launcher.empty() ? "" : " ") + forge_binary() + " " + args + " > " + path("log.txt") + " 2>&1";
+    return "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 FORGE_TEST_JOB=" +
+           job_tag() + " " + env + " " + launcher + (launcher.empty() ? "" : " ") + forge_binary() + " " +
+           args + " > " + path("log.txt") + " 2>&1";
   }
 
-  // Runs `forge train` in its own process group; kills the group after `kill_after` (if set). Returns the
-  // exit status (128 + signal when killed) and the seconds it ran.
-  std::pair<int, double> run_train(const std::string& cmd, std::optional<std::chrono::microseconds> kill_after) {
+  std::string job_tag() const { return dir_.filename().string(); }
+
+  // The live processes of this test's jobs (the shell, mpirun, the ranks): those whose environment holds
+  // FORGE_TEST_JOB=job_tag(). A zombie has no environment left, so it is not counted.
+  std::vector<pid_t> job_processes() const {
+    const std::string mark = std::string(1, '\0') + "FORGE_TEST_JOB=" + job_tag() + '\0';
+    std::vector<pid_t> out;
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator("/proc", ec)) {
+      const std::string name = entry.path().filename().string();
+      if (name.empty() || !std::all_of(name.begin(), name.end(), [](char c) { return c >= '0' && c <= '9'; }))
+        continue;
+      const pid_t pid = static_cast<pid_t>(std::stol(name));
+      if (pid == getpid()) continue;
+      if (('\0' + read_file(entry.path() / "environ")).find(mark) != std::string::npos) out.push_back(pid);
+    }
+    return out;
+  }
+
+  // Waits up to `limit` for every process of this test's jobs to end by itself.
+  bool job_ends_within(std::chrono::seconds limit) const {
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    while (!job_processes().empty()) {
+      if (std::chrono::steady_clock::now() >= deadline) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return true;
+  }
+
+  // SIGKILLs every process of this test's jobs until none is left: the checks read the run directory only
+  // once nothing of the job can still write to it.
+  void kill_job() const {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    for (std::vector<pid_t> left = job_processes(); !left.empty(); left = job_processes()) {
+      if (std::chrono::steady_clock::now() >= deadline) {
+        ADD_FAILURE() << left.size() << " processes of the job survive SIGKILL";
+        return;
+      }
+      for (const pid_t pid : left) kill(pid, SIGKILL);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+
+  // Runs `forge train` in its own process group; once `kill_when()` holds (if given), SIGKILLs that group,
+  // which holds the shell and mpirun but no rank (OpenMPI gives each rank a process group of its own).
+  // Then, unless `leave_ranks`, kills whatever of the job is left (kill_job), so that a kill is one of the
+  // whole job. Returns the exit status (128 + signal when killed) and the seconds it ran.
+  std::pair<int, double> run_train(const std::string& cmd, const std::function<bool()>& kill_when,
+                                   bool leave_ranks = false) {
     const auto start = std::chrono::steady_clock::now();
     const pid_t pid = fork();
     if (pid == 0) {
@@ -61,10 +114,9 @@ class CheckpointKill : public ScratchDirTest {
     }
     setpgid(pid, pid);
     int status = 0;
-    if (kill_after) {
-      const auto deadline = start + *kill_after;
+    if (kill_when) {
       while (waitpid(pid, &status, WNOHANG) == 0) {
-        if (std::chrono::steady_clock::now() >= deadline) {
+        if (kill_when()) {
           killpg(pid, SIGKILL);
           waitpid(pid, &status, 0);
           break;
@@ -74,9 +126,17 @@ class CheckpointKill : public ScratchDirTest {
     } else {
       waitpid(pid, &status, 0);
     }
-    killpg(pid, SIGKILL);  // no rank outlives its job
+    killpg(pid, SIGKILL);
+    if (!leave_ranks) kill_job();  // no rank outlives its job
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), seconds};
+  }
+
+  std::pair<int, double> run_train(const std::string& cmd,
+                                   std::optional<std::chrono::microseconds> kill_after) {
+    if (!kill_after) return run_train(cmd, std::function<bool()>());
+    const auto deadline = std::chrono::steady_clock::now() + *kill_after;
+    return run_train(cmd, [deadline] { return std::chrono::steady_clock::now() >= deadline; });
   }
 
   // The reference: an uninterrupted run keeping every step's checkpoint.
@@ -211,6 +271,23 @@ TEST_F(CheckpointKill, TwoRanksUnderMpirun) {
   EXPECT_NE(status, 0) << log;
   EXPECT_NE(log.find("rank 1: save.write_shard: injected failure"), std::string::npos) << log;
   check_after_kill("fail", 2, mpirun(2), "failed save on rank 1", 1);
+}
+
+// Killing mpirun alone (a SIGKILL of its process group, which holds no rank) ends its ranks too. Orphaned
+// ranks trained on for seconds, until OpenMPI noticed the lost launcher, committing checkpoints into the
+// run directory that the job's killer was reading as the killed job's (the random kills above saw
+// `latest` move after the kill). A rank held before MPI_Init (FORGE_FAULT_STALL) has no link to its
+// launcher that could end it; with this parallel.timeout_s nothing else ends the job either.
+TEST_F(CheckpointKill, RanksDieWithTheirKilledMpirun) {
+  const std::string stalled = "rank 1 stalls at before_init";
+  run_train(
+      command(train_args("orphans", " --set parallel.timeout_s=600"), "FORGE_FAULT_STALL=before_init:1",
+              mpirun(2)),
+      [&] { return read_file(path("log.txt")).find(stalled) != std::string::npos; }, /*leave_ranks=*/true);
+  EXPECT_NE(read_file(path("log.txt")).find(stalled), std::string::npos) << read_file(path("log.txt"));
+  EXPECT_TRUE(job_ends_within(std::chrono::seconds(20)))
+      << job_processes().size() << " processes of the job outlived mpirun by 20 s";
+  kill_job();
 }
 
 }  // namespace

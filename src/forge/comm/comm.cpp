@@ -4,11 +4,16 @@
 
 #include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <optional>
 #include <string_view>
 #include <thread>
+#ifdef __linux__
+#include <sys/prctl.h>
+#include <unistd.h>
+#endif
 
 #include "forge/comm/comm_internal.h"
 #include "forge/comm/mpi/mpi_comm.h"
@@ -126,6 +131,16 @@ int launcher_rank() {
     if (*end == '\0' && rank >= 0) return static_cast<int>(rank);
   }
   return -1;
+}
+
+void die_with_launcher() {
+#ifdef __linux__
+  if (launcher_rank() < 0) return;
+  const pid_t launcher = getppid();
+  if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0) return;  // cannot fail with a valid signal
+  // The launcher died before the request took effect: the signal will never come.
+  if (getppid() != launcher) std::raise(SIGKILL);
+#endif
 }
 
 void stall_if_injected(std::string_view point, int rank) {

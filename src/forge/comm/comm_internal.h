@@ -26,6 +26,13 @@ std::string phase_timeout_message(std::string_view phase, int rank, double timeo
 // known before MPI_Init; -1 when none is set.
 int launcher_rank();
 
+// Ties a launched rank's life to its launcher's (mpirun, orted, srun's step daemon: the parent that started
+// it, when launcher_rank() >= 0): SIGKILL when the launcher dies. OpenMPI gives each rank a process group of
+// its own, so a SIGKILL of mpirun's group reached no rank: orphaned ranks trained on for seconds, committing
+// checkpoints into a run directory that their killer (or a restarted job) took for the killed job's.
+// Linux only (PR_SET_PDEATHSIG); elsewhere does nothing.
+void die_with_launcher();
+
 // Test-only fault injection: FORGE_FAULT_STALL="<point>:<rank>[,<point>:<rank>...]" makes that rank stop
 // at that point for good (it sleeps, saying so on stderr), so tests can check that a stalled rank ends the
 // job within the timeout instead of hanging it. Points: "before_init" (before MPI_Init) and

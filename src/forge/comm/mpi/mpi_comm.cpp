@@ -400,6 +400,7 @@ class GuardedPhase {
 
 std::unique_ptr<Communicator> init_world(double timeout_s) {
   MpiState& s = state();
+  detail::die_with_launcher();  // before anything can stall: a killed job leaves no rank behind
   // MPI_Init (and MPI_Comm_dup below) wait for every rank of the job, without a timeout of their own.
   const GuardedPhase guard("start-up", detail::launcher_rank(), timeout_s);
   detail::stall_if_injected("before_init", detail::launcher_rank());
