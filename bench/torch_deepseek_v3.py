@@ -24,7 +24,9 @@ The model, as a PyTorch user would write it (no per-token loops):
   sequences. The routers' biases stay 0 (a bench has no bias update), as in forge bench.
 
 The JSON line's "losses" are the main cross-entropy (what forge bench reports); "total_losses" add MTP and
-balance. MFU is printed against --peak-gflops when given, else on a GPU against the H100/H200 dense bf16 peak."""
+balance. MFU is printed against --peak-gflops when given, else on a GPU against the H100/H200 dense bf16 peak.
+bench/check_torch_deepseek_v3.py checks this model against tests/reference/deepseek_v3_twin.py (losses and
+gradients in fp32 on the twin's weights)."""
 import argparse
 import json
 import math
@@ -337,6 +339,8 @@ class DeepseekV3(torch.nn.Module):
         super().__init__()
         self.c, self.alpha = c, alpha
         self.embed = torch.nn.Embedding(c.vocab, c.h)
+        if c.tied:  # N(0, 1) rows as the head would start the loss far above ln(vocab); forge's init std
+            torch.nn.init.normal_(self.embed.weight, std=0.02)
         self.layers = torch.nn.ModuleList(Layer(c, i) for i in range(c.layers))
         self.norm = RMSNorm(c.h, c.eps)
         self.head = None if c.tied else torch.nn.Linear(c.h, c.vocab, bias=False)
