@@ -173,22 +173,8 @@ def yarn_mscale(scale, mscale=1.0):
 
 # ---- The model.
 
-class RMSNorm(torch.nn.Module):
-    def __init__(self, dim, eps):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+# The norm and rotation are torch_llama.py's (the same Hugging Face semantics).
+from torch_llama import RMSNorm, rotate_half  # noqa: E402
 
 
 def apply_rope(x, cos, sin, interleave):

@@ -10,7 +10,9 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "forge/ckpt/checkpoint_dir.h"
 #include "forge/comm/comm.h"
@@ -134,6 +136,17 @@ inline void expect_weights_close(const std::filesystem::path& a_dir, const std::
     for (int64_t k = 0; k < n; ++k) worst = std::max(worst, std::abs(double(x[k]) - y[k]));
     EXPECT_LE(worst, tolerance * scale) << pa.info(i).name;
   }
+}
+
+// The step records of a run's metrics.jsonl (those with a training loss), in order.
+inline std::vector<nlohmann::json> step_records(const TrainConfig& c) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(std::filesystem::path(c.log.run_dir) / "metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    nlohmann::json j = nlohmann::json::parse(line);
+    if (j.contains("loss")) out.push_back(std::move(j));
+  }
+  return out;
 }
 
 // The checkpoint folder a run's checkpoint directory resolves to (its `latest`).

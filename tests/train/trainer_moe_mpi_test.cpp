@@ -20,15 +20,6 @@ using namespace forge::train;
 namespace {
 namespace fs = std::filesystem;
 
-std::vector<nlohmann::json> step_records(const TrainConfig& c) {
-  std::vector<nlohmann::json> out;
-  std::ifstream in(fs::path(c.log.run_dir) / "metrics.jsonl");
-  for (std::string line; std::getline(in, line);) {
-    nlohmann::json j = nlohmann::json::parse(line);
-    if (j.contains("loss")) out.push_back(std::move(j));
-  }
-  return out;
-}
 
 struct MoeCase {
   const char* name;
@@ -99,7 +90,7 @@ TEST_P(MoeLayouts, ReproduceTheOneRankRun) {
   // Rank 0 logs what every rank measured: the same expert loads (integers, summed over the replicas and
   // the stages' copies) and MTP losses as one rank.
   if (world.rank() == 0) {
-    const std::vector<nlohmann::json> a = step_records(ref), b = step_records(par);
+    const std::vector<nlohmann::json> a = toy::step_records(ref), b = toy::step_records(par);
     ASSERT_EQ(a.size(), b.size());
     for (size_t s = 0; s < a.size(); ++s) {
       const nlohmann::json &x = a[s]["moe"]["layers"], &y = b[s]["moe"]["layers"];

@@ -31,16 +31,6 @@ std::string read_file(const fs::path& p) {
   return s.str();
 }
 
-// The step records of a run's metrics.jsonl.
-std::vector<nlohmann::json> step_records(const TrainConfig& c) {
-  std::vector<nlohmann::json> out;
-  std::ifstream in(fs::path(c.log.run_dir) / "metrics.jsonl");
-  for (std::string line; std::getline(in, line);) {
-    nlohmann::json j = nlohmann::json::parse(line);
-    if (j.contains("loss")) out.push_back(std::move(j));
-  }
-  return out;
-}
 
 class TrainerMoe : public ::testing::Test {
  protected:
@@ -69,7 +59,7 @@ TEST_F(TrainerMoe, LearnsAndRecordsExpertBalanceAndMtp) {
   const TrainResult r = Trainer(c).run();
   ASSERT_EQ(r.losses.size(), 30u);
   EXPECT_LT(r.losses.back(), r.losses.front() - 1.0);
-  const std::vector<nlohmann::json> steps = step_records(c);
+  const std::vector<nlohmann::json> steps = toy::step_records(c);
   ASSERT_EQ(steps.size(), 30u);
   for (size_t s = 0; s < steps.size(); ++s) {
     const nlohmann::json& moe = steps[s]["moe"];
@@ -130,7 +120,7 @@ TEST_F(TrainerMoe, NoBiasUpdateKeepsTheBiasesAtZero) {
   c.train.steps = 3;
   c.moe.bias_update_rate = 0;
   Trainer(c).run();
-  for (const nlohmann::json& s : step_records(c))
+  for (const nlohmann::json& s : toy::step_records(c))
     for (const nlohmann::json& layer : s["moe"]["layers"]) EXPECT_EQ(layer["bias_norm"], 0) << s;
 }
 
@@ -172,7 +162,7 @@ TEST_F(TrainerMoe, InterruptedRunResumesBitwise) {
   EXPECT_EQ(read_file(toy::latest_checkpoint(split) / "shard-00000-of-00001.safetensors"),
             read_file(toy::latest_checkpoint(straight) / "shard-00000-of-00001.safetensors"));
   // The resumed run's records continue the straight run's, balance included.
-  const std::vector<nlohmann::json> want = step_records(straight), got = step_records(split);
+  const std::vector<nlohmann::json> want = toy::step_records(straight), got = toy::step_records(split);
   ASSERT_EQ(got.size(), want.size());
   EXPECT_EQ(got.back()["moe"], want.back()["moe"]);
   EXPECT_EQ(got.back()["mtp"], want.back()["mtp"]);
