@@ -137,6 +137,7 @@ void check_args(const char* op, const ops::LinearCrossEntropyParams& p) {
   FORGE_CHECK_FIELD(op, p, lse), FORGE_CHECK_FIELD(op, p, loss), FORGE_CHECK_FIELD(op, p, dhidden);
   FORGE_CHECK_FIELD(op, p, dweight), FORGE_CHECK_FIELD(op, p, workspace),
       FORGE_CHECK_FIELD(op, p, target_logit);
+  FORGE_CHECK_FIELD(op, p, max_logit);
 }
 void check_args(const char* op, const ops::AdamWParams& p) {
   FORGE_CHECK_FIELD(op, p, param), FORGE_CHECK_FIELD(op, p, grad), FORGE_CHECK_FIELD(op, p, exp_avg);

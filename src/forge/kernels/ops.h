@@ -277,6 +277,10 @@ struct LinearCrossEntropyParams {
   // target logits over the group and passes the global lse to backward.
   int64_t vocab_start = 0, global_vocab = 0;
   float* target_logit = nullptr;  // optional out [rows]
+  // Optional out [rows]: each row's largest logit over this range's real columns (padding excluded; -inf for
+  // a range of padding only), the running max the lse keeps anyway. The all-reduce max over the group gives
+  // the row's argmax logit: a top-1 hit is target_logit >= it.
+  float* max_logit = nullptr;
 };
 // rows * vocab_chunk floats (every chunk's block with keep_logits), + rows * vocab_chunk / 2 for bf16
 // dlogits.

@@ -17,6 +17,24 @@ LossHead::LossHead(ParameterStore* store, int weight, int64_t vocab, int64_t voc
   local_vocab_ = shape.at(0), dim_ = shape.at(1);
 }
 
+namespace {
+
+// Rows with a target whose (combined) target logit is >= the row's max logit over the whole vocabulary. The
+// target logit sums to exactly the owning range's value (the others add 0), and the max over ranges is exact,
+// so a hit compares a logit with itself.
+int64_t count_top1_hits(TensorParallel* group, const Tensor& max_logit, const Tensor& target_logit,
+                        const int32_t* targets) {
+  const int64_t rows = max_logit.numel();
+  Tensor host_max = max_logit.to(Device::cpu);
+  if (group) group->all_reduce_max(host_max.f32(), rows, Device::cpu);
+  const Tensor host_target = target_logit.to(Device::cpu);
+  int64_t hits = 0;
+  for (int64_t r = 0; r < rows; ++r) hits += targets[r] >= 0 && host_target.f32()[r] >= host_max.f32()[r];
+  return hits;
+}
+
+}  // namespace
+
 TensorParallel* LossHead::tp() const {
   return options_.tp && options_.tp->size() > 1 ? options_.tp : nullptr;
 }
@@ -28,7 +46,7 @@ Tensor LossHead::weight_gemm() const {
 }
 
 LossTotals LossHead::forward(const Tensor& hidden, const int32_t* targets, const int32_t* device_targets,
-                             float grad_scale, Tensor* dhidden) const {
+                             float grad_scale, Tensor* dhidden, bool count_top1) const {
   // Vocabulary-parallel (tp > 1): each rank covers its vocabulary range over all rows (gathered under
   // sequence parallelism); backward's partial hidden gradients sum (or reduce-scatter) over the group.
   TensorParallel* group = tp();
@@ -47,6 +65,8 @@ LossTotals LossHead::forward(const Tensor& hidden, const int32_t* targets, const
   if (device != Device::cpu) p.vocab_chunk = 8192;
   p.hidden_gemm = hidden_gemm.raw(), p.weight_gemm = weight.raw();
   p.targets = device_targets, p.lse = lse.f32(), p.loss = loss.f32(), p.target_logit = target_logit.f32();
+  Tensor max_logit;
+  if (count_top1) max_logit = Tensor::empty({rows}, DType::f32, device), p.max_logit = max_logit.f32();
   Tensor dfull;
   if (dhidden) {
     dfull = Tensor::empty({rows, dim_}, DType::f32, device);
@@ -59,12 +79,14 @@ LossTotals LossHead::forward(const Tensor& hidden, const int32_t* targets, const
   Tensor workspace = Tensor::empty({ops::linear_cross_entropy_workspace_floats(p)}, DType::f32, device);
   p.workspace = workspace.f32();
   ops::linear_cross_entropy_forward(p, device);
+  Tensor host_target;  // the target logits on the host, combined over the group (when needed)
   if (group) {
     // The per-row statistics (a float per row each way) are combined on the host; on the CPU the host
     // tensors are the outputs themselves.
     const int n = group->size();
     std::vector<float> all(static_cast<size_t>(n) * rows);
-    Tensor host_lse = lse.to(Device::cpu), host_target = target_logit.to(Device::cpu);
+    Tensor host_lse = lse.to(Device::cpu);
+    host_target = target_logit.to(Device::cpu);
     Tensor host_loss = device == Device::cpu ? loss : Tensor::empty({rows}, DType::f32);
     group->all_gather(host_lse.f32(), all.data(), rows, Device::cpu);
     group->all_reduce_sum(host_target.f32(), rows, Device::cpu);
@@ -87,6 +109,8 @@ LossTotals LossHead::forward(const Tensor& hidden, const int32_t* targets, const
   LossTotals result;
   for (int64_t i = 0; i < rows; ++i)
     if (targets[i] >= 0) result.sum += host_loss.f32()[i], ++result.tokens;
+  if (count_top1)
+    result.top1 = count_top1_hits(group, max_logit, group ? host_target : target_logit, targets);
   return result;
 }
 

@@ -15,6 +15,10 @@ namespace forge::nn {
 struct LossTotals {
   double sum = 0;      // sum of per-token losses (nats)
   int64_t tokens = 0;  // tokens with a target (target >= 0)
+  // Top-1 hits (forward's count_top1, else 0): tokens with a target whose logit is >= the row's largest logit
+  // over the whole vocabulary. A tie counts as a hit: the argmax is ambiguous there, and the comparison stays
+  // exact (the target logit is one of the values the max was taken over).
+  int64_t top1 = 0;
 };
 
 class LossHead {
@@ -26,9 +30,12 @@ class LossHead {
   // hidden [rows, dim] (this rank's rows under sequence parallelism): the loss over the targets (host array
   // `targets` and the same on the model's device, negative = ignored). With dhidden it also computes the
   // gradient of grad_scale * (sum of losses) with respect to hidden, and accumulates (+=) the weight's
-  // gradient while each logits chunk is live (reported to the store: ParameterStore::note_grad).
+  // gradient while each logits chunk is live (reported to the store: ParameterStore::note_grad). count_top1
+  // also counts the top-1 hits (LossTotals::top1; the kernel's max logit per row, all-reduced over the
+  // group): an all-reduce of a float per row under tensor parallelism (every rank passes the same flag),
+  // nothing when off.
   LossTotals forward(const Tensor& hidden, const int32_t* targets, const int32_t* device_targets,
-                     float grad_scale, Tensor* dhidden) const;
+                     float grad_scale, Tensor* dhidden, bool count_top1 = false) const;
   // Full logits [rows, vocab] (every rank's range gathered, padding dropped), on the model's device without
   // tensor parallelism, else on the host.
   Tensor logits(const Tensor& hidden) const;

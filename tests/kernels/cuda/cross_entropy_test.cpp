@@ -43,6 +43,12 @@ TEST(CudaLinearCrossEntropyErrors, RejectsHostPointers) {
                                    {"linear_cross_entropy_forward", "targets", "not device memory"});
   testing::expect_error_containing([&] { ops::cuda_table().linear_cross_entropy_backward(p); },
                                    {"linear_cross_entropy_backward", "targets", "not device memory"});
+  // An optional output on the host, too.
+  DeviceArray<int32_t> targets(Device::cuda, pr.targets);
+  std::vector<float> host_max_logit(pr.c.rows);
+  p.targets = targets.data(), p.max_logit = host_max_logit.data();
+  testing::expect_error_containing([&] { ops::cuda_table().linear_cross_entropy_forward(p); },
+                                   {"linear_cross_entropy_forward", "max_logit", "not device memory"});
 }
 
 // The checks below fail before any CUDA call: they run on machines without a GPU too. The pointers are host

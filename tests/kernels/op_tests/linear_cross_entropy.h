@@ -3,8 +3,9 @@
 // and vocabulary (vocabularies that chunks do not divide, chunks wider than the vocabulary, chunk widths that
 // are and are not multiples of the CUDA kernels' float4 groups), ignored rows (targets -100 and -1), a
 // vocabulary-parallel range with padding columns, grad_scale != 1 and dweight accumulated onto nonzero
-// values. Outputs: lse, loss, target_logit, dhidden, dweight; the workspace must not be written outside its
-// advertised size (guard values after it, and before it when it starts off its allocation's alignment).
+// values. Outputs: lse, loss, target_logit, max_logit, dhidden, dweight; the workspace must not be written
+// outside its advertised size (guard values after it, and before it when it starts off its allocation's
+// alignment).
 //
 // On the CPU against the double-precision reference below (fp32: relative errors, and gradients by finite
 // differences on the small cases; bf16: the scale-free dissimilarity against the reference on the unrounded
@@ -13,6 +14,10 @@
 //   logits   both backends run fp32-accumulating GEMMs of length dim in different orders (bf16 products are
 //            exact in fp32); as in op_tests/gemm.h each side errs by at most 2 (dim + 8) u of A = sum_k |h w|
 //            (tensor cores may truncate), so the logits differ by E = 4 (dim + 8) u A.
+//   max_logit  the max over the real columns: 1-Lipschitz (max norm), so within max E of the row; -inf
+//            (bitwise) for a range of padding only. On the CPU against the exact max of the operands' logits,
+//            within one side's GEMM bound; on every backend, with keep_logits, bitwise the largest of its own
+//            kept logits.
 //   lse      a 1-Lipschitz function of the logits (max norm), so the GEMMs contribute max E; each side's
 //            online softmax adds at most R u (R real columns summed in some order), ~4u per exponential,
 //            u |x| for each rounded argument x = logit - max (|x| <= 2 max|logit|) and the same again for
@@ -61,13 +66,13 @@ struct Case {
   DType dtype;
   int64_t vocab_start = 0, global_vocab = 0;
   float grad_scale = 1.0f;
-  bool target_logit = true;
+  bool optional_outputs = true;  // target_logit and max_logit asked for
   float spread = 1.0f;  // hidden and weight uniform in [-spread, spread]
   std::string name() const { return label; }
 };
 
 inline const std::vector<Case> kCases = {
-    // label, rows, dim, vocab, chunk, dtype, vocab_start, global_vocab, grad_scale, target_logit, spread
+    // label, rows, dim, vocab, chunk, dtype, vocab_start, global_vocab, grad_scale, optional_outputs, spread
     // Small shapes (every one also checked by finite differences on the CPU): chunk widths not dividing the
     // vocabulary, exactly the vocabulary, and wider than it.
     {"f32_small_chunk8", 9, 16, 37, 8, DType::f32, 0, 0, 0.25f, true, 1.5f},
@@ -83,7 +88,8 @@ inline const std::vector<Case> kCases = {
     {"f32_chunk300", 64, 48, 300, 300, DType::f32, 0, 0, 0.25f, true, 1.5f},
     {"bf16_chunk37", 64, 48, 300, 37, DType::bf16, 0, 0, 0.25f, true, 1.5f},
     {"bf16_chunk300", 64, 48, 300, 300, DType::bf16, 0, 0, 0.25f, true, 1.5f},
-    // Chunks of 128, 128, 45: vector loads, then a ragged width on the scalar path. No target_logit output.
+    // Chunks of 128, 128, 45: vector loads, then a ragged width on the scalar path. No target_logit or
+    // max_logit output.
     {"f32_ragged", 37, 72, 301, 128, DType::f32, 0, 0, 0.37f, false},
     {"bf16_ragged", 37, 72, 301, 128, DType::bf16, 0, 0, 0.37f},
     // One chunk, odd width and odd dim.
@@ -168,7 +174,8 @@ inline Problem make_problem(const Case& c, uint32_t seed) {
 }
 
 struct Outputs {
-  std::vector<float> lse, loss, target_logit, dhidden, dweight;
+  std::vector<float> lse, loss, target_logit, max_logit, dhidden, dweight;
+  std::vector<float> kept_logits;  // with keep_logits: the workspace's logits area after forward
 };
 
 // Forward, then backward, on `on`. Backward reads backward_lse when given (a vocabulary-parallel caller
@@ -187,21 +194,29 @@ inline Outputs run(Device on, const Problem& pr, const std::vector<float>* backw
   DeviceArray<float> lse(on, std::vector<float>(c.rows, kUnwritten)),
       loss(on, std::vector<float>(c.rows, kUnwritten)),
       target_logit(on, std::vector<float>(c.rows, kUnwritten)),
+      max_logit(on, std::vector<float>(c.rows, kUnwritten)),
       dhidden(on, std::vector<float>(c.rows * c.dim, std::numeric_limits<float>::quiet_NaN())),
       dweight(on, pr.dweight0),
       workspace(on, std::vector<float>(workspace_offset + workspace_floats + kGuard, kGuardValue));
   p.hidden_gemm = pr.bf16() ? static_cast<const void*>(hidden16.data()) : hidden.data();
   p.weight_gemm = pr.bf16() ? static_cast<const void*>(weight16.data()) : weight.data();
   p.targets = targets.data(), p.lse = lse.data(), p.loss = loss.data();
-  p.target_logit = c.target_logit ? target_logit.data() : nullptr;
+  p.target_logit = c.optional_outputs ? target_logit.data() : nullptr;
+  p.max_logit = c.optional_outputs ? max_logit.data() : nullptr;
   p.dhidden = dhidden.data(), p.dweight = dweight.data(), p.workspace = workspace.data() + workspace_offset;
   FORGE_TEST_OP(linear_cross_entropy_forward, on, p);
   Outputs out;
   out.lse = lse.download();
+  if (pr.keep_logits) {
+    const std::vector<float> all = workspace.download();
+    const auto begin = all.begin() + workspace_offset;
+    out.kept_logits.assign(begin, begin + ops::linear_cross_entropy_logits_floats(p));
+  }
   DeviceArray<float> lse_in(on, backward_lse ? *backward_lse : std::vector<float>{});
   if (backward_lse) p.lse = lse_in.data();
   FORGE_TEST_OP(linear_cross_entropy_backward, on, p);
   out.loss = loss.download(), out.target_logit = target_logit.download();
+  out.max_logit = max_logit.download();
   out.dhidden = dhidden.download(), out.dweight = dweight.download();
   const std::vector<float> all = workspace.download();
   size_t bad = 0;
@@ -296,6 +311,45 @@ inline std::vector<float> increment(const std::vector<float>& after, const std::
   return delta;
 }
 
+// max_logit against the exact max of the real columns' logits of the GEMM operands (bf16-rounded under bf16,
+// whose products fp32 holds exactly), within one side's GEMM bound 2 (dim + 8) u sum_k |h w| of the row's
+// largest such sum; -inf (bitwise) for a range of padding only.
+inline void expect_max_logit_exact(const Problem& pr, const std::vector<float>& got,
+                                   const std::string& what) {
+  const Case& c = pr.c;
+  const int64_t real = pr.real_columns();
+  std::vector<double> want(c.rows, -INFINITY), bound(c.rows, 0);
+  for (int64_t r = 0; r < c.rows; ++r)
+    for (int64_t v = 0; v < real; ++v) {
+      double sum = 0, magnitude = 0;
+      for (int64_t k = 0; k < c.dim; ++k) {
+        const double product = double{pr.hidden[r * c.dim + k]} * pr.weight[v * c.dim + k];
+        sum += product, magnitude += std::abs(product);
+      }
+      want[r] = std::max(want[r], sum), bound[r] = std::max(bound[r], 2 * (c.dim + 8) * kU * magnitude);
+    }
+  const std::vector<float> want_f32(want.begin(), want.end());
+  testing::expect_all(got, want_f32, what + " max_logit vs the exact max", [&](size_t r) {
+    return double{got[r]} == want[r] || std::abs(double{got[r]} - want[r]) <= bound[r];
+  });
+}
+
+// With keep_logits every real chunk's logits stay in the workspace after forward: max_logit is bitwise the
+// largest of the row's real columns there, on every backend.
+inline void expect_max_logit_is_the_kept_max(const Problem& pr, const Outputs& out, const std::string& what) {
+  const Case& c = pr.c;
+  const ops::LinearCrossEntropyParams p = pr.params();
+  const int64_t real = pr.real_columns(), chunk = pr.chunk_width();
+  std::vector<float> want(c.rows, -std::numeric_limits<float>::infinity());
+  for (int64_t first = 0; first < real; first += chunk) {
+    const int64_t width = std::min(chunk, c.vocab - first), columns = std::min(width, real - first);
+    const float* block = out.kept_logits.data() + ops::linear_cross_entropy_chunk_offset(p, first);
+    for (int64_t r = 0; r < c.rows; ++r)
+      for (int64_t j = 0; j < columns; ++j) want[r] = std::max(want[r], block[r * width + j]);
+  }
+  testing::expect_bitwise_equal(out.max_logit, want, what + " max_logit vs the kept logits' max");
+}
+
 // The CPU kernel's outputs against the reference. fp32: lse to 1e-6, loss, target_logit, dhidden and
 // dweight's increment to 1e-5 (relative to each array's largest). bf16 against the reference on the unrounded
 // fp32 operands, by the scale-free dissimilarity (bf16 keeps 8 significant bits; measured on the 64 x 64 x
@@ -304,13 +358,14 @@ inline std::vector<float> increment(const std::vector<float>& after, const std::
 inline void expect_matches_reference(const Problem& pr, const Outputs& got,
                                      const std::vector<float>* backward_lse) {
   const Case& c = pr.c;
+  if (c.optional_outputs) expect_max_logit_exact(pr, got.max_logit, c.name());
   const std::vector<float> delta = increment(got.dweight, pr.dweight0);
   if (!pr.bf16()) {
     const Reference ref =
         reference(pr, testing::to_double(pr.hidden), testing::to_double(pr.weight), backward_lse);
     EXPECT_LT(relative_error_of_finite(got.lse, ref.lse, c.name() + " lse"), 1e-6) << c.label;
     EXPECT_LT(relative_error_of_finite(got.loss, ref.loss, c.name() + " loss"), 1e-5) << c.label;
-    if (c.target_logit) {
+    if (c.optional_outputs) {
       EXPECT_LT(testing::relative_error(got.target_logit, ref.target_logit), 1e-5) << c.label;
     }
     EXPECT_LT(testing::relative_error(got.dhidden, ref.dhidden), 1e-5) << c.label;
@@ -331,7 +386,7 @@ inline void expect_matches_reference(const Problem& pr, const Outputs& got,
 // Another backend against the CPU
 
 struct Tolerances {
-  std::vector<double> lse, loss, target_logit, dhidden, dweight;
+  std::vector<double> lse, loss, target_logit, max_logit, dhidden, dweight;
 };
 
 // The bounds of the header comment, per element. cpu holds the CPU's outputs; backward_lse is what both
@@ -342,7 +397,7 @@ inline Tolerances tolerances(const Problem& pr, const Outputs& cpu, const std::v
   const int64_t rows = c.rows, dim = c.dim, real = pr.real_columns(), chunks = pr.chunks();
   const double s = std::abs(double{c.grad_scale});
   Tolerances t;
-  t.lse.assign(rows, 0), t.loss.assign(rows, 0), t.target_logit.assign(rows, 0);
+  t.lse.assign(rows, 0), t.loss.assign(rows, 0), t.target_logit.assign(rows, 0), t.max_logit.assign(rows, 0);
   t.dhidden.assign(rows * dim, 0), t.dweight.assign(c.vocab * dim, 0);
   // Exact logits of the real columns and their bound E.
   std::vector<double> logit(rows * real), logit_error(rows * real);
@@ -366,6 +421,7 @@ inline Tolerances tolerances(const Problem& pr, const Outputs& cpu, const std::v
       max_logit = std::max(max_logit, std::abs(logit[r * real + v]));
     t.lse[r] =
         max_error + 2 * kU * (real + 8 * (chunks + 1) * (2 + 2 * max_logit)) + 4 * kU * std::abs(cpu.lse[r]);
+    t.max_logit[r] = max_error;
     const int64_t column = target_column(r);
     t.target_logit[r] = column >= 0 ? logit_error[r * real + column] : 0.0;
     if (pr.targets[r] >= 0)
@@ -427,6 +483,7 @@ inline void expect_match(const Outputs& got, const Outputs& cpu, const Tolerance
   expect_close(got.lse, cpu.lse, &t.lse, what + " lse");
   expect_close(got.loss, cpu.loss, &t.loss, what + " loss");
   expect_close(got.target_logit, cpu.target_logit, &t.target_logit, what + " target_logit");
+  expect_close(got.max_logit, cpu.max_logit, &t.max_logit, what + " max_logit");
   expect_close(got.dhidden, cpu.dhidden, &t.dhidden, what + " dhidden");
   expect_close(got.dweight, cpu.dweight, &t.dweight, what + " dweight");
 }
@@ -435,6 +492,7 @@ inline void expect_bitwise_equal(const Outputs& a, const Outputs& b, const std::
   expect_close(a.lse, b.lse, nullptr, what + " lse");
   expect_close(a.loss, b.loss, nullptr, what + " loss");
   expect_close(a.target_logit, b.target_logit, nullptr, what + " target_logit");
+  expect_close(a.max_logit, b.max_logit, nullptr, what + " max_logit");
   expect_close(a.dhidden, b.dhidden, nullptr, what + " dhidden");
   expect_close(a.dweight, b.dweight, nullptr, what + " dweight");
 }
@@ -508,9 +566,34 @@ TEST_P(LinearCrossEntropyOp, KeptLogitsGiveTheRecomputedResultsBitwise) {
   pr.keep_logits = true;
   const Outputs keep = run(device(), pr, backward_lse);
   expect_bitwise_equal(keep, recompute, c.name() + " keep_logits");
+  if (c.optional_outputs) {
+    expect_max_logit_is_the_kept_max(pr, keep, c.name() + " keep_logits");
+    if (on_cpu()) expect_max_logit_exact(pr, keep.max_logit, c.name() + " keep_logits");
+  }
   if (!on_cpu() && !pr.vocabulary_parallel()) {
     const Outputs cpu = run(Device::cpu, pr, nullptr);
     expect_match(keep, cpu, tolerances(pr, cpu, nullptr), c.name() + " keep_logits vs cpu");
+  }
+}
+
+// Asking for target_logit and max_logit changes no other output's bits, with and without keep_logits.
+TEST_P(LinearCrossEntropyOp, OptionalOutputsLeaveTheOthersBitwise) {
+  const Case& c = test_case();
+  if (!c.optional_outputs) GTEST_SKIP() << "the case asks for no optional output";
+  Problem with = make_problem(c, 37);
+  const std::vector<float> lse_in(c.rows, 4.0f);
+  const std::vector<float>* backward_lse = with.vocabulary_parallel() ? &lse_in : nullptr;
+  for (const bool keep : {false, true}) {
+    with.keep_logits = keep;
+    Problem without = with;
+    without.c.optional_outputs = false;
+    const Outputs a = run(device(), with, backward_lse), b = run(device(), without, backward_lse);
+    const std::string what = c.name() + (keep ? " keep_logits" : "") + " without optional outputs";
+    expect_close(b.lse, a.lse, nullptr, what + " lse");
+    expect_close(b.loss, a.loss, nullptr, what + " loss");
+    expect_close(b.dhidden, a.dhidden, nullptr, what + " dhidden");
+    expect_close(b.dweight, a.dweight, nullptr, what + " dweight");
+    expect_close(b.max_logit, std::vector<float>(c.rows, kUnwritten), nullptr, what + " max_logit untouched");
   }
 }
 

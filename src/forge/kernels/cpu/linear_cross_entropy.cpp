@@ -112,6 +112,7 @@ void linear_cross_entropy_forward(const ops::LinearCrossEntropyParams& p) {
                                    : -std::numeric_limits<float>::infinity();
     p.loss[r] = p.targets[r] < 0 ? 0.0f : p.lse[r] - target_logit[r];
     if (p.target_logit) p.target_logit[r] = target_logit[r];
+    if (p.max_logit) p.max_logit[r] = running_max[r];  // -inf for a range of padding only
   }
 }
 

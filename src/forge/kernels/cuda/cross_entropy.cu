@@ -3,7 +3,8 @@
 // the workspace (with keep_logits each chunk into its own block, which backward then reads instead of
 // computing the chunk again), then one block per row
 //   forward   folds the chunk's max and sum of exponentials into the row's running (max, sum) and picks up
-//             the target logit when the target falls in the chunk; the last real chunk writes lse and loss;
+//             the target logit when the target falls in the chunk; the last real chunk writes lse and loss
+//             (and the target and max logits when asked: the running max is the row's max logit);
 //   backward  turns the logits into dlogits = (softmax - onehot) * grad_scale (in place in fp32, or into the
 //             workspace's bf16 area under bf16 GEMMs, as the CPU converts them), which feed
 //             dhidden (+)= dlogits @ W[chunk] (the first chunk overwrites) and dweight[chunk] += dlogits^T @
@@ -114,13 +115,14 @@ __device__ __forceinline__ OnlineSoftmax warp_merge(OnlineSoftmax s) {
 
 // One block per row of the chunk's logits [rows, width]; the first `real` columns are real tokens. Folds the
 // chunk into the row's running state (which the first chunk starts) and, on the last real chunk, writes lse,
-// loss and target_logit (optional) instead of the state.
+// loss, target_logit and max_logit (both optional) instead of the state.
 __global__ void __launch_bounds__(kMaxThreads)
     forward_chunk_kernel(const float* __restrict__ logits, int64_t width, int64_t real, bool vector,
                          const int32_t* __restrict__ targets, int64_t global_first, bool first_chunk,
                          bool last_chunk, float* __restrict__ running_max, float* __restrict__ running_sum,
                          float* __restrict__ running_target, float* __restrict__ lse,
-                         float* __restrict__ loss, float* __restrict__ target_logit) {
+                         float* __restrict__ loss, float* __restrict__ target_logit,
+                         float* __restrict__ max_logit) {
   __shared__ float warp_max[kMaxThreads / kWarpSize], warp_sum[kMaxThreads / kWarpSize];
   const int64_t row = blockIdx.x;
   const float* x = logits + row * width;
@@ -162,16 +164,20 @@ __global__ void __launch_bounds__(kMaxThreads)
   lse[row] = row_lse;
   loss[row] = targets[row] < 0 ? 0.0f : __fsub_rn(row_lse, target_value);
   if (target_logit != nullptr) target_logit[row] = target_value;
+  if (max_logit != nullptr) max_logit[row] = running.max;  // a max rounds nothing: the CPU's on equal logits
 }
 
-// A vocabulary range of padding only: lse -inf, loss -inf (0 when ignored), target logit 0, as on the CPU.
+// A vocabulary range of padding only: lse -inf, loss -inf (0 when ignored), target logit 0, max logit -inf,
+// as on the CPU.
 __global__ void empty_range_kernel(const int32_t* __restrict__ targets, int64_t rows, float* __restrict__ lse,
-                                   float* __restrict__ loss, float* __restrict__ target_logit) {
+                                   float* __restrict__ loss, float* __restrict__ target_logit,
+                                   float* __restrict__ max_logit) {
   const int64_t stride = int64_t{gridDim.x} * blockDim.x;
   for (int64_t r = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; r < rows; r += stride) {
     lse[r] = -kInf;
     loss[r] = targets[r] < 0 ? 0.0f : -kInf;
     if (target_logit != nullptr) target_logit[r] = 0.0f;
+    if (max_logit != nullptr) max_logit[r] = -kInf;
   }
 }
 
@@ -390,13 +396,14 @@ void linear_cross_entropy_forward(const ops::LinearCrossEntropyParams& p) {
   require_device_pointer(p.loss, op, "loss");
   require_device_pointer(p.workspace, op, "workspace");
   if (p.target_logit != nullptr) require_device_pointer(p.target_logit, op, "target_logit");
+  if (p.max_logit != nullptr) require_device_pointer(p.max_logit, op, "max_logit");
   const Chunking c = chunking(p);
   const CallScratch scratch(p.rows);
   check_targets(p, c.global_vocab, scratch, op);
   const auto rows = static_cast<unsigned>(p.rows);
   if (c.real_columns == 0) {
     empty_range_kernel<<<detail::grid_blocks(p.rows, kCheckThreads), kCheckThreads, 0, stream()>>>(
-        p.targets, p.rows, p.lse, p.loss, p.target_logit);
+        p.targets, p.rows, p.lse, p.loss, p.target_logit, p.max_logit);
     FORGE_CUDA_CHECK_LAUNCH(op);
     return;
   }
@@ -408,7 +415,7 @@ void linear_cross_entropy_forward(const ops::LinearCrossEntropyParams& p) {
     forward_chunk_kernel<<<rows, row_threads(width), 0, stream()>>>(
         logits, width, real, vector, p.targets, p.vocab_start + first, first == 0,
         first + c.chunk >= c.real_columns, scratch.running(0), scratch.running(1), scratch.running(2), p.lse,
-        p.loss, p.target_logit);
+        p.loss, p.target_logit, p.max_logit);
     FORGE_CUDA_CHECK_LAUNCH(op);
   }
 }
