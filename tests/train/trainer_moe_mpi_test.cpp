@@ -88,7 +88,7 @@ TEST_P(MoeLayouts, ReproduceTheOneRankRun) {
   }
   EXPECT_NEAR(got.heldout_loss, want.heldout_loss, 2e-5 * want.heldout_loss);
   // Rank 0 logs what every rank measured: the same expert loads (integers, summed over the replicas and
-  // the stages' copies) and MTP losses as one rank.
+  // the stages' copies), MTP losses and top-1 rates as one rank.
   if (world.rank() == 0) {
     const std::vector<nlohmann::json> a = toy::step_records(ref), b = toy::step_records(par);
     ASSERT_EQ(a.size(), b.size());
@@ -99,6 +99,11 @@ TEST_P(MoeLayouts, ReproduceTheOneRankRun) {
         for (const char* key : {"layer", "min", "max", "dropped"}) EXPECT_EQ(x[l][key], y[l][key]) << key;
       EXPECT_NEAR(b[s]["mtp"][0]["loss"].get<double>(), a[s]["mtp"][0]["loss"].get<double>(),
                   2e-5 * a[s]["mtp"][0]["loss"].get<double>())
+          << "step " << s + 1;
+      // MTP top-1 hits: a layout's rounding could flip a near-tie, so within two of the step's
+      // 2 x 15 x accum x dp predicted tokens.
+      EXPECT_NEAR(b[s]["mtp"][0]["top1"].get<double>(), a[s]["mtp"][0]["top1"].get<double>(),
+                  2.0 / (30.0 * accum * p.dp))
           << "step " << s + 1;
     }
   }

@@ -433,11 +433,12 @@ void DeepseekV3Model::mtp_forward(const MicroBatch& mb, const Tensor& h0, int64_
                        : 0.0f;
     const int32_t* device_targets = ids_on(device, s.targets.data(), rows, s.targets_holder);
     const nn::LossTotals loss =
-        head_.forward(normed, s.targets.data(), device_targets, s.grad_scale, acts ? &s.dhead : nullptr);
+        head_.forward(normed, s.targets.data(), device_targets, s.grad_scale, acts ? &s.dhead : nullptr,
+                      /*count_top1=*/acts != nullptr);
     mtp_stats_[d].loss.sum = loss.sum, mtp_stats_[d].loss.tokens = loss.tokens;
     if (acts) {
       MtpDepthTotals& t = step_mtp_[d];
-      t.loss.sum += loss.sum, t.loss.tokens += loss.tokens;
+      t.loss.sum += loss.sum, t.loss.tokens += loss.tokens, t.top1 += loss.top1;
     }
     prev = x;
   }
