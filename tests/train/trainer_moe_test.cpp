@@ -182,16 +182,18 @@ TEST(LoadSummary, MinMaxCvAndMaxViolation) {
 
 TEST(BalanceMetrics, RecordsAndSummary) {
   StepResult r;
-  EXPECT_TRUE(balance_metrics(r).empty());
+  EXPECT_TRUE(balance_metrics(r).fields.empty());
+  EXPECT_EQ(balance_metrics(r).summary, "");
   r.experts.push_back({4, {1, 3}, 0.25, 0, 0.5});
   r.mtp.push_back({{6.0, 4}, 1});
-  const nlohmann::json j = balance_metrics(r);
+  const BalanceMetrics metrics = balance_metrics(r);
+  const nlohmann::json& j = metrics.fields;
   EXPECT_EQ(j["moe"]["layers"][0]["layer"], 4);
   EXPECT_DOUBLE_EQ(j["moe"]["max_violation"].get<double>(), 0.5);
   EXPECT_DOUBLE_EQ(j["moe"]["balance_loss"].get<double>(), 0.25);
   EXPECT_DOUBLE_EQ(j["mtp"][0]["loss"].get<double>(), 1.5);
   EXPECT_DOUBLE_EQ(j["mtp"][0]["top1"].get<double>(), 0.25);
-  EXPECT_EQ(j["summary"], "maxvio 0.50 cv 0.50 bal 2.50e-01 | mtp 1.500 top1 25%");
+  EXPECT_EQ(metrics.summary, "maxvio 0.50 cv 0.50 bal 2.50e-01 | mtp 1.500 top1 25%");
 }
 
 }  // namespace

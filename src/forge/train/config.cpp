@@ -269,8 +269,7 @@ const std::vector<KeySpec>& key_specs() {
        "bias_update_rate",
        FORGE_FIELD(moe.bias_update_rate),
        "auxiliary-loss-free balancing: after each optimizer step every MoE layer's routing bias moves by "
-       "this "
-       "towards balance, from the expert loads of the global batch (0 = fixed biases)",
+       "this towards balance, from the expert loads of the global batch (0 = fixed biases)",
        {}},
       {"moe",
        "bias_update",

@@ -134,9 +134,10 @@ LoadSummary summarize_load(const std::vector<double>& load) {
   return s;
 }
 
-nlohmann::json balance_metrics(const StepResult& r) {
-  nlohmann::json out = nlohmann::json::object();
-  std::string summary;
+BalanceMetrics balance_metrics(const StepResult& r) {
+  BalanceMetrics m;
+  nlohmann::json& out = m.fields;
+  std::string& summary = m.summary;
   if (!r.experts.empty()) {
     nlohmann::json layers = nlohmann::json::array();
     double worst = 0, cv = 0, balance = 0, bias = 0;
@@ -173,8 +174,7 @@ nlohmann::json balance_metrics(const StepResult& r) {
     out["mtp"] = depths;
     summary += fmt::format("{}mtp {} top1 {}", summary.empty() ? "" : " | ", losses, top1);
   }
-  if (!summary.empty()) out["summary"] = summary;
-  return out;
+  return m;
 }
 
 LossSum NoPipelining::run(Model& model, int count, const std::function<MicroBatch(int)>& micro_batch) {

@@ -73,11 +73,16 @@ struct StepResult {
   std::vector<models::MtpDepthTotals> mtp;
 };
 
-// A step's expert balance and MTP measures for metrics.jsonl: {"moe": {"max_violation" (the largest over
-// layers), "cv" (their mean), "balance_loss" (the sum), "bias_norm" (the largest), "dropped", "layers": [per
-// layer: "layer", "min", "max", "cv", "max_violation", "bias_norm", "balance_loss", "dropped"]}, "mtp": [per
-// depth: "depth", "loss", "top1"], "summary": the step line's short form}; {} for a model without either.
-nlohmann::json balance_metrics(const StepResult& r);
+// A step's expert balance and MTP measures. fields, for metrics.jsonl: {"moe": {"max_violation" (the largest
+// over layers), "cv" (their mean), "balance_loss" (the sum), "bias_norm" (the largest), "dropped", "layers":
+// [per layer: "layer", "min", "max", "cv", "max_violation", "bias_norm", "balance_loss", "dropped"]}, "mtp":
+// [per depth: "depth", "loss", "top1"]}; summary: their short form for the step line. Both empty for a model
+// without experts or MTP.
+struct BalanceMetrics {
+  nlohmann::json fields = nlohmann::json::object();
+  std::string summary;
+};
+BalanceMetrics balance_metrics(const StepResult& r);
 
 // Runs one optimizer step of state.step + 1 (collective over the setup's world). The update is applied only
 // when the loss and gradient norm are finite on every rank; then state.step advances, and in models with

@@ -475,8 +475,8 @@ void TrainingRun::log_step(const StepResult& r, TrainResult&) {
   m.eta_s = planned ? per_step * static_cast<double>(state_.total_steps - step) : -1;
   if (c_.train.max_minutes > 0)
     m.eta_s = std::min(m.eta_s, c_.train.max_minutes * 60 - seconds_since(train_start_));
-  nlohmann::json balance = balance_metrics(r);
-  if (balance.contains("summary")) m.extra = balance["summary"].get<std::string>(), balance.erase("summary");
+  const BalanceMetrics balance = balance_metrics(r);
+  m.extra = balance.summary;
   say("%s\n", format_step_line(m).c_str());
   nlohmann::json record = {{"step", step},
                            {"loss", r.loss},
@@ -488,7 +488,7 @@ void TrainingRun::log_step(const StepResult& r, TrainResult&) {
                            {"tokens", step * step_tokens_},
                            {"elapsed_s", m.elapsed_s}};
   if (setup_->dp > 1) record["dp_overlap"] = setup_->buckets->total_stats().overlap_ratio();
-  for (auto& [key, value] : balance.items()) record[key] = value;
+  for (const auto& [key, value] : balance.fields.items()) record[key] = value;
   write_metrics(record);
   interval_start_ = Clock::now();
   interval_tokens_ = 0;
