@@ -21,6 +21,7 @@
 #include "forge/nn/fp8_context.h"
 #include "forge/nn/linear.h"
 #include "forge/nn/tensor_parallel.h"
+#include "fp8_fake_quantize.h"
 
 namespace forge::nn {
 namespace {
@@ -46,30 +47,7 @@ Tensor to_tensor(const std::vector<float>& v, Shape shape) {
   return t;
 }
 
-float round_trip(float x, DType dtype) {
-  return dtype == DType::e4m3 ? e4m3_to_f32(f32_to_e4m3(x)) : e5m2_to_f32(f32_to_e5m2(x));
-}
-float max_of(DType dtype) { return dtype == DType::e4m3 ? 448.0f : 57344.0f; }
-
-// What the GEMM sees of m [rows, cols]: each tile_r x tile_c tile scaled by fp8_max / tile amax (or by
-// `fixed_scale` when > 0), cast, and read back. pow2 rounds each tile's scale down to a power of two.
-std::vector<double> fake_quantize(const std::vector<float>& m, int64_t rows, int64_t cols, int64_t tile_r,
-                                  int64_t tile_c, DType dtype, bool pow2, float fixed_scale = 0.0f) {
-  std::vector<double> out(m.size());
-  for (int64_t r0 = 0; r0 < rows; r0 += tile_r)
-    for (int64_t c0 = 0; c0 < cols; c0 += tile_c) {
-      const int64_t r1 = std::min(rows, r0 + tile_r), c1 = std::min(cols, c0 + tile_c);
-      float amax = 0;
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(m[r * cols + c]));
-      float scale = fixed_scale > 0 ? fixed_scale : (amax > 0 ? max_of(dtype) / amax : 1.0f);
-      if (pow2 && fixed_scale <= 0) scale = std::exp2(std::floor(std::log2(scale)));
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t c = c0; c < c1; ++c)
-          out[r * cols + c] = static_cast<double>(round_trip(m[r * cols + c] * scale, dtype)) / scale;
-    }
-  return out;
-}
+using testing::fake_quantize;
 
 // C [m, n] = A [m, k] op B, with B [n, k] (b_nk) or [k, n].
 std::vector<double> matmul(const std::vector<double>& a, const std::vector<double>& b, int64_t m, int64_t n,

@@ -11,6 +11,8 @@
 #include <vector>
 
 #include "forge/core/parameters.h"
+#include "forge/nn/fp8_context.h"
+#include "fp8_fake_quantize.h"
 #include "kernels/op_tests/moe_router_reference.h"
 #include "op_harness.h"
 
@@ -28,7 +30,8 @@ struct Layer {
   MoeStepScale scale;
   std::unique_ptr<Moe> moe;
 
-  explicit Layer(double capacity_factor = 0, bool shared = true, float balance = 0.5f) {
+  explicit Layer(double capacity_factor = 0, bool shared = true, float balance = 0.5f,
+                 Fp8Context* fp8 = nullptr) {
     shape.hidden = kHidden, shape.experts = kExperts, shape.top_k = kTopK, shape.groups = 3,
     shape.topk_groups = 2;
     shape.expert_ffn = kFfn, shape.shared_ffn = shared ? kSharedFfn : 0, shape.scaling = 2.5f;
@@ -58,7 +61,9 @@ struct Layer {
     scale.balance = balance;
     ComputeOptions options;
     options.gemm_dtype = DType::f32;
+    options.fp8 = fp8;
     moe = std::make_unique<Moe>(&store, ids, shape, options, &stats, &scale);
+    if (fp8) fp8->seal();
   }
   std::vector<double> param(int id) const {
     const Tensor t = store.param(id);
@@ -75,8 +80,13 @@ struct ReferenceOut {
 
 double silu(double g) { return g / (1 + std::exp(-g)); }
 
+// fp8_block: the experts' GEMMs as the block recipe computes them (E4M3 forward operands): every expert's
+// input rows and SwiGLU output in 1x128 tiles, its gate|up (one matrix) and down weights in 128x128 blocks.
+std::vector<std::vector<double>> fp8_block_weights(const Layer& l, std::vector<std::vector<double>> w, bool pow2);
+
 ReferenceOut reference(const Layer& l, const std::vector<double>& h,
-                       const std::vector<std::vector<double>>& w, const std::vector<int32_t>* fixed_ids) {
+                       const std::vector<std::vector<double>>& w, const std::vector<int32_t>* fixed_ids,
+                       bool fp8_block = false, bool pow2 = true) {
   // w: every parameter by id.
   const std::vector<double>& router = w[l.ids.router];
   std::vector<double> z(kRows * kExperts, 0.0);
@@ -100,13 +110,15 @@ ReferenceOut reference(const Layer& l, const std::vector<double>& h,
   }
   auto swiglu = [&](const std::vector<double>& gate, const std::vector<double>& up,
                     const std::vector<double>& down, int64_t ffn, const double* x, double weight, double* y) {
-    std::vector<double> act(ffn);
+    std::vector<double> act(ffn), xq(x, x + kHidden);
+    if (fp8_block) xq = testing::fake_quantize(xq, 1, kHidden, 1, 128, DType::e4m3, pow2);
     for (int64_t f = 0; f < ffn; ++f) {
       double g = 0, u = 0;
       for (int64_t i = 0; i < kHidden; ++i)
-        g += gate[f * kHidden + i] * x[i], u += up[f * kHidden + i] * x[i];
+        g += gate[f * kHidden + i] * xq[i], u += up[f * kHidden + i] * xq[i];
       act[f] = silu(g) * u;
     }
+    if (fp8_block) act = testing::fake_quantize(act, 1, ffn, 1, 128, DType::e4m3, pow2);
     for (int64_t i = 0; i < kHidden; ++i) {
       double o = 0;
       for (int64_t f = 0; f < ffn; ++f) o += down[i * ffn + f] * act[f];
@@ -125,6 +137,23 @@ ReferenceOut reference(const Layer& l, const std::vector<double>& h,
              &out.y[t * kHidden]);
   }
   return out;
+}
+
+std::vector<std::vector<double>> fp8_block_weights(const Layer& l, std::vector<std::vector<double>> w, bool pow2) {
+  auto block = [&](int first, int count, int64_t cols) {
+    std::vector<double> m;
+    for (int id = first; id < first + count; ++id) m.insert(m.end(), w[id].begin(), w[id].end());
+    const int64_t rows = static_cast<int64_t>(m.size()) / cols;
+    const std::vector<double> q = testing::fake_quantize(m, rows, cols, 128, 128, DType::e4m3, pow2);
+    for (int id = first, at = 0; id < first + count; at += static_cast<int>(w[id].size()), ++id)
+      std::copy(q.begin() + at, q.begin() + at + static_cast<int64_t>(w[id].size()), w[id].begin());
+  };
+  for (int e = 0; e < kExperts; ++e) {
+    block(l.ids.first_gate_up + 2 * e, 2, kHidden);
+    block(l.ids.first_down + e, 1, kFfn);
+  }
+  if (l.ids.shared.gate >= 0) block(l.ids.shared.gate, 2, kHidden), block(l.ids.shared.down, 1, kSharedFfn);
+  return w;
 }
 
 std::vector<std::vector<double>> all_params(const Layer& l) {
@@ -265,6 +294,98 @@ TEST(Moe, LoadStatisticsAndBiasUpdate) {
   Moe::Saved saved;
   l.moe->forward(from_vector(h, {kRows, kHidden}), kBatch, kSeq, saved, true);
   EXPECT_EQ(l.stats.load, std::vector<double>(kExperts, 0.0));
+}
+
+// FP8: each routed expert's GEMMs are their own FP8 Linears over its rows. Under the block recipe the output
+// is what the fake-quantised reference gives (each expert's weights in their own 128x128 blocks: a block over
+// the stacked experts would take another amax), to fp32 accumulation, and far from the fp32 layer's.
+TEST(MoeFp8, BlockForwardMatchesTheFakeQuantisedReference) {
+  Fp8Options o;
+  o.recipe.recipe = fp8::Recipe::block;
+  o.recipe.power_of_two_scales = false;  // with power-of-two scales a shared block would differ in subnormals only
+  Fp8Context context(o);
+  Layer l(0, true, 0.5f, &context);
+  EXPECT_EQ(context.linears(), 2 * kExperts + 2) << "gate|up and down per expert, and the shared experts'";
+  EXPECT_NE(context.linear_name(1).find("gate1"), std::string::npos) << context.linear_name(1);
+  // Experts of different magnitudes: their own blocks take different scales.
+  for (int e = 0; e < kExperts; ++e)
+    for (int id : {l.ids.first_gate_up + 2 * e, l.ids.first_gate_up + 2 * e + 1, l.ids.first_down + e}) {
+      Tensor w = l.store.param(id);
+      for (int64_t i = 0; i < w.numel(); ++i) w.f32()[i] *= 0.3f * static_cast<float>(e + 1);
+    }
+  l.store.mark_updated();
+  const std::vector<float> h = testing::random_floats(kRows * kHidden, 7);
+  Moe::Saved saved;
+  const Tensor y = l.moe->forward(from_vector(h, {kRows, kHidden}), kBatch, kSeq, saved, true);
+  const std::vector<std::vector<double>> w = all_params(l);
+  const ReferenceOut want =
+      reference(l, testing::to_double(h), fp8_block_weights(l, w, false), nullptr, true, false);
+  EXPECT_LT(testing::relative_error(to_vector(y), want.y), 1e-5);
+  const ReferenceOut exact = reference(l, testing::to_double(h), w, nullptr);
+  EXPECT_GT(testing::relative_error(to_vector(y), exact.y), 1e-3) << "FP8 made no difference";
+}
+
+// Every recipe stays near the fp32 layer, output and every gradient (E4M3 keeps 3 mantissa bits; the
+// gradients are E5M2), and routes exactly as it does (the router is fp32).
+TEST(MoeFp8, RecipesStayCloseToTheFp32Layer) {
+  const std::vector<float> h = testing::random_floats(kRows * kHidden, 8);
+  const std::vector<float> dy = testing::random_floats(kRows * kHidden, 9);
+  auto run = [&](Layer& l, Fp8Context* context) {
+    const Fp8Recording recording(context, true);
+    l.store.zero_grads();
+    Moe::Saved saved;
+    const Tensor y = l.moe->forward(from_vector(h, {kRows, kHidden}), kBatch, kSeq, saved, true);
+    const std::vector<int32_t> ids(saved.expert_ids.i32(), saved.expert_ids.i32() + kRows * kTopK);
+    const Tensor dh = l.moe->backward_input(from_vector(dy, {kRows, kHidden}), kBatch, kSeq, saved);
+    l.moe->backward_weight(saved);
+    return std::make_tuple(to_vector(y), to_vector(dh), ids);
+  };
+  Layer exact(0.75);
+  const auto [y_want, dh_want, ids_want] = run(exact, nullptr);
+  for (fp8::Recipe recipe : {fp8::Recipe::delayed, fp8::Recipe::current, fp8::Recipe::block}) {
+    Fp8Options o;
+    o.recipe.recipe = recipe, o.recipe.amax_history_len = 4;
+    Fp8Context context(o);
+    Layer l(0.75, true, 0.5f, &context);
+    // Delayed scaling starts from scale 1; a first step fills the history as training would.
+    if (recipe == fp8::Recipe::delayed) run(l, &context), context.end_step();
+    const auto [y, dh, ids] = run(l, &context);
+    const std::string name(fp8::recipe_name(recipe));
+    EXPECT_EQ(ids, ids_want) << name;
+    EXPECT_LT(testing::dissimilarity(y.data(), testing::to_double(y_want).data(), y.size()), 1e-2) << name;
+    EXPECT_LT(testing::dissimilarity(dh.data(), testing::to_double(dh_want).data(), dh.size()), 3e-2) << name;
+    for (int id = 0; id < l.store.count(); ++id) {
+      if (id == l.ids.bias) continue;
+      const std::vector<double> g_want = testing::to_double(to_vector(exact.store.grad(id)));
+      EXPECT_LT(testing::dissimilarity(l.store.grad(id).f32(), g_want.data(), g_want.size()), 3e-2)
+          << name << " " << l.store.info(id).name;
+    }
+  }
+}
+
+// Selective recompute casts SwiGLU's output again in backward: the same codes, so bitwise the same gradients.
+TEST(MoeFp8, SelectiveRecomputeIsBitwiseTheSame) {
+  for (fp8::Recipe recipe : {fp8::Recipe::current, fp8::Recipe::block}) {
+    Fp8Options o;
+    o.recipe.recipe = recipe;
+    Fp8Context keep_context(o), recompute_context(o);
+    Layer keep(0, true, 0.5f, &keep_context), recompute(0, true, 0.5f, &recompute_context);
+    const std::vector<float> h = testing::random_floats(kRows * kHidden, 12);
+    const std::vector<float> dy = testing::random_floats(kRows * kHidden, 13);
+    std::vector<float> dh[2];
+    Layer* layers[2] = {&keep, &recompute};
+    for (int i = 0; i < 2; ++i) {
+      layers[i]->store.zero_grads();
+      Moe::Saved saved;
+      layers[i]->moe->forward(from_vector(h, {kRows, kHidden}), kBatch, kSeq, saved, i == 0);
+      dh[i] = to_vector(layers[i]->moe->backward_input(from_vector(dy, {kRows, kHidden}), kBatch, kSeq, saved));
+      layers[i]->moe->backward_weight(saved);
+    }
+    const std::string name(fp8::recipe_name(recipe));
+    EXPECT_EQ(dh[0], dh[1]) << name;
+    EXPECT_EQ(std::memcmp(keep.store.grads().raw(), recompute.store.grads().raw(), keep.store.grads().bytes()), 0)
+        << name;
+  }
 }
 
 }  // namespace

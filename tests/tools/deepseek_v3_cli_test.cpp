@@ -107,7 +107,6 @@ TEST_F(DeepseekV3Cli, BadSettingsGetOneLine) {
   expect_one_line_error(train_args("bad", " --set moe.bias_update_rate=-1"), "moe.bias_update_rate");
   expect_one_line_error(train_args("bad", " --set moe.bias_update=mean"), "moe.bias_update");
   expect_one_line_error(train_args("bad", " --set mtp.loss_weight=-0.1"), "mtp.loss_weight");
-  expect_one_line_error(train_args("bad", " --set fp8.recipe=block --set data.tokenizer=bytes"), "FP8");
   expect_one_line_error(train_args("bad", " --set mtp.switch_step=-2"), "mtp.switch_step");
 }
 

@@ -168,6 +168,57 @@ TEST_F(TrainerMoe, InterruptedRunResumesBitwise) {
   EXPECT_EQ(got.back()["mtp"], want.back()["mtp"]);
 }
 
+// FP8 (attention projections, routed and shared experts, dense MLPs; router and heads stay high precision):
+// every recipe learns and ends near the bf16 run, not equal to it.
+TEST_F(TrainerMoe, Fp8RecipesLearnAndStayNearBf16) {
+  auto fp8_config = [&](const std::string& recipe) {
+    TrainConfig c = config(recipe);
+    c.train.dtype = "bf16";
+    c.train.steps = 20;
+    c.train.warmup = 3;
+    c.moe.bias_update_rate = 0.01;
+    c.fp8.recipe = recipe;
+    c.fp8.amax_history_len = 16;
+    return c;
+  };
+  const TrainResult bf16 = Trainer(fp8_config("off")).run();
+  ASSERT_EQ(bf16.losses.size(), 20u);
+  for (const char* recipe : {"delayed", "current", "block"}) {
+    SCOPED_TRACE(recipe);
+    const TrainResult r = Trainer(fp8_config(recipe)).run();
+    ASSERT_EQ(r.losses.size(), 20u);
+    EXPECT_LT(r.losses.back(), 0.7 * r.losses.front());
+    EXPECT_NE(r.losses[5], bf16.losses[5]);
+    EXPECT_LT(std::fabs(r.heldout_loss - bf16.heldout_loss) / bf16.heldout_loss, 0.03)
+        << r.heldout_loss << " vs " << bf16.heldout_loss;
+  }
+}
+
+// The delayed recipe's amax histories (every expert's own) survive a checkpoint: the resumed run is bitwise
+// the straight one.
+TEST_F(TrainerMoe, Fp8DelayedRunResumesBitwise) {
+  auto fp8_config = [&](const std::string& run) {
+    TrainConfig c = config(run);
+    c.train.dtype = "bf16";
+    c.moe.bias_update_rate = 0.01;
+    c.fp8.recipe = "delayed";
+    c.fp8.amax_history_len = 4;
+    return c;
+  };
+  const TrainResult full = Trainer(fp8_config("straight")).run();
+  ASSERT_EQ(full.losses.size(), 6u);
+  TrainConfig split = fp8_config("split");
+  Trainer first(split);
+  first.on_step([](int64_t step) {
+    if (step == 3) Trainer::stop_flag() = true;
+  });
+  ASSERT_TRUE(first.run().interrupted);
+  split.checkpoint.resume = "auto";
+  const TrainResult b = Trainer(split).run();
+  ASSERT_EQ(b.losses.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(b.losses[i], full.losses[3 + i]) << "step " << 4 + i;
+}
+
 TEST(LoadSummary, MinMaxCvAndMaxViolation) {
   const LoadSummary s = summarize_load({2, 4, 6, 4});
   EXPECT_EQ(s.min, 2);

@@ -204,10 +204,19 @@ void Linear::run_fp8_gemm(const ops::Fp8GemmParams& p) const {
   ops::fp8_gemm(p, device_);
 }
 
-Tensor Linear::forward(GemmOperand& x) const {
+// The GEMM's fp32 [rows, cols] result: `out` when the caller gave one (checked), else a new tensor.
+Tensor Linear::result(const Tensor& out, int64_t rows, int64_t cols, const char* what) const {
+  if (!out.defined()) return Tensor::empty({rows, cols}, DType::f32, device_);
+  FORGE_CHECK(out.dtype() == DType::f32 && out.numel() == rows * cols && out.device() == device_,
+              "Linear::{}: the output must be fp32 [{}, {}] on {}, got {} {}", what, rows, cols,
+              device_name(device_), dtype_name(out.dtype()), shape_string(out.shape()));
+  return out;
+}
+
+Tensor Linear::forward(GemmOperand& x, const Tensor& out) const {
   FORGE_CHECK(x.data.defined(), "Linear::forward: the operand holds no forward copy");
   const int64_t rows = x.data.numel() / in_;
-  Tensor y = Tensor::empty({rows, out_}, DType::f32, device_);
+  Tensor y = result(out, rows, out_, "forward");
   if (!fp8_) {
     Tensor w = weight(x.data.dtype());
     ops::GemmParams p;
@@ -237,10 +246,10 @@ Tensor Linear::forward(GemmOperand& x) const {
   return y;
 }
 
-Tensor Linear::backward_input(GemmOperand& dy) const {
+Tensor Linear::backward_input(GemmOperand& dy, const Tensor& out) const {
   FORGE_CHECK(dy.data.defined(), "Linear::backward_input: the gradient operand holds no row-wise copy");
   const int64_t rows = dy.data.numel() / out_;
-  Tensor dx = Tensor::empty({rows, in_}, DType::f32, device_);
+  Tensor dx = result(out, rows, in_, "backward_input");
   if (!fp8_) {
     Tensor w = weight(dy.data.dtype());
     ops::GemmParams p;

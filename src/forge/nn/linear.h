@@ -62,10 +62,11 @@ class Linear {
   // dy [rows, out] (fp32) as the operand of the input and weight gradients.
   GemmOperand grad_output(const Tensor& dy) const;
 
-  // y [rows, out] = x @ W^T; then drops from x what only forward reads (keep_for_backward).
-  Tensor forward(GemmOperand& x) const;
-  // dx [rows, in] = dy @ W; then drops from dy what only this GEMM reads.
-  Tensor backward_input(GemmOperand& dy) const;
+  // y [rows, out] = x @ W^T; then drops from x what only forward reads (keep_for_backward). Written into
+  // `out` when given (an fp32 [rows, out] view, e.g. one expert's rows of a larger tensor), else a new tensor.
+  Tensor forward(GemmOperand& x, const Tensor& out = Tensor()) const;
+  // dx [rows, in] = dy @ W; then drops from dy what only this GEMM reads. `out` as for forward.
+  Tensor backward_input(GemmOperand& dy, const Tensor& out = Tensor()) const;
   // dW += dy^T @ x, reported to the store (ParameterStore::note_grad) for each weight.
   void backward_weight(const GemmOperand& dy, const GemmOperand& x) const;
   // Drops from an input operand what the weight gradient does not read (for operands recomputed in backward).
@@ -73,6 +74,7 @@ class Linear {
 
  private:
   Tensor weight(DType dtype) const;
+  Tensor result(const Tensor& out, int64_t rows, int64_t cols, const char* what) const;
   void accumulate_weight_grad(const GemmOperand& dy, const GemmOperand& x) const;
   void run_fp8_gemm(const ops::Fp8GemmParams& p) const;
   const Fp8Weight& fp8_weight() const;  // cast when the master weights changed since the last cast

@@ -13,9 +13,17 @@ Moe::Moe(ParameterStore* store, MoeParams params, MoeShape shape, ComputeOptions
   FORGE_CHECK(shape.experts > 0 && shape.top_k > 0 && shape.expert_ffn > 0 && shape.hidden > 0,
               "Moe: bad shape experts={} top_k={} expert_ffn={} hidden={}", shape.experts, shape.top_k,
               shape.expert_ffn, shape.hidden);
-  // The routed experts' GEMMs have no FP8 path yet; refusing beats silently running them in higher precision.
-  FORGE_CHECK(options.fp8 == nullptr,
-              "FP8 training of the routed experts (grouped GEMMs) is not implemented yet");
+  if (options.fp8) {  // registered with the FP8 context in a fixed order: every gate|up, then every down
+    fp8_gate_up_.reserve(static_cast<size_t>(shape.experts));
+    fp8_down_.reserve(static_cast<size_t>(shape.experts));
+    for (int64_t e = 0; e < shape.experts; ++e) {
+      const int gate = params.first_gate_up + 2 * static_cast<int>(e);
+      fp8_gate_up_.emplace_back(store, std::vector<int>{gate, gate + 1}, shape.hidden, options);
+    }
+    for (int64_t e = 0; e < shape.experts; ++e)
+      fp8_down_.emplace_back(store, std::vector<int>{params.first_down + static_cast<int>(e)}, shape.expert_ffn,
+                             options);
+  }
   if (params.shared.gate >= 0)
     shared_ = std::make_unique<Mlp>(store, params.shared, shape.hidden, shape.shared_ffn, options);
   if (stats_ && stats_->load.empty()) stats_->reset(shape.experts);
@@ -58,8 +66,8 @@ void Moe::grouped_weight_grad(const GemmOperand& dy, const GemmOperand& x, int f
   for (int id = first; id < first + count; ++id) store_->note_grad(id);
 }
 
-// silu(gate) * up of the sorted rows [R, 2 ffn], as the down GEMMs read it.
-GemmOperand Moe::activation(const Tensor& gate_up) const {
+// silu(gate) * up of the sorted rows [R, 2 ffn].
+Tensor Moe::swiglu(const Tensor& gate_up) const {
   const int64_t rows = gate_up.numel() / (2 * shape_.expert_ffn);
   Tensor act = Tensor::empty({rows, shape_.expert_ffn}, DType::f32, options_.device);
   if (rows > 0) {
@@ -67,7 +75,43 @@ GemmOperand Moe::activation(const Tensor& gate_up) const {
     sw.rows = rows, sw.ffn = shape_.expert_ffn, sw.gate_up = gate_up.f32(), sw.out = act.f32();
     ops::swiglu_forward(sw, options_.device);
   }
-  return GemmOperand{to_gemm_dtype(act, options_.gemm_dtype)};
+  return act;
+}
+
+// The same as the down GEMMs read it (not FP8).
+GemmOperand Moe::activation(const Tensor& gate_up) const {
+  return GemmOperand{to_gemm_dtype(swiglu(gate_up), options_.gemm_dtype)};
+}
+
+template <typename Op>
+Tensor Moe::per_expert(const Tensor& in, int64_t in_cols, int64_t out_cols, const std::vector<int64_t>& offsets,
+                       Op op) const {
+  Tensor out;
+  if (out_cols > 0) out = Tensor::empty({offsets.back(), out_cols}, DType::f32, options_.device);
+  for (int64_t e = 0; e < shape_.experts; ++e) {
+    const int64_t begin = offsets[e], rows = offsets[e + 1] - begin;
+    if (rows == 0) continue;
+    op(e, in.view(begin * in_cols, {rows, in_cols}),
+       out_cols > 0 ? out.view(begin * out_cols, {rows, out_cols}) : Tensor());
+  }
+  return out;
+}
+
+// FP8: the down Linears' input operands from gate_up (forward: each expert's output into ys, returned;
+// recompute in backward: the operands alone, as the weight gradient reads them).
+Tensor Moe::fp8_down_forward(Saved& s, bool forward) const {
+  const Tensor act = swiglu(s.gate_up);
+  s.expert_act.assign(static_cast<size_t>(shape_.experts), GemmOperand{});
+  return per_expert(act, shape_.expert_ffn, forward ? shape_.hidden : 0, s.offsets,
+                    [&](int64_t e, const Tensor& a, const Tensor& y) {
+                      const Linear& down = fp8_down_[static_cast<size_t>(e)];
+                      GemmOperand& op = s.expert_act[static_cast<size_t>(e)];
+                      op = down.input(a);
+                      if (forward)
+                        down.forward(op, y);
+                      else
+                        down.keep_for_backward(op);
+                    });
 }
 
 Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training) const {
@@ -140,11 +184,21 @@ Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training
   pp.tokens = rows, pp.top_k = k, pp.hidden = hidden, pp.rows = sorted, pp.row_of = s.row_of.i32();
   pp.source = s.source.i32(), pp.x = h.f32(), pp.out = xs.f32();
   ops::moe_permute(pp, device);
-  s.xs = GemmOperand{to_gemm_dtype(xs, options_.gemm_dtype)};
-  s.gate_up = grouped(s.xs, sorted, params_.first_gate_up, 2 * static_cast<int>(experts), 2 * ffn, hidden,
-                      true, s.offsets);
-  s.act = activation(s.gate_up);
-  s.ys = grouped(s.act, sorted, params_.first_down, static_cast<int>(experts), hidden, ffn, true, s.offsets);
+  if (fp8()) {
+    s.expert_xs.assign(static_cast<size_t>(experts), GemmOperand{});
+    s.gate_up = per_expert(xs, hidden, 2 * ffn, s.offsets, [&](int64_t e, const Tensor& x, const Tensor& y) {
+      GemmOperand& op = s.expert_xs[static_cast<size_t>(e)];
+      op = fp8_gate_up_[static_cast<size_t>(e)].input(x);
+      fp8_gate_up_[static_cast<size_t>(e)].forward(op, y);
+    });
+    s.ys = fp8_down_forward(s, true);
+  } else {
+    s.xs = GemmOperand{to_gemm_dtype(xs, options_.gemm_dtype)};
+    s.gate_up = grouped(s.xs, sorted, params_.first_gate_up, 2 * static_cast<int>(experts), 2 * ffn, hidden,
+                        true, s.offsets);
+    s.act = activation(s.gate_up);
+    s.ys = grouped(s.act, sorted, params_.first_down, static_cast<int>(experts), hidden, ffn, true, s.offsets);
+  }
 
   Tensor out = Tensor::empty({rows, hidden}, DType::f32, device);
   ops::MoeUnpermuteParams u;
@@ -158,7 +212,7 @@ Tensor Moe::forward(const Tensor& h, int64_t, int64_t seq, LayerPart::Saved& sav
   Saved& s = static_cast<Saved&>(saved);
   const Tensor full = gather_in(options_.tp, h);
   Tensor y = reduce_out(options_.tp, routed_forward(full, seq, s, true));
-  if (!keep_all) s.act = GemmOperand{};  // selective recompute: SwiGLU again in backward
+  if (!keep_all) s.act = GemmOperand{}, s.expert_act.clear();  // selective recompute: SwiGLU again in backward
   if (shared_) {
     const Tensor z = shared_->forward(h, s.shared, keep_all);
     ops::add_inplace(y.f32(), z.f32(), y.numel(), options_.device);
@@ -191,10 +245,20 @@ Tensor Moe::backward_input(const Tensor& dy_in, int64_t, int64_t, LayerPart::Sav
   if (options_.tp) options_.tp->all_reduce_sum(dweights.f32(), dweights.numel(), device);
 
   // Through the experts.
-  if (!s.act.defined()) s.act = activation(s.gate_up);  // selective recompute
-  s.dys = GemmOperand{to_gemm_dtype(dys, options_.gemm_dtype)};
-  const Tensor dact =
-      grouped(s.dys, sorted, params_.first_down, static_cast<int>(experts), ffn, hidden, false, s.offsets);
+  Tensor dact;
+  if (fp8()) {
+    if (s.expert_act.empty()) fp8_down_forward(s, false);  // selective recompute
+    s.expert_dys.assign(static_cast<size_t>(experts), GemmOperand{});
+    dact = per_expert(dys, hidden, ffn, s.offsets, [&](int64_t e, const Tensor& d, const Tensor& dx) {
+      GemmOperand& op = s.expert_dys[static_cast<size_t>(e)];
+      op = fp8_down_[static_cast<size_t>(e)].grad_output(d);
+      fp8_down_[static_cast<size_t>(e)].backward_input(op, dx);
+    });
+  } else {
+    if (!s.act.defined()) s.act = activation(s.gate_up);  // selective recompute
+    s.dys = GemmOperand{to_gemm_dtype(dys, options_.gemm_dtype)};
+    dact = grouped(s.dys, sorted, params_.first_down, static_cast<int>(experts), ffn, hidden, false, s.offsets);
+  }
   Tensor dgate_up = Tensor::empty({sorted, 2 * ffn}, DType::f32, device);
   if (sorted > 0) {
     ops::SwigluParams sw;
@@ -203,9 +267,19 @@ Tensor Moe::backward_input(const Tensor& dy_in, int64_t, int64_t, LayerPart::Sav
     ops::swiglu_backward(sw, device);
   }
   s.gate_up = Tensor();
-  s.dgate_up = GemmOperand{to_gemm_dtype(dgate_up, options_.gemm_dtype)};
-  const Tensor dxs = grouped(s.dgate_up, sorted, params_.first_gate_up, 2 * static_cast<int>(experts), hidden,
-                             2 * ffn, false, s.offsets);
+  Tensor dxs;
+  if (fp8()) {
+    s.expert_dgate_up.assign(static_cast<size_t>(experts), GemmOperand{});
+    dxs = per_expert(dgate_up, 2 * ffn, hidden, s.offsets, [&](int64_t e, const Tensor& d, const Tensor& dx) {
+      GemmOperand& op = s.expert_dgate_up[static_cast<size_t>(e)];
+      op = fp8_gate_up_[static_cast<size_t>(e)].grad_output(d);
+      fp8_gate_up_[static_cast<size_t>(e)].backward_input(op, dx);
+    });
+  } else {
+    s.dgate_up = GemmOperand{to_gemm_dtype(dgate_up, options_.gemm_dtype)};
+    dxs = grouped(s.dgate_up, sorted, params_.first_gate_up, 2 * static_cast<int>(experts), hidden, 2 * ffn,
+                  false, s.offsets);
+  }
   Tensor dh = Tensor::empty({rows, hidden}, DType::f32, device);
   ops::MoePermuteParams pp;
   pp.tokens = rows, pp.top_k = k, pp.hidden = hidden, pp.rows = sorted, pp.row_of = s.row_of.i32();
@@ -245,9 +319,25 @@ Tensor Moe::backward_input(const Tensor& dy_in, int64_t, int64_t, LayerPart::Sav
 void Moe::backward_weight(LayerPart::Saved& saved) const {
   Saved& s = static_cast<Saved&>(saved);
   const int64_t hidden = shape_.hidden, experts = shape_.experts, ffn = shape_.expert_ffn;
-  grouped_weight_grad(s.dys, s.act, params_.first_down, static_cast<int>(experts), hidden, ffn, s.offsets);
-  grouped_weight_grad(s.dgate_up, s.xs, params_.first_gate_up, 2 * static_cast<int>(experts), 2 * ffn, hidden,
-                      s.offsets);
+  if (fp8()) {
+    // An expert without rows has no operands; its (zero) gradient is final all the same.
+    for (size_t e = 0; e < static_cast<size_t>(experts); ++e)
+      if (s.expert_dys.size() > e && s.expert_dys[e].defined())
+        fp8_down_[e].backward_weight(s.expert_dys[e], s.expert_act[e]);
+      else
+        store_->note_grad(params_.first_down + static_cast<int>(e));
+    for (size_t e = 0; e < static_cast<size_t>(experts); ++e)
+      if (s.expert_dgate_up.size() > e && s.expert_dgate_up[e].defined()) {
+        fp8_gate_up_[e].backward_weight(s.expert_dgate_up[e], s.expert_xs[e]);
+      } else {
+        store_->note_grad(params_.first_gate_up + 2 * static_cast<int>(e));
+        store_->note_grad(params_.first_gate_up + 2 * static_cast<int>(e) + 1);
+      }
+  } else {
+    grouped_weight_grad(s.dys, s.act, params_.first_down, static_cast<int>(experts), hidden, ffn, s.offsets);
+    grouped_weight_grad(s.dgate_up, s.xs, params_.first_gate_up, 2 * static_cast<int>(experts), 2 * ffn,
+                        hidden, s.offsets);
+  }
   const int64_t rows = s.h.numel() / hidden;
   if (rows > 0) {
     ops::GemmParams g;

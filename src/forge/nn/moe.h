@@ -10,6 +10,13 @@
 // caller has summed the loads over its data-parallel ranks); the optional sequence-wise balance loss
 // alpha * mean over sequences of sum_i f_i P_i reaches the router through its gradient (MoeStepScale).
 //
+// FP8 (ComputeOptions::fp8): every routed expert's gate|up and down run as their own FP8 Linears (nn/linear.h)
+// over the expert's contiguous rows: their own weight casts and scales (delayed: their own amax history;
+// block: 1x128 tiles of each expert's rows, so no tile of the weight gradient's token dimension spans two
+// experts; DeepSeek-V3 trains its experts with the block recipe). On a GPU each expert's segment of the sort is
+// padded to a multiple of 16 rows (FP8 tensor cores' granularity) with zero rows the combination ignores. The
+// router stays fp32 and the shared experts are an Mlp, FP8 like any other.
+//
 // Tensor parallelism (expert-tensor-parallel = tp): every expert's width is split over the group like an Mlp
 // (gate|up column-parallel, down row-parallel); the router and its bias are replicated and route the same
 // gathered rows on every rank. The experts' output is a partial sum that reduce_out completes; the gates'
@@ -81,6 +88,8 @@ class Moe final : public LayerPart {
     GemmOperand act;            // silu(gate) * up as the down GEMMs read it
     Tensor ys;                  // expert outputs (unweighted) [R, hidden]
     GemmOperand dys, dgate_up;  // from backward_input, for backward_weight
+    // FP8: the same operands per expert (empty for an expert without rows).
+    std::vector<GemmOperand> expert_xs, expert_act, expert_dys, expert_dgate_up;
     Tensor dlogits;             // [rows, experts]
     std::vector<double> load;   // this micro-batch's tokens per expert (counted before any drop)
     double balance_sum = 0;     // sum over its sequences of sum_i f_i P_i
@@ -114,6 +123,14 @@ class Moe final : public LayerPart {
                            int64_t n, const std::vector<int64_t>& offsets) const;
   Tensor weights(DType dtype, int first, int count, int64_t cols) const;
   GemmOperand activation(const Tensor& gate_up) const;
+  Tensor swiglu(const Tensor& gate_up) const;  // fp32 [R, ffn]
+  bool fp8() const { return !fp8_gate_up_.empty(); }
+  // FP8: for every expert with rows, op(expert's operand, its rows of `in` [R, in_cols], its rows of `out` [R,
+  // out_cols]); the result tensor `out` is allocated here.
+  template <typename Op>
+  Tensor per_expert(const Tensor& in, int64_t in_cols, int64_t out_cols, const std::vector<int64_t>& offsets,
+                    Op op) const;
+  Tensor fp8_down_forward(Saved& s, bool forward) const;
 
   ParameterStore* store_ = nullptr;
   MoeParams params_;
@@ -122,6 +139,7 @@ class Moe final : public LayerPart {
   MoeStats* stats_ = nullptr;
   const MoeStepScale* scale_ = nullptr;
   std::unique_ptr<Mlp> shared_;
+  std::vector<Linear> fp8_gate_up_, fp8_down_;  // FP8: per expert
 };
 
 }  // namespace forge::nn

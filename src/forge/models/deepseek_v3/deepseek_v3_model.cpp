@@ -6,6 +6,7 @@
 #include "forge/core/device.h"
 #include "forge/core/memory.h"
 #include "forge/kernels/ops.h"
+#include "forge/nn/fp8_context.h"
 #include "forge/nn/tensor_parallel.h"
 
 namespace forge::models {
@@ -78,7 +79,6 @@ DeepseekV3Model::DeepseekV3Model(const DeepseekV3Config& config, nn::ComputeOpti
   if (stage_.first_layer < 0 || stage_.first_layer > stage_.end_layer || stage_.end_layer > layers)
     fail("{}: stage layers [{}, {}) are outside the model's {} layers", source, stage_.first_layer,
          stage_.end_layer, layers);
-  if (options.fp8) fail("{}: FP8 training of DeepSeek-V3 (MoE grouped GEMMs) is not supported yet", source);
   if (config.topk_method != DeepseekV3Config::TopkMethod::noaux_tc)
     fail("{}: topk_method 'greedy' is not supported yet (only noaux_tc)", source);
   const bool on_host = options.device == Device::cpu;
@@ -169,16 +169,29 @@ DeepseekV3Model::DeepseekV3Model(const DeepseekV3Config& config, nn::ComputeOpti
       m->enorm = nn::RmsNorm(&params_, ids.enorm, eps);
       m->hnorm = nn::RmsNorm(&params_, ids.hnorm, eps);
       m->head_norm = nn::RmsNorm(&params_, ids.head_norm, eps);
-      nn::ComputeOptions local = options;
+      nn::ComputeOptions local = layer_options(layers + static_cast<int64_t>(k));
       local.tp = nullptr;  // eh_proj is replicated: every rank computes it whole
       m->eh_proj = nn::Linear(&params_, {ids.eh_proj}, 2 * h, local);
       m->layer = make_layer(layers + static_cast<int64_t>(k), ids.layer);
       mtp_.push_back(std::move(m));
     }
   }
+  if (options.fp8 && !into) options.fp8->seal();
   mtp_stats_.resize(mtp_.size());
   step_mtp_.resize(mtp_.size());
   if (with_grads) register_tensor_parallel_sums();
+}
+
+// FP8: every decoder layer's Linears (MLA's projections, the experts, the shared experts, dense MLPs) except
+// the first and last fp8.bf16_*_layers, which keep the GEMM dtype; the MTP modules (indices past the last
+// layer) count as last layers. The router, the norms, attention itself and the heads never run in FP8.
+nn::ComputeOptions DeepseekV3Model::layer_options(int64_t index) const {
+  nn::ComputeOptions o = options_;
+  if (o.fp8) {
+    const nn::Fp8Options& f = o.fp8->options();
+    if (index < f.bf16_first_layers || index >= config_.num_hidden_layers - f.bf16_last_layers) o.fp8 = nullptr;
+  }
+  return o;
 }
 
 // Layer `index`'s parameters under "model.layers.{index}.*" (index >= num_hidden_layers: an MTP module's
@@ -256,16 +269,17 @@ DeepseekV3Model::LayerIds DeepseekV3Model::register_layer(int64_t index, float i
 nn::DecoderLayer DeepseekV3Model::make_layer(int64_t index, const LayerIds& ids) {
   const DeepseekV3Config& c = config_;
   const int tp = options_.tp_size();
+  const nn::ComputeOptions options = layer_options(index);
   nn::MlaShape mla;
   mla.hidden = c.hidden_size, mla.heads = c.num_attention_heads / tp, mla.q_lora_rank = c.q_lora_rank;
   mla.kv_lora_rank = c.kv_lora_rank, mla.qk_nope_head_dim = c.qk_nope_head_dim;
   mla.qk_rope_head_dim = c.qk_rope_head_dim, mla.v_head_dim = c.v_head_dim;
   mla.rope_interleave = c.rope_interleave, mla.softmax_scale = static_cast<float>(c.softmax_scale());
   mla.latent_norm_eps = 1e-6f;  // HF builds the latent norms with RMSNorm's default eps
-  auto mixer = std::make_unique<nn::MlaAttention>(&params_, ids.mla, mla, &rope_, options_);
+  auto mixer = std::make_unique<nn::MlaAttention>(&params_, ids.mla, mla, &rope_, options);
   std::unique_ptr<nn::LayerPart> ffn;
   if (!ids.moe) {
-    ffn = std::make_unique<nn::Mlp>(&params_, ids.dense, c.hidden_size, c.intermediate_size / tp, options_);
+    ffn = std::make_unique<nn::Mlp>(&params_, ids.dense, c.hidden_size, c.intermediate_size / tp, options);
   } else {
     nn::MoeShape s;
     s.hidden = c.hidden_size, s.experts = c.n_routed_experts, s.top_k = c.num_experts_per_tok;
@@ -276,13 +290,13 @@ nn::DecoderLayer DeepseekV3Model::make_layer(int64_t index, const LayerIds& ids)
     s.normalize = c.norm_topk_prob, s.scaling = static_cast<float>(c.routed_scaling_factor);
     moe_stats_.emplace_back();
     auto moe =
-        std::make_unique<nn::Moe>(&params_, ids.experts, s, options_, &moe_stats_.back(), &balance_scale_);
+        std::make_unique<nn::Moe>(&params_, ids.experts, s, options, &moe_stats_.back(), &balance_scale_);
     moe_layers_.push_back(moe.get());
     moe_layer_ids_.emplace_back(index, ids.experts.bias);
     ffn = std::move(moe);
   }
   return nn::DecoderLayer(&params_, ids.norm1, std::move(mixer), ids.norm2, std::move(ffn),
-                          static_cast<float>(c.rms_norm_eps), options_);
+                          static_cast<float>(c.rms_norm_eps), options);
 }
 
 // Gradients each tensor-parallel rank holds only a share of are summed over the group once final: MLA's
@@ -355,6 +369,8 @@ StageOutput DeepseekV3Model::forward(const MicroBatch& mb, const Tensor& hidden,
     fail("forward for backward: this model was built for inference, without gradients");
   check_inputs(mb);
   if (stage_.post_process) FORGE_CHECK(mb.targets != nullptr, "the last stage needs targets");
+  // Training micro-batches (those that will run backward) feed the FP8 amax history.
+  const nn::Fp8Recording fp8_recording(options_.fp8, saved != nullptr);
   auto acts = std::make_unique<Activations>();
   acts->batch = mb.batch, acts->seq = mb.seq;
   const int64_t n = mb.batch * mb.seq;
@@ -491,6 +507,7 @@ void DeepseekV3Model::mtp_backward_weight(Activations& acts) {
 Tensor DeepseekV3Model::backward_input(const Tensor& doutput, StageActivations& state) {
   auto& acts = static_cast<Activations&>(state);
   FORGE_CHECK(!acts.input_done, "backward_input ran twice for one micro-batch");
+  const nn::Fp8Recording fp8_recording(options_.fp8, true);
   Tensor dx = doutput;
   if (stage_.post_process) {
     const Tensor dmtp = mtp_.empty() ? Tensor() : mtp_backward_input(acts);
@@ -509,6 +526,7 @@ Tensor DeepseekV3Model::backward_input(const Tensor& doutput, StageActivations& 
 void DeepseekV3Model::backward_weight(StageActivations& state) {
   auto& acts = static_cast<Activations&>(state);
   FORGE_CHECK(acts.input_done && !acts.weight_done, "backward_weight before backward_input, or twice");
+  const nn::Fp8Recording fp8_recording(options_.fp8, true);
   if (stage_.post_process) {
     if (!mtp_.empty()) mtp_backward_weight(acts);
     final_norm_.backward_weight(acts.norm);
@@ -522,6 +540,7 @@ void DeepseekV3Model::backward_weight(StageActivations& state) {
 Tensor DeepseekV3Model::backward(const Tensor& doutput, StageActivations& state) {
   auto& acts = static_cast<Activations&>(state);
   FORGE_CHECK(!acts.input_done, "backward ran twice for one micro-batch");
+  const nn::Fp8Recording fp8_recording(options_.fp8, true);
   Tensor dx = doutput;
   if (stage_.post_process) {
     const Tensor dmtp = mtp_.empty() ? Tensor() : mtp_backward_input(acts);

@@ -126,6 +126,7 @@ class DeepseekV3Model final : public Model {
   };
   LayerIds register_layer(int64_t index, float init_std);
   nn::DecoderLayer make_layer(int64_t index, const LayerIds& ids);
+  nn::ComputeOptions layer_options(int64_t index) const;  // FP8 or not, by layer
   void register_tensor_parallel_sums();
   void check_inputs(const MicroBatch& mb) const;
   void require_whole(const char* what) const;
