@@ -1,5 +1,5 @@
-// What an FP8 GEMM sees of a matrix, in double, built from core's scalar FP8 conversions alone (independent of
-// fp8/quantize.cpp): the tests' reference for every recipe's casts.
+// What an FP8 GEMM sees of a matrix, in double, built from core's scalar FP8 conversions alone (independent
+// of fp8/quantize.cpp): the tests' reference for every recipe's casts.
 #pragma once
 
 #include <algorithm>
@@ -27,7 +27,8 @@ std::vector<double> fake_quantize(const std::vector<T>& m, int64_t rows, int64_t
       const int64_t r1 = std::min(rows, r0 + tile_r), c1 = std::min(cols, c0 + tile_c);
       float amax = 0;
       for (int64_t r = r0; r < r1; ++r)
-        for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(static_cast<float>(m[r * cols + c])));
+        for (int64_t c = c0; c < c1; ++c)
+          amax = std::max(amax, std::fabs(static_cast<float>(m[r * cols + c])));
       float scale = fixed_scale > 0 ? fixed_scale : (amax > 0 ? fp8_max_of(dtype) / amax : 1.0f);
       if (pow2 && fixed_scale <= 0) scale = std::exp2(std::floor(std::log2(scale)));
       for (int64_t r = r0; r < r1; ++r)

@@ -82,7 +82,8 @@ double silu(double g) { return g / (1 + std::exp(-g)); }
 
 // fp8_block: the experts' GEMMs as the block recipe computes them (E4M3 forward operands): every expert's
 // input rows and SwiGLU output in 1x128 tiles, its gate|up (one matrix) and down weights in 128x128 blocks.
-std::vector<std::vector<double>> fp8_block_weights(const Layer& l, std::vector<std::vector<double>> w, bool pow2);
+std::vector<std::vector<double>> fp8_block_weights(const Layer& l, std::vector<std::vector<double>> w,
+                                                   bool pow2);
 
 ReferenceOut reference(const Layer& l, const std::vector<double>& h,
                        const std::vector<std::vector<double>>& w, const std::vector<int32_t>* fixed_ids,
@@ -139,7 +140,8 @@ ReferenceOut reference(const Layer& l, const std::vector<double>& h,
   return out;
 }
 
-std::vector<std::vector<double>> fp8_block_weights(const Layer& l, std::vector<std::vector<double>> w, bool pow2) {
+std::vector<std::vector<double>> fp8_block_weights(const Layer& l, std::vector<std::vector<double>> w,
+                                                   bool pow2) {
   auto block = [&](int first, int count, int64_t cols) {
     std::vector<double> m;
     for (int id = first; id < first + count; ++id) m.insert(m.end(), w[id].begin(), w[id].end());
@@ -302,7 +304,8 @@ TEST(Moe, LoadStatisticsAndBiasUpdate) {
 TEST(MoeFp8, BlockForwardMatchesTheFakeQuantisedReference) {
   Fp8Options o;
   o.recipe.recipe = fp8::Recipe::block;
-  o.recipe.power_of_two_scales = false;  // with power-of-two scales a shared block would differ in subnormals only
+  o.recipe.power_of_two_scales =
+      false;  // with power-of-two scales a shared block would differ in subnormals only
   Fp8Context context(o);
   Layer l(0, true, 0.5f, &context);
   EXPECT_EQ(context.linears(), 2 * kExperts + 2) << "gate|up and down per expert, and the shared experts'";
@@ -378,12 +381,14 @@ TEST(MoeFp8, SelectiveRecomputeIsBitwiseTheSame) {
       layers[i]->store.zero_grads();
       Moe::Saved saved;
       layers[i]->moe->forward(from_vector(h, {kRows, kHidden}), kBatch, kSeq, saved, i == 0);
-      dh[i] = to_vector(layers[i]->moe->backward_input(from_vector(dy, {kRows, kHidden}), kBatch, kSeq, saved));
+      dh[i] =
+          to_vector(layers[i]->moe->backward_input(from_vector(dy, {kRows, kHidden}), kBatch, kSeq, saved));
       layers[i]->moe->backward_weight(saved);
     }
     const std::string name(fp8::recipe_name(recipe));
     EXPECT_EQ(dh[0], dh[1]) << name;
-    EXPECT_EQ(std::memcmp(keep.store.grads().raw(), recompute.store.grads().raw(), keep.store.grads().bytes()), 0)
+    EXPECT_EQ(
+        std::memcmp(keep.store.grads().raw(), recompute.store.grads().raw(), keep.store.grads().bytes()), 0)
         << name;
   }
 }

@@ -1,10 +1,11 @@
 // DeepSeek-V3 training runs under parallel layouts against the one-rank run (toy_run.h's DeepSeek-V3 of
 // hidden 32 with MoE layers and an MTP module, 10 steps with the routing biases moving every step): tensor
-// parallelism (heads and experts split, routers replicated), data parallelism with and without ZeRO-1, and
-// pipeline stages (the MTP module on the last stage, reading its own copy of the embedding; DualPipe's
-// mirrored copies of each stage summing their halves of the expert loads). Each must reproduce the one-rank
-// losses, gradient norms, MTP losses, expert balance and final weights, the biases included, within the
-// tolerances of trainer_mpi_test.cpp (fp32; the layouts sum in other orders).
+// parallelism (heads and experts split, routers replicated; with sequence parallelism the MTP module runs
+// over every row, gathered), data parallelism with and without ZeRO-1, and pipeline stages (the MTP module on
+// the last stage, reading its own copy of the embedding; DualPipe's mirrored copies of each stage summing
+// their halves of the expert loads). Each must reproduce the one-rank losses, gradient norms, MTP losses,
+// expert balance and final weights, the biases included, within the tolerances of trainer_mpi_test.cpp (fp32;
+// the layouts sum in other orders).
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -29,6 +30,7 @@ struct MoeCase {
   int layers = 3;
   int accum = 2;  // micro-batches per step and replica
   const char* pp_layers = "";
+  bool sequence_parallel = false;
 };
 
 class MoeLayouts : public testing::TestWithParam<MoeCase> {
@@ -78,6 +80,7 @@ TEST_P(MoeLayouts, ReproduceTheOneRankRun) {
   par.parallel.distributed_optimizer = p.zero;
   par.parallel.schedule = p.schedule;
   par.parallel.pp_layers = p.pp_layers;
+  par.parallel.sequence_parallel = p.sequence_parallel;
   par.train.grad_accum = accum;
   const TrainResult got = Trainer(par, &world).run();
 
@@ -112,8 +115,9 @@ TEST_P(MoeLayouts, ReproduceTheOneRankRun) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, MoeLayouts,
-                         testing::Values(MoeCase{"tp2", 2}, MoeCase{"dp2", 1, 2},
-                                         MoeCase{"dp2_zero1", 1, 2, 1, true},
+                         testing::Values(MoeCase{"tp2", 2},
+                                         MoeCase{"tp2_sp", 2, 1, 1, false, "1f1b", 3, 2, "", true},
+                                         MoeCase{"dp2", 1, 2}, MoeCase{"dp2_zero1", 1, 2, 1, true},
                                          MoeCase{"pp2_1f1b", 1, 1, 2, false, "1f1b", 3, 2, "2,1"},
                                          MoeCase{"pp2_dualpipe", 1, 1, 2, false, "dualpipe", 4, 4},
                                          MoeCase{"pp2_dualpipev", 1, 1, 2, false, "dualpipev", 4, 6},

@@ -63,7 +63,8 @@ class Linear {
   GemmOperand grad_output(const Tensor& dy) const;
 
   // y [rows, out] = x @ W^T; then drops from x what only forward reads (keep_for_backward). Written into
-  // `out` when given (an fp32 [rows, out] view, e.g. one expert's rows of a larger tensor), else a new tensor.
+  // `out` when given (an fp32 [rows, out] view, e.g. one expert's rows of a larger tensor), else a new
+  // tensor.
   Tensor forward(GemmOperand& x, const Tensor& out = Tensor()) const;
   // dx [rows, in] = dy @ W; then drops from dy what only this GEMM reads. `out` as for forward.
   Tensor backward_input(GemmOperand& dy, const Tensor& out = Tensor()) const;

@@ -21,8 +21,8 @@ Moe::Moe(ParameterStore* store, MoeParams params, MoeShape shape, ComputeOptions
       fp8_gate_up_.emplace_back(store, std::vector<int>{gate, gate + 1}, shape.hidden, options);
     }
     for (int64_t e = 0; e < shape.experts; ++e)
-      fp8_down_.emplace_back(store, std::vector<int>{params.first_down + static_cast<int>(e)}, shape.expert_ffn,
-                             options);
+      fp8_down_.emplace_back(store, std::vector<int>{params.first_down + static_cast<int>(e)},
+                             shape.expert_ffn, options);
   }
   if (params.shared.gate >= 0)
     shared_ = std::make_unique<Mlp>(store, params.shared, shape.hidden, shape.shared_ffn, options);
@@ -84,8 +84,8 @@ GemmOperand Moe::activation(const Tensor& gate_up) const {
 }
 
 template <typename Op>
-Tensor Moe::per_expert(const Tensor& in, int64_t in_cols, int64_t out_cols, const std::vector<int64_t>& offsets,
-                       Op op) const {
+Tensor Moe::per_expert(const Tensor& in, int64_t in_cols, int64_t out_cols,
+                       const std::vector<int64_t>& offsets, Op op) const {
   Tensor out;
   if (out_cols > 0) out = Tensor::empty({offsets.back(), out_cols}, DType::f32, options_.device);
   for (int64_t e = 0; e < shape_.experts; ++e) {
@@ -197,7 +197,8 @@ Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training
     s.gate_up = grouped(s.xs, sorted, params_.first_gate_up, 2 * static_cast<int>(experts), 2 * ffn, hidden,
                         true, s.offsets);
     s.act = activation(s.gate_up);
-    s.ys = grouped(s.act, sorted, params_.first_down, static_cast<int>(experts), hidden, ffn, true, s.offsets);
+    s.ys =
+        grouped(s.act, sorted, params_.first_down, static_cast<int>(experts), hidden, ffn, true, s.offsets);
   }
 
   Tensor out = Tensor::empty({rows, hidden}, DType::f32, device);
@@ -212,7 +213,8 @@ Tensor Moe::forward(const Tensor& h, int64_t, int64_t seq, LayerPart::Saved& sav
   Saved& s = static_cast<Saved&>(saved);
   const Tensor full = gather_in(options_.tp, h);
   Tensor y = reduce_out(options_.tp, routed_forward(full, seq, s, true));
-  if (!keep_all) s.act = GemmOperand{}, s.expert_act.clear();  // selective recompute: SwiGLU again in backward
+  if (!keep_all)
+    s.act = GemmOperand{}, s.expert_act.clear();  // selective recompute: SwiGLU again in backward
   if (shared_) {
     const Tensor z = shared_->forward(h, s.shared, keep_all);
     ops::add_inplace(y.f32(), z.f32(), y.numel(), options_.device);
@@ -257,7 +259,8 @@ Tensor Moe::backward_input(const Tensor& dy_in, int64_t, int64_t, LayerPart::Sav
   } else {
     if (!s.act.defined()) s.act = activation(s.gate_up);  // selective recompute
     s.dys = GemmOperand{to_gemm_dtype(dys, options_.gemm_dtype)};
-    dact = grouped(s.dys, sorted, params_.first_down, static_cast<int>(experts), ffn, hidden, false, s.offsets);
+    dact =
+        grouped(s.dys, sorted, params_.first_down, static_cast<int>(experts), ffn, hidden, false, s.offsets);
   }
   Tensor dgate_up = Tensor::empty({sorted, 2 * ffn}, DType::f32, device);
   if (sorted > 0) {

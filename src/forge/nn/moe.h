@@ -10,12 +10,12 @@
 // caller has summed the loads over its data-parallel ranks); the optional sequence-wise balance loss
 // alpha * mean over sequences of sum_i f_i P_i reaches the router through its gradient (MoeStepScale).
 //
-// FP8 (ComputeOptions::fp8): every routed expert's gate|up and down run as their own FP8 Linears (nn/linear.h)
-// over the expert's contiguous rows: their own weight casts and scales (delayed: their own amax history;
-// block: 1x128 tiles of each expert's rows, so no tile of the weight gradient's token dimension spans two
-// experts; DeepSeek-V3 trains its experts with the block recipe). On a GPU each expert's segment of the sort is
-// padded to a multiple of 16 rows (FP8 tensor cores' granularity) with zero rows the combination ignores. The
-// router stays fp32 and the shared experts are an Mlp, FP8 like any other.
+// FP8 (ComputeOptions::fp8): every routed expert's gate|up and down run as their own FP8 Linears
+// (nn/linear.h) over the expert's contiguous rows: their own weight casts and scales (delayed: their own amax
+// history; block: 1x128 tiles of each expert's rows, so no tile of the weight gradient's token dimension
+// spans two experts; DeepSeek-V3 trains its experts with the block recipe). On a GPU each expert's segment of
+// the sort is padded to a multiple of 16 rows (FP8 tensor cores' granularity) with zero rows the combination
+// ignores. The router stays fp32 and the shared experts are an Mlp, FP8 like any other.
 //
 // Tensor parallelism (expert-tensor-parallel = tp): every expert's width is split over the group like an Mlp
 // (gate|up column-parallel, down row-parallel); the router and its bias are replicated and route the same
@@ -125,8 +125,8 @@ class Moe final : public LayerPart {
   GemmOperand activation(const Tensor& gate_up) const;
   Tensor swiglu(const Tensor& gate_up) const;  // fp32 [R, ffn]
   bool fp8() const { return !fp8_gate_up_.empty(); }
-  // FP8: for every expert with rows, op(expert's operand, its rows of `in` [R, in_cols], its rows of `out` [R,
-  // out_cols]); the result tensor `out` is allocated here.
+  // FP8: for every expert with rows, op(expert's operand, its rows of `in` [R, in_cols], its rows of `out`
+  // [R, out_cols]); the result tensor `out` is allocated here.
   template <typename Op>
   Tensor per_expert(const Tensor& in, int64_t in_cols, int64_t out_cols, const std::vector<int64_t>& offsets,
                     Op op) const;

@@ -46,6 +46,31 @@ class TensorParallel {
   }
 };
 
+// The same group without sequence parallelism, for modules that must see every row while the stack around
+// them is sequence-parallel (DeepSeek-V3's multi-token prediction, whose depths shift the rows by one
+// position): gather_in is the identity and reduce_out an all-reduce, over the wrapped group's collectives.
+class WithoutSequenceParallel final : public TensorParallel {
+ public:
+  explicit WithoutSequenceParallel(TensorParallel* group) : group_(group) {}
+  int rank() const override { return group_->rank(); }
+  int size() const override { return group_->size(); }
+  bool sequence_parallel() const override { return false; }
+  void all_reduce_sum(float* buf, int64_t count, Device where) override {
+    group_->all_reduce_sum(buf, count, where);
+  }
+  void all_reduce_max(float* buf, int64_t count, Device where) override {
+    group_->all_reduce_max(buf, count, where);
+  }
+  void all_gather(const float* send, float* recv, int64_t count, Device where) override {
+    group_->all_gather(send, recv, count, where);
+  }
+  Tensor all_gather_rows(const Tensor& shard) override { return group_->all_gather_rows(shard); }
+  Tensor reduce_scatter_rows(const Tensor& full) override { return group_->reduce_scatter_rows(full); }
+
+ private:
+  TensorParallel* group_;
+};
+
 // Identity when tp is null (one rank).
 inline Tensor gather_in(TensorParallel* tp, const Tensor& x) { return tp ? tp->gather_in(x) : x; }
 inline Tensor reduce_out(TensorParallel* tp, const Tensor& x) { return tp ? tp->reduce_out(x) : x; }

@@ -91,7 +91,7 @@ DeepseekV3Model::DeepseekV3Model(const DeepseekV3Config& config, nn::ComputeOpti
          config.num_attention_heads, config.intermediate_size, config.moe_intermediate_size, tp_size);
   const int64_t depth = stage_.post_process && model_options.with_mtp ? config.num_nextn_predict_layers : 0;
   if (depth > 0 && tp() && tp()->sequence_parallel())
-    fail("{}: multi-token prediction under sequence parallelism is not supported yet", source);
+    mtp_tp_ = std::make_unique<nn::WithoutSequenceParallel>(tp());
   const int64_t h = config.hidden_size, v = config.vocab_size;
   const int64_t unit = std::max<int64_t>(1, options.vocab_divisible_by) * tp_size;
   padded_vocab_ = tp_size > 1 ? (v + unit - 1) / unit * unit : v;
@@ -163,6 +163,13 @@ DeepseekV3Model::DeepseekV3Model(const DeepseekV3Config& config, nn::ComputeOpti
   if (stage_.post_process) {
     final_norm_ = nn::RmsNorm(&params_, norm_id_, eps);
     head_ = nn::LossHead(&params_, head_id_, v, vocab_start_, options);
+    if (!mtp_ids_.empty()) {
+      nn::ComputeOptions mtp_options = options;
+      if (mtp_tp_) mtp_options.tp = mtp_tp_.get();
+      mtp_embedding_ =
+          nn::Embedding(&params_, embed_id_, mtp_options.tp_size() > 1 ? mtp_options.tp : nullptr);
+      mtp_head_ = nn::LossHead(&params_, head_id_, v, vocab_start_, mtp_options);
+    }
     for (size_t k = 0; k < mtp_ids_.size(); ++k) {
       const MtpIds& ids = mtp_ids_[k];
       auto m = std::make_unique<MtpModule>();
@@ -189,8 +196,10 @@ nn::ComputeOptions DeepseekV3Model::layer_options(int64_t index) const {
   nn::ComputeOptions o = options_;
   if (o.fp8) {
     const nn::Fp8Options& f = o.fp8->options();
-    if (index < f.bf16_first_layers || index >= config_.num_hidden_layers - f.bf16_last_layers) o.fp8 = nullptr;
+    if (index < f.bf16_first_layers || index >= config_.num_hidden_layers - f.bf16_last_layers)
+      o.fp8 = nullptr;
   }
+  if (index >= config_.num_hidden_layers && mtp_tp_) o.tp = mtp_tp_.get();
   return o;
 }
 
@@ -311,16 +320,15 @@ void DeepseekV3Model::register_tensor_parallel_sums() {
       group->all_reduce_sum(params_.grad(id).f32(), params_.grad(id).numel(), device);
     });
   };
-  std::vector<const LayerIds*> all;
-  for (const LayerIds& ids : layer_ids_) all.push_back(&ids);
-  for (const MtpIds& ids : mtp_ids_) all.push_back(&ids.layer);
   for (const nn::DecoderLayer& layer : layers_)
     for (int id : static_cast<const nn::MlaAttention&>(layer.mixer()).replicated_params()) sum_over_group(id);
   for (const auto& m : mtp_)
     for (int id : static_cast<const nn::MlaAttention&>(m->layer.mixer()).replicated_params())
       sum_over_group(id);
+  // The MTP modules' norms see every row on every rank (mtp_tp_: no sequence parallelism), so their
+  // gradients are whole already.
   if (group->sequence_parallel()) {
-    for (const LayerIds* ids : all) sum_over_group(ids->norm1), sum_over_group(ids->norm2);
+    for (const LayerIds& ids : layer_ids_) sum_over_group(ids.norm1), sum_over_group(ids.norm2);
     if (stage_.post_process) sum_over_group(norm_id_);
   }
 }
@@ -416,7 +424,8 @@ void DeepseekV3Model::mtp_forward(const MicroBatch& mb, const Tensor& h0, int64_
   std::vector<MtpSaved> scratch(acts ? 0 : mtp_.size());
   std::vector<MtpSaved>& states = acts ? acts->mtp : scratch;
   if (acts) states.resize(mtp_.size());
-  Tensor prev = h0;  // h_{k-1}: [batch, seq - k + 1, hidden]
+  // h_{k-1}: [batch, seq - k + 1, hidden], every row (gathered from the shards under sequence parallelism).
+  Tensor prev = mtp_tp_ ? tp()->all_gather_rows(h0) : h0;
   for (size_t d = 0; d < mtp_.size(); ++d) {
     const MtpModule& m = *mtp_[d];
     MtpSaved& s = states[d];
@@ -433,7 +442,7 @@ void DeepseekV3Model::mtp_forward(const MicroBatch& mb, const Tensor& h0, int64_
     Tensor sliced = Tensor::empty({rows, h}, DType::f32, device);
     for (int64_t b = 0; b < batch; ++b)
       sliced.view(b * length * h, {length, h}).copy_from(prev.view(b * (length + 1) * h, {length, h}));
-    const Tensor emb = embedding_.forward(s.device_ids, rows);
+    const Tensor emb = mtp_embedding_.forward(s.device_ids, rows);
     const Tensor en = m.enorm.forward(emb, s.enorm), hn = m.hnorm.forward(sliced, s.hnorm);
     Tensor joined = Tensor::empty({rows, 2 * h}, DType::f32, device);
     copy_columns(joined.f32(), 2 * h, en.f32(), h, rows, h, device);
@@ -449,8 +458,8 @@ void DeepseekV3Model::mtp_forward(const MicroBatch& mb, const Tensor& h0, int64_
                        : 0.0f;
     const int32_t* device_targets = ids_on(device, s.targets.data(), rows, s.targets_holder);
     const nn::LossTotals loss =
-        head_.forward(normed, s.targets.data(), device_targets, s.grad_scale, acts ? &s.dhead : nullptr,
-                      /*count_top1=*/acts != nullptr);
+        mtp_head_.forward(normed, s.targets.data(), device_targets, s.grad_scale, acts ? &s.dhead : nullptr,
+                          /*count_top1=*/acts != nullptr);
     mtp_stats_[d].loss.sum = loss.sum, mtp_stats_[d].loss.tokens = loss.tokens;
     if (acts) {
       MtpDepthTotals& t = step_mtp_[d];
@@ -486,7 +495,11 @@ Tensor DeepseekV3Model::mtp_backward_input(Activations& acts) {
     for (int64_t b = 0; b < batch; ++b)
       dprev.view(b * (length + 1) * h, {length, h}).copy_from(dsliced.view(b * length * h, {length, h}));
   }
-  return dprev;
+  if (!mtp_tp_) return dprev;
+  // Every rank holds the same gradient of every row (the MTP layers' reduce_out is an all-reduce): h_0's
+  // shard is this rank's block of rows.
+  const int64_t local = dprev.dim(0) / tp()->size();
+  return dprev.view(tp()->rank() * local * h, {local, h});
 }
 
 void DeepseekV3Model::mtp_backward_weight(Activations& acts) {
@@ -499,7 +512,7 @@ void DeepseekV3Model::mtp_backward_weight(Activations& acts) {
     s.dy = nn::GemmOperand(), s.joined = nn::GemmOperand();
     m.enorm.backward_weight(s.enorm);
     m.hnorm.backward_weight(s.hnorm);
-    embedding_.backward_weight(s.device_ids, s.demb);
+    mtp_embedding_.backward_weight(s.device_ids, s.demb);
     s.demb = Tensor();
   }
 }

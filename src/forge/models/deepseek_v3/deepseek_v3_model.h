@@ -157,6 +157,12 @@ class DeepseekV3Model final : public Model {
   std::vector<std::unique_ptr<MtpModule>> mtp_;
   nn::RmsNorm final_norm_;
   nn::LossHead head_;
+  // The MTP modules' embedding and head (the same tensors): under sequence parallelism they, and the MTP
+  // layers, run on mtp_tp_, the tensor-parallel group without sequence parallelism, over every row (each
+  // depth shifts the rows by a position, across the shards' boundaries).
+  std::unique_ptr<nn::TensorParallel> mtp_tp_;
+  nn::Embedding mtp_embedding_;
+  nn::LossHead mtp_head_;
   std::vector<MtpDepthStats> mtp_stats_;
   std::vector<MtpDepthTotals> step_mtp_;  // the step's training forwards (begin_train_step clears them)
 };
