@@ -15,15 +15,17 @@ FORGE_INSTANTIATE_OP_TEST(MoeSortFixed, testing::kFixedCase, testing::Backend::c
                           testing::Backend::emulated);
 
 TEST(MoePermute, ResultsDoNotDependOnThreadCount) {
-  const Problem pr({4099, 8, 64, 31, 0, 60, 2}, 9);
-  Results one, two;
-  testing::with_threads(1, [&] { one = run_ops(Device::cpu, pr); });
-  testing::with_threads(2, [&] { two = run_ops(Device::cpu, pr); });
-  testing::expect_bitwise_equal(two.permuted, one.permuted, "permuted");
-  testing::expect_bitwise_equal(two.dx, one.dx, "dx");
-  testing::expect_bitwise_equal(two.combined, one.combined, "combined");
-  testing::expect_bitwise_equal(two.dy, one.dy, "dy");
-  testing::expect_bitwise_equal(two.dweights, one.dweights, "dweights");
+  for (int64_t align : {1, 16}) {
+    const Problem pr({4099, 8, 64, 31, 0, 60, 2, align}, 9);
+    Results one, two;
+    testing::with_threads(1, [&] { one = run_ops(Device::cpu, pr); });
+    testing::with_threads(2, [&] { two = run_ops(Device::cpu, pr); });
+    testing::expect_bitwise_equal(two.permuted, one.permuted, pr.what("permuted"));
+    testing::expect_bitwise_equal(two.dx, one.dx, pr.what("dx"));
+    testing::expect_bitwise_equal(two.combined, one.combined, pr.what("combined"));
+    testing::expect_bitwise_equal(two.dy, one.dy, pr.what("dy"));
+    testing::expect_bitwise_equal(two.dweights, one.dweights, pr.what("dweights"));
+  }
 }
 
 // Bad indices (data) fail on the CPU with one line before any parallel work.
@@ -38,6 +40,29 @@ TEST(MoePermute, IndicesOutOfRangeAreOneLine) {
   testing::expect_error_containing(
       [&] { ops::moe_permute_backward(p); },
       {"moe_permute_backward", "row_of[1] = 5", "outside the sorted rows [0, 2)"});
+}
+
+// source -1 is a padding row (zeros out, zero dy); anything else below 0 is still an error.
+TEST(MoePermute, SourceMinusOneIsPaddingBelowIsOneLine) {
+  std::vector<int32_t> source = {1, -1};
+  const std::vector<int32_t> row_of = {-1, 0};
+  const std::vector<float> x = {1, 2, 3, 4}, weights = {0.5f, 2.0f}, dout = {1, -1, 3, 5};
+  std::vector<float> out(4, 9.0f), dy(4, 9.0f);
+  ops::MoePermuteParams p;
+  p.tokens = 1, p.top_k = 2, p.hidden = 2, p.rows = 2, p.row_of = row_of.data(), p.source = source.data();
+  p.x = x.data(), p.x_stride = 4, p.out = out.data();
+  ops::moe_permute(p);
+  EXPECT_EQ(out, (std::vector<float>{1, 2, 0, 0}));
+  ops::MoeUnpermuteParams u;
+  u.tokens = 1, u.top_k = 2, u.hidden = 2, u.rows = 2, u.row_of = row_of.data(), u.source = source.data();
+  u.weights = weights.data(), u.dout = dout.data(), u.dy = dy.data();
+  ops::moe_unpermute_backward(u);
+  EXPECT_EQ(dy, (std::vector<float>{2, -2, 0, 0}));
+  source[1] = -2;
+  testing::expect_error_containing([&] { ops::moe_permute(p); },
+                                   {"moe_permute", "source[1] = -2", "[0, 2) (or -1, padding)"});
+  testing::expect_error_containing([&] { ops::moe_unpermute_backward(u); },
+                                   {"moe_unpermute_backward", "source[1] = -2", "(or -1, padding)"});
 }
 
 }  // namespace

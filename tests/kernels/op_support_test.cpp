@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <initializer_list>
+#include <limits>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -333,9 +334,31 @@ void expect_moe_refusals(const ops::OpTable& table, Memory& m) {
   EXPECT_REFUSED(table, moe_sort_by_expert, (sort), "moe_sort_by_expert: offsets is null");
   sort.tokens = int64_t{1} << 30, sort.top_k = 4;
   EXPECT_REFUSED(table, moe_sort_by_expert, (sort), "does not fit the int32 rows");
+  sort.tokens = 4, sort.top_k = 2, sort.align = 0;
+  EXPECT_REFUSED(table, moe_sort_by_expert, (sort), "moe_sort_by_expert: align must be >= 1, got 0");
+  sort.align = -16;
+  EXPECT_REFUSED(table, moe_sort_by_expert, (sort), "moe_sort_by_expert: align must be >= 1, got -16");
+  // The padded bound 2^30 + 3 * (2^29 - 1) passes int32 (tokens * top_k alone fits).
+  sort.offsets = reinterpret_cast<int64_t*>(m.f), sort.expert_ids = reinterpret_cast<int32_t*>(m.f + 64);
+  sort.row_of = sort.source = reinterpret_cast<int32_t*>(m.f + 128);
+  sort.tokens = int64_t{1} << 28, sort.top_k = 4, sort.align = int64_t{1} << 29;
+  EXPECT_REFUSED(table, moe_sort_by_expert, (sort),
+                 "moe_sort_by_expert: tokens * top_k + experts * (align - 1)",
+                 "268435456 * 4 + 3 * 536870911 does not fit the int32 rows");
+  sort.align = int64_t{1} << 28;  // 2^30 + 3 * (2^28 - 1) fits
+  EXPECT_SUPPORTED(table, moe_sort_by_expert, (sort));
+  sort.align = std::numeric_limits<int64_t>::max();
+  EXPECT_REFUSED(table, moe_sort_by_expert, (sort), "does not fit the int32 rows");
+  // Without tokens source still holds experts * (align - 1) entries, all -1.
+  sort.tokens = 0, sort.align = 16, sort.source = nullptr;
+  EXPECT_REFUSED(table, moe_sort_by_expert, (sort), "moe_sort_by_expert: source is null (its 45 entries");
+  sort.align = 1;
+  EXPECT_SUPPORTED(table, moe_sort_by_expert, (sort));
   ops::MoePermuteParams permute;
-  permute.tokens = 2, permute.top_k = 2, permute.hidden = 8, permute.rows = 5;
-  EXPECT_REFUSED(table, moe_permute, (permute), "moe_permute: rows 5 exceeds tokens * top_k = 4");
+  // Padding may take rows past tokens * top_k; row_of must still index them as int32.
+  permute.tokens = 2, permute.top_k = 2, permute.hidden = 8, permute.rows = int64_t{1} << 31;
+  EXPECT_REFUSED(table, moe_permute, (permute),
+                 "moe_permute: rows 2147483648 does not fit the int32 row indices");
   permute.rows = 4, permute.x_stride = 6;
   EXPECT_REFUSED(table, moe_permute, (permute), "moe_permute: x_stride 6 is smaller than hidden 8");
   permute.x_stride = 0;

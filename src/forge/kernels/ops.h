@@ -405,19 +405,28 @@ struct MoeRouterParams {
 // its own row. The order is by expert and, within an expert, by increasing assignment index (stable); it is a
 // function of expert_ids alone, the same on every backend.
 //   capacity  0: dropless, every assignment gets a row. > 0: each expert keeps its first `capacity`
-//             assignments in that order and drops the rest.
-//   offsets   [experts + 1] int64: expert e owns sorted rows [offsets[e], offsets[e + 1]); offsets[0] = 0 and
-//             offsets[experts] = R, the rows kept (tokens * top_k when dropless).
-//   counts    optional, [experts] int64: each expert's assignments counted before any drop (what the load
-//             balancing loss and bias updates read).
-//   row_of    [tokens * top_k] int32: assignment a's sorted row, -1 when dropped.
-//   source    [tokens * top_k] int32: for each sorted row r < R, the assignment it holds (its token is
-//             source[r] / top_k); entries R .. tokens * top_k - 1 are -1.
+//             assignments in that order and drops the rest. kept_e: expert e's assignments after the drop.
+//   align     >= 1: each expert's segment of sorted rows is padded to a multiple of align (FP8 GEMMs need
+//             token counts that are multiples of 16), so every segment starts at a multiple of align. The
+//             padding rows follow the expert's kept rows; an expert with no kept rows has an empty segment.
+//             1: no padding.
+//   offsets   [experts + 1] int64: expert e owns sorted rows [offsets[e], offsets[e + 1]), its kept_e rows
+//             then its padding: offsets[0] = 0, offsets[e + 1] - offsets[e] = round_up(kept_e, align), and
+//             offsets[experts] = R, the sorted rows (tokens * top_k when dropless with align = 1).
+//   counts    optional, [experts] int64: each expert's assignments counted before any drop, without padding
+//             (what the load balancing loss and bias updates read).
+//   row_of    [tokens * top_k] int32: assignment a's sorted row, -1 when dropped (never a padding row).
+//   source    [moe_sorted_rows_bound(tokens, top_k, experts, align)] int32, the most rows any expert_ids can
+//             need: for each sorted row r < R, the assignment it holds (its token is source[r] / top_k), or
+//             -1 for a padding row; every entry from R to the end of that size is -1 too. Required whenever
+//             that size is not 0 (also with no tokens: then every entry is -1).
 // Every output is overwritten, in memory of the op's device: the grouped GEMMs take their offsets in host
-// memory, so a GPU's offsets are copied back (R, which sizes the sorted buffers, with them).
+// memory, so a GPU's offsets are copied back (R, which sizes the sorted buffers, with them). The support
+// query refuses align < 1 and a bound that does not fit int32.
 struct MoeSortParams {
   int64_t tokens = 0, top_k = 0, experts = 0;
   int64_t capacity = 0;
+  int64_t align = 1;
   const int32_t* expert_ids = nullptr;
   int32_t* row_of = nullptr;
   int32_t* source = nullptr;
@@ -425,19 +434,26 @@ struct MoeSortParams {
   int64_t* counts = nullptr;
 };
 
+// The entries of moe_sort_by_expert's source: every assignment's row, plus at most align - 1 padding rows
+// per expert. Also the most sorted rows R can be.
+constexpr int64_t moe_sorted_rows_bound(int64_t tokens, int64_t top_k, int64_t experts, int64_t align) {
+  return tokens * top_k + experts * (align - 1);
+}
+
 // Hidden rows from token order into the expert-sorted order of moe_sort_by_expert and back: rows = R (that
-// op's offsets[experts], known on the host), row_of and source as it wrote them. The token side is [tokens,
-// hidden] with x_stride / dx_stride elements between rows (0 = hidden); the sorted side is [rows, hidden],
-// dense.
+// op's offsets[experts], padding rows included, known on the host; it must fit int32), row_of and source as
+// it wrote them. A padding row is a sorted row r with source[r] = -1; no assignment's row_of names it. The
+// token side is [tokens, hidden] with x_stride / dx_stride elements between rows (0 = hidden); the sorted
+// side is [rows, hidden], dense.
 //   moe_permute           out[r] = x[source[r] / top_k] for every r < rows (dispatch: a row per kept
-//                         assignment).
+//                         assignment), zeros for a padding row (what the experts' GEMMs then run over).
 //   moe_permute_backward  dx[t] = sum of dout[row_of[t * top_k + j]] over j = 0 .. top_k - 1 in increasing
 //                         j, dropped assignments (row -1) skipped; overwritten (zeros where all are dropped).
-//                         One thread sums one token's rows in that order: no atomics, the same bits every
-//                         run.
-// Indices are data: the CPU checks them (source[r] in [0, tokens * top_k), row_of in [-1, rows)) and fails
-// with one line; the CUDA kernels, which cannot report without waiting for the device, read and write nothing
-// for an index out of range.
+//                         Padding rows of dout are never read. One thread sums one token's rows in that
+//                         order: no atomics, the same bits every run.
+// Indices are data: the CPU checks them (source[r] in [0, tokens * top_k) or -1 for padding, row_of in
+// [-1, rows)) and fails with one line; the CUDA kernels, which cannot report without waiting for the device,
+// read and write nothing for an index out of range (-1 in source is padding, not out of range).
 struct MoePermuteParams {
   int64_t tokens = 0, top_k = 0, hidden = 0, rows = 0;
   const int32_t* row_of = nullptr;  // [tokens * top_k]: backward
@@ -452,14 +468,17 @@ struct MoePermuteParams {
 
 // The combination of each token's expert outputs, weighted by its gates (fp32 weights [tokens * top_k], a =
 // t * top_k + j), and its gradients; shapes, indices and strides as MoePermuteParams (token side [tokens,
-// hidden] with out_stride / dout_stride, 0 = hidden; y and dy [rows, hidden], dense).
+// hidden] with out_stride / dout_stride, 0 = hidden; y and dy [rows, hidden], dense, padding rows included).
 //   moe_unpermute           out[t] = sum over j = 0 .. top_k - 1 of weights[a] * y[row_of[a]] in
 //                           increasing j, dropped assignments skipped; overwritten (zeros where all are
-//                           dropped).
-//   moe_unpermute_backward  dy[r] = weights[a] * dout[a / top_k] for every sorted row r < rows, a = source[r]
-//                           (overwritten); dweights[a] = <dout[t], y[row_of[a]]>, each summed by one thread
-//                           or block in an order fixed by hidden alone, 0 for a dropped assignment
-//                           (overwritten). Either output may be null (not computed).
+//                           dropped). Padding rows of y are never read.
+//   moe_unpermute_backward  dy[r] = weights[a] * dout[a / top_k] for every sorted row r < rows, a =
+//   source[r],
+//                           and dy[r] = 0 for a padding row (source[r] = -1) (overwritten);
+//                           dweights[a] = <dout[t], y[row_of[a]]>, each summed by one thread or block in an
+//                           order fixed by hidden alone, 0 for a dropped assignment (overwritten). Either
+//                           output may be null (not computed).
+// So padding changes nothing but the sorted rows: out, dx and dweights are bitwise those of align = 1.
 struct MoeUnpermuteParams {
   int64_t tokens = 0, top_k = 0, hidden = 0, rows = 0;
   const int32_t* row_of = nullptr;  // [tokens * top_k]

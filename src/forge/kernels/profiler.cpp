@@ -175,9 +175,11 @@ Cost moe_bias_update(float*, const double*, int64_t experts, float, bool) {
 // R rows of hidden floats each way (gathers) plus their indices.
 Cost moe_sort_by_expert(const MoeSortParams& p) {
   const double n = d(p.tokens) * d(p.top_k);
-  return {fmt::format("t{} k{} e{}{}", p.tokens, p.top_k, p.experts,
-                      p.capacity > 0 ? fmt::format(" cap{}", p.capacity) : std::string()),
-          0, 12 * n + 8 * d(2 * p.experts + 1)};
+  const double padding = d(p.experts) * d(p.align - 1);  // source's -1 entries past the assignments
+  return {fmt::format("t{} k{} e{}{}{}", p.tokens, p.top_k, p.experts,
+                      p.capacity > 0 ? fmt::format(" cap{}", p.capacity) : std::string(),
+                      p.align > 1 ? fmt::format(" align{}", p.align) : std::string()),
+          0, 12 * n + 4 * padding + 8 * d(2 * p.experts + 1)};
 }
 
 std::string moe_rows(int64_t tokens, int64_t top_k, int64_t hidden, int64_t rows) {

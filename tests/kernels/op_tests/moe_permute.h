@@ -2,18 +2,21 @@
 // once for every backend (op_harness.h).
 //
 // Sort: against a reference built another way (a std::stable_sort of (expert, assignment) pairs, then each
-// expert's first `capacity`), exactly, on every backend: it is integer work with one right answer.
+// expert's first `capacity`, each segment padded to a multiple of `align`), exactly, on every backend: it is
+// integer work with one right answer.
 // Permutes: on the CPU against double-precision references and finite differences of the forward passes (the
 // backward ops are their exact adjoints); elsewhere against the CPU kernel. moe_permute and
 // moe_permute_backward are copies and in-order sums of the same values, and dy is one product: bitwise.
 // moe_unpermute sums top_k products (a backend may fuse them, FMA or not): top_k + 1 roundings of the
 // magnitude sum |w y|. dweights is a dot product over hidden in each backend's fixed order:
-// reduction_tolerance(hidden) of sum |dout y|.
+// reduction_tolerance(hidden) of sum |dout y|. Padding rows (align > 1) are zeros in permute's out and
+// unpermute_backward's dy, never read elsewhere, and change no other output's bits.
 #pragma once
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <random>
 #include <string>
@@ -31,23 +34,30 @@ struct Case {
   int64_t tokens, top_k, experts, hidden, capacity;
   int64_t used_experts;  // ids drawn from [0, used_experts): the rest stay empty
   int64_t pad;           // token-side row strides are hidden + pad
+  int64_t align = 1;     // each expert's segment of sorted rows padded to a multiple of it
   std::string name() const {
     return "t" + std::to_string(tokens) + "_k" + std::to_string(top_k) + "_e" + std::to_string(experts) +
            "_h" + std::to_string(hidden) + (capacity ? "_cap" + std::to_string(capacity) : "") +
            (used_experts < experts ? "_used" + std::to_string(used_experts) : "") +
-           (pad ? "_pad" + std::to_string(pad) : "");
+           (pad ? "_pad" + std::to_string(pad) : "") + (align > 1 ? "_align" + std::to_string(align) : "");
   }
   bool finite_differences() const { return tokens * hidden <= 400; }
 };
 
 // Small ones for finite differences (one with drops, one with a single expert, one token), a capacity that
 // drops most rows, empty experts, odd hidden sizes, and one of a training step's shape (many chunks of the
-// GPU sort, 64 experts).
+// GPU sort, 64 experts). Then padded segments (align 4 and 16, FP8's 16), dropless and under a capacity, with
+// empty experts, a capacity that is not a multiple of the align, and more padding rows than assignments.
 inline const std::vector<Case> kCases = {
-    {7, 2, 4, 13, 0, 4, 3},      {9, 3, 5, 11, 2, 5, 0},      {6, 1, 1, 17, 0, 1, 1},
-    {1, 4, 8, 9, 0, 8, 0},       {50, 2, 16, 33, 0, 10, 5},   {200, 4, 8, 65, 30, 8, 0},
-    {301, 6, 64, 129, 0, 64, 0}, {4099, 8, 64, 31, 0, 60, 2}, {3000, 2, 256, 20, 7, 256, 0},
+    {7, 2, 4, 13, 0, 4, 3},          {9, 3, 5, 11, 2, 5, 0},           {6, 1, 1, 17, 0, 1, 1},
+    {1, 4, 8, 9, 0, 8, 0},           {50, 2, 16, 33, 0, 10, 5},        {200, 4, 8, 65, 30, 8, 0},
+    {301, 6, 64, 129, 0, 64, 0},     {4099, 8, 64, 31, 0, 60, 2},      {3000, 2, 256, 20, 7, 256, 0},
+    {7, 2, 4, 13, 0, 4, 3, 4},       {9, 3, 5, 11, 2, 5, 0, 4},        {6, 1, 1, 17, 0, 1, 1, 16},
+    {1, 4, 8, 9, 0, 8, 0, 16},       {50, 2, 16, 33, 0, 10, 5, 16},    {200, 4, 8, 65, 30, 8, 0, 16},
+    {4099, 8, 64, 31, 0, 60, 2, 16}, {3000, 2, 256, 20, 7, 256, 0, 4},
 };
+
+static_assert(ops::moe_sorted_rows_bound(4, 2, 3, 16) == 8 + 3 * 15);
 
 // The sort's outputs.
 struct Sorted {
@@ -56,25 +66,59 @@ struct Sorted {
   int64_t rows() const { return offsets.back(); }
 };
 
-// Stable sort by expert, then each expert's first `capacity` kept.
-inline Sorted reference_sort(const std::vector<int32_t>& ids, int64_t experts, int64_t capacity) {
+// The kept assignments of an expert with `count` of them, and its segment: kept rounded up to `align`.
+inline int64_t kept_rows(int64_t count, int64_t capacity) {
+  return capacity > 0 ? std::min(count, capacity) : count;
+}
+inline int64_t segment_rows(int64_t kept, int64_t align) {
+  return kept == 0 ? 0 : ((kept - 1) / align + 1) * align;
+}
+
+// Stable sort by expert, then each expert's first `capacity` kept, each segment padded to a multiple of
+// `align` with rows of source -1; source has tokens * top_k + experts * (align - 1) entries.
+inline Sorted reference_sort(const std::vector<int32_t>& ids, int64_t experts, int64_t capacity,
+                             int64_t align = 1) {
   const int64_t n = static_cast<int64_t>(ids.size());
   std::vector<std::pair<int32_t, int32_t>> pairs;
   for (int64_t a = 0; a < n; ++a) pairs.push_back({ids[a], static_cast<int32_t>(a)});
   std::stable_sort(pairs.begin(), pairs.end(), [](auto x, auto y) { return x.first < y.first; });
   Sorted s;
-  s.row_of.assign(n, -1), s.source.assign(n, -1), s.counts.assign(experts, 0),
+  s.row_of.assign(n, -1), s.source.assign(n + experts * (align - 1), -1), s.counts.assign(experts, 0),
       s.offsets.assign(experts + 1, 0);
+  for (auto [e, a] : pairs) ++s.counts[e];
+  for (int64_t e = 0; e < experts; ++e)
+    s.offsets[e + 1] = s.offsets[e] + segment_rows(kept_rows(s.counts[e], capacity), align);
   std::vector<int64_t> kept(experts, 0);
-  int64_t row = 0;
   for (auto [e, a] : pairs) {
-    ++s.counts[e];
     if (capacity > 0 && kept[e] >= capacity) continue;
-    ++kept[e];
-    s.row_of[a] = static_cast<int32_t>(row), s.source[row] = a, ++row;
+    const int64_t row = s.offsets[e] + kept[e]++;
+    s.row_of[a] = static_cast<int32_t>(row), s.source[row] = a;
   }
-  for (int64_t e = 0; e < experts; ++e) s.offsets[e + 1] = s.offsets[e] + kept[e];
   return s;
+}
+
+// The padding's promises, checked apart from the reference: every segment starts at a multiple of align and
+// holds its expert's kept rows, then only padding (source -1, named by no row_of); source is -1 past R too.
+inline void expect_aligned_segments(const Sorted& s, const std::vector<int32_t>& ids, int64_t capacity,
+                                    int64_t align, const std::string& what) {
+  const int64_t experts = static_cast<int64_t>(s.counts.size()), n = static_cast<int64_t>(ids.size());
+  ASSERT_EQ(static_cast<int64_t>(s.source.size()), n + experts * (align - 1)) << what;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t begin = s.offsets[e], kept = kept_rows(s.counts[e], capacity);
+    EXPECT_EQ(begin % align, 0) << what << ": expert " << e << " starts at " << begin;
+    EXPECT_EQ(s.offsets[e + 1] - begin, segment_rows(kept, align)) << what << ": expert " << e;
+    for (int64_t r = begin; r < s.offsets[e + 1]; ++r) {
+      if (r < begin + kept) {
+        ASSERT_TRUE(s.source[r] >= 0 && s.source[r] < n) << what << ": row " << r;
+        EXPECT_EQ(ids[s.source[r]], e) << what << ": row " << r;
+        EXPECT_EQ(s.row_of[s.source[r]], r) << what << ": row " << r;
+      } else {
+        EXPECT_EQ(s.source[r], -1) << what << ": padding row " << r << " of expert " << e;
+      }
+    }
+  }
+  for (size_t r = static_cast<size_t>(s.rows()); r < s.source.size(); ++r)
+    EXPECT_EQ(s.source[r], -1) << what << ": source[" << r << "] past the " << s.rows() << " rows";
 }
 
 inline std::vector<int32_t> random_ids(const Case& c, uint32_t seed) {
@@ -88,15 +132,15 @@ inline std::vector<int32_t> random_ids(const Case& c, uint32_t seed) {
   return ids;
 }
 
-// The sort on `on`.
+// The sort on `on`, source sized by ops::moe_sorted_rows_bound.
 inline Sorted run_sort(Device on, const std::vector<int32_t>& ids, int64_t tokens, int64_t top_k,
-                       int64_t experts, int64_t capacity) {
-  const int64_t n = tokens * top_k;
+                       int64_t experts, int64_t capacity, int64_t align = 1) {
+  const int64_t n = tokens * top_k, bound = ops::moe_sorted_rows_bound(tokens, top_k, experts, align);
   DeviceArray<int32_t> d_ids(on, ids), row_of(on, std::vector<int32_t>(n, 12345)),
-      source(on, std::vector<int32_t>(n, 12345));
+      source(on, std::vector<int32_t>(bound, 12345));
   DeviceArray<int64_t> offsets(on, std::vector<int64_t>(experts + 1, 777)), counts(on, experts);
   ops::MoeSortParams p;
-  p.tokens = tokens, p.top_k = top_k, p.experts = experts, p.capacity = capacity;
+  p.tokens = tokens, p.top_k = top_k, p.experts = experts, p.capacity = capacity, p.align = align;
   p.expert_ids = d_ids.data(), p.row_of = row_of.data(), p.source = source.data();
   p.offsets = offsets.data(), p.counts = counts.data();
   FORGE_TEST_OP(moe_sort_by_expert, on, p);
@@ -119,7 +163,7 @@ struct Problem {
   std::vector<float> x, weights, dsorted, y, dout;
   Problem(const Case& c_, uint32_t seed) : c(c_) {
     ids = random_ids(c, seed);
-    sorted = reference_sort(ids, c.experts, c.capacity);
+    sorted = reference_sort(ids, c.experts, c.capacity, c.align);
     rows = sorted.rows(), x_stride = c.hidden + c.pad;
     x = testing::random_floats(c.tokens * x_stride, seed + 1);
     weights = testing::random_floats(c.tokens * c.top_k, seed + 2, 0.0f, 1.0f);
@@ -130,12 +174,13 @@ struct Problem {
   std::string what(const char* op) const { return std::string(op) + " " + c.name(); }
 };
 
-// moe_permute in double: out[r] = x[source[r] / top_k] (x with the case's stride).
+// moe_permute in double: out[r] = x[source[r] / top_k] (x with the case's stride), zeros for padding.
 inline std::vector<double> reference_permute(const Problem& pr, const std::vector<double>& x) {
-  std::vector<double> out(pr.rows * pr.c.hidden);
+  std::vector<double> out(pr.rows * pr.c.hidden, 0.0);
   for (int64_t r = 0; r < pr.rows; ++r)
-    for (int64_t i = 0; i < pr.c.hidden; ++i)
-      out[r * pr.c.hidden + i] = x[(pr.sorted.source[r] / pr.c.top_k) * pr.x_stride + i];
+    if (pr.sorted.source[r] >= 0)
+      for (int64_t i = 0; i < pr.c.hidden; ++i)
+        out[r * pr.c.hidden + i] = x[(pr.sorted.source[r] / pr.c.top_k) * pr.x_stride + i];
   return out;
 }
 
@@ -206,11 +251,25 @@ class MoeSortOp : public testing::OpTest<Case> {};
 TEST_P(MoeSortOp, IsTheStableSortWithCapacity) {
   const Case& c = test_case();
   const std::vector<int32_t> ids = random_ids(c, 5);
-  const Sorted want = reference_sort(ids, c.experts, c.capacity);
-  expect_sorted_equal(run_sort(device(), ids, c.tokens, c.top_k, c.experts, c.capacity), want, c.name());
+  const Sorted got = run_sort(device(), ids, c.tokens, c.top_k, c.experts, c.capacity, c.align);
+  expect_sorted_equal(got, reference_sort(ids, c.experts, c.capacity, c.align), c.name());
+  expect_aligned_segments(got, ids, c.capacity, c.align, c.name());
   // Dropless, the same ids.
-  expect_sorted_equal(run_sort(device(), ids, c.tokens, c.top_k, c.experts, 0),
-                      reference_sort(ids, c.experts, 0), c.name() + " dropless");
+  const Sorted dropless = run_sort(device(), ids, c.tokens, c.top_k, c.experts, 0, c.align);
+  expect_sorted_equal(dropless, reference_sort(ids, c.experts, 0, c.align), c.name() + " dropless");
+  expect_aligned_segments(dropless, ids, 0, c.align, c.name() + " dropless");
+}
+
+// Padding rows: zeros in permute's out and unpermute_backward's dy (both start as NaN).
+inline void expect_padding_rows_zero(const Results& got, const Problem& pr, const std::string& what) {
+  const int64_t hidden = pr.c.hidden;
+  int64_t bad = 0;
+  for (int64_t r = 0; r < pr.rows; ++r)
+    if (pr.sorted.source[r] < 0)
+      for (int64_t i = 0; i < hidden; ++i)
+        bad += std::bit_cast<uint32_t>(got.permuted[r * hidden + i]) != 0u ||
+               std::bit_cast<uint32_t>(got.dy[r * hidden + i]) != 0u;
+  EXPECT_EQ(bad, 0) << what << ": padding rows' permuted or dy elements that are not +0";
 }
 
 class MoePermuteOp : public testing::OpTest<Case> {};
@@ -218,8 +277,10 @@ class MoePermuteOp : public testing::OpTest<Case> {};
 TEST_P(MoePermuteOp, MatchesTheReference) {
   const Problem pr(test_case(), 21);
   const Results cpu = run_ops(Device::cpu, pr);
+  expect_padding_rows_zero(cpu, pr, pr.what("cpu"));
   if (!on_cpu()) {
     const Results got = run_ops(device(), pr);
+    expect_padding_rows_zero(got, pr, pr.what("device"));
     testing::expect_bitwise_equal(got.permuted, cpu.permuted, pr.what("moe_permute"));
     testing::expect_bitwise_equal(got.dx, cpu.dx, pr.what("moe_permute_backward"));
     testing::expect_bitwise_equal(got.dy, cpu.dy, pr.what("moe_unpermute_backward dy"));
@@ -274,6 +335,47 @@ TEST_P(MoePermuteOp, RepeatedCallsGiveTheSameBits) {
   testing::expect_bitwise_equal(second.dweights, first.dweights, "dweights");
 }
 
+// The sorted rows of `from` (an array [from.rows, hidden]) in the order of `to`'s rows: row_of[a]'s row of
+// `from` goes to row_of[a] of `to`, padding rows of `to` get `fill`.
+inline std::vector<float> move_rows(const std::vector<float>& v, const Problem& from, const Problem& to,
+                                    float fill) {
+  const int64_t hidden = from.c.hidden;
+  std::vector<float> out(to.rows * hidden, fill);
+  for (size_t a = 0; a < from.sorted.row_of.size(); ++a)
+    if (const int32_t row = from.sorted.row_of[a]; row >= 0)
+      std::copy_n(v.begin() + row * hidden, hidden, out.begin() + to.sorted.row_of[a] * hidden);
+  return out;
+}
+
+// Padding changes nothing but the sorted rows: with the same ids and token-side inputs, and the sorted-side
+// inputs moved to the padded rows (NaN in the padding rows, which no op may read), dx, the combination and
+// dweights are bitwise those of align 1, and the kept rows of permuted and dy are its rows.
+TEST_P(MoePermuteOp, PaddingChangesOnlyTheSortedRows) {
+  Case flat_case = test_case();
+  flat_case.align = 1;
+  const Problem flat(flat_case, 41);
+  const Results want = run_ops(device(), flat);
+  for (int64_t align : {4, 16}) {
+    Case c = test_case();
+    c.align = align;
+    Problem padded(c, 41);
+    ASSERT_EQ(padded.ids, flat.ids);
+    for (size_t a = 0; a < flat.sorted.row_of.size(); ++a)
+      ASSERT_EQ(padded.sorted.row_of[a] < 0, flat.sorted.row_of[a] < 0) << "assignment " << a;
+    padded.y = move_rows(flat.y, flat, padded, std::nanf(""));
+    padded.dsorted = move_rows(flat.dsorted, flat, padded, std::nanf(""));
+    const Results got = run_ops(device(), padded);
+    const std::string what = padded.what("padded") + " to " + std::to_string(align);
+    expect_padding_rows_zero(got, padded, what);
+    testing::expect_bitwise_equal(got.dx, want.dx, what + " dx");
+    testing::expect_bitwise_equal(got.combined, want.combined, what + " combined");
+    testing::expect_bitwise_equal(got.dweights, want.dweights, what + " dweights");
+    testing::expect_bitwise_equal(move_rows(got.permuted, padded, flat, 0.0f), want.permuted,
+                                  what + " permuted");
+    testing::expect_bitwise_equal(move_rows(got.dy, padded, flat, 0.0f), want.dy, what + " dy");
+  }
+}
+
 // A hand-worked example: 4 tokens, top 2 of 4 experts (expert 3 unused), dropless and with capacity 2.
 class MoeSortFixed : public testing::OpTest<testing::FixedCase> {};
 
@@ -296,6 +398,35 @@ TEST_P(MoeSortFixed, StableOrderCapacityAndEmptyExperts) {
   Sorted none = run_sort(device(), {}, 0, 2, 3, 0);
   EXPECT_EQ(none.offsets, (std::vector<int64_t>{0, 0, 0, 0}));
   EXPECT_EQ(none.counts, (std::vector<int64_t>{0, 0, 0}));
+}
+
+// The same ids with align 4: every non-empty segment is 4 rows, padding last; expert 3 stays empty.
+TEST_P(MoeSortFixed, AlignPadsEachExpertsSegment) {
+  const std::vector<int32_t> ids = {2, 0, 0, 2, 2, 1, 0, 2};
+  const int32_t _ = -1;  // padding, and past R
+  Sorted dropless = run_sort(device(), ids, 4, 2, 4, 0, 4);
+  EXPECT_EQ(dropless.offsets, (std::vector<int64_t>{0, 4, 8, 12, 12}));
+  EXPECT_EQ(dropless.counts, (std::vector<int64_t>{3, 1, 4, 0}));
+  EXPECT_EQ(dropless.source, (std::vector<int32_t>{1, 2, 6, _, 5, _, _, _, 0, 3, 4, 7,  // R = 12
+                                                   _, _, _, _, _, _, _, _}));           // 8 + 4 * 3
+  EXPECT_EQ(dropless.row_of, (std::vector<int32_t>{8, 0, 1, 9, 10, 4, 2, 11}));
+  // Capacity 2: counts stay before the drop and without padding.
+  Sorted capped = run_sort(device(), ids, 4, 2, 4, 2, 4);
+  EXPECT_EQ(capped.offsets, (std::vector<int64_t>{0, 4, 8, 12, 12}));
+  EXPECT_EQ(capped.counts, (std::vector<int64_t>{3, 1, 4, 0}));
+  EXPECT_EQ(capped.source,
+            (std::vector<int32_t>{1, 2, _, _, 5, _, _, _, 0, 3, _, _, _, _, _, _, _, _, _, _}));
+  EXPECT_EQ(capped.row_of, (std::vector<int32_t>{8, 0, 1, 9, _, 4, _, _}));
+  // Align 16, capacity 3: expert 2 drops its last assignment (7), each non-empty segment is 16 rows.
+  Sorted wide = run_sort(device(), ids, 4, 2, 4, 3, 16);
+  EXPECT_EQ(wide.offsets, (std::vector<int64_t>{0, 16, 32, 48, 48}));
+  EXPECT_EQ(wide.row_of, (std::vector<int32_t>{32, 0, 1, 33, 34, 16, 2, _}));
+  EXPECT_EQ(wide.source.size(), 8u + 4 * 15);
+  // No tokens: empty segments, and source (3 * 15 entries) all -1.
+  Sorted none = run_sort(device(), {}, 0, 2, 3, 0, 16);
+  EXPECT_EQ(none.offsets, (std::vector<int64_t>{0, 0, 0, 0}));
+  EXPECT_EQ(none.counts, (std::vector<int64_t>{0, 0, 0}));
+  EXPECT_EQ(none.source, std::vector<int32_t>(45, -1));
 }
 
 TEST_P(MoeSortFixed, AnExpertIdOutOfRangeIsOneLine) {

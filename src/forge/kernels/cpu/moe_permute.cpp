@@ -2,8 +2,10 @@
 // move between token order and the expert-sorted order by moe_sort_by_expert's indices. Every output element
 // is written by one thread, which sums a token's top_k rows in increasing j: gathers only, no scatter, so no
 // races and the same bits for any thread count. The indices are checked before the parallel loops (an
-// exception must not escape an OpenMP region).
+// exception must not escape an OpenMP region). A padding row of the sorted side (source -1) is written as
+// zeros and never read.
 #include <cstring>
+#include <limits>
 
 #include "forge/kernels/cpu/cpu_kernels.h"
 
@@ -18,8 +20,9 @@ bool shape_ok(const char* op, int64_t tokens, int64_t top_k, int64_t hidden, int
   if (tokens < 0 || top_k <= 0 || hidden <= 0 || rows < 0)
     return ops::refuse(reason, "{}: bad shape tokens={} top_k={} hidden={} rows={}", op, tokens, top_k,
                        hidden, rows);
-  if (rows > tokens * top_k)
-    return ops::refuse(reason, "{}: rows {} exceeds tokens * top_k = {}", op, rows, tokens * top_k);
+  // Padding may take rows past tokens * top_k (ops::moe_sorted_rows_bound); row_of indexes them as int32.
+  if (rows > std::numeric_limits<int32_t>::max())
+    return ops::refuse(reason, "{}: rows {} does not fit the int32 row indices", op, rows);
   return true;
 }
 
@@ -34,11 +37,12 @@ bool set(const void* pointer, const char* op, const char* name, std::string* rea
 
 int64_t or_hidden(int64_t stride, int64_t hidden) { return stride > 0 ? stride : hidden; }
 
-// The data: every sorted row's assignment, and every assignment's row (-1: dropped).
+// The data: every sorted row's assignment (-1: padding), and every assignment's row (-1: dropped).
 void check_source(const char* op, const int32_t* source, int64_t rows, int64_t assignments) {
   for (int64_t r = 0; r < rows; ++r)
-    if (source[r] < 0 || source[r] >= assignments)
-      fail("{}: source[{}] = {} is outside the assignments [0, {})", op, r, source[r], assignments);
+    if (source[r] < -1 || source[r] >= assignments)
+      fail("{}: source[{}] = {} is outside the assignments [0, {}) (or -1, padding)", op, r, source[r],
+           assignments);
 }
 void check_row_of(const char* op, const int32_t* row_of, int64_t assignments, int64_t rows) {
   for (int64_t a = 0; a < assignments; ++a)
@@ -96,8 +100,12 @@ void moe_permute(const ops::MoePermuteParams& p) {
   check_source("moe_permute", p.source, p.rows, p.tokens * p.top_k);
   const int64_t hidden = p.hidden, x_stride = or_hidden(p.x_stride, hidden);
 #pragma omp parallel for schedule(static) if (p.rows * hidden > kParallelElements)
-  for (int64_t r = 0; r < p.rows; ++r)
-    std::memcpy(p.out + r * hidden, p.x + (p.source[r] / p.top_k) * x_stride, hidden * sizeof(float));
+  for (int64_t r = 0; r < p.rows; ++r) {
+    if (p.source[r] < 0)
+      std::memset(p.out + r * hidden, 0, hidden * sizeof(float));
+    else
+      std::memcpy(p.out + r * hidden, p.x + (p.source[r] / p.top_k) * x_stride, hidden * sizeof(float));
+  }
 }
 
 void moe_permute_backward(const ops::MoePermuteParams& p) {
@@ -147,9 +155,13 @@ void moe_unpermute_backward(const ops::MoeUnpermuteParams& p) {
 #pragma omp parallel for schedule(static) if (p.rows * hidden > kParallelElements)
     for (int64_t r = 0; r < p.rows; ++r) {
       const int32_t a = p.source[r];
+      float* dy = p.dy + r * hidden;
+      if (a < 0) {
+        std::memset(dy, 0, hidden * sizeof(float));
+        continue;
+      }
       const float w = p.weights[a];
       const float* dout = p.dout + (a / top_k) * dout_stride;
-      float* dy = p.dy + r * hidden;
 #pragma omp simd
       for (int64_t i = 0; i < hidden; ++i) dy[i] = w * dout[i];
     }

@@ -6,7 +6,7 @@
 //
 // Indices are data on the device: checking them would wait for it, so a kernel reads and writes nothing for
 // an index out of range (the row of an out-of-range source stays unwritten, a bad row_of counts as dropped)
-// where the CPU fails with one line.
+// where the CPU fails with one line. source -1 is a padding row, not out of range: its row becomes zeros.
 #include <string>
 
 #include "forge/kernels/cuda/cuda_kernels.h"
@@ -25,9 +25,13 @@ __global__ void permute_kernel(const int32_t* __restrict__ source, int64_t rows,
                                float* __restrict__ out) {
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const int32_t a = source[r];
+    float* dst = out + r * hidden;
+    if (a == -1) {
+      for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = 0.0f;
+      continue;
+    }
     if (a < 0 || a >= assignments) continue;
     const float* src = x + (a / top_k) * x_stride;
-    float* dst = out + r * hidden;
     for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = src[i];
   }
 }
@@ -70,6 +74,10 @@ __global__ void unpermute_backward_dy_kernel(const int32_t* __restrict__ source,
                                              float* __restrict__ dy) {
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const int32_t a = source[r];
+    if (a == -1) {
+      for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) dy[r * hidden + i] = 0.0f;
+      continue;
+    }
     if (a < 0 || a >= assignments) continue;
     const float w = weights[a];
     const float* d = dout + (a / top_k) * dout_stride;
@@ -104,10 +112,9 @@ bool shape_ok(const char* op, int64_t tokens, int64_t top_k, int64_t hidden, int
     return detail::refuse(reason, op,
                           "bad shape tokens=" + std::to_string(tokens) + " top_k=" + std::to_string(top_k) +
                               " hidden=" + std::to_string(hidden) + " rows=" + std::to_string(rows));
-  if (rows > tokens * top_k)
-    return detail::refuse(
-        reason, op,
-        "rows " + std::to_string(rows) + " exceeds tokens * top_k = " + std::to_string(tokens * top_k));
+  // Padding may take rows past tokens * top_k (ops::moe_sorted_rows_bound); row_of indexes them as int32.
+  if (rows > 0x7fffffff)
+    return detail::refuse(reason, op, "rows " + std::to_string(rows) + " does not fit the int32 row indices");
   return true;
 }
 
