@@ -18,7 +18,8 @@
 # per-tensor FP8, attention forward/backward, FP8 casts vs a device copy), train (`forge bench --device cuda` on
 # bench/gpu/llama3-8b-4layers.json: hidden 4096, ffn 14336, 32 heads, 8 kv heads, vocab 128256, 4 layers,
 # sequence 4096, $TRAIN_ACCUM (default 4) micro-batches of $TRAIN_BATCH (default 2) per optimizer step, in bf16
-# and each FP8 recipe, and bf16 with one micro-batch per step; tokens/s, MFU, per-step losses),
+# and each FP8 recipe, and bf16 with one micro-batch per step; tokens/s, MFU, per-step losses; then DeepSeek-V3
+# 50M in bf16 and FP8 block),
 # peer (PyTorch on the same GPU, where the image has it: bench/torch_llama.py --device cuda on the same model and
 # step in bf16 autocast, and bench/gpu/torch_attention.py, scaled_dot_product_attention at the attention
 # bench's shapes). The last stage run prints bench/gpu/summarize.py's table: FP8 against bf16, forge against
@@ -85,6 +86,10 @@ else
 fi
 # The training runs (FP8 recipe, micro-batches per step) of the train stage, and of the dry stage.
 TRAIN_RUNS=("off 1" "off $TRAIN_ACCUM" "delayed $TRAIN_ACCUM" "current $TRAIN_ACCUM" "block $TRAIN_ACCUM")
+# And DeepSeek-V3's (bench/configs/deepseek-v3-50m.json: MLA, 16 routed experts, MTP) in bf16 and with its own
+# FP8 recipe (block, every expert in FP8), 8 sequences of 2048 per step; their JSON lines go to
+# $OUT/train_deepseek.jsonl.
+DEEPSEEK_ARGS="--model bench/configs/deepseek-v3-50m.json --device cuda --batch 8 --seq 2048"
 TARGETS="test_cuda test_comm_nccl forge_gpubench forge_gpubench_attention forge_gpubench_fp8block forge_gpubench_fp8cast forge_cli"
 
 if want build && [[ -z $PREBUILT ]]; then
@@ -187,6 +192,17 @@ if want train; then
     grep '^{' "$SCRATCH/train_$recipe.txt" >>"$OUT/train.jsonl" || true
     ((status == 0)) || failures+=("fp8 $recipe x$accum (exit $status)")
   done
+  : >"$OUT/train_deepseek.jsonl"
+  for recipe in off block; do
+    stage "training step, DeepSeek-V3 50M, 8 x 2048, fp8 $recipe"
+    status=0
+    # shellcheck disable=SC2086
+    timeout 60 "$BIN/forge" bench $DEEPSEEK_ARGS --warmup 2 --steps 5 --fp8 "$recipe" \
+      >"$SCRATCH/train_deepseek_$recipe.txt" 2>&1 || status=$?
+    cat "$SCRATCH/train_deepseek_$recipe.txt"
+    grep '^{' "$SCRATCH/train_deepseek_$recipe.txt" >>"$OUT/train_deepseek.jsonl" || true
+    ((status == 0)) || failures+=("deepseek fp8 $recipe (exit $status)")
+  done
   ((${#failures[@]})) && train_status="FAILED: ${failures[*]}" || train_status="ok"
 fi
 if want dry; then
@@ -203,6 +219,16 @@ if want dry; then
       >"$SCRATCH/dry_$recipe.txt" 2>&1 || status=$?
     grep -E "^forge: (dry run|error)|host code touched" "$SCRATCH/dry_$recipe.txt" || tail -5 "$SCRATCH/dry_$recipe.txt"
     ((status == 0)) || failures+=("fp8 $recipe x$accum (exit $status)")
+  done
+  for recipe in off block; do
+    stage "dry run on the host: DeepSeek-V3 50M, 8 x 2048, fp8 $recipe"
+    status=0
+    # shellcheck disable=SC2086
+    FORGE_EMULATE_DEVICE=dry timeout 600 "$BIN/forge" bench $DEEPSEEK_ARGS --warmup 0 --steps 1 --fp8 "$recipe" \
+      >"$SCRATCH/dry_deepseek_$recipe.txt" 2>&1 || status=$?
+    grep -E "^forge: (dry run|error)|host code touched" "$SCRATCH/dry_deepseek_$recipe.txt" ||
+      tail -5 "$SCRATCH/dry_deepseek_$recipe.txt"
+    ((status == 0)) || failures+=("deepseek fp8 $recipe (exit $status)")
   done
   ((${#failures[@]})) && dry_status="FAILED: ${failures[*]}" || dry_status="ok"
 fi

@@ -110,5 +110,28 @@ TEST_F(DeepseekV3Cli, BadSettingsGetOneLine) {
   expect_one_line_error(train_args("bad", " --set mtp.switch_step=-2"), "mtp.switch_step");
 }
 
+// The GPU path of a DeepSeek-V3 training step, on the host (FORGE_EMULATE_DEVICE=1: kernels/emulated_device.h,
+// where host code touching device memory dies and every op's parameters must be ones the CUDA backend
+// takes), in bf16 and in FP8 block scaling: every expert's FP8 GEMMs then need their rows in multiples of 16,
+// which the sort's padding provides. Widths are multiples of 16 for the same reason.
+TEST_F(DeepseekV3Cli, TrainingStepRunsOnTheEmulatedDeviceInFp8) {
+  write("deepseek16.json", R"({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+    "first_k_dense_replace": 1, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": null,
+    "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
+    "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+    "routed_scaling_factor": 2.5, "norm_topk_prob": true, "num_nextn_predict_layers": 1,
+    "vocab_size": 300, "max_position_embeddings": 64})");
+  for (const char* fp8 : {"off", "block"}) {
+    SCOPED_TRACE(fp8);
+    const Outcome o = run_forge("bench --model " + path("deepseek16.json") +
+                                    " --device cuda --batch 2 --seq 32 --grad-accum 2 --steps 1 --warmup 1 --fp8 " +
+                                    fp8,
+                                {Stderr::merged, std::nullopt, "FORGE_EMULATE_DEVICE=1 OMP_NUM_THREADS=1"});
+    EXPECT_EQ(o.status, 0) << o.output;
+    EXPECT_NE(o.output.find("cuda is emulated on the host"), std::string::npos) << o.output;
+  }
+}
+
 }  // namespace
 }  // namespace forge::testing::cli
