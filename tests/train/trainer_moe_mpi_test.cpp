@@ -98,8 +98,10 @@ TEST_P(MoeLayouts, ReproduceTheOneRankRun) {
   if (world.rank() == 0) {
     const std::vector<nlohmann::json> a = toy::step_records(ref), b = toy::step_records(par);
     ASSERT_EQ(a.size(), b.size());
+    int64_t dropped = 0;
     for (size_t s = 0; s < a.size(); ++s) {
       const nlohmann::json &x = a[s]["moe"]["layers"], &y = b[s]["moe"]["layers"];
+      dropped += a[s]["moe"]["dropped"].get<int64_t>();
       ASSERT_EQ(x.size(), y.size()) << "step " << s + 1;
       for (size_t l = 0; l < x.size(); ++l)
         for (const char* key : {"layer", "min", "max", "dropped"}) EXPECT_EQ(x[l][key], y[l][key]) << key;
@@ -116,6 +118,7 @@ TEST_P(MoeLayouts, ReproduceTheOneRankRun) {
                   2.0 / (30.0 * accum * p.dp))
           << "step " << s + 1;
     }
+    if (p.capacity_factor > 0) EXPECT_GT(dropped, 0) << "the capacity never dropped: the case checks nothing";
   }
   toy::expect_weights_close(fs::path(ref.log.run_dir) / "checkpoint",
                             fs::path(par.log.run_dir) / "checkpoint", 2e-4);
