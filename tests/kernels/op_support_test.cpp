@@ -309,6 +309,13 @@ TEST(OpSupport, MoeRouterShapeRules) {
     EXPECT_REFUSED(*table, moe_router_forward, (p), "4 tokens are not whole sequences of seq_len 3");
     p.seq_len = 0, p.balance_scale = 1;
     EXPECT_REFUSED(*table, moe_router_backward, (p), "moe_router_backward: balance_scale without seq_len");
+    // The micro-batch balance loss needs its buffers (checked only, never run: host pointers are fine).
+    float f[32] = {};
+    int32_t ids[8] = {};
+    p.balance_scale = 0, p.aux_scale = 1, p.scores = f, p.expert_ids = ids, p.dweights = f, p.dlogits = f;
+    EXPECT_REFUSED(*table, moe_router_backward, (p), "moe_router_backward: the micro-batch balance loss");
+    p.logits = f, p.weights = f, p.aux_loss = f;
+    EXPECT_REFUSED(*table, moe_router_forward, (p), "moe_router_forward: the micro-batch balance loss");
     EXPECT_REFUSED(*table, moe_bias_update, (nullptr, nullptr, 0, 1e-3f, false),
                    "moe_bias_update: bad experts=0");
   }

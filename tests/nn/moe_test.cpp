@@ -1,13 +1,16 @@
 // The DeepSeekMoE feed-forward part (nn::Moe) against a double-precision reference of the whole layer: router
 // (group-limited top-k on biased sigmoid scores), routed SwiGLU experts, shared experts, the sequence-wise
-// balance loss, token dropping at a capacity; gradients of the input and of every weight against finite
-// differences; the load statistics and the bias update.
+// balance loss and the micro-batch auxiliary loss (each alone and both at once), token dropping at a capacity
+// (in forward, not in forward_cached); gradients of the input and of every weight against finite differences;
+// the load statistics (counted before the drop), the dropped assignments and the bias update.
 #include "forge/nn/moe.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "forge/core/parameters.h"
@@ -30,7 +33,7 @@ struct Layer {
   MoeStepScale scale;
   std::unique_ptr<Moe> moe;
 
-  explicit Layer(double capacity_factor = 0, bool shared = true, float balance = 0.5f,
+  explicit Layer(double capacity_factor = 0, bool shared = true, float balance = 0.5f, float aux = 0.0f,
                  Fp8Context* fp8 = nullptr) {
     shape.hidden = kHidden, shape.experts = kExperts, shape.top_k = kTopK, shape.groups = 3,
     shape.topk_groups = 2;
@@ -58,7 +61,7 @@ struct Layer {
     std::memcpy(store.params().f32(), values.data(), values.size() * sizeof(float));
     const float bias[kExperts] = {0.05f, -0.1f, 0.15f, 0.0f, -0.05f, 0.1f};
     std::memcpy(store.param(ids.bias).f32(), bias, sizeof(bias));
-    scale.balance = balance;
+    scale.balance = balance, scale.aux = aux;
     ComputeOptions options;
     options.gemm_dtype = DType::f32;
     options.fp8 = fp8;
@@ -71,10 +74,11 @@ struct Layer {
   }
 };
 
-// The layer in double: y and the balance losses per sequence. fixed_ids: the routing to use (finite
-// differences stay on one piece of the piecewise-smooth function).
+// The layer in double: y, the balance losses per sequence and the micro-batch's auxiliary loss. fixed_ids:
+// the routing to use (finite differences stay on one piece of the piecewise-smooth function).
 struct ReferenceOut {
   std::vector<double> y, balance;
+  double aux = 0;
   std::vector<int32_t> ids;
 };
 
@@ -95,12 +99,14 @@ ReferenceOut reference(const Layer& l, const std::vector<double>& h,
     for (int64_t e = 0; e < kExperts; ++e)
       for (int64_t i = 0; i < kHidden; ++i)
         z[t * kExperts + e] += h[t * kHidden + i] * router[e * kHidden + i];
-  op_tests::moe_router::Case c{
-      kRows, kExperts, kTopK, l.shape.groups, l.shape.topk_groups, ops::MoeScore::sigmoid, true, 2.5f,
-      true,  kSeq,     0.0f};
+  op_tests::moe_router::Case c{};
+  c.tokens = kRows, c.experts = kExperts, c.top_k = kTopK, c.groups = l.shape.groups;
+  c.topk_groups = l.shape.topk_groups, c.score = ops::MoeScore::sigmoid, c.normalize = true, c.scaling = 2.5f;
+  // Both losses' values (their scales only matter to backward).
+  c.bias = true, c.seq_len = kSeq, c.aux = true;
   const op_tests::moe_router::Reference r = op_tests::moe_router::reference(c, z, w[l.ids.bias], fixed_ids);
   ReferenceOut out;
-  out.ids = r.ids, out.balance = r.losses, out.y.assign(kRows * kHidden, 0.0);
+  out.ids = r.ids, out.balance = r.losses, out.aux = r.aux_loss, out.y.assign(kRows * kHidden, 0.0);
   // Capacity: each expert keeps its first assignments in assignment order.
   std::vector<bool> kept(kRows * kTopK, true);
   if (l.shape.capacity_factor > 0) {
@@ -185,11 +191,13 @@ TEST(Moe, ForwardMatchesDoubleReference) {
   }
 }
 
-// L = <dy, y> + balance_scale * sum_q balance_q: the module's dh and every weight gradient against central
-// differences of the reference.
+// L = <dy, y> + balance_scale * sum_q balance_q + aux_scale * aux: the module's dh and every weight gradient
+// against central differences of the reference, with the sequence-wise loss alone and with both losses.
 TEST(Moe, GradientsMatchFiniteDifferences) {
-  for (double capacity : {0.0, 0.75}) {
-    Layer l(capacity);
+  for (const auto [capacity, aux] :
+       {std::pair{0.0, 0.0f}, std::pair{0.75, 0.0f}, std::pair{0.0, 0.4f}, std::pair{0.75, 0.4f}}) {
+    SCOPED_TRACE(::testing::Message() << "capacity_factor " << capacity << ", aux scale " << aux);
+    Layer l(capacity, true, 0.5f, aux);
     const std::vector<float> h = testing::random_floats(kRows * kHidden, 8);
     const std::vector<float> dy = testing::random_floats(kRows * kHidden, 9);
     l.store.zero_grads();
@@ -205,7 +213,7 @@ TEST(Moe, GradientsMatchFiniteDifferences) {
       const ReferenceOut r = reference(l, hh, ww, &ids);
       double sum = testing::dot(dyd, r.y);
       for (double b : r.balance) sum += l.scale.balance * b;
-      return sum;
+      return sum + l.scale.aux * r.aux;
     };
     const auto fd_h = testing::finite_difference([&](const std::vector<double>& x) { return loss(x, w); },
                                                  testing::to_double(h));
@@ -246,6 +254,90 @@ TEST(Moe, BalanceCoefficientZeroLeavesGradientsToTheExperts) {
   EXPECT_NEAR(with.stats.balance_sum, without.stats.balance_sum, 1e-12);
   const ReferenceOut want = reference(with, testing::to_double(h), all_params(with), nullptr);
   EXPECT_NEAR(with.stats.balance_sum, want.balance[0] + want.balance[1], 1e-5);
+}
+
+// The auxiliary loss alone (no sequence-wise loss): it moves only the router's gradient, its value reaches
+// the statistics once per micro-batch, and without a coefficient it is not computed at all.
+TEST(Moe, AuxLossAloneMovesOnlyTheRouter) {
+  Layer with(0, false, 0.0f, 0.6f), without(0, false, 0.0f, 0.0f);
+  const std::vector<float> h = testing::random_floats(kRows * kHidden, 20);
+  const std::vector<float> dy = testing::random_floats(kRows * kHidden, 21);
+  for (Layer* l : {&with, &without}) {
+    l->store.zero_grads();
+    for (int micro = 0; micro < 2; ++micro) {
+      Moe::Saved saved;
+      l->moe->forward(from_vector(h, {kRows, kHidden}), kBatch, kSeq, saved, true);
+      l->moe->backward_input(from_vector(dy, {kRows, kHidden}), kBatch, kSeq, saved);
+      l->moe->backward_weight(saved);
+    }
+  }
+  EXPECT_NE(to_vector(with.store.grad(with.ids.router)), to_vector(without.store.grad(without.ids.router)));
+  EXPECT_EQ(to_vector(with.store.grad(with.ids.first_down)),
+            to_vector(without.store.grad(without.ids.first_down)));
+  EXPECT_EQ(with.stats.micro_batches, 2);
+  EXPECT_EQ(without.stats.micro_batches, 0);
+  EXPECT_EQ(without.stats.aux_sum, 0.0);
+  const ReferenceOut want = reference(with, testing::to_double(h), all_params(with), nullptr);
+  EXPECT_NEAR(with.stats.aux_sum, 2 * want.aux, 1e-5);
+  // The micro-batch's loss is not the mean of its sequences' (each sequence is balanced over its own tokens).
+  EXPECT_GT(std::abs(want.aux - (want.balance[0] + want.balance[1]) / 2), 1e-3);
+  // Gradient of L = <dy, y> + aux_scale * aux by finite differences of the router (from one micro-batch).
+  with.store.zero_grads();
+  Moe::Saved saved;
+  with.moe->forward(from_vector(h, {kRows, kHidden}), kBatch, kSeq, saved, true);
+  const std::vector<int32_t> ids(saved.expert_ids.i32(), saved.expert_ids.i32() + kRows * kTopK);
+  with.moe->backward_input(from_vector(dy, {kRows, kHidden}), kBatch, kSeq, saved);
+  with.moe->backward_weight(saved);
+  std::vector<std::vector<double>> w = all_params(with);
+  const std::vector<double> dyd = testing::to_double(dy);
+  const auto fd = testing::finite_difference(
+      [&](const std::vector<double>& x) {
+        std::vector<std::vector<double>> ww = w;
+        ww[with.ids.router] = x;
+        const ReferenceOut r = reference(with, testing::to_double(h), ww, &ids);
+        return testing::dot(dyd, r.y) + with.scale.aux * r.aux;
+      },
+      w[with.ids.router]);
+  EXPECT_LT(testing::relative_error(to_vector(with.store.grad(with.ids.router)), fd), 1e-4);
+}
+
+// A hand-made drop: a zero router gives every score 0.5, so the bias alone picks the experts: groups
+// {0, 1}, {2, 3}, {4, 5} score 0.95, 1.15 and 1.05, the last two stay, and every token takes experts 2 (0.65)
+// and 5 (0.6). At capacity_factor 1 each expert takes ceil(10 x 2 / 6) = 4 assignments: tokens 0-3 keep both,
+// tokens 4-9 lose both (12 of 20 dropped), and only their routed part changes. The loads count all 20;
+// forward_cached (generation) drops nothing.
+TEST(Moe, CapacityDropsInForwardOnly) {
+  Layer capped(1.0), dropless(0.0);
+  for (Layer* l : {&capped, &dropless})
+    std::fill_n(l->store.param(l->ids.router).f32(), kExperts * kHidden, 0.0f);
+  const std::vector<float> h = testing::random_floats(kRows * kHidden, 22);
+  std::vector<float> y[2];
+  Layer* layers[2] = {&capped, &dropless};
+  for (int i = 0; i < 2; ++i) {
+    Moe::Saved saved;
+    y[i] = to_vector(layers[i]->moe->forward(from_vector(h, {kRows, kHidden}), kBatch, kSeq, saved, true));
+    EXPECT_EQ(std::vector<int32_t>(saved.expert_ids.i32(), saved.expert_ids.i32() + 2),
+              (std::vector<int32_t>{2, 5}));
+    EXPECT_EQ(saved.offsets.back(), i == 0 ? 8 : kRows * kTopK);
+    layers[i]->moe->backward_input(from_vector(h, {kRows, kHidden}), kBatch, kSeq, saved);
+    layers[i]->moe->backward_weight(saved);
+  }
+  EXPECT_EQ(capped.stats.load, (std::vector<double>{0, 0, 10, 0, 0, 10}));  // before the drop
+  EXPECT_EQ(capped.stats.dropped, 12);
+  EXPECT_EQ(dropless.stats.dropped, 0);
+  for (int64_t t = 0; t < kRows; ++t)
+    for (int64_t i = 0; i < kHidden; ++i) {
+      const float a = y[0][t * kHidden + i], b = y[1][t * kHidden + i];
+      if (t < 4) EXPECT_NEAR(a, b, 1e-5f * (1 + std::abs(b))) << "kept token " << t;
+    }
+  const ReferenceOut want = reference(capped, testing::to_double(h), all_params(capped), nullptr);
+  EXPECT_LT(testing::relative_error(y[0], want.y), 1e-5);
+  EXPECT_GT(testing::relative_error(y[0], testing::to_double(y[1])),
+            1e-3);  // the dropped tokens lost their routed experts
+  // Generation: the capped layer's cached forward is the dropless forward.
+  const std::vector<float> cached =
+      to_vector(capped.moe->forward_cached(from_vector(h, {kRows, kHidden}), kBatch, kSeq, nullptr));
+  EXPECT_LT(testing::relative_error(cached, testing::to_double(y[1])), 1e-6);
 }
 
 // Selective recompute (SwiGLU again in backward) gives the same gradients bitwise.
@@ -307,7 +399,7 @@ TEST(MoeFp8, BlockForwardMatchesTheFakeQuantisedReference) {
   o.recipe.power_of_two_scales =
       false;  // with power-of-two scales a shared block would differ in subnormals only
   Fp8Context context(o);
-  Layer l(0, true, 0.5f, &context);
+  Layer l(0, true, 0.5f, 0.0f, &context);
   EXPECT_EQ(context.linears(), 2 * kExperts + 2) << "gate|up and down per expert, and the shared experts'";
   EXPECT_NE(context.linear_name(1).find("gate1"), std::string::npos) << context.linear_name(1);
   // Experts of different magnitudes: their own blocks take different scales.
@@ -349,7 +441,7 @@ TEST(MoeFp8, RecipesStayCloseToTheFp32Layer) {
     Fp8Options o;
     o.recipe.recipe = recipe, o.recipe.amax_history_len = 4;
     Fp8Context context(o);
-    Layer l(0.75, true, 0.5f, &context);
+    Layer l(0.75, true, 0.5f, 0.0f, &context);
     // Delayed scaling starts from scale 1; a first step fills the history as training would.
     if (recipe == fp8::Recipe::delayed) run(l, &context), context.end_step();
     const auto [y, dh, ids] = run(l, &context);
@@ -372,7 +464,7 @@ TEST(MoeFp8, SelectiveRecomputeIsBitwiseTheSame) {
     Fp8Options o;
     o.recipe.recipe = recipe;
     Fp8Context keep_context(o), recompute_context(o);
-    Layer keep(0, true, 0.5f, &keep_context), recompute(0, true, 0.5f, &recompute_context);
+    Layer keep(0, true, 0.5f, 0.0f, &keep_context), recompute(0, true, 0.5f, 0.0f, &recompute_context);
     const std::vector<float> h = testing::random_floats(kRows * kHidden, 12);
     const std::vector<float> dy = testing::random_floats(kRows * kHidden, 13);
     std::vector<float> dh[2];

@@ -55,6 +55,9 @@ TEST_F(DeepseekV3Cli, TrainConvertGenerateEvalAndContinue) {
   ASSERT_EQ(train.status, 0) << train.output;
   EXPECT_NE(train.output.find("| maxvio "), std::string::npos) << train.output;  // the step line's balance
   EXPECT_NE(train.output.find("| mtp "), std::string::npos) << train.output;
+  // The auxiliary loss and the drops are off by default, and the step line says nothing of them.
+  EXPECT_EQ(train.output.find(" aux "), std::string::npos) << train.output;
+  EXPECT_EQ(train.output.find(" drop "), std::string::npos) << train.output;
   const std::string checkpoint = path("run") + "/checkpoint";
 
   const Outcome to_hf = run_forge("convert --input " + checkpoint + " --output " + path("hf"), quiet());
@@ -103,11 +106,24 @@ TEST_F(DeepseekV3Cli, TrainConvertGenerateEvalAndContinue) {
   EXPECT_NE(more.output.find("step 4/4"), std::string::npos) << more.output;
 }
 
+// The classic auxiliary loss and a capacity factor, set from the command line: the step line shows both.
+TEST_F(DeepseekV3Cli, AuxLossAndCapacityOnTheStepLine) {
+  const Outcome train = run_forge(
+      train_args("capped", " --set moe.aux_loss_coeff=0.01 --set moe.capacity_factor=1.0"), quiet());
+  ASSERT_EQ(train.status, 0) << train.output;
+  EXPECT_NE(train.output.find(" aux "), std::string::npos) << train.output;
+  EXPECT_NE(train.output.find(" drop "), std::string::npos) << train.output;
+}
+
 TEST_F(DeepseekV3Cli, BadSettingsGetOneLine) {
   expect_one_line_error(train_args("bad", " --set moe.bias_update_rate=-1"), "moe.bias_update_rate");
   expect_one_line_error(train_args("bad", " --set moe.bias_update=mean"), "moe.bias_update");
   expect_one_line_error(train_args("bad", " --set mtp.loss_weight=-0.1"), "mtp.loss_weight");
   expect_one_line_error(train_args("bad", " --set mtp.switch_step=-2"), "mtp.switch_step");
+  expect_one_line_error(train_args("bad", " --set moe.aux_loss_coeff=-0.01"), "moe.aux_loss_coeff");
+  expect_one_line_error(train_args("bad", " --set moe.aux_loss_coeff=nan"), "moe.aux_loss_coeff");
+  expect_one_line_error(train_args("bad", " --set moe.capacity_factor=-1"), "moe.capacity_factor");
+  expect_one_line_error(train_args("bad", " --set moe.capacity_factor=inf"), "moe.capacity_factor");
 }
 
 // The GPU path of a DeepSeek-V3 training step, on the host (FORGE_EMULATE_DEVICE=1: kernels/emulated_device.h,

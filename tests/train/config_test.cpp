@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <fstream>
 #include <sstream>
 
@@ -54,6 +55,9 @@ TEST(TrainConfig, DefaultsMatchTheDocumentedValues) {
   EXPECT_EQ(c.log.run_dir, "runs/default");
   EXPECT_EQ(c.sample.prompt, "And God said");
   EXPECT_EQ(c.sample.top_k, 40);
+  EXPECT_DOUBLE_EQ(c.moe.seq_aux_loss_coeff, 1e-4);
+  EXPECT_EQ(c.moe.aux_loss_coeff, 0.0);   // off
+  EXPECT_EQ(c.moe.capacity_factor, 0.0);  // dropless
   EXPECT_EQ(c.tokens_per_step(), 8 * 256);
   EXPECT_EQ(c.parallel.tp, 1);
   EXPECT_EQ(c.parallel.pp, 1);
@@ -85,7 +89,7 @@ TEST(TrainConfig, DefaultTomlFileEqualsBuiltInDefaults) {
     ++keys;
     EXPECT_NE(line.find(" # "), std::string::npos) << "no comment: " << line;
   }
-  EXPECT_EQ(keys, 79);
+  EXPECT_EQ(keys, 81);
 }
 
 TEST(TrainConfig, DefaultTomlFileIsTheGeneratedText) {
@@ -136,6 +140,8 @@ TEST(TrainConfig, TomlRoundTripPreservesEveryValue) {
   c.parallel.bucket_mb = 0.25;
   c.parallel.make_vocab_size_divisible_by = 64;
   c.parallel.timeout_s = 12.5;
+  c.moe.aux_loss_coeff = 0.001 + 0.002;  // all digits
+  c.moe.capacity_factor = 1.25;
   const std::string text = c.to_toml();
   const TrainConfig back = TrainConfig::from_toml_string(text, "round trip");
   EXPECT_EQ(back, c) << text;
@@ -344,6 +350,11 @@ TEST(TrainConfigErrors, Validation) {
   expect_invalid([](TrainConfig& c) { c.parallel.make_vocab_size_divisible_by = 0; },
                  {"parallel.make_vocab_size_divisible_by must be >= 1, got 0"});
   expect_invalid([](TrainConfig& c) { c.parallel.timeout_s = -5; }, {"parallel.timeout_s must be >= 0"});
+  expect_invalid([](TrainConfig& c) { c.moe.aux_loss_coeff = -1e-3; }, {"moe.aux_loss_coeff must be >= 0"});
+  expect_invalid([](TrainConfig& c) { c.moe.aux_loss_coeff = std::nan(""); }, {"moe.aux_loss_coeff"});
+  expect_invalid([](TrainConfig& c) { c.moe.capacity_factor = -0.5; },
+                 {"moe.capacity_factor must be >= 0 (0 = dropless), got -0.5"});
+  expect_invalid([](TrainConfig& c) { c.moe.capacity_factor = HUGE_VAL; }, {"moe.capacity_factor"});
 }
 
 // validate() blames the origin of the value at fault: the file and line, or the --set that set it.

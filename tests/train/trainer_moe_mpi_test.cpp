@@ -1,11 +1,14 @@
 // DeepSeek-V3 training runs under parallel layouts against the one-rank run (toy_run.h's DeepSeek-V3 of
 // hidden 32 with MoE layers and an MTP module, 10 steps with the routing biases moving every step): tensor
-// parallelism (heads and experts split, routers replicated; with sequence parallelism the MTP module runs
-// over every row, gathered), data parallelism with and without ZeRO-1, and pipeline stages (the MTP module on
-// the last stage, reading its own copy of the embedding; DualPipe's mirrored copies of each stage summing
-// their halves of the expert loads). Each must reproduce the one-rank losses, gradient norms, MTP losses,
-// expert balance and final weights, the biases included, within the tolerances of trainer_mpi_test.cpp (fp32;
-// the layouts sum in other orders).
+// parallelism (heads and experts split, routers replicated; with sequence parallelism the MTP
+// module runs over every row, gathered), data parallelism with and without ZeRO-1, and
+// pipeline stages (the MTP module on the last stage, reading its own copy of the embedding; DualPipe's
+// mirrored copies of each stage summing their halves of the expert loads), and the same with the classic
+// micro-batch auxiliary loss and a capacity factor on (each micro-batch balanced and capped as one rank's:
+// the routers route the same gathered rows on every tp rank, and the loss' scale counts the micro-batches of
+// every replica). Each must reproduce the one-rank losses, gradient norms, MTP losses, expert balance (drops
+// included) and final weights, the biases included, within the tolerances of trainer_mpi_test.cpp (fp32; the
+// layouts sum in other orders).
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -30,6 +33,7 @@ struct MoeCase {
   int layers = 3;
   int accum = 2;  // micro-batches per step and replica
   const char* pp_layers = "";
+  double aux_loss_coeff = 0, capacity_factor = 0;
   bool sequence_parallel = false;
 };
 
@@ -47,7 +51,7 @@ class MoeLayouts : public testing::TestWithParam<MoeCase> {
   }
   void TearDown() override { toy::remove_shared_test_dir(comm::world(), dir_); }
 
-  TrainConfig config(const std::string& run, int layers) const {
+  TrainConfig config(const std::string& run, int layers, const MoeCase& p) const {
     TrainConfig c = toy::toy_run_config(dir_, run);
     c.model.config = (dir_ / (layers == 3 ? "deepseek.json" : "deepseek4.json")).string();
     c.data.seq_len = 16;
@@ -57,6 +61,8 @@ class MoeLayouts : public testing::TestWithParam<MoeCase> {
     c.train.grad_clip = 0.5;
     c.moe.bias_update_rate = 0.01;
     c.moe.seq_aux_loss_coeff = 0.01;
+    c.moe.aux_loss_coeff = p.aux_loss_coeff;
+    c.moe.capacity_factor = p.capacity_factor;
     c.log.every = 1;
     c.parallel.bucket_mb = 0.01;
     c.parallel.timeout_s = 60;
@@ -70,12 +76,12 @@ TEST_P(MoeLayouts, ReproduceTheOneRankRun) {
   const MoeCase p = GetParam();
   if (p.tp * p.dp * p.pp != world.size()) GTEST_SKIP() << "needs " << p.tp * p.dp * p.pp << " ranks";
   const int accum = p.accum;
-  TrainConfig ref = config("reference-" + std::to_string(world.rank()), p.layers);
+  TrainConfig ref = config("reference-" + std::to_string(world.rank()), p.layers, p);
   ref.train.grad_accum = accum * p.dp;
   auto self = comm::make_self();
   const TrainResult want = Trainer(ref, self.get()).run();
 
-  TrainConfig par = config("parallel", p.layers);
+  TrainConfig par = config("parallel", p.layers, p);
   par.parallel.tp = p.tp, par.parallel.dp = p.dp, par.parallel.pp = p.pp;
   par.parallel.distributed_optimizer = p.zero;
   par.parallel.schedule = p.schedule;
@@ -95,11 +101,17 @@ TEST_P(MoeLayouts, ReproduceTheOneRankRun) {
   if (world.rank() == 0) {
     const std::vector<nlohmann::json> a = toy::step_records(ref), b = toy::step_records(par);
     ASSERT_EQ(a.size(), b.size());
+    int64_t dropped = 0;
     for (size_t s = 0; s < a.size(); ++s) {
       const nlohmann::json &x = a[s]["moe"]["layers"], &y = b[s]["moe"]["layers"];
+      dropped += a[s]["moe"]["dropped"].get<int64_t>();
       ASSERT_EQ(x.size(), y.size()) << "step " << s + 1;
       for (size_t l = 0; l < x.size(); ++l)
         for (const char* key : {"layer", "min", "max", "dropped"}) EXPECT_EQ(x[l][key], y[l][key]) << key;
+      for (size_t l = 0; l < x.size(); ++l)
+        EXPECT_NEAR(y[l]["aux_loss"].get<double>(), x[l]["aux_loss"].get<double>(),
+                    1e-5 * x[l]["aux_loss"].get<double>())
+            << "step " << s + 1;
       EXPECT_NEAR(b[s]["mtp"][0]["loss"].get<double>(), a[s]["mtp"][0]["loss"].get<double>(),
                   2e-5 * a[s]["mtp"][0]["loss"].get<double>())
           << "step " << s + 1;
@@ -109,22 +121,26 @@ TEST_P(MoeLayouts, ReproduceTheOneRankRun) {
                   2.0 / (30.0 * accum * p.dp))
           << "step " << s + 1;
     }
+    if (p.capacity_factor > 0) EXPECT_GT(dropped, 0) << "the capacity never dropped: the case checks nothing";
   }
   toy::expect_weights_close(fs::path(ref.log.run_dir) / "checkpoint",
                             fs::path(par.log.run_dir) / "checkpoint", 2e-4);
 }
 
-INSTANTIATE_TEST_SUITE_P(Layouts, MoeLayouts,
-                         testing::Values(MoeCase{"tp2", 2},
-                                         MoeCase{"tp2_sp", 2, 1, 1, false, "1f1b", 3, 2, "", true},
-                                         MoeCase{"dp2", 1, 2}, MoeCase{"dp2_zero1", 1, 2, 1, true},
-                                         MoeCase{"pp2_1f1b", 1, 1, 2, false, "1f1b", 3, 2, "2,1"},
-                                         MoeCase{"pp2_dualpipe", 1, 1, 2, false, "dualpipe", 4, 4},
-                                         MoeCase{"pp2_dualpipev", 1, 1, 2, false, "dualpipev", 4, 6},
-                                         MoeCase{"tp2_dp2_zero1", 2, 2, 1, true},
-                                         MoeCase{"pp2_dp2_zbh1", 1, 2, 2, false, "zb-h1", 3, 2, "1,2"},
-                                         MoeCase{"pp2_tp2_1f1b", 2, 1, 2, false, "1f1b", 3, 2, "2,1"}),
-                         [](const auto& info) { return std::string(info.param.name); });
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, MoeLayouts,
+    testing::Values(MoeCase{"tp2", 2}, MoeCase{"tp2_sp", 2, 1, 1, false, "1f1b", 3, 2, "", 0, 0, true},
+                    MoeCase{"dp2", 1, 2}, MoeCase{"dp2_zero1", 1, 2, 1, true},
+                    MoeCase{"pp2_1f1b", 1, 1, 2, false, "1f1b", 3, 2, "2,1"},
+                    MoeCase{"pp2_dualpipe", 1, 1, 2, false, "dualpipe", 4, 4},
+                    MoeCase{"pp2_dualpipev", 1, 1, 2, false, "dualpipev", 4, 6},
+                    MoeCase{"tp2_dp2_zero1", 2, 2, 1, true},
+                    MoeCase{"pp2_dp2_zbh1", 1, 2, 2, false, "zb-h1", 3, 2, "1,2"},
+                    MoeCase{"pp2_tp2_1f1b", 2, 1, 2, false, "1f1b", 3, 2, "2,1"},
+                    MoeCase{"tp2_aux_capacity", 2, 1, 1, false, "1f1b", 3, 2, "", 0.01, 1.0},
+                    MoeCase{"dp2_aux_capacity", 1, 2, 1, false, "1f1b", 3, 2, "", 0.01, 1.0},
+                    MoeCase{"pp2_dualpipe_aux_capacity", 1, 1, 2, false, "dualpipe", 4, 4, "", 0.01, 1.0}),
+    [](const auto& info) { return std::string(info.param.name); });
 
 // FP8 under a layout (attention projections and every expert's GEMMs in FP8; trainer_mpi_test.cpp's
 // TrainerFp8Layouts explains why FP8 runs follow the one-rank run closely for the first steps and loosely

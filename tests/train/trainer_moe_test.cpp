@@ -1,8 +1,10 @@
 // `forge train` on a DeepSeek-V3-family model (toy_run.h's 3-layer DeepSeek-V3 of hidden 32: MLA, a dense
 // layer, then MoE in layers 1 and 2 and in the MTP module): it learns; every logged step records each MoE
-// layer's expert loads, bias norm and balance loss and each MTP depth's loss in metrics.jsonl; the routing
-// biases move by exactly +-rate per step from the global batch's loads; the MTP weight follows its
-// schedule; and an interrupted run resumes bit for bit (the biases are in the checkpoint).
+// layer's expert loads, bias norm and balance loss and each MTP depth's loss in metrics.jsonl; with the
+// classic auxiliary loss and a capacity factor on, it still learns and records each layer's auxiliary loss
+// and dropped fraction; the routing biases move by exactly +-rate per step from the global batch's loads;
+// the MTP weight follows its schedule; and an interrupted run resumes bit for bit (the biases are in the
+// checkpoint).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -75,7 +77,9 @@ TEST_F(TrainerMoe, LearnsAndRecordsExpertBalanceAndMtp) {
       const double tokens = layer["layer"] == 3 ? 2 * 2 * 31 : 2 * 2 * 32;
       EXPECT_NEAR(maxvio, (hi - tokens * 2 / 8) / (tokens * 2 / 8), 1e-12) << layer;
       EXPECT_GT(layer["balance_loss"].get<double>(), 0);
+      EXPECT_EQ(layer["aux_loss"], 0);  // off by default
       EXPECT_EQ(layer["dropped"], 0);
+      EXPECT_EQ(layer["dropped_fraction"], 0);
       // The bias each step routed with: after s updates of +-0.01 per element, at most 0.01 s sqrt(8).
       const double norm = layer["bias_norm"];
       if (s == 0) EXPECT_EQ(norm, 0) << layer;
@@ -113,6 +117,48 @@ TEST_F(TrainerMoe, LearnsAndRecordsExpertBalanceAndMtp) {
     }
   }
   EXPECT_EQ(biases, 3);
+}
+
+// Both balance losses and a capacity of 1.0 at once: it learns; every layer logs its auxiliary loss
+// (alpha x the mean over micro-batches of sum_i f_i P_i, between 0 and alpha x experts / top_k) and its
+// drops. An expert takes at most ceil(2 x 32 x 2 / 8) = 16 assignments of a micro-batch (the MTP layer's 2 x
+// 31 tokens: ceil(15.5) = 16), so over a step's two micro-batches at least max load - 32 are dropped.
+TEST_F(TrainerMoe, AuxLossAndCapacityLearnAndAreRecorded) {
+  TrainConfig c = config("capacity");
+  c.train.steps = 30;
+  c.train.warmup = 3;
+  c.moe.bias_update_rate = 0.01;
+  c.moe.seq_aux_loss_coeff = 0.01;
+  c.moe.aux_loss_coeff = 0.01;
+  c.moe.capacity_factor = 1.0;
+  const TrainResult r = Trainer(c).run();
+  ASSERT_EQ(r.losses.size(), 30u);
+  EXPECT_LT(r.losses.back(), r.losses.front() - 1.0);
+  const std::vector<nlohmann::json> steps = toy::step_records(c);
+  ASSERT_EQ(steps.size(), 30u);
+  int64_t dropped_in_run = 0;
+  for (const nlohmann::json& step : steps) {
+    const nlohmann::json& moe = step["moe"];
+    ASSERT_EQ(moe["layers"].size(), 3u) << step;
+    double aux = 0, dropped = 0, assignments = 0;
+    for (const nlohmann::json& layer : moe["layers"]) {
+      const double a = layer["aux_loss"];
+      EXPECT_GT(a, 0) << layer;
+      EXPECT_LE(a, 0.01 * 8 / 2) << layer;
+      EXPECT_GT(layer["balance_loss"].get<double>(), 0) << layer;
+      const double routed = 2 * 2 * (layer["layer"] == 3 ? 31 : 32) * 2;  // before the drop
+      const double drops = layer["dropped"];
+      EXPECT_GE(drops, layer["max"].get<double>() - 32) << layer;
+      EXPECT_LT(drops, routed) << layer;
+      EXPECT_DOUBLE_EQ(layer["dropped_fraction"].get<double>(), drops / routed) << layer;
+      aux += a, dropped += drops, assignments += routed;
+    }
+    EXPECT_NEAR(moe["aux_loss"].get<double>(), aux, 1e-12);
+    EXPECT_EQ(moe["dropped"].get<double>(), dropped);
+    EXPECT_DOUBLE_EQ(moe["dropped_fraction"].get<double>(), dropped / assignments);
+    dropped_in_run += static_cast<int64_t>(dropped);
+  }
+  EXPECT_GT(dropped_in_run, 0) << "capacity 1.0 never dropped: the test checks nothing";
 }
 
 TEST_F(TrainerMoe, NoBiasUpdateKeepsTheBiasesAtZero) {
@@ -235,16 +281,31 @@ TEST(BalanceMetrics, RecordsAndSummary) {
   StepResult r;
   EXPECT_TRUE(balance_metrics(r).fields.empty());
   EXPECT_EQ(balance_metrics(r).summary, "");
-  r.experts.push_back({4, {1, 3}, 0.25, 0, 0.5});
+  r.experts.push_back({4, {1, 3}, 0.25, 0.125, 1, 0.5});
   r.mtp.push_back({{6.0, 4}, 1});
   const BalanceMetrics metrics = balance_metrics(r);
   const nlohmann::json& j = metrics.fields;
   EXPECT_EQ(j["moe"]["layers"][0]["layer"], 4);
   EXPECT_DOUBLE_EQ(j["moe"]["max_violation"].get<double>(), 0.5);
   EXPECT_DOUBLE_EQ(j["moe"]["balance_loss"].get<double>(), 0.25);
+  EXPECT_DOUBLE_EQ(j["moe"]["aux_loss"].get<double>(), 0.125);
+  EXPECT_DOUBLE_EQ(j["moe"]["layers"][0]["aux_loss"].get<double>(), 0.125);
+  // One of the 4 assignments (the loads count them before the drop) dropped.
+  EXPECT_EQ(j["moe"]["layers"][0]["dropped"], 1);
+  EXPECT_DOUBLE_EQ(j["moe"]["layers"][0]["dropped_fraction"].get<double>(), 0.25);
   EXPECT_DOUBLE_EQ(j["mtp"][0]["loss"].get<double>(), 1.5);
   EXPECT_DOUBLE_EQ(j["mtp"][0]["top1"].get<double>(), 0.25);
+  // The step line names the auxiliary loss and the drops only when they are on.
   EXPECT_EQ(metrics.summary, "maxvio 0.50 cv 0.50 bal 2.50e-01 | mtp 1.500 top1 25%");
+  r.with_aux_loss = r.with_capacity = true;
+  EXPECT_EQ(balance_metrics(r).summary,
+            "maxvio 0.50 cv 0.50 bal 2.50e-01 aux 1.25e-01 drop 25.0% | mtp 1.500 top1 25%");
+  // Over several layers: the sums, and the drops over every layer's assignments.
+  r.experts.push_back({5, {2, 2}, 0.5, 0.25, 0, 0.0});
+  const nlohmann::json two = balance_metrics(r).fields;
+  EXPECT_DOUBLE_EQ(two["moe"]["aux_loss"].get<double>(), 0.375);
+  EXPECT_EQ(two["moe"]["dropped"], 1);
+  EXPECT_DOUBLE_EQ(two["moe"]["dropped_fraction"].get<double>(), 1.0 / 8);
 }
 
 }  // namespace

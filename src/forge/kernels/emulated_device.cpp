@@ -155,6 +155,7 @@ void check_args(const char* op, const ops::MoeRouterParams& p) {
   FORGE_CHECK_FIELD(op, p, logits), FORGE_CHECK_FIELD(op, p, bias), FORGE_CHECK_FIELD(op, p, expert_ids);
   FORGE_CHECK_FIELD(op, p, weights), FORGE_CHECK_FIELD(op, p, scores), FORGE_CHECK_FIELD(op, p, score_sums);
   FORGE_CHECK_FIELD(op, p, expert_fraction), FORGE_CHECK_FIELD(op, p, balance_loss);
+  FORGE_CHECK_FIELD(op, p, aux_fraction), FORGE_CHECK_FIELD(op, p, aux_loss);
   FORGE_CHECK_FIELD(op, p, dweights), FORGE_CHECK_FIELD(op, p, dlogits);
 }
 void check_args(const char* op, const ops::MoeSortParams& p) {

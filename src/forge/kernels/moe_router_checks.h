@@ -28,6 +28,7 @@ inline std::string moe_router_problem(const MoeRouterParams& p, const char* op, 
     return name + str(p.tokens) + " tokens are not whole sequences of seq_len " + str(p.seq_len);
   const bool balance = backward ? p.balance_scale != 0.0f : p.seq_len > 0;
   if (balance && p.seq_len == 0) return name + "balance_scale without seq_len (no sequences to balance over)";
+  const bool aux = backward ? p.aux_scale != 0.0f : p.aux_loss != nullptr;
   if (p.tokens == 0) return {};
   if (!backward && !(p.logits && p.expert_ids && p.weights && p.scores))
     return name + "logits, expert_ids, weights and scores must be set";
@@ -36,6 +37,8 @@ inline std::string moe_router_problem(const MoeRouterParams& p, const char* op, 
   if (balance && !(p.score_sums && p.expert_fraction && (backward || p.balance_loss)))
     return name + "the balance loss needs score_sums, expert_fraction" +
            (backward ? "" : " and balance_loss");
+  if (aux && !(p.score_sums && p.aux_fraction))
+    return name + "the micro-batch balance loss (aux_loss) needs score_sums and aux_fraction";
   return {};
 }
 

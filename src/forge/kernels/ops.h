@@ -370,9 +370,15 @@ struct Fp8CastParams {
 //   balance_loss[q] = sum_i f[q, i] * P[q, i]       (1 for perfectly uniform routing)
 // The forward then also writes score_sums n [tokens] and expert_fraction f [sequences, experts] for backward.
 //
+// Micro-batch balance loss (aux_loss set; the classic GShard / Switch auxiliary loss): the same loss with all
+// `tokens` tokens as one group (N = tokens), independently of seq_len (both may be on at once):
+//   aux_fraction[i] = experts / (top_k * N) * #{(t, j) : e_{t,j} = i},  P_i = 1 / N * sum_t s[t, i] / n_t
+//   aux_loss[0] = sum_i aux_fraction[i] * P_i
+// It writes score_sums too (tokens = 0: aux_loss is not written).
+//
 // Backward writes dlogits [tokens, experts] (overwrite): the gradient through the weights (dweights
-// [tokens, top_k]) plus balance_scale times that of sum_q balance_loss[q] (balance_scale = 0: none, and
-// score_sums / expert_fraction are not read).
+// [tokens, top_k]) plus balance_scale times that of sum_q balance_loss[q] plus aux_scale times that of
+// aux_loss[0] (a scale of 0: that loss adds nothing, and its inputs are not read; either reads score_sums).
 enum class MoeScore : uint8_t { sigmoid, softmax };
 struct MoeRouterParams {
   int64_t tokens = 0, experts = 0, top_k = 0;
@@ -389,8 +395,11 @@ struct MoeRouterParams {
   float* score_sums = nullptr;
   float* expert_fraction = nullptr;
   float* balance_loss = nullptr;
+  float* aux_fraction = nullptr;  // [experts]
+  float* aux_loss = nullptr;      // [1]; null: no micro-batch balance loss
   const float* dweights = nullptr;
   float balance_scale = 0.0f;
+  float aux_scale = 0.0f;
   float* dlogits = nullptr;
 };
 

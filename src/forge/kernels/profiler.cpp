@@ -159,9 +159,11 @@ Cost kv_append(const KvAppendParams& p) {
 // Scores, group scores and k selection passes over the experts per token; the balance loss reads the scores
 // and ids once more.
 Cost moe_router_forward(const MoeRouterParams& p) {
-  return {fmt::format("t{} e{} k{} g{}/{}{}", p.tokens, p.experts, p.top_k, p.topk_groups, p.groups,
-                      p.seq_len > 0 ? " balance" : ""),
-          0, d(p.tokens) * d(p.experts) * (12 + (p.seq_len > 0 ? 4 : 0)) + 8 * d(p.tokens) * d(p.top_k)};
+  return {fmt::format("t{} e{} k{} g{}/{}{}{}", p.tokens, p.experts, p.top_k, p.topk_groups, p.groups,
+                      p.seq_len > 0 ? " balance" : "", p.aux_loss ? " aux" : ""),
+          0,
+          d(p.tokens) * d(p.experts) * (12 + (p.seq_len > 0 ? 4 : 0) + (p.aux_loss ? 4 : 0)) +
+              8 * d(p.tokens) * d(p.top_k)};
 }
 Cost moe_router_backward(const MoeRouterParams& p) {
   return {fmt::format("t{} e{} k{}", p.tokens, p.experts, p.top_k), 0,

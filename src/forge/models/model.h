@@ -111,6 +111,9 @@ struct TrainStepSettings {
   // d(total loss) / d(one sequence's balance loss in one MoE layer): the sequence-wise balance loss's
   // coefficient divided by the sequences of the global batch (0: no balance loss).
   float balance_scale = 0.0f;
+  // d(total loss) / d(one micro-batch's auxiliary loss in one MoE layer): the classic auxiliary loss's
+  // coefficient divided by the micro-batches of the global batch (0: no auxiliary loss).
+  float aux_loss_scale = 0.0f;
   float mtp_weight = 0.0f;  // lambda of main + lambda / D * sum_k L_k
 };
 

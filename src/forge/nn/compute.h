@@ -32,6 +32,10 @@ struct ComputeOptions {
   // of computing them again chunk by chunk, when they take at most this many bytes (0: always recompute). It
   // saves a quarter of the head's GEMM work per training step (three GEMMs instead of four).
   int64_t keep_logits_bytes = int64_t{4} << 30;
+  // Mixture-of-experts layers: each expert takes at most ceil(tokens * top_k / experts * this) assignments of
+  // a micro-batch, the rest dropped (nn::MoeShape::capacity_factor; 0: dropless). Models without routed
+  // experts ignore it.
+  double moe_capacity_factor = 0;
   int tp_rank() const;
   int tp_size() const;
 };

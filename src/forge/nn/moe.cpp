@@ -1,5 +1,6 @@
 #include "forge/nn/moe.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "forge/core/error.h"
@@ -138,30 +139,43 @@ Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training
   r.score = shape_.score, r.normalize = shape_.normalize, r.scaling = shape_.scaling, r.logits = logits.f32();
   r.bias = params_.bias >= 0 ? store_->param(params_.bias).f32() : nullptr;
   r.expert_ids = s.expert_ids.i32(), r.weights = s.weights.f32(), r.scores = s.scores.f32();
-  // The balance loss per sequence: its gradient when it has a coefficient, its value for the statistics.
+  // The balance loss per sequence: its gradient when it has a coefficient, its value for the statistics. The
+  // auxiliary loss over the whole micro-batch (every rank of a tp group routes the same gathered rows): only
+  // when it has a coefficient.
   const bool balance = training && seq > 0 && rows % seq == 0 && (stats_ || (scale_ && scale_->balance != 0));
-  Tensor losses;
+  const bool aux = training && rows > 0 && scale_ && scale_->aux != 0;
+  Tensor losses, aux_loss;
+  if (balance || aux) s.score_sums = Tensor::empty({rows}, DType::f32, device);
   if (balance) {
-    s.score_sums = Tensor::empty({rows}, DType::f32, device);
     s.fraction = Tensor::empty({rows / seq, experts}, DType::f32, device);
     losses = Tensor::empty({rows / seq}, DType::f32, device);
     r.seq_len = seq, r.score_sums = s.score_sums.f32(), r.expert_fraction = s.fraction.f32();
     r.balance_loss = losses.f32();
   }
+  if (aux) {
+    s.aux_fraction = Tensor::empty({experts}, DType::f32, device);
+    aux_loss = Tensor::empty({1}, DType::f32, device);
+    r.score_sums = s.score_sums.f32(), r.aux_fraction = s.aux_fraction.f32(), r.aux_loss = aux_loss.f32();
+  }
   s.balance_scale = balance && scale_ ? scale_->balance : 0.0f;
+  s.aux_scale = aux ? scale_->aux : 0.0f;
   ops::moe_router_forward(r, device);
 
-  // Sort the assignments by expert; the grouped GEMMs take the offsets on the host.
-  const int64_t capacity =
-      shape_.capacity_factor > 0
-          ? static_cast<int64_t>(std::ceil(static_cast<double>(rows * k) / experts * shape_.capacity_factor))
-          : 0;
+  // Sort the assignments by expert; the grouped GEMMs take the offsets on the host. Capacity in forward
+  // only (see moe.h); the counts are taken before the drop.
+  const double wanted = std::ceil(static_cast<double>(rows * k) / experts * shape_.capacity_factor);
+  const int64_t capacity = training && shape_.capacity_factor > 0
+                               ? static_cast<int64_t>(std::min(wanted, static_cast<double>(rows * k)))
+                               : 0;
   s.row_of = Tensor::empty({rows * k}, DType::i32, device);
-  s.source = Tensor::empty({rows * k}, DType::i32, device);
+  // FP8 tensor cores take token counts in multiples of 16: on a GPU every expert's segment is padded to that.
+  const int64_t align = fp8() && device != Device::cpu ? 16 : 1;
+  s.source = Tensor::empty({ops::moe_sorted_rows_bound(rows, k, experts, align)}, DType::i32, device);
   Tensor offsets = Tensor::empty({experts + 1}, DType::i64, device);
   Tensor counts = Tensor::empty({experts}, DType::i64, device);
   ops::MoeSortParams q;
-  q.tokens = rows, q.top_k = k, q.experts = experts, q.capacity = capacity, q.expert_ids = s.expert_ids.i32();
+  q.tokens = rows, q.top_k = k, q.experts = experts, q.capacity = capacity, q.align = align;
+  q.expert_ids = s.expert_ids.i32();
   q.row_of = s.row_of.i32(), q.source = s.source.i32(), q.offsets = offsets.data<int64_t>();
   q.counts = counts.data<int64_t>();
   ops::moe_sort_by_expert(q, device);
@@ -171,12 +185,16 @@ Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training
   if (training) {
     const Tensor host_counts = counts.to(Device::cpu);
     s.load.assign(host_counts.data<int64_t>(), host_counts.data<int64_t>() + experts);
+    s.dropped = 0;
+    if (capacity > 0)
+      for (double load : s.load) s.dropped += std::max<int64_t>(0, static_cast<int64_t>(load) - capacity);
     if (balance) {
       const Tensor host_losses = losses.to(Device::cpu);
       double sum = 0;
       for (int64_t i = 0; i < host_losses.numel(); ++i) sum += host_losses.f32()[i];
       s.balance_sum = sum, s.sequences = rows / seq;
     }
+    if (aux) s.aux_sum = aux_loss.to(Device::cpu).f32()[0], s.micro_batches = 1;
   }
 
   Tensor xs = Tensor::empty({sorted, hidden}, DType::f32, device);
@@ -229,8 +247,9 @@ Tensor Moe::backward_input(const Tensor& dy_in, int64_t, int64_t, LayerPart::Sav
   const int64_t rows = s.h.numel() / hidden, sorted = s.offsets.back();
   if (stats_ && !s.load.empty()) {
     for (int64_t e = 0; e < experts; ++e) stats_->load[e] += s.load[e];
-    stats_->dropped += rows * k - sorted;
+    stats_->dropped += s.dropped;
     stats_->balance_sum += s.balance_sum, stats_->sequences += s.sequences;
+    stats_->aux_sum += s.aux_sum, stats_->micro_batches += s.micro_batches;
   }
   const Tensor dy = gather_in(options_.tp, dy_in);
 
@@ -303,6 +322,8 @@ Tensor Moe::backward_input(const Tensor& dy_in, int64_t, int64_t, LayerPart::Sav
     r.expert_fraction = s.fraction.f32();
     r.balance_scale = s.balance_scale;
   }
+  if (s.aux_scale != 0.0f)
+    r.score_sums = s.score_sums.f32(), r.aux_fraction = s.aux_fraction.f32(), r.aux_scale = s.aux_scale;
   ops::moe_router_backward(r, device);
   if (rows > 0 && options_.tp_rank() == 0) {
     ops::GemmParams g;
@@ -310,7 +331,7 @@ Tensor Moe::backward_input(const Tensor& dy_in, int64_t, int64_t, LayerPart::Sav
     g.b = store_->param(params_.router).f32(), g.ldb = hidden, g.c = dh.f32(), g.ldc = hidden, g.beta = 1.0f;
     ops::gemm(g, device);
   }
-  s.scores = s.score_sums = s.fraction = s.weights = s.expert_ids = Tensor();
+  s.scores = s.score_sums = s.fraction = s.aux_fraction = s.weights = s.expert_ids = Tensor();
   Tensor dx = reduce_out(options_.tp, dh);
   if (shared_) {
     const Tensor dz = shared_->backward_input(dy_in, s.shared);

@@ -8,7 +8,15 @@
 // Balancing (DeepSeek-V3, auxiliary-loss-free): the correction bias steers selection only and is updated once
 // per optimizer step from the tokens each expert received over the global batch (apply_bias_update, after the
 // caller has summed the loads over its data-parallel ranks); the optional sequence-wise balance loss
-// alpha * mean over sequences of sum_i f_i P_i reaches the router through its gradient (MoeStepScale).
+// alpha * mean over sequences of sum_i f_i P_i and the optional classic auxiliary loss (the same over each
+// micro-batch's tokens together) reach the router through their gradients (MoeStepScale).
+//
+// Capacity (MoeShape::capacity_factor > 0): an expert takes at most ceil(rows * top_k / experts * factor) of
+// a micro-batch's assignments, in assignment order; a dropped one contributes nothing (the token keeps the
+// shared experts and, in the decoder layer, the residual). forward drops, in training and in evaluation alike
+// (as GShard and Megatron: the held-out loss is that of the model as trained); forward_cached (generation)
+// never does: its rows are a prefill chunk or one decode step of every sequence in the batch, and a generated
+// token must not depend on how the prompt was chunked or on which other sequences share its batch.
 //
 // FP8 (ComputeOptions::fp8): every routed expert's gate|up and down run as their own FP8 Linears
 // (nn/linear.h) over the expert's contiguous rows: their own weight casts and scales (delayed: their own amax
@@ -43,7 +51,8 @@ struct MoeShape {
   ops::MoeScore score = ops::MoeScore::sigmoid;
   bool normalize = true;
   float scaling = 1.0f;
-  // Tokens an expert takes per micro-batch: ceil(tokens * top_k / experts * capacity_factor); 0: dropless.
+  // Assignments an expert takes per micro-batch in forward: ceil(tokens * top_k / experts * capacity_factor);
+  // 0: dropless. forward_cached is always dropless.
   double capacity_factor = 0;
 };
 
@@ -63,15 +72,21 @@ struct MoeStats {
   std::vector<double> load;  // tokens routed to each expert by this step's training micro-batches
   double balance_sum = 0;    // sum over their sequences of sum_i f_i P_i (before the coefficient)
   int64_t sequences = 0;
-  int64_t dropped = 0;  // assignments over capacity
-  void reset(int64_t experts) { load.assign(experts, 0.0), balance_sum = 0, sequences = 0, dropped = 0; }
+  double aux_sum = 0;         // sum over the micro-batches of their sum_i f_i P_i (computed when aux != 0)
+  int64_t micro_batches = 0;  // those aux_sum counts
+  int64_t dropped = 0;        // assignments over capacity
+  void reset(int64_t experts) {
+    load.assign(experts, 0.0), balance_sum = 0, sequences = 0, aux_sum = 0, micro_batches = 0, dropped = 0;
+  }
 };
 
-// Set by the model for each step: d(total loss) / d(balance loss of one sequence), i.e. the coefficient
-// divided by the sequences of the global batch (0: no balance loss). Read at forward and kept with the
-// micro-batch.
+// Set by the model for each step, read at forward and kept with the micro-batch. balance: d(total loss) /
+// d(balance loss of one sequence), the coefficient divided by the sequences of the global batch; aux:
+// d(total loss) / d(auxiliary loss of one micro-batch), its coefficient divided by the micro-batches of the
+// global batch (0: that loss is off).
 struct MoeStepScale {
   float balance = 0.0f;
+  float aux = 0.0f;
 };
 
 class Moe final : public LayerPart {
@@ -83,6 +98,8 @@ class Moe final : public LayerPart {
     Tensor row_of, source;                // the sort
     std::vector<int64_t> offsets;         // host: expert e owns sorted rows [offsets[e], offsets[e + 1])
     float balance_scale = 0;
+    Tensor aux_fraction;  // [experts]: the micro-batch's f, for the auxiliary loss' backward
+    float aux_scale = 0;
     GemmOperand xs;             // permuted rows as the gate|up GEMMs read them
     Tensor gate_up;             // fp32 [R, 2 ffn]
     GemmOperand act;            // silu(gate) * up as the down GEMMs read it
@@ -92,8 +109,11 @@ class Moe final : public LayerPart {
     std::vector<GemmOperand> expert_xs, expert_act, expert_dys, expert_dgate_up;
     Tensor dlogits;             // [rows, experts]
     std::vector<double> load;   // this micro-batch's tokens per expert (counted before any drop)
+    int64_t dropped = 0;        // its assignments over capacity
     double balance_sum = 0;     // sum over its sequences of sum_i f_i P_i
     int64_t sequences = 0;
+    double aux_sum = 0;  // its sum_i f_i P_i over all its rows (micro_batches = 1 when computed)
+    int64_t micro_batches = 0;
     Mlp::Saved shared;
   };
 
@@ -115,7 +135,9 @@ class Moe final : public LayerPart {
   void apply_bias_update(float rate, bool zero_mean) const;
 
  private:
-  // The routed experts over h [rows, hidden] (gathered); fills the saved state (training) or a scratch one.
+  // The routed experts over h [rows, hidden] (gathered); fills the saved state or a scratch one. training:
+  // a micro-batch of forward (training or evaluation: balance losses, statistics, capacity); false:
+  // forward_cached.
   Tensor routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training) const;
   Tensor grouped(const GemmOperand& a, int64_t rows, int first, int count, int64_t n, int64_t k, bool trans_b,
                  const std::vector<int64_t>& offsets) const;

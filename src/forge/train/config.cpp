@@ -283,6 +283,18 @@ const std::vector<KeySpec>& key_specs() {
        "alpha of the sequence-wise balance loss alpha * sum_i f_i P_i, averaged over sequences and added per "
        "MoE layer (0 = off)",
        {}},
+      {"moe",
+       "aux_loss_coeff",
+       FORGE_FIELD(moe.aux_loss_coeff),
+       "alpha of the classic (GShard / Switch) auxiliary loss alpha * sum_i f_i P_i over each micro-batch's "
+       "tokens together, averaged over micro-batches and added per MoE layer (0 = off)",
+       {}},
+      {"moe",
+       "capacity_factor",
+       FORGE_FIELD(moe.capacity_factor),
+       "each expert takes at most ceil(tokens * top_k / experts * this) assignments per micro-batch, the "
+       "rest dropped (training and evaluation; generation never drops; 0 = dropless)",
+       {}},
 
       {"mtp",
        "loss_weight",
@@ -733,6 +745,10 @@ void TrainConfig::validate() const {
         moe.bias_update_rate, ">= 0 (0 = fixed biases)");
   check(finite(moe.seq_aux_loss_coeff) && moe.seq_aux_loss_coeff >= 0, "moe.seq_aux_loss_coeff",
         moe.seq_aux_loss_coeff, ">= 0 (0 = off)");
+  check(finite(moe.aux_loss_coeff) && moe.aux_loss_coeff >= 0, "moe.aux_loss_coeff", moe.aux_loss_coeff,
+        ">= 0 (0 = off)");
+  check(finite(moe.capacity_factor) && moe.capacity_factor >= 0, "moe.capacity_factor", moe.capacity_factor,
+        ">= 0 (0 = dropless)");
   check(finite(mtp.loss_weight) && mtp.loss_weight >= 0, "mtp.loss_weight", mtp.loss_weight, ">= 0");
   check(mtp.switch_step >= 0, "mtp.switch_step", mtp.switch_step, ">= 0 (0 = no switch)");
   check(finite(mtp.loss_weight_after) && mtp.loss_weight_after >= 0, "mtp.loss_weight_after",

@@ -131,6 +131,8 @@ struct TrainConfig {
     double bias_update_rate = 1e-3;    // 0 = the correction biases stay fixed
     std::string bias_update = "sign";  // sign | zero_mean
     double seq_aux_loss_coeff = 1e-4;  // 0 = no sequence-wise balance loss
+    double aux_loss_coeff = 0;         // 0 = no micro-batch (classic) auxiliary loss
+    double capacity_factor = 0;        // 0 = dropless
     bool operator==(const Moe&) const = default;
   };
   // Multi-token prediction (models with MTP modules; others ignore it).

@@ -272,6 +272,7 @@ void TrainSetup::make_compute_options() {
       groups.tp.get(), c.parallel.sequence_parallel, tp_nccl.get());
   if (layout.tp() > 1) options.tp = tensor_parallel.get();
   options.vocab_divisible_by = c.parallel.make_vocab_size_divisible_by;
+  options.moe_capacity_factor = c.moe.capacity_factor;
   // FP8: the context lives as long as the model, which reads it through options.fp8.
   std::optional<nn::Fp8Options> f = c.fp8_options();
   if (!f) return;

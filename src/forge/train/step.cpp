@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 
 #include "forge/fp8/scaling.h"
 #include "forge/optim/adamw.h"
@@ -57,7 +58,7 @@ void finish_balancing(TrainSetup& setup, StepResult& r) {
   const int64_t slots = first.expert_layer_count(), experts = first.routed_experts(),
                 depth = first.mtp_depth_count();
   if (slots == 0 && depth == 0) return;
-  const int64_t stride = experts + 3;  // loads, balance sum, sequences, dropped
+  const int64_t stride = experts + 5;  // loads, balance sum, sequences, aux sum, micro-batches, dropped
   std::vector<double> sums(static_cast<size_t>(slots * stride + 3 * depth), 0.0);
   std::vector<double> maxes(static_cast<size_t>(2 * slots), 0.0);  // layer index, bias norm
   std::vector<ExpertLayerView> views;
@@ -66,7 +67,8 @@ void finish_balancing(TrainSetup& setup, StepResult& r) {
       double* at = sums.data() + v.slot * stride;
       std::copy(v.stats->load.begin(), v.stats->load.end(), at);
       at[experts] = v.stats->balance_sum, at[experts + 1] = static_cast<double>(v.stats->sequences);
-      at[experts + 2] = static_cast<double>(v.stats->dropped);
+      at[experts + 2] = v.stats->aux_sum, at[experts + 3] = static_cast<double>(v.stats->micro_batches);
+      at[experts + 4] = static_cast<double>(v.stats->dropped);
       maxes[2 * v.slot] = static_cast<double>(v.layer);
       if (v.bias >= 0) {
         const Tensor bias = m->params().param(v.bias).to(Device::cpu);
@@ -102,8 +104,11 @@ void finish_balancing(TrainSetup& setup, StepResult& r) {
     e.layer = static_cast<int64_t>(maxes[2 * slot]), e.bias_norm = maxes[2 * slot + 1];
     e.load.assign(at, at + experts);
     e.balance_loss = at[experts + 1] > 0 ? c.moe.seq_aux_loss_coeff * at[experts] / at[experts + 1] : 0.0;
-    e.dropped = static_cast<int64_t>(at[experts + 2]);
+    e.aux_loss = at[experts + 3] > 0 ? c.moe.aux_loss_coeff * at[experts + 2] / at[experts + 3] : 0.0;
+    e.dropped = static_cast<int64_t>(at[experts + 4]);
   }
+  r.with_aux_loss = c.moe.aux_loss_coeff > 0 && slots > 0;
+  r.with_capacity = c.moe.capacity_factor > 0 && slots > 0;
   r.mtp.resize(static_cast<size_t>(depth));
   for (int64_t d = 0; d < depth; ++d) {
     const double* at = sums.data() + slots * stride + 3 * d;
@@ -140,10 +145,13 @@ BalanceMetrics balance_metrics(const StepResult& r) {
   std::string& summary = m.summary;
   if (!r.experts.empty()) {
     nlohmann::json layers = nlohmann::json::array();
-    double worst = 0, cv = 0, balance = 0, bias = 0;
+    double worst = 0, cv = 0, balance = 0, aux = 0, bias = 0, assignments = 0;
     int64_t dropped = 0;
+    // Dropped over the assignments routed (the loads count them before the drop).
+    const auto fraction = [](double drops, double routed) { return routed > 0 ? drops / routed : 0.0; };
     for (const ExpertLayerReport& e : r.experts) {
       const LoadSummary s = summarize_load(e.load);
+      const double routed = std::accumulate(e.load.begin(), e.load.end(), 0.0);
       layers.push_back({{"layer", e.layer},
                         {"min", s.min},
                         {"max", s.max},
@@ -151,14 +159,25 @@ BalanceMetrics balance_metrics(const StepResult& r) {
                         {"max_violation", s.max_violation},
                         {"bias_norm", e.bias_norm},
                         {"balance_loss", e.balance_loss},
-                        {"dropped", e.dropped}});
-      worst = std::max(worst, s.max_violation), cv += s.cv, balance += e.balance_loss;
-      bias = std::max(bias, e.bias_norm), dropped += e.dropped;
+                        {"aux_loss", e.aux_loss},
+                        {"dropped", e.dropped},
+                        {"dropped_fraction", fraction(static_cast<double>(e.dropped), routed)}});
+      worst = std::max(worst, s.max_violation), cv += s.cv, balance += e.balance_loss, aux += e.aux_loss;
+      bias = std::max(bias, e.bias_norm), dropped += e.dropped, assignments += routed;
     }
     cv /= static_cast<double>(r.experts.size());
-    out["moe"] = {{"max_violation", worst}, {"cv", cv},           {"balance_loss", balance},
-                  {"bias_norm", bias},      {"dropped", dropped}, {"layers", layers}};
+    const double dropped_fraction = fraction(static_cast<double>(dropped), assignments);
+    out["moe"] = {{"max_violation", worst},
+                  {"cv", cv},
+                  {"balance_loss", balance},
+                  {"aux_loss", aux},
+                  {"bias_norm", bias},
+                  {"dropped", dropped},
+                  {"dropped_fraction", dropped_fraction},
+                  {"layers", layers}};
     summary = fmt::format("maxvio {:.2f} cv {:.2f} bal {:.2e}", worst, cv, balance);
+    if (r.with_aux_loss) summary += fmt::format(" aux {:.2e}", aux);
+    if (r.with_capacity) summary += fmt::format(" drop {:.1f}%", 100 * dropped_fraction);
   }
   if (!r.mtp.empty()) {
     nlohmann::json depths = nlohmann::json::array();
@@ -219,6 +238,7 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule,
   TrainStepSettings settings;
   settings.balance_scale =
       static_cast<float>(c.moe.seq_aux_loss_coeff / static_cast<double>(micro * accum * dp));
+  settings.aux_loss_scale = static_cast<float>(c.moe.aux_loss_coeff / static_cast<double>(accum * dp));
   settings.mtp_weight = static_cast<float>(c.mtp_loss_weight_at(state.step + 1));
   for (Model* m : setup.chunks()) m->begin_train_step(settings);
   LossSum loss = schedule.run(model, static_cast<int>(accum), [&](int m) {

@@ -50,7 +50,8 @@ struct ExpertLayerReport {
   int64_t layer = 0;         // the Hugging Face layer index
   std::vector<double> load;  // tokens routed to each expert
   double balance_loss = 0;   // moe.seq_aux_loss_coeff * the mean over sequences of sum_i f_i P_i
-  int64_t dropped = 0;       // assignments over capacity
+  double aux_loss = 0;       // moe.aux_loss_coeff * the mean over micro-batches of sum_i f_i P_i
+  int64_t dropped = 0;       // assignments over capacity (of the sum of load, counted before the drop)
   double bias_norm = 0;      // L2 norm of the correction bias the step routed with
 };
 
@@ -71,13 +72,17 @@ struct StepResult {
   // slot order, and every MTP depth, over the global batch.
   std::vector<ExpertLayerReport> experts;
   std::vector<models::MtpDepthTotals> mtp;
+  bool with_aux_loss = false;  // moe.aux_loss_coeff > 0: the step line shows the auxiliary loss
+  bool with_capacity = false;  // moe.capacity_factor > 0: the step line shows the dropped fraction
 };
 
 // A step's expert balance and MTP measures. fields, for metrics.jsonl: {"moe": {"max_violation" (the largest
-// over layers), "cv" (their mean), "balance_loss" (the sum), "bias_norm" (the largest), "dropped", "layers":
-// [per layer: "layer", "min", "max", "cv", "max_violation", "bias_norm", "balance_loss", "dropped"]}, "mtp":
-// [per depth: "depth", "loss", "top1"]}; summary: their short form for the step line. Both empty for a model
-// without experts or MTP.
+// over layers), "cv" (their mean), "balance_loss" and "aux_loss" (the sums), "bias_norm" (the largest),
+// "dropped", "dropped_fraction" (dropped over all assignments of every layer), "layers": [per layer: "layer",
+// "min", "max", "cv", "max_violation", "bias_norm", "balance_loss", "aux_loss", "dropped",
+// "dropped_fraction"]}, "mtp": [per depth: "depth", "loss", "top1"]}; summary: their short form for the step
+// line (the auxiliary loss and the dropped fraction only when with_aux_loss / with_capacity). Both empty for
+// a model without experts or MTP.
 struct BalanceMetrics {
   nlohmann::json fields = nlohmann::json::object();
   std::string summary;

@@ -21,11 +21,14 @@ struct Case {
   bool bias;
   int64_t seq_len;
   float balance_scale;
+  bool aux;  // the micro-batch balance loss (aux_loss), with aux_scale in backward
+  float aux_scale;
   std::string name() const {
     return "t" + std::to_string(tokens) + "_e" + std::to_string(experts) + "_k" + std::to_string(top_k) +
            "_g" + std::to_string(groups) + "of" + std::to_string(topk_groups) +
            (score == ops::MoeScore::sigmoid ? "_sigmoid" : "_softmax") + (normalize ? "_norm" : "") +
-           (bias ? "_bias" : "") + (seq_len > 0 ? "_seq" + std::to_string(seq_len) : "");
+           (bias ? "_bias" : "") + (seq_len > 0 ? "_seq" + std::to_string(seq_len) : "") +
+           (aux ? "_aux" : "");
   }
   bool finite_differences() const { return tokens * experts <= 200; }
 };
@@ -33,6 +36,8 @@ struct Case {
 struct Reference {
   std::vector<int32_t> ids;
   std::vector<double> weights, scores, sums, fractions, losses;
+  std::vector<double> aux_fractions;  // [experts] (aux)
+  double aux_loss = 0;
 };
 
 inline double score_of(ops::MoeScore score, const double* z, int64_t e, int64_t experts) {
@@ -87,20 +92,30 @@ inline Reference reference(const Case& c, const std::vector<double>& z, const st
       r.weights[t * K + j] =
           (c.normalize ? s[r.ids[t * K + j]] / (sum + 1e-20) : s[r.ids[t * K + j]]) * c.scaling;
   }
+  if (c.seq_len == 0 && !c.aux) return r;
+  r.sums.resize(c.tokens);
+  for (int64_t t = 0; t < c.tokens; ++t)
+    for (int64_t e = 0; e < E; ++e) r.sums[t] += r.scores[t * E + e];
+  // sum_i f_i P_i of the T tokens from `first`, f into fractions [E].
+  const auto balance = [&](int64_t first, int64_t T, double* fractions) {
+    std::vector<double> mean_score(E, 0.0);
+    for (int64_t t = first; t < first + T; ++t) {
+      for (int64_t e = 0; e < E; ++e)
+        mean_score[e] += r.scores[t * E + e] / r.sums[t] / static_cast<double>(T);
+      for (int64_t j = 0; j < K; ++j) fractions[r.ids[t * K + j]] += double(E) / double(K * T);
+    }
+    double loss = 0;
+    for (int64_t e = 0; e < E; ++e) loss += fractions[e] * mean_score[e];
+    return loss;
+  };
   if (c.seq_len > 0) {
     const int64_t T = c.seq_len, sequences = c.tokens / T;
-    r.sums.resize(c.tokens), r.fractions.assign(sequences * E, 0.0), r.losses.assign(sequences, 0.0);
-    for (int64_t q = 0; q < sequences; ++q) {
-      std::vector<double> mean_score(E, 0.0);
-      for (int64_t t = q * T; t < (q + 1) * T; ++t) {
-        double n = 0;
-        for (int64_t e = 0; e < E; ++e) n += r.scores[t * E + e];
-        r.sums[t] = n;
-        for (int64_t e = 0; e < E; ++e) mean_score[e] += r.scores[t * E + e] / n / static_cast<double>(T);
-        for (int64_t j = 0; j < K; ++j) r.fractions[q * E + r.ids[t * K + j]] += double(E) / double(K * T);
-      }
-      for (int64_t e = 0; e < E; ++e) r.losses[q] += r.fractions[q * E + e] * mean_score[e];
-    }
+    r.fractions.assign(sequences * E, 0.0), r.losses.assign(sequences, 0.0);
+    for (int64_t q = 0; q < sequences; ++q) r.losses[q] = balance(q * T, T, &r.fractions[q * E]);
+  }
+  if (c.aux && c.tokens > 0) {
+    r.aux_fractions.assign(E, 0.0);
+    r.aux_loss = balance(0, c.tokens, r.aux_fractions.data());
   }
   return r;
 }

@@ -1,10 +1,11 @@
-// Mixture-of-experts routing (ops::MoeRouterParams: DeepSeek-V3's sigmoid, group-limited top-k router and its
-// sequence-wise balance loss) and the auxiliary-loss-free bias update.
+// Mixture-of-experts routing (ops::MoeRouterParams: DeepSeek-V3's sigmoid, group-limited top-k router, its
+// sequence-wise balance loss and the classic micro-batch one) and the auxiliary-loss-free bias update.
 //
 // Backward, per token t with chosen experts e_j and upstream dw_j (c = scaling):
 //   through the weights: w_j = c s_j / S with S = sum_j s_{e_j} + 1e-20 (normalize), so
 //     dL/ds_{e_i} = c (dw_i / S - sum_j dw_j s_{e_j} / S^2);  without normalize dL/ds_{e_i} = c dw_i.
-//   through the balance loss of t's sequence q (T = seq_len, n_t = sum_e s[t, e]):
+//   through the balance loss of t's group of T tokens (its sequence, T = seq_len; or the micro-batch,
+//   T = tokens), with that group's f and n_t = sum_e s[t, e]:
 //     d/ds[t, e] sum_i f_i P_i = (f_e / n_t - sum_i f_i s[t, i] / n_t^2) / T.
 //   then through the score function: sigmoid ds/dz = s (1 - s); softmax dz_e = s_e (g_e - sum_i g_i s_i).
 #include <cmath>
@@ -88,18 +89,20 @@ void route_token(const ops::MoeRouterParams& p, int64_t t, RouteScratch& scratch
   float sum = 0;
   for (int64_t j = 0; j < k; ++j) sum += (w[j] = s[ids[j]]);
   for (int64_t j = 0; j < k; ++j) w[j] = (p.normalize ? w[j] / (sum + 1e-20f) : w[j]) * p.scaling;
-}
-
-// f, n and the balance loss of sequence q (tokens [q T, (q + 1) T)).
-void balance_forward(const ops::MoeRouterParams& p, int64_t q) {
-  const int64_t experts = p.experts, k = p.top_k, T = p.seq_len;
-  float* f = p.expert_fraction + q * experts;
-  std::vector<double> counts(experts, 0.0), mean_score(experts, 0.0);
-  for (int64_t t = q * T; t < (q + 1) * T; ++t) {
-    const float* s = p.scores + t * experts;
+  if (p.seq_len > 0 || p.aux_loss) {
     float n = 0;
     for (int64_t e = 0; e < experts; ++e) n += s[e];
     p.score_sums[t] = n;
+  }
+}
+
+// sum_i f_i P_i of the group of T tokens from `first`, its f into fraction [experts] (reads score_sums).
+float balance_of(const ops::MoeRouterParams& p, int64_t first, int64_t T, float* f) {
+  const int64_t experts = p.experts, k = p.top_k;
+  std::vector<double> counts(experts, 0.0), mean_score(experts, 0.0);
+  for (int64_t t = first; t < first + T; ++t) {
+    const float* s = p.scores + t * experts;
+    const float n = p.score_sums[t];
     for (int64_t e = 0; e < experts; ++e) mean_score[e] += s[e] / n;
     for (int64_t j = 0; j < k; ++j) counts[p.expert_ids[t * k + j]] += 1;
   }
@@ -108,7 +111,16 @@ void balance_forward(const ops::MoeRouterParams& p, int64_t q) {
     f[e] = static_cast<float>(static_cast<double>(experts) / static_cast<double>(k * T) * counts[e]);
     loss += double{f[e]} * (mean_score[e] / static_cast<double>(T));
   }
-  p.balance_loss[q] = static_cast<float>(loss);
+  return static_cast<float>(loss);
+}
+
+// g[e] += scale / T * d/ds[t, e] sum_i f_i P_i of token t's group (f, T), s = its scores, n = their sum.
+void add_balance_grad(float* g, const float* s, float n, const float* f, float scale, int64_t T,
+                      int64_t experts) {
+  const float c = scale / static_cast<float>(T);
+  float fs = 0;
+  for (int64_t e = 0; e < experts; ++e) fs += f[e] * s[e];
+  for (int64_t e = 0; e < experts; ++e) g[e] += c * (f[e] / n - fs / (n * n));
 }
 
 }  // namespace
@@ -129,15 +141,17 @@ void moe_router_forward(const ops::MoeRouterParams& p) {
     for (int64_t t = 0; t < p.tokens; ++t) route_token(p, t, scratch);
     if (p.seq_len > 0) {
 #pragma omp for schedule(static)
-      for (int64_t q = 0; q < p.tokens / p.seq_len; ++q) balance_forward(p, q);
+      for (int64_t q = 0; q < p.tokens / p.seq_len; ++q)
+        p.balance_loss[q] = balance_of(p, q * p.seq_len, p.seq_len, p.expert_fraction + q * p.experts);
     }
   }
+  if (p.aux_loss && p.tokens > 0) p.aux_loss[0] = balance_of(p, 0, p.tokens, p.aux_fraction);
 }
 
 void moe_router_backward(const ops::MoeRouterParams& p) {
   if (std::string why; !supports_moe_router_backward(p, &why)) fail("{}", why);
   const int64_t experts = p.experts, k = p.top_k;
-  const bool balance = p.balance_scale != 0.0f;
+  const bool balance = p.balance_scale != 0.0f, aux = p.aux_scale != 0.0f;
 #pragma omp parallel
   {
     std::vector<float> g(experts);
@@ -156,13 +170,10 @@ void moe_router_backward(const ops::MoeRouterParams& p) {
       } else {
         for (int64_t j = 0; j < k; ++j) g[ids[j]] += p.scaling * dw[j];
       }
-      if (balance) {
-        const float* f = p.expert_fraction + (t / p.seq_len) * experts;
-        const float n = p.score_sums[t], scale = p.balance_scale / static_cast<float>(p.seq_len);
-        float fs = 0;
-        for (int64_t e = 0; e < experts; ++e) fs += f[e] * s[e];
-        for (int64_t e = 0; e < experts; ++e) g[e] += scale * (f[e] / n - fs / (n * n));
-      }
+      if (balance)
+        add_balance_grad(g.data(), s, p.score_sums[t], p.expert_fraction + (t / p.seq_len) * experts,
+                         p.balance_scale, p.seq_len, experts);
+      if (aux) add_balance_grad(g.data(), s, p.score_sums[t], p.aux_fraction, p.aux_scale, p.tokens, experts);
       float* dz = p.dlogits + t * experts;
       if (p.score == ops::MoeScore::sigmoid) {
         for (int64_t e = 0; e < experts; ++e) dz[e] = g[e] * s[e] * (1.0f - s[e]);

@@ -1,8 +1,9 @@
 // Mixture-of-experts routing on device memory (ops::MoeRouterParams; the math is written out in
 // cpu/moe_router.cpp): one thread per token for the scores, the group-limited top-k and the weights, one
-// block per sequence for the balance loss, one thread per token for the backward. Routing is a small part of
-// a MoE layer's time (tokens x experts work beside the experts' GEMMs), so the kernels are simple rather than
-// fast; every sum runs in the CPU kernel's order.
+// block per group of tokens for a balance loss (a sequence, or the micro-batch's one group for aux_loss), one
+// thread per token for the backward. Routing is a small part of a MoE layer's time (tokens x experts work
+// beside the experts' GEMMs), so the kernels are simple rather than fast; every sum runs in the CPU kernel's
+// order.
 #include <cmath>
 #include <string>
 
@@ -35,7 +36,7 @@ __global__ void route_kernel(ops::MoeRouterParams p) {
     for (int64_t e = 0; e < experts; ++e) sum += (s[e] = expf(z[e] - max));
     for (int64_t e = 0; e < experts; ++e) s[e] /= sum;
   }
-  if (p.seq_len > 0) {
+  if (p.seq_len > 0 || p.aux_loss) {
     float n = 0;
     for (int64_t e = 0; e < experts; ++e) n += s[e];
     p.score_sums[t] = n;
@@ -85,10 +86,11 @@ __global__ void route_kernel(ops::MoeRouterParams p) {
   for (int64_t j = 0; j < k; ++j) w[j] = (p.normalize ? w[j] / (sum + 1e-20f) : w[j]) * p.scaling;
 }
 
-// One block per sequence: thread e (and e + blockDim, ...) owns expert e's count and mean normalised score.
-__global__ void balance_kernel(ops::MoeRouterParams p) {
+// One block per group q of T tokens (fraction [groups, experts], loss [groups]): thread e (and e + blockDim,
+// ...) owns expert e's count and mean normalised score.
+__global__ void balance_kernel(ops::MoeRouterParams p, int64_t T, float* fraction, float* loss_out) {
   __shared__ double terms[kThreads];
-  const int64_t q = blockIdx.x, experts = p.experts, k = p.top_k, T = p.seq_len;
+  const int64_t q = blockIdx.x, experts = p.experts, k = p.top_k;
   double partial = 0;
   for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) {
     double count = 0, mean_score = 0;
@@ -97,7 +99,7 @@ __global__ void balance_kernel(ops::MoeRouterParams p) {
       for (int64_t j = 0; j < k; ++j) count += p.expert_ids[t * k + j] == e ? 1.0 : 0.0;
     }
     const float f = static_cast<float>(static_cast<double>(experts) / static_cast<double>(k * T) * count);
-    p.expert_fraction[q * experts + e] = f;
+    fraction[q * experts + e] = f;
     partial += double{f} * (mean_score / static_cast<double>(T));
   }
   terms[threadIdx.x] = partial;
@@ -105,22 +107,28 @@ __global__ void balance_kernel(ops::MoeRouterParams p) {
   if (threadIdx.x == 0) {
     double loss = 0;
     for (int i = 0; i < blockDim.x; ++i) loss += terms[i];
-    p.balance_loss[q] = static_cast<float>(loss);
+    loss_out[q] = static_cast<float>(loss);
   }
 }
 
-// The score gradient g[e] of token t (see cpu/moe_router.cpp).
+// The score gradient g[e] of token t (see cpu/moe_router.cpp); fs, fs_aux: sum_i f_i s[t, i] of its
+// sequence's f and of the micro-batch's.
 __device__ float score_grad(const ops::MoeRouterParams& p, int64_t t, int64_t e, float sum, float weighted,
-                            float fs) {
+                            float fs, float fs_aux) {
   const int32_t* ids = p.expert_ids + t * p.top_k;
   const float* dw = p.dweights + t * p.top_k;
   float g = 0;
   for (int64_t j = 0; j < p.top_k; ++j)
     if (ids[j] == e) g += p.scaling * (p.normalize ? dw[j] / sum - weighted / (sum * sum) : dw[j]);
+  const float n = p.balance_scale != 0.0f || p.aux_scale != 0.0f ? p.score_sums[t] : 1.0f;
   if (p.balance_scale != 0.0f) {
     const float* f = p.expert_fraction + (t / p.seq_len) * p.experts;
-    const float n = p.score_sums[t], scale = p.balance_scale / static_cast<float>(p.seq_len);
+    const float scale = p.balance_scale / static_cast<float>(p.seq_len);
     g += scale * (f[e] / n - fs / (n * n));
+  }
+  if (p.aux_scale != 0.0f) {
+    const float scale = p.aux_scale / static_cast<float>(p.tokens);
+    g += scale * (p.aux_fraction[e] / n - fs_aux / (n * n));
   }
   return g;
 }
@@ -131,7 +139,7 @@ __global__ void backward_kernel(ops::MoeRouterParams p) {
   const int64_t experts = p.experts, k = p.top_k;
   const float* s = p.scores + t * experts;
   const int32_t* ids = p.expert_ids + t * k;
-  float sum = 0, weighted = 0, fs = 0;
+  float sum = 0, weighted = 0, fs = 0, fs_aux = 0;
   for (int64_t j = 0; j < k; ++j) sum += s[ids[j]];
   sum += 1e-20f;
   for (int64_t j = 0; j < k; ++j) weighted += p.dweights[t * k + j] * s[ids[j]];
@@ -139,15 +147,17 @@ __global__ void backward_kernel(ops::MoeRouterParams p) {
     const float* f = p.expert_fraction + (t / p.seq_len) * experts;
     for (int64_t e = 0; e < experts; ++e) fs += f[e] * s[e];
   }
+  if (p.aux_scale != 0.0f)
+    for (int64_t e = 0; e < experts; ++e) fs_aux += p.aux_fraction[e] * s[e];
   float* dz = p.dlogits + t * experts;
   if (p.score == ops::MoeScore::sigmoid) {
     for (int64_t e = 0; e < experts; ++e)
-      dz[e] = score_grad(p, t, e, sum, weighted, fs) * s[e] * (1.0f - s[e]);
+      dz[e] = score_grad(p, t, e, sum, weighted, fs, fs_aux) * s[e] * (1.0f - s[e]);
     return;
   }
   float gs = 0;
-  for (int64_t e = 0; e < experts; ++e) gs += score_grad(p, t, e, sum, weighted, fs) * s[e];
-  for (int64_t e = 0; e < experts; ++e) dz[e] = s[e] * (score_grad(p, t, e, sum, weighted, fs) - gs);
+  for (int64_t e = 0; e < experts; ++e) gs += score_grad(p, t, e, sum, weighted, fs, fs_aux) * s[e];
+  for (int64_t e = 0; e < experts; ++e) dz[e] = s[e] * (score_grad(p, t, e, sum, weighted, fs, fs_aux) - gs);
 }
 
 __global__ void bias_update_kernel(float* bias, const double* load, int64_t experts, float rate,
@@ -194,7 +204,12 @@ void moe_router_forward(const ops::MoeRouterParams& p) {
   route_kernel<<<detail::grid_blocks(p.tokens, kThreads, int64_t{1} << 30), kThreads, 0, stream()>>>(p);
   FORGE_CUDA_CHECK_LAUNCH("moe_router_forward");
   if (p.seq_len > 0) {
-    balance_kernel<<<static_cast<unsigned>(p.tokens / p.seq_len), kThreads, 0, stream()>>>(p);
+    balance_kernel<<<static_cast<unsigned>(p.tokens / p.seq_len), kThreads, 0, stream()>>>(
+        p, p.seq_len, p.expert_fraction, p.balance_loss);
+    FORGE_CUDA_CHECK_LAUNCH("moe_router_forward");
+  }
+  if (p.aux_loss) {
+    balance_kernel<<<1, kThreads, 0, stream()>>>(p, p.tokens, p.aux_fraction, p.aux_loss);
     FORGE_CUDA_CHECK_LAUNCH("moe_router_forward");
   }
 }

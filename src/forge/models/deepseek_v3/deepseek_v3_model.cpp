@@ -297,6 +297,7 @@ nn::DecoderLayer DeepseekV3Model::make_layer(int64_t index, const LayerIds& ids)
     s.score = c.scoring_func == DeepseekV3Config::ScoringFunc::sigmoid ? ops::MoeScore::sigmoid
                                                                        : ops::MoeScore::softmax;
     s.normalize = c.norm_topk_prob, s.scaling = static_cast<float>(c.routed_scaling_factor);
+    s.capacity_factor = options_.moe_capacity_factor;
     moe_stats_.emplace_back();
     auto moe =
         std::make_unique<nn::Moe>(&params_, ids.experts, s, options, &moe_stats_.back(), &balance_scale_);
@@ -580,12 +581,20 @@ double DeepseekV3Model::balance_loss(double coefficient) const {
   return total;
 }
 
+double DeepseekV3Model::aux_loss(double coefficient) const {
+  double total = 0;
+  for (const nn::MoeStats& s : moe_stats_)
+    if (s.micro_batches > 0) total += coefficient * s.aux_sum / static_cast<double>(s.micro_batches);
+  return total;
+}
+
 void DeepseekV3Model::apply_bias_updates(float rate, bool zero_mean) {
   for (const nn::Moe* moe : moe_layers_) moe->apply_bias_update(rate, zero_mean);
 }
 
 void DeepseekV3Model::begin_train_step(const TrainStepSettings& settings) {
   set_balance_scale(settings.balance_scale);
+  set_aux_loss_scale(settings.aux_loss_scale);
   model_options_.mtp_weight = settings.mtp_weight;
   for (nn::MoeStats& s : moe_stats_) s.reset(config_.n_routed_experts);
   std::fill(step_mtp_.begin(), step_mtp_.end(), MtpDepthTotals{});

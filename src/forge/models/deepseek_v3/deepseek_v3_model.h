@@ -14,7 +14,8 @@
 // where each L_k is normalised like the main loss: depth k's per-token gradient is grad_scale * (mtp_weight /
 // D) * (tokens of the main loss / tokens of depth k) in this micro-batch (the exact mean-loss weighting when
 // grad_scale = 1 / tokens of the micro-batch). The sequence-wise balance loss reaches the routers through
-// set_balance_scale.
+// set_balance_scale, the classic micro-batch auxiliary loss through set_aux_loss_scale; options.
+// moe_capacity_factor sets every MoE layer's capacity (the MTP modules' too).
 //
 // Inference (forward_cached, on a one-stage model without tensor parallelism) keeps MLA's compressed cache:
 // make_cache gives one kv head of kv_lora_rank + qk_rope_head_dim per layer; the MTP modules are not used.
@@ -86,9 +87,15 @@ class DeepseekV3Model final : public Model {
   // d(total loss) / d(balance loss of one sequence of one layer): the coefficient alpha divided by the
   // sequences of the global batch (0: no balance loss). Read by each forward.
   void set_balance_scale(float scale) { balance_scale_.balance = scale; }
+  // d(total loss) / d(auxiliary loss of one micro-batch of one layer): its coefficient divided by the
+  // micro-batches of the global batch (0: no auxiliary loss). Read by each forward.
+  void set_aux_loss_scale(float scale) { balance_scale_.aux = scale; }
   // The balance loss alpha * mean over sequences of sum_i f_i P_i summed over the local MoE layers, from the
   // statistics (call before apply_bias_updates, which clears them).
   double balance_loss(double coefficient) const;
+  // The auxiliary loss alpha * mean over micro-batches of sum_i f_i P_i summed over the local MoE layers,
+  // likewise (0 unless set_aux_loss_scale was non-zero during the forwards).
+  double aux_loss(double coefficient) const;
   // Every MoE layer's bias += rate * sign(mean - load) (the caller has summed the loads over data-parallel
   // ranks); clears the statistics.
 
