@@ -100,7 +100,9 @@ TEST_P(MoeRouterOp, ForwardAndBackward) {
     EXPECT_EQ(cpu.ids, want.ids);
     EXPECT_LT(testing::relative_error(cpu.weights, want.weights), 1e-6);
     EXPECT_LT(testing::relative_error(cpu.scores, want.scores), 1e-6);
-    if (c.seq_len > 0 || c.aux) EXPECT_LT(testing::relative_error(cpu.sums, want.sums), 1e-6);
+    if (c.seq_len > 0 || c.aux) {
+      EXPECT_LT(testing::relative_error(cpu.sums, want.sums), 1e-6);
+    }
     if (c.seq_len > 0) {
       EXPECT_LT(testing::relative_error(cpu.fractions, want.fractions), 1e-6);
       EXPECT_LT(testing::relative_error(cpu.losses, want.losses), 1e-6);
