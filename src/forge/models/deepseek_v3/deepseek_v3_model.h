@@ -40,6 +40,7 @@
 #include "forge/nn/mlp.h"
 #include "forge/nn/moe.h"
 #include "forge/nn/rmsnorm.h"
+#include "forge/nn/tensor_parallel.h"
 
 namespace forge::models {
 
