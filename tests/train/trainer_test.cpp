@@ -176,13 +176,18 @@ TEST_F(TrainerTest, RefusesBadInputsWithOneClearLine) {
   TrainConfig huge = config("bad8");
   huge.model.config = (dir_ / "huge.json").string();
   expect_error(huge, "huge.json: the model needs 4.0 PiB for its weights, gradients and optimizer state");
-  // What a family does not support yet is refused by the family, not trained half-way: DeepSeek-V3's
-  // grouped expert GEMMs have no FP8 path.
+  // What a family does not support yet is refused by the family, not trained half-way: DeepSeek-V2's greedy
+  // top-k (DeepSeek-V3 routes noaux_tc).
   TrainConfig deepseek = config("bad9");
   toy::write_toy_deepseek_config(dir_);
-  deepseek.model.config = (dir_ / "deepseek.json").string();
-  deepseek.fp8.recipe = "delayed";
-  expect_error(deepseek, "FP8");
+  {
+    std::ifstream in(dir_ / "deepseek.json");
+    nlohmann::json greedy = nlohmann::json::parse(in);
+    greedy["topk_method"] = "greedy", greedy["n_group"] = 1, greedy["topk_group"] = 1;
+    std::ofstream(dir_ / "greedy.json") << greedy.dump();
+  }
+  deepseek.model.config = (dir_ / "greedy.json").string();
+  expect_error(deepseek, "topk_method 'greedy' is not supported yet");
   if (!device_usable(Device::cuda)) {  // no GPU here: a CUDA run is refused up front, naming the key
     TrainConfig gpu = config("bad6");
     gpu.train.device = "cuda";
