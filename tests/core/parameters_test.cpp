@@ -88,11 +88,24 @@ TEST(ParameterStore, GradientReadinessByCount) {
   EXPECT_THROW(store.add_grad_finalizer({a}, [] {}), Error);  // a already has one
 }
 
+// Registered interleaved (a model registers each layer's experts between its dense parameters), laid out by
+// group: each group one flat range, in registration order inside it.
 TEST(ParameterStore, GroupsAreAdjacent) {
   ParameterStore store;
-  store.add("a", {4}, true, Init::zeros);
-  store.add("e", {4}, true, Init::zeros, 0.02f, {}, "expert");
-  EXPECT_THROW(store.add("b", {4}, true, Init::zeros), Error);  // "dense" again after "expert"
+  const int a = store.add("a", {4}, true, Init::zeros);
+  const int e = store.add("e", {1, 4}, true, Init::zeros, 0.02f, {}, "expert");
+  const int f = store.add("f", {2, 4}, true, Init::zeros, 0.02f, {}, "expert");
+  const int b = store.add("b", {3}, true, Init::zeros);
+  const int g = store.add("g", {4}, true, Init::zeros, 0.02f, {}, "expert");
+  store.allocate(false);
+  EXPECT_EQ(store.info(a).offset, 0);
+  EXPECT_EQ(store.info(b).offset, 4);
+  EXPECT_EQ(store.info(e).offset, 7);
+  EXPECT_EQ(store.info(f).offset, 11);
+  EXPECT_EQ(store.info(g).offset, 19);
+  EXPECT_EQ(store.group_range("dense"), (std::pair<int64_t, int64_t>{0, 7}));
+  EXPECT_EQ(store.group_range("expert"), (std::pair<int64_t, int64_t>{7, 23}));
+  EXPECT_EQ(store.span(store.params(), e, 2, 4).shape(), (Shape{3, 4}));  // e and f: one matrix
 }
 
 }  // namespace

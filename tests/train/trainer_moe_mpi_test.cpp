@@ -35,6 +35,7 @@ struct MoeCase {
   const char* pp_layers = "";
   double aux_loss_coeff = 0, capacity_factor = 0;
   bool sequence_parallel = false;
+  int ep = 1;  // expert parallel, carved from dp
 };
 
 class MoeLayouts : public testing::TestWithParam<MoeCase> {
@@ -87,6 +88,7 @@ TEST_P(MoeLayouts, ReproduceTheOneRankRun) {
   par.parallel.schedule = p.schedule;
   par.parallel.pp_layers = p.pp_layers;
   par.parallel.sequence_parallel = p.sequence_parallel;
+  par.parallel.ep = p.ep;
   par.train.grad_accum = accum;
   const TrainResult got = Trainer(par, &world).run();
 
@@ -139,7 +141,17 @@ INSTANTIATE_TEST_SUITE_P(
                     MoeCase{"pp2_tp2_1f1b", 2, 1, 2, false, "1f1b", 3, 2, "2,1"},
                     MoeCase{"tp2_aux_capacity", 2, 1, 1, false, "1f1b", 3, 2, "", 0.01, 1.0},
                     MoeCase{"dp2_aux_capacity", 1, 2, 1, false, "1f1b", 3, 2, "", 0.01, 1.0},
-                    MoeCase{"pp2_dualpipe_aux_capacity", 1, 1, 2, false, "dualpipe", 4, 4, "", 0.01, 1.0}),
+                    MoeCase{"pp2_dualpipe_aux_capacity", 1, 1, 2, false, "dualpipe", 4, 4, "", 0.01, 1.0},
+                    // Expert parallelism: the experts spread over the data-parallel ranks (each holds
+                    // 8 / ep), the tokens dispatched to them and back in every MoE layer.
+                    MoeCase{"dp2_ep2", 1, 2, 1, false, "1f1b", 3, 2, "", 0, 0, false, 2},
+                    MoeCase{"dp2_ep2_zero1", 1, 2, 1, true, "1f1b", 3, 2, "", 0, 0, false, 2},
+                    MoeCase{"dp4_ep4", 1, 4, 1, false, "1f1b", 3, 2, "", 0, 0, false, 4},
+                    MoeCase{"dp4_ep2_zero1", 1, 4, 1, true, "1f1b", 3, 2, "", 0, 0, false, 2},
+                    MoeCase{"tp2_dp2_ep2_zero1", 2, 2, 1, true, "1f1b", 3, 2, "", 0, 0, false, 2},
+                    MoeCase{"tp2_sp_dp2_ep2", 2, 2, 1, false, "1f1b", 3, 2, "", 0, 0, true, 2},
+                    MoeCase{"pp2_dp2_ep2_dualpipev", 1, 2, 2, false, "dualpipev", 4, 6, "", 0, 0, false, 2},
+                    MoeCase{"dp2_ep2_aux_capacity", 1, 2, 1, false, "1f1b", 3, 2, "", 0.01, 1.0, false, 2}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // FP8 under a layout (attention projections and every expert's GEMMs in FP8; trainer_mpi_test.cpp's
@@ -150,7 +162,7 @@ INSTANTIATE_TEST_SUITE_P(
 struct MoeFp8Case {
   const char* name;
   const char* recipe;
-  int tp = 1, dp = 1, pp = 1;
+  int tp = 1, dp = 1, pp = 1, ep = 1;
 };
 
 class MoeFp8Layouts : public testing::TestWithParam<MoeFp8Case> {
@@ -187,6 +199,7 @@ TEST_P(MoeFp8Layouts, FollowTheOneRankFp8Run) {
   TrainConfig par = fp8_config("parallel");
   par.parallel.tp = p.tp, par.parallel.dp = p.dp, par.parallel.pp = p.pp;
   par.parallel.distributed_optimizer = p.dp > 1;
+  par.parallel.ep = p.ep;
   if (p.pp > 1) par.parallel.pp_layers = "2,1";
   par.train.grad_accum = 2;
   const TrainResult got = Trainer(par, &world).run();
@@ -197,7 +210,8 @@ INSTANTIATE_TEST_SUITE_P(Layouts, MoeFp8Layouts,
                          testing::Values(MoeFp8Case{"block_tp2", "block", 2},
                                          MoeFp8Case{"current_tp2", "current", 2},
                                          MoeFp8Case{"delayed_dp2_zero1", "delayed", 1, 2},
-                                         MoeFp8Case{"block_pp2", "block", 1, 1, 2}),
+                                         MoeFp8Case{"block_pp2", "block", 1, 1, 2},
+                                         MoeFp8Case{"block_dp2_ep2", "block", 1, 2, 1, 2}),
                          [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace

@@ -24,16 +24,12 @@ int ParameterStore::add(std::string name, Shape shape, bool weight_decay, Init i
   } else if (shard.global_shape.empty()) {
     shard.global_shape = shape;
   }
-  // A group's parameters are adjacent: its buckets and its optimizer shard are one flat range.
-  if (!infos_.empty() && infos_.back().group != group)
-    for (const ParamInfo& p : infos_)
-      FORGE_CHECK(p.group != group, "parameter '{}' of group '{}' registered apart from the group's others ('{}')",
-                  name, group, p.name);
   ParamInfo info{std::move(name), std::move(shape), total_, weight_decay, init, init_std, std::move(shard)};
   info.group = std::move(group);
   // No padding: parameters registered in a row form one contiguous matrix (fused q|k|v, gate|up).
   total_ += shape_numel(info.shape);
   by_name_[info.name] = static_cast<int>(infos_.size());
+  by_offset_.push_back(static_cast<int>(infos_.size()));
   infos_.push_back(std::move(info));
   return static_cast<int>(infos_.size()) - 1;
 }
@@ -108,6 +104,21 @@ void ParameterStore::remove_grad_listener(int handle) {
 }
 
 void ParameterStore::allocate(bool with_bf16_shadow, bool with_grads, Device device) {
+  // A group's parameters are adjacent: its buckets and its optimizer shard are one flat range. Groups are
+  // laid out in the order they first appear, each in registration order (so that parameters registered one
+  // after another in one group stay one matrix).
+  std::vector<std::string> order;
+  for (const ParamInfo& p : infos_)
+    if (std::find(order.begin(), order.end(), p.group) == order.end()) order.push_back(p.group);
+  int64_t offset = 0;
+  by_offset_.clear();
+  for (const std::string& group : order)
+    for (size_t id = 0; id < infos_.size(); ++id)
+      if (ParamInfo& p = infos_[id]; p.group == group) {
+        p.offset = offset, offset += shape_numel(p.shape);
+        by_offset_.push_back(static_cast<int>(id));
+      }
+  FORGE_CHECK(offset == total_, "parameter layout: {} elements placed of {}", offset, total_);
   device_ = device;
   params_ = Tensor::zeros({total_}, DType::f32, device);
   if (with_grads) grads_ = Tensor::zeros({total_}, DType::f32, device);

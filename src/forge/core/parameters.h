@@ -33,7 +33,7 @@ struct ShardSpec {
 struct ParamInfo {
   std::string name;  // Hugging Face tensor name
   Shape shape;       // local shape (the shard this process holds)
-  int64_t offset = 0;  // elements into the flat buffers
+  int64_t offset = 0;  // elements into the flat buffers (final once the store is allocated)
   bool weight_decay = true;
   Init init = Init::normal;
   float init_std = 0.02f;
@@ -41,8 +41,9 @@ struct ParamInfo {
   // Weight-gradient contributions per micro-batch: the modules that accumulate into it (2 for an embedding
   // tied to the loss head in the same store).
   int grad_uses = 1;
-  // The reduction group it belongs to ("dense"; experts and pipeline chunks get their own): parameters of a
-  // group are adjacent in the buffers, and each group is reduced by its own gradient buckets.
+  // The reduction group it belongs to ("dense"; expert-parallel experts get "experts"): allocate() lays each
+  // group's parameters out adjacently, groups in the order they first appear, each in registration order,
+  // and each group is reduced by its own gradient buckets.
   std::string group = "dense";
   const Shape& global_shape() const { return shard.global_shape.empty() ? shape : shard.global_shape; }
 };
@@ -116,6 +117,8 @@ class ParameterStore {
   int count() const { return static_cast<int>(infos_.size()); }
   const ParamInfo& info(int id) const { return infos_.at(id); }
   const std::vector<ParamInfo>& infos() const { return infos_; }
+  // Parameter ids in increasing offset order (registration order until allocate() groups them).
+  const std::vector<int>& ids_by_offset() const { return by_offset_; }
   int find(const std::string& name) const;  // -1 when absent
 
   Tensor param(int id) const { return params_.view(infos_[id].offset, infos_[id].shape); }
@@ -150,6 +153,7 @@ class ParameterStore {
 
  private:
   std::vector<ParamInfo> infos_;
+  std::vector<int> by_offset_;
   std::unordered_map<std::string, int> by_name_;
   int64_t total_ = 0;
   uint64_t version_ = 0;

@@ -1,6 +1,7 @@
 #include "forge/nn/compute.h"
 
 #include "forge/kernels/ops.h"
+#include "forge/nn/expert_parallel.h"
 #include "forge/nn/tensor_parallel.h"
 
 namespace forge::nn {
@@ -23,6 +24,8 @@ std::string_view recompute_name(Recompute r) {
 
 int ComputeOptions::tp_rank() const { return tp ? tp->rank() : 0; }
 int ComputeOptions::tp_size() const { return tp ? tp->size() : 1; }
+int ComputeOptions::ep_rank() const { return ep ? ep->rank() : 0; }
+int ComputeOptions::ep_size() const { return ep ? ep->size() : 1; }
 
 Tensor to_gemm_dtype(const Tensor& x, DType gemm_dtype) {
   if (gemm_dtype == DType::f32) return x;

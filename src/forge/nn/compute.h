@@ -15,6 +15,7 @@ Recompute recompute_from_name(std::string_view name);
 std::string_view recompute_name(Recompute r);
 
 class TensorParallel;
+class ExpertParallel;
 class Fp8Context;
 
 struct ComputeOptions {
@@ -36,8 +37,13 @@ struct ComputeOptions {
   // a micro-batch, the rest dropped (nn::MoeShape::capacity_factor; 0: dropless). Models without routed
   // experts ignore it.
   double moe_capacity_factor = 0;
+  // The expert-parallel group (null: every routed expert on this rank): mixture-of-experts layers hold
+  // experts / ep of them and send each token to the rank of its expert (nn/expert_parallel.h).
+  ExpertParallel* ep = nullptr;
   int tp_rank() const;
   int tp_size() const;
+  int ep_rank() const;
+  int ep_size() const;
 };
 
 // x itself when gemm_dtype is fp32, else a bf16 copy on x's device (the operand a GEMM reads).

@@ -14,14 +14,17 @@ Moe::Moe(ParameterStore* store, MoeParams params, MoeShape shape, ComputeOptions
   FORGE_CHECK(shape.experts > 0 && shape.top_k > 0 && shape.expert_ffn > 0 && shape.hidden > 0,
               "Moe: bad shape experts={} top_k={} expert_ffn={} hidden={}", shape.experts, shape.top_k,
               shape.expert_ffn, shape.hidden);
+  if (shape.experts % options.ep_size() != 0)
+    fail("{} routed experts do not split over parallel.ep = {} ranks", shape.experts, options.ep_size());
+  const int64_t local = local_experts();
   if (options.fp8) {  // registered with the FP8 context in a fixed order: every gate|up, then every down
-    fp8_gate_up_.reserve(static_cast<size_t>(shape.experts));
-    fp8_down_.reserve(static_cast<size_t>(shape.experts));
-    for (int64_t e = 0; e < shape.experts; ++e) {
+    fp8_gate_up_.reserve(static_cast<size_t>(local));
+    fp8_down_.reserve(static_cast<size_t>(local));
+    for (int64_t e = 0; e < local; ++e) {
       const int gate = params.first_gate_up + 2 * static_cast<int>(e);
       fp8_gate_up_.emplace_back(store, std::vector<int>{gate, gate + 1}, shape.hidden, options);
     }
-    for (int64_t e = 0; e < shape.experts; ++e)
+    for (int64_t e = 0; e < local; ++e)
       fp8_down_.emplace_back(store, std::vector<int>{params.first_down + static_cast<int>(e)},
                              shape.expert_ffn, options);
   }
@@ -38,28 +41,28 @@ Tensor Moe::weights(DType dtype, int first, int count, int64_t cols) const {
   return store_->span(store_->params(), first, count, cols);
 }
 
-// C [rows, n] = A_g [rows_g, k] @ op(W_g) per expert, W_g the g-th of `count / experts`-parameter blocks from
-// `first` (stored [n, k]; trans_b = false reads it as [k, n], the input gradient's dx = dy W_g).
+// C [rows, n] = A_g [rows_g, k] @ op(W_g) per local expert, W_g the g-th of `count / experts`-parameter
+// blocks from `first` (stored [n, k]; trans_b = false reads it as [k, n], the input gradient's dx = dy W_g).
 Tensor Moe::grouped(const GemmOperand& a, int64_t rows, int first, int count, int64_t n, int64_t k,
                     bool trans_b, const std::vector<int64_t>& offsets) const {
   Tensor c = Tensor::empty({rows, n}, DType::f32, options_.device);
   if (rows == 0) return c;
   const Tensor w = weights(a.data.dtype(), first, count, trans_b ? k : n);
   ops::GroupedGemmParams p;
-  p.groups = shape_.experts, p.offsets = offsets.data(), p.n = n, p.k = k;
+  p.groups = local_experts(), p.offsets = offsets.data(), p.n = n, p.k = k;
   p.a = a.data.raw(), p.lda = k, p.b = w.raw(), p.ldb = trans_b ? k : n, p.trans_b = trans_b;
   p.b_group_stride = n * k, p.ab_dtype = a.data.dtype(), p.c = c.f32(), p.ldc = n;
   ops::m_grouped_gemm(p, options_.device);
   return c;
 }
 
-// dW_g [m, n] += dy_g^T x_g per expert, over the gradient blocks from `first`.
+// dW_g [m, n] += dy_g^T x_g per local expert, over the gradient blocks from `first`.
 void Moe::grouped_weight_grad(const GemmOperand& dy, const GemmOperand& x, int first, int count, int64_t m,
                               int64_t n, const std::vector<int64_t>& offsets) const {
   if (offsets.back() > 0) {
     const Tensor dw = store_->span(store_->grads(), first, count, n);
     ops::GroupedGemmParams p;
-    p.groups = shape_.experts, p.offsets = offsets.data(), p.m = m, p.n = n;
+    p.groups = local_experts(), p.offsets = offsets.data(), p.m = m, p.n = n;
     p.a = dy.data.raw(), p.lda = m, p.b = x.data.raw(), p.ldb = n, p.ab_dtype = dy.data.dtype();
     p.c = dw.f32(), p.ldc = n, p.c_group_stride = m * n, p.beta = 1.0f;
     ops::k_grouped_gemm(p, options_.device);
@@ -89,7 +92,7 @@ Tensor Moe::per_expert(const Tensor& in, int64_t in_cols, int64_t out_cols,
                        const std::vector<int64_t>& offsets, Op op) const {
   Tensor out;
   if (out_cols > 0) out = Tensor::empty({offsets.back(), out_cols}, DType::f32, options_.device);
-  for (int64_t e = 0; e < shape_.experts; ++e) {
+  for (int64_t e = 0; e < local_experts(); ++e) {
     const int64_t begin = offsets[e], rows = offsets[e + 1] - begin;
     if (rows == 0) continue;
     op(e, in.view(begin * in_cols, {rows, in_cols}),
@@ -102,8 +105,8 @@ Tensor Moe::per_expert(const Tensor& in, int64_t in_cols, int64_t out_cols,
 // recompute in backward: the operands alone, as the weight gradient reads them).
 Tensor Moe::fp8_down_forward(Saved& s, bool forward) const {
   const Tensor act = swiglu(s.gate_up);
-  s.expert_act.assign(static_cast<size_t>(shape_.experts), GemmOperand{});
-  return per_expert(act, shape_.expert_ffn, forward ? shape_.hidden : 0, s.offsets,
+  s.expert_act.assign(static_cast<size_t>(local_experts()), GemmOperand{});
+  return per_expert(act, shape_.expert_ffn, forward ? shape_.hidden : 0, s.plan.local_offsets,
                     [&](int64_t e, const Tensor& a, const Tensor& y) {
                       const Linear& down = fp8_down_[static_cast<size_t>(e)];
                       GemmOperand& op = s.expert_act[static_cast<size_t>(e)];
@@ -115,9 +118,12 @@ Tensor Moe::fp8_down_forward(Saved& s, bool forward) const {
                     });
 }
 
-Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training) const {
+template <typename Overlapped>
+Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training,
+                           Overlapped overlapped) const {
   const Device device = options_.device;
   const int64_t hidden = shape_.hidden, experts = shape_.experts, k = shape_.top_k, ffn = shape_.expert_ffn;
+  const int64_t local = local_experts();
   const int64_t rows = h.numel() / hidden;
 
   // Router logits in fp32 (the scores decide the routing; bf16 would flip near-ties).
@@ -197,27 +203,40 @@ Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training
     if (aux) s.aux_sum = aux_loss.to(Device::cpu).f32()[0], s.micro_batches = 1;
   }
 
-  Tensor xs = Tensor::empty({sorted, hidden}, DType::f32, device);
+  Tensor sorted_xs = Tensor::empty({sorted, hidden}, DType::f32, device);
   ops::MoePermuteParams pp;
   pp.tokens = rows, pp.top_k = k, pp.hidden = hidden, pp.rows = sorted, pp.row_of = s.row_of.i32();
-  pp.source = s.source.i32(), pp.x = h.f32(), pp.out = xs.f32();
+  pp.source = s.source.i32(), pp.x = h.f32(), pp.out = sorted_xs.f32();
   ops::moe_permute(pp, device);
+
+  // To the experts' ranks (nothing moves without expert parallelism); the shared experts run meanwhile.
+  s.plan = plan_dispatch(options_.ep, s.offsets);
+  if (training && stats_) s.sent = s.plan.sent(), s.received = s.plan.received();
+  ExpertDispatch dispatch;
+  dispatch.start(options_.ep, s.plan, sorted_xs, hidden, /*to_experts=*/true);
+  overlapped();
+  const Tensor xs = dispatch.finish();
+  const int64_t received = s.plan.received();
+  const std::vector<int64_t>& offsets_local = s.plan.local_offsets;
+  Tensor ys;
   if (fp8()) {
-    s.expert_xs.assign(static_cast<size_t>(experts), GemmOperand{});
-    s.gate_up = per_expert(xs, hidden, 2 * ffn, s.offsets, [&](int64_t e, const Tensor& x, const Tensor& y) {
-      GemmOperand& op = s.expert_xs[static_cast<size_t>(e)];
-      op = fp8_gate_up_[static_cast<size_t>(e)].input(x);
-      fp8_gate_up_[static_cast<size_t>(e)].forward(op, y);
-    });
-    s.ys = fp8_down_forward(s, true);
+    s.expert_xs.assign(static_cast<size_t>(local), GemmOperand{});
+    s.gate_up =
+        per_expert(xs, hidden, 2 * ffn, offsets_local, [&](int64_t e, const Tensor& x, const Tensor& y) {
+          GemmOperand& op = s.expert_xs[static_cast<size_t>(e)];
+          op = fp8_gate_up_[static_cast<size_t>(e)].input(x);
+          fp8_gate_up_[static_cast<size_t>(e)].forward(op, y);
+        });
+    ys = fp8_down_forward(s, true);
   } else {
     s.xs = GemmOperand{to_gemm_dtype(xs, options_.gemm_dtype)};
-    s.gate_up = grouped(s.xs, sorted, params_.first_gate_up, 2 * static_cast<int>(experts), 2 * ffn, hidden,
-                        true, s.offsets);
+    s.gate_up = grouped(s.xs, received, params_.first_gate_up, 2 * static_cast<int>(local), 2 * ffn, hidden,
+                        true, offsets_local);
     s.act = activation(s.gate_up);
-    s.ys =
-        grouped(s.act, sorted, params_.first_down, static_cast<int>(experts), hidden, ffn, true, s.offsets);
+    ys = grouped(s.act, received, params_.first_down, static_cast<int>(local), hidden, ffn, true,
+                 offsets_local);
   }
+  s.ys = combine_rows(options_.ep, s.plan, ys, hidden);  // back to the tokens' rank, in sorted order
 
   Tensor out = Tensor::empty({rows, hidden}, DType::f32, device);
   ops::MoeUnpermuteParams u;
@@ -230,13 +249,13 @@ Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training
 Tensor Moe::forward(const Tensor& h, int64_t, int64_t seq, LayerPart::Saved& saved, bool keep_all) const {
   Saved& s = static_cast<Saved&>(saved);
   const Tensor full = gather_in(options_.tp, h);
-  Tensor y = reduce_out(options_.tp, routed_forward(full, seq, s, true));
+  Tensor z;  // the shared experts' output, computed while the routed rows travel
+  Tensor y = reduce_out(options_.tp, routed_forward(full, seq, s, true, [&] {
+                          if (shared_) z = shared_->forward(h, s.shared, keep_all);
+                        }));
   if (!keep_all)
     s.act = GemmOperand{}, s.expert_act.clear();  // selective recompute: SwiGLU again in backward
-  if (shared_) {
-    const Tensor z = shared_->forward(h, s.shared, keep_all);
-    ops::add_inplace(y.f32(), z.f32(), y.numel(), options_.device);
-  }
+  if (shared_) ops::add_inplace(y.f32(), z.f32(), y.numel(), options_.device);
   return y;
 }
 
@@ -245,9 +264,12 @@ Tensor Moe::backward_input(const Tensor& dy_in, int64_t, int64_t, LayerPart::Sav
   const Device device = options_.device;
   const int64_t hidden = shape_.hidden, experts = shape_.experts, k = shape_.top_k, ffn = shape_.expert_ffn;
   const int64_t rows = s.h.numel() / hidden, sorted = s.offsets.back();
+  const int64_t local = local_experts(), received = s.plan.received();
+  const std::vector<int64_t>& offsets_local = s.plan.local_offsets;
   if (stats_ && !s.load.empty()) {
     for (int64_t e = 0; e < experts; ++e) stats_->load[e] += s.load[e];
     stats_->dropped += s.dropped;
+    stats_->sent += s.sent, stats_->received += s.received;
     stats_->balance_sum += s.balance_sum, stats_->sequences += s.sequences;
     stats_->aux_sum += s.aux_sum, stats_->micro_batches += s.micro_batches;
   }
@@ -265,43 +287,53 @@ Tensor Moe::backward_input(const Tensor& dy_in, int64_t, int64_t, LayerPart::Sav
   s.ys = Tensor();
   if (options_.tp) options_.tp->all_reduce_sum(dweights.f32(), dweights.numel(), device);
 
+  // To the experts' ranks; the shared experts' input gradient meanwhile.
+  ExpertDispatch dispatch;
+  dispatch.start(options_.ep, s.plan, dys, hidden, /*to_experts=*/true);
+  Tensor dz;
+  if (shared_) dz = shared_->backward_input(dy_in, s.shared);
+  const Tensor local_dys = dispatch.finish();
+
   // Through the experts.
   Tensor dact;
   if (fp8()) {
     if (s.expert_act.empty()) fp8_down_forward(s, false);  // selective recompute
-    s.expert_dys.assign(static_cast<size_t>(experts), GemmOperand{});
-    dact = per_expert(dys, hidden, ffn, s.offsets, [&](int64_t e, const Tensor& d, const Tensor& dx) {
-      GemmOperand& op = s.expert_dys[static_cast<size_t>(e)];
-      op = fp8_down_[static_cast<size_t>(e)].grad_output(d);
-      fp8_down_[static_cast<size_t>(e)].backward_input(op, dx);
-    });
+    s.expert_dys.assign(static_cast<size_t>(local), GemmOperand{});
+    dact =
+        per_expert(local_dys, hidden, ffn, offsets_local, [&](int64_t e, const Tensor& d, const Tensor& dx) {
+          GemmOperand& op = s.expert_dys[static_cast<size_t>(e)];
+          op = fp8_down_[static_cast<size_t>(e)].grad_output(d);
+          fp8_down_[static_cast<size_t>(e)].backward_input(op, dx);
+        });
   } else {
     if (!s.act.defined()) s.act = activation(s.gate_up);  // selective recompute
-    s.dys = GemmOperand{to_gemm_dtype(dys, options_.gemm_dtype)};
-    dact =
-        grouped(s.dys, sorted, params_.first_down, static_cast<int>(experts), ffn, hidden, false, s.offsets);
+    s.dys = GemmOperand{to_gemm_dtype(local_dys, options_.gemm_dtype)};
+    dact = grouped(s.dys, received, params_.first_down, static_cast<int>(local), ffn, hidden, false,
+                   offsets_local);
   }
-  Tensor dgate_up = Tensor::empty({sorted, 2 * ffn}, DType::f32, device);
-  if (sorted > 0) {
+  Tensor dgate_up = Tensor::empty({received, 2 * ffn}, DType::f32, device);
+  if (received > 0) {
     ops::SwigluParams sw;
-    sw.rows = sorted, sw.ffn = ffn, sw.gate_up = s.gate_up.f32(), sw.dout = dact.f32(),
+    sw.rows = received, sw.ffn = ffn, sw.gate_up = s.gate_up.f32(), sw.dout = dact.f32(),
     sw.dgate_up = dgate_up.f32();
     ops::swiglu_backward(sw, device);
   }
   s.gate_up = Tensor();
-  Tensor dxs;
+  Tensor local_dxs;
   if (fp8()) {
-    s.expert_dgate_up.assign(static_cast<size_t>(experts), GemmOperand{});
-    dxs = per_expert(dgate_up, 2 * ffn, hidden, s.offsets, [&](int64_t e, const Tensor& d, const Tensor& dx) {
-      GemmOperand& op = s.expert_dgate_up[static_cast<size_t>(e)];
-      op = fp8_gate_up_[static_cast<size_t>(e)].grad_output(d);
-      fp8_gate_up_[static_cast<size_t>(e)].backward_input(op, dx);
-    });
+    s.expert_dgate_up.assign(static_cast<size_t>(local), GemmOperand{});
+    local_dxs = per_expert(dgate_up, 2 * ffn, hidden, offsets_local,
+                           [&](int64_t e, const Tensor& d, const Tensor& dx) {
+                             GemmOperand& op = s.expert_dgate_up[static_cast<size_t>(e)];
+                             op = fp8_gate_up_[static_cast<size_t>(e)].grad_output(d);
+                             fp8_gate_up_[static_cast<size_t>(e)].backward_input(op, dx);
+                           });
   } else {
     s.dgate_up = GemmOperand{to_gemm_dtype(dgate_up, options_.gemm_dtype)};
-    dxs = grouped(s.dgate_up, sorted, params_.first_gate_up, 2 * static_cast<int>(experts), hidden, 2 * ffn,
-                  false, s.offsets);
+    local_dxs = grouped(s.dgate_up, received, params_.first_gate_up, 2 * static_cast<int>(local), hidden,
+                        2 * ffn, false, offsets_local);
   }
+  const Tensor dxs = combine_rows(options_.ep, s.plan, local_dxs, hidden);  // back, in sorted order
   Tensor dh = Tensor::empty({rows, hidden}, DType::f32, device);
   ops::MoePermuteParams pp;
   pp.tokens = rows, pp.top_k = k, pp.hidden = hidden, pp.rows = sorted, pp.row_of = s.row_of.i32();
@@ -333,24 +365,23 @@ Tensor Moe::backward_input(const Tensor& dy_in, int64_t, int64_t, LayerPart::Sav
   }
   s.scores = s.score_sums = s.fraction = s.aux_fraction = s.weights = s.expert_ids = Tensor();
   Tensor dx = reduce_out(options_.tp, dh);
-  if (shared_) {
-    const Tensor dz = shared_->backward_input(dy_in, s.shared);
-    ops::add_inplace(dx.f32(), dz.f32(), dx.numel(), device);
-  }
+  if (shared_) ops::add_inplace(dx.f32(), dz.f32(), dx.numel(), device);
   return dx;
 }
 
 void Moe::backward_weight(LayerPart::Saved& saved) const {
   Saved& s = static_cast<Saved&>(saved);
   const int64_t hidden = shape_.hidden, experts = shape_.experts, ffn = shape_.expert_ffn;
+  const int64_t local = local_experts();
+  const std::vector<int64_t>& offsets_local = s.plan.local_offsets;
   if (fp8()) {
     // An expert without rows has no operands; its (zero) gradient is final all the same.
-    for (size_t e = 0; e < static_cast<size_t>(experts); ++e)
+    for (size_t e = 0; e < static_cast<size_t>(local); ++e)
       if (s.expert_dys.size() > e && s.expert_dys[e].defined())
         fp8_down_[e].backward_weight(s.expert_dys[e], s.expert_act[e]);
       else
         store_->note_grad(params_.first_down + static_cast<int>(e));
-    for (size_t e = 0; e < static_cast<size_t>(experts); ++e)
+    for (size_t e = 0; e < static_cast<size_t>(local); ++e)
       if (s.expert_dgate_up.size() > e && s.expert_dgate_up[e].defined()) {
         fp8_gate_up_[e].backward_weight(s.expert_dgate_up[e], s.expert_xs[e]);
       } else {
@@ -358,9 +389,10 @@ void Moe::backward_weight(LayerPart::Saved& saved) const {
         store_->note_grad(params_.first_gate_up + 2 * static_cast<int>(e) + 1);
       }
   } else {
-    grouped_weight_grad(s.dys, s.act, params_.first_down, static_cast<int>(experts), hidden, ffn, s.offsets);
-    grouped_weight_grad(s.dgate_up, s.xs, params_.first_gate_up, 2 * static_cast<int>(experts), 2 * ffn,
-                        hidden, s.offsets);
+    grouped_weight_grad(s.dys, s.act, params_.first_down, static_cast<int>(local), hidden, ffn,
+                        offsets_local);
+    grouped_weight_grad(s.dgate_up, s.xs, params_.first_gate_up, 2 * static_cast<int>(local), 2 * ffn, hidden,
+                        offsets_local);
   }
   const int64_t rows = s.h.numel() / hidden;
   if (rows > 0) {
@@ -378,12 +410,12 @@ void Moe::backward_weight(LayerPart::Saved& saved) const {
 Tensor Moe::forward_cached(const Tensor& h, int64_t, int64_t, const KvLayer*) const {
   Saved scratch;
   const Tensor full = gather_in(options_.tp, h);
-  Tensor y = reduce_out(options_.tp, routed_forward(full, 0, scratch, false));
-  if (shared_) {
-    Mlp::Saved shared;
-    const Tensor z = shared_->forward(h, shared, false);
-    ops::add_inplace(y.f32(), z.f32(), y.numel(), options_.device);
-  }
+  Tensor z;
+  Tensor y = reduce_out(options_.tp, routed_forward(full, 0, scratch, false, [&] {
+                          Mlp::Saved shared;
+                          if (shared_) z = shared_->forward(h, shared, false);
+                        }));
+  if (shared_) ops::add_inplace(y.f32(), z.f32(), y.numel(), options_.device);
   return y;
 }
 

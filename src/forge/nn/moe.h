@@ -29,6 +29,14 @@
 // (gate|up column-parallel, down row-parallel); the router and its bias are replicated and route the same
 // gathered rows on every rank. The experts' output is a partial sum that reduce_out completes; the gates'
 // gradient, partial for the same reason, is summed over the group before the router's backward.
+//
+// Expert parallelism (ComputeOptions::ep): the layer holds experts / ep of the routed experts (rank p of the
+// group experts [p L, (p + 1) L)), the router and the shared experts whole. Every rank routes its own
+// tokens over all experts and sorts them; the token dispatcher (nn/expert_parallel.h) sends each expert's
+// rows to its rank, the local experts run over what every rank sent them, and the outputs come back to be
+// combined where the tokens live. The shared experts compute while the rows travel (forward and backward).
+// Under tensor parallelism too, each tp rank exchanges with the same tp rank of the other ep ranks, its share
+// of the experts' width.
 #pragma once
 
 #include <cstdint>
@@ -37,6 +45,7 @@
 
 #include "forge/kernels/ops.h"
 #include "forge/nn/compute.h"
+#include "forge/nn/expert_parallel.h"
 #include "forge/nn/layer_part.h"
 #include "forge/nn/linear.h"
 #include "forge/nn/mlp.h"
@@ -56,9 +65,10 @@ struct MoeShape {
   double capacity_factor = 0;
 };
 
-// Its parameters, by id in the store. The routed experts' weights are registered gate_0, up_0, gate_1, up_1,
-// ..., then down_0, down_1, ...: all gate|up matrices form one [experts * 2 * ffn, hidden] block and all down
-// matrices one [experts * hidden, ffn] block, the grouped GEMMs' stacked operands.
+// Its parameters, by id in the store. The routed experts' weights (this rank's: all of them, or its L under
+// expert parallelism) are registered gate_0, up_0, gate_1, up_1, ..., then down_0, down_1, ...: all gate|up
+// matrices form one [L * 2 * ffn, hidden] block and all down matrices one [L * hidden, ffn] block, the
+// grouped GEMMs' stacked operands.
 struct MoeParams {
   int router = -1;         // gate.weight [experts, hidden]
   int bias = -1;           // gate.e_score_correction_bias [experts] (-1: none); never has a gradient
@@ -75,8 +85,12 @@ struct MoeStats {
   double aux_sum = 0;         // sum over the micro-batches of their sum_i f_i P_i (computed when aux != 0)
   int64_t micro_batches = 0;  // those aux_sum counts
   int64_t dropped = 0;        // assignments over capacity
+  // Expert parallelism: rows this rank's experts took (from every rank, its own included) and rows it sent
+  // to other ranks' experts (the dispatch's all-to-all volume out; the combine returns as many).
+  int64_t received = 0, sent = 0;
   void reset(int64_t experts) {
     load.assign(experts, 0.0), balance_sum = 0, sequences = 0, aux_sum = 0, micro_batches = 0, dropped = 0;
+    received = 0, sent = 0;
   }
 };
 
@@ -97,19 +111,24 @@ class Moe final : public LayerPart {
     Tensor scores, score_sums, fraction;  // router state for its backward
     Tensor row_of, source;                // the sort
     std::vector<int64_t> offsets;         // host: expert e owns sorted rows [offsets[e], offsets[e + 1])
+    // Where the sorted rows go; plan.local_offsets: local expert l owns rows [.[l], .[l + 1]) of the rows
+    // the experts run over (the sorted rows themselves without expert parallelism).
+    DispatchPlan plan;
     float balance_scale = 0;
     Tensor aux_fraction;  // [experts]: the micro-batch's f, for the auxiliary loss' backward
     float aux_scale = 0;
+    // The experts' rows (R of them: local_offsets.back()):
     GemmOperand xs;             // permuted rows as the gate|up GEMMs read them
     Tensor gate_up;             // fp32 [R, 2 ffn]
     GemmOperand act;            // silu(gate) * up as the down GEMMs read it
-    Tensor ys;                  // expert outputs (unweighted) [R, hidden]
+    Tensor ys;                  // expert outputs (unweighted) in sorted order, back on the tokens' rank
     GemmOperand dys, dgate_up;  // from backward_input, for backward_weight
     // FP8: the same operands per expert (empty for an expert without rows).
     std::vector<GemmOperand> expert_xs, expert_act, expert_dys, expert_dgate_up;
     Tensor dlogits;             // [rows, experts]
     std::vector<double> load;   // this micro-batch's tokens per expert (counted before any drop)
     int64_t dropped = 0;        // its assignments over capacity
+    int64_t sent = 0, received = 0;  // expert parallelism: rows sent to other ranks, rows the experts took
     double balance_sum = 0;     // sum over its sequences of sum_i f_i P_i
     int64_t sequences = 0;
     double aux_sum = 0;  // its sum_i f_i P_i over all its rows (micro_batches = 1 when computed)
@@ -137,8 +156,10 @@ class Moe final : public LayerPart {
  private:
   // The routed experts over h [rows, hidden] (gathered); fills the saved state or a scratch one. training:
   // a micro-batch of forward (training or evaluation: balance losses, statistics, capacity); false:
-  // forward_cached.
-  Tensor routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training) const;
+  // forward_cached. overlapped runs while the dispatch's rows travel.
+  template <typename Overlapped>
+  Tensor routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training, Overlapped overlapped) const;
+  int64_t local_experts() const { return shape_.experts / options_.ep_size(); }
   Tensor grouped(const GemmOperand& a, int64_t rows, int first, int count, int64_t n, int64_t k, bool trans_b,
                  const std::vector<int64_t>& offsets) const;
   void grouped_weight_grad(const GemmOperand& dy, const GemmOperand& x, int first, int count, int64_t m,

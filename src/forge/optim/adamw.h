@@ -28,13 +28,15 @@ float clip_coefficient(double norm, float max_norm);
 template <typename Fn>
 void for_each_param_in_range(const ParameterStore& store, int64_t begin, int64_t end, Fn&& fn) {
   const auto& infos = store.infos();
+  const std::vector<int>& order = store.ids_by_offset();
   // The last parameter starting at or before `begin`.
-  auto it = std::upper_bound(infos.begin(), infos.end(), begin,
-                             [](int64_t offset, const ParamInfo& p) { return offset < p.offset; });
-  if (it != infos.begin()) --it;
-  for (; it != infos.end() && it->offset < end; ++it) {
-    const int64_t lo = std::max(begin, it->offset), hi = std::min(end, it->offset + shape_numel(it->shape));
-    if (lo < hi) fn(*it, lo, hi);
+  auto it = std::upper_bound(order.begin(), order.end(), begin,
+                             [&](int64_t offset, int id) { return offset < infos[id].offset; });
+  if (it != order.begin()) --it;
+  for (; it != order.end() && infos[*it].offset < end; ++it) {
+    const ParamInfo& p = infos[*it];
+    const int64_t lo = std::max(begin, p.offset), hi = std::min(end, p.offset + shape_numel(p.shape));
+    if (lo < hi) fn(p, lo, hi);
   }
 }
 

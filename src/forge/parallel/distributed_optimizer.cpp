@@ -99,6 +99,7 @@ double DistributedAdamW::grad_norm() const {
     flush();
     if (device_sum.defined()) std::memcpy(&sum, device_sum.to(Device::cpu).raw(), sizeof(double));
     if (group_sharded(g) && groups_[g].dp->size() > 1) sum = comm::all_reduce_sum(*groups_[g].dp, sum);
+    if (groups_[g].parts && groups_[g].parts->size() > 1) sum = comm::all_reduce_sum(*groups_[g].parts, sum);
     total_sum = g == 0 ? sum : total_sum + sum;
   }
   sum = total_sum;

@@ -31,6 +31,9 @@ namespace forge::parallel {
 struct OptimizerGroup {
   const GradBuckets* buckets = nullptr;
   comm::Communicator* dp = nullptr;
+  // Ranks holding other parameters of the group (expert parallelism's ep group: other experts), over which
+  // the norm's sum is added as well; null: every dp rank holds the group's parameters.
+  comm::Communicator* parts = nullptr;
 };
 
 class DistributedAdamW {

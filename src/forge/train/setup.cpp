@@ -30,11 +30,11 @@ parallel::Layout checked_layout(const TrainConfig& c, comm::Communicator& world)
   // The layout is checked against the world before any work: a wrong -np or a model that does not split
   // fails here, on every rank, with the same message.
   parallel::Layout layout(c.layout_spec(), world.size(), world.rank());
-  if (layout.cp() > 1 || layout.ep() > 1)
+  if (layout.cp() > 1)
     fail(
-        "parallel.cp = {}, parallel.ep = {}: this version trains with tensor, pipeline and data parallelism; "
-        "context and expert parallelism are not implemented yet",
-        layout.cp(), layout.ep());
+        "parallel.cp = {}: this version trains with tensor, pipeline, data and expert parallelism; context "
+        "parallelism is not implemented yet",
+        layout.cp());
   return layout;
 }
 
@@ -94,8 +94,19 @@ TrainSetup::TrainSetup(const TrainConfig& c, comm::Communicator& world_)
       &model->params(), on_gpu() ? (dp_nccl ? dp_nccl.get() : dp_self.get()) : &dp_group(), bucket_options);
   AdamWConfig adam_config{static_cast<float>(c.train.beta1), static_cast<float>(c.train.beta2),
                           static_cast<float>(c.train.eps), static_cast<float>(c.train.weight_decay)};
-  optimizer = std::make_unique<parallel::DistributedAdamW>(&model->params(), adam_config, &dp_group(),
-                                                           groups.model_parallel.get(), buckets.get());
+  std::vector<parallel::OptimizerGroup> optimizer_groups{{buckets.get(), &dp_group()}};
+  if (layout.ep() > 1) {
+    // The routed experts: each held by the expert-data-parallel ranks alone, whose gradients (every ep
+    // rank's tokens for these experts) they sum, with their own ZeRO-1 shards; the ep ranks hold the others.
+    parallel::BucketOptions expert_options = bucket_options;
+    expert_options.group = "experts";
+    expert_options.overlap = bucket_options.overlap && layout.expert_dp() > 1;
+    expert_buckets =
+        std::make_unique<parallel::GradBuckets>(&model->params(), groups.expert_dp.get(), expert_options);
+    optimizer_groups.push_back({expert_buckets.get(), groups.expert_dp.get(), groups.ep.get()});
+  }
+  optimizer = std::make_unique<parallel::DistributedAdamW>(&model->params(), adam_config, optimizer_groups,
+                                                           groups.model_parallel.get());
   schedule = c.lr_schedule();
 }
 
@@ -218,6 +229,28 @@ void TrainSetup::check_model_fits() const {
          model_source);
   parallel::validate_model_fit(layout, {s.hidden, s.heads, s.kv_heads, s.ffn, s.vocab, s.layers},
                                c.parallel.make_vocab_size_divisible_by);
+  if (layout.ep() > 1) {
+    const nlohmann::json json = model_config->to_json();
+    const int64_t experts = json.value("n_routed_experts", int64_t{0});
+    if (experts <= 0)
+      fail("{}: parallel.ep = {} spreads routed experts over ranks, but {} ({}) has none",
+           c.origin_of("parallel.ep"), layout.ep(), model_source, model_config->architecture());
+    if (experts % layout.ep() != 0)
+      fail("{}: parallel.ep = {} does not divide n_routed_experts = {} of {}", c.origin_of("parallel.ep"),
+           layout.ep(), experts, model_source);
+    if (c.fp8.recipe == "delayed")
+      fail(
+          "{}: fp8.recipe = \"delayed\" with parallel.ep = {}: the amax histories of experts on other ranks "
+          "are "
+          "not reduced yet; use \"block\" (DeepSeek-V3's) or \"current\"",
+          c.origin_of("fp8.recipe"), layout.ep());
+    if (c.parallel.schedule == "dualpipe" && layout.pp() > 1)
+      fail(
+          "{}: parallel.schedule = \"dualpipe\" (mirrored stages) with parallel.ep = {} is not supported "
+          "yet; "
+          "use \"dualpipev\"",
+          c.origin_of("parallel.schedule"), layout.ep());
+  }
   // Sequence parallelism splits each micro-batch's token rows over tp; with seq_len a multiple of tp every
   // batch size splits (evaluation's last batch may be smaller), as Megatron requires.
   if (c.parallel.sequence_parallel && layout.tp() > 1 && c.data.seq_len % layout.tp() != 0)
@@ -271,6 +304,10 @@ void TrainSetup::make_compute_options() {
   tensor_parallel = std::make_unique<parallel::CommTensorParallel>(
       groups.tp.get(), c.parallel.sequence_parallel, tp_nccl.get());
   if (layout.tp() > 1) options.tp = tensor_parallel.get();
+  if (layout.ep() > 1) {
+    expert_parallel = std::make_unique<parallel::CommExpertParallel>(groups.ep.get());
+    options.ep = expert_parallel.get();
+  }
   options.vocab_divisible_by = c.parallel.make_vocab_size_divisible_by;
   options.moe_capacity_factor = c.moe.capacity_factor;
   // FP8: the context lives as long as the model, which reads it through options.fp8.

@@ -16,6 +16,7 @@
 #include "forge/models/pretrained.h"
 #include "forge/nn/fp8_context.h"
 #include "forge/optim/lr_schedule.h"
+#include "forge/parallel/comm_expert_parallel.h"
 #include "forge/parallel/comm_tensor_parallel.h"
 #include "forge/parallel/distributed_optimizer.h"
 #include "forge/parallel/grad_buckets.h"
@@ -54,6 +55,7 @@ class TrainSetup {
   std::string dtype_name;  // the GEMM dtype in use ("bf16", "fp32")
   nn::ComputeOptions options;
   std::unique_ptr<parallel::CommTensorParallel> tensor_parallel;
+  std::unique_ptr<parallel::CommExpertParallel> expert_parallel;  // parallel.ep > 1
   std::unique_ptr<nn::Fp8Context> fp8;  // null without FP8
   std::string fp8_summary = "off";
   // Pipeline parallelism: the part of the model this rank holds (the whole model when pp = 1), the
@@ -81,7 +83,8 @@ class TrainSetup {
   std::unique_ptr<models::Model> model;                     // this rank's stage (its first chunk)
   std::vector<std::unique_ptr<models::Model>> more_chunks;  // its other chunks
   std::vector<models::Model*> chunks() const;
-  std::unique_ptr<parallel::GradBuckets> buckets;
+  std::unique_ptr<parallel::GradBuckets> buckets;         // the dense parameters' (over dp x cp)
+  std::unique_ptr<parallel::GradBuckets> expert_buckets;  // parallel.ep > 1: the experts' (over expert_dp)
   std::unique_ptr<parallel::DistributedAdamW> optimizer;
   optim::LrSchedule schedule;
 

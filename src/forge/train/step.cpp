@@ -230,6 +230,7 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule,
   params.zero_grads();
   params.begin_grad_step(schedule.micro_batches_per_chunk(static_cast<int>(accum)));
   setup.buckets->begin_step();
+  if (setup.expert_buckets) setup.expert_buckets->begin_step();
   // Sample order is that of one rank running dp x accum micro-batches: replica d takes the d-th run. Each
   // micro-batch has its own ids and targets, which a schedule may still read (the embedding's W) later.
   const int64_t first_sample = state.first_sample_of(state.step);
@@ -250,6 +251,7 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule,
   FORGE_CHECK(!params.grad_step_active(),
               "the schedule left parameters without their last gradient of the step");
   setup.buckets->finish();
+  if (setup.expert_buckets) setup.expert_buckets->finish();
   if (on_gradients) on_gradients(state.step + 1, params);
 
   StepResult r;

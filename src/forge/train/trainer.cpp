@@ -56,10 +56,13 @@ struct HeldOut {
 // Loss over held-out windows [0, windows) in batches of `batch`, with the byte count of the targets. Under
 // data parallelism the batches are dealt round-robin over the dp ranks and the sums added up over dp.
 // Ctrl-C (the stop flag, agreed over `world` before each batch) ends it early with interrupted set.
+// Under expert parallelism (every_rank_forwards) the replicas exchange tokens inside each forward, so a rank
+// left without a batch in the last round runs one anyway (the first windows again) and discards its loss.
 // Under pipeline parallelism (pipelining set) each batch runs through the stages and the loss, which the
 // last stage computes, is summed over pp.
 HeldOut evaluate(Model& model, Pipelining* pipelining, const TrainingData& data, int64_t seq, int64_t batch,
-                 int64_t windows, comm::Communicator& dp, comm::Communicator& pp, comm::Communicator& world) {
+                 int64_t windows, comm::Communicator& dp, comm::Communicator& pp, comm::Communicator& world,
+                 bool every_rank_forwards) {
   std::vector<int32_t> ids(batch * seq), targets(batch * seq);
   HeldOut total;
   ProgressBar progress("eval", windows);  // draws only on a terminal
@@ -76,11 +79,13 @@ HeldOut evaluate(Model& model, Pipelining* pipelining, const TrainingData& data,
       return total;
     }
     const int64_t w = round * per_round + batch * dp.rank();
-    if (w >= windows) continue;
-    int64_t b = std::min(batch, windows - w);
-    data.heldout_batch(w, b, ids.data(), targets.data());
+    const bool mine = w < windows;
+    if (!mine && !every_rank_forwards) continue;
+    int64_t b = mine ? std::min(batch, windows - w) : std::min(batch, windows);
+    data.heldout_batch(mine ? w : 0, b, ids.data(), targets.data());
     LossSum part = pipelining ? pipelining->forward_loss({ids.data(), targets.data(), b, seq, 0.0f})
                               : model.forward_loss(ids.data(), targets.data(), b, seq);
+    if (!mine) continue;
     total.loss.sum += part.sum, total.loss.tokens += part.tokens;
     for (int64_t i = 0; i < b * seq; ++i) total.bytes += data.codec().byte_length(targets[i]);
     progress.update(w + b);
@@ -498,9 +503,9 @@ void TrainingRun::log_step(const StepResult& r, TrainResult&) {
 // run).
 bool TrainingRun::evaluate_now() {
   TrainSetup& s = *setup_;
-  HeldOut e =
-      evaluate(*s.model, pipelining_, *s.data, s.seq, s.micro,
-               std::min(heldout_windows_, c_.eval.batches * s.micro), s.dp_group(), s.pp_group(), world_);
+  HeldOut e = evaluate(*s.model, pipelining_, *s.data, s.seq, s.micro,
+                       std::min(heldout_windows_, c_.eval.batches * s.micro), s.dp_group(), s.pp_group(),
+                       world_, s.layout.ep() > 1);
   if (e.interrupted) return false;
   const double bpb = e.bits_per_byte();
   say("eval step %lld | held-out loss %.4f | %.4f bits/byte\n", static_cast<long long>(state_.step),
@@ -614,7 +619,7 @@ TrainResult TrainingRun::finish(TrainResult result) {
   // The final checkpoint first: a Ctrl-C (or a crash) during the evaluation or the sample loses nothing.
   save("final");
   HeldOut e = evaluate(*s.model, pipelining_, *s.data, s.seq, s.micro, heldout_windows_, s.dp_group(),
-                       s.pp_group(), world_);
+                       s.pp_group(), world_, s.layout.ep() > 1);
   if (e.interrupted) {
     say("interrupted during the final evaluation (the checkpoint of step %lld is saved)\n",
         static_cast<long long>(state_.step));
@@ -645,7 +650,7 @@ void TrainingRun::sample(TrainResult& result) {
   // Generation runs on one process: a model split over tp or pp ranks is read back whole from the checkpoint
   // (onto this rank's device).
   std::unique_ptr<Model> whole;
-  if (s.layout.tp() > 1 || s.layout.pp() > 1) {
+  if (s.layout.tp() > 1 || s.layout.pp() > 1 || s.layout.ep() > 1) {
     nn::ComputeOptions single;
     single.gemm_dtype = s.options.gemm_dtype;
     single.device = s.options.device;

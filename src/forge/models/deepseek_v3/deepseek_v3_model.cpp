@@ -85,6 +85,9 @@ DeepseekV3Model::DeepseekV3Model(const DeepseekV3Config& config, nn::ComputeOpti
   config_.check_fits_in_memory(on_host && with_grads, on_host && options.gemm_dtype == DType::bf16,
                                host_memory_bytes(), source);
   const int tp_size = options.tp_size(), rank = options.tp_rank();
+  if (config.n_routed_experts % options.ep_size() != 0)
+    fail("{}: n_routed_experts = {} does not split over parallel.ep = {}", source, config.n_routed_experts,
+         options.ep_size());
   if (config.num_attention_heads % tp_size != 0 || config.intermediate_size % tp_size != 0 ||
       config.moe_intermediate_size % tp_size != 0)
     fail("{}: {} heads, ffn {} and expert ffn {} do not split over tp = {}", source,
@@ -258,18 +261,23 @@ DeepseekV3Model::LayerIds DeepseekV3Model::register_layer(int64_t index, float i
       params_.add(p + "mlp.gate.weight", {experts, h}, true, Init::normal, init_std, replicated);
   ids.experts.bias =
       params_.add(p + "mlp.gate.e_score_correction_bias", {experts}, false, Init::zeros, 0.0f, replicated);
-  for (int64_t e = 0; e < experts; ++e) {
+  // Expert parallelism: this rank's experts only, under their global names, in their own reduction group
+  // (over the expert-data-parallel ranks that hold the same experts).
+  const int64_t local = experts / options_.ep_size(), first = options_.ep_rank() * local;
+  const std::string group = options_.ep_size() > 1 ? "experts" : "dense";
+  for (int64_t e = first; e < first + local; ++e) {
     const std::string m = p + "mlp.experts." + std::to_string(e) + ".";
     const int gate = params_.add(m + "gate_proj.weight", {f, h}, true, Init::normal, init_std,
-                                 split({width, h}, 0, r * f));
-    params_.add(m + "up_proj.weight", {f, h}, true, Init::normal, init_std, split({width, h}, 0, r * f));
-    if (e == 0) ids.experts.first_gate_up = gate;
+                                 split({width, h}, 0, r * f), group);
+    params_.add(m + "up_proj.weight", {f, h}, true, Init::normal, init_std, split({width, h}, 0, r * f),
+                group);
+    if (e == first) ids.experts.first_gate_up = gate;
   }
-  for (int64_t e = 0; e < experts; ++e) {
+  for (int64_t e = first; e < first + local; ++e) {
     const std::string m = p + "mlp.experts." + std::to_string(e) + ".";
-    const int down =
-        params_.add(m + "down_proj.weight", {h, f}, true, Init::normal, out_std, split({h, width}, 1, r * f));
-    if (e == 0) ids.experts.first_down = down;
+    const int down = params_.add(m + "down_proj.weight", {h, f}, true, Init::normal, out_std,
+                                 split({h, width}, 1, r * f), group);
+    if (e == first) ids.experts.first_down = down;
   }
   if (c.n_shared_experts > 0) mlp(p + "mlp.shared_experts.", width * c.n_shared_experts, ids.experts.shared);
   return ids;
