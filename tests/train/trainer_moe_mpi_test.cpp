@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <tuple>
 
 #include "forge/comm/comm.h"
 #include "forge/train/trainer.h"
@@ -110,6 +111,15 @@ TEST_P(MoeLayouts, ReproduceTheOneRankRun) {
       ASSERT_EQ(x.size(), y.size()) << "step " << s + 1;
       for (size_t l = 0; l < x.size(); ++l)
         for (const char* key : {"layer", "min", "max", "dropped"}) EXPECT_EQ(x[l][key], y[l][key]) << key;
+      // Expert parallelism's traffic: the first ep group's experts took rows; some crossed ranks.
+      for (size_t l = 0; p.ep > 1 && l < y.size(); ++l) {
+        ASSERT_TRUE(y[l].contains("received")) << y[l].dump();
+        ASSERT_EQ(y[l]["received"].size(), static_cast<size_t>(p.ep));
+        int64_t received = 0;
+        for (const auto& q : y[l]["received"]) received += q.get<int64_t>();
+        EXPECT_GT(received, 0);
+        EXPECT_GT(y[l]["sent"].get<int64_t>(), 0);
+      }
       for (size_t l = 0; l < x.size(); ++l)
         EXPECT_NEAR(y[l]["aux_loss"].get<double>(), x[l]["aux_loss"].get<double>(),
                     1e-5 * x[l]["aux_loss"].get<double>())
@@ -153,6 +163,95 @@ INSTANTIATE_TEST_SUITE_P(
                     MoeCase{"pp2_dp2_ep2_dualpipev", 1, 2, 2, false, "dualpipev", 4, 6, "", 0, 0, false, 2},
                     MoeCase{"dp2_ep2_aux_capacity", 1, 2, 1, false, "1f1b", 3, 2, "", 0.01, 1.0, false, 2}),
     [](const auto& info) { return std::string(info.param.name); });
+
+// Checkpoints reshard the experts across expert-parallel layouts: a run stopped after 5 steps with the
+// experts spread over every rank (ep = world) resumes with each rank holding all of them (ep = 1, ZeRO-1),
+// and one stopped with ep = 1 resumes with ep = world (the experts' Adam state sharded over no one but the
+// expert-data-parallel ranks); both continue the one-rank run's losses.
+class ExpertParallelRuns : public testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = toy::make_shared_test_dir(comm::world(), "forge_trainer_ep_mpi",
+                                     [](const fs::path& dir) { toy::write_toy_deepseek_config(dir); });
+  }
+  void TearDown() override { toy::remove_shared_test_dir(comm::world(), dir_); }
+  TrainConfig config(const std::string& run) const {
+    TrainConfig c = toy::toy_run_config(dir_, run);
+    c.model.config = (dir_ / "deepseek.json").string();
+    c.data.seq_len = 16;
+    c.train.dtype = "fp32";
+    c.train.steps = 10;
+    c.moe.bias_update_rate = 0.01;
+    c.parallel.timeout_s = 60;
+    return c;
+  }
+  fs::path dir_;
+};
+
+TEST_F(ExpertParallelRuns, CheckpointsReshardTheExpertsAcrossEp) {
+  comm::Communicator& world = comm::world();
+  const int n = world.size();
+  TrainConfig ref = config("reference-" + std::to_string(world.rank()));
+  ref.train.grad_accum = 2 * n;
+  auto self = comm::make_self();
+  const TrainResult want = Trainer(ref, self.get()).run();
+  for (const auto& [name, first_ep, second_ep] :
+       {std::tuple{"spread-then-whole", n, 1}, std::tuple{"whole-then-spread", 1, n}}) {
+    TrainConfig first = config(name);
+    first.parallel.dp = n;
+    first.parallel.ep = first_ep;
+    first.parallel.distributed_optimizer = true;
+    Trainer a(first, &world);
+    a.on_step([](int64_t step) {
+      if (step == 5) Trainer::stop_flag().store(true);
+    });
+    const TrainResult got_a = a.run();
+    ASSERT_TRUE(got_a.interrupted) << name;
+    TrainConfig second = first;
+    second.parallel.ep = second_ep;
+    second.checkpoint.resume = "auto";
+    const TrainResult got_b = Trainer(second, &world).run();
+    ASSERT_EQ(got_b.steps_done, 10) << name;
+    std::vector<double> losses = got_a.losses;
+    losses.insert(losses.end(), got_b.losses.begin(), got_b.losses.end());
+    ASSERT_EQ(losses.size(), want.losses.size()) << name;
+    for (size_t s = 0; s < losses.size(); ++s)
+      EXPECT_NEAR(losses[s], want.losses[s], 2e-5 * want.losses[s]) << name << ", step " << s + 1;
+    EXPECT_NEAR(got_b.heldout_loss, want.heldout_loss, 2e-5 * want.heldout_loss) << name;
+    toy::expect_weights_close(fs::path(ref.log.run_dir) / "checkpoint",
+                              fs::path(second.log.run_dir) / "checkpoint", 2e-4);
+  }
+}
+
+// What expert parallelism refuses, with one line naming the setting.
+TEST_F(ExpertParallelRuns, RefusesWhatItCannotSplit) {
+  comm::Communicator& world = comm::world();
+  const int n = world.size();
+  auto expect_refused = [&](TrainConfig c, const std::vector<std::string>& parts) {
+    try {
+      Trainer(c, &world).run();
+      ADD_FAILURE() << "expected an error";
+    } catch (const Error& e) {
+      for (const std::string& part : parts)
+        EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  };
+  TrainConfig dense = config("dense");
+  dense.model.config = (dir_ / "config.json").string();  // the LLaMA toy: no routed experts
+  dense.parallel.ep = n;
+  expect_refused(dense, {"parallel.ep = " + std::to_string(n), "has none"});
+  TrainConfig delayed = config("delayed");
+  delayed.parallel.ep = n;
+  delayed.train.dtype = "bf16";
+  delayed.fp8.recipe = "delayed";
+  expect_refused(delayed, {"fp8.recipe", "parallel.ep = " + std::to_string(n)});
+  if (n == 4) {
+    TrainConfig mirrored = config("mirrored");
+    mirrored.parallel.pp = 2, mirrored.parallel.ep = 2, mirrored.parallel.schedule = "dualpipe";
+    mirrored.train.grad_accum = 4;
+    expect_refused(mirrored, {"dualpipe", "dualpipev"});
+  }
+}
 
 // FP8 under a layout (attention projections and every expert's GEMMs in FP8; trainer_mpi_test.cpp's
 // TrainerFp8Layouts explains why FP8 runs follow the one-rank run closely for the first steps and loosely

@@ -87,6 +87,19 @@ void finish_balancing(TrainSetup& setup, StepResult& r) {
       at[2] += static_cast<double>(totals[d].top1);
     }
   }
+  // Expert parallelism's traffic per slot (rows received, rows sent), this rank's, gathered over its ep
+  // group.
+  const int ep = setup.layout.ep();
+  std::vector<double> traffic(static_cast<size_t>(2 * slots), 0.0), all_traffic;
+  for (const ExpertLayerView& v : views) {
+    traffic[2 * v.slot] += static_cast<double>(v.stats->received);
+    traffic[2 * v.slot + 1] += static_cast<double>(v.stats->sent);
+  }
+  if (ep > 1 && slots > 0) {
+    if (setup.layout.pp() > 1) comm::all_reduce_sum(setup.pp_group(), traffic.data(), 2 * slots);
+    all_traffic.resize(static_cast<size_t>(ep * 2 * slots));
+    setup.groups.ep->all_gather(traffic.data(), all_traffic.data(), 2 * slots, comm::Type::f64).wait();
+  }
   const int64_t n = static_cast<int64_t>(sums.size());
   if (setup.layout.pp() > 1) {
     comm::all_reduce_sum(setup.pp_group(), sums.data(), n);
@@ -106,6 +119,11 @@ void finish_balancing(TrainSetup& setup, StepResult& r) {
     e.balance_loss = at[experts + 1] > 0 ? c.moe.seq_aux_loss_coeff * at[experts] / at[experts + 1] : 0.0;
     e.aux_loss = at[experts + 3] > 0 ? c.moe.aux_loss_coeff * at[experts + 2] / at[experts + 3] : 0.0;
     e.dropped = static_cast<int64_t>(at[experts + 4]);
+    if (!all_traffic.empty())
+      for (int q = 0; q < ep; ++q) {
+        e.received.push_back(static_cast<int64_t>(all_traffic[(q * slots + slot) * 2]));
+        e.sent += static_cast<int64_t>(all_traffic[(q * slots + slot) * 2 + 1]);
+      }
   }
   r.with_aux_loss = c.moe.aux_loss_coeff > 0 && slots > 0;
   r.with_capacity = c.moe.capacity_factor > 0 && slots > 0;
@@ -162,6 +180,7 @@ BalanceMetrics balance_metrics(const StepResult& r) {
                         {"aux_loss", e.aux_loss},
                         {"dropped", e.dropped},
                         {"dropped_fraction", fraction(static_cast<double>(e.dropped), routed)}});
+      if (!e.received.empty()) layers.back()["received"] = e.received, layers.back()["sent"] = e.sent;
       worst = std::max(worst, s.max_violation), cv += s.cv, balance += e.balance_loss, aux += e.aux_loss;
       bias = std::max(bias, e.bias_norm), dropped += e.dropped, assignments += routed;
     }

@@ -53,6 +53,11 @@ struct ExpertLayerReport {
   double aux_loss = 0;       // moe.aux_loss_coeff * the mean over micro-batches of sum_i f_i P_i
   int64_t dropped = 0;       // assignments over capacity (of the sum of load, counted before the drop)
   double bias_norm = 0;      // L2 norm of the correction bias the step routed with
+  // Expert parallelism (else empty / 0): rows each rank of the first rank's ep group had its experts take
+  // (its own tokens' included), and rows all of them sent to other ranks' experts (the dispatch's
+  // all-to-all volume; the combine sends as many back), over the step's micro-batches.
+  std::vector<int64_t> received;
+  int64_t sent = 0;
 };
 
 // min / max / coefficient of variation / MaxVio = (max - mean) / mean of an expert-load vector.
