@@ -54,8 +54,9 @@ TEST_P(CachedLayer, ChunksReproduceTheFullForward) {
   const Tensor full = s.layers[0].forward(x, batch, seq, saved);
   // fp32: only the attention's summation order differs. bf16: that difference may flip the rounding of an
   // attention output element on its way into the o-projection (2^-9 relative of one term), so the bound is
-  // looser.
-  const double tolerance = GetParam() == DType::f32 ? 2e-6 : 1e-3;
+  // looser (measured up to 2.3e-3 with native AVX512-BF16 / AMX GEMMs, whose accumulation order differs
+  // more).
+  const double tolerance = GetParam() == DType::f32 ? 2e-6 : 4e-3;
 
   KvCache cache(1, batch, 40, 2, 8);
   for (int64_t begin = 0; begin < seq;) {
