@@ -57,9 +57,8 @@ struct DispatchPlan {
   std::vector<int64_t> recv_rows;      // [ranks]: rows from each rank
   std::vector<int64_t> local_offsets;  // [L + 1]: expert l owns rows [local_offsets[l], local_offsets[l + 1])
   int64_t sent() const;                // rows sent to other ranks (the all-to-all volume out, in rows)
-  int64_t received() const {
-    return local_offsets.back();
-  }  // rows this rank's experts take, its own included
+  // Rows this rank's experts take, its own included.
+  int64_t received() const { return local_offsets.back(); }
 };
 
 // The plan from the sort's offsets [experts + 1] (expert e owns sorted rows [offsets[e], offsets[e + 1])).

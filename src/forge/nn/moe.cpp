@@ -211,7 +211,6 @@ Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training
 
   // To the experts' ranks (nothing moves without expert parallelism); the shared experts run meanwhile.
   s.plan = plan_dispatch(options_.ep, s.offsets);
-  if (training && stats_) s.sent = s.plan.sent(), s.received = s.plan.received();
   ExpertDispatch dispatch;
   dispatch.start(options_.ep, s.plan, sorted_xs, hidden, /*to_experts=*/true);
   overlapped();
@@ -269,7 +268,7 @@ Tensor Moe::backward_input(const Tensor& dy_in, int64_t, int64_t, LayerPart::Sav
   if (stats_ && !s.load.empty()) {
     for (int64_t e = 0; e < experts; ++e) stats_->load[e] += s.load[e];
     stats_->dropped += s.dropped;
-    stats_->sent += s.sent, stats_->received += s.received;
+    stats_->sent += s.plan.sent(), stats_->received += s.plan.received();
     stats_->balance_sum += s.balance_sum, stats_->sequences += s.sequences;
     stats_->aux_sum += s.aux_sum, stats_->micro_batches += s.micro_batches;
   }

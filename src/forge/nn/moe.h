@@ -128,7 +128,6 @@ class Moe final : public LayerPart {
     Tensor dlogits;             // [rows, experts]
     std::vector<double> load;   // this micro-batch's tokens per expert (counted before any drop)
     int64_t dropped = 0;        // its assignments over capacity
-    int64_t sent = 0, received = 0;  // expert parallelism: rows sent to other ranks, rows the experts took
     double balance_sum = 0;     // sum over its sequences of sum_i f_i P_i
     int64_t sequences = 0;
     double aux_sum = 0;  // its sum_i f_i P_i over all its rows (micro_batches = 1 when computed)
