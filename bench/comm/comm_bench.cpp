@@ -1,18 +1,24 @@
 // Collective bandwidth under mpirun (bench/comm/run.sh): all_reduce, all_gather, reduce_scatter, all_to_all,
-// broadcast and a send/recv ping-pong, for message sizes from 4 KiB to 64 MiB in powers of 4, on the mpi or
-// nccl backend. Conventions of nccl-tests:
+// all_to_allv with uneven splits (as the expert-parallel token dispatch makes them), broadcast and a
+// send/recv ping-pong, for message sizes from 4 KiB to 64 MiB in powers of 4, on the mpi or nccl backend.
+// Conventions of nccl-tests:
 //   size   bytes per rank: the buffer (all_reduce, broadcast, sendrecv), the gathered output (all_gather),
-//          the input to scatter (reduce_scatter) or to exchange (all_to_all); f32 elements
+//          the input to scatter (reduce_scatter) or to exchange (all_to_all, all_to_allv: what this rank
+//          sends, its own block included); f32 elements
 //   time   mean per operation of the slowest rank (ping-pong: half a round trip between ranks 0 and 1)
 //   algbw  size / time
-//   busbw  algbw x 2(n-1)/n (all_reduce), (n-1)/n (all_gather, reduce_scatter, all_to_all), 1 (broadcast,
-//          sendrecv): the rate each rank's link must sustain, comparable across rank counts
+//   busbw  algbw x 2(n-1)/n (all_reduce), (n-1)/n (all_gather, reduce_scatter, all_to_all, all_to_allv),
+//          1 (broadcast, sendrecv): the rate each rank's link must sustain, comparable across rank counts
+// all_to_allv's splits: rank i sends rank j a share of its size proportional to 1 + 0.75 sin(3 + 7i + 5j),
+// so the blocks differ by up to 7x (a routing's hot and cold experts) and every rank receives a different
+// total, as a MoE layer's dispatch (and, reversed, its combine) does.
 #define OMPI_SKIP_MPICXX 1  // the C API only (OpenMPI's C++ bindings are not linked)
-#include <mpi.h>
 #include <fmt/format.h>
+#include <mpi.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <functional>
 #include <string>
@@ -126,7 +132,7 @@ int run(int argc, char** argv) {
     std::printf("# forge_comm_bench: backend %s, %d ranks, f32; time = slowest rank's mean per operation\n",
                 c.backend(), n);
     std::printf(
-        "# busbw = algbw x 2(n-1)/n (all_reduce), (n-1)/n (all_gather, reduce_scatter, all_to_all), "
+        "# busbw = algbw x 2(n-1)/n (all_reduce), (n-1)/n (all_gather, reduce_scatter, all_to_all(v)), "
         "1 (broadcast, sendrecv)\n");
     std::printf("# peer = the same operation as one blocking MPI call (mpi backend); vs_peer = peer time / forge time\n");
     std::printf("%-15s %10s %6s %12s %12s %12s %12s %8s\n", "collective", "size", "iters", "time_us", "algbw_GB/s",
@@ -138,8 +144,22 @@ int run(int argc, char** argv) {
     const char* name;
     double bus_factor;
   };
-  const Case cases[] = {{"all_reduce", 2 * ring}, {"all_gather", ring}, {"reduce_scatter", ring},
-                        {"all_to_all", ring},     {"broadcast", 1.0},   {"sendrecv", 1.0}};
+  const Case cases[] = {{"all_reduce", 2 * ring}, {"all_gather", ring},  {"reduce_scatter", ring},
+                        {"all_to_all", ring},     {"all_to_allv", ring}, {"broadcast", 1.0},
+                        {"sendrecv", 1.0}};
+  // all_to_allv: floats rank `from` sends rank `to` out of `total` (the shares of each sender sum to total).
+  auto uneven = [n](int from, int to, int64_t total) {
+    auto weight = [](int i, int j) { return 1.0 + 0.75 * std::sin(3.0 + 7.0 * i + 5.0 * j); };
+    double sum = 0;
+    for (int j = 0; j < n; ++j) sum += weight(from, j);
+    std::vector<int64_t> share(static_cast<size_t>(n));
+    int64_t given = 0;
+    for (int j = 0; j < n; ++j)
+      given += share[static_cast<size_t>(j)] =
+          static_cast<int64_t>(static_cast<double>(total) * weight(from, j) / sum);
+    share[static_cast<size_t>(n - 1)] += total - given;
+    return share[static_cast<size_t>(to)];
+  };
   for (const Case& k : cases) {
     const std::string name = k.name;
     if (name == "sendrecv" && n < 2) continue;
@@ -151,6 +171,18 @@ int run(int argc, char** argv) {
       if (name == "all_gather") a_floats = per_rank, b_floats = per_rank * n;
       if (name == "reduce_scatter") a_floats = per_rank * n, b_floats = per_rank;
       if (name == "all_to_all") a_floats = per_rank * n, b_floats = per_rank * n;
+      std::vector<int64_t> send_counts(n), send_displs(n), recv_counts(n), recv_displs(n);
+      std::vector<int> isc(n), isd(n), irc(n), ird(n);  // the same as MPI's ints, for the peer
+      if (name == "all_to_allv") {
+        int64_t out = 0, in = 0;
+        for (int j = 0; j < n; ++j) {
+          send_counts[j] = uneven(me, j, floats), send_displs[j] = out, out += send_counts[j];
+          recv_counts[j] = uneven(j, me, floats), recv_displs[j] = in, in += recv_counts[j];
+          isc[j] = static_cast<int>(send_counts[j]), isd[j] = static_cast<int>(send_displs[j]);
+          irc[j] = static_cast<int>(recv_counts[j]), ird[j] = static_cast<int>(recv_displs[j]);
+        }
+        a_floats = std::max<int64_t>(out, 1), b_floats = std::max<int64_t>(in, 1);
+      }
       Buffer a(device, a_floats), b(device, b_floats);
 
       std::function<void()> op;
@@ -162,6 +194,11 @@ int run(int argc, char** argv) {
         op = [&] { c.reduce_scatter(a.get(), b.get(), per_rank, Type::f32, ReduceOp::sum).wait(); };
       } else if (name == "all_to_all") {
         op = [&] { c.all_to_all(a.get(), b.get(), per_rank, Type::f32).wait(); };
+      } else if (name == "all_to_allv") {
+        op = [&] {
+          c.all_to_allv(a.get(), send_counts, send_displs, b.get(), recv_counts, recv_displs, Type::f32)
+              .wait();
+        };
       } else if (name == "broadcast") {
         op = [&] { c.broadcast(a.get(), floats, Type::f32, 0).wait(); };
       } else {  // ping-pong between ranks 0 and 1; one operation = one way
@@ -190,6 +227,11 @@ int run(int argc, char** argv) {
           peer = [&, w, pr] { MPI_Reduce_scatter_block(a.get(), b.get(), pr, MPI_FLOAT, MPI_SUM, w); };
         } else if (name == "all_to_all") {
           peer = [&, w, pr] { MPI_Alltoall(a.get(), pr, MPI_FLOAT, b.get(), pr, MPI_FLOAT, w); };
+        } else if (name == "all_to_allv") {
+          peer = [&, w] {
+            MPI_Alltoallv(a.get(), isc.data(), isd.data(), MPI_FLOAT, b.get(), irc.data(), ird.data(),
+                          MPI_FLOAT, w);
+          };
         } else if (name == "broadcast") {
           peer = [&, w, cnt] { MPI_Bcast(a.get(), cnt, MPI_FLOAT, 0, w); };
         } else {

@@ -11,12 +11,14 @@
 // layouts sum in other orders).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <tuple>
 
 #include "forge/comm/comm.h"
+#include "forge/core/fibers.h"
 #include "forge/train/trainer.h"
 #include "train/toy_run.h"
 
@@ -119,6 +121,13 @@ TEST_P(MoeLayouts, ReproduceTheOneRankRun) {
         for (const auto& q : y[l]["received"]) received += q.get<int64_t>();
         EXPECT_GT(received, 0);
         EXPECT_GT(y[l]["sent"].get<int64_t>(), 0);
+        // A token's experts (top-2) lie on one or two ranks (ExpertParallelRuns.GroupLimitedRoutingBounds-
+        // TheFanOut tests the bound group-limited routing sets).
+        const int64_t most = y[l]["max_ranks_per_token"].get<int64_t>();
+        const double mean = y[l]["ranks_per_token"].get<double>();
+        EXPECT_LE(most, 2) << y[l].dump();
+        EXPECT_GE(mean, 1.0) << y[l].dump();
+        EXPECT_LE(mean, static_cast<double>(most)) << y[l].dump();
       }
       for (size_t l = 0; l < x.size(); ++l)
         EXPECT_NEAR(y[l]["aux_loss"].get<double>(), x[l]["aux_loss"].get<double>(),
@@ -171,8 +180,19 @@ INSTANTIATE_TEST_SUITE_P(
 class ExpertParallelRuns : public testing::Test {
  protected:
   void SetUp() override {
-    dir_ = toy::make_shared_test_dir(comm::world(), "forge_trainer_ep_mpi",
-                                     [](const fs::path& dir) { toy::write_toy_deepseek_config(dir); });
+    dir_ = toy::make_shared_test_dir(comm::world(), "forge_trainer_ep_mpi", [](const fs::path& dir) {
+      toy::write_toy_deepseek_config(dir);
+      std::ifstream in(dir / "deepseek.json");  // a 4-layer variant: DualPipeV's two chunks per rank
+      nlohmann::json four = nlohmann::json::parse(in);
+      four["num_hidden_layers"] = 4;
+      std::ofstream(dir / "deepseek4.json") << four.dump();
+      // Top-4 of 8 experts in 4 groups of 2, from at most 2 groups; and the same without groups.
+      nlohmann::json wide = nlohmann::json::parse(std::ifstream(dir / "deepseek.json"));
+      wide["num_experts_per_tok"] = 4;
+      std::ofstream(dir / "deepseek_top4_groups.json") << wide.dump();
+      wide["n_group"] = 1, wide["topk_group"] = 1;
+      std::ofstream(dir / "deepseek_top4.json") << wide.dump();
+    });
   }
   void TearDown() override { toy::remove_shared_test_dir(comm::world(), dir_); }
   TrainConfig config(const std::string& run) const {
@@ -220,6 +240,76 @@ TEST_F(ExpertParallelRuns, CheckpointsReshardTheExpertsAcrossEp) {
     EXPECT_NEAR(got_b.heldout_loss, want.heldout_loss, 2e-5 * want.heldout_loss) << name;
     toy::expect_weights_close(fs::path(ref.log.run_dir) / "checkpoint",
                               fs::path(second.log.run_dir) / "checkpoint", 2e-4);
+  }
+}
+
+// parallel.ep_overlap moves work in time, never changes it: the shared experts under the dispatch, and
+// under DualPipeV the overlapped pairs' forward and backward interleaved at every all-to-all (core/fibers.h),
+// give the same losses and gradient norms bit for bit as waiting for every transfer where it starts.
+TEST_F(ExpertParallelRuns, OverlapChangesNoBit) {
+  comm::Communicator& world = comm::world();
+  const int n = world.size();
+  if (n != 4) GTEST_SKIP() << "needs 4 ranks";
+  for (const char* schedule : {"dualpipev", ""}) {
+    std::vector<TrainResult> results;
+    std::vector<int64_t> switches;
+    for (const bool overlap : {true, false}) {
+      TrainConfig c = config(std::string("overlap-") + (overlap ? "on-" : "off-") + schedule);
+      c.train.steps = 4;
+      if (*schedule) {
+        c.model.config = (dir_ / "deepseek4.json").string();
+        c.parallel.pp = 2, c.parallel.dp = 2, c.parallel.schedule = schedule;
+        c.train.grad_accum = 6;
+      } else {
+        c.parallel.dp = 4, c.train.grad_accum = 2;
+      }
+      c.parallel.ep = 2;
+      c.parallel.ep_overlap = overlap;
+      const int64_t before = fiber_switches();
+      results.push_back(Trainer(c, &world).run());
+      switches.push_back(fiber_switches() - before);
+    }
+    const TrainResult &on = results[0], &off = results[1];
+    ASSERT_EQ(on.losses.size(), off.losses.size());
+    for (size_t s = 0; s < on.losses.size(); ++s) {
+      EXPECT_EQ(on.losses[s], off.losses[s]) << schedule << " step " << s + 1;
+      EXPECT_EQ(on.grad_norms[s], off.grad_norms[s]) << schedule << " step " << s + 1;
+    }
+    EXPECT_EQ(on.heldout_loss, off.heldout_loss) << schedule;
+    EXPECT_EQ(switches[1], 0) << schedule;
+    if (*schedule)
+      EXPECT_GT(switches[0], 0) << "no overlapped pair interleaved: the case checks nothing";
+    else
+      EXPECT_EQ(switches[0], 0) << "1F1B without pipeline stages runs no pairs";
+  }
+}
+
+// Node-limited routing (DeepSeek-V3: each token to experts on at most 4 nodes) is group-limited routing
+// whose groups line up with the ranks: here 4 groups of 2 experts over ep 4 (one group per rank), top-4 from
+// at most 2 groups, so a token's rows go to at most 2 of the 4 ranks; without groups they reach 3 or 4.
+TEST_F(ExpertParallelRuns, GroupLimitedRoutingBoundsTheFanOut) {
+  comm::Communicator& world = comm::world();
+  if (world.size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  for (const bool grouped : {true, false}) {
+    TrainConfig c = config(grouped ? "grouped" : "ungrouped");
+    c.model.config = (dir_ / (grouped ? "deepseek_top4_groups.json" : "deepseek_top4.json")).string();
+    c.train.steps = 3, c.log.every = 1;
+    c.parallel.dp = 4, c.parallel.ep = 4, c.train.grad_accum = 1;
+    Trainer(c, &world).run();
+    if (world.rank() != 0) continue;
+    const std::vector<nlohmann::json> records = toy::step_records(c);
+    ASSERT_EQ(records.size(), 3u);
+    int64_t most = 0;
+    for (const nlohmann::json& r : records)
+      for (const nlohmann::json& layer : r["moe"]["layers"]) {
+        most = std::max(most, layer["max_ranks_per_token"].get<int64_t>());
+        EXPECT_GT(layer["ranks_per_token"].get<double>(), 1.0) << layer.dump();
+        if (grouped) EXPECT_LE(layer["max_ranks_per_token"].get<int64_t>(), 2) << layer.dump();
+      }
+    if (grouped)
+      EXPECT_EQ(most, 2);
+    else
+      EXPECT_GT(most, 2) << "without groups some token should reach a third rank";
   }
 }
 

@@ -40,6 +40,10 @@ struct ComputeOptions {
   // The expert-parallel group (null: every routed expert on this rank): mixture-of-experts layers hold
   // experts / ep of them and send each token to the rank of its expert (nn/expert_parallel.h).
   ExpertParallel* ep = nullptr;
+  // With ep: the shared experts compute while the dispatched rows travel, and an overlapped pair
+  // (Op::forward_backward) interleaves its two micro-batches at the transfers. false: every transfer is
+  // waited for where it starts (the baseline the overlap is measured against; the same results bit for bit).
+  bool ep_overlap = true;
   int tp_rank() const;
   int tp_size() const;
   int ep_rank() const;

@@ -3,6 +3,7 @@
 #include <numeric>
 
 #include "forge/core/error.h"
+#include "forge/core/fibers.h"
 
 namespace forge::nn {
 namespace {
@@ -98,6 +99,10 @@ Tensor ExpertDispatch::finish() {
   if (!transfer_) {
     out = send_;
   } else {
+    if (has_partner()) {
+      transfer_->progress();
+      yield_to_partner();
+    }
     transfer_->wait();
     transfer_.reset();
     out = to_experts_ ? regroup_rows(recv_, cols_, *plan_, /*to_expert_major=*/true) : recv_;

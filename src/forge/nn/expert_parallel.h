@@ -32,6 +32,8 @@ class ExpertParallel {
    public:
     virtual ~Transfer() = default;
     virtual void wait() = 0;
+    // Lets the transfer advance without blocking (MPI moves a large message only inside its calls).
+    virtual void progress() {}
   };
 
   virtual ~ExpertParallel() = default;
@@ -68,7 +70,10 @@ DispatchPlan plan_dispatch(ExpertParallel* ep, std::span<const int64_t> offsets)
 // Moves rows [n, cols] (fp32) along a plan: to the experts (source-sorted rows in, expert-major local rows
 // out) or back from them (expert-major in, source-sorted out). start() launches the transfer and returns at
 // once, so that other work (the shared experts) runs while the rows travel; finish() waits and returns the
-// moved rows. Without other ranks the rows are returned as they are.
+// moved rows. Without other ranks the rows are returned as they are. Inside an overlapped pair
+// (core/fibers.h: DualPipe's forward of one micro-batch beside the backward of another) finish() first
+// yields to the partner, whose compute then hides the transfer; it yields at every finish of a moving
+// transfer, whatever the timing, so that every rank interleaves the same way.
 class ExpertDispatch {
  public:
   void start(ExpertParallel* ep, const DispatchPlan& plan, const Tensor& rows, int64_t cols, bool to_experts);

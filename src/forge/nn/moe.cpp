@@ -201,6 +201,20 @@ Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training
       s.balance_sum = sum, s.sequences = rows / seq;
     }
     if (aux) s.aux_sum = aux_loss.to(Device::cpu).f32()[0], s.micro_batches = 1;
+    s.rank_spread = 0, s.max_spread = 0;
+    if (options_.ep_size() > 1 && rows > 0) {
+      const Tensor ids = s.expert_ids.to(Device::cpu);
+      std::vector<char> reached(static_cast<size_t>(options_.ep_size()));
+      for (int64_t t = 0; t < rows; ++t) {
+        std::fill(reached.begin(), reached.end(), 0);
+        int64_t spread = 0;
+        for (int64_t j = 0; j < k; ++j) {
+          char& r = reached[static_cast<size_t>(ids.i32()[t * k + j] / local)];
+          spread += r == 0, r = 1;
+        }
+        s.rank_spread += static_cast<double>(spread), s.max_spread = std::max(s.max_spread, spread);
+      }
+    }
   }
 
   Tensor sorted_xs = Tensor::empty({sorted, hidden}, DType::f32, device);
@@ -213,8 +227,14 @@ Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training
   s.plan = plan_dispatch(options_.ep, s.offsets);
   ExpertDispatch dispatch;
   dispatch.start(options_.ep, s.plan, sorted_xs, hidden, /*to_experts=*/true);
-  overlapped();
-  const Tensor xs = dispatch.finish();
+  Tensor xs;
+  if (options_.ep_overlap) {
+    overlapped();
+    xs = dispatch.finish();
+  } else {
+    xs = dispatch.finish();
+    overlapped();
+  }
   const int64_t received = s.plan.received();
   const std::vector<int64_t>& offsets_local = s.plan.local_offsets;
   Tensor ys;
@@ -269,6 +289,8 @@ Tensor Moe::backward_input(const Tensor& dy_in, int64_t, int64_t, LayerPart::Sav
     for (int64_t e = 0; e < experts; ++e) stats_->load[e] += s.load[e];
     stats_->dropped += s.dropped;
     stats_->sent += s.plan.sent(), stats_->received += s.plan.received();
+    stats_->rank_spread += s.rank_spread, stats_->max_spread = std::max(stats_->max_spread, s.max_spread);
+    if (options_.ep_size() > 1) stats_->spread_tokens += rows;
     stats_->balance_sum += s.balance_sum, stats_->sequences += s.sequences;
     stats_->aux_sum += s.aux_sum, stats_->micro_batches += s.micro_batches;
   }
@@ -289,9 +311,10 @@ Tensor Moe::backward_input(const Tensor& dy_in, int64_t, int64_t, LayerPart::Sav
   // To the experts' ranks; the shared experts' input gradient meanwhile.
   ExpertDispatch dispatch;
   dispatch.start(options_.ep, s.plan, dys, hidden, /*to_experts=*/true);
-  Tensor dz;
+  Tensor dz, local_dys;
+  if (!options_.ep_overlap) local_dys = dispatch.finish();
   if (shared_) dz = shared_->backward_input(dy_in, s.shared);
-  const Tensor local_dys = dispatch.finish();
+  if (options_.ep_overlap) local_dys = dispatch.finish();
 
   // Through the experts.
   Tensor dact;

@@ -88,9 +88,14 @@ struct MoeStats {
   // Expert parallelism: rows this rank's experts took (from every rank, its own included) and rows it sent
   // to other ranks' experts (the dispatch's all-to-all volume out; the combine returns as many).
   int64_t received = 0, sent = 0;
+  // Expert parallelism: over the tokens routed here, the ranks each one's experts live on (the dispatch's
+  // fan-out, which group-limited routing bounds: n_group / topk_group aligned with the ranks is DeepSeek-V3's
+  // node-limited routing), summed, and the most any token reached.
+  double rank_spread = 0;
+  int64_t spread_tokens = 0, max_spread = 0;
   void reset(int64_t experts) {
     load.assign(experts, 0.0), balance_sum = 0, sequences = 0, aux_sum = 0, micro_batches = 0, dropped = 0;
-    received = 0, sent = 0;
+    received = 0, sent = 0, rank_spread = 0, spread_tokens = 0, max_spread = 0;
   }
 };
 
@@ -128,6 +133,8 @@ class Moe final : public LayerPart {
     Tensor dlogits;             // [rows, experts]
     std::vector<double> load;   // this micro-batch's tokens per expert (counted before any drop)
     int64_t dropped = 0;        // its assignments over capacity
+    double rank_spread = 0;     // expert parallelism: its tokens' ranks reached, summed (MoeStats)
+    int64_t max_spread = 0;
     double balance_sum = 0;     // sum over its sequences of sum_i f_i P_i
     int64_t sequences = 0;
     double aux_sum = 0;  // its sum_i f_i P_i over all its rows (micro_batches = 1 when computed)

@@ -17,6 +17,9 @@ class CommTransfer final : public nn::ExpertParallel::Transfer {
     else
       request_.wait();
   }
+  void progress() override {
+    if (!on_device_) request_.test();
+  }
 
  private:
   comm::Communicator* group_;

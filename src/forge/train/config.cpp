@@ -184,6 +184,12 @@ const std::vector<KeySpec>& key_specs() {
        "expert-parallel ranks, carved from dp x cp (must divide it)",
        {}},
       {"parallel",
+       "ep_overlap",
+       FORGE_FIELD(parallel.ep_overlap),
+       "with ep > 1: the shared experts compute while tokens travel, and DualPipe's overlapped pairs "
+       "interleave their two micro-batches at the all-to-alls (false: wait where each transfer starts)",
+       {}},
+      {"parallel",
        "sequence_parallel",
        FORGE_FIELD(parallel.sequence_parallel),
        "with tp > 1: split norms and residuals along the sequence across the tp ranks",

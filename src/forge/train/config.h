@@ -100,6 +100,7 @@ struct TrainConfig {
     int64_t dp = 0;                 // data parallel; 0 = derived: world size / (tp * pp * cp)
     int64_t cp = 1;                 // context parallel
     int64_t ep = 1;                 // expert parallel, carved from dp x cp
+    bool ep_overlap = true;         // hide the token all-to-alls under compute (nn::ComputeOptions)
     bool sequence_parallel = false;
     bool distributed_optimizer = false;  // ZeRO-1: optimizer state sharded over dp
     bool overlap_grad_reduce = true;

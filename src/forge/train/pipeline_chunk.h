@@ -26,6 +26,14 @@ class ModelChunk final : public pipeline::Chunk {
   void backward_weight(int micro_batch) override;
   Tensor backward(int micro_batch, const Tensor& doutput) override;
   int live_micro_batches() const override { return static_cast<int>(saved_.size()); }
+  // Under expert parallelism (with ComputeOptions::ep_overlap): the pair's forward and backward take turns
+  // at the token dispatcher's transfers. The model's state is per micro-batch (StageActivations) and its
+  // statistics are added by one direction only (loads in backward, losses in forward), so the two need no
+  // other care; the FP8 amax recording the two set is the same (both record), and delayed scaling, the one
+  // recipe that reads it, is refused with expert parallelism.
+  bool interleaves_pairs() const override {
+    return model_.options().ep_size() > 1 && model_.options().ep_overlap;
+  }
 
   models::Model& model() { return model_; }
   // The loss summed over the micro-batches this chunk ended (the last stage), since the last reset.

@@ -307,6 +307,7 @@ void TrainSetup::make_compute_options() {
   if (layout.ep() > 1) {
     expert_parallel = std::make_unique<parallel::CommExpertParallel>(groups.ep.get());
     options.ep = expert_parallel.get();
+    options.ep_overlap = c.parallel.ep_overlap;
   }
   options.vocab_divisible_by = c.parallel.make_vocab_size_divisible_by;
   options.moe_capacity_factor = c.moe.capacity_factor;

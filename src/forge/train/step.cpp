@@ -87,18 +87,22 @@ void finish_balancing(TrainSetup& setup, StepResult& r) {
       at[2] += static_cast<double>(totals[d].top1);
     }
   }
-  // Expert parallelism's traffic per slot (rows received, rows sent), this rank's, gathered over its ep
-  // group.
+  // Expert parallelism's traffic per slot (rows received, rows sent, the tokens' rank spread summed, its
+  // tokens, its maximum), this rank's, gathered over its ep group. Under pp a slot lives on one stage (or on
+  // both copies of a mirrored one, of which only the copy that ran a micro-batch counted it): summed.
   const int ep = setup.layout.ep();
-  std::vector<double> traffic(static_cast<size_t>(2 * slots), 0.0), all_traffic;
+  constexpr int64_t kTraffic = 5;
+  std::vector<double> traffic(static_cast<size_t>(kTraffic * slots), 0.0), all_traffic;
   for (const ExpertLayerView& v : views) {
-    traffic[2 * v.slot] += static_cast<double>(v.stats->received);
-    traffic[2 * v.slot + 1] += static_cast<double>(v.stats->sent);
+    double* at = traffic.data() + kTraffic * v.slot;
+    at[0] += static_cast<double>(v.stats->received), at[1] += static_cast<double>(v.stats->sent);
+    at[2] += v.stats->rank_spread, at[3] += static_cast<double>(v.stats->spread_tokens);
+    at[4] = std::max(at[4], static_cast<double>(v.stats->max_spread));
   }
   if (ep > 1 && slots > 0) {
-    if (setup.layout.pp() > 1) comm::all_reduce_sum(setup.pp_group(), traffic.data(), 2 * slots);
-    all_traffic.resize(static_cast<size_t>(ep * 2 * slots));
-    setup.groups.ep->all_gather(traffic.data(), all_traffic.data(), 2 * slots, comm::Type::f64).wait();
+    if (setup.layout.pp() > 1) comm::all_reduce_sum(setup.pp_group(), traffic.data(), kTraffic * slots);
+    all_traffic.resize(static_cast<size_t>(ep * kTraffic * slots));
+    setup.groups.ep->all_gather(traffic.data(), all_traffic.data(), kTraffic * slots, comm::Type::f64).wait();
   }
   const int64_t n = static_cast<int64_t>(sums.size());
   if (setup.layout.pp() > 1) {
@@ -119,11 +123,17 @@ void finish_balancing(TrainSetup& setup, StepResult& r) {
     e.balance_loss = at[experts + 1] > 0 ? c.moe.seq_aux_loss_coeff * at[experts] / at[experts + 1] : 0.0;
     e.aux_loss = at[experts + 3] > 0 ? c.moe.aux_loss_coeff * at[experts + 2] / at[experts + 3] : 0.0;
     e.dropped = static_cast<int64_t>(at[experts + 4]);
-    if (!all_traffic.empty())
+    if (!all_traffic.empty()) {
+      double spread = 0, tokens = 0;
       for (int q = 0; q < ep; ++q) {
-        e.received.push_back(static_cast<int64_t>(all_traffic[(q * slots + slot) * 2]));
-        e.sent += static_cast<int64_t>(all_traffic[(q * slots + slot) * 2 + 1]);
+        const double* t = all_traffic.data() + (q * slots + slot) * kTraffic;
+        e.received.push_back(static_cast<int64_t>(t[0]));
+        e.sent += static_cast<int64_t>(t[1]);
+        spread += t[2], tokens += t[3];
+        e.max_ranks_per_token = std::max(e.max_ranks_per_token, static_cast<int64_t>(t[4]));
       }
+      e.ranks_per_token = tokens > 0 ? spread / tokens : 0.0;
+    }
   }
   r.with_aux_loss = c.moe.aux_loss_coeff > 0 && slots > 0;
   r.with_capacity = c.moe.capacity_factor > 0 && slots > 0;
@@ -180,7 +190,11 @@ BalanceMetrics balance_metrics(const StepResult& r) {
                         {"aux_loss", e.aux_loss},
                         {"dropped", e.dropped},
                         {"dropped_fraction", fraction(static_cast<double>(e.dropped), routed)}});
-      if (!e.received.empty()) layers.back()["received"] = e.received, layers.back()["sent"] = e.sent;
+      if (!e.received.empty()) {
+        layers.back()["received"] = e.received, layers.back()["sent"] = e.sent;
+        layers.back()["ranks_per_token"] = e.ranks_per_token;
+        layers.back()["max_ranks_per_token"] = e.max_ranks_per_token;
+      }
       worst = std::max(worst, s.max_violation), cv += s.cv, balance += e.balance_loss, aux += e.aux_loss;
       bias = std::max(bias, e.bias_norm), dropped += e.dropped, assignments += routed;
     }

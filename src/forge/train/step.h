@@ -58,6 +58,9 @@ struct ExpertLayerReport {
   // all-to-all volume; the combine sends as many back), over the step's micro-batches.
   std::vector<int64_t> received;
   int64_t sent = 0;
+  // The ranks a token's experts live on, on average and at most, over the ep group's tokens.
+  double ranks_per_token = 0;
+  int64_t max_ranks_per_token = 0;
 };
 
 // min / max / coefficient of variation / MaxVio = (max - mean) / mean of an expert-load vector.

@@ -4,6 +4,7 @@
 #include <chrono>
 
 #include "forge/core/error.h"
+#include "forge/core/fibers.h"
 #include "forge/parallel/pipeline/replay.h"
 
 namespace forge::pipeline {
@@ -131,16 +132,38 @@ void Executor::execute(size_t index) {
       chunks_[a.chunk]->backward_weight(a.micro_batch);
       break;
     case Op::forward_backward: {
-      forward(a.chunk, a.micro_batch);
-      // The forward's output leaves before the backward computes (its send follows the pair in the list).
-      for (size_t j = index + 1; j < list.size() && !is_compute(list[j].op); ++j) {
-        if (list[j].op == Op::send_activation && list[j].chunk == a.chunk &&
-            list[j].micro_batch == a.micro_batch) {
-          send(list[j]);
-          done_[j] = true;
+      // The forward's output leaves as soon as it is there (its send follows the pair in the list).
+      auto send_forward_output = [&] {
+        for (size_t j = index + 1; j < list.size() && !is_compute(list[j].op); ++j) {
+          if (list[j].op == Op::send_activation && list[j].chunk == a.chunk &&
+              list[j].micro_batch == a.micro_batch) {
+            send(list[j]);
+            done_[j] = true;
+          }
         }
+      };
+      Chunk& fc = *chunks_[a.chunk];
+      Chunk& bc = *chunks_[a.chunk_b];
+      if (!fc.interleaves_pairs() || !bc.interleaves_pairs()) {
+        forward(a.chunk, a.micro_batch);
+        send_forward_output();
+        backward(a.chunk_b, a.micro_batch_b, false);
+        break;
       }
-      backward(a.chunk_b, a.micro_batch_b, false);
+      // Both halves as fibers that take turns at their transfers (core/fibers.h). Both inputs are taken
+      // first, as DualPipe does: the pair's receives complete before it computes.
+      const Tensor input =
+          p.is_first_stage(rank_, a.chunk) ? Tensor() : take_input(kActivation, {a.chunk, a.micro_batch});
+      const Tensor doutput =
+          p.is_last_stage(rank_, a.chunk_b) ? Tensor() : take_input(kGradient, {a.chunk_b, a.micro_batch_b});
+      Tensor dinput;
+      run_interleaved(
+          [&] {
+            deliver(kActivation, {a.chunk, a.micro_batch}, fc.forward(a.micro_batch, input));
+            send_forward_output();
+          },
+          [&] { dinput = bc.backward(a.micro_batch_b, doutput); });
+      deliver(kGradient, {a.chunk_b, a.micro_batch_b}, dinput);
       break;
     }
   }

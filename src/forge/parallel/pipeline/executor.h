@@ -41,6 +41,11 @@ class Chunk {
   virtual void backward_weight(int micro_batch) = 0;
   virtual Tensor backward(int micro_batch, const Tensor& doutput) = 0;  // backward_input + backward_weight
   virtual int live_micro_batches() const = 0;  // micro-batches whose activations it still holds
+  // True: in an overlapped pair (Op::forward_backward) this chunk's forward and backward may run as two
+  // interleaved fibers (core/fibers.h), taking turns where they wait on a transfer (the token dispatcher's
+  // all-to-all under expert parallelism). Both chunks of a pair must agree; otherwise the pair runs its
+  // forward, then its backward.
+  virtual bool interleaves_pairs() const { return false; }
 };
 
 // A compute action's start is when its input was there: the time it waited for a message is not its own.
