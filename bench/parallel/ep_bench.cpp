@@ -200,6 +200,12 @@ Tensor filler(Shape shape, float scale, uint32_t seed) {
   return t;
 }
 
+// s reduced over the ranks (every rank gets the result).
+double over_ranks(comm::Communicator& world, double s, comm::ReduceOp op) {
+  world.all_reduce(&s, 1, comm::Type::f64, op).wait();
+  return s;
+}
+
 // ---- 1. One MoE layer.
 
 struct LayerNumbers {
@@ -254,14 +260,8 @@ LayerNumbers bench_layer(const Options& o, comm::Communicator& world, TimedEp& e
   const Tensor x = filler({o.tokens, h}, 2.0f, 100 + static_cast<uint32_t>(world.rank()));
   const Tensor dy = filler({o.tokens, h}, 1e-2f, 200 + static_cast<uint32_t>(world.rank()));
   TimedEp& timed = ep;
-  auto slowest = [&](double s) {
-    world.all_reduce(&s, 1, comm::Type::f64, comm::ReduceOp::max).wait();
-    return s;
-  };
-  auto mean = [&](double s) {
-    world.all_reduce(&s, 1, comm::Type::f64, comm::ReduceOp::sum).wait();
-    return s / world.size();
-  };
+  auto slowest = [&](double s) { return over_ranks(world, s, comm::ReduceOp::max); };
+  auto mean = [&](double s) { return over_ranks(world, s, comm::ReduceOp::sum) / world.size(); };
   struct Step {
     double seconds, wait, counts, dispatch_f, dispatch_b;
   };
@@ -382,14 +382,8 @@ PairNumbers bench_pair(const Options& o, comm::Communicator& world, TimedEp& ep,
   auto mb = [&](int m) {
     return models::MicroBatch{ids[m].data(), targets[m].data(), o.batch, o.seq, scale};
   };
-  auto slowest = [&](double s) {
-    world.all_reduce(&s, 1, comm::Type::f64, comm::ReduceOp::max).wait();
-    return s;
-  };
-  auto mean = [&](double s) {
-    world.all_reduce(&s, 1, comm::Type::f64, comm::ReduceOp::sum).wait();
-    return s / world.size();
-  };
+  auto slowest = [&](double s) { return over_ranks(world, s, comm::ReduceOp::max); };
+  auto mean = [&](double s) { return over_ranks(world, s, comm::ReduceOp::sum) / world.size(); };
   auto timed = [&](auto&& f) {
     world.barrier().wait();
     ep.clear();

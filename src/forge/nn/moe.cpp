@@ -228,13 +228,9 @@ Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training
   ExpertDispatch dispatch;
   dispatch.start(options_.ep, s.plan, sorted_xs, hidden, /*to_experts=*/true);
   Tensor xs;
-  if (options_.ep_overlap) {
-    overlapped();
-    xs = dispatch.finish();
-  } else {
-    xs = dispatch.finish();
-    overlapped();
-  }
+  if (!options_.ep_overlap) xs = dispatch.finish();
+  overlapped();
+  if (options_.ep_overlap) xs = dispatch.finish();
   const int64_t received = s.plan.received();
   const std::vector<int64_t>& offsets_local = s.plan.local_offsets;
   Tensor ys;
