@@ -14,11 +14,17 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <tuple>
 
+#include "forge/ckpt/sharded.h"
 #include "forge/comm/comm.h"
+#include "forge/core/device.h"
 #include "forge/core/fibers.h"
+#include "forge/kernels/emulated_device.h"
+#include "forge/train/device_emulation.h"
 #include "forge/train/trainer.h"
 #include "train/toy_run.h"
 
@@ -26,7 +32,6 @@ namespace forge {
 using namespace forge::train;
 namespace {
 namespace fs = std::filesystem;
-
 
 struct MoeCase {
   const char* name;
@@ -170,6 +175,9 @@ INSTANTIATE_TEST_SUITE_P(
                     MoeCase{"tp2_dp2_ep2_zero1", 2, 2, 1, true, "1f1b", 3, 2, "", 0, 0, false, 2},
                     MoeCase{"tp2_sp_dp2_ep2", 2, 2, 1, false, "1f1b", 3, 2, "", 0, 0, true, 2},
                     MoeCase{"pp2_dp2_ep2_dualpipev", 1, 2, 2, false, "dualpipev", 4, 6, "", 0, 0, false, 2},
+                    // DualPipe's mirrored copies of a stage hold the same experts (one ep rank's): their
+                    // gradients are summed run by run of the store (dense, then experts).
+                    MoeCase{"pp2_dp2_ep2_dualpipe", 1, 2, 2, false, "dualpipe", 4, 4, "", 0, 0, false, 2},
                     MoeCase{"dp2_ep2_aux_capacity", 1, 2, 1, false, "1f1b", 3, 2, "", 0.01, 1.0, false, 2}),
     [](const auto& info) { return std::string(info.param.name); });
 
@@ -330,16 +338,126 @@ TEST_F(ExpertParallelRuns, RefusesWhatItCannotSplit) {
   dense.model.config = (dir_ / "config.json").string();  // the LLaMA toy: no routed experts
   dense.parallel.ep = n;
   expect_refused(dense, {"parallel.ep = " + std::to_string(n), "has none"});
-  TrainConfig delayed = config("delayed");
-  delayed.parallel.ep = n;
-  delayed.train.dtype = "bf16";
-  delayed.fp8.recipe = "delayed";
-  expect_refused(delayed, {"fp8.recipe", "parallel.ep = " + std::to_string(n)});
-  if (n == 4) {
-    TrainConfig mirrored = config("mirrored");
-    mirrored.parallel.pp = 2, mirrored.parallel.ep = 2, mirrored.parallel.schedule = "dualpipe";
-    mirrored.train.grad_accum = 4;
-    expect_refused(mirrored, {"dualpipe", "dualpipev"});
+}
+
+// Expert parallelism on GPUs: the token all-to-alls over an NCCL communicator of the ep group, the experts'
+// gradient buckets over one of expert_dp, device rows regrouped on the device. Needs a GPU per rank, or the
+// device emulation (train/device_emulation.h: the CPU kernels on memory closed to host code, MPI standing in
+// for NCCL), under which only the order of the sums differs from the one-rank CPU run.
+void expert_parallel_on_gpus_follows_the_one_rank_run(TrainConfig ref, TrainConfig par, bool emulated) {
+  comm::Communicator& world = comm::world();
+  std::optional<DeviceEmulation> emulation;
+  if (emulated) emulation.emplace();
+  int usable = device_usable(Device::cuda) ? device_memory(Device::cuda).device_count() : 0;
+  usable = static_cast<int>(-comm::all_reduce_max(world, -static_cast<double>(usable)));  // the fewest
+  if (usable < world.size()) GTEST_SKIP() << "needs a GPU per rank (" << world.size() << ")";
+  const int n = world.size();
+  ref.train.grad_accum = 2 * n;
+  auto self = comm::make_self();
+  const TrainResult want = Trainer(ref, self.get()).run();
+  std::vector<std::pair<int, bool>> layouts = {{n, false}};  // (ep, ZeRO-1)
+  if (n == 4) layouts.push_back({2, true});
+  for (const auto& [ep, zero] : layouts) {
+    TrainConfig c = par;
+    c.log.run_dir += fmt::format("-ep{}{}", ep, zero ? "-zero1" : "");
+    c.train.device = "cuda";
+    c.parallel.dp = n, c.parallel.ep = ep, c.parallel.distributed_optimizer = zero;
+    c.train.grad_accum = 2;
+    const TrainResult got = Trainer(c, &world).run();
+    ASSERT_EQ(got.losses.size(), want.losses.size());
+    const double loss_tolerance = emulated ? 2e-5 : 2e-3, norm_tolerance = emulated ? 1e-3 : 2e-2;
+    for (size_t s = 0; s < want.losses.size(); ++s) {
+      EXPECT_NEAR(got.losses[s], want.losses[s], loss_tolerance * want.losses[s])
+          << "ep " << ep << " step " << s + 1;
+      EXPECT_NEAR(got.grad_norms[s], want.grad_norms[s], norm_tolerance * want.grad_norms[s])
+          << "ep " << ep << " step " << s + 1;
+    }
+  }
+  if (emulation) EXPECT_EQ(EmulatedDevice::live_allocations(), 0);
+}
+
+TEST_F(ExpertParallelRuns, OnGpusFollowTheOneRankRun) {
+  expert_parallel_on_gpus_follows_the_one_rank_run(
+      config("gpu-reference-" + std::to_string(comm::world().rank())), config("gpu"), false);
+}
+TEST_F(ExpertParallelRuns, OnEmulatedGpusFollowTheOneRankRun) {
+  expert_parallel_on_gpus_follows_the_one_rank_run(
+      config("emulated-reference-" + std::to_string(comm::world().rank())), config("emulated"), true);
+}
+
+// The checkpoint's delayed-scaling state: every FP8 Linear's scales ("fp8.<linear>.scales", [3]) by name.
+std::map<std::string, std::vector<float>> fp8_scales_in(const fs::path& checkpoint) {
+  std::map<std::string, std::vector<float>> scales;
+  for (const std::string& name : ckpt::checkpoint_tensor_names(checkpoint.string()))
+    if (name.starts_with("fp8.") && name.ends_with(".scales")) scales[name].resize(3);
+  std::vector<ShardPiece> pieces;
+  for (auto& [name, v] : scales) pieces.push_back({name, {3}, {3}, -1, 0, 0, 3, v.data()});
+  auto self = comm::make_self();
+  ckpt::load_sharded_checkpoint(checkpoint.string(), *self, pieces);
+  return scales;
+}
+
+// FP8's delayed recipe under expert parallelism: a routed expert's amaxes are max-reduced over the ranks
+// holding it alone (not mixed with the experts at the same local index on the other ep ranks, nor over the
+// pipeline mirror's other stage), the dense Linears' over every replica; and each Linear's scaling state is
+// saved once, by one rank holding it. So the checkpoint holds every Linear's scales, equal to the one-rank
+// run's (after 3 steps the weights differ only by rounding; reducing the experts over all of dp instead
+// gives expert e the max of e and e + 8 / ep and fails here), and it loads under ep = 1.
+TEST_F(ExpertParallelRuns, Fp8DelayedScalesFollowEachExpert) {
+  comm::Communicator& world = comm::world();
+  const int n = world.size();
+  auto fp8_config = [&](const std::string& run) {
+    TrainConfig c = config(run);
+    c.train.dtype = "bf16";
+    c.train.steps = 3;
+    c.fp8.recipe = "delayed";
+    c.fp8.amax_history_len = 4;
+    return c;
+  };
+  struct Case {
+    const char* name;
+    int dp, pp, ep;
+    const char* schedule;
+  };
+  std::vector<Case> cases = {{"dp_ep_world", n, 1, n, "1f1b"}};
+  if (n == 4)
+    cases.push_back({"dp4_ep2", 4, 1, 2, "1f1b"}),
+        cases.push_back({"pp2_dp2_ep2_dualpipe", 2, 2, 2, "dualpipe"});
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.name);
+    const int accum = k.pp > 1 ? 4 : 2;
+    TrainConfig ref = fp8_config(std::string("fp8-reference-") + k.name + "-" + std::to_string(world.rank()));
+    if (k.pp > 1) ref.model.config = (dir_ / "deepseek4.json").string();
+    ref.train.grad_accum = accum * k.dp;
+    auto self = comm::make_self();
+    Trainer(ref, self.get()).run();
+    TrainConfig par = fp8_config(std::string("fp8-") + k.name);
+    par.model.config = ref.model.config;
+    par.parallel.dp = k.dp, par.parallel.pp = k.pp, par.parallel.ep = k.ep,
+    par.parallel.schedule = k.schedule;
+    par.train.grad_accum = accum;
+    Trainer(par, &world).run();
+    if (world.rank() == 0) {
+      const auto want = fp8_scales_in(toy::latest_checkpoint(ref));
+      const auto got = fp8_scales_in(toy::latest_checkpoint(par));
+      ASSERT_EQ(got.size(), want.size());
+      int experts = 0;
+      for (const auto& [name, w] : want) {
+        ASSERT_TRUE(got.contains(name)) << name;
+        experts += name.find(".experts.") != std::string::npos;
+        for (int role = 0; role < 3; ++role)
+          EXPECT_NEAR(got.at(name)[role], w[role], 1e-3 * w[role]) << name << " role " << role;
+      }
+      EXPECT_GT(experts, 0);
+    }
+    // The state written under ep loads under ep = 1 (each expert's Linears found by name) and trains on.
+    TrainConfig whole = par;
+    whole.parallel.ep = 1;
+    whole.train.steps = 5;
+    whole.checkpoint.resume = "auto";
+    const TrainResult more = Trainer(whole, &world).run();
+    EXPECT_EQ(more.steps_done, 5);
+    EXPECT_EQ(more.losses.size(), 2u);
   }
 }
 

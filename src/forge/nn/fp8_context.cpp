@@ -9,28 +9,34 @@ void validate(const Fp8Options& options) {
   // and the messages name those keys.
   fp8::validate(options.recipe);
   if (options.accumulator_bits < 0 || options.accumulator_bits > 23)
-    fail("fp8.accumulator_bits must be in [0, 23] (0 = exact fp32 accumulation), got {}", options.accumulator_bits);
+    fail("fp8.accumulator_bits must be in [0, 23] (0 = exact fp32 accumulation), got {}",
+         options.accumulator_bits);
   if (options.accumulator_bits > 0) {
     const int64_t p = options.promote_every;
     if (options.recipe.recipe == fp8::Recipe::block) {
       if (p <= 0 || p % 32 != 0 || 128 % p != 0)
-        fail("fp8.promote_every must be 32, 64 or 128 under the block recipe (a divisor of its tiles), got {}", p);
+        fail(
+            "fp8.promote_every must be 32, 64 or 128 under the block recipe (a divisor of its tiles), got {}",
+            p);
     } else if (p < 0 || p % 32 != 0) {
       fail("fp8.promote_every must be a multiple of 32 (0 = never promote), got {}", p);
     }
   }
-  if (options.bf16_first_layers < 0) fail("fp8.bf16_first_layers must be >= 0, got {}", options.bf16_first_layers);
-  if (options.bf16_last_layers < 0) fail("fp8.bf16_last_layers must be >= 0, got {}", options.bf16_last_layers);
+  if (options.bf16_first_layers < 0)
+    fail("fp8.bf16_first_layers must be >= 0, got {}", options.bf16_first_layers);
+  if (options.bf16_last_layers < 0)
+    fail("fp8.bf16_last_layers must be >= 0, got {}", options.bf16_last_layers);
 }
 
 Fp8Context::Fp8Context(Fp8Options options) : options_(std::move(options)) { validate(options_); }
 
-int Fp8Context::add_linear(std::string name, Device device) {
+int Fp8Context::add_linear(std::string name, Device device, bool expert) {
   if (sealed_) fail("FP8 Linear '{}' registered after the model's FP8 state was sealed", name);
   if (!names_.empty() && device != device_)
     fail("FP8 Linear '{}' runs on another device than the context's other Linears", name);
   device_ = device;
   names_.push_back(std::move(name));
+  experts_.push_back(expert ? 1 : 0);
   weights_.emplace_back();
   return static_cast<int>(names_.size() - 1);
 }

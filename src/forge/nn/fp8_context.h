@@ -9,7 +9,9 @@
 //                      micro-batches, not evaluation or generation); its weight is cast once and its amax
 //                      recorded then;
 //   step_amaxes()      the caller max-reduces this step's amaxes over every rank that must agree (the
-//                      tensor- and data-parallel groups), one all-reduce for the whole model;
+//                      tensor- and data-parallel groups; a routed expert's Linears under expert
+//                      parallelism: the ranks holding that expert, expert_linears()), one all-reduce for
+//                      the whole model;
 //   end_step()         new scales from the history, history rolled.
 // The current recipe computes each scale from the tensor being cast (weights: the amax over the
 // tensor-parallel group, so every shard of a weight shares one scale); the block recipe from each 1x128 or
@@ -60,8 +62,8 @@ struct Fp8Weight {
   // Current recipe: [amax, scale, scale_inv] on the Linears' device (nn::kAmax, ...), computed there from the
   // weight (its amax max-reduced over the tensor-parallel group) and read there by the GEMMs.
   Tensor scales;
-  Tensor block_scale_inv;           // block recipe: [ceil(out/128)][ceil(in/128)] (fp8/quantize.h)
-  Tensor block_scale_inv_t;         // block recipe: q_t's, [ceil(in/128)][ceil(out/128)]
+  Tensor block_scale_inv;    // block recipe: [ceil(out/128)][ceil(in/128)] (fp8/quantize.h)
+  Tensor block_scale_inv_t;  // block recipe: q_t's, [ceil(in/128)][ceil(out/128)]
 };
 
 class Fp8Context {
@@ -76,11 +78,14 @@ class Fp8Context {
 
   // Registration, while the model is built: each FP8 Linear takes one slot. seal() ends registration (the
   // first use of the scaling state seals implicitly); a later add_linear() is an error.
-  // Every Linear of a context runs on the same device (where its amax accumulators live).
-  int add_linear(std::string name, Device device = Device::cpu);
+  // Every Linear of a context runs on the same device (where its amax accumulators live). `expert`: the
+  // Linear belongs to a routed expert that only some ranks hold (expert parallelism: parameter group
+  // "experts"), whose amaxes agree over those ranks alone.
+  int add_linear(std::string name, Device device = Device::cpu, bool expert = false);
   void seal();
   int64_t linears() const { return static_cast<int64_t>(names_.size()); }
   const std::string& linear_name(int linear) const { return names_.at(static_cast<size_t>(linear)); }
+  bool is_expert(int linear) const { return experts_.at(static_cast<size_t>(linear)) != 0; }
 
   // Delayed recipe: the scale this step uses for a Linear's operand, and the amax to fold into its history.
   float delayed_scale(int linear, fp8::TensorRole role);
@@ -90,7 +95,8 @@ class Fp8Context {
   // step_amaxes() / end_step() (one copy per step).
   float* amax_accumulator(int linear, fp8::TensorRole role);
   // Whether inputs and gradients record their amaxes (training micro-batches) or not (evaluation,
-  // generation). Weight amaxes are recorded whenever a weight is cast: they describe the weights, not the data.
+  // generation). Weight amaxes are recorded whenever a weight is cast: they describe the weights, not the
+  // data.
   bool recording() const { return recording_; }
   void set_recording(bool on) { recording_ = on; }
 
@@ -113,6 +119,7 @@ class Fp8Context {
 
   Fp8Options options_;
   std::vector<std::string> names_;
+  std::vector<char> experts_;  // [linears]: is_expert
   std::vector<Fp8Weight> weights_;
   std::optional<fp8::DelayedScalingGroup> delayed_;
   bool sealed_ = false, recording_ = false;

@@ -25,8 +25,8 @@ int64_t GemmOperand::bytes() const {
   return total;
 }
 
-Linear::Linear(ParameterStore* store, std::vector<int> params, int64_t in_features, const ComputeOptions& options,
-               std::string name)
+Linear::Linear(ParameterStore* store, std::vector<int> params, int64_t in_features,
+               const ComputeOptions& options, std::string name)
     : store_(store),
       first_(params.at(0)),
       count_(static_cast<int>(params.size())),
@@ -36,12 +36,13 @@ Linear::Linear(ParameterStore* store, std::vector<int> params, int64_t in_featur
       fp8_(options.fp8),
       tp_(options.tp && options.tp->size() > 1 ? options.tp : nullptr) {
   for (int i = 0; i < count_; ++i) {
-    FORGE_CHECK(params[static_cast<size_t>(i)] == first_ + i, "Linear over '{}': its weights are not registered in a row",
-                store_->info(first_).name);
+    FORGE_CHECK(params[static_cast<size_t>(i)] == first_ + i,
+                "Linear over '{}': its weights are not registered in a row", store_->info(first_).name);
     out_ += store_->info(first_ + i).shape.at(0);
   }
   if (!fp8_) return;
-  slot_ = fp8_->add_linear(name.empty() ? store_->info(first_).name : std::move(name), device_);
+  slot_ = fp8_->add_linear(name.empty() ? store_->info(first_).name : std::move(name), device_,
+                           store_->info(first_).group == "experts");
   // The FP8 weight lives as long as the model: allocate it with the model, not inside the first step.
   Fp8Weight& w = fp8_->weight(slot_);
   w.q = Tensor::empty({out_, in_}, fp8_->dtype(TensorRole::weight), device_);
@@ -66,7 +67,8 @@ const Fp8Weight& Linear::fp8_weight() const {
   const fp8::RecipeConfig& rc = fp8_->options().recipe;
   // Delayed scaling: a new scale (end of step) needs a new cast even if the weights did not change.
   const bool delayed = rc.recipe == Recipe::delayed;
-  if (w.version == store_->version() && (!delayed || w.scale == fp8_->delayed_scale(slot_, TensorRole::weight)))
+  if (w.version == store_->version() &&
+      (!delayed || w.scale == fp8_->delayed_scale(slot_, TensorRole::weight)))
     return w;
   const Tensor master = store_->span(store_->params(), first_, count_, in_);
   const DType dtype = fp8_->dtype(TensorRole::weight);
@@ -101,14 +103,15 @@ const Fp8Weight& Linear::fp8_weight() const {
 GemmOperand Linear::quantize(const Tensor& x, int64_t cols, TensorRole role, bool with_rows,
                              bool with_transpose, const GemmOperand* scale_of) const {
   FORGE_CHECK(x.dtype() == DType::f32 && x.numel() % cols == 0,
-              "FP8 Linear '{}': expected an fp32 operand of [*, {}], got {} {}", fp8_->linear_name(slot_), cols,
-              dtype_name(x.dtype()), shape_string(x.shape()));
+              "FP8 Linear '{}': expected an fp32 operand of [*, {}], got {} {}", fp8_->linear_name(slot_),
+              cols, dtype_name(x.dtype()), shape_string(x.shape()));
   const int64_t rows = x.numel() / cols;
   // Tensor cores read FP8 operands in rows of 16-byte multiples; the transposed copies' rows are the tokens.
   if (device_ != Device::cpu && (rows % 16 != 0 || cols % 16 != 0))
-    fail("FP8 Linear '{}' on {}: {} x {} operand; FP8 tensor cores need the token count and the features to be "
-         "multiples of 16 (change the batch or sequence length, or keep this layer in bf16)",
-         fp8_->linear_name(slot_), device_name(device_), rows, cols);
+    fail(
+        "FP8 Linear '{}' on {}: {} x {} operand; FP8 tensor cores need the token count and the features "
+        "to be multiples of 16 (change the batch or sequence length, or keep this layer in bf16)",
+        fp8_->linear_name(slot_), device_name(device_), rows, cols);
   const DType dtype = fp8_->dtype(role);
   const fp8::RecipeConfig& rc = fp8_->options().recipe;
   GemmOperand op;
@@ -199,8 +202,8 @@ ops::Fp8GemmParams fp8_params(const Fp8Options& options) {
 // refused naming this Linear, not from inside the kernel.
 void Linear::run_fp8_gemm(const ops::Fp8GemmParams& p) const {
   if (std::string why; !ops::supports_fp8_gemm(p, device_, &why))
-    fail("FP8 GEMM of '{}' ([{}, {}] weight, {} x {} x {}) on {}: {}", fp8_->linear_name(slot_), out_, in_, p.m,
-         p.n, p.k, device_name(device_), why);
+    fail("FP8 GEMM of '{}' ([{}, {}] weight, {} x {} x {}) on {}: {}", fp8_->linear_name(slot_), out_, in_,
+         p.m, p.n, p.k, device_name(device_), why);
   ops::fp8_gemm(p, device_);
 }
 
@@ -236,7 +239,8 @@ Tensor Linear::forward(GemmOperand& x, const Tensor& out) const {
   p.b = codes(w.q), p.ldb = in_, p.trans_b = true, p.b_dtype = w.q.dtype();
   p.c = y.f32(), p.ldc = out_;
   if (p.scaling == ops::Fp8Scaling::block) {
-    p.a_scales = x.tiles.f32(), p.b_scales = w.block_scale_inv.f32(), p.b_block = ops::Fp8BlockScales::block_128x128;
+    p.a_scales = x.tiles.f32(), p.b_scales = w.block_scale_inv.f32(),
+    p.b_block = ops::Fp8BlockScales::block_128x128;
   } else {
     p.a_scale_inv = x.scale_inv, p.b_scale_inv = w.scale_inv;
     p.a_scale_inv_ptr = scale_inv_pointer(x.scales), p.b_scale_inv_ptr = scale_inv_pointer(w.scales);
@@ -314,7 +318,8 @@ void Linear::accumulate_weight_grad(const GemmOperand& dy, const GemmOperand& x)
                       block ? nullptr : &x);
     xs = &recast;
   }
-  FORGE_CHECK(dy.data_t.defined() && xs->data_t.defined(), "Linear::backward_weight: transposed operands missing");
+  FORGE_CHECK(dy.data_t.defined() && xs->data_t.defined(),
+              "Linear::backward_weight: transposed operands missing");
   // dW [out, in] = dy^T [out, tokens] . (x^T [in, tokens])^T: both operands K-major (K = the tokens), the
   // layout FP8 tensor cores take, and under the block recipe both in 1x128 tiles along the tokens.
   const int64_t rows = dy.data_t.dim(1);
@@ -325,7 +330,8 @@ void Linear::accumulate_weight_grad(const GemmOperand& dy, const GemmOperand& x)
   p.c = dw.f32(), p.ldc = in_;
   p.beta = 1.0f;
   if (p.scaling == ops::Fp8Scaling::block) {
-    p.a_scales = dy.tiles_t.f32(), p.b_scales = xs->tiles_t.f32(), p.b_block = ops::Fp8BlockScales::tile_1x128;
+    p.a_scales = dy.tiles_t.f32(), p.b_scales = xs->tiles_t.f32(),
+    p.b_block = ops::Fp8BlockScales::tile_1x128;
   } else {
     p.a_scale_inv = dy.scale_inv, p.b_scale_inv = xs->scale_inv;
     p.a_scale_inv_ptr = scale_inv_pointer(dy.scales), p.b_scale_inv_ptr = scale_inv_pointer(xs->scales);

@@ -13,7 +13,7 @@ namespace forge::train {
 
 Pipelining::Pipelining(const pipeline::Schedule& schedule, int pp_rank, comm::Communicator& pp,
                        std::vector<models::Model*> chunks, int64_t rows, int64_t sequence_split,
-                       comm::Communicator* mirror, std::vector<std::pair<int64_t, int64_t>> chunk_ranges)
+                       comm::Communicator* mirror, std::vector<std::pair<int, int>> chunk_params)
     : schedule_(schedule),
       pp_rank_(pp_rank),
       pp_(pp),
@@ -21,11 +21,11 @@ Pipelining::Pipelining(const pipeline::Schedule& schedule, int pp_rank, comm::Co
       rows_(rows),
       sequence_split_(sequence_split),
       mirror_(mirror),
-      chunk_ranges_(std::move(chunk_ranges)) {
+      chunk_params_(std::move(chunk_params)) {
   FORGE_CHECK(static_cast<int>(chunks_.size()) == schedule.placement.chunks,
               "schedule {} has {} chunks per rank, got {}", schedule.name, schedule.placement.chunks,
               chunks_.size());
-  FORGE_CHECK(!mirror_ || chunk_ranges_.size() == chunks_.size(), "mirrored chunks need their ranges");
+  FORGE_CHECK(!mirror_ || chunk_params_.size() == chunks_.size(), "mirrored chunks need their parameters");
   // Built once (the executor replays the schedule to check it): each step only hands over its micro-batches.
   std::vector<pipeline::Chunk*> views;
   for (models::Model* m : chunks_) {
@@ -77,21 +77,28 @@ models::LossSum Pipelining::run(models::Model& model, int count,
 }
 
 // Rank r's chunk holding stage s and its mirror's chunk holding stage s cover the same tensors in the same
-// order; both ranks visit their stages in increasing order, so each all-reduce meets its partner.
+// order, laid out alike (a flat run per parameter group: dense, then the experts under expert parallelism);
+// both ranks visit their stages in increasing order, so each all-reduce meets its partner. A tied embedding
+// is one tensor shared by a rank's end chunks (the embedding of one direction, the head of the other): it is
+// left out of the runs and summed over the tied pair after them.
 void Pipelining::sum_mirrored_gradients() {
   ParameterStore& store = chunks_[0]->params();
-  // A tied embedding is one tensor shared by a rank's end chunks (the embedding of one direction, the head
-  // of the other): it is left out of the regions and summed over the tied pair after them.
-  int64_t skip_begin = -1, skip_end = -1;
-  if (tied_param_ >= 0) {
-    skip_begin = store.info(tied_param_).offset;
-    skip_end = skip_begin + shape_numel(store.info(tied_param_).shape);
-  }
   for (int c : schedule_.placement.chunks_by_stage(pp_rank_)) {
-    const auto [begin, end] = chunk_ranges_[c];
-    std::vector<std::pair<int64_t, int64_t>> parts = {{begin, end}};
-    if (skip_begin >= begin && skip_end <= end) parts = {{begin, skip_begin}, {skip_end, end}};
-    for (const auto [from, to] : parts)
+    const auto [first, end] = chunk_params_[c];
+    std::vector<int> ids;
+    for (int id = first; id < end; ++id)
+      if (id != tied_param_) ids.push_back(id);
+    std::sort(ids.begin(), ids.end(),
+              [&](int a, int b) { return store.info(a).offset < store.info(b).offset; });
+    std::vector<std::pair<int64_t, int64_t>> runs;  // [begin, end) of the flat buffer
+    for (int id : ids) {
+      const int64_t at = store.info(id).offset, n = shape_numel(store.info(id).shape);
+      if (!runs.empty() && runs.back().second == at)
+        runs.back().second += n;
+      else
+        runs.push_back({at, at + n});
+    }
+    for (const auto [from, to] : runs)
       if (to > from) comm::all_reduce_sum(*mirror_, store.grads().f32() + from, to - from);
   }
 }

@@ -24,12 +24,11 @@ class Pipelining final : public Schedule {
   // chunks: this rank's chunks in the placement's order (TrainSetup::chunks()). rows: the hidden-state rows
   // of one training micro-batch between stages (TrainSetup::stage_rows); sequence_split: tp under sequence
   // parallelism (a batch's rows are split over it), else 1. DualPipe: mirror pairs this rank with the one
-  // holding copies of its stages, chunk_ranges are the chunks' flat ranges of the shared store, and each
-  // step's gradients of the two copies of a stage are summed over it.
+  // holding copies of its stages, chunk_params are the chunks' parameter ids [first, end) in the shared store
+  // (TrainSetup::chunk_params), and each step's gradients of the two copies of a stage are summed over it.
   Pipelining(const pipeline::Schedule& schedule, int pp_rank, comm::Communicator& pp,
              std::vector<models::Model*> chunks, int64_t rows, int64_t sequence_split,
-             comm::Communicator* mirror = nullptr,
-             std::vector<std::pair<int64_t, int64_t>> chunk_ranges = {});
+             comm::Communicator* mirror = nullptr, std::vector<std::pair<int, int>> chunk_params = {});
   ~Pipelining() override;
 
   // Every chunk computes the same number of micro-batches: all of them, or (DualPipe) one direction's half.
@@ -59,7 +58,7 @@ class Pipelining final : public Schedule {
   std::vector<models::Model*> chunks_;
   int64_t rows_, sequence_split_;
   comm::Communicator* mirror_;
-  std::vector<std::pair<int64_t, int64_t>> chunk_ranges_;
+  std::vector<std::pair<int, int>> chunk_params_;
   comm::Communicator* tied_group_ = nullptr;
   int tied_param_ = -1;
   bool measure_ = false;

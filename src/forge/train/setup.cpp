@@ -101,8 +101,12 @@ TrainSetup::TrainSetup(const TrainConfig& c, comm::Communicator& world_)
     parallel::BucketOptions expert_options = bucket_options;
     expert_options.group = "experts";
     expert_options.overlap = bucket_options.overlap && layout.expert_dp() > 1;
-    expert_buckets =
-        std::make_unique<parallel::GradBuckets>(&model->params(), groups.expert_dp.get(), expert_options);
+    comm::Communicator* expert_group = groups.expert_dp.get();
+    if (on_gpu()) {
+      if (!expert_dp_nccl) expert_dp_nccl = comm::make_self("expert_dp");
+      expert_group = expert_dp_nccl.get();
+    }
+    expert_buckets = std::make_unique<parallel::GradBuckets>(&model->params(), expert_group, expert_options);
     optimizer_groups.push_back({expert_buckets.get(), groups.expert_dp.get(), groups.ep.get()});
   }
   optimizer = std::make_unique<parallel::DistributedAdamW>(&model->params(), adam_config, optimizer_groups,
@@ -146,10 +150,11 @@ void TrainSetup::build_chunks() {
   }
   rank_params = std::make_unique<ParameterStore>();
   for (size_t c = 0; c < chunk_stages.size(); ++c) {
-    const int64_t begin = rank_params->numel(), first_linear = options.fp8 ? options.fp8->linears() : 0;
+    const int first_param = rank_params->count();
+    const int64_t first_linear = options.fp8 ? options.fp8->linears() : 0;
     std::unique_ptr<Model> built =
         build_model(*model_config, options, chunk_stages[c], init_std, true, rank_params.get());
-    chunk_ranges.push_back({begin, rank_params->numel()});
+    chunk_params.push_back({first_param, rank_params->count()});
     chunk_fp8_linears.push_back({first_linear, options.fp8 ? options.fp8->linears() : 0});
     if (c == 0)
       model = std::move(built);
@@ -162,8 +167,7 @@ void TrainSetup::build_chunks() {
   if (pipeline->placement.mirrored) {
     // Rank r holds stage r as chunk 0 and a copy of stage P-1-r as chunk 1, which rank P-1-r holds as its
     // chunk 0: the copies are not primary, so each element counts once in the norm and in checkpoints.
-    for (int id = 0; id < rank_params->count(); ++id)
-      if (rank_params->info(id).offset >= chunk_ranges[1].first) rank_params->mark_copy(id);
+    for (int id = chunk_params[1].first; id < chunk_params[1].second; ++id) rank_params->mark_copy(id);
     const int P = layout.pp();
     mirror = groups.pp->split(std::min(pp_rank, P - 1 - pp_rank), pp_rank, "pp_mirror");
   }
@@ -238,18 +242,6 @@ void TrainSetup::check_model_fits() const {
     if (experts % layout.ep() != 0)
       fail("{}: parallel.ep = {} does not divide n_routed_experts = {} of {}", c.origin_of("parallel.ep"),
            layout.ep(), experts, model_source);
-    if (c.fp8.recipe == "delayed")
-      fail(
-          "{}: fp8.recipe = \"delayed\" with parallel.ep = {}: the amax histories of experts on other ranks "
-          "are "
-          "not reduced yet; use \"block\" (DeepSeek-V3's) or \"current\"",
-          c.origin_of("fp8.recipe"), layout.ep());
-    if (c.parallel.schedule == "dualpipe" && layout.pp() > 1)
-      fail(
-          "{}: parallel.schedule = \"dualpipe\" (mirrored stages) with parallel.ep = {} is not supported "
-          "yet; "
-          "use \"dualpipev\"",
-          c.origin_of("parallel.schedule"), layout.ep());
   }
   // Sequence parallelism splits each micro-batch's token rows over tp; with seq_len a multiple of tp every
   // batch size splits (evaluation's last batch may be smaller), as Megatron requires.
@@ -268,8 +260,8 @@ void TrainSetup::open_devices() {
   if (!device_usable(device))
     fail("{}: train.device = {}, but no GPU is usable here (or this binary has no CUDA backend)",
          c.origin_of("train.device"), c.train.device);
-  if (layout.pp() > 1 || layout.cp() > 1 || layout.ep() > 1)
-    fail("{}: train.device = {} supports tensor and data parallelism only for now ({})",
+  if (layout.pp() > 1 || layout.cp() > 1)
+    fail("{}: train.device = {} supports tensor, data and expert parallelism only for now ({})",
          c.origin_of("train.device"), c.train.device, layout.describe());
   if (c.fp8.recipe != "off" && c.data.seq_len % 16 != 0)
     fail(
@@ -292,6 +284,9 @@ void TrainSetup::open_devices() {
   gpu.select_device(ordinal);
   if (layout.tp() > 1) tp_nccl = comm::make_nccl(*groups.tp, ordinal, "tp", gpu.stream());
   if (dp > 1) dp_nccl = comm::make_nccl(dp_group(), ordinal, "dp", gpu.stream());
+  if (layout.ep() > 1) ep_nccl = comm::make_nccl(*groups.ep, ordinal, "ep", gpu.stream());
+  if (layout.ep() > 1 && layout.expert_dp() > 1)
+    expert_dp_nccl = comm::make_nccl(*groups.expert_dp, ordinal, "expert_dp", gpu.stream());
 }
 
 void TrainSetup::make_compute_options() {
@@ -305,7 +300,7 @@ void TrainSetup::make_compute_options() {
       groups.tp.get(), c.parallel.sequence_parallel, tp_nccl.get());
   if (layout.tp() > 1) options.tp = tensor_parallel.get();
   if (layout.ep() > 1) {
-    expert_parallel = std::make_unique<parallel::CommExpertParallel>(groups.ep.get());
+    expert_parallel = std::make_unique<parallel::CommExpertParallel>(groups.ep.get(), ep_nccl.get());
     options.ep = expert_parallel.get();
     options.ep_overlap = c.parallel.ep_overlap;
   }

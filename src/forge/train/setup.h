@@ -44,8 +44,9 @@ class TrainSetup {
 
   Device device = Device::cpu;
   bool on_gpu() const { return device != Device::cpu; }
-  // On GPUs: NCCL communicators over the tp and dp groups (device buffers), or a one-rank one for dp = 1.
-  std::unique_ptr<comm::Communicator> dp_nccl, tp_nccl, dp_self;
+  // On GPUs: NCCL communicators over the tp and dp groups (device buffers), or a one-rank one for dp = 1;
+  // under expert parallelism also over ep (the token all-to-alls) and expert_dp (the experts' gradients).
+  std::unique_ptr<comm::Communicator> dp_nccl, tp_nccl, dp_self, ep_nccl, expert_dp_nccl;
 
   std::optional<models::PretrainedDir> init_source;  // model.init_from
   std::string model_source;                          // where the model config came from, for messages
@@ -56,15 +57,17 @@ class TrainSetup {
   nn::ComputeOptions options;
   std::unique_ptr<parallel::CommTensorParallel> tensor_parallel;
   std::unique_ptr<parallel::CommExpertParallel> expert_parallel;  // parallel.ep > 1
-  std::unique_ptr<nn::Fp8Context> fp8;  // null without FP8
+  std::unique_ptr<nn::Fp8Context> fp8;                            // null without FP8
   std::string fp8_summary = "off";
   // Pipeline parallelism: the part of the model this rank holds (the whole model when pp = 1), the
   // schedule's action lists (null when pp = 1), this rank's place in them and the hidden-state rows one
   // micro-batch hands from stage to stage.
   // Schedules that place several chunks on a rank (interleaved, zbv, dualpipe, dualpipev) build each into
   // one shared parameter store (rank_params), so that the rank has one optimizer, one set of gradient buckets
-  // and one checkpoint; chunk_ranges[c] is chunk c's flat range of it. DualPipe's mirror pairs ranks r and
-  // P-1-r, which hold copies of each other's stages and sum their gradients.
+  // and one checkpoint; chunk_params[c] is chunk c's parameter ids [first, end) in it (registration order;
+  // in the buffer each parameter group is laid out apart, so a chunk spans one flat run per group).
+  // DualPipe's mirror pairs ranks r and P-1-r, which hold copies of each other's stages and sum their
+  // gradients.
   std::vector<models::StageSpec> chunk_stages;  // [chunk]
   std::unique_ptr<pipeline::Schedule> pipeline;
   int pp_rank = 0;
@@ -72,7 +75,7 @@ class TrainSetup {
   std::string pipeline_summary;  // for the run log
   comm::Communicator& pp_group() const { return *groups.pp; }
   std::unique_ptr<ParameterStore> rank_params;
-  std::vector<std::pair<int64_t, int64_t>> chunk_ranges;
+  std::vector<std::pair<int, int>> chunk_params;
   std::vector<std::pair<int64_t, int64_t>> chunk_fp8_linears;  // [chunk]: its FP8 Linears' slots (with FP8)
   std::unique_ptr<comm::Communicator> mirror;
   // Tied embeddings with the first and the last stage on two ranks: the pair's communicator (null on the

@@ -89,7 +89,8 @@ void finish_balancing(TrainSetup& setup, StepResult& r) {
   }
   // Expert parallelism's traffic per slot (rows received, rows sent, the tokens' rank spread summed, its
   // tokens, its maximum), this rank's, gathered over its ep group. Under pp a slot lives on one stage (or on
-  // both copies of a mirrored one, of which only the copy that ran a micro-batch counted it): summed.
+  // both copies of a mirrored one, which counted one direction's micro-batches each): the counts summed, the
+  // maximum a maximum.
   const int ep = setup.layout.ep();
   constexpr int64_t kTraffic = 5;
   std::vector<double> traffic(static_cast<size_t>(kTraffic * slots), 0.0), all_traffic;
@@ -100,7 +101,13 @@ void finish_balancing(TrainSetup& setup, StepResult& r) {
     at[4] = std::max(at[4], static_cast<double>(v.stats->max_spread));
   }
   if (ep > 1 && slots > 0) {
-    if (setup.layout.pp() > 1) comm::all_reduce_sum(setup.pp_group(), traffic.data(), kTraffic * slots);
+    if (setup.layout.pp() > 1) {
+      std::vector<double> most(static_cast<size_t>(slots));
+      for (int64_t slot = 0; slot < slots; ++slot) most[slot] = traffic[kTraffic * slot + 4];
+      comm::all_reduce_sum(setup.pp_group(), traffic.data(), kTraffic * slots);
+      setup.pp_group().all_reduce(most.data(), slots, comm::Type::f64, comm::ReduceOp::max).wait();
+      for (int64_t slot = 0; slot < slots; ++slot) traffic[kTraffic * slot + 4] = most[slot];
+    }
     all_traffic.resize(static_cast<size_t>(ep * kTraffic * slots));
     setup.groups.ep->all_gather(traffic.data(), all_traffic.data(), kTraffic * slots, comm::Type::f64).wait();
   }
@@ -148,6 +155,40 @@ void finish_balancing(TrainSetup& setup, StepResult& r) {
   const bool zero_mean = c.moe.bias_update == "zero_mean";
   for (Model* m : setup.chunks())
     m->apply_bias_updates(static_cast<float>(c.moe.bias_update_rate), zero_mean);
+}
+
+// Delayed scaling: every rank that holds a Linear agrees on its step's amaxes, so all use the same scales
+// next step, those one process running the whole batch would use. Collective over the world.
+void reduce_step_amaxes(TrainSetup& setup, nn::Fp8Context& fp8) {
+  std::span<float> amaxes = fp8.step_amaxes();
+  if (amaxes.empty()) return;
+  const auto max_over = [](comm::Communicator* group, float* data, int64_t n) {
+    if (group->size() > 1 && n > 0) group->all_reduce(data, n, comm::Type::f32, comm::ReduceOp::max).wait();
+  };
+  // DualPipe: a stage's two copies see one direction's micro-batches each; their Linears take the max of
+  // both, stage by stage in increasing order on both ranks of the mirror pair.
+  if (setup.mirror)
+    for (int c : setup.pipeline->placement.chunks_by_stage(setup.pp_rank)) {
+      const auto [first, end] = setup.chunk_fp8_linears[c];
+      max_over(setup.mirror.get(), amaxes.data() + 3 * first, 3 * (end - first));
+    }
+  // The stage's ranks (each pipeline stage holds its own Linears): tensor parallel, then data parallel. Under
+  // expert parallelism a routed expert lives on the ranks of one expert_dp group alone, which see every token
+  // routed to it, so the whole array goes over expert_dp (a part of dp) and then the dense Linears' slots
+  // over ep (dp = ep x expert_dp).
+  const parallel::Layout& layout = setup.layout;
+  max_over(setup.groups.tp.get(), amaxes.data(), static_cast<int64_t>(amaxes.size()));
+  if (layout.ep() == 1) {
+    max_over(&setup.dp_group(), amaxes.data(), static_cast<int64_t>(amaxes.size()));
+    return;
+  }
+  max_over(setup.groups.expert_dp.get(), amaxes.data(), static_cast<int64_t>(amaxes.size()));
+  std::vector<float> dense;
+  for (int l = 0; l < fp8.linears(); ++l)
+    if (!fp8.is_expert(l)) dense.insert(dense.end(), amaxes.begin() + 3 * l, amaxes.begin() + 3 * l + 3);
+  max_over(setup.groups.ep.get(), dense.data(), static_cast<int64_t>(dense.size()));
+  for (int l = 0, at = 0; l < fp8.linears(); ++l)
+    if (!fp8.is_expert(l)) std::copy_n(dense.begin() + 3 * at++, 3, amaxes.begin() + 3 * l);
 }
 
 }  // namespace
@@ -315,30 +356,7 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule,
   r.lr = setup.schedule.lr_at(state.step);
   setup.optimizer->step(r.lr, clip_coefficient(r.grad_norm, static_cast<float>(c.train.grad_clip)));
   if (nn::Fp8Context* fp8 = setup.fp8.get()) {
-    // Delayed scaling: every rank (tensor- and data-parallel) agrees on the step's amaxes, so all use the
-    // same scales next step, those one process running the whole batch would use.
-    std::span<float> amaxes = fp8->step_amaxes();
-    // Under pipeline parallelism each stage's ranks hold other Linears than the other stages': the
-    // reduction runs over the ranks of this stage (tp, then dp) instead of the world.
-    // DualPipe: a stage's two copies see one direction's micro-batches each; their Linears take the max of
-    // both, stage by stage in increasing order on both ranks of the mirror pair.
-    if (setup.mirror && !amaxes.empty()) {
-      for (int c : setup.pipeline->placement.chunks_by_stage(setup.pp_rank)) {
-        const auto [first, end] = setup.chunk_fp8_linears[c];
-        if (end > first)
-          setup.mirror
-              ->all_reduce(amaxes.data() + 3 * first, 3 * (end - first), comm::Type::f32, comm::ReduceOp::max)
-              .wait();
-      }
-    }
-    std::vector<comm::Communicator*> over{&world};
-    if (setup.layout.pp() > 1) over = {setup.groups.tp.get(), &setup.dp_group()};
-    for (comm::Communicator* group : over)
-      if (!amaxes.empty() && group->size() > 1)
-        group
-            ->all_reduce(amaxes.data(), static_cast<int64_t>(amaxes.size()), comm::Type::f32,
-                         comm::ReduceOp::max)
-            .wait();
+    reduce_step_amaxes(setup, *fp8);
     fp8->end_step();
   }
   finish_balancing(setup, r);

@@ -84,8 +84,7 @@ void TrainState::stage_fp8(bool export_state, Fp8Format format, std::vector<Shar
   fp8_linear_history_.assign(static_cast<size_t>(linears), std::vector<float>(static_cast<size_t>(len * 3)));
   fp8_linear_scales_.assign(static_cast<size_t>(linears), std::vector<float>(3));
   for (int64_t l = 0; l < linears; ++l) {
-    const bool skip =
-        export_state && fp8_saved_linears >= 0 && l >= fp8_saved_linears;  // a copy's: not saved
+    const bool skip = export_state && !fp8_saves.empty() && !fp8_saves[static_cast<size_t>(l)];
     std::vector<float>& h = fp8_linear_history_[l];
     std::vector<float>& sc = fp8_linear_scales_[l];
     for (int64_t age = 0; age < len; ++age)
@@ -115,7 +114,8 @@ static void unstage_by_linear(const std::vector<std::vector<float>>& history,
 std::vector<ShardPiece> TrainState::pieces_to_save(int world_rank) {
   std::vector<ShardPiece> pieces = optimizer->checkpoint_pieces(true);
   if (delayed_group(fp8))
-    stage_fp8(/*export_state=*/true, Fp8Format::by_linear, world_rank == 0 || fp8_saver ? &pieces : nullptr);
+    stage_fp8(/*export_state=*/true, Fp8Format::by_linear,
+              world_rank == 0 || !fp8_saves.empty() ? &pieces : nullptr);
   return pieces;
 }
 

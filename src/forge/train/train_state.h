@@ -56,14 +56,13 @@ struct TrainState {
   // ---- Checkpoints. The pieces of this rank's state to save, and the destinations to load into; after a
   // load, finish_load() applies what was read. The delayed-scaling state is saved per FP8 Linear, under its
   // name ("fp8.<linear>.amax_history" [history_len, 3], "fp8.<linear>.scales" [3]: input, weight,
-  // gradient), so that any pipeline layout loads any other; it is the same on every rank of a stage after
-  // each step's reduction, so one rank per stage writes it: world rank 0, or with fp8_saver set this rank
-  // (the trainer sets it on tensor- and data-parallel rank 0 of every pipeline rank).
+  // gradient), so that any pipeline layout loads any other; it is the same on every rank holding the Linear
+  // after each step's reduction, so one of them writes it: fp8_saves[l] says whether this rank writes Linear
+  // l's (empty: world rank 0 writes all of them, as on one stage). The trainer sets it on tensor- and
+  // data-parallel rank 0 of every pipeline rank, for a routed expert's Linears under expert parallelism on
+  // expert_dp rank 0 of every ep rank, and never for DualPipe's mirrored copies.
   enum class Fp8Format { none, by_linear, whole };  // whole: the single-array format of older checkpoints
-  bool fp8_saver = false;
-  // The Linears whose state this rank saves, [0, fp8_saved_linears) (DualPipe: its own chunk's, not the
-  // mirrored copy's); -1: all.
-  int64_t fp8_saved_linears = -1;
+  std::vector<char> fp8_saves;
   std::vector<ShardPiece> pieces_to_save(int world_rank);
   std::vector<ShardPiece> pieces_to_load(Fp8Format saved);
   void finish_load(Fp8Format saved);

@@ -46,6 +46,22 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
+// Which FP8 Linears' delayed-scaling state this rank writes to checkpoints (TrainState::fp8_saves): one
+// rank of those holding each Linear. A stage's dense Linears: its tensor- and data-parallel rank 0; a routed
+// expert's under expert parallelism: tensor-parallel and expert_dp rank 0 of the ep rank holding it; never
+// DualPipe's mirrored copy (chunk 1 there), whose partner writes it as its own.
+std::vector<char> fp8_linears_saved_here(const TrainSetup& s) {
+  if (!s.fp8 || !s.fp8->delayed_group()) return {};
+  const parallel::Layout& layout = s.layout;
+  const bool tp0 = layout.coordinate(parallel::Dim::tp) == 0;
+  const bool dense = tp0 && s.dp_rank == 0, expert = tp0 && layout.coordinate(parallel::Dim::expert_dp) == 0;
+  std::vector<char> saves(static_cast<size_t>(s.fp8->linears()));
+  for (int l = 0; l < s.fp8->linears(); ++l) saves[l] = s.fp8->is_expert(l) ? expert : dense;
+  if (s.mirror && !s.chunk_fp8_linears.empty())
+    for (int64_t l = s.chunk_fp8_linears[0].second; l < s.fp8->linears(); ++l) saves[l] = 0;
+  return saves;
+}
+
 struct HeldOut {
   LossSum loss;
   int64_t bytes = 0;  // bytes of text the predicted tokens stand for
@@ -542,7 +558,7 @@ TrainResult TrainingRun::run() {
   if (s.pipeline) {
     auto p = std::make_unique<Pipelining>(*s.pipeline, s.pp_rank, s.pp_group(), s.chunks(), s.stage_rows,
                                           c_.parallel.sequence_parallel ? s.layout.tp() : 1, s.mirror.get(),
-                                          s.chunk_ranges);
+                                          s.chunk_params);
     p->tie(s.tied_group.get(), s.tied_param);
     pipelining_ = p.get();
     schedule_ = std::move(p);
@@ -552,9 +568,7 @@ TrainResult TrainingRun::run() {
   state_.params = &s.model->params();
   state_.optimizer = s.optimizer.get();
   state_.fp8 = s.fp8.get();
-  // Each pipeline stage's FP8 Linears are its own: one rank per stage saves their state.
-  state_.fp8_saver = s.layout.pp() > 1 && s.layout.coordinate(parallel::Dim::tp) == 0 && s.dp_rank == 0;
-  if (s.mirror && !s.chunk_fp8_linears.empty()) state_.fp8_saved_linears = s.chunk_fp8_linears[0].second;
+  state_.fp8_saves = fp8_linears_saved_here(s);
   state_.samples_per_step = s.micro * s.accum * s.dp;
   // Time-budget mode (steps = 0): the schedule's length is planned once, from the measured speed of the first
   // steps (which are all in warmup, where the LR does not depend on the length).
