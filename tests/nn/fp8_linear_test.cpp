@@ -8,6 +8,8 @@
 // GEMMs with host values), with a tensor-parallel group max-reducing the weight's amax.
 #include <gtest/gtest.h>
 
+#include <memory>
+
 #include <bit>
 #include <cfloat>
 #include <cmath>
@@ -224,6 +226,26 @@ TEST(Fp8Linear, EvaluationDoesNotRecordAmaxes) {
   std::span<float> amaxes = f.context.step_amaxes();
   EXPECT_EQ(amaxes[0], 0.0f);
   EXPECT_GT(amaxes[1], 0.0f);  // the weight's amax describes the weights: recorded whenever it is cast
+}
+
+// Recording scopes count: an overlapped pair's forward and backward (two fibers, core/fibers.h) open theirs
+// and close them in either order, and recording stays on until both are closed (a scope that saved and
+// restored the previous value would turn it off under the still-running backward when the forward ends
+// first); an off scope (evaluation) mutes it while open.
+TEST(Fp8Linear, RecordingScopesEndingInAnyOrderKeepRecording) {
+  Fixture f(options_for(Recipe::delayed));
+  EXPECT_FALSE(f.context.recording());
+  auto forward = std::make_unique<Fp8Recording>(&f.context, true);
+  auto backward = std::make_unique<Fp8Recording>(&f.context, true);
+  forward.reset();  // the forward ends first
+  EXPECT_TRUE(f.context.recording());
+  {
+    const Fp8Recording evaluation(&f.context, false);
+    EXPECT_FALSE(f.context.recording());
+  }
+  EXPECT_TRUE(f.context.recording());
+  backward.reset();
+  EXPECT_FALSE(f.context.recording());
 }
 
 TEST(Fp8Linear, WeightIsCastOncePerWeightVersion) {

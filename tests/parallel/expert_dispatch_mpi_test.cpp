@@ -5,7 +5,8 @@
 //   - the full round trip of the Moe layer's data path (sort, permute, dispatch, combine, unpermute with
 //     every gate 1/k) restores each token's row bit for bit, and its backward the gradient;
 //   - with a capacity no expert takes more than its capacity from any rank; with FP8's padding of every
-//     expert's segment to 16 rows the round trip gives the same bits as without.
+//     expert's segment to 16 rows, or of every one to the capacity (fixed shapes: each expert takes exactly
+//     capacity rows from each rank), the round trip gives the same bits as without.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -85,13 +86,14 @@ struct RoundTrip {
 };
 
 RoundTrip round_trip(nn::ExpertParallel* ep, const Tensor& x, const std::vector<int32_t>& ids, int64_t k,
-                     int64_t experts, int64_t capacity, int64_t align) {
+                     int64_t experts, int64_t capacity, int64_t align, bool pad_to_capacity = false) {
   const int64_t tokens = x.dim(0), hidden = x.dim(1);
-  Tensor row_of = Tensor::empty({tokens * k}, DType::i32);
-  Tensor source = Tensor::empty({ops::moe_sorted_rows_bound(tokens, k, experts, align)}, DType::i32);
-  Tensor offsets = Tensor::empty({experts + 1}, DType::i64);
   ops::MoeSortParams q;
   q.tokens = tokens, q.top_k = k, q.experts = experts, q.capacity = capacity, q.align = align;
+  q.pad_to_capacity = pad_to_capacity;
+  Tensor row_of = Tensor::empty({tokens * k}, DType::i32);
+  Tensor source = Tensor::empty({ops::moe_sorted_rows_bound(q)}, DType::i32);
+  Tensor offsets = Tensor::empty({experts + 1}, DType::i64);
   q.expert_ids = ids.data(), q.row_of = row_of.i32(), q.source = source.i32(),
   q.offsets = offsets.data<int64_t>();
   ops::moe_sort_by_expert(q, Device::cpu);
@@ -180,6 +182,18 @@ TEST(ExpertDispatch, CapacityBoundsEveryExpertAndPaddingChangesNothing) {
       EXPECT_EQ((padded.plan.local_offsets[l + 1] - padded.plan.local_offsets[l]) % 16, 0);
     EXPECT_EQ(std::memcmp(plain.out.raw(), padded.out.raw(), in.x.numel() * sizeof(float)), 0) << cap;
     EXPECT_EQ(std::memcmp(plain.dx.raw(), padded.dx.raw(), in.x.numel() * sizeof(float)), 0) << cap;
+  }
+  // Padded to the capacity (fixed shapes): every rank sends every expert exactly `capacity` rows, so each
+  // local expert takes capacity x ranks, whatever the routing; the results are still the dropping ones.
+  for (const int64_t align : {int64_t{1}, int64_t{16}}) {
+    const RoundTrip plain = round_trip(&ep, in.x, in.ids, k, experts, capacity, 1);
+    const RoundTrip filled = round_trip(&ep, in.x, in.ids, k, experts, capacity, align, true);
+    const int64_t segment = (capacity + align - 1) / align * align;
+    for (int q = 0; q < world.size(); ++q) EXPECT_EQ(filled.plan.send_rows[q], segment * filled.plan.local_experts);
+    for (int64_t l = 0; l < filled.plan.local_experts; ++l)
+      EXPECT_EQ(filled.plan.local_offsets[l + 1] - filled.plan.local_offsets[l], segment * world.size());
+    EXPECT_EQ(std::memcmp(plain.out.raw(), filled.out.raw(), in.x.numel() * sizeof(float)), 0) << align;
+    EXPECT_EQ(std::memcmp(plain.dx.raw(), filled.dx.raw(), in.x.numel() * sizeof(float)), 0) << align;
   }
 }
 

@@ -124,6 +124,7 @@ TEST_F(DeepseekV3Cli, BadSettingsGetOneLine) {
   expect_one_line_error(train_args("bad", " --set moe.aux_loss_coeff=nan"), "moe.aux_loss_coeff");
   expect_one_line_error(train_args("bad", " --set moe.capacity_factor=-1"), "moe.capacity_factor");
   expect_one_line_error(train_args("bad", " --set moe.capacity_factor=inf"), "moe.capacity_factor");
+  expect_one_line_error(train_args("bad", " --set moe.pad_to_capacity=true"), "moe.pad_to_capacity");
 }
 
 // The GPU path of a DeepSeek-V3 training step, on the host (FORGE_EMULATE_DEVICE=1: kernels/emulated_device.h,

@@ -89,7 +89,7 @@ TEST(TrainConfig, DefaultTomlFileEqualsBuiltInDefaults) {
     ++keys;
     EXPECT_NE(line.find(" # "), std::string::npos) << "no comment: " << line;
   }
-  EXPECT_EQ(keys, 82);
+  EXPECT_EQ(keys, 83);
 }
 
 TEST(TrainConfig, DefaultTomlFileIsTheGeneratedText) {
@@ -142,6 +142,7 @@ TEST(TrainConfig, TomlRoundTripPreservesEveryValue) {
   c.parallel.timeout_s = 12.5;
   c.moe.aux_loss_coeff = 0.001 + 0.002;  // all digits
   c.moe.capacity_factor = 1.25;
+  c.moe.pad_to_capacity = true;
   const std::string text = c.to_toml();
   const TrainConfig back = TrainConfig::from_toml_string(text, "round trip");
   EXPECT_EQ(back, c) << text;
@@ -355,6 +356,8 @@ TEST(TrainConfigErrors, Validation) {
   expect_invalid([](TrainConfig& c) { c.moe.capacity_factor = -0.5; },
                  {"moe.capacity_factor must be >= 0 (0 = dropless), got -0.5"});
   expect_invalid([](TrainConfig& c) { c.moe.capacity_factor = HUGE_VAL; }, {"moe.capacity_factor"});
+  expect_invalid([](TrainConfig& c) { c.moe.pad_to_capacity = true; },
+                 {"moe.pad_to_capacity", "moe.capacity_factor = 0"});
 }
 
 // validate() blames the origin of the value at fault: the file and line, or the --set that set it.

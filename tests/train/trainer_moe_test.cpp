@@ -160,6 +160,24 @@ TEST_F(TrainerMoe, AuxLossAndCapacityLearnAndAreRecorded) {
   EXPECT_GT(dropped_in_run, 0) << "capacity 1.0 never dropped: the test checks nothing";
 }
 
+// moe.pad_to_capacity fills every expert's rows to its capacity with zero rows (fixed GEMM shapes): more
+// work, the same numbers. Training with it is bit for bit training without it.
+TEST_F(TrainerMoe, PadToCapacityChangesNoBit) {
+  std::vector<TrainResult> runs;
+  for (const bool pad : {false, true}) {
+    TrainConfig c = config(pad ? "padded" : "dropping");
+    c.train.steps = 6;
+    c.moe.bias_update_rate = 0.01;
+    c.moe.capacity_factor = 1.0;
+    c.moe.pad_to_capacity = pad;
+    runs.push_back(Trainer(c).run());
+  }
+  ASSERT_EQ(runs[0].losses.size(), 6u);
+  EXPECT_EQ(runs[1].losses, runs[0].losses);
+  EXPECT_EQ(runs[1].grad_norms, runs[0].grad_norms);
+  EXPECT_EQ(runs[1].heldout_loss, runs[0].heldout_loss);
+}
+
 TEST_F(TrainerMoe, NoBiasUpdateKeepsTheBiasesAtZero) {
   TrainConfig c = config("fixed");
   c.train.steps = 3;

@@ -419,23 +419,28 @@ struct MoeRouterParams {
 //             token counts that are multiples of 16), so every segment starts at a multiple of align. The
 //             padding rows follow the expert's kept rows; an expert with no kept rows has an empty segment.
 //             1: no padding.
+//   pad_to_capacity  with a capacity: every expert's segment is round_up(capacity, align) rows whatever its
+//             count, empty experts included (GShard's fixed shapes: R, the GEMMs' shapes and the all-to-all
+//             volumes no longer depend on the routing).
 //   offsets   [experts + 1] int64: expert e owns sorted rows [offsets[e], offsets[e + 1]), its kept_e rows
-//             then its padding: offsets[0] = 0, offsets[e + 1] - offsets[e] = round_up(kept_e, align), and
-//             offsets[experts] = R, the sorted rows (tokens * top_k when dropless with align = 1).
+//             then its padding: offsets[0] = 0, offsets[e + 1] - offsets[e] = round_up(kept_e, align) (or
+//             round_up(capacity, align) under pad_to_capacity), and offsets[experts] = R, the sorted rows
+//             (tokens * top_k when dropless with align = 1).
 //   counts    optional, [experts] int64: each expert's assignments counted before any drop, without padding
 //             (what the load balancing loss and bias updates read).
 //   row_of    [tokens * top_k] int32: assignment a's sorted row, -1 when dropped (never a padding row).
-//   source    [moe_sorted_rows_bound(tokens, top_k, experts, align)] int32, the most rows any expert_ids can
+//   source    [moe_sorted_rows_bound(params)] int32, the most rows any expert_ids can
 //             need: for each sorted row r < R, the assignment it holds (its token is source[r] / top_k), or
 //             -1 for a padding row; every entry from R to the end of that size is -1 too. Required whenever
 //             that size is not 0 (also with no tokens: then every entry is -1).
 // Every output is overwritten, in memory of the op's device: the grouped GEMMs take their offsets in host
 // memory, so a GPU's offsets are copied back (R, which sizes the sorted buffers, with them). The support
-// query refuses align < 1 and a bound that does not fit int32.
+// query refuses align < 1, pad_to_capacity without a capacity and a bound that does not fit int32.
 struct MoeSortParams {
   int64_t tokens = 0, top_k = 0, experts = 0;
   int64_t capacity = 0;
   int64_t align = 1;
+  bool pad_to_capacity = false;
   const int32_t* expert_ids = nullptr;
   int32_t* row_of = nullptr;
   int32_t* source = nullptr;
@@ -447,6 +452,16 @@ struct MoeSortParams {
 // per expert. Also the most sorted rows R can be.
 constexpr int64_t moe_sorted_rows_bound(int64_t tokens, int64_t top_k, int64_t experts, int64_t align) {
   return tokens * top_k + experts * (align - 1);
+}
+// The same for any parameters: under pad_to_capacity exactly R = experts * round_up(capacity, align).
+constexpr int64_t moe_sorted_rows_bound(const MoeSortParams& p) {
+  if (p.pad_to_capacity && p.capacity > 0) return p.experts * ((p.capacity + p.align - 1) / p.align * p.align);
+  return moe_sorted_rows_bound(p.tokens, p.top_k, p.experts, p.align);
+}
+// Rows of expert segment holding `kept` assignments.
+constexpr int64_t moe_segment_rows(const MoeSortParams& p, int64_t kept) {
+  const int64_t rows = p.pad_to_capacity && p.capacity > 0 ? p.capacity : kept;
+  return (rows + p.align - 1) / p.align * p.align;
 }
 
 // Hidden rows from token order into the expert-sorted order of moe_sort_by_expert and back: rows = R (that

@@ -37,6 +37,7 @@ struct ComputeOptions {
   // a micro-batch, the rest dropped (nn::MoeShape::capacity_factor; 0: dropless). Models without routed
   // experts ignore it.
   double moe_capacity_factor = 0;
+  bool moe_pad_to_capacity = false;  // nn::MoeShape::pad_to_capacity
   // The expert-parallel group (null: every routed expert on this rank): mixture-of-experts layers hold
   // experts / ep of them and send each token to the rank of its expert (nn/expert_parallel.h).
   ExpertParallel* ep = nullptr;

@@ -94,11 +94,10 @@ class Fp8Context {
   // memory: the step's amaxes gather there without a host round trip per cast and join the history in
   // step_amaxes() / end_step() (one copy per step).
   float* amax_accumulator(int linear, fp8::TensorRole role);
-  // Whether inputs and gradients record their amaxes (training micro-batches) or not (evaluation,
-  // generation). Weight amaxes are recorded whenever a weight is cast: they describe the weights, not the
-  // data.
-  bool recording() const { return recording_; }
-  void set_recording(bool on) { recording_ = on; }
+  // Whether inputs and gradients record their amaxes (inside an Fp8Recording scope that is on: training
+  // micro-batches) or not (outside one, or inside one that is off: evaluation, generation). Weight amaxes are
+  // recorded whenever a weight is cast: they describe the weights, not the data.
+  bool recording() const { return recording_scopes_ > 0 && muted_scopes_ == 0; }
 
   Fp8Weight& weight(int linear) { return weights_.at(static_cast<size_t>(linear)); }
   int64_t weight_casts() const { return weight_casts_; }
@@ -122,27 +121,32 @@ class Fp8Context {
   std::vector<char> experts_;  // [linears]: is_expert
   std::vector<Fp8Weight> weights_;
   std::optional<fp8::DelayedScalingGroup> delayed_;
-  bool sealed_ = false, recording_ = false;
+  bool sealed_ = false;
+  int recording_scopes_ = 0, muted_scopes_ = 0;  // open Fp8Recording scopes that are on, off
+  friend class Fp8Recording;
   Device device_ = Device::cpu;
   Tensor accumulators_;  // [linears * 3] floats on device_, allocated on first use
   int64_t weight_casts_ = 0;
 };
 
-// Sets recording() for a scope (training micro-batches), restoring the previous value on exit.
+// A scope in which recording() is on (training micro-batches) or off (evaluation, generation): off wins
+// while any off scope is open. Scopes are counted rather than saved and restored, so the interleaved scopes
+// of an overlapped pair's two fibers (core/fibers.h: a forward and a backward, which end in either order)
+// leave recording on until both have ended.
 class Fp8Recording {
  public:
-  Fp8Recording(Fp8Context* context, bool on) : context_(context) {
-    if (context_) previous_ = context_->recording(), context_->set_recording(on);
+  Fp8Recording(Fp8Context* context, bool on) : context_(context), on_(on) {
+    if (context_) ++(on_ ? context_->recording_scopes_ : context_->muted_scopes_);
   }
   ~Fp8Recording() {
-    if (context_) context_->set_recording(previous_);
+    if (context_) --(on_ ? context_->recording_scopes_ : context_->muted_scopes_);
   }
   Fp8Recording(const Fp8Recording&) = delete;
   Fp8Recording& operator=(const Fp8Recording&) = delete;
 
  private:
   Fp8Context* context_;
-  bool previous_ = false;
+  bool on_;
 };
 
 }  // namespace forge::nn

@@ -176,11 +176,12 @@ Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training
   s.row_of = Tensor::empty({rows * k}, DType::i32, device);
   // FP8 tensor cores take token counts in multiples of 16: on a GPU every expert's segment is padded to that.
   const int64_t align = fp8() && device != Device::cpu ? 16 : 1;
-  s.source = Tensor::empty({ops::moe_sorted_rows_bound(rows, k, experts, align)}, DType::i32, device);
-  Tensor offsets = Tensor::empty({experts + 1}, DType::i64, device);
-  Tensor counts = Tensor::empty({experts}, DType::i64, device);
   ops::MoeSortParams q;
   q.tokens = rows, q.top_k = k, q.experts = experts, q.capacity = capacity, q.align = align;
+  q.pad_to_capacity = capacity > 0 && shape_.pad_to_capacity;
+  s.source = Tensor::empty({ops::moe_sorted_rows_bound(q)}, DType::i32, device);
+  Tensor offsets = Tensor::empty({experts + 1}, DType::i64, device);
+  Tensor counts = Tensor::empty({experts}, DType::i64, device);
   q.expert_ids = s.expert_ids.i32();
   q.row_of = s.row_of.i32(), q.source = s.source.i32(), q.offsets = offsets.data<int64_t>();
   q.counts = counts.data<int64_t>();

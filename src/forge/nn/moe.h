@@ -63,6 +63,9 @@ struct MoeShape {
   // Assignments an expert takes per micro-batch in forward: ceil(tokens * top_k / experts * capacity_factor);
   // 0: dropless. forward_cached is always dropless.
   double capacity_factor = 0;
+  // With a capacity: every expert's rows padded to it with zero rows (ops::MoeSortParams::pad_to_capacity),
+  // so the GEMMs and the all-to-alls have the same shapes every micro-batch. The results are those without.
+  bool pad_to_capacity = false;
 };
 
 // Its parameters, by id in the store. The routed experts' weights (this rank's: all of them, or its L under

@@ -186,7 +186,8 @@ const std::vector<KeySpec>& key_specs() {
       {"parallel",
        "ep_overlap",
        FORGE_FIELD(parallel.ep_overlap),
-       "with ep > 1: the shared experts compute while tokens travel, and DualPipe's overlapped pairs "
+       "with ep > 1: the shared experts compute while tokens travel, and overlapped pairs (DualPipe's, or "
+       "without pipeline stages the forward of each micro-batch beside the backward of the one before) "
        "interleave their two micro-batches at the all-to-alls (false: wait where each transfer starts)",
        {}},
       {"parallel",
@@ -300,6 +301,12 @@ const std::vector<KeySpec>& key_specs() {
        FORGE_FIELD(moe.capacity_factor),
        "each expert takes at most ceil(tokens * top_k / experts * this) assignments per micro-batch, the "
        "rest dropped (training and evaluation; generation never drops; 0 = dropless)",
+       {}},
+      {"moe",
+       "pad_to_capacity",
+       FORGE_FIELD(moe.pad_to_capacity),
+       "with a capacity_factor: every expert's rows padded to its capacity with zero rows, so the expert GEMMs "
+       "and the expert-parallel all-to-alls keep one shape (same results, more work)",
        {}},
 
       {"mtp",
@@ -755,6 +762,10 @@ void TrainConfig::validate() const {
         ">= 0 (0 = off)");
   check(finite(moe.capacity_factor) && moe.capacity_factor >= 0, "moe.capacity_factor", moe.capacity_factor,
         ">= 0 (0 = dropless)");
+  if (moe.pad_to_capacity && moe.capacity_factor == 0)
+    fail("{}: moe.pad_to_capacity = true pads every expert's rows to its capacity, but moe.capacity_factor = 0 "
+         "(dropless) sets none; set a capacity_factor or turn the padding off",
+         origin_of("moe.pad_to_capacity"));
   check(finite(mtp.loss_weight) && mtp.loss_weight >= 0, "mtp.loss_weight", mtp.loss_weight, ">= 0");
   check(mtp.switch_step >= 0, "mtp.switch_step", mtp.switch_step, ">= 0 (0 = no switch)");
   check(finite(mtp.loss_weight_after) && mtp.loss_weight_after >= 0, "mtp.loss_weight_after",

@@ -134,6 +134,7 @@ struct TrainConfig {
     double seq_aux_loss_coeff = 1e-4;  // 0 = no sequence-wise balance loss
     double aux_loss_coeff = 0;         // 0 = no micro-batch (classic) auxiliary loss
     double capacity_factor = 0;        // 0 = dropless
+    bool pad_to_capacity = false;      // with a capacity: every expert's rows padded to it (fixed shapes)
     bool operator==(const Moe&) const = default;
   };
   // Multi-token prediction (models with MTP modules; others ignore it).

@@ -306,6 +306,7 @@ void TrainSetup::make_compute_options() {
   }
   options.vocab_divisible_by = c.parallel.make_vocab_size_divisible_by;
   options.moe_capacity_factor = c.moe.capacity_factor;
+  options.moe_pad_to_capacity = c.moe.pad_to_capacity;
   // FP8: the context lives as long as the model, which reads it through options.fp8.
   std::optional<nn::Fp8Options> f = c.fp8_options();
   if (!f) return;

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <numeric>
 
+#include "forge/core/fibers.h"
 #include "forge/fp8/scaling.h"
 #include "forge/optim/adamw.h"
 
@@ -272,6 +273,26 @@ BalanceMetrics balance_metrics(const StepResult& r) {
 
 LossSum NoPipelining::run(Model& model, int count, const std::function<MicroBatch(int)>& micro_batch) {
   LossSum total;
+  if (order_ == Order::paired) {
+    std::unique_ptr<StageActivations> pending;  // the micro-batch whose backward comes next
+    auto forward = [&](int m) {
+      std::unique_ptr<StageActivations> saved;
+      const StageOutput out = model.forward(micro_batch(m), Tensor(), &saved);
+      total.sum += out.loss.sum, total.tokens += out.loss.tokens;
+      return saved;
+    };
+    for (int m = 0; m < count; ++m) {
+      if (!pending) {
+        pending = forward(m);
+        continue;
+      }
+      std::unique_ptr<StageActivations> next;
+      run_interleaved([&] { next = forward(m); }, [&] { model.backward(Tensor(), *pending); });
+      pending = std::move(next);
+    }
+    if (pending) model.backward(Tensor(), *pending);
+    return total;
+  }
   std::vector<std::unique_ptr<StageActivations>> deferred;
   for (int m = 0; m < count; ++m) {
     std::unique_ptr<StageActivations> saved;

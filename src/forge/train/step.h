@@ -34,10 +34,14 @@ class Schedule {
 //   b_then_w   each micro-batch's B for every layer, then its W;
 //   deferred_w every micro-batch's forward and B first, all the W at the end (the order zero-bubble
 //              schedules create), holding every micro-batch's activations until then.
-// All three give bitwise the same gradients.
+//   paired     1F1B on one stage, as overlapped pairs: the forward of micro-batch m + 1 beside the backward
+//              of micro-batch m, interleaved at the expert-parallel all-to-alls (core/fibers.h) so that each
+//              one's transfers travel while the other computes (Megatron's "EP A2A overlap"). Holds two
+//              micro-batches' activations instead of one.
+// All four give bitwise the same gradients (the backwards accumulate in the same order).
 class NoPipelining final : public Schedule {
  public:
-  enum class Order { fused, b_then_w, deferred_w };
+  enum class Order { fused, b_then_w, deferred_w, paired };
   explicit NoPipelining(Order order = Order::fused) : order_(order) {}
   models::LossSum run(models::Model& model, int count, const std::function<models::MicroBatch(int)>& micro_batch) override;
 

@@ -563,7 +563,10 @@ TrainResult TrainingRun::run() {
     pipelining_ = p.get();
     schedule_ = std::move(p);
   } else {
-    schedule_ = std::make_unique<NoPipelining>();
+    // Expert parallelism with its overlap: the step's micro-batches in overlapped pairs (1F1B on one stage),
+    // each one's all-to-alls under the other's compute.
+    const bool paired = s.layout.ep() > 1 && c_.parallel.ep_overlap && s.accum > 1;
+    schedule_ = std::make_unique<NoPipelining>(paired ? NoPipelining::Order::paired : NoPipelining::Order::fused);
   }
   state_.params = &s.model->params();
   state_.optimizer = s.optimizer.get();

@@ -35,11 +35,13 @@ struct Case {
   int64_t used_experts;  // ids drawn from [0, used_experts): the rest stay empty
   int64_t pad;           // token-side row strides are hidden + pad
   int64_t align = 1;     // each expert's segment of sorted rows padded to a multiple of it
+  bool fill = false;     // pad_to_capacity: every segment the capacity's rows (rounded up to align)
   std::string name() const {
     return "t" + std::to_string(tokens) + "_k" + std::to_string(top_k) + "_e" + std::to_string(experts) +
            "_h" + std::to_string(hidden) + (capacity ? "_cap" + std::to_string(capacity) : "") +
            (used_experts < experts ? "_used" + std::to_string(used_experts) : "") +
-           (pad ? "_pad" + std::to_string(pad) : "") + (align > 1 ? "_align" + std::to_string(align) : "");
+           (pad ? "_pad" + std::to_string(pad) : "") + (align > 1 ? "_align" + std::to_string(align) : "") +
+           (fill ? "_fill" : "");
   }
   bool finite_differences() const { return tokens * hidden <= 400; }
 };
@@ -48,6 +50,8 @@ struct Case {
 // drops most rows, empty experts, odd hidden sizes, and one of a training step's shape (many chunks of the
 // GPU sort, 64 experts). Then padded segments (align 4 and 16, FP8's 16), dropless and under a capacity, with
 // empty experts, a capacity that is not a multiple of the align, and more padding rows than assignments.
+// Then every segment filled to the capacity (pad_to_capacity): small for finite differences, with empty
+// experts, aligned, and a capacity above most experts' loads.
 inline const std::vector<Case> kCases = {
     {7, 2, 4, 13, 0, 4, 3},          {9, 3, 5, 11, 2, 5, 0},           {6, 1, 1, 17, 0, 1, 1},
     {1, 4, 8, 9, 0, 8, 0},           {50, 2, 16, 33, 0, 10, 5},        {200, 4, 8, 65, 30, 8, 0},
@@ -55,6 +59,8 @@ inline const std::vector<Case> kCases = {
     {7, 2, 4, 13, 0, 4, 3, 4},       {9, 3, 5, 11, 2, 5, 0, 4},        {6, 1, 1, 17, 0, 1, 1, 16},
     {1, 4, 8, 9, 0, 8, 0, 16},       {50, 2, 16, 33, 0, 10, 5, 16},    {200, 4, 8, 65, 30, 8, 0, 16},
     {4099, 8, 64, 31, 0, 60, 2, 16}, {3000, 2, 256, 20, 7, 256, 0, 4},
+    {7, 2, 4, 13, 3, 4, 3, 1, true}, {9, 3, 5, 11, 2, 5, 0, 4, true},  {50, 2, 16, 33, 4, 10, 5, 1, true},
+    {200, 4, 8, 65, 30, 8, 0, 16, true}, {3000, 2, 256, 20, 7, 256, 0, 4, true},
 };
 
 static_assert(ops::moe_sorted_rows_bound(4, 2, 3, 16) == 8 + 3 * 15);
@@ -75,19 +81,21 @@ inline int64_t segment_rows(int64_t kept, int64_t align) {
 }
 
 // Stable sort by expert, then each expert's first `capacity` kept, each segment padded to a multiple of
-// `align` with rows of source -1; source has tokens * top_k + experts * (align - 1) entries.
+// `align` (fill: to the capacity, rounded up to `align`) with rows of source -1; source has tokens * top_k +
+// experts * (align - 1) entries (fill: exactly the rows).
 inline Sorted reference_sort(const std::vector<int32_t>& ids, int64_t experts, int64_t capacity,
-                             int64_t align = 1) {
+                             int64_t align = 1, bool fill = false) {
   const int64_t n = static_cast<int64_t>(ids.size());
   std::vector<std::pair<int32_t, int32_t>> pairs;
   for (int64_t a = 0; a < n; ++a) pairs.push_back({ids[a], static_cast<int32_t>(a)});
   std::stable_sort(pairs.begin(), pairs.end(), [](auto x, auto y) { return x.first < y.first; });
   Sorted s;
-  s.row_of.assign(n, -1), s.source.assign(n + experts * (align - 1), -1), s.counts.assign(experts, 0),
-      s.offsets.assign(experts + 1, 0);
+  const int64_t filled = fill ? segment_rows(capacity, align) : 0;
+  s.row_of.assign(n, -1), s.source.assign(fill ? experts * filled : n + experts * (align - 1), -1),
+      s.counts.assign(experts, 0), s.offsets.assign(experts + 1, 0);
   for (auto [e, a] : pairs) ++s.counts[e];
   for (int64_t e = 0; e < experts; ++e)
-    s.offsets[e + 1] = s.offsets[e] + segment_rows(kept_rows(s.counts[e], capacity), align);
+    s.offsets[e + 1] = s.offsets[e] + (fill ? filled : segment_rows(kept_rows(s.counts[e], capacity), align));
   std::vector<int64_t> kept(experts, 0);
   for (auto [e, a] : pairs) {
     if (capacity > 0 && kept[e] >= capacity) continue;
@@ -100,13 +108,15 @@ inline Sorted reference_sort(const std::vector<int32_t>& ids, int64_t experts, i
 // The padding's promises, checked apart from the reference: every segment starts at a multiple of align and
 // holds its expert's kept rows, then only padding (source -1, named by no row_of); source is -1 past R too.
 inline void expect_aligned_segments(const Sorted& s, const std::vector<int32_t>& ids, int64_t capacity,
-                                    int64_t align, const std::string& what) {
+                                    int64_t align, const std::string& what, bool fill = false) {
   const int64_t experts = static_cast<int64_t>(s.counts.size()), n = static_cast<int64_t>(ids.size());
-  ASSERT_EQ(static_cast<int64_t>(s.source.size()), n + experts * (align - 1)) << what;
+  ASSERT_EQ(static_cast<int64_t>(s.source.size()),
+            fill ? experts * segment_rows(capacity, align) : n + experts * (align - 1))
+      << what;
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t begin = s.offsets[e], kept = kept_rows(s.counts[e], capacity);
     EXPECT_EQ(begin % align, 0) << what << ": expert " << e << " starts at " << begin;
-    EXPECT_EQ(s.offsets[e + 1] - begin, segment_rows(kept, align)) << what << ": expert " << e;
+    EXPECT_EQ(s.offsets[e + 1] - begin, segment_rows(fill ? capacity : kept, align)) << what << ": expert " << e;
     for (int64_t r = begin; r < s.offsets[e + 1]; ++r) {
       if (r < begin + kept) {
         ASSERT_TRUE(s.source[r] >= 0 && s.source[r] < n) << what << ": row " << r;
@@ -134,13 +144,14 @@ inline std::vector<int32_t> random_ids(const Case& c, uint32_t seed) {
 
 // The sort on `on`, source sized by ops::moe_sorted_rows_bound.
 inline Sorted run_sort(Device on, const std::vector<int32_t>& ids, int64_t tokens, int64_t top_k,
-                       int64_t experts, int64_t capacity, int64_t align = 1) {
-  const int64_t n = tokens * top_k, bound = ops::moe_sorted_rows_bound(tokens, top_k, experts, align);
+                       int64_t experts, int64_t capacity, int64_t align = 1, bool fill = false) {
+  ops::MoeSortParams p;
+  p.tokens = tokens, p.top_k = top_k, p.experts = experts, p.capacity = capacity, p.align = align;
+  p.pad_to_capacity = fill;
+  const int64_t n = tokens * top_k, bound = ops::moe_sorted_rows_bound(p);
   DeviceArray<int32_t> d_ids(on, ids), row_of(on, std::vector<int32_t>(n, 12345)),
       source(on, std::vector<int32_t>(bound, 12345));
   DeviceArray<int64_t> offsets(on, std::vector<int64_t>(experts + 1, 777)), counts(on, experts);
-  ops::MoeSortParams p;
-  p.tokens = tokens, p.top_k = top_k, p.experts = experts, p.capacity = capacity, p.align = align;
   p.expert_ids = d_ids.data(), p.row_of = row_of.data(), p.source = source.data();
   p.offsets = offsets.data(), p.counts = counts.data();
   FORGE_TEST_OP(moe_sort_by_expert, on, p);
@@ -163,7 +174,7 @@ struct Problem {
   std::vector<float> x, weights, dsorted, y, dout;
   Problem(const Case& c_, uint32_t seed) : c(c_) {
     ids = random_ids(c, seed);
-    sorted = reference_sort(ids, c.experts, c.capacity, c.align);
+    sorted = reference_sort(ids, c.experts, c.capacity, c.align, c.fill);
     rows = sorted.rows(), x_stride = c.hidden + c.pad;
     x = testing::random_floats(c.tokens * x_stride, seed + 1);
     weights = testing::random_floats(c.tokens * c.top_k, seed + 2, 0.0f, 1.0f);
@@ -251,9 +262,9 @@ class MoeSortOp : public testing::OpTest<Case> {};
 TEST_P(MoeSortOp, IsTheStableSortWithCapacity) {
   const Case& c = test_case();
   const std::vector<int32_t> ids = random_ids(c, 5);
-  const Sorted got = run_sort(device(), ids, c.tokens, c.top_k, c.experts, c.capacity, c.align);
-  expect_sorted_equal(got, reference_sort(ids, c.experts, c.capacity, c.align), c.name());
-  expect_aligned_segments(got, ids, c.capacity, c.align, c.name());
+  const Sorted got = run_sort(device(), ids, c.tokens, c.top_k, c.experts, c.capacity, c.align, c.fill);
+  expect_sorted_equal(got, reference_sort(ids, c.experts, c.capacity, c.align, c.fill), c.name());
+  expect_aligned_segments(got, ids, c.capacity, c.align, c.name(), c.fill);
   // Dropless, the same ids.
   const Sorted dropless = run_sort(device(), ids, c.tokens, c.top_k, c.experts, 0, c.align);
   expect_sorted_equal(dropless, reference_sort(ids, c.experts, 0, c.align), c.name() + " dropless");
@@ -349,15 +360,17 @@ inline std::vector<float> move_rows(const std::vector<float>& v, const Problem& 
 
 // Padding changes nothing but the sorted rows: with the same ids and token-side inputs, and the sorted-side
 // inputs moved to the padded rows (NaN in the padding rows, which no op may read), dx, the combination and
-// dweights are bitwise those of align 1, and the kept rows of permuted and dy are its rows.
+// dweights are bitwise those of align 1 without filling to the capacity, and the kept rows of permuted and
+// dy are its rows.
 TEST_P(MoePermuteOp, PaddingChangesOnlyTheSortedRows) {
   Case flat_case = test_case();
-  flat_case.align = 1;
+  flat_case.align = 1, flat_case.fill = false;
   const Problem flat(flat_case, 41);
   const Results want = run_ops(device(), flat);
-  for (int64_t align : {4, 16}) {
+  for (int64_t align : {int64_t{1}, int64_t{4}, int64_t{16}}) {
     Case c = test_case();
     c.align = align;
+    if (align == 1 && !c.fill) continue;  // that is flat_case
     Problem padded(c, 41);
     ASSERT_EQ(padded.ids, flat.ids);
     for (size_t a = 0; a < flat.sorted.row_of.size(); ++a)
@@ -427,6 +440,29 @@ TEST_P(MoeSortFixed, AlignPadsEachExpertsSegment) {
   EXPECT_EQ(none.offsets, (std::vector<int64_t>{0, 0, 0, 0}));
   EXPECT_EQ(none.counts, (std::vector<int64_t>{0, 0, 0}));
   EXPECT_EQ(none.source, std::vector<int32_t>(45, -1));
+}
+
+// The same ids filled to capacity 2: every expert's segment is 2 rows, the unused expert 3's too.
+TEST_P(MoeSortFixed, PadToCapacityFillsEverySegment) {
+  const std::vector<int32_t> ids = {2, 0, 0, 2, 2, 1, 0, 2};
+  const int32_t _ = -1;
+  Sorted filled = run_sort(device(), ids, 4, 2, 4, 2, 1, true);
+  EXPECT_EQ(filled.offsets, (std::vector<int64_t>{0, 2, 4, 6, 8}));
+  EXPECT_EQ(filled.counts, (std::vector<int64_t>{3, 1, 4, 0}));
+  EXPECT_EQ(filled.source, (std::vector<int32_t>{1, 2, 5, _, 0, 3, _, _}));
+  EXPECT_EQ(filled.row_of, (std::vector<int32_t>{4, 0, 1, 5, _, 2, _, _}));
+  // Align 4 on top: segments of 4. No tokens: still every segment, all padding.
+  Sorted aligned = run_sort(device(), ids, 4, 2, 4, 2, 4, true);
+  EXPECT_EQ(aligned.offsets, (std::vector<int64_t>{0, 4, 8, 12, 16}));
+  Sorted none = run_sort(device(), {}, 0, 2, 3, 2, 1, true);
+  EXPECT_EQ(none.offsets, (std::vector<int64_t>{0, 2, 4, 6}));
+  EXPECT_EQ(none.source, std::vector<int32_t>(6, -1));
+  // Without a capacity there is nothing to fill to: the support query refuses it, in one line.
+  ops::MoeSortParams p;
+  p.tokens = 4, p.top_k = 2, p.experts = 4, p.pad_to_capacity = true;
+  std::string why;
+  EXPECT_FALSE(ops::supports_moe_sort_by_expert(p, device(), &why));
+  EXPECT_NE(why.find("pad_to_capacity needs a capacity"), std::string::npos) << why;
 }
 
 TEST_P(MoeSortFixed, AnExpertIdOutOfRangeIsOneLine) {

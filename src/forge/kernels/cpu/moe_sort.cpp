@@ -1,7 +1,8 @@
 // moe_sort_by_expert: a counting sort of the top-k assignments by expert (ops.h, MoeSortParams). One pass
 // counts, an exclusive scan places the experts, a second pass in assignment order hands out rows, so the
 // order within an expert is the assignment order (stable) and nothing depends on the thread count. Each
-// expert's segment is rounded up to a multiple of align; source is filled with -1 first, which its padding
+// expert's segment is rounded up to a multiple of align (or is the capacity, rounded up, under
+// pad_to_capacity); source is filled with -1 first, which its padding
 // rows and its tail keep. A few hundred thousand assignments take well under a millisecond on one thread; the
 // layer's GEMMs dwarf it.
 #include <algorithm>
@@ -22,16 +23,20 @@ bool supports_moe_sort_by_expert(const ops::MoeSortParams& p, std::string* reaso
                        p.top_k);
   if (p.capacity < 0) return ops::refuse(reason, "{}: negative capacity {}", op, p.capacity);
   if (p.align < 1) return ops::refuse(reason, "{}: align must be >= 1, got {}", op, p.align);
+  if (p.pad_to_capacity && p.capacity == 0)
+    return ops::refuse(reason, "{}: pad_to_capacity needs a capacity (0: dropless)", op);
   constexpr int64_t int32_max = std::numeric_limits<int32_t>::max();
   if (p.align - 1 > (int32_max - p.tokens * p.top_k) / p.experts)
     return ops::refuse(
         reason, "{}: tokens * top_k + experts * (align - 1) = {} * {} + {} * {} does not fit the int32 rows",
         op, p.tokens, p.top_k, p.experts, p.align - 1);
+  if (p.pad_to_capacity && p.capacity + p.align - 1 > int32_max / p.experts)
+    return ops::refuse(reason, "{}: experts * round_up(capacity, align) = {} * {} does not fit the int32 rows",
+                       op, p.experts, ops::moe_segment_rows(p, 0));
   if (!p.offsets) return ops::refuse(reason, "{}: offsets is null", op);
   if (p.tokens > 0 && (!p.expert_ids || !p.row_of || !p.source))
     return ops::refuse(reason, "{}: expert_ids, row_of and source are required", op);
-  if (const int64_t bound = ops::moe_sorted_rows_bound(p.tokens, p.top_k, p.experts, p.align);
-      bound > 0 && !p.source)
+  if (const int64_t bound = ops::moe_sorted_rows_bound(p); bound > 0 && !p.source)
     return ops::refuse(reason, "{}: source is null (its {} entries are written even without tokens)", op,
                        bound);
   return true;
@@ -39,7 +44,7 @@ bool supports_moe_sort_by_expert(const ops::MoeSortParams& p, std::string* reaso
 
 void moe_sort_by_expert(const ops::MoeSortParams& p) {
   if (std::string why; !supports_moe_sort_by_expert(p, &why)) fail("{}", why);
-  const int64_t n = p.tokens * p.top_k, experts = p.experts, align = p.align;
+  const int64_t n = p.tokens * p.top_k, experts = p.experts;
   for (int64_t a = 0; a < n; ++a)
     if (p.expert_ids[a] < 0 || p.expert_ids[a] >= experts)
       fail("moe_sort_by_expert: expert id {} of assignment {} (token {}, choice {}) is outside [0, {})",
@@ -49,11 +54,11 @@ void moe_sort_by_expert(const ops::MoeSortParams& p) {
   p.offsets[0] = 0;
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t kept = p.capacity > 0 ? std::min(count[e], p.capacity) : count[e];
-    p.offsets[e + 1] = p.offsets[e] + (kept + align - 1) / align * align;
+    p.offsets[e + 1] = p.offsets[e] + ops::moe_segment_rows(p, kept);
     if (p.counts) p.counts[e] = count[e];
   }
   // -1 first: the padding rows and everything past R keep it.
-  if (const int64_t bound = ops::moe_sorted_rows_bound(p.tokens, p.top_k, experts, align); bound > 0)
+  if (const int64_t bound = ops::moe_sorted_rows_bound(p); bound > 0)
     std::fill(p.source, p.source + bound, -1);
   std::vector<int64_t> placed(static_cast<size_t>(experts), 0);  // assignments seen per expert, in order
   for (int64_t a = 0; a < n; ++a) {

@@ -9,7 +9,7 @@
 //              per-expert counts.
 //   3. scan:   one block: per expert, an exclusive scan of the chunks' counts (its total is counts[e]), then
 //              the offsets over the experts (kept = min(count, capacity) under a capacity, each segment
-//              round_up(kept, align) rows).
+//              round_up(kept, align) rows; round_up(capacity, align) under pad_to_capacity).
 //   4. place:  one block per chunk: position within the expert = chunk base + rank, which is the
 //              assignment's place in increasing assignment order; under a capacity positions >= capacity
 //              are dropped. source is set to -1 first, which padding rows and the tail past R keep.
@@ -57,9 +57,10 @@ __global__ void count_kernel(const int32_t* __restrict__ ids, int64_t n, int64_t
 
 // hist becomes, per expert, the exclusive scan over chunks (how many of the expert's assignments come before
 // the chunk); then offsets and counts.
+// padded > 0 (pad_to_capacity): every segment holds that many rows, rounded up to align.
 __global__ void scan_kernel(int32_t* __restrict__ hist, int64_t chunks, int64_t experts, int64_t capacity,
-                            int64_t align, int64_t* __restrict__ offsets, int64_t* __restrict__ counts,
-                            int64_t* __restrict__ totals) {
+                            int64_t align, int64_t padded, int64_t* __restrict__ offsets,
+                            int64_t* __restrict__ counts, int64_t* __restrict__ totals) {
   for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) {
     int64_t running = 0;
     for (int64_t c = 0; c < chunks; ++c) {
@@ -75,7 +76,7 @@ __global__ void scan_kernel(int32_t* __restrict__ hist, int64_t chunks, int64_t 
     int64_t offset = 0;
     offsets[0] = 0;
     for (int64_t e = 0; e < experts; ++e) {
-      const int64_t kept = capacity > 0 && totals[e] > capacity ? capacity : totals[e];
+      const int64_t kept = padded > 0 ? padded : capacity > 0 && totals[e] > capacity ? capacity : totals[e];
       offset += (kept + align - 1) / align * align;
       offsets[e + 1] = offset;
     }
@@ -113,11 +114,17 @@ bool supports_moe_sort_by_expert(const ops::MoeSortParams& p, std::string* reaso
                               " does not fit the int32 rows");
   if (p.capacity < 0) return detail::refuse(reason, op, "negative capacity " + std::to_string(p.capacity));
   if (p.align < 1) return detail::refuse(reason, op, "align must be >= 1, got " + std::to_string(p.align));
+  if (p.pad_to_capacity && p.capacity == 0)
+    return detail::refuse(reason, op, "pad_to_capacity needs a capacity (0: dropless)");
   if (p.align - 1 > (0x7fffffff - p.tokens * p.top_k) / p.experts)
     return detail::refuse(reason, op,
                           "tokens * top_k + experts * (align - 1) = " + std::to_string(p.tokens) + " * " +
                               std::to_string(p.top_k) + " + " + std::to_string(p.experts) + " * " +
                               std::to_string(p.align - 1) + " does not fit the int32 rows");
+  if (p.pad_to_capacity && p.capacity + p.align - 1 > 0x7fffffff / p.experts)
+    return detail::refuse(reason, op,
+                          "experts * round_up(capacity, align) = " + std::to_string(p.experts) + " * " +
+                              std::to_string(ops::moe_segment_rows(p, 0)) + " does not fit the int32 rows");
   if (p.experts > kMaxExperts)
     return detail::refuse(reason, op,
                           "experts " + std::to_string(p.experts) + " > " + std::to_string(kMaxExperts) +
@@ -125,8 +132,7 @@ bool supports_moe_sort_by_expert(const ops::MoeSortParams& p, std::string* reaso
   if (!detail::pointer_set(p.offsets, op, "offsets", reason)) return false;
   if (p.tokens > 0 && (!p.expert_ids || !p.row_of || !p.source))
     return detail::refuse(reason, op, "expert_ids, row_of and source are required");
-  if (const int64_t bound = ops::moe_sorted_rows_bound(p.tokens, p.top_k, p.experts, p.align);
-      bound > 0 && !p.source)
+  if (const int64_t bound = ops::moe_sorted_rows_bound(p); bound > 0 && !p.source)
     return detail::refuse(
         reason, op,
         "source is null (its " + std::to_string(bound) + " entries are written even without tokens)");
@@ -168,10 +174,11 @@ void moe_sort_by_expert(const ops::MoeSortParams& p) {
         p.expert_ids, n, experts, hist, rank);
     FORGE_CUDA_CHECK_LAUNCH(op);
   }
-  scan_kernel<<<1, kScanThreads, 0, stream()>>>(hist, chunks, experts, p.capacity, p.align, p.offsets,
-                                                p.counts, totals);
+  scan_kernel<<<1, kScanThreads, 0, stream()>>>(hist, chunks, experts, p.capacity, p.align,
+                                                p.pad_to_capacity ? p.capacity : 0, p.offsets, p.counts,
+                                                totals);
   FORGE_CUDA_CHECK_LAUNCH(op);
-  const int64_t bound = ops::moe_sorted_rows_bound(p.tokens, p.top_k, experts, p.align);
+  const int64_t bound = ops::moe_sorted_rows_bound(p);
   if (bound > 0)  // -1: padding rows and everything past R
     FORGE_CUDA_CHECK(cudaMemsetAsync(p.source, 0xff, static_cast<size_t>(bound) * 4, stream()));
   if (n == 0) return;

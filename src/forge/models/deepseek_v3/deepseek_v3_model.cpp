@@ -306,6 +306,7 @@ nn::DecoderLayer DeepseekV3Model::make_layer(int64_t index, const LayerIds& ids)
                                                                        : ops::MoeScore::softmax;
     s.normalize = c.norm_topk_prob, s.scaling = static_cast<float>(c.routed_scaling_factor);
     s.capacity_factor = options_.moe_capacity_factor;
+    s.pad_to_capacity = options_.moe_pad_to_capacity;
     moe_stats_.emplace_back();
     auto moe =
         std::make_unique<nn::Moe>(&params_, ids.experts, s, options, &moe_stats_.back(), &balance_scale_);
