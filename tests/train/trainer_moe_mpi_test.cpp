@@ -45,6 +45,7 @@ struct MoeCase {
   bool sequence_parallel = false;
   int ep = 1;  // expert parallel, carved from dp
   bool pad_to_capacity = false;
+  int vpp = 1;  // interleaved: chunks per rank
 };
 
 class MoeLayouts : public testing::TestWithParam<MoeCase> {
@@ -96,6 +97,7 @@ TEST_P(MoeLayouts, ReproduceTheOneRankRun) {
   par.parallel.tp = p.tp, par.parallel.dp = p.dp, par.parallel.pp = p.pp;
   par.parallel.distributed_optimizer = p.zero;
   par.parallel.schedule = p.schedule;
+  par.parallel.vpp = p.vpp;
   par.parallel.pp_layers = p.pp_layers;
   par.parallel.sequence_parallel = p.sequence_parallel;
   par.parallel.ep = p.ep;
@@ -157,32 +159,36 @@ TEST_P(MoeLayouts, ReproduceTheOneRankRun) {
 
 INSTANTIATE_TEST_SUITE_P(
     Layouts, MoeLayouts,
-    testing::Values(MoeCase{"tp2", 2}, MoeCase{"tp2_sp", 2, 1, 1, false, "1f1b", 3, 2, "", 0, 0, true},
-                    MoeCase{"dp2", 1, 2}, MoeCase{"dp2_zero1", 1, 2, 1, true},
-                    MoeCase{"pp2_1f1b", 1, 1, 2, false, "1f1b", 3, 2, "2,1"},
-                    MoeCase{"pp2_dualpipe", 1, 1, 2, false, "dualpipe", 4, 4},
-                    MoeCase{"pp2_dualpipev", 1, 1, 2, false, "dualpipev", 4, 6},
-                    MoeCase{"tp2_dp2_zero1", 2, 2, 1, true},
-                    MoeCase{"pp2_dp2_zbh1", 1, 2, 2, false, "zb-h1", 3, 2, "1,2"},
-                    MoeCase{"pp2_tp2_1f1b", 2, 1, 2, false, "1f1b", 3, 2, "2,1"},
-                    MoeCase{"tp2_aux_capacity", 2, 1, 1, false, "1f1b", 3, 2, "", 0.01, 1.0},
-                    MoeCase{"dp2_aux_capacity", 1, 2, 1, false, "1f1b", 3, 2, "", 0.01, 1.0},
-                    MoeCase{"pp2_dualpipe_aux_capacity", 1, 1, 2, false, "dualpipe", 4, 4, "", 0.01, 1.0},
-                    // Expert parallelism: the experts spread over the data-parallel ranks (each holds
-                    // 8 / ep), the tokens dispatched to them and back in every MoE layer.
-                    MoeCase{"dp2_ep2", 1, 2, 1, false, "1f1b", 3, 2, "", 0, 0, false, 2},
-                    MoeCase{"dp2_ep2_zero1", 1, 2, 1, true, "1f1b", 3, 2, "", 0, 0, false, 2},
-                    MoeCase{"dp4_ep4", 1, 4, 1, false, "1f1b", 3, 2, "", 0, 0, false, 4},
-                    MoeCase{"dp4_ep2_zero1", 1, 4, 1, true, "1f1b", 3, 2, "", 0, 0, false, 2},
-                    MoeCase{"tp2_dp2_ep2_zero1", 2, 2, 1, true, "1f1b", 3, 2, "", 0, 0, false, 2},
-                    MoeCase{"tp2_sp_dp2_ep2", 2, 2, 1, false, "1f1b", 3, 2, "", 0, 0, true, 2},
-                    MoeCase{"pp2_dp2_ep2_dualpipev", 1, 2, 2, false, "dualpipev", 4, 6, "", 0, 0, false, 2},
-                    // DualPipe's mirrored copies of a stage hold the same experts (one ep rank's): their
-                    // gradients are summed run by run of the store (dense, then experts).
-                    MoeCase{"pp2_dp2_ep2_dualpipe", 1, 2, 2, false, "dualpipe", 4, 4, "", 0, 0, false, 2},
-                    MoeCase{"dp2_ep2_aux_capacity", 1, 2, 1, false, "1f1b", 3, 2, "", 0.01, 1.0, false, 2},
-                    // Every expert's rows padded to its capacity: fixed all-to-all volumes.
-                    MoeCase{"dp2_ep2_pad_capacity", 1, 2, 1, false, "1f1b", 3, 2, "", 0, 1.0, false, 2, true}),
+    testing::Values(
+        MoeCase{"tp2", 2}, MoeCase{"tp2_sp", 2, 1, 1, false, "1f1b", 3, 2, "", 0, 0, true},
+        MoeCase{"dp2", 1, 2}, MoeCase{"dp2_zero1", 1, 2, 1, true},
+        MoeCase{"pp2_1f1b", 1, 1, 2, false, "1f1b", 3, 2, "2,1"},
+        MoeCase{"pp2_dualpipe", 1, 1, 2, false, "dualpipe", 4, 4},
+        MoeCase{"pp2_dualpipev", 1, 1, 2, false, "dualpipev", 4, 6}, MoeCase{"tp2_dp2_zero1", 2, 2, 1, true},
+        MoeCase{"pp2_dp2_zbh1", 1, 2, 2, false, "zb-h1", 3, 2, "1,2"},
+        MoeCase{"pp2_tp2_1f1b", 2, 1, 2, false, "1f1b", 3, 2, "2,1"},
+        MoeCase{"tp2_aux_capacity", 2, 1, 1, false, "1f1b", 3, 2, "", 0.01, 1.0},
+        MoeCase{"dp2_aux_capacity", 1, 2, 1, false, "1f1b", 3, 2, "", 0.01, 1.0},
+        MoeCase{"pp2_dualpipe_aux_capacity", 1, 1, 2, false, "dualpipe", 4, 4, "", 0.01, 1.0},
+        // Expert parallelism: the experts spread over the data-parallel ranks (each holds
+        // 8 / ep), the tokens dispatched to them and back in every MoE layer.
+        MoeCase{"dp2_ep2", 1, 2, 1, false, "1f1b", 3, 2, "", 0, 0, false, 2},
+        MoeCase{"dp2_ep2_zero1", 1, 2, 1, true, "1f1b", 3, 2, "", 0, 0, false, 2},
+        MoeCase{"dp4_ep4", 1, 4, 1, false, "1f1b", 3, 2, "", 0, 0, false, 4},
+        MoeCase{"dp4_ep2_zero1", 1, 4, 1, true, "1f1b", 3, 2, "", 0, 0, false, 2},
+        MoeCase{"tp2_dp2_ep2_zero1", 2, 2, 1, true, "1f1b", 3, 2, "", 0, 0, false, 2},
+        MoeCase{"tp2_sp_dp2_ep2", 2, 2, 1, false, "1f1b", 3, 2, "", 0, 0, true, 2},
+        MoeCase{"pp2_dp2_ep2_dualpipev", 1, 2, 2, false, "dualpipev", 4, 6, "", 0, 0, false, 2},
+        // DualPipe's mirrored copies of a stage hold the same experts (one ep rank's): their
+        // gradients are summed run by run of the store (dense, then experts).
+        MoeCase{"pp2_dp2_ep2_dualpipe", 1, 2, 2, false, "dualpipe", 4, 4, "", 0, 0, false, 2},
+        // The interleaved schedule's steady state in overlapped pairs; ZB-V's deferred W of the
+        // experts filling its bubbles.
+        MoeCase{"pp2_dp2_ep2_interleaved", 1, 2, 2, false, "interleaved", 4, 4, "", 0, 0, false, 2, false, 2},
+        MoeCase{"pp2_dp2_ep2_zbv", 1, 2, 2, false, "zbv", 4, 4, "", 0, 0, false, 2},
+        MoeCase{"dp2_ep2_aux_capacity", 1, 2, 1, false, "1f1b", 3, 2, "", 0.01, 1.0, false, 2},
+        // Every expert's rows padded to its capacity: fixed all-to-all volumes.
+        MoeCase{"dp2_ep2_pad_capacity", 1, 2, 1, false, "1f1b", 3, 2, "", 0, 1.0, false, 2, true}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // Checkpoints reshard the experts across expert-parallel layouts: a run stopped after 5 steps with the
@@ -255,15 +261,51 @@ TEST_F(ExpertParallelRuns, CheckpointsReshardTheExpertsAcrossEp) {
   }
 }
 
+// And across pipeline layouts: a run stopped under pp 2 x dp 2 with ep 2 (DualPipeV, each stage's experts
+// spread over its two replicas) resumes under dp 4 with ep 4, continuing the one-rank run.
+TEST_F(ExpertParallelRuns, CheckpointsReshardTheExpertsAcrossPipelineStages) {
+  comm::Communicator& world = comm::world();
+  if (world.size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  TrainConfig ref = config("pp-reference-" + std::to_string(world.rank()));
+  ref.model.config = (dir_ / "deepseek4.json").string();
+  ref.train.grad_accum = 8;
+  auto self = comm::make_self();
+  const TrainResult want = Trainer(ref, self.get()).run();
+  TrainConfig first = config("pp-then-dp");
+  first.model.config = ref.model.config;
+  first.parallel.pp = 2, first.parallel.dp = 2, first.parallel.ep = 2, first.parallel.schedule = "dualpipev";
+  first.train.grad_accum = 4;
+  Trainer a(first, &world);
+  a.on_step([](int64_t step) {
+    if (step == 5) Trainer::stop_flag().store(true);
+  });
+  const TrainResult got_a = a.run();
+  ASSERT_TRUE(got_a.interrupted);
+  TrainConfig second = first;
+  second.parallel.pp = 1, second.parallel.dp = 4, second.parallel.ep = 4, second.parallel.schedule = "1f1b";
+  second.train.grad_accum = 2;
+  second.checkpoint.resume = "auto";
+  const TrainResult got_b = Trainer(second, &world).run();
+  ASSERT_EQ(got_b.steps_done, 10);
+  std::vector<double> losses = got_a.losses;
+  losses.insert(losses.end(), got_b.losses.begin(), got_b.losses.end());
+  ASSERT_EQ(losses.size(), want.losses.size());
+  for (size_t s = 0; s < losses.size(); ++s)
+    EXPECT_NEAR(losses[s], want.losses[s], 2e-5 * want.losses[s]) << "step " << s + 1;
+  toy::expect_weights_close(fs::path(ref.log.run_dir) / "checkpoint",
+                            fs::path(second.log.run_dir) / "checkpoint", 2e-4);
+}
+
 // parallel.ep_overlap moves work in time, never changes it: the shared experts under the dispatch, and the
-// overlapped pairs' forward and backward interleaved at every all-to-all (core/fibers.h) — DualPipeV's and
-// DualPipe's, and without pipeline stages each micro-batch's forward beside the previous one's backward —
+// overlapped pairs' forward and backward interleaved at every all-to-all (core/fibers.h) — DualPipeV's,
+// DualPipe's, the interleaved schedule's steady state, and without pipeline stages each micro-batch's forward
+// beside the previous one's backward —
 // give the same losses and gradient norms bit for bit as waiting for every transfer where it starts.
 TEST_F(ExpertParallelRuns, OverlapChangesNoBit) {
   comm::Communicator& world = comm::world();
   const int n = world.size();
   if (n != 4) GTEST_SKIP() << "needs 4 ranks";
-  for (const char* schedule : {"dualpipev", "dualpipe", ""}) {
+  for (const char* schedule : {"dualpipev", "dualpipe", "interleaved", ""}) {
     std::vector<TrainResult> results;
     std::vector<int64_t> switches;
     for (const bool overlap : {true, false}) {
@@ -272,7 +314,8 @@ TEST_F(ExpertParallelRuns, OverlapChangesNoBit) {
       if (*schedule) {
         c.model.config = (dir_ / "deepseek4.json").string();
         c.parallel.pp = 2, c.parallel.dp = 2, c.parallel.schedule = schedule;
-        c.train.grad_accum = std::string(schedule) == "dualpipe" ? 4 : 6;
+        c.train.grad_accum = std::string(schedule) == "dualpipev" ? 6 : 4;
+        if (std::string(schedule) == "interleaved") c.parallel.vpp = 2;
       } else {
         c.parallel.dp = 4, c.train.grad_accum = 2;
       }

@@ -28,7 +28,7 @@ namespace {
 struct PlanOptions {
   std::string schedule, svg, trace, costs, costs_from;
   int pp = 0, micro_batches = 0, vpp = 1;
-  bool comm = false;
+  bool comm = false, pairs = false;
   double latency = 0;
 };
 
@@ -134,7 +134,12 @@ int run_schedule(const PlanOptions& o) {
   Costs costs;
   costs.uniform = parse_costs(o.costs);
   costs.latency = o.latency;
-  const Schedule schedule = make_schedule({o.schedule, o.pp, o.micro_batches, o.vpp});
+  if (o.pairs && o.schedule != "interleaved")
+    fail(
+        "--pairs applies to the interleaved schedule (dualpipe and dualpipev have pairs of their own), not "
+        "{}",
+        o.schedule);
+  const Schedule schedule = make_schedule({o.schedule, o.pp, o.micro_batches, o.vpp, o.pairs});
   const Placement& p = schedule.placement;
   double measured_step = -1;
   if (!o.costs_from.empty()) {
@@ -230,6 +235,9 @@ void add_plan_command(CLI::App& app, Commands& commands) {
       ->capture_default_str()
       ->type_name("V");
   schedule->add_flag("--comm", o->comm, "list the sends and receives among the actions too");
+  schedule->add_flag("--pairs", o->pairs,
+                     "interleaved: steady-state forwards and backwards as overlapped pairs (what training "
+                     "runs under expert parallelism with parallel.ep_overlap)");
   schedule
       ->add_option("--costs", o->costs,
                    "times of one chunk's forward, backward-input and backward-weight, and of an "

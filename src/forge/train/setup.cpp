@@ -187,8 +187,10 @@ void TrainSetup::make_pipeline() {
     return;
   }
   pp_rank = layout.coordinate(parallel::Dim::pp);
+  // Expert parallelism's overlap pairs the interleaved schedule's steady-state forwards and backwards.
   const pipeline::ScheduleRequest request{c.parallel.schedule, pp, static_cast<int>(accum),
-                                          static_cast<int>(c.parallel.vpp)};
+                                          static_cast<int>(c.parallel.vpp),
+                                          layout.ep() > 1 && c.parallel.ep_overlap};
   try {
     pipeline = std::make_unique<pipeline::Schedule>(pipeline::make_schedule(request));
   } catch (const Error& e) {
@@ -218,11 +220,15 @@ void TrainSetup::make_pipeline() {
   for (int64_t s = 0, first = 0; s < p.stages; first += counts[s++])
     ranges.push_back(counts[s] == 1 ? fmt::format("{}", first)
                                     : fmt::format("{}-{}", first, first + counts[s] - 1));
+  int64_t pairs = 0;
+  for (const auto& list : pipeline->actions)
+    pairs += std::count_if(list.begin(), list.end(),
+                           [](const pipeline::Action& a) { return a.op == pipeline::Op::forward_backward; });
   pipeline_summary = fmt::format(
       "pipeline parallel {}: schedule {}, {} micro-batches per step, stages of layers {} | bubble {:.0f}% of "
-      "the step under unit costs, peak {} chunks' activations per rank",
+      "the step under unit costs, peak {} chunks' activations per rank{}",
       pp, pipeline->name, accum, fmt::join(ranges, " | "), 100 * unit.bubble_fraction(),
-      unit.max_peak_activations());
+      unit.max_peak_activations(), pairs > 0 ? fmt::format(", {} overlapped F&B pairs", pairs) : "");
 }
 
 void TrainSetup::check_model_fits() const {

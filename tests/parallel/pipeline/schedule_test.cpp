@@ -3,6 +3,7 @@
 // and complete, and the replay's own checks shown to catch broken lists.
 #include "forge/parallel/pipeline/schedule.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -119,31 +120,69 @@ TEST(PipelineSchedule, EveryGeneratedListIsCompleteAndFreeOfDeadlock) {
   for (const std::string& name : schedule_names()) {
     for (int ranks = 1; ranks <= 8; ++ranks) {
       for (int m = 1; m <= 4 * ranks + 3; ++m) {
-        for (int vpp : name == "interleaved" ? std::vector<int>{2, 3} : std::vector<int>{1}) {
-          const ScheduleRequest q{name, ranks, m, vpp};
-          if (!schedule_refusal(q).empty()) continue;
-          Schedule s;
-          ASSERT_NO_THROW(s = make_schedule(q)) << name << " P " << ranks << " m " << m << " vpp " << vpp;
-          ASSERT_NO_THROW(replay(s)) << name << " P " << ranks << " m " << m << " vpp " << vpp;
-          // Each chunk's forward count equals its backward count (the replay checks each one ran once).
-          for (int r = 0; r < ranks; ++r) {
-            for (int c = 0; c < s.placement.chunks; ++c) {
-              int f = 0, b = 0;
-              for (const Action& a : s.actions[r]) {
-                f += (a.op == Op::forward || a.op == Op::forward_backward) && a.chunk == c;
-                b += (a.op == Op::backward || a.op == Op::backward_input) && a.chunk == c;
-                b += a.op == Op::forward_backward && a.chunk_b == c;
+        for (int vpp : name == "interleaved" ? std::vector<int>{2, 3, 5} : std::vector<int>{1})
+          for (bool pairs :
+               name == "interleaved" ? std::vector<bool>{false, true} : std::vector<bool>{false}) {
+            const ScheduleRequest q{name, ranks, m, vpp, pairs};
+            if (!schedule_refusal(q).empty()) continue;
+            Schedule s;
+            ASSERT_NO_THROW(s = make_schedule(q)) << name << " P " << ranks << " m " << m << " vpp " << vpp;
+            ASSERT_NO_THROW(replay(s)) << name << " P " << ranks << " m " << m << " vpp " << vpp;
+            // Each chunk's forward count equals its backward count (the replay checks each one ran once).
+            for (int r = 0; r < ranks; ++r) {
+              for (int c = 0; c < s.placement.chunks; ++c) {
+                int f = 0, b = 0;
+                for (const Action& a : s.actions[r]) {
+                  f += (a.op == Op::forward || a.op == Op::forward_backward) && a.chunk == c;
+                  b += (a.op == Op::backward || a.op == Op::backward_input) && a.chunk == c;
+                  b += a.op == Op::forward_backward && a.chunk_b == c;
+                }
+                EXPECT_EQ(f, b) << name << " P " << ranks << " m " << m << " rank " << r << " chunk " << c;
+                EXPECT_EQ(f, static_cast<int>(s.placement.micro_batches_of(r, c).size()));
               }
-              EXPECT_EQ(f, b) << name << " P " << ranks << " m " << m << " rank " << r << " chunk " << c;
-              EXPECT_EQ(f, static_cast<int>(s.placement.micro_batches_of(r, c).size()));
             }
+            ++checked;
           }
-          ++checked;
-        }
       }
     }
   }
   EXPECT_GT(checked, 400);
+}
+
+// Expert parallelism's overlap under the interleaved schedule (Megatron's combined 1F1B): the steady state's
+// forwards and backwards as overlapped pairs. A pair takes both inputs before it starts; the pairing keeps
+// only pairs that never lengthen the step when they hide nothing (F&B = F + B), so with any real overlap
+// (F&B = 2.5 < 3) the step is no longer, and shorter as soon as there are steady-state pairs to make; the
+// activations held are those of the unpaired list, and no pair holds a backward that needs its own forward.
+TEST(PipelineSchedule, InterleavedPairsNeverLengthenTheStep) {
+  for (int ranks : {2, 3, 4, 8})
+    for (int vpp : {2, 3})
+      for (int m : {ranks, 2 * ranks, 4 * ranks}) {
+        SCOPED_TRACE(fmt::format("P {} vpp {} m {}", ranks, vpp, m));
+        const Schedule plain = make("interleaved", ranks, m, vpp);
+        const Schedule paired = make_schedule({"interleaved", ranks, m, vpp, true});
+        const Replay a = replay(plain, unit_costs()), b = replay(paired, unit_costs());
+        EXPECT_LE(b.makespan, a.makespan);
+        EXPECT_EQ(b.max_peak_activations(), a.max_peak_activations());
+        const Replay gain_a = replay(plain, unit_costs(2.5)), gain_b = replay(paired, unit_costs(2.5));
+        EXPECT_LE(gain_b.makespan, gain_a.makespan);
+        int pairs = 0;
+        for (const auto& list : paired.actions)
+          for (const Action& a : list)
+            if (a.op == Op::forward_backward) {
+              ++pairs;
+              EXPECT_FALSE(a.chunk == a.chunk_b && a.micro_batch == a.micro_batch_b) << to_string(a, true);
+            }
+        if (m >= 2 * ranks) {
+          EXPECT_GT(pairs, 0);
+          EXPECT_LT(gain_b.makespan, gain_a.makespan);
+          for (const auto& list : paired.actions)
+            EXPECT_TRUE(std::any_of(list.begin(), list.end(),
+                                    [](const Action& a) { return a.op == Op::forward_backward; }));
+        }
+      }
+  // The other schedules ignore the request: DualPipe's have pairs of their own, 1F1B's would serialise.
+  EXPECT_EQ(make_schedule({"1f1b", 4, 8, 1, true}).actions, make("1f1b", 4, 8).actions);
 }
 
 TEST(PipelineSchedule, EveryMicroBatchPassesEveryStageInOrder) {

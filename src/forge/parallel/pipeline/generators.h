@@ -19,4 +19,14 @@ Schedule generate_zbv(int ranks, int micro_batches);
 // the V placement), in DeepSeek's eight phases with overlapped forward + backward pairs.
 Schedule generate_dualpipe(int ranks, int micro_batches, bool v);
 
+// Expert parallelism's overlap in the interleaved schedule (Megatron's combined 1F1B): each steady-state
+// forward and the backward after it (of another chunk or micro-batch) become one overlapped pair, whose
+// halves interleave at their all-to-alls. A pair takes both of its inputs before it starts, which can hold
+// up the ranks that feed it: every pairing at once is kept when the list still runs to the end and takes no
+// longer under unit costs with pairs that hide nothing (F&B = F + B); else each pair alone, in order, on
+// that condition. So pairs never lengthen the step and gain whatever their overlap hides. (Plain 1F1B is
+// not paired: there a backward's gradient comes from the rank a pair's forward feeds, which serialises the
+// stages, 15 -> 22.5 units at P = 2 with 4 micro-batches.)
+Schedule pair_forward_backward(const Schedule& compute_only);
+
 }  // namespace forge::pipeline

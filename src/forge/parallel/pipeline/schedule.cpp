@@ -162,8 +162,10 @@ Schedule make_schedule(const ScheduleRequest& request) {
   Schedule s;
   s.name = request.name;
   if (request.name == "1f1b") s = generate_1f1b(request.ranks, request.micro_batches);
-  if (request.name == "interleaved")
+  if (request.name == "interleaved") {
     s = generate_interleaved(request.ranks, request.vpp, request.micro_batches);
+    if (request.overlapped_pairs) s = pair_forward_backward(s);
+  }
   if (request.name == "zb-h1") s = generate_zb_h1(request.ranks, request.micro_batches);
   if (request.name == "zbv") s = generate_zbv(request.ranks, request.micro_batches);
   if (request.name == "dualpipe") s = generate_dualpipe(request.ranks, request.micro_batches, false);

@@ -88,6 +88,10 @@ struct ScheduleRequest {
   int ranks = 1;              // pp
   int micro_batches = 1;      // per step (gradient accumulation steps)
   int vpp = 1;                // interleaved: model chunks per rank
+  // interleaved: steady-state forwards and backwards as overlapped pairs (pair_forward_backward in
+  // generators.h; expert parallelism's overlap). The DualPipe schedules have their own pairs; the others
+  // none.
+  bool overlapped_pairs = false;
 };
 
 // "1f1b", "interleaved", "zb-h1", "zbv", "dualpipe", "dualpipev".
