@@ -1,9 +1,11 @@
 #include "forge/nn/expert_parallel.h"
 
+#include <limits>
 #include <numeric>
 
 #include "forge/core/error.h"
 #include "forge/core/fibers.h"
+#include "forge/kernels/ops.h"
 
 namespace forge::nn {
 namespace {
@@ -56,22 +58,51 @@ DispatchPlan plan_dispatch(ExpertParallel* ep, std::span<const int64_t> offsets)
   return plan;
 }
 
-Tensor regroup_rows(const Tensor& rows, int64_t cols, const DispatchPlan& plan, bool to_expert_major) {
-  if (plan.ranks == 1) return rows;
-  const int64_t n = plan.received(), L = plan.local_experts;
-  FORGE_CHECK(rows.numel() == n * cols, "regroup_rows: {} elements for {} rows of {}", rows.numel(), n, cols);
-  Tensor out = Tensor::empty({n, cols}, rows.dtype(), rows.device());
+namespace {
+
+// Every (source rank, local expert) block of a received plan: its first row in the layout regrouped from and
+// in the one regrouped to, and its rows.
+template <typename Block>
+void for_each_block(const DispatchPlan& plan, bool to_expert_major, Block block) {
+  const int64_t L = plan.local_experts;
   std::vector<int64_t> at(plan.local_offsets.begin(), plan.local_offsets.end() - 1);  // next row of expert l
   int64_t source = 0;                                                                 // source-major position
   for (int s = 0; s < plan.ranks; ++s)
     for (int64_t l = 0; l < L; ++l) {
       const int64_t count = plan.recv_counts[s * L + l];
-      if (count > 0) {
-        const int64_t from = to_expert_major ? source : at[l], to = to_expert_major ? at[l] : source;
-        out.view(to * cols, {count, cols}).copy_from(rows.view(from * cols, {count, cols}));
-      }
+      if (count > 0) block(to_expert_major ? source : at[l], to_expert_major ? at[l] : source, count);
       source += count, at[l] += count;
     }
+}
+
+}  // namespace
+
+// On the host a copy per block; on a device one gather of rows (ops::moe_permute with one choice per row:
+// out[r] = rows[from[r]]), one kernel instead of ep x L copies. The host's block copies beat the gather
+// there (8192 rows of 512, one thread: 1.08 against 1.74 ms).
+Tensor regroup_rows(const Tensor& rows, int64_t cols, const DispatchPlan& plan, bool to_expert_major) {
+  if (plan.ranks == 1) return rows;
+  const int64_t n = plan.received();
+  FORGE_CHECK(rows.numel() == n * cols, "regroup_rows: {} elements for {} rows of {}", rows.numel(), n, cols);
+  FORGE_CHECK(rows.dtype() == DType::f32, "regroup_rows moves fp32 rows");
+  Tensor out = Tensor::empty({n, cols}, DType::f32, rows.device());
+  if (rows.device() == Device::cpu) {
+    for_each_block(plan, to_expert_major, [&](int64_t from, int64_t to, int64_t count) {
+      out.view(to * cols, {count, cols}).copy_from(rows.view(from * cols, {count, cols}));
+    });
+    return out;
+  }
+  FORGE_CHECK(n <= std::numeric_limits<int32_t>::max(), "regroup_rows: {} rows exceed the int32 indices", n);
+  if (n == 0) return out;
+  Tensor from = Tensor::empty({n}, DType::i32);  // out row r takes rows[from[r]]
+  for_each_block(plan, to_expert_major, [&](int64_t first_from, int64_t first_to, int64_t count) {
+    for (int64_t i = 0; i < count; ++i) from.i32()[first_to + i] = static_cast<int32_t>(first_from + i);
+  });
+  const Tensor index = from.to(rows.device());
+  ops::MoePermuteParams p;
+  p.tokens = n, p.top_k = 1, p.hidden = cols, p.rows = n;
+  p.source = index.i32(), p.x = rows.f32(), p.out = out.f32();
+  ops::moe_permute(p, rows.device());
   return out;
 }
 

@@ -88,7 +88,7 @@ class ExpertDispatch {
 };
 
 // Source-major rows [from rank 0: expert 0..L-1][from rank 1: ...] to expert-major ones, or back
-// (to_expert_major = false).
+// (to_expert_major = false): one row gather on the rows' device.
 Tensor regroup_rows(const Tensor& rows, int64_t cols, const DispatchPlan& plan, bool to_expert_major);
 
 // The synchronous forms: start + finish.
