@@ -11,7 +11,6 @@
 // another dst type may block K differently; the scratch makes "the fp32 result rounded" exact by
 // construction, and the fp32-output path stays as it was.
 #include <dnnl.hpp>
-
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -34,7 +33,7 @@ struct GemmKey {
 };
 
 struct GemmPrimitive {
-  dnnl::memory::desc a, b, c;
+  dnnl::memory::desc a, b, c, scratchpad;
   dnnl::matmul matmul;
 };
 
@@ -51,6 +50,10 @@ GemmPrimitive make_primitive(const GemmKey& key) {
   g.b = dnnl::memory::desc(dims{key.k, key.n}, dt, key.trans_b ? dims{1, key.ldb} : dims{key.ldb, 1});
   g.c = dnnl::memory::desc(dims{key.m, key.n}, dnnl::memory::data_type::f32, dims{key.ldc, 1});
   dnnl::primitive_attr attr;
+  // The caller's scratchpad, one per thread (gemm below): the library's own is shared between primitives,
+  // and threads running GEMMs at once (tensor-parallel ranks as threads in tests, say) corrupted each
+  // other's bf16 matmuls on AVX512-BF16 CPUs.
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   if (key.alpha != 1.0f) attr.set_output_scales(0, {key.alpha});
   if (key.beta != 0.0f) {
     dnnl::post_ops post;
@@ -59,6 +62,7 @@ GemmPrimitive make_primitive(const GemmKey& key) {
   }
   dnnl::matmul::desc desc(g.a, g.b, g.c);
   dnnl::matmul::primitive_desc pd(desc, attr, cpu_engine());
+  g.scratchpad = pd.scratchpad_desc();
   g.matmul = dnnl::matmul(pd);
   return g;
 }
@@ -93,13 +97,15 @@ bool supports_gemm(const ops::GemmParams& p, std::string* reason) {
   if (p.ab_dtype != DType::f32 && p.ab_dtype != DType::bf16)
     return ops::refuse(reason, "gemm: operands must be fp32 or bf16, got {}", dtype_name(p.ab_dtype));
   if (!ops::supports_gemm_output("gemm", p.c_dtype, p.ab_dtype, reason)) return false;
-  if (p.m <= 0 || p.n <= 0 || p.k <= 0) return ops::refuse(reason, "gemm: empty problem {}x{}x{}", p.m, p.n, p.k);
+  if (p.m <= 0 || p.n <= 0 || p.k <= 0)
+    return ops::refuse(reason, "gemm: empty problem {}x{}x{}", p.m, p.n, p.k);
   return true;
 }
 
 void gemm(const ops::GemmParams& p) {
   if (std::string why; !supports_gemm(p, &why)) fail("{}", why);
-  if (p.c_dtype == DType::bf16) return gemm_through_fp32_output(p, [](const ops::GemmParams& q) { cpu::gemm(q); });
+  if (p.c_dtype == DType::bf16)
+    return gemm_through_fp32_output(p, [](const ops::GemmParams& q) { cpu::gemm(q); });
   static const bool native_bf16 = cpu_has_native_bf16();
   if (p.ab_dtype == DType::bf16 && !native_bf16) return gemm_bf16_widened(p);
   GemmKey key{p.m, p.n, p.k, p.lda, p.ldb, p.ldc, p.trans_a, p.trans_b, p.ab_dtype, p.alpha, p.beta};
@@ -117,7 +123,12 @@ void gemm(const ops::GemmParams& p) {
   dnnl::memory a(prim->a, engine, const_cast<void*>(p.a));
   dnnl::memory b(prim->b, engine, const_cast<void*>(p.b));
   dnnl::memory c(prim->c, engine, p.c);
-  prim->matmul.execute(stream, {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}});
+  thread_local std::vector<uint8_t> scratch;
+  if (scratch.size() < prim->scratchpad.get_size()) scratch.resize(prim->scratchpad.get_size());
+  dnnl::memory scratchpad(prim->scratchpad, engine, scratch.data());
+  prim->matmul.execute(
+      stream,
+      {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}, {DNNL_ARG_SCRATCHPAD, scratchpad}});
   stream.wait();
 }
 
