@@ -81,6 +81,16 @@ TEST_F(PlanCli, CommAndCostsChangeWhatIsListedAndTimed) {
   ASSERT_EQ(dual.status, 0) << dual.output;
   EXPECT_NE(dual.output.find("F&B 2.5"), std::string::npos) << dual.output;
   EXPECT_EQ(table_of(dual.output).size(), 4u) << dual.output;
+  // --pairs: the interleaved schedule with expert parallelism's overlapped pairs, shorter when they overlap.
+  const std::string interleaved =
+      "plan schedule --schedule interleaved --pp 4 --vpp 2 --microbatches 16 --costs 1,1,1,2.5";
+  const Outcome plain = run_forge(interleaved), paired = run_forge(interleaved + " --pairs");
+  ASSERT_EQ(plain.status, 0) << plain.output;
+  ASSERT_EQ(paired.status, 0) << paired.output;
+  EXPECT_EQ(plain.output.find("+B"), std::string::npos) << plain.output;
+  EXPECT_NE(paired.output.find("+B"), std::string::npos) << paired.output;
+  EXPECT_NE(plain.output.find("makespan 105,"), std::string::npos) << plain.output;
+  EXPECT_NE(paired.output.find("makespan 99,"), std::string::npos) << paired.output;
 }
 
 TEST_F(PlanCli, SvgAndTraceWriteTheirFiles) {
@@ -143,6 +153,7 @@ TEST_F(PlanCli, CostsFromAMeasuredTrace) {
 
 TEST_F(PlanCli, BadInputIsOneLine) {
   expect_one_line_error("plan schedule --schedule dualpipe --pp 3 --microbatches 12", "even pp");
+  expect_one_line_error("plan schedule --schedule 1f1b --pp 2 --microbatches 4 --pairs", "--pairs");
   expect_one_line_error("plan schedule --schedule zigzag --pp 4 --microbatches 8",
                         "known: 1f1b, interleaved, zb-h1, zbv, dualpipe, dualpipev");
   expect_one_line_error("plan schedule --schedule zbv --pp 4 --microbatches 4", "at least 2 * pp = 8");
