@@ -458,7 +458,7 @@ constexpr int64_t moe_sorted_rows_bound(const MoeSortParams& p) {
   if (p.pad_to_capacity && p.capacity > 0) return p.experts * ((p.capacity + p.align - 1) / p.align * p.align);
   return moe_sorted_rows_bound(p.tokens, p.top_k, p.experts, p.align);
 }
-// Rows of expert segment holding `kept` assignments.
+// The rows of the segment of an expert that keeps `kept` assignments (padding included).
 constexpr int64_t moe_segment_rows(const MoeSortParams& p, int64_t kept) {
   const int64_t rows = p.pad_to_capacity && p.capacity > 0 ? p.capacity : kept;
   return (rows + p.align - 1) / p.align * p.align;

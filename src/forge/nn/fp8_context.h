@@ -10,7 +10,7 @@
 //                      recorded then;
 //   step_amaxes()      the caller max-reduces this step's amaxes over every rank that must agree (the
 //                      tensor- and data-parallel groups; a routed expert's Linears under expert
-//                      parallelism: the ranks holding that expert, expert_linears()), one all-reduce for
+//                      parallelism: the ranks holding that expert, is_expert()), one all-reduce for
 //                      the whole model;
 //   end_step()         new scales from the history, history rolled.
 // The current recipe computes each scale from the tensor being cast (weights: the amax over the
