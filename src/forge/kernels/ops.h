@@ -453,15 +453,16 @@ struct MoeSortParams {
 constexpr int64_t moe_sorted_rows_bound(int64_t tokens, int64_t top_k, int64_t experts, int64_t align) {
   return tokens * top_k + experts * (align - 1);
 }
+// rows rounded up to a multiple of align.
+constexpr int64_t moe_round_up(int64_t rows, int64_t align) { return (rows + align - 1) / align * align; }
 // The same for any parameters: under pad_to_capacity exactly R = experts * round_up(capacity, align).
 constexpr int64_t moe_sorted_rows_bound(const MoeSortParams& p) {
-  if (p.pad_to_capacity && p.capacity > 0) return p.experts * ((p.capacity + p.align - 1) / p.align * p.align);
+  if (p.pad_to_capacity && p.capacity > 0) return p.experts * moe_round_up(p.capacity, p.align);
   return moe_sorted_rows_bound(p.tokens, p.top_k, p.experts, p.align);
 }
 // The rows of the segment of an expert that keeps `kept` assignments (padding included).
 constexpr int64_t moe_segment_rows(const MoeSortParams& p, int64_t kept) {
-  const int64_t rows = p.pad_to_capacity && p.capacity > 0 ? p.capacity : kept;
-  return (rows + p.align - 1) / p.align * p.align;
+  return moe_round_up(p.pad_to_capacity && p.capacity > 0 ? p.capacity : kept, p.align);
 }
 
 // Hidden rows from token order into the expert-sorted order of moe_sort_by_expert and back: rows = R (that
