@@ -162,13 +162,15 @@ void remove_single_folder_checkpoint(const fs::path& root) {
 void prune(const fs::path& root, const std::string& latest_name, int64_t keep_last) {
   std::error_code ec;
   const std::vector<StepFolder> steps = step_folders(root);
-  const auto latest = std::find_if(steps.begin(), steps.end(), [&](const StepFolder& f) { return f.name == latest_name; });
+  const auto latest =
+      std::find_if(steps.begin(), steps.end(), [&](const StepFolder& f) { return f.name == latest_name; });
   if (latest == steps.end()) return;
   std::vector<std::string> doomed;
   for (auto it = latest + 1; it != steps.end(); ++it) doomed.push_back(it->name);  // newer: another timeline
   if (keep_last > 0) {
     const int64_t older = latest - steps.begin();
-    for (int64_t i = 0; i < older - (keep_last - 1); ++i) doomed.push_back(steps[static_cast<size_t>(i)].name);
+    for (int64_t i = 0; i < older - (keep_last - 1); ++i)
+      doomed.push_back(steps[static_cast<size_t>(i)].name);
   }
   for (const std::string& name : doomed) {
     // Renamed to a staging name first, so that a crash mid-deletion leaves no half-deleted step folder that
@@ -186,19 +188,24 @@ void prune(const fs::path& root, const std::string& latest_name, int64_t keep_la
 
 }  // namespace
 
-std::string save_checkpoint_step(const std::string& root, comm::Communicator& world,
-                                 std::span<const ShardPiece> pieces, const CheckpointState& state,
-                                 const CheckpointSaveOptions& options) {
-  const std::string name = checkpoint_step_name(state.step);
-  const fs::path dir = fs::path(root) / name;
+std::string begin_checkpoint_step_save(const std::string& root, comm::Communicator& world, int64_t step) {
+  const fs::path dir = fs::path(root) / checkpoint_step_name(step);
   std::error_code ec;
   if (world.rank() == 0) {
     fs::create_directories(root, ec);  // errors surface in the save's first step
     // A folder of this step that `latest` does not name is not committed (a crash between the rename and
     // `latest`, or a damaged one resolving skipped): it goes, rather than being exchanged as a checkpoint.
-    if (fs::exists(dir, ec) && read_latest(root) != name) fs::remove_all(dir, ec);
+    if (fs::exists(dir, ec) && read_latest(root) != dir.filename().string()) fs::remove_all(dir, ec);
   }
-  save_sharded_checkpoint(dir.string(), world, pieces, state, options.files);
+  return begin_sharded_save(dir.string(), world);
+}
+
+std::string finish_checkpoint_step_save(const std::string& root, comm::Communicator& world,
+                                        const std::string& staging, const ShardWrite& mine,
+                                        const CheckpointState& state, const CheckpointSaveOptions& options) {
+  const std::string name = checkpoint_step_name(state.step);
+  const fs::path dir = fs::path(root) / name;
+  finish_sharded_save(dir.string(), world, staging, mine, state, options.files);
   std::string error;
   if (world.rank() == 0) {
     try {
@@ -217,6 +224,25 @@ std::string save_checkpoint_step(const std::string& root, comm::Communicator& wo
   }
   if (!error.empty()) throw Error(error);
   return dir.string();
+}
+
+std::string save_checkpoint_step(const std::string& root, comm::Communicator& world,
+                                 std::span<const ShardPiece> pieces, const CheckpointState& state,
+                                 const CheckpointSaveOptions& options) {
+  const std::string staging = begin_checkpoint_step_save(root, world, state.step);
+  const ShardWrite mine = write_shard_of_save(staging, world.rank(), world.size(), pieces);
+  return finish_checkpoint_step_save(root, world, staging, mine, state, options);
+}
+
+std::vector<std::string> complete_checkpoints(const std::string& path) {
+  std::vector<std::string> out;
+  const fs::path root(path);
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return out;
+  const std::vector<StepFolder> steps = step_folders(root);
+  for (auto it = steps.rbegin(); it != steps.rend(); ++it)
+    if (incompleteness(root / it->name).empty()) out.push_back((root / it->name).string());
+  return out;
 }
 
 void remove_checkpoint_data(const std::string& path) {

@@ -15,6 +15,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "forge/ckpt/sharded.h"
 
@@ -23,8 +24,8 @@ namespace forge::ckpt {
 std::string checkpoint_step_name(int64_t step);  // "step-00000042"
 
 struct CheckpointSaveOptions {
-  int64_t keep_last = 0;              // checkpoints kept, the new one included (0 = all)
-  std::span<const NamedFile> files;   // added to the checkpoint (the run's tokenizer.json)
+  int64_t keep_last = 0;             // checkpoints kept, the new one included (0 = all)
+  std::span<const NamedFile> files;  // added to the checkpoint (the run's tokenizer.json)
 };
 
 // Collective over `world`: saves `state` as <root>/step-<step> (save_sharded_checkpoint), then rank 0
@@ -35,6 +36,18 @@ struct CheckpointSaveOptions {
 std::string save_checkpoint_step(const std::string& root, comm::Communicator& world,
                                  std::span<const ShardPiece> pieces, const CheckpointState& state,
                                  const CheckpointSaveOptions& options = {});
+
+// save_checkpoint_step in phases (sharded.h's begin / write / finish), for saves written in the background
+// (async_save.h): begin is collective and returns the staging folder; the shard is written with
+// write_shard_of_save; finish is collective, commits, moves `latest` and prunes, and returns the folder.
+std::string begin_checkpoint_step_save(const std::string& root, comm::Communicator& world, int64_t step);
+std::string finish_checkpoint_step_save(const std::string& root, comm::Communicator& world,
+                                        const std::string& staging, const ShardWrite& mine,
+                                        const CheckpointState& state, const CheckpointSaveOptions& options);
+
+// The complete step folders under the checkpoint directory `path`, newest first (manifests checked as
+// resolve_checkpoint does; file contents not read). Empty when there are none.
+std::vector<std::string> complete_checkpoints(const std::string& path);
 
 struct ResolvedCheckpoint {
   std::string dir;   // the checkpoint folder to read

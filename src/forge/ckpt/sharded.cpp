@@ -66,8 +66,8 @@ FileDigest digest_file(const fs::path& path) {
 }
 
 uint32_t crc32_of(std::string_view bytes) {
-  return static_cast<uint32_t>(
-      crc32(crc32(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(bytes.data()), static_cast<uInt>(bytes.size())));
+  return static_cast<uint32_t>(crc32(crc32(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(bytes.data()),
+                                     static_cast<uInt>(bytes.size())));
 }
 
 // A name the manifest may list: a plain file inside the checkpoint directory, never a path out of it.
@@ -220,7 +220,8 @@ int64_t manifest_integer(const json& j, const char* key, int64_t fallback, int64
   if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(hi)))
     fail("{}: '{}' must be an integer in [{}, {}], got {}", where, key, lo, hi, v.dump());
   const int64_t value = v.get<int64_t>();
-  if (value < lo || value > hi) fail("{}: '{}' must be an integer in [{}, {}], got {}", where, key, lo, hi, value);
+  if (value < lo || value > hi)
+    fail("{}: '{}' must be an integer in [{}, {}], got {}", where, key, lo, hi, value);
   return value;
 }
 
@@ -250,8 +251,8 @@ Manifest read_manifest(const std::string& dir) {
     constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
     m.state.step = manifest_integer(j, "step", 0, 0, kMax, where, /*required=*/m.version >= 3);
     m.state.optimizer_steps = manifest_integer(j, "optimizer_steps", -1, -1, kMax, where);
-    m.state.world_size = static_cast<int>(
-        manifest_integer(j, "world_size", 1, 1, std::numeric_limits<int>::max(), where));
+    m.state.world_size =
+        static_cast<int>(manifest_integer(j, "world_size", 1, 1, std::numeric_limits<int>::max(), where));
     m.state.model_config = j.value("model_config", json::object());
     m.state.extra = j.value("extra", json::object());
     m.state.layout = j.value("layout", json());
@@ -267,8 +268,9 @@ Manifest read_manifest(const std::string& dir) {
       if (!is_plain_file_name(name))
         fail("{}: file '{}' is not a file name in the checkpoint directory", where, name);
       const std::string file_where = fmt::format("{}: file '{}'", where, name);
-      m.files[name] = {static_cast<uint64_t>(manifest_integer(entry, "bytes", 0, 0, kMax, file_where, true)),
-                       static_cast<uint32_t>(manifest_integer(entry, "crc32", 0, 0, UINT32_MAX, file_where, true))};
+      m.files[name] = {
+          static_cast<uint64_t>(manifest_integer(entry, "bytes", 0, 0, kMax, file_where, true)),
+          static_cast<uint32_t>(manifest_integer(entry, "crc32", 0, 0, UINT32_MAX, file_where, true))};
     }
     if (m.version == 1) {
       read_v1_tensors(m);
@@ -291,9 +293,10 @@ Manifest read_manifest(const std::string& dir) {
         check_piece(piece, where, /*needs_data=*/false);
         const std::string file = p.at("file").get<std::string>();
         if (!m.files.count(file) || !is_shard_file_name(file))
-          fail("{}: tensor '{}' has a piece in '{}', which 'files' does not list as a shard", where, name, file);
-        // The data of a piece is stored under its tensor's name, or "<name>@<flat_begin>" (write_checkpoint_shard):
-        // any other key would load another tensor's values.
+          fail("{}: tensor '{}' has a piece in '{}', which 'files' does not list as a shard", where, name,
+               file);
+        // The data of a piece is stored under its tensor's name, or "<name>@<flat_begin>"
+        // (write_checkpoint_shard): any other key would load another tensor's values.
         const std::string key = p.value("key", name);
         if (key != name && key != fmt::format("{}@{}", name, piece.flat_begin))
           fail("{}: tensor '{}' has a piece stored as '{}', which is not its own name", where, name, key);
@@ -476,7 +479,8 @@ std::string begin_checkpoint_save(const std::string& dir) {
   }
   const fs::path staging = checkpoint_staging_dir(dir);
   fs::remove_all(staging, ec);  // a crashed save's leftovers
-  if (ec) fail("checkpoint {}: cannot remove the stale staging folder {}: {}", dir, staging.string(), ec.message());
+  if (ec)
+    fail("checkpoint {}: cannot remove the stale staging folder {}: {}", dir, staging.string(), ec.message());
   fs::create_directories(staging, ec);
   if (ec) fail("cannot create checkpoint directory {}: {}", staging.string(), ec.message());
   fsync_directory(staging.parent_path());
@@ -608,32 +612,39 @@ void commit_checkpoint(const std::string& staging, const std::string& dir) {
   fsync_directory(target.parent_path());
 }
 
-void save_sharded_checkpoint(const std::string& dir, comm::Communicator& world,
-                             std::span<const ShardPiece> pieces, const CheckpointState& state,
-                             std::span<const NamedFile> files) {
-  const std::string staging = checkpoint_staging_dir(dir);  // the same name on every rank
-  const int rank = world.rank();
+std::string begin_sharded_save(const std::string& dir, comm::Communicator& world) {
   std::string error;
-  if (rank == 0) error = error_of([&] { begin_checkpoint_save(dir); });
+  if (world.rank() == 0) error = error_of([&] { begin_checkpoint_save(dir); });
   agree(world, error);  // also the barrier: the staging folder exists before any rank writes into it
+  return checkpoint_staging_dir(dir);  // the same name on every rank
+}
 
+ShardWrite write_shard_of_save(const std::string& staging, int rank, int world_size,
+                               std::span<const ShardPiece> pieces) {
+  ShardWrite out;
+  out.error = error_of([&] {
+    fail_point("save.write_shard", rank);
+    out.shard = write_checkpoint_shard(staging, rank, world_size, pieces);
+  });
+  kill_point("save.shard_written", rank);
+  return out;
+}
+
+void finish_sharded_save(const std::string& dir, comm::Communicator& world, const std::string& staging,
+                         const ShardWrite& mine, const CheckpointState& state,
+                         std::span<const NamedFile> files) {
+  const int rank = world.rank();
   auto discard_staging = [&] {
     std::error_code ec;
     if (rank == 0) fs::remove_all(staging, ec);
   };
-  ShardFile mine;
-  error = error_of([&] {
-    fail_point("save.write_shard", rank);
-    mine = write_checkpoint_shard(staging, rank, world.size(), pieces);
-  });
-  kill_point("save.shard_written", rank);
-  const json report = {{"error", error},
-                       {"file", mine.file},
-                       {"bytes", mine.bytes},
-                       {"crc32", mine.crc32},
-                       {"pieces", mine.pieces}};
-  const std::vector<std::string> reports =
-      world.size() == 1 ? std::vector<std::string>{report.dump()} : comm::all_gather_strings(world, report.dump());
+  const json report = {{"error", mine.error},
+                       {"file", mine.shard.file},
+                       {"bytes", mine.shard.bytes},
+                       {"crc32", mine.shard.crc32},
+                       {"pieces", mine.shard.pieces}};
+  const std::vector<std::string> reports = world.size() == 1 ? std::vector<std::string>{report.dump()}
+                                                             : comm::all_gather_strings(world, report.dump());
   std::vector<ShardFile> shards;
   for (size_t r = 0; r < reports.size(); ++r) {
     const json got = json::parse(reports[r]);
@@ -646,7 +657,7 @@ void save_sharded_checkpoint(const std::string& dir, comm::Communicator& world,
                       got["crc32"].get<uint32_t>(), got["pieces"]});
   }
 
-  error.clear();
+  std::string error;
   if (rank == 0)
     error = error_of([&] {
       fail_point("save.write_manifest", rank);
@@ -657,6 +668,14 @@ void save_sharded_checkpoint(const std::string& dir, comm::Communicator& world,
     });
   if (!error.empty()) discard_staging();
   agree(world, error);
+}
+
+void save_sharded_checkpoint(const std::string& dir, comm::Communicator& world,
+                             std::span<const ShardPiece> pieces, const CheckpointState& state,
+                             std::span<const NamedFile> files) {
+  const std::string staging = begin_sharded_save(dir, world);
+  const ShardWrite mine = write_shard_of_save(staging, world.rank(), world.size(), pieces);
+  finish_sharded_save(dir, world, staging, mine, state, files);
 }
 
 CheckpointState load_sharded_checkpoint(const std::string& path, comm::Communicator& world,
@@ -705,8 +724,8 @@ CheckpointState load_sharded_checkpoint(const std::string& path, comm::Communica
   return m.state;
 }
 
-std::vector<ShardPiece> parameter_store_pieces(const ParameterStore& params, const OptimizerMoments* optimizer,
-                                               bool for_saving) {
+std::vector<ShardPiece> parameter_store_pieces(const ParameterStore& params,
+                                               const OptimizerMoments* optimizer, bool for_saving) {
   std::vector<ShardPiece> pieces;
   FORGE_CHECK(params.device() == Device::cpu,
               "checkpoint pieces of a parameter store on a device: stage it through a host copy first");

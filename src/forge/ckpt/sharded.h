@@ -69,8 +69,8 @@ std::vector<std::string> checkpoint_tensor_names(const std::string& dir);
 // Pieces covering a parameter store (and the AdamW moments "exp_avg.<name>", "exp_avg_sq.<name>" when
 // optimizer is given), each whole local tensor as one piece with the store's ShardSpec. For saving, only
 // primary copies (ShardSpec::primary); for loading, every parameter, replicated copies included.
-std::vector<ShardPiece> parameter_store_pieces(const ParameterStore& params, const OptimizerMoments* optimizer,
-                                               bool for_saving);
+std::vector<ShardPiece> parameter_store_pieces(const ParameterStore& params,
+                                               const OptimizerMoments* optimizer, bool for_saving);
 
 // ---- The steps of a save, for callers that drive the ranks themselves (tests simulate several ranks in one
 // process): save_sharded_checkpoint is begin_checkpoint_save (rank 0), barrier, write_checkpoint_shard into
@@ -103,6 +103,21 @@ ShardFile write_checkpoint_shard(const std::string& dir, int rank, int world_siz
 // into `dir`. The manifest is the last file of a checkpoint: a folder without one is incomplete.
 void write_checkpoint_manifest(const std::string& dir, std::span<const ShardFile> shards,
                                const CheckpointState& state, std::span<const NamedFile> files = {});
+// save_sharded_checkpoint in its three phases, for a save whose shard is written in the background
+// (async_save.h): begin (collective: rank 0 prepares the staging folder; returns it), write this rank's
+// shard (no communication; errors are returned, not thrown, so that every rank still takes part in the
+// finish), finish (collective: the ranks' reports gathered, rank 0 writes the manifest last and commits;
+// an error on any rank is thrown on every rank and the staging folder is removed).
+struct ShardWrite {
+  ShardFile shard;
+  std::string error;  // "" when the shard is written
+};
+std::string begin_sharded_save(const std::string& dir, comm::Communicator& world);
+ShardWrite write_shard_of_save(const std::string& staging, int rank, int world_size,
+                               std::span<const ShardPiece> pieces);
+void finish_sharded_save(const std::string& dir, comm::Communicator& world, const std::string& staging,
+                         const ShardWrite& mine, const CheckpointState& state,
+                         std::span<const NamedFile> files = {});
 // Renames the staging folder to `dir` in one step (exchanging and then deleting a previous checkpoint
 // there), with fsyncs so that the rename survives a power loss.
 void commit_checkpoint(const std::string& staging, const std::string& dir);

@@ -1,8 +1,10 @@
 #include "forge/core/fault_injection.h"
 
+#include <atomic>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <mutex>
 #include <string>
 
 #include "forge/core/error.h"
@@ -39,9 +41,29 @@ bool reached(FaultSpec& spec, std::string_view point, int rank) {
   return ++spec.seen == spec.nth;
 }
 
+std::atomic<bool> g_armed{false};
+std::mutex g_armed_mutex;
+std::string g_armed_point, g_armed_message;
+
 }  // namespace
 
+void arm_fail_point(std::string_view point, std::string message) {
+  std::lock_guard lock(g_armed_mutex);
+  g_armed_point = point;
+  g_armed_message = std::move(message);
+  g_armed.store(true);
+}
+
 void fail_point(std::string_view point, int rank) {
+  if (g_armed.load()) {
+    std::unique_lock lock(g_armed_mutex);
+    if (g_armed.load() && g_armed_point == point) {
+      g_armed.store(false);
+      const std::string message = std::move(g_armed_message);
+      lock.unlock();
+      fail("{}", message);
+    }
+  }
   static FaultSpec spec = parse_spec("FORGE_TEST_FAIL_AT");
   if (reached(spec, point, rank)) fail("{}: injected failure (FORGE_TEST_FAIL_AT)", point);
 }

@@ -6,9 +6,10 @@
 //   FORGE_TEST_FAIL_AT=<point>[:<n>][@<rank>]   throw forge::Error there instead (as a full disk or an I/O
 //                                               error would), to test that errors lose nothing either
 //
-// Unset (always, outside tests), kill_point costs one cached branch.
+// Unset (always, outside tests), kill_point costs one cached branch; fail_point one atomic load more.
 #pragma once
 
+#include <string>
 #include <string_view>
 
 namespace forge {
@@ -18,5 +19,10 @@ namespace forge {
 void kill_point(std::string_view point, int rank = 0);
 // Throws forge::Error "<point>: injected failure (FORGE_TEST_FAIL_AT)" when FORGE_TEST_FAIL_AT names it.
 void fail_point(std::string_view point, int rank = 0);
+
+// Arms `point` to throw forge::Error(message) the next time this process reaches it (once), whatever
+// FORGE_TEST_FAIL_AT says: the trainer's fault injection (train/faults.h) uses it for a full disk during a
+// save. Thread-safe (a background checkpoint write reaches its points on another thread).
+void arm_fail_point(std::string_view point, std::string message);
 
 }  // namespace forge

@@ -137,6 +137,9 @@ class ParameterStore {
   // ends when every parameter is final. Outside a step note_grad does nothing.
   void begin_grad_step(int micro_batches);
   bool grad_step_active() const { return expected_uses_ > 0; }
+  // Ends a step that failed midway (an exception in it, on a one-process run that rolls back): nothing
+  // is final, and the next begin_grad_step starts afresh.
+  void cancel_grad_step() { expected_uses_ = 0, params_pending_ = 0; }
   void note_grad(int id);
   bool grad_final(int id) const;
   // Runs fn (collectives are allowed: every rank runs the same schedule) once per step, when every one of ids

@@ -72,7 +72,8 @@ GradBuckets::GradBuckets(ParameterStore* store, comm::Communicator* dp, BucketOp
     if (p.group != options.group) continue;
     const int64_t lo = p.offset, hi = p.offset + shape_numel(p.shape);
     for (int b = 0; b < static_cast<int>(buckets_.size()); ++b)
-      if (buckets_[b].begin < hi && lo < buckets_[b].end) buckets_of_param_[id].push_back(b), ++params_in_bucket_[b];
+      if (buckets_[b].begin < hi && lo < buckets_[b].end)
+        buckets_of_param_[id].push_back(b), ++params_in_bucket_[b];
   }
   if (options.overlap) listener_ = store->add_grad_listener([this](int id) { param_ready(id); });
 }
@@ -114,6 +115,13 @@ void GradBuckets::begin_step() {
   launched_ = 0;
   next_ = static_cast<int>(buckets_.size()) - 1;
   in_step_ = true;
+}
+
+void GradBuckets::cancel_step() {
+  for (auto& f : in_flight_)
+    if (f.launched && !f.completed) f.request.wait();
+  for (auto& f : in_flight_) f = InFlight{};
+  in_step_ = false;
 }
 
 void GradBuckets::ready_from(int64_t flat_offset) {
@@ -169,7 +177,8 @@ void GradBuckets::finish() {
   }
   busy += std::max(0.0, span_end - span_begin);
   const int64_t elements = buckets_.empty() ? 0 : buckets_.back().end - buckets_.front().begin;
-  last_step_ = GradReductionStats{1, elements * static_cast<int64_t>(sizeof(float)), finished - started, busy};
+  last_step_ =
+      GradReductionStats{1, elements * static_cast<int64_t>(sizeof(float)), finished - started, busy};
   total_.steps += 1;
   total_.bytes += last_step_.bytes;
   total_.exposed_seconds += last_step_.exposed_seconds;
@@ -216,7 +225,8 @@ void GradBuckets::complete(int bucket) {
   if (!options_.shard || dp_->size() == 1) return;
   // The bucket's gradients are final and its send has completed: the reduced shard may replace them.
   auto [lo, hi] = owned_range(bucket);
-  if (hi > lo) store_->grads().view(lo, {hi - lo}).copy_from(reduced_.view(shard_offsets_[bucket], {hi - lo}));
+  if (hi > lo)
+    store_->grads().view(lo, {hi - lo}).copy_from(reduced_.view(shard_offsets_[bucket], {hi - lo}));
 }
 
 }  // namespace forge::parallel

@@ -2,9 +2,9 @@
 //
 // GradBuckets cuts the flat gradient range of one parameter group of a ParameterStore (BucketOptions::group)
 // into contiguous ranges of about bucket_bytes (a boundary may fall inside a parameter: a bucket is a flat
-// range) and reduces each one (SUM over the group's dp communicator) as soon as every parameter overlapping it
-// is final for the step: readiness by count (ParameterStore::begin_grad_step / note_grad), whatever order the
-// schedule runs the weight gradients in, so communication runs while other layers still compute.
+// range) and reduces each one (SUM over the group's dp communicator) as soon as every parameter overlapping
+// it is final for the step: readiness by count (ParameterStore::begin_grad_step / note_grad), whatever order
+// the schedule runs the weight gradients in, so communication runs while other layers still compute.
 //
 // shard (ZeRO, Megatron's distributed-optimizer layout): every bucket splits into dp equal shards (the last
 // one padded in a staging copy) and is reduce-scattered: after finish(), rank r holds the summed gradient
@@ -17,8 +17,8 @@
 //
 // Use, per optimizer step, during the backward of the last micro-batch (gradients of earlier micro-batches
 // are accumulated locally first):
-//   store.begin_grad_step(micro_batches); begin_step(); ... backward (each final parameter is announced by the
-//   store; a bucket launches when its last one is) ...; finish();
+//   store.begin_grad_step(micro_batches); begin_step(); ... backward (each final parameter is announced by
+//   the store; a bucket launches when its last one is) ...; finish();
 // ready_from(offset) is the manual alternative, for callers that know a suffix of the buffer is final.
 // Callers scale losses so that the sum over dp is the global mean.
 #pragma once
@@ -29,8 +29,8 @@
 #include <vector>
 
 #include "forge/comm/comm.h"
-#include "forge/core/tensor.h"
 #include "forge/core/parameters.h"
+#include "forge/core/tensor.h"
 
 namespace forge::parallel {
 
@@ -79,6 +79,9 @@ class GradBuckets {
   void param_ready(int id);
   // Launches the buckets not launched yet, waits for all; afterwards the owned ranges hold the sum over dp.
   void finish();
+  // Ends a step that failed midway, waiting for whatever reduction it had launched (their results are
+  // discarded): the next begin_step starts afresh.
+  void cancel_step();
 
   bool sharded() const { return options_.shard; }
   const std::string& group() const { return options_.group; }
@@ -117,7 +120,8 @@ class GradBuckets {
   Tensor padded_;  // under shard: send buffer of the one bucket that does not divide into dp shards
   std::vector<InFlight> in_flight_;
   std::vector<std::vector<int>> buckets_of_param_;  // per parameter id: the buckets it overlaps
-  std::vector<int> params_in_bucket_, params_waiting_;  // per bucket: overlapping parameters, those not final yet
+  std::vector<int> params_in_bucket_,
+      params_waiting_;  // per bucket: overlapping parameters, those not final yet
   int listener_ = -1;
   int launched_ = 0;
   int next_ = -1;  // next bucket to launch (descending); -1: none

@@ -14,6 +14,7 @@
 #include "forge/core/error.h"
 #include "forge/core/file_io.h"
 #include "forge/core/suggest.h"
+#include "forge/train/faults.h"
 
 namespace forge::train {
 using namespace forge::optim;
@@ -305,7 +306,8 @@ const std::vector<KeySpec>& key_specs() {
       {"moe",
        "pad_to_capacity",
        FORGE_FIELD(moe.pad_to_capacity),
-       "with a capacity_factor: every expert's rows padded to its capacity with zero rows, so the expert GEMMs "
+       "with a capacity_factor: every expert's rows padded to its capacity with zero rows, so the expert "
+       "GEMMs "
        "and the expert-parallel all-to-alls keep one shape (same results, more work)",
        {}},
 
@@ -369,6 +371,77 @@ const std::vector<KeySpec>& key_specs() {
        "let a fresh run (or one resumed from elsewhere) replace the checkpoints already in dir; without it "
        "such a "
        "run is refused",
+       {}},
+      {"checkpoint",
+       "async",
+       FORGE_FIELD(checkpoint.async),
+       "periodic saves are written in the background: the step blocks only while the state is copied to "
+       "host memory (final and Ctrl-C saves are synchronous)",
+       {}},
+
+      {"resilience",
+       "rollback",
+       FORGE_FIELD(resilience.rollback),
+       "on an anomaly (NaN or Inf, a loss or gradient-norm spike, an exception in a step on one process) "
+       "restore the last stable state and continue (false: stop there)",
+       {}},
+      {"resilience",
+       "max_retries",
+       FORGE_FIELD(resilience.max_retries),
+       "rollbacks in a row (without a new stable snapshot in between) before the run stops",
+       {}},
+      {"resilience",
+       "snapshot_every",
+       FORGE_FIELD(resilience.snapshot_every),
+       "keep an in-memory snapshot of the state every this many steps, the rollback target (0 = none: roll "
+       "back to the newest valid checkpoint on disk)",
+       {}},
+      {"resilience",
+       "skip",
+       FORGE_FIELD(resilience.skip),
+       "after a rollback: window = skip the samples of the steps from the restored state to the anomaly, "
+       "none = train on them again",
+       {"window", "none"}},
+      {"resilience",
+       "lr_factor",
+       FORGE_FIELD(resilience.lr_factor),
+       "after a rollback multiply the learning rate by this, for lr_steps steps",
+       {}},
+      {"resilience",
+       "lr_steps",
+       FORGE_FIELD(resilience.lr_steps),
+       "steps the lowered learning rate lasts",
+       {}},
+      {"resilience",
+       "spike_metric",
+       FORGE_FIELD(resilience.spike_metric),
+       "ratio = a value over the window's median, zscore = standard deviations above the window's mean",
+       {"ratio", "zscore"}},
+      {"resilience",
+       "loss_spike",
+       FORGE_FIELD(resilience.loss_spike),
+       "a step whose loss exceeds this (in spike_metric) is an anomaly (0 = off)",
+       {}},
+      {"resilience",
+       "grad_norm_spike",
+       FORGE_FIELD(resilience.grad_norm_spike),
+       "a step whose gradient norm exceeds this (in spike_metric) is an anomaly (0 = off)",
+       {}},
+      {"resilience",
+       "window",
+       FORGE_FIELD(resilience.window),
+       "accepted steps the spike statistics look back over (spikes are judged once 10 are in)",
+       {}},
+      {"resilience",
+       "spike_after",
+       FORGE_FIELD(resilience.spike_after),
+       "no spike detection up to this step (-1 = until the end of train.warmup)",
+       {}},
+      {"resilience",
+       "inject",
+       FORGE_FIELD(resilience.inject),
+       "faults to inject, for drills and tests (docs/resilience.md), e.g. \"nan_loss step=5 rank=1; kill "
+       "step=9\"; the FORGE_FAULT environment variable adds to it",
        {}},
 
       {"sample", "tokens", FORGE_FIELD(sample.tokens), "tokens to generate after training (0 = none)", {}},
@@ -763,9 +836,30 @@ void TrainConfig::validate() const {
   check(finite(moe.capacity_factor) && moe.capacity_factor >= 0, "moe.capacity_factor", moe.capacity_factor,
         ">= 0 (0 = dropless)");
   if (moe.pad_to_capacity && moe.capacity_factor == 0)
-    fail("{}: moe.pad_to_capacity = true pads every expert's rows to its capacity, but moe.capacity_factor = 0 "
-         "(dropless) sets none; set a capacity_factor or turn the padding off",
-         origin_of("moe.pad_to_capacity"));
+    fail(
+        "{}: moe.pad_to_capacity = true pads every expert's rows to its capacity, but moe.capacity_factor = "
+        "0 "
+        "(dropless) sets none; set a capacity_factor or turn the padding off",
+        origin_of("moe.pad_to_capacity"));
+  check(resilience.max_retries >= 0, "resilience.max_retries", resilience.max_retries, ">= 0");
+  check(resilience.snapshot_every >= 0, "resilience.snapshot_every", resilience.snapshot_every,
+        ">= 0 (0 = roll back from disk)");
+  check(finite(resilience.lr_factor) && resilience.lr_factor > 0 && resilience.lr_factor <= 1,
+        "resilience.lr_factor", resilience.lr_factor, "in (0, 1]");
+  check(resilience.lr_steps >= 0, "resilience.lr_steps", resilience.lr_steps, ">= 0");
+  check(finite(resilience.loss_spike) && resilience.loss_spike >= 0, "resilience.loss_spike",
+        resilience.loss_spike, ">= 0 (0 = off)");
+  check(finite(resilience.grad_norm_spike) && resilience.grad_norm_spike >= 0, "resilience.grad_norm_spike",
+        resilience.grad_norm_spike, ">= 0 (0 = off)");
+  check(resilience.spike_metric != "ratio" || resilience.loss_spike == 0 || resilience.loss_spike > 1,
+        "resilience.loss_spike", resilience.loss_spike, "> 1 with spike_metric = ratio (or 0 = off)");
+  check(
+      resilience.spike_metric != "ratio" || resilience.grad_norm_spike == 0 || resilience.grad_norm_spike > 1,
+      "resilience.grad_norm_spike", resilience.grad_norm_spike, "> 1 with spike_metric = ratio (or 0 = off)");
+  check(resilience.window >= 10, "resilience.window", resilience.window, ">= 10");
+  (void)FaultPlan::parse(resilience.inject, origin_of("resilience.inject") + ": resilience.inject");
+  check(resilience.spike_after >= -1, "resilience.spike_after", resilience.spike_after,
+        ">= 0 (or -1 = train.warmup)");
   check(finite(mtp.loss_weight) && mtp.loss_weight >= 0, "mtp.loss_weight", mtp.loss_weight, ">= 0");
   check(mtp.switch_step >= 0, "mtp.switch_step", mtp.switch_step, ">= 0 (0 = no switch)");
   check(finite(mtp.loss_weight_after) && mtp.loss_weight_after >= 0, "mtp.loss_weight_after",
@@ -883,7 +977,8 @@ std::optional<nn::Fp8Options> TrainConfig::fp8_options() const {
 bool TrainConfig::operator==(const TrainConfig& other) const {
   return model == other.model && data == other.data && train == other.train && eval == other.eval &&
          log == other.log && checkpoint == other.checkpoint && sample == other.sample &&
-         parallel == other.parallel && fp8 == other.fp8 && moe == other.moe && mtp == other.mtp;
+         parallel == other.parallel && fp8 == other.fp8 && moe == other.moe && mtp == other.mtp &&
+         resilience == other.resilience;
 }
 
 }  // namespace forge::train

@@ -80,6 +80,7 @@ struct TrainConfig {
     std::string resume;     // empty = fresh run, "auto" = resume from dir if a checkpoint is there, or a path
     int64_t keep_last = 3;  // checkpoints kept in dir, the newest included (0 = all)
     bool overwrite = false;  // a fresh run may replace the checkpoints already in dir
+    bool async = true;       // periodic saves written in the background (the step blocks for a copy)
     bool operator==(const Checkpoint&) const = default;
   };
   struct Sample {
@@ -145,6 +146,22 @@ struct TrainConfig {
     bool operator==(const Mtp&) const = default;
   };
 
+  // What happens when training goes wrong (docs/resilience.md; train/resilience.h).
+  struct Resilience {
+    bool rollback = true;         // restore the last stable state on an anomaly (false: stop there)
+    int64_t max_retries = 3;      // rollbacks in a row without a new stable snapshot, then stop
+    int64_t snapshot_every = 50;  // in-memory snapshot every this many steps (0 = roll back from disk)
+    std::string skip = "window";  // window | none: skip the samples between the restored step and the anomaly
+    double lr_factor = 1.0;       // after a rollback the learning rate is multiplied by this ...
+    int64_t lr_steps = 0;         // ... for this many steps
+    std::string spike_metric = "ratio";  // ratio (to the window's median) | zscore (against its mean and std)
+    double loss_spike = 2.0;             // flag a loss above this (ratio or z-score); 0 = off
+    double grad_norm_spike = 0;          // the same for the gradient norm; 0 = off
+    int64_t window = 50;                 // accepted steps the spike statistics look back over
+    int64_t spike_after = -1;            // no spike detection up to this step (-1 = train.warmup)
+    std::string inject;                  // fault injection for drills and tests (also FORGE_FAULT)
+    bool operator==(const Resilience&) const = default;
+  };
   Model model;
   Data data;
   Train train;
@@ -156,6 +173,7 @@ struct TrainConfig {
   Fp8 fp8;
   Moe moe;
   Mtp mtp;
+  Resilience resilience;
   std::string source = "<defaults>";  // where the settings came from (the file, or "<defaults>")
   // Where each key ("section.key") got its value: "<file>:<line>" from the TOML, or "--set 'train.lr=-1'";
   // keys left at their defaults have no entry. validate()'s messages start with the culprit's origin.

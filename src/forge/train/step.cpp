@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 
 #include "forge/core/fibers.h"
 #include "forge/fp8/scaling.h"
+#include "forge/kernels/ops.h"
 #include "forge/optim/adamw.h"
 
 namespace forge::train {
@@ -25,6 +27,20 @@ std::string first_non_finite_gradient(const ParameterStore& params) {
       if (!std::isfinite(g[info.offset + i])) return fmt::format("'{}' ({})", info.name, g[info.offset + i]);
   }
   return "";
+}
+
+// Whether every gradient this rank holds is finite: the norm sums primary copies only, so a NaN in a
+// replicated copy (a tensor-parallel rank's copy of a norm weight) would otherwise be applied unseen.
+bool local_gradients_finite(const ParameterStore& params) {
+  const Tensor& grads = params.grads();
+  if (grads.numel() == 0) return true;
+  double sum = 0;
+  Tensor device_sum;  // one double (as two floats' bytes) on a device
+  if (params.device() != Device::cpu) device_sum = Tensor::zeros({2}, DType::f32, params.device());
+  double* total = device_sum.defined() ? static_cast<double*>(device_sum.raw()) : &sum;
+  ops::sum_squares_accumulate(grads.f32(), grads.numel(), total, params.device());
+  if (device_sum.defined()) std::memcpy(&sum, device_sum.to(Device::cpu).raw(), sizeof(double));
+  return std::isfinite(sum);
 }
 
 // What went wrong in a step whose loss or gradient norm is not finite, and on which ranks (collective).
@@ -316,8 +332,7 @@ LossSum NoPipelining::run(Model& model, int count, const std::function<MicroBatc
   return total;
 }
 
-StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule,
-                      const std::function<void(int64_t, ParameterStore&)>& on_gradients) {
+StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule, const StepHooks& hooks) {
   const TrainConfig& c = setup.config;
   Model& model = *setup.model;
   ParameterStore& params = model.params();
@@ -337,7 +352,9 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule,
   settings.aux_loss_scale = static_cast<float>(c.moe.aux_loss_coeff / static_cast<double>(accum * dp));
   settings.mtp_weight = static_cast<float>(c.mtp_loss_weight_at(state.step + 1));
   for (Model* m : setup.chunks()) m->begin_train_step(settings);
+  const int64_t step = state.step + 1;
   LossSum loss = schedule.run(model, static_cast<int>(accum), [&](int m) {
+    if (hooks.on_micro_batch) hooks.on_micro_batch(step, m);
     ids[m].resize(micro * seq), targets[m].resize(micro * seq);
     setup.data->train_batch(first_sample + (setup.dp_rank * accum + m) * micro, micro, ids[m].data(),
                             targets[m].data());
@@ -347,7 +364,8 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule,
               "the schedule left parameters without their last gradient of the step");
   setup.buckets->finish();
   if (setup.expert_buckets) setup.expert_buckets->finish();
-  if (on_gradients) on_gradients(state.step + 1, params);
+  if (hooks.on_gradients) hooks.on_gradients(step, params);
+  if (hooks.on_loss) hooks.on_loss(step, loss);
 
   StepResult r;
   if (setup.layout.pp() > 1) {  // the loss lives on the last stage
@@ -368,13 +386,21 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule,
   // a rank whose copy alone went bad (replicated gradients are not reduced again for the norm) must not leave
   // the others applying the step without it.
   comm::Communicator& world = setup.world;
-  bool non_finite = !std::isfinite(r.loss) || !std::isfinite(r.grad_norm);
-  if (world.size() > 1) non_finite = comm::all_reduce_max(world, non_finite ? 1.0 : 0.0) > 0;
-  if (non_finite) {
+  // A spike is judged on values every rank holds alike; the verdict is agreed all the same, in the same
+  // reduction, so that no rank could ever apply a step another refused.
+  const bool finite = std::isfinite(r.loss) && std::isfinite(r.grad_norm) && local_gradients_finite(params);
+  std::string spike = finite && hooks.judge ? hooks.judge(step, r.loss, r.grad_norm) : std::string();
+  double verdict[2] = {finite ? 0.0 : 1.0, spike.empty() ? 0.0 : 1.0};
+  if (world.size() > 1) world.all_reduce(verdict, 2, comm::Type::f64, comm::ReduceOp::max).wait();
+  if (verdict[0] > 0) {
     r.non_finite = describe_non_finite_step(world, params, r.local_loss, r.loss, r.grad_norm);
     return r;
   }
-  r.lr = setup.schedule.lr_at(state.step);
+  if (verdict[1] > 0) {
+    r.spike = spike.empty() ? std::string("a spike judged on another rank") : spike;
+    return r;
+  }
+  r.lr = static_cast<float>(setup.schedule.lr_at(state.step) * state.lr_scale_at(step));
   setup.optimizer->step(r.lr, clip_coefficient(r.grad_norm, static_cast<float>(c.train.grad_clip)));
   if (nn::Fp8Context* fp8 = setup.fp8.get()) {
     reduce_step_amaxes(setup, *fp8);

@@ -23,7 +23,8 @@ class Schedule {
   virtual ~Schedule() = default;
   // Runs micro-batches 0 .. count - 1 of one step through `model`; micro_batch(m) gives micro-batch m (its
   // ids and targets stay valid until the step ends). Returns the loss summed over the micro-batches.
-  virtual models::LossSum run(models::Model& model, int count, const std::function<models::MicroBatch(int)>& micro_batch) = 0;
+  virtual models::LossSum run(models::Model& model, int count,
+                              const std::function<models::MicroBatch(int)>& micro_batch) = 0;
   // The micro-batches of a step of `count` that pass through each of the rank's chunks, and so how many
   // weight-gradient contributions every parameter expects (ParameterStore::begin_grad_step).
   virtual int micro_batches_per_chunk(int count) const { return count; }
@@ -43,7 +44,8 @@ class NoPipelining final : public Schedule {
  public:
   enum class Order { fused, b_then_w, deferred_w, paired };
   explicit NoPipelining(Order order = Order::fused) : order_(order) {}
-  models::LossSum run(models::Model& model, int count, const std::function<models::MicroBatch(int)>& micro_batch) override;
+  models::LossSum run(models::Model& model, int count,
+                      const std::function<models::MicroBatch(int)>& micro_batch) override;
 
  private:
   Order order_;
@@ -78,8 +80,9 @@ struct StepResult {
   double local_loss = 0;  // this rank's mean
   double grad_norm = 0;   // global, before clipping
   float lr = 0;
-  bool applied = false;    // false: the loss or the gradients were not finite, nothing was changed
+  bool applied = false;    // false: an anomaly (non_finite or spike below); nothing was changed
   std::string non_finite;  // what was not finite, and on which rank first (collective)
+  std::string spike;       // the loss or gradient-norm spike StepHooks::judge found (agreed over the world)
   // Models with routed experts or MTP, on every rank after an applied step: every MoE layer of the model in
   // slot order, and every MTP depth, over the global batch.
   std::vector<ExpertLayerReport> experts;
@@ -101,11 +104,23 @@ struct BalanceMetrics {
 };
 BalanceMetrics balance_metrics(const StepResult& r);
 
+// Callbacks into a step (the trainer's fault injection and spike detection, tests). Each may be empty; step
+// numbers are 1-based, as logged.
+struct StepHooks {
+  // As micro-batch m is read (an exception thrown here is an exception in the step).
+  std::function<void(int64_t step, int micro_batch)> on_micro_batch;
+  // This rank's loss of the step, before it is reduced over ranks.
+  std::function<void(int64_t step, models::LossSum& loss)> on_loss;
+  // The reduced gradients, before they are checked and applied.
+  std::function<void(int64_t step, ParameterStore& params)> on_gradients;
+  // The step's reduced loss and gradient norm (finite): a non-empty cause refuses the update as a spike.
+  std::function<std::string(int64_t step, double loss, double grad_norm)> judge;
+};
+
 // Runs one optimizer step of state.step + 1 (collective over the setup's world). The update is applied only
-// when the loss and gradient norm are finite on every rank; then state.step advances, and in models with
-// routed experts each MoE layer's correction bias moves from the loads of the global batch. on_gradients (may
-// be empty) sees the reduced gradients before they are checked.
-StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule,
-                      const std::function<void(int64_t, ParameterStore&)>& on_gradients = {});
+// when the loss and gradient norm are finite on every rank and judge finds no spike on any; then state.step
+// advances, and in models with routed experts each MoE layer's correction bias moves from the loads of the
+// global batch. The learning rate is the schedule's times state.lr_scale_at(step).
+StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule, const StepHooks& hooks = {});
 
 }  // namespace forge::train

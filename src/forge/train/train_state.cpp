@@ -12,9 +12,15 @@ using namespace forge::optim;
 using namespace forge::ckpt;
 namespace {
 
-std::vector<float> to_host_vector(const Tensor& t) {
-  const Tensor host = t.to(Device::cpu);
-  return std::vector<float>(host.f32(), host.f32() + host.numel());
+void copy_to_host(const Tensor& t, std::vector<float>& out) {
+  out.resize(static_cast<size_t>(t.numel()));
+  if (t.numel() == 0) return;
+  if (t.device() == Device::cpu) {
+    std::copy(t.f32(), t.f32() + t.numel(), out.begin());
+    return;
+  }
+  const Tensor host = t.to(Device::cpu);  // a GPU's state is staged to the host
+  std::copy(host.f32(), host.f32() + host.numel(), out.begin());
 }
 
 void from_host_vector(Tensor dst, const std::vector<float>& v, const char* what) {
@@ -31,25 +37,34 @@ fp8::DelayedScalingGroup* delayed_group(nn::Fp8Context* fp8) { return fp8 ? fp8-
 
 TrainState::Snapshot TrainState::snapshot() const {
   Snapshot s;
+  snapshot_into(s);
+  return s;
+}
+
+void TrainState::snapshot_into(Snapshot& s) const {
   s.step = step, s.base_step = base_step, s.base_samples = base_samples,
   s.samples_per_step = samples_per_step;
   s.total_steps = total_steps, s.plan_frozen = plan_frozen;
+  s.lr_scale = lr_scale, s.lr_scale_until = lr_scale_until;
+  s.recent_losses = recent_losses, s.recent_grad_norms = recent_grad_norms;
   s.optimizer_steps = optimizer->steps_taken();
-  s.params = to_host_vector(params->params());
-  s.exp_avg = to_host_vector(optimizer->exp_avg());
-  s.exp_avg_sq = to_host_vector(optimizer->exp_avg_sq());
+  copy_to_host(params->params(), s.params);
+  copy_to_host(optimizer->exp_avg(), s.exp_avg);
+  copy_to_host(optimizer->exp_avg_sq(), s.exp_avg_sq);
+  s.fp8_history.clear(), s.fp8_scales.clear();
   if (const fp8::DelayedScalingGroup* g = delayed_group(fp8)) {
     s.fp8_history.assign(static_cast<size_t>(g->history_len() * g->size()), 0.0f);
     s.fp8_scales.assign(static_cast<size_t>(g->size()), 1.0f);
     g->export_state(s.fp8_history, s.fp8_scales);
   }
-  return s;
 }
 
 void TrainState::restore(const Snapshot& s) {
   step = s.step, base_step = s.base_step, base_samples = s.base_samples,
   samples_per_step = s.samples_per_step;
   total_steps = s.total_steps, plan_frozen = s.plan_frozen;
+  lr_scale = s.lr_scale, lr_scale_until = s.lr_scale_until;
+  recent_losses = s.recent_losses, recent_grad_norms = s.recent_grad_norms;
   optimizer->set_steps_taken(s.optimizer_steps);
   from_host_vector(params->params(), s.params, "the weights");
   from_host_vector(optimizer->exp_avg(), s.exp_avg, "the first moments");

@@ -36,6 +36,15 @@ struct TrainState {
   // Time-budget runs (train.steps = 0): the planned length, and whether it is final yet.
   int64_t total_steps = 0;
   bool plan_frozen = true;
+  // After a rollback with resilience.lr_factor < 1: the learning rate is multiplied by lr_scale for the
+  // steps before lr_scale_until (1-based step numbers < lr_scale_until).
+  double lr_scale = 1.0;
+  int64_t lr_scale_until = 0;
+  // The loss and gradient norm of the latest accepted steps, oldest first: what spikes are judged against
+  // (train/resilience.h).
+  std::vector<double> recent_losses, recent_grad_norms;
+
+  double lr_scale_at(int64_t step) const { return step < lr_scale_until ? lr_scale : 1.0; }
 
   int64_t samples_seen() const { return base_samples + (step - base_step) * samples_per_step; }
   // Index of the first sample of step `s` (0-based; s >= base_step).
@@ -45,11 +54,16 @@ struct TrainState {
   struct Snapshot {
     int64_t step = 0, base_step = 0, base_samples = 0, samples_per_step = 0, total_steps = 0;
     bool plan_frozen = true;
+    double lr_scale = 1.0;
+    int64_t lr_scale_until = 0;
+    std::vector<double> recent_losses, recent_grad_norms;
     int64_t optimizer_steps = 0;
     std::vector<float> params, exp_avg, exp_avg_sq;
     std::vector<float> fp8_history, fp8_scales;
   };
   Snapshot snapshot() const;
+  // The same into `s`, reusing its buffers (no allocation after the first).
+  void snapshot_into(Snapshot& s) const;
   // Puts everything back as it was at snapshot(); the bf16 shadow and FP8 weight casts follow.
   void restore(const Snapshot& s);
 

@@ -12,23 +12,29 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <thread>
 
+#include "forge/ckpt/async_save.h"
 #include "forge/ckpt/checkpoint.h"
 #include "forge/ckpt/checkpoint_dir.h"
 #include "forge/ckpt/sharded.h"
 #include "forge/comm/comm.h"
 #include "forge/core/device.h"
+#include "forge/core/fault_injection.h"
 #include "forge/core/file_io.h"
 #include "forge/core/memory.h"
 #include "forge/kernels/profiler.h"
 #include "forge/models/pretrained.h"
 #include "forge/models/sampling.h"
+#include "forge/train/faults.h"
 #include "forge/train/metrics.h"
 #include "forge/train/peak.h"
 #include "forge/train/pipelining.h"
+#include "forge/train/resilience.h"
 #include "forge/train/run_directory.h"
 #include "forge/train/setup.h"
 #include "forge/train/step.h"
@@ -215,7 +221,17 @@ class TrainingRun {
   void resume();
   void open_metrics();
   void print_banner();
-  void save(const char* why);
+  // A failed periodic save is reported and training goes on (the previous checkpoint stays the newest); a
+  // final or Ctrl-C save's error ends the run. background: written by AsyncCheckpointSave.
+  void save(const char* why, bool background = false);
+  void commit_async_save();  // collective: waits for the save in flight and commits it
+  void after_commit(int64_t step, const std::string& dir, const char* why, double seconds,
+                    double blocked_seconds);
+  CheckpointState load_state(const fs::path& dir);
+  void build_step_hooks();
+  void strike_before_step();
+  void roll_back(const std::string& cause, TrainResult& result);
+  void write_heartbeat();
   void write_metrics(const nlohmann::json& record) {
     if (metrics_) metrics_->write(record);
   }
@@ -249,6 +265,19 @@ class TrainingRun {
   Clock::time_point train_start_, interval_start_;
   int64_t interval_tokens_ = 0, first_step_ = 0;
   double first_step_seconds_ = 0;
+  // Resilience (resilience.h, faults.h).
+  FaultPlan faults_;
+  std::optional<SpikeDetector> detector_;
+  SnapshotRing snapshots_;
+  StepHooks step_hooks_;
+  int64_t retries_ = 0;                        // rollbacks since the last stable state past an anomaly
+  int64_t last_anomaly_step_ = 0;              // the step of the latest anomaly (0: none)
+  std::vector<std::string> rollback_account_;  // one entry per rollback of the current run of retries
+  std::vector<std::string> resume_notes_;      // damaged checkpoints resume skipped, for metrics.jsonl
+  // The periodic save being written in the background (at most one), and why it was taken.
+  std::unique_ptr<AsyncCheckpointSave> async_save_;
+  std::string async_reason_;
+  Clock::time_point async_started_;
 };
 
 // Rank 0 holds the run's directories against other runs and decides where the run starts; every rank learns
@@ -281,12 +310,11 @@ void TrainingRun::decide_start() {
   if (!decision_.note.empty()) say("%s\n", decision_.note.c_str());
 }
 
-void TrainingRun::resume() {
-  const fs::path& from = decision_.checkpoint;
+// Loads the checkpoint folder `dir` into the state (collective). Returns its manifest state.
+CheckpointState TrainingRun::load_state(const fs::path& from) {
   // The load below verifies the checksum of each file it reads; here only the manifest matters.
   CheckpointState saved = read_checkpoint_manifest(from.string(), /*verify_files=*/false);
   const std::vector<std::string> names = checkpoint_tensor_names(from.string());
-  check_resumable(saved, from, names, *setup_->model_config, setup_->model_source, setup_->data->codec(), c_);
   TrainState::Fp8Format fp8_saved = TrainState::fp8_format_of(names);
   const bool delayed = setup_->fp8 && setup_->fp8->delayed_group();
   if (delayed && fp8_saved == TrainState::Fp8Format::whole && setup_->layout.pp() > 1) {
@@ -302,9 +330,47 @@ void TrainingRun::resume() {
   setup_->optimizer->set_steps_taken(saved.optimizer_steps >= 0 ? saved.optimizer_steps : saved.step);
   state_.step = state_.base_step = saved.step;
   state_.base_samples = samples_seen_of(saved, setup_->seq);
-  if (decision_.from_own_directory) committed_step_ = state_.step;
   if (plan_steps_ && saved.extra.contains("planned_steps"))
     setup_->schedule.total_steps = state_.total_steps = saved.extra["planned_steps"].get<int64_t>();
+  // What resilience carries (absent from older checkpoints: defaults).
+  state_.lr_scale = saved.extra.value("lr_scale", 1.0);
+  state_.lr_scale_until = saved.extra.value("lr_scale_until", int64_t{0});
+  state_.recent_losses = saved.extra.value("recent_losses", std::vector<double>{});
+  state_.recent_grad_norms = saved.extra.value("recent_grad_norms", std::vector<double>{});
+  return saved;
+}
+
+// Resumes from the decided checkpoint. Under resume = auto a checkpoint that does not load (a flipped byte,
+// a truncated shard, a NaN written by a failing disk) is reported and skipped for the next older complete
+// one; never used, never deleted (the next save prunes it as another timeline).
+void TrainingRun::resume() {
+  std::vector<fs::path> candidates = {decision_.checkpoint};
+  if (decision_.from_own_directory && c_.checkpoint.resume == "auto") {
+    const int64_t newest = read_checkpoint_manifest(decision_.checkpoint.string(), false).step;
+    for (const std::string& dir : complete_checkpoints(checkpoint_dir_.string()))
+      if (read_checkpoint_manifest(dir, false).step < newest) candidates.push_back(dir);
+  }
+  CheckpointState saved;
+  fs::path from;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    // A checkpoint of another run (model, tokenizer, sequence length) is refused, not skipped.
+    check_resumable(read_checkpoint_manifest(candidates[i].string(), /*verify_files=*/false), candidates[i],
+                    checkpoint_tensor_names(candidates[i].string()), *setup_->model_config,
+                    setup_->model_source, setup_->data->codec(), c_);
+    try {
+      saved = load_state(candidates[i]);
+      from = candidates[i];
+      break;
+    } catch (const Error& e) {
+      if (i + 1 == candidates.size()) throw;
+      const std::string note = fmt::format("checkpoint {} does not load ({}): skipped, trying {}",
+                                           candidates[i].string(), e.what(), candidates[i + 1].string());
+      say("%s\n", note.c_str());
+      resume_notes_.push_back(note);
+    }
+  }
+  decision_.checkpoint = from;
+  if (decision_.from_own_directory) committed_step_ = state_.step;
   const int64_t saved_per_step = saved.extra.value("samples_per_step", int64_t{0});
   say("resumed from %s at step %lld (sample %lld%s)\n", from.c_str(), static_cast<long long>(state_.step),
       static_cast<long long>(state_.base_samples),
@@ -323,6 +389,8 @@ void TrainingRun::open_metrics() {
   if (resumed)
     metrics_->write(
         {{"event", "resume"}, {"step", state_.step}, {"checkpoint", decision_.checkpoint.string()}});
+  for (const std::string& note : resume_notes_)
+    metrics_->write({{"event", "checkpoint_invalid"}, {"step", state_.step}, {"note", note}});
 }
 
 void TrainingRun::print_banner() {
@@ -361,10 +429,14 @@ void TrainingRun::print_banner() {
   say("%s\n", s.data->describe().c_str());
 }
 
-void TrainingRun::save(const char* why) {
+void TrainingRun::save(const char* why, bool background) {
+  // At most one save in flight: the previous one commits first (which may be this very step's).
+  const bool was_in_flight = async_save_ != nullptr;
+  if (async_save_) commit_async_save();
   if (state_.step == committed_step_) {
-    say("checkpoint of step %lld is already saved in %s\n", static_cast<long long>(state_.step),
-        checkpoint_dir_.c_str());
+    if (!was_in_flight)
+      say("checkpoint of step %lld is already saved in %s\n", static_cast<long long>(state_.step),
+          checkpoint_dir_.c_str());
     return;
   }
   const TrainSetup& s = *setup_;
@@ -388,31 +460,104 @@ void TrainingRun::save(const char* why) {
                  {"seq_len", s.seq},
                  {"reason", why},
                  {"tokenizer", codec.description()},
-                 {"tokenizer_fingerprint", codec.fingerprint()}};
+                 {"tokenizer_fingerprint", codec.fingerprint()},
+                 {"recent_losses", state_.recent_losses},
+                 {"recent_grad_norms", state_.recent_grad_norms}};
+  if (state_.lr_scale_until > state_.step)
+    saved.extra["lr_scale"] = state_.lr_scale, saved.extra["lr_scale_until"] = state_.lr_scale_until;
   if (plan_steps_) saved.extra["planned_steps"] = state_.total_steps;
+  if (faults_.take(FaultKind::disk_full, state_.step, world_.rank()))
+    arm_fail_point("save.write_shard",
+                   fmt::format("cannot write the checkpoint shard of step {}: No space left on device (fault "
+                               "injection: disk_full)",
+                               state_.step));
   const std::vector<ShardPiece> pieces = state_.pieces_to_save(world_.rank());
   CheckpointSaveOptions options;
   options.keep_last = c_.checkpoint.keep_last;
   options.files = checkpoint_files_;
   const auto save_start = Clock::now();
-  const std::string dir = save_checkpoint_step(checkpoint_dir_.string(), world_, pieces, saved, options);
-  state_.finish_save();
-  committed_step_ = state_.step;
-  const double seconds = seconds_since(save_start);
-  say("checkpoint saved to %s (step %lld, %s, %.2f s)\n", dir.c_str(), static_cast<long long>(state_.step),
-      why, seconds);
-  write_metrics(
-      {{"event", "checkpoint"}, {"step", state_.step}, {"reason", why}, {"dir", dir}, {"seconds", seconds}});
-  if (hooks_.on_saved) hooks_.on_saved(state_.step, why);
+  const bool periodic = std::string_view(why) == "periodic";
+  try {
+    if (background) {
+      async_save_ =
+          std::make_unique<AsyncCheckpointSave>(checkpoint_dir_.string(), world_, pieces, saved, options);
+      state_.finish_save();
+      async_reason_ = why;
+      async_started_ = save_start;
+      return;
+    }
+    const std::string dir = save_checkpoint_step(checkpoint_dir_.string(), world_, pieces, saved, options);
+    state_.finish_save();
+    const double seconds = seconds_since(save_start);
+    after_commit(state_.step, dir, why, seconds, seconds);
+  } catch (const Error& e) {
+    state_.finish_save();
+    if (!periodic) throw;
+    // The previous checkpoint is untouched (the save's staging folder is gone): training goes on.
+    say("checkpoint of step %lld failed: %s; training goes on (%s)\n", static_cast<long long>(state_.step),
+        e.what(),
+        committed_step_ >= 0 ? fmt::format("the newest checkpoint is still step {}", committed_step_).c_str()
+                             : "no checkpoint of this run is saved yet");
+    write_metrics(
+        {{"event", "checkpoint_failed"}, {"step", state_.step}, {"reason", why}, {"error", e.what()}});
+  }
+}
+
+void TrainingRun::commit_async_save() {
+  std::unique_ptr<AsyncCheckpointSave> save = std::move(async_save_);
+  if (!save) return;
+  const double blocked = save->copy_seconds();
+  try {
+    const std::string dir = save->finish();
+    after_commit(save->step(), dir, async_reason_.c_str(), seconds_since(async_started_), blocked);
+  } catch (const Error& e) {
+    say("checkpoint of step %lld failed: %s; training goes on (%s)\n", static_cast<long long>(save->step()),
+        e.what(),
+        committed_step_ >= 0 ? fmt::format("the newest checkpoint is still step {}", committed_step_).c_str()
+                             : "no checkpoint of this run is saved yet");
+    write_metrics({{"event", "checkpoint_failed"},
+                   {"step", save->step()},
+                   {"reason", async_reason_},
+                   {"error", e.what()}});
+  }
+}
+
+// A committed checkpoint: the log line, the metrics record, the hook, and the checkpoint faults of drills.
+void TrainingRun::after_commit(int64_t step, const std::string& dir, const char* why, double seconds,
+                               double blocked_seconds) {
+  committed_step_ = step;
+  const bool background = blocked_seconds < seconds;
+  if (background)
+    say("checkpoint saved to %s (step %lld, %s, %.2f s in the background, the step blocked %.3f s)\n",
+        dir.c_str(), static_cast<long long>(step), why, seconds, blocked_seconds);
+  else
+    say("checkpoint saved to %s (step %lld, %s, %.2f s)\n", dir.c_str(), static_cast<long long>(step), why,
+        seconds);
+  nlohmann::json record = {
+      {"event", "checkpoint"}, {"step", step}, {"reason", why}, {"dir", dir}, {"seconds", seconds}};
+  if (background) record["blocked_s"] = blocked_seconds;
+  write_metrics(record);
+  for (FaultKind kind : {FaultKind::corrupt_checkpoint, FaultKind::truncate_checkpoint})
+    if (faults_.take(kind, step, world_.rank())) {
+      const std::string shard = (fs::path(dir) / shard_file_name(world_.rank(), world_.size())).string();
+      corrupt_file(shard, kind == FaultKind::truncate_checkpoint);
+      std::fprintf(stderr, "forge: fault injection: %s %s\n",
+                   kind == FaultKind::truncate_checkpoint ? "truncated" : "flipped a byte of", shard.c_str());
+    }
+  if (hooks_.on_saved) hooks_.on_saved(step, why);
 }
 
 // Every rank must take the same decision to stop (Ctrl-C reaches ranks at different moments; clocks differ):
 // the flags are agreed over the world.
+// The same reduction tells whether every rank has written its shard of the save in flight, which then
+// commits (the manifest last).
 bool TrainingRun::stop_before_step(TrainResult& result) {
-  double flags[2] = {
+  double flags[3] = {
       Trainer::stop_flag().load() ? 1.0 : 0.0,
-      c_.train.max_minutes > 0 && seconds_since(train_start_) > c_.train.max_minutes * 60 ? 1.0 : 0.0};
-  if (world_.size() > 1) world_.all_reduce(flags, 2, comm::Type::f64, comm::ReduceOp::max).wait();
+      c_.train.max_minutes > 0 && seconds_since(train_start_) > c_.train.max_minutes * 60 ? 1.0 : 0.0,
+      async_save_ && !async_save_->written() ? 1.0 : 0.0};
+  if (world_.size() > 1) world_.all_reduce(flags, 3, comm::Type::f64, comm::ReduceOp::max).wait();
+  if (async_save_ && flags[2] == 0) commit_async_save();
   if (flags[0] > 0) {
     Trainer::stop_flag().store(true);
     return true;
@@ -426,7 +571,8 @@ bool TrainingRun::stop_before_step(TrainResult& result) {
   return false;
 }
 
-// One step, with its profile and (the first time) its activation memory. False: the run ends here.
+// One step, with its profile and (the first time) its activation memory. An anomaly rolls back (or ends the
+// run with its account): then false.
 bool TrainingRun::run_step(TrainResult& result) {
   TrainSetup& s = *setup_;
   const Device device = s.device;
@@ -437,8 +583,22 @@ bool TrainingRun::run_step(TrainResult& result) {
   const bool profile_this_step = state_.step + 1 == c_.log.profile_step;  // steps are logged 1-based
   if (profile_this_step) ops::profile_begin(device);
   if (profile_this_step && pipelining_) pipelining_->measure_next_run();
-  const StepResult r = train_step(s, state_, *schedule_, hooks_.on_gradients);
-  if (first) {
+  strike_before_step();
+  StepResult r;
+  std::string exception;
+  try {
+    r = train_step(s, state_, *schedule_, step_hooks_);
+  } catch (const std::exception& e) {
+    // On one process a failed step can be abandoned and rolled back. Across processes the others are inside
+    // the step's collectives: the error ends the job (forge's main aborts every rank at once), and a
+    // restart (forge launch) resumes from the newest valid checkpoint.
+    if (world_.size() > 1 || !c_.resilience.rollback) throw;
+    s.model->params().cancel_grad_step();
+    s.buckets->cancel_step();
+    if (s.expert_buckets) s.expert_buckets->cancel_step();
+    exception = e.what();
+  }
+  if (first && exception.empty()) {
     result.peak_activation_bytes =
         (s.on_gpu() ? device_memory(device).peak_allocated() : memory_stats().peak_bytes) - live_before;
     say("peak activation memory %.1f MiB per micro-batch (recompute %s)\n",
@@ -446,13 +606,13 @@ bool TrainingRun::run_step(TrainResult& result) {
   }
   if (!r.applied) {
     if (profile_this_step) ops::profile_end();
-    const std::string last = committed_step_ >= 0 ? fmt::format("the last checkpoint is step {} in {}",
-                                                                committed_step_, checkpoint_dir_.string())
-                                                  : std::string("no checkpoint of this run was saved");
-    write_metrics({{"event", "non_finite"}, {"step", state_.step + 1}, {"cause", r.non_finite}});
-    fail("step {}: {}; the update was not applied and nothing was saved ({})", state_.step + 1, r.non_finite,
-         last);
+    const std::string cause = !exception.empty()      ? "an exception in the step: " + exception
+                              : !r.non_finite.empty() ? r.non_finite
+                                                      : r.spike;
+    roll_back(cause, result);
+    return false;
   }
+  detector_->accept(state_, r.loss, r.grad_norm);
   if (profile_this_step) {
     // This rank's ops; rank 0 reports (the ranks of a balanced layout run the same ops).
     const ops::OpProfile profile = ops::profile_end();
@@ -476,7 +636,157 @@ bool TrainingRun::run_step(TrainResult& result) {
   result.grad_norms.push_back(r.grad_norm);
   interval_tokens_ += step_tokens_;
   log_step(r, result);
+  const int64_t step = state_.step;
+  // A stable state: the rollback target. Past the latest anomaly it also ends that run of retries.
+  if (c_.resilience.rollback && c_.resilience.snapshot_every > 0 &&
+      step % c_.resilience.snapshot_every == 0) {
+    snapshots_.take(state_);
+    if (step > last_anomaly_step_) retries_ = 0, rollback_account_.clear();
+  }
+  write_heartbeat();
   return true;
+}
+
+// The faults of drills that strike as a step starts (faults.h).
+void TrainingRun::strike_before_step() {
+  if (faults_.empty()) return;
+  const int64_t step = state_.step + 1;
+  const int rank = world_.rank();
+  if (const Fault* f = faults_.take(FaultKind::kill, step, rank)) {
+    std::fprintf(stderr, "forge: fault injection: %s: SIGKILL\n", FaultPlan::describe(*f).c_str());
+    std::fflush(stderr);
+    std::raise(SIGKILL);
+  }
+  if (const Fault* f = faults_.take(FaultKind::hang, step, rank)) {
+    std::fprintf(stderr, "forge: fault injection: %s: this rank stops responding\n",
+                 FaultPlan::describe(*f).c_str());
+    std::fflush(stderr);
+    for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+  }
+}
+
+void TrainingRun::build_step_hooks() {
+  const int rank = world_.rank();
+  step_hooks_.on_micro_batch = [this, rank](int64_t step, int micro_batch) {
+    if (micro_batch == 0)
+      if (const Fault* f = faults_.take(FaultKind::throw_exception, step, rank))
+        fail("{}: injected exception", FaultPlan::describe(*f));
+  };
+  step_hooks_.on_loss = [this, rank](int64_t step, LossSum& loss) {
+    if (faults_.take(FaultKind::nan_loss, step, rank)) loss.sum = std::numeric_limits<double>::quiet_NaN();
+    if (faults_.take(FaultKind::inf_loss, step, rank)) loss.sum = std::numeric_limits<double>::infinity();
+    if (const Fault* f = faults_.take(FaultKind::spike, step, rank)) loss.sum *= f->factor;
+  };
+  step_hooks_.on_gradients = [this, rank](int64_t step, ParameterStore& params) {
+    if (faults_.take(FaultKind::nan_grad, step, rank))
+      params.grads().f32()[params.grads().numel() / 2] = std::numeric_limits<float>::quiet_NaN();
+    if (const Fault* f = faults_.take(FaultKind::grad_spike, step, rank)) {
+      float* g = params.grads().f32();
+      for (int64_t i = 0; i < params.grads().numel(); ++i) g[i] *= static_cast<float>(f->factor);
+    }
+    if (hooks_.on_gradients) hooks_.on_gradients(step, params);
+  };
+  step_hooks_.judge = [this](int64_t step, double loss, double grad_norm) {
+    return detector_->judge(state_, step, loss, grad_norm);
+  };
+}
+
+// An anomaly in step state_.step + 1, agreed by every rank: restore the newest stable state (an in-memory
+// snapshot, else the newest valid checkpoint), skip the data window that led here, optionally lower the
+// learning rate, and continue; or, with rollback off or the retries spent, end the run with an account.
+void TrainingRun::roll_back(const std::string& cause, TrainResult& result) {
+  const int64_t step = state_.step + 1;
+  write_metrics({{"event", "anomaly"}, {"step", step}, {"cause", cause}});
+  auto stop = [&](const std::string& why) {
+    // A save in flight holds a state from before the anomaly: it commits before the run ends (every rank
+    // is here: the verdict is agreed).
+    if (async_save_) commit_async_save();
+    const std::string last = committed_step_ >= 0 ? fmt::format("the last checkpoint is step {} in {}",
+                                                                committed_step_, checkpoint_dir_.string())
+                                                  : std::string("no checkpoint of this run was saved");
+    std::string account;
+    for (const std::string& a : rollback_account_) account += "; " + a;
+    fail("step {}: {}; the update was not applied and nothing was saved ({}){}{}", step, cause, last, why,
+         account);
+  };
+  if (!c_.resilience.rollback) stop("");
+  if (retries_ >= c_.resilience.max_retries)
+    stop(fmt::format("; {} rollbacks in a row did not get past it (resilience.max_retries = {})", retries_,
+                     c_.resilience.max_retries));
+  if (async_save_) commit_async_save();  // a state from before the anomaly: it commits as it was
+  const int64_t samples_at_anomaly = state_.first_sample_of(state_.step);
+  // The same anomaly again: go one snapshot further back when there is one.
+  if (retries_ > 0 && step <= last_anomaly_step_ && snapshots_.size() > 1) snapshots_.drop_newest();
+  std::string restored;
+  if (!snapshots_.empty()) {
+    state_.restore(snapshots_.newest());
+    restored = fmt::format("the in-memory snapshot of step {}", state_.step);
+  } else {
+    // The newest checkpoint on disk that loads (a damaged one is skipped).
+    const std::vector<std::string> dirs = complete_checkpoints(checkpoint_dir_.string());
+    for (const std::string& dir : dirs) {
+      try {
+        load_state(dir);
+        restored = fmt::format("checkpoint {}", dir);
+        break;
+      } catch (const Error& e) {
+        say("checkpoint %s does not load (%s): skipped\n", dir.c_str(), e.what());
+      }
+    }
+    if (restored.empty())
+      stop(c_.resilience.snapshot_every > 0
+               ? "; there is no stable state to roll back to yet"
+               : "; there is no stable state to roll back to (resilience.snapshot_every = 0 and no valid "
+                 "checkpoint)");
+  }
+  const int64_t restored_step = state_.step;
+  int64_t skipped = 0;
+  if (c_.resilience.skip == "window")
+    skipped = skip_data_window(state_, restored_step, step, samples_at_anomaly);
+  if (c_.resilience.lr_factor < 1 && c_.resilience.lr_steps > 0) {
+    state_.lr_scale = c_.resilience.lr_factor;
+    state_.lr_scale_until = restored_step + 1 + c_.resilience.lr_steps;
+  }
+  ++retries_;
+  last_anomaly_step_ = std::max(last_anomaly_step_, step);
+  committed_step_ = -1;  // the state now differs from every checkpoint: the next save is made
+  // The steps rolled back are not part of this run's losses.
+  const int64_t kept = std::max<int64_t>(0, restored_step - first_step_);
+  if (static_cast<int64_t>(result.losses.size()) > kept) {
+    result.losses.resize(static_cast<size_t>(kept));
+    result.grad_norms.resize(static_cast<size_t>(kept));
+  }
+  if (restored_step < first_step_) first_step_ = restored_step;
+  ++result.rollbacks;
+  const std::string lr =
+      state_.lr_scale_until > restored_step + 1
+          ? fmt::format(", learning rate x{:g} until step {}", state_.lr_scale, state_.lr_scale_until - 1)
+          : std::string();
+  const std::string what = fmt::format(
+      "rollback {} of at most {} at step {} ({}): restored {}, skipped {} samples (steps {}-{}){}", retries_,
+      c_.resilience.max_retries, step, cause, restored, skipped, restored_step + 1, step, lr);
+  rollback_account_.push_back(
+      fmt::format("rollback {} at step {} to step {}", retries_, step, restored_step));
+  say("%s\n", what.c_str());
+  write_metrics({{"event", "rollback"},
+                 {"step", step},
+                 {"cause", cause},
+                 {"restored", restored},
+                 {"restored_step", restored_step},
+                 {"skipped_samples", skipped},
+                 {"skipped_steps", c_.resilience.skip == "window" ? step - restored_step : 0},
+                 {"retry", retries_},
+                 {"lr_scale", state_.lr_scale_until > restored_step + 1 ? state_.lr_scale : 1.0}});
+  interval_start_ = Clock::now();
+  interval_tokens_ = 0;
+}
+
+// <run_dir>/heartbeat, rewritten after every step on the first rank: `forge launch --heartbeat` restarts a
+// job whose heartbeat stops (a rank that hangs stalls every rank at its next collective).
+void TrainingRun::write_heartbeat() {
+  if (!g_leader) return;
+  std::ofstream out(run_dir_ / "heartbeat", std::ios::trunc);
+  out << state_.step << "\n";
 }
 
 void TrainingRun::log_step(const StepResult& r, TrainResult&) {
@@ -566,7 +876,8 @@ TrainResult TrainingRun::run() {
     // Expert parallelism with its overlap: the step's micro-batches in overlapped pairs (1F1B on one stage),
     // each one's all-to-alls under the other's compute.
     const bool paired = s.layout.ep() > 1 && c_.parallel.ep_overlap && s.accum > 1;
-    schedule_ = std::make_unique<NoPipelining>(paired ? NoPipelining::Order::paired : NoPipelining::Order::fused);
+    schedule_ =
+        std::make_unique<NoPipelining>(paired ? NoPipelining::Order::paired : NoPipelining::Order::fused);
   }
   state_.params = &s.model->params();
   state_.optimizer = s.optimizer.get();
@@ -596,16 +907,28 @@ TrainResult TrainingRun::run() {
     checkpoint_files_.push_back({"tokenizer.json", std::move(text)});
   }
 
+  faults_ = FaultPlan::for_run(c_.resilience.inject, "resilience.inject");
+  if (!faults_.empty()) {
+    std::string list;
+    for (const Fault& f : faults_.faults()) list += (list.empty() ? "" : ", ") + FaultPlan::describe(f);
+    say("fault injection: %s\n", list.c_str());
+  }
+  detector_.emplace(c_.resilience, c_.train.warmup);
+  build_step_hooks();
+
   TrainResult result;
   train_start_ = interval_start_ = Clock::now();
   first_step_ = state_.step;
+  // The first stable state: what a rollback before the first periodic snapshot restores.
+  if (c_.resilience.rollback && c_.resilience.snapshot_every > 0) snapshots_.take(state_);
   while (state_.step < state_.total_steps) {
     if (stop_before_step(result)) break;
-    run_step(result);
+    if (!run_step(result)) continue;  // rolled back
     const int64_t step = state_.step;
     const bool last = step == state_.total_steps;
     if (c_.eval.every > 0 && step % c_.eval.every == 0 && !last && !evaluate_now()) continue;
-    if (c_.checkpoint.every > 0 && step % c_.checkpoint.every == 0 && !last) save("periodic");
+    if (c_.checkpoint.every > 0 && step % c_.checkpoint.every == 0 && !last)
+      save("periodic", c_.checkpoint.async);
     plan_length();
     if (step == first_step_ + 1) first_step_seconds_ = seconds_since(train_start_);
     if (hooks_.on_step) hooks_.on_step(step);

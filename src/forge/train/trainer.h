@@ -32,6 +32,7 @@ struct TrainResult {
   double heldout_loss = 0;        // final evaluation, nats per token
   double heldout_bits_per_byte = 0;
   bool interrupted = false;
+  int64_t rollbacks = 0;          // automatic rollbacks after anomalies (docs/resilience.md)
   bool time_limit_reached = false;  // stopped by train.max_minutes before the planned/configured steps
   std::string sample;             // generated text ("" when sample.tokens == 0)
   int64_t peak_activation_bytes = 0;
