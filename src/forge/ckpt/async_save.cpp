@@ -1,9 +1,13 @@
 #include "forge/ckpt/async_save.h"
 
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cstring>
 
 #include "forge/core/error.h"
+#include "forge/core/memory.h"
 
 namespace forge::ckpt {
 namespace {
@@ -13,27 +17,35 @@ double seconds_since(Clock::time_point t) { return std::chrono::duration<double>
 
 AsyncCheckpointSave::AsyncCheckpointSave(std::string root, comm::Communicator& world,
                                          std::span<const ShardPiece> pieces, CheckpointState state,
-                                         const CheckpointSaveOptions& options)
-    : root_(std::move(root)), world_(world), state_(std::move(state)), keep_last_(options.keep_last) {
+                                         const CheckpointSaveOptions& options, std::vector<float>* buffer)
+    : root_(std::move(root)),
+      world_(world),
+      state_(std::move(state)),
+      keep_last_(options.keep_last),
+      buffer_(buffer ? buffer : &own_buffer_) {
   const auto start = Clock::now();
   files_.assign(options.files.begin(), options.files.end());
   pieces_.assign(pieces.begin(), pieces.end());
-  storage_.resize(pieces_.size());
-  for (size_t i = 0; i < pieces_.size(); ++i) {
-    ShardPiece& p = pieces_[i];
-    const int64_t n = p.flat_end - p.flat_begin;
-    storage_[i].resize(static_cast<size_t>(n));
-    if (n > 0) std::memcpy(storage_[i].data(), p.data, static_cast<size_t>(n) * sizeof(float));
-    p.data = storage_[i].data();
+  size_t total = 0;
+  for (const ShardPiece& p : pieces_) total += static_cast<size_t>(p.flat_end - p.flat_begin);
+  if (buffer_->size() < total) buffer_->resize(total);  // grows once; later saves reuse its pages
+  size_t at = 0;
+  for (ShardPiece& p : pieces_) {
+    const size_t n = static_cast<size_t>(p.flat_end - p.flat_begin);
+    copy_host_parallel(buffer_->data() + at, p.data, n * sizeof(float));
+    p.data = buffer_->data() + at;
+    at += n;
   }
   copy_seconds_ = seconds_since(start);
   staging_ = begin_checkpoint_step_save(root_, world_, state_.step);
   const int rank = world_.rank(), size = world_.size();
   writer_ = std::thread([this, rank, size] {
+    // The lowest priority: the training threads keep their cores (OpenMP teams stall at every barrier when
+    // one of their threads is preempted), and the writer fills the gaps and waits for the disk.
+    setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), 19);
     const auto begin = Clock::now();
     result_ = write_shard_of_save(staging_, rank, size, pieces_);
     write_seconds_ = seconds_since(begin);
-    storage_ = {};  // the copy is on disk now: its memory goes back early
     written_.store(true, std::memory_order_release);
   });
 }

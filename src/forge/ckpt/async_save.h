@@ -24,8 +24,11 @@ class AsyncCheckpointSave {
   // Collective over `world`: copies every piece's data (and `options.files`) into buffers of its own, makes
   // the staging folder of step folder state.step under `root` (begin_checkpoint_step_save), and starts
   // writing this rank's shard in the background. The pieces' memory may change as soon as it returns.
+  // `buffer` (may be null) holds the copy: a caller saving again and again passes the same one, whose memory
+  // is then allocated (and faulted in) once rather than at every save; it must outlive the save.
   AsyncCheckpointSave(std::string root, comm::Communicator& world, std::span<const ShardPiece> pieces,
-                      CheckpointState state, const CheckpointSaveOptions& options);
+                      CheckpointState state, const CheckpointSaveOptions& options,
+                      std::vector<float>* buffer = nullptr);
   ~AsyncCheckpointSave();  // joins the writer; a save never finished is left as a staging folder
   AsyncCheckpointSave(const AsyncCheckpointSave&) = delete;
   AsyncCheckpointSave& operator=(const AsyncCheckpointSave&) = delete;
@@ -47,8 +50,9 @@ class AsyncCheckpointSave {
   CheckpointState state_;
   int64_t keep_last_ = 0;
   std::vector<NamedFile> files_;
-  std::vector<ShardPiece> pieces_;           // pointing into storage_
-  std::vector<std::vector<float>> storage_;  // the copied data, one buffer per piece
+  std::vector<ShardPiece> pieces_;  // pointing into the copy
+  std::vector<float> own_buffer_;   // the copy, unless the caller lent a buffer
+  std::vector<float>* buffer_ = nullptr;
   std::string staging_;
   ShardWrite result_;
   std::atomic<bool> written_{false};

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include <algorithm>
 #include <bit>
@@ -308,37 +309,48 @@ void SafetensorsFile::read_into(std::string_view name, const Tensor& destination
   }
 }
 
-void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
-                       const std::map<std::string, std::string>& metadata) {
+uint32_t write_safetensors_blobs(const std::string& path, const std::vector<SafetensorsBlob>& blobs,
+                                 const std::map<std::string, std::string>& metadata) {
   // ordered_json keeps the caller's tensor order, so the same inputs always give the same bytes.
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::set<std::string_view> names;
   uint64_t offset = 0;
-  for (const auto& [name, tensor] : tensors) {
-    if (name.empty() || name == "__metadata__")
-      fail("safetensors '{}': tensor name '{}' is reserved or empty", path, name);
-    if (!names.insert(name).second) fail("safetensors '{}': tensor '{}': name given twice", path, name);
-    if (!tensor.defined() || tensor.device() != Device::cpu)
-      fail("safetensors '{}': tensor '{}': must be a defined CPU tensor", path, name);
-    const uint64_t bytes = tensor.bytes();
-    header[name] = {{"dtype", safetensors_dtype_name(tensor.dtype())},
-                    {"shape", tensor.shape()},
-                    {"data_offsets", {offset, offset + bytes}}};
-    offset += bytes;
+  for (const SafetensorsBlob& b : blobs) {
+    if (b.name.empty() || b.name == "__metadata__")
+      fail("safetensors '{}': tensor name '{}' is reserved or empty", path, b.name);
+    if (!names.insert(b.name).second) fail("safetensors '{}': tensor '{}': name given twice", path, b.name);
+    if (b.bytes != static_cast<uint64_t>(shape_numel(b.shape)) * dtype_size(b.dtype))
+      fail("safetensors '{}': tensor '{}': {} bytes for {} elements of {}", path, b.name, b.bytes,
+           shape_numel(b.shape), safetensors_dtype_name(b.dtype));
+    header[b.name] = {{"dtype", safetensors_dtype_name(b.dtype)},
+                      {"shape", b.shape},
+                      {"data_offsets", {offset, offset + b.bytes}}};
+    offset += b.bytes;
   }
   std::string text = header.dump();
   // Pad with spaces (valid JSON whitespace) so the data section starts 8-byte aligned.
   text.resize((text.size() + 7) / 8 * 8, ' ');
   const uint64_t header_bytes = text.size();
 
+  // The CRC32 of the file's bytes, computed as they are written (no second pass over the file).
+  uLong crc = crc32(0L, Z_NULL, 0);
+  auto write_and_sum = [&](int fd, const void* data, uint64_t bytes, const std::string& where) {
+    const auto* p = static_cast<const Bytef*>(data);
+    for (uint64_t done = 0; done < bytes;) {
+      const uint64_t n = std::min<uint64_t>(bytes - done, uint64_t{1} << 30);
+      crc = crc32(crc, p + done, static_cast<uInt>(n));
+      done += n;
+    }
+    write_all(fd, data, bytes, where);
+  };
   const std::string tmp_path = path + ".tmp";
   int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) fail("safetensors '{}': cannot create '{}': {}", path, tmp_path, errno_text());
   try {
-    write_all(fd, &header_bytes, 8, tmp_path);
-    write_all(fd, text.data(), text.size(), tmp_path);
-    for (const auto& [name, tensor] : tensors) write_all(fd, tensor.raw(), tensor.bytes(), tmp_path);
+    write_and_sum(fd, &header_bytes, 8, tmp_path);
+    write_and_sum(fd, text.data(), text.size(), tmp_path);
+    for (const SafetensorsBlob& b : blobs) write_and_sum(fd, b.data, b.bytes, tmp_path);
     if (::fsync(fd) != 0) fail("safetensors '{}': fsync failed: {}", tmp_path, errno_text());
     if (::close(fd) != 0) {
       fd = -1;
@@ -360,6 +372,18 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
     ::fsync(dir_fd);
     ::close(dir_fd);
   }
+  return static_cast<uint32_t>(crc);
+}
+
+void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  std::vector<SafetensorsBlob> blobs;
+  for (const auto& [name, tensor] : tensors) {
+    if (!tensor.defined() || tensor.device() != Device::cpu)
+      fail("safetensors '{}': tensor '{}': must be a defined CPU tensor", path, name);
+    blobs.push_back({name, tensor.dtype(), tensor.shape(), tensor.raw(), tensor.bytes()});
+  }
+  write_safetensors_blobs(path, blobs, metadata);
 }
 
 }  // namespace forge::ckpt

@@ -75,4 +75,16 @@ class SafetensorsFile {
 void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
                        const std::map<std::string, std::string>& metadata = {});
 
+// The same from raw host memory (no staging copy), returning the CRC32 of the file's bytes, summed as they
+// are written.
+struct SafetensorsBlob {
+  std::string name;
+  DType dtype;
+  Shape shape;
+  const void* data;
+  uint64_t bytes;
+};
+uint32_t write_safetensors_blobs(const std::string& path, const std::vector<SafetensorsBlob>& blobs,
+                                 const std::map<std::string, std::string>& metadata = {});
+
 }  // namespace forge::ckpt

@@ -497,11 +497,9 @@ ShardFile write_checkpoint_shard(const std::string& dir, int rank, int world_siz
   // A rank may hold several ranges of one tensor (a parameter split between gradient buckets): each is
   // then stored as "<name>@<flat_begin>", and they must not overlap.
   std::map<std::string, std::vector<std::pair<int64_t, int64_t>>> ranges;
-  int64_t total = 0;
   for (const ShardPiece& p : pieces) {
     check_piece(p, path.string(), /*needs_data=*/true);
     ranges[p.name].push_back({p.flat_begin, p.flat_end});
-    total += p.flat_end - p.flat_begin;
   }
   for (auto& [name, list] : ranges) {
     std::sort(list.begin(), list.end());
@@ -511,27 +509,22 @@ ShardFile write_checkpoint_shard(const std::string& dir, int rank, int world_siz
              list[i - 1].first, list[i - 1].second, list[i].first, list[i].second, name);
   }
   std::set<std::string> keys;
-  // The writer takes tensors: the pieces are staged in one allocation (the shard's size).
-  Tensor staging = Tensor::empty({std::max<int64_t>(total, 1)}, DType::f32);
-  std::vector<std::pair<std::string, Tensor>> tensors;
+  // Written straight from the pieces' memory; the CRC32 is summed as the bytes go out.
+  std::vector<SafetensorsBlob> blobs;
   shard.pieces = json::array();
-  int64_t at = 0;
   for (const ShardPiece& p : pieces) {
     const int64_t n = p.flat_end - p.flat_begin;
-    Tensor view = staging.view(at, {n});
-    if (n > 0) std::memcpy(view.f32(), p.data, static_cast<size_t>(n) * sizeof(float));
     const std::string key = ranges[p.name].size() == 1 ? p.name : fmt::format("{}@{}", p.name, p.flat_begin);
     if (!keys.insert(key).second)
       fail("{}: rank {} gives two pieces stored as '{}'; rename one of the tensors", path.string(), rank,
            key);
-    tensors.emplace_back(key, view);
+    blobs.push_back({key, DType::f32, Shape{n}, p.data, static_cast<uint64_t>(n) * sizeof(float)});
     shard.pieces.push_back(piece_json(p, key));
-    at += n;
   }
-  write_safetensors(path.string(), tensors);
-  const FileDigest d = digest_file(path);
-  shard.bytes = d.bytes;
-  shard.crc32 = d.crc32;
+  shard.crc32 = write_safetensors_blobs(path.string(), blobs);
+  std::error_code ec;
+  shard.bytes = fs::file_size(path, ec);
+  if (ec) fail("checkpoint file {}: {}", path.string(), ec.message());
   return shard;
 }
 

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 #include <fstream>
 #include <limits>
 
@@ -21,6 +22,26 @@ int64_t host_memory_bytes() {
     if (in >> limit && limit > 0) bytes = std::min<int64_t>(bytes, limit);
   }
   return bytes;
+}
+
+}  // namespace forge
+
+namespace forge {
+
+void copy_host_parallel(void* destination, const void* source, size_t bytes) {
+  constexpr size_t kChunk = size_t{4} << 20;  // small copies stay on the calling thread
+  auto* to = static_cast<char*>(destination);
+  const auto* from = static_cast<const char*>(source);
+  if (bytes <= kChunk) {
+    if (bytes > 0) std::memcpy(to, from, bytes);
+    return;
+  }
+  const int64_t chunks = static_cast<int64_t>((bytes + kChunk - 1) / kChunk);
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const size_t begin = static_cast<size_t>(c) * kChunk;
+    std::memcpy(to + begin, from + begin, std::min(kChunk, bytes - begin));
+  }
 }
 
 }  // namespace forge

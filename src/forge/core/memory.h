@@ -3,6 +3,7 @@
 // was live before it.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace forge {
@@ -17,5 +18,9 @@ void reset_peak_memory();  // peak := live
 
 // Memory this process may use on the host: the physical memory, or the cgroup's limit when lower.
 int64_t host_memory_bytes();
+
+// memcpy of host memory by every OpenMP thread, in chunks: a large copy (a snapshot of the state, the copy a
+// background checkpoint save writes from) runs at the machine's memory bandwidth rather than one core's.
+void copy_host_parallel(void* destination, const void* source, size_t bytes);
 
 }  // namespace forge

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "forge/core/error.h"
+#include "forge/core/memory.h"
 #include "forge/fp8/scaling.h"
 #include "forge/nn/fp8_context.h"
 #include "forge/parallel/distributed_optimizer.h"
@@ -16,7 +17,7 @@ void copy_to_host(const Tensor& t, std::vector<float>& out) {
   out.resize(static_cast<size_t>(t.numel()));
   if (t.numel() == 0) return;
   if (t.device() == Device::cpu) {
-    std::copy(t.f32(), t.f32() + t.numel(), out.begin());
+    copy_host_parallel(out.data(), t.f32(), out.size() * sizeof(float));
     return;
   }
   const Tensor host = t.to(Device::cpu);  // a GPU's state is staged to the host

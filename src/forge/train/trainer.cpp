@@ -232,6 +232,12 @@ class TrainingRun {
   void strike_before_step();
   void roll_back(const std::string& cause, TrainResult& result);
   void write_heartbeat();
+  void take_snapshot() {
+    const auto start = Clock::now();
+    snapshots_.take(state_);
+    snapshot_seconds_ += seconds_since(start);
+    ++snapshots_taken_;
+  }
   void write_metrics(const nlohmann::json& record) {
     if (metrics_) metrics_->write(record);
   }
@@ -269,12 +275,16 @@ class TrainingRun {
   FaultPlan faults_;
   std::optional<SpikeDetector> detector_;
   SnapshotRing snapshots_;
+  double snapshot_seconds_ = 0;  // spent taking in-memory snapshots (the training thread waits)
+  int64_t snapshots_taken_ = 0;
   StepHooks step_hooks_;
   int64_t retries_ = 0;                        // rollbacks since the last stable state past an anomaly
   int64_t last_anomaly_step_ = 0;              // the step of the latest anomaly (0: none)
   std::vector<std::string> rollback_account_;  // one entry per rollback of the current run of retries
   std::vector<std::string> resume_notes_;      // damaged checkpoints resume skipped, for metrics.jsonl
-  // The periodic save being written in the background (at most one), and why it was taken.
+  // The periodic save being written in the background (at most one), and why it was taken; the host copy it
+  // writes from, kept between saves (declared first: it outlives the save).
+  std::vector<float> async_buffer_;
   std::unique_ptr<AsyncCheckpointSave> async_save_;
   std::string async_reason_;
   Clock::time_point async_started_;
@@ -479,8 +489,8 @@ void TrainingRun::save(const char* why, bool background) {
   const bool periodic = std::string_view(why) == "periodic";
   try {
     if (background) {
-      async_save_ =
-          std::make_unique<AsyncCheckpointSave>(checkpoint_dir_.string(), world_, pieces, saved, options);
+      async_save_ = std::make_unique<AsyncCheckpointSave>(checkpoint_dir_.string(), world_, pieces, saved,
+                                                          options, &async_buffer_);
       state_.finish_save();
       async_reason_ = why;
       async_started_ = save_start;
@@ -640,7 +650,7 @@ bool TrainingRun::run_step(TrainResult& result) {
   // A stable state: the rollback target. Past the latest anomaly it also ends that run of retries.
   if (c_.resilience.rollback && c_.resilience.snapshot_every > 0 &&
       step % c_.resilience.snapshot_every == 0) {
-    snapshots_.take(state_);
+    take_snapshot();
     if (step > last_anomaly_step_) retries_ = 0, rollback_account_.clear();
   }
   write_heartbeat();
@@ -920,7 +930,7 @@ TrainResult TrainingRun::run() {
   train_start_ = interval_start_ = Clock::now();
   first_step_ = state_.step;
   // The first stable state: what a rollback before the first periodic snapshot restores.
-  if (c_.resilience.rollback && c_.resilience.snapshot_every > 0) snapshots_.take(state_);
+  if (c_.resilience.rollback && c_.resilience.snapshot_every > 0) take_snapshot();
   while (state_.step < state_.total_steps) {
     if (stop_before_step(result)) break;
     if (!run_step(result)) continue;  // rolled back
@@ -948,6 +958,19 @@ TrainResult TrainingRun::finish(TrainResult result) {
         "overlapped with backward\n",
         static_cast<double>(st.bytes) / std::max<int64_t>(1, st.steps) / 1048576.0, st.communication_seconds,
         st.exposed_seconds, 100.0 * st.overlap_ratio());
+  }
+  if (snapshots_taken_ > 1) {
+    say("resilience: %lld in-memory snapshots of %.1f MiB each (host memory held: %.1f MiB), %.1f ms each; "
+        "%lld rollbacks\n",
+        static_cast<long long>(snapshots_taken_),
+        static_cast<double>(snapshots_.bytes()) / static_cast<double>(snapshots_.size()) / 1048576.0,
+        static_cast<double>(snapshots_.bytes()) / 1048576.0, 1e3 * snapshot_seconds_ / snapshots_taken_,
+        static_cast<long long>(result.rollbacks));
+    write_metrics({{"event", "snapshots"},
+                   {"step", state_.step},
+                   {"count", snapshots_taken_},
+                   {"seconds_each", snapshot_seconds_ / snapshots_taken_},
+                   {"host_bytes", snapshots_.bytes()}});
   }
   if (Trainer::stop_flag().load()) {
     say("interrupted at step %lld: saving a checkpoint\n", static_cast<long long>(state_.step));
