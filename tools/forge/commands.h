@@ -23,5 +23,6 @@ void add_data_command(CLI::App& app, Commands& commands);
 void add_eval_command(CLI::App& app, Commands& commands);
 void add_generate_command(CLI::App& app, Commands& commands);
 void add_plan_command(CLI::App& app, Commands& commands);
+void add_launch_command(CLI::App& app, Commands& commands);
 
 }  // namespace forge::cli
