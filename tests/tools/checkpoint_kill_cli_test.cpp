@@ -32,7 +32,8 @@ class CheckpointKill : public ScratchDirTest {
   void SetUp() override {
     ScratchDirTest::SetUp();
     std::string corpus;
-    for (int i = 0; i < 200; ++i) corpus += "And the evening and the morning were the day " + std::to_string(i % 9) + ".\n";
+    for (int i = 0; i < 200; ++i)
+      corpus += "And the evening and the morning were the day " + std::to_string(i % 9) + ".\n";
     write("corpus.txt", corpus);
     write("config.json", R"({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
       "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64})");
@@ -149,8 +150,8 @@ class CheckpointKill : public ScratchDirTest {
 
   // What a kill left in `run` must be a complete checkpoint equal to the reference's of its step (or
   // nothing), and resuming from it must end on the reference's final files.
-  void check_after_kill(const std::string& run, int world, const std::string& launcher, const std::string& what,
-                        std::optional<int64_t> expected_step = std::nullopt) {
+  void check_after_kill(const std::string& run, int world, const std::string& launcher,
+                        const std::string& what, std::optional<int64_t> expected_step = std::nullopt) {
     const std::string root = path(run) + "/checkpoint";
     const std::optional<int64_t> step = latest_checkpoint_step(root);
     if (expected_step) {
@@ -161,7 +162,8 @@ class CheckpointKill : public ScratchDirTest {
       EXPECT_NO_THROW(read_checkpoint_manifest(dir, /*verify_files=*/true)) << what;
       for (int r = 0; r < world; ++r) {
         const std::string shard = "/" + shard_file_name(r, world);
-        EXPECT_EQ(read_file(dir + shard), read_file(path("ref/checkpoint/") + checkpoint_step_name(*step) + shard))
+        EXPECT_EQ(read_file(dir + shard),
+                  read_file(path("ref/checkpoint/") + checkpoint_step_name(*step) + shard))
             << what << ": step " << *step << shard;
       }
     }
@@ -176,14 +178,15 @@ class CheckpointKill : public ScratchDirTest {
     EXPECT_EQ(read_checkpoint_manifest(final_dir).step, kSteps) << what;
     for (int r = 0; r < world; ++r) {
       const std::string shard = "/" + shard_file_name(r, world);
-      EXPECT_EQ(read_file(final_dir + shard), read_file(path("ref/checkpoint/") + checkpoint_step_name(kSteps) + shard))
+      EXPECT_EQ(read_file(final_dir + shard),
+                read_file(path("ref/checkpoint/") + checkpoint_step_name(kSteps) + shard))
           << what << ": final " << shard;
     }
   }
 
   // SIGKILL at each step of a save (the n-th save of the run), then the checks above.
-  // Under mpirun a rank is killed alone: rank 1 after writing its shard, rank 0 (which writes the manifest and
-  // commits) at the other points.
+  // Under mpirun a rank is killed alone: rank 1 after writing its shard, rank 0 (which writes the manifest
+  // and commits) at the other points.
   void kill_at_every_point(int world, const std::string& launcher) {
     struct Point {
       const char* name;
@@ -204,7 +207,8 @@ class CheckpointKill : public ScratchDirTest {
             run_train(command(train_args(run), "FORGE_TEST_KILL_AT=" + spec, launcher), std::nullopt);
         EXPECT_NE(status, 0) << spec << "\n" << read_file(path("log.txt"));
         EXPECT_NE(read_file(path("log.txt")).find("killed at " + std::string(p.name)), std::string::npos)
-            << spec << "\n" << read_file(path("log.txt"));
+            << spec << "\n"
+            << read_file(path("log.txt"));
         // Killed after the rename but before `latest` moved: `latest` still names the previous step, and
         // with no `latest` yet (the first save) the complete step folder is the newest checkpoint.
         const bool renamed = std::string(p.name) == "save.committed";
@@ -218,10 +222,12 @@ class CheckpointKill : public ScratchDirTest {
     std::uniform_real_distribution<double> when(0.05, 1.0);
     for (int t = 0; t < trials; ++t) {
       const std::string run = "random" + std::to_string(t);
-      const auto delay = std::chrono::microseconds(static_cast<int64_t>(when(random) * reference_seconds * 1e6));
+      const auto delay =
+          std::chrono::microseconds(static_cast<int64_t>(when(random) * reference_seconds * 1e6));
       run_train(command(train_args(run), "", launcher), delay);
-      check_after_kill(run, world, launcher, "random kill " + std::to_string(t) + " after " +
-                                                 std::to_string(delay.count()) + " us");
+      check_after_kill(
+          run, world, launcher,
+          "random kill " + std::to_string(t) + " after " + std::to_string(delay.count()) + " us");
     }
   }
 };
@@ -237,21 +243,39 @@ TEST_F(CheckpointKill, OneProcessAtRandomMoments) {
 }
 
 // A save that fails (a full disk, an I/O error: FORGE_TEST_FAIL_AT injects the error where the shard or the
-// manifest is written) ends the run with one error line on every rank, removes its staging folder and leaves
-// the previous checkpoint committed; resuming ends on the uninterrupted run's weights.
+// manifest is written) removes its staging folder and leaves the previous checkpoint committed. A periodic
+// one (written in the background) is reported in one line and training goes on to the uninterrupted run's
+// final checkpoint; the final one ends the run with one error line, and resuming ends on the uninterrupted
+// run's weights.
 TEST_F(CheckpointKill, FailedSaveLeavesThePreviousCheckpoint) {
   train_reference("");
   int trial = 0;
   for (const char* point : {"save.write_shard:3", "save.write_manifest:3"}) {
     const std::string run = "fail" + std::to_string(trial++);
-    const auto [status, seconds] = run_train(command(train_args(run), std::string("FORGE_TEST_FAIL_AT=") + point, ""),
-                                             std::nullopt);
+    const auto [status, seconds] =
+        run_train(command(train_args(run), std::string("FORGE_TEST_FAIL_AT=") + point, ""), std::nullopt);
+    const std::string log = read_file(path("log.txt"));
+    EXPECT_EQ(status, 0) << point << "\n" << log;
+    EXPECT_NE(log.find("checkpoint of step 3 failed: save."), std::string::npos) << log;
+    EXPECT_NE(
+        log.find("injected failure (FORGE_TEST_FAIL_AT); training goes on (the newest checkpoint is still "
+                 "step 2)"),
+        std::string::npos)
+        << log;
+    EXPECT_FALSE(fs::exists(path(run) + "/checkpoint/.step-00000003.partial")) << point;
+    EXPECT_FALSE(fs::exists(path(run) + "/checkpoint/step-00000003")) << point;
+    check_after_kill(run, 1, "", point, kSteps);
+  }
+  for (const char* point : {"save.write_shard:5", "save.write_manifest:5"}) {  // the final save
+    const std::string run = "fail" + std::to_string(trial++);
+    const auto [status, seconds] =
+        run_train(command(train_args(run), std::string("FORGE_TEST_FAIL_AT=") + point, ""), std::nullopt);
     const std::string log = read_file(path("log.txt"));
     EXPECT_EQ(status, 1) << point << "\n" << log;
     EXPECT_NE(log.find("forge: error: save."), std::string::npos) << log;
     EXPECT_NE(log.find("injected failure"), std::string::npos) << log;
-    EXPECT_FALSE(fs::exists(path(run) + "/checkpoint/.step-00000003.partial")) << point;
-    check_after_kill(run, 1, "", point, 2);
+    EXPECT_FALSE(fs::exists(path(run) + "/checkpoint/.step-00000005.partial")) << point;
+    check_after_kill(run, 1, "", point, kSteps - 1);
   }
 }
 
@@ -264,13 +288,24 @@ TEST_F(CheckpointKill, TwoRanksUnderMpirun) {
   const double seconds = train_reference(mpirun(2));
   kill_at_every_point(2, mpirun(2));
   kill_at_random(8, 2, mpirun(2), seconds);
-  // One rank's save fails: the job ends (no rank waits forever) and the previous checkpoint stays.
-  const auto [status, unused] =
-      run_train(command(train_args("fail"), "FORGE_TEST_FAIL_AT=save.write_shard:2@1", mpirun(2)), std::nullopt);
+  // One rank's periodic save fails: every rank goes on (no rank waits forever), the checkpoint of that step
+  // never appears, and the run ends on the uninterrupted run's checkpoint.
+  const auto [status, unused] = run_train(
+      command(train_args("fail"), "FORGE_TEST_FAIL_AT=save.write_shard:2@1", mpirun(2)), std::nullopt);
   const std::string log = read_file(path("log.txt"));
-  EXPECT_NE(status, 0) << log;
-  EXPECT_NE(log.find("rank 1: save.write_shard: injected failure"), std::string::npos) << log;
-  check_after_kill("fail", 2, mpirun(2), "failed save on rank 1", 1);
+  EXPECT_EQ(status, 0) << log;
+  EXPECT_NE(log.find("checkpoint of step 2 failed: rank 1: save.write_shard: injected failure"),
+            std::string::npos)
+      << log;
+  EXPECT_FALSE(fs::exists(path("fail") + "/checkpoint/step-00000002"));
+  check_after_kill("fail", 2, mpirun(2), "failed periodic save on rank 1", kSteps);
+  // Its final save fails: the job ends with the error and the previous checkpoint stays.
+  const auto [final_status, unused2] = run_train(
+      command(train_args("fail_final"), "FORGE_TEST_FAIL_AT=save.write_shard:5@1", mpirun(2)), std::nullopt);
+  const std::string final_log = read_file(path("log.txt"));
+  EXPECT_NE(final_status, 0) << final_log;
+  EXPECT_NE(final_log.find("rank 1: save.write_shard: injected failure"), std::string::npos) << final_log;
+  check_after_kill("fail_final", 2, mpirun(2), "failed final save on rank 1", kSteps - 1);
 }
 
 // Killing mpirun alone (a SIGKILL of its process group, which holds no rank) ends its ranks too. Orphaned

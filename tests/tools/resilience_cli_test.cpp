@@ -6,6 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "forge/ckpt/checkpoint.h"
@@ -37,20 +40,21 @@ class ResilienceCli : public ScratchDirTest {
            std::to_string(kSteps) + " --set train.warmup=1 --set eval.every=0 --set eval.batches=1" +
            " --set data.heldout_fraction=0.02 --set log.peak_gflops=100 --set sample.tokens=0" +
            " --set train.dtype=fp32 --set checkpoint.every=1 --set checkpoint.keep_last=0" +
-           " --set checkpoint.resume=auto --set parallel.timeout_s=10 --set log.run_dir=" + path(run) + extra;
+           " --set checkpoint.resume=auto --set parallel.timeout_s=10 --set log.every=1 --set log.run_dir=" +
+           path(run) + extra;
   }
 
   static std::string mpirun(int ranks) {
     return std::string(FORGE_MPIEXEC) + " -np " + std::to_string(ranks) + " --oversubscribe --bind-to none";
   }
   static std::string environment(const std::string& fault) {
-    return "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 FORGE_FAULT='" + fault +
-           "'";
+    return "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 FORGE_FAULT='" +
+           fault + "'";
   }
 
   // `forge train` under `launcher` (empty, or mpirun ...), with `fault` injected; the seconds it took.
-  std::pair<Outcome, double> train(const std::string& run, const std::string& launcher, const std::string& fault,
-                                   const std::string& extra = "") const {
+  std::pair<Outcome, double> train(const std::string& run, const std::string& launcher,
+                                   const std::string& fault, const std::string& extra = "") const {
     RunOptions options;
     options.environment = environment(fault);
     options.launcher = launcher;
@@ -64,13 +68,28 @@ class ResilienceCli : public ScratchDirTest {
                  const std::string& fault, const std::string& extra = "") const {
     RunOptions options;
     options.environment = environment(fault);
-    return run_forge("launch --restart-delay 0 " + launch_args + " -- " + launcher + (launcher.empty() ? "" : " ") +
-                         forge_binary() + " " + train_args(run, extra),
+    return run_forge("launch --restart-delay 0 " + launch_args + " -- " + launcher +
+                         (launcher.empty() ? "" : " ") + forge_binary() + " " + train_args(run, extra),
                      options);
   }
 
-  // The final checkpoint of `run` is the reference run's, shard for shard, byte for byte.
+  // Each step's loss in `run`'s metrics.jsonl (a resumed run drops the records past its checkpoint first,
+  // so each step appears once).
+  std::map<int64_t, double> losses(const std::string& run) const {
+    std::map<int64_t, double> out;
+    std::ifstream in(path(run) + "/metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      const nlohmann::json j = nlohmann::json::parse(line);
+      if (j.contains("loss") && !j.contains("event")) out[j["step"].get<int64_t>()] = j["loss"].get<double>();
+    }
+    return out;
+  }
+
+  // The final checkpoint of `run` is the reference run's, shard for shard, byte for byte, and so is every
+  // step's loss.
   void expect_final_equals(const std::string& run, const std::string& reference, int world) const {
+    EXPECT_EQ(losses(run), losses(reference)) << run;
+    EXPECT_EQ(losses(run).size(), static_cast<size_t>(kSteps)) << run;
     const std::string got = resolve_checkpoint(path(run) + "/checkpoint").dir;
     const std::string want = resolve_checkpoint(path(reference) + "/checkpoint").dir;
     EXPECT_EQ(read_checkpoint_manifest(got).step, kSteps);
@@ -89,16 +108,19 @@ TEST_F(ResilienceCli, OneProcessKilledOrHungIsRestartedAndResumesExactly) {
 
   const Outcome killed = launch("killed", "--max-restarts 2", "", "kill step=4");
   ASSERT_EQ(killed.status, 0) << killed.output;
-  EXPECT_NE(killed.output.find("fault injection: kill at step 4: SIGKILL"), std::string::npos) << killed.output;
+  EXPECT_NE(killed.output.find("fault injection: kill at step 4: SIGKILL"), std::string::npos)
+      << killed.output;
   EXPECT_NE(killed.output.find("forge launch: restart 1 of 2"), std::string::npos) << killed.output;
   EXPECT_NE(killed.output.find("signal 9"), std::string::npos) << killed.output;
   EXPECT_NE(killed.output.find("resumed from"), std::string::npos) << killed.output;
   expect_final_equals("killed", "ref", 1);
 
-  const Outcome hung = launch("hung", "--max-restarts 2 --heartbeat " + path("hung/heartbeat") + " --stall-timeout 3",
-                              "", "hang step=4");
+  const Outcome hung =
+      launch("hung", "--max-restarts 2 --heartbeat " + path("hung/heartbeat") + " --stall-timeout 3", "",
+             "hang step=4");
   ASSERT_EQ(hung.status, 0) << hung.output;
-  EXPECT_NE(hung.output.find("fault injection: hang at step 4: this rank stops responding"), std::string::npos)
+  EXPECT_NE(hung.output.find("fault injection: hang at step 4: this rank stops responding"),
+            std::string::npos)
       << hung.output;
   EXPECT_NE(hung.output.find("no heartbeat"), std::string::npos) << hung.output;
   expect_final_equals("hung", "ref", 1);
@@ -131,10 +153,23 @@ TEST_F(ResilienceCli, RankFaultsUnderMpirunEndTheJobAndLaunchRestartsItExactly) 
     const std::string run = std::string("launched-") + std::string(fault).substr(0, 4);
     const Outcome out = launch(run, "--max-restarts 1", mpirun(2), fault, tp2);
     ASSERT_EQ(out.status, 0) << fault << "\n" << out.output;
-    EXPECT_NE(out.output.find("forge launch: restart 1 of 1"), std::string::npos) << fault << "\n" << out.output;
+    EXPECT_NE(out.output.find("forge launch: restart 1 of 1"), std::string::npos) << fault << "\n"
+                                                                                  << out.output;
     EXPECT_NE(out.output.find("resumed from"), std::string::npos) << fault << "\n" << out.output;
     expect_final_equals(run, "ref", 2);
   }
+}
+
+// Four ranks, tensor x data parallel with ZeRO-1: the last rank killed mid-run, the job restarted by launch,
+// and the run ends on the uninterrupted run's losses and checkpoint, byte for byte.
+TEST_F(ResilienceCli, KilledRankUnderTensorAndDataParallelResumesExactly) {
+  const std::string layout = " --set parallel.tp=2 --set parallel.distributed_optimizer=true";
+  const auto [reference, unused] = train("ref", mpirun(4), "", layout);
+  ASSERT_EQ(reference.status, 0) << reference.output;
+  const Outcome out = launch("killed", "--max-restarts 1", mpirun(4), "kill step=4 rank=3", layout);
+  ASSERT_EQ(out.status, 0) << out.output;
+  EXPECT_NE(out.output.find("forge launch: restart 1 of 1"), std::string::npos) << out.output;
+  expect_final_equals("killed", "ref", 4);
 }
 
 }  // namespace
