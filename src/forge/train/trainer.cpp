@@ -40,6 +40,7 @@
 #include "forge/train/step.h"
 #include "forge/train/train_state.h"
 #include "forge/train/training_data.h"
+#include "forge/train/training_run.h"
 
 namespace forge::train {
 using namespace forge::optim;
@@ -48,9 +49,6 @@ using namespace forge::data;
 using namespace forge::ckpt;
 namespace fs = std::filesystem;
 namespace {
-
-using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 // Which FP8 Linears' delayed-scaling state this rank writes to checkpoints (TrainState::fp8_saves): one
 // rank of those holding each Linear. A stage's dense Linears: its tensor- and data-parallel rank 0; a routed
@@ -128,6 +126,16 @@ HeldOut evaluate(Model& model, Pipelining* pipelining, const TrainingData& data,
   return total;
 }
 
+std::atomic<int> g_signal_count{0};
+void on_signal(int) {
+  if (g_signal_count.fetch_add(1) >= 1) std::_Exit(130);  // second Ctrl-C: leave now
+  Trainer::stop_flag().store(true);
+}
+
+}  // namespace
+
+namespace detail {
+
 // printf on the first rank only: every rank runs the same loop, one of them tells the user.
 bool g_leader = true;
 __attribute__((format(printf, 1, 2))) void say(const char* format, ...) {
@@ -138,157 +146,6 @@ __attribute__((format(printf, 1, 2))) void say(const char* format, ...) {
   va_end(args);
   std::fflush(stdout);
 }
-
-// Samples (sequences) a checkpoint's run had consumed: recorded since samples_seen was; older checkpoints
-// recorded tokens, which give it when the sequence length is the same.
-int64_t samples_seen_of(const CheckpointState& state, int64_t seq) {
-  if (state.extra.contains("samples_seen")) return state.extra["samples_seen"].get<int64_t>();
-  const int64_t tokens = state.extra.value("tokens_seen", int64_t{0});
-  return tokens / seq;
-}
-
-// Refuses a checkpoint this run cannot continue exactly: another model, tokenizer or sequence length,
-// weights without optimizer state. Each refusal is one line naming the checkpoint and what differs.
-void check_resumable(const CheckpointState& state, const fs::path& dir, const std::vector<std::string>& names,
-                     const ModelConfig& model_config, const std::string& model_source, const TextCodec& codec,
-                     const TrainConfig& c) {
-  const std::string where = dir.string();
-  std::unique_ptr<ModelConfig> saved;
-  try {
-    saved = parse_model_config(state.model_config, where + " (manifest.json model_config)");
-  } catch (const Error& e) {
-    fail("checkpoint {} cannot be resumed: its model config is unreadable: {}", where, e.what());
-  }
-  if (!saved->same_as(model_config))
-    fail("checkpoint {} was trained with a different model config than {} (saved: {})", where, model_source,
-         state.model_config.dump());
-  if (std::none_of(names.begin(), names.end(),
-                   [](const std::string& n) { return n.starts_with("exp_avg."); }))
-    fail(
-        "checkpoint {} holds weights only, no optimizer state (as forge convert --to forge writes), so it "
-        "cannot "
-        "be resumed; start a new run from its weights with --set model.init_from={}",
-        where, where);
-  // The tokenizer by content, never by path: the same file elsewhere is the same tokenizer, another file at
-  // the same path is not.
-  std::string saved_tokenizer;
-  if (state.extra.contains("tokenizer_fingerprint")) {
-    saved_tokenizer = state.extra["tokenizer_fingerprint"].get<std::string>();
-  } else if (fs::exists(dir / "tokenizer.json")) {
-    saved_tokenizer =
-        TextCodec::from_tokenizer(Tokenizer::from_file(dir / "tokenizer.json"), "").fingerprint();
-  } else if (state.extra.contains("tokenizer")) {
-    saved_tokenizer = TextCodec::bytes().fingerprint();  // saved without tokenizer.json: byte-level
-  }
-  if (!saved_tokenizer.empty() && saved_tokenizer != codec.fingerprint())
-    fail(
-        "checkpoint {} was trained with another tokenizer ({}) than this run's {} ({}); resuming would feed "
-        "it "
-        "other token ids",
-        where, state.extra.value("tokenizer", std::string("unknown")), codec.description(),
-        codec.fingerprint());
-  // Samples are windows of seq_len tokens: another length has no sample at which to continue.
-  const int64_t saved_seq = state.extra.value("seq_len", int64_t{0});
-  if (saved_seq > 0 && saved_seq != c.data.seq_len)
-    fail(
-        "checkpoint {} was trained with data.seq_len = {}, this run has {}: resuming would skip or repeat "
-        "data; "
-        "keep data.seq_len = {} (micro_batch, grad_accum and the world size may change)",
-        where, saved_seq, c.data.seq_len, saved_seq);
-  if (saved_seq == 0 && !state.extra.contains("samples_seen") &&
-      state.extra.value("tokens_seen", int64_t{0}) % c.data.seq_len != 0)
-    fail(
-        "checkpoint {} saw {} tokens, not a whole number of data.seq_len = {} sequences: it was trained with "
-        "another sequence length",
-        where, state.extra.value("tokens_seen", int64_t{0}), c.data.seq_len);
-}
-
-std::atomic<int> g_signal_count{0};
-void on_signal(int) {
-  if (g_signal_count.fetch_add(1) >= 1) std::_Exit(130);  // second Ctrl-C: leave now
-  Trainer::stop_flag().store(true);
-}
-
-// One run of the loop: the setup, the state, and what the loop decides with them.
-class TrainingRun {
- public:
-  TrainingRun(const TrainConfig& c, comm::Communicator& world, const TrainerHooks& hooks)
-      : c_(c), world_(world), hooks_(hooks), start_time_(Clock::now()) {}
-  TrainResult run();
-
- private:
-  void decide_start();
-  void resume();
-  void open_metrics();
-  void print_banner();
-  // A failed periodic save is reported and training goes on (the previous checkpoint stays the newest); a
-  // final or Ctrl-C save's error ends the run. background: written by AsyncCheckpointSave.
-  void save(const char* why, bool background = false);
-  void commit_async_save();  // collective: waits for the save in flight and commits it
-  void after_commit(int64_t step, const std::string& dir, const char* why, double seconds,
-                    double blocked_seconds);
-  CheckpointState load_state(const fs::path& dir);
-  void build_step_hooks();
-  void strike_before_step();
-  void roll_back(const std::string& cause, TrainResult& result);
-  void write_heartbeat();
-  void take_snapshot() {
-    const auto start = Clock::now();
-    snapshots_.take(state_);
-    snapshot_seconds_ += seconds_since(start);
-    ++snapshots_taken_;
-  }
-  void write_metrics(const nlohmann::json& record) {
-    if (metrics_) metrics_->write(record);
-  }
-  bool stop_before_step(TrainResult& result);
-  bool run_step(TrainResult& result);
-  void log_step(const StepResult& r, TrainResult& result);
-  bool evaluate_now();
-  void plan_length();
-  TrainResult finish(TrainResult result);
-  void sample(TrainResult& result);
-
-  const TrainConfig& c_;
-  comm::Communicator& world_;
-  const TrainerHooks& hooks_;
-  const Clock::time_point start_time_;
-  std::unique_ptr<TrainSetup> setup_;
-  TrainState state_;
-  std::unique_ptr<Schedule> schedule_;  // NoPipelining, or Pipelining under pp > 1
-  Pipelining* pipelining_ = nullptr;    // schedule_ when it pipelines
-  fs::path run_dir_, checkpoint_dir_;
-  DirectoryLock run_dir_lock_, checkpoint_dir_lock_;
-  ResumeDecision decision_;
-  // The step whose checkpoint is already committed in checkpoint_dir (-1: none), so that saving it again
-  // (Ctrl-C right after a resume) is skipped.
-  int64_t committed_step_ = -1;
-  std::optional<MetricsWriter> metrics_;
-  std::vector<NamedFile> checkpoint_files_;
-  double flops_per_token_ = 0, peak_gflops_ = 0;
-  int64_t step_tokens_ = 0, heldout_windows_ = 0;
-  bool plan_steps_ = false;
-  Clock::time_point train_start_, interval_start_;
-  int64_t interval_tokens_ = 0, first_step_ = 0;
-  double first_step_seconds_ = 0;
-  // Resilience (resilience.h, faults.h).
-  FaultPlan faults_;
-  std::optional<SpikeDetector> detector_;
-  SnapshotRing snapshots_;
-  double snapshot_seconds_ = 0;  // spent taking in-memory snapshots (the training thread waits)
-  int64_t snapshots_taken_ = 0;
-  StepHooks step_hooks_;
-  int64_t retries_ = 0;                        // rollbacks since the last stable state past an anomaly
-  int64_t last_anomaly_step_ = 0;              // the step of the latest anomaly (0: none)
-  std::vector<std::string> rollback_account_;  // one entry per rollback of the current run of retries
-  std::vector<std::string> resume_notes_;      // damaged checkpoints resume skipped, for metrics.jsonl
-  // The periodic save being written in the background (at most one), and why it was taken; the host copy it
-  // writes from, kept between saves (declared first: it outlives the save).
-  std::vector<float> async_buffer_;
-  std::unique_ptr<AsyncCheckpointSave> async_save_;
-  std::string async_reason_;
-  Clock::time_point async_started_;
-};
 
 // Rank 0 holds the run's directories against other runs and decides where the run starts; every rank learns
 // the outcome (or the refusal) from it.
@@ -318,76 +175,6 @@ void TrainingRun::decide_start() {
   decision_.note = got["note"].get<std::string>();
   decision_.from_own_directory = got["own"].get<bool>();
   if (!decision_.note.empty()) say("%s\n", decision_.note.c_str());
-}
-
-// Loads the checkpoint folder `dir` into the state (collective). Returns its manifest state.
-CheckpointState TrainingRun::load_state(const fs::path& from) {
-  // The load below verifies the checksum of each file it reads; here only the manifest matters.
-  CheckpointState saved = read_checkpoint_manifest(from.string(), /*verify_files=*/false);
-  const std::vector<std::string> names = checkpoint_tensor_names(from.string());
-  TrainState::Fp8Format fp8_saved = TrainState::fp8_format_of(names);
-  const bool delayed = setup_->fp8 && setup_->fp8->delayed_group();
-  if (delayed && fp8_saved == TrainState::Fp8Format::whole && setup_->layout.pp() > 1) {
-    say("the checkpoint's FP8 scaling state is in the single-array format of older versions, which only a "
-        "one-stage layout reads: delayed scaling starts from fresh amax histories\n");
-    fp8_saved = TrainState::Fp8Format::none;
-  } else if (delayed && fp8_saved == TrainState::Fp8Format::none) {
-    say("the checkpoint holds no FP8 scaling state: delayed scaling starts from fresh amax histories\n");
-  }
-  std::vector<ShardPiece> pieces = state_.pieces_to_load(fp8_saved);
-  saved = load_sharded_checkpoint(from.string(), world_, pieces);
-  state_.finish_load(fp8_saved);
-  setup_->optimizer->set_steps_taken(saved.optimizer_steps >= 0 ? saved.optimizer_steps : saved.step);
-  state_.step = state_.base_step = saved.step;
-  state_.base_samples = samples_seen_of(saved, setup_->seq);
-  if (plan_steps_ && saved.extra.contains("planned_steps"))
-    setup_->schedule.total_steps = state_.total_steps = saved.extra["planned_steps"].get<int64_t>();
-  // What resilience carries (absent from older checkpoints: defaults).
-  state_.lr_scale = saved.extra.value("lr_scale", 1.0);
-  state_.lr_scale_until = saved.extra.value("lr_scale_until", int64_t{0});
-  state_.recent_losses = saved.extra.value("recent_losses", std::vector<double>{});
-  state_.recent_grad_norms = saved.extra.value("recent_grad_norms", std::vector<double>{});
-  return saved;
-}
-
-// Resumes from the decided checkpoint. Under resume = auto a checkpoint that does not load (a flipped byte,
-// a truncated shard, a NaN written by a failing disk) is reported and skipped for the next older complete
-// one; never used, never deleted (the next save prunes it as another timeline).
-void TrainingRun::resume() {
-  std::vector<fs::path> candidates = {decision_.checkpoint};
-  if (decision_.from_own_directory && c_.checkpoint.resume == "auto") {
-    const int64_t newest = read_checkpoint_manifest(decision_.checkpoint.string(), false).step;
-    for (const std::string& dir : complete_checkpoints(checkpoint_dir_.string()))
-      if (read_checkpoint_manifest(dir, false).step < newest) candidates.push_back(dir);
-  }
-  CheckpointState saved;
-  fs::path from;
-  for (size_t i = 0; i < candidates.size(); ++i) {
-    // A checkpoint of another run (model, tokenizer, sequence length) is refused, not skipped.
-    check_resumable(read_checkpoint_manifest(candidates[i].string(), /*verify_files=*/false), candidates[i],
-                    checkpoint_tensor_names(candidates[i].string()), *setup_->model_config,
-                    setup_->model_source, setup_->data->codec(), c_);
-    try {
-      saved = load_state(candidates[i]);
-      from = candidates[i];
-      break;
-    } catch (const Error& e) {
-      if (i + 1 == candidates.size()) throw;
-      const std::string note = fmt::format("checkpoint {} does not load ({}): skipped, trying {}",
-                                           candidates[i].string(), e.what(), candidates[i + 1].string());
-      say("%s\n", note.c_str());
-      resume_notes_.push_back(note);
-    }
-  }
-  decision_.checkpoint = from;
-  if (decision_.from_own_directory) committed_step_ = state_.step;
-  const int64_t saved_per_step = saved.extra.value("samples_per_step", int64_t{0});
-  say("resumed from %s at step %lld (sample %lld%s)\n", from.c_str(), static_cast<long long>(state_.step),
-      static_cast<long long>(state_.base_samples),
-      saved_per_step > 0 && saved_per_step != state_.samples_per_step
-          ? fmt::format("; {} sequences per step now, {} before", state_.samples_per_step, saved_per_step)
-                .c_str()
-          : "");
 }
 
 void TrainingRun::open_metrics() {
@@ -437,124 +224,6 @@ void TrainingRun::print_banner() {
         static_cast<double>(s.optimizer->state_bytes()) / 1048576.0, omp_get_max_threads());
   }
   say("%s\n", s.data->describe().c_str());
-}
-
-void TrainingRun::save(const char* why, bool background) {
-  // At most one save in flight: the previous one commits first (which may be this very step's).
-  const bool was_in_flight = async_save_ != nullptr;
-  if (async_save_) commit_async_save();
-  if (state_.step == committed_step_) {
-    if (!was_in_flight)
-      say("checkpoint of step %lld is already saved in %s\n", static_cast<long long>(state_.step),
-          checkpoint_dir_.c_str());
-    return;
-  }
-  const TrainSetup& s = *setup_;
-  const parallel::Layout& layout = s.layout;
-  const TextCodec& codec = s.data->codec();
-  CheckpointState saved;
-  saved.step = state_.step;
-  saved.optimizer_steps = s.optimizer->steps_taken();
-  saved.layout = {{"tp", layout.tp()},
-                  {"dp", layout.dp()},
-                  {"pp", layout.pp()},
-                  {"cp", layout.cp()},
-                  {"ep", layout.ep()},
-                  {"sequence_parallel", c_.parallel.sequence_parallel},
-                  {"distributed_optimizer", c_.parallel.distributed_optimizer}};
-  saved.model_config = s.model_config->to_json();
-  const int64_t samples = state_.samples_seen();
-  saved.extra = {{"tokens_seen", samples * s.seq},
-                 {"samples_seen", samples},
-                 {"samples_per_step", state_.samples_per_step},
-                 {"seq_len", s.seq},
-                 {"reason", why},
-                 {"tokenizer", codec.description()},
-                 {"tokenizer_fingerprint", codec.fingerprint()},
-                 {"recent_losses", state_.recent_losses},
-                 {"recent_grad_norms", state_.recent_grad_norms}};
-  if (state_.lr_scale_until > state_.step)
-    saved.extra["lr_scale"] = state_.lr_scale, saved.extra["lr_scale_until"] = state_.lr_scale_until;
-  if (plan_steps_) saved.extra["planned_steps"] = state_.total_steps;
-  if (faults_.take(FaultKind::disk_full, state_.step, world_.rank()))
-    arm_fail_point("save.write_shard",
-                   fmt::format("cannot write the checkpoint shard of step {}: No space left on device (fault "
-                               "injection: disk_full)",
-                               state_.step));
-  const std::vector<ShardPiece> pieces = state_.pieces_to_save(world_.rank());
-  CheckpointSaveOptions options;
-  options.keep_last = c_.checkpoint.keep_last;
-  options.files = checkpoint_files_;
-  const auto save_start = Clock::now();
-  const bool periodic = std::string_view(why) == "periodic";
-  try {
-    if (background) {
-      async_save_ = std::make_unique<AsyncCheckpointSave>(checkpoint_dir_.string(), world_, pieces, saved,
-                                                          options, &async_buffer_);
-      state_.finish_save();
-      async_reason_ = why;
-      async_started_ = save_start;
-      return;
-    }
-    const std::string dir = save_checkpoint_step(checkpoint_dir_.string(), world_, pieces, saved, options);
-    state_.finish_save();
-    const double seconds = seconds_since(save_start);
-    after_commit(state_.step, dir, why, seconds, seconds);
-  } catch (const Error& e) {
-    state_.finish_save();
-    if (!periodic) throw;
-    // The previous checkpoint is untouched (the save's staging folder is gone): training goes on.
-    say("checkpoint of step %lld failed: %s; training goes on (%s)\n", static_cast<long long>(state_.step),
-        e.what(),
-        committed_step_ >= 0 ? fmt::format("the newest checkpoint is still step {}", committed_step_).c_str()
-                             : "no checkpoint of this run is saved yet");
-    write_metrics(
-        {{"event", "checkpoint_failed"}, {"step", state_.step}, {"reason", why}, {"error", e.what()}});
-  }
-}
-
-void TrainingRun::commit_async_save() {
-  std::unique_ptr<AsyncCheckpointSave> save = std::move(async_save_);
-  if (!save) return;
-  const double blocked = save->copy_seconds();
-  try {
-    const std::string dir = save->finish();
-    after_commit(save->step(), dir, async_reason_.c_str(), seconds_since(async_started_), blocked);
-  } catch (const Error& e) {
-    say("checkpoint of step %lld failed: %s; training goes on (%s)\n", static_cast<long long>(save->step()),
-        e.what(),
-        committed_step_ >= 0 ? fmt::format("the newest checkpoint is still step {}", committed_step_).c_str()
-                             : "no checkpoint of this run is saved yet");
-    write_metrics({{"event", "checkpoint_failed"},
-                   {"step", save->step()},
-                   {"reason", async_reason_},
-                   {"error", e.what()}});
-  }
-}
-
-// A committed checkpoint: the log line, the metrics record, the hook, and the checkpoint faults of drills.
-void TrainingRun::after_commit(int64_t step, const std::string& dir, const char* why, double seconds,
-                               double blocked_seconds) {
-  committed_step_ = step;
-  const bool background = blocked_seconds < seconds;
-  if (background)
-    say("checkpoint saved to %s (step %lld, %s, %.2f s in the background, the step blocked %.3f s)\n",
-        dir.c_str(), static_cast<long long>(step), why, seconds, blocked_seconds);
-  else
-    say("checkpoint saved to %s (step %lld, %s, %.2f s)\n", dir.c_str(), static_cast<long long>(step), why,
-        seconds);
-  nlohmann::json record = {
-      {"event", "checkpoint"}, {"step", step}, {"reason", why}, {"dir", dir}, {"seconds", seconds}};
-  if (background) record["blocked_s"] = blocked_seconds;
-  write_metrics(record);
-  for (FaultKind kind : {FaultKind::corrupt_checkpoint, FaultKind::truncate_checkpoint})
-    if (faults_.take(kind, step, world_.rank())) {
-      const std::string shard = (fs::path(dir) / shard_file_name(world_.rank(), world_.size())).string();
-      corrupt_file(shard, kind == FaultKind::truncate_checkpoint);
-      std::fprintf(stderr, "forge: fault injection: %s %s\n",
-                   kind == FaultKind::truncate_checkpoint ? "truncated" : "flipped a byte of", shard.c_str());
-    }
-  if (hooks_.on_saved) hooks_.on_saved(step, why);
 }
 
 // Every rank must take the same decision to stop (Ctrl-C reaches ranks at different moments; clocks differ):
@@ -655,148 +324,6 @@ bool TrainingRun::run_step(TrainResult& result) {
   }
   write_heartbeat();
   return true;
-}
-
-// The faults of drills that strike as a step starts (faults.h).
-void TrainingRun::strike_before_step() {
-  if (faults_.empty()) return;
-  const int64_t step = state_.step + 1;
-  const int rank = world_.rank();
-  if (const Fault* f = faults_.take(FaultKind::kill, step, rank)) {
-    std::fprintf(stderr, "forge: fault injection: %s: SIGKILL\n", FaultPlan::describe(*f).c_str());
-    std::fflush(stderr);
-    std::raise(SIGKILL);
-  }
-  if (const Fault* f = faults_.take(FaultKind::hang, step, rank)) {
-    std::fprintf(stderr, "forge: fault injection: %s: this rank stops responding\n",
-                 FaultPlan::describe(*f).c_str());
-    std::fflush(stderr);
-    for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
-  }
-}
-
-void TrainingRun::build_step_hooks() {
-  const int rank = world_.rank();
-  step_hooks_.on_micro_batch = [this, rank](int64_t step, int micro_batch) {
-    if (micro_batch == 0)
-      if (const Fault* f = faults_.take(FaultKind::throw_exception, step, rank))
-        fail("{}: injected exception", FaultPlan::describe(*f));
-  };
-  step_hooks_.on_loss = [this, rank](int64_t step, LossSum& loss) {
-    if (faults_.take(FaultKind::nan_loss, step, rank)) loss.sum = std::numeric_limits<double>::quiet_NaN();
-    if (faults_.take(FaultKind::inf_loss, step, rank)) loss.sum = std::numeric_limits<double>::infinity();
-    if (const Fault* f = faults_.take(FaultKind::spike, step, rank)) loss.sum *= f->factor;
-  };
-  step_hooks_.on_gradients = [this, rank](int64_t step, ParameterStore& params) {
-    if (faults_.take(FaultKind::nan_grad, step, rank))
-      params.grads().f32()[params.grads().numel() / 2] = std::numeric_limits<float>::quiet_NaN();
-    if (const Fault* f = faults_.take(FaultKind::grad_spike, step, rank)) {
-      float* g = params.grads().f32();
-      for (int64_t i = 0; i < params.grads().numel(); ++i) g[i] *= static_cast<float>(f->factor);
-    }
-    if (hooks_.on_gradients) hooks_.on_gradients(step, params);
-  };
-  step_hooks_.judge = [this](int64_t step, double loss, double grad_norm) {
-    return detector_->judge(state_, step, loss, grad_norm);
-  };
-}
-
-// An anomaly in step state_.step + 1, agreed by every rank: restore the newest stable state (an in-memory
-// snapshot, else the newest valid checkpoint), skip the data window that led here, optionally lower the
-// learning rate, and continue; or, with rollback off or the retries spent, end the run with an account.
-void TrainingRun::roll_back(const std::string& cause, TrainResult& result) {
-  const int64_t step = state_.step + 1;
-  write_metrics({{"event", "anomaly"}, {"step", step}, {"cause", cause}});
-  auto stop = [&](const std::string& why) {
-    // A save in flight holds a state from before the anomaly: it commits before the run ends (every rank
-    // is here: the verdict is agreed).
-    if (async_save_) commit_async_save();
-    const std::string last = committed_step_ >= 0 ? fmt::format("the last checkpoint is step {} in {}",
-                                                                committed_step_, checkpoint_dir_.string())
-                                                  : std::string("no checkpoint of this run was saved");
-    std::string account;
-    for (const std::string& a : rollback_account_) account += "; " + a;
-    fail("step {}: {}; the update was not applied and nothing was saved ({}){}{}", step, cause, last, why,
-         account);
-  };
-  if (!c_.resilience.rollback) stop("");
-  if (retries_ >= c_.resilience.max_retries)
-    stop(fmt::format("; {} rollbacks in a row did not get past it (resilience.max_retries = {})", retries_,
-                     c_.resilience.max_retries));
-  if (async_save_) commit_async_save();  // a state from before the anomaly: it commits as it was
-  const int64_t samples_at_anomaly = state_.first_sample_of(state_.step);
-  // The same anomaly again: go one snapshot further back when there is one.
-  if (retries_ > 0 && step <= last_anomaly_step_ && snapshots_.size() > 1) snapshots_.drop_newest();
-  std::string restored;
-  if (!snapshots_.empty()) {
-    state_.restore(snapshots_.newest());
-    restored = fmt::format("the in-memory snapshot of step {}", state_.step);
-  } else {
-    // The newest checkpoint on disk that loads (a damaged one is skipped).
-    const std::vector<std::string> dirs = complete_checkpoints(checkpoint_dir_.string());
-    for (const std::string& dir : dirs) {
-      try {
-        load_state(dir);
-        restored = fmt::format("checkpoint {}", dir);
-        break;
-      } catch (const Error& e) {
-        say("checkpoint %s does not load (%s): skipped\n", dir.c_str(), e.what());
-      }
-    }
-    if (restored.empty())
-      stop(c_.resilience.snapshot_every > 0
-               ? "; there is no stable state to roll back to yet"
-               : "; there is no stable state to roll back to (resilience.snapshot_every = 0 and no valid "
-                 "checkpoint)");
-  }
-  const int64_t restored_step = state_.step;
-  int64_t skipped = 0;
-  if (c_.resilience.skip == "window")
-    skipped = skip_data_window(state_, restored_step, step, samples_at_anomaly);
-  if (c_.resilience.lr_factor < 1 && c_.resilience.lr_steps > 0) {
-    state_.lr_scale = c_.resilience.lr_factor;
-    state_.lr_scale_until = restored_step + 1 + c_.resilience.lr_steps;
-  }
-  ++retries_;
-  last_anomaly_step_ = std::max(last_anomaly_step_, step);
-  committed_step_ = -1;  // the state now differs from every checkpoint: the next save is made
-  // The steps rolled back are not part of this run's losses.
-  const int64_t kept = std::max<int64_t>(0, restored_step - first_step_);
-  if (static_cast<int64_t>(result.losses.size()) > kept) {
-    result.losses.resize(static_cast<size_t>(kept));
-    result.grad_norms.resize(static_cast<size_t>(kept));
-  }
-  if (restored_step < first_step_) first_step_ = restored_step;
-  ++result.rollbacks;
-  const std::string lr =
-      state_.lr_scale_until > restored_step + 1
-          ? fmt::format(", learning rate x{:g} until step {}", state_.lr_scale, state_.lr_scale_until - 1)
-          : std::string();
-  const std::string what = fmt::format(
-      "rollback {} of at most {} at step {} ({}): restored {}, skipped {} samples (steps {}-{}){}", retries_,
-      c_.resilience.max_retries, step, cause, restored, skipped, restored_step + 1, step, lr);
-  rollback_account_.push_back(
-      fmt::format("rollback {} at step {} to step {}", retries_, step, restored_step));
-  say("%s\n", what.c_str());
-  write_metrics({{"event", "rollback"},
-                 {"step", step},
-                 {"cause", cause},
-                 {"restored", restored},
-                 {"restored_step", restored_step},
-                 {"skipped_samples", skipped},
-                 {"skipped_steps", c_.resilience.skip == "window" ? step - restored_step : 0},
-                 {"retry", retries_},
-                 {"lr_scale", state_.lr_scale_until > restored_step + 1 ? state_.lr_scale : 1.0}});
-  interval_start_ = Clock::now();
-  interval_tokens_ = 0;
-}
-
-// <run_dir>/heartbeat, rewritten after every step on the first rank: `forge launch --heartbeat` restarts a
-// job whose heartbeat stops (a rank that hangs stalls every rank at its next collective).
-void TrainingRun::write_heartbeat() {
-  if (!g_leader) return;
-  std::ofstream out(run_dir_ / "heartbeat", std::ios::trunc);
-  out << state_.step << "\n";
 }
 
 void TrainingRun::log_step(const StepResult& r, TrainResult&) {
@@ -1029,7 +556,7 @@ void TrainingRun::sample(TrainResult& result) {
       static_cast<long long>(c_.sample.top_k), result.sample.c_str());
 }
 
-}  // namespace
+}  // namespace detail
 
 std::atomic<bool>& Trainer::stop_flag() {
   static std::atomic<bool> flag{false};
@@ -1047,7 +574,7 @@ Trainer::Trainer(TrainConfig config, comm::Communicator* world) : config_(std::m
 
 TrainResult Trainer::run() {
   comm::Communicator& world = world_ ? *world_ : comm::world();
-  TrainingRun run(config_, world, hooks_);
+  detail::TrainingRun run(config_, world, hooks_);
   return run.run();
 }
 
