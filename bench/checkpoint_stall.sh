@@ -57,7 +57,7 @@ step_s = med(base) / (steps - 1)
 added_sync = med((training_seconds(f"sync-{r}") - base[r - 1]) / saves for r in runs)
 added_async = med((training_seconds(f"async-{r}") - base[r - 1]) / saves for r in runs)
 snap = [[x for x in records(f"snapshot-{r}") if x.get("event") == "snapshots"][0] for r in runs]
-snap_s = med(x["seconds_each"] for x in snap)
+snap_s = med(x["seconds_median"] for x in snap)
 added_snap = med((training_seconds(f"snapshot-{r}") - base[r - 1]) / (steps - 1) for r in runs)
 print(f"32M LLaMA, {steps} steps, a periodic save every {every} ({saves} saves of 378 MB), medians of {repeat} "
       f"runs each; one step {step_s*1e3:.0f} ms")

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <string_view>
@@ -84,7 +85,12 @@ struct SafetensorsBlob {
   const void* data;
   uint64_t bytes;
 };
+// `read`, when given, fetches the bytes instead of the blobs' data pointers (which may then be null):
+// read(blob, offset, destination, bytes), called in order, blob after blob, a chunk of at most 8 MiB at a
+// time (a background checkpoint save reads live memory through it under a lock).
+using BlobReader = std::function<void(size_t blob, uint64_t offset, void* destination, size_t bytes)>;
 uint32_t write_safetensors_blobs(const std::string& path, const std::vector<SafetensorsBlob>& blobs,
-                                 const std::map<std::string, std::string>& metadata = {});
+                                 const std::map<std::string, std::string>& metadata = {},
+                                 const BlobReader& read = {});
 
 }  // namespace forge::ckpt

@@ -488,7 +488,7 @@ std::string begin_checkpoint_save(const std::string& dir) {
 }
 
 ShardFile write_checkpoint_shard(const std::string& dir, int rank, int world_size,
-                                 std::span<const ShardPiece> pieces) {
+                                 std::span<const ShardPiece> pieces, const BlobReader& read) {
   if (world_size < 1 || rank < 0 || rank >= world_size)
     fail("checkpoint {}: rank {} of a world of {} is invalid", dir, rank, world_size);
   ShardFile shard;
@@ -521,7 +521,7 @@ ShardFile write_checkpoint_shard(const std::string& dir, int rank, int world_siz
     blobs.push_back({key, DType::f32, Shape{n}, p.data, static_cast<uint64_t>(n) * sizeof(float)});
     shard.pieces.push_back(piece_json(p, key));
   }
-  shard.crc32 = write_safetensors_blobs(path.string(), blobs);
+  shard.crc32 = write_safetensors_blobs(path.string(), blobs, {}, read);
   std::error_code ec;
   shard.bytes = fs::file_size(path, ec);
   if (ec) fail("checkpoint file {}: {}", path.string(), ec.message());
@@ -613,11 +613,11 @@ std::string begin_sharded_save(const std::string& dir, comm::Communicator& world
 }
 
 ShardWrite write_shard_of_save(const std::string& staging, int rank, int world_size,
-                               std::span<const ShardPiece> pieces) {
+                               std::span<const ShardPiece> pieces, const BlobReader& read) {
   ShardWrite out;
   out.error = error_of([&] {
     fail_point("save.write_shard", rank);
-    out.shard = write_checkpoint_shard(staging, rank, world_size, pieces);
+    out.shard = write_checkpoint_shard(staging, rank, world_size, pieces, read);
   });
   kill_point("save.shard_written", rank);
   return out;

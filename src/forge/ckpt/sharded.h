@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "forge/ckpt/checkpoint.h"
+#include "forge/ckpt/safetensors.h"
 #include "forge/comm/comm.h"
 #include "forge/core/parameters.h"
 #include "forge/core/tensor.h"
@@ -97,8 +98,9 @@ std::string checkpoint_staging_dir(const std::string& dir);
 // staging folder (removing one a crashed save left) and returns it.
 std::string begin_checkpoint_save(const std::string& dir);
 // Writes one rank's shard (tmp file, fsync, rename) and returns its size, CRC32 and piece descriptions.
+// `read` (optional) fetches the pieces' bytes instead of their data pointers (write_safetensors_blobs).
 ShardFile write_checkpoint_shard(const std::string& dir, int rank, int world_size,
-                                 std::span<const ShardPiece> pieces);
+                                 std::span<const ShardPiece> pieces, const BlobReader& read = {});
 // Writes `files`, then manifest.json (tmp file, fsync, rename) for `shards` (one per rank, in rank order)
 // into `dir`. The manifest is the last file of a checkpoint: a folder without one is incomplete.
 void write_checkpoint_manifest(const std::string& dir, std::span<const ShardFile> shards,
@@ -114,7 +116,7 @@ struct ShardWrite {
 };
 std::string begin_sharded_save(const std::string& dir, comm::Communicator& world);
 ShardWrite write_shard_of_save(const std::string& staging, int rank, int world_size,
-                               std::span<const ShardPiece> pieces);
+                               std::span<const ShardPiece> pieces, const BlobReader& read = {});
 void finish_sharded_save(const std::string& dir, comm::Communicator& world, const std::string& staging,
                          const ShardWrite& mine, const CheckpointState& state,
                          std::span<const NamedFile> files = {});

@@ -401,6 +401,7 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule, 
     return r;
   }
   r.lr = static_cast<float>(setup.schedule.lr_at(state.step) * state.lr_scale_at(step));
+  if (hooks.before_update) hooks.before_update();
   setup.optimizer->step(r.lr, clip_coefficient(r.grad_norm, static_cast<float>(c.train.grad_clip)));
   if (nn::Fp8Context* fp8 = setup.fp8.get()) {
     reduce_step_amaxes(setup, *fp8);

@@ -115,6 +115,9 @@ struct StepHooks {
   std::function<void(int64_t step, ParameterStore& params)> on_gradients;
   // The step's reduced loss and gradient norm (finite): a non-empty cause refuses the update as a spike.
   std::function<std::string(int64_t step, double loss, double grad_norm)> judge;
+  // Right before the update changes the weights and the optimizer state (a background checkpoint save
+  // reading them lets go of them here).
+  std::function<void()> before_update;
 };
 
 // Runs one optimizer step of state.step + 1 (collective over the setup's world). The update is applied only

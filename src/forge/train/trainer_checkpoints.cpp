@@ -208,8 +208,11 @@ void TrainingRun::save(const char* why, bool background) {
   const bool periodic = std::string_view(why) == "periodic";
   try {
     if (background) {
-      async_save_ = std::make_unique<AsyncCheckpointSave>(checkpoint_dir_.string(), world_, pieces, saved,
-                                                          options, &async_buffer_);
+      async_save_ = std::make_unique<AsyncCheckpointSave>(
+          checkpoint_dir_.string(), world_, pieces, saved, options, &async_buffer_,
+          // On a CPU the writer reads the state itself until the next update (detach,
+          // StepHooks::before_update).
+          setup_->on_gpu() ? AsyncCheckpointSave::Source::copy : AsyncCheckpointSave::Source::live);
       state_.finish_save();
       async_reason_ = why;
       async_started_ = save_start;
@@ -235,7 +238,7 @@ void TrainingRun::save(const char* why, bool background) {
 void TrainingRun::commit_async_save() {
   std::unique_ptr<AsyncCheckpointSave> save = std::move(async_save_);
   if (!save) return;
-  const double blocked = save->copy_seconds();
+  const double blocked = save->blocked_seconds();
   try {
     const std::string dir = save->finish();
     after_commit(save->step(), dir, async_reason_.c_str(), seconds_since(async_started_), blocked);

@@ -56,6 +56,9 @@ void TrainingRun::build_step_hooks() {
     }
     if (hooks_.on_gradients) hooks_.on_gradients(step, params);
   };
+  step_hooks_.before_update = [this] {
+    if (async_save_) async_save_->detach();
+  };
   step_hooks_.judge = [this](int64_t step, double loss, double grad_norm) {
     return detector_->judge(state_, step, loss, grad_norm);
   };

@@ -67,8 +67,7 @@ class TrainingRun {
   void take_snapshot() {
     const auto start = Clock::now();
     snapshots_.take(state_);
-    snapshot_seconds_ += seconds_since(start);
-    ++snapshots_taken_;
+    snapshot_seconds_.push_back(seconds_since(start));
   }
   void write_metrics(const nlohmann::json& record) {
     if (metrics_) metrics_->write(record);
@@ -107,8 +106,7 @@ class TrainingRun {
   FaultPlan faults_;
   std::optional<SpikeDetector> detector_;
   SnapshotRing snapshots_;
-  double snapshot_seconds_ = 0;  // spent taking in-memory snapshots (the training thread waits)
-  int64_t snapshots_taken_ = 0;
+  std::vector<double> snapshot_seconds_;  // each in-memory snapshot's time (the training thread waits)
   StepHooks step_hooks_;
   int64_t retries_ = 0;                        // rollbacks since the last stable state past an anomaly
   int64_t last_anomaly_step_ = 0;              // the step of the latest anomaly (0: none)
