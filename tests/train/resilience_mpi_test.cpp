@@ -108,6 +108,20 @@ TEST_F(ResilienceRuns, AnomalyOnOneRankRollsEveryRankBackToTheCleanRunThatSkips)
   EXPECT_EQ(got.rollbacks, 1);
 }
 
+// Reading the step's data fails on one rank only: every rank refuses the step (none is left waiting in its
+// collectives) and rolls back together, to the clean run that skips it.
+TEST_F(ResilienceRuns, DataErrorOnOneRankRollsEveryRankBack) {
+  comm::Communicator& world = comm::world();
+  const std::vector<float> clean = final_weights(config("clean"), nullptr, [](TrainState& s) {
+    if (s.step == 4) skip_to(s, 5);
+  });
+  TrainConfig c = config("data");
+  c.resilience.inject = "data_error step=5 rank=" + std::to_string(world.size() - 1);
+  TrainResult got;
+  EXPECT_EQ(final_weights(c, &got), clean);
+  EXPECT_EQ(got.rollbacks, 1);
+}
+
 // skip = none: the rollback replays the same samples, and the run ends bitwise on the uninterrupted one.
 TEST_F(ResilienceRuns, ReplayingTheWindowEqualsTheUninterruptedRun) {
   const std::vector<float> straight = final_weights(config("straight"));

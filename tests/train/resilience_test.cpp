@@ -256,7 +256,8 @@ TEST_F(Resilience, SkipNoneReplaysTheWindowAndEqualsTheUninterruptedRun) {
   EXPECT_EQ(final_weights(c), straight);
 }
 
-// An exception inside a step (while reading its first micro-batch) on one process is an anomaly like a NaN.
+// An exception inside a step's compute (as the schedule takes its first micro-batch) on one process is an
+// anomaly like a NaN.
 TEST_F(Resilience, ExceptionInAStepRollsBackOnOneProcess) {
   const std::vector<float> clean = clean_skipping("clean", 2, 3);
   TrainConfig c = config("throw");
@@ -268,6 +269,23 @@ TEST_F(Resilience, ExceptionInAStepRollsBackOnOneProcess) {
                 .at(0)["cause"]
                 .get<std::string>()
                 .find("an exception in the step: throw at step 3: injected exception"),
+            std::string::npos);
+}
+
+// Reading a step's data fails (a damaged dataset file): the step is refused before anything changes, and
+// rolled back like any anomaly.
+TEST_F(Resilience, DataErrorRollsBack) {
+  const std::vector<float> clean = clean_skipping("clean", 4, 5);
+  TrainConfig c = config("data");
+  c.resilience.inject = "data_error step=5";
+  TrainResult got;
+  EXPECT_EQ(final_weights(c, &got), clean);
+  EXPECT_EQ(got.rollbacks, 1);
+  EXPECT_NE(events(c, "rollback")
+                .at(0)["cause"]
+                .get<std::string>()
+                .find("the step's data could not be read: data_error at step 5: injected error reading the "
+                      "step's data"),
             std::string::npos);
 }
 

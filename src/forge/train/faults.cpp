@@ -20,6 +20,7 @@ constexpr KindName kKinds[] = {{FaultKind::nan_loss, "nan_loss"},
                                {FaultKind::nan_grad, "nan_grad"},
                                {FaultKind::spike, "spike"},
                                {FaultKind::grad_spike, "grad_spike"},
+                               {FaultKind::data_error, "data_error"},
                                {FaultKind::throw_exception, "throw"},
                                {FaultKind::kill, "kill"},
                                {FaultKind::hang, "hang"},
@@ -75,9 +76,8 @@ FaultPlan FaultPlan::parse(std::string_view text, std::string_view origin) {
     if (!known) {
       const std::string hint = did_you_mean(words[0], names);
       fail(
-          "{}: unknown kind '{}'{}; the kinds are nan_loss, inf_loss, nan_grad, spike, grad_spike, throw, "
-          "kill, "
-          "hang, disk_full, corrupt_checkpoint, truncate_checkpoint",
+          "{}: unknown kind '{}'{}; the kinds are nan_loss, inf_loss, nan_grad, spike, grad_spike, "
+          "data_error, throw, kill, hang, disk_full, corrupt_checkpoint, truncate_checkpoint",
           where, words[0], hint);
     }
     if (is_checkpoint_fault(f.kind)) f.rank = 0;

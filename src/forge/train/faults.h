@@ -8,7 +8,9 @@
 //   nan_grad              a gradient of step k on rank r is NaN (after the reduction, as a bad copy would be)
 //   spike                 the loss of step k on rank r is multiplied by factor (default 100)
 //   grad_spike            the gradients of step k on rank r are multiplied by factor (default 100)
-//   throw                 an exception in step k on rank r (while it reads its first micro-batch)
+//   data_error            reading step k's data fails on rank r (an exception, agreed over the ranks)
+//   throw                 an exception inside step k's compute on rank r (as its schedule takes the first
+//                         micro-batch)
 //   kill                  SIGKILL of rank r as step k starts
 //   hang                  rank r stops responding as step k starts (it sleeps until killed)
 //   disk_full             the save of step k fails on rank r with "No space left on device"
@@ -34,6 +36,7 @@ enum class FaultKind {
   nan_grad,
   spike,
   grad_spike,
+  data_error,
   throw_exception,
   kill,
   hang,

@@ -337,14 +337,41 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule, 
   Model& model = *setup.model;
   ParameterStore& params = model.params();
   const int64_t micro = setup.micro, seq = setup.seq, accum = setup.accum, dp = setup.dp;
+  comm::Communicator& world = setup.world;
+  const int64_t step = state.step + 1;
+  // Sample order is that of one rank running dp x accum micro-batches: replica d takes the d-th run. Each
+  // micro-batch has its own ids and targets, which a schedule may still read (the embedding's W) later.
+  // They are read before anything else, and a failure to read them (a damaged dataset file) is agreed over
+  // the world: every rank refuses the step together with nothing changed, rather than one rank leaving the
+  // others waiting inside the step's collectives.
+  const int64_t first_sample = state.first_sample_of(state.step);
+  std::vector<std::vector<int32_t>> ids(accum), targets(accum);
+  std::string data_error;
+  try {
+    for (int64_t m = 0; m < accum; ++m) {
+      if (hooks.on_read) hooks.on_read(step, static_cast<int>(m));
+      ids[m].resize(micro * seq), targets[m].resize(micro * seq);
+      setup.data->train_batch(first_sample + (setup.dp_rank * accum + m) * micro, micro, ids[m].data(),
+                              targets[m].data());
+    }
+  } catch (const std::exception& e) {
+    data_error = e.what()[0] ? e.what() : "unknown error";
+  }
+  if (world.size() > 1 && comm::all_reduce_max(world, data_error.empty() ? 0.0 : 1.0) > 0) {
+    const std::vector<std::string> errors = comm::all_gather_strings(world, data_error);
+    data_error.clear();
+    for (size_t r = 0; r < errors.size() && data_error.empty(); ++r)
+      if (!errors[r].empty()) data_error = fmt::format("{} (rank {})", errors[r], r);
+  }
+  if (!data_error.empty()) {
+    StepResult refused;
+    refused.data_error = data_error;
+    return refused;
+  }
   params.zero_grads();
   params.begin_grad_step(schedule.micro_batches_per_chunk(static_cast<int>(accum)));
   setup.buckets->begin_step();
   if (setup.expert_buckets) setup.expert_buckets->begin_step();
-  // Sample order is that of one rank running dp x accum micro-batches: replica d takes the d-th run. Each
-  // micro-batch has its own ids and targets, which a schedule may still read (the embedding's W) later.
-  const int64_t first_sample = state.first_sample_of(state.step);
-  std::vector<std::vector<int32_t>> ids(accum), targets(accum);
   const float grad_scale = 1.0f / static_cast<float>(micro * accum * dp * seq);
   TrainStepSettings settings;
   settings.balance_scale =
@@ -352,12 +379,8 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule, 
   settings.aux_loss_scale = static_cast<float>(c.moe.aux_loss_coeff / static_cast<double>(accum * dp));
   settings.mtp_weight = static_cast<float>(c.mtp_loss_weight_at(state.step + 1));
   for (Model* m : setup.chunks()) m->begin_train_step(settings);
-  const int64_t step = state.step + 1;
   LossSum loss = schedule.run(model, static_cast<int>(accum), [&](int m) {
     if (hooks.on_micro_batch) hooks.on_micro_batch(step, m);
-    ids[m].resize(micro * seq), targets[m].resize(micro * seq);
-    setup.data->train_batch(first_sample + (setup.dp_rank * accum + m) * micro, micro, ids[m].data(),
-                            targets[m].data());
     return MicroBatch{ids[m].data(), targets[m].data(), micro, seq, grad_scale};
   });
   FORGE_CHECK(!params.grad_step_active(),
@@ -385,7 +408,6 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule, 
   // weights, the optimizer state and the checkpoints stay those of the last good step. Agreed over the world:
   // a rank whose copy alone went bad (replicated gradients are not reduced again for the norm) must not leave
   // the others applying the step without it.
-  comm::Communicator& world = setup.world;
   // A spike is judged on values every rank holds alike; the verdict is agreed all the same, in the same
   // reduction, so that no rank could ever apply a step another refused.
   const bool finite = std::isfinite(r.loss) && std::isfinite(r.grad_norm) && local_gradients_finite(params);

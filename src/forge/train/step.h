@@ -83,6 +83,7 @@ struct StepResult {
   bool applied = false;    // false: an anomaly (non_finite or spike below); nothing was changed
   std::string non_finite;  // what was not finite, and on which rank first (collective)
   std::string spike;       // the loss or gradient-norm spike StepHooks::judge found (agreed over the world)
+  std::string data_error;  // the step's data could not be read, on some rank ("<error> (rank r)"; agreed)
   // Models with routed experts or MTP, on every rank after an applied step: every MoE layer of the model in
   // slot order, and every MTP depth, over the global batch.
   std::vector<ExpertLayerReport> experts;
@@ -107,7 +108,11 @@ BalanceMetrics balance_metrics(const StepResult& r);
 // Callbacks into a step (the trainer's fault injection and spike detection, tests). Each may be empty; step
 // numbers are 1-based, as logged.
 struct StepHooks {
-  // As micro-batch m is read (an exception thrown here is an exception in the step).
+  // As micro-batch m's data is read, before the step changes anything (an exception thrown here is a data
+  // error, agreed over the world: StepResult::data_error).
+  std::function<void(int64_t step, int micro_batch)> on_read;
+  // As the schedule takes micro-batch m, inside the step's compute (an exception thrown here is an
+  // exception in the step: the caller's to handle).
   std::function<void(int64_t step, int micro_batch)> on_micro_batch;
   // This rank's loss of the step, before it is reduced over ranks.
   std::function<void(int64_t step, models::LossSum& loss)> on_loss;

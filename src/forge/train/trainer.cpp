@@ -286,6 +286,7 @@ bool TrainingRun::run_step(TrainResult& result) {
   if (!r.applied) {
     if (profile_this_step) ops::profile_end();
     const std::string cause = !exception.empty()      ? "an exception in the step: " + exception
+                              : !r.data_error.empty() ? "the step's data could not be read: " + r.data_error
                               : !r.non_finite.empty() ? r.non_finite
                                                       : r.spike;
     roll_back(cause, result);

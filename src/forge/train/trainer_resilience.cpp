@@ -37,6 +37,11 @@ void TrainingRun::strike_before_step() {
 
 void TrainingRun::build_step_hooks() {
   const int rank = world_.rank();
+  step_hooks_.on_read = [this, rank](int64_t step, int micro_batch) {
+    if (micro_batch == 0)
+      if (const Fault* f = faults_.take(FaultKind::data_error, step, rank))
+        fail("{}: injected error reading the step's data", FaultPlan::describe(*f));
+  };
   step_hooks_.on_micro_batch = [this, rank](int64_t step, int micro_batch) {
     if (micro_batch == 0)
       if (const Fault* f = faults_.take(FaultKind::throw_exception, step, rank))
