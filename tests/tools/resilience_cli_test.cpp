@@ -100,6 +100,18 @@ class ResilienceCli : public ScratchDirTest {
   }
 };
 
+// A fault spec that does not parse is one line naming where it came from, before anything runs.
+TEST_F(ResilienceCli, BadFaultSpecsAreOneLine) {
+  RunOptions env;
+  env.environment = "FORGE_FAULT='nan_los step=3'";
+  expect_one_line_error(
+      train_args("bad"),
+      "FORGE_FAULT: fault 1 'nan_los step=3': unknown kind 'nan_los'; did you mean 'nan_loss'?", env);
+  expect_one_line_error(train_args("bad", " --set 'resilience.inject=kill rank=1'"),
+                        "resilience.inject: fault 1 'kill rank=1': step=<k> is missing");
+  EXPECT_FALSE(fs::exists(path("bad") + "/checkpoint"));
+}
+
 // One process killed at step 4: launch restarts it, it resumes from step 3, and ends bit for bit on the
 // uninterrupted run; a hang (with launch's heartbeat watch) likewise.
 TEST_F(ResilienceCli, OneProcessKilledOrHungIsRestartedAndResumesExactly) {

@@ -48,7 +48,12 @@ void add_train_command(CLI::App& app, Commands& commands) {
       "[--set parallel.distributed_optimizer=true]: N ranks as tp x dp (dp = N / tp); rank 0 logs, every\n"
       "rank writes its checkpoint shard (see docs/parallelism.md).\n"
       "FP8: --set fp8.recipe=delayed|current|block runs the transformer layers' Linear GEMMs in FP8\n"
-      "(emulated exactly on CPU; see docs/fp8.md).");
+      "(emulated exactly on CPU; see docs/fp8.md).\n"
+      "When training goes wrong ([resilience], docs/resilience.md): a NaN/Inf or a loss spike rolls back to\n"
+      "an in-memory snapshot, skips the data window and goes on (resilience.max_retries in a row, then one\n"
+      "line naming step, rank and cause). Periodic checkpoints are written in the background\n"
+      "(checkpoint.async). Faults for drills: --set 'resilience.inject=nan_loss step=50 rank=1' or\n"
+      "FORGE_FAULT=...; restarts after a dead or hung rank: forge launch -- ... (docs/launch.md).");
   commands.push_back({train, [o] { return run_train(*o); }});
 }
 

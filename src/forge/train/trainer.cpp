@@ -400,6 +400,8 @@ void TrainingRun::plan_length() {
 
 TrainResult TrainingRun::run() {
   g_leader = world_.rank() == 0;
+  // Before anything is set up or written: a fault spec that does not parse is bad input.
+  faults_ = FaultPlan::for_run(c_.resilience.inject, "resilience.inject");
   setup_ = std::make_unique<TrainSetup>(c_, world_);
   TrainSetup& s = *setup_;
   if (s.init_source) say("initialised from %s\n", s.init_source->dir.c_str());
@@ -445,7 +447,6 @@ TrainResult TrainingRun::run() {
     checkpoint_files_.push_back({"tokenizer.json", std::move(text)});
   }
 
-  faults_ = FaultPlan::for_run(c_.resilience.inject, "resilience.inject");
   if (!faults_.empty()) {
     std::string list;
     for (const Fault& f : faults_.faults()) list += (list.empty() ? "" : ", ") + FaultPlan::describe(f);
