@@ -339,6 +339,27 @@ TEST_F(Resilience, LossSpikeRollsBackAndLowersTheLearningRate) {
   EXPECT_FLOAT_EQ(lr_of(a, 15), lr_of(b, 15));
 }
 
+// A gradient-norm spike (the gradients x100 at step 14) with grad_norm_spike on, judged as a z-score.
+TEST_F(Resilience, GradientNormSpikeRollsBack) {
+  TrainConfig c = config("grad_spike");
+  c.train.steps = 16;
+  c.resilience.window = 10;
+  c.resilience.snapshot_every = 4;
+  c.resilience.spike_metric = "zscore";
+  c.resilience.loss_spike = 0;
+  c.resilience.grad_norm_spike = 6;
+  c.resilience.inject = "grad_spike step=14";
+  TrainResult got;
+  final_weights(c, &got);
+  EXPECT_EQ(got.rollbacks, 1);
+  const nlohmann::json rollback = events(c, "rollback").at(0);
+  EXPECT_NE(rollback["cause"].get<std::string>().find("gradient norm spike"), std::string::npos) << rollback;
+  EXPECT_NE(rollback["cause"].get<std::string>().find("standard deviations above the mean"),
+            std::string::npos)
+      << rollback;
+  EXPECT_EQ(rollback["restored_step"], 12);
+}
+
 // A persistent NaN (every time step 5 runs) stops after max_retries rollbacks, naming step, rank and cause,
 // with the account of each rollback; nothing of step 5 is saved.
 TEST_F(Resilience, PersistentNanStopsAfterTheRetryLimit) {

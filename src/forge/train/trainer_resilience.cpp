@@ -11,6 +11,7 @@
 #include "forge/comm/comm.h"
 #include "forge/core/error.h"
 #include "forge/core/fault_injection.h"
+#include "forge/kernels/ops.h"
 #include "forge/train/training_run.h"
 
 namespace forge::train::detail {
@@ -53,12 +54,15 @@ void TrainingRun::build_step_hooks() {
     if (const Fault* f = faults_.take(FaultKind::spike, step, rank)) loss.sum *= f->factor;
   };
   step_hooks_.on_gradients = [this, rank](int64_t step, ParameterStore& params) {
-    if (faults_.take(FaultKind::nan_grad, step, rank))
-      params.grads().f32()[params.grads().numel() / 2] = std::numeric_limits<float>::quiet_NaN();
-    if (const Fault* f = faults_.take(FaultKind::grad_spike, step, rank)) {
-      float* g = params.grads().f32();
-      for (int64_t i = 0; i < params.grads().numel(); ++i) g[i] *= static_cast<float>(f->factor);
+    // Through tensors and ops: on a GPU the gradients are not host memory.
+    if (faults_.take(FaultKind::nan_grad, step, rank)) {
+      Tensor nan = Tensor::empty({1}, DType::f32);
+      nan.f32()[0] = std::numeric_limits<float>::quiet_NaN();
+      params.grads().view(params.grads().numel() / 2, {1}).copy_from(nan);
     }
+    if (const Fault* f = faults_.take(FaultKind::grad_spike, step, rank))
+      ops::scale_inplace(params.grads().f32(), static_cast<float>(f->factor), params.grads().numel(),
+                         params.device());
     if (hooks_.on_gradients) hooks_.on_gradients(step, params);
   };
   step_hooks_.before_update = [this] {
