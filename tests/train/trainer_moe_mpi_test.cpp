@@ -151,7 +151,9 @@ TEST_P(MoeLayouts, ReproduceTheOneRankRun) {
                   2.0 / (30.0 * accum * p.dp))
           << "step " << s + 1;
     }
-    if (p.capacity_factor > 0) EXPECT_GT(dropped, 0) << "the capacity never dropped: the case checks nothing";
+    if (p.capacity_factor > 0) {
+      EXPECT_GT(dropped, 0) << "the capacity never dropped: the case checks nothing";
+    }
   }
   toy::expect_weights_close(fs::path(ref.log.run_dir) / "checkpoint",
                             fs::path(par.log.run_dir) / "checkpoint", 2e-4);
@@ -358,7 +360,9 @@ TEST_F(ExpertParallelRuns, GroupLimitedRoutingBoundsTheFanOut) {
       for (const nlohmann::json& layer : r["moe"]["layers"]) {
         most = std::max(most, layer["max_ranks_per_token"].get<int64_t>());
         EXPECT_GT(layer["ranks_per_token"].get<double>(), 1.0) << layer.dump();
-        if (grouped) EXPECT_LE(layer["max_ranks_per_token"].get<int64_t>(), 2) << layer.dump();
+        if (grouped) {
+          EXPECT_LE(layer["max_ranks_per_token"].get<int64_t>(), 2) << layer.dump();
+        }
       }
     if (grouped)
       EXPECT_EQ(most, 2);
@@ -419,7 +423,9 @@ void expert_parallel_on_gpus_follows_the_one_rank_run(TrainConfig ref, TrainConf
           << "ep " << ep << " step " << s + 1;
     }
   }
-  if (emulation) EXPECT_EQ(EmulatedDevice::live_allocations(), 0);
+  if (emulation) {
+    EXPECT_EQ(EmulatedDevice::live_allocations(), 0);
+  }
 }
 
 TEST_F(ExpertParallelRuns, OnGpusFollowTheOneRankRun) {
