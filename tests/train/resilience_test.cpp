@@ -222,7 +222,8 @@ TEST_F(Resilience, TransientNanLossRollsBackToTheSnapshotAndEqualsTheCleanRunTha
   EXPECT_EQ(got.rollbacks, 1);
   EXPECT_NE(out.find("rollback 1 of at most 3 at step 5 (the training loss is nan"), std::string::npos)
       << out;
-  EXPECT_NE(out.find("restored the in-memory snapshot of step 4, skipped 4 samples (steps 5-5)"),
+  EXPECT_NE(out.find("restored nothing (the state of step 4: the update was not applied), skipped 4 samples "
+                     "(steps 5-5)"),
             std::string::npos)
       << out;
   const std::vector<nlohmann::json> rollbacks = events(c, "rollback");
@@ -235,10 +236,20 @@ TEST_F(Resilience, TransientNanLossRollsBackToTheSnapshotAndEqualsTheCleanRunTha
   EXPECT_EQ(events(c, "anomaly").size(), 1u);
 }
 
-// A NaN gradient at step 6 with the newest snapshot at step 4: steps 5 and 6 are rolled back and skipped.
-TEST_F(Resilience, TransientNanGradientSkipsTheWholeWindowSinceTheSnapshot) {
+// A NaN gradient at step 6 with the newest snapshot at step 4: by default (skip_first) only step 6's samples
+// are skipped, the state kept; with skip_first off, the snapshot is restored and steps 5 and 6 skipped.
+TEST_F(Resilience, TransientNanGradientSkipsTheStepOrTheWholeWindowSinceTheSnapshot) {
+  TrainConfig first = config("nan_grad_first");
+  first.resilience.snapshot_every = 4;
+  first.resilience.inject = "nan_grad step=6";
+  TrainResult in_place;
+  EXPECT_EQ(final_weights(first, &in_place), clean_skipping("clean_step", 5, 6));
+  EXPECT_EQ(in_place.rollbacks, 1);
+  EXPECT_EQ(events(first, "rollback").at(0)["skipped_samples"], 4);
+
   const std::vector<float> clean = clean_skipping("clean", 4, 6);
   TrainConfig c = config("nan_grad");
+  c.resilience.skip_first = false;
   c.resilience.snapshot_every = 4;
   c.resilience.inject = "nan_grad step=6";
   TrainResult got;
@@ -293,6 +304,7 @@ TEST_F(Resilience, DataErrorRollsBack) {
 TEST_F(Resilience, WithoutSnapshotsTheNewestCheckpointIsRestored) {
   const std::vector<float> clean = clean_skipping("clean", 4, 5);
   TrainConfig c = config("disk");
+  c.resilience.skip_first = false;
   c.resilience.snapshot_every = 0;
   c.checkpoint.every = 2;
   c.resilience.inject = "nan_loss step=5";
@@ -308,6 +320,7 @@ TEST_F(Resilience, WithoutSnapshotsTheNewestCheckpointIsRestored) {
 // learning rate is lowered for lr_steps steps after the rollback.
 TEST_F(Resilience, LossSpikeRollsBackAndLowersTheLearningRate) {
   TrainConfig c = config("spike");
+  c.resilience.skip_first = false;  // the snapshot of step 12, so that steps 13 and 14 run at half the rate
   c.train.steps = 16;
   c.resilience.window = 10;
   c.resilience.snapshot_every = 4;
@@ -357,7 +370,7 @@ TEST_F(Resilience, GradientNormSpikeRollsBack) {
   EXPECT_NE(rollback["cause"].get<std::string>().find("standard deviations above the mean"),
             std::string::npos)
       << rollback;
-  EXPECT_EQ(rollback["restored_step"], 12);
+  EXPECT_EQ(rollback["restored_step"], 13);  // skip_first: the state kept, step 14's samples skipped
 }
 
 // A persistent NaN (every time step 5 runs) stops after max_retries rollbacks, naming step, rank and cause,
@@ -373,10 +386,47 @@ TEST_F(Resilience, PersistentNanStopsAfterTheRetryLimit) {
   EXPECT_NE(e.find("2 rollbacks in a row did not get past it (resilience.max_retries = 2)"),
             std::string::npos)
       << e;
-  EXPECT_NE(e.find("rollback 1 at step 5 to step 4; rollback 2 at step 5 to step 2"), std::string::npos) << e;
+  // The first rollback keeps the state and skips step 5's samples; the NaN comes back, and the second
+  // restores the newest snapshot (step 4).
+  EXPECT_NE(e.find("rollback 1 at step 5 to step 4; rollback 2 at step 5 to step 4"), std::string::npos) << e;
   EXPECT_EQ(events(c, "rollback").size(), 2u);
   EXPECT_EQ(events(c, "anomaly").size(), 3u);
   EXPECT_LT(read_checkpoint_manifest(c.checkpoint_dir().string()).step, 5);
+}
+
+// With the FP8 delayed recipe, a refused step's amaxes are forgotten with it (and the weights cast again): a
+// rollback, keeping the state or restoring a snapshot, ends bitwise on the clean run that skips the step,
+// amax histories and scales included.
+TEST_F(Resilience, Fp8DelayedScalingForgetsTheRefusedStep) {
+  auto fp8 = [&](const std::string& run) {
+    TrainConfig c = config(run);
+    c.fp8.recipe = "delayed";
+    c.fp8.bf16_first_layers = c.fp8.bf16_last_layers = 0;
+    return c;
+  };
+  std::vector<float> clean;
+  TrainResult want;
+  {
+    TrainConfig c = fp8("clean");
+    Trainer t(c);
+    t.on_state([&](TrainState& s) {
+      if (s.step == 4) {
+        const int64_t resume_at = s.first_sample_of(5);
+        s.base_step = 4, s.base_samples = resume_at;
+      }
+      if (s.step == c.train.steps) clean = host_weights(s);
+    });
+    want = t.run();
+  }
+  for (bool skip_first : {true, false}) {  // the state kept, or the snapshot of step 4 restored
+    TrainConfig c = fp8(skip_first ? "nan_kept" : "nan_restored");
+    c.resilience.skip_first = skip_first;
+    c.resilience.inject = "nan_loss step=5";
+    TrainResult got;
+    EXPECT_EQ(final_weights(c, &got), clean) << skip_first;
+    EXPECT_EQ(got.fp8_scales, want.fp8_scales) << skip_first;
+    EXPECT_EQ(got.losses, want.losses) << skip_first;
+  }
 }
 
 // ---- Checkpoints.

@@ -92,6 +92,14 @@ std::span<float> Fp8Context::step_amaxes() {
   return group ? group->current_amaxes() : std::span<float>();
 }
 
+void Fp8Context::discard_step() {
+  if (accumulators_.defined()) accumulators_.fill_zero();
+  if (fp8::DelayedScalingGroup* group = delayed_group()) {
+    const std::span<float> current = group->current_amaxes();
+    std::fill(current.begin(), current.end(), 0.0f);
+  }
+}
+
 void Fp8Context::end_step() {
   fold_accumulators();
   if (fp8::DelayedScalingGroup* group = delayed_group()) group->update();

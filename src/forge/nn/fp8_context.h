@@ -107,6 +107,10 @@ class Fp8Context {
   // contiguous, for the caller's max all-reduce; then end_step() computes the scales of the next step.
   std::span<float> step_amaxes();
   void end_step();
+  // A step that is not applied (refused by the trainer): the amaxes it recorded are forgotten. The weights'
+  // casts are not redone by themselves (the weights did not change): the caller bumps the weight version
+  // (ParameterStore::refresh_bf16) so that the next step casts them again and records their amaxes.
+  void discard_step();
 
   // Delayed scaling state for checkpoints (history by age [history_len][linears * 3], scales [linears * 3]);
   // null for the other recipes.

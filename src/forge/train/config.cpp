@@ -391,6 +391,13 @@ const std::vector<KeySpec>& key_specs() {
        "rollbacks in a row (without a new stable snapshot in between) before the run stops",
        {}},
       {"resilience",
+       "skip_first",
+       FORGE_FIELD(resilience.skip_first),
+       "the first rollback in a row keeps the state as it is (the anomalous step's update was never applied) "
+       "and only skips that step's samples; a snapshot is restored only if the anomaly comes back (false: "
+       "always restore)",
+       {}},
+      {"resilience",
        "snapshot_every",
        FORGE_FIELD(resilience.snapshot_every),
        "keep an in-memory snapshot of the state every this many steps, the rollback target (0 = none: roll "

@@ -150,6 +150,7 @@ struct TrainConfig {
   struct Resilience {
     bool rollback = true;         // restore the last stable state on an anomaly (false: stop there)
     int64_t max_retries = 3;      // rollbacks in a row without a new stable snapshot, then stop
+    bool skip_first = true;       // the first rollback in a row only skips the anomalous step's samples
     int64_t snapshot_every = 50;  // in-memory snapshot every this many steps (0 = roll back from disk)
     std::string skip = "window";  // window | none: skip the samples between the restored step and the anomaly
     double lr_factor = 1.0;       // after a rollback the learning rate is multiplied by this ...

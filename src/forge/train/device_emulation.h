@@ -1,10 +1,10 @@
-// The whole GPU path on machines without GPUs: the device emulation of kernels/emulated_device.h (Device::cuda
-// runs the CPU kernels on memory the host cannot touch outside ops and copies) plus communicators over that
-// memory, which make_nccl hands out while it lives: each operation checks that its buffers are device memory (as
-// NCCL needs), opens device memory to the host and runs the same operation over MPI (or the one-rank
-// communicator) to completion. So tensor and data parallelism on "GPUs" (device gradient buckets, ZeRO-1's
-// device shards, stream-ordered tensor-parallel collectives) run under mpirun in CI. Not the NCCL library, its
-// streams or its overlap: those need GPUs (ctest -L cuda).
+// The whole GPU path on machines without GPUs: the device emulation of kernels/emulated_device.h
+// (Device::cuda runs the CPU kernels on memory the host cannot touch outside ops and copies) plus
+// communicators over that memory, which make_nccl hands out while it lives: each operation checks that its
+// buffers are device memory (as NCCL needs), opens device memory to the host and runs the same operation over
+// MPI (or the one-rank communicator) to completion. So tensor and data parallelism on "GPUs" (device gradient
+// buckets, ZeRO-1's device shards, stream-ordered tensor-parallel collectives) run under mpirun in CI. Not
+// the NCCL library, its streams or its overlap: those need GPUs (ctest -L cuda).
 #pragma once
 
 #include "forge/kernels/emulated_device.h"

@@ -31,7 +31,7 @@ class MetricsWriter {
 };
 
 struct StepLine {
-  int64_t step = 0;  // 1-based count of finished steps
+  int64_t step = 0;         // 1-based count of finished steps
   int64_t total_steps = 0;  // <= 0: unknown, printed as "?"
   double loss = 0;
   double lr = 0;

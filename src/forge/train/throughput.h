@@ -17,13 +17,13 @@ namespace forge::train {
 
 struct ThroughputResult {
   double tokens_per_s = 0;
-  double model_gflops = 0;     // model FLOP/s (ModelConfig::flops_per_token) / 1e9
+  double model_gflops = 0;  // model FLOP/s (ModelConfig::flops_per_token) / 1e9
   double seconds_per_step = 0;
   double loss = 0;             // last step's loss (sanity: ~ln(vocab) on random tokens)
   std::vector<double> losses;  // every step's, warm-up included (the same tokens every step: they fall)
   double peak_device_gib = 0;  // peak device memory of the run (GPU runs; 0 on the CPU)
-  // With profile_steps > 0: an op profile of that many more steps, run after the timed ones (which it does not
-  // touch). A profile that fails leaves the timed result standing and says why in profile_error.
+  // With profile_steps > 0: an op profile of that many more steps, run after the timed ones (which it does
+  // not touch). A profile that fails leaves the timed result standing and says why in profile_error.
   std::optional<ops::OpProfile> profile;
   int profile_steps = 0;
   std::string profile_error;
@@ -33,8 +33,8 @@ struct ThroughputResult {
 // precisions from the same seed can be compared step by step. A step is grad_accum micro-batches of `batch`
 // sequences (each its own tokens) accumulated into one gradient, then one optimizer update, as training
 // with train.grad_accum does: the update's cost is shared by grad_accum x batch x seq tokens.
-ThroughputResult measure_training_throughput(const models::ModelConfig& config, nn::ComputeOptions options, int64_t batch,
-                                             int64_t seq, int warmup_steps, int steps,
+ThroughputResult measure_training_throughput(const models::ModelConfig& config, nn::ComputeOptions options,
+                                             int64_t batch, int64_t seq, int warmup_steps, int steps,
                                              const std::optional<nn::Fp8Options>& fp8 = std::nullopt,
                                              int64_t grad_accum = 1, int profile_steps = 0);
 

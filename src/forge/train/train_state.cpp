@@ -70,8 +70,15 @@ void TrainState::restore(const Snapshot& s) {
   from_host_vector(params->params(), s.params, "the weights");
   from_host_vector(optimizer->exp_avg(), s.exp_avg, "the first moments");
   from_host_vector(optimizer->exp_avg_sq(), s.exp_avg_sq, "the second moments");
-  params->refresh_bf16();  // and a new weight version: FP8 weight casts are made again
+  params->refresh_bf16();        // and a new weight version: FP8 weight casts are made again
+  if (fp8) fp8->discard_step();  // what a refused step accumulated
   if (fp8::DelayedScalingGroup* g = delayed_group(fp8)) g->import_state(s.fp8_history, s.fp8_scales);
+}
+
+void TrainState::discard_refused_step() {
+  if (!fp8) return;
+  fp8->discard_step();
+  params->refresh_bf16();  // a new weight version: the next step casts (and records) the weights again
 }
 
 TrainState::Fp8Format TrainState::fp8_format_of(const std::vector<std::string>& names) {

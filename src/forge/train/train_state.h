@@ -66,6 +66,10 @@ struct TrainState {
   void snapshot_into(Snapshot& s) const;
   // Puts everything back as it was at snapshot(); the bf16 shadow and FP8 weight casts follow.
   void restore(const Snapshot& s);
+  // Forgets what a refused step recorded beyond its gradients (the FP8 delayed recipe's amaxes of the
+  // current step, and its weight casts), so that the state is again exactly that after the last applied
+  // step.
+  void discard_refused_step();
 
   // ---- Checkpoints. The pieces of this rank's state to save, and the destinations to load into; after a
   // load, finish_load() applies what was read. The delayed-scaling state is saved per FP8 Linear, under its

@@ -1,8 +1,8 @@
 // The trainer: micro-batches with gradient accumulation, global-norm clipping, AdamW with an LR schedule,
-// held-out evaluation in bits per byte, one log line and one metrics.jsonl record per logged step, checkpoints
-// (periodic, final, and on Ctrl-C) with bitwise-exact resume, and a sample, on one process or under
-// tensor x data parallelism. Built as setup (setup.h), state (train_state.h), step (step.h) and the loop
-// (trainer.cpp), which decides when to log, evaluate, checkpoint, sample and stop.
+// held-out evaluation in bits per byte, one log line and one metrics.jsonl record per logged step,
+// checkpoints (periodic, final, and on Ctrl-C) with bitwise-exact resume, and a sample, on one process or
+// under tensor x data parallelism. Built as setup (setup.h), state (train_state.h), step (step.h) and the
+// loop (trainer.cpp), which decides when to log, evaluate, checkpoint, sample and stop.
 #pragma once
 
 #include <atomic>
@@ -26,15 +26,15 @@ struct TrainState;
 namespace forge::train {
 
 struct TrainResult {
-  int64_t steps_done = 0;         // optimizer steps completed in total (including resumed ones)
-  std::vector<double> losses;     // training loss of each step run in this invocation
+  int64_t steps_done = 0;          // optimizer steps completed in total (including resumed ones)
+  std::vector<double> losses;      // training loss of each step run in this invocation
   std::vector<double> grad_norms;  // global gradient norm of each of those steps (before clipping)
-  double heldout_loss = 0;        // final evaluation, nats per token
+  double heldout_loss = 0;         // final evaluation, nats per token
   double heldout_bits_per_byte = 0;
   bool interrupted = false;
-  int64_t rollbacks = 0;          // automatic rollbacks after anomalies (docs/resilience.md)
+  int64_t rollbacks = 0;            // automatic rollbacks after anomalies (docs/resilience.md)
   bool time_limit_reached = false;  // stopped by train.max_minutes before the planned/configured steps
-  std::string sample;             // generated text ("" when sample.tokens == 0)
+  std::string sample;               // generated text ("" when sample.tokens == 0)
   int64_t peak_activation_bytes = 0;
   // FP8 delayed recipe: the scales of every FP8 Linear's operands after the last step ([linears][3]: input,
   // weight, output gradient); empty for the other recipes and without FP8.
@@ -63,7 +63,9 @@ class Trainer {
   void on_step(std::function<void(int64_t)> callback) { hooks_.on_step = std::move(callback); }
   // Called after each checkpoint is committed, with its step and why it was saved ("periodic", "final",
   // "interrupted").
-  void on_saved(std::function<void(int64_t, const std::string&)> callback) { hooks_.on_saved = std::move(callback); }
+  void on_saved(std::function<void(int64_t, const std::string&)> callback) {
+    hooks_.on_saved = std::move(callback);
+  }
   // Called in every step once its gradients are reduced, before they are checked and applied, with the
   // step's number (1-based, as logged) and the parameters (tests poison a gradient here).
   void on_gradients(std::function<void(int64_t, ParameterStore&)> callback) {

@@ -97,10 +97,18 @@ void TrainingRun::roll_back(const std::string& cause, TrainResult& result) {
                      c_.resilience.max_retries));
   if (async_save_) commit_async_save();  // a state from before the anomaly: it commits as it was
   const int64_t samples_at_anomaly = state_.first_sample_of(state_.step);
-  // The same anomaly again: go one snapshot further back when there is one.
-  if (retries_ > 0 && step <= last_anomaly_step_ && snapshots_.size() > 1) snapshots_.drop_newest();
+  // The first response keeps the state (the step's update was never applied: it is the state after step
+  // k - 1) and skips the step's samples: a single bad batch costs one step. If the anomaly comes back, the
+  // newest snapshot; then one further back each time.
+  const bool in_place = c_.resilience.skip_first && retries_ == 0;
+  const int64_t further_after = c_.resilience.skip_first ? 1 : 0;
+  if (retries_ > further_after && step <= last_anomaly_step_ && snapshots_.size() > 1)
+    snapshots_.drop_newest();
   std::string restored;
-  if (!snapshots_.empty()) {
+  if (in_place) {
+    state_.discard_refused_step();
+    restored = fmt::format("nothing (the state of step {}: the update was not applied)", state_.step);
+  } else if (!snapshots_.empty()) {
     state_.restore(snapshots_.newest());
     restored = fmt::format("the in-memory snapshot of step {}", state_.step);
   } else {

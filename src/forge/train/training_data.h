@@ -39,7 +39,7 @@ class TextCodec {
 
  private:
   std::shared_ptr<const data::Tokenizer> tokenizer_;  // null: bytes
-  std::vector<int64_t> byte_lengths_;           // per id, cached
+  std::vector<int64_t> byte_lengths_;                 // per id, cached
   std::string description_;
   std::string fingerprint_;
 };
@@ -68,10 +68,12 @@ class TrainingData {
   virtual ~TrainingData() = default;
   const TextCodec& codec() const { return codec_; }
   // Training samples first_sample .. first_sample + batch - 1: deterministic in (model.seed, index).
-  virtual void train_batch(int64_t first_sample, int64_t batch, int32_t* input_ids, int32_t* targets) const = 0;
+  virtual void train_batch(int64_t first_sample, int64_t batch, int32_t* input_ids,
+                           int32_t* targets) const = 0;
   // The held-out set: consecutive windows, each token after the first predicted once.
   virtual int64_t heldout_windows() const = 0;
-  virtual void heldout_batch(int64_t first_window, int64_t batch, int32_t* input_ids, int32_t* targets) const = 0;
+  virtual void heldout_batch(int64_t first_window, int64_t batch, int32_t* input_ids,
+                             int32_t* targets) const = 0;
   // One line for the run log.
   virtual std::string describe() const = 0;
 
