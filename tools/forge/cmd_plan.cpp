@@ -215,8 +215,11 @@ int run_schedule(const PlanOptions& o) {
 
 void add_plan_command(CLI::App& app, Commands& commands) {
   auto o = std::make_shared<PlanOptions>();
-  auto* plan = app.add_subcommand("plan", "Look at a parallel layout before running it (pipeline schedules)");
-  plan->footer("Nothing here needs a GPU or MPI: each subcommand computes on this process only.");
+  auto* plan = app.add_subcommand("plan",
+                                  "Look at a parallel layout before running it: pipeline schedules, memory "
+                                  "and step time, the best strategy");
+  plan->footer(
+      "Nothing here needs a GPU or MPI: each subcommand computes on this process only (docs/simulator.md).");
 
   auto* schedule = plan->add_subcommand(
       "schedule",
@@ -266,10 +269,15 @@ void add_plan_command(CLI::App& app, Commands& commands) {
       "time, the idle share of the makespan (bubble) and the most chunks holding activations at once. "
       "Example: forge plan schedule --schedule zb-h1 --pp 4 --microbatches 8 --svg zb-h1.svg");
 
-  commands.push_back({plan, [o, schedule] {
-                        if (*schedule) return run_schedule(*o);
-                        fail("plan needs a subcommand: schedule (see forge plan --help)");
-                      }});
+  auto runners = std::make_shared<std::vector<std::pair<CLI::App*, std::function<int()>>>>();
+  add_plan_model_subcommands(plan, *runners);
+  commands.push_back(
+      {plan, [o, schedule, runners] {
+         if (*schedule) return run_schedule(*o);
+         for (const auto& [app, run] : *runners)
+           if (*app) return run();
+         fail("plan needs a subcommand: schedule, estimate, search or calibrate (see forge plan --help)");
+       }});
 }
 
 }  // namespace forge::cli

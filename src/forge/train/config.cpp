@@ -342,6 +342,13 @@ const std::vector<KeySpec>& key_specs() {
        "<run_dir>/pipeline_trace.json "
        "(0 = off)",
        {}},
+      {"log",
+       "hardware_profile",
+       FORGE_FIELD(log.hardware_profile),
+       "a hardware profile (forge plan calibrate's file, or h100, h200, a100, b200): print the simulator's "
+       "prediction of memory per device and step time at start, and at the end how the run compared "
+       "(\"\" = off; docs/simulator.md)",
+       {}},
 
       {"checkpoint",
        "every",

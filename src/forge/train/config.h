@@ -72,6 +72,7 @@ struct TrainConfig {
     double peak_gflops = 0;  // 0 = measure the GEMM peak at start
     int64_t profile_step =
         0;  // time every op of this step (1-based, as logged) and print where it went; 0 = off
+    std::string hardware_profile;  // "" = off; else predict memory and step time at start (docs/simulator.md)
     bool operator==(const Log&) const = default;
   };
   struct Checkpoint {

@@ -439,6 +439,7 @@ TrainResult TrainingRun::run() {
   if (!decision_.checkpoint.empty()) resume();
   open_metrics();
   print_banner();
+  predict();
   // The tokenizer travels inside each checkpoint (listed and checksummed in its manifest), so that `forge
   // generate`, `forge convert` and a resume find it.
   if (const Tokenizer* t = s.data->codec().tokenizer()) {
@@ -468,7 +469,12 @@ TrainResult TrainingRun::run() {
         static_cast<size_t>(state_.params->params().numel() + 2 * s.optimizer->exp_avg().numel()));
   while (state_.step < state_.total_steps) {
     if (stop_before_step(result)) break;
+    // The allocator's peak from the second step on (the first allocates what stays): the run's steady peak.
+    if (prediction_ && state_.step == first_step_ + 1)
+      s.on_gpu() ? device_memory(s.device).reset_peak() : reset_peak_memory();
+    const auto step_start = Clock::now();
     if (!run_step(result)) continue;  // rolled back
+    step_seconds_.push_back(seconds_since(step_start));
     const int64_t step = state_.step;
     const bool last = step == state_.total_steps;
     if (c_.eval.every > 0 && step % c_.eval.every == 0 && !last && !evaluate_now()) continue;
@@ -488,6 +494,7 @@ TrainResult TrainingRun::run() {
 TrainResult TrainingRun::finish(TrainResult result) {
   TrainSetup& s = *setup_;
   result.steps_done = state_.step;
+  compare_with_prediction();
   if (fp8::DelayedScalingGroup* g = s.fp8 ? s.fp8->delayed_group() : nullptr)
     result.fp8_scales.assign(g->scales().begin(), g->scales().end());
   if (s.dp > 1 && state_.step > first_step_) {

@@ -16,6 +16,7 @@
 #include "forge/ckpt/async_save.h"
 #include "forge/ckpt/checkpoint.h"
 #include "forge/ckpt/sharded.h"
+#include "forge/sim/estimate.h"
 #include "forge/train/faults.h"
 #include "forge/train/metrics.h"
 #include "forge/train/pipelining.h"
@@ -102,6 +103,11 @@ class TrainingRun {
   Clock::time_point train_start_, interval_start_;
   int64_t interval_tokens_ = 0, first_step_ = 0;
   double first_step_seconds_ = 0;
+  // log.hardware_profile: the simulator's prediction, and what the run measured to compare with it.
+  std::optional<sim::Estimate> prediction_;
+  std::vector<double> step_seconds_;
+  void predict();
+  void compare_with_prediction();
   // Resilience (resilience.h, faults.h).
   FaultPlan faults_;
   std::optional<SpikeDetector> detector_;

@@ -1,0 +1,327 @@
+#include "forge/sim/estimate.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "forge/core/error.h"
+#include "forge/parallel/layout.h"
+#include "forge/parallel/pipeline/replay.h"
+#include "forge/parallel/pipeline/schedule.h"
+
+namespace forge::sim {
+namespace {
+
+std::string trace_key(const Strategy& s, int pp_rank) {
+  return fmt::format("{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}", s.tp, s.pp, s.dp, s.ep, s.vpp,
+                     s.schedule, s.pp_layers, s.sequence_parallel, s.distributed_optimizer,
+                     s.overlap_grad_reduce, s.bucket_mb, s.micro_batch, s.grad_accum, s.seq, s.recompute,
+                     s.dtype, s.fp8_recipe, pp_rank);
+}
+
+parallel::Dim dim_of(const std::string& group) {
+  if (group == "tp") return parallel::Dim::tp;
+  if (group == "dp") return parallel::Dim::dp_cp;
+  if (group == "ep") return parallel::Dim::ep;
+  if (group == "expert_dp") return parallel::Dim::expert_dp;
+  if (group == "pp") return parallel::Dim::pp;
+  return parallel::Dim::model_parallel;
+}
+
+// Costs a rank's phases on the cluster: the ops by the profile, each group's messages over its link.
+class RankCoster {
+ public:
+  RankCoster(const Cluster& cluster, const Strategy& s, int pp_rank)
+      : cluster_(cluster), layout_({s.tp, s.pp, s.dp, 1, s.ep}, s.world(), 0) {
+    rank_ = layout_.rank_of(0, 0, 0, pp_rank);
+  }
+  const Link& link(const std::string& group) const {
+    return cluster_.link(layout_.group_ranks_of(rank_, dim_of(group)));
+  }
+  double comm(const CommEvent& e) const { return comm_seconds(e, link(e.group)); }
+  double ops(const Phase& p) const { return cluster_.hardware.rows_seconds(p.rows); }
+  // Ops plus the collectives the phase waits for (all but the data-parallel reductions, which overlap).
+  double critical(const Phase& p, TimeEstimate* t = nullptr) const {
+    double total = ops(p);
+    for (const CommEvent& e : p.comm) {
+      if (e.group == "dp" || e.group == "expert_dp") continue;
+      const double c = comm(e);
+      total += c;
+      if (t && e.group == "tp") t->tp_comm += c;
+      if (t && e.group == "ep") t->ep_comm += c;
+    }
+    return total;
+  }
+
+ private:
+  const Cluster& cluster_;
+  parallel::Layout layout_;
+  int rank_ = 0;
+};
+
+// Memory at the peak of a rank under the replayed schedule: every chunk's activations held from the start
+// of its forward to the end of its backward (or of its W), plus the transient of the action running then.
+struct Held {
+  int64_t bytes = 0, transient = 0;
+  int in_flight = 0;
+};
+
+Held peak_held(const pipeline::Schedule& schedule, const pipeline::Replay& replay, int rank,
+               const RankTrace& t) {
+  const std::vector<pipeline::Action>& list = schedule.actions[static_cast<size_t>(rank)];
+  struct Event {
+    double time;
+    int order;  // frees before allocations at the same instant
+    int64_t delta;
+    int count;
+    int64_t transient;
+  };
+  std::vector<Event> events;
+  for (size_t i = 0; i < list.size(); ++i) {
+    const pipeline::Action& a = list[i];
+    const pipeline::Timed& when = replay.ranks[static_cast<size_t>(rank)].times[i];
+    auto chunk_of = [&](int c) -> const ChunkTrace& { return t.chunks.at(static_cast<size_t>(c)); };
+    auto forward = [&](int c) {
+      events.push_back({when.start, 1, chunk_of(c).activation_bytes, 1,
+                        chunk_of(c).forward.transient_bytes - chunk_of(c).activation_bytes});
+    };
+    auto release = [&](int c, int64_t transient) {
+      events.push_back({when.start, 1, 0, 0, transient});
+      events.push_back({when.end, 0, -chunk_of(c).activation_bytes, -1, 0});
+    };
+    switch (a.op) {
+      case pipeline::Op::forward:
+        forward(a.chunk);
+        break;
+      case pipeline::Op::backward:
+        release(a.chunk, chunk_of(a.chunk).backward.transient_bytes);
+        break;
+      case pipeline::Op::backward_input:
+        events.push_back({when.start, 1, 0, 0, chunk_of(a.chunk).backward_input.transient_bytes});
+        break;
+      case pipeline::Op::backward_weight:
+        release(a.chunk, chunk_of(a.chunk).backward_weight.transient_bytes);
+        break;
+      case pipeline::Op::forward_backward:
+        forward(a.chunk);
+        release(a.chunk_b, chunk_of(a.chunk_b).backward.transient_bytes);
+        break;
+      default:
+        break;
+    }
+  }
+  std::stable_sort(events.begin(), events.end(), [](const Event& x, const Event& y) {
+    return x.time != y.time ? x.time < y.time : x.order < y.order;
+  });
+  Held best, now;
+  for (const Event& e : events) {
+    now.bytes += e.delta, now.in_flight += e.count;
+    const int64_t total = now.bytes + std::max<int64_t>(0, e.transient);
+    if (total > best.bytes + best.transient)
+      best = {now.bytes, std::max<int64_t>(0, e.transient), now.in_flight};
+  }
+  return best;
+}
+
+}  // namespace
+
+std::string human_bytes(int64_t bytes) {
+  const double b = static_cast<double>(bytes);
+  if (std::fabs(b) >= 1024.0 * 1024 * 1024) return fmt::format("{:.2f} GiB", b / (1024.0 * 1024 * 1024));
+  if (std::fabs(b) >= 1024.0 * 1024) return fmt::format("{:.1f} MiB", b / (1024.0 * 1024));
+  return fmt::format("{:.1f} KiB", b / 1024.0);
+}
+
+std::string MemoryEstimate::dominant() const {
+  const std::pair<int64_t, const char*> parts[] = {{weights, "parameters and gradients"},
+                                                   {optimizer, "optimizer state"},
+                                                   {activations, "activations"},
+                                                   {transient, "the largest transient"}};
+  return std::max_element(std::begin(parts), std::end(parts))->second;
+}
+
+Simulator::Simulator(const models::ModelConfig& config, Cluster cluster, TraceOptions options)
+    : config_(config.clone()), cluster_(std::move(cluster)), options_(options) {}
+
+const RankTrace& Simulator::trace(const Strategy& s, int pp_rank) {
+  std::unique_ptr<RankTrace>& slot = cache_[trace_key(s, pp_rank)];
+  if (!slot) {
+    slot = std::make_unique<RankTrace>(trace_rank(*config_, s, pp_rank, options_));
+    ++traces_run_;
+  }
+  return *slot;
+}
+
+Estimate Simulator::estimate(const Strategy& s) {
+  if (s.world() > cluster_.devices())
+    fail("strategy {} needs {} ranks; the cluster ({}) has {}", s.describe(), s.world(), cluster_.source,
+         cluster_.devices());
+  if (s.micro_batch < 1 || s.grad_accum < 1 || s.seq < 1)
+    fail("strategy {}: micro-batch, micro-batches per step and sequence length must be >= 1", s.describe());
+  Estimate e;
+  e.strategy = s;
+  TimeEstimate& t = e.time;
+  last_.clear();
+  for (int r = 0; r < s.pp; ++r) last_.push_back(&trace(s, r));
+
+  // Per-stage action costs, and each rank's work outside the schedule.
+  std::unique_ptr<pipeline::Schedule> schedule;
+  pipeline::Costs costs;
+  int stages = 1;
+  if (s.pp > 1) {
+    schedule = std::make_unique<pipeline::Schedule>(
+        pipeline::make_schedule({s.schedule, s.pp, static_cast<int>(s.grad_accum), s.vpp, s.ep > 1}));
+    stages = schedule->placement.stages;
+  }
+  costs.per_stage.assign(static_cast<size_t>(stages), {});
+  std::vector<double> before(static_cast<size_t>(s.pp)), after(static_cast<size_t>(s.pp)),
+      dp_exposed(static_cast<size_t>(s.pp)), dp_total(static_cast<size_t>(s.pp)),
+      updates(static_cast<size_t>(s.pp));
+  std::vector<TimeEstimate> comm_of(static_cast<size_t>(s.pp));
+  double send = 0, latency = 0;
+  for (int r = 0; r < s.pp; ++r) {
+    const RankTrace& rt = *last_[static_cast<size_t>(r)];
+    RankCoster cost(cluster_, s, r);
+    TimeEstimate& mine = comm_of[static_cast<size_t>(r)];
+    double last_backward = 0;
+    for (const ChunkTrace& c : rt.chunks) {
+      TimeEstimate per_micro_batch;
+      pipeline::StageCosts& sc = costs.per_stage.at(static_cast<size_t>(c.stage));
+      sc.forward = cost.critical(c.forward, &per_micro_batch);
+      sc.backward = cost.critical(c.backward, &per_micro_batch);
+      sc.backward_input = cost.critical(c.backward_input);
+      sc.backward_weight = cost.critical(c.backward_weight);
+      const double micro_batches =
+          static_cast<double>(s.grad_accum) / (schedule && schedule->placement.mirrored ? 2 : 1);
+      mine.tp_comm += per_micro_batch.tp_comm * micro_batches;
+      mine.ep_comm += per_micro_batch.ep_comm * micro_batches;
+      before[static_cast<size_t>(r)] += std::max(0.0, cost.critical(c.forward_first) - sc.forward);
+      last_backward += sc.backward;
+      if (c.output_bytes > 0 && s.pp > 1) {
+        const Link& l = cost.link("pp");
+        send = std::max(send, static_cast<double>(c.output_bytes) / (l.bandwidth_gbs * 1e9));
+        latency = std::max(latency, l.latency_us * 1e-6);
+      }
+    }
+    before[static_cast<size_t>(r)] += cost.critical(rt.step_begin);
+    // Data-parallel buckets launched under the last micro-batch's backward: each when ready (spread over
+    // that backward by bytes), one after another on the link; what runs past its end is exposed.
+    std::vector<std::pair<int64_t, double>> buckets;  // (bytes, seconds)
+    for (const ChunkTrace& c : rt.chunks)
+      for (const Phase* p : {&c.backward_input, &c.backward_weight})
+        for (const CommEvent& ev : p->comm)
+          if (ev.group == "dp" || ev.group == "expert_dp") buckets.push_back({ev.bytes, cost.comm(ev)});
+    int64_t total_bytes = 0;
+    for (const auto& b : buckets) total_bytes += b.first;
+    double link_free = 0, ready_bytes = 0;
+    for (const auto& [bytes, seconds] : buckets) {
+      ready_bytes += static_cast<double>(bytes);
+      const double ready =
+          total_bytes > 0 ? last_backward * ready_bytes / static_cast<double>(total_bytes) : 0;
+      link_free = std::max(link_free, ready) + seconds;
+      dp_total[static_cast<size_t>(r)] += seconds;
+    }
+    dp_exposed[static_cast<size_t>(r)] = std::max(0.0, link_free - last_backward);
+    // The update: the rest of the reductions, the norm, the AdamW step, ZeRO-1's all-gather.
+    double end_comm = 0;
+    for (const CommEvent& ev : rt.step_end.comm) {
+      const double c = cost.comm(ev);
+      end_comm += c;
+      if (ev.group == "dp" || ev.group == "expert_dp")
+        dp_total[static_cast<size_t>(r)] += c, dp_exposed[static_cast<size_t>(r)] += c;
+    }
+    updates[static_cast<size_t>(r)] = cost.ops(rt.step_end);
+    after[static_cast<size_t>(r)] = updates[static_cast<size_t>(r)] + end_comm;
+  }
+
+  // The schedule: replayed on the same action lists the executor runs (one stage: F and B per micro-batch).
+  double makespan = 0;
+  std::vector<double> busy(static_cast<size_t>(s.pp));
+  std::unique_ptr<pipeline::Replay> replay;
+  if (schedule) {
+    costs.send = send, costs.latency = latency;
+    replay = std::make_unique<pipeline::Replay>(pipeline::replay(*schedule, costs));
+    makespan = replay->makespan;
+    for (int r = 0; r < s.pp; ++r) busy[static_cast<size_t>(r)] = replay->ranks[static_cast<size_t>(r)].busy;
+    t.pp_comm = send * static_cast<double>(s.grad_accum) * static_cast<double>(stages - 1) / s.pp;
+  } else {
+    const pipeline::StageCosts& c = costs.per_stage[0];
+    makespan = busy[0] = static_cast<double>(s.grad_accum) * (c.forward + c.backward);
+  }
+  int worst = 0;
+  for (int r = 0; r < s.pp; ++r) {
+    const size_t i = static_cast<size_t>(r);
+    const double step = before[i] + makespan + after[i] + dp_exposed[i] - (after[i] - updates[i] > 0 ? 0 : 0);
+    if (step > t.step) t.step = step, worst = r;
+  }
+  const size_t w = static_cast<size_t>(worst);
+  t.compute = before[w] + busy[w] + updates[w];
+  t.bubble = makespan - busy[w];
+  t.tp_comm = comm_of[w].tp_comm, t.ep_comm = comm_of[w].ep_comm;
+  t.dp_comm = dp_total[w], t.dp_exposed = dp_exposed[w];
+  t.optimizer = updates[w];
+  t.tokens_per_s = static_cast<double>(s.tokens_per_step()) / t.step;
+  t.mfu = t.tokens_per_s * config_->flops_per_token(s.seq) /
+          (static_cast<double>(s.world()) * cluster_.hardware.bf16_tflops * 1e12);
+
+  // Memory: each rank's static state plus its peak of held activations and transients.
+  for (int r = 0; r < s.pp; ++r) {
+    const RankTrace& rt = *last_[static_cast<size_t>(r)];
+    Held held;
+    if (replay) {
+      held = peak_held(*schedule, *replay, r, rt);
+    } else {
+      const ChunkTrace& c = rt.chunks[0];
+      const int64_t f = c.forward_first.transient_bytes, b = c.activation_bytes + c.backward.transient_bytes;
+      held = Held{c.activation_bytes, std::max(f, b) - c.activation_bytes, 1};
+    }
+    const int64_t update = rt.step_end.transient_bytes - std::max<int64_t>(0, rt.step_end.kept_bytes);
+    MemoryEstimate m;
+    m.weights = rt.weights_bytes, m.optimizer = rt.static_bytes - rt.weights_bytes;
+    m.activations = held.bytes, m.transient = std::max(held.transient, update - held.bytes);
+    m.in_flight = held.in_flight, m.pp_rank = r;
+    m.total = m.weights + m.optimizer + m.activations + m.transient;
+    if (m.total > e.memory.total) e.memory = m;
+  }
+  const int64_t capacity = static_cast<int64_t>(cluster_.hardware.memory_gib * 1073741824.0);
+  if (e.memory.total > capacity) {
+    e.fits = false;
+    e.over =
+        fmt::format("needs {} per device on pp rank {}, {} over the {} of a {} (most of it {})",
+                    human_bytes(e.memory.total), e.memory.pp_rank, human_bytes(e.memory.total - capacity),
+                    human_bytes(capacity), cluster_.hardware.name, e.memory.dominant());
+  }
+  return e;
+}
+
+std::string format_estimate(const Estimate& e, const Simulator& sim) {
+  const Strategy& s = e.strategy;
+  const TimeEstimate& t = e.time;
+  const MemoryEstimate& m = e.memory;
+  std::string out;
+  out += fmt::format("strategy: {} ({} ranks, {} tokens per step)\n", s.describe(), s.world(),
+                     s.tokens_per_step());
+  out += fmt::format("hardware: {} ({}), {} device(s) per node x {} node(s)\n", sim.cluster().hardware.name,
+                     sim.cluster().hardware.kind, sim.cluster().devices_per_node, sim.cluster().nodes);
+  out += fmt::format("memory per device (pp rank {}): {}{}\n", m.pp_rank, human_bytes(m.total),
+                     e.fits ? "" : "  -- does not fit: " + e.over);
+  out += fmt::format("  parameters, bf16 shadow, gradients  {:>12}\n", human_bytes(m.weights));
+  out += fmt::format("  optimizer state (and FP8 state)     {:>12}\n", human_bytes(m.optimizer));
+  out +=
+      fmt::format("  activations ({} in flight)          {:>12}\n", m.in_flight, human_bytes(m.activations));
+  out += fmt::format("  largest transient                   {:>12}\n", human_bytes(m.transient));
+  out += fmt::format("time per step: {:.2f} ms | {:.0f} tokens/s | MFU {:.1f}%\n", 1e3 * t.step,
+                     t.tokens_per_s, 100 * t.mfu);
+  out += fmt::format("  compute (busiest rank)   {:>10.2f} ms\n", 1e3 * t.compute);
+  out += fmt::format("  pipeline bubble          {:>10.2f} ms\n", 1e3 * t.bubble);
+  out += fmt::format("  tensor-parallel comm     {:>10.2f} ms (on the critical path)\n", 1e3 * t.tp_comm);
+  if (s.ep > 1) out += fmt::format("  expert all-to-all        {:>10.2f} ms\n", 1e3 * t.ep_comm);
+  if (s.pp > 1) out += fmt::format("  pipeline sends           {:>10.2f} ms\n", 1e3 * t.pp_comm);
+  out += fmt::format("  data-parallel comm       {:>10.2f} ms ({:.2f} ms exposed)\n", 1e3 * t.dp_comm,
+                     1e3 * t.dp_exposed);
+  out += fmt::format("  optimizer update         {:>10.2f} ms\n", 1e3 * t.optimizer);
+  return out;
+}
+
+}  // namespace forge::sim

@@ -1,0 +1,32 @@
+#include "forge/sim/strategy.h"
+
+#include <fmt/format.h>
+
+namespace forge::sim {
+
+std::string Strategy::describe() const {
+  std::string out = fmt::format("tp{} pp{} dp{}", tp, pp, dp);
+  if (ep > 1) out += fmt::format(" ep{}", ep);
+  if (pp > 1) out += " " + schedule + (schedule == "interleaved" ? fmt::format("x{}", vpp) : "");
+  out += fmt::format(" mb{}x{}", micro_batch, grad_accum);
+  if (recompute != "none") out += " rc:" + recompute;
+  if (distributed_optimizer && dp > 1) out += " zero1";
+  if (sequence_parallel && tp > 1) out += " sp";
+  if (fp8) out += " fp8:" + fp8_recipe;
+  return out;
+}
+
+std::string Strategy::set_line() const {
+  std::string out = fmt::format("--set parallel.tp={} --set parallel.pp={} --set parallel.dp={}", tp, pp, dp);
+  if (ep > 1) out += fmt::format(" --set parallel.ep={}", ep);
+  if (pp > 1) out += fmt::format(" --set parallel.schedule={}", schedule);
+  if (pp > 1 && schedule == "interleaved") out += fmt::format(" --set parallel.vpp={}", vpp);
+  if (tp > 1) out += fmt::format(" --set parallel.sequence_parallel={}", sequence_parallel);
+  if (dp > 1) out += fmt::format(" --set parallel.distributed_optimizer={}", distributed_optimizer);
+  out += fmt::format(" --set train.micro_batch={} --set train.grad_accum={} --set train.recompute={}",
+                     micro_batch, grad_accum, recompute);
+  if (fp8) out += " --set fp8.recipe=" + fp8_recipe;
+  return out;
+}
+
+}  // namespace forge::sim

@@ -1,0 +1,40 @@
+// A parallel strategy as the simulator sees it: the sizes of the layout, the pipeline schedule, the batch
+// shape and the memory-saving choices (recompute, ZeRO-1, FP8) of one training run. train/plan.h makes one
+// from a run's TrainConfig, so that what `forge plan` predicts is what `forge train` would run.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "forge/nn/fp8_context.h"
+
+namespace forge::sim {
+
+struct Strategy {
+  int tp = 1, pp = 1, dp = 1, ep = 1, vpp = 1;
+  std::string schedule = "1f1b";  // parallel.schedule (pp > 1)
+  std::string pp_layers;          // parallel.pp_layers ("" = even)
+  bool sequence_parallel = false;
+  bool distributed_optimizer = false;  // ZeRO-1
+  bool overlap_grad_reduce = true;
+  double bucket_mb = 4.0;
+  int64_t vocab_divisible_by = 128;
+  int64_t micro_batch = 1;  // sequences per micro-batch
+  int64_t grad_accum = 1;   // micro-batches per step (per data-parallel replica)
+  int64_t seq = 0;
+  std::string recompute = "none";  // none | selective | full
+  std::string dtype = "bf16";      // GEMM operands: bf16 | fp32
+  std::optional<nn::Fp8Options> fp8;
+  std::string fp8_recipe = "off";  // its name, for tables
+
+  int world() const { return tp * pp * dp; }
+  int64_t global_batch() const { return micro_batch * grad_accum * dp; }
+  int64_t tokens_per_step() const { return global_batch() * seq; }
+  // "tp2 pp2 dp2 1f1b mb2x8 rc:none zero sp fp8:delayed"
+  std::string describe() const;
+  // The --set options that train with it: "--set parallel.tp=2 --set parallel.pp=2 ...".
+  std::string set_line() const;
+};
+
+}  // namespace forge::sim

@@ -1,0 +1,286 @@
+#include "forge/sim/trace.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <optional>
+#include <utility>
+
+#include "forge/core/device.h"
+#include "forge/core/error.h"
+#include "forge/core/memory.h"
+#include "forge/kernels/emulated_device.h"
+#include "forge/kernels/ops.h"
+#include "forge/nn/fp8_context.h"
+#include "forge/optim/adamw.h"
+#include "forge/parallel/comm_expert_parallel.h"
+#include "forge/parallel/comm_tensor_parallel.h"
+#include "forge/parallel/distributed_optimizer.h"
+#include "forge/parallel/grad_buckets.h"
+#include "forge/parallel/layout.h"
+#include "forge/parallel/pipeline/schedule.h"
+
+namespace forge::sim {
+namespace {
+
+// Live bytes of the device's tensors now (and the peak counter restarted from there).
+int64_t live_bytes(Device device) {
+  if (device == Device::cpu) {
+    reset_peak_memory();
+    return memory_stats().live_bytes;
+  }
+  const DeviceMemory& m = device_memory(device);
+  m.reset_peak();
+  return m.peak_allocated();
+}
+
+int64_t peak_bytes(Device device) {
+  return device == Device::cpu ? memory_stats().peak_bytes : device_memory(device).peak_allocated();
+}
+
+class Recorder {
+ public:
+  Recorder(Device device, std::shared_ptr<CommLog> log) : device_(device), log_(std::move(log)) {}
+  template <typename Fn>
+  Phase run(Fn&& fn) {
+    Phase p;
+    const int64_t before = live_bytes(device_);
+    const size_t first_event = log_->events.size();
+    ops::profile_begin(device_);
+    fn();
+    const ops::OpProfile profile = ops::profile_end();
+    p.transient_bytes = peak_bytes(device_) - before;
+    p.kept_bytes = live_bytes(device_) - before;
+    p.rows = profile.rows;
+    p.wall_seconds = profile.wall_seconds;
+    p.comm.assign(log_->events.begin() + static_cast<std::ptrdiff_t>(first_event), log_->events.end());
+    return p;
+  }
+
+ private:
+  Device device_;
+  std::shared_ptr<CommLog> log_;
+};
+
+// Token ids spread over the vocabulary (mixture-of-experts routing on a measured run depends on them).
+std::vector<int32_t> spread_ids(int64_t count, int64_t vocab, int64_t salt) {
+  std::vector<int32_t> ids(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i)
+    ids[static_cast<size_t>(i)] = static_cast<int32_t>((static_cast<uint64_t>(i + salt) * 2654435761u >> 7) %
+                                                       static_cast<uint64_t>(vocab));
+  return ids;
+}
+
+}  // namespace
+
+std::vector<ops::OpProfileRow> merge_rows(const std::vector<const Phase*>& phases) {
+  std::map<std::pair<std::string, std::string>, ops::OpProfileRow> merged;
+  for (const Phase* p : phases)
+    for (const ops::OpProfileRow& r : p->rows) {
+      ops::OpProfileRow& m = merged[{r.op, r.detail}];
+      if (m.op.empty()) m.op = r.op, m.detail = r.detail;
+      m.calls += r.calls, m.seconds += r.seconds, m.flops += r.flops, m.bytes += r.bytes;
+    }
+  std::vector<ops::OpProfileRow> out;
+  for (auto& [key, row] : merged) out.push_back(std::move(row));
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.seconds > b.seconds; });
+  return out;
+}
+
+RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int pp_rank,
+                     const TraceOptions& options) {
+  const Device device = options.device;
+  std::optional<EmulatedDevice> emulation;
+  if (device != Device::cpu && !EmulatedDevice::check_only())
+    emulation.emplace(EmulatedDevice::Mode::check_only);
+
+  const models::ModelShape shape = config.shape();
+  const parallel::LayoutSpec spec{s.tp, s.pp, s.dp, 1, s.ep};
+  const parallel::Layout probe(spec, s.world(), 0);
+  const parallel::Layout layout(spec, s.world(), probe.rank_of(0, 0, 0, pp_rank));
+  parallel::validate_model_fit(
+      layout, {shape.hidden, shape.heads, shape.kv_heads, shape.ffn, shape.vocab, shape.layers},
+      s.vocab_divisible_by);
+  if (s.sequence_parallel && s.tp > 1 && s.seq % s.tp != 0)
+    fail("parallel.sequence_parallel: data.seq_len = {} must be a multiple of parallel.tp = {}", s.seq, s.tp);
+  if (s.ep > 1 && s.ep > 1) {
+    const nlohmann::json json = config.to_json();
+    const int64_t experts = json.value("n_routed_experts", int64_t{0});
+    if (experts <= 0 || experts % s.ep != 0)
+      fail("parallel.ep = {} does not divide the {} routed experts of {}", s.ep, experts, config.source());
+  }
+
+  auto log = std::make_shared<CommLog>();
+  auto group = [&](const char* name, parallel::Dim dim) {
+    return make_dry_communicator({name, layout.size(dim), layout.coordinate(dim)}, log);
+  };
+  std::unique_ptr<comm::Communicator> tp = group("tp", parallel::Dim::tp),
+                                      dp = group("dp", parallel::Dim::dp_cp),
+                                      ep = group("ep", parallel::Dim::ep),
+                                      expert_dp = group("expert_dp", parallel::Dim::expert_dp),
+                                      model_parallel = group("model_parallel", parallel::Dim::model_parallel);
+
+  nn::ComputeOptions o;
+  o.device = device;
+  o.gemm_dtype = dtype_from_name(s.dtype);
+  o.recompute = nn::recompute_from_name(s.recompute);
+  o.vocab_divisible_by = s.vocab_divisible_by;
+  const bool on_device = device != Device::cpu;
+  parallel::CommTensorParallel tensor_parallel(tp.get(), s.sequence_parallel, on_device ? tp.get() : nullptr);
+  if (s.tp > 1) o.tp = &tensor_parallel;
+  std::optional<parallel::CommExpertParallel> expert_parallel;
+  if (s.ep > 1) {
+    expert_parallel.emplace(ep.get(), on_device ? ep.get() : nullptr);
+    o.ep = &*expert_parallel;
+  }
+  std::unique_ptr<nn::Fp8Context> fp8;
+  if (s.fp8) {
+    fp8 = std::make_unique<nn::Fp8Context>(*s.fp8);
+    o.fp8 = fp8.get();
+  }
+
+  // The chunks this rank holds.
+  RankTrace trace;
+  trace.pp_rank = pp_rank;
+  std::vector<int> stages{0};
+  std::vector<models::StageSpec> specs{models::StageSpec::whole()};
+  int micro_batches_per_chunk = 2;
+  if (s.pp > 1) {
+    const pipeline::Schedule schedule =
+        pipeline::make_schedule({s.schedule, s.pp, static_cast<int>(s.grad_accum), s.vpp, s.ep > 1});
+    const pipeline::Placement& p = schedule.placement;
+    const std::vector<int64_t> counts = pipeline::stage_layer_counts(
+        shape.layers, p.stages, s.pp_layers, fmt::format("{} stages of schedule {}", p.stages, s.schedule));
+    stages.clear(), specs.clear();
+    for (int chunk = 0; chunk < p.chunks; ++chunk) {
+      const int mine = p.stage(pp_rank, chunk);
+      models::StageSpec c;
+      for (int k = 0; k < mine; ++k) c.first_layer += counts[static_cast<size_t>(k)];
+      c.end_layer = c.first_layer + counts[static_cast<size_t>(mine)];
+      c.pre_process = mine == 0;
+      c.post_process = mine == p.stages - 1;
+      stages.push_back(mine), specs.push_back(c);
+    }
+  }
+
+  const int64_t live_at_start = live_bytes(device);
+  std::vector<std::unique_ptr<models::Model>> models;
+  std::unique_ptr<ParameterStore> shared;
+  if (specs.size() == 1) {
+    models.push_back(models::build_model(config, o, specs[0], 0.02f, true));
+  } else {
+    shared = std::make_unique<ParameterStore>();
+    for (const models::StageSpec& c : specs)
+      models.push_back(models::build_model(config, o, c, 0.02f, true, shared.get()));
+    shared->allocate(o.gemm_dtype == DType::bf16, true, device);
+    if (fp8) fp8->seal();
+  }
+  ParameterStore& store = models[0]->params();
+  if (!on_device) models[0]->initialize(1234);
+  trace.parameters = store.numel();
+  trace.weights_bytes = live_bytes(device) - live_at_start;
+
+  parallel::BucketOptions bucket_options;
+  bucket_options.bucket_bytes = static_cast<int64_t>(s.bucket_mb * 1048576.0);
+  bucket_options.shard = s.distributed_optimizer;
+  bucket_options.overlap = s.overlap_grad_reduce && s.dp > 1;
+  parallel::GradBuckets buckets(&store, dp.get(), bucket_options);
+  std::vector<parallel::OptimizerGroup> groups{{&buckets, dp.get()}};
+  std::unique_ptr<parallel::GradBuckets> expert_buckets;
+  if (s.ep > 1) {
+    parallel::BucketOptions expert_options = bucket_options;
+    expert_options.group = "experts";
+    expert_options.overlap = bucket_options.overlap && layout.expert_dp() > 1;
+    expert_buckets = std::make_unique<parallel::GradBuckets>(&store, expert_dp.get(), expert_options);
+    groups.push_back({expert_buckets.get(), expert_dp.get(), ep.get()});
+  }
+  parallel::DistributedAdamW optimizer(&store, optim::AdamWConfig{0.9f, 0.95f, 1e-8f, 0.1f}, groups,
+                                       model_parallel.get());
+
+  Recorder recorder(device, log);
+  const int64_t micro = s.micro_batch, seq = s.seq;
+  const int64_t rows = micro * seq / (s.sequence_parallel && s.tp > 1 ? s.tp : 1);
+  const std::vector<int32_t> ids0 = spread_ids(micro * seq, shape.vocab, 0),
+                             ids1 = spread_ids(micro * seq, shape.vocab, 7);
+  const float grad_scale = 1.0f / static_cast<float>(micro * seq * s.grad_accum * s.dp);
+  const models::MicroBatch mb0{ids0.data(), ids1.data(), micro, seq, grad_scale};
+  const models::MicroBatch mb1{ids1.data(), ids0.data(), micro, seq, grad_scale};
+  const size_t n = models.size();
+  trace.chunks.resize(n);
+  for (size_t c = 0; c < n; ++c) trace.chunks[c].stage = stages[c], trace.chunks[c].spec = specs[c];
+
+  trace.step_begin = recorder.run([&] { store.zero_grads(); });
+  store.begin_grad_step(micro_batches_per_chunk);
+  buckets.begin_step();
+  if (expert_buckets) expert_buckets->begin_step();
+  models::TrainStepSettings settings;
+  settings.balance_scale = 1e-4f / static_cast<float>(micro * s.grad_accum * s.dp);
+  settings.mtp_weight = 0.3f;
+  for (auto& m : models) m->begin_train_step(settings);
+
+  // Runs micro-batch mb through the chunks in stage order (each chunk fed a fresh input of its shape: the
+  // previous stage may live on another rank), keeping each chunk's activations.
+  std::vector<std::unique_ptr<models::StageActivations>> saved(n);
+  std::vector<size_t> order(n);
+  for (size_t c = 0; c < n; ++c) order[c] = c;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return stages[a] < stages[b]; });
+  auto input_of = [&](size_t c) {
+    return specs[c].pre_process ? Tensor() : Tensor::zeros({rows, shape.hidden}, DType::f32, device);
+  };
+  auto gradient_of = [&](size_t c) {
+    return specs[c].post_process ? Tensor() : Tensor::zeros({rows, shape.hidden}, DType::f32, device);
+  };
+  auto forward = [&](const models::MicroBatch& mb, bool first) {
+    for (size_t c : order) {
+      const Tensor input = input_of(c);
+      ChunkTrace& t = trace.chunks[c];
+      Phase p = recorder.run([&] {
+        const models::StageOutput out = models[c]->forward(mb, input, &saved[c]);
+        t.output_bytes = out.hidden.defined() ? static_cast<int64_t>(out.hidden.bytes()) : 0;
+      });
+      (first ? t.forward_first : t.forward) = std::move(p);
+    }
+  };
+  forward(mb0, true);
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
+    const Tensor dy = gradient_of(*it);
+    trace.chunks[*it].backward = recorder.run([&] { models[*it]->backward(dy, *saved[*it]); });
+    saved[*it].reset();
+  }
+  forward(mb1, false);
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
+    const Tensor dy = gradient_of(*it);
+    trace.chunks[*it].backward_input = recorder.run([&] { models[*it]->backward_input(dy, *saved[*it]); });
+  }
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
+    trace.chunks[*it].backward_weight = recorder.run([&] { models[*it]->backward_weight(*saved[*it]); });
+    saved[*it].reset();
+  }
+  for (ChunkTrace& t : trace.chunks) t.activation_bytes = t.forward.kept_bytes;
+
+  const int64_t before_update = live_bytes(device);
+  trace.step_end = recorder.run([&] {
+    buckets.finish();
+    if (expert_buckets) expert_buckets->finish();
+    const double norm = optimizer.grad_norm();
+    // The trainer's finiteness check of every local gradient (train/step.cpp).
+    Tensor device_sum;
+    double host_sum = 0;
+    if (on_device) device_sum = Tensor::zeros({2}, DType::f32, device);
+    ops::sum_squares_accumulate(store.grads().f32(), store.grads().numel(),
+                                device_sum.defined() ? static_cast<double*>(device_sum.raw()) : &host_sum,
+                                device);
+    optimizer.step(1e-4f, std::isfinite(norm) && norm > 1 ? static_cast<float>(1 / norm) : 1.0f);
+    if (fp8) {
+      (void)fp8->step_amaxes();
+      fp8->end_step();
+    }
+  });
+  trace.optimizer_bytes = live_bytes(device) - before_update;
+  trace.static_bytes = live_bytes(device) - live_at_start;
+  return trace;
+}
+
+}  // namespace forge::sim

@@ -1,0 +1,36 @@
+#include "forge/train/plan.h"
+
+#include "forge/core/cpu_features.h"
+#include "forge/core/error.h"
+
+namespace forge::train {
+
+sim::Strategy strategy_of(const TrainConfig& c, int world_size) {
+  sim::Strategy s;
+  const parallel::LayoutSpec l = c.layout_spec();
+  s.tp = l.tp, s.pp = l.pp, s.ep = l.ep;
+  if (l.cp > 1)
+    fail("{}: parallel.cp = {}: the simulator models no context parallelism yet", c.origin_of("parallel.cp"),
+         l.cp);
+  s.dp = l.dp > 0 ? l.dp : world_size / std::max(1, l.tp * l.pp);
+  if (s.dp < 1 || s.tp * s.pp * s.dp != world_size)
+    fail("{} ranks do not split into parallel.tp = {} x parallel.pp = {} x parallel.dp = {}", world_size,
+         s.tp, s.pp, l.dp);
+  s.vpp = static_cast<int>(c.parallel.vpp);
+  s.schedule = c.parallel.schedule;
+  s.pp_layers = c.parallel.pp_layers;
+  s.sequence_parallel = c.parallel.sequence_parallel;
+  s.distributed_optimizer = c.parallel.distributed_optimizer;
+  s.overlap_grad_reduce = c.parallel.overlap_grad_reduce;
+  s.bucket_mb = c.parallel.bucket_mb;
+  s.vocab_divisible_by = c.parallel.make_vocab_size_divisible_by;
+  s.micro_batch = c.train.micro_batch, s.grad_accum = c.train.grad_accum, s.seq = c.data.seq_len;
+  s.recompute = c.train.recompute;
+  s.dtype = c.train.dtype;
+  if (s.dtype == "auto") s.dtype = c.train.device != "cpu" || cpu_has_native_bf16() ? "bf16" : "fp32";
+  s.fp8 = c.fp8_options();
+  s.fp8_recipe = c.fp8.recipe;
+  return s;
+}
+
+}  // namespace forge::train

@@ -1,0 +1,408 @@
+// forge plan estimate | search | calibrate: the simulator (src/forge/sim, docs/simulator.md) on the command
+// line. estimate: one strategy (a run's TOML and --set, as forge train takes them) in detail; search: every
+// strategy of a model on a cluster for a global batch, ranked by predicted tokens/s; calibrate: this
+// machine's op costs measured with forge's kernels, written as a hardware profile.
+#include <fmt/format.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "forge/core/error.h"
+#include "forge/core/file_io.h"
+#include "forge/core/memory.h"
+#include "forge/parallel/pipeline/schedule.h"
+#include "forge/sim/estimate.h"
+#include "forge/sim/hardware.h"
+#include "forge/sim/trace.h"
+#include "forge/train/config.h"
+#include "forge/train/plan.h"
+
+namespace forge::cli {
+using namespace forge::sim;
+namespace {
+
+struct ModelPlanOptions {
+  // estimate
+  std::string config_path;
+  std::vector<std::string> overrides;
+  int ranks = 0;
+  // search
+  std::string model;
+  int64_t global_batch = 0, seq_len = 0;
+  int top = 10;
+  std::string fp8 = "off";
+  // both
+  std::string cluster, hardware;
+  int devices_per_node = 0, nodes = 0;
+  // calibrate
+  std::string out, micro_batches = "1,2,4", tps = "1,2", recomputes = "none,selective,full", fp8s = "off";
+  std::string name;
+  double node_bandwidth_gbs = 0, node_latency_us = 0;
+  int repeats = 2;
+};
+
+std::vector<int64_t> int_list(const std::string& text, const char* option) {
+  std::vector<int64_t> out;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    char* end = nullptr;
+    const long long v = std::strtoll(item.c_str(), &end, 10);
+    if (item.empty() || *end || v < 1)
+      fail("{} '{}': expected a comma-separated list of positive integers", option, text);
+    out.push_back(v);
+  }
+  if (out.empty()) fail("{} is empty", option);
+  return out;
+}
+
+std::vector<std::string> word_list(const std::string& text, const char* option,
+                                   const std::set<std::string>& known) {
+  std::vector<std::string> out;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    if (!known.count(item)) {
+      std::string names;
+      for (const auto& k : known) names += (names.empty() ? "" : ", ") + k;
+      fail("{} '{}': '{}' is not one of {}", option, text, item, names);
+    }
+    out.push_back(item);
+  }
+  return out;
+}
+
+Cluster cluster_of(const ModelPlanOptions& o, int default_devices) {
+  if (!o.cluster.empty() && !o.hardware.empty()) fail("give --cluster or --hardware, not both");
+  Cluster c;
+  if (!o.cluster.empty()) {
+    c = Cluster::read(o.cluster);
+  } else {
+    if (o.hardware.empty())
+      fail("no hardware: give --cluster FILE or --hardware NAME|FILE (see forge plan --help)");
+    c = Cluster::single_node(HardwareProfile::read(resolve_profile(o.hardware)), default_devices);
+  }
+  if (o.devices_per_node > 0) c.devices_per_node = o.devices_per_node;
+  if (o.nodes > 0) c.nodes = o.nodes;
+  return c;
+}
+
+int run_estimate(const ModelPlanOptions& o) {
+  train::TrainConfig config =
+      o.config_path.empty() ? train::TrainConfig{} : train::TrainConfig::from_toml_file(o.config_path);
+  for (const auto& assignment : o.overrides) config.apply_override(assignment);
+  config.validate();
+  const parallel::LayoutSpec l = config.layout_spec();
+  const int ranks = o.ranks > 0 ? o.ranks : l.tp * l.pp * std::max(1, l.dp);
+  const Strategy s = train::strategy_of(config, ranks);
+  const std::unique_ptr<models::ModelConfig> model = models::read_model_config(config.model.config);
+  Simulator sim(*model, cluster_of(o, ranks));
+  const auto start = std::chrono::steady_clock::now();
+  const Estimate e = sim.estimate(s);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("model: %s (%s, %.3g parameters)\n", config.model.config.c_str(), model->architecture().c_str(),
+              static_cast<double>(model->num_parameters()));
+  std::fputs(format_estimate(e, sim).c_str(), stdout);
+  std::printf("(%lld rank traces in %.2f s)\n", static_cast<long long>(sim.traces_run()), seconds);
+  return e.fits ? 0 : 2;
+}
+
+// Every divisor of n.
+std::vector<int> divisors(int64_t n) {
+  std::vector<int> out;
+  for (int64_t d = 1; d <= n; ++d)
+    if (n % d == 0) out.push_back(static_cast<int>(d));
+  return out;
+}
+
+int run_search(const ModelPlanOptions& o) {
+  if (o.global_batch < 1) fail("--global-batch must be >= 1 (sequences per optimizer step)");
+  if (o.seq_len < 1) fail("--seq-len must be >= 1");
+  const std::unique_ptr<models::ModelConfig> model = models::read_model_config(o.model);
+  const models::ModelShape shape = model->shape();
+  const Cluster cluster = cluster_of(o, o.ranks > 0 ? o.ranks : 1);
+  const int ranks = o.ranks > 0 ? o.ranks : cluster.devices();
+  if (ranks > cluster.devices())
+    fail("--ranks {} exceeds the cluster's {} devices", ranks, cluster.devices());
+  if (o.seq_len > shape.max_positions)
+    fail("--seq-len {} exceeds max_position_embeddings {} of {}", o.seq_len, shape.max_positions, o.model);
+  Simulator sim(*model, cluster);
+  std::optional<nn::Fp8Options> fp8;
+  if (o.fp8 != "off") {
+    train::TrainConfig c;
+    c.fp8.recipe = o.fp8;
+    c.validate();
+    fp8 = c.fp8_options();
+  }
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<Estimate> fitting;
+  int64_t tried = 0, refused = 0, too_big = 0;
+  Estimate smallest;
+  smallest.memory.total = -1;
+  for (int tp : divisors(ranks)) {
+    if (shape.heads % tp || shape.ffn % tp || (shape.kv_heads % tp && tp % shape.kv_heads)) continue;
+    for (int pp : divisors(ranks / tp)) {
+      if (pp > shape.layers) continue;
+      const int dp = ranks / tp / pp;
+      if (o.global_batch % dp) continue;
+      std::vector<std::pair<std::string, int>> schedules{{"1f1b", 1}};
+      if (pp > 1) schedules = {{"1f1b", 1}, {"interleaved", 2}, {"zb-h1", 1}, {"zbv", 1}, {"dualpipev", 1}};
+      for (int64_t mb : {1, 2, 4, 8}) {
+        if ((o.global_batch / dp) % mb) continue;
+        const int64_t accum = o.global_batch / dp / mb;
+        for (const auto& [schedule, vpp] : schedules)
+          for (const char* recompute : {"none", "selective", "full"})
+            for (bool zero : {false, true}) {
+              if (zero && dp == 1) continue;
+              Strategy s;
+              s.tp = tp, s.pp = pp, s.dp = dp, s.schedule = schedule, s.vpp = vpp;
+              s.sequence_parallel = tp > 1 && o.seq_len % tp == 0;
+              s.distributed_optimizer = zero;
+              s.micro_batch = mb, s.grad_accum = accum, s.seq = o.seq_len, s.recompute = recompute;
+              s.fp8 = fp8, s.fp8_recipe = o.fp8;
+              if (pp > 1 && !pipeline::schedule_refusal({schedule, pp, static_cast<int>(accum), vpp}).empty())
+                continue;
+              if (pp > 1 &&
+                  shape.layers % pipeline::stage_count({schedule, pp, static_cast<int>(accum), vpp}) != 0)
+                continue;
+              ++tried;
+              Estimate e;
+              try {
+                e = sim.estimate(s);
+              } catch (const Error&) {
+                ++refused;
+                continue;
+              }
+              if (!e.fits) {
+                ++too_big;
+                if (smallest.memory.total < 0 || e.memory.total < smallest.memory.total) smallest = e;
+                continue;
+              }
+              fitting.push_back(e);
+            }
+      }
+    }
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("search: %s on %d x %s (%s), global batch %lld x %lld tokens\n", o.model.c_str(), ranks,
+              cluster.hardware.name.c_str(), cluster.hardware.kind.c_str(),
+              static_cast<long long>(o.global_batch), static_cast<long long>(o.seq_len));
+  std::printf(
+      "%lld strategies in %.1f s (%lld rank traces): %zu fit, %lld do not fit in %.1f GiB, %lld refused\n",
+      static_cast<long long>(tried), seconds, static_cast<long long>(sim.traces_run()), fitting.size(),
+      static_cast<long long>(too_big), cluster.hardware.memory_gib, static_cast<long long>(refused));
+  if (fitting.empty()) {
+    if (smallest.memory.total >= 0)
+      fail("no strategy fits; the smallest, {}, {}", smallest.strategy.describe(), smallest.over);
+    fail("no strategy runs this model on {} ranks", ranks);
+  }
+  std::sort(fitting.begin(), fitting.end(),
+            [](const Estimate& a, const Estimate& b) { return a.time.tokens_per_s > b.time.tokens_per_s; });
+  std::printf("\n%4s  %-36s %11s %9s %10s %8s %9s %6s\n", "rank", "strategy", "tokens/s", "step ms", "memory",
+              "bubble", "exp.comm", "MFU");
+  for (size_t i = 0; i < fitting.size() && static_cast<int>(i) < o.top; ++i) {
+    const Estimate& e = fitting[i];
+    const double exposed = e.time.tp_comm + e.time.ep_comm + e.time.pp_comm + e.time.dp_exposed;
+    std::printf("%4zu  %-36s %11.0f %9.2f %10s %7.1f%% %8.2fms %5.1f%%\n", i + 1,
+                e.strategy.describe().c_str(), e.time.tokens_per_s, 1e3 * e.time.step,
+                human_bytes(e.memory.total).c_str(), 100 * e.time.bubble / e.time.step, 1e3 * exposed,
+                100 * e.time.mfu);
+  }
+  std::printf("\ntrain with the best: forge train --set model.config=%s --set data.seq_len=%lld %s\n",
+              o.model.c_str(), static_cast<long long>(o.seq_len), fitting[0].strategy.set_line().c_str());
+  return 0;
+}
+
+// This machine's costs: the model's ops at the strategies' shapes, run for real (sim/trace.h's measured
+// mode) and timed; the last of `repeats` runs counts.
+int run_calibrate(const ModelPlanOptions& o) {
+  if (o.out.empty()) fail("--out FILE is required");
+  if (o.seq_len < 1) fail("--seq-len must be >= 1");
+  const std::unique_ptr<models::ModelConfig> model = models::read_model_config(o.model);
+  const std::vector<int64_t> mbs = int_list(o.micro_batches, "--micro-batch"), tps = int_list(o.tps, "--tp");
+  const std::vector<std::string> recomputes =
+      word_list(o.recomputes, "--recompute", {"none", "selective", "full"});
+  const std::vector<std::string> fp8s = word_list(o.fp8s, "--fp8", {"off", "delayed", "current", "block"});
+  HardwareProfile h;
+  const int threads = omp_get_max_threads();
+  h.name =
+      o.name.empty() ? fmt::format("cpu ({} thread{} per rank)", threads, threads == 1 ? "" : "s") : o.name;
+  h.kind = "measured";
+  h.threads = threads;
+  h.notes = fmt::format(
+      "forge plan calibrate --model {} --seq-len {} --micro-batch {} --tp {} --recompute {} --fp8 {}",
+      o.model, o.seq_len, o.micro_batches, o.tps, o.recomputes, o.fp8s);
+  h.memory_gib = static_cast<double>(host_memory_bytes()) / 1073741824.0;
+  h.node = {o.node_bandwidth_gbs > 0 ? o.node_bandwidth_gbs : 5.0,
+            o.node_latency_us > 0 ? o.node_latency_us : 5.0};
+  h.network = h.node;
+  std::vector<ops::OpProfileRow> all;
+  int runs = 0;
+  for (const std::string& recipe : fp8s)
+    for (int64_t tp : tps)
+      for (int64_t mb : mbs)
+        for (const std::string& rc : recomputes) {
+          Strategy s;
+          s.tp = static_cast<int>(tp), s.dp = 1, s.micro_batch = mb, s.seq = o.seq_len, s.recompute = rc;
+          s.sequence_parallel = tp > 1 && o.seq_len % tp == 0;
+          if (recipe != "off") {
+            train::TrainConfig c;
+            c.fp8.recipe = recipe;
+            c.validate();
+            s.fp8 = c.fp8_options(), s.fp8_recipe = recipe;
+          }
+          TraceOptions t;
+          t.device = Device::cpu;
+          RankTrace trace;
+          for (int r = 0; r < std::max(1, o.repeats); ++r) trace = trace_rank(*model, s, 0, t);
+          std::vector<const Phase*> phases{&trace.step_begin, &trace.step_end};
+          for (const ChunkTrace& c : trace.chunks)
+            for (const Phase* p :
+                 {&c.forward_first, &c.forward, &c.backward, &c.backward_input, &c.backward_weight})
+              phases.push_back(p);
+          for (const ops::OpProfileRow& r : merge_rows(phases)) {
+            all.push_back(r);
+            h.measured[r.op + "|" + r.detail] = r.seconds / static_cast<double>(r.calls);
+          }
+          ++runs;
+          std::fprintf(stderr, "calibrate: %s measured\n", s.describe().c_str());
+        }
+  // The fallback curves, for shapes not measured: GEMM throughput by the FLOPs of one call (medians per
+  // quarter decade), the attention's share of the GEMM peak, the memory-bound ops' bandwidth.
+  std::map<int, std::vector<double>> rates;  // quarter decade -> GFLOP/s
+  std::vector<double> bandwidths, attention;
+  double peak = 0;
+  for (const ops::OpProfileRow& r : all) {
+    if (r.seconds <= 0 || r.calls <= 0) continue;
+    const double rate = r.flops / r.seconds;
+    if (r.flops > 0 && r.op.rfind("attention", 0) == 0) {
+      attention.push_back(rate);
+    } else if (r.flops > 0 && r.detail.rfind("bf16", 0) == 0) {
+      rates[static_cast<int>(std::floor(4 * std::log10(r.flops / static_cast<double>(r.calls))))].push_back(
+          rate);
+      peak = std::max(peak, rate);
+    } else if (r.flops <= 0 && r.bytes > 0) {
+      bandwidths.push_back(r.bytes / r.seconds);
+    }
+  }
+  auto median = [](std::vector<double> v) {
+    if (v.empty()) return 0.0;
+    std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+    return v[v.size() / 2];
+  };
+  if (peak <= 0)
+    fail(
+        "calibrate: no bf16 GEMM was measured (is the CPU without native bf16? then the profile would need "
+        "fp32)");
+  h.bf16_tflops = peak / 1e12, h.fp32_tflops = h.bf16_tflops / 2, h.fp8_tflops = h.bf16_tflops;
+  for (auto& [bucket, v] : rates)
+    h.gemm_efficiency.push_back({(bucket + 0.5) / 4.0, std::min(1.0, median(v) / peak)});
+  h.attention_efficiency = std::clamp(median(attention) / peak, 1e-4, 1.0);
+  h.memory_bandwidth_gbs = std::max(1e-3, median(bandwidths) / 1e9);
+  write_file_atomically(o.out, h.to_toml(), "hardware profile");
+  std::printf(
+      "calibrated %d configurations, %zu op shapes: bf16 GEMM peak %.3f TFLOP/s, attention %.0f%% of it, "
+      "memory-bound ops %.1f GB/s -> %s\n",
+      runs, h.measured.size(), h.bf16_tflops, 100 * h.attention_efficiency, h.memory_bandwidth_gbs,
+      o.out.c_str());
+  return 0;
+}
+
+void add_hardware_options(CLI::App* app, ModelPlanOptions& o) {
+  app->add_option(
+         "--cluster", o.cluster,
+         "cluster description (TOML: [cluster] hardware, devices_per_node, nodes; optional [link.node] and "
+         "[link.network] bandwidth_gbs, latency_us)")
+      ->type_name("FILE");
+  app->add_option("--hardware", o.hardware,
+                  "a hardware profile instead of a cluster: a shipped one (h100, h200, a100, b200) or a file "
+                  "(forge plan calibrate writes one); one node")
+      ->type_name("NAME|FILE");
+  app->add_option("--devices-per-node", o.devices_per_node, "override the cluster's devices per node")
+      ->type_name("N");
+  app->add_option("--nodes", o.nodes, "override the cluster's node count")->type_name("N");
+}
+
+}  // namespace
+
+void add_plan_model_subcommands(CLI::App* plan,
+                                std::vector<std::pair<CLI::App*, std::function<int()>>>& runners) {
+  auto o = std::make_shared<ModelPlanOptions>();
+  auto* estimate = plan->add_subcommand(
+      "estimate", "Predict the memory per device and the time per step of one run's strategy, part by part");
+  estimate->add_option("-c,--config", o->config_path, "TOML run configuration, as forge train takes it")
+      ->check(CLI::ExistingFile);
+  estimate->add_option("--set", o->overrides, "override one setting, section.key=value (repeatable)");
+  estimate->add_option("--ranks", o->ranks, "world size (default tp x pp x dp of the settings)")
+      ->type_name("N");
+  add_hardware_options(estimate, *o);
+  estimate->footer(
+      "Exit status 2 when the strategy does not fit in the devices' memory (the line says by how much and "
+      "what "
+      "dominates). Example: forge plan estimate --hardware h100 --set model.config=llama3-8b.json --set "
+      "data.seq_len=8192 --set parallel.tp=2 --set parallel.dp=4 --ranks 8");
+  runners.push_back({estimate, [o] { return run_estimate(*o); }});
+
+  auto* search = plan->add_subcommand(
+      "search",
+      "Enumerate the strategies of a model on a cluster, drop those that do not fit, rank the rest");
+  search->add_option("--model", o->model, "Hugging Face config.json")->required()->check(CLI::ExistingFile);
+  search->add_option("--global-batch", o->global_batch, "sequences per optimizer step")->required();
+  search->add_option("--seq-len", o->seq_len, "tokens per sequence")->required();
+  search->add_option("--ranks", o->ranks, "ranks to use (default: every device of the cluster)")
+      ->type_name("N");
+  search->add_option("--top", o->top, "strategies to print")->capture_default_str();
+  search->add_option("--fp8", o->fp8, "FP8 recipe of every strategy: off, delayed, current or block")
+      ->capture_default_str();
+  add_hardware_options(search, *o);
+  search->footer(
+      "Tries tp and pp over the divisors of the ranks (dp takes the rest), every pipeline schedule, "
+      "micro-batches "
+      "of 1, 2, 4, 8, recompute none/selective/full, ZeRO-1 on and off, sequence parallelism with tp. Prints "
+      "the "
+      "best by predicted tokens/s with memory per device, pipeline bubble, exposed communication and MFU, "
+      "and the "
+      "--set line to train with the best.");
+  runners.push_back({search, [o] { return run_search(*o); }});
+
+  auto* calibrate = plan->add_subcommand(
+      "calibrate",
+      "Measure this machine's op costs at a model's shapes with forge's own kernels; write a profile");
+  calibrate->add_option("--model", o->model, "Hugging Face config.json")
+      ->required()
+      ->check(CLI::ExistingFile);
+  calibrate->add_option("--seq-len", o->seq_len, "tokens per sequence")->required();
+  calibrate->add_option("--micro-batch", o->micro_batches, "micro-batch sizes to measure")
+      ->capture_default_str();
+  calibrate->add_option("--tp", o->tps, "tensor-parallel sizes whose shapes to measure")
+      ->capture_default_str();
+  calibrate->add_option("--recompute", o->recomputes, "recompute policies to measure")->capture_default_str();
+  calibrate->add_option("--fp8", o->fp8s, "FP8 recipes to measure (off, delayed, current, block)")
+      ->capture_default_str();
+  calibrate->add_option("--out", o->out, "the profile to write (TOML)")->required();
+  calibrate->add_option("--name", o->name, "the profile's name");
+  calibrate
+      ->add_option("--link-bandwidth-gbs", o->node_bandwidth_gbs, "bandwidth between ranks on this machine")
+      ->capture_default_str();
+  calibrate->add_option("--link-latency-us", o->node_latency_us, "latency between ranks on this machine")
+      ->capture_default_str();
+  calibrate->add_option("--repeats", o->repeats, "runs per configuration (the last is kept)")
+      ->capture_default_str();
+  calibrate->footer(
+      "Run it with the threads each rank will have (OMP_NUM_THREADS=1 for 2 ranks on 2 cores). Every op of a "
+      "training step (F, B, I, W, the update) is run and timed at the model's shapes under each listed tp, "
+      "micro-batch, recompute and FP8 choice; the profile keeps each op's time per call and fits a GEMM "
+      "efficiency curve, the attention's share and the memory bandwidth for other shapes.");
+  runners.push_back({calibrate, [o] { return run_calibrate(*o); }});
+}
+
+}  // namespace forge::cli
