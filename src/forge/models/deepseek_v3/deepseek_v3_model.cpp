@@ -5,6 +5,7 @@
 
 #include "forge/core/device.h"
 #include "forge/core/memory.h"
+#include "forge/kernels/emulated_device.h"
 #include "forge/kernels/ops.h"
 #include "forge/nn/fp8_context.h"
 #include "forge/nn/tensor_parallel.h"
@@ -82,8 +83,10 @@ DeepseekV3Model::DeepseekV3Model(const DeepseekV3Config& config, nn::ComputeOpti
   if (config.topk_method != DeepseekV3Config::TopkMethod::noaux_tc)
     fail("{}: topk_method 'greedy' is not supported yet (only noaux_tc)", source);
   const bool on_host = options.device == Device::cpu;
-  config_.check_fits_in_memory(on_host && with_grads, on_host && options.gemm_dtype == DType::bf16,
-                               host_memory_bytes(), source);
+  // A dry run (kernels/emulated_device.h, the simulator's traces) initialises nothing on the host.
+  if (!EmulatedDevice::check_only())
+    config_.check_fits_in_memory(on_host && with_grads, on_host && options.gemm_dtype == DType::bf16,
+                                 host_memory_bytes(), source);
   const int tp_size = options.tp_size(), rank = options.tp_rank();
   if (config.n_routed_experts % options.ep_size() != 0)
     fail("{}: n_routed_experts = {} does not split over parallel.ep = {}", source, config.n_routed_experts,

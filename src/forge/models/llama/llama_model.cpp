@@ -5,6 +5,7 @@
 
 #include "forge/core/device.h"
 #include "forge/core/memory.h"
+#include "forge/kernels/emulated_device.h"
 #include "forge/kernels/ops.h"
 #include "forge/kernels/rope_tables.h"
 #include "forge/nn/fp8_context.h"
@@ -66,8 +67,10 @@ LlamaModel::LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, fl
   // Under tensor parallelism a rank holds 1/tp of the model, but a group's ranks usually share a machine, so
   // the whole model is what the machine must hold (an over-estimate when the group spans machines).
   const bool on_host = options.device == Device::cpu;
-  config_.check_fits_in_memory(on_host && with_grads, on_host && options.gemm_dtype == DType::bf16,
-                               host_memory_bytes(), source);
+  // A dry run (kernels/emulated_device.h, the simulator's traces) initialises nothing on the host.
+  if (!EmulatedDevice::check_only())
+    config_.check_fits_in_memory(on_host && with_grads, on_host && options.gemm_dtype == DType::bf16,
+                                 host_memory_bytes(), source);
   const int64_t h = config.hidden_size, v = config.vocab_size;
   const int tp_size = options.tp_size(), rank = options.tp_rank();
   FORGE_CHECK(config.num_attention_heads % tp_size == 0 && config.intermediate_size % tp_size == 0 &&

@@ -1,0 +1,192 @@
+// The simulator: a rank traced on the dry device has the very ops (op, shape, calls) of the same step run for
+// real on the CPU, and the same activation memory; profiles and clusters refuse malformed input with one
+// line naming the key; the replayed schedule holds the in-flight activations its schedule implies; a strategy
+// that cannot fit says by how much and what dominates.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <string>
+#include <tuple>
+
+#include "forge/core/error.h"
+#include "forge/models/model.h"
+#include "forge/sim/estimate.h"
+#include "forge/sim/hardware.h"
+#include "forge/sim/trace.h"
+
+namespace forge::sim {
+namespace {
+
+const std::string kLlama = std::string(FORGE_FIXTURE_DIR) + "/../../configs/llama-default.json";
+const std::string kDeepSeek = std::string(FORGE_FIXTURE_DIR) + "/../../configs/deepseek-v3-tiny.json";
+
+// op|detail -> calls over every phase of the trace, without the device's copies and memsets (the CPU has
+// none).
+std::map<std::string, int64_t> calls_of(const RankTrace& t) {
+  std::vector<const Phase*> phases{&t.step_begin, &t.step_end};
+  for (const ChunkTrace& c : t.chunks)
+    for (const Phase* p : {&c.forward_first, &c.forward, &c.backward, &c.backward_input, &c.backward_weight})
+      phases.push_back(p);
+  std::map<std::string, int64_t> out;
+  for (const ops::OpProfileRow& r : merge_rows(phases))
+    if (r.op != "copy" && r.op != "memset") out[r.op + "|" + r.detail] += r.calls;
+  return out;
+}
+
+Strategy small(int tp, const std::string& recompute) {
+  Strategy s;
+  s.tp = tp, s.dp = 1, s.micro_batch = 2, s.seq = 64, s.recompute = recompute;
+  s.sequence_parallel = tp > 1;
+  return s;
+}
+
+class DryTrace : public ::testing::TestWithParam<std::tuple<std::string, int, std::string>> {};
+
+TEST_P(DryTrace, HasTheOpsAndMemoryOfTheMeasuredStep) {
+  const auto& [path, tp, recompute] = GetParam();
+  const std::unique_ptr<models::ModelConfig> config = models::read_model_config(path);
+  const Strategy s = small(tp, recompute);
+  const RankTrace dry = trace_rank(*config, s, 0);
+  TraceOptions cpu;
+  cpu.device = Device::cpu;
+  const RankTrace measured = trace_rank(*config, s, 0, cpu);
+  EXPECT_EQ(calls_of(dry), calls_of(measured));
+  ASSERT_EQ(dry.chunks.size(), 1u);
+  EXPECT_GT(dry.chunks[0].activation_bytes, 0);
+  // The same up to a few device-side scalars (a GPU keeps the loss sums on the device).
+  EXPECT_NEAR(static_cast<double>(dry.chunks[0].activation_bytes),
+              static_cast<double>(measured.chunks[0].activation_bytes),
+              1e-3 * static_cast<double>(measured.chunks[0].activation_bytes));
+  EXPECT_EQ(dry.weights_bytes, measured.weights_bytes);
+  EXPECT_EQ(dry.parameters, measured.parameters);
+  // Tensor parallelism's collectives are recorded, on the critical path of forward and backward.
+  if (tp > 1) {
+    EXPECT_FALSE(dry.chunks[0].forward.comm.empty());
+    EXPECT_EQ(dry.chunks[0].forward.comm[0].group, "tp");
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, DryTrace,
+                         ::testing::Values(std::make_tuple(kLlama, 1, std::string("none")),
+                                           std::make_tuple(kLlama, 2, std::string("selective")),
+                                           std::make_tuple(kLlama, 1, std::string("full")),
+                                           std::make_tuple(kDeepSeek, 1, std::string("none"))));
+
+const char* kProfile = R"(
+[hardware]
+name = "test device"
+memory_gib = 1.0
+bf16_tflops = 100
+gemm_efficiency = [[6.0, 0.25], [9.0, 0.75]]
+memory_bandwidth_gbs = 1000
+op_overhead_us = 1
+[link.node]
+bandwidth_gbs = 100
+latency_us = 2
+[measured]
+"gemm|bf16 NT 8x8x8 -> fp32" = 0.5
+)";
+
+TEST(HardwareProfile, CostsRowsByMeasurementThenCurve) {
+  const HardwareProfile h = HardwareProfile::parse(kProfile, "test.toml");
+  EXPECT_DOUBLE_EQ(h.row_seconds({"gemm", "bf16 NT 8x8x8 -> fp32", 3, 0, 3 * 1024.0, 0}), 1.5);
+  EXPECT_DOUBLE_EQ(h.efficiency(1e6), 0.25);
+  EXPECT_DOUBLE_EQ(h.efficiency(1e9), 0.75);
+  EXPECT_NEAR(h.efficiency(std::pow(10.0, 7.5)), 0.5, 1e-12);
+  // 2 calls of 1e9 FLOPs at 75% of 100 TFLOP/s, plus 1 us each.
+  EXPECT_NEAR(h.row_seconds({"gemm", "bf16 NN 1000x1000x500 -> fp32", 2, 0, 2e9, 0}),
+              2 * (1e9 / 75e12 + 1e-6), 1e-15);
+  // Memory-bound: bytes at the bandwidth.
+  EXPECT_NEAR(h.row_seconds({"adamw", "n=1", 1, 0, 0, 1e9}), 1e-3 + 1e-6, 1e-15);
+  EXPECT_EQ(h.network, h.node);  // no network link: the node's
+  // It writes what it reads.
+  const HardwareProfile again = HardwareProfile::parse(h.to_toml(), "again.toml");
+  EXPECT_EQ(again.measured, h.measured);
+  EXPECT_EQ(again.gemm_efficiency, h.gemm_efficiency);
+  EXPECT_EQ(again.node, h.node);
+}
+
+void expect_refused(const std::string& text, const std::string& culprit) {
+  try {
+    (void)HardwareProfile::parse(text, "bad.toml");
+    ADD_FAILURE() << "accepted; expected an error naming " << culprit;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(culprit), std::string::npos) << e.what();
+    EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << e.what();
+  }
+}
+
+TEST(HardwareProfile, RefusesMalformedInput) {
+  std::string text = kProfile;
+  expect_refused(text + "\n[hardware2]\n", "unknown key 'hardware2'");
+  std::string misspelt = text;
+  misspelt.replace(misspelt.find("bf16_tflops"), 11, "bf16_tflop");
+  expect_refused(misspelt, "bf16_tflop");
+  std::string negative = text;
+  negative.replace(negative.find("memory_gib = 1.0"), 16, "memory_gib = -1");
+  expect_refused(negative, "hardware.memory_gib");
+  std::string curve = text;
+  curve.replace(curve.find("[[6.0, 0.25], [9.0, 0.75]]"), 26, "[[9.0, 0.25], [6.0, 0.75]]");
+  expect_refused(curve, "gemm_efficiency");
+  expect_refused("[hardware\n", "bad.toml:");
+  expect_refused("[link.node]\nbandwidth_gbs = 1\n", "missing table [hardware]");
+  EXPECT_THROW((void)Cluster::parse("[cluster]\nhardware = \"no-such-gpu\"\n", "c.toml"), Error);
+}
+
+TEST(Cluster, PlacesGroupsOnTheirLinks) {
+  Cluster c = Cluster::single_node(HardwareProfile::parse(kProfile, "t.toml"), 4);
+  c.nodes = 2;
+  c.hardware.network = {10, 20};
+  EXPECT_EQ(c.link({0, 1, 2, 3}).bandwidth_gbs, 100);
+  EXPECT_EQ(c.link({2, 6}).bandwidth_gbs, 10);
+  // A ring all-reduce moves 2 (n-1)/n of the buffer.
+  EXPECT_NEAR(comm_seconds({"all_reduce", "dp", 4, 4000000000}, {100, 0}), 2 * 0.75 * 0.04, 1e-12);
+  EXPECT_EQ(comm_seconds({"all_reduce", "dp", 1, 4000}, {100, 0}), 0);
+}
+
+TEST(Simulator, ReplaysTheScheduleForMemoryAndTime) {
+  const std::unique_ptr<models::ModelConfig> config = models::read_model_config(kLlama);
+  HardwareProfile h = HardwareProfile::parse(kProfile, "t.toml");
+  h.memory_gib = 64;
+  Simulator sim(*config, Cluster::single_node(h, 8));
+  Strategy s = small(1, "none");
+  s.pp = 2, s.grad_accum = 8;
+  const Estimate one_f_one_b = sim.estimate(s);
+  // 1F1B: pp rank 0 holds P = 2 micro-batches' activations at its peak.
+  EXPECT_EQ(one_f_one_b.memory.pp_rank, 0);
+  EXPECT_EQ(one_f_one_b.memory.in_flight, 2);
+  EXPECT_GT(one_f_one_b.time.bubble, 0);
+  EXPECT_TRUE(one_f_one_b.fits);
+  // More micro-batches per step: the same bubble over a longer step.
+  s.grad_accum = 16;
+  const Estimate longer = sim.estimate(s);
+  EXPECT_LT(longer.time.bubble / longer.time.step, one_f_one_b.time.bubble / one_f_one_b.time.step);
+  // Full recompute keeps less.
+  s.recompute = "full";
+  EXPECT_LT(sim.estimate(s).memory.activations, longer.memory.activations);
+  // Data parallelism adds the reductions; ZeRO-1 shards the optimizer state.
+  Strategy d = small(1, "none");
+  d.dp = 4;
+  const Estimate replicated = sim.estimate(d);
+  EXPECT_GT(replicated.time.dp_comm, 0);
+  d.distributed_optimizer = true;
+  const Estimate sharded = sim.estimate(d);
+  EXPECT_LT(sharded.memory.optimizer, replicated.memory.optimizer);
+  // Too many ranks for the cluster: one line.
+  d.dp = 16;
+  EXPECT_THROW(sim.estimate(d), Error);
+}
+
+TEST(Simulator, SaysByHowMuchAStrategyDoesNotFit) {
+  const std::unique_ptr<models::ModelConfig> config = models::read_model_config(kLlama);
+  HardwareProfile h = HardwareProfile::parse(kProfile, "t.toml");
+  h.memory_gib = 0.001;
+  Simulator sim(*config, Cluster::single_node(h, 1));
+  const Estimate e = sim.estimate(small(1, "none"));
+  EXPECT_FALSE(e.fits);
+  EXPECT_NE(e.over.find("over the"), std::string::npos) << e.over;
+  EXPECT_NE(e.over.find("most of it"), std::string::npos) << e.over;
+}
+
+}  // namespace
+}  // namespace forge::sim
