@@ -183,5 +183,47 @@ TEST_F(PlanCli, HelpExplainsTheOptions) {
     EXPECT_NE(o.output.find(option), std::string::npos) << option << "\n" << o.output;
 }
 
+// The simulator's commands: estimate prints memory and time part by part (exit 2 when it does not fit, saying
+// by how much), search ranks strategies and prints the --set line, and bad input is one line each.
+TEST_F(PlanCli, EstimateAndSearchAModelOnShippedHardware) {
+  const std::string model = std::string(FORGE_FIXTURE_DIR) + "/../../configs/llama-default.json";
+  const Outcome e = run_forge(
+      "plan estimate --hardware h100 --set model.config=" + model +
+      " --set data.seq_len=128 --set parallel.tp=2 --set parallel.pp=2 --set train.grad_accum=4 --ranks 4");
+  EXPECT_EQ(e.status, 0) << e.output;
+  for (const char* part :
+       {"memory per device", "activations (", "time per step", "pipeline bubble", "tensor-parallel comm"})
+    EXPECT_NE(e.output.find(part), std::string::npos) << part << "\n" << e.output;
+  const Outcome s = run_forge("plan search --hardware h100 --model " + model +
+                              " --global-batch 16 --seq-len 128 --ranks 4 --top 3");
+  EXPECT_EQ(s.status, 0) << s.output;
+  EXPECT_NE(s.output.find("train with the best: forge train"), std::string::npos) << s.output;
+  EXPECT_NE(s.output.find("--set parallel.tp="), std::string::npos) << s.output;
+  // A profile too small for the model: exit status 2 and what dominates.
+  const std::string tiny = path("tiny.toml");
+  std::ofstream(tiny) << "[hardware]\nname = \"tiny\"\nmemory_gib = 0.001\nbf16_tflops = 1\n"
+                         "memory_bandwidth_gbs = 10\n[link.node]\nbandwidth_gbs = 1\n";
+  const Outcome over = run_forge("plan estimate --hardware " + tiny + " --set model.config=" + model);
+  EXPECT_EQ(over.status, 2) << over.output;
+  EXPECT_NE(over.output.find("does not fit"), std::string::npos) << over.output;
+}
+
+TEST_F(PlanCli, SimulatorRefusesBadInput) {
+  const std::string model = std::string(FORGE_FIXTURE_DIR) + "/../../configs/llama-default.json";
+  expect_one_line_error("plan estimate --hardware no-such-gpu", "no-such-gpu");
+  expect_one_line_error("plan estimate --set model.config=" + model, "--hardware");
+  expect_one_line_error(
+      "plan estimate --hardware h100 --set parallel.tp=3 --set model.config=" + model + " --ranks 3",
+      "parallel.tp = 3");
+  expect_one_line_error("plan search --hardware h100 --model " + model + " --global-batch 0 --seq-len 128",
+                        "--global-batch");
+  const std::string bad = path("bad.toml");
+  std::ofstream(bad) << "[hardware]\nname = \"x\"\nmemory_gib = 1\nbf16_tflop = 1\n";
+  expect_one_line_error("plan estimate --hardware " + bad + " --set model.config=" + model, "bf16_tflop");
+  expect_one_line_error(
+      "plan calibrate --model " + model + " --seq-len 64 --recompute sometimes --out " + path("p.toml"),
+      "sometimes");
+}
+
 }  // namespace
 }  // namespace forge
