@@ -210,7 +210,7 @@ TEST_F(PlanCli, EstimateAndSearchAModelOnShippedHardware) {
 
 TEST_F(PlanCli, SimulatorRefusesBadInput) {
   const std::string model = std::string(FORGE_FIXTURE_DIR) + "/../../configs/llama-default.json";
-  expect_one_line_error("plan estimate --hardware no-such-gpu", "no-such-gpu");
+  expect_one_line_error("plan estimate --hardware no-such-gpu --set model.config=" + model, "no-such-gpu");
   expect_one_line_error("plan estimate --set model.config=" + model, "--hardware");
   expect_one_line_error(
       "plan estimate --hardware h100 --set parallel.tp=3 --set model.config=" + model + " --ranks 3",

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "forge/comm/comm.h"
 #include "forge/core/error.h"
 #include "forge/core/file_io.h"
 #include "forge/core/memory.h"
@@ -45,7 +46,8 @@ struct ModelPlanOptions {
   std::string cluster, hardware;
   int devices_per_node = 0, nodes = 0;
   // calibrate
-  std::string out, micro_batches = "1,2,4", tps = "1,2", recomputes = "none,selective,full", fp8s = "off";
+  std::string out, micro_batches = "1,2,4", tps = "1,2", pps = "1", recomputes = "none,selective,full",
+                   fp8s = "off";
   std::string name;
   double node_bandwidth_gbs = 0, node_latency_us = 0;
   int repeats = 3;
@@ -105,8 +107,9 @@ int run_estimate(const ModelPlanOptions& o) {
   const parallel::LayoutSpec l = config.layout_spec();
   const int ranks = o.ranks > 0 ? o.ranks : l.tp * l.pp * std::max(1, l.dp);
   const Strategy s = train::strategy_of(config, ranks);
+  Cluster cluster = cluster_of(o, ranks);
   const std::unique_ptr<models::ModelConfig> model = models::read_model_config(config.model.config);
-  Simulator sim(*model, cluster_of(o, ranks));
+  Simulator sim(*model, std::move(cluster));
   const auto start = std::chrono::steady_clock::now();
   const Estimate e = sim.estimate(s);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -229,19 +232,26 @@ int run_calibrate(const ModelPlanOptions& o) {
   if (o.out.empty()) fail("--out FILE is required");
   if (o.seq_len < 1) fail("--seq-len must be >= 1");
   const std::unique_ptr<models::ModelConfig> model = models::read_model_config(o.model);
-  const std::vector<int64_t> mbs = int_list(o.micro_batches, "--micro-batch"), tps = int_list(o.tps, "--tp");
+  const std::vector<int64_t> mbs = int_list(o.micro_batches, "--micro-batch"), tps = int_list(o.tps, "--tp"),
+                             pps = int_list(o.pps, "--pp");
+  // Under mpirun every rank measures at once, as the ranks of a run on this machine compute at once (sharing
+  // its cores, caches and memory bandwidth); then the ranks time collectives between them. Rank 0 writes.
+  comm::Communicator& world = comm::world();
   const std::vector<std::string> recomputes =
       word_list(o.recomputes, "--recompute", {"none", "selective", "full"});
   const std::vector<std::string> fp8s = word_list(o.fp8s, "--fp8", {"off", "delayed", "current", "block"});
   HardwareProfile h;
   const int threads = omp_get_max_threads();
-  h.name =
-      o.name.empty() ? fmt::format("cpu ({} thread{} per rank)", threads, threads == 1 ? "" : "s") : o.name;
+  h.name = o.name.empty() ? fmt::format("cpu ({} thread{} per rank, {} rank{} at once)", threads,
+                                        threads == 1 ? "" : "s", world.size(), world.size() == 1 ? "" : "s")
+                          : o.name;
   h.kind = "measured";
   h.threads = threads;
   h.notes = fmt::format(
-      "forge plan calibrate --model {} --seq-len {} --micro-batch {} --tp {} --recompute {} --fp8 {}",
-      o.model, o.seq_len, o.micro_batches, o.tps, o.recomputes, o.fp8s);
+      "forge plan calibrate --model {} --seq-len {} --micro-batch {} --tp {} --pp {} --recompute {} --fp8 "
+      "{}{}",
+      o.model, o.seq_len, o.micro_batches, o.tps, o.pps, o.recomputes, o.fp8s,
+      world.size() > 1 ? fmt::format(" under mpirun -np {}", world.size()) : "");
   h.memory_gib = static_cast<double>(host_memory_bytes()) / 1073741824.0;
   h.node = {o.node_bandwidth_gbs > 0 ? o.node_bandwidth_gbs : 5.0,
             o.node_latency_us > 0 ? o.node_latency_us : 5.0};
@@ -250,40 +260,45 @@ int run_calibrate(const ModelPlanOptions& o) {
   int runs = 0;
   for (const std::string& recipe : fp8s)
     for (int64_t tp : tps)
-      for (int64_t mb : mbs)
-        for (const std::string& rc : recomputes) {
-          Strategy s;
-          s.tp = static_cast<int>(tp), s.dp = 1, s.micro_batch = mb, s.seq = o.seq_len, s.recompute = rc;
-          s.sequence_parallel = tp > 1 && o.seq_len % tp == 0;
-          if (recipe != "off") {
-            train::TrainConfig c;
-            c.fp8.recipe = recipe;
-            c.validate();
-            s.fp8 = c.fp8_options(), s.fp8_recipe = recipe;
-          }
-          TraceOptions t;
-          t.device = Device::cpu;
-          // The fastest of the repeats per op and shape: what the kernels cost without interference.
-          std::map<std::string, ops::OpProfileRow> best;
-          for (int r = 0; r < std::max(1, o.repeats); ++r) {
-            const RankTrace trace = trace_rank(*model, s, 0, t);
-            std::vector<const Phase*> phases{&trace.step_begin, &trace.step_end};
-            for (const ChunkTrace& c : trace.chunks)
-              for (const Phase* p :
-                   {&c.forward_first, &c.forward, &c.backward, &c.backward_input, &c.backward_weight})
-                phases.push_back(p);
-            for (const ops::OpProfileRow& row : merge_rows(phases)) {
-              auto [it, fresh] = best.try_emplace(row.op + "|" + row.detail, row);
-              if (!fresh && row.seconds < it->second.seconds) it->second = row;
+      for (int64_t pp : pps)
+        for (int64_t mb : mbs)
+          for (const std::string& rc : recomputes)
+            for (int pp_rank = 0; pp_rank < pp; ++pp_rank) {
+              Strategy s;
+              s.tp = static_cast<int>(tp), s.dp = 1, s.micro_batch = mb, s.seq = o.seq_len, s.recompute = rc;
+              s.pp = static_cast<int>(pp), s.grad_accum = 2 * pp;
+              s.sequence_parallel = tp > 1 && o.seq_len % tp == 0;
+              if (recipe != "off") {
+                train::TrainConfig c;
+                c.fp8.recipe = recipe;
+                c.validate();
+                s.fp8 = c.fp8_options(), s.fp8_recipe = recipe;
+              }
+              TraceOptions t;
+              t.device = Device::cpu;
+              // The fastest of the repeats per op and shape: what the kernels cost without interference.
+              std::map<std::string, ops::OpProfileRow> best;
+              for (int r = 0; r < std::max(1, o.repeats); ++r) {
+                const RankTrace trace = trace_rank(*model, s, pp_rank, t);
+                std::vector<const Phase*> phases{&trace.step_begin, &trace.step_end};
+                for (const ChunkTrace& c : trace.chunks)
+                  for (const Phase* p :
+                       {&c.forward_first, &c.forward, &c.backward, &c.backward_input, &c.backward_weight})
+                    phases.push_back(p);
+                for (const ops::OpProfileRow& row : merge_rows(phases)) {
+                  auto [it, fresh] = best.try_emplace(row.op + "|" + row.detail, row);
+                  if (!fresh && row.seconds < it->second.seconds) it->second = row;
+                }
+              }
+              for (const auto& [key, row] : best) {
+                all.push_back(row);
+                h.measured[key] = row.seconds / static_cast<double>(row.calls);
+              }
+              ++runs;
+              if (world.rank() == 0)
+                std::fprintf(stderr, "calibrate: %s%s measured\n", s.describe().c_str(),
+                             pp > 1 ? fmt::format(" (pp rank {})", pp_rank).c_str() : "");
             }
-          }
-          for (const auto& [key, row] : best) {
-            all.push_back(row);
-            h.measured[key] = row.seconds / static_cast<double>(row.calls);
-          }
-          ++runs;
-          std::fprintf(stderr, "calibrate: %s measured\n", s.describe().c_str());
-        }
   // The fallback curves, for shapes not measured: GEMM throughput by the FLOPs of one call (medians per
   // quarter decade), the attention's share of the GEMM peak, the memory-bound ops' bandwidth.
   std::map<int, std::vector<double>> rates;  // quarter decade -> GFLOP/s
@@ -316,12 +331,37 @@ int run_calibrate(const ModelPlanOptions& o) {
     h.gemm_efficiency.push_back({(bucket + 0.5) / 4.0, std::min(1.0, median(v) / peak)});
   h.attention_efficiency = std::clamp(median(attention) / peak, 1e-4, 1.0);
   h.memory_bandwidth_gbs = std::max(1e-3, median(bandwidths) / 1e9);
+  if (world.size() > 1) {
+    // A ring all-reduce of B bytes takes 2 (n-1) latencies plus 2 (n-1)/n B over the bus bandwidth: the
+    // latency from a small message, the bandwidth from a large one (the fastest of several each).
+    const double n = world.size();
+    auto time_all_reduce = [&](int64_t bytes) {
+      std::vector<float> buffer(static_cast<size_t>(bytes / 4), 1.0f);
+      double best = 1e300;
+      for (int r = 0; r < 8; ++r) {
+        world.barrier().wait();
+        const auto start = std::chrono::steady_clock::now();
+        world.all_reduce_blocking(buffer.data(), static_cast<int64_t>(buffer.size()), comm::Type::f32,
+                                  comm::ReduceOp::sum);
+        best =
+            std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      }
+      return comm::all_reduce_max(world, best);
+    };
+    const double small = time_all_reduce(4096), large = time_all_reduce(int64_t{32} << 20);
+    if (o.node_latency_us <= 0) h.node.latency_us = 1e6 * small / (2 * (n - 1));
+    if (o.node_bandwidth_gbs <= 0)
+      h.node.bandwidth_gbs =
+          2 * (n - 1) / n * static_cast<double>(int64_t{32} << 20) / std::max(1e-9, large - small) / 1e9;
+    h.network = h.node;
+  }
+  if (world.rank() != 0) return 0;
   write_file_atomically(o.out, h.to_toml(), "hardware profile");
   std::printf(
       "calibrated %d configurations, %zu op shapes: bf16 GEMM peak %.3f TFLOP/s, attention %.0f%% of it, "
-      "memory-bound ops %.1f GB/s -> %s\n",
+      "memory-bound ops %.1f GB/s, link %.2f GB/s and %.1f us -> %s\n",
       runs, h.measured.size(), h.bf16_tflops, 100 * h.attention_efficiency, h.memory_bandwidth_gbs,
-      o.out.c_str());
+      h.node.bandwidth_gbs, h.node.latency_us, o.out.c_str());
   return 0;
 }
 
@@ -393,6 +433,8 @@ void add_plan_model_subcommands(CLI::App* plan,
       ->capture_default_str();
   calibrate->add_option("--tp", o->tps, "tensor-parallel sizes whose shapes to measure")
       ->capture_default_str();
+  calibrate->add_option("--pp", o->pps, "pipeline sizes whose stages to measure (each pp rank's chunk)")
+      ->capture_default_str();
   calibrate->add_option("--recompute", o->recomputes, "recompute policies to measure")->capture_default_str();
   calibrate->add_option("--fp8", o->fp8s, "FP8 recipes to measure (off, delayed, current, block)")
       ->capture_default_str();
@@ -406,7 +448,9 @@ void add_plan_model_subcommands(CLI::App* plan,
   calibrate->add_option("--repeats", o->repeats, "runs per configuration (each op keeps its fastest)")
       ->capture_default_str();
   calibrate->footer(
-      "Run it with the threads each rank will have (OMP_NUM_THREADS=1 for 2 ranks on 2 cores). Every op of a "
+      "Run it as the ranks will run: mpirun -np 2 -x OMP_NUM_THREADS=1 forge plan calibrate ... for 2 ranks "
+      "on 2 "
+      "cores (every rank measures at once, then the link between them is timed). Every op of a "
       "training step (F, B, I, W, the update) is run and timed at the model's shapes under each listed tp, "
       "micro-batch, recompute and FP8 choice; the profile keeps each op's time per call and fits a GEMM "
       "efficiency curve, the attention's share and the memory bandwidth for other shapes.");
