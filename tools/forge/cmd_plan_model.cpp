@@ -37,6 +37,7 @@ struct ModelPlanOptions {
   std::string config_path;
   std::vector<std::string> overrides;
   int ranks = 0;
+  int ops = 0;
   // search
   std::string model;
   int64_t global_batch = 0, seq_len = 0;
@@ -116,6 +117,31 @@ int run_estimate(const ModelPlanOptions& o) {
   std::printf("model: %s (%s, %.3g parameters)\n", config.model.config.c_str(), model->architecture().c_str(),
               static_cast<double>(model->num_parameters()));
   std::fputs(format_estimate(e, sim).c_str(), stdout);
+  if (o.ops > 0) {
+    // pp rank 0's ops over one step: the first micro-batch, the others, the update.
+    const RankTrace& t = *sim.last_traces().at(0);
+    Phase merged;
+    auto add = [&](const Phase& p, double times) {
+      for (ops::OpProfileRow r : p.rows) {
+        r.calls = static_cast<int64_t>(std::llround(static_cast<double>(r.calls) * times));
+        r.flops *= times, r.bytes *= times;
+        merged.rows.push_back(r);
+      }
+    };
+    for (const ChunkTrace& c : t.chunks) {
+      add(c.forward_first, 1), add(c.forward, static_cast<double>(s.grad_accum - 1));
+      add(c.backward, static_cast<double>(s.grad_accum));
+    }
+    add(t.step_begin, 1), add(t.step_end, 1);
+    std::vector<ops::OpProfileRow> per_step = merge_rows({&merged});
+    for (ops::OpProfileRow& r : per_step) r.seconds = sim.cluster().hardware.row_seconds(r);
+    std::sort(per_step.begin(), per_step.end(), [](const auto& a, const auto& b) { return a.seconds > b.seconds; });
+    std::printf("\npredicted ops of pp rank 0 per step (the %d most costly):\n%10s %7s  %-30s %s\n", o.ops, "ms",
+                "calls", "op", "detail");
+    for (size_t i = 0; i < per_step.size() && static_cast<int>(i) < o.ops; ++i)
+      std::printf("%10.3f %7lld  %-30s %s\n", 1e3 * per_step[i].seconds, static_cast<long long>(per_step[i].calls),
+                  per_step[i].op.c_str(), per_step[i].detail.c_str());
+  }
   std::printf("(%lld rank traces in %.2f s)\n", static_cast<long long>(sim.traces_run()), seconds);
   return e.fits ? 0 : 2;
 }
@@ -391,6 +417,8 @@ void add_plan_model_subcommands(CLI::App* plan,
       ->check(CLI::ExistingFile);
   estimate->add_option("--set", o->overrides, "override one setting, section.key=value (repeatable)");
   estimate->add_option("--ranks", o->ranks, "world size (default tp x pp x dp of the settings)")
+      ->type_name("N");
+  estimate->add_option("--ops", o->ops, "also list the N most costly ops of a step (pp rank 0), as predicted")
       ->type_name("N");
   add_hardware_options(estimate, *o);
   estimate->footer(

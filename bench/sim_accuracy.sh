@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The simulator's accuracy on this machine (docs/simulator.md, "Accuracy on forge's own runs"): calibrates
+# this machine's profiles with forge plan calibrate (one rank with every core; two ranks at once with one
+# thread each, under mpirun, which also times the link between them), then trains each run of the grid for a
+# few steps with log.hardware_profile and prints its predicted and measured step time and peak memory, one
+# table row per run, then the mean and largest errors. Run it alone on the machine (other work skews both).
+#   bench/sim_accuracy.sh [OUT_DIR]     (default build/sim_accuracy; about 10 minutes on 2 cores)
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+FORGE=$ROOT/build/bin/forge
+OUT=${1:-$ROOT/build/sim_accuracy}
+STEPS=${STEPS:-10}
+mkdir -p "$OUT"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+MPI=(mpirun -np 2 --oversubscribe --bind-to none -x OMP_NUM_THREADS=1)
+LLAMA=$ROOT/bench/sim/llama-20m.json
+DS=$ROOT/bench/sim/deepseek-v3-small.json
+SEQ=256
+
+calibrate() {  # name model np args...
+  local name=$1 model=$2 np=$3
+  shift 3
+  [[ -f $OUT/$name.toml ]] && return
+  if ((np > 1)); then
+    "${MPI[@]}" "$FORGE" plan calibrate --model "$model" --seq-len $SEQ --out "$OUT/$name.toml" "$@" >/dev/null
+  else
+    "$FORGE" plan calibrate --model "$model" --seq-len $SEQ --out "$OUT/$name.toml" "$@" >/dev/null
+  fi
+  echo "calibrated $OUT/$name.toml" >&2
+}
+calibrate llama-1 "$LLAMA" 1 --micro-batch 2,4,8 --tp 1 --recompute none,selective,full --fp8 off,delayed
+calibrate llama-2 "$LLAMA" 2 --micro-batch 2,4 --tp 1,2 --pp 1,2 --recompute none,full
+calibrate ds-1 "$DS" 1 --micro-batch 4 --tp 1 --recompute none,full
+calibrate ds-2 "$DS" 2 --micro-batch 4 --tp 1 --pp 1 --recompute none
+
+ROWS=$OUT/rows.jsonl
+: >"$ROWS"
+run() {  # name profile np model args...
+  local name=$1 profile=$2 np=$3 model=$4
+  shift 4
+  local dir=$OUT/runs/$name
+  rm -rf "$dir"
+  local cmd=("$FORGE" train --set model.config="$model" --set data.seq_len=$SEQ --set data.tokenizer=bytes
+    --set train.steps=$STEPS --set train.warmup=2 --set log.every=1 --set eval.every=0 --set sample.tokens=0
+    --set log.run_dir="$dir" --set log.hardware_profile="$OUT/$profile.toml" --set train.micro_batch=4 "$@")
+  if ((np > 1)); then "${MPI[@]}" "${cmd[@]}" >"$OUT/$name.log" 2>&1; else "${cmd[@]}" >"$OUT/$name.log" 2>&1; fi
+  python3 - "$dir/metrics.jsonl" "$name" "$np" "$*" >>"$ROWS" <<'PY'
+import json, sys
+path, name, np, args = sys.argv[1:]
+for line in open(path):
+    r = json.loads(line)
+    if r.get("event") == "prediction_check":
+        r.update(name=name, ranks=int(np), args=args)
+        print(json.dumps(r))
+PY
+  echo "ran $name" >&2
+}
+# One rank, every core.
+run llama-none llama-1 1 "$LLAMA"
+run llama-selective llama-1 1 "$LLAMA" --set train.recompute=selective
+run llama-full llama-1 1 "$LLAMA" --set train.recompute=full
+run llama-mb2 llama-1 1 "$LLAMA" --set train.micro_batch=2
+run llama-mb8 llama-1 1 "$LLAMA" --set train.micro_batch=8
+run llama-accum2 llama-1 1 "$LLAMA" --set train.grad_accum=2
+run llama-fp8 llama-1 1 "$LLAMA" --set fp8.recipe=delayed
+run ds-none ds-1 1 "$DS"
+run ds-full ds-1 1 "$DS" --set train.recompute=full
+# Two ranks, one thread each.
+run llama-tp2 llama-2 2 "$LLAMA" --set parallel.tp=2
+run llama-tp2-sp llama-2 2 "$LLAMA" --set parallel.tp=2 --set parallel.sequence_parallel=true
+run llama-dp2 llama-2 2 "$LLAMA" --set parallel.dp=2
+run llama-dp2-zero llama-2 2 "$LLAMA" --set parallel.dp=2 --set parallel.distributed_optimizer=true
+run llama-dp2-mb2 llama-2 2 "$LLAMA" --set parallel.dp=2 --set train.micro_batch=2 --set train.grad_accum=2
+for schedule in 1f1b interleaved zb-h1 zbv dualpipev dualpipe; do
+  vpp=1
+  [[ $schedule == interleaved ]] && vpp=2
+  run "llama-pp2-$schedule" llama-2 2 "$LLAMA" --set parallel.pp=2 --set parallel.schedule=$schedule \
+    --set parallel.vpp=$vpp --set train.grad_accum=4 --set train.micro_batch=2
+done
+run llama-pp2-full llama-2 2 "$LLAMA" --set parallel.pp=2 --set train.grad_accum=4 --set train.micro_batch=2 \
+  --set train.recompute=full
+run ds-dp2 ds-2 2 "$DS" --set parallel.dp=2
+run ds-ep2 ds-2 2 "$DS" --set parallel.dp=2 --set parallel.ep=2
+
+python3 - "$ROWS" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+print("| run | ranks | settings | step predicted | step measured | error | peak predicted | peak measured | error |")
+print("|---|---|---|---|---|---|---|---|---|")
+te, me = [], []
+for r in rows:
+    t = r["step_s_predicted"] / r["step_s_measured"] - 1
+    m = r["memory_bytes_predicted"] / r["memory_bytes_measured"] - 1
+    te.append(t); me.append(m)
+    print(f"| {r['name']} | {r['ranks']} | `{r['args'].split('.json ',1)[-1] if '.json' in r['args'] else r['args']}` | "
+          f"{1e3*r['step_s_predicted']:.1f} ms | {1e3*r['step_s_measured']:.1f} ms | {100*t:+.1f}% | "
+          f"{r['memory_bytes_predicted']/2**20:.1f} MiB | {r['memory_bytes_measured']/2**20:.1f} MiB | {100*m:+.1f}% |")
+if rows:
+    print()
+    print(f"{len(rows)} runs: step time mean |error| {100*sum(map(abs,te))/len(te):.1f}%, max {100*max(map(abs,te)):.1f}%; "
+          f"peak memory mean |error| {100*sum(map(abs,me))/len(me):.1f}%, max {100*max(map(abs,me)):.1f}%")
+PY

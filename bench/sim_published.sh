@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The simulator against published Megatron-LM measurements (docs/simulator.md, "Accuracy on published GPU
+# runs"): Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+# (arXiv:2205.05198), Table 5: iteration times of GPT 22B, 175B, 530B and 1T on A100s (Selene), with full
+# recompute and with sequence parallelism + selective recompute, in the layouts of its Table 3. The models are
+# LLaMA twins of the GPTs (bench/sim/published/*.json: the same attention, a SwiGLU with the GPT MLP's FLOPs);
+# the hardware is the shipped, published A100 profile (configs/hardware/a100.toml), not a measurement.
+#   bench/sim_published.sh     (seconds; prints a markdown table)
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+FORGE=$ROOT/build/bin/forge
+DIR=$ROOT/bench/sim/published
+echo "| model | GPUs | layout | recompute | measured (paper) | forge predicts | error | forge memory per GPU (weights + optimizer, activations) |"
+echo "|---|---|---|---|---|---|---|---|"
+# name gpus tp pp vpp global_batch micro_batch measured_full measured_seqsel
+while read -r name gpus tp pp vpp batch mb full seqsel; do
+  for policy in full seqsel; do
+    if [[ $policy == full ]]; then
+      extra=(--set train.recompute=full --set parallel.sequence_parallel=false)
+      measured=$full
+    else
+      extra=(--set train.recompute=selective --set parallel.sequence_parallel=true)
+      measured=$seqsel
+    fi
+    schedule=1f1b
+    ((vpp > 1)) && schedule=interleaved
+    out=$("$FORGE" plan estimate --cluster "$DIR/selene.toml" --ranks "$gpus" --set model.config="$DIR/$name.json" \
+      --set data.seq_len=2048 --set parallel.tp="$tp" --set parallel.pp="$pp" --set parallel.vpp="$vpp" \
+      --set parallel.schedule=$schedule --set parallel.dp=$((gpus / tp / pp)) --set train.micro_batch="$mb" \
+      --set train.grad_accum=$((batch / (gpus / tp / pp) / mb)) "${extra[@]}" || true)
+    step=$(sed -n 's/^time per step: \([0-9.]*\) ms.*/\1/p' <<<"$out")
+    weights=$(sed -n 's/^  parameters, bf16 shadow, gradients *\(.*\)$/\1/p' <<<"$out")
+    optimizer=$(sed -n 's/^  optimizer state (and FP8 state) *\(.*\)$/\1/p' <<<"$out")
+    activations=$(sed -n 's/^  activations ([0-9]* in flight) *\(.*\)$/\1/p' <<<"$out")
+    python3 - "$name" "$gpus" "tp$tp pp$pp vpp$vpp mb$mb x$((batch / (gpus / tp / pp) / mb))" "$policy" "$measured" "$step" \
+      "$weights + $optimizer, $activations" <<'PY'
+import sys
+name, gpus, layout, policy, measured, step, memory = sys.argv[1:]
+predicted = float(step) / 1e3
+print(f"| {name} | {gpus} | {layout} | {'full' if policy == 'full' else 'seq + selective'} | {float(measured):.2f} s | "
+      f"{predicted:.2f} s | {100 * (predicted / float(measured) - 1):+.1f}% | {memory} |")
+PY
+  done
+done <<'EOF_CASES'
+gpt-22b 8 8 1 1 4 4 1.42 1.10
+gpt-175b 64 8 8 3 64 1 18.13 13.75
+gpt-530b 280 8 35 3 280 1 49.05 37.83
+gpt-1t 512 8 64 1 512 1 94.42 71.49
+EOF_CASES
