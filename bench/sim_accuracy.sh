@@ -4,12 +4,15 @@
 # thread each, under mpirun, which also times the link between them), then trains each run of the grid for a
 # few steps with log.hardware_profile and prints its predicted and measured step time and peak memory, one
 # table row per run, then the mean and largest errors. Run it alone on the machine (other work skews both).
-#   bench/sim_accuracy.sh [OUT_DIR]     (default build/sim_accuracy; about 10 minutes on 2 cores)
+# Each run is repeated REPEATS times (default 3) and its fastest median step counts: on a shared machine the
+# same run measured 330, 339 and 450 ms back to back.
+#   bench/sim_accuracy.sh [OUT_DIR]     (default build/sim_accuracy; about 25 minutes on 2 cores)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 FORGE=$ROOT/build/bin/forge
 OUT=${1:-$ROOT/build/sim_accuracy}
 STEPS=${STEPS:-10}
+REPEATS=${REPEATS:-3}
 mkdir -p "$OUT"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 MPI=(mpirun -np 2 --oversubscribe --bind-to none -x OMP_NUM_THREADS=1)
@@ -38,7 +41,8 @@ ROWS=$OUT/rows.jsonl
 run() {  # name profile np model args...
   local name=$1 profile=$2 np=$3 model=$4
   shift 4
-  local dir=$OUT/runs/$name
+  local dir=$OUT/runs/$name repeat
+  for ((repeat = 0; repeat < REPEATS; ++repeat)); do
   rm -rf "$dir"
   local cmd=("$FORGE" train --set model.config="$model" --set data.seq_len=$SEQ --set data.tokenizer=bytes
     --set train.steps=$STEPS --set train.warmup=2 --set log.every=1 --set eval.every=0 --set sample.tokens=0
@@ -53,6 +57,7 @@ for line in open(path):
         r.update(name=name, ranks=int(np), args=args)
         print(json.dumps(r))
 PY
+  done
   echo "ran $name" >&2
 }
 # One rank, every core.
@@ -84,7 +89,12 @@ run ds-ep2 ds-2 2 "$DS" --set parallel.dp=2 --set parallel.ep=2
 
 python3 - "$ROWS" <<'PY'
 import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
+rows = {}
+for l in open(sys.argv[1]):  # the fastest of each run's repeats
+    r = json.loads(l)
+    if r["name"] not in rows or r["step_s_measured"] < rows[r["name"]]["step_s_measured"]:
+        rows[r["name"]] = r
+rows = list(rows.values())
 print("| run | ranks | settings | step predicted | step measured | error | peak predicted | peak measured | error |")
 print("|---|---|---|---|---|---|---|---|---|")
 te, me = [], []
