@@ -135,12 +135,14 @@ int run_estimate(const ModelPlanOptions& o) {
     add(t.step_begin, 1), add(t.step_end, 1);
     std::vector<ops::OpProfileRow> per_step = merge_rows({&merged});
     for (ops::OpProfileRow& r : per_step) r.seconds = sim.cluster().hardware.row_seconds(r);
-    std::sort(per_step.begin(), per_step.end(), [](const auto& a, const auto& b) { return a.seconds > b.seconds; });
-    std::printf("\npredicted ops of pp rank 0 per step (the %d most costly):\n%10s %7s  %-30s %s\n", o.ops, "ms",
-                "calls", "op", "detail");
+    std::sort(per_step.begin(), per_step.end(),
+              [](const auto& a, const auto& b) { return a.seconds > b.seconds; });
+    std::printf("\npredicted ops of pp rank 0 per step (the %d most costly):\n%10s %7s  %-30s %s\n", o.ops,
+                "ms", "calls", "op", "detail");
     for (size_t i = 0; i < per_step.size() && static_cast<int>(i) < o.ops; ++i)
-      std::printf("%10.3f %7lld  %-30s %s\n", 1e3 * per_step[i].seconds, static_cast<long long>(per_step[i].calls),
-                  per_step[i].op.c_str(), per_step[i].detail.c_str());
+      std::printf("%10.3f %7lld  %-30s %s\n", 1e3 * per_step[i].seconds,
+                  static_cast<long long>(per_step[i].calls), per_step[i].op.c_str(),
+                  per_step[i].detail.c_str());
   }
   std::printf("(%lld rank traces in %.2f s)\n", static_cast<long long>(sim.traces_run()), seconds);
   return e.fits ? 0 : 2;
@@ -361,24 +363,33 @@ int run_calibrate(const ModelPlanOptions& o) {
     // A ring all-reduce of B bytes takes 2 (n-1) latencies plus 2 (n-1)/n B over the bus bandwidth: the
     // latency from a small message, the bandwidth from a large one (the fastest of several each).
     const double n = world.size();
-    auto time_all_reduce = [&](int64_t bytes) {
+    auto time_all_reduce = [&](int64_t bytes, bool blocking = true) {
       std::vector<float> buffer(static_cast<size_t>(bytes / 4), 1.0f);
       double best = 1e300;
       for (int r = 0; r < 8; ++r) {
         world.barrier().wait();
         const auto start = std::chrono::steady_clock::now();
-        world.all_reduce_blocking(buffer.data(), static_cast<int64_t>(buffer.size()), comm::Type::f32,
-                                  comm::ReduceOp::sum);
+        if (blocking)
+          world.all_reduce_blocking(buffer.data(), static_cast<int64_t>(buffer.size()), comm::Type::f32,
+                                    comm::ReduceOp::sum);
+        else
+          world
+              .all_reduce(buffer.data(), static_cast<int64_t>(buffer.size()), comm::Type::f32,
+                          comm::ReduceOp::sum)
+              .wait();
         best =
             std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
       }
       return comm::all_reduce_max(world, best);
     };
-    const double small = time_all_reduce(4096), large = time_all_reduce(int64_t{32} << 20);
+    const double small = time_all_reduce(4096), large = time_all_reduce(int64_t{32} << 20),
+                 large_async = time_all_reduce(int64_t{32} << 20, false);
     if (o.node_latency_us <= 0) h.node.latency_us = 1e6 * small / (2 * (n - 1));
     if (o.node_bandwidth_gbs <= 0)
       h.node.bandwidth_gbs =
           2 * (n - 1) / n * static_cast<double>(int64_t{32} << 20) / std::max(1e-9, large - small) / 1e9;
+    h.node.async_bandwidth_gbs =
+        2 * (n - 1) / n * static_cast<double>(int64_t{32} << 20) / std::max(1e-9, large_async - small) / 1e9;
     h.network = h.node;
   }
   if (world.rank() != 0) return 0;

@@ -20,8 +20,8 @@ class DryCommunicator final : public comm::Communicator {
   comm::Request all_reduce(void*, int64_t count, comm::Type type, comm::ReduceOp) override {
     return note("all_reduce", count * static_cast<int64_t>(comm::type_size(type)));
   }
-  void all_reduce_blocking(void* buf, int64_t count, comm::Type type, comm::ReduceOp op) override {
-    all_reduce(buf, count, type, op);
+  void all_reduce_blocking(void*, int64_t count, comm::Type type, comm::ReduceOp) override {
+    note("all_reduce", count * static_cast<int64_t>(comm::type_size(type)), true);
   }
   comm::Request all_gather(const void*, void*, int64_t count, comm::Type type) override {
     return note("all_gather", count * static_cast<int64_t>(comm::type_size(type)));
@@ -62,8 +62,8 @@ class DryCommunicator final : public comm::Communicator {
   [[noreturn]] void abort(const std::string& message) override { fail("{}", message); }
 
  private:
-  comm::Request note(const char* op, int64_t bytes) {
-    if (size_ > 1) log_->events.push_back({op, name_, size_, bytes});
+  comm::Request note(const char* op, int64_t bytes, bool blocking = false) {
+    if (size_ > 1) log_->events.push_back({op, name_, size_, bytes, blocking});
     return {};
   }
   std::shared_ptr<CommLog> log_;

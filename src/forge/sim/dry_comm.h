@@ -17,6 +17,9 @@ struct CommEvent {
   std::string group;  // the communicator's name: "tp", "dp", "ep", ...
   int group_size = 1;
   int64_t bytes = 0;  // this rank's payload: the buffer reduced, the block it sends (all_gather: its own)
+  // Issued through the blocking path (Communicator::all_reduce_blocking: tensor parallelism), which MPI runs
+  // faster than its non-blocking collectives (the gradient buckets'); a GPU's NCCL runs both alike.
+  bool blocking = false;
 };
 
 // Shared by every communicator of one traced rank: the events in the order they were issued.

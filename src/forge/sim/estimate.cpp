@@ -25,7 +25,7 @@ parallel::Dim dim_of(const std::string& group) {
   if (group == "dp") return parallel::Dim::dp_cp;
   if (group == "ep") return parallel::Dim::ep;
   if (group == "expert_dp") return parallel::Dim::expert_dp;
-  if (group == "pp") return parallel::Dim::pp;
+  if (group == "pp" || group == "pp_mirror" || group == "pp_tied_embedding") return parallel::Dim::pp;
   return parallel::Dim::model_parallel;
 }
 

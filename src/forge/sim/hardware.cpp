@@ -80,6 +80,7 @@ Link read_link(const toml::table& t, const std::string& where, const std::string
   Fields f(t, where, source);
   fallback.bandwidth_gbs = f.number("bandwidth_gbs", fallback.bandwidth_gbs, 1e-6, 1e6);
   fallback.latency_us = f.number("latency_us", fallback.latency_us, 0, 1e6);
+  fallback.async_bandwidth_gbs = f.number("async_bandwidth_gbs", fallback.async_bandwidth_gbs, 0, 1e6);
   return fallback;
 }
 
@@ -209,10 +210,14 @@ std::string HardwareProfile::to_toml() const {
   out << fmt::format(
       "attention_efficiency = {:.6g}\nmemory_bandwidth_gbs = {:.6g}\nop_overhead_us = {:.6g}\n",
       attention_efficiency, memory_bandwidth_gbs, op_overhead_us);
-  out << fmt::format("\n[link.node]\nbandwidth_gbs = {:.6g}\nlatency_us = {:.6g}\n", node.bandwidth_gbs,
-                     node.latency_us);
-  out << fmt::format("\n[link.network]\nbandwidth_gbs = {:.6g}\nlatency_us = {:.6g}\n", network.bandwidth_gbs,
-                     network.latency_us);
+  auto link = [&](const char* name, const Link& l) {
+    out << fmt::format("\n[link.{}]\nbandwidth_gbs = {:.6g}\nlatency_us = {:.6g}\n", name, l.bandwidth_gbs,
+                       l.latency_us);
+    if (l.async_bandwidth_gbs > 0)
+      out << fmt::format("async_bandwidth_gbs = {:.6g}\n", l.async_bandwidth_gbs);
+  };
+  link("node", node);
+  link("network", network);
   if (!measured.empty()) {
     out << "\n# seconds per call of each op at each shape, measured with forge's kernels\n[measured]\n";
     for (const auto& [key, seconds] : measured)
@@ -277,7 +282,10 @@ Cluster Cluster::single_node(HardwareProfile hardware, int devices) {
 double comm_seconds(const CommEvent& e, const Link& link) {
   const double n = e.group_size, bytes = static_cast<double>(e.bytes);
   if (n <= 1) return 0;
-  const double bw = link.bandwidth_gbs * 1e9, lat = link.latency_us * 1e-6;
+  const double bw = (!e.blocking && link.async_bandwidth_gbs > 0 ? link.async_bandwidth_gbs
+                                                                 : link.bandwidth_gbs) *
+                    1e9,
+               lat = link.latency_us * 1e-6;
   if (e.op == "all_reduce") return 2 * (n - 1) / n * bytes / bw + 2 * (n - 1) * lat;
   if (e.op == "all_gather") return (n - 1) * bytes / bw + (n - 1) * lat;
   if (e.op == "reduce_scatter" || e.op == "all_to_all") return (n - 1) / n * bytes / bw + (n - 1) * lat;

@@ -25,6 +25,7 @@ namespace forge::sim {
 struct Link {
   double bandwidth_gbs = 0;  // GB/s per device, one direction (the bus bandwidth a ring collective reaches)
   double latency_us = 0;     // per message step
+  double async_bandwidth_gbs = 0;  // non-blocking collectives (MPI's are slower); 0: bandwidth_gbs
   bool operator==(const Link&) const = default;
 };
 

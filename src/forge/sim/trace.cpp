@@ -147,10 +147,23 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
   std::vector<int> stages{0};
   std::vector<models::StageSpec> specs{models::StageSpec::whole()};
   int micro_batches_per_chunk = 2;
+  // DualPipe's mirrored copies, and tied embeddings (or MTP's reads of the embedding) with the first and the
+  // last stage on two ranks: their gradients are summed over a pair after the schedule
+  // (train/pipelining.cpp), and the data-parallel buckets then reduce after it rather than under backward
+  // (train/setup.cpp).
+  bool mirrored = false, tied_across = false;
   if (s.pp > 1) {
     const pipeline::Schedule schedule =
         pipeline::make_schedule({s.schedule, s.pp, static_cast<int>(s.grad_accum), s.vpp, s.ep > 1});
     const pipeline::Placement& p = schedule.placement;
+    mirrored = p.mirrored;
+    const nlohmann::json json = config.to_json();
+    const bool tied =
+        json.value("tie_word_embeddings", false) ||
+        (json.contains("num_nextn_predict_layers") && json["num_nextn_predict_layers"].is_number() &&
+         json["num_nextn_predict_layers"].get<int64_t>() > 0);
+    const int first = p.locate(0, 0).rank, last = p.locate(0, p.stages - 1).rank;
+    tied_across = tied && first != last && (pp_rank == first || pp_rank == last);
     const std::vector<int64_t> counts = pipeline::stage_layer_counts(
         shape.layers, p.stages, s.pp_layers, fmt::format("{} stages of schedule {}", p.stages, s.schedule));
     stages.clear(), specs.clear();
@@ -185,7 +198,7 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
   parallel::BucketOptions bucket_options;
   bucket_options.bucket_bytes = static_cast<int64_t>(s.bucket_mb * 1048576.0);
   bucket_options.shard = s.distributed_optimizer;
-  bucket_options.overlap = s.overlap_grad_reduce && s.dp > 1;
+  bucket_options.overlap = s.overlap_grad_reduce && s.dp > 1 && !mirrored && !tied_across;
   parallel::GradBuckets buckets(&store, dp.get(), bucket_options);
   std::vector<parallel::OptimizerGroup> groups{{&buckets, dp.get()}};
   std::unique_ptr<parallel::GradBuckets> expert_buckets;
@@ -200,6 +213,7 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
                                        model_parallel.get());
 
   Recorder recorder(device, log);
+  auto pair = [&](const char* name) { return make_dry_communicator({name, 2, 0}, log); };
   const int64_t micro = s.micro_batch, seq = s.seq;
   const int64_t rows = micro * seq / (s.sequence_parallel && s.tp > 1 ? s.tp : 1);
   const std::vector<int32_t> ids0 = spread_ids(micro * seq, shape.vocab, 0),
@@ -265,6 +279,12 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
 
     const int64_t before_update = live_bytes(device);
     trace.step_end = recorder.run([&] {
+      if (mirrored) comm::all_reduce_sum(*pair("pp_mirror"), store.grads().f32(), store.grads().numel());
+      if (tied_across) {
+        const int id = store.find("model.embed_tokens.weight");
+        if (id >= 0)
+          comm::all_reduce_sum(*pair("pp_tied_embedding"), store.grad(id).f32(), store.grad(id).numel());
+      }
       buckets.finish();
       if (expert_buckets) expert_buckets->finish();
       const double norm = optimizer.grad_norm();

@@ -1,6 +1,8 @@
 // log.hardware_profile: the simulator's prediction of this run (memory per device, time per step), printed at
 // start and compared with what the run measured at the end, so that every run is a validation point of the
 // simulator (docs/simulator.md).
+#include <omp.h>
+
 #include <algorithm>
 
 #include "forge/core/device.h"
@@ -26,6 +28,12 @@ void TrainingRun::predict() {
       sim::human_bytes(e.memory.weights).c_str(), sim::human_bytes(e.memory.optimizer).c_str(),
       sim::human_bytes(e.memory.activations).c_str(), sim::human_bytes(e.memory.transient).c_str());
   if (!e.fits) say("plan: warning: %s\n", e.over.c_str());
+  const int threads = omp_get_max_threads();
+  if (simulator.cluster().hardware.threads > 0 && simulator.cluster().hardware.threads != threads)
+    say("plan: warning: %s was measured with %d thread%s per rank; this run has %d (calibrate with the "
+        "run's)\n",
+        c_.log.hardware_profile.c_str(), simulator.cluster().hardware.threads,
+        simulator.cluster().hardware.threads == 1 ? "" : "s", threads);
   write_metrics({{"event", "prediction"},
                  {"profile", c_.log.hardware_profile},
                  {"step_s", e.time.step},
