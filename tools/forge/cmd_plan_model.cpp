@@ -307,7 +307,10 @@ int run_calibrate(const ModelPlanOptions& o) {
               // The fastest of the repeats per op and shape: what the kernels cost without interference.
               std::map<std::string, ops::OpProfileRow> best;
               for (int r = 0; r < std::max(1, o.repeats); ++r) {
-                const RankTrace trace = trace_rank(*model, s, pp_rank, t);
+                // In step with the other ranks: a rank measuring while the others have not started (or have
+            // finished) would time kernels on a machine to itself, and the fastest repeat would be that one.
+            world.barrier().wait();
+            const RankTrace trace = trace_rank(*model, s, pp_rank, t);
                 std::vector<const Phase*> phases{&trace.step_begin, &trace.step_end};
                 for (const ChunkTrace& c : trace.chunks)
                   for (const Phase* p :
