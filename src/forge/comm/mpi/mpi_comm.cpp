@@ -407,6 +407,14 @@ std::unique_ptr<Communicator> init_world(double timeout_s) {
   int initialised = 0, provided = 0;
   FORGE_MPI_CHECK(MPI_Initialized(&initialised));
   if (!initialised) {
+    // Open MPI's memory patcher hooks the process's munmap/madvise to keep its cache of RDMA registrations
+    // right. forge keeps activations in the heap (core/tensor.cpp tunes malloc so that blocks freed every
+    // micro-batch are reused, not returned to the kernel); under the patcher they were faulted in again and
+    // zeroed by the kernel every micro-batch: 20% of a DeepSeek-V3 step's time on 2 ranks, every op 1.3-1.5x
+    // slower than the same ranks run apart (found by the simulator's validation, docs/simulator.md). The
+    // transports forge uses (shared memory, TCP; UCX brings its own hooks) do not need it. A user's own
+    // OMPI_MCA_memory setting wins.
+    setenv("OMPI_MCA_memory", "^patcher", /*overwrite=*/0);
     FORGE_MPI_CHECK(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided));
     s.initialised_here = true;
   } else {
