@@ -23,12 +23,8 @@ const std::string kDeepSeek = std::string(FORGE_FIXTURE_DIR) + "/../../configs/d
 // op|detail -> calls over every phase of the trace, without the device's copies and memsets (the CPU has
 // none).
 std::map<std::string, int64_t> calls_of(const RankTrace& t) {
-  std::vector<const Phase*> phases{&t.step_begin, &t.step_end};
-  for (const ChunkTrace& c : t.chunks)
-    for (const Phase* p : {&c.forward_first, &c.forward, &c.backward, &c.backward_input, &c.backward_weight})
-      phases.push_back(p);
   std::map<std::string, int64_t> out;
-  for (const ops::OpProfileRow& r : merge_rows(phases))
+  for (const ops::OpProfileRow& r : merge_rows(t.phases()))
     if (r.op != "copy" && r.op != "memset") out[r.op + "|" + r.detail] += r.calls;
   return out;
 }

@@ -308,15 +308,11 @@ int run_calibrate(const ModelPlanOptions& o) {
               std::map<std::string, ops::OpProfileRow> best;
               for (int r = 0; r < std::max(1, o.repeats); ++r) {
                 // In step with the other ranks: a rank measuring while the others have not started (or have
-            // finished) would time kernels on a machine to itself, and the fastest repeat would be that one.
-            world.barrier().wait();
-            const RankTrace trace = trace_rank(*model, s, pp_rank, t);
-                std::vector<const Phase*> phases{&trace.step_begin, &trace.step_end};
-                for (const ChunkTrace& c : trace.chunks)
-                  for (const Phase* p :
-                       {&c.forward_first, &c.forward, &c.backward, &c.backward_input, &c.backward_weight})
-                    phases.push_back(p);
-                for (const ops::OpProfileRow& row : merge_rows(phases)) {
+                // finished) would time kernels on a machine to itself, and the fastest repeat would be that
+                // one.
+                world.barrier().wait();
+                const RankTrace trace = trace_rank(*model, s, pp_rank, t);
+                for (const ops::OpProfileRow& row : merge_rows(trace.phases())) {
                   auto [it, fresh] = best.try_emplace(row.op + "|" + row.detail, row);
                   if (!fresh && row.seconds < it->second.seconds) it->second = row;
                 }

@@ -252,7 +252,7 @@ Estimate Simulator::estimate(const Strategy& s) {
   int worst = 0;
   for (int r = 0; r < s.pp; ++r) {
     const size_t i = static_cast<size_t>(r);
-    const double step = before[i] + makespan + after[i] + dp_exposed[i] - (after[i] - updates[i] > 0 ? 0 : 0);
+    const double step = before[i] + makespan + after[i] + dp_exposed[i];
     if (step > t.step) t.step = step, worst = r;
   }
   const size_t w = static_cast<size_t>(worst);

@@ -75,6 +75,14 @@ std::vector<int32_t> spread_ids(int64_t count, int64_t vocab, int64_t salt) {
 
 }  // namespace
 
+std::vector<const Phase*> RankTrace::phases() const {
+  std::vector<const Phase*> out{&step_begin, &step_end};
+  for (const ChunkTrace& c : chunks)
+    for (const Phase* p : {&c.forward_first, &c.forward, &c.backward, &c.backward_input, &c.backward_weight})
+      out.push_back(p);
+  return out;
+}
+
 std::vector<ops::OpProfileRow> merge_rows(const std::vector<const Phase*>& phases) {
   std::map<std::pair<std::string, std::string>, ops::OpProfileRow> merged;
   for (const Phase* p : phases)
@@ -105,7 +113,7 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
       s.vocab_divisible_by);
   if (s.sequence_parallel && s.tp > 1 && s.seq % s.tp != 0)
     fail("parallel.sequence_parallel: data.seq_len = {} must be a multiple of parallel.tp = {}", s.seq, s.tp);
-  if (s.ep > 1 && s.ep > 1) {
+  if (s.ep > 1) {
     const nlohmann::json json = config.to_json();
     const int64_t experts = json.value("n_routed_experts", int64_t{0});
     if (experts <= 0 || experts % s.ep != 0)

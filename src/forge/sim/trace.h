@@ -54,6 +54,9 @@ struct RankTrace {
   // and FP8 state (what the first update adds), and all of it (live between steps).
   int64_t weights_bytes = 0, optimizer_bytes = 0, static_bytes = 0;
   int64_t parameters = 0;  // this rank's parameter elements
+
+  // Every phase of the step: the step's own, then each chunk's.
+  std::vector<const Phase*> phases() const;
 };
 
 struct TraceOptions {
