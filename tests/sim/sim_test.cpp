@@ -40,7 +40,10 @@ class DryTrace : public ::testing::TestWithParam<std::tuple<std::string, int, st
 
 TEST_P(DryTrace, HasTheOpsAndMemoryOfTheMeasuredStep) {
   const auto& [path, tp, recompute] = GetParam();
-  const std::unique_ptr<models::ModelConfig> config = models::read_model_config(path);
+  // A vocabulary past one CPU loss-head chunk (2048 columns), so that a CPU and a GPU chunk differ.
+  nlohmann::json json = models::read_model_config(path)->to_json();
+  json["vocab_size"] = 4096;
+  const std::unique_ptr<models::ModelConfig> config = models::parse_model_config(json, path);
   const Strategy s = small(tp, recompute);
   const RankTrace dry = trace_rank(*config, s, 0);
   TraceOptions cpu;
@@ -55,6 +58,18 @@ TEST_P(DryTrace, HasTheOpsAndMemoryOfTheMeasuredStep) {
               1e-3 * static_cast<double>(measured.chunks[0].activation_bytes));
   EXPECT_EQ(dry.weights_bytes, measured.weights_bytes);
   EXPECT_EQ(dry.parameters, measured.parameters);
+  // Traced for a CPU run, the dry step takes the CPU kernels' shapes (the loss head's vocabulary chunks):
+  // its peaks are the measured step's. A GPU-shaped trace differs there (8192-column chunks).
+  TraceOptions for_cpu;
+  for_cpu.shaped_for = Device::cpu;
+  const RankTrace dry_cpu = trace_rank(*config, s, 0, for_cpu);
+  EXPECT_EQ(calls_of(dry_cpu), calls_of(measured));
+  auto near = [](int64_t a, int64_t b) {
+    return std::abs(static_cast<double>(a - b)) <= 1e-3 * static_cast<double>(std::max(a, b)) + 4096;
+  };
+  EXPECT_PRED2(near, dry_cpu.chunks[0].forward_first.transient_bytes,
+               measured.chunks[0].forward_first.transient_bytes);
+  EXPECT_PRED2(near, dry_cpu.chunks[0].backward.transient_bytes, measured.chunks[0].backward.transient_bytes);
   // Tensor parallelism's collectives are recorded, on the critical path of forward and backward.
   if (tp > 1) {
     EXPECT_FALSE(dry.chunks[0].forward.comm.empty());
@@ -85,7 +100,8 @@ latency_us = 2
 
 TEST(HardwareProfile, CostsRowsByMeasurementThenCurve) {
   const HardwareProfile h = HardwareProfile::parse(kProfile, "test.toml");
-  EXPECT_DOUBLE_EQ(h.row_seconds({"gemm", "bf16 NT 8x8x8 -> fp32", 3, 0, 3 * 1024.0, 0}), 1.5);
+  // Measured: 0.5 s a call, plus the 1 us of host work around each.
+  EXPECT_DOUBLE_EQ(h.row_seconds({"gemm", "bf16 NT 8x8x8 -> fp32", 3, 0, 3 * 1024.0, 0}), 3 * (0.5 + 1e-6));
   EXPECT_DOUBLE_EQ(h.efficiency(1e6), 0.25);
   EXPECT_DOUBLE_EQ(h.efficiency(1e9), 0.75);
   EXPECT_NEAR(h.efficiency(std::pow(10.0, 7.5)), 0.5, 1e-12);

@@ -286,6 +286,9 @@ int run_calibrate(const ModelPlanOptions& o) {
   h.network = h.node;
   std::vector<ops::OpProfileRow> all;
   int runs = 0;
+  // The host's time between the ops (tensor bookkeeping, routing decisions, allocation): each phase's wall
+  // time less its ops' times, over the op calls; the least of the repeats per configuration, summed.
+  double gap_seconds = 0, gap_calls = 0;
   for (const std::string& recipe : fp8s)
     for (int64_t tp : tps)
       for (int64_t pp : pps)
@@ -306,12 +309,21 @@ int run_calibrate(const ModelPlanOptions& o) {
               t.device = Device::cpu;
               // The fastest of the repeats per op and shape: what the kernels cost without interference.
               std::map<std::string, ops::OpProfileRow> best;
+              double least_gap = 1e300, calls = 0;
               for (int r = 0; r < std::max(1, o.repeats); ++r) {
                 // In step with the other ranks: a rank measuring while the others have not started (or have
                 // finished) would time kernels on a machine to itself, and the fastest repeat would be that
                 // one.
                 world.barrier().wait();
                 const RankTrace trace = trace_rank(*model, s, pp_rank, t);
+                double gap = 0;
+                calls = 0;
+                for (const Phase* phase : trace.phases()) {
+                  gap += phase->wall_seconds;
+                  for (const ops::OpProfileRow& row : phase->rows)
+                    gap -= row.seconds, calls += static_cast<double>(row.calls);
+                }
+                least_gap = std::min(least_gap, std::max(0.0, gap));
                 for (const ops::OpProfileRow& row : merge_rows(trace.phases())) {
                   auto [it, fresh] = best.try_emplace(row.op + "|" + row.detail, row);
                   if (!fresh && row.seconds < it->second.seconds) it->second = row;
@@ -321,6 +333,7 @@ int run_calibrate(const ModelPlanOptions& o) {
                 all.push_back(row);
                 h.measured[key] = row.seconds / static_cast<double>(row.calls);
               }
+              gap_seconds += least_gap, gap_calls += calls;
               ++runs;
               if (world.rank() == 0)
                 std::fprintf(stderr, "calibrate: %s%s measured\n", s.describe().c_str(),
@@ -358,6 +371,7 @@ int run_calibrate(const ModelPlanOptions& o) {
     h.gemm_efficiency.push_back({(bucket + 0.5) / 4.0, std::min(1.0, median(v) / peak)});
   h.attention_efficiency = std::clamp(median(attention) / peak, 1e-4, 1.0);
   h.memory_bandwidth_gbs = std::max(1e-3, median(bandwidths) / 1e9);
+  h.op_overhead_us = gap_calls > 0 ? 1e6 * gap_seconds / gap_calls : 0;
   if (world.size() > 1) {
     // A ring all-reduce of B bytes takes 2 (n-1) latencies plus 2 (n-1)/n B over the bus bandwidth: the
     // latency from a small message, the bandwidth from a large one (the fastest of several each).
@@ -395,9 +409,9 @@ int run_calibrate(const ModelPlanOptions& o) {
   write_file_atomically(o.out, h.to_toml(), "hardware profile");
   std::printf(
       "calibrated %d configurations, %zu op shapes: bf16 GEMM peak %.3f TFLOP/s, attention %.0f%% of it, "
-      "memory-bound ops %.1f GB/s, link %.2f GB/s and %.1f us -> %s\n",
+      "memory-bound ops %.1f GB/s, %.1f us of host work per op call, link %.2f GB/s and %.1f us -> %s\n",
       runs, h.measured.size(), h.bf16_tflops, 100 * h.attention_efficiency, h.memory_bandwidth_gbs,
-      h.node.bandwidth_gbs, h.node.latency_us, o.out.c_str());
+      h.op_overhead_us, h.node.bandwidth_gbs, h.node.latency_us, o.out.c_str());
   return 0;
 }
 

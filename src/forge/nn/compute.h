@@ -1,6 +1,7 @@
 // Options shared by every module of a model: the GEMM operand type and the recompute policy.
 #pragma once
 
+#include <optional>
 #include <string_view>
 
 #include "forge/core/tensor.h"
@@ -29,6 +30,12 @@ struct ComputeOptions {
   Fp8Context* fp8 = nullptr;
   // Where the model's parameters and activations live and its ops run (the op table of that device).
   Device device = Device::cpu;
+  // The simulator's dry run (sim/trace.h) of a rank that will train on a device other than the one it is
+  // traced on: the device whose kernel-shaped choices the modules follow (the loss head's vocabulary chunk,
+  // FP8's 16-row multiples on tensor cores), so that the traced shapes and memory are those of the run
+  // predicted. Unset: `device`'s.
+  std::optional<Device> shaped_for;
+  Device kernel_device() const { return shaped_for.value_or(device); }
   // The loss head keeps a micro-batch's logits ([rows, vocab] fp32) between its forward and backward, instead
   // of computing them again chunk by chunk, when they take at most this many bytes (0: always recompute). It
   // saves a quarter of the head's GEMM work per training step (three GEMMs instead of four).

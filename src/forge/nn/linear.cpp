@@ -33,6 +33,7 @@ Linear::Linear(ParameterStore* store, std::vector<int> params, int64_t in_featur
       in_(in_features),
       gemm_dtype_(options.gemm_dtype),
       device_(options.device),
+      tensor_core_shapes_(options.kernel_device() != Device::cpu),
       fp8_(options.fp8),
       tp_(options.tp && options.tp->size() > 1 ? options.tp : nullptr) {
   for (int i = 0; i < count_; ++i) {
@@ -107,7 +108,7 @@ GemmOperand Linear::quantize(const Tensor& x, int64_t cols, TensorRole role, boo
               cols, dtype_name(x.dtype()), shape_string(x.shape()));
   const int64_t rows = x.numel() / cols;
   // Tensor cores read FP8 operands in rows of 16-byte multiples; the transposed copies' rows are the tokens.
-  if (device_ != Device::cpu && (rows % 16 != 0 || cols % 16 != 0))
+  if (tensor_core_shapes_ && (rows % 16 != 0 || cols % 16 != 0))
     fail(
         "FP8 Linear '{}' on {}: {} x {} operand; FP8 tensor cores need the token count and the features "
         "to be multiples of 16 (change the batch or sequence length, or keep this layer in bf16)",

@@ -23,18 +23,18 @@
 #include <string>
 #include <vector>
 
+#include "forge/core/parameters.h"
 #include "forge/kernels/ops.h"
 #include "forge/nn/compute.h"
 #include "forge/nn/fp8_context.h"
-#include "forge/core/parameters.h"
 
 namespace forge::nn {
 
 struct GemmOperand {
-  Tensor data;             // [rows, cols]: fp32 / bf16, or FP8 codes row-wise (block: 1x128 tiles along cols)
+  Tensor data;  // [rows, cols]: fp32 / bf16, or FP8 codes row-wise (block: 1x128 tiles along cols)
   float scale = 1.0f, scale_inv = 1.0f;  // FP8 delayed recipe: codes * scale_inv is the value
   Tensor scales;  // FP8 current recipe: [amax, scale, scale_inv] on the operand's device (kAmax, kScale, ...)
-  Tensor tiles;            // block: scale_inv of data's tiles [rows][ceil(cols/128)]
+  Tensor tiles;   // block: scale_inv of data's tiles [rows][ceil(cols/128)]
   Tensor data_t, tiles_t;  // FP8 column-wise: the transpose [cols, rows]; block: its 1x128 tiles along rows,
                            // scale_inv [cols][ceil(rows/128)]
   Tensor high;             // FP8 with save_fp8_inputs = false: the GEMM-dtype tensor kept for backward
@@ -49,8 +49,8 @@ class Linear {
   // params: the weights, stacked along the output rows in this order (q, k, v; gate, up); they must have been
   // registered one after another, so that they form one matrix in the store. With options.fp8 set, registers
   // this Linear with the FP8 context under `name` (for messages).
-  Linear(ParameterStore* store, std::vector<int> params, int64_t in_features, const ComputeOptions& options = {},
-         std::string name = {});
+  Linear(ParameterStore* store, std::vector<int> params, int64_t in_features,
+         const ComputeOptions& options = {}, std::string name = {});
 
   int64_t in_features() const { return in_; }
   int64_t out_features() const { return out_; }
@@ -91,6 +91,7 @@ class Linear {
   int64_t in_ = 0, out_ = 0;
   DType gemm_dtype_ = DType::bf16;
   Device device_ = Device::cpu;
+  bool tensor_core_shapes_ = false;  // FP8 operands must come in multiples of 16 rows and columns
   Fp8Context* fp8_ = nullptr;
   TensorParallel* tp_ = nullptr;
   int slot_ = -1;

@@ -62,7 +62,7 @@ LossTotals LossHead::forward(const Tensor& hidden, const int32_t* targets, const
   p.vocab_start = vocab_start_, p.global_vocab = vocab_;
   p.gemm_dtype = options_.gemm_dtype;
   // GPUs want few, large GEMMs: 16 chunks for a 128K vocabulary (a 256 MiB workspace at 8192 rows).
-  if (device != Device::cpu) p.vocab_chunk = 8192;
+  if (options_.kernel_device() != Device::cpu) p.vocab_chunk = 8192;
   p.hidden_gemm = hidden_gemm.raw(), p.weight_gemm = weight.raw();
   p.targets = device_targets, p.lse = lse.f32(), p.loss = loss.f32(), p.target_logit = target_logit.f32();
   Tensor max_logit;

@@ -192,7 +192,7 @@ Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training
                                : 0;
   s.row_of = Tensor::empty({rows * k}, DType::i32, device);
   // FP8 tensor cores take token counts in multiples of 16: on a GPU every expert's segment is padded to that.
-  const int64_t align = fp8() && device != Device::cpu ? 16 : 1;
+  const int64_t align = fp8() && options_.kernel_device() != Device::cpu ? 16 : 1;
   ops::MoeSortParams q;
   q.tokens = rows, q.top_k = k, q.experts = experts, q.capacity = capacity, q.align = align;
   q.pad_to_capacity = capacity > 0 && shape_.pad_to_capacity;

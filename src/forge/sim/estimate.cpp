@@ -142,7 +142,10 @@ std::string MemoryEstimate::dominant() const {
 }
 
 Simulator::Simulator(const models::ModelConfig& config, Cluster cluster, TraceOptions options)
-    : config_(config.clone()), cluster_(std::move(cluster)), options_(options) {}
+    : config_(config.clone()), cluster_(std::move(cluster)), options_(options) {
+  // A CPU profile predicts a CPU run: the dry trace takes the shapes forge's CPU kernels use.
+  if (cluster_.hardware.threads > 0 && !options_.shaped_for) options_.shaped_for = Device::cpu;
+}
 
 const RankTrace& Simulator::trace(const Strategy& s, int pp_rank) {
   std::unique_ptr<RankTrace>& slot = cache_[trace_key(s, pp_rank)];

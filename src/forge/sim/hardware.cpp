@@ -120,7 +120,8 @@ double HardwareProfile::efficiency(double flops_per_call) const {
 double HardwareProfile::row_seconds(const ops::OpProfileRow& row) const {
   if (row.calls <= 0) return 0;
   const double calls = static_cast<double>(row.calls);
-  if (auto it = measured.find(row.op + "|" + row.detail); it != measured.end()) return calls * it->second;
+  if (auto it = measured.find(row.op + "|" + row.detail); it != measured.end())
+    return calls * (it->second + op_overhead_us * 1e-6);
   const double overhead = op_overhead_us * 1e-6;
   const double memory = memory_bandwidth_gbs > 0 ? row.bytes / calls / (memory_bandwidth_gbs * 1e9) : 0;
   if (row.flops <= 0) return calls * (memory + overhead);

@@ -41,8 +41,10 @@ struct HardwareProfile {
       gemm_efficiency;                // (log10 FLOPs of one call, fraction of peak), sorted
   double attention_efficiency = 0.5;  // fused attention's fraction of the bf16 peak
   double memory_bandwidth_gbs = 0;    // what memory-bound ops reach
-  double op_overhead_us = 0;          // per op call (a kernel launch, a parallel region)
-  Link node, network;                 // within a node, between nodes
+  // Per op call, on top of its cost: a kernel launch, a parallel region, the host's work between ops
+  // (calibrate measures it: a step's wall time less its ops' times, over the op calls).
+  double op_overhead_us = 0;
+  Link node, network;  // within a node, between nodes
   // Measured seconds per call of an op at a shape, keyed "op|detail" (ops::OpProfileRow's op and detail).
   std::map<std::string, double> measured;
   std::string source;  // the file it was read from

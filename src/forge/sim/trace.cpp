@@ -132,6 +132,7 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
 
   nn::ComputeOptions o;
   o.device = device;
+  o.shaped_for = options.shaped_for;
   o.gemm_dtype = dtype_from_name(s.dtype);
   o.recompute = nn::recompute_from_name(s.recompute);
   o.vocab_divisible_by = s.vocab_divisible_by;

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "forge/core/tensor.h"
@@ -61,6 +62,9 @@ struct RankTrace {
 
 struct TraceOptions {
   Device device = Device::cuda;  // cuda: a dry run (the caller need not hold an emulation); cpu: measured
+  // A dry run for a rank that will train on the CPU: cpu (the modules then choose their shapes as forge's CPU
+  // kernels want them, nn::ComputeOptions::shaped_for). Unset: a GPU's.
+  std::optional<Device> shaped_for;
 };
 
 // Traces pp rank `pp_rank` (tp, dp and ep rank 0) of the strategy. Fails with one line when the model does
