@@ -33,8 +33,12 @@ calibrate() {  # name model np args...
 }
 calibrate llama-1 "$LLAMA" 1 --micro-batch 2,4,8 --tp 1 --recompute none,selective,full --fp8 off,delayed
 calibrate llama-2 "$LLAMA" 2 --micro-batch 2,4 --tp 1,2 --pp 1,2 --recompute none,full
-calibrate ds-1 "$DS" 1 --micro-batch 4 --tp 1 --recompute none,full
-calibrate ds-2 "$DS" 2 --micro-batch 4 --tp 1 --pp 1 --recompute none
+calibrate ds-1 "$DS" 1 --micro-batch 4 --tp 1 --recompute none,full --capacity-factor 0,1 --pad-to-capacity
+calibrate ds-2 "$DS" 2 --micro-batch 4 --tp 1 --pp 1 --recompute none --capacity-factor 1 --pad-to-capacity
+# The DeepSeek-V3 runs fix their expert shapes (capacity factor 1, every expert's rows padded to it, as
+# SimuMax's and Megatron's MoE benchmarks do): the simulator routes as a balanced router, and an untrained
+# router is far from one (ds-dropless shows what that costs).
+PAD=(--set moe.capacity_factor=1 --set moe.pad_to_capacity=true)
 
 ROWS=$OUT/rows.jsonl
 : >"$ROWS"
@@ -68,8 +72,9 @@ run llama-mb2 llama-1 1 "$LLAMA" --set train.micro_batch=2
 run llama-mb8 llama-1 1 "$LLAMA" --set train.micro_batch=8
 run llama-accum2 llama-1 1 "$LLAMA" --set train.grad_accum=2
 run llama-fp8 llama-1 1 "$LLAMA" --set fp8.recipe=delayed
-run ds-none ds-1 1 "$DS"
-run ds-full ds-1 1 "$DS" --set train.recompute=full
+run ds-none ds-1 1 "$DS" "${PAD[@]}"
+run ds-full ds-1 1 "$DS" "${PAD[@]}" --set train.recompute=full
+run ds-dropless ds-1 1 "$DS"
 # Two ranks, one thread each.
 run llama-tp2 llama-2 2 "$LLAMA" --set parallel.tp=2
 run llama-tp2-sp llama-2 2 "$LLAMA" --set parallel.tp=2 --set parallel.sequence_parallel=true
@@ -84,8 +89,8 @@ for schedule in 1f1b interleaved zb-h1 zbv dualpipev dualpipe; do
 done
 run llama-pp2-full llama-2 2 "$LLAMA" --set parallel.pp=2 --set train.grad_accum=4 --set train.micro_batch=2 \
   --set train.recompute=full
-run ds-dp2 ds-2 2 "$DS" --set parallel.dp=2
-run ds-ep2 ds-2 2 "$DS" --set parallel.dp=2 --set parallel.ep=2
+run ds-dp2 ds-2 2 "$DS" "${PAD[@]}" --set parallel.dp=2
+run ds-ep2 ds-2 2 "$DS" "${PAD[@]}" --set parallel.dp=2 --set parallel.ep=2
 
 python3 - "$ROWS" <<'PY'
 import json, sys
@@ -109,4 +114,19 @@ if rows:
     print()
     print(f"{len(rows)} runs: step time mean |error| {100*sum(map(abs,te))/len(te):.1f}%, max {100*max(map(abs,te)):.1f}%; "
           f"peak memory mean |error| {100*sum(map(abs,me))/len(me):.1f}%, max {100*max(map(abs,me)):.1f}%")
+    # Ranking: every pair of runs of one model on the same ranks whose measured steps differ by more than 5%
+    # (closer pairs are within the machine's noise): is the faster one predicted faster?
+    pairs = right = 0
+    for a in rows:
+        for b in rows:
+            if a["name"] < b["name"] and a["ranks"] == b["ranks"] and a["name"][:2] == b["name"][:2]:
+                ma, mb = a["step_s_measured"], b["step_s_measured"]
+                if abs(ma / mb - 1) > 0.05:
+                    pairs += 1
+                    right += (ma < mb) == (a["step_s_predicted"] < b["step_s_predicted"])
+    print(f"ranking: {right} of {pairs} pairs of runs (same model and ranks, measured more than 5% apart) "
+          f"predicted in the measured order")
+    pp = [r for r in rows if r["name"].startswith("llama-pp2-") and r["name"] != "llama-pp2-full"]
+    order = lambda key: " < ".join(r["name"][len("llama-pp2-"):] for r in sorted(pp, key=lambda r: r[key]))
+    print(f"pp2 schedules, predicted fastest first: {order('step_s_predicted')}; measured: {order('step_s_measured')}")
 PY

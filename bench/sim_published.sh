@@ -5,7 +5,10 @@
 # recompute and with sequence parallelism + selective recompute, in the layouts of its Table 3. The models are
 # LLaMA twins of the GPTs (bench/sim/published/*.json: the same attention, a SwiGLU with the GPT MLP's FLOPs);
 # the hardware is the shipped, published A100 profile (configs/hardware/a100.toml), not a measurement.
-#   bench/sim_published.sh     (seconds; prints a markdown table)
+# Then SimuMax's own B200 validation runs (bench/sim/published/simumax-b200.txt: Megatron-LM on 8 B200s, measured
+# and SimuMax-predicted) with the shipped, published B200 profile (configs/hardware/b200.toml): forge's and
+# SimuMax's predictions of the same measurements side by side.
+#   bench/sim_published.sh     (about a minute; prints two markdown tables)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 FORGE=$ROOT/build/bin/forge
@@ -47,3 +50,25 @@ gpt-175b 64 8 8 3 64 1 18.13 13.75
 gpt-530b 280 8 35 3 280 1 49.05 37.83
 gpt-1t 512 8 64 1 512 1 94.42 71.49
 EOF_CASES
+
+echo
+echo "| model | layout (8 B200) | micro-batches | measured step | SimuMax | error | forge | error | measured peak | SimuMax | forge |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|"
+grep -v '^#' "$DIR/simumax-b200.txt" | while read -r model layers tp pp dp mbc real_ms simumax_ms real_gib simumax_gib; do
+  config=$DIR/$model-l$layers.json
+  sp=false
+  ((tp > 1)) && sp=true
+  out=$("$FORGE" plan estimate --hardware b200 --ranks 8 --set model.config="$config" --set data.seq_len=4096 \
+    --set parallel.tp="$tp" --set parallel.pp="$pp" --set parallel.dp="$dp" --set parallel.schedule=1f1b \
+    --set parallel.sequence_parallel=$sp --set parallel.distributed_optimizer=true --set train.micro_batch=1 \
+    --set train.grad_accum="$mbc" --set train.recompute=none || true)
+  step=$(sed -n 's/^time per step: \([0-9.]*\) ms.*/\1/p' <<<"$out")
+  memory=$(sed -n 's/^memory per device (pp rank [0-9]*): \(.*\)$/\1/p' <<<"$out")
+  python3 - "$model-l$layers" "tp$tp pp$pp dp$dp" "$mbc" "$real_ms" "$simumax_ms" "$step" "$real_gib" "$simumax_gib" "$memory" <<'PY'
+import sys
+model, layout, mbc, real, simumax, forge, real_gib, simumax_gib, memory = sys.argv[1:]
+real, simumax, forge = float(real), float(simumax), float(forge)
+print(f"| {model} | {layout} | {mbc} | {real:.1f} ms | {simumax:.1f} ms | {100 * (simumax / real - 1):+.1f}% | "
+      f"{forge:.1f} ms | {100 * (forge / real - 1):+.1f}% | {float(real_gib):.2f} GiB | {float(simumax_gib):.2f} GiB | {memory} |")
+PY
+done

@@ -83,6 +83,25 @@ INSTANTIATE_TEST_SUITE_P(Models, DryTrace,
                                            std::make_tuple(kLlama, 1, std::string("full")),
                                            std::make_tuple(kDeepSeek, 1, std::string("none"))));
 
+// Experts with a capacity, padded to it: a real router's expert GEMMs have the shapes of the dry run's
+// balanced one, op for op, and the strategy says so in its description and its --set line.
+TEST(DryTrace, PadsExpertsToTheirCapacityAsTheRunDoes) {
+  const std::unique_ptr<models::ModelConfig> config = models::read_model_config(kDeepSeek);
+  Strategy s = small(1, "none");
+  s.moe_capacity_factor = 1, s.moe_pad_to_capacity = true;
+  TraceOptions for_cpu, cpu;
+  for_cpu.shaped_for = Device::cpu, cpu.device = Device::cpu;
+  const RankTrace dry = trace_rank(*config, s, 0, for_cpu), measured = trace_rank(*config, s, 0, cpu);
+  EXPECT_EQ(calls_of(dry), calls_of(measured));
+  Strategy dropless = s;
+  dropless.moe_capacity_factor = 0, dropless.moe_pad_to_capacity = false;
+  EXPECT_NE(calls_of(trace_rank(*config, dropless, 0, cpu)), calls_of(measured));
+  EXPECT_NE(s.describe().find("cf1 padded"), std::string::npos) << s.describe();
+  EXPECT_NE(s.set_line().find("--set moe.capacity_factor=1 --set moe.pad_to_capacity=true"),
+            std::string::npos)
+      << s.set_line();
+}
+
 const char* kProfile = R"(
 [hardware]
 name = "test device"

@@ -208,6 +208,44 @@ TEST_F(PlanCli, EstimateAndSearchAModelOnShippedHardware) {
   EXPECT_NE(over.output.find("does not fit"), std::string::npos) << over.output;
 }
 
+// The trainer's own prediction from a profile calibrated here: its peak memory is the run's to within a
+// fraction of a percent (memory is deterministic on the CPU; time is not, and is not asserted). The
+// vocabulary spans several of the CPU loss head's 2048-column chunks, whose workspace a GPU-shaped trace
+// would overstate.
+TEST_F(PlanCli, CalibratedPredictionMatchesTheRunsPeakMemory) {
+  std::string corpus;
+  for (int i = 0; i < 300; ++i) corpus += "In the beginning was the word " + std::to_string(i % 7) + ".\n";
+  std::ofstream(path("corpus.txt")) << corpus;
+  std::ofstream(path("model.json"))
+      << R"({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+      "num_key_value_heads": 2, "vocab_size": 5000, "max_position_embeddings": 64})";
+  const Outcome c = run_forge("plan calibrate --model " + path("model.json") +
+                              " --seq-len 32 --micro-batch 2 --tp 1 --recompute none --repeats 1 --out " +
+                              path("cpu.toml"));
+  ASSERT_EQ(c.status, 0) << c.output;
+  EXPECT_NE(c.output.find("us of host work per op call"), std::string::npos) << c.output;
+  const Outcome t = run_forge(
+      "train --set model.config=" + path("model.json") + " --set data.corpus=" + path("corpus.txt") +
+      " --set data.tokenizer=bytes --set data.seq_len=32 --set train.micro_batch=2 --set train.steps=4" +
+      " --set train.warmup=1 --set eval.every=0 --set sample.tokens=0 --set checkpoint.every=0" +
+      " --set data.heldout_fraction=0.05 --set log.run_dir=" + path("run") +
+      " --set log.hardware_profile=" + path("cpu.toml"));
+  ASSERT_EQ(t.status, 0) << t.output;
+  EXPECT_NE(t.output.find("plan vs run"), std::string::npos) << t.output;
+  std::ifstream metrics(path("run") + "/metrics.jsonl");
+  std::string line;
+  bool checked = false;
+  while (std::getline(metrics, line)) {
+    const nlohmann::json r = nlohmann::json::parse(line);
+    if (r.value("event", "") != "prediction_check") continue;
+    const double predicted = r.at("memory_bytes_predicted").get<double>(),
+                 measured = r.at("memory_bytes_measured").get<double>();
+    EXPECT_NEAR(predicted / measured, 1.0, 0.005) << line;
+    checked = true;
+  }
+  EXPECT_TRUE(checked) << "no prediction_check event in metrics.jsonl";
+}
+
 TEST_F(PlanCli, SimulatorRefusesBadInput) {
   const std::string model = std::string(FORGE_FIXTURE_DIR) + "/../../configs/llama-default.json";
   expect_one_line_error("plan estimate --hardware no-such-gpu --set model.config=" + model, "no-such-gpu");
@@ -223,6 +261,9 @@ TEST_F(PlanCli, SimulatorRefusesBadInput) {
   expect_one_line_error(
       "plan calibrate --model " + model + " --seq-len 64 --recompute sometimes --out " + path("p.toml"),
       "sometimes");
+  expect_one_line_error(
+      "plan calibrate --model " + model + " --seq-len 64 --capacity-factor 1,-2 --out " + path("p.toml"),
+      "--capacity-factor");
 }
 
 }  // namespace

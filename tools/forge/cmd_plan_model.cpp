@@ -52,6 +52,8 @@ struct ModelPlanOptions {
   std::string name;
   double node_bandwidth_gbs = 0, node_latency_us = 0;
   int repeats = 3;
+  std::string capacity_factors = "0";  // mixture-of-experts shapes: capacity factors (0: dropless)
+  bool pad_to_capacity = false;
 };
 
 std::vector<int64_t> int_list(const std::string& text, const char* option) {
@@ -63,6 +65,21 @@ std::vector<int64_t> int_list(const std::string& text, const char* option) {
     const long long v = std::strtoll(item.c_str(), &end, 10);
     if (item.empty() || *end || v < 1)
       fail("{} '{}': expected a comma-separated list of positive integers", option, text);
+    out.push_back(v);
+  }
+  if (out.empty()) fail("{} is empty", option);
+  return out;
+}
+
+std::vector<double> factor_list(const std::string& text, const char* option) {
+  std::vector<double> out;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    char* end = nullptr;
+    const double v = std::strtod(item.c_str(), &end);
+    if (item.empty() || *end || !(v >= 0) || v > 1e6)
+      fail("{} '{}': expected a comma-separated list of numbers >= 0", option, text);
     out.push_back(v);
   }
   if (out.empty()) fail("{} is empty", option);
@@ -277,8 +294,11 @@ int run_calibrate(const ModelPlanOptions& o) {
   h.threads = threads;
   h.notes = fmt::format(
       "forge plan calibrate --model {} --seq-len {} --micro-batch {} --tp {} --pp {} --recompute {} --fp8 "
-      "{}{}",
+      "{}{}{}",
       o.model, o.seq_len, o.micro_batches, o.tps, o.pps, o.recomputes, o.fp8s,
+      o.capacity_factors == "0" ? ""
+                                : fmt::format(" --capacity-factor {}{}", o.capacity_factors,
+                                              o.pad_to_capacity ? " --pad-to-capacity" : ""),
       world.size() > 1 ? fmt::format(" under mpirun -np {}", world.size()) : "");
   h.memory_gib = static_cast<double>(host_memory_bytes()) / 1073741824.0;
   h.node = {o.node_bandwidth_gbs > 0 ? o.node_bandwidth_gbs : 5.0,
@@ -289,56 +309,60 @@ int run_calibrate(const ModelPlanOptions& o) {
   // The host's time between the ops (tensor bookkeeping, routing decisions, allocation): each phase's wall
   // time less its ops' times, over the op calls; the least of the repeats per configuration, summed.
   double gap_seconds = 0, gap_calls = 0;
-  for (const std::string& recipe : fp8s)
-    for (int64_t tp : tps)
-      for (int64_t pp : pps)
-        for (int64_t mb : mbs)
-          for (const std::string& rc : recomputes)
-            for (int pp_rank = 0; pp_rank < pp; ++pp_rank) {
-              Strategy s;
-              s.tp = static_cast<int>(tp), s.dp = 1, s.micro_batch = mb, s.seq = o.seq_len, s.recompute = rc;
-              s.pp = static_cast<int>(pp), s.grad_accum = 2 * pp;
-              s.sequence_parallel = tp > 1 && o.seq_len % tp == 0;
-              if (recipe != "off") {
-                train::TrainConfig c;
-                c.fp8.recipe = recipe;
-                c.validate();
-                s.fp8 = c.fp8_options(), s.fp8_recipe = recipe;
-              }
-              TraceOptions t;
-              t.device = Device::cpu;
-              // The fastest of the repeats per op and shape: what the kernels cost without interference.
-              std::map<std::string, ops::OpProfileRow> best;
-              double least_gap = 1e300, calls = 0;
-              for (int r = 0; r < std::max(1, o.repeats); ++r) {
-                // In step with the other ranks: a rank measuring while the others have not started (or have
-                // finished) would time kernels on a machine to itself, and the fastest repeat would be that
-                // one.
-                world.barrier().wait();
-                const RankTrace trace = trace_rank(*model, s, pp_rank, t);
-                double gap = 0;
-                calls = 0;
-                for (const Phase* phase : trace.phases()) {
-                  gap += phase->wall_seconds;
-                  for (const ops::OpProfileRow& row : phase->rows)
-                    gap -= row.seconds, calls += static_cast<double>(row.calls);
+  const std::vector<double> factors = factor_list(o.capacity_factors, "--capacity-factor");
+  for (double factor : factors)
+    for (const std::string& recipe : fp8s)
+      for (int64_t tp : tps)
+        for (int64_t pp : pps)
+          for (int64_t mb : mbs)
+            for (const std::string& rc : recomputes)
+              for (int pp_rank = 0; pp_rank < pp; ++pp_rank) {
+                Strategy s;
+                s.tp = static_cast<int>(tp), s.dp = 1, s.micro_batch = mb, s.seq = o.seq_len,
+                s.recompute = rc;
+                s.pp = static_cast<int>(pp), s.grad_accum = 2 * pp;
+                s.sequence_parallel = tp > 1 && o.seq_len % tp == 0;
+                s.moe_capacity_factor = factor, s.moe_pad_to_capacity = factor > 0 && o.pad_to_capacity;
+                if (recipe != "off") {
+                  train::TrainConfig c;
+                  c.fp8.recipe = recipe;
+                  c.validate();
+                  s.fp8 = c.fp8_options(), s.fp8_recipe = recipe;
                 }
-                least_gap = std::min(least_gap, std::max(0.0, gap));
-                for (const ops::OpProfileRow& row : merge_rows(trace.phases())) {
-                  auto [it, fresh] = best.try_emplace(row.op + "|" + row.detail, row);
-                  if (!fresh && row.seconds < it->second.seconds) it->second = row;
+                TraceOptions t;
+                t.device = Device::cpu;
+                // The fastest of the repeats per op and shape: what the kernels cost without interference.
+                std::map<std::string, ops::OpProfileRow> best;
+                double least_gap = 1e300, calls = 0;
+                for (int r = 0; r < std::max(1, o.repeats); ++r) {
+                  // In step with the other ranks: a rank measuring while the others have not started (or have
+                  // finished) would time kernels on a machine to itself, and the fastest repeat would be that
+                  // one.
+                  world.barrier().wait();
+                  const RankTrace trace = trace_rank(*model, s, pp_rank, t);
+                  double gap = 0;
+                  calls = 0;
+                  for (const Phase* phase : trace.phases()) {
+                    gap += phase->wall_seconds;
+                    for (const ops::OpProfileRow& row : phase->rows)
+                      gap -= row.seconds, calls += static_cast<double>(row.calls);
+                  }
+                  least_gap = std::min(least_gap, std::max(0.0, gap));
+                  for (const ops::OpProfileRow& row : merge_rows(trace.phases())) {
+                    auto [it, fresh] = best.try_emplace(row.op + "|" + row.detail, row);
+                    if (!fresh && row.seconds < it->second.seconds) it->second = row;
+                  }
                 }
+                for (const auto& [key, row] : best) {
+                  all.push_back(row);
+                  h.measured[key] = row.seconds / static_cast<double>(row.calls);
+                }
+                gap_seconds += least_gap, gap_calls += calls;
+                ++runs;
+                if (world.rank() == 0)
+                  std::fprintf(stderr, "calibrate: %s%s measured\n", s.describe().c_str(),
+                               pp > 1 ? fmt::format(" (pp rank {})", pp_rank).c_str() : "");
               }
-              for (const auto& [key, row] : best) {
-                all.push_back(row);
-                h.measured[key] = row.seconds / static_cast<double>(row.calls);
-              }
-              gap_seconds += least_gap, gap_calls += calls;
-              ++runs;
-              if (world.rank() == 0)
-                std::fprintf(stderr, "calibrate: %s%s measured\n", s.describe().c_str(),
-                             pp > 1 ? fmt::format(" (pp rank {})", pp_rank).c_str() : "");
-            }
   // The fallback curves, for shapes not measured: GEMM throughput by the FLOPs of one call (medians per
   // quarter decade), the attention's share of the GEMM peak, the memory-bound ops' bandwidth.
   std::map<int, std::vector<double>> rates;  // quarter decade -> GFLOP/s
@@ -490,6 +514,13 @@ void add_plan_model_subcommands(CLI::App* plan,
   calibrate->add_option("--recompute", o->recomputes, "recompute policies to measure")->capture_default_str();
   calibrate->add_option("--fp8", o->fp8s, "FP8 recipes to measure (off, delayed, current, block)")
       ->capture_default_str();
+  calibrate
+      ->add_option("--capacity-factor", o->capacity_factors,
+                   "mixture-of-experts capacity factors whose expert shapes to measure (0: dropless)")
+      ->capture_default_str();
+  calibrate->add_flag(
+      "--pad-to-capacity", o->pad_to_capacity,
+      "with a capacity factor: every expert's rows padded to its capacity (moe.pad_to_capacity)");
   calibrate->add_option("--out", o->out, "the profile to write (TOML)")->required();
   calibrate->add_option("--name", o->name, "the profile's name");
   calibrate

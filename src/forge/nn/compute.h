@@ -34,7 +34,7 @@ struct ComputeOptions {
   // traced on: the device whose kernel-shaped choices the modules follow (the loss head's vocabulary chunk,
   // FP8's 16-row multiples on tensor cores), so that the traced shapes and memory are those of the run
   // predicted. Unset: `device`'s.
-  std::optional<Device> shaped_for;
+  std::optional<Device> shaped_for = std::nullopt;
   Device kernel_device() const { return shaped_for.value_or(device); }
   // The loss head keeps a micro-batch's logits ([rows, vocab] fp32) between its forward and backward, instead
   // of computing them again chunk by chunk, when they take at most this many bytes (0: always recompute). It

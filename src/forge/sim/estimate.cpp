@@ -61,7 +61,8 @@ class RankCoster {
 };
 
 // Memory at the peak of a rank under the replayed schedule: every chunk's activations held from the start
-// of its forward to the end of its backward (or of its W), plus the transient of the action running then.
+// of its forward to the end of its backward, plus the transient of the action running then. Split in two,
+// B frees at its end what only the input gradients read, and W the rest.
 struct Held {
   int64_t bytes = 0, transient = 0;
   int in_flight = 0;
@@ -86,26 +87,32 @@ Held peak_held(const pipeline::Schedule& schedule, const pipeline::Replay& repla
       events.push_back({when.start, 1, chunk_of(c).activation_bytes, 1,
                         chunk_of(c).forward.transient_bytes - chunk_of(c).activation_bytes});
     };
-    auto release = [&](int c, int64_t transient) {
+    // B's kept bytes are what it freed (negative); W frees what is left.
+    const auto freed_by_b = [&](int c) {
+      return std::min<int64_t>(0, chunk_of(c).backward_input.kept_bytes);
+    };
+    auto release = [&](int c, int64_t transient, int64_t bytes, int count) {
       events.push_back({when.start, 1, 0, 0, transient});
-      events.push_back({when.end, 0, -chunk_of(c).activation_bytes, -1, 0});
+      events.push_back({when.end, 0, -bytes, -count, 0});
     };
     switch (a.op) {
       case pipeline::Op::forward:
         forward(a.chunk);
         break;
       case pipeline::Op::backward:
-        release(a.chunk, chunk_of(a.chunk).backward.transient_bytes);
+        release(a.chunk, chunk_of(a.chunk).backward.transient_bytes, chunk_of(a.chunk).activation_bytes, 1);
         break;
       case pipeline::Op::backward_input:
-        events.push_back({when.start, 1, 0, 0, chunk_of(a.chunk).backward_input.transient_bytes});
+        release(a.chunk, chunk_of(a.chunk).backward_input.transient_bytes, -freed_by_b(a.chunk), 0);
         break;
       case pipeline::Op::backward_weight:
-        release(a.chunk, chunk_of(a.chunk).backward_weight.transient_bytes);
+        release(a.chunk, chunk_of(a.chunk).backward_weight.transient_bytes,
+                chunk_of(a.chunk).activation_bytes + freed_by_b(a.chunk), 1);
         break;
       case pipeline::Op::forward_backward:
         forward(a.chunk);
-        release(a.chunk_b, chunk_of(a.chunk_b).backward.transient_bytes);
+        release(a.chunk_b, chunk_of(a.chunk_b).backward.transient_bytes, chunk_of(a.chunk_b).activation_bytes,
+                1);
         break;
       default:
         break;

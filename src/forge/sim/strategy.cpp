@@ -13,6 +13,8 @@ std::string Strategy::describe() const {
   if (distributed_optimizer && dp > 1) out += " zero1";
   if (sequence_parallel && tp > 1) out += " sp";
   if (fp8) out += " fp8:" + fp8_recipe;
+  if (moe_capacity_factor > 0)
+    out += fmt::format(" cf{:g}{}", moe_capacity_factor, moe_pad_to_capacity ? " padded" : "");
   return out;
 }
 
@@ -26,6 +28,10 @@ std::string Strategy::set_line() const {
   out += fmt::format(" --set train.micro_batch={} --set train.grad_accum={} --set train.recompute={}",
                      micro_batch, grad_accum, recompute);
   if (fp8) out += " --set fp8.recipe=" + fp8_recipe;
+  if (moe_capacity_factor > 0)
+    out += fmt::format(" --set moe.capacity_factor={:g} --set moe.pad_to_capacity={}", moe_capacity_factor,
+                       moe_pad_to_capacity);
+  if (ep > 1 && !ep_overlap) out += " --set parallel.ep_overlap=false";
   return out;
 }
 

@@ -27,6 +27,10 @@ struct Strategy {
   std::string dtype = "bf16";      // GEMM operands: bf16 | fp32
   std::optional<nn::Fp8Options> fp8;
   std::string fp8_recipe = "off";  // its name, for tables
+  // Mixture-of-experts layers: moe.capacity_factor (0: dropless), moe.pad_to_capacity, parallel.ep_overlap.
+  double moe_capacity_factor = 0;
+  bool moe_pad_to_capacity = false;
+  bool ep_overlap = true;
 
   int world() const { return tp * pp * dp; }
   int64_t global_batch() const { return micro_batch * grad_accum * dp; }

@@ -143,7 +143,10 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
   if (s.ep > 1) {
     expert_parallel.emplace(ep.get(), on_device ? ep.get() : nullptr);
     o.ep = &*expert_parallel;
+    o.ep_overlap = s.ep_overlap;
   }
+  o.moe_capacity_factor = s.moe_capacity_factor;
+  o.moe_pad_to_capacity = s.moe_pad_to_capacity;
   std::unique_ptr<nn::Fp8Context> fp8;
   if (s.fp8) {
     fp8 = std::make_unique<nn::Fp8Context>(*s.fp8);
@@ -260,10 +263,11 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
     };
     auto forward = [&](const models::MicroBatch& mb, bool first) {
       for (size_t c : order) {
-        const Tensor input = input_of(c);
         ChunkTrace& t = trace.chunks[c];
+        // The received input and output gradient are allocated inside the phase, as the receive does: what
+        // the chunk keeps of them counts.
         Phase p = recorder.run([&] {
-          const models::StageOutput out = models[c]->forward(mb, input, &saved[c]);
+          const models::StageOutput out = models[c]->forward(mb, input_of(c), &saved[c]);
           t.output_bytes = out.hidden.defined() ? static_cast<int64_t>(out.hidden.bytes()) : 0;
         });
         (first ? t.forward_first : t.forward) = std::move(p);
@@ -271,14 +275,14 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
     };
     forward(mb0, true);
     for (auto it = order.rbegin(); it != order.rend(); ++it) {
-      const Tensor dy = gradient_of(*it);
-      trace.chunks[*it].backward = recorder.run([&] { models[*it]->backward(dy, *saved[*it]); });
+      trace.chunks[*it].backward =
+          recorder.run([&] { models[*it]->backward(gradient_of(*it), *saved[*it]); });
       saved[*it].reset();
     }
     forward(mb1, false);
     for (auto it = order.rbegin(); it != order.rend(); ++it) {
-      const Tensor dy = gradient_of(*it);
-      trace.chunks[*it].backward_input = recorder.run([&] { models[*it]->backward_input(dy, *saved[*it]); });
+      trace.chunks[*it].backward_input =
+          recorder.run([&] { models[*it]->backward_input(gradient_of(*it), *saved[*it]); });
     }
     for (auto it = order.rbegin(); it != order.rend(); ++it) {
       trace.chunks[*it].backward_weight = recorder.run([&] { models[*it]->backward_weight(*saved[*it]); });

@@ -30,6 +30,8 @@ sim::Strategy strategy_of(const TrainConfig& c, int world_size) {
   if (s.dtype == "auto") s.dtype = c.train.device != "cpu" || cpu_has_native_bf16() ? "bf16" : "fp32";
   s.fp8 = c.fp8_options();
   s.fp8_recipe = c.fp8.recipe;
+  s.moe_capacity_factor = c.moe.capacity_factor, s.moe_pad_to_capacity = c.moe.pad_to_capacity;
+  s.ep_overlap = c.parallel.ep_overlap;
   return s;
 }
 

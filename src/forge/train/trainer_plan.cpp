@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include "forge/comm/comm.h"
 #include "forge/core/device.h"
 #include "forge/core/memory.h"
 #include "forge/sim/hardware.h"
@@ -43,12 +44,14 @@ void TrainingRun::predict() {
 
 void TrainingRun::compare_with_prediction() {
   if (!prediction_ || step_seconds_.size() < 2) return;
-  // Steps after the first (which pays one-time costs), the median; the allocator's peak since the second.
+  // Steps after the first (which pays one-time costs), the median; the allocator's peak since the second, the
+  // largest of the ranks' (the prediction is the most loaded rank's).
   std::vector<double> steady(step_seconds_.begin() + 1, step_seconds_.end());
   std::sort(steady.begin(), steady.end());
   const double measured = steady[steady.size() / 2];
-  const int64_t peak =
-      setup_->on_gpu() ? device_memory(setup_->device).peak_allocated() : memory_stats().peak_bytes;
+  const int64_t peak = static_cast<int64_t>(comm::all_reduce_max(
+      world_, static_cast<double>(setup_->on_gpu() ? device_memory(setup_->device).peak_allocated()
+                                                   : memory_stats().peak_bytes)));
   const sim::Estimate& e = *prediction_;
   const double time_error = e.time.step / measured - 1;
   const double memory_error = static_cast<double>(e.memory.total) / static_cast<double>(peak) - 1;
