@@ -4,8 +4,9 @@
 # thread each, under mpirun, which also times the link between them), then trains each run of the grid for a
 # few steps with log.hardware_profile and prints its predicted and measured step time and peak memory, one
 # table row per run, then the mean and largest errors. Run it alone on the machine (other work skews both).
-# Each run is repeated REPEATS times (default 3) and its fastest median step counts: on a shared machine the
-# same run measured 330, 339 and 450 ms back to back.
+# The grid runs REPEATS times over (default 3) and each run's fastest median step counts: on a shared machine
+# the same run measured 330, 339 and 450 ms back to back, and slow spells last minutes, so a run's repeats are
+# one round of the grid apart (calibrate does the same with its --repeats rounds).
 #   bench/sim_accuracy.sh [OUT_DIR]     (default build/sim_accuracy; about 25 minutes on 2 cores)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -45,8 +46,7 @@ ROWS=$OUT/rows.jsonl
 run() {  # name profile np model args...
   local name=$1 profile=$2 np=$3 model=$4
   shift 4
-  local dir=$OUT/runs/$name repeat
-  for ((repeat = 0; repeat < REPEATS; ++repeat)); do
+  local dir=$OUT/runs/$name
   rm -rf "$dir"
   local cmd=("$FORGE" train --set model.config="$model" --set data.seq_len=$SEQ --set data.tokenizer=bytes
     --set train.steps=$STEPS --set train.warmup=2 --set log.every=1 --set eval.every=0 --set sample.tokens=0
@@ -61,9 +61,9 @@ for line in open(path):
         r.update(name=name, ranks=int(np), args=args)
         print(json.dumps(r))
 PY
-  done
-  echo "ran $name" >&2
+  echo "ran $name (round $((round + 1)) of $REPEATS)" >&2
 }
+grid() {
 # One rank, every core.
 run llama-none llama-1 1 "$LLAMA"
 run llama-selective llama-1 1 "$LLAMA" --set train.recompute=selective
@@ -91,6 +91,8 @@ run llama-pp2-full llama-2 2 "$LLAMA" --set parallel.pp=2 --set train.grad_accum
   --set train.recompute=full
 run ds-dp2 ds-2 2 "$DS" "${PAD[@]}" --set parallel.dp=2
 run ds-ep2 ds-2 2 "$DS" "${PAD[@]}" --set parallel.dp=2 --set parallel.ep=2
+}
+for ((round = 0; round < REPEATS; ++round)); do grid; done
 
 python3 - "$ROWS" <<'PY'
 import json, sys

@@ -272,7 +272,7 @@ int run_search(const ModelPlanOptions& o) {
 }
 
 // This machine's costs: the model's ops at the strategies' shapes, run for real (sim/trace.h's measured
-// mode) and timed; the last of `repeats` runs counts.
+// mode) and timed; each op keeps its fastest over `repeats` rounds.
 int run_calibrate(const ModelPlanOptions& o) {
   if (o.out.empty()) fail("--out FILE is required");
   if (o.seq_len < 1) fail("--seq-len must be >= 1");
@@ -304,12 +304,15 @@ int run_calibrate(const ModelPlanOptions& o) {
   h.node = {o.node_bandwidth_gbs > 0 ? o.node_bandwidth_gbs : 5.0,
             o.node_latency_us > 0 ? o.node_latency_us : 5.0};
   h.network = h.node;
-  std::vector<ops::OpProfileRow> all;
-  int runs = 0;
-  // The host's time between the ops (tensor bookkeeping, routing decisions, allocation): each phase's wall
-  // time less its ops' times, over the op calls; the least of the repeats per configuration, summed.
-  double gap_seconds = 0, gap_calls = 0;
+  // The host's time between the ops (tensor bookkeeping, routing decisions, allocation) is measured too: each
+  // phase's wall time less its ops' times, over the op calls; the least of the rounds per configuration.
   const std::vector<double> factors = factor_list(o.capacity_factors, "--capacity-factor");
+  // Every configuration (and pp rank) to measure.
+  struct Config {
+    Strategy strategy;
+    int pp_rank = 0;
+  };
+  std::vector<Config> configs;
   for (double factor : factors)
     for (const std::string& recipe : fp8s)
       for (int64_t tp : tps)
@@ -329,40 +332,49 @@ int run_calibrate(const ModelPlanOptions& o) {
                   c.validate();
                   s.fp8 = c.fp8_options(), s.fp8_recipe = recipe;
                 }
-                TraceOptions t;
-                t.device = Device::cpu;
-                // The fastest of the repeats per op and shape: what the kernels cost without interference.
-                std::map<std::string, ops::OpProfileRow> best;
-                double least_gap = 1e300, calls = 0;
-                for (int r = 0; r < std::max(1, o.repeats); ++r) {
-                  // In step with the other ranks: a rank measuring while the others have not started (or have
-                  // finished) would time kernels on a machine to itself, and the fastest repeat would be that
-                  // one.
-                  world.barrier().wait();
-                  const RankTrace trace = trace_rank(*model, s, pp_rank, t);
-                  double gap = 0;
-                  calls = 0;
-                  for (const Phase* phase : trace.phases()) {
-                    gap += phase->wall_seconds;
-                    for (const ops::OpProfileRow& row : phase->rows)
-                      gap -= row.seconds, calls += static_cast<double>(row.calls);
-                  }
-                  least_gap = std::min(least_gap, std::max(0.0, gap));
-                  for (const ops::OpProfileRow& row : merge_rows(trace.phases())) {
-                    auto [it, fresh] = best.try_emplace(row.op + "|" + row.detail, row);
-                    if (!fresh && row.seconds < it->second.seconds) it->second = row;
-                  }
-                }
-                for (const auto& [key, row] : best) {
-                  all.push_back(row);
-                  h.measured[key] = row.seconds / static_cast<double>(row.calls);
-                }
-                gap_seconds += least_gap, gap_calls += calls;
-                ++runs;
-                if (world.rank() == 0)
-                  std::fprintf(stderr, "calibrate: %s%s measured\n", s.describe().c_str(),
-                               pp > 1 ? fmt::format(" (pp rank {})", pp_rank).c_str() : "");
+                configs.push_back({s, pp_rank});
               }
+  // Rounds over all of them rather than repeats back to back: a shared machine has slow spells that last
+  // seconds to minutes, and the fastest of repeats taken minutes apart is what the kernels cost without them.
+  // Each op and shape keeps its fastest call over every round and configuration.
+  std::map<std::string, ops::OpProfileRow> best;
+  std::vector<double> least_gap(configs.size(), 1e300), calls(configs.size(), 0);
+  TraceOptions t;
+  t.device = Device::cpu;
+  for (int r = 0; r < std::max(1, o.repeats); ++r)
+    for (size_t i = 0; i < configs.size(); ++i) {
+      const Config& config = configs[i];
+      // In step with the other ranks: a rank measuring while the others have not started (or have finished)
+      // would time kernels on a machine to itself, and the fastest repeat would be that one.
+      world.barrier().wait();
+      const RankTrace trace = trace_rank(*model, config.strategy, config.pp_rank, t);
+      double gap = 0;
+      calls[i] = 0;
+      for (const Phase* phase : trace.phases()) {
+        gap += phase->wall_seconds;
+        for (const ops::OpProfileRow& row : phase->rows)
+          gap -= row.seconds, calls[i] += static_cast<double>(row.calls);
+      }
+      least_gap[i] = std::min(least_gap[i], std::max(0.0, gap));
+      for (const ops::OpProfileRow& row : merge_rows(trace.phases())) {
+        auto [it, fresh] = best.try_emplace(row.op + "|" + row.detail, row);
+        if (!fresh && row.seconds * static_cast<double>(it->second.calls) <
+                          it->second.seconds * static_cast<double>(row.calls))
+          it->second = row;
+      }
+      if (world.rank() == 0)
+        std::fprintf(stderr, "calibrate: round %d of %d: %s%s measured\n", r + 1, std::max(1, o.repeats),
+                     config.strategy.describe().c_str(),
+                     config.strategy.pp > 1 ? fmt::format(" (pp rank {})", config.pp_rank).c_str() : "");
+    }
+  std::vector<ops::OpProfileRow> all;
+  for (const auto& [key, row] : best) {
+    all.push_back(row);
+    h.measured[key] = row.seconds / static_cast<double>(row.calls);
+  }
+  double gap_seconds = 0, gap_calls = 0;
+  for (size_t i = 0; i < configs.size(); ++i) gap_seconds += least_gap[i], gap_calls += calls[i];
+  const int runs = static_cast<int>(configs.size());
   // The fallback curves, for shapes not measured: GEMM throughput by the FLOPs of one call (medians per
   // quarter decade), the attention's share of the GEMM peak, the memory-bound ops' bandwidth.
   std::map<int, std::vector<double>> rates;  // quarter decade -> GFLOP/s
@@ -528,7 +540,9 @@ void add_plan_model_subcommands(CLI::App* plan,
       ->capture_default_str();
   calibrate->add_option("--link-latency-us", o->node_latency_us, "latency between ranks on this machine")
       ->capture_default_str();
-  calibrate->add_option("--repeats", o->repeats, "runs per configuration (each op keeps its fastest)")
+  calibrate
+      ->add_option("--repeats", o->repeats,
+                   "rounds over every configuration (each op keeps its fastest call)")
       ->capture_default_str();
   calibrate->footer(
       "Run it as the ranks will run: mpirun -np 2 -x OMP_NUM_THREADS=1 forge plan calibrate ... for 2 ranks "

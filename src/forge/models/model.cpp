@@ -21,6 +21,17 @@ StageSpec StageSpec::split(int64_t layers, int stages, int index) {
   return s;
 }
 
+StageSpec StageSpec::of_counts(const std::vector<int64_t>& layer_counts, int index) {
+  const int stages = static_cast<int>(layer_counts.size());
+  FORGE_CHECK(index >= 0 && index < stages, "stage {} of {}", index, stages);
+  StageSpec s;
+  for (int k = 0; k < index; ++k) s.first_layer += layer_counts[static_cast<size_t>(k)];
+  s.end_layer = s.first_layer + layer_counts[static_cast<size_t>(index)];
+  s.pre_process = index == 0;
+  s.post_process = index == stages - 1;
+  return s;
+}
+
 LossSum Model::forward_backward(const int32_t* ids, const int32_t* targets, int64_t batch, int64_t seq,
                                 float grad_scale) {
   if (!params().has_grads()) fail("forward_backward: this model was built for inference, without gradients");

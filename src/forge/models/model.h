@@ -81,6 +81,9 @@ struct StageSpec {
   // Stage `index` of `stages` over `layers` decoder layers, split as evenly as possible (the first stages
   // take the remainder).
   static StageSpec split(int64_t layers, int stages, int index);
+  // Stage `index` of a split given as the decoder layers of each stage in order
+  // (pipeline::stage_layer_counts).
+  static StageSpec of_counts(const std::vector<int64_t>& layer_counts, int index);
 };
 
 // One micro-batch: ids and targets [batch, seq] on the host (a negative target is ignored). A stage that is

@@ -180,8 +180,8 @@ Estimate Simulator::estimate(const Strategy& s) {
   pipeline::Costs costs;
   int stages = 1;
   if (s.pp > 1) {
-    schedule = std::make_unique<pipeline::Schedule>(
-        pipeline::make_schedule({s.schedule, s.pp, static_cast<int>(s.grad_accum), s.vpp, s.ep > 1}));
+    schedule = std::make_unique<pipeline::Schedule>(pipeline::make_schedule(
+        {s.schedule, s.pp, static_cast<int>(s.grad_accum), s.vpp, s.ep > 1 && s.ep_overlap}));
     stages = schedule->placement.stages;
   }
   costs.per_stage.assign(static_cast<size_t>(stages), {});

@@ -165,8 +165,8 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
   // (train/setup.cpp).
   bool mirrored = false, tied_across = false;
   if (s.pp > 1) {
-    const pipeline::Schedule schedule =
-        pipeline::make_schedule({s.schedule, s.pp, static_cast<int>(s.grad_accum), s.vpp, s.ep > 1});
+    const pipeline::Schedule schedule = pipeline::make_schedule(
+        {s.schedule, s.pp, static_cast<int>(s.grad_accum), s.vpp, s.ep > 1 && s.ep_overlap});
     const pipeline::Placement& p = schedule.placement;
     mirrored = p.mirrored;
     const nlohmann::json json = config.to_json();
@@ -181,12 +181,7 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
     stages.clear(), specs.clear();
     for (int chunk = 0; chunk < p.chunks; ++chunk) {
       const int mine = p.stage(pp_rank, chunk);
-      models::StageSpec c;
-      for (int k = 0; k < mine; ++k) c.first_layer += counts[static_cast<size_t>(k)];
-      c.end_layer = c.first_layer + counts[static_cast<size_t>(mine)];
-      c.pre_process = mine == 0;
-      c.post_process = mine == p.stages - 1;
-      stages.push_back(mine), specs.push_back(c);
+      stages.push_back(mine), specs.push_back(models::StageSpec::of_counts(counts, mine));
     }
   }
 

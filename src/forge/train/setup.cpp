@@ -206,15 +206,8 @@ void TrainSetup::make_pipeline() {
   const std::vector<int64_t> counts =
       pipeline::stage_layer_counts(layers, p.stages, c.parallel.pp_layers, stages_from);
   chunk_stages.clear();
-  for (int chunk = 0; chunk < p.chunks; ++chunk) {
-    const int mine = p.stage(pp_rank, chunk);
-    StageSpec spec;
-    for (int s = 0; s < mine; ++s) spec.first_layer += counts[s];
-    spec.end_layer = spec.first_layer + counts[mine];
-    spec.pre_process = mine == 0;
-    spec.post_process = mine == p.stages - 1;
-    chunk_stages.push_back(spec);
-  }
+  for (int chunk = 0; chunk < p.chunks; ++chunk)
+    chunk_stages.push_back(StageSpec::of_counts(counts, p.stage(pp_rank, chunk)));
   const pipeline::Replay unit = pipeline::replay(*pipeline);
   std::vector<std::string> ranges;
   for (int64_t s = 0, first = 0; s < p.stages; first += counts[s++])
