@@ -102,6 +102,26 @@ TEST(DryTrace, PadsExpertsToTheirCapacityAsTheRunDoes) {
       << s.set_line();
 }
 
+// Expert parallelism on the dry device: every rank routes as a balanced router, so each receives as many
+// rows for its experts as it routes, and a rank's expert GEMMs do the FLOPs of the whole model's on one rank
+// (a dry exchange moves no counts; taking them as zeros would leave the local experts idle).
+TEST(DryTrace, ExpertParallelRanksComputeWhatTheyRoute) {
+  const std::unique_ptr<models::ModelConfig> config = models::read_model_config(kDeepSeek);
+  auto expert_flops = [&](int ep) {
+    Strategy s = small(1, "none");
+    s.dp = ep, s.ep = ep;
+    double flops = 0;
+    for (const ops::OpProfileRow& r : merge_rows(trace_rank(*config, s, 0).phases()))
+      if (r.op.find("grouped_gemm") != std::string::npos) flops += r.flops;
+    return flops;
+  };
+  const double one = expert_flops(1);
+  EXPECT_GT(one, 0);
+  // Within the remainder rows of a token count the experts do not divide (the MTP layer's 1020 tokens), which
+  // the balanced router gives the first experts, those of rank 0.
+  EXPECT_NEAR(expert_flops(2), one, 0.005 * one);
+}
+
 const char* kProfile = R"(
 [hardware]
 name = "test device"
