@@ -4,9 +4,10 @@
 # thread each, under mpirun, which also times the link between them), then trains each run of the grid for a
 # few steps with log.hardware_profile and prints its predicted and measured step time and peak memory, one
 # table row per run, then the mean and largest errors. Run it alone on the machine (other work skews both).
-# The grid runs REPEATS times over (default 3) and each run's fastest median step counts: on a shared machine
-# the same run measured 330, 339 and 450 ms back to back, and slow spells last minutes, so a run's repeats are
-# one round of the grid apart (calibrate does the same with its --repeats rounds).
+# The grid runs REPEATS times over (default 3) and each run counts the median of its rounds' median steps: on
+# a shared machine the same run measured 330, 339 and 450 ms back to back, and slow spells last minutes, so a
+# run's repeats are one round of the grid apart (calibrate does the same with its --repeats rounds and costs
+# each op at the median of its samples: typical against typical, neither side the luckiest).
 #   bench/sim_accuracy.sh [OUT_DIR]     (default build/sim_accuracy; about 25 minutes on 2 cores)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -96,12 +97,14 @@ for ((round = 0; round < REPEATS; ++round)); do grid; done
 
 python3 - "$ROWS" <<'PY'
 import json, sys
-rows = {}
-for l in open(sys.argv[1]):  # the fastest of each run's repeats
+rounds = {}
+for l in open(sys.argv[1]):
     r = json.loads(l)
-    if r["name"] not in rows or r["step_s_measured"] < rows[r["name"]]["step_s_measured"]:
-        rows[r["name"]] = r
-rows = list(rows.values())
+    rounds.setdefault(r["name"], []).append(r)
+rows = []
+for name, rs in rounds.items():  # the median round of each run (the slower middle one of an even count)
+    rs.sort(key=lambda r: r["step_s_measured"])
+    rows.append(rs[len(rs) // 2])
 print("| run | ranks | settings | step predicted | step measured | error | peak predicted | peak measured | error |")
 print("|---|---|---|---|---|---|---|---|---|")
 te, me = [], []

@@ -335,10 +335,16 @@ int run_calibrate(const ModelPlanOptions& o) {
                 configs.push_back({s, pp_rank});
               }
   // Rounds over all of them rather than repeats back to back: a shared machine has slow spells that last
-  // seconds to minutes, and the fastest of repeats taken minutes apart is what the kernels cost without them.
-  // Each op and shape keeps its fastest call over every round and configuration.
-  std::map<std::string, ops::OpProfileRow> best;
-  std::vector<double> least_gap(configs.size(), 1e300), calls(configs.size(), 0);
+  // seconds to minutes, which repeats back to back would share. Each op and shape costs the median of its
+  // calls' times over every round and configuration (the typical cost, as a run's median step is: the
+  // fastest of many samples would be an optimist's), and each configuration's host work its median round.
+  struct Samples {
+    ops::OpProfileRow row;         // one call's FLOPs and bytes
+    std::vector<double> per_call;  // seconds, one per traced row
+  };
+  std::map<std::string, Samples> samples;
+  std::vector<std::vector<double>> gaps(configs.size());
+  std::vector<double> calls(configs.size(), 0);
   TraceOptions t;
   t.device = Device::cpu;
   for (int r = 0; r < std::max(1, o.repeats); ++r)
@@ -355,25 +361,32 @@ int run_calibrate(const ModelPlanOptions& o) {
         for (const ops::OpProfileRow& row : phase->rows)
           gap -= row.seconds, calls[i] += static_cast<double>(row.calls);
       }
-      least_gap[i] = std::min(least_gap[i], std::max(0.0, gap));
+      gaps[i].push_back(std::max(0.0, gap));
       for (const ops::OpProfileRow& row : merge_rows(trace.phases())) {
-        auto [it, fresh] = best.try_emplace(row.op + "|" + row.detail, row);
-        if (!fresh && row.seconds * static_cast<double>(it->second.calls) <
-                          it->second.seconds * static_cast<double>(row.calls))
-          it->second = row;
+        if (row.calls <= 0) continue;
+        const double n = static_cast<double>(row.calls);
+        Samples& s = samples[row.op + "|" + row.detail];
+        if (s.per_call.empty()) s.row = {row.op, row.detail, 1, 0, row.flops / n, row.bytes / n};
+        s.per_call.push_back(row.seconds / n);
       }
       if (world.rank() == 0)
         std::fprintf(stderr, "calibrate: round %d of %d: %s%s measured\n", r + 1, std::max(1, o.repeats),
                      config.strategy.describe().c_str(),
                      config.strategy.pp > 1 ? fmt::format(" (pp rank {})", config.pp_rank).c_str() : "");
     }
+  auto median = [](std::vector<double> v) {
+    if (v.empty()) return 0.0;
+    std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+    return v[v.size() / 2];
+  };
   std::vector<ops::OpProfileRow> all;
-  for (const auto& [key, row] : best) {
-    all.push_back(row);
-    h.measured[key] = row.seconds / static_cast<double>(row.calls);
+  for (auto& [key, s] : samples) {
+    s.row.seconds = median(s.per_call);
+    all.push_back(s.row);
+    h.measured[key] = s.row.seconds;
   }
   double gap_seconds = 0, gap_calls = 0;
-  for (size_t i = 0; i < configs.size(); ++i) gap_seconds += least_gap[i], gap_calls += calls[i];
+  for (size_t i = 0; i < configs.size(); ++i) gap_seconds += median(gaps[i]), gap_calls += calls[i];
   const int runs = static_cast<int>(configs.size());
   // The fallback curves, for shapes not measured: GEMM throughput by the FLOPs of one call (medians per
   // quarter decade), the attention's share of the GEMM peak, the memory-bound ops' bandwidth.
@@ -393,11 +406,6 @@ int run_calibrate(const ModelPlanOptions& o) {
       bandwidths.push_back(r.bytes / r.seconds);
     }
   }
-  auto median = [](std::vector<double> v) {
-    if (v.empty()) return 0.0;
-    std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
-    return v[v.size() / 2];
-  };
   if (peak <= 0)
     fail(
         "calibrate: no bf16 GEMM was measured (is the CPU without native bf16? then the profile would need "
