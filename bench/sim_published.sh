@@ -7,7 +7,9 @@
 # the hardware is the shipped, published A100 profile (configs/hardware/a100.toml), not a measurement.
 # Then SimuMax's own B200 validation runs (bench/sim/published/simumax-b200.txt: Megatron-LM on 8 B200s, measured
 # and SimuMax-predicted) with the shipped, published B200 profile (configs/hardware/b200.toml): forge's and
-# SimuMax's predictions of the same measurements side by side.
+# SimuMax's predictions of the same measurements side by side. Gradient buckets of 160 MB, as Megatron's
+# default (40M fp32 elements): forge's default 4 MB, sized for MPI on CPUs, would pay a ring's latency per
+# bucket thousands of times a step.
 #   bench/sim_published.sh     (about a minute; prints two markdown tables)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -54,6 +56,7 @@ EOF_CASES
 echo
 echo "| model | layout (8 B200) | micro-batches | measured step | SimuMax | error | forge | error | measured peak | SimuMax | forge |"
 echo "|---|---|---|---|---|---|---|---|---|---|---|"
+ERRORS=$(mktemp)
 grep -v '^#' "$DIR/simumax-b200.txt" | while read -r model layers tp pp dp mbc real_ms simumax_ms real_gib simumax_gib; do
   config=$DIR/$model-l$layers.json
   sp=false
@@ -61,7 +64,7 @@ grep -v '^#' "$DIR/simumax-b200.txt" | while read -r model layers tp pp dp mbc r
   out=$("$FORGE" plan estimate --hardware b200 --ranks 8 --set model.config="$config" --set data.seq_len=4096 \
     --set parallel.tp="$tp" --set parallel.pp="$pp" --set parallel.dp="$dp" --set parallel.schedule=1f1b \
     --set parallel.sequence_parallel=$sp --set parallel.distributed_optimizer=true --set train.micro_batch=1 \
-    --set train.grad_accum="$mbc" --set train.recompute=none || true)
+    --set train.grad_accum="$mbc" --set train.recompute=none --set parallel.bucket_mb=160 || true)
   step=$(sed -n 's/^time per step: \([0-9.]*\) ms.*/\1/p' <<<"$out")
   memory=$(sed -n 's/^memory per device (pp rank [0-9]*): \(.*\)$/\1/p' <<<"$out")
   python3 - "$model-l$layers" "tp$tp pp$pp dp$dp" "$mbc" "$real_ms" "$simumax_ms" "$step" "$real_gib" "$simumax_gib" "$memory" <<'PY'
@@ -71,4 +74,15 @@ real, simumax, forge = float(real), float(simumax), float(forge)
 print(f"| {model} | {layout} | {mbc} | {real:.1f} ms | {simumax:.1f} ms | {100 * (simumax / real - 1):+.1f}% | "
       f"{forge:.1f} ms | {100 * (forge / real - 1):+.1f}% | {float(real_gib):.2f} GiB | {float(simumax_gib):.2f} GiB | {memory} |")
 PY
+  echo "$real_ms $simumax_ms $step" >>"$ERRORS"
 done
+python3 - "$ERRORS" <<'PY'
+import sys
+rows = [tuple(map(float, l.split())) for l in open(sys.argv[1]) if l.strip()]
+for name, i in (("SimuMax (measured B200 system file)", 1), ("forge (published b200 profile)", 2)):
+    e = [r[i] / r[0] - 1 for r in rows]
+    print(f"\n{name}: {len(e)} runs, mean |step error| {100 * sum(map(abs, e)) / len(e):.1f}%, "
+          f"from {100 * min(e):+.1f}% to {100 * max(e):+.1f}%", end="")
+print()
+PY
+rm -f "$ERRORS"
