@@ -9,6 +9,8 @@
 # run's repeats are one round of the grid apart (calibrate does the same with its --repeats rounds and costs
 # each op at the median of its samples: typical against typical, neither side the luckiest).
 #   bench/sim_accuracy.sh [OUT_DIR]     (default build/sim_accuracy; about 25 minutes on 2 cores)
+#   RUNS='llama-(none|full)' bench/sim_accuracy.sh   reruns only the runs whose names match (their profiles are
+#                                                    kept unless deleted), keeping the other rows
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 FORGE=$ROOT/build/bin/forge
@@ -43,10 +45,21 @@ calibrate ds-2 "$DS" 2 --micro-batch 4 --tp 1 --pp 1 --recompute none --capacity
 PAD=(--set moe.capacity_factor=1 --set moe.pad_to_capacity=true)
 
 ROWS=$OUT/rows.jsonl
-: >"$ROWS"
+RUNS=${RUNS:-}
+if [[ -n $RUNS && -f $ROWS ]]; then
+  python3 - "$ROWS" "$RUNS" <<'PY'
+import json, re, sys
+path, pattern = sys.argv[1:]
+keep = [l for l in open(path) if not re.fullmatch(pattern, json.loads(l)["name"])]
+open(path, "w").writelines(keep)
+PY
+else
+  : >"$ROWS"
+fi
 run() {  # name profile np model args...
   local name=$1 profile=$2 np=$3 model=$4
   shift 4
+  [[ -z $RUNS || $name =~ ^($RUNS)$ ]] || return 0
   local dir=$OUT/runs/$name
   rm -rf "$dir"
   local cmd=("$FORGE" train --set model.config="$model" --set data.seq_len=$SEQ --set data.tokenizer=bytes
