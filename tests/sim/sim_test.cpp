@@ -179,9 +179,6 @@ TEST(HardwareProfile, RefusesMalformedInput) {
   std::string curve = text;
   curve.replace(curve.find("[[6.0, 0.25], [9.0, 0.75]]"), 26, "[[9.0, 0.25], [6.0, 0.75]]");
   expect_refused(curve, "gemm_efficiency");
-  std::string progress = text;
-  progress.replace(progress.find("latency_us = 2"), 14, "latency_us = 2\nbackground_progress = 1");
-  expect_refused(progress, "link.node.background_progress");
   expect_refused("[hardware\n", "bad.toml:");
   expect_refused("[link.node]\nbandwidth_gbs = 1\n", "missing table [hardware]");
   EXPECT_THROW((void)Cluster::parse("[cluster]\nhardware = \"no-such-gpu\"\n", "c.toml"), Error);
@@ -226,17 +223,6 @@ TEST(Simulator, ReplaysTheScheduleForMemoryAndTime) {
   d.distributed_optimizer = true;
   const Estimate sharded = sim.estimate(d);
   EXPECT_LT(sharded.memory.optimizer, replicated.memory.optimizer);
-  // A link whose non-blocking collectives move only when the rank waits (MPI on CPUs): the buckets launched
-  // under backward all run after it, every one of them exposed; it writes and reads back the flag.
-  HardwareProfile waits = h;
-  waits.node.background_progress = false;
-  EXPECT_FALSE(HardwareProfile::parse(waits.to_toml(), "w.toml").node.background_progress);
-  Simulator no_progress(*config, Cluster::single_node(waits, 8));
-  d.distributed_optimizer = false;
-  const Estimate exposed = no_progress.estimate(d);
-  EXPECT_LT(replicated.time.dp_exposed, replicated.time.dp_comm);
-  EXPECT_NEAR(exposed.time.dp_exposed, exposed.time.dp_comm, 1e-12);
-  EXPECT_GT(exposed.time.step, replicated.time.step);
   // Too many ranks for the cluster: one line.
   d.dp = 16;
   EXPECT_THROW(sim.estimate(d), Error);

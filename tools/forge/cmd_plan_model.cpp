@@ -447,34 +447,15 @@ int run_calibrate(const ModelPlanOptions& o) {
           2 * (n - 1) / n * static_cast<double>(int64_t{32} << 20) / std::max(1e-9, large - small) / 1e9;
     h.node.async_bandwidth_gbs =
         2 * (n - 1) / n * static_cast<double>(int64_t{32} << 20) / std::max(1e-9, large_async - small) / 1e9;
-    // Does a non-blocking collective move while the rank computes? Start one, compute (no MPI calls) for
-    // twice its time, then wait: with background progress the wait is short; without, it is the transfer.
-    {
-      std::vector<float> buffer(static_cast<size_t>((int64_t{32} << 20) / 4), 1.0f);
-      world.barrier().wait();
-      comm::Request pending = world.all_reduce(buffer.data(), static_cast<int64_t>(buffer.size()),
-                                               comm::Type::f32, comm::ReduceOp::sum);
-      const auto start = std::chrono::steady_clock::now();
-      volatile double sink = 0;
-      while (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() <
-             2 * large_async)
-        for (int i = 0; i < 1000; ++i) sink = sink + 1e-9 * i;
-      const auto waited = std::chrono::steady_clock::now();
-      pending.wait();
-      const double wait = std::chrono::duration<double>(std::chrono::steady_clock::now() - waited).count();
-      h.node.background_progress = comm::all_reduce_max(world, wait) < 0.5 * (large_async - small);
-    }
     h.network = h.node;
   }
   if (world.rank() != 0) return 0;
   write_file_atomically(o.out, h.to_toml(), "hardware profile");
   std::printf(
       "calibrated %d configurations, %zu op shapes: bf16 GEMM peak %.3f TFLOP/s, attention %.0f%% of it, "
-      "memory-bound ops %.1f GB/s, %.1f us of host work per op call, link %.2f GB/s and %.1f us%s -> %s\n",
+      "memory-bound ops %.1f GB/s, %.1f us of host work per op call, link %.2f GB/s and %.1f us -> %s\n",
       runs, h.measured.size(), h.bf16_tflops, 100 * h.attention_efficiency, h.memory_bandwidth_gbs,
-      h.op_overhead_us, h.node.bandwidth_gbs, h.node.latency_us,
-      world.size() > 1 && !h.node.background_progress ? " (non-blocking collectives move only in waits)" : "",
-      o.out.c_str());
+      h.op_overhead_us, h.node.bandwidth_gbs, h.node.latency_us, o.out.c_str());
   return 0;
 }
 

@@ -224,14 +224,11 @@ Estimate Simulator::estimate(const Strategy& s) {
           if (ev.group == "dp" || ev.group == "expert_dp") buckets.push_back({ev.bytes, cost.comm(ev)});
     int64_t total_bytes = 0;
     for (const auto& b : buckets) total_bytes += b.first;
-    // A link without background progress moves them only when the rank waits, after the backward.
-    const bool progresses = cost.link("dp").background_progress;
     double link_free = 0, ready_bytes = 0;
     for (const auto& [bytes, seconds] : buckets) {
       ready_bytes += static_cast<double>(bytes);
-      const double ready = !progresses       ? last_backward
-                           : total_bytes > 0 ? last_backward * ready_bytes / static_cast<double>(total_bytes)
-                                             : 0;
+      const double ready =
+          total_bytes > 0 ? last_backward * ready_bytes / static_cast<double>(total_bytes) : 0;
       link_free = std::max(link_free, ready) + seconds;
       dp_total[static_cast<size_t>(r)] += seconds;
     }

@@ -53,13 +53,6 @@ class Fields {
     seen_.insert(key);
     return table_.get(key);
   }
-  bool flag(const std::string& key, bool fallback) {
-    seen_.insert(key);
-    const toml::node* n = table_.get(key);
-    if (!n) return fallback;
-    if (!n->is_boolean()) fail("{}: '{}' must be true or false", source_, name(key));
-    return n->as_boolean()->get();
-  }
   std::string name(const std::string& key) const { return where_.empty() ? key : where_ + "." + key; }
 
  private:
@@ -88,7 +81,6 @@ Link read_link(const toml::table& t, const std::string& where, const std::string
   fallback.bandwidth_gbs = f.number("bandwidth_gbs", fallback.bandwidth_gbs, 1e-6, 1e6);
   fallback.latency_us = f.number("latency_us", fallback.latency_us, 0, 1e6);
   fallback.async_bandwidth_gbs = f.number("async_bandwidth_gbs", fallback.async_bandwidth_gbs, 0, 1e6);
-  fallback.background_progress = f.flag("background_progress", fallback.background_progress);
   return fallback;
 }
 
@@ -224,7 +216,6 @@ std::string HardwareProfile::to_toml() const {
                        l.latency_us);
     if (l.async_bandwidth_gbs > 0)
       out << fmt::format("async_bandwidth_gbs = {:.6g}\n", l.async_bandwidth_gbs);
-    if (!l.background_progress) out << "background_progress = false\n";
   };
   link("node", node);
   link("network", network);

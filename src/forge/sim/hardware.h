@@ -26,9 +26,6 @@ struct Link {
   double bandwidth_gbs = 0;  // GB/s per device, one direction (the bus bandwidth a ring collective reaches)
   double latency_us = 0;     // per message step
   double async_bandwidth_gbs = 0;  // non-blocking collectives (MPI's are slower); 0: bandwidth_gbs
-  // Whether a non-blocking collective moves while the rank computes (NCCL's do; Open MPI's on a CPU progress
-  // only inside MPI calls, so the gradient buckets "overlapped" with backward all run at its end).
-  bool background_progress = true;
   bool operator==(const Link&) const = default;
 };
 
