@@ -56,11 +56,18 @@ struct ModelPlanOptions {
   bool pad_to_capacity = false;
 };
 
-std::vector<int64_t> int_list(const std::string& text, const char* option) {
-  std::vector<int64_t> out;
+// The comma-separated items of an option's value.
+std::vector<std::string> items_of(const std::string& text) {
+  std::vector<std::string> out;
   std::stringstream in(text);
   std::string item;
-  while (std::getline(in, item, ',')) {
+  while (std::getline(in, item, ',')) out.push_back(item);
+  return out;
+}
+
+std::vector<int64_t> int_list(const std::string& text, const char* option) {
+  std::vector<int64_t> out;
+  for (const std::string& item : items_of(text)) {
     char* end = nullptr;
     const long long v = std::strtoll(item.c_str(), &end, 10);
     if (item.empty() || *end || v < 1)
@@ -73,9 +80,7 @@ std::vector<int64_t> int_list(const std::string& text, const char* option) {
 
 std::vector<double> factor_list(const std::string& text, const char* option) {
   std::vector<double> out;
-  std::stringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ',')) {
+  for (const std::string& item : items_of(text)) {
     char* end = nullptr;
     const double v = std::strtod(item.c_str(), &end);
     if (item.empty() || *end || !(v >= 0) || v > 1e6)
@@ -89,9 +94,7 @@ std::vector<double> factor_list(const std::string& text, const char* option) {
 std::vector<std::string> word_list(const std::string& text, const char* option,
                                    const std::set<std::string>& known) {
   std::vector<std::string> out;
-  std::stringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ',')) {
+  for (const std::string& item : items_of(text)) {
     if (!known.count(item)) {
       std::string names;
       for (const auto& k : known) names += (names.empty() ? "" : ", ") + k;
@@ -272,7 +275,7 @@ int run_search(const ModelPlanOptions& o) {
 }
 
 // This machine's costs: the model's ops at the strategies' shapes, run for real (sim/trace.h's measured
-// mode) and timed; each op keeps its fastest over `repeats` rounds.
+// mode) and timed; each op costs the median of its samples over `repeats` rounds.
 int run_calibrate(const ModelPlanOptions& o) {
   if (o.out.empty()) fail("--out FILE is required");
   if (o.seq_len < 1) fail("--seq-len must be >= 1");
@@ -351,7 +354,7 @@ int run_calibrate(const ModelPlanOptions& o) {
     for (size_t i = 0; i < configs.size(); ++i) {
       const Config& config = configs[i];
       // In step with the other ranks: a rank measuring while the others have not started (or have finished)
-      // would time kernels on a machine to itself, and the fastest repeat would be that one.
+      // would time kernels on a machine to itself, and its samples would be a quiet machine's.
       world.barrier().wait();
       const RankTrace trace = trace_rank(*model, config.strategy, config.pp_rank, t);
       double gap = 0;
@@ -550,7 +553,7 @@ void add_plan_model_subcommands(CLI::App* plan,
       ->capture_default_str();
   calibrate
       ->add_option("--repeats", o->repeats,
-                   "rounds over every configuration (each op keeps its fastest call)")
+                   "rounds over every configuration (each op costs the median of its calls)")
       ->capture_default_str();
   calibrate->footer(
       "Run it as the ranks will run: mpirun -np 2 -x OMP_NUM_THREADS=1 forge plan calibrate ... for 2 ranks "
