@@ -24,6 +24,7 @@ void add_eval_command(CLI::App& app, Commands& commands);
 void add_generate_command(CLI::App& app, Commands& commands);
 void add_plan_command(CLI::App& app, Commands& commands);
 void add_launch_command(CLI::App& app, Commands& commands);
+void add_report_command(CLI::App& app, Commands& commands);
 // plan estimate | search | calibrate (cmd_plan_model.cpp), added to `forge plan`.
 void add_plan_model_subcommands(CLI::App* plan, std::vector<std::pair<CLI::App*, std::function<int()>>>& runners);
 

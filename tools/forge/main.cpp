@@ -31,6 +31,7 @@ int main(int argc, char** argv) {
   forge::cli::add_generate_command(app, commands);
   forge::cli::add_plan_command(app, commands);
   forge::cli::add_launch_command(app, commands);
+  forge::cli::add_report_command(app, commands);
 
   try {
     app.parse(argc, argv);

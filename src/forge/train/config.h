@@ -73,6 +73,8 @@ struct TrainConfig {
     int64_t profile_step =
         0;  // time every op of this step (1-based, as logged) and print where it went; 0 = off
     std::string hardware_profile;  // "" = off; else predict memory and step time at start (docs/simulator.md)
+    bool report = true;            // write <run_dir>/report.html at the end of the run (forge report)
+    int64_t expert_load_every = 100;  // per-expert loads in the metrics of the logged steps divisible by this
     bool operator==(const Log&) const = default;
   };
   struct Checkpoint {

@@ -225,7 +225,7 @@ LoadSummary summarize_load(const std::vector<double>& load) {
   return s;
 }
 
-BalanceMetrics balance_metrics(const StepResult& r) {
+BalanceMetrics balance_metrics(const StepResult& r, bool with_loads) {
   BalanceMetrics m;
   nlohmann::json& out = m.fields;
   std::string& summary = m.summary;
@@ -248,6 +248,7 @@ BalanceMetrics balance_metrics(const StepResult& r) {
                         {"aux_loss", e.aux_loss},
                         {"dropped", e.dropped},
                         {"dropped_fraction", fraction(static_cast<double>(e.dropped), routed)}});
+      if (with_loads) layers.back()["load"] = e.load;
       if (!e.received.empty()) {
         layers.back()["received"] = e.received, layers.back()["sent"] = e.sent;
         layers.back()["ranks_per_token"] = e.ranks_per_token;

@@ -34,6 +34,7 @@
 #include "forge/train/metrics.h"
 #include "forge/train/peak.h"
 #include "forge/train/pipelining.h"
+#include "forge/train/report.h"
 #include "forge/train/resilience.h"
 #include "forge/train/run_directory.h"
 #include "forge/train/setup.h"
@@ -124,6 +125,22 @@ HeldOut evaluate(Model& model, Pipelining* pipelining, const TrainingData& data,
     total.bytes = static_cast<int64_t>(sums[2]);
   }
   return total;
+}
+
+// The delayed recipe's scales for metrics.jsonl: per operand role, the smallest, median and largest over this
+// rank's FP8 Linears ({"scale": {"input": {"min", "median", "max"}, "weight": ..., "grad_output": ...}}).
+nlohmann::json fp8_scale_fields(const fp8::DelayedScalingGroup& group) {
+  const std::span<const float> scales = group.scales();
+  nlohmann::json roles = nlohmann::json::object();
+  const char* names[] = {"input", "weight", "grad_output"};  // the group's slots: [linears][3]
+  for (size_t role = 0; role < 3; ++role) {
+    std::vector<double> values;
+    for (size_t i = role; i < scales.size(); i += 3) values.push_back(scales[i]);
+    if (values.empty()) continue;
+    std::sort(values.begin(), values.end());
+    roles[names[role]] = {{"min", values.front()}, {"median", values[values.size() / 2]}, {"max", values.back()}};
+  }
+  return {{"scale", roles}};
 }
 
 std::atomic<int> g_signal_count{0};
@@ -344,7 +361,8 @@ void TrainingRun::log_step(const StepResult& r, TrainResult&) {
   m.eta_s = planned ? per_step * static_cast<double>(state_.total_steps - step) : -1;
   if (c_.train.max_minutes > 0)
     m.eta_s = std::min(m.eta_s, c_.train.max_minutes * 60 - seconds_since(train_start_));
-  const BalanceMetrics balance = balance_metrics(r);
+  const int64_t load_every = c_.log.expert_load_every;
+  const BalanceMetrics balance = balance_metrics(r, last || (load_every > 0 && step % load_every == 0));
   m.extra = balance.summary;
   say("%s\n", format_step_line(m).c_str());
   nlohmann::json record = {{"step", step},
@@ -357,6 +375,11 @@ void TrainingRun::log_step(const StepResult& r, TrainResult&) {
                            {"tokens", step * step_tokens_},
                            {"elapsed_s", m.elapsed_s}};
   if (setup_->dp > 1) record["dp_overlap"] = setup_->buckets->total_stats().overlap_ratio();
+  // The allocator's peak since the first step, the largest over ranks (one scalar all-reduce per log line).
+  const TrainSetup& s = *setup_;
+  record["peak_memory_bytes"] = comm::all_reduce_max(
+      world_, static_cast<double>(s.on_gpu() ? device_memory(s.device).peak_allocated() : memory_stats().peak_bytes));
+  if (const fp8::DelayedScalingGroup* g = s.fp8 ? s.fp8->delayed_group() : nullptr) record["fp8"] = fp8_scale_fields(*g);
   for (const auto& [key, value] : balance.fields.items()) record[key] = value;
   write_metrics(record);
   interval_start_ = Clock::now();
@@ -525,6 +548,7 @@ TrainResult TrainingRun::finish(TrainResult result) {
   if (Trainer::stop_flag().load()) {
     say("interrupted at step %lld: saving a checkpoint\n", static_cast<long long>(state_.step));
     save("interrupted");
+    write_report();
     result.interrupted = true;
     Trainer::stop_flag().store(false);
     return result;
@@ -549,8 +573,21 @@ TrainResult TrainingRun::finish(TrainResult result) {
                  {"eval_loss", result.heldout_loss},
                  {"eval_bits_per_byte", result.heldout_bits_per_byte},
                  {"final", true}});
+  write_report();
   if (c_.sample.tokens > 0 && g_leader) sample(result);
   return result;
+}
+
+void TrainingRun::write_report() {
+  if (!c_.log.report || !g_leader || !metrics_) return;
+  // The run is trained and saved by now: a report that cannot be written is a warning, not a failed run.
+  try {
+    const fs::path output = run_dir_ / "report.html";
+    report::write_report(report::read_runs({run_dir_}), output);
+    say("report: %s (forge report %s)\n", output.c_str(), run_dir_.c_str());
+  } catch (const std::exception& e) {
+    say("warning: the report was not written: %s\n", e.what());
+  }
 }
 
 void TrainingRun::sample(TrainResult& result) {

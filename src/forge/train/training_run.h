@@ -80,6 +80,7 @@ class TrainingRun {
   void plan_length();
   TrainResult finish(TrainResult result);
   void sample(TrainResult& result);
+  void write_report();  // <run_dir>/report.html (log.report), on the first rank
 
   const TrainConfig& c_;
   comm::Communicator& world_;

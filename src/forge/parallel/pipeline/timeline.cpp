@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "forge/core/error.h"
 
@@ -295,6 +296,53 @@ std::string chrome_trace_json(const std::vector<TimelineSpan>& spans,
   }
   nlohmann::ordered_json trace = {{"traceEvents", std::move(events)}, {"displayTimeUnit", "ms"}};
   return trace.dump() + "\n";
+}
+
+std::vector<TimelineSpan> spans_from_chrome_trace(const std::string& json, double seconds_per_unit, int* rows) {
+  FORGE_CHECK(seconds_per_unit > 0, "spans_from_chrome_trace: seconds_per_unit = {}", seconds_per_unit);
+  const nlohmann::json trace = nlohmann::json::parse(json, nullptr, /*allow_exceptions=*/false);
+  if (trace.is_discarded() || !trace.is_object() || !trace.contains("traceEvents") ||
+      !trace["traceEvents"].is_array())
+    fail("pipeline trace: not a Chrome trace object with a \"traceEvents\" array");
+  std::vector<TimelineSpan> spans;
+  int tids = 0;
+  const double us = seconds_per_unit * 1e6;
+  for (const nlohmann::json& e : trace["traceEvents"]) {
+    if (!e.is_object() || e.value("ph", "") != "X") continue;
+    const std::string cat = e.value("cat", "");
+    std::optional<Op> op;
+    for (Op o : {Op::forward, Op::backward, Op::backward_input, Op::backward_weight, Op::forward_backward,
+                 Op::send_activation, Op::recv_activation, Op::send_gradient, Op::recv_gradient})
+      if (cat == op_name(o)) op = o;
+    const auto number = [&](const nlohmann::json& object, const char* key) {
+      const auto it = object.find(key);
+      if (it == object.end() || !it->is_number())
+        fail("pipeline trace: event \"{}\" has no number \"{}\"", e.value("name", "?"), key);
+      return it->get<double>();
+    };
+    if (!op) fail("pipeline trace: event \"{}\" has an unknown category \"{}\"", e.value("name", "?"), cat);
+    TimelineSpan s;
+    s.op = *op;
+    s.row = static_cast<int>(number(e, "tid"));
+    if (s.row < 0 || s.row > 1 << 16) fail("pipeline trace: event \"{}\" on row {}", e.value("name", "?"), s.row);
+    s.start = number(e, "ts") / us;
+    s.end = s.start + number(e, "dur") / us;
+    const nlohmann::json args = e.value("args", nlohmann::json::object());
+    s.chunk = static_cast<int>(number(args, "chunk"));
+    s.micro_batch = static_cast<int>(number(args, "micro_batch"));
+    if (s.op == Op::forward_backward) {
+      s.chunk_b = static_cast<int>(number(args, "chunk_b"));
+      s.micro_batch_b = static_cast<int>(number(args, "micro_batch_b"));
+    }
+    if (!is_compute(s.op)) s.peer = static_cast<int>(number(args, "peer"));
+    tids = std::max(tids, s.row + 1);
+    spans.push_back(s);
+  }
+  for (const nlohmann::json& e : trace["traceEvents"])
+    if (e.is_object() && e.value("name", "") == "thread_name" && e.contains("tid") && e["tid"].is_number())
+      tids = std::max(tids, e["tid"].get<int>() + 1);
+  if (rows) *rows = tids;
+  return spans;
 }
 
 }  // namespace forge::pipeline

@@ -1,0 +1,780 @@
+// forge report: the page (report.h). Plain HTML, CSS and inline SVG written here; no scripts but the
+// embedded data block.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <ctime>
+#include <functional>
+#include <numeric>
+#include <set>
+
+#include "forge/core/error.h"
+#include "forge/core/file_io.h"
+#include "forge/parallel/pipeline/timeline.h"
+#include "forge/train/report.h"
+
+namespace forge::train::report {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// Tableau's ten: one per run, in order (the first is the loss path's colour the browser test looks for).
+constexpr const char* kRunColors[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd",
+                                      "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"};
+const char* run_color(size_t run) { return kRunColors[run % std::size(kRunColors)]; }
+
+std::string esc(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (char c : text) {
+    switch (c) {
+      case '&': out += "&amp;"; break;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '"': out += "&quot;"; break;
+      case '\'': out += "&#39;"; break;
+      default: out += c;
+    }
+  }
+  return out;
+}
+
+enum class Unit { plain, percent, bytes, count, seconds };
+
+std::string format_value(double v, Unit unit) {
+  if (!std::isfinite(v)) return "–";
+  switch (unit) {
+    case Unit::percent:
+      return fmt::format("{:.3g}%", 100 * v);
+    case Unit::bytes: {
+      const char* names[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+      int i = 0;
+      double x = v;
+      while (std::fabs(x) >= 1024 && i < 4) x /= 1024, ++i;
+      return fmt::format("{:.3g} {}", x, names[i]);
+    }
+    case Unit::count: {
+      const double a = std::fabs(v);
+      if (a >= 1e9) return fmt::format("{:.3g}G", v / 1e9);
+      if (a >= 1e6) return fmt::format("{:.3g}M", v / 1e6);
+      if (a >= 1e3) return fmt::format("{:.3g}k", v / 1e3);
+      return fmt::format("{:.3g}", v);
+    }
+    case Unit::seconds: {
+      if (v >= 3600) return fmt::format("{}h{:02}m", static_cast<int64_t>(v / 3600), static_cast<int64_t>(v / 60) % 60);
+      if (v >= 60) return fmt::format("{}m{:02}s", static_cast<int64_t>(v / 60), static_cast<int64_t>(v) % 60);
+      return fmt::format("{:.3g} s", v);
+    }
+    case Unit::plain:
+      break;
+  }
+  return fmt::format("{:.4g}", v);
+}
+
+// An axis step of 1, 2 or 5 times a power of ten, about `ticks` of them over range.
+double nice_step(double range, int ticks) {
+  if (!(range > 0)) return 1;
+  const double raw = range / ticks;
+  const double power = std::pow(10.0, std::floor(std::log10(raw)));
+  for (double m : {1.0, 2.0, 5.0})
+    if (m * power >= raw * 0.999) return m * power;
+  return 10 * power;
+}
+
+struct Axis {
+  double lo = 0, hi = 1;
+  bool log = false;
+  std::vector<double> ticks;
+  double map(double v, double a, double b) const {  // onto [a, b]
+    const double t = log ? (std::log10(v) - std::log10(lo)) / (std::log10(hi) - std::log10(lo))
+                         : (v - lo) / (hi - lo);
+    return a + t * (b - a);
+  }
+};
+
+Axis make_axis(double lo, double hi, bool log, int ticks) {
+  Axis a;
+  a.log = log && lo > 0;
+  if (a.log) {
+    double e0 = std::floor(std::log10(lo)), e1 = std::ceil(std::log10(hi));
+    if (e1 <= e0) e1 = e0 + 1;
+    a.lo = std::pow(10.0, e0), a.hi = std::pow(10.0, e1);
+    const bool fine = e1 - e0 <= 2;
+    for (double e = e0; e <= e1; ++e)
+      for (double m : {1.0, 2.0, 5.0})
+        if ((m == 1 || fine) && m * std::pow(10.0, e) <= a.hi * 1.0001) a.ticks.push_back(m * std::pow(10.0, e));
+    return a;
+  }
+  if (!(hi > lo)) {
+    const double pad = lo == 0 ? 1 : std::fabs(lo) * 0.1;
+    lo -= pad, hi += pad;
+  }
+  const double step = nice_step(hi - lo, ticks);
+  a.lo = std::floor(lo / step) * step, a.hi = std::ceil(hi / step) * step;
+  for (double t = a.lo; t <= a.hi + step * 1e-6; t += step) a.ticks.push_back(std::fabs(t) < step * 1e-9 ? 0 : t);
+  return a;
+}
+
+struct Line {
+  std::string label;  // the chart's own legend ("" = none: the page legend names the runs)
+  std::string color, dash;
+  size_t run = 0;
+  std::string series;  // the curve's name, in data-series
+  std::vector<Point> points;
+  bool dots = false;  // a marker at every point (sparse curves: held-out evaluations)
+};
+
+struct Marker {
+  double step = 0;
+  std::string color, title;
+};
+
+struct Chart {
+  std::string id, title, y_label;
+  bool x_tokens = false, log_y = false;
+  Unit unit = Unit::plain;
+  std::vector<Line> lines;
+  std::vector<Marker> markers;
+};
+
+constexpr double kW = 560, kH = 270, kLeft = 62, kRight = 14, kTop = 34, kBottom = 40;
+
+std::string chart_svg(const Chart& c) {
+  double x0 = INFINITY, x1 = -INFINITY, y0 = INFINITY, y1 = -INFINITY;
+  const auto x_of_point = [&](const Point& p) { return c.x_tokens ? p.tokens : p.step; };
+  for (const Line& l : c.lines)
+    for (const Point& p : l.points) {
+      if (!std::isfinite(p.value) || (c.log_y && p.value <= 0)) continue;
+      x0 = std::min(x0, x_of_point(p)), x1 = std::max(x1, x_of_point(p));
+      y0 = std::min(y0, p.value), y1 = std::max(y1, p.value);
+    }
+  if (!(x1 >= x0)) return {};
+  const Axis xa = make_axis(x0, x1, false, 6), ya = make_axis(y0, y1, c.log_y, 5);
+  const double px0 = kLeft, px1 = kW - kRight, py0 = kH - kBottom, py1 = kTop;
+  std::string out = fmt::format(
+      "<svg class=\"chart\" data-chart=\"{}\" xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{}\" "
+      "viewBox=\"0 0 {} {}\" role=\"img\" aria-label=\"{}\">\n"
+      "<text x=\"{}\" y=\"18\" class=\"title\">{}</text>\n",
+      esc(c.id), kW, kH, kW, kH, esc(c.title), kLeft, esc(c.title));
+  // Grid and tick labels.
+  for (double t : ya.ticks) {
+    const double y = ya.map(t, py0, py1);
+    out += fmt::format("<line class=\"grid\" x1=\"{:.1f}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\"/>"
+                       "<text class=\"tick\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"end\">{}</text>\n",
+                       px0, y, px1, y, px0 - 5, y + 3.5, esc(format_value(t, c.unit)));
+  }
+  for (double t : xa.ticks) {
+    const double x = xa.map(t, px0, px1);
+    out += fmt::format("<line class=\"grid\" x1=\"{:.1f}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\"/>"
+                       "<text class=\"tick\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">{}</text>\n",
+                       x, py0, x, py1, x, py0 + 14, esc(format_value(t, Unit::count)));
+  }
+  out += fmt::format("<rect class=\"frame\" x=\"{}\" y=\"{}\" width=\"{}\" height=\"{}\"/>\n", px0, py1,
+                     px1 - px0, py0 - py1);
+  out += fmt::format("<text class=\"axis\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">{}</text>\n",
+                     (px0 + px1) / 2, kH - 6, c.x_tokens ? "tokens" : "step");
+  if (!c.y_label.empty())
+    out += fmt::format("<text class=\"axis\" x=\"{}\" y=\"{}\" text-anchor=\"end\">{}</text>\n", px1, 18,
+                       esc(c.y_label));
+  // Events (rollbacks, anomalies) as vertical rules.
+  if (!c.x_tokens)
+    for (const Marker& m : c.markers) {
+      if (m.step < xa.lo || m.step > xa.hi) continue;
+      const double x = xa.map(m.step, px0, px1);
+      out += fmt::format(
+          "<line class=\"event\" x1=\"{:.1f}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\" stroke=\"{}\">"
+          "<title>{}</title></line>\n",
+          x, py0, x, py1, m.color, esc(m.title));
+    }
+  // The curves: a path each, broken where a value cannot be drawn.
+  for (const Line& l : c.lines) {
+    std::string d, dots;
+    bool pen = false;
+    for (const Point& p : l.points) {
+      if (!std::isfinite(p.value) || (c.log_y && p.value <= 0)) {
+        pen = false;
+        continue;
+      }
+      const double x = xa.map(x_of_point(p), px0, px1), y = ya.map(p.value, py0, py1);
+      d += fmt::format("{}{:.1f} {:.1f}", pen ? " L" : (d.empty() ? "M" : " M"), x, y);
+      pen = true;
+      if (l.dots)
+        dots += fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"2.6\" fill=\"{}\"><title>step {:g}: {}</title>"
+                            "</circle>",
+                            x, y, l.color, p.step, esc(format_value(p.value, c.unit)));
+    }
+    if (d.empty()) continue;
+    out += fmt::format(
+        "<path class=\"curve\" data-run=\"{}\" data-series=\"{}\" d=\"{}\" stroke=\"{}\"{}/>\n", l.run,
+        esc(l.series), d, l.color, l.dash.empty() ? "" : " stroke-dasharray=\"" + l.dash + "\"");
+    out += dots;
+  }
+  // The chart's own legend: line styles that the run colours do not explain.
+  double lx = px0 + 8;
+  std::set<std::string> shown;
+  for (const Line& l : c.lines) {
+    if (l.label.empty() || !shown.insert(l.label).second) continue;
+    out += fmt::format(
+        "<line x1=\"{:.1f}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\" stroke=\"#444\" stroke-width=\"1.6\"{}/>"
+        "<text class=\"legend\" x=\"{:.1f}\" y=\"{:.1f}\">{}</text>\n",
+        lx, py1 + 10, lx + 18, py1 + 10, l.dash.empty() ? "" : " stroke-dasharray=\"" + l.dash + "\"", lx + 22,
+        py1 + 13.5, esc(l.label));
+    lx += 30 + 6.2 * static_cast<double>(l.label.size());
+  }
+  out += "</svg>\n";
+  return out;
+}
+
+// A colour on a scale through the stops (t in [0, 1]).
+std::string ramp(double t, const std::vector<std::array<int, 3>>& stops) {
+  t = std::clamp(std::isfinite(t) ? t : 0.0, 0.0, 1.0) * static_cast<double>(stops.size() - 1);
+  const size_t i = std::min(static_cast<size_t>(t), stops.size() - 2);
+  const double f = t - static_cast<double>(i);
+  int rgb[3];
+  for (int k = 0; k < 3; ++k)
+    rgb[k] = static_cast<int>(std::lround(stops[i][k] + f * (stops[i + 1][k] - stops[i][k])));
+  return fmt::format("#{:02x}{:02x}{:02x}", rgb[0], rgb[1], rgb[2]);
+}
+const std::vector<std::array<int, 3>> kDiverging = {{33, 102, 172}, {247, 247, 247}, {178, 24, 43}};
+const std::vector<std::array<int, 3>> kHeat = {{255, 255, 255}, {253, 174, 97}, {215, 48, 39}, {103, 0, 13}};
+
+// A heat map: rows x columns of values, coloured by color(value), each cell titled.
+std::string heat_map_svg(const std::string& id, const std::string& title, const std::vector<std::string>& row_names,
+                         const std::string& column_axis, const std::vector<std::string>& column_names,
+                         const std::vector<std::vector<double>>& values, const std::function<std::string(double)>& color,
+                         const std::function<std::string(size_t, size_t, double)>& tip,
+                         const std::string& scale_note) {
+  const size_t rows = values.size(), columns = rows ? values[0].size() : 0;
+  if (rows == 0 || columns == 0) return {};
+  const double left = 70, top = 34, width = 600;
+  const double cw = width / static_cast<double>(columns);
+  const double rh = std::clamp(420.0 / static_cast<double>(rows), 3.0, 16.0);
+  const double height = top + rh * static_cast<double>(rows) + 44;
+  std::string out = fmt::format(
+      "<svg class=\"heatmap\" data-chart=\"{}\" xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{:.0f}\" "
+      "viewBox=\"0 0 {} {:.0f}\" shape-rendering=\"crispEdges\">\n<text x=\"{}\" y=\"18\" class=\"title\">{}</text>\n",
+      esc(id), left + width + 14, height, left + width + 14, height, left, esc(title));
+  const size_t label_every = std::max<size_t>(1, static_cast<size_t>(std::ceil(11.0 / rh)));
+  for (size_t r = 0; r < rows; ++r) {
+    const double y = top + rh * static_cast<double>(r);
+    if (r % label_every == 0)
+      out += fmt::format("<text class=\"tick\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"end\">{}</text>\n", left - 5,
+                         y + rh / 2 + 3.5, esc(row_names[r]));
+    for (size_t c = 0; c < columns; ++c)
+      out += fmt::format("<rect x=\"{:.2f}\" y=\"{:.2f}\" width=\"{:.2f}\" height=\"{:.2f}\" fill=\"{}\"><title>{}</title></rect>",
+                         left + cw * static_cast<double>(c), y, cw + 0.05, rh + 0.05, color(values[r][c]),
+                         esc(tip(r, c, values[r][c])));
+    out += "\n";
+  }
+  const double axis_y = top + rh * static_cast<double>(rows);
+  const size_t column_every = std::max<size_t>(1, static_cast<size_t>(std::ceil(40.0 / cw)));
+  for (size_t c = 0; c < columns; c += column_every)
+    out += fmt::format("<text class=\"tick\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">{}</text>\n",
+                       left + cw * (static_cast<double>(c) + 0.5), axis_y + 13, esc(column_names[c]));
+  out += fmt::format("<text class=\"axis\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">{}</text>\n",
+                     left + width / 2, axis_y + 28, esc(column_axis));
+  out += fmt::format("<text class=\"axis\" x=\"{:.1f}\" y=\"18\" text-anchor=\"end\">{}</text>\n</svg>\n",
+                     left + width, esc(scale_note));
+  return out;
+}
+
+// ---- the runs' summaries ----
+
+const Point* last_point(const RunData& r, const std::string& name) {
+  const std::vector<Point>* p = r.find(name);
+  return p ? &p->back() : nullptr;
+}
+
+// The mean of a curve over its points after the first (the first interval carries start-up costs).
+double mean_after_first(const RunData& r, const std::string& name) {
+  const std::vector<Point>* p = r.find(name);
+  if (!p) return NAN;
+  const size_t from = p->size() > 1 ? 1 : 0;
+  double sum = 0;
+  for (size_t i = from; i < p->size(); ++i) sum += (*p)[i].value;
+  return sum / static_cast<double>(p->size() - from);
+}
+
+double max_of(const RunData& r, const std::string& name) {
+  const std::vector<Point>* p = r.find(name);
+  if (!p) return NAN;
+  double m = -INFINITY;
+  for (const Point& x : *p) m = std::max(m, x.value);
+  return m;
+}
+
+int64_t count_events(const RunData& r, const std::string& kind) {
+  return std::count_if(r.events.begin(), r.events.end(), [&](const Event& e) { return e.kind == kind; });
+}
+
+struct SummaryRow {
+  std::string name;
+  std::function<std::string(const RunData&, nlohmann::json&)> cell;  // also records the number in the data
+};
+
+std::string cell_value(nlohmann::json& data, const char* key, double v, Unit unit, const char* plain_format = nullptr) {
+  if (!std::isfinite(v)) return "–";
+  data[key] = v;
+  return plain_format ? fmt::format(fmt::runtime(plain_format), v) : format_value(v, unit);
+}
+
+std::string summary_table(const std::vector<RunData>& runs, nlohmann::json& data) {
+  const std::vector<SummaryRow> rows = {
+      {"steps", [](const RunData& r, nlohmann::json& d) {
+         const Point* p = last_point(r, "loss");
+         return p ? cell_value(d, "steps", p->step, Unit::plain, "{:.0f}") : std::string("–");
+       }},
+      {"tokens", [](const RunData& r, nlohmann::json& d) {
+         const Point* p = last_point(r, "loss");
+         return p ? cell_value(d, "tokens", p->tokens, Unit::count) : std::string("–");
+       }},
+      {"training time", [](const RunData& r, nlohmann::json& d) {
+         const Point* p = last_point(r, "elapsed_s");
+         return p ? cell_value(d, "elapsed_s", p->value, Unit::seconds) : std::string("–");
+       }},
+      {"final training loss", [](const RunData& r, nlohmann::json& d) {
+         const Point* p = last_point(r, "loss");
+         return p ? cell_value(d, "final_loss", p->value, Unit::plain, "{:.4f}") : std::string("–");
+       }},
+      {"final held-out loss", [](const RunData& r, nlohmann::json& d) {
+         const Point* p = last_point(r, "eval_loss");
+         return p ? cell_value(d, "final_eval_loss", p->value, Unit::plain, "{:.4f}") : std::string("–");
+       }},
+      {"held-out bits per byte", [](const RunData& r, nlohmann::json& d) {
+         const Point* p = last_point(r, "eval_bits_per_byte");
+         return p ? cell_value(d, "final_eval_bits_per_byte", p->value, Unit::plain, "{:.4f}") : std::string("–");
+       }},
+      {"mean tokens/s", [](const RunData& r, nlohmann::json& d) {
+         return cell_value(d, "mean_tokens_per_s", mean_after_first(r, "tokens_per_s"), Unit::count);
+       }},
+      {"mean MFU", [](const RunData& r, nlohmann::json& d) {
+         return cell_value(d, "mean_mfu", mean_after_first(r, "mfu"), Unit::percent);
+       }},
+      {"peak memory (largest rank)", [](const RunData& r, nlohmann::json& d) {
+         return cell_value(d, "peak_memory_bytes", max_of(r, "peak_memory_bytes"), Unit::bytes);
+       }},
+      {"rollbacks", [](const RunData& r, nlohmann::json& d) {
+         d["rollbacks"] = count_events(r, "rollback");
+         return std::to_string(count_events(r, "rollback"));
+       }},
+      {"checkpoints saved", [](const RunData& r, nlohmann::json& d) {
+         d["checkpoints"] = count_events(r, "checkpoint");
+         return std::to_string(count_events(r, "checkpoint"));
+       }},
+  };
+  std::string out = "<table class=\"summary\"><thead><tr><th></th>";
+  for (size_t i = 0; i < runs.size(); ++i)
+    out += fmt::format("<th><span class=\"swatch\" style=\"background:{}\"></span>{}</th>", run_color(i),
+                       esc(runs[i].label));
+  out += "</tr></thead><tbody>\n";
+  std::vector<nlohmann::json> cells(runs.size(), nlohmann::json::object());
+  for (const SummaryRow& row : rows) {
+    out += "<tr><th>" + esc(row.name) + "</th>";
+    for (size_t i = 0; i < runs.size(); ++i) out += "<td>" + esc(row.cell(runs[i], cells[i])) + "</td>";
+    out += "</tr>\n";
+  }
+  // The simulator's prediction, where the run had one (log.hardware_profile).
+  bool predicted = false;
+  for (const RunData& r : runs) predicted = predicted || count_events(r, "prediction_check") > 0;
+  if (predicted) {
+    out += "<tr><th>step time: predicted / measured</th>";
+    for (size_t i = 0; i < runs.size(); ++i) {
+      std::string text = "–";
+      for (const Event& e : runs[i].events)
+        if (e.kind == "prediction_check") text = e.text;
+      out += "<td class=\"small\">" + esc(text) + "</td>";
+    }
+    out += "</tr>\n";
+  }
+  out += "</tbody></table>\n";
+  for (size_t i = 0; i < runs.size(); ++i) data[i]["summary"] = cells[i];
+  return out;
+}
+
+// The settings that differ between the runs (one run: the layout and the main training settings).
+std::string settings_table(const std::vector<RunData>& runs) {
+  std::set<std::string> keys;
+  for (const RunData& r : runs)
+    for (const auto& [k, v] : r.settings) keys.insert(k);
+  std::vector<std::string> shown;
+  if (runs.size() == 1) {
+    for (const char* k : {"model.config", "model.init_from", "data.corpus", "data.dataset", "data.seq_len",
+                          "train.micro_batch", "train.grad_accum", "train.lr", "train.schedule", "train.dtype",
+                          "train.recompute", "train.device", "parallel.tp", "parallel.pp", "parallel.schedule",
+                          "parallel.dp", "parallel.ep", "parallel.cp", "parallel.distributed_optimizer",
+                          "fp8.recipe"})
+      if (keys.count(k)) shown.push_back(k);
+  } else {
+    for (const std::string& k : keys) {
+      std::set<std::string> values;
+      for (const RunData& r : runs) {
+        const auto it = r.settings.find(k);
+        values.insert(it == r.settings.end() ? "(unset)" : it->second);
+      }
+      if (values.size() > 1 && k != "log.run_dir" && k != "checkpoint.dir") shown.push_back(k);
+    }
+  }
+  if (shown.empty()) return runs.size() > 1 ? "<p class=\"note\">The runs' config.toml files do not differ.</p>\n" : "";
+  std::string out = fmt::format("<h3>{}</h3><table class=\"settings\"><thead><tr><th>key</th>",
+                                runs.size() > 1 ? "Settings that differ" : "Settings");
+  for (size_t i = 0; i < runs.size(); ++i) out += "<th>" + esc(runs[i].label) + "</th>";
+  out += "</tr></thead><tbody>\n";
+  for (const std::string& k : shown) {
+    out += "<tr><td><code>" + esc(k) + "</code></td>";
+    for (const RunData& r : runs) {
+      const auto it = r.settings.find(k);
+      out += "<td>" + esc(it == r.settings.end() ? "–" : it->second) + "</td>";
+    }
+    out += "</tr>\n";
+  }
+  return out + "</tbody></table>\n";
+}
+
+// ---- sections ----
+
+struct CurveSpec {
+  std::string id, title, series, y_label;
+  Unit unit = Unit::plain;
+  bool log_y = false, x_tokens = false, dots = false, markers = false;
+};
+
+std::string curves(const std::vector<RunData>& runs, const Options& o) {
+  const std::vector<CurveSpec> specs = {
+      {"loss", "Training loss", "loss", "nats/token", Unit::plain, false, false, false, true},
+      {"loss_tokens", "Training loss against tokens", "loss", "nats/token", Unit::plain, false, true},
+      {"eval_loss", "Held-out loss", "eval_loss", "nats/token", Unit::plain, false, false, true, true},
+      {"eval_bpb", "Held-out bits per byte", "eval_bits_per_byte", "bits/byte", Unit::plain, false, false, true},
+      {"lr", "Learning rate", "lr", "", Unit::plain},
+      {"grad_norm", "Gradient norm (before clipping)", "grad_norm", "", Unit::plain, true, false, false, true},
+      {"tokens_per_s", "Throughput", "tokens_per_s", "tokens/s", Unit::count},
+      {"mfu", "Model FLOPs utilisation", "mfu", "of peak", Unit::percent},
+      {"peak_memory", "Peak memory (largest rank)", "peak_memory_bytes", "allocator", Unit::bytes},
+      {"dp_overlap", "Data-parallel reduction hidden under backward", "dp_overlap", "", Unit::percent},
+      {"moe_violation", "MoE load: largest violation over layers", "moe.max_violation", "max/mean − 1"},
+      {"moe_dropped", "MoE: dropped assignments", "moe.dropped_fraction", "", Unit::percent},
+      {"moe_balance", "MoE: sequence-wise balance loss", "moe.balance_loss", ""},
+  };
+  std::string out;
+  for (const CurveSpec& s : specs) {
+    Chart c;
+    c.id = s.id, c.title = s.title, c.y_label = s.y_label, c.unit = s.unit, c.log_y = s.log_y;
+    c.x_tokens = s.x_tokens;
+    for (size_t i = 0; i < runs.size(); ++i) {
+      const std::vector<Point>* p = runs[i].find(s.series);
+      if (!p) continue;
+      // A curve that is all zero (no drops, the loss switched off) says nothing.
+      if (s.series.rfind("moe.", 0) == 0 &&
+          std::all_of(p->begin(), p->end(), [](const Point& x) { return x.value == 0; }))
+        continue;
+      c.lines.push_back({"", run_color(i), "", i, s.series, downsample(*p, o.max_points), s.dots || p->size() <= 40});
+      if (s.markers)
+        for (const Event& e : runs[i].events)
+          if ((e.kind == "rollback" || e.kind == "anomaly") && e.step >= 0)
+            c.markers.push_back({static_cast<double>(e.step), run_color(i), e.kind + " at step " +
+                                                                              std::to_string(e.step) + ": " + e.text});
+    }
+    if (!c.lines.empty()) out += chart_svg(c);
+  }
+  // FP8: the median scale of each operand role over the Linears (delayed recipe), log scale.
+  {
+    Chart c;
+    c.id = "fp8_scales", c.title = "FP8 scales (delayed recipe; median over Linears)", c.log_y = true;
+    const std::pair<const char*, const char*> roles[] = {{"input", ""}, {"weight", "6 3"}, {"grad_output", "2 3"}};
+    for (size_t i = 0; i < runs.size(); ++i)
+      for (const auto& [role, dash] : roles)
+        if (const std::vector<Point>* p = runs[i].find(fmt::format("fp8.scale.{}.median", role)))
+          c.lines.push_back({role, run_color(i), dash, i, fmt::format("fp8.scale.{}.median", role),
+                             downsample(*p, o.max_points)});
+    if (!c.lines.empty()) out += chart_svg(c);
+  }
+  // MTP: each depth's loss.
+  {
+    Chart c;
+    c.id = "mtp", c.title = "Multi-token prediction loss per depth", c.y_label = "nats/token";
+    const char* dashes[] = {"", "6 3", "2 3", "8 2 2 2"};
+    for (size_t i = 0; i < runs.size(); ++i)
+      for (int d = 1; d <= 8; ++d)
+        if (const std::vector<Point>* p = runs[i].find(fmt::format("mtp.{}.loss", d)))
+          c.lines.push_back({fmt::format("depth {}", d), run_color(i), dashes[(d - 1) % 4], i,
+                             fmt::format("mtp.{}.loss", d), downsample(*p, o.max_points)});
+    if (!c.lines.empty()) out += chart_svg(c);
+  }
+  return out.empty() ? "<p class=\"note\">No training records with numbers to draw.</p>\n"
+                     : "<div class=\"grid\">\n" + out + "</div>\n";
+}
+
+std::string events_section(const std::vector<RunData>& runs) {
+  std::string rows;
+  for (size_t i = 0; i < runs.size(); ++i)
+    for (const Event& e : runs[i].events) {
+      if (e.kind == "checkpoint") continue;  // counted in the summary; failures are listed
+      rows += fmt::format("<tr><td><span class=\"swatch\" style=\"background:{}\"></span>{}</td><td>{}</td>"
+                          "<td class=\"kind {}\">{}</td><td class=\"small\">{}</td></tr>\n",
+                          run_color(i), esc(runs[i].label), e.step >= 0 ? std::to_string(e.step) : "",
+                          esc(e.kind), esc(e.kind), esc(e.text));
+    }
+  if (rows.empty()) return {};
+  return "<h2 id=\"events\">Events</h2>\n<table class=\"events\"><thead><tr><th>run</th><th>step</th><th>event"
+         "</th><th>details</th></tr></thead><tbody>\n" +
+         rows + "</tbody></table>\n";
+}
+
+std::string profile_section(const std::vector<RunData>& runs, const Options& o, nlohmann::json& data) {
+  std::string out;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    if (!runs[i].profile) continue;
+    const nlohmann::json& p = *runs[i].profile;
+    if (!p.contains("rows") || !p["rows"].is_array()) continue;
+    // Seconds by kind of op (the bar chart), and the rows as the profiler sorted them (the table).
+    std::map<std::string, double> by_op;
+    double total = 0;
+    std::string table;
+    int64_t shown = 0;
+    for (const nlohmann::json& row : p["rows"]) {
+      if (!row.is_object() || !row.contains("seconds") || !row["seconds"].is_number()) continue;
+      const std::string op = row.value("op", "?");
+      const double seconds = row["seconds"].get<double>();
+      by_op[op] += seconds, total += seconds;
+    }
+    for (const nlohmann::json& row : p["rows"]) {
+      if (!row.is_object() || !row.contains("seconds") || !row["seconds"].is_number()) continue;
+      if (shown++ >= o.profile_rows) break;
+      const double seconds = row["seconds"].get<double>();
+      const double flops = row.value("flops", 0.0), bytes = row.value("bytes", 0.0);
+      table += fmt::format("<tr><td>{:.3f}</td><td>{:.1f}%</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>"
+                           "<td class=\"small\">{}</td></tr>\n",
+                           1e3 * seconds, total > 0 ? 100 * seconds / total : 0.0, row.value("calls", 0),
+                           flops > 0 && seconds > 0 ? fmt::format("{:.1f}", flops / seconds / 1e9) : "–",
+                           bytes > 0 && seconds > 0 ? fmt::format("{:.1f}", bytes / seconds / 1e9) : "–",
+                           esc(row.value("op", "?")), esc(row.value("detail", "")));
+    }
+    std::vector<std::pair<double, std::string>> bars;
+    for (const auto& [op, s] : by_op) bars.push_back({s, op});
+    std::sort(bars.rbegin(), bars.rend());
+    const size_t n = std::min<size_t>(bars.size(), 14);
+    const double bw = 360, left = 200, bh = 18, height = 34 + bh * static_cast<double>(n) + 10;
+    std::string svg = fmt::format(
+        "<svg class=\"bars\" data-chart=\"profile\" data-run=\"{}\" xmlns=\"http://www.w3.org/2000/svg\" "
+        "width=\"{}\" height=\"{:.0f}\" viewBox=\"0 0 {} {:.0f}\">\n<text x=\"10\" y=\"18\" class=\"title\">Op "
+        "time by kind</text>\n",
+        i, left + bw + 80, height, left + bw + 80, height);
+    const double top_value = n ? bars[0].first : 1;
+    nlohmann::json kinds = nlohmann::json::object();
+    for (size_t k = 0; k < n; ++k) {
+      const double y = 30 + bh * static_cast<double>(k), w = bw * bars[k].first / top_value;
+      kinds[bars[k].second] = bars[k].first;
+      svg += fmt::format(
+          "<text class=\"tick\" x=\"{}\" y=\"{:.1f}\" text-anchor=\"end\">{}</text><rect x=\"{}\" y=\"{:.1f}\" "
+          "width=\"{:.1f}\" height=\"{:.1f}\" fill=\"{}\"><title>{}: {:.3f} ms ({:.1f}%)</title></rect>"
+          "<text class=\"tick\" x=\"{:.1f}\" y=\"{:.1f}\">{:.1f}%</text>\n",
+          left - 6, y + 12, esc(bars[k].second), left, y + 2, w, bh - 4, run_color(i), esc(bars[k].second),
+          1e3 * bars[k].first, 100 * bars[k].first / total, left + w + 5, y + 12, 100 * bars[k].first / total);
+    }
+    svg += "</svg>\n";
+    data[i]["profile_seconds_by_op"] = kinds;
+    const double wall = p.value("wall_seconds", 0.0);
+    out += fmt::format("<h3><span class=\"swatch\" style=\"background:{}\"></span>{}</h3>\n<p class=\"note\">{} "
+                       "step{} on {}: {:.2f} ms in ops{}.</p>\n",
+                       run_color(i), esc(runs[i].label), p.value("steps", 1), p.value("steps", 1) == 1 ? "" : "s",
+                       esc(p.value("device", "?")), 1e3 * total,
+                       wall > 0 ? fmt::format(" of {:.2f} ms wall ({:.0f}%)", 1e3 * wall, 100 * total / wall) : "");
+    out += "<div class=\"row\">" + svg +
+           "<table class=\"profile\"><thead><tr><th>ms</th><th>share</th><th>calls</th><th>GFLOP/s</th>"
+           "<th>GB/s</th><th>op</th><th>shape</th></tr></thead><tbody>\n" +
+           table + "</tbody></table></div>\n";
+  }
+  if (out.empty()) return {};
+  return "<h2 id=\"profile\">Op profile</h2>\n<p class=\"note\">Of the step named by <code>log.profile_step</code>"
+         " (<code>profile.json</code>): every op's time on the first rank.</p>\n" +
+         out;
+}
+
+std::string pipeline_section(const std::vector<RunData>& runs) {
+  std::string out;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    if (!runs[i].pipeline_trace) continue;
+    int rows = 0;
+    std::vector<pipeline::TimelineSpan> spans;
+    try {
+      spans = pipeline::spans_from_chrome_trace(runs[i].pipeline_trace->dump(), 1e-3, &rows);
+    } catch (const std::exception& e) {
+      out += fmt::format("<p class=\"note\">{}: pipeline_trace.json left out: {}</p>\n", esc(runs[i].label),
+                         esc(e.what()));
+      continue;
+    }
+    if (spans.empty() || rows < 1) continue;
+    pipeline::TimelineSvgStyle style;
+    style.subtitle = "measured, time in ms; boxes labelled with their micro-batch";
+    out += "<div class=\"timeline\" data-run=\"" + std::to_string(i) + "\">" +
+           pipeline::timeline_svg(spans, rows, runs[i].label + ": pipeline timeline of the profiled step", style) +
+           "</div>\n";
+  }
+  if (out.empty()) return {};
+  return "<h2 id=\"pipeline\">Pipeline timeline</h2>\n" + out;
+}
+
+std::string experts_section(const std::vector<RunData>& runs) {
+  std::string out;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const RunData& r = runs[i];
+    if (r.moe_layers.empty()) continue;
+    std::vector<std::string> layer_names;
+    for (int64_t l : r.moe_layers) layer_names.push_back(fmt::format("layer {}", l));
+    out += fmt::format("<h3><span class=\"swatch\" style=\"background:{}\"></span>{}</h3>\n<div class=\"row\">",
+                       run_color(i), esc(r.label));
+    if (r.load_step >= 0 && !r.load.empty() && !r.load[0].empty()) {
+      std::vector<std::vector<double>> ratio = r.load;
+      for (auto& row : ratio) {
+        const double mean = std::accumulate(row.begin(), row.end(), 0.0) / static_cast<double>(row.size());
+        for (double& x : row) x = mean > 0 ? x / mean : 0;
+      }
+      std::vector<std::string> experts;
+      for (size_t e = 0; e < r.load[0].size(); ++e) experts.push_back(std::to_string(e));
+      out += heat_map_svg(
+          "expert_load", fmt::format("Expert load at step {} (tokens / layer mean)", r.load_step), layer_names,
+          "expert", experts, ratio, [](double v) { return ramp(v / 2, kDiverging); },
+          [&](size_t row, size_t e, double v) {
+            return fmt::format("layer {}, expert {}: {:.0f} tokens, {:.2f}x the mean", r.moe_layers[row], e,
+                               r.load[row][e], v);
+          },
+          "blue 0, white 1, red ≥ 2");
+    }
+    if (!r.violation.empty()) {
+      // Layers x logged steps (at most 240 columns, evenly chosen).
+      const size_t n = r.violation_steps.size(), columns = std::min<size_t>(n, 240);
+      std::vector<std::vector<double>> v(r.moe_layers.size(), std::vector<double>(columns));
+      std::vector<std::string> steps(columns);
+      double top = 0;
+      for (size_t c = 0; c < columns; ++c) {
+        const size_t k = columns == 1 ? n - 1 : c * (n - 1) / (columns - 1);
+        steps[c] = std::to_string(r.violation_steps[k]);
+        for (size_t l = 0; l < v.size() && l < r.violation[k].size(); ++l)
+          v[l][c] = r.violation[k][l], top = std::max(top, v[l][c]);
+      }
+      if (top <= 0) top = 1;
+      out += heat_map_svg(
+          "violation", "Load violation per layer over the run (max / mean − 1)", layer_names, "step", steps, v,
+          [top](double x) { return ramp(x / top, kHeat); },
+          [&](size_t row, size_t c, double x) {
+            return fmt::format("layer {}, step {}: violation {:.3f}", r.moe_layers[row], steps[c], x);
+          },
+          fmt::format("white 0, dark {:.2f}", top));
+    }
+    out += "</div>\n";
+  }
+  if (out.empty()) return {};
+  return "<h2 id=\"experts\">Expert load</h2>\n" + out;
+}
+
+std::string skipped_section(const std::vector<RunData>& runs) {
+  std::string out;
+  for (const RunData& r : runs) {
+    if (r.skipped_count == 0) continue;
+    out += fmt::format("<h3>{}: {} skipped</h3><ul class=\"skipped\">\n", esc(r.label), r.skipped_count);
+    for (const std::string& s : r.skipped) out += "<li>" + esc(s) + "</li>\n";
+    if (r.skipped_count > static_cast<int64_t>(r.skipped.size()))
+      out += fmt::format("<li>… and {} more</li>\n", r.skipped_count - static_cast<int64_t>(r.skipped.size()));
+    out += "</ul>\n";
+  }
+  if (out.empty()) return {};
+  return "<h2 id=\"skipped\">Skipped input</h2>\n<p class=\"note\">Everything valid was drawn; these lines or "
+         "values were not.</p>\n" +
+         out;
+}
+
+constexpr const char* kStyle = R"(
+body{font-family:-apple-system,"Segoe UI",Helvetica,Arial,sans-serif;margin:0;color:#1b1f24;background:#f6f7f9}
+main{max-width:1180px;margin:0 auto;padding:18px 22px 40px}
+h1{font-size:22px;margin:6px 0 2px}h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #d8dce1;padding-bottom:4px}
+h3{font-size:14px;margin:16px 0 6px}.note{color:#555;font-size:13px}.small{font-size:12px;color:#444}
+table{border-collapse:collapse;font-size:13px;background:#fff}th,td{border:1px solid #e1e4e8;padding:4px 8px;text-align:right}
+thead th{background:#eef1f4}tbody th,td.kind,td:first-child{text-align:left}code{font-size:12px}
+.swatch{display:inline-block;width:10px;height:10px;border-radius:2px;margin-right:6px;vertical-align:middle}
+.grid{display:flex;flex-wrap:wrap;gap:12px}.row{display:flex;flex-wrap:wrap;gap:14px;align-items:flex-start}
+svg{background:#fff;border:1px solid #e1e4e8;border-radius:6px}svg .title{font-size:13px;font-weight:600;fill:#1b1f24}
+svg .tick{font-size:10px;fill:#555}svg .axis{font-size:11px;fill:#555}svg .legend{font-size:11px;fill:#333}
+svg .grid{stroke:#eceef1;stroke-width:1}svg .frame{fill:none;stroke:#c9ced4}
+svg .curve{fill:none;stroke-width:1.8;stroke-linejoin:round;stroke-linecap:round}
+svg .event{stroke-width:1.2;stroke-dasharray:4 3;opacity:.8}td.kind.rollback,td.kind.anomaly,td.kind.checkpoint_failed{color:#b2182b;font-weight:600}
+ul.skipped{font-size:12px;color:#7a4b00}.timeline svg{max-width:100%;height:auto}
+)";
+
+}  // namespace
+
+std::string render_html(const std::vector<RunData>& runs, const Options& o) {
+  FORGE_CHECK(!runs.empty(), "render_html: no runs");
+  std::string labels;
+  for (const RunData& r : runs) labels += (labels.empty() ? "" : ", ") + r.label;
+  const std::string title = o.title.empty() ? "forge report: " + labels : o.title;
+  nlohmann::json data = nlohmann::json::array();
+  for (const RunData& r : runs) {
+    nlohmann::json run = {{"label", r.label}, {"dir", r.dir.string()}, {"lines", r.lines},
+                          {"skipped_count", r.skipped_count}, {"skipped", r.skipped}};
+    nlohmann::json series = nlohmann::json::object();
+    for (const auto& [name, points] : r.series) {
+      nlohmann::json values = nlohmann::json::array();
+      for (const Point& p : downsample(points, o.max_points)) values.push_back({p.step, p.tokens, p.value});
+      series[name] = std::move(values);
+    }
+    run["series"] = std::move(series);
+    nlohmann::json events = nlohmann::json::array();
+    for (const Event& e : r.events) events.push_back({{"step", e.step}, {"kind", e.kind}});
+    run["events"] = std::move(events);
+    if (r.load_step >= 0) run["expert_load"] = {{"step", r.load_step}, {"layers", r.moe_layers}, {"load", r.load}};
+    data.push_back(std::move(run));
+  }
+  const std::string summary = summary_table(runs, data);
+  std::string legend;
+  for (size_t i = 0; i < runs.size(); ++i)
+    legend += fmt::format("<span class=\"run\"><span class=\"swatch\" style=\"background:{}\"></span>{} "
+                          "<span class=\"small\">({})</span></span> &nbsp; ",
+                          run_color(i), esc(runs[i].label), esc(runs[i].dir.string()));
+  const std::time_t now = std::time(nullptr);
+  char when[32];
+  std::strftime(when, sizeof when, "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
+
+  std::string html = fmt::format(
+      "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<meta name=\"viewport\" "
+      "content=\"width=device-width, initial-scale=1\">\n<title>{}</title>\n<style>{}</style>\n</head>\n<body>\n"
+      "<main>\n<h1>{}</h1>\n<p class=\"note\">{} &middot; written by forge report {}</p>\n",
+      esc(title), kStyle, esc(title), legend, when);
+  // Several runs: what differs between them explains the curves, so it comes first.
+  html += "<h2 id=\"summary\">Summary</h2>\n" + summary + (runs.size() > 1 ? settings_table(runs) : "");
+  html += "<h2 id=\"curves\">Curves</h2>\n" + curves(runs, o);
+  html += events_section(runs);
+  html += profile_section(runs, o, data);
+  html += pipeline_section(runs);
+  html += experts_section(runs);
+  if (runs.size() == 1) html += settings_table(runs);
+  html += skipped_section(runs);
+  // The data, as JSON that cannot end the script element early.
+  std::string json = nlohmann::json({{"runs", data}}).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  for (size_t at = json.find("</"); at != std::string::npos; at = json.find("</", at + 3)) json.replace(at, 2, "<\\/");
+  html += "<script type=\"application/json\" id=\"forge-report-data\">" + json + "</script>\n";
+  html += "</main>\n</body>\n</html>\n";
+  return html;
+}
+
+std::vector<RunData> read_runs(const std::vector<fs::path>& dirs) {
+  if (dirs.empty()) fail("forge report: no run directories given");
+  std::vector<RunData> runs;
+  std::map<std::string, int> seen;
+  for (const fs::path& d : dirs) {
+    runs.push_back(read_run(d));
+    std::string& label = runs.back().label;
+    if (seen[label]++ > 0) {
+      fs::path full = fs::absolute(d).lexically_normal();
+      if (full.filename().empty()) full = full.parent_path();
+      label = (full.parent_path().filename() / label).string();
+    }
+  }
+  return runs;
+}
+
+void write_report(const std::vector<RunData>& runs, const fs::path& output, const Options& options) {
+  write_file_atomically(output, render_html(runs, options), "report");
+}
+
+}  // namespace forge::train::report
