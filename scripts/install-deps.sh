@@ -14,6 +14,7 @@ packages=(
   libpcre2-dev                      # tokenizer pre-tokenizer patterns (Unicode properties, JIT)
   libopenmpi-dev openmpi-bin        # multi-process runs and their tests (mpirun)
   bible-kjv                         # the default corpus
+  chromium libpng-dev               # the report's browser test: headless Chromium renders it, libpng reads the screenshot
 )
 if [[ "${1:-}" == "--bench" ]]; then
   packages+=(python3-torch python3-numpy libopenblas0-pthread)  # OpenBLAS: PyTorch fp32 otherwise runs on reference BLAS

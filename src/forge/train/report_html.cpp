@@ -151,32 +151,41 @@ std::string chart_svg(const Chart& c) {
       y0 = std::min(y0, p.value), y1 = std::max(y1, p.value);
     }
   if (!(x1 >= x0)) return {};
-  const Axis xa = make_axis(x0, x1, false, 6), ya = make_axis(y0, y1, c.log_y, 5);
+  if (!c.x_tokens)
+    for (const Marker& m : c.markers) x0 = std::min(x0, m.step), x1 = std::max(x1, m.step);
+  const Axis xa = make_axis(x0, x1, false, 6);
+  // Bytes: round ticks in the unit of the largest value (KiB, MiB, GiB), not in decimal bytes.
+  double unit = 1;
+  if (c.unit == Unit::bytes && !c.log_y)
+    while (std::max(std::fabs(y0), std::fabs(y1)) / unit >= 1024 && unit < 0x1p40) unit *= 1024;
+  Axis ya = make_axis(y0 / unit, y1 / unit, c.log_y, 5);
+  ya.lo *= unit, ya.hi *= unit;
+  for (double& t : ya.ticks) t *= unit;
   const double px0 = kLeft, px1 = kW - kRight, py0 = kH - kBottom, py1 = kTop;
   std::string out = fmt::format(
       "<svg class=\"chart\" data-chart=\"{}\" xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{}\" "
       "viewBox=\"0 0 {} {}\" role=\"img\" aria-label=\"{}\">\n"
-      "<text x=\"{}\" y=\"18\" class=\"title\">{}</text>\n",
+      "<text x=\"{}\" y=\"18\" class=\"f-title\">{}</text>\n",
       esc(c.id), kW, kH, kW, kH, esc(c.title), kLeft, esc(c.title));
   // Grid and tick labels.
   for (double t : ya.ticks) {
     const double y = ya.map(t, py0, py1);
-    out += fmt::format("<line class=\"grid\" x1=\"{:.1f}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\"/>"
-                       "<text class=\"tick\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"end\">{}</text>\n",
+    out += fmt::format("<line class=\"f-grid\" x1=\"{:.1f}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\"/>"
+                       "<text class=\"f-tick\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"end\">{}</text>\n",
                        px0, y, px1, y, px0 - 5, y + 3.5, esc(format_value(t, c.unit)));
   }
   for (double t : xa.ticks) {
     const double x = xa.map(t, px0, px1);
-    out += fmt::format("<line class=\"grid\" x1=\"{:.1f}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\"/>"
-                       "<text class=\"tick\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">{}</text>\n",
+    out += fmt::format("<line class=\"f-grid\" x1=\"{:.1f}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\"/>"
+                       "<text class=\"f-tick\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">{}</text>\n",
                        x, py0, x, py1, x, py0 + 14, esc(format_value(t, Unit::count)));
   }
-  out += fmt::format("<rect class=\"frame\" x=\"{}\" y=\"{}\" width=\"{}\" height=\"{}\"/>\n", px0, py1,
+  out += fmt::format("<rect class=\"f-frame\" x=\"{}\" y=\"{}\" width=\"{}\" height=\"{}\"/>\n", px0, py1,
                      px1 - px0, py0 - py1);
-  out += fmt::format("<text class=\"axis\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">{}</text>\n",
+  out += fmt::format("<text class=\"f-axis\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">{}</text>\n",
                      (px0 + px1) / 2, kH - 6, c.x_tokens ? "tokens" : "step");
   if (!c.y_label.empty())
-    out += fmt::format("<text class=\"axis\" x=\"{}\" y=\"{}\" text-anchor=\"end\">{}</text>\n", px1, 18,
+    out += fmt::format("<text class=\"f-axis\" x=\"{}\" y=\"{}\" text-anchor=\"end\">{}</text>\n", px1, 18,
                        esc(c.y_label));
   // Events (rollbacks, anomalies) as vertical rules.
   if (!c.x_tokens)
@@ -184,7 +193,7 @@ std::string chart_svg(const Chart& c) {
       if (m.step < xa.lo || m.step > xa.hi) continue;
       const double x = xa.map(m.step, px0, px1);
       out += fmt::format(
-          "<line class=\"event\" x1=\"{:.1f}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\" stroke=\"{}\">"
+          "<line class=\"f-event\" x1=\"{:.1f}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\" stroke=\"{}\">"
           "<title>{}</title></line>\n",
           x, py0, x, py1, m.color, esc(m.title));
     }
@@ -207,7 +216,7 @@ std::string chart_svg(const Chart& c) {
     }
     if (d.empty()) continue;
     out += fmt::format(
-        "<path class=\"curve\" data-run=\"{}\" data-series=\"{}\" d=\"{}\" stroke=\"{}\"{}/>\n", l.run,
+        "<path class=\"f-curve\" data-run=\"{}\" data-series=\"{}\" d=\"{}\" stroke=\"{}\"{}/>\n", l.run,
         esc(l.series), d, l.color, l.dash.empty() ? "" : " stroke-dasharray=\"" + l.dash + "\"");
     out += dots;
   }
@@ -218,7 +227,7 @@ std::string chart_svg(const Chart& c) {
     if (l.label.empty() || !shown.insert(l.label).second) continue;
     out += fmt::format(
         "<line x1=\"{:.1f}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\" stroke=\"#444\" stroke-width=\"1.6\"{}/>"
-        "<text class=\"legend\" x=\"{:.1f}\" y=\"{:.1f}\">{}</text>\n",
+        "<text class=\"f-legend\" x=\"{:.1f}\" y=\"{:.1f}\">{}</text>\n",
         lx, py1 + 10, lx + 18, py1 + 10, l.dash.empty() ? "" : " stroke-dasharray=\"" + l.dash + "\"", lx + 22,
         py1 + 13.5, esc(l.label));
     lx += 30 + 6.2 * static_cast<double>(l.label.size());
@@ -254,13 +263,13 @@ std::string heat_map_svg(const std::string& id, const std::string& title, const 
   const double height = top + rh * static_cast<double>(rows) + 44;
   std::string out = fmt::format(
       "<svg class=\"heatmap\" data-chart=\"{}\" xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{:.0f}\" "
-      "viewBox=\"0 0 {} {:.0f}\" shape-rendering=\"crispEdges\">\n<text x=\"{}\" y=\"18\" class=\"title\">{}</text>\n",
+      "viewBox=\"0 0 {} {:.0f}\" shape-rendering=\"crispEdges\">\n<text x=\"{}\" y=\"18\" class=\"f-title\">{}</text>\n",
       esc(id), left + width + 14, height, left + width + 14, height, left, esc(title));
   const size_t label_every = std::max<size_t>(1, static_cast<size_t>(std::ceil(11.0 / rh)));
   for (size_t r = 0; r < rows; ++r) {
     const double y = top + rh * static_cast<double>(r);
     if (r % label_every == 0)
-      out += fmt::format("<text class=\"tick\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"end\">{}</text>\n", left - 5,
+      out += fmt::format("<text class=\"f-tick\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"end\">{}</text>\n", left - 5,
                          y + rh / 2 + 3.5, esc(row_names[r]));
     for (size_t c = 0; c < columns; ++c)
       out += fmt::format("<rect x=\"{:.2f}\" y=\"{:.2f}\" width=\"{:.2f}\" height=\"{:.2f}\" fill=\"{}\"><title>{}</title></rect>",
@@ -271,11 +280,11 @@ std::string heat_map_svg(const std::string& id, const std::string& title, const 
   const double axis_y = top + rh * static_cast<double>(rows);
   const size_t column_every = std::max<size_t>(1, static_cast<size_t>(std::ceil(40.0 / cw)));
   for (size_t c = 0; c < columns; c += column_every)
-    out += fmt::format("<text class=\"tick\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">{}</text>\n",
+    out += fmt::format("<text class=\"f-tick\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">{}</text>\n",
                        left + cw * (static_cast<double>(c) + 0.5), axis_y + 13, esc(column_names[c]));
-  out += fmt::format("<text class=\"axis\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">{}</text>\n",
+  out += fmt::format("<text class=\"f-axis\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">{}</text>\n",
                      left + width / 2, axis_y + 28, esc(column_axis));
-  out += fmt::format("<text class=\"axis\" x=\"{:.1f}\" y=\"18\" text-anchor=\"end\">{}</text>\n</svg>\n",
+  out += fmt::format("<text class=\"f-axis\" x=\"{:.1f}\" y=\"18\" text-anchor=\"end\">{}</text>\n</svg>\n",
                      left + width, esc(scale_note));
   return out;
 }
@@ -422,7 +431,7 @@ std::string settings_table(const std::vector<RunData>& runs) {
   for (size_t i = 0; i < runs.size(); ++i) out += "<th>" + esc(runs[i].label) + "</th>";
   out += "</tr></thead><tbody>\n";
   for (const std::string& k : shown) {
-    out += "<tr><td><code>" + esc(k) + "</code></td>";
+    out += "<tr><td class=\"l\"><code>" + esc(k) + "</code></td>";
     for (const RunData& r : runs) {
       const auto it = r.settings.find(k);
       out += "<td>" + esc(it == r.settings.end() ? "–" : it->second) + "</td>";
@@ -502,7 +511,7 @@ std::string curves(const std::vector<RunData>& runs, const Options& o) {
     if (!c.lines.empty()) out += chart_svg(c);
   }
   return out.empty() ? "<p class=\"note\">No training records with numbers to draw.</p>\n"
-                     : "<div class=\"grid\">\n" + out + "</div>\n";
+                     : "<div class=\"f-grid\">\n" + out + "</div>\n";
 }
 
 std::string events_section(const std::vector<RunData>& runs) {
@@ -510,8 +519,8 @@ std::string events_section(const std::vector<RunData>& runs) {
   for (size_t i = 0; i < runs.size(); ++i)
     for (const Event& e : runs[i].events) {
       if (e.kind == "checkpoint") continue;  // counted in the summary; failures are listed
-      rows += fmt::format("<tr><td><span class=\"swatch\" style=\"background:{}\"></span>{}</td><td>{}</td>"
-                          "<td class=\"kind {}\">{}</td><td class=\"small\">{}</td></tr>\n",
+      rows += fmt::format("<tr><td class=\"l\"><span class=\"swatch\" style=\"background:{}\"></span>{}</td><td>{}</td>"
+                          "<td class=\"l kind {}\">{}</td><td class=\"l small\">{}</td></tr>\n",
                           run_color(i), esc(runs[i].label), e.step >= 0 ? std::to_string(e.step) : "",
                           esc(e.kind), esc(e.kind), esc(e.text));
     }
@@ -543,8 +552,8 @@ std::string profile_section(const std::vector<RunData>& runs, const Options& o, 
       if (shown++ >= o.profile_rows) break;
       const double seconds = row["seconds"].get<double>();
       const double flops = row.value("flops", 0.0), bytes = row.value("bytes", 0.0);
-      table += fmt::format("<tr><td>{:.3f}</td><td>{:.1f}%</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>"
-                           "<td class=\"small\">{}</td></tr>\n",
+      table += fmt::format("<tr><td>{:.3f}</td><td>{:.1f}%</td><td>{}</td><td>{}</td><td>{}</td><td class=\"l\">{}</td>"
+                           "<td class=\"l small\">{}</td></tr>\n",
                            1e3 * seconds, total > 0 ? 100 * seconds / total : 0.0, row.value("calls", 0),
                            flops > 0 && seconds > 0 ? fmt::format("{:.1f}", flops / seconds / 1e9) : "–",
                            bytes > 0 && seconds > 0 ? fmt::format("{:.1f}", bytes / seconds / 1e9) : "–",
@@ -557,7 +566,7 @@ std::string profile_section(const std::vector<RunData>& runs, const Options& o, 
     const double bw = 360, left = 200, bh = 18, height = 34 + bh * static_cast<double>(n) + 10;
     std::string svg = fmt::format(
         "<svg class=\"bars\" data-chart=\"profile\" data-run=\"{}\" xmlns=\"http://www.w3.org/2000/svg\" "
-        "width=\"{}\" height=\"{:.0f}\" viewBox=\"0 0 {} {:.0f}\">\n<text x=\"10\" y=\"18\" class=\"title\">Op "
+        "width=\"{}\" height=\"{:.0f}\" viewBox=\"0 0 {} {:.0f}\">\n<text x=\"10\" y=\"18\" class=\"f-title\">Op "
         "time by kind</text>\n",
         i, left + bw + 80, height, left + bw + 80, height);
     const double top_value = n ? bars[0].first : 1;
@@ -566,9 +575,9 @@ std::string profile_section(const std::vector<RunData>& runs, const Options& o, 
       const double y = 30 + bh * static_cast<double>(k), w = bw * bars[k].first / top_value;
       kinds[bars[k].second] = bars[k].first;
       svg += fmt::format(
-          "<text class=\"tick\" x=\"{}\" y=\"{:.1f}\" text-anchor=\"end\">{}</text><rect x=\"{}\" y=\"{:.1f}\" "
+          "<text class=\"f-tick\" x=\"{}\" y=\"{:.1f}\" text-anchor=\"end\">{}</text><rect x=\"{}\" y=\"{:.1f}\" "
           "width=\"{:.1f}\" height=\"{:.1f}\" fill=\"{}\"><title>{}: {:.3f} ms ({:.1f}%)</title></rect>"
-          "<text class=\"tick\" x=\"{:.1f}\" y=\"{:.1f}\">{:.1f}%</text>\n",
+          "<text class=\"f-tick\" x=\"{:.1f}\" y=\"{:.1f}\">{:.1f}%</text>\n",
           left - 6, y + 12, esc(bars[k].second), left, y + 2, w, bh - 4, run_color(i), esc(bars[k].second),
           1e3 * bars[k].first, 100 * bars[k].first / total, left + w + 5, y + 12, 100 * bars[k].first / total);
     }
@@ -580,10 +589,10 @@ std::string profile_section(const std::vector<RunData>& runs, const Options& o, 
                        run_color(i), esc(runs[i].label), p.value("steps", 1), p.value("steps", 1) == 1 ? "" : "s",
                        esc(p.value("device", "?")), 1e3 * total,
                        wall > 0 ? fmt::format(" of {:.2f} ms wall ({:.0f}%)", 1e3 * wall, 100 * total / wall) : "");
-    out += "<div class=\"row\">" + svg +
+    out += svg + fmt::format("<details><summary>The {} largest rows</summary>", std::min(shown, o.profile_rows)) +
            "<table class=\"profile\"><thead><tr><th>ms</th><th>share</th><th>calls</th><th>GFLOP/s</th>"
            "<th>GB/s</th><th>op</th><th>shape</th></tr></thead><tbody>\n" +
-           table + "</tbody></table></div>\n";
+           table + "</tbody></table></details>\n";
   }
   if (out.empty()) return {};
   return "<h2 id=\"profile\">Op profile</h2>\n<p class=\"note\">Of the step named by <code>log.profile_step</code>"
@@ -690,14 +699,15 @@ main{max-width:1180px;margin:0 auto;padding:18px 22px 40px}
 h1{font-size:22px;margin:6px 0 2px}h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #d8dce1;padding-bottom:4px}
 h3{font-size:14px;margin:16px 0 6px}.note{color:#555;font-size:13px}.small{font-size:12px;color:#444}
 table{border-collapse:collapse;font-size:13px;background:#fff}th,td{border:1px solid #e1e4e8;padding:4px 8px;text-align:right}
-thead th{background:#eef1f4}tbody th,td.kind,td:first-child{text-align:left}code{font-size:12px}
+thead th{background:#eef1f4}tbody th,td.l{text-align:left}code{font-size:12px}
+details summary{cursor:pointer;font-size:13px;color:#333;margin:6px 0}
 .swatch{display:inline-block;width:10px;height:10px;border-radius:2px;margin-right:6px;vertical-align:middle}
 .grid{display:flex;flex-wrap:wrap;gap:12px}.row{display:flex;flex-wrap:wrap;gap:14px;align-items:flex-start}
-svg{background:#fff;border:1px solid #e1e4e8;border-radius:6px}svg .title{font-size:13px;font-weight:600;fill:#1b1f24}
-svg .tick{font-size:10px;fill:#555}svg .axis{font-size:11px;fill:#555}svg .legend{font-size:11px;fill:#333}
-svg .grid{stroke:#eceef1;stroke-width:1}svg .frame{fill:none;stroke:#c9ced4}
-svg .curve{fill:none;stroke-width:1.8;stroke-linejoin:round;stroke-linecap:round}
-svg .event{stroke-width:1.2;stroke-dasharray:4 3;opacity:.8}td.kind.rollback,td.kind.anomaly,td.kind.checkpoint_failed{color:#b2182b;font-weight:600}
+svg{background:#fff;border:1px solid #e1e4e8;border-radius:6px}svg .f-title{font-size:13px;font-weight:600;fill:#1b1f24}
+svg .f-tick{font-size:10px;fill:#555}svg .f-axis{font-size:11px;fill:#555}svg .f-legend{font-size:11px;fill:#333}
+svg .f-grid{stroke:#eceef1;stroke-width:1}svg .f-frame{fill:none;stroke:#c9ced4}
+svg .f-curve{fill:none;stroke-width:1.8;stroke-linejoin:round;stroke-linecap:round}
+svg .f-event{stroke-width:1.2;stroke-dasharray:4 3;opacity:.8}td.kind.rollback,td.kind.anomaly,td.kind.checkpoint_failed{color:#b2182b;font-weight:600}
 ul.skipped{font-size:12px;color:#7a4b00}.timeline svg{max-width:100%;height:auto}
 )";
 
