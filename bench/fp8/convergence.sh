@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # FP8 convergence study: trains the default model (configs/default.toml) once per precision setting — BF16
 # and each FP8 scaling recipe — for the same number of steps on the same data and seed, then compares the
-# loss curves and final held-out losses with bench/fp8/report.py (loss.svg + report.md).
+# final held-out losses with bench/fp8/report.py (report.md: the table and the verdict) and draws every curve
+# with `forge report` (report.html, and charts/*.svg for report.md).
 set -euo pipefail
 
 usage() {
   cat <<'USAGE'
 Usage: bench/fp8/convergence.sh [BUILD_DIR]        (BUILD_DIR defaults to build; run from anywhere)
 
-Trains configs/default.toml once per setting, then writes the comparison with bench/fp8/report.py:
+Trains configs/default.toml once per setting, then writes the comparison: bench/fp8/report.py the table
+(REPORT_DIR/report.md), forge report the page of every run overlaid (REPORT_DIR/report.html) and its charts
+(REPORT_DIR/charts/*.svg, shown in report.md). The settings:
   bf16         --set fp8.recipe=off       (the baseline)
   delayed      --set fp8.recipe=delayed
   current      --set fp8.recipe=current
@@ -28,7 +31,7 @@ Environment:
   FORCE=1               retrain runs that already finished (by default a run whose metrics.jsonl has a
                         final record is skipped, and an interrupted one resumes from its checkpoint)
   REPORT_DIR=docs/fp8-convergence
-                        where report.py writes loss.svg and report.md
+                        where report.md, report.html and charts/ go
   TOLERANCE=0.01        allowed relative difference of the final held-out loss from bf16
 
 Exit status: 0 when every run finished within tolerance of bf16, else non-zero (see report.md).
@@ -128,6 +131,17 @@ done
 
 report_status=0
 python3 bench/fp8/report.py "$OUT" --baseline bf16 --out "$REPORT_DIR" --tolerance "$TOLERANCE" || report_status=$?
+# Every run that has metrics, bf16 first (the baseline the others are drawn against).
+report_runs=()
+for name in bf16 "${recipes[@]}"; do
+  [[ -f $OUT/$name/metrics.jsonl && ! " ${report_runs[*]} " =~ " $OUT/$name " ]] && report_runs+=("$OUT/$name")
+done
+if ((${#report_runs[@]} > 0)); then
+  baseline=()
+  [[ -f $OUT/bf16/metrics.jsonl ]] && baseline=(--baseline bf16)
+  "$FORGE" report "${report_runs[@]}" "${baseline[@]}" --title "FP8 convergence: recipes vs BF16" \
+    --output "$REPORT_DIR/report.html" --svg-dir "$REPORT_DIR/charts" || report_status=$?
+fi
 if ((${#failed[@]} > 0)); then
   echo "convergence.sh: failed runs: ${failed[*]}" >&2
   ((report_status != 0)) || report_status=1

@@ -15,7 +15,7 @@ namespace {
 
 struct ReportOptions {
   std::vector<std::string> runs;
-  std::string output, title;
+  std::string output, title, baseline, svg_dir;
   int64_t max_points = 2000;
 };
 
@@ -27,10 +27,13 @@ int run_report(const ReportOptions& o) {
                        : std::filesystem::path(o.output);
   train::report::Options options;
   options.title = o.title;
+  options.baseline = o.baseline;
   options.max_points = static_cast<size_t>(o.max_points);
   const auto start = std::chrono::steady_clock::now();
   const std::vector<train::report::RunData> runs = train::report::read_runs(dirs);
   train::report::write_report(runs, output, options);
+  std::vector<std::filesystem::path> svgs;
+  if (!o.svg_dir.empty()) svgs = train::report::write_chart_svgs(runs, o.svg_dir, options);
   int64_t lines = 0, skipped = 0;
   for (const auto& r : runs) lines += r.lines, skipped += r.skipped_count;
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -42,6 +45,7 @@ int run_report(const ReportOptions& o) {
       std::printf("%s: skipped %lld line%s or value%s (listed in the report), e.g. %s\n", r.label.c_str(),
                   static_cast<long long>(r.skipped_count), r.skipped_count == 1 ? "" : "s",
                   r.skipped_count == 1 ? "" : "s", r.skipped.front().c_str());
+  if (!svgs.empty()) std::printf("wrote %zu charts to %s (%s, ...)\n", svgs.size(), o.svg_dir.c_str(), svgs[0].filename().c_str());
   return 0;
 }
 
@@ -58,6 +62,12 @@ void add_report_command(CLI::App& app, Commands& commands) {
   report->add_option("-o,--output", o->output,
                      "the HTML file to write (default: RUN_DIR/report.html for one run, report.html for several)");
   report->add_option("--title", o->title, "the page's title (default: forge report: <run names>)");
+  report->add_option("--baseline", o->baseline,
+                     "a run's name (its folder's): also draw the others' held-out and smoothed training losses in "
+                     "percent of its");
+  report->add_option("--svg-dir", o->svg_dir,
+                     "also write every curve chart as a standalone SVG file into this folder (loss.svg, "
+                     "eval_loss.svg, ...), for markdown documents");
   report->add_option("--max-points", o->max_points,
                      "points per curve at most: longer curves are downsampled keeping each bucket's first, last, "
                      "smallest and largest value")

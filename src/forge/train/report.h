@@ -79,6 +79,9 @@ struct Options {
   std::string title;          // "" = "forge report: <labels>"
   size_t max_points = 2000;   // per curve, for drawing and for the embedded data
   int64_t profile_rows = 30;  // op-profile table rows per run
+  // A run's label: the other runs' held-out and smoothed training losses are also drawn in percent of its
+  // ("" = none). render_html and write_chart_svgs refuse a label that is not one of the runs.
+  std::string baseline;
 };
 
 // The page. Its data (every curve as drawn, the summaries, the skipped lines) is also embedded as JSON in
@@ -87,6 +90,11 @@ std::string render_html(const std::vector<RunData>& runs, const Options& options
 
 // read_run of each directory, with labels made unique (two runs both named "run" become "a/run", "b/run").
 std::vector<RunData> read_runs(const std::vector<std::filesystem::path>& dirs);
+
+// Every curve chart of the page as a standalone SVG file (styles inside, the runs named at the bottom), for
+// markdown documents and slides: DIR/<chart>.svg (loss.svg, eval_loss.svg, ...). Returns the files written.
+std::vector<std::filesystem::path> write_chart_svgs(const std::vector<RunData>& runs, const std::filesystem::path& dir,
+                                                    const Options& options = {});
 
 // render_html written to `output` atomically.
 void write_report(const std::vector<RunData>& runs, const std::filesystem::path& output,

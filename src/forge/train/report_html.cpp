@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <ctime>
 #include <functional>
 #include <numeric>
@@ -70,7 +71,11 @@ std::string format_value(double v, Unit unit) {
     case Unit::plain:
       break;
   }
-  return fmt::format("{:.4g}", v);
+  std::string text = fmt::format("{:.4g}", v);  // 1e+08 -> 1e8, 1e-05 -> 1e-5
+  for (const char* from : {"e+0", "e+", "e-0"})
+    if (const size_t at = text.find(from); at != std::string::npos)
+      text.replace(at, std::strlen(from), from[1] == '-' ? "e-" : "e");
+  return text;
 }
 
 // An axis step of 1, 2 or 5 times a power of ten, about `ticks` of them over range.
@@ -124,6 +129,7 @@ struct Line {
   std::string series;  // the curve's name, in data-series
   std::vector<Point> points;
   bool dots = false;  // a marker at every point (sparse curves: held-out evaluations)
+  bool faint = false;  // drawn thin and light, under its smoothed twin
 };
 
 struct Marker {
@@ -216,22 +222,29 @@ std::string chart_svg(const Chart& c) {
     }
     if (d.empty()) continue;
     out += fmt::format(
-        "<path class=\"f-curve\" data-run=\"{}\" data-series=\"{}\" d=\"{}\" stroke=\"{}\"{}/>\n", l.run,
-        esc(l.series), d, l.color, l.dash.empty() ? "" : " stroke-dasharray=\"" + l.dash + "\"");
+        "<path class=\"f-curve\" data-run=\"{}\" data-series=\"{}\" d=\"{}\" stroke=\"{}\"{}{}/>\n", l.run,
+        esc(l.series), d, l.color, l.dash.empty() ? "" : " stroke-dasharray=\"" + l.dash + "\"",
+        l.faint ? " stroke-width=\"0.8\" stroke-opacity=\"0.3\"" : "");
     out += dots;
   }
-  // The chart's own legend: line styles that the run colours do not explain.
+  // The chart's own legend: line styles that the run colours do not explain, on a light box.
+  std::string legend;
   double lx = px0 + 8;
   std::set<std::string> shown;
   for (const Line& l : c.lines) {
     if (l.label.empty() || !shown.insert(l.label).second) continue;
-    out += fmt::format(
+    legend += fmt::format(
         "<line x1=\"{:.1f}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\" stroke=\"#444\" stroke-width=\"1.6\"{}/>"
         "<text class=\"f-legend\" x=\"{:.1f}\" y=\"{:.1f}\">{}</text>\n",
-        lx, py1 + 10, lx + 18, py1 + 10, l.dash.empty() ? "" : " stroke-dasharray=\"" + l.dash + "\"", lx + 22,
-        py1 + 13.5, esc(l.label));
-    lx += 30 + 6.2 * static_cast<double>(l.label.size());
+        lx, py1 + 11, lx + 18, py1 + 11, l.dash.empty() ? "" : " stroke-dasharray=\"" + l.dash + "\"", lx + 22,
+        py1 + 14.5, esc(l.label));
+    lx += 36 + 6.6 * static_cast<double>(l.label.size());
   }
+  if (!legend.empty())
+    out += fmt::format("<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"16\" fill=\"#fff\" "
+                       "fill-opacity=\"0.9\" stroke=\"#e1e4e8\"/>\n",
+                       px0 + 3, py1 + 3, lx - px0 - 8) +
+           legend;
   out += "</svg>\n";
   return out;
 }
@@ -449,7 +462,30 @@ struct CurveSpec {
   bool log_y = false, x_tokens = false, dots = false, markers = false;
 };
 
-std::string curves(const std::vector<RunData>& runs, const Options& o) {
+// The exponential moving average of a curve (alpha = weight of the newest point), for noisy losses.
+std::vector<Point> ema(const std::vector<Point>& points, double alpha) {
+  std::vector<Point> out = points;
+  for (size_t i = 1; i < out.size(); ++i) out[i].value = alpha * points[i].value + (1 - alpha) * out[i - 1].value;
+  return out;
+}
+
+// 100 * (run / baseline - 1) at the steps both have.
+std::vector<Point> relative_to(const std::vector<Point>& run, const std::vector<Point>& baseline) {
+  std::vector<Point> out;
+  size_t j = 0;
+  for (const Point& p : run) {
+    while (j < baseline.size() && baseline[j].step < p.step) ++j;
+    if (j < baseline.size() && baseline[j].step == p.step && baseline[j].value != 0)
+      out.push_back({p.step, p.tokens, 100 * (p.value / baseline[j].value - 1)});
+  }
+  return out;
+}
+
+constexpr double kEmaAlpha = 0.1;
+constexpr size_t kSmoothFrom = 50;  // points: longer loss curves are drawn smoothed over their raw values
+
+// Every curve chart the runs have data for, in page order: (id, SVG).
+std::vector<std::pair<std::string, std::string>> curve_charts(const std::vector<RunData>& runs, const Options& o) {
   const std::vector<CurveSpec> specs = {
       {"loss", "Training loss", "loss", "nats/token", Unit::plain, false, false, false, true},
       {"loss_tokens", "Training loss against tokens", "loss", "nats/token", Unit::plain, false, true},
@@ -465,7 +501,10 @@ std::string curves(const std::vector<RunData>& runs, const Options& o) {
       {"moe_dropped", "MoE: dropped assignments", "moe.dropped_fraction", "", Unit::percent},
       {"moe_balance", "MoE: sequence-wise balance loss", "moe.balance_loss", ""},
   };
-  std::string out;
+  std::vector<std::pair<std::string, std::string>> out;
+  const auto add = [&](const Chart& c) {
+    if (!c.lines.empty()) out.push_back({c.id, chart_svg(c)});
+  };
   for (const CurveSpec& s : specs) {
     Chart c;
     c.id = s.id, c.title = s.title, c.y_label = s.y_label, c.unit = s.unit, c.log_y = s.log_y;
@@ -477,14 +516,47 @@ std::string curves(const std::vector<RunData>& runs, const Options& o) {
       if (s.series.rfind("moe.", 0) == 0 &&
           std::all_of(p->begin(), p->end(), [](const Point& x) { return x.value == 0; }))
         continue;
-      c.lines.push_back({"", run_color(i), "", i, s.series, downsample(*p, o.max_points), s.dots || p->size() <= 40});
+      const bool smooth = s.series == "loss" && p->size() >= kSmoothFrom;
+      Line line{"", run_color(i), "", i, s.series, downsample(*p, o.max_points), s.dots || p->size() <= 40};
+      if (smooth) {
+        line.faint = true;
+        c.lines.push_back(line);
+        line = {"", run_color(i), "", i, s.series + ".ema", downsample(ema(*p, kEmaAlpha), o.max_points)};
+        c.title = fmt::format("{} (light: as logged; dark: EMA α {:g})", s.title, kEmaAlpha);
+      }
+      c.lines.push_back(std::move(line));
       if (s.markers)
         for (const Event& e : runs[i].events)
           if ((e.kind == "rollback" || e.kind == "anomaly") && e.step >= 0)
             c.markers.push_back({static_cast<double>(e.step), run_color(i), e.kind + " at step " +
                                                                               std::to_string(e.step) + ": " + e.text});
     }
-    if (!c.lines.empty()) out += chart_svg(c);
+    add(c);
+  }
+  // Against a baseline run: each other run's held-out and (smoothed) training loss in percent of its.
+  if (!o.baseline.empty()) {
+    const auto base = std::find_if(runs.begin(), runs.end(), [&](const RunData& r) { return r.label == o.baseline; });
+    const size_t b = static_cast<size_t>(base - runs.begin());
+    for (const auto& [id, series, what] : {std::tuple{"eval_vs_baseline", "eval_loss", "Held-out loss"},
+                                           std::tuple{"loss_vs_baseline", "loss", "Training loss (EMA)"}}) {
+      Chart c;
+      c.id = id, c.y_label = "% vs " + o.baseline;
+      c.title = fmt::format("{} relative to {}", what, o.baseline);
+      const std::vector<Point>* reference = base == runs.end() ? nullptr : base->find(series);
+      if (!reference) continue;
+      const bool smooth = std::string(series) == "loss";
+      const std::vector<Point> ref = smooth ? ema(*reference, kEmaAlpha) : *reference;
+      c.lines.push_back({"", run_color(b), "4 3", b, std::string(series) + ".vs_baseline",
+                         relative_to(ref, ref), !smooth});
+      for (size_t i = 0; i < runs.size(); ++i) {
+        const std::vector<Point>* p = runs[i].find(series);
+        if (i == b || !p) continue;
+        c.lines.push_back({"", run_color(i), "", i, std::string(series) + ".vs_baseline",
+                           downsample(relative_to(smooth ? ema(*p, kEmaAlpha) : *p, ref), o.max_points),
+                           !smooth});
+      }
+      if (c.lines.size() > 1) add(c);
+    }
   }
   // FP8: the median scale of each operand role over the Linears (delayed recipe), log scale.
   {
@@ -496,7 +568,7 @@ std::string curves(const std::vector<RunData>& runs, const Options& o) {
         if (const std::vector<Point>* p = runs[i].find(fmt::format("fp8.scale.{}.median", role)))
           c.lines.push_back({role, run_color(i), dash, i, fmt::format("fp8.scale.{}.median", role),
                              downsample(*p, o.max_points)});
-    if (!c.lines.empty()) out += chart_svg(c);
+    add(c);
   }
   // MTP: each depth's loss.
   {
@@ -508,10 +580,16 @@ std::string curves(const std::vector<RunData>& runs, const Options& o) {
         if (const std::vector<Point>* p = runs[i].find(fmt::format("mtp.{}.loss", d)))
           c.lines.push_back({fmt::format("depth {}", d), run_color(i), dashes[(d - 1) % 4], i,
                              fmt::format("mtp.{}.loss", d), downsample(*p, o.max_points)});
-    if (!c.lines.empty()) out += chart_svg(c);
+    add(c);
   }
+  return out;
+}
+
+std::string curves(const std::vector<RunData>& runs, const Options& o) {
+  std::string out;
+  for (const auto& [id, svg] : curve_charts(runs, o)) out += svg;
   return out.empty() ? "<p class=\"note\">No training records with numbers to draw.</p>\n"
-                     : "<div class=\"f-grid\">\n" + out + "</div>\n";
+                     : "<div class=\"grid\">\n" + out + "</div>\n";
 }
 
 std::string events_section(const std::vector<RunData>& runs) {
@@ -693,6 +771,14 @@ std::string skipped_section(const std::vector<RunData>& runs) {
          out;
 }
 
+// The charts' own styles (also inside each SVG that write_chart_svgs writes), then the page's.
+constexpr const char* kSvgStyle = R"(
+svg{font-family:-apple-system,"Segoe UI",Helvetica,Arial,sans-serif}svg .f-title{font-size:13px;font-weight:600;fill:#1b1f24}
+svg .f-tick{font-size:10px;fill:#555}svg .f-axis{font-size:11px;fill:#555}svg .f-legend{font-size:11px;fill:#333}
+svg .f-grid{stroke:#eceef1;stroke-width:1}svg .f-frame{fill:none;stroke:#c9ced4}
+svg .f-curve{fill:none;stroke-width:1.8;stroke-linejoin:round;stroke-linecap:round}
+svg .f-event{stroke-width:1.2;stroke-dasharray:4 3;opacity:.8}
+)";
 constexpr const char* kStyle = R"(
 body{font-family:-apple-system,"Segoe UI",Helvetica,Arial,sans-serif;margin:0;color:#1b1f24;background:#f6f7f9}
 main{max-width:1180px;margin:0 auto;padding:18px 22px 40px}
@@ -703,18 +789,26 @@ thead th{background:#eef1f4}tbody th,td.l{text-align:left}code{font-size:12px}
 details summary{cursor:pointer;font-size:13px;color:#333;margin:6px 0}
 .swatch{display:inline-block;width:10px;height:10px;border-radius:2px;margin-right:6px;vertical-align:middle}
 .grid{display:flex;flex-wrap:wrap;gap:12px}.row{display:flex;flex-wrap:wrap;gap:14px;align-items:flex-start}
-svg{background:#fff;border:1px solid #e1e4e8;border-radius:6px}svg .f-title{font-size:13px;font-weight:600;fill:#1b1f24}
-svg .f-tick{font-size:10px;fill:#555}svg .f-axis{font-size:11px;fill:#555}svg .f-legend{font-size:11px;fill:#333}
-svg .f-grid{stroke:#eceef1;stroke-width:1}svg .f-frame{fill:none;stroke:#c9ced4}
-svg .f-curve{fill:none;stroke-width:1.8;stroke-linejoin:round;stroke-linecap:round}
-svg .f-event{stroke-width:1.2;stroke-dasharray:4 3;opacity:.8}td.kind.rollback,td.kind.anomaly,td.kind.checkpoint_failed{color:#b2182b;font-weight:600}
+svg{background:#fff;border:1px solid #e1e4e8;border-radius:6px}
+td.kind.rollback,td.kind.anomaly,td.kind.checkpoint_failed{color:#b2182b;font-weight:600}
 ul.skipped{font-size:12px;color:#7a4b00}.timeline svg{max-width:100%;height:auto}
 )";
 
 }  // namespace
 
+void check_baseline(const std::vector<RunData>& runs, const Options& o) {
+  if (o.baseline.empty()) return;
+  std::string labels;
+  for (const RunData& r : runs) {
+    if (r.label == o.baseline) return;
+    labels += (labels.empty() ? "" : ", ") + r.label;
+  }
+  fail("--baseline {}: not one of the runs ({})", o.baseline, labels);
+}
+
 std::string render_html(const std::vector<RunData>& runs, const Options& o) {
   FORGE_CHECK(!runs.empty(), "render_html: no runs");
+  check_baseline(runs, o);
   std::string labels;
   for (const RunData& r : runs) labels += (labels.empty() ? "" : ", ") + r.label;
   const std::string title = o.title.empty() ? "forge report: " + labels : o.title;
@@ -749,7 +843,7 @@ std::string render_html(const std::vector<RunData>& runs, const Options& o) {
       "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<meta name=\"viewport\" "
       "content=\"width=device-width, initial-scale=1\">\n<title>{}</title>\n<style>{}</style>\n</head>\n<body>\n"
       "<main>\n<h1>{}</h1>\n<p class=\"note\">{} &middot; written by forge report {}</p>\n",
-      esc(title), kStyle, esc(title), legend, when);
+      esc(title), std::string(kStyle) + kSvgStyle, esc(title), legend, when);
   // Several runs: what differs between them explains the curves, so it comes first.
   html += "<h2 id=\"summary\">Summary</h2>\n" + summary + (runs.size() > 1 ? settings_table(runs) : "");
   html += "<h2 id=\"curves\">Curves</h2>\n" + curves(runs, o);
@@ -785,6 +879,29 @@ std::vector<RunData> read_runs(const std::vector<fs::path>& dirs) {
 
 void write_report(const std::vector<RunData>& runs, const fs::path& output, const Options& options) {
   write_file_atomically(output, render_html(runs, options), "report");
+}
+
+std::vector<fs::path> write_chart_svgs(const std::vector<RunData>& runs, const fs::path& dir, const Options& options) {
+  check_baseline(runs, options);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) fail("{}: cannot create the folder: {}", dir.string(), ec.message());
+  std::vector<fs::path> written;
+  // Standalone pictures (markdown, slides): the page's chart styles and a legend line of the runs go inside.
+  std::string legend;
+  for (size_t i = 0; i < runs.size(); ++i)
+    legend += fmt::format("<tspan fill=\"{}\">■ {}</tspan>  ", run_color(i), esc(runs[i].label));
+  for (auto [id, svg] : curve_charts(runs, options)) {
+    const size_t body = svg.find(">\n") + 2;
+    svg.insert(body, fmt::format("<style>{}</style>\n<rect width=\"100%\" height=\"100%\" fill=\"#fff\"/>\n"
+                                 "<text x=\"8\" y=\"{}\" class=\"f-legend\">{}</text>\n",
+                                 kSvgStyle, kH - 6, legend));
+    svg.insert(0, "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n");
+    const fs::path path = dir / (id + ".svg");
+    write_file_atomically(path, svg, "chart");
+    written.push_back(path);
+  }
+  return written;
 }
 
 }  // namespace forge::train::report
