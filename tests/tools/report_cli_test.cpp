@@ -224,6 +224,7 @@ TEST_F(ReportCli, BadInputIsOneLine) {
   write("empty/metrics.jsonl", "{\"step\":1,\"loss\":1}\n");
   expect_one_line_error("report " + path("empty") + " --max-points 3", "--max-points 3: must be at least 8");
   expect_one_line_error("report " + path("empty") + " --output " + path("no/such/dir/r.html"), "no/such/dir");
+  expect_one_line_error("report " + path("empty") + " --baseline bf16", "--baseline bf16: not one of the runs (empty)");
   const Outcome help = run_forge("report --help");
   EXPECT_EQ(help.status, 0);
   EXPECT_NE(help.output.find("half-written last line"), std::string::npos) << help.output;

@@ -7,7 +7,9 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <iterator>
 #include <random>
+#include <set>
 #include <string>
 
 #include "forge/core/error.h"
@@ -169,6 +171,46 @@ TEST_F(ReportTest, TwoRunsOfOneNameGetDistinctLabels) {
   EXPECT_NE(html.find("Settings that differ"), std::string::npos);
   EXPECT_NE(html.find("<td class=\"l\"><code>train.lr</code></td><td>0.1</td><td>0.2</td>"), std::string::npos);
   EXPECT_NE(html.find("data-run=\"1\""), std::string::npos);
+}
+
+TEST_F(ReportTest, BaselineComparisonAndStandaloneCharts) {
+  for (const char* d : {"bf16", "fp8"}) {
+    fs::create_directories(dir_ / d);
+    const double scale = d[0] == 'b' ? 1.0 : 1.02;  // fp8's losses 2% above bf16's
+    std::string text;
+    for (int s = 1; s <= 60; ++s)
+      text += fmt::format("{{\"step\":{},\"loss\":{},\"tokens\":{}}}\n", s, scale * (5 - s * 0.01), 64 * s);
+    text += fmt::format("{{\"step\":60,\"eval_loss\":{},\"eval_bits_per_byte\":2}}\n", scale * 4);
+    std::ofstream(dir_ / d / "metrics.jsonl") << text;
+  }
+  const std::vector<RunData> runs = read_runs({dir_ / "bf16", dir_ / "fp8"});
+  Options o;
+  o.baseline = "bf16";
+  const std::string html = render_html(runs, o);
+  for (const char* chart : {"data-chart=\"eval_vs_baseline\"", "data-chart=\"loss_vs_baseline\"",
+                            "data-series=\"loss.ema\"", "EMA"})
+    EXPECT_NE(html.find(chart), std::string::npos) << chart;
+  EXPECT_NE(html.find("Held-out loss relative to bf16"), std::string::npos);
+  o.baseline = "nope";
+  try {
+    render_html(runs, o);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "--baseline nope: not one of the runs (bf16, fp8)");
+  }
+  EXPECT_THROW(write_chart_svgs(runs, dir_ / "charts", o), Error);
+  o.baseline = "bf16";
+  const std::vector<fs::path> files = write_chart_svgs(runs, dir_ / "charts", o);
+  std::set<std::string> names;
+  for (const fs::path& f : files) names.insert(f.filename().string());
+  for (const char* name : {"loss.svg", "eval_loss.svg", "eval_vs_baseline.svg", "loss_vs_baseline.svg"})
+    EXPECT_TRUE(names.count(name)) << name;
+  std::ifstream in(dir_ / "charts" / "loss.svg");
+  const std::string svg{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  EXPECT_EQ(svg.rfind("<?xml", 0), 0u);
+  EXPECT_NE(svg.find("<style>"), std::string::npos);  // styled on its own, outside the page
+  EXPECT_NE(svg.find(">■ fp8</tspan>"), std::string::npos);
+  EXPECT_EQ(svg.find("NaN"), std::string::npos);
 }
 
 TEST(ReportDownsample, KeepsTheEndsAndTheExtremesWithinTheBudget) {
