@@ -188,7 +188,7 @@ TEST_F(ReportTest, BaselineComparisonAndStandaloneCharts) {
   o.baseline = "bf16";
   const std::string html = render_html(runs, o);
   for (const char* chart : {"data-chart=\"eval_vs_baseline\"", "data-chart=\"loss_vs_baseline\"",
-                            "data-series=\"loss.ema\"", "EMA"})
+                            "data-series=\"loss.smoothed\"", "mean of 5 points"})
     EXPECT_NE(html.find(chart), std::string::npos) << chart;
   EXPECT_NE(html.find("Held-out loss relative to bf16"), std::string::npos);
   o.baseline = "nope";

@@ -234,9 +234,10 @@ std::string chart_svg(const Chart& c) {
   for (const Line& l : c.lines) {
     if (l.label.empty() || !shown.insert(l.label).second) continue;
     legend += fmt::format(
-        "<line x1=\"{:.1f}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\" stroke=\"#444\" stroke-width=\"1.6\"{}/>"
+        "<line x1=\"{:.1f}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\" stroke=\"#444\" stroke-width=\"{}\"{}/>"
         "<text class=\"f-legend\" x=\"{:.1f}\" y=\"{:.1f}\">{}</text>\n",
-        lx, py1 + 11, lx + 18, py1 + 11, l.dash.empty() ? "" : " stroke-dasharray=\"" + l.dash + "\"", lx + 22,
+        lx, py1 + 11, lx + 18, py1 + 11, l.faint ? "1\" stroke-opacity=\"0.35" : "1.6",
+        l.dash.empty() ? "" : " stroke-dasharray=\"" + l.dash + "\"", lx + 22,
         py1 + 14.5, esc(l.label));
     lx += 36 + 6.6 * static_cast<double>(l.label.size());
   }
@@ -462,10 +463,16 @@ struct CurveSpec {
   bool log_y = false, x_tokens = false, dots = false, markers = false;
 };
 
-// The exponential moving average of a curve (alpha = weight of the newest point), for noisy losses.
-std::vector<Point> ema(const std::vector<Point>& points, double alpha) {
+// A curve smoothed by the mean of the points within `half` on either side (fewer at the ends): unlike an
+// exponential average it does not lag behind the curve.
+std::vector<Point> moving_mean(const std::vector<Point>& points, size_t half) {
+  std::vector<double> sum(points.size() + 1, 0.0);
+  for (size_t i = 0; i < points.size(); ++i) sum[i + 1] = sum[i] + points[i].value;
   std::vector<Point> out = points;
-  for (size_t i = 1; i < out.size(); ++i) out[i].value = alpha * points[i].value + (1 - alpha) * out[i - 1].value;
+  for (size_t i = 0; i < points.size(); ++i) {
+    const size_t lo = i >= half ? i - half : 0, hi = std::min(points.size(), i + half + 1);
+    out[i].value = (sum[hi] - sum[lo]) / static_cast<double>(hi - lo);
+  }
   return out;
 }
 
@@ -481,8 +488,9 @@ std::vector<Point> relative_to(const std::vector<Point>& run, const std::vector<
   return out;
 }
 
-constexpr double kEmaAlpha = 0.1;
 constexpr size_t kSmoothFrom = 50;  // points: longer loss curves are drawn smoothed over their raw values
+// The half-width of the smoothing window of a curve of n points: 1% of them on either side, at least 2.
+size_t smoothing(size_t n) { return std::max<size_t>(2, n / 100); }
 
 // Every curve chart the runs have data for, in page order: (id, SVG).
 std::vector<std::pair<std::string, std::string>> curve_charts(const std::vector<RunData>& runs, const Options& o) {
@@ -519,10 +527,11 @@ std::vector<std::pair<std::string, std::string>> curve_charts(const std::vector<
       const bool smooth = s.series == "loss" && p->size() >= kSmoothFrom;
       Line line{"", run_color(i), "", i, s.series, downsample(*p, o.max_points), s.dots || p->size() <= 40};
       if (smooth) {
-        line.faint = true;
+        line.faint = true, line.label = "as logged";
         c.lines.push_back(line);
-        line = {"", run_color(i), "", i, s.series + ".ema", downsample(ema(*p, kEmaAlpha), o.max_points)};
-        c.title = fmt::format("{} (light: as logged; dark: EMA α {:g})", s.title, kEmaAlpha);
+        const size_t half = smoothing(p->size());
+        line = {fmt::format("mean of {} points", 2 * half + 1), run_color(i), "", i, s.series + ".smoothed",
+                downsample(moving_mean(*p, half), o.max_points)};
       }
       c.lines.push_back(std::move(line));
       if (s.markers)
@@ -538,21 +547,22 @@ std::vector<std::pair<std::string, std::string>> curve_charts(const std::vector<
     const auto base = std::find_if(runs.begin(), runs.end(), [&](const RunData& r) { return r.label == o.baseline; });
     const size_t b = static_cast<size_t>(base - runs.begin());
     for (const auto& [id, series, what] : {std::tuple{"eval_vs_baseline", "eval_loss", "Held-out loss"},
-                                           std::tuple{"loss_vs_baseline", "loss", "Training loss (EMA)"}}) {
+                                           std::tuple{"loss_vs_baseline", "loss", "Training loss (smoothed)"}}) {
       Chart c;
       c.id = id, c.y_label = "% vs " + o.baseline;
       c.title = fmt::format("{} relative to {}", what, o.baseline);
       const std::vector<Point>* reference = base == runs.end() ? nullptr : base->find(series);
       if (!reference) continue;
       const bool smooth = std::string(series) == "loss";
-      const std::vector<Point> ref = smooth ? ema(*reference, kEmaAlpha) : *reference;
+      const std::vector<Point> ref = smooth ? moving_mean(*reference, smoothing(reference->size())) : *reference;
       c.lines.push_back({"", run_color(b), "4 3", b, std::string(series) + ".vs_baseline",
                          relative_to(ref, ref), !smooth});
       for (size_t i = 0; i < runs.size(); ++i) {
         const std::vector<Point>* p = runs[i].find(series);
         if (i == b || !p) continue;
         c.lines.push_back({"", run_color(i), "", i, std::string(series) + ".vs_baseline",
-                           downsample(relative_to(smooth ? ema(*p, kEmaAlpha) : *p, ref), o.max_points),
+                           downsample(relative_to(smooth ? moving_mean(*p, smoothing(p->size())) : *p, ref),
+                                      o.max_points),
                            !smooth});
       }
       if (c.lines.size() > 1) add(c);
