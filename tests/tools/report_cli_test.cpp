@@ -22,7 +22,8 @@ const fs::path kRepo = fs::path(FORGE_FIXTURE_DIR).parent_path().parent_path();
 
 RunOptions mpirun(int ranks) {
   RunOptions o;
-  o.launcher = std::string(FORGE_MPIEXEC) + " -np " + std::to_string(ranks) + " --oversubscribe --bind-to none";
+  o.launcher =
+      std::string(FORGE_MPIEXEC) + " -np " + std::to_string(ranks) + " --oversubscribe --bind-to none";
   o.environment = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1";
   return o;
 }
@@ -45,16 +46,18 @@ struct Browser {
 Browser load(const fs::path& page, const fs::path& scratch, const fs::path& screenshot = {}, int width = 1240,
              int height = 1400) {
   Browser b;
-  const std::string flags = " --headless --no-sandbox --disable-gpu --hide-scrollbars --no-first-run "
-                            "--disable-extensions --enable-logging=stderr --v=0 --user-data-dir=" +
-                            (scratch / "chromium-profile").string();
+  const std::string flags =
+      " --headless --no-sandbox --disable-gpu --hide-scrollbars --no-first-run "
+      "--disable-extensions --enable-logging=stderr --v=0 --user-data-dir=" +
+      (scratch / "chromium-profile").string();
   const fs::path err = scratch / "chromium.log", out = scratch / "dom.html";
   const std::string url = "file://" + fs::absolute(page).string();
-  std::string command = chromium() + flags + " --dump-dom " + url + " > " + out.string() + " 2> " + err.string();
+  std::string command =
+      chromium() + flags + " --dump-dom " + url + " > " + out.string() + " 2> " + err.string();
   if (!screenshot.empty())
-    command += "; " + chromium() + flags + " --screenshot=" + screenshot.string() + " --window-size=" +
-               std::to_string(width) + "," + std::to_string(height) + " " + url + " 2>> " + err.string() +
-               " > /dev/null";
+    command += "; " + chromium() + flags + " --screenshot=" + screenshot.string() +
+               " --window-size=" + std::to_string(width) + "," + std::to_string(height) + " " + url +
+               " 2>> " + err.string() + " > /dev/null";
   const int raw = std::system(("timeout 120 sh -c '" + command + "'").c_str());
   b.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : 128 + WTERMSIG(raw);
   b.log = read_file(err);
@@ -75,7 +78,8 @@ int64_t count_color(const fs::path& png, uint32_t rgb) {
   if (!png_image_finish_read(&image, nullptr, pixels.data(), 0, nullptr)) return -1;
   int64_t n = 0;
   for (size_t i = 0; i + 2 < pixels.size(); i += 3)
-    n += (static_cast<uint32_t>(pixels[i]) << 16 | static_cast<uint32_t>(pixels[i + 1]) << 8 | pixels[i + 2]) == rgb;
+    n += (static_cast<uint32_t>(pixels[i]) << 16 | static_cast<uint32_t>(pixels[i + 1]) << 8 |
+          pixels[i + 2]) == rgb;
   return n;
 }
 
@@ -118,7 +122,8 @@ class ReportCli : public ScratchDirTest {
 };
 
 TEST_F(ReportCli, AShortRunsReportLoadsInChromiumWithItsCurvesDrawn) {
-  const Outcome trained = run_forge(train_args(path("llama.json"), "dense"), {.environment = "OMP_NUM_THREADS=1"});
+  const Outcome trained =
+      run_forge(train_args(path("llama.json"), "dense"), {.environment = "OMP_NUM_THREADS=1"});
   ASSERT_EQ(trained.status, 0) << trained.output;
   const fs::path page = dir_ / "dense" / "report.html";
   EXPECT_NE(trained.output.find("report: " + page.string()), std::string::npos) << trained.output;
@@ -133,7 +138,8 @@ TEST_F(ReportCli, AShortRunsReportLoadsInChromiumWithItsCurvesDrawn) {
     std::ifstream in(dir_ / "dense" / "metrics.jsonl");
     for (std::string line; std::getline(in, line);) {
       const nlohmann::json r = nlohmann::json::parse(line);
-      if (r.contains("loss") && !r.contains("event")) losses[r["step"].get<int64_t>()] = r["loss"].get<double>();
+      if (r.contains("loss") && !r.contains("event"))
+        losses[r["step"].get<int64_t>()] = r["loss"].get<double>();
     }
   }
   const nlohmann::json& drawn = data["runs"][0]["series"]["loss"];
@@ -150,32 +156,39 @@ TEST_F(ReportCli, AShortRunsReportLoadsInChromiumWithItsCurvesDrawn) {
   // The curves' pixels: the first run's colour, far more of it than the page shows without its curves.
   const Browser bare = load(without_curves(page), dir_, dir_ / "bare.png");
   ASSERT_EQ(bare.status, 0) << bare.log;
-  const int64_t with = count_color(dir_ / "dense.png", kFirstRun), without = count_color(dir_ / "bare.png", kFirstRun);
+  const int64_t with = count_color(dir_ / "dense.png", kFirstRun),
+                without = count_color(dir_ / "bare.png", kFirstRun);
   ASSERT_GE(with, 0) << "cannot read the screenshot";
   EXPECT_GT(with - without, 1500) << with << " vs " << without;
 }
 
 TEST_F(ReportCli, TwoRunsOverlaidWithPipelineTimelineAndExpertLoads) {
-  const Outcome dense = run_forge(train_args(path("llama.json"), "dense"), {.environment = "OMP_NUM_THREADS=1"});
+  const Outcome dense =
+      run_forge(train_args(path("llama.json"), "dense"), {.environment = "OMP_NUM_THREADS=1"});
   ASSERT_EQ(dense.status, 0) << dense.output;
   // DeepSeek-V3 (MoE, MTP) on two pipeline ranks: the profiled step's timeline and the expert loads.
-  nlohmann::json config = nlohmann::json::parse(read_file(fs::path(FORGE_FIXTURE_DIR) / "deepseek_v3_mtp2.config.json"));
+  nlohmann::json config =
+      nlohmann::json::parse(read_file(fs::path(FORGE_FIXTURE_DIR) / "deepseek_v3_mtp2.config.json"));
   config["vocab_size"] = 256;  // the byte tokenizer's
   const std::string moe_model = write("deepseek.json", config.dump());
-  const Outcome moe = run_forge(train_args(moe_model, "moe", " --set parallel.pp=2 --set parallel.pp_layers=1,2 --set train.grad_accum=4 "
-                                                             "--set log.expert_load_every=10 --set log.report=false"),
-                                mpirun(2));
+  const Outcome moe =
+      run_forge(train_args(moe_model, "moe",
+                           " --set parallel.pp=2 --set parallel.pp_layers=1,2 --set train.grad_accum=4 "
+                           "--set log.expert_load_every=10 --set log.report=false"),
+                mpirun(2));
   ASSERT_EQ(moe.status, 0) << moe.output;
   EXPECT_FALSE(fs::exists(dir_ / "moe" / "report.html"));  // log.report=false
   ASSERT_TRUE(fs::exists(dir_ / "moe" / "pipeline_trace.json"));
 
-  const Outcome o = run_forge("report " + path("dense") + " " + path("moe") + " --output " + path("both.html"));
+  const Outcome o =
+      run_forge("report " + path("dense") + " " + path("moe") + " --output " + path("both.html"));
   ASSERT_EQ(o.status, 0) << o.output;
   EXPECT_NE(o.output.find("wrote " + path("both.html") + " (2 runs"), std::string::npos) << o.output;
   const std::string html = read_file(dir_ / "both.html");
-  for (const char* part : {"Settings that differ", "data-chart=\"moe_violation\"", "data-chart=\"expert_load\"",
-                           "data-chart=\"violation\"", "data-chart=\"mtp\"", "Pipeline timeline",
-                           "class=\"timeline\" data-run=\"1\"", "<code>parallel.pp</code>"})
+  for (const char* part :
+       {"Settings that differ", "data-chart=\"moe_violation\"", "data-chart=\"expert_load\"",
+        "data-chart=\"violation\"", "data-chart=\"mtp\"", "Pipeline timeline",
+        "class=\"timeline\" data-run=\"1\"", "<code>parallel.pp</code>"})
     EXPECT_NE(html.find(part), std::string::npos) << part;
   const nlohmann::json data = page_data(html);
   ASSERT_EQ(data["runs"].size(), 2u);
@@ -187,8 +200,8 @@ TEST_F(ReportCli, TwoRunsOverlaidWithPipelineTimelineAndExpertLoads) {
   EXPECT_EQ(b.console, "") << "the page logged to the console";
   const Browser bare = load(without_curves(dir_ / "both.html"), dir_, dir_ / "bare.png", 1240, 2400);
   for (uint32_t color : {kFirstRun, kSecondRun})
-    EXPECT_GT(count_color(dir_ / "both.png", color) - count_color(dir_ / "bare.png", color), 1000) << std::hex
-                                                                                                  << color;
+    EXPECT_GT(count_color(dir_ / "both.png", color) - count_color(dir_ / "bare.png", color), 1000)
+        << std::hex << color;
 }
 
 TEST_F(ReportCli, AKilledRunsTruncatedMetricsStillRender) {
@@ -201,11 +214,13 @@ TEST_F(ReportCli, AKilledRunsTruncatedMetricsStillRender) {
   write("killed/metrics.jsonl", metrics);
   const Outcome o = run_forge("report " + path("killed"));
   ASSERT_EQ(o.status, 0) << o.output;
-  EXPECT_NE(o.output.find("wrote " + path("killed/report.html") + " (1 run, 32 metrics lines"), std::string::npos)
-      << o.output;
-  EXPECT_NE(o.output.find("killed: skipped 2 lines or values (listed in the report), e.g. metrics.jsonl line 31: "
-                          "\"loss\" is not a number: \"oops\""),
+  EXPECT_NE(o.output.find("wrote " + path("killed/report.html") + " (1 run, 32 metrics lines"),
             std::string::npos)
+      << o.output;
+  EXPECT_NE(
+      o.output.find("killed: skipped 2 lines or values (listed in the report), e.g. metrics.jsonl line 31: "
+                    "\"loss\" is not a number: \"oops\""),
+      std::string::npos)
       << o.output;
   const std::string html = read_file(dir_ / "killed" / "report.html");
   EXPECT_NE(html.find("a half-written last line"), std::string::npos);
@@ -224,7 +239,8 @@ TEST_F(ReportCli, BadInputIsOneLine) {
   write("empty/metrics.jsonl", "{\"step\":1,\"loss\":1}\n");
   expect_one_line_error("report " + path("empty") + " --max-points 3", "--max-points 3: must be at least 8");
   expect_one_line_error("report " + path("empty") + " --output " + path("no/such/dir/r.html"), "no/such/dir");
-  expect_one_line_error("report " + path("empty") + " --baseline bf16", "--baseline bf16: not one of the runs (empty)");
+  expect_one_line_error("report " + path("empty") + " --baseline bf16",
+                        "--baseline bf16: not one of the runs (empty)");
   const Outcome help = run_forge("report --help");
   EXPECT_EQ(help.status, 0);
   EXPECT_NE(help.output.find("half-written last line"), std::string::npos) << help.output;

@@ -6,8 +6,8 @@
 
 #include <filesystem>
 #include <fstream>
-#include <nlohmann/json.hpp>
 #include <iterator>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <set>
 #include <string>
@@ -46,8 +46,9 @@ nlohmann::json page_data(const std::string& html) {
 }
 
 TEST_F(ReportTest, ReadsCurvesEventsAndExpertLoads) {
-  write("metrics.jsonl",
-        R"({"step":1,"loss":7.5,"lr":0.001,"grad_norm":2.5,"tokens":100,"tokens_per_s":1000,"mfu":0.4,"peak_memory_bytes":1048576,"fp8":{"scale":{"input":{"min":1,"median":2,"max":4}}}}
+  write(
+      "metrics.jsonl",
+      R"({"step":1,"loss":7.5,"lr":0.001,"grad_norm":2.5,"tokens":100,"tokens_per_s":1000,"mfu":0.4,"peak_memory_bytes":1048576,"fp8":{"scale":{"input":{"min":1,"median":2,"max":4}}}}
 {"step":2,"loss":7.0,"lr":0.002,"grad_norm":2.0,"tokens":200,"tokens_per_s":1100,"mfu":0.45,"moe":{"max_violation":0.5,"layers":[{"layer":1,"max_violation":0.5,"load":[3,1]},{"layer":2,"max_violation":0.25,"load":[2,2]}]},"mtp":[{"depth":1,"loss":7.7,"top1":0.1}]}
 {"step":2,"eval_loss":7.2,"eval_bits_per_byte":2.9}
 {"step":3,"loss":6.5,"lr":0.003,"grad_norm":1.5,"tokens":300}
@@ -82,10 +83,10 @@ TEST_F(ReportTest, ReadsCurvesEventsAndExpertLoads) {
   EXPECT_EQ(r.settings.at("model.config"), "c.json");
 
   const std::string html = render_html({r});
-  for (const char* chart : {"data-chart=\"loss\"", "data-chart=\"eval_loss\"", "data-chart=\"lr\"",
-                            "data-chart=\"peak_memory\"", "data-chart=\"fp8_scales\"", "data-chart=\"mtp\"",
-                            "data-chart=\"moe_violation\"", "data-chart=\"expert_load\"",
-                            "data-chart=\"violation\""})
+  for (const char* chart :
+       {"data-chart=\"loss\"", "data-chart=\"eval_loss\"", "data-chart=\"lr\"", "data-chart=\"peak_memory\"",
+        "data-chart=\"fp8_scales\"", "data-chart=\"mtp\"", "data-chart=\"moe_violation\"",
+        "data-chart=\"expert_load\"", "data-chart=\"violation\""})
     EXPECT_NE(html.find(chart), std::string::npos) << chart;
   EXPECT_NE(html.find("class=\"f-event\""), std::string::npos);  // the rollback's rule on the loss curve
   EXPECT_NE(html.find("loss spike"), std::string::npos);
@@ -169,7 +170,8 @@ TEST_F(ReportTest, TwoRunsOfOneNameGetDistinctLabels) {
   EXPECT_EQ(runs[1].label, "b/run");
   const std::string html = render_html(runs);
   EXPECT_NE(html.find("Settings that differ"), std::string::npos);
-  EXPECT_NE(html.find("<td class=\"l\"><code>train.lr</code></td><td>0.1</td><td>0.2</td>"), std::string::npos);
+  EXPECT_NE(html.find("<td class=\"l\"><code>train.lr</code></td><td>0.1</td><td>0.2</td>"),
+            std::string::npos);
   EXPECT_NE(html.find("data-run=\"1\""), std::string::npos);
 }
 
@@ -223,7 +225,8 @@ TEST(ReportDownsample, KeepsTheEndsAndTheExtremesWithinTheBudget) {
   EXPECT_GE(d.size(), 1000u);
   EXPECT_EQ(d.front(), points.front());
   EXPECT_EQ(d.back(), points.back());
-  EXPECT_TRUE(std::is_sorted(d.begin(), d.end(), [](const Point& a, const Point& b) { return a.step < b.step; }));
+  EXPECT_TRUE(
+      std::is_sorted(d.begin(), d.end(), [](const Point& a, const Point& b) { return a.step < b.step; }));
   EXPECT_NE(std::find(d.begin(), d.end(), points[123457]), d.end());
   EXPECT_NE(std::find(d.begin(), d.end(), points[876543]), d.end());
   // Every kept point is an input point.
@@ -238,8 +241,9 @@ TEST_F(ReportTest, AMillionLineRunMakesAPageOfAFewMegabytes) {
     std::ofstream out(dir_ / "metrics.jsonl");
     for (int s = 1; s <= 1000000; ++s)
       out << fmt::format(
-          "{{\"step\":{},\"loss\":{},\"lr\":0.0003,\"grad_norm\":{},\"tokens\":{},\"tokens_per_s\":15000.5}}\n", s,
-          3 + 4.0 / std::sqrt(s), 1 + (s % 97) * 0.01, s * 2048LL);
+          "{{\"step\":{},\"loss\":{},\"lr\":0.0003,\"grad_norm\":{},\"tokens\":{},\"tokens_per_s\":15000.5}}"
+          "\n",
+          s, 3 + 4.0 / std::sqrt(s), 1 + (s % 97) * 0.01, s * 2048LL);
   }
   const RunData r = read_run(dir_);
   EXPECT_EQ(r.find("loss")->size(), 1000000u);

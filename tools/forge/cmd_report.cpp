@@ -45,7 +45,9 @@ int run_report(const ReportOptions& o) {
       std::printf("%s: skipped %lld line%s or value%s (listed in the report), e.g. %s\n", r.label.c_str(),
                   static_cast<long long>(r.skipped_count), r.skipped_count == 1 ? "" : "s",
                   r.skipped_count == 1 ? "" : "s", r.skipped.front().c_str());
-  if (!svgs.empty()) std::printf("wrote %zu charts to %s (%s, ...)\n", svgs.size(), o.svg_dir.c_str(), svgs[0].filename().c_str());
+  if (!svgs.empty())
+    std::printf("wrote %zu charts to %s (%s, ...)\n", svgs.size(), o.svg_dir.c_str(),
+                svgs[0].filename().c_str());
   return 0;
 }
 
@@ -59,22 +61,28 @@ void add_report_command(CLI::App& app, Commands& commands) {
       "gradient norm, throughput, MFU and memory curves, FP8 scales, MoE balance, rollbacks, the op profile, "
       "the pipeline timeline and expert-load heat maps (several runs overlay for comparison)");
   report->add_option("runs", o->runs, "run directories (each with a metrics.jsonl)")->required();
-  report->add_option("-o,--output", o->output,
-                     "the HTML file to write (default: RUN_DIR/report.html for one run, report.html for several)");
+  report->add_option(
+      "-o,--output", o->output,
+      "the HTML file to write (default: RUN_DIR/report.html for one run, report.html for several)");
   report->add_option("--title", o->title, "the page's title (default: forge report: <run names>)");
-  report->add_option("--baseline", o->baseline,
-                     "a run's name (its folder's): also draw the others' held-out and smoothed training losses in "
-                     "percent of its");
+  report->add_option(
+      "--baseline", o->baseline,
+      "a run's name (its folder's): also draw the others' held-out and smoothed training losses in "
+      "percent of its");
   report->add_option("--svg-dir", o->svg_dir,
                      "also write every curve chart as a standalone SVG file into this folder (loss.svg, "
                      "eval_loss.svg, ...), for markdown documents");
-  report->add_option("--max-points", o->max_points,
-                     "points per curve at most: longer curves are downsampled keeping each bucket's first, last, "
-                     "smallest and largest value")
+  report
+      ->add_option(
+          "--max-points", o->max_points,
+          "points per curve at most: longer curves are downsampled keeping each bucket's first, last, "
+          "smallest and largest value")
       ->capture_default_str();
   report->footer(
-      "A metrics.jsonl with a half-written last line (a killed run) or values that are not numbers still renders: "
-      "what is valid is drawn and the page lists what was skipped. forge train writes <run_dir>/report.html at the "
+      "A metrics.jsonl with a half-written last line (a killed run) or values that are not numbers still "
+      "renders: "
+      "what is valid is drawn and the page lists what was skipped. forge train writes <run_dir>/report.html "
+      "at the "
       "end of every run (log.report). See docs/report.md.");
   commands.push_back({report, [o] { return run_report(*o); }});
 }

@@ -26,6 +26,7 @@ void add_plan_command(CLI::App& app, Commands& commands);
 void add_launch_command(CLI::App& app, Commands& commands);
 void add_report_command(CLI::App& app, Commands& commands);
 // plan estimate | search | calibrate (cmd_plan_model.cpp), added to `forge plan`.
-void add_plan_model_subcommands(CLI::App* plan, std::vector<std::pair<CLI::App*, std::function<int()>>>& runners);
+void add_plan_model_subcommands(CLI::App* plan,
+                                std::vector<std::pair<CLI::App*, std::function<int()>>>& runners);
 
 }  // namespace forge::cli

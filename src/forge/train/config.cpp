@@ -352,7 +352,8 @@ const std::vector<KeySpec>& key_specs() {
       {"log",
        "report",
        FORGE_FIELD(log.report),
-       "write <run_dir>/report.html at the end of the run: loss, learning rate, throughput and memory curves, "
+       "write <run_dir>/report.html at the end of the run: loss, learning rate, throughput and memory "
+       "curves, "
        "the op profile, the pipeline timeline and expert loads on one page (forge report; docs/report.md)",
        {}},
       {"log",
@@ -898,7 +899,8 @@ void TrainConfig::validate() const {
   check(finite(log.peak_gflops) && log.peak_gflops >= 0, "log.peak_gflops", log.peak_gflops,
         ">= 0 (0 = measure)");
   check(log.profile_step >= 0, "log.profile_step", log.profile_step, ">= 0 (0 = off)");
-  check(log.expert_load_every >= 0, "log.expert_load_every", log.expert_load_every, ">= 0 (0 = only the last)");
+  check(log.expert_load_every >= 0, "log.expert_load_every", log.expert_load_every,
+        ">= 0 (0 = only the last)");
   check(checkpoint.every >= 0, "checkpoint.every", checkpoint.every, ">= 0 (0 = only at the end)");
   check(checkpoint.keep_last >= 0, "checkpoint.keep_last", checkpoint.keep_last, ">= 0 (0 = keep all)");
   check(sample.tokens >= 0, "sample.tokens", sample.tokens, ">= 0");

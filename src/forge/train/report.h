@@ -50,8 +50,8 @@ struct RunData {
   // The tokens routed to each expert of each MoE layer at the last step whose record has them
   // (log.expert_load_every): the layers x experts heat map. load_step = -1: none.
   int64_t load_step = -1;
-  std::vector<std::vector<double>> load;  // [moe_layers][experts]
-  std::optional<nlohmann::json> profile;  // <dir>/profile.json (log.profile_step)
+  std::vector<std::vector<double>> load;         // [moe_layers][experts]
+  std::optional<nlohmann::json> profile;         // <dir>/profile.json (log.profile_step)
   std::optional<nlohmann::json> pipeline_trace;  // <dir>/pipeline_trace.json (with pp > 1)
   std::map<std::string, std::string> settings;   // <dir>/config.toml flattened: "train.lr" -> "0.003"
   int64_t lines = 0;                             // of metrics.jsonl
@@ -93,7 +93,8 @@ std::vector<RunData> read_runs(const std::vector<std::filesystem::path>& dirs);
 
 // Every curve chart of the page as a standalone SVG file (styles inside, the runs named at the bottom), for
 // markdown documents and slides: DIR/<chart>.svg (loss.svg, eval_loss.svg, ...). Returns the files written.
-std::vector<std::filesystem::path> write_chart_svgs(const std::vector<RunData>& runs, const std::filesystem::path& dir,
+std::vector<std::filesystem::path> write_chart_svgs(const std::vector<RunData>& runs,
+                                                    const std::filesystem::path& dir,
                                                     const Options& options = {});
 
 // render_html written to `output` atomically.

@@ -141,9 +141,10 @@ class Reader {
       const auto id = layer.find("layer"), v = layer.find("max_violation");
       if (!layer.is_object() || id == layer.end() || !id->is_number_integer() || v == layer.end() ||
           !v->is_number()) {
-        skip(fmt::format("metrics.jsonl line {}: a moe.layers entry without an integer \"layer\" and a "
-                         "numeric \"max_violation\": {}",
-                         number, shown(layer)));
+        skip(
+            fmt::format("metrics.jsonl line {}: a moe.layers entry without an integer \"layer\" and a "
+                        "numeric \"max_violation\": {}",
+                        number, shown(layer)));
         return;
       }
       ids.push_back(id->get<int64_t>());
@@ -221,7 +222,8 @@ RunData read_run(const fs::path& dir) {
   run.label = name.filename().string();
   const fs::path metrics = dir / "metrics.jsonl";
   std::error_code ec;
-  if (!fs::is_directory(dir, ec)) fail("{}: not a directory (forge report takes run directories)", dir.string());
+  if (!fs::is_directory(dir, ec))
+    fail("{}: not a directory (forge report takes run directories)", dir.string());
   std::ifstream in(metrics, std::ios::binary);
   if (!in) fail("{}: no readable metrics.jsonl (not a forge run directory?)", dir.string());
   Reader reader(run);

@@ -31,12 +31,23 @@ std::string esc(std::string_view text) {
   out.reserve(text.size());
   for (char c : text) {
     switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      case '\'': out += "&#39;"; break;
-      default: out += c;
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      case '\'':
+        out += "&#39;";
+        break;
+      default:
+        out += c;
     }
   }
   return out;
@@ -64,8 +75,10 @@ std::string format_value(double v, Unit unit) {
       return fmt::format("{:.3g}", v);
     }
     case Unit::seconds: {
-      if (v >= 3600) return fmt::format("{}h{:02}m", static_cast<int64_t>(v / 3600), static_cast<int64_t>(v / 60) % 60);
-      if (v >= 60) return fmt::format("{}m{:02}s", static_cast<int64_t>(v / 60), static_cast<int64_t>(v) % 60);
+      if (v >= 3600)
+        return fmt::format("{}h{:02}m", static_cast<int64_t>(v / 3600), static_cast<int64_t>(v / 60) % 60);
+      if (v >= 60)
+        return fmt::format("{}m{:02}s", static_cast<int64_t>(v / 60), static_cast<int64_t>(v) % 60);
       return fmt::format("{:.3g} s", v);
     }
     case Unit::plain:
@@ -93,8 +106,8 @@ struct Axis {
   bool log = false;
   std::vector<double> ticks;
   double map(double v, double a, double b) const {  // onto [a, b]
-    const double t = log ? (std::log10(v) - std::log10(lo)) / (std::log10(hi) - std::log10(lo))
-                         : (v - lo) / (hi - lo);
+    const double t =
+        log ? (std::log10(v) - std::log10(lo)) / (std::log10(hi) - std::log10(lo)) : (v - lo) / (hi - lo);
     return a + t * (b - a);
   }
 };
@@ -109,7 +122,8 @@ Axis make_axis(double lo, double hi, bool log, int ticks) {
     const bool fine = e1 - e0 <= 2;
     for (double e = e0; e <= e1; ++e)
       for (double m : {1.0, 2.0, 5.0})
-        if ((m == 1 || fine) && m * std::pow(10.0, e) <= a.hi * 1.0001) a.ticks.push_back(m * std::pow(10.0, e));
+        if ((m == 1 || fine) && m * std::pow(10.0, e) <= a.hi * 1.0001)
+          a.ticks.push_back(m * std::pow(10.0, e));
     return a;
   }
   if (!(hi > lo)) {
@@ -118,7 +132,8 @@ Axis make_axis(double lo, double hi, bool log, int ticks) {
   }
   const double step = nice_step(hi - lo, ticks);
   a.lo = std::floor(lo / step) * step, a.hi = std::ceil(hi / step) * step;
-  for (double t = a.lo; t <= a.hi + step * 1e-6; t += step) a.ticks.push_back(std::fabs(t) < step * 1e-9 ? 0 : t);
+  for (double t = a.lo; t <= a.hi + step * 1e-6; t += step)
+    a.ticks.push_back(std::fabs(t) < step * 1e-9 ? 0 : t);
   return a;
 }
 
@@ -128,7 +143,7 @@ struct Line {
   size_t run = 0;
   std::string series;  // the curve's name, in data-series
   std::vector<Point> points;
-  bool dots = false;  // a marker at every point (sparse curves: held-out evaluations)
+  bool dots = false;   // a marker at every point (sparse curves: held-out evaluations)
   bool faint = false;  // drawn thin and light, under its smoothed twin
 };
 
@@ -169,22 +184,25 @@ std::string chart_svg(const Chart& c) {
   for (double& t : ya.ticks) t *= unit;
   const double px0 = kLeft, px1 = kW - kRight, py0 = kH - kBottom, py1 = kTop;
   std::string out = fmt::format(
-      "<svg class=\"chart\" data-chart=\"{}\" xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{}\" "
+      "<svg class=\"chart\" data-chart=\"{}\" xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" "
+      "height=\"{}\" "
       "viewBox=\"0 0 {} {}\" role=\"img\" aria-label=\"{}\">\n"
       "<text x=\"{}\" y=\"18\" class=\"f-title\">{}</text>\n",
       esc(c.id), kW, kH, kW, kH, esc(c.title), kLeft, esc(c.title));
   // Grid and tick labels.
   for (double t : ya.ticks) {
     const double y = ya.map(t, py0, py1);
-    out += fmt::format("<line class=\"f-grid\" x1=\"{:.1f}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\"/>"
-                       "<text class=\"f-tick\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"end\">{}</text>\n",
-                       px0, y, px1, y, px0 - 5, y + 3.5, esc(format_value(t, c.unit)));
+    out += fmt::format(
+        "<line class=\"f-grid\" x1=\"{:.1f}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\"/>"
+        "<text class=\"f-tick\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"end\">{}</text>\n",
+        px0, y, px1, y, px0 - 5, y + 3.5, esc(format_value(t, c.unit)));
   }
   for (double t : xa.ticks) {
     const double x = xa.map(t, px0, px1);
-    out += fmt::format("<line class=\"f-grid\" x1=\"{:.1f}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\"/>"
-                       "<text class=\"f-tick\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">{}</text>\n",
-                       x, py0, x, py1, x, py0 + 14, esc(format_value(t, Unit::count)));
+    out += fmt::format(
+        "<line class=\"f-grid\" x1=\"{:.1f}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\"/>"
+        "<text class=\"f-tick\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">{}</text>\n",
+        x, py0, x, py1, x, py0 + 14, esc(format_value(t, Unit::count)));
   }
   out += fmt::format("<rect class=\"f-frame\" x=\"{}\" y=\"{}\" width=\"{}\" height=\"{}\"/>\n", px0, py1,
                      px1 - px0, py0 - py1);
@@ -216,9 +234,10 @@ std::string chart_svg(const Chart& c) {
       d += fmt::format("{}{:.1f} {:.1f}", pen ? " L" : (d.empty() ? "M" : " M"), x, y);
       pen = true;
       if (l.dots)
-        dots += fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"2.6\" fill=\"{}\"><title>step {:g}: {}</title>"
-                            "</circle>",
-                            x, y, l.color, p.step, esc(format_value(p.value, c.unit)));
+        dots += fmt::format(
+            "<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"2.6\" fill=\"{}\"><title>step {:g}: {}</title>"
+            "</circle>",
+            x, y, l.color, p.step, esc(format_value(p.value, c.unit)));
     }
     if (d.empty()) continue;
     out += fmt::format(
@@ -234,17 +253,18 @@ std::string chart_svg(const Chart& c) {
   for (const Line& l : c.lines) {
     if (l.label.empty() || !shown.insert(l.label).second) continue;
     legend += fmt::format(
-        "<line x1=\"{:.1f}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\" stroke=\"#444\" stroke-width=\"{}\"{}/>"
+        "<line x1=\"{:.1f}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\" stroke=\"#444\" "
+        "stroke-width=\"{}\"{}/>"
         "<text class=\"f-legend\" x=\"{:.1f}\" y=\"{:.1f}\">{}</text>\n",
         lx, py1 + 11, lx + 18, py1 + 11, l.faint ? "1\" stroke-opacity=\"0.35" : "1.6",
-        l.dash.empty() ? "" : " stroke-dasharray=\"" + l.dash + "\"", lx + 22,
-        py1 + 14.5, esc(l.label));
+        l.dash.empty() ? "" : " stroke-dasharray=\"" + l.dash + "\"", lx + 22, py1 + 14.5, esc(l.label));
     lx += 36 + 6.6 * static_cast<double>(l.label.size());
   }
   if (!legend.empty())
-    out += fmt::format("<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"16\" fill=\"#fff\" "
-                       "fill-opacity=\"0.9\" stroke=\"#e1e4e8\"/>\n",
-                       px0 + 3, py1 + 3, lx - px0 - 8) +
+    out += fmt::format(
+               "<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"16\" fill=\"#fff\" "
+               "fill-opacity=\"0.9\" stroke=\"#e1e4e8\"/>\n",
+               px0 + 3, py1 + 3, lx - px0 - 8) +
            legend;
   out += "</svg>\n";
   return out;
@@ -264,9 +284,11 @@ const std::vector<std::array<int, 3>> kDiverging = {{33, 102, 172}, {247, 247, 2
 const std::vector<std::array<int, 3>> kHeat = {{255, 255, 255}, {253, 174, 97}, {215, 48, 39}, {103, 0, 13}};
 
 // A heat map: rows x columns of values, coloured by color(value), each cell titled.
-std::string heat_map_svg(const std::string& id, const std::string& title, const std::vector<std::string>& row_names,
-                         const std::string& column_axis, const std::vector<std::string>& column_names,
-                         const std::vector<std::vector<double>>& values, const std::function<std::string(double)>& color,
+std::string heat_map_svg(const std::string& id, const std::string& title,
+                         const std::vector<std::string>& row_names, const std::string& column_axis,
+                         const std::vector<std::string>& column_names,
+                         const std::vector<std::vector<double>>& values,
+                         const std::function<std::string(double)>& color,
                          const std::function<std::string(size_t, size_t, double)>& tip,
                          const std::string& scale_note) {
   const size_t rows = values.size(), columns = rows ? values[0].size() : 0;
@@ -276,19 +298,23 @@ std::string heat_map_svg(const std::string& id, const std::string& title, const 
   const double rh = std::clamp(420.0 / static_cast<double>(rows), 3.0, 16.0);
   const double height = top + rh * static_cast<double>(rows) + 44;
   std::string out = fmt::format(
-      "<svg class=\"heatmap\" data-chart=\"{}\" xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{:.0f}\" "
-      "viewBox=\"0 0 {} {:.0f}\" shape-rendering=\"crispEdges\">\n<text x=\"{}\" y=\"18\" class=\"f-title\">{}</text>\n",
+      "<svg class=\"heatmap\" data-chart=\"{}\" xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" "
+      "height=\"{:.0f}\" "
+      "viewBox=\"0 0 {} {:.0f}\" shape-rendering=\"crispEdges\">\n<text x=\"{}\" y=\"18\" "
+      "class=\"f-title\">{}</text>\n",
       esc(id), left + width + 14, height, left + width + 14, height, left, esc(title));
   const size_t label_every = std::max<size_t>(1, static_cast<size_t>(std::ceil(11.0 / rh)));
   for (size_t r = 0; r < rows; ++r) {
     const double y = top + rh * static_cast<double>(r);
     if (r % label_every == 0)
-      out += fmt::format("<text class=\"f-tick\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"end\">{}</text>\n", left - 5,
-                         y + rh / 2 + 3.5, esc(row_names[r]));
+      out += fmt::format("<text class=\"f-tick\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"end\">{}</text>\n",
+                         left - 5, y + rh / 2 + 3.5, esc(row_names[r]));
     for (size_t c = 0; c < columns; ++c)
-      out += fmt::format("<rect x=\"{:.2f}\" y=\"{:.2f}\" width=\"{:.2f}\" height=\"{:.2f}\" fill=\"{}\"><title>{}</title></rect>",
-                         left + cw * static_cast<double>(c), y, cw + 0.05, rh + 0.05, color(values[r][c]),
-                         esc(tip(r, c, values[r][c])));
+      out += fmt::format(
+          "<rect x=\"{:.2f}\" y=\"{:.2f}\" width=\"{:.2f}\" height=\"{:.2f}\" "
+          "fill=\"{}\"><title>{}</title></rect>",
+          left + cw * static_cast<double>(c), y, cw + 0.05, rh + 0.05, color(values[r][c]),
+          esc(tip(r, c, values[r][c])));
     out += "\n";
   }
   const double axis_y = top + rh * static_cast<double>(rows);
@@ -337,7 +363,8 @@ struct SummaryRow {
   std::function<std::string(const RunData&, nlohmann::json&)> cell;  // also records the number in the data
 };
 
-std::string cell_value(nlohmann::json& data, const char* key, double v, Unit unit, const char* plain_format = nullptr) {
+std::string cell_value(nlohmann::json& data, const char* key, double v, Unit unit,
+                       const char* plain_format = nullptr) {
   if (!std::isfinite(v)) return "–";
   data[key] = v;
   return plain_format ? fmt::format(fmt::runtime(plain_format), v) : format_value(v, unit);
@@ -345,44 +372,56 @@ std::string cell_value(nlohmann::json& data, const char* key, double v, Unit uni
 
 std::string summary_table(const std::vector<RunData>& runs, nlohmann::json& data) {
   const std::vector<SummaryRow> rows = {
-      {"steps", [](const RunData& r, nlohmann::json& d) {
+      {"steps",
+       [](const RunData& r, nlohmann::json& d) {
          const Point* p = last_point(r, "loss");
          return p ? cell_value(d, "steps", p->step, Unit::plain, "{:.0f}") : std::string("–");
        }},
-      {"tokens", [](const RunData& r, nlohmann::json& d) {
+      {"tokens",
+       [](const RunData& r, nlohmann::json& d) {
          const Point* p = last_point(r, "loss");
          return p ? cell_value(d, "tokens", p->tokens, Unit::count) : std::string("–");
        }},
-      {"training time", [](const RunData& r, nlohmann::json& d) {
+      {"training time",
+       [](const RunData& r, nlohmann::json& d) {
          const Point* p = last_point(r, "elapsed_s");
          return p ? cell_value(d, "elapsed_s", p->value, Unit::seconds) : std::string("–");
        }},
-      {"final training loss", [](const RunData& r, nlohmann::json& d) {
+      {"final training loss",
+       [](const RunData& r, nlohmann::json& d) {
          const Point* p = last_point(r, "loss");
          return p ? cell_value(d, "final_loss", p->value, Unit::plain, "{:.4f}") : std::string("–");
        }},
-      {"final held-out loss", [](const RunData& r, nlohmann::json& d) {
+      {"final held-out loss",
+       [](const RunData& r, nlohmann::json& d) {
          const Point* p = last_point(r, "eval_loss");
          return p ? cell_value(d, "final_eval_loss", p->value, Unit::plain, "{:.4f}") : std::string("–");
        }},
-      {"held-out bits per byte", [](const RunData& r, nlohmann::json& d) {
+      {"held-out bits per byte",
+       [](const RunData& r, nlohmann::json& d) {
          const Point* p = last_point(r, "eval_bits_per_byte");
-         return p ? cell_value(d, "final_eval_bits_per_byte", p->value, Unit::plain, "{:.4f}") : std::string("–");
+         return p ? cell_value(d, "final_eval_bits_per_byte", p->value, Unit::plain, "{:.4f}")
+                  : std::string("–");
        }},
-      {"mean tokens/s", [](const RunData& r, nlohmann::json& d) {
+      {"mean tokens/s",
+       [](const RunData& r, nlohmann::json& d) {
          return cell_value(d, "mean_tokens_per_s", mean_after_first(r, "tokens_per_s"), Unit::count);
        }},
-      {"mean MFU", [](const RunData& r, nlohmann::json& d) {
+      {"mean MFU",
+       [](const RunData& r, nlohmann::json& d) {
          return cell_value(d, "mean_mfu", mean_after_first(r, "mfu"), Unit::percent);
        }},
-      {"peak memory (largest rank)", [](const RunData& r, nlohmann::json& d) {
+      {"peak memory (largest rank)",
+       [](const RunData& r, nlohmann::json& d) {
          return cell_value(d, "peak_memory_bytes", max_of(r, "peak_memory_bytes"), Unit::bytes);
        }},
-      {"rollbacks", [](const RunData& r, nlohmann::json& d) {
+      {"rollbacks",
+       [](const RunData& r, nlohmann::json& d) {
          d["rollbacks"] = count_events(r, "rollback");
          return std::to_string(count_events(r, "rollback"));
        }},
-      {"checkpoints saved", [](const RunData& r, nlohmann::json& d) {
+      {"checkpoints saved",
+       [](const RunData& r, nlohmann::json& d) {
          d["checkpoints"] = count_events(r, "checkpoint");
          return std::to_string(count_events(r, "checkpoint"));
        }},
@@ -423,10 +462,25 @@ std::string settings_table(const std::vector<RunData>& runs) {
     for (const auto& [k, v] : r.settings) keys.insert(k);
   std::vector<std::string> shown;
   if (runs.size() == 1) {
-    for (const char* k : {"model.config", "model.init_from", "data.corpus", "data.dataset", "data.seq_len",
-                          "train.micro_batch", "train.grad_accum", "train.lr", "train.schedule", "train.dtype",
-                          "train.recompute", "train.device", "parallel.tp", "parallel.pp", "parallel.schedule",
-                          "parallel.dp", "parallel.ep", "parallel.cp", "parallel.distributed_optimizer",
+    for (const char* k : {"model.config",
+                          "model.init_from",
+                          "data.corpus",
+                          "data.dataset",
+                          "data.seq_len",
+                          "train.micro_batch",
+                          "train.grad_accum",
+                          "train.lr",
+                          "train.schedule",
+                          "train.dtype",
+                          "train.recompute",
+                          "train.device",
+                          "parallel.tp",
+                          "parallel.pp",
+                          "parallel.schedule",
+                          "parallel.dp",
+                          "parallel.ep",
+                          "parallel.cp",
+                          "parallel.distributed_optimizer",
                           "fp8.recipe"})
       if (keys.count(k)) shown.push_back(k);
   } else {
@@ -439,7 +493,8 @@ std::string settings_table(const std::vector<RunData>& runs) {
       if (values.size() > 1 && k != "log.run_dir" && k != "checkpoint.dir") shown.push_back(k);
     }
   }
-  if (shown.empty()) return runs.size() > 1 ? "<p class=\"note\">The runs' config.toml files do not differ.</p>\n" : "";
+  if (shown.empty())
+    return runs.size() > 1 ? "<p class=\"note\">The runs' config.toml files do not differ.</p>\n" : "";
   std::string out = fmt::format("<h3>{}</h3><table class=\"settings\"><thead><tr><th>key</th>",
                                 runs.size() > 1 ? "Settings that differ" : "Settings");
   for (size_t i = 0; i < runs.size(); ++i) out += "<th>" + esc(runs[i].label) + "</th>";
@@ -493,14 +548,17 @@ constexpr size_t kSmoothFrom = 50;  // points: longer loss curves are drawn smoo
 size_t smoothing(size_t n) { return std::max<size_t>(2, n / 100); }
 
 // Every curve chart the runs have data for, in page order: (id, SVG).
-std::vector<std::pair<std::string, std::string>> curve_charts(const std::vector<RunData>& runs, const Options& o) {
+std::vector<std::pair<std::string, std::string>> curve_charts(const std::vector<RunData>& runs,
+                                                              const Options& o) {
   const std::vector<CurveSpec> specs = {
       {"loss", "Training loss", "loss", "nats/token", Unit::plain, false, false, false, true},
       {"loss_tokens", "Training loss against tokens", "loss", "nats/token", Unit::plain, false, true},
       {"eval_loss", "Held-out loss", "eval_loss", "nats/token", Unit::plain, false, false, true, true},
-      {"eval_bpb", "Held-out bits per byte", "eval_bits_per_byte", "bits/byte", Unit::plain, false, false, true},
+      {"eval_bpb", "Held-out bits per byte", "eval_bits_per_byte", "bits/byte", Unit::plain, false, false,
+       true},
       {"lr", "Learning rate", "lr", "", Unit::plain},
-      {"grad_norm", "Gradient norm (before clipping)", "grad_norm", "", Unit::plain, true, false, false, true},
+      {"grad_norm", "Gradient norm (before clipping)", "grad_norm", "", Unit::plain, true, false, false,
+       true},
       {"tokens_per_s", "Throughput", "tokens_per_s", "tokens/s", Unit::count},
       {"mfu", "Model FLOPs utilisation", "mfu", "of peak", Unit::percent},
       {"peak_memory", "Peak memory (largest rank)", "peak_memory_bytes", "allocator", Unit::bytes},
@@ -537,33 +595,36 @@ std::vector<std::pair<std::string, std::string>> curve_charts(const std::vector<
       if (s.markers)
         for (const Event& e : runs[i].events)
           if ((e.kind == "rollback" || e.kind == "anomaly") && e.step >= 0)
-            c.markers.push_back({static_cast<double>(e.step), run_color(i), e.kind + " at step " +
-                                                                              std::to_string(e.step) + ": " + e.text});
+            c.markers.push_back({static_cast<double>(e.step), run_color(i),
+                                 e.kind + " at step " + std::to_string(e.step) + ": " + e.text});
     }
     add(c);
   }
   // Against a baseline run: each other run's held-out and (smoothed) training loss in percent of its.
   if (!o.baseline.empty()) {
-    const auto base = std::find_if(runs.begin(), runs.end(), [&](const RunData& r) { return r.label == o.baseline; });
+    const auto base =
+        std::find_if(runs.begin(), runs.end(), [&](const RunData& r) { return r.label == o.baseline; });
     const size_t b = static_cast<size_t>(base - runs.begin());
-    for (const auto& [id, series, what] : {std::tuple{"eval_vs_baseline", "eval_loss", "Held-out loss"},
-                                           std::tuple{"loss_vs_baseline", "loss", "Training loss (smoothed)"}}) {
+    for (const auto& [id, series, what] :
+         {std::tuple{"eval_vs_baseline", "eval_loss", "Held-out loss"},
+          std::tuple{"loss_vs_baseline", "loss", "Training loss (smoothed)"}}) {
       Chart c;
       c.id = id, c.y_label = "% vs " + o.baseline;
       c.title = fmt::format("{} relative to {}", what, o.baseline);
       const std::vector<Point>* reference = base == runs.end() ? nullptr : base->find(series);
       if (!reference) continue;
       const bool smooth = std::string(series) == "loss";
-      const std::vector<Point> ref = smooth ? moving_mean(*reference, smoothing(reference->size())) : *reference;
-      c.lines.push_back({"", run_color(b), "4 3", b, std::string(series) + ".vs_baseline",
-                         relative_to(ref, ref), !smooth});
+      const std::vector<Point> ref =
+          smooth ? moving_mean(*reference, smoothing(reference->size())) : *reference;
+      c.lines.push_back(
+          {"", run_color(b), "4 3", b, std::string(series) + ".vs_baseline", relative_to(ref, ref), !smooth});
       for (size_t i = 0; i < runs.size(); ++i) {
         const std::vector<Point>* p = runs[i].find(series);
         if (i == b || !p) continue;
-        c.lines.push_back({"", run_color(i), "", i, std::string(series) + ".vs_baseline",
-                           downsample(relative_to(smooth ? moving_mean(*p, smoothing(p->size())) : *p, ref),
-                                      o.max_points),
-                           !smooth});
+        c.lines.push_back(
+            {"", run_color(i), "", i, std::string(series) + ".vs_baseline",
+             downsample(relative_to(smooth ? moving_mean(*p, smoothing(p->size())) : *p, ref), o.max_points),
+             !smooth});
       }
       if (c.lines.size() > 1) add(c);
     }
@@ -572,7 +633,8 @@ std::vector<std::pair<std::string, std::string>> curve_charts(const std::vector<
   {
     Chart c;
     c.id = "fp8_scales", c.title = "FP8 scales (delayed recipe; median over Linears)", c.log_y = true;
-    const std::pair<const char*, const char*> roles[] = {{"input", ""}, {"weight", "6 3"}, {"grad_output", "2 3"}};
+    const std::pair<const char*, const char*> roles[] = {
+        {"input", ""}, {"weight", "6 3"}, {"grad_output", "2 3"}};
     for (size_t i = 0; i < runs.size(); ++i)
       for (const auto& [role, dash] : roles)
         if (const std::vector<Point>* p = runs[i].find(fmt::format("fp8.scale.{}.median", role)))
@@ -607,13 +669,15 @@ std::string events_section(const std::vector<RunData>& runs) {
   for (size_t i = 0; i < runs.size(); ++i)
     for (const Event& e : runs[i].events) {
       if (e.kind == "checkpoint") continue;  // counted in the summary; failures are listed
-      rows += fmt::format("<tr><td class=\"l\"><span class=\"swatch\" style=\"background:{}\"></span>{}</td><td>{}</td>"
-                          "<td class=\"l kind {}\">{}</td><td class=\"l small\">{}</td></tr>\n",
-                          run_color(i), esc(runs[i].label), e.step >= 0 ? std::to_string(e.step) : "",
-                          esc(e.kind), esc(e.kind), esc(e.text));
+      rows += fmt::format(
+          "<tr><td class=\"l\"><span class=\"swatch\" style=\"background:{}\"></span>{}</td><td>{}</td>"
+          "<td class=\"l kind {}\">{}</td><td class=\"l small\">{}</td></tr>\n",
+          run_color(i), esc(runs[i].label), e.step >= 0 ? std::to_string(e.step) : "", esc(e.kind),
+          esc(e.kind), esc(e.text));
     }
   if (rows.empty()) return {};
-  return "<h2 id=\"events\">Events</h2>\n<table class=\"events\"><thead><tr><th>run</th><th>step</th><th>event"
+  return "<h2 id=\"events\">Events</h2>\n<table "
+         "class=\"events\"><thead><tr><th>run</th><th>step</th><th>event"
          "</th><th>details</th></tr></thead><tbody>\n" +
          rows + "</tbody></table>\n";
 }
@@ -640,12 +704,13 @@ std::string profile_section(const std::vector<RunData>& runs, const Options& o, 
       if (shown++ >= o.profile_rows) break;
       const double seconds = row["seconds"].get<double>();
       const double flops = row.value("flops", 0.0), bytes = row.value("bytes", 0.0);
-      table += fmt::format("<tr><td>{:.3f}</td><td>{:.1f}%</td><td>{}</td><td>{}</td><td>{}</td><td class=\"l\">{}</td>"
-                           "<td class=\"l small\">{}</td></tr>\n",
-                           1e3 * seconds, total > 0 ? 100 * seconds / total : 0.0, row.value("calls", 0),
-                           flops > 0 && seconds > 0 ? fmt::format("{:.1f}", flops / seconds / 1e9) : "–",
-                           bytes > 0 && seconds > 0 ? fmt::format("{:.1f}", bytes / seconds / 1e9) : "–",
-                           esc(row.value("op", "?")), esc(row.value("detail", "")));
+      table += fmt::format(
+          "<tr><td>{:.3f}</td><td>{:.1f}%</td><td>{}</td><td>{}</td><td>{}</td><td class=\"l\">{}</td>"
+          "<td class=\"l small\">{}</td></tr>\n",
+          1e3 * seconds, total > 0 ? 100 * seconds / total : 0.0, row.value("calls", 0),
+          flops > 0 && seconds > 0 ? fmt::format("{:.1f}", flops / seconds / 1e9) : "–",
+          bytes > 0 && seconds > 0 ? fmt::format("{:.1f}", bytes / seconds / 1e9) : "–",
+          esc(row.value("op", "?")), esc(row.value("detail", "")));
     }
     std::vector<std::pair<double, std::string>> bars;
     for (const auto& [op, s] : by_op) bars.push_back({s, op});
@@ -654,7 +719,8 @@ std::string profile_section(const std::vector<RunData>& runs, const Options& o, 
     const double bw = 360, left = 200, bh = 18, height = 34 + bh * static_cast<double>(n) + 10;
     std::string svg = fmt::format(
         "<svg class=\"bars\" data-chart=\"profile\" data-run=\"{}\" xmlns=\"http://www.w3.org/2000/svg\" "
-        "width=\"{}\" height=\"{:.0f}\" viewBox=\"0 0 {} {:.0f}\">\n<text x=\"10\" y=\"18\" class=\"f-title\">Op "
+        "width=\"{}\" height=\"{:.0f}\" viewBox=\"0 0 {} {:.0f}\">\n<text x=\"10\" y=\"18\" "
+        "class=\"f-title\">Op "
         "time by kind</text>\n",
         i, left + bw + 80, height, left + bw + 80, height);
     const double top_value = n ? bars[0].first : 1;
@@ -663,27 +729,32 @@ std::string profile_section(const std::vector<RunData>& runs, const Options& o, 
       const double y = 30 + bh * static_cast<double>(k), w = bw * bars[k].first / top_value;
       kinds[bars[k].second] = bars[k].first;
       svg += fmt::format(
-          "<text class=\"f-tick\" x=\"{}\" y=\"{:.1f}\" text-anchor=\"end\">{}</text><rect x=\"{}\" y=\"{:.1f}\" "
+          "<text class=\"f-tick\" x=\"{}\" y=\"{:.1f}\" text-anchor=\"end\">{}</text><rect x=\"{}\" "
+          "y=\"{:.1f}\" "
           "width=\"{:.1f}\" height=\"{:.1f}\" fill=\"{}\"><title>{}: {:.3f} ms ({:.1f}%)</title></rect>"
           "<text class=\"f-tick\" x=\"{:.1f}\" y=\"{:.1f}\">{:.1f}%</text>\n",
           left - 6, y + 12, esc(bars[k].second), left, y + 2, w, bh - 4, run_color(i), esc(bars[k].second),
-          1e3 * bars[k].first, 100 * bars[k].first / total, left + w + 5, y + 12, 100 * bars[k].first / total);
+          1e3 * bars[k].first, 100 * bars[k].first / total, left + w + 5, y + 12,
+          100 * bars[k].first / total);
     }
     svg += "</svg>\n";
     data[i]["profile_seconds_by_op"] = kinds;
     const double wall = p.value("wall_seconds", 0.0);
-    out += fmt::format("<h3><span class=\"swatch\" style=\"background:{}\"></span>{}</h3>\n<p class=\"note\">{} "
-                       "step{} on {}: {:.2f} ms in ops{}.</p>\n",
-                       run_color(i), esc(runs[i].label), p.value("steps", 1), p.value("steps", 1) == 1 ? "" : "s",
-                       esc(p.value("device", "?")), 1e3 * total,
-                       wall > 0 ? fmt::format(" of {:.2f} ms wall ({:.0f}%)", 1e3 * wall, 100 * total / wall) : "");
-    out += svg + fmt::format("<details><summary>The {} largest rows</summary>", std::min(shown, o.profile_rows)) +
+    out += fmt::format(
+        "<h3><span class=\"swatch\" style=\"background:{}\"></span>{}</h3>\n<p class=\"note\">{} "
+        "step{} on {}: {:.2f} ms in ops{}.</p>\n",
+        run_color(i), esc(runs[i].label), p.value("steps", 1), p.value("steps", 1) == 1 ? "" : "s",
+        esc(p.value("device", "?")), 1e3 * total,
+        wall > 0 ? fmt::format(" of {:.2f} ms wall ({:.0f}%)", 1e3 * wall, 100 * total / wall) : "");
+    out += svg +
+           fmt::format("<details><summary>The {} largest rows</summary>", std::min(shown, o.profile_rows)) +
            "<table class=\"profile\"><thead><tr><th>ms</th><th>share</th><th>calls</th><th>GFLOP/s</th>"
            "<th>GB/s</th><th>op</th><th>shape</th></tr></thead><tbody>\n" +
            table + "</tbody></table></details>\n";
   }
   if (out.empty()) return {};
-  return "<h2 id=\"profile\">Op profile</h2>\n<p class=\"note\">Of the step named by <code>log.profile_step</code>"
+  return "<h2 id=\"profile\">Op profile</h2>\n<p class=\"note\">Of the step named by "
+         "<code>log.profile_step</code>"
          " (<code>profile.json</code>): every op's time on the first rank.</p>\n" +
          out;
 }
@@ -705,7 +776,8 @@ std::string pipeline_section(const std::vector<RunData>& runs) {
     pipeline::TimelineSvgStyle style;
     style.subtitle = "measured, time in ms; boxes labelled with their micro-batch";
     out += "<div class=\"timeline\" data-run=\"" + std::to_string(i) + "\">" +
-           pipeline::timeline_svg(spans, rows, runs[i].label + ": pipeline timeline of the profiled step", style) +
+           pipeline::timeline_svg(spans, rows, runs[i].label + ": pipeline timeline of the profiled step",
+                                  style) +
            "</div>\n";
   }
   if (out.empty()) return {};
@@ -719,8 +791,9 @@ std::string experts_section(const std::vector<RunData>& runs) {
     if (r.moe_layers.empty()) continue;
     std::vector<std::string> layer_names;
     for (int64_t l : r.moe_layers) layer_names.push_back(fmt::format("layer {}", l));
-    out += fmt::format("<h3><span class=\"swatch\" style=\"background:{}\"></span>{}</h3>\n<div class=\"row\">",
-                       run_color(i), esc(r.label));
+    out +=
+        fmt::format("<h3><span class=\"swatch\" style=\"background:{}\"></span>{}</h3>\n<div class=\"row\">",
+                    run_color(i), esc(r.label));
     if (r.load_step >= 0 && !r.load.empty() && !r.load[0].empty()) {
       std::vector<std::vector<double>> ratio = r.load;
       for (auto& row : ratio) {
@@ -730,8 +803,8 @@ std::string experts_section(const std::vector<RunData>& runs) {
       std::vector<std::string> experts;
       for (size_t e = 0; e < r.load[0].size(); ++e) experts.push_back(std::to_string(e));
       out += heat_map_svg(
-          "expert_load", fmt::format("Expert load at step {} (tokens / layer mean)", r.load_step), layer_names,
-          "expert", experts, ratio, [](double v) { return ramp(v / 2, kDiverging); },
+          "expert_load", fmt::format("Expert load at step {} (tokens / layer mean)", r.load_step),
+          layer_names, "expert", experts, ratio, [](double v) { return ramp(v / 2, kDiverging); },
           [&](size_t row, size_t e, double v) {
             return fmt::format("layer {}, expert {}: {:.0f} tokens, {:.2f}x the mean", r.moe_layers[row], e,
                                r.load[row][e], v);
@@ -752,8 +825,8 @@ std::string experts_section(const std::vector<RunData>& runs) {
       }
       if (top <= 0) top = 1;
       out += heat_map_svg(
-          "violation", "Load violation per layer over the run (max / mean − 1)", layer_names, "step", steps, v,
-          [top](double x) { return ramp(x / top, kHeat); },
+          "violation", "Load violation per layer over the run (max / mean − 1)", layer_names, "step", steps,
+          v, [top](double x) { return ramp(x / top, kHeat); },
           [&](size_t row, size_t c, double x) {
             return fmt::format("layer {}, step {}: violation {:.3f}", r.moe_layers[row], steps[c], x);
           },
@@ -772,11 +845,13 @@ std::string skipped_section(const std::vector<RunData>& runs) {
     out += fmt::format("<h3>{}: {} skipped</h3><ul class=\"skipped\">\n", esc(r.label), r.skipped_count);
     for (const std::string& s : r.skipped) out += "<li>" + esc(s) + "</li>\n";
     if (r.skipped_count > static_cast<int64_t>(r.skipped.size()))
-      out += fmt::format("<li>… and {} more</li>\n", r.skipped_count - static_cast<int64_t>(r.skipped.size()));
+      out +=
+          fmt::format("<li>… and {} more</li>\n", r.skipped_count - static_cast<int64_t>(r.skipped.size()));
     out += "</ul>\n";
   }
   if (out.empty()) return {};
-  return "<h2 id=\"skipped\">Skipped input</h2>\n<p class=\"note\">Everything valid was drawn; these lines or "
+  return "<h2 id=\"skipped\">Skipped input</h2>\n<p class=\"note\">Everything valid was drawn; these lines "
+         "or "
          "values were not.</p>\n" +
          out;
 }
@@ -824,8 +899,11 @@ std::string render_html(const std::vector<RunData>& runs, const Options& o) {
   const std::string title = o.title.empty() ? "forge report: " + labels : o.title;
   nlohmann::json data = nlohmann::json::array();
   for (const RunData& r : runs) {
-    nlohmann::json run = {{"label", r.label}, {"dir", r.dir.string()}, {"lines", r.lines},
-                          {"skipped_count", r.skipped_count}, {"skipped", r.skipped}};
+    nlohmann::json run = {{"label", r.label},
+                          {"dir", r.dir.string()},
+                          {"lines", r.lines},
+                          {"skipped_count", r.skipped_count},
+                          {"skipped", r.skipped}};
     nlohmann::json series = nlohmann::json::object();
     for (const auto& [name, points] : r.series) {
       nlohmann::json values = nlohmann::json::array();
@@ -836,22 +914,25 @@ std::string render_html(const std::vector<RunData>& runs, const Options& o) {
     nlohmann::json events = nlohmann::json::array();
     for (const Event& e : r.events) events.push_back({{"step", e.step}, {"kind", e.kind}});
     run["events"] = std::move(events);
-    if (r.load_step >= 0) run["expert_load"] = {{"step", r.load_step}, {"layers", r.moe_layers}, {"load", r.load}};
+    if (r.load_step >= 0)
+      run["expert_load"] = {{"step", r.load_step}, {"layers", r.moe_layers}, {"load", r.load}};
     data.push_back(std::move(run));
   }
   const std::string summary = summary_table(runs, data);
   std::string legend;
   for (size_t i = 0; i < runs.size(); ++i)
-    legend += fmt::format("<span class=\"run\"><span class=\"swatch\" style=\"background:{}\"></span>{} "
-                          "<span class=\"small\">({})</span></span> &nbsp; ",
-                          run_color(i), esc(runs[i].label), esc(runs[i].dir.string()));
+    legend += fmt::format(
+        "<span class=\"run\"><span class=\"swatch\" style=\"background:{}\"></span>{} "
+        "<span class=\"small\">({})</span></span> &nbsp; ",
+        run_color(i), esc(runs[i].label), esc(runs[i].dir.string()));
   const std::time_t now = std::time(nullptr);
   char when[32];
   std::strftime(when, sizeof when, "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
 
   std::string html = fmt::format(
       "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<meta name=\"viewport\" "
-      "content=\"width=device-width, initial-scale=1\">\n<title>{}</title>\n<style>{}</style>\n</head>\n<body>\n"
+      "content=\"width=device-width, "
+      "initial-scale=1\">\n<title>{}</title>\n<style>{}</style>\n</head>\n<body>\n"
       "<main>\n<h1>{}</h1>\n<p class=\"note\">{} &middot; written by forge report {}</p>\n",
       esc(title), std::string(kStyle) + kSvgStyle, esc(title), legend, when);
   // Several runs: what differs between them explains the curves, so it comes first.
@@ -864,8 +945,10 @@ std::string render_html(const std::vector<RunData>& runs, const Options& o) {
   if (runs.size() == 1) html += settings_table(runs);
   html += skipped_section(runs);
   // The data, as JSON that cannot end the script element early.
-  std::string json = nlohmann::json({{"runs", data}}).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
-  for (size_t at = json.find("</"); at != std::string::npos; at = json.find("</", at + 3)) json.replace(at, 2, "<\\/");
+  std::string json =
+      nlohmann::json({{"runs", data}}).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  for (size_t at = json.find("</"); at != std::string::npos; at = json.find("</", at + 3))
+    json.replace(at, 2, "<\\/");
   html += "<script type=\"application/json\" id=\"forge-report-data\">" + json + "</script>\n";
   html += "</main>\n</body>\n</html>\n";
   return html;
@@ -891,7 +974,8 @@ void write_report(const std::vector<RunData>& runs, const fs::path& output, cons
   write_file_atomically(output, render_html(runs, options), "report");
 }
 
-std::vector<fs::path> write_chart_svgs(const std::vector<RunData>& runs, const fs::path& dir, const Options& options) {
+std::vector<fs::path> write_chart_svgs(const std::vector<RunData>& runs, const fs::path& dir,
+                                       const Options& options) {
   check_baseline(runs, options);
   std::error_code ec;
   fs::create_directories(dir, ec);

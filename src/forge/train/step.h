@@ -96,9 +96,9 @@ struct StepResult {
 // over layers), "cv" (their mean), "balance_loss" and "aux_loss" (the sums), "bias_norm" (the largest),
 // "dropped", "dropped_fraction" (dropped over all assignments of every layer), "layers": [per layer: "layer",
 // "min", "max", "cv", "max_violation", "bias_norm", "balance_loss", "aux_loss", "dropped",
-// "dropped_fraction", and with with_loads "load": the tokens routed to each expert]}, "mtp": [per depth: "depth", "loss", "top1"]}; summary: their short form for the step
-// line (the auxiliary loss and the dropped fraction only when with_aux_loss / with_capacity). Both empty for
-// a model without experts or MTP.
+// "dropped_fraction", and with with_loads "load": the tokens routed to each expert]}, "mtp": [per depth:
+// "depth", "loss", "top1"]}; summary: their short form for the step line (the auxiliary loss and the dropped
+// fraction only when with_aux_loss / with_capacity). Both empty for a model without experts or MTP.
 struct BalanceMetrics {
   nlohmann::json fields = nlohmann::json::object();
   std::string summary;

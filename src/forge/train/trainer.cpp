@@ -138,7 +138,8 @@ nlohmann::json fp8_scale_fields(const fp8::DelayedScalingGroup& group) {
     for (size_t i = role; i < scales.size(); i += 3) values.push_back(scales[i]);
     if (values.empty()) continue;
     std::sort(values.begin(), values.end());
-    roles[names[role]] = {{"min", values.front()}, {"median", values[values.size() / 2]}, {"max", values.back()}};
+    roles[names[role]] = {
+        {"min", values.front()}, {"median", values[values.size() / 2]}, {"max", values.back()}};
   }
   return {{"scale", roles}};
 }
@@ -378,8 +379,10 @@ void TrainingRun::log_step(const StepResult& r, TrainResult&) {
   // The allocator's peak since the first step, the largest over ranks (one scalar all-reduce per log line).
   const TrainSetup& s = *setup_;
   record["peak_memory_bytes"] = comm::all_reduce_max(
-      world_, static_cast<double>(s.on_gpu() ? device_memory(s.device).peak_allocated() : memory_stats().peak_bytes));
-  if (const fp8::DelayedScalingGroup* g = s.fp8 ? s.fp8->delayed_group() : nullptr) record["fp8"] = fp8_scale_fields(*g);
+      world_,
+      static_cast<double>(s.on_gpu() ? device_memory(s.device).peak_allocated() : memory_stats().peak_bytes));
+  if (const fp8::DelayedScalingGroup* g = s.fp8 ? s.fp8->delayed_group() : nullptr)
+    record["fp8"] = fp8_scale_fields(*g);
   for (const auto& [key, value] : balance.fields.items()) record[key] = value;
   write_metrics(record);
   interval_start_ = Clock::now();

@@ -298,7 +298,8 @@ std::string chrome_trace_json(const std::vector<TimelineSpan>& spans,
   return trace.dump() + "\n";
 }
 
-std::vector<TimelineSpan> spans_from_chrome_trace(const std::string& json, double seconds_per_unit, int* rows) {
+std::vector<TimelineSpan> spans_from_chrome_trace(const std::string& json, double seconds_per_unit,
+                                                  int* rows) {
   FORGE_CHECK(seconds_per_unit > 0, "spans_from_chrome_trace: seconds_per_unit = {}", seconds_per_unit);
   const nlohmann::json trace = nlohmann::json::parse(json, nullptr, /*allow_exceptions=*/false);
   if (trace.is_discarded() || !trace.is_object() || !trace.contains("traceEvents") ||
@@ -324,7 +325,8 @@ std::vector<TimelineSpan> spans_from_chrome_trace(const std::string& json, doubl
     TimelineSpan s;
     s.op = *op;
     s.row = static_cast<int>(number(e, "tid"));
-    if (s.row < 0 || s.row > 1 << 16) fail("pipeline trace: event \"{}\" on row {}", e.value("name", "?"), s.row);
+    if (s.row < 0 || s.row > 1 << 16)
+      fail("pipeline trace: event \"{}\" on row {}", e.value("name", "?"), s.row);
     s.start = number(e, "ts") / us;
     s.end = s.start + number(e, "dur") / us;
     const nlohmann::json args = e.value("args", nlohmann::json::object());

@@ -46,6 +46,7 @@ std::string chrome_trace_json(const std::vector<TimelineSpan>& spans,
 
 // The inverse of chrome_trace_json: the spans of a trace it wrote (times in seconds_per_unit units) and the
 // number of rows (the largest tid + 1). Throws forge::Error naming the first event it cannot read.
-std::vector<TimelineSpan> spans_from_chrome_trace(const std::string& json, double seconds_per_unit, int* rows);
+std::vector<TimelineSpan> spans_from_chrome_trace(const std::string& json, double seconds_per_unit,
+                                                  int* rows);
 
 }  // namespace forge::pipeline
