@@ -122,8 +122,12 @@ class ReportCli : public ScratchDirTest {
 };
 
 TEST_F(ReportCli, AShortRunsReportLoadsInChromiumWithItsCurvesDrawn) {
-  const Outcome trained =
-      run_forge(train_args(path("llama.json"), "dense"), {.environment = "OMP_NUM_THREADS=1"});
+  // A NaN loss at step 25: the run rolls back, and the page shows it (an event row, a rule on the loss
+  // curve).
+  const Outcome trained = run_forge(train_args(path("llama.json"), "dense",
+                                               " --set resilience.snapshot_every=10 "
+                                               "--set \"resilience.inject=nan_loss step=25\""),
+                                    {.environment = "OMP_NUM_THREADS=1"});
   ASSERT_EQ(trained.status, 0) << trained.output;
   const fs::path page = dir_ / "dense" / "report.html";
   EXPECT_NE(trained.output.find("report: " + page.string()), std::string::npos) << trained.output;
@@ -146,7 +150,8 @@ TEST_F(ReportCli, AShortRunsReportLoadsInChromiumWithItsCurvesDrawn) {
   ASSERT_EQ(drawn.size(), losses.size());
   for (const nlohmann::json& p : drawn) EXPECT_EQ(p[2].get<double>(), losses.at(p[0].get<int64_t>()));
   for (const char* part : {"data-chart=\"loss\"", "data-chart=\"eval_loss\"", "data-chart=\"peak_memory\"",
-                           "data-chart=\"profile\"", "Op profile"})
+                           "data-chart=\"profile\"", "Op profile", "class=\"f-event\"",
+                           "<td class=\"l kind rollback\">rollback</td>"})
     EXPECT_NE(html.find(part), std::string::npos) << part;
 
   const Browser b = load(page, dir_, dir_ / "dense.png");
