@@ -12,6 +12,7 @@
 
 #include "forge/core/error.h"
 #include "forge/core/file_io.h"
+#include "forge/core/xml.h"
 #include "forge/parallel/pipeline/timeline.h"
 #include "forge/train/report.h"
 
@@ -26,32 +27,7 @@ constexpr const char* kRunColors[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e"
                                       "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"};
 const char* run_color(size_t run) { return kRunColors[run % std::size(kRunColors)]; }
 
-std::string esc(std::string_view text) {
-  std::string out;
-  out.reserve(text.size());
-  for (char c : text) {
-    switch (c) {
-      case '&':
-        out += "&amp;";
-        break;
-      case '<':
-        out += "&lt;";
-        break;
-      case '>':
-        out += "&gt;";
-        break;
-      case '"':
-        out += "&quot;";
-        break;
-      case '\'':
-        out += "&#39;";
-        break;
-      default:
-        out += c;
-    }
-  }
-  return out;
-}
+std::string esc(std::string_view text) { return xml_escape(text); }
 
 enum class Unit { plain, percent, bytes, count, seconds };
 

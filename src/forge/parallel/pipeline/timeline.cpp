@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "forge/core/error.h"
+#include "forge/core/xml.h"
 
 namespace forge::pipeline {
 
@@ -33,29 +34,6 @@ std::vector<TimelineSpan> timeline_of(const Schedule& schedule, const Replay& re
 }
 
 namespace {
-
-std::string xml_escape(const std::string& s) {
-  std::string out;
-  for (char c : s) {
-    switch (c) {
-      case '&':
-        out += "&amp;";
-        break;
-      case '<':
-        out += "&lt;";
-        break;
-      case '>':
-        out += "&gt;";
-        break;
-      case '"':
-        out += "&quot;";
-        break;
-      default:
-        out += c;
-    }
-  }
-  return out;
-}
 
 struct Rgb {
   double r, g, b;
