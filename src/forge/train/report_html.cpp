@@ -528,7 +528,7 @@ std::vector<std::pair<std::string, std::string>> curve_charts(const std::vector<
                                                               const Options& o) {
   const std::vector<CurveSpec> specs = {
       {"loss", "Training loss", "loss", "nats/token", Unit::plain, false, false, false, true},
-      {"loss_tokens", "Training loss against tokens", "loss", "nats/token", Unit::plain, false, true},
+      {"loss_tokens", "Training and held-out loss against tokens", "loss", "nats/token", Unit::plain, false, true},
       {"eval_loss", "Held-out loss", "eval_loss", "nats/token", Unit::plain, false, false, true, true},
       {"eval_bpb", "Held-out bits per byte", "eval_bits_per_byte", "bits/byte", Unit::plain, false, false,
        true},
@@ -568,6 +568,10 @@ std::vector<std::pair<std::string, std::string>> curve_charts(const std::vector<
                 downsample(moving_mean(*p, half), o.max_points)};
       }
       c.lines.push_back(std::move(line));
+      // Against tokens the held-out loss joins the training loss (dashed, a dot per evaluation).
+      if (s.id == "loss_tokens")
+        if (const std::vector<Point>* e = runs[i].find("eval_loss"))
+          c.lines.push_back({"held-out", run_color(i), "4 3", i, "eval_loss", downsample(*e, o.max_points), true});
       if (s.markers)
         for (const Event& e : runs[i].events)
           if ((e.kind == "rollback" || e.kind == "anomaly") && e.step >= 0)
