@@ -131,10 +131,13 @@ done
 
 report_status=0
 python3 bench/fp8/report.py "$OUT" --baseline bf16 --out "$REPORT_DIR" --tolerance "$TOLERANCE" || report_status=$?
-# Every run that has metrics, bf16 first (the baseline the others are drawn against).
+# Every run in OUT that has metrics (as report.py takes them), bf16 first: the baseline the others are drawn
+# against.
 report_runs=()
-for name in bf16 "${recipes[@]}"; do
-  [[ -f $OUT/$name/metrics.jsonl && ! " ${report_runs[*]} " =~ " $OUT/$name " ]] && report_runs+=("$OUT/$name")
+[[ -f $OUT/bf16/metrics.jsonl ]] && report_runs+=("$OUT/bf16")
+for dir in "$OUT"/*/; do
+  dir=${dir%/}
+  [[ -f $dir/metrics.jsonl && $dir != "$OUT/bf16" ]] && report_runs+=("$dir")
 done
 if ((${#report_runs[@]} > 0)); then
   baseline=()

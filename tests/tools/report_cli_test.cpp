@@ -158,6 +158,8 @@ TEST_F(ReportCli, AShortRunsReportLoadsInChromiumWithItsCurvesDrawn) {
   ASSERT_EQ(b.status, 0) << b.log;
   EXPECT_EQ(b.console, "") << "the page logged to the console";
   EXPECT_NE(b.dom.find("data-chart=\"loss\""), std::string::npos);
+  EXPECT_NE(b.dom.find("<html lang=\"en\" data-ready=\"1\">"),
+            std::string::npos);  // its script ran to the end
   // The curves' pixels: the first run's colour, far more of it than the page shows without its curves.
   const Browser bare = load(without_curves(page), dir_, dir_ / "bare.png");
   ASSERT_EQ(bare.status, 0) << bare.log;

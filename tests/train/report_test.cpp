@@ -168,6 +168,16 @@ TEST_F(ReportTest, TwoRunsOfOneNameGetDistinctLabels) {
   const std::vector<RunData> runs = read_runs({dir_ / "a/run", dir_ / "b/run/"});
   EXPECT_EQ(runs[0].label, "run");
   EXPECT_EQ(runs[1].label, "b/run");
+  // A folder of runs stands for them.
+  fs::create_directories(dir_ / "sweep");
+  fs::rename(dir_ / "a", dir_ / "sweep" / "a");
+  fs::rename(dir_ / "b", dir_ / "sweep" / "b");
+  const std::vector<RunData> sweep = read_runs({dir_ / "sweep" / "b", dir_ / "sweep" / "a"});
+  ASSERT_EQ(sweep.size(), 2u);
+  EXPECT_EQ(sweep[0].dir, dir_ / "sweep" / "b" / "run");
+  EXPECT_EQ(read_runs({dir_ / "sweep" / "a" / "run", dir_ / "sweep" / "a"}).size(),
+            1u);                                     // named twice, drawn once
+  EXPECT_THROW(read_runs({dir_ / "sweep"}), Error);  // its sub-folders hold runs only one level down
   const std::string html = render_html(runs);
   EXPECT_NE(html.find("Settings that differ"), std::string::npos);
   EXPECT_NE(html.find("<td class=\"l\"><code>train.lr</code></td><td>0.1</td><td>0.2</td>"),

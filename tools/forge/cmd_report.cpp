@@ -60,7 +60,12 @@ void add_report_command(CLI::App& app, Commands& commands) {
       "Draw one or more training runs as a self-contained HTML page: loss, held-out loss, learning rate, "
       "gradient norm, throughput, MFU and memory curves, FP8 scales, MoE balance, rollbacks, the op profile, "
       "the pipeline timeline and expert-load heat maps (several runs overlay for comparison)");
-  report->add_option("runs", o->runs, "run directories (each with a metrics.jsonl)")->required();
+  report
+      ->add_option(
+          "runs", o->runs,
+          "run directories (each with a metrics.jsonl), or folders of them (a sweep: every sub-folder "
+          "with a metrics.jsonl)")
+      ->required();
   report->add_option(
       "-o,--output", o->output,
       "the HTML file to write (default: RUN_DIR/report.html for one run, report.html for several)");

@@ -1,7 +1,8 @@
 // `forge report`: a training run (or several, overlaid) as one self-contained HTML page — loss, learning
 // rate, gradient norm, throughput, MFU and memory curves, FP8 scales, MoE balance, rollbacks and
 // checkpoints, the op profile, the pipeline timeline and the expert-load heat maps — drawn as inline SVG
-// with no network access and no script framework (docs/report.md).
+// with no network access and no script framework (a few lines of plain script add hover values; the page
+// reads the same without them; docs/report.md).
 //
 // Reading is forgiving: a run directory's metrics.jsonl may end in a half-written line (a killed run) or
 // hold values that are not numbers; what is valid is drawn and what was skipped is listed on the page.
@@ -89,6 +90,7 @@ struct Options {
 std::string render_html(const std::vector<RunData>& runs, const Options& options = {});
 
 // read_run of each directory, with labels made unique (two runs both named "run" become "a/run", "b/run").
+// A directory without a metrics.jsonl whose sub-folders have one (a sweep) stands for those, in name order.
 std::vector<RunData> read_runs(const std::vector<std::filesystem::path>& dirs);
 
 // Every curve chart of the page as a standalone SVG file (styles inside, the runs named at the bottom), for

@@ -1,5 +1,5 @@
-// forge report: the page (report.h). Plain HTML, CSS and inline SVG written here; no scripts but the
-// embedded data block.
+// forge report: the page (report.h). Plain HTML, CSS and inline SVG written here; the embedded data block
+// and a few lines of plain script for hover values.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -161,10 +161,11 @@ std::string chart_svg(const Chart& c) {
   const double px0 = kLeft, px1 = kW - kRight, py0 = kH - kBottom, py1 = kTop;
   std::string out = fmt::format(
       "<svg class=\"chart\" data-chart=\"{}\" xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" "
-      "height=\"{}\" "
-      "viewBox=\"0 0 {} {}\" role=\"img\" aria-label=\"{}\">\n"
+      "height=\"{}\" viewBox=\"0 0 {} {}\" role=\"img\" aria-label=\"{}\" data-x0=\"{}\" data-x1=\"{}\" "
+      "data-px0=\"{}\" data-px1=\"{}\" data-py0=\"{}\" data-py1=\"{}\" data-xtokens=\"{}\">\n"
       "<text x=\"{}\" y=\"18\" class=\"f-title\">{}</text>\n",
-      esc(c.id), kW, kH, kW, kH, esc(c.title), kLeft, esc(c.title));
+      esc(c.id), kW, kH, kW, kH, esc(c.title), xa.lo, xa.hi, px0, px1, py0, py1, c.x_tokens ? 1 : 0, kLeft,
+      esc(c.title));
   // Grid and tick labels.
   for (double t : ya.ticks) {
     const double y = ya.map(t, py0, py1);
@@ -528,7 +529,8 @@ std::vector<std::pair<std::string, std::string>> curve_charts(const std::vector<
                                                               const Options& o) {
   const std::vector<CurveSpec> specs = {
       {"loss", "Training loss", "loss", "nats/token", Unit::plain, false, false, false, true},
-      {"loss_tokens", "Training and held-out loss against tokens", "loss", "nats/token", Unit::plain, false, true},
+      {"loss_tokens", "Training and held-out loss against tokens", "loss", "nats/token", Unit::plain, false,
+       true},
       {"eval_loss", "Held-out loss", "eval_loss", "nats/token", Unit::plain, false, false, true, true},
       {"eval_bpb", "Held-out bits per byte", "eval_bits_per_byte", "bits/byte", Unit::plain, false, false,
        true},
@@ -571,7 +573,8 @@ std::vector<std::pair<std::string, std::string>> curve_charts(const std::vector<
       // Against tokens the held-out loss joins the training loss (dashed, a dot per evaluation).
       if (s.id == "loss_tokens")
         if (const std::vector<Point>* e = runs[i].find("eval_loss"))
-          c.lines.push_back({"held-out", run_color(i), "4 3", i, "eval_loss", downsample(*e, o.max_points), true});
+          c.lines.push_back(
+              {"held-out", run_color(i), "4 3", i, "eval_loss", downsample(*e, o.max_points), true});
       if (s.markers)
         for (const Event& e : runs[i].events)
           if ((e.kind == "rollback" || e.kind == "anomaly") && e.step >= 0)
@@ -836,6 +839,67 @@ std::string skipped_section(const std::vector<RunData>& runs) {
          out;
 }
 
+// Hovering a chart: a vertical rule and, for each curve, its value at the nearest logged point (read from
+// the embedded data). Plain DOM code; the page reads fine without it.
+constexpr const char* kScript = R"(
+(function () {
+  var runs = JSON.parse(document.getElementById('forge-report-data').textContent).runs;
+  var tip = document.createElement('div');
+  tip.className = 'f-tip';
+  document.body.appendChild(tip);
+  function esc(s) {
+    return String(s).replace(/[&<>"]/g, function (c) {
+      return {'&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;'}[c];
+    });
+  }
+  function fmt(v) {
+    var a = Math.abs(v);
+    return a >= 1e5 || (a < 1e-3 && v !== 0) ? v.toExponential(3) : String(+v.toPrecision(5));
+  }
+  document.querySelectorAll('svg.chart').forEach(function (svg) {
+    var d = svg.dataset, x0 = +d.x0, x1 = +d.x1, p0 = +d.px0, p1 = +d.px1, tokens = d.xtokens === '1';
+    var lines = [];
+    svg.querySelectorAll('path.f-curve').forEach(function (path) {
+      var run = runs[+path.dataset.run];
+      var points = run && run.series[path.dataset.series];
+      if (points && points.length) lines.push({run: run, name: path.dataset.series, points: points,
+                                               color: path.getAttribute('stroke')});
+    });
+    if (!lines.length) return;
+    var rule = document.createElementNS('http://www.w3.org/2000/svg', 'line');
+    rule.setAttribute('class', 'f-rule');
+    rule.setAttribute('y1', d.py1);
+    rule.setAttribute('y2', d.py0);
+    rule.style.display = 'none';
+    svg.appendChild(rule);
+    function hide() { tip.style.display = 'none'; rule.style.display = 'none'; }
+    svg.addEventListener('mouseleave', hide);
+    svg.addEventListener('mousemove', function (e) {
+      var box = svg.getBoundingClientRect();
+      var px = (e.clientX - box.left) * svg.viewBox.baseVal.width / box.width;
+      if (px < p0 || px > p1) { hide(); return; }
+      var x = x0 + (px - p0) / (p1 - p0) * (x1 - x0), rows = [];
+      lines.forEach(function (l) {
+        var best = l.points[0];
+        l.points.forEach(function (q) {
+          if (Math.abs((tokens ? q[1] : q[0]) - x) < Math.abs((tokens ? best[1] : best[0]) - x)) best = q;
+        });
+        rows.push('<span style="color:' + l.color + '">&#9632;</span> ' + esc(l.run.label) + ' ' + esc(l.name) +
+                  ' <b>' + fmt(best[2]) + '</b> <span class="f-dim">step ' + best[0] + '</span>');
+      });
+      rule.setAttribute('x1', px);
+      rule.setAttribute('x2', px);
+      rule.style.display = '';
+      tip.innerHTML = rows.join('<br>');
+      tip.style.display = 'block';
+      tip.style.left = (e.pageX + 14) + 'px';
+      tip.style.top = (e.pageY + 12) + 'px';
+    });
+  });
+  document.documentElement.dataset.ready = '1';
+})();
+)";
+
 // The charts' own styles (also inside each SVG that write_chart_svgs writes), then the page's.
 constexpr const char* kSvgStyle = R"(
 svg{font-family:-apple-system,"Segoe UI",Helvetica,Arial,sans-serif}svg .f-title{font-size:13px;font-weight:600;fill:#1b1f24}
@@ -857,6 +921,9 @@ details summary{cursor:pointer;font-size:13px;color:#333;margin:6px 0}
 svg{background:#fff;border:1px solid #e1e4e8;border-radius:6px}
 td.kind.rollback,td.kind.anomaly,td.kind.checkpoint_failed{color:#b2182b;font-weight:600}
 ul.skipped{font-size:12px;color:#7a4b00}.timeline svg{max-width:100%;height:auto}
+.f-tip{position:absolute;display:none;background:#fff;border:1px solid #c9ced4;border-radius:4px;padding:5px 8px;
+font-size:12px;box-shadow:0 2px 6px rgba(0,0,0,.12);pointer-events:none;white-space:nowrap}.f-dim{color:#777}
+svg .f-rule{stroke:#888;stroke-width:1;stroke-dasharray:2 2}
 )";
 
 }  // namespace
@@ -930,12 +997,31 @@ std::string render_html(const std::vector<RunData>& runs, const Options& o) {
   for (size_t at = json.find("</"); at != std::string::npos; at = json.find("</", at + 3))
     json.replace(at, 2, "<\\/");
   html += "<script type=\"application/json\" id=\"forge-report-data\">" + json + "</script>\n";
+  html += std::string("<script>") + kScript + "</script>\n";
   html += "</main>\n</body>\n</html>\n";
   return html;
 }
 
-std::vector<RunData> read_runs(const std::vector<fs::path>& dirs) {
-  if (dirs.empty()) fail("forge report: no run directories given");
+std::vector<RunData> read_runs(const std::vector<fs::path>& given) {
+  if (given.empty()) fail("forge report: no run directories given");
+  // A folder of runs (a sweep, a study) stands for the runs in it, in name order.
+  std::vector<fs::path> dirs;
+  for (const fs::path& d : given) {
+    std::error_code ec;
+    std::vector<fs::path> inside;
+    if (fs::is_directory(d, ec) && !fs::exists(d / "metrics.jsonl", ec))
+      for (const fs::directory_entry& e : fs::directory_iterator(d, ec))
+        if (e.is_directory(ec) && fs::exists(e.path() / "metrics.jsonl", ec)) inside.push_back(e.path());
+    std::sort(inside.begin(), inside.end());
+    if (inside.empty()) inside.push_back(d);
+    // A run named twice (on its own and inside its folder) is drawn once, where it came first.
+    for (const fs::path& run : inside) {
+      const fs::path key = fs::weakly_canonical(run, ec);
+      if (std::none_of(dirs.begin(), dirs.end(),
+                       [&](const fs::path& o) { return fs::weakly_canonical(o, ec) == key; }))
+        dirs.push_back(run);
+    }
+  }
   std::vector<RunData> runs;
   std::map<std::string, int> seen;
   for (const fs::path& d : dirs) {
@@ -966,10 +1052,20 @@ std::vector<fs::path> write_chart_svgs(const std::vector<RunData>& runs, const f
   for (size_t i = 0; i < runs.size(); ++i)
     legend += fmt::format("<tspan fill=\"{}\">■ {}</tspan>  ", run_color(i), esc(runs[i].label));
   for (auto [id, svg] : curve_charts(runs, options)) {
+    // 18 px more at the bottom for the runs' names, below the axis label.
+    for (const std::string& from :
+         {fmt::format("height=\"{}\"", kH), fmt::format("viewBox=\"0 0 {} {}\"", kW, kH)}) {
+      const size_t at = svg.find(from);
+      FORGE_CHECK(at != std::string::npos, "chart {}: no {}", id, from);
+      const std::string height = std::to_string(static_cast<int>(kH));  // the end of `from`, before its quote
+      svg.replace(
+          at, from.size(),
+          from.substr(0, from.size() - height.size() - 1) + std::to_string(static_cast<int>(kH) + 18) + "\"");
+    }
     const size_t body = svg.find(">\n") + 2;
     svg.insert(body, fmt::format("<style>{}</style>\n<rect width=\"100%\" height=\"100%\" fill=\"#fff\"/>\n"
                                  "<text x=\"8\" y=\"{}\" class=\"f-legend\">{}</text>\n",
-                                 kSvgStyle, kH - 6, legend));
+                                 kSvgStyle, kH + 10, legend));
     svg.insert(0, "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n");
     const fs::path path = dir / (id + ".svg");
     write_file_atomically(path, svg, "chart");
