@@ -155,6 +155,9 @@ TEST(HardwareProfile, CostsRowsByMeasurementThenCurve) {
   EXPECT_EQ(again.measured, h.measured);
   EXPECT_EQ(again.gemm_efficiency, h.gemm_efficiency);
   EXPECT_EQ(again.node, h.node);
+  HardwareProfile shared = h;
+  shared.node = {50, 3, 20, 0.25};
+  EXPECT_EQ(HardwareProfile::parse(shared.to_toml(), "shared.toml").node, shared.node);
 }
 
 void expect_refused(const std::string& text, const std::string& culprit) {
@@ -179,6 +182,9 @@ TEST(HardwareProfile, RefusesMalformedInput) {
   std::string curve = text;
   curve.replace(curve.find("[[6.0, 0.25], [9.0, 0.75]]"), 26, "[[9.0, 0.25], [6.0, 0.75]]");
   expect_refused(curve, "gemm_efficiency");
+  std::string share = text;
+  share.replace(share.find("latency_us = 2"), 14, "latency_us = 2\nhost_share = 1.5");
+  expect_refused(share, "link.node.host_share");
   expect_refused("[hardware\n", "bad.toml:");
   expect_refused("[link.node]\nbandwidth_gbs = 1\n", "missing table [hardware]");
   EXPECT_THROW((void)Cluster::parse("[cluster]\nhardware = \"no-such-gpu\"\n", "c.toml"), Error);
@@ -226,6 +232,33 @@ TEST(Simulator, ReplaysTheScheduleForMemoryAndTime) {
   // Too many ranks for the cluster: one line.
   d.dp = 16;
   EXPECT_THROW(sim.estimate(d), Error);
+}
+
+// Host-progressed collectives (MPI on CPUs): the link's host share of every overlapped bucket is taken from
+// the compute, so it adds to the step whole even where the link hides under backward.
+TEST(Simulator, ChargesTheHostShareOfOverlappedReductionsToTheStep) {
+  const std::unique_ptr<models::ModelConfig> config = models::read_model_config(kLlama);
+  HardwareProfile h = HardwareProfile::parse(kProfile, "t.toml");
+  h.memory_gib = 64;
+  h.node.bandwidth_gbs = 1000;  // a fast link: the reductions hide under backward
+  Strategy d = small(1, "none");
+  d.dp = 2;
+  const Estimate hidden = Simulator(*config, Cluster::single_node(h, 2)).estimate(d);
+  ASSERT_GT(hidden.time.dp_comm, 0);
+  h.node.host_share = 0.5;
+  const Estimate shared = Simulator(*config, Cluster::single_node(h, 2)).estimate(d);
+  EXPECT_DOUBLE_EQ(shared.time.dp_comm, hidden.time.dp_comm);
+  // What was exposed past backward can only shrink (backward ends later); the stall adds in full.
+  const double stall = 0.5 * hidden.time.dp_comm;
+  EXPECT_LE(shared.time.step - hidden.time.step, stall + 1e-12);
+  EXPECT_GE(shared.time.step - hidden.time.step, stall - hidden.time.dp_exposed - 1e-12);
+  EXPECT_GE(shared.time.dp_exposed, stall);
+  // One rank has no reduction to share.
+  d.dp = 1;
+  HardwareProfile unshared = h;
+  unshared.node.host_share = 0;
+  EXPECT_DOUBLE_EQ(Simulator(*config, Cluster::single_node(h, 1)).estimate(d).time.step,
+                   Simulator(*config, Cluster::single_node(unshared, 1)).estimate(d).time.step);
 }
 
 TEST(Simulator, SaysByHowMuchAStrategyDoesNotFit) {

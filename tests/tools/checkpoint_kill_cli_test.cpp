@@ -279,33 +279,31 @@ TEST_F(CheckpointKill, FailedSaveLeavesThePreviousCheckpoint) {
   }
 }
 
-std::string mpirun(int ranks) {
-  return std::string(FORGE_MPIEXEC) + " -np " + std::to_string(ranks) + " --oversubscribe --bind-to none";
-}
-
 // Two ranks (data parallel): each rank killed alone at each step of a save, and the whole job at random.
 TEST_F(CheckpointKill, TwoRanksUnderMpirun) {
-  const double seconds = train_reference(mpirun(2));
-  kill_at_every_point(2, mpirun(2));
-  kill_at_random(8, 2, mpirun(2), seconds);
+  const double seconds = train_reference(mpirun_launcher(2));
+  kill_at_every_point(2, mpirun_launcher(2));
+  kill_at_random(8, 2, mpirun_launcher(2), seconds);
   // One rank's periodic save fails: every rank goes on (no rank waits forever), the checkpoint of that step
   // never appears, and the run ends on the uninterrupted run's checkpoint.
-  const auto [status, unused] = run_train(
-      command(train_args("fail"), "FORGE_TEST_FAIL_AT=save.write_shard:2@1", mpirun(2)), std::nullopt);
+  const auto [status, unused] =
+      run_train(command(train_args("fail"), "FORGE_TEST_FAIL_AT=save.write_shard:2@1", mpirun_launcher(2)),
+                std::nullopt);
   const std::string log = read_file(path("log.txt"));
   EXPECT_EQ(status, 0) << log;
   EXPECT_NE(log.find("checkpoint of step 2 failed: rank 1: save.write_shard: injected failure"),
             std::string::npos)
       << log;
   EXPECT_FALSE(fs::exists(path("fail") + "/checkpoint/step-00000002"));
-  check_after_kill("fail", 2, mpirun(2), "failed periodic save on rank 1", kSteps);
+  check_after_kill("fail", 2, mpirun_launcher(2), "failed periodic save on rank 1", kSteps);
   // Its final save fails: the job ends with the error and the previous checkpoint stays.
   const auto [final_status, unused2] = run_train(
-      command(train_args("fail_final"), "FORGE_TEST_FAIL_AT=save.write_shard:5@1", mpirun(2)), std::nullopt);
+      command(train_args("fail_final"), "FORGE_TEST_FAIL_AT=save.write_shard:5@1", mpirun_launcher(2)),
+      std::nullopt);
   const std::string final_log = read_file(path("log.txt"));
   EXPECT_NE(final_status, 0) << final_log;
   EXPECT_NE(final_log.find("rank 1: save.write_shard: injected failure"), std::string::npos) << final_log;
-  check_after_kill("fail_final", 2, mpirun(2), "failed final save on rank 1", kSteps - 1);
+  check_after_kill("fail_final", 2, mpirun_launcher(2), "failed final save on rank 1", kSteps - 1);
 }
 
 // Killing mpirun alone (a SIGKILL of its process group, which holds no rank) ends its ranks too. Orphaned
@@ -317,7 +315,7 @@ TEST_F(CheckpointKill, RanksDieWithTheirKilledMpirun) {
   const std::string stalled = "rank 1 stalls at before_init";
   run_train(
       command(train_args("orphans", " --set parallel.timeout_s=600"), "FORGE_FAULT_STALL=before_init:1",
-              mpirun(2)),
+              mpirun_launcher(2)),
       [&] { return read_file(path("log.txt")).find(stalled) != std::string::npos; }, /*leave_ranks=*/true);
   EXPECT_NE(read_file(path("log.txt")).find(stalled), std::string::npos) << read_file(path("log.txt"));
   EXPECT_TRUE(job_ends_within(std::chrono::seconds(20)))

@@ -50,10 +50,10 @@ enum class Stderr {
 
 struct RunOptions {
   Stderr stderr_to = Stderr::merged;
-  std::optional<std::string> input;  // piped to stdin when set; otherwise stdin is the test's own
-  std::string environment;           // prepended to the command, e.g. "OMP_NUM_THREADS=1"
-  fs::path scratch_dir;              // holds stdin.txt / stderr.txt; needed with `input` or Stderr::apart
-  std::string launcher = {};         // placed before the binary, e.g. "mpirun -np 2 --oversubscribe"
+  std::optional<std::string> input = {};  // piped to stdin when set; otherwise stdin is the test's own
+  std::string environment = {};           // prepended to the command, e.g. "OMP_NUM_THREADS=1"
+  fs::path scratch_dir = {};  // holds stdin.txt / stderr.txt; needed with `input` or Stderr::apart
+  std::string launcher = {};  // placed before the binary, e.g. "mpirun -np 2 --oversubscribe"
 };
 
 struct Outcome {
@@ -113,6 +113,20 @@ inline void expect_one_line_error(const std::string& args, const std::string& cu
   EXPECT_NE(message.find(culprit), std::string::npos) << message;
   EXPECT_EQ(std::count(message.begin(), message.end(), '\n'), 1) << message;
 }
+
+#ifdef FORGE_MPIEXEC
+// The launcher of a job of `ranks` processes on this machine (more ranks than cores allowed).
+inline std::string mpirun_launcher(int ranks) {
+  return std::string(FORGE_MPIEXEC) + " -np " + std::to_string(ranks) + " --oversubscribe --bind-to none";
+}
+// run_forge's options for such a job: mpirun may run as root (CI does), one OpenMP thread per rank.
+inline RunOptions under_mpirun(int ranks) {
+  RunOptions o;
+  o.launcher = mpirun_launcher(ranks);
+  o.environment = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1";
+  return o;
+}
+#endif
 
 // A fresh, empty folder for each test: <tmp>/forge_<Suite>.<Test>_<pid>. A fixture that needs more set-up
 // overrides SetUp() and calls ScratchDirTest::SetUp() first.

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "forge/sim/hardware.h"
 #include "tools/cli_harness.h"
 
 namespace forge {
@@ -19,6 +20,7 @@ using testing::cli::expect_one_line_error;
 using testing::cli::Outcome;
 using testing::cli::read_file;
 using testing::cli::run_forge;
+using testing::cli::under_mpirun;
 
 struct Row {
   int rank = -1;
@@ -244,6 +246,29 @@ TEST_F(PlanCli, CalibratedPredictionMatchesTheRunsPeakMemory) {
     checked = true;
   }
   EXPECT_TRUE(checked) << "no prediction_check event in metrics.jsonl";
+}
+
+// Two ranks at once: calibrate also times the link between them and how much of an overlapped all-reduce
+// the computing thread pays for (MPI progresses it on that thread); the profile it writes says both and reads
+// back.
+TEST_F(PlanCli, CalibratesTheLinkUnderMpirun) {
+  std::ofstream(path("model.json"))
+      << R"({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+      "num_key_value_heads": 2, "vocab_size": 300, "max_position_embeddings": 64})";
+  const Outcome c = run_forge("plan calibrate --model " + path("model.json") +
+                                  " --seq-len 32 --micro-batch 2 --tp 1 --recompute none --repeats 1 --out " +
+                                  path("cpu2.toml"),
+                              under_mpirun(2));
+  ASSERT_EQ(c.status, 0) << c.output;
+  EXPECT_NE(c.output.find("of an overlapped all-reduce taken from the compute"), std::string::npos)
+      << c.output;
+  const sim::HardwareProfile h = sim::HardwareProfile::read(path("cpu2.toml"));
+  EXPECT_GT(h.node.bandwidth_gbs, 0);
+  EXPECT_GT(h.node.async_bandwidth_gbs, 0);
+  EXPECT_GE(h.node.host_share, 0);
+  EXPECT_LE(h.node.host_share, 1);
+  EXPECT_EQ(h.network, h.node);
+  EXPECT_NE(read_file(path("cpu2.toml")).find("under mpirun -np 2"), std::string::npos);
 }
 
 TEST_F(PlanCli, SimulatorRefusesBadInput) {

@@ -20,14 +20,6 @@ namespace {
 
 const fs::path kRepo = fs::path(FORGE_FIXTURE_DIR).parent_path().parent_path();
 
-RunOptions mpirun(int ranks) {
-  RunOptions o;
-  o.launcher =
-      std::string(FORGE_MPIEXEC) + " -np " + std::to_string(ranks) + " --oversubscribe --bind-to none";
-  o.environment = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1";
-  return o;
-}
-
 // Chromium's binary: Debian's `chromium`, or FORGE_CHROMIUM.
 std::string chromium() {
   if (const char* c = std::getenv("FORGE_CHROMIUM"); c && *c) return c;
@@ -182,7 +174,7 @@ TEST_F(ReportCli, TwoRunsOverlaidWithPipelineTimelineAndExpertLoads) {
       run_forge(train_args(moe_model, "moe",
                            " --set parallel.pp=2 --set parallel.pp_layers=1,2 --set train.grad_accum=4 "
                            "--set log.expert_load_every=10 --set log.report=false"),
-                mpirun(2));
+                under_mpirun(2));
   ASSERT_EQ(moe.status, 0) << moe.output;
   EXPECT_FALSE(fs::exists(dir_ / "moe" / "report.html"));  // log.report=false
   ASSERT_TRUE(fs::exists(dir_ / "moe" / "pipeline_trace.json"));

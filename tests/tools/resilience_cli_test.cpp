@@ -44,9 +44,6 @@ class ResilienceCli : public ScratchDirTest {
            path(run) + extra;
   }
 
-  static std::string mpirun(int ranks) {
-    return std::string(FORGE_MPIEXEC) + " -np " + std::to_string(ranks) + " --oversubscribe --bind-to none";
-  }
   static std::string environment(const std::string& fault) {
     return "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 FORGE_FAULT='" +
            fault + "'";
@@ -143,19 +140,19 @@ TEST_F(ResilienceCli, OneProcessKilledOrHungIsRestartedAndResumesExactly) {
 // past parallel.timeout_s = 10 s), and each relaunched job ends on the uninterrupted run's checkpoint.
 TEST_F(ResilienceCli, RankFaultsUnderMpirunEndTheJobAndLaunchRestartsItExactly) {
   const std::string tp2 = " --set parallel.tp=2";
-  const auto [reference, unused] = train("ref", mpirun(2), "", tp2);
+  const auto [reference, unused] = train("ref", mpirun_launcher(2), "", tp2);
   ASSERT_EQ(reference.status, 0) << reference.output;
 
   // Without launch: the job ends by itself, with one line saying why.
-  const auto [killed, killed_s] = train("killed", mpirun(2), "kill step=3 rank=1", tp2);
+  const auto [killed, killed_s] = train("killed", mpirun_launcher(2), "kill step=3 rank=1", tp2);
   EXPECT_NE(killed.status, 0) << killed.output;
   EXPECT_LT(killed_s, 60) << killed.output;
-  const auto [thrown, thrown_s] = train("thrown", mpirun(2), "throw step=3 rank=1", tp2);
+  const auto [thrown, thrown_s] = train("thrown", mpirun_launcher(2), "throw step=3 rank=1", tp2);
   EXPECT_NE(thrown.status, 0) << thrown.output;
   EXPECT_NE(thrown.output.find("throw at step 3 on rank 1: injected exception"), std::string::npos)
       << thrown.output;
   EXPECT_LT(thrown_s, 60) << thrown.output;
-  const auto [hung, hung_s] = train("hung", mpirun(2), "hang step=3 rank=1", tp2);
+  const auto [hung, hung_s] = train("hung", mpirun_launcher(2), "hang step=3 rank=1", tp2);
   EXPECT_NE(hung.status, 0) << hung.output;
   EXPECT_NE(hung.output.find("did not complete within 10"), std::string::npos) << hung.output;
   EXPECT_LT(hung_s, 60) << hung.output;
@@ -163,7 +160,7 @@ TEST_F(ResilienceCli, RankFaultsUnderMpirunEndTheJobAndLaunchRestartsItExactly) 
   // With launch: each is restarted from the newest checkpoint and finishes exactly.
   for (const char* fault : {"kill step=4 rank=1", "throw step=4 rank=1", "hang step=4 rank=1"}) {
     const std::string run = std::string("launched-") + std::string(fault).substr(0, 4);
-    const Outcome out = launch(run, "--max-restarts 1", mpirun(2), fault, tp2);
+    const Outcome out = launch(run, "--max-restarts 1", mpirun_launcher(2), fault, tp2);
     ASSERT_EQ(out.status, 0) << fault << "\n" << out.output;
     EXPECT_NE(out.output.find("forge launch: restart 1 of 1"), std::string::npos) << fault << "\n"
                                                                                   << out.output;
@@ -176,9 +173,9 @@ TEST_F(ResilienceCli, RankFaultsUnderMpirunEndTheJobAndLaunchRestartsItExactly) 
 // and the run ends on the uninterrupted run's losses and checkpoint, byte for byte.
 TEST_F(ResilienceCli, KilledRankUnderTensorAndDataParallelResumesExactly) {
   const std::string layout = " --set parallel.tp=2 --set parallel.distributed_optimizer=true";
-  const auto [reference, unused] = train("ref", mpirun(4), "", layout);
+  const auto [reference, unused] = train("ref", mpirun_launcher(4), "", layout);
   ASSERT_EQ(reference.status, 0) << reference.output;
-  const Outcome out = launch("killed", "--max-restarts 1", mpirun(4), "kill step=4 rank=3", layout);
+  const Outcome out = launch("killed", "--max-restarts 1", mpirun_launcher(4), "kill step=4 rank=3", layout);
   ASSERT_EQ(out.status, 0) << out.output;
   EXPECT_NE(out.output.find("forge launch: restart 1 of 1"), std::string::npos) << out.output;
   expect_final_equals("killed", "ref", 4);

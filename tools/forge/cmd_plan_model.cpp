@@ -21,6 +21,7 @@
 #include "forge/core/error.h"
 #include "forge/core/file_io.h"
 #include "forge/core/memory.h"
+#include "forge/kernels/ops.h"
 #include "forge/parallel/pipeline/schedule.h"
 #include "forge/sim/estimate.h"
 #include "forge/sim/hardware.h"
@@ -276,6 +277,53 @@ int run_search(const ModelPlanOptions& o) {
 
 // This machine's costs: the model's ops at the strategies' shapes, run for real (sim/trace.h's measured
 // mode) and timed; each op costs the median of its samples over `repeats` rounds.
+// The share of a non-blocking all-reduce of `bytes` (alone: `alone_seconds`) that the computing thread spends
+// on it. GEMMs run alone, then again with the all-reduce in flight and tested between them (as the trainer
+// polls its gradient buckets between ops); what the second takes beyond the first, over the all-reduce's own
+// time, is the share (0: fully hidden, 1: MPI did all of it on this thread). The median of several rounds,
+// averaged over the ranks.
+double host_share(comm::Communicator& world, int64_t bytes, double alone_seconds) {
+  constexpr int64_t kSide = 256;
+  std::vector<float> a(kSide * kSide, 0.5f), b(kSide * kSide, 0.25f), c(kSide * kSide, 0.0f);
+  ops::GemmParams g;
+  g.m = g.n = g.k = kSide, g.a = a.data(), g.lda = kSide, g.b = b.data(), g.ldb = kSide, g.trans_b = true;
+  g.c = c.data(), g.ldc = kSide;
+  std::vector<float> buffer(static_cast<size_t>(bytes / 4), 1.0f);
+  auto seconds_of = [](auto&& work) {
+    const auto start = std::chrono::steady_clock::now();
+    work();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  // Enough GEMMs to take about three times the all-reduce, so that it can hide entirely.
+  const double one_gemm = seconds_of([&] {
+                            for (int i = 0; i < 8; ++i) ops::gemm(g);
+                          }) /
+                          8;
+  const int gemms = static_cast<int>(
+      comm::all_reduce_max(world, std::clamp(3 * alone_seconds / std::max(1e-9, one_gemm), 8.0, 1e5)));
+  std::vector<double> alone, together;
+  for (int r = 0; r < 7; ++r) {
+    world.barrier().wait();
+    alone.push_back(seconds_of([&] {
+      for (int i = 0; i < gemms; ++i) ops::gemm(g);
+    }));
+    world.barrier().wait();
+    together.push_back(seconds_of([&] {
+      comm::Request request = world.all_reduce(buffer.data(), static_cast<int64_t>(buffer.size()),
+                                               comm::Type::f32, comm::ReduceOp::sum);
+      for (int i = 0; i < gemms; ++i) {
+        ops::gemm(g);
+        request.test();
+      }
+      request.wait();
+    }));
+  }
+  std::sort(alone.begin(), alone.end()), std::sort(together.begin(), together.end());
+  const double extra = together[together.size() / 2] - alone[alone.size() / 2];
+  const double share = std::clamp(extra / std::max(1e-9, alone_seconds), 0.0, 1.0);
+  return comm::all_reduce_sum(world, share) / world.size();
+}
+
 int run_calibrate(const ModelPlanOptions& o) {
   if (o.out.empty()) fail("--out FILE is required");
   if (o.seq_len < 1) fail("--seq-len must be >= 1");
@@ -450,15 +498,17 @@ int run_calibrate(const ModelPlanOptions& o) {
           2 * (n - 1) / n * static_cast<double>(int64_t{32} << 20) / std::max(1e-9, large - small) / 1e9;
     h.node.async_bandwidth_gbs =
         2 * (n - 1) / n * static_cast<double>(int64_t{32} << 20) / std::max(1e-9, large_async - small) / 1e9;
+    h.node.host_share = host_share(world, int64_t{32} << 20, large_async);
     h.network = h.node;
   }
   if (world.rank() != 0) return 0;
   write_file_atomically(o.out, h.to_toml(), "hardware profile");
   std::printf(
       "calibrated %d configurations, %zu op shapes: bf16 GEMM peak %.3f TFLOP/s, attention %.0f%% of it, "
-      "memory-bound ops %.1f GB/s, %.1f us of host work per op call, link %.2f GB/s and %.1f us -> %s\n",
+      "memory-bound ops %.1f GB/s, %.1f us of host work per op call, link %.2f GB/s and %.1f us (%.0f%% of "
+      "an overlapped all-reduce taken from the compute) -> %s\n",
       runs, h.measured.size(), h.bf16_tflops, 100 * h.attention_efficiency, h.memory_bandwidth_gbs,
-      h.op_overhead_us, h.node.bandwidth_gbs, h.node.latency_us, o.out.c_str());
+      h.op_overhead_us, h.node.bandwidth_gbs, h.node.latency_us, 100 * h.node.host_share, o.out.c_str());
   return 0;
 }
 

@@ -216,23 +216,29 @@ Estimate Simulator::estimate(const Strategy& s) {
     }
     before[static_cast<size_t>(r)] += cost.critical(rt.step_begin);
     // Data-parallel buckets launched under the last micro-batch's backward: each when ready (spread over
-    // that backward by bytes), one after another on the link; what runs past its end is exposed.
+    // that backward by bytes), one after another on the link; what runs past its end is exposed. The link's
+    // host share of each bucket (MPI's copies and sums on the rank's own thread) lengthens that backward.
     std::vector<std::pair<int64_t, double>> buckets;  // (bytes, seconds)
+    double host_stall = 0;
     for (const ChunkTrace& c : rt.chunks)
       for (const Phase* p : {&c.backward_input, &c.backward_weight})
         for (const CommEvent& ev : p->comm)
-          if (ev.group == "dp" || ev.group == "expert_dp") buckets.push_back({ev.bytes, cost.comm(ev)});
+          if (ev.group == "dp" || ev.group == "expert_dp") {
+            buckets.push_back({ev.bytes, cost.comm(ev)});
+            host_stall += cost.link(ev.group).host_share * buckets.back().second;
+          }
     int64_t total_bytes = 0;
     for (const auto& b : buckets) total_bytes += b.first;
+    const double backward_end = last_backward + host_stall;
     double link_free = 0, ready_bytes = 0;
     for (const auto& [bytes, seconds] : buckets) {
       ready_bytes += static_cast<double>(bytes);
       const double ready =
-          total_bytes > 0 ? last_backward * ready_bytes / static_cast<double>(total_bytes) : 0;
+          total_bytes > 0 ? backward_end * ready_bytes / static_cast<double>(total_bytes) : 0;
       link_free = std::max(link_free, ready) + seconds;
       dp_total[static_cast<size_t>(r)] += seconds;
     }
-    dp_exposed[static_cast<size_t>(r)] = std::max(0.0, link_free - last_backward);
+    dp_exposed[static_cast<size_t>(r)] = host_stall + std::max(0.0, link_free - backward_end);
     // The update: the rest of the reductions, the norm, the AdamW step, ZeRO-1's all-gather.
     double end_comm = 0;
     for (const CommEvent& ev : rt.step_end.comm) {

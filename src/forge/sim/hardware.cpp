@@ -81,6 +81,7 @@ Link read_link(const toml::table& t, const std::string& where, const std::string
   fallback.bandwidth_gbs = f.number("bandwidth_gbs", fallback.bandwidth_gbs, 1e-6, 1e6);
   fallback.latency_us = f.number("latency_us", fallback.latency_us, 0, 1e6);
   fallback.async_bandwidth_gbs = f.number("async_bandwidth_gbs", fallback.async_bandwidth_gbs, 0, 1e6);
+  fallback.host_share = f.number("host_share", fallback.host_share, 0, 1);
   return fallback;
 }
 
@@ -216,6 +217,7 @@ std::string HardwareProfile::to_toml() const {
                        l.latency_us);
     if (l.async_bandwidth_gbs > 0)
       out << fmt::format("async_bandwidth_gbs = {:.6g}\n", l.async_bandwidth_gbs);
+    if (l.host_share > 0) out << fmt::format("host_share = {:.4g}\n", l.host_share);
   };
   link("node", node);
   link("network", network);
@@ -232,7 +234,7 @@ std::string resolve_profile(const std::string& name) {
   // The working directory's configs/, else the source tree's of this binary (build/bin/forge).
   std::error_code ec;
   const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
-  for (const std::filesystem::path base :
+  for (const std::filesystem::path& base :
        {std::filesystem::path("configs/hardware"),
         exe.parent_path().parent_path().parent_path() / "configs/hardware"}) {
     const std::filesystem::path p = base / (name + ".toml");

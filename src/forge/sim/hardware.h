@@ -26,6 +26,11 @@ struct Link {
   double bandwidth_gbs = 0;  // GB/s per device, one direction (the bus bandwidth a ring collective reaches)
   double latency_us = 0;     // per message step
   double async_bandwidth_gbs = 0;  // non-blocking collectives (MPI's are slower); 0: bandwidth_gbs
+  // The share of a non-blocking collective's time that its rank's computing thread spends on it: MPI on the
+  // host moves and sums the data inside the calls that test it, on the rank's own thread between the ops, so
+  // an "overlapped" reduction still takes that share from the compute (calibrate measures it; 0 on GPUs,
+  // where the collective runs on the device beside the compute).
+  double host_share = 0;
   bool operator==(const Link&) const = default;
 };
 
