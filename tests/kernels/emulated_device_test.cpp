@@ -128,6 +128,25 @@ TEST(EmulatedDevice, CheckOnlyRunsNothingAndCommitsNothing) {
 
 using EmulatedDeviceDeathTest = ::testing::Test;
 
+// With count_rounded, peak_bytes counts the blocks the CUDA backend's caching allocator hands out (as a GPU's
+// measured peak does): 512-byte multiples below 1 MiB, 2 MiB multiples from there.
+TEST(EmulatedDevice, CountsTheCachingAllocatorsBlocksWhenAsked) {
+  EmulatedDevice emulation(EmulatedDevice::Mode::check_only);
+  EXPECT_FALSE(EmulatedDevice::count_rounded(true));
+  {
+    Tensor one = Tensor::empty({1}, DType::f32, Device::cuda);
+    EXPECT_EQ(EmulatedDevice::peak_bytes(), 512);
+    Tensor large = Tensor::empty({(int64_t{1} << 18) + 1}, DType::f32, Device::cuda);  // 1 MiB + 4 B
+    EXPECT_EQ(EmulatedDevice::peak_bytes(), 512 + (int64_t{2} << 20));
+    // Not while allocations counted one way are alive.
+    EXPECT_THROW(EmulatedDevice::count_rounded(false), Error);
+  }
+  EXPECT_TRUE(EmulatedDevice::count_rounded(false));
+  Tensor exact = Tensor::empty({3}, DType::f32, Device::cuda);
+  device_memory(Device::cuda).reset_peak();
+  EXPECT_EQ(EmulatedDevice::peak_bytes(), 12);
+}
+
 TEST_F(EmulatedDeviceDeathTest, HostReadOfDeviceMemoryDiesNamingIt) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_DEATH(

@@ -13,7 +13,9 @@
 #include <mutex>
 #include <string>
 #include <type_traits>
+#include <utility>
 
+#include "forge/core/caching_allocator.h"
 #include "forge/core/device.h"
 #include "forge/core/error.h"
 #include "forge/kernels/ops.h"
@@ -26,8 +28,9 @@ namespace forge {
 namespace {
 
 struct Allocation {
-  size_t bytes = 0;   // asked for
-  size_t mapped = 0;  // whole pages
+  size_t bytes = 0;    // asked for
+  size_t mapped = 0;   // whole pages
+  size_t counted = 0;  // in live_bytes: bytes, or the caching allocator's block (count_rounded)
 };
 
 struct State {
@@ -35,6 +38,7 @@ struct State {
   std::map<uintptr_t, Allocation> allocations;  // by base address
   int open = 0;                                 // nested windows (an op inside which a copy runs, ...)
   bool dry = false;                             // EmulatedDevice::Mode::check_only
+  bool rounded = false;                         // EmulatedDevice::count_rounded
   int64_t live_bytes = 0, peak_bytes = 0, ops = 0;
   EmulatedDevice::Traffic traffic;
   struct sigaction previous_segv {
@@ -263,8 +267,9 @@ void* emulated_alloc(size_t bytes) {
   std::lock_guard lock(g_state->mutex);
   // Inside an open window the new allocation opens too (an op's output allocated by a copy in progress).
   if (g_state->open > 0) ::mprotect(p, mapped, PROT_READ | PROT_WRITE);
-  g_state->allocations[reinterpret_cast<uintptr_t>(p)] = Allocation{bytes, mapped};
-  g_state->live_bytes += static_cast<int64_t>(bytes);
+  const size_t counted = g_state->rounded ? CachingAllocator::round_size(bytes) : bytes;
+  g_state->allocations[reinterpret_cast<uintptr_t>(p)] = Allocation{bytes, mapped, counted};
+  g_state->live_bytes += static_cast<int64_t>(counted);
   g_state->peak_bytes = std::max(g_state->peak_bytes, g_state->live_bytes);
   return p;
 }
@@ -276,7 +281,7 @@ void emulated_free(void* p) {
   FORGE_CHECK(it != g_state->allocations.end(), "device emulation: free of {}, which is no allocation's base",
               p);
   ::munmap(p, it->second.mapped);
-  g_state->live_bytes -= static_cast<int64_t>(it->second.bytes);
+  g_state->live_bytes -= static_cast<int64_t>(it->second.counted);
   g_state->allocations.erase(it);
 }
 
@@ -395,6 +400,15 @@ int64_t EmulatedDevice::live_allocations() {
 int64_t EmulatedDevice::ops_run() { return g_state ? g_state->ops : 0; }
 
 bool EmulatedDevice::check_only() { return g_state && g_state->dry; }
+
+bool EmulatedDevice::count_rounded(bool on) {
+  FORGE_CHECK(g_state, "device emulation: count_rounded() without an active emulation");
+  std::lock_guard lock(g_state->mutex);
+  FORGE_CHECK(g_state->allocations.empty() || g_state->rounded == on,
+              "device emulation: count_rounded({}) with {} allocations alive counted the other way", on,
+              g_state->allocations.size());
+  return std::exchange(g_state->rounded, on);
+}
 
 int64_t EmulatedDevice::peak_bytes() {
   if (!g_state) return 0;

@@ -101,8 +101,11 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
                      const TraceOptions& options) {
   const Device device = options.device;
   std::optional<EmulatedDevice> emulation;
-  if (device != Device::cpu && !EmulatedDevice::check_only())
+  if (device != Device::cpu && !EmulatedDevice::check_only()) {
     emulation.emplace(EmulatedDevice::Mode::check_only);
+    // A GPU's peak counts the caching allocator's blocks; a CPU-shaped trace stands for exact host memory.
+    EmulatedDevice::count_rounded(options.shaped_for != Device::cpu);
+  }
 
   const models::ModelShape shape = config.shape();
   const parallel::LayoutSpec spec{s.tp, s.pp, s.dp, 1, s.ep};
