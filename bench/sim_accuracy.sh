@@ -105,6 +105,9 @@ run llama-pp2-full llama-2 2 "$LLAMA" --set parallel.pp=2 --set train.grad_accum
   --set train.recompute=full
 run ds-dp2 ds-2 2 "$DS" "${PAD[@]}" --set parallel.dp=2
 run ds-ep2 ds-2 2 "$DS" "${PAD[@]}" --set parallel.dp=2 --set parallel.ep=2
+# Two micro-batches: the step runs them as an overlapped F&B pair (each one's all-to-alls under the other's
+# compute).
+run ds-ep2-accum2 ds-2 2 "$DS" "${PAD[@]}" --set parallel.dp=2 --set parallel.ep=2 --set train.grad_accum=2
 }
 for ((round = 0; round < REPEATS; ++round)); do grid; done
 

@@ -125,6 +125,38 @@ TEST(DryTrace, ExpertParallelRanksComputeWhatTheyRoute) {
   EXPECT_NEAR(expert_flops(2), one, 0.005 * one);
 }
 
+// Expert parallelism's overlap: the dispatch all-to-all runs while the shared experts compute. The dry
+// trace notes those ops on the transfer's event (none without the overlap), and the estimate hides the
+// transfer under them, all but the link's host share (a share of 1 hides nothing); overlapped F&B pairs of
+// micro-batches hide more.
+TEST(DryTrace, ExpertTransfersNoteTheOpsTheyOverlap) {
+  const std::unique_ptr<models::ModelConfig> config = models::read_model_config(kDeepSeek);
+  Strategy s = small(1, "none");
+  s.dp = 2, s.ep = 2;
+  auto overlapped_calls = [&](bool overlap) {
+    s.ep_overlap = overlap;
+    const RankTrace t = trace_rank(*config, s, 0);
+    int64_t calls = 0, transfers = 0;
+    for (const CommEvent& e : t.chunks.at(0).forward.comm) {
+      if (e.group != "ep" || e.op != "all_to_all") continue;
+      ++transfers;
+      for (const ops::OpProfileRow& r : e.overlapped) calls += r.calls;
+    }
+    EXPECT_GT(transfers, 0);
+    return calls;
+  };
+  EXPECT_GT(overlapped_calls(true), 0);
+  EXPECT_EQ(overlapped_calls(false), 0);
+  // With two micro-batches they run as an overlapped pair, whose peak is traced as it interleaves: above one
+  // micro-batch's activations (two are in flight), below two whole ones (B0 frees as F1 fills).
+  s.ep_overlap = true, s.grad_accum = 2;
+  const ChunkTrace paired = trace_rank(*config, s, 0).chunks.at(0);
+  EXPECT_GT(paired.paired_peak_bytes, paired.activation_bytes);
+  EXPECT_LT(paired.paired_peak_bytes, 2 * paired.activation_bytes + paired.backward.transient_bytes);
+  s.ep_overlap = false;
+  EXPECT_EQ(trace_rank(*config, s, 0).chunks.at(0).paired_peak_bytes, 0);
+}
+
 const char* kProfile = R"(
 [hardware]
 name = "test device"
@@ -262,6 +294,26 @@ TEST(Simulator, ChargesTheHostShareOfOverlappedReductionsToTheStep) {
   unshared.node.host_share = 0;
   EXPECT_DOUBLE_EQ(Simulator(*config, Cluster::single_node(h, 1)).estimate(d).time.step,
                    Simulator(*config, Cluster::single_node(unshared, 1)).estimate(d).time.step);
+}
+
+TEST(Simulator, HidesExpertTransfersUnderTheirOverlapAllButTheHostShare) {
+  const std::unique_ptr<models::ModelConfig> config = models::read_model_config(kDeepSeek);
+  HardwareProfile h = HardwareProfile::parse(kProfile, "t.toml");
+  h.memory_gib = 64;
+  h.node.bandwidth_gbs = 2;  // transfers of the order of the compute that can hide them
+  Strategy s = small(1, "none");
+  s.dp = 2, s.ep = 2, s.grad_accum = 4;
+  auto step = [&](bool overlap, double host_share) {
+    h.node.host_share = host_share;
+    s.ep_overlap = overlap;
+    return Simulator(*config, Cluster::single_node(h, 2)).estimate(s).time;
+  };
+  // What the overlap saves at a host share (which also lengthens the data-parallel reductions' backward).
+  auto saved = [&](double host_share) { return step(false, host_share).step - step(true, host_share).step; };
+  EXPECT_GT(step(false, 0).ep_comm, 0);
+  EXPECT_GT(saved(0), saved(0.5));
+  EXPECT_GT(saved(0.5), 0);
+  EXPECT_NEAR(saved(1), 0, 1e-12);
 }
 
 TEST(Simulator, SaysByHowMuchAStrategyDoesNotFit) {

@@ -27,8 +27,8 @@ struct OpProfileRow {
 
 struct OpProfile {
   Device device = Device::cpu;
-  double wall_seconds = 0;  // from profile_begin to profile_end, the device drained at both ends
-  double op_seconds = 0;    // the rows' sum
+  double wall_seconds = 0;         // from profile_begin to profile_end, the device drained at both ends
+  double op_seconds = 0;           // the rows' sum
   std::vector<OpProfileRow> rows;  // by seconds, largest first
 };
 
@@ -38,9 +38,12 @@ void profile_begin(Device device);
 // Closes it: drains the device, reads the timings and returns them. Fails with one line when none is open.
 OpProfile profile_end();
 bool profiling();
+// The open profile's rows so far, in the order they first ran: calls, FLOPs and bytes, no times (empty when
+// none is open). Two of them taken around some work tell what ops it ran (the simulator's overlap windows).
+std::vector<OpProfileRow> profile_counts();
 
-// The profile as a table: rows whose share of the wall time is at least min_share (the rest summed in one line),
-// then the ops' sum and the unattributed time. `steps` divides every time (per-step figures).
+// The profile as a table: rows whose share of the wall time is at least min_share (the rest summed in one
+// line), then the ops' sum and the unattributed time. `steps` divides every time (per-step figures).
 std::string format_profile(const OpProfile& profile, int steps = 1, double min_share = 0.002);
 // The profile as a JSON object (times per step, as format_profile).
 std::string profile_json(const OpProfile& profile, int steps = 1);

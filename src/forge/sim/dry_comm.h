@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "forge/comm/comm.h"
+#include "forge/kernels/profiler.h"
 
 namespace forge::sim {
 
@@ -20,6 +21,9 @@ struct CommEvent {
   // Issued through the blocking path (Communicator::all_reduce_blocking: tensor parallelism), which MPI runs
   // faster than its non-blocking collectives (the gradient buckets'); a GPU's NCCL runs both alike.
   bool blocking = false;
+  // An expert all-to-all waited for later: the ops the rank ran while it was in flight (under expert
+  // parallelism's overlap, the shared experts), which can hide it. Empty: nothing ran meanwhile.
+  std::vector<ops::OpProfileRow> overlapped;
 };
 
 // Shared by every communicator of one traced rank: the events in the order they were issued.

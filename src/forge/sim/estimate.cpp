@@ -14,10 +14,11 @@ namespace forge::sim {
 namespace {
 
 std::string trace_key(const Strategy& s, int pp_rank) {
-  return fmt::format("{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}", s.tp, s.pp, s.dp, s.ep, s.vpp,
-                     s.schedule, s.pp_layers, s.sequence_parallel, s.distributed_optimizer,
-                     s.overlap_grad_reduce, s.bucket_mb, s.micro_batch, s.grad_accum, s.seq, s.recompute,
-                     s.dtype, s.fp8_recipe, pp_rank);
+  return fmt::format("{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}", s.tp, s.pp, s.dp,
+                     s.ep, s.ep_overlap, s.vpp, s.schedule, s.pp_layers, s.sequence_parallel,
+                     s.distributed_optimizer, s.overlap_grad_reduce, s.bucket_mb, s.micro_batch, s.grad_accum,
+                     s.seq, s.recompute, s.dtype, s.fp8_recipe, s.moe_capacity_factor, s.moe_pad_to_capacity,
+                     s.vocab_divisible_by, pp_rank);
 }
 
 parallel::Dim dim_of(const std::string& group) {
@@ -41,15 +42,20 @@ class RankCoster {
   }
   double comm(const CommEvent& e) const { return comm_seconds(e, link(e.group)); }
   double ops(const Phase& p) const { return cluster_.hardware.rows_seconds(p.rows); }
-  // Ops plus the collectives the phase waits for (all but the data-parallel reductions, which overlap).
-  double critical(const Phase& p, TimeEstimate* t = nullptr) const {
+  // Ops plus the collectives the phase waits for (all but the data-parallel reductions, which overlap). An
+  // expert all-to-all with ops run while it was in flight hides under them, all but the link's host share;
+  // what is left of those on the path adds to *ep_path.
+  double critical(const Phase& p, TimeEstimate* t = nullptr, double* ep_path = nullptr) const {
     double total = ops(p);
     for (const CommEvent& e : p.comm) {
       if (e.group == "dp" || e.group == "expert_dp") continue;
-      const double c = comm(e);
+      double c = comm(e);
+      if (!e.overlapped.empty())
+        c = std::max(link(e.group).host_share * c, c - cluster_.hardware.rows_seconds(e.overlapped));
       total += c;
       if (t && e.group == "tp") t->tp_comm += c;
       if (t && e.group == "ep") t->ep_comm += c;
+      if (ep_path && e.group == "ep") *ep_path += c;
     }
     return total;
   }
@@ -194,12 +200,16 @@ Estimate Simulator::estimate(const Strategy& s) {
     const RankTrace& rt = *last_[static_cast<size_t>(r)];
     RankCoster cost(cluster_, s, r);
     TimeEstimate& mine = comm_of[static_cast<size_t>(r)];
+    // Overlapped F&B pairs (the executor interleaves a pair's halves only under expert parallelism's
+    // overlap).
+    if (s.ep > 1 && s.ep_overlap)
+      costs.pair_host_share = std::max(costs.pair_host_share, cost.link("ep").host_share);
     double last_backward = 0;
     for (const ChunkTrace& c : rt.chunks) {
       TimeEstimate per_micro_batch;
       pipeline::StageCosts& sc = costs.per_stage.at(static_cast<size_t>(c.stage));
-      sc.forward = cost.critical(c.forward, &per_micro_batch);
-      sc.backward = cost.critical(c.backward, &per_micro_batch);
+      sc.forward = cost.critical(c.forward, &per_micro_batch, &sc.forward_comm);
+      sc.backward = cost.critical(c.backward, &per_micro_batch, &sc.backward_comm);
       sc.backward_input = cost.critical(c.backward_input);
       sc.backward_weight = cost.critical(c.backward_weight);
       const double micro_batches =
@@ -262,8 +272,16 @@ Estimate Simulator::estimate(const Strategy& s) {
     for (int r = 0; r < s.pp; ++r) busy[static_cast<size_t>(r)] = replay->ranks[static_cast<size_t>(r)].busy;
     t.pp_comm = send * static_cast<double>(s.grad_accum) * static_cast<double>(stages - 1) / s.pp;
   } else {
+    // Under expert parallelism's overlap the micro-batches run as 1F1B on one stage: F, then overlapped F&B
+    // pairs, then B (train::NoPipelining's paired order); otherwise F and B each in turn.
     const pipeline::StageCosts& c = costs.per_stage[0];
-    makespan = busy[0] = static_cast<double>(s.grad_accum) * (c.forward + c.backward);
+    if (costs.pair_host_share >= 0 && s.grad_accum > 1)
+      makespan = busy[0] = c.forward + c.backward +
+                           static_cast<double>(s.grad_accum - 1) *
+                               pipeline::overlapped_pair(c.forward, c.backward, c.forward_comm,
+                                                         c.backward_comm, costs.pair_host_share);
+    else
+      makespan = busy[0] = static_cast<double>(s.grad_accum) * (c.forward + c.backward);
   }
   int worst = 0;
   for (int r = 0; r < s.pp; ++r) {
@@ -291,6 +309,11 @@ Estimate Simulator::estimate(const Strategy& s) {
       const ChunkTrace& c = rt.chunks[0];
       const int64_t f = c.forward_first.transient_bytes, b = c.activation_bytes + c.backward.transient_bytes;
       held = Held{c.activation_bytes, std::max(f, b) - c.activation_bytes, 1};
+      if (c.paired_peak_bytes > 0) {  // overlapped pairs: two micro-batches in flight at their peak
+        const int64_t peak = std::max({c.paired_peak_bytes, f, b});
+        held.bytes = std::min(peak, 2 * c.activation_bytes);
+        held.transient = peak - held.bytes, held.in_flight = 2;
+      }
     }
     const int64_t update = rt.step_end.transient_bytes - std::max<int64_t>(0, rt.step_end.kept_bytes);
     MemoryEstimate m;

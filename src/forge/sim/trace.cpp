@@ -5,11 +5,15 @@
 #include <algorithm>
 #include <chrono>
 #include <map>
+#include <memory>
 #include <optional>
+#include <span>
 #include <utility>
+#include <vector>
 
 #include "forge/core/device.h"
 #include "forge/core/error.h"
+#include "forge/core/fibers.h"
 #include "forge/core/memory.h"
 #include "forge/kernels/emulated_device.h"
 #include "forge/kernels/ops.h"
@@ -61,6 +65,61 @@ class Recorder {
 
  private:
   Device device_;
+  std::shared_ptr<CommLog> log_;
+};
+
+// The ops in `after` beyond those in `before` (two profile_counts of one profile: rows only grow, and new
+// ones come last).
+std::vector<ops::OpProfileRow> ran_between(const std::vector<ops::OpProfileRow>& before,
+                                           const std::vector<ops::OpProfileRow>& after) {
+  std::vector<ops::OpProfileRow> out;
+  for (size_t i = 0; i < after.size(); ++i) {
+    ops::OpProfileRow r = after[i];
+    if (i < before.size()) r.calls -= before[i].calls, r.flops -= before[i].flops, r.bytes -= before[i].bytes;
+    if (r.calls > 0) out.push_back(std::move(r));
+  }
+  return out;
+}
+
+// Expert parallelism whose row transfers note, on their comm event, the ops the rank ran between a transfer's
+// start and its wait: what the overlap (ComputeOptions::ep_overlap) hides it under.
+class WatchedExpertParallel final : public nn::ExpertParallel {
+ public:
+  WatchedExpertParallel(nn::ExpertParallel& inner, std::shared_ptr<CommLog> log)
+      : inner_(inner), log_(std::move(log)) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  void exchange_counts(const int64_t* send, int64_t* recv, int64_t n) override {
+    inner_.exchange_counts(send, recv, n);
+  }
+  std::unique_ptr<Transfer> all_to_all_rows(const Tensor& send, std::span<const int64_t> send_rows,
+                                            const Tensor& recv, std::span<const int64_t> recv_rows,
+                                            int64_t cols) override {
+    const size_t event = log_->events.size();
+    std::unique_ptr<Transfer> t = inner_.all_to_all_rows(send, send_rows, recv, recv_rows, cols);
+    if (log_->events.size() != event + 1) return t;
+    return std::make_unique<Watched>(std::move(t), log_, event, ops::profile_counts());
+  }
+
+ private:
+  class Watched final : public Transfer {
+   public:
+    Watched(std::unique_ptr<Transfer> inner, std::shared_ptr<CommLog> log, size_t event,
+            std::vector<ops::OpProfileRow> at_start)
+        : inner_(std::move(inner)), log_(std::move(log)), event_(event), at_start_(std::move(at_start)) {}
+    void wait() override {
+      inner_->wait();
+      log_->events.at(event_).overlapped = ran_between(at_start_, ops::profile_counts());
+    }
+    void progress() override { inner_->progress(); }
+
+   private:
+    std::unique_ptr<Transfer> inner_;
+    std::shared_ptr<CommLog> log_;
+    size_t event_;
+    std::vector<ops::OpProfileRow> at_start_;
+  };
+  nn::ExpertParallel& inner_;
   std::shared_ptr<CommLog> log_;
 };
 
@@ -143,9 +202,10 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
   parallel::CommTensorParallel tensor_parallel(tp.get(), s.sequence_parallel, on_device ? tp.get() : nullptr);
   if (s.tp > 1) o.tp = &tensor_parallel;
   std::optional<parallel::CommExpertParallel> expert_parallel;
+  std::optional<WatchedExpertParallel> watched_expert_parallel;
   if (s.ep > 1) {
     expert_parallel.emplace(ep.get(), on_device ? ep.get() : nullptr);
-    o.ep = &*expert_parallel;
+    o.ep = &watched_expert_parallel.emplace(*expert_parallel, log);
     o.ep_overlap = s.ep_overlap;
   }
   o.moe_capacity_factor = s.moe_capacity_factor;
@@ -320,6 +380,24 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
     const int64_t optimizer_bytes = trace.optimizer_bytes, static_bytes = trace.static_bytes;
     one_step();
     trace.optimizer_bytes = optimizer_bytes, trace.static_bytes = static_bytes;
+  }
+  // Expert parallelism's overlapped pairs on one stage (train::NoPipelining's paired order): F0, then F1 and
+  // B0 taking turns at the token transfers, then B1. What they hold at once depends on how the two
+  // interleave, so they run as the executor runs them (core/fibers.h), for the peak only, outside any step
+  // (nothing reduces; the gradients are zeroed after).
+  if (n == 1 && s.pp == 1 && s.ep > 1 && s.ep_overlap && s.grad_accum > 1) {
+    std::unique_ptr<models::StageActivations> a0, a1;
+    const int64_t before = live_bytes(device);
+    (void)models[0]->forward(mb0, Tensor(), &a0);
+    run_interleaved([&] { (void)models[0]->forward(mb1, Tensor(), &a1); },
+                    [&] {
+                      (void)models[0]->backward(Tensor(), *a0);
+                      a0.reset();
+                    });
+    trace.chunks[0].paired_peak_bytes = peak_bytes(device) - before;
+    (void)models[0]->backward(Tensor(), *a1);
+    a1.reset();
+    store.zero_grads();
   }
   return trace;
 }

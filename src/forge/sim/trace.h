@@ -44,6 +44,9 @@ struct ChunkTrace {
   Phase backward_input, backward_weight;
   int64_t activation_bytes = 0;  // what one micro-batch keeps from its forward to its backward
   int64_t output_bytes = 0;      // the hidden states it hands to the next stage (0 on the last stage)
+  // One stage under expert parallelism's overlap with several micro-batches: the most F0, the overlapped pair
+  // F1 & B0 and B1 held at once above the step's start (0: not traced).
+  int64_t paired_peak_bytes = 0;
 };
 
 struct RankTrace {

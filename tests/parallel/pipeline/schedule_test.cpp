@@ -302,5 +302,26 @@ TEST(PipelineReplay, PerStageCostsSlowTheirStageOnly) {
   EXPECT_DOUBLE_EQ(r.makespan, 1 + 3 + 2 + 2);
 }
 
+// An overlapped F&B pair hides each half's transfers under the other's compute, all but the host's share of
+// them, and lasts at least as long as the transfers; DualPipe's pairs get shorter by that much in the replay.
+TEST(PipelineReplay, OverlappedPairsHideTheirTransfers) {
+  // F 10 (4 of it transfers), B 20 (6): 20 of compute hides all 10 of transfers; half of them stay with a
+  // host share of 0.5; all of them with 1.
+  EXPECT_DOUBLE_EQ(overlapped_pair(10, 20, 4, 6, 0), 20);
+  EXPECT_DOUBLE_EQ(overlapped_pair(10, 20, 4, 6, 0.5), 25);
+  EXPECT_DOUBLE_EQ(overlapped_pair(10, 20, 4, 6, 1), 30);
+  // Transfers longer than the compute: the pair lasts as long as they do.
+  EXPECT_DOUBLE_EQ(overlapped_pair(5, 5, 4, 4, 0), 8);
+  Costs plain;
+  plain.uniform.forward_comm = 0.5, plain.uniform.backward_comm = 1;
+  Costs paired = plain;
+  paired.pair_host_share = 0;
+  const Schedule s = make("dualpipe", 4, 8);
+  const double serial = replay(s, plain).makespan, overlapped = replay(s, paired).makespan;
+  EXPECT_LT(overlapped, serial);
+  paired.pair_host_share = 1;  // nothing hidden
+  EXPECT_DOUBLE_EQ(replay(s, paired).makespan, serial);
+}
+
 }  // namespace
 }  // namespace forge::pipeline

@@ -10,6 +10,12 @@
 
 namespace forge::pipeline {
 
+double overlapped_pair(double forward, double backward, double forward_comm, double backward_comm,
+                       double host_share) {
+  const double comm = forward_comm + backward_comm, compute = forward + backward - comm;
+  return std::max(compute + host_share * comm, comm);
+}
+
 double Costs::cost(const Action& a, const Placement& p, int rank) const {
   const StageCosts& c = of(p.stage(rank, a.chunk));
   const double backward = c.backward >= 0 ? c.backward : c.backward_input + c.backward_weight;
@@ -25,7 +31,9 @@ double Costs::cost(const Action& a, const Placement& p, int rank) const {
     case Op::forward_backward: {
       if (c.forward_backward >= 0) return c.forward_backward;
       const StageCosts& cb = of(p.stage(rank, a.chunk_b));
-      return c.forward + (cb.backward >= 0 ? cb.backward : cb.backward_input + cb.backward_weight);
+      const double b = cb.backward >= 0 ? cb.backward : cb.backward_input + cb.backward_weight;
+      if (pair_host_share < 0) return c.forward + b;
+      return overlapped_pair(c.forward, b, c.forward_comm, cb.backward_comm, pair_host_share);
     }
     case Op::send_activation:
     case Op::send_gradient:

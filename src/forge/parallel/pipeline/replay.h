@@ -22,17 +22,28 @@
 namespace forge::pipeline {
 
 // Seconds (or any unit) per action of one chunk; `backward` and `forward_backward` < 0 mean "the sum of
-// their parts" (I + W, and F + B: no overlap).
+// their parts" (I + W, and F + B: no overlap, unless Costs::pair_host_share says otherwise).
 struct StageCosts {
   double forward = 1, backward_input = 1, backward_weight = 1;
   double backward = -1, forward_backward = -1;
+  // Of forward and backward: the transfers on their critical path (expert all-to-alls) that an overlapped
+  // F&B pair can hide under the other half's compute.
+  double forward_comm = 0, backward_comm = 0;
 };
+
+// An overlapped F&B pair (expert parallelism's overlap): each half's transfers run under the other's
+// compute, all but `host_share` of them (the part a host-progressed transfer takes from the compute), and
+// the pair lasts at least as long as the transfers.
+double overlapped_pair(double forward, double backward, double forward_comm, double backward_comm,
+                       double host_share);
 
 struct Costs {
   StageCosts uniform;                 // every stage, unless per_stage is given
   std::vector<StageCosts> per_stage;  // [stage] (measured; uneven splits)
   double send = 0;                    // time a send occupies its rank
   double latency = 0;                 // from the end of a send to the message's arrival
+  // >= 0: F&B pairs overlap their halves' transfers (overlapped_pair) with this host share; < 0: F + B.
+  double pair_host_share = -1;
 
   const StageCosts& of(int stage) const { return per_stage.empty() ? uniform : per_stage.at(stage); }
   double cost(const Action& a, const Placement& p, int rank) const;
