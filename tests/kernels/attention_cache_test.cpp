@@ -165,5 +165,25 @@ TEST(AttentionCache, RejectsInconsistentPositionsAndStrides) {
   testing::expect_error_containing([&] { ops::attention_backward(p); }, {"only square attention"});
 }
 
+// A head-major cache of one position (a one-token prompt with one new token: forge generate's cache then
+// holds a single position) has heads head_dim apart and a token stride of head_dim, which also reads as
+// heads side by side with too short a token stride; with one key the token stride is never stepped, so it
+// runs, and each query head's output is its kv head's value.
+TEST(AttentionCache, ACacheOfOnePositionRuns) {
+  const int64_t heads = 4, kv_heads = 2, dim = 8;
+  std::vector<float> q = testing::random_floats(heads * dim, 1),
+                     k = testing::random_floats(kv_heads * dim, 2),
+                     v = testing::random_floats(kv_heads * dim, 3), out(heads * dim), lse(heads);
+  ops::AttentionParams p;
+  p.batch = 1, p.seq = 1, p.heads = heads, p.kv_heads = kv_heads, p.head_dim = dim;
+  p.q = q.data(), p.k = k.data(), p.v = v.data(), p.out = out.data(), p.lse = lse.data();
+  p.q_stride = p.out_stride = heads * dim, p.k_stride = p.v_stride = dim;
+  p.k_head_stride = p.v_head_stride = dim;  // capacity 1 x head_dim
+  p.kv_seq = 1, p.scale = 0.5f;
+  ops::attention_forward(p);
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t d = 0; d < dim; ++d) EXPECT_EQ(out[h * dim + d], v[(h / (heads / kv_heads)) * dim + d]);
+}
+
 }  // namespace
 }  // namespace forge

@@ -157,6 +157,41 @@ TEST(DryTrace, ExpertTransfersNoteTheOpsTheyOverlap) {
   EXPECT_EQ(trace_rank(*config, s, 0).chunks.at(0).paired_peak_bytes, 0);
 }
 
+// Generation as forge generate runs it: the dry trace (shaped for the CPU) holds the measured run's weights
+// and KV cache to the byte, its prefill peak within a few hundred bytes and its ops call for call; the cache is forge's own (layers x keys
+// and values x positions x kv heads x head_dim floats).
+TEST(GenerationTrace, IsTheMeasuredGenerationsMemoryAndOps) {
+  const std::unique_ptr<models::ModelConfig> config = models::read_model_config(kLlama);
+  GenerationRequest r;
+  r.batch = 2, r.prompt = 24, r.new_tokens = 9;
+  TraceOptions for_cpu, cpu;
+  for_cpu.shaped_for = Device::cpu, cpu.device = Device::cpu;
+  const GenerationTrace dry = trace_generation(*config, r, for_cpu),
+                        measured = trace_generation(*config, r, cpu);
+  const models::ModelShape shape = config->shape();
+  EXPECT_EQ(dry.cache_bytes, shape.layers * 2 * r.batch * (r.prompt + r.new_tokens - 1) * shape.kv_heads *
+                                 (shape.hidden / shape.heads) * 4);
+  EXPECT_EQ(dry.cache_bytes, measured.cache_bytes);
+  EXPECT_EQ(dry.weights_bytes, measured.weights_bytes);
+  // The prefill's peak, up to a few values a device keeps where the CPU keeps them on the stack.
+  EXPECT_NEAR(static_cast<double>(dry.prefill.transient_bytes),
+              static_cast<double>(measured.prefill.transient_bytes), 1024);
+  auto calls = [](const Phase& p) {
+    std::map<std::string, int64_t> out;
+    for (const ops::OpProfileRow& row : p.rows)
+      if (row.op != "copy" && row.op != "memset") out[row.op + "|" + row.detail] += row.calls;
+    return out;
+  };
+  EXPECT_EQ(calls(dry.prefill), calls(measured.prefill));
+  EXPECT_EQ(calls(dry.decode), calls(measured.decode));
+  EXPECT_FALSE(dry.decode.rows.empty());
+  // One new token is sampled from the prefill: no decoding step.
+  r.new_tokens = 1;
+  EXPECT_TRUE(trace_generation(*config, r).decode.rows.empty());
+  r.prompt = shape.max_positions + 1;
+  EXPECT_THROW(trace_generation(*config, r), Error);
+}
+
 const char* kProfile = R"(
 [hardware]
 name = "test device"
@@ -314,6 +349,26 @@ TEST(Simulator, HidesExpertTransfersUnderTheirOverlapAllButTheHostShare) {
   EXPECT_GT(saved(0), saved(0.5));
   EXPECT_GT(saved(0.5), 0);
   EXPECT_NEAR(saved(1), 0, 1e-12);
+}
+
+TEST(Simulator, EstimatesGenerationAndSaysWhatDoesNotFit) {
+  const std::unique_ptr<models::ModelConfig> config = models::read_model_config(kLlama);
+  HardwareProfile h = HardwareProfile::parse(kProfile, "t.toml");
+  h.memory_gib = 64;
+  Simulator sim(*config, Cluster::single_node(h, 1));
+  GenerationRequest r;
+  r.prompt = 32, r.new_tokens = 17;
+  const GenerationEstimate e = sim.estimate_generation(r);
+  EXPECT_TRUE(e.fits);
+  EXPECT_EQ(e.total, e.weights + e.cache + e.transient);
+  EXPECT_GT(e.prefill, 0);
+  EXPECT_NEAR(e.total_seconds, e.prefill + 16 * e.decode_per_token, 1e-12);
+  r.batch = 8;  // eight caches
+  EXPECT_EQ(sim.estimate_generation(r).cache, 8 * e.cache);
+  h.memory_gib = 1e-3;
+  const GenerationEstimate small = Simulator(*config, Cluster::single_node(h, 1)).estimate_generation(r);
+  EXPECT_FALSE(small.fits);
+  EXPECT_NE(small.over.find("most of it the weights"), std::string::npos) << small.over;
 }
 
 TEST(Simulator, SaysByHowMuchAStrategyDoesNotFit) {

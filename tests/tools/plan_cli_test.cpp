@@ -210,6 +210,27 @@ TEST_F(PlanCli, EstimateAndSearchAModelOnShippedHardware) {
   EXPECT_NE(over.output.find("does not fit"), std::string::npos) << over.output;
 }
 
+// Generation on one device: weights, KV cache and the prefill's transient, prefill and decode times; a
+// device too small says so with exit status 2; a request the model cannot run is one line.
+TEST_F(PlanCli, GenerationOnOneDevice) {
+  const std::string model = std::string(FORGE_FIXTURE_DIR) + "/../../configs/llama-default.json";
+  const Outcome g =
+      run_forge("plan generate --hardware h100 --model " + model + " --prompt 100 --new-tokens 28 --batch 4");
+  EXPECT_EQ(g.status, 0) << g.output;
+  for (const char* part : {"generation: batch 4, prompt 100 tokens, 28 new tokens, bf16 weights",
+                           "KV cache (127 positions)", "largest transient", "prefill", "per step"})
+    EXPECT_NE(g.output.find(part), std::string::npos) << part << "\n" << g.output;
+  const std::string tiny = path("tiny.toml");
+  std::ofstream(tiny) << "[hardware]\nname = \"tiny\"\nmemory_gib = 0.001\nbf16_tflops = 1\n"
+                         "memory_bandwidth_gbs = 10\n[link.node]\nbandwidth_gbs = 1\n";
+  const Outcome over = run_forge("plan generate --hardware " + tiny + " --model " + model);
+  EXPECT_EQ(over.status, 2) << over.output;
+  EXPECT_NE(over.output.find("does not fit"), std::string::npos) << over.output;
+  expect_one_line_error("plan generate --hardware h100 --model " + model + " --prompt 0", "prompt 0");
+  expect_one_line_error("plan generate --hardware h100 --model " + model + " --prompt 100000", "positions");
+  expect_one_line_error("plan generate --hardware h100 --model " + model + " --dtype fp8", "fp8");
+}
+
 // The trainer's own prediction from a profile calibrated here: its peak memory is the run's to within a
 // fraction of a percent (memory is deterministic on the CPU; time is not, and is not asserted). The
 // vocabulary spans several of the CPU loss head's 2048-column chunks, whose workspace a GPU-shaped trace

@@ -271,13 +271,14 @@ void add_plan_command(CLI::App& app, Commands& commands) {
 
   auto runners = std::make_shared<std::vector<std::pair<CLI::App*, std::function<int()>>>>();
   add_plan_model_subcommands(plan, *runners);
-  commands.push_back(
-      {plan, [o, schedule, runners] {
-         if (*schedule) return run_schedule(*o);
-         for (const auto& [app, run] : *runners)
-           if (*app) return run();
-         fail("plan needs a subcommand: schedule, estimate, search or calibrate (see forge plan --help)");
-       }});
+  commands.push_back({plan, [o, schedule, runners] {
+                        if (*schedule) return run_schedule(*o);
+                        for (const auto& [app, run] : *runners)
+                          if (*app) return run();
+                        fail(
+                            "plan needs a subcommand: schedule, estimate, search, generate or calibrate (see "
+                            "forge plan --help)");
+                      }});
 }
 
 }  // namespace forge::cli

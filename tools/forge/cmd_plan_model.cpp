@@ -55,6 +55,8 @@ struct ModelPlanOptions {
   int repeats = 3;
   std::string capacity_factors = "0";  // mixture-of-experts shapes: capacity factors (0: dropless)
   bool pad_to_capacity = false;
+  // generate
+  GenerationRequest generation;
 };
 
 // The comma-separated items of an option's value.
@@ -166,6 +168,16 @@ int run_estimate(const ModelPlanOptions& o) {
                   per_step[i].detail.c_str());
   }
   std::printf("(%lld rank traces in %.2f s)\n", static_cast<long long>(sim.traces_run()), seconds);
+  return e.fits ? 0 : 2;
+}
+
+int run_generation(const ModelPlanOptions& o) {
+  const std::unique_ptr<models::ModelConfig> model = models::read_model_config(o.model);
+  Simulator sim(*model, cluster_of(o, 1));
+  const GenerationEstimate e = sim.estimate_generation(o.generation);
+  std::printf("model: %s (%s, %.3g parameters)\n", o.model.c_str(), model->architecture().c_str(),
+              static_cast<double>(model->num_parameters()));
+  std::fputs(format_generation(e, sim).c_str(), stdout);
   return e.fits ? 0 : 2;
 }
 
@@ -570,6 +582,25 @@ void add_plan_model_subcommands(CLI::App* plan,
       "and the "
       "--set line to train with the best.");
   runners.push_back({search, [o] { return run_search(*o); }});
+
+  auto* generate = plan->add_subcommand(
+      "generate",
+      "Predict the memory and time of generation on one device: weights, KV cache, prefill, decode");
+  generate->add_option("--model", o->model, "Hugging Face config.json")->required()->check(CLI::ExistingFile);
+  generate->add_option("--prompt", o->generation.prompt, "tokens per prompt")->capture_default_str();
+  generate->add_option("--new-tokens", o->generation.new_tokens, "tokens generated per sequence")
+      ->capture_default_str();
+  generate->add_option("--batch", o->generation.batch, "sequences generated together")->capture_default_str();
+  generate
+      ->add_option("--dtype", o->generation.dtype, "GEMM operands, as forge generate --dtype: bf16 or fp32")
+      ->capture_default_str();
+  add_hardware_options(generate, *o);
+  generate->footer(
+      "Runs forge generate's own model, KV cache, prefill and one-token steps on the dry device (a CPU "
+      "profile: shaped as the CPU kernels run them). Exit status 2 when it does not fit in the device's "
+      "memory. Example: forge plan generate --model llama3-8b.json --hardware h100 --prompt 2048 "
+      "--new-tokens 512");
+  runners.push_back({generate, [o] { return run_generation(*o); }});
 
   auto* calibrate = plan->add_subcommand(
       "calibrate",

@@ -334,6 +334,50 @@ Estimate Simulator::estimate(const Strategy& s) {
   return e;
 }
 
+GenerationEstimate Simulator::estimate_generation(const GenerationRequest& request) {
+  const GenerationTrace t = trace_generation(*config_, request, options_);
+  const HardwareProfile& h = cluster_.hardware;
+  GenerationEstimate e;
+  e.request = request;
+  e.weights = t.weights_bytes, e.cache = t.cache_bytes;
+  e.transient = std::max(t.prefill.transient_bytes, t.decode.transient_bytes);
+  e.total = e.weights + e.cache + e.transient;
+  e.prefill = h.rows_seconds(t.prefill.rows);
+  e.decode_per_token = h.rows_seconds(t.decode.rows);
+  e.total_seconds = e.prefill + static_cast<double>(request.new_tokens - 1) * e.decode_per_token;
+  const int64_t capacity = static_cast<int64_t>(h.memory_gib * 1073741824.0);
+  if (e.total > capacity) {
+    e.fits = false;
+    const std::pair<int64_t, const char*> parts[] = {
+        {e.weights, "the weights"}, {e.cache, "the KV cache"}, {e.transient, "the prefill's activations"}};
+    e.over = fmt::format("needs {}, {} over the {} of a {} (most of it {})", human_bytes(e.total),
+                         human_bytes(e.total - capacity), human_bytes(capacity), h.name,
+                         std::max_element(std::begin(parts), std::end(parts))->second);
+  }
+  return e;
+}
+
+std::string format_generation(const GenerationEstimate& e, const Simulator& sim) {
+  const GenerationRequest& r = e.request;
+  std::string out;
+  out += fmt::format("generation: batch {}, prompt {} tokens, {} new tokens, {} weights\n", r.batch, r.prompt,
+                     r.new_tokens, r.dtype);
+  out += fmt::format("hardware: {} ({}), one device\n", sim.cluster().hardware.name,
+                     sim.cluster().hardware.kind);
+  out += fmt::format("memory: {}{}\n", human_bytes(e.total), e.fits ? "" : "  -- does not fit: " + e.over);
+  out += fmt::format("  weights                  {:>12}\n", human_bytes(e.weights));
+  out += fmt::format("  KV cache ({} positions) {:>12}\n", r.prompt + r.new_tokens - 1, human_bytes(e.cache));
+  out += fmt::format("  largest transient        {:>12}\n", human_bytes(e.transient));
+  const double tokens = static_cast<double>(r.batch);
+  out += fmt::format(
+      "time: {:.2f} ms | prefill {:.2f} ms ({:.0f} tokens/s) | decode {:.3f} ms per step ({:.1f} "
+      "tokens/s)\n",
+      1e3 * e.total_seconds, 1e3 * e.prefill,
+      e.prefill > 0 ? tokens * static_cast<double>(r.prompt) / e.prefill : 0.0, 1e3 * e.decode_per_token,
+      e.decode_per_token > 0 ? tokens / e.decode_per_token : 0.0);
+  return out;
+}
+
 std::string format_estimate(const Estimate& e, const Simulator& sim) {
   const Strategy& s = e.strategy;
   const TimeEstimate& t = e.time;

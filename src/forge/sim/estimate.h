@@ -51,12 +51,25 @@ struct Estimate {
   std::string over;  // when it does not fit: by how much, and what dominates
 };
 
+// Generation (forge generate) on one device: memory and time of a prompt's prefill and the decoding.
+struct GenerationEstimate {
+  GenerationRequest request;
+  int64_t weights = 0, cache = 0, transient = 0, total = 0;  // bytes
+  double prefill = 0;                                        // seconds for the prompt's forward pass
+  double decode_per_token = 0;  // seconds per generated token after the first (a one-token step)
+  double total_seconds = 0;     // prefill and every decoding step
+  bool fits = true;
+  std::string over;  // when it does not fit: by how much, and what dominates
+};
+
 class Simulator {
  public:
   Simulator(const models::ModelConfig& config, Cluster cluster, TraceOptions options = {});
   // Fails with one line when the strategy cannot run (does not split the model, a schedule refuses it, more
   // ranks than the cluster has).
   Estimate estimate(const Strategy& strategy);
+  // Generation on one device of the cluster (fails with one line for a request the model cannot run).
+  GenerationEstimate estimate_generation(const GenerationRequest& request);
   const Cluster& cluster() const { return cluster_; }
   const models::ModelConfig& config() const { return *config_; }
   // The traces estimate() used (by pp rank), for breakdowns.
@@ -75,6 +88,7 @@ class Simulator {
 
 // A human-readable breakdown of one estimate (forge plan estimate).
 std::string format_estimate(const Estimate& e, const Simulator& sim);
+std::string format_generation(const GenerationEstimate& e, const Simulator& sim);
 std::string human_bytes(int64_t bytes);  // "12.3 GiB"
 
 }  // namespace forge::sim

@@ -402,4 +402,51 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
   return trace;
 }
 
+GenerationTrace trace_generation(const models::ModelConfig& config, const GenerationRequest& request,
+                                 const TraceOptions& options) {
+  const Device device = options.device;
+  std::optional<EmulatedDevice> emulation;
+  if (device != Device::cpu && !EmulatedDevice::check_only()) {
+    emulation.emplace(EmulatedDevice::Mode::check_only);
+    EmulatedDevice::count_rounded(options.shaped_for != Device::cpu);
+  }
+  const models::ModelShape shape = config.shape();
+  if (request.batch < 1 || request.prompt < 1 || request.new_tokens < 1)
+    fail("generation: batch {}, prompt {} and new tokens {} must each be at least 1", request.batch,
+         request.prompt, request.new_tokens);
+  // generate_sequence's cache: the prompt and every generated token but the last.
+  const int64_t capacity = request.prompt + request.new_tokens - 1;
+  if (capacity > shape.max_positions)
+    fail("generation: a prompt of {} tokens and {} new ones need {} positions; {} has {}", request.prompt,
+         request.new_tokens, capacity + 1, config.source(), shape.max_positions);
+  nn::ComputeOptions o;
+  o.device = device;
+  o.shaped_for = options.shaped_for;
+  o.gemm_dtype = dtype_from_name(request.dtype);
+  if (o.gemm_dtype != DType::f32 && o.gemm_dtype != DType::bf16)
+    fail("generation: dtype must be fp32 or bf16, got '{}'", request.dtype);
+  o.recompute = nn::Recompute::none;
+
+  GenerationTrace trace;
+  auto log = std::make_shared<CommLog>();
+  Recorder recorder(device, log);
+  const int64_t live_at_start = live_bytes(device);
+  std::unique_ptr<models::Model> model =
+      models::build_model(config, o, models::StageSpec::whole(), 0.02f, /*with_grads=*/false);
+  if (device == Device::cpu) model->initialize(1234);
+  trace.weights_bytes = live_bytes(device) - live_at_start;
+  nn::KvCache cache = model->make_cache(request.batch, capacity);
+  trace.cache_bytes = static_cast<int64_t>(cache.bytes());
+  const std::vector<int32_t> ids = spread_ids(request.batch * request.prompt, shape.vocab, 0);
+  trace.prefill =
+      recorder.run([&] { (void)model->forward_cached(ids.data(), request.batch, request.prompt, cache); });
+  // One decoding step with half the new tokens cached already (positions only committed: their contents do
+  // not change the cost).
+  if (request.new_tokens > 1) {  // the last new token is sampled, never run
+    cache.advance((request.new_tokens - 1) / 2);
+    trace.decode = recorder.run([&] { (void)model->forward_cached(ids.data(), request.batch, 1, cache); });
+  }
+  return trace;
+}
+
 }  // namespace forge::sim

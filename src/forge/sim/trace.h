@@ -75,6 +75,25 @@ struct TraceOptions {
 RankTrace trace_rank(const models::ModelConfig& config, const Strategy& strategy, int pp_rank,
                      const TraceOptions& options = {});
 
+// Generation as `forge generate` runs it (models::generate_sequence, one process): the inference model, a KV
+// cache for the prompt and the new tokens, the prompt's forward pass (prefill) and one-token steps (decode).
+struct GenerationRequest {
+  int64_t batch = 1;           // sequences generated together
+  int64_t prompt = 1;          // tokens per prompt
+  int64_t new_tokens = 1;      // tokens generated per sequence
+  std::string dtype = "bf16";  // GEMM operands: bf16 | fp32 (forge generate --dtype)
+};
+struct GenerationTrace {
+  int64_t weights_bytes = 0;  // the inference model's parameters (and their bf16 copies)
+  int64_t cache_bytes = 0;    // the KV cache, made once for prompt + new_tokens - 1 positions
+  Phase prefill;              // the prompt's forward pass (its transient: the most it holds above the cache)
+  // One one-token step at the middle of the generated stretch (attention's cost grows along it); empty for a
+  // single new token (it is sampled from the prefill's logits).
+  Phase decode;
+};
+GenerationTrace trace_generation(const models::ModelConfig& config, const GenerationRequest& request,
+                                 const TraceOptions& options = {});
+
 // The sum of the rows of several phases (same op and detail merged).
 std::vector<ops::OpProfileRow> merge_rows(const std::vector<const Phase*>& phases);
 

@@ -104,8 +104,10 @@ bool supports(const ops::AttentionParams& p, bool backward, std::string* reason)
   if (!(k_head >= p.head_dim && v_head >= v_dim))
     return refuse(reason, "attention: head strides {} / {} < head_dim {} / v_head_dim {}", k_head, v_head,
                   p.head_dim, v_dim);
-  if (!(p.k_stride >= (k_head == p.head_dim ? kv_width : p.head_dim) &&
-        p.v_stride >= (v_head == v_dim ? v_width : v_dim)))
+  // (One key per sequence: its token stride is never stepped, so a cache of one position, whose heads lie
+  // head_dim apart, passes whichever layout it reads as.)
+  if (!(kv_seq == 1 || (p.k_stride >= (k_head == p.head_dim ? kv_width : p.head_dim) &&
+                        p.v_stride >= (v_head == v_dim ? v_width : v_dim))))
     return refuse(reason, "attention: k_stride {} / v_stride {} too small for {} kv heads of {} / {}",
                   p.k_stride, p.v_stride, p.kv_heads, p.head_dim, v_dim);
   if (!(p.batch == 1 ||

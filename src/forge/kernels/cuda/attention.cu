@@ -96,8 +96,10 @@ bool supports(const ops::AttentionParams& p, bool backward, std::string* reason)
   if (!(k_head >= p.head_dim && v_head >= v_dim))
     return refuse(reason, "attention: head strides " + str(k_head) + " / " + str(v_head) + " < head_dim " +
                               str(p.head_dim) + " / v_head_dim " + str(v_dim));
-  if (!(p.k_stride >= (k_head == p.head_dim ? kv_width : p.head_dim) &&
-        p.v_stride >= (v_head == v_dim ? v_width : v_dim)))
+  // (One key per sequence: its token stride is never stepped, so a cache of one position, whose heads lie
+  // head_dim apart, passes whichever layout it reads as.)
+  if (!(kv_seq == 1 || (p.k_stride >= (k_head == p.head_dim ? kv_width : p.head_dim) &&
+                        p.v_stride >= (v_head == v_dim ? v_width : v_dim))))
     return refuse(reason, "attention: k_stride " + str(p.k_stride) + " / v_stride " + str(p.v_stride) +
                               " too small for " + str(p.kv_heads) + " kv heads of " + str(p.head_dim) +
                               " / " + str(v_dim));
