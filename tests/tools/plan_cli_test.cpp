@@ -50,7 +50,18 @@ std::vector<Row> table_of(const std::string& output) {
   return rows;
 }
 
-class PlanCli : public testing::cli::ScratchDirTest {};
+class PlanCli : public testing::cli::ScratchDirTest {
+ protected:
+  // `args` with a device far too small for any model: exit status 2 and a line saying it does not fit.
+  void expect_does_not_fit(const std::string& args) const {
+    const std::string tiny = write("tiny.toml",
+                                   "[hardware]\nname = \"tiny\"\nmemory_gib = 0.001\nbf16_tflops = 1\n"
+                                   "memory_bandwidth_gbs = 10\n[link.node]\nbandwidth_gbs = 1\n");
+    const Outcome over = run_forge(args + " --hardware " + tiny);
+    EXPECT_EQ(over.status, 2) << over.output;
+    EXPECT_NE(over.output.find("does not fit"), std::string::npos) << over.output;
+  }
+};
 
 TEST_F(PlanCli, OneFOneBIdles21OnEveryRankAtPp8With16MicroBatches) {
   const Outcome o = run_forge("plan schedule --schedule 1f1b --pp 8 --microbatches 16");
@@ -202,12 +213,7 @@ TEST_F(PlanCli, EstimateAndSearchAModelOnShippedHardware) {
   EXPECT_NE(s.output.find("train with the best: forge train"), std::string::npos) << s.output;
   EXPECT_NE(s.output.find("--set parallel.tp="), std::string::npos) << s.output;
   // A profile too small for the model: exit status 2 and what dominates.
-  const std::string tiny = path("tiny.toml");
-  std::ofstream(tiny) << "[hardware]\nname = \"tiny\"\nmemory_gib = 0.001\nbf16_tflops = 1\n"
-                         "memory_bandwidth_gbs = 10\n[link.node]\nbandwidth_gbs = 1\n";
-  const Outcome over = run_forge("plan estimate --hardware " + tiny + " --set model.config=" + model);
-  EXPECT_EQ(over.status, 2) << over.output;
-  EXPECT_NE(over.output.find("does not fit"), std::string::npos) << over.output;
+  expect_does_not_fit("plan estimate --set model.config=" + model);
 }
 
 // Generation on one device: weights, KV cache and the prefill's transient, prefill and decode times; a
@@ -220,12 +226,7 @@ TEST_F(PlanCli, GenerationOnOneDevice) {
   for (const char* part : {"generation: batch 4, prompt 100 tokens, 28 new tokens, bf16 weights",
                            "KV cache (127 positions)", "largest transient", "prefill", "per step"})
     EXPECT_NE(g.output.find(part), std::string::npos) << part << "\n" << g.output;
-  const std::string tiny = path("tiny.toml");
-  std::ofstream(tiny) << "[hardware]\nname = \"tiny\"\nmemory_gib = 0.001\nbf16_tflops = 1\n"
-                         "memory_bandwidth_gbs = 10\n[link.node]\nbandwidth_gbs = 1\n";
-  const Outcome over = run_forge("plan generate --hardware " + tiny + " --model " + model);
-  EXPECT_EQ(over.status, 2) << over.output;
-  EXPECT_NE(over.output.find("does not fit"), std::string::npos) << over.output;
+  expect_does_not_fit("plan generate --model " + model);
   expect_one_line_error("plan generate --hardware h100 --model " + model + " --prompt 0", "prompt 0");
   expect_one_line_error("plan generate --hardware h100 --model " + model + " --prompt 100000", "positions");
   expect_one_line_error("plan generate --hardware h100 --model " + model + " --dtype fp8", "fp8");

@@ -123,6 +123,14 @@ class WatchedExpertParallel final : public nn::ExpertParallel {
   std::shared_ptr<CommLog> log_;
 };
 
+// A dry run's device, unless one is open already (or the trace is measured, on the CPU). A GPU's peak counts
+// the caching allocator's blocks; a CPU-shaped trace stands for exact host memory.
+void open_dry_device(const TraceOptions& options, std::optional<EmulatedDevice>& emulation) {
+  if (options.device == Device::cpu || EmulatedDevice::check_only()) return;
+  emulation.emplace(EmulatedDevice::Mode::check_only);
+  EmulatedDevice::count_rounded(options.shaped_for != Device::cpu);
+}
+
 // Token ids spread over the vocabulary (mixture-of-experts routing on a measured run depends on them).
 std::vector<int32_t> spread_ids(int64_t count, int64_t vocab, int64_t salt) {
   std::vector<int32_t> ids(static_cast<size_t>(count));
@@ -160,11 +168,7 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
                      const TraceOptions& options) {
   const Device device = options.device;
   std::optional<EmulatedDevice> emulation;
-  if (device != Device::cpu && !EmulatedDevice::check_only()) {
-    emulation.emplace(EmulatedDevice::Mode::check_only);
-    // A GPU's peak counts the caching allocator's blocks; a CPU-shaped trace stands for exact host memory.
-    EmulatedDevice::count_rounded(options.shaped_for != Device::cpu);
-  }
+  open_dry_device(options, emulation);
 
   const models::ModelShape shape = config.shape();
   const parallel::LayoutSpec spec{s.tp, s.pp, s.dp, 1, s.ep};
@@ -406,10 +410,7 @@ GenerationTrace trace_generation(const models::ModelConfig& config, const Genera
                                  const TraceOptions& options) {
   const Device device = options.device;
   std::optional<EmulatedDevice> emulation;
-  if (device != Device::cpu && !EmulatedDevice::check_only()) {
-    emulation.emplace(EmulatedDevice::Mode::check_only);
-    EmulatedDevice::count_rounded(options.shaped_for != Device::cpu);
-  }
+  open_dry_device(options, emulation);
   const models::ModelShape shape = config.shape();
   if (request.batch < 1 || request.prompt < 1 || request.new_tokens < 1)
     fail("generation: batch {}, prompt {} and new tokens {} must each be at least 1", request.batch,
