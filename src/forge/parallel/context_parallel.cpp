@@ -1,0 +1,426 @@
+#include "forge/parallel/context_parallel.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "forge/core/error.h"
+
+namespace forge::parallel {
+
+ContextSplit ContextSplit::make(int cp, int rank, int64_t seq) {
+  if (cp < 1) fail("parallel.cp = {}: expected at least 1", cp);
+  if (rank < 0 || rank >= cp) fail("context parallelism: rank {} outside the group of {}", rank, cp);
+  if (seq < 1 || seq % (2 * cp) != 0)
+    fail(
+        "parallel.cp = {}: data.seq_len = {} must be a multiple of 2 x cp = {} (each rank holds two chunks "
+        "of the sequence, an early and a late one)",
+        cp, seq, 2 * cp);
+  return ContextSplit{cp, rank, seq};
+}
+
+ContextAttention context_attention_from_name(const std::string& name) {
+  if (name == "ring" || name == "p2p") return ContextAttention::ring;
+  if (name == "all_to_all" || name == "a2a") return ContextAttention::all_to_all;
+  fail("context attention '{}': expected ring (p2p) or all_to_all (a2a)", name);
+}
+
+const char* context_attention_name(ContextAttention mode) {
+  return mode == ContextAttention::ring ? "ring" : "all_to_all";
+}
+
+namespace {
+
+// Keys and values, and their gradients, pass between the same neighbours: apart by tag.
+constexpr int kKvTag = 31, kGradientTag = 32;
+
+struct Dims {
+  int64_t batch, local, chunk, heads, kv_heads, head_dim, v_dim;
+  int64_t q_width() const { return heads * head_dim; }
+  int64_t k_width() const { return kv_heads * head_dim; }
+  int64_t v_width() const { return kv_heads * v_dim; }
+  int64_t out_width() const { return heads * v_dim; }
+};
+
+Dims check(const comm::Communicator& cp, const ContextSplit& split, const ops::AttentionParams& p,
+           const char* what) {
+  FORGE_CHECK(cp.size() == split.cp && cp.rank() == split.rank,
+              "{}: the split is for rank {} of {}, the group is rank {} of {}", what, split.rank, split.cp,
+              cp.rank(), cp.size());
+  FORGE_CHECK(p.seq == split.local(), "{}: {} local tokens, but the split gives this rank {}", what, p.seq,
+              split.local());
+  FORGE_CHECK(p.causal && p.kv_seq == 0 && p.q_offset == 0 && p.k_batch_stride == 0 &&
+                  p.v_batch_stride == 0 && p.k_head_stride == 0 && p.v_head_stride == 0,
+              "{}: causal attention over the local tokens with dense batches and heads", what);
+  const Dims d{p.batch,
+               p.seq,
+               split.chunk(),
+               p.heads,
+               p.kv_heads,
+               p.head_dim,
+               p.v_head_dim > 0 ? p.v_head_dim : p.head_dim};
+  FORGE_CHECK(p.q_stride >= d.q_width() && p.k_stride >= d.k_width() && p.v_stride >= d.v_width() &&
+                  p.out_stride >= d.out_width(),
+              "{}: token strides too small", what);
+  return d;
+}
+
+// Rows [half·chunk, (half + 1)·chunk) of every sequence of x ([batch, local] rows of `width` floats, `stride`
+// apart) into dense [batch, chunk, width], and back (adding, or overwriting).
+void pack_half(const Dims& d, const float* x, int64_t stride, int64_t width, int half, float* out) {
+  for (int64_t b = 0; b < d.batch; ++b)
+    for (int64_t t = 0; t < d.chunk; ++t)
+      std::copy_n(x + (b * d.local + half * d.chunk + t) * stride, width, out + (b * d.chunk + t) * width);
+}
+void unpack_half(const Dims& d, const float* in, int64_t width, int half, float* x, int64_t stride) {
+  for (int64_t b = 0; b < d.batch; ++b)
+    for (int64_t t = 0; t < d.chunk; ++t)
+      std::copy_n(in + (b * d.chunk + t) * width, width, x + (b * d.local + half * d.chunk + t) * stride);
+}
+// The log-sum-exp [batch, heads, local] halves likewise ([batch, heads, chunk]).
+void pack_lse(const Dims& d, const float* lse, int half, float* out) {
+  for (int64_t bh = 0; bh < d.batch * d.heads; ++bh)
+    std::copy_n(lse + bh * d.local + half * d.chunk, d.chunk, out + bh * d.chunk);
+}
+void unpack_lse(const Dims& d, const float* in, int half, float* lse) {
+  for (int64_t bh = 0; bh < d.batch * d.heads; ++bh)
+    std::copy_n(in + bh * d.chunk, d.chunk, lse + bh * d.local + half * d.chunk);
+}
+
+void add_into(float* y, const float* x, size_t n) {
+  for (size_t i = 0; i < n; ++i) y[i] += x[i];
+}
+
+// Merges a block's partial attention (out_b, lse_b) into the running one (out, lse): each row's result is
+// the two weighted by their shares of the combined softmax denominator.
+void merge(const Dims& d, float* out, float* lse, const float* out_b, const float* lse_b) {
+  const int64_t width = d.out_width();
+  for (int64_t b = 0; b < d.batch; ++b)
+    for (int64_t h = 0; h < d.heads; ++h)
+      for (int64_t t = 0; t < d.chunk; ++t) {
+        const int64_t l = (b * d.heads + h) * d.chunk + t;
+        const double old_lse = lse[l], new_lse = lse_b[l];
+        if (new_lse == -std::numeric_limits<double>::infinity()) continue;
+        const double m = std::max(old_lse, new_lse);
+        const double total = m + std::log(std::exp(old_lse - m) + std::exp(new_lse - m));
+        const float w_old = static_cast<float>(std::exp(old_lse - total)),
+                    w_new = static_cast<float>(std::exp(new_lse - total));
+        float* o = out + (b * d.chunk + t) * width + h * d.v_dim;
+        const float* ob = out_b + (b * d.chunk + t) * width + h * d.v_dim;
+        for (int64_t i = 0; i < d.v_dim; ++i) o[i] = w_old * o[i] + w_new * ob[i];
+        lse[l] = static_cast<float>(total);
+      }
+}
+
+// The keys and values of one rank as they travel the ring: [K half 0 | K half 1 | V half 0 | V half 1],
+// each dense [batch, chunk, width].
+struct KvBlocks {
+  Dims d;
+  std::vector<float> data;
+  explicit KvBlocks(const Dims& dims)
+      : d(dims), data(static_cast<size_t>(2 * d.batch * d.chunk * (d.k_width() + d.v_width())), 0.0f) {}
+  float* k(int half) { return data.data() + half * d.batch * d.chunk * d.k_width(); }
+  float* v(int half) {
+    return data.data() + 2 * d.batch * d.chunk * d.k_width() + half * d.batch * d.chunk * d.v_width();
+  }
+  int64_t count() const { return static_cast<int64_t>(data.size()); }
+};
+
+// One block of the ring: the local query half `qi` against key half `kh` of rank `source`; nullopt-like
+// false when the keys are all in the queries' future.
+bool block(const ContextSplit& split, int qi, int source, int kh, bool* causal) {
+  const int64_t q_chunk = split.chunk_of(qi, split.rank), k_chunk = split.chunk_of(kh, source);
+  *causal = k_chunk == q_chunk;
+  return k_chunk <= q_chunk;
+}
+
+ops::AttentionParams block_params(const Dims& d, const ops::AttentionParams& p, const float* q,
+                                  const float* k, const float* v, bool causal) {
+  ops::AttentionParams a;
+  a.batch = d.batch, a.seq = d.chunk, a.heads = d.heads, a.kv_heads = d.kv_heads, a.head_dim = d.head_dim;
+  a.v_head_dim = d.v_dim;
+  a.q = q, a.k = k, a.v = v;
+  a.q_stride = d.q_width(), a.k_stride = d.k_width(), a.v_stride = d.v_width();
+  a.out_stride = d.out_width();
+  a.scale = p.scale;
+  a.causal = causal;
+  return a;
+}
+
+// Starts the exchange of the ring: `send` to the next rank, `recv` from the previous one.
+std::pair<comm::Request, comm::Request> pass_on(comm::Communicator& cp, const float* send, float* recv,
+                                                int64_t count, int tag) {
+  const int next = (cp.rank() + 1) % cp.size(), previous = (cp.rank() + cp.size() - 1) % cp.size();
+  comm::Request r = cp.recv(recv, count, comm::Type::f32, previous, tag);
+  comm::Request s = cp.send(send, count, comm::Type::f32, next, tag);
+  return {std::move(s), std::move(r)};
+}
+
+void ring_forward(comm::Communicator& cp, const ContextSplit& split, const Dims& d,
+                  const ops::AttentionParams& p) {
+  const size_t q_half = static_cast<size_t>(d.batch * d.chunk * d.q_width()),
+               out_half = static_cast<size_t>(d.batch * d.chunk * d.out_width()),
+               lse_half = static_cast<size_t>(d.batch * d.heads * d.chunk);
+  std::vector<float> q[2], out[2], lse[2];
+  KvBlocks current(d), next(d);
+  for (int h = 0; h < 2; ++h) {
+    q[h].resize(q_half), pack_half(d, p.q, p.q_stride, d.q_width(), h, q[h].data());
+    pack_half(d, p.k, p.k_stride, d.k_width(), h, current.k(h));
+    pack_half(d, p.v, p.v_stride, d.v_width(), h, current.v(h));
+    out[h].assign(out_half, 0.0f);
+    lse[h].assign(lse_half, -std::numeric_limits<float>::infinity());
+  }
+  std::vector<float> out_b(out_half), lse_b(lse_half);
+  for (int step = 0; step < split.cp; ++step) {
+    const int source = (split.rank - step + split.cp) % split.cp;
+    std::pair<comm::Request, comm::Request> transfer;
+    if (step + 1 < split.cp)
+      transfer = pass_on(cp, current.data.data(), next.data.data(), current.count(), kKvTag);
+    for (int qi = 0; qi < 2; ++qi)
+      for (int kh = 0; kh < 2; ++kh) {
+        bool causal = false;
+        if (!block(split, qi, source, kh, &causal)) continue;
+        ops::AttentionParams a = block_params(d, p, q[qi].data(), current.k(kh), current.v(kh), causal);
+        a.out = out_b.data(), a.lse = lse_b.data();
+        ops::attention_forward(a);
+        merge(d, out[qi].data(), lse[qi].data(), out_b.data(), lse_b.data());
+      }
+    transfer.first.wait(), transfer.second.wait();
+    std::swap(current.data, next.data);
+  }
+  for (int h = 0; h < 2; ++h) {
+    unpack_half(d, out[h].data(), d.out_width(), h, p.out, p.out_stride);
+    if (p.lse) unpack_lse(d, lse[h].data(), h, p.lse);
+  }
+}
+
+void ring_backward(comm::Communicator& cp, const ContextSplit& split, const Dims& d,
+                   const ops::AttentionParams& p) {
+  const size_t q_half = static_cast<size_t>(d.batch * d.chunk * d.q_width()),
+               out_half = static_cast<size_t>(d.batch * d.chunk * d.out_width()),
+               lse_half = static_cast<size_t>(d.batch * d.heads * d.chunk);
+  std::vector<float> q[2], out[2], dout[2], lse[2], dq[2];
+  KvBlocks current(d), next(d), mine(d), travelling(d), arrived(d);
+  for (int h = 0; h < 2; ++h) {
+    q[h].resize(q_half), pack_half(d, p.q, p.q_stride, d.q_width(), h, q[h].data());
+    out[h].resize(out_half), pack_half(d, p.out, p.out_stride, d.out_width(), h, out[h].data());
+    dout[h].resize(out_half), pack_half(d, p.dout, p.dout_stride, d.out_width(), h, dout[h].data());
+    lse[h].resize(lse_half), pack_lse(d, p.lse, h, lse[h].data());
+    pack_half(d, p.k, p.k_stride, d.k_width(), h, current.k(h));
+    pack_half(d, p.v, p.v_stride, d.v_width(), h, current.v(h));
+    dq[h].assign(q_half, 0.0f);
+  }
+  std::vector<float> dq_b(q_half), dk_b(static_cast<size_t>(d.batch * d.chunk * d.k_width())),
+      dv_b(static_cast<size_t>(d.batch * d.chunk * d.v_width()));
+  // The gradients of a rank's keys and values gather as they travel with them: what this rank adds to the
+  // visiting ones (`mine`), summed into what the previous ranks added (`arrived`), passed on (`travelling`).
+  std::pair<comm::Request, comm::Request> gradients;
+  for (int step = 0; step < split.cp; ++step) {
+    const int source = (split.rank - step + split.cp) % split.cp;
+    std::pair<comm::Request, comm::Request> transfer;
+    if (step + 1 < split.cp)
+      transfer = pass_on(cp, current.data.data(), next.data.data(), current.count(), kKvTag);
+    std::fill(mine.data.begin(), mine.data.end(), 0.0f);
+    for (int qi = 0; qi < 2; ++qi)
+      for (int kh = 0; kh < 2; ++kh) {
+        bool causal = false;
+        if (!block(split, qi, source, kh, &causal)) continue;
+        ops::AttentionParams a = block_params(d, p, q[qi].data(), current.k(kh), current.v(kh), causal);
+        a.out = out[qi].data(), a.lse = lse[qi].data();
+        a.dout = dout[qi].data(), a.dout_stride = d.out_width();
+        a.dq = dq_b.data(), a.dk = dk_b.data(), a.dv = dv_b.data();
+        a.dq_stride = d.q_width(), a.dk_stride = d.k_width(), a.dv_stride = d.v_width();
+        ops::attention_backward(a);
+        add_into(dq[qi].data(), dq_b.data(), dq_b.size());
+        add_into(mine.k(kh), dk_b.data(), dk_b.size());
+        add_into(mine.v(kh), dv_b.data(), dv_b.size());
+      }
+    gradients.first.wait(), gradients.second.wait();  // the previous hop: travelling is free, arrived full
+    travelling.data = mine.data;
+    if (step > 0) add_into(travelling.data.data(), arrived.data.data(), travelling.data.size());
+    gradients = pass_on(cp, travelling.data.data(), arrived.data.data(), travelling.count(), kGradientTag);
+    transfer.first.wait(), transfer.second.wait();
+    std::swap(current.data, next.data);
+  }
+  // After cp hops every rank holds the whole gradient of its own keys and values.
+  gradients.first.wait(), gradients.second.wait();
+  for (int h = 0; h < 2; ++h) {
+    unpack_half(d, dq[h].data(), d.q_width(), h, p.dq, p.dq_stride);
+    unpack_half(d, arrived.k(h), d.k_width(), h, p.dk, p.dk_stride);
+    unpack_half(d, arrived.v(h), d.v_width(), h, p.dv, p.dv_stride);
+  }
+}
+
+// All-to-all (Ulysses): the local tokens of every head group out to the group's rank, the whole sequence of
+// this rank's head group back.
+struct Ulysses {
+  const ContextSplit& split;
+  Dims d;
+  int64_t seq() const { return split.seq; }
+
+  // x [batch, local, cp groups x cols] (rows `stride` apart) -> on rank j: [source][batch, seq-order... ]:
+  // the whole sequence [batch, seq, cols] of this rank's group, gathered from every rank's local tokens.
+  std::vector<float> gather(comm::Communicator& cp, const float* x, int64_t stride, int64_t cols) const {
+    const int n = split.cp;
+    const int64_t block = d.batch * d.local * cols;
+    std::vector<float> send(static_cast<size_t>(n * block)), recv(send.size());
+    for (int j = 0; j < n; ++j)
+      for (int64_t b = 0; b < d.batch; ++b)
+        for (int64_t t = 0; t < d.local; ++t)
+          std::copy_n(x + (b * d.local + t) * stride + j * cols, cols,
+                      send.data() + j * block + (b * d.local + t) * cols);
+    cp.all_to_all(send.data(), recv.data(), block, comm::Type::f32).wait();
+    std::vector<float> whole(static_cast<size_t>(d.batch * seq() * cols));
+    for (int src = 0; src < n; ++src) {
+      const ContextSplit theirs{n, src, seq()};
+      for (int64_t b = 0; b < d.batch; ++b)
+        for (int64_t t = 0; t < d.local; ++t)
+          std::copy_n(recv.data() + src * block + (b * d.local + t) * cols, cols,
+                      whole.data() + (b * seq() + theirs.position(t)) * cols);
+    }
+    return whole;
+  }
+  // The inverse: whole [batch, seq, cols] of this rank's group -> every rank's local tokens, into column
+  // group `my group` of x [batch, local, cp x cols].
+  void scatter(comm::Communicator& cp, const std::vector<float>& whole, int64_t cols, float* x,
+               int64_t stride) const {
+    const int n = split.cp;
+    const int64_t block = d.batch * d.local * cols;
+    std::vector<float> send(static_cast<size_t>(n * block)), recv(send.size());
+    for (int dst = 0; dst < n; ++dst) {
+      const ContextSplit theirs{n, dst, seq()};
+      for (int64_t b = 0; b < d.batch; ++b)
+        for (int64_t t = 0; t < d.local; ++t)
+          std::copy_n(whole.data() + (b * seq() + theirs.position(t)) * cols, cols,
+                      send.data() + dst * block + (b * d.local + t) * cols);
+    }
+    cp.all_to_all(send.data(), recv.data(), block, comm::Type::f32).wait();
+    for (int j = 0; j < n; ++j)
+      for (int64_t b = 0; b < d.batch; ++b)
+        for (int64_t t = 0; t < d.local; ++t)
+          std::copy_n(recv.data() + j * block + (b * d.local + t) * cols, cols,
+                      x + (b * d.local + t) * stride + j * cols);
+  }
+  // The log-sum-exp [batch, heads, local] <-> [batch, heads / cp, seq] of this rank's heads: as rows of one
+  // value per (token, head), transposed through the same exchanges.
+  std::vector<float> lse_rows(const float* lse) const {  // -> [batch, local, heads]
+    std::vector<float> rows(static_cast<size_t>(d.batch * d.local * d.heads));
+    for (int64_t b = 0; b < d.batch; ++b)
+      for (int64_t h = 0; h < d.heads; ++h)
+        for (int64_t t = 0; t < d.local; ++t)
+          rows[(b * d.local + t) * d.heads + h] = lse[(b * d.heads + h) * d.local + t];
+    return rows;
+  }
+  void rows_to_lse(const std::vector<float>& rows, float* lse) const {
+    for (int64_t b = 0; b < d.batch; ++b)
+      for (int64_t h = 0; h < d.heads; ++h)
+        for (int64_t t = 0; t < d.local; ++t)
+          lse[(b * d.heads + h) * d.local + t] = rows[(b * d.local + t) * d.heads + h];
+  }
+  // whole-sequence [batch, seq, group heads] <-> the kernel's [batch, group heads, seq].
+  std::vector<float> transpose(const std::vector<float>& x, int64_t heads, bool to_heads_major) const {
+    std::vector<float> y(x.size());
+    for (int64_t b = 0; b < d.batch; ++b)
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t t = 0; t < seq(); ++t) {
+          const int64_t token_major = (b * seq() + t) * heads + h, head_major = (b * heads + h) * seq() + t;
+          if (to_heads_major)
+            y[head_major] = x[token_major];
+          else
+            y[token_major] = x[head_major];
+        }
+    return y;
+  }
+
+  ops::AttentionParams whole_params(const ops::AttentionParams& p, const float* q, const float* k,
+                                    const float* v) const {
+    const int n = split.cp;
+    ops::AttentionParams a;
+    a.batch = d.batch, a.seq = seq(), a.heads = d.heads / n, a.kv_heads = d.kv_heads / n;
+    a.head_dim = d.head_dim, a.v_head_dim = d.v_dim;
+    a.q = q, a.k = k, a.v = v;
+    a.q_stride = a.heads * d.head_dim, a.k_stride = a.kv_heads * d.head_dim,
+    a.v_stride = a.kv_heads * d.v_dim;
+    a.out_stride = a.heads * d.v_dim;
+    a.scale = p.scale;
+    a.causal = true;
+    return a;
+  }
+};
+
+void check_heads(const ContextSplit& split, const Dims& d) {
+  if (d.heads % split.cp != 0 || d.kv_heads % split.cp != 0)
+    fail(
+        "context attention all_to_all: {} heads and {} kv heads must each divide by parallel.cp = {} (each "
+        "rank takes heads / cp of them); use the ring",
+        d.heads, d.kv_heads, split.cp);
+}
+
+void all_to_all_forward(comm::Communicator& cp, const ContextSplit& split, const Dims& d,
+                        const ops::AttentionParams& p) {
+  check_heads(split, d);
+  const Ulysses u{split, d};
+  const int64_t hq = d.heads / split.cp, hk = d.kv_heads / split.cp;
+  const std::vector<float> q = u.gather(cp, p.q, p.q_stride, hq * d.head_dim),
+                           k = u.gather(cp, p.k, p.k_stride, hk * d.head_dim),
+                           v = u.gather(cp, p.v, p.v_stride, hk * d.v_dim);
+  std::vector<float> out(static_cast<size_t>(d.batch * split.seq * hq * d.v_dim)),
+      lse(static_cast<size_t>(d.batch * hq * split.seq));
+  ops::AttentionParams a = u.whole_params(p, q.data(), k.data(), v.data());
+  a.out = out.data(), a.lse = lse.data();
+  ops::attention_forward(a);
+  u.scatter(cp, out, hq * d.v_dim, p.out, p.out_stride);
+  if (p.lse) {
+    std::vector<float> rows(static_cast<size_t>(d.batch * d.local * d.heads));
+    u.scatter(cp, u.transpose(lse, hq, false), hq, rows.data(), d.heads);
+    u.rows_to_lse(rows, p.lse);
+  }
+}
+
+void all_to_all_backward(comm::Communicator& cp, const ContextSplit& split, const Dims& d,
+                         const ops::AttentionParams& p) {
+  check_heads(split, d);
+  const Ulysses u{split, d};
+  const int64_t hq = d.heads / split.cp, hk = d.kv_heads / split.cp;
+  const std::vector<float> q = u.gather(cp, p.q, p.q_stride, hq * d.head_dim),
+                           k = u.gather(cp, p.k, p.k_stride, hk * d.head_dim),
+                           v = u.gather(cp, p.v, p.v_stride, hk * d.v_dim),
+                           dout = u.gather(cp, p.dout, p.dout_stride, hq * d.v_dim);
+  std::vector<float> out = u.gather(cp, p.out, p.out_stride, hq * d.v_dim);
+  const std::vector<float> rows = u.lse_rows(p.lse);
+  std::vector<float> lse = u.transpose(u.gather(cp, rows.data(), d.heads, hq), hq, true);
+  std::vector<float> dq(q.size()), dk(k.size()), dv(v.size());
+  ops::AttentionParams a = u.whole_params(p, q.data(), k.data(), v.data());
+  a.out = out.data(), a.lse = lse.data();
+  a.dout = dout.data(), a.dout_stride = hq * d.v_dim;
+  a.dq = dq.data(), a.dk = dk.data(), a.dv = dv.data();
+  a.dq_stride = a.q_stride, a.dk_stride = a.k_stride, a.dv_stride = a.v_stride;
+  ops::attention_backward(a);
+  u.scatter(cp, dq, hq * d.head_dim, p.dq, p.dq_stride);
+  u.scatter(cp, dk, hk * d.head_dim, p.dk, p.dk_stride);
+  u.scatter(cp, dv, hk * d.v_dim, p.dv, p.dv_stride);
+}
+
+}  // namespace
+
+void context_attention_forward(comm::Communicator& cp, const ContextSplit& split, ContextAttention mode,
+                               const ops::AttentionParams& p) {
+  const Dims d = check(cp, split, p, "context attention forward");
+  if (split.cp == 1) return ops::attention_forward(p);  // chunk 0 then chunk 1: the sequence in order
+  if (mode == ContextAttention::ring) return ring_forward(cp, split, d, p);
+  all_to_all_forward(cp, split, d, p);
+}
+
+void context_attention_backward(comm::Communicator& cp, const ContextSplit& split, ContextAttention mode,
+                                const ops::AttentionParams& p) {
+  const Dims d = check(cp, split, p, "context attention backward");
+  FORGE_CHECK(p.dout && p.dq && p.dk && p.dv && p.lse,
+              "context attention backward: dout, dq, dk, dv and lse");
+  if (split.cp == 1) return ops::attention_backward(p);
+  if (mode == ContextAttention::ring) return ring_backward(cp, split, d, p);
+  all_to_all_backward(cp, split, d, p);
+}
+
+}  // namespace forge::parallel
