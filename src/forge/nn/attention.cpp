@@ -3,12 +3,13 @@
 #include <cmath>
 
 #include "forge/kernels/ops.h"
+#include "forge/nn/context_parallel.h"
 #include "forge/nn/tensor_parallel.h"
 
 namespace forge::nn {
 
-Attention::Attention(ParameterStore* store, AttentionParams params, AttentionShape shape, const RopeTable* rope,
-                     ComputeOptions options)
+Attention::Attention(ParameterStore* store, AttentionParams params, AttentionShape shape,
+                     const RopeTable* rope, ComputeOptions options)
     : qkv_(store, {params.q, params.k, params.v}, shape.hidden, options),
       o_(store, {params.o}, shape.heads * shape.head_dim, options),
       shape_(shape),
@@ -33,24 +34,37 @@ void Attention::apply_rope(float* qkv, int64_t batch, int64_t seq, bool inverse,
   ops::rope(p, options_.device);
 }
 
+void Attention::rope_for_training(float* qkv, int64_t batch, int64_t seq, bool inverse) const {
+  if (!options_.cp) return apply_rope(qkv, batch, seq, inverse);
+  const int64_t half = seq / 2, stride = shape_.qkv_dim();
+  for (int64_t b = 0; b < batch; ++b)
+    for (int h = 0; h < 2; ++h)
+      apply_rope(qkv + (b * seq + h * half) * stride, 1, half, inverse, options_.cp->first_position(h, seq));
+}
+
 void Attention::core_forward(Tensor& qkv, int64_t batch, int64_t seq, Tensor& out, Tensor& lse) const {
-  const int64_t rows = batch * seq, qd = shape_.heads * shape_.head_dim, kd = shape_.kv_heads * shape_.head_dim;
+  const int64_t rows = batch * seq, qd = shape_.heads * shape_.head_dim,
+                kd = shape_.kv_heads * shape_.head_dim;
   out = Tensor::empty({rows, qd}, DType::f32, options_.device);
   lse = Tensor::empty({batch, shape_.heads, seq}, DType::f32, options_.device);
   ops::AttentionParams p;
-  p.batch = batch, p.seq = seq, p.heads = shape_.heads, p.kv_heads = shape_.kv_heads, p.head_dim = shape_.head_dim;
+  p.batch = batch, p.seq = seq, p.heads = shape_.heads, p.kv_heads = shape_.kv_heads,
+  p.head_dim = shape_.head_dim;
   p.q = qkv.f32(), p.k = p.q + qd, p.v = p.q + qd + kd;
   p.q_stride = p.k_stride = p.v_stride = shape_.qkv_dim();
   p.out = out.f32(), p.out_stride = qd, p.lse = lse.f32();
   p.scale = 1.0f / std::sqrt(static_cast<float>(shape_.head_dim));
   p.causal = true;
-  ops::attention_forward(p, options_.device);
+  if (options_.cp)
+    options_.cp->attention_forward(p);
+  else
+    ops::attention_forward(p, options_.device);
 }
 
 Tensor Attention::forward(const Tensor& h, int64_t batch, int64_t seq, Saved& saved, bool keep_core) const {
   saved.h = qkv_.input(gather_in(options_.tp, h));
   saved.qkv = qkv_.forward(saved.h);
-  apply_rope(saved.qkv.f32(), batch, seq, false);
+  rope_for_training(saved.qkv.f32(), batch, seq, false);
   Tensor out, lse;
   core_forward(saved.qkv, batch, seq, out, lse);
   GemmOperand out_op = o_.input(out);
@@ -70,10 +84,12 @@ Tensor Attention::backward_input(const Tensor& dy, int64_t batch, int64_t seq, S
   saved.dy = o_.grad_output(gather_in(options_.tp, dy));
   Tensor dout = o_.backward_input(saved.dy);
 
-  const int64_t rows = batch * seq, qd = shape_.heads * shape_.head_dim, kd = shape_.kv_heads * shape_.head_dim;
+  const int64_t rows = batch * seq, qd = shape_.heads * shape_.head_dim,
+                kd = shape_.kv_heads * shape_.head_dim;
   Tensor dqkv = Tensor::empty({rows, shape_.qkv_dim()}, DType::f32, options_.device);
   ops::AttentionParams p;
-  p.batch = batch, p.seq = seq, p.heads = shape_.heads, p.kv_heads = shape_.kv_heads, p.head_dim = shape_.head_dim;
+  p.batch = batch, p.seq = seq, p.heads = shape_.heads, p.kv_heads = shape_.kv_heads,
+  p.head_dim = shape_.head_dim;
   p.q = saved.qkv.f32(), p.k = p.q + qd, p.v = p.q + qd + kd;
   p.q_stride = p.k_stride = p.v_stride = shape_.qkv_dim();
   p.out = saved.out.f32(), p.out_stride = qd, p.lse = saved.lse.f32();
@@ -82,11 +98,14 @@ Tensor Attention::backward_input(const Tensor& dy, int64_t batch, int64_t seq, S
   p.dout = dout.f32(), p.dout_stride = qd;
   p.dq = dqkv.f32(), p.dk = p.dq + qd, p.dv = p.dq + qd + kd;
   p.dq_stride = p.dk_stride = p.dv_stride = shape_.qkv_dim();
-  ops::attention_backward(p, options_.device);
+  if (options_.cp)
+    options_.cp->attention_backward(p);
+  else
+    ops::attention_backward(p, options_.device);
   // The core is no longer needed; the o-projection's weight gradient keeps out_op.
   saved.out = Tensor(), saved.lse = Tensor(), saved.qkv = Tensor();
 
-  apply_rope(dqkv.f32(), batch, seq, true);
+  rope_for_training(dqkv.f32(), batch, seq, true);
   saved.dqkv = qkv_.grad_output(dqkv);
   return reduce_out(options_.tp, qkv_.backward_input(saved.dqkv));
 }
@@ -98,7 +117,8 @@ void Attention::backward_weight(Saved& saved) const {
 }
 
 Tensor Attention::forward_cached(const Tensor& h, int64_t batch, int64_t tokens, const KvLayer& cache) const {
-  FORGE_CHECK(options_.tp == nullptr, "cached inference runs on one process (tensor parallelism is for training)");
+  FORGE_CHECK(options_.tp == nullptr && options_.cp == nullptr,
+              "cached inference runs on one process (tensor and context parallelism are for training)");
   FORGE_CHECK(cache.keys && cache.kv_heads == shape_.kv_heads && cache.head_dim == shape_.head_dim,
               "KV cache of {} kv heads x {} dims does not fit attention with {} x {}", cache.kv_heads,
               cache.head_dim, shape_.kv_heads, shape_.head_dim);

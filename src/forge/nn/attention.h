@@ -30,11 +30,11 @@ struct AttentionParams {
 class Attention final : public LayerPart {
  public:
   struct Saved : LayerPart::Saved {
-    GemmOperand h;          // input of the qkv projection (as its GEMMs read it)
-    Tensor qkv;             // q|k|v after RoPE, fp32 [rows, qkv_dim]
-    Tensor out, lse;        // attention core output and row log-sum-exp (absent under selective recompute)
-    GemmOperand out_op;     // core output as the o-projection's operand
-    GemmOperand dy, dqkv;   // kept from backward_input for backward_weight
+    GemmOperand h;         // input of the qkv projection (as its GEMMs read it)
+    Tensor qkv;            // q|k|v after RoPE, fp32 [rows, qkv_dim]
+    Tensor out, lse;       // attention core output and row log-sum-exp (absent under selective recompute)
+    GemmOperand out_op;    // core output as the o-projection's operand
+    GemmOperand dy, dqkv;  // kept from backward_input for backward_weight
   };
 
   Attention() = default;
@@ -47,13 +47,17 @@ class Attention final : public LayerPart {
   Tensor forward(const Tensor& h, int64_t batch, int64_t seq, Saved& saved, bool keep_core) const;
   Tensor backward_input(const Tensor& dy, int64_t batch, int64_t seq, Saved& saved) const;
   void backward_weight(Saved& saved) const;
-  Tensor forward(const Tensor& h, int64_t batch, int64_t seq, LayerPart::Saved& saved, bool keep) const override {
+  Tensor forward(const Tensor& h, int64_t batch, int64_t seq, LayerPart::Saved& saved,
+                 bool keep) const override {
     return forward(h, batch, seq, static_cast<Saved&>(saved), keep);
   }
-  Tensor backward_input(const Tensor& dy, int64_t batch, int64_t seq, LayerPart::Saved& saved) const override {
+  Tensor backward_input(const Tensor& dy, int64_t batch, int64_t seq,
+                        LayerPart::Saved& saved) const override {
     return backward_input(dy, batch, seq, static_cast<Saved&>(saved));
   }
-  void backward_weight(LayerPart::Saved& saved) const override { backward_weight(static_cast<Saved&>(saved)); }
+  void backward_weight(LayerPart::Saved& saved) const override {
+    backward_weight(static_cast<Saved&>(saved));
+  }
   Tensor forward_cached(const Tensor& h, int64_t batch, int64_t tokens, const KvLayer* cache) const override {
     FORGE_CHECK(cache != nullptr, "attention's cached inference needs a KV cache");
     return forward_cached(h, batch, tokens, *cache);
@@ -68,6 +72,9 @@ class Attention final : public LayerPart {
  private:
   void core_forward(Tensor& qkv, int64_t batch, int64_t seq, Tensor& out, Tensor& lse) const;
   void apply_rope(float* qkv, int64_t batch, int64_t seq, bool inverse, int64_t first_position = 0) const;
+  // Training's RoPE: at positions 0.. of each sequence, or under context parallelism each local half at its
+  // global positions.
+  void rope_for_training(float* qkv, int64_t batch, int64_t seq, bool inverse) const;
 
   Linear qkv_, o_;
   AttentionShape shape_;

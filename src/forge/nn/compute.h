@@ -16,6 +16,7 @@ Recompute recompute_from_name(std::string_view name);
 std::string_view recompute_name(Recompute r);
 
 class TensorParallel;
+class ContextParallel;
 class ExpertParallel;
 class Fp8Context;
 
@@ -25,6 +26,9 @@ struct ComputeOptions {
   // The tensor-parallel group (null: one rank, nothing split). Modules register and use only their shard.
   TensorParallel* tp = nullptr;
   int64_t vocab_divisible_by = 128;  // tp > 1 pads the vocabulary to a multiple of this x tp
+  // The context-parallel group (null: whole sequences): every sequence's tokens are split over it and
+  // attention runs across it (nn/context_parallel.h).
+  ContextParallel* cp = nullptr;
   // FP8 training (null: off): the Linears of the transformer layers run their GEMMs in FP8 per the recipe.
   // The model owns the context; norms, attention, the embedding and the output head stay in higher precision.
   Fp8Context* fp8 = nullptr;

@@ -29,6 +29,10 @@ void copy_rows(const float* src, int64_t src_stride, float* dst, int64_t dst_str
 MlaAttention::MlaAttention(ParameterStore* store, MlaParams params, MlaShape shape, const RopeTable* rope,
                            ComputeOptions options)
     : store_(store), params_(params), shape_(shape), rope_(rope), options_(options) {
+  if (options.cp)
+    fail(
+        "parallel.cp: context parallelism runs grouped-query attention (LLaMA) so far, not MLA (DeepSeek-V3, "
+        "whose multi-token prediction also shifts tokens across the chunks)");
   const MlaShape& s = shape_;
   FORGE_CHECK(s.hidden > 0 && s.heads > 0 && s.kv_lora_rank > 0 && s.qk_nope_head_dim > 0 &&
                   s.qk_rope_head_dim > 0 && s.qk_rope_head_dim % 2 == 0 && s.v_head_dim > 0 &&

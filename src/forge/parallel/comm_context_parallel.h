@@ -1,0 +1,26 @@
+// nn::ContextParallel over a communicator: the modules' context-parallel group (the layout's cp group), with
+// attention across it in ring or all-to-all mode (parallel/context_parallel.h). Host memory.
+#pragma once
+
+#include "forge/comm/comm.h"
+#include "forge/nn/context_parallel.h"
+#include "forge/parallel/context_parallel.h"
+
+namespace forge::parallel {
+
+class CommContextParallel final : public nn::ContextParallel {
+ public:
+  CommContextParallel(comm::Communicator* group, ContextAttention mode) : group_(group), mode_(mode) {}
+  int rank() const override { return group_->rank(); }
+  int size() const override { return group_->size(); }
+  ContextAttention mode() const { return mode_; }
+  void attention_forward(const ops::AttentionParams& p) override;
+  void attention_backward(const ops::AttentionParams& p) override;
+
+ private:
+  ContextSplit split(const ops::AttentionParams& p) const;
+  comm::Communicator* group_;
+  ContextAttention mode_;
+};
+
+}  // namespace forge::parallel
