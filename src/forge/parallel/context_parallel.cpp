@@ -260,6 +260,16 @@ struct Ulysses {
   Dims d;
   int64_t seq() const { return split.seq; }
 
+  // q, k and v of this rank's heads over the whole sequence.
+  struct Inputs {
+    std::vector<float> q, k, v;
+  };
+  Inputs gather_inputs(comm::Communicator& cp, const ops::AttentionParams& p) const {
+    const int64_t hq = d.heads / split.cp, hk = d.kv_heads / split.cp;
+    return {gather(cp, p.q, p.q_stride, hq * d.head_dim), gather(cp, p.k, p.k_stride, hk * d.head_dim),
+            gather(cp, p.v, p.v_stride, hk * d.v_dim)};
+  }
+
   // x [batch, local, cp groups x cols] (rows `stride` apart) -> on rank j: [source][batch, seq-order... ]:
   // the whole sequence [batch, seq, cols] of this rank's group, gathered from every rank's local tokens.
   std::vector<float> gather(comm::Communicator& cp, const float* x, int64_t stride, int64_t cols) const {
@@ -360,12 +370,10 @@ void check_heads(const ContextSplit& split, const Dims& d) {
 
 void all_to_all_forward(comm::Communicator& cp, const ContextSplit& split, const Dims& d,
                         const ops::AttentionParams& p) {
-  check_heads(split, d);
   const Ulysses u{split, d};
-  const int64_t hq = d.heads / split.cp, hk = d.kv_heads / split.cp;
-  const std::vector<float> q = u.gather(cp, p.q, p.q_stride, hq * d.head_dim),
-                           k = u.gather(cp, p.k, p.k_stride, hk * d.head_dim),
-                           v = u.gather(cp, p.v, p.v_stride, hk * d.v_dim);
+  const int64_t hq = d.heads / split.cp;
+  const Ulysses::Inputs in = u.gather_inputs(cp, p);
+  const std::vector<float>&q = in.q, &k = in.k, &v = in.v;
   std::vector<float> out(static_cast<size_t>(d.batch * split.seq * hq * d.v_dim)),
       lse(static_cast<size_t>(d.batch * hq * split.seq));
   ops::AttentionParams a = u.whole_params(p, q.data(), k.data(), v.data());
@@ -381,13 +389,11 @@ void all_to_all_forward(comm::Communicator& cp, const ContextSplit& split, const
 
 void all_to_all_backward(comm::Communicator& cp, const ContextSplit& split, const Dims& d,
                          const ops::AttentionParams& p) {
-  check_heads(split, d);
   const Ulysses u{split, d};
   const int64_t hq = d.heads / split.cp, hk = d.kv_heads / split.cp;
-  const std::vector<float> q = u.gather(cp, p.q, p.q_stride, hq * d.head_dim),
-                           k = u.gather(cp, p.k, p.k_stride, hk * d.head_dim),
-                           v = u.gather(cp, p.v, p.v_stride, hk * d.v_dim),
-                           dout = u.gather(cp, p.dout, p.dout_stride, hq * d.v_dim);
+  const Ulysses::Inputs in = u.gather_inputs(cp, p);
+  const std::vector<float>&q = in.q, &k = in.k, &v = in.v;
+  const std::vector<float> dout = u.gather(cp, p.dout, p.dout_stride, hq * d.v_dim);
   std::vector<float> out = u.gather(cp, p.out, p.out_stride, hq * d.v_dim);
   const std::vector<float> rows = u.lse_rows(p.lse);
   std::vector<float> lse = u.transpose(u.gather(cp, rows.data(), d.heads, hq), hq, true);
@@ -410,6 +416,7 @@ void context_attention_forward(comm::Communicator& cp, const ContextSplit& split
   const Dims d = check(cp, split, p, "context attention forward");
   if (split.cp == 1) return ops::attention_forward(p);  // chunk 0 then chunk 1: the sequence in order
   if (mode == ContextAttention::ring) return ring_forward(cp, split, d, p);
+  check_heads(split, d);
   all_to_all_forward(cp, split, d, p);
 }
 
@@ -420,6 +427,7 @@ void context_attention_backward(comm::Communicator& cp, const ContextSplit& spli
               "context attention backward: dout, dq, dk, dv and lse");
   if (split.cp == 1) return ops::attention_backward(p);
   if (mode == ContextAttention::ring) return ring_backward(cp, split, d, p);
+  check_heads(split, d);
   all_to_all_backward(cp, split, d, p);
 }
 
