@@ -238,7 +238,7 @@ void ring_backward(comm::Communicator& cp, const ContextSplit& split, const Dims
         add_into(mine.v(kh), dv_b.data(), dv_b.size());
       }
     gradients.first.wait(), gradients.second.wait();  // the previous hop: travelling is free, arrived full
-    travelling.data = mine.data;
+    std::swap(travelling.data, mine.data);            // mine is zeroed again next step
     if (step > 0) add_into(travelling.data.data(), arrived.data.data(), travelling.data.size());
     gradients = pass_on(cp, travelling.data.data(), arrived.data.data(), travelling.count(), kGradientTag);
     transfer.first.wait(), transfer.second.wait();

@@ -23,7 +23,7 @@ struct CommEvent {
   bool blocking = false;
   // An expert all-to-all waited for later: the ops the rank ran while it was in flight (under expert
   // parallelism's overlap, the shared experts), which can hide it. Empty: nothing ran meanwhile.
-  std::vector<ops::OpProfileRow> overlapped;
+  std::vector<ops::OpProfileRow> overlapped = {};
 };
 
 // Shared by every communicator of one traced rank: the events in the order they were issued.

@@ -139,6 +139,15 @@ Held peak_held(const pipeline::Schedule& schedule, const pipeline::Replay& repla
 
 }  // namespace
 
+// "" when `total` bytes fit in a device of h; else by how much they do not, and what dominates.
+static std::string over_memory(const HardwareProfile& h, int64_t total, const std::string& where,
+                               const std::string& dominant) {
+  const int64_t capacity = static_cast<int64_t>(h.memory_gib * 1073741824.0);
+  if (total <= capacity) return "";
+  return fmt::format("needs {}{}, {} over the {} of a {} (most of it {})", human_bytes(total), where,
+                     human_bytes(total - capacity), human_bytes(capacity), h.name, dominant);
+}
+
 std::string human_bytes(int64_t bytes) {
   const double b = static_cast<double>(bytes);
   if (std::fabs(b) >= 1024.0 * 1024 * 1024) return fmt::format("{:.2f} GiB", b / (1024.0 * 1024 * 1024));
@@ -323,14 +332,9 @@ Estimate Simulator::estimate(const Strategy& s) {
     m.total = m.weights + m.optimizer + m.activations + m.transient;
     if (m.total > e.memory.total) e.memory = m;
   }
-  const int64_t capacity = static_cast<int64_t>(cluster_.hardware.memory_gib * 1073741824.0);
-  if (e.memory.total > capacity) {
-    e.fits = false;
-    e.over =
-        fmt::format("needs {} per device on pp rank {}, {} over the {} of a {} (most of it {})",
-                    human_bytes(e.memory.total), e.memory.pp_rank, human_bytes(e.memory.total - capacity),
-                    human_bytes(capacity), cluster_.hardware.name, e.memory.dominant());
-  }
+  e.over = over_memory(cluster_.hardware, e.memory.total,
+                       fmt::format(" per device on pp rank {}", e.memory.pp_rank), e.memory.dominant());
+  e.fits = e.over.empty();
   return e;
 }
 
@@ -345,15 +349,10 @@ GenerationEstimate Simulator::estimate_generation(const GenerationRequest& reque
   e.prefill = h.rows_seconds(t.prefill.rows);
   e.decode_per_token = h.rows_seconds(t.decode.rows);
   e.total_seconds = e.prefill + static_cast<double>(request.new_tokens - 1) * e.decode_per_token;
-  const int64_t capacity = static_cast<int64_t>(h.memory_gib * 1073741824.0);
-  if (e.total > capacity) {
-    e.fits = false;
-    const std::pair<int64_t, const char*> parts[] = {
-        {e.weights, "the weights"}, {e.cache, "the KV cache"}, {e.transient, "the prefill's activations"}};
-    e.over = fmt::format("needs {}, {} over the {} of a {} (most of it {})", human_bytes(e.total),
-                         human_bytes(e.total - capacity), human_bytes(capacity), h.name,
-                         std::max_element(std::begin(parts), std::end(parts))->second);
-  }
+  const std::pair<int64_t, const char*> parts[] = {
+      {e.weights, "the weights"}, {e.cache, "the KV cache"}, {e.transient, "the prefill's activations"}};
+  e.over = over_memory(h, e.total, "", std::max_element(std::begin(parts), std::end(parts))->second);
+  e.fits = e.over.empty();
   return e;
 }
 
