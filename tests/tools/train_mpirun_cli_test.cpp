@@ -13,7 +13,8 @@ namespace {
 
 RunOptions mpirun(int ranks) {
   RunOptions o;
-  o.launcher = std::string(FORGE_MPIEXEC) + " -np " + std::to_string(ranks) + " --oversubscribe --bind-to none";
+  o.launcher =
+      std::string(FORGE_MPIEXEC) + " -np " + std::to_string(ranks) + " --oversubscribe --bind-to none";
   o.environment = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1";
   return o;
 }
@@ -28,13 +29,15 @@ class TrainMpirun : public ScratchDirTest {
  protected:
   std::string setup() {
     std::string corpus;
-    for (int i = 0; i < 200; ++i) corpus += "And the evening and the morning were the day " + std::to_string(i % 9) + ".\n";
+    for (int i = 0; i < 200; ++i)
+      corpus += "And the evening and the morning were the day " + std::to_string(i % 9) + ".\n";
     write("corpus.txt", corpus);
     write("config.json", R"({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
       "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64})");
     return "train --set model.config=" + path("config.json") + " --set data.corpus=" + path("corpus.txt") +
            " --set data.tokenizer=bytes --set data.seq_len=32 --set train.micro_batch=2 --set train.steps=4"
-           " --set eval.every=0 --set log.peak_gflops=100 --set log.run_dir=" + path("run");
+           " --set eval.every=0 --set log.peak_gflops=100 --set log.run_dir=" +
+           path("run");
   }
 };
 
@@ -49,7 +52,8 @@ TEST_F(TrainMpirun, HeadsThatDoNotSplitAreRefusedBeforeAnyWork) {
   const std::string args = setup();
   write("six_heads.json", R"({"hidden_size": 48, "intermediate_size": 64, "num_hidden_layers": 2,
       "num_attention_heads": 6, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64})");
-  Outcome out = run_forge(args + " --set model.config=" + path("six_heads.json") + " --set parallel.tp=4", mpirun(4));
+  Outcome out =
+      run_forge(args + " --set model.config=" + path("six_heads.json") + " --set parallel.tp=4", mpirun(4));
   EXPECT_NE(out.status, 0) << out.output;
   EXPECT_NE(out.output.find("forge: error: parallel.tp = 4 does not divide num_attention_heads = 6"),
             std::string::npos)
@@ -83,8 +87,9 @@ TEST_F(TrainMpirun, KvHeadsAreReplicatedWhenTpExceedsThem) {
 }
 
 TEST_F(TrainMpirun, TensorParallelRunLogsOnceCheckpointsInShardsAndSamples) {
-  Outcome out = run_forge(setup() + " --set parallel.tp=2 --set parallel.sequence_parallel=true"
-                                    " --set sample.tokens=8 --set log.every=2",
+  Outcome out = run_forge(setup() +
+                              " --set parallel.tp=2 --set parallel.sequence_parallel=true"
+                              " --set sample.tokens=8 --set log.every=2",
                           mpirun(2));
   ASSERT_EQ(out.status, 0) << out.output;
   EXPECT_EQ(count(out.output, "layout: world 2 = tp 2 x cp 1 x dp 1 x pp 1"), 1u) << out.output;
@@ -94,8 +99,44 @@ TEST_F(TrainMpirun, TensorParallelRunLogsOnceCheckpointsInShardsAndSamples) {
   EXPECT_TRUE(fs::exists(dir_ / "run" / "checkpoint" / "step-00000004" / "shard-00001-of-00002.safetensors"));
   EXPECT_TRUE(fs::exists(dir_ / "run" / "checkpoint" / "step-00000004" / "manifest.json"));
   // The sharded checkpoint is an ordinary forge checkpoint for the single-process tools.
-  Outcome gen = run_forge("generate --model " + path("run/checkpoint") + " --prompt And --max-new-tokens 4 --greedy");
+  Outcome gen =
+      run_forge("generate --model " + path("run/checkpoint") + " --prompt And --max-new-tokens 4 --greedy");
   EXPECT_EQ(gen.status, 0) << gen.output;
+}
+
+// Context parallelism: each rank holds two chunks of every sequence; the run logs the split, trains,
+// evaluates, checkpoints and samples from the checkpoint read back whole.
+TEST_F(TrainMpirun, ContextParallelRunLogsItsSplitAndSamples) {
+  Outcome out =
+      run_forge(setup() + " --set parallel.cp=2 --set sample.tokens=8 --set eval.every=2", mpirun(2));
+  ASSERT_EQ(out.status, 0) << out.output;
+  EXPECT_EQ(count(out.output, "layout: world 2 = tp 1 x cp 2 x dp 1 x pp 1"), 1u) << out.output;
+  EXPECT_EQ(count(out.output,
+                  "context parallel 2: 16 of each sequence's 32 tokens per rank (chunks r and 3 - r "
+                  "of 4), attention ring"),
+            1u)
+      << out.output;
+  EXPECT_NE(out.output.find("final held-out loss"), std::string::npos) << out.output;
+  EXPECT_NE(out.output.find("--- sample"), std::string::npos) << out.output;
+}
+
+// What context parallelism cannot split is refused before any work, with one line on every rank.
+TEST_F(TrainMpirun, ContextParallelBadRequestsAreOneLineEach) {
+  const std::string args = setup();
+  Outcome odd = run_forge(args + " --set parallel.cp=2 --set data.seq_len=30", mpirun(2));
+  EXPECT_NE(odd.status, 0) << odd.output;
+  EXPECT_NE(
+      odd.output.find("data.seq_len = 30 must be a multiple of 2 x parallel.cp = 4 (each rank holds two "
+                      "chunks of every sequence)"),
+      std::string::npos)
+      << odd.output;
+  Outcome heads = run_forge(args + " --set parallel.cp=4 --set parallel.cp_comm=a2a", mpirun(4));
+  EXPECT_NE(heads.status, 0) << heads.output;
+  EXPECT_NE(heads.output.find("parallel.cp_comm = \"a2a\" scatters attention heads over parallel.cp = 4, but "
+                              "each tensor-parallel rank holds 4 heads and 2 key/value heads"),
+            std::string::npos)
+      << heads.output;
+  for (const Outcome& o : {odd, heads}) EXPECT_EQ(o.output.find("step 1"), std::string::npos) << o.output;
 }
 
 }  // namespace

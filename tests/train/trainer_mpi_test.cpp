@@ -38,11 +38,14 @@ namespace fs = std::filesystem;
 struct Layout {
   int tp, dp;
   bool sequence_parallel, zero;
+  int cp = 1;
+  const char* cp_comm = "p2p";
 };
 
 std::string name_of(const Layout& l) {
-  return "tp" + std::to_string(l.tp) + "_dp" + std::to_string(l.dp) + (l.sequence_parallel ? "_sp" : "") +
-         (l.zero ? "_zero1" : "");
+  return "tp" + std::to_string(l.tp) + "_dp" + std::to_string(l.dp) +
+         (l.cp > 1 ? "_cp" + std::to_string(l.cp) + "_" + l.cp_comm : "") +
+         (l.sequence_parallel ? "_sp" : "") + (l.zero ? "_zero1" : "");
 }
 
 class TrainerRuns : public testing::Test {
@@ -72,7 +75,7 @@ class TrainerLayouts : public TrainerRuns, public testing::WithParamInterface<La
 TEST_P(TrainerLayouts, ReproduceTheOneRankRun) {
   comm::Communicator& world = comm::world();
   const Layout l = GetParam();
-  if (l.tp * l.dp != world.size()) GTEST_SKIP() << "needs " << l.tp * l.dp << " ranks";
+  if (l.tp * l.dp * l.cp != world.size()) GTEST_SKIP() << "needs " << l.tp * l.dp * l.cp << " ranks";
 
   // The reference: one rank, dp x accum micro-batches.
   TrainConfig ref = config("reference-" + std::to_string(world.rank()));
@@ -85,15 +88,20 @@ TEST_P(TrainerLayouts, ReproduceTheOneRankRun) {
   par.parallel.dp = l.dp;
   par.parallel.sequence_parallel = l.sequence_parallel;
   par.parallel.distributed_optimizer = l.zero;
+  par.parallel.cp = l.cp;
+  par.parallel.cp_comm = l.cp_comm;
   TrainResult got = Trainer(par, &world).run();
 
   ASSERT_EQ(got.losses.size(), want.losses.size());
   // Gradient norms too: Adam's update barely depends on the gradient's scale, so a wrongly scaled
   // (e.g. summed instead of averaged) gradient would leave the losses almost unchanged, but not the norms.
   ASSERT_EQ(got.grad_norms.size(), want.grad_norms.size());
+  // Context parallelism splits only attention's sums (and the gradients' reduction): tighter, as the issue
+  // asks of it, losses within 1e-5 and gradient norms within 1e-4.
+  const double loss_rtol = l.cp > 1 ? 1e-5 : 2e-5, norm_rtol = l.cp > 1 ? 1e-4 : 1e-3;
   for (size_t s = 0; s < want.losses.size(); ++s) {
-    EXPECT_NEAR(got.losses[s], want.losses[s], 2e-5 * want.losses[s]) << "step " << s + 1;
-    EXPECT_NEAR(got.grad_norms[s], want.grad_norms[s], 1e-3 * want.grad_norms[s]) << "step " << s + 1;
+    EXPECT_NEAR(got.losses[s], want.losses[s], loss_rtol * want.losses[s]) << "step " << s + 1;
+    EXPECT_NEAR(got.grad_norms[s], want.grad_norms[s], norm_rtol * want.grad_norms[s]) << "step " << s + 1;
   }
   EXPECT_NEAR(got.heldout_loss, want.heldout_loss, 2e-5 * want.heldout_loss);
 
@@ -102,12 +110,17 @@ TEST_P(TrainerLayouts, ReproduceTheOneRankRun) {
                             fs::path(par.log.run_dir) / "checkpoint", 2e-4);
 }
 
-INSTANTIATE_TEST_SUITE_P(Layouts, TrainerLayouts,
-                         testing::Values(Layout{2, 1, false, false}, Layout{2, 1, true, false},
-                                         Layout{1, 2, false, false}, Layout{1, 2, false, true},
-                                         Layout{2, 2, false, false}, Layout{2, 2, true, true},
-                                         Layout{4, 1, false, false}, Layout{4, 1, true, false}),
-                         [](const auto& info) { return name_of(info.param); });
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, TrainerLayouts,
+    testing::Values(Layout{2, 1, false, false}, Layout{2, 1, true, false}, Layout{1, 2, false, false},
+                    Layout{1, 2, false, true}, Layout{2, 2, false, false}, Layout{2, 2, true, true},
+                    Layout{4, 1, false, false}, Layout{4, 1, true, false},
+                    // Context parallelism: every sequence's 16 tokens over 2 or 4
+                    // ranks, alone and beside tp (with sp) and dp (with ZeRO-1).
+                    Layout{1, 1, false, false, 2, "p2p"}, Layout{1, 1, false, false, 2, "a2a"},
+                    Layout{1, 1, false, false, 4, "p2p"}, Layout{2, 1, true, false, 2, "p2p"},
+                    Layout{1, 2, false, true, 2, "p2p"}, Layout{1, 2, false, true, 2, "a2a"}),
+    [](const auto& info) { return name_of(info.param); });
 
 // FP8 under a layout: the delayed recipe's amaxes are max-reduced over every rank each step and the current
 // recipe's weight amaxes over the tensor-parallel group, so every rank casts with the scales one process

@@ -71,7 +71,15 @@ struct PipelineCase {
   const char* fp8 = "off";
   int vpp = 1, layers = 4, accum = 4;
   bool tied = false;
+  int cp = 1;  // context parallel (ring attention) inside each stage
 };
+
+// Context parallelism inside the stages: each micro-batch's sequences split over cp = 2 between the hops.
+PipelineCase context(const char* name, const char* schedule, int accum) {
+  PipelineCase c{name, 2, 1, 1, schedule};
+  c.cp = 2, c.accum = accum;
+  return c;
+}
 
 // FP8 delayed scaling under the multi-chunk schedules (DualPipe's copies share their amaxes).
 PipelineCase fp8(const char* name, int pp, const char* schedule, int accum) {
@@ -101,7 +109,8 @@ class PipelineLayouts : public PipelineRuns, public testing::WithParamInterface<
 TEST_P(PipelineLayouts, ReproduceTheOneRankRun) {
   comm::Communicator& world = comm::world();
   const PipelineCase p = GetParam();
-  if (p.pp * p.tp * p.dp != world.size()) GTEST_SKIP() << "needs " << p.pp * p.tp * p.dp << " ranks";
+  if (p.pp * p.tp * p.dp * p.cp != world.size())
+    GTEST_SKIP() << "needs " << p.pp * p.tp * p.dp * p.cp << " ranks";
   const bool fp8 = std::string(p.fp8) != "off";
   auto make = [&](const std::string& run) {
     TrainConfig c = config(run);
@@ -123,6 +132,7 @@ TEST_P(PipelineLayouts, ReproduceTheOneRankRun) {
   par.parallel.distributed_optimizer = p.zero;
   par.parallel.pp_layers = p.pp_layers;
   par.parallel.vpp = p.vpp;
+  par.parallel.cp = p.cp;
   par.train.grad_accum = p.accum;
   const TrainResult got = Trainer(par, &world).run();
 
@@ -170,7 +180,8 @@ INSTANTIATE_TEST_SUITE_P(
         PipelineCase{"pp2_tp2_sp_1f1b_fp8_delayed", 2, 2, 1, "1f1b", true, false, "none", "", "delayed"},
         PipelineCase{"pp4_zbh1_fp8_block", 4, 1, 1, "zb-h1", false, false, "none", "", "block"},
         fp8("pp2_dualpipe_fp8_delayed", 2, "dualpipe", 4), fp8("pp4_dualpipe_fp8_delayed", 4, "dualpipe", 8),
-        fp8("pp2_dualpipev_fp8_delayed", 2, "dualpipev", 4)),
+        fp8("pp2_dualpipev_fp8_delayed", 2, "dualpipev", 4), context("pp2_cp2_1f1b", "1f1b", 4),
+        context("pp2_cp2_dualpipe", "dualpipe", 4)),
     [](const auto& info) { return std::string(info.param.name); });
 
 // A checkpoint written under one pipeline layout resumes under another and continues the one-rank loss

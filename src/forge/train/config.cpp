@@ -180,6 +180,12 @@ const std::vector<KeySpec>& key_specs() {
        {}},
       {"parallel", "cp", FORGE_FIELD(parallel.cp), "context-parallel ranks (split the sequence)", {}},
       {"parallel",
+       "cp_comm",
+       FORGE_FIELD(parallel.cp_comm),
+       "with cp > 1: attention across the group; p2p = keys and values passed around a ring, a2a = heads "
+       "scattered and sequences gathered (Ulysses)",
+       {"p2p", "a2a"}},
+      {"parallel",
        "ep",
        FORGE_FIELD(parallel.ep),
        "expert-parallel ranks, carved from dp x cp (must divide it)",

@@ -103,6 +103,7 @@ struct TrainConfig {
     std::string pp_layers;          // layers per stage, "3,5,5,3"; empty: even
     int64_t dp = 0;                 // data parallel; 0 = derived: world size / (tp * pp * cp)
     int64_t cp = 1;                 // context parallel
+    std::string cp_comm = "p2p";    // cp > 1: attention across the group, p2p (ring) | a2a (all-to-all)
     int64_t ep = 1;                 // expert parallel, carved from dp x cp
     bool ep_overlap = true;         // hide the token all-to-alls under compute (nn::ComputeOptions)
     bool sequence_parallel = false;

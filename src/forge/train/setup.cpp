@@ -29,13 +29,7 @@ parallel::Layout checked_layout(const TrainConfig& c, comm::Communicator& world)
   if (!std::getenv("FORGE_COMM_TIMEOUT")) world.set_timeout_seconds(c.parallel.timeout_s);
   // The layout is checked against the world before any work: a wrong -np or a model that does not split
   // fails here, on every rank, with the same message.
-  parallel::Layout layout(c.layout_spec(), world.size(), world.rank());
-  if (layout.cp() > 1)
-    fail(
-        "parallel.cp = {}: this version trains with tensor, pipeline, data and expert parallelism; context "
-        "parallelism is not implemented yet",
-        layout.cp());
-  return layout;
+  return parallel::Layout(c.layout_spec(), world.size(), world.rank());
 }
 
 }  // namespace
@@ -64,7 +58,7 @@ TrainSetup::TrainSetup(const TrainConfig& c, comm::Communicator& world_)
   model_config = init_source ? init_source->config->clone() : read_model_config(c.model.config);
   check_model_fits();
   groups = parallel::make_groups(world, layout);
-  dp = layout.dp(), dp_rank = layout.coordinate(parallel::Dim::dp);
+  dp = layout.dp(), dp_rank = layout.coordinate(parallel::Dim::dp), cp = layout.cp();
   seq = c.data.seq_len, micro = c.train.micro_batch, accum = c.train.grad_accum;
   device = device_from_name(c.train.device);
   open_devices();
@@ -180,7 +174,7 @@ void TrainSetup::make_pipeline() {
   const int pp = layout.pp();
   const int64_t layers = model_config->shape().layers;
   chunk_stages = {StageSpec::whole()};
-  stage_rows = micro * seq / (c.parallel.sequence_parallel && layout.tp() > 1 ? layout.tp() : 1);
+  stage_rows = micro * local_seq() / (c.parallel.sequence_parallel && layout.tp() > 1 ? layout.tp() : 1);
   if (pp == 1) {
     if (!c.parallel.pp_layers.empty())
       (void)pipeline::stage_layer_counts(layers, 1, c.parallel.pp_layers, "parallel.pp = 1");
@@ -242,11 +236,42 @@ void TrainSetup::check_model_fits() const {
       fail("{}: parallel.ep = {} does not divide n_routed_experts = {} of {}", c.origin_of("parallel.ep"),
            layout.ep(), experts, model_source);
   }
-  // Sequence parallelism splits each micro-batch's token rows over tp; with seq_len a multiple of tp every
-  // batch size splits (evaluation's last batch may be smaller), as Megatron requires.
-  if (c.parallel.sequence_parallel && layout.tp() > 1 && c.data.seq_len % layout.tp() != 0)
-    fail("parallel.sequence_parallel: data.seq_len = {} must be a multiple of parallel.tp = {}",
-         c.data.seq_len, layout.tp());
+  // Context parallelism cuts every sequence into 2 x cp chunks (two per rank, one early and one late, for
+  // causal balance); all-to-all attention scatters each tensor-parallel rank's heads over cp.
+  const int cp_size = layout.cp();
+  if (cp_size > 1 && c.data.seq_len % (2 * cp_size) != 0)
+    fail(
+        "{}: data.seq_len = {} must be a multiple of 2 x parallel.cp = {} (each rank holds two chunks of "
+        "every "
+        "sequence)",
+        c.origin_of("data.seq_len"), c.data.seq_len, 2 * cp_size);
+  if (cp_size > 1 && c.parallel.cp_comm == "a2a") {
+    const int64_t heads = s.heads / layout.tp(), kv_heads = std::max<int64_t>(1, s.kv_heads / layout.tp());
+    if (heads % cp_size != 0 || kv_heads % cp_size != 0)
+      fail(
+          "{}: parallel.cp_comm = \"a2a\" scatters attention heads over parallel.cp = {}, but each "
+          "tensor-parallel rank holds {} heads and {} key/value heads of {}; use cp_comm = \"p2p\" or a cp "
+          "that divides both",
+          c.origin_of("parallel.cp_comm"), cp_size, heads, kv_heads, model_source);
+  }
+  // Sequence parallelism splits each micro-batch's token rows over tp; with the (local) sequence a multiple
+  // of tp every batch size splits (evaluation's last batch may be smaller), as Megatron requires.
+  const int64_t local = c.data.seq_len / cp_size;
+  if (c.parallel.sequence_parallel && layout.tp() > 1 && local % layout.tp() != 0)
+    fail("parallel.sequence_parallel: {} must be a multiple of parallel.tp = {}",
+         cp_size > 1 ? fmt::format("the {} tokens per rank (data.seq_len = {} / parallel.cp = {})", local,
+                                   c.data.seq_len, cp_size)
+                     : fmt::format("data.seq_len = {}", c.data.seq_len),
+         layout.tp());
+}
+
+void TrainSetup::context_slice(const int32_t* whole, int32_t* local, int64_t batch) const {
+  if (cp == 1) {
+    std::copy_n(whole, batch * seq, local);
+    return;
+  }
+  parallel::ContextSplit::make(static_cast<int>(cp), layout.coordinate(parallel::Dim::cp), seq)
+      .take_local(whole, local, batch, 1);
 }
 
 // GPUs: one per process, the local rank's. Device buffers (tensor-parallel activations and gradients,
@@ -298,6 +323,11 @@ void TrainSetup::make_compute_options() {
   tensor_parallel = std::make_unique<parallel::CommTensorParallel>(
       groups.tp.get(), c.parallel.sequence_parallel, tp_nccl.get());
   if (layout.tp() > 1) options.tp = tensor_parallel.get();
+  if (layout.cp() > 1) {
+    context_parallel = std::make_unique<parallel::CommContextParallel>(
+        groups.cp.get(), parallel::context_attention_from_name(c.parallel.cp_comm));
+    options.cp = context_parallel.get();
+  }
   if (layout.ep() > 1) {
     expert_parallel = std::make_unique<parallel::CommExpertParallel>(groups.ep.get(), ep_nccl.get());
     options.ep = expert_parallel.get();

@@ -16,6 +16,7 @@
 #include "forge/models/pretrained.h"
 #include "forge/nn/fp8_context.h"
 #include "forge/optim/lr_schedule.h"
+#include "forge/parallel/comm_context_parallel.h"
 #include "forge/parallel/comm_expert_parallel.h"
 #include "forge/parallel/comm_tensor_parallel.h"
 #include "forge/parallel/distributed_optimizer.h"
@@ -38,9 +39,18 @@ class TrainSetup {
   comm::Communicator& world;
   const parallel::Layout layout;
   parallel::ParallelGroups groups;
+  // The dense parameters' gradients reduce over dp x cp (every rank that saw some of their tokens).
   comm::Communicator& dp_group() const { return *groups.dp_cp; }
+  // dp: the data-parallel replicas (each reads its own samples); the cp ranks of one replica read the same
+  // sequences and keep their slices of them (context_slice).
   int64_t dp = 1, dp_rank = 0;
-  int64_t seq = 0, micro = 0, accum = 0;
+  int64_t seq = 0, micro = 0, accum = 0;  // seq: the whole sequence's tokens (cp ranks hold seq / cp each)
+  int64_t cp = 1;
+  std::unique_ptr<parallel::CommContextParallel> context_parallel;  // cp > 1
+  // This rank's tokens of `batch` whole sequences of seq tokens (all of them when cp = 1), in the order the
+  // model takes them (parallel::ContextSplit): local must hold batch * local_seq() values.
+  int64_t local_seq() const { return seq / cp; }
+  void context_slice(const int32_t* whole, int32_t* local, int64_t batch) const;
 
   Device device = Device::cpu;
   bool on_gpu() const { return device != Device::cpu; }

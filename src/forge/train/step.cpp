@@ -136,7 +136,7 @@ void finish_balancing(TrainSetup& setup, StepResult& r) {
           .all_reduce(maxes.data(), static_cast<int64_t>(maxes.size()), comm::Type::f64, comm::ReduceOp::max)
           .wait();
   }
-  if (setup.dp > 1) comm::all_reduce_sum(setup.dp_group(), sums.data(), n);
+  if (setup.dp_group().size() > 1) comm::all_reduce_sum(setup.dp_group(), sums.data(), n);
 
   r.experts.resize(static_cast<size_t>(slots));
   for (int64_t slot = 0; slot < slots; ++slot) {
@@ -345,15 +345,20 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule, 
   // They are read before anything else, and a failure to read them (a damaged dataset file) is agreed over
   // the world: every rank refuses the step together with nothing changed, rather than one rank leaving the
   // others waiting inside the step's collectives.
-  const int64_t first_sample = state.first_sample_of(state.step);
+  // Under context parallelism the cp ranks of a replica read the same sequences and keep their slices.
+  const int64_t first_sample = state.first_sample_of(state.step), local_seq = setup.local_seq();
   std::vector<std::vector<int32_t>> ids(accum), targets(accum);
+  std::vector<int32_t> whole_ids, whole_targets;
   std::string data_error;
   try {
     for (int64_t m = 0; m < accum; ++m) {
       if (hooks.on_read) hooks.on_read(step, static_cast<int>(m));
-      ids[m].resize(micro * seq), targets[m].resize(micro * seq);
-      setup.data->train_batch(first_sample + (setup.dp_rank * accum + m) * micro, micro, ids[m].data(),
-                              targets[m].data());
+      ids[m].resize(micro * local_seq), targets[m].resize(micro * local_seq);
+      whole_ids.resize(micro * seq), whole_targets.resize(micro * seq);
+      setup.data->train_batch(first_sample + (setup.dp_rank * accum + m) * micro, micro, whole_ids.data(),
+                              whole_targets.data());
+      setup.context_slice(whole_ids.data(), ids[m].data(), micro);
+      setup.context_slice(whole_targets.data(), targets[m].data(), micro);
     }
   } catch (const std::exception& e) {
     data_error = e.what()[0] ? e.what() : "unknown error";
@@ -373,6 +378,8 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule, 
   params.begin_grad_step(schedule.micro_batches_per_chunk(static_cast<int>(accum)));
   setup.buckets->begin_step();
   if (setup.expert_buckets) setup.expert_buckets->begin_step();
+  // Over every token of the step: each cp rank holds seq / cp of each sequence, whose sums add up over dp x
+  // cp.
   const float grad_scale = 1.0f / static_cast<float>(micro * accum * dp * seq);
   TrainStepSettings settings;
   settings.balance_scale =
@@ -382,7 +389,7 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule, 
   for (Model* m : setup.chunks()) m->begin_train_step(settings);
   LossSum loss = schedule.run(model, static_cast<int>(accum), [&](int m) {
     if (hooks.on_micro_batch) hooks.on_micro_batch(step, m);
-    return MicroBatch{ids[m].data(), targets[m].data(), micro, seq, grad_scale};
+    return MicroBatch{ids[m].data(), targets[m].data(), micro, local_seq, grad_scale};
   });
   FORGE_CHECK(!params.grad_step_active(),
               "the schedule left parameters without their last gradient of the step");
@@ -398,7 +405,8 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule, 
     loss.sum = sums[0], loss.tokens = static_cast<int64_t>(sums[1]);
   }
   r.local_loss = loss.mean();
-  if (dp > 1) {
+  if (setup.dp_group().size() > 1) {  // the replicas' losses, and under cp each rank's part of the tokens'
+
     double sums[2] = {loss.sum, static_cast<double>(loss.tokens)};
     comm::all_reduce_sum(setup.dp_group(), sums, 2);
     loss.sum = sums[0], loss.tokens = static_cast<int64_t>(sums[1]);

@@ -59,7 +59,8 @@ std::vector<char> fp8_linears_saved_here(const TrainSetup& s) {
   if (!s.fp8 || !s.fp8->delayed_group()) return {};
   const parallel::Layout& layout = s.layout;
   const bool tp0 = layout.coordinate(parallel::Dim::tp) == 0;
-  const bool dense = tp0 && s.dp_rank == 0, expert = tp0 && layout.coordinate(parallel::Dim::expert_dp) == 0;
+  const bool dense = tp0 && s.dp_group().rank() == 0,
+             expert = tp0 && layout.coordinate(parallel::Dim::expert_dp) == 0;
   std::vector<char> saves(static_cast<size_t>(s.fp8->linears()));
   for (int l = 0; l < s.fp8->linears(); ++l) saves[l] = s.fp8->is_expert(l) ? expert : dense;
   if (s.mirror && !s.chunk_fp8_linears.empty())
@@ -74,22 +75,25 @@ struct HeldOut {
   double bits_per_byte() const { return bytes ? loss.sum / std::log(2.0) / static_cast<double>(bytes) : 0.0; }
 };
 
-// Loss over held-out windows [0, windows) in batches of `batch`, with the byte count of the targets. Under
-// data parallelism the batches are dealt round-robin over the dp ranks and the sums added up over dp.
+// Loss over held-out windows [0, windows) in batches of the micro-batch size, with the byte count of the
+// targets. Under data parallelism the batches are dealt round-robin over the dp replicas and the sums added
+// up over dp (and cp: each context-parallel rank of a replica runs its slices of the replica's batch).
 // Ctrl-C (the stop flag, agreed over `world` before each batch) ends it early with interrupted set.
-// Under expert parallelism (every_rank_forwards) the replicas exchange tokens inside each forward, so a rank
-// left without a batch in the last round runs one anyway (the first windows again) and discards its loss.
-// Under pipeline parallelism (pipelining set) each batch runs through the stages and the loss, which the
-// last stage computes, is summed over pp.
-HeldOut evaluate(Model& model, Pipelining* pipelining, const TrainingData& data, int64_t seq, int64_t batch,
-                 int64_t windows, comm::Communicator& dp, comm::Communicator& pp, comm::Communicator& world,
-                 bool every_rank_forwards) {
-  std::vector<int32_t> ids(batch * seq), targets(batch * seq);
+// Under expert parallelism the replicas exchange tokens inside each forward, so a rank left without a batch
+// in the last round runs one anyway (the first windows again) and discards its loss. Under pipeline
+// parallelism (pipelining set) each batch runs through the stages and the loss, which the last stage
+// computes, is summed over pp.
+HeldOut evaluate(const TrainSetup& s, Pipelining* pipelining, int64_t windows, comm::Communicator& world) {
+  const int64_t seq = s.seq, batch = s.micro, local_seq = s.local_seq();
+  const bool every_rank_forwards = s.layout.ep() > 1;
+  comm::Communicator& replicas = *s.groups.dp;
+  std::vector<int32_t> ids(batch * seq), targets(batch * seq), local_ids(batch * local_seq),
+      local_targets(batch * local_seq);
   HeldOut total;
   ProgressBar progress("eval", windows);  // draws only on a terminal
   // Every rank runs the same number of rounds (some with no batch of their own), so that all of them take
   // each agreed stop decision.
-  const int64_t per_round = batch * dp.size();
+  const int64_t per_round = batch * replicas.size();
   for (int64_t round = 0; round * per_round < windows; ++round) {
     double stop = Trainer::stop_flag().load() ? 1.0 : 0.0;
     if (world.size() > 1) stop = comm::all_reduce_max(world, stop);
@@ -99,28 +103,31 @@ HeldOut evaluate(Model& model, Pipelining* pipelining, const TrainingData& data,
       total.interrupted = true;
       return total;
     }
-    const int64_t w = round * per_round + batch * dp.rank();
+    const int64_t w = round * per_round + batch * replicas.rank();
     const bool mine = w < windows;
     if (!mine && !every_rank_forwards) continue;
     int64_t b = mine ? std::min(batch, windows - w) : std::min(batch, windows);
-    data.heldout_batch(mine ? w : 0, b, ids.data(), targets.data());
-    LossSum part = pipelining ? pipelining->forward_loss({ids.data(), targets.data(), b, seq, 0.0f})
-                              : model.forward_loss(ids.data(), targets.data(), b, seq);
+    s.data->heldout_batch(mine ? w : 0, b, ids.data(), targets.data());
+    s.context_slice(ids.data(), local_ids.data(), b);
+    s.context_slice(targets.data(), local_targets.data(), b);
+    LossSum part =
+        pipelining ? pipelining->forward_loss({local_ids.data(), local_targets.data(), b, local_seq, 0.0f})
+                   : s.model->forward_loss(local_ids.data(), local_targets.data(), b, local_seq);
     if (!mine) continue;
     total.loss.sum += part.sum, total.loss.tokens += part.tokens;
-    for (int64_t i = 0; i < b * seq; ++i) total.bytes += data.codec().byte_length(targets[i]);
+    for (int64_t i = 0; i < b * local_seq; ++i) total.bytes += s.data->codec().byte_length(local_targets[i]);
     progress.update(w + b);
   }
   progress.finish();
   if (pipelining) {
     double sums[2] = {total.loss.sum, static_cast<double>(total.loss.tokens)};
-    comm::all_reduce_sum(pp, sums, 2);
+    comm::all_reduce_sum(s.pp_group(), sums, 2);
     total.loss.sum = sums[0], total.loss.tokens = static_cast<int64_t>(sums[1]);
   }
-  if (dp.size() > 1) {
+  if (s.dp_group().size() > 1) {
     double sums[3] = {total.loss.sum, static_cast<double>(total.loss.tokens),
                       static_cast<double>(total.bytes)};
-    comm::all_reduce_sum(dp, sums, 3);
+    comm::all_reduce_sum(s.dp_group(), sums, 3);
     total.loss.sum = sums[0], total.loss.tokens = static_cast<int64_t>(sums[1]);
     total.bytes = static_cast<int64_t>(sums[2]);
   }
@@ -233,10 +240,22 @@ void TrainingRun::print_banner() {
   if (world_.size() > 1) {
     say("%s\n", s.layout.describe().c_str());
     if (!s.pipeline_summary.empty()) say("%s\n", s.pipeline_summary.c_str());
-    say("tensor parallel %d%s | data parallel %lld: %zu gradient buckets of <= %.1f MiB, %s, overlap %s | "
+    if (s.cp > 1)
+      say("context parallel %lld: %lld of each sequence's %lld tokens per rank (chunks r and %lld - r of "
+          "%lld), "
+          "attention %s\n",
+          static_cast<long long>(s.cp), static_cast<long long>(s.local_seq()), static_cast<long long>(s.seq),
+          static_cast<long long>(2 * s.cp - 1), static_cast<long long>(2 * s.cp),
+          c_.parallel.cp_comm == "a2a"
+              ? "all-to-all (heads scattered, sequences gathered)"
+              : "ring (keys and values passed around, blocks merged by log-sum-exp)");
+    say("tensor parallel %d%s | data parallel %lld%s: %zu gradient buckets of <= %.1f MiB, %s, overlap %s | "
         "optimizer state %.1f MiB per rank | %d OpenMP threads per rank\n",
         s.layout.tp(), c_.parallel.sequence_parallel ? " + sequence parallel" : "",
-        static_cast<long long>(s.dp), s.buckets->buckets().size(), c_.parallel.bucket_mb,
+        static_cast<long long>(s.dp),
+        s.cp > 1 ? fmt::format(" (gradients reduced over dp x cp = {} ranks)", s.dp_group().size()).c_str()
+                 : "",
+        s.buckets->buckets().size(), c_.parallel.bucket_mb,
         c_.parallel.distributed_optimizer ? "reduce-scatter + ZeRO-1 (sharded Adam state)" : "all-reduce",
         c_.parallel.overlap_grad_reduce ? "on" : "off",
         static_cast<double>(s.optimizer->state_bytes()) / 1048576.0, omp_get_max_threads());
@@ -375,7 +394,7 @@ void TrainingRun::log_step(const StepResult& r, TrainResult&) {
                            {"mfu", m.mfu},
                            {"tokens", step * step_tokens_},
                            {"elapsed_s", m.elapsed_s}};
-  if (setup_->dp > 1) record["dp_overlap"] = setup_->buckets->total_stats().overlap_ratio();
+  if (setup_->dp_group().size() > 1) record["dp_overlap"] = setup_->buckets->total_stats().overlap_ratio();
   // The allocator's peak since the first step, the largest over ranks (one scalar all-reduce per log line).
   const TrainSetup& s = *setup_;
   record["peak_memory_bytes"] = comm::all_reduce_max(
@@ -393,9 +412,7 @@ void TrainingRun::log_step(const StepResult& r, TrainResult&) {
 // run).
 bool TrainingRun::evaluate_now() {
   TrainSetup& s = *setup_;
-  HeldOut e = evaluate(*s.model, pipelining_, *s.data, s.seq, s.micro,
-                       std::min(heldout_windows_, c_.eval.batches * s.micro), s.dp_group(), s.pp_group(),
-                       world_, s.layout.ep() > 1);
+  HeldOut e = evaluate(s, pipelining_, std::min(heldout_windows_, c_.eval.batches * s.micro), world_);
   if (e.interrupted) return false;
   const double bpb = e.bits_per_byte();
   say("eval step %lld | held-out loss %.4f | %.4f bits/byte\n", static_cast<long long>(state_.step),
@@ -523,7 +540,7 @@ TrainResult TrainingRun::finish(TrainResult result) {
   compare_with_prediction();
   if (fp8::DelayedScalingGroup* g = s.fp8 ? s.fp8->delayed_group() : nullptr)
     result.fp8_scales.assign(g->scales().begin(), g->scales().end());
-  if (s.dp > 1 && state_.step > first_step_) {
+  if (s.dp_group().size() > 1 && state_.step > first_step_) {
     const parallel::GradReductionStats& st = s.buckets->total_stats();
     say("data-parallel gradient reduction: %.1f MiB per step, communication %.3f s, exposed %.3f s: %.0f%% "
         "overlapped with backward\n",
@@ -558,8 +575,7 @@ TrainResult TrainingRun::finish(TrainResult result) {
   }
   // The final checkpoint first: a Ctrl-C (or a crash) during the evaluation or the sample loses nothing.
   save("final");
-  HeldOut e = evaluate(*s.model, pipelining_, *s.data, s.seq, s.micro, heldout_windows_, s.dp_group(),
-                       s.pp_group(), world_, s.layout.ep() > 1);
+  HeldOut e = evaluate(s, pipelining_, heldout_windows_, world_);
   if (e.interrupted) {
     say("interrupted during the final evaluation (the checkpoint of step %lld is saved)\n",
         static_cast<long long>(state_.step));
@@ -600,10 +616,10 @@ void TrainingRun::sample(TrainResult& result) {
   so.top_k = c_.sample.top_k, so.seed = c_.sample.seed;
   const TextCodec& codec = s.data->codec();
   std::vector<int32_t> prompt = codec.encode(c_.sample.prompt.empty() ? std::string("\n") : c_.sample.prompt);
-  // Generation runs on one process: a model split over tp or pp ranks is read back whole from the checkpoint
-  // (onto this rank's device).
+  // Generation runs on one process: a model split over tp, pp, ep or cp ranks is read back whole from the
+  // checkpoint (onto this rank's device).
   std::unique_ptr<Model> whole;
-  if (s.layout.tp() > 1 || s.layout.pp() > 1 || s.layout.ep() > 1) {
+  if (s.layout.tp() > 1 || s.layout.pp() > 1 || s.layout.ep() > 1 || s.layout.cp() > 1) {
     nn::ComputeOptions single;
     single.gemm_dtype = s.options.gemm_dtype;
     single.device = s.options.device;
