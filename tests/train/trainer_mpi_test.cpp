@@ -14,6 +14,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <optional>
 
 #include "forge/ckpt/checkpoint.h"
@@ -214,21 +215,20 @@ INSTANTIATE_TEST_SUITE_P(Recipes, TrainerFp8Layouts,
                          });
 
 // A checkpoint saved under one layout resumes under another (tp-split weights and ZeRO-sharded Adam state
-// are resharded on load) and continues the one-rank run's loss sequence.
-TEST_F(TrainerRuns, ResumesUnderAnotherLayout) {
+// are resharded on load) and continues the one-rank run's loss sequence: `first` runs 10 steps, `second`
+// the other 10 from its checkpoint, each layout set on a config by its function.
+void resume_under_another_layout(TrainerRuns& t, const std::string& name,
+                                 const std::function<void(TrainConfig&)>& first_layout,
+                                 const std::function<void(TrainConfig&)>& second_layout) {
   comm::Communicator& world = comm::world();
   const int n = world.size();
-  TrainConfig ref = config("reference-" + std::to_string(world.rank()));
+  TrainConfig ref = t.config("reference-" + name + "-" + std::to_string(world.rank()));
   ref.train.grad_accum = 2 * n;
   auto self = comm::make_self();
   TrainResult want = Trainer(ref, self.get()).run();
 
-  // First half: all ranks tensor-parallel (with sequence parallelism); stopped after 10 steps.
-  TrainConfig first = config("switch");
-  first.train.grad_accum = 2 * n;
-  first.parallel.tp = n;
-  first.parallel.dp = 1;
-  first.parallel.sequence_parallel = true;
+  TrainConfig first = t.config("switch-" + name);
+  first_layout(first);
   Trainer a(first, &world);
   a.on_step([](int64_t step) {
     if (step == 10) Trainer::stop_flag().store(true);
@@ -237,13 +237,8 @@ TEST_F(TrainerRuns, ResumesUnderAnotherLayout) {
   ASSERT_TRUE(got_a.interrupted);
   ASSERT_EQ(got_a.steps_done, 10);
 
-  // Second half: all ranks data-parallel with ZeRO-1, from that checkpoint.
-  TrainConfig second = first;
-  second.train.grad_accum = 2;
-  second.parallel.tp = 1;
-  second.parallel.dp = n;
-  second.parallel.sequence_parallel = false;
-  second.parallel.distributed_optimizer = true;
+  TrainConfig second = t.config("switch-" + name);
+  second_layout(second);
   second.checkpoint.resume = "auto";
   TrainResult got_b = Trainer(second, &world).run();
   ASSERT_EQ(got_b.steps_done, 20);
@@ -254,6 +249,38 @@ TEST_F(TrainerRuns, ResumesUnderAnotherLayout) {
   for (size_t s = 0; s < losses.size(); ++s)
     EXPECT_NEAR(losses[s], want.losses[s], 2e-5 * want.losses[s]) << "step " << s + 1;
   EXPECT_NEAR(got_b.heldout_loss, want.heldout_loss, 2e-5 * want.heldout_loss);
+}
+
+// All ranks tensor-parallel (with sequence parallelism), then all data-parallel with ZeRO-1.
+TEST_F(TrainerRuns, ResumesUnderAnotherLayout) {
+  const int n = comm::world().size();
+  resume_under_another_layout(
+      *this, "tp-dp",
+      [n](TrainConfig& c) {
+        c.train.grad_accum = 2 * n, c.parallel.tp = n, c.parallel.dp = 1;
+        c.parallel.sequence_parallel = true;
+      },
+      [n](TrainConfig& c) {
+        c.train.grad_accum = 2, c.parallel.dp = n;
+        c.parallel.distributed_optimizer = true;
+      });
+}
+
+// All ranks context-parallel with ZeRO-1 (the Adam state sharded over dp x cp), then all tensor-parallel;
+// and back from tensor-parallel to context-parallel all-to-all.
+TEST_F(TrainerRuns, ResumesAcrossContextParallelism) {
+  const int n = comm::world().size();
+  const auto context = [n](const char* comm_type) {
+    return [n, comm_type](TrainConfig& c) {
+      c.train.grad_accum = 2 * n, c.parallel.cp = n, c.parallel.dp = 1, c.parallel.cp_comm = comm_type;
+      c.parallel.distributed_optimizer = true;
+    };
+  };
+  const auto tensor = [n](TrainConfig& c) {
+    c.train.grad_accum = 2 * n, c.parallel.tp = n, c.parallel.dp = 1;
+  };
+  resume_under_another_layout(*this, "cp-tp", context("p2p"), tensor);
+  if (n == 2) resume_under_another_layout(*this, "tp-cp", tensor, context("a2a"));
 }
 
 // TrainState under tp x dp with ZeRO-1 (4 ranks): a snapshot at step 5, a restore at step 12 and the same
