@@ -89,7 +89,7 @@ TEST(TrainConfig, DefaultTomlFileEqualsBuiltInDefaults) {
     ++keys;
     EXPECT_NE(line.find(" # "), std::string::npos) << "no comment: " << line;
   }
-  EXPECT_EQ(keys, 101);
+  EXPECT_EQ(keys, 102);
 }
 
 TEST(TrainConfig, DefaultTomlFileIsTheGeneratedText) {

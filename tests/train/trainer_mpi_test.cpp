@@ -20,6 +20,7 @@
 #include "forge/ckpt/checkpoint.h"
 #include "forge/comm/comm.h"
 #include "forge/core/device.h"
+#include "forge/core/memory.h"
 #include "forge/kernels/emulated_device.h"
 #include "forge/models/llama/llama_model.h"
 #include "forge/models/pretrained.h"
@@ -281,6 +282,60 @@ TEST_F(TrainerRuns, ResumesAcrossContextParallelism) {
   };
   resume_under_another_layout(*this, "cp-tp", context("p2p"), tensor);
   if (n == 2) resume_under_another_layout(*this, "tp-cp", tensor, context("a2a"));
+}
+
+// Context parallelism's memory: each rank holds seq / cp tokens' activations, so the step's peak activation
+// memory per rank falls as 1 / cp (measured, beside that line); under a memory cap between the two runs'
+// peaks (train.memory_limit_mb), the one-rank run ends with the out-of-memory line at its first step and
+// the cp run trains.
+TEST_F(TrainerRuns, ContextParallelHoldsASequenceOneRankCannot) {
+  comm::Communicator& world = comm::world();
+  const int n = world.size();
+  const fs::path model = dir_ / ("long-" + std::to_string(world.rank()) + ".json");
+  {
+    std::ofstream out(model);
+    out << R"({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 256,
+               "max_position_embeddings": 512})";
+  }
+  auto long_run = [&](const std::string& run, int cp, double limit_mb) {
+    TrainConfig c = config(run + "-" + std::to_string(world.rank()));
+    c.model.config = model.string();
+    c.data.seq_len = 256, c.train.micro_batch = 4, c.train.grad_accum = 1, c.train.steps = 2;
+    c.parallel.cp = cp;
+    c.train.memory_limit_mb = limit_mb;
+    return c;
+  };
+  auto self = comm::make_self();
+  const TrainResult one = Trainer(long_run("one", 1, 0), self.get()).run();
+  const double one_peak = static_cast<double>(memory_stats().peak_bytes);
+  TrainConfig split = long_run("cp", n, 0);
+  split.log.run_dir = (dir_ / "cp").string();
+  const TrainResult got = Trainer(split, &world).run();
+  const double split_peak = static_cast<double>(memory_stats().peak_bytes);
+  const double ratio =
+      static_cast<double>(got.peak_activation_bytes) / static_cast<double>(one.peak_activation_bytes);
+  if (world.rank() == 0)
+    std::printf("peak activation memory per rank: cp 1 %.2f MiB, cp %d %.2f MiB (%.3f of cp 1; 1/cp = %.3f)\n",
+                static_cast<double>(one.peak_activation_bytes) / 1048576.0, n,
+                static_cast<double>(got.peak_activation_bytes) / 1048576.0, ratio, 1.0 / n);
+  EXPECT_LT(ratio, 1.1 / n);
+  EXPECT_GT(ratio, 0.8 / n);
+
+  // A cap between the two peaks: one rank cannot hold the step, cp ranks can.
+  ASSERT_LT(split_peak, one_peak);
+  const double limit_mb = (one_peak + split_peak) / 2 / 1048576.0;
+  try {
+    Trainer(long_run("one-capped", 1, limit_mb), self.get()).run();
+    ADD_FAILURE() << "one rank trained under a cap below its peak";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("step 1: out of memory: "), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("(train.memory_limit_mb = "), std::string::npos) << e.what();
+  }
+  TrainConfig capped = long_run("cp-capped", n, limit_mb);
+  capped.log.run_dir = (dir_ / "cp-capped").string();
+  EXPECT_EQ(Trainer(capped, &world).run().steps_done, 2);
+  EXPECT_EQ(host_memory_limit(), 0);  // the cap ends with its run
 }
 
 // TrainState under tp x dp with ZeRO-1 (4 ranks): a snapshot at step 5, a restore at step 12 and the same

@@ -5,6 +5,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
+
+#include "forge/core/error.h"
 
 namespace forge {
 
@@ -15,6 +18,29 @@ struct MemoryStats {
 
 MemoryStats memory_stats();
 void reset_peak_memory();  // peak := live
+
+// A cap on the live bytes of host tensors (0: none), as a device's capacity caps its memory: an allocation
+// that would pass it throws OutOfMemory, naming `setting` (what set the cap, for the message), and allocates
+// nothing. Lets a CPU run stand for a device of a given size (train.memory_limit_mb).
+class OutOfMemory : public Error {
+ public:
+  using Error::Error;
+};
+void set_host_memory_limit(int64_t bytes, std::string setting = {});
+int64_t host_memory_limit();
+
+// Sets the cap for its lifetime, then restores the one before.
+class ScopedHostMemoryLimit {
+ public:
+  ScopedHostMemoryLimit(int64_t bytes, std::string setting);
+  ~ScopedHostMemoryLimit();
+  ScopedHostMemoryLimit(const ScopedHostMemoryLimit&) = delete;
+  ScopedHostMemoryLimit& operator=(const ScopedHostMemoryLimit&) = delete;
+
+ private:
+  int64_t previous_;
+  std::string previous_setting_;
+};
 
 // Memory this process may use on the host: the physical memory, or the cgroup's limit when lower.
 int64_t host_memory_bytes();

@@ -36,6 +36,24 @@ const bool g_malloc_tuned = [] {
 }();
 }  // namespace
 
+namespace {
+std::atomic<int64_t> g_limit_bytes{0};
+std::string g_limit_setting;  // changed only between runs, never while tensors are allocated concurrently
+constexpr double kMiB = 1048576.0;
+}  // namespace
+
+void set_host_memory_limit(int64_t bytes, std::string setting) {
+  g_limit_bytes.store(bytes > 0 ? bytes : 0);
+  g_limit_setting = std::move(setting);
+}
+int64_t host_memory_limit() { return g_limit_bytes.load(); }
+
+ScopedHostMemoryLimit::ScopedHostMemoryLimit(int64_t bytes, std::string setting)
+    : previous_(g_limit_bytes.load()), previous_setting_(g_limit_setting) {
+  set_host_memory_limit(bytes, std::move(setting));
+}
+ScopedHostMemoryLimit::~ScopedHostMemoryLimit() { set_host_memory_limit(previous_, previous_setting_); }
+
 MemoryStats memory_stats() { return {g_live_bytes.load(), g_peak_bytes.load()}; }
 void reset_peak_memory() { g_peak_bytes.store(g_live_bytes.load()); }
 
@@ -49,6 +67,16 @@ Storage::Storage(size_t bytes, Device device) : bytes_(bytes), device_(device) {
   data_ = std::aligned_alloc(64, rounded == 0 ? 64 : rounded);
   if (!data_) fail("out of memory allocating {} bytes", bytes);
   int64_t live = g_live_bytes.fetch_add(static_cast<int64_t>(bytes)) + static_cast<int64_t>(bytes);
+  if (const int64_t limit = g_limit_bytes.load(); limit > 0 && live > limit) {
+    g_live_bytes.fetch_sub(static_cast<int64_t>(bytes));
+    std::free(data_);
+    data_ = nullptr;
+    throw OutOfMemory(fmt::format(
+        "out of memory: {:.2f} MiB more would take this process's tensors to {:.2f} MiB, over the {:.2f} MiB "
+        "limit{}",
+        static_cast<double>(bytes) / kMiB, static_cast<double>(live) / kMiB,
+        static_cast<double>(limit) / kMiB, g_limit_setting.empty() ? "" : " (" + g_limit_setting + ")"));
+  }
   int64_t peak = g_peak_bytes.load();
   while (live > peak && !g_peak_bytes.compare_exchange_weak(peak, live)) {
   }
@@ -123,8 +151,8 @@ void Tensor::copy_from(const Tensor& other) {
   if (device() == Device::cpu && other.device() == Device::cpu)
     std::memcpy(raw(), other.raw(), bytes());
   else
-    device_memory(device() == Device::cpu ? other.device() : device()).copy(raw(), device(), other.raw(),
-                                                                             other.device(), bytes());
+    device_memory(device() == Device::cpu ? other.device() : device())
+        .copy(raw(), device(), other.raw(), other.device(), bytes());
 }
 
 Tensor Tensor::clone() const {

@@ -147,6 +147,12 @@ const std::vector<KeySpec>& key_specs() {
        FORGE_FIELD(train.threads),
        "CPU threads per rank (0 = OMP_NUM_THREADS, else cores / ranks on the node)",
        {}},
+      {"train",
+       "memory_limit_mb",
+       FORGE_FIELD(train.memory_limit_mb),
+       "cap on each rank's tensor memory in MiB, as a device's capacity (0 = none; cpu): a step that needs "
+       "more ends with an out-of-memory line",
+       {}},
 
       {"parallel",
        "tp",
@@ -808,6 +814,10 @@ void TrainConfig::validate() const {
   // machine's cores.
   check(train.threads >= 0 && train.threads <= kMaxThreads, "train.threads", train.threads,
         fmt::format("in [0, {}] (0 = all cores)", kMaxThreads));
+  check(finite(train.memory_limit_mb) && train.memory_limit_mb >= 0, "train.memory_limit_mb",
+        train.memory_limit_mb, ">= 0 (0 = no limit)");
+  check(train.memory_limit_mb == 0 || train.device == "cpu", "train.memory_limit_mb", train.memory_limit_mb,
+        "0 with train.device = " + train.device + " (a GPU's own memory is its limit)");
 
   // The layout holds int sizes; the world size is checked against them when the job starts.
   auto parallel_size = [&](std::string_view key, int64_t value) {

@@ -59,6 +59,7 @@ struct TrainConfig {
     std::string dtype = "auto";      // auto | bf16 | fp32 (auto: bf16 where the CPU has native bf16)
     std::string recompute = "none";  // none | selective | full
     int64_t threads = 0;             // 0 = all cores
+    double memory_limit_mb = 0;      // cap on each rank's host tensors (0 = none; train.device = cpu)
     bool operator==(const Train&) const = default;
   };
   struct Eval {

@@ -51,7 +51,11 @@ int threads_per_rank(int64_t configured) {
 }
 
 TrainSetup::TrainSetup(const TrainConfig& c, comm::Communicator& world_)
-    : config(c), world(world_), layout(checked_layout(c, world_)) {
+    : config(c),
+      world(world_),
+      layout(checked_layout(c, world_)),
+      memory_limit(static_cast<int64_t>(c.train.memory_limit_mb * 1048576.0),
+                   fmt::format("train.memory_limit_mb = {}", c.train.memory_limit_mb)) {
   omp_set_num_threads(threads_per_rank(c.train.threads));
   if (!c.model.init_from.empty()) init_source = open_pretrained(c.model.init_from);
   model_source = init_source ? init_source->dir.string() : c.model.config;

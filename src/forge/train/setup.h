@@ -12,6 +12,7 @@
 #include <string>
 
 #include "forge/comm/comm.h"
+#include "forge/core/memory.h"
 #include "forge/models/model.h"
 #include "forge/models/pretrained.h"
 #include "forge/nn/fp8_context.h"
@@ -38,6 +39,7 @@ class TrainSetup {
   const TrainConfig& config;
   comm::Communicator& world;
   const parallel::Layout layout;
+  ScopedHostMemoryLimit memory_limit;  // train.memory_limit_mb, for as long as the run's tensors live
   parallel::ParallelGroups groups;
   // The dense parameters' gradients reduce over dp x cp (every rank that saw some of their tokens).
   comm::Communicator& dp_group() const { return *groups.dp_cp; }

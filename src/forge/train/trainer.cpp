@@ -304,6 +304,9 @@ bool TrainingRun::run_step(TrainResult& result) {
   std::string exception;
   try {
     r = train_step(s, state_, *schedule_, step_hooks_);
+  } catch (const OutOfMemory& e) {
+    // Not an anomaly a rollback could cure: the same step needs the same memory again.
+    fail("step {}: {}", state_.step + 1, e.what());
   } catch (const std::exception& e) {
     // On one process a failed step can be abandoned and rolled back. Across processes the others are inside
     // the step's collectives: the error ends the job (forge's main aborts every rank at once), and a
