@@ -16,11 +16,14 @@ class CommContextParallel final : public nn::ContextParallel {
   ContextAttention mode() const { return mode_; }
   void attention_forward(const ops::AttentionParams& p) override;
   void attention_backward(const ops::AttentionParams& p) override;
+  // What the attention across the group spent so far (forward and backward together); reset by the caller.
+  ContextAttentionStats& stats() { return stats_; }
 
  private:
   ContextSplit split(const ops::AttentionParams& p) const;
   comm::Communicator* group_;
   ContextAttention mode_;
+  ContextAttentionStats stats_;
 };
 
 }  // namespace forge::parallel

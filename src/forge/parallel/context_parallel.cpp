@@ -1,6 +1,7 @@
 #include "forge/parallel/context_parallel.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <utility>
@@ -32,6 +33,38 @@ const char* context_attention_name(ContextAttention mode) {
 }
 
 namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+// Times one call's compute and waits into optional stats.
+struct CallTimer {
+  ContextAttentionStats* stats;
+  Clock::time_point mark = Clock::now();
+  explicit CallTimer(ContextAttentionStats* s) : stats(s) {
+    if (stats) ++stats->calls, stats->step_compute.clear();
+  }
+  // The time since the last mark was compute (as one ring step when step is set) / waiting.
+  void computed(bool step = false) {
+    if (!stats) return;
+    const Clock::time_point now = Clock::now();
+    const double t = seconds_between(mark, now);
+    stats->compute_seconds += t;
+    if (step) stats->step_compute.push_back(t);
+    mark = now;
+  }
+  void waited() {
+    if (!stats) return;
+    const Clock::time_point now = Clock::now();
+    stats->wait_seconds += seconds_between(mark, now);
+    mark = now;
+  }
+  void sent(int64_t floats) {
+    if (stats) stats->bytes_sent += floats * static_cast<int64_t>(sizeof(float));
+  }
+};
 
 // Keys and values, and their gradients, pass between the same neighbours: apart by tag.
 constexpr int kKvTag = 31, kGradientTag = 32;
@@ -149,6 +182,12 @@ ops::AttentionParams block_params(const Dims& d, const ops::AttentionParams& p, 
   return a;
 }
 
+// Lets MPI move the transfers in flight: over shared memory a message progresses only inside MPI calls, so
+// the ring tests its requests between blocks rather than leaving all of the copy to the final wait.
+void progress(std::pair<comm::Request, comm::Request>& transfer) {
+  transfer.first.test(), transfer.second.test();
+}
+
 // Starts the exchange of the ring: `send` to the next rank, `recv` from the previous one.
 std::pair<comm::Request, comm::Request> pass_on(comm::Communicator& cp, const float* send, float* recv,
                                                 int64_t count, int tag) {
@@ -159,7 +198,7 @@ std::pair<comm::Request, comm::Request> pass_on(comm::Communicator& cp, const fl
 }
 
 void ring_forward(comm::Communicator& cp, const ContextSplit& split, const Dims& d,
-                  const ops::AttentionParams& p) {
+                  const ops::AttentionParams& p, CallTimer& timer) {
   const size_t q_half = static_cast<size_t>(d.batch * d.chunk * d.q_width()),
                out_half = static_cast<size_t>(d.batch * d.chunk * d.out_width()),
                lse_half = static_cast<size_t>(d.batch * d.heads * d.chunk);
@@ -176,8 +215,10 @@ void ring_forward(comm::Communicator& cp, const ContextSplit& split, const Dims&
   for (int step = 0; step < split.cp; ++step) {
     const int source = (split.rank - step + split.cp) % split.cp;
     std::pair<comm::Request, comm::Request> transfer;
-    if (step + 1 < split.cp)
+    if (step + 1 < split.cp) {
       transfer = pass_on(cp, current.data.data(), next.data.data(), current.count(), kKvTag);
+      timer.sent(current.count());
+    }
     for (int qi = 0; qi < 2; ++qi)
       for (int kh = 0; kh < 2; ++kh) {
         bool causal = false;
@@ -185,19 +226,23 @@ void ring_forward(comm::Communicator& cp, const ContextSplit& split, const Dims&
         ops::AttentionParams a = block_params(d, p, q[qi].data(), current.k(kh), current.v(kh), causal);
         a.out = out_b.data(), a.lse = lse_b.data();
         ops::attention_forward(a);
+        progress(transfer);
         merge(d, out[qi].data(), lse[qi].data(), out_b.data(), lse_b.data());
       }
+    timer.computed(true);
     transfer.first.wait(), transfer.second.wait();
+    timer.waited();
     std::swap(current.data, next.data);
   }
   for (int h = 0; h < 2; ++h) {
     unpack_half(d, out[h].data(), d.out_width(), h, p.out, p.out_stride);
     if (p.lse) unpack_lse(d, lse[h].data(), h, p.lse);
   }
+  timer.computed();
 }
 
 void ring_backward(comm::Communicator& cp, const ContextSplit& split, const Dims& d,
-                   const ops::AttentionParams& p) {
+                   const ops::AttentionParams& p, CallTimer& timer) {
   const size_t q_half = static_cast<size_t>(d.batch * d.chunk * d.q_width()),
                out_half = static_cast<size_t>(d.batch * d.chunk * d.out_width()),
                lse_half = static_cast<size_t>(d.batch * d.heads * d.chunk);
@@ -220,8 +265,10 @@ void ring_backward(comm::Communicator& cp, const ContextSplit& split, const Dims
   for (int step = 0; step < split.cp; ++step) {
     const int source = (split.rank - step + split.cp) % split.cp;
     std::pair<comm::Request, comm::Request> transfer;
-    if (step + 1 < split.cp)
+    if (step + 1 < split.cp) {
       transfer = pass_on(cp, current.data.data(), next.data.data(), current.count(), kKvTag);
+      timer.sent(current.count());
+    }
     std::fill(mine.data.begin(), mine.data.end(), 0.0f);
     for (int qi = 0; qi < 2; ++qi)
       for (int kh = 0; kh < 2; ++kh) {
@@ -233,24 +280,32 @@ void ring_backward(comm::Communicator& cp, const ContextSplit& split, const Dims
         a.dq = dq_b.data(), a.dk = dk_b.data(), a.dv = dv_b.data();
         a.dq_stride = d.q_width(), a.dk_stride = d.k_width(), a.dv_stride = d.v_width();
         ops::attention_backward(a);
+        progress(transfer), progress(gradients);
         add_into(dq[qi].data(), dq_b.data(), dq_b.size());
         add_into(mine.k(kh), dk_b.data(), dk_b.size());
         add_into(mine.v(kh), dv_b.data(), dv_b.size());
       }
+    timer.computed(true);
     gradients.first.wait(), gradients.second.wait();  // the previous hop: travelling is free, arrived full
-    std::swap(travelling.data, mine.data);            // mine is zeroed again next step
+    timer.waited();
+    std::swap(travelling.data, mine.data);  // mine is zeroed again next step
     if (step > 0) add_into(travelling.data.data(), arrived.data.data(), travelling.data.size());
     gradients = pass_on(cp, travelling.data.data(), arrived.data.data(), travelling.count(), kGradientTag);
+    timer.sent(travelling.count());
+    timer.computed();
     transfer.first.wait(), transfer.second.wait();
+    timer.waited();
     std::swap(current.data, next.data);
   }
   // After cp hops every rank holds the whole gradient of its own keys and values.
   gradients.first.wait(), gradients.second.wait();
+  timer.waited();
   for (int h = 0; h < 2; ++h) {
     unpack_half(d, dq[h].data(), d.q_width(), h, p.dq, p.dq_stride);
     unpack_half(d, arrived.k(h), d.k_width(), h, p.dk, p.dk_stride);
     unpack_half(d, arrived.v(h), d.v_width(), h, p.dv, p.dv_stride);
   }
+  timer.computed();
 }
 
 // All-to-all (Ulysses): the local tokens of every head group out to the group's rank, the whole sequence of
@@ -258,6 +313,7 @@ void ring_backward(comm::Communicator& cp, const ContextSplit& split, const Dims
 struct Ulysses {
   const ContextSplit& split;
   Dims d;
+  CallTimer& timer;
   int64_t seq() const { return split.seq; }
 
   // q, k and v of this rank's heads over the whole sequence.
@@ -268,6 +324,15 @@ struct Ulysses {
     const int64_t hq = d.heads / split.cp, hk = d.kv_heads / split.cp;
     return {gather(cp, p.q, p.q_stride, hq * d.head_dim), gather(cp, p.k, p.k_stride, hk * d.head_dim),
             gather(cp, p.v, p.v_stride, hk * d.v_dim)};
+  }
+
+  // One all-to-all of `block` floats per rank, timed (all of it waited for: nothing computes meanwhile).
+  void exchange(comm::Communicator& cp, const std::vector<float>& send, std::vector<float>& recv,
+                int64_t block) const {
+    timer.computed();
+    cp.all_to_all(send.data(), recv.data(), block, comm::Type::f32).wait();
+    timer.waited();
+    timer.sent(block * (split.cp - 1));
   }
 
   // x [batch, local, cp groups x cols] (rows `stride` apart) -> on rank j: [source][batch, seq-order... ]:
@@ -281,7 +346,7 @@ struct Ulysses {
         for (int64_t t = 0; t < d.local; ++t)
           std::copy_n(x + (b * d.local + t) * stride + j * cols, cols,
                       send.data() + j * block + (b * d.local + t) * cols);
-    cp.all_to_all(send.data(), recv.data(), block, comm::Type::f32).wait();
+    exchange(cp, send, recv, block);
     std::vector<float> whole(static_cast<size_t>(d.batch * seq() * cols));
     for (int src = 0; src < n; ++src) {
       const ContextSplit theirs{n, src, seq()};
@@ -306,7 +371,7 @@ struct Ulysses {
           std::copy_n(whole.data() + (b * seq() + theirs.position(t)) * cols, cols,
                       send.data() + dst * block + (b * d.local + t) * cols);
     }
-    cp.all_to_all(send.data(), recv.data(), block, comm::Type::f32).wait();
+    exchange(cp, send, recv, block);
     for (int j = 0; j < n; ++j)
       for (int64_t b = 0; b < d.batch; ++b)
         for (int64_t t = 0; t < d.local; ++t)
@@ -369,8 +434,8 @@ void check_heads(const ContextSplit& split, const Dims& d) {
 }
 
 void all_to_all_forward(comm::Communicator& cp, const ContextSplit& split, const Dims& d,
-                        const ops::AttentionParams& p) {
-  const Ulysses u{split, d};
+                        const ops::AttentionParams& p, CallTimer& timer) {
+  const Ulysses u{split, d, timer};
   const int64_t hq = d.heads / split.cp;
   const Ulysses::Inputs in = u.gather_inputs(cp, p);
   const std::vector<float>&q = in.q, &k = in.k, &v = in.v;
@@ -388,8 +453,8 @@ void all_to_all_forward(comm::Communicator& cp, const ContextSplit& split, const
 }
 
 void all_to_all_backward(comm::Communicator& cp, const ContextSplit& split, const Dims& d,
-                         const ops::AttentionParams& p) {
-  const Ulysses u{split, d};
+                         const ops::AttentionParams& p, CallTimer& timer) {
+  const Ulysses u{split, d, timer};
   const int64_t hq = d.heads / split.cp, hk = d.kv_heads / split.cp;
   const Ulysses::Inputs in = u.gather_inputs(cp, p);
   const std::vector<float>&q = in.q, &k = in.k, &v = in.v;
@@ -412,23 +477,35 @@ void all_to_all_backward(comm::Communicator& cp, const ContextSplit& split, cons
 }  // namespace
 
 void context_attention_forward(comm::Communicator& cp, const ContextSplit& split, ContextAttention mode,
-                               const ops::AttentionParams& p) {
+                               const ops::AttentionParams& p, ContextAttentionStats* stats) {
   const Dims d = check(cp, split, p, "context attention forward");
-  if (split.cp == 1) return ops::attention_forward(p);  // chunk 0 then chunk 1: the sequence in order
-  if (mode == ContextAttention::ring) return ring_forward(cp, split, d, p);
-  check_heads(split, d);
-  all_to_all_forward(cp, split, d, p);
+  CallTimer timer(stats);
+  if (split.cp == 1) {  // chunk 0 then chunk 1: the sequence in order
+    ops::attention_forward(p);
+  } else if (mode == ContextAttention::ring) {
+    ring_forward(cp, split, d, p, timer);
+  } else {
+    check_heads(split, d);
+    all_to_all_forward(cp, split, d, p, timer);
+  }
+  timer.computed();
 }
 
 void context_attention_backward(comm::Communicator& cp, const ContextSplit& split, ContextAttention mode,
-                                const ops::AttentionParams& p) {
+                                const ops::AttentionParams& p, ContextAttentionStats* stats) {
   const Dims d = check(cp, split, p, "context attention backward");
   FORGE_CHECK(p.dout && p.dq && p.dk && p.dv && p.lse,
               "context attention backward: dout, dq, dk, dv and lse");
-  if (split.cp == 1) return ops::attention_backward(p);
-  if (mode == ContextAttention::ring) return ring_backward(cp, split, d, p);
-  check_heads(split, d);
-  all_to_all_backward(cp, split, d, p);
+  CallTimer timer(stats);
+  if (split.cp == 1) {
+    ops::attention_backward(p);
+  } else if (mode == ContextAttention::ring) {
+    ring_backward(cp, split, d, p, timer);
+  } else {
+    check_heads(split, d);
+    all_to_all_backward(cp, split, d, p, timer);
+  }
+  timer.computed();
 }
 
 }  // namespace forge::parallel

@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "forge/comm/comm.h"
 #include "forge/kernels/ops.h"
@@ -57,13 +58,23 @@ enum class ContextAttention { ring, all_to_all };
 ContextAttention context_attention_from_name(const std::string& name);  // "ring" (or "p2p"), "all_to_all"
 const char* context_attention_name(ContextAttention mode);
 
+// Where the attention across the group spent its time on this rank, added up over calls: the compute (the
+// attention blocks, the merges, the packing) and the time blocked in transfers (the communication compute did
+// not hide), and the bytes sent. step_compute: the ring's compute seconds of each of its cp steps in the
+// last call (a replay of the ring needs them: bench/parallel/cp_bench.cpp).
+struct ContextAttentionStats {
+  int64_t calls = 0, bytes_sent = 0;
+  double compute_seconds = 0, wait_seconds = 0;
+  std::vector<double> step_compute;
+};
+
 // Causal attention of this rank's local tokens over the whole sequence of the cp group. p as described
 // above; every rank of `cp` calls it with the same shapes. Writes p.out and p.lse.
 void context_attention_forward(comm::Communicator& cp, const ContextSplit& split, ContextAttention mode,
-                               const ops::AttentionParams& p);
+                               const ops::AttentionParams& p, ContextAttentionStats* stats = nullptr);
 // Its backward: reads p.q, k, v, out, lse (the forward's) and dout; writes dq, dk, dv (overwrite) for the
 // local tokens.
 void context_attention_backward(comm::Communicator& cp, const ContextSplit& split, ContextAttention mode,
-                                const ops::AttentionParams& p);
+                                const ops::AttentionParams& p, ContextAttentionStats* stats = nullptr);
 
 }  // namespace forge::parallel

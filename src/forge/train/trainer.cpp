@@ -550,6 +550,14 @@ TrainResult TrainingRun::finish(TrainResult result) {
         static_cast<double>(st.bytes) / std::max<int64_t>(1, st.steps) / 1048576.0, st.communication_seconds,
         st.exposed_seconds, 100.0 * st.overlap_ratio());
   }
+  if (s.context_parallel && state_.step > first_step_) {
+    const parallel::ContextAttentionStats& st = s.context_parallel->stats();
+    const double total = st.compute_seconds + st.wait_seconds;
+    say("context-parallel attention (%s) over the run: %.1f MiB sent per rank, attention %.3f s, of which "
+        "%.3f s (%.0f%%) blocked on transfers\n",
+        c_.parallel.cp_comm == "a2a" ? "all-to-all" : "ring", static_cast<double>(st.bytes_sent) / 1048576.0,
+        total, st.wait_seconds, total > 0 ? 100 * st.wait_seconds / total : 0.0);
+  }
   if (snapshot_seconds_.size() > 1) {
     // The median: the first snapshots also allocate (and fault in) their buffers.
     std::vector<double> sorted = snapshot_seconds_;
