@@ -28,6 +28,13 @@ class ContextParallel {
   // backward, as ops::attention_forward / attention_backward take them.
   virtual void attention_forward(const ops::AttentionParams& p) = 0;
   virtual void attention_backward(const ops::AttentionParams& p) = 0;
+  // Sums values over the group, in place (statistics of whole sequences: MoE's balance loss, MTP's counts).
+  virtual void all_reduce_sum(float* values, int64_t n) = 0;
+  // A token shift across the chunks (multi-token prediction): out[b, t] = the value at global position
+  // position(t) + k of sequence b of the whole sequences whose local tokens `local` holds ([batch, local_seq]
+  // on every rank), or `fill` past the sequence's end.
+  virtual void shift_tokens(const int32_t* local, int32_t* out, int64_t batch, int64_t local_seq, int64_t k,
+                            int32_t fill) = 0;
 };
 
 }  // namespace forge::nn

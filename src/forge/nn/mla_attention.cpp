@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "forge/kernels/ops.h"
+#include "forge/nn/context_parallel.h"
 #include "forge/nn/tensor_parallel.h"
 
 namespace forge::nn {
@@ -29,10 +30,6 @@ void copy_rows(const float* src, int64_t src_stride, float* dst, int64_t dst_str
 MlaAttention::MlaAttention(ParameterStore* store, MlaParams params, MlaShape shape, const RopeTable* rope,
                            ComputeOptions options)
     : store_(store), params_(params), shape_(shape), rope_(rope), options_(options) {
-  if (options.cp)
-    fail(
-        "parallel.cp: context parallelism runs grouped-query attention (LLaMA) so far, not MLA (DeepSeek-V3, "
-        "whose multi-token prediction also shifts tokens across the chunks)");
   const MlaShape& s = shape_;
   FORGE_CHECK(s.hidden > 0 && s.heads > 0 && s.kv_lora_rank > 0 && s.qk_nope_head_dim > 0 &&
                   s.qk_rope_head_dim > 0 && s.qk_rope_head_dim % 2 == 0 && s.v_head_dim > 0 &&
@@ -81,6 +78,17 @@ void MlaAttention::rope_q(float* q, int64_t batch, int64_t seq, bool inverse, in
 
 void MlaAttention::rope_k(float* x, int64_t token_stride, int64_t batch, int64_t seq, bool inverse,
                           int64_t first_position) const {
+  if (!options_.cp) return rope_rows(x, token_stride, batch, seq, inverse, first_position);
+  // Context parallelism (training only): each sequence's two local chunks at their global positions.
+  const int64_t half = seq / 2;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int h = 0; h < 2; ++h)
+      rope_rows(x + (b * seq + h * half) * token_stride, token_stride, 1, half, inverse,
+                options_.cp->first_position(h, seq));
+}
+
+void MlaAttention::rope_rows(float* x, int64_t token_stride, int64_t batch, int64_t seq, bool inverse,
+                             int64_t first_position) const {
   FORGE_CHECK(first_position + seq <= rope_->positions,
               "positions up to {} exceed the RoPE table ({} positions)", first_position + seq,
               rope_->positions);
@@ -155,7 +163,10 @@ void MlaAttention::core_forward(Saved& saved, int64_t batch, int64_t seq) const 
   saved.lse = Tensor::empty({batch, shape_.heads, seq}, DType::f32, options_.device);
   ops::AttentionParams p = core_params(saved, batch, seq);
   p.out = saved.out.f32(), p.lse = saved.lse.f32();
-  ops::attention_forward(p, options_.device);
+  if (options_.cp)
+    options_.cp->attention_forward(p);
+  else
+    ops::attention_forward(p, options_.device);
 }
 
 Tensor MlaAttention::forward(const Tensor& h, int64_t batch, int64_t seq, Saved& saved,
@@ -191,7 +202,10 @@ Tensor MlaAttention::backward_input(const Tensor& dy, int64_t batch, int64_t seq
   p.dout = dout.f32(), p.dout_stride = s.out_dim();
   p.dq = dq.f32(), p.dk = dk.f32(), p.dv = dvalue.f32();
   p.dq_stride = p.dk_stride = s.q_dim(), p.dv_stride = s.out_dim();
-  ops::attention_backward(p, device);
+  if (options_.cp)
+    options_.cp->attention_backward(p);
+  else
+    ops::attention_backward(p, device);
   // The core is no longer needed; o_proj's weight gradient keeps out_op.
   saved.out = Tensor(), saved.lse = Tensor(), saved.q = Tensor(), saved.k = Tensor(), saved.v = Tensor();
   rope_q(dq.f32(), batch, seq, true, 0);
@@ -250,8 +264,8 @@ void MlaAttention::backward_weight(Saved& saved) const {
 Tensor MlaAttention::forward_cached(const Tensor& h, int64_t batch, int64_t tokens,
                                     const KvLayer& cache) const {
   const MlaShape& s = shape_;
-  FORGE_CHECK(options_.tp_size() <= 1,
-              "cached inference runs on one process (tensor parallelism is for training)");
+  FORGE_CHECK(options_.tp_size() <= 1 && options_.cp == nullptr,
+              "cached inference runs on one process (tensor and context parallelism are for training)");
   FORGE_CHECK(
       cache.keys && cache.kv_heads == 1 && cache.head_dim == s.kv_a_dim(),
       "MLA's compressed cache holds 1 kv head of kv_lora_rank + qk_rope_head_dim = {} values, not {} x {}",

@@ -126,6 +126,8 @@ class MlaAttention final : public LayerPart {
   void rope_q(float* q, int64_t batch, int64_t seq, bool inverse, int64_t first_position) const;
   void rope_k(float* x, int64_t token_stride, int64_t batch, int64_t seq, bool inverse,
               int64_t first_position) const;
+  void rope_rows(float* x, int64_t token_stride, int64_t batch, int64_t seq, bool inverse,
+                 int64_t first_position) const;
   ops::AttentionParams core_params(const Saved& saved, int64_t batch, int64_t seq) const;
   void core_forward(Saved& saved, int64_t batch, int64_t seq) const;
 

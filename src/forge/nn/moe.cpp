@@ -5,6 +5,7 @@
 
 #include "forge/core/error.h"
 #include "forge/kernels/emulated_device.h"
+#include "forge/nn/context_parallel.h"
 #include "forge/nn/tensor_parallel.h"
 
 namespace forge::nn {
@@ -183,6 +184,9 @@ Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training
   s.balance_scale = balance && scale_ ? scale_->balance : 0.0f;
   s.aux_scale = aux ? scale_->aux : 0.0f;
   ops::moe_router_forward(r, device);
+  s.padded = training ? padded_rows(rows, seq) : std::vector<char>();
+  if (options_.cp && (balance || aux))
+    balance_over_context(s, rows, balance ? seq : 0, aux, losses, aux_loss);
 
   // Sort the assignments by expert; the grouped GEMMs take the offsets on the host. Capacity in forward
   // only (see moe.h); the counts are taken before the drop.
@@ -213,6 +217,8 @@ Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training
   if (training) {
     const Tensor host_counts = counts.to(Device::cpu);
     s.load.assign(host_counts.data<int64_t>(), host_counts.data<int64_t>() + experts);
+    for (int64_t t = 0; t < static_cast<int64_t>(s.padded.size()); ++t)  // host memory under cp
+      for (int64_t j = 0; j < k && s.padded[t]; ++j) s.load[s.expert_ids.i32()[t * k + j]] -= 1;
     s.dropped = 0;
     if (capacity > 0)
       for (double load : s.load) s.dropped += std::max<int64_t>(0, static_cast<int64_t>(load) - capacity);
@@ -397,6 +403,8 @@ Tensor Moe::backward_input(const Tensor& dy_in, int64_t, int64_t, LayerPart::Sav
   if (s.aux_scale != 0.0f)
     r.score_sums = s.score_sums.f32(), r.aux_fraction = s.aux_fraction.f32(), r.aux_scale = s.aux_scale;
   ops::moe_router_backward(r, device);
+  for (int64_t t = 0; t < static_cast<int64_t>(s.padded.size()); ++t)  // padding takes no balance gradient
+    if (s.padded[t]) std::fill_n(s.dlogits.f32() + t * experts, experts, 0.0f);
   if (rows > 0 && options_.tp_rank() == 0) {
     ops::GemmParams g;
     g.m = rows, g.n = hidden, g.k = experts, g.a = s.dlogits.f32(), g.lda = experts;
@@ -471,6 +479,70 @@ void Moe::apply_bias_update(float rate, bool zero_mean) const {
     store_->mark_updated();
   }
   stats_->reset(shape_.experts);
+}
+
+std::vector<char> Moe::padded_rows(int64_t rows, int64_t seq) const {
+  if (!options_.cp || shape_.padded_tail == 0 || seq <= 0) return {};
+  const ContextParallel& cp = *options_.cp;
+  const int64_t end = seq * cp.size() - shape_.padded_tail, half = seq / 2;
+  std::vector<char> padded(static_cast<size_t>(rows), 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = r % seq;
+    padded[r] = cp.first_position(t < half ? 0 : 1, seq) + t % half >= end;
+  }
+  return padded;
+}
+
+// Context parallelism: a balance loss's group (a sequence; the micro-batch) is spread over the cp ranks, each
+// holding some of its tokens. f and P are sums over the group's tokens divided by its size T: each rank sums
+// its tokens' counts and s / n (padding left out), the sums and the token counts are added over cp, and the
+// group's f, P and loss follow; f is written back as the group's. Each rank then differentiates the group's
+// loss with respect to its own tokens: the backward divides by the local count the kernel was given, so the
+// scale becomes scale x local / T. Host memory (context parallelism runs attention on the host).
+void Moe::balance_over_context(Saved& s, int64_t rows, int64_t seq, bool aux, Tensor& losses,
+                               Tensor& aux_loss) const {
+  FORGE_CHECK(options_.device == Device::cpu, "MoE balance under context parallelism runs on host memory");
+  ContextParallel& cp = *options_.cp;
+  const int64_t experts = shape_.experts, k = shape_.top_k, groups = seq > 0 ? rows / seq : 0;
+  const int64_t width = 2 * experts + 1;  // [counts | sum of s / n | tokens]
+  std::vector<float> sums(static_cast<size_t>((groups + (aux ? 1 : 0)) * width), 0.0f);
+  const float* scores = s.scores.f32();
+  const float* score_sums = s.score_sums.f32();
+  const int32_t* ids = s.expert_ids.i32();
+  auto local_sums = [&](int64_t group, int64_t first, int64_t tokens) {
+    float* at = sums.data() + group * width;
+    std::vector<double> mean(static_cast<size_t>(experts), 0.0);
+    for (int64_t t = first; t < first + tokens; ++t) {
+      if (!s.padded.empty() && s.padded[t]) continue;
+      for (int64_t e = 0; e < experts; ++e) mean[e] += scores[t * experts + e] / score_sums[t];
+      for (int64_t j = 0; j < k; ++j) at[ids[t * k + j]] += 1;
+      at[2 * experts] += 1;
+    }
+    for (int64_t e = 0; e < experts; ++e) at[experts + e] = static_cast<float>(mean[e]);
+  };
+  for (int64_t q = 0; q < groups; ++q) local_sums(q, q * seq, seq);
+  if (aux) local_sums(groups, 0, rows);
+  cp.all_reduce_sum(sums.data(), static_cast<int64_t>(sums.size()));
+  auto group_loss = [&](int64_t group, float* f) {
+    const float* at = sums.data() + group * width;
+    const double T = at[2 * experts];
+    double loss = 0;
+    for (int64_t e = 0; e < experts; ++e) {
+      f[e] = static_cast<float>(static_cast<double>(experts) / (static_cast<double>(k) * T) * at[e]);
+      loss += double{f[e]} * (at[experts + e] / T);
+    }
+    return std::pair{static_cast<float>(loss), T};
+  };
+  for (int64_t q = 0; q < groups; ++q) {
+    const auto [loss, T] = group_loss(q, s.fraction.f32() + q * experts);
+    losses.f32()[q] = loss;
+    if (q == 0) s.balance_scale *= static_cast<float>(static_cast<double>(seq) / T);
+  }
+  if (aux) {
+    const auto [loss, T] = group_loss(groups, s.aux_fraction.f32());
+    aux_loss.f32()[0] = loss;
+    s.aux_scale *= static_cast<float>(static_cast<double>(rows) / T);
+  }
 }
 
 }  // namespace forge::nn

@@ -63,6 +63,10 @@ struct MoeShape {
   // Assignments an expert takes per micro-batch in forward: ceil(tokens * top_k / experts * capacity_factor);
   // 0: dropless. forward_cached is always dropless.
   double capacity_factor = 0;
+  // Under context parallelism: the last this many positions of every whole sequence are padding (multi-token
+  // prediction's depth k keeps every position of the chunks, its last k without a target): they route like
+  // any token but count in no load, balance loss or statistic, and take no balance gradient.
+  int64_t padded_tail = 0;
   // With a capacity: every expert's rows padded to it with zero rows (ops::MoeSortParams::pad_to_capacity),
   // so the GEMMs and the all-to-alls have the same shapes every micro-batch. The results are those without.
   bool pad_to_capacity = false;
@@ -133,12 +137,13 @@ class Moe final : public LayerPart {
     GemmOperand dys, dgate_up;  // from backward_input, for backward_weight
     // FP8: the same operands per expert (empty for an expert without rows).
     std::vector<GemmOperand> expert_xs, expert_act, expert_dys, expert_dgate_up;
-    Tensor dlogits;             // [rows, experts]
-    std::vector<double> load;   // this micro-batch's tokens per expert (counted before any drop)
-    int64_t dropped = 0;        // its assignments over capacity
-    double rank_spread = 0;     // expert parallelism: its tokens' ranks reached, summed (MoeStats)
+    Tensor dlogits;            // [rows, experts]
+    std::vector<char> padded;  // [rows] under context parallelism with a padded tail: 1 = padding
+    std::vector<double> load;  // this micro-batch's tokens per expert (counted before any drop)
+    int64_t dropped = 0;       // its assignments over capacity
+    double rank_spread = 0;    // expert parallelism: its tokens' ranks reached, summed (MoeStats)
     int64_t max_spread = 0;
-    double balance_sum = 0;     // sum over its sequences of sum_i f_i P_i
+    double balance_sum = 0;  // sum over its sequences of sum_i f_i P_i
     int64_t sequences = 0;
     double aux_sum = 0;  // its sum_i f_i P_i over all its rows (micro_batches = 1 when computed)
     int64_t micro_batches = 0;
@@ -168,6 +173,13 @@ class Moe final : public LayerPart {
   // forward_cached. overlapped runs while the dispatch's rows travel.
   template <typename Overlapped>
   Tensor routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training, Overlapped overlapped) const;
+  // Under context parallelism: the balance losses' f and P over the whole groups, whose tokens the cp ranks
+  // share (rewrites s.fraction, s.aux_fraction, losses and aux_loss).
+  void balance_over_context(Saved& s, int64_t rows, int64_t seq, bool aux, Tensor& losses,
+                            Tensor& aux_loss) const;
+  // The rows of a micro-batch of `seq`-row sequences (this rank's tokens) that are padding (padded_tail);
+  // empty when none are.
+  std::vector<char> padded_rows(int64_t rows, int64_t seq) const;
   int64_t local_experts() const { return shape_.experts / options_.ep_size(); }
   Tensor grouped(const GemmOperand& a, int64_t rows, int first, int count, int64_t n, int64_t k, bool trans_b,
                  const std::vector<int64_t>& offsets) const;

@@ -16,6 +16,9 @@ class CommContextParallel final : public nn::ContextParallel {
   ContextAttention mode() const { return mode_; }
   void attention_forward(const ops::AttentionParams& p) override;
   void attention_backward(const ops::AttentionParams& p) override;
+  void all_reduce_sum(float* values, int64_t n) override;
+  void shift_tokens(const int32_t* local, int32_t* out, int64_t batch, int64_t local_seq, int64_t k,
+                    int32_t fill) override;
   // What the attention across the group spent so far (forward and backward together); reset by the caller.
   ContextAttentionStats& stats() { return stats_; }
 

@@ -7,6 +7,7 @@
 #include "forge/core/memory.h"
 #include "forge/kernels/emulated_device.h"
 #include "forge/kernels/ops.h"
+#include "forge/nn/context_parallel.h"
 #include "forge/nn/fp8_context.h"
 #include "forge/nn/tensor_parallel.h"
 
@@ -310,6 +311,9 @@ nn::DecoderLayer DeepseekV3Model::make_layer(int64_t index, const LayerIds& ids)
     s.normalize = c.norm_topk_prob, s.scaling = static_cast<float>(c.routed_scaling_factor);
     s.capacity_factor = options_.moe_capacity_factor;
     s.pad_to_capacity = options_.moe_pad_to_capacity;
+    // MTP depth k's layer (under context parallelism it keeps every position, the last k of each sequence
+    // padding: mtp_forward).
+    s.padded_tail = index >= c.num_hidden_layers ? index - c.num_hidden_layers + 1 : 0;
     moe_stats_.emplace_back();
     auto moe =
         std::make_unique<nn::Moe>(&params_, ids.experts, s, options, &moe_stats_.back(), &balance_scale_);
@@ -439,21 +443,30 @@ void DeepseekV3Model::mtp_forward(const MicroBatch& mb, const Tensor& h0, int64_
   if (acts) states.resize(mtp_.size());
   // h_{k-1}: [batch, seq - k + 1, hidden], every row (gathered from the shards under sequence parallelism).
   Tensor prev = mtp_tp_ ? tp()->all_gather_rows(h0) : h0;
+  // Under context parallelism every depth keeps all of the rank's positions: the ids and targets shifted by
+  // k come across the chunks (ContextParallel::shift_tokens), the last k positions of each sequence with no
+  // target (ignored, and causal attention keeps them from every position that has one).
+  nn::ContextParallel* cp = options_.cp;
   for (size_t d = 0; d < mtp_.size(); ++d) {
     const MtpModule& m = *mtp_[d];
     MtpSaved& s = states[d];
-    const int64_t k = static_cast<int64_t>(d) + 1, length = seq - k, rows = batch * length;
+    const int64_t k = static_cast<int64_t>(d) + 1, length = cp ? seq : seq - k, rows = batch * length;
     s.length = length;
     s.ids.resize(static_cast<size_t>(rows)), s.targets.resize(static_cast<size_t>(rows));
-    for (int64_t b = 0; b < batch; ++b)
-      for (int64_t i = 0; i < length; ++i) {
-        s.ids[static_cast<size_t>(b * length + i)] = mb.ids[b * seq + i + k];
-        s.targets[static_cast<size_t>(b * length + i)] = mb.targets[b * seq + i + k];
-      }
+    if (cp) {
+      cp->shift_tokens(mb.ids, s.ids.data(), batch, seq, k, 0);
+      cp->shift_tokens(mb.targets, s.targets.data(), batch, seq, k, -1);
+    } else {
+      for (int64_t b = 0; b < batch; ++b)
+        for (int64_t i = 0; i < length; ++i) {
+          s.ids[static_cast<size_t>(b * length + i)] = mb.ids[b * seq + i + k];
+          s.targets[static_cast<size_t>(b * length + i)] = mb.targets[b * seq + i + k];
+        }
+    }
     s.device_ids = ids_on(device, s.ids.data(), rows, s.ids_holder);
     // h_{k-1} at positions 0 .. length - 1 of each sequence.
-    Tensor sliced = Tensor::empty({rows, h}, DType::f32, device);
-    for (int64_t b = 0; b < batch; ++b)
+    Tensor sliced = cp ? prev : Tensor::empty({rows, h}, DType::f32, device);
+    for (int64_t b = 0; b < batch && !cp; ++b)
       sliced.view(b * length * h, {length, h}).copy_from(prev.view(b * (length + 1) * h, {length, h}));
     const Tensor emb = mtp_embedding_.forward(s.device_ids, rows);
     const Tensor en = m.enorm.forward(emb, s.enorm), hn = m.hnorm.forward(sliced, s.hnorm);
@@ -464,11 +477,12 @@ void DeepseekV3Model::mtp_forward(const MicroBatch& mb, const Tensor& h0, int64_
     Tensor x = m.eh_proj.forward(s.joined);
     x = m.layer.forward(x, batch, length, s.layer);
     const Tensor normed = m.head_norm.forward(x, s.head_norm);
-    int64_t tokens = 0;
-    for (int32_t t : s.targets) tokens += t >= 0;
-    s.grad_scale = tokens > 0
-                       ? mb.grad_scale * weight * static_cast<float>(main_tokens) / static_cast<float>(tokens)
-                       : 0.0f;
+    // The depth's loss is a mean over its targets, scaled to the main loss's tokens: over the replica's whole
+    // sequences (every cp rank's chunks), not this rank's.
+    float counts[2] = {static_cast<float>(main_tokens), 0.0f};
+    for (int32_t t : s.targets) counts[1] += t >= 0;
+    if (cp) cp->all_reduce_sum(counts, 2);
+    s.grad_scale = counts[1] > 0 ? mb.grad_scale * weight * counts[0] / counts[1] : 0.0f;
     const int32_t* device_targets = ids_on(device, s.targets.data(), rows, s.targets_holder);
     const nn::LossTotals loss =
         mtp_head_.forward(normed, s.targets.data(), device_targets, s.grad_scale, acts ? &s.dhead : nullptr,
@@ -503,7 +517,12 @@ Tensor DeepseekV3Model::mtp_backward_input(Activations& acts) {
     copy_columns(dhn.f32(), h, djoined.f32() + h, 2 * h, rows, h, device);
     s.demb = m.enorm.backward_input(den, s.enorm);
     const Tensor dsliced = m.hnorm.backward_input(dhn, s.hnorm);
-    // Back to h_{k-1}'s length + 1 positions per sequence; the last one fed no deeper depth.
+    // Back to h_{k-1}'s length + 1 positions per sequence; the last one fed no deeper depth. (Under context
+    // parallelism every depth has all of the positions.)
+    if (options_.cp) {
+      dprev = dsliced;
+      continue;
+    }
     dprev = Tensor::zeros({batch * (length + 1), h}, DType::f32, device);
     for (int64_t b = 0; b < batch; ++b)
       dprev.view(b * (length + 1) * h, {length, h}).copy_from(dsliced.view(b * length * h, {length, h}));
