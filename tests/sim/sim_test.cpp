@@ -158,8 +158,8 @@ TEST(DryTrace, ExpertTransfersNoteTheOpsTheyOverlap) {
 }
 
 // Generation as forge generate runs it: the dry trace (shaped for the CPU) holds the measured run's weights
-// and KV cache to the byte, its prefill peak within a few hundred bytes and its ops call for call; the cache is forge's own (layers x keys
-// and values x positions x kv heads x head_dim floats).
+// and KV cache to the byte, its prefill peak within a few hundred bytes and its ops call for call; the cache
+// is forge's own (layers x keys and values x positions x kv heads x head_dim floats).
 TEST(GenerationTrace, IsTheMeasuredGenerationsMemoryAndOps) {
   const std::unique_ptr<models::ModelConfig> config = models::read_model_config(kLlama);
   GenerationRequest r;
@@ -380,6 +380,76 @@ TEST(Simulator, SaysByHowMuchAStrategyDoesNotFit) {
   EXPECT_FALSE(e.fits);
   EXPECT_NE(e.over.find("over the"), std::string::npos) << e.over;
   EXPECT_NE(e.over.find("most of it"), std::string::npos) << e.over;
+}
+
+// Context parallelism on the dry device: each rank holds its chunks (half the activations at cp 2), runs
+// the ring's attention blocks (half the causal attention's FLOPs) with its key/value hops on the cp group,
+// each noting the blocks it travels under (the backward's last gradient hop under nothing), or the
+// all-to-all's exchanges; op for op the measured step's; the estimate says so, and a sequence that does not
+// split is refused with one line.
+TEST(DryTrace, ContextParallelRanksHoldTheirChunks) {
+  const std::unique_ptr<models::ModelConfig> config = models::read_model_config(kLlama);
+  TraceOptions for_cpu, cpu;
+  for_cpu.shaped_for = Device::cpu, cpu.device = Device::cpu;
+  auto traced = [&](int cp, const char* comm) {
+    Strategy s = small(1, "none");
+    s.cp = cp, s.cp_comm = comm;
+    return trace_rank(*config, s, 0, for_cpu);
+  };
+  auto attention_flops = [](const RankTrace& t) {
+    double flops = 0;
+    for (const ops::OpProfileRow& r : merge_rows(t.phases()))
+      if (r.op.find("attention") != std::string::npos) flops += r.flops;
+    return flops;
+  };
+  const RankTrace one = traced(1, "p2p"), ring = traced(2, "p2p"), a2a = traced(2, "a2a");
+  const double half = 0.5 * static_cast<double>(one.chunks[0].activation_bytes);
+  EXPECT_NEAR(static_cast<double>(ring.chunks[0].activation_bytes), half, 0.02 * half);
+  EXPECT_NEAR(static_cast<double>(a2a.chunks[0].activation_bytes), half, 0.02 * half);
+  EXPECT_NEAR(attention_flops(ring), 0.5 * attention_flops(one), 0.01 * attention_flops(one));
+  EXPECT_NEAR(attention_flops(a2a), 0.5 * attention_flops(one), 0.01 * attention_flops(one));
+  const int64_t layers = config->shape().layers;
+  auto events = [](const Phase& p, const char* op) {
+    int64_t n = 0;
+    for (const CommEvent& e : p.comm) n += e.group == "cp" && e.op == op;
+    return n;
+  };
+  EXPECT_EQ(events(ring.chunks[0].forward, "send"), layers);       // one hop per layer at cp 2
+  EXPECT_EQ(events(ring.chunks[0].backward, "send"), 3 * layers);  // a key/value hop and two gradient hops
+  for (const CommEvent& e : ring.chunks[0].forward.comm)
+    if (e.group == "cp") EXPECT_FALSE(e.overlapped.empty());
+  int64_t exposed = 0;
+  for (const CommEvent& e : ring.chunks[0].backward.comm) exposed += e.group == "cp" && e.overlapped.empty();
+  EXPECT_EQ(exposed, layers);                                           // the last gradient hop of each layer
+  EXPECT_EQ(events(a2a.chunks[0].forward, "all_to_all"), 5 * layers);   // q, k, v in; out, lse back
+  EXPECT_EQ(events(a2a.chunks[0].backward, "all_to_all"), 9 * layers);  // q, k, v, dout, out, lse; dq, dk, dv
+  for (const char* comm : {"p2p", "a2a"}) {
+    Strategy s = small(1, "none");
+    s.cp = 2, s.cp_comm = comm;
+    EXPECT_EQ(calls_of(trace_rank(*config, s, 0, for_cpu)), calls_of(trace_rank(*config, s, 0, cpu))) << comm;
+  }
+
+  HardwareProfile h = HardwareProfile::parse(kProfile, "t.toml");
+  h.memory_gib = 64;
+  Simulator sim(*config, Cluster::single_node(h, 8));
+  Strategy s = small(1, "none");
+  const Estimate whole = sim.estimate(s);
+  s.cp = 2;
+  const Estimate split = sim.estimate(s);
+  EXPECT_LT(split.memory.activations, whole.memory.activations);
+  EXPECT_GT(split.time.dp_comm, 0);  // gradients reduced over dp x cp
+  EXPECT_NE(s.describe().find("cp2"), std::string::npos) << s.describe();
+  EXPECT_NE(s.set_line().find("--set parallel.cp=2 --set parallel.cp_comm=p2p"), std::string::npos)
+      << s.set_line();
+  s.cp = 4, s.seq = 60;
+  try {
+    sim.estimate(s);
+    ADD_FAILURE() << "a sequence of 60 split over 8 chunks";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("data.seq_len = 60 must be a multiple of 2 x parallel.cp = 8"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace

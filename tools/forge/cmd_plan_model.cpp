@@ -48,8 +48,8 @@ struct ModelPlanOptions {
   std::string cluster, hardware;
   int devices_per_node = 0, nodes = 0;
   // calibrate
-  std::string out, micro_batches = "1,2,4", tps = "1,2", pps = "1", recomputes = "none,selective,full",
-                   fp8s = "off";
+  std::string out, micro_batches = "1,2,4", tps = "1,2", pps = "1", cps = "1",
+                   recomputes = "none,selective,full", fp8s = "off";
   std::string name;
   double node_bandwidth_gbs = 0, node_latency_us = 0;
   int repeats = 3;
@@ -129,7 +129,7 @@ int run_estimate(const ModelPlanOptions& o) {
   for (const auto& assignment : o.overrides) config.apply_override(assignment);
   config.validate();
   const parallel::LayoutSpec l = config.layout_spec();
-  const int ranks = o.ranks > 0 ? o.ranks : l.tp * l.pp * std::max(1, l.dp);
+  const int ranks = o.ranks > 0 ? o.ranks : l.tp * l.cp * l.pp * std::max(1, l.dp);
   const Strategy s = train::strategy_of(config, ranks);
   Cluster cluster = cluster_of(o, ranks);
   const std::unique_ptr<models::ModelConfig> model = models::read_model_config(config.model.config);
@@ -215,46 +215,57 @@ int run_search(const ModelPlanOptions& o) {
   smallest.memory.total = -1;
   for (int tp : divisors(ranks)) {
     if (shape.heads % tp || shape.ffn % tp || (shape.kv_heads % tp && tp % shape.kv_heads)) continue;
-    for (int pp : divisors(ranks / tp)) {
-      if (pp > shape.layers) continue;
-      const int dp = ranks / tp / pp;
-      if (o.global_batch % dp) continue;
-      std::vector<std::pair<std::string, int>> schedules{{"1f1b", 1}};
-      if (pp > 1) schedules = {{"1f1b", 1}, {"interleaved", 2}, {"zb-h1", 1}, {"zbv", 1}, {"dualpipev", 1}};
-      for (int64_t mb : {1, 2, 4, 8}) {
-        if ((o.global_batch / dp) % mb) continue;
-        const int64_t accum = o.global_batch / dp / mb;
-        for (const auto& [schedule, vpp] : schedules)
-          for (const char* recompute : {"none", "selective", "full"})
-            for (bool zero : {false, true}) {
-              if (zero && dp == 1) continue;
-              Strategy s;
-              s.tp = tp, s.pp = pp, s.dp = dp, s.schedule = schedule, s.vpp = vpp;
-              s.sequence_parallel = tp > 1 && o.seq_len % tp == 0;
-              s.distributed_optimizer = zero;
-              s.micro_batch = mb, s.grad_accum = accum, s.seq = o.seq_len, s.recompute = recompute;
-              s.fp8 = fp8, s.fp8_recipe = o.fp8;
-              if (pp > 1 && !pipeline::schedule_refusal({schedule, pp, static_cast<int>(accum), vpp}).empty())
-                continue;
-              if (pp > 1 &&
-                  shape.layers % pipeline::stage_count({schedule, pp, static_cast<int>(accum), vpp}) != 0)
-                continue;
-              ++tried;
-              Estimate e;
-              try {
-                e = sim.estimate(s);
-              } catch (const Error&) {
-                ++refused;
-                continue;
-              }
-              if (!e.fits) {
-                ++too_big;
-                if (smallest.memory.total < 0 || e.memory.total < smallest.memory.total) smallest = e;
-                continue;
-              }
-              fitting.push_back(e);
-            }
-      }
+    for (int cp : divisors(ranks / tp)) {
+      // Context parallelism: two chunks of every sequence per rank; all-to-all where the heads divide.
+      if (cp > 1 && o.seq_len % (2 * cp)) continue;
+      std::vector<std::string> cp_comms{"p2p"};
+      if (cp > 1 && (shape.heads / tp) % cp == 0 && std::max<int64_t>(1, shape.kv_heads / tp) % cp == 0)
+        cp_comms.push_back("a2a");
+      for (const std::string& cp_comm : cp_comms)
+        for (int pp : divisors(ranks / tp / cp)) {
+          if (pp > shape.layers) continue;
+          const int dp = ranks / tp / cp / pp;
+          if (o.global_batch % dp) continue;
+          std::vector<std::pair<std::string, int>> schedules{{"1f1b", 1}};
+          if (pp > 1)
+            schedules = {{"1f1b", 1}, {"interleaved", 2}, {"zb-h1", 1}, {"zbv", 1}, {"dualpipev", 1}};
+          for (int64_t mb : {1, 2, 4, 8}) {
+            if ((o.global_batch / dp) % mb) continue;
+            const int64_t accum = o.global_batch / dp / mb;
+            for (const auto& [schedule, vpp] : schedules)
+              for (const char* recompute : {"none", "selective", "full"})
+                for (bool zero : {false, true}) {
+                  if (zero && dp == 1) continue;
+                  Strategy s;
+                  s.tp = tp, s.pp = pp, s.dp = dp, s.schedule = schedule, s.vpp = vpp;
+                  s.cp = cp, s.cp_comm = cp_comm;
+                  s.sequence_parallel = tp > 1 && (o.seq_len / cp) % tp == 0;
+                  s.distributed_optimizer = zero;
+                  s.micro_batch = mb, s.grad_accum = accum, s.seq = o.seq_len, s.recompute = recompute;
+                  s.fp8 = fp8, s.fp8_recipe = o.fp8;
+                  if (pp > 1 &&
+                      !pipeline::schedule_refusal({schedule, pp, static_cast<int>(accum), vpp}).empty())
+                    continue;
+                  if (pp > 1 &&
+                      shape.layers % pipeline::stage_count({schedule, pp, static_cast<int>(accum), vpp}) != 0)
+                    continue;
+                  ++tried;
+                  Estimate e;
+                  try {
+                    e = sim.estimate(s);
+                  } catch (const Error&) {
+                    ++refused;
+                    continue;
+                  }
+                  if (!e.fits) {
+                    ++too_big;
+                    if (smallest.memory.total < 0 || e.memory.total < smallest.memory.total) smallest = e;
+                    continue;
+                  }
+                  fitting.push_back(e);
+                }
+          }
+        }
     }
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -276,7 +287,8 @@ int run_search(const ModelPlanOptions& o) {
               "bubble", "exp.comm", "MFU");
   for (size_t i = 0; i < fitting.size() && static_cast<int>(i) < o.top; ++i) {
     const Estimate& e = fitting[i];
-    const double exposed = e.time.tp_comm + e.time.ep_comm + e.time.pp_comm + e.time.dp_exposed;
+    const double exposed =
+        e.time.tp_comm + e.time.ep_comm + e.time.cp_comm + e.time.pp_comm + e.time.dp_exposed;
     std::printf("%4zu  %-36s %11.0f %9.2f %10s %7.1f%% %8.2fms %5.1f%%\n", i + 1,
                 e.strategy.describe().c_str(), e.time.tokens_per_s, 1e3 * e.time.step,
                 human_bytes(e.memory.total).c_str(), 100 * e.time.bubble / e.time.step, 1e3 * exposed,
@@ -341,7 +353,7 @@ int run_calibrate(const ModelPlanOptions& o) {
   if (o.seq_len < 1) fail("--seq-len must be >= 1");
   const std::unique_ptr<models::ModelConfig> model = models::read_model_config(o.model);
   const std::vector<int64_t> mbs = int_list(o.micro_batches, "--micro-batch"), tps = int_list(o.tps, "--tp"),
-                             pps = int_list(o.pps, "--pp");
+                             pps = int_list(o.pps, "--pp"), cps = int_list(o.cps, "--cp");
   // Under mpirun every rank measures at once, as the ranks of a run on this machine compute at once (sharing
   // its cores, caches and memory bandwidth); then the ranks time collectives between them. Rank 0 writes.
   comm::Communicator& world = comm::world();
@@ -356,9 +368,10 @@ int run_calibrate(const ModelPlanOptions& o) {
   h.kind = "measured";
   h.threads = threads;
   h.notes = fmt::format(
-      "forge plan calibrate --model {} --seq-len {} --micro-batch {} --tp {} --pp {} --recompute {} --fp8 "
+      "forge plan calibrate --model {} --seq-len {} --micro-batch {} --tp {} --pp {}{} --recompute {} --fp8 "
       "{}{}{}",
-      o.model, o.seq_len, o.micro_batches, o.tps, o.pps, o.recomputes, o.fp8s,
+      o.model, o.seq_len, o.micro_batches, o.tps, o.pps, o.cps == "1" ? "" : " --cp " + o.cps, o.recomputes,
+      o.fp8s,
       o.capacity_factors == "0" ? ""
                                 : fmt::format(" --capacity-factor {}{}", o.capacity_factors,
                                               o.pad_to_capacity ? " --pad-to-capacity" : ""),
@@ -379,24 +392,26 @@ int run_calibrate(const ModelPlanOptions& o) {
   for (double factor : factors)
     for (const std::string& recipe : fp8s)
       for (int64_t tp : tps)
-        for (int64_t pp : pps)
-          for (int64_t mb : mbs)
-            for (const std::string& rc : recomputes)
-              for (int pp_rank = 0; pp_rank < pp; ++pp_rank) {
-                Strategy s;
-                s.tp = static_cast<int>(tp), s.dp = 1, s.micro_batch = mb, s.seq = o.seq_len,
-                s.recompute = rc;
-                s.pp = static_cast<int>(pp), s.grad_accum = 2 * pp;
-                s.sequence_parallel = tp > 1 && o.seq_len % tp == 0;
-                s.moe_capacity_factor = factor, s.moe_pad_to_capacity = factor > 0 && o.pad_to_capacity;
-                if (recipe != "off") {
-                  train::TrainConfig c;
-                  c.fp8.recipe = recipe;
-                  c.validate();
-                  s.fp8 = c.fp8_options(), s.fp8_recipe = recipe;
+        for (int64_t cp : cps)
+          for (int64_t pp : pps)
+            for (int64_t mb : mbs)
+              for (const std::string& rc : recomputes)
+                for (int pp_rank = 0; pp_rank < pp; ++pp_rank) {
+                  Strategy s;
+                  s.tp = static_cast<int>(tp), s.dp = 1, s.micro_batch = mb, s.seq = o.seq_len,
+                  s.recompute = rc;
+                  s.cp = static_cast<int>(cp);
+                  s.pp = static_cast<int>(pp), s.grad_accum = 2 * pp;
+                  s.sequence_parallel = tp > 1 && (o.seq_len / cp) % tp == 0;
+                  s.moe_capacity_factor = factor, s.moe_pad_to_capacity = factor > 0 && o.pad_to_capacity;
+                  if (recipe != "off") {
+                    train::TrainConfig c;
+                    c.fp8.recipe = recipe;
+                    c.validate();
+                    s.fp8 = c.fp8_options(), s.fp8_recipe = recipe;
+                  }
+                  configs.push_back({s, pp_rank});
                 }
-                configs.push_back({s, pp_rank});
-              }
   // Rounds over all of them rather than repeats back to back: a shared machine has slow spells that last
   // seconds to minutes, which repeats back to back would share. Each op and shape costs the median of its
   // calls' times over every round and configuration (the typical cost, as a run's median step is: the
@@ -614,6 +629,10 @@ void add_plan_model_subcommands(CLI::App* plan,
   calibrate->add_option("--tp", o->tps, "tensor-parallel sizes whose shapes to measure")
       ->capture_default_str();
   calibrate->add_option("--pp", o->pps, "pipeline sizes whose stages to measure (each pp rank's chunk)")
+      ->capture_default_str();
+  calibrate
+      ->add_option("--cp", o->cps,
+                   "context-parallel sizes whose shapes to measure (each rank's chunks and attention blocks)")
       ->capture_default_str();
   calibrate->add_option("--recompute", o->recomputes, "recompute policies to measure")->capture_default_str();
   calibrate->add_option("--fp8", o->fp8s, "FP8 recipes to measure (off, delayed, current, block)")

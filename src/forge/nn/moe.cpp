@@ -184,7 +184,8 @@ Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training
   s.balance_scale = balance && scale_ ? scale_->balance : 0.0f;
   s.aux_scale = aux ? scale_->aux : 0.0f;
   ops::moe_router_forward(r, device);
-  s.padded = training ? padded_rows(rows, seq) : std::vector<char>();
+  // (A dry run, kernels/emulated_device.h, computes nothing: it keeps no padding and only notes the exchange.)
+  s.padded = training && !EmulatedDevice::check_only() ? padded_rows(rows, seq) : std::vector<char>();
   if (options_.cp && (balance || aux))
     balance_over_context(s, rows, balance ? seq : 0, aux, losses, aux_loss);
 
@@ -501,11 +502,12 @@ std::vector<char> Moe::padded_rows(int64_t rows, int64_t seq) const {
 // scale becomes scale x local / T. Host memory (context parallelism runs attention on the host).
 void Moe::balance_over_context(Saved& s, int64_t rows, int64_t seq, bool aux, Tensor& losses,
                                Tensor& aux_loss) const {
-  FORGE_CHECK(options_.device == Device::cpu, "MoE balance under context parallelism runs on host memory");
   ContextParallel& cp = *options_.cp;
   const int64_t experts = shape_.experts, k = shape_.top_k, groups = seq > 0 ? rows / seq : 0;
   const int64_t width = 2 * experts + 1;  // [counts | sum of s / n | tokens]
   std::vector<float> sums(static_cast<size_t>((groups + (aux ? 1 : 0)) * width), 0.0f);
+  if (EmulatedDevice::check_only()) return cp.all_reduce_sum(sums.data(), static_cast<int64_t>(sums.size()));
+  FORGE_CHECK(options_.device == Device::cpu, "MoE balance under context parallelism runs on host memory");
   const float* scores = s.scores.f32();
   const float* score_sums = s.score_sums.f32();
   const int32_t* ids = s.expert_ids.i32();

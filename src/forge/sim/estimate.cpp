@@ -14,15 +14,16 @@ namespace forge::sim {
 namespace {
 
 std::string trace_key(const Strategy& s, int pp_rank) {
-  return fmt::format("{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}", s.tp, s.pp, s.dp,
-                     s.ep, s.ep_overlap, s.vpp, s.schedule, s.pp_layers, s.sequence_parallel,
-                     s.distributed_optimizer, s.overlap_grad_reduce, s.bucket_mb, s.micro_batch, s.grad_accum,
-                     s.seq, s.recompute, s.dtype, s.fp8_recipe, s.moe_capacity_factor, s.moe_pad_to_capacity,
-                     s.vocab_divisible_by, pp_rank);
+  return fmt::format("{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}", s.cp,
+                     s.cp_comm, s.tp, s.pp, s.dp, s.ep, s.ep_overlap, s.vpp, s.schedule, s.pp_layers,
+                     s.sequence_parallel, s.distributed_optimizer, s.overlap_grad_reduce, s.bucket_mb,
+                     s.micro_batch, s.grad_accum, s.seq, s.recompute, s.dtype, s.fp8_recipe,
+                     s.moe_capacity_factor, s.moe_pad_to_capacity, s.vocab_divisible_by, pp_rank);
 }
 
 parallel::Dim dim_of(const std::string& group) {
   if (group == "tp") return parallel::Dim::tp;
+  if (group == "cp") return parallel::Dim::cp;
   if (group == "dp") return parallel::Dim::dp_cp;
   if (group == "ep") return parallel::Dim::ep;
   if (group == "expert_dp") return parallel::Dim::expert_dp;
@@ -34,7 +35,7 @@ parallel::Dim dim_of(const std::string& group) {
 class RankCoster {
  public:
   RankCoster(const Cluster& cluster, const Strategy& s, int pp_rank)
-      : cluster_(cluster), layout_({s.tp, s.pp, s.dp, 1, s.ep}, s.world(), 0) {
+      : cluster_(cluster), layout_({s.tp, s.pp, s.dp, s.cp, s.ep}, s.world(), 0) {
     rank_ = layout_.rank_of(0, 0, 0, pp_rank);
   }
   const Link& link(const std::string& group) const {
@@ -55,6 +56,7 @@ class RankCoster {
       total += c;
       if (t && e.group == "tp") t->tp_comm += c;
       if (t && e.group == "ep") t->ep_comm += c;
+      if (t && e.group == "cp") t->cp_comm += c;
       if (ep_path && e.group == "ep") *ep_path += c;
     }
     return total;
@@ -225,6 +227,7 @@ Estimate Simulator::estimate(const Strategy& s) {
           static_cast<double>(s.grad_accum) / (schedule && schedule->placement.mirrored ? 2 : 1);
       mine.tp_comm += per_micro_batch.tp_comm * micro_batches;
       mine.ep_comm += per_micro_batch.ep_comm * micro_batches;
+      mine.cp_comm += per_micro_batch.cp_comm * micro_batches;
       before[static_cast<size_t>(r)] += std::max(0.0, cost.critical(c.forward_first) - sc.forward);
       last_backward += sc.backward;
       if (c.output_bytes > 0 && s.pp > 1) {
@@ -301,7 +304,7 @@ Estimate Simulator::estimate(const Strategy& s) {
   const size_t w = static_cast<size_t>(worst);
   t.compute = before[w] + busy[w] + updates[w];
   t.bubble = makespan - busy[w];
-  t.tp_comm = comm_of[w].tp_comm, t.ep_comm = comm_of[w].ep_comm;
+  t.tp_comm = comm_of[w].tp_comm, t.ep_comm = comm_of[w].ep_comm, t.cp_comm = comm_of[w].cp_comm;
   t.dp_comm = dp_total[w], t.dp_exposed = dp_exposed[w];
   t.optimizer = updates[w];
   t.tokens_per_s = static_cast<double>(s.tokens_per_step()) / t.step;
@@ -399,6 +402,9 @@ std::string format_estimate(const Estimate& e, const Simulator& sim) {
   out += fmt::format("  pipeline bubble          {:>10.2f} ms\n", 1e3 * t.bubble);
   out += fmt::format("  tensor-parallel comm     {:>10.2f} ms (on the critical path)\n", 1e3 * t.tp_comm);
   if (s.ep > 1) out += fmt::format("  expert all-to-all        {:>10.2f} ms\n", 1e3 * t.ep_comm);
+  if (s.cp > 1)
+    out += fmt::format("  context-parallel comm    {:>10.2f} ms (not hidden by the attention)\n",
+                       1e3 * t.cp_comm);
   if (s.pp > 1) out += fmt::format("  pipeline sends           {:>10.2f} ms\n", 1e3 * t.pp_comm);
   out += fmt::format("  data-parallel comm       {:>10.2f} ms ({:.2f} ms exposed)\n", 1e3 * t.dp_comm,
                      1e3 * t.dp_exposed);

@@ -36,6 +36,7 @@ struct TimeEstimate {
   double bubble = 0;      // the pipeline's idle time on that rank
   double tp_comm = 0;     // tensor-parallel collectives (critical path)
   double ep_comm = 0;     // expert-parallel all-to-alls
+  double cp_comm = 0;     // context parallelism's attention transfers (what compute does not hide)
   double pp_comm = 0;     // pipeline sends
   double dp_comm = 0;     // data-parallel reductions (and ZeRO-1's all-gather) in all
   double dp_exposed = 0;  // the part not hidden under backward

@@ -6,6 +6,7 @@ namespace forge::sim {
 
 std::string Strategy::describe() const {
   std::string out = fmt::format("tp{} pp{} dp{}", tp, pp, dp);
+  if (cp > 1) out += fmt::format(" cp{}{}", cp, cp_comm == "a2a" ? ":a2a" : "");
   if (ep > 1) out += fmt::format(" ep{}", ep);
   if (pp > 1) out += " " + schedule + (schedule == "interleaved" ? fmt::format("x{}", vpp) : "");
   out += fmt::format(" mb{}x{}", micro_batch, grad_accum);
@@ -20,6 +21,7 @@ std::string Strategy::describe() const {
 
 std::string Strategy::set_line() const {
   std::string out = fmt::format("--set parallel.tp={} --set parallel.pp={} --set parallel.dp={}", tp, pp, dp);
+  if (cp > 1) out += fmt::format(" --set parallel.cp={} --set parallel.cp_comm={}", cp, cp_comm);
   if (ep > 1) out += fmt::format(" --set parallel.ep={}", ep);
   if (pp > 1) out += fmt::format(" --set parallel.schedule={}", schedule);
   if (pp > 1 && schedule == "interleaved") out += fmt::format(" --set parallel.vpp={}", vpp);

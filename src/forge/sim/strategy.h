@@ -13,6 +13,8 @@ namespace forge::sim {
 
 struct Strategy {
   int tp = 1, pp = 1, dp = 1, ep = 1, vpp = 1;
+  int cp = 1;                     // context parallel
+  std::string cp_comm = "p2p";    // parallel.cp_comm: p2p (ring) | a2a
   std::string schedule = "1f1b";  // parallel.schedule (pp > 1)
   std::string pp_layers;          // parallel.pp_layers ("" = even)
   bool sequence_parallel = false;
@@ -32,7 +34,7 @@ struct Strategy {
   bool moe_pad_to_capacity = false;
   bool ep_overlap = true;
 
-  int world() const { return tp * pp * dp; }
+  int world() const { return tp * cp * pp * dp; }
   int64_t global_batch() const { return micro_batch * grad_accum * dp; }
   int64_t tokens_per_step() const { return global_batch() * seq; }
   // "tp2 pp2 dp2 1f1b mb2x8 rc:none zero sp fp8:delayed"

@@ -17,6 +17,7 @@
 #include "forge/core/memory.h"
 #include "forge/kernels/emulated_device.h"
 #include "forge/kernels/ops.h"
+#include "forge/nn/context_parallel.h"
 #include "forge/nn/fp8_context.h"
 #include "forge/optim/adamw.h"
 #include "forge/parallel/comm_expert_parallel.h"
@@ -123,6 +124,130 @@ class WatchedExpertParallel final : public nn::ExpertParallel {
   std::shared_ptr<CommLog> log_;
 };
 
+// Context parallelism on a traced rank: the attention across the group runs its blocks as the ring or the
+// all-to-all does (their ops, at their shapes, on the rank's device) and notes the transfers on the cp group.
+// Ring: per step, the blocks this rank computes (step 0: the diagonal chunks, causal, and the late chunk's
+// queries over the early chunk's keys; each later step two chunk-by-chunk blocks), and the key/value hop to
+// the next rank in flight meanwhile (its event notes the step's ops, which hide it); backward the same
+// blocks' backward, the key/value hops and the gradient hops (each hidden under the next step, the last one
+// under nothing). The blocks read and write the rank's own tensors in place of the visiting ones (the same
+// shapes: nothing is read back). All-to-all: the exchanges (blocking) and one whole-sequence attention over
+// heads / cp heads, on buffers of that size. MoE's and MTP's small exchanges are noted as they are.
+class TracedContextParallel final : public nn::ContextParallel {
+ public:
+  TracedContextParallel(comm::Communicator& group, bool ring, Device device, std::shared_ptr<CommLog> log)
+      : group_(group), ring_(ring), device_(device), log_(std::move(log)) {}
+  int rank() const override { return group_.rank(); }
+  int size() const override { return group_.size(); }
+  void attention_forward(const ops::AttentionParams& p) override { run(p, false); }
+  void attention_backward(const ops::AttentionParams& p) override { run(p, true); }
+  void all_reduce_sum(float* values, int64_t n) override {
+    group_.all_reduce(values, n, comm::Type::f32, comm::ReduceOp::sum).wait();
+  }
+  void shift_tokens(const int32_t* local, int32_t* out, int64_t batch, int64_t local_seq, int64_t,
+                    int32_t) override {
+    group_.all_gather(local, nullptr, batch * local_seq, comm::Type::i32).wait();
+    std::copy_n(local, batch * local_seq, out);
+  }
+
+ private:
+  // Sends `bytes` to the next rank while `compute` runs; the event notes the ops it ran.
+  template <typename Compute>
+  void hop(int64_t bytes, Compute compute) {
+    const size_t event = log_->events.size();
+    const std::vector<ops::OpProfileRow> before = ops::profile_counts();
+    group_.send(nullptr, bytes / 4, comm::Type::f32, (rank() + 1) % size(), 0);
+    compute();
+    if (log_->events.size() > event)
+      log_->events[event].overlapped = ran_between(before, ops::profile_counts());
+  }
+
+  void run(const ops::AttentionParams& p, bool backward) {
+    const int n = size();
+    const int64_t local = p.seq, chunk = local / 2, v_dim = p.v_head_dim > 0 ? p.v_head_dim : p.head_dim;
+    if (!ring_) return all_to_all(p, backward, v_dim);
+    const int64_t kv_bytes = 4 * p.batch * local * p.kv_heads * (p.head_dim + v_dim);
+    // One chunk-by-chunk block of local half qh over half kh (causal on the diagonal), per sequence.
+    auto block = [&](int qh, int kh, bool causal) {
+      for (int64_t b = 0; b < p.batch; ++b) {
+        ops::AttentionParams a = p;
+        a.batch = 1, a.seq = chunk, a.kv_seq = chunk, a.causal = causal;
+        a.q = p.q + (b * local + qh * chunk) * p.q_stride;
+        a.k = p.k + (b * local + kh * chunk) * p.k_stride, a.v = p.v + (b * local + kh * chunk) * p.v_stride;
+        a.out = p.out + (b * local + qh * chunk) * p.out_stride;
+        a.lse = p.lse + (b * p.heads) * local + qh * chunk;
+        if (backward) {
+          a.dout = p.dout + (b * local + qh * chunk) * p.dout_stride;
+          a.dq = p.dq + (b * local + qh * chunk) * p.dq_stride;
+          a.dk = p.dk + (b * local + kh * chunk) * p.dk_stride,
+          a.dv = p.dv + (b * local + kh * chunk) * p.dv_stride;
+          ops::attention_backward(a, device_);
+        } else {
+          ops::attention_forward(a, device_);
+        }
+      }
+    };
+    size_t gradient = 0;  // backward: the gradient hop in flight (its event), and the ops at its start
+    std::vector<ops::OpProfileRow> gradient_start;
+    for (int step = 0; step < n; ++step) {
+      auto compute = [&] {
+        if (step == 0) {
+          block(0, 0, true), block(1, 0, false), block(1, 1, true);
+        } else {
+          block(1, 0, false), block(1, 1, false);
+        }
+      };
+      if (step + 1 < n)
+        hop(kv_bytes, compute);
+      else
+        compute();
+      if (!backward) continue;
+      // The previous step's key/value gradients travelled under this step; this step's go on to the next
+      // rank, under the next step (the last one's under nothing).
+      if (step > 0 && gradient < log_->events.size())
+        log_->events[gradient].overlapped = ran_between(gradient_start, ops::profile_counts());
+      gradient = log_->events.size(), gradient_start = ops::profile_counts();
+      group_.send(nullptr, kv_bytes / 4, comm::Type::f32, (rank() + 1) % n, 0);
+    }
+  }
+
+  void all_to_all(const ops::AttentionParams& p, bool backward, int64_t v_dim) {
+    const int n = size();
+    const int64_t hq = p.heads / n, hk = p.kv_heads / n, seq = p.seq * n, rows = p.batch * p.seq;
+    auto exchange = [&](int64_t cols) {
+      group_.all_to_all(nullptr, nullptr, rows * cols, comm::Type::f32).wait();
+    };
+    exchange(hq * p.head_dim), exchange(hk * p.head_dim), exchange(hk * v_dim);  // q, k, v gathered
+    if (backward) exchange(hq * v_dim), exchange(hq * v_dim), exchange(hq);      // dout, out, lse
+    auto buffer = [&](int64_t cols) { return Tensor::zeros({p.batch * seq, cols}, DType::f32, device_); };
+    Tensor q = buffer(hq * p.head_dim), k = buffer(hk * p.head_dim), v = buffer(hk * v_dim),
+           out = buffer(hq * v_dim), lse = buffer(hq);
+    ops::AttentionParams a;
+    a.batch = p.batch, a.seq = seq, a.heads = hq, a.kv_heads = hk, a.head_dim = p.head_dim,
+    a.v_head_dim = v_dim;
+    a.q = q.f32(), a.k = k.f32(), a.v = v.f32(), a.out = out.f32(), a.lse = lse.f32();
+    a.q_stride = hq * p.head_dim, a.k_stride = hk * p.head_dim, a.v_stride = hk * v_dim,
+    a.out_stride = hq * v_dim;
+    a.scale = p.scale, a.causal = true;
+    if (!backward) {
+      ops::attention_forward(a, device_);
+      exchange(hq * v_dim), exchange(hq);  // out, lse back
+      return;
+    }
+    Tensor dout = buffer(hq * v_dim), dq = buffer(hq * p.head_dim), dk = buffer(hk * p.head_dim),
+           dv = buffer(hk * v_dim);
+    a.dout = dout.f32(), a.dout_stride = hq * v_dim, a.dq = dq.f32(), a.dk = dk.f32(), a.dv = dv.f32();
+    a.dq_stride = a.q_stride, a.dk_stride = a.k_stride, a.dv_stride = a.v_stride;
+    ops::attention_backward(a, device_);
+    exchange(hq * p.head_dim), exchange(hk * p.head_dim), exchange(hk * v_dim);  // dq, dk, dv back
+  }
+
+  comm::Communicator& group_;
+  bool ring_;
+  Device device_;
+  std::shared_ptr<CommLog> log_;
+};
+
 // A dry run's device, unless one is open already (or the trace is measured, on the CPU). A GPU's peak counts
 // the caching allocator's blocks; a CPU-shaped trace stands for exact host memory.
 void open_dry_device(const TraceOptions& options, std::optional<EmulatedDevice>& emulation) {
@@ -171,14 +296,28 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
   open_dry_device(options, emulation);
 
   const models::ModelShape shape = config.shape();
-  const parallel::LayoutSpec spec{s.tp, s.pp, s.dp, 1, s.ep};
+  const parallel::LayoutSpec spec{s.tp, s.pp, s.dp, s.cp, s.ep};
   const parallel::Layout probe(spec, s.world(), 0);
   const parallel::Layout layout(spec, s.world(), probe.rank_of(0, 0, 0, pp_rank));
+  if (s.cp > 1 && s.seq % (2 * s.cp) != 0)
+    fail(
+        "data.seq_len = {} must be a multiple of 2 x parallel.cp = {} (each rank holds two chunks of every "
+        "sequence)",
+        s.seq, 2 * s.cp);
+  if (s.cp > 1 && s.cp_comm == "a2a" &&
+      ((shape.heads / s.tp) % s.cp != 0 || std::max<int64_t>(1, shape.kv_heads / s.tp) % s.cp != 0))
+    fail(
+        "parallel.cp_comm = \"a2a\" scatters attention heads over parallel.cp = {}, but each tensor-parallel "
+        "rank holds {} heads and {} key/value heads",
+        s.cp, shape.heads / s.tp, std::max<int64_t>(1, shape.kv_heads / s.tp));
   parallel::validate_model_fit(
       layout, {shape.hidden, shape.heads, shape.kv_heads, shape.ffn, shape.vocab, shape.layers},
       s.vocab_divisible_by);
-  if (s.sequence_parallel && s.tp > 1 && s.seq % s.tp != 0)
-    fail("parallel.sequence_parallel: data.seq_len = {} must be a multiple of parallel.tp = {}", s.seq, s.tp);
+  if (s.sequence_parallel && s.tp > 1 && (s.seq / s.cp) % s.tp != 0)
+    fail(
+        "parallel.sequence_parallel: data.seq_len = {} / parallel.cp = {} must be a multiple of parallel.tp "
+        "= {}",
+        s.seq, s.cp, s.tp);
   if (s.ep > 1) {
     const nlohmann::json json = config.to_json();
     const int64_t experts = json.value("n_routed_experts", int64_t{0});
@@ -194,7 +333,8 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
                                       dp = group("dp", parallel::Dim::dp_cp),
                                       ep = group("ep", parallel::Dim::ep),
                                       expert_dp = group("expert_dp", parallel::Dim::expert_dp),
-                                      model_parallel = group("model_parallel", parallel::Dim::model_parallel);
+                                      model_parallel = group("model_parallel", parallel::Dim::model_parallel),
+                                      cp = group("cp", parallel::Dim::cp);
 
   nn::ComputeOptions o;
   o.device = device;
@@ -214,6 +354,8 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
   }
   o.moe_capacity_factor = s.moe_capacity_factor;
   o.moe_pad_to_capacity = s.moe_pad_to_capacity;
+  std::optional<TracedContextParallel> context_parallel;
+  if (s.cp > 1) o.cp = &context_parallel.emplace(*cp, s.cp_comm != "a2a", device, log);
   std::unique_ptr<nn::Fp8Context> fp8;
   if (s.fp8) {
     fp8 = std::make_unique<nn::Fp8Context>(*s.fp8);
@@ -288,11 +430,11 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
 
   Recorder recorder(device, log);
   auto pair = [&](const char* name) { return make_dry_communicator({name, 2, 0}, log); };
-  const int64_t micro = s.micro_batch, seq = s.seq;
+  const int64_t micro = s.micro_batch, seq = s.seq / s.cp;  // this rank's tokens of each sequence
   const int64_t rows = micro * seq / (s.sequence_parallel && s.tp > 1 ? s.tp : 1);
   const std::vector<int32_t> ids0 = spread_ids(micro * seq, shape.vocab, 0),
                              ids1 = spread_ids(micro * seq, shape.vocab, 7);
-  const float grad_scale = 1.0f / static_cast<float>(micro * seq * s.grad_accum * s.dp);
+  const float grad_scale = 1.0f / static_cast<float>(micro * s.seq * s.grad_accum * s.dp);
   const models::MicroBatch mb0{ids0.data(), ids1.data(), micro, seq, grad_scale};
   const models::MicroBatch mb1{ids1.data(), ids0.data(), micro, seq, grad_scale};
   const size_t n = models.size();

@@ -8,14 +8,14 @@ namespace forge::train {
 sim::Strategy strategy_of(const TrainConfig& c, int world_size) {
   sim::Strategy s;
   const parallel::LayoutSpec l = c.layout_spec();
-  s.tp = l.tp, s.pp = l.pp, s.ep = l.ep;
-  if (l.cp > 1)
-    fail("{}: parallel.cp = {}: the simulator models no context parallelism yet", c.origin_of("parallel.cp"),
-         l.cp);
-  s.dp = l.dp > 0 ? l.dp : world_size / std::max(1, l.tp * l.pp);
-  if (s.dp < 1 || s.tp * s.pp * s.dp != world_size)
-    fail("{} ranks do not split into parallel.tp = {} x parallel.pp = {} x parallel.dp = {}", world_size,
-         s.tp, s.pp, l.dp);
+  s.tp = l.tp, s.pp = l.pp, s.ep = l.ep, s.cp = l.cp;
+  s.cp_comm = c.parallel.cp_comm;
+  s.dp = l.dp > 0 ? l.dp : world_size / std::max(1, l.tp * l.pp * l.cp);
+  if (s.dp < 1 || s.world() != world_size)
+    fail(
+        "{} ranks do not split into parallel.tp = {} x parallel.cp = {} x parallel.pp = {} x parallel.dp = "
+        "{}",
+        world_size, s.tp, s.cp, s.pp, l.dp);
   s.vpp = static_cast<int>(c.parallel.vpp);
   s.schedule = c.parallel.schedule;
   s.pp_layers = c.parallel.pp_layers;
