@@ -39,6 +39,8 @@ calibrate llama-1 "$LLAMA" 1 --micro-batch 2,4,8 --tp 1 --recompute none,selecti
 calibrate llama-2 "$LLAMA" 2 --micro-batch 2,4 --tp 1,2 --pp 1,2 --recompute none,full
 calibrate ds-1 "$DS" 1 --micro-batch 4 --tp 1 --recompute none,full --capacity-factor 0,1 --pad-to-capacity
 calibrate ds-2 "$DS" 2 --micro-batch 4 --tp 1 --pp 1 --recompute none --capacity-factor 1 --pad-to-capacity
+calibrate llama-cp "$LLAMA" 2 --micro-batch 4 --tp 1 --cp 2 --recompute none
+calibrate ds-cp "$DS" 2 --micro-batch 4 --tp 1 --cp 2 --recompute none --capacity-factor 1 --pad-to-capacity
 # The DeepSeek-V3 runs fix their expert shapes (capacity factor 1, every expert's rows padded to it, as
 # SimuMax's and Megatron's MoE benchmarks do): the simulator routes as a balanced router, and an untrained
 # router is far from one (ds-dropless shows what that costs).
@@ -108,6 +110,10 @@ run ds-ep2 ds-2 2 "$DS" "${PAD[@]}" --set parallel.dp=2 --set parallel.ep=2
 # Two micro-batches: the step runs them as an overlapped F&B pair (each one's all-to-alls under the other's
 # compute).
 run ds-ep2-accum2 ds-2 2 "$DS" "${PAD[@]}" --set parallel.dp=2 --set parallel.ep=2 --set train.grad_accum=2
+# Context parallelism: every sequence over the two ranks.
+run llama-cp2 llama-cp 2 "$LLAMA" --set parallel.cp=2
+run llama-cp2-a2a llama-cp 2 "$LLAMA" --set parallel.cp=2 --set parallel.cp_comm=a2a
+run ds-cp2 ds-cp 2 "$DS" "${PAD[@]}" --set parallel.cp=2
 }
 for ((round = 0; round < REPEATS; ++round)); do grid; done
 
