@@ -34,6 +34,32 @@ const char* context_attention_name(ContextAttention mode) {
 
 namespace {
 
+// Host floats from forge's allocator (core/memory.h), so that a run's peak memory counts the attention's
+// working buffers (the travelling keys and values, the partial results) as a device's allocator would. The
+// few vector operations the algorithms use; n floats set to `value` on construction or assign.
+class Floats {
+ public:
+  Floats() = default;
+  explicit Floats(size_t n, float value = 0.0f) { assign(n, value); }
+  void assign(size_t n, float value) {
+    t_ = n > 0 ? Tensor::empty({static_cast<int64_t>(n)}, DType::f32) : Tensor();
+    n_ = n;
+    std::fill_n(data(), n, value);
+  }
+  void resize(size_t n) { assign(n, 0.0f); }
+  float* data() { return n_ > 0 ? t_.f32() : nullptr; }
+  const float* data() const { return n_ > 0 ? t_.f32() : nullptr; }
+  size_t size() const { return n_; }
+  float* begin() { return data(); }
+  float* end() { return data() + n_; }
+  float& operator[](size_t i) { return data()[i]; }
+  float operator[](size_t i) const { return data()[i]; }
+
+ private:
+  Tensor t_;
+  size_t n_ = 0;
+};
+
 using Clock = std::chrono::steady_clock;
 double seconds_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
@@ -151,7 +177,7 @@ void merge(const Dims& d, float* out, float* lse, const float* out_b, const floa
 // each dense [batch, chunk, width].
 struct KvBlocks {
   Dims d;
-  std::vector<float> data;
+  Floats data;
   explicit KvBlocks(const Dims& dims)
       : d(dims), data(static_cast<size_t>(2 * d.batch * d.chunk * (d.k_width() + d.v_width())), 0.0f) {}
   float* k(int half) { return data.data() + half * d.batch * d.chunk * d.k_width(); }
@@ -202,7 +228,7 @@ void ring_forward(comm::Communicator& cp, const ContextSplit& split, const Dims&
   const size_t q_half = static_cast<size_t>(d.batch * d.chunk * d.q_width()),
                out_half = static_cast<size_t>(d.batch * d.chunk * d.out_width()),
                lse_half = static_cast<size_t>(d.batch * d.heads * d.chunk);
-  std::vector<float> q[2], out[2], lse[2];
+  Floats q[2], out[2], lse[2];
   KvBlocks current(d), next(d);
   for (int h = 0; h < 2; ++h) {
     q[h].resize(q_half), pack_half(d, p.q, p.q_stride, d.q_width(), h, q[h].data());
@@ -211,7 +237,7 @@ void ring_forward(comm::Communicator& cp, const ContextSplit& split, const Dims&
     out[h].assign(out_half, 0.0f);
     lse[h].assign(lse_half, -std::numeric_limits<float>::infinity());
   }
-  std::vector<float> out_b(out_half), lse_b(lse_half);
+  Floats out_b(out_half), lse_b(lse_half);
   for (int step = 0; step < split.cp; ++step) {
     const int source = (split.rank - step + split.cp) % split.cp;
     std::pair<comm::Request, comm::Request> transfer;
@@ -246,7 +272,7 @@ void ring_backward(comm::Communicator& cp, const ContextSplit& split, const Dims
   const size_t q_half = static_cast<size_t>(d.batch * d.chunk * d.q_width()),
                out_half = static_cast<size_t>(d.batch * d.chunk * d.out_width()),
                lse_half = static_cast<size_t>(d.batch * d.heads * d.chunk);
-  std::vector<float> q[2], out[2], dout[2], lse[2], dq[2];
+  Floats q[2], out[2], dout[2], lse[2], dq[2];
   KvBlocks current(d), next(d), mine(d), travelling(d), arrived(d);
   for (int h = 0; h < 2; ++h) {
     q[h].resize(q_half), pack_half(d, p.q, p.q_stride, d.q_width(), h, q[h].data());
@@ -257,7 +283,7 @@ void ring_backward(comm::Communicator& cp, const ContextSplit& split, const Dims
     pack_half(d, p.v, p.v_stride, d.v_width(), h, current.v(h));
     dq[h].assign(q_half, 0.0f);
   }
-  std::vector<float> dq_b(q_half), dk_b(static_cast<size_t>(d.batch * d.chunk * d.k_width())),
+  Floats dq_b(q_half), dk_b(static_cast<size_t>(d.batch * d.chunk * d.k_width())),
       dv_b(static_cast<size_t>(d.batch * d.chunk * d.v_width()));
   // The gradients of a rank's keys and values gather as they travel with them: what this rank adds to the
   // visiting ones (`mine`), summed into what the previous ranks added (`arrived`), passed on (`travelling`).
@@ -318,7 +344,7 @@ struct Ulysses {
 
   // q, k and v of this rank's heads over the whole sequence.
   struct Inputs {
-    std::vector<float> q, k, v;
+    Floats q, k, v;
   };
   Inputs gather_inputs(comm::Communicator& cp, const ops::AttentionParams& p) const {
     const int64_t hq = d.heads / split.cp, hk = d.kv_heads / split.cp;
@@ -327,7 +353,7 @@ struct Ulysses {
   }
 
   // One all-to-all of `block` floats per rank, timed (all of it waited for: nothing computes meanwhile).
-  void exchange(comm::Communicator& cp, const std::vector<float>& send, std::vector<float>& recv,
+  void exchange(comm::Communicator& cp, const Floats& send, Floats& recv,
                 int64_t block) const {
     timer.computed();
     cp.all_to_all(send.data(), recv.data(), block, comm::Type::f32).wait();
@@ -337,17 +363,17 @@ struct Ulysses {
 
   // x [batch, local, cp groups x cols] (rows `stride` apart) -> on rank j: [source][batch, seq-order... ]:
   // the whole sequence [batch, seq, cols] of this rank's group, gathered from every rank's local tokens.
-  std::vector<float> gather(comm::Communicator& cp, const float* x, int64_t stride, int64_t cols) const {
+  Floats gather(comm::Communicator& cp, const float* x, int64_t stride, int64_t cols) const {
     const int n = split.cp;
     const int64_t block = d.batch * d.local * cols;
-    std::vector<float> send(static_cast<size_t>(n * block)), recv(send.size());
+    Floats send(static_cast<size_t>(n * block)), recv(send.size());
     for (int j = 0; j < n; ++j)
       for (int64_t b = 0; b < d.batch; ++b)
         for (int64_t t = 0; t < d.local; ++t)
           std::copy_n(x + (b * d.local + t) * stride + j * cols, cols,
                       send.data() + j * block + (b * d.local + t) * cols);
     exchange(cp, send, recv, block);
-    std::vector<float> whole(static_cast<size_t>(d.batch * seq() * cols));
+    Floats whole(static_cast<size_t>(d.batch * seq() * cols));
     for (int src = 0; src < n; ++src) {
       const ContextSplit theirs{n, src, seq()};
       for (int64_t b = 0; b < d.batch; ++b)
@@ -359,11 +385,11 @@ struct Ulysses {
   }
   // The inverse: whole [batch, seq, cols] of this rank's group -> every rank's local tokens, into column
   // group `my group` of x [batch, local, cp x cols].
-  void scatter(comm::Communicator& cp, const std::vector<float>& whole, int64_t cols, float* x,
+  void scatter(comm::Communicator& cp, const Floats& whole, int64_t cols, float* x,
                int64_t stride) const {
     const int n = split.cp;
     const int64_t block = d.batch * d.local * cols;
-    std::vector<float> send(static_cast<size_t>(n * block)), recv(send.size());
+    Floats send(static_cast<size_t>(n * block)), recv(send.size());
     for (int dst = 0; dst < n; ++dst) {
       const ContextSplit theirs{n, dst, seq()};
       for (int64_t b = 0; b < d.batch; ++b)
@@ -380,23 +406,23 @@ struct Ulysses {
   }
   // The log-sum-exp [batch, heads, local] <-> [batch, heads / cp, seq] of this rank's heads: as rows of one
   // value per (token, head), transposed through the same exchanges.
-  std::vector<float> lse_rows(const float* lse) const {  // -> [batch, local, heads]
-    std::vector<float> rows(static_cast<size_t>(d.batch * d.local * d.heads));
+  Floats lse_rows(const float* lse) const {  // -> [batch, local, heads]
+    Floats rows(static_cast<size_t>(d.batch * d.local * d.heads));
     for (int64_t b = 0; b < d.batch; ++b)
       for (int64_t h = 0; h < d.heads; ++h)
         for (int64_t t = 0; t < d.local; ++t)
           rows[(b * d.local + t) * d.heads + h] = lse[(b * d.heads + h) * d.local + t];
     return rows;
   }
-  void rows_to_lse(const std::vector<float>& rows, float* lse) const {
+  void rows_to_lse(const Floats& rows, float* lse) const {
     for (int64_t b = 0; b < d.batch; ++b)
       for (int64_t h = 0; h < d.heads; ++h)
         for (int64_t t = 0; t < d.local; ++t)
           lse[(b * d.heads + h) * d.local + t] = rows[(b * d.local + t) * d.heads + h];
   }
   // whole-sequence [batch, seq, group heads] <-> the kernel's [batch, group heads, seq].
-  std::vector<float> transpose(const std::vector<float>& x, int64_t heads, bool to_heads_major) const {
-    std::vector<float> y(x.size());
+  Floats transpose(const Floats& x, int64_t heads, bool to_heads_major) const {
+    Floats y(x.size());
     for (int64_t b = 0; b < d.batch; ++b)
       for (int64_t h = 0; h < heads; ++h)
         for (int64_t t = 0; t < seq(); ++t) {
@@ -438,15 +464,15 @@ void all_to_all_forward(comm::Communicator& cp, const ContextSplit& split, const
   const Ulysses u{split, d, timer};
   const int64_t hq = d.heads / split.cp;
   const Ulysses::Inputs in = u.gather_inputs(cp, p);
-  const std::vector<float>&q = in.q, &k = in.k, &v = in.v;
-  std::vector<float> out(static_cast<size_t>(d.batch * split.seq * hq * d.v_dim)),
+  const Floats&q = in.q, &k = in.k, &v = in.v;
+  Floats out(static_cast<size_t>(d.batch * split.seq * hq * d.v_dim)),
       lse(static_cast<size_t>(d.batch * hq * split.seq));
   ops::AttentionParams a = u.whole_params(p, q.data(), k.data(), v.data());
   a.out = out.data(), a.lse = lse.data();
   ops::attention_forward(a);
   u.scatter(cp, out, hq * d.v_dim, p.out, p.out_stride);
   if (p.lse) {
-    std::vector<float> rows(static_cast<size_t>(d.batch * d.local * d.heads));
+    Floats rows(static_cast<size_t>(d.batch * d.local * d.heads));
     u.scatter(cp, u.transpose(lse, hq, false), hq, rows.data(), d.heads);
     u.rows_to_lse(rows, p.lse);
   }
@@ -457,12 +483,12 @@ void all_to_all_backward(comm::Communicator& cp, const ContextSplit& split, cons
   const Ulysses u{split, d, timer};
   const int64_t hq = d.heads / split.cp, hk = d.kv_heads / split.cp;
   const Ulysses::Inputs in = u.gather_inputs(cp, p);
-  const std::vector<float>&q = in.q, &k = in.k, &v = in.v;
-  const std::vector<float> dout = u.gather(cp, p.dout, p.dout_stride, hq * d.v_dim);
-  std::vector<float> out = u.gather(cp, p.out, p.out_stride, hq * d.v_dim);
-  const std::vector<float> rows = u.lse_rows(p.lse);
-  std::vector<float> lse = u.transpose(u.gather(cp, rows.data(), d.heads, hq), hq, true);
-  std::vector<float> dq(q.size()), dk(k.size()), dv(v.size());
+  const Floats&q = in.q, &k = in.k, &v = in.v;
+  const Floats dout = u.gather(cp, p.dout, p.dout_stride, hq * d.v_dim);
+  Floats out = u.gather(cp, p.out, p.out_stride, hq * d.v_dim);
+  const Floats rows = u.lse_rows(p.lse);
+  Floats lse = u.transpose(u.gather(cp, rows.data(), d.heads, hq), hq, true);
+  Floats dq(q.size()), dk(k.size()), dv(v.size());
   ops::AttentionParams a = u.whole_params(p, q.data(), k.data(), v.data());
   a.out = out.data(), a.lse = lse.data();
   a.dout = dout.data(), a.dout_stride = hq * d.v_dim;

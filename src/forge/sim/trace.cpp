@@ -167,6 +167,14 @@ class TracedContextParallel final : public nn::ContextParallel {
     const int64_t local = p.seq, chunk = local / 2, v_dim = p.v_head_dim > 0 ? p.v_head_dim : p.head_dim;
     if (!ring_) return all_to_all(p, backward, v_dim);
     const int64_t kv_bytes = 4 * p.batch * local * p.kv_heads * (p.head_dim + v_dim);
+    // The ring's working buffers, alive through the call (parallel/context_parallel.cpp): its copies of q,
+    // out and the log-sum-exp (and dout, dq) by halves, the travelling keys and values (two blocks; backward
+    // five, with the gradients gathering), a block's partial result (backward: its gradients).
+    const int64_t q = p.batch * local * p.heads * p.head_dim, out = p.batch * local * p.heads * v_dim,
+                  lse = p.batch * p.heads * local, kv = kv_bytes / 4;
+    const int64_t working = backward ? q + 2 * out + lse + q + 5 * kv + q / 2 + kv / 2
+                                     : q + out + lse + 2 * kv + out / 2 + lse / 2;
+    const Tensor buffers = Tensor::empty({working}, DType::f32, device_);
     // One chunk-by-chunk block of local half qh over half kh (causal on the diagonal), per sequence.
     auto block = [&](int qh, int kh, bool causal) {
       for (int64_t b = 0; b < p.batch; ++b) {
@@ -217,8 +225,11 @@ class TracedContextParallel final : public nn::ContextParallel {
     auto exchange = [&](int64_t cols) {
       group_.all_to_all(nullptr, nullptr, rows * cols, comm::Type::f32).wait();
     };
-    exchange(hq * p.head_dim), exchange(hk * p.head_dim), exchange(hk * v_dim);  // q, k, v gathered
-    if (backward) exchange(hq * v_dim), exchange(hq * v_dim), exchange(hq);      // dout, out, lse
+    {  // an exchange's send and receive buffers, each the size of the rank's q (the largest)
+      const Tensor in_flight = Tensor::empty({2 * rows * p.heads * p.head_dim}, DType::f32, device_);
+      exchange(hq * p.head_dim), exchange(hk * p.head_dim), exchange(hk * v_dim);  // q, k, v gathered
+    }
+    if (backward) exchange(hq * v_dim), exchange(hq * v_dim), exchange(hq);  // dout, out, lse
     auto buffer = [&](int64_t cols) { return Tensor::zeros({p.batch * seq, cols}, DType::f32, device_); };
     Tensor q = buffer(hq * p.head_dim), k = buffer(hk * p.head_dim), v = buffer(hk * v_dim),
            out = buffer(hq * v_dim), lse = buffer(hq);
