@@ -22,6 +22,7 @@
 #include <fmt/format.h>
 #include <omp.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -36,25 +37,17 @@
 #include "forge/core/error.h"
 #include "forge/kernels/ops.h"
 #include "forge/parallel/context_parallel.h"
+#include "mpi_bench.h"
 
 namespace forge {
 namespace {
 
-using clock_type = std::chrono::steady_clock;
+using bench::clock_type;
+using bench::median;
+using bench::seconds_since;
 using parallel::ContextAttention;
 using parallel::ContextAttentionStats;
 using parallel::ContextSplit;
-
-double seconds_since(clock_type::time_point t0) {
-  return std::chrono::duration<double>(clock_type::now() - t0).count();
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 struct Options {
   int64_t seq = 8192, batch = 1, heads = 8, kv_heads = 2, head_dim = 64;
@@ -62,55 +55,39 @@ struct Options {
   std::string json;
 };
 
-[[noreturn]] void usage_and_exit() {
-  std::printf(
-      "usage: mpirun -np CP forge_cp_bench [--seq 8192] [--batch 1] [--heads 8] [--kv-heads 2]\n"
-      "         [--head-dim 64] [--threads 1] [--reps 5] [--json FILE]\n"
-      "  one causal GQA attention layer, forward + backward: one rank on the whole sequence against the\n"
-      "  ring and the all-to-all over the CP ranks, with the ring's blocked time, its transfers alone and\n"
-      "  the replay of its schedule.\n");
-  std::exit(0);
-}
-
+// The options (CLI11, as the forge command line); a bad one is one line and a non-zero exit.
 Options parse(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) fail("forge_cp_bench: {} needs a value", arg);
-      return argv[++i];
-    };
-    auto number = [&]() -> int64_t {
-      const std::string v = next();
-      try {
-        size_t used = 0;
-        const int64_t n = std::stoll(v, &used);
-        if (used == v.size() && n > 0) return n;
-      } catch (const std::exception&) {
-      }
-      fail("forge_cp_bench: {} takes a positive integer, not '{}'", arg, v);
-    };
-    if (arg == "--seq")
-      o.seq = number();
-    else if (arg == "--batch")
-      o.batch = number();
-    else if (arg == "--heads")
-      o.heads = number();
-    else if (arg == "--kv-heads")
-      o.kv_heads = number();
-    else if (arg == "--head-dim")
-      o.head_dim = number();
-    else if (arg == "--threads")
-      o.threads = static_cast<int>(number());
-    else if (arg == "--reps")
-      o.reps = static_cast<int>(number());
-    else if (arg == "--json")
-      o.json = next();
-    else if (arg == "--help" || arg == "-h")
-      usage_and_exit();
-    else
-      fail("forge_cp_bench: unknown argument '{}' (see --help)", arg);
+  CLI::App app(
+      "One causal GQA attention layer, forward + backward: one rank on the whole sequence against the ring "
+      "and the all-to-all over the ranks of mpirun -np CP, with the ring's blocked time, its transfers alone "
+      "and the replay of its schedule",
+      "forge_cp_bench");
+  std::vector<std::pair<const char*, int64_t*>> counts;
+  auto count = [&](const char* name, int64_t* value, const char* what) {
+    app.add_option(name, *value, what)->capture_default_str();
+    counts.emplace_back(name, value);
+  };
+  int64_t threads = o.threads, reps = o.reps;
+  count("--seq", &o.seq, "tokens per sequence");
+  count("--batch", &o.batch, "sequences");
+  count("--heads", &o.heads, "query heads");
+  count("--kv-heads", &o.kv_heads, "key/value heads");
+  count("--head-dim", &o.head_dim, "dimensions per head");
+  count("--threads", &threads, "OpenMP threads per rank");
+  count("--reps", &reps, "repetitions (the median counts)");
+  app.add_option("--json", o.json, "also write the numbers to this file");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::Success&) {
+    std::printf("%s", app.help().c_str());
+    std::exit(0);
+  } catch (const CLI::ParseError& e) {
+    fail("forge_cp_bench: {} (see --help)", e.what());
   }
+  for (const auto& [name, value] : counts)
+    if (*value < 1) fail("forge_cp_bench: {} takes a positive integer, not {}", name, *value);
+  o.threads = static_cast<int>(threads), o.reps = static_cast<int>(reps);
   if (o.heads % o.kv_heads != 0)
     fail("forge_cp_bench: --heads {} is not a multiple of --kv-heads {}", o.heads, o.kv_heads);
   return o;
@@ -336,10 +313,4 @@ int run(int argc, char** argv) {
 }  // namespace
 }  // namespace forge
 
-int main(int argc, char** argv) {
-  try {
-    return forge::run(argc, argv);
-  } catch (const forge::Error& e) {
-    forge::comm::world().abort(e.what());  // one line, and the other ranks do not wait for this one
-  }
-}
+int main(int argc, char** argv) { return forge::bench::run_mpi_bench(forge::run, argc, argv); }

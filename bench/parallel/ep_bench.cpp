@@ -39,22 +39,15 @@
 #include "forge/models/deepseek_v3/deepseek_v3_model.h"
 #include "forge/nn/moe.h"
 #include "forge/parallel/comm_expert_parallel.h"
+#include "mpi_bench.h"
 
 namespace forge {
 namespace {
 
-using clock_type = std::chrono::steady_clock;
+using bench::clock_type;
 
-double seconds_since(clock_type::time_point t0) {
-  return std::chrono::duration<double>(clock_type::now() - t0).count();
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using bench::median;
+using bench::seconds_since;
 
 struct Options {
   int64_t hidden = 512, experts = 16, top_k = 4, expert_ffn = 256, shared_ffn = 512, tokens = 2048;
@@ -81,16 +74,7 @@ Options parse(int argc, char** argv) {
       if (i + 1 >= argc) fail("forge_ep_bench: {} needs a value", arg);
       return argv[++i];
     };
-    auto number = [&]() -> int64_t {
-      const std::string v = next();
-      try {
-        size_t used = 0;
-        const int64_t n = std::stoll(v, &used);
-        if (used == v.size() && n > 0) return n;
-      } catch (const std::exception&) {
-      }
-      fail("forge_ep_bench: {} takes a positive integer, not '{}'", arg, v);
-    };
+    auto number = [&] { return bench::positive_integer("forge_ep_bench", arg, next()); };
     if (arg == "--hidden")
       o.hidden = number();
     else if (arg == "--experts")
@@ -166,7 +150,7 @@ class TimedEp final : public nn::ExpertParallel {
 
   std::vector<double> waits;  // per transfer since clear()
   double counts_s = 0;
-  int64_t bytes = 0;  // sent to the other rank
+  int64_t bytes = 0;                            // sent to the other rank
   std::vector<int64_t> first_send, first_recv;  // the first transfer's rows per rank (a forward dispatch)
   nn::ExpertParallel& inner() { return inner_; }
 
@@ -533,10 +517,4 @@ int run(int argc, char** argv) {
 }  // namespace
 }  // namespace forge
 
-int main(int argc, char** argv) {
-  try {
-    return forge::run(argc, argv);
-  } catch (const forge::Error& e) {
-    forge::comm::world().abort(e.what());  // one line, and the other ranks do not wait for this one
-  }
-}
+int main(int argc, char** argv) { return forge::bench::run_mpi_bench(forge::run, argc, argv); }

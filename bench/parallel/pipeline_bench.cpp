@@ -42,11 +42,12 @@
 #include "forge/parallel/pipeline/replay.h"
 #include "forge/parallel/pipeline/schedule.h"
 #include "forge/train/pipeline_chunk.h"
+#include "mpi_bench.h"
 
 namespace forge {
 namespace {
 
-using clock_type = std::chrono::steady_clock;
+using bench::clock_type;
 using models::LlamaConfig;
 
 struct Options {
@@ -209,16 +210,8 @@ class TimedChunk final : public pipeline::Chunk {
   train::ModelChunk& inner_;
 };
 
-double seconds_since(clock_type::time_point t0) {
-  return std::chrono::duration<double>(clock_type::now() - t0).count();
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using bench::median;
+using bench::seconds_since;
 
 // Small deterministic values of the activation's shape: a stand-in for the previous stage's output or the
 // next stage's gradient when a chunk is timed apart from its neighbours.
@@ -696,10 +689,4 @@ int run(int argc, char** argv) {
 }  // namespace
 }  // namespace forge
 
-int main(int argc, char** argv) {
-  try {
-    return forge::run(argc, argv);
-  } catch (const forge::Error& e) {
-    forge::comm::world().abort(e.what());  // one line, and the other ranks do not wait for this one
-  }
-}
+int main(int argc, char** argv) { return forge::bench::run_mpi_bench(forge::run, argc, argv); }
