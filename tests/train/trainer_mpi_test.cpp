@@ -569,6 +569,7 @@ TEST(TrainerLayoutErrors, ContextParallelismOnGpusIsRefused) {
   comm::Communicator& world = comm::world();
   DeviceEmulation emulation;
   TrainConfig c;
+  c.model.config = std::string(FORGE_FIXTURE_DIR) + "/../../configs/llama-default.json";
   c.train.device = "cuda";
   c.parallel.cp = world.size();
   try {
