@@ -226,6 +226,19 @@ TEST(TrainConfig, Fp8Section) {
   EXPECT_TRUE(c.fp8_options()->recipe.power_of_two_scales);
 }
 
+// Context parallelism's attention mode and the memory cap: one line naming the key and what it takes.
+TEST(TrainConfigErrors, ContextParallelAndMemoryLimit) {
+  expect_override_error("parallel.cp_comm=allgather", {"parallel.cp_comm", "allgather", "p2p", "a2a"});
+  expect_invalid([](TrainConfig& c) { c.train.memory_limit_mb = -1; },
+                 {"train.memory_limit_mb must be >= 0 (0 = no limit), got -1"});
+  expect_invalid(
+      [](TrainConfig& c) {
+        c.train.memory_limit_mb = 512;
+        c.train.device = "cuda";
+      },
+      {"train.memory_limit_mb", "0 with train.device = cuda (a GPU's own memory is its limit)"});
+}
+
 TEST(TrainConfigErrors, Fp8Settings) {
   expect_override_error("fp8.recipe=mxfp8", {"fp8.recipe", "mxfp8", "delayed", "current", "block"});
   expect_override_error("fp8.format=e5m2", {"fp8.format", "e5m2", "hybrid"});
