@@ -22,6 +22,7 @@
 #include "forge/core/file_io.h"
 #include "forge/core/memory.h"
 #include "forge/kernels/ops.h"
+#include "forge/parallel/context_parallel.h"
 #include "forge/parallel/pipeline/schedule.h"
 #include "forge/sim/estimate.h"
 #include "forge/sim/hardware.h"
@@ -217,10 +218,14 @@ int run_search(const ModelPlanOptions& o) {
     if (shape.heads % tp || shape.ffn % tp || (shape.kv_heads % tp && tp % shape.kv_heads)) continue;
     for (int cp : divisors(ranks / tp)) {
       // Context parallelism: two chunks of every sequence per rank; all-to-all where the heads divide.
-      if (cp > 1 && o.seq_len % (2 * cp)) continue;
+      auto splits = [&](const char* comm) {
+        return parallel::context_split_problem(cp, parallel::context_attention_from_name(comm), o.seq_len,
+                                               shape.heads / tp, std::max<int64_t>(1, shape.kv_heads / tp))
+            .none();
+      };
+      if (!splits("p2p")) continue;
       std::vector<std::string> cp_comms{"p2p"};
-      if (cp > 1 && (shape.heads / tp) % cp == 0 && std::max<int64_t>(1, shape.kv_heads / tp) % cp == 0)
-        cp_comms.push_back("a2a");
+      if (cp > 1 && splits("a2a")) cp_comms.push_back("a2a");
       for (const std::string& cp_comm : cp_comms)
         for (int pp : divisors(ranks / tp / cp)) {
           if (pp > shape.layers) continue;

@@ -32,6 +32,25 @@ const char* context_attention_name(ContextAttention mode) {
   return mode == ContextAttention::ring ? "ring" : "all_to_all";
 }
 
+ContextSplitProblem context_split_problem(int cp, ContextAttention mode, int64_t seq, int64_t heads,
+                                          int64_t kv_heads) {
+  if (cp <= 1) return {};
+  if (seq % (2 * cp) != 0)
+    return {"data.seq_len",
+            fmt::format(
+                "data.seq_len = {} must be a multiple of 2 x parallel.cp = {} (each rank holds two chunks "
+                "of every sequence)",
+                seq, 2 * cp)};
+  if (mode == ContextAttention::all_to_all && (heads % cp != 0 || kv_heads % cp != 0))
+    return {
+        "parallel.cp_comm",
+        fmt::format("parallel.cp_comm = \"a2a\" scatters attention heads over parallel.cp = {}, but each "
+                    "tensor-parallel rank holds {} heads and {} key/value heads; use cp_comm = \"p2p\" or a "
+                    "cp that divides both",
+                    cp, heads, kv_heads)};
+  return {};
+}
+
 namespace {
 
 // Host floats from forge's allocator (core/memory.h), so that a run's peak memory counts the attention's
@@ -353,8 +372,7 @@ struct Ulysses {
   }
 
   // One all-to-all of `block` floats per rank, timed (all of it waited for: nothing computes meanwhile).
-  void exchange(comm::Communicator& cp, const Floats& send, Floats& recv,
-                int64_t block) const {
+  void exchange(comm::Communicator& cp, const Floats& send, Floats& recv, int64_t block) const {
     timer.computed();
     cp.all_to_all(send.data(), recv.data(), block, comm::Type::f32).wait();
     timer.waited();
@@ -385,8 +403,7 @@ struct Ulysses {
   }
   // The inverse: whole [batch, seq, cols] of this rank's group -> every rank's local tokens, into column
   // group `my group` of x [batch, local, cp x cols].
-  void scatter(comm::Communicator& cp, const Floats& whole, int64_t cols, float* x,
-               int64_t stride) const {
+  void scatter(comm::Communicator& cp, const Floats& whole, int64_t cols, float* x, int64_t stride) const {
     const int n = split.cp;
     const int64_t block = d.batch * d.local * cols;
     Floats send(static_cast<size_t>(n * block)), recv(send.size());
@@ -464,7 +481,7 @@ void all_to_all_forward(comm::Communicator& cp, const ContextSplit& split, const
   const Ulysses u{split, d, timer};
   const int64_t hq = d.heads / split.cp;
   const Ulysses::Inputs in = u.gather_inputs(cp, p);
-  const Floats&q = in.q, &k = in.k, &v = in.v;
+  const Floats &q = in.q, &k = in.k, &v = in.v;
   Floats out(static_cast<size_t>(d.batch * split.seq * hq * d.v_dim)),
       lse(static_cast<size_t>(d.batch * hq * split.seq));
   ops::AttentionParams a = u.whole_params(p, q.data(), k.data(), v.data());
@@ -483,7 +500,7 @@ void all_to_all_backward(comm::Communicator& cp, const ContextSplit& split, cons
   const Ulysses u{split, d, timer};
   const int64_t hq = d.heads / split.cp, hk = d.kv_heads / split.cp;
   const Ulysses::Inputs in = u.gather_inputs(cp, p);
-  const Floats&q = in.q, &k = in.k, &v = in.v;
+  const Floats &q = in.q, &k = in.k, &v = in.v;
   const Floats dout = u.gather(cp, p.dout, p.dout_stride, hq * d.v_dim);
   Floats out = u.gather(cp, p.out, p.out_stride, hq * d.v_dim);
   const Floats rows = u.lse_rows(p.lse);

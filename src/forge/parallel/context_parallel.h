@@ -58,6 +58,16 @@ enum class ContextAttention { ring, all_to_all };
 ContextAttention context_attention_from_name(const std::string& name);  // "ring" (or "p2p"), "all_to_all"
 const char* context_attention_name(ContextAttention mode);
 
+// What keeps a run from splitting over cp ranks, for the trainer, the simulator and the plan search alike:
+// `setting` names the key at fault ("data.seq_len", "parallel.cp_comm") and `problem` says why; both empty
+// when it splits. heads and kv_heads are one tensor-parallel rank's.
+struct ContextSplitProblem {
+  std::string setting, problem;
+  bool none() const { return problem.empty(); }
+};
+ContextSplitProblem context_split_problem(int cp, ContextAttention mode, int64_t seq, int64_t heads,
+                                          int64_t kv_heads);
+
 // Where the attention across the group spent its time on this rank, added up over calls: the compute (the
 // attention blocks, the merges, the packing) and the time blocked in transfers (the communication compute did
 // not hide), and the bytes sent. step_compute: the ring's compute seconds of each of its cp steps in the

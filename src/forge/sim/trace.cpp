@@ -22,6 +22,7 @@
 #include "forge/optim/adamw.h"
 #include "forge/parallel/comm_expert_parallel.h"
 #include "forge/parallel/comm_tensor_parallel.h"
+#include "forge/parallel/context_parallel.h"
 #include "forge/parallel/distributed_optimizer.h"
 #include "forge/parallel/grad_buckets.h"
 #include "forge/parallel/layout.h"
@@ -310,17 +311,10 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
   const parallel::LayoutSpec spec{s.tp, s.pp, s.dp, s.cp, s.ep};
   const parallel::Layout probe(spec, s.world(), 0);
   const parallel::Layout layout(spec, s.world(), probe.rank_of(0, 0, 0, pp_rank));
-  if (s.cp > 1 && s.seq % (2 * s.cp) != 0)
-    fail(
-        "data.seq_len = {} must be a multiple of 2 x parallel.cp = {} (each rank holds two chunks of every "
-        "sequence)",
-        s.seq, 2 * s.cp);
-  if (s.cp > 1 && s.cp_comm == "a2a" &&
-      ((shape.heads / s.tp) % s.cp != 0 || std::max<int64_t>(1, shape.kv_heads / s.tp) % s.cp != 0))
-    fail(
-        "parallel.cp_comm = \"a2a\" scatters attention heads over parallel.cp = {}, but each tensor-parallel "
-        "rank holds {} heads and {} key/value heads",
-        s.cp, shape.heads / s.tp, std::max<int64_t>(1, shape.kv_heads / s.tp));
+  const parallel::ContextSplitProblem split =
+      parallel::context_split_problem(s.cp, parallel::context_attention_from_name(s.cp_comm), s.seq,
+                                      shape.heads / s.tp, std::max<int64_t>(1, shape.kv_heads / s.tp));
+  if (!split.none()) fail("{}", split.problem);
   parallel::validate_model_fit(
       layout, {shape.hidden, shape.heads, shape.kv_heads, shape.ffn, shape.vocab, shape.layers},
       s.vocab_divisible_by);

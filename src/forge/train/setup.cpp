@@ -243,21 +243,10 @@ void TrainSetup::check_model_fits() const {
   // Context parallelism cuts every sequence into 2 x cp chunks (two per rank, one early and one late, for
   // causal balance); all-to-all attention scatters each tensor-parallel rank's heads over cp.
   const int cp_size = layout.cp();
-  if (cp_size > 1 && c.data.seq_len % (2 * cp_size) != 0)
-    fail(
-        "{}: data.seq_len = {} must be a multiple of 2 x parallel.cp = {} (each rank holds two chunks of "
-        "every "
-        "sequence)",
-        c.origin_of("data.seq_len"), c.data.seq_len, 2 * cp_size);
-  if (cp_size > 1 && c.parallel.cp_comm == "a2a") {
-    const int64_t heads = s.heads / layout.tp(), kv_heads = std::max<int64_t>(1, s.kv_heads / layout.tp());
-    if (heads % cp_size != 0 || kv_heads % cp_size != 0)
-      fail(
-          "{}: parallel.cp_comm = \"a2a\" scatters attention heads over parallel.cp = {}, but each "
-          "tensor-parallel rank holds {} heads and {} key/value heads of {}; use cp_comm = \"p2p\" or a cp "
-          "that divides both",
-          c.origin_of("parallel.cp_comm"), cp_size, heads, kv_heads, model_source);
-  }
+  const parallel::ContextSplitProblem split = parallel::context_split_problem(
+      cp_size, parallel::context_attention_from_name(c.parallel.cp_comm), c.data.seq_len,
+      s.heads / layout.tp(), std::max<int64_t>(1, s.kv_heads / layout.tp()));
+  if (!split.none()) fail("{}: {}", c.origin_of(split.setting), split.problem);
   // Sequence parallelism splits each micro-batch's token rows over tp; with the (local) sequence a multiple
   // of tp every batch size splits (evaluation's last batch may be smaller), as Megatron requires.
   const int64_t local = c.data.seq_len / cp_size;
