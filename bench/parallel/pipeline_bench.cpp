@@ -419,7 +419,8 @@ Result run_schedule(const std::string& name, const Options& o, const LlamaConfig
   // 2. Whole steps.
   std::vector<pipeline::Chunk*> ptrs;
   for (auto& t : s.timed) ptrs.push_back(t.get());
-  pipeline::Executor executor(schedule, rank, ptrs, world, world);
+  const pipeline::Links links(world);
+  pipeline::Executor executor(schedule, rank, ptrs, links);
   std::vector<double> steps, busy, busy_actions;
   for (int i = 0; i < o.warmup + o.steps; ++i) {
     for (int c = 0; c < p.chunks; ++c) {

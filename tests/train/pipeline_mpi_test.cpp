@@ -3,10 +3,15 @@
 // rtol 1e-5 / atol 4e-5 per gradient (torch's pipelining tests' tolerance) and 1e-5 relative on the loss.
 // DualPipe's mirrored copies each see half the micro-batches; their gradients are summed, as the trainer
 // will. After each step nothing is left in flight: no message, no activation.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <initializer_list>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "forge/comm/comm.h"
@@ -14,7 +19,9 @@
 #include "forge/models/llama/llama_model.h"
 #include "forge/models/model.h"
 #include "forge/parallel/pipeline/executor.h"
+#include "forge/parallel/pipeline/links.h"
 #include "forge/parallel/pipeline/schedule.h"
+#include "forge/train/device_emulation.h"
 #include "forge/train/pipeline_chunk.h"
 #include "forge/train/step.h"
 
@@ -91,7 +98,8 @@ void expect_pipeline_matches(const std::string& name, int micro_batches, int vpp
     chunks.push_back(std::make_unique<ModelChunk>(*models.back(), batches, kBatch * kSeq));
     chunk_ptrs.push_back(chunks.back().get());
   }
-  pipeline::Executor executor(schedule, rank, chunk_ptrs, world, world);
+  const pipeline::Links links(world);
+  pipeline::Executor executor(schedule, rank, chunk_ptrs, links);
   executor.run();
 
   // The loss: summed over the chunks that end a micro-batch's path, over the ranks.
@@ -157,6 +165,90 @@ TEST(PipelineExecutorMpi, DualPipeMatchesTheSerialRunAfterSummingMirroredCopies)
 TEST(PipelineExecutorMpi, DualPipeVMatchesTheSerialRun) {
   expect_pipeline_matches("dualpipev", 2 * comm::world().size());
   expect_pipeline_matches("dualpipev", 3 * comm::world().size());
+}
+
+// On device memory the links give each (kind, sender, receiver) the schedule sends on a communicator of its
+// own: 1F1B's activations go up and its gradients down (2 channels per pair), the interleaved schedule's
+// also wrap from the last rank to the first, DualPipe's go both ways between every neighbour. A pair the
+// schedule never uses has no channel, and asking for one is one line naming it.
+TEST(PipelineLinks, OneDeviceChannelPerKindAndDirection) {
+  comm::Communicator& world = comm::world();
+  const int n = world.size();
+  DeviceEmulation emulation;
+  const auto make = [](comm::Communicator& bootstrap, const std::string& name) {
+    return comm::make_nccl(bootstrap, 0, name);
+  };
+  const int me = world.rank(), up = (me + 1) % n, down = (me + n - 1) % n;
+  {
+    const pipeline::Schedule s = pipeline::make_schedule({"1f1b", n, 2 * n, 1});
+    const pipeline::Links links(s, world, make);
+    EXPECT_EQ(links.communicators(), 2 * (me > 0) + 2 * (me < n - 1));
+    if (me < n - 1) {
+      EXPECT_EQ(links.to(pipeline::Message::activation, me + 1).comm->size(), 2);
+      EXPECT_NE(links.to(pipeline::Message::activation, me + 1).comm,
+                links.from(pipeline::Message::gradient, me + 1).comm);
+    }
+    // Gradients never go up, nor activations from the last rank to the first.
+    const pipeline::Message unused = me < n - 1 ? pipeline::Message::gradient : pipeline::Message::activation;
+    try {
+      (void)links.to(unused, up);
+      ADD_FAILURE() << "expected an error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(fmt::format("no {} channel from rank {} to rank {}",
+                                                       pipeline::message_name(unused), me, up)),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  {
+    const pipeline::Schedule s = pipeline::make_schedule({"interleaved", n, 2 * n, 2});
+    const pipeline::Links links(s, world, make);
+    // Activations to the next rank (the last to the first), gradients to the previous, and both received.
+    EXPECT_EQ(links.communicators(), 4);
+    EXPECT_NE(links.to(pipeline::Message::activation, up).comm,
+              links.from(pipeline::Message::activation, down).comm);
+  }
+}
+
+Tensor host(std::initializer_list<float> values) {
+  Tensor t = Tensor::empty({static_cast<int64_t>(values.size())}, DType::f32);
+  std::copy(values.begin(), values.end(), t.f32());
+  return t;
+}
+
+// The emulated NCCL communicator keeps NCCL's stream order: a send posted after a receive on the same
+// communicator does not start until that receive has completed (on MPI a small send completes at once), and
+// the messages land in device memory.
+TEST(PipelineLinks, EmulatedDeviceTransfersRunInPostingOrder) {
+  comm::Communicator& world = comm::world();
+  if (world.size() != 2) GTEST_SKIP() << "needs 2 ranks";
+  DeviceEmulation emulation;
+  auto device = comm::make_nccl(world, 0, "ordered");
+  const int me = world.rank(), peer = 1 - me;
+  Tensor a = Tensor::empty({4}, DType::f32, Device::cuda), b = Tensor::empty({4}, DType::f32, Device::cuda);
+  if (me == 0) {
+    b.copy_from(host({1, 2, 3, 4}));
+    comm::Request ra = device->recv(a.raw(), 4, comm::Type::f32, peer, 0);
+    comm::Request sb = device->send(b.raw(), 4, comm::Type::f32, peer, 0);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(300);
+    bool sent = false;
+    while (!sent && std::chrono::steady_clock::now() < until) sent = sb.test();
+    EXPECT_FALSE(sent) << "the send ran ahead of the receive posted before it";
+    world.barrier().wait();  // only now does rank 1 send
+    ra.wait(), sb.wait();
+    const Tensor got = a.to(Device::cpu);
+    EXPECT_EQ(got.f32()[0], 5.0f);
+    EXPECT_EQ(got.f32()[3], 8.0f);
+  } else {
+    a.copy_from(host({5, 6, 7, 8}));
+    world.barrier().wait();
+    comm::Request sa = device->send(a.raw(), 4, comm::Type::f32, peer, 0);
+    comm::Request rb = device->recv(b.raw(), 4, comm::Type::f32, peer, 0);
+    sa.wait(), rb.wait();
+    const Tensor got = b.to(Device::cpu);
+    EXPECT_EQ(got.f32()[0], 1.0f);
+    EXPECT_EQ(got.f32()[3], 4.0f);
+  }
 }
 
 }  // namespace

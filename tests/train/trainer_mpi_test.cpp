@@ -576,9 +576,9 @@ TEST(TrainerLayoutErrors, ContextParallelismOnGpusIsRefused) {
     Trainer(c, &world).run();
     ADD_FAILURE() << "expected an error";
   } catch (const Error& e) {
-    EXPECT_NE(
-        std::string(e.what()).find("train.device = cuda supports tensor, data and expert parallelism only"),
-        std::string::npos)
+    EXPECT_NE(std::string(e.what()).find(
+                  "train.device = cuda supports tensor, pipeline, data and expert parallelism only"),
+              std::string::npos)
         << e.what();
     EXPECT_NE(std::string(e.what()).find("cp " + std::to_string(world.size())), std::string::npos)
         << e.what();

@@ -13,10 +13,14 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "forge/comm/comm.h"
+#include "forge/core/device.h"
+#include "forge/kernels/emulated_device.h"
 #include "forge/models/pretrained.h"
 #include "forge/parallel/pipeline/schedule.h"
+#include "forge/train/device_emulation.h"
 #include "forge/train/trainer.h"
 #include "train/toy_run.h"
 
@@ -342,6 +346,74 @@ TEST_F(PipelineRuns, ProfileStepWritesTheMeasuredPipelineTimeline) {
   }
   EXPECT_EQ(events, compute);
   EXPECT_EQ(names, static_cast<size_t>(world.size()));
+}
+
+// Pipelines on GPUs: the stages' hidden states and gradients over a NCCL channel per (kind, sender,
+// receiver), DualPipe's mirrored gradients and the tied embedding's over NCCL pairs, every schedule's
+// placement (a chain, interleaved with its wrap from the last rank to the first, a V handing over at its
+// bottom, DualPipe's mirror) and tp inside the stages. Under the device emulation (CPU kernels on guarded
+// memory, whose transfers keep NCCL's stream order, so a channel layout that could deadlock on NCCL
+// deadlocks here) the losses follow the one-rank CPU run within 2e-5; on GPUs, within bf16-free fp32
+// GEMM tolerances (TF32 is off; the kernels differ).
+void pipelines_on_gpus_follow_the_one_rank_run(PipelineRuns& t, bool emulated) {
+  comm::Communicator& world = comm::world();
+  std::optional<DeviceEmulation> emulation;
+  if (emulated) emulation.emplace();
+  int usable = device_usable(Device::cuda) ? device_memory(Device::cuda).device_count() : 0;
+  usable = static_cast<int>(-comm::all_reduce_max(world, -static_cast<double>(usable)));  // the fewest
+  if (usable < world.size()) GTEST_SKIP() << "needs a GPU per rank (" << world.size() << ")";
+  const int n = world.size();
+  std::vector<PipelineCase> cases;
+  if (n == 2)
+    cases = {PipelineCase{"pp2_1f1b", 2, 1, 1, "1f1b"},
+             chunked("pp2_interleaved_vpp2", 2, 1, 1, "interleaved", 2, 4, 4),
+             chunked("pp2_zbv", 2, 1, 1, "zbv", 1, 4, 4),
+             chunked("pp2_dualpipe", 2, 1, 1, "dualpipe", 1, 4, 4),
+             tied("pp2_1f1b_tied", 2, 1, "1f1b", 4, 4)};
+  else
+    cases = {chunked("pp4_interleaved_vpp2", 4, 1, 1, "interleaved", 2, 8, 4),
+             tied("pp4_dualpipe_tied", 4, 1, "dualpipe", 4, 8),
+             chunked("pp2_tp2_sp_dualpipev", 2, 2, 1, "dualpipev", 1, 4, 4),
+             chunked("pp2_dp2_zero1_dualpipe", 2, 1, 2, "dualpipe", 1, 4, 4, true)};
+  for (const PipelineCase& p : cases) {
+    SCOPED_TRACE(p.name);
+    auto make = [&](const std::string& run) {
+      TrainConfig c = t.config(run);
+      c.model.config =
+          (t.dir_ / ("config" + std::to_string(p.layers) + (p.tied ? "_tied" : "") + ".json")).string();
+      c.train.steps = 4;
+      return c;
+    };
+    TrainConfig ref = make(std::string("gpu-reference-") + p.name + "-" + std::to_string(world.rank()));
+    ref.train.grad_accum = p.accum * p.dp;
+    auto self = comm::make_self();
+    const TrainResult want = Trainer(ref, self.get()).run();
+    TrainConfig par = make(std::string("gpu-") + p.name);
+    par.train.device = "cuda";
+    par.parallel.pp = p.pp, par.parallel.tp = p.tp, par.parallel.dp = p.dp;
+    par.parallel.schedule = p.schedule, par.parallel.vpp = p.vpp;
+    par.parallel.sequence_parallel = p.sequence_parallel;
+    par.parallel.distributed_optimizer = p.zero;
+    par.train.grad_accum = p.accum;
+    const TrainResult got = Trainer(par, &world).run();
+    ASSERT_EQ(got.losses.size(), want.losses.size());
+    const double loss_tolerance = emulated ? 2e-5 : 2e-3, norm_tolerance = emulated ? 1e-3 : 2e-2;
+    for (size_t s = 0; s < want.losses.size(); ++s) {
+      EXPECT_NEAR(got.losses[s], want.losses[s], loss_tolerance * want.losses[s]) << "step " << s + 1;
+      EXPECT_NEAR(got.grad_norms[s], want.grad_norms[s], norm_tolerance * want.grad_norms[s])
+          << "step " << s + 1;
+    }
+    EXPECT_NEAR(got.heldout_loss, want.heldout_loss, loss_tolerance * want.heldout_loss);
+    if (emulated)
+      toy::expect_weights_close(fs::path(ref.log.run_dir) / "checkpoint",
+                                fs::path(par.log.run_dir) / "checkpoint", 2e-4);
+  }
+  if (emulation) EXPECT_EQ(EmulatedDevice::live_allocations(), 0);
+}
+
+TEST_F(PipelineRuns, OnGpusFollowTheOneRankRun) { pipelines_on_gpus_follow_the_one_rank_run(*this, false); }
+TEST_F(PipelineRuns, OnEmulatedGpusFollowTheOneRankRun) {
+  pipelines_on_gpus_follow_the_one_rank_run(*this, true);
 }
 
 std::string error_of(TrainConfig c) {

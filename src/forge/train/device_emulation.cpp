@@ -1,10 +1,18 @@
 #include "forge/train/device_emulation.h"
 
+#include <fmt/format.h>
+
+#include <chrono>
 #include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include "forge/comm/comm.h"
 #include "forge/core/error.h"
@@ -12,9 +20,45 @@
 namespace forge::train {
 namespace {
 
+// A send or receive on an emulated device communicator. It starts (the host communicator's non-blocking
+// operation on a host copy of the message: a send's taken when it is posted, a receive's written to the
+// device when it completes) only once every transfer posted before it on the same communicator has completed,
+// as operations on one NCCL communicator's stream run one after another.
+class EmulatedTransfer final : public comm::Work {
+ public:
+  using Start = std::function<comm::Request(void* staging)>;
+  EmulatedTransfer(const char* op, int peer, void* device, int64_t bytes, Start start)
+      : op_(op),
+        peer_(peer),
+        device_(device),
+        staging_(static_cast<size_t>(bytes)),
+        start_(std::move(start)) {}
+  bool test() override;  // drives every emulated communicator's transfers (the device runs on its own)
+  const char* operation() const override { return op_; }
+  std::string description() const override {
+    return fmt::format("{} {} rank {}", op_, std::string(op_) == "send" ? "to" : "from", peer_);
+  }
+  void* staging() { return staging_.data(); }
+  // Starts the transfer if it has not started; true once it has completed.
+  bool advance();
+
+ private:
+  const char* op_;
+  int peer_;
+  void* device_;  // a receive's destination
+  std::vector<std::byte> staging_;
+  Start start_;
+  comm::Request host_;
+  bool started_ = false, done_ = false;
+};
+
 // A communicator over emulated device memory: the host communicator it wraps (a duplicate of make_nccl's
-// bootstrap) runs every operation to completion with device memory open, after checking that the buffers are
-// device memory. Operations are therefore complete when they return; nothing overlaps.
+// bootstrap) runs every collective to completion with device memory open, after checking that the buffers
+// are device memory; collectives are therefore complete when they return and nothing overlaps. Sends and
+// receives stay in flight, as NCCL's do, and run one after another in the order they were posted (see
+// EmulatedTransfer), as on one NCCL communicator's stream: so messages that would deadlock on NCCL's streams
+// deadlock here too (and time out with the usual line), rather than passing on MPI's looser ordering. Waiting
+// on any transfer moves every communicator's queue along, as a GPU runs every stream while the host waits.
 class EmulatedDeviceCommunicator final : public comm::Communicator {
  public:
   EmulatedDeviceCommunicator(std::unique_ptr<comm::Communicator> host, std::string name)
@@ -22,6 +66,7 @@ class EmulatedDeviceCommunicator final : public comm::Communicator {
     rank_ = host_->rank(), size_ = host_->size(), world_rank_ = host_->world_rank();
     name_ = std::move(name);
     timeout_s_ = host_->timeout_seconds();
+    live().push_back(this);
   }
 
   const char* backend() const override { return "emulated-nccl"; }
@@ -59,11 +104,49 @@ class EmulatedDeviceCommunicator final : public comm::Communicator {
   }
   comm::Request send(const void* buf, int64_t count, comm::Type type, int peer, int tag) override {
     check("send", buf, "buffer");
-    return run([&] { return host_->send(buf, count, type, peer, tag); });
+    if (EmulatedDevice::check_only() || count == 0) return {};
+    const int64_t bytes = count * static_cast<int64_t>(comm::type_size(type));
+    auto work = std::make_shared<EmulatedTransfer>("send", peer, nullptr, bytes, [=, this](void* staging) {
+      return host_->send(staging, count, type, peer, tag);
+    });
+    {
+      EmulatedDevice::Access open;
+      std::memcpy(work->staging(), buf, static_cast<size_t>(bytes));
+    }
+    return post(std::move(work));
   }
   comm::Request recv(void* buf, int64_t count, comm::Type type, int peer, int tag) override {
     check("recv", buf, "buffer");
-    return run([&] { return host_->recv(buf, count, type, peer, tag); });
+    if (EmulatedDevice::check_only() || count == 0) return {};
+    const int64_t bytes = count * static_cast<int64_t>(comm::type_size(type));
+    auto work = std::make_shared<EmulatedTransfer>("recv", peer, buf, bytes, [=, this](void* staging) {
+      return host_->recv(staging, count, type, peer, tag);
+    });
+    return post(std::move(work));
+  }
+
+  // Moves every live emulated communicator's queue of transfers along: each starts its oldest transfer and
+  // retires it once complete, then the next.
+  static void progress_all() {
+    for (EmulatedDeviceCommunicator* c : live())
+      while (!c->in_flight_.empty() && c->in_flight_.front()->advance()) c->in_flight_.pop_front();
+  }
+
+  // Transfers nobody waited for still own their peers' messages: finished, as NCCL's destroy would wait.
+  ~EmulatedDeviceCommunicator() override {
+    const auto start = std::chrono::steady_clock::now();
+    for (;;) {
+      progress_all();
+      if (in_flight_.empty()) break;
+      const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (timeout_s_ > 0 && waited > timeout_s_)
+        host_->abort(
+            fmt::format("the emulated nccl communicator '{}' was destroyed with {} transfers in flight "
+                        "for {:.0f} s",
+                        name_, in_flight_.size(), waited));
+      std::this_thread::yield();
+    }
+    std::erase(live(), this);
   }
   comm::Request broadcast(void* buf, int64_t count, comm::Type type, int root) override {
     check("broadcast", buf, "buffer");
@@ -100,8 +183,37 @@ class EmulatedDeviceCommunicator final : public comm::Communicator {
     return {};
   }
 
+  comm::Request post(std::shared_ptr<EmulatedTransfer> work) {
+    in_flight_.push_back(work);
+    progress_all();  // an idle communicator starts it at once
+    return {std::move(work), this};
+  }
+  // The emulated communicators alive in this process (the emulation's one thread creates and drives them).
+  static std::vector<EmulatedDeviceCommunicator*>& live() {
+    static std::vector<EmulatedDeviceCommunicator*> communicators;
+    return communicators;
+  }
+
   std::unique_ptr<comm::Communicator> host_;
+  std::deque<std::shared_ptr<EmulatedTransfer>> in_flight_;  // posted sends and receives, oldest first
 };
+
+bool EmulatedTransfer::test() {
+  if (!done_) EmulatedDeviceCommunicator::progress_all();
+  return done_;
+}
+
+bool EmulatedTransfer::advance() {
+  if (!started_) host_ = start_(staging_.data()), started_ = true;
+  if (done_) return true;
+  if (!host_.test()) return false;
+  if (device_ != nullptr) {
+    EmulatedDevice::Access open;
+    std::memcpy(device_, staging_.data(), staging_.size());
+  }
+  done_ = true;
+  return true;
+}
 
 std::unique_ptr<comm::Communicator> make_emulated(comm::Communicator& bootstrap, std::string name) {
   return std::make_unique<EmulatedDeviceCommunicator>(bootstrap.split(0, bootstrap.rank(), name), name);

@@ -12,11 +12,13 @@
 namespace forge::train {
 
 Pipelining::Pipelining(const pipeline::Schedule& schedule, int pp_rank, comm::Communicator& pp,
-                       std::vector<models::Model*> chunks, int64_t rows, int64_t sequence_split,
-                       comm::Communicator* mirror, std::vector<std::pair<int, int>> chunk_params)
+                       const pipeline::Links& links, std::vector<models::Model*> chunks, int64_t rows,
+                       int64_t sequence_split, comm::Communicator* mirror,
+                       std::vector<std::pair<int, int>> chunk_params)
     : schedule_(schedule),
       pp_rank_(pp_rank),
       pp_(pp),
+      links_(links),
       chunks_(std::move(chunks)),
       rows_(rows),
       sequence_split_(sequence_split),
@@ -33,7 +35,7 @@ Pipelining::Pipelining(const pipeline::Schedule& schedule, int pp_rank, comm::Co
         *m, [this](int i) { return micro_batch_(i); }, rows_));
     views.push_back(model_chunks_.back().get());
   }
-  executor_ = std::make_unique<pipeline::Executor>(schedule_, pp_rank_, views, pp_, pp_);
+  executor_ = std::make_unique<pipeline::Executor>(schedule_, pp_rank_, views, links_);
 }
 
 Pipelining::~Pipelining() = default;
@@ -98,7 +100,7 @@ void Pipelining::sum_mirrored_gradients() {
       else
         runs.push_back({at, at + n});
     }
-    for (const auto [from, to] : runs)
+    for (const auto& [from, to] : runs)
       if (to > from) comm::all_reduce_sum(*mirror_, store.grads().f32() + from, to - from);
   }
 }
@@ -123,7 +125,8 @@ models::LossSum Pipelining::forward_loss(const models::MicroBatch& mb) {
       } else {
         input = Tensor::empty({mb.batch * mb.seq / sequence_split_, model.config().shape().hidden},
                               DType::f32, model.options().device);
-        pp_.recv(input.raw(), input.numel(), comm::Type::f32, from.rank, 0).wait();
+        const pipeline::Link link = links_.from(pipeline::Message::activation, from.rank);
+        link.comm->recv(input.raw(), input.numel(), comm::Type::f32, link.peer, link.tag).wait();
       }
     }
     const models::StageOutput out = model.forward(mb, input, nullptr);
@@ -133,7 +136,9 @@ models::LossSum Pipelining::forward_loss(const models::MicroBatch& mb) {
       if (to.rank == pp_rank_) {
         handed = out.hidden;
       } else {
-        sends.push_back(pp_.send(out.hidden.raw(), out.hidden.numel(), comm::Type::f32, to.rank, 0));
+        const pipeline::Link link = links_.to(pipeline::Message::activation, to.rank);
+        sends.push_back(
+            link.comm->send(out.hidden.raw(), out.hidden.numel(), comm::Type::f32, link.peer, link.tag));
         sent.push_back(out.hidden);
       }
     }

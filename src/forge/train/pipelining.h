@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "forge/comm/comm.h"
+#include "forge/parallel/pipeline/links.h"
 #include "forge/parallel/pipeline/schedule.h"
 #include "forge/parallel/pipeline/timeline.h"
 #include "forge/train/step.h"
@@ -21,14 +22,18 @@ class ModelChunk;
 
 class Pipelining final : public Schedule {
  public:
-  // chunks: this rank's chunks in the placement's order (TrainSetup::chunks()). rows: the hidden-state rows
-  // of one training micro-batch between stages (TrainSetup::stage_rows); sequence_split: tp under sequence
-  // parallelism (a batch's rows are split over it), else 1. DualPipe: mirror pairs this rank with the one
-  // holding copies of its stages, chunk_params are the chunks' parameter ids [first, end) in the shared store
-  // (TrainSetup::chunk_params), and each step's gradients of the two copies of a stage are summed over it.
+  // pp: the pp group (host; for the measured run's barrier); links: where the stages' messages travel
+  // (TrainSetup::pp_links, over pp on the host, NCCL channels on GPUs). chunks: this rank's chunks in the
+  // placement's order (TrainSetup::chunks()). rows: the hidden-state rows of one training micro-batch between
+  // stages (TrainSetup::stage_rows); sequence_split: tp under sequence parallelism (a batch's rows are split
+  // over it), else 1. DualPipe: mirror pairs this rank with the one holding copies of its stages (a
+  // communicator for the gradients' memory), chunk_params are the chunks' parameter ids [first, end) in the
+  // shared store (TrainSetup::chunk_params), and each step's gradients of the two copies of a stage are
+  // summed over it.
   Pipelining(const pipeline::Schedule& schedule, int pp_rank, comm::Communicator& pp,
-             std::vector<models::Model*> chunks, int64_t rows, int64_t sequence_split,
-             comm::Communicator* mirror = nullptr, std::vector<std::pair<int, int>> chunk_params = {});
+             const pipeline::Links& links, std::vector<models::Model*> chunks, int64_t rows,
+             int64_t sequence_split, comm::Communicator* mirror = nullptr,
+             std::vector<std::pair<int, int>> chunk_params = {});
   ~Pipelining() override;
 
   // Every chunk computes the same number of micro-batches: all of them, or (DualPipe) one direction's half.
@@ -41,7 +46,8 @@ class Pipelining final : public Schedule {
   models::LossSum forward_loss(const models::MicroBatch& mb);
 
   // Tied embeddings with the first and the last stage on two ranks: after each step's schedule, the
-  // gradient of `param` (this rank's embedding or its copy) is summed over `group`, the two ranks.
+  // gradient of `param` (this rank's embedding or its copy) is summed over `group`, the two ranks (a
+  // communicator for the gradients' memory).
   void tie(comm::Communicator* group, int param) { tied_group_ = group, tied_param_ = param; }
 
   // The next run times every action (after a barrier over pp, so the ranks' clocks start together);
@@ -55,6 +61,7 @@ class Pipelining final : public Schedule {
   const pipeline::Schedule& schedule_;
   int pp_rank_;
   comm::Communicator& pp_;
+  const pipeline::Links& links_;
   std::vector<models::Model*> chunks_;
   int64_t rows_, sequence_split_;
   comm::Communicator* mirror_;

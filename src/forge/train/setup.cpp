@@ -128,6 +128,7 @@ void TrainSetup::tie_embeddings_across_stages() {
   const bool mine = pp_rank == first || pp_rank == last;
   tied_group = groups.pp->split(mine ? 0 : -1, pp_rank, "pp_tied_embedding");
   if (!mine) return;
+  if (on_gpu()) tied_nccl = device_communicator(*tied_group, "pp_tied_embedding");
   tied_param = model->params().find("model.embed_tokens.weight");
   FORGE_CHECK(tied_param >= 0, "pp rank {} holds a tied end stage without the embedding", pp_rank);
   if (pp_rank == last) model->params().mark_copy(tied_param);
@@ -168,6 +169,7 @@ void TrainSetup::build_chunks() {
     for (int id = chunk_params[1].first; id < chunk_params[1].second; ++id) rank_params->mark_copy(id);
     const int P = layout.pp();
     mirror = groups.pp->split(std::min(pp_rank, P - 1 - pp_rank), pp_rank, "pp_mirror");
+    if (on_gpu()) mirror_nccl = device_communicator(*mirror, "pp_mirror");
   }
 }
 
@@ -195,6 +197,13 @@ void TrainSetup::make_pipeline() {
     fail("{}: {} (micro-batches per step = train.grad_accum)", c.origin_of("parallel.schedule"), e.what());
   }
   const pipeline::Placement& p = pipeline->placement;
+  if (on_gpu())
+    pp_links = std::make_unique<pipeline::Links>(
+        *pipeline, pp_group(), [this](comm::Communicator& bootstrap, const std::string& name) {
+          return device_communicator(bootstrap, name);
+        });
+  else
+    pp_links = std::make_unique<pipeline::Links>(pp_group());
 
   const std::string stages_from =
       p.stages == pp ? fmt::format("parallel.pp = {}", pp)
@@ -277,8 +286,8 @@ void TrainSetup::open_devices() {
   if (!device_usable(device))
     fail("{}: train.device = {}, but no GPU is usable here (or this binary has no CUDA backend)",
          c.origin_of("train.device"), c.train.device);
-  if (layout.pp() > 1 || layout.cp() > 1)
-    fail("{}: train.device = {} supports tensor, data and expert parallelism only for now ({})",
+  if (layout.cp() > 1)
+    fail("{}: train.device = {} supports tensor, pipeline, data and expert parallelism only for now ({})",
          c.origin_of("train.device"), c.train.device, layout.describe());
   if (c.fp8.recipe != "off" && c.data.seq_len % 16 != 0)
     fail(
@@ -297,13 +306,20 @@ void TrainSetup::open_devices() {
   if (visible > 1 && local_rank >= visible)
     fail("{}: local rank {} has no GPU of its own ({} visible): start at most one process per GPU", c.source,
          local_rank, visible);
-  const int ordinal = visible > 1 ? local_rank : 0;
-  gpu.select_device(ordinal);
-  if (layout.tp() > 1) tp_nccl = comm::make_nccl(*groups.tp, ordinal, "tp", gpu.stream());
-  if (dp > 1) dp_nccl = comm::make_nccl(dp_group(), ordinal, "dp", gpu.stream());
-  if (layout.ep() > 1) ep_nccl = comm::make_nccl(*groups.ep, ordinal, "ep", gpu.stream());
+  gpu_ordinal_ = visible > 1 ? local_rank : 0;
+  gpu.select_device(gpu_ordinal_);
+  if (layout.tp() > 1) tp_nccl = device_communicator(*groups.tp, "tp");
+  if (dp > 1) dp_nccl = device_communicator(dp_group(), "dp");
+  if (layout.ep() > 1) ep_nccl = device_communicator(*groups.ep, "ep");
   if (layout.ep() > 1 && layout.expert_dp() > 1)
-    expert_dp_nccl = comm::make_nccl(*groups.expert_dp, ordinal, "expert_dp", gpu.stream());
+    expert_dp_nccl = device_communicator(*groups.expert_dp, "expert_dp");
+}
+
+// A NCCL communicator over the ranks of `bootstrap` (a host group), its operations ordered after the work
+// the GPU's compute stream has queued.
+std::unique_ptr<comm::Communicator> TrainSetup::device_communicator(comm::Communicator& bootstrap,
+                                                                    const std::string& name) const {
+  return comm::make_nccl(bootstrap, gpu_ordinal_, name, device_memory(device).stream());
 }
 
 void TrainSetup::make_compute_options() {

@@ -23,6 +23,7 @@
 #include "forge/parallel/distributed_optimizer.h"
 #include "forge/parallel/grad_buckets.h"
 #include "forge/parallel/layout.h"
+#include "forge/parallel/pipeline/links.h"
 #include "forge/parallel/pipeline/schedule.h"
 #include "forge/train/config.h"
 #include "forge/train/training_data.h"
@@ -86,6 +87,9 @@ class TrainSetup {
   int64_t stage_rows = 0;
   std::string pipeline_summary;  // for the run log
   comm::Communicator& pp_group() const { return *groups.pp; }
+  // Where the stages' hidden states and gradients travel: over pp_group on CPUs, over a NCCL channel per
+  // (kind, sender, receiver) on GPUs (parallel/pipeline/links.h).
+  std::unique_ptr<pipeline::Links> pp_links;
   std::unique_ptr<ParameterStore> rank_params;
   std::vector<std::pair<int, int>> chunk_params;
   std::vector<std::pair<int64_t, int64_t>> chunk_fp8_linears;  // [chunk]: its FP8 Linears' slots (with FP8)
@@ -95,6 +99,10 @@ class TrainSetup {
   // the embedding's after each schedule.
   std::unique_ptr<comm::Communicator> tied_group;
   int tied_param = -1;
+  // On GPUs the mirrored and tied gradients are device memory: NCCL communicators over the same pairs.
+  std::unique_ptr<comm::Communicator> mirror_nccl, tied_nccl;
+  comm::Communicator* mirror_grads() const { return mirror_nccl ? mirror_nccl.get() : mirror.get(); }
+  comm::Communicator* tied_grads() const { return tied_nccl ? tied_nccl.get() : tied_group.get(); }
   std::unique_ptr<models::Model> model;                     // this rank's stage (its first chunk)
   std::vector<std::unique_ptr<models::Model>> more_chunks;  // its other chunks
   std::vector<models::Model*> chunks() const;
@@ -110,6 +118,9 @@ class TrainSetup {
   void make_pipeline();
   void build_chunks();
   void tie_embeddings_across_stages();
+  std::unique_ptr<comm::Communicator> device_communicator(comm::Communicator& bootstrap,
+                                                          const std::string& name) const;
+  int gpu_ordinal_ = 0;
 };
 
 // OpenMP threads per rank: train.threads, else OMP_NUM_THREADS when set, else this node's cores shared by

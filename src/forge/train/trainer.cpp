@@ -452,10 +452,10 @@ TrainResult TrainingRun::run() {
   TrainSetup& s = *setup_;
   if (s.init_source) say("initialised from %s\n", s.init_source->dir.c_str());
   if (s.pipeline) {
-    auto p = std::make_unique<Pipelining>(*s.pipeline, s.pp_rank, s.pp_group(), s.chunks(), s.stage_rows,
-                                          c_.parallel.sequence_parallel ? s.layout.tp() : 1, s.mirror.get(),
-                                          s.chunk_params);
-    p->tie(s.tied_group.get(), s.tied_param);
+    auto p = std::make_unique<Pipelining>(*s.pipeline, s.pp_rank, s.pp_group(), *s.pp_links, s.chunks(),
+                                          s.stage_rows, c_.parallel.sequence_parallel ? s.layout.tp() : 1,
+                                          s.mirror_grads(), s.chunk_params);
+    p->tie(s.tied_grads(), s.tied_param);
     pipelining_ = p.get();
     schedule_ = std::move(p);
   } else {

@@ -10,29 +10,24 @@
 namespace forge::pipeline {
 namespace {
 
-constexpr int kActivation = 0, kGradient = 1;
-const char* kind_name(int kind) { return kind == kActivation ? "activation" : "gradient"; }
+constexpr int kActivation = static_cast<int>(Message::activation),
+              kGradient = static_cast<int>(Message::gradient);
+const char* kind_name(int kind) { return message_name(static_cast<Message>(kind)); }
 int kind_of(Op op) {
   return op == Op::send_activation || op == Op::recv_activation ? kActivation : kGradient;
 }
 
 }  // namespace
 
-Executor::Executor(const Schedule& schedule, int rank, std::vector<Chunk*> chunks,
-                   comm::Communicator& activations, comm::Communicator& gradients)
-    : schedule_(schedule),
-      rank_(rank),
-      chunks_(std::move(chunks)),
-      activations_(activations),
-      gradients_(gradients) {
+Executor::Executor(const Schedule& schedule, int rank, std::vector<Chunk*> chunks, const Links& links)
+    : schedule_(schedule), rank_(rank), chunks_(std::move(chunks)), links_(links) {
   const Placement& p = schedule.placement;
   FORGE_CHECK(rank >= 0 && rank < p.ranks, "pipeline rank {} of {}", rank, p.ranks);
   FORGE_CHECK(static_cast<int>(chunks_.size()) == p.chunks, "schedule {} places {} chunks per rank, got {}",
               schedule.name, p.chunks, chunks_.size());
-  for (comm::Communicator* c : {&activations_, &gradients_})
-    FORGE_CHECK(c->size() == p.ranks && c->rank() == rank,
-                "the pp communicator has rank {} of {}, the schedule {} of {}", c->rank(), c->size(), rank,
-                p.ranks);
+  FORGE_CHECK(links.size() == p.ranks && links.rank() == rank,
+              "the pp links have rank {} of {}, the schedule {} of {}", links.rank(), links.size(), rank,
+              p.ranks);
   replay(schedule);  // refuses a list that could deadlock or leaves work undone, before anything runs
 }
 
@@ -44,7 +39,8 @@ void Executor::note_held() {
 
 Tensor Executor::take_input(int kind, Unit unit) {
   if (auto it = receiving_[kind].find(unit); it != receiving_[kind].end()) {
-    it->second.request.wait();
+    // On a device the consumer's kernels wait for the message in stream order; on the host, the host waits.
+    it->second.comm->wait_on_stream(it->second.request);
     if (measuring_ && input_ready_ < 0)
       input_ready_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
     Tensor t = std::move(it->second.buffer);
@@ -82,7 +78,8 @@ void Executor::send(const Action& a) {
               to_string(a, true));
   Tensor t = std::move(it->second);
   to_send_[kind].erase(it);
-  comm::Request request = channel(kind).send(t.raw(), t.numel(), comm::Type::f32, a.peer, kind);
+  const Link link = links_.to(static_cast<Message>(kind), a.peer);
+  comm::Request request = link.comm->send(t.raw(), t.numel(), comm::Type::f32, link.peer, link.tag);
   sending_.push_back({std::move(request), std::move(t)});
 }
 
@@ -109,9 +106,11 @@ void Executor::execute(size_t index) {
       const int kind = kind_of(a.op);
       Chunk& chunk = *chunks_[a.chunk];
       Tensor buffer = Tensor::empty(chunk.activation_shape(), DType::f32, chunk.device());
-      comm::Request request = channel(kind).recv(buffer.raw(), buffer.numel(), comm::Type::f32, a.peer, kind);
-      auto [it, fresh] =
-          receiving_[kind].insert({{a.chunk, a.micro_batch}, {std::move(request), std::move(buffer)}});
+      const Link link = links_.from(static_cast<Message>(kind), a.peer);
+      comm::Request request =
+          link.comm->recv(buffer.raw(), buffer.numel(), comm::Type::f32, link.peer, link.tag);
+      auto [it, fresh] = receiving_[kind].insert(
+          {{a.chunk, a.micro_batch}, {std::move(request), link.comm, std::move(buffer)}});
       FORGE_CHECK(fresh, "pipeline rank {}: {} posted twice", rank_, to_string(a, true));
       break;
     }

@@ -5,9 +5,10 @@
 // micro-batch's saved activations until its B (or W). Receives are posted when the list says (one compute
 // action ahead of their consumer) and waited on by the consumer; sends are non-blocking and their buffers are
 // released as soon as they complete. In an overlapped F&B pair the forward's output is sent before the
-// backward starts, so that its transfer runs behind the backward's compute. Messages travel on two FIFO
-// channels per pair of ranks, one per kind: on MPI one communicator with a tag per kind, on NCCL (which
-// matches by order only) two communicators.
+// backward starts, so that its transfer runs behind the backward's compute. Messages travel on one FIFO
+// channel per (kind, sender, receiver) (links.h): on MPI one communicator with a tag per kind, on NCCL a
+// communicator each. On device memory a received input is waited for in the device's stream order
+// (Communicator::wait_on_stream), so the host goes on queueing work.
 //
 // After a step nothing may be left: every message matched, every chunk's activations released.
 #pragma once
@@ -19,6 +20,7 @@
 
 #include "forge/comm/comm.h"
 #include "forge/core/tensor.h"
+#include "forge/parallel/pipeline/links.h"
 #include "forge/parallel/pipeline/schedule.h"
 
 namespace forge::pipeline {
@@ -55,10 +57,9 @@ struct MeasuredAction {
 
 class Executor {
  public:
-  // chunks[c]: this rank's chunk c of the schedule's placement. activations, gradients: the pp communicator
-  // (its rank i is pipeline rank i) for each kind of message; they may be the same one on MPI.
-  Executor(const Schedule& schedule, int rank, std::vector<Chunk*> chunks, comm::Communicator& activations,
-           comm::Communicator& gradients);
+  // chunks[c]: this rank's chunk c of the schedule's placement. links: where each message travels (its rank
+  // is this pipeline rank); it must outlive the executor.
+  Executor(const Schedule& schedule, int rank, std::vector<Chunk*> chunks, const Links& links);
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
 
@@ -73,6 +74,7 @@ class Executor {
   using Unit = std::pair<int, int>;  // (chunk, micro-batch)
   struct Receive {
     comm::Request request;
+    comm::Communicator* comm = nullptr;
     Tensor buffer;
   };
   struct Send {
@@ -86,13 +88,11 @@ class Executor {
   void send(const Action& a);
   void release_completed_sends();
   void note_held();
-  comm::Communicator& channel(int kind) { return kind == 0 ? activations_ : gradients_; }
 
   const Schedule& schedule_;
   const int rank_;
   std::vector<Chunk*> chunks_;
-  comm::Communicator& activations_;
-  comm::Communicator& gradients_;
+  const Links& links_;
   std::vector<bool> done_;  // [action] of this run (sends an F&B pair posted early)
   // [kind]: 0 activations (forward inputs / outputs), 1 gradients (backward outputs / inputs).
   std::map<Unit, Tensor> handed_[2];      // computed on this rank for (chunk, micro-batch), not yet consumed
