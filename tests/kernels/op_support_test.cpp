@@ -139,6 +139,15 @@ TEST(OpSupport, CpuBackend) {
   cast.rows = cast.cols = 2, cast.x = m.f, cast.q = m.codes;
   EXPECT_SUPPORTED(cpu, fp8_cast_transpose, (cast));
   EXPECT_REFUSED(cpu, fp8_quantize_1x128, (cast), "fp8_quantize_1x128: an output lacks its scales");
+  // Context parallelism's data movement: empty problems need no pointers, others all of theirs.
+  ops::AttentionMergeParams merge;
+  merge.batch = 1, merge.seq = 0, merge.heads = 2, merge.v_dim = 4;
+  EXPECT_SUPPORTED(cpu, attention_merge, (merge));
+  merge.seq = 3;
+  EXPECT_REFUSED(cpu, attention_merge, (merge), "attention_merge: out, lse, out_b and lse_b must be set");
+  ops::StridedCopyParams copy;
+  copy.shape[0] = 2, copy.src = m.f;
+  EXPECT_REFUSED(cpu, strided_copy, (copy), "strided_copy: src and dst must be set");
 }
 
 // ops::supports_<op>(..., device) asks the device's table, an open profile's included.
@@ -260,6 +269,12 @@ TEST(OpSupport, CudaBackendBadParametersNameTheOp) {
   ops::KvAppendParams kv;
   kv.batch = 1, kv.tokens = 1, kv.kv_heads = 0, kv.head_dim = 8;
   EXPECT_REFUSED(gpu, kv_append, (kv), "kv_append: bad shape", "kv_heads=0");
+  ops::AttentionMergeParams merge;
+  merge.batch = 1, merge.seq = 3, merge.heads = 2, merge.v_dim = 4;
+  EXPECT_REFUSED(gpu, attention_merge, (merge), "attention_merge: out is null");
+  ops::StridedCopyParams copy;
+  copy.shape[2] = -1;
+  EXPECT_REFUSED(gpu, strided_copy, (copy), "strided_copy: bad shape 1x1x-1");
 }
 #endif
 

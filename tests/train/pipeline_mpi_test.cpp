@@ -216,9 +216,10 @@ Tensor host(std::initializer_list<float> values) {
   return t;
 }
 
-// The emulated NCCL communicator keeps NCCL's stream order: a send posted after a receive on the same
-// communicator does not start until that receive has completed (on MPI a small send completes at once), and
-// the messages land in device memory.
+// The emulated NCCL communicator keeps the order of forge's NCCL communicator: sends and receives posted
+// together form one group whose requests complete together (so a send grouped with a pending receive is not
+// done, where on MPI a small send completes at once), a ring exchange within one group completes, and the
+// messages land in device memory.
 TEST(PipelineLinks, EmulatedDeviceTransfersRunInPostingOrder) {
   comm::Communicator& world = comm::world();
   if (world.size() != 2) GTEST_SKIP() << "needs 2 ranks";

@@ -48,6 +48,7 @@ struct MoeCase {
   int vpp = 1;  // interleaved: chunks per rank
   int cp = 1;   // context parallel: MLA's attention across the group, MTP's shift across the chunks
   const char* cp_comm = "p2p";
+  bool emulated_gpus = false;  // train.device = cuda under the device emulation
 };
 
 // Context parallelism: each sequence's 16 tokens over cp ranks; the sequence-wise balance loss (and the
@@ -56,6 +57,13 @@ MoeCase context(const char* name, int tp, int dp, int cp, bool zero = false, int
                 const char* comm = "p2p") {
   MoeCase c{name, tp, dp};
   c.zero = zero, c.cp = cp, c.ep = ep, c.aux_loss_coeff = aux, c.cp_comm = comm;
+  return c;
+}
+
+// The same on GPUs, under the device emulation: the attention's ring or all-to-all over NCCL, the balance
+// sums read back from the device.
+MoeCase on_emulated_gpus(MoeCase c) {
+  c.emulated_gpus = true;
   return c;
 }
 
@@ -100,8 +108,11 @@ TEST_P(MoeLayouts, ReproduceTheOneRankRun) {
   if (p.tp * p.dp * p.pp * p.cp != world.size())
     GTEST_SKIP() << "needs " << p.tp * p.dp * p.pp * p.cp << " ranks";
   const int accum = p.accum;
+  std::optional<DeviceEmulation> emulation;
+  if (p.emulated_gpus) emulation.emplace();
   TrainConfig ref = config("reference-" + std::to_string(world.rank()), p.layers, p);
   ref.train.grad_accum = accum * p.dp;
+  if (p.emulated_gpus) ref.train.steps = 4;  // the emulation opens and closes device memory around every op
   auto self = comm::make_self();
   const TrainResult want = Trainer(ref, self.get()).run();
 
@@ -116,6 +127,7 @@ TEST_P(MoeLayouts, ReproduceTheOneRankRun) {
   par.parallel.cp = p.cp;
   par.parallel.cp_comm = p.cp_comm;
   par.train.grad_accum = accum;
+  if (p.emulated_gpus) par.train.device = "cuda", par.train.steps = ref.train.steps;
   const TrainResult got = Trainer(par, &world).run();
 
   ASSERT_EQ(got.losses.size(), want.losses.size());
@@ -193,6 +205,9 @@ INSTANTIATE_TEST_SUITE_P(
         context("cp2", 1, 1, 2), context("cp2_aux", 1, 1, 2, false, 1, 0.01),
         context("cp2_ep2", 1, 1, 2, false, 2), context("cp2_a2a", 1, 1, 2, false, 1, 0, "a2a"),
         context("cp4", 1, 1, 4), context("cp2_tp2", 2, 1, 2), context("cp2_dp2_zero1_ep2", 1, 2, 2, true, 2),
+        on_emulated_gpus(context("cp2_aux_emulated_gpus", 1, 1, 2, false, 1, 0.01)),
+        on_emulated_gpus(context("cp2_ep2_a2a_emulated_gpus", 1, 1, 2, false, 2, 0, "a2a")),
+        on_emulated_gpus(context("cp4_emulated_gpus", 1, 1, 4)),
         MoeCase{"dp2_ep2", 1, 2, 1, false, "1f1b", 3, 2, "", 0, 0, false, 2},
         MoeCase{"dp2_ep2_zero1", 1, 2, 1, true, "1f1b", 3, 2, "", 0, 0, false, 2},
         MoeCase{"dp4_ep4", 1, 4, 1, false, "1f1b", 3, 2, "", 0, 0, false, 4},

@@ -155,6 +155,13 @@ void check_args(const char* op, const ops::Fp8CastParams& p) {
 void check_args(const char* op, const ops::KvAppendParams& p) {
   FORGE_CHECK_FIELD(op, p, qkv), FORGE_CHECK_FIELD(op, p, keys), FORGE_CHECK_FIELD(op, p, values);
 }
+void check_args(const char* op, const ops::AttentionMergeParams& p) {
+  FORGE_CHECK_FIELD(op, p, out), FORGE_CHECK_FIELD(op, p, lse), FORGE_CHECK_FIELD(op, p, out_b);
+  FORGE_CHECK_FIELD(op, p, lse_b);
+}
+void check_args(const char* op, const ops::StridedCopyParams& p) {
+  FORGE_CHECK_FIELD(op, p, src), FORGE_CHECK_FIELD(op, p, dst);
+}
 void check_args(const char* op, const ops::MoeRouterParams& p) {
   FORGE_CHECK_FIELD(op, p, logits), FORGE_CHECK_FIELD(op, p, bias), FORGE_CHECK_FIELD(op, p, expert_ids);
   FORGE_CHECK_FIELD(op, p, weights), FORGE_CHECK_FIELD(op, p, scores), FORGE_CHECK_FIELD(op, p, score_sums);

@@ -48,6 +48,8 @@
   X(fp8_quantize_1x128, void, (const ops::Fp8CastParams& p), (p))                                              \
   X(fp8_quantize_128x128, void, (const ops::Fp8CastParams& p), (p))                                            \
   X(kv_append, void, (const ops::KvAppendParams& p), (p))                                                      \
+  X(attention_merge, void, (const ops::AttentionMergeParams& p), (p))                                          \
+  X(strided_copy, void, (const ops::StridedCopyParams& p), (p))                                                \
   /* Mixture of experts (the parameter structs say what each computes). */                                     \
   X(moe_sort_by_expert, void, (const ops::MoeSortParams& p), (p))                                              \
   X(moe_permute, void, (const ops::MoePermuteParams& p), (p))                                                  \

@@ -216,6 +216,31 @@ struct AttentionParams {
   int64_t dq_stride = 0, dk_stride = 0, dv_stride = 0;
 };
 
+// Merges the partial attention of one block of keys into a running result by their log-sum-exps (ring
+// attention across a context-parallel group): for each row r = (b, h, t), total = log(exp(lse[r]) +
+// exp(lse_b[r])), out[b, t, h, :] = exp(lse[r] - total) out[b, t, h, :] + exp(lse_b[r] - total) out_b[b, t,
+// h, :], lse[r] = total; a row whose lse_b is -inf (no key visible) is left as it is. out and out_b are dense
+// [batch, seq, heads, v_dim], lse and lse_b [batch, heads, seq]. The weights are computed in double.
+struct AttentionMergeParams {
+  int64_t batch = 0, seq = 0, heads = 0, v_dim = 0;
+  float* out = nullptr;
+  float* lse = nullptr;
+  const float* out_b = nullptr;
+  const float* lse_b = nullptr;
+};
+
+// dst[i, j, k] = src[i, j, k] (or += with accumulate) for i < shape[0], j < shape[1], k < shape[2], each
+// side addressed by its own element strides: slices of token-major activations packed dense and back, the
+// axes of a small tensor transposed, partial gradients added up. src and dst must not overlap.
+struct StridedCopyParams {
+  int64_t shape[3] = {1, 1, 1};
+  const float* src = nullptr;
+  int64_t src_stride[3] = {0, 0, 1};
+  float* dst = nullptr;
+  int64_t dst_stride[3] = {0, 0, 1};
+  bool accumulate = false;
+};
+
 // Appends the keys and values of `tokens` new tokens per sequence to a key/value cache (inference): for
 // sequence b, token t and kv head g, the head_dim floats at qkv + (b * tokens + t) * qkv_stride + k_offset +
 // g * head_dim go to keys + b * batch_stride + g * head_stride + (position + t) * head_dim, and those at

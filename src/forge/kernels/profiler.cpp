@@ -156,6 +156,19 @@ Cost kv_append(const KvAppendParams& p) {
           16 * d(p.batch) * d(p.tokens) * d(p.kv_heads) * d(p.head_dim)};
 }
 
+// Each output element read and written, the block's read, per row two exps and a log in double.
+Cost attention_merge(const AttentionMergeParams& p) {
+  return {fmt::format("b{} s{} h{} dv{}", p.batch, p.seq, p.heads, p.v_dim),
+          3 * d(p.batch) * d(p.seq) * d(p.heads) * (d(p.v_dim) + 10),
+          12 * d(p.batch) * d(p.seq) * d(p.heads) * d(p.v_dim) + 12 * d(p.batch) * d(p.seq) * d(p.heads)};
+}
+
+Cost strided_copy(const StridedCopyParams& p) {
+  const double n = d(p.shape[0]) * d(p.shape[1]) * d(p.shape[2]);
+  return {fmt::format("{}x{}x{}{}", p.shape[0], p.shape[1], p.shape[2], p.accumulate ? " +=" : ""),
+          p.accumulate ? n : 0, (p.accumulate ? 12 : 8) * n};
+}
+
 // Scores, group scores and k selection passes over the experts per token; the balance loss reads the scores
 // and ids once more.
 Cost moe_router_forward(const MoeRouterParams& p) {

@@ -184,7 +184,8 @@ Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training
   s.balance_scale = balance && scale_ ? scale_->balance : 0.0f;
   s.aux_scale = aux ? scale_->aux : 0.0f;
   ops::moe_router_forward(r, device);
-  // (A dry run, kernels/emulated_device.h, computes nothing: it keeps no padding and only notes the exchange.)
+  // (A dry run, kernels/emulated_device.h, computes nothing: it keeps no padding and only notes the
+  // exchange.)
   s.padded = training && !EmulatedDevice::check_only() ? padded_rows(rows, seq) : std::vector<char>();
   if (options_.cp && (balance || aux))
     balance_over_context(s, rows, balance ? seq : 0, aux, losses, aux_loss);
@@ -218,8 +219,11 @@ Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training
   if (training) {
     const Tensor host_counts = counts.to(Device::cpu);
     s.load.assign(host_counts.data<int64_t>(), host_counts.data<int64_t>() + experts);
-    for (int64_t t = 0; t < static_cast<int64_t>(s.padded.size()); ++t)  // host memory under cp
-      for (int64_t j = 0; j < k && s.padded[t]; ++j) s.load[s.expert_ids.i32()[t * k + j]] -= 1;
+    if (!s.padded.empty()) {  // under cp: the padding's routes count in no load
+      const Tensor ids = s.expert_ids.to(Device::cpu);
+      for (int64_t t = 0; t < static_cast<int64_t>(s.padded.size()); ++t)
+        for (int64_t j = 0; j < k && s.padded[t]; ++j) s.load[ids.i32()[t * k + j]] -= 1;
+    }
     s.dropped = 0;
     if (capacity > 0)
       for (double load : s.load) s.dropped += std::max<int64_t>(0, static_cast<int64_t>(load) - capacity);
@@ -404,8 +408,9 @@ Tensor Moe::backward_input(const Tensor& dy_in, int64_t, int64_t, LayerPart::Sav
   if (s.aux_scale != 0.0f)
     r.score_sums = s.score_sums.f32(), r.aux_fraction = s.aux_fraction.f32(), r.aux_scale = s.aux_scale;
   ops::moe_router_backward(r, device);
-  for (int64_t t = 0; t < static_cast<int64_t>(s.padded.size()); ++t)  // padding takes no balance gradient
-    if (s.padded[t]) std::fill_n(s.dlogits.f32() + t * experts, experts, 0.0f);
+  // Padding takes no balance gradient: its rows of dlogits zeroed (in device memory on a GPU).
+  for (int64_t t = 0; t < static_cast<int64_t>(s.padded.size()); ++t)
+    if (s.padded[t]) s.dlogits.view(t * experts, {experts}).fill_zero();
   if (rows > 0 && options_.tp_rank() == 0) {
     ops::GemmParams g;
     g.m = rows, g.n = hidden, g.k = experts, g.a = s.dlogits.f32(), g.lda = experts;
@@ -499,7 +504,8 @@ std::vector<char> Moe::padded_rows(int64_t rows, int64_t seq) const {
 // its tokens' counts and s / n (padding left out), the sums and the token counts are added over cp, and the
 // group's f, P and loss follow; f is written back as the group's. Each rank then differentiates the group's
 // loss with respect to its own tokens: the backward divides by the local count the kernel was given, so the
-// scale becomes scale x local / T. Host memory (context parallelism runs attention on the host).
+// scale becomes scale x local / T. The router's outputs are small (tokens x experts): on a GPU they are read
+// back to the host for these sums and the group's f and losses written back.
 void Moe::balance_over_context(Saved& s, int64_t rows, int64_t seq, bool aux, Tensor& losses,
                                Tensor& aux_loss) const {
   ContextParallel& cp = *options_.cp;
@@ -507,10 +513,19 @@ void Moe::balance_over_context(Saved& s, int64_t rows, int64_t seq, bool aux, Te
   const int64_t width = 2 * experts + 1;  // [counts | sum of s / n | tokens]
   std::vector<float> sums(static_cast<size_t>((groups + (aux ? 1 : 0)) * width), 0.0f);
   if (EmulatedDevice::check_only()) return cp.all_reduce_sum(sums.data(), static_cast<int64_t>(sums.size()));
-  FORGE_CHECK(options_.device == Device::cpu, "MoE balance under context parallelism runs on host memory");
-  const float* scores = s.scores.f32();
-  const float* score_sums = s.score_sums.f32();
-  const int32_t* ids = s.expert_ids.i32();
+  const Tensor host_scores = s.scores.to(Device::cpu), host_sums = s.score_sums.to(Device::cpu),
+               host_ids = s.expert_ids.to(Device::cpu);
+  const float* scores = host_scores.f32();
+  const float* score_sums = host_sums.f32();
+  const int32_t* ids = host_ids.i32();
+  // What the group's statistics overwrite: host tensors (the router's own on the CPU), copied back after.
+  const bool on_host =
+      s.fraction.defined() ? s.fraction.device() == Device::cpu : s.aux_fraction.device() == Device::cpu;
+  auto host_of = [&](const Tensor& t) {
+    return !t.defined() || on_host ? t : Tensor::empty(t.shape(), t.dtype());
+  };
+  Tensor fraction = host_of(s.fraction), aux_fraction = host_of(s.aux_fraction),
+         host_losses = host_of(losses), host_aux_loss = host_of(aux_loss);
   auto local_sums = [&](int64_t group, int64_t first, int64_t tokens) {
     float* at = sums.data() + group * width;
     std::vector<double> mean(static_cast<size_t>(experts), 0.0);
@@ -536,15 +551,18 @@ void Moe::balance_over_context(Saved& s, int64_t rows, int64_t seq, bool aux, Te
     return std::pair{static_cast<float>(loss), T};
   };
   for (int64_t q = 0; q < groups; ++q) {
-    const auto [loss, T] = group_loss(q, s.fraction.f32() + q * experts);
-    losses.f32()[q] = loss;
+    const auto [loss, T] = group_loss(q, fraction.f32() + q * experts);
+    host_losses.f32()[q] = loss;
     if (q == 0) s.balance_scale *= static_cast<float>(static_cast<double>(seq) / T);
   }
   if (aux) {
-    const auto [loss, T] = group_loss(groups, s.aux_fraction.f32());
-    aux_loss.f32()[0] = loss;
+    const auto [loss, T] = group_loss(groups, aux_fraction.f32());
+    host_aux_loss.f32()[0] = loss;
     s.aux_scale *= static_cast<float>(static_cast<double>(rows) / T);
   }
+  if (on_host) return;
+  if (groups > 0) s.fraction.copy_from(fraction), losses.copy_from(host_losses);
+  if (aux) s.aux_fraction.copy_from(aux_fraction), aux_loss.copy_from(host_aux_loss);
 }
 
 }  // namespace forge::nn

@@ -9,11 +9,11 @@ ContextSplit CommContextParallel::split(const ops::AttentionParams& p) const {
 }
 
 void CommContextParallel::attention_forward(const ops::AttentionParams& p) {
-  context_attention_forward(*group_, split(p), mode_, p, &stats_);
+  context_attention_forward(*device_group_, split(p), mode_, p, &stats_, device_);
 }
 
 void CommContextParallel::attention_backward(const ops::AttentionParams& p) {
-  context_attention_backward(*group_, split(p), mode_, p, &stats_);
+  context_attention_backward(*device_group_, split(p), mode_, p, &stats_, device_);
 }
 
 void CommContextParallel::all_reduce_sum(float* values, int64_t n) {

@@ -1,5 +1,7 @@
 // nn::ContextParallel over a communicator: the modules' context-parallel group (the layout's cp group), with
-// attention across it in ring or all-to-all mode (parallel/context_parallel.h). Host memory.
+// attention across it in ring or all-to-all mode (parallel/context_parallel.h). On GPUs the attention's
+// tensors are device memory and travel over `device_group` (NCCL over the same ranks); statistics and token
+// ids are host values and go over `group` (MPI) either way.
 #pragma once
 
 #include "forge/comm/comm.h"
@@ -10,7 +12,9 @@ namespace forge::parallel {
 
 class CommContextParallel final : public nn::ContextParallel {
  public:
-  CommContextParallel(comm::Communicator* group, ContextAttention mode) : group_(group), mode_(mode) {}
+  CommContextParallel(comm::Communicator* group, ContextAttention mode,
+                      comm::Communicator* device_group = nullptr, Device device = Device::cpu)
+      : group_(group), device_group_(device_group ? device_group : group), mode_(mode), device_(device) {}
   int rank() const override { return group_->rank(); }
   int size() const override { return group_->size(); }
   ContextAttention mode() const { return mode_; }
@@ -25,7 +29,9 @@ class CommContextParallel final : public nn::ContextParallel {
  private:
   ContextSplit split(const ops::AttentionParams& p) const;
   comm::Communicator* group_;
+  comm::Communicator* device_group_;
   ContextAttention mode_;
+  Device device_;
   ContextAttentionStats stats_;
 };
 

@@ -1,6 +1,7 @@
 #include "forge/parallel/context_parallel.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -53,31 +54,37 @@ ContextSplitProblem context_split_problem(int cp, ContextAttention mode, int64_t
 
 namespace {
 
-// Host floats from forge's allocator (core/memory.h), so that a run's peak memory counts the attention's
-// working buffers (the travelling keys and values, the partial results) as a device's allocator would. The
-// few vector operations the algorithms use; n floats set to `value` on construction or assign.
+// A working buffer of n floats on the device the attention runs on, from forge's allocator (core/memory.h on
+// the host, the device's caching allocator on a GPU), so that a run's peak memory counts the attention's
+// travelling keys and values and partial results. Moving one into another (std::swap) swaps the memory.
 class Floats {
  public:
   Floats() = default;
-  explicit Floats(size_t n, float value = 0.0f) { assign(n, value); }
-  void assign(size_t n, float value) {
-    t_ = n > 0 ? Tensor::empty({static_cast<int64_t>(n)}, DType::f32) : Tensor();
-    n_ = n;
-    std::fill_n(data(), n, value);
+  Floats(int64_t n, Device device) : t_(n > 0 ? Tensor::empty({n}, DType::f32, device) : Tensor()), n_(n) {}
+  float* data() const { return n_ > 0 ? t_.f32() : nullptr; }
+  int64_t size() const { return n_; }
+  void zero() {
+    if (n_ > 0) t_.fill_zero();
   }
-  void resize(size_t n) { assign(n, 0.0f); }
-  float* data() { return n_ > 0 ? t_.f32() : nullptr; }
-  const float* data() const { return n_ > 0 ? t_.f32() : nullptr; }
-  size_t size() const { return n_; }
-  float* begin() { return data(); }
-  float* end() { return data() + n_; }
-  float& operator[](size_t i) { return data()[i]; }
-  float operator[](size_t i) const { return data()[i]; }
 
  private:
   Tensor t_;
-  size_t n_ = 0;
+  int64_t n_ = 0;
 };
+
+// dst (+)= src over [n0, n1, n2] elements, each side with its strides (ops::strided_copy).
+struct Strides {
+  int64_t s0, s1, s2;
+};
+void copy3(Device device, int64_t n0, int64_t n1, int64_t n2, const float* src, Strides from, float* dst,
+           Strides to, bool accumulate = false) {
+  ops::StridedCopyParams c;
+  c.shape[0] = n0, c.shape[1] = n1, c.shape[2] = n2;
+  c.src = src, c.src_stride[0] = from.s0, c.src_stride[1] = from.s1, c.src_stride[2] = from.s2;
+  c.dst = dst, c.dst_stride[0] = to.s0, c.dst_stride[1] = to.s1, c.dst_stride[2] = to.s2;
+  c.accumulate = accumulate;
+  ops::strided_copy(c, device);
+}
 
 using Clock = std::chrono::steady_clock;
 double seconds_between(Clock::time_point a, Clock::time_point b) {
@@ -116,6 +123,7 @@ constexpr int kKvTag = 31, kGradientTag = 32;
 
 struct Dims {
   int64_t batch, local, chunk, heads, kv_heads, head_dim, v_dim;
+  Device device;
   int64_t q_width() const { return heads * head_dim; }
   int64_t k_width() const { return kv_heads * head_dim; }
   int64_t v_width() const { return kv_heads * v_dim; }
@@ -123,7 +131,7 @@ struct Dims {
 };
 
 Dims check(const comm::Communicator& cp, const ContextSplit& split, const ops::AttentionParams& p,
-           const char* what) {
+           Device device, const char* what) {
   FORGE_CHECK(cp.size() == split.cp && cp.rank() == split.rank,
               "{}: the split is for rank {} of {}, the group is rank {} of {}", what, split.rank, split.cp,
               cp.rank(), cp.size());
@@ -138,7 +146,8 @@ Dims check(const comm::Communicator& cp, const ContextSplit& split, const ops::A
                p.heads,
                p.kv_heads,
                p.head_dim,
-               p.v_head_dim > 0 ? p.v_head_dim : p.head_dim};
+               p.v_head_dim > 0 ? p.v_head_dim : p.head_dim,
+               device};
   FORGE_CHECK(p.q_stride >= d.q_width() && p.k_stride >= d.k_width() && p.v_stride >= d.v_width() &&
                   p.out_stride >= d.out_width(),
               "{}: token strides too small", what);
@@ -146,50 +155,31 @@ Dims check(const comm::Communicator& cp, const ContextSplit& split, const ops::A
 }
 
 // Rows [half·chunk, (half + 1)·chunk) of every sequence of x ([batch, local] rows of `width` floats, `stride`
-// apart) into dense [batch, chunk, width], and back (adding, or overwriting).
+// apart) into dense [batch, chunk, width], and back (overwriting).
 void pack_half(const Dims& d, const float* x, int64_t stride, int64_t width, int half, float* out) {
-  for (int64_t b = 0; b < d.batch; ++b)
-    for (int64_t t = 0; t < d.chunk; ++t)
-      std::copy_n(x + (b * d.local + half * d.chunk + t) * stride, width, out + (b * d.chunk + t) * width);
+  copy3(d.device, d.batch, d.chunk, width, x + half * d.chunk * stride, {d.local * stride, stride, 1}, out,
+        {d.chunk * width, width, 1});
 }
 void unpack_half(const Dims& d, const float* in, int64_t width, int half, float* x, int64_t stride) {
-  for (int64_t b = 0; b < d.batch; ++b)
-    for (int64_t t = 0; t < d.chunk; ++t)
-      std::copy_n(in + (b * d.chunk + t) * width, width, x + (b * d.local + half * d.chunk + t) * stride);
+  copy3(d.device, d.batch, d.chunk, width, in, {d.chunk * width, width, 1}, x + half * d.chunk * stride,
+        {d.local * stride, stride, 1});
 }
 // The log-sum-exp [batch, heads, local] halves likewise ([batch, heads, chunk]).
 void pack_lse(const Dims& d, const float* lse, int half, float* out) {
-  for (int64_t bh = 0; bh < d.batch * d.heads; ++bh)
-    std::copy_n(lse + bh * d.local + half * d.chunk, d.chunk, out + bh * d.chunk);
+  copy3(d.device, 1, d.batch * d.heads, d.chunk, lse + half * d.chunk, {0, d.local, 1}, out, {0, d.chunk, 1});
 }
 void unpack_lse(const Dims& d, const float* in, int half, float* lse) {
-  for (int64_t bh = 0; bh < d.batch * d.heads; ++bh)
-    std::copy_n(in + bh * d.chunk, d.chunk, lse + bh * d.local + half * d.chunk);
+  copy3(d.device, 1, d.batch * d.heads, d.chunk, in, {0, d.chunk, 1}, lse + half * d.chunk, {0, d.local, 1});
 }
 
-void add_into(float* y, const float* x, size_t n) {
-  for (size_t i = 0; i < n; ++i) y[i] += x[i];
-}
+void add_into(const Dims& d, float* y, const float* x, int64_t n) { ops::add_inplace(y, x, n, d.device); }
 
-// Merges a block's partial attention (out_b, lse_b) into the running one (out, lse): each row's result is
-// the two weighted by their shares of the combined softmax denominator.
+// Merges a block's partial attention (out_b, lse_b) into the running one (out, lse) by their log-sum-exps.
 void merge(const Dims& d, float* out, float* lse, const float* out_b, const float* lse_b) {
-  const int64_t width = d.out_width();
-  for (int64_t b = 0; b < d.batch; ++b)
-    for (int64_t h = 0; h < d.heads; ++h)
-      for (int64_t t = 0; t < d.chunk; ++t) {
-        const int64_t l = (b * d.heads + h) * d.chunk + t;
-        const double old_lse = lse[l], new_lse = lse_b[l];
-        if (new_lse == -std::numeric_limits<double>::infinity()) continue;
-        const double m = std::max(old_lse, new_lse);
-        const double total = m + std::log(std::exp(old_lse - m) + std::exp(new_lse - m));
-        const float w_old = static_cast<float>(std::exp(old_lse - total)),
-                    w_new = static_cast<float>(std::exp(new_lse - total));
-        float* o = out + (b * d.chunk + t) * width + h * d.v_dim;
-        const float* ob = out_b + (b * d.chunk + t) * width + h * d.v_dim;
-        for (int64_t i = 0; i < d.v_dim; ++i) o[i] = w_old * o[i] + w_new * ob[i];
-        lse[l] = static_cast<float>(total);
-      }
+  ops::AttentionMergeParams m;
+  m.batch = d.batch, m.seq = d.chunk, m.heads = d.heads, m.v_dim = d.v_dim;
+  m.out = out, m.lse = lse, m.out_b = out_b, m.lse_b = lse_b;
+  ops::attention_merge(m, d.device);
 }
 
 // The keys and values of one rank as they travel the ring: [K half 0 | K half 1 | V half 0 | V half 1],
@@ -198,12 +188,12 @@ struct KvBlocks {
   Dims d;
   Floats data;
   explicit KvBlocks(const Dims& dims)
-      : d(dims), data(static_cast<size_t>(2 * d.batch * d.chunk * (d.k_width() + d.v_width())), 0.0f) {}
+      : d(dims), data(2 * d.batch * d.chunk * (d.k_width() + d.v_width()), d.device) {}
   float* k(int half) { return data.data() + half * d.batch * d.chunk * d.k_width(); }
   float* v(int half) {
     return data.data() + 2 * d.batch * d.chunk * d.k_width() + half * d.batch * d.chunk * d.v_width();
   }
-  int64_t count() const { return static_cast<int64_t>(data.size()); }
+  int64_t count() const { return data.size(); }
 };
 
 // One block of the ring: the local query half `qi` against key half `kh` of rank `source`; nullopt-like
@@ -242,21 +232,24 @@ std::pair<comm::Request, comm::Request> pass_on(comm::Communicator& cp, const fl
   return {std::move(s), std::move(r)};
 }
 
+// The first block a query half sees (at step 0: its own diagonal chunk, or for the late half the early chunk
+// of its own rank) writes that half's result directly; later ones merge into it.
 void ring_forward(comm::Communicator& cp, const ContextSplit& split, const Dims& d,
                   const ops::AttentionParams& p, CallTimer& timer) {
-  const size_t q_half = static_cast<size_t>(d.batch * d.chunk * d.q_width()),
-               out_half = static_cast<size_t>(d.batch * d.chunk * d.out_width()),
-               lse_half = static_cast<size_t>(d.batch * d.heads * d.chunk);
-  Floats q[2], out[2], lse[2];
+  const Device dev = d.device;
+  const int64_t q_half = d.batch * d.chunk * d.q_width(), out_half = d.batch * d.chunk * d.out_width(),
+                lse_half = d.batch * d.heads * d.chunk;
+  Floats q[2] = {Floats(q_half, dev), Floats(q_half, dev)},
+         out[2] = {Floats(out_half, dev), Floats(out_half, dev)},
+         lse[2] = {Floats(lse_half, dev), Floats(lse_half, dev)};
   KvBlocks current(d), next(d);
   for (int h = 0; h < 2; ++h) {
-    q[h].resize(q_half), pack_half(d, p.q, p.q_stride, d.q_width(), h, q[h].data());
+    pack_half(d, p.q, p.q_stride, d.q_width(), h, q[h].data());
     pack_half(d, p.k, p.k_stride, d.k_width(), h, current.k(h));
     pack_half(d, p.v, p.v_stride, d.v_width(), h, current.v(h));
-    out[h].assign(out_half, 0.0f);
-    lse[h].assign(lse_half, -std::numeric_limits<float>::infinity());
   }
-  Floats out_b(out_half), lse_b(lse_half);
+  Floats out_b(out_half, dev), lse_b(lse_half, dev);
+  bool started[2] = {false, false};
   for (int step = 0; step < split.cp; ++step) {
     const int source = (split.rank - step + split.cp) % split.cp;
     std::pair<comm::Request, comm::Request> transfer;
@@ -269,16 +262,19 @@ void ring_forward(comm::Communicator& cp, const ContextSplit& split, const Dims&
         bool causal = false;
         if (!block(split, qi, source, kh, &causal)) continue;
         ops::AttentionParams a = block_params(d, p, q[qi].data(), current.k(kh), current.v(kh), causal);
-        a.out = out_b.data(), a.lse = lse_b.data();
-        ops::attention_forward(a);
+        const bool first = !started[qi];
+        a.out = first ? out[qi].data() : out_b.data(), a.lse = first ? lse[qi].data() : lse_b.data();
+        ops::attention_forward(a, dev);
         progress(transfer);
-        merge(d, out[qi].data(), lse[qi].data(), out_b.data(), lse_b.data());
+        if (!first) merge(d, out[qi].data(), lse[qi].data(), out_b.data(), lse_b.data());
+        started[qi] = true;
       }
     timer.computed(true);
     transfer.first.wait(), transfer.second.wait();
     timer.waited();
     std::swap(current.data, next.data);
   }
+  FORGE_CHECK(started[0] && started[1], "ring attention: a query half saw no keys");
   for (int h = 0; h < 2; ++h) {
     unpack_half(d, out[h].data(), d.out_width(), h, p.out, p.out_stride);
     if (p.lse) unpack_lse(d, lse[h].data(), h, p.lse);
@@ -288,22 +284,24 @@ void ring_forward(comm::Communicator& cp, const ContextSplit& split, const Dims&
 
 void ring_backward(comm::Communicator& cp, const ContextSplit& split, const Dims& d,
                    const ops::AttentionParams& p, CallTimer& timer) {
-  const size_t q_half = static_cast<size_t>(d.batch * d.chunk * d.q_width()),
-               out_half = static_cast<size_t>(d.batch * d.chunk * d.out_width()),
-               lse_half = static_cast<size_t>(d.batch * d.heads * d.chunk);
-  Floats q[2], out[2], dout[2], lse[2], dq[2];
+  const Device dev = d.device;
+  const int64_t q_half = d.batch * d.chunk * d.q_width(), out_half = d.batch * d.chunk * d.out_width(),
+                lse_half = d.batch * d.heads * d.chunk;
+  auto pair = [&](int64_t n) { return std::array<Floats, 2>{Floats(n, dev), Floats(n, dev)}; };
+  std::array<Floats, 2> q = pair(q_half), out = pair(out_half), dout = pair(out_half), lse = pair(lse_half),
+                        dq = pair(q_half);
   KvBlocks current(d), next(d), mine(d), travelling(d), arrived(d);
   for (int h = 0; h < 2; ++h) {
-    q[h].resize(q_half), pack_half(d, p.q, p.q_stride, d.q_width(), h, q[h].data());
-    out[h].resize(out_half), pack_half(d, p.out, p.out_stride, d.out_width(), h, out[h].data());
-    dout[h].resize(out_half), pack_half(d, p.dout, p.dout_stride, d.out_width(), h, dout[h].data());
-    lse[h].resize(lse_half), pack_lse(d, p.lse, h, lse[h].data());
+    pack_half(d, p.q, p.q_stride, d.q_width(), h, q[h].data());
+    pack_half(d, p.out, p.out_stride, d.out_width(), h, out[h].data());
+    pack_half(d, p.dout, p.dout_stride, d.out_width(), h, dout[h].data());
+    pack_lse(d, p.lse, h, lse[h].data());
     pack_half(d, p.k, p.k_stride, d.k_width(), h, current.k(h));
     pack_half(d, p.v, p.v_stride, d.v_width(), h, current.v(h));
-    dq[h].assign(q_half, 0.0f);
+    dq[h].zero();
   }
-  Floats dq_b(q_half), dk_b(static_cast<size_t>(d.batch * d.chunk * d.k_width())),
-      dv_b(static_cast<size_t>(d.batch * d.chunk * d.v_width()));
+  Floats dq_b(q_half, dev), dk_b(d.batch * d.chunk * d.k_width(), dev),
+      dv_b(d.batch * d.chunk * d.v_width(), dev);
   // The gradients of a rank's keys and values gather as they travel with them: what this rank adds to the
   // visiting ones (`mine`), summed into what the previous ranks added (`arrived`), passed on (`travelling`).
   std::pair<comm::Request, comm::Request> gradients;
@@ -314,7 +312,7 @@ void ring_backward(comm::Communicator& cp, const ContextSplit& split, const Dims
       transfer = pass_on(cp, current.data.data(), next.data.data(), current.count(), kKvTag);
       timer.sent(current.count());
     }
-    std::fill(mine.data.begin(), mine.data.end(), 0.0f);
+    mine.data.zero();
     for (int qi = 0; qi < 2; ++qi)
       for (int kh = 0; kh < 2; ++kh) {
         bool causal = false;
@@ -324,17 +322,17 @@ void ring_backward(comm::Communicator& cp, const ContextSplit& split, const Dims
         a.dout = dout[qi].data(), a.dout_stride = d.out_width();
         a.dq = dq_b.data(), a.dk = dk_b.data(), a.dv = dv_b.data();
         a.dq_stride = d.q_width(), a.dk_stride = d.k_width(), a.dv_stride = d.v_width();
-        ops::attention_backward(a);
+        ops::attention_backward(a, dev);
         progress(transfer), progress(gradients);
-        add_into(dq[qi].data(), dq_b.data(), dq_b.size());
-        add_into(mine.k(kh), dk_b.data(), dk_b.size());
-        add_into(mine.v(kh), dv_b.data(), dv_b.size());
+        add_into(d, dq[qi].data(), dq_b.data(), dq_b.size());
+        add_into(d, mine.k(kh), dk_b.data(), dk_b.size());
+        add_into(d, mine.v(kh), dv_b.data(), dv_b.size());
       }
     timer.computed(true);
     gradients.first.wait(), gradients.second.wait();  // the previous hop: travelling is free, arrived full
     timer.waited();
     std::swap(travelling.data, mine.data);  // mine is zeroed again next step
-    if (step > 0) add_into(travelling.data.data(), arrived.data.data(), travelling.data.size());
+    if (step > 0) add_into(d, travelling.data.data(), arrived.data.data(), travelling.data.size());
     gradients = pass_on(cp, travelling.data.data(), arrived.data.data(), travelling.count(), kGradientTag);
     timer.sent(travelling.count());
     timer.computed();
@@ -379,26 +377,22 @@ struct Ulysses {
     timer.sent(block * (split.cp - 1));
   }
 
-  // x [batch, local, cp groups x cols] (rows `stride` apart) -> on rank j: [source][batch, seq-order... ]:
-  // the whole sequence [batch, seq, cols] of this rank's group, gathered from every rank's local tokens.
+  // x [batch, local, cp groups x cols] (rows `stride` apart) -> on rank j: the whole sequence
+  // [batch, seq, cols] of column group j, gathered from every rank's local tokens.
   Floats gather(comm::Communicator& cp, const float* x, int64_t stride, int64_t cols) const {
     const int n = split.cp;
     const int64_t block = d.batch * d.local * cols;
-    Floats send(static_cast<size_t>(n * block)), recv(send.size());
+    Floats send(n * block, d.device), recv(n * block, d.device);
     for (int j = 0; j < n; ++j)
-      for (int64_t b = 0; b < d.batch; ++b)
-        for (int64_t t = 0; t < d.local; ++t)
-          std::copy_n(x + (b * d.local + t) * stride + j * cols, cols,
-                      send.data() + j * block + (b * d.local + t) * cols);
+      copy3(d.device, 1, d.batch * d.local, cols, x + j * cols, {0, stride, 1}, send.data() + j * block,
+            {0, cols, 1});
     exchange(cp, send, recv, block);
-    Floats whole(static_cast<size_t>(d.batch * seq() * cols));
-    for (int src = 0; src < n; ++src) {
-      const ContextSplit theirs{n, src, seq()};
-      for (int64_t b = 0; b < d.batch; ++b)
-        for (int64_t t = 0; t < d.local; ++t)
-          std::copy_n(recv.data() + src * block + (b * d.local + t) * cols, cols,
-                      whole.data() + (b * seq() + theirs.position(t)) * cols);
-    }
+    Floats whole(d.batch * seq() * cols, d.device);
+    for (int src = 0; src < n; ++src)
+      for (int h = 0; h < 2; ++h)  // rank src's half h: chunk chunk_of(h, src) of every sequence
+        copy3(d.device, d.batch, d.chunk, cols, recv.data() + src * block + h * d.chunk * cols,
+              {d.local * cols, cols, 1}, whole.data() + split.chunk_of(h, src) * d.chunk * cols,
+              {seq() * cols, cols, 1});
     return whole;
   }
   // The inverse: whole [batch, seq, cols] of this rank's group -> every rank's local tokens, into column
@@ -406,49 +400,35 @@ struct Ulysses {
   void scatter(comm::Communicator& cp, const Floats& whole, int64_t cols, float* x, int64_t stride) const {
     const int n = split.cp;
     const int64_t block = d.batch * d.local * cols;
-    Floats send(static_cast<size_t>(n * block)), recv(send.size());
-    for (int dst = 0; dst < n; ++dst) {
-      const ContextSplit theirs{n, dst, seq()};
-      for (int64_t b = 0; b < d.batch; ++b)
-        for (int64_t t = 0; t < d.local; ++t)
-          std::copy_n(whole.data() + (b * seq() + theirs.position(t)) * cols, cols,
-                      send.data() + dst * block + (b * d.local + t) * cols);
-    }
+    Floats send(n * block, d.device), recv(n * block, d.device);
+    for (int dst = 0; dst < n; ++dst)
+      for (int h = 0; h < 2; ++h)
+        copy3(d.device, d.batch, d.chunk, cols, whole.data() + split.chunk_of(h, dst) * d.chunk * cols,
+              {seq() * cols, cols, 1}, send.data() + dst * block + h * d.chunk * cols,
+              {d.local * cols, cols, 1});
     exchange(cp, send, recv, block);
     for (int j = 0; j < n; ++j)
-      for (int64_t b = 0; b < d.batch; ++b)
-        for (int64_t t = 0; t < d.local; ++t)
-          std::copy_n(recv.data() + j * block + (b * d.local + t) * cols, cols,
-                      x + (b * d.local + t) * stride + j * cols);
+      copy3(d.device, 1, d.batch * d.local, cols, recv.data() + j * block, {0, cols, 1}, x + j * cols,
+            {0, stride, 1});
   }
   // The log-sum-exp [batch, heads, local] <-> [batch, heads / cp, seq] of this rank's heads: as rows of one
   // value per (token, head), transposed through the same exchanges.
   Floats lse_rows(const float* lse) const {  // -> [batch, local, heads]
-    Floats rows(static_cast<size_t>(d.batch * d.local * d.heads));
-    for (int64_t b = 0; b < d.batch; ++b)
-      for (int64_t h = 0; h < d.heads; ++h)
-        for (int64_t t = 0; t < d.local; ++t)
-          rows[(b * d.local + t) * d.heads + h] = lse[(b * d.heads + h) * d.local + t];
+    Floats rows(d.batch * d.local * d.heads, d.device);
+    copy3(d.device, d.batch, d.heads, d.local, lse, {d.heads * d.local, d.local, 1}, rows.data(),
+          {d.local * d.heads, 1, d.heads});
     return rows;
   }
   void rows_to_lse(const Floats& rows, float* lse) const {
-    for (int64_t b = 0; b < d.batch; ++b)
-      for (int64_t h = 0; h < d.heads; ++h)
-        for (int64_t t = 0; t < d.local; ++t)
-          lse[(b * d.heads + h) * d.local + t] = rows[(b * d.local + t) * d.heads + h];
+    copy3(d.device, d.batch, d.heads, d.local, rows.data(), {d.local * d.heads, 1, d.heads}, lse,
+          {d.heads * d.local, d.local, 1});
   }
   // whole-sequence [batch, seq, group heads] <-> the kernel's [batch, group heads, seq].
   Floats transpose(const Floats& x, int64_t heads, bool to_heads_major) const {
-    Floats y(x.size());
-    for (int64_t b = 0; b < d.batch; ++b)
-      for (int64_t h = 0; h < heads; ++h)
-        for (int64_t t = 0; t < seq(); ++t) {
-          const int64_t token_major = (b * seq() + t) * heads + h, head_major = (b * heads + h) * seq() + t;
-          if (to_heads_major)
-            y[head_major] = x[token_major];
-          else
-            y[token_major] = x[head_major];
-        }
+    Floats y(x.size(), d.device);
+    const Strides token_major{seq() * heads, 1, heads}, head_major{heads * seq(), seq(), 1};
+    copy3(d.device, d.batch, heads, seq(), x.data(), to_heads_major ? token_major : head_major, y.data(),
+          to_heads_major ? head_major : token_major);
     return y;
   }
 
@@ -482,14 +462,13 @@ void all_to_all_forward(comm::Communicator& cp, const ContextSplit& split, const
   const int64_t hq = d.heads / split.cp;
   const Ulysses::Inputs in = u.gather_inputs(cp, p);
   const Floats &q = in.q, &k = in.k, &v = in.v;
-  Floats out(static_cast<size_t>(d.batch * split.seq * hq * d.v_dim)),
-      lse(static_cast<size_t>(d.batch * hq * split.seq));
+  Floats out(d.batch * split.seq * hq * d.v_dim, d.device), lse(d.batch * hq * split.seq, d.device);
   ops::AttentionParams a = u.whole_params(p, q.data(), k.data(), v.data());
   a.out = out.data(), a.lse = lse.data();
-  ops::attention_forward(a);
+  ops::attention_forward(a, d.device);
   u.scatter(cp, out, hq * d.v_dim, p.out, p.out_stride);
   if (p.lse) {
-    Floats rows(static_cast<size_t>(d.batch * d.local * d.heads));
+    Floats rows(d.batch * d.local * d.heads, d.device);
     u.scatter(cp, u.transpose(lse, hq, false), hq, rows.data(), d.heads);
     u.rows_to_lse(rows, p.lse);
   }
@@ -505,13 +484,13 @@ void all_to_all_backward(comm::Communicator& cp, const ContextSplit& split, cons
   Floats out = u.gather(cp, p.out, p.out_stride, hq * d.v_dim);
   const Floats rows = u.lse_rows(p.lse);
   Floats lse = u.transpose(u.gather(cp, rows.data(), d.heads, hq), hq, true);
-  Floats dq(q.size()), dk(k.size()), dv(v.size());
+  Floats dq(q.size(), d.device), dk(k.size(), d.device), dv(v.size(), d.device);
   ops::AttentionParams a = u.whole_params(p, q.data(), k.data(), v.data());
   a.out = out.data(), a.lse = lse.data();
   a.dout = dout.data(), a.dout_stride = hq * d.v_dim;
   a.dq = dq.data(), a.dk = dk.data(), a.dv = dv.data();
   a.dq_stride = a.q_stride, a.dk_stride = a.k_stride, a.dv_stride = a.v_stride;
-  ops::attention_backward(a);
+  ops::attention_backward(a, d.device);
   u.scatter(cp, dq, hq * d.head_dim, p.dq, p.dq_stride);
   u.scatter(cp, dk, hk * d.head_dim, p.dk, p.dk_stride);
   u.scatter(cp, dv, hk * d.v_dim, p.dv, p.dv_stride);
@@ -520,11 +499,11 @@ void all_to_all_backward(comm::Communicator& cp, const ContextSplit& split, cons
 }  // namespace
 
 void context_attention_forward(comm::Communicator& cp, const ContextSplit& split, ContextAttention mode,
-                               const ops::AttentionParams& p, ContextAttentionStats* stats) {
-  const Dims d = check(cp, split, p, "context attention forward");
+                               const ops::AttentionParams& p, ContextAttentionStats* stats, Device device) {
+  const Dims d = check(cp, split, p, device, "context attention forward");
   CallTimer timer(stats);
   if (split.cp == 1) {  // chunk 0 then chunk 1: the sequence in order
-    ops::attention_forward(p);
+    ops::attention_forward(p, device);
   } else if (mode == ContextAttention::ring) {
     ring_forward(cp, split, d, p, timer);
   } else {
@@ -535,13 +514,13 @@ void context_attention_forward(comm::Communicator& cp, const ContextSplit& split
 }
 
 void context_attention_backward(comm::Communicator& cp, const ContextSplit& split, ContextAttention mode,
-                                const ops::AttentionParams& p, ContextAttentionStats* stats) {
-  const Dims d = check(cp, split, p, "context attention backward");
+                                const ops::AttentionParams& p, ContextAttentionStats* stats, Device device) {
+  const Dims d = check(cp, split, p, device, "context attention backward");
   FORGE_CHECK(p.dout && p.dq && p.dk && p.dv && p.lse,
               "context attention backward: dout, dq, dk, dv and lse");
   CallTimer timer(stats);
   if (split.cp == 1) {
-    ops::attention_backward(p);
+    ops::attention_backward(p, device);
   } else if (mode == ContextAttention::ring) {
     ring_backward(cp, split, d, p, timer);
   } else {

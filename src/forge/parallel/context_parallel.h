@@ -18,8 +18,10 @@
 //               all-to-all brings the outputs back. Needs heads and kv_heads divisible by cp.
 // Both take the local tokens as ops::AttentionParams do (q [batch, local, heads, head_dim] with q_stride
 // between tokens, k and v [batch, local, kv_heads, ...], out, lse [batch, heads, local]), with seq = the
-// local length, the default (dense) batch and head strides, causal attention, on host memory. Grouped-query
-// and MLA shapes (v_head_dim != head_dim) are supported.
+// local length, the default (dense) batch and head strides, causal attention, in memory of `device` (the
+// communicator's: MPI for the host, NCCL for a GPU). The packing, merging and gradient sums run as ops on that
+// device (strided_copy, attention_merge, add_inplace), so nothing goes through the host. Grouped-query and MLA
+// shapes (v_head_dim != head_dim) are supported.
 #pragma once
 
 #include <cstdint>
@@ -81,10 +83,12 @@ struct ContextAttentionStats {
 // Causal attention of this rank's local tokens over the whole sequence of the cp group. p as described
 // above; every rank of `cp` calls it with the same shapes. Writes p.out and p.lse.
 void context_attention_forward(comm::Communicator& cp, const ContextSplit& split, ContextAttention mode,
-                               const ops::AttentionParams& p, ContextAttentionStats* stats = nullptr);
+                               const ops::AttentionParams& p, ContextAttentionStats* stats = nullptr,
+                               Device device = Device::cpu);
 // Its backward: reads p.q, k, v, out, lse (the forward's) and dout; writes dq, dk, dv (overwrite) for the
 // local tokens.
 void context_attention_backward(comm::Communicator& cp, const ContextSplit& split, ContextAttention mode,
-                                const ops::AttentionParams& p, ContextAttentionStats* stats = nullptr);
+                                const ops::AttentionParams& p, ContextAttentionStats* stats = nullptr,
+                                Device device = Device::cpu);
 
 }  // namespace forge::parallel

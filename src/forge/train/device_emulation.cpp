@@ -20,45 +20,46 @@
 namespace forge::train {
 namespace {
 
-// A send or receive on an emulated device communicator. It starts (the host communicator's non-blocking
-// operation on a host copy of the message: a send's taken when it is posted, a receive's written to the
-// device when it completes) only once every transfer posted before it on the same communicator has completed,
-// as operations on one NCCL communicator's stream run one after another.
+class EmulatedDeviceCommunicator;
+
+// A send or receive on an emulated device communicator: the host communicator's non-blocking operation on a
+// host copy of the message (a send's taken when it is posted, a receive's written to the device when it
+// completes), started when its group is (see EmulatedDeviceCommunicator).
 class EmulatedTransfer final : public comm::Work {
  public:
   using Start = std::function<comm::Request(void* staging)>;
-  EmulatedTransfer(const char* op, int peer, void* device, int64_t bytes, Start start)
-      : op_(op),
+  EmulatedTransfer(EmulatedDeviceCommunicator& owner, const char* op, int peer, void* device, int64_t bytes,
+                   Start start)
+      : owner_(&owner),
+        op_(op),
         peer_(peer),
         device_(device),
         staging_(static_cast<size_t>(bytes)),
         start_(std::move(start)) {}
-  bool test() override;  // drives every emulated communicator's transfers (the device runs on its own)
+  // Launches the owner's posted group (as a test on a NCCL communicator does) and drives every emulated
+  // communicator's transfers (a GPU runs all its streams while the host waits).
+  bool test() override;
   const char* operation() const override { return op_; }
   std::string description() const override {
     return fmt::format("{} {} rank {}", op_, std::string(op_) == "send" ? "to" : "from", peer_);
   }
   void* staging() { return staging_.data(); }
-  // Starts the transfer if it has not started; true once it has completed.
+  // Starts the transfer if it has not started; true once its message has arrived (or left). The request
+  // completes with its whole group (complete()), as a NCCL group's operations share one event.
   bool advance();
+  void complete() { done_ = true; }
 
  private:
+  EmulatedDeviceCommunicator* owner_;
   const char* op_;
   int peer_;
   void* device_;  // a receive's destination
   std::vector<std::byte> staging_;
   Start start_;
   comm::Request host_;
-  bool started_ = false, done_ = false;
+  bool started_ = false, arrived_ = false, done_ = false;
 };
 
-// A communicator over emulated device memory: the host communicator it wraps (a duplicate of make_nccl's
-// bootstrap) runs every collective to completion with device memory open, after checking that the buffers
-// are device memory; collectives are therefore complete when they return and nothing overlaps. Sends and
-// receives stay in flight, as NCCL's do, and run one after another in the order they were posted (see
-// EmulatedTransfer), as on one NCCL communicator's stream: so messages that would deadlock on NCCL's streams
-// deadlock here too (and time out with the usual line), rather than passing on MPI's looser ordering. Waiting
-// on any transfer moves every communicator's queue along, as a GPU runs every stream while the host waits.
 class EmulatedDeviceCommunicator final : public comm::Communicator {
  public:
   EmulatedDeviceCommunicator(std::unique_ptr<comm::Communicator> host, std::string name)
@@ -106,9 +107,9 @@ class EmulatedDeviceCommunicator final : public comm::Communicator {
     check("send", buf, "buffer");
     if (EmulatedDevice::check_only() || count == 0) return {};
     const int64_t bytes = count * static_cast<int64_t>(comm::type_size(type));
-    auto work = std::make_shared<EmulatedTransfer>("send", peer, nullptr, bytes, [=, this](void* staging) {
-      return host_->send(staging, count, type, peer, tag);
-    });
+    auto work = std::make_shared<EmulatedTransfer>(
+        *this, "send", peer, nullptr, bytes,
+        [=, this](void* staging) { return host_->send(staging, count, type, peer, tag); });
     {
       EmulatedDevice::Access open;
       std::memcpy(work->staging(), buf, static_cast<size_t>(bytes));
@@ -119,33 +120,15 @@ class EmulatedDeviceCommunicator final : public comm::Communicator {
     check("recv", buf, "buffer");
     if (EmulatedDevice::check_only() || count == 0) return {};
     const int64_t bytes = count * static_cast<int64_t>(comm::type_size(type));
-    auto work = std::make_shared<EmulatedTransfer>("recv", peer, buf, bytes, [=, this](void* staging) {
+    auto work = std::make_shared<EmulatedTransfer>(*this, "recv", peer, buf, bytes, [=, this](void* staging) {
       return host_->recv(staging, count, type, peer, tag);
     });
     return post(std::move(work));
   }
 
-  // Moves every live emulated communicator's queue of transfers along: each starts its oldest transfer and
-  // retires it once complete, then the next.
-  static void progress_all() {
-    for (EmulatedDeviceCommunicator* c : live())
-      while (!c->in_flight_.empty() && c->in_flight_.front()->advance()) c->in_flight_.pop_front();
-  }
-
   // Transfers nobody waited for still own their peers' messages: finished, as NCCL's destroy would wait.
   ~EmulatedDeviceCommunicator() override {
-    const auto start = std::chrono::steady_clock::now();
-    for (;;) {
-      progress_all();
-      if (in_flight_.empty()) break;
-      const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      if (timeout_s_ > 0 && waited > timeout_s_)
-        host_->abort(
-            fmt::format("the emulated nccl communicator '{}' was destroyed with {} transfers in flight "
-                        "for {:.0f} s",
-                        name_, in_flight_.size(), waited));
-      std::this_thread::yield();
-    }
+    drain("destroyed");
     std::erase(live(), this);
   }
   comm::Request broadcast(void* buf, int64_t count, comm::Type type, int root) override {
@@ -154,6 +137,23 @@ class EmulatedDeviceCommunicator final : public comm::Communicator {
   }
   comm::Request barrier() override {
     return run([&] { return host_->barrier(); });
+  }
+
+  // The posted group starts after the ones launched before it.
+  void launch() {
+    if (!posted_.empty()) launched_.push_back(std::move(posted_)), posted_.clear();
+  }
+  // Moves every live emulated communicator's groups along: each starts its oldest group's transfers and
+  // retires the group once all have completed, then the next.
+  static void progress_all() {
+    for (EmulatedDeviceCommunicator* c : live())
+      while (!c->launched_.empty()) {
+        bool all = true;
+        for (const auto& t : c->launched_.front()) all = t->advance() && all;
+        if (!all) break;
+        for (const auto& t : c->launched_.front()) t->complete();
+        c->launched_.pop_front();
+      }
   }
 
   std::unique_ptr<comm::Communicator> split(int color, int key, std::string name) override {
@@ -174,18 +174,35 @@ class EmulatedDeviceCommunicator final : public comm::Communicator {
       fail("{} on the emulated nccl communicator '{}': the {} buffer {} is not device memory", op, name_,
            what, p);
   }
+  // Launches what was posted and waits until every transfer of this communicator has completed.
+  void drain(const char* when) {
+    launch();
+    const auto start = std::chrono::steady_clock::now();
+    for (;;) {
+      progress_all();
+      if (launched_.empty()) return;
+      const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (timeout_s_ > 0 && waited > timeout_s_)
+        host_->abort(
+            fmt::format("the emulated nccl communicator '{}' was {} with {} groups of sends and "
+                        "receives in flight for {:.0f} s",
+                        name_, when, launched_.size(), waited));
+      std::this_thread::yield();
+    }
+  }
+  // A collective runs after the sends and receives posted before it, as on the communicator's stream.
   template <typename Issue>
   comm::Request run(Issue&& issue) {
     if (EmulatedDevice::check_only())
       return {};  // a dry run moves no data (device memory is never committed)
+    drain("in a collective");
     EmulatedDevice::Access open;
     issue().wait();
     return {};
   }
 
   comm::Request post(std::shared_ptr<EmulatedTransfer> work) {
-    in_flight_.push_back(work);
-    progress_all();  // an idle communicator starts it at once
+    posted_.push_back(work);
     return {std::move(work), this};
   }
   // The emulated communicators alive in this process (the emulation's one thread creates and drives them).
@@ -195,23 +212,26 @@ class EmulatedDeviceCommunicator final : public comm::Communicator {
   }
 
   std::unique_ptr<comm::Communicator> host_;
-  std::deque<std::shared_ptr<EmulatedTransfer>> in_flight_;  // posted sends and receives, oldest first
+  std::vector<std::shared_ptr<EmulatedTransfer>> posted_;                // the group not yet launched
+  std::deque<std::vector<std::shared_ptr<EmulatedTransfer>>> launched_;  // groups in flight, oldest first
 };
 
 bool EmulatedTransfer::test() {
-  if (!done_) EmulatedDeviceCommunicator::progress_all();
+  if (done_) return true;
+  owner_->launch();
+  EmulatedDeviceCommunicator::progress_all();
   return done_;
 }
 
 bool EmulatedTransfer::advance() {
   if (!started_) host_ = start_(staging_.data()), started_ = true;
-  if (done_) return true;
+  if (arrived_) return true;
   if (!host_.test()) return false;
   if (device_ != nullptr) {
     EmulatedDevice::Access open;
     std::memcpy(device_, staging_.data(), staging_.size());
   }
-  done_ = true;
+  arrived_ = true;
   return true;
 }
 

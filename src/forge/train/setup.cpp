@@ -286,9 +286,6 @@ void TrainSetup::open_devices() {
   if (!device_usable(device))
     fail("{}: train.device = {}, but no GPU is usable here (or this binary has no CUDA backend)",
          c.origin_of("train.device"), c.train.device);
-  if (layout.cp() > 1)
-    fail("{}: train.device = {} supports tensor, pipeline, data and expert parallelism only for now ({})",
-         c.origin_of("train.device"), c.train.device, layout.describe());
   if (c.fp8.recipe != "off" && c.data.seq_len % 16 != 0)
     fail(
         "{}: data.seq_len = {} must be a multiple of 16 for FP8 on {} (FP8 tensor cores read token counts in "
@@ -309,8 +306,9 @@ void TrainSetup::open_devices() {
   gpu_ordinal_ = visible > 1 ? local_rank : 0;
   gpu.select_device(gpu_ordinal_);
   if (layout.tp() > 1) tp_nccl = device_communicator(*groups.tp, "tp");
-  if (dp > 1) dp_nccl = device_communicator(dp_group(), "dp");
+  if (dp_group().size() > 1) dp_nccl = device_communicator(dp_group(), "dp");  // dp x cp
   if (layout.ep() > 1) ep_nccl = device_communicator(*groups.ep, "ep");
+  if (layout.cp() > 1) cp_nccl = device_communicator(*groups.cp, "cp");
   if (layout.ep() > 1 && layout.expert_dp() > 1)
     expert_dp_nccl = device_communicator(*groups.expert_dp, "expert_dp");
 }
@@ -334,7 +332,7 @@ void TrainSetup::make_compute_options() {
   if (layout.tp() > 1) options.tp = tensor_parallel.get();
   if (layout.cp() > 1) {
     context_parallel = std::make_unique<parallel::CommContextParallel>(
-        groups.cp.get(), parallel::context_attention_from_name(c.parallel.cp_comm));
+        groups.cp.get(), parallel::context_attention_from_name(c.parallel.cp_comm), cp_nccl.get(), device);
     options.cp = context_parallel.get();
   }
   if (layout.ep() > 1) {

@@ -58,8 +58,9 @@ class TrainSetup {
   Device device = Device::cpu;
   bool on_gpu() const { return device != Device::cpu; }
   // On GPUs: NCCL communicators over the tp and dp groups (device buffers), or a one-rank one for dp = 1;
-  // under expert parallelism also over ep (the token all-to-alls) and expert_dp (the experts' gradients).
-  std::unique_ptr<comm::Communicator> dp_nccl, tp_nccl, dp_self, ep_nccl, expert_dp_nccl;
+  // under expert parallelism also over ep (the token all-to-alls) and expert_dp (the experts' gradients),
+  // under context parallelism over cp (the attention's keys, values and their gradients).
+  std::unique_ptr<comm::Communicator> dp_nccl, tp_nccl, dp_self, ep_nccl, expert_dp_nccl, cp_nccl;
 
   std::optional<models::PretrainedDir> init_source;  // model.init_from
   std::string model_source;                          // where the model config came from, for messages

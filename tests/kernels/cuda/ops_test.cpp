@@ -6,6 +6,7 @@
 // attention_test.cpp; the support queries and parameter checks, which need no GPU:
 // kernels/op_support_test.cpp.
 #include "kernels/op_tests/adamw.h"
+#include "kernels/op_tests/context_ops.h"
 #include "kernels/op_tests/elementwise.h"
 #include "kernels/op_tests/embedding.h"
 #include "kernels/op_tests/empty_inputs.h"
@@ -40,6 +41,12 @@ namespace grouped_gemm {
 FORGE_INSTANTIATE_OP_TEST(GroupedGemmOp, kCases, testing::Backend::gpu);
 FORGE_INSTANTIATE_OP_TEST(GroupedGemmFixed, testing::kFixedCase, testing::Backend::gpu);
 }  // namespace grouped_gemm
+
+namespace context_ops {
+FORGE_INSTANTIATE_OP_TEST(AttentionMergeOp, kMergeCases, testing::Backend::gpu);
+FORGE_INSTANTIATE_OP_TEST(StridedCopyOp, kCopyCases, testing::Backend::gpu);
+FORGE_INSTANTIATE_OP_TEST(ContextOpsFixed, testing::kFixedCase, testing::Backend::gpu);
+}  // namespace context_ops
 
 namespace kv_append {
 FORGE_INSTANTIATE_OP_TEST(KvAppendOp, kCases, testing::Backend::gpu);

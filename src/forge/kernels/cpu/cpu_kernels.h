@@ -13,7 +13,7 @@ namespace forge::cpu {
 // Every op of the list (op_list.h): the kernel and its support predicate, which the kernel runs first.
 // Conversions and FP8 casts (fp8_cast.cpp) are thin entries over core/dtype.h and fp8/quantize.h, where the
 // CPU implementations live because the FP8 layer and its tests use them directly; kv_append is in
-// attention_decode.cpp. Mixture of experts: moe_sort.cpp, moe_permute.cpp (permutes and unpermutes),
+// attention_decode.cpp; attention_merge and strided_copy (context parallelism) in context_ops.cpp. Mixture of experts: moe_sort.cpp, moe_permute.cpp (permutes and unpermutes),
 // grouped_gemm.cpp.
 FORGE_OPS(FORGE_OP_DECLARE_KERNEL)
 

@@ -17,6 +17,7 @@
 //   linear_cross_entropy_*             cross_entropy.cu: the vocabulary-chunked loss fused with the
 //   projection. amax, amax_to, fp8_cast_transpose, fp8_cast.cu: every code and scale bitwise the CPU's
 //   (fp8/quantize.h, fp8_quantize_*                     fp8/scaling.h). kv_append kv_append.cu.
+//   attention_merge, strided_copy       context_ops.cu (context parallelism).
 //   moe_sort_by_expert                 moe_sort.cu: a deterministic, stable counting sort (chunked ranks and
 //                                      counts, one scan block, placement); bitwise the CPU's output.
 //   moe_permute*, moe_unpermute*       moe_permute.cu: gathers, a block per row, sums in increasing j.

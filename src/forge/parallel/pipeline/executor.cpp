@@ -109,6 +109,7 @@ void Executor::execute(size_t index) {
       const Link link = links_.from(static_cast<Message>(kind), a.peer);
       comm::Request request =
           link.comm->recv(buffer.raw(), buffer.numel(), comm::Type::f32, link.peer, link.tag);
+      request.test();  // starts it now: a NCCL communicator launches what was posted at its next test
       auto [it, fresh] = receiving_[kind].insert(
           {{a.chunk, a.micro_batch}, {std::move(request), link.comm, std::move(buffer)}});
       FORGE_CHECK(fresh, "pipeline rank {}: {} posted twice", rank_, to_string(a, true));
