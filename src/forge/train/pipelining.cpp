@@ -139,6 +139,9 @@ models::LossSum Pipelining::forward_loss(const models::MicroBatch& mb) {
         const pipeline::Link link = links_.to(pipeline::Message::activation, to.rank);
         sends.push_back(
             link.comm->send(out.hidden.raw(), out.hidden.numel(), comm::Type::f32, link.peer, link.tag));
+        // Started now: a NCCL communicator launches a posted send only at its next test or wait, and the
+        // next stage waits for it while this rank may wait for another stage's output.
+        sends.back().test();
         sent.push_back(out.hidden);
       }
     }

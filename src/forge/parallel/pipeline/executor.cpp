@@ -80,6 +80,7 @@ void Executor::send(const Action& a) {
   to_send_[kind].erase(it);
   const Link link = links_.to(static_cast<Message>(kind), a.peer);
   comm::Request request = link.comm->send(t.raw(), t.numel(), comm::Type::f32, link.peer, link.tag);
+  request.test();  // starts it now (see the receive's)
   sending_.push_back({std::move(request), std::move(t)});
 }
 

@@ -4,8 +4,9 @@
 // forward, the gradients for its backward, the outputs waiting for their send; the chunks hold each
 // micro-batch's saved activations until its B (or W). Receives are posted when the list says (one compute
 // action ahead of their consumer) and waited on by the consumer; sends are non-blocking and their buffers are
-// released as soon as they complete. In an overlapped F&B pair the forward's output is sent before the
-// backward starts, so that its transfer runs behind the backward's compute. Messages travel on one FIFO
+// released as soon as they complete. Each is started as it is posted (a test: forge's NCCL communicator
+// launches posted operations only at the next test or wait on it). In an overlapped F&B pair the forward's
+// output is sent before the backward starts, so that its transfer runs behind the backward's compute. Messages travel on one FIFO
 // channel per (kind, sender, receiver) (links.h): on MPI one communicator with a tag per kind, on NCCL a
 // communicator each. On device memory a received input is waited for in the device's stream order
 // (Communicator::wait_on_stream), so the host goes on queueing work.
