@@ -223,13 +223,22 @@ void progress(std::pair<comm::Request, comm::Request>& transfer) {
   transfer.first.test(), transfer.second.test();
 }
 
-// Starts the exchange of the ring: `send` to the next rank, `recv` from the previous one.
+// Starts the exchange of the ring: `send` to the next rank, `recv` from the previous one. Tested at once: a
+// NCCL communicator launches posted operations (the two as one group) at its next test, so the transfer
+// starts behind the packing rather than behind the first attention block.
 std::pair<comm::Request, comm::Request> pass_on(comm::Communicator& cp, const float* send, float* recv,
                                                 int64_t count, int tag) {
   const int next = (cp.rank() + 1) % cp.size(), previous = (cp.rank() + cp.size() - 1) % cp.size();
   comm::Request r = cp.recv(recv, count, comm::Type::f32, previous, tag);
   comm::Request s = cp.send(send, count, comm::Type::f32, next, tag);
+  s.test();
   return {std::move(s), std::move(r)};
+}
+
+// The transfer done for what runs next: on a GPU in the kernels' stream order (the host goes on queueing);
+// on the host, waited for.
+void finish(comm::Communicator& cp, std::pair<comm::Request, comm::Request>& transfer) {
+  cp.wait_on_stream(transfer.first), cp.wait_on_stream(transfer.second);
 }
 
 // The first block a query half sees (at step 0: its own diagonal chunk, or for the late half the early chunk
@@ -270,7 +279,7 @@ void ring_forward(comm::Communicator& cp, const ContextSplit& split, const Dims&
         started[qi] = true;
       }
     timer.computed(true);
-    transfer.first.wait(), transfer.second.wait();
+    finish(cp, transfer);
     timer.waited();
     std::swap(current.data, next.data);
   }
@@ -329,19 +338,19 @@ void ring_backward(comm::Communicator& cp, const ContextSplit& split, const Dims
         add_into(d, mine.v(kh), dv_b.data(), dv_b.size());
       }
     timer.computed(true);
-    gradients.first.wait(), gradients.second.wait();  // the previous hop: travelling is free, arrived full
+    finish(cp, gradients);  // the previous hop: travelling is free, arrived full
     timer.waited();
     std::swap(travelling.data, mine.data);  // mine is zeroed again next step
     if (step > 0) add_into(d, travelling.data.data(), arrived.data.data(), travelling.data.size());
     gradients = pass_on(cp, travelling.data.data(), arrived.data.data(), travelling.count(), kGradientTag);
     timer.sent(travelling.count());
     timer.computed();
-    transfer.first.wait(), transfer.second.wait();
+    finish(cp, transfer);
     timer.waited();
     std::swap(current.data, next.data);
   }
   // After cp hops every rank holds the whole gradient of its own keys and values.
-  gradients.first.wait(), gradients.second.wait();
+  finish(cp, gradients);
   timer.waited();
   for (int h = 0; h < 2; ++h) {
     unpack_half(d, dq[h].data(), d.q_width(), h, p.dq, p.dq_stride);
@@ -372,7 +381,8 @@ struct Ulysses {
   // One all-to-all of `block` floats per rank, timed (all of it waited for: nothing computes meanwhile).
   void exchange(comm::Communicator& cp, const Floats& send, Floats& recv, int64_t block) const {
     timer.computed();
-    cp.all_to_all(send.data(), recv.data(), block, comm::Type::f32).wait();
+    comm::Request r = cp.all_to_all(send.data(), recv.data(), block, comm::Type::f32);
+    cp.wait_on_stream(r);
     timer.waited();
     timer.sent(block * (split.cp - 1));
   }
