@@ -16,6 +16,7 @@
 
 #include "forge/ckpt/checkpoint_dir.h"
 #include "forge/comm/comm.h"
+#include "forge/core/device.h"
 #include "forge/models/pretrained.h"
 #include "forge/train/config.h"
 
@@ -92,6 +93,13 @@ inline std::filesystem::path make_shared_test_dir(
 }
 
 // 6 steps of 2 x 2 sequences of 32 bytes, logging into dir/run; no evaluation, sample or peak measurement.
+// Whether every rank of `world` has a GPU of its own (the fewest GPUs any rank sees is at least the world's
+// size; always under the device emulation): the multi-rank GPU tests skip otherwise. Collective.
+inline bool every_rank_has_a_gpu(comm::Communicator& world) {
+  const int usable = device_usable(Device::cuda) ? device_memory(Device::cuda).device_count() : 0;
+  return -comm::all_reduce_max(world, -static_cast<double>(usable)) >= world.size();
+}
+
 inline TrainConfig toy_run_config(const std::filesystem::path& dir, const std::string& run) {
   TrainConfig c;
   c.model.config = (dir / "config.json").string();

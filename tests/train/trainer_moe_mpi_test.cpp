@@ -432,9 +432,7 @@ void expert_parallel_on_gpus_follows_the_one_rank_run(TrainConfig ref, TrainConf
   comm::Communicator& world = comm::world();
   std::optional<DeviceEmulation> emulation;
   if (emulated) emulation.emplace();
-  int usable = device_usable(Device::cuda) ? device_memory(Device::cuda).device_count() : 0;
-  usable = static_cast<int>(-comm::all_reduce_max(world, -static_cast<double>(usable)));  // the fewest
-  if (usable < world.size()) GTEST_SKIP() << "needs a GPU per rank (" << world.size() << ")";
+  if (!toy::every_rank_has_a_gpu(world)) GTEST_SKIP() << "needs a GPU per rank (" << world.size() << ")";
   const int n = world.size();
   ref.train.grad_accum = 2 * n;
   auto self = comm::make_self();

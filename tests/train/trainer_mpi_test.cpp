@@ -490,10 +490,7 @@ void data_parallel_on_gpus_follows_the_one_rank_run(TrainerRuns& t, bool emulate
   comm::Communicator& world = comm::world();
   std::optional<DeviceEmulation> emulation;
   if (emulated) emulation.emplace();
-  int usable = device_usable(Device::cuda) ? device_memory(Device::cuda).device_count() : 0;
-  usable = static_cast<int>(
-      -comm::all_reduce_max(world, -static_cast<double>(usable)));  // the fewest any rank sees
-  if (usable < world.size()) GTEST_SKIP() << "needs a GPU per rank (" << world.size() << ")";
+  if (!toy::every_rank_has_a_gpu(world)) GTEST_SKIP() << "needs a GPU per rank (" << world.size() << ")";
   TrainConfig ref = t.config("reference-" + std::to_string(world.rank()));
   ref.train.grad_accum = 2 * world.size();
   auto self = comm::make_self();
@@ -535,9 +532,7 @@ void tensor_parallel_on_gpus_follows_the_one_rank_run(TrainerRuns& t, bool emula
   comm::Communicator& world = comm::world();
   std::optional<DeviceEmulation> emulation;
   if (emulated) emulation.emplace();
-  int usable = device_usable(Device::cuda) ? device_memory(Device::cuda).device_count() : 0;
-  usable = static_cast<int>(-comm::all_reduce_max(world, -static_cast<double>(usable)));
-  if (usable < world.size()) GTEST_SKIP() << "needs a GPU per rank (" << world.size() << ")";
+  if (!toy::every_rank_has_a_gpu(world)) GTEST_SKIP() << "needs a GPU per rank (" << world.size() << ")";
   TrainConfig ref = t.config("reference-" + std::to_string(world.rank()));
   ref.train.grad_accum = 2;
   auto self = comm::make_self();
@@ -571,9 +566,7 @@ void context_parallel_on_gpus_follows_the_one_rank_run(TrainerRuns& t, bool emul
   comm::Communicator& world = comm::world();
   std::optional<DeviceEmulation> emulation;
   if (emulated) emulation.emplace();
-  int usable = device_usable(Device::cuda) ? device_memory(Device::cuda).device_count() : 0;
-  usable = static_cast<int>(-comm::all_reduce_max(world, -static_cast<double>(usable)));
-  if (usable < world.size()) GTEST_SKIP() << "needs a GPU per rank (" << world.size() << ")";
+  if (!toy::every_rank_has_a_gpu(world)) GTEST_SKIP() << "needs a GPU per rank (" << world.size() << ")";
   const int n = world.size();
   std::vector<Layout> layouts = {Layout{1, 1, false, false, n, "p2p"}};
   if (n == 4)
