@@ -367,7 +367,9 @@ void pipelines_on_gpus_follow_the_one_rank_run(PipelineRuns& t, bool emulated) {
              chunked("pp2_interleaved_vpp2", 2, 1, 1, "interleaved", 2, 4, 4),
              chunked("pp2_zbv", 2, 1, 1, "zbv", 1, 4, 4),
              chunked("pp2_dualpipe", 2, 1, 1, "dualpipe", 1, 4, 4),
-             tied("pp2_1f1b_tied", 2, 1, "1f1b", 4, 4)};
+             tied("pp2_1f1b_tied", 2, 1, "1f1b", 4, 4),
+             PipelineCase{"pp2_zbh1_recompute_full", 2, 1, 1, "zb-h1", false, false, "full"},
+             PipelineCase{"pp2_1f1b_fp8_current", 2, 1, 1, "1f1b", false, false, "none", "", "current"}};
   else
     cases = {chunked("pp4_interleaved_vpp2", 4, 1, 1, "interleaved", 2, 8, 4),
              tied("pp4_dualpipe_tied", 4, 1, "dualpipe", 4, 8),
@@ -375,11 +377,14 @@ void pipelines_on_gpus_follow_the_one_rank_run(PipelineRuns& t, bool emulated) {
              chunked("pp2_dp2_zero1_dualpipe", 2, 1, 2, "dualpipe", 1, 4, 4, true)};
   for (const PipelineCase& p : cases) {
     SCOPED_TRACE(p.name);
+    const bool fp8 = std::string(p.fp8) != "off";
     auto make = [&](const std::string& run) {
       TrainConfig c = t.config(run);
       c.model.config =
           (t.dir_ / ("config" + std::to_string(p.layers) + (p.tied ? "_tied" : "") + ".json")).string();
       c.train.steps = 4;
+      c.train.recompute = p.recompute;
+      if (fp8) c.train.dtype = "bf16", c.fp8.recipe = p.fp8;
       return c;
     };
     TrainConfig ref = make(std::string("gpu-reference-") + p.name + "-" + std::to_string(world.rank()));
