@@ -12,7 +12,8 @@
 #                                            (about a minute each on 2 cores), before a lease
 #   PREBUILT=build-gpubundle bench/gpu/run_all.sh test bench train peer
 #                                            no build: the binaries of a bundle made here by bench/gpu/bundle.sh
-#                                            (for a machine without forge's build dependencies; carry the bundle)
+#                                            (for a machine without forge's build dependencies; carry the bundle's
+#                                            tarball, build-gpubundle.tgz, which is unpacked when the folder is absent)
 #
 # Stages: build, test (ctest -L cuda), bench (GEMM bf16/FP8 vs cuBLAS, block-scaled FP8 GEMM vs cuBLASLt
 # per-tensor FP8, attention forward/backward, FP8 casts vs a device copy), train (`forge bench --device cuda` on
@@ -69,6 +70,10 @@ git log --oneline -1 2>/dev/null || true
 
 if [[ -n $PREBUILT ]]; then
   build_status="skipped (PREBUILT=$PREBUILT)"
+  if [[ ! -d $PREBUILT && -f $PREBUILT.tgz ]]; then
+    echo "unpacking $PREBUILT.tgz"
+    tar xzf "$PREBUILT.tgz"
+  fi
   [[ -d $PREBUILT/lib ]] && export LD_LIBRARY_PATH=$PWD/$PREBUILT/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   BIN=$PREBUILT/bin
   # CUDA's libraries come from the image, wherever it keeps them (the toolkit, or Python's nvidia-* wheels).
