@@ -24,12 +24,12 @@
 #include <string>
 #include <vector>
 
+#include "bench_support.h"
 #include "forge/core/dtype.h"
 #include "forge/core/error.h"
 #include "forge/kernels/cuda/cuda_kernels.h"
 #include "forge/kernels/cuda/runtime.h"
 #include "forge/kernels/ops.h"
-#include "bench_support.h"
 
 namespace forge::cuda {
 namespace {
@@ -82,15 +82,17 @@ void check_lt(cublasStatus_t s, const char* what) {
 // [k x n], transposed; its B = x [k x m]); set up once per shape as a user of cuBLASLt would.
 class LtPerTensorPeer {
  public:
+  // a_scale, b_scale: device floats, each in its own allocation (cuBLASLt 13.1 refuses scale pointers that
+  // are not aligned: two floats of one array ran into CUBLAS_STATUS_NOT_SUPPORTED on an H200).
   LtPerTensorPeer(cublasLtHandle_t handle, const Shape& sh, const void* x, const void* w, float* y,
-                  const float* scales)
+                  const float* w_scale, const float* x_scale)
       : handle_(handle), x_(x), w_(w), y_(y), workspace_(size_t{32} << 20) {
     check_lt(cublasLtMatmulDescCreate(&desc_, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
     const int32_t t = CUBLAS_OP_T, n = CUBLAS_OP_N;
     check_lt(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof t), "TRANSA");
     check_lt(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSB, &n, sizeof n), "TRANSB");
-    const void* a_scale = scales;      // W's
-    const void* b_scale = scales + 1;  // x's
+    const void* a_scale = w_scale;  // cuBLASLt's A is W
+    const void* b_scale = x_scale;
     check_lt(
         cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scale, sizeof a_scale),
         "A_SCALE_POINTER");
@@ -148,13 +150,15 @@ struct Row {
 Row bench_shape(const Shape& sh, cublasLtHandle_t lt, const Options& o) {
   const int64_t k_blocks = (sh.k + 127) / 128, n_blocks = (sh.n + 127) / 128;
   DeviceBuffer x(sh.m * sh.k), w(sh.n * sh.k), x16(sh.m * sh.k * 2), w16(sh.n * sh.k * 2);
-  DeviceBuffer a_scales(sh.m * k_blocks * 4), b_scales(n_blocks * k_blocks * 4), peer_scales(8);
+  DeviceBuffer a_scales(sh.m * k_blocks * 4), b_scales(n_blocks * k_blocks * 4), peer_w_scale(4),
+      peer_x_scale(4);
   DeviceBuffer y_block(sh.m * sh.n * 4), y_peer(sh.m * sh.n * 4), y_bf16(sh.m * sh.n * 4);
   fill(x, random_e4m3, 3), fill(w, random_e4m3, 4);
   fill(x16, random_bf16, 5), fill(w16, random_bf16, 6);
   fill_value(a_scales, 0.25f), fill_value(b_scales, 0.5f);
-  const float peer_scale_values[2] = {0.5f, 0.25f};  // cuBLASLt's A (= W), B (= x)
-  peer_scales.upload(peer_scale_values, sizeof peer_scale_values);
+  const float peer_w_scale_value = 0.5f, peer_x_scale_value = 0.25f;
+  peer_w_scale.upload(&peer_w_scale_value, sizeof(float)),
+      peer_x_scale.upload(&peer_x_scale_value, sizeof(float));
 
   ops::Fp8GemmParams block;
   block.m = sh.m, block.n = sh.n, block.k = sh.k;
@@ -172,7 +176,8 @@ Row bench_shape(const Shape& sh, cublasLtHandle_t lt, const Options& o) {
   bf16.ab_dtype = DType::bf16;
   bf16.c = y_bf16.as<float>(), bf16.ldc = sh.n;
 
-  const LtPerTensorPeer peer(lt, sh, x.data(), w.data(), y_peer.as<float>(), peer_scales.as<float>());
+  const LtPerTensorPeer peer(lt, sh, x.data(), w.data(), y_peer.as<float>(), peer_w_scale.as<float>(),
+                             peer_x_scale.as<float>());
   const std::vector<double> ms =
       time_calls({[&] { cuda::fp8_gemm(block); }, [&] { peer(); }, [&] { cuda::gemm(bf16); }}, o);
   return {sh, ms[0], ms[1], ms[2], compare_rows(y_block, y_peer, sh.n, 16)};

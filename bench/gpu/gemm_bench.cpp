@@ -23,12 +23,12 @@
 #include <string>
 #include <vector>
 
+#include "bench_support.h"
 #include "forge/core/dtype.h"
 #include "forge/core/error.h"
 #include "forge/kernels/cuda/cuda_kernels.h"
 #include "forge/kernels/cuda/runtime.h"
 #include "forge/kernels/ops.h"
-#include "bench_support.h"
 
 namespace forge::cuda {
 namespace {
@@ -128,8 +128,10 @@ Row bench_bf16(const Shape& sh, DType out, cublasHandle_t handle, const Options&
 // cuBLASLt would.
 class LtFp8Peer {
  public:
+  // w_scale, x_scale: device floats, each in its own allocation (cuBLASLt 13.1 refuses scale pointers that
+  // are not aligned: two floats of one array ran into CUBLAS_STATUS_NOT_SUPPORTED on an H200).
   LtFp8Peer(cublasLtHandle_t handle, const Shape& sh, const void* x, const void* w, void* y, DType out,
-            const float* scales)
+            const float* w_scale, const float* x_scale)
       : handle_(handle), x_(x), w_(w), y_(y), workspace_(size_t{32} << 20) {
     auto check = [](cublasStatus_t s, const char* what) {
       if (s != CUBLAS_STATUS_SUCCESS) fail("forge_gpubench: {} failed: {}", what, cublasLtGetStatusString(s));
@@ -138,8 +140,8 @@ class LtFp8Peer {
     const int32_t t = CUBLAS_OP_T, n = CUBLAS_OP_N;
     check(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof t), "TRANSA");
     check(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSB, &n, sizeof n), "TRANSB");
-    const void* a_scale = scales;
-    const void* b_scale = scales + 1;
+    const void* a_scale = w_scale;  // cuBLASLt's A is W
+    const void* b_scale = x_scale;
     check(
         cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scale, sizeof a_scale),
         "A_SCALE_POINTER");
@@ -187,17 +189,18 @@ class LtFp8Peer {
 
 Row bench_fp8(const Shape& sh, DType out, cublasLtHandle_t lt, const Options& o) {
   const size_t y_bytes = sh.m * sh.n * dtype_size(out);
-  DeviceBuffer x(sh.m * sh.k), w(sh.n * sh.k), y_forge(y_bytes), y_peer(y_bytes), scales(8);
+  DeviceBuffer x(sh.m * sh.k), w(sh.n * sh.k), y_forge(y_bytes), y_peer(y_bytes), w_scale(4), x_scale(4);
   fill(x, random_e4m3, 3), fill(w, random_e4m3, 4);
-  const float scale_values[2] = {0.5f, 0.25f};  // peer: A (= W) scale, B (= x) scale
-  scales.upload(scale_values, sizeof scale_values);
+  const float w_scale_value = 0.5f, x_scale_value = 0.25f;  // the peer's A (= W) and B (= x) scales
+  w_scale.upload(&w_scale_value, sizeof(float)), x_scale.upload(&x_scale_value, sizeof(float));
   ops::Fp8GemmParams p;
   p.m = sh.m, p.n = sh.n, p.k = sh.k;
   p.a = x.as<uint8_t>(), p.lda = sh.k, p.a_dtype = DType::e4m3;
   p.b = w.as<uint8_t>(), p.ldb = sh.k, p.trans_b = true, p.b_dtype = DType::e4m3;
   p.c = y_forge.data(), p.ldc = sh.n, p.c_dtype = out;
   p.a_scale_inv = 0.25f, p.b_scale_inv = 0.5f;
-  const LtFp8Peer peer(lt, sh, x.data(), w.data(), y_peer.data(), out, scales.as<float>());
+  const LtFp8Peer peer(lt, sh, x.data(), w.data(), y_peer.data(), out, w_scale.as<float>(),
+                       x_scale.as<float>());
   auto forge_call = [&] { cuda::fp8_gemm(p); };
   auto peer_call = [&] { peer(); };
   const Timing t = time_pair(forge_call, peer_call, o);
@@ -272,7 +275,8 @@ int run(const Options& o) {
 
 int main(int argc, char** argv) {
   try {
-    return forge::cuda::run(forge::cuda::bench::parse_options(argc, argv, "forge_gpubench", {}, "bf16|fp8|all"));
+    return forge::cuda::run(
+        forge::cuda::bench::parse_options(argc, argv, "forge_gpubench", {}, "bf16|fp8|all"));
   } catch (const forge::Error& e) {
     std::fprintf(stderr, "%s\n", e.what());
     return 1;

@@ -399,7 +399,8 @@ struct Fp8CastParams {
 // `tokens` tokens as one group (N = tokens), independently of seq_len (both may be on at once):
 //   aux_fraction[i] = experts / (top_k * N) * #{(t, j) : e_{t,j} = i},  P_i = 1 / N * sum_t s[t, i] / n_t
 //   aux_loss[0] = sum_i aux_fraction[i] * P_i
-// It writes score_sums too (tokens = 0: aux_loss is not written).
+// It writes score_sums too (tokens = 0: aux_fraction is all zeros, so that fractions summed over ranks see no
+// garbage from an empty rank, and aux_loss is not written).
 //
 // Backward writes dlogits [tokens, experts] (overwrite): the gradient through the weights (dweights
 // [tokens, top_k]) plus balance_scale times that of sum_q balance_loss[q] plus aux_scale times that of

@@ -327,6 +327,9 @@ LossSum NoPipelining::run(Model& model, int count, const std::function<MicroBatc
         model.backward_input(Tensor(), *saved);
         deferred.push_back(std::move(saved));
         break;
+      case Order::paired:
+        FORGE_CHECK(false, "the paired order runs above");
+        break;
     }
   }
   for (auto& saved : deferred) model.backward_weight(*saved);

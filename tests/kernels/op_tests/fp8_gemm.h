@@ -369,8 +369,12 @@ TEST_P(Fp8GemmOp, MatchesTheReference) {
     }
     const std::vector<float> cpu = pr.decode_c(run(Device::cpu, pr, fast, c.c_dtype), c.c_dtype);
     std::vector<double> want(cpu.begin(), cpu.end());
+    // Per-tensor scaling runs on Hopper's FP8 tensor cores, whose accumulator keeps fewer bits than fp32
+    // between cuBLASLt's promotions: integer partial sums stay exact only while small, and E5M2 operands'
+    // sums outgrow it (an H200 came 2.1e-5 S = 2^-15.5 S off the CPU on an E4M3 x E5M2 case), so the bound is
+    // the "few 2^-13 of S" gemm_cublaslt.cpp states. Forge's own block kernel accumulates in fp32.
     const double bound = c.data == Data::spread       ? std::ldexp(1.0, -8)
-                         : c.mode == Mode::per_tensor ? std::ldexp(16.0, -24)
+                         : c.mode == Mode::per_tensor ? std::ldexp(1.0, -12)
                                                       : 2.0 * (p.k + 16) * std::ldexp(1.0, -24);
     const double worst = expect_close(
         pr, got, want, p.ldc, got_bytes, before, magnitude,

@@ -2,7 +2,9 @@
 // over the compressed latent cache, with fp32 and bf16 GEMM operands. Under the device emulation
 // (device_backends.h) every op's parameters must pass the CUDA backend's predicates and no host code may
 // touch device memory; the results are then the CPU kernels' (bound 1e-3 relative, 0 in practice). On a GPU
-// the bound covers the kernels' other summation orders.
+// attention runs bf16 tensor-core products whatever the GEMMs' dtype (kernels/cuda/attention.cu): q, k, v and
+// the probabilities rounded to bf16 (2^-9 relative each) moved every result by 2-3.5e-3 relative on an H200
+// (fp32 and bf16 alike), so the bound there is 1e-2.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -104,12 +106,13 @@ double relative(const std::vector<float>& got, const std::vector<float>& want) {
 class MlaOnDevice : public DeviceBackendTest {};
 
 TEST_P(MlaOnDevice, MatchesTheCpu) {
+  const double bound = emulated() ? 1e-3 : 1e-2;
   for (DType dtype : {DType::f32, DType::bf16}) {
     const MlaRun cpu = run_mla(Device::cpu, dtype), gpu = run_mla(Device::cuda, dtype);
-    EXPECT_LT(relative(gpu.y, cpu.y), 1e-3) << dtype_name(dtype);
-    EXPECT_LT(relative(gpu.dx, cpu.dx), 1e-3) << dtype_name(dtype);
-    EXPECT_LT(relative(gpu.grads, cpu.grads), 1e-3) << dtype_name(dtype);
-    EXPECT_LT(relative(gpu.cached, cpu.cached), 1e-3) << dtype_name(dtype);
+    EXPECT_LT(relative(gpu.y, cpu.y), bound) << dtype_name(dtype);
+    EXPECT_LT(relative(gpu.dx, cpu.dx), bound) << dtype_name(dtype);
+    EXPECT_LT(relative(gpu.grads, cpu.grads), bound) << dtype_name(dtype);
+    EXPECT_LT(relative(gpu.cached, cpu.cached), bound) << dtype_name(dtype);
   }
 }
 

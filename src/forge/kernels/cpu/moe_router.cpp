@@ -8,6 +8,7 @@
 //   T = tokens), with that group's f and n_t = sum_e s[t, e]:
 //     d/ds[t, e] sum_i f_i P_i = (f_e / n_t - sum_i f_i s[t, i] / n_t^2) / T.
 //   then through the score function: sigmoid ds/dz = s (1 - s); softmax dz_e = s_e (g_e - sum_i g_i s_i).
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -146,6 +147,7 @@ void moe_router_forward(const ops::MoeRouterParams& p) {
     }
   }
   if (p.aux_loss && p.tokens > 0) p.aux_loss[0] = balance_of(p, 0, p.tokens, p.aux_fraction);
+  if (p.aux_loss && p.tokens == 0) std::fill_n(p.aux_fraction, p.experts, 0.0f);
 }
 
 void moe_router_backward(const ops::MoeRouterParams& p) {

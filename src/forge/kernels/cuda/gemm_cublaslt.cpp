@@ -32,18 +32,24 @@
 // b 16-byte aligned with lda and ldb multiples of 16 (checked), and a bf16 C 16-byte aligned with ldc a
 // multiple of 8 (16-byte rows; checked). An fp32 C is left to the heuristic, which says when it has no
 // algorithm for the C it is given.
-// The dequantisation scales travel as cuBLASLt's A/B scale pointers, which must be device floats. A scale_inv
-// already in device memory (Fp8GemmParams::a_scale_inv_ptr / b_scale_inv_ptr: current scaling computes its
-// scales on the device) is pointed at directly, so the GEMM reads it in stream order; a host value goes to
-// one of two floats of device scratch, written in stream order (cuMemsetD32Async, which takes the value
-// itself, so no host memory has to outlive the call) and only when it changes. The pointers are set on the
-// cached descriptor per call (a host-side attribute write, skipped when unchanged; the descriptor is read
-// when cublasLtMatmul enqueues, under the engine's mutex). Because cuBLASLt's A is forge's B, A_SCALE_POINTER
-// points to b's scale_inv and B_SCALE_POINTER to a's. FAST_ACCUM is Fp8GemmParams::fast_accumulation (part
-// of the plan): off, cuBLASLt promotes the tensor cores' partial sums to fp32 periodically. Within such an
-// interval Hopper accumulates FP8 products in less than fp32 precision, so on arbitrary data results match the
-// emulated CPU GEMM to a few 2^-13 of the summed magnitudes, and exactly (up to fp32 rounding of the scales)
-// where the partial sums are exact (small integers); on, nothing is promoted (TransformerEngine's forward). No amax epilogue: with FP8 inputs cuBLASLt computes AMAX_D only
+// The dequantisation scales travel as cuBLASLt's A/B scale pointers, which must be device floats, and
+// 16-byte aligned: cuBLASLt 13.1 on an H200 answered CUBLAS_STATUS_NOT_SUPPORTED from cublasLtMatmul (after
+// its heuristic had offered algorithms, since it does not look at the pointers) for scale pointers 4 or 8
+// bytes past a 512-byte boundary, and ran them 0, 16, 32, ... 256 bytes past it (measured 2026-12-04); this
+// code gives it kScaleAlignment-byte aligned pointers only. A scale_inv already in device memory
+// (Fp8GemmParams::a_scale_inv_ptr / b_scale_inv_ptr: current scaling computes its scales on the device) is
+// pointed at directly when so aligned, and otherwise copied (4 bytes, device to device, in stream order) to a
+// scratch slot of its own; a host value goes to another slot, written in stream order (cuMemsetD32Async,
+// which takes the value itself, so no host memory has to outlive the call) and only when it changes. The
+// pointers are set on the cached descriptor per call (a host-side attribute write, skipped when unchanged;
+// the descriptor is read when cublasLtMatmul enqueues, under the engine's mutex). Because cuBLASLt's A is
+// forge's B, A_SCALE_POINTER points to b's scale_inv and B_SCALE_POINTER to a's. FAST_ACCUM is
+// Fp8GemmParams::fast_accumulation (part of the plan): off, cuBLASLt promotes the tensor cores' partial sums
+// to fp32 periodically. Within such an interval Hopper accumulates FP8 products in less than fp32 precision,
+// so on arbitrary data results match the emulated CPU GEMM to a few 2^-13 of the summed magnitudes, and
+// exactly (up to fp32 rounding of the scales) only while the partial sums are small integers (an E4M3 x E5M2
+// case with integer codes was 2^-15.5 of its magnitudes off on an H200); on, nothing
+// is promoted (TransformerEngine's forward). No amax epilogue: with FP8 inputs cuBLASLt computes AMAX_D only
 // for FP8 outputs, and ops' FP8 GEMM writes fp32 or bf16 (an amax of C, where a recipe wants one, is a
 // separate pass).
 //
@@ -78,6 +84,12 @@ void check_cublas(cublasStatus_t status, const char* what, const char* file, int
 #define FORGE_CUBLASLT_CHECK(call) check_cublas((call), #call, __FILE__, __LINE__)
 
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;
+// FP8 scale pointers: the alignment cuBLASLt needs (allocation starts are at least this aligned), and the
+// scratch slots, kScaleSlotBytes apart: 0 and 1 host values (cuBLASLt's A, B), 2 and 3 copies of unaligned
+// device scales (cuBLASLt's A, B).
+constexpr size_t kScaleAlignment = 16;
+constexpr size_t kScaleSlotBytes = 256;
+constexpr int kScaleSlots = 4;
 constexpr uint32_t kMaxAlignment = 256;  // cuBLASLt's default assumption; nothing asks for more
 
 bool is_fp8(DType dtype) { return dtype == DType::e4m3 || dtype == DType::e5m2; }
@@ -167,7 +179,7 @@ class Engine {
     for (int i = 0; i < 2; ++i) {
       unsigned int bits;
       std::memcpy(&bits, &values[i], sizeof bits);
-      const CUresult r = memset_d32_(reinterpret_cast<CUdeviceptr>(scales_ + i), bits, 1, stream());
+      const CUresult r = memset_d32_(reinterpret_cast<CUdeviceptr>(slot(i)), bits, 1, stream());
       if (r != CUDA_SUCCESS)
         fail("fp8_gemm: cuMemsetD32Async of a scale failed with CUresult {}", static_cast<int>(r));
     }
@@ -176,7 +188,17 @@ class Engine {
   }
 
   // Scratch float i (0: cuBLASLt's A = forge's B, 1: cuBLASLt's B = forge's A), which set_fp8_scales writes.
-  const float* scale_scratch(int i) const { return scales_ + i; }
+  const float* scale_scratch(int i) const { return slot(i); }
+
+  // A device scale for cuBLASLt's operand i (0: A, 1: B) at an address cuBLASLt takes: `scale` itself when
+  // kScaleAlignment-aligned, else a copy in slot 2 + i, made in stream order (the GEMM enqueued next reads
+  // it; a later copy into the same slot runs after that GEMM).
+  const float* aligned_scale(const float* scale, int i) {
+    if (reinterpret_cast<uintptr_t>(scale) % kScaleAlignment == 0) return scale;
+    float* copy = slot(2 + i);
+    FORGE_CUDA_CHECK(cudaMemcpyAsync(copy, scale, sizeof(float), cudaMemcpyDeviceToDevice, stream()));
+    return copy;
+  }
 
   // Points the plan's A/B scale pointers at these device floats (set_fp8_scales' scratch or the caller's).
   void set_scale_pointers(Plan& plan, const float* lt_a_scale, const float* lt_b_scale) {
@@ -201,7 +223,9 @@ class Engine {
   Engine() {
     FORGE_CUBLASLT_CHECK(cublasLtCreate(&handle_));
     workspace_ = device_alloc(kWorkspaceBytes);
-    scales_ = static_cast<float*>(device_alloc(2 * sizeof(float)));
+    scales_ = static_cast<float*>(device_alloc(kScaleSlots * kScaleSlotBytes));
+    FORGE_CHECK(reinterpret_cast<uintptr_t>(scales_) % kScaleAlignment == 0,
+                "fp8_gemm: the scale scratch is not {}-byte aligned", kScaleAlignment);
     // The driver's cuMemsetD32Async through the runtime, so that libforge needs no link to libcuda.
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found{};
@@ -226,7 +250,7 @@ class Engine {
     if (fp8) {
       // The scale pointers start at the scratch (the heuristic sees an FP8 descriptor with scales); each call
       // points them where its scales are (set_scale_pointers).
-      set_scale_pointers(p, scales_, scales_ + 1);
+      set_scale_pointers(p, slot(0), slot(1));
       const int8_t fast_accumulation = key.fast_accumulation ? 1 : 0;
       FORGE_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM,
                                                           &fast_accumulation, sizeof fast_accumulation));
@@ -277,7 +301,12 @@ class Engine {
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
-  float* scales_ = nullptr;  // device: [cuBLASLt A scale, cuBLASLt B scale]
+  float* slot(int i) const {
+    return reinterpret_cast<float*>(reinterpret_cast<char*>(scales_) +
+                                    static_cast<size_t>(i) * kScaleSlotBytes);
+  }
+
+  float* scales_ = nullptr;  // device: kScaleSlots slots of kScaleSlotBytes bytes (see slot())
   float last_scales_[2] = {0, 0};
   bool scales_valid_ = false;
   MemsetD32Async memset_d32_ = nullptr;
@@ -299,8 +328,10 @@ bool shape_ok(const char* op, int64_t m, int64_t n, int64_t k, const void* a, in
   if (m <= 0 || n <= 0 || k <= 0) return refuse(reason, "{}: empty problem m={} n={} k={}", op, m, n, k);
   if (!a || !b || !c) return refuse(reason, "{}: null operand pointer (a, b or c)", op);
   const int64_t a_cols = trans_a ? m : k, b_cols = trans_b ? k : n;
-  if (lda < a_cols) return refuse(reason, "{}: lda {} is smaller than A's {} stored columns", op, lda, a_cols);
-  if (ldb < b_cols) return refuse(reason, "{}: ldb {} is smaller than B's {} stored columns", op, ldb, b_cols);
+  if (lda < a_cols)
+    return refuse(reason, "{}: lda {} is smaller than A's {} stored columns", op, lda, a_cols);
+  if (ldb < b_cols)
+    return refuse(reason, "{}: ldb {} is smaller than B's {} stored columns", op, ldb, b_cols);
   if (ldc < n) return refuse(reason, "{}: ldc {} is smaller than n {}", op, ldc, n);
   return true;
 }
@@ -309,8 +340,8 @@ bool shape_ok(const char* op, int64_t m, int64_t n, int64_t k, const void* a, in
 bool output_ok(const char* op, DType c_dtype, DType operand_dtype, const void* c, std::string* reason) {
   if (!ops::supports_gemm_output(op, c_dtype, operand_dtype, reason)) return false;
   if (alignment(c) < dtype_size(c_dtype))
-    return ops::refuse(reason, "{}: c ({}) is not aligned to its {}-byte {} elements", op, c, dtype_size(c_dtype),
-                       dtype_name(c_dtype));
+    return ops::refuse(reason, "{}: c ({}) is not aligned to its {}-byte {} elements", op, c,
+                       dtype_size(c_dtype), dtype_name(c_dtype));
   return true;
 }
 
@@ -401,16 +432,29 @@ void fp8_gemm(const ops::Fp8GemmParams& p) {
   check_device_pointer("fp8_gemm", "c", p.c);
   if (p.a_scale_inv_ptr) check_device_pointer("fp8_gemm", "a_scale_inv_ptr", p.a_scale_inv_ptr);
   if (p.b_scale_inv_ptr) check_device_pointer("fp8_gemm", "b_scale_inv_ptr", p.b_scale_inv_ptr);
-  const PlanKey key{p.a_dtype,      p.b_dtype,      p.c_dtype,      p.trans_a, p.trans_b,          p.m, p.n, p.k,
-                    p.lda,          p.ldb,          p.ldc,          alignment(p.a), alignment(p.b), alignment(p.c),
+  const PlanKey key{p.a_dtype,
+                    p.b_dtype,
+                    p.c_dtype,
+                    p.trans_a,
+                    p.trans_b,
+                    p.m,
+                    p.n,
+                    p.k,
+                    p.lda,
+                    p.ldb,
+                    p.ldc,
+                    alignment(p.a),
+                    alignment(p.b),
+                    alignment(p.c),
                     p.fast_accumulation};
   Engine& engine = Engine::get();
   std::lock_guard<std::mutex> lock(engine.mutex);
   Plan& plan = engine.plan(key);
   // cuBLASLt's A is forge's B. Host values go through the scratch (written only when they change).
   if (!p.a_scale_inv_ptr || !p.b_scale_inv_ptr) engine.set_fp8_scales(p.b_scale_inv, p.a_scale_inv);
-  engine.set_scale_pointers(plan, p.b_scale_inv_ptr ? p.b_scale_inv_ptr : engine.scale_scratch(0),
-                            p.a_scale_inv_ptr ? p.a_scale_inv_ptr : engine.scale_scratch(1));
+  engine.set_scale_pointers(
+      plan, p.b_scale_inv_ptr ? engine.aligned_scale(p.b_scale_inv_ptr, 0) : engine.scale_scratch(0),
+      p.a_scale_inv_ptr ? engine.aligned_scale(p.a_scale_inv_ptr, 1) : engine.scale_scratch(1));
   engine.run(plan, p.b, p.a, p.c, p.alpha, p.beta);
 }
 

@@ -200,7 +200,12 @@ bool supports_moe_router_backward(const ops::MoeRouterParams& p, std::string* re
 
 void moe_router_forward(const ops::MoeRouterParams& p) {
   if (std::string why; !supports_moe_router_forward(p, &why)) fail_message(why);
-  if (p.tokens == 0) return;
+  if (p.tokens == 0) {
+    if (p.aux_loss)
+      FORGE_CUDA_CHECK(
+          cudaMemsetAsync(p.aux_fraction, 0, static_cast<size_t>(p.experts) * sizeof(float), stream()));
+    return;
+  }
   route_kernel<<<detail::grid_blocks(p.tokens, kThreads, int64_t{1} << 30), kThreads, 0, stream()>>>(p);
   FORGE_CUDA_CHECK_LAUNCH("moe_router_forward");
   if (p.seq_len > 0) {
