@@ -48,10 +48,10 @@
 // to fp32 periodically. Within such an interval Hopper accumulates FP8 products in less than fp32 precision,
 // so on arbitrary data results match the emulated CPU GEMM to a few 2^-13 of the summed magnitudes, and
 // exactly (up to fp32 rounding of the scales) only while the partial sums are small integers (an E4M3 x E5M2
-// case with integer codes was 2^-15.5 of its magnitudes off on an H200); on, nothing
-// is promoted (TransformerEngine's forward). No amax epilogue: with FP8 inputs cuBLASLt computes AMAX_D only
-// for FP8 outputs, and ops' FP8 GEMM writes fp32 or bf16 (an amax of C, where a recipe wants one, is a
-// separate pass).
+// case with integer codes was 2^-15.5 of its magnitudes off on an H200); on, nothing is promoted
+// (TransformerEngine's forward). No amax epilogue: with FP8 inputs cuBLASLt computes AMAX_D only for FP8
+// outputs, and ops' FP8 GEMM writes fp32 or bf16 (an amax of C, where a recipe wants one, is a separate
+// pass).
 //
 // Per shape (dtypes (C's included), orientation, sizes, leading dimensions, pointer alignments) the matmul
 // descriptor, layouts and the heuristic's first algorithm are made once and cached; one 32 MiB workspace
