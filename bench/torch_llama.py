@@ -85,6 +85,13 @@ class Llama(torch.nn.Module):
         self.register_buffer("sin", emb.sin())
         fused_attention = hasattr(F, "scaled_dot_product_attention")
         self.register_buffer("mask", None if fused_attention else torch.full((seq, seq), float("-inf")).triu(1))
+        # Hugging Face Llama's initialisation, as forge's: every matrix N(0, initializer_range), norms ones.
+        # (PyTorch's layer defaults, N(0, 1) embeddings among them, train at another pace on the same data.)
+        std = c.get("initializer_range", 0.02)
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                    module.weight.normal_(0.0, std)
 
     def forward(self, ids, targets):
         x = self.embed(ids)
@@ -148,12 +155,11 @@ def main():
         opt.step()
         return float(total)  # waits for the step (a device's queue drains here, as forge's loss copy does)
 
-    for _ in range(a.warmup):
-        step()
+    losses = [step() for _ in range(a.warmup)]  # every step's loss, warm-up included, as forge bench lists them
     if gpu:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    losses = [step() for _ in range(a.steps)]
+    losses += [step() for _ in range(a.steps)]
     dt = (time.perf_counter() - t0) / a.steps
     tps = a.grad_accum * a.batch * a.seq / dt
     gflops = tps * flops_per_token(c, a.seq) / 1e9
