@@ -96,6 +96,14 @@ const bool kFp8GemmQuery = (
 }  // namespace op_tests::fp8_gemm
 namespace {
 
+// cuBLASLt is loaded on the first GEMM, not linked (gemm_cublaslt.cpp): every function the GEMMs call must be
+// found in the library of the toolkit forge was built with. Runs without a GPU (CI has the toolkit).
+TEST(CudaCublasLt, LoadsWithEveryFunctionTheGemmsCall) {
+  std::string why;
+  EXPECT_TRUE(cuda::cublaslt_loadable(&why)) << why;
+  EXPECT_TRUE(why.empty()) << why;
+}
+
 TEST(CudaGemmErrors, HostPointersAreRefusedAndTheDeviceStaysUsable) {
   if (!cuda::available()) GTEST_SKIP() << cuda::describe_device();
   const op_tests::gemm::Case c{16, 16, 16, op_tests::gemm::kNT, DType::f32, DType::f32, 0, 0};

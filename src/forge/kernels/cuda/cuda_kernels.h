@@ -46,4 +46,8 @@ FORGE_OPS(FORGE_OP_DECLARE_KERNEL)
 void fp8_block_gemm(const ops::Fp8GemmParams& p);
 bool supports_fp8_block_gemm(const ops::Fp8GemmParams& p, std::string* reason);
 
+// Whether cuBLASLt (loaded on the first GEMM with dlopen, gemm_cublaslt.cpp) loads with every function the
+// GEMMs call; no GPU needed. reason, when given, says why not.
+bool cublaslt_loadable(std::string* reason = nullptr);
+
 }  // namespace forge::cuda

@@ -59,6 +59,7 @@
 // thread-safe.
 #include <cublasLt.h>
 #include <cuda.h>  // CUresult, CUdeviceptr: cuMemsetD32Async's signature (fetched through the runtime)
+#include <dlfcn.h>
 
 #include <cmath>
 #include <cstring>
@@ -66,6 +67,7 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <type_traits>
 
 #include "forge/core/error.h"
 #include "forge/kernels/cuda/cuda_kernels.h"
@@ -76,10 +78,71 @@
 namespace forge::cuda {
 namespace {
 
+// cuBLASLt is loaded on the first GEMM (dlopen), not linked: the library is over 500 MB, and loading it cost
+// every process that links libforge about 0.35 s at start on the CI machine, GPU or not (the test suite runs
+// thousands of processes). The functions keep their header's types (decltype), so a call that compiles
+// against cublasLt.h calls the same function.
+struct CublasLt {
+  decltype(&::cublasLtCreate) create = nullptr;
+  decltype(&::cublasLtGetStatusName) status_name = nullptr;
+  decltype(&::cublasLtGetStatusString) status_string = nullptr;
+  decltype(&::cublasLtMatmul) matmul = nullptr;
+  decltype(&::cublasLtMatmulAlgoGetHeuristic) heuristic = nullptr;
+  decltype(&::cublasLtMatmulDescCreate) desc_create = nullptr;
+  decltype(&::cublasLtMatmulDescSetAttribute) desc_set = nullptr;
+  decltype(&::cublasLtMatmulPreferenceCreate) preference_create = nullptr;
+  decltype(&::cublasLtMatmulPreferenceDestroy) preference_destroy = nullptr;
+  decltype(&::cublasLtMatmulPreferenceSetAttribute) preference_set = nullptr;
+  decltype(&::cublasLtMatrixLayoutCreate) layout_create = nullptr;
+  std::string error;  // why loading failed; empty when every function was found
+};
+
+const std::string& cublaslt_library() {
+  static const std::string name = "libcublasLt.so." + std::to_string(CUBLAS_VER_MAJOR);
+  return name;
+}
+
+CublasLt load_cublaslt() {
+  CublasLt lt;
+  void* library = dlopen(cublaslt_library().c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (!library) {
+    const char* why = dlerror();
+    lt.error = fmt::format("cannot load {} ({})", cublaslt_library(), why ? why : "no reason given");
+    return lt;
+  }
+  const auto find = [&](auto& function, const char* symbol) {
+    function = reinterpret_cast<std::remove_reference_t<decltype(function)>>(dlsym(library, symbol));
+    if (!function && lt.error.empty()) lt.error = fmt::format("{} has no {}", cublaslt_library(), symbol);
+  };
+  find(lt.create, "cublasLtCreate");
+  find(lt.status_name, "cublasLtGetStatusName");
+  find(lt.status_string, "cublasLtGetStatusString");
+  find(lt.matmul, "cublasLtMatmul");
+  find(lt.heuristic, "cublasLtMatmulAlgoGetHeuristic");
+  find(lt.desc_create, "cublasLtMatmulDescCreate");
+  find(lt.desc_set, "cublasLtMatmulDescSetAttribute");
+  find(lt.preference_create, "cublasLtMatmulPreferenceCreate");
+  find(lt.preference_destroy, "cublasLtMatmulPreferenceDestroy");
+  find(lt.preference_set, "cublasLtMatmulPreferenceSetAttribute");
+  find(lt.layout_create, "cublasLtMatrixLayoutCreate");
+  return lt;  // the library stays loaded for the process's life
+}
+
+const CublasLt& loaded() {
+  static const CublasLt table = load_cublaslt();
+  return table;
+}
+
+const CublasLt& lt() {
+  const CublasLt& table = loaded();
+  if (!table.error.empty()) fail("gemm: {}", table.error);
+  return table;
+}
+
 void check_cublas(cublasStatus_t status, const char* what, const char* file, int line) {
   if (status != CUBLAS_STATUS_SUCCESS)
-    fail("cuBLASLt error in {} ({}:{}): {}: {}", what, file, line, cublasLtGetStatusName(status),
-         cublasLtGetStatusString(status));
+    fail("cuBLASLt error in {} ({}:{}): {}: {}", what, file, line, lt().status_name(status),
+         lt().status_string(status));
 }
 #define FORGE_CUBLASLT_CHECK(call) check_cublas((call), #call, __FILE__, __LINE__)
 
@@ -207,21 +270,20 @@ class Engine {
                                                           CUBLASLT_MATMUL_DESC_B_SCALE_POINTER};
     for (int i = 0; i < 2; ++i) {
       if (plan.scale_pointers[i] == pointers[i]) continue;
-      FORGE_CUBLASLT_CHECK(
-          cublasLtMatmulDescSetAttribute(plan.desc, attributes[i], &pointers[i], sizeof pointers[i]));
+      FORGE_CUBLASLT_CHECK(lt().desc_set(plan.desc, attributes[i], &pointers[i], sizeof pointers[i]));
       plan.scale_pointers[i] = pointers[i];
     }
   }
 
   void run(const Plan& plan, const void* lt_a, const void* lt_b, void* c, float alpha, float beta) {
-    FORGE_CUBLASLT_CHECK(cublasLtMatmul(handle_, plan.desc, &alpha, lt_a, plan.lt_a, lt_b, plan.lt_b, &beta,
-                                        c, plan.lt_c, c, plan.lt_c, &plan.algo, workspace_, kWorkspaceBytes,
-                                        stream()));
+    FORGE_CUBLASLT_CHECK(lt().matmul(handle_, plan.desc, &alpha, lt_a, plan.lt_a, lt_b, plan.lt_b, &beta, c,
+                                     plan.lt_c, c, plan.lt_c, &plan.algo, workspace_, kWorkspaceBytes,
+                                     stream()));
   }
 
  private:
   Engine() {
-    FORGE_CUBLASLT_CHECK(cublasLtCreate(&handle_));
+    FORGE_CUBLASLT_CHECK(lt().create(&handle_));
     workspace_ = device_alloc(kWorkspaceBytes);
     scales_ = static_cast<float*>(device_alloc(kScaleSlots * kScaleSlotBytes));
     FORGE_CHECK(reinterpret_cast<uintptr_t>(scales_) % kScaleAlignment == 0,
@@ -240,60 +302,58 @@ class Engine {
   Plan make_plan(const PlanKey& key) {
     const bool fp8 = is_fp8(key.a_dtype);
     Plan p;
-    FORGE_CUBLASLT_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    FORGE_CUBLASLT_CHECK(lt().desc_create(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const int32_t op_a = key.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLASLt's A is forge's B
     const int32_t op_b = key.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-    FORGE_CUBLASLT_CHECK(
-        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof op_a));
-    FORGE_CUBLASLT_CHECK(
-        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof op_b));
+    FORGE_CUBLASLT_CHECK(lt().desc_set(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof op_a));
+    FORGE_CUBLASLT_CHECK(lt().desc_set(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof op_b));
     if (fp8) {
       // The scale pointers start at the scratch (the heuristic sees an FP8 descriptor with scales); each call
       // points them where its scales are (set_scale_pointers).
       set_scale_pointers(p, slot(0), slot(1));
       const int8_t fast_accumulation = key.fast_accumulation ? 1 : 0;
-      FORGE_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM,
-                                                          &fast_accumulation, sizeof fast_accumulation));
+      FORGE_CUBLASLT_CHECK(lt().desc_set(p.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast_accumulation,
+                                         sizeof fast_accumulation));
     }
     const auto rows = [](int64_t x) { return static_cast<uint64_t>(x); };
-    FORGE_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&p.lt_a, cuda_type(key.b_dtype),
-                                                    rows(key.trans_b ? key.k : key.n),
-                                                    rows(key.trans_b ? key.n : key.k), key.ldb));
-    FORGE_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&p.lt_b, cuda_type(key.a_dtype),
-                                                    rows(key.trans_a ? key.m : key.k),
-                                                    rows(key.trans_a ? key.k : key.m), key.lda));
+    FORGE_CUBLASLT_CHECK(lt().layout_create(&p.lt_a, cuda_type(key.b_dtype),
+                                            rows(key.trans_b ? key.k : key.n),
+                                            rows(key.trans_b ? key.n : key.k), key.ldb));
+    FORGE_CUBLASLT_CHECK(lt().layout_create(&p.lt_b, cuda_type(key.a_dtype),
+                                            rows(key.trans_a ? key.m : key.k),
+                                            rows(key.trans_a ? key.k : key.m), key.lda));
     FORGE_CUBLASLT_CHECK(
-        cublasLtMatrixLayoutCreate(&p.lt_c, cuda_type(key.c_dtype), rows(key.n), rows(key.m), key.ldc));
+        lt().layout_create(&p.lt_c, cuda_type(key.c_dtype), rows(key.n), rows(key.m), key.ldc));
 
     cublasLtMatmulPreference_t preference = nullptr;
-    FORGE_CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&preference));
+    FORGE_CUBLASLT_CHECK(lt().preference_create(&preference));
     const uint64_t workspace = kWorkspaceBytes;
-    FORGE_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(
-        preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof workspace));
+    FORGE_CUBLASLT_CHECK(lt().preference_set(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
+                                             sizeof workspace));
     const uint32_t align_lt_a = key.align_b, align_lt_b = key.align_a, align_c = key.align_c;
-    FORGE_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(
-        preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_lt_a, sizeof align_lt_a));
-    FORGE_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(
-        preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_lt_b, sizeof align_lt_b));
-    FORGE_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(
-        preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof align_c));
-    FORGE_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(
-        preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof align_c));
+    FORGE_CUBLASLT_CHECK(lt().preference_set(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                                             &align_lt_a, sizeof align_lt_a));
+    FORGE_CUBLASLT_CHECK(lt().preference_set(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                                             &align_lt_b, sizeof align_lt_b));
+    FORGE_CUBLASLT_CHECK(lt().preference_set(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c,
+                                             sizeof align_c));
+    FORGE_CUBLASLT_CHECK(lt().preference_set(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c,
+                                             sizeof align_c));
     if (key.c_dtype != DType::f32) {
       // A split-K algorithm that reduced its parts in the output type (in place in D, or through workspace in
       // that type) would round to bf16 once per part; only fp32 (compute-type) reductions keep one rounding.
       const uint32_t reductions = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
-      FORGE_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(
-          preference, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reductions, sizeof reductions));
+      FORGE_CUBLASLT_CHECK(lt().preference_set(preference, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                                               &reductions, sizeof reductions));
     }
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
-    const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.lt_a, p.lt_b, p.lt_c,
-                                                                 p.lt_c, preference, 1, &result, &found);
-    cublasLtMatmulPreferenceDestroy(preference);
+    const cublasStatus_t status =
+        lt().heuristic(handle_, p.desc, p.lt_a, p.lt_b, p.lt_c, p.lt_c, preference, 1, &result, &found);
+    lt().preference_destroy(preference);
     if (status != CUBLAS_STATUS_SUCCESS || found == 0)
       fail("{}: cuBLASLt has no algorithm for {} ({}){}", fp8 ? "fp8_gemm" : "gemm", key.describe(),
-           status != CUBLAS_STATUS_SUCCESS ? cublasLtGetStatusName(status) : "no heuristic result",
+           status != CUBLAS_STATUS_SUCCESS ? lt().status_name(status) : "no heuristic result",
            fp8 ? "; FP8 needs k, lda, ldb multiples of 16 and 16-byte aligned operands and C rows" : "");
     p.algo = result.algo;
     return p;
@@ -456,6 +516,12 @@ void fp8_gemm(const ops::Fp8GemmParams& p) {
       plan, p.b_scale_inv_ptr ? engine.aligned_scale(p.b_scale_inv_ptr, 0) : engine.scale_scratch(0),
       p.a_scale_inv_ptr ? engine.aligned_scale(p.a_scale_inv_ptr, 1) : engine.scale_scratch(1));
   engine.run(plan, p.b, p.a, p.c, p.alpha, p.beta);
+}
+
+bool cublaslt_loadable(std::string* reason) {
+  const CublasLt& table = loaded();
+  if (!table.error.empty() && reason) *reason = table.error;
+  return table.error.empty();
 }
 
 }  // namespace forge::cuda
