@@ -7,8 +7,8 @@
 # the hardware is the shipped, published A100 profile (configs/hardware/a100.toml), not a measurement.
 # Then SimuMax's own B200 validation runs (bench/sim/published/simumax-b200.txt: Megatron-LM on 8 B200s, measured
 # and SimuMax-predicted) with the shipped, published B200 profile (configs/hardware/b200.toml): forge's and
-# SimuMax's predictions of the same measurements side by side. Gradient buckets of 160 MB, as Megatron's
-# default (40M fp32 elements): forge's default 4 MB, sized for MPI on CPUs, would pay a ring's latency per
+# SimuMax's predictions of the same measurements side by side. Gradient buckets at forge's GPU default,
+# Megatron's (max(40M, 1M x dp) fp32 elements: 160 MB here); the 4 MiB of CPUs would pay a ring's latency per
 # bucket thousands of times a step.
 #   bench/sim_published.sh     (about a minute; prints two markdown tables)
 set -euo pipefail
@@ -64,7 +64,7 @@ grep -v '^#' "$DIR/simumax-b200.txt" | while read -r model layers tp pp dp mbc r
   out=$("$FORGE" plan estimate --hardware b200 --ranks 8 --set model.config="$config" --set data.seq_len=4096 \
     --set parallel.tp="$tp" --set parallel.pp="$pp" --set parallel.dp="$dp" --set parallel.schedule=1f1b \
     --set parallel.sequence_parallel=$sp --set parallel.distributed_optimizer=true --set train.micro_batch=1 \
-    --set train.grad_accum="$mbc" --set train.recompute=none --set parallel.bucket_mb=160 || true)
+    --set train.grad_accum="$mbc" --set train.recompute=none || true)
   step=$(sed -n 's/^time per step: \([0-9.]*\) ms.*/\1/p' <<<"$out")
   memory=$(sed -n 's/^memory per device (pp rank [0-9]*): \(.*\)$/\1/p' <<<"$out")
   python3 - "$model-l$layers" "tp$tp pp$pp dp$dp" "$mbc" "$real_ms" "$simumax_ms" "$step" "$real_gib" "$simumax_gib" "$memory" <<'PY'

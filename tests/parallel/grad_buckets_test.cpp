@@ -145,8 +145,8 @@ TEST(GradBuckets, ReadyFromLaunchesTheBucketsAboveTheOffset) {
   }
 }
 
-// Readiness by count: whatever order the weight gradients arrive in (the schedule's), a bucket launches exactly
-// when the last parameter overlapping it has received its last gradient of the step, and not before.
+// Readiness by count: whatever order the weight gradients arrive in (the schedule's), a bucket launches
+// exactly when the last parameter overlapping it has received its last gradient of the step, and not before.
 TEST(GradBuckets, ReadinessByCountLaunchesEachBucketWhenItsLastParameterIsFinal) {
   ParameterStore store;
   testing::build_toy_store(store, false);
@@ -154,7 +154,8 @@ TEST(GradBuckets, ReadinessByCountLaunchesEachBucketWhenItsLastParameterIsFinal)
   const int n = store.count();
   std::vector<std::vector<int>> orders(3);
   for (int p = 0; p < n; ++p) orders[0].push_back(p), orders[1].push_back(n - 1 - p);
-  for (int p = 0; p < n; ++p) orders[2].push_back((p * 5 + 3) % n);  // 5 is coprime with the toy store's count
+  for (int p = 0; p < n; ++p)
+    orders[2].push_back((p * 5 + 3) % n);  // 5 is coprime with the toy store's count
   ASSERT_EQ(n % 5 == 0, false);
   for (bool shard : {false, true})
     for (const std::vector<int>& order : orders) {
@@ -255,6 +256,19 @@ TEST(GradBuckets, MisuseFailsWithAMessage) {
   inference.add("w", {4}, true, Init::zeros);
   inference.allocate(false, /*with_grads=*/false);
   EXPECT_THROW(GradBuckets(&inference, self.get(), {kSmallBucket, false, true}), Error);
+}
+
+TEST(GradBuckets, DefaultSizeFollowsTheDevice) {
+  // Host memory over MPI: 4 MiB. Device memory: Megatron's max(40M, 1M x dp) fp32 elements.
+  EXPECT_EQ(default_bucket_bytes(false, 1), 4ll << 20);
+  EXPECT_EQ(default_bucket_bytes(false, 512), 4ll << 20);
+  EXPECT_EQ(default_bucket_bytes(true, 1), 160'000'000);
+  EXPECT_EQ(default_bucket_bytes(true, 40), 160'000'000);
+  EXPECT_EQ(default_bucket_bytes(true, 64), 256'000'000);
+  // An explicit size wins on either device; 0 asks for the default.
+  EXPECT_EQ(bucket_bytes_of(0.25, true, 8), 262144);
+  EXPECT_EQ(bucket_bytes_of(0, true, 8), 160'000'000);
+  EXPECT_EQ(bucket_bytes_of(0, false, 8), 4ll << 20);
 }
 
 }  // namespace

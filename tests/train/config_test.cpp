@@ -11,7 +11,8 @@
 #include "op_harness.h"
 
 namespace forge {
-using namespace forge::optim; using namespace forge::train;
+using namespace forge::optim;
+using namespace forge::train;
 namespace {
 
 const std::filesystem::path kRepoRoot = std::filesystem::path(FORGE_FIXTURE_DIR).parent_path().parent_path();
@@ -67,7 +68,7 @@ TEST(TrainConfig, DefaultsMatchTheDocumentedValues) {
   EXPECT_FALSE(c.parallel.sequence_parallel);
   EXPECT_FALSE(c.parallel.distributed_optimizer);
   EXPECT_TRUE(c.parallel.overlap_grad_reduce);
-  EXPECT_DOUBLE_EQ(c.parallel.bucket_mb, 4.0);
+  EXPECT_DOUBLE_EQ(c.parallel.bucket_mb, 0.0);  // by device (parallel::default_bucket_bytes)
   EXPECT_EQ(c.parallel.make_vocab_size_divisible_by, 128);
   EXPECT_DOUBLE_EQ(c.parallel.timeout_s, 300.0);
   EXPECT_EQ(c.layout_spec(), (parallel::LayoutSpec{.tp = 1, .pp = 1, .dp = 0, .cp = 1, .ep = 1}));
@@ -200,8 +201,10 @@ TEST(TrainConfig, ParallelSection) {
 TEST(TrainConfig, Fp8Section) {
   EXPECT_FALSE(TrainConfig{}.fp8_options().has_value());  // off by default
   TrainConfig c = TrainConfig::from_toml_string(
-      "[fp8]\nrecipe = \"delayed\"\nformat = \"e4m3\"\namax_history_len = 16\namax_compute = \"most_recent\"\n"
-      "margin = 1\nbf16_first_layers = 1\nbf16_last_layers = 2\nsave_fp8_inputs = false\naccumulator_bits = 14\n"
+      "[fp8]\nrecipe = \"delayed\"\nformat = \"e4m3\"\namax_history_len = 16\namax_compute = "
+      "\"most_recent\"\n"
+      "margin = 1\nbf16_first_layers = 1\nbf16_last_layers = 2\nsave_fp8_inputs = false\naccumulator_bits = "
+      "14\n"
       "promote_every = 256\n",
       "x.toml");
   EXPECT_NO_THROW(c.validate());
@@ -217,7 +220,8 @@ TEST(TrainConfig, Fp8Section) {
   EXPECT_FALSE(o->save_fp8_inputs);
   EXPECT_EQ(o->accumulator_bits, 14);
   EXPECT_EQ(o->promote_every, 256);
-  // format = auto: hybrid (E5M2 gradients) for the per-tensor recipes, E4M3 throughout for block (DeepSeek-V3).
+  // format = auto: hybrid (E5M2 gradients) for the per-tensor recipes, E4M3 throughout for block
+  // (DeepSeek-V3).
   c.fp8.format = "auto";
   EXPECT_EQ(c.fp8_options()->recipe.format, fp8::Format::hybrid);
   c.fp8.recipe = "block";
@@ -254,10 +258,14 @@ TEST(TrainConfigErrors, Fp8Settings) {
                  {"fp8.bf16_last_layers must be >= 0, got -2"});
   expect_invalid([](TrainConfig& c) { c.fp8.recipe = "current", c.fp8.accumulator_bits = 24; },
                  {"fp8.accumulator_bits", "24"});
-  expect_invalid([](TrainConfig& c) { c.fp8.recipe = "block", c.fp8.accumulator_bits = 14, c.fp8.promote_every = 256; },
-                 {"fp8.promote_every", "divisor", "256"});
-  expect_invalid([](TrainConfig& c) { c.fp8.recipe = "delayed", c.fp8.accumulator_bits = 14, c.fp8.promote_every = 100; },
-                 {"fp8.promote_every", "multiple of 32", "100"});
+  expect_invalid(
+      [](TrainConfig& c) { c.fp8.recipe = "block", c.fp8.accumulator_bits = 14, c.fp8.promote_every = 256; },
+      {"fp8.promote_every", "divisor", "256"});
+  expect_invalid(
+      [](TrainConfig& c) {
+        c.fp8.recipe = "delayed", c.fp8.accumulator_bits = 14, c.fp8.promote_every = 100;
+      },
+      {"fp8.promote_every", "multiple of 32", "100"});
   // Settings of an unused recipe are not checked while FP8 is off.
   TrainConfig off;
   off.fp8.amax_history_len = 0;
@@ -302,7 +310,8 @@ TEST(TrainConfigErrors, WrongTypesAndValues) {
   expect_parse_error("[data]\ncorpus = 3\n", {"data.corpus must be a string, got integer"});
   expect_parse_error("[train]\nschedule = \"linear\"\n", {"test.toml:2", "train.schedule must be one of"});
   expect_parse_error("[train]\ndtype = \"fp16\"\n", {"train.dtype must be one of 'auto', 'bf16', 'fp32'"});
-  expect_parse_error("[train]\ndevice = \"tpu\"\n", {"train.device must be one of 'cpu', 'cuda'", "got 'tpu'"});
+  expect_parse_error("[train]\ndevice = \"tpu\"\n",
+                     {"train.device must be one of 'cpu', 'cuda'", "got 'tpu'"});
   expect_parse_error("[model]\nseed = -3\n", {"model.seed must be >= 0"});
   expect_parse_error(
       "[parallel]\nsequence_parallel = 1\n",
@@ -347,7 +356,8 @@ TEST(TrainConfigErrors, Validation) {
   expect_invalid([](TrainConfig& c) { c.train.recompute = "some"; }, {"train.recompute must be one of"});
   expect_invalid([](TrainConfig& c) { c.eval.batches = 0; }, {"eval.batches"});
   expect_invalid([](TrainConfig& c) { c.log.every = 0; }, {"log.every"});
-  expect_invalid([](TrainConfig& c) { c.log.profile_step = -1; }, {"log.profile_step must be >= 0 (0 = off), got -1"});
+  expect_invalid([](TrainConfig& c) { c.log.profile_step = -1; },
+                 {"log.profile_step must be >= 0 (0 = off), got -1"});
   expect_invalid([](TrainConfig& c) { c.sample.temperature = -0.5; }, {"sample.temperature"});
   expect_invalid([](TrainConfig& c) { c.model.config.clear(); }, {"model.config"});
   expect_invalid([](TrainConfig& c) { c.parallel.tp = 0; }, {"test.toml: parallel.tp must be >= 1, got 0"});
@@ -359,8 +369,9 @@ TEST(TrainConfigErrors, Validation) {
   expect_invalid([](TrainConfig& c) { c.parallel.tp = int64_t{1} << 40; },
                  {"parallel.tp must be at most 2147483647"});
   expect_invalid([](TrainConfig& c) { c.parallel.dp = int64_t{1} << 31; }, {"parallel.dp must be at most"});
-  expect_invalid([](TrainConfig& c) { c.parallel.bucket_mb = 0; }, {"parallel.bucket_mb must be > 0, got 0"});
-  expect_invalid([](TrainConfig& c) { c.parallel.bucket_mb = -1; }, {"parallel.bucket_mb"});
+  expect_invalid([](TrainConfig& c) { c.parallel.bucket_mb = -1; },
+                 {"parallel.bucket_mb must be >= 0 (0 = by device), got -1"});
+  expect_invalid([](TrainConfig& c) { c.parallel.bucket_mb = std::nan(""); }, {"parallel.bucket_mb"});
   expect_invalid([](TrainConfig& c) { c.parallel.make_vocab_size_divisible_by = 0; },
                  {"parallel.make_vocab_size_divisible_by must be >= 1, got 0"});
   expect_invalid([](TrainConfig& c) { c.parallel.timeout_s = -5; }, {"parallel.timeout_s must be >= 0"});

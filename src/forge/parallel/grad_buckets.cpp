@@ -8,6 +8,16 @@
 #include "forge/core/error.h"
 
 namespace forge::parallel {
+
+int64_t default_bucket_bytes(bool device_memory, int dp) {
+  if (!device_memory) return 4ll << 20;
+  return 4 * std::max<int64_t>(40'000'000, 1'000'000 * static_cast<int64_t>(std::max(1, dp)));
+}
+
+int64_t bucket_bytes_of(double bucket_mb, bool device_memory, int dp) {
+  if (bucket_mb <= 0) return default_bucket_bytes(device_memory, dp);
+  return std::max<int64_t>(1, static_cast<int64_t>(bucket_mb * 1048576.0));
+}
 namespace {
 
 // Shards start on 64-byte boundaries (16 floats): bucket sizes are multiples of 16 * dp from offset 0.

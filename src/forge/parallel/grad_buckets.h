@@ -41,6 +41,15 @@ struct BucketOptions {
   std::string group = "dense";        // the parameter group (ParamInfo::group) these buckets reduce
 };
 
+// The bucket size when a run asks for none (parallel.bucket_mb = 0). Host memory over MPI: 4 MiB, small
+// enough that reduction starts early in backward and MPI's host-side copies stay cache-sized. Device memory
+// (NCCL): Megatron's max(40M, 1M x dp) fp32 elements, since a ring pays its latency per bucket and per step
+// (with 4 MiB buckets a 70B layer's gradients make thousands of launches a step; docs/simulator.md measured
+// +56% to +66% on B200s against the same run with Megatron's buckets).
+int64_t default_bucket_bytes(bool device_memory, int dp);
+// bucket_mb (MiB; 0 = the default above) as bytes.
+int64_t bucket_bytes_of(double bucket_mb, bool device_memory, int dp);
+
 // Flat range [begin, end) of the gradient buffer. Under shard it splits into `shards` (= dp) shards of
 // shard_size elements; in the one bucket that does not divide, the last shards reach into padding.
 struct GradBucket {
@@ -86,6 +95,7 @@ class GradBuckets {
   bool sharded() const { return options_.shard; }
   const std::string& group() const { return options_.group; }
   bool overlapped() const { return options_.overlap; }
+  int64_t bucket_bytes() const { return options_.bucket_bytes; }
   comm::Communicator* dp() const { return dp_; }
   const ParameterStore& store() const { return *store_; }
   // In offset order; launched from the last.

@@ -20,7 +20,7 @@ struct Strategy {
   bool sequence_parallel = false;
   bool distributed_optimizer = false;  // ZeRO-1
   bool overlap_grad_reduce = true;
-  double bucket_mb = 4.0;
+  double bucket_mb = 0;  // parallel.bucket_mb (0: by device, parallel::default_bucket_bytes)
   int64_t vocab_divisible_by = 128;
   int64_t micro_batch = 1;  // sequences per micro-batch
   int64_t grad_accum = 1;   // micro-batches per step (per data-parallel replica)

@@ -417,7 +417,8 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
   trace.weights_bytes = live_bytes(device) - live_at_start;
 
   parallel::BucketOptions bucket_options;
-  bucket_options.bucket_bytes = static_cast<int64_t>(s.bucket_mb * 1048576.0);
+  bucket_options.bucket_bytes =
+      parallel::bucket_bytes_of(s.bucket_mb, options.shaped_for != Device::cpu, s.dp);
   bucket_options.shard = s.distributed_optimizer;
   bucket_options.overlap = s.overlap_grad_reduce && s.dp > 1 && !mirrored && !tied_across;
   parallel::GradBuckets buckets(&store, dp.get(), bucket_options);

@@ -218,7 +218,12 @@ const std::vector<KeySpec>& key_specs() {
        FORGE_FIELD(parallel.overlap_grad_reduce),
        "reduce gradient buckets during the backward pass",
        {}},
-      {"parallel", "bucket_mb", FORGE_FIELD(parallel.bucket_mb), "gradient-reduction bucket size in MiB", {}},
+      {"parallel",
+       "bucket_mb",
+       FORGE_FIELD(parallel.bucket_mb),
+       "gradient-reduction bucket size in MiB (0 = by device: 4 on CPUs, max(40M, 1M x dp) fp32 elements on "
+       "GPUs as Megatron)",
+       {}},
       {"parallel",
        "make_vocab_size_divisible_by",
        FORGE_FIELD(parallel.make_vocab_size_divisible_by),
@@ -831,8 +836,8 @@ void TrainConfig::validate() const {
   check(parallel.dp <= std::numeric_limits<int>::max(), "parallel.dp", parallel.dp, "at most 2147483647");
   parallel_size("parallel.cp", parallel.cp);
   parallel_size("parallel.ep", parallel.ep);
-  check(finite(parallel.bucket_mb) && parallel.bucket_mb > 0, "parallel.bucket_mb", parallel.bucket_mb,
-        "> 0");
+  check(finite(parallel.bucket_mb) && parallel.bucket_mb >= 0, "parallel.bucket_mb", parallel.bucket_mb,
+        ">= 0 (0 = by device)");
   check(parallel.make_vocab_size_divisible_by >= 1, "parallel.make_vocab_size_divisible_by",
         parallel.make_vocab_size_divisible_by, ">= 1");
   check(finite(parallel.timeout_s) && parallel.timeout_s >= 0, "parallel.timeout_s", parallel.timeout_s,

@@ -110,7 +110,7 @@ struct TrainConfig {
     bool sequence_parallel = false;
     bool distributed_optimizer = false;  // ZeRO-1: optimizer state sharded over dp
     bool overlap_grad_reduce = true;
-    double bucket_mb = 4.0;
+    double bucket_mb = 0;  // 0 = by device (parallel::default_bucket_bytes)
     int64_t make_vocab_size_divisible_by = 128;
     double timeout_s = 300;  // 0 = wait forever
     bool operator==(const Parallel&) const = default;

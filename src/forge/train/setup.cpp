@@ -82,7 +82,7 @@ TrainSetup::TrainSetup(const TrainConfig& c, comm::Communicator& world_)
 
   // Data parallelism: gradients reduced in buckets while backward runs (sharded under ZeRO-1).
   parallel::BucketOptions bucket_options;
-  bucket_options.bucket_bytes = static_cast<int64_t>(c.parallel.bucket_mb * 1048576.0);
+  bucket_options.bucket_bytes = parallel::bucket_bytes_of(c.parallel.bucket_mb, on_gpu(), dp);
   bucket_options.shard = c.parallel.distributed_optimizer;
   // DualPipe's mirrored copies are summed once the schedule is done, before the buckets reduce over dp.
   bucket_options.overlap = c.parallel.overlap_grad_reduce && dp > 1 && !mirror && tied_param < 0;

@@ -255,7 +255,7 @@ void TrainingRun::print_banner() {
         static_cast<long long>(s.dp),
         s.cp > 1 ? fmt::format(" (gradients reduced over dp x cp = {} ranks)", s.dp_group().size()).c_str()
                  : "",
-        s.buckets->buckets().size(), c_.parallel.bucket_mb,
+        s.buckets->buckets().size(), static_cast<double>(s.buckets->bucket_bytes()) / 1048576.0,
         c_.parallel.distributed_optimizer ? "reduce-scatter + ZeRO-1 (sharded Adam state)" : "all-reduce",
         c_.parallel.overlap_grad_reduce ? "on" : "off",
         static_cast<double>(s.optimizer->state_bytes()) / 1048576.0, omp_get_max_threads());
