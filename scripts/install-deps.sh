@@ -15,9 +15,10 @@ packages=(
   libopenmpi-dev openmpi-bin        # multi-process runs and their tests (mpirun)
   bible-kjv                         # the default corpus
   chromium libpng-dev               # the report's browser test: headless Chromium renders it, libpng reads the screenshot
+  libjpeg62-turbo-dev               # image decoding for multimodal data (with libpng-dev above)
 )
 if [[ "${1:-}" == "--bench" ]]; then
-  packages+=(python3-torch python3-numpy libopenblas0-pthread)  # OpenBLAS: PyTorch fp32 otherwise runs on reference BLAS
+  packages+=(python3-torch python3-numpy python3-pil libopenblas0-pthread)  # OpenBLAS: PyTorch fp32 otherwise runs on reference BLAS; PIL: tests/reference/image_twin.py
 fi
 
 missing=()
