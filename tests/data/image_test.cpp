@@ -249,6 +249,17 @@ TEST(Image, TruncatedJpegIsAnErrorNotGreyFill) {
   EXPECT_EQ(refusal(half, "half.jpg"), "half.jpg: corrupt JPEG: Premature end of JPEG file");
 }
 
+TEST(Image, ExtraneousBytesBeforeAMarkerAreSkippedAsPilDoes) {
+  // libjpeg warns "Corrupt JPEG data: 3 extraneous bytes before marker 0xd9" and changes no pixel; PIL
+  // decodes such files, so forge does too (every other libjpeg warning is an error).
+  std::vector<uint8_t> bytes = file_bytes(fixture_dir() / "rgb_444_61x47.jpg");
+  ASSERT_EQ(bytes[bytes.size() - 2], 0xFF);
+  ASSERT_EQ(bytes[bytes.size() - 1], 0xD9);
+  const std::vector<uint8_t> original = bytes;
+  bytes.insert(bytes.end() - 2, {0x12, 0x34, 0x56});
+  EXPECT_EQ(decode_image(bytes, "junk.jpg").pixels, decode_image(original, "clean.jpg").pixels);
+}
+
 // Recomputes every chunk CRC so that a mutation reaches libpng's decoder rather than its CRC check.
 void fix_png_crcs(std::vector<uint8_t>& b) {
   size_t at = 8;
