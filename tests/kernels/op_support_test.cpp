@@ -97,6 +97,60 @@ ops::AttentionParams absorbed_mla_decode_params(Memory& m, int64_t head_dim) {
   return p;
 }
 
+// LayerNorm, GELU and bias (the Vision Transformer's ops) refuse the same parameters with the same lines on
+// every backend: bad shapes, a null pointer the op needs, a leading dimension below the row, an unknown kind.
+// The optional pointers (LayerNorm's bias, mean and rstd in the forward, dbias) may be null.
+void expect_vit_op_refusals(const ops::OpTable& table, Memory& m) {
+  ops::LayerNormParams norm;
+  norm.rows = 2, norm.dim = 0;
+  EXPECT_REFUSED(table, layernorm_forward, (norm), "layernorm_forward: bad shape rows=2 dim=0");
+  norm.rows = -1, norm.dim = 4;
+  EXPECT_REFUSED(table, layernorm_backward_weight, (norm),
+                 "layernorm_backward_weight: bad shape rows=-1 dim=4");
+  norm.rows = 2, norm.x = m.f, norm.y = m.f + 8;
+  EXPECT_REFUSED(table, layernorm_forward, (norm), "layernorm_forward: weight is null");
+  norm.weight = m.f + 16;
+  EXPECT_SUPPORTED(table, layernorm_forward, (norm));  // no bias, no statistics kept
+  norm.dy = m.f + 24, norm.dx = m.f + 32, norm.rstd = m.f + 40;
+  EXPECT_REFUSED(table, layernorm_backward_input, (norm), "layernorm_backward_input: mean is null");
+  norm.mean = m.f + 48;
+  EXPECT_SUPPORTED(table, layernorm_backward_input, (norm));
+  EXPECT_REFUSED(table, layernorm_backward_weight, (norm), "layernorm_backward_weight: dweight is null");
+  norm.dweight = m.f + 56;
+  EXPECT_SUPPORTED(table, layernorm_backward_weight, (norm));  // dbias optional
+  norm.x = nullptr;
+  EXPECT_REFUSED(table, layernorm_backward_weight, (norm), "layernorm_backward_weight: x is null");
+
+  ops::GeluParams gelu;
+  gelu.n = -3;
+  EXPECT_REFUSED(table, gelu_forward, (gelu), "gelu_forward: negative size -3");
+  gelu.n = 4, gelu.x = m.f, gelu.out = m.f + 8;
+  EXPECT_SUPPORTED(table, gelu_forward, (gelu));
+  EXPECT_REFUSED(table, gelu_backward, (gelu), "gelu_backward: dy is null");
+  gelu.dy = m.f + 16;
+  EXPECT_REFUSED(table, gelu_backward, (gelu), "gelu_backward: dx is null");
+  gelu.kind = static_cast<ops::GeluKind>(7);
+  EXPECT_REFUSED(table, gelu_forward, (gelu), "gelu_forward: unknown kind 7");
+
+  ops::BiasParams bias;
+  bias.rows = -1, bias.n = 3;
+  EXPECT_REFUSED(table, bias_add, (bias), "bias_add: bad shape rows=-1 n=3");
+  bias.rows = 2, bias.n = -3;
+  EXPECT_REFUSED(table, bias_backward, (bias), "bias_backward: bad shape rows=2 n=-3");
+  bias.n = 3, bias.y = m.f, bias.y_ld = 2;
+  EXPECT_REFUSED(table, bias_add, (bias), "bias_add: y_ld 2 is smaller than n 3");
+  bias.y_ld = 5;
+  EXPECT_REFUSED(table, bias_add, (bias), "bias_add: bias is null");
+  bias.bias = m.f + 16;
+  EXPECT_SUPPORTED(table, bias_add, (bias));
+  bias.dy = m.f + 32, bias.dy_ld = 1;
+  EXPECT_REFUSED(table, bias_backward, (bias), "bias_backward: dy_ld 1 is smaller than n 3");
+  bias.dy_ld = 0;
+  EXPECT_REFUSED(table, bias_backward, (bias), "bias_backward: dbias is null");
+  bias.dbias = m.f + 48;
+  EXPECT_SUPPORTED(table, bias_backward, (bias));
+}
+
 TEST(OpSupport, CpuBackend) {
   const ops::OpTable& cpu = ops::cpu_table();
   Memory m;
@@ -135,6 +189,7 @@ TEST(OpSupport, CpuBackend) {
   ops::RmsNormParams norm;
   norm.rows = 3, norm.dim = 0;
   EXPECT_REFUSED(cpu, rmsnorm_forward, (norm), "rmsnorm_forward: bad shape rows=3 dim=0");
+  expect_vit_op_refusals(cpu, m);
   ops::Fp8CastParams cast;
   cast.rows = cast.cols = 2, cast.x = m.f, cast.q = m.codes;
   EXPECT_SUPPORTED(cpu, fp8_cast_transpose, (cast));
@@ -245,6 +300,15 @@ TEST(OpSupport, CudaBackendBadParametersNameTheOp) {
   norm.dim = 4, norm.x = m.f, norm.weight = m.f, norm.y = m.f, norm.dy = m.f, norm.dx = m.f;
   EXPECT_SUPPORTED(gpu, rmsnorm_forward, (norm));
   EXPECT_REFUSED(gpu, rmsnorm_backward_input, (norm), "rmsnorm_backward_input: rstd is null");
+  expect_vit_op_refusals(gpu, m);
+  ops::LayerNormParams wide;
+  wide.rows = 1, wide.dim = 65536 * 256, wide.x = wide.dy = m.f, wide.mean = wide.rstd = wide.dweight = m.f;
+  EXPECT_REFUSED(gpu, layernorm_backward_weight, (wide),
+                 "layernorm_backward_weight: shape rows=1 dim=16777216", "exceeds the kernel's grid");
+  ops::BiasParams wide_bias;
+  wide_bias.rows = 1, wide_bias.n = 65536 * 256, wide_bias.dy = m.f, wide_bias.dbias = m.f;
+  EXPECT_REFUSED(gpu, bias_backward, (wide_bias), "bias_backward: shape rows=1 n=16777216",
+                 "exceeds the kernel's grid");
   ops::RopeParams rope;
   rope.batch = 1, rope.seq = 1, rope.heads = 1, rope.head_dim = 7, rope.token_stride = 7;
   EXPECT_REFUSED(gpu, rope, (rope), "rope: head_dim must be even and positive, got 7");

@@ -4,8 +4,8 @@
 #include "forge/kernels/profiler.h"
 
 #include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
 
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -101,7 +101,8 @@ TEST(Profiler, NamesAccumulatingAndBf16Gemms) {
   ops::convert_to_bf16(a.data(), b16.data(), 16 * 4);
   std::vector<uint16_t> c16(8 * 4);
   ops::GemmParams p;
-  p.m = 8, p.n = 4, p.k = 16, p.a = a16.data(), p.lda = 16, p.b = b16.data(), p.ldb = 4, p.ab_dtype = DType::bf16;
+  p.m = 8, p.n = 4, p.k = 16, p.a = a16.data(), p.lda = 16, p.b = b16.data(), p.ldb = 4,
+  p.ab_dtype = DType::bf16;
   p.c = c16.data(), p.ldc = 4, p.c_dtype = DType::bf16, p.beta = 1.0f;
   ops::profile_begin(Device::cpu);
   ops::gemm(p);
@@ -119,7 +120,7 @@ TEST(Profiler, AttentionFlopsCountTheVisiblePairs) {
   auto q = testing::random_floats(b * s * h * dim, 4), k = testing::random_floats(b * s * kv * dim, 5),
        v = testing::random_floats(b * s * kv * dim, 6);
   std::vector<float> out(q.size()), lse(b * h * s), dout = testing::random_floats(q.size(), 7), dq(q.size()),
-      dk(k.size()), dv(v.size());
+                                                    dk(k.size()), dv(v.size());
   ops::AttentionParams p;
   p.batch = b, p.seq = s, p.heads = h, p.kv_heads = kv, p.head_dim = dim;
   p.q = q.data(), p.k = k.data(), p.v = v.data(), p.q_stride = h * dim, p.k_stride = p.v_stride = kv * dim;
@@ -187,6 +188,42 @@ TEST(Profiler, MoeRowsCountGroupedRowsAndMovedRows) {
   EXPECT_EQ(moved->bytes, 8.0 * 3 * k + 4 * 3);           // three rows read and written, their indices
 }
 
+// The Vision Transformer's ops: LayerNorm, GELU (named by kind) and bias rows count the bytes each pass
+// moves.
+TEST(Profiler, CountsLayerNormGeluAndBias) {
+  ProfileGuard guard;
+  const int64_t rows = 3, dim = 8;
+  const auto x = testing::random_floats(rows * dim, 9), w = testing::random_floats(dim, 10);
+  std::vector<float> y(rows * dim), mean(rows), rstd(rows), dweight(dim), dbias(dim);
+  ops::LayerNormParams norm;
+  norm.rows = rows, norm.dim = dim, norm.x = x.data(), norm.weight = w.data(), norm.bias = w.data();
+  norm.y = y.data(), norm.mean = mean.data(), norm.rstd = rstd.data(), norm.dy = x.data();
+  norm.dweight = dweight.data(), norm.dbias = dbias.data();
+  ops::GeluParams gelu;
+  gelu.n = rows * dim, gelu.kind = ops::GeluKind::tanh, gelu.x = x.data(), gelu.out = y.data();
+  ops::BiasParams bias;
+  bias.rows = rows, bias.n = dim, bias.y = y.data(), bias.bias = w.data(), bias.dy = x.data();
+  bias.dbias = dbias.data();
+  ops::profile_begin(Device::cpu);
+  ops::layernorm_forward(norm);
+  ops::layernorm_backward_weight(norm);
+  ops::gelu_forward(gelu);
+  ops::bias_add(bias);
+  ops::bias_backward(bias);
+  const ops::OpProfile profile = ops::profile_end();
+  const ops::OpProfileRow* forward = find_row(profile, "layernorm_forward", "3x8");
+  const ops::OpProfileRow* weight = find_row(profile, "layernorm_backward_weight", "3x8 +bias");
+  const ops::OpProfileRow* activation = find_row(profile, "gelu_forward", "n=24 gelu_pytorch_tanh");
+  const ops::OpProfileRow* add = find_row(profile, "bias_add", "3x8");
+  const ops::OpProfileRow* reduce = find_row(profile, "bias_backward", "3x8");
+  ASSERT_TRUE(forward && weight && activation && add && reduce) << ops::format_profile(profile);
+  EXPECT_EQ(forward->bytes, 8.0 * rows * dim);
+  EXPECT_EQ(weight->bytes, 8.0 * rows * dim);
+  EXPECT_EQ(activation->bytes, 8.0 * rows * dim);
+  EXPECT_EQ(add->bytes, 8.0 * rows * dim);
+  EXPECT_EQ(reduce->bytes, 4.0 * rows * dim);
+}
+
 TEST(Profiler, FormatsATableAndJson) {
   ProfileGuard guard;
   const auto x = testing::random_floats(1000, 8);
@@ -246,7 +283,8 @@ TEST(Profiler, DeviceMemsetsAndCopiesAreRows) {
   const ops::OpProfileRow* memset = find_row(profile, "memset", "device");
   const ops::OpProfileRow* up = find_row(profile, "copy", "host -> device");
   const ops::OpProfileRow* down = find_row(profile, "copy", "device -> host");
-  ASSERT_TRUE(memset && up && down && find_row(profile, "scale_inplace", "n=256")) << ops::format_profile(profile);
+  ASSERT_TRUE(memset && up && down && find_row(profile, "scale_inplace", "n=256"))
+      << ops::format_profile(profile);
   EXPECT_EQ(memset->bytes, 1024);
   EXPECT_EQ(up->calls, 1);
   EXPECT_EQ(down->bytes, 1024);

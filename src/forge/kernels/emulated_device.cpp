@@ -126,6 +126,20 @@ void check_args(const char* op, const ops::SwigluParams& p) {
   FORGE_CHECK_FIELD(op, p, gate_up), FORGE_CHECK_FIELD(op, p, out), FORGE_CHECK_FIELD(op, p, dout);
   FORGE_CHECK_FIELD(op, p, dgate_up);
 }
+void check_args(const char* op, const ops::LayerNormParams& p) {
+  FORGE_CHECK_FIELD(op, p, x), FORGE_CHECK_FIELD(op, p, weight), FORGE_CHECK_FIELD(op, p, bias);
+  FORGE_CHECK_FIELD(op, p, y), FORGE_CHECK_FIELD(op, p, mean), FORGE_CHECK_FIELD(op, p, rstd);
+  FORGE_CHECK_FIELD(op, p, dy), FORGE_CHECK_FIELD(op, p, dx), FORGE_CHECK_FIELD(op, p, dweight);
+  FORGE_CHECK_FIELD(op, p, dbias);
+}
+void check_args(const char* op, const ops::GeluParams& p) {
+  FORGE_CHECK_FIELD(op, p, x), FORGE_CHECK_FIELD(op, p, out), FORGE_CHECK_FIELD(op, p, dy);
+  FORGE_CHECK_FIELD(op, p, dx);
+}
+void check_args(const char* op, const ops::BiasParams& p) {
+  FORGE_CHECK_FIELD(op, p, y), FORGE_CHECK_FIELD(op, p, bias), FORGE_CHECK_FIELD(op, p, dy);
+  FORGE_CHECK_FIELD(op, p, dbias);
+}
 void check_args(const char* op, const ops::AttentionParams& p) {
   FORGE_CHECK_FIELD(op, p, q), FORGE_CHECK_FIELD(op, p, k), FORGE_CHECK_FIELD(op, p, v);
   FORGE_CHECK_FIELD(op, p, out), FORGE_CHECK_FIELD(op, p, lse), FORGE_CHECK_FIELD(op, p, dout);

@@ -20,6 +20,13 @@
   X(rope, void, (const ops::RopeParams& p), (p))                                                               \
   X(swiglu_forward, void, (const ops::SwigluParams& p), (p))                                                   \
   X(swiglu_backward, void, (const ops::SwigluParams& p), (p))                                                  \
+  X(layernorm_forward, void, (const ops::LayerNormParams& p), (p))                                             \
+  X(layernorm_backward_input, void, (const ops::LayerNormParams& p), (p))                                      \
+  X(layernorm_backward_weight, void, (const ops::LayerNormParams& p), (p))                                     \
+  X(gelu_forward, void, (const ops::GeluParams& p), (p))                                                       \
+  X(gelu_backward, void, (const ops::GeluParams& p), (p))                                                      \
+  X(bias_add, void, (const ops::BiasParams& p), (p))                                                           \
+  X(bias_backward, void, (const ops::BiasParams& p), (p))                                                      \
   X(attention_forward, void, (const ops::AttentionParams& p), (p))                                             \
   X(attention_backward, void, (const ops::AttentionParams& p), (p))                                            \
   X(embedding_forward, void, (const ops::EmbeddingParams& p), (p))                                             \

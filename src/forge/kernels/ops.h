@@ -5,7 +5,9 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
 
 #include "forge/core/dtype.h"
 #include "forge/core/tensor.h"
@@ -168,6 +170,77 @@ struct SwigluParams {
   float* out = nullptr;
   const float* dout = nullptr;
   float* dgate_up = nullptr;  // backward: written (overwrite)
+};
+
+// LayerNorm over the last dimension, PyTorch's nn.LayerNorm: y = (x - mean) * rstd * weight + bias, with the
+// row's mean and biased variance (divided by dim), rstd = 1/sqrt(var + eps); mean and rstd are kept for
+// backward. The variance is the mean of (x - mean)^2 (two passes over the row, no E[x^2] - mean^2
+// cancellation). The split mirrors RmsNormParams: backward_input writes dx (B); backward_weight accumulates
+// (+=) into dweight and, when set, dbias (W). Reductions over rows add fixed 32-row blocks in block order,
+// so the same inputs give the same bits on every run and thread count.
+struct LayerNormParams {
+  int64_t rows = 0, dim = 0;
+  const float* x = nullptr;  // [rows, dim]
+  const float* weight = nullptr;
+  const float* bias = nullptr;  // optional (null: no bias)
+  float eps = 1e-5f;
+  float* y = nullptr;     // forward output [rows, dim] (may be x)
+  float* mean = nullptr;  // [rows]: written by forward (optional there), read by backward
+  float* rstd = nullptr;  // [rows]: likewise
+  const float* dy = nullptr;
+  float* dx = nullptr;       // backward_input: written (overwrite; may be dy or x)
+  float* dweight = nullptr;  // backward_weight: accumulated (+=)
+  float* dbias = nullptr;    // backward_weight: accumulated (+=), optional (null: not computed)
+};
+
+// GELU, element-wise, in the three forms Hugging Face configs name (hidden_act / projector_hidden_act):
+//   erf    exact, x * Phi(x) = x/2 * erfc(-x / sqrt(2))          "gelu" (also "gelu_python")
+//   tanh   x/2 * (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))       "gelu_pytorch_tanh" (also "gelu_new",
+//                                                                 "gelu_fast": the same function)
+//   quick  x * sigmoid(1.702 x)                                  "quick_gelu" (OpenAI CLIP)
+// The kernels evaluate 1 + tanh(u) as 2 sigmoid(2u) and Phi through erfc, so no form cancels for negative x.
+enum class GeluKind : uint8_t { erf, tanh, quick };
+
+// The kind's Hugging Face name ("gelu", "gelu_pytorch_tanh", "quick_gelu").
+constexpr const char* gelu_kind_name(GeluKind kind) {
+  return kind == GeluKind::erf ? "gelu" : kind == GeluKind::tanh ? "gelu_pytorch_tanh" : "quick_gelu";
+}
+// The kind a Hugging Face activation name means; nullopt for any other name (the caller names the culprit
+// and lists kGeluKindNames).
+constexpr std::optional<GeluKind> gelu_kind_from_name(std::string_view name) {
+  if (name == "gelu" || name == "gelu_python") return GeluKind::erf;
+  if (name == "gelu_pytorch_tanh" || name == "gelu_new" || name == "gelu_fast") return GeluKind::tanh;
+  if (name == "quick_gelu") return GeluKind::quick;
+  return std::nullopt;
+}
+constexpr const char* kGeluKindNames =
+    "gelu, gelu_python, gelu_pytorch_tanh, gelu_new, gelu_fast, quick_gelu";
+
+// gelu_forward   out[i] = gelu(x[i])                   (out may be x)
+// gelu_backward  dx[i] = dy[i] * gelu'(x[i]), overwritten (dx may be dy or x)
+// over n contiguous floats.
+struct GeluParams {
+  int64_t n = 0;
+  GeluKind kind = GeluKind::erf;
+  const float* x = nullptr;
+  float* out = nullptr;  // forward
+  const float* dy = nullptr;
+  float* dx = nullptr;  // backward
+};
+
+// A bias over the rows of a [rows, n] matrix (a Linear layer's bias after its GEMM):
+//   bias_add       y[r, j] += bias[j]
+//   bias_backward  dbias[j] += sum over r of dy[r, j], in fixed 32-row blocks added in block order (the same
+//                  bits on every run and thread count)
+// y and dy have y_ld / dy_ld elements between rows (0 = n; otherwise at least n).
+struct BiasParams {
+  int64_t rows = 0, n = 0;
+  float* y = nullptr;  // bias_add
+  int64_t y_ld = 0;
+  const float* bias = nullptr;  // bias_add
+  const float* dy = nullptr;    // bias_backward
+  int64_t dy_ld = 0;
+  float* dbias = nullptr;  // bias_backward: accumulated (+=)
 };
 
 // Causal grouped-query attention, flash style (never materialises seq x seq). q is [batch, seq, heads,

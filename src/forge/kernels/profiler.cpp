@@ -108,6 +108,29 @@ Cost rope(const RopeParams& p) {
 Cost swiglu_forward(const SwigluParams& p) { return {matrix(p.rows, p.ffn), 0, 12 * d(p.rows) * d(p.ffn)}; }
 Cost swiglu_backward(const SwigluParams& p) { return {matrix(p.rows, p.ffn), 0, 20 * d(p.rows) * d(p.ffn)}; }
 
+// LayerNorm: the row's two reductions and the normalisation stay in cache, so each pass reads and writes its
+// arrays once (weight, bias and the per-row statistics are small).
+Cost layernorm_forward(const LayerNormParams& p) {
+  return {matrix(p.rows, p.dim), 0, 8 * d(p.rows) * d(p.dim)};
+}
+Cost layernorm_backward_input(const LayerNormParams& p) {
+  return {matrix(p.rows, p.dim), 0, 12 * d(p.rows) * d(p.dim)};
+}
+Cost layernorm_backward_weight(const LayerNormParams& p) {
+  return {matrix(p.rows, p.dim) + (p.dbias ? " +bias" : ""), 0, 8 * d(p.rows) * d(p.dim)};
+}
+
+Cost gelu_forward(const GeluParams& p) {
+  return {vector_of(p.n) + " " + gelu_kind_name(p.kind), 0, 8 * d(p.n)};
+}
+Cost gelu_backward(const GeluParams& p) {
+  return {vector_of(p.n) + " " + gelu_kind_name(p.kind), 0, 12 * d(p.n)};
+}
+
+// bias_add reads and writes y; bias_backward reads dy (the bias itself is one row).
+Cost bias_add(const BiasParams& p) { return {matrix(p.rows, p.n), 0, 8 * d(p.rows) * d(p.n)}; }
+Cost bias_backward(const BiasParams& p) { return {matrix(p.rows, p.n), 0, 4 * d(p.rows) * d(p.n)}; }
+
 Cost attention_forward(const AttentionParams& p) { return attention_cost(p, false); }
 Cost attention_backward(const AttentionParams& p) { return attention_cost(p, true); }
 

@@ -1,17 +1,20 @@
 // The op tests of tests/kernels/op_tests/ (written once for every backend) on the GPU: the CUDA backend's
-// element-wise, norm, rotary, SwiGLU, embedding, optimizer, kv-cache append and mixture-of-experts (sort,
-// permutes, grouped GEMMs) ops against the CPU backend on the same inputs (awkward sizes, never multiples of
-// the block sizes), within bounds that come from the arithmetic. Each case skips where no GPU is usable;
-// test_kernels runs the same tests on the CPU and on the device emulation. GEMMs: gemm_test.cpp; attention:
-// attention_test.cpp; the support queries and parameter checks, which need no GPU:
-// kernels/op_support_test.cpp.
+// element-wise, norm (RMSNorm, LayerNorm), GELU, bias, rotary, SwiGLU, embedding, optimizer, kv-cache append
+// and mixture-of-experts (sort, permutes, grouped GEMMs) ops against the CPU backend on the same inputs
+// (awkward sizes, never multiples of the block sizes), within bounds that come from the arithmetic. Each case
+// skips where no GPU is usable; test_kernels runs the same tests on the CPU and on the device emulation.
+// GEMMs: gemm_test.cpp; attention: attention_test.cpp; the support queries and parameter checks, which need
+// no GPU: kernels/op_support_test.cpp.
 #include "kernels/op_tests/adamw.h"
+#include "kernels/op_tests/bias.h"
 #include "kernels/op_tests/context_ops.h"
 #include "kernels/op_tests/elementwise.h"
 #include "kernels/op_tests/embedding.h"
 #include "kernels/op_tests/empty_inputs.h"
+#include "kernels/op_tests/gelu.h"
 #include "kernels/op_tests/grouped_gemm.h"
 #include "kernels/op_tests/kv_append.h"
+#include "kernels/op_tests/layernorm.h"
 #include "kernels/op_tests/moe_permute.h"
 #include "kernels/op_tests/rmsnorm.h"
 #include "kernels/op_tests/rope.h"
@@ -25,6 +28,10 @@ FORGE_INSTANTIATE_OP_TEST(AdamWOp, kCases, testing::Backend::gpu);
 FORGE_INSTANTIATE_OP_TEST(AdamWFixed, testing::kFixedCase, testing::Backend::gpu);
 }  // namespace adamw
 
+namespace bias {
+FORGE_INSTANTIATE_OP_TEST(BiasOp, kCases, testing::Backend::gpu);
+}  // namespace bias
+
 namespace elementwise {
 FORGE_INSTANTIATE_OP_TEST(ElementwiseOp, kCases, testing::Backend::gpu);
 }  // namespace elementwise
@@ -36,6 +43,12 @@ FORGE_INSTANTIATE_OP_TEST(EmbeddingOp, kCases, testing::Backend::gpu);
 namespace empty_inputs {
 FORGE_INSTANTIATE_OP_TEST(EmptyInputs, testing::kFixedCase, testing::Backend::gpu);
 }  // namespace empty_inputs
+
+namespace gelu {
+FORGE_INSTANTIATE_OP_TEST(GeluOp, kCases, testing::Backend::gpu);
+FORGE_INSTANTIATE_OP_TEST(GeluSaturation, testing::kFixedCase, testing::Backend::gpu);
+FORGE_INSTANTIATE_OP_TEST(GeluKnownValues, testing::kFixedCase, testing::Backend::gpu);
+}  // namespace gelu
 
 namespace grouped_gemm {
 FORGE_INSTANTIATE_OP_TEST(GroupedGemmOp, kCases, testing::Backend::gpu);
@@ -52,6 +65,10 @@ namespace kv_append {
 FORGE_INSTANTIATE_OP_TEST(KvAppendOp, kCases, testing::Backend::gpu);
 FORGE_INSTANTIATE_OP_TEST(KvAppendFixed, testing::kFixedCase, testing::Backend::gpu);
 }  // namespace kv_append
+
+namespace layernorm {
+FORGE_INSTANTIATE_OP_TEST(LayerNormOp, kCases, testing::Backend::gpu);
+}  // namespace layernorm
 
 namespace moe_permute {
 FORGE_INSTANTIATE_OP_TEST(MoeSortOp, kCases, testing::Backend::gpu);

@@ -25,6 +25,21 @@ TEST_P(EmptyInputs, AreNoOps) {
   FORGE_TEST_OP(rmsnorm_forward, d, norm);
   FORGE_TEST_OP(rmsnorm_backward_input, d, norm);
   FORGE_TEST_OP(rmsnorm_backward_weight, d, norm);
+  ops::LayerNormParams layernorm;
+  layernorm.rows = 0, layernorm.dim = 8;
+  FORGE_TEST_OP(layernorm_forward, d, layernorm);
+  FORGE_TEST_OP(layernorm_backward_input, d, layernorm);
+  FORGE_TEST_OP(layernorm_backward_weight, d, layernorm);
+  ops::GeluParams gelu;  // n = 0
+  FORGE_TEST_OP(gelu_forward, d, gelu);
+  FORGE_TEST_OP(gelu_backward, d, gelu);
+  ops::BiasParams bias;
+  bias.rows = 0, bias.n = 6;
+  FORGE_TEST_OP(bias_add, d, bias);
+  FORGE_TEST_OP(bias_backward, d, bias);
+  bias.rows = 4, bias.n = 0;
+  FORGE_TEST_OP(bias_add, d, bias);
+  FORGE_TEST_OP(bias_backward, d, bias);
   ops::RopeParams rope;
   rope.batch = 0, rope.seq = 4, rope.heads = 2, rope.head_dim = 8, rope.token_stride = 16;
   FORGE_TEST_OP(rope, d, rope);

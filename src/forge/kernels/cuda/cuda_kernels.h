@@ -9,6 +9,7 @@
 //                                      (bf16 from bf16 or FP8 operands); FP8 per-tensor scaling (E4M3 x E4M3,
 //                                      E4M3 x E5M2, E5M2 x E4M3) on devices with FP8 tensor cores (sm_89+).
 //   fp8_gemm (block scaling)           fp8_block_gemm.cu, through fp8_block_gemm below.
+//   layernorm_*, gelu_*, bias_*        layernorm.cu, gelu.cu, bias.cu: the CPU kernels' semantics and order.
 //   rmsnorm_*, rope, swiglu_*,         rmsnorm.cu, rope.cu, swiglu.cu, embedding.cu, adamw.cu,
 //   elementwise.cu: embedding_*, adamw, add_inplace,   each the CPU kernel's semantics (kernels/ops.h) on
 //   device memory; the sum_squares*, scale_inplace,       bf16 conversions bitwise core/dtype.h's;
