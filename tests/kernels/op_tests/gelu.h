@@ -236,8 +236,9 @@ TEST_P(GeluKnownValues, MatchTheConfigsDefinitions) {
     p.n = 4, p.kind = kind, p.x = x.data(), p.out = out.data();
     FORGE_TEST_OP(gelu_forward, device(), p);
     const std::vector<float> got = out.download();
+    // A few ulp: erfc (CUDA's erfcf is within 4 ulp, glibc's within 1) or exp, and the products.
     for (size_t i = 0; i < values.size(); ++i) {
-      EXPECT_NEAR(got[i], want[k][i], 8 * kU * std::abs(want[k][i]))
+      EXPECT_NEAR(got[i], want[k][i], 16 * kU * std::abs(want[k][i]))
           << ops::gelu_kind_name(kind) << " " << values[i];
       EXPECT_NEAR(reference(kind, values[i]).value, want[k][i], 1e-15)
           << ops::gelu_kind_name(kind) << " reference";
