@@ -299,6 +299,63 @@ RgbImage png_to_rgb(const PngRaw& raw) {
   return image;
 }
 
+// ------------------------------------------------------------------------------------------- PNG writing
+
+struct PngWriter {
+  std::string* out;
+  std::jmp_buf jump;
+  DecodeError* error;
+};
+
+[[noreturn]] void png_write_fail(png_structp png, png_const_charp message) {
+  auto* writer = static_cast<PngWriter*>(png_get_error_ptr(png));
+  std::snprintf(writer->error->message, sizeof writer->error->message, "cannot encode PNG: %s", message);
+  std::longjmp(writer->jump, 1);
+}
+
+void png_write_bytes(png_structp png, png_bytep data, size_t count) {
+  auto* writer = static_cast<PngWriter*>(png_get_io_ptr(png));
+  bool appended = true;
+  try {  // no exception may cross libpng's C frames
+    writer->out->append(reinterpret_cast<const char*>(data), count);
+  } catch (...) {
+    appended = false;
+  }
+  if (!appended) png_error(png, "out of memory");
+}
+
+void png_flush_nothing(png_structp) {}
+
+// Appends the PNG to `out`; `rows` holds one pointer per row of `image`. The caller owns every buffer
+// (nothing with a destructor lives on this frame, see the top of the file).
+bool encode_png_raw(const RgbImage& image, png_bytep* rows, std::string* out, DecodeError* error) {
+  PngWriter writer{out, {}, error};
+  png_structp png = png_create_write_struct(PNG_LIBPNG_VER_STRING, &writer, png_write_fail, png_warn);
+  if (png == nullptr) {
+    std::snprintf(error->message, sizeof error->message, "cannot create a PNG writer");
+    return false;
+  }
+  png_infop info = png_create_info_struct(png);
+  if (info == nullptr) {
+    png_destroy_write_struct(&png, nullptr);
+    std::snprintf(error->message, sizeof error->message, "cannot create a PNG writer");
+    return false;
+  }
+  if (setjmp(writer.jump)) {
+    png_destroy_write_struct(&png, &info);
+    return false;
+  }
+  png_set_write_fn(png, &writer, png_write_bytes, png_flush_nothing);
+  png_set_compression_level(png, 6);
+  png_set_IHDR(png, info, static_cast<png_uint_32>(image.width), static_cast<png_uint_32>(image.height), 8,
+               PNG_COLOR_TYPE_RGB, PNG_INTERLACE_NONE, PNG_COMPRESSION_TYPE_DEFAULT, PNG_FILTER_TYPE_DEFAULT);
+  png_write_info(png, info);
+  png_write_image(png, rows);
+  png_write_end(png, nullptr);
+  png_destroy_write_struct(&png, &info);
+  return true;
+}
+
 }  // namespace
 
 ImageFormat sniff_image_format(std::span<const uint8_t> bytes) {
@@ -330,6 +387,25 @@ RgbImage decode_image(std::span<const uint8_t> bytes, std::string_view name) {
 RgbImage read_image(const std::filesystem::path& path) {
   const std::string bytes = read_file(path, "image file");
   return decode_image(std::span(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()), path.string());
+}
+
+std::string encode_png(const RgbImage& image, std::string_view name) {
+  if (image.height < 1 || image.width < 1 || image.height > kMaxImageSide || image.width > kMaxImageSide)
+    fail("{}: cannot encode a {}x{} image as PNG", name, image.width, image.height);
+  if (image.pixels.size() != static_cast<size_t>(image.height * image.width * 3))
+    fail("{}: image holds {} bytes, not {}x{}x3", name, image.pixels.size(), image.width, image.height);
+  std::vector<png_bytep> rows(static_cast<size_t>(image.height));
+  auto* base = const_cast<uint8_t*>(image.pixels.data());  // libpng's API is not const; it only reads
+  for (int64_t y = 0; y < image.height; ++y) rows[static_cast<size_t>(y)] = base + y * image.width * 3;
+  std::string out;
+  out.reserve(static_cast<size_t>(image.height * image.width) + 1024);
+  DecodeError error;
+  if (!encode_png_raw(image, rows.data(), &out, &error)) fail("{}: {}", name, error.message);
+  return out;
+}
+
+void write_png(const RgbImage& image, const std::filesystem::path& path) {
+  write_file_atomically(path, encode_png(image, path.string()), "PNG image");
 }
 
 }  // namespace forge::data

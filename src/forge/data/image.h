@@ -1,7 +1,8 @@
 // Image decoding for multimodal data: a JPEG or PNG file (told apart by its magic bytes, not its name)
 // becomes 8-bit RGB, height x width x 3, exactly as PIL's `Image.open(f).convert("RGB")` computes it
 // (Pillow 9.4 on Debian; both use the system libjpeg-turbo for JPEG). libjpeg-turbo and libpng do the
-// decoding; their errors become one forge::Error line naming the file and the reason.
+// decoding; their errors become one forge::Error line naming the file and the reason. PNG writing
+// (encode_png, write_png) serves forge's own synthetic datasets.
 //
 // What is refused (one line each): files that are neither JPEG nor PNG, CMYK/YCCK JPEGs, 16-bit grayscale
 // PNGs (PIL opens them as 32-bit mode "I" and its RGB conversion clips every value above 255 to white, so
@@ -14,6 +15,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -43,5 +45,12 @@ RgbImage decode_image(std::span<const uint8_t> bytes, std::string_view name);
 
 // Reads and decodes a file; errors name the path.
 RgbImage read_image(const std::filesystem::path& path);
+
+// An 8-bit RGB PNG of `image` (non-interlaced, zlib level 6, no time or text chunks), so the same pixels
+// always give the same bytes. `name` names the image in error messages.
+std::string encode_png(const RgbImage& image, std::string_view name);
+
+// encode_png written atomically (temporary file, fsync, rename); errors name the path.
+void write_png(const RgbImage& image, const std::filesystem::path& path);
 
 }  // namespace forge::data
