@@ -25,7 +25,8 @@ void build(ParameterStore& store, bool bf16) {
 
 void fill_grads(ParameterStore& store, int step) {
   float* g = store.grads().f32();
-  for (int64_t i = 0; i < store.numel(); ++i) g[i] = std::sin(0.37f * static_cast<float>(i + 13 * step));
+  for (int64_t i = 0; i < store.trained_numel(); ++i)
+    g[i] = std::sin(0.37f * static_cast<float>(i + 13 * step));
 }
 
 bool bitwise_equal(const float* a, const float* b, int64_t n) {
@@ -86,6 +87,26 @@ TEST(AdamW, StepIsTheFusedKernelPerParameter) {
 
 // A range updated in pieces cut anywhere (inside parameters) equals the whole update: the kernel is
 // elementwise and the weight decay follows the parameter.
+// A frozen parameter keeps its weights through steps (weight decay included) and AdamW holds no state for it.
+TEST(AdamW, FrozenParametersStayAsTheyAre) {
+  ParameterStore store;
+  store.add("a", {2, 5}, true, Init::normal, 0.5f);
+  const int frozen = store.add("b", {3, 4}, true, Init::normal, 0.5f);
+  store.add("c", {7}, false, Init::ones);
+  store.freeze(frozen);
+  store.allocate(false);
+  store.initialize(7);
+  const std::vector<float> before(store.param(frozen).f32(), store.param(frozen).f32() + 12);
+  AdamW optimizer(&store, AdamWConfig{0.9f, 0.95f, 1e-8f, 0.1f});
+  EXPECT_EQ(optimizer.exp_avg().numel(), 17);
+  for (int step = 0; step < 3; ++step) {
+    fill_grads(store, step);
+    optimizer.step(1e-2f, 1.0f);
+  }
+  EXPECT_TRUE(bitwise_equal(store.param(frozen).f32(), before.data(), 12));
+  EXPECT_GT(global_grad_norm(store), 0.0);
+}
+
 TEST(AdamWUpdateRange, PiecesEqualTheWholeRange) {
   ParameterStore whole, pieces;
   build(whole, true);

@@ -725,6 +725,7 @@ std::vector<ShardPiece> parameter_store_pieces(const ParameterStore& params,
   auto add = [&](const std::string& prefix, const Tensor& buffer) {
     for (const ParamInfo& info : params.infos()) {
       if (for_saving && !info.shard.primary) continue;
+      if (!prefix.empty() && !info.trainable) continue;  // a frozen parameter has no optimizer state
       ShardPiece p;
       p.name = prefix + info.name;
       p.global_shape = info.global_shape();

@@ -39,10 +39,15 @@ void ParameterStore::set_grad_uses(int id, int uses) {
   infos_.at(id).grad_uses = uses;
 }
 
+void ParameterStore::freeze(int id) {
+  FORGE_CHECK(!allocated(), "parameter '{}' frozen after allocation", infos_.at(id).name);
+  infos_.at(id).trainable = false;
+}
+
 std::pair<int64_t, int64_t> ParameterStore::group_range(const std::string& group) const {
   int64_t begin = -1, end = -1;
   for (const ParamInfo& p : infos_)
-    if (p.group == group) {
+    if (p.group == group && p.trainable) {
       if (begin < 0) begin = p.offset;
       end = p.offset + shape_numel(p.shape);
     }
@@ -51,11 +56,12 @@ std::pair<int64_t, int64_t> ParameterStore::group_range(const std::string& group
 
 void ParameterStore::begin_grad_step(int micro_batches) {
   FORGE_CHECK(micro_batches >= 1, "a gradient step of {} micro-batches", micro_batches);
-  FORGE_CHECK(!grad_step_active(), "begin_grad_step: the previous step still waits for {} parameters' gradients",
-              params_pending_);
+  FORGE_CHECK(!grad_step_active(),
+              "begin_grad_step: the previous step still waits for {} parameters' gradients", params_pending_);
   expected_uses_ = micro_batches;
   grads_seen_.assign(infos_.size(), 0);
-  params_pending_ = count();
+  params_pending_ = static_cast<int>(
+      std::count_if(infos_.begin(), infos_.end(), [](const ParamInfo& p) { return p.trainable; }));
   for (Finalizer& f : finalizers_) f.pending = static_cast<int>(f.ids.size());
   if (params_pending_ == 0) expected_uses_ = 0;
 }
@@ -65,10 +71,12 @@ bool ParameterStore::grad_final(int id) const {
 }
 
 void ParameterStore::note_grad(int id) {
+  FORGE_CHECK(infos_.at(id).trainable, "a weight gradient of frozen parameter '{}'", infos_[id].name);
   if (!grad_step_active()) return;
   const int expected = expected_uses_ * infos_.at(id).grad_uses;
-  FORGE_CHECK(grads_seen_[id] < expected, "parameter '{}' received more than its {} weight gradients of the step",
-              infos_[id].name, expected);
+  FORGE_CHECK(grads_seen_[id] < expected,
+              "parameter '{}' received more than its {} weight gradients of the step", infos_[id].name,
+              expected);
   if (++grads_seen_[id] < expected) return;
   // A parameter with a finalizer is announced once the finalizer ran, with the finalizer's other parameters.
   const int f = finalizers_of_.empty() ? -1 : finalizers_of_[id];
@@ -106,28 +114,34 @@ void ParameterStore::remove_grad_listener(int handle) {
 void ParameterStore::allocate(bool with_bf16_shadow, bool with_grads, Device device) {
   // A group's parameters are adjacent: its buckets and its optimizer shard are one flat range. Groups are
   // laid out in the order they first appear, each in registration order (so that parameters registered one
-  // after another in one group stay one matrix).
+  // after another in one group stay one matrix). Frozen parameters come last, in registration order.
   std::vector<std::string> order;
   for (const ParamInfo& p : infos_)
-    if (std::find(order.begin(), order.end(), p.group) == order.end()) order.push_back(p.group);
+    if (p.trainable && std::find(order.begin(), order.end(), p.group) == order.end())
+      order.push_back(p.group);
   int64_t offset = 0;
   by_offset_.clear();
+  auto place = [&](ParamInfo& p, size_t id) {
+    p.offset = offset, offset += shape_numel(p.shape);
+    by_offset_.push_back(static_cast<int>(id));
+  };
   for (const std::string& group : order)
     for (size_t id = 0; id < infos_.size(); ++id)
-      if (ParamInfo& p = infos_[id]; p.group == group) {
-        p.offset = offset, offset += shape_numel(p.shape);
-        by_offset_.push_back(static_cast<int>(id));
-      }
+      if (ParamInfo& p = infos_[id]; p.trainable && p.group == group) place(p, id);
+  trained_ = offset;
+  for (size_t id = 0; id < infos_.size(); ++id)
+    if (ParamInfo& p = infos_[id]; !p.trainable) place(p, id);
   FORGE_CHECK(offset == total_, "parameter layout: {} elements placed of {}", offset, total_);
   device_ = device;
   params_ = Tensor::zeros({total_}, DType::f32, device);
-  if (with_grads) grads_ = Tensor::zeros({total_}, DType::f32, device);
+  if (with_grads) grads_ = Tensor::zeros({trained_}, DType::f32, device);
   if (with_bf16_shadow) params_bf16_ = Tensor::zeros({total_}, DType::bf16, device);
 }
 
 Tensor ParameterStore::grad(int id) const {
   FORGE_CHECK(has_grads(), "gradient of '{}' asked of a parameter store built without gradients (inference)",
               infos_.at(id).name);
+  FORGE_CHECK(infos_[id].trainable, "gradient of frozen parameter '{}' asked for", infos_[id].name);
   return grads_.view(infos_[id].offset, infos_[id].shape);
 }
 
@@ -166,8 +180,12 @@ void ParameterStore::initialize(uint64_t seed) {
         for (const ShardRun& r : shard_runs(p))
           init_normal(out + r.local, r.count, r.global, seed, p.name, 0.0f, p.init_std);
         break;
-      case Init::ones: init_constant(out, n, 1.0f); break;
-      case Init::zeros: init_constant(out, n, 0.0f); break;
+      case Init::ones:
+        init_constant(out, n, 1.0f);
+        break;
+      case Init::zeros:
+        init_constant(out, n, 0.0f);
+        break;
     }
   }
   if (device_ != Device::cpu) params_.copy_from(host);
@@ -199,7 +217,10 @@ Tensor ParameterStore::span(const Tensor& flat, int first, int count, int64_t co
   int64_t rows = 0;
   for (int i = first; i < first + count; ++i) {
     const auto& p = infos_.at(i);
-    FORGE_CHECK(p.shape.size() == 2 && p.shape[1] == cols, "'{}' is not a [*, {}] matrix", p.name, cols);
+    // A tensor of more dimensions is the matrix of its first against the rest (a convolution's weight
+    // [out, channels, kh, kw] as the GEMM over flattened patches reads it).
+    FORGE_CHECK(p.shape.size() >= 2 && shape_numel(p.shape) == p.shape[0] * cols,
+                "'{}' is not a [*, {}] matrix", p.name, cols);
     FORGE_CHECK(p.offset == infos_[first].offset + rows * cols, "'{}' is not adjacent to '{}'", p.name,
                 infos_[first].name);
     rows += p.shape[0];

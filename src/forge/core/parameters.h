@@ -31,8 +31,8 @@ struct ShardSpec {
 };
 
 struct ParamInfo {
-  std::string name;  // Hugging Face tensor name
-  Shape shape;       // local shape (the shard this process holds)
+  std::string name;    // Hugging Face tensor name
+  Shape shape;         // local shape (the shard this process holds)
   int64_t offset = 0;  // elements into the flat buffers (final once the store is allocated)
   bool weight_decay = true;
   Init init = Init::normal;
@@ -45,6 +45,8 @@ struct ParamInfo {
   // group's parameters out adjacently, groups in the order they first appear, each in registration order,
   // and each group is reduced by its own gradient buckets.
   std::string group = "dense";
+  // False for a frozen parameter (ParameterStore::freeze): no gradient, no optimizer state, not trained.
+  bool trainable = true;
   const Shape& global_shape() const { return shard.global_shape.empty() ? shape : shard.global_shape; }
 };
 
@@ -91,6 +93,13 @@ class ParameterStore {
   int add(std::string name, Shape shape, bool weight_decay, Init init, float init_std = 0.02f,
           ShardSpec shard = {}, std::string group = "dense");
   void set_grad_uses(int id, int uses);
+  // Freezing (before allocate()): the parameter keeps its weights but has no gradient (grad() refuses it), no
+  // optimizer state and no part in a gradient step; modules skip its weight gradient (trainable()). Frozen
+  // parameters are laid out after every trainable one, so that the gradient buffer, the optimizer's moments
+  // and the gradient buckets cover [0, trained_numel()) only.
+  void freeze(int id);
+  bool trainable(int id) const { return infos_.at(id).trainable; }
+  int64_t trained_numel() const { return trained_; }
   // The parameter is a copy of one another rank holds as primary (DualPipe's mirrored chunks): like a
   // replicated tensor-parallel copy, it is left out of the gradient norm and of checkpoints' saved pieces.
   void mark_copy(int id) { infos_.at(id).shard.primary = false; }
@@ -123,18 +132,19 @@ class ParameterStore {
 
   Tensor param(int id) const { return params_.view(infos_[id].offset, infos_[id].shape); }
   Tensor grad(int id) const;
-  // A view spanning `count` adjacent parameters from `first` as one [rows, cols] matrix.
+  // A view spanning `count` adjacent parameters from `first` as one [rows, cols] matrix (each parameter
+  // [rows_i, ...] with cols elements per row).
   Tensor span(const Tensor& flat, int first, int count, int64_t cols) const;
 
   // The flat range [begin, end) of a group's parameters (empty when it has none).
   std::pair<int64_t, int64_t> group_range(const std::string& group) const;
 
-  // ---- Gradient readiness by count. A gradient step of n micro-batches expects n * grad_uses weight-gradient
-  // contributions to every parameter, in whatever order the schedule runs them; each module's backward_weight
-  // reports each one (note_grad). The last one makes the parameter final for the step: the finalizers whose
-  // parameters are now all final run (the tensor-parallel sums of replicated copies), then every listener is
-  // told (the gradient buckets, which start reducing a bucket once all of its parameters are final). The step
-  // ends when every parameter is final. Outside a step note_grad does nothing.
+  // ---- Gradient readiness by count. A gradient step of n micro-batches expects n * grad_uses
+  // weight-gradient contributions to every parameter, in whatever order the schedule runs them; each module's
+  // backward_weight reports each one (note_grad). The last one makes the parameter final for the step: the
+  // finalizers whose parameters are now all final run (the tensor-parallel sums of replicated copies), then
+  // every listener is told (the gradient buckets, which start reducing a bucket once all of its parameters
+  // are final). The step ends when every parameter is final. Outside a step note_grad does nothing.
   void begin_grad_step(int micro_batches);
   bool grad_step_active() const { return expected_uses_ > 0; }
   // Ends a step that failed midway (an exception in it, on a one-process run that rolls back): nothing
@@ -150,7 +160,7 @@ class ParameterStore {
   void remove_grad_listener(int handle);
 
   const Tensor& params() const { return params_; }
-  const Tensor& grads() const { return grads_; }
+  const Tensor& grads() const { return grads_; }  // [trained_numel()]
   const Tensor& params_bf16() const { return params_bf16_; }
   bool has_bf16() const { return params_bf16_.defined(); }
 
@@ -158,7 +168,7 @@ class ParameterStore {
   std::vector<ParamInfo> infos_;
   std::vector<int> by_offset_;
   std::unordered_map<std::string, int> by_name_;
-  int64_t total_ = 0;
+  int64_t total_ = 0, trained_ = 0;
   uint64_t version_ = 0;
   void announce_final(int id);
 
@@ -170,8 +180,8 @@ class ParameterStore {
     std::function<void()> fn;
     int pending = 0;
   };
-  int expected_uses_ = 0;              // per parameter and use in the current step (0: no step)
-  std::vector<int> grads_seen_;        // contributions so far, per parameter
+  int expected_uses_ = 0;           // per parameter and use in the current step (0: no step)
+  std::vector<int> grads_seen_;     // contributions so far, per parameter
   std::vector<int> finalizers_of_;  // per parameter: its finalizer's index (-1: none; empty: no finalizers)
   std::vector<Finalizer> finalizers_;
   std::vector<std::pair<int, std::function<void(int)>>> listeners_;

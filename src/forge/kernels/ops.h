@@ -360,7 +360,7 @@ struct LinearCrossEntropyParams {
   float* loss = nullptr;              // [rows]
   float grad_scale = 1.0f;
   float* dhidden = nullptr;  // [rows, dim]
-  float* dweight = nullptr;  // [vocab, dim], accumulated
+  float* dweight = nullptr;  // [vocab, dim], accumulated (null: none computed, the head is frozen)
   // Without keep_logits the logits never exist whole: the workspace holds one chunk, and backward computes
   // each chunk's logits again. With it the workspace holds every chunk's ([rows, width] blocks at
   // linear_cross_entropy_chunk_offset, each as aligned as the workspace, so a chunk's GEMM is the same one in

@@ -19,13 +19,15 @@ Tensor Embedding::forward(const int32_t* ids, int64_t rows) const {
   const Device device = store_->device();
   Tensor y = Tensor::empty({rows, dim_}, DType::f32, device);
   ops::EmbeddingParams p;
-  p.rows = rows, p.dim = dim_, p.vocab = vocab_, p.ids = ids, p.weight = store_->param(weight_).f32(), p.out = y.f32();
+  p.rows = rows, p.dim = dim_, p.vocab = vocab_, p.ids = ids, p.weight = store_->param(weight_).f32(),
+  p.out = y.f32();
   p.vocab_parallel = tp_ != nullptr, p.first = first_;
   ops::embedding_forward(p, device);
   return tp_ ? tp_->reduce_out(y) : y;
 }
 
 void Embedding::backward_weight(const int32_t* ids, const Tensor& dy_in) const {
+  if (!store_->trainable(weight_)) return;                // frozen: no weight gradient
   const Tensor dy = tp_ ? tp_->gather_in(dy_in) : dy_in;  // sequence parallel: every row's gradient
   ops::EmbeddingParams p;
   p.rows = dy.numel() / dim_, p.dim = dim_, p.vocab = vocab_, p.ids = ids, p.dout = dy.f32();

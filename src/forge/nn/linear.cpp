@@ -286,6 +286,7 @@ Tensor Linear::backward_input(GemmOperand& dy, const Tensor& out) const {
 }
 
 void Linear::backward_weight(const GemmOperand& dy, const GemmOperand& x) const {
+  if (!store_->trainable(first_)) return;  // frozen: no weight gradient
   accumulate_weight_grad(dy, x);
   for (int i = first_; i < first_ + count_; ++i) store_->note_grad(i);
 }

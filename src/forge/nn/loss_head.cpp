@@ -70,7 +70,8 @@ LossTotals LossHead::forward(const Tensor& hidden, const int32_t* targets, const
   Tensor dfull;
   if (dhidden) {
     dfull = Tensor::empty({rows, dim_}, DType::f32, device);
-    p.grad_scale = grad_scale, p.dhidden = dfull.f32(), p.dweight = store_->grad(weight_).f32();
+    p.grad_scale = grad_scale, p.dhidden = dfull.f32();
+    if (store_->trainable(weight_)) p.dweight = store_->grad(weight_).f32();  // else frozen: none
   }
   // Training (forward then backward here, on the same workspace): keep the logits for backward when the
   // budget allows, rather than computing them twice.
@@ -102,7 +103,7 @@ LossTotals LossHead::forward(const Tensor& hidden, const int32_t* targets, const
   }
   if (dhidden) {
     ops::linear_cross_entropy_backward(p, device);
-    store_->note_grad(weight_);
+    if (p.dweight) store_->note_grad(weight_);
     *dhidden = reduce_out(group, dfull);
   }
   const Tensor host_loss = loss.to(Device::cpu);

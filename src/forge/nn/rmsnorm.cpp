@@ -32,6 +32,10 @@ Tensor RmsNorm::backward_input(const Tensor& dy, Saved& saved) const {
 }
 
 void RmsNorm::backward_weight(Saved& saved) const {
+  if (!store_->trainable(weight_)) {  // frozen: no weight gradient
+    saved = Saved{};
+    return;
+  }
   int64_t rows = saved.dy.numel() / dim_;
   ops::RmsNormParams p;
   p.rows = rows, p.dim = dim_, p.x = saved.x.f32(), p.eps = eps_;

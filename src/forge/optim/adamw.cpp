@@ -9,7 +9,7 @@ namespace forge::optim {
 
 double global_grad_norm(const ParameterStore& store) {
   if (!store.has_grads()) fail("gradient norm of a parameter store built without gradients (inference)");
-  return std::sqrt(ops::sum_squares(store.grads().f32(), store.numel(), store.device()));
+  return std::sqrt(ops::sum_squares(store.grads().f32(), store.trained_numel(), store.device()));
 }
 
 float clip_coefficient(double norm, float max_norm) {
@@ -22,16 +22,16 @@ float clip_coefficient(double norm, float max_norm) {
 AdamW::AdamW(ParameterStore* store, AdamWConfig config)
     : store_(store),
       config_(config),
-      state_{Tensor::zeros({store->numel()}, DType::f32, store->device()),
-             Tensor::zeros({store->numel()}, DType::f32, store->device()), 0} {
+      state_{Tensor::zeros({store->trained_numel()}, DType::f32, store->device()),
+             Tensor::zeros({store->trained_numel()}, DType::f32, store->device()), 0} {
   if (!store->has_grads()) fail("AdamW over a parameter store built without gradients (inference)");
 }
 
-void adamw_update_range(ParameterStore& store, int64_t begin, int64_t end, float* exp_avg,
-                        float* exp_avg_sq, const AdamWConfig& config, float lr, float grad_scale,
-                        int64_t step, bool write_bf16) {
-  FORGE_CHECK(0 <= begin && begin <= end && end <= store.numel(),
-              "AdamW range [{}, {}) outside the {} parameters", begin, end, store.numel());
+void adamw_update_range(ParameterStore& store, int64_t begin, int64_t end, float* exp_avg, float* exp_avg_sq,
+                        const AdamWConfig& config, float lr, float grad_scale, int64_t step,
+                        bool write_bf16) {
+  FORGE_CHECK(0 <= begin && begin <= end && end <= store.trained_numel(),
+              "AdamW range [{}, {}) outside the {} trained parameters", begin, end, store.trained_numel());
   float* params = store.params().f32();
   const float* grads = store.grads().f32();
   uint16_t* shadow = write_bf16 && store.has_bf16() ? store.params_bf16().bf16() : nullptr;
@@ -67,8 +67,8 @@ void adamw_update_range(ParameterStore& store, int64_t begin, int64_t end, float
 
 void AdamW::step(float lr, float grad_scale) {
   ++state_.steps;
-  adamw_update_range(*store_, 0, store_->numel(), state_.exp_avg.f32(), state_.exp_avg_sq.f32(), config_, lr,
-                     grad_scale, state_.steps,
+  adamw_update_range(*store_, 0, store_->trained_numel(), state_.exp_avg.f32(), state_.exp_avg_sq.f32(),
+                     config_, lr, grad_scale, state_.steps,
                      /*write_bf16=*/true);
   store_->mark_updated();
 }

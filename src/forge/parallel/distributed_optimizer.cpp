@@ -34,7 +34,7 @@ DistributedAdamW::DistributedAdamW(ParameterStore* store, optim::AdamWConfig con
       }
     } else {
       FORGE_CHECK(groups_.size() == 1, "an optimizer group without gradient buckets must be the only one");
-      if (store->numel() > 0) ranges = {{0, store->numel()}};
+      if (store->trained_numel() > 0) ranges = {{0, store->trained_numel()}};
     }
     for (const auto& r : ranges) owned_.push_back(r), range_group_.push_back(g);
   }

@@ -136,8 +136,8 @@ void GradBuckets::cancel_step() {
 
 void GradBuckets::ready_from(int64_t flat_offset) {
   FORGE_CHECK(in_step_, "gradient buckets: ready_from({}) outside begin_step()/finish()", flat_offset);
-  FORGE_CHECK(0 <= flat_offset && flat_offset <= store_->numel(),
-              "gradient buckets: ready_from({}) outside [0, {}]", flat_offset, store_->numel());
+  FORGE_CHECK(0 <= flat_offset && flat_offset <= store_->trained_numel(),
+              "gradient buckets: ready_from({}) outside [0, {}]", flat_offset, store_->trained_numel());
   if (!options_.overlap) return;
   while (next_ >= 0 && buckets_[next_].begin >= flat_offset) launch_if_pending(next_--);
   poll();

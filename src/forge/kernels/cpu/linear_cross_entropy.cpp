@@ -28,8 +28,8 @@ int64_t real_width(const ops::LinearCrossEntropyParams& p, int64_t first, int64_
 bool supports(const ops::LinearCrossEntropyParams& p, const char* what, std::string* reason) {
   using ops::refuse;
   if (p.rows < 0 || p.dim <= 0 || p.vocab <= 0 || p.vocab_chunk <= 0)
-    return refuse(reason, "{}: bad shape rows={} dim={} vocab={} vocab_chunk={}", what, p.rows, p.dim, p.vocab,
-                  p.vocab_chunk);
+    return refuse(reason, "{}: bad shape rows={} dim={} vocab={} vocab_chunk={}", what, p.rows, p.dim,
+                  p.vocab, p.vocab_chunk);
   if (p.gemm_dtype != DType::f32 && p.gemm_dtype != DType::bf16)
     return refuse(reason, "{}: gemm_dtype must be fp32 or bf16", what);
   if (p.workspace == nullptr) return refuse(reason, "{}: workspace is required", what);
@@ -43,7 +43,8 @@ void check(const ops::LinearCrossEntropyParams& p, const char* what) {
   if (std::string why; !supports(p, what, &why)) fail("{}", why);
   for (int64_t r = 0; r < p.rows; ++r)
     if (p.targets[r] >= global_vocab(p))
-      fail("{}: target {} at row {} is outside the vocabulary [0, {})", what, p.targets[r], r, global_vocab(p));
+      fail("{}: target {} at row {} is outside the vocabulary [0, {})", what, p.targets[r], r,
+           global_vocab(p));
 }
 
 // Where chunk `first`'s logits go in the workspace.
@@ -103,13 +104,14 @@ void linear_cross_entropy_forward(const ops::LinearCrossEntropyParams& p) {
       running_sum[r] = running_sum[r] * rescale + sum;
       running_max[r] = new_max;
       const int32_t target = p.targets[r];
-      if (target >= global_first && target < global_first + real) target_logit[r] = row[target - global_first];
+      if (target >= global_first && target < global_first + real)
+        target_logit[r] = row[target - global_first];
     }
   }
   for (int64_t r = 0; r < p.rows; ++r) {
     // A range of padding only (possible with tiny vocabularies split far) has lse = -inf: exp gives 0.
     p.lse[r] = running_sum[r] > 0 ? running_max[r] + std::log(running_sum[r])
-                                   : -std::numeric_limits<float>::infinity();
+                                  : -std::numeric_limits<float>::infinity();
     p.loss[r] = p.targets[r] < 0 ? 0.0f : p.lse[r] - target_logit[r];
     if (p.target_logit) p.target_logit[r] = target_logit[r];
     if (p.max_logit) p.max_logit[r] = running_max[r];  // -inf for a range of padding only
@@ -122,7 +124,8 @@ void linear_cross_entropy_backward(const ops::LinearCrossEntropyParams& p) {
   const int64_t chunk = chunk_width(p);
   const bool bf16 = p.gemm_dtype == DType::bf16;
   // bf16 GEMMs need bf16 dlogits: they live after the fp32 logits in the workspace.
-  uint16_t* dlogits_bf16 = reinterpret_cast<uint16_t*>(p.workspace + ops::linear_cross_entropy_logits_floats(p));
+  uint16_t* dlogits_bf16 =
+      reinterpret_cast<uint16_t*>(p.workspace + ops::linear_cross_entropy_logits_floats(p));
   for (int64_t first = 0; first < p.vocab; first += chunk) {
     const int64_t width = std::min(chunk, p.vocab - first), real = real_width(p, first, width);
     if (real == 0) {  // padding: no gradient, but dhidden must still be written when nothing was
@@ -164,6 +167,7 @@ void linear_cross_entropy_backward(const ops::LinearCrossEntropyParams& p) {
     input.beta = first == 0 ? 0.0f : 1.0f;
     cpu::gemm(input);
 
+    if (!p.dweight) continue;  // a frozen head
     ops::GemmParams weight;
     weight.m = width, weight.n = p.dim, weight.k = p.rows;
     weight.a = a, weight.lda = width, weight.trans_a = true;
@@ -193,7 +197,8 @@ int64_t linear_cross_entropy_chunk_offset(const LinearCrossEntropyParams& p, int
 }
 
 int64_t linear_cross_entropy_logits_floats(const LinearCrossEntropyParams& p) {
-  return p.keep_logits ? linear_cross_entropy_chunk_offset(p, p.vocab) : p.rows * std::min(p.vocab_chunk, p.vocab);
+  return p.keep_logits ? linear_cross_entropy_chunk_offset(p, p.vocab)
+                       : p.rows * std::min(p.vocab_chunk, p.vocab);
 }
 
 int64_t linear_cross_entropy_workspace_floats(const LinearCrossEntropyParams& p) {

@@ -383,8 +383,7 @@ bool supports_linear_cross_entropy_backward(const ops::LinearCrossEntropyParams&
   return p.rows == 0 || (pointer_set(p.hidden_gemm, op, "hidden_gemm", reason) &&
                          pointer_set(p.weight_gemm, op, "weight_gemm", reason) &&
                          pointer_set(p.targets, op, "targets", reason) && pointer_set(p.lse, op, "lse", reason) &&
-                         pointer_set(p.dhidden, op, "dhidden", reason) &&
-                         pointer_set(p.dweight, op, "dweight", reason));
+                         pointer_set(p.dhidden, op, "dhidden", reason));
 }
 
 void linear_cross_entropy_forward(const ops::LinearCrossEntropyParams& p) {
@@ -427,7 +426,7 @@ void linear_cross_entropy_backward(const ops::LinearCrossEntropyParams& p) {
   require_device_pointer(p.targets, op, "targets");
   require_device_pointer(p.lse, op, "lse");
   require_device_pointer(p.dhidden, op, "dhidden");
-  require_device_pointer(p.dweight, op, "dweight");
+  if (p.dweight) require_device_pointer(p.dweight, op, "dweight");  // null: a frozen head
   require_device_pointer(p.workspace, op, "workspace");
   const Chunking c = chunking(p);
   const CallScratch scratch(p.rows);
@@ -463,6 +462,7 @@ void linear_cross_entropy_backward(const ops::LinearCrossEntropyParams& p) {
     input.beta = first == 0 ? 0.0f : 1.0f;
     cuda::gemm(input);
 
+    if (!p.dweight) continue;  // a frozen head
     ops::GemmParams weight;  // dweight[chunk] += dlogits^T @ hidden
     weight.m = width, weight.n = p.dim, weight.k = p.rows;
     weight.a = dlogits, weight.lda = width, weight.trans_a = true;
