@@ -28,6 +28,11 @@ void require_positive_finite(double value, const char* key, std::string_view sou
 // "12.3 TiB", "24.0 GiB", "512 B": sizes of any magnitude, for messages about a model's memory.
 std::string human_bytes(long double bytes);
 
+// Keys every Hugging Face PretrainedConfig may write (generation defaults, label maps, output switches,
+// bookkeeping): none changes a model's computation, and nested configs (a LLaVA's vision_config and
+// text_config) often carry the whole list.
+bool is_generic_hf_key(std::string_view key);
+
 template <size_t N>
 bool contains(const std::array<std::string_view, N>& keys, std::string_view key) {
   return std::find(keys.begin(), keys.end(), key) != keys.end();

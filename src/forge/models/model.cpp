@@ -6,6 +6,7 @@
 #include "forge/core/file_io.h"
 #include "forge/models/deepseek_v3/deepseek_v3_model.h"
 #include "forge/models/llama/llama_model.h"
+#include "forge/models/llava/llava_model.h"
 
 namespace forge::models {
 
@@ -53,7 +54,7 @@ LossSum Model::forward_loss(const int32_t* ids, const int32_t* targets, int64_t 
 
 // Every family forge implements: one line here per models/<family>/.
 const std::vector<ModelFamily>& model_families() {
-  static const std::vector<ModelFamily> families = {llama_family(), deepseek_v3_family()};
+  static const std::vector<ModelFamily> families = {llama_family(), deepseek_v3_family(), llava_family()};
   return families;
 }
 

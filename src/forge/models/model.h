@@ -94,6 +94,11 @@ struct MicroBatch {
   const int32_t* targets = nullptr;
   int64_t batch = 0, seq = 0;
   float grad_scale = 0.0f;
+  // Multimodal inputs (a LLaVA's first stage; other models refuse them): `images` images as flattened
+  // patches [images * patches, patch_dim] fp32 on the host (data/image_processor.h's patchify), whose
+  // projected features replace the embeddings of the image tokens in ids, in order.
+  const float* pixels = nullptr;
+  int64_t images = 0;
 };
 
 // What a stage keeps of one micro-batch between forward, backward_input and backward_weight.

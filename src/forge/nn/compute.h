@@ -2,7 +2,9 @@
 #pragma once
 
 #include <optional>
+#include <string>
 #include <string_view>
+#include <vector>
 
 #include "forge/core/tensor.h"
 
@@ -56,6 +58,9 @@ struct ComputeOptions {
   // (Op::forward_backward) interleaves its two micro-batches at the transfers. false: every transfer is
   // waited for where it starts (the baseline the overlap is measured against; the same results bit for bit).
   bool ep_overlap = true;
+  // Parts of the model that do not train (train.freeze; a LLaVA's "vision", "projector", "language"): their
+  // parameters are frozen (ParameterStore::freeze): no gradient, no optimizer state.
+  std::vector<std::string> frozen;
   int tp_rank() const;
   int tp_size() const;
   int ep_rank() const;

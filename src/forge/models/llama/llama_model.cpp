@@ -35,7 +35,25 @@ nn::AttentionShape local_attention(const LlamaConfig& c, int tp) {
   a.kv_heads = c.num_key_value_heads >= tp ? c.num_key_value_heads / tp : 1;
   return a;
 }
+
+// A run of consecutive token rows of this rank whose embeddings are replaced by rows [source, source + count)
+// of the inserted tensor.
+struct InsertedRun {
+  int64_t row = 0, count = 0, source = 0;
+};
+
+// dst rows [dst_row, +count) = src rows [src_row, +count), [*, h] fp32.
+void copy_rows(const Tensor& src, int64_t src_row, const Tensor& dst, int64_t dst_row, int64_t count,
+               int64_t h) {
+  dst.view(dst_row * h, {count * h}).copy_from(src.view(src_row * h, {count * h}));
+}
 }  // namespace
+
+struct LlamaModel::Insertion {
+  const Tensor* rows = nullptr;
+  std::vector<InsertedRun> runs;
+  int64_t count = 0;  // rows of the inserted tensor
+};
 
 // What one micro-batch keeps between the stage's forward, backward_input and backward_weight.
 struct LlamaModel::Activations final : StageActivations {
@@ -44,15 +62,22 @@ struct LlamaModel::Activations final : StageActivations {
   const int32_t* device_ids = nullptr;
   std::vector<nn::DecoderLayer::Saved> layers;
   nn::RmsNorm::Saved norm;
-  Tensor dhead;              // last stage: the loss head's gradient at the final norm's output, for B
-  Tensor dembed;             // first stage: the gradient at the embedding's output, for W
+  Tensor dhead;   // last stage: the loss head's gradient at the final norm's output, for B
+  Tensor dembed;  // first stage: the gradient at the embedding's output, for W
+  std::vector<InsertedRun> inserted_runs;  // forward_inserted: where the inserted rows went
+  int64_t inserted_count = 0;
+  Tensor dinserted;          // their gradient, taken out of dembed
   bool input_done = false;   // backward_input ran
   bool weight_done = false;  // backward_weight ran
 };
 
 LlamaModel::LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, float init_std, bool with_grads,
-                       StageSpec stage, ParameterStore* into)
-    : config_(config), options_(options), stage_(stage), params_(into ? *into : own_params_) {
+                       StageSpec stage, ParameterStore* into, std::string name_prefix)
+    : config_(config),
+      prefix_(std::move(name_prefix)),
+      options_(options),
+      stage_(stage),
+      params_(into ? *into : own_params_) {
   const std::string source = config.origin.name.empty() ? "model config" : config.origin.name;
   config_.validate(source);
   const int64_t layers = config.num_hidden_layers;
@@ -86,23 +111,25 @@ LlamaModel::LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, fl
   const ShardSpec replicated{-1, 0, {}, rank == 0};
   // Tied embeddings in a store shared with another chunk of the rank (the V schedules put the first and the
   // last stage on one rank): the tensor is registered once and both chunks use it.
-  const int shared_embedding = config.tie_word_embeddings ? params_.find("model.embed_tokens.weight") : -1;
+  const int shared_embedding =
+      config.tie_word_embeddings ? params_.find(prefix_ + "model.embed_tokens.weight") : -1;
   if (stage_.pre_process)
     embed_id_ = shared_embedding >= 0 ? shared_embedding
-                                      : params_.add("model.embed_tokens.weight", {local_vocab_, h}, true,
-                                                    Init::normal, init_std, vocab_shard);
+                                      : params_.add(prefix_ + "model.embed_tokens.weight", {local_vocab_, h},
+                                                    true, Init::normal, init_std, vocab_shard);
   if (stage_.pre_process && shared_embedding >= 0) params_.set_grad_uses(embed_id_, 2);
   for (int64_t i = stage_.first_layer; i < stage_.end_layer; ++i) register_layer(i, init_std);
   if (stage_.post_process) {
-    norm_id_ = params_.add("model.norm.weight", {h}, false, Init::ones, 0.02f, replicated);
+    norm_id_ = params_.add(prefix_ + "model.norm.weight", {h}, false, Init::ones, 0.02f, replicated);
     // Tied: the head reads the embedding; a last stage without the embedding holds its own copy under the
     // same name (the same values: initialisation depends on the name), which pipelines keep equal.
     if (config.tie_word_embeddings && (stage_.pre_process || shared_embedding >= 0)) {
       head_id_ = stage_.pre_process ? embed_id_ : shared_embedding;
       params_.set_grad_uses(head_id_, 2);  // the embedding's and the head's gradients
     } else {
-      head_id_ = params_.add(config.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight",
-                             {local_vocab_, h}, true, Init::normal, init_std, vocab_shard);
+      head_id_ =
+          params_.add(prefix_ + (config.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight"),
+                      {local_vocab_, h}, true, Init::normal, init_std, vocab_shard);
     }
   }
   if (!into) params_.allocate(options.gemm_dtype == DType::bf16, with_grads, options.device);
@@ -186,7 +213,7 @@ void LlamaModel::register_tensor_parallel_sums() {
 // Layer `index`'s parameters under their Hugging Face names "model.layers.{index}.*", this rank's shards.
 void LlamaModel::register_layer(int64_t index, float init_std) {
   const LlamaConfig& c = config_;
-  const std::string p = "model.layers." + std::to_string(index) + ".";
+  const std::string p = prefix_ + "model.layers." + std::to_string(index) + ".";
   const int tp = options_.tp_size(), r = options_.tp_rank();
   const nn::AttentionShape l = local_attention(c, tp);
   const int64_t hidden = c.hidden_size, d = c.head_dim, qd = c.num_attention_heads * d;
@@ -258,6 +285,79 @@ void LlamaModel::check_inputs(const MicroBatch& mb) const {
 
 StageOutput LlamaModel::forward(const MicroBatch& mb, const Tensor& hidden,
                                 std::unique_ptr<StageActivations>* saved) {
+  if (mb.pixels || mb.images)
+    fail("{} takes no images ({} given); a multimodal model is a LlavaForConditionalGeneration",
+         config_.architecture(), mb.images);
+  return run_forward(mb, hidden, nullptr, saved);
+}
+
+StageOutput LlamaModel::forward_inserted(const MicroBatch& mb, int32_t token, const Tensor& inserted,
+                                         std::unique_ptr<StageActivations>* saved) {
+  const Insertion insertion = make_insertion(mb, token, inserted);
+  return run_forward(mb, Tensor(), &insertion, saved);
+}
+
+LlamaModel::Insertion LlamaModel::make_insertion(const MicroBatch& mb, int32_t token,
+                                                 const Tensor& inserted) const {
+  FORGE_CHECK(stage_.pre_process, "inserted embeddings go to the first stage");
+  check_inputs(mb);
+  const int64_t h = config_.hidden_size, n = mb.batch * mb.seq;
+  Insertion insertion;
+  insertion.rows = &inserted;
+  insertion.count = inserted.defined() ? inserted.numel() / h : 0;
+  FORGE_CHECK(!inserted.defined() || inserted.numel() == insertion.count * h,
+              "inserted embeddings: {} values are not rows of {}", inserted.numel(), h);
+  // Under sequence parallelism this rank's rows are [rank * n / tp, (rank + 1) * n / tp) of the micro-batch.
+  const bool split_rows = tp() && tp()->sequence_parallel();
+  const int64_t local = split_rows ? n / tp()->size() : n;
+  const int64_t begin = split_rows ? tp()->rank() * local : 0;
+  int64_t source = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    if (mb.ids[r] != token) continue;
+    if (r >= begin && r < begin + local) {
+      InsertedRun* last = insertion.runs.empty() ? nullptr : &insertion.runs.back();
+      if (last && last->row + last->count == r - begin && last->source + last->count == source)
+        ++last->count;
+      else
+        insertion.runs.push_back({r - begin, 1, source});
+    }
+    ++source;
+  }
+  if (source != insertion.count)
+    fail("the micro-batch holds {} image tokens (id {}) but its images give {} features ({} per image)",
+         source, token, insertion.count, mb.images > 0 ? insertion.count / mb.images : 0);
+  return insertion;
+}
+
+Tensor LlamaModel::logits_inserted(const int32_t* ids, int64_t batch, int64_t seq, int32_t token,
+                                   const Tensor& inserted) {
+  require_whole("logits");
+  const Insertion insertion = make_insertion({ids, nullptr, batch, seq, 0.0f}, token, inserted);
+  return head_.logits(final_hidden(ids, batch, seq, &insertion)).to(Device::cpu);
+}
+
+Tensor LlamaModel::inserted_gradient(StageActivations& state) const {
+  auto& acts = static_cast<Activations&>(state);
+  FORGE_CHECK(acts.input_done, "inserted_gradient before backward_input");
+  Tensor out = std::move(acts.dinserted);
+  acts.dinserted = Tensor();
+  return out;
+}
+
+// After B of the first stage: the inserted rows' gradient moves out of dembed (the embedding's own gradient
+// must not see it: those tokens' embeddings were replaced).
+void LlamaModel::take_inserted_rows(Activations& acts) const {
+  if (acts.inserted_runs.empty() && acts.inserted_count == 0) return;
+  const int64_t h = config_.hidden_size;
+  acts.dinserted = Tensor::zeros({acts.inserted_count, h}, DType::f32, options_.device);
+  for (const InsertedRun& run : acts.inserted_runs) {
+    copy_rows(acts.dembed, run.row, acts.dinserted, run.source, run.count, h);
+    acts.dembed.view(run.row * h, {run.count * h}).fill_zero();
+  }
+}
+
+StageOutput LlamaModel::run_forward(const MicroBatch& mb, const Tensor& hidden, const Insertion* insertion,
+                                    std::unique_ptr<StageActivations>* saved) {
   if (saved && !params_.has_grads())
     fail("forward for backward: this model was built for inference, without gradients");
   check_inputs(mb);
@@ -271,6 +371,11 @@ StageOutput LlamaModel::forward(const MicroBatch& mb, const Tensor& hidden,
   if (stage_.pre_process) {
     acts->device_ids = ids_on(options_.device, mb.ids, n, acts->ids_holder);
     x = embedding_.forward(acts->device_ids, n);
+    if (insertion) {
+      for (const InsertedRun& run : insertion->runs)
+        copy_rows(*insertion->rows, run.source, x, run.row, run.count, config_.hidden_size);
+      acts->inserted_runs = insertion->runs, acts->inserted_count = insertion->count;
+    }
   } else {
     const int64_t rows = tp() && tp()->sequence_parallel() ? n / tp()->size() : n;
     FORGE_CHECK(hidden.defined() && hidden.numel() == rows * config_.hidden_size,
@@ -312,6 +417,7 @@ Tensor LlamaModel::backward_input(const Tensor& doutput, StageActivations& state
   acts.input_done = true;
   if (!stage_.pre_process) return dx;
   acts.dembed = dx;
+  take_inserted_rows(acts);
   return Tensor();
 }
 
@@ -343,7 +449,9 @@ Tensor LlamaModel::backward(const Tensor& doutput, StageActivations& state) {
   }
   acts.input_done = acts.weight_done = true;
   if (!stage_.pre_process) return dx;
-  embedding_.backward_weight(acts.device_ids, dx);
+  acts.dembed = dx;
+  take_inserted_rows(acts);
+  embedding_.backward_weight(acts.device_ids, acts.dembed), acts.dembed = Tensor();
   return Tensor();
 }
 
@@ -353,9 +461,12 @@ Tensor LlamaModel::embed(const int32_t* ids, int64_t rows) const {
   return embedding_.forward(ids_on(options_.device, ids, rows, holder), rows);
 }
 
-Tensor LlamaModel::final_hidden(const int32_t* ids, int64_t batch, int64_t seq) {
+Tensor LlamaModel::final_hidden(const int32_t* ids, int64_t batch, int64_t seq, const Insertion* insertion) {
   Tensor holder;
   Tensor x = embedding_.forward(ids_on(options_.device, ids, batch * seq, holder), batch * seq);
+  if (insertion)
+    for (const InsertedRun& run : insertion->runs)
+      copy_rows(*insertion->rows, run.source, x, run.row, run.count, config_.hidden_size);
   for (const nn::DecoderLayer& layer : layers_) {
     nn::DecoderLayer::Saved scratch;
     x = layer.forward(x, batch, seq, scratch);

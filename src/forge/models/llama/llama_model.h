@@ -29,8 +29,10 @@ class LlamaModel final : public Model {
   // Registers and allocates the stage's parameters; they start at zero until initialize() or a load.
   // with_grads = false builds an inference model (no gradient buffers; backward is refused). into: see
   // models::build_model (the parameters go into a store shared with other chunks, allocated by the caller).
+  // name_prefix: before every parameter's Hugging Face name (a LLaVA's language model is "language_model.").
   LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, float init_std = 0.02f,
-             bool with_grads = true, StageSpec stage = StageSpec::whole(), ParameterStore* into = nullptr);
+             bool with_grads = true, StageSpec stage = StageSpec::whole(), ParameterStore* into = nullptr,
+             std::string name_prefix = "");
   LlamaModel(const LlamaModel&) = delete;
   LlamaModel& operator=(const LlamaModel&) = delete;
 
@@ -52,20 +54,39 @@ class LlamaModel final : public Model {
   Tensor forward_cached(const int32_t* ids, int64_t batch, int64_t new_tokens, KvCache& cache,
                         bool all_logits = false) override;
 
+  // ---- Embeddings inserted in place of a token's (a LLaVA's image features; models/llava/). The rows of
+  // `inserted` [count, hidden] (on the model's device) replace, in order, the embeddings of the micro-batch's
+  // tokens equal to `token`: forward_inserted is forward with that splice (first stage only), and after
+  // backward_input (or backward) inserted_gradient hands over the gradient of those rows [count, hidden],
+  // which then take no part in the embedding's own gradient. Under sequence parallelism each rank holds the
+  // gradient of its own rows only (zero elsewhere): the caller sums it over the tensor-parallel group.
+  StageOutput forward_inserted(const MicroBatch& mb, int32_t token, const Tensor& inserted,
+                               std::unique_ptr<StageActivations>* saved);
+  Tensor inserted_gradient(StageActivations& saved) const;
+  // Full logits [batch * seq, vocab] on the host with the splice (the whole model only).
+  Tensor logits_inserted(const int32_t* ids, int64_t batch, int64_t seq, int32_t token,
+                         const Tensor& inserted);
+
   // Module access for tests of the backward split.
   const std::vector<nn::DecoderLayer>& layers() const { return layers_; }
   Tensor embed(const int32_t* ids, int64_t rows) const;  // host ids; first stage only
 
  private:
   struct Activations;
+  struct Insertion;
+  StageOutput run_forward(const MicroBatch& mb, const Tensor& hidden, const Insertion* insertion,
+                          std::unique_ptr<StageActivations>* saved);
+  void take_inserted_rows(Activations& acts) const;
   void register_layer(int64_t index, float init_std);
   void register_tensor_parallel_sums();
   void check_inputs(const MicroBatch& mb) const;
-  Tensor final_hidden(const int32_t* ids, int64_t batch, int64_t seq);
+  Tensor final_hidden(const int32_t* ids, int64_t batch, int64_t seq, const Insertion* insertion = nullptr);
+  Insertion make_insertion(const MicroBatch& mb, int32_t token, const Tensor& inserted) const;
   void require_whole(const char* what) const;
   nn::TensorParallel* tp() const;  // null unless split over more than one rank
 
   LlamaConfig config_;
+  std::string prefix_;
   nn::ComputeOptions options_;
   StageSpec stage_;
   ParameterStore own_params_;  // unless built into a shared store
