@@ -17,6 +17,8 @@
 #include "forge/core/file_io.h"
 #include "forge/data/image.h"
 #include "forge/data/image_processor.h"
+#include "forge/data/tokenizer.h"
+#include "tokenizer_test_util.h"
 
 namespace forge::data {
 namespace {
@@ -84,9 +86,10 @@ class ImageTextTest : public ::testing::Test {
     o.seq_len = seq_len;
     o.image_token_id = kImage;
     o.tokens_per_image = tokens_per_image;
-    o.text_template.human_prefix = "U";
-    o.text_template.human_suffix = "";
-    o.text_template.assistant_prefix = "G";
+    // Single characters (assign(1, c): GCC 12 warns falsely on assigning a one-character literal at -O3).
+    o.text_template.human_prefix.assign(1, 'U');
+    o.text_template.human_suffix.clear();
+    o.text_template.assistant_prefix.assign(1, 'G');
     return o;
   }
 
@@ -165,6 +168,23 @@ TEST_F(ImageTextTest, DefaultTemplateWithATokenizerWithoutSpecialIds) {
   const auto ok_at = static_cast<size_t>(expected_text.size() + 1 + 12);  // the position of "o"
   for (size_t i = 0; i < targets.size(); ++i)
     EXPECT_EQ(targets[i], i + 1 == ok_at ? 'o' : (i == ok_at ? 'k' : -1)) << i;
+}
+
+TEST_F(ImageTextTest, WithATokenizerJson) {
+  // The small byte-level BPE of the tokenizer tests: "hell" is 258, <|endoftext|> (special) 259, no BOS, no
+  // pad.
+  const Tokenizer tokenizer = Tokenizer::from_json(forge::testing::small_tokenizer_json(), "small");
+  const TextEncoder encoder = TextEncoder::from_tokenizer(tokenizer);
+  EXPECT_EQ(encoder.eos_id, 259);
+  EXPECT_FALSE(encoder.bos_id.has_value());
+  EXPECT_EQ(encoder.pad_id, 0);
+  EXPECT_NE(encoder.fingerprint, TextEncoder::bytes().fingerprint);
+  const auto path = jsonl(R"({"image": "img/a.png", "caption": "hello"})"
+                          "\n");
+  const auto d = ImageTextDataset::from_jsonl(path, encoder, siglip(8), options(9));
+  EXPECT_EQ(to_vector(d.sample_ids(0)),
+            (std::vector<int32_t>{kImage, kImage, kImage, '\n', 258, 'o', 259, 0, 0}));
+  EXPECT_EQ(to_vector(d.sample_targets(0)), (std::vector<int32_t>{-1, -1, -1, 258, 'o', 259, -1, -1, -1}));
 }
 
 TEST_F(ImageTextTest, TextOnlyLinesAndSeveralImages) {
@@ -404,6 +424,18 @@ TEST_F(PackedImageTextTest, RoundTripIsBitwise) {
   const auto batch = c.batch(std::vector<int64_t>{0});
   const Tensor direct = other_processor.preprocess(read_image(dir_ / "img" / "a.png"));
   EXPECT_EQ(std::memcmp(batch.pixels.f32(), direct.f32(), direct.numel() * 4), 0);
+  // Skip counts travel with the file.
+  ImageTextOptions skipping = options(24);
+  skipping.skip_too_long = true;
+  skipping.seq_len = 4;
+  const auto short_one = ImageTextDataset::from_jsonl(source_, test_encoder(), clip(14, 12), skipping);
+  EXPECT_EQ(short_one.skipped_too_long(), 1);
+  write_packed_image_text(short_one, dir_ / "short.packed", test_encoder().fingerprint);
+  PackedImageTextExpectation e4 = expect();
+  e4.seq_len = 4;
+  const auto reopened = ImageTextDataset::from_packed(dir_ / "short.packed", clip(14, 12), e4);
+  EXPECT_EQ(reopened.num_samples(), 3);
+  EXPECT_EQ(reopened.skipped_too_long(), 1);
 }
 
 TEST_F(PackedImageTextTest, DeterministicOverThreadsAndRuns) {

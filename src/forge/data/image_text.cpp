@@ -450,6 +450,8 @@ int64_t ImageTextDataset::fill_batch(std::span<const int64_t> indices, int32_t* 
   for (int64_t b = 0; b < n; ++b)
     first_image[static_cast<size_t>(b) + 1] =
         first_image[static_cast<size_t>(b)] + images_in_sample(indices[b]);
+  if (n > 0 && (ids == nullptr || targets == nullptr))
+    fail("image-text data: fill_batch needs ids and targets buffers of {} x {}", n, m.seq_len);
   const int64_t total = first_image.back();
   if (total > pixel_capacity)
     fail("image-text data: the batch holds {} images but the pixel buffer has room for {}", total,
