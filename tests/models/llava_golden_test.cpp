@@ -2,16 +2,19 @@
 // features after the projector, the logits with the features spliced in, the loss and every parameter's
 // gradient, within fp32 tolerances stated below.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <set>
 #include <sstream>
 #include <string>
 
 #include "forge/ckpt/safetensors.h"
 #include "forge/models/llava/llava_model.h"
+#include "forge/models/pretrained.h"
 #include "op_harness.h"
 
 namespace forge {
@@ -212,6 +215,32 @@ TEST_P(LlavaGolden, FrozenPartsTakeNoGradientAndTheRestAreUnchanged) {
   EXPECT_THROW(LlavaModel(config_, every), Error);
   every.frozen = {"encoder"};
   EXPECT_THROW(LlavaModel(config_, every), Error);
+}
+
+// Hugging Face folders in and out: forge -> HF (fp32) -> forge is bitwise, frozen parameters included, and
+// the loaded model (built from the exported config.json by the registry) computes the same logits.
+TEST_P(LlavaGolden, HuggingFaceRoundTripIsBitwise) {
+  auto model = load_model();
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                                    ("forge_llava_" + GetParam() + "_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  export_hugging_face(model->params(), model->config().to_json(), dir / "hf", {});
+  auto loaded = load_pretrained_model(dir / "hf", nn::ComputeOptions{DType::f32, nn::Recompute::none});
+  ASSERT_EQ(loaded->config().architecture(), "LlavaForConditionalGeneration");
+  const ParameterStore& a = model->params();
+  const ParameterStore& b = loaded->params();
+  ASSERT_EQ(a.count(), b.count());
+  for (int i = 0; i < a.count(); ++i) {
+    const int j = b.find(a.info(i).name);
+    ASSERT_GE(j, 0) << a.info(i).name;
+    EXPECT_EQ(std::memcmp(a.param(i).f32(), b.param(j).f32(), static_cast<size_t>(a.param(i).numel()) * 4), 0)
+        << a.info(i).name;
+  }
+  auto* llava = dynamic_cast<LlavaModel*>(loaded.get());
+  ASSERT_NE(llava, nullptr);
+  const Tensor x = model->logits(batch()), y = llava->logits(batch());
+  EXPECT_EQ(std::memcmp(x.f32(), y.f32(), static_cast<size_t>(x.numel()) * 4), 0);
+  std::filesystem::remove_all(dir);
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, LlavaGolden, ::testing::Values("llava_clip_tiny", "llava_siglip_tiny"));
