@@ -147,20 +147,13 @@ PackImageTextStats write_packed_image_text(const ImageTextDataset& dataset, cons
   std::vector<int64_t> offsets(static_cast<size_t>(samples) + 1, 0);
   for (int64_t s = 0; s < samples; ++s)
     offsets[static_cast<size_t>(s) + 1] = offsets[s] + dataset.images_in_sample(s);
-  std::vector<int32_t> ids, targets;
-  ids.reserve(static_cast<size_t>(samples * seq_len));
-  targets.reserve(ids.capacity());
-  for (int64_t s = 0; s < samples; ++s) {
-    const auto row_ids = dataset.sample_ids(s), row_targets = dataset.sample_targets(s);
-    ids.insert(ids.end(), row_ids.begin(), row_ids.end());
-    targets.insert(targets.end(), row_targets.begin(), row_targets.end());
-  }
-
   PackedWriter writer(out);
   writer.append(offsets.data(), offsets.size() * sizeof(int64_t));
-  writer.append(ids.data(), ids.size() * sizeof(int32_t));
-  writer.append(targets.data(), targets.size() * sizeof(int32_t));
-  ids = {}, targets = {};
+  // Rows straight from the dataset (no second copy of every id in memory).
+  for (int64_t s = 0; s < samples; ++s)
+    writer.append(dataset.sample_ids(s).data(), sizeof(int32_t) * seq_len);
+  for (int64_t s = 0; s < samples; ++s)
+    writer.append(dataset.sample_targets(s).data(), sizeof(int32_t) * seq_len);
 
   // Pixels: decoded in parallel a chunk of samples at a time, written in sample order.
   const int64_t chunk = 256;
