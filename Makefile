@@ -5,7 +5,7 @@ BUILD ?= build
 CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
 RUN_ARGS ?=
 
-.PHONY: all deps deps-bench configure build run test bench clean
+.PHONY: all deps deps-bench configure build run run-multimodal test bench clean
 
 all: build
 
@@ -26,6 +26,12 @@ build: configure
 # The demo starts over each time (checkpoint.overwrite): its previous run's checkpoints in runs/default go.
 run: build
 	$(BUILD)/bin/forge train --config configs/default.toml --set checkpoint.overwrite=true $(RUN_ARGS)
+
+# The tiny multimodal job: forge renders 6000 captioned 32x32 images of shapes (once), then a LLaVA learns to
+# caption them and reports its held-out caption loss (configs/llava-tiny.toml; docs/multimodal.md).
+run-multimodal: build
+	@test -f data/shapes/train.jsonl || $(BUILD)/bin/forge data synth-images --out data/shapes --count 6000 --size 32
+	$(BUILD)/bin/forge train --config configs/llava-tiny.toml --set checkpoint.overwrite=true $(RUN_ARGS)
 
 test: build
 	# One test at a time: each test already uses every core through OpenMP, and two at once make

@@ -43,12 +43,7 @@ class LlavaGolden : public ::testing::TestWithParam<std::string> {
     ids_ = file_->read("input_ids"), labels_ = file_->read("labels");
     const Tensor pixel_values = file_->read("pixel_values");  // [images, channels, size, size]
     images_ = pixel_values.dim(0);
-    const VisionConfig& v = config_.vision;
-    pixels_.resize(static_cast<size_t>(images_ * v.num_patches() * v.patch_dim()));
-    const int64_t per_image = v.num_channels * v.image_size * v.image_size;
-    for (int64_t i = 0; i < images_; ++i)
-      LlavaModel::patchify(pixel_values.f32() + i * per_image, v.num_channels, v.image_size, v.image_size,
-                           v.patch_size, pixels_.data() + i * v.num_patches() * v.patch_dim());
+    pixels_.assign(pixel_values.f32(), pixel_values.f32() + pixel_values.numel());
   }
   std::unique_ptr<LlavaModel> load_model(DType dtype = DType::f32) {
     auto model = std::make_unique<LlavaModel>(config_, nn::ComputeOptions{dtype, nn::Recompute::none});
@@ -241,6 +236,28 @@ TEST_P(LlavaGolden, HuggingFaceRoundTripIsBitwise) {
   const Tensor x = model->logits(batch()), y = llava->logits(batch());
   EXPECT_EQ(std::memcmp(x.f32(), y.f32(), static_cast<size_t>(x.numel()) * 4), 0);
   std::filesystem::remove_all(dir);
+}
+
+// Inference with an image (forge generate --image): the prompt's prefill through the KV cache with the
+// features spliced gives the last position's logits of the full forward, and a decode step after it the
+// logits of the next position.
+TEST_P(LlavaGolden, CachedPrefillWithImagesMatchesTheFullForward) {
+  auto model = load_model();
+  const int64_t seq = ids_.dim(1), vocab = config_.text.vocab_size;
+  const int32_t* first = ids_.i32();  // the first sequence holds the first image
+  models::MicroBatch mb;
+  mb.ids = first, mb.batch = 1, mb.seq = seq, mb.pixels = pixels_.data(), mb.images = 1;
+  const Tensor full = model->logits(mb);  // [seq, vocab]
+  nn::KvCache cache = model->make_cache(1, seq);
+  const Tensor prefill = model->forward_cached_images(first, 1, seq - 1, cache, pixels_.data(), 1);
+  const Tensor step = model->forward_cached(first + seq - 1, 1, 1, cache);
+  for (int64_t v = 0; v < vocab; ++v) {
+    EXPECT_NEAR(prefill.f32()[v], full.f32()[(seq - 2) * vocab + v], 1e-5) << v;
+    EXPECT_NEAR(step.f32()[v], full.f32()[(seq - 1) * vocab + v], 1e-5) << v;
+  }
+  nn::KvCache again = model->make_cache(1, seq);
+  EXPECT_THROW(model->forward_cached_images(first, 1, seq - 1, again, nullptr, 0),
+               Error);  // tokens, no image
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, LlavaGolden, ::testing::Values("llava_clip_tiny", "llava_siglip_tiny"));

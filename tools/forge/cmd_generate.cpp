@@ -21,21 +21,25 @@
 #include <vector>
 
 #include "commands.h"
-#include "forge/models/pretrained.h"
 #include "forge/core/device.h"
 #include "forge/core/error.h"
 #include "forge/core/file_io.h"
+#include "forge/data/image.h"
+#include "forge/data/image_processor.h"
 #include "forge/data/tokenizer.h"
 #include "forge/data/tokenizer_text.h"
+#include "forge/models/llava/llava_config.h"
+#include "forge/models/pretrained.h"
 #include "forge/models/sampling.h"
 
 namespace forge::cli {
-using namespace forge::models; using namespace forge::data;
+using namespace forge::models;
+using namespace forge::data;
 namespace {
 namespace fs = std::filesystem;
 
 struct GenerateOptions {
-  std::string model, tokenizer, prompt, dtype = "fp32", device = "cpu";
+  std::string model, tokenizer, prompt, dtype = "fp32", device = "cpu", image, image_processor;
   bool prompt_given = false, greedy = false, no_stream = false;
   int64_t max_new_tokens = 128, top_k = 40;
   double temperature = 0.8, top_p = 1.0;
@@ -46,9 +50,13 @@ struct GenerateOptions {
 class TextCodec {
  public:
   TextCodec(const GenerateOptions& o, const fs::path& model_dir, int64_t vocab) {
-    fs::path file = o.tokenizer;
-    if (file.empty() && fs::exists(model_dir / "tokenizer.json")) file = model_dir / "tokenizer.json";
-    if (!file.empty()) {
+    fs::path file = o.tokenizer == "bytes" ? fs::path() : fs::path(o.tokenizer);
+    if (file.empty() && o.tokenizer.empty() && fs::exists(model_dir / "tokenizer.json"))
+      file = model_dir / "tokenizer.json";
+    if (o.tokenizer == "bytes") {
+      if (vocab < 256)
+        fail("--tokenizer bytes: the model's vocabulary holds {} tokens, fewer than 256", vocab);
+    } else if (!file.empty()) {
       tokenizer_.emplace(Tokenizer::from_file(file));
       if (tokenizer_->vocab_size() > vocab)
         fail("tokenizer '{}' has {} tokens but the model's vocabulary holds {}", file.string(),
@@ -56,7 +64,7 @@ class TextCodec {
     } else if (vocab != 256) {
       fail(
           "{} has no tokenizer.json and its vocabulary ({} tokens) is not byte-level (256): pass --tokenizer "
-          "FILE",
+          "FILE (or --tokenizer bytes)",
           model_dir.string(), vocab);
     }
   }
@@ -97,8 +105,49 @@ std::vector<int32_t> generation_config_eos(const fs::path& dir, int64_t vocab) {
   return ids;
 }
 
+// A multimodal prompt: the image preprocessed as the model's image processor does, and the prompt's ids with
+// the image's tokens where "<image>" stands (or, without one, before the text: "<image>\n" + prompt).
+struct ImagePrompt {
+  Tensor pixels;  // [3, height, width]
+  std::vector<int32_t> ids;
+};
+
+ImagePrompt image_prompt(const GenerateOptions& o, Model& model, const TextCodec& codec,
+                         const std::string& prompt) {
+  const auto* llava = dynamic_cast<const LlavaConfig*>(&model.config());
+  if (!llava)
+    fail("generate: --image needs a multimodal model (LlavaForConditionalGeneration); {} is {}", o.model,
+         model.config().architecture());
+  fs::path processor = o.image_processor;
+  if (processor.empty()) processor = model_folder(o.model) / "preprocessor_config.json";
+  if (!fs::exists(processor))
+    fail("generate: --image: no image processor at {}; pass --image-processor preprocessor_config.json",
+         processor.string());
+  const ImageProcessor images(ImageProcessorConfig::from_json_file(processor));
+  ImagePrompt out;
+  out.pixels = images.preprocess(read_image(o.image));
+  const VisionConfig& v = llava->vision;
+  if (out.pixels.numel() != v.num_channels * v.image_size * v.image_size)
+    fail("generate: {} makes {} values of the image; the encoder takes {}x{}x{}", processor.string(),
+         out.pixels.numel(), v.num_channels, v.image_size, v.image_size);
+  const std::string text = prompt.find("<image>") == std::string::npos ? "<image>\n" + prompt : prompt;
+  const size_t at = text.find("<image>");
+  if (text.find("<image>", at + 1) != std::string::npos)
+    fail("generate: the prompt holds more than one <image>");
+  out.ids = codec.encode(text.substr(0, at));
+  out.ids.insert(out.ids.end(), static_cast<size_t>(llava->tokens_per_image()),
+                 static_cast<int32_t>(llava->image_token_index));
+  const std::string after = text.substr(at + 7);
+  if (!after.empty()) {
+    std::vector<int32_t> rest = codec.encode(after);
+    out.ids.insert(out.ids.end(), rest.begin(), rest.end());
+  }
+  return out;
+}
+
 std::string read_prompt(const GenerateOptions& o) {
   if (o.prompt_given) return o.prompt;
+  if (!o.image.empty() && ::isatty(STDIN_FILENO)) return "";  // an image alone: describe it
   if (::isatty(STDIN_FILENO)) fail("generate: no prompt: pass --prompt TEXT or pipe the text on stdin");
   std::ostringstream buffer;
   buffer << std::cin.rdbuf();
@@ -167,7 +216,7 @@ int run_generate(const GenerateOptions& o) {
   if (dtype != DType::f32 && dtype != DType::bf16)
     fail("generate: --dtype must be fp32 or bf16, got '{}'", o.dtype);
   const std::string prompt = read_prompt(o);
-  if (prompt.empty()) fail("generate: the prompt is empty");
+  if (prompt.empty() && o.image.empty()) fail("generate: the prompt is empty");
 
   nn::ComputeOptions compute{dtype, nn::Recompute::none};
   compute.device = device_from_name(o.device);
@@ -180,7 +229,15 @@ int run_generate(const GenerateOptions& o) {
   if (auto eos = codec.eos_id(); eos && std::find(stop.begin(), stop.end(), *eos) == stop.end())
     stop.push_back(*eos);
   sampling.stop_tokens = stop;
-  const std::vector<int32_t> ids = codec.encode(prompt);
+  std::vector<int32_t> ids;
+  Tensor pixels;
+  if (o.image.empty()) {
+    ids = codec.encode(prompt);
+  } else {
+    ImagePrompt p = image_prompt(o, *model, codec, prompt);
+    ids = std::move(p.ids), pixels = std::move(p.pixels);
+    sampling.pixels = pixels.f32(), sampling.images = 1;
+  }
 
   // The prompt is echoed with the first token (or at the end), so that a refused prompt prints nothing.
   Output out;
@@ -219,8 +276,15 @@ void add_generate_command(CLI::App& app, Commands& commands) {
       "Continue a prompt with a pretrained model (KV-cache decoding; greedy, temperature, top-k, top-p)");
   generate->add_option("--model", o->model,
                        "Hugging Face folder (config.json + safetensors) or forge checkpoint");
-  generate->add_option("--tokenizer", o->tokenizer,
-                       "tokenizer.json (default: DIR/tokenizer.json; bytes for a 256-token vocabulary)");
+  generate->add_option(
+      "--tokenizer", o->tokenizer,
+      "tokenizer.json, or bytes (default: DIR/tokenizer.json; bytes for a 256-token vocabulary)");
+  generate->add_option(
+      "--image", o->image,
+      "an image (JPEG or PNG) for a multimodal model: its tokens go where the prompt says "
+      "<image>, else before the prompt (\"<image>\\n\" + prompt); the prompt may then be empty");
+  generate->add_option("--image-processor", o->image_processor,
+                       "with --image: the preprocessor_config.json (default: DIR/preprocessor_config.json)");
   auto* prompt = generate->add_option("--prompt", o->prompt, "text to continue (default: read from stdin)");
   generate->add_option("--max-new-tokens", o->max_new_tokens, "tokens to generate at most")
       ->capture_default_str();

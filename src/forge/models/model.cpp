@@ -52,6 +52,14 @@ LossSum Model::forward_loss(const int32_t* ids, const int32_t* targets, int64_t 
   return forward({ids, targets, batch, seq, 0.0f}, Tensor(), nullptr).loss;
 }
 
+Tensor Model::forward_cached_images(const int32_t* ids, int64_t batch, int64_t new_tokens, nn::KvCache& cache,
+                                    const float* pixels, int64_t images) {
+  if (images > 0 || pixels)
+    fail("{} takes no images; a multimodal model is a LlavaForConditionalGeneration",
+         config().architecture());
+  return forward_cached(ids, batch, new_tokens, cache);
+}
+
 // Every family forge implements: one line here per models/<family>/.
 const std::vector<ModelFamily>& model_families() {
   static const std::vector<ModelFamily> families = {llama_family(), deepseek_v3_family(), llava_family()};

@@ -94,9 +94,9 @@ struct MicroBatch {
   const int32_t* targets = nullptr;
   int64_t batch = 0, seq = 0;
   float grad_scale = 0.0f;
-  // Multimodal inputs (a LLaVA's first stage; other models refuse them): `images` images as flattened
-  // patches [images * patches, patch_dim] fp32 on the host (data/image_processor.h's patchify), whose
-  // projected features replace the embeddings of the image tokens in ids, in order.
+  // Multimodal inputs (a LLaVA's first stage; other models refuse them): `images` images [images, channels,
+  // height, width], normalised fp32 on the host (data/image_processor.h), whose projected features replace
+  // the embeddings of the image tokens in ids, in order.
   const float* pixels = nullptr;
   int64_t images = 0;
 };
@@ -180,6 +180,11 @@ class Model {
   // returns the logits of each sequence's last new token [batch, vocab] (all_logits: of every new token).
   virtual Tensor forward_cached(const int32_t* ids, int64_t batch, int64_t new_tokens, nn::KvCache& cache,
                                 bool all_logits = false) = 0;
+  // The same with images (`images` of them, [images, channels, height, width] normalised on the host) whose
+  // features replace the new tokens' image tokens, in order: a multimodal prompt. Models without an image
+  // encoder refuse images.
+  virtual Tensor forward_cached_images(const int32_t* ids, int64_t batch, int64_t new_tokens,
+                                       nn::KvCache& cache, const float* pixels, int64_t images);
 
   // ---- Expert balancing and multi-token prediction (train/step.cpp drives them).
   // Before a step's micro-batches: clears the step's statistics and sets its scales.

@@ -140,8 +140,8 @@ GenerationResult generate_sequence(Model& model, const std::vector<int32_t>& pro
   const ModelShape config = model.config().shape();
   GenerationResult result;
   result.prompt_tokens = static_cast<int64_t>(prompt.size());
-  result.context = options.context > 0 ? std::min(options.context, config.max_positions)
-                                       : config.max_positions;
+  result.context =
+      options.context > 0 ? std::min(options.context, config.max_positions) : config.max_positions;
   if (result.prompt_tokens > result.context)
     fail("the prompt of {} tokens does not fit the context of {} positions", result.prompt_tokens,
          result.context);
@@ -157,7 +157,8 @@ GenerationResult generate_sequence(Model& model, const std::vector<int32_t>& pro
   nn::KvCache cache = model.make_cache(1, capacity);
   const int64_t vocab = config.vocab;
   auto start = std::chrono::steady_clock::now();
-  Tensor logits = model.forward_cached(prompt.data(), 1, result.prompt_tokens, cache);
+  Tensor logits = model.forward_cached_images(prompt.data(), 1, result.prompt_tokens, cache, options.pixels,
+                                              options.images);
   auto now = std::chrono::steady_clock::now();
   result.prefill_seconds = seconds_between(start, now);
   start = now;

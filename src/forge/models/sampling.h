@@ -31,6 +31,10 @@ struct SamplingOptions {
   uint64_t seed = 7;
   std::vector<int32_t> stop_tokens;       // e.g. the tokenizer's end-of-sequence id(s)
   std::function<void(int32_t)> on_token;  // called with every new token as soon as it is chosen
+  // A multimodal prompt's images ([images, channels, height, width], normalised, on the host): their features
+  // replace the prompt's image tokens (Model::forward_cached_images).
+  const float* pixels = nullptr;
+  int64_t images = 0;
 };
 
 // Throws forge::Error naming the bad setting (negative or non-finite temperature, negative top_k, top_p

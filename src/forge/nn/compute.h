@@ -60,7 +60,7 @@ struct ComputeOptions {
   bool ep_overlap = true;
   // Parts of the model that do not train (train.freeze; a LLaVA's "vision", "projector", "language"): their
   // parameters are frozen (ParameterStore::freeze): no gradient, no optimizer state.
-  std::vector<std::string> frozen;
+  std::vector<std::string> frozen = {};
   int tp_rank() const;
   int tp_size() const;
   int ep_rank() const;

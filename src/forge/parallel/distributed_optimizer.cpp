@@ -11,10 +11,11 @@
 namespace forge::parallel {
 using namespace forge::optim;
 
-DistributedAdamW::DistributedAdamW(ParameterStore* store, optim::AdamWConfig config, std::vector<OptimizerGroup> groups,
-                                   comm::Communicator* model_parallel)
+DistributedAdamW::DistributedAdamW(ParameterStore* store, optim::AdamWConfig config,
+                                   std::vector<OptimizerGroup> groups, comm::Communicator* model_parallel)
     : store_(store), config_(config), groups_(std::move(groups)), model_parallel_(model_parallel) {
-  FORGE_CHECK(store != nullptr && !groups_.empty(), "the distributed optimizer needs a parameter store and its groups");
+  FORGE_CHECK(store != nullptr && !groups_.empty(),
+              "the distributed optimizer needs a parameter store and its groups");
   if (!store->has_grads()) fail("AdamW over a parameter store built without gradients (inference)");
   for (size_t g = 0; g < groups_.size(); ++g) {
     const GradBuckets* buckets = groups_[g].buckets;
@@ -76,7 +77,8 @@ double DistributedAdamW::grad_norm() const {
   // global_grad_norm's single sum, bitwise.
   int64_t run_begin = 0, run_end = 0;
   auto flush = [&] {
-    if (run_end > run_begin) ops::sum_squares_accumulate(grads + run_begin, run_end - run_begin, total, device);
+    if (run_end > run_begin)
+      ops::sum_squares_accumulate(grads + run_begin, run_end - run_begin, total, device);
     run_begin = run_end = 0;
   };
   // Each group's sum is complete once reduced over the ranks that share that group's shards.
@@ -148,7 +150,8 @@ void DistributedAdamW::gather_params(const GradBuckets& group_buckets, int64_t& 
     const GradBucket& b = buckets[i];
     if (communicate) {
       requests[i].wait();
-      if (b.padded_size() != b.size()) params.view(b.begin, {b.size()}).copy_from(gather_recv_.view(0, {b.size()}));
+      if (b.padded_size() != b.size())
+        params.view(b.begin, {b.size()}).copy_from(gather_recv_.view(0, {b.size()}));
     }
     if (store_->has_bf16())
       ops::convert_to_bf16(params.f32() + b.begin, store_->params_bf16().bf16() + b.begin, b.size(),
@@ -196,6 +199,12 @@ std::vector<ShardPiece> DistributedAdamW::checkpoint_pieces(bool include_params)
                   /*moments=*/true,
                   /*primary_only=*/true);
   }
+  // Frozen parameters (ParameterStore::freeze: no optimizer state, the same on every replica) lie past the
+  // trained ranges: the dense group's dp rank 0 writes them.
+  if (include_params && store_->trained_numel() < store_->numel() && !groups_.empty() &&
+      groups_.front().dp->rank() == 0)
+    append_pieces(pieces, store_->trained_numel(), store_->numel(), -1, /*params=*/true, /*moments=*/false,
+                  /*primary_only=*/true);
   return pieces;
 }
 

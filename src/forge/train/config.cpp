@@ -90,6 +90,22 @@ const std::vector<KeySpec>& key_specs() {
        {}},
       {"data", "seq_len", FORGE_FIELD(data.seq_len), "tokens per training sequence", {}},
       {"data", "cache_dir", FORGE_FIELD(data.cache_dir), "where the default corpus is cached", {}},
+      {"data",
+       "images",
+       FORGE_FIELD(data.images),
+       "image-text data for a multimodal model: a JSONL of captions or conversations beside its images, or a "
+       "packed file from forge data preprocess-images (\"\" = text data)",
+       {}},
+      {"data",
+       "heldout_images",
+       FORGE_FIELD(data.heldout_images),
+       "held-out image-text data (\"\" = the last data.heldout_fraction of data.images' samples)",
+       {}},
+      {"data",
+       "image_processor",
+       FORGE_FIELD(data.image_processor),
+       "the image processor's preprocessor_config.json (\"\" = the one beside data.images)",
+       {}},
 
       {"train", "micro_batch", FORGE_FIELD(train.micro_batch), "sequences per micro-batch", {}},
       {"train", "grad_accum", FORGE_FIELD(train.grad_accum), "micro-batches per optimizer step", {}},
@@ -142,6 +158,12 @@ const std::vector<KeySpec>& key_specs() {
        FORGE_FIELD(train.recompute),
        "activation recomputation",
        {"none", "selective", "full"}},
+      {"train",
+       "freeze",
+       FORGE_FIELD(train.freeze),
+       "parts of a multimodal model that do not train, comma-separated: vision, projector, language (\"\" = "
+       "all train; LLaVA's first stage trains the projector alone: \"vision,language\")",
+       {}},
       {"train",
        "threads",
        FORGE_FIELD(train.threads),
@@ -753,10 +775,31 @@ std::string TrainConfig::origin_of(std::string_view key) const {
   return it != origins.end() ? it->second : source;
 }
 
+std::vector<std::string> TrainConfig::frozen_parts() const {
+  std::vector<std::string> parts;
+  std::string_view rest = train.freeze;
+  while (!rest.empty()) {
+    const size_t comma = rest.find(',');
+    std::string_view part = rest.substr(0, comma);
+    while (!part.empty() && part.front() == ' ') part.remove_prefix(1);
+    while (!part.empty() && part.back() == ' ') part.remove_suffix(1);
+    if (part != "vision" && part != "projector" && part != "language")
+      fail("{}: train.freeze names '{}'; the parts are vision, projector and language",
+           origin_of("train.freeze"), part);
+    if (std::find(parts.begin(), parts.end(), part) == parts.end()) parts.emplace_back(part);
+    rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
+  }
+  if (parts.size() == 3)
+    fail("{}: train.freeze = \"{}\" freezes every part: nothing would train", origin_of("train.freeze"),
+         train.freeze);
+  return parts;
+}
+
 void TrainConfig::validate() const {
   auto check = [&](bool ok, std::string_view key, auto value, std::string_view rule) {
     if (!ok) fail("{}: {} must be {}, got {}", origin_of(key), key, rule, value);
   };
+  frozen_parts();
   // A rule over several keys: the message starts with the origin of the first key (in `keys`' order) that
   // was set, and ends naming each other key's origin where it differs, so both culprits are named.
   struct Blame {

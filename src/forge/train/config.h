@@ -38,6 +38,10 @@ struct TrainConfig {
     double heldout_fraction = 0.01;
     int64_t seq_len = 256;
     std::string cache_dir = "data";
+    // Image-text data (a LlavaForConditionalGeneration model): a JSONL or a packed file (docs/formats.md).
+    std::string images;           // "" = text data
+    std::string heldout_images;   // "" = the last data.heldout_fraction of data.images' samples
+    std::string image_processor;  // preprocessor_config.json; "" = the one beside data.images
     bool operator==(const Data&) const = default;
   };
   struct Train {
@@ -58,8 +62,9 @@ struct TrainConfig {
     std::string device = "cpu";      // cpu | cuda
     std::string dtype = "auto";      // auto | bf16 | fp32 (auto: bf16 where the CPU has native bf16)
     std::string recompute = "none";  // none | selective | full
-    int64_t threads = 0;             // 0 = all cores
-    double memory_limit_mb = 0;      // cap on each rank's host tensors (0 = none; train.device = cpu)
+    std::string freeze;   // parts that do not train, comma-separated (a LLaVA's vision,projector,language)
+    int64_t threads = 0;  // 0 = all cores
+    double memory_limit_mb = 0;  // cap on each rank's host tensors (0 = none; train.device = cpu)
     bool operator==(const Train&) const = default;
   };
   struct Eval {
@@ -205,6 +210,8 @@ struct TrainConfig {
   optim::LrSchedule lr_schedule() const;
   // [parallel]'s sizes for parallel::Layout (dp 0 = derived from the world size). Call after validate().
   parallel::LayoutSpec layout_spec() const;
+  // train.freeze as a list of parts (each one of vision, projector, language; validate() checks).
+  std::vector<std::string> frozen_parts() const;
   // [fp8] as the model's FP8 options; std::nullopt when fp8.recipe = "off". Call after validate().
   std::optional<nn::Fp8Options> fp8_options() const;
   // lambda of step `step` (1-based).

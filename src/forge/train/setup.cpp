@@ -66,7 +66,15 @@ TrainSetup::TrainSetup(const TrainConfig& c, comm::Communicator& world_)
   seq = c.data.seq_len, micro = c.train.micro_batch, accum = c.train.grad_accum;
   device = device_from_name(c.train.device);
   open_devices();
-  data = open_training_data(c);
+  data = open_training_data(c, model_config.get());
+  if (data->has_images() && layout.cp() > 1)
+    fail(
+        "{}: context parallelism splits sequences, and image-text data's images are whole in one (set "
+        "parallel.cp = 1)",
+        c.origin_of("parallel.cp"));
+  if (!c.train.freeze.empty() && model_config->architecture() != "LlavaForConditionalGeneration")
+    fail("{}: train.freeze = \"{}\" freezes parts of a multimodal model; {} is one {}",
+         c.origin_of("train.freeze"), c.train.freeze, model_source, model_config->architecture());
   const TextCodec& codec = data->codec();
   const int64_t vocab = model_config->shape().vocab;
   if (vocab < codec.vocab_size())
@@ -327,6 +335,7 @@ void TrainSetup::make_compute_options() {
   if (dtype_name == "auto") dtype_name = on_gpu() || cpu_has_native_bf16() ? "bf16" : "fp32";
   options.gemm_dtype = dtype_from_name(dtype_name);
   options.recompute = nn::recompute_from_name(c.train.recompute);
+  options.frozen = c.frozen_parts();
   tensor_parallel = std::make_unique<parallel::CommTensorParallel>(
       groups.tp.get(), c.parallel.sequence_parallel, tp_nccl.get());
   if (layout.tp() > 1) options.tp = tensor_parallel.get();

@@ -351,6 +351,8 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule, 
   // Under context parallelism the cp ranks of a replica read the same sequences and keep their slices.
   const int64_t first_sample = state.first_sample_of(state.step), local_seq = setup.local_seq();
   std::vector<std::vector<int32_t>> ids(accum), targets(accum);
+  std::vector<std::vector<float>> pixels(accum);  // image-text data: each micro-batch's images
+  std::vector<int64_t> images(accum, 0);
   std::vector<int32_t> whole_ids, whole_targets;
   std::string data_error;
   try {
@@ -358,8 +360,8 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule, 
       if (hooks.on_read) hooks.on_read(step, static_cast<int>(m));
       ids[m].resize(micro * local_seq), targets[m].resize(micro * local_seq);
       whole_ids.resize(micro * seq), whole_targets.resize(micro * seq);
-      setup.data->train_batch(first_sample + (setup.dp_rank * accum + m) * micro, micro, whole_ids.data(),
-                              whole_targets.data());
+      images[m] = setup.data->train_batch_images(first_sample + (setup.dp_rank * accum + m) * micro, micro,
+                                                 whole_ids.data(), whole_targets.data(), pixels[m]);
       setup.context_slice(whole_ids.data(), ids[m].data(), micro);
       setup.context_slice(whole_targets.data(), targets[m].data(), micro);
     }
@@ -392,7 +394,8 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule, 
   for (Model* m : setup.chunks()) m->begin_train_step(settings);
   LossSum loss = schedule.run(model, static_cast<int>(accum), [&](int m) {
     if (hooks.on_micro_batch) hooks.on_micro_batch(step, m);
-    return MicroBatch{ids[m].data(), targets[m].data(), micro, local_seq, grad_scale};
+    return MicroBatch{ids[m].data(), targets[m].data(), micro,    local_seq,
+                      grad_scale,    pixels[m].data(),  images[m]};
   });
   FORGE_CHECK(!params.grad_step_active(),
               "the schedule left parameters without their last gradient of the step");

@@ -89,6 +89,7 @@ HeldOut evaluate(const TrainSetup& s, Pipelining* pipelining, int64_t windows, c
   comm::Communicator& replicas = *s.groups.dp;
   std::vector<int32_t> ids(batch * seq), targets(batch * seq), local_ids(batch * local_seq),
       local_targets(batch * local_seq);
+  std::vector<float> pixels;  // image-text data: the batch's images
   HeldOut total;
   ProgressBar progress("eval", windows);  // draws only on a terminal
   // Every rank runs the same number of rounds (some with no batch of their own), so that all of them take
@@ -107,15 +108,15 @@ HeldOut evaluate(const TrainSetup& s, Pipelining* pipelining, int64_t windows, c
     const bool mine = w < windows;
     if (!mine && !every_rank_forwards) continue;
     int64_t b = mine ? std::min(batch, windows - w) : std::min(batch, windows);
-    s.data->heldout_batch(mine ? w : 0, b, ids.data(), targets.data());
+    const int64_t images = s.data->heldout_batch_images(mine ? w : 0, b, ids.data(), targets.data(), pixels);
     s.context_slice(ids.data(), local_ids.data(), b);
     s.context_slice(targets.data(), local_targets.data(), b);
-    LossSum part =
-        pipelining ? pipelining->forward_loss({local_ids.data(), local_targets.data(), b, local_seq, 0.0f})
-                   : s.model->forward_loss(local_ids.data(), local_targets.data(), b, local_seq);
+    const MicroBatch mb{local_ids.data(), local_targets.data(), b, local_seq, 0.0f, pixels.data(), images};
+    LossSum part = pipelining ? pipelining->forward_loss(mb) : s.model->forward(mb, Tensor(), nullptr).loss;
     if (!mine) continue;
     total.loss.sum += part.sum, total.loss.tokens += part.tokens;
-    for (int64_t i = 0; i < b * local_seq; ++i) total.bytes += s.data->codec().byte_length(local_targets[i]);
+    for (int64_t i = 0; i < b * local_seq; ++i)  // (targets without a loss, < 0, stand for no text)
+      if (local_targets[i] >= 0) total.bytes += s.data->codec().byte_length(local_targets[i]);
     progress.update(w + b);
   }
   progress.finish();

@@ -206,7 +206,12 @@ class DatasetData final : public TrainingData {
 
 }  // namespace
 
-std::unique_ptr<TrainingData> open_training_data(const TrainConfig& config) {
+std::unique_ptr<TrainingData> open_training_data(const TrainConfig& config,
+                                                 const models::ModelConfig* model) {
+  if (!config.data.images.empty()) {
+    if (model) return open_image_text_data(config, *model);
+    return open_image_text_data(config, *models::read_model_config(config.model.config));
+  }
   if (config.data.dataset.empty()) return std::make_unique<CorpusData>(prepare_corpus(config), config);
   if (config.data.tokenizer == "train")
     fail(

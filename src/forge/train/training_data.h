@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "forge/data/tokenizer.h"
+#include "forge/models/model.h"
 #include "forge/train/config.h"
 
 namespace forge::train {
@@ -77,14 +78,41 @@ class TrainingData {
   // One line for the run log.
   virtual std::string describe() const = 0;
 
+  // Image-text data (data.images): train_batch / heldout_batch and the images of those samples, as normalised
+  // pixels [images, channels, height, width] in order of appearance (`pixels` resized to fit); returns the
+  // image count. Text data has none: these fill ids and targets and return 0.
+  virtual bool has_images() const { return false; }
+  virtual int64_t train_batch_images(int64_t first_sample, int64_t batch, int32_t* input_ids,
+                                     int32_t* targets, std::vector<float>& pixels) const {
+    train_batch(first_sample, batch, input_ids, targets);
+    pixels.clear();
+    return 0;
+  }
+  virtual int64_t heldout_batch_images(int64_t first_window, int64_t batch, int32_t* input_ids,
+                                       int32_t* targets, std::vector<float>& pixels) const {
+    heldout_batch(first_window, batch, input_ids, targets);
+    pixels.clear();
+    return 0;
+  }
+
  protected:
   explicit TrainingData(TextCodec codec) : codec_(std::move(codec)) {}
   TextCodec codec_;
 };
 
-// data.dataset empty: the corpus (prepare_corpus); else the blend, with data.tokenizer naming the
-// tokenizer.json it was preprocessed with (or "bytes"). Throws forge::Error when a part holds less than
-// one window of seq_len + 1 tokens.
-std::unique_ptr<TrainingData> open_training_data(const TrainConfig& config);
+// data.images set: image-text data for a multimodal model (model: its config; null: read from
+// model.config), see open_image_text_data. Else data.dataset empty: the corpus (prepare_corpus); else the
+// blend, with data.tokenizer naming the tokenizer.json it was preprocessed with (or "bytes"). Throws
+// forge::Error when a part holds less than one window of seq_len + 1 tokens.
+std::unique_ptr<TrainingData> open_training_data(const TrainConfig& config,
+                                                 const models::ModelConfig* model = nullptr);
+
+// data.images (a JSONL of captions or conversations, or a packed file) and its held-out part
+// (data.heldout_images, else the last data.heldout_fraction of its samples), tokenized with data.tokenizer
+// ("bytes" or a tokenizer.json) and preprocessed with data.image_processor, for a
+// LlavaForConditionalGeneration whose config gives the image token and the tokens per image. Training samples
+// are drawn in a permutation of the set per epoch, from model.seed; held-out samples in order.
+std::unique_ptr<TrainingData> open_image_text_data(const TrainConfig& config,
+                                                   const models::ModelConfig& model);
 
 }  // namespace forge::train

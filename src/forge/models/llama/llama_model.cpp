@@ -494,6 +494,21 @@ KvCache LlamaModel::make_cache(int64_t batch, int64_t capacity) const {
 
 Tensor LlamaModel::forward_cached(const int32_t* ids, int64_t batch, int64_t new_tokens, KvCache& cache,
                                   bool all_logits) {
+  return run_cached(ids, batch, new_tokens, cache, all_logits, nullptr);
+}
+
+Tensor LlamaModel::forward_cached_inserted(const int32_t* ids, int64_t batch, int64_t new_tokens,
+                                           KvCache& cache, int32_t token, const Tensor& inserted) {
+  require_whole("cached inference");
+  if (tp())
+    fail("cached inference runs on one process; this model is split over tp = {} ranks", tp()->size());
+  // The splice's rows are this call's new tokens.
+  const Insertion insertion = make_insertion({ids, nullptr, batch, new_tokens, 0.0f}, token, inserted);
+  return run_cached(ids, batch, new_tokens, cache, false, &insertion);
+}
+
+Tensor LlamaModel::run_cached(const int32_t* ids, int64_t batch, int64_t new_tokens, KvCache& cache,
+                              bool all_logits, const Insertion* insertion) {
   require_whole("cached inference");
   if (tp())
     fail("cached inference runs on one process; this model is split over tp = {} ranks", tp()->size());
@@ -521,6 +536,9 @@ Tensor LlamaModel::forward_cached(const int32_t* ids, int64_t batch, int64_t new
   Tensor ids_holder;
   Tensor x =
       embedding_.forward(ids_on(options_.device, ids, batch * new_tokens, ids_holder), batch * new_tokens);
+  if (insertion)
+    for (const InsertedRun& run : insertion->runs)
+      copy_rows(*insertion->rows, run.source, x, run.row, run.count, h);
   for (size_t l = 0; l < layers_.size(); ++l)
     x = layers_[l].forward_cached(x, batch, new_tokens, cache.layer(static_cast<int64_t>(l)));
   cache.advance(new_tokens);

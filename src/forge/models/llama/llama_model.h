@@ -53,6 +53,7 @@ class LlamaModel final : public Model {
   KvCache make_cache(int64_t batch, int64_t capacity = 0) const override;
   Tensor forward_cached(const int32_t* ids, int64_t batch, int64_t new_tokens, KvCache& cache,
                         bool all_logits = false) override;
+  using Model::forward_cached_images;
 
   // ---- Embeddings inserted in place of a token's (a LLaVA's image features; models/llava/). The rows of
   // `inserted` [count, hidden] (on the model's device) replace, in order, the embeddings of the micro-batch's
@@ -66,6 +67,9 @@ class LlamaModel final : public Model {
   // Full logits [batch * seq, vocab] on the host with the splice (the whole model only).
   Tensor logits_inserted(const int32_t* ids, int64_t batch, int64_t seq, int32_t token,
                          const Tensor& inserted);
+  // forward_cached with the splice (inference of a multimodal prompt).
+  Tensor forward_cached_inserted(const int32_t* ids, int64_t batch, int64_t new_tokens, KvCache& cache,
+                                 int32_t token, const Tensor& inserted);
 
   // Module access for tests of the backward split.
   const std::vector<nn::DecoderLayer>& layers() const { return layers_; }
@@ -82,6 +86,8 @@ class LlamaModel final : public Model {
   void check_inputs(const MicroBatch& mb) const;
   Tensor final_hidden(const int32_t* ids, int64_t batch, int64_t seq, const Insertion* insertion = nullptr);
   Insertion make_insertion(const MicroBatch& mb, int32_t token, const Tensor& inserted) const;
+  Tensor run_cached(const int32_t* ids, int64_t batch, int64_t new_tokens, KvCache& cache, bool all_logits,
+                    const Insertion* insertion);
   void require_whole(const char* what) const;
   nn::TensorParallel* tp() const;  // null unless split over more than one rank
 

@@ -173,14 +173,16 @@ void LlavaModel::patchify(const float* image, int64_t channels, int64_t height, 
 void LlavaModel::check_images(const MicroBatch& mb) const {
   if (mb.images < 0) fail("a micro-batch of {} images", mb.images);
   if (mb.images > 0 && !mb.pixels) fail("a micro-batch of {} images came without their pixels", mb.images);
-  if (mb.images > 0 && !stage().pre_process) fail("images go to the first stage");
 }
 
 Tensor LlavaModel::vision_forward(const MicroBatch& mb, Activations* acts) {
   const VisionConfig& v = config_.vision;
   const int64_t images = mb.images, positions = v.num_positions(), per_image = config_.tokens_per_image();
   Tensor host = Tensor::empty({images * v.num_patches(), v.patch_dim()}, DType::f32);
-  std::copy_n(mb.pixels, host.numel(), host.f32());
+  const int64_t values = v.num_channels * v.image_size * v.image_size;  // per image
+  for (int64_t i = 0; i < images; ++i)
+    patchify(mb.pixels + i * values, v.num_channels, v.image_size, v.image_size, v.patch_size,
+             host.f32() + i * v.num_patches() * v.patch_dim());
   const Tensor patches = host.to(options_.device);
   const int64_t in = config_.projector_input();
   Tensor features =
@@ -264,8 +266,10 @@ StageOutput LlavaModel::forward(const MicroBatch& mb, const Tensor& hidden,
   auto acts = std::make_unique<Activations>();
   std::unique_ptr<StageActivations>* language_saved = saved ? &acts->language : nullptr;
   StageOutput out;
-  if (!stage().pre_process) {
-    out = language_->forward(mb, hidden, language_saved);
+  if (!stage().pre_process) {  // the images went through the first stage
+    MicroBatch text = mb;
+    text.pixels = nullptr, text.images = 0;
+    out = language_->forward(text, hidden, language_saved);
   } else {
     MicroBatch text = mb;
     text.pixels = nullptr, text.images = 0;
@@ -337,6 +341,17 @@ nn::KvCache LlavaModel::make_cache(int64_t batch, int64_t capacity) const {
 Tensor LlavaModel::forward_cached(const int32_t* ids, int64_t batch, int64_t new_tokens, nn::KvCache& cache,
                                   bool all_logits) {
   return language_->forward_cached(ids, batch, new_tokens, cache, all_logits);
+}
+
+Tensor LlavaModel::forward_cached_images(const int32_t* ids, int64_t batch, int64_t new_tokens,
+                                         nn::KvCache& cache, const float* pixels, int64_t images) {
+  MicroBatch mb;
+  mb.pixels = pixels, mb.images = images;
+  check_images(mb);
+  Tensor features;
+  if (images > 0) features = vision_forward(mb, nullptr);
+  return language_->forward_cached_inserted(ids, batch, new_tokens, cache,
+                                            static_cast<int32_t>(config_.image_token_index), features);
 }
 
 ModelFamily llava_family() {

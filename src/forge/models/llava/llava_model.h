@@ -44,6 +44,8 @@ class LlavaModel final : public Model {
   nn::KvCache make_cache(int64_t batch, int64_t capacity = 0) const override;
   Tensor forward_cached(const int32_t* ids, int64_t batch, int64_t new_tokens, nn::KvCache& cache,
                         bool all_logits = false) override;
+  Tensor forward_cached_images(const int32_t* ids, int64_t batch, int64_t new_tokens, nn::KvCache& cache,
+                               const float* pixels, int64_t images) override;
 
   // The projected image features [images * tokens_per_image, text hidden] (inference; on the host).
   Tensor image_features(const float* pixels, int64_t images);

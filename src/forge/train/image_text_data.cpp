@@ -1,0 +1,167 @@
+// The trainer's image-text data: data::ImageTextDataset (a JSONL or a packed file) behind TrainingData.
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <numeric>
+#include <random>
+
+#include "forge/core/error.h"
+#include "forge/data/image_text.h"
+#include "forge/models/llava/llava_config.h"
+#include "forge/train/training_data.h"
+
+namespace forge::train {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A packed file starts with this magic (data/image_text.h); anything else is read as JSONL.
+bool is_packed(const fs::path& path) {
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) return false;
+  char magic[8] = {};
+  const size_t n = std::fread(magic, 1, sizeof(magic), f);
+  std::fclose(f);
+  return n == sizeof(magic) && std::string_view(magic, 8) == "FORGEITX";
+}
+
+class ImageTextData final : public TrainingData {
+ public:
+  ImageTextData(TextCodec codec, const TrainConfig& config, const models::LlavaConfig& model)
+      : TrainingData(std::move(codec)), config_(config), seed_(config.model.seed) {
+    const std::string& images = config.data.images;
+    if (!fs::exists(images)) fail("data.images: '{}' does not exist", images);
+    const fs::path processor_path = config.data.image_processor.empty()
+                                        ? fs::path(images).parent_path() / "preprocessor_config.json"
+                                        : fs::path(config.data.image_processor);
+    if (!fs::exists(processor_path))
+      fail("data.image_processor: '{}' does not exist (the preprocessor_config.json of the images)",
+           processor_path.string());
+    processor_ =
+        std::make_unique<data::ImageProcessor>(data::ImageProcessorConfig::from_json_file(processor_path));
+    const auto shape = std::array<int64_t, 2>{model.vision.image_size, model.vision.image_size};
+    encoder_ = codec_.tokenizer() ? data::TextEncoder::from_tokenizer(*codec_.tokenizer())
+                                  : data::TextEncoder::bytes();
+    data::ImageTextOptions options;
+    options.seq_len = config.data.seq_len;
+    options.image_token_id = static_cast<int32_t>(model.image_token_index);
+    options.tokens_per_image = model.tokens_per_image();
+    train_ = open(images, options);
+    const auto [channels, height, width] = train_->image_shape();
+    if (channels != model.vision.num_channels || height != shape[0] || width != shape[1])
+      fail("{}: the image processor makes {}x{}x{} images but {} takes {}x{}x{}", processor_path.string(),
+           channels, height, width, config.model.config, model.vision.num_channels, shape[0], shape[1]);
+    if (!config.data.heldout_images.empty()) {
+      heldout_ = open(config.data.heldout_images, options);
+      train_samples_ = train_->num_samples();
+      heldout_first_ = 0, heldout_samples_ = heldout_->num_samples();
+    } else {  // the tail of the training file, as the corpus' held-out tail
+      const int64_t n = train_->num_samples();
+      heldout_samples_ = std::min<int64_t>(
+          n - 1,
+          std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(n) * config.data.heldout_fraction)));
+      train_samples_ = n - heldout_samples_;
+      heldout_first_ = train_samples_;
+    }
+    if (train_samples_ < 1 || heldout_samples_ < 1)
+      fail("data.images: '{}' holds {} samples: too few to train on and hold some out", images,
+           train_->num_samples());
+  }
+
+  bool has_images() const override { return true; }
+  void train_batch(int64_t first, int64_t batch, int32_t* ids, int32_t* targets) const override {
+    std::vector<float> pixels;
+    train_batch_images(first, batch, ids, targets, pixels);
+  }
+  int64_t heldout_windows() const override { return heldout_samples_; }
+  void heldout_batch(int64_t first, int64_t batch, int32_t* ids, int32_t* targets) const override {
+    std::vector<float> pixels;
+    heldout_batch_images(first, batch, ids, targets, pixels);
+  }
+  int64_t train_batch_images(int64_t first, int64_t batch, int32_t* ids, int32_t* targets,
+                             std::vector<float>& pixels) const override {
+    std::vector<int64_t> indices(static_cast<size_t>(batch));
+    for (int64_t i = 0; i < batch; ++i) indices[static_cast<size_t>(i)] = training_sample(first + i);
+    return fill(*train_, indices, ids, targets, pixels);
+  }
+  int64_t heldout_batch_images(int64_t first, int64_t batch, int32_t* ids, int32_t* targets,
+                               std::vector<float>& pixels) const override {
+    std::vector<int64_t> indices(static_cast<size_t>(batch));
+    for (int64_t i = 0; i < batch; ++i)
+      indices[static_cast<size_t>(i)] = heldout_first_ + (first + i) % heldout_samples_;
+    return fill(heldout_ ? *heldout_ : *train_, indices, ids, targets, pixels);
+  }
+  std::string describe() const override {
+    const auto [c, h, w] = train_->image_shape();
+    return fmt::format(
+        "image-text {} ({}): {} training samples, {} held out, {} images of {}x{}x{}, {} tokens per image | "
+        "tokenizer {}{}",
+        config_.data.images, train_->packed() ? "packed" : "JSONL", train_samples_, heldout_samples_,
+        train_->num_images(), c, h, w, train_->tokens_per_image(), codec_.description(),
+        train_->skipped_bad() + train_->skipped_too_long() > 0
+            ? fmt::format(" | skipped {} bad and {} too long", train_->skipped_bad(),
+                          train_->skipped_too_long())
+            : std::string());
+  }
+
+ private:
+  std::unique_ptr<data::ImageTextDataset> open(const fs::path& path,
+                                               const data::ImageTextOptions& options) const {
+    if (is_packed(path)) {
+      data::PackedImageTextExpectation expect;
+      expect.seq_len = options.seq_len, expect.image_token_id = options.image_token_id;
+      expect.tokens_per_image = options.tokens_per_image, expect.text_fingerprint = encoder_.fingerprint;
+      return std::make_unique<data::ImageTextDataset>(
+          data::ImageTextDataset::from_packed(path, *processor_, expect));
+    }
+    return std::make_unique<data::ImageTextDataset>(
+        data::ImageTextDataset::from_jsonl(path, encoder_, *processor_, options));
+  }
+  // Sample `index` of the training stream: epoch index / n takes the samples in a permutation drawn from
+  // (model.seed, epoch).
+  int64_t training_sample(int64_t index) const {
+    const int64_t epoch = index / train_samples_;
+    if (epoch != epoch_ || order_.empty()) {
+      order_.resize(static_cast<size_t>(train_samples_));
+      std::iota(order_.begin(), order_.end(), int64_t{0});
+      std::mt19937_64 rng(seed_ * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(epoch));
+      for (size_t i = order_.size(); i > 1; --i) std::swap(order_[i - 1], order_[rng() % i]);
+      epoch_ = epoch;
+    }
+    return order_[static_cast<size_t>(index % train_samples_)];
+  }
+  static int64_t fill(const data::ImageTextDataset& set, const std::vector<int64_t>& indices, int32_t* ids,
+                      int32_t* targets, std::vector<float>& pixels) {
+    const int64_t images = set.count_images(indices);
+    const auto [c, h, w] = set.image_shape();
+    pixels.resize(static_cast<size_t>(images * c * h * w));
+    return set.fill_batch(indices, ids, targets, pixels.data(), images);
+  }
+
+  TrainConfig config_;
+  uint64_t seed_ = 0;
+  std::unique_ptr<data::ImageProcessor> processor_;
+  data::TextEncoder encoder_;
+  std::unique_ptr<data::ImageTextDataset> train_, heldout_;
+  int64_t train_samples_ = 0, heldout_first_ = 0, heldout_samples_ = 0;
+  mutable std::vector<int64_t> order_;
+  mutable int64_t epoch_ = -1;
+};
+
+}  // namespace
+
+std::unique_ptr<TrainingData> open_image_text_data(const TrainConfig& config,
+                                                   const models::ModelConfig& model) {
+  const auto* llava = dynamic_cast<const models::LlavaConfig*>(&model);
+  if (!llava)
+    fail("data.images: image-text data trains a multimodal model (LlavaForConditionalGeneration), not {}",
+         model.architecture());
+  if (config.data.tokenizer == "train")
+    fail(
+        "data.images: data.tokenizer must be \"bytes\" or a tokenizer.json (no tokenizer is trained on "
+        "image-text data)");
+  return std::make_unique<ImageTextData>(make_text_codec(config, {}), config, *llava);
+}
+
+}  // namespace forge::train
