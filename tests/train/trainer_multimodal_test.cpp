@@ -88,6 +88,32 @@ TEST_F(TrainerMultimodal, InterruptedRunResumesBitwise) {
   EXPECT_EQ(b.heldout_loss, full.heldout_loss);
 }
 
+// A line naming a missing image stops the run with one line naming the file and line, or, with
+// data.skip_bad_samples, is skipped and counted.
+TEST_F(TrainerMultimodal, BadLinesStopTheRunOrAreSkipped) {
+  {
+    std::ofstream jsonl(dir_ / "shapes" / "train.jsonl", std::ios::app);
+    jsonl << R"({"image": "images/missing.png", "caption": "a red circle"})"
+          << "\n";
+  }
+  TrainConfig c = config("bad-line");
+  try {
+    Trainer(c).run();
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("train.jsonl:217"), std::string::npos) << m;
+    EXPECT_NE(m.find("missing.png"), std::string::npos) << m;
+  }
+  c.data.skip_bad_samples = true;
+  c.train.steps = 2;
+  testing::internal::CaptureStdout();
+  const TrainResult r = Trainer(c).run();
+  const std::string out = testing::internal::GetCapturedStdout();
+  EXPECT_EQ(r.losses.size(), 2u);
+  EXPECT_NE(out.find("skipped 1 bad"), std::string::npos) << out;
+}
+
 TEST_F(TrainerMultimodal, RefusesMisconfigurationsWithOneLine) {
   auto expect_error = [](TrainConfig c, const std::string& culprit) {
     try {

@@ -106,6 +106,12 @@ const std::vector<KeySpec>& key_specs() {
        FORGE_FIELD(data.image_processor),
        "the image processor's preprocessor_config.json (\"\" = the one beside data.images)",
        {}},
+      {"data",
+       "skip_bad_samples",
+       FORGE_FIELD(data.skip_bad_samples),
+       "image-text data: skip (and count) lines that are malformed, name a missing or undecodable image, or "
+       "whose image tokens do not fit in seq_len (false: the first such line is an error)",
+       {}},
 
       {"train", "micro_batch", FORGE_FIELD(train.micro_batch), "sequences per micro-batch", {}},
       {"train", "grad_accum", FORGE_FIELD(train.grad_accum), "micro-batches per optimizer step", {}},

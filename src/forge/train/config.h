@@ -42,6 +42,7 @@ struct TrainConfig {
     std::string images;           // "" = text data
     std::string heldout_images;   // "" = the last data.heldout_fraction of data.images' samples
     std::string image_processor;  // preprocessor_config.json; "" = the one beside data.images
+    bool skip_bad_samples = false;  // image-text: skip and count bad lines instead of stopping
     bool operator==(const Data&) const = default;
   };
   struct Train {

@@ -47,6 +47,7 @@ class ImageTextData final : public TrainingData {
     options.seq_len = config.data.seq_len;
     options.image_token_id = static_cast<int32_t>(model.image_token_index);
     options.tokens_per_image = model.tokens_per_image();
+    options.skip_bad = options.skip_too_long = config.data.skip_bad_samples;
     train_ = open(images, options);
     const auto [channels, height, width] = train_->image_shape();
     if (channels != model.vision.num_channels || height != shape[0] || width != shape[1])

@@ -103,9 +103,8 @@ TEST(CudaLinearCrossEntropyErrors, BadParametersFailBeforeTouchingTheDevice) {
   p = host_params(storage, targets), p.dhidden = nullptr;
   testing::expect_error_containing([&] { gpu.linear_cross_entropy_backward(p); },
                                    {"linear_cross_entropy_backward", "dhidden is null"});
-  p = host_params(storage, targets), p.dweight = nullptr;
-  testing::expect_error_containing([&] { gpu.linear_cross_entropy_backward(p); },
-                                   {"linear_cross_entropy_backward", "dweight is null"});
+  // A null dweight is allowed: a frozen head takes no weight gradient (the LLaVA golden test's frozen
+  // language model runs that path and checks every other gradient bitwise).
 }
 
 // No rows: nothing to do and nothing touched (the CPU kernel's behaviour), without a GPU too. The workspace
