@@ -213,7 +213,7 @@ def forward(params, spec, pixel_values, input_ids):
     embeds = F.embedding(input_ids.long(), params["language_model.model.embed_tokens.weight"])
     mask = (input_ids == spec["llava"]["image_token_index"]).unsqueeze(-1).expand_as(embeds)
     assert int(mask[..., 0].sum()) == features.shape[0] * features.shape[1], "image tokens != features"
-    x = embeds.masked_scatter(mask, features.reshape(-1))
+    x = embeds.masked_scatter(mask, features.reshape(-1).to(embeds.dtype))
     t = TEXT
     freqs = torch.outer(torch.arange(input_ids.shape[1], dtype=torch.float32), rope_inv_freq(t))
     emb = torch.cat((freqs, freqs), dim=-1)
