@@ -11,7 +11,6 @@ namespace {
 
 // Rows per partial sum in bias_backward: fixed (not per thread) so the summation order is fixed.
 constexpr int64_t kRowsPerBlock = 32;
-constexpr int64_t kColumnTile = 64;
 constexpr int64_t kParallelElements = 1 << 14;
 
 // Shapes, the leading dimension of the matrix the op reads (`ld`, 0 = n) and, for a non-empty problem, the
@@ -70,19 +69,7 @@ void bias_backward(const ops::BiasParams& p) {
         for (int64_t j = 0; j < n; ++j) acc[j] += dy[j];
       }
     }
-    // Column tiles are split among threads; each column adds its block partials in block order.
-#pragma omp for schedule(static)
-    for (int64_t j0 = 0; j0 < n; j0 += kColumnTile) {
-      const int64_t width = std::min(kColumnTile, n - j0);
-      float sum[kColumnTile] = {};
-      for (int64_t b = 0; b < blocks; ++b) {
-        const float* part = partial.data() + b * n + j0;
-#pragma omp simd
-        for (int64_t j = 0; j < width; ++j) sum[j] += part[j];
-      }
-#pragma omp simd
-      for (int64_t j = 0; j < width; ++j) p.dbias[j0 + j] += sum[j];
-    }
+    add_block_partials(partial.data(), blocks, n, p.dbias);
   }
 }
 

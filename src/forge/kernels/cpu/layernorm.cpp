@@ -13,7 +13,6 @@ namespace {
 
 // Rows per partial sum in backward_weight: fixed (not per thread) so the summation order is fixed.
 constexpr int64_t kRowsPerBlock = 32;
-constexpr int64_t kColumnTile = 64;
 // Below this many elements (a decoding step's few rows) a parallel region costs more than it saves.
 constexpr int64_t kParallelElements = 1 << 14;
 
@@ -140,23 +139,8 @@ void layernorm_backward_weight(const ops::LayerNormParams& p) {
         }
       }
     }
-    // Column tiles are split among threads; each column adds its block partials in block order.
-#pragma omp for schedule(static)
-    for (int64_t j0 = 0; j0 < dim; j0 += kColumnTile) {
-      const int64_t width = std::min(kColumnTile, dim - j0);
-      for (int target = 0; target < (with_bias ? 2 : 1); ++target) {
-        const float* parts = target == 0 ? partial_weight : partial_bias;
-        float* out = target == 0 ? p.dweight : p.dbias;
-        float sum[kColumnTile] = {};
-        for (int64_t b = 0; b < blocks; ++b) {
-          const float* part = parts + b * dim + j0;
-#pragma omp simd
-          for (int64_t j = 0; j < width; ++j) sum[j] += part[j];
-        }
-#pragma omp simd
-        for (int64_t j = 0; j < width; ++j) out[j0 + j] += sum[j];
-      }
-    }
+    add_block_partials(partial_weight, blocks, dim, p.dweight);
+    if (with_bias) add_block_partials(partial_bias, blocks, dim, p.dbias);
   }
 }
 

@@ -12,7 +12,6 @@ namespace {
 
 // Rows per partial sum in backward_weight: fixed (not per thread) so the summation order is fixed.
 constexpr int64_t kRowsPerBlock = 32;
-constexpr int64_t kColumnTile = 64;
 // Below this many elements (a decoding step's few rows) a parallel region costs more than it saves.
 constexpr int64_t kParallelElements = 1 << 14;
 
@@ -98,19 +97,7 @@ void rmsnorm_backward_weight(const ops::RmsNormParams& p) {
         for (int64_t j = 0; j < dim; ++j) acc[j] += dy[j] * x[j] * rstd;
       }
     }
-    // Column tiles are split among threads; each column adds its block partials in block order.
-#pragma omp for schedule(static)
-    for (int64_t j0 = 0; j0 < dim; j0 += kColumnTile) {
-      const int64_t width = std::min(kColumnTile, dim - j0);
-      float sum[kColumnTile] = {};
-      for (int64_t b = 0; b < blocks; ++b) {
-        const float* part = partial.data() + b * dim + j0;
-#pragma omp simd
-        for (int64_t j = 0; j < width; ++j) sum[j] += part[j];
-      }
-#pragma omp simd
-      for (int64_t j = 0; j < width; ++j) dweight[j0 + j] += sum[j];
-    }
+    add_block_partials(partial.data(), blocks, dim, dweight);
   }
 }
 
