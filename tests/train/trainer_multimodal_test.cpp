@@ -3,6 +3,7 @@
 // image-text misconfigurations are refused with one line.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -37,6 +38,20 @@ TEST_F(TrainerMultimodal, CaptionLossFallsAndIsEvaluatedOnHeldOutImages) {
   EXPECT_LT(r.losses.back(), r.losses.front() - 1.0);  // ln(260) = 5.56 at the start
   EXPECT_GT(r.heldout_loss, 0);
   EXPECT_LT(r.heldout_loss, r.losses.front());
+}
+
+// FP8 composes: the language model's Linears run the recipe, the encoder and projector stay in the GEMM
+// dtype.
+TEST_F(TrainerMultimodal, Fp8LanguageModelTrains) {
+  for (const char* recipe : {"delayed", "block"}) {
+    TrainConfig c = config(std::string("fp8-") + recipe);
+    c.fp8.recipe = recipe;
+    c.train.steps = 20;
+    const TrainResult r = Trainer(c).run();
+    ASSERT_EQ(r.losses.size(), 20u) << recipe;
+    EXPECT_LT(r.losses.back(), r.losses.front() - 1.0) << recipe;
+    EXPECT_TRUE(std::isfinite(r.heldout_loss)) << recipe;
+  }
 }
 
 // LLaVA's first stage: only the projector trains. Every encoder and language-model weight of the final
