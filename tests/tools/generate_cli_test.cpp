@@ -15,18 +15,20 @@
 #include <utility>
 #include <vector>
 
-#include "forge/models/llama/llama_model.h"
 #include "forge/ckpt/checkpoint.h"
-#include "forge/models/pretrained.h"
 #include "forge/ckpt/safetensors.h"
 #include "forge/core/device.h"
 #include "forge/data/tokenizer.h"
 #include "forge/data/tokenizer_text.h"
+#include "forge/models/llama/llama_model.h"
+#include "forge/models/pretrained.h"
 #include "forge/models/sampling.h"
 #include "tools/cli_harness.h"
 
 namespace forge {
-using namespace forge::models; using namespace forge::data; using namespace forge::ckpt;
+using namespace forge::models;
+using namespace forge::data;
+using namespace forge::ckpt;
 namespace {
 namespace fs = std::filesystem;
 using testing::cli::Outcome;
@@ -132,7 +134,8 @@ TEST_F(GenerateCli, GreedyTextEqualsTheLibrarysAndReportsSpeeds) {
 TEST_F(GenerateCli, DevicePathUnderEmulationPrintsTheCpusText) {
   RunOptions emulated = options();
   emulated.environment += " FORGE_EMULATE_DEVICE=1";
-  const std::string args = "generate" + model("bytes") + " --prompt Hello --greedy --max-new-tokens 12 --dtype fp32";
+  const std::string args =
+      "generate" + model("bytes") + " --prompt Hello --greedy --max-new-tokens 12 --dtype fp32";
   const Outcome cpu = run(args), device = testing::cli::run_forge(args + " --device cuda", emulated);
   ASSERT_EQ(cpu.status, 0) << cpu.err;
   ASSERT_EQ(device.status, 0) << device.err;
@@ -238,6 +241,9 @@ TEST_F(GenerateCli, BadInputGetsOneErrorLine) {
   expect_one_line_error(bytes + " --prompt hi --dtype fp8", "--dtype: fp8 not in {fp32,bf16}");
   expect_one_line_error(bytes + " --prompt hi --dtype fp16", "--dtype: fp16 not in {fp32,bf16}");
   expect_one_line_error(bytes + " --prompt hi --tokenizer " + (dir_ / "none.json").string(), "none.json");
+  // --image: a text model has no encoder.
+  expect_one_line_error(bytes + " --prompt hi --image " + (dir_ / "cat.png").string(),
+                        "--image needs a multimodal model");
   // A 1000-token vocabulary without a tokenizer.json cannot fall back to bytes.
   fs::remove(dir_ / "hf" / "tokenizer.json");
   expect_one_line_error("generate" + model("hf") + " --prompt hi", "pass --tokenizer");

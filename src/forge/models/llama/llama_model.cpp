@@ -55,6 +55,13 @@ struct LlamaModel::Insertion {
   int64_t count = 0;  // rows of the inserted tensor
 };
 
+// The embeddings x [rows, hidden] of this rank's tokens with the inserted rows in place (nothing: null).
+void LlamaModel::splice(const Insertion* insertion, const Tensor& x) const {
+  if (!insertion) return;
+  for (const InsertedRun& run : insertion->runs)
+    copy_rows(*insertion->rows, run.source, x, run.row, run.count, config_.hidden_size);
+}
+
 // What one micro-batch keeps between the stage's forward, backward_input and backward_weight.
 struct LlamaModel::Activations final : StageActivations {
   int64_t batch = 0, seq = 0;
@@ -372,8 +379,7 @@ StageOutput LlamaModel::run_forward(const MicroBatch& mb, const Tensor& hidden, 
     acts->device_ids = ids_on(options_.device, mb.ids, n, acts->ids_holder);
     x = embedding_.forward(acts->device_ids, n);
     if (insertion) {
-      for (const InsertedRun& run : insertion->runs)
-        copy_rows(*insertion->rows, run.source, x, run.row, run.count, config_.hidden_size);
+      splice(insertion, x);
       acts->inserted_runs = insertion->runs, acts->inserted_count = insertion->count;
     }
   } else {
@@ -464,9 +470,7 @@ Tensor LlamaModel::embed(const int32_t* ids, int64_t rows) const {
 Tensor LlamaModel::final_hidden(const int32_t* ids, int64_t batch, int64_t seq, const Insertion* insertion) {
   Tensor holder;
   Tensor x = embedding_.forward(ids_on(options_.device, ids, batch * seq, holder), batch * seq);
-  if (insertion)
-    for (const InsertedRun& run : insertion->runs)
-      copy_rows(*insertion->rows, run.source, x, run.row, run.count, config_.hidden_size);
+  splice(insertion, x);
   for (const nn::DecoderLayer& layer : layers_) {
     nn::DecoderLayer::Saved scratch;
     x = layer.forward(x, batch, seq, scratch);
@@ -536,9 +540,7 @@ Tensor LlamaModel::run_cached(const int32_t* ids, int64_t batch, int64_t new_tok
   Tensor ids_holder;
   Tensor x =
       embedding_.forward(ids_on(options_.device, ids, batch * new_tokens, ids_holder), batch * new_tokens);
-  if (insertion)
-    for (const InsertedRun& run : insertion->runs)
-      copy_rows(*insertion->rows, run.source, x, run.row, run.count, h);
+  splice(insertion, x);
   for (size_t l = 0; l < layers_.size(); ++l)
     x = layers_[l].forward_cached(x, batch, new_tokens, cache.layer(static_cast<int64_t>(l)));
   cache.advance(new_tokens);

@@ -86,6 +86,7 @@ class LlamaModel final : public Model {
   void check_inputs(const MicroBatch& mb) const;
   Tensor final_hidden(const int32_t* ids, int64_t batch, int64_t seq, const Insertion* insertion = nullptr);
   Insertion make_insertion(const MicroBatch& mb, int32_t token, const Tensor& inserted) const;
+  void splice(const Insertion* insertion, const Tensor& x) const;
   Tensor run_cached(const int32_t* ids, int64_t batch, int64_t new_tokens, KvCache& cache, bool all_logits,
                     const Insertion* insertion);
   void require_whole(const char* what) const;

@@ -283,14 +283,20 @@ StageOutput LlavaModel::forward(const MicroBatch& mb, const Tensor& hidden,
   return out;
 }
 
+// The image features' gradient after the language model's B; under sequence parallelism each rank saw that of
+// its own rows only, summed here over the group.
+Tensor LlavaModel::inserted_gradient(Activations& acts) {
+  Tensor d = language_->inserted_gradient(*acts.language);
+  if (nn::TensorParallel* tp = split_group(options_); tp && tp->sequence_parallel())
+    tp->all_reduce_sum(d.f32(), d.numel(), options_.device);
+  return d;
+}
+
 Tensor LlavaModel::backward_input(const Tensor& doutput, StageActivations& state) {
   auto& acts = static_cast<Activations&>(state);
   Tensor dx = language_->backward_input(doutput, *acts.language);
   if (acts.has_images) {
-    acts.dinserted = language_->inserted_gradient(*acts.language);
-    // Under sequence parallelism each rank saw the gradient of its own rows only.
-    if (nn::TensorParallel* tp = split_group(options_); tp && tp->sequence_parallel())
-      tp->all_reduce_sum(acts.dinserted.f32(), acts.dinserted.numel(), options_.device);
+    acts.dinserted = inserted_gradient(acts);
   }
   return dx;
 }
@@ -306,10 +312,7 @@ Tensor LlavaModel::backward(const Tensor& doutput, StageActivations& state) {
   auto& acts = static_cast<Activations&>(state);
   Tensor dx = language_->backward(doutput, *acts.language);
   if (acts.has_images) {
-    Tensor dinserted = language_->inserted_gradient(*acts.language);
-    if (nn::TensorParallel* tp = split_group(options_); tp && tp->sequence_parallel())
-      tp->all_reduce_sum(dinserted.f32(), dinserted.numel(), options_.device);
-    vision_backward(dinserted, acts);
+    vision_backward(inserted_gradient(acts), acts);
     acts.has_images = false;
   }
   return dx;

@@ -68,6 +68,7 @@ class LlavaModel final : public Model {
   Tensor vision_forward(const MicroBatch& mb, Activations* acts);
   // Their backward from the features' gradient (B and W together).
   void vision_backward(const Tensor& dfeatures, Activations& acts);
+  Tensor inserted_gradient(Activations& acts);
   void check_images(const MicroBatch& mb) const;
   bool is_frozen(const std::string& part) const;  // options.frozen names it
 
