@@ -31,7 +31,7 @@ run_case() {  # name config images_dir seq batch steps
     --set data.images="$images/train.jsonl" --set data.heldout_images="$images/heldout.jsonl" \
     --set data.seq_len="$seq" --set train.micro_batch="$batch" --set train.steps="$steps" --set train.warmup=2 \
     --set train.max_minutes=0 --set log.every=1 --set eval.every=0 --set eval.batches=1 \
-    --set resilience.loss_spike=0 --set log.report=false --set checkpoint.overwrite=true \
+    --set resilience.loss_spike=0 --set log.report=false --set checkpoint.overwrite=true --set sample.captions=0 \
     --set log.run_dir="$OUT/$name" >"$OUT/$name.log" 2>&1
   read -r forge_tps forge_ips < <(forge_rate "$OUT/$name" "$seq")
   local torch_json

@@ -100,6 +100,17 @@ TEST(SyntheticImages, CaptionsAgreeWithThePixels) {
     }
     if (scene.objects.size() == 2) {
       EXPECT_NE(scene.objects[0].position, scene.objects[1].position);
+      // Named in reading order, whatever order they were drawn in: the caption is the picture's.
+      const SynthScene swapped{{scene.objects[1], scene.objects[0]}, scene.background, scene.noisy};
+      EXPECT_EQ(synth_caption(swapped), caption);
+      const auto first_y = synth_object_box(scene.objects[0], size)[1];
+      const auto second_y = synth_object_box(scene.objects[1], size)[1];
+      const auto first_x = synth_object_box(scene.objects[0], size)[0];
+      const auto second_x = synth_object_box(scene.objects[1], size)[0];
+      const bool first_reads_first = first_y != second_y ? first_y < second_y : first_x < second_x;
+      const std::string first_phrase(synth_position_phrase(scene.objects[0].position));
+      const std::string second_phrase(synth_position_phrase(scene.objects[1].position));
+      EXPECT_EQ(caption.find(first_phrase) < caption.find(second_phrase), first_reads_first) << caption;
     }
     // A corner is background: grey, within the noise of the background level.
     for (int c = 0; c < 3; ++c)

@@ -126,6 +126,31 @@ TEST(LlavaConfig, RoundTripsThroughItsJson) {
   }
 }
 
+// What a training step runs, by the parts that train, written out for the tiny model: 16 patches of
+// 3x8x8 into width 32, two layers of 16 tokens (ffn 64); a projector 32 -> 48 -> 48 over 16 rows; a language
+// model of width 48, ffn 96, 2 layers, vocabulary 300.
+TEST(LlavaConfig, TrainedFlopsCountWhatTheStepRuns) {
+  const LlavaConfig c = LlavaConfig::from_json(tiny_siglip(), "llava.json");
+  const double encoder =
+      2.0 * 16 * 192 * 32 + 2 * (2.0 * 16 * (4 * 32 * 32 + 2 * 32 * 64) + 4.0 * 16 * 16 * 32);
+  const double projector = 2.0 * 16 * 32 * 48 + 2.0 * 16 * 48 * 48;
+  EXPECT_DOUBLE_EQ(c.encoder_forward_flops_per_image(), encoder);
+  EXPECT_DOUBLE_EQ(c.projector_forward_flops_per_image(), projector);
+  using Parts = std::vector<std::string>;
+  EXPECT_DOUBLE_EQ(c.trained_flops_per_image({}), 3 * encoder + 3 * projector);
+  EXPECT_DOUBLE_EQ(c.trained_flops_per_image(Parts{"vision"}), encoder + 3 * projector);
+  EXPECT_DOUBLE_EQ(c.trained_flops_per_image(Parts{"projector"}), 3 * encoder + 2 * projector);
+  EXPECT_DOUBLE_EQ(c.trained_flops_per_image(Parts{"vision", "projector"}), encoder + projector);
+  EXPECT_DOUBLE_EQ(c.trained_flops_per_image(Parts{"language"}), 3 * encoder + 3 * projector);
+  // Per token: 6 FLOPs per matmul parameter (2 x (4 x 48 x 48 + 3 x 48 x 96) per layer, 300 x 48 for the
+  // head) plus attention; a frozen language model skips its weight gradients (4 per parameter).
+  const double parameters = 2 * (4 * 48 * 48 + 3 * 48 * 96) + 300 * 48, attention = 12.0 * 2 * 64 * 48;
+  EXPECT_DOUBLE_EQ(c.trained_flops_per_token(64, {}), 6 * parameters + attention);
+  EXPECT_DOUBLE_EQ(c.trained_flops_per_token(64, Parts{"vision"}), 6 * parameters + attention);
+  EXPECT_DOUBLE_EQ(c.trained_flops_per_token(64, Parts{"language"}), 4 * parameters + attention);
+  EXPECT_DOUBLE_EQ(c.flops_per_token(64), 6 * parameters + attention);
+}
+
 TEST(LlavaConfig, SiglipEncoderHasNoClassTokenAndABiasedPatchEmbedding) {
   const LlavaConfig c = LlavaConfig::from_json(tiny_siglip(), "llava.json");
   EXPECT_EQ(c.vision.kind, VisionKind::siglip);

@@ -18,6 +18,9 @@
 #include "forge/ckpt/checkpoint.h"
 #include "forge/ckpt/safetensors.h"
 #include "forge/core/device.h"
+#include "forge/data/image.h"
+#include "forge/data/image_processor.h"
+#include "forge/data/synthetic_images.h"
 #include "forge/data/tokenizer.h"
 #include "forge/data/tokenizer_text.h"
 #include "forge/models/llama/llama_model.h"
@@ -124,6 +127,56 @@ TEST_F(GenerateCli, GreedyTextEqualsTheLibrarysAndReportsSpeeds) {
       run("generate" + model("bytes") + " --prompt Hello --top-k 1 --temperature 1.3 --max-new-tokens 20")
           .output,
       o.output);
+}
+
+// --image on a LLaVA checkpoint that carries its preprocessor_config.json (as the trainer's do): the caption
+// equals the library's generation from the image preprocessed by that config; without the file, or with an
+// image that does not decode, one line names what is missing.
+TEST_F(GenerateCli, CaptionsAnImageWithTheCheckpointsImageProcessor) {
+  SynthImagesOptions images;
+  images.out = dir_ / "shapes", images.count = 2, images.size = 16, images.seed = 5, images.workers = 1;
+  write_synth_images(images);
+  const nlohmann::json config = nlohmann::json::parse(R"({
+    "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "image_token_index": 256,
+    "vision_feature_layer": -1, "vision_feature_select_strategy": "full",
+    "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                      "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 16, "patch_size": 8,
+                      "vision_use_head": false},
+    "text_config": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                    "num_attention_heads": 2, "vocab_size": 260, "max_position_embeddings": 64}})");
+  const fs::path llava = dir_ / "llava";
+  {
+    std::ofstream(dir_ / "llava.json") << config.dump();
+    auto built = build_model(*read_model_config((dir_ / "llava.json").string()),
+                             {DType::f32, nn::Recompute::none}, StageSpec::whole(), 0.5f);
+    built->initialize(23);
+    save_checkpoint(llava.string(), built->params(), nullptr, {0, config, {}});
+  }
+  fs::copy_file(dir_ / "shapes" / "preprocessor_config.json", llava / "preprocessor_config.json");
+  const fs::path image = dir_ / "shapes" / "images" / "000000.png";
+  const std::string args = "generate" + model("llava") + " --tokenizer bytes --greedy --max-new-tokens 12" +
+                           " --no-stream --prompt '' --image " + image.string();
+  const Outcome o = run(args);
+  ASSERT_EQ(o.status, 0) << o.err;
+
+  auto loaded = load_pretrained_model(llava, {DType::f32, nn::Recompute::none});
+  const ImageProcessor processor(ImageProcessorConfig::from_json_file(llava / "preprocessor_config.json"));
+  const Tensor pixels = processor.preprocess(read_image(image));
+  std::vector<int32_t> ids(4, 256);  // 2x2 patches of 8x8
+  ids.push_back('\n');
+  SamplingOptions greedy;
+  greedy.temperature = 0, greedy.max_new_tokens = 12, greedy.pixels = pixels.f32(), greedy.images = 1;
+  std::string bytes;
+  for (int32_t t : generate_sequence(*loaded, ids, greedy).tokens) bytes.push_back(static_cast<char>(t));
+  EXPECT_EQ(o.output, with_newline(tokenizer_text::utf8_lossy(bytes)));
+
+  // A corrupt image and a checkpoint without its image processor are refused with one line.
+  std::ofstream(dir_ / "broken.png") << "\x89PNG\r\n\x1a\n not really";
+  expect_one_line_error("generate" + model("llava") + " --tokenizer bytes --prompt '' --image " +
+                            (dir_ / "broken.png").string(),
+                        "broken.png");
+  fs::remove(llava / "preprocessor_config.json");
+  expect_one_line_error(args, "--image-processor");
 }
 
 // Sampling at a high temperature emits bytes >= 0x80, some of which form multi-byte characters: streaming

@@ -138,6 +138,17 @@ TEST(StepLine, CpuRatesUnknownPeakAndEta) {
             "--:--:--");
 }
 
+TEST(StepLine, ImageRateAfterTheTokenRate) {
+  StepLine s;
+  s.step = 20, s.total_steps = 2000, s.loss = 0.5, s.lr = 2.5e-4, s.grad_norm = 0.3;
+  s.tokens_per_s = 57800, s.images_per_s = 602, s.flops_per_s = 269.7e9, s.mfu = 0.393;
+  s.elapsed_s = 59, s.eta_s = 59;
+  EXPECT_EQ(
+      format_step_line(s),
+      "step   20/2000 | loss 0.5000 | lr 2.50e-04 | gnorm 0.300 | 57.8k tok/s | 602 img/s | 269.7 GFLOP/s | "
+      "mfu 39.3% | 00:00:59 eta 00:00:59");
+}
+
 TEST(StepLine, Helpers) {
   EXPECT_EQ(format_duration(0), "00:00:00");
   EXPECT_EQ(format_duration(59.6), "00:01:00");

@@ -148,6 +148,30 @@ TEST(SpikeDetector, JudgesAgainstTheWindowAfterWarmup) {
   EXPECT_EQ(z.judge(flat, 1, 30.0, 1.0), "");  // std 0 judges nothing
 }
 
+// A loss near zero (a model that has learned its data) doubles in ordinary batch-to-batch noise: a spike must
+// also rise loss_spike_min nats above the window. The default 0.1 leaves a pretraining loss's 2x untouched.
+TEST(SpikeDetector, NearZeroLossesNeedAnAbsoluteRise) {
+  TrainConfig::Resilience r;
+  r.loss_spike = 2.0, r.window = 10, r.spike_after = 0;
+  ASSERT_EQ(r.loss_spike_min, 0.1);
+  const SpikeDetector ratio(r, 0);
+  TrainState s;
+  for (int i = 0; i < 10; ++i) ratio.accept(s, 0.005, 1.0);
+  EXPECT_EQ(ratio.judge(s, 20, 0.012, 1.0), "");  // 2.4x, but 0.007 nats
+  EXPECT_EQ(ratio.judge(s, 20, 0.1, 1.0), "");    // 20x, 0.095 nats
+  EXPECT_NE(ratio.judge(s, 20, 0.2, 1.0).find("loss spike: 0.2 is 40.00x the median 0.005"),
+            std::string::npos);
+  r.loss_spike_min = 0;  // ratio alone
+  EXPECT_NE(SpikeDetector(r, 0).judge(s, 20, 0.012, 1.0).find("loss spike"), std::string::npos);
+
+  r.spike_metric = "zscore", r.loss_spike = 4.0, r.loss_spike_min = 0.1;
+  const SpikeDetector z(r, 0);
+  TrainState t;
+  for (int i = 0; i < 20; ++i) z.accept(t, 0.005 + (i % 2 ? 0.001 : -0.001), 1.0);
+  EXPECT_EQ(z.judge(t, 1, 0.05, 1.0), "");  // 40 standard deviations, 0.045 nats
+  EXPECT_NE(z.judge(t, 1, 0.5, 1.0).find("standard deviations above the mean"), std::string::npos);
+}
+
 TEST(SkipDataWindow, ContinuesAtTheSampleAfterTheAnomalousStep) {
   TrainState s;
   s.samples_per_step = 4, s.base_step = 0, s.base_samples = 0;

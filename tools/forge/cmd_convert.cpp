@@ -8,18 +8,20 @@
 #include <vector>
 
 #include "commands.h"
-#include "forge/models/pretrained.h"
 #include "forge/core/error.h"
 #include "forge/data/tokenizer.h"
+#include "forge/models/pretrained.h"
 
 namespace forge::cli {
-using namespace forge::models; using namespace forge::data;
+using namespace forge::models;
+using namespace forge::data;
 namespace {
 namespace fs = std::filesystem;
 
 // Files a Hugging Face folder carries besides the weights; copied when present in the input.
 constexpr const char* kCompanionFiles[] = {"tokenizer.json", "tokenizer_config.json",
-                                           "generation_config.json", "special_tokens_map.json"};
+                                           "generation_config.json", "special_tokens_map.json",
+                                           "preprocessor_config.json"};
 
 struct ConvertOptions {
   std::string input, output, to = "hf", dtype = "fp32", max_shard_size = "5GB";
@@ -95,8 +97,9 @@ int run_convert(const ConvertOptions& o) {
       fail("convert: refusing to copy a tokenizer that does not load: {}", e.what());
     }
   }
-  std::unique_ptr<Model> model = build_model(*source.config, nn::ComputeOptions{DType::f32, nn::Recompute::none},
-                                             StageSpec::whole(), 0.02f, /*with_grads=*/false);
+  std::unique_ptr<Model> model =
+      build_model(*source.config, nn::ComputeOptions{DType::f32, nn::Recompute::none}, StageSpec::whole(),
+                  0.02f, /*with_grads=*/false);
   load_pretrained_weights(source, model->params());
   for (const char* name : kCompanionFiles)
     if (fs::is_regular_file(source.dir / name)) options.extra_files.push_back(source.dir / name);
@@ -122,7 +125,8 @@ void add_convert_command(CLI::App& app, Commands& commands) {
   auto o = std::make_shared<ConvertOptions>();
   auto* convert = app.add_subcommand(
       "convert",
-      "Convert a forge checkpoint or Hugging Face folder (LlamaForCausalLM, DeepseekV3ForCausalLM) to a Hugging Face folder or a forge checkpoint");
+      "Convert a forge checkpoint or Hugging Face folder (LlamaForCausalLM, DeepseekV3ForCausalLM, "
+      "LlavaForConditionalGeneration) to a Hugging Face folder or a forge checkpoint");
   convert->add_option("-i,--input", o->input, "input directory: a forge checkpoint or a Hugging Face folder");
   convert->add_option("-o,--output", o->output, "output directory (must not exist or be empty)");
   convert

@@ -170,9 +170,17 @@ RgbImage render_synth_scene(const SynthScene& scene, int64_t size, uint64_t seed
 }
 
 std::string synth_caption(const SynthScene& scene) {
+  // Reading order (top to bottom, then left to right): the caption is a function of the picture alone, not
+  // of the order the objects were drawn in.
+  std::vector<SynthObject> objects = scene.objects;
+  std::stable_sort(objects.begin(), objects.end(), [](const SynthObject& a, const SynthObject& b) {
+    const auto& ca = kCentres[static_cast<size_t>(a.position)];
+    const auto& cb = kCentres[static_cast<size_t>(b.position)];
+    return ca[1] != cb[1] ? ca[1] < cb[1] : ca[0] < cb[0];
+  });
   std::string caption;
-  for (size_t k = 0; k < scene.objects.size(); ++k) {
-    const SynthObject& o = scene.objects[k];
+  for (size_t k = 0; k < objects.size(); ++k) {
+    const SynthObject& o = objects[k];
     caption +=
         fmt::format("{}a {} {} {} {}", k == 0 ? "" : " and ", o.size == SynthSize::large ? "large" : "small",
                     synth_colours()[static_cast<size_t>(o.colour)].name, synth_shape_name(o.shape),

@@ -1,7 +1,7 @@
 // A synthetic image-caption dataset forge renders itself (`forge data synth-images`): one or two shapes
 // (circle, square, triangle, cross) in named colours, at named positions and sizes, on a plain or noisy
-// grey background, with a caption that says what was drawn ("a large red circle on the left and a small
-// blue square at the top"). Small enough to train a LLaVA-style model on in minutes; every byte is a
+// grey background, with a caption that says what was drawn ("a small blue square at the top and a large red
+// circle on the left"). Small enough to train a LLaVA-style model on in minutes; every byte is a
 // function of (seed, image index).
 #pragma once
 
@@ -44,7 +44,8 @@ struct SynthScene {
 SynthScene synth_scene(uint64_t seed, int64_t index);
 // The scene as a size x size image (anti-aliased edges: 4x4 samples per pixel).
 RgbImage render_synth_scene(const SynthScene& scene, int64_t size, uint64_t seed, int64_t index);
-// "a large red circle on the left and a small blue square at the top".
+// "a small blue square at the top and a large red circle on the left": the objects in reading order (top,
+// then left, centre, right, then bottom), so that the caption depends on the picture only.
 std::string synth_caption(const SynthScene& scene);
 
 // Centre (x, y) and half-extent of an object in pixels for an image of `size`: the shape fits in the square

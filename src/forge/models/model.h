@@ -62,6 +62,18 @@ class ModelConfig {
   // Model FLOPs per trained token (forward + backward), Megatron's accounting (the family documents its
   // terms).
   virtual double flops_per_token(int64_t seq_len) const = 0;
+  // What a training step runs when the parts named in `frozen` (ComputeOptions::frozen: "vision",
+  // "projector", "language") do not train: per token, and per image (multimodal models; the backward of a
+  // frozen part computes no weight gradient, and none at all where nothing before it trains). Text models:
+  // flops_per_token and no image work.
+  virtual double trained_flops_per_token(int64_t seq_len, const std::vector<std::string>& frozen) const {
+    (void)frozen;
+    return flops_per_token(seq_len);
+  }
+  virtual double trained_flops_per_image(const std::vector<std::string>& frozen) const {
+    (void)frozen;
+    return 0;
+  }
   // Refuses, before anything is allocated, a model larger than available_bytes (one line naming source_name).
   virtual void check_fits_in_memory(bool training, bool bf16_shadow, int64_t available_bytes,
                                     std::string_view source_name) const = 0;

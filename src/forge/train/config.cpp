@@ -495,6 +495,12 @@ const std::vector<KeySpec>& key_specs() {
        "a step whose loss exceeds this (in spike_metric) is an anomaly (0 = off)",
        {}},
       {"resilience",
+       "loss_spike_min",
+       FORGE_FIELD(resilience.loss_spike_min),
+       "... and only if it is also this many nats above the window's median (ratio) or mean (zscore): a loss "
+       "near zero doubles in ordinary noise",
+       {}},
+      {"resilience",
        "grad_norm_spike",
        FORGE_FIELD(resilience.grad_norm_spike),
        "a step whose gradient norm exceeds this (in spike_metric) is an anomaly (0 = off)",
@@ -521,6 +527,12 @@ const std::vector<KeySpec>& key_specs() {
       {"sample", "temperature", FORGE_FIELD(sample.temperature), "softmax temperature (0 = greedy)", {}},
       {"sample", "top_k", FORGE_FIELD(sample.top_k), "sample among the k most likely tokens (0 = all)", {}},
       {"sample", "seed", FORGE_FIELD(sample.seed), "sampling seed", {}},
+      {"sample",
+       "captions",
+       FORGE_FIELD(sample.captions),
+       "image-text data: after training, answer this many held-out samples greedily and count the answers "
+       "equal to their reference, token for token (0 = none)",
+       {}},
   };
   return specs;
 }
@@ -946,6 +958,8 @@ void TrainConfig::validate() const {
   check(resilience.lr_steps >= 0, "resilience.lr_steps", resilience.lr_steps, ">= 0");
   check(finite(resilience.loss_spike) && resilience.loss_spike >= 0, "resilience.loss_spike",
         resilience.loss_spike, ">= 0 (0 = off)");
+  check(finite(resilience.loss_spike_min) && resilience.loss_spike_min >= 0, "resilience.loss_spike_min",
+        resilience.loss_spike_min, ">= 0");
   check(finite(resilience.grad_norm_spike) && resilience.grad_norm_spike >= 0, "resilience.grad_norm_spike",
         resilience.grad_norm_spike, ">= 0 (0 = off)");
   check(resilience.spike_metric != "ratio" || resilience.loss_spike == 0 || resilience.loss_spike > 1,
@@ -977,6 +991,12 @@ void TrainConfig::validate() const {
   check(finite(sample.temperature) && sample.temperature >= 0, "sample.temperature", sample.temperature,
         ">= 0 (0 = greedy)");
   check(sample.top_k >= 0, "sample.top_k", sample.top_k, ">= 0 (0 = all)");
+  check(sample.captions >= 0, "sample.captions", sample.captions, ">= 0 (0 = none)");
+  if (sample.captions > 0 && data.images.empty()) {
+    const Blame b = blame({"sample.captions", "data.images"});
+    fail("{}: sample.captions = {} needs image-text data (data.images), which is not set{}", b.where,
+         sample.captions, b.others);
+  }
   check(model.seed <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()), "model.seed", model.seed,
         "a TOML integer (< 2^63)");
   check(sample.seed <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()), "sample.seed", sample.seed,

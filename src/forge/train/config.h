@@ -39,9 +39,9 @@ struct TrainConfig {
     int64_t seq_len = 256;
     std::string cache_dir = "data";
     // Image-text data (a LlavaForConditionalGeneration model): a JSONL or a packed file (docs/formats.md).
-    std::string images;           // "" = text data
-    std::string heldout_images;   // "" = the last data.heldout_fraction of data.images' samples
-    std::string image_processor;  // preprocessor_config.json; "" = the one beside data.images
+    std::string images;             // "" = text data
+    std::string heldout_images;     // "" = the last data.heldout_fraction of data.images' samples
+    std::string image_processor;    // preprocessor_config.json; "" = the one beside data.images
     bool skip_bad_samples = false;  // image-text: skip and count bad lines instead of stopping
     bool operator==(const Data&) const = default;
   };
@@ -99,6 +99,7 @@ struct TrainConfig {
     double temperature = 0.8;  // 0 = greedy
     int64_t top_k = 40;        // 0 = whole vocabulary
     uint64_t seed = 7;
+    int64_t captions = 0;  // image-text data: held-out samples captioned greedily after training
     bool operator==(const Sample&) const = default;
   };
   // How the world's ranks are split (see forge/parallel/layout.h) and how gradients travel between them.
@@ -168,6 +169,7 @@ struct TrainConfig {
     int64_t lr_steps = 0;         // ... for this many steps
     std::string spike_metric = "ratio";  // ratio (to the window's median) | zscore (against its mean and std)
     double loss_spike = 2.0;             // flag a loss above this (ratio or z-score); 0 = off
+    double loss_spike_min = 0.1;         // ... and at least this many nats above the window's median/mean
     double grad_norm_spike = 0;          // the same for the gradient norm; 0 = off
     int64_t window = 50;                 // accepted steps the spike statistics look back over
     int64_t spike_after = -1;            // no spike detection up to this step (-1 = train.warmup)

@@ -7,6 +7,7 @@
 #include <random>
 
 #include "forge/core/error.h"
+#include "forge/core/file_io.h"
 #include "forge/data/image_text.h"
 #include "forge/models/llava/llava_config.h"
 #include "forge/train/training_data.h"
@@ -40,6 +41,8 @@ class ImageTextData final : public TrainingData {
            processor_path.string());
     processor_ =
         std::make_unique<data::ImageProcessor>(data::ImageProcessorConfig::from_json_file(processor_path));
+    processor_json_ = read_file(processor_path, "image processor config");
+    if (processor_json_.empty() || processor_json_.back() != '\n') processor_json_ += '\n';
     const auto shape = std::array<int64_t, 2>{model.vision.image_size, model.vision.image_size};
     encoder_ = codec_.tokenizer() ? data::TextEncoder::from_tokenizer(*codec_.tokenizer())
                                   : data::TextEncoder::bytes();
@@ -71,6 +74,7 @@ class ImageTextData final : public TrainingData {
   }
 
   bool has_images() const override { return true; }
+  std::string image_processor_json() const override { return processor_json_; }
   void train_batch(int64_t first, int64_t batch, int32_t* ids, int32_t* targets) const override {
     std::vector<float> pixels;
     train_batch_images(first, batch, ids, targets, pixels);
@@ -145,6 +149,7 @@ class ImageTextData final : public TrainingData {
   std::unique_ptr<data::ImageProcessor> processor_;
   data::TextEncoder encoder_;
   std::unique_ptr<data::ImageTextDataset> train_, heldout_;
+  std::string processor_json_;
   int64_t train_samples_ = 0, heldout_first_ = 0, heldout_samples_ = 0;
   mutable std::vector<int64_t> order_;
   mutable int64_t epoch_ = -1;

@@ -70,9 +70,10 @@ std::string format_step_line(const StepLine& s) {
   // total_steps <= 0: not known yet (a time-budget run before its plan), shown as "?".
   const std::string total = s.total_steps > 0 ? std::to_string(s.total_steps) : "?";
   const int width = static_cast<int>(total.size());
-  std::string line = fmt::format("step {:>{}}/{} | loss {:.4f} | lr {:.2e} | gnorm {:.3f} | {} tok/s | {}",
-                                 s.step, width, total, s.loss, s.lr, s.grad_norm,
-                                 format_count(s.tokens_per_s), format_flops_rate(s.flops_per_s));
+  std::string line = fmt::format("step {:>{}}/{} | loss {:.4f} | lr {:.2e} | gnorm {:.3f} | {} tok/s", s.step,
+                                 width, total, s.loss, s.lr, s.grad_norm, format_count(s.tokens_per_s));
+  if (s.images_per_s >= 0) line += fmt::format(" | {} img/s", format_count(s.images_per_s));
+  line += " | " + format_flops_rate(s.flops_per_s);
   if (std::isfinite(s.mfu) && s.mfu >= 0) line += fmt::format(" | mfu {:.1f}%", 100.0 * s.mfu);
   if (!s.extra.empty()) line += " | " + s.extra;
   line += fmt::format(" | {} eta {}", format_duration(s.elapsed_s), format_duration(s.eta_s));

@@ -37,8 +37,9 @@ struct StepLine {
   double lr = 0;
   double grad_norm = 0;
   double tokens_per_s = 0;
-  double flops_per_s = 0;  // achieved model FLOP/s (ModelConfig::flops_per_token * tokens_per_s)
-  double mfu = -1;         // fraction of peak; negative or NaN = unknown peak, not printed
+  double images_per_s = -1;  // image-text data; negative = none, not printed
+  double flops_per_s = 0;    // achieved model FLOP/s (ModelConfig::trained_flops_per_token and _per_image)
+  double mfu = -1;           // fraction of peak; negative or NaN = unknown peak, not printed
   double elapsed_s = 0;
   double eta_s = -1;  // negative or NaN = unknown
   std::string extra;  // the family's own measures ("moe maxvio 0.12 | mtp 2.31"), after mfu; "" = none

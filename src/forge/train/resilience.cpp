@@ -10,18 +10,19 @@ namespace forge::train {
 SpikeDetector::SpikeDetector(const TrainConfig::Resilience& r, int64_t warmup)
     : ratio_(r.spike_metric == "ratio"),
       loss_threshold_(r.loss_spike),
+      loss_min_rise_(r.loss_spike_min),
       grad_norm_threshold_(r.grad_norm_spike),
       window_(static_cast<size_t>(r.window)),
       after_(r.spike_after >= 0 ? r.spike_after : warmup) {}
 
 std::string SpikeDetector::judge_one(const char* what, double value, const std::vector<double>& window,
-                                     double threshold) const {
+                                     double threshold, double min_rise) const {
   if (threshold <= 0 || window.size() < kMinimumWindow) return "";
   if (ratio_) {
     std::vector<double> sorted = window;
     std::nth_element(sorted.begin(), sorted.begin() + sorted.size() / 2, sorted.end());
     const double median = sorted[sorted.size() / 2];
-    if (median > 0 && value > threshold * median)
+    if (median > 0 && value > threshold * median && value - median >= min_rise)
       return fmt::format(
           "{} spike: {:.4g} is {:.2f}x the median {:.4g} of the last {} steps (resilience.{}_spike "
           "= {:g})",
@@ -35,7 +36,7 @@ std::string SpikeDetector::judge_one(const char* what, double value, const std::
   for (double v : window) var += (v - mean) * (v - mean);
   const double std = std::sqrt(var / static_cast<double>(window.size() - 1));
   // A flat window (std 0) judges nothing: any change would be infinitely many deviations.
-  if (std > 0 && (value - mean) / std > threshold)
+  if (std > 0 && (value - mean) / std > threshold && value - mean >= min_rise)
     return fmt::format(
         "{} spike: {:.4g} is {:.1f} standard deviations above the mean {:.4g} of the last {} "
         "steps (resilience.{}_spike = {:g})",
@@ -46,9 +47,9 @@ std::string SpikeDetector::judge_one(const char* what, double value, const std::
 
 std::string SpikeDetector::judge(const TrainState& state, int64_t step, double loss, double grad_norm) const {
   if (step <= after_) return "";
-  std::string cause = judge_one("loss", loss, state.recent_losses, loss_threshold_);
+  std::string cause = judge_one("loss", loss, state.recent_losses, loss_threshold_, loss_min_rise_);
   if (cause.empty())
-    cause = judge_one("gradient norm", grad_norm, state.recent_grad_norms, grad_norm_threshold_);
+    cause = judge_one("gradient norm", grad_norm, state.recent_grad_norms, grad_norm_threshold_, 0);
   return cause;
 }
 

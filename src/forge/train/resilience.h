@@ -32,10 +32,10 @@ class SpikeDetector {
   static constexpr size_t kMinimumWindow = 10;  // steps in the window before spikes are judged
 
  private:
-  std::string judge_one(const char* what, double value, const std::vector<double>& window,
-                        double threshold) const;
+  std::string judge_one(const char* what, double value, const std::vector<double>& window, double threshold,
+                        double min_rise) const;
   bool ratio_ = true;
-  double loss_threshold_ = 0, grad_norm_threshold_ = 0;
+  double loss_threshold_ = 0, grad_norm_threshold_ = 0, loss_min_rise_ = 0;
   size_t window_ = 50;
   int64_t after_ = 0;
 };

@@ -411,11 +411,11 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule, 
     loss.sum = sums[0], loss.tokens = static_cast<int64_t>(sums[1]);
   }
   r.local_loss = loss.mean();
+  r.images = std::accumulate(images.begin(), images.end(), int64_t{0});
   if (setup.dp_group().size() > 1) {  // the replicas' losses, and under cp each rank's part of the tokens'
-
-    double sums[2] = {loss.sum, static_cast<double>(loss.tokens)};
-    comm::all_reduce_sum(setup.dp_group(), sums, 2);
-    loss.sum = sums[0], loss.tokens = static_cast<int64_t>(sums[1]);
+    double sums[3] = {loss.sum, static_cast<double>(loss.tokens), static_cast<double>(r.images)};
+    comm::all_reduce_sum(setup.dp_group(), sums, 3);
+    loss.sum = sums[0], loss.tokens = static_cast<int64_t>(sums[1]), r.images = static_cast<int64_t>(sums[2]);
   }
   r.loss = loss.mean();
   r.grad_norm = setup.optimizer->grad_norm();

@@ -80,6 +80,7 @@ struct StepResult {
   double local_loss = 0;  // this rank's mean
   double grad_norm = 0;   // global, before clipping
   float lr = 0;
+  int64_t images = 0;      // image-text data: the step's images over every dp replica
   bool applied = false;    // false: an anomaly (non_finite or spike below); nothing was changed
   std::string non_finite;  // what was not finite, and on which rank first (collective)
   std::string spike;       // the loss or gradient-norm spike StepHooks::judge found (agreed over the world)

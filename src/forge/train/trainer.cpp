@@ -219,7 +219,9 @@ void TrainingRun::open_metrics() {
 void TrainingRun::print_banner() {
   const TrainSetup& s = *setup_;
   const bool on_gpu = s.on_gpu();
-  flops_per_token_ = s.model_config->flops_per_token(s.seq);
+  const std::vector<std::string> frozen = c_.frozen_parts();
+  flops_per_token_ = s.model_config->trained_flops_per_token(s.seq, frozen);
+  flops_per_image_ = s.model_config->trained_flops_per_image(frozen);
   // Every rank measures its share of the machine; the job's peak is their sum. On a GPU, the tensor cores'
   // dense peak of the precision that runs the Linears.
   const double rank_peak = c_.log.peak_gflops > 0 ? c_.log.peak_gflops / world_.size()
@@ -356,6 +358,7 @@ bool TrainingRun::run_step(TrainResult& result) {
   result.losses.push_back(r.loss);
   result.grad_norms.push_back(r.grad_norm);
   interval_tokens_ += step_tokens_;
+  interval_images_ += r.images;
   log_step(r, result);
   const int64_t step = state_.step;
   // A stable state: the rollback target. Past the latest anomaly it also ends that run of retries.
@@ -378,7 +381,9 @@ void TrainingRun::log_step(const StepResult& r, TrainResult&) {
   m.step = step, m.total_steps = planned ? state_.total_steps : 0, m.loss = r.loss, m.lr = r.lr;
   m.grad_norm = r.grad_norm;
   m.tokens_per_s = static_cast<double>(interval_tokens_) / dt;
-  m.flops_per_s = m.tokens_per_s * flops_per_token_;
+  const double images_per_s = static_cast<double>(interval_images_) / dt;
+  if (setup_->data->has_images()) m.images_per_s = images_per_s;
+  m.flops_per_s = m.tokens_per_s * flops_per_token_ + images_per_s * flops_per_image_;
   m.mfu = m.flops_per_s / (peak_gflops_ * 1e9);
   m.elapsed_s = seconds_since(start_time_);
   const double per_step = seconds_since(train_start_) / static_cast<double>(step - first_step_);
@@ -407,9 +412,10 @@ void TrainingRun::log_step(const StepResult& r, TrainResult&) {
   if (const fp8::DelayedScalingGroup* g = s.fp8 ? s.fp8->delayed_group() : nullptr)
     record["fp8"] = fp8_scale_fields(*g);
   for (const auto& [key, value] : balance.fields.items()) record[key] = value;
+  if (m.images_per_s >= 0) record["images_per_s"] = m.images_per_s;
   write_metrics(record);
   interval_start_ = Clock::now();
-  interval_tokens_ = 0;
+  interval_tokens_ = 0, interval_images_ = 0;
 }
 
 // A periodic evaluation; false when Ctrl-C interrupted it (the next step's stop check saves and ends the
@@ -494,6 +500,9 @@ TrainResult TrainingRun::run() {
     if (text.empty() || text.back() != '\n') text += '\n';
     checkpoint_files_.push_back({"tokenizer.json", std::move(text)});
   }
+  // And the image processor, for `forge generate --image`.
+  if (std::string processor = s.data->image_processor_json(); !processor.empty())
+    checkpoint_files_.push_back({"preprocessor_config.json", std::move(processor)});
 
   if (!faults_.empty()) {
     std::string list;
@@ -606,6 +615,7 @@ TrainResult TrainingRun::finish(TrainResult result) {
                  {"final", true}});
   write_report();
   if (c_.sample.tokens > 0 && g_leader) sample(result);
+  if (c_.sample.captions > 0 && g_leader && !result.interrupted) caption(result);
   return result;
 }
 
@@ -621,6 +631,83 @@ void TrainingRun::write_report() {
   }
 }
 
+// Generation runs on one process: a model split over tp, pp, ep or cp ranks is read back whole from the
+// final checkpoint (onto this rank's device) into `whole`.
+Model& TrainingRun::generation_model(std::unique_ptr<Model>& whole) {
+  TrainSetup& s = *setup_;
+  if (s.layout.tp() == 1 && s.layout.pp() == 1 && s.layout.ep() == 1 && s.layout.cp() == 1) return *s.model;
+  if (!whole) {
+    nn::ComputeOptions single;
+    single.gemm_dtype = s.options.gemm_dtype;
+    single.device = s.options.device;
+    whole = load_pretrained_model(checkpoint_dir_, single);
+  }
+  return *whole;
+}
+
+void TrainingRun::caption(TrainResult& result) {
+  TrainSetup& s = *setup_;
+  const TrainingData& data = *s.data;
+  const int64_t n = std::min(c_.sample.captions, data.heldout_windows());
+  const TextCodec& codec = data.codec();
+  SamplingOptions so;
+  so.context = s.seq, so.temperature = 0;
+  std::unique_ptr<Model> whole;
+  Model& model = generation_model(whole);
+  std::vector<int32_t> ids(static_cast<size_t>(s.seq)), targets(static_cast<size_t>(s.seq));
+  std::vector<float> pixels;
+  int64_t exact = 0, matched = 0, total = 0, answered = 0;
+  constexpr int64_t kShown = 4;  // examples printed (the misses first)
+  std::vector<std::string> shown_right, shown_wrong;
+  nlohmann::json examples = nlohmann::json::array();
+  const auto start = Clock::now();
+  for (int64_t i = 0; i < n && !Trainer::stop_flag().load(); ++i) {
+    const int64_t images = data.heldout_batch_images(i, 1, ids.data(), targets.data(), pixels);
+    // The answer: the first run of trained targets; the prompt: every token up to its first position.
+    const auto first = std::find_if(targets.begin(), targets.end(), [](int32_t t) { return t >= 0; });
+    if (first == targets.end()) continue;
+    const auto last = std::find_if(first, targets.end(), [](int32_t t) { return t < 0; });
+    const std::vector<int32_t> prompt(ids.begin(), ids.begin() + (first - targets.begin()) + 1);
+    const std::vector<int32_t> reference(first, last);
+    so.max_new_tokens = static_cast<int64_t>(reference.size());
+    so.pixels = images > 0 ? pixels.data() : nullptr, so.images = images;
+    const std::vector<int32_t> out = generate(model, prompt, so);
+    int64_t same = 0;
+    for (size_t t = 0; t < reference.size(); ++t) same += t < out.size() && out[t] == reference[t];
+    const bool right = same == static_cast<int64_t>(reference.size()) && out.size() == reference.size();
+    exact += right, matched += same, total += static_cast<int64_t>(reference.size()), ++answered;
+    const std::string got = codec.decode(out), want = codec.decode(reference);
+    std::vector<std::string>& bucket = right ? shown_right : shown_wrong;
+    if (static_cast<int64_t>(bucket.size()) < kShown)
+      bucket.push_back(right ? fmt::format("  held-out {}: \"{}\"", i, got)
+                             : fmt::format("  held-out {}: \"{}\"\n      reference \"{}\"", i, got, want));
+    if (examples.size() < 16) examples.push_back({{"index", i}, {"answer", got}, {"reference", want}});
+  }
+  if (answered == 0) {
+    say("captions: none of the %lld held-out samples has an answer to compare\n", static_cast<long long>(n));
+    return;
+  }
+  result.captions = answered, result.captions_exact = exact;
+  result.caption_token_accuracy = static_cast<double>(matched) / static_cast<double>(total);
+  say("held-out captions (greedy, %lld samples, %.1f s): %lld exactly right (%.1f%%), %.1f%% of their tokens "
+      "right\n",
+      static_cast<long long>(answered), seconds_since(start), static_cast<long long>(exact),
+      100.0 * static_cast<double>(exact) / static_cast<double>(answered),
+      100.0 * result.caption_token_accuracy);
+  for (const std::string& line : shown_wrong) say("%s\n", line.c_str());
+  for (const std::string& line : shown_right) say("%s\n", line.c_str());
+  write_metrics({{"event", "captions"},
+                 {"step", state_.step},
+                 {"count", answered},
+                 {"exact", exact},
+                 {"token_accuracy", result.caption_token_accuracy},
+                 {"examples", examples}});
+  if (Trainer::stop_flag().load()) {
+    result.interrupted = true;
+    Trainer::stop_flag().store(false);
+  }
+}
+
 void TrainingRun::sample(TrainResult& result) {
   TrainSetup& s = *setup_;
   SamplingOptions so;
@@ -628,16 +715,8 @@ void TrainingRun::sample(TrainResult& result) {
   so.top_k = c_.sample.top_k, so.seed = c_.sample.seed;
   const TextCodec& codec = s.data->codec();
   std::vector<int32_t> prompt = codec.encode(c_.sample.prompt.empty() ? std::string("\n") : c_.sample.prompt);
-  // Generation runs on one process: a model split over tp, pp, ep or cp ranks is read back whole from the
-  // checkpoint (onto this rank's device).
   std::unique_ptr<Model> whole;
-  if (s.layout.tp() > 1 || s.layout.pp() > 1 || s.layout.ep() > 1 || s.layout.cp() > 1) {
-    nn::ComputeOptions single;
-    single.gemm_dtype = s.options.gemm_dtype;
-    single.device = s.options.device;
-    whole = load_pretrained_model(checkpoint_dir_, single);
-  }
-  std::vector<int32_t> out = generate(whole ? *whole : *s.model, prompt, so);
+  std::vector<int32_t> out = generate(generation_model(whole), prompt, so);
   result.sample = c_.sample.prompt + codec.decode(out);
   if (Trainer::stop_flag().load()) {  // Ctrl-C while sampling: the run still ends as interrupted (exit 130)
     result.interrupted = true;

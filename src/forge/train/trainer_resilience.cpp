@@ -168,7 +168,7 @@ void TrainingRun::roll_back(const std::string& cause, TrainResult& result) {
                  {"retry", retries_},
                  {"lr_scale", state_.lr_scale_until > restored_step + 1 ? state_.lr_scale : 1.0}});
   interval_start_ = Clock::now();
-  interval_tokens_ = 0;
+  interval_tokens_ = 0, interval_images_ = 0;
 }
 
 // <run_dir>/heartbeat, rewritten after every step on the first rank: `forge launch --heartbeat` restarts a

@@ -82,6 +82,9 @@ class TrainingData {
   // pixels [images, channels, height, width] in order of appearance (`pixels` resized to fit); returns the
   // image count. Text data has none: these fill ids and targets and return 0.
   virtual bool has_images() const { return false; }
+  // The image processor's preprocessor_config.json as read (image-text data; "" for text), which the
+  // checkpoints carry beside the weights.
+  virtual std::string image_processor_json() const { return ""; }
   virtual int64_t train_batch_images(int64_t first_sample, int64_t batch, int32_t* input_ids,
                                      int32_t* targets, std::vector<float>& pixels) const {
     train_batch(first_sample, batch, input_ids, targets);

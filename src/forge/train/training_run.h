@@ -80,6 +80,8 @@ class TrainingRun {
   void plan_length();
   TrainResult finish(TrainResult result);
   void sample(TrainResult& result);
+  void caption(TrainResult& result);  // sample.captions (image-text data)
+  models::Model& generation_model(std::unique_ptr<models::Model>& whole);
   void write_report();  // <run_dir>/report.html (log.report), on the first rank
 
   const TrainConfig& c_;
@@ -98,11 +100,11 @@ class TrainingRun {
   int64_t committed_step_ = -1;
   std::optional<MetricsWriter> metrics_;
   std::vector<NamedFile> checkpoint_files_;
-  double flops_per_token_ = 0, peak_gflops_ = 0;
+  double flops_per_token_ = 0, flops_per_image_ = 0, peak_gflops_ = 0;
   int64_t step_tokens_ = 0, heldout_windows_ = 0;
   bool plan_steps_ = false;
   Clock::time_point train_start_, interval_start_;
-  int64_t interval_tokens_ = 0, first_step_ = 0;
+  int64_t interval_tokens_ = 0, interval_images_ = 0, first_step_ = 0;
   double first_step_seconds_ = 0;
   // log.hardware_profile: the simulator's prediction, and what the run measured to compare with it.
   std::optional<sim::Estimate> prediction_;

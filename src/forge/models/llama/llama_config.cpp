@@ -294,13 +294,15 @@ void LlamaConfig::check_fits_in_memory(bool training, bool bf16_shadow, int64_t 
        static_cast<double>(num_parameters()), size_summary(*this), human_bytes(available_bytes));
 }
 
+double LlamaConfig::matmul_flops_per_token() const {
+  return 2.0 * (static_cast<double>(num_hidden_layers) * static_cast<double>(matmul_parameters_per_layer()) +
+                static_cast<double>(vocab_size) * static_cast<double>(hidden_size));
+}
+
 double LlamaConfig::flops_per_token(int64_t seq_len) const {
-  const double matmul_parameters =
-      static_cast<double>(num_hidden_layers) * static_cast<double>(matmul_parameters_per_layer()) +
-      static_cast<double>(vocab_size) * static_cast<double>(hidden_size);
   const double attention = 12.0 * static_cast<double>(num_hidden_layers) * static_cast<double>(seq_len) *
                            static_cast<double>(q_size());
-  return 6.0 * matmul_parameters + attention;
+  return 3.0 * matmul_flops_per_token() + attention;
 }
 
 }  // namespace forge::models
@@ -309,7 +311,8 @@ namespace forge::models {
 
 ModelShape LlamaConfig::shape() const {
   ModelShape s;
-  s.hidden = hidden_size, s.heads = num_attention_heads, s.kv_heads = num_key_value_heads, s.head_dim = head_dim;
+  s.hidden = hidden_size, s.heads = num_attention_heads, s.kv_heads = num_key_value_heads,
+  s.head_dim = head_dim;
   s.ffn = intermediate_size, s.vocab = vocab_size, s.layers = num_hidden_layers;
   s.max_positions = max_position_embeddings;
   return s;

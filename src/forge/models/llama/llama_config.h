@@ -78,6 +78,8 @@ struct LlamaConfig final : ModelConfig {
   // term (QK^T and PV, 2 FLOPs per multiply-add, x3 for backward) is NOT halved for the causal mask,
   // matching Megatron and PaLM's MFU definition, so MFU is comparable with their published numbers.
   double flops_per_token(int64_t seq_len) const override;
+  // One forward's FLOPs per token in the weight matmuls (layers and loss head): 2 per matmul parameter.
+  double matmul_flops_per_token() const;
 };
 
 }  // namespace forge::models

@@ -200,6 +200,26 @@ double LlavaConfig::projector_forward_flops_per_image() const {
   return projector == ProjectorType::linear ? first : first + 2.0 * rows * h * h;
 }
 
+namespace {
+bool has_part(const std::vector<std::string>& parts, std::string_view part) {
+  return std::find(parts.begin(), parts.end(), part) != parts.end();
+}
+}  // namespace
+
+double LlavaConfig::trained_flops_per_token(int64_t seq_len, const std::vector<std::string>& frozen) const {
+  const double all = text.flops_per_token(seq_len);
+  if (!has_part(frozen, "language")) return all;
+  return all - text.matmul_flops_per_token();  // no weight-gradient GEMMs (a forward's worth)
+}
+
+double LlavaConfig::trained_flops_per_image(const std::vector<std::string>& frozen) const {
+  const bool vision = !has_part(frozen, "vision"), projector = !has_part(frozen, "projector");
+  return (vision ? 3.0 : 1.0) * encoder_forward_flops_per_image() + (projector ? 3.0
+                                                                     : vision  ? 2.0
+                                                                               : 1.0) *
+                                                                        projector_forward_flops_per_image();
+}
+
 void LlavaConfig::check_fits_in_memory(bool training, bool bf16_shadow, int64_t available_bytes,
                                        std::string_view source_name) const {
   const int64_t per_parameter = 4 + (bf16_shadow ? 2 : 0) + (training ? 4 + 8 : 0);

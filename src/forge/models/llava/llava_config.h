@@ -52,8 +52,14 @@ struct LlavaConfig final : ModelConfig {
   const std::string& source() const override { return origin; }
   int64_t num_parameters() const override;
   // The language model's FLOPs per token (Megatron's accounting); the encoder's and projector's per image
-  // are flops_per_image(), which a step adds for its images.
+  // are trained_flops_per_image(), which a step adds for its images.
   double flops_per_token(int64_t seq_len) const override { return text.flops_per_token(seq_len); }
+  // A frozen language model runs its forward and the input gradients (to reach the projector): its weight
+  // matmuls count 4 FLOPs per parameter instead of 6, attention as much as trained.
+  double trained_flops_per_token(int64_t seq_len, const std::vector<std::string>& frozen) const override;
+  // Encoder and projector: 3x the forward for a trained part; a frozen projector 2x under a trained encoder
+  // (its input gradient), else 1x; a frozen encoder 1x.
+  double trained_flops_per_image(const std::vector<std::string>& frozen) const override;
   void check_fits_in_memory(bool training, bool bf16_shadow, int64_t available_bytes,
                             std::string_view source_name) const override;
   std::vector<std::pair<std::string, Shape>> tensor_shapes() const override;
