@@ -114,17 +114,46 @@ TEST_F(TrainerMultimodal, CaptionsHeldOutImagesGreedily) {
 }
 
 // FP8 composes: the language model's Linears run the recipe, the encoder and projector stay in the GEMM
-// dtype.
+// dtype; with fp8.vision the encoder's layers (4 Linears each) and the projector (2) run it too, the patch
+// embedding excepted. Either way the losses stay those of the run without FP8 to within FP8's noise.
 TEST_F(TrainerMultimodal, Fp8LanguageModelTrains) {
+  TrainConfig plain = config("fp8-none");
+  plain.train.steps = 20;
+  const TrainResult reference = Trainer(plain).run();
   for (const char* recipe : {"delayed", "block"}) {
-    TrainConfig c = config(std::string("fp8-") + recipe);
-    c.fp8.recipe = recipe;
-    c.train.steps = 20;
-    const TrainResult r = Trainer(c).run();
-    ASSERT_EQ(r.losses.size(), 20u) << recipe;
-    EXPECT_LT(r.losses.back(), r.losses.front() - 1.0) << recipe;
-    EXPECT_TRUE(std::isfinite(r.heldout_loss)) << recipe;
+    size_t linears[2] = {0, 0};
+    for (const bool vision : {false, true}) {
+      TrainConfig c = config(std::string("fp8-") + recipe + (vision ? "-vision" : ""));
+      c.fp8.recipe = recipe, c.fp8.vision = vision;
+      c.train.steps = 20;
+      const TrainResult r = Trainer(c).run();
+      ASSERT_EQ(r.losses.size(), 20u) << recipe;
+      EXPECT_LT(r.losses.back(), r.losses.front() - 1.0) << recipe;
+      EXPECT_TRUE(std::isfinite(r.heldout_loss)) << recipe;
+      for (size_t i = 0; i < 20; ++i)
+        EXPECT_NEAR(r.losses[i], reference.losses[i], 0.02 * reference.losses[i]) << recipe << " step " << i;
+      EXPECT_NEAR(r.heldout_loss, reference.heldout_loss, 0.02 * reference.heldout_loss) << recipe;
+      linears[vision] = r.fp8_scales.size() / 3;
+    }
+    if (std::string(recipe) == "delayed") {
+      EXPECT_EQ(linears[0], 2u * 4u);  // the language model's 2 layers: qkv, o, gate_up, down
+      EXPECT_EQ(linears[1], linears[0] + 2 * 4 + 2);
+    }
   }
+}
+
+// A run resumed with fp8.vision turned on has FP8 Linears the checkpoint holds no scaling state for: they
+// start from fresh amax histories (said once), the others continue theirs.
+TEST_F(TrainerMultimodal, ResumesWithTheEncoderNewlyInFp8) {
+  TrainConfig c = config("fp8-resume");
+  c.fp8.recipe = "delayed", c.train.steps = 4;
+  Trainer(c).run();
+  c.fp8.vision = true, c.train.steps = 6, c.checkpoint.resume = "auto";
+  testing::internal::CaptureStdout();
+  const TrainResult r = Trainer(c).run();
+  const std::string out = testing::internal::GetCapturedStdout();
+  EXPECT_EQ(r.losses.size(), 2u);
+  EXPECT_NE(out.find("no FP8 scaling state for 10 of this run's FP8 Linears"), std::string::npos) << out;
 }
 
 // LLaVA's first stage: only the projector trains. Every encoder and language-model weight of the final

@@ -43,6 +43,10 @@ struct Fp8Options {
   bool forward_fast_accumulation = true;
   // Models keep their first and last this many transformer layers out of FP8 (their GEMMs in the GEMM dtype).
   int64_t bf16_first_layers = 0, bf16_last_layers = 0;
+  // Multimodal models: the vision encoder's layers and the projector run the recipe too (their patch
+  // embedding, whose K is channels x patch^2, stays in the GEMM dtype); false: the whole encoder and
+  // projector do.
+  bool vision = false;
 };
 
 // Throws forge::Error naming the first bad field.

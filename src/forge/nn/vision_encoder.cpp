@@ -8,9 +8,11 @@
 namespace forge::nn {
 namespace {
 
-// The encoder runs whole on every rank: no tensor parallelism, no context split, GEMMs in the model's dtype.
+// The encoder runs whole on every rank: no tensor parallelism, no context split; FP8 in its layers only with
+// Fp8Options::vision.
 ComputeOptions unsplit(ComputeOptions o) {
-  o.tp = nullptr, o.cp = nullptr, o.ep = nullptr, o.fp8 = nullptr;
+  o.tp = nullptr, o.cp = nullptr, o.ep = nullptr;
+  if (o.fp8 && !o.fp8->options().vision) o.fp8 = nullptr;
   return o;
 }
 
@@ -35,7 +37,10 @@ VisionEncoder::VisionEncoder(ParameterStore* store, VisionEncoderParams params, 
               "vision encoder: hidden {} over {} heads, {} patches of {} values", shape_.hidden, shape_.heads,
               shape_.patches, shape_.patch_dim);
   const VisionEncoderParams& p = params_;
-  patch_ = Linear(store, {p.patch}, shape_.patch_dim, options_);
+  ComputeOptions patch_options =
+      options_;                 // K = channels x patch^2: no FP8 tensor-core shape, and the pixels
+  patch_options.fp8 = nullptr;  // deserve the GEMM dtype
+  patch_ = Linear(store, {p.patch}, shape_.patch_dim, patch_options);
   if (p.patch_bias >= 0) patch_bias_ = Bias(store, {p.patch_bias});
   FORGE_CHECK((p.class_embedding >= 0) == shape_.class_token,
               "vision encoder: class token parameter mismatch");

@@ -297,6 +297,12 @@ const std::vector<KeySpec>& key_specs() {
        "keep the last this many layers out of FP8",
        {}},
       {"fp8",
+       "vision",
+       FORGE_FIELD(fp8.vision),
+       "multimodal models: the vision encoder's layers and the projector run the recipe too (the patch "
+       "embedding stays in the GEMM dtype; false = all of the encoder and projector do)",
+       {}},
+      {"fp8",
        "save_fp8_inputs",
        FORGE_FIELD(fp8.save_fp8_inputs),
        "keep Linear inputs for backward as FP8 (1 byte) rather than in the GEMM dtype",
@@ -1085,6 +1091,7 @@ std::optional<nn::Fp8Options> TrainConfig::fp8_options() const {
   o.recipe.power_of_two_scales = fp8.power_of_two_scales;
   o.bf16_first_layers = fp8.bf16_first_layers;
   o.bf16_last_layers = fp8.bf16_last_layers;
+  o.vision = fp8.vision;
   o.save_fp8_inputs = fp8.save_fp8_inputs;
   o.accumulator_bits = static_cast<int>(fp8.accumulator_bits);
   o.promote_every = fp8.promote_every;

@@ -133,6 +133,7 @@ struct TrainConfig {
     bool power_of_two_scales = true;  // block recipe
     int64_t bf16_first_layers = 0;
     int64_t bf16_last_layers = 0;
+    bool vision = false;  // multimodal: the encoder's layers and the projector run the recipe too
     bool save_fp8_inputs = true;
     int64_t accumulator_bits = 0;  // 0 = exact fp32 accumulation
     int64_t promote_every = 128;

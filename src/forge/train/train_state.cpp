@@ -88,12 +88,14 @@ TrainState::Fp8Format TrainState::fp8_format_of(const std::vector<std::string>& 
   return Fp8Format::none;
 }
 
-void TrainState::stage_fp8(bool export_state, Fp8Format format, std::vector<ShardPiece>* pieces) {
+void TrainState::stage_fp8(bool export_state, Fp8Format format, std::vector<ShardPiece>* pieces,
+                           const std::vector<std::string>* names, std::vector<std::string>* missing) {
   const fp8::DelayedScalingGroup* g = delayed_group(fp8);
   const int64_t len = g->history_len(), n = g->size();
   fp8_history_.assign(static_cast<size_t>(len * n), 0.0f);
   fp8_scales_.assign(static_cast<size_t>(n), 1.0f);
-  if (export_state) g->export_state(fp8_history_, fp8_scales_);
+  // Loading starts from the current state too: what the checkpoint does not hold stays as it is.
+  g->export_state(fp8_history_, fp8_scales_);
   if (!pieces) return;
   if (format == Fp8Format::whole) {
     // Slot s of the arrays is Linear s / 3's role s % 3, in the order this rank registered them: only the
@@ -115,6 +117,10 @@ void TrainState::stage_fp8(bool export_state, Fp8Format format, std::vector<Shar
     for (int64_t role = 0; role < 3; ++role) sc[role] = fp8_scales_[3 * l + role];
     if (skip) continue;
     const std::string& name = fp8->linear_name(static_cast<int>(l));
+    if (names && !std::binary_search(names->begin(), names->end(), "fp8." + name + ".amax_history")) {
+      if (missing) missing->push_back(name);
+      continue;
+    }
     pieces->push_back({"fp8." + name + ".amax_history", {len, 3}, {len, 3}, -1, 0, 0, len * 3, h.data()});
     pieces->push_back({"fp8." + name + ".scales", {3}, {3}, -1, 0, 0, 3, sc.data()});
   }
@@ -144,10 +150,12 @@ std::vector<ShardPiece> TrainState::pieces_to_save(int world_rank) {
 
 void TrainState::finish_save() { optimizer->finish_save(); }
 
-std::vector<ShardPiece> TrainState::pieces_to_load(Fp8Format saved) {
+std::vector<ShardPiece> TrainState::pieces_to_load(Fp8Format saved, const std::vector<std::string>* names,
+                                                   std::vector<std::string>* missing) {
   // Any layout loads any other: each rank fills its shard of the weights and its owned optimizer state.
   std::vector<ShardPiece> pieces = optimizer->checkpoint_pieces_for_load(true);
-  if (delayed_group(fp8) && saved != Fp8Format::none) stage_fp8(/*export_state=*/false, saved, &pieces);
+  if (delayed_group(fp8) && saved != Fp8Format::none)
+    stage_fp8(/*export_state=*/false, saved, &pieces, names, missing);
   return pieces;
 }
 

@@ -82,7 +82,10 @@ struct TrainState {
   enum class Fp8Format { none, by_linear, whole };  // whole: the single-array format of older checkpoints
   std::vector<char> fp8_saves;
   std::vector<ShardPiece> pieces_to_save(int world_rank);
-  std::vector<ShardPiece> pieces_to_load(Fp8Format saved);
+  // `names`: the checkpoint's tensors (sorted), when given: a Linear whose FP8 state it lacks (one added
+  // since, e.g. by fp8.vision) keeps its fresh state and is named in `missing`.
+  std::vector<ShardPiece> pieces_to_load(Fp8Format saved, const std::vector<std::string>* names = nullptr,
+                                         std::vector<std::string>* missing = nullptr);
   void finish_load(Fp8Format saved);
   void finish_save();
   // What a checkpoint holds of the delayed-scaling state, from its tensor names (sorted).
@@ -93,7 +96,9 @@ struct TrainState {
   std::vector<std::vector<float>> fp8_linear_history_, fp8_linear_scales_;  // per Linear, by_linear
   // Sizes the staging of the delayed-scaling state (filled from it with export_state) and appends its
   // checkpoint pieces in `format` to `pieces` when given.
-  void stage_fp8(bool export_state, Fp8Format format, std::vector<ShardPiece>* pieces);
+  void stage_fp8(bool export_state, Fp8Format format, std::vector<ShardPiece>* pieces,
+                 const std::vector<std::string>* names = nullptr,
+                 std::vector<std::string>* missing = nullptr);
 };
 
 }  // namespace forge::train

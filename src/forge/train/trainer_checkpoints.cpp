@@ -102,7 +102,13 @@ CheckpointState TrainingRun::load_state(const fs::path& from) {
   } else if (delayed && fp8_saved == TrainState::Fp8Format::none) {
     say("the checkpoint holds no FP8 scaling state: delayed scaling starts from fresh amax histories\n");
   }
-  std::vector<ShardPiece> pieces = state_.pieces_to_load(fp8_saved);
+  std::vector<std::string> fp8_missing;
+  std::vector<ShardPiece> pieces = state_.pieces_to_load(fp8_saved, &names, &fp8_missing);
+  if (!fp8_missing.empty())
+    say("the checkpoint holds no FP8 scaling state for %zu of this run's FP8 Linears (%s%s; fp8.vision or "
+        "the "
+        "bf16 layers changed?): their delayed scaling starts from fresh amax histories\n",
+        fp8_missing.size(), fp8_missing[0].c_str(), fp8_missing.size() > 1 ? ", ..." : "");
   saved = load_sharded_checkpoint(from.string(), world_, pieces);
   state_.finish_load(fp8_saved);
   setup_->optimizer->set_steps_taken(saved.optimizer_steps >= 0 ? saved.optimizer_steps : saved.step);

@@ -12,9 +12,11 @@
 namespace forge::models {
 namespace {
 
-// The encoder and projector run whole on every rank, in the model's GEMM dtype (no tensor split, no FP8).
+// The encoder and projector run whole on every rank (no tensor split), in the model's GEMM dtype unless
+// Fp8Options::vision puts them under the FP8 recipe.
 nn::ComputeOptions unsplit(nn::ComputeOptions o) {
-  o.tp = nullptr, o.cp = nullptr, o.ep = nullptr, o.fp8 = nullptr;
+  o.tp = nullptr, o.cp = nullptr, o.ep = nullptr;
+  if (o.fp8 && !o.fp8->options().vision) o.fp8 = nullptr;
   return o;
 }
 
@@ -55,19 +57,23 @@ LlavaModel::LlavaModel(const LlavaConfig& config, nn::ComputeOptions options, fl
                                            "language_model.");
   if (is_frozen("language"))
     for (int id = first_language; id < params_.count(); ++id) params_.freeze(id);
+  // The encoder's and projector's modules before the FP8 state is sealed (they may hold FP8 Linears).
+  if (stage.pre_process) build_vision_modules();
   if (!into) {
     params_.allocate(options.gemm_dtype == DType::bf16, with_grads, options.device);
     if (options.fp8) options.fp8->seal();
   }
-  if (!stage.pre_process) return;
+}
+
+void LlavaModel::build_vision_modules() {
   const VisionConfig& v = config_.vision;
   nn::VisionEncoderShape shape;
   shape.hidden = v.hidden_size, shape.heads = v.num_attention_heads, shape.ffn = v.intermediate_size;
   shape.patch_dim = v.patch_dim(), shape.patches = v.num_patches();
   shape.class_token = v.has_class_token(), shape.pre_norm = v.kind == VisionKind::clip;
   shape.eps = static_cast<float>(v.layer_norm_eps), shape.act = v.hidden_act;
-  const nn::ComputeOptions whole = unsplit(options);
-  encoder_ = nn::VisionEncoder(&params_, vision_ids_, shape, whole);
+  const nn::ComputeOptions whole = unsplit(options_);
+  encoder_ = nn::VisionEncoder(&params_, vision_ids_, shape, options_);
   projector_.first = nn::Linear(&params_, {proj_first_}, config_.projector_input(), whole);
   if (proj_first_bias_ >= 0) projector_.first_bias = nn::Bias(&params_, {proj_first_bias_});
   if (proj_second_ >= 0) {

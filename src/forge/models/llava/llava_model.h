@@ -64,6 +64,7 @@ class LlavaModel final : public Model {
     nn::Bias first_bias, second_bias;
   };
   void register_vision(float init_std);
+  void build_vision_modules();  // encoder and projector over the registered parameters
   // Encoder and projector forward: the features that replace the image tokens' embeddings.
   Tensor vision_forward(const MicroBatch& mb, Activations* acts);
   // Their backward from the features' gradient (B and W together).
