@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <vector>
 
 #include "forge/comm/comm.h"
 #include "forge/train/trainer.h"
@@ -77,6 +78,55 @@ INSTANTIATE_TEST_SUITE_P(Layouts, MultimodalLayouts,
                                          Layout{.dp = 2}, Layout{.dp = 2, .zero = true}, Layout{.pp = 2},
                                          Layout{.tp = 2, .dp = 2, .sequence_parallel = true, .zero = true},
                                          Layout{.tp = 2, .pp = 2}),
+                         [](const testing::TestParamInfo<Layout>& info) {
+                           const Layout& l = info.param;
+                           return "tp" + std::to_string(l.tp) + "_dp" + std::to_string(l.dp) + "_pp" +
+                                  std::to_string(l.pp) + (l.sequence_parallel ? "_sp" : "") +
+                                  (l.zero ? "_zero1" : "");
+                         });
+
+// FP8 in the encoder and projector too (fp8.vision, delayed scaling, bf16 GEMMs): the layouts follow the
+// one-rank FP8 run within toy_run.h's FP8 tolerances (an element that crosses an E4M3 rounding boundary under
+// another summation order moves by a whole FP8 step), and every rank holds the same delayed scales, the
+// replicated encoder's included.
+class MultimodalFp8Layouts : public MultimodalLayouts {};
+
+TEST_P(MultimodalFp8Layouts, FollowTheOneRankFp8Run) {
+  comm::Communicator& world = comm::world();
+  const Layout l = GetParam();
+  if (l.tp * l.dp * l.pp != world.size()) GTEST_SKIP() << "needs " << l.tp * l.dp * l.pp << " ranks";
+  auto fp8_config = [&](const std::string& run) {
+    TrainConfig c = config(run);
+    c.train.dtype = "bf16";
+    c.fp8.recipe = "delayed", c.fp8.vision = true, c.fp8.amax_history_len = 8;
+    return c;
+  };
+  TrainConfig ref = fp8_config("reference-fp8-" + std::to_string(world.rank()));
+  ref.train.grad_accum = 2 * l.dp;
+  auto self = comm::make_self();
+  const TrainResult want = Trainer(ref, self.get()).run();
+
+  TrainConfig par = fp8_config("parallel-fp8");
+  par.parallel.tp = l.tp, par.parallel.dp = l.dp, par.parallel.pp = l.pp;
+  par.parallel.sequence_parallel = l.sequence_parallel;
+  par.parallel.distributed_optimizer = l.zero;
+  const TrainResult got = Trainer(par, &world).run();
+  toy::expect_follows_fp8_run(got.losses, got.heldout_loss, want.losses, want.heldout_loss);
+  if (l.pp > 1) return;  // each stage holds its own Linears' scales
+  ASSERT_EQ(got.fp8_scales.size(), want.fp8_scales.size());
+  ASSERT_EQ(got.fp8_scales.size(), (2u * 4 + 2 * 4 + 2) * 3);  // language, encoder, projector Linears
+  std::vector<float> all(got.fp8_scales.size() * static_cast<size_t>(world.size()));
+  world
+      .all_gather(got.fp8_scales.data(), all.data(), static_cast<int64_t>(got.fp8_scales.size()),
+                  comm::Type::f32)
+      .wait();
+  for (size_t i = 0; i < all.size(); ++i) ASSERT_EQ(all[i], got.fp8_scales[i % got.fp8_scales.size()]) << i;
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, MultimodalFp8Layouts,
+                         testing::Values(Layout{.tp = 2, .sequence_parallel = true},
+                                         Layout{.dp = 2, .zero = true}, Layout{.pp = 2},
+                                         Layout{.tp = 2, .dp = 2, .sequence_parallel = true, .zero = true}),
                          [](const testing::TestParamInfo<Layout>& info) {
                            const Layout& l = info.param;
                            return "tp" + std::to_string(l.tp) + "_dp" + std::to_string(l.dp) + "_pp" +
