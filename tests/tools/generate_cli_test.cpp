@@ -20,13 +20,13 @@
 #include "forge/core/device.h"
 #include "forge/data/image.h"
 #include "forge/data/image_processor.h"
-#include "forge/data/synthetic_images.h"
 #include "forge/data/tokenizer.h"
 #include "forge/data/tokenizer_text.h"
 #include "forge/models/llama/llama_model.h"
 #include "forge/models/pretrained.h"
 #include "forge/models/sampling.h"
 #include "tools/cli_harness.h"
+#include "train/toy_run.h"
 
 namespace forge {
 using namespace forge::models;
@@ -133,20 +133,10 @@ TEST_F(GenerateCli, GreedyTextEqualsTheLibrarysAndReportsSpeeds) {
 // equals the library's generation from the image preprocessed by that config; without the file, or with an
 // image that does not decode, one line names what is missing.
 TEST_F(GenerateCli, CaptionsAnImageWithTheCheckpointsImageProcessor) {
-  SynthImagesOptions images;
-  images.out = dir_ / "shapes", images.count = 2, images.size = 16, images.seed = 5, images.workers = 1;
-  write_synth_images(images);
-  const nlohmann::json config = nlohmann::json::parse(R"({
-    "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "image_token_index": 256,
-    "vision_feature_layer": -1, "vision_feature_select_strategy": "full",
-    "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
-                      "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 16, "patch_size": 8,
-                      "vision_use_head": false},
-    "text_config": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                    "num_attention_heads": 2, "vocab_size": 260, "max_position_embeddings": 64}})");
+  toy::write_llava_toy_inputs(dir_);  // dir_/shapes (16x16 images, 2x2 patches) and dir_/llava.json
+  const nlohmann::json config = nlohmann::json::parse(std::ifstream(dir_ / "llava.json"));
   const fs::path llava = dir_ / "llava";
   {
-    std::ofstream(dir_ / "llava.json") << config.dump();
     auto built = build_model(*read_model_config((dir_ / "llava.json").string()),
                              {DType::f32, nn::Recompute::none}, StageSpec::whole(), 0.5f);
     built->initialize(23);

@@ -42,6 +42,13 @@ class MultimodalLayouts : public testing::TestWithParam<Layout> {
     c.parallel.timeout_s = 60;
     return c;
   }
+  // The layout's parallel settings on `c`.
+  static TrainConfig laid_out(TrainConfig c, const Layout& l) {
+    c.parallel.tp = l.tp, c.parallel.dp = l.dp, c.parallel.pp = l.pp;
+    c.parallel.sequence_parallel = l.sequence_parallel;
+    c.parallel.distributed_optimizer = l.zero;
+    return c;
+  }
   fs::path dir_;
 };
 
@@ -54,10 +61,7 @@ TEST_P(MultimodalLayouts, ReproduceTheOneRankRun) {
   auto self = comm::make_self();
   const TrainResult want = Trainer(ref, self.get()).run();
 
-  TrainConfig par = config("parallel");
-  par.parallel.tp = l.tp, par.parallel.dp = l.dp, par.parallel.pp = l.pp;
-  par.parallel.sequence_parallel = l.sequence_parallel;
-  par.parallel.distributed_optimizer = l.zero;
+  const TrainConfig par = laid_out(config("parallel"), l);
   const TrainResult got = Trainer(par, &world).run();
 
   ASSERT_EQ(got.losses.size(), want.losses.size());
@@ -106,10 +110,7 @@ TEST_P(MultimodalFp8Layouts, FollowTheOneRankFp8Run) {
   auto self = comm::make_self();
   const TrainResult want = Trainer(ref, self.get()).run();
 
-  TrainConfig par = fp8_config("parallel-fp8");
-  par.parallel.tp = l.tp, par.parallel.dp = l.dp, par.parallel.pp = l.pp;
-  par.parallel.sequence_parallel = l.sequence_parallel;
-  par.parallel.distributed_optimizer = l.zero;
+  const TrainConfig par = laid_out(fp8_config("parallel-fp8"), l);
   const TrainResult got = Trainer(par, &world).run();
   toy::expect_follows_fp8_run(got.losses, got.heldout_loss, want.losses, want.heldout_loss);
   if (l.pp > 1) return;  // each stage holds its own Linears' scales
