@@ -27,11 +27,12 @@ build: configure
 run: build
 	$(BUILD)/bin/forge train --config configs/default.toml --set checkpoint.overwrite=true $(RUN_ARGS)
 
-# The tiny multimodal job: forge renders 6000 captioned 32x32 images of shapes (once), then a LLaVA learns to
+# The tiny multimodal job: forge renders 6000 captioned 32x32 images of shapes (once, and again when the
+# generator version in data/shapes/synth.json is not the current one), then a LLaVA learns to
 # caption them (about 2 minutes), then reports its held-out caption loss and how many of the 600 held-out
 # images it captions exactly right (configs/llava-tiny.toml; docs/multimodal.md).
 run-multimodal: build
-	@test -f data/shapes/train.jsonl || $(BUILD)/bin/forge data synth-images --out data/shapes --count 6000 --size 32
+	@grep -qs '"version": 2' data/shapes/synth.json || $(BUILD)/bin/forge data synth-images --out data/shapes --count 6000 --size 32
 	$(BUILD)/bin/forge train --config configs/llava-tiny.toml --set checkpoint.overwrite=true $(RUN_ARGS)
 
 test: build

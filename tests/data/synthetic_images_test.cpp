@@ -144,6 +144,10 @@ TEST(SyntheticImages, SameSeedSameBytesWhateverTheThreads) {
     EXPECT_EQ(read_file(a / name, "a"), read_file(b / name, "b")) << name;
   }
   EXPECT_NE(read_file(a / "train.jsonl", "a"), read_file(c / "train.jsonl", "c"));
+  const auto made = nlohmann::json::parse(read_file(a / "synth.json", "a"));
+  EXPECT_EQ(made["version"], kSynthImagesVersion);
+  EXPECT_EQ(made["count"], 24);
+  EXPECT_EQ(made["seed"], 3);
   EXPECT_NE(read_file(a / "images/000005.png", "a"), read_file(c / "images/000005.png", "c"));
 
   // The set is self-contained: its preprocessor config and JSONL load as image-text data.

@@ -236,6 +236,14 @@ SynthImagesStats write_synth_images(const SynthImagesOptions& o) {
                                          {"image_mean", {0.5, 0.5, 0.5}},
                                          {"image_std", {0.5, 0.5, 0.5}}};
   write_file_atomically(o.out / "preprocessor_config.json", config.dump(2) + "\n", "preprocessor config");
+  // What made the set, so that a tool (make run-multimodal) can tell a set of an older generator.
+  const nlohmann::ordered_json made = {{"generator", "forge data synth-images"},
+                                       {"version", kSynthImagesVersion},
+                                       {"count", o.count},
+                                       {"size", o.size},
+                                       {"seed", o.seed},
+                                       {"heldout", o.heldout}};
+  write_file_atomically(o.out / "synth.json", made.dump(2) + "\n", "synthetic set description");
   write_file_atomically(o.out / "heldout.jsonl", heldout_text, "held-out JSONL");
   write_file_atomically(o.out / "train.jsonl", train_text, "training JSONL");
 

@@ -55,6 +55,10 @@ std::array<double, 3> synth_object_box(const SynthObject& object, int64_t size);
 std::string_view synth_shape_name(SynthShape shape);
 std::string_view synth_position_phrase(SynthPosition position);  // "on the left", "in the centre", ...
 
+// Bumped when the same options would make other images or captions (2: captions in reading order); the
+// Makefile's run-multimodal checks it.
+constexpr int kSynthImagesVersion = 2;
+
 struct SynthImagesOptions {
   std::filesystem::path out;
   int64_t count = 0;
@@ -70,8 +74,9 @@ struct SynthImagesStats {
 };
 
 // Writes out/images/NNNNNN.png, out/train.jsonl and out/heldout.jsonl (caption form, one
-// {"id", "image", "caption"} line per image) and out/preprocessor_config.json (SiglipImageProcessor,
-// size x size, mean and std 0.5), each file atomically.
+// {"id", "image", "caption"} line per image), out/preprocessor_config.json (SiglipImageProcessor,
+// size x size, mean and std 0.5) and out/synth.json (the generator's version and the options), each file
+// atomically.
 SynthImagesStats write_synth_images(const SynthImagesOptions& options);
 
 }  // namespace forge::data
