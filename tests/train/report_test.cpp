@@ -119,6 +119,27 @@ TEST_F(ReportTest, PageDataEqualsTheMetrics) {
   EXPECT_NE(html.find(fmt::format("{:.4f}", losses.back())), std::string::npos);  // the summary table
 }
 
+// sample.captions' record: its own section (the rate, each example with the differing bytes marked), a short
+// events line without the examples, and the record in the page data.
+TEST_F(ReportTest, HeldOutCaptionsGetTheirSection) {
+  write("metrics.jsonl",
+        R"({"step":1,"loss":2.0,"tokens":96})"
+        "\n"
+        R"({"event":"captions","step":1,"count":600,"exact":460,"token_accuracy":0.895,"examples":[)"
+        R"({"index":8,"answer":"a large black circle","reference":"a large black square"},)"
+        R"({"index":0,"answer":"a <purple> triangle","reference":"a <purple> triangle"}]})"
+        "\n");
+  const RunData run = read_run(dir_);
+  ASSERT_TRUE(run.captions.has_value());
+  ASSERT_EQ(run.events.size(), 1u);
+  EXPECT_EQ(run.events[0].text, "count 600, exact 460, token_accuracy 0.895");
+  const std::string html = render_html({run});
+  EXPECT_NE(html.find("460 of 600 exactly right (76.7%), 89.5% of their tokens"), std::string::npos);
+  EXPECT_NE(html.find("a large black <mark>circl</mark>e"), std::string::npos);  // byte by byte
+  EXPECT_NE(html.find("a &lt;purple&gt; triangle"), std::string::npos);  // escaped
+  EXPECT_EQ(page_data(html)["runs"][0]["captions"]["exact"], 460);
+}
+
 TEST_F(ReportTest, MalformedLinesAreSkippedAndNamed) {
   write("metrics.jsonl",
         "{\"step\":1,\"loss\":7.5,\"lr\":0.001}\n"

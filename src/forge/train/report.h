@@ -1,8 +1,8 @@
 // `forge report`: a training run (or several, overlaid) as one self-contained HTML page — loss, learning
 // rate, gradient norm, throughput, MFU and memory curves, FP8 scales, MoE balance, rollbacks and
-// checkpoints, the op profile, the pipeline timeline and the expert-load heat maps — drawn as inline SVG
-// with no network access and no script framework (a few lines of plain script add hover values; the page
-// reads the same without them; docs/report.md).
+// checkpoints, held-out captions, the op profile, the pipeline timeline and the expert-load heat maps — drawn
+// as inline SVG with no network access and no script framework (a few lines of plain script add hover values;
+// the page reads the same without them; docs/report.md).
 //
 // Reading is forgiving: a run directory's metrics.jsonl may end in a half-written line (a killed run) or
 // hold values that are not numbers; what is valid is drawn and what was skipped is listed on the page.
@@ -52,6 +52,7 @@ struct RunData {
   // (log.expert_load_every): the layers x experts heat map. load_step = -1: none.
   int64_t load_step = -1;
   std::vector<std::vector<double>> load;         // [moe_layers][experts]
+  std::optional<nlohmann::json> captions;        // the last "captions" record (sample.captions)
   std::optional<nlohmann::json> profile;         // <dir>/profile.json (log.profile_step)
   std::optional<nlohmann::json> pipeline_trace;  // <dir>/pipeline_trace.json (with pp > 1)
   std::map<std::string, std::string> settings;   // <dir>/config.toml flattened: "train.lr" -> "0.003"

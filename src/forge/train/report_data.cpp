@@ -72,8 +72,9 @@ class Reader {
     e.step = step;
     e.kind = record["event"].is_string() ? record["event"].get<std::string>() : shown(record["event"]);
     std::string text;
+    if (e.kind == "captions") run_.captions = record;  // its examples go to their own section
     for (const auto& [key, value] : record.items()) {
-      if (key == "event" || key == "step") continue;
+      if (key == "event" || key == "step" || (e.kind == "captions" && key == "examples")) continue;
       text += fmt::format("{}{} {}", text.empty() ? "" : ", ", key,
                           value.is_string() ? value.get<std::string>() : shown(value));
     }

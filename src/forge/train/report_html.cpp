@@ -665,6 +665,57 @@ std::string events_section(const std::vector<RunData>& runs) {
          rows + "</tbody></table>\n";
 }
 
+// sample.captions: how many held-out answers were exactly right, and the recorded examples with the
+// characters that differ from the reference marked.
+std::string captions_section(const std::vector<RunData>& runs) {
+  std::string out;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    if (!runs[i].captions) continue;
+    const nlohmann::json& c = *runs[i].captions;
+    const auto number = [&](const char* key) {
+      return c.contains(key) && c[key].is_number() ? c[key].get<double>() : 0.0;
+    };
+    const double count = number("count"), exact = number("exact");
+    out += fmt::format(
+        "<h3><span class=\"swatch\" style=\"background:{}\"></span>{}: {:.0f} of {:.0f} exactly right "
+        "({:.1f}%), "
+        "{:.1f}% of their tokens</h3>\n",
+        run_color(i), esc(runs[i].label), exact, count, count > 0 ? 100 * exact / count : 0.0,
+        100 * number("token_accuracy"));
+    std::string rows;
+    if (c.contains("examples") && c["examples"].is_array())
+      for (const nlohmann::json& e : c["examples"]) {
+        if (!e.is_object() || !e.contains("answer") || !e.contains("reference") || !e["answer"].is_string() ||
+            !e["reference"].is_string())
+          continue;
+        const std::string answer = e["answer"], reference = e["reference"];
+        std::string marked;
+        for (size_t k = 0; k < answer.size();) {  // runs of equal and of differing bytes
+          const bool same = k < reference.size() && answer[k] == reference[k];
+          size_t end = k;
+          while (end < answer.size() && (end < reference.size() && answer[end] == reference[end]) == same)
+            ++end;
+          marked +=
+              same ? esc(answer.substr(k, end - k)) : "<mark>" + esc(answer.substr(k, end - k)) + "</mark>";
+          k = end;
+        }
+        rows += fmt::format("<tr><td>{}</td><td class=\"l\">{}</td><td class=\"l\">{}</td><td>{}</td></tr>\n",
+                            e.contains("index") ? esc(e["index"].dump()) : "", marked, esc(reference),
+                            answer == reference ? "&#10003;" : "");
+      }
+    if (!rows.empty())
+      out +=
+          "<table "
+          "class=\"captions\"><thead><tr><th>held-out</th><th>answer</th><th>reference</th><th>right</th>"
+          "</tr></thead><tbody>\n" +
+          rows + "</tbody></table>\n";
+  }
+  if (out.empty()) return {};
+  return "<h2 id=\"captions\">Held-out captions</h2>\n<p class=\"note\">Answered greedily after training "
+         "(sample.captions); the answer's bytes that differ from the reference are marked.</p>\n" +
+         out;
+}
+
 std::string profile_section(const std::vector<RunData>& runs, const Options& o, nlohmann::json& data) {
   std::string out;
   for (size_t i = 0; i < runs.size(); ++i) {
@@ -924,6 +975,7 @@ ul.skipped{font-size:12px;color:#7a4b00}.timeline svg{max-width:100%;height:auto
 .f-tip{position:absolute;display:none;background:#fff;border:1px solid #c9ced4;border-radius:4px;padding:5px 8px;
 font-size:12px;box-shadow:0 2px 6px rgba(0,0,0,.12);pointer-events:none;white-space:nowrap}.f-dim{color:#777}
 svg .f-rule{stroke:#888;stroke-width:1;stroke-dasharray:2 2}
+table.captions td.l{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px}mark{background:#fdd;color:#b2182b}
 )";
 
 }  // namespace
@@ -963,6 +1015,7 @@ std::string render_html(const std::vector<RunData>& runs, const Options& o) {
     run["events"] = std::move(events);
     if (r.load_step >= 0)
       run["expert_load"] = {{"step", r.load_step}, {"layers", r.moe_layers}, {"load", r.load}};
+    if (r.captions) run["captions"] = *r.captions;
     data.push_back(std::move(run));
   }
   const std::string summary = summary_table(runs, data);
@@ -986,6 +1039,7 @@ std::string render_html(const std::vector<RunData>& runs, const Options& o) {
   html += "<h2 id=\"summary\">Summary</h2>\n" + summary + (runs.size() > 1 ? settings_table(runs) : "");
   html += "<h2 id=\"curves\">Curves</h2>\n" + curves(runs, o);
   html += events_section(runs);
+  html += captions_section(runs);
   html += profile_section(runs, o, data);
   html += pipeline_section(runs);
   html += experts_section(runs);

@@ -645,6 +645,16 @@ Model& TrainingRun::generation_model(std::unique_ptr<Model>& whole) {
   return *whole;
 }
 
+namespace {
+// Up to `most` examples, the misses first.
+nlohmann::json examples_of(const nlohmann::json& wrong, const nlohmann::json& right, size_t most) {
+  nlohmann::json all = wrong;
+  for (const nlohmann::json& e : right)
+    if (all.size() < most) all.push_back(e);
+  return all;
+}
+}  // namespace
+
 void TrainingRun::caption(TrainResult& result) {
   TrainSetup& s = *setup_;
   const TrainingData& data = *s.data;
@@ -659,7 +669,8 @@ void TrainingRun::caption(TrainResult& result) {
   int64_t exact = 0, matched = 0, total = 0, answered = 0;
   constexpr int64_t kShown = 4;  // examples printed (the misses first)
   std::vector<std::string> shown_right, shown_wrong;
-  nlohmann::json examples = nlohmann::json::array();
+  constexpr size_t kRecorded = 16;  // examples in metrics.jsonl (the report's table): the misses first
+  nlohmann::json recorded_wrong = nlohmann::json::array(), recorded_right = nlohmann::json::array();
   const auto start = Clock::now();
   for (int64_t i = 0; i < n && !Trainer::stop_flag().load(); ++i) {
     const int64_t images = data.heldout_batch_images(i, 1, ids.data(), targets.data(), pixels);
@@ -681,7 +692,8 @@ void TrainingRun::caption(TrainResult& result) {
     if (static_cast<int64_t>(bucket.size()) < kShown)
       bucket.push_back(right ? fmt::format("  held-out {}: \"{}\"", i, got)
                              : fmt::format("  held-out {}: \"{}\"\n      reference \"{}\"", i, got, want));
-    if (examples.size() < 16) examples.push_back({{"index", i}, {"answer", got}, {"reference", want}});
+    nlohmann::json& recorded = right ? recorded_right : recorded_wrong;
+    if (recorded.size() < kRecorded) recorded.push_back({{"index", i}, {"answer", got}, {"reference", want}});
   }
   if (answered == 0) {
     say("captions: none of the %lld held-out samples has an answer to compare\n", static_cast<long long>(n));
@@ -701,7 +713,7 @@ void TrainingRun::caption(TrainResult& result) {
                  {"count", answered},
                  {"exact", exact},
                  {"token_accuracy", result.caption_token_accuracy},
-                 {"examples", examples}});
+                 {"examples", examples_of(recorded_wrong, recorded_right, kRecorded)}});
   if (Trainer::stop_flag().load()) {
     result.interrupted = true;
     Trainer::stop_flag().store(false);
