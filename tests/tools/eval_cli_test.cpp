@@ -18,13 +18,19 @@
 #include <vector>
 
 #include "forge/ckpt/checkpoint.h"
-#include "forge/models/pretrained.h"
+#include "forge/data/image_processor.h"
+#include "forge/data/image_text.h"
 #include "forge/data/indexed_dataset.h"
+#include "forge/models/captions.h"
 #include "forge/models/llama/llama_model.h"
+#include "forge/models/pretrained.h"
 #include "tools/cli_harness.h"
+#include "train/toy_run.h"
 
 namespace forge {
-using namespace forge::models; using namespace forge::data; using namespace forge::ckpt;
+using namespace forge::models;
+using namespace forge::data;
+using namespace forge::ckpt;
 namespace {
 namespace fs = std::filesystem;
 using testing::cli::expect_one_line_error;
@@ -180,6 +186,66 @@ TEST_F(EvalCli, NonFiniteLossIsAnError) {
   }
   save_checkpoint((dir_ / "huge").string(), params, nullptr, {0, config_json_, {}});
   expect_one_line_error(base_args("huge") + " --seq-len 8 --json", "is not finite");
+}
+
+// --images on a multimodal checkpoint: the answer loss equals the library's forward over the same samples,
+// in any batching; --captions equals CaptionScore over the same samples (itself checked against greedy
+// decoding written out in trainer_multimodal_test); misuse gets one line.
+TEST_F(EvalCli, ImageTextAnswersAndCaptions) {
+  toy::write_llava_toy_inputs(dir_);  // dir_/shapes: 24 held-out 16x16 images; dir_/llava.json
+  const nlohmann::json config = nlohmann::json::parse(std::ifstream(dir_ / "llava.json"));
+  auto llava = build_model(*read_model_config((dir_ / "llava.json").string()),
+                           {DType::f32, nn::Recompute::none}, StageSpec::whole(), 0.5f);
+  llava->initialize(29);
+  save_checkpoint((dir_ / "llava").string(), llava->params(), nullptr, {0, config, {}});
+  const fs::path heldout = dir_ / "shapes" / "heldout.jsonl";
+  const std::string args = "eval --model " + (dir_ / "llava").string() + " --images " + heldout.string() +
+                           " --tokenizer bytes --seq-len 88 --json";
+  const Outcome o = run_forge(args + " --batch-size 5 --captions 4");
+  ASSERT_EQ(o.status, 0) << o.output;
+  const nlohmann::json result = last_json_line(o.output);
+
+  const ImageProcessor processor(
+      ImageProcessorConfig::from_json_file(dir_ / "shapes" / "preprocessor_config.json"));
+  ImageTextOptions options;
+  options.seq_len = 88, options.image_token_id = 256, options.tokens_per_image = 4;
+  const ImageTextDataset data =
+      ImageTextDataset::from_jsonl(heldout, TextEncoder::bytes(), processor, options);
+  ASSERT_EQ(data.num_samples(), 24);
+  std::vector<int64_t> all(24);
+  for (int64_t i = 0; i < 24; ++i) all[static_cast<size_t>(i)] = i;
+  const ImageTextDataset::Batch batch = data.batch(all);
+  const MicroBatch mb{batch.ids.i32(), batch.targets.i32(), 24, 88, 0.0f, batch.pixels.f32(), 24};
+  const LossSum want = llava->forward(mb, Tensor(), nullptr).loss;
+  EXPECT_EQ(result["samples"].get<int64_t>(), 24);
+  EXPECT_EQ(result["tokens"].get<int64_t>(), want.tokens);
+  EXPECT_NEAR(result["loss"].get<double>(), want.mean(), 1e-5 * want.mean());
+  CaptionScore score;
+  for (int64_t i = 0; i < 4; ++i) {
+    const std::vector<int64_t> one = {i};
+    const ImageTextDataset::Batch b = data.batch(one);
+    score.add(*llava, i, b.ids.i32(), b.targets.i32(), 88, b.pixels.f32(), 1);
+  }
+  EXPECT_EQ(result["captions"]["count"].get<int64_t>(), 4);
+  EXPECT_EQ(result["captions"]["exact"].get<int64_t>(), score.exact());
+  EXPECT_DOUBLE_EQ(result["captions"]["token_accuracy"].get<double>(), score.token_accuracy());
+  EXPECT_NE(o.output.find("captions (greedy, 4 samples"), std::string::npos) << o.output;
+  // Batching does not change the loss.
+  const Outcome one = run_forge(args + " --batch-size 1");
+  ASSERT_EQ(one.status, 0) << one.output;
+  EXPECT_NEAR(last_json_line(one.output)["loss"].get<double>(), result["loss"].get<double>(), 1e-6);
+
+  expect_one_line_error(args + " --data " + (dir_ / "eval").string(), "not both");
+  expect_one_line_error(base_args("ckpt") + " --seq-len 8 --captions 2", "--captions needs image-text data");
+  expect_one_line_error(
+      "eval --model " + (dir_ / "ckpt").string() + " --images " + heldout.string() + " --seq-len 8",
+      "needs a multimodal model");
+  expect_one_line_error("eval --model " + (dir_ / "llava").string() + " --images " +
+                            (dir_ / "none.jsonl").string() + " --seq-len 88",
+                        "none.jsonl");
+  expect_one_line_error("eval --model " + (dir_ / "llava").string() + " --images " + heldout.string() +
+                            " --seq-len 88",
+                        "has no tokenizer.json");
 }
 
 TEST_F(EvalCli, BadArguments) {

@@ -1,6 +1,8 @@
 // forge eval: mean next-token loss and perplexity of a pretrained model (a Hugging Face folder or a forge
-// checkpoint) on a Megatron indexed dataset.
+// checkpoint) on a Megatron indexed dataset; or, for a multimodal model, the answer loss on image-text data
+// (--images) and how many of its answers the model gives exactly right (--captions).
 //
+// Text:
 // The dataset's documents are read in order as one token stream of N tokens. Sequence k holds inputs
 // stream[k*T, k*T + T) and targets stream[k*T + 1, k*T + T], so consecutive sequences overlap by one
 // token and every token after the first is predicted exactly once. The last sequence may be partial
@@ -11,37 +13,186 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "commands.h"
-#include "forge/models/pretrained.h"
 #include "forge/core/dtype.h"
 #include "forge/core/error.h"
 #include "forge/data/gpt_dataset.h"
+#include "forge/data/image_processor.h"
+#include "forge/data/image_text.h"
 #include "forge/data/indexed_dataset.h"
+#include "forge/data/tokenizer.h"
+#include "forge/data/tokenizer_text.h"
+#include "forge/models/captions.h"
+#include "forge/models/llava/llava_config.h"
+#include "forge/models/pretrained.h"
 
 namespace forge::cli {
-using namespace forge::models; using namespace forge::data;
+using namespace forge::models;
+using namespace forge::data;
 namespace {
 
+namespace fs = std::filesystem;
+
 struct EvalOptions {
-  std::string model, data, dtype = "fp32";
-  int64_t seq_len = 0, batch_size = 8, max_sequences = 0;
+  std::string model, data, dtype = "fp32", images, image_processor, tokenizer;
+  int64_t seq_len = 0, batch_size = 8, max_sequences = 0, captions = 0;
   bool json = false;
 };
 
+// --images: the answer loss over the samples of a JSONL (captions or conversations) or packed image-text
+// file, and with --captions N the first N samples answered greedily.
+int run_image_eval(const EvalOptions& o, DType dtype) {
+  const auto start = std::chrono::steady_clock::now();
+  std::unique_ptr<Model> model = load_pretrained_model(o.model, {dtype, nn::Recompute::none});
+  const auto* llava = dynamic_cast<const LlavaConfig*>(&model->config());
+  if (!llava)
+    fail("eval: --images needs a multimodal model (LlavaForConditionalGeneration); {} is a {}", o.model,
+         model->config().architecture());
+  if (o.seq_len > llava->text.max_position_embeddings)
+    fail("eval: --seq-len {} exceeds the model's max_position_embeddings {}", o.seq_len,
+         llava->text.max_position_embeddings);
+  const fs::path dir = model_folder(o.model), images = o.images;
+  if (!fs::exists(images)) fail("eval: --images '{}' does not exist", o.images);
+  // The image processor: given, else the model's (a trainer's checkpoint carries it), else the data's.
+  fs::path processor_path = o.image_processor;
+  if (processor_path.empty())
+    for (const fs::path& candidate :
+         {dir / "preprocessor_config.json", images.parent_path() / "preprocessor_config.json"})
+      if (fs::exists(candidate)) {
+        processor_path = candidate;
+        break;
+      }
+  if (processor_path.empty())
+    fail(
+        "eval: --images: no preprocessor_config.json beside the model ({}) or the data; pass "
+        "--image-processor",
+        dir.string());
+  const ImageProcessor processor(ImageProcessorConfig::from_json_file(processor_path));
+  // The text: --tokenizer FILE or bytes, else the model's tokenizer.json (as forge generate).
+  std::optional<Tokenizer> tokenizer;
+  if (o.tokenizer != "bytes") {
+    const fs::path file = !o.tokenizer.empty() ? fs::path(o.tokenizer) : dir / "tokenizer.json";
+    if (o.tokenizer.empty() && !fs::exists(file))
+      fail(
+          "eval: {} has no tokenizer.json: pass --tokenizer FILE (or --tokenizer bytes for a byte-level "
+          "model)",
+          dir.string());
+    tokenizer.emplace(Tokenizer::from_file(file));
+    if (tokenizer->vocab_size() > llava->text.vocab_size)
+      fail("eval: tokenizer '{}' has {} tokens but the model's vocabulary holds {}", file.string(),
+           tokenizer->vocab_size(), llava->text.vocab_size);
+  } else if (llava->text.vocab_size < 256) {
+    fail("eval: --tokenizer bytes: the model's vocabulary holds {} tokens, fewer than 256",
+         llava->text.vocab_size);
+  }
+  const TextEncoder encoder = tokenizer ? TextEncoder::from_tokenizer(*tokenizer) : TextEncoder::bytes();
+  const CaptionDecode decode = [&](std::span<const int32_t> ids) {
+    if (tokenizer) return tokenizer->decode(ids);
+    std::string text;
+    for (int32_t id : ids) text.push_back(static_cast<char>(id));
+    return tokenizer_text::utf8_lossy(text);  // a byte model may answer bytes that are no UTF-8
+  };
+  ImageTextOptions options;
+  options.seq_len = o.seq_len, options.image_token_id = static_cast<int32_t>(llava->image_token_index);
+  options.tokens_per_image = llava->tokens_per_image();
+  const ImageTextDataset data = [&] {
+    if (!is_packed_image_text(images))
+      return ImageTextDataset::from_jsonl(images, encoder, processor, options);
+    PackedImageTextExpectation expect;
+    expect.seq_len = options.seq_len, expect.image_token_id = options.image_token_id;
+    expect.tokens_per_image = options.tokens_per_image, expect.text_fingerprint = encoder.fingerprint;
+    return ImageTextDataset::from_packed(images, processor, expect);
+  }();
+  const auto [channels, height, width] = data.image_shape();
+  if (channels != llava->vision.num_channels || height != llava->vision.image_size ||
+      width != llava->vision.image_size)
+    fail("eval: {} makes {}x{}x{} images but the model's encoder takes {}x{}x{}", processor_path.string(),
+         channels, height, width, llava->vision.num_channels, llava->vision.image_size,
+         llava->vision.image_size);
+  int64_t samples = data.num_samples();
+  if (o.max_sequences > 0) samples = std::min(samples, o.max_sequences);
+
+  LossSum total;
+  const int64_t T = o.seq_len;
+  for (int64_t first = 0; first < samples; first += o.batch_size) {
+    const int64_t rows = std::min(o.batch_size, samples - first);
+    std::vector<int64_t> indices(static_cast<size_t>(rows));
+    for (int64_t r = 0; r < rows; ++r) indices[static_cast<size_t>(r)] = first + r;
+    const ImageTextDataset::Batch batch = data.batch(indices);
+    const MicroBatch mb{batch.ids.i32(),
+                        batch.targets.i32(),
+                        rows,
+                        T,
+                        0.0f,
+                        batch.pixels.numel() ? batch.pixels.f32() : nullptr,
+                        data.count_images(indices)};
+    const LossSum part = model->forward(mb, Tensor(), nullptr).loss;
+    total.sum += part.sum, total.tokens += part.tokens;
+  }
+  const double loss = total.mean();
+  if (!std::isfinite(loss))
+    fail("eval: the loss of model '{}' on '{}' is not finite ({}) over {} answer tokens", o.model, o.images,
+         loss, total.tokens);
+  const double loss_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf(
+      "eval %s on %s: answer loss %.6f nats/token, perplexity %.4f over %lld tokens of %lld samples (%s) in "
+      "%.2f s\n",
+      o.model.c_str(), o.images.c_str(), loss, std::exp(loss), static_cast<long long>(total.tokens),
+      static_cast<long long>(samples), o.dtype.c_str(), loss_seconds);
+
+  CaptionScore score;
+  const auto caption_start = std::chrono::steady_clock::now();
+  const int64_t to_caption = std::min(o.captions, data.num_samples());
+  for (int64_t i = 0; i < to_caption; ++i) {
+    const std::vector<int64_t> one = {i};
+    const ImageTextDataset::Batch batch = data.batch(one);
+    score.add(*model, i, batch.ids.i32(), batch.targets.i32(), T,
+              batch.pixels.numel() ? batch.pixels.f32() : nullptr, data.count_images(one));
+  }
+  const double caption_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - caption_start).count();
+  if (to_caption > 0) {
+    std::printf("%s\n", caption_summary("captions", score, caption_seconds).c_str());
+    for (const std::string& line : caption_lines(score, decode, 4)) std::printf("%s\n", line.c_str());
+  }
+  if (o.json) {
+    nlohmann::ordered_json out = {{"loss", loss},           {"perplexity", std::exp(loss)},
+                                  {"tokens", total.tokens}, {"samples", samples},
+                                  {"seq_len", T},           {"dtype", o.dtype},
+                                  {"seconds", loss_seconds}};
+    if (to_caption > 0)
+      out["captions"] = {{"count", score.count()},
+                         {"exact", score.exact()},
+                         {"token_accuracy", score.token_accuracy()},
+                         {"seconds", caption_seconds},
+                         {"examples", caption_examples_json(score, decode)}};
+    std::printf("%s\n", out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
+  }
+  return 0;
+}
+
 int run_eval(const EvalOptions& o) {
   if (o.model.empty()) fail("eval: --model DIR is required (a Hugging Face folder or a forge checkpoint)");
-  if (o.data.empty()) fail("eval: --data PREFIX is required (a Megatron indexed dataset)");
+  if (!o.data.empty() && !o.images.empty())
+    fail("eval: pass --data (text) or --images (image-text), not both");
+  if (o.data.empty() && o.images.empty())
+    fail("eval: --data PREFIX (a Megatron indexed dataset) or --images FILE (image-text data) is required");
+  if (o.captions < 0) fail("eval: --captions must be >= 0, got {}", o.captions);
+  if (o.captions > 0 && o.images.empty()) fail("eval: --captions needs image-text data (--images)");
   if (o.seq_len < 1) fail("eval: --seq-len must be at least 1, got {}", o.seq_len);
   if (o.batch_size < 1) fail("eval: --batch-size must be at least 1, got {}", o.batch_size);
   if (o.max_sequences < 0) fail("eval: --max-sequences must be >= 0, got {}", o.max_sequences);
   const DType dtype = dtype_from_name(o.dtype);
   if (dtype != DType::f32 && dtype != DType::bf16)
     fail("eval: --dtype must be fp32 or bf16, got '{}'", o.dtype);
+  if (!o.images.empty()) return run_image_eval(o, dtype);
 
   auto data = std::make_shared<const IndexedDataset>(o.data);
   const int64_t n = data->total_tokens();
@@ -120,13 +271,28 @@ int run_eval(const EvalOptions& o) {
 void add_eval_command(CLI::App& app, Commands& commands) {
   auto o = std::make_shared<EvalOptions>();
   auto* eval = app.add_subcommand(
-      "eval", "Mean next-token loss and perplexity of a model on a Megatron indexed dataset (.bin/.idx)");
+      "eval",
+      "Mean next-token loss and perplexity of a model on a Megatron indexed dataset (.bin/.idx), or of a "
+      "multimodal model's answers on image-text data (--images), with greedy answers scored (--captions)");
   eval->add_option("--model", o->model,
                    "Hugging Face folder (config.json + safetensors) or forge checkpoint");
   eval->add_option("--data", o->data, "dataset prefix (without .bin/.idx)");
+  eval->add_option("--images", o->images,
+                   "image-text data for a multimodal model: a JSONL of captions or conversations beside its "
+                   "images, or a packed file (forge data preprocess-images); the loss is over the answers");
+  eval->add_option("--image-processor", o->image_processor,
+                   "with --images: the preprocessor_config.json (default: the model's, else the data's)");
+  eval->add_option(
+      "--tokenizer", o->tokenizer,
+      "with --images: tokenizer.json or bytes (default: the model's tokenizer.json, else bytes)");
+  eval->add_option("--captions", o->captions,
+                   "with --images: answer the first N samples greedily and count the answers equal to their "
+                   "reference")
+      ->capture_default_str();
   eval->add_option("--seq-len", o->seq_len, "tokens per sequence (T)");
   eval->add_option("--batch-size", o->batch_size, "sequences per forward pass")->capture_default_str();
-  eval->add_option("--max-sequences", o->max_sequences, "evaluate only the first N sequences (0: all)")
+  eval->add_option("--max-sequences", o->max_sequences,
+                   "evaluate only the first N sequences (with --images: samples; 0: all)")
       ->capture_default_str();
   // The choices listed are exactly those accepted (dtype_from_name alone would list fp16 or int32).
   eval->add_option("--dtype", o->dtype, "GEMM operands: fp32 or bf16")
@@ -134,9 +300,10 @@ void add_eval_command(CLI::App& app, Commands& commands) {
       ->capture_default_str();
   eval->add_flag("--json", o->json, "also print the results as one JSON object (the last line)");
   eval->footer(
-      "The documents form one stream in order; sequence k reads tokens [k*T, k*T + T] (T inputs, T "
+      "Text: the documents form one stream in order; sequence k reads tokens [k*T, k*T + T] (T inputs, T "
       "targets), so every token after the first is predicted once. A final partial sequence is padded "
-      "and its padding is not counted.");
+      "and its padding is not counted. Image-text: each sample is one sequence of T tokens, its image "
+      "tokens and prompt not counted.");
   commands.push_back({eval, [o] { return run_eval(*o); }});
 }
 

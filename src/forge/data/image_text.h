@@ -162,6 +162,10 @@ struct PackImageTextStats {
   double seconds = 0;
 };
 
+// Whether `path` is a packed image-text file (it starts with the magic FORGEITX); anything else reads as
+// JSONL.
+bool is_packed_image_text(const std::filesystem::path& path);
+
 // Writes `dataset` (usually from_jsonl) as a packed file: header, per-sample image offsets, ids, targets and
 // every image's 8-bit crop; the file appears only once complete (temporary name, fsync, rename). Images are
 // decoded `workers` at a time (0: OpenMP's default); the bytes do not depend on it.

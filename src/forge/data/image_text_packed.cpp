@@ -9,6 +9,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 
@@ -293,6 +294,15 @@ ImageTextDataset ImageTextDataset::from_packed(const std::filesystem::path& path
   }
   impl->mapping = std::move(mapping);
   return ImageTextDataset(std::move(impl));
+}
+
+bool is_packed_image_text(const std::filesystem::path& path) {
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) return false;
+  char magic[8] = {};
+  const size_t n = std::fread(magic, 1, sizeof(magic), f);
+  std::fclose(f);
+  return n == sizeof(magic) && std::string_view(magic, 8) == "FORGEITX";
 }
 
 }  // namespace forge::data

@@ -17,16 +17,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// A packed file starts with this magic (data/image_text.h); anything else is read as JSONL.
-bool is_packed(const fs::path& path) {
-  std::FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f) return false;
-  char magic[8] = {};
-  const size_t n = std::fread(magic, 1, sizeof(magic), f);
-  std::fclose(f);
-  return n == sizeof(magic) && std::string_view(magic, 8) == "FORGEITX";
-}
-
 class ImageTextData final : public TrainingData {
  public:
   ImageTextData(TextCodec codec, const TrainConfig& config, const models::LlavaConfig& model)
@@ -113,7 +103,7 @@ class ImageTextData final : public TrainingData {
  private:
   std::unique_ptr<data::ImageTextDataset> open(const fs::path& path,
                                                const data::ImageTextOptions& options) const {
-    if (is_packed(path)) {
+    if (data::is_packed_image_text(path)) {
       data::PackedImageTextExpectation expect;
       expect.seq_len = options.seq_len, expect.image_token_id = options.image_token_id;
       expect.tokens_per_image = options.tokens_per_image, expect.text_fingerprint = encoder_.fingerprint;

@@ -28,6 +28,7 @@
 #include "forge/core/file_io.h"
 #include "forge/core/memory.h"
 #include "forge/kernels/profiler.h"
+#include "forge/models/captions.h"
 #include "forge/models/pretrained.h"
 #include "forge/models/sampling.h"
 #include "forge/train/faults.h"
@@ -645,75 +646,36 @@ Model& TrainingRun::generation_model(std::unique_ptr<Model>& whole) {
   return *whole;
 }
 
-namespace {
-// Up to `most` examples, the misses first.
-nlohmann::json examples_of(const nlohmann::json& wrong, const nlohmann::json& right, size_t most) {
-  nlohmann::json all = wrong;
-  for (const nlohmann::json& e : right)
-    if (all.size() < most) all.push_back(e);
-  return all;
-}
-}  // namespace
-
 void TrainingRun::caption(TrainResult& result) {
   TrainSetup& s = *setup_;
   const TrainingData& data = *s.data;
   const int64_t n = std::min(c_.sample.captions, data.heldout_windows());
   const TextCodec& codec = data.codec();
-  SamplingOptions so;
-  so.context = s.seq, so.temperature = 0;
   std::unique_ptr<Model> whole;
   Model& model = generation_model(whole);
   std::vector<int32_t> ids(static_cast<size_t>(s.seq)), targets(static_cast<size_t>(s.seq));
   std::vector<float> pixels;
-  int64_t exact = 0, matched = 0, total = 0, answered = 0;
-  constexpr int64_t kShown = 4;  // examples printed (the misses first)
-  std::vector<std::string> shown_right, shown_wrong;
-  constexpr size_t kRecorded = 16;  // examples in metrics.jsonl (the report's table): the misses first
-  nlohmann::json recorded_wrong = nlohmann::json::array(), recorded_right = nlohmann::json::array();
+  models::CaptionScore score;
   const auto start = Clock::now();
   for (int64_t i = 0; i < n && !Trainer::stop_flag().load(); ++i) {
     const int64_t images = data.heldout_batch_images(i, 1, ids.data(), targets.data(), pixels);
-    // The answer: the first run of trained targets; the prompt: every token up to its first position.
-    const auto first = std::find_if(targets.begin(), targets.end(), [](int32_t t) { return t >= 0; });
-    if (first == targets.end()) continue;
-    const auto last = std::find_if(first, targets.end(), [](int32_t t) { return t < 0; });
-    const std::vector<int32_t> prompt(ids.begin(), ids.begin() + (first - targets.begin()) + 1);
-    const std::vector<int32_t> reference(first, last);
-    so.max_new_tokens = static_cast<int64_t>(reference.size());
-    so.pixels = images > 0 ? pixels.data() : nullptr, so.images = images;
-    const std::vector<int32_t> out = generate(model, prompt, so);
-    int64_t same = 0;
-    for (size_t t = 0; t < reference.size(); ++t) same += t < out.size() && out[t] == reference[t];
-    const bool right = same == static_cast<int64_t>(reference.size()) && out.size() == reference.size();
-    exact += right, matched += same, total += static_cast<int64_t>(reference.size()), ++answered;
-    const std::string got = codec.decode(out), want = codec.decode(reference);
-    std::vector<std::string>& bucket = right ? shown_right : shown_wrong;
-    if (static_cast<int64_t>(bucket.size()) < kShown)
-      bucket.push_back(right ? fmt::format("  held-out {}: \"{}\"", i, got)
-                             : fmt::format("  held-out {}: \"{}\"\n      reference \"{}\"", i, got, want));
-    nlohmann::json& recorded = right ? recorded_right : recorded_wrong;
-    if (recorded.size() < kRecorded) recorded.push_back({{"index", i}, {"answer", got}, {"reference", want}});
+    score.add(model, i, ids.data(), targets.data(), s.seq, pixels.data(), images);
   }
-  if (answered == 0) {
+  if (score.count() == 0) {
     say("captions: none of the %lld held-out samples has an answer to compare\n", static_cast<long long>(n));
     return;
   }
-  result.captions = answered, result.captions_exact = exact;
-  result.caption_token_accuracy = static_cast<double>(matched) / static_cast<double>(total);
-  say("held-out captions (greedy, %lld samples, %.1f s): %lld exactly right (%.1f%%), %.1f%% of their tokens "
-      "right\n",
-      static_cast<long long>(answered), seconds_since(start), static_cast<long long>(exact),
-      100.0 * static_cast<double>(exact) / static_cast<double>(answered),
-      100.0 * result.caption_token_accuracy);
-  for (const std::string& line : shown_wrong) say("%s\n", line.c_str());
-  for (const std::string& line : shown_right) say("%s\n", line.c_str());
+  result.captions = score.count(), result.captions_exact = score.exact();
+  result.caption_token_accuracy = score.token_accuracy();
+  const models::CaptionDecode decode = [&](std::span<const int32_t> ids) { return codec.decode(ids); };
+  say("%s\n", models::caption_summary("held-out captions", score, seconds_since(start)).c_str());
+  for (const std::string& line : models::caption_lines(score, decode, 4)) say("%s\n", line.c_str());
   write_metrics({{"event", "captions"},
                  {"step", state_.step},
-                 {"count", answered},
-                 {"exact", exact},
-                 {"token_accuracy", result.caption_token_accuracy},
-                 {"examples", examples_of(recorded_wrong, recorded_right, kRecorded)}});
+                 {"count", score.count()},
+                 {"exact", score.exact()},
+                 {"token_accuracy", score.token_accuracy()},
+                 {"examples", models::caption_examples_json(score, decode)}});
   if (Trainer::stop_flag().load()) {
     result.interrupted = true;
     Trainer::stop_flag().store(false);
