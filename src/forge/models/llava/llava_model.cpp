@@ -73,7 +73,7 @@ void LlavaModel::build_vision_modules() {
   shape.class_token = v.has_class_token(), shape.pre_norm = v.kind == VisionKind::clip;
   shape.eps = static_cast<float>(v.layer_norm_eps), shape.act = v.hidden_act;
   const nn::ComputeOptions whole = unsplit(options_);
-  encoder_ = nn::VisionEncoder(&params_, vision_ids_, shape, options_);
+  encoder_ = nn::VisionEncoder(&params_, vision_ids_, shape, whole);
   projector_.first = nn::Linear(&params_, {proj_first_}, config_.projector_input(), whole);
   if (proj_first_bias_ >= 0) projector_.first_bias = nn::Bias(&params_, {proj_first_bias_});
   if (proj_second_ >= 0) {
