@@ -5,7 +5,7 @@ BUILD ?= build
 CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
 RUN_ARGS ?=
 
-.PHONY: all deps deps-bench configure build run run-multimodal test bench clean
+.PHONY: all deps deps-bench configure build build-cli run run-multimodal test bench clean
 
 all: build
 
@@ -23,15 +23,19 @@ configure: deps $(BUILD)/build.ninja
 build: configure
 	cmake --build $(BUILD)
 
+# Only the forge command and the library under it: what `make run` needs (no tests, no benchmarks).
+build-cli: configure
+	cmake --build $(BUILD) --target forge_cli
+
 # The demo starts over each time (checkpoint.overwrite): its previous run's checkpoints in runs/default go.
-run: build
+run: build-cli
 	$(BUILD)/bin/forge train --config configs/default.toml --set checkpoint.overwrite=true $(RUN_ARGS)
 
 # The tiny multimodal job: forge renders 6000 captioned 32x32 images of shapes (once, and again when the
 # generator version in data/shapes/synth.json is not the current one), then a LLaVA learns to
 # caption them (about 2 minutes), then reports its held-out caption loss and how many of the 600 held-out
 # images it captions exactly right (configs/llava-tiny.toml; docs/multimodal.md).
-run-multimodal: build
+run-multimodal: build-cli
 	@grep -qs '"version": 2' data/shapes/synth.json || $(BUILD)/bin/forge data synth-images --out data/shapes --count 6000 --size 32
 	$(BUILD)/bin/forge train --config configs/llava-tiny.toml --set checkpoint.overwrite=true $(RUN_ARGS)
 

@@ -1,5 +1,7 @@
-// Golden tests against the PyTorch twin (tests/reference/llama_twin.py): logits, loss, every parameter
-// gradient, and three AdamW steps with clipping, all within fp32 tolerances stated below.
+// Golden tests against the PyTorch twin (tests/reference/llama_twin.py) and, for Qwen2, against Hugging Face
+// transformers' own Qwen2ForCausalLM (tests/reference/qwen2_golden.py): logits, loss, every parameter
+// gradient, and three AdamW steps with clipping, all within fp32 tolerances stated below. Both families run
+// on the one decoder stack; a Qwen2 differs by its q/k/v biases and its config reader.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -8,6 +10,7 @@
 
 #include "forge/ckpt/safetensors.h"
 #include "forge/models/llama/llama_model.h"
+#include "forge/models/qwen2/qwen2.h"
 #include "forge/optim/adamw.h"
 #include "op_harness.h"
 
@@ -32,17 +35,17 @@ class LlamaGolden : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     file_ = std::make_unique<SafetensorsFile>(SafetensorsFile::open(fixture(GetParam() + ".safetensors")));
-    config_ = LlamaConfig::from_json_file(fixture(GetParam() + ".config.json"));
+    config_ = read_model_config(fixture(GetParam() + ".config.json"));
   }
-  std::unique_ptr<LlamaModel> load_model(nn::ComputeOptions options = {DType::f32, nn::Recompute::none}) {
-    auto model = std::make_unique<LlamaModel>(config_, options);
+  std::unique_ptr<Model> load_model(nn::ComputeOptions options = {DType::f32, nn::Recompute::none}) {
+    auto model = build_model(*config_, options);
     auto& params = model->params();
     for (int i = 0; i < params.count(); ++i) file_->read_into(params.info(i).name, params.param(i));
     params.refresh_bf16();
     return model;
   }
   std::unique_ptr<SafetensorsFile> file_;
-  LlamaConfig config_;
+  std::unique_ptr<ModelConfig> config_;
 };
 
 TEST_P(LlamaGolden, LogitsLossAndGradients) {
@@ -129,6 +132,29 @@ TEST_P(LlamaGolden, KeptLogitsTrainBitwiseLikeRecomputedOnes) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, LlamaGolden, ::testing::Values("llama_tiny", "llama_tiny_tied_llama3"));
+INSTANTIATE_TEST_SUITE_P(Qwen2, LlamaGolden, ::testing::Values("qwen2_tiny", "qwen2_tiny_tied"));
+
+// The fixtures' configs are what transformers wrote: the family comes from `architectures`, and every
+// parameter forge registers is a tensor of the checkpoint (the biases included), in the config's order.
+TEST(Qwen2Golden, ConfigReadsAsQwen2WithBiases) {
+  const auto config = read_model_config(fixture("qwen2_tiny.config.json"));
+  ASSERT_EQ(config->architecture(), "Qwen2ForCausalLM");
+  const auto& qwen2 = dynamic_cast<const Qwen2Config&>(*config);
+  EXPECT_TRUE(qwen2.qkv_bias);
+  EXPECT_EQ(qwen2.head_dim, 8);
+  auto model = build_model(*config, {DType::f32, nn::Recompute::none});
+  const auto shapes = config->tensor_shapes();
+  ASSERT_EQ(static_cast<int>(shapes.size()), model->params().count());
+  int64_t total = 0;
+  for (int i = 0; i < model->params().count(); ++i) {
+    EXPECT_EQ(model->params().info(i).name, shapes[static_cast<size_t>(i)].first);
+    EXPECT_EQ(model->params().info(i).shape, shapes[static_cast<size_t>(i)].second);
+    total += model->params().param(i).numel();
+  }
+  EXPECT_EQ(total, config->num_parameters());
+  SafetensorsFile file = SafetensorsFile::open(fixture("qwen2_tiny.safetensors"));
+  for (const auto& [name, shape] : shapes) EXPECT_EQ(file.read(name).numel(), shape_numel(shape)) << name;
+}
 
 }  // namespace
 }  // namespace forge

@@ -1,7 +1,8 @@
 // Tensor (+ sequence) parallel LlamaModel against the same model on one rank: every rank builds the
 // unsplit reference and its shard of the split model from the same seed; losses, logits and every
 // gradient element (mapped to its global index) must agree within fp32 reduction-order tolerance.
-// Run by mpirun with 2 and 4 ranks; the whole world is the tensor-parallel group.
+// Run by mpirun with 2 and 4 ranks; the whole world is the tensor-parallel group. The cases with q/k/v biases
+// are a Qwen2's layers (the biases split like their weights, summed like them when kv heads are replicated).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -17,8 +18,9 @@ namespace forge {
 using namespace forge::models;
 namespace {
 
-LlamaConfig tiny_config(int64_t kv_heads, bool tied) {
+LlamaConfig tiny_config(int64_t kv_heads, bool tied, bool bias) {
   LlamaConfig c;
+  c.qkv_bias = bias;
   c.hidden_size = 32, c.intermediate_size = 48, c.num_hidden_layers = 2;
   c.num_attention_heads = 4, c.num_key_value_heads = kv_heads, c.head_dim = 8;
   c.vocab_size = 61;  // not a multiple of anything: exercises the padded, masked vocabulary rows
@@ -30,18 +32,34 @@ LlamaConfig tiny_config(int64_t kv_heads, bool tied) {
 struct Case {
   int64_t kv_heads;
   bool sequence_parallel, tied;
+  bool bias = false;
 };
+
+// Biases start at zero; give them values that depend only on the name and the global index, so that the
+// forward uses them and every layout holds the same.
+void set_biases(ParameterStore& store) {
+  for (int id = 0; id < store.count(); ++id) {
+    const ParamInfo& p = store.info(id);
+    if (p.name.find("_proj.bias") == std::string::npos) continue;
+    for (const ShardRun& r : shard_runs(p))
+      for (int64_t j = 0; j < r.count; ++j)
+        store.param(id).f32()[r.local + j] = 0.05f * std::sin(0.7f * static_cast<float>(r.global + j) +
+                                                              static_cast<float>(p.name.size()));
+  }
+  store.refresh_bf16();
+}
 
 class LlamaTensorParallel : public testing::TestWithParam<Case> {};
 
 TEST_P(LlamaTensorParallel, MatchesOneRank) {
   comm::Communicator& world = comm::world();
   const Case c = GetParam();
-  const LlamaConfig config = tiny_config(c.kv_heads, c.tied);
+  const LlamaConfig config = tiny_config(c.kv_heads, c.tied, c.bias);
   nn::ComputeOptions options;
   options.gemm_dtype = DType::f32;
   LlamaModel reference(config, options);
   reference.initialize(7);
+  set_biases(reference.params());
 
   parallel::CommTensorParallel group(&world, c.sequence_parallel);
   nn::ComputeOptions split_options = options;
@@ -49,6 +67,7 @@ TEST_P(LlamaTensorParallel, MatchesOneRank) {
   split_options.vocab_divisible_by = 8;
   LlamaModel split(config, split_options);
   split.initialize(7);
+  set_biases(split.params());
   EXPECT_EQ(split.padded_vocab_size() % (8 * world.size()), 0);
 
   const int64_t batch = 2, seq = 12;
@@ -112,10 +131,12 @@ TEST_P(LlamaTensorParallel, MatchesOneRank) {
 
 INSTANTIATE_TEST_SUITE_P(Layouts, LlamaTensorParallel,
                          testing::Values(Case{4, false, false}, Case{4, true, false}, Case{2, false, false},
-                                         Case{2, true, true}, Case{1, true, false}),
+                                         Case{2, true, true}, Case{1, true, false}, Case{2, true, false, true},
+                                         Case{1, false, true, true}),
                          [](const auto& info) {
                            return "kv" + std::to_string(info.param.kv_heads) +
-                                  (info.param.sequence_parallel ? "_sp" : "") + (info.param.tied ? "_tied" : "");
+                                  (info.param.sequence_parallel ? "_sp" : "") + (info.param.tied ? "_tied" : "") +
+                                  (info.param.bias ? "_bias" : "");
                          });
 
 TEST(LlamaTensorParallelErrors, SequenceParallelNeedsDivisibleRows) {
@@ -125,7 +146,7 @@ TEST(LlamaTensorParallelErrors, SequenceParallelNeedsDivisibleRows) {
   nn::ComputeOptions options;
   options.gemm_dtype = DType::f32;
   options.tp = &group;
-  LlamaModel split(tiny_config(4, false), options);
+  LlamaModel split(tiny_config(4, false, false), options);
   std::vector<int32_t> ids(3, 1), targets(3, 2);
   try {
     split.forward_backward(ids.data(), targets.data(), 1, 3, 1.0f);

@@ -17,6 +17,11 @@ Attention::Attention(ParameterStore* store, AttentionParams params, AttentionSha
       options_(options) {
   FORGE_CHECK(qkv_.out_features() == shape.qkv_dim(), "q|k|v weights give {} rows, expected {}",
               qkv_.out_features(), shape.qkv_dim());
+  if (params.bias >= 0) {
+    qkv_bias_ = Bias(store, {params.bias, params.bias + 1, params.bias + 2});
+    FORGE_CHECK(qkv_bias_.size() == shape.qkv_dim(), "q|k|v biases give {} values, expected {}",
+                qkv_bias_.size(), shape.qkv_dim());
+  }
 }
 
 void Attention::apply_rope(float* qkv, int64_t batch, int64_t seq, bool inverse,
@@ -64,6 +69,7 @@ void Attention::core_forward(Tensor& qkv, int64_t batch, int64_t seq, Tensor& ou
 Tensor Attention::forward(const Tensor& h, int64_t batch, int64_t seq, Saved& saved, bool keep_core) const {
   saved.h = qkv_.input(gather_in(options_.tp, h));
   saved.qkv = qkv_.forward(saved.h);
+  if (qkv_bias_.defined()) qkv_bias_.forward(saved.qkv);
   rope_for_training(saved.qkv.f32(), batch, seq, false);
   Tensor out, lse;
   core_forward(saved.qkv, batch, seq, out, lse);
@@ -106,6 +112,7 @@ Tensor Attention::backward_input(const Tensor& dy, int64_t batch, int64_t seq, S
   saved.out = Tensor(), saved.lse = Tensor(), saved.qkv = Tensor();
 
   rope_for_training(dqkv.f32(), batch, seq, true);
+  if (qkv_bias_.defined()) saved.dbias = qkv_bias_.backward_input(dqkv);
   saved.dqkv = qkv_.grad_output(dqkv);
   return reduce_out(options_.tp, qkv_.backward_input(saved.dqkv));
 }
@@ -113,6 +120,7 @@ Tensor Attention::backward_input(const Tensor& dy, int64_t batch, int64_t seq, S
 void Attention::backward_weight(Saved& saved) const {
   o_.backward_weight(saved.dy, saved.out_op);
   qkv_.backward_weight(saved.dqkv, saved.h);
+  if (qkv_bias_.defined()) qkv_bias_.backward_weight(saved.dbias);
   saved = Saved{};
 }
 
@@ -132,6 +140,7 @@ Tensor Attention::forward_cached(const Tensor& h, int64_t batch, int64_t tokens,
   const int64_t qkv_dim = shape_.qkv_dim();
   GemmOperand h_op = qkv_.input(h);
   Tensor qkv = qkv_.forward(h_op);
+  if (qkv_bias_.defined()) qkv_bias_.forward(qkv);
   apply_rope(qkv.f32(), batch, tokens, false, cache.length);
   const int64_t dim = shape_.head_dim;
   ops::KvAppendParams append;

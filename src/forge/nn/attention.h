@@ -1,9 +1,10 @@
 // Causal self-attention with grouped-query heads and rotary embeddings (Hugging Face Llama semantics):
-// one fused q|k|v projection, RoPE on q and k in place, flash attention, output projection.
+// one fused q|k|v projection (with biases in some families), RoPE on q and k in place, flash attention, output projection.
 // forward_cached is the inference path: new tokens attend to themselves and to the keys and values of
 // earlier tokens kept in a KvCache, to which they append their own.
 #pragma once
 
+#include "forge/nn/bias.h"
 #include "forge/nn/compute.h"
 #include "forge/nn/kv_cache.h"
 #include "forge/nn/layer_part.h"
@@ -22,9 +23,11 @@ struct RopeTable {
   Tensor cos, sin;
 };
 
-// Its parameters, by id in the store: q, k, v registered one after another (one fused GEMM), and o.
+// Its parameters, by id in the store: q, k, v registered one after another (one fused GEMM), and o; with
+// bias (Qwen2), the q, k and v biases registered one after another from that id (-1: none).
 struct AttentionParams {
   int q = -1, k = -1, v = -1, o = -1;
+  int bias = -1;
 };
 
 class Attention final : public LayerPart {
@@ -35,6 +38,7 @@ class Attention final : public LayerPart {
     Tensor out, lse;       // attention core output and row log-sum-exp (absent under selective recompute)
     GemmOperand out_op;    // core output as the o-projection's operand
     GemmOperand dy, dqkv;  // kept from backward_input for backward_weight
+    Tensor dbias;          // the q|k|v biases' gradient, from backward_input for backward_weight
   };
 
   Attention() = default;
@@ -77,6 +81,7 @@ class Attention final : public LayerPart {
   void rope_for_training(float* qkv, int64_t batch, int64_t seq, bool inverse) const;
 
   Linear qkv_, o_;
+  Bias qkv_bias_;  // undefined: no biases
   AttentionShape shape_;
   const RopeTable* rope_ = nullptr;
   ComputeOptions options_;

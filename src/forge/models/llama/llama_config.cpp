@@ -102,6 +102,34 @@ RopeScaling read_rope_scaling(const json& object, std::string_view source) {
   return scaling;
 }
 
+// transformers 5 writes rope_theta and the scaling as one object, rope_parameters {"rope_type", "rope_theta",
+// the scaling's keys}: back to the two keys older configs (and forge's to_json) use. Given both ways, they
+// must agree.
+json unfold_rope_parameters(const json& j, std::string_view source) {
+  auto it = j.find("rope_parameters");
+  if (it == j.end()) return j;
+  json out = j;
+  out.erase("rope_parameters");
+  if (it->is_null()) return out;
+  if (!it->is_object())
+    fail("{}: key 'rope_parameters' must be an object or null, got {} {}", source, it->type_name(), it->dump());
+  json scaling = *it;
+  if (auto theta = scaling.find("rope_theta"); theta != scaling.end()) {
+    if (out.contains("rope_theta") && !out["rope_theta"].is_null() && out["rope_theta"] != *theta)
+      fail("{}: keys 'rope_theta' ({}) and 'rope_parameters.rope_theta' ({}) disagree", source,
+           out["rope_theta"].dump(), theta->dump());
+    out["rope_theta"] = *theta;
+    scaling.erase("rope_theta");
+  }
+  const bool plain = scaling.empty() || (scaling.size() == 1 && scaling.contains("rope_type") &&
+                                         scaling["rope_type"] == "default");
+  if (plain) return out;
+  if (out.contains("rope_scaling") && !out["rope_scaling"].is_null() && out["rope_scaling"] != scaling)
+    fail("{}: keys 'rope_scaling' and 'rope_parameters' disagree", source);
+  out["rope_scaling"] = scaling;
+  return out;
+}
+
 // Upper bounds on the sizes: far above any published model (LLaMA 3 405B: hidden 16384, FFN 53248, 126
 // layers, vocabulary 128256; contexts of 10M positions), low enough that no size wraps the int the modules
 // take and no product of sizes wraps int64. A config beyond them is corrupt or hostile, not a model.
@@ -129,7 +157,8 @@ long double wide_parameter_count(const LlamaConfig& c) {
   const long double h = c.hidden_size, v = c.vocab_size, layers = c.num_hidden_layers;
   const long double q = static_cast<long double>(c.num_attention_heads) * c.head_dim;
   const long double kv = static_cast<long double>(c.num_key_value_heads) * c.head_dim;
-  const long double per_layer = 2 * h * q + 2 * h * kv + 3 * h * c.intermediate_size + 2 * h;
+  const long double per_layer =
+      2 * h * q + 2 * h * kv + 3 * h * c.intermediate_size + 2 * h + (c.qkv_bias ? q + 2 * kv : 0);
   return v * h * (c.tie_word_embeddings ? 1 : 2) + layers * per_layer + h;
 }
 
@@ -148,8 +177,10 @@ LlamaConfig LlamaConfig::from_json_file(const std::filesystem::path& path) {
   return from_json(parse_json_strict(text, source), source);
 }
 
-LlamaConfig LlamaConfig::from_json(const json& j, std::string_view source) {
-  if (!j.is_object()) fail("{}: expected a JSON object at the top level, got {}", source, j.type_name());
+LlamaConfig LlamaConfig::from_json(const json& input, std::string_view source) {
+  if (!input.is_object())
+    fail("{}: expected a JSON object at the top level, got {}", source, input.type_name());
+  const json j = unfold_rope_parameters(input, source);
   for (const auto& [key, value] : j.items()) {
     if (contains(kKnownKeys, key)) continue;
     if (contains(kIgnoredKeys, key)) {
@@ -273,7 +304,8 @@ int64_t LlamaConfig::matmul_parameters_per_layer() const {
 
 int64_t LlamaConfig::num_parameters() const {
   const int64_t embedding = vocab_size * hidden_size;
-  const int64_t per_layer = matmul_parameters_per_layer() + 2 * hidden_size;  // + two RMSNorm weights
+  // + two RMSNorm weights (and the q, k, v biases of a Qwen2)
+  const int64_t per_layer = matmul_parameters_per_layer() + 2 * hidden_size + bias_parameters_per_layer();
   const int64_t lm_head = tie_word_embeddings ? 0 : vocab_size * hidden_size;
   return embedding + num_hidden_layers * per_layer + hidden_size + lm_head;
 }
@@ -329,6 +361,11 @@ std::vector<std::pair<std::string, Shape>> LlamaConfig::tensor_shapes() const {
     shapes.push_back({p + "self_attn.q_proj.weight", {q_size(), h}});
     shapes.push_back({p + "self_attn.k_proj.weight", {kv_size(), h}});
     shapes.push_back({p + "self_attn.v_proj.weight", {kv_size(), h}});
+    if (qkv_bias) {
+      shapes.push_back({p + "self_attn.q_proj.bias", {q_size()}});
+      shapes.push_back({p + "self_attn.k_proj.bias", {kv_size()}});
+      shapes.push_back({p + "self_attn.v_proj.bias", {kv_size()}});
+    }
     shapes.push_back({p + "self_attn.o_proj.weight", {h, q_size()}});
     shapes.push_back({p + "post_attention_layernorm.weight", {h}});
     shapes.push_back({p + "mlp.gate_proj.weight", {ffn, h}});

@@ -17,7 +17,7 @@
 
 namespace forge::models {
 
-struct LlamaConfig final : ModelConfig {
+struct LlamaConfig : ModelConfig {
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
   int64_t num_hidden_layers = 0;
@@ -30,6 +30,9 @@ struct LlamaConfig final : ModelConfig {
   int64_t vocab_size = 0;
   bool tie_word_embeddings = false;
   int64_t max_position_embeddings = 2048;
+  // Biases on the q, k and v projections: never in a LLaMA (attention_bias must be false), always in a Qwen2
+  // (models/qwen2/, whose config derives from this one).
+  bool qkv_bias = false;
   // Where the config was read from (the config.json path; from_json's source_name), for messages. Not part
   // of the architecture: == ignores it.
   struct Origin {
@@ -70,6 +73,8 @@ struct LlamaConfig final : ModelConfig {
   int64_t kv_size() const { return num_key_value_heads * head_dim; }
   // Weights of the q, k, v, o and gate, up, down projections of one layer.
   int64_t matmul_parameters_per_layer() const;
+  // The q, k and v biases of one layer (0 without them).
+  int64_t bias_parameters_per_layer() const { return qkv_bias ? q_size() + 2 * kv_size() : 0; }
   // All trainable parameters (embedding, layers with their norms, final norm, lm_head unless tied).
   int64_t num_parameters() const override;
   // Model FLOPs per trained token (forward + backward), Megatron's accounting:

@@ -1,0 +1,779 @@
+#include "forge/models/decoder_stack.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "forge/core/device.h"
+#include "forge/core/memory.h"
+#include "forge/kernels/emulated_device.h"
+#include "forge/kernels/ops.h"
+#include "forge/nn/fp8_context.h"
+#include "forge/nn/tensor_parallel.h"
+
+namespace forge::models {
+namespace {
+// A host array of token ids on `device`: the array itself on the CPU, else a copy kept alive by `holder`.
+const int32_t* ids_on(Device device, const int32_t* ids, int64_t n, Tensor& holder) {
+  if (device == Device::cpu || ids == nullptr) return ids;
+  Tensor host = Tensor::empty({n}, DType::i32);
+  std::copy_n(ids, n, host.i32());
+  holder = host.to(device);
+  return holder.i32();
+}
+
+// Slice [start, start + local) of the global tensor along dim 0 (rows) or 1 (columns).
+ShardSpec split(Shape global, int dim, int64_t start, bool primary = true) {
+  return ShardSpec{dim, start, std::move(global), primary};
+}
+
+// Heads and kv heads of one tensor-parallel rank: heads split over tp; kv heads too when tp divides them,
+// else each rank keeps the one kv head its query heads read (replicated over tp / kv_heads ranks).
+nn::AttentionShape local_attention(const DecoderSpec& s, int tp) {
+  nn::AttentionShape a{s.hidden, s.heads / tp, 0, s.head_dim};
+  a.kv_heads = s.kv_heads >= tp ? s.kv_heads / tp : 1;
+  return a;
+}
+
+bool any_layer(const DecoderSpec& s, bool (*is)(const LayerSpec&)) {
+  return std::any_of(s.layer_specs.begin(), s.layer_specs.end(), is);
+}
+
+// A run of consecutive token rows of this rank whose embeddings are replaced by rows [source, source + count)
+// of the inserted tensor.
+struct InsertedRun {
+  int64_t row = 0, count = 0, source = 0;
+};
+
+// dst rows [dst_row, +count) = src rows [src_row, +count), [*, h] fp32.
+void copy_rows(const Tensor& src, int64_t src_row, const Tensor& dst, int64_t dst_row, int64_t count,
+               int64_t h) {
+  dst.view(dst_row * h, {count * h}).copy_from(src.view(src_row * h, {count * h}));
+}
+}  // namespace
+
+struct DecoderStack::Insertion {
+  const Tensor* rows = nullptr;
+  std::vector<InsertedRun> runs;
+  int64_t count = 0;  // rows of the inserted tensor
+};
+
+// What one micro-batch keeps between the stage's forward, backward_input and backward_weight.
+struct DecoderStack::Activations final : StageActivations {
+  int64_t batch = 0, seq = 0;
+  Tensor ids_holder;
+  const int32_t* device_ids = nullptr;
+  std::vector<nn::DecoderLayer::Saved> layers;
+  nn::RmsNorm::Saved norm;
+  Tensor dhead;   // last stage: the loss head's gradient at the final norm's output, for B
+  Tensor dembed;  // first stage: the gradient at the embedding's output, for W
+  std::vector<InsertedRun> inserted_runs;  // forward_inserted: where the inserted rows went
+  int64_t inserted_count = 0;
+  Tensor dinserted;                         // their gradient, taken out of dembed
+  std::unique_ptr<StageActivations> tail;  // the tail's
+  bool input_done = false;                  // backward_input ran
+  bool weight_done = false;                 // backward_weight ran
+};
+
+DecoderStack::DecoderStack(const ModelConfig& config, DecoderSpec spec, nn::ComputeOptions options,
+                           float init_std, bool with_grads, StageSpec stage, ParameterStore* into,
+                           std::string name_prefix, std::unique_ptr<StackTail> tail)
+    : config_(config.clone()),
+      spec_(std::move(spec)),
+      source_(config.source().empty() ? "model config" : config.source()),
+      prefix_(std::move(name_prefix)),
+      options_(options),
+      stage_(stage),
+      params_(into ? *into : own_params_),
+      tail_(std::move(tail)) {
+  const DecoderSpec& s = spec_;
+  const std::string& source = source_;
+  const int64_t layers = s.layers;
+  FORGE_CHECK(static_cast<int64_t>(s.layer_specs.size()) >= layers, "{}: {} layer specs for {} layers",
+              source, s.layer_specs.size(), layers);
+  if (stage_.end_layer < 0) stage_.end_layer = layers;
+  if (stage_.first_layer < 0 || stage_.first_layer > stage_.end_layer || stage_.end_layer > layers)
+    fail("{}: stage layers [{}, {}) are outside the model's {} layers", source, stage_.first_layer,
+         stage_.end_layer, layers);
+  if (!stage_.post_process) tail_.reset();  // the tail runs on the last stage
+  // Refused before anything is allocated, so a config too big for the machine is one line, not bad_alloc or
+  // the OOM killer. On the CPU the host holds everything (with gradients, the optimizer's two moments too:
+  // whoever trains a model with gradients steps it with AdamW); a model on a device needs a full fp32 host
+  // copy while its weights are initialised or loaded, and the device's allocator reports its own memory.
+  // Under tensor parallelism a rank holds 1/tp of the model, but a group's ranks usually share a machine, so
+  // the whole model is what the machine must hold (an over-estimate when the group spans machines).
+  const bool on_host = options.device == Device::cpu;
+  // A dry run (kernels/emulated_device.h, the simulator's traces) initialises nothing on the host.
+  if (!EmulatedDevice::check_only())
+    config_->check_fits_in_memory(on_host && with_grads, on_host && options.gemm_dtype == DType::bf16,
+                                  host_memory_bytes(), source);
+  const int tp_size = options.tp_size(), rank = options.tp_rank();
+  const bool gqa = any_layer(s, [](const LayerSpec& l) { return l.attention == AttentionKind::gqa; });
+  const bool mla = any_layer(s, [](const LayerSpec& l) { return l.attention == AttentionKind::mla; });
+  const bool dense = any_layer(s, [](const LayerSpec& l) { return l.feed_forward == FeedForwardKind::swiglu; });
+  const bool moe = any_layer(s, [](const LayerSpec& l) { return l.feed_forward == FeedForwardKind::moe; });
+  if (moe && s.moe.experts % options.ep_size() != 0)
+    fail("{}: n_routed_experts = {} does not split over parallel.ep = {}", source, s.moe.experts,
+         options.ep_size());
+  const bool heads_split = (!gqa || s.heads % tp_size == 0) && (!mla || s.mla.heads % tp_size == 0);
+  const bool kv_split = !gqa || s.kv_heads % tp_size == 0 || tp_size % s.kv_heads == 0;
+  const bool ffn_split = (!dense || s.ffn % tp_size == 0) && (!moe || s.moe.expert_ffn % tp_size == 0);
+  if (!heads_split || !kv_split || !ffn_split)
+    fail("{}: {} heads{}, ffn {}{} do not split over tp = {}", source, gqa ? s.heads : s.mla.heads,
+         gqa ? fmt::format(" ({} kv heads)", s.kv_heads) : "", s.ffn,
+         moe ? fmt::format(" and expert ffn {}", s.moe.expert_ffn) : "", tp_size);
+  // Vocabulary-parallel embedding and head: rows padded to a multiple of vocab_divisible_by x tp, split
+  // evenly; the padding rows are zero, masked out of the softmax and never saved.
+  const int64_t h = s.hidden, v = s.vocab;
+  const int64_t unit = std::max<int64_t>(1, options.vocab_divisible_by) * tp_size;
+  padded_vocab_ = tp_size > 1 ? (v + unit - 1) / unit * unit : v;
+  local_vocab_ = padded_vocab_ / tp_size, vocab_start_ = rank * local_vocab_;
+  const ShardSpec vocab_shard{0, vocab_start_, {v, h}, true};
+  const ShardSpec replicated{-1, 0, {}, rank == 0};
+
+  // The embedding: the first stage's, a tail's input, and with tied embeddings the last stage's head (a last
+  // stage without the first holds its own copy under the same name, the same values since initialisation
+  // depends on the name, which pipelines keep equal). In a store shared with another chunk of the rank (the
+  // V schedules put the first and the last stage on one rank) the tensor is registered once.
+  const std::string embed_name = prefix_ + "model.embed_tokens.weight";
+  const bool tied = s.tie_word_embeddings;
+  const int tail_embedding = tail_ ? tail_->embedding_reads() : 0;
+  const int head_reads = stage_.post_process ? 1 + (tail_ ? tail_->head_reads() : 0) : 0;
+  const int existing_embedding = params_.find(embed_name);
+  int embedding_uses = 0;
+  if (stage_.pre_process || tail_embedding > 0 || (tied && stage_.post_process)) {
+    embed_id_ = existing_embedding >= 0 ? existing_embedding
+                                        : params_.add(embed_name, {local_vocab_, h}, true, Init::normal,
+                                                      init_std, vocab_shard);
+    embedding_uses = (stage_.pre_process ? 1 : 0) + tail_embedding;
+  }
+  for (int64_t i = stage_.first_layer; i < stage_.end_layer; ++i)
+    layer_ids_.push_back(register_layer(i, init_std));
+  if (stage_.post_process) {
+    norm_id_ = params_.add(prefix_ + "model.norm.weight", {h}, false, Init::ones, 0.02f, replicated);
+    if (tied) {
+      head_id_ = embed_id_;
+      embedding_uses += head_reads;
+    } else {
+      head_id_ = params_.add(prefix_ + "lm_head.weight", {local_vocab_, h}, true, Init::normal, init_std,
+                             vocab_shard);
+      if (head_reads > 1) params_.set_grad_uses(head_id_, head_reads);
+    }
+    if (tail_) tail_->register_parameters(*this, init_std);
+  }
+  if (embed_id_ >= 0) {
+    if (existing_embedding >= 0) embedding_uses += params_.info(embed_id_).grad_uses;
+    if (embedding_uses > 1) params_.set_grad_uses(embed_id_, embedding_uses);
+  }
+  if (!into) params_.allocate(options.gemm_dtype == DType::bf16, with_grads, options.device);
+
+  rope_ = s.rope;
+  rope_.cos = rope_.cos.to(options.device), rope_.sin = rope_.sin.to(options.device);
+  spec_.rope = nn::RopeTable{};  // the stack's copy is the one kept
+
+  if (embed_id_ >= 0) embedding_ = nn::Embedding(&params_, embed_id_, tp());
+  for (size_t l = 0; l < layer_ids_.size(); ++l) {
+    const int64_t i = stage_.first_layer + static_cast<int64_t>(l);
+    layers_.push_back(make_layer(i, layer_ids_[l], layer_options(i)));
+  }
+  if (stage_.post_process) {
+    final_norm_ = nn::RmsNorm(&params_, norm_id_, static_cast<float>(s.norm_eps));
+    head_ = nn::LossHead(&params_, head_id_, v, vocab_start_, options);
+    if (tail_) tail_->build(*this);
+  }
+  if (options.fp8 && !into) options.fp8->seal();
+  if (with_grads) register_tensor_parallel_sums();
+}
+
+// FP8: every decoder layer's Linears except the first and last bf16_*_layers, which stay in the GEMM dtype
+// (the layers nearest the embedding and the loss are the most sensitive to precision); an extension's layers
+// (indices past the last) count as last layers. Norms, attention itself, routers and the heads never run in
+// FP8.
+nn::ComputeOptions DecoderStack::layer_options(int64_t index) const {
+  nn::ComputeOptions o = options_;
+  if (o.fp8) {
+    const nn::Fp8Options& f = o.fp8->options();
+    if (index < f.bf16_first_layers || index >= spec_.layers - f.bf16_last_layers) o.fp8 = nullptr;
+  }
+  return o;
+}
+
+// Layer `index`'s parameters under their Hugging Face names "model.layers.{index}.*", this rank's shards.
+DecoderStack::LayerIds DecoderStack::register_layer(int64_t index, float init_std) {
+  FORGE_CHECK(index >= 0 && index < static_cast<int64_t>(spec_.layer_specs.size()),
+              "{}: layer {} has no layer spec", source_, index);
+  const LayerSpec& layer = spec_.layer_specs[static_cast<size_t>(index)];
+  const std::string p = prefix_ + "model.layers." + std::to_string(index) + ".";
+  const ShardSpec replicated{-1, 0, {}, options_.tp_rank() == 0};  // every rank holds the norms
+  // Output projections feed the residual stream: scale their init by 1/sqrt(2 * depth) (GPT-2/Megatron).
+  const float out_std = init_std / std::sqrt(2.0f * static_cast<float>(spec_.init_depth));
+  const int64_t h = spec_.hidden;
+  LayerIds ids;
+  ids.norm1 = params_.add(p + "input_layernorm.weight", {h}, false, Init::ones, 0.02f, replicated);
+  if (layer.attention == AttentionKind::gqa)
+    register_gqa(p + "self_attn.", layer, init_std, out_std, ids);
+  else
+    register_mla(p + "self_attn.", init_std, out_std, ids);
+  ids.norm2 = params_.add(p + "post_attention_layernorm.weight", {h}, false, Init::ones, 0.02f, replicated);
+  if (layer.feed_forward == FeedForwardKind::swiglu)
+    register_mlp(p + "mlp.", spec_.ffn, init_std, out_std, ids.mlp);
+  else
+    register_moe(p + "mlp.", init_std, out_std, ids);
+  return ids;
+}
+
+void DecoderStack::register_gqa(const std::string& a, const LayerSpec& layer, float init_std, float out_std,
+                                LayerIds& ids) {
+  const DecoderSpec& s = spec_;
+  const int tp = options_.tp_size(), r = options_.tp_rank();
+  const nn::AttentionShape l = local_attention(s, tp);
+  const int64_t hidden = s.hidden, d = s.head_dim, qd = s.heads * d, kvd = s.kv_heads * d;
+  // Replicated kv heads: rank r's query heads read kv head r * kv / tp; the first of its holders is primary.
+  const bool kv_split = s.kv_heads >= tp;
+  const int64_t kv_start = kv_split ? r * l.kv_heads * d : (static_cast<int64_t>(r) * s.kv_heads / tp) * d;
+  const bool kv_primary = kv_split || r % (tp / s.kv_heads) == 0;
+  ids.gqa.q = params_.add(a + "q_proj.weight", {l.heads * d, hidden}, true, Init::normal, init_std,
+                          split({qd, hidden}, 0, r * l.heads * d));
+  ids.gqa.k = params_.add(a + "k_proj.weight", {l.kv_heads * d, hidden}, true, Init::normal, init_std,
+                          split({kvd, hidden}, 0, kv_start, kv_primary));
+  ids.gqa.v = params_.add(a + "v_proj.weight", {l.kv_heads * d, hidden}, true, Init::normal, init_std,
+                          split({kvd, hidden}, 0, kv_start, kv_primary));
+  if (layer.qkv_bias) {
+    // No weight decay on biases (as on norms); zero at the start, like the reference initialisations.
+    ids.gqa.bias = params_.add(a + "q_proj.bias", {l.heads * d}, false, Init::zeros, 0.0f,
+                               split({qd}, 0, r * l.heads * d));
+    params_.add(a + "k_proj.bias", {l.kv_heads * d}, false, Init::zeros, 0.0f,
+                split({kvd}, 0, kv_start, kv_primary));
+    params_.add(a + "v_proj.bias", {l.kv_heads * d}, false, Init::zeros, 0.0f,
+                split({kvd}, 0, kv_start, kv_primary));
+  }
+  ids.gqa.o = params_.add(a + "o_proj.weight", {hidden, l.heads * d}, true, Init::normal, out_std,
+                          split({hidden, qd}, 1, r * l.heads * d));
+}
+
+void DecoderStack::register_mla(const std::string& a, float init_std, float out_std, LayerIds& ids) {
+  const nn::MlaShape& c = spec_.mla;
+  const int tp = options_.tp_size(), r = options_.tp_rank();
+  const int64_t h = spec_.hidden, heads = c.heads / tp, qk = c.qk_head_dim();
+  const ShardSpec replicated{-1, 0, {}, r == 0};
+  const int64_t q_rows = c.heads * qk;
+  if (c.q_lora_rank > 0) {
+    ids.mla.q_a =
+        params_.add(a + "q_a_proj.weight", {c.q_lora_rank, h}, true, Init::normal, init_std, replicated);
+    ids.mla.q_a_norm =
+        params_.add(a + "q_a_layernorm.weight", {c.q_lora_rank}, false, Init::ones, 0.02f, replicated);
+    ids.mla.q_b = params_.add(a + "q_b_proj.weight", {heads * qk, c.q_lora_rank}, true, Init::normal,
+                              init_std, split({q_rows, c.q_lora_rank}, 0, r * heads * qk));
+  } else {
+    ids.mla.q = params_.add(a + "q_proj.weight", {heads * qk, h}, true, Init::normal, init_std,
+                            split({q_rows, h}, 0, r * heads * qk));
+  }
+  const int64_t kv_a = c.kv_a_dim(), kv_head = c.qk_nope_head_dim + c.v_head_dim;
+  ids.mla.kv_a =
+      params_.add(a + "kv_a_proj_with_mqa.weight", {kv_a, h}, true, Init::normal, init_std, replicated);
+  ids.mla.kv_a_norm =
+      params_.add(a + "kv_a_layernorm.weight", {c.kv_lora_rank}, false, Init::ones, 0.02f, replicated);
+  ids.mla.kv_b = params_.add(a + "kv_b_proj.weight", {heads * kv_head, c.kv_lora_rank}, true, Init::normal,
+                             init_std, split({c.heads * kv_head, c.kv_lora_rank}, 0, r * heads * kv_head));
+  ids.mla.o = params_.add(a + "o_proj.weight", {h, heads * c.v_head_dim}, true, Init::normal, out_std,
+                          split({h, c.heads * c.v_head_dim}, 1, r * heads * c.v_head_dim));
+}
+
+void DecoderStack::register_mlp(const std::string& m, int64_t width, float init_std, float out_std,
+                                nn::MlpParams& ids) {
+  const int tp = options_.tp_size(), r = options_.tp_rank();
+  const int64_t h = spec_.hidden, f = width / tp;
+  ids.gate =
+      params_.add(m + "gate_proj.weight", {f, h}, true, Init::normal, init_std, split({width, h}, 0, r * f));
+  ids.up = params_.add(m + "up_proj.weight", {f, h}, true, Init::normal, init_std, split({width, h}, 0, r * f));
+  ids.down =
+      params_.add(m + "down_proj.weight", {h, f}, true, Init::normal, out_std, split({h, width}, 1, r * f));
+}
+
+// The routed experts go gate_0, up_0, gate_1, up_1, ..., then down_0, down_1, ... (nn::Moe's stacked
+// operands); the names are Hugging Face's, so the order does not matter to loading. The router's correction
+// bias is a parameter that never gets a gradient (weight decay off), moved once per optimizer step.
+void DecoderStack::register_moe(const std::string& p, float init_std, float out_std, LayerIds& ids) {
+  const nn::MoeShape& c = spec_.moe;
+  const int tp = options_.tp_size(), r = options_.tp_rank();
+  const int64_t h = spec_.hidden, experts = c.experts, width = c.expert_ffn, f = width / tp;
+  const ShardSpec replicated{-1, 0, {}, r == 0};
+  ids.moe.router = params_.add(p + "gate.weight", {experts, h}, true, Init::normal, init_std, replicated);
+  ids.moe.bias =
+      params_.add(p + "gate.e_score_correction_bias", {experts}, false, Init::zeros, 0.0f, replicated);
+  // Expert parallelism: this rank's experts only, under their global names, in their own reduction group
+  // (over the expert-data-parallel ranks that hold the same experts).
+  const int64_t local = experts / options_.ep_size(), first = options_.ep_rank() * local;
+  const std::string group = options_.ep_size() > 1 ? "experts" : "dense";
+  for (int64_t e = first; e < first + local; ++e) {
+    const std::string m = p + "experts." + std::to_string(e) + ".";
+    const int gate = params_.add(m + "gate_proj.weight", {f, h}, true, Init::normal, init_std,
+                                 split({width, h}, 0, r * f), group);
+    params_.add(m + "up_proj.weight", {f, h}, true, Init::normal, init_std, split({width, h}, 0, r * f),
+                group);
+    if (e == first) ids.moe.first_gate_up = gate;
+  }
+  for (int64_t e = first; e < first + local; ++e) {
+    const std::string m = p + "experts." + std::to_string(e) + ".";
+    const int down = params_.add(m + "down_proj.weight", {h, f}, true, Init::normal, out_std,
+                                 split({h, width}, 1, r * f), group);
+    if (e == first) ids.moe.first_down = down;
+  }
+  if (c.shared_ffn > 0) register_mlp(p + "shared_experts.", c.shared_ffn, init_std, out_std, ids.moe.shared);
+}
+
+nn::DecoderLayer DecoderStack::make_layer(int64_t index, const LayerIds& ids,
+                                          const nn::ComputeOptions& options) {
+  const DecoderSpec& s = spec_;
+  const LayerSpec& layer = s.layer_specs[static_cast<size_t>(index)];
+  const int tp = options_.tp_size();
+  std::unique_ptr<nn::LayerPart> mixer, ffn;
+  if (layer.attention == AttentionKind::gqa) {
+    mixer = std::make_unique<nn::Attention>(&params_, ids.gqa, local_attention(s, tp), &rope_, options);
+  } else {
+    nn::MlaShape mla = s.mla;
+    mla.heads = s.mla.heads / tp;
+    mixer = std::make_unique<nn::MlaAttention>(&params_, ids.mla, mla, &rope_, options);
+  }
+  if (layer.feed_forward == FeedForwardKind::swiglu) {
+    ffn = std::make_unique<nn::Mlp>(&params_, ids.mlp, s.hidden, s.ffn / tp, options);
+  } else {
+    nn::MoeShape moe = s.moe;
+    moe.hidden = s.hidden, moe.expert_ffn = s.moe.expert_ffn / tp, moe.shared_ffn = s.moe.shared_ffn / tp;
+    moe.capacity_factor = options_.moe_capacity_factor;
+    moe.pad_to_capacity = options_.moe_pad_to_capacity;
+    // An extension's layer past the model's (MTP depth k: under context parallelism it keeps every position,
+    // the last k of each sequence padding).
+    moe.padded_tail = index >= s.layers ? index - s.layers + 1 : 0;
+    moe_stats_.emplace_back();
+    auto experts = std::make_unique<nn::Moe>(&params_, ids.moe, moe, options, &moe_stats_.back(), &moe_scale_);
+    moe_layers_.push_back(experts.get());
+    moe_layer_ids_.emplace_back(index, ids.moe.bias);
+    ffn = std::move(experts);
+  }
+  return nn::DecoderLayer(&params_, ids.norm1, std::move(mixer), ids.norm2, std::move(ffn),
+                          static_cast<float>(s.norm_eps), options);
+}
+
+int DecoderStack::register_extra_layer(int64_t index, float init_std) {
+  extra_ids_.emplace_back(index, register_layer(index, init_std));
+  return static_cast<int>(extra_ids_.size()) - 1;
+}
+
+nn::DecoderLayer DecoderStack::build_extra_layer(int registration, const nn::ComputeOptions& options) {
+  const auto& [index, ids] = extra_ids_.at(static_cast<size_t>(registration));
+  return make_layer(index, ids, options);
+}
+
+void DecoderStack::sum_over_group(int id) {
+  nn::TensorParallel* group = tp();
+  const Device device = options_.device;
+  params_.add_grad_finalizer({id}, [this, group, device, id] {
+    group->all_reduce_sum(params_.grad(id).f32(), params_.grad(id).numel(), device);
+  });
+}
+
+// Gradients that several tensor-parallel ranks hold copies of, each having seen only part of them, are summed
+// over the group as soon as they are final: MLA's replicated latent projections and norms (each rank saw
+// only its heads), kv heads replicated over ranks (each holder saw only its own query heads), the norm
+// weights under sequence parallelism (each rank normed only its rows), and what the tail names.
+void DecoderStack::register_tensor_parallel_sums() {
+  nn::TensorParallel* group = tp();
+  if (!group) return;
+  const Device device = options_.device;
+  for (const nn::DecoderLayer& layer : layers_)
+    if (const auto* mla = dynamic_cast<const nn::MlaAttention*>(&layer.mixer()))
+      for (int id : mla->replicated_params()) sum_over_group(id);
+  if (tail_)
+    for (int id : tail_->tensor_parallel_sums()) sum_over_group(id);
+  if (group->sequence_parallel()) {
+    for (const LayerIds& ids : layer_ids_) sum_over_group(ids.norm1), sum_over_group(ids.norm2);
+    if (stage_.post_process) sum_over_group(norm_id_);
+  }
+  const int64_t kv_heads = spec_.kv_heads;
+  if (kv_heads >= group->size()) return;
+  // Sum the copies of each kv head through a buffer of all kv heads in which each rank fills its head's slot
+  // (the k and v weights, and their biases when the layer has them).
+  const int64_t head = static_cast<int64_t>(group->rank()) * kv_heads / group->size();
+  auto sum_kv_copies = [&](int k, int v, int64_t per_head) {
+    params_.add_grad_finalizer({k, v}, [this, group, device, k, v, kv_heads, per_head, head] {
+      Tensor buffer = Tensor::zeros({2, kv_heads, per_head}, DType::f32, device);
+      const int kv_ids[2] = {k, v};
+      for (int kv = 0; kv < 2; ++kv)
+        buffer.view((kv * kv_heads + head) * per_head, {per_head})
+            .copy_from(params_.grad(kv_ids[kv]).reshape({per_head}));
+      group->all_reduce_sum(buffer.f32(), buffer.numel(), device);
+      for (int kv = 0; kv < 2; ++kv)
+        params_.grad(kv_ids[kv])
+            .reshape({per_head})
+            .copy_from(buffer.view((kv * kv_heads + head) * per_head, {per_head}));
+    });
+  };
+  for (size_t l = 0; l < layer_ids_.size(); ++l) {
+    const LayerIds& ids = layer_ids_[l];
+    if (ids.gqa.k < 0) continue;
+    sum_kv_copies(ids.gqa.k, ids.gqa.v, spec_.head_dim * spec_.hidden);
+    if (ids.gqa.bias >= 0) sum_kv_copies(ids.gqa.bias + 1, ids.gqa.bias + 2, spec_.head_dim);
+  }
+}
+
+nn::TensorParallel* DecoderStack::tp() const {
+  return options_.tp && options_.tp->size() > 1 ? options_.tp : nullptr;
+}
+
+void DecoderStack::require_whole(const char* what) const {
+  if (!stage_.pre_process || !stage_.post_process || stage_.first_layer != 0 ||
+      stage_.end_layer != spec_.layers)
+    fail("{} needs the whole model; this stage holds layers [{}, {}){}{}", what, stage_.first_layer,
+         stage_.end_layer, stage_.pre_process ? " with the embedding" : "",
+         stage_.post_process ? " with the head" : "");
+}
+
+void DecoderStack::check_ids(const int32_t* ids, int64_t n) const {
+  for (int64_t i = 0; i < n; ++i)
+    if (ids[i] < 0 || ids[i] >= spec_.vocab)
+      fail("token id {} at position {} is outside the vocabulary [0, {})", ids[i], i, spec_.vocab);
+}
+
+void DecoderStack::check_inputs(const MicroBatch& mb) const {
+  if (mb.batch <= 0 || mb.seq <= 0)
+    fail("batch ({}) and sequence length ({}) must be positive", mb.batch, mb.seq);
+  if (mb.seq > spec_.max_positions)
+    fail("sequence length {} exceeds max_position_embeddings {}", mb.seq, spec_.max_positions);
+  const int64_t n = mb.batch * mb.seq;
+  if (stage_.pre_process || (tail_ && tail_->reads_ids())) {
+    FORGE_CHECK(mb.ids != nullptr, "{} needs token ids", stage_.pre_process ? "the first stage" : "the tail");
+    check_ids(mb.ids, n);
+  }
+  if (stage_.post_process && mb.targets)
+    for (int64_t i = 0; i < n; ++i)
+      if (mb.targets[i] >= spec_.vocab)
+        fail("target id {} at position {} is outside the vocabulary [0, {})", mb.targets[i], i, spec_.vocab);
+  if (tail_) tail_->check(mb);
+  if (tp() && tp()->sequence_parallel() && n % tp()->size() != 0)
+    fail("sequence parallelism splits the {} x {} token rows over tp = {} ranks: they do not divide",
+         mb.batch, mb.seq, tp()->size());
+}
+
+StageOutput DecoderStack::forward(const MicroBatch& mb, const Tensor& hidden,
+                                  std::unique_ptr<StageActivations>* saved) {
+  if (mb.pixels || mb.images)
+    fail("{} takes no images ({} given); a multimodal model is a LlavaForConditionalGeneration",
+         config_->architecture(), mb.images);
+  return run_forward(mb, hidden, nullptr, saved);
+}
+
+StageOutput DecoderStack::forward_inserted(const MicroBatch& mb, int32_t token, const Tensor& inserted,
+                                           std::unique_ptr<StageActivations>* saved) {
+  const Insertion insertion = make_insertion(mb, token, inserted);
+  return run_forward(mb, Tensor(), &insertion, saved);
+}
+
+// The embeddings x [rows, hidden] of this rank's tokens with the inserted rows in place (nothing: null).
+void DecoderStack::splice(const Insertion* insertion, const Tensor& x) const {
+  if (!insertion) return;
+  for (const InsertedRun& run : insertion->runs)
+    copy_rows(*insertion->rows, run.source, x, run.row, run.count, spec_.hidden);
+}
+
+DecoderStack::Insertion DecoderStack::make_insertion(const MicroBatch& mb, int32_t token,
+                                                     const Tensor& inserted) const {
+  FORGE_CHECK(stage_.pre_process, "inserted embeddings go to the first stage");
+  check_inputs(mb);
+  const int64_t h = spec_.hidden, n = mb.batch * mb.seq;
+  Insertion insertion;
+  insertion.rows = &inserted;
+  insertion.count = inserted.defined() ? inserted.numel() / h : 0;
+  FORGE_CHECK(!inserted.defined() || inserted.numel() == insertion.count * h,
+              "inserted embeddings: {} values are not rows of {}", inserted.numel(), h);
+  // Under sequence parallelism this rank's rows are [rank * n / tp, (rank + 1) * n / tp) of the micro-batch.
+  const bool split_rows = tp() && tp()->sequence_parallel();
+  const int64_t local = split_rows ? n / tp()->size() : n;
+  const int64_t begin = split_rows ? tp()->rank() * local : 0;
+  int64_t source = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    if (mb.ids[r] != token) continue;
+    if (r >= begin && r < begin + local) {
+      InsertedRun* last = insertion.runs.empty() ? nullptr : &insertion.runs.back();
+      if (last && last->row + last->count == r - begin && last->source + last->count == source)
+        ++last->count;
+      else
+        insertion.runs.push_back({r - begin, 1, source});
+    }
+    ++source;
+  }
+  if (source != insertion.count)
+    fail("the micro-batch holds {} image tokens (id {}) but its images give {} features ({} per image)",
+         source, token, insertion.count, mb.images > 0 ? insertion.count / mb.images : 0);
+  return insertion;
+}
+
+Tensor DecoderStack::logits_inserted(const int32_t* ids, int64_t batch, int64_t seq, int32_t token,
+                                     const Tensor& inserted) {
+  require_whole("logits");
+  const Insertion insertion = make_insertion({ids, nullptr, batch, seq, 0.0f}, token, inserted);
+  return head_.logits(final_hidden(ids, batch, seq, &insertion)).to(Device::cpu);
+}
+
+Tensor DecoderStack::inserted_gradient(StageActivations& state) const {
+  auto& acts = static_cast<Activations&>(state);
+  FORGE_CHECK(acts.input_done, "inserted_gradient before backward_input");
+  Tensor out = std::move(acts.dinserted);
+  acts.dinserted = Tensor();
+  return out;
+}
+
+// After B of the first stage: the inserted rows' gradient moves out of dembed (the embedding's own gradient
+// must not see it: those tokens' embeddings were replaced).
+void DecoderStack::take_inserted_rows(Activations& acts) const {
+  if (acts.inserted_runs.empty() && acts.inserted_count == 0) return;
+  const int64_t h = spec_.hidden;
+  acts.dinserted = Tensor::zeros({acts.inserted_count, h}, DType::f32, options_.device);
+  for (const InsertedRun& run : acts.inserted_runs) {
+    copy_rows(acts.dembed, run.row, acts.dinserted, run.source, run.count, h);
+    acts.dembed.view(run.row * h, {run.count * h}).fill_zero();
+  }
+}
+
+StageOutput DecoderStack::run_forward(const MicroBatch& mb, const Tensor& hidden, const Insertion* insertion,
+                                      std::unique_ptr<StageActivations>* saved) {
+  if (saved && !params_.has_grads())
+    fail("forward for backward: this model was built for inference, without gradients");
+  check_inputs(mb);
+  if (stage_.post_process) FORGE_CHECK(mb.targets != nullptr, "the last stage needs targets");
+  // Training micro-batches (those that will run backward) feed the FP8 amax history.
+  const nn::Fp8Recording fp8_recording(options_.fp8, saved != nullptr);
+  auto acts = std::make_unique<Activations>();
+  acts->batch = mb.batch, acts->seq = mb.seq;
+  const int64_t n = mb.batch * mb.seq;
+  Tensor x;
+  if (stage_.pre_process) {
+    acts->device_ids = ids_on(options_.device, mb.ids, n, acts->ids_holder);
+    x = embedding_.forward(acts->device_ids, n);
+    if (insertion) {
+      splice(insertion, x);
+      acts->inserted_runs = insertion->runs, acts->inserted_count = insertion->count;
+    }
+  } else {
+    const int64_t rows = tp() && tp()->sequence_parallel() ? n / tp()->size() : n;
+    FORGE_CHECK(hidden.defined() && hidden.numel() == rows * spec_.hidden,
+                "stage input: {} elements, expected [{}, {}] hidden states",
+                hidden.defined() ? hidden.numel() : 0, rows, spec_.hidden);
+    x = hidden;
+  }
+  if (saved) acts->layers.resize(layers_.size());
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    nn::DecoderLayer::Saved scratch;
+    x = layers_[l].forward(x, mb.batch, mb.seq, saved ? acts->layers[l] : scratch);
+  }
+  StageOutput out;
+  if (!stage_.post_process) {
+    out.hidden = x;
+  } else {
+    nn::RmsNorm::Saved scratch;
+    const Tensor normed = final_norm_.forward(x, saved ? acts->norm : scratch);
+    Tensor targets_holder;
+    const int32_t* device_targets = ids_on(options_.device, mb.targets, n, targets_holder);
+    const nn::LossTotals loss =
+        head_.forward(normed, mb.targets, device_targets, mb.grad_scale, saved ? &acts->dhead : nullptr);
+    out.loss.sum = loss.sum, out.loss.tokens = loss.tokens;
+    if (tail_) tail_->forward(mb, x, loss.tokens, saved ? &acts->tail : nullptr);
+  }
+  if (saved) *saved = std::move(acts);
+  return out;
+}
+
+Tensor DecoderStack::head_backward(Activations& acts, bool fused) {
+  const Tensor dtail = tail_ ? tail_->backward_input(*acts.tail) : Tensor();
+  if (tail_ && fused) tail_->backward_weight(*acts.tail);
+  Tensor dx = final_norm_.backward_input(acts.dhead, acts.norm);
+  acts.dhead = Tensor();
+  if (fused) final_norm_.backward_weight(acts.norm);
+  if (dtail.defined()) ops::add_inplace(dx.f32(), dtail.f32(), dx.numel(), options_.device);
+  return dx;
+}
+
+Tensor DecoderStack::backward_input(const Tensor& doutput, StageActivations& state) {
+  auto& acts = static_cast<Activations&>(state);
+  FORGE_CHECK(!acts.input_done, "backward_input ran twice for one micro-batch");
+  const nn::Fp8Recording fp8_recording(options_.fp8, true);
+  Tensor dx = stage_.post_process ? head_backward(acts, false) : doutput;
+  FORGE_CHECK(dx.defined(), "backward_input of a stage that is not the last needs its output's gradient");
+  for (size_t l = layers_.size(); l-- > 0;)
+    dx = layers_[l].backward_input(dx, acts.batch, acts.seq, acts.layers[l]);
+  acts.input_done = true;
+  if (!stage_.pre_process) return dx;
+  acts.dembed = dx;
+  take_inserted_rows(acts);
+  return Tensor();
+}
+
+void DecoderStack::backward_weight(StageActivations& state) {
+  auto& acts = static_cast<Activations&>(state);
+  FORGE_CHECK(acts.input_done && !acts.weight_done, "backward_weight before backward_input, or twice");
+  const nn::Fp8Recording fp8_recording(options_.fp8, true);
+  if (stage_.post_process) {
+    if (tail_) tail_->backward_weight(*acts.tail);
+    final_norm_.backward_weight(acts.norm);
+  }
+  for (size_t l = layers_.size(); l-- > 0;) layers_[l].backward_weight(acts.layers[l]);
+  if (stage_.pre_process) embedding_.backward_weight(acts.device_ids, acts.dembed), acts.dembed = Tensor();
+  acts.weight_done = true;
+}
+
+// The fused order: each part's weight gradients right after its input gradient, so that what W reads is
+// released as early as possible (the least memory); bitwise the same gradients as B-then-W.
+Tensor DecoderStack::backward(const Tensor& doutput, StageActivations& state) {
+  auto& acts = static_cast<Activations&>(state);
+  FORGE_CHECK(!acts.input_done, "backward ran twice for one micro-batch");
+  const nn::Fp8Recording fp8_recording(options_.fp8, true);
+  Tensor dx = stage_.post_process ? head_backward(acts, true) : doutput;
+  FORGE_CHECK(dx.defined(), "backward of a stage that is not the last needs its output's gradient");
+  for (size_t l = layers_.size(); l-- > 0;) {
+    dx = layers_[l].backward_input(dx, acts.batch, acts.seq, acts.layers[l]);
+    layers_[l].backward_weight(acts.layers[l]);
+  }
+  acts.input_done = acts.weight_done = true;
+  if (!stage_.pre_process) return dx;
+  acts.dembed = dx;
+  take_inserted_rows(acts);
+  embedding_.backward_weight(acts.device_ids, acts.dembed), acts.dembed = Tensor();
+  return Tensor();
+}
+
+Tensor DecoderStack::embed(const int32_t* ids, int64_t rows) const {
+  FORGE_CHECK(stage_.pre_process, "embed: this stage has no embedding");
+  Tensor holder;
+  return embedding_.forward(ids_on(options_.device, ids, rows, holder), rows);
+}
+
+Tensor DecoderStack::final_hidden(const int32_t* ids, int64_t batch, int64_t seq, const Insertion* insertion) {
+  Tensor holder;
+  Tensor x = embedding_.forward(ids_on(options_.device, ids, batch * seq, holder), batch * seq);
+  splice(insertion, x);
+  for (const nn::DecoderLayer& layer : layers_) {
+    nn::DecoderLayer::Saved scratch;
+    x = layer.forward(x, batch, seq, scratch);
+  }
+  nn::RmsNorm::Saved scratch;
+  return final_norm_.forward(x, scratch);
+}
+
+Tensor DecoderStack::logits(const int32_t* ids, int64_t batch, int64_t seq) {
+  require_whole("logits");
+  check_inputs({ids, nullptr, batch, seq, 0.0f});
+  return head_.logits(final_hidden(ids, batch, seq, nullptr)).to(Device::cpu);
+}
+
+nn::KvCache DecoderStack::make_cache(int64_t batch, int64_t capacity) const {
+  require_whole("a KV cache");
+  const int64_t max_positions = spec_.max_positions;
+  if (capacity == 0) capacity = max_positions;
+  if (capacity < 0 || capacity > max_positions)
+    fail("KV cache capacity {} is outside [1, max_position_embeddings = {}]", capacity, max_positions);
+  if (batch <= 0) fail("KV cache batch must be positive, got {}", batch);
+  return nn::KvCache(spec_.layers, batch, capacity, spec_.cache_heads, spec_.cache_dim, options_.device);
+}
+
+Tensor DecoderStack::forward_cached(const int32_t* ids, int64_t batch, int64_t new_tokens, nn::KvCache& cache,
+                                    bool all_logits) {
+  return run_cached(ids, batch, new_tokens, cache, all_logits, nullptr);
+}
+
+Tensor DecoderStack::forward_cached_inserted(const int32_t* ids, int64_t batch, int64_t new_tokens,
+                                             nn::KvCache& cache, int32_t token, const Tensor& inserted) {
+  require_whole("cached inference");
+  if (tp())
+    fail("cached inference runs on one process; this model is split over tp = {} ranks", tp()->size());
+  // The splice's rows are this call's new tokens.
+  const Insertion insertion = make_insertion({ids, nullptr, batch, new_tokens, 0.0f}, token, inserted);
+  return run_cached(ids, batch, new_tokens, cache, false, &insertion);
+}
+
+// Inference through the main layers (a tail is not used).
+Tensor DecoderStack::run_cached(const int32_t* ids, int64_t batch, int64_t new_tokens, nn::KvCache& cache,
+                                bool all_logits, const Insertion* insertion) {
+  require_whole("cached inference");
+  if (tp())
+    fail("cached inference runs on one process; this model is split over tp = {} ranks", tp()->size());
+  if (batch <= 0 || new_tokens <= 0)
+    fail("batch ({}) and new tokens ({}) must be positive", batch, new_tokens);
+  if (!cache.allocated() || cache.layers() != spec_.layers || cache.batch() != batch ||
+      cache.kv_heads() != spec_.cache_heads || cache.head_dim() != spec_.cache_dim)
+    fail(
+        "KV cache ({} layers, batch {}, {} kv heads x {}) does not fit this model and batch "
+        "({} layers, batch {}, {} kv heads x {}); make it with make_cache",
+        cache.layers(), cache.batch(), cache.kv_heads(), cache.head_dim(), spec_.layers, batch,
+        spec_.cache_heads, spec_.cache_dim);
+  const int64_t end = cache.length() + new_tokens;
+  if (end > spec_.max_positions)
+    fail("context full: {} cached + {} new tokens exceed max_position_embeddings {}", cache.length(),
+         new_tokens, spec_.max_positions);
+  if (end > cache.capacity())
+    fail("KV cache full: {} cached + {} new tokens exceed its capacity of {} positions", cache.length(),
+         new_tokens, cache.capacity());
+  check_ids(ids, batch * new_tokens);
+
+  const int64_t h = spec_.hidden;
+  Tensor ids_holder;
+  Tensor x =
+      embedding_.forward(ids_on(options_.device, ids, batch * new_tokens, ids_holder), batch * new_tokens);
+  splice(insertion, x);
+  for (size_t l = 0; l < layers_.size(); ++l)
+    x = layers_[l].forward_cached(x, batch, new_tokens, cache.layer(static_cast<int64_t>(l)));
+  cache.advance(new_tokens);
+  if (!all_logits && new_tokens > 1) {  // only each sequence's last token goes through the head
+    Tensor last = Tensor::empty({batch, h}, DType::f32, options_.device);
+    for (int64_t b = 0; b < batch; ++b)
+      last.view(b * h, {h}).copy_from(x.view(((b + 1) * new_tokens - 1) * h, {h}));
+    x = last;
+  }
+  nn::RmsNorm::Saved norm_saved;
+  return head_.logits(final_norm_.forward(x, norm_saved)).to(Device::cpu);
+}
+
+// ---- Routed experts.
+
+void DecoderStack::begin_train_step(const TrainStepSettings& settings) {
+  set_balance_scale(settings.balance_scale);
+  set_aux_loss_scale(settings.aux_loss_scale);
+  for (nn::MoeStats& s : moe_stats_) s.reset(spec_.moe.experts);
+  if (tail_) tail_->begin_train_step(settings);
+}
+
+int64_t DecoderStack::expert_layer_count() const {
+  return std::count_if(spec_.layer_specs.begin(), spec_.layer_specs.end(),
+                       [](const LayerSpec& l) { return l.feed_forward == FeedForwardKind::moe; });
+}
+
+std::vector<ExpertLayerView> DecoderStack::expert_layers() {
+  std::vector<ExpertLayerView> views;
+  for (size_t i = 0; i < moe_layer_ids_.size(); ++i) {
+    const auto [layer, bias] = moe_layer_ids_[i];
+    // Its slot: the MoE layers before it in the whole model.
+    const int64_t slot =
+        std::count_if(spec_.layer_specs.begin(), spec_.layer_specs.begin() + layer,
+                      [](const LayerSpec& l) { return l.feed_forward == FeedForwardKind::moe; });
+    views.push_back({layer, slot, &moe_stats_[i], bias});
+  }
+  return views;
+}
+
+void DecoderStack::apply_bias_updates(float rate, bool zero_mean) {
+  for (const nn::Moe* moe : moe_layers_) moe->apply_bias_update(rate, zero_mean);
+}
+
+double DecoderStack::balance_loss(double coefficient) const {
+  double total = 0;
+  for (const nn::MoeStats& s : moe_stats_)
+    if (s.sequences > 0) total += coefficient * s.balance_sum / static_cast<double>(s.sequences);
+  return total;
+}
+
+double DecoderStack::aux_loss(double coefficient) const {
+  double total = 0;
+  for (const nn::MoeStats& s : moe_stats_)
+    if (s.micro_batches > 0) total += coefficient * s.aux_sum / static_cast<double>(s.micro_batches);
+  return total;
+}
+
+}  // namespace forge::models

@@ -1,0 +1,245 @@
+// The one decoder stack every family is built on: embedding, decoder layers assembled from a per-layer spec,
+// final norm, loss head, the split backward (B and W), the KV cache, pipeline slicing, sequence-parallel
+// sums and the input checks, written once.
+//
+// A family describes its model as data (DecoderSpec: sizes, the RoPE table, and a LayerSpec per layer: which
+// attention, which feed-forward, which options) and keeps in its folder only what really differs: its
+// config.json reader with Hugging Face's defaults, its tensor names and FLOPs, and the extension parts the
+// stack calls at fixed places. Today's extensions: LLaVA's encoder and projector in front (their features
+// replace image tokens' embeddings: forward_inserted), DeepSeek-V3's multi-token prediction behind (the
+// `tail_*` hooks, run on the last stage after the loss head).
+//
+// Parameters are registered under their Hugging Face names ("model.layers.{i}.self_attn.q_proj.weight", the
+// names Llama, Qwen, Mistral and DeepSeek share), in the order embedding, each layer (input norm,
+// attention, post-attention norm, feed-forward), final norm, head; the order fixes the flat buffers' layout
+// and so the bits of every sum over them.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "forge/models/model.h"
+#include "forge/nn/attention.h"
+#include "forge/nn/decoder_layer.h"
+#include "forge/nn/embedding.h"
+#include "forge/nn/loss_head.h"
+#include "forge/nn/mla_attention.h"
+#include "forge/nn/mlp.h"
+#include "forge/nn/moe.h"
+#include "forge/nn/rmsnorm.h"
+
+namespace forge::models {
+
+enum class AttentionKind { gqa, mla };           // grouped-query (MHA when kv heads = heads); latent (MLA)
+enum class FeedForwardKind { swiglu, moe };      // down(silu(gate(x)) * up(x)); routed experts (+ shared)
+
+// One decoder layer, as its family chooses it.
+struct LayerSpec {
+  AttentionKind attention = AttentionKind::gqa;
+  FeedForwardKind feed_forward = FeedForwardKind::swiglu;
+  bool qkv_bias = false;  // gqa: biases on q, k and v (Qwen2), registered after the three weights
+};
+
+// A whole model's description. Sizes are the model's, not a tensor-parallel rank's: the stack splits them.
+struct DecoderSpec {
+  int64_t hidden = 0, vocab = 0, layers = 0, max_positions = 0;
+  double norm_eps = 1e-6;
+  bool tie_word_embeddings = false;
+  // Output projections (o_proj, down_proj) start at init_std / sqrt(2 * init_depth) (GPT-2/Megatron).
+  int64_t init_depth = 0;
+  int64_t ffn = 0;            // swiglu layers' intermediate width
+  int64_t heads = 0, kv_heads = 0, head_dim = 0;  // gqa layers
+  nn::MlaShape mla;           // mla layers: heads = the model's
+  // moe layers: widths are the model's (expert_ffn per routed expert, shared_ffn all shared experts);
+  // capacity and padding come from the compute options.
+  nn::MoeShape moe;
+  // Per layer index: the model's layers, then any an extension builds (DeepSeek-V3's MTP modules' layers).
+  std::vector<LayerSpec> layer_specs;
+  // cos/sin [max_positions, rotary dims / 2] on the host; the stack moves them to the device.
+  nn::RopeTable rope;
+  // The KV cache per layer and token: kv heads x dims (MLA: one head of the latent and the rope key).
+  int64_t cache_heads = 0, cache_dim = 0;
+};
+
+class DecoderStack;
+
+// A family's part behind the loss head on the last stage (DeepSeek-V3's multi-token prediction). The stack
+// calls it at fixed places: registration after the head's parameters, build after the stack's modules, and
+// in every pass after (forward) or before (backward) the final norm.
+class StackTail {
+ public:
+  virtual ~StackTail() = default;
+  // How many times the tail reads the embedding and the head's weight per micro-batch (their gradient uses;
+  // the last stage then holds the embedding even without the first layer).
+  virtual int embedding_reads() const = 0;
+  virtual int head_reads() const = 0;
+  virtual bool reads_ids() const = 0;  // the last stage then checks and needs token ids too
+  virtual void register_parameters(DecoderStack& stack, float init_std) = 0;
+  virtual void build(DecoderStack& stack) = 0;
+  // Gradients each tensor-parallel rank holds only a share of (summed over the group once final).
+  virtual std::vector<int> tensor_parallel_sums() const = 0;
+  virtual void begin_train_step(const TrainStepSettings& settings) = 0;
+  virtual void check(const MicroBatch& mb) const = 0;
+  // h0: the last layer's output before the final norm [rows, hidden]; main_tokens: the main loss's tokens.
+  // saved null: no backward follows.
+  virtual void forward(const MicroBatch& mb, const Tensor& h0, int64_t main_tokens,
+                       std::unique_ptr<StageActivations>* saved) = 0;
+  // B: the gradient of h0 from the tail; W: its weight gradients.
+  virtual Tensor backward_input(StageActivations& saved) = 0;
+  virtual void backward_weight(StageActivations& saved) = 0;
+};
+
+class DecoderStack : public Model {
+ public:
+  // Registers and allocates the stage's parameters; they start at zero until initialize() or a load.
+  // with_grads = false builds an inference model (no gradient buffers; backward is refused). into: see
+  // models::build_model (the parameters go into a store shared with other chunks, allocated by the caller).
+  // name_prefix: before every parameter's name (a LLaVA's language model is "language_model.").
+  // tail: an extension run behind the loss head on the last stage (null: none).
+  DecoderStack(const ModelConfig& config, DecoderSpec spec, nn::ComputeOptions options, float init_std,
+               bool with_grads, StageSpec stage, ParameterStore* into, std::string name_prefix = "",
+               std::unique_ptr<StackTail> tail = nullptr);
+  DecoderStack(const DecoderStack&) = delete;
+  DecoderStack& operator=(const DecoderStack&) = delete;
+
+  const ModelConfig& config() const override { return *config_; }
+  const StageSpec& stage() const override { return stage_; }
+  const nn::ComputeOptions& options() const override { return options_; }
+  ParameterStore& params() override { return params_; }
+  const ParameterStore& params() const override { return params_; }
+  const DecoderSpec& spec() const { return spec_; }
+  int64_t padded_vocab_size() const { return padded_vocab_; }  // vocabulary rows over all tp ranks
+
+  StageOutput forward(const MicroBatch& mb, const Tensor& hidden,
+                      std::unique_ptr<StageActivations>* saved) override;
+  Tensor backward_input(const Tensor& doutput, StageActivations& saved) override;
+  void backward_weight(StageActivations& saved) override;
+  Tensor backward(const Tensor& doutput, StageActivations& saved) override;
+
+  Tensor logits(const int32_t* ids, int64_t batch, int64_t seq) override;
+  nn::KvCache make_cache(int64_t batch, int64_t capacity = 0) const override;
+  Tensor forward_cached(const int32_t* ids, int64_t batch, int64_t new_tokens, nn::KvCache& cache,
+                        bool all_logits = false) override;
+  using Model::forward_cached_images;
+
+  // ---- Embeddings inserted in place of a token's (a LLaVA's image features; models/llava/). The rows of
+  // `inserted` [count, hidden] (on the model's device) replace, in order, the embeddings of the micro-batch's
+  // tokens equal to `token`: forward_inserted is forward with that splice (first stage only), and after
+  // backward_input (or backward) inserted_gradient hands over the gradient of those rows [count, hidden],
+  // which then take no part in the embedding's own gradient. Under sequence parallelism each rank holds the
+  // gradient of its own rows only (zero elsewhere): the caller sums it over the tensor-parallel group.
+  StageOutput forward_inserted(const MicroBatch& mb, int32_t token, const Tensor& inserted,
+                               std::unique_ptr<StageActivations>* saved);
+  Tensor inserted_gradient(StageActivations& saved) const;
+  // Full logits [batch * seq, vocab] on the host with the splice (the whole model only).
+  Tensor logits_inserted(const int32_t* ids, int64_t batch, int64_t seq, int32_t token,
+                         const Tensor& inserted);
+  // forward_cached with the splice (inference of a multimodal prompt).
+  Tensor forward_cached_inserted(const int32_t* ids, int64_t batch, int64_t new_tokens, nn::KvCache& cache,
+                                 int32_t token, const Tensor& inserted);
+
+  // ---- Routed experts (any layer whose LayerSpec is moe): the trainer's hooks (models/model.h).
+  void begin_train_step(const TrainStepSettings& settings) override;
+  int64_t expert_layer_count() const override;
+  int64_t routed_experts() const override { return spec_.moe.experts; }
+  std::vector<ExpertLayerView> expert_layers() override;
+  void apply_bias_updates(float rate, bool zero_mean) override;
+  // Per local MoE layer (main layers in order, then an extension's), this step's statistics.
+  std::deque<nn::MoeStats>& moe_stats() { return moe_stats_; }
+  const std::deque<nn::MoeStats>& moe_stats() const { return moe_stats_; }
+  // d(total loss) / d(balance loss of one sequence of one layer) and d(total loss) / d(auxiliary loss of one
+  // micro-batch of one layer); read by each forward.
+  void set_balance_scale(float scale) { moe_scale_.balance = scale; }
+  void set_aux_loss_scale(float scale) { moe_scale_.aux = scale; }
+  // The balance (auxiliary) loss: coefficient * mean over sequences (micro-batches) of sum_i f_i P_i, summed
+  // over the local MoE layers, from the statistics.
+  double balance_loss(double coefficient) const;
+  double aux_loss(double coefficient) const;
+
+  // Module access for tests of the backward split.
+  const std::vector<nn::DecoderLayer>& layers() const { return layers_; }
+  Tensor embed(const int32_t* ids, int64_t rows) const;  // host ids; first stage only
+
+ // ---- For extensions (StackTail) and families.
+  // Registers layer `index` (>= spec.layers for an extension's own) under "model.layers.{index}." like the
+  // stack's layers, and builds it once the store is allocated (build_extra_layer, with its registration
+  // number: 0 for the first one registered).
+  int register_extra_layer(int64_t index, float init_std);
+  nn::DecoderLayer build_extra_layer(int registration, const nn::ComputeOptions& options);
+  // The compute options of layer `index`: FP8 or not (the first and last fp8.bf16_*_layers keep the GEMM
+  // dtype; an extension's layers count as last).
+  nn::ComputeOptions layer_options(int64_t index) const;
+  nn::TensorParallel* tp() const;  // null unless split over more than one rank
+  const std::string& source() const { return source_; }  // the config's path, for messages
+  const nn::RopeTable& rope() const { return rope_; }
+  const std::string& prefix() const { return prefix_; }
+  int embedding_id() const { return embed_id_; }
+  int head_id() const { return head_id_; }
+  int64_t vocab_start() const { return vocab_start_; }
+  // Checks of ids and targets against the vocabulary (the stack's inputs, or an extension's).
+  void check_ids(const int32_t* ids, int64_t n) const;
+
+ protected:
+  struct Activations;
+  StackTail* tail() const { return tail_.get(); }  // null on stages other than the last
+
+ private:
+  struct Insertion;
+  struct LayerIds {
+    int norm1 = -1, norm2 = -1;
+    nn::AttentionParams gqa;
+    int q_bias = -1;  // the first of q|k|v's biases (-1: none)
+    nn::MlaParams mla;
+    nn::MlpParams mlp;
+    nn::MoeParams moe;
+  };
+  LayerIds register_layer(int64_t index, float init_std);
+  void register_gqa(const std::string& p, const LayerSpec& layer, float init_std, float out_std,
+                    LayerIds& ids);
+  void register_mla(const std::string& p, float init_std, float out_std, LayerIds& ids);
+  void register_mlp(const std::string& p, int64_t width, float init_std, float out_std, nn::MlpParams& ids);
+  void register_moe(const std::string& p, float init_std, float out_std, LayerIds& ids);
+  nn::DecoderLayer make_layer(int64_t index, const LayerIds& ids, const nn::ComputeOptions& options);
+  void register_tensor_parallel_sums();
+  void sum_over_group(int id);
+  void check_inputs(const MicroBatch& mb) const;
+  void require_whole(const char* what) const;
+  StageOutput run_forward(const MicroBatch& mb, const Tensor& hidden, const Insertion* insertion,
+                          std::unique_ptr<StageActivations>* saved);
+  Insertion make_insertion(const MicroBatch& mb, int32_t token, const Tensor& inserted) const;
+  void splice(const Insertion* insertion, const Tensor& x) const;
+  void take_inserted_rows(Activations& acts) const;
+  Tensor final_hidden(const int32_t* ids, int64_t batch, int64_t seq, const Insertion* insertion);
+  Tensor run_cached(const int32_t* ids, int64_t batch, int64_t new_tokens, nn::KvCache& cache,
+                    bool all_logits, const Insertion* insertion);
+  // The tail's B (and W when fused), then the final norm's, from the loss head's gradient; their sum.
+  Tensor head_backward(Activations& acts, bool fused);
+
+  std::unique_ptr<ModelConfig> config_;
+  DecoderSpec spec_;
+  std::string source_;
+  std::string prefix_;
+  nn::ComputeOptions options_;
+  StageSpec stage_;
+  ParameterStore own_params_;  // unless built into a shared store
+  ParameterStore& params_;
+  nn::RopeTable rope_;
+  int embed_id_ = -1, norm_id_ = -1, head_id_ = -1;
+  int64_t padded_vocab_ = 0, vocab_start_ = 0, local_vocab_ = 0;
+  nn::Embedding embedding_;
+  std::vector<LayerIds> layer_ids_;  // per local layer
+  std::vector<std::pair<int64_t, LayerIds>> extra_ids_;  // an extension's layers: index, ids
+  std::vector<nn::DecoderLayer> layers_;
+  nn::RmsNorm final_norm_;
+  nn::LossHead head_;
+  std::deque<nn::MoeStats> moe_stats_;  // stable addresses: the Moe layers point at them
+  std::vector<const nn::Moe*> moe_layers_;
+  std::vector<std::pair<int64_t, int>> moe_layer_ids_;  // per local MoE layer: its index, its bias id
+  nn::MoeStepScale moe_scale_;
+  std::unique_ptr<StackTail> tail_;
+};
+
+}  // namespace forge::models
