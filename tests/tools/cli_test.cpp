@@ -25,9 +25,17 @@ TEST_F(Cli, HelpAndVersion) {
   Outcome help = run_forge("--help");
   EXPECT_EQ(help.status, 0);
   EXPECT_NE(help.output.find("train"), std::string::npos);
+  // What forge is, in one line, with the families it implements (from the registry, so never stale).
+  EXPECT_NE(help.output.find("dense, mixture-of-experts and multimodal"), std::string::npos) << help.output;
+  for (const char* family : {"LlamaForCausalLM", "Qwen2ForCausalLM", "DeepseekV3ForCausalLM",
+                             "LlavaForConditionalGeneration"})
+    EXPECT_NE(help.output.find(family), std::string::npos) << family;
   Outcome train_help = run_forge("train --help");
   EXPECT_EQ(train_help.status, 0);
   EXPECT_NE(train_help.output.find("--set"), std::string::npos);
+  EXPECT_NE(train_help.output.find("Qwen2ForCausalLM"), std::string::npos);
+  EXPECT_NE(run_forge("generate --help").output.find("Qwen2ForCausalLM"), std::string::npos);
+  EXPECT_NE(run_forge("convert --help").output.find("Qwen2ForCausalLM"), std::string::npos);
   EXPECT_EQ(run_forge("--version").status, 0);
   expect_one_line_error("frobnicate", "unknown command 'frobnicate'");
   expect_one_line_error("trian", "unknown command 'trian'; did you mean 'train'?");

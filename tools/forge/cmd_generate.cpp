@@ -273,7 +273,8 @@ void add_generate_command(CLI::App& app, Commands& commands) {
   auto o = std::make_shared<GenerateOptions>();
   auto* generate = app.add_subcommand(
       "generate",
-      "Continue a prompt with a pretrained model (KV-cache decoding; greedy, temperature, top-k, top-p)");
+      "Continue a prompt with a pretrained model (" + models::family_names() +
+          "; KV-cache decoding; greedy, temperature, top-k, top-p)");
   generate->add_option("--model", o->model,
                        "Hugging Face folder (config.json + safetensors) or forge checkpoint");
   generate->add_option(

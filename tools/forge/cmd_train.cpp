@@ -5,6 +5,7 @@
 
 #include "commands.h"
 #include "forge/comm/comm.h"
+#include "forge/models/model.h"
 #include "forge/train/config.h"
 #include "forge/train/trainer.h"
 
@@ -34,7 +35,9 @@ int run_train(const TrainOptions& o) {
 
 void add_train_command(CLI::App& app, Commands& commands) {
   auto o = std::make_shared<TrainOptions>();
-  auto* train = app.add_subcommand("train", "Train a model (see configs/default.toml for every setting)");
+  auto* train = app.add_subcommand("train", "Train a model from a Hugging Face config.json or folder (" +
+                                                models::family_names() +
+                                                "); configs/default.toml shows every setting");
   train->add_option("-c,--config", o->config_path, "TOML run configuration (default: built-in defaults)")
       ->check(CLI::ExistingFile);
   train->add_option("--set", o->overrides,

@@ -13,11 +13,15 @@
 #include "forge/comm/comm.h"
 #include "forge/core/error.h"
 #include "forge/core/suggest.h"
+#include "forge/models/model.h"
 #include "forge/train/device_emulation.h"
 using namespace forge::train;
 
 int main(int argc, char** argv) {
-  CLI::App app{"forge: train large language models natively in C++ (LLaMA-family on CPU and GPU)", "forge"};
+  CLI::App app{"forge: train dense, mixture-of-experts and multimodal transformers natively in C++, on CPUs and "
+               "NVIDIA GPUs, on one process or many (" +
+                   forge::models::family_names() + ")",
+               "forge"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "forge 0.1.0");
 

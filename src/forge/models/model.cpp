@@ -68,13 +68,11 @@ const std::vector<ModelFamily>& model_families() {
   return families;
 }
 
-namespace {
 std::string family_names() {
   std::string names;
   for (const ModelFamily& f : model_families()) names += (names.empty() ? "" : ", ") + f.architecture;
   return names;
 }
-}  // namespace
 
 const ModelFamily& family_named(std::string_view architecture) {
   for (const ModelFamily& f : model_families())

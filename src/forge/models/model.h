@@ -230,6 +230,9 @@ struct ModelFamily {
 };
 
 const std::vector<ModelFamily>& model_families();
+// Their architectures, comma-separated ("LlamaForCausalLM, DeepseekV3ForCausalLM, ..."), for messages and
+// --help texts.
+std::string family_names();
 // The family of a config.json, by its `architectures` (or, without it, `model_type`); throws forge::Error
 // naming source and the families forge implements when there is none.
 const ModelFamily& family_of(const nlohmann::json& config_json, std::string_view source);
