@@ -15,7 +15,9 @@
 #include "op_harness.h"
 
 namespace forge {
-using namespace forge::optim; using namespace forge::models; using namespace forge::ckpt;
+using namespace forge::optim;
+using namespace forge::models;
+using namespace forge::ckpt;
 namespace {
 
 std::string fixture(const std::string& name) { return std::string(FORGE_FIXTURE_DIR) + "/" + name; }

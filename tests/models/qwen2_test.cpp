@@ -5,7 +5,6 @@
 #include "forge/models/qwen2/qwen2.h"
 
 #include <gtest/gtest.h>
-
 #include <unistd.h>
 
 #include <cmath>
@@ -97,14 +96,17 @@ TEST(Qwen2Config, ReadsRopeParameters) {
   j["rope_theta"] = 1000000.0;
   EXPECT_DOUBLE_EQ(Qwen2Config::from_json(j, "both.json").rope_theta, 1e6);
   j["rope_theta"] = 10000.0;
-  testing::expect_error_containing([&] { Qwen2Config::from_json(j, "both.json"); },
-                                   {"both.json: keys 'rope_theta' (10000.0) and 'rope_parameters.rope_theta'",
-                                    "disagree"});
-  json llama3 = {{"hidden_size", 32},        {"intermediate_size", 88}, {"num_hidden_layers", 2},
-                 {"num_attention_heads", 4}, {"vocab_size", 64}};
-  llama3["rope_parameters"] = {{"rope_theta", 500000.0},     {"rope_type", "llama3"},
-                               {"factor", 8.0},              {"low_freq_factor", 1.0},
-                               {"high_freq_factor", 4.0},    {"original_max_position_embeddings", 8192}};
+  testing::expect_error_containing(
+      [&] { Qwen2Config::from_json(j, "both.json"); },
+      {"both.json: keys 'rope_theta' (10000.0) and 'rope_parameters.rope_theta'", "disagree"});
+  json llama3 = {{"hidden_size", 32},
+                 {"intermediate_size", 88},
+                 {"num_hidden_layers", 2},
+                 {"num_attention_heads", 4},
+                 {"vocab_size", 64}};
+  llama3["rope_parameters"] = {{"rope_theta", 500000.0},  {"rope_type", "llama3"},
+                               {"factor", 8.0},           {"low_freq_factor", 1.0},
+                               {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 8192}};
   const LlamaConfig l = LlamaConfig::from_json(llama3, "llama3.json");
   EXPECT_DOUBLE_EQ(l.rope_theta, 5e5);
   EXPECT_EQ(l.rope_scaling.kind, RopeScaling::Kind::llama3);
@@ -152,11 +154,13 @@ TEST(Qwen2Model, BiasesTrainAndSplitBackwardIsBitwise) {
   params.refresh_bf16();
   const Tensor after = model->logits(ids.data(), 2, 12);
   double moved = 0;
-  for (int64_t i = 0; i < before.numel(); ++i) moved = std::max<double>(moved, std::abs(after.f32()[i] - before.f32()[i]));
+  for (int64_t i = 0; i < before.numel(); ++i)
+    moved = std::max<double>(moved, std::abs(after.f32()[i] - before.f32()[i]));
   EXPECT_GT(moved, 1e-4);
 
   for (nn::Recompute recompute : {nn::Recompute::none, nn::Recompute::selective, nn::Recompute::full}) {
-    auto fused = build_model(config, {DType::f32, recompute}), split = build_model(config, {DType::f32, recompute});
+    auto fused = build_model(config, {DType::f32, recompute}),
+         split = build_model(config, {DType::f32, recompute});
     fused->initialize(3), split->initialize(3);
     fused->params().zero_grads(), split->params().zero_grads();
     fused->forward_backward(ids.data(), targets.data(), 2, 12, 0.1f);
@@ -169,13 +173,14 @@ TEST(Qwen2Model, BiasesTrainAndSplitBackwardIsBitwise) {
     EXPECT_EQ(0, std::memcmp(a.raw(), b.raw(), a.bytes())) << nn::recompute_name(recompute);
     const int id = fused->params().find("model.layers.1.self_attn.k_proj.bias");
     double norm = 0;
-    for (int64_t i = 0; i < fused->params().grad(id).numel(); ++i) norm += std::abs(fused->params().grad(id).f32()[i]);
+    for (int64_t i = 0; i < fused->params().grad(id).numel(); ++i)
+      norm += std::abs(fused->params().grad(id).f32()[i]);
     EXPECT_GT(norm, 0.0) << "the k bias gets a gradient";
   }
 }
 
-// A Hugging Face Qwen2 folder (the fixture's weights from transformers) loads, gives the fixture's logits, and
-// exports back to a folder that transformers would read as Qwen2 and forge reloads bit for bit.
+// A Hugging Face Qwen2 folder (the fixture's weights from transformers) loads, gives the fixture's logits,
+// and exports back to a folder that transformers would read as Qwen2 and forge reloads bit for bit.
 TEST(Qwen2Model, HuggingFaceFolderInAndOut) {
   const std::string fixtures = FORGE_FIXTURE_DIR;
   const auto config = read_model_config(fixtures + "/qwen2_tiny.config.json");
@@ -204,7 +209,8 @@ TEST(Qwen2Model, HuggingFaceFolderInAndOut) {
   EXPECT_EQ(0, std::memcmp(got.raw(), want.raw(), got.bytes()));
   const Tensor golden = file.read("logits");
   double worst = 0;
-  for (int64_t i = 0; i < got.numel(); ++i) worst = std::max<double>(worst, std::abs(got.f32()[i] - golden.f32()[i]));
+  for (int64_t i = 0; i < got.numel(); ++i)
+    worst = std::max<double>(worst, std::abs(got.f32()[i] - golden.f32()[i]));
   EXPECT_LT(worst, 1e-4);
   // A folder missing a bias is refused, naming it (a LLaMA's weights under a Qwen2 config).
   std::vector<std::pair<std::string, Tensor>> without;
@@ -212,8 +218,11 @@ TEST(Qwen2Model, HuggingFaceFolderInAndOut) {
     if (params.info(i).name != "model.layers.0.self_attn.k_proj.bias")
       without.emplace_back(params.info(i).name, params.param(i));
   ckpt::write_safetensors((dir / "model.safetensors").string(), without);
-  testing::expect_error_containing([&] { load_pretrained_model(dir, {DType::f32, nn::Recompute::none}); },
-                                   {"model.layers.0.self_attn.k_proj.bias"});
+  testing::expect_error_containing(
+      [&] {
+        load_pretrained_model(dir, {DType::f32, nn::Recompute::none});
+      },
+      {"model.layers.0.self_attn.k_proj.bias"});
   std::filesystem::remove_all(dir);
 }
 

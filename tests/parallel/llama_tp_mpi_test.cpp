@@ -43,8 +43,8 @@ void set_biases(ParameterStore& store) {
     if (p.name.find("_proj.bias") == std::string::npos) continue;
     for (const ShardRun& r : shard_runs(p))
       for (int64_t j = 0; j < r.count; ++j)
-        store.param(id).f32()[r.local + j] = 0.05f * std::sin(0.7f * static_cast<float>(r.global + j) +
-                                                              static_cast<float>(p.name.size()));
+        store.param(id).f32()[r.local + j] =
+            0.05f * std::sin(0.7f * static_cast<float>(r.global + j) + static_cast<float>(p.name.size()));
   }
   store.refresh_bf16();
 }
@@ -104,7 +104,8 @@ TEST_P(LlamaTensorParallel, MatchesOneRank) {
     const float* rg = ref.grad(ref_id).f32();
     const float* rw = ref.param(ref_id).f32();
     double max_ref = 0;
-    for (int64_t i = 0; i < shape_numel(ref.info(ref_id).shape); ++i) max_ref = std::max(max_ref, std::abs(double(rg[i])));
+    for (int64_t i = 0; i < shape_numel(ref.info(ref_id).shape); ++i)
+      max_ref = std::max(max_ref, std::abs(double(rg[i])));
     // Padding rows: zero weights, no gradient. Everything else: the reference's element at its global index.
     std::vector<bool> covered(shape_numel(p.shape), false);
     int bad = 0;
@@ -114,7 +115,8 @@ TEST_P(LlamaTensorParallel, MatchesOneRank) {
         covered[i] = true;
         EXPECT_EQ(w[i], rw[gi]) << p.name << " element " << i;  // initialisation is layout-independent
         if (std::abs(g[i] - rg[gi]) > 2e-5 * max_ref + 1e-9 && ++bad <= 3)
-          ADD_FAILURE() << p.name << " grad element " << i << " (global " << gi << "): " << g[i] << " vs " << rg[gi];
+          ADD_FAILURE() << p.name << " grad element " << i << " (global " << gi << "): " << g[i] << " vs "
+                        << rg[gi];
       }
     for (int64_t i = 0; i < shape_numel(p.shape); ++i)
       if (!covered[i]) {
@@ -131,12 +133,12 @@ TEST_P(LlamaTensorParallel, MatchesOneRank) {
 
 INSTANTIATE_TEST_SUITE_P(Layouts, LlamaTensorParallel,
                          testing::Values(Case{4, false, false}, Case{4, true, false}, Case{2, false, false},
-                                         Case{2, true, true}, Case{1, true, false}, Case{2, true, false, true},
-                                         Case{1, false, true, true}),
+                                         Case{2, true, true}, Case{1, true, false},
+                                         Case{2, true, false, true}, Case{1, false, true, true}),
                          [](const auto& info) {
                            return "kv" + std::to_string(info.param.kv_heads) +
-                                  (info.param.sequence_parallel ? "_sp" : "") + (info.param.tied ? "_tied" : "") +
-                                  (info.param.bias ? "_bias" : "");
+                                  (info.param.sequence_parallel ? "_sp" : "") +
+                                  (info.param.tied ? "_tied" : "") + (info.param.bias ? "_bias" : "");
                          });
 
 TEST(LlamaTensorParallelErrors, SequenceParallelNeedsDivisibleRows) {

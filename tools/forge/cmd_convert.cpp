@@ -123,10 +123,9 @@ int run_convert(const ConvertOptions& o) {
 
 void add_convert_command(CLI::App& app, Commands& commands) {
   auto o = std::make_shared<ConvertOptions>();
-  auto* convert = app.add_subcommand(
-      "convert",
-      "Convert a forge checkpoint or Hugging Face folder (" + models::family_names() +
-          ") to a Hugging Face folder or a forge checkpoint");
+  auto* convert = app.add_subcommand("convert", "Convert a forge checkpoint or Hugging Face folder (" +
+                                                    models::family_names() +
+                                                    ") to a Hugging Face folder or a forge checkpoint");
   convert->add_option("-i,--input", o->input, "input directory: a forge checkpoint or a Hugging Face folder");
   convert->add_option("-o,--output", o->output, "output directory (must not exist or be empty)");
   convert

@@ -30,7 +30,6 @@
 #include "forge/data/tokenizer.h"
 #include "forge/data/tokenizer_text.h"
 #include "forge/models/captions.h"
-#include "forge/models/llava/llava_config.h"
 #include "forge/models/pretrained.h"
 
 namespace forge::cli {
@@ -51,13 +50,13 @@ struct EvalOptions {
 int run_image_eval(const EvalOptions& o, DType dtype) {
   const auto start = std::chrono::steady_clock::now();
   std::unique_ptr<Model> model = load_pretrained_model(o.model, {dtype, nn::Recompute::none});
-  const auto* llava = dynamic_cast<const LlavaConfig*>(&model->config());
-  if (!llava)
+  const std::optional<ImageInput> image = model->config().image_input();
+  if (!image)
     fail("eval: --images needs a multimodal model (LlavaForConditionalGeneration); {} is a {}", o.model,
          model->config().architecture());
-  if (o.seq_len > llava->text.max_position_embeddings)
-    fail("eval: --seq-len {} exceeds the model's max_position_embeddings {}", o.seq_len,
-         llava->text.max_position_embeddings);
+  const ModelShape shape = model->config().shape();
+  if (o.seq_len > shape.max_positions)
+    fail("eval: --seq-len {} exceeds the model's max_position_embeddings {}", o.seq_len, shape.max_positions);
   const fs::path dir = model_folder(o.model), images = o.images;
   if (!fs::exists(images)) fail("eval: --images '{}' does not exist", o.images);
   // The image processor: given, else the model's (a trainer's checkpoint carries it), else the data's.
@@ -85,12 +84,11 @@ int run_image_eval(const EvalOptions& o, DType dtype) {
           "model)",
           dir.string());
     tokenizer.emplace(Tokenizer::from_file(file));
-    if (tokenizer->vocab_size() > llava->text.vocab_size)
+    if (tokenizer->vocab_size() > shape.vocab)
       fail("eval: tokenizer '{}' has {} tokens but the model's vocabulary holds {}", file.string(),
-           tokenizer->vocab_size(), llava->text.vocab_size);
-  } else if (llava->text.vocab_size < 256) {
-    fail("eval: --tokenizer bytes: the model's vocabulary holds {} tokens, fewer than 256",
-         llava->text.vocab_size);
+           tokenizer->vocab_size(), shape.vocab);
+  } else if (shape.vocab < 256) {
+    fail("eval: --tokenizer bytes: the model's vocabulary holds {} tokens, fewer than 256", shape.vocab);
   }
   const TextEncoder encoder = tokenizer ? TextEncoder::from_tokenizer(*tokenizer) : TextEncoder::bytes();
   const CaptionDecode decode = [&](std::span<const int32_t> ids) {
@@ -100,8 +98,8 @@ int run_image_eval(const EvalOptions& o, DType dtype) {
     return tokenizer_text::utf8_lossy(text);  // a byte model may answer bytes that are no UTF-8
   };
   ImageTextOptions options;
-  options.seq_len = o.seq_len, options.image_token_id = static_cast<int32_t>(llava->image_token_index);
-  options.tokens_per_image = llava->tokens_per_image();
+  options.seq_len = o.seq_len, options.image_token_id = image->image_token;
+  options.tokens_per_image = image->tokens_per_image;
   const ImageTextDataset data = [&] {
     if (!is_packed_image_text(images))
       return ImageTextDataset::from_jsonl(images, encoder, processor, options);
@@ -111,11 +109,9 @@ int run_image_eval(const EvalOptions& o, DType dtype) {
     return ImageTextDataset::from_packed(images, processor, expect);
   }();
   const auto [channels, height, width] = data.image_shape();
-  if (channels != llava->vision.num_channels || height != llava->vision.image_size ||
-      width != llava->vision.image_size)
+  if (channels != image->channels || height != image->height || width != image->width)
     fail("eval: {} makes {}x{}x{} images but the model's encoder takes {}x{}x{}", processor_path.string(),
-         channels, height, width, llava->vision.num_channels, llava->vision.image_size,
-         llava->vision.image_size);
+         channels, height, width, image->channels, image->height, image->width);
   int64_t samples = data.num_samples();
   if (o.max_sequences > 0) samples = std::min(samples, o.max_sequences);
 

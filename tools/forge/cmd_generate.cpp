@@ -28,7 +28,6 @@
 #include "forge/data/image_processor.h"
 #include "forge/data/tokenizer.h"
 #include "forge/data/tokenizer_text.h"
-#include "forge/models/llava/llava_config.h"
 #include "forge/models/pretrained.h"
 #include "forge/models/sampling.h"
 
@@ -114,8 +113,8 @@ struct ImagePrompt {
 
 ImagePrompt image_prompt(const GenerateOptions& o, Model& model, const TextCodec& codec,
                          const std::string& prompt) {
-  const auto* llava = dynamic_cast<const LlavaConfig*>(&model.config());
-  if (!llava)
+  const std::optional<ImageInput> image = model.config().image_input();
+  if (!image)
     fail("generate: --image needs a multimodal model (LlavaForConditionalGeneration); {} is {}", o.model,
          model.config().architecture());
   fs::path processor = o.image_processor;
@@ -126,17 +125,15 @@ ImagePrompt image_prompt(const GenerateOptions& o, Model& model, const TextCodec
   const ImageProcessor images(ImageProcessorConfig::from_json_file(processor));
   ImagePrompt out;
   out.pixels = images.preprocess(read_image(o.image));
-  const VisionConfig& v = llava->vision;
-  if (out.pixels.numel() != v.num_channels * v.image_size * v.image_size)
+  if (out.pixels.numel() != image->channels * image->height * image->width)
     fail("generate: {} makes {} values of the image; the encoder takes {}x{}x{}", processor.string(),
-         out.pixels.numel(), v.num_channels, v.image_size, v.image_size);
+         out.pixels.numel(), image->channels, image->height, image->width);
   const std::string text = prompt.find("<image>") == std::string::npos ? "<image>\n" + prompt : prompt;
   const size_t at = text.find("<image>");
   if (text.find("<image>", at + 1) != std::string::npos)
     fail("generate: the prompt holds more than one <image>");
   out.ids = codec.encode(text.substr(0, at));
-  out.ids.insert(out.ids.end(), static_cast<size_t>(llava->tokens_per_image()),
-                 static_cast<int32_t>(llava->image_token_index));
+  out.ids.insert(out.ids.end(), static_cast<size_t>(image->tokens_per_image), image->image_token);
   const std::string after = text.substr(at + 7);
   if (!after.empty()) {
     std::vector<int32_t> rest = codec.encode(after);
@@ -271,10 +268,9 @@ int run_generate(const GenerateOptions& o) {
 
 void add_generate_command(CLI::App& app, Commands& commands) {
   auto o = std::make_shared<GenerateOptions>();
-  auto* generate = app.add_subcommand(
-      "generate",
-      "Continue a prompt with a pretrained model (" + models::family_names() +
-          "; KV-cache decoding; greedy, temperature, top-k, top-p)");
+  auto* generate =
+      app.add_subcommand("generate", "Continue a prompt with a pretrained model (" + models::family_names() +
+                                         "; KV-cache decoding; greedy, temperature, top-k, top-p)");
   generate->add_option("--model", o->model,
                        "Hugging Face folder (config.json + safetensors) or forge checkpoint");
   generate->add_option(

@@ -10,7 +10,8 @@
 #include "forge/train/trainer.h"
 
 namespace forge::cli {
-using namespace forge::optim; using namespace forge::train;
+using namespace forge::optim;
+using namespace forge::train;
 namespace {
 
 struct TrainOptions {
@@ -35,16 +36,18 @@ int run_train(const TrainOptions& o) {
 
 void add_train_command(CLI::App& app, Commands& commands) {
   auto o = std::make_shared<TrainOptions>();
-  auto* train = app.add_subcommand("train", "Train a model from a Hugging Face config.json or folder (" +
-                                                models::family_names() +
-                                                "); configs/default.toml shows every setting");
+  auto* train =
+      app.add_subcommand("train", "Train a model from a Hugging Face config.json or folder (" +
+                                      models::family_names() + "); configs/default.toml shows every setting");
   train->add_option("-c,--config", o->config_path, "TOML run configuration (default: built-in defaults)")
       ->check(CLI::ExistingFile);
   train->add_option("--set", o->overrides,
                     "Override one setting, section.key=value (repeatable), e.g. --set train.steps=100");
   train->footer(
-      "Ctrl-C saves a checkpoint to <run_dir>/checkpoint/step-N (committed by <run_dir>/checkpoint/latest) and\n"
-      "exits with status 130; resume with --set checkpoint.resume=auto (the newest complete checkpoint). A run\n"
+      "Ctrl-C saves a checkpoint to <run_dir>/checkpoint/step-N (committed by <run_dir>/checkpoint/latest) "
+      "and\n"
+      "exits with status 130; resume with --set checkpoint.resume=auto (the newest complete checkpoint). A "
+      "run\n"
       "directory that holds checkpoints is not started over unless --set checkpoint.overwrite=true.\n"
       "Writes <run_dir>/metrics.jsonl and <run_dir>/config.toml.\n"
       "Many processes: mpirun -np N forge train --set parallel.tp=T [--set parallel.sequence_parallel=true]\n"

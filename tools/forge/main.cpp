@@ -18,10 +18,11 @@
 using namespace forge::train;
 
 int main(int argc, char** argv) {
-  CLI::App app{"forge: train dense, mixture-of-experts and multimodal transformers natively in C++, on CPUs and "
-               "NVIDIA GPUs, on one process or many (" +
-                   forge::models::family_names() + ")",
-               "forge"};
+  CLI::App app{
+      "forge: train dense, mixture-of-experts and multimodal transformers natively in C++, on CPUs and "
+      "NVIDIA GPUs, on one process or many (" +
+          forge::models::family_names() + ")",
+      "forge"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "forge 0.1.0");
 

@@ -12,14 +12,6 @@
 
 namespace forge::models {
 namespace {
-// A host array of token ids on `device`: the array itself on the CPU, else a copy kept alive by `holder`.
-const int32_t* ids_on(Device device, const int32_t* ids, int64_t n, Tensor& holder) {
-  if (device == Device::cpu || ids == nullptr) return ids;
-  Tensor host = Tensor::empty({n}, DType::i32);
-  std::copy_n(ids, n, host.i32());
-  holder = host.to(device);
-  return holder.i32();
-}
 
 bool any_layer(const DecoderSpec& s, bool (*is)(const LayerSpec&)) {
   return std::any_of(s.layer_specs.begin(), s.layer_specs.end(), is);
@@ -38,6 +30,15 @@ void copy_rows(const Tensor& src, int64_t src_row, const Tensor& dst, int64_t ds
 }
 }  // namespace
 
+// A host array of token ids on `device`: the array itself on the CPU, else a copy kept alive by `holder`.
+const int32_t* ids_on(Device device, const int32_t* ids, int64_t n, Tensor& holder) {
+  if (device == Device::cpu || ids == nullptr) return ids;
+  Tensor host = Tensor::empty({n}, DType::i32);
+  std::copy_n(ids, n, host.i32());
+  holder = host.to(device);
+  return holder.i32();
+}
+
 struct DecoderStack::Insertion {
   const Tensor* rows = nullptr;
   std::vector<InsertedRun> runs;
@@ -55,10 +56,10 @@ struct DecoderStack::Activations final : StageActivations {
   Tensor dembed;  // first stage: the gradient at the embedding's output, for W
   std::vector<InsertedRun> inserted_runs;  // forward_inserted: where the inserted rows went
   int64_t inserted_count = 0;
-  Tensor dinserted;                         // their gradient, taken out of dembed
+  Tensor dinserted;                        // their gradient, taken out of dembed
   std::unique_ptr<StageActivations> tail;  // the tail's
-  bool input_done = false;                  // backward_input ran
-  bool weight_done = false;                 // backward_weight ran
+  bool input_done = false;                 // backward_input ran
+  bool weight_done = false;                // backward_weight ran
 };
 
 DecoderStack::DecoderStack(const ModelConfig& config, DecoderSpec spec, nn::ComputeOptions options,
@@ -96,7 +97,8 @@ DecoderStack::DecoderStack(const ModelConfig& config, DecoderSpec spec, nn::Comp
   const int tp_size = options.tp_size(), rank = options.tp_rank();
   const bool gqa = any_layer(s, [](const LayerSpec& l) { return l.attention == AttentionKind::gqa; });
   const bool mla = any_layer(s, [](const LayerSpec& l) { return l.attention == AttentionKind::mla; });
-  const bool dense = any_layer(s, [](const LayerSpec& l) { return l.feed_forward == FeedForwardKind::swiglu; });
+  const bool dense =
+      any_layer(s, [](const LayerSpec& l) { return l.feed_forward == FeedForwardKind::swiglu; });
   const bool moe = any_layer(s, [](const LayerSpec& l) { return l.feed_forward == FeedForwardKind::moe; });
   if (moe && s.moe.experts % options.ep_size() != 0)
     fail("{}: n_routed_experts = {} does not split over parallel.ep = {}", source, s.moe.experts,
@@ -128,9 +130,9 @@ DecoderStack::DecoderStack(const ModelConfig& config, DecoderSpec spec, nn::Comp
   const int existing_embedding = params_.find(embed_name);
   int embedding_uses = 0;
   if (stage_.pre_process || tail_embedding > 0 || (tied && stage_.post_process)) {
-    embed_id_ = existing_embedding >= 0 ? existing_embedding
-                                        : params_.add(embed_name, {local_vocab_, h}, true, Init::normal,
-                                                      init_std, vocab_shard);
+    embed_id_ = existing_embedding >= 0
+                    ? existing_embedding
+                    : params_.add(embed_name, {local_vocab_, h}, true, Init::normal, init_std, vocab_shard);
     embedding_uses = (stage_.pre_process ? 1 : 0) + tail_embedding;
   }
   for (int64_t i = stage_.first_layer; i < stage_.end_layer; ++i)
@@ -401,7 +403,8 @@ Tensor DecoderStack::embed(const int32_t* ids, int64_t rows) const {
   return embedding_.forward(ids_on(options_.device, ids, rows, holder), rows);
 }
 
-Tensor DecoderStack::final_hidden(const int32_t* ids, int64_t batch, int64_t seq, const Insertion* insertion) {
+Tensor DecoderStack::final_hidden(const int32_t* ids, int64_t batch, int64_t seq,
+                                  const Insertion* insertion) {
   Tensor holder;
   Tensor x = embedding_.forward(ids_on(options_.device, ids, batch * seq, holder), batch * seq);
   splice(insertion, x);

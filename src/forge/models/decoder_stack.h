@@ -33,8 +33,8 @@
 
 namespace forge::models {
 
-enum class AttentionKind { gqa, mla };           // grouped-query (MHA when kv heads = heads); latent (MLA)
-enum class FeedForwardKind { swiglu, moe };      // down(silu(gate(x)) * up(x)); routed experts (+ shared)
+enum class AttentionKind { gqa, mla };       // grouped-query (MHA when kv heads = heads); latent (MLA)
+enum class FeedForwardKind { swiglu, moe };  // down(silu(gate(x)) * up(x)); routed experts (+ shared)
 
 // One decoder layer, as its family chooses it.
 struct LayerSpec {
@@ -50,9 +50,9 @@ struct DecoderSpec {
   bool tie_word_embeddings = false;
   // Output projections (o_proj, down_proj) start at init_std / sqrt(2 * init_depth) (GPT-2/Megatron).
   int64_t init_depth = 0;
-  int64_t ffn = 0;            // swiglu layers' intermediate width
+  int64_t ffn = 0;                                // swiglu layers' intermediate width
   int64_t heads = 0, kv_heads = 0, head_dim = 0;  // gqa layers
-  nn::MlaShape mla;           // mla layers: heads = the model's
+  nn::MlaShape mla;                               // mla layers: heads = the model's
   // moe layers: widths are the model's (expert_ffn per routed expert, shared_ffn all shared experts);
   // capacity and padding come from the compute options.
   nn::MoeShape moe;
@@ -65,6 +65,9 @@ struct DecoderSpec {
 };
 
 class DecoderStack;
+
+// A host array of token ids on `device`: the array itself on the CPU, else a copy kept alive by `holder`.
+const int32_t* ids_on(Device device, const int32_t* ids, int64_t n, Tensor& holder);
 
 // A family's part behind the loss head on the last stage (DeepSeek-V3's multi-token prediction). The stack
 // calls it at fixed places: registration after the head's parameters, build after the stack's modules, and
@@ -163,7 +166,7 @@ class DecoderStack : public Model {
   const std::vector<nn::DecoderLayer>& layers() const { return layers_; }
   Tensor embed(const int32_t* ids, int64_t rows) const;  // host ids; first stage only
 
- // ---- For extensions (StackTail) and families.
+  // ---- For extensions (StackTail) and families.
   // Registers layer `index` (>= spec.layers for an extension's own) under "model.layers.{index}." like the
   // stack's layers, and builds it once the store is allocated (build_extra_layer, with its registration
   // number: 0 for the first one registered).
@@ -172,7 +175,7 @@ class DecoderStack : public Model {
   // The compute options of layer `index`: FP8 or not (the first and last fp8.bf16_*_layers keep the GEMM
   // dtype; an extension's layers count as last).
   nn::ComputeOptions layer_options(int64_t index) const;
-  nn::TensorParallel* tp() const;  // null unless split over more than one rank
+  nn::TensorParallel* tp() const;                        // null unless split over more than one rank
   const std::string& source() const { return source_; }  // the config's path, for messages
   const nn::RopeTable& rope() const { return rope_; }
   const std::string& prefix() const { return prefix_; }
@@ -230,7 +233,7 @@ class DecoderStack : public Model {
   int embed_id_ = -1, norm_id_ = -1, head_id_ = -1;
   int64_t padded_vocab_ = 0, vocab_start_ = 0, local_vocab_ = 0;
   nn::Embedding embedding_;
-  std::vector<LayerIds> layer_ids_;  // per local layer
+  std::vector<LayerIds> layer_ids_;                      // per local layer
   std::vector<std::pair<int64_t, LayerIds>> extra_ids_;  // an extension's layers: index, ids
   std::vector<nn::DecoderLayer> layers_;
   nn::RmsNorm final_norm_;

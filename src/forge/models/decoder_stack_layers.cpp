@@ -123,7 +123,8 @@ void DecoderStack::register_mlp(const std::string& m, int64_t width, float init_
   const int64_t h = spec_.hidden, f = width / tp;
   ids.gate =
       params_.add(m + "gate_proj.weight", {f, h}, true, Init::normal, init_std, split({width, h}, 0, r * f));
-  ids.up = params_.add(m + "up_proj.weight", {f, h}, true, Init::normal, init_std, split({width, h}, 0, r * f));
+  ids.up =
+      params_.add(m + "up_proj.weight", {f, h}, true, Init::normal, init_std, split({width, h}, 0, r * f));
   ids.down =
       params_.add(m + "down_proj.weight", {h, f}, true, Init::normal, out_std, split({h, width}, 1, r * f));
 }
@@ -184,7 +185,8 @@ nn::DecoderLayer DecoderStack::make_layer(int64_t index, const LayerIds& ids,
     // the last k of each sequence padding).
     moe.padded_tail = index >= s.layers ? index - s.layers + 1 : 0;
     moe_stats_.emplace_back();
-    auto experts = std::make_unique<nn::Moe>(&params_, ids.moe, moe, options, &moe_stats_.back(), &moe_scale_);
+    auto experts =
+        std::make_unique<nn::Moe>(&params_, ids.moe, moe, options, &moe_stats_.back(), &moe_scale_);
     moe_layers_.push_back(experts.get());
     moe_layer_ids_.emplace_back(index, ids.moe.bias);
     ffn = std::move(experts);

@@ -64,7 +64,7 @@ Tensor Model::forward_cached_images(const int32_t* ids, int64_t batch, int64_t n
 // Every family forge implements: one line here per models/<family>/.
 const std::vector<ModelFamily>& model_families() {
   static const std::vector<ModelFamily> families = {llama_family(), deepseek_v3_family(), llava_family(),
-                                                     qwen2_family()};
+                                                    qwen2_family()};
   return families;
 }
 

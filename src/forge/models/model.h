@@ -23,6 +23,7 @@
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -45,6 +46,14 @@ struct LossSum {
 struct ModelShape {
   int64_t hidden = 0, heads = 0, kv_heads = 0, head_dim = 0, ffn = 0;
   int64_t vocab = 0, layers = 0, max_positions = 0;
+};
+
+// What a multimodal model reads beside its text: images of this shape (channels first, normalised as its
+// image processor does), each standing in the ids for tokens_per_image copies of image_token.
+struct ImageInput {
+  int64_t channels = 0, height = 0, width = 0;
+  int32_t image_token = -1;
+  int64_t tokens_per_image = 0;
 };
 
 // A model's architecture, read from a Hugging Face config.json by its family (models/<family>/).
@@ -74,6 +83,9 @@ class ModelConfig {
     (void)frozen;
     return 0;
   }
+  // A multimodal model's image input; none for a text model. What the trainer's data, evaluation and
+  // generation need to know of a model's images, whatever its family.
+  virtual std::optional<ImageInput> image_input() const { return std::nullopt; }
   // Refuses, before anything is allocated, a model larger than available_bytes (one line naming source_name).
   virtual void check_fits_in_memory(bool training, bool bf16_shadow, int64_t available_bytes,
                                     std::string_view source_name) const = 0;
@@ -228,6 +240,26 @@ struct ModelFamily {
                                        ParameterStore* into)>
       build;
 };
+
+// The entry of a family whose config type reads itself (Config::from_json(json, source)) and whose model
+// type builds from it (ModelType(config, options, init_std, with_grads, stage, into)).
+template <typename Config, typename ModelType>
+ModelFamily family_entry(std::string architecture, std::string model_type) {
+  ModelFamily f;
+  f.architecture = std::move(architecture);
+  f.model_type = std::move(model_type);
+  f.parse_config = [](const nlohmann::json& json, std::string_view source) -> std::unique_ptr<ModelConfig> {
+    return std::make_unique<Config>(Config::from_json(json, source));
+  };
+  f.build = [name = f.architecture](const ModelConfig& config, const nn::ComputeOptions& options,
+                                    const StageSpec& stage, float init_std, bool with_grads,
+                                    ParameterStore* into) -> std::unique_ptr<Model> {
+    const auto* typed = dynamic_cast<const Config*>(&config);
+    FORGE_CHECK(typed != nullptr, "a {} config given to the {} family", config.architecture(), name);
+    return std::make_unique<ModelType>(*typed, options, init_std, with_grads, stage, into);
+  };
+  return f;
+}
 
 const std::vector<ModelFamily>& model_families();
 // Their architectures, comma-separated ("LlamaForCausalLM, DeepseekV3ForCausalLM, ..."), for messages and

@@ -1,7 +1,7 @@
 // Causal self-attention with grouped-query heads and rotary embeddings (Hugging Face Llama semantics):
-// one fused q|k|v projection (with biases in some families), RoPE on q and k in place, flash attention, output projection.
-// forward_cached is the inference path: new tokens attend to themselves and to the keys and values of
-// earlier tokens kept in a KvCache, to which they append their own.
+// one fused q|k|v projection (with biases in some families), RoPE on q and k in place, flash attention,
+// output projection. forward_cached is the inference path: new tokens attend to themselves and to the keys
+// and values of earlier tokens kept in a KvCache, to which they append their own.
 #pragma once
 
 #include "forge/nn/bias.h"

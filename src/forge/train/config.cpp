@@ -22,14 +22,14 @@ namespace {
 
 // One table drives parsing, overrides, validation of choices and to_toml(), so a key added here is
 // readable, overridable and documented at once.
-using FieldRef = std::variant<int64_t*, uint64_t*, double*, bool*, std::string*>;
+using FieldRef = std::variant<int64_t*, uint64_t*, double*, bool*, std::string*, ChoiceField*>;
 
 struct KeySpec {
   std::string_view section;
   std::string_view key;
   FieldRef (*field)(TrainConfig&);
   std::string_view comment;
-  std::vector<std::string_view> choices;  // allowed values of a string key; empty = any
+  std::vector<std::string_view> choices;  // allowed values of a string key; empty = any (a Choice: its names)
 
   std::string full_name() const { return fmt::format("{}.{}", section, key); }
 };
@@ -82,7 +82,7 @@ const std::vector<KeySpec>& key_specs() {
        "order",
        FORGE_FIELD(data.order),
        "with data.dataset: documents and samples shuffled from model.seed, or read in order",
-       {"shuffle", "sequential"}},
+       {}},
       {"data",
        "heldout_fraction",
        FORGE_FIELD(data.heldout_fraction),
@@ -128,11 +128,7 @@ const std::vector<KeySpec>& key_specs() {
       {"train", "lr", FORGE_FIELD(train.lr), "peak learning rate", {}},
       {"train", "min_lr", FORGE_FIELD(train.min_lr), "learning rate at the end of the decay", {}},
       {"train", "warmup", FORGE_FIELD(train.warmup), "linear warmup steps", {}},
-      {"train",
-       "schedule",
-       FORGE_FIELD(train.schedule),
-       "learning-rate schedule after warmup",
-       {"cosine", "wsd", "constant"}},
+      {"train", "schedule", FORGE_FIELD(train.schedule), "learning-rate schedule after warmup", {}},
       {"train",
        "wsd_decay_fraction",
        FORGE_FIELD(train.wsd_decay_fraction),
@@ -152,18 +148,14 @@ const std::vector<KeySpec>& key_specs() {
        FORGE_FIELD(train.device),
        "where the model trains: cpu, or cuda (one GPU per process: mpirun -np <GPUs> for tensor and data "
        "parallelism)",
-       {"cpu", "cuda"}},
+       {}},
       {"train",
        "dtype",
        FORGE_FIELD(train.dtype),
        "GEMM dtype (master weights are always fp32); auto = bf16 where the CPU has native bf16 dot products, "
        "else fp32",
-       {"auto", "bf16", "fp32"}},
-      {"train",
-       "recompute",
-       FORGE_FIELD(train.recompute),
-       "activation recomputation",
-       {"none", "selective", "full"}},
+       {}},
+      {"train", "recompute", FORGE_FIELD(train.recompute), "activation recomputation", {}},
       {"train",
        "freeze",
        FORGE_FIELD(train.freeze),
@@ -218,7 +210,7 @@ const std::vector<KeySpec>& key_specs() {
        FORGE_FIELD(parallel.cp_comm),
        "with cp > 1: attention across the group; p2p = keys and values passed around a ring, a2a = heads "
        "scattered and sequences gathered (Ulysses)",
-       {"p2p", "a2a"}},
+       {}},
       {"parallel",
        "ep",
        FORGE_FIELD(parallel.ep),
@@ -268,18 +260,14 @@ const std::vector<KeySpec>& key_specs() {
        FORGE_FIELD(fp8.recipe),
        "FP8 GEMMs in the transformer layers' Linears (docs/fp8.md); delayed = amax history, current = own "
        "amax, block = 1x128 / 128x128 tiles",
-       {"off", "delayed", "current", "block"}},
+       {}},
       {"fp8",
        "format",
        FORGE_FIELD(fp8.format),
        "FP8 formats: hybrid = E4M3 forward, E5M2 gradients; auto = hybrid, or e4m3 for the block recipe",
-       {"auto", "hybrid", "e4m3"}},
+       {}},
       {"fp8", "amax_history_len", FORGE_FIELD(fp8.amax_history_len), "delayed: steps of amax history", {}},
-      {"fp8",
-       "amax_compute",
-       FORGE_FIELD(fp8.amax_compute),
-       "delayed: the amax a scale comes from",
-       {"max", "most_recent"}},
+      {"fp8", "amax_compute", FORGE_FIELD(fp8.amax_compute), "delayed: the amax a scale comes from", {}},
       {"fp8", "margin", FORGE_FIELD(fp8.margin), "delayed, current: scale = fp8_max / amax / 2^margin", {}},
       {"fp8",
        "power_of_two_scales",
@@ -335,7 +323,7 @@ const std::vector<KeySpec>& key_specs() {
        FORGE_FIELD(moe.bias_update),
        "sign: bias += rate * sign(mean load - load) (DeepSeek-V3); zero_mean: the same updates less their "
        "mean",
-       {"sign", "zero_mean"}},
+       {}},
       {"moe",
        "seq_aux_loss_coeff",
        FORGE_FIELD(moe.seq_aux_loss_coeff),
@@ -479,7 +467,7 @@ const std::vector<KeySpec>& key_specs() {
        FORGE_FIELD(resilience.skip),
        "after a rollback: window = skip the samples of the steps from the restored state to the anomaly, "
        "none = train on them again",
-       {"window", "none"}},
+       {}},
       {"resilience",
        "lr_factor",
        FORGE_FIELD(resilience.lr_factor),
@@ -494,7 +482,7 @@ const std::vector<KeySpec>& key_specs() {
        "spike_metric",
        FORGE_FIELD(resilience.spike_metric),
        "ratio = a value over the window's median, zscore = standard deviations above the window's mean",
-       {"ratio", "zscore"}},
+       {}},
       {"resilience",
        "loss_spike",
        FORGE_FIELD(resilience.loss_spike),
@@ -599,14 +587,19 @@ std::string_view toml_type_name(const toml::node& node) {
   }
 }
 
-void check_choice(const KeySpec& spec, const std::string& value, std::string_view where) {
-  if (spec.choices.empty() ||
-      std::find(spec.choices.begin(), spec.choices.end(), value) != spec.choices.end())
-    return;
+void check_choice(const KeySpec& spec, const std::vector<std::string_view>& choices, std::string_view value,
+                  std::string_view where) {
+  if (choices.empty() || std::find(choices.begin(), choices.end(), value) != choices.end()) return;
   std::string allowed;
-  for (std::string_view choice : spec.choices)
+  for (std::string_view choice : choices)
     allowed += fmt::format("{}'{}'", allowed.empty() ? "" : ", ", choice);
   fail("{}: {} must be one of {}, got '{}'", where, spec.full_name(), allowed, value);
+}
+
+// A Choice key takes a name of its enum.
+void set_choice(const KeySpec& spec, ChoiceField& field, std::string_view value, std::string_view where) {
+  check_choice(spec, field.names(), value, where);
+  field.set(value);
 }
 
 void assign_from_toml(TrainConfig& config, const KeySpec& spec, const toml::node& node,
@@ -620,7 +613,10 @@ void assign_from_toml(TrainConfig& config, const KeySpec& spec, const toml::node
         if constexpr (std::is_same_v<T, std::string>) {
           if (!node.is_string()) type_error("a string");
           *field = node.as_string()->get();
-          check_choice(spec, *field, where);
+          check_choice(spec, spec.choices, *field, where);
+        } else if constexpr (std::is_same_v<T, ChoiceField>) {
+          if (!node.is_string()) type_error("a string");
+          set_choice(spec, *field, node.as_string()->get(), where);
         } else if constexpr (std::is_same_v<T, bool>) {
           if (!node.is_boolean()) type_error("a boolean (true or false)");
           *field = node.as_boolean()->get();
@@ -762,13 +758,17 @@ void TrainConfig::apply_override(std::string_view assignment) {
   std::visit(
       [&](auto* field) {
         using T = std::remove_pointer_t<decltype(field)>;
-        if constexpr (std::is_same_v<T, std::string>) {
+        if constexpr (std::is_same_v<T, std::string> || std::is_same_v<T, ChoiceField>) {
           std::string_view value = text;
           if (value.size() >= 2 && (value.front() == '"' || value.front() == '\'') &&
               value.back() == value.front())
             value = value.substr(1, value.size() - 2);
-          check_choice(*spec, std::string(value), where);
-          *field = std::string(value);
+          if constexpr (std::is_same_v<T, ChoiceField>) {
+            set_choice(*spec, *field, value, where);
+          } else {
+            check_choice(*spec, spec->choices, value, where);
+            *field = std::string(value);
+          }
         } else if constexpr (std::is_same_v<T, bool>) {
           if (text != "true" && text != "false")
             fail("{}: '{}' is not a boolean (true or false) (for {})", where, text, name);
@@ -888,8 +888,9 @@ void TrainConfig::validate() const {
         fmt::format("in [0, {}] (0 = all cores)", kMaxThreads));
   check(finite(train.memory_limit_mb) && train.memory_limit_mb >= 0, "train.memory_limit_mb",
         train.memory_limit_mb, ">= 0 (0 = no limit)");
-  check(train.memory_limit_mb == 0 || train.device == "cpu", "train.memory_limit_mb", train.memory_limit_mb,
-        "0 with train.device = " + train.device + " (a GPU's own memory is its limit)");
+  check(train.memory_limit_mb == 0 || train.device == Device::cpu, "train.memory_limit_mb",
+        train.memory_limit_mb,
+        "0 with train.device = " + std::string(train.device.name()) + " (a GPU's own memory is its limit)");
 
   // The layout holds int sizes; the world size is checked against them when the job starts.
   auto parallel_size = [&](std::string_view key, int64_t value) {
@@ -910,7 +911,7 @@ void TrainConfig::validate() const {
   check(finite(parallel.timeout_s) && parallel.timeout_s >= 0, "parallel.timeout_s", parallel.timeout_s,
         ">= 0 (0 = wait forever)");
 
-  if (fp8.recipe != "off") {
+  if (fp8.recipe != Fp8RecipeChoice::off) {
     // The FP8 rules are stated once, with the options they govern (nn::validate and fp8::validate, which
     // fp8_options() runs and whose messages name these keys); here only that the int fields convert.
     for (auto [key, value] : {std::pair<std::string_view, int64_t>{"fp8.margin", fp8.margin},
@@ -968,11 +969,13 @@ void TrainConfig::validate() const {
         resilience.loss_spike_min, ">= 0");
   check(finite(resilience.grad_norm_spike) && resilience.grad_norm_spike >= 0, "resilience.grad_norm_spike",
         resilience.grad_norm_spike, ">= 0 (0 = off)");
-  check(resilience.spike_metric != "ratio" || resilience.loss_spike == 0 || resilience.loss_spike > 1,
+  check(resilience.spike_metric != SpikeMetric::ratio || resilience.loss_spike == 0 ||
+            resilience.loss_spike > 1,
         "resilience.loss_spike", resilience.loss_spike, "> 1 with spike_metric = ratio (or 0 = off)");
-  check(
-      resilience.spike_metric != "ratio" || resilience.grad_norm_spike == 0 || resilience.grad_norm_spike > 1,
-      "resilience.grad_norm_spike", resilience.grad_norm_spike, "> 1 with spike_metric = ratio (or 0 = off)");
+  check(resilience.spike_metric != SpikeMetric::ratio || resilience.grad_norm_spike == 0 ||
+            resilience.grad_norm_spike > 1,
+        "resilience.grad_norm_spike", resilience.grad_norm_spike,
+        "> 1 with spike_metric = ratio (or 0 = off)");
   check(resilience.window >= 10, "resilience.window", resilience.window, ">= 10");
   (void)FaultPlan::parse(resilience.inject, origin_of("resilience.inject") + ": resilience.inject");
   check(resilience.spike_after >= -1, "resilience.spike_after", resilience.spike_after,
@@ -1012,7 +1015,7 @@ void TrainConfig::validate() const {
   for (const KeySpec& spec : key_specs()) {
     FieldRef field = spec.field(copy);
     if (auto* text = std::get_if<std::string*>(&field))
-      check_choice(spec, **text, origin_of(spec.full_name()));
+      check_choice(spec, spec.choices, **text, origin_of(spec.full_name()));
   }
 }
 
@@ -1030,6 +1033,8 @@ std::string TrainConfig::to_toml() const {
           using T = std::remove_pointer_t<decltype(field)>;
           if constexpr (std::is_same_v<T, std::string>)
             return toml_quote(*field);
+          else if constexpr (std::is_same_v<T, ChoiceField>)
+            return toml_quote(field->name());
           else if constexpr (std::is_same_v<T, double>)
             return toml_float(*field);
           else if constexpr (std::is_same_v<T, bool>)
@@ -1040,8 +1045,11 @@ std::string TrainConfig::to_toml() const {
         spec.field(copy));
     std::string assignment = fmt::format("{} = {}", spec.key, value);
     std::string comment(spec.comment);
-    for (size_t i = 0; i < spec.choices.size(); ++i)
-      comment += fmt::format("{}{}", i == 0 ? ": " : " | ", spec.choices[i]);
+    FieldRef field = spec.field(copy);
+    auto* choice = std::get_if<ChoiceField*>(&field);
+    const std::vector<std::string_view> choices = choice ? (*choice)->names() : spec.choices;
+    for (size_t i = 0; i < choices.size(); ++i)
+      comment += fmt::format("{}{}", i == 0 ? ": " : " | ", choices[i]);
     out += fmt::format("{:<32} # {}\n", assignment, comment);
   }
   return out;
@@ -1054,7 +1062,7 @@ std::filesystem::path TrainConfig::checkpoint_dir() const {
 
 LrSchedule TrainConfig::lr_schedule() const {
   LrSchedule schedule;
-  schedule.kind = parse_lr_schedule_kind(train.schedule);
+  schedule.kind = train.schedule;
   schedule.peak_lr = static_cast<float>(train.lr);
   schedule.min_lr = static_cast<float>(train.min_lr);
   schedule.warmup_steps = train.warmup;
@@ -1080,13 +1088,34 @@ parallel::LayoutSpec TrainConfig::layout_spec() const {
 }
 
 std::optional<nn::Fp8Options> TrainConfig::fp8_options() const {
-  if (fp8.recipe == "off") return std::nullopt;
   nn::Fp8Options o;
-  o.recipe.recipe = fp8::recipe_from_name(fp8.recipe);
+  switch (fp8.recipe) {
+    case Fp8RecipeChoice::off:
+      return std::nullopt;
+    case Fp8RecipeChoice::delayed:
+      o.recipe.recipe = fp8::Recipe::delayed;
+      break;
+    case Fp8RecipeChoice::current:
+      o.recipe.recipe = fp8::Recipe::current;
+      break;
+    case Fp8RecipeChoice::block:
+      o.recipe.recipe = fp8::Recipe::block;
+      break;
+  }
   const bool block = o.recipe.recipe == fp8::Recipe::block;
-  o.recipe.format = fp8::format_from_name(fp8.format == "auto" ? (block ? "e4m3" : "hybrid") : fp8.format);
+  switch (fp8.format) {
+    case Fp8FormatChoice::automatic:
+      o.recipe.format = block ? fp8::Format::e4m3 : fp8::Format::hybrid;
+      break;
+    case Fp8FormatChoice::hybrid:
+      o.recipe.format = fp8::Format::hybrid;
+      break;
+    case Fp8FormatChoice::e4m3:
+      o.recipe.format = fp8::Format::e4m3;
+      break;
+  }
   o.recipe.amax_history_len = fp8.amax_history_len;
-  o.recipe.amax_compute = fp8::amax_compute_from_name(fp8.amax_compute);
+  o.recipe.amax_compute = fp8.amax_compute;
   o.recipe.margin = static_cast<int>(fp8.margin);
   o.recipe.power_of_two_scales = fp8.power_of_two_scales;
   o.bf16_first_layers = fp8.bf16_first_layers;

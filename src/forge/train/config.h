@@ -14,11 +14,56 @@
 #include <string>
 #include <string_view>
 
+#include "forge/core/tensor.h"
+#include "forge/fp8/recipe.h"
+#include "forge/nn/compute.h"
 #include "forge/nn/fp8_context.h"
 #include "forge/optim/lr_schedule.h"
+#include "forge/parallel/context_parallel.h"
 #include "forge/parallel/layout.h"
+#include "forge/train/choice.h"
 
 namespace forge::train {
+
+// The settings that are one of a few values (train/choice.h), beside the enums of the layers below that
+// serve as they are (Device, nn::Recompute, optim::LrSchedule::Kind, fp8::AmaxCompute,
+// parallel::ContextAttention).
+enum class DataOrder { shuffle, sequential };
+enum class DtypeChoice { automatic, bf16, fp32 };
+enum class Fp8RecipeChoice { off, delayed, current, block };
+enum class Fp8FormatChoice { automatic, hybrid, e4m3 };
+enum class BiasUpdate { sign, zero_mean };
+enum class SkipData { window, none };
+enum class SpikeMetric { ratio, zscore };
+
+#define FORGE_CHOICE_NAMES(E, ...)                   \
+  template <>                                        \
+  struct ChoiceTraits<E> {                           \
+    static const ChoiceNames<E>& names() {           \
+      static const ChoiceNames<E> n = {__VA_ARGS__}; \
+      return n;                                      \
+    }                                                \
+  };
+FORGE_CHOICE_NAMES(DataOrder, {DataOrder::shuffle, "shuffle"}, {DataOrder::sequential, "sequential"})
+FORGE_CHOICE_NAMES(optim::LrSchedule::Kind, {optim::LrSchedule::Kind::cosine, "cosine"},
+                   {optim::LrSchedule::Kind::wsd, "wsd"}, {optim::LrSchedule::Kind::constant, "constant"})
+FORGE_CHOICE_NAMES(Device, {Device::cpu, "cpu"}, {Device::cuda, "cuda"})
+FORGE_CHOICE_NAMES(DtypeChoice, {DtypeChoice::automatic, "auto"}, {DtypeChoice::bf16, "bf16"},
+                   {DtypeChoice::fp32, "fp32"})
+FORGE_CHOICE_NAMES(nn::Recompute, {nn::Recompute::none, "none"}, {nn::Recompute::selective, "selective"},
+                   {nn::Recompute::full, "full"})
+FORGE_CHOICE_NAMES(parallel::ContextAttention, {parallel::ContextAttention::ring, "p2p"},
+                   {parallel::ContextAttention::all_to_all, "a2a"})
+FORGE_CHOICE_NAMES(Fp8RecipeChoice, {Fp8RecipeChoice::off, "off"}, {Fp8RecipeChoice::delayed, "delayed"},
+                   {Fp8RecipeChoice::current, "current"}, {Fp8RecipeChoice::block, "block"})
+FORGE_CHOICE_NAMES(Fp8FormatChoice, {Fp8FormatChoice::automatic, "auto"}, {Fp8FormatChoice::hybrid, "hybrid"},
+                   {Fp8FormatChoice::e4m3, "e4m3"})
+FORGE_CHOICE_NAMES(fp8::AmaxCompute, {fp8::AmaxCompute::max, "max"},
+                   {fp8::AmaxCompute::most_recent, "most_recent"})
+FORGE_CHOICE_NAMES(BiasUpdate, {BiasUpdate::sign, "sign"}, {BiasUpdate::zero_mean, "zero_mean"})
+FORGE_CHOICE_NAMES(SkipData, {SkipData::window, "window"}, {SkipData::none, "none"})
+FORGE_CHOICE_NAMES(SpikeMetric, {SpikeMetric::ratio, "ratio"}, {SpikeMetric::zscore, "zscore"})
+#undef FORGE_CHOICE_NAMES
 
 struct TrainConfig {
   struct Model {
@@ -34,7 +79,7 @@ struct TrainConfig {
     int64_t vocab_size = 2048;        // BPE vocabulary when tokenizer = "train"
     std::string dataset;              // "" = the corpus; else a Megatron blend "PREFIX" or "W1 P1 W2 P2 ..."
     std::string split = "969,30,1";   // train,valid,test weights over each dataset's documents
-    std::string order = "shuffle";    // with dataset: "shuffle" (from the seed) or "sequential"
+    Choice<DataOrder> order = DataOrder::shuffle;  // with dataset: shuffled from the seed, or in order
     double heldout_fraction = 0.01;
     int64_t seq_len = 256;
     std::string cache_dir = "data";
@@ -53,16 +98,16 @@ struct TrainConfig {
     double lr = 3e-3;
     double min_lr = 3e-4;
     int64_t warmup = 50;
-    std::string schedule = "wsd";  // cosine | wsd | constant
+    Choice<optim::LrSchedule::Kind> schedule = optim::LrSchedule::Kind::wsd;  // cosine | wsd | constant
     double wsd_decay_fraction = 0.2;
     double weight_decay = 0.1;
     double beta1 = 0.9;
     double beta2 = 0.95;
     double eps = 1e-8;
-    double grad_clip = 1.0;          // 0 = no clipping
-    std::string device = "cpu";      // cpu | cuda
-    std::string dtype = "auto";      // auto | bf16 | fp32 (auto: bf16 where the CPU has native bf16)
-    std::string recompute = "none";  // none | selective | full
+    double grad_clip = 1.0;  // 0 = no clipping
+    Choice<Device> device = Device::cpu;
+    Choice<DtypeChoice> dtype = DtypeChoice::automatic;  // auto: bf16 where the CPU has native bf16
+    Choice<nn::Recompute> recompute = nn::Recompute::none;
     std::string freeze;   // parts that do not train, comma-separated (a LLaVA's vision,projector,language)
     int64_t threads = 0;  // 0 = all cores
     double memory_limit_mb = 0;  // cap on each rank's host tensors (0 = none; train.device = cpu)
@@ -111,9 +156,9 @@ struct TrainConfig {
     std::string pp_layers;          // layers per stage, "3,5,5,3"; empty: even
     int64_t dp = 0;                 // data parallel; 0 = derived: world size / (tp * pp * cp)
     int64_t cp = 1;                 // context parallel
-    std::string cp_comm = "p2p";    // cp > 1: attention across the group, p2p (ring) | a2a (all-to-all)
-    int64_t ep = 1;                 // expert parallel, carved from dp x cp
-    bool ep_overlap = true;         // hide the token all-to-alls under compute (nn::ComputeOptions)
+    Choice<parallel::ContextAttention> cp_comm = parallel::ContextAttention::ring;  // cp > 1: attention
+    int64_t ep = 1;          // expert parallel, carved from dp x cp
+    bool ep_overlap = true;  // hide the token all-to-alls under compute (nn::ComputeOptions)
     bool sequence_parallel = false;
     bool distributed_optimizer = false;  // ZeRO-1: optimizer state sharded over dp
     bool overlap_grad_reduce = true;
@@ -125,10 +170,10 @@ struct TrainConfig {
 
   // FP8 mixed precision of the transformer layers' Linears (docs/fp8.md; forge/fp8/recipe.h).
   struct Fp8 {
-    std::string recipe = "off";   // off | delayed | current | block
-    std::string format = "auto";  // auto (hybrid; e4m3 for block) | hybrid | e4m3
+    Choice<Fp8RecipeChoice> recipe = Fp8RecipeChoice::off;
+    Choice<Fp8FormatChoice> format = Fp8FormatChoice::automatic;  // auto: hybrid; e4m3 for block
     int64_t amax_history_len = 1024;
-    std::string amax_compute = "max";  // max | most_recent
+    Choice<fp8::AmaxCompute> amax_compute = fp8::AmaxCompute::max;
     int64_t margin = 0;
     bool power_of_two_scales = true;  // block recipe
     int64_t bf16_first_layers = 0;
@@ -143,8 +188,8 @@ struct TrainConfig {
 
   // DeepSeekMoE's balancing (models with routed experts; others ignore it).
   struct Moe {
-    double bias_update_rate = 1e-3;    // 0 = the correction biases stay fixed
-    std::string bias_update = "sign";  // sign | zero_mean
+    double bias_update_rate = 1e-3;  // 0 = the correction biases stay fixed
+    Choice<BiasUpdate> bias_update = BiasUpdate::sign;
     double seq_aux_loss_coeff = 1e-4;  // 0 = no sequence-wise balance loss
     double aux_loss_coeff = 0;         // 0 = no micro-batch (classic) auxiliary loss
     double capacity_factor = 0;        // 0 = dropless
@@ -165,16 +210,17 @@ struct TrainConfig {
     int64_t max_retries = 3;      // rollbacks in a row without a new stable snapshot, then stop
     bool skip_first = true;       // the first rollback in a row only skips the anomalous step's samples
     int64_t snapshot_every = 50;  // in-memory snapshot every this many steps (0 = roll back from disk)
-    std::string skip = "window";  // window | none: skip the samples between the restored step and the anomaly
-    double lr_factor = 1.0;       // after a rollback the learning rate is multiplied by this ...
-    int64_t lr_steps = 0;         // ... for this many steps
-    std::string spike_metric = "ratio";  // ratio (to the window's median) | zscore (against its mean and std)
-    double loss_spike = 2.0;             // flag a loss above this (ratio or z-score); 0 = off
-    double loss_spike_min = 0.1;         // ... and at least this many nats above the window's median/mean
-    double grad_norm_spike = 0;          // the same for the gradient norm; 0 = off
-    int64_t window = 50;                 // accepted steps the spike statistics look back over
-    int64_t spike_after = -1;            // no spike detection up to this step (-1 = train.warmup)
-    std::string inject;                  // fault injection for drills and tests (also FORGE_FAULT)
+    Choice<SkipData> skip = SkipData::window;  // skip the samples between the restored step and the anomaly
+    double lr_factor = 1.0;                    // after a rollback the learning rate is multiplied by this ...
+    int64_t lr_steps = 0;                      // ... for this many steps
+    Choice<SpikeMetric> spike_metric =
+        SpikeMetric::ratio;       // to the window's median; against its mean and std
+    double loss_spike = 2.0;      // flag a loss above this (ratio or z-score); 0 = off
+    double loss_spike_min = 0.1;  // ... and at least this many nats above the window's median/mean
+    double grad_norm_spike = 0;   // the same for the gradient norm; 0 = off
+    int64_t window = 50;          // accepted steps the spike statistics look back over
+    int64_t spike_after = -1;     // no spike detection up to this step (-1 = train.warmup)
+    std::string inject;           // fault injection for drills and tests (also FORGE_FAULT)
     bool operator==(const Resilience&) const = default;
   };
   Model model;

@@ -9,7 +9,7 @@
 #include "forge/core/error.h"
 #include "forge/core/file_io.h"
 #include "forge/data/image_text.h"
-#include "forge/models/llava/llava_config.h"
+#include "forge/models/model.h"
 #include "forge/train/training_data.h"
 
 namespace forge::train {
@@ -19,7 +19,7 @@ namespace fs = std::filesystem;
 
 class ImageTextData final : public TrainingData {
  public:
-  ImageTextData(TextCodec codec, const TrainConfig& config, const models::LlavaConfig& model)
+  ImageTextData(TextCodec codec, const TrainConfig& config, const models::ImageInput& model)
       : TrainingData(std::move(codec)), config_(config), seed_(config.model.seed) {
     const std::string& images = config.data.images;
     if (!fs::exists(images)) fail("data.images: '{}' does not exist", images);
@@ -33,19 +33,18 @@ class ImageTextData final : public TrainingData {
         std::make_unique<data::ImageProcessor>(data::ImageProcessorConfig::from_json_file(processor_path));
     processor_json_ = read_file(processor_path, "image processor config");
     if (processor_json_.empty() || processor_json_.back() != '\n') processor_json_ += '\n';
-    const auto shape = std::array<int64_t, 2>{model.vision.image_size, model.vision.image_size};
     encoder_ = codec_.tokenizer() ? data::TextEncoder::from_tokenizer(*codec_.tokenizer())
                                   : data::TextEncoder::bytes();
     data::ImageTextOptions options;
     options.seq_len = config.data.seq_len;
-    options.image_token_id = static_cast<int32_t>(model.image_token_index);
-    options.tokens_per_image = model.tokens_per_image();
+    options.image_token_id = model.image_token;
+    options.tokens_per_image = model.tokens_per_image;
     options.skip_bad = options.skip_too_long = config.data.skip_bad_samples;
     train_ = open(images, options);
     const auto [channels, height, width] = train_->image_shape();
-    if (channels != model.vision.num_channels || height != shape[0] || width != shape[1])
+    if (channels != model.channels || height != model.height || width != model.width)
       fail("{}: the image processor makes {}x{}x{} images but {} takes {}x{}x{}", processor_path.string(),
-           channels, height, width, config.model.config, model.vision.num_channels, shape[0], shape[1]);
+           channels, height, width, config.model.config, model.channels, model.height, model.width);
     if (!config.data.heldout_images.empty()) {
       heldout_ = open(config.data.heldout_images, options);
       train_samples_ = train_->num_samples();
@@ -149,15 +148,15 @@ class ImageTextData final : public TrainingData {
 
 std::unique_ptr<TrainingData> open_image_text_data(const TrainConfig& config,
                                                    const models::ModelConfig& model) {
-  const auto* llava = dynamic_cast<const models::LlavaConfig*>(&model);
-  if (!llava)
+  const std::optional<models::ImageInput> images = model.image_input();
+  if (!images)
     fail("data.images: image-text data trains a multimodal model (LlavaForConditionalGeneration), not {}",
          model.architecture());
   if (config.data.tokenizer == "train")
     fail(
         "data.images: data.tokenizer must be \"bytes\" or a tokenizer.json (no tokenizer is trained on "
         "image-text data)");
-  return std::make_unique<ImageTextData>(make_text_codec(config, {}), config, *llava);
+  return std::make_unique<ImageTextData>(make_text_codec(config, {}), config, *images);
 }
 
 }  // namespace forge::train

@@ -8,7 +8,7 @@
 namespace forge::train {
 
 SpikeDetector::SpikeDetector(const TrainConfig::Resilience& r, int64_t warmup)
-    : ratio_(r.spike_metric == "ratio"),
+    : ratio_(r.spike_metric == SpikeMetric::ratio),
       loss_threshold_(r.loss_spike),
       loss_min_rise_(r.loss_spike_min),
       grad_norm_threshold_(r.grad_norm_spike),

@@ -64,7 +64,7 @@ TrainSetup::TrainSetup(const TrainConfig& c, comm::Communicator& world_)
   groups = parallel::make_groups(world, layout);
   dp = layout.dp(), dp_rank = layout.coordinate(parallel::Dim::dp), cp = layout.cp();
   seq = c.data.seq_len, micro = c.train.micro_batch, accum = c.train.grad_accum;
-  device = device_from_name(c.train.device);
+  device = c.train.device;
   open_devices();
   data = open_training_data(c, model_config.get());
   if (data->has_images() && layout.cp() > 1)
@@ -260,9 +260,9 @@ void TrainSetup::check_model_fits() const {
   // Context parallelism cuts every sequence into 2 x cp chunks (two per rank, one early and one late, for
   // causal balance); all-to-all attention scatters each tensor-parallel rank's heads over cp.
   const int cp_size = layout.cp();
-  const parallel::ContextSplitProblem split = parallel::context_split_problem(
-      cp_size, parallel::context_attention_from_name(c.parallel.cp_comm), c.data.seq_len,
-      s.heads / layout.tp(), std::max<int64_t>(1, s.kv_heads / layout.tp()));
+  const parallel::ContextSplitProblem split =
+      parallel::context_split_problem(cp_size, c.parallel.cp_comm, c.data.seq_len, s.heads / layout.tp(),
+                                      std::max<int64_t>(1, s.kv_heads / layout.tp()));
   if (!split.none()) fail("{}: {}", c.origin_of(split.setting), split.problem);
   // Sequence parallelism splits each micro-batch's token rows over tp; with the (local) sequence a multiple
   // of tp every batch size splits (evaluation's last batch may be smaller), as Megatron requires.
@@ -293,17 +293,17 @@ void TrainSetup::open_devices() {
   const TrainConfig& c = config;
   if (!device_usable(device))
     fail("{}: train.device = {}, but no GPU is usable here (or this binary has no CUDA backend)",
-         c.origin_of("train.device"), c.train.device);
-  if (c.fp8.recipe != "off" && c.data.seq_len % 16 != 0)
+         c.origin_of("train.device"), c.train.device.name());
+  if (c.fp8.recipe != Fp8RecipeChoice::off && c.data.seq_len % 16 != 0)
     fail(
         "{}: data.seq_len = {} must be a multiple of 16 for FP8 on {} (FP8 tensor cores read token counts in "
         "multiples of 16)",
-        c.origin_of("data.seq_len"), c.data.seq_len, c.train.device);
-  if (c.fp8.recipe != "off" && c.fp8.accumulator_bits > 0)
+        c.origin_of("data.seq_len"), c.data.seq_len, c.train.device.name());
+  if (c.fp8.recipe != Fp8RecipeChoice::off && c.fp8.accumulator_bits > 0)
     fail(
         "{}: fp8.accumulator_bits = {} models the tensor cores' accumulator on the CPU; on {} the hardware "
         "accumulates: set it to 0",
-        c.origin_of("fp8.accumulator_bits"), c.fp8.accumulator_bits, c.train.device);
+        c.origin_of("fp8.accumulator_bits"), c.fp8.accumulator_bits, c.train.device.name());
   const DeviceMemory& gpu = device_memory(device);
   const int local_rank = local_rank_on_node(world), visible = gpu.device_count();
   // A process that sees one GPU drives it (Slurm's --gpu-bind or a per-rank CUDA_VISIBLE_DEVICES); one that
@@ -331,17 +331,18 @@ std::unique_ptr<comm::Communicator> TrainSetup::device_communicator(comm::Commun
 void TrainSetup::make_compute_options() {
   const TrainConfig& c = config;
   options.device = device;
-  dtype_name = c.train.dtype;
-  if (dtype_name == "auto") dtype_name = on_gpu() || cpu_has_native_bf16() ? "bf16" : "fp32";
+  dtype_name = c.train.dtype != DtypeChoice::automatic ? c.train.dtype.name()
+               : on_gpu() || cpu_has_native_bf16()     ? "bf16"
+                                                       : "fp32";
   options.gemm_dtype = dtype_from_name(dtype_name);
-  options.recompute = nn::recompute_from_name(c.train.recompute);
+  options.recompute = c.train.recompute;
   options.frozen = c.frozen_parts();
   tensor_parallel = std::make_unique<parallel::CommTensorParallel>(
       groups.tp.get(), c.parallel.sequence_parallel, tp_nccl.get());
   if (layout.tp() > 1) options.tp = tensor_parallel.get();
   if (layout.cp() > 1) {
-    context_parallel = std::make_unique<parallel::CommContextParallel>(
-        groups.cp.get(), parallel::context_attention_from_name(c.parallel.cp_comm), cp_nccl.get(), device);
+    context_parallel = std::make_unique<parallel::CommContextParallel>(groups.cp.get(), c.parallel.cp_comm,
+                                                                       cp_nccl.get(), device);
     options.cp = context_parallel.get();
   }
   if (layout.ep() > 1) {
@@ -364,7 +365,7 @@ void TrainSetup::make_compute_options() {
         c.origin_of("fp8.bf16_first_layers"), kept, layers);
   fp8 = std::make_unique<nn::Fp8Context>(*f);
   options.fp8 = fp8.get();
-  fp8_summary = fmt::format("{} ({}", c.fp8.recipe, fp8::format_name(f->recipe.format));
+  fp8_summary = fmt::format("{} ({}", c.fp8.recipe.name(), fp8::format_name(f->recipe.format));
   if (f->recipe.recipe == fp8::Recipe::delayed)
     fp8_summary += fmt::format(", history {} {}", f->recipe.amax_history_len,
                                fp8::amax_compute_name(f->recipe.amax_compute));

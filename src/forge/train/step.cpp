@@ -169,7 +169,7 @@ void finish_balancing(TrainSetup& setup, StepResult& r) {
   }
   // The update every copy of a layer makes alike, from the global loads.
   for (const ExpertLayerView& v : views) v.stats->load = r.experts[static_cast<size_t>(v.slot)].load;
-  const bool zero_mean = c.moe.bias_update == "zero_mean";
+  const bool zero_mean = c.moe.bias_update == BiasUpdate::zero_mean;
   for (Model* m : setup.chunks())
     m->apply_bias_updates(static_cast<float>(c.moe.bias_update_rate), zero_mean);
 }

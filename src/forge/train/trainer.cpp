@@ -163,23 +163,12 @@ void on_signal(int) {
 
 namespace detail {
 
-// printf on the first rank only: every rank runs the same loop, one of them tells the user.
-bool g_leader = true;
-__attribute__((format(printf, 1, 2))) void say(const char* format, ...) {
-  if (!g_leader) return;
-  va_list args;
-  va_start(args, format);
-  std::vprintf(format, args);
-  va_end(args);
-  std::fflush(stdout);
-}
-
 // Rank 0 holds the run's directories against other runs and decides where the run starts; every rank learns
 // the outcome (or the refusal) from it.
 void TrainingRun::decide_start() {
   std::string error;
   nlohmann::json shared;
-  if (g_leader) {
+  if (log_.leader()) {
     try {
       run_dir_lock_ = DirectoryLock(run_dir_, "log.run_dir");
       std::error_code ec;
@@ -201,11 +190,11 @@ void TrainingRun::decide_start() {
   decision_.checkpoint = got["checkpoint"].get<std::string>();
   decision_.note = got["note"].get<std::string>();
   decision_.from_own_directory = got["own"].get<bool>();
-  if (!decision_.note.empty()) say("%s\n", decision_.note.c_str());
+  if (!decision_.note.empty()) log_.say("%s\n", decision_.note.c_str());
 }
 
 void TrainingRun::open_metrics() {
-  if (!g_leader) return;
+  if (!log_.leader()) return;
   write_file_atomically(run_dir_ / "config.toml", c_.to_toml(), "run configuration");
   const bool resumed = !decision_.checkpoint.empty();
   if (resumed) trim_metrics(run_dir_, state_.step);
@@ -229,31 +218,34 @@ void TrainingRun::print_banner() {
                            : on_gpu ? (s.options.fp8 ? kHopperFp8PeakGflops : kHopperBf16PeakGflops)
                                     : measure_gemm_peak_gflops(s.options.gemm_dtype);
   peak_gflops_ = comm::all_reduce_sum(world_, rank_peak);
-  say("model %.2fM parameters | %s compute%s | fp8 %s | recompute %s | %lld-token batches (%lld x %lld x "
+  log_.say(
+      "model %.2fM parameters | %s compute%s | fp8 %s | recompute %s | %lld-token batches (%lld x %lld x "
       "%lld x dp "
       "%lld) | peak %s GEMM %.0f GFLOP/s (%s)\n",
       static_cast<double>(s.model_config->num_parameters()) / 1e6,
-      (s.dtype_name + (c_.train.dtype == "auto" ? " (auto)" : "")).c_str(),
+      (s.dtype_name + (c_.train.dtype == DtypeChoice::automatic ? " (auto)" : "")).c_str(),
       on_gpu ? (" on " + std::string(device_name(s.options.device))).c_str() : "", s.fp8_summary.c_str(),
-      c_.train.recompute.c_str(), static_cast<long long>(step_tokens_), static_cast<long long>(s.micro),
-      static_cast<long long>(s.accum), static_cast<long long>(s.seq), static_cast<long long>(s.dp),
-      s.options.fp8 && on_gpu ? "fp8" : s.dtype_name.c_str(), peak_gflops_,
+      std::string(c_.train.recompute.name()).c_str(), static_cast<long long>(step_tokens_),
+      static_cast<long long>(s.micro), static_cast<long long>(s.accum), static_cast<long long>(s.seq),
+      static_cast<long long>(s.dp), s.options.fp8 && on_gpu ? "fp8" : s.dtype_name.c_str(), peak_gflops_,
       c_.log.peak_gflops > 0 ? "given"
       : on_gpu               ? "H100/H200 dense"
                              : "measured");
   if (world_.size() > 1) {
-    say("%s\n", s.layout.describe().c_str());
-    if (!s.pipeline_summary.empty()) say("%s\n", s.pipeline_summary.c_str());
+    log_.say("%s\n", s.layout.describe().c_str());
+    if (!s.pipeline_summary.empty()) log_.say("%s\n", s.pipeline_summary.c_str());
     if (s.cp > 1)
-      say("context parallel %lld: %lld of each sequence's %lld tokens per rank (chunks r and %lld - r of "
+      log_.say(
+          "context parallel %lld: %lld of each sequence's %lld tokens per rank (chunks r and %lld - r of "
           "%lld), "
           "attention %s\n",
           static_cast<long long>(s.cp), static_cast<long long>(s.local_seq()), static_cast<long long>(s.seq),
           static_cast<long long>(2 * s.cp - 1), static_cast<long long>(2 * s.cp),
-          c_.parallel.cp_comm == "a2a"
+          c_.parallel.cp_comm == parallel::ContextAttention::all_to_all
               ? "all-to-all (heads scattered, sequences gathered)"
               : "ring (keys and values passed around, blocks merged by log-sum-exp)");
-    say("tensor parallel %d%s | data parallel %lld%s: %zu gradient buckets of <= %.1f MiB, %s, overlap %s | "
+    log_.say(
+        "tensor parallel %d%s | data parallel %lld%s: %zu gradient buckets of <= %.1f MiB, %s, overlap %s | "
         "optimizer state %.1f MiB per rank | %d OpenMP threads per rank\n",
         s.layout.tp(), c_.parallel.sequence_parallel ? " + sequence parallel" : "",
         static_cast<long long>(s.dp),
@@ -264,7 +256,7 @@ void TrainingRun::print_banner() {
         c_.parallel.overlap_grad_reduce ? "on" : "off",
         static_cast<double>(s.optimizer->state_bytes()) / 1048576.0, omp_get_max_threads());
   }
-  say("%s\n", s.data->describe().c_str());
+  log_.say("%s\n", s.data->describe().c_str());
 }
 
 // Every rank must take the same decision to stop (Ctrl-C reaches ranks at different moments; clocks differ):
@@ -283,8 +275,8 @@ bool TrainingRun::stop_before_step(TrainResult& result) {
     return true;
   }
   if (flags[1] > 0) {
-    say("time limit of %.1f minutes reached at step %lld\n", c_.train.max_minutes,
-        static_cast<long long>(state_.step));
+    log_.say("time limit of %.1f minutes reached at step %lld\n", c_.train.max_minutes,
+             static_cast<long long>(state_.step));
     result.time_limit_reached = true;
     return true;
   }
@@ -324,8 +316,9 @@ bool TrainingRun::run_step(TrainResult& result) {
   if (first && exception.empty()) {
     result.peak_activation_bytes =
         (s.on_gpu() ? device_memory(device).peak_allocated() : memory_stats().peak_bytes) - live_before;
-    say("peak activation memory %.1f MiB per micro-batch (recompute %s)\n",
-        static_cast<double>(result.peak_activation_bytes) / 1048576.0, c_.train.recompute.c_str());
+    log_.say("peak activation memory %.1f MiB per micro-batch (recompute %s)\n",
+             static_cast<double>(result.peak_activation_bytes) / 1048576.0,
+             std::string(c_.train.recompute.name()).c_str());
   }
   if (!r.applied) {
     if (profile_this_step) ops::profile_end();
@@ -340,18 +333,19 @@ bool TrainingRun::run_step(TrainResult& result) {
   if (profile_this_step) {
     // This rank's ops; rank 0 reports (the ranks of a balanced layout run the same ops).
     const ops::OpProfile profile = ops::profile_end();
-    say("%s", ops::format_profile(profile).c_str());
-    if (g_leader)
+    log_.say("%s", ops::format_profile(profile).c_str());
+    if (log_.leader())
       write_file_atomically(run_dir_ / "profile.json", ops::profile_json(profile) + "\n", "op profile");
     if (pipelining_) {
       // The step's measured pipeline timeline, one row per pp rank (of the first data-parallel replica).
       const PipelineTrace trace = gather_pipeline_trace(s.pp_group(), pipelining_->measured_spans());
-      if (g_leader) {
+      if (log_.leader()) {
         write_file_atomically(run_dir_ / "pipeline_trace.json", trace.json + "\n", "pipeline trace");
         std::string idle;
         for (size_t r = 0; r < trace.idle_fraction.size(); ++r)
           idle += fmt::format("{}{:.0f}%", r ? " | " : "", 100 * trace.idle_fraction[r]);
-        say("pipeline timeline of step %lld: %s (chrome://tracing, ui.perfetto.dev) | idle per pp rank %s\n",
+        log_.say(
+            "pipeline timeline of step %lld: %s (chrome://tracing, ui.perfetto.dev) | idle per pp rank %s\n",
             static_cast<long long>(state_.step), (run_dir_ / "pipeline_trace.json").c_str(), idle.c_str());
       }
     }
@@ -394,7 +388,7 @@ void TrainingRun::log_step(const StepResult& r, TrainResult&) {
   const int64_t load_every = c_.log.expert_load_every;
   const BalanceMetrics balance = balance_metrics(r, last || (load_every > 0 && step % load_every == 0));
   m.extra = balance.summary;
-  say("%s\n", format_step_line(m).c_str());
+  log_.say("%s\n", format_step_line(m).c_str());
   nlohmann::json record = {{"step", step},
                            {"loss", r.loss},
                            {"lr", r.lr},
@@ -426,8 +420,8 @@ bool TrainingRun::evaluate_now() {
   HeldOut e = evaluate(s, pipelining_, std::min(heldout_windows_, c_.eval.batches * s.micro), world_);
   if (e.interrupted) return false;
   const double bpb = e.bits_per_byte();
-  say("eval step %lld | held-out loss %.4f | %.4f bits/byte\n", static_cast<long long>(state_.step),
-      e.loss.mean(), bpb);
+  log_.say("eval step %lld | held-out loss %.4f | %.4f bits/byte\n", static_cast<long long>(state_.step),
+           e.loss.mean(), bpb);
   write_metrics({{"step", state_.step}, {"eval_loss", e.loss.mean()}, {"eval_bits_per_byte", bpb}});
   return true;
 }
@@ -447,18 +441,17 @@ void TrainingRun::plan_length() {
   setup_->schedule.total_steps = state_.total_steps = static_cast<int64_t>(planned);
   if (step + 1 >= setup_->schedule.decay_begins()) {
     state_.plan_frozen = true;
-    say("time budget %.3g minutes: planned %lld steps (%.3f s/step so far)\n", c_.train.max_minutes,
-        static_cast<long long>(state_.total_steps), per_step);
+    log_.say("time budget %.3g minutes: planned %lld steps (%.3f s/step so far)\n", c_.train.max_minutes,
+             static_cast<long long>(state_.total_steps), per_step);
   }
 }
 
 TrainResult TrainingRun::run() {
-  g_leader = world_.rank() == 0;
   // Before anything is set up or written: a fault spec that does not parse is bad input.
   faults_ = FaultPlan::for_run(c_.resilience.inject, "resilience.inject");
   setup_ = std::make_unique<TrainSetup>(c_, world_);
   TrainSetup& s = *setup_;
-  if (s.init_source) say("initialised from %s\n", s.init_source->dir.c_str());
+  if (s.init_source) log_.say("initialised from %s\n", s.init_source->dir.c_str());
   if (s.pipeline) {
     auto p = std::make_unique<Pipelining>(*s.pipeline, s.pp_rank, s.pp_group(), *s.pp_links, s.chunks(),
                                           s.stage_rows, c_.parallel.sequence_parallel ? s.layout.tp() : 1,
@@ -508,7 +501,7 @@ TrainResult TrainingRun::run() {
   if (!faults_.empty()) {
     std::string list;
     for (const Fault& f : faults_.faults()) list += (list.empty() ? "" : ", ") + FaultPlan::describe(f);
-    say("fault injection: %s\n", list.c_str());
+    log_.say("fault injection: %s\n", list.c_str());
   }
   detector_.emplace(c_.resilience, c_.train.warmup);
   build_step_hooks();
@@ -556,7 +549,8 @@ TrainResult TrainingRun::finish(TrainResult result) {
     result.fp8_scales.assign(g->scales().begin(), g->scales().end());
   if (s.dp_group().size() > 1 && state_.step > first_step_) {
     const parallel::GradReductionStats& st = s.buckets->total_stats();
-    say("data-parallel gradient reduction: %.1f MiB per step, communication %.3f s, exposed %.3f s: %.0f%% "
+    log_.say(
+        "data-parallel gradient reduction: %.1f MiB per step, communication %.3f s, exposed %.3f s: %.0f%% "
         "overlapped with backward\n",
         static_cast<double>(st.bytes) / std::max<int64_t>(1, st.steps) / 1048576.0, st.communication_seconds,
         st.exposed_seconds, 100.0 * st.overlap_ratio());
@@ -564,17 +558,20 @@ TrainResult TrainingRun::finish(TrainResult result) {
   if (s.context_parallel && state_.step > first_step_) {
     const parallel::ContextAttentionStats& st = s.context_parallel->stats();
     const double total = st.compute_seconds + st.wait_seconds;
-    say("context-parallel attention (%s) over the run: %.1f MiB sent per rank, attention %.3f s, of which "
+    log_.say(
+        "context-parallel attention (%s) over the run: %.1f MiB sent per rank, attention %.3f s, of which "
         "%.3f s (%.0f%%) blocked on transfers\n",
-        c_.parallel.cp_comm == "a2a" ? "all-to-all" : "ring", static_cast<double>(st.bytes_sent) / 1048576.0,
-        total, st.wait_seconds, total > 0 ? 100 * st.wait_seconds / total : 0.0);
+        c_.parallel.cp_comm == parallel::ContextAttention::all_to_all ? "all-to-all" : "ring",
+        static_cast<double>(st.bytes_sent) / 1048576.0, total, st.wait_seconds,
+        total > 0 ? 100 * st.wait_seconds / total : 0.0);
   }
   if (snapshot_seconds_.size() > 1) {
     // The median: the first snapshots also allocate (and fault in) their buffers.
     std::vector<double> sorted = snapshot_seconds_;
     std::sort(sorted.begin(), sorted.end());
     const double median = sorted[sorted.size() / 2];
-    say("resilience: %zu in-memory snapshots of %.1f MiB each (host memory held: %.1f MiB), %.1f ms each "
+    log_.say(
+        "resilience: %zu in-memory snapshots of %.1f MiB each (host memory held: %.1f MiB), %.1f ms each "
         "(median; the first, which allocates, %.1f ms); %lld rollbacks\n",
         snapshot_seconds_.size(),
         static_cast<double>(snapshots_.bytes()) / static_cast<double>(snapshots_.size()) / 1048576.0,
@@ -588,7 +585,7 @@ TrainResult TrainingRun::finish(TrainResult result) {
                    {"host_bytes", snapshots_.bytes()}});
   }
   if (Trainer::stop_flag().load()) {
-    say("interrupted at step %lld: saving a checkpoint\n", static_cast<long long>(state_.step));
+    log_.say("interrupted at step %lld: saving a checkpoint\n", static_cast<long long>(state_.step));
     save("interrupted");
     write_report();
     result.interrupted = true;
@@ -599,15 +596,16 @@ TrainResult TrainingRun::finish(TrainResult result) {
   save("final");
   HeldOut e = evaluate(s, pipelining_, heldout_windows_, world_);
   if (e.interrupted) {
-    say("interrupted during the final evaluation (the checkpoint of step %lld is saved)\n",
-        static_cast<long long>(state_.step));
+    log_.say("interrupted during the final evaluation (the checkpoint of step %lld is saved)\n",
+             static_cast<long long>(state_.step));
     result.interrupted = true;
     Trainer::stop_flag().store(false);
     return result;
   }
   result.heldout_loss = e.loss.mean();
   result.heldout_bits_per_byte = e.bits_per_byte();
-  say("final held-out loss %.4f nats/token = %.4f bits per byte (%lld tokens, %lld bytes; %.1f s total)\n",
+  log_.say(
+      "final held-out loss %.4f nats/token = %.4f bits per byte (%lld tokens, %lld bytes; %.1f s total)\n",
       result.heldout_loss, result.heldout_bits_per_byte, static_cast<long long>(e.loss.tokens),
       static_cast<long long>(e.bytes), seconds_since(start_time_));
   write_metrics({{"step", state_.step},
@@ -615,20 +613,20 @@ TrainResult TrainingRun::finish(TrainResult result) {
                  {"eval_bits_per_byte", result.heldout_bits_per_byte},
                  {"final", true}});
   write_report();
-  if (c_.sample.tokens > 0 && g_leader) sample(result);
-  if (c_.sample.captions > 0 && g_leader && !result.interrupted) caption(result);
+  if (c_.sample.tokens > 0 && log_.leader()) sample(result);
+  if (c_.sample.captions > 0 && log_.leader() && !result.interrupted) caption(result);
   return result;
 }
 
 void TrainingRun::write_report() {
-  if (!c_.log.report || !g_leader || !metrics_) return;
+  if (!c_.log.report || !log_.leader() || !metrics_) return;
   // The run is trained and saved by now: a report that cannot be written is a warning, not a failed run.
   try {
     const fs::path output = run_dir_ / "report.html";
     report::write_report(report::read_runs({run_dir_}), output);
-    say("report: %s (forge report %s)\n", output.c_str(), run_dir_.c_str());
+    log_.say("report: %s (forge report %s)\n", output.c_str(), run_dir_.c_str());
   } catch (const std::exception& e) {
-    say("warning: the report was not written: %s\n", e.what());
+    log_.say("warning: the report was not written: %s\n", e.what());
   }
 }
 
@@ -662,14 +660,15 @@ void TrainingRun::caption(TrainResult& result) {
     score.add(model, i, ids.data(), targets.data(), s.seq, pixels.data(), images);
   }
   if (score.count() == 0) {
-    say("captions: none of the %lld held-out samples has an answer to compare\n", static_cast<long long>(n));
+    log_.say("captions: none of the %lld held-out samples has an answer to compare\n",
+             static_cast<long long>(n));
     return;
   }
   result.captions = score.count(), result.captions_exact = score.exact();
   result.caption_token_accuracy = score.token_accuracy();
   const models::CaptionDecode decode = [&](std::span<const int32_t> ids) { return codec.decode(ids); };
-  say("%s\n", models::caption_summary("held-out captions", score, seconds_since(start)).c_str());
-  for (const std::string& line : models::caption_lines(score, decode, 4)) say("%s\n", line.c_str());
+  log_.say("%s\n", models::caption_summary("held-out captions", score, seconds_since(start)).c_str());
+  for (const std::string& line : models::caption_lines(score, decode, 4)) log_.say("%s\n", line.c_str());
   write_metrics({{"event", "captions"},
                  {"step", state_.step},
                  {"count", score.count()},
@@ -696,8 +695,8 @@ void TrainingRun::sample(TrainResult& result) {
     result.interrupted = true;
     Trainer::stop_flag().store(false);
   }
-  say("--- sample (temperature %.2f, top-k %lld) ---\n%s\n---\n", c_.sample.temperature,
-      static_cast<long long>(c_.sample.top_k), result.sample.c_str());
+  log_.say("--- sample (temperature %.2f, top-k %lld) ---\n%s\n---\n", c_.sample.temperature,
+           static_cast<long long>(c_.sample.top_k), result.sample.c_str());
 }
 
 }  // namespace detail

@@ -96,16 +96,18 @@ CheckpointState TrainingRun::load_state(const fs::path& from) {
   TrainState::Fp8Format fp8_saved = TrainState::fp8_format_of(names);
   const bool delayed = setup_->fp8 && setup_->fp8->delayed_group();
   if (delayed && fp8_saved == TrainState::Fp8Format::whole && setup_->layout.pp() > 1) {
-    say("the checkpoint's FP8 scaling state is in the single-array format of older versions, which only a "
+    log_.say(
+        "the checkpoint's FP8 scaling state is in the single-array format of older versions, which only a "
         "one-stage layout reads: delayed scaling starts from fresh amax histories\n");
     fp8_saved = TrainState::Fp8Format::none;
   } else if (delayed && fp8_saved == TrainState::Fp8Format::none) {
-    say("the checkpoint holds no FP8 scaling state: delayed scaling starts from fresh amax histories\n");
+    log_.say("the checkpoint holds no FP8 scaling state: delayed scaling starts from fresh amax histories\n");
   }
   std::vector<std::string> fp8_missing;
   std::vector<ShardPiece> pieces = state_.pieces_to_load(fp8_saved, &names, &fp8_missing);
   if (!fp8_missing.empty())
-    say("the checkpoint holds no FP8 scaling state for %zu of this run's FP8 Linears (%s%s; fp8.vision or "
+    log_.say(
+        "the checkpoint holds no FP8 scaling state for %zu of this run's FP8 Linears (%s%s; fp8.vision or "
         "the "
         "bf16 layers changed?): their delayed scaling starts from fresh amax histories\n",
         fp8_missing.size(), fp8_missing[0].c_str(), fp8_missing.size() > 1 ? ", ..." : "");
@@ -149,14 +151,15 @@ void TrainingRun::resume() {
       if (i + 1 == candidates.size()) throw;
       const std::string note = fmt::format("checkpoint {} does not load ({}): skipped, trying {}",
                                            candidates[i].string(), e.what(), candidates[i + 1].string());
-      say("%s\n", note.c_str());
+      log_.say("%s\n", note.c_str());
       resume_notes_.push_back(note);
     }
   }
   decision_.checkpoint = from;
   if (decision_.from_own_directory) committed_step_ = state_.step;
   const int64_t saved_per_step = saved.extra.value("samples_per_step", int64_t{0});
-  say("resumed from %s at step %lld (sample %lld%s)\n", from.c_str(), static_cast<long long>(state_.step),
+  log_.say(
+      "resumed from %s at step %lld (sample %lld%s)\n", from.c_str(), static_cast<long long>(state_.step),
       static_cast<long long>(state_.base_samples),
       saved_per_step > 0 && saved_per_step != state_.samples_per_step
           ? fmt::format("; {} sequences per step now, {} before", state_.samples_per_step, saved_per_step)
@@ -170,8 +173,8 @@ void TrainingRun::save(const char* why, bool background) {
   if (async_save_) commit_async_save();
   if (state_.step == committed_step_) {
     if (!was_in_flight)
-      say("checkpoint of step %lld is already saved in %s\n", static_cast<long long>(state_.step),
-          checkpoint_dir_.c_str());
+      log_.say("checkpoint of step %lld is already saved in %s\n", static_cast<long long>(state_.step),
+               checkpoint_dir_.c_str());
     return;
   }
   const TrainSetup& s = *setup_;
@@ -232,10 +235,11 @@ void TrainingRun::save(const char* why, bool background) {
     state_.finish_save();
     if (!periodic) throw;
     // The previous checkpoint is untouched (the save's staging folder is gone): training goes on.
-    say("checkpoint of step %lld failed: %s; training goes on (%s)\n", static_cast<long long>(state_.step),
-        e.what(),
-        committed_step_ >= 0 ? fmt::format("the newest checkpoint is still step {}", committed_step_).c_str()
-                             : "no checkpoint of this run is saved yet");
+    log_.say("checkpoint of step %lld failed: %s; training goes on (%s)\n",
+             static_cast<long long>(state_.step), e.what(),
+             committed_step_ >= 0
+                 ? fmt::format("the newest checkpoint is still step {}", committed_step_).c_str()
+                 : "no checkpoint of this run is saved yet");
     write_metrics(
         {{"event", "checkpoint_failed"}, {"step", state_.step}, {"reason", why}, {"error", e.what()}});
   }
@@ -249,10 +253,11 @@ void TrainingRun::commit_async_save() {
     const std::string dir = save->finish();
     after_commit(save->step(), dir, async_reason_.c_str(), seconds_since(async_started_), blocked);
   } catch (const Error& e) {
-    say("checkpoint of step %lld failed: %s; training goes on (%s)\n", static_cast<long long>(save->step()),
-        e.what(),
-        committed_step_ >= 0 ? fmt::format("the newest checkpoint is still step {}", committed_step_).c_str()
-                             : "no checkpoint of this run is saved yet");
+    log_.say("checkpoint of step %lld failed: %s; training goes on (%s)\n",
+             static_cast<long long>(save->step()), e.what(),
+             committed_step_ >= 0
+                 ? fmt::format("the newest checkpoint is still step {}", committed_step_).c_str()
+                 : "no checkpoint of this run is saved yet");
     write_metrics({{"event", "checkpoint_failed"},
                    {"step", save->step()},
                    {"reason", async_reason_},
@@ -266,11 +271,11 @@ void TrainingRun::after_commit(int64_t step, const std::string& dir, const char*
   committed_step_ = step;
   const bool background = blocked_seconds < seconds;
   if (background)
-    say("checkpoint saved to %s (step %lld, %s, %.2f s in the background, the step blocked %.3f s)\n",
-        dir.c_str(), static_cast<long long>(step), why, seconds, blocked_seconds);
+    log_.say("checkpoint saved to %s (step %lld, %s, %.2f s in the background, the step blocked %.3f s)\n",
+             dir.c_str(), static_cast<long long>(step), why, seconds, blocked_seconds);
   else
-    say("checkpoint saved to %s (step %lld, %s, %.2f s)\n", dir.c_str(), static_cast<long long>(step), why,
-        seconds);
+    log_.say("checkpoint saved to %s (step %lld, %s, %.2f s)\n", dir.c_str(), static_cast<long long>(step),
+             why, seconds);
   nlohmann::json record = {
       {"event", "checkpoint"}, {"step", step}, {"reason", why}, {"dir", dir}, {"seconds", seconds}};
   if (background) record["blocked_s"] = blocked_seconds;

@@ -22,16 +22,18 @@ void TrainingRun::predict() {
   sim::Simulator simulator(*s.model_config, sim::Cluster::single_node(std::move(hardware), world_.size()));
   prediction_ = simulator.estimate(strategy_of(c_, world_.size()));
   const sim::Estimate& e = *prediction_;
-  say("plan (%s, %s): predicted %.2f ms/step, %.0f tokens/s, %s per device (parameters %s, optimizer %s, "
+  log_.say(
+      "plan (%s, %s): predicted %.2f ms/step, %.0f tokens/s, %s per device (parameters %s, optimizer %s, "
       "activations %s, transient %s)\n",
       simulator.cluster().hardware.name.c_str(), simulator.cluster().hardware.kind.c_str(), 1e3 * e.time.step,
       e.time.tokens_per_s, sim::human_bytes(e.memory.total).c_str(),
       sim::human_bytes(e.memory.weights).c_str(), sim::human_bytes(e.memory.optimizer).c_str(),
       sim::human_bytes(e.memory.activations).c_str(), sim::human_bytes(e.memory.transient).c_str());
-  if (!e.fits) say("plan: warning: %s\n", e.over.c_str());
+  if (!e.fits) log_.say("plan: warning: %s\n", e.over.c_str());
   const int threads = omp_get_max_threads();
   if (simulator.cluster().hardware.threads > 0 && simulator.cluster().hardware.threads != threads)
-    say("plan: warning: %s was measured with %d thread%s per rank; this run has %d (calibrate with the "
+    log_.say(
+        "plan: warning: %s was measured with %d thread%s per rank; this run has %d (calibrate with the "
         "run's)\n",
         c_.log.hardware_profile.c_str(), simulator.cluster().hardware.threads,
         simulator.cluster().hardware.threads == 1 ? "" : "s", threads);
@@ -55,7 +57,8 @@ void TrainingRun::compare_with_prediction() {
   const sim::Estimate& e = *prediction_;
   const double time_error = e.time.step / measured - 1;
   const double memory_error = static_cast<double>(e.memory.total) / static_cast<double>(peak) - 1;
-  say("plan vs run: step %.2f ms predicted, %.2f ms measured (median of %zu steps; %+.1f%%) | peak memory %s "
+  log_.say(
+      "plan vs run: step %.2f ms predicted, %.2f ms measured (median of %zu steps; %+.1f%%) | peak memory %s "
       "predicted, %s measured (%+.1f%%)\n",
       1e3 * e.time.step, 1e3 * measured, steady.size(), 100 * time_error,
       sim::human_bytes(e.memory.total).c_str(), sim::human_bytes(peak).c_str(), 100 * memory_error);

@@ -120,7 +120,7 @@ void TrainingRun::roll_back(const std::string& cause, TrainResult& result) {
         restored = fmt::format("checkpoint {}", dir);
         break;
       } catch (const Error& e) {
-        say("checkpoint %s does not load (%s): skipped\n", dir.c_str(), e.what());
+        log_.say("checkpoint %s does not load (%s): skipped\n", dir.c_str(), e.what());
       }
     }
     if (restored.empty())
@@ -131,7 +131,7 @@ void TrainingRun::roll_back(const std::string& cause, TrainResult& result) {
   }
   const int64_t restored_step = state_.step;
   int64_t skipped = 0;
-  if (c_.resilience.skip == "window")
+  if (c_.resilience.skip == SkipData::window)
     skipped = skip_data_window(state_, restored_step, step, samples_at_anomaly);
   if (c_.resilience.lr_factor < 1 && c_.resilience.lr_steps > 0) {
     state_.lr_scale = c_.resilience.lr_factor;
@@ -157,14 +157,14 @@ void TrainingRun::roll_back(const std::string& cause, TrainResult& result) {
       c_.resilience.max_retries, step, cause, restored, skipped, restored_step + 1, step, lr);
   rollback_account_.push_back(
       fmt::format("rollback {} at step {} to step {}", retries_, step, restored_step));
-  say("%s\n", what.c_str());
+  log_.say("%s\n", what.c_str());
   write_metrics({{"event", "rollback"},
                  {"step", step},
                  {"cause", cause},
                  {"restored", restored},
                  {"restored_step", restored_step},
                  {"skipped_samples", skipped},
-                 {"skipped_steps", c_.resilience.skip == "window" ? step - restored_step : 0},
+                 {"skipped_steps", c_.resilience.skip == SkipData::window ? step - restored_step : 0},
                  {"retry", retries_},
                  {"lr_scale", state_.lr_scale_until > restored_step + 1 ? state_.lr_scale : 1.0}});
   interval_start_ = Clock::now();
@@ -174,7 +174,7 @@ void TrainingRun::roll_back(const std::string& cause, TrainResult& result) {
 // <run_dir>/heartbeat, rewritten after every step on the first rank: `forge launch --heartbeat` restarts a
 // job whose heartbeat stops (a rank that hangs stalls every rank at its next collective).
 void TrainingRun::write_heartbeat() {
-  if (!g_leader) return;
+  if (!log_.leader()) return;
   std::ofstream out(run_dir_ / "heartbeat", std::ios::trunc);
   out << state_.step << "\n";
 }

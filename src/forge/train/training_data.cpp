@@ -172,7 +172,7 @@ class DatasetData final : public TrainingData {
     const std::string vocab_name = fmt::format("the vocabulary of the tokenizer {}", codec_.description());
     GptDatasetConfig train_config{.seq_len = config.data.seq_len,
                                   .seed = config.model.seed,
-                                  .shuffle = config.data.order == "shuffle",
+                                  .shuffle = config.data.order == DataOrder::shuffle,
                                   .vocab_size = codec_.vocab_size(),
                                   .vocab_name = vocab_name};
     train_ = open_blended_gpt_dataset(config.data.dataset, config.data.split, DataSplit::train, train_config);

@@ -22,6 +22,7 @@
 #include "forge/train/pipelining.h"
 #include "forge/train/resilience.h"
 #include "forge/train/run_directory.h"
+#include "forge/train/run_log.h"
 #include "forge/train/setup.h"
 #include "forge/train/step.h"
 #include "forge/train/train_state.h"
@@ -38,15 +39,11 @@ inline double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
-// printf on the first rank only: every rank runs the same loop, one of them tells the user.
-extern bool g_leader;
-__attribute__((format(printf, 1, 2))) void say(const char* format, ...);
-
 // One run of the loop: the setup, the state, and what the loop decides with them.
 class TrainingRun {
  public:
   TrainingRun(const TrainConfig& c, comm::Communicator& world, const TrainerHooks& hooks)
-      : c_(c), world_(world), hooks_(hooks), start_time_(Clock::now()) {}
+      : c_(c), world_(world), hooks_(hooks), log_(world.rank() == 0), start_time_(Clock::now()) {}
   TrainResult run();
 
  private:
@@ -87,6 +84,7 @@ class TrainingRun {
   const TrainConfig& c_;
   comm::Communicator& world_;
   const TrainerHooks& hooks_;
+  const RunLog log_;
   const Clock::time_point start_time_;
   std::unique_ptr<TrainSetup> setup_;
   TrainState state_;

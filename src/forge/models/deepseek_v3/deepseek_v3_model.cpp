@@ -10,14 +10,6 @@
 
 namespace forge::models {
 namespace {
-// A host array of token ids on `device`: the array itself on the CPU, else a copy kept alive by `holder`.
-const int32_t* ids_on(Device device, const int32_t* ids, int64_t n, Tensor& holder) {
-  if (device == Device::cpu || ids == nullptr) return ids;
-  Tensor host = Tensor::empty({n}, DType::i32);
-  std::copy_n(ids, n, host.i32());
-  holder = host.to(device);
-  return holder.i32();
-}
 
 // Columns [offset, offset + cols) of each of `rows` rows of dst (row stride dst_stride) from src's rows
 // (stride src_stride, from column src_offset), through the op table's row copy.
@@ -142,8 +134,8 @@ class MtpTail final : public StackTail {
       tp_ = std::make_unique<nn::WithoutSequenceParallel>(stack.tp());
     nn::ComputeOptions head_options = options;
     if (tp_) head_options.tp = tp_.get();
-    embedding_ = nn::Embedding(&params, stack.embedding_id(),
-                               head_options.tp_size() > 1 ? head_options.tp : nullptr);
+    embedding_ =
+        nn::Embedding(&params, stack.embedding_id(), head_options.tp_size() > 1 ? head_options.tp : nullptr);
     head_ = nn::LossHead(&params, stack.head_id(), config_.vocab_size, stack.vocab_start(), head_options);
     for (int k = 0; k < depth(); ++k) {
       const Ids& ids = ids_[static_cast<size_t>(k)];
@@ -361,20 +353,7 @@ std::vector<MtpDepthTotals> DeepseekV3Model::mtp_totals() const {
 }
 
 ModelFamily deepseek_v3_family() {
-  ModelFamily f;
-  f.architecture = "DeepseekV3ForCausalLM";
-  f.model_type = "deepseek_v3";
-  f.parse_config = [](const nlohmann::json& json, std::string_view source) -> std::unique_ptr<ModelConfig> {
-    return std::make_unique<DeepseekV3Config>(DeepseekV3Config::from_json(json, source));
-  };
-  f.build = [](const ModelConfig& config, const nn::ComputeOptions& options, const StageSpec& stage,
-               float init_std, bool with_grads, ParameterStore* into) -> std::unique_ptr<Model> {
-    const auto* ds = dynamic_cast<const DeepseekV3Config*>(&config);
-    FORGE_CHECK(ds != nullptr, "a {} config given to the DeepseekV3ForCausalLM family",
-                config.architecture());
-    return std::make_unique<DeepseekV3Model>(*ds, options, init_std, with_grads, stage, into);
-  };
-  return f;
+  return family_entry<DeepseekV3Config, DeepseekV3Model>("DeepseekV3ForCausalLM", "deepseek_v3");
 }
 
 }  // namespace forge::models

@@ -60,9 +60,7 @@ class DeepseekV3Model final : public DecoderStack {
   // The last forward's per-depth MTP losses (not part of StageOutput::loss, which is the main loss).
   const std::vector<MtpDepthStats>& mtp_stats() const;
   std::vector<MtpDepthTotals> mtp_totals() const override;
-  int64_t mtp_depth_count() const override {
-    return with_mtp_ ? config().num_nextn_predict_layers : 0;
-  }
+  int64_t mtp_depth_count() const override { return with_mtp_ ? config().num_nextn_predict_layers : 0; }
 
  private:
   const MtpTail* mtp() const;

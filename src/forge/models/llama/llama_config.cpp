@@ -112,7 +112,8 @@ json unfold_rope_parameters(const json& j, std::string_view source) {
   out.erase("rope_parameters");
   if (it->is_null()) return out;
   if (!it->is_object())
-    fail("{}: key 'rope_parameters' must be an object or null, got {} {}", source, it->type_name(), it->dump());
+    fail("{}: key 'rope_parameters' must be an object or null, got {} {}", source, it->type_name(),
+         it->dump());
   json scaling = *it;
   if (auto theta = scaling.find("rope_theta"); theta != scaling.end()) {
     if (out.contains("rope_theta") && !out["rope_theta"].is_null() && out["rope_theta"] != *theta)

@@ -29,20 +29,6 @@ LlamaModel::LlamaModel(const LlamaConfig& config, nn::ComputeOptions options, fl
     : DecoderStack(config, llama_spec(config), options, init_std, with_grads, stage, into,
                    std::move(name_prefix)) {}
 
-ModelFamily llama_family() {
-  ModelFamily f;
-  f.architecture = "LlamaForCausalLM";
-  f.model_type = "llama";
-  f.parse_config = [](const nlohmann::json& json, std::string_view source) -> std::unique_ptr<ModelConfig> {
-    return std::make_unique<LlamaConfig>(LlamaConfig::from_json(json, source));
-  };
-  f.build = [](const ModelConfig& config, const nn::ComputeOptions& options, const StageSpec& stage,
-               float init_std, bool with_grads, ParameterStore* into) -> std::unique_ptr<Model> {
-    const auto* llama = dynamic_cast<const LlamaConfig*>(&config);
-    FORGE_CHECK(llama != nullptr, "a {} config given to the LlamaForCausalLM family", config.architecture());
-    return std::make_unique<LlamaModel>(*llama, options, init_std, with_grads, stage, into);
-  };
-  return f;
-}
+ModelFamily llama_family() { return family_entry<LlamaConfig, LlamaModel>("LlamaForCausalLM", "llama"); }
 
 }  // namespace forge::models

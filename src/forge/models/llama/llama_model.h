@@ -24,7 +24,9 @@ class LlamaModel final : public DecoderStack {
              bool with_grads = true, StageSpec stage = StageSpec::whole(), ParameterStore* into = nullptr,
              std::string name_prefix = "");
 
-  const LlamaConfig& config() const override { return static_cast<const LlamaConfig&>(DecoderStack::config()); }
+  const LlamaConfig& config() const override {
+    return static_cast<const LlamaConfig&>(DecoderStack::config());
+  }
 };
 
 // The registry's entry for LlamaForCausalLM.

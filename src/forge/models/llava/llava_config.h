@@ -73,6 +73,10 @@ struct LlavaConfig final : ModelConfig {
   int64_t encoder_layers_used() const;
   // vision_feature_layers as hidden_states indices 0 .. num_hidden_layers (negatives resolved).
   std::vector<int64_t> feature_layer_indices() const;
+  std::optional<ImageInput> image_input() const override {
+    return ImageInput{vision.num_channels, vision.image_size, vision.image_size,
+                      static_cast<int32_t>(image_token_index), tokens_per_image()};
+  }
   // Image tokens per image in the text: the patches, plus the class token under "full".
   int64_t tokens_per_image() const {
     return vision.num_patches() + (full_features && vision.has_class_token() ? 1 : 0);

@@ -364,20 +364,7 @@ Tensor LlavaModel::forward_cached_images(const int32_t* ids, int64_t batch, int6
 }
 
 ModelFamily llava_family() {
-  ModelFamily f;
-  f.architecture = "LlavaForConditionalGeneration";
-  f.model_type = "llava";
-  f.parse_config = [](const nlohmann::json& json, std::string_view source) -> std::unique_ptr<ModelConfig> {
-    return std::make_unique<LlavaConfig>(LlavaConfig::from_json(json, source));
-  };
-  f.build = [](const ModelConfig& config, const nn::ComputeOptions& options, const StageSpec& stage,
-               float init_std, bool with_grads, ParameterStore* into) -> std::unique_ptr<Model> {
-    const auto* llava = dynamic_cast<const LlavaConfig*>(&config);
-    FORGE_CHECK(llava != nullptr, "a {} config given to the LlavaForConditionalGeneration family",
-                config.architecture());
-    return std::make_unique<LlavaModel>(*llava, options, init_std, with_grads, stage, into);
-  };
-  return f;
+  return family_entry<LlavaConfig, LlavaModel>("LlavaForConditionalGeneration", "llava");
 }
 
 }  // namespace forge::models

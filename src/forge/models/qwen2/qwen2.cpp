@@ -15,8 +15,8 @@ using namespace config_json;
 // Hugging Face's Qwen2Config defaults (Qwen2-7B's shape) for the keys a file may leave out. rms_norm_eps
 // (1e-6), rope_theta (1e4) and tie_word_embeddings (false) default as in LlamaConfig's reader.
 const std::pair<const char*, json> kDefaults[] = {
-    {"vocab_size", 151936},    {"hidden_size", 4096},        {"intermediate_size", 22016},
-    {"num_hidden_layers", 32}, {"num_attention_heads", 32},  {"max_position_embeddings", 32768}};
+    {"vocab_size", 151936},    {"hidden_size", 4096},       {"intermediate_size", 22016},
+    {"num_hidden_layers", 32}, {"num_attention_heads", 32}, {"max_position_embeddings", 32768}};
 }  // namespace
 
 Qwen2Config Qwen2Config::from_json(const json& j, std::string_view source) {
@@ -29,8 +29,7 @@ Qwen2Config Qwen2Config::from_json(const json& j, std::string_view source) {
   c.sliding_window = read_integer(j, "sliding_window", source).value_or(c.sliding_window);
   c.max_window_layers = read_integer(j, "max_window_layers", source).value_or(c.max_window_layers);
   if (auto types = j.find("layer_types"); types != j.end() && !types->is_null()) {
-    if (!types->is_array())
-      fail("{}: key 'layer_types' must be a list, got {}", source, types->type_name());
+    if (!types->is_array()) fail("{}: key 'layer_types' must be a list, got {}", source, types->type_name());
     for (const json& type : *types)
       if (type != "full_attention")
         fail("{}: key 'layer_types' holds {}, but forge's Qwen2 implements \"full_attention\" only", source,
@@ -66,20 +65,6 @@ json Qwen2Config::to_json() const {
   return j;
 }
 
-ModelFamily qwen2_family() {
-  ModelFamily f;
-  f.architecture = "Qwen2ForCausalLM";
-  f.model_type = "qwen2";
-  f.parse_config = [](const json& json, std::string_view source) -> std::unique_ptr<ModelConfig> {
-    return std::make_unique<Qwen2Config>(Qwen2Config::from_json(json, source));
-  };
-  f.build = [](const ModelConfig& config, const nn::ComputeOptions& options, const StageSpec& stage,
-               float init_std, bool with_grads, ParameterStore* into) -> std::unique_ptr<Model> {
-    const auto* qwen2 = dynamic_cast<const Qwen2Config*>(&config);
-    FORGE_CHECK(qwen2 != nullptr, "a {} config given to the Qwen2ForCausalLM family", config.architecture());
-    return std::make_unique<LlamaModel>(*qwen2, options, init_std, with_grads, stage, into);
-  };
-  return f;
-}
+ModelFamily qwen2_family() { return family_entry<Qwen2Config, LlamaModel>("Qwen2ForCausalLM", "qwen2"); }
 
 }  // namespace forge::models
