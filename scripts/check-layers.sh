@@ -21,7 +21,8 @@ declare -A USES=(
   [ckpt]="core comm"
   [models]="nn parallel ckpt"
   [sim]="core parallel models"
-  [train]="core fp8 kernels comm nn optim parallel models data ckpt sim"
+  [train]="core fp8 kernels comm nn optim parallel models data ckpt sim report"
+  [report]="core parallel"
 )
 
 # The transitive closure of USES for one layer.

@@ -20,6 +20,7 @@
 #include "forge/parallel/pipeline/replay.h"
 #include "forge/parallel/pipeline/schedule.h"
 #include "forge/parallel/pipeline/timeline.h"
+#include "forge/report/timeline_svg.h"
 
 namespace forge::cli {
 using namespace forge::pipeline;
@@ -162,7 +163,7 @@ int run_schedule(const PlanOptions& o) {
   // The files first: a path that cannot be written is then the only thing printed.
   const std::vector<TimelineSpan> spans = timeline_of(schedule, replay, /*with_comm=*/!o.trace.empty());
   if (!o.svg.empty()) {
-    TimelineSvgStyle style;
+    report::TimelineSvgStyle style;
     style.subtitle = "costs per chunk: " + cost_line;
     const std::string title = fmt::format("{}: pp {}, {}, makespan {:g}, bubble {:.1f}%", name, p.ranks,
                                           plural(p.micro_batches, "micro-batch", "micro-batches"),
@@ -170,7 +171,7 @@ int run_schedule(const PlanOptions& o) {
     std::vector<TimelineSpan> compute;
     for (const TimelineSpan& s : spans)
       if (is_compute(s.op)) compute.push_back(s);
-    write_file_atomically(o.svg, timeline_svg(compute, p.ranks, title, style), "timeline SVG");
+    write_file_atomically(o.svg, report::timeline_svg(compute, p.ranks, title, style), "timeline SVG");
   }
   if (!o.trace.empty()) {
     std::vector<std::string> rows;

@@ -8,7 +8,7 @@
 
 #include "commands.h"
 #include "forge/core/error.h"
-#include "forge/train/report.h"
+#include "forge/report/report.h"
 
 namespace forge::cli {
 namespace {
@@ -25,15 +25,15 @@ int run_report(const ReportOptions& o) {
   const std::filesystem::path output =
       o.output.empty() ? (dirs.size() == 1 ? dirs[0] / "report.html" : std::filesystem::path("report.html"))
                        : std::filesystem::path(o.output);
-  train::report::Options options;
+  report::Options options;
   options.title = o.title;
   options.baseline = o.baseline;
   options.max_points = static_cast<size_t>(o.max_points);
   const auto start = std::chrono::steady_clock::now();
-  const std::vector<train::report::RunData> runs = train::report::read_runs(dirs);
-  train::report::write_report(runs, output, options);
+  const std::vector<report::RunData> runs = report::read_runs(dirs);
+  report::write_report(runs, output, options);
   std::vector<std::filesystem::path> svgs;
-  if (!o.svg_dir.empty()) svgs = train::report::write_chart_svgs(runs, o.svg_dir, options);
+  if (!o.svg_dir.empty()) svgs = report::write_chart_svgs(runs, o.svg_dir, options);
   int64_t lines = 0, skipped = 0;
   for (const auto& r : runs) lines += r.lines, skipped += r.skipped_count;
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -35,7 +35,7 @@
 #include "forge/train/metrics.h"
 #include "forge/train/peak.h"
 #include "forge/train/pipelining.h"
-#include "forge/train/report.h"
+#include "forge/report/report.h"
 #include "forge/train/resilience.h"
 #include "forge/train/run_directory.h"
 #include "forge/train/setup.h"

@@ -13,9 +13,11 @@
 
 #include "forge/parallel/pipeline/replay.h"
 #include "forge/parallel/pipeline/schedule.h"
+#include "forge/report/timeline_svg.h"
 
 namespace forge::pipeline {
 namespace {
+using report::timeline_svg;
 
 int count(const std::string& text, const std::string& what) {
   int n = 0;

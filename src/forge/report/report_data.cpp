@@ -8,9 +8,9 @@
 #include <sstream>
 
 #include "forge/core/error.h"
-#include "forge/train/report.h"
+#include "forge/report/report.h"
 
-namespace forge::train::report {
+namespace forge::report {
 
 namespace fs = std::filesystem;
 
@@ -272,4 +272,4 @@ std::vector<Point> downsample(const std::vector<Point>& points, size_t max_point
   return out;
 }
 
-}  // namespace forge::train::report
+}  // namespace forge::report

@@ -1,5 +1,5 @@
 // forge report (train/report.h): reading run directories, downsampling, and the page's embedded data.
-#include "forge/train/report.h"
+#include "forge/report/report.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -14,7 +14,7 @@
 
 #include "forge/core/error.h"
 
-namespace forge::train::report {
+namespace forge::report {
 namespace {
 
 namespace fs = std::filesystem;
@@ -284,4 +284,4 @@ TEST_F(ReportTest, AMillionLineRunMakesAPageOfAFewMegabytes) {
 }
 
 }  // namespace
-}  // namespace forge::train::report
+}  // namespace forge::report

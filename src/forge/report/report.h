@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-namespace forge::train::report {
+namespace forge::report {
 
 // One value of a curve: at `step`, after `tokens` training tokens.
 struct Point {
@@ -104,4 +104,4 @@ std::vector<std::filesystem::path> write_chart_svgs(const std::vector<RunData>& 
 void write_report(const std::vector<RunData>& runs, const std::filesystem::path& output,
                   const Options& options = {});
 
-}  // namespace forge::train::report
+}  // namespace forge::report

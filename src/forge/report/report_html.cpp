@@ -13,10 +13,10 @@
 #include "forge/core/error.h"
 #include "forge/core/file_io.h"
 #include "forge/core/xml.h"
-#include "forge/parallel/pipeline/timeline.h"
-#include "forge/train/report.h"
+#include "forge/report/report.h"
+#include "forge/report/timeline_svg.h"
 
-namespace forge::train::report {
+namespace forge::report {
 
 namespace fs = std::filesystem;
 
@@ -807,11 +807,10 @@ std::string pipeline_section(const std::vector<RunData>& runs) {
       continue;
     }
     if (spans.empty() || rows < 1) continue;
-    pipeline::TimelineSvgStyle style;
+    TimelineSvgStyle style;
     style.subtitle = "measured, time in ms; boxes labelled with their micro-batch";
     out += "<div class=\"timeline\" data-run=\"" + std::to_string(i) + "\">" +
-           pipeline::timeline_svg(spans, rows, runs[i].label + ": pipeline timeline of the profiled step",
-                                  style) +
+           timeline_svg(spans, rows, runs[i].label + ": pipeline timeline of the profiled step", style) +
            "</div>\n";
   }
   if (out.empty()) return {};
@@ -1128,4 +1127,4 @@ std::vector<fs::path> write_chart_svgs(const std::vector<RunData>& runs, const f
   return written;
 }
 
-}  // namespace forge::train::report
+}  // namespace forge::report
