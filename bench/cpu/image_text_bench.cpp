@@ -11,9 +11,9 @@
 #include <memory>
 #include <numeric>
 
-#include "forge/data/image_processor.h"
-#include "forge/data/image_text.h"
-#include "forge/data/synthetic_images.h"
+#include "forge/data/image/image_processor.h"
+#include "forge/data/image/image_text.h"
+#include "forge/data/image/synthetic_images.h"
 
 namespace forge {
 using namespace forge::data;

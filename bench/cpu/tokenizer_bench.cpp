@@ -11,9 +11,9 @@
 #include <filesystem>
 #include <memory>
 
-#include "forge/data/bpe_trainer.h"
-#include "forge/data/text_corpus.h"
-#include "forge/data/tokenizer.h"
+#include "forge/data/tokenizer/bpe_trainer.h"
+#include "forge/data/text/text_corpus.h"
+#include "forge/data/tokenizer/tokenizer.h"
 
 namespace forge {
 using namespace forge::data;

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "forge/data/indexed_dataset.h"
+#include "forge/data/text/indexed_dataset.h"
 
 namespace forge::testing {
 using namespace forge::data;

@@ -2,7 +2,7 @@
 """PIL + numpy twin of forge's image decoding and of Hugging Face's CLIP / SigLIP image processors.
 
 Writes tests/fixtures/images/: small deterministic JPEG and PNG files, and expected.json with what PIL and
-Hugging Face's processors compute from them, which tests/data/image_test.cpp and image_processor_test.cpp
+Hugging Face's processors compute from them, which tests/data/image/image_test.cpp and image_processor_test.cpp
 compare forge against.
 
 transformers is not installable here (no network, no PyTorch needed), so this script reimplements the

@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "forge/data/indexed_dataset.h"
-#include "forge/data/tokenizer.h"
+#include "forge/data/text/indexed_dataset.h"
+#include "forge/data/tokenizer/tokenizer.h"
 #include "tools/cli_harness.h"
 
 namespace forge {

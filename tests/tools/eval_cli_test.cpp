@@ -18,9 +18,9 @@
 #include <vector>
 
 #include "forge/ckpt/checkpoint.h"
-#include "forge/data/image_processor.h"
-#include "forge/data/image_text.h"
-#include "forge/data/indexed_dataset.h"
+#include "forge/data/image/image_processor.h"
+#include "forge/data/image/image_text.h"
+#include "forge/data/text/indexed_dataset.h"
 #include "forge/models/captions.h"
 #include "forge/models/llama/llama_model.h"
 #include "forge/models/pretrained.h"

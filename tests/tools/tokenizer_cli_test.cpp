@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "forge/data/tokenizer.h"
+#include "forge/data/tokenizer/tokenizer.h"
 #include "tools/cli_harness.h"
 using namespace forge::data;
 

@@ -17,7 +17,7 @@
 #include "forge/ckpt/checkpoint_dir.h"
 #include "forge/comm/comm.h"
 #include "forge/core/device.h"
-#include "forge/data/synthetic_images.h"
+#include "forge/data/image/synthetic_images.h"
 #include "forge/models/pretrained.h"
 #include "forge/train/config.h"
 

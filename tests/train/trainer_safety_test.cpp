@@ -16,7 +16,7 @@
 #include "forge/ckpt/checkpoint.h"
 #include "forge/ckpt/checkpoint_dir.h"
 #include "forge/core/error.h"
-#include "forge/data/bpe_trainer.h"
+#include "forge/data/tokenizer/bpe_trainer.h"
 #include "forge/models/llama/llama_model.h"
 #include "forge/core/parameters.h"
 #include "forge/train/run_directory.h"

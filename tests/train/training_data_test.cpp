@@ -12,8 +12,8 @@
 
 #include "forge/models/pretrained.h"
 #include "forge/ckpt/safetensors.h"
-#include "forge/data/indexed_dataset.h"
-#include "forge/data/text_corpus.h"
+#include "forge/data/text/indexed_dataset.h"
+#include "forge/data/text/text_corpus.h"
 #include "forge/train/trainer.h"
 #include "op_harness.h"
 

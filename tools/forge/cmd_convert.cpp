@@ -9,7 +9,7 @@
 
 #include "commands.h"
 #include "forge/core/error.h"
-#include "forge/data/tokenizer.h"
+#include "forge/data/tokenizer/tokenizer.h"
 #include "forge/models/pretrained.h"
 
 namespace forge::cli {

@@ -9,12 +9,12 @@
 
 #include "commands.h"
 #include "forge/core/error.h"
-#include "forge/data/image_processor.h"
-#include "forge/data/image_text.h"
-#include "forge/data/indexed_dataset.h"
-#include "forge/data/preprocess.h"
-#include "forge/data/synthetic_images.h"
-#include "forge/data/tokenizer.h"
+#include "forge/data/image/image_processor.h"
+#include "forge/data/image/image_text.h"
+#include "forge/data/text/indexed_dataset.h"
+#include "forge/data/text/preprocess.h"
+#include "forge/data/image/synthetic_images.h"
+#include "forge/data/tokenizer/tokenizer.h"
 
 namespace forge::cli {
 using namespace forge::data;

@@ -10,8 +10,8 @@
 
 #include "commands.h"
 #include "forge/core/error.h"
-#include "forge/data/bpe_trainer.h"
-#include "forge/data/tokenizer.h"
+#include "forge/data/tokenizer/bpe_trainer.h"
+#include "forge/data/tokenizer/tokenizer.h"
 
 namespace forge::cli {
 using namespace forge::data;

@@ -8,7 +8,7 @@
 
 #include "forge/core/error.h"
 #include "forge/core/file_io.h"
-#include "forge/data/image_text.h"
+#include "forge/data/image/image_text.h"
 #include "forge/models/model.h"
 #include "forge/train/training_data.h"
 

@@ -4,7 +4,7 @@
 #include <vector>
 
 #include "forge/core/device.h"
-#include "forge/data/byte_sampler.h"
+#include "forge/data/text/byte_sampler.h"
 #include "forge/models/model.h"
 #include "forge/optim/adamw.h"
 

@@ -6,10 +6,10 @@
 #include <cstdio>
 
 #include "forge/core/error.h"
-#include "forge/data/blended_dataset.h"
-#include "forge/data/bpe_trainer.h"
-#include "forge/data/byte_sampler.h"
-#include "forge/data/text_corpus.h"
+#include "forge/data/text/blended_dataset.h"
+#include "forge/data/tokenizer/bpe_trainer.h"
+#include "forge/data/text/byte_sampler.h"
+#include "forge/data/text/text_corpus.h"
 
 namespace forge::train {
 using namespace forge::optim;

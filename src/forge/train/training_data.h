@@ -15,7 +15,7 @@
 #include <string_view>
 #include <vector>
 
-#include "forge/data/tokenizer.h"
+#include "forge/data/tokenizer/tokenizer.h"
 #include "forge/models/model.h"
 #include "forge/train/config.h"
 

@@ -21,7 +21,7 @@
 
 #include "forge/core/device.h"
 #include "forge/core/error.h"
-#include "forge/data/byte_sampler.h"
+#include "forge/data/text/byte_sampler.h"
 #include "forge/kernels/cuda/runtime.h"
 #include "forge/models/llama/llama_model.h"
 #include "forge/nn/fp8_context.h"

@@ -1,0 +1,172 @@
+#include "forge/data/text/text_corpus.h"
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cctype>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+#include "forge/core/error.h"
+#include "forge/core/file_io.h"
+
+namespace forge::data {
+namespace {
+
+// The whole Bible, Genesis 1:1 to Revelation 22:21; -f turns pretty-printing off (one labelled verse a line).
+constexpr const char* kBibleArguments = "-f Gen1:1-Rev22:21";
+
+// Length of the "Ge1:1 " / "1Chr12:3 " label at the start of a line, spaces included; 0 if there is none.
+size_t verse_label_length(std::string_view line) {
+  size_t i = 0;
+  auto digits = [&] {
+    size_t start = i;
+    while (i < line.size() && std::isdigit(static_cast<unsigned char>(line[i]))) ++i;
+    return i > start;
+  };
+  if (i < line.size() && std::isdigit(static_cast<unsigned char>(line[i]))) ++i;  // "1Chr", "2Ki"
+  size_t letters = i;
+  while (i < line.size() && std::isalpha(static_cast<unsigned char>(line[i]))) ++i;
+  if (i == letters) return 0;
+  if (!digits()) return 0;
+  if (i >= line.size() || line[i] != ':') return 0;
+  ++i;
+  if (!digits()) return 0;
+  if (i < line.size() && line[i] != ' ' && line[i] != '\t') return 0;
+  while (i < line.size() && (line[i] == ' ' || line[i] == '\t')) ++i;
+  return i;
+}
+
+std::filesystem::path find_on_path(std::string_view program) {
+  const char* path = std::getenv("PATH");
+  std::string_view dirs = path ? path : "/usr/local/bin:/usr/bin:/bin";
+  while (!dirs.empty()) {
+    size_t colon = dirs.find(':');
+    std::string_view dir = dirs.substr(0, colon);
+    dirs = colon == std::string_view::npos ? std::string_view() : dirs.substr(colon + 1);
+    if (dir.empty()) continue;
+    std::filesystem::path candidate = std::filesystem::path(dir) / program;
+    if (::access(candidate.c_str(), X_OK) == 0 && std::filesystem::is_regular_file(candidate))
+      return candidate;
+  }
+  return {};
+}
+
+std::string run_bible_program() {
+  std::filesystem::path bible = find_on_path("bible");
+  if (bible.empty())
+    fail(
+        "default corpus 'kjv': the 'bible' program was not found on PATH; install bible-kjv "
+        "(scripts/install-deps.sh) or set data.corpus to a text file");
+  std::string command = fmt::format("'{}' {} 2>/dev/null", bible.string(), kBibleArguments);
+  FILE* pipe = ::popen(command.c_str(), "r");
+  if (!pipe) fail("default corpus 'kjv': cannot run '{}': {}", bible.string(), std::strerror(errno));
+  std::string output;
+  char buffer[1 << 16];
+  size_t got;
+  while ((got = std::fread(buffer, 1, sizeof(buffer), pipe)) > 0) output.append(buffer, got);
+  int status = ::pclose(pipe);
+  if (status != 0)
+    fail("default corpus 'kjv': '{} {}' failed (exit status {})", bible.string(), kBibleArguments,
+         WIFEXITED(status) ? WEXITSTATUS(status) : status);
+  return output;
+}
+
+// Every rank of a job may fill the cache at once: each writes its own "<cache>.<pid>" (checked writes,
+// fsync, removed on failure, so a full disk keeps no half-written temporary) and renames it into place; the
+// copies are identical, so whichever rename lands last is as good as the first.
+void write_cache(const std::filesystem::path& cache, std::string_view text) {
+  std::filesystem::path own = cache;
+  own += fmt::format(".{}", ::getpid());
+  write_file_atomically(own, text, "corpus cache");
+  std::error_code ec;
+  std::filesystem::rename(own, cache, ec);
+  if (ec) {
+    std::error_code ignored;
+    std::filesystem::remove(own, ignored);
+    fail("{}: cannot move corpus cache into place: {}", cache.string(), ec.message());
+  }
+}
+
+}  // namespace
+
+std::string strip_verse_labels(std::string_view output) {
+  std::string text;
+  text.reserve(output.size());
+  bool seen_label = false;
+  while (!output.empty()) {
+    size_t newline = output.find('\n');
+    std::string_view line = output.substr(0, newline);
+    output = newline == std::string_view::npos ? std::string_view() : output.substr(newline + 1);
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    while (!line.empty() && (line.back() == ' ' || line.back() == '\t')) line.remove_suffix(1);
+    if (line.empty()) continue;
+    size_t label = verse_label_length(line);
+    if (label > 0) {
+      seen_label = true;
+      text.append(line.substr(label));
+      text.push_back('\n');
+    } else if (seen_label) {
+      // A wrapped continuation of the previous verse: rejoin it on the verse's line.
+      while (line.front() == ' ' || line.front() == '\t') line.remove_prefix(1);
+      text.back() = ' ';
+      text.append(line);
+      text.push_back('\n');
+    }
+    // Text before the first label (a banner) is dropped.
+  }
+  if (!seen_label) fail("default corpus 'kjv': unexpected output from 'bible' (no verse labels found)");
+  return text;
+}
+
+std::string load_kjv_text(const std::filesystem::path& cache_dir) {
+  const std::filesystem::path cache = cache_dir / "kjv.txt";
+  std::error_code ec;
+  if (std::filesystem::is_regular_file(cache, ec) && std::filesystem::file_size(cache, ec) > 0)
+    return read_file(cache, "text file");
+  std::string text = strip_verse_labels(run_bible_program());
+  std::filesystem::create_directories(cache_dir, ec);
+  if (ec) fail("{}: cannot create corpus cache directory: {}", cache_dir.string(), ec.message());
+  write_cache(cache, text);
+  return text;
+}
+
+std::string load_text_file(const std::filesystem::path& path) {
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) fail("{}: corpus file not found", path.string());
+  if (std::filesystem::is_directory(path, ec))
+    fail("{}: corpus is a directory, expected a text file", path.string());
+  std::string text = read_file(path, "text file");
+  if (text.empty()) fail("{}: corpus file is empty", path.string());
+  return text;
+}
+
+std::string load_corpus(std::string_view corpus, const std::filesystem::path& cache_dir) {
+  if (corpus == "kjv") return load_kjv_text(cache_dir);
+  return load_text_file(std::filesystem::path(corpus));
+}
+
+TextSplit split_heldout(const std::string& text, double fraction) {
+  if (!(fraction > 0.0 && fraction < 1.0)) fail("held-out fraction must be in (0, 1), got {}", fraction);
+  const size_t size = text.size();
+  const auto heldout_bytes = static_cast<size_t>(fraction * static_cast<double>(size));
+  const size_t target = size - heldout_bytes;
+  size_t cut = target;
+  if (target > 0 && text[target - 1] != '\n') {
+    size_t next = text.find('\n', target);
+    if (next != std::string::npos && next + 1 < size) {
+      cut = next + 1;
+    } else {
+      size_t previous = text.rfind('\n', target - 1);
+      if (previous != std::string::npos) cut = previous + 1;
+    }
+  }
+  if (cut == 0 || cut >= size)
+    fail("held-out fraction {} of a {}-byte text leaves an empty train or held-out part", fraction, size);
+  return TextSplit{text.substr(0, cut), text.substr(cut)};
+}
+
+}  // namespace forge::data
