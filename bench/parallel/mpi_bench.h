@@ -43,8 +43,9 @@ inline int run_mpi_bench(int (*body)(int, char**), int argc, char** argv) {
   try {
     return body(argc, argv);
   } catch (const Error& e) {
-    comm::world().abort(e.what());
+    comm::world().abort(e.what());  // does not return
   }
+  return 1;
 }
 
 }  // namespace forge::bench

@@ -187,14 +187,16 @@ TEST(Moe, ForwardMatchesDoubleReference) {
     const ReferenceOut want = reference(l, testing::to_double(h), all_params(l), nullptr);
     EXPECT_LT(testing::relative_error(to_vector(y), want.y), 1e-5) << "capacity_factor " << capacity;
     EXPECT_EQ(std::vector<int32_t>(saved.expert_ids.i32(), saved.expert_ids.i32() + kRows * kTopK), want.ids);
-    if (capacity > 0) EXPECT_LT(saved.offsets.back(), kRows * kTopK) << "nothing was dropped";
+    if (capacity > 0) {
+      EXPECT_LT(saved.offsets.back(), kRows * kTopK) << "nothing was dropped";
+    }
   }
 }
 
 // L = <dy, y> + balance_scale * sum_q balance_q + aux_scale * aux: the module's dh and every weight gradient
 // against central differences of the reference, with the sequence-wise loss alone and with both losses.
 TEST(Moe, GradientsMatchFiniteDifferences) {
-  for (const auto [capacity, aux] :
+  for (const auto& [capacity, aux] :
        {std::pair{0.0, 0.0f}, std::pair{0.75, 0.0f}, std::pair{0.0, 0.4f}, std::pair{0.75, 0.4f}}) {
     SCOPED_TRACE(::testing::Message() << "capacity_factor " << capacity << ", aux scale " << aux);
     Layer l(capacity, true, 0.5f, aux);
@@ -328,7 +330,9 @@ TEST(Moe, CapacityDropsInForwardOnly) {
   for (int64_t t = 0; t < kRows; ++t)
     for (int64_t i = 0; i < kHidden; ++i) {
       const float a = y[0][t * kHidden + i], b = y[1][t * kHidden + i];
-      if (t < 4) EXPECT_NEAR(a, b, 1e-5f * (1 + std::abs(b))) << "kept token " << t;
+      if (t < 4) {
+        EXPECT_NEAR(a, b, 1e-5f * (1 + std::abs(b))) << "kept token " << t;
+      }
     }
   const ReferenceOut want = reference(capped, testing::to_double(h), all_params(capped), nullptr);
   EXPECT_LT(testing::relative_error(y[0], want.y), 1e-5);

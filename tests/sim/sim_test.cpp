@@ -417,7 +417,9 @@ TEST(DryTrace, ContextParallelRanksHoldTheirChunks) {
   EXPECT_EQ(events(ring.chunks[0].forward, "send"), layers);       // one hop per layer at cp 2
   EXPECT_EQ(events(ring.chunks[0].backward, "send"), 3 * layers);  // a key/value hop and two gradient hops
   for (const CommEvent& e : ring.chunks[0].forward.comm)
-    if (e.group == "cp") EXPECT_FALSE(e.overlapped.empty());
+    if (e.group == "cp") {
+      EXPECT_FALSE(e.overlapped.empty());
+    }
   int64_t exposed = 0;
   for (const CommEvent& e : ring.chunks[0].backward.comm) exposed += e.group == "cp" && e.overlapped.empty();
   EXPECT_EQ(exposed, layers);                                           // the last gradient hop of each layer

@@ -91,7 +91,7 @@ class ResilienceCli : public ScratchDirTest {
     const std::string want = resolve_checkpoint(path(reference) + "/checkpoint").dir;
     EXPECT_EQ(read_checkpoint_manifest(got).step, kSteps);
     for (int r = 0; r < world; ++r) {
-      const std::string shard = "/" + shard_file_name(r, world);
+      const std::string shard = fmt::format("/{}", shard_file_name(r, world));
       EXPECT_EQ(read_file(got + shard), read_file(want + shard)) << run << shard;
     }
   }

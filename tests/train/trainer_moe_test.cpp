@@ -81,7 +81,9 @@ TEST_F(TrainerMoe, LearnsAndRecordsExpertBalanceAndMtp) {
       EXPECT_EQ(layer["dropped_fraction"], 0);
       // The bias each step routed with: after s updates of +-0.01 per element, at most 0.01 s sqrt(8).
       const double norm = layer["bias_norm"];
-      if (s == 0) EXPECT_EQ(norm, 0) << layer;
+      if (s == 0) {
+        EXPECT_EQ(norm, 0) << layer;
+      }
       if (s == 1) {
         // One update: every element is +-0.01 or 0, so (norm / 0.01)^2 counts the ones that moved.
         const double moved = norm * norm / 1e-4;
@@ -300,7 +302,15 @@ TEST(BalanceMetrics, RecordsAndSummary) {
   StepResult r;
   EXPECT_TRUE(balance_metrics(r).fields.empty());
   EXPECT_EQ(balance_metrics(r).summary, "");
-  r.experts.push_back({4, {1, 3}, 0.25, 0.125, 1, 0.5});
+  // Field by field: a braced initializer would leave the expert-parallel fields to -Wmissing-field-initializers.
+  auto layer_report = [](int64_t layer, std::vector<double> load, double balance, double aux, int64_t dropped,
+                         double bias_norm) {
+    ExpertLayerReport e;
+    e.layer = layer, e.load = std::move(load), e.balance_loss = balance, e.aux_loss = aux;
+    e.dropped = dropped, e.bias_norm = bias_norm;
+    return e;
+  };
+  r.experts.push_back(layer_report(4, {1, 3}, 0.25, 0.125, 1, 0.5));
   r.mtp.push_back({{6.0, 4}, 1});
   const BalanceMetrics metrics = balance_metrics(r);
   const nlohmann::json& j = metrics.fields;
@@ -320,7 +330,7 @@ TEST(BalanceMetrics, RecordsAndSummary) {
   EXPECT_EQ(balance_metrics(r).summary,
             "maxvio 0.50 cv 0.50 bal 2.50e-01 aux 1.25e-01 drop 25.0% | mtp 1.500 top1 25%");
   // Over several layers: the sums, and the drops over every layer's assignments.
-  r.experts.push_back({5, {2, 2}, 0.5, 0.25, 0, 0.0});
+  r.experts.push_back(layer_report(5, {2, 2}, 0.5, 0.25, 0, 0.0));
   const nlohmann::json two = balance_metrics(r).fields;
   EXPECT_DOUBLE_EQ(two["moe"]["aux_loss"].get<double>(), 0.375);
   EXPECT_EQ(two["moe"]["dropped"], 1);

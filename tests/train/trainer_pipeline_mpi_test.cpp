@@ -147,8 +147,9 @@ TEST_P(PipelineLayouts, ReproduceTheOneRankRun) {
   for (size_t s = 0; s < want.losses.size(); ++s) {
     const double tol = !fp8 || s == 0 ? 2e-5 : s < 3 ? 1e-3 : 6e-2;
     EXPECT_NEAR(got.losses[s], want.losses[s], tol * want.losses[s]) << "step " << s + 1;
-    if (!fp8)
+    if (!fp8) {
       EXPECT_NEAR(got.grad_norms[s], want.grad_norms[s], 1e-3 * want.grad_norms[s]) << "step " << s + 1;
+    }
   }
   EXPECT_NEAR(got.heldout_loss, want.heldout_loss, (fp8 ? 4e-2 : 2e-5) * want.heldout_loss);
   if (!fp8)
@@ -411,7 +412,9 @@ void pipelines_on_gpus_follow_the_one_rank_run(PipelineRuns& t, bool emulated) {
       toy::expect_weights_close(fs::path(ref.log.run_dir) / "checkpoint",
                                 fs::path(par.log.run_dir) / "checkpoint", 2e-4);
   }
-  if (emulation) EXPECT_EQ(EmulatedDevice::live_allocations(), 0);
+  if (emulation) {
+    EXPECT_EQ(EmulatedDevice::live_allocations(), 0);
+  }
 }
 
 TEST_F(PipelineRuns, OnGpusFollowTheOneRankRun) { pipelines_on_gpus_follow_the_one_rank_run(*this, false); }

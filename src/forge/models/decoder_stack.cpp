@@ -73,6 +73,17 @@ DecoderStack::DecoderStack(const ModelConfig& config, DecoderSpec spec, nn::Comp
       stage_(stage),
       params_(into ? *into : own_params_),
       tail_(std::move(tail)) {
+  check_stage_and_split(with_grads);
+  register_parameters(init_std);
+  if (!into) params_.allocate(options.gemm_dtype == DType::bf16, with_grads, options.device);
+  build_modules();
+  if (options.fp8 && !into) options.fp8->seal();
+  if (with_grads) register_tensor_parallel_sums();
+}
+
+// Refused before anything is allocated: a stage outside the model, a model too big for the machine, sizes
+// that do not split over the tensor- or expert-parallel group.
+void DecoderStack::check_stage_and_split(bool with_grads) {
   const DecoderSpec& s = spec_;
   const std::string& source = source_;
   const int64_t layers = s.layers;
@@ -83,26 +94,26 @@ DecoderStack::DecoderStack(const ModelConfig& config, DecoderSpec spec, nn::Comp
     fail("{}: stage layers [{}, {}) are outside the model's {} layers", source, stage_.first_layer,
          stage_.end_layer, layers);
   if (!stage_.post_process) tail_.reset();  // the tail runs on the last stage
-  // Refused before anything is allocated, so a config too big for the machine is one line, not bad_alloc or
-  // the OOM killer. On the CPU the host holds everything (with gradients, the optimizer's two moments too:
-  // whoever trains a model with gradients steps it with AdamW); a model on a device needs a full fp32 host
-  // copy while its weights are initialised or loaded, and the device's allocator reports its own memory.
-  // Under tensor parallelism a rank holds 1/tp of the model, but a group's ranks usually share a machine, so
-  // the whole model is what the machine must hold (an over-estimate when the group spans machines).
-  const bool on_host = options.device == Device::cpu;
+  // One line, not bad_alloc or the OOM killer. On the CPU the host holds everything (with gradients, the
+  // optimizer's two moments too: whoever trains a model with gradients steps it with AdamW); a model on a
+  // device needs a full fp32 host copy while its weights are initialised or loaded, and the device's
+  // allocator reports its own memory. Under tensor parallelism a rank holds 1/tp of the model, but a group's
+  // ranks usually share a machine, so the whole model is what the machine must hold (an over-estimate when
+  // the group spans machines).
+  const bool on_host = options_.device == Device::cpu;
   // A dry run (kernels/emulated_device.h, the simulator's traces) initialises nothing on the host.
   if (!EmulatedDevice::check_only())
-    config_->check_fits_in_memory(on_host && with_grads, on_host && options.gemm_dtype == DType::bf16,
+    config_->check_fits_in_memory(on_host && with_grads, on_host && options_.gemm_dtype == DType::bf16,
                                   host_memory_bytes(), source);
-  const int tp_size = options.tp_size(), rank = options.tp_rank();
+  const int tp_size = options_.tp_size();
   const bool gqa = any_layer(s, [](const LayerSpec& l) { return l.attention == AttentionKind::gqa; });
   const bool mla = any_layer(s, [](const LayerSpec& l) { return l.attention == AttentionKind::mla; });
   const bool dense =
       any_layer(s, [](const LayerSpec& l) { return l.feed_forward == FeedForwardKind::swiglu; });
   const bool moe = any_layer(s, [](const LayerSpec& l) { return l.feed_forward == FeedForwardKind::moe; });
-  if (moe && s.moe.experts % options.ep_size() != 0)
+  if (moe && s.moe.experts % options_.ep_size() != 0)
     fail("{}: n_routed_experts = {} does not split over parallel.ep = {}", source, s.moe.experts,
-         options.ep_size());
+         options_.ep_size());
   const bool heads_split = (!gqa || s.heads % tp_size == 0) && (!mla || s.mla.heads % tp_size == 0);
   const bool kv_split = !gqa || s.kv_heads % tp_size == 0 || tp_size % s.kv_heads == 0;
   const bool ffn_split = (!dense || s.ffn % tp_size == 0) && (!moe || s.moe.expert_ffn % tp_size == 0);
@@ -110,10 +121,17 @@ DecoderStack::DecoderStack(const ModelConfig& config, DecoderSpec spec, nn::Comp
     fail("{}: {} heads{}, ffn {}{} do not split over tp = {}", source, gqa ? s.heads : s.mla.heads,
          gqa ? fmt::format(" ({} kv heads)", s.kv_heads) : "", s.ffn,
          moe ? fmt::format(" and expert ffn {}", s.moe.expert_ffn) : "", tp_size);
+}
+
+// The stage's parameters in their fixed order: the embedding, each layer, the final norm and the head, and
+// the tail's.
+void DecoderStack::register_parameters(float init_std) {
+  const DecoderSpec& s = spec_;
+  const int tp_size = options_.tp_size(), rank = options_.tp_rank();
   // Vocabulary-parallel embedding and head: rows padded to a multiple of vocab_divisible_by x tp, split
   // evenly; the padding rows are zero, masked out of the softmax and never saved.
   const int64_t h = s.hidden, v = s.vocab;
-  const int64_t unit = std::max<int64_t>(1, options.vocab_divisible_by) * tp_size;
+  const int64_t unit = std::max<int64_t>(1, options_.vocab_divisible_by) * tp_size;
   padded_vocab_ = tp_size > 1 ? (v + unit - 1) / unit * unit : v;
   local_vocab_ = padded_vocab_ / tp_size, vocab_start_ = rank * local_vocab_;
   const ShardSpec vocab_shard{0, vocab_start_, {v, h}, true};
@@ -153,24 +171,23 @@ DecoderStack::DecoderStack(const ModelConfig& config, DecoderSpec spec, nn::Comp
     if (existing_embedding >= 0) embedding_uses += params_.info(embed_id_).grad_uses;
     if (embedding_uses > 1) params_.set_grad_uses(embed_id_, embedding_uses);
   }
-  if (!into) params_.allocate(options.gemm_dtype == DType::bf16, with_grads, options.device);
+}
 
-  rope_ = s.rope;
-  rope_.cos = rope_.cos.to(options.device), rope_.sin = rope_.sin.to(options.device);
+// The modules over the allocated store: embedding, layers, final norm and head, and the tail's.
+void DecoderStack::build_modules() {
+  rope_ = spec_.rope;
+  rope_.cos = rope_.cos.to(options_.device), rope_.sin = rope_.sin.to(options_.device);
   spec_.rope = nn::RopeTable{};  // the stack's copy is the one kept
-
   if (embed_id_ >= 0) embedding_ = nn::Embedding(&params_, embed_id_, tp());
   for (size_t l = 0; l < layer_ids_.size(); ++l) {
     const int64_t i = stage_.first_layer + static_cast<int64_t>(l);
     layers_.push_back(make_layer(i, layer_ids_[l], layer_options(i)));
   }
   if (stage_.post_process) {
-    final_norm_ = nn::RmsNorm(&params_, norm_id_, static_cast<float>(s.norm_eps));
-    head_ = nn::LossHead(&params_, head_id_, v, vocab_start_, options);
+    final_norm_ = nn::RmsNorm(&params_, norm_id_, static_cast<float>(spec_.norm_eps));
+    head_ = nn::LossHead(&params_, head_id_, spec_.vocab, vocab_start_, options_);
     if (tail_) tail_->build(*this);
   }
-  if (options.fp8 && !into) options.fp8->seal();
-  if (with_grads) register_tensor_parallel_sums();
 }
 
 nn::TensorParallel* DecoderStack::tp() const {

@@ -199,6 +199,9 @@ class DecoderStack : public Model {
     nn::MlpParams mlp;
     nn::MoeParams moe;
   };
+  void check_stage_and_split(bool with_grads);
+  void register_parameters(float init_std);
+  void build_modules();
   LayerIds register_layer(int64_t index, float init_std);
   void register_gqa(const std::string& p, const LayerSpec& layer, float init_std, float out_std,
                     LayerIds& ids);

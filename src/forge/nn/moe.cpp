@@ -11,6 +11,13 @@
 namespace forge::nn {
 namespace {
 
+// A GEMM operand of one tensor in the GEMM dtype (no FP8 parts).
+GemmOperand operand_of(Tensor data) {
+  GemmOperand op;
+  op.data = std::move(data);
+  return op;
+}
+
 // The expert offsets of a perfectly balanced router: the assignments spread evenly over the experts (the
 // first ones take the remainder), each segment capped at the capacity and padded as the sort would pad it.
 std::vector<int64_t> balanced_offsets(const ops::MoeSortParams& q) {
@@ -102,7 +109,7 @@ Tensor Moe::swiglu(const Tensor& gate_up) const {
 
 // The same as the down GEMMs read it (not FP8).
 GemmOperand Moe::activation(const Tensor& gate_up) const {
-  return GemmOperand{to_gemm_dtype(swiglu(gate_up), options_.gemm_dtype)};
+  return operand_of(to_gemm_dtype(swiglu(gate_up), options_.gemm_dtype));
 }
 
 template <typename Op>
@@ -277,7 +284,7 @@ Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training
         });
     ys = fp8_down_forward(s, true);
   } else {
-    s.xs = GemmOperand{to_gemm_dtype(xs, options_.gemm_dtype)};
+    s.xs = operand_of(to_gemm_dtype(xs, options_.gemm_dtype));
     s.gate_up = grouped(s.xs, received, params_.first_gate_up, 2 * static_cast<int>(local), 2 * ffn, hidden,
                         true, offsets_local);
     s.act = activation(s.gate_up);
@@ -358,7 +365,7 @@ Tensor Moe::backward_input(const Tensor& dy_in, int64_t, int64_t, LayerPart::Sav
         });
   } else {
     if (!s.act.defined()) s.act = activation(s.gate_up);  // selective recompute
-    s.dys = GemmOperand{to_gemm_dtype(local_dys, options_.gemm_dtype)};
+    s.dys = operand_of(to_gemm_dtype(local_dys, options_.gemm_dtype));
     dact = grouped(s.dys, received, params_.first_down, static_cast<int>(local), ffn, hidden, false,
                    offsets_local);
   }
@@ -380,7 +387,7 @@ Tensor Moe::backward_input(const Tensor& dy_in, int64_t, int64_t, LayerPart::Sav
                              fp8_gate_up_[static_cast<size_t>(e)].backward_input(op, dx);
                            });
   } else {
-    s.dgate_up = GemmOperand{to_gemm_dtype(dgate_up, options_.gemm_dtype)};
+    s.dgate_up = operand_of(to_gemm_dtype(dgate_up, options_.gemm_dtype));
     local_dxs = grouped(s.dgate_up, received, params_.first_gate_up, 2 * static_cast<int>(local), hidden,
                         2 * ffn, false, offsets_local);
   }

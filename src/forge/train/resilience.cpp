@@ -10,8 +10,8 @@ namespace forge::train {
 SpikeDetector::SpikeDetector(const TrainConfig::Resilience& r, int64_t warmup)
     : ratio_(r.spike_metric == SpikeMetric::ratio),
       loss_threshold_(r.loss_spike),
-      loss_min_rise_(r.loss_spike_min),
       grad_norm_threshold_(r.grad_norm_spike),
+      loss_min_rise_(r.loss_spike_min),
       window_(static_cast<size_t>(r.window)),
       after_(r.spike_after >= 0 ? r.spike_after : warmup) {}
 

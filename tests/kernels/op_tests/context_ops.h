@@ -24,10 +24,7 @@ using testing::DeviceArray;
 
 struct MergeCase {
   int64_t batch, seq, heads, v_dim;
-  std::string name() const {
-    return "b" + std::to_string(batch) + "_s" + std::to_string(seq) + "_h" + std::to_string(heads) + "_dv" +
-           std::to_string(v_dim);
-  }
+  std::string name() const { return fmt::format("b{}_s{}_h{}_dv{}", batch, seq, heads, v_dim); }
   int64_t rows() const { return batch * heads * seq; }
   int64_t outs() const { return batch * seq * heads * v_dim; }
 };

@@ -36,7 +36,7 @@ struct Case {
   int64_t pad;  // added to every leading dimension, and to the group strides
   std::string name() const {
     std::string s = std::string(k_grouped ? "k" : "m") + "_grouped_g";
-    for (size_t g = 0; g < sizes.size(); ++g) s += (g ? "_" : "") + std::to_string(sizes[g]);
+    for (size_t g = 0; g < sizes.size(); ++g) s += fmt::format("{}{}", g ? "_" : "", sizes[g]);
     s += k_grouped ? "_m" + std::to_string(m) + "_n" + std::to_string(n)
                    : "_n" + std::to_string(n) + "_k" + std::to_string(k) + (trans_b ? "_nt" : "_nn");
     return s + "_" + std::string(dtype_name(ab_dtype)) + "_to_" + std::string(dtype_name(c_dtype)) +

@@ -25,9 +25,8 @@ using testing::DeviceArray;
 struct Case {
   int64_t batch, tokens, heads, kv_heads, head_dim, capacity, position;
   std::string name() const {
-    return "b" + std::to_string(batch) + "_t" + std::to_string(tokens) + "_h" + std::to_string(heads) +
-           "_kvh" + std::to_string(kv_heads) + "_d" + std::to_string(head_dim) + "_cap" +
-           std::to_string(capacity) + "_pos" + std::to_string(position);
+    return fmt::format("b{}_t{}_h{}_kvh{}_d{}_cap{}_pos{}", batch, tokens, heads, kv_heads, head_dim,
+                       capacity, position);
   }
   static constexpr int64_t kPad = 3;  // qkv rows padded past q | k | v
   int64_t qkv_stride() const { return (heads + 2 * kv_heads) * head_dim + kPad; }

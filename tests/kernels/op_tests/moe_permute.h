@@ -37,11 +37,11 @@ struct Case {
   int64_t align = 1;     // each expert's segment of sorted rows padded to a multiple of it
   bool fill = false;     // pad_to_capacity: every segment the capacity's rows (rounded up to align)
   std::string name() const {
-    return "t" + std::to_string(tokens) + "_k" + std::to_string(top_k) + "_e" + std::to_string(experts) +
-           "_h" + std::to_string(hidden) + (capacity ? "_cap" + std::to_string(capacity) : "") +
-           (used_experts < experts ? "_used" + std::to_string(used_experts) : "") +
-           (pad ? "_pad" + std::to_string(pad) : "") + (align > 1 ? "_align" + std::to_string(align) : "") +
-           (fill ? "_fill" : "");
+    return fmt::format("t{}_k{}_e{}_h{}{}{}{}{}{}", tokens, top_k, experts, hidden,
+                       capacity ? fmt::format("_cap{}", capacity) : "",
+                       used_experts < experts ? fmt::format("_used{}", used_experts) : "",
+                       pad ? fmt::format("_pad{}", pad) : "", align > 1 ? fmt::format("_align{}", align) : "",
+                       fill ? "_fill" : "");
   }
   bool finite_differences() const { return tokens * hidden <= 400; }
 };
@@ -53,14 +53,28 @@ struct Case {
 // Then every segment filled to the capacity (pad_to_capacity): small for finite differences, with empty
 // experts, aligned, and a capacity above most experts' loads.
 inline const std::vector<Case> kCases = {
-    {7, 2, 4, 13, 0, 4, 3},          {9, 3, 5, 11, 2, 5, 0},           {6, 1, 1, 17, 0, 1, 1},
-    {1, 4, 8, 9, 0, 8, 0},           {50, 2, 16, 33, 0, 10, 5},        {200, 4, 8, 65, 30, 8, 0},
-    {301, 6, 64, 129, 0, 64, 0},     {4099, 8, 64, 31, 0, 60, 2},      {3000, 2, 256, 20, 7, 256, 0},
-    {7, 2, 4, 13, 0, 4, 3, 4},       {9, 3, 5, 11, 2, 5, 0, 4},        {6, 1, 1, 17, 0, 1, 1, 16},
-    {1, 4, 8, 9, 0, 8, 0, 16},       {50, 2, 16, 33, 0, 10, 5, 16},    {200, 4, 8, 65, 30, 8, 0, 16},
-    {4099, 8, 64, 31, 0, 60, 2, 16}, {3000, 2, 256, 20, 7, 256, 0, 4},
-    {7, 2, 4, 13, 3, 4, 3, 1, true}, {9, 3, 5, 11, 2, 5, 0, 4, true},  {50, 2, 16, 33, 4, 10, 5, 1, true},
-    {200, 4, 8, 65, 30, 8, 0, 16, true}, {3000, 2, 256, 20, 7, 256, 0, 4, true},
+    {7, 2, 4, 13, 0, 4, 3},
+    {9, 3, 5, 11, 2, 5, 0},
+    {6, 1, 1, 17, 0, 1, 1},
+    {1, 4, 8, 9, 0, 8, 0},
+    {50, 2, 16, 33, 0, 10, 5},
+    {200, 4, 8, 65, 30, 8, 0},
+    {301, 6, 64, 129, 0, 64, 0},
+    {4099, 8, 64, 31, 0, 60, 2},
+    {3000, 2, 256, 20, 7, 256, 0},
+    {7, 2, 4, 13, 0, 4, 3, 4},
+    {9, 3, 5, 11, 2, 5, 0, 4},
+    {6, 1, 1, 17, 0, 1, 1, 16},
+    {1, 4, 8, 9, 0, 8, 0, 16},
+    {50, 2, 16, 33, 0, 10, 5, 16},
+    {200, 4, 8, 65, 30, 8, 0, 16},
+    {4099, 8, 64, 31, 0, 60, 2, 16},
+    {3000, 2, 256, 20, 7, 256, 0, 4},
+    {7, 2, 4, 13, 3, 4, 3, 1, true},
+    {9, 3, 5, 11, 2, 5, 0, 4, true},
+    {50, 2, 16, 33, 4, 10, 5, 1, true},
+    {200, 4, 8, 65, 30, 8, 0, 16, true},
+    {3000, 2, 256, 20, 7, 256, 0, 4, true},
 };
 
 static_assert(ops::moe_sorted_rows_bound(4, 2, 3, 16) == 8 + 3 * 15);
@@ -116,7 +130,8 @@ inline void expect_aligned_segments(const Sorted& s, const std::vector<int32_t>&
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t begin = s.offsets[e], kept = kept_rows(s.counts[e], capacity);
     EXPECT_EQ(begin % align, 0) << what << ": expert " << e << " starts at " << begin;
-    EXPECT_EQ(s.offsets[e + 1] - begin, segment_rows(fill ? capacity : kept, align)) << what << ": expert " << e;
+    EXPECT_EQ(s.offsets[e + 1] - begin, segment_rows(fill ? capacity : kept, align))
+        << what << ": expert " << e;
     for (int64_t r = begin; r < s.offsets[e + 1]; ++r) {
       if (r < begin + kept) {
         ASSERT_TRUE(s.source[r] >= 0 && s.source[r] < n) << what << ": row " << r;
@@ -321,7 +336,9 @@ TEST_P(MoePermuteOp, MatchesTheReference) {
   EXPECT_LT(testing::relative_error(cpu.combined, token_rows(reference_unpermute(pr, y, w), pr)), 1e-6);
   // dy is the exact product; dweights has zeros exactly where the assignment was dropped.
   for (int64_t a = 0; a < pr.c.tokens * pr.c.top_k; ++a)
-    if (pr.sorted.row_of[a] < 0) EXPECT_EQ(cpu.dweights[a], 0.0f) << "dropped assignment " << a;
+    if (pr.sorted.row_of[a] < 0) {
+      EXPECT_EQ(cpu.dweights[a], 0.0f) << "dropped assignment " << a;
+    }
   if (!test_case().finite_differences()) return;
   // Gradients: the loss <dout, forward(input)>, differentiated numerically in double.
   const auto dsorted = testing::to_double(pr.dsorted), dout = testing::to_double(pr.dout);
@@ -330,8 +347,9 @@ TEST_P(MoePermuteOp, MatchesTheReference) {
   EXPECT_LT(testing::relative_error(cpu.dx, token_rows(dx, pr)), 1e-6) << pr.what("moe_permute_backward");
   const auto dy = testing::finite_difference(
       [&](const std::vector<double>& v) { return testing::dot(dout, reference_unpermute(pr, v, w)); }, y);
-  if (pr.rows > 0)
+  if (pr.rows > 0) {
     EXPECT_LT(testing::relative_error(cpu.dy, dy), 1e-6) << pr.what("moe_unpermute_backward dy");
+  }
   const auto dw = testing::finite_difference(
       [&](const std::vector<double>& v) { return testing::dot(dout, reference_unpermute(pr, y, v)); }, w);
   EXPECT_LT(testing::relative_error(cpu.dweights, dw), 1e-5) << pr.what("moe_unpermute_backward dweights");

@@ -109,7 +109,9 @@ TEST_P(MoeRouterOp, ForwardAndBackward) {
       EXPECT_LT(testing::relative_error(cpu.fractions, want.fractions), 1e-6);
       EXPECT_LT(testing::relative_error(cpu.losses, want.losses), 1e-6);
     }
-    if (c.aux && c.tokens == 0) EXPECT_EQ(cpu.aux_fractions, std::vector<float>(c.experts, 0.0f));
+    if (c.aux && c.tokens == 0) {
+      EXPECT_EQ(cpu.aux_fractions, std::vector<float>(c.experts, 0.0f));
+    }
     if (c.aux && c.tokens > 0) {
       EXPECT_LT(testing::relative_error(cpu.aux_fractions, want.aux_fractions), 1e-6);
       EXPECT_NEAR(cpu.aux_loss[0], want.aux_loss, 1e-6 * want.aux_loss);

@@ -24,11 +24,11 @@ struct Case {
   bool aux;  // the micro-batch balance loss (aux_loss), with aux_scale in backward
   float aux_scale;
   std::string name() const {
-    return "t" + std::to_string(tokens) + "_e" + std::to_string(experts) + "_k" + std::to_string(top_k) +
-           "_g" + std::to_string(groups) + "of" + std::to_string(topk_groups) +
-           (score == ops::MoeScore::sigmoid ? "_sigmoid" : "_softmax") + (normalize ? "_norm" : "") +
-           (bias ? "_bias" : "") + (seq_len > 0 ? "_seq" + std::to_string(seq_len) : "") +
-           (aux ? "_aux" : "");
+    // fmt, not "t" + std::to_string(...): GCC 12 warns falsely (-Wrestrict) on literal + temporary string.
+    return fmt::format("t{}_e{}_k{}_g{}of{}{}{}{}{}{}", tokens, experts, top_k, groups, topk_groups,
+                       score == ops::MoeScore::sigmoid ? "_sigmoid" : "_softmax", normalize ? "_norm" : "",
+                       bias ? "_bias" : "", seq_len > 0 ? fmt::format("_seq{}", seq_len) : "",
+                       aux ? "_aux" : "");
   }
   bool finite_differences() const { return tokens * experts <= 200; }
 };

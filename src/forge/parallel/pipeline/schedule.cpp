@@ -282,7 +282,7 @@ std::string format_schedule(const Schedule& schedule, bool with_comm) {
   for (size_t r = 0; r < schedule.actions.size(); ++r) {
     out += fmt::format("rank {}:", r);
     for (const Action& a : schedule.actions[r])
-      if (with_comm || is_compute(a.op)) out += " " + to_string(a, show_chunk);
+      if (with_comm || is_compute(a.op)) out += fmt::format(" {}", to_string(a, show_chunk));
     out += "\n";
   }
   return out;
