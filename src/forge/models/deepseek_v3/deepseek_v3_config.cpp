@@ -178,12 +178,7 @@ YarnScaling read_rope_scaling(const json& rope, const std::string& name, int64_t
 
 // Upper bounds far above any published model (DeepSeek-V3: hidden 7168, 61 layers, 256 experts, vocabulary
 // 129280, 163840 positions), low enough that no size wraps an int and no product of sizes wraps int64.
-struct SizeLimit {
-  const char* key;
-  int64_t DeepseekV3Config::*field;
-  int64_t max;
-};
-constexpr SizeLimit kSizeLimits[] = {
+constexpr SizeLimit<DeepseekV3Config> kSizeLimits[] = {
     {"hidden_size", &DeepseekV3Config::hidden_size, int64_t{1} << 20},
     {"intermediate_size", &DeepseekV3Config::intermediate_size, int64_t{1} << 22},
     {"moe_intermediate_size", &DeepseekV3Config::moe_intermediate_size, int64_t{1} << 22},
@@ -200,7 +195,6 @@ constexpr SizeLimit kSizeLimits[] = {
     {"vocab_size", &DeepseekV3Config::vocab_size, int64_t{1} << 30},  // token ids are int32
     {"max_position_embeddings", &DeepseekV3Config::max_position_embeddings, int64_t{1} << 24},
 };
-constexpr int64_t kMaxParameters = int64_t{1} << 50;
 
 // The parameter count in long double, for sizes that may be out of range.
 long double wide_parameter_count(const DeepseekV3Config& c) {
@@ -228,7 +222,6 @@ std::string size_summary(const DeepseekV3Config& c) {
       c.hidden_size, c.num_hidden_layers, c.num_nextn_predict_layers, c.n_routed_experts,
       c.moe_intermediate_size, c.vocab_size);
 }
-
 
 }  // namespace
 
@@ -375,17 +368,7 @@ void DeepseekV3Config::validate(std::string_view source) const {
     fail("{}: key 'first_k_dense_replace' must be 0 or more, got {}", source, first_k_dense_replace);
   if (num_nextn_predict_layers < 0)
     fail("{}: key 'num_nextn_predict_layers' must be 0 or more, got {}", source, num_nextn_predict_layers);
-  for (const SizeLimit& limit : kSizeLimits)
-    if (this->*limit.field > limit.max)
-      fail(
-          "{}: key '{}' is {}, above forge's limit of {}; the model would need {} for its fp32 weights alone",
-          source, limit.key, this->*limit.field, limit.max, human_bytes(4 * wide_parameter_count(*this)));
-  if (const long double parameters = wide_parameter_count(*this); parameters > kMaxParameters)
-    fail(
-        "{}: the model would have {:.3g} parameters ({}), needing {} for its fp32 weights alone; forge's "
-        "limit is "
-        "2^50",
-        source, static_cast<double>(parameters), size_summary(*this), human_bytes(4 * parameters));
+  check_size_limits(*this, kSizeLimits, wide_parameter_count(*this), size_summary(*this), source);
 
   // Routing.
   if (num_experts_per_tok > n_routed_experts)
@@ -540,7 +523,8 @@ double DeepseekV3Config::rope_attention_factor() const {
   if (!y.enabled) return 1.0;
   if (y.attention_factor != 0) return y.attention_factor;
   if (y.mscale != 0 && y.mscale_all_dim != 0)
-    return RopeScaling::yarn_mscale(y.factor, y.mscale) / RopeScaling::yarn_mscale(y.factor, y.mscale_all_dim);
+    return RopeScaling::yarn_mscale(y.factor, y.mscale) /
+           RopeScaling::yarn_mscale(y.factor, y.mscale_all_dim);
   return RopeScaling::yarn_mscale(y.factor, 1.0);
 }
 

@@ -134,12 +134,7 @@ json unfold_rope_parameters(const json& j, std::string_view source) {
 // Upper bounds on the sizes: far above any published model (LLaMA 3 405B: hidden 16384, FFN 53248, 126
 // layers, vocabulary 128256; contexts of 10M positions), low enough that no size wraps the int the modules
 // take and no product of sizes wraps int64. A config beyond them is corrupt or hostile, not a model.
-struct SizeLimit {
-  const char* key;
-  int64_t LlamaConfig::*field;
-  int64_t max;
-};
-constexpr SizeLimit kSizeLimits[] = {
+constexpr SizeLimit<LlamaConfig> kSizeLimits[] = {
     {"hidden_size", &LlamaConfig::hidden_size, int64_t{1} << 20},
     {"intermediate_size", &LlamaConfig::intermediate_size, int64_t{1} << 22},
     {"num_hidden_layers", &LlamaConfig::num_hidden_layers, int64_t{1} << 16},
@@ -149,9 +144,6 @@ constexpr SizeLimit kSizeLimits[] = {
     {"vocab_size", &LlamaConfig::vocab_size, int64_t{1} << 30},  // token ids are int32
     {"max_position_embeddings", &LlamaConfig::max_position_embeddings, int64_t{1} << 24},
 };
-// Beyond every machine (4 PiB of fp32 weights) and far from int64's end, so that counts of parameters and
-// their bytes never wrap.
-constexpr int64_t kMaxParameters = int64_t{1} << 50;
 
 // The parameter count without overflow, for sizes that may be out of range (exact up to 2^64).
 long double wide_parameter_count(const LlamaConfig& c) {
@@ -231,16 +223,7 @@ void LlamaConfig::validate(std::string_view source) const {
   require_positive(vocab_size, "vocab_size", source);
   require_positive(max_position_embeddings, "max_position_embeddings", source);
   // Sizes are bounded before any product of them is formed (a wrapped size would build another model).
-  for (const SizeLimit& limit : kSizeLimits)
-    if (this->*limit.field > limit.max)
-      fail(
-          "{}: key '{}' is {}, above forge's limit of {}; the model would need {} for its fp32 weights alone",
-          source, limit.key, this->*limit.field, limit.max, human_bytes(4 * wide_parameter_count(*this)));
-  if (const long double parameters = wide_parameter_count(*this); parameters > kMaxParameters)
-    fail(
-        "{}: the model would have {:.3g} parameters ({}), needing {} for its fp32 weights alone; forge's "
-        "limit is 2^50",
-        source, static_cast<double>(parameters), size_summary(*this), human_bytes(4 * parameters));
+  check_size_limits(*this, kSizeLimits, wide_parameter_count(*this), size_summary(*this), source);
   if (num_attention_heads % num_key_value_heads != 0)
     fail("{}: key 'num_attention_heads' ({}) must be divisible by 'num_key_value_heads' ({})", source,
          num_attention_heads, num_key_value_heads);
