@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <nlohmann/json_fwd.hpp>
+#include <optional>
 #include <string>
 
 namespace forge::train {
@@ -28,6 +29,21 @@ class MetricsWriter {
  private:
   std::filesystem::path path_;
   std::FILE* file_ = nullptr;
+};
+
+// The run's metrics.jsonl as the trainer's parts write it: opened on the first rank once the run knows
+// whether it resumes (a resumed run appends); on the other ranks, and before it is opened, writing does
+// nothing.
+class RunRecords {
+ public:
+  void open(const std::filesystem::path& run_dir, bool truncate) { writer_.emplace(run_dir, truncate); }
+  bool is_open() const { return writer_.has_value(); }
+  void write(const nlohmann::json& record) {
+    if (writer_) writer_->write(record);
+  }
+
+ private:
+  std::optional<MetricsWriter> writer_;
 };
 
 struct StepLine {

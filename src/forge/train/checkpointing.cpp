@@ -1,11 +1,9 @@
-// The trainer's checkpoints: resuming (with the fall back past a damaged newest checkpoint), loading a
-// checkpoint into the state (a resume, a rollback from disk), and saving, in the foreground or the
-// background (ckpt/async_save.h), with the checkpoint faults of drills.
+#include "forge/train/checkpointing.h"
+
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
-#include <fstream>
-#include <limits>
-#include <thread>
+#include <nlohmann/json.hpp>
 
 #include "forge/ckpt/checkpoint_dir.h"
 #include "forge/comm/comm.h"
@@ -13,9 +11,10 @@
 #include "forge/core/fault_injection.h"
 #include "forge/models/model.h"
 #include "forge/train/training_data.h"
-#include "forge/train/training_run.h"
 
-namespace forge::train::detail {
+namespace forge::train {
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
 using namespace forge::models;
 using namespace forge::data;
 using namespace forge::ckpt;
@@ -85,17 +84,45 @@ void check_resumable(const CheckpointState& state, const fs::path& dir, const st
         where, state.extra.value("tokens_seen", int64_t{0}), c.data.seq_len);
 }
 
-// Loads the checkpoint folder `dir` into the state (collective). Returns its manifest state.
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 }  // namespace
 
-CheckpointState TrainingRun::load_state(const fs::path& from) {
+Checkpointing::Checkpointing(const TrainConfig& config, comm::Communicator& world, const RunLog& log,
+                             RunRecords& records, FaultPlan& faults, TrainSetup& setup, TrainState& state,
+                             std::function<void(int64_t, const std::string&)> on_saved)
+    : c_(config),
+      world_(world),
+      log_(log),
+      records_(records),
+      faults_(faults),
+      setup_(setup),
+      state_(state),
+      on_saved_(std::move(on_saved)),
+      dir_(config.checkpoint_dir()) {}
+
+Checkpointing::~Checkpointing() = default;
+
+void Checkpointing::add_file(std::string name, std::string text) {
+  files_.push_back({std::move(name), std::move(text)});
+}
+
+void Checkpointing::reserve_background_buffer(int64_t floats) {
+  async_buffer_.resize(static_cast<size_t>(floats));
+}
+
+std::string Checkpointing::newest_description() const {
+  return committed_step_ >= 0 ? fmt::format("the newest checkpoint is still step {}", committed_step_)
+                              : std::string("no checkpoint of this run is saved yet");
+}
+
+CheckpointState Checkpointing::load(const fs::path& from) {
   // The load below verifies the checksum of each file it reads; here only the manifest matters.
   CheckpointState saved = read_checkpoint_manifest(from.string(), /*verify_files=*/false);
   const std::vector<std::string> names = checkpoint_tensor_names(from.string());
   TrainState::Fp8Format fp8_saved = TrainState::fp8_format_of(names);
-  const bool delayed = setup_->fp8 && setup_->fp8->delayed_group();
-  if (delayed && fp8_saved == TrainState::Fp8Format::whole && setup_->layout.pp() > 1) {
+  const bool delayed = setup_.fp8 && setup_.fp8->delayed_group();
+  if (delayed && fp8_saved == TrainState::Fp8Format::whole && setup_.layout.pp() > 1) {
     log_.say(
         "the checkpoint's FP8 scaling state is in the single-array format of older versions, which only a "
         "one-stage layout reads: delayed scaling starts from fresh amax histories\n");
@@ -108,16 +135,16 @@ CheckpointState TrainingRun::load_state(const fs::path& from) {
   if (!fp8_missing.empty())
     log_.say(
         "the checkpoint holds no FP8 scaling state for %zu of this run's FP8 Linears (%s%s; fp8.vision or "
-        "the "
-        "bf16 layers changed?): their delayed scaling starts from fresh amax histories\n",
+        "the bf16 layers changed?): their delayed scaling starts from fresh amax histories\n",
         fp8_missing.size(), fp8_missing[0].c_str(), fp8_missing.size() > 1 ? ", ..." : "");
   saved = load_sharded_checkpoint(from.string(), world_, pieces);
   state_.finish_load(fp8_saved);
-  setup_->optimizer->set_steps_taken(saved.optimizer_steps >= 0 ? saved.optimizer_steps : saved.step);
+  setup_.optimizer->set_steps_taken(saved.optimizer_steps >= 0 ? saved.optimizer_steps : saved.step);
   state_.step = state_.base_step = saved.step;
-  state_.base_samples = samples_seen_of(saved, setup_->seq);
-  if (plan_steps_ && saved.extra.contains("planned_steps"))
-    setup_->schedule.total_steps = state_.total_steps = saved.extra["planned_steps"].get<int64_t>();
+  state_.base_samples = samples_seen_of(saved, setup_.seq);
+  // A time-budget run (train.steps = 0) continues with the length it planned.
+  if (c_.train.steps == 0 && saved.extra.contains("planned_steps"))
+    setup_.schedule.total_steps = state_.total_steps = saved.extra["planned_steps"].get<int64_t>();
   // What resilience carries (absent from older checkpoints: defaults).
   state_.lr_scale = saved.extra.value("lr_scale", 1.0);
   state_.lr_scale_until = saved.extra.value("lr_scale_until", int64_t{0});
@@ -126,63 +153,61 @@ CheckpointState TrainingRun::load_state(const fs::path& from) {
   return saved;
 }
 
-// Resumes from the decided checkpoint. Under resume = auto a checkpoint that does not load (a flipped byte,
-// a truncated shard, a NaN written by a failing disk) is reported and skipped for the next older complete
-// one; never used, never deleted (the next save prunes it as another timeline).
-void TrainingRun::resume() {
-  std::vector<fs::path> candidates = {decision_.checkpoint};
-  if (decision_.from_own_directory && c_.checkpoint.resume == "auto") {
-    const int64_t newest = read_checkpoint_manifest(decision_.checkpoint.string(), false).step;
-    for (const std::string& dir : complete_checkpoints(checkpoint_dir_.string()))
+std::string Checkpointing::load_newest() {
+  for (const std::string& dir : complete_checkpoints(dir_.string())) {
+    try {
+      load(dir);
+      return dir;
+    } catch (const Error& e) {
+      log_.say("checkpoint %s does not load (%s): skipped\n", dir.c_str(), e.what());
+    }
+  }
+  return "";
+}
+
+ResumeOutcome Checkpointing::resume(const ResumeDecision& decision) {
+  std::vector<fs::path> candidates = {decision.checkpoint};
+  if (decision.from_own_directory && c_.checkpoint.resume == "auto") {
+    const int64_t newest = read_checkpoint_manifest(decision.checkpoint.string(), false).step;
+    for (const std::string& dir : complete_checkpoints(dir_.string()))
       if (read_checkpoint_manifest(dir, false).step < newest) candidates.push_back(dir);
   }
+  ResumeOutcome outcome;
   CheckpointState saved;
-  fs::path from;
   for (size_t i = 0; i < candidates.size(); ++i) {
-    // A checkpoint of another run (model, tokenizer, sequence length) is refused, not skipped.
     check_resumable(read_checkpoint_manifest(candidates[i].string(), /*verify_files=*/false), candidates[i],
-                    checkpoint_tensor_names(candidates[i].string()), *setup_->model_config,
-                    setup_->model_source, setup_->data->codec(), c_);
+                    checkpoint_tensor_names(candidates[i].string()), *setup_.model_config,
+                    setup_.model_source, setup_.data->codec(), c_);
     try {
-      saved = load_state(candidates[i]);
-      from = candidates[i];
+      saved = load(candidates[i]);
+      outcome.from = candidates[i];
       break;
     } catch (const Error& e) {
       if (i + 1 == candidates.size()) throw;
       const std::string note = fmt::format("checkpoint {} does not load ({}): skipped, trying {}",
                                            candidates[i].string(), e.what(), candidates[i + 1].string());
       log_.say("%s\n", note.c_str());
-      resume_notes_.push_back(note);
+      outcome.skipped.push_back(note);
     }
   }
-  decision_.checkpoint = from;
-  if (decision_.from_own_directory) committed_step_ = state_.step;
+  if (decision.from_own_directory) committed_step_ = state_.step;
   const int64_t saved_per_step = saved.extra.value("samples_per_step", int64_t{0});
   log_.say(
-      "resumed from %s at step %lld (sample %lld%s)\n", from.c_str(), static_cast<long long>(state_.step),
-      static_cast<long long>(state_.base_samples),
+      "resumed from %s at step %lld (sample %lld%s)\n", outcome.from.c_str(),
+      static_cast<long long>(state_.step), static_cast<long long>(state_.base_samples),
       saved_per_step > 0 && saved_per_step != state_.samples_per_step
           ? fmt::format("; {} sequences per step now, {} before", state_.samples_per_step, saved_per_step)
                 .c_str()
           : "");
+  return outcome;
 }
 
-void TrainingRun::save(const char* why, bool background) {
-  // At most one save in flight: the previous one commits first (which may be this very step's).
-  const bool was_in_flight = async_save_ != nullptr;
-  if (async_save_) commit_async_save();
-  if (state_.step == committed_step_) {
-    if (!was_in_flight)
-      log_.say("checkpoint of step %lld is already saved in %s\n", static_cast<long long>(state_.step),
-               checkpoint_dir_.c_str());
-    return;
-  }
-  const TrainSetup& s = *setup_;
-  const parallel::Layout& layout = s.layout;
-  const TextCodec& codec = s.data->codec();
+CheckpointState Checkpointing::manifest_to_save(const char* why) const {
+  const parallel::Layout& layout = setup_.layout;
+  const TextCodec& codec = setup_.data->codec();
   CheckpointState saved;
   saved.step = state_.step;
-  saved.optimizer_steps = s.optimizer->steps_taken();
+  saved.optimizer_steps = setup_.optimizer->steps_taken();
   saved.layout = {{"tp", layout.tp()},
                   {"dp", layout.dp()},
                   {"pp", layout.pp()},
@@ -190,12 +215,12 @@ void TrainingRun::save(const char* why, bool background) {
                   {"ep", layout.ep()},
                   {"sequence_parallel", c_.parallel.sequence_parallel},
                   {"distributed_optimizer", c_.parallel.distributed_optimizer}};
-  saved.model_config = s.model_config->to_json();
+  saved.model_config = setup_.model_config->to_json();
   const int64_t samples = state_.samples_seen();
-  saved.extra = {{"tokens_seen", samples * s.seq},
+  saved.extra = {{"tokens_seen", samples * setup_.seq},
                  {"samples_seen", samples},
                  {"samples_per_step", state_.samples_per_step},
-                 {"seq_len", s.seq},
+                 {"seq_len", setup_.seq},
                  {"reason", why},
                  {"tokenizer", codec.description()},
                  {"tokenizer_fingerprint", codec.fingerprint()},
@@ -203,7 +228,21 @@ void TrainingRun::save(const char* why, bool background) {
                  {"recent_grad_norms", state_.recent_grad_norms}};
   if (state_.lr_scale_until > state_.step)
     saved.extra["lr_scale"] = state_.lr_scale, saved.extra["lr_scale_until"] = state_.lr_scale_until;
-  if (plan_steps_) saved.extra["planned_steps"] = state_.total_steps;
+  if (c_.train.steps == 0) saved.extra["planned_steps"] = state_.total_steps;
+  return saved;
+}
+
+void Checkpointing::save(const char* why, bool background) {
+  // At most one save in flight: the previous one commits first (which may be this very step's).
+  const bool was_in_flight = async_ != nullptr;
+  if (async_) commit_pending();
+  if (state_.step == committed_step_) {
+    if (!was_in_flight)
+      log_.say("checkpoint of step %lld is already saved in %s\n", static_cast<long long>(state_.step),
+               dir_.c_str());
+    return;
+  }
+  const CheckpointState saved = manifest_to_save(why);
   if (faults_.take(FaultKind::disk_full, state_.step, world_.rank()))
     arm_fail_point("save.write_shard",
                    fmt::format("cannot write the checkpoint shard of step {}: No space left on device (fault "
@@ -212,74 +251,65 @@ void TrainingRun::save(const char* why, bool background) {
   const std::vector<ShardPiece> pieces = state_.pieces_to_save(world_.rank());
   CheckpointSaveOptions options;
   options.keep_last = c_.checkpoint.keep_last;
-  options.files = checkpoint_files_;
+  options.files = files_;
   const auto save_start = Clock::now();
-  const bool periodic = std::string_view(why) == "periodic";
   try {
     if (background) {
-      async_save_ = std::make_unique<AsyncCheckpointSave>(
-          checkpoint_dir_.string(), world_, pieces, saved, options, &async_buffer_,
-          // On a CPU the writer reads the state itself until the next update (detach,
+      async_ = std::make_unique<AsyncCheckpointSave>(
+          dir_.string(), world_, pieces, saved, options, &async_buffer_,
+          // On a CPU the writer reads the state itself until the next update (detach_pending,
           // StepHooks::before_update).
-          setup_->on_gpu() ? AsyncCheckpointSave::Source::copy : AsyncCheckpointSave::Source::live);
+          setup_.on_gpu() ? AsyncCheckpointSave::Source::copy : AsyncCheckpointSave::Source::live);
       state_.finish_save();
       async_reason_ = why;
       async_started_ = save_start;
       return;
     }
-    const std::string dir = save_checkpoint_step(checkpoint_dir_.string(), world_, pieces, saved, options);
+    const std::string dir = save_checkpoint_step(dir_.string(), world_, pieces, saved, options);
     state_.finish_save();
     const double seconds = seconds_since(save_start);
     after_commit(state_.step, dir, why, seconds, seconds);
   } catch (const Error& e) {
     state_.finish_save();
-    if (!periodic) throw;
+    if (std::string_view(why) != "periodic") throw;
     // The previous checkpoint is untouched (the save's staging folder is gone): training goes on.
-    log_.say("checkpoint of step %lld failed: %s; training goes on (%s)\n",
-             static_cast<long long>(state_.step), e.what(),
-             committed_step_ >= 0
-                 ? fmt::format("the newest checkpoint is still step {}", committed_step_).c_str()
-                 : "no checkpoint of this run is saved yet");
-    write_metrics(
-        {{"event", "checkpoint_failed"}, {"step", state_.step}, {"reason", why}, {"error", e.what()}});
+    report_failed_save(state_.step, why, e.what());
   }
 }
 
-void TrainingRun::commit_async_save() {
-  std::unique_ptr<AsyncCheckpointSave> save = std::move(async_save_);
+void Checkpointing::commit_pending() {
+  std::unique_ptr<AsyncCheckpointSave> save = std::move(async_);
   if (!save) return;
   const double blocked = save->blocked_seconds();
   try {
     const std::string dir = save->finish();
-    after_commit(save->step(), dir, async_reason_.c_str(), seconds_since(async_started_), blocked);
+    after_commit(save->step(), dir, async_reason_, seconds_since(async_started_), blocked);
   } catch (const Error& e) {
-    log_.say("checkpoint of step %lld failed: %s; training goes on (%s)\n",
-             static_cast<long long>(save->step()), e.what(),
-             committed_step_ >= 0
-                 ? fmt::format("the newest checkpoint is still step {}", committed_step_).c_str()
-                 : "no checkpoint of this run is saved yet");
-    write_metrics({{"event", "checkpoint_failed"},
-                   {"step", save->step()},
-                   {"reason", async_reason_},
-                   {"error", e.what()}});
+    report_failed_save(save->step(), async_reason_, e.what());
   }
 }
 
+void Checkpointing::report_failed_save(int64_t step, const std::string& why, const std::string& error) {
+  log_.say("checkpoint of step %lld failed: %s; training goes on (%s)\n", static_cast<long long>(step),
+           error.c_str(), newest_description().c_str());
+  records_.write({{"event", "checkpoint_failed"}, {"step", step}, {"reason", why}, {"error", error}});
+}
+
 // A committed checkpoint: the log line, the metrics record, the hook, and the checkpoint faults of drills.
-void TrainingRun::after_commit(int64_t step, const std::string& dir, const char* why, double seconds,
-                               double blocked_seconds) {
+void Checkpointing::after_commit(int64_t step, const std::string& dir, const std::string& why, double seconds,
+                                 double blocked_seconds) {
   committed_step_ = step;
   const bool background = blocked_seconds < seconds;
   if (background)
     log_.say("checkpoint saved to %s (step %lld, %s, %.2f s in the background, the step blocked %.3f s)\n",
-             dir.c_str(), static_cast<long long>(step), why, seconds, blocked_seconds);
+             dir.c_str(), static_cast<long long>(step), why.c_str(), seconds, blocked_seconds);
   else
     log_.say("checkpoint saved to %s (step %lld, %s, %.2f s)\n", dir.c_str(), static_cast<long long>(step),
-             why, seconds);
+             why.c_str(), seconds);
   nlohmann::json record = {
       {"event", "checkpoint"}, {"step", step}, {"reason", why}, {"dir", dir}, {"seconds", seconds}};
   if (background) record["blocked_s"] = blocked_seconds;
-  write_metrics(record);
+  records_.write(record);
   for (FaultKind kind : {FaultKind::corrupt_checkpoint, FaultKind::truncate_checkpoint})
     if (faults_.take(kind, step, world_.rank())) {
       const std::string shard = (fs::path(dir) / shard_file_name(world_.rank(), world_.size())).string();
@@ -287,7 +317,7 @@ void TrainingRun::after_commit(int64_t step, const std::string& dir, const char*
       std::fprintf(stderr, "forge: fault injection: %s %s\n",
                    kind == FaultKind::truncate_checkpoint ? "truncated" : "flipped a byte of", shard.c_str());
     }
-  if (hooks_.on_saved) hooks_.on_saved(step, why);
+  if (on_saved_) on_saved_(step, why);
 }
 
-}  // namespace forge::train::detail
+}  // namespace forge::train
