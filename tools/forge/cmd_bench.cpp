@@ -13,7 +13,8 @@
 #include "forge/train/throughput.h"
 
 namespace forge::cli {
-using namespace forge::models; using namespace forge::train;
+using namespace forge::models;
+using namespace forge::train;
 namespace {
 
 struct BenchOptions {
@@ -47,32 +48,37 @@ int run_bench(const BenchOptions& o) {
   options.device = device_from_name(o.device);
   const std::optional<nn::Fp8Options> fp8 = fp8_options(o.fp8);
   const bool cuda = options.device == Device::cuda;
-  if (cuda && !device_usable(options.device)) fail("bench: --device cuda, but no usable GPU (or no CUDA backend)");
+  if (cuda && !device_usable(options.device))
+    fail("bench: --device cuda, but no usable GPU (or no CUDA backend)");
   // The precision's peak: the tensor-core table on CUDA (FP8 runs against the FP8 peak), measured on the CPU
   // (where FP8 is emulated through bf16 GEMMs).
   const std::string precision = fp8 ? "fp8 " + o.fp8 : o.dtype;
   double peak = o.peak_gflops;
-  if (peak <= 0) peak = cuda ? (fp8 ? kHopperFp8PeakGflops : kHopperBf16PeakGflops) : measure_gemm_peak_gflops(dtype, 4096, 3);
-  const std::string peak_name = cuda ? (fp8 ? "H100/H200 fp8 dense" : "H100/H200 bf16 dense") : o.dtype + " GEMM";
-  ThroughputResult r =
-      measure_training_throughput(*config, options, o.batch, o.seq, o.warmup, o.steps, fp8, o.grad_accum,
-                                  o.profile_steps);
-  std::printf("forge %s on %s: %.0f tokens/s | %.1f model GFLOP/s | MFU %.1f%% of %.0f GFLOP/s %s peak | "
-              "%.3f s/step | loss %.4f",
-              precision.c_str(), o.device.c_str(), r.tokens_per_s, r.model_gflops, 100.0 * r.model_gflops / peak, peak,
-              peak_name.c_str(), r.seconds_per_step, r.loss);
+  if (peak <= 0)
+    peak = cuda ? (fp8 ? kHopperFp8PeakGflops : kHopperBf16PeakGflops)
+                : measure_gemm_peak_gflops(dtype, 4096, 3);
+  const std::string peak_name =
+      cuda ? (fp8 ? "H100/H200 fp8 dense" : "H100/H200 bf16 dense") : o.dtype + " GEMM";
+  ThroughputResult r = measure_training_throughput(*config, options, o.batch, o.seq, o.warmup, o.steps, fp8,
+                                                   o.grad_accum, o.profile_steps);
+  std::printf(
+      "forge %s on %s: %.0f tokens/s | %.1f model GFLOP/s | MFU %.1f%% of %.0f GFLOP/s %s peak | "
+      "%.3f s/step | loss %.4f",
+      precision.c_str(), o.device.c_str(), r.tokens_per_s, r.model_gflops, 100.0 * r.model_gflops / peak,
+      peak, peak_name.c_str(), r.seconds_per_step, r.loss);
   if (cuda) std::printf(" | peak device memory %.1f GiB", r.peak_device_gib);
   std::printf("\n");
   std::string losses;
   for (double l : r.losses) losses += (losses.empty() ? "" : ", ") + std::to_string(l);
-  std::printf("{\"engine\": \"forge\", \"device\": \"%s\", \"dtype\": \"%s\", \"fp8\": \"%s\", \"batch\": %lld, "
-              "\"grad_accum\": %lld, \"seq\": %lld, \"tokens_per_s\": %.2f, \"model_gflops\": %.2f, "
-              "\"peak_gflops\": %.2f, \"mfu\": %.4f, \"seconds_per_step\": %.5f, \"peak_device_gib\": %.2f, "
-              "\"losses\": [%s]%s}\n",
-              o.device.c_str(), o.dtype.c_str(), o.fp8.c_str(), static_cast<long long>(o.batch),
-              static_cast<long long>(o.grad_accum), static_cast<long long>(o.seq), r.tokens_per_s, r.model_gflops,
-              peak, r.model_gflops / peak, r.seconds_per_step, r.peak_device_gib, losses.c_str(),
-              r.profile ? (", \"profile\": " + ops::profile_json(*r.profile, r.profile_steps)).c_str() : "");
+  std::printf(
+      "{\"engine\": \"forge\", \"device\": \"%s\", \"dtype\": \"%s\", \"fp8\": \"%s\", \"batch\": %lld, "
+      "\"grad_accum\": %lld, \"seq\": %lld, \"tokens_per_s\": %.2f, \"model_gflops\": %.2f, "
+      "\"peak_gflops\": %.2f, \"mfu\": %.4f, \"seconds_per_step\": %.5f, \"peak_device_gib\": %.2f, "
+      "\"losses\": [%s]%s}\n",
+      o.device.c_str(), o.dtype.c_str(), o.fp8.c_str(), static_cast<long long>(o.batch),
+      static_cast<long long>(o.grad_accum), static_cast<long long>(o.seq), r.tokens_per_s, r.model_gflops,
+      peak, r.model_gflops / peak, r.seconds_per_step, r.peak_device_gib, losses.c_str(),
+      r.profile ? (", \"profile\": " + ops::profile_json(*r.profile, r.profile_steps)).c_str() : "");
   if (r.profile) std::printf("%s", ops::format_profile(*r.profile, r.profile_steps).c_str());
   if (!r.profile_error.empty()) {
     // The timed result above stands; the profile did not.
@@ -87,19 +93,25 @@ int run_bench(const BenchOptions& o) {
 void add_bench_command(CLI::App& app, Commands& commands) {
   auto o = std::make_shared<BenchOptions>();
   auto* bench = app.add_subcommand(
-      "bench", "Measure this machine's GEMM peaks, or with --model the training throughput and MFU of a model");
-  bench->add_option("--model", o->model, "Hugging Face config.json of the model to train")->check(CLI::ExistingFile);
+      "bench",
+      "Measure this machine's GEMM peaks, or with --model the training throughput and MFU of a model");
+  bench->add_option("--model", o->model, "Hugging Face config.json of the model to train")
+      ->check(CLI::ExistingFile);
   bench->add_option("--batch", o->batch, "micro-batch size")->capture_default_str();
   bench->add_option("--seq", o->seq, "sequence length")->capture_default_str();
-  bench->add_option("--grad-accum", o->grad_accum,
-                    "micro-batches accumulated per optimizer step (a step trains grad-accum x batch sequences)")
+  bench
+      ->add_option(
+          "--grad-accum", o->grad_accum,
+          "micro-batches accumulated per optimizer step (a step trains grad-accum x batch sequences)")
       ->check(CLI::Range(int64_t{1}, int64_t{1000000}))
       ->capture_default_str();
   bench->add_option("--steps", o->steps, "timed steps")->capture_default_str();
   bench->add_option("--warmup", o->warmup, "untimed warm-up steps")->capture_default_str();
-  bench->add_option("--profile-steps", o->profile_steps,
-                    "after the timed steps, run this many more with every op timed and print where a step's time goes "
-                    "(op, shape, calls, ms, TFLOP/s or GFLOP/s, GB/s; also in the JSON line as \"profile\")")
+  bench
+      ->add_option(
+          "--profile-steps", o->profile_steps,
+          "after the timed steps, run this many more with every op timed and print where a step's time goes "
+          "(op, shape, calls, ms, TFLOP/s or GFLOP/s, GB/s; also in the JSON line as \"profile\")")
       ->check(CLI::Range(0, 1000))
       ->capture_default_str();
   // The choices listed are exactly those accepted (dtype_from_name alone would take fp16 or int32).
@@ -110,12 +122,15 @@ void add_bench_command(CLI::App& app, Commands& commands) {
   bench->add_option("--device", o->device, "where the model trains: cpu or cuda")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
-  bench->add_option("--fp8", o->fp8, "FP8 recipe of the transformer layers' GEMMs: off, delayed, current or block")
+  bench
+      ->add_option("--fp8", o->fp8,
+                   "FP8 recipe of the transformer layers' GEMMs: off, delayed, current or block")
       ->check(CLI::IsMember({"off", "delayed", "current", "block"}))
       ->capture_default_str();
-  bench->add_option("--peak-gflops", o->peak_gflops,
-                    "peak for MFU (default: measured GEMM peak on the CPU; on CUDA the H100/H200 dense peak of the "
-                    "precision, 989 TFLOP/s bf16, 1979 fp8)");
+  bench->add_option(
+      "--peak-gflops", o->peak_gflops,
+      "peak for MFU (default: measured GEMM peak on the CPU; on CUDA the H100/H200 dense peak of the "
+      "precision, 989 TFLOP/s bf16, 1979 fp8)");
   commands.push_back({bench, [o] { return run_bench(*o); }});
 }
 

@@ -26,6 +26,7 @@ constexpr const char* kCompanionFiles[] = {"tokenizer.json", "tokenizer_config.j
 struct ConvertOptions {
   std::string input, output, to = "hf", dtype = "fp32", max_shard_size = "5GB";
   bool overwrite = false;
+  models::SeriesReading reading;
   CLI::Option* dtype_option = nullptr;
   CLI::Option* shard_option = nullptr;
 };
@@ -87,34 +88,35 @@ int run_convert(const ConvertOptions& o) {
     }
   }
 
-  PretrainedDir source = open_pretrained(o.input);
-  // A tokenizer is copied only if it loads: a corrupt one would otherwise surface only when the output is
-  // used (the error names the file).
-  if (const fs::path tokenizer = source.dir / "tokenizer.json"; fs::is_regular_file(tokenizer)) {
-    try {
-      Tokenizer::from_file(tokenizer);
-    } catch (const Error& e) {
-      fail("convert: refusing to copy a tokenizer that does not load: {}", e.what());
+  std::unique_ptr<Model> model;
+  const PretrainedDir source = read_pretrained(o.input, o.reading, [&](const PretrainedDir& candidate) {
+    // A tokenizer is copied only if it loads: a corrupt one would otherwise surface only when the output is
+    // used (the error names the file).
+    if (const fs::path tokenizer = candidate.dir / "tokenizer.json"; fs::is_regular_file(tokenizer)) {
+      try {
+        Tokenizer::from_file(tokenizer);
+      } catch (const Error& e) {
+        fail("convert: refusing to copy a tokenizer that does not load: {}", e.what());
+      }
     }
-  }
-  std::unique_ptr<Model> model =
-      build_model(*source.config, nn::ComputeOptions{DType::f32, nn::Recompute::none}, StageSpec::whole(),
-                  0.02f, /*with_grads=*/false);
-  load_pretrained_weights(source, model->params());
+    model = build_model(*candidate.config, nn::ComputeOptions{DType::f32, nn::Recompute::none},
+                        StageSpec::whole(), 0.02f, /*with_grads=*/false);
+    load_pretrained_weights(candidate, model->params());
+  });
+  say_source("convert", source);
   for (const char* name : kCompanionFiles)
     if (fs::is_regular_file(source.dir / name)) options.extra_files.push_back(source.dir / name);
 
-  const char* kind =
-      source.kind == PretrainedDir::Kind::hugging_face ? "Hugging Face folder" : "forge checkpoint";
+  const std::string from = source.describe();
   const double millions = static_cast<double>(model->params().numel()) / 1e6;
   if (to_forge) {
     export_forge_checkpoint(model->params(), source.config_json, o.output, o.overwrite, options.extra_files);
-    std::printf("converted %s %s (%.2fM parameters) to forge checkpoint %s\n", kind, o.input.c_str(),
-                millions, o.output.c_str());
+    std::printf("converted %s (%.2fM parameters) to forge checkpoint %s\n", from.c_str(), millions,
+                o.output.c_str());
   } else {
     export_hugging_face(model->params(), source.config_json, o.output, options);
-    std::printf("converted %s %s (%.2fM parameters) to Hugging Face folder %s (%s)\n", kind, o.input.c_str(),
-                millions, o.output.c_str(), std::string(dtype_name(options.dtype)).c_str());
+    std::printf("converted %s (%.2fM parameters) to Hugging Face folder %s (%s)\n", from.c_str(), millions,
+                o.output.c_str(), std::string(dtype_name(options.dtype)).c_str());
   }
   return 0;
 }
@@ -139,6 +141,7 @@ void add_convert_command(CLI::App& app, Commands& commands) {
           ->add_option("--max-shard-size", o->max_shard_size,
                        "split weights larger than this into shards, e.g. 5GB, 500MB, 2GiB, 1048576")
           ->capture_default_str();
+  add_series_reading_flag(convert, o->reading);
   convert->add_flag("--overwrite", o->overwrite, "replace an existing output folder that holds a model");
   convert->footer(
       "tokenizer.json (which must load), tokenizer_config.json, generation_config.json and\n"

@@ -11,9 +11,9 @@
 #include "forge/core/error.h"
 #include "forge/data/image/image_processor.h"
 #include "forge/data/image/image_text.h"
+#include "forge/data/image/synthetic_images.h"
 #include "forge/data/text/indexed_dataset.h"
 #include "forge/data/text/preprocess.h"
-#include "forge/data/image/synthetic_images.h"
 #include "forge/data/tokenizer/tokenizer.h"
 
 namespace forge::cli {

@@ -23,9 +23,9 @@
 #include "commands.h"
 #include "forge/core/dtype.h"
 #include "forge/core/error.h"
-#include "forge/data/text/gpt_dataset.h"
 #include "forge/data/image/image_processor.h"
 #include "forge/data/image/image_text.h"
+#include "forge/data/text/gpt_dataset.h"
 #include "forge/data/text/indexed_dataset.h"
 #include "forge/data/tokenizer/tokenizer.h"
 #include "forge/data/tokenizer/tokenizer_text.h"
@@ -43,13 +43,17 @@ struct EvalOptions {
   std::string model, data, dtype = "fp32", images, image_processor, tokenizer;
   int64_t seq_len = 0, batch_size = 8, max_sequences = 0, captions = 0;
   bool json = false;
+  models::SeriesReading reading;
 };
 
 // --images: the answer loss over the samples of a JSONL (captions or conversations) or packed image-text
 // file, and with --captions N the first N samples answered greedily.
 int run_image_eval(const EvalOptions& o, DType dtype) {
   const auto start = std::chrono::steady_clock::now();
-  std::unique_ptr<Model> model = load_pretrained_model(o.model, {dtype, nn::Recompute::none});
+  PretrainedDir source;
+  std::unique_ptr<Model> model =
+      load_pretrained_model(o.model, {dtype, nn::Recompute::none}, o.reading, &source);
+  say_source("eval", source);
   const std::optional<ImageInput> image = model->config().image_input();
   if (!image)
     fail("eval: --images needs a multimodal model (LlavaForConditionalGeneration); {} is a {}", o.model,
@@ -57,7 +61,7 @@ int run_image_eval(const EvalOptions& o, DType dtype) {
   const ModelShape shape = model->config().shape();
   if (o.seq_len > shape.max_positions)
     fail("eval: --seq-len {} exceeds the model's max_position_embeddings {}", o.seq_len, shape.max_positions);
-  const fs::path dir = model_folder(o.model), images = o.images;
+  const fs::path dir = source.dir, images = o.images;
   if (!fs::exists(images)) fail("eval: --images '{}' does not exist", o.images);
   // The image processor: given, else the model's (a trainer's checkpoint carries it), else the data's.
   fs::path processor_path = o.image_processor;
@@ -194,7 +198,10 @@ int run_eval(const EvalOptions& o) {
   const int64_t n = data->total_tokens();
   if (n < 2) fail("eval: dataset '{}' holds {} token(s); at least 2 are needed", o.data, n);
   const auto start = std::chrono::steady_clock::now();
-  std::unique_ptr<Model> model = load_pretrained_model(o.model, {dtype, nn::Recompute::none});
+  PretrainedDir source;
+  std::unique_ptr<Model> model =
+      load_pretrained_model(o.model, {dtype, nn::Recompute::none}, o.reading, &source);
+  say_source("eval", source);
   const ModelShape config = model->config().shape();
   // The stream: every sequence of the dataset in order (GptDataset without shuffling reads epoch 0 in order);
   // a token outside the model's vocabulary is an error naming the .bin file, the document and the position.
@@ -295,6 +302,7 @@ void add_eval_command(CLI::App& app, Commands& commands) {
       ->check(CLI::IsMember({"fp32", "bf16"}))
       ->capture_default_str();
   eval->add_flag("--json", o->json, "also print the results as one JSON object (the last line)");
+  add_series_reading_flag(eval, o->reading);
   eval->footer(
       "Text: the documents form one stream in order; sequence k reads tokens [k*T, k*T + T] (T inputs, T "
       "targets), so every token after the first is predicted once. A final partial sequence is padded "

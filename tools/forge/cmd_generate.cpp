@@ -43,6 +43,8 @@ struct GenerateOptions {
   int64_t max_new_tokens = 128, top_k = 40;
   double temperature = 0.8, top_p = 1.0;
   uint64_t seed = 7;
+  models::SeriesReading reading;
+  fs::path model_dir;  // the folder the model was read from (a series' step folder)
 };
 
 // Text <-> tokens: a Hugging Face tokenizer, or bytes for a byte-level model.
@@ -118,7 +120,7 @@ ImagePrompt image_prompt(const GenerateOptions& o, Model& model, const TextCodec
     fail("generate: --image needs a multimodal model (LlavaForConditionalGeneration); {} is {}", o.model,
          model.config().architecture());
   fs::path processor = o.image_processor;
-  if (processor.empty()) processor = model_folder(o.model) / "preprocessor_config.json";
+  if (processor.empty()) processor = o.model_dir / "preprocessor_config.json";
   if (!fs::exists(processor))
     fail("generate: --image: no image processor at {}; pass --image-processor preprocessor_config.json",
          processor.string());
@@ -200,7 +202,7 @@ class Streamer {
   size_t printed_ = 0;
 };
 
-int run_generate(const GenerateOptions& o) {
+int run_generate(GenerateOptions o) {
   if (o.model.empty())
     fail("generate: --model DIR is required (a Hugging Face folder or a forge checkpoint)");
   if (o.max_new_tokens < 1) fail("generate: --max-new-tokens must be at least 1, got {}", o.max_new_tokens);
@@ -219,10 +221,13 @@ int run_generate(const GenerateOptions& o) {
   compute.device = device_from_name(o.device);
   if (compute.device != Device::cpu && !device_usable(compute.device))
     fail("generate: --device {}, but no usable GPU (or no CUDA backend)", o.device);
-  std::unique_ptr<Model> model = load_pretrained_model(o.model, compute);
+  PretrainedDir source;
+  std::unique_ptr<Model> model = load_pretrained_model(o.model, compute, o.reading, &source);
+  say_source("generate", source);
+  o.model_dir = source.dir;
   const int64_t vocab = model->config().shape().vocab;
-  const TextCodec codec(o, model_folder(o.model), vocab);
-  std::vector<int32_t> stop = generation_config_eos(o.model, vocab);
+  const TextCodec codec(o, o.model_dir, vocab);
+  std::vector<int32_t> stop = generation_config_eos(o.model_dir, vocab);
   if (auto eos = codec.eos_id(); eos && std::find(stop.begin(), stop.end(), *eos) == stop.end())
     stop.push_back(*eos);
   sampling.stop_tokens = stop;
@@ -295,6 +300,7 @@ void add_generate_command(CLI::App& app, Commands& commands) {
   generate->add_option("--seed", o->seed, "sampling seed (the same seed gives the same text)")
       ->capture_default_str();
   generate->add_flag("--greedy", o->greedy, "always take the most likely token (temperature 0)");
+  add_series_reading_flag(generate, o->reading);
   // The choices listed are exactly those accepted (dtype_from_name alone would list fp16 or int32).
   generate->add_option("--dtype", o->dtype, "GEMM operands: fp32 or bf16")
       ->check(CLI::IsMember({"fp32", "bf16"}))

@@ -7,6 +7,8 @@
 #include <functional>
 #include <vector>
 
+#include "forge/models/pretrained.h"
+
 namespace forge::cli {
 
 struct Command {
@@ -28,5 +30,12 @@ void add_report_command(CLI::App& app, Commands& commands);
 // plan estimate | search | calibrate (cmd_plan_model.cpp), added to `forge plan`.
 void add_plan_model_subcommands(CLI::App* plan,
                                 std::vector<std::pair<CLI::App*, std::function<int()>>>& runners);
+
+// The commands that read a model (generate, eval, convert) read a checkpoint series the same way
+// (models::SeriesReading): --allow-older-checkpoint accepts the newest step that loads when the newest is
+// damaged, and the step read is named on standard error ("forge generate: reading checkpoint DIR at step 40
+// (step-00000040)" plus what was passed over).
+void add_series_reading_flag(CLI::App* command, models::SeriesReading& reading);
+void say_source(const char* command, const models::PretrainedDir& source);
 
 }  // namespace forge::cli

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <vector>
 
 #include "forge/core/error.h"
@@ -67,58 +68,111 @@ bool is_legacy_file_name(std::string_view name) {
 // Why the checkpoint folder `dir` is not complete ("" when it is).
 std::string incompleteness(const fs::path& dir) {
   std::error_code ec;
+  if (!fs::exists(dir, ec)) return "it does not exist";
   if (!fs::exists(dir / kManifest, ec)) return "it has no manifest.json";
   try {
     const CheckpointState state = read_checkpoint_manifest_at(dir.string(), /*verify_files=*/false);
     if (const auto step = step_of_name(dir.filename().string()); step && *step != state.step)
-      return fmt::format("its manifest.json says step {}, its name step {}", state.step, *step);
+      return fmt::format("corrupt: its manifest.json says step {}, its name step {}", state.step, *step);
   } catch (const Error& e) {
     return e.what();
   }
   return "";
 }
 
-std::string read_latest(const fs::path& root) {
+// Whether a problem incompleteness() found is damage to what is there (a garbled, edited or mismatched
+// manifest, a file of the wrong size) rather than something missing.
+bool is_corruption(std::string_view problem) {
+  return !problem.empty() && problem.find("incomplete") == std::string_view::npos &&
+         problem != "it has no manifest.json" && problem != "it does not exist";
+}
+
+struct Latest {
+  std::string name;  // the step folder it names ("" when it names none)
+  std::string note;  // what is wrong with it ("" when nothing, or when there is no series to read)
+};
+
+// <root>/latest: the step folder it names, or why it names none. Only step folder names are valid; the text
+// is quoted in the note only when it is UTF-8 (the note travels in JSON and on terminals).
+Latest read_latest(const fs::path& root, bool has_step_folders) {
   std::error_code ec;
-  if (!fs::is_regular_file(root / kLatest, ec)) return "";
-  std::string text = read_file(root / kLatest, "checkpoint pointer");
+  const fs::path file = root / kLatest;
+  if (!fs::exists(file, ec))
+    return {"", has_step_folders
+                    ? fmt::format("{} has no `latest` file: the step folders are read newest first",
+                                  root.string())
+                    : ""};
+  if (!fs::is_regular_file(file, ec)) return {"", fmt::format("{} is not a file", file.string())};
+  std::string text = read_file(file, "checkpoint pointer");
   while (!text.empty() && (text.back() == '\n' || text.back() == '\r' || text.back() == ' ')) text.pop_back();
-  return text;
+  if (text.empty()) return {"", fmt::format("{} is empty", file.string())};
+  if (step_of_name(text)) return {text, ""};
+  try {
+    const std::string quoted = nlohmann::json(text.substr(0, 64)).dump();  // throws on invalid UTF-8
+    return {"", fmt::format("{} names {}, which is not a step folder name", file.string(), quoted)};
+  } catch (const nlohmann::json::exception&) {
+    return {"", fmt::format("{} is not text (not valid UTF-8)", file.string())};
+  }
 }
 
 }  // namespace
 
 std::string checkpoint_step_name(int64_t step) { return fmt::format("step-{:08d}", step); }
 
+CheckpointSeries checkpoint_series(const std::string& path) {
+  const fs::path root(path);
+  const std::vector<StepFolder> folders = step_folders(root);
+  const Latest latest = read_latest(root, !folders.empty());
+  CheckpointSeries series;
+  series.latest_note = latest.note;
+  // The one `latest` names first (even when its folder is gone), then the older ones, newest first.
+  std::optional<int64_t> below;
+  std::error_code ec;
+  if (!latest.name.empty() && !fs::exists(root / latest.name, ec))
+    series.latest_note =
+        fmt::format("{}/latest names {}, which does not exist: the step folders are read newest first", path,
+                    latest.name);
+  else if (!latest.name.empty()) {
+    const int64_t step = *step_of_name(latest.name);
+    series.steps.push_back({(root / latest.name).string(), latest.name, step, ""});
+    below = step;
+  }
+  for (auto it = folders.rbegin(); it != folders.rend(); ++it)
+    if (!below || it->step < *below)
+      series.steps.push_back({(root / it->name).string(), it->name, it->step, ""});
+  for (SeriesCheckpoint& c : series.steps) {
+    c.problem = incompleteness(c.dir);
+    c.corrupt = is_corruption(c.problem);
+  }
+  return series;
+}
+
 ResolvedCheckpoint resolve_checkpoint(const std::string& path) {
   const fs::path root(path);
   std::error_code ec;
   if (!fs::is_directory(root, ec)) fail("checkpoint {} does not exist", path);
+  const CheckpointSeries series = checkpoint_series(path);
   ResolvedCheckpoint out;
-  const std::string latest = read_latest(root);
-  if (!latest.empty()) {
-    if (step_of_name(latest)) {
-      const std::string why = incompleteness(root / latest);
-      if (why.empty()) return {(root / latest).string(), ""};
-      out.note = fmt::format("{}/latest names {}, which is unusable ({})", path, latest, why);
-    } else {
-      out.note = fmt::format("{}/latest names '{}', which is not a step folder", path, latest);
-    }
-  }
-  const std::vector<StepFolder> steps = step_folders(root);
-  std::string newest_problem;
-  for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
-    const std::string why = incompleteness(root / it->name);
-    if (why.empty()) {
-      out.dir = (root / it->name).string();
+  out.note = series.latest_note;
+  auto add_note = [&](const std::string& more) { out.note += (out.note.empty() ? "" : "; ") + more; };
+  for (const SeriesCheckpoint& c : series.steps) {
+    if (c.problem.empty()) {
+      out.dir = c.dir;
+      out.step = c.step;
       return out;
     }
-    if (newest_problem.empty()) newest_problem = fmt::format("{}: {}", it->name, why);
+    out.passed_over.push_back(c);
+    add_note(fmt::format("checkpoint {}: passed over {}: {}", path, c.name, c.problem));
   }
-  if (fs::exists(root / kManifest, ec)) return {path, out.note};
-  if (!steps.empty())
-    fail("checkpoint {} is incomplete: no step folder holds a complete checkpoint (the newest, {})", path,
-         newest_problem);
+  if (fs::exists(root / kManifest, ec)) {
+    out.dir = path;
+    return out;
+  }
+  if (!series.steps.empty()) {
+    const SeriesCheckpoint& newest = series.steps.front();
+    fail("checkpoint {} is {}: no step folder holds a complete checkpoint (the newest, {}: {})", path,
+         newest.corrupt ? "corrupt" : "incomplete", newest.name, newest.problem);
+  }
   if (holds_checkpoint_data(path)) fail("checkpoint {} is incomplete: it has no manifest.json", path);
   fail("checkpoint {} holds no checkpoint (no manifest.json, no step-* folders)", path);
 }
@@ -195,7 +249,8 @@ std::string begin_checkpoint_step_save(const std::string& root, comm::Communicat
     fs::create_directories(root, ec);  // errors surface in the save's first step
     // A folder of this step that `latest` does not name is not committed (a crash between the rename and
     // `latest`, or a damaged one resolving skipped): it goes, rather than being exchanged as a checkpoint.
-    if (fs::exists(dir, ec) && read_latest(root) != dir.filename().string()) fs::remove_all(dir, ec);
+    if (fs::exists(dir, ec) && read_latest(root, false).name != dir.filename().string())
+      fs::remove_all(dir, ec);
   }
   return begin_sharded_save(dir.string(), world);
 }

@@ -49,17 +49,43 @@ std::string finish_checkpoint_step_save(const std::string& root, comm::Communica
 // resolve_checkpoint does; file contents not read). Empty when there are none.
 std::vector<std::string> complete_checkpoints(const std::string& path);
 
-struct ResolvedCheckpoint {
-  std::string dir;   // the checkpoint folder to read
-  std::string note;  // why it is not the one `latest` names ("" when it is, or when there is no `latest`)
+// One checkpoint of a series, as a reader meets it.
+struct SeriesCheckpoint {
+  std::string dir;   // the step folder
+  std::string name;  // "step-00000042"
+  int64_t step = 0;
+  std::string problem;   // why it is unusable ("" when complete: see resolve_checkpoint)
+  bool corrupt = false;  // the problem is damage to what is there, not something missing
 };
 
-// The checkpoint `path` stands for: the folder `latest` names when it is complete; else the newest complete
-// step folder (with a note); else `path` itself when it holds a manifest.json (a single checkpoint: a step
-// folder, `forge convert --to forge` output, or the old single-folder layout). Complete: manifest.json
-// is present, valid, matches its checksum, and every file it lists has its size. Throws "checkpoint P
-// does not exist", "checkpoint P is incomplete: ..." when P holds checkpoint data but no complete
-// checkpoint, or "checkpoint P holds no checkpoint".
+// The checkpoints of the series at `path` in the order a reader tries them: the step folder `latest` names
+// first (even when it is gone), then every older step folder, newest first; without a usable `latest`
+// every step folder, newest first. latest_note: what is wrong with `latest` itself (missing beside step
+// folders, empty, not a step name, not UTF-8); "" when nothing is.
+struct CheckpointSeries {
+  std::vector<SeriesCheckpoint> steps;
+  std::string latest_note;
+};
+CheckpointSeries checkpoint_series(const std::string& path);
+
+struct ResolvedCheckpoint {
+  std::string dir;    // the checkpoint folder to read
+  int64_t step = -1;  // its step, when it is a step folder of a series (-1: a single checkpoint folder)
+  // The newer checkpoints of the series passed over (unusable), newest first.
+  std::vector<SeriesCheckpoint> passed_over;
+  // What is wrong with `latest` and why each newer checkpoint was passed over, in one line ("" when
+  // nothing is).
+  std::string note;
+};
+
+// The checkpoint `path` stands for: the first complete checkpoint of its series (checkpoint_series), with
+// a note on what it passed over; else `path` itself when it holds a manifest.json (a single checkpoint: a
+// step folder, `forge convert --to forge` output, or the old single-folder layout). Complete: manifest.json
+// is present, valid, matches its checksum, and every file it lists has its size (the files' checksums are
+// verified when they are read). Throws "checkpoint P does not exist"; "checkpoint P is incomplete: ..." or
+// "checkpoint P is corrupt: ..." (as the newest step's problem is) when P holds step folders but none is
+// complete, "... is incomplete: it has no manifest.json" for other checkpoint data; or "checkpoint P holds
+// no checkpoint".
 ResolvedCheckpoint resolve_checkpoint(const std::string& path);
 
 // Whether `path` holds checkpoint data (a manifest, `latest`, step folders, shards of the single-folder

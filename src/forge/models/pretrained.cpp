@@ -19,6 +19,7 @@
 #include "forge/comm/comm.h"
 #include "forge/core/error.h"
 #include "forge/core/file_io.h"
+#include "forge/core/memory.h"
 #include "forge/models/deepseek_v3/deepseek_v3_config.h"
 
 namespace forge::models {
@@ -191,25 +192,27 @@ fs::path model_folder(const fs::path& dir) {
   return holds_checkpoint_data(dir.string()) ? fs::path(resolve_checkpoint(dir.string()).dir) : dir;
 }
 
-PretrainedDir open_pretrained(const fs::path& dir) {
-  std::error_code ec;
-  if (!fs::exists(dir, ec)) fail("{}: no such directory", dir.string());
-  if (!fs::is_directory(dir, ec)) fail("{}: not a directory", dir.string());
+namespace {
+
+// A forge checkpoint folder (a step of a series, or a single checkpoint): its manifest's model config. Files
+// are checked for presence and size here; their checksums when the weights are read.
+PretrainedDir open_checkpoint_folder(const fs::path& folder) {
+  PretrainedDir result;
+  result.kind = PretrainedDir::Kind::forge_checkpoint;
+  result.dir = folder;
+  CheckpointState state = read_checkpoint_manifest(folder.string(), /*verify_files=*/false);
+  const std::string source = config_source(result);
+  if (!state.model_config.is_object() || state.model_config.empty())
+    fail("{}: the checkpoint records no model config", source);
+  result.config_json = state.model_config;
+  result.config = parse_model_config(result.config_json, source);
+  return result;
+}
+
+// A Hugging Face model folder: config.json and the weight files it needs.
+PretrainedDir open_pretrained_folder(const fs::path& dir) {
   PretrainedDir result;
   result.dir = dir;
-  if (holds_checkpoint_data(dir.string())) {
-    result.kind = PretrainedDir::Kind::forge_checkpoint;
-    // A checkpoint directory stands for its latest complete checkpoint (checkpoint_dir.h).
-    result.dir = resolve_checkpoint(dir.string()).dir;
-    // Files are checked for presence and size here; their checksums when the weights are read.
-    CheckpointState state = read_checkpoint_manifest(result.dir.string(), /*verify_files=*/false);
-    const std::string source = config_source(result);
-    if (!state.model_config.is_object() || state.model_config.empty())
-      fail("{}: the checkpoint records no model config", source);
-    result.config_json = state.model_config;
-    result.config = parse_model_config(result.config_json, source);
-    return result;
-  }
   if (!fs::exists(dir / kConfigFile))
     fail("{}: neither a forge checkpoint (no manifest.json) nor a Hugging Face model folder (no {})",
          dir.string(), kConfigFile);
@@ -219,6 +222,68 @@ PretrainedDir open_pretrained(const fs::path& dir) {
   result.config = parse_model_config(result.config_json, source);
   hugging_face_layout(dir);
   return result;
+}
+
+std::string joined(const std::vector<std::string>& parts) {
+  std::string out;
+  for (const std::string& p : parts) out += (out.empty() ? "" : "; ") + p;
+  return out;
+}
+
+}  // namespace
+
+std::string PretrainedDir::describe() const {
+  if (series.empty())
+    return fmt::format("{} {}", kind == Kind::hugging_face ? "Hugging Face folder" : "checkpoint",
+                       dir.string());
+  return fmt::format("checkpoint {} at step {} ({})", series.string(), step, dir.filename().string());
+}
+
+PretrainedDir read_pretrained(const fs::path& dir, const SeriesReading& reading,
+                              const std::function<void(const PretrainedDir&)>& read) {
+  std::error_code ec;
+  if (!fs::exists(dir, ec)) fail("{}: no such directory", dir.string());
+  if (!fs::is_directory(dir, ec)) fail("{}: not a directory", dir.string());
+  const CheckpointSeries series =
+      holds_checkpoint_data(dir.string()) ? checkpoint_series(dir.string()) : CheckpointSeries{};
+  if (series.steps.empty()) {
+    // A Hugging Face folder, a single checkpoint folder, or checkpoint data that resolves to none (the
+    // error).
+    PretrainedDir source = holds_checkpoint_data(dir.string())
+                               ? open_checkpoint_folder(resolve_checkpoint(dir.string()).dir)
+                               : open_pretrained_folder(dir);
+    if (read) read(source);
+    return source;
+  }
+  std::vector<std::string> notes;
+  if (!series.latest_note.empty()) notes.push_back(series.latest_note);
+  for (const SeriesCheckpoint& step : series.steps) {
+    std::string problem = step.problem;
+    if (problem.empty()) {
+      try {
+        PretrainedDir source = open_checkpoint_folder(step.dir);
+        source.series = dir, source.step = step.step, source.note = joined(notes);
+        if (read) read(source);
+        return source;
+      } catch (const OutOfMemory&) {
+        throw;  // this machine's limit, not the checkpoint's damage
+      } catch (const Error& e) {
+        problem = e.what();
+      }
+    }
+    if (!reading.allow_older)
+      fail(
+          "checkpoint {}: its newest step, {}, is unusable: {}{}; {} reads the newest step that loads "
+          "instead",
+          dir.string(), step.name, problem, notes.empty() ? "" : " (" + joined(notes) + ")",
+          reading.allow_with);
+    notes.push_back(fmt::format("passed over {}: {}", step.name, problem));
+  }
+  fail("checkpoint {}: none of its steps loads ({})", dir.string(), joined(notes));
+}
+
+PretrainedDir open_pretrained(const fs::path& dir, const SeriesReading& reading) {
+  return read_pretrained(dir, reading, {});
 }
 
 void load_pretrained_weights(const PretrainedDir& source, ParameterStore& params) {
@@ -320,11 +385,14 @@ void load_pretrained_weights(const PretrainedDir& source, ParameterStore& params
   params.refresh_bf16();
 }
 
-std::unique_ptr<Model> load_pretrained_model(const fs::path& dir, nn::ComputeOptions options) {
-  PretrainedDir source = open_pretrained(dir);
-  std::unique_ptr<Model> model =
-      build_model(*source.config, options, StageSpec::whole(), 0.02f, /*with_grads=*/false);
-  load_pretrained_weights(source, model->params());
+std::unique_ptr<Model> load_pretrained_model(const fs::path& dir, nn::ComputeOptions options,
+                                             const SeriesReading& reading, PretrainedDir* used) {
+  std::unique_ptr<Model> model;
+  PretrainedDir source = read_pretrained(dir, reading, [&](const PretrainedDir& candidate) {
+    model = build_model(*candidate.config, options, StageSpec::whole(), 0.02f, /*with_grads=*/false);
+    load_pretrained_weights(candidate, model->params());
+  });
+  if (used) *used = std::move(source);
   return model;
 }
 

@@ -1,6 +1,6 @@
-// Pretrained models in and out: Hugging Face folders (of any family in the registry, models/model.h) and forge
-// checkpoints. A family's tensors are its Hugging Face state_dict (ModelConfig::tensor_shapes), which forge
-// registers under the same names.
+// Pretrained models in and out: Hugging Face folders (of any family in the registry, models/model.h) and
+// forge checkpoints. A family's tensors are its Hugging Face state_dict (ModelConfig::tensor_shapes), which
+// forge registers under the same names.
 //
 // A Hugging Face folder holds config.json and either model.safetensors or model.safetensors.index.json
 // with the shards it names ({"metadata": {"total_size": N}, "weight_map": {tensor: file}}); tensors are
@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -19,24 +20,47 @@
 #include <vector>
 
 #include "forge/core/dtype.h"
-#include "forge/models/model.h"
 #include "forge/core/parameters.h"
+#include "forge/models/model.h"
 
 namespace forge::models {
 
 struct PretrainedDir {
   enum class Kind { hugging_face, forge_checkpoint };
   Kind kind = Kind::hugging_face;
-  std::filesystem::path dir;
-  nlohmann::json config_json;  // the Hugging Face config.json
+  std::filesystem::path dir;                  // the folder read (a series' step folder)
+  nlohmann::json config_json;                 // the Hugging Face config.json
   std::shared_ptr<const ModelConfig> config;  // parsed by its family
+  // A checkpoint series (a checkpoint directory of step folders): the directory given, the step read, and
+  // what was noted on the way (a damaged `latest`, newer steps passed over); else series is empty.
+  std::filesystem::path series;
+  int64_t step = -1;
+  std::string note;
+  // "checkpoint runs/x/checkpoint at step 40 (step-00000040)", "Hugging Face folder DIR" or "checkpoint DIR",
+  // for log lines (the note apart).
+  std::string describe() const;
+};
+
+// How a command reads a checkpoint series whose newest step is unusable (its manifest deleted, garbled or
+// edited, a shard truncated, missing or failing its checksum; docs/checkpoints.md): by default it refuses,
+// naming the step, the damage and `allow_with` (the flag or key that accepts the fallback); with
+// allow_older it reads the newest step that loads and says which steps it passed over and why.
+struct SeriesReading {
+  bool allow_older = false;
+  std::string allow_with = "--allow-older-checkpoint";
 };
 
 // Throws forge::Error naming `dir` when it is neither kind, or its config is invalid. For a Hugging Face
 // folder it also checks that the weight files exist (model.safetensors, or the index and every shard it
 // names); the tensors themselves are checked by load_pretrained_weights.
-// A forge checkpoint directory (step folders and `latest`) is read as its latest complete checkpoint.
-PretrainedDir open_pretrained(const std::filesystem::path& dir);
+// A forge checkpoint directory (step folders and `latest`) is read as its newest complete checkpoint,
+// under `reading` when that is not the newest step.
+PretrainedDir open_pretrained(const std::filesystem::path& dir, const SeriesReading& reading = {});
+// Opens `dir` and calls read(source) with it. A checkpoint series is read newest step first; a step that is
+// unusable, or whose read throws forge::Error (a file failing its checksum, a non-finite weight), is
+// refused, or under reading.allow_older passed over for the next older one. Returns the source read.
+PretrainedDir read_pretrained(const std::filesystem::path& dir, const SeriesReading& reading,
+                              const std::function<void(const PretrainedDir&)>& read);
 // The folder whose files a model at `dir` is read from: the checkpoint a checkpoint directory resolves to,
 // else `dir` itself (where its tokenizer.json lies).
 std::filesystem::path model_folder(const std::filesystem::path& dir);
@@ -56,9 +80,11 @@ void check_store_matches_config(const ParameterStore& params, const ModelConfig&
 // in a tied model, an lm_head.weight bitwise equal to the embedding.
 void load_pretrained_weights(const PretrainedDir& source, ParameterStore& params);
 
-// Builds an inference model (no gradient buffers) for the directory's config and loads its weights.
-std::unique_ptr<Model> load_pretrained_model(const std::filesystem::path& dir,
-                                                  nn::ComputeOptions options);
+// Builds an inference model (no gradient buffers) for the directory's config and loads its weights
+// (read_pretrained). `used`, when given, receives the source read.
+std::unique_ptr<Model> load_pretrained_model(const std::filesystem::path& dir, nn::ComputeOptions options,
+                                             const SeriesReading& reading = {},
+                                             PretrainedDir* used = nullptr);
 
 struct HfExportOptions {
   DType dtype = DType::f32;                  // f32, bf16 or f16 (fp32 rounds to nearest, ties to even)

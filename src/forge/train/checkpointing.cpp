@@ -159,7 +159,8 @@ std::string Checkpointing::load_newest() {
       load(dir);
       return dir;
     } catch (const Error& e) {
-      log_.say("checkpoint %s does not load (%s): skipped\n", dir.c_str(), e.what());
+      log_.say("checkpoint %s: passed over %s: %s\n", dir_.c_str(), fs::path(dir).filename().c_str(),
+               e.what());
     }
   }
   return "";
@@ -184,8 +185,9 @@ ResumeOutcome Checkpointing::resume(const ResumeDecision& decision) {
       break;
     } catch (const Error& e) {
       if (i + 1 == candidates.size()) throw;
-      const std::string note = fmt::format("checkpoint {} does not load ({}): skipped, trying {}",
-                                           candidates[i].string(), e.what(), candidates[i + 1].string());
+      const std::string note =
+          fmt::format("checkpoint {}: passed over {}: {}; trying {}", dir_.string(),
+                      candidates[i].filename().string(), e.what(), candidates[i + 1].filename().string());
       log_.say("%s\n", note.c_str());
       outcome.skipped.push_back(note);
     }
