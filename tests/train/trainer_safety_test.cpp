@@ -157,6 +157,25 @@ TEST_F(TrainerSafety, ResumeAutoFallsBackToTheNewestCompleteCheckpoint) {
   EXPECT_TRUE(fs::exists(c.checkpoint_dir() / "step-00000006"));
 }
 
+// A `latest` that is not text (not valid UTF-8) is noted in one line naming the file, and the run resumes
+// from the newest step folder (it used to end with a JSON library error naming no file).
+TEST_F(TrainerSafety, ResumeAutoNotesALatestThatIsNotText) {
+  TrainConfig c = config("latest");
+  c.train.steps = 4;
+  Trainer(c).run();
+  std::ofstream(c.checkpoint_dir() / "latest", std::ios::binary | std::ios::trunc) << "\xff\xfe\n";
+  c.train.steps = 6;
+  c.checkpoint.resume = "auto";
+  testing::internal::CaptureStdout();
+  const TrainResult r = Trainer(c).run();
+  const std::string out = testing::internal::GetCapturedStdout();
+  EXPECT_NE(out.find((c.checkpoint_dir() / "latest").string() + " is not text (not valid UTF-8)"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("step-00000004 at step 4"), std::string::npos) << out;
+  EXPECT_EQ(r.steps_done, 6);
+}
+
 // A fresh run into a run directory that holds a checkpoint is refused (its metrics and checkpoints would be
 // overwritten), unless told to overwrite; a resume from another run's checkpoint into it likewise.
 TEST_F(TrainerSafety, FreshRunOverCheckpointsIsRefusedUnlessOverwrite) {
