@@ -16,6 +16,7 @@
 #include "forge/ckpt/checkpoint.h"
 #include "forge/ckpt/checkpoint_dir.h"
 #include "forge/core/error.h"
+#include "forge/data/text/indexed_dataset.h"
 #include "forge/data/tokenizer/bpe_trainer.h"
 #include "forge/models/llama/llama_model.h"
 #include "forge/core/parameters.h"
@@ -174,6 +175,54 @@ TEST_F(TrainerSafety, ResumeAutoNotesALatestThatIsNotText) {
       << out;
   EXPECT_NE(out.find("step-00000004 at step 4"), std::string::npos) << out;
   EXPECT_EQ(r.steps_done, 6);
+}
+
+// What a step would allocate beyond memory is refused before anything runs, in one line naming the key: the
+// token buffers of the batch, and the activations every layer must keep at the least.
+TEST_F(TrainerSafety, AStepLargerThanMemoryIsRefusedUpFront) {
+  TrainConfig c = config("huge");
+  c.train.micro_batch = 100000000000;
+  std::string e = error_of(c);
+  EXPECT_NE(e.find("train.micro_batch = 100000000000 x train.grad_accum = 2: a step's token ids and targets"),
+            std::string::npos)
+      << e;
+  EXPECT_NE(e.find("this machine's"), std::string::npos) << e;
+  c.train.micro_batch = 100000;
+  c.train.memory_limit_mb = 100;
+  e = error_of(c);
+  EXPECT_NE(e.find("train.micro_batch = 100000: one micro-batch's activations need at least"), std::string::npos)
+      << e;
+  EXPECT_NE(e.find("train.memory_limit_mb's 0.1 GiB"), std::string::npos) << e;
+  EXPECT_FALSE(fs::exists(fs::path(c.log.run_dir) / "metrics.jsonl"));
+}
+
+// An error that would recur identically ends the run at once instead of rolling back to meet it again: the
+// step's memory over the limit, a token id outside the vocabulary.
+TEST_F(TrainerSafety, ErrorsThatRecurIdenticallyStopAtOnceWithoutRollingBack) {
+  TrainConfig c = config("oom");
+  c.train.micro_batch = 512;
+  c.train.memory_limit_mb = 40;
+  std::string e = error_of(c);
+  EXPECT_NE(e.find("step 1: out of memory"), std::string::npos) << e;
+  EXPECT_EQ(e.find("rollback"), std::string::npos) << e;
+
+  {
+    data::IndexedDatasetWriter writer((dir_ / "wide").string(), data::IndexedDType::u16);
+    std::vector<int32_t> tokens(4000, 'a');
+    for (size_t i = 0; i < tokens.size(); i += 31) tokens[i] = 300;  // outside "bytes"' 256, in every window
+    writer.add_document(tokens);
+    writer.add_document(std::vector<int32_t>(1000, 'b'));
+    writer.finalize();
+  }
+  c = config("vocab");
+  c.data.dataset = (dir_ / "wide").string();
+  c.data.split = "50,50,0";
+  e = error_of(c);
+  EXPECT_NE(e.find("token id 300 is outside"), std::string::npos) << e;
+  EXPECT_EQ(e.find("rollback"), std::string::npos) << e;
+  std::ifstream metrics(fs::path(c.log.run_dir) / "metrics.jsonl");
+  for (std::string line; std::getline(metrics, line);)
+    EXPECT_EQ(line.find("\"rollback\""), std::string::npos) << line;
 }
 
 // A fresh run into a run directory that holds a checkpoint is refused (its metrics and checkpoints would be

@@ -22,9 +22,9 @@ void reset_peak_memory();  // peak := live
 // A cap on the live bytes of host tensors (0: none), as a device's capacity caps its memory: an allocation
 // that would pass it throws OutOfMemory, naming `setting` (what set the cap, for the message), and allocates
 // nothing. Lets a CPU run stand for a device of a given size (train.memory_limit_mb).
-class OutOfMemory : public Error {
+class OutOfMemory : public PermanentError {
  public:
-  using Error::Error;
+  using PermanentError::PermanentError;
 };
 void set_host_memory_limit(int64_t bytes, std::string setting = {});
 int64_t host_memory_limit();

@@ -65,7 +65,7 @@ Storage::Storage(size_t bytes, Device device) : bytes_(bytes), device_(device) {
   }
   size_t rounded = (bytes + 63) / 64 * 64;
   data_ = std::aligned_alloc(64, rounded == 0 ? 64 : rounded);
-  if (!data_) fail("out of memory allocating {} bytes", bytes);
+  if (!data_) throw OutOfMemory(fmt::format("out of memory allocating {} bytes", bytes));
   int64_t live = g_live_bytes.fetch_add(static_cast<int64_t>(bytes)) + static_cast<int64_t>(bytes);
   if (const int64_t limit = g_limit_bytes.load(); limit > 0 && live > limit) {
     g_live_bytes.fetch_sub(static_cast<int64_t>(bytes));

@@ -65,6 +65,7 @@ TrainSetup::TrainSetup(const TrainConfig& c, comm::Communicator& world_)
   dp = layout.dp(), dp_rank = layout.coordinate(parallel::Dim::dp), cp = layout.cp();
   seq = c.data.seq_len, micro = c.train.micro_batch, accum = c.train.grad_accum;
   device = c.train.device;
+  check_step_fits();
   open_devices();
   data = open_training_data(c, model_config.get());
   if (data->has_images() && layout.cp() > 1)
@@ -237,6 +238,42 @@ void TrainSetup::make_pipeline() {
       "the step under unit costs, peak {} chunks' activations per rank{}",
       pp, pipeline->name, accum, fmt::join(ranges, " | "), 100 * unit.bubble_fraction(),
       unit.max_peak_activations(), pairs > 0 ? fmt::format(", {} overlapped F&B pairs", pairs) : "");
+}
+
+// What a step allocates beyond the model, bounded from below so that a refusal is never wrong: the batch's
+// token ids and targets (on the host), and on a CPU the activations, of which every layer keeps at least its
+// input for the backward whatever the recompute mode. A micro-batch or an accumulation that cannot fit is
+// refused here in one line naming the key, rather than met as an allocation failure in the first step.
+void TrainSetup::check_step_fits() const {
+  const TrainConfig& c = config;
+  const ModelShape shape = model_config->shape();
+  double available = static_cast<double>(host_memory_bytes());
+  std::string holder = "this machine's";
+  if (c.train.memory_limit_mb > 0 && c.train.memory_limit_mb * 1048576.0 < available)
+    available = c.train.memory_limit_mb * 1048576.0, holder = "train.memory_limit_mb's";
+  constexpr double kGiB = 1073741824.0;
+  const double local_tokens =
+      static_cast<double>(micro) * static_cast<double>(seq) / static_cast<double>(layout.cp());
+  const double batch_bytes = 2.0 * static_cast<double>(accum) * local_tokens * sizeof(int32_t);
+  if (batch_bytes > available)
+    fail(
+        "train.micro_batch = {} x train.grad_accum = {}: a step's token ids and targets alone need {:.1f} "
+        "GiB, "
+        "more than {} {:.1f} GiB; lower train.grad_accum or train.micro_batch",
+        micro, accum, batch_bytes / kGiB, holder, available / kGiB);
+  if (device != Device::cpu) return;  // a GPU's activations are its allocator's to report
+  const double layers = static_cast<double>(shape.layers) / static_cast<double>(layout.pp());
+  const double bytes_per_value = c.train.dtype == DtypeChoice::fp32 ? 4.0 : 2.0;
+  const double tp_rows = c.parallel.sequence_parallel ? static_cast<double>(layout.tp()) : 1.0;
+  const double activation_bytes =
+      layers * local_tokens / tp_rows * static_cast<double>(shape.hidden) * bytes_per_value;
+  if (activation_bytes > available)
+    fail(
+        "train.micro_batch = {}: one micro-batch's activations need at least {:.1f} GiB ({:g} layers x {} x "
+        "{} "
+        "tokens x hidden {} x {:g} bytes), more than {} {:.1f} GiB; lower train.micro_batch or data.seq_len",
+        micro, activation_bytes / kGiB, layers, micro, seq / layout.cp(), shape.hidden, bytes_per_value,
+        holder, available / kGiB);
 }
 
 void TrainSetup::check_model_fits() const {

@@ -114,6 +114,7 @@ class TrainSetup {
 
  private:
   void check_model_fits() const;
+  void check_step_fits() const;
   void open_devices();
   void make_compute_options();
   void make_pipeline();

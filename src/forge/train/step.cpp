@@ -365,6 +365,11 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule, 
       setup.context_slice(whole_ids.data(), ids[m].data(), micro);
       setup.context_slice(whole_targets.data(), targets[m].data(), micro);
     }
+  } catch (const PermanentError&) {
+    throw;  // reading it again would fail the same way: not a data error to skip
+  } catch (const std::bad_alloc&) {
+    throw OutOfMemory(fmt::format("out of memory reading the step's {} x {} micro-batches of {} tokens",
+                                  accum, micro, seq));
   } catch (const std::exception& e) {
     data_error = e.what()[0] ? e.what() : "unknown error";
   }

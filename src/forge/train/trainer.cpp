@@ -229,9 +229,12 @@ bool TrainingRun::run_step(TrainResult& result) {
   std::string exception;
   try {
     r = train_step(s, state_, *schedule_, step_hooks_);
-  } catch (const OutOfMemory& e) {
-    // Not an anomaly a rollback could cure: the same step needs the same memory again.
+  } catch (const PermanentError& e) {
+    // Not an anomaly a rollback could cure: the same step needs the same memory again, the same data holds
+    // the same token ids.
     fail("step {}: {}", state_.step + 1, e.what());
+  } catch (const std::bad_alloc&) {
+    fail("step {}: out of memory (std::bad_alloc)", state_.step + 1);
   } catch (const std::exception& e) {
     // On one process a failed step can be abandoned and rolled back. Across processes the others are inside
     // the step's collectives: the error ends the job (forge's main aborts every rank at once), and a

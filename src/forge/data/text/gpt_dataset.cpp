@@ -217,7 +217,7 @@ void GptDataset::read_stream(int64_t start, int64_t count, int32_t* out) const {
     if (config_.vocab_size > 0)
       for (int64_t i = 0; i < take; ++i)
         if (out[i] < 0 || out[i] >= config_.vocab_size)
-          fail("{}: document {}, position {}: token id {} is outside {} [0, {})",
+          fail_permanently("{}: document {}, position {}: token id {} is outside {} [0, {})",
                indexed_bin_path(data_->prefix()), table->order[p], offset - document_start + i, out[i],
                config_.vocab_name, config_.vocab_size);
     out += take;

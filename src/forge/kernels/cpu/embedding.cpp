@@ -24,7 +24,7 @@ void check_ids(const ops::EmbeddingParams& p, const char* what) {
   for (int64_t r = 0; r < p.rows; ++r) {
     const int32_t id = p.ids[r];
     if (id < 0 || id >= p.vocab)
-      fail("{}: token id {} at row {} is outside the vocabulary [0, {})", what, id, r, p.vocab);
+      fail_permanently("{}: token id {} at row {} is outside the vocabulary [0, {})", what, id, r, p.vocab);
   }
 }
 
