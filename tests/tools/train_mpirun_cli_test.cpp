@@ -3,6 +3,7 @@
 // layout on rank 0 only, trains, checkpoints in shards and samples from the checkpoint read back whole.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <string>
 #include <utility>
 
@@ -137,6 +138,30 @@ TEST_F(TrainMpirun, ContextParallelBadRequestsAreOneLineEach) {
             std::string::npos)
       << heads.output;
   for (const Outcome& o : {odd, heads}) EXPECT_EQ(o.output.find("step 1"), std::string::npos) << o.output;
+}
+
+// SIGTERM to the ranks (as a cluster's scheduler sends it to every process of a job): each finishes its step,
+// the checkpoint is saved, every rank exits 130 and so does mpirun, telling an interrupted run from a failed
+// one. (A signal sent to mpirun itself makes Open MPI's mpirun exit 1 whatever its ranks return; the run's
+// last metrics record says "interrupted" either way.)
+TEST_F(TrainMpirun, SigtermToTheRanksSavesAndExits130) {
+  const std::string args = setup() + " --set train.steps=100000 --set train.max_minutes=0";
+  const std::string script =
+      write("interrupt.sh",
+            "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 " +
+                std::string(FORGE_MPIEXEC) + " -np 2 --oversubscribe --bind-to none " + forge_binary() + " " +
+                args + " > " + path("log") + " 2>&1 &\nm=$!\nwhile ! grep -q '^step' " + path("log") +
+                " 2>/dev/null; do sleep 0.1; done\npkill -TERM -P $m\nwait $m\necho mpirun exited $?\n");
+  ASSERT_EQ(std::system(("/bin/sh " + script + " > " + path("status")).c_str()), 0);
+  const std::string status = read_file(path("status")), log = read_file(path("log"));
+  EXPECT_EQ(status, "mpirun exited 130\n") << log;
+  EXPECT_NE(log.find("(step "), std::string::npos) << log;
+  EXPECT_NE(log.find(", interrupted, "), std::string::npos) << log;
+  std::string metrics = read_file(path("run") + "/metrics.jsonl");
+  while (!metrics.empty() && metrics.back() == '\n') metrics.pop_back();
+  const std::string last = metrics.substr(metrics.find_last_of('\n') + 1);
+  EXPECT_NE(last.find("\"event\":\"end\""), std::string::npos) << last;
+  EXPECT_NE(last.find("\"status\":\"interrupted\""), std::string::npos) << last;
 }
 
 }  // namespace

@@ -175,6 +175,16 @@ TEST_F(TrainerSafety, ResumeAutoNotesALatestThatIsNotText) {
       << out;
   EXPECT_NE(out.find("step-00000004 at step 4"), std::string::npos) << out;
   EXPECT_EQ(r.steps_done, 6);
+  const std::vector<nlohmann::json> records = [&] {
+    std::vector<nlohmann::json> all;
+    std::ifstream in(fs::path(c.log.run_dir) / "metrics.jsonl");
+    for (std::string line; std::getline(in, line);) all.push_back(nlohmann::json::parse(line));
+    return all;
+  }();
+  ASSERT_FALSE(records.empty());
+  EXPECT_EQ(records.back()["event"], "end");
+  EXPECT_EQ(records.back()["status"], "completed");
+  EXPECT_EQ(records.back()["step"], 6);
 }
 
 // What a step would allocate beyond memory is refused before anything runs, in one line naming the key: the
@@ -221,8 +231,13 @@ TEST_F(TrainerSafety, ErrorsThatRecurIdenticallyStopAtOnceWithoutRollingBack) {
   EXPECT_NE(e.find("token id 300 is outside"), std::string::npos) << e;
   EXPECT_EQ(e.find("rollback"), std::string::npos) << e;
   std::ifstream metrics(fs::path(c.log.run_dir) / "metrics.jsonl");
-  for (std::string line; std::getline(metrics, line);)
+  std::string last;
+  for (std::string line; std::getline(metrics, line); last = line)
     EXPECT_EQ(line.find("\"rollback\""), std::string::npos) << line;
+  // The run's last record says it failed, and why.
+  EXPECT_NE(last.find("\"event\":\"end\""), std::string::npos) << last;
+  EXPECT_NE(last.find("\"status\":\"failed\""), std::string::npos) << last;
+  EXPECT_NE(last.find("token id 300 is outside"), std::string::npos) << last;
 }
 
 // A fresh run into a run directory that holds a checkpoint is refused (its metrics and checkpoints would be

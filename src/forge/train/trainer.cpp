@@ -316,6 +316,23 @@ void TrainingRun::plan_length() {
 }
 
 TrainResult TrainingRun::run() {
+  // The run's last record says how it ended, so that a script can tell an interrupted run from a failed one
+  // where the exit status cannot (mpirun signalled itself exits 1 whatever its ranks return).
+  try {
+    TrainResult result = train();
+    records_.write({{"event", "end"},
+                    {"step", state_.step},
+                    {"status", result.interrupted          ? "interrupted"
+                               : result.time_limit_reached ? "time_limit"
+                                                           : "completed"}});
+    return result;
+  } catch (const std::exception& e) {
+    records_.write({{"event", "end"}, {"step", state_.step}, {"status", "failed"}, {"error", e.what()}});
+    throw;
+  }
+}
+
+TrainResult TrainingRun::train() {
   set_up();
   const ResumeDecision decision = decide_start();
   ResumeOutcome resumed;

@@ -35,6 +35,7 @@ class TrainingRun {
   TrainResult run();
 
  private:
+  TrainResult train();
   void set_up();
   void make_schedule();
   void init_state();
