@@ -24,10 +24,8 @@ TEST_P(AttentionWindowOp, Forward) {
   Problem pr(test_case(), 31);
   expect_matches_reference(pr, false, "attention_forward " + test_case().name());
 }
-// Backward and finite differences of the square cases (the cache forward has no backward).
 TEST_P(AttentionWindowOp, Backward) {
   const Case& c = test_case();
-  if (c.kv_seq) GTEST_SKIP() << "cache forward only";
   Problem pr(c, 37);
   expect_matches_reference(pr, true, "attention_backward " + c.name());
   if (pr.inputs.size() > 2000) return;
@@ -40,6 +38,12 @@ TEST_P(AttentionWindowOp, Backward) {
   EXPECT_LT(testing::relative_error(pick<float>(pr.grads, at), pick<double>(numeric, at)), 2e-5);
 }
 FORGE_INSTANTIATE_OP_TEST(AttentionWindowOp, kWindowCases, testing::Backend::cpu);
+class AttentionWindowCacheOp : public AttentionOp {};  // the cache forward: no backward
+TEST_P(AttentionWindowCacheOp, Forward) {
+  Problem pr(test_case(), 31);
+  expect_matches_reference(pr, false, "attention_forward " + test_case().name());
+}
+FORGE_INSTANTIATE_OP_TEST(AttentionWindowCacheOp, kWindowCacheCases, testing::Backend::cpu);
 }  // namespace op_tests::attention
 
 namespace {
@@ -116,6 +120,28 @@ TEST(AttentionWindow, HiddenKeysTakeNoPartAndLongWindowsChangeNothing) {
                              w.heads * w.head_dim * sizeof(float)))
         << "row " << t;
 }
+
+#ifdef FORGE_HAVE_CUDA
+// The CUDA kernels mask causally only: a window that hides keys is refused in one line rather than computed
+// over every key; one as long as the sequence hides none and is taken. No GPU needed: parameters first.
+TEST(AttentionWindow, CudaRefusesAWindowThatHidesKeys) {
+  Problem pr(Case{1, 12, 4, 2, 8, true, true, 3, 0, 0, false, 1.0f, 0, false, 5}, 1);
+  for (bool backward : {false, true}) {
+    std::string why;
+    const ops::OpTable& gpu = ops::cuda_table();
+    EXPECT_FALSE(backward ? gpu.supports_attention_backward(pr.host_params(), &why)
+                          : gpu.supports_attention_forward(pr.host_params(), &why));
+    EXPECT_NE(why.find("a sliding window (window 5) is not implemented by the CUDA attention kernels"),
+              std::string::npos)
+        << why;
+    auto whole = pr.host_params();
+    whole.window = 12;
+    EXPECT_TRUE(backward ? gpu.supports_attention_backward(whole, &why)
+                         : gpu.supports_attention_forward(whole, &why))
+        << why;
+  }
+}
+#endif
 
 TEST(AttentionErrors, RejectsBadShapes) {
   Problem prob({1, 4, 3, 2, 16, true, true, 3}, 1);  // 3 heads do not split into 2 kv heads

@@ -168,7 +168,7 @@ inline const std::vector<Case> kCacheCases = {
 
 // Sliding windows (CPU only: the CUDA kernels refuse a window that hides keys). Training's square attention
 // with windows shorter and longer than a CPU block, and across several blocks; a ring block of context
-// parallelism (no causal mask, queries `q_offset` after their keys, forward and backward); the cache
+// parallelism (no causal mask, queries `q_offset` after their keys, forward and backward); and the cache
 // forward (prefill tiles and decode) over a window.
 inline const std::vector<Case> kWindowCases = {
     {1, 12, 4, 2, 8, true, true, 3, 0, 0, false, 2.0f, 0, false, 5},      // Mistral's golden shape
@@ -179,7 +179,9 @@ inline const std::vector<Case> kWindowCases = {
     {1, 130, 2, 2, 16, true, true, 3, 0, 0, false, 1.0f, 8, false, 64},   // window = a block, narrower v
     {1, 20, 2, 1, 8, false, true, 3, 0, 20, false, 2.0f, 0, false, 25},   // ring block: finite differences
     {1, 150, 4, 2, 16, false, true, 3, 0, 150, false, 1.0f, 0, false, 200},  // ring block over three blocks
-    {1, 16, 2, 1, 16, false, true, 0, 0, 16, false, 1.0f, 0, false, 20},    // ring block of 16: decode kernel
+    {1, 16, 2, 1, 16, false, true, 0, 0, 16, false, 1.0f, 0, false, 20},  // ring block of 16: decode kernel
+};
+inline const std::vector<Case> kWindowCacheCases = {
     {1, 40, 4, 2, 16, true, false, 3, 100, 60, false, 1.0f, 0, false, 30},  // prefill tiles onto a cache
     {2, 1, 4, 2, 16, true, false, 3, 300, 299, true, 1.0f, 0, false, 70},   // decode step, chunks cut
     {1, 3, 4, 4, 24, true, false, 3, 43, 40, true, 1.0f, 0, false, 2},      // three queries, window 2
