@@ -1,16 +1,25 @@
-// Checks every LLaMA-family model on the decoder stack must pass whatever its per-layer options (Qwen3's
-// QK-norm, Mistral's sliding window): the option changes the logits (it is wired in), and the split backward
-// (B then W) gives the fused order's gradients bit for bit under every recompute policy.
+// Checks every LLaMA-family model on the decoder stack must pass whatever its per-layer options (Qwen2's
+// biases, Qwen3's QK-norm, Mistral's sliding window): the option changes the logits (it is wired in), the
+// split backward (B then W) gives the fused order's gradients bit for bit under every recompute policy, and
+// a Hugging Face folder of the family goes out and comes back bit for bit.
 #pragma once
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
 #include <vector>
 
+#include "forge/ckpt/safetensors.h"
 #include "forge/models/model.h"
+#include "forge/models/pretrained.h"
+#include "op_harness.h"
 
 namespace forge::testing {
 
@@ -48,6 +57,54 @@ inline void expect_split_backward_bitwise(const models::ModelConfig& config, int
     EXPECT_EQ(0, std::memcmp(a.raw(), b.raw(), a.bytes())) << nn::recompute_name(recompute);
     check_grads(fused->params());
   }
+}
+
+// The fixture's weights (from transformers) load, give the fixture's logits, and export to a folder that
+// transformers would read as `architecture` (`model_type`, holding `kept`) and forge reloads bit for bit; the
+// folder without the tensor `required` is refused, naming it.
+inline void expect_hugging_face_round_trip(const std::string& fixture, const std::string& architecture,
+                                           const std::string& model_type, const std::string& kept,
+                                           const std::string& required) {
+  using nlohmann::json;
+  const std::string fixtures = FORGE_FIXTURE_DIR;
+  const auto config = models::read_model_config(fixtures + "/" + fixture + ".config.json");
+  auto model = models::build_model(*config, {DType::f32, nn::Recompute::none});
+  ckpt::SafetensorsFile file = ckpt::SafetensorsFile::open(fixtures + "/" + fixture + ".safetensors");
+  ParameterStore& params = model->params();
+  for (int i = 0; i < params.count(); ++i) file.read_into(params.info(i).name, params.param(i));
+  params.refresh_bf16();
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("forge_" + model_type + "_hf_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  models::HfExportOptions options;
+  models::export_hugging_face(params, config->to_json(), dir, options);
+  const json written = json::parse(std::ifstream(dir / "config.json"));
+  EXPECT_EQ(written["model_type"], model_type);
+  EXPECT_EQ(written["architectures"], json::array({architecture}));
+  EXPECT_NO_THROW(ckpt::SafetensorsFile::open((dir / "model.safetensors").string()).read(kept));
+
+  auto loaded = models::load_pretrained_model(dir, {DType::f32, nn::Recompute::none});
+  EXPECT_EQ(loaded->config().architecture(), architecture);
+  const Tensor ids = file.read("input_ids");
+  const Tensor want = model->logits(ids.i32(), ids.dim(0), ids.dim(1));
+  const Tensor got = loaded->logits(ids.i32(), ids.dim(0), ids.dim(1));
+  ASSERT_EQ(got.numel(), want.numel());
+  EXPECT_EQ(0, std::memcmp(got.raw(), want.raw(), got.bytes()));
+  const Tensor golden = file.read("logits");
+  double worst = 0;
+  for (int64_t i = 0; i < got.numel(); ++i)
+    worst = std::max<double>(worst, std::abs(got.f32()[i] - golden.f32()[i]));
+  EXPECT_LT(worst, 1e-4);
+  std::vector<std::pair<std::string, Tensor>> without;
+  for (int i = 0; i < params.count(); ++i)
+    if (params.info(i).name != required) without.emplace_back(params.info(i).name, params.param(i));
+  ckpt::write_safetensors((dir / "model.safetensors").string(), without);
+  testing::expect_error_containing(
+      [&] {
+        models::load_pretrained_model(dir, {DType::f32, nn::Recompute::none});
+      },
+      {required});
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace forge::testing

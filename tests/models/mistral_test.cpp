@@ -110,5 +110,13 @@ TEST(MistralModel, WindowMattersAndSplitBackwardIsBitwise) {
                                          [](const ParameterStore&) {});
 }
 
+// A Hugging Face Mistral folder with its window in and out (the window survives the trip: the logits are
+// bitwise the fixture model's); one missing a weight is refused, naming it.
+TEST(MistralModel, HuggingFaceFolderInAndOut) {
+  testing::expect_hugging_face_round_trip("mistral_tiny_window", "MistralForCausalLM", "mistral",
+                                          "model.layers.1.self_attn.o_proj.weight",
+                                          "model.layers.0.mlp.up_proj.weight");
+}
+
 }  // namespace
 }  // namespace forge

@@ -136,5 +136,12 @@ TEST(Qwen3Model, QkNormTrainsAndSplitBackwardIsBitwise) {
   });
 }
 
+// A Hugging Face Qwen3 folder in and out; one missing a QK-norm weight is refused, naming it.
+TEST(Qwen3Model, HuggingFaceFolderInAndOut) {
+  testing::expect_hugging_face_round_trip("qwen3_tiny", "Qwen3ForCausalLM", "qwen3",
+                                          "model.layers.1.self_attn.k_norm.weight",
+                                          "model.layers.0.self_attn.q_norm.weight");
+}
+
 }  // namespace
 }  // namespace forge
