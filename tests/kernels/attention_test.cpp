@@ -28,14 +28,7 @@ TEST_P(AttentionWindowOp, Backward) {
   const Case& c = test_case();
   Problem pr(c, 37);
   expect_matches_reference(pr, true, "attention_backward " + c.name());
-  if (pr.inputs.size() > 2000) return;
-  const std::vector<double> w = testing::to_double(pr.dout);
-  const std::vector<double> numeric = testing::finite_difference(
-      [&](const std::vector<double>& in) { return testing::dot(w, reference(pr, in, false).out); },
-      testing::to_double(pr.inputs));
-  std::vector<size_t> at = pr.q_elements();
-  for (const auto& kv : {pr.k_elements(), pr.v_elements()}) at.insert(at.end(), kv.begin(), kv.end());
-  EXPECT_LT(testing::relative_error(pick<float>(pr.grads, at), pick<double>(numeric, at)), 2e-5);
+  expect_gradients_match_finite_differences(pr);
 }
 FORGE_INSTANTIATE_OP_TEST(AttentionWindowOp, kWindowCases, testing::Backend::cpu);
 class AttentionWindowCacheOp : public AttentionOp {};  // the cache forward: no backward

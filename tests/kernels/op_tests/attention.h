@@ -593,22 +593,27 @@ TEST_P(AttentionOp, Forward) {
     check_forward(pr, "attention_forward " + c.name());
 }
 
-TEST_P(AttentionOp, Backward) {
-  const Case& c = test_case();
-  Problem pr(c, 23);
-  if (!on_cpu()) return check_backward(pr, "attention_backward " + c.name());
-  expect_matches_reference(pr, true, "attention_backward " + c.name());
+// Gradients of the scalar loss <dout, out(q, k, v)> by central differences on the double reference, against
+// the kernel's dq, dk, dv (after a backward on pr). Differences in double are exact to ~1e-10 here, so the
+// bound is the kernel's fp32 error. Small problems only.
+inline void expect_gradients_match_finite_differences(const Problem& pr) {
   if (pr.inputs.size() > 2000) return;
-  // Gradients of the scalar loss <dout, out(q, k, v)> by central differences on the double reference, against
-  // the kernel's dq, dk, dv. Differences in double are exact to ~1e-10 here, so the bound is the kernel's
-  // fp32 error.
   const std::vector<double> w = testing::to_double(pr.dout);
   const std::vector<double> numeric = testing::finite_difference(
       [&](const std::vector<double>& in) { return testing::dot(w, reference(pr, in, false).out); },
       testing::to_double(pr.inputs));
   std::vector<size_t> at = pr.q_elements();
   for (const auto& kv : {pr.k_elements(), pr.v_elements()}) at.insert(at.end(), kv.begin(), kv.end());
-  EXPECT_LT(testing::relative_error(pick<float>(pr.grads, at), pick<double>(numeric, at)), 2e-5);
+  EXPECT_LT(testing::relative_error(pick<float>(pr.grads, at), pick<double>(numeric, at)), 2e-5)
+      << pr.c.name();
+}
+
+TEST_P(AttentionOp, Backward) {
+  const Case& c = test_case();
+  Problem pr(c, 23);
+  if (!on_cpu()) return check_backward(pr, "attention_backward " + c.name());
+  expect_matches_reference(pr, true, "attention_backward " + c.name());
+  expect_gradients_match_finite_differences(pr);
 }
 
 class AttentionCacheOp : public AttentionOp {};
