@@ -19,6 +19,24 @@ FORGE_INSTANTIATE_OP_TEST(AttentionOp, kCases, testing::Backend::cpu, testing::B
 FORGE_INSTANTIATE_OP_TEST(AttentionCacheOp, kCacheCases, testing::Backend::cpu, testing::Backend::emulated);
 FORGE_INSTANTIATE_OP_TEST(AttentionFixed, testing::kFixedCase, testing::Backend::cpu,
                           testing::Backend::emulated);
+class AttentionWindowOp : public AttentionOp {};
+TEST_P(AttentionWindowOp, Forward) {
+  Problem pr(test_case(), 31);
+  expect_matches_reference(pr, false, "attention_forward " + test_case().name());
+}
+TEST_P(AttentionWindowOp, Backward) {
+  const Case& c = test_case();
+  Problem pr(c, 37);
+  expect_matches_reference(pr, true, "attention_backward " + c.name());
+  expect_gradients_match_finite_differences(pr);
+}
+FORGE_INSTANTIATE_OP_TEST(AttentionWindowOp, kWindowCases, testing::Backend::cpu);
+class AttentionWindowCacheOp : public AttentionOp {};  // the cache forward: no backward
+TEST_P(AttentionWindowCacheOp, Forward) {
+  Problem pr(test_case(), 31);
+  expect_matches_reference(pr, false, "attention_forward " + test_case().name());
+}
+FORGE_INSTANTIATE_OP_TEST(AttentionWindowCacheOp, kWindowCacheCases, testing::Backend::cpu);
 }  // namespace op_tests::attention
 
 namespace {
@@ -70,6 +88,54 @@ TEST(AttentionThreads, BitwiseIndependentOfThreadCount) {
   }
 }
 
+// A window hides exactly the keys it should: the windowed kernel equals the same problem with the keys
+// outside every query's window replaced by garbage (bitwise), and a window as long as the sequence equals no
+// window (bitwise).
+TEST(AttentionWindow, HiddenKeysTakeNoPartAndLongWindowsChangeNothing) {
+  const Case c{1, 150, 4, 2, 16, true, true, 3, 0, 0, false, 1.0f, 0, false, 150};
+  Problem full(c, 9), none(c, 9);
+  auto p = none.host_params();
+  p.window = 0;
+  ops::attention_forward(full.host_params()), ops::attention_backward(full.host_params());
+  ops::attention_forward(p), ops::attention_backward(p);
+  EXPECT_EQ(0, std::memcmp(full.out.data(), none.out.data(), full.out.size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(full.grads.data(), none.grads.data(), full.grads.size() * sizeof(float)));
+  // Window 10: query 140 sees keys 131..140; poison keys 0..130 for the rows from 140 on.
+  const Case w{1, 150, 4, 2, 16, true, true, 3, 0, 0, false, 1.0f, 0, false, 10};
+  Problem a(w, 3), b(w, 3);
+  for (int64_t j = 0; j <= 130; ++j)
+    for (int64_t g = 0; g < w.kv_heads; ++g)
+      for (int64_t i = 0; i < w.head_dim; ++i)
+        b.inputs[b.k_at(0, j, g) + i] = 1e3f, b.inputs[b.v_at(0, j, g) + i] = 7.0f;
+  ops::attention_forward(a.host_params()), ops::attention_forward(b.host_params());
+  for (int64_t t = 140; t < w.seq; ++t)
+    EXPECT_EQ(0, std::memcmp(&a.out[a.o_at(0, t, 0)], &b.out[b.o_at(0, t, 0)],
+                             w.heads * w.head_dim * sizeof(float)))
+        << "row " << t;
+}
+
+#ifdef FORGE_HAVE_CUDA
+// The CUDA kernels mask causally only: a window that hides keys is refused in one line rather than computed
+// over every key; one as long as the sequence hides none and is taken. No GPU needed: parameters first.
+TEST(AttentionWindow, CudaRefusesAWindowThatHidesKeys) {
+  Problem pr(Case{1, 12, 4, 2, 8, true, true, 3, 0, 0, false, 1.0f, 0, false, 5}, 1);
+  for (bool backward : {false, true}) {
+    std::string why;
+    const ops::OpTable& gpu = ops::cuda_table();
+    EXPECT_FALSE(backward ? gpu.supports_attention_backward(pr.host_params(), &why)
+                          : gpu.supports_attention_forward(pr.host_params(), &why));
+    EXPECT_NE(why.find("a sliding window (window 5) is not implemented by the CUDA attention kernels"),
+              std::string::npos)
+        << why;
+    auto whole = pr.host_params();
+    whole.window = 12;
+    EXPECT_TRUE(backward ? gpu.supports_attention_backward(whole, &why)
+                         : gpu.supports_attention_forward(whole, &why))
+        << why;
+  }
+}
+#endif
+
 TEST(AttentionErrors, RejectsBadShapes) {
   Problem prob({1, 4, 3, 2, 16, true, true, 3}, 1);  // 3 heads do not split into 2 kv heads
   EXPECT_THROW(ops::attention_forward(prob.host_params()), Error);
@@ -79,6 +145,12 @@ TEST(AttentionErrors, RejectsBadShapes) {
   EXPECT_THROW(ops::attention_forward(p), Error);
   p = ok.host_params();
   p.dk = nullptr;
+  EXPECT_THROW(ops::attention_backward(p), Error);
+  p = ok.host_params();
+  p.window = -1;
+  EXPECT_THROW(ops::attention_forward(p), Error);
+  p = ok.host_params();
+  p.q_offset = 2;  // backward: an offset only without the causal mask
   EXPECT_THROW(ops::attention_backward(p), Error);
 }
 

@@ -16,14 +16,17 @@
 #include "op_harness.h"
 
 namespace forge {
-using namespace forge::models; using namespace forge::ckpt;
+using namespace forge::models;
+using namespace forge::ckpt;
 namespace {
 
 std::string fixture(const std::string& name) { return std::string(FORGE_FIXTURE_DIR) + "/" + name; }
 
-// The fixture's weights (the PyTorch twin's), under the given GEMM dtype.
+// The fixture's weights (the PyTorch twin's, or transformers' for Qwen3 and Mistral), under the given GEMM
+// dtype; the family comes from the config's `architectures`.
 std::unique_ptr<LlamaModel> fixture_model(const std::string& name, DType gemm_dtype) {
-  auto model = std::make_unique<LlamaModel>(LlamaConfig::from_json_file(fixture(name + ".config.json")),
+  const auto config = read_model_config(fixture(name + ".config.json"));
+  auto model = std::make_unique<LlamaModel>(dynamic_cast<const LlamaConfig&>(*config),
                                             nn::ComputeOptions{gemm_dtype, nn::Recompute::none});
   SafetensorsFile file = SafetensorsFile::open(fixture(name + ".safetensors"));
   auto& params = model->params();
@@ -92,15 +95,17 @@ TEST_P(KvCacheLogits, MatchFullForward) {
   EXPECT_EQ(chunked.length(), seq);
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, KvCacheLogits,
-                         ::testing::Values(Case{"llama_tiny", DType::f32},  // GQA 4/2
-                                           Case{"llama_tiny_tied_llama3",
-                                                DType::f32},  // MQA, llama3 RoPE, tied
-                                           Case{"llama_tiny", DType::bf16}),
-                         [](const auto& info) {
-                           return info.param.fixture +
-                                  (info.param.gemm_dtype == DType::bf16 ? "_bf16" : "_fp32");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Fixtures, KvCacheLogits,
+    ::testing::Values(Case{"llama_tiny", DType::f32},              // GQA 4/2
+                      Case{"llama_tiny_tied_llama3", DType::f32},  // MQA, llama3 RoPE, tied
+                      Case{"llama_tiny", DType::bf16},
+                      // Mistral: a window of 5 over 45 positions, the cache's decode
+                      // and prefill kernels cut at each query's window; Qwen3: QK-norm
+                      Case{"mistral_tiny_window", DType::f32}, Case{"qwen3_tiny", DType::f32}),
+    [](const auto& info) {
+      return info.param.fixture + (info.param.gemm_dtype == DType::bf16 ? "_bf16" : "_fp32");
+    });
 
 // Greedy decoding with the cache equals recomputing the whole sequence for every token and taking the
 // argmax of its last row: exactly the same tokens.

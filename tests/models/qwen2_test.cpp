@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
+#include "family_model_checks.h"
 #include "forge/ckpt/safetensors.h"
 #include "forge/models/llama/llama_model.h"
 #include "forge/models/pretrained.h"
@@ -182,48 +183,10 @@ TEST(Qwen2Model, BiasesTrainAndSplitBackwardIsBitwise) {
 // A Hugging Face Qwen2 folder (the fixture's weights from transformers) loads, gives the fixture's logits,
 // and exports back to a folder that transformers would read as Qwen2 and forge reloads bit for bit.
 TEST(Qwen2Model, HuggingFaceFolderInAndOut) {
-  const std::string fixtures = FORGE_FIXTURE_DIR;
-  const auto config = read_model_config(fixtures + "/qwen2_tiny.config.json");
-  auto model = build_model(*config, {DType::f32, nn::Recompute::none});
-  ckpt::SafetensorsFile file = ckpt::SafetensorsFile::open(fixtures + "/qwen2_tiny.safetensors");
-  ParameterStore& params = model->params();
-  for (int i = 0; i < params.count(); ++i) file.read_into(params.info(i).name, params.param(i));
-  params.refresh_bf16();
-  const std::filesystem::path dir =
-      std::filesystem::temp_directory_path() / ("forge_qwen2_hf_" + std::to_string(::getpid()));
-  std::filesystem::remove_all(dir);
-  HfExportOptions options;
-  export_hugging_face(params, config->to_json(), dir, options);
-  const json written = json::parse(std::ifstream(dir / "config.json"));
-  EXPECT_EQ(written["model_type"], "qwen2");
-  EXPECT_EQ(written["architectures"], json::array({"Qwen2ForCausalLM"}));
-  EXPECT_NO_THROW(ckpt::SafetensorsFile::open((dir / "model.safetensors").string())
-                      .read("model.layers.1.self_attn.v_proj.bias"));
-
-  auto loaded = load_pretrained_model(dir, {DType::f32, nn::Recompute::none});
-  EXPECT_EQ(loaded->config().architecture(), "Qwen2ForCausalLM");
-  const Tensor ids = file.read("input_ids");
-  const Tensor want = model->logits(ids.i32(), ids.dim(0), ids.dim(1));
-  const Tensor got = loaded->logits(ids.i32(), ids.dim(0), ids.dim(1));
-  ASSERT_EQ(got.numel(), want.numel());
-  EXPECT_EQ(0, std::memcmp(got.raw(), want.raw(), got.bytes()));
-  const Tensor golden = file.read("logits");
-  double worst = 0;
-  for (int64_t i = 0; i < got.numel(); ++i)
-    worst = std::max<double>(worst, std::abs(got.f32()[i] - golden.f32()[i]));
-  EXPECT_LT(worst, 1e-4);
   // A folder missing a bias is refused, naming it (a LLaMA's weights under a Qwen2 config).
-  std::vector<std::pair<std::string, Tensor>> without;
-  for (int i = 0; i < params.count(); ++i)
-    if (params.info(i).name != "model.layers.0.self_attn.k_proj.bias")
-      without.emplace_back(params.info(i).name, params.param(i));
-  ckpt::write_safetensors((dir / "model.safetensors").string(), without);
-  testing::expect_error_containing(
-      [&] {
-        load_pretrained_model(dir, {DType::f32, nn::Recompute::none});
-      },
-      {"model.layers.0.self_attn.k_proj.bias"});
-  std::filesystem::remove_all(dir);
+  testing::expect_hugging_face_round_trip("qwen2_tiny", "Qwen2ForCausalLM", "qwen2",
+                                          "model.layers.1.self_attn.v_proj.bias",
+                                          "model.layers.0.self_attn.k_proj.bias");
 }
 
 }  // namespace

@@ -2,7 +2,9 @@
 // is the cp group): every rank builds the reference from the same seed and runs the whole sequences, and the
 // split model runs this rank's two chunks of each (chunk r and chunk 2·cp − 1 − r, RoPE at their global
 // positions, attention across the group in ring or all-to-all mode). The losses summed over the group, and
-// every gradient summed over it, must be the reference's within fp32 reduction-order tolerance.
+// every gradient summed over it, must be the reference's within fp32 reduction-order tolerance. With a
+// sliding window (Mistral) the ring masks the blocks the window cuts by position and skips those it hides;
+// with QK-norm (Qwen3) the norms run on the local tokens.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -21,6 +23,8 @@ namespace {
 struct Case {
   parallel::ContextAttention mode;
   int64_t kv_heads;  // 0: one per rank (all-to-all scatters the kv heads too)
+  int64_t window = 0;
+  bool qk_norm = false;
 };
 
 class LlamaContextParallel : public testing::TestWithParam<Case> {};
@@ -33,6 +37,7 @@ TEST_P(LlamaContextParallel, MatchesOneRank) {
   config.hidden_size = 32, config.intermediate_size = 48, config.num_hidden_layers = 2;
   config.num_attention_heads = 4, config.num_key_value_heads = c.kv_heads > 0 ? c.kv_heads : cp;
   config.head_dim = 8, config.vocab_size = 61, config.max_position_embeddings = 64;
+  config.attention_window = c.window, config.qk_norm = c.qk_norm;
   nn::ComputeOptions options;
   options.gemm_dtype = DType::f32;
   LlamaModel reference(config, options);
@@ -93,10 +98,18 @@ TEST_P(LlamaContextParallel, MatchesOneRank) {
 INSTANTIATE_TEST_SUITE_P(Modes, LlamaContextParallel,
                          testing::Values(Case{parallel::ContextAttention::ring, 2},
                                          Case{parallel::ContextAttention::ring, 1},
-                                         Case{parallel::ContextAttention::all_to_all, 0}),
+                                         Case{parallel::ContextAttention::all_to_all, 0},
+                                         // Chunks of 3 tokens: a window of 4 reaches into the chunk before
+                                         // (cut by position) and hides the ones further back (skipped); 7
+                                         // spans two chunks and a half; QK-norm alongside.
+                                         Case{parallel::ContextAttention::ring, 2, 4},
+                                         Case{parallel::ContextAttention::ring, 1, 7, true},
+                                         Case{parallel::ContextAttention::all_to_all, 0, 4}),
                          [](const auto& info) {
                            return std::string(parallel::context_attention_name(info.param.mode)) + "_kv" +
-                                  std::to_string(info.param.kv_heads);
+                                  std::to_string(info.param.kv_heads) +
+                                  (info.param.window ? "_window" + std::to_string(info.param.window) : "") +
+                                  (info.param.qk_norm ? "_qknorm" : "");
                          });
 
 }  // namespace

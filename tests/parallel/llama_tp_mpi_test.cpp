@@ -2,7 +2,9 @@
 // unsplit reference and its shard of the split model from the same seed; losses, logits and every
 // gradient element (mapped to its global index) must agree within fp32 reduction-order tolerance.
 // Run by mpirun with 2 and 4 ranks; the whole world is the tensor-parallel group. The cases with q/k/v biases
-// are a Qwen2's layers (the biases split like their weights, summed like them when kv heads are replicated).
+// are a Qwen2's layers (the biases split like their weights, summed like them when kv heads are replicated);
+// with QK-norm a Qwen3's (the [head_dim] norm weights replicated, their gradients summed over the group);
+// with a window a Mistral's.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -18,9 +20,11 @@ namespace forge {
 using namespace forge::models;
 namespace {
 
-LlamaConfig tiny_config(int64_t kv_heads, bool tied, bool bias) {
+LlamaConfig tiny_config(int64_t kv_heads, bool tied, bool bias, bool qk_norm = false, int64_t window = 0) {
   LlamaConfig c;
   c.qkv_bias = bias;
+  c.qk_norm = qk_norm;
+  c.attention_window = window;
   c.hidden_size = 32, c.intermediate_size = 48, c.num_hidden_layers = 2;
   c.num_attention_heads = 4, c.num_key_value_heads = kv_heads, c.head_dim = 8;
   c.vocab_size = 61;  // not a multiple of anything: exercises the padded, masked vocabulary rows
@@ -33,17 +37,23 @@ struct Case {
   int64_t kv_heads;
   bool sequence_parallel, tied;
   bool bias = false;
+  bool qk_norm = false;
+  int64_t window = 0;
 };
 
-// Biases start at zero; give them values that depend only on the name and the global index, so that the
-// forward uses them and every layout holds the same.
+// Biases start at zero and QK-norm weights at one; give them values that depend only on the name and the
+// global index, so that the forward uses them and every layout holds the same.
 void set_biases(ParameterStore& store) {
   for (int id = 0; id < store.count(); ++id) {
     const ParamInfo& p = store.info(id);
-    if (p.name.find("_proj.bias") == std::string::npos) continue;
+    const bool bias = p.name.find("_proj.bias") != std::string::npos;
+    if (!bias && p.name.find("self_attn.q_norm") == std::string::npos &&
+        p.name.find("self_attn.k_norm") == std::string::npos)
+      continue;
     for (const ShardRun& r : shard_runs(p))
       for (int64_t j = 0; j < r.count; ++j)
         store.param(id).f32()[r.local + j] =
+            (bias ? 0.0f : 1.0f) +
             0.05f * std::sin(0.7f * static_cast<float>(r.global + j) + static_cast<float>(p.name.size()));
   }
   store.refresh_bf16();
@@ -54,7 +64,7 @@ class LlamaTensorParallel : public testing::TestWithParam<Case> {};
 TEST_P(LlamaTensorParallel, MatchesOneRank) {
   comm::Communicator& world = comm::world();
   const Case c = GetParam();
-  const LlamaConfig config = tiny_config(c.kv_heads, c.tied, c.bias);
+  const LlamaConfig config = tiny_config(c.kv_heads, c.tied, c.bias, c.qk_norm, c.window);
   nn::ComputeOptions options;
   options.gemm_dtype = DType::f32;
   LlamaModel reference(config, options);
@@ -131,15 +141,20 @@ TEST_P(LlamaTensorParallel, MatchesOneRank) {
   for (int64_t i = 0; i < lw.numel(); ++i) ASSERT_NEAR(lg.f32()[i], lw.f32()[i], 1e-4) << i;
 }
 
-INSTANTIATE_TEST_SUITE_P(Layouts, LlamaTensorParallel,
-                         testing::Values(Case{4, false, false}, Case{4, true, false}, Case{2, false, false},
-                                         Case{2, true, true}, Case{1, true, false},
-                                         Case{2, true, false, true}, Case{1, false, true, true}),
-                         [](const auto& info) {
-                           return "kv" + std::to_string(info.param.kv_heads) +
-                                  (info.param.sequence_parallel ? "_sp" : "") +
-                                  (info.param.tied ? "_tied" : "") + (info.param.bias ? "_bias" : "");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, LlamaTensorParallel,
+    testing::Values(Case{4, false, false}, Case{4, true, false}, Case{2, false, false}, Case{2, true, true},
+                    Case{1, true, false}, Case{2, true, false, true}, Case{1, false, true, true},
+                    // Qwen3 (QK-norm, kv heads split and replicated), Mistral (a
+                    // window of 5 over 12 positions), both
+                    Case{2, true, false, false, true}, Case{1, false, false, false, true},
+                    Case{2, false, false, false, false, 5}, Case{1, true, true, false, true, 5}),
+    [](const auto& info) {
+      return "kv" + std::to_string(info.param.kv_heads) + (info.param.sequence_parallel ? "_sp" : "") +
+             (info.param.tied ? "_tied" : "") + (info.param.bias ? "_bias" : "") +
+             (info.param.qk_norm ? "_qknorm" : "") +
+             (info.param.window ? "_window" + std::to_string(info.param.window) : "");
+    });
 
 TEST(LlamaTensorParallelErrors, SequenceParallelNeedsDivisibleRows) {
   comm::Communicator& world = comm::world();

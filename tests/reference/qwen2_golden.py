@@ -133,12 +133,12 @@ def logits_of(net, input_ids):
     return net(input_ids=input_ids.long(), use_cache=False).logits
 
 
-def adamw_run(initial, model, batches, dtype=torch.float32):
+def adamw_run(initial, model, batches, dtype=torch.float32, family=None):
     """llama_twin.adamw_run on the HF model: torch AdamW (foreach=False), weight decay on 2-D tensors only
     (the biases are 1-D and get none, like the norm weights), clip_grad_norm_ before each step.
 
     Returns the losses, the gradient norms before clipping and the final weights."""
-    net = build_model(model, dtype)
+    net = (family or QWEN2)["build"](model, dtype)
     load(net, initial)
     named = dict(net.named_parameters())
     names = list(initial)
@@ -160,11 +160,11 @@ def adamw_run(initial, model, batches, dtype=torch.float32):
     return losses, grad_norms, {n: named[n].detach().clone() for n in names}
 
 
-def first_batch(name, spec):
+def first_batch(name, spec, family=None):
     """The seeded initial weights, the first batch and the AdamW batches of fixture `name`."""
     model = spec["model"]
     generator = torch.Generator().manual_seed(spec["seed"])
-    net = build_model(model)
+    net = (family or QWEN2)["build"](model)
     initial = init_parameters(net, generator)
     load(net, initial)
     input_ids, labels = make_batch(model, spec["batch"], spec["seq"], generator)
@@ -172,9 +172,11 @@ def first_batch(name, spec):
     return net, initial, input_ids, labels, step_batches
 
 
-def generate(name, spec):
+def generate(name, spec, family=None):
+    """Writes fixture `name` of `family` (a dict like QWEN2 below; default Qwen2)."""
+    family = family or QWEN2
     model = spec["model"]
-    net, initial, input_ids, labels, step_batches = first_batch(name, spec)
+    net, initial, input_ids, labels, step_batches = first_batch(name, spec, family)
 
     logits = logits_of(net, input_ids)
     loss = mean_loss(logits, labels)
@@ -183,13 +185,13 @@ def generate(name, spec):
     grads = {n: named[n].grad.detach().clone() for n in initial}
     inv_freq = net.model.rotary_emb.inv_freq.detach().float().clone()
 
-    losses, grad_norms, final = adamw_run(initial, model, step_batches)
+    losses, grad_norms, final = adamw_run(initial, model, step_batches, family=family)
     assert min(grad_norms) > ADAMW["max_grad_norm"], grad_norms  # clipping acts at every step
     # Adam's first step moves a weight by lr * g / (|g| + eps): a gradient entry of size ~eps = 1e-8 passes
     # its fp32 rounding noise (~1e-10 absolute) straight into the update. The seeds are chosen so that no
     # such entry occurs: the same run in float64 must end within 1e-4 of each tensor's largest weight
     # (the C++ golden test allows 3e-4).
-    _, _, final64 = adamw_run(initial, model, step_batches, torch.float64)
+    _, _, final64 = adamw_run(initial, model, step_batches, torch.float64, family)
     fp64_rel = max(float((final[n].double() - final64[n]).abs().max() / final64[n].abs().max()) for n in final)
     assert fp64_rel < 1e-4, f"{name}: final weights {fp64_rel:.2e} from float64; pick another seed"
 
@@ -206,22 +208,22 @@ def generate(name, spec):
     metadata = {key: repr(value) for key, value in ADAMW.items()}
     metadata.update(
         optimizer="torch.optim.AdamW(foreach=False)",
-        weight_decay_applies_to="2-D weights (matrices, embeddings); 1-D norm weights and q/k/v biases get 0",
+        weight_decay_applies_to=family["weight_decay_applies_to"],
         grad_clip="torch.nn.utils.clip_grad_norm_: coef = max_grad_norm / (norm + 1e-6), applied when < 1",
         loss="mean cross-entropy over labels != -100; labels already shifted",
         ignore_index=str(IGNORE_INDEX),
         seed=str(spec["seed"]),
-        init="matrices normal(0, 0.02); norm weights 1 + 0.1*normal; q/k/v biases 0.1*normal",
+        init=family["init"],
         final_vs_float64=f"{fp64_rel:.2e}",
-        model_class="transformers.Qwen2ForCausalLM (attn_implementation=eager, float32)",
-        generator="tests/reference/qwen2_golden.py",
+        model_class=family["model_class"],
+        generator=family["generator"],
         torch_version=torch.__version__,
         transformers_version=transformers.__version__,
     )
     os.makedirs(FIXTURE_DIR, exist_ok=True)
     base = os.path.join(FIXTURE_DIR, name)
     with open(base + ".config.json", "w") as f:
-        json.dump(config_json(net.config), f, indent=2, sort_keys=True)
+        json.dump(family["config_json"](net.config), f, indent=2, sort_keys=True)
         f.write("\n")
     write_safetensors(base + ".safetensors", tensors, metadata)
     print(f"{name}: loss {float(loss.detach()):.6f}, adamw losses {[round(x, 6) for x in losses]}, "
@@ -229,13 +231,15 @@ def generate(name, spec):
           f"{os.path.getsize(base + '.safetensors')} bytes")
 
 
-def check(name, spec):
-    """The fp32 run against the same HF model in float64 on the fixture's first batch."""
-    net, initial, input_ids, labels, _ = first_batch(name, spec)
+def check(name, spec, family=None):
+    """The fp32 run against the same HF model in float64 on the fixture's first batch, and how far the
+    family's own option moves the float64 logits (it must matter)."""
+    family = family or QWEN2
+    net, initial, input_ids, labels, _ = first_batch(name, spec, family)
     logits = logits_of(net, input_ids)
     loss = mean_loss(logits, labels)
     loss.backward()
-    ref = build_model(spec["model"], torch.float64)
+    ref = family["build"](spec["model"], torch.float64)
     load(ref, initial)
     ref_logits = logits_of(ref, input_ids)
     ref_loss = mean_loss(ref_logits, labels)
@@ -245,16 +249,35 @@ def check(name, spec):
     named, ref_named = dict(net.named_parameters()), dict(ref.named_parameters())
     grad_error = max(float((named[n].grad.double() - ref_named[n].grad).abs().max() /
                            ref_named[n].grad.abs().max()) for n in initial)
-    # Without the biases the logits would differ by this much: they must matter.
+    effect = family["option_effect"](spec, initial, input_ids, ref, ref_logits.detach())
+    ok = logit_error < 1e-5 and loss_error < 1e-5 and grad_error < 1e-5 and (effect is None or effect > 1e-3)
+    moved = "n/a" if effect is None else f"{effect:.2e}"
+    print(f"{name}: max |logit - float64| {logit_error:.2e}, |loss diff| {loss_error:.2e}, "
+          f"max grad rel diff {grad_error:.2e}, max logit change without {family['option']} {moved}: "
+          f"{'ok' if ok else 'MISMATCH'}")
+    return ok
+
+
+def bias_effect(spec, initial, input_ids, ref, ref_logits):
+    """Without the biases the logits would differ by this much: they must matter."""
     no_bias = {n: (torch.zeros_like(t) if n.endswith(".bias") else t) for n, t in initial.items()}
     load(ref, no_bias)
     with torch.no_grad():
-        bias_effect = float((logits_of(ref, input_ids) - ref_logits.detach()).abs().max())
-    ok = logit_error < 1e-5 and loss_error < 1e-5 and grad_error < 1e-5 and bias_effect > 1e-3
-    print(f"{name}: max |logit - float64| {logit_error:.2e}, |loss diff| {loss_error:.2e}, "
-          f"max grad rel diff {grad_error:.2e}, max logit change without biases {bias_effect:.2e}: "
-          f"{'ok' if ok else 'MISMATCH'}")
-    return ok
+        return float((logits_of(ref, input_ids) - ref_logits).abs().max())
+
+
+# What differs between the families that share this procedure (families_golden.py defines Qwen3's and
+# Mistral's): the model, the config.json keys, the family's own option for --check, the metadata notes.
+QWEN2 = dict(
+    build=build_model,
+    config_json=config_json,
+    option="biases",
+    option_effect=bias_effect,
+    weight_decay_applies_to="2-D weights (matrices, embeddings); 1-D norm weights and q/k/v biases get 0",
+    init="matrices normal(0, 0.02); norm weights 1 + 0.1*normal; q/k/v biases 0.1*normal",
+    model_class="transformers.Qwen2ForCausalLM (attn_implementation=eager, float32)",
+    generator="tests/reference/qwen2_golden.py",
+)
 
 
 def main():

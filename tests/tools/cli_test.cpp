@@ -27,8 +27,8 @@ TEST_F(Cli, HelpAndVersion) {
   EXPECT_NE(help.output.find("train"), std::string::npos);
   // What forge is, in one line, with the families it implements (from the registry, so never stale).
   EXPECT_NE(help.output.find("dense, mixture-of-experts and multimodal"), std::string::npos) << help.output;
-  for (const char* family :
-       {"LlamaForCausalLM", "Qwen2ForCausalLM", "DeepseekV3ForCausalLM", "LlavaForConditionalGeneration"})
+  for (const char* family : {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+                             "DeepseekV3ForCausalLM", "LlavaForConditionalGeneration"})
     EXPECT_NE(help.output.find(family), std::string::npos) << family;
   Outcome train_help = run_forge("train --help");
   EXPECT_EQ(train_help.status, 0);

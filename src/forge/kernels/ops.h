@@ -279,6 +279,11 @@ struct AttentionParams {
   int64_t q_offset = 0;                            // position of query row 0 among the keys
   int64_t k_batch_stride = 0, v_batch_stride = 0;  // elements between sequences (0 = dense)
   int64_t k_head_stride = 0, v_head_stride = 0;    // elements between kv heads (0 = head_dim / v_head_dim)
+  // Sliding window (Mistral): window > 0 lets the query at position q_offset + t see only keys j with
+  // j > q_offset + t - window (transformers' sliding_window_overlay), on top of the causal mask when set.
+  // Without the causal mask, q_offset places the queries for it in backward too: a block of context
+  // parallelism's ring whose keys all precede its queries (kv_seq = seq).
+  int64_t window = 0;
   // Backward: reads dout (+ q, k, v, out, lse), writes dq, dk, dv (overwrite), same layouts as q, k, v (dout
   // as out).
   const float* dout = nullptr;

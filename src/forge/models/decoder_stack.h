@@ -41,6 +41,8 @@ struct LayerSpec {
   AttentionKind attention = AttentionKind::gqa;
   FeedForwardKind feed_forward = FeedForwardKind::swiglu;
   bool qkv_bias = false;  // gqa: biases on q, k and v (Qwen2), registered after the three weights
+  bool qk_norm = false;   // gqa: RMSNorms over head_dim on q and k before RoPE (Qwen3), registered after o
+  int64_t window = 0;     // gqa: > 0, each query sees its `window` latest keys, itself included (Mistral)
 };
 
 // A whole model's description. Sizes are the model's, not a tensor-parallel rank's: the stack splits them.

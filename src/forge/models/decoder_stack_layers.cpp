@@ -87,6 +87,14 @@ void DecoderStack::register_gqa(const std::string& a, const LayerSpec& layer, fl
   }
   ids.gqa.o = params_.add(a + "o_proj.weight", {hidden, l.heads * d}, true, Init::normal, out_std,
                           split({hidden, qd}, 1, r * l.heads * d));
+  if (layer.qk_norm) {
+    // Every rank holds the whole [head_dim] weights and normalises its own heads with them.
+    const ShardSpec replicated{-1, 0, {}, r == 0};
+    ids.gqa.q_norm = params_.add(a + "q_norm.weight", {d}, false, Init::ones, 0.02f, replicated);
+    ids.gqa.k_norm = params_.add(a + "k_norm.weight", {d}, false, Init::ones, 0.02f, replicated);
+  }
+  ids.gqa.norm_eps = static_cast<float>(s.norm_eps);
+  ids.gqa.window = layer.window;
 }
 
 void DecoderStack::register_mla(const std::string& a, float init_std, float out_std, LayerIds& ids) {
@@ -214,9 +222,10 @@ void DecoderStack::sum_over_group(int id) {
 }
 
 // Gradients that several tensor-parallel ranks hold copies of, each having seen only part of them, are summed
-// over the group as soon as they are final: MLA's replicated latent projections and norms (each rank saw
-// only its heads), kv heads replicated over ranks (each holder saw only its own query heads), the norm
-// weights under sequence parallelism (each rank normed only its rows), and what the tail names.
+// over the group as soon as they are final: MLA's replicated latent projections and norms and the QK-norm
+// weights (each rank saw only its heads; a kv head replicated over ranks saw part of its gradient on each),
+// kv heads replicated over ranks (each holder saw only its own query heads), the norm weights under sequence
+// parallelism (each rank normed only its rows), and what the tail names.
 void DecoderStack::register_tensor_parallel_sums() {
   nn::TensorParallel* group = tp();
   if (!group) return;
@@ -224,6 +233,8 @@ void DecoderStack::register_tensor_parallel_sums() {
   for (const nn::DecoderLayer& layer : layers_)
     if (const auto* mla = dynamic_cast<const nn::MlaAttention*>(&layer.mixer()))
       for (int id : mla->replicated_params()) sum_over_group(id);
+  for (const LayerIds& ids : layer_ids_)
+    if (ids.gqa.q_norm >= 0) sum_over_group(ids.gqa.q_norm), sum_over_group(ids.gqa.k_norm);
   if (tail_)
     for (int id : tail_->tensor_parallel_sums()) sum_over_group(id);
   if (group->sequence_parallel()) {

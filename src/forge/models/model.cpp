@@ -7,7 +7,9 @@
 #include "forge/models/deepseek_v3/deepseek_v3_model.h"
 #include "forge/models/llama/llama_model.h"
 #include "forge/models/llava/llava_model.h"
+#include "forge/models/mistral/mistral.h"
 #include "forge/models/qwen2/qwen2.h"
+#include "forge/models/qwen3/qwen3.h"
 
 namespace forge::models {
 
@@ -64,7 +66,7 @@ Tensor Model::forward_cached_images(const int32_t* ids, int64_t batch, int64_t n
 // Every family forge implements: one line here per models/<family>/.
 const std::vector<ModelFamily>& model_families() {
   static const std::vector<ModelFamily> families = {llama_family(), deepseek_v3_family(), llava_family(),
-                                                    qwen2_family()};
+                                                    qwen2_family(), qwen3_family(),       mistral_family()};
   return families;
 }
 

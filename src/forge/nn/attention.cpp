@@ -7,6 +7,30 @@
 #include "forge/nn/tensor_parallel.h"
 
 namespace forge::nn {
+namespace {
+
+// Columns [first, first + width) of a [rows, stride] matrix, packed into a dense [rows, width] tensor, and
+// back (overwriting them).
+Tensor pack_columns(const Tensor& x, int64_t stride, int64_t first, int64_t width, Device device) {
+  const int64_t rows = x.numel() / stride;
+  Tensor out = Tensor::empty({rows, width}, DType::f32, device);
+  ops::StridedCopyParams c;
+  c.shape[1] = rows, c.shape[2] = width;
+  c.src = x.f32() + first, c.src_stride[1] = stride;
+  c.dst = out.f32(), c.dst_stride[1] = width;
+  ops::strided_copy(c, device);
+  return out;
+}
+void unpack_columns(const Tensor& dense, Tensor& x, int64_t stride, int64_t first, Device device) {
+  const int64_t width = dense.dim(1);
+  ops::StridedCopyParams c;
+  c.shape[1] = dense.dim(0), c.shape[2] = width;
+  c.src = dense.f32(), c.src_stride[1] = width;
+  c.dst = x.f32() + first, c.dst_stride[1] = stride;
+  ops::strided_copy(c, device);
+}
+
+}  // namespace
 
 Attention::Attention(ParameterStore* store, AttentionParams params, AttentionShape shape,
                      const RopeTable* rope, ComputeOptions options)
@@ -14,7 +38,8 @@ Attention::Attention(ParameterStore* store, AttentionParams params, AttentionSha
       o_(store, {params.o}, shape.heads * shape.head_dim, options),
       shape_(shape),
       rope_(rope),
-      options_(options) {
+      options_(options),
+      window_(params.window) {
   FORGE_CHECK(qkv_.out_features() == shape.qkv_dim(), "q|k|v weights give {} rows, expected {}",
               qkv_.out_features(), shape.qkv_dim());
   if (params.bias >= 0) {
@@ -22,6 +47,51 @@ Attention::Attention(ParameterStore* store, AttentionParams params, AttentionSha
     FORGE_CHECK(qkv_bias_.size() == shape.qkv_dim(), "q|k|v biases give {} values, expected {}",
                 qkv_bias_.size(), shape.qkv_dim());
   }
+  FORGE_CHECK((params.q_norm >= 0) == (params.k_norm >= 0), "QK-norm needs both the q and the k norm");
+  if (params.q_norm >= 0) {
+    q_norm_ = RmsNorm(store, params.q_norm, params.norm_eps);
+    k_norm_ = RmsNorm(store, params.k_norm, params.norm_eps);
+    qk_norm_ = true;
+    FORGE_CHECK(store->info(params.q_norm).shape == Shape{shape.head_dim} &&
+                    store->info(params.k_norm).shape == Shape{shape.head_dim},
+                "QK-norm weights must hold head_dim = {} values", shape.head_dim);
+  }
+  FORGE_CHECK(params.window >= 0, "negative attention window {}", params.window);
+}
+
+// Each head's head_dim values form one row of the norm: the packed [rows, heads * head_dim] columns are
+// [rows * heads, head_dim] to it.
+void Attention::qk_norm_forward(Tensor& qkv, RmsNorm::Saved& q_saved, RmsNorm::Saved& k_saved) const {
+  const int64_t stride = shape_.qkv_dim(), qd = shape_.heads * shape_.head_dim,
+                kd = shape_.kv_heads * shape_.head_dim;
+  const Device device = options_.device;
+  unpack_columns(q_norm_.forward(pack_columns(qkv, stride, 0, qd, device), q_saved), qkv, stride, 0, device);
+  unpack_columns(k_norm_.forward(pack_columns(qkv, stride, qd, kd, device), k_saved), qkv, stride, qd,
+                 device);
+}
+
+void Attention::qk_norm_backward_input(Tensor& dqkv, Saved& saved) const {
+  const int64_t stride = shape_.qkv_dim(), qd = shape_.heads * shape_.head_dim,
+                kd = shape_.kv_heads * shape_.head_dim;
+  const Device device = options_.device;
+  unpack_columns(q_norm_.backward_input(pack_columns(dqkv, stride, 0, qd, device), saved.q_norm), dqkv,
+                 stride, 0, device);
+  unpack_columns(k_norm_.backward_input(pack_columns(dqkv, stride, qd, kd, device), saved.k_norm), dqkv,
+                 stride, qd, device);
+}
+
+ops::AttentionParams Attention::core_params(const float* qkv, int64_t batch, int64_t seq) const {
+  const int64_t qd = shape_.heads * shape_.head_dim, kd = shape_.kv_heads * shape_.head_dim;
+  ops::AttentionParams p;
+  p.batch = batch, p.seq = seq, p.heads = shape_.heads, p.kv_heads = shape_.kv_heads,
+  p.head_dim = shape_.head_dim;
+  p.q = qkv, p.k = p.q + qd, p.v = p.q + qd + kd;
+  p.q_stride = p.k_stride = p.v_stride = shape_.qkv_dim();
+  p.out_stride = qd;
+  p.scale = 1.0f / std::sqrt(static_cast<float>(shape_.head_dim));
+  p.causal = true;
+  p.window = window_;
+  return p;
 }
 
 void Attention::apply_rope(float* qkv, int64_t batch, int64_t seq, bool inverse,
@@ -48,18 +118,11 @@ void Attention::rope_for_training(float* qkv, int64_t batch, int64_t seq, bool i
 }
 
 void Attention::core_forward(Tensor& qkv, int64_t batch, int64_t seq, Tensor& out, Tensor& lse) const {
-  const int64_t rows = batch * seq, qd = shape_.heads * shape_.head_dim,
-                kd = shape_.kv_heads * shape_.head_dim;
+  const int64_t rows = batch * seq, qd = shape_.heads * shape_.head_dim;
   out = Tensor::empty({rows, qd}, DType::f32, options_.device);
   lse = Tensor::empty({batch, shape_.heads, seq}, DType::f32, options_.device);
-  ops::AttentionParams p;
-  p.batch = batch, p.seq = seq, p.heads = shape_.heads, p.kv_heads = shape_.kv_heads,
-  p.head_dim = shape_.head_dim;
-  p.q = qkv.f32(), p.k = p.q + qd, p.v = p.q + qd + kd;
-  p.q_stride = p.k_stride = p.v_stride = shape_.qkv_dim();
-  p.out = out.f32(), p.out_stride = qd, p.lse = lse.f32();
-  p.scale = 1.0f / std::sqrt(static_cast<float>(shape_.head_dim));
-  p.causal = true;
+  ops::AttentionParams p = core_params(qkv.f32(), batch, seq);
+  p.out = out.f32(), p.lse = lse.f32();
   if (options_.cp)
     options_.cp->attention_forward(p);
   else
@@ -70,6 +133,7 @@ Tensor Attention::forward(const Tensor& h, int64_t batch, int64_t seq, Saved& sa
   saved.h = qkv_.input(gather_in(options_.tp, h));
   saved.qkv = qkv_.forward(saved.h);
   if (qkv_bias_.defined()) qkv_bias_.forward(saved.qkv);
+  if (qk_norm_) qk_norm_forward(saved.qkv, saved.q_norm, saved.k_norm);
   rope_for_training(saved.qkv.f32(), batch, seq, false);
   Tensor out, lse;
   core_forward(saved.qkv, batch, seq, out, lse);
@@ -93,14 +157,8 @@ Tensor Attention::backward_input(const Tensor& dy, int64_t batch, int64_t seq, S
   const int64_t rows = batch * seq, qd = shape_.heads * shape_.head_dim,
                 kd = shape_.kv_heads * shape_.head_dim;
   Tensor dqkv = Tensor::empty({rows, shape_.qkv_dim()}, DType::f32, options_.device);
-  ops::AttentionParams p;
-  p.batch = batch, p.seq = seq, p.heads = shape_.heads, p.kv_heads = shape_.kv_heads,
-  p.head_dim = shape_.head_dim;
-  p.q = saved.qkv.f32(), p.k = p.q + qd, p.v = p.q + qd + kd;
-  p.q_stride = p.k_stride = p.v_stride = shape_.qkv_dim();
-  p.out = saved.out.f32(), p.out_stride = qd, p.lse = saved.lse.f32();
-  p.scale = 1.0f / std::sqrt(static_cast<float>(shape_.head_dim));
-  p.causal = true;
+  ops::AttentionParams p = core_params(saved.qkv.f32(), batch, seq);
+  p.out = saved.out.f32(), p.lse = saved.lse.f32();
   p.dout = dout.f32(), p.dout_stride = qd;
   p.dq = dqkv.f32(), p.dk = p.dq + qd, p.dv = p.dq + qd + kd;
   p.dq_stride = p.dk_stride = p.dv_stride = shape_.qkv_dim();
@@ -112,6 +170,7 @@ Tensor Attention::backward_input(const Tensor& dy, int64_t batch, int64_t seq, S
   saved.out = Tensor(), saved.lse = Tensor(), saved.qkv = Tensor();
 
   rope_for_training(dqkv.f32(), batch, seq, true);
+  if (qk_norm_) qk_norm_backward_input(dqkv, saved);
   if (qkv_bias_.defined()) saved.dbias = qkv_bias_.backward_input(dqkv);
   saved.dqkv = qkv_.grad_output(dqkv);
   return reduce_out(options_.tp, qkv_.backward_input(saved.dqkv));
@@ -121,6 +180,7 @@ void Attention::backward_weight(Saved& saved) const {
   o_.backward_weight(saved.dy, saved.out_op);
   qkv_.backward_weight(saved.dqkv, saved.h);
   if (qkv_bias_.defined()) qkv_bias_.backward_weight(saved.dbias);
+  if (qk_norm_) q_norm_.backward_weight(saved.q_norm), k_norm_.backward_weight(saved.k_norm);
   saved = Saved{};
 }
 
@@ -141,6 +201,10 @@ Tensor Attention::forward_cached(const Tensor& h, int64_t batch, int64_t tokens,
   GemmOperand h_op = qkv_.input(h);
   Tensor qkv = qkv_.forward(h_op);
   if (qkv_bias_.defined()) qkv_bias_.forward(qkv);
+  if (qk_norm_) {
+    RmsNorm::Saved q_saved, k_saved;  // inference: dropped at once
+    qk_norm_forward(qkv, q_saved, k_saved);
+  }
   apply_rope(qkv.f32(), batch, tokens, false, cache.length);
   const int64_t dim = shape_.head_dim;
   ops::KvAppendParams append;
@@ -152,17 +216,12 @@ Tensor Attention::forward_cached(const Tensor& h, int64_t batch, int64_t tokens,
   ops::kv_append(append, options_.device);
 
   Tensor out = Tensor::empty({batch * tokens, qd}, DType::f32, options_.device);
-  ops::AttentionParams p;
-  p.batch = batch, p.seq = tokens, p.heads = shape_.heads, p.kv_heads = shape_.kv_heads,
-  p.head_dim = shape_.head_dim;
-  p.q = qkv.f32(), p.q_stride = qkv_dim;
+  ops::AttentionParams p = core_params(qkv.f32(), batch, tokens);
   p.k = cache.keys, p.v = cache.values, p.k_stride = p.v_stride = dim;
   p.k_head_stride = p.v_head_stride = cache.head_stride();
   p.k_batch_stride = p.v_batch_stride = cache.batch_stride();
   p.kv_seq = cache.length + tokens, p.q_offset = cache.length;
-  p.out = out.f32(), p.out_stride = qd, p.lse = nullptr;
-  p.scale = 1.0f / std::sqrt(static_cast<float>(shape_.head_dim));
-  p.causal = true;
+  p.out = out.f32(), p.lse = nullptr;
   ops::attention_forward(p, options_.device);
   GemmOperand out_op = o_.input(out);
   return o_.forward(out_op);

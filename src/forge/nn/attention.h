@@ -1,6 +1,7 @@
 // Causal self-attention with grouped-query heads and rotary embeddings (Hugging Face Llama semantics):
-// one fused q|k|v projection (with biases in some families), RoPE on q and k in place, flash attention,
-// output projection. forward_cached is the inference path: new tokens attend to themselves and to the keys
+// one fused q|k|v projection (with biases in some families), QK-norm in some (an RMSNorm over head_dim of
+// each q and k head), RoPE on q and k in place, flash attention (over a sliding window in some), output
+// projection. forward_cached is the inference path: new tokens attend to themselves and to the keys
 // and values of earlier tokens kept in a KvCache, to which they append their own.
 #pragma once
 
@@ -9,6 +10,7 @@
 #include "forge/nn/kv_cache.h"
 #include "forge/nn/layer_part.h"
 #include "forge/nn/linear.h"
+#include "forge/nn/rmsnorm.h"
 
 namespace forge::nn {
 
@@ -23,11 +25,17 @@ struct RopeTable {
   Tensor cos, sin;
 };
 
-// Its parameters, by id in the store: q, k, v registered one after another (one fused GEMM), and o; with
-// bias (Qwen2), the q, k and v biases registered one after another from that id (-1: none).
+// Its parameters, by id in the store, and a layer's options: q, k, v registered one after another (one
+// fused GEMM), and o; with bias (Qwen2), the q, k and v biases registered one after another from that id
+// (-1: none); with q_norm and k_norm (Qwen3), the [head_dim] weights of the RMSNorms (eps norm_eps) applied
+// to every q and k head before RoPE; window > 0 (Mistral): each query sees only the `window` latest keys,
+// itself included (ops::AttentionParams::window).
 struct AttentionParams {
   int q = -1, k = -1, v = -1, o = -1;
   int bias = -1;
+  int q_norm = -1, k_norm = -1;
+  float norm_eps = 1e-6f;
+  int64_t window = 0;
 };
 
 class Attention final : public LayerPart {
@@ -39,6 +47,7 @@ class Attention final : public LayerPart {
     GemmOperand out_op;    // core output as the o-projection's operand
     GemmOperand dy, dqkv;  // kept from backward_input for backward_weight
     Tensor dbias;          // the q|k|v biases' gradient, from backward_input for backward_weight
+    RmsNorm::Saved q_norm, k_norm;  // QK-norm's inputs, packed [rows, heads * head_dim]
   };
 
   Attention() = default;
@@ -79,12 +88,20 @@ class Attention final : public LayerPart {
   // Training's RoPE: at positions 0.. of each sequence, or under context parallelism each local half at its
   // global positions.
   void rope_for_training(float* qkv, int64_t batch, int64_t seq, bool inverse) const;
+  // QK-norm in place on the q and k columns of qkv [rows, qkv_dim], and its B (on dqkv); W is the norms'.
+  void qk_norm_forward(Tensor& qkv, RmsNorm::Saved& q_saved, RmsNorm::Saved& k_saved) const;
+  void qk_norm_backward_input(Tensor& dqkv, Saved& saved) const;
+  // The core's parameters over q|k|v [batch * seq, qkv_dim] (mask, window, scale, layout).
+  ops::AttentionParams core_params(const float* qkv, int64_t batch, int64_t seq) const;
 
   Linear qkv_, o_;
   Bias qkv_bias_;  // undefined: no biases
+  RmsNorm q_norm_, k_norm_;
+  bool qk_norm_ = false;
   AttentionShape shape_;
   const RopeTable* rope_ = nullptr;
   ComputeOptions options_;
+  int64_t window_ = 0;
 };
 
 }  // namespace forge::nn

@@ -196,16 +196,21 @@ struct KvBlocks {
   int64_t count() const { return data.size(); }
 };
 
-// One block of the ring: the local query half `qi` against key half `kh` of rank `source`; nullopt-like
-// false when the keys are all in the queries' future.
-bool block(const ContextSplit& split, int qi, int source, int kh, bool* causal) {
+// One block of the ring: the local query half `qi` against key half `kh` of rank `source`; false when the
+// keys are all in the queries' future or, under a sliding window, all behind every query's window.
+// *offset: how far the queries' chunk starts after the keys' (the kernel's q_offset without the causal mask).
+bool block(const ContextSplit& split, const Dims& d, int64_t window, int qi, int source, int kh, bool* causal,
+           int64_t* offset) {
   const int64_t q_chunk = split.chunk_of(qi, split.rank), k_chunk = split.chunk_of(kh, source);
   *causal = k_chunk == q_chunk;
+  *offset = (q_chunk - k_chunk) * d.chunk;
+  // The first query (position offset) sees keys after offset - window; the last key is chunk - 1.
+  if (window > 0 && *offset - window >= d.chunk - 1) return false;
   return k_chunk <= q_chunk;
 }
 
 ops::AttentionParams block_params(const Dims& d, const ops::AttentionParams& p, const float* q,
-                                  const float* k, const float* v, bool causal) {
+                                  const float* k, const float* v, bool causal, int64_t offset) {
   ops::AttentionParams a;
   a.batch = d.batch, a.seq = d.chunk, a.heads = d.heads, a.kv_heads = d.kv_heads, a.head_dim = d.head_dim;
   a.v_head_dim = d.v_dim;
@@ -214,6 +219,10 @@ ops::AttentionParams block_params(const Dims& d, const ops::AttentionParams& p, 
   a.out_stride = d.out_width();
   a.scale = p.scale;
   a.causal = causal;
+  // A window reaches back into earlier chunks: their keys are masked by position (the diagonal block's
+  // queries and keys start together; an earlier block's queries sit `offset` after its keys).
+  a.window = p.window;
+  if (!causal) a.q_offset = offset;
   return a;
 }
 
@@ -269,8 +278,10 @@ void ring_forward(comm::Communicator& cp, const ContextSplit& split, const Dims&
     for (int qi = 0; qi < 2; ++qi)
       for (int kh = 0; kh < 2; ++kh) {
         bool causal = false;
-        if (!block(split, qi, source, kh, &causal)) continue;
-        ops::AttentionParams a = block_params(d, p, q[qi].data(), current.k(kh), current.v(kh), causal);
+        int64_t offset = 0;
+        if (!block(split, d, p.window, qi, source, kh, &causal, &offset)) continue;
+        ops::AttentionParams a =
+            block_params(d, p, q[qi].data(), current.k(kh), current.v(kh), causal, offset);
         const bool first = !started[qi];
         a.out = first ? out[qi].data() : out_b.data(), a.lse = first ? lse[qi].data() : lse_b.data();
         ops::attention_forward(a, dev);
@@ -325,8 +336,10 @@ void ring_backward(comm::Communicator& cp, const ContextSplit& split, const Dims
     for (int qi = 0; qi < 2; ++qi)
       for (int kh = 0; kh < 2; ++kh) {
         bool causal = false;
-        if (!block(split, qi, source, kh, &causal)) continue;
-        ops::AttentionParams a = block_params(d, p, q[qi].data(), current.k(kh), current.v(kh), causal);
+        int64_t offset = 0;
+        if (!block(split, d, p.window, qi, source, kh, &causal, &offset)) continue;
+        ops::AttentionParams a =
+            block_params(d, p, q[qi].data(), current.k(kh), current.v(kh), causal, offset);
         a.out = out[qi].data(), a.lse = lse[qi].data();
         a.dout = dout[qi].data(), a.dout_stride = d.out_width();
         a.dq = dq_b.data(), a.dk = dk_b.data(), a.dv = dv_b.data();
@@ -454,6 +467,7 @@ struct Ulysses {
     a.out_stride = a.heads * d.v_dim;
     a.scale = p.scale;
     a.causal = true;
+    a.window = p.window;  // whole sequences in order: the window applies as it is
     return a;
   }
 };

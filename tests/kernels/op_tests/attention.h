@@ -65,6 +65,7 @@ struct Case {
   float scale_factor = 1.0f;  // scale = scale_factor / sqrt(head_dim); > 1 makes the softmax peaky
   int64_t v_head_dim = 0;     // columns of v and out per head (0 = head_dim)
   bool v_aliases_k = false;   // v = the first v_head_dim columns of each key row (MLA's absorbed decode)
+  int64_t window = 0;         // > 0: the query at position p sees keys j > p - window (sliding window)
   std::string name() const {
     std::string s = "b" + std::to_string(batch) + "_t" + std::to_string(seq) + "_h" + std::to_string(heads) +
                     "_kvh" + std::to_string(kv_heads) + "_d" + std::to_string(head_dim) +
@@ -76,6 +77,7 @@ struct Case {
     if (scale_factor != 1.0f) s += "_x" + std::to_string(static_cast<int>(scale_factor));
     if (v_head_dim) s += "_v" + std::to_string(v_head_dim);
     if (v_aliases_k) s += "_alias";
+    if (window) s += "_w" + std::to_string(window) + (kv_seq ? "" : "_at" + std::to_string(q_offset));
     return s;
   }
 };
@@ -164,6 +166,27 @@ inline const std::vector<Case> kCacheCases = {
     {1, 16, 16, 1, 576, true, false, 0, 140, 124, false, 1.0f, 512, true},  // 16 queries: the widest rows
 };
 
+// Sliding windows (CPU only: the CUDA kernels refuse a window that hides keys). Training's square attention
+// with windows shorter and longer than a CPU block, and across several blocks; a ring block of context
+// parallelism (no causal mask, queries `q_offset` after their keys, forward and backward); and the cache
+// forward (prefill tiles and decode) over a window.
+inline const std::vector<Case> kWindowCases = {
+    {1, 12, 4, 2, 8, true, true, 3, 0, 0, false, 2.0f, 0, false, 5},      // Mistral's golden shape
+    {1, 67, 1, 1, 4, true, true, 3, 0, 0, false, 2.0f, 0, false, 20},     // finite differences, two blocks
+    {2, 7, 2, 1, 16, true, true, 3, 0, 0, false, 2.0f, 0, false, 1},      // window 1: each query sees itself
+    {2, 150, 4, 2, 16, true, true, 3, 0, 0, false, 1.0f, 0, false, 40},   // three blocks, window < a block
+    {1, 200, 4, 1, 24, true, false, 5, 0, 0, false, 3.0f, 0, false, 90},  // window > a block, padded, peaky
+    {1, 130, 2, 2, 16, true, true, 3, 0, 0, false, 1.0f, 8, false, 64},   // window = a block, narrower v
+    {1, 20, 2, 1, 8, false, true, 3, 0, 20, false, 2.0f, 0, false, 25},   // ring block: finite differences
+    {1, 150, 4, 2, 16, false, true, 3, 0, 150, false, 1.0f, 0, false, 200},  // ring block over three blocks
+    {1, 16, 2, 1, 16, false, true, 0, 0, 16, false, 1.0f, 0, false, 20},  // ring block of 16: decode kernel
+};
+inline const std::vector<Case> kWindowCacheCases = {
+    {1, 40, 4, 2, 16, true, false, 3, 100, 60, false, 1.0f, 0, false, 30},  // prefill tiles onto a cache
+    {2, 1, 4, 2, 16, true, false, 3, 300, 299, true, 1.0f, 0, false, 70},   // decode step, chunks cut
+    {1, 3, 4, 4, 24, true, false, 3, 43, 40, true, 1.0f, 0, false, 2},      // three queries, window 2
+};
+
 // One problem: q, k, v live in one `inputs` array at offsets with their strides (so a fused qkv buffer and
 // separate tensors are the same code), gradients in `grads` at the same places. Padding and gaps hold random
 // values in inputs and kSentinel in the outputs (which must stay untouched). v has v_dim columns per head
@@ -241,6 +264,8 @@ struct Problem {
     p.out = out_base, p.out_stride = out_stride, p.lse = lse_base;
     p.scale = c.scale_factor / std::sqrt(static_cast<float>(c.head_dim));
     p.causal = c.causal;
+    p.window = c.window;
+    p.q_offset = c.q_offset;  // square attention: only without the causal mask (a ring block)
     if (c.kv_seq) {
       p.kv_seq = kv_seq, p.q_offset = c.q_offset;
       p.k_head_stride = c.head_major ? k_head_stride : 0;
@@ -315,19 +340,21 @@ inline Reference reference(const Problem& pr, const std::vector<double>& in, boo
     for (int64_t h = 0; h < c.heads; ++h)
       for (int64_t t = 0; t < c.seq; ++t) {
         const int64_t g = h / group, keys = c.causal ? c.q_offset + t + 1 : pr.kv_seq;
+        // The sliding window: keys before `first` are masked (every case leaves each row a key).
+        const int64_t first = c.window ? std::max<int64_t>(0, c.q_offset + t - c.window + 1) : 0;
         const double* q = &in[pr.q_at(b, t, h)];
         double m = -std::numeric_limits<double>::infinity();
-        for (int64_t j = 0; j < keys; ++j) {
+        for (int64_t j = first; j < keys; ++j) {
           const double* k = &in[pr.k_at(b, j, g)];
           double x = 0;
           for (int64_t i = 0; i < d; ++i) x += q[i] * k[i];
           s[j] = scale * x, m = std::max(m, s[j]);
         }
         double sum = 0;
-        for (int64_t j = 0; j < keys; ++j) sum += std::exp(s[j] - m);
+        for (int64_t j = first; j < keys; ++j) sum += std::exp(s[j] - m);
         r.lse[(b * c.heads + h) * c.seq + t] = m + std::log(sum);
         double* out = &r.out[pr.o_at(b, t, h)];
-        for (int64_t j = 0; j < keys; ++j) {
+        for (int64_t j = first; j < keys; ++j) {
           s[j] = std::exp(s[j] - m) / sum;  // now P
           const double* v = &in[pr.v_at(b, j, g)];
           for (int64_t i = 0; i < dv; ++i) out[i] += s[j] * v[i];
@@ -335,13 +362,13 @@ inline Reference reference(const Problem& pr, const std::vector<double>& in, boo
         if (!backward) continue;
         const float* dout = &pr.dout[pr.o_at(b, t, h)];
         double delta = 0;
-        for (int64_t j = 0; j < keys; ++j) {
+        for (int64_t j = first; j < keys; ++j) {
           const double* v = &in[pr.v_at(b, j, g)];
           dp[j] = 0;
           for (int64_t i = 0; i < dv; ++i) dp[j] += double{dout[i]} * v[i];
           delta += s[j] * dp[j];
         }
-        for (int64_t j = 0; j < keys; ++j) {
+        for (int64_t j = first; j < keys; ++j) {
           const double ds = s[j] * (dp[j] - delta);
           const double* k = &in[pr.k_at(b, j, g)];
           for (int64_t i = 0; i < dv; ++i) r.grads[pr.v_at(b, j, g) + i] += s[j] * dout[i];
@@ -566,22 +593,27 @@ TEST_P(AttentionOp, Forward) {
     check_forward(pr, "attention_forward " + c.name());
 }
 
-TEST_P(AttentionOp, Backward) {
-  const Case& c = test_case();
-  Problem pr(c, 23);
-  if (!on_cpu()) return check_backward(pr, "attention_backward " + c.name());
-  expect_matches_reference(pr, true, "attention_backward " + c.name());
+// Gradients of the scalar loss <dout, out(q, k, v)> by central differences on the double reference, against
+// the kernel's dq, dk, dv (after a backward on pr). Differences in double are exact to ~1e-10 here, so the
+// bound is the kernel's fp32 error. Small problems only.
+inline void expect_gradients_match_finite_differences(const Problem& pr) {
   if (pr.inputs.size() > 2000) return;
-  // Gradients of the scalar loss <dout, out(q, k, v)> by central differences on the double reference, against
-  // the kernel's dq, dk, dv. Differences in double are exact to ~1e-10 here, so the bound is the kernel's
-  // fp32 error.
   const std::vector<double> w = testing::to_double(pr.dout);
   const std::vector<double> numeric = testing::finite_difference(
       [&](const std::vector<double>& in) { return testing::dot(w, reference(pr, in, false).out); },
       testing::to_double(pr.inputs));
   std::vector<size_t> at = pr.q_elements();
   for (const auto& kv : {pr.k_elements(), pr.v_elements()}) at.insert(at.end(), kv.begin(), kv.end());
-  EXPECT_LT(testing::relative_error(pick<float>(pr.grads, at), pick<double>(numeric, at)), 2e-5);
+  EXPECT_LT(testing::relative_error(pick<float>(pr.grads, at), pick<double>(numeric, at)), 2e-5)
+      << pr.c.name();
+}
+
+TEST_P(AttentionOp, Backward) {
+  const Case& c = test_case();
+  Problem pr(c, 23);
+  if (!on_cpu()) return check_backward(pr, "attention_backward " + c.name());
+  expect_matches_reference(pr, true, "attention_backward " + c.name());
+  expect_gradients_match_finite_differences(pr);
 }
 
 class AttentionCacheOp : public AttentionOp {};

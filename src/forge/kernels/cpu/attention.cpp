@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "forge/kernels/cpu/attention_tiles.h"
@@ -39,7 +40,7 @@ using namespace attention_tiles;  // the tile toolkit is this file's vocabulary
 
 // Expects parameters with their defaults resolved (with_defaults).
 struct Geometry {
-  int64_t batch, seq, heads, kv_heads, head_dim, v_dim, group, blocks, kv_seq, q_offset;
+  int64_t batch, seq, heads, kv_heads, head_dim, v_dim, group, blocks, kv_seq, q_offset, window;
   explicit Geometry(const ops::AttentionParams& p)
       : batch(p.batch),
         seq(p.seq),
@@ -50,7 +51,8 @@ struct Geometry {
         group(p.heads / p.kv_heads),
         blocks((p.seq + kBlock - 1) / kBlock),
         kv_seq(p.kv_seq),
-        q_offset(p.q_offset) {}
+        q_offset(p.q_offset),
+        window(p.window) {}
   // Offset of token t of batch b, head h in a [batch, seq, heads, head_dim] view with token stride `stride`.
   int64_t at(int64_t b, int64_t t, int64_t h, int64_t stride) const {
     return (b * seq + t) * stride + h * head_dim;
@@ -59,7 +61,22 @@ struct Geometry {
   int64_t at_v(int64_t b, int64_t t, int64_t h, int64_t stride) const {
     return (b * seq + t) * stride + h * v_dim;
   }
+  // The first key the query at `position` sees (the sliding window's start).
+  int64_t first_key(int64_t position) const {
+    return window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
+  }
+  // Key blocks [begin, end) seen by queries at positions first .. last: whole kBlock blocks from the first
+  // query's window start, up to the last query (causal) or every key.
+  int64_t keys_begin(int64_t first) const { return first_key(first) / kBlock * kBlock; }
+  int64_t keys_end(bool causal, int64_t last) const { return causal ? std::min(kv_seq, last + 1) : kv_seq; }
+  // Whether a key block starting at k0 holds keys before the window of the query at `last`.
+  bool window_cuts(int64_t k0, int64_t last) const { return window > 0 && k0 <= last - window; }
 };
+
+// Scores of keys outside the sliding window of their query lane: keys key .. key + window - 1 < query.
+inline Vec outside_window(const Vec& query, int64_t key, int64_t window, const Vec& yes, const Vec& no) {
+  return select_less(splat(static_cast<float>(key + window - 1)), query, yes, no);
+}
 
 // v_head_dim, kv_seq and the k, v head and batch strides with their defaults filled in.
 ops::AttentionParams with_defaults(ops::AttentionParams p) {
@@ -69,6 +86,8 @@ ops::AttentionParams with_defaults(ops::AttentionParams p) {
   if (p.v_head_stride == 0) p.v_head_stride = p.v_head_dim;
   if (p.k_batch_stride == 0) p.k_batch_stride = std::max(p.kv_seq * p.k_stride, p.kv_heads * p.k_head_stride);
   if (p.v_batch_stride == 0) p.v_batch_stride = std::max(p.kv_seq * p.v_stride, p.kv_heads * p.v_head_stride);
+  // A window as long as the last query's position + 1 hides no key (and positions stay below 2^24 as floats).
+  if (p.window >= p.q_offset + p.seq) p.window = 0;
   return p;
 }
 
@@ -80,6 +99,7 @@ bool supports(const ops::AttentionParams& p, bool backward, std::string* reason)
   if (p.heads % p.kv_heads != 0)
     return refuse(reason, "attention: heads {} not a multiple of kv_heads {}", p.heads, p.kv_heads);
   if (p.v_head_dim < 0) return refuse(reason, "attention: negative v_head_dim {}", p.v_head_dim);
+  if (p.window < 0) return refuse(reason, "attention: negative window {}", p.window);
   const int64_t v_dim = p.v_head_dim == 0 ? p.head_dim : p.v_head_dim;
   if (!(p.kv_seq >= 0 && p.q_offset >= 0 && p.k_batch_stride >= 0 && p.v_batch_stride >= 0 &&
         p.k_head_stride >= 0 && p.v_head_stride >= 0))
@@ -116,12 +136,13 @@ bool supports(const ops::AttentionParams& p, bool backward, std::string* reason)
     return refuse(reason, "attention: batch strides {} / {} overlap sequences of {} keys", p.k_batch_stride,
                   p.v_batch_stride, kv_seq);
   if (!backward) return true;
-  if (!(kv_seq == p.seq && p.q_offset == 0 && k_head == p.head_dim && v_head == v_dim &&
+  if (!(kv_seq == p.seq && (p.q_offset == 0 || !p.causal) && k_head == p.head_dim && v_head == v_dim &&
         (p.k_batch_stride == 0 || p.k_batch_stride == p.seq * p.k_stride) &&
         (p.v_batch_stride == 0 || p.v_batch_stride == p.seq * p.v_stride)))
-    return refuse(reason,
-                  "attention backward: only square attention (no kv_seq, q_offset, head or batch strides) is "
-                  "supported");
+    return refuse(
+        reason,
+        "attention backward: only square attention (no kv_seq, head or batch strides; q_offset only "
+        "without the causal mask) is supported");
   if (!(p.dout && p.dq && p.dk && p.dv))
     return refuse(reason, "attention backward: dout, dq, dk and dv must be set");
   if (!(p.dout_stride >= out_width && p.dq_stride >= q_width))
@@ -166,42 +187,48 @@ void forward_block(const ops::AttentionParams& p, const Geometry& g, const Item&
 
   // Queries of this block sit at key positions q_offset + q0 + i.
   const int64_t first_query = g.q_offset + q0;
+  const int64_t last_query = first_query + nq - 1;
   const LaneIndex query(first_query);
   Vec m[kVectors], l[kVectors];
   for (int i = 0; i < kVectors; ++i) m[i] = splat(-kInfinity), l[i] = splat(0.0f);
-  const int64_t key_end = p.causal ? first_query + nq : g.kv_seq;
-  for (int64_t k0 = 0; k0 < key_end; k0 += kBlock) {
+  const int64_t key_begin = g.keys_begin(first_query), key_end = g.keys_end(p.causal, last_query);
+  // Without the causal mask a window may leave a block of queries no key at all (a ring block).
+  if (key_begin >= key_end) std::fill(ot, ot + v_dim * kBlock, 0.0f);
+  for (int64_t k0 = key_begin; k0 < key_end; k0 += kBlock) {
     const int64_t nk = std::min<int64_t>(kBlock, key_end - k0);
     const float* kr = stage.rows(it.pair, 0, k, p.k_stride, k0, nk);
     const float* vr = stage.rows(it.pair, 1, v, p.v_stride, k0, nk);
     tile_gemm<true, Init::zero>(nk, kr, dim, dim, qt, st);
     // Online softmax per query lane: running max m and sum l, the old output rescaled by alpha.
-    const bool masked = p.causal && k0 + nk - 1 > first_query;
+    const bool masked = p.causal && k0 + nk - 1 > first_query, cut = g.window_cuts(k0, last_query);
     Vec m_new[kVectors];
     for (int i = 0; i < kVectors; ++i) m_new[i] = m[i];
     for (int64_t j = 0; j < nk; ++j) {
       const Vec key = splat(static_cast<float>(k0 + j));
       for (int i = 0; i < kVectors; ++i) {
         Vec s = load(st + j * kBlock + i * kLanes);
-        if (masked) {
-          s = select_less(query.v[i], key, splat(-kInfinity), s);
-          store(st + j * kBlock + i * kLanes, s);
-        }
+        if (masked) s = select_less(query.v[i], key, splat(-kInfinity), s);
+        if (cut) s = outside_window(query.v[i], k0 + j, g.window, splat(-kInfinity), s);
+        if (masked || cut) store(st + j * kBlock + i * kLanes, s);
         m_new[i] = max(m_new[i], s);
       }
     }
-    Vec alpha[kVectors], sum[kVectors];
-    for (int i = 0; i < kVectors; ++i)
-      alpha[i] = pow2(sub(m[i], m_new[i])), m[i] = m_new[i], sum[i] = splat(0.0f);
+    // A lane that has seen no key yet (a window starting after this block's first keys) keeps m = -inf;
+    // its exponentials are taken against 0 instead, so that they come out 0 rather than NaN.
+    Vec alpha[kVectors], sum[kVectors], base[kVectors];
+    for (int i = 0; i < kVectors; ++i) {
+      base[i] = select_less(m_new[i], splat(-std::numeric_limits<float>::max()), splat(0.0f), m_new[i]);
+      alpha[i] = pow2(sub(m[i], base[i])), m[i] = m_new[i], sum[i] = splat(0.0f);
+    }
     for (int64_t j = 0; j < nk; ++j)
       for (int i = 0; i < kVectors; ++i) {
-        Vec e = pow2(sub(load(st + j * kBlock + i * kLanes), m[i]));
+        Vec e = pow2(sub(load(st + j * kBlock + i * kLanes), base[i]));
         store(st + j * kBlock + i * kLanes, e);
         sum[i] = add(sum[i], e);
       }
     for (int i = 0; i < kVectors; ++i) l[i] = fmadd(l[i], alpha[i], sum[i]);
     // ot[d, i] = alpha_i ot[d, i] + sum_j v[j, d] st[j, i]
-    if (k0 == 0)
+    if (k0 == key_begin)
       tile_gemm<false, Init::zero>(v_dim, vr, v_dim, nk, st, ot);
     else
       tile_gemm<false, Init::scaled>(v_dim, vr, v_dim, nk, st, ot, alpha);
@@ -209,7 +236,7 @@ void forward_block(const ops::AttentionParams& p, const Geometry& g, const Item&
 
   float m_lanes[kBlock], l_lanes[kBlock], inverse_l[kBlock];
   for (int i = 0; i < kVectors; ++i) store(m_lanes + i * kLanes, m[i]), store(l_lanes + i * kLanes, l[i]);
-  for (int64_t i = 0; i < nq; ++i) inverse_l[i] = 1.0f / l_lanes[i];
+  for (int64_t i = 0; i < nq; ++i) inverse_l[i] = l_lanes[i] > 0.0f ? 1.0f / l_lanes[i] : 0.0f;  // no key: 0
   if (p.lse) {
     float* lse = p.lse + (b * g.heads + h) * g.seq + q0;
     for (int64_t i = 0; i < nq; ++i) lse[i] = (m_lanes[i] + std::log2(l_lanes[i])) * kLn2;
@@ -278,8 +305,10 @@ void backward_key_block(const ops::AttentionParams& p, const Geometry& g, const 
     const int64_t h = kvh * g.group + member;
     const float* q = p.q + g.at(b, 0, h, p.q_stride);
     const float* dout = p.dout + g.at_v(b, 0, h, p.dout_stride);
-    // Under the causal mask queries before k0 see none of these keys.
-    for (int64_t q0 = p.causal ? k0 : 0; q0 < g.seq; q0 += kBlock) {
+    // Under the causal mask queries before k0 see none of these keys; under a window neither do queries at
+    // or past k0 + nk - 1 + window.
+    const int64_t q_end = g.window > 0 ? std::min(g.seq, k0 + nk - 1 + g.window - g.q_offset) : g.seq;
+    for (int64_t q0 = p.causal ? k0 : 0; q0 < q_end; q0 += kBlock) {
       const int64_t nq = std::min<int64_t>(kBlock, g.seq - q0);
       const float* qr = stage.rows(it.pair, 2 * member, q, p.q_stride, q0, nq, q_factor);
       const float* dor = stage.rows(it.pair, 2 * member + 1, dout, p.dout_stride, q0, nq);
@@ -289,13 +318,17 @@ void backward_key_block(const ops::AttentionParams& p, const Geometry& g, const 
       tile_gemm<true, Init::zero>(nq, dor, v_dim, v_dim, vt, dst);  // dP = dout v^T
       // Zero the keys after the query (causal) and the padding lanes past the sequence, so that those
       // lanes of dK^T, dV^T stay finite.
-      const bool masked = (p.causal && k0 + kBlock - 1 > q0) || k0 + kBlock > g.seq;
+      const int64_t first_query = g.q_offset + q0;
+      const bool cut = g.window_cuts(k0, first_query + nq - 1);
+      const bool masked = (p.causal && k0 + kBlock - 1 > q0) || k0 + kBlock > g.seq || cut;
       for (int64_t i = 0; i < nq; ++i) {
         const Vec last_key = splat(static_cast<float>(p.causal ? q0 + i : g.seq - 1));
+        const Vec first_key = splat(static_cast<float>(g.first_key(first_query + i)));
         const Vec row_lse = splat(lse[i] * kLog2e), row_d = splat(row_delta[i]);
         for (int v = 0; v < kVectors; ++v) {
           Vec prob = pow2(sub(load(pt + i * kBlock + v * kLanes), row_lse));
           if (masked) prob = select_less(last_key, key.v[v], splat(0.0f), prob);
+          if (cut) prob = select_less(key.v[v], first_key, splat(0.0f), prob);
           store(pt + i * kBlock + v * kLanes, prob);
           store(dst + i * kBlock + v * kLanes, mul(prob, sub(load(dst + i * kBlock + v * kLanes), row_d)));
         }
@@ -359,26 +392,29 @@ void backward_query_block(const ops::AttentionParams& p, const Geometry& g, cons
   const float* k = p.k + g.at(b, 0, it.kv_head, p.k_stride);
   const float* v = p.v + g.at_v(b, 0, it.kv_head, p.v_stride);
 
-  const LaneIndex query(q0);
-  const int64_t key_end = p.causal ? q0 + nq : g.seq;
-  for (int64_t k0 = 0; k0 < key_end; k0 += kBlock) {
+  const int64_t first_query = g.q_offset + q0, last_query = first_query + nq - 1;
+  const LaneIndex query(first_query);
+  const int64_t key_begin = g.keys_begin(first_query), key_end = g.keys_end(p.causal, last_query);
+  if (key_begin >= key_end) std::fill(dqt, dqt + dim * kBlock, 0.0f);  // no key seen: dQ = 0
+  for (int64_t k0 = key_begin; k0 < key_end; k0 += kBlock) {
     const int64_t nk = std::min<int64_t>(kBlock, key_end - k0);
     const float* kr = stage.rows(it.pair, 0, k, p.k_stride, k0, nk);
     const float* vr = stage.rows(it.pair, 1, v, p.v_stride, k0, nk);
     tile_gemm<true, Init::zero>(nk, kr, dim, dim, qt, st);
     tile_gemm<true, Init::zero>(nk, vr, v_dim, v_dim, dot, dst);
-    const bool masked = p.causal && k0 + nk - 1 > q0;
+    const bool masked = p.causal && k0 + nk - 1 > first_query, cut = g.window_cuts(k0, last_query);
     for (int64_t j = 0; j < nk; ++j) {
       const Vec key = splat(static_cast<float>(k0 + j));
       for (int i = 0; i < kVectors; ++i) {
         Vec prob = pow2(sub(load(st + j * kBlock + i * kLanes), lse_lanes[i]));
         if (masked) prob = select_less(query.v[i], key, splat(0.0f), prob);
+        if (cut) prob = outside_window(query.v[i], k0 + j, g.window, splat(0.0f), prob);
         store(dst + j * kBlock + i * kLanes,
               mul(prob, sub(load(dst + j * kBlock + i * kLanes), delta_lanes[i])));
       }
     }
     // dQ^T[d, i] += sum_j k[j, d] dS[j, i]
-    if (k0 == 0)
+    if (k0 == key_begin)
       tile_gemm<false, Init::zero>(dim, kr, dim, nk, dst, dqt);
     else
       tile_gemm<false, Init::accumulate>(dim, kr, dim, nk, dst, dqt);

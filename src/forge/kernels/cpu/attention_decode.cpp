@@ -56,6 +56,10 @@ struct DecodeGeometry {
   int64_t last_key(const ops::AttentionParams& p, int64_t row) const {
     return p.causal ? q_offset + row % seq : kv_seq - 1;
   }
+  // The first key it sees (its sliding window's start).
+  int64_t first_key(const ops::AttentionParams& p, int64_t row) const {
+    return p.window > 0 ? std::max<int64_t>(0, q_offset + row % seq - p.window + 1) : 0;
+  }
   int64_t scratch_floats() const {
     return rows * dim_padded + rows * kBlock + kBlock * dim_padded + kBlock * v_dim_padded;
   }
@@ -157,9 +161,12 @@ void decode_chunk(const ops::AttentionParams& p, const DecodeGeometry& g, int64_
       for (int64_t r = 0; r < g.rows; ++r) st[r * kBlock + j] = dot(qs + r * width, key, width);
     }
     for (int64_t r = 0; r < g.rows; ++r) {
-      const int64_t visible = std::min(nk, g.last_key(p, r) - k0 + 1);  // keys k0 .. k0 + visible - 1
-      if (visible <= 0) continue;
+      // Keys k0 + hidden .. k0 + visible - 1 of this block are the row's.
+      const int64_t visible = std::min(nk, g.last_key(p, r) - k0 + 1);
+      const int64_t hidden = std::max<int64_t>(0, g.first_key(p, r) - k0);
+      if (visible <= hidden) continue;
       float* s = st + r * kBlock;
+      std::fill(s, s + hidden, -kInfinity);
       std::fill(s + visible, s + kBlock, -kInfinity);
       Vec row_max = load(s);
       for (int i = 1; i < kVectors; ++i) row_max = max(row_max, load(s + i * kLanes));
@@ -198,7 +205,7 @@ void combine_pair(const ops::AttentionParams& p, const DecodeGeometry& g, int64_
       const float* a = acc + row * g.v_dim_padded;
       for (int64_t d = 0; d < v_dim; ++d) out[d] += a[d] * weight;
     }
-    const float inverse = 1.0f / total;
+    const float inverse = total > 0.0f ? 1.0f / total : 0.0f;  // a row that sees no key (a ring block): 0
     for (int64_t d = 0; d < v_dim; ++d) out[d] *= inverse;
     if (p.lse) p.lse[(b * g.heads + h) * g.seq + t] = (row_max + std::log2(total)) * kLn2;
   }

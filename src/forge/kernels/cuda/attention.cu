@@ -72,6 +72,12 @@ bool supports(const ops::AttentionParams& p, bool backward, std::string* reason)
     return refuse(reason,
                   "attention: heads " + str(p.heads) + " not a multiple of kv_heads " + str(p.kv_heads));
   if (p.v_head_dim < 0) return refuse(reason, "attention: negative v_head_dim " + str(p.v_head_dim));
+  if (p.window < 0) return refuse(reason, "attention: negative window " + str(p.window));
+  // The CUDA kernels mask causally only: a window that hides keys is refused rather than computed over them
+  // all (one as long as the sequence hides none).
+  if (p.window > 0 && p.window < p.q_offset + p.seq)
+    return refuse(reason, "attention: a sliding window (window " + str(p.window) +
+                              ") is not implemented by the CUDA attention kernels; run on the CPU");
   const int64_t v_dim = p.v_head_dim == 0 ? p.head_dim : p.v_head_dim;
   if (!(p.kv_seq >= 0 && p.q_offset >= 0 && p.k_batch_stride >= 0 && p.v_batch_stride >= 0 &&
         p.k_head_stride >= 0 && p.v_head_stride >= 0))

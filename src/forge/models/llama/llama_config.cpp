@@ -150,8 +150,8 @@ long double wide_parameter_count(const LlamaConfig& c) {
   const long double h = c.hidden_size, v = c.vocab_size, layers = c.num_hidden_layers;
   const long double q = static_cast<long double>(c.num_attention_heads) * c.head_dim;
   const long double kv = static_cast<long double>(c.num_key_value_heads) * c.head_dim;
-  const long double per_layer =
-      2 * h * q + 2 * h * kv + 3 * h * c.intermediate_size + 2 * h + (c.qkv_bias ? q + 2 * kv : 0);
+  const long double per_layer = 2 * h * q + 2 * h * kv + 3 * h * c.intermediate_size + 2 * h +
+                                (c.qkv_bias ? q + 2 * kv : 0) + (c.qk_norm ? 2.0L * c.head_dim : 0);
   return v * h * (c.tie_word_embeddings ? 1 : 2) + layers * per_layer + h;
 }
 
@@ -213,6 +213,22 @@ LlamaConfig LlamaConfig::from_json(const json& input, std::string_view source) {
   return c;
 }
 
+LlamaConfig LlamaConfig::from_family_json(const json& j, std::string_view source, std::string_view model_type,
+                                          const std::vector<std::string_view>& own_keys,
+                                          const json& defaults) {
+  if (!j.is_object()) fail("{}: expected a JSON object at the top level, got {}", source, j.type_name());
+  if (auto t = read_string(j, "model_type", source); t && *t != model_type)
+    fail("{}: key 'model_type' is \"{}\", not \"{}\"", source, *t, model_type);
+  json llama = json::object();
+  for (const auto& [key, value] : j.items())
+    if (key != "model_type" && key != "architectures" &&
+        std::find(own_keys.begin(), own_keys.end(), key) == own_keys.end())
+      llama[key] = value;
+  for (const auto& [key, value] : defaults.items())
+    if (!llama.contains(key) || llama[key].is_null()) llama[key] = value;
+  return from_json(llama, source);
+}
+
 void LlamaConfig::validate(std::string_view source) const {
   require_positive(hidden_size, "hidden_size", source);
   require_positive(intermediate_size, "intermediate_size", source);
@@ -231,6 +247,8 @@ void LlamaConfig::validate(std::string_view source) const {
   if (head_dim % 2 != 0)
     fail("{}: key 'head_dim' must be even for rotary embeddings, got {}", source, head_dim);
   require_positive_finite(rms_norm_eps, "rms_norm_eps", source);
+  if (attention_window < 0)
+    fail("{}: key 'sliding_window' must be positive or null, got {}", source, attention_window);
   require_positive_finite(rope_theta, "rope_theta", source);
   if (rope_scaling.kind == RopeScaling::Kind::llama3) {
     require_positive_finite(rope_scaling.factor, "rope_scaling.factor", source);
@@ -280,6 +298,16 @@ json LlamaConfig::to_json() const {
   return j;
 }
 
+json LlamaConfig::family_json(std::string_view architecture, std::string_view model_type) const {
+  json j = LlamaConfig::to_json();  // not the family's override, which calls this
+  j["architectures"] = json::array({architecture});
+  j["model_type"] = model_type;
+  j.erase("attention_bias");
+  j.erase("mlp_bias");
+  j["attention_dropout"] = 0.0;
+  return j;
+}
+
 int64_t LlamaConfig::matmul_parameters_per_layer() const {
   const int64_t attention = hidden_size * q_size() + 2 * hidden_size * kv_size() + q_size() * hidden_size;
   const int64_t mlp = 3 * hidden_size * intermediate_size;
@@ -288,7 +316,7 @@ int64_t LlamaConfig::matmul_parameters_per_layer() const {
 
 int64_t LlamaConfig::num_parameters() const {
   const int64_t embedding = vocab_size * hidden_size;
-  // + two RMSNorm weights (and the q, k, v biases of a Qwen2)
+  // + two RMSNorm weights (and the q, k, v biases of a Qwen2, the QK-norm weights of a Qwen3)
   const int64_t per_layer = matmul_parameters_per_layer() + 2 * hidden_size + bias_parameters_per_layer();
   const int64_t lm_head = tie_word_embeddings ? 0 : vocab_size * hidden_size;
   return embedding + num_hidden_layers * per_layer + hidden_size + lm_head;
@@ -351,6 +379,10 @@ std::vector<std::pair<std::string, Shape>> LlamaConfig::tensor_shapes() const {
       shapes.push_back({p + "self_attn.v_proj.bias", {kv_size()}});
     }
     shapes.push_back({p + "self_attn.o_proj.weight", {h, q_size()}});
+    if (qk_norm) {
+      shapes.push_back({p + "self_attn.q_norm.weight", {head_dim}});
+      shapes.push_back({p + "self_attn.k_norm.weight", {head_dim}});
+    }
     shapes.push_back({p + "post_attention_layernorm.weight", {h}});
     shapes.push_back({p + "mlp.gate_proj.weight", {ffn, h}});
     shapes.push_back({p + "mlp.up_proj.weight", {ffn, h}});

@@ -11,6 +11,7 @@
 #include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "forge/kernels/rope_tables.h"
 #include "forge/models/model.h"
@@ -33,6 +34,12 @@ struct LlamaConfig : ModelConfig {
   // Biases on the q, k and v projections: never in a LLaMA (attention_bias must be false), always in a Qwen2
   // (models/qwen2/, whose config derives from this one).
   bool qkv_bias = false;
+  // QK-norm (Qwen3, models/qwen3/): an RMSNorm over head_dim on every q and k head before RoPE, with weights
+  // self_attn.{q,k}_norm.weight [head_dim]. Never in a LLaMA.
+  bool qk_norm = false;
+  // Sliding-window attention (Mistral, models/mistral/): > 0, each query sees the `sliding_window` latest
+  // keys, itself included (its config.json key sliding_window); 0 = all earlier keys (every LLaMA).
+  int64_t attention_window = 0;
   // Where the config was read from (the config.json path; from_json's source_name), for messages. Not part
   // of the architecture: == ignores it.
   struct Origin {
@@ -53,11 +60,23 @@ struct LlamaConfig : ModelConfig {
   // Errors are forge::Error with one line "<path>: <what> '<key>'".
   static LlamaConfig from_json_file(const std::filesystem::path& path);
   static LlamaConfig from_json(const nlohmann::json& json, std::string_view source_name);
+  // A LLaMA-family config.json (Qwen2, Qwen3, Mistral) read as a LLaMA's: model_type must be `model_type`
+  // when given; the family's own keys (`own_keys`, which the family reads itself) and `architectures` are
+  // left out; `defaults` (a JSON object) fills the keys the file leaves out or sets to null; the rest is read
+  // strictly by from_json.
+  static LlamaConfig from_family_json(const nlohmann::json& json, std::string_view source_name,
+                                      std::string_view model_type,
+                                      const std::vector<std::string_view>& own_keys,
+                                      const nlohmann::json& defaults);
   // HF-compatible: from_json(to_json()) round-trips, and transformers can read it as LlamaForCausalLM.
   nlohmann::json to_json() const override;
   // Checks sizes (each within the bounds of llama_config.cpp, and the parameter count within 2^50, so that
   // no size or product wraps) and divisibility; from_json calls it. Messages start with source_name.
   void validate(std::string_view source_name) const;
+
+  // to_json() under a family's name (Qwen2, Qwen3, Mistral): `architectures` and `model_type` set, LLaMA's
+  // bias keys left out, attention_dropout 0; the family adds its own keys.
+  nlohmann::json family_json(std::string_view architecture, std::string_view model_type) const;
 
   // Host bytes a model of this config holds before its first step: fp32 weights, a bf16 copy of them with
   // bf16_shadow, with `training` fp32 gradients and AdamW's two fp32 moments, and the rotary tables.
@@ -73,8 +92,10 @@ struct LlamaConfig : ModelConfig {
   int64_t kv_size() const { return num_key_value_heads * head_dim; }
   // Weights of the q, k, v, o and gate, up, down projections of one layer.
   int64_t matmul_parameters_per_layer() const;
-  // The q, k and v biases of one layer (0 without them).
-  int64_t bias_parameters_per_layer() const { return qkv_bias ? q_size() + 2 * kv_size() : 0; }
+  // The q, k and v biases and the QK-norm weights of one layer (0 without them).
+  int64_t bias_parameters_per_layer() const {
+    return (qkv_bias ? q_size() + 2 * kv_size() : 0) + (qk_norm ? 2 * head_dim : 0);
+  }
   // All trainable parameters (embedding, layers with their norms, final norm, lm_head unless tied).
   int64_t num_parameters() const override;
   // Model FLOPs per trained token (forward + backward), Megatron's accounting:

@@ -13,7 +13,11 @@ DecoderSpec llama_spec(const LlamaConfig& config) {
   s.ffn = config.intermediate_size;
   s.heads = config.num_attention_heads, s.kv_heads = config.num_key_value_heads, s.head_dim = config.head_dim;
   s.layer_specs.assign(static_cast<size_t>(config.num_hidden_layers), LayerSpec{});
-  for (LayerSpec& layer : s.layer_specs) layer.qkv_bias = config.qkv_bias;
+  for (LayerSpec& layer : s.layer_specs) {
+    layer.qkv_bias = config.qkv_bias;
+    layer.qk_norm = config.qk_norm;
+    layer.window = config.attention_window;
+  }
   s.rope.positions = config.max_position_embeddings;
   s.rope.half_dim = config.head_dim / 2;
   s.rope.cos = Tensor::empty({s.rope.positions, s.rope.half_dim}, DType::f32);

@@ -31,6 +31,11 @@ struct Qwen2Config final : LlamaConfig {
   static Qwen2Config from_json(const nlohmann::json& json, std::string_view source_name);
 };
 
+// Refuses, in one line naming the key, a config.json whose use_sliding_window is true or whose layer_types
+// holds anything but "full_attention" (Qwen2 and Qwen3 configs carry these keys).
+void require_full_attention(const nlohmann::json& json, std::string_view source_name,
+                            std::string_view family);
+
 // The registry's entry for Qwen2ForCausalLM.
 ModelFamily qwen2_family();
 

@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""Golden fixtures for forge's Qwen3 and Mistral from Hugging Face transformers' own Qwen3ForCausalLM and
+MistralForCausalLM (not twins).
+
+    OMP_NUM_THREADS=1 /tmp/venv/bin/python tests/reference/families_golden.py           # every fixture
+    OMP_NUM_THREADS=1 /tmp/venv/bin/python tests/reference/families_golden.py --check   # fp32 vs float64
+
+The procedure, the file format and the AdamW run are qwen2_golden.py's (and so llama_twin.py's), whose
+generate() and check() this script calls with each family's model, config keys and notes. What each family
+adds shows in its fixtures:
+
+- Qwen3: QK-norm (`self_attn.q_norm.weight`, `k_norm.weight`, an RMSNorm over head_dim applied per head to
+  q and k before RoPE; initialised 1 + 0.1 * normal like every 1-D weight), no biases, and a head_dim (12)
+  that is not hidden_size / num_attention_heads (8).
+- Mistral: `sliding_window` 5 against sequences of 12 and 16 (a query at position i sees keys j with
+  i - 5 < j <= i, transformers' masking_utils.sliding_window_overlay), and one config without a window.
+
+`--check` also reports how much the family's own option moves the float64 logits (QK-norm weights set to
+one, resp. the window removed): it must matter.
+"""
+
+import os
+import sys
+
+import torch
+from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import qwen2_golden  # noqa: E402  (the procedure: generate, check, AdamW run, file format)
+from qwen2_golden import load, logits_of  # noqa: E402
+
+COMMON = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=88,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    hidden_act="silu",
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    attention_dropout=0.0,
+)
+
+BASE_KEYS = [
+    "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "hidden_act", "max_position_embeddings", "rms_norm_eps",
+    "rope_theta", "tie_word_embeddings", "attention_dropout",
+]
+
+
+def builder(config_class, model_class):
+    """build(model, dtype): the HF model of the config dict `model`, eager attention, as qwen2_golden's."""
+    def build(model, dtype=torch.float32):
+        config = config_class(architectures=[model_class.__name__], attn_implementation="eager", **model)
+        torch.manual_seed(0)  # transformers' own init draws from the global generator; overwritten anyway
+        net = model_class(config).to(dtype)
+        net.eval()
+        assert net.config._attn_implementation == "eager", net.config._attn_implementation
+        if model["tie_word_embeddings"]:
+            assert net.lm_head.weight is net.model.embed_tokens.weight
+        return net
+    return build
+
+
+def config_writer(keys):
+    """The architecture keys of config.to_dict(), as save_pretrained would write them."""
+    def config_json(config):
+        full = config.to_dict()
+        out = {}
+        for key in BASE_KEYS + keys:
+            if key in full:
+                out[key] = full[key]
+            elif key == "rope_theta":  # transformers 5 keeps it inside rope_parameters
+                out[key] = full["rope_parameters"]["rope_theta"]
+            else:
+                raise KeyError(f"to_dict() has no {key!r}")
+        return out
+    return config_json
+
+
+def qk_norm_effect(spec, initial, input_ids, ref, ref_logits):
+    """How far the float64 logits move with the QK-norm weights at one."""
+    ones = {n: (torch.ones_like(t) if "self_attn" in n and "_norm." in n else t) for n, t in initial.items()}
+    load(ref, ones)
+    with torch.no_grad():
+        return float((logits_of(ref, input_ids) - ref_logits).abs().max())
+
+
+def window_effect(spec, initial, input_ids, ref, ref_logits):
+    """How far the float64 logits move without the window (None: the config has none)."""
+    if spec["model"]["sliding_window"] is None:
+        return None
+    net = MISTRAL["build"](dict(spec["model"], sliding_window=None), torch.float64)
+    load(net, initial)
+    with torch.no_grad():
+        return float((logits_of(net, input_ids) - ref_logits).abs().max())
+
+
+NOTES = dict(
+    weight_decay_applies_to="2-D weights (matrices, embeddings); 1-D weights (norms, QK-norms) get 0",
+    init="matrices normal(0, 0.02); 1-D weights 1 + 0.1*normal",
+    generator="tests/reference/families_golden.py",
+)
+QWEN3 = dict(
+    NOTES,
+    build=builder(Qwen3Config, Qwen3ForCausalLM),
+    config_json=config_writer(["attention_bias", "head_dim", "use_sliding_window", "sliding_window",
+                               "max_window_layers"]),
+    option="QK-norm",
+    option_effect=qk_norm_effect,
+    model_class="transformers.Qwen3ForCausalLM (attn_implementation=eager, float32)",
+)
+MISTRAL = dict(
+    NOTES,
+    build=builder(MistralConfig, MistralForCausalLM),
+    config_json=config_writer(["head_dim", "sliding_window"]),
+    option="the window",
+    option_effect=window_effect,
+    model_class="transformers.MistralForCausalLM (attn_implementation=eager, float32)",
+)
+
+# Seeds: the first small ones whose AdamW run is well conditioned (qwen2_golden's float64 replay).
+CONFIGS = {
+    "qwen3_tiny": (QWEN3, dict(model=dict(COMMON, head_dim=12, rope_theta=10000.0, attention_bias=False,
+                                          use_sliding_window=False), batch=2, seq=12, seed=1)),
+    "qwen3_tiny_tied": (QWEN3, dict(model=dict(COMMON, head_dim=8, num_key_value_heads=1, tie_word_embeddings=True,
+                                               rope_theta=1e6, attention_bias=False, use_sliding_window=False),
+                                    batch=2, seq=16, seed=1)),
+    "mistral_tiny_window": (MISTRAL, dict(model=dict(COMMON, sliding_window=5, rope_theta=10000.0), batch=2,
+                                          seq=12, seed=3)),
+    "mistral_tiny": (MISTRAL, dict(model=dict(COMMON, num_key_value_heads=1, head_dim=12, sliding_window=None,
+                                              rope_theta=1e6), batch=2, seq=16, seed=6)),
+}
+
+
+def main():
+    assert sys.byteorder == "little", "safetensors data is little-endian"
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    args = sys.argv[1:]
+    if args[:1] == ["--check"]:
+        results = [qwen2_golden.check(name, CONFIGS[name][1], CONFIGS[name][0]) for name in (args[1:] or CONFIGS)]
+        sys.exit(0 if all(results) else 1)
+    for name in args or CONFIGS:
+        family, spec = CONFIGS[name]
+        qwen2_golden.generate(name, spec, family)
+
+
+if __name__ == "__main__":
+    main()
