@@ -221,8 +221,9 @@ ops::AttentionParams block_params(const Dims& d, const ops::AttentionParams& p, 
   a.causal = causal;
   // A window reaches back into earlier chunks: their keys are masked by position (the diagonal block's
   // queries and keys start together; an earlier block's queries sit `offset` after its keys).
+  // (Without a window the offset changes nothing, and is left out: the GPU kernels take square blocks only.)
   a.window = p.window;
-  if (!causal) a.q_offset = offset;
+  if (!causal && p.window > 0) a.q_offset = offset;
   return a;
 }
 

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <span>
@@ -48,6 +49,8 @@ class EmulatedTransfer final : public comm::Work {
   // completes with its whole group (complete()), as a NCCL group's operations share one event.
   bool advance();
   void complete() { done_ = true; }
+  // Its message lands in the staging buffer only (the destination may be gone: an exception unwound it).
+  void abandon() { device_ = nullptr; }
 
  private:
   EmulatedDeviceCommunicator* owner_;
@@ -128,6 +131,14 @@ class EmulatedDeviceCommunicator final : public comm::Communicator {
 
   // Transfers nobody waited for still own their peers' messages: finished, as NCCL's destroy would wait.
   ~EmulatedDeviceCommunicator() override {
+    // While an exception unwinds, the destinations of receives nobody waited for may be freed already (the
+    // activations of the step that threw): every communicator's pending receives are abandoned first.
+    if (std::uncaught_exceptions() > 0)
+      for (EmulatedDeviceCommunicator* c : live()) {
+        for (const auto& t : c->posted_) t->abandon();
+        for (const auto& group : c->launched_)
+          for (const auto& t : group) t->abandon();
+      }
     drain("destroyed");
     std::erase(live(), this);
   }

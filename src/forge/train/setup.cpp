@@ -65,7 +65,6 @@ TrainSetup::TrainSetup(const TrainConfig& c, comm::Communicator& world_)
   dp = layout.dp(), dp_rank = layout.coordinate(parallel::Dim::dp), cp = layout.cp();
   seq = c.data.seq_len, micro = c.train.micro_batch, accum = c.train.grad_accum;
   device = c.train.device;
-  check_step_fits();
   open_devices();
   data = open_training_data(c, model_config.get());
   if (data->has_images() && layout.cp() > 1)
@@ -85,7 +84,8 @@ TrainSetup::TrainSetup(const TrainConfig& c, comm::Communicator& world_)
         model_source, vocab, codec.vocab_size(), codec.description(), codec.vocab_size(), vocab);
   make_compute_options();
   make_pipeline();
-  build_chunks();
+  build_chunks();  // refuses a model larger than memory, before the step's own check
+  check_step_fits();
   model->initialize(c.model.seed);
   if (init_source) load_pretrained_weights(*init_source, model->params());
 
