@@ -126,6 +126,36 @@ TEST(EmulatedDevice, CheckOnlyRunsNothingAndCommitsNothing) {
   EXPECT_EQ(EmulatedDevice::live_allocations(), 0);
 }
 
+// What a dry run's host needs to go on is the dry device's answer: the expert sort's offsets route as a
+// perfectly balanced router would (10 tokens x top-2 over 3 experts: 7, 7, 6 rows; a capacity of 6 caps them;
+// padded to it they all take 6), while its counts and every other read-back stay zeros; a write or a free
+// ends the answer.
+TEST(EmulatedDevice, CheckOnlyAnswersBalancedExpertOffsets) {
+  EmulatedDevice emulation(EmulatedDevice::Mode::check_only);
+  auto offsets_of = [](int64_t capacity, bool pad) {
+    Tensor ids = Tensor::empty({20}, DType::i32, Device::cuda),
+           row_of = Tensor::empty({20}, DType::i32, Device::cuda);
+    Tensor offsets = Tensor::empty({4}, DType::i64, Device::cuda),
+           counts = Tensor::empty({3}, DType::i64, Device::cuda);
+    ops::MoeSortParams q;
+    q.tokens = 10, q.top_k = 2, q.experts = 3, q.capacity = capacity, q.pad_to_capacity = pad;
+    Tensor source = Tensor::empty({ops::moe_sorted_rows_bound(q)}, DType::i32, Device::cuda);
+    q.expert_ids = ids.i32(), q.row_of = row_of.i32(), q.source = source.i32();
+    q.offsets = offsets.data<int64_t>(), q.counts = counts.data<int64_t>();
+    ops::moe_sort_by_expert(q, Device::cuda);
+    const Tensor host = offsets.to(Device::cpu), host_counts = counts.to(Device::cpu);
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(host_counts.data<int64_t>()[i], 0);
+    std::vector<int64_t> out(host.data<int64_t>(), host.data<int64_t>() + 4);
+    offsets.fill_zero();  // written: the answer is gone
+    EXPECT_EQ(offsets.to(Device::cpu).data<int64_t>()[3], 0);
+    return out;
+  };
+  EXPECT_EQ(offsets_of(0, false), (std::vector<int64_t>{0, 7, 14, 20}));
+  EXPECT_EQ(offsets_of(6, false), (std::vector<int64_t>{0, 6, 12, 18}));
+  EXPECT_EQ(offsets_of(8, true), (std::vector<int64_t>{0, 8, 16, 24}));
+  EXPECT_EQ(EmulatedDevice::live_allocations(), 0);
+}
+
 using EmulatedDeviceDeathTest = ::testing::Test;
 
 // With count_rounded, peak_bytes counts the blocks the CUDA backend's caching allocator hands out (as a GPU's

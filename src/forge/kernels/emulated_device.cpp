@@ -9,15 +9,19 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "forge/core/caching_allocator.h"
 #include "forge/core/device.h"
 #include "forge/core/error.h"
+#include "forge/core/memory.h"
+#include "forge/kernels/host_memory.h"
 #include "forge/kernels/ops.h"
 
 #ifdef FORGE_HAVE_CUDA
@@ -41,6 +45,8 @@ struct State {
   bool rounded = false;                         // EmulatedDevice::count_rounded
   int64_t live_bytes = 0, peak_bytes = 0, ops = 0;
   EmulatedDevice::Traffic traffic;
+  // A dry run's answers: what the host reads back from a device buffer (by base address) instead of zeros.
+  std::map<uintptr_t, std::vector<char>> answers;
   struct sigaction previous_segv {
   }, previous_bus{};
 };
@@ -253,8 +259,38 @@ bool awaits_result(Op<ops::OpId::fp8_cast_transpose>, const ops::Fp8CastParams& 
   return !p.amax_accumulate && !p.amax_in;
 }
 
+// What a dry op answers where the host reads its result back: zeros (nothing is kept), except the expert
+// sort's offsets, which route as a perfectly balanced router would (the assignments spread evenly over the
+// experts, the first ones taking the remainder, each segment capped at the capacity and padded as the sort
+// pads it), so that a dry step (the simulator's traces, sim/trace.h) runs the expert GEMMs and the dispatch
+// of a balanced step rather than none at all. Its counts still read back as zeros.
+template <ops::OpId Id, typename... A>
+void answer(Op<Id>, const A&...) {}
+void answer(Op<ops::OpId::moe_sort_by_expert>, const ops::MoeSortParams& q) {
+  if (!q.offsets) return;
+  std::lock_guard lock(g_state->mutex);
+  std::vector<char>& bytes = g_state->answers[reinterpret_cast<uintptr_t>(q.offsets)];
+  bytes.assign(static_cast<size_t>(q.experts + 1) * sizeof(int64_t), 0);
+  auto* offsets = reinterpret_cast<int64_t*>(bytes.data());
+  const int64_t total = q.tokens * q.top_k;
+  for (int64_t e = 0; e < q.experts; ++e) {
+    int64_t kept = total / q.experts + (e < total % q.experts ? 1 : 0);
+    if (q.capacity > 0) kept = std::min(kept, q.capacity);
+    offsets[e + 1] = offsets[e] + ops::moe_segment_rows(q, kept);
+  }
+}
+
+// A dry answer no longer holds once its memory is written or freed.
+void forget_answers(const void* p, size_t bytes) {
+  const auto first = reinterpret_cast<uintptr_t>(p);
+  std::lock_guard lock(g_state->mutex);
+  auto it = g_state->answers.lower_bound(first);
+  while (it != g_state->answers.end() && it->first < first + std::max<size_t>(bytes, 1))
+    it = g_state->answers.erase(it);
+}
+
 // One op of the emulated table: its pointers and parameters checked, then the CPU kernel with device memory
-// open.
+// open (a dry run: its answer, nothing computed).
 template <ops::OpId Id, auto Member, auto Supports, typename... A>
 auto guarded(const A&... args) {
   using Result = decltype((ops::cpu_table().*Member)(args...));
@@ -264,7 +300,10 @@ auto guarded(const A&... args) {
   check_args(op, args...);
   if (std::string why; !Supports(args..., &why)) fail("{}", why);
   ++g_state->ops;
-  if (g_state->dry) return Result();  // checked, not run: sums and amaxes read as 0
+  if (g_state->dry) {  // checked, not run: sums and amaxes read as 0
+    answer(Op<Id>{}, args...);
+    return Result();
+  }
   Window window;
   return (ops::cpu_table().*Member)(args...);
 }
@@ -302,13 +341,14 @@ void emulated_free(void* p) {
   FORGE_CHECK(it != g_state->allocations.end(), "device emulation: free of {}, which is no allocation's base",
               p);
   ::munmap(p, it->second.mapped);
+  forget_answers(p, it->second.mapped);
   g_state->live_bytes -= static_cast<int64_t>(it->second.counted);
   g_state->allocations.erase(it);
 }
 
 void emulated_zero(void* p, size_t bytes) {
   check(p, "device memset", "destination");
-  if (g_state->dry) return;
+  if (g_state->dry) return forget_answers(p, bytes);
   Window window;
   std::memset(p, 0, bytes);
 }
@@ -319,7 +359,14 @@ void emulated_copy(void* dst, Device dst_device, const void* src, Device src_dev
   EmulatedDevice::Traffic& t = g_state->traffic;
   (dst_device == Device::cpu ? t.to_host : src_device == Device::cpu ? t.to_device : t.device_to_device) += 1;
   if (g_state->dry) {
-    if (dst_device == Device::cpu) std::memset(dst, 0, bytes);  // what the host reads back: zeros
+    if (dst_device != Device::cpu) return forget_answers(dst, bytes);
+    // What the host reads back: an op's answer, or zeros.
+    std::lock_guard lock(g_state->mutex);
+    const auto answer = g_state->answers.find(reinterpret_cast<uintptr_t>(src));
+    if (src_device != Device::cpu && answer != g_state->answers.end() && answer->second.size() >= bytes)
+      std::memcpy(dst, answer->second.data(), bytes);
+    else
+      std::memset(dst, 0, bytes);
     return;
   }
   Window window;
@@ -421,6 +468,11 @@ int64_t EmulatedDevice::live_allocations() {
 int64_t EmulatedDevice::ops_run() { return g_state ? g_state->ops : 0; }
 
 bool EmulatedDevice::check_only() { return g_state && g_state->dry; }
+
+int64_t model_host_memory_bytes() {
+  // A dry run initialises nothing on the host: a model of any size may be built.
+  return EmulatedDevice::check_only() ? std::numeric_limits<int64_t>::max() : host_memory_bytes();
+}
 
 bool EmulatedDevice::count_rounded(bool on) {
   FORGE_CHECK(g_state, "device emulation: count_rounded() without an active emulation");

@@ -5,7 +5,7 @@
 
 #include "forge/core/device.h"
 #include "forge/core/memory.h"
-#include "forge/kernels/emulated_device.h"
+#include "forge/kernels/host_memory.h"
 #include "forge/kernels/ops.h"
 #include "forge/nn/fp8_context.h"
 #include "forge/nn/tensor_parallel.h"
@@ -101,10 +101,9 @@ void DecoderStack::check_stage_and_split(bool with_grads) {
   // ranks usually share a machine, so the whole model is what the machine must hold (an over-estimate when
   // the group spans machines).
   const bool on_host = options_.device == Device::cpu;
-  // A dry run (kernels/emulated_device.h, the simulator's traces) initialises nothing on the host.
-  if (!EmulatedDevice::check_only())
-    config_->check_fits_in_memory(on_host && with_grads, on_host && options_.gemm_dtype == DType::bf16,
-                                  host_memory_bytes(), source);
+  // (A dry device initialises nothing on the host: no bound there, kernels/host_memory.h.)
+  config_->check_fits_in_memory(on_host && with_grads, on_host && options_.gemm_dtype == DType::bf16,
+                                model_host_memory_bytes(), source);
   const int tp_size = options_.tp_size();
   const bool gqa = any_layer(s, [](const LayerSpec& l) { return l.attention == AttentionKind::gqa; });
   const bool mla = any_layer(s, [](const LayerSpec& l) { return l.attention == AttentionKind::mla; });

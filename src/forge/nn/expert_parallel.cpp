@@ -5,7 +5,6 @@
 
 #include "forge/core/error.h"
 #include "forge/core/fibers.h"
-#include "forge/kernels/emulated_device.h"
 #include "forge/kernels/ops.h"
 
 namespace forge::nn {
@@ -44,11 +43,6 @@ DispatchPlan plan_dispatch(ExpertParallel* ep, std::span<const int64_t> offsets)
   } else {
     plan.recv_counts.assign(static_cast<size_t>(experts), 0);
     ep->exchange_counts(counts.data(), plan.recv_counts.data(), L);
-    // A dry run (kernels/emulated_device.h) exchanges nothing: every rank routes as this one does (the
-    // balanced router of moe.cpp), so each sends this rank what this rank keeps for itself.
-    if (EmulatedDevice::check_only())
-      for (int s = 0; s < plan.ranks; ++s)
-        for (int64_t l = 0; l < L; ++l) plan.recv_counts[s * L + l] = counts[plan.rank * L + l];
   }
   plan.recv_rows.assign(plan.ranks, 0);
   plan.local_offsets.assign(static_cast<size_t>(L + 1), 0);

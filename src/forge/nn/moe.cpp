@@ -18,19 +18,6 @@ GemmOperand operand_of(Tensor data) {
   return op;
 }
 
-// The expert offsets of a perfectly balanced router: the assignments spread evenly over the experts (the
-// first ones take the remainder), each segment capped at the capacity and padded as the sort would pad it.
-std::vector<int64_t> balanced_offsets(const ops::MoeSortParams& q) {
-  std::vector<int64_t> offsets(static_cast<size_t>(q.experts + 1), 0);
-  const int64_t total = q.tokens * q.top_k;
-  for (int64_t e = 0; e < q.experts; ++e) {
-    int64_t kept = total / q.experts + (e < total % q.experts ? 1 : 0);
-    if (q.capacity > 0) kept = std::min(kept, q.capacity);
-    offsets[static_cast<size_t>(e + 1)] = offsets[static_cast<size_t>(e)] + ops::moe_segment_rows(q, kept);
-  }
-  return offsets;
-}
-
 }  // namespace
 
 Moe::Moe(ParameterStore* store, MoeParams params, MoeShape shape, ComputeOptions options, MoeStats* stats,
@@ -218,10 +205,6 @@ Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training
   ops::moe_sort_by_expert(q, device);
   const Tensor host_offsets = offsets.to(Device::cpu);
   s.offsets.assign(host_offsets.data<int64_t>(), host_offsets.data<int64_t>() + experts + 1);
-  // A dry run (kernels/emulated_device.h: nothing is computed, the offsets read back as zeros) routes as a
-  // perfectly balanced router would, so that the simulator (sim/trace.h) sees the expert GEMMs and the
-  // dispatch of a balanced step rather than none at all.
-  if (EmulatedDevice::check_only()) s.offsets = balanced_offsets(q);
   const int64_t sorted = s.offsets.back();
   if (training) {
     const Tensor host_counts = counts.to(Device::cpu);

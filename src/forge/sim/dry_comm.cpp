@@ -1,8 +1,10 @@
 #include "forge/sim/dry_comm.h"
 
+#include <cstring>
 #include <numeric>
 
 #include "forge/core/error.h"
+#include "forge/kernels/emulated_device.h"
 
 namespace forge::sim {
 namespace {
@@ -33,7 +35,15 @@ class DryCommunicator final : public comm::Communicator {
   comm::Request reduce_scatter(const void*, void*, int64_t count, comm::Type type, comm::ReduceOp) override {
     return note("reduce_scatter", count * size_ * static_cast<int64_t>(comm::type_size(type)));
   }
-  comm::Request all_to_all(const void*, void*, int64_t count, comm::Type type) override {
+  // Host buffers on a dry device (the expert counts' exchange: nn/expert_parallel.h) are answered as if every
+  // rank behaved like this one: each sends this rank what this rank sends itself.
+  comm::Request all_to_all(const void* send, void* recv, int64_t count, comm::Type type) override {
+    const size_t block = static_cast<size_t>(count) * comm::type_size(type);
+    if (EmulatedDevice::check_only() && send && recv && !EmulatedDevice::is_device_memory(send) &&
+        !EmulatedDevice::is_device_memory(recv))
+      for (int s = 0; s < size_; ++s)
+        std::memcpy(static_cast<char*>(recv) + static_cast<size_t>(s) * block,
+                    static_cast<const char*>(send) + static_cast<size_t>(rank_) * block, block);
     return note("all_to_all", count * size_ * static_cast<int64_t>(comm::type_size(type)));
   }
   comm::Request all_to_allv(const void*, std::span<const int64_t> send_counts, std::span<const int64_t>,

@@ -4,7 +4,7 @@
 
 #include "forge/core/error.h"
 #include "forge/core/memory.h"
-#include "forge/kernels/emulated_device.h"
+#include "forge/kernels/host_memory.h"
 #include "forge/kernels/ops.h"
 #include "forge/nn/fp8_context.h"
 #include "forge/nn/tensor_parallel.h"
@@ -41,11 +41,9 @@ LlavaModel::LlavaModel(const LlavaConfig& config, nn::ComputeOptions options, fl
     : config_(config), options_(options), params_(into ? *into : own_params_) {
   const std::string source = config.origin.empty() ? "model config" : config.origin;
   config_.validate(source);
-  if (!EmulatedDevice::check_only()) {
-    const bool on_host = options.device == Device::cpu;
-    config_.check_fits_in_memory(on_host && with_grads, on_host && options.gemm_dtype == DType::bf16,
-                                 host_memory_bytes(), source);
-  }
+  const bool on_host = options.device == Device::cpu;
+  config_.check_fits_in_memory(on_host && with_grads, on_host && options.gemm_dtype == DType::bf16,
+                               model_host_memory_bytes(), source);
   for (const std::string& part : options.frozen)
     if (part != "vision" && part != "projector" && part != "language")
       fail("train.freeze: '{}' is not a part of a LLaVA (vision, projector, language)", part);
