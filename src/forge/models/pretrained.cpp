@@ -188,10 +188,6 @@ void check_store_matches_config(const ParameterStore& params, const ModelConfig&
   }
 }
 
-fs::path model_folder(const fs::path& dir) {
-  return holds_checkpoint_data(dir.string()) ? fs::path(resolve_checkpoint(dir.string()).dir) : dir;
-}
-
 namespace {
 
 // A forge checkpoint folder (a step of a series, or a single checkpoint): its manifest's model config. Files

@@ -61,9 +61,6 @@ PretrainedDir open_pretrained(const std::filesystem::path& dir, const SeriesRead
 // refused, or under reading.allow_older passed over for the next older one. Returns the source read.
 PretrainedDir read_pretrained(const std::filesystem::path& dir, const SeriesReading& reading,
                               const std::function<void(const PretrainedDir&)>& read);
-// The folder whose files a model at `dir` is read from: the checkpoint a checkpoint directory resolves to,
-// else `dir` itself (where its tokenizer.json lies).
-std::filesystem::path model_folder(const std::filesystem::path& dir);
 
 // Throws forge::Error (starting with `source`) unless `params` is allocated and holds exactly the tensors
 // of config.tensor_shapes(), with those shapes.

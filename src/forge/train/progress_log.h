@@ -31,7 +31,6 @@ class ProgressLog {
   void banner();
   // log.hardware_profile: the simulator's estimate of this run, printed and recorded.
   void predict();
-  bool has_prediction() const { return prediction_.has_value(); }
 
   // The training loop starts at the state's step: the clocks and counters start now.
   void start();

@@ -327,7 +327,11 @@ TrainResult TrainingRun::run() {
                                                            : "completed"}});
     return result;
   } catch (const std::exception& e) {
-    records_.write({{"event", "end"}, {"step", state_.step}, {"status", "failed"}, {"error", e.what()}});
+    // The run's own error is what ends it: a record that cannot be written (a full disk) does not replace it.
+    try {
+      records_.write({{"event", "end"}, {"step", state_.step}, {"status", "failed"}, {"error", e.what()}});
+    } catch (const std::exception&) {
+    }
     throw;
   }
 }
