@@ -313,7 +313,9 @@ void expect_close(const std::vector<float>& got, const std::vector<float>& cpu, 
 
 // Instantiates the op test `suite` (an OpTest<Case>) over `cases` (a container of Case) on the backends listed
 // after it, each test named Ops/<suite>.<test>/<Backend>_<case name>.
-#define FORGE_INSTANTIATE_OP_TEST(suite, cases, ...)                                                 \
-  INSTANTIATE_TEST_SUITE_P(Ops, suite,                                                             \
+#define FORGE_INSTANTIATE_OP_TEST(suite, cases, ...) FORGE_INSTANTIATE_OP_TEST_NAMED(Ops, suite, cases, __VA_ARGS__)
+// The same under another instantiation name: a second case list for the same tests.
+#define FORGE_INSTANTIATE_OP_TEST_NAMED(name, suite, cases, ...)                                    \
+  INSTANTIATE_TEST_SUITE_P(name, suite,                                                            \
                            ::testing::Combine(::testing::Values(__VA_ARGS__), ::testing::ValuesIn(cases)), \
                            ::forge::testing::op_test_name<suite>)

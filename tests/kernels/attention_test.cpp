@@ -37,6 +37,9 @@ TEST_P(AttentionWindowCacheOp, Forward) {
   expect_matches_reference(pr, false, "attention_forward " + test_case().name());
 }
 FORGE_INSTANTIATE_OP_TEST(AttentionWindowCacheOp, kWindowCacheCases, testing::Backend::cpu);
+// Soft-capping reuses the window tests: against the double reference, gradients by finite differences.
+FORGE_INSTANTIATE_OP_TEST_NAMED(Softcap, AttentionWindowOp, kSoftcapCases, testing::Backend::cpu);
+FORGE_INSTANTIATE_OP_TEST_NAMED(Softcap, AttentionWindowCacheOp, kSoftcapCacheCases, testing::Backend::cpu);
 }  // namespace op_tests::attention
 
 namespace {

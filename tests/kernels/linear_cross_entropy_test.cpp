@@ -19,6 +19,7 @@ FORGE_INSTANTIATE_OP_TEST(LinearCrossEntropyMisalignedWorkspace, kMisalignedWork
                           testing::Backend::cpu, testing::Backend::emulated);
 FORGE_INSTANTIATE_OP_TEST(LinearCrossEntropyFixed, testing::kFixedCase, testing::Backend::cpu,
                           testing::Backend::emulated);
+FORGE_INSTANTIATE_OP_TEST_NAMED(Softcap, LinearCrossEntropyOp, kSoftcapCases, testing::Backend::cpu);
 
 TEST(LinearCrossEntropy, ResultsDoNotDependOnThreadCount) {
   const Problem pr = make_problem({"threads", 64, 48, 300, 128, DType::f32, 0, 0, 0.25f, true, 1.5f}, 51);

@@ -183,6 +183,17 @@ TEST(OpSupport, CpuBackend) {
   EXPECT_REFUSED(cpu, attention_forward, (mla), "attention: q_stride 576 / out_stride 500 < 576 / 512");
   EXPECT_REFUSED(cpu, attention_backward, (attention_params(m, 64)),
                  "attention backward: dout, dq, dk and dv");
+  ops::AttentionParams capped = attention_params(m, 64);
+  capped.softcap = 50.0f;
+  EXPECT_SUPPORTED(cpu, attention_forward, (capped));
+  capped.softcap = -1.0f;
+  EXPECT_REFUSED(cpu, attention_forward, (capped), "attention: softcap -1 must be finite and >= 0");
+  EXPECT_REFUSED(cpu, softcap_inplace, (m.f, 0.0f, 4), "softcap_inplace: cap 0 must be positive");
+  ops::SwigluParams glu;
+  glu.rows = 2, glu.ffn = 4, glu.activation = ops::GluActivation::gelu_tanh;
+  EXPECT_SUPPORTED(cpu, swiglu_forward, (glu));
+  glu.activation = static_cast<ops::GluActivation>(5);
+  EXPECT_REFUSED(cpu, swiglu_forward, (glu), "swiglu_forward: unknown activation 5");
   // The element-wise kernels take any size (a negative one does nothing).
   EXPECT_SUPPORTED(cpu, add_inplace, (nullptr, nullptr, -1));
   EXPECT_REFUSED(cpu, sum_squares_accumulate, (m.f, 4, nullptr), "sum_squares_accumulate: total is null");
@@ -275,6 +286,16 @@ TEST(OpSupport, CudaBackend) {
   loss.rows = 2, loss.dim = 4, loss.vocab = 8;
   EXPECT_REFUSED(gpu, linear_cross_entropy_forward, (loss),
                  "linear_cross_entropy_forward: workspace is required");
+  // Gemma's pieces run on CPUs only so far: logit soft-capping and the GeGLU gate are refused in one line.
+  loss.workspace = m.f, loss.softcap = 30.0f;
+  EXPECT_REFUSED(gpu, linear_cross_entropy_forward, (loss),
+                 "linear_cross_entropy_forward: logit soft-capping", "run on the CPU");
+  ops::AttentionParams capped = attention_params(m, 64);
+  capped.softcap = 50.0f;
+  EXPECT_REFUSED(gpu, attention_forward, (capped), "attention: logit soft-capping", "run on the CPU");
+  ops::SwigluParams glu;
+  glu.rows = 2, glu.ffn = 4, glu.activation = ops::GluActivation::gelu_tanh;
+  EXPECT_REFUSED(gpu, swiglu_forward, (glu), "swiglu_forward: only the silu gate");
   // The router's per-thread masks.
   ops::MoeRouterParams router;
   router.tokens = 4, router.experts = 2048, router.top_k = 8, router.logits = m.f,

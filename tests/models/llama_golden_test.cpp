@@ -1,9 +1,12 @@
-// Golden tests against the PyTorch twin (tests/reference/llama_twin.py) and, for Qwen2, Qwen3 and Mistral,
-// against Hugging Face transformers' own Qwen2ForCausalLM (tests/reference/qwen2_golden.py),
-// Qwen3ForCausalLM and MistralForCausalLM (tests/reference/families_golden.py): logits, loss, every
-// parameter gradient, and three AdamW steps with clipping, all within fp32 tolerances stated below. Every
+// Golden tests against the PyTorch twin (tests/reference/llama_twin.py) and, for Qwen2, Qwen3, Mistral and
+// Gemma, against Hugging Face transformers' own Qwen2ForCausalLM (tests/reference/qwen2_golden.py),
+// Qwen3ForCausalLM and MistralForCausalLM (tests/reference/families_golden.py), Gemma2ForCausalLM and
+// Gemma3ForCausalLM (tests/reference/gemma_golden.py): logits, loss, every
+// parameter gradient, and three AdamW steps with clipping (eight for Gemma), all within fp32 tolerances
+// stated below. Every
 // family runs on the one decoder stack; a Qwen2 differs by its q/k/v biases, a Qwen3 by its QK-norm, a
-// Mistral by its sliding window, and each by its config reader.
+// Mistral by its sliding window, a Gemma by its norms, GeGLU, soft-capping and layer types, and each by its
+// config reader.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -88,7 +91,7 @@ TEST_P(LlamaGolden, AdamWStepsWithClipping) {
   const float lr = std::stof(meta.at("lr")), max_norm = std::stof(meta.at("max_grad_norm"));
   AdamW optimizer(&model->params(), adam);
   Tensor want_losses = file_->read("adamw.losses"), want_norms = file_->read("adamw.grad_norms");
-  for (int step = 0; step < 3; ++step) {
+  for (int step = 0; step < want_losses.numel(); ++step) {  // three steps (Gemma's fixtures: eight)
     Tensor ids = file_->read("step" + std::to_string(step) + ".input_ids");
     Tensor labels = file_->read("step" + std::to_string(step) + ".labels");
     int64_t valid = 0;
@@ -143,6 +146,7 @@ INSTANTIATE_TEST_SUITE_P(Qwen2, LlamaGolden, ::testing::Values("qwen2_tiny", "qw
 
 INSTANTIATE_TEST_SUITE_P(Qwen3, LlamaGolden, ::testing::Values("qwen3_tiny", "qwen3_tiny_tied"));
 INSTANTIATE_TEST_SUITE_P(Mistral, LlamaGolden, ::testing::Values("mistral_tiny_window", "mistral_tiny"));
+INSTANTIATE_TEST_SUITE_P(Gemma, LlamaGolden, ::testing::Values("gemma2_tiny", "gemma3_tiny"));
 
 // The fixtures' configs are what transformers wrote: the family comes from `architectures`, and every
 // parameter forge registers is a tensor of the checkpoint (biases and QK-norms included), in the config's

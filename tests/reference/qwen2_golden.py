@@ -163,12 +163,14 @@ def adamw_run(initial, model, batches, dtype=torch.float32, family=None):
 def first_batch(name, spec, family=None):
     """The seeded initial weights, the first batch and the AdamW batches of fixture `name`."""
     model = spec["model"]
+    family = family or QWEN2
     generator = torch.Generator().manual_seed(spec["seed"])
-    net = (family or QWEN2)["build"](model)
-    initial = init_parameters(net, generator)
+    net = family["build"](model)
+    initial = family.get("init_parameters", init_parameters)(net, generator)
     load(net, initial)
     input_ids, labels = make_batch(model, spec["batch"], spec["seq"], generator)
-    step_batches = [make_batch(model, spec["batch"], spec["seq"], generator) for _ in range(ADAMW["steps"])]
+    steps = family.get("adamw_steps", ADAMW["steps"])
+    step_batches = [make_batch(model, spec["batch"], spec["seq"], generator) for _ in range(steps)]
     return net, initial, input_ids, labels, step_batches
 
 
@@ -183,7 +185,9 @@ def generate(name, spec, family=None):
     loss.backward()
     named = dict(net.named_parameters())
     grads = {n: named[n].grad.detach().clone() for n in initial}
-    inv_freq = net.model.rotary_emb.inv_freq.detach().float().clone()
+    rotary = net.model.rotary_emb  # Gemma 3 keeps a table per layer type: the full layers' is written
+    inv_freq = getattr(rotary, "inv_freq", getattr(rotary, "full_attention_inv_freq", None))
+    inv_freq = inv_freq.detach().float().clone()
 
     losses, grad_norms, final = adamw_run(initial, model, step_batches, family=family)
     assert min(grad_norms) > ADAMW["max_grad_norm"], grad_norms  # clipping acts at every step

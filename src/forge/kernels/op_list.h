@@ -43,6 +43,8 @@
      happen in call order, each the same double addition a host `total += sum_squares(...)` would make. */     \
   X(sum_squares_accumulate, void, (const float* x, int64_t n, double* total), (x, n, total))                   \
   X(scale_inplace, void, (float* x, float s, int64_t n), (x, s, n))                                            \
+  /* x[i] = cap * tanh(x[i] / cap) (logit soft-capping of inference logits; cap > 0). */                       \
+  X(softcap_inplace, void, (float* x, float cap, int64_t n), (x, cap, n))                                      \
   /* y[i] = bf16(x[i]) (round to nearest even; NaN stays NaN) and back (exact). */                             \
   X(convert_to_bf16, void, (const float* x, uint16_t* y, int64_t n), (x, y, n))                                \
   X(convert_to_f32, void, (const uint16_t* x, float* y, int64_t n), (x, y, n))                                 \

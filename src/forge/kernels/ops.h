@@ -137,6 +137,8 @@ struct RmsNormParams {
   const float* x = nullptr;
   const float* weight = nullptr;
   float eps = 1e-5f;
+  // The scale is weight + weight_offset (Gemma's RMSNorm scales by 1 + w: offset 1); dweight is unchanged.
+  float weight_offset = 0.0f;
   float* y = nullptr;     // forward output [rows, dim]
   float* rstd = nullptr;  // [rows]
   const float* dy = nullptr;
@@ -162,10 +164,17 @@ struct RopeParams {
   bool interleaved = false;
 };
 
-// SwiGLU on a fused [rows, 2*ffn] input: gate = columns [0, ffn), up = [ffn, 2*ffn);
-// out = silu(gate) * up, [rows, ffn].
+// The gate's activation of a gated-linear-unit MLP.
+enum class GluActivation {
+  silu,       // SwiGLU (LLaMA, Qwen, Mistral, DeepSeek): silu(g) = g sigmoid(g)
+  gelu_tanh,  // GeGLU with the tanh GELU (Gemma's gelu_pytorch_tanh): g/2 (1 + tanh(sqrt(2/pi)(g + 0.044715 g^3)))
+};
+
+// A gated linear unit on a fused [rows, 2*ffn] input: gate = columns [0, ffn), up = [ffn, 2*ffn);
+// out = act(gate) * up, [rows, ffn] (SwiGLU by default, GeGLU with gelu_tanh).
 struct SwigluParams {
   int64_t rows = 0, ffn = 0;
+  GluActivation activation = GluActivation::silu;
   const float* gate_up = nullptr;
   float* out = nullptr;
   const float* dout = nullptr;
@@ -284,6 +293,10 @@ struct AttentionParams {
   // Without the causal mask, q_offset places the queries for it in backward too: a block of context
   // parallelism's ring whose keys all precede its queries (kv_seq = seq).
   int64_t window = 0;
+  // Logit soft-capping (Gemma 2's attn_logit_softcapping): softcap > 0 turns every scaled score s = scale q.k
+  // into softcap * tanh(s / softcap) before the masks and the softmax; lse is over the capped scores, and
+  // backward multiplies each score's gradient by 1 - tanh^2.
+  float softcap = 0.0f;
   // Backward: reads dout (+ q, k, v, out, lse), writes dq, dk, dv (overwrite), same layouts as q, k, v (dout
   // as out).
   const float* dout = nullptr;
@@ -384,6 +397,10 @@ struct LinearCrossEntropyParams {
   // a range of padding only), the running max the lse keeps anyway. The all-reduce max over the group gives
   // the row's argmax logit: a top-1 hit is target_logit >= it.
   float* max_logit = nullptr;
+  // Logit soft-capping (Gemma 2's final_logit_softcapping): softcap > 0 turns every logit z into
+  // softcap * tanh(z / softcap) before the softmax. lse, loss, target_logit, max_logit and kept logits are of
+  // the capped logits; backward multiplies each dlogit by 1 - tanh^2.
+  float softcap = 0.0f;
 };
 // rows * vocab_chunk floats (every chunk's block with keep_logits), + rows * vocab_chunk / 2 for bf16
 // dlogits.

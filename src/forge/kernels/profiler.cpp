@@ -165,6 +165,7 @@ Cost add_inplace(float*, const float*, int64_t n) { return {vector_of(n), 0, 12 
 Cost sum_squares(const float*, int64_t n) { return {vector_of(n), 0, 4 * d(n)}; }
 Cost sum_squares_accumulate(const float*, int64_t n, double*) { return {vector_of(n), 0, 4 * d(n)}; }
 Cost scale_inplace(float*, float, int64_t n) { return {vector_of(n), 0, 8 * d(n)}; }
+Cost softcap_inplace(float*, float, int64_t n) { return {vector_of(n), 2 * d(n), 8 * d(n)}; }
 Cost convert_to_bf16(const float*, uint16_t*, int64_t n) { return {vector_of(n), 0, 6 * d(n)}; }
 Cost convert_to_f32(const uint16_t*, float*, int64_t n) { return {vector_of(n), 0, 6 * d(n)}; }
 Cost amax(const float*, int64_t n) { return {vector_of(n), 0, 4 * d(n)}; }

@@ -79,6 +79,10 @@ void rope_tables(int64_t positions, int64_t head_dim, double theta, const RopeSc
     }
   }
 
+  if (scaling.kind == RopeScaling::Kind::linear) {
+    if (!(scaling.factor > 0)) fail("rope_tables: bad linear rope_scaling factor {}", scaling.factor);
+    for (double& f : inv_freq) f /= scaling.factor;
+  }
   if (scaling.kind == RopeScaling::Kind::yarn) apply_yarn(scaling, head_dim, theta, inv_freq);
   const double magnitude = scaling.attention_factor();
 

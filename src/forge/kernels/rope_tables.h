@@ -1,5 +1,5 @@
 // cos/sin tables for rotary position embedding, computed as Hugging Face transformers computes them
-// (default, "llama3" and "yarn" rope_scaling), in double and stored as float.
+// (default, "linear", "llama3" and "yarn" rope_scaling), in double and stored as float.
 #pragma once
 
 #include <cstdint>
@@ -8,8 +8,9 @@ namespace forge {
 
 // Also the rope_scaling of the model configs (models/ include this header; kernels sit below models).
 struct RopeScaling {
-  enum class Kind { none, llama3, yarn };
+  enum class Kind { none, linear, llama3, yarn };
   Kind kind = Kind::none;
+  // linear (Gemma 3's global layers): every frequency divided by factor (positions interpolated).
   // llama3: frequencies with wavelength beyond original/low_freq_factor are divided by factor, those
   // below original/high_freq_factor are kept, and the band in between is interpolated smoothly.
   double factor = 1, low_freq_factor = 1, high_freq_factor = 4;

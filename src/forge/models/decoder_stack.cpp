@@ -107,8 +107,7 @@ void DecoderStack::check_stage_and_split(bool with_grads) {
   const int tp_size = options_.tp_size();
   const bool gqa = any_layer(s, [](const LayerSpec& l) { return l.attention == AttentionKind::gqa; });
   const bool mla = any_layer(s, [](const LayerSpec& l) { return l.attention == AttentionKind::mla; });
-  const bool dense =
-      any_layer(s, [](const LayerSpec& l) { return l.feed_forward == FeedForwardKind::swiglu; });
+  const bool dense = any_layer(s, [](const LayerSpec& l) { return l.feed_forward != FeedForwardKind::moe; });
   const bool moe = any_layer(s, [](const LayerSpec& l) { return l.feed_forward == FeedForwardKind::moe; });
   if (moe && s.moe.experts % options_.ep_size() != 0)
     fail("{}: n_routed_experts = {} does not split over parallel.ep = {}", source, s.moe.experts,
@@ -155,7 +154,7 @@ void DecoderStack::register_parameters(float init_std) {
   for (int64_t i = stage_.first_layer; i < stage_.end_layer; ++i)
     layer_ids_.push_back(register_layer(i, init_std));
   if (stage_.post_process) {
-    norm_id_ = params_.add(prefix_ + "model.norm.weight", {h}, false, Init::ones, 0.02f, replicated);
+    norm_id_ = params_.add(prefix_ + "model.norm.weight", {h}, false, norm_weight_init(), 0.02f, replicated);
     if (tied) {
       head_id_ = embed_id_;
       embedding_uses += head_reads;
@@ -177,14 +176,21 @@ void DecoderStack::build_modules() {
   rope_ = spec_.rope;
   rope_.cos = rope_.cos.to(options_.device), rope_.sin = rope_.sin.to(options_.device);
   spec_.rope = nn::RopeTable{};  // the stack's copy is the one kept
-  if (embed_id_ >= 0) embedding_ = nn::Embedding(&params_, embed_id_, tp());
+  if (spec_.local_rope.positions > 0) {
+    local_rope_ = spec_.local_rope;
+    local_rope_.cos = local_rope_.cos.to(options_.device),
+    local_rope_.sin = local_rope_.sin.to(options_.device);
+    spec_.local_rope = nn::RopeTable{};
+  }
+  if (embed_id_ >= 0) embedding_ = nn::Embedding(&params_, embed_id_, tp(), spec_.embedding_scale);
   for (size_t l = 0; l < layer_ids_.size(); ++l) {
     const int64_t i = stage_.first_layer + static_cast<int64_t>(l);
     layers_.push_back(make_layer(i, layer_ids_[l], layer_options(i)));
   }
   if (stage_.post_process) {
-    final_norm_ = nn::RmsNorm(&params_, norm_id_, static_cast<float>(spec_.norm_eps));
-    head_ = nn::LossHead(&params_, head_id_, spec_.vocab, vocab_start_, options_);
+    final_norm_ =
+        nn::RmsNorm(&params_, norm_id_, static_cast<float>(spec_.norm_eps), spec_.norm_weight_offset);
+    head_ = nn::LossHead(&params_, head_id_, spec_.vocab, vocab_start_, options_, spec_.final_softcap);
     if (tail_) tail_->build(*this);
   }
 }

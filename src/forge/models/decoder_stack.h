@@ -33,8 +33,9 @@
 
 namespace forge::models {
 
-enum class AttentionKind { gqa, mla };       // grouped-query (MHA when kv heads = heads); latent (MLA)
-enum class FeedForwardKind { swiglu, moe };  // down(silu(gate(x)) * up(x)); routed experts (+ shared)
+enum class AttentionKind { gqa, mla };  // grouped-query (MHA when kv heads = heads); latent (MLA)
+// down(silu(gate(x)) * up(x)); down(gelu_tanh(gate(x)) * up(x)) (Gemma); routed experts (+ shared)
+enum class FeedForwardKind { swiglu, geglu, moe };
 
 // One decoder layer, as its family chooses it.
 struct LayerSpec {
@@ -43,6 +44,17 @@ struct LayerSpec {
   bool qkv_bias = false;  // gqa: biases on q, k and v (Qwen2), registered after the three weights
   bool qk_norm = false;   // gqa: RMSNorms over head_dim on q and k before RoPE (Qwen3), registered after o
   int64_t window = 0;     // gqa: > 0, each query sees its `window` latest keys, itself included (Mistral)
+  // gqa: the scores' scale (0: 1 / sqrt(head_dim); Gemma: query_pre_attn_scalar^-1/2) and their soft cap
+  // (> 0: softcap * tanh(s / softcap), Gemma 2's attn_logit_softcapping).
+  float attention_scale = 0.0f;
+  float attention_softcap = 0.0f;
+  // gqa: RoPE from DecoderSpec::local_rope instead of rope (Gemma 3's sliding-window layers).
+  bool local_rope = false;
+  // Norms after the mixer and after the feed-forward too, before each joins the residual stream (Gemma's
+  // sandwich). Names: input_layernorm, post_attention_layernorm (after the mixer), pre_feedforward_layernorm,
+  // post_feedforward_layernorm; without: input_layernorm and post_attention_layernorm (before the
+  // feed-forward).
+  bool sandwich_norms = false;
 };
 
 // A whole model's description. Sizes are the model's, not a tensor-parallel rank's: the stack splits them.
@@ -60,8 +72,15 @@ struct DecoderSpec {
   nn::MoeShape moe;
   // Per layer index: the model's layers, then any an extension builds (DeepSeek-V3's MTP modules' layers).
   std::vector<LayerSpec> layer_specs;
-  // cos/sin [max_positions, rotary dims / 2] on the host; the stack moves them to the device.
-  nn::RopeTable rope;
+  // cos/sin [max_positions, rotary dims / 2] on the host; the stack moves them to the device. local_rope:
+  // the table of layers whose spec asks for it (empty when none does).
+  nn::RopeTable rope, local_rope;
+  // Every RMSNorm of the stack scales by weight + this (Gemma: 1 + w, its norm weights starting at zero).
+  float norm_weight_offset = 0.0f;
+  // The embedding's rows are multiplied by this (Gemma: sqrt(hidden)).
+  float embedding_scale = 1.0f;
+  // > 0: the head's logits are soft-capped (Gemma 2's final_logit_softcapping).
+  float final_softcap = 0.0f;
   // The KV cache per layer and token: kv heads x dims (MLA: one head of the latent and the rope key).
   int64_t cache_heads = 0, cache_dim = 0;
 };
@@ -195,6 +214,7 @@ class DecoderStack : public Model {
   struct Insertion;
   struct LayerIds {
     int norm1 = -1, norm2 = -1;
+    int post1 = -1, post2 = -1;  // sandwich norms: after the mixer and after the feed-forward
     nn::AttentionParams gqa;
     int q_bias = -1;  // the first of q|k|v's biases (-1: none)
     nn::MlaParams mla;
@@ -202,6 +222,7 @@ class DecoderStack : public Model {
     nn::MoeParams moe;
   };
   void check_stage_and_split(bool with_grads);
+  Init norm_weight_init() const;
   void register_parameters(float init_std);
   void build_modules();
   LayerIds register_layer(int64_t index, float init_std);
@@ -234,7 +255,7 @@ class DecoderStack : public Model {
   StageSpec stage_;
   ParameterStore own_params_;  // unless built into a shared store
   ParameterStore& params_;
-  nn::RopeTable rope_;
+  nn::RopeTable rope_, local_rope_;
   int embed_id_ = -1, norm_id_ = -1, head_id_ = -1;
   int64_t padded_vocab_ = 0, vocab_start_ = 0, local_vocab_ = 0;
   nn::Embedding embedding_;

@@ -23,6 +23,11 @@ nn::AttentionShape local_attention(const DecoderSpec& s, int tp) {
 
 }  // namespace
 
+// Norm weights start where the scale is one: at one, or at zero when the norms scale by 1 + w (Gemma).
+Init DecoderStack::norm_weight_init() const {
+  return spec_.norm_weight_offset != 0.0f ? Init::zeros : Init::ones;
+}
+
 // FP8: every decoder layer's Linears except the first and last bf16_*_layers, which stay in the GEMM dtype
 // (the layers nearest the embedding and the loss are the most sensitive to precision); an extension's layers
 // (indices past the last) count as last layers. Norms, attention itself, routers and the heads never run in
@@ -46,17 +51,27 @@ DecoderStack::LayerIds DecoderStack::register_layer(int64_t index, float init_st
   // Output projections feed the residual stream: scale their init by 1/sqrt(2 * depth) (GPT-2/Megatron).
   const float out_std = init_std / std::sqrt(2.0f * static_cast<float>(spec_.init_depth));
   const int64_t h = spec_.hidden;
+  const Init norm_init = norm_weight_init();
+  auto norm = [&](const char* name) {
+    return params_.add(p + name, {h}, false, norm_init, 0.02f, replicated);
+  };
   LayerIds ids;
-  ids.norm1 = params_.add(p + "input_layernorm.weight", {h}, false, Init::ones, 0.02f, replicated);
+  ids.norm1 = norm("input_layernorm.weight");
   if (layer.attention == AttentionKind::gqa)
     register_gqa(p + "self_attn.", layer, init_std, out_std, ids);
   else
     register_mla(p + "self_attn.", init_std, out_std, ids);
-  ids.norm2 = params_.add(p + "post_attention_layernorm.weight", {h}, false, Init::ones, 0.02f, replicated);
-  if (layer.feed_forward == FeedForwardKind::swiglu)
-    register_mlp(p + "mlp.", spec_.ffn, init_std, out_std, ids.mlp);
-  else
+  if (layer.sandwich_norms) {
+    ids.post1 = norm("post_attention_layernorm.weight");
+    ids.norm2 = norm("pre_feedforward_layernorm.weight");
+  } else {
+    ids.norm2 = norm("post_attention_layernorm.weight");
+  }
+  if (layer.feed_forward == FeedForwardKind::moe)
     register_moe(p + "mlp.", init_std, out_std, ids);
+  else
+    register_mlp(p + "mlp.", spec_.ffn, init_std, out_std, ids.mlp);
+  if (layer.sandwich_norms) ids.post2 = norm("post_feedforward_layernorm.weight");
   return ids;
 }
 
@@ -90,11 +105,14 @@ void DecoderStack::register_gqa(const std::string& a, const LayerSpec& layer, fl
   if (layer.qk_norm) {
     // Every rank holds the whole [head_dim] weights and normalises its own heads with them.
     const ShardSpec replicated{-1, 0, {}, r == 0};
-    ids.gqa.q_norm = params_.add(a + "q_norm.weight", {d}, false, Init::ones, 0.02f, replicated);
-    ids.gqa.k_norm = params_.add(a + "k_norm.weight", {d}, false, Init::ones, 0.02f, replicated);
+    ids.gqa.q_norm = params_.add(a + "q_norm.weight", {d}, false, norm_weight_init(), 0.02f, replicated);
+    ids.gqa.k_norm = params_.add(a + "k_norm.weight", {d}, false, norm_weight_init(), 0.02f, replicated);
   }
   ids.gqa.norm_eps = static_cast<float>(s.norm_eps);
+  ids.gqa.norm_weight_offset = s.norm_weight_offset;
   ids.gqa.window = layer.window;
+  ids.gqa.scale = layer.attention_scale;
+  ids.gqa.softcap = layer.attention_softcap;
 }
 
 void DecoderStack::register_mla(const std::string& a, float init_std, float out_std, LayerIds& ids) {
@@ -176,14 +194,21 @@ nn::DecoderLayer DecoderStack::make_layer(int64_t index, const LayerIds& ids,
   const int tp = options_.tp_size();
   std::unique_ptr<nn::LayerPart> mixer, ffn;
   if (layer.attention == AttentionKind::gqa) {
-    mixer = std::make_unique<nn::Attention>(&params_, ids.gqa, local_attention(s, tp), &rope_, options);
+    FORGE_CHECK(!layer.local_rope || local_rope_.positions > 0,
+                "{}: layer {} asks for a local RoPE table the "
+                "spec does not have",
+                source_, index);
+    mixer = std::make_unique<nn::Attention>(&params_, ids.gqa, local_attention(s, tp),
+                                            layer.local_rope ? &local_rope_ : &rope_, options);
   } else {
     nn::MlaShape mla = s.mla;
     mla.heads = s.mla.heads / tp;
     mixer = std::make_unique<nn::MlaAttention>(&params_, ids.mla, mla, &rope_, options);
   }
-  if (layer.feed_forward == FeedForwardKind::swiglu) {
-    ffn = std::make_unique<nn::Mlp>(&params_, ids.mlp, s.hidden, s.ffn / tp, options);
+  if (layer.feed_forward != FeedForwardKind::moe) {
+    const auto act = layer.feed_forward == FeedForwardKind::geglu ? ops::GluActivation::gelu_tanh
+                                                                  : ops::GluActivation::silu;
+    ffn = std::make_unique<nn::Mlp>(&params_, ids.mlp, s.hidden, s.ffn / tp, options, act);
   } else {
     nn::MoeShape moe = s.moe;
     moe.hidden = s.hidden, moe.expert_ffn = s.moe.expert_ffn / tp, moe.shared_ffn = s.moe.shared_ffn / tp;
@@ -199,8 +224,9 @@ nn::DecoderLayer DecoderStack::make_layer(int64_t index, const LayerIds& ids,
     moe_layer_ids_.emplace_back(index, ids.moe.bias);
     ffn = std::move(experts);
   }
-  return nn::DecoderLayer(&params_, ids.norm1, std::move(mixer), ids.norm2, std::move(ffn),
-                          static_cast<float>(s.norm_eps), options);
+  const nn::LayerNorms norms{
+      ids.norm1, ids.post1, ids.norm2, ids.post2, static_cast<float>(s.norm_eps), s.norm_weight_offset};
+  return nn::DecoderLayer(&params_, norms, std::move(mixer), std::move(ffn), options);
 }
 
 int DecoderStack::register_extra_layer(int64_t index, float init_std) {
@@ -238,7 +264,10 @@ void DecoderStack::register_tensor_parallel_sums() {
   if (tail_)
     for (int id : tail_->tensor_parallel_sums()) sum_over_group(id);
   if (group->sequence_parallel()) {
-    for (const LayerIds& ids : layer_ids_) sum_over_group(ids.norm1), sum_over_group(ids.norm2);
+    for (const LayerIds& ids : layer_ids_) {
+      sum_over_group(ids.norm1), sum_over_group(ids.norm2);
+      if (ids.post1 >= 0) sum_over_group(ids.post1), sum_over_group(ids.post2);
+    }
     if (stage_.post_process) sum_over_group(norm_id_);
   }
   const int64_t kv_heads = spec_.kv_heads;

@@ -5,6 +5,7 @@
 #include "forge/core/error.h"
 #include "forge/core/file_io.h"
 #include "forge/models/deepseek_v3/deepseek_v3_model.h"
+#include "forge/models/gemma/gemma.h"
 #include "forge/models/llama/llama_model.h"
 #include "forge/models/llava/llava_model.h"
 #include "forge/models/mistral/mistral.h"
@@ -65,8 +66,9 @@ Tensor Model::forward_cached_images(const int32_t* ids, int64_t batch, int64_t n
 
 // Every family forge implements: one line here per models/<family>/.
 const std::vector<ModelFamily>& model_families() {
-  static const std::vector<ModelFamily> families = {llama_family(), deepseek_v3_family(), llava_family(),
-                                                    qwen2_family(), qwen3_family(),       mistral_family()};
+  static const std::vector<ModelFamily> families = {llama_family(),  deepseek_v3_family(), llava_family(),
+                                                    qwen2_family(),  qwen3_family(),       mistral_family(),
+                                                    gemma2_family(), gemma3_family()};
   return families;
 }
 

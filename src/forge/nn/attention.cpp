@@ -39,7 +39,9 @@ Attention::Attention(ParameterStore* store, AttentionParams params, AttentionSha
       shape_(shape),
       rope_(rope),
       options_(options),
-      window_(params.window) {
+      window_(params.window),
+      scale_(params.scale > 0.0f ? params.scale : 1.0f / std::sqrt(static_cast<float>(shape.head_dim))),
+      softcap_(params.softcap) {
   FORGE_CHECK(qkv_.out_features() == shape.qkv_dim(), "q|k|v weights give {} rows, expected {}",
               qkv_.out_features(), shape.qkv_dim());
   if (params.bias >= 0) {
@@ -49,8 +51,8 @@ Attention::Attention(ParameterStore* store, AttentionParams params, AttentionSha
   }
   FORGE_CHECK((params.q_norm >= 0) == (params.k_norm >= 0), "QK-norm needs both the q and the k norm");
   if (params.q_norm >= 0) {
-    q_norm_ = RmsNorm(store, params.q_norm, params.norm_eps);
-    k_norm_ = RmsNorm(store, params.k_norm, params.norm_eps);
+    q_norm_ = RmsNorm(store, params.q_norm, params.norm_eps, params.norm_weight_offset);
+    k_norm_ = RmsNorm(store, params.k_norm, params.norm_eps, params.norm_weight_offset);
     qk_norm_ = true;
     FORGE_CHECK(store->info(params.q_norm).shape == Shape{shape.head_dim} &&
                     store->info(params.k_norm).shape == Shape{shape.head_dim},
@@ -88,9 +90,10 @@ ops::AttentionParams Attention::core_params(const float* qkv, int64_t batch, int
   p.q = qkv, p.k = p.q + qd, p.v = p.q + qd + kd;
   p.q_stride = p.k_stride = p.v_stride = shape_.qkv_dim();
   p.out_stride = qd;
-  p.scale = 1.0f / std::sqrt(static_cast<float>(shape_.head_dim));
+  p.scale = scale_;
   p.causal = true;
   p.window = window_;
+  p.softcap = softcap_;
   return p;
 }
 

@@ -29,13 +29,18 @@ struct RopeTable {
 // fused GEMM), and o; with bias (Qwen2), the q, k and v biases registered one after another from that id
 // (-1: none); with q_norm and k_norm (Qwen3), the [head_dim] weights of the RMSNorms (eps norm_eps) applied
 // to every q and k head before RoPE; window > 0 (Mistral): each query sees only the `window` latest keys,
-// itself included (ops::AttentionParams::window).
+// itself included (ops::AttentionParams::window). scale: the scores' factor (0: 1 / sqrt(head_dim); Gemma's
+// query_pre_attn_scalar^-1/2); softcap > 0 (Gemma 2): scores soft-capped (ops::AttentionParams::softcap);
+// norm_weight_offset: the QK-norms scale by weight + offset (Gemma 3: 1 + w).
 struct AttentionParams {
   int q = -1, k = -1, v = -1, o = -1;
   int bias = -1;
   int q_norm = -1, k_norm = -1;
   float norm_eps = 1e-6f;
+  float norm_weight_offset = 0.0f;
   int64_t window = 0;
+  float scale = 0.0f;
+  float softcap = 0.0f;
 };
 
 class Attention final : public LayerPart {
@@ -102,6 +107,7 @@ class Attention final : public LayerPart {
   const RopeTable* rope_ = nullptr;
   ComputeOptions options_;
   int64_t window_ = 0;
+  float scale_ = 0.0f, softcap_ = 0.0f;
 };
 
 }  // namespace forge::nn

@@ -1,6 +1,8 @@
 // One pre-norm decoder layer: x + mixer(norm1(x)), then + ffn(norm2(.)), composed of the two parts its
-// family chooses (nn/layer_part.h). Its three entry points follow the module contract: forward,
-// backward_input (B, the critical path) and backward_weight (W, may run later).
+// family chooses (nn/layer_part.h). Some families norm each part's output too before it joins the residual
+// stream (Gemma's sandwich: x + post1(mixer(norm1(x))), then + post2(ffn(norm2(.)))). Its three entry points
+// follow the module contract: forward, backward_input (B, the critical path) and backward_weight (W, may run
+// later).
 #pragma once
 
 #include <memory>
@@ -11,11 +13,19 @@
 
 namespace forge::nn {
 
+// A layer's RMSNorms by weight id in the store: before the mixer and before the feed-forward, and after each
+// (-1: none).
+struct LayerNorms {
+  int before_mixer = -1, after_mixer = -1, before_ffn = -1, after_ffn = -1;
+  float eps = 1e-6f;
+  float weight_offset = 0.0f;  // the norms scale by weight + offset (Gemma: 1 + w)
+};
+
 class DecoderLayer {
  public:
   struct Saved {
     Tensor x;  // layer input (always kept)
-    RmsNorm::Saved norm1, norm2;
+    RmsNorm::Saved norm1, norm2, post1, post2;
     std::unique_ptr<LayerPart::Saved> mixer, ffn;
     bool complete = false;  // false under full recompute until backward recomputes the layer
   };
@@ -24,6 +34,8 @@ class DecoderLayer {
   // norm1, norm2: ids of the two RMSNorm weights in the store.
   DecoderLayer(ParameterStore* store, int norm1, std::unique_ptr<LayerPart> mixer, int norm2,
                std::unique_ptr<LayerPart> ffn, float norm_eps, ComputeOptions options);
+  DecoderLayer(ParameterStore* store, const LayerNorms& norms, std::unique_ptr<LayerPart> mixer,
+               std::unique_ptr<LayerPart> ffn, ComputeOptions options);
 
   Tensor forward(const Tensor& x, int64_t batch, int64_t seq, Saved& saved) const;
   Tensor backward_input(const Tensor& dy, int64_t batch, int64_t seq, Saved& saved) const;
@@ -39,7 +51,8 @@ class DecoderLayer {
   Tensor run_forward(const Tensor& x, int64_t batch, int64_t seq, Saved& saved, bool keep_cores) const;
 
   ComputeOptions options_;
-  RmsNorm norm1_, norm2_;
+  RmsNorm norm1_, norm2_, post1_, post2_;  // post1_, post2_: absent (no store) without sandwich norms
+  bool post1_on_ = false, post2_on_ = false;
   std::unique_ptr<LayerPart> mixer_, ffn_;
 };
 

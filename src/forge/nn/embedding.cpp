@@ -5,13 +5,14 @@
 
 namespace forge::nn {
 
-Embedding::Embedding(ParameterStore* store, int weight_param, TensorParallel* tp)
+Embedding::Embedding(ParameterStore* store, int weight_param, TensorParallel* tp, float scale)
     : store_(store),
       weight_(weight_param),
       vocab_(store->info(weight_param).shape.at(0)),
       dim_(store->info(weight_param).shape.at(1)),
       tp_(tp && tp->size() > 1 ? tp : nullptr),
-      first_(store->info(weight_param).shard.dim == 0 ? store->info(weight_param).shard.start : 0) {}
+      first_(store->info(weight_param).shard.dim == 0 ? store->info(weight_param).shard.start : 0),
+      scale_(scale) {}
 
 Tensor Embedding::forward(const int32_t* ids, int64_t rows) const {
   // Vocabulary-parallel: each rank looks up the ids of its range (zero rows for the others'), and the partial
@@ -23,12 +24,19 @@ Tensor Embedding::forward(const int32_t* ids, int64_t rows) const {
   p.out = y.f32();
   p.vocab_parallel = tp_ != nullptr, p.first = first_;
   ops::embedding_forward(p, device);
+  if (scale_ != 1.0f) ops::scale_inplace(y.f32(), scale_, y.numel(), device);
   return tp_ ? tp_->reduce_out(y) : y;
 }
 
 void Embedding::backward_weight(const int32_t* ids, const Tensor& dy_in) const {
-  if (!store_->trainable(weight_)) return;                // frozen: no weight gradient
-  const Tensor dy = tp_ ? tp_->gather_in(dy_in) : dy_in;  // sequence parallel: every row's gradient
+  if (!store_->trainable(weight_)) return;          // frozen: no weight gradient
+  Tensor dy = tp_ ? tp_->gather_in(dy_in) : dy_in;  // sequence parallel: every row's gradient
+  if (scale_ != 1.0f) {                             // d(scale e)/de: the caller's gradient stays as it was
+    Tensor scaled = Tensor::empty(dy.shape(), DType::f32, store_->device());
+    scaled.copy_from(dy);
+    ops::scale_inplace(scaled.f32(), scale_, scaled.numel(), store_->device());
+    dy = scaled;
+  }
   ops::EmbeddingParams p;
   p.rows = dy.numel() / dim_, p.dim = dim_, p.vocab = vocab_, p.ids = ids, p.dout = dy.f32();
   p.vocab_parallel = tp_ != nullptr, p.first = first_;

@@ -15,7 +15,8 @@ namespace forge::nn {
 class Embedding {
  public:
   Embedding() = default;
-  Embedding(ParameterStore* store, int weight_param, TensorParallel* tp = nullptr);
+  // scale != 1: the looked-up rows are multiplied by it (Gemma's sqrt(hidden)), and so is their gradient.
+  Embedding(ParameterStore* store, int weight_param, TensorParallel* tp = nullptr, float scale = 1.0f);
   Tensor forward(const int32_t* ids, int64_t rows) const;
   void backward_weight(const int32_t* ids, const Tensor& dy) const;
 
@@ -25,6 +26,7 @@ class Embedding {
   int64_t vocab_ = 0, dim_ = 0;
   TensorParallel* tp_ = nullptr;
   int64_t first_ = 0;  // global id of local row 0
+  float scale_ = 1.0f;
 };
 
 }  // namespace forge::nn

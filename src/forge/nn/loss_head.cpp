@@ -11,8 +11,13 @@
 namespace forge::nn {
 
 LossHead::LossHead(ParameterStore* store, int weight, int64_t vocab, int64_t vocab_start,
-                   ComputeOptions options)
-    : store_(store), weight_(weight), vocab_(vocab), vocab_start_(vocab_start), options_(options) {
+                   ComputeOptions options, float softcap)
+    : store_(store),
+      weight_(weight),
+      vocab_(vocab),
+      vocab_start_(vocab_start),
+      options_(options),
+      softcap_(softcap) {
   const Shape& shape = store->info(weight).shape;
   local_vocab_ = shape.at(0), dim_ = shape.at(1);
 }
@@ -61,6 +66,7 @@ LossTotals LossHead::forward(const Tensor& hidden, const int32_t* targets, const
   p.rows = rows, p.dim = dim_, p.vocab = local_vocab_;
   p.vocab_start = vocab_start_, p.global_vocab = vocab_;
   p.gemm_dtype = options_.gemm_dtype;
+  p.softcap = softcap_;
   // GPUs want few, large GEMMs: 16 chunks for a 128K vocabulary (a 256 MiB workspace at 8192 rows).
   if (options_.kernel_device() != Device::cpu) p.vocab_chunk = 8192;
   p.hidden_gemm = hidden_gemm.raw(), p.weight_gemm = weight.raw();
@@ -127,6 +133,7 @@ Tensor LossHead::logits(const Tensor& hidden) const {
   p.a = hidden_gemm.raw(), p.lda = p.k, p.b = weight.raw(), p.ldb = p.k, p.trans_b = true;
   p.ab_dtype = options_.gemm_dtype, p.c = out.f32(), p.ldc = local;
   ops::gemm(p, options_.device);
+  if (softcap_ > 0.0f) ops::softcap_inplace(out.f32(), softcap_, out.numel(), options_.device);
   if (!group) return out;
   // Gather the vocabulary ranges and drop the padding: [tp, rows, local] -> [rows, vocab].
   const int n = group->size();

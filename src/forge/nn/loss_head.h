@@ -25,7 +25,10 @@ class LossHead {
  public:
   LossHead() = default;
   // vocab: the real vocabulary; vocab_start: the global id of this rank's first row of the weight.
-  LossHead(ParameterStore* store, int weight, int64_t vocab, int64_t vocab_start, ComputeOptions options);
+  // softcap > 0: logits soft-capped to softcap * tanh(z / softcap) (Gemma 2's final_logit_softcapping), in
+  // the loss and in logits() alike.
+  LossHead(ParameterStore* store, int weight, int64_t vocab, int64_t vocab_start, ComputeOptions options,
+           float softcap = 0.0f);
 
   // hidden [rows, dim] (this rank's rows under sequence parallelism): the loss over the targets (host array
   // `targets` and the same on the model's device, negative = ignored). With dhidden it also computes the
@@ -48,6 +51,7 @@ class LossHead {
   int weight_ = -1;
   int64_t vocab_ = 0, local_vocab_ = 0, vocab_start_ = 0, dim_ = 0;
   ComputeOptions options_;
+  float softcap_ = 0.0f;
 };
 
 }  // namespace forge::nn

@@ -5,17 +5,19 @@
 
 namespace forge::nn {
 
-Mlp::Mlp(ParameterStore* store, MlpParams params, int64_t hidden, int64_t ffn, ComputeOptions options)
+Mlp::Mlp(ParameterStore* store, MlpParams params, int64_t hidden, int64_t ffn, ComputeOptions options,
+         ops::GluActivation activation)
     : gate_up_(store, {params.gate, params.up}, hidden, options),
       down_(store, {params.down}, ffn, options),
       ffn_(ffn),
-      options_(options) {}
+      options_(options),
+      activation_(activation) {}
 
 Tensor Mlp::activation(const Tensor& gate_up) const {
   int64_t rows = gate_up.numel() / (2 * ffn_);
   Tensor act = Tensor::empty({rows, ffn_}, DType::f32, options_.device);
   ops::SwigluParams p;
-  p.rows = rows, p.ffn = ffn_, p.gate_up = gate_up.f32(), p.out = act.f32();
+  p.rows = rows, p.ffn = ffn_, p.activation = activation_, p.gate_up = gate_up.f32(), p.out = act.f32();
   ops::swiglu_forward(p, options_.device);
   return act;
 }
@@ -39,7 +41,9 @@ Tensor Mlp::backward_input(const Tensor& dy, Saved& saved) const {
   int64_t rows = dact.numel() / ffn_;
   Tensor dgate_up = Tensor::empty({rows, 2 * ffn_}, DType::f32, options_.device);
   ops::SwigluParams p;
-  p.rows = rows, p.ffn = ffn_, p.gate_up = saved.gate_up.f32(), p.dout = dact.f32(), p.dgate_up = dgate_up.f32();
+  p.rows = rows, p.ffn = ffn_, p.activation = activation_, p.gate_up = saved.gate_up.f32(),
+  p.dout = dact.f32();
+  p.dgate_up = dgate_up.f32();
   ops::swiglu_backward(p, options_.device);
   saved.gate_up = Tensor();
   saved.dgate_up = gate_up_.grad_output(dgate_up);

@@ -1,6 +1,8 @@
-// SwiGLU MLP: down(silu(gate(x)) * up(x)), with gate|up as one fused GEMM over adjacent weights.
+// Gated MLP: down(act(gate(x)) * up(x)), with gate|up as one fused GEMM over adjacent weights; act is silu
+// (SwiGLU) or the tanh GELU (GeGLU, Gemma).
 #pragma once
 
+#include "forge/kernels/ops.h"
 #include "forge/nn/compute.h"
 #include "forge/nn/layer_part.h"
 #include "forge/nn/linear.h"
@@ -15,15 +17,16 @@ struct MlpParams {
 class Mlp final : public LayerPart {
  public:
   struct Saved : LayerPart::Saved {
-    GemmOperand h;           // input of gate|up (as its GEMMs read it)
-    Tensor gate_up;          // fp32 [rows, 2*ffn]
-    GemmOperand act;         // silu(gate)*up as the down projection's operand (absent under selective)
+    GemmOperand h;             // input of gate|up (as its GEMMs read it)
+    Tensor gate_up;            // fp32 [rows, 2*ffn]
+    GemmOperand act;           // silu(gate)*up as the down projection's operand (absent under selective)
     GemmOperand dy, dgate_up;  // kept from backward_input for backward_weight
   };
 
   Mlp() = default;
   // ffn: this rank's share of the intermediate size (its tensor-parallel shard).
-  Mlp(ParameterStore* store, MlpParams params, int64_t hidden, int64_t ffn, ComputeOptions options);
+  Mlp(ParameterStore* store, MlpParams params, int64_t hidden, int64_t ffn, ComputeOptions options,
+      ops::GluActivation activation = ops::GluActivation::silu);
 
   Tensor forward(const Tensor& h, Saved& saved, bool keep_activation) const;
   Tensor backward_input(const Tensor& dy, Saved& saved) const;
@@ -36,7 +39,9 @@ class Mlp final : public LayerPart {
   Tensor backward_input(const Tensor& dy, int64_t, int64_t, LayerPart::Saved& saved) const override {
     return backward_input(dy, static_cast<Saved&>(saved));
   }
-  void backward_weight(LayerPart::Saved& saved) const override { backward_weight(static_cast<Saved&>(saved)); }
+  void backward_weight(LayerPart::Saved& saved) const override {
+    backward_weight(static_cast<Saved&>(saved));
+  }
   Tensor forward_cached(const Tensor& h, int64_t, int64_t, const KvLayer*) const override {
     Saved scratch;
     return forward(h, scratch, false);
@@ -47,6 +52,7 @@ class Mlp final : public LayerPart {
   Linear gate_up_, down_;
   int64_t ffn_ = 0;
   ComputeOptions options_;
+  ops::GluActivation activation_ = ops::GluActivation::silu;
 };
 
 }  // namespace forge::nn

@@ -4,8 +4,12 @@
 
 namespace forge::nn {
 
-RmsNorm::RmsNorm(ParameterStore* store, int weight_param, float eps)
-    : store_(store), weight_(weight_param), dim_(store->info(weight_param).shape.at(0)), eps_(eps) {}
+RmsNorm::RmsNorm(ParameterStore* store, int weight_param, float eps, float weight_offset)
+    : store_(store),
+      weight_(weight_param),
+      dim_(store->info(weight_param).shape.at(0)),
+      eps_(eps),
+      offset_(weight_offset) {}
 
 Tensor RmsNorm::forward(const Tensor& x, Saved& saved) const {
   int64_t rows = x.numel() / dim_;
@@ -15,6 +19,7 @@ Tensor RmsNorm::forward(const Tensor& x, Saved& saved) const {
   saved.rstd = Tensor::empty({rows}, DType::f32, device);
   ops::RmsNormParams p;
   p.rows = rows, p.dim = dim_, p.x = x.f32(), p.weight = store_->param(weight_).f32(), p.eps = eps_;
+  p.weight_offset = offset_;
   p.y = y.f32(), p.rstd = saved.rstd.f32();
   ops::rmsnorm_forward(p, device);
   return y;
@@ -25,6 +30,7 @@ Tensor RmsNorm::backward_input(const Tensor& dy, Saved& saved) const {
   Tensor dx = Tensor::empty(dy.shape(), DType::f32, store_->device());
   ops::RmsNormParams p;
   p.rows = rows, p.dim = dim_, p.x = saved.x.f32(), p.weight = store_->param(weight_).f32(), p.eps = eps_;
+  p.weight_offset = offset_;
   p.rstd = saved.rstd.f32(), p.dy = dy.f32(), p.dx = dx.f32();
   ops::rmsnorm_backward_input(p, store_->device());
   saved.dy = dy;

@@ -1,4 +1,5 @@
-// RMSNorm module: y = w * x / sqrt(mean(x^2) + eps) over the last dimension.
+// RMSNorm module: y = w * x / sqrt(mean(x^2) + eps) over the last dimension; with a weight offset the scale
+// is w + offset (Gemma's RMSNorm scales by 1 + w, its weights starting at zero).
 #pragma once
 
 #include "forge/core/parameters.h"
@@ -13,7 +14,7 @@ class RmsNorm {
   };
 
   RmsNorm() = default;
-  RmsNorm(ParameterStore* store, int weight_param, float eps);
+  RmsNorm(ParameterStore* store, int weight_param, float eps, float weight_offset = 0.0f);
 
   Tensor forward(const Tensor& x, Saved& saved) const;
   // Returns dx (fresh tensor).
@@ -25,6 +26,7 @@ class RmsNorm {
   int weight_ = -1;
   int64_t dim_ = 0;
   float eps_ = 1e-5f;
+  float offset_ = 0.0f;
 };
 
 }  // namespace forge::nn

@@ -223,6 +223,7 @@ ops::AttentionParams block_params(const Dims& d, const ops::AttentionParams& p, 
   // queries and keys start together; an earlier block's queries sit `offset` after its keys).
   // (Without a window the offset changes nothing, and is left out: the GPU kernels take square blocks only.)
   a.window = p.window;
+  a.softcap = p.softcap;
   if (!causal && p.window > 0) a.q_offset = offset;
   return a;
 }
@@ -469,6 +470,7 @@ struct Ulysses {
     a.scale = p.scale;
     a.causal = true;
     a.window = p.window;  // whole sequences in order: the window applies as it is
+    a.softcap = p.softcap;
     return a;
   }
 };

@@ -66,6 +66,7 @@ struct Case {
   int64_t v_head_dim = 0;     // columns of v and out per head (0 = head_dim)
   bool v_aliases_k = false;   // v = the first v_head_dim columns of each key row (MLA's absorbed decode)
   int64_t window = 0;         // > 0: the query at position p sees keys j > p - window (sliding window)
+  float softcap = 0.0f;       // > 0: scores s become softcap * tanh(s / softcap) (Gemma 2)
   std::string name() const {
     std::string s = "b" + std::to_string(batch) + "_t" + std::to_string(seq) + "_h" + std::to_string(heads) +
                     "_kvh" + std::to_string(kv_heads) + "_d" + std::to_string(head_dim) +
@@ -78,6 +79,7 @@ struct Case {
     if (v_head_dim) s += "_v" + std::to_string(v_head_dim);
     if (v_aliases_k) s += "_alias";
     if (window) s += "_w" + std::to_string(window) + (kv_seq ? "" : "_at" + std::to_string(q_offset));
+    if (softcap > 0.0f) s += "_cap" + std::to_string(static_cast<int>(softcap * 10));
     return s;
   }
 };
@@ -181,6 +183,23 @@ inline const std::vector<Case> kWindowCases = {
     {1, 150, 4, 2, 16, false, true, 3, 0, 150, false, 1.0f, 0, false, 200},  // ring block over three blocks
     {1, 16, 2, 1, 16, false, true, 0, 0, 16, false, 1.0f, 0, false, 20},  // ring block of 16: decode kernel
 };
+// Logit soft-capping (CPU only: the CUDA kernels refuse it). Caps small enough to bend most scores (the
+// op tests' scores reach about +-8 at scale x2), on training's square attention (one and several blocks,
+// GQA, with a window), a ring block, the cache's prefill tiles and decode.
+inline const std::vector<Case> kSoftcapCases = {
+    {1, 6, 4, 2, 16, true, true, 3, 0, 0, false, 2.0f, 0, false, 0, 2.0f},      // finite differences
+    {2, 5, 2, 1, 16, false, true, 3, 0, 0, false, 2.0f, 0, false, 0, 1.0f},     // full, cap 1
+    {1, 67, 1, 1, 4, true, true, 3, 0, 0, false, 2.0f, 0, false, 20, 3.0f},     // two blocks, window
+    {2, 150, 4, 2, 16, true, true, 3, 0, 0, false, 3.0f, 0, false, 0, 5.0f},    // three blocks, peaky
+    {1, 130, 2, 2, 24, true, false, 5, 0, 0, false, 1.0f, 8, false, 0, 50.0f},  // Gemma 2's cap, narrower v
+    {1, 20, 2, 1, 8, false, true, 3, 0, 20, false, 2.0f, 0, false, 25, 2.0f},   // ring block
+};
+inline const std::vector<Case> kSoftcapCacheCases = {
+    {1, 40, 4, 2, 16, true, false, 3, 100, 60, false, 2.0f, 0, false, 0, 2.0f},  // prefill tiles
+    {2, 1, 4, 2, 16, true, false, 3, 300, 299, true, 2.0f, 0, false, 70, 2.0f},  // decode, window
+    {1, 3, 4, 4, 24, true, false, 3, 43, 40, true, 3.0f, 0, false, 0, 1.5f},     // three queries
+};
+
 inline const std::vector<Case> kWindowCacheCases = {
     {1, 40, 4, 2, 16, true, false, 3, 100, 60, false, 1.0f, 0, false, 30},  // prefill tiles onto a cache
     {2, 1, 4, 2, 16, true, false, 3, 300, 299, true, 1.0f, 0, false, 70},   // decode step, chunks cut
@@ -265,6 +284,7 @@ struct Problem {
     p.scale = c.scale_factor / std::sqrt(static_cast<float>(c.head_dim));
     p.causal = c.causal;
     p.window = c.window;
+    p.softcap = c.softcap;
     p.q_offset = c.q_offset;  // square attention: only without the causal mask (a ring block)
     if (c.kv_seq) {
       p.kv_seq = kv_seq, p.q_offset = c.q_offset;
@@ -335,7 +355,7 @@ inline Reference reference(const Problem& pr, const std::vector<double>& in, boo
   Reference r;
   r.out.assign(pr.out.size(), 0.0), r.lse.assign(pr.lse.size(), 0.0);
   if (backward) r.grads.assign(pr.grads.size(), 0.0);
-  std::vector<double> s(pr.kv_seq), dp(pr.kv_seq);
+  std::vector<double> s(pr.kv_seq), dp(pr.kv_seq), capped(pr.kv_seq);
   for (int64_t b = 0; b < c.batch; ++b)
     for (int64_t h = 0; h < c.heads; ++h)
       for (int64_t t = 0; t < c.seq; ++t) {
@@ -348,8 +368,11 @@ inline Reference reference(const Problem& pr, const std::vector<double>& in, boo
           const double* k = &in[pr.k_at(b, j, g)];
           double x = 0;
           for (int64_t i = 0; i < d; ++i) x += q[i] * k[i];
-          s[j] = scale * x, m = std::max(m, s[j]);
+          s[j] = scale * x;
+          if (c.softcap > 0) s[j] = c.softcap * std::tanh(s[j] / c.softcap);
+          m = std::max(m, s[j]);
         }
+        for (int64_t j = first; j < keys; ++j) capped[j] = s[j];
         double sum = 0;
         for (int64_t j = first; j < keys; ++j) sum += std::exp(s[j] - m);
         r.lse[(b * c.heads + h) * c.seq + t] = m + std::log(sum);
@@ -369,7 +392,11 @@ inline Reference reference(const Problem& pr, const std::vector<double>& in, boo
           delta += s[j] * dp[j];
         }
         for (int64_t j = first; j < keys; ++j) {
-          const double ds = s[j] * (dp[j] - delta);
+          double ds = s[j] * (dp[j] - delta);
+          if (c.softcap > 0) {  // d(capped)/ds = 1 - tanh^2, from the capped score kept in cap[j]
+            const double t = capped[j] / c.softcap;
+            ds *= 1 - t * t;
+          }
           const double* k = &in[pr.k_at(b, j, g)];
           for (int64_t i = 0; i < dv; ++i) r.grads[pr.v_at(b, j, g) + i] += s[j] * dout[i];
           for (int64_t i = 0; i < d; ++i) {

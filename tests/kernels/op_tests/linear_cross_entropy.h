@@ -68,6 +68,7 @@ struct Case {
   float grad_scale = 1.0f;
   bool optional_outputs = true;  // target_logit and max_logit asked for
   float spread = 1.0f;           // hidden and weight uniform in [-spread, spread]
+  float softcap = 0.0f;          // > 0: logits capped to softcap * tanh(z / softcap) (Gemma 2)
   std::string name() const { return label; }
 };
 
@@ -112,6 +113,16 @@ inline const std::vector<Case> kCases = {
     {"f32_range_all_padding", 9, 16, 40, 16, DType::f32, 700, 650, 1.0f},
 };
 
+// Logit soft-capping (CPU only: the CUDA kernel refuses it). Caps that bend most logits (they reach about
+// +-10 at spread 1.5 and dim 16..72): small shapes for finite differences, bf16, a vocabulary range.
+inline const std::vector<Case> kSoftcapCases = {
+    {"f32_small_cap2", 9, 16, 37, 8, DType::f32, 0, 0, 0.25f, true, 1.5f, 2.0f},
+    {"f32_tiny_cap5", 5, 6, 37, 64, DType::f32, 0, 0, 0.25f, true, 1.5f, 5.0f},
+    {"f32_chunk37_cap3", 64, 48, 300, 37, DType::f32, 0, 0, 0.25f, true, 1.5f, 3.0f},
+    {"bf16_chunk37_cap30", 64, 48, 300, 37, DType::bf16, 0, 0, 0.25f, true, 1.5f, 30.0f},
+    {"f32_vocab_range_cap4", 33, 64, 500, 128, DType::f32, 300, 650, 0.5f, true, 1.0f, 4.0f},
+};
+
 // The all-vector-width shapes, with a workspace one float past 16-byte alignment: the CUDA row kernels take
 // their scalar paths (same groups, same order) and must still agree with the CPU.
 inline const std::vector<Case> kMisalignedWorkspaceCases = {
@@ -142,6 +153,7 @@ struct Problem {
     p.rows = c.rows, p.dim = c.dim, p.vocab = c.vocab, p.vocab_chunk = c.chunk, p.gemm_dtype = c.dtype;
     p.vocab_start = c.vocab_start, p.global_vocab = c.global_vocab, p.grad_scale = c.grad_scale;
     p.keep_logits = keep_logits;
+    p.softcap = c.softcap;
     return p;
   }
 };
@@ -261,6 +273,7 @@ inline Reference reference(const Problem& pr, const std::vector<double>& h, cons
     for (int64_t v = 0; v < real; ++v) {
       double sum = 0;
       for (int64_t k = 0; k < dim; ++k) sum += h[r * dim + k] * w[v * dim + k];
+      if (c.softcap > 0) sum = c.softcap * std::tanh(sum / c.softcap);
       logits[v] = sum, max = std::max(max, sum);
     }
     double sum = 0;
@@ -273,7 +286,8 @@ inline Reference reference(const Problem& pr, const std::vector<double>& h, cons
     ref.loss[r] = ref.lse[r] - ref.target_logit[r];
     const double lse_in = backward_lse ? double{(*backward_lse)[r]} : ref.lse[r];
     for (int64_t v = 0; v < real; ++v) {
-      const double d = (std::exp(logits[v] - lse_in) - (in_range && v == column ? 1.0 : 0.0)) * s;
+      double d = (std::exp(logits[v] - lse_in) - (in_range && v == column ? 1.0 : 0.0)) * s;
+      if (c.softcap > 0) d *= 1 - (logits[v] / c.softcap) * (logits[v] / c.softcap);
       for (int64_t k = 0; k < dim; ++k) {
         ref.dhidden[r * dim + k] += d * w[v * dim + k];
         ref.dweight[v * dim + k] += d * h[r * dim + k];
@@ -326,6 +340,8 @@ inline void expect_max_logit_exact(const Problem& pr, const std::vector<float>& 
         const double product = double{pr.hidden[r * c.dim + k]} * pr.weight[v * c.dim + k];
         sum += product, magnitude += std::abs(product);
       }
+      // Capping is monotone and 1-Lipschitz: the capped max within the same bound, plus tanh's roundings.
+      if (c.softcap > 0) sum = c.softcap * std::tanh(sum / c.softcap), magnitude += 4 * c.softcap;
       want[r] = std::max(want[r], sum), bound[r] = std::max(bound[r], 2 * (c.dim + 8) * kU * magnitude);
     }
   const std::vector<float> want_f32(want.begin(), want.end());

@@ -41,6 +41,7 @@ using namespace attention_tiles;  // the tile toolkit is this file's vocabulary
 // Expects parameters with their defaults resolved (with_defaults).
 struct Geometry {
   int64_t batch, seq, heads, kv_heads, head_dim, v_dim, group, blocks, kv_seq, q_offset, window;
+  SoftCap softcap;
   explicit Geometry(const ops::AttentionParams& p)
       : batch(p.batch),
         seq(p.seq),
@@ -52,7 +53,8 @@ struct Geometry {
         blocks((p.seq + kBlock - 1) / kBlock),
         kv_seq(p.kv_seq),
         q_offset(p.q_offset),
-        window(p.window) {}
+        window(p.window),
+        softcap(p.softcap) {}
   // Offset of token t of batch b, head h in a [batch, seq, heads, head_dim] view with token stride `stride`.
   int64_t at(int64_t b, int64_t t, int64_t h, int64_t stride) const {
     return (b * seq + t) * stride + h * head_dim;
@@ -100,6 +102,8 @@ bool supports(const ops::AttentionParams& p, bool backward, std::string* reason)
     return refuse(reason, "attention: heads {} not a multiple of kv_heads {}", p.heads, p.kv_heads);
   if (p.v_head_dim < 0) return refuse(reason, "attention: negative v_head_dim {}", p.v_head_dim);
   if (p.window < 0) return refuse(reason, "attention: negative window {}", p.window);
+  if (!(p.softcap >= 0.0f && std::isfinite(p.softcap)))
+    return refuse(reason, "attention: softcap {} must be finite and >= 0", p.softcap);
   const int64_t v_dim = p.v_head_dim == 0 ? p.head_dim : p.v_head_dim;
   if (!(p.kv_seq >= 0 && p.q_offset >= 0 && p.k_batch_stride >= 0 && p.v_batch_stride >= 0 &&
         p.k_head_stride >= 0 && p.v_head_stride >= 0))
@@ -201,15 +205,17 @@ void forward_block(const ops::AttentionParams& p, const Geometry& g, const Item&
     tile_gemm<true, Init::zero>(nk, kr, dim, dim, qt, st);
     // Online softmax per query lane: running max m and sum l, the old output rescaled by alpha.
     const bool masked = p.causal && k0 + nk - 1 > first_query, cut = g.window_cuts(k0, last_query);
+    const bool capped = g.softcap.on();
     Vec m_new[kVectors];
     for (int i = 0; i < kVectors; ++i) m_new[i] = m[i];
     for (int64_t j = 0; j < nk; ++j) {
       const Vec key = splat(static_cast<float>(k0 + j));
       for (int i = 0; i < kVectors; ++i) {
         Vec s = load(st + j * kBlock + i * kLanes);
+        if (capped) s = g.softcap.apply(s);
         if (masked) s = select_less(query.v[i], key, splat(-kInfinity), s);
         if (cut) s = outside_window(query.v[i], k0 + j, g.window, splat(-kInfinity), s);
-        if (masked || cut) store(st + j * kBlock + i * kLanes, s);
+        if (masked || cut || capped) store(st + j * kBlock + i * kLanes, s);
         m_new[i] = max(m_new[i], s);
       }
     }
@@ -245,6 +251,9 @@ void forward_block(const ops::AttentionParams& p, const Geometry& g, const Item&
 }
 
 // ---- backward ----
+
+// Under soft-capping a score's gradient is the capped score's times 1 - tanh^2.
+inline Vec capped_slope(const Vec& tanh) { return sub(splat(1.0f), mul(tanh, tanh)); }
 
 // delta[b, h, t] = <dout_t, out_t> for every row (FlashAttention-2's D = rowsum(dO o O)).
 void row_dots(const ops::AttentionParams& p, const Geometry& g, float* delta) {
@@ -326,11 +335,15 @@ void backward_key_block(const ops::AttentionParams& p, const Geometry& g, const 
         const Vec first_key = splat(static_cast<float>(g.first_key(first_query + i)));
         const Vec row_lse = splat(lse[i] * kLog2e), row_d = splat(row_delta[i]);
         for (int v = 0; v < kVectors; ++v) {
-          Vec prob = pow2(sub(load(pt + i * kBlock + v * kLanes), row_lse));
+          Vec score = load(pt + i * kBlock + v * kLanes), slope = splat(1.0f);
+          if (g.softcap.on()) score = g.softcap.apply(score, slope), slope = capped_slope(slope);
+          Vec prob = pow2(sub(score, row_lse));
           if (masked) prob = select_less(last_key, key.v[v], splat(0.0f), prob);
           if (cut) prob = select_less(key.v[v], first_key, splat(0.0f), prob);
           store(pt + i * kBlock + v * kLanes, prob);
-          store(dst + i * kBlock + v * kLanes, mul(prob, sub(load(dst + i * kBlock + v * kLanes), row_d)));
+          Vec ds = mul(prob, sub(load(dst + i * kBlock + v * kLanes), row_d));
+          if (g.softcap.on()) ds = mul(ds, slope);
+          store(dst + i * kBlock + v * kLanes, ds);
         }
       }
       tile_gemm<false, Init::accumulate>(v_dim, dor, v_dim, nq, pt, dvt);  // dV^T += dout^T P
@@ -406,11 +419,14 @@ void backward_query_block(const ops::AttentionParams& p, const Geometry& g, cons
     for (int64_t j = 0; j < nk; ++j) {
       const Vec key = splat(static_cast<float>(k0 + j));
       for (int i = 0; i < kVectors; ++i) {
-        Vec prob = pow2(sub(load(st + j * kBlock + i * kLanes), lse_lanes[i]));
+        Vec score = load(st + j * kBlock + i * kLanes), slope = splat(1.0f);
+        if (g.softcap.on()) score = g.softcap.apply(score, slope), slope = capped_slope(slope);
+        Vec prob = pow2(sub(score, lse_lanes[i]));
         if (masked) prob = select_less(query.v[i], key, splat(0.0f), prob);
         if (cut) prob = outside_window(query.v[i], k0 + j, g.window, splat(0.0f), prob);
-        store(dst + j * kBlock + i * kLanes,
-              mul(prob, sub(load(dst + j * kBlock + i * kLanes), delta_lanes[i])));
+        Vec ds = mul(prob, sub(load(dst + j * kBlock + i * kLanes), delta_lanes[i]));
+        if (g.softcap.on()) ds = mul(ds, slope);
+        store(dst + j * kBlock + i * kLanes, ds);
       }
     }
     // dQ^T[d, i] += sum_j k[j, d] dS[j, i]

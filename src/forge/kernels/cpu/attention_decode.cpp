@@ -120,6 +120,7 @@ void decode_chunk(const ops::AttentionParams& p, const DecodeGeometry& g, int64_
   std::fill(m, m + g.rows, -kInfinity);
   std::fill(l, l + g.rows, 0.0f);
 
+  const SoftCap softcap(p.softcap);
   const int64_t key_begin = chunk * kChunkKeys;
   int64_t key_end = std::min(g.kv_seq, key_begin + kChunkKeys);
   if (p.causal) key_end = std::min(key_end, g.q_offset + g.seq);
@@ -166,6 +167,8 @@ void decode_chunk(const ops::AttentionParams& p, const DecodeGeometry& g, int64_
       const int64_t hidden = std::max<int64_t>(0, g.first_key(p, r) - k0);
       if (visible <= hidden) continue;
       float* s = st + r * kBlock;
+      if (softcap.on())
+        for (int i = 0; i < kVectors; ++i) store(s + i * kLanes, softcap.apply(load(s + i * kLanes)));
       std::fill(s, s + hidden, -kInfinity);
       std::fill(s + visible, s + kBlock, -kInfinity);
       Vec row_max = load(s);

@@ -43,6 +43,7 @@ inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }  // a
 inline Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
 inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec div(Vec a, Vec b) { return _mm512_div_ps(a, b); }
 inline Vec max(Vec a, Vec b) { return _mm512_max_ps(a, b); }  // NaN in a gives b
 inline Vec min(Vec a, Vec b) { return _mm512_min_ps(a, b); }
 // Lanes where a < b take `yes`, the others `no`.
@@ -71,6 +72,7 @@ inline Vec fmadd(const Vec& a, const Vec& b, const Vec& c) { return a * b + c; }
 inline Vec add(const Vec& a, const Vec& b) { return a + b; }
 inline Vec sub(const Vec& a, const Vec& b) { return a - b; }
 inline Vec mul(const Vec& a, const Vec& b) { return a * b; }
+inline Vec div(const Vec& a, const Vec& b) { return a / b; }
 inline Vec max(const Vec& a, const Vec& b) { return a > b ? a : b; }
 inline Vec min(const Vec& a, const Vec& b) { return a < b ? a : b; }
 inline Vec select_less(const Vec& a, const Vec& b, const Vec& yes, const Vec& no) { return a < b ? yes : no; }
@@ -115,6 +117,40 @@ inline Vec pow2(const Vec& exponent) {
   p = fmadd(p, f, splat(1.000000119e+00f));
   return scale_by_pow2(p, n);
 }
+
+// tanh(x), relative error below 1e-6: x (1 - x^2/3 + 2x^4/15 - 17x^6/315 + 62x^8/2835) where |x| < 1/8, else
+// sign(x) (1 - e) / (1 + e) with e = exp(-2|x|) <= exp(-1/4), which cancels at most 4.5 times there.
+inline Vec tanh_approx(const Vec& x) {
+  const Vec zero = splat(0.0f), one = splat(1.0f);
+  const Vec a = max(x, sub(zero, x));
+  const Vec e = pow2(mul(a, splat(-2.0f * kLog2e)));
+  const Vec large = div(sub(one, e), add(one, e));
+  const Vec x2 = mul(x, x);
+  Vec p = splat(62.0f / 2835.0f);
+  p = fmadd(p, x2, splat(-17.0f / 315.0f));
+  p = fmadd(p, x2, splat(2.0f / 15.0f));
+  p = fmadd(p, x2, splat(-1.0f / 3.0f));
+  p = fmadd(p, x2, one);
+  return select_less(a, splat(0.125f), mul(p, x), select_less(x, zero, sub(zero, large), large));
+}
+
+// Logit soft-capping of base-2 scores (AttentionParams::softcap): a natural score s = t ln 2 becomes
+// c tanh(s / c), which in base 2 is C tanh(t / C) with C = c log2(e). `tanh` receives tanh(t / C), which the
+// backward's 1 - tanh^2 needs.
+struct SoftCap {
+  float cap = 0.0f, inverse = 0.0f;  // C and 1 / C; cap 0: off
+  explicit SoftCap(float softcap)
+      : cap(softcap > 0.0f ? softcap * kLog2e : 0.0f), inverse(softcap > 0.0f ? 1.0f / cap : 0.0f) {}
+  bool on() const { return cap > 0.0f; }
+  Vec apply(const Vec& t, Vec& tanh) const {
+    tanh = tanh_approx(mul(t, splat(inverse)));
+    return mul(splat(cap), tanh);
+  }
+  Vec apply(const Vec& t) const {
+    Vec tanh;
+    return apply(t, tanh);
+  }
+};
 
 // Lane l of vector v holds index first + v * kLanes + l (queries or keys of a tile), as floats for compares.
 struct LaneIndex {

@@ -2,6 +2,7 @@
 // fixed-size blocks and adds the block sums in order, so the gradient norm is the same bitwise whatever
 // the thread count.
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "forge/kernels/cpu/cpu_kernels.h"
@@ -18,6 +19,9 @@ constexpr int64_t kSumBlock = 1 << 14;
 // The element-wise ops take any size (n <= 0 does nothing) and dereference only what n covers.
 bool supports_add_inplace(float*, const float*, int64_t, std::string*) { return true; }
 bool supports_scale_inplace(float*, float, int64_t, std::string*) { return true; }
+bool supports_softcap_inplace(float*, float cap, int64_t, std::string* reason) {
+  return cap > 0.0f || ops::refuse(reason, "softcap_inplace: cap {} must be positive", cap);
+}
 bool supports_sum_squares(const float*, int64_t, std::string*) { return true; }
 bool supports_sum_squares_accumulate(const float*, int64_t, double* total, std::string* reason) {
   return total != nullptr || ops::refuse(reason, "sum_squares_accumulate: total is null");
@@ -31,6 +35,13 @@ void add_inplace(float* y, const float* x, int64_t n) {
 void scale_inplace(float* x, float s, int64_t n) {
 #pragma omp parallel for simd schedule(static) if (n > kParallelThreshold)
   for (int64_t i = 0; i < n; ++i) x[i] *= s;
+}
+
+void softcap_inplace(float* x, float cap, int64_t n) {
+  if (std::string why; !supports_softcap_inplace(x, cap, n, &why)) fail("{}", why);
+  const float inverse = 1.0f / cap;
+#pragma omp parallel for schedule(static) if (n > kParallelThreshold)
+  for (int64_t i = 0; i < n; ++i) x[i] = cap * std::tanh(x[i] * inverse);
 }
 
 double sum_squares(const float* x, int64_t n) {

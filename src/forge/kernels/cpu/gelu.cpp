@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "forge/kernels/cpu/cpu_kernels.h"
+#include "forge/kernels/cpu/gelu_math.h"
 #include "forge/kernels/cpu/simd_exp.h"
 
 namespace forge::cpu {
@@ -17,11 +18,9 @@ namespace {
 // Below this many elements a parallel region costs more than it saves.
 constexpr int64_t kParallelElements = 1 << 15;
 
-constexpr float kSqrtHalf = 0.70710678118654752f;     // 1 / sqrt(2)
-constexpr float kInvSqrt2Pi = 0.39894228040143268f;   // 1 / sqrt(2 pi)
-constexpr float kSqrt2OverPi = 0.79788456080286536f;  // sqrt(2 / pi)
-constexpr float kTanhCubic = 0.044715f;               // the tanh form's cubic coefficient
-constexpr float kQuick = 1.702f;                      // quick_gelu's sigmoid slope
+constexpr float kSqrtHalf = 0.70710678118654752f;    // 1 / sqrt(2)
+constexpr float kInvSqrt2Pi = 0.39894228040143268f;  // 1 / sqrt(2 pi)
+constexpr float kQuick = 1.702f;                     // quick_gelu's sigmoid slope
 
 bool supports(const ops::GeluParams& p, const char* op, bool backward, std::string* reason) {
   if (p.n < 0) return ops::refuse(reason, "{}: negative size {}", op, p.n);
@@ -32,26 +31,6 @@ bool supports(const ops::GeluParams& p, const char* op, bool backward, std::stri
   return backward ? ops::pointer_set(p.dy, op, "dy", reason) && ops::pointer_set(p.dx, op, "dx", reason)
                   : ops::pointer_set(p.out, op, "out", reason);
 }
-
-// sigmoid(t) and 1 - sigmoid(t) = sigmoid(-t) from e = exp(-|t|) <= 1 and q = 1 / (1 + e): the one is q,
-// the other e q. Neither cancels, nothing overflows, and where simd_exp flushes e to 0 (|t| > 87) they are
-// exactly 1 and 0.
-struct Sigmoid {
-  float s, complement;
-};
-inline Sigmoid sigmoid(float t) {
-  const float e = simd_exp(-std::abs(t));
-  const float q = 1.0f / (1.0f + e);
-  return t >= 0.0f ? Sigmoid{q, e * q} : Sigmoid{e * q, q};
-}
-
-// The derivatives' second term, x u'(x) s (1 - s), is 0 once the sigmoid saturates (|x| > 52 in either form);
-// x is clamped there so that x^2 stays finite (inf * 0 would be NaN).
-inline float clamp_saturated(float x) { return std::clamp(x, -100.0f, 100.0f); }
-
-// u = sqrt(2/pi) (x + 0.044715 x^3) and du/dx; gelu = x sigmoid(2u).
-inline float tanh_argument(float x) { return kSqrt2OverPi * (x + kTanhCubic * x * x * x); }
-inline float tanh_argument_slope(float x) { return kSqrt2OverPi * (1.0f + 3.0f * kTanhCubic * x * x); }
 
 }  // namespace
 
@@ -74,7 +53,7 @@ void gelu_forward(const ops::GeluParams& p) {
       break;
     case ops::GeluKind::tanh:
 #pragma omp parallel for simd schedule(static) if (parallel)
-      for (int64_t i = 0; i < p.n; ++i) out[i] = x[i] * sigmoid(2.0f * tanh_argument(x[i])).s;
+      for (int64_t i = 0; i < p.n; ++i) out[i] = gelu_tanh(x[i]);
       break;
     case ops::GeluKind::quick:
 #pragma omp parallel for simd schedule(static) if (parallel)
@@ -104,11 +83,7 @@ void gelu_backward(const ops::GeluParams& p) {
       break;
     case ops::GeluKind::tanh:
 #pragma omp parallel for simd schedule(static) if (parallel)
-      for (int64_t i = 0; i < p.n; ++i) {
-        const float v = clamp_saturated(x[i]);
-        const Sigmoid s = sigmoid(2.0f * tanh_argument(v));
-        dx[i] = dy[i] * (s.s + 2.0f * v * tanh_argument_slope(v) * s.s * s.complement);
-      }
+      for (int64_t i = 0; i < p.n; ++i) dx[i] = dy[i] * gelu_tanh_derivative(x[i]);
       break;
     case ops::GeluKind::quick:
 #pragma omp parallel for simd schedule(static) if (parallel)

@@ -33,6 +33,7 @@ bool supports(const ops::LinearCrossEntropyParams& p, const char* what, std::str
   if (p.gemm_dtype != DType::f32 && p.gemm_dtype != DType::bf16)
     return refuse(reason, "{}: gemm_dtype must be fp32 or bf16", what);
   if (p.workspace == nullptr) return refuse(reason, "{}: workspace is required", what);
+  if (!(p.softcap >= 0.0f)) return refuse(reason, "{}: softcap {} must be >= 0", what, p.softcap);
   // A range may lie wholly in the padding (a tiny vocabulary split far): it then contributes nothing.
   if (p.vocab_start < 0) return refuse(reason, "{}: negative vocabulary start {}", what, p.vocab_start);
   return true;
@@ -57,7 +58,15 @@ const void* element(const void* base, DType dtype, int64_t offset) {
   return static_cast<const char*>(base) + offset * static_cast<int64_t>(dtype_size(dtype));
 }
 
-// logits[rows, width] = hidden @ W[first : first + width]^T
+// Soft-capping (p.softcap > 0): z = softcap * tanh(z / softcap) over a chunk's logits.
+void cap_logits(const ops::LinearCrossEntropyParams& p, int64_t width, float* logits) {
+  if (p.softcap <= 0.0f) return;
+  const float cap = p.softcap, inverse = 1.0f / cap;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < p.rows * width; ++i) logits[i] = cap * std::tanh(logits[i] * inverse);
+}
+
+// logits[rows, width] = hidden @ W[first : first + width]^T, soft-capped when the head caps.
 void chunk_logits(const ops::LinearCrossEntropyParams& p, int64_t first, int64_t width, float* logits) {
   ops::GemmParams g;
   g.m = p.rows, g.n = width, g.k = p.dim;
@@ -66,6 +75,7 @@ void chunk_logits(const ops::LinearCrossEntropyParams& p, int64_t first, int64_t
   g.ab_dtype = p.gemm_dtype;
   g.c = logits, g.ldc = width;
   cpu::gemm(g);
+  cap_logits(p, width, logits);
 }
 
 }  // namespace
@@ -144,14 +154,28 @@ void linear_cross_entropy_backward(const ops::LinearCrossEntropyParams& p) {
         continue;
       }
       const float lse = p.lse[r], scale = p.grad_scale;
+      const bool here = target >= global_first && target < global_first + real;
+      if (p.softcap > 0.0f) {
+        // d(capped)/d(logit) = 1 - tanh^2 = 1 - (capped / softcap)^2, applied to softmax - onehot.
+        const float inverse = 1.0f / p.softcap;
+        const float target_capped = here ? row[target - global_first] * inverse : 0.0f;
 #pragma omp simd
-      for (int64_t j = 0; j < real; ++j) {
-        // Flush what would be denormal: it changes nothing and would slow both GEMMs dramatically.
-        const float d = simd_exp(row[j] - lse) * scale;
-        row[j] = std::abs(d) < std::numeric_limits<float>::min() ? 0.0f : d;
+        for (int64_t j = 0; j < real; ++j) {
+          const float t = row[j] * inverse;
+          const float d = simd_exp(row[j] - lse) * scale * (1.0f - t * t);
+          row[j] = std::abs(d) < std::numeric_limits<float>::min() ? 0.0f : d;
+        }
+        if (here) row[target - global_first] -= scale * (1.0f - target_capped * target_capped);
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < real; ++j) {
+          // Flush what would be denormal: it changes nothing and would slow both GEMMs dramatically.
+          const float d = simd_exp(row[j] - lse) * scale;
+          row[j] = std::abs(d) < std::numeric_limits<float>::min() ? 0.0f : d;
+        }
+        if (here) row[target - global_first] -= scale;
       }
       std::fill(row + real, row + width, 0.0f);
-      if (target >= global_first && target < global_first + real) row[target - global_first] -= scale;
     }
     const void* a = dlogits;
     if (bf16) {

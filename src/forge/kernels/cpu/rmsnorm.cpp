@@ -40,6 +40,7 @@ void rmsnorm_forward(const ops::RmsNormParams& p) {
   check(p, "rmsnorm_forward");
   const int64_t dim = p.dim;
   const float* weight = p.weight;
+  const float offset = p.weight_offset;
 #pragma omp parallel for schedule(static) if (p.rows * dim > kParallelElements)
   for (int64_t r = 0; r < p.rows; ++r) {
     const float* x = p.x + r * dim;
@@ -50,16 +51,17 @@ void rmsnorm_forward(const ops::RmsNormParams& p) {
     const float rstd = 1.0f / std::sqrt(sum / static_cast<float>(dim) + p.eps);
     if (p.rstd) p.rstd[r] = rstd;
 #pragma omp simd
-    for (int64_t j = 0; j < dim; ++j) y[j] = weight[j] * (x[j] * rstd);
+    for (int64_t j = 0; j < dim; ++j) y[j] = (weight[j] + offset) * (x[j] * rstd);
   }
 }
 
-// y_j = w_j x_j r with r = (mean(x^2) + eps)^-1/2, so
+// y_j = w_j x_j r with r = (mean(x^2) + eps)^-1/2 (w_j the weight plus its offset), so
 // dx_j = r w_j dy_j - x_j r^3 / dim * sum_k dy_k w_k x_k.
 void rmsnorm_backward_input(const ops::RmsNormParams& p) {
   check(p, "rmsnorm_backward_input");
   const int64_t dim = p.dim;
   const float* weight = p.weight;
+  const float offset = p.weight_offset;
 #pragma omp parallel for schedule(static) if (p.rows * dim > kParallelElements)
   for (int64_t r = 0; r < p.rows; ++r) {
     const float* x = p.x + r * dim;
@@ -68,10 +70,10 @@ void rmsnorm_backward_input(const ops::RmsNormParams& p) {
     const float rstd = p.rstd[r];
     float dot = 0;
 #pragma omp simd reduction(+ : dot)
-    for (int64_t j = 0; j < dim; ++j) dot += dy[j] * weight[j] * x[j];
+    for (int64_t j = 0; j < dim; ++j) dot += dy[j] * (weight[j] + offset) * x[j];
     const float coef = dot * rstd * rstd * rstd / static_cast<float>(dim);
 #pragma omp simd
-    for (int64_t j = 0; j < dim; ++j) dx[j] = rstd * weight[j] * dy[j] - coef * x[j];
+    for (int64_t j = 0; j < dim; ++j) dx[j] = rstd * (weight[j] + offset) * dy[j] - coef * x[j];
   }
 }
 

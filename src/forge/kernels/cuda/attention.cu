@@ -78,6 +78,9 @@ bool supports(const ops::AttentionParams& p, bool backward, std::string* reason)
   if (p.window > 0 && p.window < p.q_offset + p.seq)
     return refuse(reason, "attention: a sliding window (window " + str(p.window) +
                               ") is not implemented by the CUDA attention kernels; run on the CPU");
+  if (p.softcap != 0.0f)
+    return refuse(reason, "attention: logit soft-capping (softcap " + std::to_string(p.softcap) +
+                              ") is not implemented by the CUDA attention kernels; run on the CPU");
   const int64_t v_dim = p.v_head_dim == 0 ? p.head_dim : p.v_head_dim;
   if (!(p.kv_seq >= 0 && p.q_offset >= 0 && p.k_batch_stride >= 0 && p.v_batch_stride >= 0 &&
         p.k_head_stride >= 0 && p.v_head_stride >= 0))

@@ -278,6 +278,9 @@ bool shape_ok(const ops::LinearCrossEntropyParams& p, const char* op, std::strin
                       " vocab=" + std::to_string(p.vocab) + " vocab_chunk=" + std::to_string(p.vocab_chunk));
   if (p.gemm_dtype != DType::f32 && p.gemm_dtype != DType::bf16)
     return refuse(reason, op, "gemm_dtype must be fp32 or bf16, got " + std::string(dtype_name(p.gemm_dtype)));
+  if (p.softcap != 0.0f)
+    return refuse(reason, op, "logit soft-capping (softcap " + std::to_string(p.softcap) +
+                                  ") is not implemented on CUDA; run on the CPU");
   if (p.workspace == nullptr) return refuse(reason, op, "workspace is required");
   if (p.vocab_start < 0) return refuse(reason, op, "negative vocabulary start " + std::to_string(p.vocab_start));
   if (p.rows > INT_MAX)

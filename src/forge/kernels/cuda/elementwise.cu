@@ -39,6 +39,12 @@ __global__ void scale_inplace_kernel(float* x, float s, int64_t n) {
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += stride) x[i] *= s;
 }
 
+__global__ void softcap_inplace_kernel(float* x, float cap, float inverse, int64_t n) {
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += stride)
+    x[i] = cap * tanhf(x[i] * inverse);
+}
+
 // One block per chunk. A float squared is exact in double (48 significant bits), so only the additions
 // round, and their order is fixed by the thread index: thread t sums elements t, t + 256, ... of its chunk.
 __global__ void sum_squares_chunks_kernel(const float* __restrict__ x, int64_t n,
@@ -98,6 +104,10 @@ bool supports_add_inplace(float* y, const float* x, int64_t n, std::string* reas
 bool supports_scale_inplace(float* x, float, int64_t n, std::string* reason) {
   return size_ok("scale_inplace", n, x, "x", reason);
 }
+bool supports_softcap_inplace(float* x, float cap, int64_t n, std::string* reason) {
+  if (!(cap > 0.0f)) return detail::refuse(reason, "softcap_inplace", "cap " + std::to_string(cap) + " must be positive");
+  return size_ok("softcap_inplace", n, x, "x", reason);
+}
 bool supports_sum_squares(const float* x, int64_t n, std::string* reason) {
   return size_ok("sum_squares", n, x, "x", reason) && chunks_ok("sum_squares", n, reason);
 }
@@ -133,6 +143,13 @@ void scale_inplace(float* x, float s, int64_t n) {
   if (n == 0) return;
   scale_inplace_kernel<<<detail::grid_blocks(n, kThreads), kThreads, 0, stream()>>>(x, s, n);
   FORGE_CUDA_CHECK_LAUNCH("scale_inplace");
+}
+
+void softcap_inplace(float* x, float cap, int64_t n) {
+  if (std::string why; !supports_softcap_inplace(x, cap, n, &why)) fail_message(why);
+  if (n == 0) return;
+  softcap_inplace_kernel<<<detail::grid_blocks(n, kThreads), kThreads, 0, stream()>>>(x, cap, 1.0f / cap, n);
+  FORGE_CUDA_CHECK_LAUNCH("softcap_inplace");
 }
 
 namespace {

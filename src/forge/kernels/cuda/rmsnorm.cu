@@ -21,6 +21,9 @@ constexpr int kReduceThreads = 64;
 constexpr int64_t kMaxGrid = 0x7fffffff;
 
 bool shape_ok(const ops::RmsNormParams& p, const char* op, std::string* reason) {
+  // Gemma's 1 + w scale runs on CPUs only so far.
+  if (p.weight_offset != 0.0f)
+    return detail::refuse(reason, op, "a weight offset (Gemma's 1 + w) is not implemented on CUDA; run on the CPU");
   if (p.rows >= 0 && p.dim > 0) return true;
   return detail::refuse(reason, op, "bad shape rows=" + std::to_string(p.rows) + " dim=" + std::to_string(p.dim));
 }

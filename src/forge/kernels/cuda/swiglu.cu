@@ -53,6 +53,9 @@ __global__ void backward_kernel(const float* gate_up, const float* __restrict__ 
 }
 
 bool shape_ok(const ops::SwigluParams& p, const char* op, std::string* reason) {
+  // GeGLU (Gemma) runs on the CPU only so far.
+  if (p.activation != ops::GluActivation::silu)
+    return detail::refuse(reason, op, "only the silu gate (SwiGLU) is implemented on CUDA; GeGLU runs on CPUs");
   if (p.rows >= 0 && p.ffn > 0) return true;
   return detail::refuse(reason, op, "bad shape rows=" + std::to_string(p.rows) + " ffn=" + std::to_string(p.ffn));
 }
