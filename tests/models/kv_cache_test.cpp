@@ -102,7 +102,9 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"llama_tiny", DType::bf16},
                       // Mistral: a window of 5 over 45 positions, the cache's decode
                       // and prefill kernels cut at each query's window; Qwen3: QK-norm
-                      Case{"mistral_tiny_window", DType::f32}, Case{"qwen3_tiny", DType::f32}),
+                      Case{"mistral_tiny_window", DType::f32}, Case{"qwen3_tiny", DType::f32},
+                      // Gemma 2: soft caps in the decode kernel and the logits; Gemma 3: local RoPE
+                      Case{"gemma2_tiny", DType::f32}, Case{"gemma3_tiny", DType::f32}),
     [](const auto& info) {
       return info.param.fixture + (info.param.gemm_dtype == DType::bf16 ? "_bf16" : "_fp32");
     });

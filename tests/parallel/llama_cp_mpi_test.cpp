@@ -15,6 +15,7 @@
 #include "forge/core/philox.h"
 #include "forge/models/llama/llama_model.h"
 #include "forge/parallel/comm_context_parallel.h"
+#include "parallel/family_stacks.h"
 
 namespace forge {
 using namespace forge::models;
@@ -25,6 +26,7 @@ struct Case {
   int64_t kv_heads;  // 0: one per rank (all-to-all scatters the kv heads too)
   int64_t window = 0;
   bool qk_norm = false;
+  int gemma = 0;  // 2 or 3: a Gemma of that generation (window and QK-norm its own)
 };
 
 class LlamaContextParallel : public testing::TestWithParam<Case> {};
@@ -33,20 +35,31 @@ TEST_P(LlamaContextParallel, MatchesOneRank) {
   comm::Communicator& world = comm::world();
   const int cp = world.size();
   const Case c = GetParam();
-  LlamaConfig config;
-  config.hidden_size = 32, config.intermediate_size = 48, config.num_hidden_layers = 2;
-  config.num_attention_heads = 4, config.num_key_value_heads = c.kv_heads > 0 ? c.kv_heads : cp;
-  config.head_dim = 8, config.vocab_size = 61, config.max_position_embeddings = 64;
-  config.attention_window = c.window, config.qk_norm = c.qk_norm;
+  const int64_t kv_heads = c.kv_heads > 0 ? c.kv_heads : cp;
+  std::unique_ptr<LlamaConfig> config_holder;
+  if (c.gemma) {
+    config_holder = layout_models::tiny_gemma(c.gemma, kv_heads);
+  } else {
+    config_holder = std::make_unique<LlamaConfig>();
+    LlamaConfig& config = *config_holder;
+    config.hidden_size = 32, config.intermediate_size = 48, config.num_hidden_layers = 2;
+    config.num_attention_heads = 4, config.num_key_value_heads = kv_heads;
+    config.head_dim = 8, config.vocab_size = 61, config.max_position_embeddings = 64;
+    config.attention_window = c.window, config.qk_norm = c.qk_norm;
+  }
+  const LlamaConfig& config = *config_holder;
   nn::ComputeOptions options;
   options.gemm_dtype = DType::f32;
-  LlamaModel reference(config, options);
+  auto reference_holder = layout_models::make_stack(config, options);
+  DecoderStack& reference = *reference_holder;
   reference.initialize(7);
   parallel::CommContextParallel group(&world, c.mode);
   nn::ComputeOptions split_options = options;
   split_options.cp = &group;
-  LlamaModel split(config, split_options);
+  auto split_holder = layout_models::make_stack(config, split_options);
+  DecoderStack& split = *split_holder;
   split.initialize(7);
+  if (c.gemma) layout_models::set_gemma_norms(reference.params()), layout_models::set_gemma_norms(split.params());
 
   const int64_t batch = 2, seq = 2 * cp * 3;
   std::vector<int32_t> ids(batch * seq), targets(batch * seq);
@@ -104,12 +117,17 @@ INSTANTIATE_TEST_SUITE_P(Modes, LlamaContextParallel,
                                          // spans two chunks and a half; QK-norm alongside.
                                          Case{parallel::ContextAttention::ring, 2, 4},
                                          Case{parallel::ContextAttention::ring, 1, 7, true},
-                                         Case{parallel::ContextAttention::all_to_all, 0, 4}),
+                                         Case{parallel::ContextAttention::all_to_all, 0, 4},
+                                         // Gemma 2 (window 5, soft caps) and 3 (local RoPE, QK-norm).
+                                         Case{parallel::ContextAttention::ring, 2, 0, false, 2},
+                                         Case{parallel::ContextAttention::ring, 1, 0, false, 3},
+                                         Case{parallel::ContextAttention::all_to_all, 0, 0, false, 2}),
                          [](const auto& info) {
                            return std::string(parallel::context_attention_name(info.param.mode)) + "_kv" +
                                   std::to_string(info.param.kv_heads) +
                                   (info.param.window ? "_window" + std::to_string(info.param.window) : "") +
-                                  (info.param.qk_norm ? "_qknorm" : "");
+                                  (info.param.qk_norm ? "_qknorm" : "") +
+                                  (info.param.gemma ? "_gemma" + std::to_string(info.param.gemma) : "");
                          });
 
 }  // namespace

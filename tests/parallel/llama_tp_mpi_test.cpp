@@ -4,7 +4,7 @@
 // Run by mpirun with 2 and 4 ranks; the whole world is the tensor-parallel group. The cases with q/k/v biases
 // are a Qwen2's layers (the biases split like their weights, summed like them when kv heads are replicated);
 // with QK-norm a Qwen3's (the [head_dim] norm weights replicated, their gradients summed over the group);
-// with a window a Mistral's.
+// with a window a Mistral's; a Gemma 2 and a Gemma 3 (family_stacks.h) split the same way.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -15,6 +15,7 @@
 #include "forge/core/philox.h"
 #include "forge/models/llama/llama_model.h"
 #include "forge/parallel/comm_tensor_parallel.h"
+#include "parallel/family_stacks.h"
 
 namespace forge {
 using namespace forge::models;
@@ -39,6 +40,7 @@ struct Case {
   bool bias = false;
   bool qk_norm = false;
   int64_t window = 0;
+  int gemma = 0;  // 2 or 3: a Gemma of that generation (the other options unused)
 };
 
 // Biases start at zero and QK-norm weights at one; give them values that depend only on the name and the
@@ -64,20 +66,27 @@ class LlamaTensorParallel : public testing::TestWithParam<Case> {};
 TEST_P(LlamaTensorParallel, MatchesOneRank) {
   comm::Communicator& world = comm::world();
   const Case c = GetParam();
-  const LlamaConfig config = tiny_config(c.kv_heads, c.tied, c.bias, c.qk_norm, c.window);
+  std::unique_ptr<LlamaConfig> config_holder =
+      c.gemma ? std::unique_ptr<LlamaConfig>(layout_models::tiny_gemma(c.gemma, c.kv_heads))
+              : std::make_unique<LlamaConfig>(tiny_config(c.kv_heads, c.tied, c.bias, c.qk_norm, c.window));
+  const LlamaConfig& config = *config_holder;
   nn::ComputeOptions options;
   options.gemm_dtype = DType::f32;
-  LlamaModel reference(config, options);
+  auto reference_holder = layout_models::make_stack(config, options);
+  DecoderStack& reference = *reference_holder;
   reference.initialize(7);
   set_biases(reference.params());
+  if (c.gemma) layout_models::set_gemma_norms(reference.params());
 
   parallel::CommTensorParallel group(&world, c.sequence_parallel);
   nn::ComputeOptions split_options = options;
   split_options.tp = &group;
   split_options.vocab_divisible_by = 8;
-  LlamaModel split(config, split_options);
+  auto split_holder = layout_models::make_stack(config, split_options);
+  DecoderStack& split = *split_holder;
   split.initialize(7);
   set_biases(split.params());
+  if (c.gemma) layout_models::set_gemma_norms(split.params());
   EXPECT_EQ(split.padded_vocab_size() % (8 * world.size()), 0);
 
   const int64_t batch = 2, seq = 12;
@@ -148,12 +157,17 @@ INSTANTIATE_TEST_SUITE_P(
                     // Qwen3 (QK-norm, kv heads split and replicated), Mistral (a
                     // window of 5 over 12 positions), both
                     Case{2, true, false, false, true}, Case{1, false, false, false, true},
-                    Case{2, false, false, false, false, 5}, Case{1, true, true, false, true, 5}),
+                    Case{2, false, false, false, false, 5}, Case{1, true, true, false, true, 5},
+                    // Gemma 2 and 3: sandwich norms (summed over the group under sequence
+                    // parallelism), soft caps, GeGLU, tied head, local RoPE and QK-norm
+                    Case{2, true, true, false, false, 0, 2}, Case{1, false, true, false, false, 0, 3},
+                    Case{2, true, true, false, false, 0, 3}),
     [](const auto& info) {
       return "kv" + std::to_string(info.param.kv_heads) + (info.param.sequence_parallel ? "_sp" : "") +
              (info.param.tied ? "_tied" : "") + (info.param.bias ? "_bias" : "") +
              (info.param.qk_norm ? "_qknorm" : "") +
-             (info.param.window ? "_window" + std::to_string(info.param.window) : "");
+             (info.param.window ? "_window" + std::to_string(info.param.window) : "") +
+             (info.param.gemma ? "_gemma" + std::to_string(info.param.gemma) : "");
     });
 
 TEST(LlamaTensorParallelErrors, SequenceParallelNeedsDivisibleRows) {

@@ -124,6 +124,96 @@ INSTANTIATE_TEST_SUITE_P(
                     Layout{1, 2, false, true, 2, "p2p"}, Layout{1, 2, false, true, 2, "a2a"}),
     [](const auto& info) { return name_of(info.param); });
 
+// The families beside LLaMA, each under tp 2 with sequence parallelism, dp 2 with ZeRO-1, cp 2 and pp 2:
+// each follows its own one-rank run as the LLaMA does above. Their toy configs keep what sets each apart:
+// Qwen2's q/k/v biases, Qwen3's QK-norm, Mistral's window, Gemma 2's soft caps, sandwich norms and GeGLU,
+// Gemma 3's local RoPE and QK-norm (1 + w), with windows of 5 over 16-token sequences.
+struct FamilyLayout {
+  const char* family;
+  int tp, dp, cp, pp;
+};
+
+const char* family_config(const std::string& family) {
+  static const std::string common = R"("hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-5,
+    "vocab_size": 256, "max_position_embeddings": 64)";
+  static const std::string qwen2 =
+      R"({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", )" + common + "}";
+  static const std::string qwen3 =
+      R"({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", )" + common + "}";
+  static const std::string mistral =
+      R"({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 5, )" + common +
+      "}";
+  static const std::string gemma2 = R"({"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+    "sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"], "query_pre_attn_scalar": 8,
+    "attn_logit_softcapping": 5.0, "final_logit_softcapping": 10.0, "tie_word_embeddings": false, )" +
+                                    common + "}";
+  static const std::string gemma3 = R"({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+    "sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"], "query_pre_attn_scalar": 8,
+    "rope_local_base_freq": 100.0, )" +
+                                    common + "}";
+  if (family == "qwen2") return qwen2.c_str();
+  if (family == "qwen3") return qwen3.c_str();
+  if (family == "mistral") return mistral.c_str();
+  if (family == "gemma2") return gemma2.c_str();
+  return gemma3.c_str();
+}
+
+class TrainerFamilyLayouts : public TrainerRuns, public testing::WithParamInterface<FamilyLayout> {};
+
+TEST_P(TrainerFamilyLayouts, FollowTheOneRankRun) {
+  comm::Communicator& world = comm::world();
+  const FamilyLayout l = GetParam();
+  if (l.tp * l.dp * l.cp * l.pp != world.size())
+    GTEST_SKIP() << "needs " << l.tp * l.dp * l.cp * l.pp << " ranks";
+  const fs::path model = dir_ / (std::string(l.family) + ".json");
+  if (world.rank() == 0) std::ofstream(model) << family_config(l.family);
+  world.barrier().wait();
+  auto make = [&](const std::string& run) {
+    TrainConfig c = config(run);
+    c.model.config = model.string();
+    c.train.steps = 12;
+    return c;
+  };
+  TrainConfig ref = make("reference-" + std::to_string(world.rank()));
+  ref.train.grad_accum = 2 * l.dp;
+  auto self = comm::make_self();
+  const TrainResult want = Trainer(ref, self.get()).run();
+
+  TrainConfig par = make("parallel");
+  par.parallel.tp = l.tp, par.parallel.dp = l.dp, par.parallel.cp = l.cp, par.parallel.pp = l.pp;
+  par.parallel.sequence_parallel = l.tp > 1;
+  par.parallel.distributed_optimizer = l.dp > 1;
+  par.train.grad_accum = 2;
+  const TrainResult got = Trainer(par, &world).run();
+  ASSERT_EQ(got.losses.size(), want.losses.size());
+  for (size_t s = 0; s < want.losses.size(); ++s) {
+    EXPECT_NEAR(got.losses[s], want.losses[s], 2e-5 * want.losses[s]) << "step " << s + 1;
+    EXPECT_NEAR(got.grad_norms[s], want.grad_norms[s], 1e-3 * want.grad_norms[s]) << "step " << s + 1;
+  }
+  EXPECT_NEAR(got.heldout_loss, want.heldout_loss, 2e-5 * want.heldout_loss);
+  toy::expect_weights_close(fs::path(ref.log.run_dir) / "checkpoint",
+                            fs::path(par.log.run_dir) / "checkpoint", 2e-4);
+}
+
+std::vector<FamilyLayout> family_layouts() {
+  std::vector<FamilyLayout> all;
+  for (const char* family : {"qwen2", "qwen3", "mistral", "gemma2", "gemma3"})
+    for (FamilyLayout l : {FamilyLayout{"", 2, 1, 1, 1}, FamilyLayout{"", 1, 2, 1, 1},
+                           FamilyLayout{"", 1, 1, 2, 1}, FamilyLayout{"", 1, 1, 1, 2}})
+      l.family = family, all.push_back(l);
+  return all;
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, TrainerFamilyLayouts, testing::ValuesIn(family_layouts()),
+                         [](const auto& info) {
+                           const FamilyLayout& l = info.param;
+                           return std::string(l.family) + (l.tp > 1   ? "_tp2_sp"
+                                                           : l.dp > 1 ? "_dp2_zero1"
+                                                           : l.cp > 1 ? "_cp2"
+                                                                      : "_pp2");
+                         });
+
 // FP8 under a layout: the delayed recipe's amaxes are max-reduced over every rank each step and the current
 // recipe's weight amaxes over the tensor-parallel group, so every rank casts with the scales one process
 // would use, and the runs follow the one-rank FP8 run. Not bitwise: a GEMM summed in another order can move

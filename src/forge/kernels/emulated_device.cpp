@@ -259,13 +259,32 @@ bool awaits_result(Op<ops::OpId::fp8_cast_transpose>, const ops::Fp8CastParams& 
   return !p.amax_accumulate && !p.amax_in;
 }
 
-// What a dry op answers where the host reads its result back: zeros (nothing is kept), except the expert
-// sort's offsets, which route as a perfectly balanced router would (the assignments spread evenly over the
-// experts, the first ones taking the remainder, each segment capped at the capacity and padded as the sort
-// pads it), so that a dry step (the simulator's traces, sim/trace.h) runs the expert GEMMs and the dispatch
-// of a balanced step rather than none at all. Its counts still read back as zeros.
+// What a dry op answers where the host reads its result back: zeros (nothing is kept), except what routes
+// tokens to experts, which answers as a perfectly balanced router would, so that a dry step (the simulator's
+// traces, sim/trace.h) runs the expert GEMMs, the dispatch and the host's bookkeeping of a balanced step
+// rather than none at all: the router's assignments go round the experts (token t's j-th choice is expert
+// (t * top_k + j) mod experts) with uniform scores (1 / experts each, summing to 1 per token); the expert
+// sort's offsets spread the assignments evenly the same way (the first experts taking the remainder), each
+// segment capped at the capacity and padded as the sort pads it. The sort's counts still read back as zeros.
 template <ops::OpId Id, typename... A>
 void answer(Op<Id>, const A&...) {}
+// The answer for the n values of type T at `device`: value_at(i) each.
+template <typename T, typename F>
+void answer_array(void* device, int64_t n, F value_at) {
+  if (!device) return;
+  std::lock_guard lock(g_state->mutex);
+  std::vector<char>& bytes = g_state->answers[reinterpret_cast<uintptr_t>(device)];
+  bytes.assign(static_cast<size_t>(n) * sizeof(T), 0);
+  for (int64_t i = 0; i < n; ++i) reinterpret_cast<T*>(bytes.data())[i] = value_at(i);
+}
+void answer(Op<ops::OpId::moe_router_forward>, const ops::MoeRouterParams& p) {
+  const int64_t experts = std::max<int64_t>(1, p.experts);
+  answer_array<int32_t>(p.expert_ids, p.tokens * p.top_k,
+                        [&](int64_t a) { return static_cast<int32_t>(a % experts); });
+  answer_array<float>(p.scores, p.tokens * p.experts,
+                      [&](int64_t) { return 1.0f / static_cast<float>(experts); });
+  answer_array<float>(p.score_sums, p.tokens, [](int64_t) { return 1.0f; });
+}
 void answer(Op<ops::OpId::moe_sort_by_expert>, const ops::MoeSortParams& q) {
   if (!q.offsets) return;
   std::lock_guard lock(g_state->mutex);

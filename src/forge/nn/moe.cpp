@@ -4,7 +4,6 @@
 #include <cmath>
 
 #include "forge/core/error.h"
-#include "forge/kernels/emulated_device.h"
 #include "forge/nn/context_parallel.h"
 #include "forge/nn/tensor_parallel.h"
 
@@ -178,9 +177,7 @@ Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training
   s.balance_scale = balance && scale_ ? scale_->balance : 0.0f;
   s.aux_scale = aux ? scale_->aux : 0.0f;
   ops::moe_router_forward(r, device);
-  // (A dry run, kernels/emulated_device.h, computes nothing: it keeps no padding and only notes the
-  // exchange.)
-  s.padded = training && !EmulatedDevice::check_only() ? padded_rows(rows, seq) : std::vector<char>();
+  s.padded = training ? padded_rows(rows, seq) : std::vector<char>();
   if (options_.cp && (balance || aux))
     balance_over_context(s, rows, balance ? seq : 0, aux, losses, aux_loss);
 
@@ -502,7 +499,6 @@ void Moe::balance_over_context(Saved& s, int64_t rows, int64_t seq, bool aux, Te
   const int64_t experts = shape_.experts, k = shape_.top_k, groups = seq > 0 ? rows / seq : 0;
   const int64_t width = 2 * experts + 1;  // [counts | sum of s / n | tokens]
   std::vector<float> sums(static_cast<size_t>((groups + (aux ? 1 : 0)) * width), 0.0f);
-  if (EmulatedDevice::check_only()) return cp.all_reduce_sum(sums.data(), static_cast<int64_t>(sums.size()));
   const Tensor host_scores = s.scores.to(Device::cpu), host_sums = s.score_sums.to(Device::cpu),
                host_ids = s.expert_ids.to(Device::cpu);
   const float* scores = host_scores.f32();
