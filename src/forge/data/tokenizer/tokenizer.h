@@ -53,8 +53,8 @@ class Tokenizer {
   std::optional<int32_t> eos_id() const;
   std::optional<int32_t> bos_id() const;
 
-  nlohmann::json to_json() const;                      // the document it was loaded from
-  const std::string& json_text() const;                // ... as the text it was loaded from
+  nlohmann::json to_json() const;        // the document it was loaded from
+  const std::string& json_text() const;  // ... as the text it was loaded from
   // Atomic (checked writes, fsync, tmp + rename; no temporary left on failure); the loaded text unchanged.
   void save(const std::filesystem::path& path) const;
 
