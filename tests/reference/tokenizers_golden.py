@@ -29,7 +29,8 @@ writes the whole files and their expectations, which forge's test reads from FOR
 Expectations: every text of texts() (short hard cases, each line of the multilingual corpus, the whole
 corpus, seeded random mixes) encoded with and without special tokens and decoded both ways; decodings of
 id sequences that cut characters apart, mix special tokens in, or are random. unicode_forms.json holds
-hashes of the reference's NFC/NFD/NFKC/NFKD over every code point and over combining-mark sequences.
+hashes of the reference's NFC/NFD/NFKC/NFKD over every code point and over combining-mark sequences, and
+the code points its added tokens' single_word check counts as word characters.
 """
 import argparse
 import importlib.util
@@ -184,7 +185,16 @@ def transformers_llama(model_file):
     with tempfile.TemporaryDirectory() as folder:
         shutil.copy(model_file, os.path.join(folder, "tokenizer.model"))
         tokenizer = LlamaTokenizer.from_pretrained(folder)
-        return json.loads(tokenizer.backend_tokenizer.to_str())
+        return with_bos_template(json.loads(tokenizer.backend_tokenizer.to_str()), "<s>")
+
+
+def with_bos_template(j, bos):
+    """The post-processor LLaMA-2's and Mistral's tokenizer.json have on the Hub: "<s> $A" (transformers reads
+    add_bos_token from tokenizer_config.json, which these models set)."""
+    t = Tokenizer.from_str(json.dumps(j))
+    t.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                     special_tokens=[(bos, t.token_to_id(bos))])
+    return json.loads(t.to_str())
 
 
 def legacy_form(j):
@@ -405,22 +415,42 @@ def expectations(name, tokenizer_json, description, folder):
           f"{len(decode)} decodes")
 
 
+def to_ranges(code_points):
+    ranges = []
+    for c in code_points:
+        if ranges and ranges[-1][1] == c - 1:
+            ranges[-1][1] = c
+        else:
+            ranges.append([c, c])
+    return ranges
+
+
+def single_word_chars():
+    """The code points the reference counts as word characters for an added token's single_word: those after
+    which a single_word token "@" is not found."""
+    t = Tokenizer(BPE())
+    t.add_tokens([AddedToken("@", single_word=True)])
+    code_points = [c for c in range(1, 0x110000) if not 0xD800 <= c <= 0xDFFF]
+    word = []
+    for k in range(0, len(code_points), 65536):
+        chunk = code_points[k:k + 65536]
+        encodings = t.encode_batch(["@" + chr(c) for c in chunk], add_special_tokens=False)
+        word += [c for c, e in zip(chunk, encodings) if not e.ids]
+    return to_ranges(word)
+
+
 def unicode_forms(folder):
     """Hashes of the reference's four normal forms over every code point (4096 at a time) and over mark
     sequences built by a rule forge repeats: for mark i of the list, base[i % 8] + mark[i] +
     mark[(i * 7919) % n] + U+0301 + mark[i], 64 sequences a chunk joined by '|'."""
     marks = [c for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF and
              (unicodedata.combining(chr(c)) or unicodedata.category(chr(c)) in ("Mn", "Mc", "Me"))]
-    ranges = []
-    for c in marks:
-        if ranges and ranges[-1][1] == c - 1:
-            ranges[-1][1] = c
-        else:
-            ranges.append([c, c])
+    ranges = to_ranges(marks)
     bases = "aAoN\u0391\u0415\u1100\u0915"
     sequences = [bases[i % 8] + chr(m) + chr(marks[(i * 7919) % len(marks)]) + "\u0301" + chr(m)
                  for i, m in enumerate(marks)]
-    out = {"reference": REFERENCE, "chunk": 4096, "bases": bases, "marks": ranges}
+    out = {"reference": REFERENCE, "chunk": 4096, "bases": bases, "marks": ranges,
+           "single_word_chars": single_word_chars()}
     for form in ("NFC", "NFD", "NFKC", "NFKD"):
         n = getattr(normalizers, form)()
         code_points = []

@@ -11,6 +11,7 @@
 #include "forge/data/tokenizer/tokenizer.h"
 #include "forge/data/tokenizer/tokenizer_decoder.h"
 #include "forge/data/tokenizer/tokenizer_normalizer.h"
+#include "forge/data/tokenizer/tokenizer_regex.h"
 #include "forge/data/tokenizer/tokenizer_text.h"
 #include "op_harness.h"
 
@@ -76,6 +77,21 @@ TEST(TokenizerNormalizer, UnicodeFormsMatchTheReferenceOnEveryCodePoint) {
           << name << " over mark sequences " << k;
     }
   }
+}
+
+// The characters next to which an added token with single_word is not a match (Rust regex \w, Unicode 16).
+TEST(TokenizerFamilies, SingleWordCharactersMatchTheReferenceOnEveryCodePoint) {
+  const json expected = read_json(tokenizer_fixture("families/unicode_forms.json"));
+  std::vector<uint8_t> word(0x110000, 0);
+  for (const json& range : expected["single_word_chars"])
+    for (char32_t c = range[0].get<char32_t>(); c <= range[1].get<char32_t>(); ++c) word[c] = 1;
+  int mismatches = 0;
+  for (char32_t c = 1; c < 0x110000; ++c) {
+    if (c >= 0xD800 && c <= 0xDFFF) continue;
+    if (is_word_char(c) != static_cast<bool>(word[c]) && ++mismatches <= 10)
+      ADD_FAILURE() << fmt::format("U+{:04X}: reference {}", static_cast<uint32_t>(c), word[c]);
+  }
+  EXPECT_EQ(mismatches, 0);
 }
 
 TEST(TokenizerNormalizer, KnownForms) {

@@ -171,8 +171,9 @@ std::string one_character(const Parser& p, const json& obj, const char* key, con
 size_t count(const Parser& p, const json& obj, const char* key, const std::string& component) {
   const auto it = obj.find(key);
   if (it == obj.end()) p.error(component, fmt::format("missing '{}'", key));
-  if (!it->is_number_unsigned()) p.error(component + "." + key, "must be a non-negative integer");
-  return it->get<size_t>();
+  if (!it->is_number_integer() || it->get<int64_t>() < 0)
+    p.error(component + "." + key, "must be a non-negative integer");
+  return static_cast<size_t>(it->get<int64_t>());
 }
 
 // Metaspace's prepend scheme, read as the reference does: "prepend_scheme" (default "always"), and the
