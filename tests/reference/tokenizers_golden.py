@@ -123,7 +123,7 @@ def texts(specials):
     short = [
         "", " ", "  ", "\n", "\t", "a", "▁", "▁▁", " a", "a ", "Hello world", " Hello", "Hello  world",
         "中", "中文", "ü", "e\u0301", "é", "ﬁ", "①", "👍🏽", "<0x41>", "\u0000x", "\r\n", "x\r\ny",
-    ] + [t for s in specials for t in (s, f"a{s}b", f" {s} ", f"{s}{s}", f"x  {s}  y", f"{s}中")]
+    ] + [t for s in specials for t in (f"a{s}b", f"x  {s}  y{s}{s}中")]
     lines = [line for line in CORPUS_LINES]
     with_newlines = [line + "\n" for line in CORPUS_LINES[:10]]
     rnd = random.Random(20250506)
@@ -134,7 +134,7 @@ def texts(specials):
     ]
     fragments = list(specials) + ["▁", "<0xE4>", "'s", "'LL", "the", "ab"]
     mixes = []
-    for _ in range(120):
+    for _ in range(110):
         text = ""
         for _ in range(rnd.randrange(40)):
             if rnd.random() < 0.08:
@@ -404,7 +404,7 @@ def expectations(name, tokenizer_json, description, folder):
         inputs += [[vocab[s]], [vocab[s]] + word, word + [vocab[s]] + word]
     rnd = random.Random(7)
     size = t.get_vocab_size(with_added_tokens=True)
-    inputs += [[rnd.randrange(size) for _ in range(rnd.randrange(1, 17))] for _ in range(100)]
+    inputs += [[rnd.randrange(size) for _ in range(rnd.randrange(1, 17))] for _ in range(60)]
     decode = [{"ids": ids, "text": t.decode(ids, skip_special_tokens=False),
                "text_skip_special": t.decode(ids, skip_special_tokens=True)} for ids in inputs]
     write_json(os.path.join(folder, name + ".expected.json"),
