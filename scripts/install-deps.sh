@@ -12,6 +12,7 @@ packages=(
   libbenchmark-dev                  # micro-benchmarks
   libtomlplusplus-dev nlohmann-json3-dev libcli11-dev libfmt-dev zlib1g-dev
   libpcre2-dev                      # tokenizer pre-tokenizer patterns (Unicode properties, JIT)
+  libicu-dev                        # tokenizer normalizers (NFC, NFKC, ...)
   libopenmpi-dev openmpi-bin        # multi-process runs and their tests (mpirun)
   bible-kjv                         # the default corpus
   chromium libpng-dev               # the report's browser test: headless Chromium renders it, libpng reads the screenshot

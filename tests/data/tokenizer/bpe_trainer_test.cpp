@@ -7,9 +7,9 @@
 
 #include <set>
 
+#include "data/tokenizer_test_util.h"
 #include "forge/core/error.h"
 #include "op_harness.h"
-#include "data/tokenizer_test_util.h"
 
 namespace forge {
 using namespace forge::data;

@@ -5,10 +5,10 @@
 
 #include <gtest/gtest.h>
 
+#include "data/tokenizer_test_util.h"
 #include "forge/core/error.h"
 #include "forge/data/tokenizer/tokenizer_text.h"
 #include "op_harness.h"
-#include "data/tokenizer_test_util.h"
 
 namespace forge {
 using namespace forge::data;

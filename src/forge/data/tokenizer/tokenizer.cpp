@@ -17,15 +17,14 @@ namespace forge::data {
 namespace tokenizer_detail {
 
 void AddedTokenMatcher::add(const AddedToken* token) {
-  auto& list = by_first_byte_[static_cast<uint8_t>(token->content[0])];
+  auto& list = by_first_byte_[static_cast<uint8_t>(token->form[0])];
   if (list.empty()) {
     ++distinct_first_bytes_;
-    only_first_byte_ = token->content[0];
+    only_first_byte_ = token->form[0];
   }
   list.push_back(token);
-  std::stable_sort(list.begin(), list.end(), [](const AddedToken* a, const AddedToken* b) {
-    return a->content.size() > b->content.size();
-  });
+  std::stable_sort(list.begin(), list.end(),
+                   [](const AddedToken* a, const AddedToken* b) { return a->form.size() > b->form.size(); });
   ++count_;
 }
 
@@ -39,7 +38,7 @@ bool AddedTokenMatcher::find(std::string_view text, size_t from, size_t& start,
     }
     const auto& candidates = by_first_byte_[static_cast<uint8_t>(text[i])];
     for (const AddedToken* t : candidates) {
-      if (text.compare(i, t->content.size(), t->content) == 0) {
+      if (text.compare(i, t->form.size(), t->form) == 0) {
         start = i;
         token = t;
         return true;
@@ -91,10 +90,11 @@ size_t leading_space_length(std::string_view s) {
 }
 
 // A piece of text on its way through the pre-tokenizers. byte_level: the text is raw and stands for
-// its byte-level form (the mapping is applied lazily, by the model, or by materialize()).
+// its byte-level form (the mapping is applied lazily, by the model, or by materialize()). at_start: the
+// piece begins the whole text (the reference's "original offset 0", which Metaspace's "first" reads).
 struct Piece {
   std::string_view text;
-  bool byte_level = false;
+  bool byte_level = false, at_start = false;
 };
 
 class Encoder {
@@ -105,12 +105,19 @@ class Encoder {
           const std::function<void(std::string_view, bool)>* on_word)
       : impl_(impl), ids_(ids), on_word_(on_word) {}
 
-  // Splits out added tokens (the non-normalized ones from the whole text, then the normalized ones from
-  // what is left, as the reference does), and pre-tokenizes and encodes the rest.
+  // As the reference: the non-normalized added tokens are split out of the whole text; each piece left
+  // is normalized; the normalized added tokens are split out of that; the rest is pre-tokenized and
+  // encoded.
   void encode(std::string_view text) {
-    split_added(text, impl_.non_normalized_tokens, [&](std::string_view rest) {
-      split_added(rest, impl_.normalized_tokens, [&](std::string_view plain) {
-        pre_tokenize(0, {plain, false});
+    split_added(text, impl_.non_normalized_tokens, [&](std::string_view rest, bool rest_at_start) {
+      std::string normalized;
+      std::string_view view = rest;
+      if (!impl_.normalizer.empty()) {
+        normalized = impl_.normalizer.normalize(rest);
+        view = normalized;
+      }
+      split_added(view, impl_.normalized_tokens, [&](std::string_view plain, bool plain_at_start) {
+        pre_tokenize(0, {plain, false, rest_at_start && plain_at_start});
         arena_.clear();
       });
     });
@@ -118,17 +125,18 @@ class Encoder {
 
  private:
   // The reference's find_matches: leftmost-longest matches, honouring single_word, lstrip and rstrip.
+  // on_text(text, at_start) gets the non-empty pieces between matches.
   template <typename OnText>
   void split_added(std::string_view sentence, const AddedTokenMatcher& matcher, OnText&& on_text) {
     if (sentence.empty()) return;
     if (matcher.empty()) {
-      on_text(sentence);
+      on_text(sentence, true);
       return;
     }
     size_t start_offset = 0, search_from = 0, match_start = 0;
     const AddedToken* token = nullptr;
     while (matcher.find(sentence, search_from, match_start, token)) {
-      size_t start = match_start, stop = match_start + token->content.size();
+      size_t start = match_start, stop = match_start + token->form.size();
       search_from = stop;
       if (token->single_word) {
         const bool word_before = start > 0 && is_word_char(last_code_point(sentence.substr(0, start)));
@@ -138,18 +146,19 @@ class Encoder {
       }
       if (token->lstrip) start = std::max(trailing_space_start(sentence.substr(0, start)), start_offset);
       if (token->rstrip) stop += leading_space_length(sentence.substr(stop));
-      if (start_offset < start) on_text(sentence.substr(start_offset, start - start_offset));
+      if (start_offset < start)
+        on_text(sentence.substr(start_offset, start - start_offset), start_offset == 0);
       ids_.push_back(token->id);
       start_offset = stop;
     }
-    if (start_offset < sentence.size()) on_text(sentence.substr(start_offset));
+    if (start_offset < sentence.size()) on_text(sentence.substr(start_offset), start_offset == 0);
   }
 
   std::string_view store(std::string text) { return arena_.emplace_back(std::move(text)); }
 
   Piece materialize(Piece piece) {
     if (!piece.byte_level) return piece;
-    return {store(tokenizer_text::to_byte_level(piece.text)), false};
+    return {store(tokenizer_text::to_byte_level(piece.text)), false, piece.at_start};
   }
 
   void pre_tokenize(size_t step_index, Piece piece) {
@@ -164,30 +173,49 @@ class Encoder {
     }
     const PreTokenizerStep& step = impl_.pre_tokenizers[step_index];
     piece = materialize(piece);
-    if (step.kind == PreTokenizerStep::Kind::ByteLevel) {
-      if (step.add_prefix_space && piece.text[0] != ' ') {
-        std::string prefixed(1, ' ');
-        prefixed.append(piece.text);
-        piece.text = store(std::move(prefixed));
-      }
-      if (!step.use_regex) {
-        pre_tokenize(step_index + 1, {piece.text, true});
+    switch (step.kind) {
+      case PreTokenizerStep::Kind::ByteLevel:
+        if (step.add_prefix_space && piece.text[0] != ' ') {
+          std::string prefixed(1, ' ');
+          prefixed.append(piece.text);
+          piece.text = store(std::move(prefixed));
+        }
+        if (!step.use_regex) {
+          pre_tokenize(step_index + 1, {piece.text, true, piece.at_start});
+          return;
+        }
+        split(step_index, piece, step, SplitBehavior::Isolated, false, true);
+        return;
+      case PreTokenizerStep::Kind::Split:
+        split(step_index, piece, step, step.behavior, step.invert, false);
+        return;
+      case PreTokenizerStep::Kind::Metaspace: {
+        std::string replaced = replace_all(piece.text, " ", step.replacement);
+        const bool prepend = step.prepend_scheme == PrependScheme::Always ||
+                             (step.prepend_scheme == PrependScheme::First && piece.at_start);
+        if (prepend && replaced.compare(0, step.replacement.size(), step.replacement) != 0)
+          replaced.insert(0, step.replacement);
+        piece.text = store(std::move(replaced));
+        if (step.split) {
+          split(step_index, piece, step, SplitBehavior::MergedWithNext, false, false);
+        } else {
+          pre_tokenize(step_index + 1, piece);
+        }
         return;
       }
-      split(step_index, piece.text, step, SplitBehavior::Isolated, false, true);
-      return;
     }
-    split(step_index, piece.text, step, step.behavior, step.invert, false);
   }
 
   // Runs a split step over `text` and passes every resulting piece on to the next step.
-  void split(size_t step_index, std::string_view text, const PreTokenizerStep& step, SplitBehavior behavior,
+  void split(size_t step_index, Piece piece, const PreTokenizerStep& step, SplitBehavior behavior,
              bool invert, bool byte_level_out) {
+    const std::string_view text = piece.text;
     // Pending piece of the merging behaviors.
     bool have_pending = false, pending_match = false, previous_match = false;
     size_t pending_start = 0, pending_end = 0;
     auto emit = [&](size_t s, size_t e) {
-      if (e > s) pre_tokenize(step_index + 1, {text.substr(s, e - s), byte_level_out});
+      if (e > s)
+        pre_tokenize(step_index + 1, {text.substr(s, e - s), byte_level_out, piece.at_start && s == 0});
     };
     auto flush = [&] {
       if (have_pending) emit(pending_start, pending_end);
@@ -330,24 +358,40 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special_t
 }
 
 std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special_tokens) const {
-  std::string bytes;
-  bool first = true;
-  for (int32_t id : ids) {
-    if (id < 0 || id >= static_cast<int64_t>(impl_->exists.size()) || !impl_->exists[id])
-      fail("{}: cannot decode id {}: no such token (vocabulary size {})", impl_->source, id, vocab_size());
-    if (skip_special_tokens && impl_->is_special[id]) continue;
-    // Without a decoder the reference joins the tokens with spaces.
-    if (!impl_->byte_level_decoder && !first) bytes.push_back(' ');
-    bytes.append(impl_->decoded[id]);
-    first = false;
+  const Impl& impl = *impl_;
+  auto check = [&](int32_t id) {
+    if (id < 0 || id >= static_cast<int64_t>(impl.exists.size()) || !impl.exists[id])
+      fail("{}: cannot decode id {}: no such token (vocabulary size {})", impl.source, id, vocab_size());
+  };
+  // A byte-level decoder maps every token on its own: concatenate, repair the UTF-8 once.
+  if (impl.decoder && impl.decoder->byte_level_only()) {
+    std::string bytes;
+    for (int32_t id : ids) {
+      check(id);
+      if (!(skip_special_tokens && impl.skip_as_special[id])) bytes.append(impl.text_bytes[id]);
+    }
+    return tokenizer_text::utf8_lossy(bytes);
   }
-  return impl_->byte_level_decoder ? tokenizer_text::utf8_lossy(bytes) : bytes;
+  std::vector<std::string> tokens;
+  tokens.reserve(ids.size());
+  for (int32_t id : ids) {
+    check(id);
+    if (!(skip_special_tokens && impl.skip_as_special[id])) tokens.push_back(impl.token_string[id]);
+  }
+  if (impl.decoder) return impl.decoder->decode(std::move(tokens));
+  // Without a decoder the reference joins the tokens with spaces.
+  std::string text;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (i > 0) text.push_back(' ');
+    text.append(tokens[i]);
+  }
+  return text;
 }
 
 int64_t Tokenizer::token_byte_length(int32_t id) const {
   if (id < 0 || id >= static_cast<int64_t>(impl_->exists.size()) || !impl_->exists[id])
     fail("{}: token_byte_length: no token has id {}", impl_->source, id);
-  return impl_->is_special[id] ? 0 : static_cast<int64_t>(impl_->decoded[id].size());
+  return impl_->is_special[id] ? 0 : static_cast<int64_t>(impl_->text_bytes[id].size());
 }
 
 int64_t Tokenizer::vocab_size() const { return static_cast<int64_t>(impl_->exists.size()); }

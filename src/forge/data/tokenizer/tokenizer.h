@@ -1,9 +1,11 @@
-// Byte-level BPE tokenizers in Hugging Face `tokenizer.json` format (GPT-2 and LLaMA-3 style).
+// BPE tokenizers in Hugging Face `tokenizer.json` format: byte-level (GPT-2, LLaMA-3, Qwen) and
+// SentencePiece-style with byte fallback (LLaMA-2, Mistral, Gemma).
 //
 // Encoding follows the reference implementation (Hugging Face tokenizers): added tokens are split out of
-// the text first; the rest is pre-tokenized by the configured split pattern (a PCRE2 regular expression,
-// Unicode-aware), each piece is mapped through the GPT-2 byte-to-unicode table and merged by BPE ranks;
-// the post-processor may add special tokens (BOS) when asked. Decoding reverses the byte mapping.
+// the text, the rest normalized (NFC, Prepend, Replace, ...), pre-tokenized (split patterns run with
+// PCRE2, the GPT-2 byte-to-unicode mapping, Metaspace) and merged by BPE ranks (bytes as <0xNN> tokens
+// where a character is missing); the post-processor may add special tokens (BOS) when asked. Decoding
+// runs the decoder's steps (byte-level mapping, ▁ back to spaces, byte fallback, fuse, strip).
 // The components supported (and the ones refused) are listed in docs/formats.md; parity with the
 // reference is tested against fixtures from tests/reference/tokenizer/.
 //
@@ -53,8 +55,8 @@ class Tokenizer {
   std::optional<int32_t> eos_id() const;
   std::optional<int32_t> bos_id() const;
 
-  nlohmann::json to_json() const;                      // the document it was loaded from
-  const std::string& json_text() const;                // ... as the text it was loaded from
+  nlohmann::json to_json() const;        // the document it was loaded from
+  const std::string& json_text() const;  // ... as the text it was loaded from
   // Atomic (checked writes, fsync, tmp + rename; no temporary left on failure); the loaded text unchanged.
   void save(const std::filesystem::path& path) const;
 

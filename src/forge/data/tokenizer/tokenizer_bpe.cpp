@@ -93,7 +93,8 @@ BpeModel::BpeModel(BpeModelConfig config, std::string_view context)
     : vocab_(std::move(config.vocab)),
       unk_token_(std::move(config.unk_token)),
       fuse_unk_(config.fuse_unk),
-      ignore_merges_(config.ignore_merges) {
+      ignore_merges_(config.ignore_merges),
+      byte_fallback_(config.byte_fallback) {
   int32_t max_id = -1;
   for (const auto& [token, id] : vocab_) {
     if (id < 0) fail("{}: vocab: token '{}' has a negative id {}", context, token, id);
@@ -133,6 +134,8 @@ BpeModel::BpeModel(BpeModelConfig config, std::string_view context)
   for (int b = 0; b < 256; ++b) {
     const auto it = vocab_.find(tokenizer_text::byte_to_utf8(static_cast<uint8_t>(b)));
     byte_ids_[b] = it == vocab_.end() ? -1 : it->second;
+    const auto fallback = vocab_.find(fmt::format("<0x{:02X}>", b));
+    byte_fallback_ids_[b] = byte_fallback_ && fallback != vocab_.end() ? fallback->second : -1;
   }
   if (unk_token_) {
     const auto it = vocab_.find(*unk_token_);
@@ -246,13 +249,23 @@ void BpeModel::tokenize_uncached(std::string_view word, bool byte_level, std::ve
     pending_unk = false;
     symbols.push_back(id);
   };
+  // The byte tokens of a character missing from the vocabulary, if there are all of them. As in the
+  // reference they go in without emitting a pending unknown token first.
+  auto add_bytes = [&](std::string_view character) {
+    if (!byte_fallback_) return false;
+    for (char c : character)
+      if (byte_fallback_ids_[static_cast<uint8_t>(c)] < 0) return false;
+    for (char c : character) symbols.push_back(byte_fallback_ids_[static_cast<uint8_t>(c)]);
+    return true;
+  };
   if (byte_level) {
     for (char c : word) {
       const int32_t id = byte_ids_[static_cast<uint8_t>(c)];
       if (id >= 0) {
         add_known(id);
       } else {
-        add_unknown(tokenizer_text::byte_to_utf8(static_cast<uint8_t>(c)));
+        const std::string_view character = tokenizer_text::byte_to_utf8(static_cast<uint8_t>(c));
+        if (!add_bytes(character)) add_unknown(character);
       }
     }
   } else {
@@ -263,7 +276,7 @@ void BpeModel::tokenize_uncached(std::string_view word, bool byte_level, std::ve
       const std::string_view character = model_word.substr(start, i - start);
       if (const auto it = vocab_.find(character); it != vocab_.end()) {
         add_known(it->second);
-      } else {
+      } else if (!add_bytes(character)) {
         add_unknown(character);
       }
     }

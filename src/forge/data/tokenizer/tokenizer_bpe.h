@@ -2,9 +2,10 @@
 //
 // A word (one pre-token) is split into characters, each looked up in the vocabulary; then, as in the
 // reference, the adjacent pair with the lowest merge rank is merged (the leftmost on ties) until no
-// adjacent pair has a merge. Characters missing from the vocabulary become the unknown token if there is
-// one (consecutive ones fused into one with fuse_unk) and are dropped otherwise. With ignore_merges a
-// word that is itself in the vocabulary is emitted as that one token.
+// adjacent pair has a merge. A character missing from the vocabulary becomes, with byte_fallback, the
+// tokens <0xNN> of its UTF-8 bytes (when the vocabulary has them all); otherwise the unknown token if
+// there is one (consecutive ones fused into one with fuse_unk), and it is dropped if there is none. With
+// ignore_merges a word that is itself in the vocabulary is emitted as that one token.
 //
 // Byte-level words arrive as raw bytes (the byte-level mapping is applied here, one symbol per byte), so
 // the cache is keyed by the text as it appears in the input.
@@ -32,6 +33,7 @@ struct BpeModelConfig {
   std::optional<std::string> unk_token;
   bool fuse_unk = false;
   bool ignore_merges = false;
+  bool byte_fallback = false;
 };
 
 class BpeModel {
@@ -68,9 +70,10 @@ class BpeModel {
   std::vector<uint8_t> has_id_;
   std::unordered_map<uint64_t, MergeTarget> merges_;
   int32_t byte_ids_[256];
+  int32_t byte_fallback_ids_[256];  // the id of "<0xNN>", or -1 (all -1 without byte_fallback)
   std::optional<std::string> unk_token_;
   std::optional<int32_t> unk_id_;
-  bool fuse_unk_ = false, ignore_merges_ = false;
+  bool fuse_unk_ = false, ignore_merges_ = false, byte_fallback_ = false;
 
   // Word cache: word -> ids, one per input kind (byte-level or not); an open-addressing table that keeps
   // each key's hash. Entries are never evicted; the cache stops growing at a fixed size.

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <cctype>
+#include <unordered_set>
 
 #include "forge/core/error.h"
 #include "forge/data/tokenizer/tokenizer_impl.h"
@@ -91,10 +92,8 @@ std::unique_ptr<BpeModel> parse_model(const Parser& p, const json& model) {
     if (value && !value->empty())
       p.error(component + "." + key, fmt::format("'{}' is not supported (must be null or empty)", *value));
   }
-  if (p.boolean(model, "byte_fallback", false, component))
-    p.error(component + ".byte_fallback", "byte_fallback true is not supported (must be false)");
-
   BpeModelConfig config;
+  config.byte_fallback = p.boolean(model, "byte_fallback", false, component);
   config.unk_token = p.optional_string(model, "unk_token", component);
   config.fuse_unk = p.boolean(model, "fuse_unk", false, component);
   config.ignore_merges = p.boolean(model, "ignore_merges", false, component);
@@ -130,6 +129,152 @@ std::unique_ptr<BpeModel> parse_model(const Parser& p, const json& model) {
   return std::make_unique<BpeModel>(std::move(config), fmt::format("{}: {}", p.source(), component));
 }
 
+// A {"String": ...} or {"Regex": ...} pattern. The reference compiles a String as the regular expression
+// of its escaped text; a non-empty one is kept as a literal for the normalizers and decoders to find
+// directly (the same matches), and an empty one matches between all characters.
+struct Pattern {
+  std::optional<std::string> literal;
+  std::shared_ptr<TokenizerRegex> regex;
+};
+
+Pattern parse_pattern(const Parser& p, const json& parent, const std::string& component) {
+  const json& pattern = p.object(parent, "pattern", component);
+  const std::string where = component + ".pattern";
+  if (pattern.size() != 1 || !(pattern.contains("Regex") || pattern.contains("String")))
+    p.error(where, fmt::format("{} is neither {{\"Regex\": ...}} nor {{\"String\": ...}}", pattern.dump()));
+  Pattern out;
+  const std::string context = fmt::format("{}: {}", p.source(), where);
+  if (pattern.contains("Regex")) {
+    const std::string regex = p.string(pattern, "Regex", where);
+    check_utf8_string(p, regex, where);
+    out.regex = std::make_shared<TokenizerRegex>(regex, context);
+  } else {
+    const std::string literal = p.string(pattern, "String", where);
+    check_utf8_string(p, literal, where);
+    if (!literal.empty()) out.literal = literal;
+    out.regex = std::make_shared<TokenizerRegex>(escape_literal(literal), context);
+  }
+  return out;
+}
+
+// A Rust `char` field: exactly one character.
+std::string one_character(const Parser& p, const json& obj, const char* key, const std::string& component) {
+  const std::string value = p.string(obj, key, component);
+  check_utf8_string(p, value, component + "." + key);
+  size_t i = 0;
+  if (!value.empty()) tokenizer_text::next_code_point(value, i);
+  if (value.empty() || i != value.size())
+    p.error(component + "." + key, fmt::format("'{}' is not one character", value));
+  return value;
+}
+
+size_t count(const Parser& p, const json& obj, const char* key, const std::string& component) {
+  const auto it = obj.find(key);
+  if (it == obj.end()) p.error(component, fmt::format("missing '{}'", key));
+  if (!it->is_number_integer() || it->get<int64_t>() < 0)
+    p.error(component + "." + key, "must be a non-negative integer");
+  return static_cast<size_t>(it->get<int64_t>());
+}
+
+// Metaspace's prepend scheme, read as the reference does: "prepend_scheme" (default "always"), and the
+// older "add_prefix_space", of which false must come with "never".
+PrependScheme parse_prepend_scheme(const Parser& p, const json& obj, const std::string& component) {
+  PrependScheme scheme = PrependScheme::Always;
+  if (const auto it = obj.find("prepend_scheme"); it != obj.end()) {
+    const std::string name = it->is_string() ? it->get<std::string>() : it->dump();
+    if (name == "first") {
+      scheme = PrependScheme::First;
+    } else if (name == "never") {
+      scheme = PrependScheme::Never;
+    } else if (name == "always") {
+      scheme = PrependScheme::Always;
+    } else {
+      p.error(component + ".prepend_scheme",
+              fmt::format("unknown prepend scheme {} (first, never, always)", name));
+    }
+  }
+  const auto add_prefix_space = obj.find("add_prefix_space");
+  if (add_prefix_space != obj.end() && !add_prefix_space->is_null()) {
+    if (!p.boolean(obj, "add_prefix_space", true, component) && scheme != PrependScheme::Never)
+      p.error(component + ".add_prefix_space", "false does not match the prepend scheme (must be \"never\")");
+  }
+  return scheme;
+}
+
+void parse_normalizer(const Parser& p, const json& n, const std::string& component, Normalizer& normalizer) {
+  const std::string type = p.type(n, component);
+  NormalizerStep step;
+  if (type == "Sequence") {
+    const auto it = n.find("normalizers");
+    if (it == n.end() || !it->is_array()) p.error(component + ".normalizers", "must be an array");
+    for (size_t i = 0; i < it->size(); ++i)
+      parse_normalizer(p, (*it)[i], fmt::format("{}.normalizers[{}]", component, i), normalizer);
+    return;
+  } else if (type == "NFC" || type == "NFD" || type == "NFKC" || type == "NFKD") {
+    step.kind = NormalizerStep::Kind::Unicode;
+    step.form = type == "NFC"    ? UnicodeForm::NFC
+                : type == "NFD"  ? UnicodeForm::NFD
+                : type == "NFKC" ? UnicodeForm::NFKC
+                                 : UnicodeForm::NFKD;
+  } else if (type == "Prepend") {
+    step.kind = NormalizerStep::Kind::Prepend;
+    step.text = p.string(n, "prepend", component);
+    check_utf8_string(p, step.text, component + ".prepend");
+  } else if (type == "Replace") {
+    step.kind = NormalizerStep::Kind::Replace;
+    Pattern pattern = parse_pattern(p, n, component);
+    step.literal = std::move(pattern.literal);
+    step.pattern = std::move(pattern.regex);
+    step.text = p.string(n, "content", component);
+    check_utf8_string(p, step.text, component + ".content");
+  } else {
+    p.error(component, fmt::format("normalizer type '{}' is not supported (forge implements NFC, NFD, NFKC, "
+                                   "NFKD, Prepend, Replace, Sequence)",
+                                   type));
+  }
+  normalizer.add(std::move(step));
+}
+
+void parse_decoder(const Parser& p, const json& d, const std::string& component, Decoder& decoder) {
+  const std::string type = p.type(d, component);
+  DecoderStep step;
+  if (type == "Sequence") {
+    const auto it = d.find("decoders");
+    if (it == d.end() || !it->is_array()) p.error(component + ".decoders", "must be an array");
+    for (size_t i = 0; i < it->size(); ++i)
+      parse_decoder(p, (*it)[i], fmt::format("{}.decoders[{}]", component, i), decoder);
+    return;
+  } else if (type == "ByteLevel") {
+    step.kind = DecoderStep::Kind::ByteLevel;
+  } else if (type == "Replace") {
+    step.kind = DecoderStep::Kind::Replace;
+    Pattern pattern = parse_pattern(p, d, component);
+    step.literal = std::move(pattern.literal);
+    step.pattern = std::move(pattern.regex);
+    step.content = p.string(d, "content", component);
+    check_utf8_string(p, step.content, component + ".content");
+  } else if (type == "ByteFallback") {
+    step.kind = DecoderStep::Kind::ByteFallback;
+  } else if (type == "Fuse") {
+    step.kind = DecoderStep::Kind::Fuse;
+  } else if (type == "Strip") {
+    step.kind = DecoderStep::Kind::Strip;
+    step.content = one_character(p, d, "content", component);
+    step.start = count(p, d, "start", component);
+    step.stop = count(p, d, "stop", component);
+  } else if (type == "Metaspace") {
+    step.kind = DecoderStep::Kind::Metaspace;
+    step.content = one_character(p, d, "replacement", component);
+    step.prepend_scheme = parse_prepend_scheme(p, d, component);
+  } else {
+    p.error(component,
+            fmt::format("decoder type '{}' is not supported (forge implements ByteLevel, Metaspace, "
+                        "Replace, ByteFallback, Fuse, Strip, Sequence)",
+                        type));
+  }
+  decoder.add(std::move(step));
+}
+
 SplitBehavior parse_behavior(const Parser& p, const json& step, const std::string& component) {
   const std::string name = p.string(step, "behavior", component);
   static const std::array<std::pair<const char*, SplitBehavior>, 5> kNames = {{
@@ -159,36 +304,26 @@ void parse_pre_tokenizer(const Parser& p, const json& pt, const std::string& com
     step.kind = PreTokenizerStep::Kind::ByteLevel;
     step.add_prefix_space = p.boolean(pt, "add_prefix_space", true, component);
     step.use_regex = p.boolean(pt, "use_regex", true, component);
-    if (step.use_regex) step.regex.emplace(kGpt2SplitPattern, fmt::format("{}: {}", p.source(), component));
+    if (step.use_regex)
+      step.regex =
+          std::make_shared<TokenizerRegex>(kGpt2SplitPattern, fmt::format("{}: {}", p.source(), component));
   } else if (type == "Split") {
     step.kind = PreTokenizerStep::Kind::Split;
-    const json& pattern = p.object(pt, "pattern", component);
-    if (pattern.size() != 1 || !(pattern.contains("Regex") || pattern.contains("String")))
-      p.error(component + ".pattern",
-              fmt::format("{} is neither {{\"Regex\": ...}} nor {{\"String\": ...}}", pattern.dump()));
-    if (pattern.contains("Regex")) {
-      const std::string regex = p.string(pattern, "Regex", component + ".pattern");
-      check_utf8_string(p, regex, component + ".pattern");
-      step.regex.emplace(regex, fmt::format("{}: {}.pattern", p.source(), component));
-    } else {
-      // The reference matches a String pattern as a regular expression of the escaped text (so an
-      // empty string matches between all characters).
-      const std::string literal = p.string(pattern, "String", component + ".pattern");
-      check_utf8_string(p, literal, component + ".pattern");
-      std::string escaped;
-      for (char c : literal) {
-        const auto u = static_cast<unsigned char>(c);
-        if (u < 0x80 && !std::isalnum(u)) escaped.push_back('\\');
-        escaped.push_back(c);
-      }
-      step.regex.emplace(escaped, fmt::format("{}: {}.pattern", p.source(), component));
-    }
+    step.regex = parse_pattern(p, pt, component).regex;
     step.behavior = parse_behavior(p, pt, component);
     step.invert = p.boolean(pt, "invert", false, component);
+  } else if (type == "Metaspace") {
+    step.kind = PreTokenizerStep::Kind::Metaspace;
+    step.replacement = one_character(p, pt, "replacement", component);
+    step.prepend_scheme = parse_prepend_scheme(p, pt, component);
+    step.split = p.boolean(pt, "split", true, component);
+    if (step.split)
+      step.regex = std::make_shared<TokenizerRegex>(escape_literal(step.replacement),
+                                                    fmt::format("{}: {}", p.source(), component));
   } else {
     p.error(component,
             fmt::format("pre-tokenizer type '{}' is not supported (forge implements ByteLevel, Split, "
-                        "Sequence)",
+                        "Metaspace, Sequence)",
                         type));
   }
   steps.push_back(std::move(step));
@@ -267,19 +402,6 @@ void parse_post_processor(const Parser& p, const json& pp, const std::string& co
   steps.push_back(std::move(step));
 }
 
-// The reference's ByteLevel decoder for one token: the bytes its characters stand for, or the token's
-// own UTF-8 if any character is outside the byte-level alphabet.
-std::string byte_level_decode(std::string_view token) {
-  std::string bytes;
-  size_t i = 0;
-  while (i < token.size()) {
-    const int b = tokenizer_text::code_point_to_byte(tokenizer_text::next_code_point(token, i));
-    if (b < 0) return std::string(token);
-    bytes.push_back(static_cast<char>(b));
-  }
-  return bytes;
-}
-
 }  // namespace
 
 std::unique_ptr<TokenizerAccess::Impl> TokenizerAccess::parse(const json& root, std::string_view source) {
@@ -295,10 +417,8 @@ std::unique_ptr<TokenizerAccess::Impl> TokenizerAccess::parse(const json& root, 
     if (const auto it = root.find(key); it != root.end() && !it->is_null())
       p.error(key, "is not supported (must be null): forge encodes whole texts and never pads");
   }
-  if (const auto it = root.find("normalizer"); it != root.end() && !it->is_null()) {
-    const std::string type = it->is_object() && it->contains("type") ? (*it)["type"].dump() : it->dump();
-    p.error("normalizer", fmt::format("normalizer {} is not supported (must be null)", type));
-  }
+  if (const auto it = root.find("normalizer"); it != root.end() && !it->is_null())
+    parse_normalizer(p, *it, "normalizer", impl->normalizer);
 
   const auto model_it = root.find("model");
   if (model_it == root.end()) p.error("model", "missing");
@@ -309,11 +429,8 @@ std::unique_ptr<TokenizerAccess::Impl> TokenizerAccess::parse(const json& root, 
   if (const auto it = root.find("post_processor"); it != root.end() && !it->is_null())
     parse_post_processor(p, *it, "post_processor", impl->post_processors);
   if (const auto it = root.find("decoder"); it != root.end() && !it->is_null()) {
-    const std::string type = p.type(*it, "decoder");
-    if (type != "ByteLevel")
-      p.error("decoder",
-              fmt::format("decoder type '{}' is not supported (forge implements ByteLevel)", type));
-    impl->byte_level_decoder = true;
+    impl->decoder.emplace();
+    parse_decoder(p, *it, "decoder", *impl->decoder);
   }
 
   // Added tokens keep the model's id when the model has the token, and otherwise take the next id after
@@ -340,6 +457,9 @@ std::unique_ptr<TokenizerAccess::Impl> TokenizerAccess::parse(const json& root, 
       token.normalized = p.boolean(t, "normalized", !token.special, where);
       if (impl->added_by_content.count(token.content))
         p.error(where, fmt::format("'{}' is listed twice", token.content));
+      token.form = token.normalized && !impl->normalizer.empty() ? impl->normalizer.normalize(token.content)
+                                                                 : token.content;
+      if (token.form.empty()) p.error(where, fmt::format("'{}' normalizes to empty text", token.content));
       int32_t expected;
       if (const auto v = model.vocab().find(token.content); v != model.vocab().end()) {
         expected = v->second;
@@ -371,21 +491,29 @@ std::unique_ptr<TokenizerAccess::Impl> TokenizerAccess::parse(const json& root, 
   impl->added_index_by_id.assign(size, -1);
   for (size_t i = 0; i < impl->added_tokens.size(); ++i)
     impl->added_index_by_id[impl->added_tokens[i].id] = static_cast<int32_t>(i);
-  impl->decoded.assign(size, {});
+  std::unordered_set<std::string> special_contents;
+  for (const AddedToken& token : impl->added_tokens)
+    if (token.special) special_contents.insert(token.content);
+  impl->token_string.assign(size, {});
+  impl->text_bytes.assign(size, {});
   impl->is_special.assign(size, 0);
+  impl->skip_as_special.assign(size, 0);
   impl->exists.assign(size, 0);
   for (size_t id = 0; id < size; ++id) {
     const auto i = static_cast<int32_t>(id);
     const std::string* token = nullptr;
     if (const AddedToken* added = impl->added_by_id(i)) {
-      token = &added->content;
+      token = &added->form;
       impl->is_special[id] = added->special;
     } else {
       token = model.id_to_token(i);
     }
     if (!token) continue;
     impl->exists[id] = 1;
-    impl->decoded[id] = impl->byte_level_decoder ? byte_level_decode(*token) : *token;
+    impl->token_string[id] = *token;
+    impl->text_bytes[id] = impl->decoder ? impl->decoder->token_text(*token) : *token;
+    // The reference skips a token whose string is the content of a special token.
+    impl->skip_as_special[id] = special_contents.count(*token) > 0;
   }
 
   // End and beginning of sequence: the first of these names that is a special added token.
@@ -396,8 +524,8 @@ std::unique_ptr<TokenizerAccess::Impl> TokenizerAccess::parse(const json& root, 
         if (impl->added_tokens[it->second].special) return impl->added_tokens[it->second].id;
     return std::nullopt;
   };
-  impl->eos = find_special({"<|endoftext|>", "<|end_of_text|>", "</s>"});
-  impl->bos = find_special({"<|begin_of_text|>", "<s>"});
+  impl->eos = find_special({"<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>"});
+  impl->bos = find_special({"<|begin_of_text|>", "<s>", "<bos>"});
   return impl;
 }
 

@@ -13,6 +13,8 @@
 
 #include "forge/data/tokenizer/tokenizer.h"
 #include "forge/data/tokenizer/tokenizer_bpe.h"
+#include "forge/data/tokenizer/tokenizer_decoder.h"
+#include "forge/data/tokenizer/tokenizer_normalizer.h"
 #include "forge/data/tokenizer/tokenizer_regex.h"
 
 namespace forge::data {
@@ -21,11 +23,14 @@ namespace tokenizer_detail {
 struct AddedToken {
   int32_t id = 0;
   std::string content;
+  // A `normalized` token is found, and decoded, in its normalized form (the reference's
+  // normalized_cache): a Prepend("▁") normalizer makes "<x>" into "▁<x>". Otherwise the content.
+  std::string form;
   bool single_word = false, lstrip = false, rstrip = false, normalized = false, special = false;
 };
 
-// Finds added tokens in text: leftmost match first, the longest one where several start there, never
-// overlapping (the reference's Aho-Corasick "leftmost longest" search).
+// Finds added tokens (their `form`) in text: leftmost match first, the longest one where several start
+// there, never overlapping (the reference's Aho-Corasick "leftmost longest" search).
 class AddedTokenMatcher {
  public:
   void add(const AddedToken* token);
@@ -42,11 +47,17 @@ class AddedTokenMatcher {
 enum class SplitBehavior { Removed, Isolated, MergedWithPrevious, MergedWithNext, Contiguous };
 
 struct PreTokenizerStep {
-  enum class Kind { ByteLevel, Split } kind = Kind::ByteLevel;
+  enum class Kind { ByteLevel, Split, Metaspace } kind = Kind::ByteLevel;
   // ByteLevel: prepend a space to pieces that do not start with one; split with the GPT-2 pattern.
   bool add_prefix_space = false, use_regex = true;
-  // Split: by a regular expression (a String pattern is compiled as its escaped text).
-  std::optional<TokenizerRegex> regex;
+  // Metaspace: spaces become `replacement`, which is prepended as `prepend_scheme` says ("first": only
+  // to the piece at the very start of the text); with `split`, pieces are cut before each replacement.
+  std::string replacement;
+  PrependScheme prepend_scheme = PrependScheme::Always;
+  bool split = true;
+  // Split: by a regular expression (a String pattern is compiled as its escaped text); also ByteLevel's
+  // GPT-2 pattern and Metaspace's split on its replacement.
+  std::shared_ptr<TokenizerRegex> regex;
   SplitBehavior behavior = SplitBehavior::Isolated;
   bool invert = false;
 };
@@ -68,6 +79,7 @@ struct Tokenizer::Impl {
   std::string source;     // file name or description, for error messages
   std::string json_text;  // what save() writes and to_json() parses
 
+  Normalizer normalizer;
   std::unique_ptr<BpeModel> model;
   std::vector<tokenizer_detail::AddedToken> added_tokens;  // in file order
   TokenIdMap added_by_content;                             // content -> index in added_tokens
@@ -76,11 +88,14 @@ struct Tokenizer::Impl {
 
   std::vector<tokenizer_detail::PreTokenizerStep> pre_tokenizers;
   std::vector<tokenizer_detail::PostProcessorStep> post_processors;
-  bool byte_level_decoder = false;  // otherwise no decoder: tokens are joined with spaces
+  std::optional<Decoder> decoder;  // none: tokens are joined with spaces
 
-  // Per id: the bytes the decoder makes of the token alone, whether it is special, whether it exists.
-  std::vector<std::string> decoded;
-  std::vector<uint8_t> is_special, exists;
+  // Per id: the string the decoder is given (an added token's form, or the model's token); the bytes of
+  // text it stands for on its own (Decoder::token_text); whether it is an added token marked special;
+  // whether decode skips it with skip_special_tokens (its string is the content of a special token, the
+  // reference's test); whether it exists.
+  std::vector<std::string> token_string, text_bytes;
+  std::vector<uint8_t> is_special, skip_as_special, exists;
   std::optional<int32_t> eos, bos;
 
   const tokenizer_detail::AddedToken* added_by_id(int32_t id) const {

@@ -26,6 +26,19 @@ constexpr std::string_view kExtraLetters =
 constexpr std::string_view kExtraDigits =
     R"(\x{10D40}-\x{10D49}\x{116D0}-\x{116E3}\x{11BF0}-\x{11BF9}\x{11F50}-\x{11F59}\x{16130}-\x{16139})"
     R"(\x{16D70}-\x{16D79}\x{1CCF0}-\x{1CCF9}\x{1D2C0}-\x{1D2D3}\x{1E4F0}-\x{1E4F9}\x{1E5F1}-\x{1E5FA})";
+// Word characters (Rust regex \w) assigned by Unicode 15.0-16.0, which the reference's added-token
+// `single_word` check knows and PCRE2 10.42 does not: letters, marks and digits of the new scripts.
+// Measured over every code point against the reference (tests/reference/tokenizers_golden.py).
+constexpr std::string_view kExtraWordCharacters =
+    R"(\x{897}\x{CF3}\x{ECE}\x{1C89}-\x{1C8A}\x{A7CB}-\x{A7CD}\x{A7DA}-\x{A7DC}\x{105C0}-\x{105F3})"
+    R"(\x{10D40}-\x{10D65}\x{10D69}-\x{10D6D}\x{10D6F}-\x{10D85}\x{10EC2}-\x{10EC4}\x{10EFC}-\x{10EFF})"
+    R"(\x{1123F}-\x{11241}\x{11380}-\x{11389}\x{1138B}\x{1138E}\x{11390}-\x{113B5}\x{113B7}-\x{113C0})"
+    R"(\x{113C2}\x{113C5}\x{113C7}-\x{113CA}\x{113CC}-\x{113D3}\x{113E1}-\x{113E2}\x{116D0}-\x{116E3})"
+    R"(\x{11BC0}-\x{11BE0}\x{11BF0}-\x{11BF9}\x{11F00}-\x{11F10}\x{11F12}-\x{11F3A}\x{11F3E}-\x{11F42})"
+    R"(\x{11F50}-\x{11F5A}\x{1342F}\x{13440}-\x{13455}\x{13460}-\x{143FA}\x{16100}-\x{16139})"
+    R"(\x{16D40}-\x{16D6C}\x{16D70}-\x{16D79}\x{18CFF}\x{1B132}\x{1B155}\x{1CCF0}-\x{1CCF9})"
+    R"(\x{1DF25}-\x{1DF2A}\x{1E030}-\x{1E06D}\x{1E08F}\x{1E4D0}-\x{1E4F9}\x{1E5D0}-\x{1E5FA}\x{2B739})"
+    R"(\x{2EBF0}-\x{2EE5D}\x{31350}-\x{323AF})";
 constexpr std::string_view kHexDigitItems = "0-9a-fA-F";
 
 std::string pcre2_error_text(int code) {
@@ -208,7 +221,9 @@ bool TokenizerRegex::search(std::string_view text, size_t from, size_t& start, s
 
 bool is_word_char(char32_t c) {
   if (c < 0x80) return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_';
-  static const TokenizerRegex word(R"([\p{Alphabetic}\p{M}\p{Nd}\p{Pc}\p{Join_Control}])", "word characters");
+  static const TokenizerRegex word(
+      fmt::format(R"([\p{{Alphabetic}}\p{{M}}\p{{Nd}}\p{{Pc}}\p{{Join_Control}}{}])", kExtraWordCharacters),
+      "word characters");
   std::string utf8;
   tokenizer_text::append_utf8(c, utf8);
   size_t start = 0, end = 0;
