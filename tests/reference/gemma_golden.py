@@ -30,6 +30,7 @@ from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gem
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import qwen2_golden  # noqa: E402  (the procedure: generate, check, AdamW run, file format)
+from families_golden import builder  # noqa: E402  (the HF model of a config dict, eager attention)
 from qwen2_golden import load, logits_of  # noqa: E402
 
 COMMON = dict(
@@ -60,18 +61,6 @@ KEYS = [
     "rms_norm_eps", "tie_word_embeddings", "attention_dropout", "attention_bias", "query_pre_attn_scalar",
     "sliding_window", "layer_types", "attn_logit_softcapping", "final_logit_softcapping", "rope_parameters",
 ]
-
-
-def builder(config_class, model_class):
-    def build(model, dtype=torch.float32):
-        config = config_class(architectures=[model_class.__name__], attn_implementation="eager", **model)
-        torch.manual_seed(0)  # transformers' own init draws from the global generator; overwritten anyway
-        net = model_class(config).to(dtype)
-        net.eval()
-        assert net.config._attn_implementation == "eager", net.config._attn_implementation
-        assert net.lm_head.weight is net.model.embed_tokens.weight
-        return net
-    return build
 
 
 def config_json(config):

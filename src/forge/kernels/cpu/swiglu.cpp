@@ -18,7 +18,10 @@ bool supports(const ops::SwigluParams& p, const char* what, std::string* reason)
   return ops::refuse(reason, "{}: bad shape rows={} ffn={}", what, p.rows, p.ffn);
 }
 
-void geglu_forward(const ops::SwigluParams& p) {
+// The row loops every gate shares: out = act(g, u) element by element (forward); grad(g, u, d, dg, du) writes
+// the gate's and the up projection's gradients (backward). The element functions inline into the simd loops.
+template <typename Act>
+void glu_forward(const ops::SwigluParams& p, Act act) {
   const int64_t ffn = p.ffn;
 #pragma omp parallel for schedule(static) if (p.rows * ffn > kParallelElements)
   for (int64_t r = 0; r < p.rows; ++r) {
@@ -26,11 +29,12 @@ void geglu_forward(const ops::SwigluParams& p) {
     const float* up = gate + ffn;
     float* out = p.out + r * ffn;
 #pragma omp simd
-    for (int64_t j = 0; j < ffn; ++j) out[j] = gelu_tanh(gate[j]) * up[j];
+    for (int64_t j = 0; j < ffn; ++j) out[j] = act(gate[j], up[j]);
   }
 }
 
-void geglu_backward(const ops::SwigluParams& p) {
+template <typename Grad>
+void glu_backward(const ops::SwigluParams& p, Grad grad) {
   const int64_t ffn = p.ffn;
 #pragma omp parallel for schedule(static) if (p.rows * ffn > kParallelElements)
   for (int64_t r = 0; r < p.rows; ++r) {
@@ -40,11 +44,7 @@ void geglu_backward(const ops::SwigluParams& p) {
     float* dgate = p.dgate_up + r * 2 * ffn;
     float* dup = dgate + ffn;
 #pragma omp simd
-    for (int64_t j = 0; j < ffn; ++j) {
-      const float g = gate[j], u = up[j], d = dout[j];
-      dgate[j] = d * u * gelu_tanh_derivative(g);
-      dup[j] = d * gelu_tanh(g);
-    }
+    for (int64_t j = 0; j < ffn; ++j) grad(gate[j], up[j], dout[j], dgate[j], dup[j]);
   }
 }
 
@@ -59,42 +59,27 @@ bool supports_swiglu_backward(const ops::SwigluParams& p, std::string* reason) {
 
 void swiglu_forward(const ops::SwigluParams& p) {
   if (std::string why; !supports_swiglu_forward(p, &why)) fail("{}", why);
-  if (p.activation == ops::GluActivation::gelu_tanh) return geglu_forward(p);
-  const int64_t ffn = p.ffn;
-#pragma omp parallel for schedule(static) if (p.rows * ffn > kParallelElements)
-  for (int64_t r = 0; r < p.rows; ++r) {
-    const float* gate = p.gate_up + r * 2 * ffn;
-    const float* up = gate + ffn;
-    float* out = p.out + r * ffn;
-#pragma omp simd
-    for (int64_t j = 0; j < ffn; ++j) {
-      const float g = gate[j];
-      const float sigmoid = 1.0f / (1.0f + simd_exp(-g));
-      out[j] = g * sigmoid * up[j];
-    }
-  }
+  if (p.activation == ops::GluActivation::gelu_tanh)
+    return glu_forward(p, [](float g, float u) { return gelu_tanh(g) * u; });
+  glu_forward(p, [](float g, float u) {
+    const float sigmoid = 1.0f / (1.0f + simd_exp(-g));
+    return g * sigmoid * u;
+  });
 }
 
 void swiglu_backward(const ops::SwigluParams& p) {
   if (std::string why; !supports_swiglu_backward(p, &why)) fail("{}", why);
-  if (p.activation == ops::GluActivation::gelu_tanh) return geglu_backward(p);
-  const int64_t ffn = p.ffn;
-#pragma omp parallel for schedule(static) if (p.rows * ffn > kParallelElements)
-  for (int64_t r = 0; r < p.rows; ++r) {
-    const float* gate = p.gate_up + r * 2 * ffn;
-    const float* up = gate + ffn;
-    const float* dout = p.dout + r * ffn;
-    float* dgate = p.dgate_up + r * 2 * ffn;
-    float* dup = dgate + ffn;
-#pragma omp simd
-    for (int64_t j = 0; j < ffn; ++j) {
-      const float g = gate[j], u = up[j], d = dout[j];
-      const float sigmoid = 1.0f / (1.0f + simd_exp(-g));
-      const float silu = g * sigmoid;
-      dgate[j] = d * u * sigmoid * (1.0f + g * (1.0f - sigmoid));
-      dup[j] = d * silu;
-    }
-  }
+  if (p.activation == ops::GluActivation::gelu_tanh)
+    return glu_backward(p, [](float g, float u, float d, float& dg, float& du) {
+      dg = d * u * gelu_tanh_derivative(g);
+      du = d * gelu_tanh(g);
+    });
+  glu_backward(p, [](float g, float u, float d, float& dg, float& du) {
+    const float sigmoid = 1.0f / (1.0f + simd_exp(-g));
+    const float silu = g * sigmoid;
+    dg = d * u * sigmoid * (1.0f + g * (1.0f - sigmoid));
+    du = d * silu;
+  });
 }
 
 }  // namespace forge::cpu
