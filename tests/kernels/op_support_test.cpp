@@ -296,6 +296,10 @@ TEST(OpSupport, CudaBackend) {
   ops::SwigluParams glu;
   glu.rows = 2, glu.ffn = 4, glu.activation = ops::GluActivation::gelu_tanh;
   EXPECT_REFUSED(gpu, swiglu_forward, (glu), "swiglu_forward: only the silu gate");
+  ops::RmsNormParams offset;
+  offset.rows = 2, offset.dim = 4, offset.weight_offset = 1.0f;
+  EXPECT_REFUSED(gpu, rmsnorm_forward, (offset), "rmsnorm_forward: a weight offset", "run on the CPU");
+  EXPECT_REFUSED(gpu, softcap_inplace, (m.f, 0.0f, 4), "softcap_inplace: cap 0", "must be positive");
   // The router's per-thread masks.
   ops::MoeRouterParams router;
   router.tokens = 4, router.experts = 2048, router.top_k = 8, router.logits = m.f,

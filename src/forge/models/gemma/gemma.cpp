@@ -24,16 +24,12 @@ const json kGemma2Defaults = {{"vocab_size", 256000},
                               {"max_position_embeddings", 8192},
                               {"tie_word_embeddings", true},
                               {"rms_norm_eps", 1e-6}};
-const json kGemma3Defaults = {{"vocab_size", 262208},
-                              {"hidden_size", 2304},
-                              {"intermediate_size", 9216},
-                              {"num_hidden_layers", 26},
-                              {"num_attention_heads", 8},
-                              {"num_key_value_heads", 4},
-                              {"head_dim", 256},
-                              {"max_position_embeddings", 131072},
-                              {"tie_word_embeddings", true},
-                              {"rms_norm_eps", 1e-6}};
+// Gemma3TextConfig's differ in the vocabulary and the context only.
+const json kGemma3Defaults = [] {
+  json d = kGemma2Defaults;
+  d["vocab_size"] = 262208, d["max_position_embeddings"] = 131072;
+  return d;
+}();
 
 // Gemma's own keys, read here (the rest go to LLaMA's strict reader). dtype, cache_implementation and
 // sliding_window_pattern's underscore form are bookkeeping.
