@@ -125,10 +125,11 @@ Options parse(int argc, char** argv) {
   if (o.hidden < 64 || o.hidden % 64 != 0) fail("forge_pipeline_bench: --hidden must be a multiple of 64");
   if (o.reps < 1 || o.steps < 1 || o.warmup < 0 || o.threads < 1 || o.micro_batches < 1)
     fail("forge_pipeline_bench: --reps, --steps, --threads and --micro-batches must be >= 1, --warmup >= 0");
-  for (const std::string& s : o.schedules)
-    if (std::find(pipeline::schedule_names().begin(), pipeline::schedule_names().end(), s) ==
-        pipeline::schedule_names().end())
-      fail("forge_pipeline_bench: unknown schedule '{}' in --schedules", s);
+  for (const std::string& s : o.schedules) try {
+      (void)pipeline::schedule_kind(s);
+    } catch (const Error& e) {
+      fail("forge_pipeline_bench: --schedules: {}", e.what());
+    }
   return o;
 }
 
@@ -394,7 +395,9 @@ Result run_schedule(const std::string& name, const Options& o, const LlamaConfig
                     const nn::ComputeOptions& options, const SendCosts& send) {
   comm::Communicator& world = comm::world();
   const int ranks = world.size(), rank = world.rank();
-  const pipeline::ScheduleRequest request{name, ranks, o.micro_batches, name == "interleaved" ? 2 : 1};
+  const pipeline::ScheduleKind kind = pipeline::schedule_kind(name);
+  const pipeline::ScheduleRequest request{kind, ranks, o.micro_batches,
+                                          kind == pipeline::ScheduleKind::interleaved ? 2 : 1};
   const pipeline::Schedule schedule = pipeline::make_schedule(request);
   const pipeline::Placement& p = schedule.placement;
   const Batches batches = make_batches(o.micro_batches, o.batch, o.seq, config.vocab_size);
@@ -494,13 +497,13 @@ struct Reference {
 
 Reference unit_cost_reference(int ranks, int micro_batches) {
   Reference r;
-  for (const std::string name : {"zbv", "dualpipev"}) {
-    const pipeline::ScheduleRequest request{name, ranks, micro_batches, 1};
+  for (const pipeline::ScheduleKind kind : {pipeline::ScheduleKind::zbv, pipeline::ScheduleKind::dualpipev}) {
+    const pipeline::ScheduleRequest request{kind, ranks, micro_batches, 1};
     if (!pipeline::schedule_refusal(request).empty()) continue;
     const pipeline::Replay rep = pipeline::replay(pipeline::make_schedule(request));
     const double idle = rep.bubble_fraction() * rep.makespan;
     ++r.replayed;
-    if (name == "zbv")
+    if (kind == pipeline::ScheduleKind::zbv)
       r.zbv_idle = idle, r.zbv_bubble = rep.bubble_fraction();
     else
       r.dualpipev_idle = idle, r.dualpipev_bubble = rep.bubble_fraction();
@@ -548,8 +551,9 @@ int run(int argc, char** argv) {
 
   std::vector<Result> results;
   for (const std::string& name : o.schedules) {
-    const pipeline::ScheduleRequest request{name, world.size(), o.micro_batches,
-                                            name == "interleaved" ? 2 : 1};
+    const pipeline::ScheduleKind kind = pipeline::schedule_kind(name);
+    const pipeline::ScheduleRequest request{kind, world.size(), o.micro_batches,
+                                            kind == pipeline::ScheduleKind::interleaved ? 2 : 1};
     std::string refusal = pipeline::schedule_refusal(request);
     if (refusal.empty() && pipeline::stage_count(request) > config.num_hidden_layers)
       refusal =

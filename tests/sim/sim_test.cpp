@@ -31,7 +31,7 @@ std::map<std::string, int64_t> calls_of(const RankTrace& t) {
 
 Strategy small(int tp, const std::string& recompute) {
   Strategy s;
-  s.tp = tp, s.dp = 1, s.micro_batch = 2, s.seq = 64, s.recompute = recompute;
+  s.tp = tp, s.dp = 1, s.micro_batch = 2, s.seq = 64, s.recompute = nn::recompute_from_name(recompute);
   s.sequence_parallel = tp > 1;
   return s;
 }
@@ -289,7 +289,7 @@ TEST(Simulator, ReplaysTheScheduleForMemoryAndTime) {
   const Estimate longer = sim.estimate(s);
   EXPECT_LT(longer.time.bubble / longer.time.step, one_f_one_b.time.bubble / one_f_one_b.time.step);
   // Full recompute keeps less.
-  s.recompute = "full";
+  s.recompute = nn::Recompute::full;
   EXPECT_LT(sim.estimate(s).memory.activations, longer.memory.activations);
   // Data parallelism adds the reductions; ZeRO-1 shards the optimizer state.
   Strategy d = small(1, "none");
@@ -393,7 +393,7 @@ TEST(DryTrace, ContextParallelRanksHoldTheirChunks) {
   for_cpu.shaped_for = Device::cpu, cpu.device = Device::cpu;
   auto traced = [&](int cp, const char* comm) {
     Strategy s = small(1, "none");
-    s.cp = cp, s.cp_comm = comm;
+    s.cp = cp, s.cp_comm = parallel::context_attention_from_name(comm);
     return trace_rank(*config, s, 0, for_cpu);
   };
   auto attention_flops = [](const RankTrace& t) {
@@ -427,7 +427,7 @@ TEST(DryTrace, ContextParallelRanksHoldTheirChunks) {
   EXPECT_EQ(events(a2a.chunks[0].backward, "all_to_all"), 9 * layers);  // q, k, v, dout, out, lse; dq, dk, dv
   for (const char* comm : {"p2p", "a2a"}) {
     Strategy s = small(1, "none");
-    s.cp = 2, s.cp_comm = comm;
+    s.cp = 2, s.cp_comm = parallel::context_attention_from_name(comm);
     EXPECT_EQ(calls_of(trace_rank(*config, s, 0, for_cpu)), calls_of(trace_rank(*config, s, 0, cpu))) << comm;
   }
 

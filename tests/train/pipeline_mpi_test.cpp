@@ -79,7 +79,8 @@ Reference run_whole(const LlamaConfig& config, const Batches& batches, int count
 void expect_pipeline_matches(const std::string& name, int micro_batches, int vpp = 1) {
   comm::Communicator& world = comm::world();
   const int ranks = world.size(), rank = world.rank();
-  const pipeline::Schedule schedule = pipeline::make_schedule({name, ranks, micro_batches, vpp});
+  const pipeline::Schedule schedule =
+      pipeline::make_schedule({pipeline::schedule_kind(name), ranks, micro_batches, vpp});
   const pipeline::Placement& p = schedule.placement;
   ASSERT_LE(p.stages, kLayers);
   const LlamaConfig config = eight_layers();
@@ -180,7 +181,7 @@ TEST(PipelineLinks, OneDeviceChannelPerKindAndDirection) {
   };
   const int me = world.rank(), up = (me + 1) % n, down = (me + n - 1) % n;
   {
-    const pipeline::Schedule s = pipeline::make_schedule({"1f1b", n, 2 * n, 1});
+    const pipeline::Schedule s = pipeline::make_schedule({pipeline::ScheduleKind::one_f_one_b, n, 2 * n, 1});
     const pipeline::Links links(s, world, make);
     EXPECT_EQ(links.communicators(), 2 * (me > 0) + 2 * (me < n - 1));
     if (me < n - 1) {
@@ -201,7 +202,7 @@ TEST(PipelineLinks, OneDeviceChannelPerKindAndDirection) {
     }
   }
   {
-    const pipeline::Schedule s = pipeline::make_schedule({"interleaved", n, 2 * n, 2});
+    const pipeline::Schedule s = pipeline::make_schedule({pipeline::ScheduleKind::interleaved, n, 2 * n, 2});
     const pipeline::Links links(s, world, make);
     // Activations to the next rank (the last to the first), gradients to the previous, and both received.
     EXPECT_EQ(links.communicators(), 4);

@@ -332,7 +332,7 @@ TEST_F(PipelineRuns, ProfileStepWritesTheMeasuredPipelineTimeline) {
   ASSERT_TRUE(in.good());
   const nlohmann::json trace = nlohmann::json::parse(in);
   const pipeline::Schedule schedule =
-      pipeline::make_schedule({"dualpipev", world.size(), 2 * world.size(), 1});
+      pipeline::make_schedule({pipeline::ScheduleKind::dualpipev, world.size(), 2 * world.size(), 1});
   size_t compute = 0;
   for (const auto& list : schedule.actions)
     for (const pipeline::Action& a : list) compute += pipeline::is_compute(a.op);

@@ -135,12 +135,13 @@ int run_schedule(const PlanOptions& o) {
   Costs costs;
   costs.uniform = parse_costs(o.costs);
   costs.latency = o.latency;
-  if (o.pairs && o.schedule != "interleaved")
+  const ScheduleKind kind = schedule_kind(o.schedule);
+  if (o.pairs && kind != ScheduleKind::interleaved)
     fail(
         "--pairs applies to the interleaved schedule (dualpipe and dualpipev have pairs of their own), not "
         "{}",
         o.schedule);
-  const Schedule schedule = make_schedule({o.schedule, o.pp, o.micro_batches, o.vpp, o.pairs});
+  const Schedule schedule = make_schedule({kind, o.pp, o.micro_batches, o.vpp, o.pairs});
   const Placement& p = schedule.placement;
   double measured_step = -1;
   if (!o.costs_from.empty()) {
@@ -155,7 +156,7 @@ int run_schedule(const PlanOptions& o) {
   const double backward = c.backward_input + c.backward_weight;
   const double pair = c.forward_backward >= 0 ? c.forward_backward : c.forward + backward;
   const std::string name =
-      o.schedule == "interleaved" ? fmt::format("interleaved (vpp {})", o.vpp) : o.schedule;
+      kind == ScheduleKind::interleaved ? fmt::format("interleaved (vpp {})", o.vpp) : o.schedule;
   const std::string cost_line =
       fmt::format("F {:g}, I {:g}, W {:g}, B {:g}, F&B {:g}{}", c.forward, c.backward_input,
                   c.backward_weight, backward, pair, c.forward_backward >= 0 ? "" : " (F + B)");
@@ -227,7 +228,8 @@ void add_plan_command(CLI::App& app, Commands& commands) {
       "Build a pipeline schedule, replay it under per-action costs and print each rank's actions, idle time "
       "and peak activations");
   std::string known;
-  for (const std::string& n : schedule_names()) known += (known.empty() ? "" : ", ") + n;
+  for (ScheduleKind kind : schedule_kinds())
+    known += (known.empty() ? "" : ", ") + std::string(schedule_name(kind));
   schedule->add_option("--schedule", o->schedule, "pipeline schedule: " + known)
       ->required()
       ->type_name("NAME");

@@ -218,27 +218,34 @@ int run_search(const ModelPlanOptions& o) {
     if (shape.heads % tp || shape.ffn % tp || (shape.kv_heads % tp && tp % shape.kv_heads)) continue;
     for (int cp : divisors(ranks / tp)) {
       // Context parallelism: two chunks of every sequence per rank; all-to-all where the heads divide.
-      auto splits = [&](const char* comm) {
-        return parallel::context_split_problem(cp, parallel::context_attention_from_name(comm), o.seq_len,
-                                               shape.heads / tp, std::max<int64_t>(1, shape.kv_heads / tp))
+      using parallel::ContextAttention;
+      auto splits = [&](ContextAttention comm) {
+        return parallel::context_split_problem(cp, comm, o.seq_len, shape.heads / tp,
+                                               std::max<int64_t>(1, shape.kv_heads / tp))
             .none();
       };
-      if (!splits("p2p")) continue;
-      std::vector<std::string> cp_comms{"p2p"};
-      if (cp > 1 && splits("a2a")) cp_comms.push_back("a2a");
-      for (const std::string& cp_comm : cp_comms)
+      if (!splits(ContextAttention::ring)) continue;
+      std::vector<ContextAttention> cp_comms{ContextAttention::ring};
+      if (cp > 1 && splits(ContextAttention::all_to_all)) cp_comms.push_back(ContextAttention::all_to_all);
+      for (ContextAttention cp_comm : cp_comms)
         for (int pp : divisors(ranks / tp / cp)) {
           if (pp > shape.layers) continue;
           const int dp = ranks / tp / cp / pp;
           if (o.global_batch % dp) continue;
-          std::vector<std::pair<std::string, int>> schedules{{"1f1b", 1}};
+          using pipeline::ScheduleKind;
+          std::vector<std::pair<ScheduleKind, int>> schedules{{ScheduleKind::one_f_one_b, 1}};
           if (pp > 1)
-            schedules = {{"1f1b", 1}, {"interleaved", 2}, {"zb-h1", 1}, {"zbv", 1}, {"dualpipev", 1}};
+            schedules = {{ScheduleKind::one_f_one_b, 1},
+                         {ScheduleKind::interleaved, 2},
+                         {ScheduleKind::zb_h1, 1},
+                         {ScheduleKind::zbv, 1},
+                         {ScheduleKind::dualpipev, 1}};
           for (int64_t mb : {1, 2, 4, 8}) {
             if ((o.global_batch / dp) % mb) continue;
             const int64_t accum = o.global_batch / dp / mb;
             for (const auto& [schedule, vpp] : schedules)
-              for (const char* recompute : {"none", "selective", "full"})
+              for (nn::Recompute recompute :
+                   {nn::Recompute::none, nn::Recompute::selective, nn::Recompute::full})
                 for (bool zero : {false, true}) {
                   if (zero && dp == 1) continue;
                   Strategy s;
@@ -362,8 +369,9 @@ int run_calibrate(const ModelPlanOptions& o) {
   // Under mpirun every rank measures at once, as the ranks of a run on this machine compute at once (sharing
   // its cores, caches and memory bandwidth); then the ranks time collectives between them. Rank 0 writes.
   comm::Communicator& world = comm::world();
-  const std::vector<std::string> recomputes =
-      word_list(o.recomputes, "--recompute", {"none", "selective", "full"});
+  std::vector<nn::Recompute> recomputes;
+  for (const std::string& word : word_list(o.recomputes, "--recompute", {"none", "selective", "full"}))
+    recomputes.push_back(nn::recompute_from_name(word));
   const std::vector<std::string> fp8s = word_list(o.fp8s, "--fp8", {"off", "delayed", "current", "block"});
   HardwareProfile h;
   const int threads = omp_get_max_threads();
@@ -400,7 +408,7 @@ int run_calibrate(const ModelPlanOptions& o) {
         for (int64_t cp : cps)
           for (int64_t pp : pps)
             for (int64_t mb : mbs)
-              for (const std::string& rc : recomputes)
+              for (nn::Recompute rc : recomputes)
                 for (int pp_rank = 0; pp_rank < pp; ++pp_rank) {
                   Strategy s;
                   s.tp = static_cast<int>(tp), s.dp = 1, s.micro_batch = mb, s.seq = o.seq_len,

@@ -33,6 +33,10 @@ const char* context_attention_name(ContextAttention mode) {
   return mode == ContextAttention::ring ? "ring" : "all_to_all";
 }
 
+const char* context_attention_setting(ContextAttention mode) {
+  return mode == ContextAttention::ring ? "p2p" : "a2a";
+}
+
 ContextSplitProblem context_split_problem(int cp, ContextAttention mode, int64_t seq, int64_t heads,
                                           int64_t kv_heads) {
   if (cp <= 1) return {};

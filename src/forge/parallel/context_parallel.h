@@ -19,9 +19,9 @@
 // Both take the local tokens as ops::AttentionParams do (q [batch, local, heads, head_dim] with q_stride
 // between tokens, k and v [batch, local, kv_heads, ...], out, lse [batch, heads, local]), with seq = the
 // local length, the default (dense) batch and head strides, causal attention, in memory of `device` (the
-// communicator's: MPI for the host, NCCL for a GPU). The packing, merging and gradient sums run as ops on that
-// device (strided_copy, attention_merge, add_inplace), so nothing goes through the host. Grouped-query and MLA
-// shapes (v_head_dim != head_dim) are supported.
+// communicator's: MPI for the host, NCCL for a GPU). The packing, merging and gradient sums run as ops on
+// that device (strided_copy, attention_merge, add_inplace), so nothing goes through the host. Grouped-query
+// and MLA shapes (v_head_dim != head_dim) are supported.
 #pragma once
 
 #include <cstdint>
@@ -59,6 +59,7 @@ struct ContextSplit {
 enum class ContextAttention { ring, all_to_all };
 ContextAttention context_attention_from_name(const std::string& name);  // "ring" (or "p2p"), "all_to_all"
 const char* context_attention_name(ContextAttention mode);
+const char* context_attention_setting(ContextAttention mode);  // parallel.cp_comm's spelling: "p2p", "a2a"
 
 // What keeps a run from splitting over cp ranks, for the trainer, the simulator and the plan search alike:
 // `setting` names the key at fault ("data.seq_len", "parallel.cp_comm") and `problem` says why; both empty

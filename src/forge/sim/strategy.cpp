@@ -6,11 +6,14 @@ namespace forge::sim {
 
 std::string Strategy::describe() const {
   std::string out = fmt::format("tp{} pp{} dp{}", tp, pp, dp);
-  if (cp > 1) out += fmt::format(" cp{}{}", cp, cp_comm == "a2a" ? ":a2a" : "");
+  if (cp > 1)
+    out += fmt::format(" cp{}{}", cp, cp_comm == parallel::ContextAttention::all_to_all ? ":a2a" : "");
   if (ep > 1) out += fmt::format(" ep{}", ep);
-  if (pp > 1) out += " " + schedule + (schedule == "interleaved" ? fmt::format("x{}", vpp) : "");
+  if (pp > 1)
+    out += fmt::format(" {}{}", pipeline::schedule_name(schedule),
+                       schedule == pipeline::ScheduleKind::interleaved ? fmt::format("x{}", vpp) : "");
   out += fmt::format(" mb{}x{}", micro_batch, grad_accum);
-  if (recompute != "none") out += " rc:" + recompute;
+  if (recompute != nn::Recompute::none) out += fmt::format(" rc:{}", nn::recompute_name(recompute));
   if (distributed_optimizer && dp > 1) out += " zero1";
   if (sequence_parallel && tp > 1) out += " sp";
   if (fp8) out += " fp8:" + fp8_recipe;
@@ -21,14 +24,17 @@ std::string Strategy::describe() const {
 
 std::string Strategy::set_line() const {
   std::string out = fmt::format("--set parallel.tp={} --set parallel.pp={} --set parallel.dp={}", tp, pp, dp);
-  if (cp > 1) out += fmt::format(" --set parallel.cp={} --set parallel.cp_comm={}", cp, cp_comm);
+  if (cp > 1)
+    out += fmt::format(" --set parallel.cp={} --set parallel.cp_comm={}", cp,
+                       parallel::context_attention_setting(cp_comm));
   if (ep > 1) out += fmt::format(" --set parallel.ep={}", ep);
-  if (pp > 1) out += fmt::format(" --set parallel.schedule={}", schedule);
-  if (pp > 1 && schedule == "interleaved") out += fmt::format(" --set parallel.vpp={}", vpp);
+  if (pp > 1) out += fmt::format(" --set parallel.schedule={}", pipeline::schedule_name(schedule));
+  if (pp > 1 && schedule == pipeline::ScheduleKind::interleaved)
+    out += fmt::format(" --set parallel.vpp={}", vpp);
   if (tp > 1) out += fmt::format(" --set parallel.sequence_parallel={}", sequence_parallel);
   if (dp > 1) out += fmt::format(" --set parallel.distributed_optimizer={}", distributed_optimizer);
   out += fmt::format(" --set train.micro_batch={} --set train.grad_accum={} --set train.recompute={}",
-                     micro_batch, grad_accum, recompute);
+                     micro_batch, grad_accum, nn::recompute_name(recompute));
   if (fp8) out += " --set fp8.recipe=" + fp8_recipe;
   if (moe_capacity_factor > 0)
     out += fmt::format(" --set moe.capacity_factor={:g} --set moe.pad_to_capacity={}", moe_capacity_factor,

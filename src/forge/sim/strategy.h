@@ -7,16 +7,20 @@
 #include <optional>
 #include <string>
 
+#include "forge/core/dtype.h"
+#include "forge/nn/compute.h"
 #include "forge/nn/fp8_context.h"
+#include "forge/parallel/context_parallel.h"
+#include "forge/parallel/pipeline/schedule.h"
 
 namespace forge::sim {
 
 struct Strategy {
   int tp = 1, pp = 1, dp = 1, ep = 1, vpp = 1;
-  int cp = 1;                     // context parallel
-  std::string cp_comm = "p2p";    // parallel.cp_comm: p2p (ring) | a2a
-  std::string schedule = "1f1b";  // parallel.schedule (pp > 1)
-  std::string pp_layers;          // parallel.pp_layers ("" = even)
+  int cp = 1;                                                             // context parallel
+  parallel::ContextAttention cp_comm = parallel::ContextAttention::ring;  // parallel.cp_comm
+  pipeline::ScheduleKind schedule = pipeline::ScheduleKind::one_f_one_b;  // parallel.schedule (pp > 1)
+  std::string pp_layers;                                                  // parallel.pp_layers ("" = even)
   bool sequence_parallel = false;
   bool distributed_optimizer = false;  // ZeRO-1
   bool overlap_grad_reduce = true;
@@ -25,8 +29,8 @@ struct Strategy {
   int64_t micro_batch = 1;  // sequences per micro-batch
   int64_t grad_accum = 1;   // micro-batches per step (per data-parallel replica)
   int64_t seq = 0;
-  std::string recompute = "none";  // none | selective | full
-  std::string dtype = "bf16";      // GEMM operands: bf16 | fp32
+  nn::Recompute recompute = nn::Recompute::none;
+  DType dtype = DType::bf16;  // GEMM operands: bf16 | f32
   std::optional<nn::Fp8Options> fp8;
   std::string fp8_recipe = "off";  // its name, for tables
   // Mixture-of-experts layers: moe.capacity_factor (0: dropless), moe.pad_to_capacity, parallel.ep_overlap.

@@ -311,9 +311,8 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
   const parallel::LayoutSpec spec{s.tp, s.pp, s.dp, s.cp, s.ep};
   const parallel::Layout probe(spec, s.world(), 0);
   const parallel::Layout layout(spec, s.world(), probe.rank_of(0, 0, 0, pp_rank));
-  const parallel::ContextSplitProblem split =
-      parallel::context_split_problem(s.cp, parallel::context_attention_from_name(s.cp_comm), s.seq,
-                                      shape.heads / s.tp, std::max<int64_t>(1, shape.kv_heads / s.tp));
+  const parallel::ContextSplitProblem split = parallel::context_split_problem(
+      s.cp, s.cp_comm, s.seq, shape.heads / s.tp, std::max<int64_t>(1, shape.kv_heads / s.tp));
   if (!split.none()) fail("{}", split.problem);
   parallel::validate_model_fit(
       layout, {shape.hidden, shape.heads, shape.kv_heads, shape.ffn, shape.vocab, shape.layers},
@@ -344,8 +343,8 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
   nn::ComputeOptions o;
   o.device = device;
   o.shaped_for = options.shaped_for;
-  o.gemm_dtype = dtype_from_name(s.dtype);
-  o.recompute = nn::recompute_from_name(s.recompute);
+  o.gemm_dtype = s.dtype;
+  o.recompute = s.recompute;
   o.vocab_divisible_by = s.vocab_divisible_by;
   const bool on_device = device != Device::cpu;
   parallel::CommTensorParallel tensor_parallel(tp.get(), s.sequence_parallel, on_device ? tp.get() : nullptr);
@@ -360,7 +359,8 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
   o.moe_capacity_factor = s.moe_capacity_factor;
   o.moe_pad_to_capacity = s.moe_pad_to_capacity;
   std::optional<TracedContextParallel> context_parallel;
-  if (s.cp > 1) o.cp = &context_parallel.emplace(*cp, s.cp_comm != "a2a", device, log);
+  if (s.cp > 1)
+    o.cp = &context_parallel.emplace(*cp, s.cp_comm == parallel::ContextAttention::ring, device, log);
   std::unique_ptr<nn::Fp8Context> fp8;
   if (s.fp8) {
     fp8 = std::make_unique<nn::Fp8Context>(*s.fp8);
@@ -391,7 +391,8 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
     const int first = p.locate(0, 0).rank, last = p.locate(0, p.stages - 1).rank;
     tied_across = tied && first != last && (pp_rank == first || pp_rank == last);
     const std::vector<int64_t> counts = pipeline::stage_layer_counts(
-        shape.layers, p.stages, s.pp_layers, fmt::format("{} stages of schedule {}", p.stages, s.schedule));
+        shape.layers, p.stages, s.pp_layers,
+        fmt::format("{} stages of schedule {}", p.stages, pipeline::schedule_name(s.schedule)));
     stages.clear(), specs.clear();
     for (int chunk = 0; chunk < p.chunks; ++chunk) {
       const int mine = p.stage(pp_rank, chunk);

@@ -168,7 +168,7 @@ std::string Checkpointing::load_newest() {
 
 ResumeOutcome Checkpointing::resume(const ResumeDecision& decision) {
   std::vector<fs::path> candidates = {decision.checkpoint};
-  if (decision.from_own_directory && c_.checkpoint.resume == "auto") {
+  if (decision.from_own_directory && c_.resume_mode() == ResumeMode::automatic) {
     const int64_t newest = read_checkpoint_manifest(decision.checkpoint.string(), false).step;
     for (const std::string& dir : complete_checkpoints(dir_.string()))
       if (read_checkpoint_manifest(dir, false).step < newest) candidates.push_back(dir);

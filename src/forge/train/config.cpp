@@ -11,6 +11,7 @@
 #include <variant>
 #include <vector>
 
+#include "forge/core/cpu_features.h"
 #include "forge/core/error.h"
 #include "forge/core/file_io.h"
 #include "forge/core/suggest.h"
@@ -188,7 +189,7 @@ const std::vector<KeySpec>& key_specs() {
        "schedule",
        FORGE_FIELD(parallel.schedule),
        "with pp > 1: the pipeline schedule (forge plan schedule shows each)",
-       {"1f1b", "interleaved", "zb-h1", "zbv", "dualpipe", "dualpipev"}},
+       {}},
       {"parallel",
        "vpp",
        FORGE_FIELD(parallel.vpp),
@@ -1058,6 +1059,22 @@ std::string TrainConfig::to_toml() const {
 std::filesystem::path TrainConfig::checkpoint_dir() const {
   if (!checkpoint.dir.empty()) return checkpoint.dir;
   return std::filesystem::path(log.run_dir) / "checkpoint";
+}
+
+TokenizerSource TrainConfig::tokenizer_source() const {
+  if (data.tokenizer == "train") return TokenizerSource::train;
+  return data.tokenizer == "bytes" ? TokenizerSource::bytes : TokenizerSource::file;
+}
+
+ResumeMode TrainConfig::resume_mode() const {
+  if (checkpoint.resume.empty()) return ResumeMode::fresh;
+  return checkpoint.resume == "auto" ? ResumeMode::automatic : ResumeMode::path;
+}
+
+DType TrainConfig::gemm_dtype() const {
+  if (train.dtype == DtypeChoice::automatic)
+    return train.device != Device::cpu || cpu_has_native_bf16() ? DType::bf16 : DType::f32;
+  return train.dtype == DtypeChoice::bf16 ? DType::bf16 : DType::f32;
 }
 
 LrSchedule TrainConfig::lr_schedule() const {

@@ -21,6 +21,7 @@
 #include "forge/optim/lr_schedule.h"
 #include "forge/parallel/context_parallel.h"
 #include "forge/parallel/layout.h"
+#include "forge/parallel/pipeline/schedule.h"
 #include "forge/train/choice.h"
 
 namespace forge::train {
@@ -54,6 +55,11 @@ FORGE_CHOICE_NAMES(nn::Recompute, {nn::Recompute::none, "none"}, {nn::Recompute:
                    {nn::Recompute::full, "full"})
 FORGE_CHOICE_NAMES(parallel::ContextAttention, {parallel::ContextAttention::ring, "p2p"},
                    {parallel::ContextAttention::all_to_all, "a2a"})
+FORGE_CHOICE_NAMES(pipeline::ScheduleKind, {pipeline::ScheduleKind::one_f_one_b, "1f1b"},
+                   {pipeline::ScheduleKind::interleaved, "interleaved"},
+                   {pipeline::ScheduleKind::zb_h1, "zb-h1"}, {pipeline::ScheduleKind::zbv, "zbv"},
+                   {pipeline::ScheduleKind::dualpipe, "dualpipe"},
+                   {pipeline::ScheduleKind::dualpipev, "dualpipev"})
 FORGE_CHOICE_NAMES(Fp8RecipeChoice, {Fp8RecipeChoice::off, "off"}, {Fp8RecipeChoice::delayed, "delayed"},
                    {Fp8RecipeChoice::current, "current"}, {Fp8RecipeChoice::block, "block"})
 FORGE_CHOICE_NAMES(Fp8FormatChoice, {Fp8FormatChoice::automatic, "auto"}, {Fp8FormatChoice::hybrid, "hybrid"},
@@ -64,6 +70,11 @@ FORGE_CHOICE_NAMES(BiasUpdate, {BiasUpdate::sign, "sign"}, {BiasUpdate::zero_mea
 FORGE_CHOICE_NAMES(SkipData, {SkipData::window, "window"}, {SkipData::none, "none"})
 FORGE_CHOICE_NAMES(SpikeMetric, {SpikeMetric::ratio, "ratio"}, {SpikeMetric::zscore, "zscore"})
 #undef FORGE_CHOICE_NAMES
+
+// data.tokenizer: "train" (a BPE learnt on the corpus), "bytes", or the path of a tokenizer.json.
+enum class TokenizerSource { train, bytes, file };
+// checkpoint.resume: "" (a fresh run), "auto" (this run's checkpoint directory if it holds one), or a path.
+enum class ResumeMode { fresh, automatic, path };
 
 struct TrainConfig {
   struct Model {
@@ -149,13 +160,14 @@ struct TrainConfig {
   };
   // How the world's ranks are split (see forge/parallel/layout.h) and how gradients travel between them.
   struct Parallel {
-    int64_t tp = 1;                 // tensor parallel
-    int64_t pp = 1;                 // pipeline parallel
-    std::string schedule = "1f1b";  // pipeline schedule (parallel/pipeline/schedule.h)
-    int64_t vpp = 1;                // interleaved: chunks per pipeline rank
-    std::string pp_layers;          // layers per stage, "3,5,5,3"; empty: even
-    int64_t dp = 0;                 // data parallel; 0 = derived: world size / (tp * pp * cp)
-    int64_t cp = 1;                 // context parallel
+    int64_t tp = 1;  // tensor parallel
+    int64_t pp = 1;  // pipeline parallel
+    Choice<pipeline::ScheduleKind> schedule =
+        pipeline::ScheduleKind::one_f_one_b;  // pipeline schedule (parallel/pipeline/schedule.h)
+    int64_t vpp = 1;                          // interleaved: chunks per pipeline rank
+    std::string pp_layers;                    // layers per stage, "3,5,5,3"; empty: even
+    int64_t dp = 0;                           // data parallel; 0 = derived: world size / (tp * pp * cp)
+    int64_t cp = 1;                           // context parallel
     Choice<parallel::ContextAttention> cp_comm = parallel::ContextAttention::ring;  // cp > 1: attention
     int64_t ep = 1;          // expert parallel, carved from dp x cp
     bool ep_overlap = true;  // hide the token all-to-alls under compute (nn::ComputeOptions)
@@ -262,6 +274,10 @@ struct TrainConfig {
   parallel::LayoutSpec layout_spec() const;
   // train.freeze as a list of parts (each one of vision, projector, language; validate() checks).
   std::vector<std::string> frozen_parts() const;
+  TokenizerSource tokenizer_source() const;
+  ResumeMode resume_mode() const;
+  // train.dtype resolved: auto is bf16 on a GPU or a CPU with native bf16, else fp32.
+  DType gemm_dtype() const;
   // [fp8] as the model's FP8 options; std::nullopt when fp8.recipe = "off". Call after validate().
   std::optional<nn::Fp8Options> fp8_options() const;
   // lambda of step `step` (1-based).

@@ -152,7 +152,7 @@ std::unique_ptr<TrainingData> open_image_text_data(const TrainConfig& config,
   if (!images)
     fail("data.images: image-text data trains a multimodal model (LlavaForConditionalGeneration), not {}",
          model.architecture());
-  if (config.data.tokenizer == "train")
+  if (config.tokenizer_source() == TokenizerSource::train)
     fail(
         "data.images: data.tokenizer must be \"bytes\" or a tokenizer.json (no tokenizer is trained on "
         "image-text data)");

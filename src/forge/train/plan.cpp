@@ -1,6 +1,5 @@
 #include "forge/train/plan.h"
 
-#include "forge/core/cpu_features.h"
 #include "forge/core/error.h"
 
 namespace forge::train {
@@ -9,7 +8,7 @@ sim::Strategy strategy_of(const TrainConfig& c, int world_size) {
   sim::Strategy s;
   const parallel::LayoutSpec l = c.layout_spec();
   s.tp = l.tp, s.pp = l.pp, s.ep = l.ep, s.cp = l.cp;
-  s.cp_comm = c.parallel.cp_comm.name();
+  s.cp_comm = c.parallel.cp_comm;
   s.dp = l.dp > 0 ? l.dp : world_size / std::max(1, l.tp * l.pp * l.cp);
   if (s.dp < 1 || s.world() != world_size)
     fail(
@@ -25,10 +24,8 @@ sim::Strategy strategy_of(const TrainConfig& c, int world_size) {
   s.bucket_mb = c.parallel.bucket_mb;
   s.vocab_divisible_by = c.parallel.make_vocab_size_divisible_by;
   s.micro_batch = c.train.micro_batch, s.grad_accum = c.train.grad_accum, s.seq = c.data.seq_len;
-  s.recompute = c.train.recompute.name();
-  s.dtype = c.train.dtype != DtypeChoice::automatic                  ? c.train.dtype.name()
-            : c.train.device != Device::cpu || cpu_has_native_bf16() ? "bf16"
-                                                                     : "fp32";
+  s.recompute = c.train.recompute;
+  s.dtype = c.gemm_dtype();
   s.fp8 = c.fp8_options();
   s.fp8_recipe = c.fp8.recipe.name();
   s.moe_capacity_factor = c.moe.capacity_factor, s.moe_pad_to_capacity = c.moe.pad_to_capacity;

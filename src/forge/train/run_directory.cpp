@@ -88,7 +88,7 @@ ResumeDecision decide_resume(const TrainConfig& c) {
   const fs::path root = c.checkpoint_dir();
   const bool has_data = holds_checkpoint_data(root.string());
   ResumeDecision d;
-  if (c.checkpoint.resume == "auto") {
+  if (c.resume_mode() == ResumeMode::automatic) {
     if (!has_data) return d;                                         // nothing to continue: a fresh run
     const ResolvedCheckpoint r = resolve_checkpoint(root.string());  // "incomplete" when nothing is
     d.checkpoint = r.dir;
@@ -96,7 +96,7 @@ ResumeDecision decide_resume(const TrainConfig& c) {
     d.from_own_directory = true;
     return d;
   }
-  if (c.checkpoint.resume.empty()) {
+  if (c.resume_mode() == ResumeMode::fresh) {
     if (!has_data) return d;
     if (!c.checkpoint.overwrite)
       fail(

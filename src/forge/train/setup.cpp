@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cstdlib>
 
-#include "forge/core/cpu_features.h"
 #include "forge/core/device.h"
 #include "forge/fp8/recipe.h"
 #include "forge/parallel/pipeline/replay.h"
@@ -216,9 +215,9 @@ void TrainSetup::make_pipeline() {
 
   const std::string stages_from =
       p.stages == pp ? fmt::format("parallel.pp = {}", pp)
-      : c.parallel.schedule == "interleaved"
+      : c.parallel.schedule == pipeline::ScheduleKind::interleaved
           ? fmt::format("parallel.pp = {} x parallel.vpp = {}", pp, c.parallel.vpp)
-          : fmt::format("parallel.pp = {} x 2 (schedule {})", pp, c.parallel.schedule);
+          : fmt::format("parallel.pp = {} x 2 (schedule {})", pp, c.parallel.schedule.name());
   const std::vector<int64_t> counts =
       pipeline::stage_layer_counts(layers, p.stages, c.parallel.pp_layers, stages_from);
   chunk_stages.clear();
@@ -368,10 +367,8 @@ std::unique_ptr<comm::Communicator> TrainSetup::device_communicator(comm::Commun
 void TrainSetup::make_compute_options() {
   const TrainConfig& c = config;
   options.device = device;
-  dtype_name = c.train.dtype != DtypeChoice::automatic ? c.train.dtype.name()
-               : on_gpu() || cpu_has_native_bf16()     ? "bf16"
-                                                       : "fp32";
-  options.gemm_dtype = dtype_from_name(dtype_name);
+  options.gemm_dtype = c.gemm_dtype();
+  dtype_name = options.gemm_dtype == DType::bf16 ? "bf16" : "fp32";
   options.recompute = c.train.recompute;
   options.frozen = c.frozen_parts();
   tensor_parallel = std::make_unique<parallel::CommTensorParallel>(

@@ -7,9 +7,9 @@
 
 #include "forge/core/error.h"
 #include "forge/data/text/blended_dataset.h"
-#include "forge/data/tokenizer/bpe_trainer.h"
 #include "forge/data/text/byte_sampler.h"
 #include "forge/data/text/text_corpus.h"
+#include "forge/data/tokenizer/bpe_trainer.h"
 
 namespace forge::train {
 using namespace forge::optim;
@@ -73,7 +73,7 @@ fs::path trained_tokenizer_path(const TrainConfig& config, std::string_view text
     crc = crc32(crc, reinterpret_cast<const Bytef*>(text.data() + done), static_cast<uInt>(n));
     done += n;
   }
-  std::string corpus = config.data.corpus == "kjv" ? "kjv" : fs::path(config.data.corpus).stem().string();
+  const std::string corpus = fs::path(config.data.corpus).stem().string();  // "kjv" for the built-in one
   // "bpe1": the version of what train_bpe produces; bump it when the trainer's output changes, so stale
   // cached tokenizers are not reused.
   return fs::path(config.data.cache_dir) /
@@ -82,8 +82,8 @@ fs::path trained_tokenizer_path(const TrainConfig& config, std::string_view text
 
 TextCodec make_text_codec(const TrainConfig& config, std::string_view training_text) {
   const std::string& choice = config.data.tokenizer;
-  if (choice == "bytes") return TextCodec::bytes();
-  if (choice != "train") {
+  if (config.tokenizer_source() == TokenizerSource::bytes) return TextCodec::bytes();
+  if (config.tokenizer_source() == TokenizerSource::file) {
     Tokenizer tokenizer = Tokenizer::from_file(choice);
     const int64_t vocab = tokenizer.vocab_size();
     return TextCodec::from_tokenizer(std::move(tokenizer), fmt::format("{} (vocabulary {})", choice, vocab));
@@ -213,7 +213,7 @@ std::unique_ptr<TrainingData> open_training_data(const TrainConfig& config,
     return open_image_text_data(config, *models::read_model_config(config.model.config));
   }
   if (config.data.dataset.empty()) return std::make_unique<CorpusData>(prepare_corpus(config), config);
-  if (config.data.tokenizer == "train")
+  if (config.tokenizer_source() == TokenizerSource::train)
     fail(
         "data.dataset is set: data.tokenizer must name the tokenizer.json the dataset was preprocessed with "
         "(or \"bytes\"), not \"train\"");

@@ -16,7 +16,7 @@ namespace forge::pipeline {
 namespace {
 
 Schedule make(const std::string& name, int ranks, int micro_batches, int vpp = 1) {
-  return make_schedule({name, ranks, micro_batches, vpp});
+  return make_schedule({schedule_kind(name), ranks, micro_batches, vpp});
 }
 
 std::string error_of(const ScheduleRequest& q) {
@@ -117,13 +117,14 @@ TEST(PipelineSchedule, DualPipeOverlapsForwardAndBackwardInPairs) {
 
 TEST(PipelineSchedule, EveryGeneratedListIsCompleteAndFreeOfDeadlock) {
   int checked = 0;
-  for (const std::string& name : schedule_names()) {
+  for (ScheduleKind kind : schedule_kinds()) {
+    const std::string name = schedule_name(kind);
     for (int ranks = 1; ranks <= 8; ++ranks) {
       for (int m = 1; m <= 4 * ranks + 3; ++m) {
         for (int vpp : name == "interleaved" ? std::vector<int>{2, 3, 5} : std::vector<int>{1})
           for (bool pairs :
                name == "interleaved" ? std::vector<bool>{false, true} : std::vector<bool>{false}) {
-            const ScheduleRequest q{name, ranks, m, vpp, pairs};
+            const ScheduleRequest q{kind, ranks, m, vpp, pairs};
             if (!schedule_refusal(q).empty()) continue;
             Schedule s;
             ASSERT_NO_THROW(s = make_schedule(q)) << name << " P " << ranks << " m " << m << " vpp " << vpp;
@@ -160,7 +161,7 @@ TEST(PipelineSchedule, InterleavedPairsNeverLengthenTheStep) {
       for (int m : {ranks, 2 * ranks, 4 * ranks}) {
         SCOPED_TRACE(fmt::format("P {} vpp {} m {}", ranks, vpp, m));
         const Schedule plain = make("interleaved", ranks, m, vpp);
-        const Schedule paired = make_schedule({"interleaved", ranks, m, vpp, true});
+        const Schedule paired = make_schedule({ScheduleKind::interleaved, ranks, m, vpp, true});
         const Replay a = replay(plain, unit_costs()), b = replay(paired, unit_costs());
         EXPECT_LE(b.makespan, a.makespan);
         EXPECT_EQ(b.max_peak_activations(), a.max_peak_activations());
@@ -182,7 +183,7 @@ TEST(PipelineSchedule, InterleavedPairsNeverLengthenTheStep) {
         }
       }
   // The other schedules ignore the request: DualPipe's have pairs of their own, 1F1B's would serialise.
-  EXPECT_EQ(make_schedule({"1f1b", 4, 8, 1, true}).actions, make("1f1b", 4, 8).actions);
+  EXPECT_EQ(make_schedule({ScheduleKind::one_f_one_b, 4, 8, 1, true}).actions, make("1f1b", 4, 8).actions);
 }
 
 TEST(PipelineSchedule, EveryMicroBatchPassesEveryStageInOrder) {
@@ -218,17 +219,25 @@ TEST(PipelineSchedule, BadRequestsAreOneLineNamingTheSetting) {
     EXPECT_NE(e.find(part), std::string::npos) << "got: " << e;
     EXPECT_EQ(e.find('\n'), std::string::npos) << e;
   };
-  expect_error({"dualpipe", 3, 12}, "needs an even pp (got 3)");
-  expect_error({"dualpipe", 4, 6}, "at least 2 * pp = 8 (got 6)");
-  expect_error({"dualpipe", 4, 9}, "even number of micro-batches");
-  expect_error({"dualpipev", 4, 7}, "at least 2 * pp = 8 micro-batches per step (got 7)");
-  expect_error({"interleaved", 4, 6, 2}, "divisible by pp = 4 (got 6)");
-  expect_error({"interleaved", 4, 8, 1}, "vpp >= 2");
-  expect_error({"1f1b", 4, 8, 2}, "vpp = 2 is only for schedule interleaved");
-  expect_error({"zbv", 4, 7}, "at least 2 * pp = 8 micro-batches per step (got 7)");
-  expect_error({"gpipe", 4, 8}, "unknown pipeline schedule 'gpipe' (known: 1f1b, interleaved, zb-h1, zbv");
-  expect_error({"1f1b", 0, 8}, "pp must be >= 1 (got 0)");
-  expect_error({"1f1b", 2, 0}, "micro-batches per step must be >= 1 (got 0)");
+  expect_error({ScheduleKind::dualpipe, 3, 12}, "needs an even pp (got 3)");
+  expect_error({ScheduleKind::dualpipe, 4, 6}, "at least 2 * pp = 8 (got 6)");
+  expect_error({ScheduleKind::dualpipe, 4, 9}, "even number of micro-batches");
+  expect_error({ScheduleKind::dualpipev, 4, 7}, "at least 2 * pp = 8 micro-batches per step (got 7)");
+  expect_error({ScheduleKind::interleaved, 4, 6, 2}, "divisible by pp = 4 (got 6)");
+  expect_error({ScheduleKind::interleaved, 4, 8, 1}, "vpp >= 2");
+  expect_error({ScheduleKind::one_f_one_b, 4, 8, 2}, "vpp = 2 is only for schedule interleaved");
+  expect_error({ScheduleKind::zbv, 4, 7}, "at least 2 * pp = 8 micro-batches per step (got 7)");
+  std::string unknown;
+  try {
+    (void)schedule_kind("gpipe");
+  } catch (const Error& e) {
+    unknown = e.what();
+  }
+  EXPECT_NE(unknown.find("unknown pipeline schedule 'gpipe' (known: 1f1b, interleaved, zb-h1, zbv"),
+            std::string::npos)
+      << unknown;
+  expect_error({ScheduleKind::one_f_one_b, 0, 8}, "pp must be >= 1 (got 0)");
+  expect_error({ScheduleKind::one_f_one_b, 2, 0}, "micro-batches per step must be >= 1 (got 0)");
 }
 
 // The replay's own checks, on hand-broken lists.

@@ -61,7 +61,7 @@ struct Drawn {
 };
 
 Drawn draw(const std::string& name, int ranks, int micro_batches, double pair = -1) {
-  Drawn d{make_schedule({name, ranks, micro_batches, 1}), {}, {}, {}};
+  Drawn d{make_schedule({schedule_kind(name), ranks, micro_batches, 1}), {}, {}, {}};
   Costs costs;
   costs.uniform.forward_backward = pair;
   d.replay = replay(d.schedule, costs);
@@ -177,7 +177,7 @@ TEST(PipelineTimeline, ChromeTraceHasOneCompleteEventPerActionAtItsReplayedTime)
 }
 
 TEST(PipelineTimeline, CommunicationSpansAreOptional) {
-  const Schedule s = make_schedule({"dualpipe", 4, 8, 1});
+  const Schedule s = make_schedule({ScheduleKind::dualpipe, 4, 8, 1});
   const Replay r = replay(s);
   size_t all = 0;
   for (const auto& list : s.actions) all += list.size();

@@ -96,32 +96,58 @@ std::vector<int> Placement::micro_batches_of(int rank, int chunk) const {
   return out;
 }
 
-const std::vector<std::string>& schedule_names() {
-  static const std::vector<std::string> names = {"1f1b", "interleaved", "zb-h1",
-                                                 "zbv",  "dualpipe",    "dualpipev"};
-  return names;
+const std::vector<ScheduleKind>& schedule_kinds() {
+  static const std::vector<ScheduleKind> kinds = {ScheduleKind::one_f_one_b, ScheduleKind::interleaved,
+                                                  ScheduleKind::zb_h1,       ScheduleKind::zbv,
+                                                  ScheduleKind::dualpipe,    ScheduleKind::dualpipev};
+  return kinds;
+}
+
+const char* schedule_name(ScheduleKind kind) {
+  switch (kind) {
+    case ScheduleKind::one_f_one_b:
+      return "1f1b";
+    case ScheduleKind::interleaved:
+      return "interleaved";
+    case ScheduleKind::zb_h1:
+      return "zb-h1";
+    case ScheduleKind::zbv:
+      return "zbv";
+    case ScheduleKind::dualpipe:
+      return "dualpipe";
+    case ScheduleKind::dualpipev:
+      return "dualpipev";
+  }
+  return "?";
+}
+
+ScheduleKind schedule_kind(std::string_view name) {
+  std::vector<std::string_view> known;
+  for (ScheduleKind kind : schedule_kinds()) {
+    if (name == schedule_name(kind)) return kind;
+    known.push_back(schedule_name(kind));
+  }
+  fail("unknown pipeline schedule '{}' (known: {})", name, fmt::join(known, ", "));
 }
 
 int stage_count(const ScheduleRequest& request) {
-  if (request.name == "interleaved") return request.ranks * request.vpp;
-  if (request.name == "zbv" || request.name == "dualpipev") return 2 * request.ranks;
+  if (request.kind == ScheduleKind::interleaved) return request.ranks * request.vpp;
+  if (request.kind == ScheduleKind::zbv || request.kind == ScheduleKind::dualpipev) return 2 * request.ranks;
   return request.ranks;
 }
 
 namespace {
 
 void check_request(const ScheduleRequest& q) {
-  const auto& names = schedule_names();
-  if (std::find(names.begin(), names.end(), q.name) == names.end())
-    fail("unknown pipeline schedule '{}' (known: {})", q.name, fmt::join(names, ", "));
-  if (q.ranks < 1) fail("schedule {}: pp must be >= 1 (got {})", q.name, q.ranks);
+  const char* name = schedule_name(q.kind);
+  if (q.ranks < 1) fail("schedule {}: pp must be >= 1 (got {})", name, q.ranks);
   if (q.micro_batches < 1)
-    fail("schedule {}: micro-batches per step must be >= 1 (got {})", q.name, q.micro_batches);
-  if (q.vpp < 1) fail("schedule {}: vpp must be >= 1 (got {})", q.name, q.vpp);
-  if (q.vpp != 1 && q.name != "interleaved")
-    fail("schedule {}: vpp = {} is only for schedule interleaved ({} places its own chunks)", q.name, q.vpp,
-         q.name);
-  if (q.name == "interleaved") {
+    fail("schedule {}: micro-batches per step must be >= 1 (got {})", name, q.micro_batches);
+  if (q.vpp < 1) fail("schedule {}: vpp must be >= 1 (got {})", name, q.vpp);
+  if (q.vpp != 1 && q.kind != ScheduleKind::interleaved)
+    fail("schedule {}: vpp = {} is only for schedule interleaved ({} places its own chunks)", name, q.vpp,
+         name);
+  if (q.kind == ScheduleKind::interleaved) {
     if (q.vpp < 2)
       fail("schedule interleaved needs vpp >= 2 model chunks per rank (got {}; use 1f1b)", q.vpp);
     if (q.micro_batches % q.ranks != 0)
@@ -131,17 +157,17 @@ void check_request(const ScheduleRequest& q) {
           "of pp per chunk",
           q.ranks, q.micro_batches);
   }
-  if (q.name == "dualpipe") {
+  if (q.kind == ScheduleKind::dualpipe) {
     if (q.ranks % 2 != 0)
       fail("schedule dualpipe needs an even pp (got {}); dualpipev runs on any pp", q.ranks);
     if (q.micro_batches % 2 != 0 || q.micro_batches < 2 * q.ranks)
       fail("schedule dualpipe needs an even number of micro-batches per step, at least 2 * pp = {} (got {})",
            2 * q.ranks, q.micro_batches);
   }
-  if (q.name == "dualpipev" && q.micro_batches < 2 * q.ranks)
+  if (q.kind == ScheduleKind::dualpipev && q.micro_batches < 2 * q.ranks)
     fail("schedule dualpipev needs at least 2 * pp = {} micro-batches per step (got {})", 2 * q.ranks,
          q.micro_batches);
-  if (q.name == "zbv" && q.micro_batches < 2 * q.ranks)
+  if (q.kind == ScheduleKind::zbv && q.micro_batches < 2 * q.ranks)
     fail("schedule zbv needs at least 2 * pp = {} micro-batches per step (got {}): its warm-up fills the V",
          2 * q.ranks, q.micro_batches);
 }
@@ -159,18 +185,30 @@ std::string schedule_refusal(const ScheduleRequest& request) {
 
 Schedule make_schedule(const ScheduleRequest& request) {
   check_request(request);
+  const int ranks = request.ranks, micro_batches = request.micro_batches;
   Schedule s;
-  s.name = request.name;
-  if (request.name == "1f1b") s = generate_1f1b(request.ranks, request.micro_batches);
-  if (request.name == "interleaved") {
-    s = generate_interleaved(request.ranks, request.vpp, request.micro_batches);
-    if (request.overlapped_pairs) s = pair_forward_backward(s);
+  switch (request.kind) {
+    case ScheduleKind::one_f_one_b:
+      s = generate_1f1b(ranks, micro_batches);
+      break;
+    case ScheduleKind::interleaved:
+      s = generate_interleaved(ranks, request.vpp, micro_batches);
+      if (request.overlapped_pairs) s = pair_forward_backward(s);
+      break;
+    case ScheduleKind::zb_h1:
+      s = generate_zb_h1(ranks, micro_batches);
+      break;
+    case ScheduleKind::zbv:
+      s = generate_zbv(ranks, micro_batches);
+      break;
+    case ScheduleKind::dualpipe:
+      s = generate_dualpipe(ranks, micro_batches, false);
+      break;
+    case ScheduleKind::dualpipev:
+      s = generate_dualpipe(ranks, micro_batches, true);
+      break;
   }
-  if (request.name == "zb-h1") s = generate_zb_h1(request.ranks, request.micro_batches);
-  if (request.name == "zbv") s = generate_zbv(request.ranks, request.micro_batches);
-  if (request.name == "dualpipe") s = generate_dualpipe(request.ranks, request.micro_batches, false);
-  if (request.name == "dualpipev") s = generate_dualpipe(request.ranks, request.micro_batches, true);
-  s.name = request.name;
+  s.name = schedule_name(request.kind);
   add_communication(s);
   return s;
 }

@@ -18,9 +18,19 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace forge::pipeline {
+
+// The schedules (parallel.schedule): 1f1b, interleaved, zb-h1, zbv, dualpipe, dualpipev.
+enum class ScheduleKind : uint8_t { one_f_one_b, interleaved, zb_h1, zbv, dualpipe, dualpipev };
+// Every kind, in the order above.
+const std::vector<ScheduleKind>& schedule_kinds();
+// "1f1b", "interleaved", "zb-h1", "zbv", "dualpipe", "dualpipev".
+const char* schedule_name(ScheduleKind kind);
+// The kind a name spells; an unknown name fails with one line listing the known ones.
+ScheduleKind schedule_kind(std::string_view name);
 
 enum class Op : uint8_t {
   forward,           // F of (chunk, micro_batch)
@@ -78,24 +88,22 @@ struct Placement {
 };
 
 struct Schedule {
-  std::string name;
+  std::string name;  // schedule_name of its kind (messages and drawings)
   Placement placement;
   std::vector<std::vector<Action>> actions;  // [rank]
 };
 
 struct ScheduleRequest {
-  std::string name = "1f1b";  // one of schedule_names()
-  int ranks = 1;              // pp
-  int micro_batches = 1;      // per step (gradient accumulation steps)
-  int vpp = 1;                // interleaved: model chunks per rank
+  ScheduleKind kind = ScheduleKind::one_f_one_b;
+  int ranks = 1;          // pp
+  int micro_batches = 1;  // per step (gradient accumulation steps)
+  int vpp = 1;            // interleaved: model chunks per rank
   // interleaved: steady-state forwards and backwards as overlapped pairs (pair_forward_backward in
   // generators.h; expert parallelism's overlap). The DualPipe schedules have their own pairs; the others
   // none.
   bool overlapped_pairs = false;
 };
 
-// "1f1b", "interleaved", "zb-h1", "zbv", "dualpipe", "dualpipev".
-const std::vector<std::string>& schedule_names();
 // The stages a request cuts the model into: P, P * vpp, or 2P for the V schedules.
 int stage_count(const ScheduleRequest& request);
 // Why make_schedule would refuse the request (one line naming the setting), or "" when it can run.
