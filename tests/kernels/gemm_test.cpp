@@ -1,5 +1,7 @@
 // GEMM: the op tests (op_tests/gemm.h) on the CPU and the device emulation, what only the CPU kernel promises
 // (the bf16 output's threaded passes) and its output-dtype errors.
+#include "kernels/op_tests/gemm.h"
+
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -8,7 +10,6 @@
 
 #include "forge/core/dtype.h"
 #include "forge/kernels/ops.h"
-#include "kernels/op_tests/gemm.h"
 #include "op_harness.h"
 
 namespace forge::op_tests::gemm {
@@ -54,6 +55,20 @@ TEST(GemmBf16OutputThreads, ThreadedPassesAreTheFp32OutputRounded) {
     testing::with_threads(threads, [] {
       check_bf16_output(160, 130, 64, GemmCase{false, true, 1, 0}, 17);
       check_bf16_output(160, 130, 64, GemmCase{true, false, 1, 1}, 27);
+    });
+}
+
+// With beta = 0 on CPUs with native bf16 the matmul writes the bf16 C itself (no fp32 scratch and rounding
+// pass): it must still be the fp32-output GEMM rounded, bit for bit, at a transformer's depths (K of a
+// model's hidden and FFN widths, where a kernel for another output type could block K differently), in the
+// three layouts training runs, on one and two threads.
+TEST(GemmBf16OutputDirect, DeepProductsAreTheFp32OutputRounded) {
+  for (int threads : {1, 2})
+    testing::with_threads(threads, [] {
+      check_bf16_output(192, 704, 512, GemmCase{false, true, 1, 0}, 37);
+      check_bf16_output(192, 352, 1408, GemmCase{false, false, 1, 0}, 47);
+      check_bf16_output(256, 96, 1024, GemmCase{true, false, 1, 0}, 57);
+      check_bf16_output(200, 130, 2816, GemmCase{false, true, 0.5f, 0}, 67);
     });
 }
 

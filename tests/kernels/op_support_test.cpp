@@ -194,6 +194,10 @@ TEST(OpSupport, CpuBackend) {
   EXPECT_SUPPORTED(cpu, swiglu_forward, (glu));
   glu.activation = static_cast<ops::GluActivation>(5);
   EXPECT_REFUSED(cpu, swiglu_forward, (glu), "swiglu_forward: unknown activation 5");
+  glu.activation = ops::GluActivation::silu, glu.dtype = DType::bf16;
+  EXPECT_SUPPORTED(cpu, swiglu_forward, (glu));
+  glu.dtype = DType::f16;
+  EXPECT_REFUSED(cpu, swiglu_backward, (glu), "swiglu_backward: tensors must be fp32 or bf16, not fp16");
   // The element-wise kernels take any size (a negative one does nothing).
   EXPECT_SUPPORTED(cpu, add_inplace, (nullptr, nullptr, -1));
   EXPECT_REFUSED(cpu, sum_squares_accumulate, (m.f, 4, nullptr), "sum_squares_accumulate: total is null");
@@ -344,6 +348,8 @@ TEST(OpSupport, CudaBackendBadParametersNameTheOp) {
   ops::SwigluParams swiglu;
   swiglu.rows = -1, swiglu.ffn = 3;
   EXPECT_REFUSED(gpu, swiglu_forward, (swiglu), "swiglu_forward: bad shape rows=-1");
+  swiglu.rows = 2, swiglu.dtype = DType::e4m3;
+  EXPECT_REFUSED(gpu, swiglu_forward, (swiglu), "swiglu_forward", "fp32 or bf16");
   ops::EmbeddingParams embedding;
   embedding.rows = 2, embedding.dim = 4, embedding.vocab = 0;
   EXPECT_REFUSED(gpu, embedding_forward, (embedding), "embedding_forward: bad shape", "vocab=0");

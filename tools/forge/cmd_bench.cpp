@@ -21,7 +21,7 @@ struct BenchOptions {
   std::string model;
   int64_t batch = 4, seq = 512, grad_accum = 1;
   int steps = 5, warmup = 2, profile_steps = 0;
-  std::string dtype = "bf16", recompute = "none", device = "cpu", fp8 = "off";
+  std::string dtype = "bf16", activation_dtype = "auto", recompute = "none", device = "cpu", fp8 = "off";
   double peak_gflops = 0;
 };
 
@@ -46,6 +46,9 @@ int run_bench(const BenchOptions& o) {
   const std::unique_ptr<ModelConfig> config = read_model_config(o.model);
   nn::ComputeOptions options{dtype, nn::recompute_from_name(o.recompute)};
   options.device = device_from_name(o.device);
+  options.activation_dtype = o.activation_dtype == "auto" ? dtype : dtype_from_name(o.activation_dtype);
+  if (options.activation_dtype == DType::bf16 && dtype != DType::bf16)
+    fail("bench: --activation-dtype bf16 needs --dtype bf16");
   const std::optional<nn::Fp8Options> fp8 = fp8_options(o.fp8);
   const bool cuda = options.device == Device::cuda;
   if (cuda && !device_usable(options.device))
@@ -67,17 +70,21 @@ int run_bench(const BenchOptions& o) {
       precision.c_str(), o.device.c_str(), r.tokens_per_s, r.model_gflops, 100.0 * r.model_gflops / peak,
       peak, peak_name.c_str(), r.seconds_per_step, r.loss);
   if (cuda) std::printf(" | peak device memory %.1f GiB", r.peak_device_gib);
+  if (!cuda) std::printf(" | step memory %.1f MiB", r.step_peak_mib);
   std::printf("\n");
   std::string losses;
   for (double l : r.losses) losses += (losses.empty() ? "" : ", ") + std::to_string(l);
   std::printf(
-      "{\"engine\": \"forge\", \"device\": \"%s\", \"dtype\": \"%s\", \"fp8\": \"%s\", \"batch\": %lld, "
+      "{\"engine\": \"forge\", \"device\": \"%s\", \"dtype\": \"%s\", \"activation_dtype\": \"%s\", "
+      "\"fp8\": \"%s\", \"batch\": %lld, "
       "\"grad_accum\": %lld, \"seq\": %lld, \"tokens_per_s\": %.2f, \"model_gflops\": %.2f, "
       "\"peak_gflops\": %.2f, \"mfu\": %.4f, \"seconds_per_step\": %.5f, \"peak_device_gib\": %.2f, "
+      "\"step_peak_mib\": %.2f, "
       "\"losses\": [%s]%s}\n",
-      o.device.c_str(), o.dtype.c_str(), o.fp8.c_str(), static_cast<long long>(o.batch),
-      static_cast<long long>(o.grad_accum), static_cast<long long>(o.seq), r.tokens_per_s, r.model_gflops,
-      peak, r.model_gflops / peak, r.seconds_per_step, r.peak_device_gib, losses.c_str(),
+      o.device.c_str(), o.dtype.c_str(), std::string(dtype_name(options.activation_dtype)).c_str(),
+      o.fp8.c_str(), static_cast<long long>(o.batch), static_cast<long long>(o.grad_accum),
+      static_cast<long long>(o.seq), r.tokens_per_s, r.model_gflops, peak, r.model_gflops / peak,
+      r.seconds_per_step, r.peak_device_gib, r.step_peak_mib, losses.c_str(),
       r.profile ? (", \"profile\": " + ops::profile_json(*r.profile, r.profile_steps)).c_str() : "");
   if (r.profile) std::printf("%s", ops::format_profile(*r.profile, r.profile_steps).c_str());
   if (!r.profile_error.empty()) {
@@ -117,6 +124,12 @@ void add_bench_command(CLI::App& app, Commands& commands) {
   // The choices listed are exactly those accepted (dtype_from_name alone would take fp16 or int32).
   bench->add_option("--dtype", o->dtype, "compute dtype: bf16 or fp32")
       ->check(CLI::IsMember({"bf16", "fp32"}))
+      ->capture_default_str();
+  bench
+      ->add_option("--activation-dtype", o->activation_dtype,
+                   "activations where their kernels take it (train.activation_dtype): auto (= --dtype), fp32 "
+                   "or bf16")
+      ->check(CLI::IsMember({"auto", "bf16", "fp32"}))
       ->capture_default_str();
   bench->add_option("--recompute", o->recompute, "none, selective or full")->capture_default_str();
   bench->add_option("--device", o->device, "where the model trains: cpu or cuda")

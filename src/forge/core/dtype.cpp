@@ -105,13 +105,8 @@ inline uint32_t round_magnitude(uint32_t abs_bits) {
   return abs_bits < kMinNormalBits ? subnormal : normal;
 }
 
-inline uint16_t encode_bf16(float x) {
-  const uint32_t u = float_bits(x);
-  // bf16 has fp32's exponent, so rounding is a plain add-and-truncate; overflow carries into inf.
-  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  const uint32_t quiet_nan = (u >> 16) | 0x40u;
-  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
-}
+// bf16 has fp32's exponent, so rounding is a plain add-and-truncate (dtype.h).
+inline uint16_t encode_bf16(float x) { return float_to_bf16(x); }
 
 inline uint16_t encode_f16(float x) {
   const uint32_t u = float_bits(x);

@@ -5,6 +5,7 @@
 // NaN always converts to NaN.
 #pragma once
 
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
@@ -27,6 +28,16 @@ struct f16 {
 };
 
 enum class Fp8Saturation : uint8_t { saturate, no_saturate };
+
+// bf16 in kernels' inner loops (inline, branch-free, so they vectorise): widening is exact; narrowing rounds
+// to nearest even, NaN staying a quiet NaN (f32_to_bf16_bits gives the same bits).
+inline float bf16_to_float(uint16_t bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
+inline uint16_t float_to_bf16(float x) {
+  const uint32_t u = std::bit_cast<uint32_t>(x);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // overflow carries into inf
+  const uint32_t quiet_nan = (u >> 16) | 0x40u;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+}
 
 // Scalar conversions.
 uint16_t f32_to_bf16_bits(float x);

@@ -167,18 +167,22 @@ struct RopeParams {
 // The gate's activation of a gated-linear-unit MLP.
 enum class GluActivation {
   silu,       // SwiGLU (LLaMA, Qwen, Mistral, DeepSeek): silu(g) = g sigmoid(g)
-  gelu_tanh,  // GeGLU with the tanh GELU (Gemma's gelu_pytorch_tanh): g/2 (1 + tanh(sqrt(2/pi)(g + 0.044715 g^3)))
+  gelu_tanh,  // GeGLU with the tanh GELU (Gemma's gelu_pytorch_tanh): g/2 (1 + tanh(sqrt(2/pi)(g + 0.044715
+              // g^3)))
 };
 
 // A gated linear unit on a fused [rows, 2*ffn] input: gate = columns [0, ffn), up = [ffn, 2*ffn);
 // out = act(gate) * up, [rows, ffn] (SwiGLU by default, GeGLU with gelu_tanh).
+// Every tensor holds `dtype` elements: f32, or bf16 (the activation dtype of a bf16 run: read widened, the
+// math in fp32, each result rounded once). A float* assigns to the pointers as it is.
 struct SwigluParams {
   int64_t rows = 0, ffn = 0;
   GluActivation activation = GluActivation::silu;
-  const float* gate_up = nullptr;
-  float* out = nullptr;
-  const float* dout = nullptr;
-  float* dgate_up = nullptr;  // backward: written (overwrite)
+  DType dtype = DType::f32;
+  const void* gate_up = nullptr;
+  void* out = nullptr;
+  const void* dout = nullptr;
+  void* dgate_up = nullptr;  // backward: written (overwrite)
 };
 
 // LayerNorm over the last dimension, PyTorch's nn.LayerNorm: y = (x - mean) * rstd * weight + bias, with the

@@ -105,8 +105,15 @@ Cost rope(const RopeParams& p) {
           0, 8 * d(p.batch) * d(p.seq) * d(p.heads) * d(p.head_dim)};
 }
 
-Cost swiglu_forward(const SwigluParams& p) { return {matrix(p.rows, p.ffn), 0, 12 * d(p.rows) * d(p.ffn)}; }
-Cost swiglu_backward(const SwigluParams& p) { return {matrix(p.rows, p.ffn), 0, 20 * d(p.rows) * d(p.ffn)}; }
+// Forward reads gate and up and writes out (3 elements per output); backward reads gate, up and dout and
+// writes both gradients (5). bf16 tensors move half the bytes (and say so in the detail).
+Cost glu(const SwigluParams& p, double elements) {
+  const double size = static_cast<double>(dtype_size(p.dtype));
+  return {matrix(p.rows, p.ffn) + (p.dtype == DType::f32 ? "" : fmt::format(" {}", dtype_name(p.dtype))), 0,
+          elements * size * d(p.rows) * d(p.ffn)};
+}
+Cost swiglu_forward(const SwigluParams& p) { return glu(p, 3); }
+Cost swiglu_backward(const SwigluParams& p) { return glu(p, 5); }
 
 // LayerNorm: the row's two reductions and the normalisation stay in cache, so each pass reads and writes its
 // arrays once (weight, bias and the per-row statistics are small).

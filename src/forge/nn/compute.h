@@ -23,7 +23,7 @@ class ExpertParallel;
 class Fp8Context;
 
 struct ComputeOptions {
-  DType gemm_dtype = DType::bf16;  // f32 or bf16 operands; accumulation and activations are fp32
+  DType gemm_dtype = DType::bf16;  // f32 or bf16 operands; accumulation is fp32
   Recompute recompute = Recompute::none;
   // The tensor-parallel group (null: one rank, nothing split). Modules register and use only their shard.
   TensorParallel* tp = nullptr;
@@ -61,13 +61,18 @@ struct ComputeOptions {
   // Parts of the model that do not train (train.freeze; a LLaVA's "vision", "projector", "language"): their
   // parameters are frozen (ParameterStore::freeze): no gradient, no optimizer state.
   std::vector<std::string> frozen = {};
+  // The dtype of the activations whose kernels take it (bf16 needs bf16 GEMMs): so far the MLP's gate|up
+  // projection, its activation and their gradients (nn/mlp.h); the residual stream, norms, attention and the
+  // messages between ranks are fp32. bf16 halves those tensors' memory and bytes through memory.
+  DType activation_dtype = DType::f32;
   int tp_rank() const;
   int tp_size() const;
   int ep_rank() const;
   int ep_size() const;
 };
 
-// x itself when gemm_dtype is fp32, else a bf16 copy on x's device (the operand a GEMM reads).
+// x itself when it already holds gemm_dtype elements, else a copy in gemm_dtype on x's device (the operand a
+// GEMM reads): fp32 widened from bf16, bf16 rounded from fp32.
 Tensor to_gemm_dtype(const Tensor& x, DType gemm_dtype);
 
 }  // namespace forge::nn

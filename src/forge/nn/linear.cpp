@@ -209,18 +209,18 @@ void Linear::run_fp8_gemm(const ops::Fp8GemmParams& p) const {
 }
 
 // The GEMM's fp32 [rows, cols] result: `out` when the caller gave one (checked), else a new tensor.
-Tensor Linear::result(const Tensor& out, int64_t rows, int64_t cols, const char* what) const {
-  if (!out.defined()) return Tensor::empty({rows, cols}, DType::f32, device_);
-  FORGE_CHECK(out.dtype() == DType::f32 && out.numel() == rows * cols && out.device() == device_,
-              "Linear::{}: the output must be fp32 [{}, {}] on {}, got {} {}", what, rows, cols,
-              device_name(device_), dtype_name(out.dtype()), shape_string(out.shape()));
+Tensor Linear::result(const Tensor& out, int64_t rows, int64_t cols, DType dtype, const char* what) const {
+  if (!out.defined()) return Tensor::empty({rows, cols}, dtype, device_);
+  FORGE_CHECK(out.dtype() == dtype && out.numel() == rows * cols && out.device() == device_,
+              "Linear::{}: the output must be {} [{}, {}] on {}, got {} {}", what, dtype_name(dtype), rows,
+              cols, device_name(device_), dtype_name(out.dtype()), shape_string(out.shape()));
   return out;
 }
 
-Tensor Linear::forward(GemmOperand& x, const Tensor& out) const {
+Tensor Linear::forward(GemmOperand& x, const Tensor& out, DType dtype) const {
   FORGE_CHECK(x.data.defined(), "Linear::forward: the operand holds no forward copy");
   const int64_t rows = x.data.numel() / in_;
-  Tensor y = result(out, rows, out_, "forward");
+  Tensor y = result(out, rows, out_, dtype, "forward");
   if (!fp8_) {
     Tensor w = weight(x.data.dtype());
     ops::GemmParams p;
@@ -228,7 +228,7 @@ Tensor Linear::forward(GemmOperand& x, const Tensor& out) const {
     p.a = x.data.raw(), p.lda = in_;
     p.b = w.raw(), p.ldb = in_, p.trans_b = true;
     p.ab_dtype = x.data.dtype();
-    p.c = y.f32(), p.ldc = out_;
+    p.c = y.raw(), p.c_dtype = y.dtype(), p.ldc = out_;
     ops::gemm(p, device_);
     return y;
   }
@@ -238,7 +238,7 @@ Tensor Linear::forward(GemmOperand& x, const Tensor& out) const {
   p.m = rows, p.n = out_, p.k = in_;
   p.a = codes(x.data), p.lda = in_, p.a_dtype = x.data.dtype();
   p.b = codes(w.q), p.ldb = in_, p.trans_b = true, p.b_dtype = w.q.dtype();
-  p.c = y.f32(), p.ldc = out_;
+  p.c = y.raw(), p.c_dtype = y.dtype(), p.ldc = out_;
   if (p.scaling == ops::Fp8Scaling::block) {
     p.a_scales = x.tiles.f32(), p.b_scales = w.block_scale_inv.f32(),
     p.b_block = ops::Fp8BlockScales::block_128x128;
@@ -251,10 +251,10 @@ Tensor Linear::forward(GemmOperand& x, const Tensor& out) const {
   return y;
 }
 
-Tensor Linear::backward_input(GemmOperand& dy, const Tensor& out) const {
+Tensor Linear::backward_input(GemmOperand& dy, const Tensor& out, DType dtype) const {
   FORGE_CHECK(dy.data.defined(), "Linear::backward_input: the gradient operand holds no row-wise copy");
   const int64_t rows = dy.data.numel() / out_;
-  Tensor dx = result(out, rows, in_, "backward_input");
+  Tensor dx = result(out, rows, in_, dtype, "backward_input");
   if (!fp8_) {
     Tensor w = weight(dy.data.dtype());
     ops::GemmParams p;
@@ -262,7 +262,7 @@ Tensor Linear::backward_input(GemmOperand& dy, const Tensor& out) const {
     p.a = dy.data.raw(), p.lda = out_;
     p.b = w.raw(), p.ldb = in_;
     p.ab_dtype = dy.data.dtype();
-    p.c = dx.f32(), p.ldc = in_;
+    p.c = dx.raw(), p.c_dtype = dx.dtype(), p.ldc = in_;
     ops::gemm(p, device_);
     return dx;
   }
@@ -272,7 +272,7 @@ Tensor Linear::backward_input(GemmOperand& dy, const Tensor& out) const {
   p.a = codes(dy.data), p.lda = out_, p.a_dtype = dy.data.dtype();
   // B = W^T [in, out] = [N, K]: K-major, as the tensor cores take it.
   p.b = codes(w.q_t), p.ldb = out_, p.trans_b = true, p.b_dtype = w.q_t.dtype();
-  p.c = dx.f32(), p.ldc = in_;
+  p.c = dx.raw(), p.c_dtype = dx.dtype(), p.ldc = in_;
   if (p.scaling == ops::Fp8Scaling::block) {
     p.a_scales = dy.tiles.f32(), p.b_scales = w.block_scale_inv_t.f32();
     p.b_block = ops::Fp8BlockScales::block_128x128;

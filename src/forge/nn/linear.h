@@ -56,18 +56,21 @@ class Linear {
   int64_t out_features() const { return out_; }
   bool fp8() const { return fp8_ != nullptr; }
 
-  // x [rows, in] (fp32) as the forward operand: converted to the GEMM dtype, or cast to FP8 per the recipe
-  // (recording its amax under delayed scaling).
+  // x [rows, in] (fp32, or bf16 with bf16 GEMMs) as the forward operand: converted to the GEMM dtype (shared
+  // when it is in it already), or cast to FP8 per the recipe (from fp32; recording its amax under delayed
+  // scaling).
   GemmOperand input(const Tensor& x) const;
-  // dy [rows, out] (fp32) as the operand of the input and weight gradients.
+  // dy [rows, out] (fp32, or bf16 with bf16 GEMMs) as the operand of the input and weight gradients.
   GemmOperand grad_output(const Tensor& dy) const;
 
   // y [rows, out] = x @ W^T; then drops from x what only forward reads (keep_for_backward). Written into
   // `out` when given (an fp32 [rows, out] view, e.g. one expert's rows of a larger tensor), else a new
-  // tensor.
-  Tensor forward(GemmOperand& x, const Tensor& out = Tensor()) const;
-  // dx [rows, in] = dy @ W; then drops from dy what only this GEMM reads. `out` as for forward.
-  Tensor backward_input(GemmOperand& dy, const Tensor& out = Tensor()) const;
+  // tensor of `dtype`: f32, or bf16 (the fp32 result rounded once) with bf16 or FP8 operands.
+  Tensor forward(GemmOperand& x, const Tensor& out = Tensor(), DType dtype = DType::f32) const;
+  Tensor forward(GemmOperand& x, DType dtype) const { return forward(x, Tensor(), dtype); }
+  // dx [rows, in] = dy @ W; then drops from dy what only this GEMM reads. `out` and `dtype` as for forward.
+  Tensor backward_input(GemmOperand& dy, const Tensor& out = Tensor(), DType dtype = DType::f32) const;
+  Tensor backward_input(GemmOperand& dy, DType dtype) const { return backward_input(dy, Tensor(), dtype); }
   // dW += dy^T @ x, reported to the store (ParameterStore::note_grad) for each weight.
   void backward_weight(const GemmOperand& dy, const GemmOperand& x) const;
   // Drops from an input operand what the weight gradient does not read (for operands recomputed in backward).
@@ -75,7 +78,7 @@ class Linear {
 
  private:
   Tensor weight(DType dtype) const;
-  Tensor result(const Tensor& out, int64_t rows, int64_t cols, const char* what) const;
+  Tensor result(const Tensor& out, int64_t rows, int64_t cols, DType dtype, const char* what) const;
   void accumulate_weight_grad(const GemmOperand& dy, const GemmOperand& x) const;
   void run_fp8_gemm(const ops::Fp8GemmParams& p) const;
   const Fp8Weight& fp8_weight() const;  // cast when the master weights changed since the last cast

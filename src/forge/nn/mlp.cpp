@@ -11,20 +11,25 @@ Mlp::Mlp(ParameterStore* store, MlpParams params, int64_t hidden, int64_t ffn, C
       down_(store, {params.down}, ffn, options),
       ffn_(ffn),
       options_(options),
-      activation_(activation) {}
+      activation_(activation),
+      act_dtype_(options.activation_dtype == DType::bf16 && options.gemm_dtype == DType::bf16 &&
+                         !gate_up_.fp8() && !down_.fp8()
+                     ? DType::bf16
+                     : DType::f32) {}
 
 Tensor Mlp::activation(const Tensor& gate_up) const {
   int64_t rows = gate_up.numel() / (2 * ffn_);
-  Tensor act = Tensor::empty({rows, ffn_}, DType::f32, options_.device);
+  Tensor act = Tensor::empty({rows, ffn_}, act_dtype_, options_.device);
   ops::SwigluParams p;
-  p.rows = rows, p.ffn = ffn_, p.activation = activation_, p.gate_up = gate_up.f32(), p.out = act.f32();
+  p.rows = rows, p.ffn = ffn_, p.activation = activation_, p.dtype = act_dtype_, p.gate_up = gate_up.raw(),
+  p.out = act.raw();
   ops::swiglu_forward(p, options_.device);
   return act;
 }
 
 Tensor Mlp::forward(const Tensor& h, Saved& saved, bool keep_activation) const {
   saved.h = gate_up_.input(gather_in(options_.tp, h));
-  saved.gate_up = gate_up_.forward(saved.h);
+  saved.gate_up = gate_up_.forward(saved.h, act_dtype_);
   GemmOperand act = down_.input(activation(saved.gate_up));
   Tensor y = down_.forward(act);
   if (keep_activation) saved.act = std::move(act);
@@ -37,13 +42,13 @@ Tensor Mlp::backward_input(const Tensor& dy, Saved& saved) const {
     down_.keep_for_backward(saved.act);
   }
   saved.dy = down_.grad_output(gather_in(options_.tp, dy));
-  Tensor dact = down_.backward_input(saved.dy);
+  Tensor dact = down_.backward_input(saved.dy, act_dtype_);
   int64_t rows = dact.numel() / ffn_;
-  Tensor dgate_up = Tensor::empty({rows, 2 * ffn_}, DType::f32, options_.device);
+  Tensor dgate_up = Tensor::empty({rows, 2 * ffn_}, act_dtype_, options_.device);
   ops::SwigluParams p;
-  p.rows = rows, p.ffn = ffn_, p.activation = activation_, p.gate_up = saved.gate_up.f32(),
-  p.dout = dact.f32();
-  p.dgate_up = dgate_up.f32();
+  p.rows = rows, p.ffn = ffn_, p.activation = activation_, p.dtype = act_dtype_,
+  p.gate_up = saved.gate_up.raw(), p.dout = dact.raw();
+  p.dgate_up = dgate_up.raw();
   ops::swiglu_backward(p, options_.device);
   saved.gate_up = Tensor();
   saved.dgate_up = gate_up_.grad_output(dgate_up);

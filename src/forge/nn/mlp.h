@@ -1,5 +1,7 @@
 // Gated MLP: down(act(gate(x)) * up(x)), with gate|up as one fused GEMM over adjacent weights; act is silu
-// (SwiGLU) or the tanh GELU (GeGLU, Gemma).
+// (SwiGLU) or the tanh GELU (GeGLU, Gemma). With a bf16 activation dtype (ComputeOptions::activation_dtype,
+// neither Linear in FP8) the gate|up GEMM writes bf16, the GLU reads it and writes the down projection's bf16
+// operand, and backward runs the same way: no conversion pass, and the saved gate|up takes half the memory.
 #pragma once
 
 #include "forge/kernels/ops.h"
@@ -18,7 +20,7 @@ class Mlp final : public LayerPart {
  public:
   struct Saved : LayerPart::Saved {
     GemmOperand h;             // input of gate|up (as its GEMMs read it)
-    Tensor gate_up;            // fp32 [rows, 2*ffn]
+    Tensor gate_up;            // [rows, 2*ffn] in the activation dtype
     GemmOperand act;           // silu(gate)*up as the down projection's operand (absent under selective)
     GemmOperand dy, dgate_up;  // kept from backward_input for backward_weight
   };
@@ -53,6 +55,7 @@ class Mlp final : public LayerPart {
   int64_t ffn_ = 0;
   ComputeOptions options_;
   ops::GluActivation activation_ = ops::GluActivation::silu;
+  DType act_dtype_ = DType::f32;  // gate|up, the activation and their gradients
 };
 
 }  // namespace forge::nn

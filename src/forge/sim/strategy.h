@@ -30,7 +30,8 @@ struct Strategy {
   int64_t grad_accum = 1;   // micro-batches per step (per data-parallel replica)
   int64_t seq = 0;
   nn::Recompute recompute = nn::Recompute::none;
-  DType dtype = DType::bf16;  // GEMM operands: bf16 | f32
+  DType dtype = DType::bf16;             // GEMM operands: bf16 | f32
+  DType activation_dtype = DType::bf16;  // train.activation_dtype resolved (bf16 needs bf16 GEMMs)
   std::optional<nn::Fp8Options> fp8;
   std::string fp8_recipe = "off";  // its name, for tables
   // Mixture-of-experts layers: moe.capacity_factor (0: dropless), moe.pad_to_capacity, parallel.ep_overlap.

@@ -344,6 +344,7 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
   o.device = device;
   o.shaped_for = options.shaped_for;
   o.gemm_dtype = s.dtype;
+  o.activation_dtype = s.dtype == DType::bf16 ? s.activation_dtype : DType::f32;
   o.recompute = s.recompute;
   o.vocab_divisible_by = s.vocab_divisible_by;
   const bool on_device = device != Device::cpu;

@@ -156,6 +156,12 @@ const std::vector<KeySpec>& key_specs() {
        "GEMM dtype (master weights are always fp32); auto = bf16 where the CPU has native bf16 dot products, "
        "else fp32",
        {}},
+      {"train",
+       "activation_dtype",
+       FORGE_FIELD(train.activation_dtype),
+       "activations in the compute dtype where their kernels take it (docs/performance.md); auto = the GEMM "
+       "dtype, fp32 = keep them fp32 under bf16 GEMMs",
+       {}},
       {"train", "recompute", FORGE_FIELD(train.recompute), "activation recomputation", {}},
       {"train",
        "freeze",
@@ -867,6 +873,11 @@ void TrainConfig::validate() const {
   }
   check(finite(train.max_minutes) && train.max_minutes >= 0, "train.max_minutes", train.max_minutes,
         ">= 0 (0 = no limit)");
+  if (train.activation_dtype == DtypeChoice::bf16 && gemm_dtype() != DType::bf16) {
+    const Blame b = blame({"train.activation_dtype", "train.dtype"});
+    fail("{}: train.activation_dtype = bf16 needs bf16 GEMMs, but train.dtype resolves to fp32{}", b.where,
+         b.others);
+  }
   check(finite(train.lr) && train.lr > 0, "train.lr", train.lr, "> 0");
   check(finite(train.min_lr) && train.min_lr >= 0, "train.min_lr", train.min_lr, ">= 0");
   if (train.min_lr > train.lr) {
@@ -1075,6 +1086,11 @@ DType TrainConfig::gemm_dtype() const {
   if (train.dtype == DtypeChoice::automatic)
     return train.device != Device::cpu || cpu_has_native_bf16() ? DType::bf16 : DType::f32;
   return train.dtype == DtypeChoice::bf16 ? DType::bf16 : DType::f32;
+}
+
+DType TrainConfig::activation_dtype() const {
+  if (train.activation_dtype == DtypeChoice::automatic) return gemm_dtype();
+  return train.activation_dtype == DtypeChoice::bf16 ? DType::bf16 : DType::f32;
 }
 
 LrSchedule TrainConfig::lr_schedule() const {

@@ -118,6 +118,9 @@ struct TrainConfig {
     double grad_clip = 1.0;  // 0 = no clipping
     Choice<Device> device = Device::cpu;
     Choice<DtypeChoice> dtype = DtypeChoice::automatic;  // auto: bf16 where the CPU has native bf16
+    // Activations whose kernels take the compute dtype (nn::ComputeOptions::activation_dtype): auto = the
+    // GEMM dtype; fp32 keeps them fp32 under bf16 GEMMs; bf16 needs bf16 GEMMs.
+    Choice<DtypeChoice> activation_dtype = DtypeChoice::automatic;
     Choice<nn::Recompute> recompute = nn::Recompute::none;
     std::string freeze;   // parts that do not train, comma-separated (a LLaVA's vision,projector,language)
     int64_t threads = 0;  // 0 = all cores
@@ -278,6 +281,8 @@ struct TrainConfig {
   ResumeMode resume_mode() const;
   // train.dtype resolved: auto is bf16 on a GPU or a CPU with native bf16, else fp32.
   DType gemm_dtype() const;
+  // train.activation_dtype resolved (auto: gemm_dtype()). Call after validate().
+  DType activation_dtype() const;
   // [fp8] as the model's FP8 options; std::nullopt when fp8.recipe = "off". Call after validate().
   std::optional<nn::Fp8Options> fp8_options() const;
   // lambda of step `step` (1-based).

@@ -26,6 +26,7 @@ sim::Strategy strategy_of(const TrainConfig& c, int world_size) {
   s.micro_batch = c.train.micro_batch, s.grad_accum = c.train.grad_accum, s.seq = c.data.seq_len;
   s.recompute = c.train.recompute;
   s.dtype = c.gemm_dtype();
+  s.activation_dtype = c.activation_dtype();
   s.fp8 = c.fp8_options();
   s.fp8_recipe = c.fp8.recipe.name();
   s.moe_capacity_factor = c.moe.capacity_factor, s.moe_pad_to_capacity = c.moe.pad_to_capacity;

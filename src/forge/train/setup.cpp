@@ -368,6 +368,7 @@ void TrainSetup::make_compute_options() {
   const TrainConfig& c = config;
   options.device = device;
   options.gemm_dtype = c.gemm_dtype();
+  options.activation_dtype = c.activation_dtype();
   dtype_name = options.gemm_dtype == DType::bf16 ? "bf16" : "fp32";
   options.recompute = c.train.recompute;
   options.frozen = c.frozen_parts();

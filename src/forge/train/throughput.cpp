@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "forge/core/device.h"
+#include "forge/core/memory.h"
 #include "forge/data/text/byte_sampler.h"
 #include "forge/models/model.h"
 #include "forge/optim/adamw.h"
@@ -60,8 +61,12 @@ ThroughputResult measure_training_throughput(const ModelConfig& config, nn::Comp
     };
     for (int i = 0; i < warmup_steps; ++i) step();
     if (options.device != Device::cpu) device_memory(options.device).synchronize();
+    const int64_t between_steps = memory_stats().live_bytes;
+    reset_peak_memory();
     auto t0 = std::chrono::steady_clock::now();
     for (int i = 0; i < steps; ++i) step();
+    if (options.device == Device::cpu)
+      r.step_peak_mib = static_cast<double>(memory_stats().peak_bytes - between_steps) / (1 << 20);
     if (options.device != Device::cpu) device_memory(options.device).synchronize();
     double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     r.seconds_per_step = seconds / steps;

@@ -22,6 +22,9 @@ struct ThroughputResult {
   double loss = 0;             // last step's loss (sanity: ~ln(vocab) on random tokens)
   std::vector<double> losses;  // every step's, warm-up included (the same tokens every step: they fall)
   double peak_device_gib = 0;  // peak device memory of the run (GPU runs; 0 on the CPU)
+  // CPU runs: the most host memory a timed step held beyond what lives between steps (the model, its
+  // gradients and optimizer state): the activations kept for backward and the workspaces.
+  double step_peak_mib = 0;
   // With profile_steps > 0: an op profile of that many more steps, run after the timed ones (which it does
   // not touch). A profile that fails leaves the timed result standing and says why in profile_error.
   std::optional<ops::OpProfile> profile;

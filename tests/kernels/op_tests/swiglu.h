@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "forge/kernels/ops.h"
@@ -66,10 +67,17 @@ class SwigluOp : public testing::OpTest<Case> {
   // out (forward) or dgate_up (backward) of the op on `device`; dgate_up starts as NaN (overwritten, never
   // read).
   std::vector<float> run(Device on, const Problem& pr, bool backward) {
-    DeviceArray<float> gate_up(on, pr.gate_up), dout(on, pr.dout), out(on, pr.dout.size());
-    DeviceArray<float> dgate_up(on, std::vector<float>(pr.gate_up.size(), std::nanf("")));
+    return run_as<float>(on, pr, pr.gate_up, pr.dout, std::nanf(""), backward);
+  }
+  // The same on T elements (float, or bf16 bits in uint16_t).
+  template <typename T>
+  std::vector<T> run_as(Device on, const Problem& pr, const std::vector<T>& gate_up_values,
+                        const std::vector<T>& dout_values, T nan, bool backward) {
+    DeviceArray<T> gate_up(on, gate_up_values), dout(on, dout_values), out(on, dout_values.size());
+    DeviceArray<T> dgate_up(on, std::vector<T>(gate_up_values.size(), nan));
     ops::SwigluParams p;
     p.rows = pr.rows, p.ffn = pr.ffn, p.gate_up = gate_up.data();
+    p.dtype = std::is_same_v<T, float> ? DType::f32 : DType::bf16;
     if (!backward) {
       p.out = out.data();
       FORGE_TEST_OP(swiglu_forward, on, p);
@@ -118,6 +126,38 @@ TEST_P(SwigluOp, Backward) {
     const double scale = j < ffn ? std::abs(d * u * s) * (1 + std::abs(g)) : std::abs(d * g * s);
     return 16 * kU * scale + 1e-30;
   });
+}
+
+// bf16 tensors (a bf16 run's activations, SwigluParams::dtype): on inputs that bf16 holds exactly, the op's
+// math is the fp32 kernel's and only its loads and stores differ, so the CPU must write the fp32 kernel's
+// results rounded once to bf16, bit for bit. A device's fp32 results may differ from the CPU's by a few fp32
+// ulp (see the bounds above), which can move one rounding: within one bf16 ulp, 2^-7 relative.
+TEST_P(SwigluOp, Bf16TensorsHoldTheFp32ResultRoundedOnce) {
+  Problem pr(test_case(), 90);
+  for (float& v : pr.gate_up) v = bf16_to_float(float_to_bf16(v));
+  for (float& v : pr.dout) v = bf16_to_float(float_to_bf16(v));
+  const auto to_bits = [](const std::vector<float>& v) {
+    std::vector<uint16_t> out(v.size());
+    for (size_t i = 0; i < v.size(); ++i) out[i] = float_to_bf16(v[i]);
+    return out;
+  };
+  const auto run_bf16 = [&](Device on, bool backward) {
+    return run_as<uint16_t>(on, pr, to_bits(pr.gate_up), to_bits(pr.dout), uint16_t{0x7fc0}, backward);
+  };
+  for (bool backward : {false, true}) {
+    const std::vector<uint16_t> cpu = run_bf16(Device::cpu, backward);
+    const char* op = backward ? "swiglu_backward bf16" : "swiglu_forward bf16";
+    if (on_cpu()) {
+      EXPECT_EQ(cpu, to_bits(run(Device::cpu, pr, backward))) << pr.what(op);
+      continue;
+    }
+    const std::vector<uint16_t> got = run_bf16(device(), backward);
+    std::vector<float> got_f(got.size()), cpu_f(cpu.size());
+    for (size_t i = 0; i < got.size(); ++i)
+      got_f[i] = bf16_to_float(got[i]), cpu_f[i] = bf16_to_float(cpu[i]);
+    testing::expect_close(got_f, cpu_f, pr.what(op),
+                          [&](size_t i) { return 0x1p-7 * std::abs(cpu_f[i]) + 1e-30; });
+  }
 }
 
 // silu(g) -> 0 for g << 0 and -> g for g >> 0; the exponential must not overflow to inf/NaN. One fixed row of

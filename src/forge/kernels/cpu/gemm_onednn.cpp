@@ -6,10 +6,11 @@
 // third of its fp32 rate. Every bf16 value is exact in fp32, so there the operands are widened and the
 // fp32 kernel computes the same products with fp32 accumulation, at fp32 speed.
 //
-// A bf16 C goes through fp32 scratch: the fp32-output GEMM (the same primitive, the same leading dimension)
-// writes it and one pass rounds it into C. oneDNN's bf16 dst would round in its epilogue, but its kernels for
-// another dst type may block K differently; the scratch makes "the fp32 result rounded" exact by
-// construction, and the fp32-output path stays as it was.
+// A bf16 C (a bf16 run's activations) with beta = 0 on CPUs with native bf16: oneDNN's bf16 dst, rounded
+// to nearest even in the kernel's epilogue from the same fp32 accumulators, with no fp32 scratch and no
+// separate pass (gemm_test checks it is the fp32-output GEMM rounded, bit for bit, at transformer depths).
+// Otherwise (beta != 0 reads the old C, or bf16 emulated through fp32) it goes through fp32 scratch: the
+// fp32-output GEMM writes it and one pass rounds it into C.
 #include <dnnl.hpp>
 #include <map>
 #include <mutex>
@@ -26,9 +27,9 @@ namespace {
 struct GemmKey {
   int64_t m, n, k, lda, ldb, ldc;
   bool trans_a, trans_b;
-  DType dtype;
+  DType dtype, c_dtype;
   float alpha, beta;
-  auto tie() const { return std::tie(m, n, k, lda, ldb, ldc, trans_a, trans_b, dtype, alpha, beta); }
+  auto tie() const { return std::tie(m, n, k, lda, ldb, ldc, trans_a, trans_b, dtype, c_dtype, alpha, beta); }
   bool operator<(const GemmKey& o) const { return tie() < o.tie(); }
 };
 
@@ -48,7 +49,10 @@ GemmPrimitive make_primitive(const GemmKey& key) {
   GemmPrimitive g;
   g.a = dnnl::memory::desc(dims{key.m, key.k}, dt, key.trans_a ? dims{1, key.lda} : dims{key.lda, 1});
   g.b = dnnl::memory::desc(dims{key.k, key.n}, dt, key.trans_b ? dims{1, key.ldb} : dims{key.ldb, 1});
-  g.c = dnnl::memory::desc(dims{key.m, key.n}, dnnl::memory::data_type::f32, dims{key.ldc, 1});
+  g.c = dnnl::memory::desc(
+      dims{key.m, key.n},
+      key.c_dtype == DType::bf16 ? dnnl::memory::data_type::bf16 : dnnl::memory::data_type::f32,
+      dims{key.ldc, 1});
   dnnl::primitive_attr attr;
   // The caller's scratchpad, one per thread (gemm below): the library's own is shared between primitives,
   // and threads running GEMMs at once (tensor-parallel ranks as threads in tests, say) corrupted each
@@ -104,11 +108,12 @@ bool supports_gemm(const ops::GemmParams& p, std::string* reason) {
 
 void gemm(const ops::GemmParams& p) {
   if (std::string why; !supports_gemm(p, &why)) fail("{}", why);
-  if (p.c_dtype == DType::bf16)
-    return gemm_through_fp32_output(p, [](const ops::GemmParams& q) { cpu::gemm(q); });
   static const bool native_bf16 = cpu_has_native_bf16();
+  if (p.c_dtype == DType::bf16 && !(native_bf16 && p.beta == 0.0f))
+    return gemm_through_fp32_output(p, [](const ops::GemmParams& q) { cpu::gemm(q); });
   if (p.ab_dtype == DType::bf16 && !native_bf16) return gemm_bf16_widened(p);
-  GemmKey key{p.m, p.n, p.k, p.lda, p.ldb, p.ldc, p.trans_a, p.trans_b, p.ab_dtype, p.alpha, p.beta};
+  GemmKey key{p.m,       p.n,       p.k,        p.lda,     p.ldb,   p.ldc,
+              p.trans_a, p.trans_b, p.ab_dtype, p.c_dtype, p.alpha, p.beta};
   static std::mutex mutex;
   static std::map<GemmKey, GemmPrimitive> cache;
   const GemmPrimitive* prim;
