@@ -167,6 +167,10 @@ TEST_F(Cli, BenchDeviceAndFp8Refusals) {
   expect_one_line_error("bench --model " + kDefaultModel + " --dtype fp8", "--dtype: fp8 not in {bf16,fp32}");
   expect_one_line_error("bench --model " + kDefaultModel + " --dtype fp16",
                         "--dtype: fp16 not in {bf16,fp32}");
+  expect_one_line_error("bench --model " + kDefaultModel + " --activation-dtype fp16",
+                        "--activation-dtype: fp16 not in {auto,bf16,fp32}");
+  expect_one_line_error("bench --model " + kDefaultModel + " --dtype fp32 --activation-dtype bf16 --steps 1",
+                        "--activation-dtype bf16 needs --dtype bf16");
   if (!forge::device_usable(forge::Device::cuda))
     expect_one_line_error("bench --model " + kDefaultModel + " --device cuda --steps 1", "no usable GPU");
 }

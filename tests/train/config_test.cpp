@@ -230,6 +230,39 @@ TEST(TrainConfig, Fp8Section) {
   EXPECT_TRUE(c.fp8_options()->recipe.power_of_two_scales);
 }
 
+// The pipeline schedule and the activation dtype are refused when read, naming the key and what it takes;
+// bf16 activations under fp32 GEMMs by validate(), naming both keys. The keyword-or-path settings answer
+// their enums.
+TEST(TrainConfigErrors, ScheduleActivationDtypeAndKeywords) {
+  expect_override_error("parallel.schedule=gpipe",
+                        {"parallel.schedule", "gpipe", "1f1b", "zb-h1", "dualpipev"});
+  expect_override_error("train.activation_dtype=fp16", {"train.activation_dtype", "fp16", "auto", "bf16"});
+  expect_invalid(
+      [](TrainConfig& c) {
+        c.train.dtype = "fp32";
+        c.train.activation_dtype = "bf16";
+      },
+      {"train.activation_dtype = bf16 needs bf16 GEMMs", "train.dtype"});
+  TrainConfig c;
+  c.train.dtype = "bf16";
+  EXPECT_EQ(c.activation_dtype(), DType::bf16);  // auto: the GEMM dtype
+  c.train.activation_dtype = "fp32";
+  EXPECT_EQ(c.activation_dtype(), DType::f32);
+  c.train.dtype = "fp32", c.train.activation_dtype = "auto";
+  EXPECT_EQ(c.gemm_dtype(), DType::f32);
+  EXPECT_EQ(c.activation_dtype(), DType::f32);
+  EXPECT_EQ(c.tokenizer_source(), TokenizerSource::train);
+  c.data.tokenizer = "bytes";
+  EXPECT_EQ(c.tokenizer_source(), TokenizerSource::bytes);
+  c.data.tokenizer = "tok/tokenizer.json";
+  EXPECT_EQ(c.tokenizer_source(), TokenizerSource::file);
+  EXPECT_EQ(c.resume_mode(), ResumeMode::fresh);
+  c.checkpoint.resume = "auto";
+  EXPECT_EQ(c.resume_mode(), ResumeMode::automatic);
+  c.checkpoint.resume = "runs/a/checkpoint";
+  EXPECT_EQ(c.resume_mode(), ResumeMode::path);
+}
+
 // Context parallelism's attention mode and the memory cap: one line naming the key and what it takes.
 TEST(TrainConfigErrors, ContextParallelAndMemoryLimit) {
   expect_override_error("parallel.cp_comm=allgather", {"parallel.cp_comm", "allgather", "p2p", "a2a"});
