@@ -15,12 +15,9 @@ Recompute recompute_from_name(std::string_view name) {
 
 std::string_view recompute_name(Recompute r) {
   switch (r) {
-    case Recompute::none:
-      return "none";
-    case Recompute::selective:
-      return "selective";
-    case Recompute::full:
-      return "full";
+    case Recompute::none: return "none";
+    case Recompute::selective: return "selective";
+    case Recompute::full: return "full";
   }
   return "?";
 }
@@ -32,13 +29,10 @@ int ComputeOptions::ep_size() const { return ep ? ep->size() : 1; }
 
 Tensor to_gemm_dtype(const Tensor& x, DType gemm_dtype) {
   if (x.dtype() == gemm_dtype) return x;
-  FORGE_CHECK(gemm_dtype == DType::f32 || gemm_dtype == DType::bf16, "unsupported GEMM dtype {}",
-              dtype_name(gemm_dtype));
-  Tensor y = Tensor::empty(x.shape(), gemm_dtype, x.device());
-  if (gemm_dtype == DType::bf16)
-    ops::convert_to_bf16(x.f32(), y.bf16(), x.numel(), x.device());
-  else
-    ops::convert_to_f32(x.bf16(), y.f32(), x.numel(), x.device());
+  FORGE_CHECK(gemm_dtype == DType::bf16 && x.dtype() == DType::f32, "no {} GEMM operand from a {} tensor",
+              dtype_name(gemm_dtype), dtype_name(x.dtype()));
+  Tensor y = Tensor::empty(x.shape(), DType::bf16, x.device());
+  ops::convert_to_bf16(x.f32(), y.bf16(), x.numel(), x.device());
   return y;
 }
 

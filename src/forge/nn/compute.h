@@ -71,8 +71,8 @@ struct ComputeOptions {
   int ep_size() const;
 };
 
-// x itself when it already holds gemm_dtype elements, else a copy in gemm_dtype on x's device (the operand a
-// GEMM reads): fp32 widened from bf16, bf16 rounded from fp32.
+// x itself when it already holds gemm_dtype elements (fp32, or a bf16 activation), else a bf16 copy of the
+// fp32 x on its device (the operand a GEMM reads).
 Tensor to_gemm_dtype(const Tensor& x, DType gemm_dtype);
 
 }  // namespace forge::nn

@@ -208,7 +208,7 @@ void Linear::run_fp8_gemm(const ops::Fp8GemmParams& p) const {
   ops::fp8_gemm(p, device_);
 }
 
-// The GEMM's fp32 [rows, cols] result: `out` when the caller gave one (checked), else a new tensor.
+// The GEMM's [rows, cols] result in `dtype`: `out` when the caller gave one (checked), else a new tensor.
 Tensor Linear::result(const Tensor& out, int64_t rows, int64_t cols, DType dtype, const char* what) const {
   if (!out.defined()) return Tensor::empty({rows, cols}, dtype, device_);
   FORGE_CHECK(out.dtype() == dtype && out.numel() == rows * cols && out.device() == device_,
