@@ -80,6 +80,17 @@ void BM_SwigluBackward(benchmark::State& state) {
   bytes_per_call(state, 5.0 * kRows * kFfn * sizeof(float));  // read gate, up, dout, write dgate, dup
 }
 
+// Hidden dropout at rate 0.1 over a micro-batch's [rows, dim] branch output, in place (as the decoder layer
+// applies it); its Philox blocks are computed, not read.
+void BM_Dropout(benchmark::State& state) {
+  auto x = filled(kRows * kDim, -1.0f);
+  ops::DropoutParams p;
+  p.rows = kRows, p.cols = kDim, p.x = x.data(), p.y = x.data(), p.rate = 0.1f, p.seed = 1;
+  p.first_sample = 0, p.seq = 256;
+  for (auto _ : state) ops::dropout(p);
+  bytes_per_call(state, 2.0 * kRows * kDim * sizeof(float));  // read and write x
+}
+
 // q (8 heads) rotated in place inside a fused qkv row with 2 kv heads, as the attention layer does it.
 void BM_Rope(benchmark::State& state) {
   const int64_t heads = kDim / kHeadDim, token_stride = kDim + 2 * 2 * kHeadDim;
@@ -114,7 +125,8 @@ void BM_AdamW(benchmark::State& state) {
 // The loss head at kRows x kDim x kVocab: normalised hidden states and a freshly initialised head (std ~0.02)
 // give logits of order one.
 struct CrossEntropySetup {
-  std::vector<float> hidden = filled(kRows * kDim, -1.0f, 2.0f), weight = filled(kVocab * kDim, -0.035f, 0.07f);
+  std::vector<float> hidden = filled(kRows * kDim, -1.0f, 2.0f),
+                     weight = filled(kVocab * kDim, -0.035f, 0.07f);
   std::vector<uint16_t> hidden16, weight16;
   std::vector<int32_t> targets;
   std::vector<float> lse, loss, dhidden, dweight, workspace;
@@ -170,8 +182,8 @@ void BM_LinearCrossEntropyStep(benchmark::State& state) {
     ops::linear_cross_entropy_forward(s.p);
     ops::linear_cross_entropy_backward(s.p);
   }
-  state.counters["GFLOP/s"] =
-      benchmark::Counter(3.0 * 2.0 * kRows * kVocab * kDim * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GFLOP/s"] = benchmark::Counter(3.0 * 2.0 * kRows * kVocab * kDim * 1e-9,
+                                                 benchmark::Counter::kIsIterationInvariantRate);
   state.SetLabel(std::string(keep ? "logits kept" : "logits recomputed") + (bf16 ? " bf16" : " fp32"));
 }
 
@@ -180,6 +192,7 @@ BENCHMARK(BM_RmsNormBackwardInput)->UseRealTime();
 BENCHMARK(BM_RmsNormBackwardWeight)->UseRealTime();
 BENCHMARK(BM_SwigluForward)->UseRealTime();
 BENCHMARK(BM_SwigluBackward)->UseRealTime();
+BENCHMARK(BM_Dropout)->UseRealTime();
 BENCHMARK(BM_Rope)->UseRealTime();
 BENCHMARK(BM_AdamW)->ArgNames({"n", "bf16_shadow"})->Args({1 << 22, 0})->Args({1 << 22, 1})->UseRealTime();
 BENCHMARK(BM_LinearCrossEntropy)

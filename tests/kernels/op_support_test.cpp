@@ -198,6 +198,15 @@ TEST(OpSupport, CpuBackend) {
   EXPECT_SUPPORTED(cpu, swiglu_forward, (glu));
   glu.dtype = DType::f16;
   EXPECT_REFUSED(cpu, swiglu_backward, (glu), "swiglu_backward: tensors must be fp32 or bf16, not fp16");
+  ops::DropoutParams drop;
+  drop.rows = 2, drop.cols = 4, drop.seq = 2, drop.rate = 0.1f;
+  EXPECT_SUPPORTED(cpu, dropout, (drop));
+  drop.rate = 1.0f;
+  EXPECT_REFUSED(cpu, dropout, (drop), "dropout: rate 1 is not in [0, 1)");
+  drop.rate = 0.1f, drop.first_sample = -1;
+  EXPECT_REFUSED(cpu, dropout, (drop), "dropout: bad shape rows=2 cols=4 seq=2 row_begin=0 first_sample=-1");
+  drop.first_sample = 0, drop.dtype = DType::f16;
+  EXPECT_REFUSED(cpu, dropout, (drop), "dropout: tensors must be fp32 or bf16, not fp16");
   // The element-wise kernels take any size (a negative one does nothing).
   EXPECT_SUPPORTED(cpu, add_inplace, (nullptr, nullptr, -1));
   EXPECT_REFUSED(cpu, sum_squares_accumulate, (m.f, 4, nullptr), "sum_squares_accumulate: total is null");

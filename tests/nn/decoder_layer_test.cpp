@@ -60,10 +60,15 @@ bool bitwise_equal(const Tensor& a, const Tensor& b) {
 constexpr int64_t kBatch = 2, kSeq = 9, kLayers = 2;
 
 // Runs forward then backward over the stack. split: all backward_input first, then all backward_weight.
-Tensor run(Stack& s, const Tensor& x, const Tensor& dy, bool split) {
+// rows: where the rows sit for hidden dropout (inactive: none), layer l at sites 1 + 2 l and 2 + 2 l.
+Tensor run(Stack& s, const Tensor& x, const Tensor& dy, bool split, DropoutRows rows = {}) {
   std::vector<DecoderLayer::Saved> saved(s.layers.size());
   Tensor h = x;
-  for (size_t l = 0; l < s.layers.size(); ++l) h = s.layers[l].forward(h, kBatch, kSeq, saved[l]);
+  for (size_t l = 0; l < s.layers.size(); ++l) {
+    saved[l].dropout = rows;
+    saved[l].dropout.stream = static_cast<uint32_t>(1 + 2 * l);
+    h = s.layers[l].forward(h, kBatch, kSeq, saved[l]);
+  }
   Tensor g = dy;
   for (size_t l = s.layers.size(); l-- > 0;) {
     g = s.layers[l].backward_input(g, kBatch, kSeq, saved[l]);
@@ -187,17 +192,35 @@ TEST(LayerMemory, RecomputeLowersPeakActivationMemory) {
   EXPECT_GT(peaks[1], peaks[2]);
 }
 
+// Hidden dropout at rate 0.3 over the test's micro-batch: samples from 40, every position its own.
+ComputeOptions with_dropout(ComputeOptions o) {
+  o.hidden_dropout = 0.3f, o.dropout_seed = 99;
+  return o;
+}
+DropoutRows training_rows(int64_t seq) {
+  DropoutRows rows;
+  rows.first_sample = 40, rows.seq = seq;
+  return rows;
+}
+
 // Central finite differences (in fp32, on a smooth layer) against the analytic gradients of
 // L = <w, layer(x)> for the input and a sample of every parameter. Tolerance 2e-2 relative: fp32 FD noise.
-TEST(LayerGradients, MatchFiniteDifferences) {
+// With hidden dropout the layer is still a smooth function for a given mask (the micro-batch's), which
+// forward and backward must both apply.
+void expect_gradients_match_finite_differences(float dropout) {
   const auto shape = small_shape();
   const int64_t batch = 1, seq = 5, rows = batch * seq;
-  Stack s(1, {DType::f32, Recompute::none}, shape, 8);
+  ComputeOptions options{DType::f32, Recompute::none};
+  DropoutRows where;
+  if (dropout > 0)
+    options = with_dropout(options), options.hidden_dropout = dropout, where = training_rows(seq);
+  Stack s(1, options, shape, 8);
   auto xv = testing::random_floats(rows * 32, 7);
   auto wv = testing::random_floats(rows * 32, 8);
   Tensor x = from_vector(xv, {rows, 32}), w = from_vector(wv, {rows, 32});
   auto loss = [&](const Tensor& input) {
     DecoderLayer::Saved saved;
+    saved.dropout = where;
     Tensor y = s.layers[0].forward(input, batch, seq, saved);
     double total = 0;
     for (int64_t i = 0; i < y.numel(); ++i) total += double(y.f32()[i]) * wv[i];
@@ -205,6 +228,7 @@ TEST(LayerGradients, MatchFiniteDifferences) {
   };
   s.store.zero_grads();
   DecoderLayer::Saved saved;
+  saved.dropout = where;
   s.layers[0].forward(x, batch, seq, saved);
   Tensor dx = s.layers[0].backward_input(w, batch, seq, saved);
   s.layers[0].backward_weight(saved);
@@ -226,6 +250,34 @@ TEST(LayerGradients, MatchFiniteDifferences) {
     for (int64_t i = 0; i < n; i += std::max<int64_t>(1, n / 5))
       check(s.store.params().f32() + info.offset + i, s.store.grads().f32()[info.offset + i],
             info.name + "[" + std::to_string(i) + "]");
+  }
+}
+
+TEST(LayerGradients, MatchFiniteDifferences) { expect_gradients_match_finite_differences(0.0f); }
+TEST(LayerGradients, MatchFiniteDifferencesUnderHiddenDropout) {
+  expect_gradients_match_finite_differences(0.3f);
+}
+
+// Hidden dropout acts on training micro-batches only: with rows that are not a training micro-batch's the
+// layers give the no-dropout results bit for bit, with a training micro-batch's they do not; and full
+// recompute draws the same masks again in backward (bitwise the gradients of keeping everything).
+TEST(LayerDropout, TrainingOnlyAndRecomputedAlike) {
+  const auto shape = small_shape();
+  Tensor x = from_vector(testing::random_floats(kBatch * kSeq * 32, 5), {kBatch * kSeq, 32});
+  Tensor dy = from_vector(testing::random_floats(kBatch * kSeq * 32, 6), {kBatch * kSeq, 32});
+  Stack plain(kLayers, {DType::f32, Recompute::none}, shape, 16);
+  const Tensor dx_plain = run(plain, x, dy, false);
+  Stack evaluating(kLayers, with_dropout({DType::f32, Recompute::none}), shape, 16);
+  EXPECT_TRUE(bitwise_equal(run(evaluating, x, dy, false), dx_plain));
+  EXPECT_TRUE(bitwise_equal(evaluating.store.grads(), plain.store.grads()));
+  Stack training(kLayers, with_dropout({DType::f32, Recompute::none}), shape, 16);
+  const Tensor dx_training = run(training, x, dy, false, training_rows(kSeq));
+  EXPECT_FALSE(bitwise_equal(dx_training, dx_plain));
+  for (Recompute policy : {Recompute::selective, Recompute::full}) {
+    Stack s(kLayers, with_dropout({DType::f32, policy}), shape, 16);
+    EXPECT_TRUE(bitwise_equal(run(s, x, dy, true, training_rows(kSeq)), dx_training))
+        << recompute_name(policy);
+    EXPECT_TRUE(bitwise_equal(s.store.grads(), training.store.grads())) << recompute_name(policy);
   }
 }
 

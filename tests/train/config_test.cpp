@@ -90,7 +90,7 @@ TEST(TrainConfig, DefaultTomlFileEqualsBuiltInDefaults) {
     ++keys;
     EXPECT_NE(line.find(" # "), std::string::npos) << "no comment: " << line;
   }
-  EXPECT_EQ(keys, 111);
+  EXPECT_EQ(keys, 113);
 }
 
 TEST(TrainConfig, DefaultTomlFileIsTheGeneratedText) {
@@ -289,6 +289,12 @@ TEST(TrainConfigErrors, Fp8Settings) {
                  {"fp8.margin", "range of an int", "4294967296"});
   expect_invalid([](TrainConfig& c) { c.fp8.recipe = "current", c.fp8.bf16_last_layers = -2; },
                  {"fp8.bf16_last_layers must be >= 0, got -2"});
+  expect_invalid([](TrainConfig& c) { c.train.hidden_dropout = 1; },
+                 {"test.toml", "train.hidden_dropout must be in [0, 1), got 1"});
+  expect_invalid([](TrainConfig& c) { c.data.heldout_parts = 0; },
+                 {"data.heldout_parts must be in [1, 100000], got 0"});
+  expect_invalid([](TrainConfig& c) { c.train.hidden_dropout = -0.1; },
+                 {"train.hidden_dropout must be in [0, 1), got -0.1"});
   expect_invalid([](TrainConfig& c) { c.fp8.recipe = "current", c.fp8.accumulator_bits = 24; },
                  {"fp8.accumulator_bits", "24"});
   expect_invalid(

@@ -42,12 +42,13 @@ struct Layout {
   bool sequence_parallel, zero;
   int cp = 1;
   const char* cp_comm = "p2p";
+  double dropout = 0.0;  // train.hidden_dropout (the same masks under every layout)
 };
 
 std::string name_of(const Layout& l) {
   return "tp" + std::to_string(l.tp) + "_dp" + std::to_string(l.dp) +
          (l.cp > 1 ? "_cp" + std::to_string(l.cp) + "_" + l.cp_comm : "") +
-         (l.sequence_parallel ? "_sp" : "") + (l.zero ? "_zero1" : "");
+         (l.sequence_parallel ? "_sp" : "") + (l.zero ? "_zero1" : "") + (l.dropout > 0 ? "_dropout" : "");
 }
 
 class TrainerRuns : public testing::Test {
@@ -82,10 +83,12 @@ TEST_P(TrainerLayouts, ReproduceTheOneRankRun) {
   // The reference: one rank, dp x accum micro-batches.
   TrainConfig ref = config("reference-" + std::to_string(world.rank()));
   ref.train.grad_accum = 2 * l.dp;
+  ref.train.hidden_dropout = l.dropout;
   auto self = comm::make_self();
   TrainResult want = Trainer(ref, self.get()).run();
 
   TrainConfig par = config("parallel");
+  par.train.hidden_dropout = l.dropout;
   par.parallel.tp = l.tp;
   par.parallel.dp = l.dp;
   par.parallel.sequence_parallel = l.sequence_parallel;
@@ -121,7 +124,12 @@ INSTANTIATE_TEST_SUITE_P(
                     // ranks, alone and beside tp (with sp) and dp (with ZeRO-1).
                     Layout{1, 1, false, false, 2, "p2p"}, Layout{1, 1, false, false, 2, "a2a"},
                     Layout{1, 1, false, false, 4, "p2p"}, Layout{2, 1, true, false, 2, "p2p"},
-                    Layout{1, 2, false, true, 2, "p2p"}, Layout{1, 2, false, true, 2, "a2a"}),
+                    Layout{1, 2, false, true, 2, "p2p"}, Layout{1, 2, false, true, 2, "a2a"},
+                    // Hidden dropout: each element's mask follows its sample and position, so sequence
+                    // shards, replicas, accumulation and context slices drop what one rank drops.
+                    Layout{2, 1, true, false, 1, "p2p", 0.2}, Layout{1, 2, false, true, 1, "p2p", 0.2},
+                    Layout{2, 2, true, true, 1, "p2p", 0.2}, Layout{1, 1, false, false, 2, "p2p", 0.2},
+                    Layout{1, 1, false, false, 2, "a2a", 0.2}, Layout{2, 1, true, false, 2, "p2p", 0.2}),
     [](const auto& info) { return name_of(info.param); });
 
 // The families beside LLaMA, each under tp 2 with sequence parallelism, dp 2 with ZeRO-1, cp 2 and pp 2:
@@ -131,6 +139,7 @@ INSTANTIATE_TEST_SUITE_P(
 struct FamilyLayout {
   const char* family;
   int tp, dp, cp, pp;
+  double dropout = 0.0;  // train.hidden_dropout
 };
 
 const char* family_config(const std::string& family) {
@@ -173,6 +182,7 @@ TEST_P(TrainerFamilyLayouts, FollowTheOneRankRun) {
     TrainConfig c = config(run);
     c.model.config = model.string();
     c.train.steps = 12;
+    c.train.hidden_dropout = l.dropout;
     return c;
   };
   TrainConfig ref = make("reference-" + std::to_string(world.rank()));
@@ -202,16 +212,22 @@ std::vector<FamilyLayout> family_layouts() {
     for (FamilyLayout l : {FamilyLayout{"", 2, 1, 1, 1}, FamilyLayout{"", 1, 2, 1, 1},
                            FamilyLayout{"", 1, 1, 2, 1}, FamilyLayout{"", 1, 1, 1, 2}})
       l.family = family, all.push_back(l);
+  // Hidden dropout across pipeline stages (each layer's sites numbered by its index in the whole model) and
+  // around Gemma 2's sandwich norms under sequence parallelism.
+  all.push_back({"mistral", 1, 1, 1, 2, 0.2});
+  all.push_back({"gemma2", 2, 1, 1, 1, 0.2});
   return all;
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, TrainerFamilyLayouts, testing::ValuesIn(family_layouts()),
                          [](const auto& info) {
                            const FamilyLayout& l = info.param;
-                           return std::string(l.family) + (l.tp > 1   ? "_tp2_sp"
-                                                           : l.dp > 1 ? "_dp2_zero1"
-                                                           : l.cp > 1 ? "_cp2"
-                                                                      : "_pp2");
+                           return std::string(l.family) +
+                                  (l.tp > 1   ? "_tp2_sp"
+                                   : l.dp > 1 ? "_dp2_zero1"
+                                   : l.cp > 1 ? "_cp2"
+                                              : "_pp2") +
+                                  (l.dropout > 0 ? "_dropout" : "");
                          });
 
 // FP8 under a layout: the delayed recipe's amaxes are max-reduced over every rank each step and the current

@@ -1,22 +1,25 @@
 // Trainer behaviour on a toy model and corpus: bitwise-exact resume after an interruption (the Ctrl-C
 // path: stop flag, checkpoint, exit), learning, and refused inputs.
+#include "forge/train/trainer.h"
+
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
-
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "forge/ckpt/checkpoint.h"
 #include "forge/core/device.h"
 #include "forge/kernels/profiler.h"
-#include "forge/train/trainer.h"
 #include "train/toy_run.h"
 
 namespace forge {
-using namespace forge::optim; using namespace forge::ckpt; using namespace forge::train;
+using namespace forge::optim;
+using namespace forge::ckpt;
+using namespace forge::train;
 namespace {
 namespace fs = std::filesystem;
 
@@ -42,16 +45,23 @@ class TrainerTest : public ::testing::Test {
 
 class TrainerResume : public TrainerTest, public ::testing::WithParamInterface<const char*> {};
 
+// The parameter: the GEMM dtype, and "+dropout" for hidden dropout (whose masks follow the samples, so a
+// resumed run draws the ones the uninterrupted run drew).
 TEST_P(TrainerResume, InterruptedRunResumesTheIdenticalLossSequenceBitwise) {
+  const std::string param = GetParam();
+  const std::string dtype = param.substr(0, param.find('+'));
+  const double dropout = param.find("+dropout") != std::string::npos ? 0.2 : 0.0;
   TrainConfig straight = config("straight");
-  straight.train.dtype = GetParam();
+  straight.train.dtype = dtype;
+  straight.train.hidden_dropout = dropout;
   TrainResult full = Trainer(straight).run();
   ASSERT_EQ(full.losses.size(), 6u);
   EXPECT_FALSE(full.interrupted);
 
   // The same run interrupted after step 3 (as Ctrl-C does: stop flag, checkpoint, return) ...
   TrainConfig split = config("split");
-  split.train.dtype = GetParam();
+  split.train.dtype = dtype;
+  split.train.hidden_dropout = dropout;
   Trainer first(split);
   first.on_step([](int64_t step) {
     if (step == 3) Trainer::stop_flag() = true;
@@ -76,7 +86,35 @@ TEST_P(TrainerResume, InterruptedRunResumesTheIdenticalLossSequenceBitwise) {
             read_file(toy::latest_checkpoint(straight) / "shard-00000-of-00001.safetensors"));
 }
 
-INSTANTIATE_TEST_SUITE_P(Dtypes, TrainerResume, ::testing::Values("fp32", "bf16"));
+INSTANTIATE_TEST_SUITE_P(Dtypes, TrainerResume, ::testing::Values("fp32", "bf16", "fp32+dropout"),
+                         [](const auto& info) {
+                           std::string name = info.param;
+                           std::replace(name.begin(), name.end(), '+', '_');
+                           return name;
+                         });
+
+// Hidden dropout acts in training steps (the first step's loss differs from the run without it) and not in
+// evaluation: the held-out loss of the same weights, evaluated by a run that trains no step, is the one a
+// run without dropout computes.
+TEST_F(TrainerTest, HiddenDropoutActsInTrainingNotInEvaluation) {
+  TrainConfig plain = config("plain"), dropped = config("dropped");
+  dropped.train.hidden_dropout = 0.2;
+  const TrainResult a = Trainer(plain).run(), b = Trainer(dropped).run();
+  ASSERT_FALSE(a.losses.empty());
+  ASSERT_FALSE(b.losses.empty());
+  EXPECT_NE(a.losses[0], b.losses[0]);
+  // Both evaluate the dropout run's final weights.
+  TrainConfig eval_plain = config("eval-plain"), eval_dropped = config("eval-dropped");
+  for (TrainConfig* c : {&eval_plain, &eval_dropped}) {
+    c->checkpoint.resume = (fs::path(dropped.log.run_dir) / "checkpoint").string();
+    c->checkpoint.overwrite = true;
+  }
+  eval_dropped.train.hidden_dropout = 0.2;
+  const TrainResult pe = Trainer(eval_plain).run(), de = Trainer(eval_dropped).run();
+  EXPECT_TRUE(pe.losses.empty());
+  EXPECT_EQ(pe.heldout_loss, de.heldout_loss);
+  EXPECT_EQ(pe.heldout_loss, b.heldout_loss);
+}
 
 TEST_F(TrainerTest, LossFallsAndMetricsAreWritten) {
   TrainConfig c = config("learn");
@@ -100,7 +138,8 @@ TEST_F(TrainerTest, LossFallsAndMetricsAreWritten) {
   EXPECT_TRUE(fs::exists(fs::path(c.log.run_dir) / "config.toml"));
 }
 
-// log.profile_step times that step's ops into <run_dir>/profile.json without changing a single bit of training.
+// log.profile_step times that step's ops into <run_dir>/profile.json without changing a single bit of
+// training.
 TEST_F(TrainerTest, ProfileStepWritesTheStepsOpsAndChangesNothing) {
   const TrainResult plain = Trainer(config("plain")).run();
   TrainConfig c = config("profiled");
@@ -159,7 +198,8 @@ TEST_F(TrainerTest, RefusesBadInputsWithOneClearLine) {
   TrainConfig bad_resume = config("bad4");
   bad_resume.checkpoint.resume = (dir_ / "no_checkpoint").string();
   expect_error(bad_resume, "no_checkpoint");
-  std::ofstream(dir_ / "heads.json") << R"({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+  std::ofstream(dir_ / "heads.json")
+      << R"({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
       "num_attention_heads": 4, "num_key_value_heads": 3, "vocab_size": 256})";
   TrainConfig heads = config("bad5");
   heads.model.config = (dir_ / "heads.json").string();
@@ -204,7 +244,8 @@ TEST_F(TrainerTest, IncompleteCheckpointIsRefused) {
   const fs::path ckpt = toy::latest_checkpoint(c);
   // Corrupt one shard: the manifest's checksum catches it.
   {
-    std::fstream f(ckpt / "shard-00000-of-00001.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    std::fstream f(ckpt / "shard-00000-of-00001.safetensors",
+                   std::ios::in | std::ios::out | std::ios::binary);
     f.seekp(-4, std::ios::end);
     f.write("\x01\x02\x03\x04", 4);
   }

@@ -1,8 +1,6 @@
 // The trainer's data: tokenizer choice (bytes, a BPE trained on the corpus and cached, a tokenizer.json),
 // the byte accounting behind bits per byte, and a short BPE training run end to end.
-#include "forge/models/llama/llama_model.h"
 #include "forge/train/training_data.h"
-#include "train/toy_run.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -10,15 +8,21 @@
 #include <filesystem>
 #include <fstream>
 
-#include "forge/models/pretrained.h"
 #include "forge/ckpt/safetensors.h"
 #include "forge/data/text/indexed_dataset.h"
 #include "forge/data/text/text_corpus.h"
+#include "forge/models/llama/llama_model.h"
+#include "forge/models/pretrained.h"
 #include "forge/train/trainer.h"
 #include "op_harness.h"
+#include "train/toy_run.h"
 
 namespace forge {
-using namespace forge::optim; using namespace forge::models; using namespace forge::data; using namespace forge::ckpt; using namespace forge::train;
+using namespace forge::optim;
+using namespace forge::models;
+using namespace forge::data;
+using namespace forge::ckpt;
+using namespace forge::train;
 namespace {
 namespace fs = std::filesystem;
 using forge::testing::expect_error_containing;
@@ -74,7 +78,7 @@ int64_t byte_count(const TextCodec& codec, const std::vector<int32_t>& ids) {
 TEST_F(TrainingDataTest, TrainedBpeCoversEveryByteAndIsCached) {
   const TrainConfig c = config("unused");
   const std::string text = load_text_file(c.data.corpus);
-  const TextSplit split = split_heldout(text, c.data.heldout_fraction);
+  const TextSplit split = split_heldout(text, c.data.heldout_fraction, c.data.heldout_parts);
   CorpusTokens corpus = prepare_corpus(c);
   EXPECT_EQ(corpus.codec.vocab_size(), 300);
   EXPECT_EQ(corpus.codec.decode(corpus.train), split.train);
@@ -121,7 +125,8 @@ TEST_F(TrainingDataTest, BadTokenizerSettingsAreRefused) {
   expect_error_containing([&] { prepare_corpus(missing); }, {"absent.json"});
 
   write_model(256);  // smaller than the 300-token tokenizer
-  expect_error_containing([&] { Trainer(config("small")).run(); }, {"vocab_size 256 is smaller than the 300 tokens"});
+  expect_error_containing([&] { Trainer(config("small")).run(); },
+                          {"vocab_size 256 is smaller than the 300 tokens"});
 
   TrainConfig tiny = config("unused");
   tiny.data.vocab_size = 100;
@@ -136,14 +141,17 @@ TEST_F(TrainingDataTest, TrainsOnBpeTokensAndReportsBitsPerByte) {
   TrainResult r = Trainer(c).run();
   ASSERT_EQ(r.losses.size(), 20u);
   EXPECT_LT(r.losses.back(), r.losses.front());
-  // Loss per token over bytes per token: with > 1 byte per token, bits per byte is below nats per token / ln 2.
+  // Loss per token over bytes per token: with > 1 byte per token, bits per byte is below nats per token /
+  // ln 2.
   EXPECT_GT(r.heldout_bits_per_byte, 0);
   EXPECT_LT(r.heldout_bits_per_byte, r.heldout_loss / std::log(2.0));
   EXPECT_EQ(r.sample.rfind("In the", 0), 0u);
   // The checkpoint carries its tokenizer.
   EXPECT_EQ(Tokenizer::from_file(toy::latest_checkpoint(c) / "tokenizer.json").to_json(),
-            Tokenizer::from_file(trained_tokenizer_path(c, split_heldout(load_text_file(c.data.corpus),
-                                                                          c.data.heldout_fraction).train))
+            Tokenizer::from_file(
+                trained_tokenizer_path(c, split_heldout(load_text_file(c.data.corpus),
+                                                        c.data.heldout_fraction, c.data.heldout_parts)
+                                              .train))
                 .to_json());
   EXPECT_GT(r.sample.size(), 6u);
 }
@@ -165,13 +173,15 @@ TEST_F(TrainingDataTest, InitFromAHuggingFaceFolder) {
   c.train.lr = 1e-20;
   c.train.min_lr = 0;
   Trainer(c).run();
-  SafetensorsFile saved = SafetensorsFile::open((toy::latest_checkpoint(c) / "shard-00000-of-00001.safetensors").string());
+  SafetensorsFile saved =
+      SafetensorsFile::open((toy::latest_checkpoint(c) / "shard-00000-of-00001.safetensors").string());
   for (int id = 0; id < source.params().count(); ++id) {
     const std::string& name = source.params().info(id).name;
     Tensor expected = source.params().param(id), got = saved.read_f32(name);
     ASSERT_EQ(got.numel(), expected.numel()) << name;
     for (int64_t i = 0; i < got.numel(); ++i)
-      ASSERT_NEAR(got.data<float>()[i], expected.data<float>()[i], 1e-6f * std::abs(expected.data<float>()[i]))
+      ASSERT_NEAR(got.data<float>()[i], expected.data<float>()[i],
+                  1e-6f * std::abs(expected.data<float>()[i]))
           << name << "[" << i << "]";
   }
 

@@ -132,6 +132,9 @@ void check_args(const char* op, const ops::SwigluParams& p) {
   FORGE_CHECK_FIELD(op, p, gate_up), FORGE_CHECK_FIELD(op, p, out), FORGE_CHECK_FIELD(op, p, dout);
   FORGE_CHECK_FIELD(op, p, dgate_up);
 }
+void check_args(const char* op, const ops::DropoutParams& p) {
+  FORGE_CHECK_FIELD(op, p, x), FORGE_CHECK_FIELD(op, p, y), FORGE_CHECK_FIELD(op, p, positions);
+}
 void check_args(const char* op, const ops::LayerNormParams& p) {
   FORGE_CHECK_FIELD(op, p, x), FORGE_CHECK_FIELD(op, p, weight), FORGE_CHECK_FIELD(op, p, bias);
   FORGE_CHECK_FIELD(op, p, y), FORGE_CHECK_FIELD(op, p, mean), FORGE_CHECK_FIELD(op, p, rstd);

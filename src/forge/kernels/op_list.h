@@ -20,6 +20,7 @@
   X(rope, void, (const ops::RopeParams& p), (p))                                                               \
   X(swiglu_forward, void, (const ops::SwigluParams& p), (p))                                                   \
   X(swiglu_backward, void, (const ops::SwigluParams& p), (p))                                                  \
+  X(dropout, void, (const ops::DropoutParams& p), (p))                                                         \
   X(layernorm_forward, void, (const ops::LayerNormParams& p), (p))                                             \
   X(layernorm_backward_input, void, (const ops::LayerNormParams& p), (p))                                      \
   X(layernorm_backward_weight, void, (const ops::LayerNormParams& p), (p))                                     \

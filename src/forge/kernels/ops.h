@@ -185,6 +185,25 @@ struct SwigluParams {
   void* dgate_up = nullptr;  // backward: written (overwrite)
 };
 
+// Dropout on [rows, cols] activations (a residual branch's output, the embeddings): y = x / (1 - rate) where
+// the element is kept, 0 where it is dropped, and the backward pass is the same op on the gradient. The mask
+// is a function of the data, not of the layout (kernels/dropout_mask.h): row r of the op is local row
+// row_begin + r of a micro-batch of sequences of `seq` local positions, i.e. position
+// positions[(row_begin + r) % seq] (the identity when positions is null; a context-parallel rank's slice of
+// the sequence otherwise) of sample first_sample + (row_begin + r) / seq. `stream` tells the dropout sites of
+// a model apart. Every tensor holds `dtype` elements (f32, or bf16 widened and rounded once).
+struct DropoutParams {
+  int64_t rows = 0, cols = 0;
+  DType dtype = DType::f32;
+  const void* x = nullptr;  // [rows, cols]
+  void* y = nullptr;        // [rows, cols]; may be x
+  float rate = 0.0f;        // in [0, 1)
+  uint64_t seed = 0;
+  uint32_t stream = 0;
+  int64_t first_sample = 0, seq = 0, row_begin = 0;
+  const int32_t* positions = nullptr;  // [seq] in the op's device memory, or null
+};
+
 // LayerNorm over the last dimension, PyTorch's nn.LayerNorm: y = (x - mean) * rstd * weight + bias, with the
 // row's mean and biased variance (divided by dim), rstd = 1/sqrt(var + eps); mean and rstd are kept for
 // backward. The variance is the mean of (x - mean)^2 (two passes over the row, no E[x^2] - mean^2

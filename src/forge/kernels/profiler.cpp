@@ -115,6 +115,12 @@ Cost glu(const SwigluParams& p, double elements) {
 Cost swiglu_forward(const SwigluParams& p) { return glu(p, 3); }
 Cost swiglu_backward(const SwigluParams& p) { return glu(p, 5); }
 
+// Reads x and writes y; the mask is computed, not read (one Philox block per four elements).
+Cost dropout(const DropoutParams& p) {
+  const double size = static_cast<double>(dtype_size(p.dtype));
+  return {matrix(p.rows, p.cols) + fmt::format(" p={}", p.rate), 0, 2 * size * d(p.rows) * d(p.cols)};
+}
+
 // LayerNorm: the row's two reductions and the normalisation stay in cache, so each pass reads and writes its
 // arrays once (weight, bias and the per-row statistics are small).
 Cost layernorm_forward(const LayerNormParams& p) {

@@ -57,6 +57,8 @@ struct DecoderStack::Activations final : StageActivations {
   std::vector<InsertedRun> inserted_runs;  // forward_inserted: where the inserted rows went
   int64_t inserted_count = 0;
   Tensor dinserted;                        // their gradient, taken out of dembed
+  nn::DropoutRows dropout;                 // where the rows sit (hidden dropout; inactive outside training)
+  Tensor positions_holder;                 // dropout.positions on a GPU
   std::unique_ptr<StageActivations> tail;  // the tail's
   bool input_done = false;                 // backward_input ran
   bool weight_done = false;                // backward_weight ran
@@ -313,6 +315,16 @@ void DecoderStack::take_inserted_rows(Activations& acts) const {
   }
 }
 
+nn::DropoutRows DecoderStack::dropout_rows(const MicroBatch& mb, Tensor& positions_holder) const {
+  nn::DropoutRows rows;
+  if (options_.hidden_dropout <= 0.0f || mb.first_sample < 0) return rows;
+  rows.first_sample = mb.first_sample, rows.seq = mb.seq;
+  // Under sequence parallelism this rank's rows are [rank * n / tp, (rank + 1) * n / tp) of the micro-batch.
+  if (tp() && tp()->sequence_parallel()) rows.row_begin = tp()->rank() * (mb.batch * mb.seq / tp()->size());
+  if (mb.positions) rows.positions = ids_on(options_.device, mb.positions, mb.seq, positions_holder);
+  return rows;
+}
+
 StageOutput DecoderStack::run_forward(const MicroBatch& mb, const Tensor& hidden, const Insertion* insertion,
                                       std::unique_ptr<StageActivations>* saved) {
   if (saved && !params_.has_grads())
@@ -339,10 +351,15 @@ StageOutput DecoderStack::run_forward(const MicroBatch& mb, const Tensor& hidden
                 hidden.defined() ? hidden.numel() : 0, rows, spec_.hidden);
     x = hidden;
   }
+  acts->dropout = dropout_rows(mb, acts->positions_holder);
+  if (stage_.pre_process) nn::dropout_inplace(options_, acts->dropout, x, spec_.hidden);  // site 0
   if (saved) acts->layers.resize(layers_.size());
   for (size_t l = 0; l < layers_.size(); ++l) {
     nn::DecoderLayer::Saved scratch;
-    x = layers_[l].forward(x, mb.batch, mb.seq, saved ? acts->layers[l] : scratch);
+    nn::DecoderLayer::Saved& kept = saved ? acts->layers[l] : scratch;
+    kept.dropout = acts->dropout;  // sites 1 + 2 i and 2 + 2 i of layer i
+    kept.dropout.stream = static_cast<uint32_t>(1 + 2 * (stage_.first_layer + static_cast<int64_t>(l)));
+    x = layers_[l].forward(x, mb.batch, mb.seq, kept);
   }
   StageOutput out;
   if (!stage_.post_process) {
@@ -381,6 +398,7 @@ Tensor DecoderStack::backward_input(const Tensor& doutput, StageActivations& sta
     dx = layers_[l].backward_input(dx, acts.batch, acts.seq, acts.layers[l]);
   acts.input_done = true;
   if (!stage_.pre_process) return dx;
+  nn::dropout_inplace(options_, acts.dropout, dx, spec_.hidden);
   acts.dembed = dx;
   take_inserted_rows(acts);
   return Tensor();
@@ -413,6 +431,7 @@ Tensor DecoderStack::backward(const Tensor& doutput, StageActivations& state) {
   }
   acts.input_done = acts.weight_done = true;
   if (!stage_.pre_process) return dx;
+  nn::dropout_inplace(options_, acts.dropout, dx, spec_.hidden);
   acts.dembed = dx;
   take_inserted_rows(acts);
   embedding_.backward_weight(acts.device_ids, acts.dembed), acts.dembed = Tensor();

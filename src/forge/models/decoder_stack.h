@@ -222,6 +222,8 @@ class DecoderStack : public Model {
     nn::MoeParams moe;
   };
   void check_stage_and_split(bool with_grads);
+  // Where the micro-batch's local rows sit in the data, for hidden dropout (inactive without it).
+  nn::DropoutRows dropout_rows(const MicroBatch& mb, Tensor& positions_holder) const;
   Init norm_weight_init() const;
   void register_parameters(float init_std);
   void build_modules();

@@ -123,6 +123,12 @@ struct MicroBatch {
   // the embeddings of the image tokens in ids, in order.
   const float* pixels = nullptr;
   int64_t images = 0;
+  // A training micro-batch: the data index of its first sequence (the rest follow in order), and with context
+  // parallelism each local position's place in the whole sequence ([seq] on the host; null: the identity).
+  // Hidden dropout's masks are drawn from them (nn::DropoutRows); first_sample < 0 (evaluation, inference):
+  // no dropout.
+  int64_t first_sample = -1;
+  const int32_t* positions = nullptr;
 };
 
 // What a stage keeps of one micro-batch between forward, backward_input and backward_weight.

@@ -15,9 +15,12 @@ Recompute recompute_from_name(std::string_view name) {
 
 std::string_view recompute_name(Recompute r) {
   switch (r) {
-    case Recompute::none: return "none";
-    case Recompute::selective: return "selective";
-    case Recompute::full: return "full";
+    case Recompute::none:
+      return "none";
+    case Recompute::selective:
+      return "selective";
+    case Recompute::full:
+      return "full";
   }
   return "?";
 }
@@ -26,6 +29,37 @@ int ComputeOptions::tp_rank() const { return tp ? tp->rank() : 0; }
 int ComputeOptions::tp_size() const { return tp ? tp->size() : 1; }
 int ComputeOptions::ep_rank() const { return ep ? ep->rank() : 0; }
 int ComputeOptions::ep_size() const { return ep ? ep->size() : 1; }
+
+namespace {
+
+bool drops(const ComputeOptions& options, const DropoutRows& rows) {
+  return options.hidden_dropout > 0.0f && rows.active();
+}
+
+void run_dropout(const ComputeOptions& options, const DropoutRows& rows, const Tensor& x, Tensor& y,
+                 int64_t cols) {
+  FORGE_CHECK(cols > 0 && x.numel() % cols == 0, "dropout: {} elements are not rows of {}", x.numel(), cols);
+  ops::DropoutParams p;
+  p.rows = x.numel() / cols, p.cols = cols, p.dtype = x.dtype();
+  p.x = x.raw(), p.y = y.raw();
+  p.rate = options.hidden_dropout, p.seed = options.dropout_seed, p.stream = rows.stream;
+  p.first_sample = rows.first_sample, p.seq = rows.seq, p.row_begin = rows.row_begin;
+  p.positions = rows.positions;
+  ops::dropout(p, x.device());
+}
+
+}  // namespace
+
+void dropout_inplace(const ComputeOptions& options, const DropoutRows& rows, Tensor& x, int64_t cols) {
+  if (drops(options, rows)) run_dropout(options, rows, x, x, cols);
+}
+
+Tensor dropout_copy(const ComputeOptions& options, const DropoutRows& rows, const Tensor& x, int64_t cols) {
+  if (!drops(options, rows)) return x;
+  Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
+  run_dropout(options, rows, x, y, cols);
+  return y;
+}
 
 Tensor to_gemm_dtype(const Tensor& x, DType gemm_dtype) {
   if (x.dtype() == gemm_dtype) return x;

@@ -65,11 +65,34 @@ struct ComputeOptions {
   // projection, its activation and their gradients (nn/mlp.h); the residual stream, norms, attention and the
   // messages between ranks are fp32. bf16 halves those tensors' memory and bytes through memory.
   DType activation_dtype = DType::f32;
+  // Dropout on the embeddings and on each decoder layer's attention and feed-forward outputs before they join
+  // the residual stream (Megatron's hidden dropout; 0: off), in training micro-batches only (DropoutRows),
+  // its masks drawn under dropout_seed.
+  float hidden_dropout = 0.0f;
+  uint64_t dropout_seed = 0;
   int tp_rank() const;
   int tp_size() const;
   int ep_rank() const;
   int ep_size() const;
 };
+
+// Where a micro-batch's rows sit in the training data, for dropout's masks (ops::DropoutParams): local row r
+// of its [batch * seq, ...] activations is local position r % seq of sample first_sample + r / seq, which is
+// the sequence's position positions[r % seq] (context parallelism's slice; null: r % seq itself).
+struct DropoutRows {
+  int64_t first_sample = -1;  // < 0: no dropout (evaluation, inference, a stage's warm-up)
+  int64_t seq = 0;
+  int64_t row_begin = 0;               // sequence parallelism: the rank's first row of the micro-batch
+  const int32_t* positions = nullptr;  // [seq] on the model's device, or null
+  uint32_t stream = 0;                 // the dropout site (ops::DropoutParams::stream)
+  bool active() const { return first_sample >= 0; }
+};
+
+// Dropout at site rows.stream of x, [rows, cols]: in place, or (dropout_copy) into a new tensor, x itself
+// when nothing drops. Nothing drops when options.hidden_dropout is 0 or the rows are not a training
+// micro-batch's. The backward pass of a dropout is dropout_copy of the gradient with the same rows.
+void dropout_inplace(const ComputeOptions& options, const DropoutRows& rows, Tensor& x, int64_t cols);
+Tensor dropout_copy(const ComputeOptions& options, const DropoutRows& rows, const Tensor& x, int64_t cols);
 
 // x itself when it already holds gemm_dtype elements (fp32, or a bf16 activation), else a bf16 copy of the
 // fp32 x on its device (the operand a GEMM reads).

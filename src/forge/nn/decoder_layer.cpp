@@ -22,6 +22,16 @@ DecoderLayer::DecoderLayer(ParameterStore* store, const LayerNorms& norms, std::
     post2_ = RmsNorm(store, norms.after_ffn, norms.eps, norms.weight_offset);
 }
 
+namespace {
+
+// The feed-forward's dropout site: the one after the mixer's.
+DropoutRows ffn_rows(DropoutRows rows) {
+  rows.stream += 1;
+  return rows;
+}
+
+}  // namespace
+
 Tensor DecoderLayer::run_forward(const Tensor& x, int64_t batch, int64_t seq, Saved& saved,
                                  bool keep_cores) const {
   saved.x = x;
@@ -30,10 +40,13 @@ Tensor DecoderLayer::run_forward(const Tensor& x, int64_t batch, int64_t seq, Sa
   Tensor h1 = norm1_.forward(x, saved.norm1);
   Tensor x2 = mixer_->forward(h1, batch, seq, *saved.mixer, keep_cores);
   if (post1_on_) x2 = post1_.forward(x2, saved.post1);
+  const int64_t hidden = norm1_.dim();
+  dropout_inplace(options_, saved.dropout, x2, hidden);
   ops::add_inplace(x2.f32(), x.f32(), x.numel(), options_.device);
   Tensor h2 = norm2_.forward(x2, saved.norm2);
   Tensor y = ffn_->forward(h2, batch, seq, *saved.ffn, keep_cores);
   if (post2_on_) y = post2_.forward(y, saved.post2);
+  dropout_inplace(options_, ffn_rows(saved.dropout), y, hidden);
   ops::add_inplace(y.f32(), x2.f32(), x2.numel(), options_.device);
   saved.complete = true;
   return y;
@@ -42,11 +55,13 @@ Tensor DecoderLayer::run_forward(const Tensor& x, int64_t batch, int64_t seq, Sa
 Tensor DecoderLayer::forward(const Tensor& x, int64_t batch, int64_t seq, Saved& saved) const {
   if (options_.recompute != Recompute::full)
     return run_forward(x, batch, seq, saved, options_.recompute == Recompute::none);
-  // Full recompute: run the layer, keep only its input.
+  // Full recompute: run the layer, keep only its input (and where its rows sit, for the same masks again).
   Saved scratch;
+  scratch.dropout = saved.dropout;
   Tensor y = run_forward(x, batch, seq, scratch, false);
   saved = Saved{};
   saved.x = x;
+  saved.dropout = scratch.dropout;
   return y;
 }
 
@@ -55,13 +70,16 @@ Tensor DecoderLayer::backward_input(const Tensor& dy, int64_t batch, int64_t seq
     Tensor x = saved.x;
     run_forward(x, batch, seq, saved, true);
   }
-  // y = x2 + post2(ffn(norm2(x2))):  dx2 = dy + norm2'(ffn'(post2'(dy)))
-  Tensor dffn = post2_on_ ? post2_.backward_input(dy, saved.post2) : dy;
+  // y = x2 + drop(post2(ffn(norm2(x2)))):  dx2 = dy + norm2'(ffn'(post2'(drop(dy))))
+  const int64_t hidden = norm1_.dim();
+  const Tensor dbranch2 = dropout_copy(options_, ffn_rows(saved.dropout), dy, hidden);
+  Tensor dffn = post2_on_ ? post2_.backward_input(dbranch2, saved.post2) : dbranch2;
   Tensor dh2 = ffn_->backward_input(dffn, batch, seq, *saved.ffn);
   Tensor dx2 = norm2_.backward_input(dh2, saved.norm2);
   ops::add_inplace(dx2.f32(), dy.f32(), dy.numel(), options_.device);
-  // x2 = x + post1(mixer(norm1(x))):  dx = dx2 + norm1'(mixer'(post1'(dx2)))
-  Tensor dmixer = post1_on_ ? post1_.backward_input(dx2, saved.post1) : dx2;
+  // x2 = x + drop(post1(mixer(norm1(x)))):  dx = dx2 + norm1'(mixer'(post1'(drop(dx2))))
+  const Tensor dbranch1 = dropout_copy(options_, saved.dropout, dx2, hidden);
+  Tensor dmixer = post1_on_ ? post1_.backward_input(dbranch1, saved.post1) : dbranch1;
   Tensor dh1 = mixer_->backward_input(dmixer, batch, seq, *saved.mixer);
   Tensor dx = norm1_.backward_input(dh1, saved.norm1);
   ops::add_inplace(dx.f32(), dx2.f32(), dx2.numel(), options_.device);

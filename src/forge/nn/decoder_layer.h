@@ -1,4 +1,5 @@
-// One pre-norm decoder layer: x + mixer(norm1(x)), then + ffn(norm2(.)), composed of the two parts its
+// One pre-norm decoder layer: x + mixer(norm1(x)), then + ffn(norm2(.)) (each branch through hidden dropout
+// in training when ComputeOptions::hidden_dropout is set), composed of the two parts its
 // family chooses (nn/layer_part.h). Some families norm each part's output too before it joins the residual
 // stream (Gemma's sandwich: x + post1(mixer(norm1(x))), then + post2(ffn(norm2(.)))). Its three entry points
 // follow the module contract: forward, backward_input (B, the critical path) and backward_weight (W, may run
@@ -28,6 +29,9 @@ class DecoderLayer {
     RmsNorm::Saved norm1, norm2, post1, post2;
     std::unique_ptr<LayerPart::Saved> mixer, ffn;
     bool complete = false;  // false under full recompute until backward recomputes the layer
+    // Set by the caller before forward: where the micro-batch's rows sit, for hidden dropout on the mixer's
+    // and the feed-forward's outputs (sites stream and stream + 1; inactive by default: no dropout).
+    DropoutRows dropout;
   };
 
   DecoderLayer() = default;

@@ -20,6 +20,7 @@ class RmsNorm {
   // Returns dx (fresh tensor).
   Tensor backward_input(const Tensor& dy, Saved& saved) const;
   void backward_weight(Saved& saved) const;  // dweight += ..., then releases the saved tensors
+  int64_t dim() const { return dim_; }
 
  private:
   ParameterStore* store_ = nullptr;

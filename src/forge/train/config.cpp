@@ -87,7 +87,15 @@ const std::vector<KeySpec>& key_specs() {
       {"data",
        "heldout_fraction",
        FORGE_FIELD(data.heldout_fraction),
-       "tail of the corpus held out for evaluation (cut at a line)",
+       "fraction of the corpus held out for evaluation: the tail (cut at a line) of each of "
+       "data.heldout_parts "
+       "equal parts",
+       {}},
+      {"data",
+       "heldout_parts",
+       FORGE_FIELD(data.heldout_parts),
+       "equal parts of the corpus whose tails make up the held-out text, spread over it as a random split "
+       "would be (1 = the corpus's tail alone)",
        {}},
       {"data", "seq_len", FORGE_FIELD(data.seq_len), "tokens per training sequence", {}},
       {"data", "cache_dir", FORGE_FIELD(data.cache_dir), "where the default corpus is cached", {}},
@@ -136,6 +144,13 @@ const std::vector<KeySpec>& key_specs() {
        "wsd: final fraction of the steps that decays linearly to min_lr",
        {}},
       {"train", "weight_decay", FORGE_FIELD(train.weight_decay), "AdamW decoupled weight decay", {}},
+      {"train",
+       "hidden_dropout",
+       FORGE_FIELD(train.hidden_dropout),
+       "dropout probability on the embeddings and on each decoder layer's attention and feed-forward outputs "
+       "before they join the residual stream (Megatron's hidden dropout; training steps only, the same masks "
+       "under every parallel layout; 0 = off)",
+       {}},
       {"train", "beta1", FORGE_FIELD(train.beta1), "AdamW first-moment decay", {}},
       {"train", "beta2", FORGE_FIELD(train.beta2), "AdamW second-moment decay", {}},
       {"train", "eps", FORGE_FIELD(train.eps), "AdamW epsilon", {}},
@@ -856,6 +871,8 @@ void TrainConfig::validate() const {
   check(!data.corpus.empty(), "data.corpus", "\"\"", "\"kjv\" or a path to a text file");
   check(data.heldout_fraction > 0 && data.heldout_fraction < 1, "data.heldout_fraction",
         data.heldout_fraction, "in (0, 1)");
+  check(data.heldout_parts >= 1 && data.heldout_parts <= 100000, "data.heldout_parts", data.heldout_parts,
+        "in [1, 100000]");
   check(data.seq_len > 0, "data.seq_len", data.seq_len, "> 0");
   check(!data.cache_dir.empty(), "data.cache_dir", "\"\"", "a directory");
   check(!data.tokenizer.empty(), "data.tokenizer", "\"\"", "\"train\", \"bytes\" or a tokenizer.json path");
@@ -889,6 +906,8 @@ void TrainConfig::validate() const {
         "train.wsd_decay_fraction", train.wsd_decay_fraction, "in (0, 1]");
   check(finite(train.weight_decay) && train.weight_decay >= 0, "train.weight_decay", train.weight_decay,
         ">= 0");
+  check(train.hidden_dropout >= 0 && train.hidden_dropout < 1, "train.hidden_dropout", train.hidden_dropout,
+        "in [0, 1)");
   check(train.beta1 >= 0 && train.beta1 < 1, "train.beta1", train.beta1, "in [0, 1)");
   check(train.beta2 >= 0 && train.beta2 < 1, "train.beta2", train.beta2, "in [0, 1)");
   check(finite(train.eps) && train.eps > 0, "train.eps", train.eps, "> 0");

@@ -92,6 +92,7 @@ struct TrainConfig {
     std::string split = "969,30,1";   // train,valid,test weights over each dataset's documents
     Choice<DataOrder> order = DataOrder::shuffle;  // with dataset: shuffled from the seed, or in order
     double heldout_fraction = 0.01;
+    int64_t heldout_parts = 10;  // the held-out text: the tail of each of this many equal parts
     int64_t seq_len = 256;
     std::string cache_dir = "data";
     // Image-text data (a LlavaForConditionalGeneration model): a JSONL or a packed file (docs/formats.md).
@@ -112,6 +113,7 @@ struct TrainConfig {
     Choice<optim::LrSchedule::Kind> schedule = optim::LrSchedule::Kind::wsd;  // cosine | wsd | constant
     double wsd_decay_fraction = 0.2;
     double weight_decay = 0.1;
+    double hidden_dropout = 0.0;  // on the embeddings and each layer's attention and MLP outputs
     double beta1 = 0.9;
     double beta2 = 0.95;
     double eps = 1e-8;

@@ -397,10 +397,21 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule, 
   settings.aux_loss_scale = static_cast<float>(c.moe.aux_loss_coeff / static_cast<double>(accum * dp));
   settings.mtp_weight = static_cast<float>(c.mtp_loss_weight_at(state.step + 1));
   for (Model* m : setup.chunks()) m->begin_train_step(settings);
+  // Where each local position sits in its sequence (context parallelism keeps a slice), for dropout's masks.
+  std::vector<int32_t> positions;
+  if (setup.layout.cp() > 1) {
+    std::vector<int32_t> whole(seq);
+    std::iota(whole.begin(), whole.end(), 0);
+    positions.resize(local_seq);
+    setup.context_slice(whole.data(), positions.data(), 1);
+  }
   LossSum loss = schedule.run(model, static_cast<int>(accum), [&](int m) {
     if (hooks.on_micro_batch) hooks.on_micro_batch(step, m);
-    return MicroBatch{ids[m].data(), targets[m].data(), micro,    local_seq,
-                      grad_scale,    pixels[m].data(),  images[m]};
+    MicroBatch mb{ids[m].data(), targets[m].data(), micro,    local_seq,
+                  grad_scale,    pixels[m].data(),  images[m]};
+    mb.first_sample = first_sample + (setup.dp_rank * accum + m) * micro;
+    mb.positions = positions.empty() ? nullptr : positions.data();
+    return mb;
   });
   FORGE_CHECK(!params.grad_step_active(),
               "the schedule left parameters without their last gradient of the step");

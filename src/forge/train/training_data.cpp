@@ -113,7 +113,7 @@ TextCodec make_text_codec(const TrainConfig& config, std::string_view training_t
 
 CorpusTokens prepare_corpus(const TrainConfig& config) {
   std::string text = load_corpus(config.data.corpus, config.data.cache_dir);
-  TextSplit split = split_heldout(text, config.data.heldout_fraction);
+  TextSplit split = split_heldout(text, config.data.heldout_fraction, config.data.heldout_parts);
   CorpusTokens out;
   out.codec = make_text_codec(config, split.train);
   out.train = out.codec.encode(split.train);

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <regex>
+#include <sstream>
 
 #include "forge/core/error.h"
 #include "forge/core/file_io.h"
@@ -191,6 +192,45 @@ TEST(TextCorpus, SplitIsAtALineBoundary) {
     EXPECT_LE(split.heldout.size(), fraction * text.size()) << fraction;
     EXPECT_EQ(split_heldout(text, fraction).heldout, split.heldout);  // deterministic
   }
+}
+
+// Held out from several parts: each part of the text (cut at its first line start after an equal share)
+// gives its own tail, so the held-out lines come from all over the text, in order, and every line lands on
+// exactly one side.
+TEST(TextCorpus, SplitInPartsHoldsOutEachPartsTail) {
+  // 1000 lines of 10 bytes: each tenth of the bytes is 100 lines, and 2.5% of a tenth (25 bytes) starts
+  // inside a line, so each part holds out its last two lines.
+  std::string text;
+  for (int i = 0; i < 1000; ++i) text += fmt::format("line {:04d}\n", i);
+  const TextSplit split = split_heldout(text, 0.025, 10);
+  EXPECT_EQ(split.train.size() + split.heldout.size(), text.size());
+  EXPECT_EQ(split.heldout.size(), 10u * 2 * 10);
+  // Which lines were held out: their numbers fall in ten runs, the end of each tenth.
+  std::vector<int> held;
+  std::istringstream lines(split.heldout);
+  for (std::string line; std::getline(lines, line);) {
+    ASSERT_TRUE(line.starts_with("line ")) << line;
+    held.push_back(std::stoi(line.substr(5)));
+  }
+  for (int k = 0; k < 10; ++k) {
+    ASSERT_EQ(held.size(), 20u);
+    EXPECT_EQ(held[2 * k], 100 * (k + 1) - 2) << k;
+    EXPECT_EQ(held[2 * k + 1], 100 * (k + 1) - 1) << k;
+  }
+  // Every line is on exactly one side: the train text is the other lines, in order.
+  std::string rebuilt_train;
+  for (int i = 0, h = 0; i < 1000; ++i) {
+    if (h < static_cast<int>(held.size()) && held[h] == i) {
+      ++h;
+      continue;
+    }
+    rebuilt_train += fmt::format("line {:04d}\n", i);
+  }
+  EXPECT_EQ(split.train, rebuilt_train);
+  // One part is the plain tail.
+  EXPECT_EQ(split_heldout(text, 0.025, 1).heldout, split_heldout(text, 0.025).heldout);
+  EXPECT_EQ(split_heldout(text, 0.025).heldout.size(), 250u);
+  expect_error_containing([&] { split_heldout(text, 0.025, 0); }, {"parts must be >= 1, got 0"});
 }
 
 TEST(TextCorpus, SplitEdgeCases) {

@@ -8,6 +8,7 @@
 #include "kernels/op_tests/adamw.h"
 #include "kernels/op_tests/bias.h"
 #include "kernels/op_tests/context_ops.h"
+#include "kernels/op_tests/dropout.h"
 #include "kernels/op_tests/elementwise.h"
 #include "kernels/op_tests/embedding.h"
 #include "kernels/op_tests/empty_inputs.h"
@@ -88,5 +89,10 @@ namespace swiglu {
 FORGE_INSTANTIATE_OP_TEST(SwigluOp, kCases, testing::Backend::gpu);
 FORGE_INSTANTIATE_OP_TEST(SwigluSaturation, testing::kFixedCase, testing::Backend::gpu);
 }  // namespace swiglu
+
+namespace dropout {
+FORGE_INSTANTIATE_OP_TEST(DropoutOp, kCases, testing::Backend::gpu);
+FORGE_INSTANTIATE_OP_TEST(DropoutRate, testing::kFixedCase, testing::Backend::gpu);
+}  // namespace dropout
 
 }  // namespace forge::op_tests

@@ -47,6 +47,9 @@ TEST_P(EmptyInputs, AreNoOps) {
   swiglu.rows = 0, swiglu.ffn = 5;
   FORGE_TEST_OP(swiglu_forward, d, swiglu);
   FORGE_TEST_OP(swiglu_backward, d, swiglu);
+  ops::DropoutParams drop;
+  drop.rows = 0, drop.cols = 5, drop.seq = 3, drop.rate = 0.5f;
+  FORGE_TEST_OP(dropout, d, drop);
   ops::EmbeddingParams embedding;
   embedding.rows = 0, embedding.dim = 4, embedding.vocab = 3;
   FORGE_TEST_OP(embedding_forward, d, embedding);

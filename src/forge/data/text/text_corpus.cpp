@@ -149,24 +149,47 @@ std::string load_corpus(std::string_view corpus, const std::filesystem::path& ca
   return load_text_file(std::filesystem::path(corpus));
 }
 
-TextSplit split_heldout(const std::string& text, double fraction) {
+namespace {
+
+// Where the held-out tail of text[begin, end) starts (see split_heldout).
+size_t tail_cut(const std::string& text, size_t begin, size_t end, double fraction) {
+  const auto heldout_bytes = static_cast<size_t>(fraction * static_cast<double>(end - begin));
+  const size_t target = end - heldout_bytes;
+  if (target <= begin || text[target - 1] == '\n') return target;
+  const size_t next = text.find('\n', target);
+  if (next != std::string::npos && next + 1 < end) return next + 1;
+  const size_t previous = text.rfind('\n', target - 1);
+  if (previous != std::string::npos && previous >= begin) return previous + 1;
+  return target;
+}
+
+}  // namespace
+
+TextSplit split_heldout(const std::string& text, double fraction, int64_t parts) {
   if (!(fraction > 0.0 && fraction < 1.0)) fail("held-out fraction must be in (0, 1), got {}", fraction);
+  if (parts < 1) fail("held-out parts must be >= 1, got {}", parts);
   const size_t size = text.size();
-  const auto heldout_bytes = static_cast<size_t>(fraction * static_cast<double>(size));
-  const size_t target = size - heldout_bytes;
-  size_t cut = target;
-  if (target > 0 && text[target - 1] != '\n') {
-    size_t next = text.find('\n', target);
-    if (next != std::string::npos && next + 1 < size) {
-      cut = next + 1;
-    } else {
-      size_t previous = text.rfind('\n', target - 1);
-      if (previous != std::string::npos) cut = previous + 1;
+  TextSplit split;
+  size_t begin = 0;
+  for (int64_t k = 0; k < parts && begin < size; ++k) {
+    // The part ends at the first line start at or after its equal share (the last part at the end).
+    size_t end = size;
+    if (k + 1 < parts) {
+      const size_t share = static_cast<size_t>(static_cast<double>(size) * static_cast<double>(k + 1) /
+                                               static_cast<double>(parts));
+      const size_t newline = share > begin ? text.find('\n', share - 1) : std::string::npos;
+      end = newline == std::string::npos ? size : newline + 1;
+      if (end <= begin) continue;
     }
+    const size_t cut = tail_cut(text, begin, end, fraction);
+    split.train.append(text, begin, cut - begin);
+    split.heldout.append(text, cut, end - cut);
+    begin = end;
   }
-  if (cut == 0 || cut >= size)
-    fail("held-out fraction {} of a {}-byte text leaves an empty train or held-out part", fraction, size);
-  return TextSplit{text.substr(0, cut), text.substr(cut)};
+  if (split.train.empty() || split.heldout.empty())
+    fail("held-out fraction {} of a {}-byte text{} leaves an empty train or held-out part", fraction, size,
+         parts > 1 ? fmt::format(" in {} parts", parts) : "");
+  return split;
 }
 
 }  // namespace forge::data

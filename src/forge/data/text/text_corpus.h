@@ -30,11 +30,14 @@ struct TextSplit {
   std::string train, heldout;
 };
 
-// Deterministic split: the held-out part is the tail of the text, starting at the first line start at or
-// after size - floor(fraction * size), so it is at most `fraction` of the text and begins on a fresh line.
-// If no line starts there (the tail is inside the last line), the held-out part is the last line(s)
-// from the line start before it; if the text is a single line, the cut is at that byte offset.
-// train + heldout == text. Throws if fraction is not in (0, 1) or either part would be empty.
-TextSplit split_heldout(const std::string& text, double fraction);
+// Deterministic split into `parts` equal parts (cut at line starts), each of whose tails is held out: the
+// held-out text is spread over the whole corpus, as a random document split would be, rather than being its
+// last book. In each part the held-out tail starts at the first line start at or after
+// end - floor(fraction * part size), so it is at most `fraction` of the part and begins on a fresh line; if
+// no line starts there (the tail is inside the part's last line), it is the last line(s) from the line start
+// before it; if the part is a single line, the cut is at that byte offset. parts = 1: the text's tail.
+// train and heldout are the parts' pieces in order; together they hold every byte once. Throws if fraction
+// is not in (0, 1), parts < 1, or either side would be empty.
+TextSplit split_heldout(const std::string& text, double fraction, int64_t parts = 1);
 
 }  // namespace forge::data

@@ -3,6 +3,7 @@
 // GeGLU: the tanh GELU and its derivative as gelu.cpp computes them (gelu_math.h).
 // fp32 or bf16 tensors (SwigluParams::dtype): bf16 elements are widened on load and rounded once on store.
 #include "forge/kernels/cpu/cpu_kernels.h"
+#include "forge/kernels/cpu/element_access.h"
 #include "forge/kernels/cpu/gelu_math.h"
 #include "forge/kernels/cpu/simd_exp.h"
 
@@ -20,18 +21,6 @@ bool supports(const ops::SwigluParams& p, const char* what, std::string* reason)
   if (p.rows >= 0 && p.ffn > 0) return true;
   return ops::refuse(reason, "{}: bad shape rows={} ffn={}", what, p.rows, p.ffn);
 }
-
-// Loads and stores of one element type: float as it is, bf16 (its bits in uint16_t) widened and rounded.
-struct F32 {
-  using T = float;
-  static float load(const T* p, int64_t j) { return p[j]; }
-  static void store(T* p, int64_t j, float v) { p[j] = v; }
-};
-struct Bf16 {
-  using T = uint16_t;
-  static float load(const T* p, int64_t j) { return bf16_to_float(p[j]); }
-  static void store(T* p, int64_t j, float v) { p[j] = float_to_bf16(v); }
-};
 
 // The row loops every gate shares: out = act(g, u) element by element (forward); grad(g, u, d, dg, du) writes
 // the gate's and the up projection's gradients (backward). The element functions inline into the simd loops.

@@ -40,6 +40,20 @@ inline unsigned grid_blocks(int64_t n, int threads, int64_t max_blocks = int64_t
   return static_cast<unsigned>(std::clamp<int64_t>((n + threads - 1) / threads, 1, max_blocks));
 }
 
+// Device side: loads and stores of a kernel templated on its tensors' element type, fp32 as it is, bf16 (bits
+// in uint16_t) widened on load and rounded once on store with the CPU's integer recipe (core/dtype.h's
+// float_to_bf16: nearest even, NaN kept quiet), so both backends write the same bits.
+__device__ __forceinline__ float load_element(const float* p, int64_t i) { return p[i]; }
+__device__ __forceinline__ float load_element(const uint16_t* p, int64_t i) {
+  return __uint_as_float(static_cast<uint32_t>(p[i]) << 16);
+}
+__device__ __forceinline__ void store_element(float* p, int64_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void store_element(uint16_t* p, int64_t i, float v) {
+  const uint32_t u = __float_as_uint(v);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  p[i] = static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? ((u >> 16) | 0x40u) : rounded);
+}
+
 // Scratch device memory for work on stream(), from the backend's caching allocator (device_allocator.h).
 // Blocks are stream-ordered: freeing one as soon as the kernels that use it are queued is safe, since the
 // next user of the block runs on the same stream, after them.

@@ -25,16 +25,8 @@ __device__ __forceinline__ float sigmoid_like_cpu(float g) {
   return __fdiv_rn(1.0f, __fmaf_rn(e.underflow ? 0.0f : e.p, e.scale, 1.0f));
 }
 
-__device__ __forceinline__ float load(const float* p, int64_t i) { return p[i]; }
-__device__ __forceinline__ float load(const uint16_t* p, int64_t i) {
-  return __uint_as_float(static_cast<uint32_t>(p[i]) << 16);
-}
-__device__ __forceinline__ void store(float* p, int64_t i, float v) { p[i] = v; }
-__device__ __forceinline__ void store(uint16_t* p, int64_t i, float v) {
-  const uint32_t u = __float_as_uint(v);
-  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  p[i] = static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? ((u >> 16) | 0x40u) : rounded);
-}
+using detail::load_element;
+using detail::store_element;
 
 template <typename T>
 __global__ void forward_kernel(const T* __restrict__ gate_up, int64_t rows, int64_t ffn, T* __restrict__ out) {
@@ -42,8 +34,8 @@ __global__ void forward_kernel(const T* __restrict__ gate_up, int64_t rows, int6
   for (int64_t index = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; index < n; index += stride) {
     const int64_t r = index / ffn, j = index - r * ffn;
     const T* gate = gate_up + r * 2 * ffn;
-    const float g = load(gate, j), u = load(gate, ffn + j);
-    store(out, index, __fmul_rn(__fmul_rn(g, sigmoid_like_cpu(g)), u));
+    const float g = load_element(gate, j), u = load_element(gate, ffn + j);
+    store_element(out, index, __fmul_rn(__fmul_rn(g, sigmoid_like_cpu(g)), u));
   }
 }
 
@@ -57,13 +49,13 @@ __global__ void backward_kernel(const T* gate_up, const T* __restrict__ dout, in
     const int64_t r = index / ffn, j = index - r * ffn;
     const T* gate = gate_up + r * 2 * ffn;
     T* dgate = dgate_up + r * 2 * ffn;
-    const float g = load(gate, j), u = load(gate, ffn + j), d = load(dout, index);
+    const float g = load_element(gate, j), u = load_element(gate, ffn + j), d = load_element(dout, index);
     const float sigmoid = sigmoid_like_cpu(g);
     const float silu = __fmul_rn(g, sigmoid);
     // d * u * sigmoid * (1 + g * (1 - sigmoid)), left to right, the last factor fused as in the CPU kernel.
-    store(dgate, j,
+    store_element(dgate, j,
           __fmul_rn(__fmul_rn(__fmul_rn(d, u), sigmoid), __fmaf_rn(g, __fsub_rn(1.0f, sigmoid), 1.0f)));
-    store(dgate, ffn + j, __fmul_rn(d, silu));
+    store_element(dgate, ffn + j, __fmul_rn(d, silu));
   }
 }
 
