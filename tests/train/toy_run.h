@@ -109,6 +109,9 @@ inline TrainConfig toy_run_config(const std::filesystem::path& dir, const std::s
   c.data.cache_dir = dir.string();
   c.data.seq_len = 32;
   c.data.heldout_fraction = 0.1;
+  // The corpus's tail: the layout tests' tolerances were set on this split (MoE routing and FP8 codes near a
+  // tie make a few runs sensitive to the exact data).
+  c.data.heldout_parts = 1;
   c.train.micro_batch = 2;
   c.train.grad_accum = 2;
   c.train.steps = 6;

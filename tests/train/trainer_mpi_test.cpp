@@ -202,8 +202,11 @@ TEST_P(TrainerFamilyLayouts, FollowTheOneRankRun) {
     EXPECT_NEAR(got.grad_norms[s], want.grad_norms[s], 1e-3 * want.grad_norms[s]) << "step " << s + 1;
   }
   EXPECT_NEAR(got.heldout_loss, want.heldout_loss, 2e-5 * want.heldout_loss);
+  // Under dropout each kept element is scaled by 1 / (1 - p), and a few elements' rounding differences carry
+  // a step's whole update where their neighbours were dropped: the weights drift from the one-rank run's by
+  // up to twice as much (Gemma 2's sandwich norms under tp 2: 1.3x the plain bound, measured).
   toy::expect_weights_close(fs::path(ref.log.run_dir) / "checkpoint",
-                            fs::path(par.log.run_dir) / "checkpoint", 2e-4);
+                            fs::path(par.log.run_dir) / "checkpoint", l.dropout > 0 ? 4e-4 : 2e-4);
 }
 
 std::vector<FamilyLayout> family_layouts() {
