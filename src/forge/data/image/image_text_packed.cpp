@@ -15,6 +15,7 @@
 
 #include "forge/core/error.h"
 #include "forge/core/file_io.h"
+#include "forge/core/int128.h"
 #include "forge/data/image/image_text.h"
 #include "forge/data/image/image_text_impl.h"
 
@@ -71,10 +72,9 @@ std::optional<uint64_t> body_size(int64_t samples, int64_t images, int64_t seq_l
   if (samples < 0 || images < 0 || seq_len < 1 || image_bytes < 1 || samples > limit || images > limit ||
       seq_len > limit || image_bytes > limit)
     return std::nullopt;
-  const __int128 total = static_cast<__int128>(samples + 1) * 8 +
-                         static_cast<__int128>(samples) * seq_len * 8 +
-                         static_cast<__int128>(images) * image_bytes;
-  if (total > static_cast<__int128>(limit)) return std::nullopt;
+  const int128 total = static_cast<int128>(samples + 1) * 8 + static_cast<int128>(samples) * seq_len * 8 +
+                       static_cast<int128>(images) * image_bytes;
+  if (total > static_cast<int128>(limit)) return std::nullopt;
   return static_cast<uint64_t>(total);
 }
 

@@ -1,6 +1,7 @@
 #include "forge/data/text/byte_sampler.h"
 
 #include "forge/core/error.h"
+#include "forge/core/int128.h"
 
 namespace forge::data {
 namespace {
@@ -40,14 +41,14 @@ int64_t sample_offset(uint64_t seed, int64_t sample_index, int64_t n, int64_t se
   const uint64_t state = splitmix64(seed) + static_cast<uint64_t>(sample_index) * kGoldenGamma;
   const uint64_t random = splitmix64(state);
   const auto range = static_cast<uint64_t>(n - seq_len);  // offsets 0 .. n - seq_len - 1
-  return static_cast<int64_t>((static_cast<unsigned __int128>(random) * range) >> 64);
+  return static_cast<int64_t>((static_cast<uint128>(random) * range) >> 64);
 }
 
 namespace {
 
 template <typename Token>
-void sample_batch_impl(const Token* tokens, int64_t n, uint64_t seed, int64_t first_sample_index, int64_t batch,
-                       int64_t seq_len, int32_t* input_ids, int32_t* targets) {
+void sample_batch_impl(const Token* tokens, int64_t n, uint64_t seed, int64_t first_sample_index,
+                       int64_t batch, int64_t seq_len, int32_t* input_ids, int32_t* targets) {
   check_sizes("sample_batch", n, batch, seq_len);
   if (first_sample_index < 0)
     fail("sample_batch: first_sample_index must be >= 0, got {}", first_sample_index);
@@ -67,8 +68,8 @@ int64_t num_sequential_windows(int64_t n, int64_t seq_len) {
 namespace {
 
 template <typename Token>
-void sequential_batch_impl(const Token* tokens, int64_t n, int64_t first_window, int64_t batch, int64_t seq_len,
-                           int32_t* input_ids, int32_t* targets) {
+void sequential_batch_impl(const Token* tokens, int64_t n, int64_t first_window, int64_t batch,
+                           int64_t seq_len, int32_t* input_ids, int32_t* targets) {
   check_sizes("sequential_batch", n, batch, seq_len);
   if (first_window < 0) fail("sequential_batch: first_window must be >= 0, got {}", first_window);
   const int64_t windows = num_sequential_windows(n, seq_len);

@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "forge/core/error.h"
+#include "forge/core/int128.h"
 #include "forge/data/text/byte_sampler.h"
 
 namespace forge::data {
@@ -31,12 +32,12 @@ class SplitMixStream {
   }
   // Uniform in [0, range) without bias (Lemire's multiply-shift with rejection).
   uint64_t below(uint64_t range) {
-    unsigned __int128 product = static_cast<unsigned __int128>(next()) * range;
+    uint128 product = static_cast<uint128>(next()) * range;
     uint64_t low = static_cast<uint64_t>(product);
     if (low < range) {
       const uint64_t threshold = (0 - range) % range;
       while (low < threshold) {
-        product = static_cast<unsigned __int128>(next()) * range;
+        product = static_cast<uint128>(next()) * range;
         low = static_cast<uint64_t>(product);
       }
     }
@@ -218,8 +219,8 @@ void GptDataset::read_stream(int64_t start, int64_t count, int32_t* out) const {
       for (int64_t i = 0; i < take; ++i)
         if (out[i] < 0 || out[i] >= config_.vocab_size)
           fail_permanently("{}: document {}, position {}: token id {} is outside {} [0, {})",
-               indexed_bin_path(data_->prefix()), table->order[p], offset - document_start + i, out[i],
-               config_.vocab_name, config_.vocab_size);
+                           indexed_bin_path(data_->prefix()), table->order[p], offset - document_start + i,
+                           out[i], config_.vocab_name, config_.vocab_size);
     out += take;
     start += take;
     count -= take;
