@@ -405,6 +405,36 @@ TEST(OpSupport, EmulatedDevice) {
                  "sum_squares_accumulate: total is null");
 }
 
+// Both backends take attention's tensors in fp32 or bf16, one dtype for all of them, and decode over a cache
+// in fp32 only; mixtures are refused naming the dtypes.
+TEST(OpSupport, AttentionDtypes) {
+  std::vector<const ops::OpTable*> tables = {&ops::cpu_table()};
+#ifdef FORGE_HAVE_CUDA
+  tables.push_back(&ops::cuda_table());
+#endif
+  Memory m;
+  for (const ops::OpTable* table : tables) {
+    ops::AttentionParams p = attention_params(m, 64);
+    p.seq = 2, p.q = p.k = p.v = m.bf16, p.out = m.bf16 + 512;
+    EXPECT_SUPPORTED(*table, attention_forward, (p));
+    p.out = m.f + 512;
+    EXPECT_REFUSED(*table, attention_forward, (p),
+                   "attention: q, k, v and out must hold one dtype (q bf16, k bf16, v bf16, out fp32)");
+    p.out = m.bf16 + 512, p.dout = m.bf16, p.dq = p.dk = p.dv = m.bf16 + 256;
+    p.dout_stride = p.dq_stride = p.dk_stride = p.dv_stride = 64;
+    EXPECT_SUPPORTED(*table, attention_backward, (p));
+    p.dk = m.f;
+    EXPECT_REFUSED(*table, attention_backward, (p),
+                   "attention backward: dout, dq, dk and dv must hold q's dtype bf16");
+    ops::AttentionParams decode = attention_params(m, 64);
+    decode.q = decode.k = decode.v = m.bf16, decode.out = m.bf16 + 512, decode.kv_seq = 4,
+    decode.q_offset = 3;
+    EXPECT_REFUSED(
+        *table, attention_forward, (decode),
+        "attention: decoding over a key/value cache takes fp32 queries, keys and values, not bf16");
+  }
+}
+
 // Both backends refuse a router that cannot route: every shape rule names the setting.
 TEST(OpSupport, MoeRouterShapeRules) {
   std::vector<const ops::OpTable*> tables = {&ops::cpu_table()};

@@ -105,11 +105,14 @@ TEST_P(LlamaGolden, AdamWStepsWithClipping) {
   }
   // After three updates at lr 1e-2 the weights agree to fp32 noise amplified by Adam's normalisation
   // (m / sqrt(v) of a near-zero gradient magnifies rounding differences): 3e-4 of the tensor's largest
-  // weight, i.e. ~1e-5 absolute against per-step updates of 1e-2.
+  // weight, i.e. ~1e-5 absolute against per-step updates of 1e-2. Gemma's eight updates amplify it further:
+  // 3.07e-4 on a Xeon with AMX, whose oneDNN fp32 kernels sum in another order than the fixtures' machine;
+  // 5e-4 there.
+  const double bound = want_losses.numel() > 3 ? 5e-4 : 3e-4;
   auto& params = model->params();
   for (int i = 0; i < params.count(); ++i) {
     const std::string& name = params.info(i).name;
-    EXPECT_LT(rel_error(params.param(i), file_->read("final." + name)), 3e-4) << name;
+    EXPECT_LT(rel_error(params.param(i), file_->read("final." + name)), bound) << name;
   }
 }
 

@@ -20,6 +20,7 @@
 #include "forge/data/image/synthetic_images.h"
 #include "forge/models/pretrained.h"
 #include "forge/train/config.h"
+#include "forge/train/trainer.h"
 
 namespace forge::toy {
 using namespace forge::optim;
@@ -146,6 +147,33 @@ inline void expect_follows_fp8_run(const std::vector<double>& got, double got_he
 // within `tolerance` x the largest magnitude of the tensor.
 // absolute_floor: the bound for tensors whose values are all near zero (a bias whose true gradient is zero,
 // moved by rounding noise alone).
+// A bf16 run under a parallel layout (got) against the one-rank bf16 run (want) and the one-rank fp32 run
+// (exact) of the same config. Not bitwise: a layout sums in another order and so rounds other values to bf16.
+// The tolerance comes from the one-rank runs: the bf16 run is the fp32 run perturbed by its roundings,
+// d_s = |want - exact| at step s, d the largest up to that step (trajectories only drift apart) and at least
+// fp32's own reordering (1e-5 of a loss, 1e-4 of a gradient norm). A layout draws roundings of the same kinds
+// and sizes, and up to as many again where it sums partial results in bf16 (a tensor-parallel reduction
+// rounds each rank's partial sum and then their sum): within 2 d of the fp32 run, so within 3 d of the
+// one-rank bf16 run (triangle inequality).
+inline void expect_follows_bf16_run(const TrainResult& got, const TrainResult& want,
+                                    const TrainResult& exact) {
+  ASSERT_EQ(got.losses.size(), want.losses.size());
+  ASSERT_EQ(exact.losses.size(), want.losses.size());
+  double loss_d = 0, norm_d = 0;
+  for (size_t s = 0; s < want.losses.size(); ++s) {
+    loss_d = std::max({loss_d, std::abs(want.losses[s] - exact.losses[s]), 1e-5 * want.losses[s]});
+    norm_d =
+        std::max({norm_d, std::abs(want.grad_norms[s] - exact.grad_norms[s]), 1e-4 * want.grad_norms[s]});
+    EXPECT_NEAR(got.losses[s], want.losses[s], 3 * loss_d) << "step " << s + 1;
+    EXPECT_NEAR(got.grad_norms[s], want.grad_norms[s], 3 * norm_d) << "step " << s + 1;
+  }
+  EXPECT_GT(std::abs(want.losses.back() - exact.losses.back()), 0) << "the bf16 run is the fp32 run";
+  // The held-out loss of the final weights: a point on the same trajectories, whose distance may happen to be
+  // small there; bounded by the trajectory's.
+  const double heldout_d = std::max(std::abs(want.heldout_loss - exact.heldout_loss), loss_d);
+  EXPECT_NEAR(got.heldout_loss, want.heldout_loss, 3 * heldout_d);
+}
+
 inline void expect_weights_close(const std::filesystem::path& a_dir, const std::filesystem::path& b_dir,
                                  double tolerance, double absolute_floor = 0) {
   nn::ComputeOptions fp32;

@@ -560,31 +560,40 @@ struct MoeFp8Case {
   int tp = 1, dp = 1, pp = 1, ep = 1;
 };
 
-class MoeFp8Layouts : public testing::TestWithParam<MoeFp8Case> {
+// A shared folder holding the toy DeepSeek-V3 config, for tests parameterised on a layout case.
+template <typename Case>
+class DeepSeekLayouts : public testing::TestWithParam<Case> {
  protected:
   void SetUp() override {
-    dir_ = toy::make_shared_test_dir(comm::world(), "forge_trainer_moe_fp8_mpi",
+    dir_ = toy::make_shared_test_dir(comm::world(), "forge_trainer_moe_layouts_mpi",
                                      [](const fs::path& dir) { toy::write_toy_deepseek_config(dir); });
   }
   void TearDown() override { toy::remove_shared_test_dir(comm::world(), dir_); }
+  // The toy DeepSeek-V3 run in `dtype`: 8 steps of 16 tokens, routing biases that move.
+  TrainConfig deepseek_config(const std::string& run, const char* dtype) const {
+    TrainConfig c = toy::toy_run_config(dir_, run);
+    c.model.config = (dir_ / "deepseek.json").string();
+    c.data.seq_len = 16;
+    c.train.dtype = dtype;
+    c.train.steps = 8;
+    c.train.warmup = 2;
+    c.moe.bias_update_rate = 0.01;
+    c.parallel.timeout_s = 60;
+    return c;
+  }
   fs::path dir_;
 };
+
+class MoeFp8Layouts : public DeepSeekLayouts<MoeFp8Case> {};
 
 TEST_P(MoeFp8Layouts, FollowTheOneRankFp8Run) {
   comm::Communicator& world = comm::world();
   const MoeFp8Case p = GetParam();
   if (p.tp * p.dp * p.pp != world.size()) GTEST_SKIP() << "needs " << p.tp * p.dp * p.pp << " ranks";
   auto fp8_config = [&](const std::string& run) {
-    TrainConfig c = toy::toy_run_config(dir_, run);
-    c.model.config = (dir_ / "deepseek.json").string();
-    c.data.seq_len = 16;
-    c.train.dtype = "bf16";
-    c.train.steps = 8;
-    c.train.warmup = 2;
-    c.moe.bias_update_rate = 0.01;
+    TrainConfig c = deepseek_config(run, "bf16");
     c.fp8.recipe = p.recipe;
     c.fp8.amax_history_len = 8;
-    c.parallel.timeout_s = 60;
     return c;
   };
   TrainConfig ref = fp8_config("reference-" + std::to_string(world.rank()));
@@ -607,6 +616,41 @@ INSTANTIATE_TEST_SUITE_P(Layouts, MoeFp8Layouts,
                                          MoeFp8Case{"delayed_dp2_zero1", "delayed", 1, 2},
                                          MoeFp8Case{"block_pp2", "block", 1, 1, 2},
                                          MoeFp8Case{"block_dp2_ep2", "block", 1, 2, 1, 2}),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+// DeepSeek-V3 in bf16 (the dense layer's MLP, the residual stream and the pipeline's messages in bf16; MLA,
+// the router and the experts take fp32) under expert, tensor and pipeline parallelism, against the one-rank
+// bf16 run within its distance from the one-rank fp32 run (toy::expect_follows_bf16_run).
+struct MoeBf16Case {
+  const char* name;
+  int tp = 1, dp = 1, pp = 1, ep = 1;
+};
+
+class MoeBf16Layouts : public DeepSeekLayouts<MoeBf16Case> {};
+
+TEST_P(MoeBf16Layouts, FollowTheOneRankBf16Run) {
+  comm::Communicator& world = comm::world();
+  const MoeBf16Case p = GetParam();
+  if (p.tp * p.dp * p.pp != world.size()) GTEST_SKIP() << "needs " << p.tp * p.dp * p.pp << " ranks";
+  auto self = comm::make_self();
+  const std::string me = std::to_string(world.rank());
+  TrainConfig fp32 = deepseek_config("fp32-" + me, "fp32"), ref = deepseek_config("reference-" + me, "bf16");
+  fp32.train.grad_accum = ref.train.grad_accum = 2 * p.dp;
+  const TrainResult exact = Trainer(fp32, self.get()).run();
+  const TrainResult want = Trainer(ref, self.get()).run();
+  TrainConfig par = deepseek_config("parallel", "bf16");
+  par.parallel.tp = p.tp, par.parallel.dp = p.dp, par.parallel.pp = p.pp, par.parallel.ep = p.ep;
+  par.parallel.sequence_parallel = p.tp > 1;
+  par.parallel.distributed_optimizer = p.dp > 1;
+  if (p.pp > 1) par.parallel.pp_layers = "2,1";
+  par.train.grad_accum = 2;
+  const TrainResult got = Trainer(par, &world).run();
+  toy::expect_follows_bf16_run(got, want, exact);
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, MoeBf16Layouts,
+                         testing::Values(MoeBf16Case{"tp2_sp", 2}, MoeBf16Case{"dp2_ep2", 1, 2, 1, 2},
+                                         MoeBf16Case{"pp2", 1, 1, 2}),
                          [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace

@@ -132,6 +132,70 @@ INSTANTIATE_TEST_SUITE_P(
                     Layout{1, 1, false, false, 2, "a2a", 0.2}, Layout{2, 1, true, false, 2, "p2p", 0.2}),
     [](const auto& info) { return name_of(info.param); });
 
+// bf16 runs (bf16 GEMMs, activations, residual stream and messages) under every layout against the one-rank
+// bf16 run, within the distance of that run from the one-rank fp32 run (toy::expect_follows_bf16_run).
+struct Bf16Layout {
+  const char* name;
+  int tp = 1, dp = 1, cp = 1, pp = 1;
+  bool sequence_parallel = false, zero = false;
+  const char* cp_comm = "p2p";
+  const char* schedule = "1f1b";
+  bool fp32_residual = false;
+  int64_t accum = 2;  // micro-batches per step per replica (DualPipeV needs 2 pp)
+  int layers = 2;      // the toy LLaMA's (DualPipeV needs 2 pp stages of at least one layer)
+};
+
+class TrainerBf16Layouts : public TrainerRuns, public testing::WithParamInterface<Bf16Layout> {};
+
+TEST_P(TrainerBf16Layouts, FollowTheOneRankBf16Run) {
+  comm::Communicator& world = comm::world();
+  const Bf16Layout l = GetParam();
+  if (l.tp * l.dp * l.cp * l.pp != world.size())
+    GTEST_SKIP() << "needs " << l.tp * l.dp * l.cp * l.pp << " ranks";
+  const fs::path model = dir_ / ("llama" + std::to_string(l.layers) + ".json");
+  if (world.rank() == 0) {
+    nlohmann::json json = nlohmann::json::parse(std::ifstream(dir_ / "config.json"));
+    json["num_hidden_layers"] = l.layers;
+    std::ofstream(model) << json.dump();
+  }
+  world.barrier().wait();
+  auto make = [&](const std::string& run, const char* dtype) {
+    TrainConfig c = config(run);
+    c.model.config = model.string();
+    c.train.dtype = dtype;
+    c.train.steps = 12;
+    c.train.fp32_residual = l.fp32_residual;
+    return c;
+  };
+  auto self = comm::make_self();
+  const std::string me = std::to_string(world.rank());
+  TrainConfig fp32 = make("fp32-" + me, "fp32"), ref = make("reference-" + me, "bf16");
+  fp32.train.grad_accum = ref.train.grad_accum = l.accum * l.dp;
+  const TrainResult exact = Trainer(fp32, self.get()).run();
+  const TrainResult want = Trainer(ref, self.get()).run();
+
+  TrainConfig par = make("parallel", "bf16");
+  par.parallel.tp = l.tp, par.parallel.dp = l.dp, par.parallel.cp = l.cp, par.parallel.pp = l.pp;
+  par.parallel.sequence_parallel = l.sequence_parallel;
+  par.parallel.distributed_optimizer = l.zero;
+  par.parallel.cp_comm = l.cp_comm;
+  par.parallel.schedule = l.schedule;
+  par.train.grad_accum = l.accum;
+  const TrainResult got = Trainer(par, &world).run();
+  toy::expect_follows_bf16_run(got, want, exact);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, TrainerBf16Layouts,
+    testing::Values(Bf16Layout{"tp2", 2}, Bf16Layout{"tp2_sp", 2, 1, 1, 1, true},
+                    Bf16Layout{"dp2_zero1", 1, 2, 1, 1, false, true}, Bf16Layout{"cp2_p2p", 1, 1, 2},
+                    Bf16Layout{"cp2_a2a", 1, 1, 2, 1, false, false, "a2a"}, Bf16Layout{"pp2", 1, 1, 1, 2},
+                    Bf16Layout{"pp2_dualpipev", 1, 1, 1, 2, false, false, "p2p", "dualpipev", false, 4, 4},
+                    Bf16Layout{"pp2_fp32_residual", 1, 1, 1, 2, false, false, "p2p", "1f1b", true},
+                    Bf16Layout{"tp2_sp_dp2_zero1", 2, 2, 1, 1, true, true},
+                    Bf16Layout{"tp2_sp_pp2", 2, 1, 1, 2, true}),
+    [](const auto& info) { return std::string(info.param.name); });
+
 // The families beside LLaMA, each under tp 2 with sequence parallelism, dp 2 with ZeRO-1, cp 2 and pp 2:
 // each follows its own one-rank run as the LLaMA does above. Their toy configs keep what sets each apart:
 // Qwen2's q/k/v biases, Qwen3's QK-norm, Mistral's window, Gemma 2's soft caps, sandwich norms and GeGLU,

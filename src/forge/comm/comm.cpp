@@ -21,6 +21,23 @@
 
 namespace forge::comm {
 
+Type type_of(DType dtype) {
+  switch (dtype) {
+    case DType::f32:
+      return Type::f32;
+    case DType::bf16:
+      return Type::bf16;
+    case DType::i32:
+      return Type::i32;
+    case DType::i64:
+      return Type::i64;
+    case DType::u8:
+      return Type::u8;
+    default:
+      fail("comm: no message type for {} elements", dtype_name(dtype));
+  }
+}
+
 size_t type_size(Type t) {
   switch (t) {
     case Type::f32:

@@ -17,11 +17,16 @@
 #include <string>
 #include <vector>
 
+#include "forge/core/dtype.h"
+
 namespace forge::comm {
 
 enum class Type : uint8_t { f32, f64, bf16, i32, i64, u8 };
 enum class ReduceOp : uint8_t { sum, max, min };
 size_t type_size(Type t);
+// The message type of a tensor's elements (fp32, bf16 moved as its bits and summed in fp32 then rounded,
+// int32, int64, uint8); fails naming any other dtype.
+Type type_of(DType dtype);
 const char* type_name(Type t);
 const char* reduce_op_name(ReduceOp op);
 
@@ -158,7 +163,8 @@ bool nccl_usable();  // built with NCCL and at least one CUDA device is visible
 // Replaces what make_nccl builds (null: NCCL again). The device emulation (train/device_emulation.h) installs
 // communicators over emulated device memory here, so that the GPU paths of tensor and data parallelism run
 // under mpirun on machines without GPUs. The factory gets make_nccl's bootstrap and name.
-using DeviceCommunicatorFactory = std::unique_ptr<Communicator> (*)(Communicator& bootstrap, std::string name);
+using DeviceCommunicatorFactory = std::unique_ptr<Communicator> (*)(Communicator& bootstrap,
+                                                                    std::string name);
 void override_device_communicators(DeviceCommunicatorFactory factory);
 
 // Convenience, synchronous.

@@ -115,6 +115,11 @@ uint16_t* Tensor::bf16() const {
   FORGE_CHECK(dtype_ == DType::bf16, "tensor is {}, not bf16", dtype_name(dtype_));
   return data<uint16_t>();
 }
+Elements Tensor::elements() const {
+  if (dtype_ == DType::bf16) return data<uint16_t>();
+  FORGE_CHECK(dtype_ == DType::f32, "tensor is {}, not fp32 or bf16", dtype_name(dtype_));
+  return data<float>();
+}
 int32_t* Tensor::i32() const {
   FORGE_CHECK(dtype_ == DType::i32, "tensor is {}, not int32", dtype_name(dtype_));
   return data<int32_t>();

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "forge/core/dtype.h"
+#include "forge/core/element_ptr.h"
 #include "forge/core/error.h"
 
 namespace forge {
@@ -61,6 +62,8 @@ class Tensor {
   float* f32() const;
   uint16_t* bf16() const;
   int32_t* i32() const;
+  // An fp32 or bf16 tensor's elements, for the kernels that take either (core/element_ptr.h).
+  Elements elements() const;
 
   // A view of `shape` starting `element_offset` elements into this tensor's memory (shares storage).
   Tensor view(int64_t element_offset, Shape shape) const;

@@ -110,6 +110,11 @@ void check(const void* p, const char* op, const char* field) {
          field, p);
 }
 
+template <bool kConst>
+void check(const ElementPtr<kConst>& p, const char* op, const char* field) {
+  check(p.get(), op, field);
+}
+
 #define FORGE_CHECK_FIELD(op, params, field) check((params).field, op, #field)
 
 void check_args(const char* op, const ops::GemmParams& p) {
@@ -224,6 +229,10 @@ template <typename T>
 void check_arg(const char* op, int index, T* p) {
   static const char* const kNames[] = {"argument 1", "argument 2", "argument 3", "argument 4"};
   check(p, op, kNames[index]);
+}
+template <bool kConst>
+void check_arg(const char* op, int index, ElementPtr<kConst> p) {
+  check_arg(op, index, p.get());
 }
 template <typename T>
 void check_arg(const char*, int, const T&) {}

@@ -35,8 +35,8 @@
   X(linear_cross_entropy_forward, void, (const ops::LinearCrossEntropyParams& p), (p))                         \
   X(linear_cross_entropy_backward, void, (const ops::LinearCrossEntropyParams& p), (p))                        \
   X(adamw, void, (const ops::AdamWParams& p), (p))                                                             \
-  /* y += x */                                                                                                 \
-  X(add_inplace, void, (float* y, const float* x, int64_t n), (y, x, n))                                       \
+  /* y += x, each fp32 or bf16 (a bf16 y rounds each sum once) */                                              \
+  X(add_inplace, void, (Elements y, ConstElements x, int64_t n), (y, x, n))                                    \
   /* The sum of squares in double (for the global gradient norm). */                                           \
   X(sum_squares, double, (const float* x, int64_t n), (x, n))                                                  \
   /* *total += the same sum, where the op runs (total: one double in memory of the op's device); on a GPU in   \

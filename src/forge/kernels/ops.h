@@ -10,6 +10,7 @@
 #include <string_view>
 
 #include "forge/core/dtype.h"
+#include "forge/core/element_ptr.h"
 #include "forge/core/tensor.h"
 #include "forge/kernels/op_list.h"
 
@@ -132,17 +133,19 @@ struct Fp8GemmParams {
 };
 
 // RMSNorm over the last dimension: y = w * x * rstd, rstd = 1/sqrt(mean(x^2) + eps), kept for backward.
+// x, y, dy and dx each hold fp32 or bf16, independently (a bf16 output is rounded once; every sum is fp32);
+// the weight, rstd and dweight are fp32.
 struct RmsNormParams {
   int64_t rows = 0, dim = 0;
-  const float* x = nullptr;
+  ConstElements x;
   const float* weight = nullptr;
   float eps = 1e-5f;
   // The scale is weight + weight_offset (Gemma's RMSNorm scales by 1 + w: offset 1); dweight is unchanged.
   float weight_offset = 0.0f;
-  float* y = nullptr;     // forward output [rows, dim]
+  Elements y;             // forward output [rows, dim]
   float* rstd = nullptr;  // [rows]
-  const float* dy = nullptr;
-  float* dx = nullptr;       // backward_input: written (overwrite)
+  ConstElements dy;
+  Elements dx;               // backward_input: written (overwrite)
   float* dweight = nullptr;  // backward_weight: accumulated (+=)
 };
 
@@ -153,7 +156,7 @@ struct RmsNormParams {
 // transposed rotation (the backward pass).
 struct RopeParams {
   int64_t batch = 0, seq = 0, heads = 0, head_dim = 0, token_stride = 0;
-  float* x = nullptr;
+  Elements x;  // fp32, or bf16 (rotated in fp32, rounded once)
   const float* cos = nullptr;
   const float* sin = nullptr;
   int64_t position_offset = 0;
@@ -267,10 +270,10 @@ struct GeluParams {
 // y and dy have y_ld / dy_ld elements between rows (0 = n; otherwise at least n).
 struct BiasParams {
   int64_t rows = 0, n = 0;
-  float* y = nullptr;  // bias_add
+  Elements y;  // bias_add: fp32, or bf16 (each sum rounded once)
   int64_t y_ld = 0;
   const float* bias = nullptr;  // bias_add
-  const float* dy = nullptr;    // bias_backward
+  ConstElements dy;             // bias_backward: fp32 or bf16 (summed in fp32)
   int64_t dy_ld = 0;
   float* dbias = nullptr;  // bias_backward: accumulated (+=)
 };
@@ -298,11 +301,11 @@ struct BiasParams {
 struct AttentionParams {
   int64_t batch = 0, seq = 0, heads = 0, kv_heads = 0, head_dim = 0;
   int64_t v_head_dim = 0;  // columns per head of v, out, dout and dv (0 = head_dim)
-  const float* q = nullptr;
-  const float* k = nullptr;
-  const float* v = nullptr;
+  // q, k, v, out, dout, dq, dk and dv hold one dtype: fp32, or bf16 (read widened, each result rounded once);
+  // lse, and every sum inside the kernels, are fp32.
+  ConstElements q, k, v;
   int64_t q_stride = 0, k_stride = 0, v_stride = 0;
-  float* out = nullptr;
+  Elements out;
   int64_t out_stride = 0;
   float* lse = nullptr;
   float scale = 1.0f;
@@ -322,12 +325,11 @@ struct AttentionParams {
   float softcap = 0.0f;
   // Backward: reads dout (+ q, k, v, out, lse), writes dq, dk, dv (overwrite), same layouts as q, k, v (dout
   // as out).
-  const float* dout = nullptr;
+  ConstElements dout;
   int64_t dout_stride = 0;
-  float* dq = nullptr;
-  float* dk = nullptr;
-  float* dv = nullptr;
+  Elements dq, dk, dv;
   int64_t dq_stride = 0, dk_stride = 0, dv_stride = 0;
+  DType dtype() const { return q.dtype(); }
 };
 
 // Merges the partial attention of one block of keys into a running result by their log-sum-exps (ring
@@ -348,9 +350,9 @@ struct AttentionMergeParams {
 // axes of a small tensor transposed, partial gradients added up. src and dst must not overlap.
 struct StridedCopyParams {
   int64_t shape[3] = {1, 1, 1};
-  const float* src = nullptr;
+  ConstElements src;  // fp32 or bf16; a bf16 dst rounds each fp32 value once (and each sum, accumulating)
   int64_t src_stride[3] = {0, 0, 1};
-  float* dst = nullptr;
+  Elements dst;
   int64_t dst_stride[3] = {0, 0, 1};
   bool accumulate = false;
 };

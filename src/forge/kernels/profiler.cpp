@@ -54,11 +54,12 @@ Cost attention_cost(const AttentionParams& p, bool backward) {
   // the two are equal.
   const double pairs = visible_pairs(p) * d(p.batch) * d(p.heads);
   const double forward = 2.0 * (d(p.head_dim) + d(v_dim)) * pairs;
-  const double q = d(p.batch) * d(p.seq) * d(p.heads) * d(p.head_dim) * 4;
-  const double out = d(p.batch) * d(p.seq) * d(p.heads) * d(v_dim) * 4;
-  const double kv_bytes = d(p.batch) * d(kv) * d(p.kv_heads) * (d(p.head_dim) + d(v_dim)) * 4;
-  std::string detail = fmt::format("b{} s{} h{}/{} d{}{}", p.batch, p.seq, p.heads, p.kv_heads, p.head_dim,
-                                   p.causal ? " causal" : "");
+  const double element = d(dtype_size(p.dtype()));
+  const double q = d(p.batch) * d(p.seq) * d(p.heads) * d(p.head_dim) * element;
+  const double out = d(p.batch) * d(p.seq) * d(p.heads) * d(v_dim) * element;
+  const double kv_bytes = d(p.batch) * d(kv) * d(p.kv_heads) * (d(p.head_dim) + d(v_dim)) * element;
+  std::string detail = fmt::format("b{} s{} h{}/{} d{}{}{}", p.batch, p.seq, p.heads, p.kv_heads, p.head_dim,
+                                   p.causal ? " causal" : "", p.dtype() == DType::bf16 ? " bf16" : "");
   if (v_dim != p.head_dim) detail += fmt::format(" v{}", v_dim);
   if (kv != p.seq) detail += fmt::format(" kv{}", kv);
   // Forward reads q, k, v and writes out; backward reads q, k, v and dout, writes dq, dk, dv.
@@ -174,7 +175,9 @@ Cost linear_cross_entropy_backward(const LinearCrossEntropyParams& p) {
 // Read param, grad, both moments; write param, both moments (and the bf16 copy).
 Cost adamw(const AdamWParams& p) { return {vector_of(p.n), 0, d(p.n) * (28 + (p.param_bf16 ? 2 : 0))}; }
 
-Cost add_inplace(float*, const float*, int64_t n) { return {vector_of(n), 0, 12 * d(n)}; }
+Cost add_inplace(Elements y, ConstElements x, int64_t n) {
+  return {vector_of(n), 0, (2 * d(dtype_size(y.dtype())) + d(dtype_size(x.dtype()))) * d(n)};
+}
 Cost sum_squares(const float*, int64_t n) { return {vector_of(n), 0, 4 * d(n)}; }
 Cost sum_squares_accumulate(const float*, int64_t n, double*) { return {vector_of(n), 0, 4 * d(n)}; }
 Cost scale_inplace(float*, float, int64_t n) { return {vector_of(n), 0, 8 * d(n)}; }
@@ -202,8 +205,9 @@ Cost attention_merge(const AttentionMergeParams& p) {
 
 Cost strided_copy(const StridedCopyParams& p) {
   const double n = d(p.shape[0]) * d(p.shape[1]) * d(p.shape[2]);
+  const double src = d(dtype_size(p.src.dtype())), dst = d(dtype_size(p.dst.dtype()));
   return {fmt::format("{}x{}x{}{}", p.shape[0], p.shape[1], p.shape[2], p.accumulate ? " +=" : ""),
-          p.accumulate ? n : 0, (p.accumulate ? 12 : 8) * n};
+          p.accumulate ? n : 0, (src + (p.accumulate ? 2 : 1) * dst) * n};
 }
 
 // Scores, group scores and k selection passes over the experts per token; the balance loss reads the scores

@@ -352,7 +352,10 @@ StageOutput DecoderStack::run_forward(const MicroBatch& mb, const Tensor& hidden
     x = hidden;
   }
   acts->dropout = dropout_rows(mb, acts->positions_holder);
-  if (stage_.pre_process) nn::dropout_inplace(options_, acts->dropout, x, spec_.hidden);  // site 0
+  if (stage_.pre_process) {
+    nn::dropout_inplace(options_, acts->dropout, x, spec_.hidden);  // site 0
+    x = nn::to_dtype(x, options_.residual_dtype);
+  }
   if (saved) acts->layers.resize(layers_.size());
   for (size_t l = 0; l < layers_.size(); ++l) {
     nn::DecoderLayer::Saved scratch;
@@ -372,7 +375,7 @@ StageOutput DecoderStack::run_forward(const MicroBatch& mb, const Tensor& hidden
     const nn::LossTotals loss =
         head_.forward(normed, mb.targets, device_targets, mb.grad_scale, saved ? &acts->dhead : nullptr);
     out.loss.sum = loss.sum, out.loss.tokens = loss.tokens;
-    if (tail_) tail_->forward(mb, x, loss.tokens, saved ? &acts->tail : nullptr);
+    if (tail_) tail_->forward(mb, nn::to_dtype(x, DType::f32), loss.tokens, saved ? &acts->tail : nullptr);
   }
   if (saved) *saved = std::move(acts);
   return out;
@@ -381,10 +384,10 @@ StageOutput DecoderStack::run_forward(const MicroBatch& mb, const Tensor& hidden
 Tensor DecoderStack::head_backward(Activations& acts, bool fused) {
   const Tensor dtail = tail_ ? tail_->backward_input(*acts.tail) : Tensor();
   if (tail_ && fused) tail_->backward_weight(*acts.tail);
-  Tensor dx = final_norm_.backward_input(acts.dhead, acts.norm);
+  Tensor dx = final_norm_.backward_input(acts.dhead, acts.norm, options_.residual_dtype);
   acts.dhead = Tensor();
   if (fused) final_norm_.backward_weight(acts.norm);
-  if (dtail.defined()) ops::add_inplace(dx.f32(), dtail.f32(), dx.numel(), options_.device);
+  if (dtail.defined()) ops::add_inplace(dx.elements(), dtail.elements(), dx.numel(), options_.device);
   return dx;
 }
 
@@ -399,7 +402,7 @@ Tensor DecoderStack::backward_input(const Tensor& doutput, StageActivations& sta
   acts.input_done = true;
   if (!stage_.pre_process) return dx;
   nn::dropout_inplace(options_, acts.dropout, dx, spec_.hidden);
-  acts.dembed = dx;
+  acts.dembed = nn::to_dtype(dx, DType::f32);
   take_inserted_rows(acts);
   return Tensor();
 }
@@ -432,7 +435,7 @@ Tensor DecoderStack::backward(const Tensor& doutput, StageActivations& state) {
   acts.input_done = acts.weight_done = true;
   if (!stage_.pre_process) return dx;
   nn::dropout_inplace(options_, acts.dropout, dx, spec_.hidden);
-  acts.dembed = dx;
+  acts.dembed = nn::to_dtype(dx, DType::f32);
   take_inserted_rows(acts);
   embedding_.backward_weight(acts.device_ids, acts.dembed), acts.dembed = Tensor();
   return Tensor();
@@ -449,6 +452,7 @@ Tensor DecoderStack::final_hidden(const int32_t* ids, int64_t batch, int64_t seq
   Tensor holder;
   Tensor x = embedding_.forward(ids_on(options_.device, ids, batch * seq, holder), batch * seq);
   splice(insertion, x);
+  x = nn::to_dtype(x, options_.residual_dtype);
   for (const nn::DecoderLayer& layer : layers_) {
     nn::DecoderLayer::Saved scratch;
     x = layer.forward(x, batch, seq, scratch);

@@ -9,14 +9,14 @@
 namespace forge::nn {
 namespace {
 
-// Columns [first, first + width) of a [rows, stride] matrix, packed into a dense [rows, width] tensor, and
-// back (overwriting them).
+// Columns [first, first + width) of a [rows, stride] matrix (fp32 or bf16), packed into a dense fp32
+// [rows, width] tensor, and back (overwriting them, rounded to x's dtype).
 Tensor pack_columns(const Tensor& x, int64_t stride, int64_t first, int64_t width, Device device) {
   const int64_t rows = x.numel() / stride;
   Tensor out = Tensor::empty({rows, width}, DType::f32, device);
   ops::StridedCopyParams c;
   c.shape[1] = rows, c.shape[2] = width;
-  c.src = x.f32() + first, c.src_stride[1] = stride;
+  c.src = x.elements() + first, c.src_stride[1] = stride;
   c.dst = out.f32(), c.dst_stride[1] = width;
   ops::strided_copy(c, device);
   return out;
@@ -26,7 +26,7 @@ void unpack_columns(const Tensor& dense, Tensor& x, int64_t stride, int64_t firs
   ops::StridedCopyParams c;
   c.shape[1] = dense.dim(0), c.shape[2] = width;
   c.src = dense.f32(), c.src_stride[1] = width;
-  c.dst = x.f32() + first, c.dst_stride[1] = stride;
+  c.dst = x.elements() + first, c.dst_stride[1] = stride;
   ops::strided_copy(c, device);
 }
 
@@ -41,7 +41,11 @@ Attention::Attention(ParameterStore* store, AttentionParams params, AttentionSha
       options_(options),
       window_(params.window),
       scale_(params.scale > 0.0f ? params.scale : 1.0f / std::sqrt(static_cast<float>(shape.head_dim))),
-      softcap_(params.softcap) {
+      softcap_(params.softcap),
+      act_dtype_(options.activation_dtype == DType::bf16 && options.gemm_dtype == DType::bf16 &&
+                         !qkv_.fp8() && !o_.fp8()
+                     ? DType::bf16
+                     : DType::f32) {
   FORGE_CHECK(qkv_.out_features() == shape.qkv_dim(), "q|k|v weights give {} rows, expected {}",
               qkv_.out_features(), shape.qkv_dim());
   if (params.bias >= 0) {
@@ -82,7 +86,7 @@ void Attention::qk_norm_backward_input(Tensor& dqkv, Saved& saved) const {
                  stride, qd, device);
 }
 
-ops::AttentionParams Attention::core_params(const float* qkv, int64_t batch, int64_t seq) const {
+ops::AttentionParams Attention::core_params(ConstElements qkv, int64_t batch, int64_t seq) const {
   const int64_t qd = shape_.heads * shape_.head_dim, kd = shape_.kv_heads * shape_.head_dim;
   ops::AttentionParams p;
   p.batch = batch, p.seq = seq, p.heads = shape_.heads, p.kv_heads = shape_.kv_heads,
@@ -97,7 +101,7 @@ ops::AttentionParams Attention::core_params(const float* qkv, int64_t batch, int
   return p;
 }
 
-void Attention::apply_rope(float* qkv, int64_t batch, int64_t seq, bool inverse,
+void Attention::apply_rope(Elements qkv, int64_t batch, int64_t seq, bool inverse,
                            int64_t first_position) const {
   FORGE_CHECK(first_position + seq <= rope_->positions,
               "positions up to {} exceed the RoPE table ({} positions)", first_position + seq,
@@ -112,7 +116,7 @@ void Attention::apply_rope(float* qkv, int64_t batch, int64_t seq, bool inverse,
   ops::rope(p, options_.device);
 }
 
-void Attention::rope_for_training(float* qkv, int64_t batch, int64_t seq, bool inverse) const {
+void Attention::rope_for_training(Elements qkv, int64_t batch, int64_t seq, bool inverse) const {
   if (!options_.cp) return apply_rope(qkv, batch, seq, inverse);
   const int64_t half = seq / 2, stride = shape_.qkv_dim();
   for (int64_t b = 0; b < batch; ++b)
@@ -122,10 +126,10 @@ void Attention::rope_for_training(float* qkv, int64_t batch, int64_t seq, bool i
 
 void Attention::core_forward(Tensor& qkv, int64_t batch, int64_t seq, Tensor& out, Tensor& lse) const {
   const int64_t rows = batch * seq, qd = shape_.heads * shape_.head_dim;
-  out = Tensor::empty({rows, qd}, DType::f32, options_.device);
+  out = Tensor::empty({rows, qd}, act_dtype_, options_.device);
   lse = Tensor::empty({batch, shape_.heads, seq}, DType::f32, options_.device);
-  ops::AttentionParams p = core_params(qkv.f32(), batch, seq);
-  p.out = out.f32(), p.lse = lse.f32();
+  ops::AttentionParams p = core_params(qkv.elements(), batch, seq);
+  p.out = out.elements(), p.lse = lse.f32();
   if (options_.cp)
     options_.cp->attention_forward(p);
   else
@@ -134,14 +138,14 @@ void Attention::core_forward(Tensor& qkv, int64_t batch, int64_t seq, Tensor& ou
 
 Tensor Attention::forward(const Tensor& h, int64_t batch, int64_t seq, Saved& saved, bool keep_core) const {
   saved.h = qkv_.input(gather_in(options_.tp, h));
-  saved.qkv = qkv_.forward(saved.h);
+  saved.qkv = qkv_.forward(saved.h, act_dtype_);
   if (qkv_bias_.defined()) qkv_bias_.forward(saved.qkv);
   if (qk_norm_) qk_norm_forward(saved.qkv, saved.q_norm, saved.k_norm);
-  rope_for_training(saved.qkv.f32(), batch, seq, false);
+  rope_for_training(saved.qkv.elements(), batch, seq, false);
   Tensor out, lse;
   core_forward(saved.qkv, batch, seq, out, lse);
   GemmOperand out_op = o_.input(out);
-  Tensor y = o_.forward(out_op);
+  Tensor y = o_.forward(out_op, act_dtype_);
   if (keep_core) {
     saved.out = out, saved.lse = lse, saved.out_op = std::move(out_op);
   }
@@ -155,15 +159,15 @@ Tensor Attention::backward_input(const Tensor& dy, int64_t batch, int64_t seq, S
     o_.keep_for_backward(saved.out_op);
   }
   saved.dy = o_.grad_output(gather_in(options_.tp, dy));
-  Tensor dout = o_.backward_input(saved.dy);
+  Tensor dout = o_.backward_input(saved.dy, act_dtype_);
 
   const int64_t rows = batch * seq, qd = shape_.heads * shape_.head_dim,
                 kd = shape_.kv_heads * shape_.head_dim;
-  Tensor dqkv = Tensor::empty({rows, shape_.qkv_dim()}, DType::f32, options_.device);
-  ops::AttentionParams p = core_params(saved.qkv.f32(), batch, seq);
-  p.out = saved.out.f32(), p.lse = saved.lse.f32();
-  p.dout = dout.f32(), p.dout_stride = qd;
-  p.dq = dqkv.f32(), p.dk = p.dq + qd, p.dv = p.dq + qd + kd;
+  Tensor dqkv = Tensor::empty({rows, shape_.qkv_dim()}, act_dtype_, options_.device);
+  ops::AttentionParams p = core_params(saved.qkv.elements(), batch, seq);
+  p.out = saved.out.elements(), p.lse = saved.lse.f32();
+  p.dout = dout.elements(), p.dout_stride = qd;
+  p.dq = dqkv.elements(), p.dk = p.dq + qd, p.dv = p.dq + qd + kd;
   p.dq_stride = p.dk_stride = p.dv_stride = shape_.qkv_dim();
   if (options_.cp)
     options_.cp->attention_backward(p);
@@ -172,11 +176,11 @@ Tensor Attention::backward_input(const Tensor& dy, int64_t batch, int64_t seq, S
   // The core is no longer needed; the o-projection's weight gradient keeps out_op.
   saved.out = Tensor(), saved.lse = Tensor(), saved.qkv = Tensor();
 
-  rope_for_training(dqkv.f32(), batch, seq, true);
+  rope_for_training(dqkv.elements(), batch, seq, true);
   if (qk_norm_) qk_norm_backward_input(dqkv, saved);
   if (qkv_bias_.defined()) saved.dbias = qkv_bias_.backward_input(dqkv);
   saved.dqkv = qkv_.grad_output(dqkv);
-  return reduce_out(options_.tp, qkv_.backward_input(saved.dqkv));
+  return reduce_out(options_.tp, qkv_.backward_input(saved.dqkv, act_dtype_));
 }
 
 void Attention::backward_weight(Saved& saved) const {
@@ -208,7 +212,7 @@ Tensor Attention::forward_cached(const Tensor& h, int64_t batch, int64_t tokens,
     RmsNorm::Saved q_saved, k_saved;  // inference: dropped at once
     qk_norm_forward(qkv, q_saved, k_saved);
   }
-  apply_rope(qkv.f32(), batch, tokens, false, cache.length);
+  apply_rope(qkv.elements(), batch, tokens, false, cache.length);
   const int64_t dim = shape_.head_dim;
   ops::KvAppendParams append;
   append.batch = batch, append.tokens = tokens, append.kv_heads = shape_.kv_heads, append.head_dim = dim;
@@ -219,7 +223,7 @@ Tensor Attention::forward_cached(const Tensor& h, int64_t batch, int64_t tokens,
   ops::kv_append(append, options_.device);
 
   Tensor out = Tensor::empty({batch * tokens, qd}, DType::f32, options_.device);
-  ops::AttentionParams p = core_params(qkv.f32(), batch, tokens);
+  ops::AttentionParams p = core_params(qkv.elements(), batch, tokens);
   p.k = cache.keys, p.v = cache.values, p.k_stride = p.v_stride = dim;
   p.k_head_stride = p.v_head_stride = cache.head_stride();
   p.k_batch_stride = p.v_batch_stride = cache.batch_stride();

@@ -47,9 +47,9 @@ class Attention final : public LayerPart {
  public:
   struct Saved : LayerPart::Saved {
     GemmOperand h;         // input of the qkv projection (as its GEMMs read it)
-    Tensor qkv;            // q|k|v after RoPE, fp32 [rows, qkv_dim]
+    Tensor qkv;            // q|k|v after RoPE [rows, qkv_dim], in the activation dtype
     Tensor out, lse;       // attention core output and row log-sum-exp (absent under selective recompute)
-    GemmOperand out_op;    // core output as the o-projection's operand
+    GemmOperand out_op;    // core output as the o-projection's operand (out itself when it is bf16)
     GemmOperand dy, dqkv;  // kept from backward_input for backward_weight
     Tensor dbias;          // the q|k|v biases' gradient, from backward_input for backward_weight
     RmsNorm::Saved q_norm, k_norm;  // QK-norm's inputs, packed [rows, heads * head_dim]
@@ -76,6 +76,7 @@ class Attention final : public LayerPart {
   void backward_weight(LayerPart::Saved& saved) const override {
     backward_weight(static_cast<Saved&>(saved));
   }
+  DType input_dtype() const override { return act_dtype_; }
   Tensor forward_cached(const Tensor& h, int64_t batch, int64_t tokens, const KvLayer* cache) const override {
     FORGE_CHECK(cache != nullptr, "attention's cached inference needs a KV cache");
     return forward_cached(h, batch, tokens, *cache);
@@ -89,15 +90,15 @@ class Attention final : public LayerPart {
 
  private:
   void core_forward(Tensor& qkv, int64_t batch, int64_t seq, Tensor& out, Tensor& lse) const;
-  void apply_rope(float* qkv, int64_t batch, int64_t seq, bool inverse, int64_t first_position = 0) const;
+  void apply_rope(Elements qkv, int64_t batch, int64_t seq, bool inverse, int64_t first_position = 0) const;
   // Training's RoPE: at positions 0.. of each sequence, or under context parallelism each local half at its
   // global positions.
-  void rope_for_training(float* qkv, int64_t batch, int64_t seq, bool inverse) const;
+  void rope_for_training(Elements qkv, int64_t batch, int64_t seq, bool inverse) const;
   // QK-norm in place on the q and k columns of qkv [rows, qkv_dim], and its B (on dqkv); W is the norms'.
   void qk_norm_forward(Tensor& qkv, RmsNorm::Saved& q_saved, RmsNorm::Saved& k_saved) const;
   void qk_norm_backward_input(Tensor& dqkv, Saved& saved) const;
   // The core's parameters over q|k|v [batch * seq, qkv_dim] (mask, window, scale, layout).
-  ops::AttentionParams core_params(const float* qkv, int64_t batch, int64_t seq) const;
+  ops::AttentionParams core_params(ConstElements qkv, int64_t batch, int64_t seq) const;
 
   Linear qkv_, o_;
   Bias qkv_bias_;  // undefined: no biases
@@ -108,6 +109,10 @@ class Attention final : public LayerPart {
   ComputeOptions options_;
   int64_t window_ = 0;
   float scale_ = 0.0f, softcap_ = 0.0f;
+  // The input, q|k|v, the core's output, the output and all their gradients: bf16 under
+  // ComputeOptions::activation_dtype bf16 (with bf16 GEMMs, not FP8), else fp32. Cached inference returns
+  // fp32.
+  DType act_dtype_ = DType::f32;
 };
 
 }  // namespace forge::nn

@@ -19,7 +19,7 @@ Bias::Bias(ParameterStore* store, std::vector<int> params)
 void Bias::forward(Tensor& y) const {
   FORGE_CHECK(y.numel() % size_ == 0, "bias of {} does not divide a tensor of {} elements", size_, y.numel());
   ops::BiasParams p;
-  p.rows = y.numel() / size_, p.n = size_, p.y = y.f32(), p.bias = values(store_->params()).f32();
+  p.rows = y.numel() / size_, p.n = size_, p.y = y.elements(), p.bias = values(store_->params()).f32();
   ops::bias_add(p, store_->device());
 }
 
@@ -29,7 +29,7 @@ Tensor Bias::backward_input(const Tensor& dy) const {
               dy.numel());
   Tensor dbias = Tensor::zeros({size_}, DType::f32, store_->device());
   ops::BiasParams p;
-  p.rows = dy.numel() / size_, p.n = size_, p.dy = dy.f32(), p.dbias = dbias.f32();
+  p.rows = dy.numel() / size_, p.n = size_, p.dy = dy.elements(), p.dbias = dbias.f32();
   ops::bias_backward(p, store_->device());
   return dbias;
 }

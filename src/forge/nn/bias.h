@@ -18,8 +18,9 @@ class Bias {
 
   bool defined() const { return store_ != nullptr; }
   int64_t size() const { return size_; }
-  void forward(Tensor& y) const;                    // y [rows, size()] (fp32): += bias
-  Tensor backward_input(const Tensor& dy) const;    // the column sums of dy [rows, size()]: a fresh [size()]
+  void forward(Tensor& y) const;  // y [rows, size()] (fp32 or bf16): += bias
+  Tensor backward_input(
+      const Tensor& dy) const;  // the column sums of dy [rows, size()] (fp32 or bf16): a fresh [size()]
   void backward_weight(const Tensor& dbias) const;  // the gradient += dbias, reported to the store
 
  private:

@@ -70,4 +70,14 @@ Tensor to_gemm_dtype(const Tensor& x, DType gemm_dtype) {
   return y;
 }
 
+Tensor to_dtype(const Tensor& x, DType dtype) {
+  if (x.dtype() == dtype) return x;
+  if (dtype == DType::bf16) return to_gemm_dtype(x, dtype);
+  Tensor y = Tensor::empty(x.shape(), dtype, x.device());
+  ops::StridedCopyParams c;
+  c.shape[2] = x.numel(), c.src = x.elements(), c.dst = y.elements();
+  ops::strided_copy(c, x.device());
+  return y;
+}
+
 }  // namespace forge::nn

@@ -61,10 +61,16 @@ struct ComputeOptions {
   // Parts of the model that do not train (train.freeze; a LLaVA's "vision", "projector", "language"): their
   // parameters are frozen (ParameterStore::freeze): no gradient, no optimizer state.
   std::vector<std::string> frozen = {};
-  // The dtype of the activations whose kernels take it (bf16 needs bf16 GEMMs): so far the MLP's gate|up
-  // projection, its activation and their gradients (nn/mlp.h); the residual stream, norms, attention and the
-  // messages between ranks are fp32. bf16 halves those tensors' memory and bytes through memory.
+  // The dtype of the activations whose kernels take it (bf16 needs bf16 GEMMs; FP8 Linears keep fp32): the
+  // gated MLP's and GQA attention's inputs (the norms write them), their insides (gate|up, the GLU's output;
+  // q|k|v, the core's output) and outputs, every gradient of those, and so the tensor-parallel messages
+  // around them (nn/mlp.h, nn/attention.h). MLA and the MoE experts still take fp32. bf16 halves those
+  // tensors' memory and their bytes through memory and over links.
   DType activation_dtype = DType::f32;
+  // The residual stream between layers (and so the pipeline's messages): bf16 with bf16 activations, or fp32
+  // (train.fp32_residual, Megatron's fp32_residual_connection). Each layer adds its parts' outputs to it
+  // with one rounding (nn/decoder_layer.h).
+  DType residual_dtype = DType::f32;
   // Dropout on the embeddings and on each decoder layer's attention and feed-forward outputs before they join
   // the residual stream (Megatron's hidden dropout; 0: off), in training micro-batches only (DropoutRows),
   // its masks drawn under dropout_seed.
@@ -97,5 +103,7 @@ Tensor dropout_copy(const ComputeOptions& options, const DropoutRows& rows, cons
 // x itself when it already holds gemm_dtype elements (fp32, or a bf16 activation), else a bf16 copy of the
 // fp32 x on its device (the operand a GEMM reads).
 Tensor to_gemm_dtype(const Tensor& x, DType gemm_dtype);
+// x itself when it holds `dtype` already, else a copy in it: fp32 <-> bf16 (rounded once to bf16).
+Tensor to_dtype(const Tensor& x, DType dtype);
 
 }  // namespace forge::nn

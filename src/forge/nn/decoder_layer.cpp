@@ -32,24 +32,40 @@ DropoutRows ffn_rows(DropoutRows rows) {
 
 }  // namespace
 
+// x + branch in x's dtype (the residual stream's), the sum rounded once: in place in the branch (this layer's
+// own fresh tensor) when it holds that dtype; an fp32 branch onto a bf16 stream is summed in fp32 and
+// rounded; a bf16 branch onto an fp32 stream is added to a copy of x.
+Tensor DecoderLayer::residual_add(const Tensor& x, Tensor branch) const {
+  const Device device = options_.device;
+  if (branch.dtype() == x.dtype() || branch.dtype() == DType::f32) {
+    ops::add_inplace(branch.elements(), x.elements(), x.numel(), device);
+    return to_dtype(branch, x.dtype());
+  }
+  Tensor y = x.dtype() == DType::f32 ? x.clone() : to_dtype(x, DType::f32);
+  ops::add_inplace(y.elements(), branch.elements(), y.numel(), device);
+  return y;
+}
+
+// Layer inputs and outputs hold the residual stream's dtype (nn::ComputeOptions::residual_dtype, given by the
+// stack); each part reads its input and output gradient in the dtype it asks for (LayerPart::input_dtype),
+// which the norms before it write directly.
 Tensor DecoderLayer::run_forward(const Tensor& x, int64_t batch, int64_t seq, Saved& saved,
                                  bool keep_cores) const {
   saved.x = x;
   if (!saved.mixer) saved.mixer = mixer_->new_saved();
   if (!saved.ffn) saved.ffn = ffn_->new_saved();
-  Tensor h1 = norm1_.forward(x, saved.norm1);
-  Tensor x2 = mixer_->forward(h1, batch, seq, *saved.mixer, keep_cores);
-  if (post1_on_) x2 = post1_.forward(x2, saved.post1);
   const int64_t hidden = norm1_.dim();
-  dropout_inplace(options_, saved.dropout, x2, hidden);
-  ops::add_inplace(x2.f32(), x.f32(), x.numel(), options_.device);
-  Tensor h2 = norm2_.forward(x2, saved.norm2);
-  Tensor y = ffn_->forward(h2, batch, seq, *saved.ffn, keep_cores);
-  if (post2_on_) y = post2_.forward(y, saved.post2);
-  dropout_inplace(options_, ffn_rows(saved.dropout), y, hidden);
-  ops::add_inplace(y.f32(), x2.f32(), x2.numel(), options_.device);
+  Tensor h1 = norm1_.forward(x, saved.norm1, mixer_->input_dtype());
+  Tensor b1 = mixer_->forward(h1, batch, seq, *saved.mixer, keep_cores);
+  if (post1_on_) b1 = post1_.forward(b1, saved.post1, x.dtype());
+  dropout_inplace(options_, saved.dropout, b1, hidden);
+  Tensor x2 = residual_add(x, std::move(b1));
+  Tensor h2 = norm2_.forward(x2, saved.norm2, ffn_->input_dtype());
+  Tensor b2 = ffn_->forward(h2, batch, seq, *saved.ffn, keep_cores);
+  if (post2_on_) b2 = post2_.forward(b2, saved.post2, x.dtype());
+  dropout_inplace(options_, ffn_rows(saved.dropout), b2, hidden);
   saved.complete = true;
-  return y;
+  return residual_add(x2, std::move(b2));
 }
 
 Tensor DecoderLayer::forward(const Tensor& x, int64_t batch, int64_t seq, Saved& saved) const {
@@ -70,19 +86,23 @@ Tensor DecoderLayer::backward_input(const Tensor& dy, int64_t batch, int64_t seq
     Tensor x = saved.x;
     run_forward(x, batch, seq, saved, true);
   }
+  const DType residual = saved.x.dtype();
+  const Device device = options_.device;
   // y = x2 + drop(post2(ffn(norm2(x2)))):  dx2 = dy + norm2'(ffn'(post2'(drop(dy))))
   const int64_t hidden = norm1_.dim();
   const Tensor dbranch2 = dropout_copy(options_, ffn_rows(saved.dropout), dy, hidden);
-  Tensor dffn = post2_on_ ? post2_.backward_input(dbranch2, saved.post2) : dbranch2;
+  Tensor dffn = post2_on_ ? post2_.backward_input(dbranch2, saved.post2, ffn_->input_dtype())
+                          : to_dtype(dbranch2, ffn_->input_dtype());
   Tensor dh2 = ffn_->backward_input(dffn, batch, seq, *saved.ffn);
-  Tensor dx2 = norm2_.backward_input(dh2, saved.norm2);
-  ops::add_inplace(dx2.f32(), dy.f32(), dy.numel(), options_.device);
+  Tensor dx2 = norm2_.backward_input(dh2, saved.norm2, residual);
+  ops::add_inplace(dx2.elements(), dy.elements(), dy.numel(), device);
   // x2 = x + drop(post1(mixer(norm1(x)))):  dx = dx2 + norm1'(mixer'(post1'(drop(dx2))))
   const Tensor dbranch1 = dropout_copy(options_, saved.dropout, dx2, hidden);
-  Tensor dmixer = post1_on_ ? post1_.backward_input(dbranch1, saved.post1) : dbranch1;
+  Tensor dmixer = post1_on_ ? post1_.backward_input(dbranch1, saved.post1, mixer_->input_dtype())
+                            : to_dtype(dbranch1, mixer_->input_dtype());
   Tensor dh1 = mixer_->backward_input(dmixer, batch, seq, *saved.mixer);
-  Tensor dx = norm1_.backward_input(dh1, saved.norm1);
-  ops::add_inplace(dx.f32(), dx2.f32(), dx2.numel(), options_.device);
+  Tensor dx = norm1_.backward_input(dh1, saved.norm1, residual);
+  ops::add_inplace(dx.elements(), dx2.elements(), dx2.numel(), device);
   saved.x = Tensor();
   return dx;
 }

@@ -1,9 +1,11 @@
 // One pre-norm decoder layer: x + mixer(norm1(x)), then + ffn(norm2(.)) (each branch through hidden dropout
 // in training when ComputeOptions::hidden_dropout is set), composed of the two parts its
-// family chooses (nn/layer_part.h). Some families norm each part's output too before it joins the residual
-// stream (Gemma's sandwich: x + post1(mixer(norm1(x))), then + post2(ffn(norm2(.)))). Its three entry points
-// follow the module contract: forward, backward_input (B, the critical path) and backward_weight (W, may run
-// later).
+// family chooses (nn/layer_part.h). Its input and output hold the residual stream's dtype (fp32, or bf16 in a
+// bf16 run; ComputeOptions::residual_dtype); the norms write each part's input in the dtype the part takes
+// (LayerPart::input_dtype), and each branch joins the stream with one rounding. Some families norm each
+// part's output too before it joins the residual stream (Gemma's sandwich: x + post1(mixer(norm1(x))), then +
+// post2(ffn(norm2(.)))). Its three entry points follow the module contract: forward, backward_input (B, the
+// critical path) and backward_weight (W, may run later).
 #pragma once
 
 #include <memory>
@@ -53,6 +55,7 @@ class DecoderLayer {
 
  private:
   Tensor run_forward(const Tensor& x, int64_t batch, int64_t seq, Saved& saved, bool keep_cores) const;
+  Tensor residual_add(const Tensor& x, Tensor branch) const;
 
   ComputeOptions options_;
   RmsNorm norm1_, norm2_, post1_, post2_;  // post1_, post2_: absent (no store) without sandwich norms

@@ -33,6 +33,9 @@ class LayerPart {
   // for parts that keep none).
   virtual Tensor forward_cached(const Tensor& h, int64_t batch, int64_t tokens,
                                 const KvLayer* cache) const = 0;
+  // The dtype the part takes its input h and its output's gradient dy in (the norm before it writes h so);
+  // it returns its output and h's gradient in a dtype of its own (fp32, or bf16 with bf16 activations).
+  virtual DType input_dtype() const { return DType::f32; }
 };
 
 }  // namespace forge::nn

@@ -28,10 +28,14 @@ Tensor Mlp::activation(const Tensor& gate_up) const {
 }
 
 Tensor Mlp::forward(const Tensor& h, Saved& saved, bool keep_activation) const {
+  return run_forward(h, saved, keep_activation, act_dtype_);
+}
+
+Tensor Mlp::run_forward(const Tensor& h, Saved& saved, bool keep_activation, DType output) const {
   saved.h = gate_up_.input(gather_in(options_.tp, h));
   saved.gate_up = gate_up_.forward(saved.h, act_dtype_);
   GemmOperand act = down_.input(activation(saved.gate_up));
-  Tensor y = down_.forward(act);
+  Tensor y = down_.forward(act, output);
   if (keep_activation) saved.act = std::move(act);
   return reduce_out(options_.tp, y);
 }
@@ -52,7 +56,7 @@ Tensor Mlp::backward_input(const Tensor& dy, Saved& saved) const {
   ops::swiglu_backward(p, options_.device);
   saved.gate_up = Tensor();
   saved.dgate_up = gate_up_.grad_output(dgate_up);
-  return reduce_out(options_.tp, gate_up_.backward_input(saved.dgate_up));
+  return reduce_out(options_.tp, gate_up_.backward_input(saved.dgate_up, act_dtype_));
 }
 
 void Mlp::backward_weight(Saved& saved) const {

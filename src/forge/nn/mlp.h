@@ -46,16 +46,19 @@ class Mlp final : public LayerPart {
   }
   Tensor forward_cached(const Tensor& h, int64_t, int64_t, const KvLayer*) const override {
     Saved scratch;
-    return forward(h, scratch, false);
+    return run_forward(h, scratch, false, DType::f32);
   }
+  DType input_dtype() const override { return act_dtype_; }
 
  private:
+  Tensor run_forward(const Tensor& h, Saved& saved, bool keep_activation, DType output) const;
   Tensor activation(const Tensor& gate_up) const;
   Linear gate_up_, down_;
   int64_t ffn_ = 0;
   ComputeOptions options_;
   ops::GluActivation activation_ = ops::GluActivation::silu;
-  DType act_dtype_ = DType::f32;  // gate|up, the activation and their gradients
+  // The input, gate|up, the activation, the output and all their gradients (cached inference returns fp32).
+  DType act_dtype_ = DType::f32;
 };
 
 }  // namespace forge::nn

@@ -290,7 +290,7 @@ Tensor Moe::forward(const Tensor& h, int64_t, int64_t seq, LayerPart::Saved& sav
                         }));
   if (!keep_all)
     s.act = GemmOperand{}, s.expert_act.clear();  // selective recompute: SwiGLU again in backward
-  if (shared_) ops::add_inplace(y.f32(), z.f32(), y.numel(), options_.device);
+  if (shared_) ops::add_inplace(y.elements(), z.elements(), y.numel(), options_.device);
   return y;
 }
 
@@ -406,7 +406,7 @@ Tensor Moe::backward_input(const Tensor& dy_in, int64_t, int64_t, LayerPart::Sav
   }
   s.scores = s.score_sums = s.fraction = s.aux_fraction = s.weights = s.expert_ids = Tensor();
   Tensor dx = reduce_out(options_.tp, dh);
-  if (shared_) ops::add_inplace(dx.f32(), dz.f32(), dx.numel(), device);
+  if (shared_) ops::add_inplace(dx.elements(), dz.elements(), dx.numel(), device);
   return dx;
 }
 
@@ -456,7 +456,7 @@ Tensor Moe::forward_cached(const Tensor& h, int64_t, int64_t, const KvLayer*) co
                           Mlp::Saved shared;
                           if (shared_) z = shared_->forward(h, shared, false);
                         }));
-  if (shared_) ops::add_inplace(y.f32(), z.f32(), y.numel(), options_.device);
+  if (shared_) ops::add_inplace(y.elements(), z.elements(), y.numel(), options_.device);
   return y;
 }
 

@@ -11,27 +11,28 @@ RmsNorm::RmsNorm(ParameterStore* store, int weight_param, float eps, float weigh
       eps_(eps),
       offset_(weight_offset) {}
 
-Tensor RmsNorm::forward(const Tensor& x, Saved& saved) const {
+Tensor RmsNorm::forward(const Tensor& x, Saved& saved, DType dtype) const {
   int64_t rows = x.numel() / dim_;
   const Device device = store_->device();
-  Tensor y = Tensor::empty(x.shape(), DType::f32, device);
+  Tensor y = Tensor::empty(x.shape(), dtype, device);
   saved.x = x;
   saved.rstd = Tensor::empty({rows}, DType::f32, device);
   ops::RmsNormParams p;
-  p.rows = rows, p.dim = dim_, p.x = x.f32(), p.weight = store_->param(weight_).f32(), p.eps = eps_;
+  p.rows = rows, p.dim = dim_, p.x = x.elements(), p.weight = store_->param(weight_).f32(), p.eps = eps_;
   p.weight_offset = offset_;
-  p.y = y.f32(), p.rstd = saved.rstd.f32();
+  p.y = y.elements(), p.rstd = saved.rstd.f32();
   ops::rmsnorm_forward(p, device);
   return y;
 }
 
-Tensor RmsNorm::backward_input(const Tensor& dy, Saved& saved) const {
+Tensor RmsNorm::backward_input(const Tensor& dy, Saved& saved, DType dtype) const {
   int64_t rows = dy.numel() / dim_;
-  Tensor dx = Tensor::empty(dy.shape(), DType::f32, store_->device());
+  Tensor dx = Tensor::empty(dy.shape(), dtype, store_->device());
   ops::RmsNormParams p;
-  p.rows = rows, p.dim = dim_, p.x = saved.x.f32(), p.weight = store_->param(weight_).f32(), p.eps = eps_;
+  p.rows = rows, p.dim = dim_, p.x = saved.x.elements(), p.weight = store_->param(weight_).f32(),
+  p.eps = eps_;
   p.weight_offset = offset_;
-  p.rstd = saved.rstd.f32(), p.dy = dy.f32(), p.dx = dx.f32();
+  p.rstd = saved.rstd.f32(), p.dy = dy.elements(), p.dx = dx.elements();
   ops::rmsnorm_backward_input(p, store_->device());
   saved.dy = dy;
   return dx;
@@ -44,8 +45,8 @@ void RmsNorm::backward_weight(Saved& saved) const {
   }
   int64_t rows = saved.dy.numel() / dim_;
   ops::RmsNormParams p;
-  p.rows = rows, p.dim = dim_, p.x = saved.x.f32(), p.eps = eps_;
-  p.rstd = saved.rstd.f32(), p.dy = saved.dy.f32(), p.dweight = store_->grad(weight_).f32();
+  p.rows = rows, p.dim = dim_, p.x = saved.x.elements(), p.eps = eps_;
+  p.rstd = saved.rstd.f32(), p.dy = saved.dy.elements(), p.dweight = store_->grad(weight_).f32();
   ops::rmsnorm_backward_weight(p, store_->device());
   store_->note_grad(weight_);
   saved = Saved{};

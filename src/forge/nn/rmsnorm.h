@@ -16,9 +16,10 @@ class RmsNorm {
   RmsNorm() = default;
   RmsNorm(ParameterStore* store, int weight_param, float eps, float weight_offset = 0.0f);
 
-  Tensor forward(const Tensor& x, Saved& saved) const;
-  // Returns dx (fresh tensor).
-  Tensor backward_input(const Tensor& dy, Saved& saved) const;
+  // x fp32 or bf16; y in `dtype` (fp32, or bf16 rounded once: the operand a bf16 GEMM reads next).
+  Tensor forward(const Tensor& x, Saved& saved, DType dtype = DType::f32) const;
+  // dy fp32 or bf16; returns dx (fresh tensor) in `dtype`.
+  Tensor backward_input(const Tensor& dy, Saved& saved, DType dtype = DType::f32) const;
   void backward_weight(Saved& saved) const;  // dweight += ..., then releases the saved tensors
   int64_t dim() const { return dim_; }
 

@@ -32,16 +32,23 @@ class TensorParallel {
   virtual void all_reduce_max(float* buf, int64_t count, Device where) = 0;  // in place (FP8 amaxes)
   // Gathers each rank's lse-style vector: out[size * count] in rank order.
   virtual void all_gather(const float* send, float* recv, int64_t count, Device where) = 0;
-  // [rows/tp, d] per rank -> [rows, d], shards in rank order, on the shard's device.
+  // [rows/tp, d] per rank -> [rows, d], shards in rank order, on the shard's device, in its dtype.
   virtual Tensor all_gather_rows(const Tensor& shard) = 0;
-  // [rows, d] partial sums -> this rank's [rows/tp, d] shard of the sum, on the input's device.
+  // [rows, d] partial sums -> this rank's [rows/tp, d] shard of the sum, on the input's device, in its dtype.
   virtual Tensor reduce_scatter_rows(const Tensor& full) = 0;
+  // x summed over the ranks in place, in its dtype (fp32, or bf16: a bf16 run's messages). Groups that carry
+  // fp32 only may keep this default.
+  virtual void all_reduce_rows(Tensor& x) {
+    FORGE_CHECK(x.dtype() == DType::f32, "this tensor-parallel group sums fp32 only, not {}",
+                dtype_name(x.dtype()));
+    all_reduce_sum(x.f32(), x.numel(), x.device());
+  }
 
   Tensor gather_in(const Tensor& x) { return sequence_parallel() ? all_gather_rows(x) : x; }
   Tensor reduce_out(const Tensor& x) {
     if (sequence_parallel()) return reduce_scatter_rows(x);
     Tensor y = x;
-    all_reduce_sum(y.f32(), y.numel(), y.device());
+    all_reduce_rows(y);
     return y;
   }
 };
@@ -66,6 +73,7 @@ class WithoutSequenceParallel final : public TensorParallel {
   }
   Tensor all_gather_rows(const Tensor& shard) override { return group_->all_gather_rows(shard); }
   Tensor reduce_scatter_rows(const Tensor& full) override { return group_->reduce_scatter_rows(full); }
+  void all_reduce_rows(Tensor& x) override { group_->all_reduce_rows(x); }
 
  private:
   TensorParallel* group_;

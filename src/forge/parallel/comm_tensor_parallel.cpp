@@ -41,18 +41,31 @@ void CommTensorParallel::all_gather(const float* send, float* recv, int64_t coun
 Tensor CommTensorParallel::all_gather_rows(const Tensor& shard) {
   FORGE_CHECK(shard.rank() == 2, "all_gather_rows expects a [rows, dim] tensor, got {}",
               shape_string(shard.shape()));
-  Tensor full = Tensor::empty({shard.dim(0) * size(), shard.dim(1)}, DType::f32, shard.device());
-  all_gather(shard.f32(), full.f32(), shard.numel(), shard.device());
+  Tensor full = Tensor::empty({shard.dim(0) * size(), shard.dim(1)}, shard.dtype(), shard.device());
+  comm::Communicator& group = group_for(shard.device());
+  comm::Request request =
+      group.all_gather(shard.raw(), full.raw(), shard.numel(), comm::type_of(shard.dtype()));
+  group.wait_on_stream(request);
   return full;
+}
+
+void CommTensorParallel::all_reduce_rows(Tensor& x) {
+  comm::Communicator& group = group_for(x.device());
+  if (x.device() == Device::cpu) {
+    group.all_reduce_blocking(x.raw(), x.numel(), comm::type_of(x.dtype()), comm::ReduceOp::sum);
+    return;
+  }
+  comm::Request request = group.all_reduce(x.raw(), x.numel(), comm::type_of(x.dtype()), comm::ReduceOp::sum);
+  group.wait_on_stream(request);
 }
 
 Tensor CommTensorParallel::reduce_scatter_rows(const Tensor& full) {
   FORGE_CHECK(full.rank() == 2 && full.dim(0) % size() == 0,
               "reduce_scatter_rows: {} rows do not split over {} tensor-parallel ranks", full.dim(0), size());
-  Tensor shard = Tensor::empty({full.dim(0) / size(), full.dim(1)}, DType::f32, full.device());
+  Tensor shard = Tensor::empty({full.dim(0) / size(), full.dim(1)}, full.dtype(), full.device());
   comm::Communicator& group = group_for(full.device());
-  comm::Request request =
-      group.reduce_scatter(full.f32(), shard.f32(), shard.numel(), comm::Type::f32, comm::ReduceOp::sum);
+  comm::Request request = group.reduce_scatter(full.raw(), shard.raw(), shard.numel(),
+                                               comm::type_of(full.dtype()), comm::ReduceOp::sum);
   group.wait_on_stream(request);
   return shard;
 }

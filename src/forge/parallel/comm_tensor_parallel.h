@@ -15,7 +15,8 @@ class CommTensorParallel final : public nn::TensorParallel {
  public:
   // group carries host buffers; device_group (an NCCL communicator over the same ranks, when the model lives
   // on GPUs) carries device buffers. Without device_group every buffer goes to group.
-  CommTensorParallel(comm::Communicator* group, bool sequence_parallel, comm::Communicator* device_group = nullptr)
+  CommTensorParallel(comm::Communicator* group, bool sequence_parallel,
+                     comm::Communicator* device_group = nullptr)
       : group_(group), device_group_(device_group), sequence_parallel_(sequence_parallel) {}
   int rank() const override { return group_->rank(); }
   int size() const override { return group_->size(); }
@@ -26,6 +27,7 @@ class CommTensorParallel final : public nn::TensorParallel {
   void all_gather(const float* send, float* recv, int64_t count, Device where) override;
   Tensor all_gather_rows(const Tensor& shard) override;
   Tensor reduce_scatter_rows(const Tensor& full) override;
+  void all_reduce_rows(Tensor& x) override;
 
  private:
   comm::Communicator& group_for(Device where) const;

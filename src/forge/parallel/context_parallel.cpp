@@ -80,7 +80,9 @@ class Floats {
 struct Strides {
   int64_t s0, s1, s2;
 };
-void copy3(Device device, int64_t n0, int64_t n1, int64_t n2, const float* src, Strides from, float* dst,
+// fp32 or bf16 on either side (the attention's q, k, v, out and their gradients may be bf16; the ring's and
+// the exchanges' buffers are fp32).
+void copy3(Device device, int64_t n0, int64_t n1, int64_t n2, ConstElements src, Strides from, Elements dst,
            Strides to, bool accumulate = false) {
   ops::StridedCopyParams c;
   c.shape[0] = n0, c.shape[1] = n1, c.shape[2] = n2;
@@ -160,11 +162,11 @@ Dims check(const comm::Communicator& cp, const ContextSplit& split, const ops::A
 
 // Rows [half·chunk, (half + 1)·chunk) of every sequence of x ([batch, local] rows of `width` floats, `stride`
 // apart) into dense [batch, chunk, width], and back (overwriting).
-void pack_half(const Dims& d, const float* x, int64_t stride, int64_t width, int half, float* out) {
+void pack_half(const Dims& d, ConstElements x, int64_t stride, int64_t width, int half, float* out) {
   copy3(d.device, d.batch, d.chunk, width, x + half * d.chunk * stride, {d.local * stride, stride, 1}, out,
         {d.chunk * width, width, 1});
 }
-void unpack_half(const Dims& d, const float* in, int64_t width, int half, float* x, int64_t stride) {
+void unpack_half(const Dims& d, const float* in, int64_t width, int half, Elements x, int64_t stride) {
   copy3(d.device, d.batch, d.chunk, width, in, {d.chunk * width, width, 1}, x + half * d.chunk * stride,
         {d.local * stride, stride, 1});
 }
@@ -408,7 +410,7 @@ struct Ulysses {
 
   // x [batch, local, cp groups x cols] (rows `stride` apart) -> on rank j: the whole sequence
   // [batch, seq, cols] of column group j, gathered from every rank's local tokens.
-  Floats gather(comm::Communicator& cp, const float* x, int64_t stride, int64_t cols) const {
+  Floats gather(comm::Communicator& cp, ConstElements x, int64_t stride, int64_t cols) const {
     const int n = split.cp;
     const int64_t block = d.batch * d.local * cols;
     Floats send(n * block, d.device), recv(n * block, d.device);
@@ -426,7 +428,7 @@ struct Ulysses {
   }
   // The inverse: whole [batch, seq, cols] of this rank's group -> every rank's local tokens, into column
   // group `my group` of x [batch, local, cp x cols].
-  void scatter(comm::Communicator& cp, const Floats& whole, int64_t cols, float* x, int64_t stride) const {
+  void scatter(comm::Communicator& cp, const Floats& whole, int64_t cols, Elements x, int64_t stride) const {
     const int n = split.cp;
     const int64_t block = d.batch * d.local * cols;
     Floats send(n * block, d.device), recv(n * block, d.device);

@@ -32,6 +32,7 @@ struct Strategy {
   nn::Recompute recompute = nn::Recompute::none;
   DType dtype = DType::bf16;             // GEMM operands: bf16 | f32
   DType activation_dtype = DType::bf16;  // train.activation_dtype resolved (bf16 needs bf16 GEMMs)
+  bool fp32_residual = false;            // train.fp32_residual
   std::optional<nn::Fp8Options> fp8;
   std::string fp8_recipe = "off";  // its name, for tables
   // Mixture-of-experts layers: moe.capacity_factor (0: dropless), moe.pad_to_capacity, parallel.ep_overlap.

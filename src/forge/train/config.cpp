@@ -177,6 +177,12 @@ const std::vector<KeySpec>& key_specs() {
        "activations in the compute dtype where their kernels take it (docs/performance.md); auto = the GEMM "
        "dtype, fp32 = keep them fp32 under bf16 GEMMs",
        {}},
+      {"train",
+       "fp32_residual",
+       FORGE_FIELD(train.fp32_residual),
+       "with bf16 activations, keep the residual stream between layers (and the pipeline's messages) in fp32 "
+       "(Megatron's fp32_residual_connection)",
+       {}},
       {"train", "recompute", FORGE_FIELD(train.recompute), "activation recomputation", {}},
       {"train",
        "freeze",
@@ -1110,6 +1116,12 @@ DType TrainConfig::gemm_dtype() const {
 DType TrainConfig::activation_dtype() const {
   if (train.activation_dtype == DtypeChoice::automatic) return gemm_dtype();
   return train.activation_dtype == DtypeChoice::bf16 ? DType::bf16 : DType::f32;
+}
+
+// FP8 Linears take fp32 inputs so far (their casts read fp32): the parts of an FP8 run take fp32, and so does
+// the stream between them.
+DType TrainConfig::residual_dtype() const {
+  return train.fp32_residual || fp8.recipe != Fp8RecipeChoice::off ? DType::f32 : activation_dtype();
 }
 
 LrSchedule TrainConfig::lr_schedule() const {

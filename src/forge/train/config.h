@@ -123,6 +123,9 @@ struct TrainConfig {
     // Activations whose kernels take the compute dtype (nn::ComputeOptions::activation_dtype): auto = the
     // GEMM dtype; fp32 keeps them fp32 under bf16 GEMMs; bf16 needs bf16 GEMMs.
     Choice<DtypeChoice> activation_dtype = DtypeChoice::automatic;
+    // With bf16 activations, keep the residual stream between layers in fp32 (Megatron's
+    // fp32_residual_connection; nn::ComputeOptions::residual_dtype).
+    bool fp32_residual = false;
     Choice<nn::Recompute> recompute = nn::Recompute::none;
     std::string freeze;   // parts that do not train, comma-separated (a LLaVA's vision,projector,language)
     int64_t threads = 0;  // 0 = all cores
@@ -285,6 +288,9 @@ struct TrainConfig {
   DType gemm_dtype() const;
   // train.activation_dtype resolved (auto: gemm_dtype()). Call after validate().
   DType activation_dtype() const;
+  // The residual stream's dtype: the activation dtype, or fp32 with train.fp32_residual or an FP8 recipe.
+  // Call after validate().
+  DType residual_dtype() const;
   // [fp8] as the model's FP8 options; std::nullopt when fp8.recipe = "off". Call after validate().
   std::optional<nn::Fp8Options> fp8_options() const;
   // lambda of step `step` (1-based).

@@ -20,6 +20,7 @@ class ModelChunk final : public pipeline::Chunk {
   ModelChunk(models::Model& model, std::function<models::MicroBatch(int)> micro_batch, int64_t rows);
 
   Shape activation_shape() const override { return {rows_, model_.config().shape().hidden}; }
+  DType activation_dtype() const override { return model_.options().residual_dtype; }
   Device device() const override { return model_.options().device; }
   Tensor forward(int micro_batch, const Tensor& input) override;
   Tensor backward_input(int micro_batch, const Tensor& doutput) override;

@@ -124,9 +124,9 @@ models::LossSum Pipelining::forward_loss(const models::MicroBatch& mb) {
         input = handed;
       } else {
         input = Tensor::empty({mb.batch * mb.seq / sequence_split_, model.config().shape().hidden},
-                              DType::f32, model.options().device);
+                              model.options().residual_dtype, model.options().device);
         const pipeline::Link link = links_.from(pipeline::Message::activation, from.rank);
-        link.comm->recv(input.raw(), input.numel(), comm::Type::f32, link.peer, link.tag).wait();
+        link.comm->recv(input.raw(), input.numel(), comm::type_of(input.dtype()), link.peer, link.tag).wait();
       }
     }
     const models::StageOutput out = model.forward(mb, input, nullptr);
@@ -137,8 +137,8 @@ models::LossSum Pipelining::forward_loss(const models::MicroBatch& mb) {
         handed = out.hidden;
       } else {
         const pipeline::Link link = links_.to(pipeline::Message::activation, to.rank);
-        sends.push_back(
-            link.comm->send(out.hidden.raw(), out.hidden.numel(), comm::Type::f32, link.peer, link.tag));
+        sends.push_back(link.comm->send(out.hidden.raw(), out.hidden.numel(),
+                                        comm::type_of(out.hidden.dtype()), link.peer, link.tag));
         // Started now: a NCCL communicator launches a posted send only at its next test or wait, and the
         // next stage waits for it while this rank may wait for another stage's output.
         sends.back().test();

@@ -27,6 +27,7 @@ sim::Strategy strategy_of(const TrainConfig& c, int world_size) {
   s.recompute = c.train.recompute;
   s.dtype = c.gemm_dtype();
   s.activation_dtype = c.activation_dtype();
+  s.fp32_residual = c.train.fp32_residual;
   s.fp8 = c.fp8_options();
   s.fp8_recipe = c.fp8.recipe.name();
   s.moe_capacity_factor = c.moe.capacity_factor, s.moe_pad_to_capacity = c.moe.pad_to_capacity;

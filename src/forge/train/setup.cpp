@@ -369,6 +369,7 @@ void TrainSetup::make_compute_options() {
   options.device = device;
   options.gemm_dtype = c.gemm_dtype();
   options.activation_dtype = c.activation_dtype();
+  options.residual_dtype = c.residual_dtype();
   options.hidden_dropout = static_cast<float>(c.train.hidden_dropout);
   // Its own stream of the run's seed: the masks share no counters with the initialisation's.
   options.dropout_seed = c.model.seed ^ 0xD7090E7D7090E7D7ull;

@@ -643,6 +643,51 @@ TEST_P(AttentionOp, Backward) {
   expect_gradients_match_finite_differences(pr);
 }
 
+// bf16 tensors (a bf16 run's q|k|v, core output and their gradients, AttentionParams's dtype): on inputs that
+// bf16 holds exactly, a backend's bf16 kernel is its fp32 kernel with other loads and stores (the CPU widens
+// into the same fp32 tiles; the GPU stages the same bf16 copies), so it must write that device's fp32 results
+// rounded once, bit for bit: out and every padding element (the sentinel, rounded) from the forward, the same
+// lse, and dq, dk, dv from a backward that reads the rounded out.
+TEST_P(AttentionOp, Bf16TensorsHoldTheFp32ResultRoundedOnce) {
+  const Case& c = test_case();
+  Problem pr(c, 31);
+  const auto exact = [](std::vector<float>& v) {
+    for (float& x : v) x = bf16_to_float(float_to_bf16(x));
+  };
+  const auto to_bits = [](const std::vector<float>& v) {
+    std::vector<uint16_t> bits(v.size());
+    for (size_t i = 0; i < v.size(); ++i) bits[i] = float_to_bf16(v[i]);
+    return bits;
+  };
+  exact(pr.inputs), exact(pr.dout);
+  // fp32 on the device: forward, then backward over the forward's out rounded to bf16.
+  Buffers f32(device(), pr);
+  FORGE_TEST_OP(attention_forward, device(), f32.params(pr));
+  std::vector<float> out = f32.out.download();
+  const std::vector<float> lse = f32.lse.download();
+  const std::vector<uint16_t> out_bits = to_bits(out);
+  exact(out);
+  f32.out.upload(out);
+  FORGE_TEST_OP(attention_backward, device(), f32.params(pr));
+  const std::vector<uint16_t> grads_bits = to_bits(f32.grads.download());
+  // bf16 on the device.
+  DeviceArray<uint16_t> in(device(), to_bits(pr.inputs)), dout(device(), to_bits(pr.dout)),
+      out16(device(), to_bits(pr.out)), grads16(device(), to_bits(pr.grads));
+  DeviceArray<float> lse16(device(), pr.lse);
+  const auto bf16_params = [&] {
+    ops::AttentionParams p = f32.params(pr);
+    p.q = in.data(), p.k = in.data() + pr.k_offset, p.v = in.data() + pr.v_offset;
+    p.out = out16.data(), p.lse = lse16.data(), p.dout = dout.data();
+    p.dq = grads16.data(), p.dk = grads16.data() + pr.k_offset, p.dv = grads16.data() + pr.v_offset;
+    return p;
+  };
+  FORGE_TEST_OP(attention_forward, device(), bf16_params());
+  EXPECT_EQ(out16.download(), out_bits) << c.name() << " out";
+  EXPECT_EQ(lse16.download(), lse) << c.name() << " lse";
+  FORGE_TEST_OP(attention_backward, device(), bf16_params());
+  EXPECT_EQ(grads16.download(), grads_bits) << c.name() << " dq, dk, dv";
+}
+
 class AttentionCacheOp : public AttentionOp {};
 
 TEST_P(AttentionCacheOp, Forward) {

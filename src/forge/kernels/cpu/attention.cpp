@@ -93,6 +93,13 @@ ops::AttentionParams with_defaults(ops::AttentionParams p) {
   return p;
 }
 
+// A few queries against a longer cache (decoding): query tiles would leave most of their lanes idle, so the
+// decode kernel keeps keys in the lanes instead. Training's square attention always takes the tiles above.
+constexpr int64_t kDecodeMaxQueries = 16;
+bool use_decode_kernel(const ops::AttentionParams& p) {
+  return p.seq <= kDecodeMaxQueries && (p.kv_seq != p.seq || p.q_offset != 0);
+}
+
 bool supports(const ops::AttentionParams& p, bool backward, std::string* reason) {
   using ops::refuse;
   if (!(p.batch > 0 && p.seq > 0 && p.heads > 0 && p.kv_heads > 0 && p.head_dim > 0))
@@ -116,6 +123,10 @@ bool supports(const ops::AttentionParams& p, bool backward, std::string* reason)
     return refuse(reason, "attention: seq {} / kv_seq {} too long (positions are compared as floats)",
                   p.q_offset + p.seq, kv_seq);
   if (!(p.q && p.k && p.v && p.out)) return refuse(reason, "attention: q, k, v and out must be set");
+  if (!(p.k.dtype() == p.dtype() && p.v.dtype() == p.dtype() && p.out.dtype() == p.dtype()))
+    return refuse(reason, "attention: q, k, v and out must hold one dtype (q {}, k {}, v {}, out {})",
+                  dtype_name(p.q.dtype()), dtype_name(p.k.dtype()), dtype_name(p.v.dtype()),
+                  dtype_name(p.out.dtype()));
   if (!p.lse && backward) return refuse(reason, "attention backward: lse must be set");
   const int64_t q_width = p.heads * p.head_dim, kv_width = p.kv_heads * p.head_dim;
   const int64_t out_width = p.heads * v_dim, v_width = p.kv_heads * v_dim;
@@ -139,6 +150,10 @@ bool supports(const ops::AttentionParams& p, bool backward, std::string* reason)
          (p.v_batch_stride == 0 || p.v_batch_stride >= std::max(kv_seq * p.v_stride, p.kv_heads * v_head)))))
     return refuse(reason, "attention: batch strides {} / {} overlap sequences of {} keys", p.k_batch_stride,
                   p.v_batch_stride, kv_seq);
+  if (p.dtype() != DType::f32 && use_decode_kernel(with_defaults(p)))
+    return refuse(reason,
+                  "attention: decoding over a key/value cache takes fp32 queries, keys and values, not {}",
+                  dtype_name(p.dtype()));
   if (!backward) return true;
   if (!(kv_seq == p.seq && (p.q_offset == 0 || !p.causal) && k_head == p.head_dim && v_head == v_dim &&
         (p.k_batch_stride == 0 || p.k_batch_stride == p.seq * p.k_stride) &&
@@ -149,6 +164,10 @@ bool supports(const ops::AttentionParams& p, bool backward, std::string* reason)
         "without the causal mask) is supported");
   if (!(p.dout && p.dq && p.dk && p.dv))
     return refuse(reason, "attention backward: dout, dq, dk and dv must be set");
+  if (!(p.dout.dtype() == p.dtype() && p.dq.dtype() == p.dtype() && p.dk.dtype() == p.dtype() &&
+        p.dv.dtype() == p.dtype()))
+    return refuse(reason, "attention backward: dout, dq, dk and dv must hold q's dtype {}",
+                  dtype_name(p.dtype()));
   if (!(p.dout_stride >= out_width && p.dq_stride >= q_width))
     return refuse(reason, "attention backward: dout_stride {} / dq_stride {} < {} / {}", p.dout_stride,
                   p.dq_stride, out_width, q_width);
@@ -178,6 +197,7 @@ Item item_at(int64_t n, const Geometry& g, int64_t members, bool heavy_blocks_la
 
 int64_t forward_tile_floats(int64_t dim, int64_t v_dim) { return (dim + v_dim) * kBlock + kBlock * kBlock; }
 
+template <typename T>
 void forward_block(const ops::AttentionParams& p, const Geometry& g, const Item& it, float* tiles,
                    RowStage& stage) {
   const int64_t dim = g.head_dim, v_dim = g.v_dim, h = it.kv_head * g.group + it.member, b = it.batch;
@@ -185,9 +205,9 @@ void forward_block(const ops::AttentionParams& p, const Geometry& g, const Item&
   float* qt = tiles;                // [dim, kBlock] queries, pre-scaled into base-2 logits
   float* ot = qt + dim * kBlock;    // [v_dim, kBlock] unnormalised output
   float* st = ot + v_dim * kBlock;  // [kBlock keys, kBlock queries] scores, then probabilities
-  const float* k = p.k + b * p.k_batch_stride + it.kv_head * p.k_head_stride;
-  const float* v = p.v + b * p.v_batch_stride + it.kv_head * p.v_head_stride;
-  pack_transposed(p.q + g.at(b, q0, h, p.q_stride), p.q_stride, nq, dim, p.scale * kLog2e, qt);
+  const T* k = typed<T>(p.k) + b * p.k_batch_stride + it.kv_head * p.k_head_stride;
+  const T* v = typed<T>(p.v) + b * p.v_batch_stride + it.kv_head * p.v_head_stride;
+  pack_transposed(typed<T>(p.q) + g.at(b, q0, h, p.q_stride), p.q_stride, nq, dim, p.scale * kLog2e, qt);
 
   // Queries of this block sit at key positions q_offset + q0 + i.
   const int64_t first_query = g.q_offset + q0;
@@ -247,7 +267,8 @@ void forward_block(const ops::AttentionParams& p, const Geometry& g, const Item&
     float* lse = p.lse + (b * g.heads + h) * g.seq + q0;
     for (int64_t i = 0; i < nq; ++i) lse[i] = (m_lanes[i] + std::log2(l_lanes[i])) * kLn2;
   }
-  unpack_transposed(ot, nq, v_dim, 1.0f, inverse_l, p.out + g.at_v(b, q0, h, p.out_stride), p.out_stride);
+  unpack_transposed(ot, nq, v_dim, 1.0f, inverse_l, typed<T>(p.out) + g.at_v(b, q0, h, p.out_stride),
+                    p.out_stride);
 }
 
 // ---- backward ----
@@ -256,20 +277,21 @@ void forward_block(const ops::AttentionParams& p, const Geometry& g, const Item&
 inline Vec capped_slope(const Vec& tanh) { return sub(splat(1.0f), mul(tanh, tanh)); }
 
 // delta[b, h, t] = <dout_t, out_t> for every row (FlashAttention-2's D = rowsum(dO o O)).
+template <typename T>
 void row_dots(const ops::AttentionParams& p, const Geometry& g, float* delta) {
 #pragma omp parallel for schedule(static)
   for (int64_t token = 0; token < g.batch * g.seq; ++token) {
     const int64_t b = token / g.seq, t = token % g.seq;
     for (int64_t h = 0; h < g.heads; ++h) {
-      const float* dout = p.dout + g.at_v(b, t, h, p.dout_stride);
-      const float* out = p.out + g.at_v(b, t, h, p.out_stride);
+      const T* dout = typed<T>(p.dout) + g.at_v(b, t, h, p.dout_stride);
+      const T* out = typed<T>(p.out) + g.at_v(b, t, h, p.out_stride);
       Vec lanes = splat(0.0f);
       int64_t d = 0;
       for (; d + kLanes <= g.v_dim; d += kLanes) lanes = fmadd(load(dout + d), load(out + d), lanes);
       float partial[kLanes], s = 0.0f;
       store(partial, lanes);
       for (float x : partial) s += x;
-      for (; d < g.v_dim; ++d) s += dout[d] * out[d];
+      for (; d < g.v_dim; ++d) s += load_float(dout, d) * load_float(out, d);
       delta[(b * g.heads + h) * g.seq + t] = s;
     }
   }
@@ -288,6 +310,7 @@ int64_t backward_tile_floats(int64_t dim, int64_t v_dim) {
 //
 // Scores here are q k^T with q pre-scaled (the dQ pass computes k q^T the same way), so that both schemes
 // form every P, dS and dQ sum from the same operands in the same order: their dQ agree bitwise.
+template <typename T>
 void backward_key_block(const ops::AttentionParams& p, const Geometry& g, const Item& it, const float* delta,
                         float* tiles, RowStage& stage, float* dq_rows) {
   const int64_t dim = g.head_dim, v_dim = g.v_dim, b = it.batch, kvh = it.kv_head, dq_width = padded_dim(dim);
@@ -299,9 +322,9 @@ void backward_key_block(const ops::AttentionParams& p, const Geometry& g, const 
   float* pt = dvt + v_dim * kBlock;                // [kBlock queries, kBlock keys] probabilities
   float* dst = pt + kBlock * kBlock;               // [kBlock queries, kBlock keys] dP, then dS
   float* kr = dst + kBlock * kBlock + 2 * kBlock;  // [kBlock keys, dq_width] rows of k, zero-padded
-  const float* k = p.k + g.at(b, k0, kvh, p.k_stride);
+  const T* k = typed<T>(p.k) + g.at(b, k0, kvh, p.k_stride);
   pack_transposed(k, p.k_stride, nk, dim, 1.0f, kt);
-  pack_transposed(p.v + g.at_v(b, k0, kvh, p.v_stride), p.v_stride, nk, v_dim, 1.0f, vt);
+  pack_transposed(typed<T>(p.v) + g.at_v(b, k0, kvh, p.v_stride), p.v_stride, nk, v_dim, 1.0f, vt);
   std::fill(dkt, dkt + (dim + v_dim) * kBlock, 0.0f);
   if (dq_rows) {
     std::fill(kr, kr + kBlock * dq_width, 0.0f);
@@ -312,8 +335,8 @@ void backward_key_block(const ops::AttentionParams& p, const Geometry& g, const 
   const float q_factor = p.scale * kLog2e;  // scores in base 2
   for (int64_t member = 0; member < g.group; ++member) {
     const int64_t h = kvh * g.group + member;
-    const float* q = p.q + g.at(b, 0, h, p.q_stride);
-    const float* dout = p.dout + g.at_v(b, 0, h, p.dout_stride);
+    const T* q = typed<T>(p.q) + g.at(b, 0, h, p.q_stride);
+    const T* dout = typed<T>(p.dout) + g.at_v(b, 0, h, p.dout_stride);
     // Under the causal mask queries before k0 see none of these keys; under a window neither do queries at
     // or past k0 + nk - 1 + window.
     const int64_t q_end = g.window > 0 ? std::min(g.seq, k0 + nk - 1 + g.window - g.q_offset) : g.seq;
@@ -357,30 +380,33 @@ void backward_key_block(const ops::AttentionParams& p, const Geometry& g, const 
     }
   }
   // dK = scale dS^T q = ln2 dS^T (q_factor q), with no division by a zero scale.
-  unpack_transposed(dkt, nk, dim, kLn2, nullptr, p.dk + g.at(b, k0, kvh, p.dk_stride), p.dk_stride);
-  unpack_transposed(dvt, nk, v_dim, 1.0f, nullptr, p.dv + g.at_v(b, k0, kvh, p.dv_stride), p.dv_stride);
+  unpack_transposed(dkt, nk, dim, kLn2, nullptr, typed<T>(p.dk) + g.at(b, k0, kvh, p.dk_stride), p.dk_stride);
+  unpack_transposed(dvt, nk, v_dim, 1.0f, nullptr, typed<T>(p.dv) + g.at_v(b, k0, kvh, p.dv_stride),
+                    p.dv_stride);
 }
 
 // The fused scheme: one item = one (batch, kv head) pair, all its key blocks in order, dQ accumulated in the
 // thread's rows and written at the end. Five block products per block pair instead of the two-pass
 // scheme's seven, but only batch * kv_heads items.
+template <typename T>
 void backward_pair(const ops::AttentionParams& p, const Geometry& g, int64_t pair, const float* delta,
                    float* tiles, RowStage& stage, float* dq_rows) {
   const int64_t dq_width = padded_dim(g.head_dim);
   std::fill(dq_rows, dq_rows + g.group * g.seq * dq_width, 0.0f);
   for (int64_t kb = 0; kb < g.blocks; ++kb)
-    backward_key_block(p, g, item_at(pair * g.blocks + kb, g, 1, false), delta, tiles, stage, dq_rows);
+    backward_key_block<T>(p, g, item_at(pair * g.blocks + kb, g, 1, false), delta, tiles, stage, dq_rows);
   const int64_t b = pair / g.kv_heads, kvh = pair % g.kv_heads;
   for (int64_t member = 0; member < g.group; ++member) {
-    float* dq = p.dq + g.at(b, 0, kvh * g.group + member, p.dq_stride);
+    T* dq = typed<T>(p.dq) + g.at(b, 0, kvh * g.group + member, p.dq_stride);
     for (int64_t t = 0; t < g.seq; ++t) {
       const float* acc = dq_rows + (member * g.seq + t) * dq_width;
-      for (int64_t d = 0; d < g.head_dim; ++d) dq[t * p.dq_stride + d] = acc[d] * p.scale;
+      for (int64_t d = 0; d < g.head_dim; ++d) store_float(dq, t * p.dq_stride + d, acc[d] * p.scale);
     }
   }
 }
 
 // Pass 2: one item = (batch, head, query block); dQ.
+template <typename T>
 void backward_query_block(const ops::AttentionParams& p, const Geometry& g, const Item& it,
                           const float* delta, float* tiles, RowStage& stage) {
   const int64_t dim = g.head_dim, v_dim = g.v_dim, h = it.kv_head * g.group + it.member, b = it.batch;
@@ -391,8 +417,8 @@ void backward_query_block(const ops::AttentionParams& p, const Geometry& g, cons
   float* st = dqt + dim * kBlock;        // [kBlock keys, kBlock queries] scores
   float* dst = st + kBlock * kBlock;     // [kBlock keys, kBlock queries] dP, then dS
   float* lanes = dst + kBlock * kBlock;  // [2, kBlock] base-2 lse and delta per query lane
-  pack_transposed(p.q + g.at(b, q0, h, p.q_stride), p.q_stride, nq, dim, p.scale * kLog2e, qt);
-  pack_transposed(p.dout + g.at_v(b, q0, h, p.dout_stride), p.dout_stride, nq, v_dim, 1.0f, dot);
+  pack_transposed(typed<T>(p.q) + g.at(b, q0, h, p.q_stride), p.q_stride, nq, dim, p.scale * kLog2e, qt);
+  pack_transposed(typed<T>(p.dout) + g.at_v(b, q0, h, p.dout_stride), p.dout_stride, nq, v_dim, 1.0f, dot);
   const float* lse = p.lse + (b * g.heads + h) * g.seq + q0;
   const float* row_delta = delta + (b * g.heads + h) * g.seq + q0;
   for (int64_t i = 0; i < kBlock; ++i) {
@@ -402,8 +428,8 @@ void backward_query_block(const ops::AttentionParams& p, const Geometry& g, cons
   Vec lse_lanes[kVectors], delta_lanes[kVectors];
   for (int i = 0; i < kVectors; ++i)
     lse_lanes[i] = load(lanes + i * kLanes), delta_lanes[i] = load(lanes + kBlock + i * kLanes);
-  const float* k = p.k + g.at(b, 0, it.kv_head, p.k_stride);
-  const float* v = p.v + g.at_v(b, 0, it.kv_head, p.v_stride);
+  const T* k = typed<T>(p.k) + g.at(b, 0, it.kv_head, p.k_stride);
+  const T* v = typed<T>(p.v) + g.at_v(b, 0, it.kv_head, p.v_stride);
 
   const int64_t first_query = g.q_offset + q0, last_query = first_query + nq - 1;
   const LaneIndex query(first_query);
@@ -435,14 +461,8 @@ void backward_query_block(const ops::AttentionParams& p, const Geometry& g, cons
     else
       tile_gemm<false, Init::accumulate>(dim, kr, dim, nk, dst, dqt);
   }
-  unpack_transposed(dqt, nq, dim, p.scale, nullptr, p.dq + g.at(b, q0, h, p.dq_stride), p.dq_stride);
-}
-
-// A few queries against a longer cache (decoding): query tiles would leave most of their lanes idle, so the
-// decode kernel keeps keys in the lanes instead. Training's square attention always takes the tiles above.
-constexpr int64_t kDecodeMaxQueries = 16;
-bool use_decode_kernel(const ops::AttentionParams& p) {
-  return p.seq <= kDecodeMaxQueries && (p.kv_seq != p.seq || p.q_offset != 0);
+  unpack_transposed(dqt, nq, dim, p.scale, nullptr, typed<T>(p.dq) + g.at(b, q0, h, p.dq_stride),
+                    p.dq_stride);
 }
 
 }  // namespace
@@ -454,10 +474,10 @@ bool supports_attention_backward(const ops::AttentionParams& p, std::string* rea
   return supports(p, true, reason);
 }
 
-void attention_forward(const ops::AttentionParams& params) {
-  check_params(params, false);
-  const ops::AttentionParams p = with_defaults(params);
-  if (use_decode_kernel(p)) return attention_forward_decode(p);
+namespace {
+
+template <typename T>
+void run_forward(const ops::AttentionParams& p) {
   const Geometry g(p);
   // Staged rows: k (head_dim) and v (v_dim) of one (batch, kv head) pair.
   const int64_t tile_floats = forward_tile_floats(g.head_dim, g.v_dim),
@@ -469,8 +489,18 @@ void attention_forward(const ops::AttentionParams& params) {
     RowStage stage(mine + tile_floats, 1, capacity, g.head_dim, g.v_dim);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t n = 0; n < g.batch * g.heads * g.blocks; ++n)
-      forward_block(p, g, item_at(n, g, g.group, p.causal), mine, stage);
+      forward_block<T>(p, g, item_at(n, g, g.group, p.causal), mine, stage);
   }
+}
+
+}  // namespace
+
+void attention_forward(const ops::AttentionParams& params) {
+  check_params(params, false);
+  const ops::AttentionParams p = with_defaults(params);
+  if (use_decode_kernel(p)) return attention_forward_decode(p);
+  if (p.dtype() == DType::bf16) return run_forward<uint16_t>(p);
+  run_forward<float>(p);
 }
 
 // The fused scheme does 5/7 of the two-pass scheme's block products but spreads only batch * kv_heads
@@ -484,12 +514,13 @@ bool use_fused_backward(const Geometry& g, int threads) {
          g.group * g.seq * padded_dim(g.head_dim) <= kMaxAccumulatorFloats;
 }
 
-void attention_backward(const ops::AttentionParams& params) {
-  check_params(params, true);
-  const ops::AttentionParams p = with_defaults(params);
+namespace {
+
+template <typename T>
+void run_backward(const ops::AttentionParams& p) {
   const Geometry g(p);
   std::vector<float> delta(g.batch * g.heads * g.seq);
-  row_dots(p, g, delta.data());
+  row_dots<T>(p, g, delta.data());
   const bool fused = use_fused_backward(g, omp_get_max_threads());
   // Staged rows: q (head_dim) and dout (v_dim) of each of the group's heads in the dK/dV pass, k and v in the
   // dQ pass.
@@ -506,21 +537,30 @@ void attention_backward(const ops::AttentionParams& params) {
       RowStage stage(staged, g.group, capacity, g.head_dim, g.v_dim);
 #pragma omp for schedule(dynamic, 1)
       for (int64_t pair = 0; pair < g.batch * g.kv_heads; ++pair)
-        backward_pair(p, g, pair, delta.data(), mine, stage, staged + capacity * row_floats);
+        backward_pair<T>(p, g, pair, delta.data(), mine, stage, staged + capacity * row_floats);
     } else {
       {
         RowStage stage(staged, g.group, capacity, g.head_dim, g.v_dim);
         // Early key blocks meet the most queries under the causal mask.
 #pragma omp for schedule(dynamic, 1)
         for (int64_t n = 0; n < g.batch * g.kv_heads * g.blocks; ++n)
-          backward_key_block(p, g, item_at(n, g, 1, false), delta.data(), mine, stage, nullptr);
+          backward_key_block<T>(p, g, item_at(n, g, 1, false), delta.data(), mine, stage, nullptr);
       }
       RowStage stage(staged, 1, capacity, g.head_dim, g.v_dim);
 #pragma omp for schedule(dynamic, 1)
       for (int64_t n = 0; n < g.batch * g.heads * g.blocks; ++n)
-        backward_query_block(p, g, item_at(n, g, g.group, p.causal), delta.data(), mine, stage);
+        backward_query_block<T>(p, g, item_at(n, g, g.group, p.causal), delta.data(), mine, stage);
     }
   }
+}
+
+}  // namespace
+
+void attention_backward(const ops::AttentionParams& params) {
+  check_params(params, true);
+  const ops::AttentionParams p = with_defaults(params);
+  if (p.dtype() == DType::bf16) return run_backward<uint16_t>(p);
+  run_backward<float>(p);
 }
 
 }  // namespace forge::cpu

@@ -133,11 +133,11 @@ void decode_chunk(const ops::AttentionParams& p, const DecodeGeometry& g, int64_
   }
   if (v_staged) std::fill(vr, vr + kBlock * v_width, 0.0f);
   for (int64_t member = 0; member < g.group; ++member) {
-    const float* q = p.q + b * g.seq * p.q_stride + (kv_head * g.group + member) * dim;
+    const float* q = p.q.f32() + b * g.seq * p.q_stride + (kv_head * g.group + member) * dim;
     copy_rows(q, p.q_stride, g.seq, dim, p.scale * kLog2e, qs + member * g.seq * width, width);
   }
-  const float* k = p.k + b * p.k_batch_stride + kv_head * p.k_head_stride;
-  const float* v = p.v + b * p.v_batch_stride + kv_head * p.v_head_stride;
+  const float* k = p.k.f32() + b * p.k_batch_stride + kv_head * p.k_head_stride;
+  const float* v = p.v.f32() + b * p.v_batch_stride + kv_head * p.v_head_stride;
   const int64_t k_stride = k_staged ? width : p.k_stride, v_stride = v_staged ? v_width : p.v_stride;
 
   for (int64_t k0 = key_begin; k0 < key_end; k0 += kBlock) {
@@ -198,7 +198,7 @@ void combine_pair(const ops::AttentionParams& p, const DecodeGeometry& g, int64_
     for (int64_t c = 0; c < g.chunks; ++c) row_max = std::max(row_max, m[(first_item + c) * item_rows + r]);
     float total = 0.0f;
     const int64_t member = r / g.seq, t = r % g.seq, h = kv_head * g.group + member;
-    float* out = p.out + (b * g.seq + t) * p.out_stride + h * v_dim;
+    float* out = p.out.f32() + (b * g.seq + t) * p.out_stride + h * v_dim;
     std::fill(out, out + v_dim, 0.0f);
     for (int64_t c = 0; c < g.chunks; ++c) {
       const int64_t row = (first_item + c) * item_rows + r;

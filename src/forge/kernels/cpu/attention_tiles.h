@@ -6,11 +6,17 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#include "forge/core/dtype.h"
+#include "forge/core/element_ptr.h"
+#include "forge/kernels/cpu/element_access.h"
 
 #if defined(__AVX512F__)
 // GCC 12 flags its own _mm512_undefined_ps() placeholders as maybe-uninitialized once inlined.
@@ -37,6 +43,11 @@ constexpr float kInfinity = std::numeric_limits<float>::infinity();
 #if defined(__AVX512F__)
 using Vec = __m512;
 inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+// 16 bf16 (their bits) widened.
+inline Vec load(const uint16_t* p) {
+  const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+}
 inline void store(float* p, Vec x) { _mm512_storeu_ps(p, x); }
 inline Vec splat(float s) { return _mm512_set1_ps(s); }
 inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c
@@ -64,6 +75,11 @@ using VecInt = int32_t __attribute__((vector_size(64)));
 inline Vec load(const float* p) {
   Vec v;
   std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline Vec load(const uint16_t* p) {
+  Vec v;
+  for (int i = 0; i < kLanes; ++i) v[i] = std::bit_cast<float>(static_cast<uint32_t>(p[i]) << 16);
   return v;
 }
 inline void store(float* p, const Vec& x) { std::memcpy(p, &x, sizeof x); }
@@ -242,22 +258,42 @@ void tile_gemm(int64_t rows, const float* a, int64_t stride, int64_t depth, cons
 // Rows of q, k, v, out, dout sit a token stride apart, usually on separate pages, where the hardware
 // prefetchers do not follow; the copy loops below request rows a few ahead to keep more misses in flight.
 constexpr int64_t kRowsAhead = 8;
-inline void prefetch_row(const float* row, int64_t dim, bool for_write = false) {
-  for (int64_t d = 0; d < dim; d += 64 / sizeof(float)) {
+template <typename T>
+inline void prefetch_row(const T* row, int64_t dim, bool for_write = false) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(T)); b += 64) {
     if (for_write)
-      __builtin_prefetch(row + d, 1, 3);
+      __builtin_prefetch(bytes + b, 1, 3);
     else
-      __builtin_prefetch(row + d, 0, 3);
+      __builtin_prefetch(bytes + b, 0, 3);
   }
+}
+
+// The typed pointer behind a kernel parameter that may hold either (core/element_ptr.h).
+template <typename T>
+const T* typed(const ConstElements& p) {
+  if constexpr (std::is_same_v<T, float>)
+    return p.f32();
+  else
+    return p.bf16();
+}
+template <typename T>
+T* typed(const Elements& p) {
+  if constexpr (std::is_same_v<T, float>)
+    return p.f32();
+  else
+    return p.bf16();
 }
 
 // panel[d, i] = rows[i * stride + d] * factor for i < count; lanes count..kBlock-1 are zero. The rows are
 // usually cold (fresh q, k, v, dout): gathering 16 rows at once keeps 16 cache misses in flight, where
-// scalar transposing stores would fill the store buffer and serialise them.
-inline void pack_transposed(const float* rows, int64_t stride, int64_t count, int64_t dim, float factor,
+// scalar transposing stores would fill the store buffer and serialise them. bf16 rows (T = uint16_t) are
+// widened in the scalar loop: one pass over rows that the tiles then reuse a whole block of times.
+template <typename T>
+inline void pack_transposed(const T* rows, int64_t stride, int64_t count, int64_t dim, float factor,
                             float* panel) {
 #if defined(__AVX512F__)
-  if (stride < std::numeric_limits<int32_t>::max() / kLanes) {
+  if (std::is_same_v<T, float> && stride < std::numeric_limits<int32_t>::max() / kLanes) {
     const __m512i offsets =
         _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                            _mm512_set1_epi32(static_cast<int32_t>(stride)));
@@ -268,7 +304,7 @@ inline void pack_transposed(const float* rows, int64_t stride, int64_t count, in
         continue;
       }
       const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
-      const float* base = rows + g * kLanes * stride;
+      const float* base = reinterpret_cast<const float*>(rows) + g * kLanes * stride;
       for (int64_t i = (g + 1) * kLanes; i < std::min<int64_t>(count, (g + 2) * kLanes); ++i)
         prefetch_row(rows + i * stride, dim);
       for (int64_t d = 0; d < dim; ++d) {
@@ -281,14 +317,16 @@ inline void pack_transposed(const float* rows, int64_t stride, int64_t count, in
 #endif
   for (int64_t d = 0; d < dim; ++d) std::fill(panel + d * kBlock + count, panel + (d + 1) * kBlock, 0.0f);
   for (int64_t i = 0; i < count; ++i)
-    for (int64_t d = 0; d < dim; ++d) panel[d * kBlock + i] = rows[i * stride + d] * factor;
+    for (int64_t d = 0; d < dim; ++d) panel[d * kBlock + i] = load_float(rows, i * stride + d) * factor;
 }
 
 // rows[i * stride + d] = panel[d, i] * factor * row_factor[i] (row_factor may be null) for i < count: the
 // inverse of pack_transposed. Gathers from the L1-resident panel so that each output row is written with
-// full-vector stores. (Streaming stores past the cache measured 2x slower here.)
+// full-vector stores. (Streaming stores past the cache measured 2x slower here.) bf16 rows (T = uint16_t)
+// get each value rounded once.
+template <typename T>
 inline void unpack_transposed(const float* panel, int64_t count, int64_t dim, float factor,
-                              const float* row_factor, float* rows, int64_t stride) {
+                              const float* row_factor, T* rows, int64_t stride) {
 #if defined(__AVX512F__)
   const __m512i offsets = _mm512_mullo_epi32(
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(kBlock));
@@ -297,23 +335,26 @@ inline void unpack_transposed(const float* panel, int64_t count, int64_t dim, fl
     if (i + kRowsAhead < count) prefetch_row(rows + (i + kRowsAhead) * stride, dim, true);
     const float f = row_factor ? factor * row_factor[i] : factor;
     int64_t d = 0;
+    if constexpr (std::is_same_v<T, float>) {
 #if defined(__AVX512F__)
-    for (; d + kLanes <= dim; d += kLanes)
-      store(rows + i * stride + d, mul(_mm512_i32gather_ps(offsets, panel + d * kBlock + i, 4), splat(f)));
+      for (; d + kLanes <= dim; d += kLanes)
+        store(rows + i * stride + d, mul(_mm512_i32gather_ps(offsets, panel + d * kBlock + i, 4), splat(f)));
 #endif
-    for (; d < dim; ++d) rows[i * stride + d] = panel[d * kBlock + i] * f;
+    }
+    for (; d < dim; ++d) store_float(rows, i * stride + d, panel[d * kBlock + i] * f);
   }
 }
 
-// tile[i * tile_stride + d] = rows[i * stride + d] * factor for i < count, d < dim.
-inline void copy_rows(const float* rows, int64_t stride, int64_t count, int64_t dim, float factor,
-                      float* tile, int64_t tile_stride) {
+// tile[i * tile_stride + d] = rows[i * stride + d] * factor for i < count, d < dim (bf16 rows widened).
+template <typename T>
+inline void copy_rows(const T* rows, int64_t stride, int64_t count, int64_t dim, float factor, float* tile,
+                      int64_t tile_stride) {
   for (int64_t i = 0; i < count; ++i) {
     if (i + kRowsAhead < count) prefetch_row(rows + (i + kRowsAhead) * stride, dim);
     int64_t d = 0;
     for (; d + kLanes <= dim; d += kLanes)
       store(tile + i * tile_stride + d, mul(load(rows + i * stride + d), splat(factor)));
-    for (; d < dim; ++d) tile[i * tile_stride + d] = rows[i * stride + d] * factor;
+    for (; d < dim; ++d) tile[i * tile_stride + d] = load_float(rows, i * stride + d) * factor;
   }
 }
 
@@ -333,7 +374,8 @@ class RowStage {
   // Rows [first, first + count) of `source` (row r at base + r * stride), times `factor` (fixed per source),
   // as a [count, dim] block, dim the source's width. `owner` identifies the (batch, kv head) pair; a new
   // owner drops every window.
-  const float* rows(int64_t owner, int64_t source, const float* base, int64_t stride, int64_t first,
+  template <typename T>
+  const float* rows(int64_t owner, int64_t source, const T* base, int64_t stride, int64_t first,
                     int64_t count, float factor = 1.0f) {
     if (owner != owner_) {
       owner_ = owner;

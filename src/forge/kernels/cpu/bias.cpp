@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "forge/kernels/cpu/cpu_kernels.h"
+#include "forge/kernels/cpu/element_access.h"
 
 namespace forge::cpu {
 namespace {
@@ -22,37 +23,20 @@ bool supports(const ops::BiasParams& p, const char* op, const char* matrix, int6
   return true;
 }
 
-}  // namespace
-
-bool supports_bias_add(const ops::BiasParams& p, std::string* reason) {
-  constexpr const char* op = "bias_add";
-  if (!supports(p, op, "y", p.y_ld, reason)) return false;
-  return p.rows * p.n == 0 ||
-         (ops::pointer_set(p.y, op, "y", reason) && ops::pointer_set(p.bias, op, "bias", reason));
-}
-
-bool supports_bias_backward(const ops::BiasParams& p, std::string* reason) {
-  constexpr const char* op = "bias_backward";
-  if (!supports(p, op, "dy", p.dy_ld, reason)) return false;
-  return p.rows * p.n == 0 ||
-         (ops::pointer_set(p.dy, op, "dy", reason) && ops::pointer_set(p.dbias, op, "dbias", reason));
-}
-
-void bias_add(const ops::BiasParams& p) {
-  if (std::string why; !supports_bias_add(p, &why)) fail("{}", why);
+template <typename T>
+void add_rows(const ops::BiasParams& p, T* y) {
   const int64_t n = p.n, ld = p.y_ld > 0 ? p.y_ld : n;
   const float* bias = p.bias;
 #pragma omp parallel for schedule(static) if (p.rows * n > kParallelElements)
   for (int64_t r = 0; r < p.rows; ++r) {
-    float* y = p.y + r * ld;
+    auto* row = y + r * ld;
 #pragma omp simd
-    for (int64_t j = 0; j < n; ++j) y[j] += bias[j];
+    for (int64_t j = 0; j < n; ++j) store_float(row, j, load_float(row, j) + bias[j]);
   }
 }
 
-// dbias_j += sum_r dy_rj.
-void bias_backward(const ops::BiasParams& p) {
-  if (std::string why; !supports_bias_backward(p, &why)) fail("{}", why);
+template <typename T>
+void sum_rows(const ops::BiasParams& p, const T* dy) {
   const int64_t n = p.n, ld = p.dy_ld > 0 ? p.dy_ld : n;
   const int64_t blocks = (p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
   if (blocks == 0 || n == 0) return;
@@ -64,13 +48,40 @@ void bias_backward(const ops::BiasParams& p) {
       float* acc = partial.data() + b * n;
       const int64_t end = std::min(p.rows, (b + 1) * kRowsPerBlock);
       for (int64_t r = b * kRowsPerBlock; r < end; ++r) {
-        const float* dy = p.dy + r * ld;
+        const auto* row = dy + r * ld;
 #pragma omp simd
-        for (int64_t j = 0; j < n; ++j) acc[j] += dy[j];
+        for (int64_t j = 0; j < n; ++j) acc[j] += load_float(row, j);
       }
     }
     add_block_partials(partial.data(), blocks, n, p.dbias);
   }
+}
+
+}  // namespace
+
+bool supports_bias_add(const ops::BiasParams& p, std::string* reason) {
+  constexpr const char* op = "bias_add";
+  if (!supports(p, op, "y", p.y_ld, reason)) return false;
+  return p.rows * p.n == 0 ||
+         (ops::pointer_set(p.y.get(), op, "y", reason) && ops::pointer_set(p.bias, op, "bias", reason));
+}
+
+bool supports_bias_backward(const ops::BiasParams& p, std::string* reason) {
+  constexpr const char* op = "bias_backward";
+  if (!supports(p, op, "dy", p.dy_ld, reason)) return false;
+  return p.rows * p.n == 0 ||
+         (ops::pointer_set(p.dy.get(), op, "dy", reason) && ops::pointer_set(p.dbias, op, "dbias", reason));
+}
+
+void bias_add(const ops::BiasParams& p) {
+  if (std::string why; !supports_bias_add(p, &why)) fail("{}", why);
+  visit(p.y, [&](auto* y) { add_rows(p, y); });
+}
+
+// dbias_j += sum_r dy_rj.
+void bias_backward(const ops::BiasParams& p) {
+  if (std::string why; !supports_bias_backward(p, &why)) fail("{}", why);
+  visit(p.dy, [&](const auto* dy) { sum_rows(p, dy); });
 }
 
 }  // namespace forge::cpu

@@ -1,12 +1,15 @@
 // The two data-movement ops of attention across a context-parallel group (parallel/context_parallel.cpp):
-// merging a block's partial attention by log-sum-exp, and strided copies that pack and unpack slices.
+// merging a block's partial attention by log-sum-exp, and strided copies that pack and unpack slices (fp32
+// or bf16 on either side, converting).
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "forge/kernels/cpu/cpu_kernels.h"
+#include "forge/kernels/cpu/element_access.h"
 #include "forge/kernels/support.h"
 
 namespace forge::cpu {
@@ -48,28 +51,37 @@ bool supports_strided_copy(const ops::StridedCopyParams& p, std::string* reason)
   return true;
 }
 
-void strided_copy(const ops::StridedCopyParams& p) {
-  if (std::string why; !supports_strided_copy(p, &why)) fail("{}", why);
+namespace {
+
+template <typename Src, typename Dst>
+void copy_rows(const ops::StridedCopyParams& p, const Src* src, Dst* dst) {
   const int64_t outer = p.shape[0] * p.shape[1];
-  if (outer * p.shape[2] == 0) return;
   const bool parallel = outer * p.shape[2] >= 16384;
 #pragma omp parallel for schedule(static) if (parallel)
   for (int64_t ij = 0; ij < outer; ++ij) {
     const int64_t i = ij / p.shape[1], j = ij % p.shape[1];
-    const float* s = p.src + i * p.src_stride[0] + j * p.src_stride[1];
-    float* d = p.dst + i * p.dst_stride[0] + j * p.dst_stride[1];
+    const Src* s = src + i * p.src_stride[0] + j * p.src_stride[1];
+    Dst* d = dst + i * p.dst_stride[0] + j * p.dst_stride[1];
     const int64_t ss = p.src_stride[2], ds = p.dst_stride[2];
-    if (ss == 1 && ds == 1) {
-      if (p.accumulate)
-        for (int64_t k = 0; k < p.shape[2]; ++k) d[k] += s[k];
-      else
+    if constexpr (std::is_same_v<Src, Dst>) {
+      if (ss == 1 && ds == 1 && !p.accumulate) {
         std::copy_n(s, p.shape[2], d);
-    } else if (p.accumulate) {
-      for (int64_t k = 0; k < p.shape[2]; ++k) d[k * ds] += s[k * ss];
-    } else {
-      for (int64_t k = 0; k < p.shape[2]; ++k) d[k * ds] = s[k * ss];
+        continue;
+      }
+    }
+    for (int64_t k = 0; k < p.shape[2]; ++k) {
+      const float x = load_float(s, k * ss);
+      store_float(d, k * ds, p.accumulate ? load_float(d, k * ds) + x : x);
     }
   }
+}
+
+}  // namespace
+
+void strided_copy(const ops::StridedCopyParams& p) {
+  if (std::string why; !supports_strided_copy(p, &why)) fail("{}", why);
+  if (p.shape[0] * p.shape[1] * p.shape[2] == 0) return;
+  visit(p.src, [&](const auto* src) { visit(p.dst, [&](auto* dst) { copy_rows(p, src, dst); }); });
 }
 
 }  // namespace forge::cpu

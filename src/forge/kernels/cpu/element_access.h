@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "forge/core/dtype.h"
+#include "forge/core/element_ptr.h"
 
 namespace forge::cpu {
 
@@ -19,5 +20,28 @@ struct Bf16 {
   static float load(const T* p, int64_t j) { return bf16_to_float(p[j]); }
   static void store(T* p, int64_t j, float v) { p[j] = float_to_bf16(v); }
 };
+
+// The same as overloads, for kernels templated on each tensor's pointer type separately.
+inline float load_float(const float* p, int64_t j) { return p[j]; }
+inline float load_float(const uint16_t* p, int64_t j) { return bf16_to_float(p[j]); }
+inline void store_float(float* p, int64_t j, float v) { p[j] = v; }
+inline void store_float(uint16_t* p, int64_t j, float v) { p[j] = float_to_bf16(v); }
+
+// f(typed pointer) for an fp32 or bf16 kernel parameter (const float* / const uint16_t*, or the writable
+// ones): nest them to instantiate a kernel for every combination of its tensors' dtypes.
+template <typename F>
+void visit(ConstElements p, F&& f) {
+  if (p.dtype() == DType::bf16)
+    f(p.bf16());
+  else
+    f(p.f32());
+}
+template <typename F>
+void visit(Elements p, F&& f) {
+  if (p.dtype() == DType::bf16)
+    f(p.bf16());
+  else
+    f(p.f32());
+}
 
 }  // namespace forge::cpu

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "forge/kernels/cpu/cpu_kernels.h"
+#include "forge/kernels/cpu/element_access.h"
 
 namespace forge::cpu {
 namespace {
@@ -17,7 +18,7 @@ constexpr int64_t kSumBlock = 1 << 14;
 }  // namespace
 
 // The element-wise ops take any size (n <= 0 does nothing) and dereference only what n covers.
-bool supports_add_inplace(float*, const float*, int64_t, std::string*) { return true; }
+bool supports_add_inplace(Elements, ConstElements, int64_t, std::string*) { return true; }
 bool supports_scale_inplace(float*, float, int64_t, std::string*) { return true; }
 bool supports_softcap_inplace(float*, float cap, int64_t, std::string* reason) {
   return cap > 0.0f || ops::refuse(reason, "softcap_inplace: cap {} must be positive", cap);
@@ -27,9 +28,13 @@ bool supports_sum_squares_accumulate(const float*, int64_t, double* total, std::
   return total != nullptr || ops::refuse(reason, "sum_squares_accumulate: total is null");
 }
 
-void add_inplace(float* y, const float* x, int64_t n) {
+void add_inplace(Elements y, ConstElements x, int64_t n) {
+  visit(y, [&](auto* out) {
+    visit(x, [&](const auto* in) {
 #pragma omp parallel for simd schedule(static) if (n > kParallelThreshold)
-  for (int64_t i = 0; i < n; ++i) y[i] += x[i];
+      for (int64_t i = 0; i < n; ++i) store_float(out, i, load_float(out, i) + load_float(in, i));
+    });
+  });
 }
 
 void scale_inplace(float* x, float s, int64_t n) {

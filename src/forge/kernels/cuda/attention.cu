@@ -94,6 +94,12 @@ bool supports(const ops::AttentionParams& p, bool backward, std::string* reason)
     return refuse(reason, "attention: seq " + str(p.q_offset + p.seq) + " / kv_seq " + str(kv_seq) +
                               " too long (positions are compared as floats)");
   if (!(p.q && p.k && p.v && p.out)) return refuse(reason, "attention: q, k, v and out must be set");
+  if (!(p.k.dtype() == p.dtype() && p.v.dtype() == p.dtype() && p.out.dtype() == p.dtype()))
+    return refuse(reason, "attention: q, k, v and out must hold one dtype (q " +
+                              std::string(dtype_name(p.q.dtype())) + ", k " +
+                              std::string(dtype_name(p.k.dtype())) + ", v " +
+                              std::string(dtype_name(p.v.dtype())) + ", out " +
+                              std::string(dtype_name(p.out.dtype())) + ")");
   if (!(p.lse || !backward)) return refuse(reason, "attention backward: lse must be set");
   const int64_t q_width = p.heads * p.head_dim, kv_width = p.kv_heads * p.head_dim;
   const int64_t out_width = p.heads * v_dim, v_width = p.kv_heads * v_dim;
@@ -122,6 +128,10 @@ bool supports(const ops::AttentionParams& p, bool backward, std::string* reason)
   ops::AttentionParams resolved = p;
   resolved.kv_seq = kv_seq;
   if (!backward && use_decode_kernels(resolved)) {
+    if (p.dtype() != DType::f32)
+      return refuse(reason,
+                    "attention: decoding over a key/value cache takes fp32 queries, keys and values, not " +
+                        std::string(dtype_name(p.dtype())));
     if (p.head_dim > attention::kDecodeMaxHeadDim || v_dim > attention::kDecodeMaxHeadDim)
       return refuse(reason, "attention: head_dim " + str(p.head_dim) + " / v_head_dim " + str(v_dim) + " > " +
                                 str(attention::kDecodeMaxHeadDim) +
@@ -148,6 +158,10 @@ bool supports(const ops::AttentionParams& p, bool backward, std::string* reason)
                   "supported");
   if (!(p.dout && p.dq && p.dk && p.dv))
     return refuse(reason, "attention backward: dout, dq, dk and dv must be set");
+  if (!(p.dout.dtype() == p.dtype() && p.dq.dtype() == p.dtype() && p.dk.dtype() == p.dtype() &&
+        p.dv.dtype() == p.dtype()))
+    return refuse(reason, "attention backward: dout, dq, dk and dv must hold q's dtype " +
+                              std::string(dtype_name(p.dtype())));
   if (!(p.dout_stride >= out_width && p.dq_stride >= q_width))
     return refuse(reason, "attention backward: dout_stride " + str(p.dout_stride) + " / dq_stride " +
                               str(p.dq_stride) + " < " + str(out_width) + " / " + str(q_width));
@@ -163,18 +177,23 @@ void check_params(const ops::AttentionParams& p, bool backward) {
 
 int padded_head_dim(int64_t head_dim) { return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256; }
 int64_t padded_rows(int64_t rows) { return (rows + kRowPadding - 1) / kRowPadding * kRowPadding; }
-bool aligned16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
+// Whether rows of `x` starting at multiples of 4 elements take 4-element vector loads (16 bytes of fp32, 8
+// of bf16).
+bool aligned4(ConstElements x) {
+  return reinterpret_cast<uintptr_t>(x.get()) % (4 * dtype_size(x.dtype())) == 0;
+}
 
-// A bf16 copy [batch, heads, padded_rows(tokens), dim] of fp32 rows at src + b * batch_stride +
+// A bf16 copy [batch, heads, padded_rows(tokens), dim] of fp32 or bf16 rows at src + b * batch_stride +
 // h * head_stride + t * token_stride.
-attention::StagingParams staging(const float* src, int64_t batch_stride, int64_t head_stride,
+attention::StagingParams staging(ConstElements src, int64_t batch_stride, int64_t head_stride,
                                  int64_t token_stride, int64_t batch, int64_t heads, int64_t tokens,
                                  int64_t head_dim, int dim, float factor, uint16_t* dst) {
   attention::StagingParams s;
-  s.src = src, s.batch_stride = batch_stride, s.head_stride = head_stride, s.token_stride = token_stride;
+  s.src = src.get(), s.src_bf16 = src.dtype() == DType::bf16;
+  s.batch_stride = batch_stride, s.head_stride = head_stride, s.token_stride = token_stride;
   s.batch = batch, s.heads = heads, s.tokens = tokens, s.padded_tokens = padded_rows(tokens);
   s.head_dim = static_cast<int>(head_dim), s.padded_dim = dim, s.factor = factor, s.dst = dst;
-  s.vector_loads = aligned16(src) && batch_stride % 4 == 0 && head_stride % 4 == 0 && token_stride % 4 == 0;
+  s.vector_loads = aligned4(src) && batch_stride % 4 == 0 && head_stride % 4 == 0 && token_stride % 4 == 0;
   return s;
 }
 
@@ -228,10 +247,10 @@ void launch_backward(const attention::BackwardParams& bp) {
 
 void forward_decode(const ops::AttentionParams& p) {
   attention::DecodeParams d;
-  d.q = p.q, d.q_stride = p.q_stride, d.k = p.k, d.v = p.v;
+  d.q = p.q.f32(), d.q_stride = p.q_stride, d.k = p.k.f32(), d.v = p.v.f32();
   d.k_stride = p.k_stride, d.v_stride = p.v_stride, d.k_head_stride = p.k_head_stride;
   d.v_head_stride = p.v_head_stride, d.k_batch_stride = p.k_batch_stride, d.v_batch_stride = p.v_batch_stride;
-  d.out = p.out, d.out_stride = p.out_stride, d.lse = p.lse;
+  d.out = p.out.f32(), d.out_stride = p.out_stride, d.lse = p.lse;
   d.heads = p.heads, d.group = p.heads / p.kv_heads, d.seq = p.seq, d.kv_seq = p.kv_seq,
   d.q_offset = p.q_offset;
   d.key_end = p.causal ? std::min(p.kv_seq, p.q_offset + p.seq) : p.kv_seq;
@@ -288,7 +307,8 @@ void attention_forward(const ops::AttentionParams& params) {
                 p.v_head_dim, dim, 1.0f, v));
 
   attention::ForwardParams f;
-  f.q = q, f.k = k, f.v = v, f.out = p.out, f.out_stride = p.out_stride, f.lse = p.lse;
+  f.q = q, f.k = k, f.v = v, f.out = p.out.get(), f.out_bf16 = p.out.dtype() == DType::bf16;
+  f.out_stride = p.out_stride, f.lse = p.lse;
   f.batch = p.batch, f.heads = p.heads, f.kv_heads = p.kv_heads, f.group = p.heads / p.kv_heads,
   f.seq = p.seq, f.kv_seq = p.kv_seq;
   f.q_offset = p.q_offset, f.padded_seq = padded_seq, f.padded_kv_seq = padded_kv_seq;
@@ -328,14 +348,14 @@ void attention_backward(const ops::AttentionParams& params) {
                 dim, 1.0f, v));
   attention::StagingParams s = staging(p.dout, p.seq * p.dout_stride, p.v_head_dim, p.dout_stride, p.batch,
                                        p.heads, p.seq, p.v_head_dim, dim, 1.0f, dout);
-  s.dot = p.out, s.dot_token_stride = p.out_stride;
-  s.dot_vector_loads = aligned16(p.out) && p.out_stride % 4 == 0 && p.v_head_dim % 4 == 0;
+  s.dot = p.out.get(), s.dot_bf16 = p.out.dtype() == DType::bf16, s.dot_token_stride = p.out_stride;
+  s.dot_vector_loads = aligned4(p.out) && p.out_stride % 4 == 0 && p.v_head_dim % 4 == 0;
   s.lse = p.lse, s.delta = delta, s.lse2 = lse2;
   stage(s);
 
   attention::BackwardParams bp;
   bp.q = q, bp.dout = dout, bp.k = k, bp.v = v, bp.lse2 = lse2, bp.delta = delta;
-  bp.dq = p.dq, bp.dk = p.dk, bp.dv = p.dv;
+  bp.dq = p.dq.get(), bp.dk = p.dk.get(), bp.dv = p.dv.get(), bp.grads_bf16 = p.dtype() == DType::bf16;
   bp.dq_stride = p.dq_stride, bp.dk_stride = p.dk_stride, bp.dv_stride = p.dv_stride;
   bp.batch = p.batch, bp.heads = p.heads, bp.kv_heads = p.kv_heads, bp.group = p.heads / p.kv_heads,
   bp.seq = p.seq;

@@ -33,9 +33,10 @@ struct BackwardParams {
   const uint16_t* v = nullptr;     // the same, zero past v_head_dim
   const float* lse2 = nullptr;     // [batch, heads, padded_seq]: lse * log2(e)
   const float* delta = nullptr;    // [batch, heads, padded_seq]: <dout, out>
-  float* dq = nullptr;             // [batch, seq, heads, head_dim]
-  float* dk = nullptr;             // [batch, seq, kv_heads, head_dim]
-  float* dv = nullptr;             // [batch, seq, kv_heads, v_head_dim]
+  void* dq = nullptr;              // [batch, seq, heads, head_dim]
+  void* dk = nullptr;              // [batch, seq, kv_heads, head_dim]
+  void* dv = nullptr;              // [batch, seq, kv_heads, v_head_dim]
+  bool grads_bf16 = false;         // dq, dk and dv hold bf16 (else fp32)
   int64_t dq_stride = 0, dk_stride = 0, dv_stride = 0;
   int64_t batch = 0, heads = 0, kv_heads = 0, group = 0, seq = 0, padded_seq = 0;
   int head_dim = 0, v_head_dim = 0;  // D covers both
@@ -193,15 +194,16 @@ __global__ void __launch_bounds__(BackwardShape<D>::kWarps * 32, 1)
   for (int half = 0; half < 2; ++half) {
     const int64_t row = key + 8 * half;
     if (row >= p.seq) continue;
-    float* dk_row = p.dk + (b * p.seq + row) * p.dk_stride + kv_head * p.head_dim;
-    float* dv_row = p.dv + (b * p.seq + row) * p.dv_stride + kv_head * p.v_head_dim;
+    const int64_t dk_row = (b * p.seq + row) * p.dk_stride + kv_head * p.head_dim;
+    const int64_t dv_row = (b * p.seq + row) * p.dv_stride + kv_head * p.v_head_dim;
 #pragma unroll
     for (int i = 0; i < kColumnTiles; ++i)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int column = column0 + i * 8 + 2 * t + e;
-        if (column < p.head_dim) dk_row[column] = dk[i][2 * half + e] * kLn2;
-        if (column < p.v_head_dim) dv_row[column] = dv[i][2 * half + e];
+        if (column < p.head_dim)
+          store_output(p.dk, p.grads_bf16, dk_row + column, dk[i][2 * half + e] * kLn2);
+        if (column < p.v_head_dim) store_output(p.dv, p.grads_bf16, dv_row + column, dv[i][2 * half + e]);
       }
   }
 }
@@ -315,12 +317,13 @@ __global__ void __launch_bounds__(kQueryThreads, 1) attention_query_kernel(const
   for (int half = 0; half < 2; ++half) {
     const int64_t row = query + 8 * half;
     if (row >= p.seq) continue;
-    float* dq_row = p.dq + (b * p.seq + row) * p.dq_stride + h * p.head_dim;
+    const int64_t dq_row = (b * p.seq + row) * p.dq_stride + h * p.head_dim;
 #pragma unroll
     for (int i = 0; i < kOutTiles; ++i) {
       const int column = i * 8 + 2 * t;
-      if (column < p.head_dim) dq_row[column] = dq[i][2 * half] * p.scale;
-      if (column + 1 < p.head_dim) dq_row[column + 1] = dq[i][2 * half + 1] * p.scale;
+      if (column < p.head_dim) store_output(p.dq, p.grads_bf16, dq_row + column, dq[i][2 * half] * p.scale);
+      if (column + 1 < p.head_dim)
+        store_output(p.dq, p.grads_bf16, dq_row + column + 1, dq[i][2 * half + 1] * p.scale);
     }
   }
 }

@@ -32,6 +32,14 @@ __device__ __forceinline__ uint16_t float_to_bf16_bits(float x) {
   return __bfloat16_as_ushort(__float2bfloat16_rn(x));
 }
 
+// Element i of an output that holds fp32, or bf16 (rounded to nearest even) when `bf16`.
+__device__ __forceinline__ void store_output(void* base, bool bf16, int64_t i, float x) {
+  if (bf16)
+    static_cast<uint16_t*>(base)[i] = float_to_bf16_bits(x);
+  else
+    static_cast<float*>(base)[i] = x;
+}
+
 __device__ __forceinline__ uint32_t shared_address(const void* pointer) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
 }

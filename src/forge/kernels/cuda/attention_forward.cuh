@@ -24,7 +24,8 @@ struct ForwardParams {
   const uint16_t* q = nullptr;  // [batch, heads, padded_seq, D], scaled by scale * log2(e)
   const uint16_t* k = nullptr;  // [batch, kv_heads, padded_kv_seq, D]
   const uint16_t* v = nullptr;  // the same, zero past v_head_dim
-  float* out = nullptr;         // [batch, seq, heads, v_head_dim], out_stride between tokens
+  void* out = nullptr;          // [batch, seq, heads, v_head_dim], out_stride between tokens
+  bool out_bf16 = false;        // out holds bf16 (else fp32)
   int64_t out_stride = 0;
   float* lse = nullptr;  // optional [batch, heads, seq]
   int64_t batch = 0, heads = 0, kv_heads = 0, group = 0, seq = 0, kv_seq = 0, q_offset = 0, padded_seq = 0,
@@ -192,12 +193,13 @@ __global__ void __launch_bounds__(kForwardThreads, 1) attention_forward_kernel(c
     const int64_t row = m0 + warp_row + g + 8 * half;
     if (row >= p.seq) continue;
     const float inverse = 1.0f / total;
-    float* out = p.out + (b * p.seq + row) * p.out_stride + h * p.v_head_dim;
+    const int64_t out = (b * p.seq + row) * p.out_stride + h * p.v_head_dim;
 #pragma unroll
     for (int i = 0; i < kOutTiles; ++i) {
       const int column = i * 8 + 2 * t;
-      if (column < p.v_head_dim) out[column] = o[i][2 * half] * inverse;
-      if (column + 1 < p.v_head_dim) out[column + 1] = o[i][2 * half + 1] * inverse;
+      if (column < p.v_head_dim) store_output(p.out, p.out_bf16, out + column, o[i][2 * half] * inverse);
+      if (column + 1 < p.v_head_dim)
+        store_output(p.out, p.out_bf16, out + column + 1, o[i][2 * half + 1] * inverse);
     }
     if (p.lse != nullptr && t == 0)
       p.lse[(b * p.heads + h) * p.seq + row] = (row_max[half] + log2f(total)) * kLn2;

@@ -28,17 +28,19 @@ constexpr int kStagingThreads = 256;  // 8 warps, one row each at a time
 struct StagingParams {
   // Source rows: token t of head h of sequence b starts at src + b * batch_stride + h * head_stride +
   // t * token_stride.
-  const float* src = nullptr;
+  const void* src = nullptr;
+  bool src_bf16 = false;  // src holds bf16 (else fp32)
   int64_t batch_stride = 0, head_stride = 0, token_stride = 0;
   int64_t batch = 0, heads = 0, tokens = 0, padded_tokens = 0;
   int head_dim = 0, padded_dim = 0;
   float factor = 1.0f;
-  bool vector_loads = false;  // src, the strides and so every row start are 16-byte aligned
+  bool vector_loads = false;  // every row start is aligned for 4-element loads (16 bytes fp32, 8 bf16)
   uint16_t* dst = nullptr;    // [batch, heads, padded_tokens, padded_dim]
   // Backward's dout copy only (delta null otherwise): per row, delta = <src row, dot row> (unscaled, fp32;
   // dot in the same [batch, tokens, heads, head_dim] geometry with its own token stride) and
   // lse2 = lse * log2(e), both [batch, heads, padded_tokens] with zeros in the padding rows.
-  const float* dot = nullptr;
+  const void* dot = nullptr;
+  bool dot_bf16 = false;
   int64_t dot_token_stride = 0;
   bool dot_vector_loads = false;
   const float* lse = nullptr;  // [batch, heads, tokens]
@@ -57,6 +59,28 @@ __device__ __forceinline__ void load4(const float* row, int c, int n, bool vecto
   for (int e = 0; e < 4; ++e) x[e] = c + e < n ? row[c + e] : 0.0f;
 }
 
+// The same from a row of bf16 (widened exactly).
+__device__ __forceinline__ void load4(const uint16_t* row, int c, int n, bool vector_loads, float (&x)[4]) {
+  if (vector_loads && c + 3 < n) {
+    const uint2 pair = *reinterpret_cast<const uint2*>(row + c);
+    x[0] = __uint_as_float(pair.x << 16), x[1] = __uint_as_float(pair.x & 0xffff0000u);
+    x[2] = __uint_as_float(pair.y << 16), x[3] = __uint_as_float(pair.y & 0xffff0000u);
+    return;
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e)
+    x[e] = c + e < n ? __uint_as_float(static_cast<uint32_t>(row[c + e]) << 16) : 0.0f;
+}
+
+// Elements offset + c .. + 3 of fp32 or bf16 activations.
+__device__ __forceinline__ void load4(const void* base, bool bf16, int64_t offset, int c, int n,
+                                      bool vector_loads, float (&x)[4]) {
+  if (bf16)
+    load4(static_cast<const uint16_t*>(base) + offset, c, n, vector_loads, x);
+  else
+    load4(static_cast<const float*>(base) + offset, c, n, vector_loads, x);
+}
+
 // One warp per destination row (grid-stride; the row loop is warp-uniform, so the warp sum sees every lane).
 // Lane l converts columns 4l.., 4l + 128.., so a warp writes a 128-column stretch of the row at a time.
 __global__ void __launch_bounds__(kStagingThreads) stage_rows_bf16_kernel(const StagingParams p) {
@@ -67,18 +91,17 @@ __global__ void __launch_bounds__(kStagingThreads) stage_rows_bf16_kernel(const 
        row += warps) {
     const int64_t t = row % p.padded_tokens, bh = row / p.padded_tokens, b = bh / p.heads, h = bh % p.heads;
     const bool valid = t < p.tokens;
-    const float* src = p.src + (valid ? b * p.batch_stride + h * p.head_stride + t * p.token_stride : 0);
-    const float* dot = p.delta == nullptr || !valid
-                           ? nullptr
-                           : p.dot + (b * p.tokens + t) * p.dot_token_stride + h * int64_t{p.head_dim};
+    const int64_t src = valid ? b * p.batch_stride + h * p.head_stride + t * p.token_stride : 0;
+    const bool with_dot = p.delta != nullptr && valid;
+    const int64_t dot = with_dot ? (b * p.tokens + t) * p.dot_token_stride + h * int64_t{p.head_dim} : 0;
     uint16_t* dst = p.dst + row * p.padded_dim;
     float sum = 0.0f;
     for (int c = 4 * lane; c < p.padded_dim; c += 128) {
       float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      if (valid) load4(src, c, p.head_dim, p.vector_loads, x);
-      if (dot != nullptr) {
+      if (valid) load4(p.src, p.src_bf16, src, c, p.head_dim, p.vector_loads, x);
+      if (with_dot) {
         float y[4];
-        load4(dot, c, p.head_dim, p.dot_vector_loads, y);
+        load4(p.dot, p.dot_bf16, dot, c, p.head_dim, p.dot_vector_loads, y);
 #pragma unroll
         for (int e = 0; e < 4; ++e) sum = fmaf(x[e], y[e], sum);
       }

@@ -10,30 +10,35 @@
 namespace forge::cuda {
 namespace {
 
+using detail::load_element;
+using detail::store_element;
+
 constexpr int kThreads = 256;
 constexpr int64_t kRowsPerBlock = 32;
 constexpr int kColumnThreads = 256;
 constexpr int kReduceThreads = 64;
 constexpr int64_t kMaxGrid = 0x7fffffff;
 
-__global__ void add_kernel(float* y, int64_t ld, const float* __restrict__ bias, int64_t rows, int64_t n) {
+template <typename T>
+__global__ void add_kernel(T* y, int64_t ld, const float* __restrict__ bias, int64_t rows, int64_t n) {
   const int64_t count = rows * n, stride = int64_t{gridDim.x} * blockDim.x;
   for (int64_t index = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; index < count; index += stride) {
     const int64_t r = index / n, j = index - r * n;
-    y[r * ld + j] = __fadd_rn(y[r * ld + j], bias[j]);
+    store_element(y, r * ld + j, __fadd_rn(load_element(y, r * ld + j), bias[j]));
   }
 }
 
 // Row block blockIdx.x, one column per thread (column block blockIdx.y): partial[b][j] = sum_r dy_rj, rows
 // in order.
-__global__ void partials_kernel(const float* __restrict__ dy, int64_t ld, int64_t rows, int64_t n,
+template <typename T>
+__global__ void partials_kernel(const T* __restrict__ dy, int64_t ld, int64_t rows, int64_t n,
                                 float* __restrict__ partial) {
   const int64_t j = int64_t{blockIdx.y} * blockDim.x + threadIdx.x;
   if (j >= n) return;
   const int64_t begin = int64_t{blockIdx.x} * kRowsPerBlock;
   const int64_t end = begin + kRowsPerBlock < rows ? begin + kRowsPerBlock : rows;
   float acc = 0;
-  for (int64_t r = begin; r < end; ++r) acc = __fadd_rn(acc, dy[r * ld + j]);
+  for (int64_t r = begin; r < end; ++r) acc = __fadd_rn(acc, load_element(dy, r * ld + j));
   partial[int64_t{blockIdx.x} * n + j] = acc;
 }
 
@@ -64,7 +69,8 @@ bool supports_bias_add(const ops::BiasParams& p, std::string* reason) {
   constexpr const char* op = "bias_add";
   if (!shape_ok(p, op, "y", p.y_ld, reason)) return false;
   using detail::pointer_set;
-  return p.rows * p.n == 0 || (pointer_set(p.y, op, "y", reason) && pointer_set(p.bias, op, "bias", reason));
+  return p.rows * p.n == 0 ||
+         (pointer_set(p.y.get(), op, "y", reason) && pointer_set(p.bias, op, "bias", reason));
 }
 
 bool supports_bias_backward(const ops::BiasParams& p, std::string* reason) {
@@ -72,7 +78,7 @@ bool supports_bias_backward(const ops::BiasParams& p, std::string* reason) {
   if (!shape_ok(p, op, "dy", p.dy_ld, reason)) return false;
   if (p.rows * p.n == 0) return true;
   using detail::pointer_set;
-  if (!(pointer_set(p.dy, op, "dy", reason) && pointer_set(p.dbias, op, "dbias", reason))) return false;
+  if (!(pointer_set(p.dy.get(), op, "dy", reason) && pointer_set(p.dbias, op, "dbias", reason))) return false;
   const int64_t blocks = (p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
   const int64_t column_blocks = (p.n + kColumnThreads - 1) / kColumnThreads;
   if (column_blocks > 65535 || blocks > kMaxGrid)
@@ -86,8 +92,10 @@ bool supports_bias_backward(const ops::BiasParams& p, std::string* reason) {
 void bias_add(const ops::BiasParams& p) {
   if (std::string why; !supports_bias_add(p, &why)) fail_message(why);
   if (p.rows * p.n == 0) return;
-  add_kernel<<<detail::grid_blocks(p.rows * p.n, kThreads), kThreads, 0, stream()>>>(
-      p.y, p.y_ld > 0 ? p.y_ld : p.n, p.bias, p.rows, p.n);
+  detail::visit(p.y, [&](auto* y) {
+    add_kernel<<<detail::grid_blocks(p.rows * p.n, kThreads), kThreads, 0, stream()>>>(
+        y, p.y_ld > 0 ? p.y_ld : p.n, p.bias, p.rows, p.n);
+  });
   FORGE_CUDA_CHECK_LAUNCH("bias_add");
 }
 
@@ -98,8 +106,10 @@ void bias_backward(const ops::BiasParams& p) {
   const int64_t column_blocks = (p.n + kColumnThreads - 1) / kColumnThreads;
   detail::StreamScratch partial(static_cast<size_t>(blocks * p.n) * sizeof(float));
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(column_blocks));
-  partials_kernel<<<grid, kColumnThreads, 0, stream()>>>(p.dy, p.dy_ld > 0 ? p.dy_ld : p.n, p.rows, p.n,
-                                                         partial.as<float>());
+  detail::visit(p.dy, [&](const auto* dy) {
+    partials_kernel<<<grid, kColumnThreads, 0, stream()>>>(dy, p.dy_ld > 0 ? p.dy_ld : p.n, p.rows, p.n,
+                                                           partial.as<float>());
+  });
   FORGE_CUDA_CHECK_LAUNCH("bias_backward");
   reduce_kernel<<<detail::grid_blocks(p.n, kReduceThreads, kMaxGrid), kReduceThreads, 0, stream()>>>(
       partial.as<float>(), blocks, p.n, p.dbias);

@@ -11,6 +11,9 @@
 namespace forge::cuda {
 namespace {
 
+using detail::load_element;
+using detail::store_element;
+
 constexpr int kThreads = 256;
 
 unsigned blocks_for(int64_t n) {
@@ -36,14 +39,16 @@ __global__ void attention_merge_kernel(ops::AttentionMergeParams p) {
   }
 }
 
-__global__ void strided_copy_kernel(ops::StridedCopyParams p) {
+// Elements as floats, from and to fp32 or bf16 (rounded once, as the CPU's).
+template <typename Src, typename Dst>
+__global__ void strided_copy_kernel(ops::StridedCopyParams p, const Src* src, Dst* dst) {
   const int64_t n = p.shape[0] * p.shape[1] * p.shape[2];
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t k = e % p.shape[2], j = (e / p.shape[2]) % p.shape[1], i = e / (p.shape[2] * p.shape[1]);
-    const float x = p.src[i * p.src_stride[0] + j * p.src_stride[1] + k * p.src_stride[2]];
-    float& y = p.dst[i * p.dst_stride[0] + j * p.dst_stride[1] + k * p.dst_stride[2]];
-    y = p.accumulate ? y + x : x;
+    const float x = load_element(src, i * p.src_stride[0] + j * p.src_stride[1] + k * p.src_stride[2]);
+    const int64_t y = i * p.dst_stride[0] + j * p.dst_stride[1] + k * p.dst_stride[2];
+    store_element(dst, y, p.accumulate ? load_element(dst, y) + x : x);
   }
 }
 
@@ -77,14 +82,18 @@ bool supports_strided_copy(const ops::StridedCopyParams& p, std::string* reason)
                               std::to_string(p.shape[2]));
   if (p.shape[0] * p.shape[1] * p.shape[2] == 0) return true;
   using detail::pointer_set;
-  return pointer_set(p.src, op, "src", reason) && pointer_set(p.dst, op, "dst", reason);
+  return pointer_set(p.src.get(), op, "src", reason) && pointer_set(p.dst.get(), op, "dst", reason);
 }
 
 void strided_copy(const ops::StridedCopyParams& p) {
   if (std::string why; !supports_strided_copy(p, &why)) fail_message(why);
   const int64_t n = p.shape[0] * p.shape[1] * p.shape[2];
   if (n == 0) return;
-  strided_copy_kernel<<<blocks_for(n), kThreads, 0, stream()>>>(p);
+  detail::visit(p.src, [&](const auto* src) {
+    detail::visit(p.dst, [&](auto* dst) {
+      strided_copy_kernel<<<blocks_for(n), kThreads, 0, stream()>>>(p, src, dst);
+    });
+  });
   FORGE_CUDA_CHECK_LAUNCH("strided_copy");
 }
 

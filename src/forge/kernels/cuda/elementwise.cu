@@ -9,6 +9,9 @@
 namespace forge::cuda {
 namespace {
 
+using detail::load_element;
+using detail::store_element;
+
 constexpr int kThreads = 256;
 // Elements per first-pass block (the CPU kernel's block size too, though the orders inside differ).
 constexpr int64_t kSumChunk = 16384;
@@ -29,9 +32,11 @@ bool chunks_ok(const char* op, int64_t n, std::string* reason) {
 }
 
 // y and x may be the same array (y += y): each element is read before it is written by the same thread.
-__global__ void add_inplace_kernel(float* y, const float* x, int64_t n) {
+template <typename Y, typename X>
+__global__ void add_inplace_kernel(Y* y, const X* x, int64_t n) {
   const int64_t stride = int64_t{gridDim.x} * blockDim.x;
-  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += stride) y[i] += x[i];
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += stride)
+    store_element(y, i, load_element(y, i) + load_element(x, i));
 }
 
 __global__ void scale_inplace_kernel(float* x, float s, int64_t n) {
@@ -98,8 +103,8 @@ bool supports_convert_to_bf16(const float* x, uint16_t* y, int64_t n, std::strin
 bool supports_convert_to_f32(const uint16_t* x, float* y, int64_t n, std::string* reason) {
   return size_ok("convert_to_f32", n, x, "x", reason, y, "y");
 }
-bool supports_add_inplace(float* y, const float* x, int64_t n, std::string* reason) {
-  return size_ok("add_inplace", n, y, "y", reason, x, "x");
+bool supports_add_inplace(Elements y, ConstElements x, int64_t n, std::string* reason) {
+  return size_ok("add_inplace", n, y.get(), "y", reason, x.get(), "x");
 }
 bool supports_scale_inplace(float* x, float, int64_t n, std::string* reason) {
   return size_ok("scale_inplace", n, x, "x", reason);
@@ -131,10 +136,14 @@ void convert_to_f32(const uint16_t* x, float* y, int64_t n) {
   FORGE_CUDA_CHECK_LAUNCH("convert_to_f32");
 }
 
-void add_inplace(float* y, const float* x, int64_t n) {
+void add_inplace(Elements y, ConstElements x, int64_t n) {
   if (std::string why; !supports_add_inplace(y, x, n, &why)) fail_message(why);
   if (n == 0) return;
-  add_inplace_kernel<<<detail::grid_blocks(n, kThreads), kThreads, 0, stream()>>>(y, x, n);
+  detail::visit(y, [&](auto* out) {
+    detail::visit(x, [&](const auto* in) {
+      add_inplace_kernel<<<detail::grid_blocks(n, kThreads), kThreads, 0, stream()>>>(out, in, n);
+    });
+  });
   FORGE_CUDA_CHECK_LAUNCH("add_inplace");
 }
 

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <string>
 
+#include "forge/core/element_ptr.h"
 #include "forge/kernels/cuda/device_allocator.h"
 #include "forge/kernels/cuda/runtime.h"
 
@@ -52,6 +53,23 @@ __device__ __forceinline__ void store_element(uint16_t* p, int64_t i, float v) {
   const uint32_t u = __float_as_uint(v);
   const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
   p[i] = static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? ((u >> 16) | 0x40u) : rounded);
+}
+
+// Host side: f(typed pointer) for an fp32 or bf16 op parameter (const float* / const uint16_t*, or the
+// writable ones); nested, they launch a kernel templated on each tensor's element type.
+template <typename F>
+void visit(ConstElements p, F&& f) {
+  if (p.dtype() == DType::bf16)
+    f(p.bf16());
+  else
+    f(p.f32());
+}
+template <typename F>
+void visit(Elements p, F&& f) {
+  if (p.dtype() == DType::bf16)
+    f(p.bf16());
+  else
+    f(p.f32());
 }
 
 // Scratch device memory for work on stream(), from the backend's caching allocator (device_allocator.h).

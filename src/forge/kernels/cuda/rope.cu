@@ -11,11 +11,15 @@
 namespace forge::cuda {
 namespace {
 
+using detail::load_element;
+using detail::store_element;
+
 constexpr int kThreads = 256;
 
 // a*c - b*s and b*c + a*s with the FMA pattern g++ gives the CPU kernel (the first product fused, the second
 // rounded), so both backends usually agree bitwise.
-__global__ void rope_kernel(float* x, const float* __restrict__ cos_table,
+template <typename T>
+__global__ void rope_kernel(T* x, const float* __restrict__ cos_table,
                             const float* __restrict__ sin_table, int64_t pairs, int64_t seq, int64_t heads,
                             int64_t head_dim, int64_t token_stride, int64_t position_offset, float sign,
                             bool interleaved) {
@@ -26,12 +30,12 @@ __global__ void rope_kernel(float* x, const float* __restrict__ cos_table,
     const int64_t token_head = index / half;
     const int64_t h = token_head % heads, token = token_head / heads;
     const int64_t table_row = (position_offset + token % seq) * half;
-    float* x1 = x + token * token_stride + h * head_dim + (interleaved ? 2 * i : i);
-    float* x2 = x1 + (interleaved ? 1 : half);
-    const float a = *x1, b = *x2, c = cos_table[table_row + i];
+    T* x1 = x + token * token_stride + h * head_dim + (interleaved ? 2 * i : i);
+    T* x2 = x1 + (interleaved ? 1 : half);
+    const float a = load_element(x1, 0), b = load_element(x2, 0), c = cos_table[table_row + i];
     const float s = sign * sin_table[table_row + i];
-    *x1 = __fmaf_rn(a, c, -__fmul_rn(b, s));
-    *x2 = __fmaf_rn(b, c, __fmul_rn(a, s));
+    store_element(x1, 0, __fmaf_rn(a, c, -__fmul_rn(b, s)));
+    store_element(x2, 0, __fmaf_rn(b, c, __fmul_rn(a, s)));
   }
 }
 
@@ -53,7 +57,7 @@ bool supports_rope(const ops::RopeParams& p, std::string* reason) {
   if (p.position_offset < 0)
     return refuse(reason, op, "negative position_offset " + std::to_string(p.position_offset));
   if (p.batch * p.seq * p.heads * (p.head_dim / 2) == 0) return true;
-  return detail::pointer_set(p.x, op, "x", reason) && detail::pointer_set(p.cos, op, "cos", reason) &&
+  return detail::pointer_set(p.x.get(), op, "x", reason) && detail::pointer_set(p.cos, op, "cos", reason) &&
          detail::pointer_set(p.sin, op, "sin", reason);
 }
 
@@ -63,9 +67,11 @@ void rope(const ops::RopeParams& p) {
   if (pairs == 0) return;
   // The inverse rotation is the same with sin negated (exact: a sign flip).
   const float sign = p.inverse ? -1.0f : 1.0f;
-  rope_kernel<<<detail::grid_blocks(pairs, kThreads), kThreads, 0, stream()>>>(
-      p.x, p.cos, p.sin, pairs, p.seq, p.heads, p.head_dim, p.token_stride, p.position_offset, sign,
-      p.interleaved);
+  detail::visit(p.x, [&](auto* x) {
+    rope_kernel<<<detail::grid_blocks(pairs, kThreads), kThreads, 0, stream()>>>(
+        x, p.cos, p.sin, pairs, p.seq, p.heads, p.head_dim, p.token_stride, p.position_offset, sign,
+        p.interleaved);
+  });
   FORGE_CUDA_CHECK_LAUNCH("rope");
 }
 

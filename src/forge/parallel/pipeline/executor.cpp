@@ -79,7 +79,7 @@ void Executor::send(const Action& a) {
   Tensor t = std::move(it->second);
   to_send_[kind].erase(it);
   const Link link = links_.to(static_cast<Message>(kind), a.peer);
-  comm::Request request = link.comm->send(t.raw(), t.numel(), comm::Type::f32, link.peer, link.tag);
+  comm::Request request = link.comm->send(t.raw(), t.numel(), comm::type_of(t.dtype()), link.peer, link.tag);
   request.test();  // starts it now (see the receive's)
   sending_.push_back({std::move(request), std::move(t)});
 }
@@ -106,10 +106,10 @@ void Executor::execute(size_t index) {
     case Op::recv_gradient: {
       const int kind = kind_of(a.op);
       Chunk& chunk = *chunks_[a.chunk];
-      Tensor buffer = Tensor::empty(chunk.activation_shape(), DType::f32, chunk.device());
+      Tensor buffer = Tensor::empty(chunk.activation_shape(), chunk.activation_dtype(), chunk.device());
       const Link link = links_.from(static_cast<Message>(kind), a.peer);
       comm::Request request =
-          link.comm->recv(buffer.raw(), buffer.numel(), comm::Type::f32, link.peer, link.tag);
+          link.comm->recv(buffer.raw(), buffer.numel(), comm::type_of(buffer.dtype()), link.peer, link.tag);
       request.test();  // starts it now: a NCCL communicator launches what was posted at its next test
       auto [it, fresh] = receiving_[kind].insert(
           {{a.chunk, a.micro_batch}, {std::move(request), link.comm, std::move(buffer)}});

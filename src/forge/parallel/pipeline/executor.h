@@ -6,10 +6,10 @@
 // action ahead of their consumer) and waited on by the consumer; sends are non-blocking and their buffers are
 // released as soon as they complete. Each is started as it is posted (a test: forge's NCCL communicator
 // launches posted operations only at the next test or wait on it). In an overlapped F&B pair the forward's
-// output is sent before the backward starts, so that its transfer runs behind the backward's compute. Messages travel on one FIFO
-// channel per (kind, sender, receiver) (links.h): on MPI one communicator with a tag per kind, on NCCL a
-// communicator each. On device memory a received input is waited for in the device's stream order
-// (Communicator::wait_on_stream), so the host goes on queueing work.
+// output is sent before the backward starts, so that its transfer runs behind the backward's compute.
+// Messages travel on one FIFO channel per (kind, sender, receiver) (links.h): on MPI one communicator with a
+// tag per kind, on NCCL a communicator each. On device memory a received input is waited for in the device's
+// stream order (Communicator::wait_on_stream), so the host goes on queueing work.
 //
 // After a step nothing may be left: every message matched, every chunk's activations released.
 #pragma once
@@ -34,6 +34,8 @@ class Chunk {
   // The hidden states a micro-batch hands from stage to stage: what a receive is posted into before the
   // message arrives. f32.
   virtual Shape activation_shape() const = 0;
+  // The dtype of the hidden states and their gradients between stages (the residual stream's).
+  virtual DType activation_dtype() const { return DType::f32; }
   virtual Device device() const { return Device::cpu; }
   // input: the previous stage's output (undefined on the first stage). Returns the output for the next stage
   // (undefined on the last).
