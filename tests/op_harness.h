@@ -53,6 +53,17 @@ inline double relative_error(const std::vector<float>& got, const std::vector<do
   return relative_error(got.data(), want.data(), got.size());
 }
 
+// Normwise relative distance ||got - want||_2 / ||want||_2 (the bf16 activation tests' measure: errors
+// that small add up normwise, triangle inequality).
+inline double normwise_error(const float* got, const float* want, size_t n) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < n; ++i) {
+    diff += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
+    norm += double(want[i]) * want[i];
+  }
+  return std::sqrt(diff / norm);
+}
+
 // Scale-free similarity 1 - 2<x,y>/(|x|^2+|y|^2): 0 for identical vectors (used for low precision).
 inline double dissimilarity(const float* x, const double* y, size_t n) {
   double xy = 0, xx = 0, yy = 0;

@@ -161,12 +161,7 @@ TEST(LayerActivations, Bf16CostsNoMoreThanBf16Gemms) {
   const Tensor dx = run(exact, x, dy, false), dx32 = run(fp32, x, dy, false), dx16 = run(bf16, x, dy, false);
   const Tensor dxs = run(stream16, x, dy, false);
   const auto error = [](const Tensor& a, const Tensor& b) {
-    double diff = 0, norm = 0;
-    for (int64_t i = 0; i < a.numel(); ++i) {
-      diff += std::pow(double{a.f32()[i]} - b.f32()[i], 2);
-      norm += std::pow(double{b.f32()[i]}, 2);
-    }
-    return std::sqrt(diff / norm);
+    return testing::normwise_error(a.f32(), b.f32(), static_cast<size_t>(a.numel()));
   };
   const double gemms = error(dx32, dx), all = error(dx16, dx);
   const double gemms_w = error(fp32.store.grads(), exact.store.grads());

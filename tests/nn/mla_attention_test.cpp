@@ -305,8 +305,22 @@ struct ContractRun {
   Tensor dx1, dx2, grads;
 };
 
-ContractRun run_contract(const Config& c, DType dtype, bool split, bool keep_core) {
-  Fixture f(c, {dtype, Recompute::none});
+// The module's options: GEMMs in `gemm`, activations in `activation` (bf16 needs bf16 GEMMs).
+struct Dtypes {
+  DType gemm = DType::f32, activation = DType::f32;
+};
+ComputeOptions options_of(Dtypes d, Recompute recompute = Recompute::none) {
+  ComputeOptions o;
+  o.gemm_dtype = d.gemm, o.recompute = recompute, o.activation_dtype = d.activation;
+  return o;
+}
+std::string dtypes_name(const ::testing::TestParamInfo<Dtypes>& info) {
+  return std::string(dtype_name(info.param.gemm)) + "_activations_" +
+         std::string(dtype_name(info.param.activation));
+}
+
+ContractRun run_contract(const Config& c, Dtypes dtypes, bool split, bool keep_core) {
+  Fixture f(c, options_of(dtypes));
   const int64_t rows = kBatch * kSeq, hidden = f.shape.hidden;
   Tensor x1 = from_vector(testing::random_floats(rows * hidden, 4), {rows, hidden});
   Tensor x2 = from_vector(testing::random_floats(rows * hidden, 5), {rows, hidden});
@@ -326,7 +340,7 @@ ContractRun run_contract(const Config& c, DType dtype, bool split, bool keep_cor
   return r;
 }
 
-class MlaContract : public ::testing::TestWithParam<DType> {};
+class MlaContract : public ::testing::TestWithParam<Dtypes> {};
 
 TEST_P(MlaContract, BackwardInputThenWeightEqualsFusedOrderBitwise) {
   for (const Config& c : {Config{true, true, true}, Config{false, false, false}}) {
@@ -348,7 +362,10 @@ TEST_P(MlaContract, SelectiveRecomputeEqualsKeepingTheCoreBitwise) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(GemmDtypes, MlaContract, ::testing::Values(DType::f32, DType::bf16));
+INSTANTIATE_TEST_SUITE_P(GemmDtypes, MlaContract,
+                         ::testing::Values(Dtypes{DType::f32, DType::f32}, Dtypes{DType::bf16, DType::f32},
+                                           Dtypes{DType::bf16, DType::bf16}),
+                         dtypes_name);
 
 // MLA as the token mixer of a decoder layer (through the LayerPart interface): the three recompute policies
 // and B then W give the same gradients bitwise.
@@ -360,7 +377,7 @@ TEST_P(MlaContract, InADecoderLayerEveryRecomputePolicyGivesTheSameGradients) {
   Tensor dx_ref, grads_ref;
   for (Recompute policy : {Recompute::none, Recompute::selective, Recompute::full}) {
     for (bool split : {false, true}) {
-      Fixture f(c, {GetParam(), policy}, 16, {}, true);
+      Fixture f(c, options_of(GetParam(), policy), 16, {}, true);
       f.store.zero_grads();
       DecoderLayer::Saved saved;
       f.layer->forward(x, kBatch, kSeq, saved);
@@ -407,6 +424,52 @@ TEST(MlaBf16, WithinToleranceOfTheReference) {
         << info.name;
   }
   std::printf("bf16 MLA: forward dissimilarity %.2e\n", forward);
+}
+
+// bf16 activations measured against what bf16 GEMMs already cost
+// (LayerActivations.Bf16CostsNoMoreThanBf16Gemms does the same for GQA). bf16 GEMMs round every Linear's x
+// and dy operands: in forward h (shared by q_a and kv_a), the q latent, the kv latent and the core's output;
+// in backward the output gradients of all five Linears. bf16 activations add about as many where a tensor was
+// fp32 and no GEMM rounded it: q (before and after RoPE), kv_a, k, v and the two latents' inputs, the output;
+// in backward the core's input, dq|dk|dv, dq after RoPE's inverse and the input gradient (the rope key's
+// gradient sums the heads in fp32; dh sums its two paths in fp32 and rounds once). Errors that small
+// propagate linearly, so the added roundings can at most double the distance from the exact fp32 module
+// (triangle inequality): bounded by 2x, normwise, for the input and the weight gradients. The core's inputs
+// and output are kept in bf16, half the bytes, and the output once, as o_proj's operand.
+TEST(MlaBf16, ActivationsCostNoMoreThanBf16Gemms) {
+  const Config c{true, true, true};
+  Fixture exact(c, options_of({DType::f32, DType::f32})), gemms(c, options_of({DType::bf16, DType::f32})),
+      bf16(c, options_of({DType::bf16, DType::bf16}));
+  const int64_t rows = kBatch * kSeq, hidden = exact.shape.hidden;
+  const Tensor x = from_vector(testing::random_floats(rows * hidden, 21), {rows, hidden});
+  const Tensor dy = from_vector(testing::random_floats(rows * hidden, 22), {rows, hidden});
+  auto run = [&](Fixture& f, MlaAttention::Saved& saved) {
+    f.store.zero_grads();
+    f.mla->forward(x, kBatch, kSeq, saved, true);
+    MlaAttention::Saved copy = saved;  // what forward kept, for the checks below
+    Tensor dx = to_dtype(f.mla->backward_input(dy, kBatch, kSeq, saved), DType::f32);
+    f.mla->backward_weight(saved);
+    saved = copy;
+    return dx;
+  };
+  MlaAttention::Saved s_exact, s32, s16;
+  const Tensor dx = run(exact, s_exact), dx32 = run(gemms, s32), dx16 = run(bf16, s16);
+  const auto error = [](const Tensor& a, const Tensor& b) {
+    return testing::normwise_error(a.f32(), b.f32(), static_cast<size_t>(a.numel()));
+  };
+  const double gemm_error = error(dx32, dx), all = error(dx16, dx);
+  const double gemm_w = error(gemms.store.grads(), exact.store.grads());
+  const double all_w = error(bf16.store.grads(), exact.store.grads());
+  std::printf("MLA from the fp32 module: bf16 GEMMs %.2e (weights %.2e), bf16 activations %.2e (%.2e)\n",
+              gemm_error, gemm_w, all, all_w);
+  EXPECT_GT(error(dx16, dx32), 0) << "bf16 activations changed nothing: is MLA still fp32?";
+  EXPECT_LT(all, 2 * gemm_error);
+  EXPECT_LT(all_w, 2 * gemm_w);
+  for (const Tensor* t : {&s16.q, &s16.k, &s16.v, &s16.out}) EXPECT_EQ(t->dtype(), DType::bf16);
+  EXPECT_EQ(2 * s16.q.bytes(), s32.q.bytes());
+  EXPECT_EQ(2 * s16.k.bytes(), s32.k.bytes());
+  EXPECT_EQ(2 * s16.v.bytes(), s32.v.bytes());
+  EXPECT_EQ(s16.out.raw(), s16.out_op.data.raw());  // one bf16 tensor for the core's backward and o_proj
 }
 
 // FP8 comes through the Linears: every projection's GEMMs in FP8 (current and DeepSeek's block recipe)

@@ -33,8 +33,9 @@ struct Layer {
   MoeStepScale scale;
   std::unique_ptr<Moe> moe;
 
+  // gemm, activation: the GEMMs' and the activations' dtypes (bf16 activations need bf16 GEMMs).
   explicit Layer(double capacity_factor = 0, bool shared = true, float balance = 0.5f, float aux = 0.0f,
-                 Fp8Context* fp8 = nullptr) {
+                 Fp8Context* fp8 = nullptr, DType gemm = DType::f32, DType activation = DType::f32) {
     shape.hidden = kHidden, shape.experts = kExperts, shape.top_k = kTopK, shape.groups = 3,
     shape.topk_groups = 2;
     shape.expert_ffn = kFfn, shape.shared_ffn = shared ? kSharedFfn : 0, shape.scaling = 2.5f;
@@ -55,15 +56,17 @@ struct Layer {
       ids.shared.up = store.add("shared.up", {kSharedFfn, kHidden}, true, Init::normal);
       ids.shared.down = store.add("shared.down", {kHidden, kSharedFfn}, true, Init::normal);
     }
-    store.allocate(false);
+    store.allocate(gemm == DType::bf16);
     // Weights of order one, so that routing margins dwarf finite-difference steps.
     const std::vector<float> values = testing::random_floats(store.numel(), 5, -0.8f, 0.8f);
     std::memcpy(store.params().f32(), values.data(), values.size() * sizeof(float));
     const float bias[kExperts] = {0.05f, -0.1f, 0.15f, 0.0f, -0.05f, 0.1f};
     std::memcpy(store.param(ids.bias).f32(), bias, sizeof(bias));
+    if (store.has_bf16()) store.refresh_bf16();
     scale.balance = balance, scale.aux = aux;
     ComputeOptions options;
-    options.gemm_dtype = DType::f32;
+    options.gemm_dtype = gemm;
+    options.activation_dtype = activation;
     options.fp8 = fp8;
     moe = std::make_unique<Moe>(&store, ids, shape, options, &stats, &scale);
     if (fp8) fp8->seal();
@@ -360,6 +363,54 @@ TEST(Moe, SelectiveRecomputeIsBitwiseTheSame) {
   }
   EXPECT_EQ(dh[0], dh[1]);
   EXPECT_EQ(std::memcmp(keep.store.grads().raw(), recompute.store.grads().raw(), keep.store.grads().bytes()),
+            0);
+}
+
+// bf16 activations measured against what bf16 GEMMs already cost (as LayerActivations does for the dense
+// layer), on the same routing (the router reads the same fp32 input in all three layers). bf16 GEMMs round
+// the experts' operands: the permuted rows, SwiGLU's output, and in backward the rows' output gradients and
+// gate|up's; the shared experts' likewise. bf16 activations add as many where a tensor was fp32 and no GEMM
+// rounded it: gate|up, the experts' outputs, the combined output and the shared experts' (and their sum),
+// and in backward the down projections' input gradients and the rows' gradients to the tokens (each token's
+// sum over its experts and the router stays fp32). So at most twice bf16 GEMMs' distance from the exact fp32
+// layer, normwise (triangle inequality), for the input and the weight gradients. Saved: gate|up and the
+// experts' outputs in bf16, half the bytes; selective recompute stays bitwise.
+TEST(MoeBf16, ActivationsCostNoMoreThanBf16Gemms) {
+  Layer exact(0, true, 0.5f, 0.0f, nullptr), gemms(0, true, 0.5f, 0.0f, nullptr, DType::bf16),
+      bf16(0, true, 0.5f, 0.0f, nullptr, DType::bf16, DType::bf16),
+      recompute(0, true, 0.5f, 0.0f, nullptr, DType::bf16, DType::bf16);
+  const Tensor h = from_vector(testing::random_floats(kRows * kHidden, 31), {kRows, kHidden});
+  const Tensor dy = from_vector(testing::random_floats(kRows * kHidden, 32), {kRows, kHidden});
+  auto run = [&](Layer& l, Moe::Saved& kept, bool keep_all = true) {
+    l.store.zero_grads();
+    Moe::Saved saved;
+    l.moe->forward(h, kBatch, kSeq, saved, keep_all);
+    kept = saved;
+    Tensor dx = to_dtype(l.moe->backward_input(dy, kBatch, kSeq, saved), DType::f32);
+    l.moe->backward_weight(saved);
+    return dx;
+  };
+  Moe::Saved s_exact, s32, s16, s_recompute;
+  const Tensor dx = run(exact, s_exact), dx32 = run(gemms, s32), dx16 = run(bf16, s16);
+  const Tensor dx_recompute = run(recompute, s_recompute, false);
+  ASSERT_EQ(std::memcmp(s16.expert_ids.raw(), s_exact.expert_ids.raw(), s16.expert_ids.bytes()), 0);
+  const auto error = [](const Tensor& a, const Tensor& b) {
+    return testing::normwise_error(a.f32(), b.f32(), static_cast<size_t>(a.numel()));
+  };
+  const double gemm_error = error(dx32, dx), all = error(dx16, dx);
+  const double gemm_w = error(gemms.store.grads(), exact.store.grads());
+  const double all_w = error(bf16.store.grads(), exact.store.grads());
+  std::printf("MoE from the fp32 layer: bf16 GEMMs %.2e (weights %.2e), bf16 activations %.2e (%.2e)\n",
+              gemm_error, gemm_w, all, all_w);
+  EXPECT_GT(error(dx16, dx32), 0) << "bf16 activations changed nothing: is the MoE layer still fp32?";
+  EXPECT_LT(all, 2 * gemm_error);
+  EXPECT_LT(all_w, 2 * gemm_w);
+  EXPECT_EQ(s16.gate_up.dtype(), DType::bf16);
+  EXPECT_EQ(2 * s16.gate_up.bytes(), s32.gate_up.bytes());
+  EXPECT_EQ(s16.xs.data.dtype(), DType::bf16);
+  EXPECT_EQ(s16.h.dtype(), DType::f32);  // the layer was given fp32 rows: kept as given
+  EXPECT_EQ(std::memcmp(dx_recompute.raw(), dx16.raw(), dx16.bytes()), 0);
+  EXPECT_EQ(std::memcmp(recompute.store.grads().raw(), bf16.store.grads().raw(), bf16.store.grads().bytes()),
             0);
 }
 

@@ -75,6 +75,15 @@ TEST(ExpertDispatch, HandMadeTableMovesEveryRowToItsPlace) {
   const Tensor back = nn::combine_rows(&ep, plan, local, cols);
   ASSERT_EQ(back.numel(), sorted.numel());
   EXPECT_EQ(std::memcmp(back.raw(), sorted.raw(), sorted.numel() * sizeof(float)), 0);
+  // bf16 rows (a bf16 run's) move in bf16, half the bytes, bit for bit.
+  Tensor sorted16 = Tensor::empty({offsets.back(), cols}, DType::bf16);
+  for (int64_t i = 0; i < sorted.numel(); ++i) sorted16.bf16()[i] = float_to_bf16(sorted.f32()[i]);
+  const Tensor local16 = nn::dispatch_rows(&ep, plan, sorted16, cols);
+  ASSERT_EQ(local16.dtype(), DType::bf16);
+  for (int64_t i = 0; i < local.numel(); ++i)
+    ASSERT_EQ(local16.bf16()[i], float_to_bf16(local.f32()[i])) << "element " << i << " of rank " << me;
+  const Tensor back16 = nn::combine_rows(&ep, plan, local16, cols);
+  EXPECT_EQ(std::memcmp(back16.raw(), sorted16.raw(), sorted16.bytes()), 0);
 }
 
 // One rank's micro-batch through the Moe layer's data path and back, with gates 1/k (a power of two: the sum
@@ -189,7 +198,8 @@ TEST(ExpertDispatch, CapacityBoundsEveryExpertAndPaddingChangesNothing) {
     const RoundTrip plain = round_trip(&ep, in.x, in.ids, k, experts, capacity, 1);
     const RoundTrip filled = round_trip(&ep, in.x, in.ids, k, experts, capacity, align, true);
     const int64_t segment = (capacity + align - 1) / align * align;
-    for (int q = 0; q < world.size(); ++q) EXPECT_EQ(filled.plan.send_rows[q], segment * filled.plan.local_experts);
+    for (int q = 0; q < world.size(); ++q)
+      EXPECT_EQ(filled.plan.send_rows[q], segment * filled.plan.local_experts);
     for (int64_t l = 0; l < filled.plan.local_experts; ++l)
       EXPECT_EQ(filled.plan.local_offsets[l + 1] - filled.plan.local_offsets[l], segment * world.size());
     EXPECT_EQ(std::memcmp(plain.out.raw(), filled.out.raw(), in.x.numel() * sizeof(float)), 0) << align;

@@ -1,6 +1,7 @@
 // Bucketed data-parallel gradient reduction across MPI ranks (run by mpirun with 2 and 4 ranks).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <tuple>
 #include <vector>
@@ -63,6 +64,45 @@ TEST_P(Reduction, EqualsAPlainAllReduceInTheOwnedRanges) {
   if (!overlap) {
     EXPECT_EQ(stats.overlap_ratio(), 0);
   }
+}
+
+// Reductions in bf16 (Megatron's grad_reduce_in_bf16): each rank's gradients rounded to bf16 once, summed by
+// the communicator with a rounding per addition (ranks - 1 of them, in whatever order it takes), widened
+// back into the fp32 buffer: within `ranks` bf16 units (2^-8) of the magnitude sum of the rounded values,
+// and the bytes reduced are half of fp32's.
+TEST_P(Reduction, InBf16WithinItsRoundingsAtHalfTheBytes) {
+  const auto [shard, overlap] = GetParam();
+  comm::Communicator& world = comm::world();
+  ParameterStore store;
+  testing::build_toy_store(store, false);
+  const int64_t n = store.numel();
+  BucketOptions options{kSmallBucket, shard, overlap};
+  options.reduce_dtype = DType::bf16;
+  GradBuckets buckets(&store, &world, options);
+  store.zero_grads();
+  float* grads = store.grads().f32();
+  testing::fill_toy_grads(grads, world.rank(), 1, 0, n);
+  buckets.begin_step();
+  buckets.ready_from(0);
+  buckets.finish();
+  std::vector<double> sum(n, 0.0), magnitude(n, 0.0);
+  for (int r = 0; r < world.size(); ++r)
+    for (int64_t i = 0; i < n; ++i) {
+      const double x = bf16_to_float(float_to_bf16(testing::toy_grad(r, 1, i)));
+      sum[i] += x, magnitude[i] += std::abs(x);
+    }
+  int64_t checked = 0;
+  for (auto [lo, hi] : buckets.owned_ranges())
+    for (int64_t i = lo; i < hi; ++i, ++checked)
+      ASSERT_NEAR(grads[i], sum[i], world.size() * std::ldexp(magnitude[i], -8)) << "element " << i;
+  EXPECT_GT(checked, 0);
+  EXPECT_EQ(buckets.last_step_stats().bytes, 2 * n);
+  // The toy gradients need 10 significant bits: in bf16 some sums differ from fp32's exact ones.
+  const auto exact = testing::summed_toy_grads(world.size(), 1, n, [](int r) { return r; });
+  int64_t rounded = 0;
+  for (auto [lo, hi] : buckets.owned_ranges())
+    for (int64_t i = lo; i < hi; ++i) rounded += grads[i] != exact[i];
+  EXPECT_GT(rounded, 0) << "the bf16 reduction gave fp32's exact sums: did it run in fp32?";
 }
 
 INSTANTIATE_TEST_SUITE_P(ShardOverlap, Reduction, ::testing::Combine(::testing::Bool(), ::testing::Bool()),

@@ -390,9 +390,9 @@ TEST(Simulator, SaysByHowMuchAStrategyDoesNotFit) {
 // each noting the blocks it travels under (the backward's last gradient hop under nothing), or the
 // all-to-all's exchanges; op for op the measured step's; the estimate says so, and a sequence that does not
 // split is refused with one line.
-// bf16 activations (with a bf16 residual stream) halve the tensor-parallel and pipeline messages of a step,
-// counted in the traced run's own collectives and stage outputs; the gradients' data-parallel reductions stay
-// fp32. The
+// bf16 activations (with a bf16 residual stream) halve the tensor-parallel, context-parallel and pipeline
+// messages of a step, counted in the traced run's own collectives and stage outputs; the gradients'
+// data-parallel reductions stay fp32. The
 // activations one micro-batch keeps drop by the share that is now bf16; the numbers are printed for the
 // record.
 TEST(DryTrace, Bf16ActivationsHalveTheMessages) {
@@ -431,6 +431,34 @@ TEST(DryTrace, Bf16ActivationsHalveTheMessages) {
   EXPECT_EQ(2 * bf16.pipeline, fp32.pipeline);                // the hidden states between stages
   EXPECT_EQ(bf16.by_group.at("dp"), fp32.by_group.at("dp"));  // fp32 gradient reductions
   EXPECT_LT(bf16.activations, fp32.activations);
+  // parallel.grad_reduce_in_bf16 halves them.
+  {
+    Strategy s = small(2, "none");
+    s.pp = 2, s.dp = 2, s.grad_accum = 4;
+    s.grad_reduce_in_bf16 = true;
+    int64_t dp = 0;
+    for (int pp_rank : {0, 1})
+      for (const Phase* phase : trace_rank(*config, s, pp_rank, for_cpu).phases())
+        for (const CommEvent& e : phase->comm) dp += e.group == "dp" ? e.bytes : 0;
+    EXPECT_EQ(2 * dp, fp32.by_group.at("dp"));
+  }
+  // Context parallelism: the ring's key/value hops and their gradients' hops, and the all-to-all's
+  // exchanges but the log-sum-exp's, carry bf16.
+  for (const char* comm : {"p2p", "a2a"}) {
+    auto cp_bytes = [&](DType activations) {
+      Strategy s = small(1, "none");
+      s.cp = 2, s.cp_comm = parallel::context_attention_from_name(comm);
+      s.activation_dtype = activations;
+      int64_t bytes = 0;
+      for (const Phase* phase : trace_rank(*config, s, 0, for_cpu).phases())
+        for (const CommEvent& e : phase->comm) bytes += e.group == "cp" ? e.bytes : 0;
+      return static_cast<double>(bytes);
+    };
+    const double cp32 = cp_bytes(DType::f32), cp16 = cp_bytes(DType::bf16);
+    std::printf("cp (%s): %.0f bytes with fp32 activations, %.0f with bf16\n", comm, cp32, cp16);
+    EXPECT_GE(cp16, 0.5 * cp32) << comm;
+    EXPECT_LT(cp16, (comm == std::string("p2p") ? 0.51 : 0.6) * cp32) << comm;
+  }
 }
 
 TEST(DryTrace, ContextParallelRanksHoldTheirChunks) {

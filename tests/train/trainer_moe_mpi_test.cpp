@@ -618,12 +618,14 @@ INSTANTIATE_TEST_SUITE_P(Layouts, MoeFp8Layouts,
                                          MoeFp8Case{"block_dp2_ep2", "block", 1, 2, 1, 2}),
                          [](const auto& info) { return std::string(info.param.name); });
 
-// DeepSeek-V3 in bf16 (the dense layer's MLP, the residual stream and the pipeline's messages in bf16; MLA,
-// the router and the experts take fp32) under expert, tensor and pipeline parallelism, against the one-rank
-// bf16 run within its distance from the one-rank fp32 run (toy::expect_follows_bf16_run).
+// DeepSeek-V3 in bf16 (MLA, the experts' rows and outputs, the dense layer's MLP, the residual stream and
+// every message in bf16; the router, its gates and the losses fp32) under expert, tensor, context and
+// pipeline parallelism, against the one-rank bf16 run within its distance from the one-rank fp32 run
+// (toy::expect_follows_bf16_run).
 struct MoeBf16Case {
   const char* name;
-  int tp = 1, dp = 1, pp = 1, ep = 1;
+  int tp = 1, dp = 1, pp = 1, ep = 1, cp = 1;
+  const char* cp_comm = "p2p";
 };
 
 class MoeBf16Layouts : public DeepSeekLayouts<MoeBf16Case> {};
@@ -631,7 +633,8 @@ class MoeBf16Layouts : public DeepSeekLayouts<MoeBf16Case> {};
 TEST_P(MoeBf16Layouts, FollowTheOneRankBf16Run) {
   comm::Communicator& world = comm::world();
   const MoeBf16Case p = GetParam();
-  if (p.tp * p.dp * p.pp != world.size()) GTEST_SKIP() << "needs " << p.tp * p.dp * p.pp << " ranks";
+  const int ranks = p.tp * p.dp * p.pp * p.cp;
+  if (ranks != world.size()) GTEST_SKIP() << "needs " << ranks << " ranks";
   auto self = comm::make_self();
   const std::string me = std::to_string(world.rank());
   TrainConfig fp32 = deepseek_config("fp32-" + me, "fp32"), ref = deepseek_config("reference-" + me, "bf16");
@@ -640,6 +643,7 @@ TEST_P(MoeBf16Layouts, FollowTheOneRankBf16Run) {
   const TrainResult want = Trainer(ref, self.get()).run();
   TrainConfig par = deepseek_config("parallel", "bf16");
   par.parallel.tp = p.tp, par.parallel.dp = p.dp, par.parallel.pp = p.pp, par.parallel.ep = p.ep;
+  par.parallel.cp = p.cp, par.parallel.cp_comm = p.cp_comm;
   par.parallel.sequence_parallel = p.tp > 1;
   par.parallel.distributed_optimizer = p.dp > 1;
   if (p.pp > 1) par.parallel.pp_layers = "2,1";
@@ -650,7 +654,8 @@ TEST_P(MoeBf16Layouts, FollowTheOneRankBf16Run) {
 
 INSTANTIATE_TEST_SUITE_P(Layouts, MoeBf16Layouts,
                          testing::Values(MoeBf16Case{"tp2_sp", 2}, MoeBf16Case{"dp2_ep2", 1, 2, 1, 2},
-                                         MoeBf16Case{"pp2", 1, 1, 2}),
+                                         MoeBf16Case{"pp2", 1, 1, 2}, MoeBf16Case{"cp2", 1, 1, 1, 1, 2},
+                                         MoeBf16Case{"cp2_a2a_ep2", 1, 1, 1, 2, 2, "a2a"}),
                          [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace

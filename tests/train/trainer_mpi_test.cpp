@@ -142,7 +142,10 @@ struct Bf16Layout {
   const char* schedule = "1f1b";
   bool fp32_residual = false;
   int64_t accum = 2;  // micro-batches per step per replica (DualPipeV needs 2 pp)
-  int layers = 2;      // the toy LLaMA's (DualPipeV needs 2 pp stages of at least one layer)
+  int layers = 2;     // the toy LLaMA's (DualPipeV needs 2 pp stages of at least one layer)
+  // Gradients reduced over dp in bf16: one more rounding of each gradient per reduction, of the same unit
+  // roundoff as the activations' and GEMM operands' that set the bound.
+  bool grad_reduce_in_bf16 = false;
 };
 
 class TrainerBf16Layouts : public TrainerRuns, public testing::WithParamInterface<Bf16Layout> {};
@@ -181,6 +184,7 @@ TEST_P(TrainerBf16Layouts, FollowTheOneRankBf16Run) {
   par.parallel.cp_comm = l.cp_comm;
   par.parallel.schedule = l.schedule;
   par.train.grad_accum = l.accum;
+  par.parallel.grad_reduce_in_bf16 = l.grad_reduce_in_bf16;
   const TrainResult got = Trainer(par, &world).run();
   toy::expect_follows_bf16_run(got, want, exact);
 }
@@ -193,7 +197,11 @@ INSTANTIATE_TEST_SUITE_P(
                     Bf16Layout{"pp2_dualpipev", 1, 1, 1, 2, false, false, "p2p", "dualpipev", false, 4, 4},
                     Bf16Layout{"pp2_fp32_residual", 1, 1, 1, 2, false, false, "p2p", "1f1b", true},
                     Bf16Layout{"tp2_sp_dp2_zero1", 2, 2, 1, 1, true, true},
-                    Bf16Layout{"tp2_sp_pp2", 2, 1, 1, 2, true}),
+                    Bf16Layout{"tp2_sp_pp2", 2, 1, 1, 2, true},
+                    Bf16Layout{"dp2_grad_reduce_in_bf16", 1, 2, 1, 1, false, false, "p2p", "1f1b", false, 2,
+                               2, true},
+                    Bf16Layout{"dp2_zero1_grad_reduce_in_bf16", 1, 2, 1, 1, false, true, "p2p", "1f1b", false,
+                               2, 2, true}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // The families beside LLaMA, each under tp 2 with sequence parallelism, dp 2 with ZeRO-1, cp 2 and pp 2:

@@ -51,4 +51,14 @@ class ElementPtr {
 using ConstElements = ElementPtr<true>;  // read-only activations
 using Elements = ElementPtr<false>;      // written activations
 
+// f(typed pointer) for an fp32 or bf16 pointer (const float* / const uint16_t*, or the writable ones): nest
+// them to instantiate a kernel for every combination of its tensors' dtypes (both backends' host code).
+template <bool kConst, typename F>
+void visit(ElementPtr<kConst> p, F&& f) {
+  if (p.dtype() == DType::bf16)
+    f(p.bf16());
+  else
+    f(p.f32());
+}
+
 }  // namespace forge

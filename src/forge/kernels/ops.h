@@ -625,15 +625,17 @@ constexpr int64_t moe_segment_rows(const MoeSortParams& p, int64_t kept) {
 // Indices are data: the CPU checks them (source[r] in [0, tokens * top_k) or -1 for padding, row_of in
 // [-1, rows)) and fails with one line; the CUDA kernels, which cannot report without waiting for the device,
 // read and write nothing for an index out of range (-1 in source is padding, not out of range).
+// The rows are fp32 or bf16, each tensor its own: a copy to bf16 rounds once (from bf16: exact), and
+// moe_permute_backward sums in fp32 and rounds the sum once.
 struct MoePermuteParams {
   int64_t tokens = 0, top_k = 0, hidden = 0, rows = 0;
   const int32_t* row_of = nullptr;  // [tokens * top_k]: backward
   const int32_t* source = nullptr;  // [rows]: forward
-  const float* x = nullptr;         // [tokens, hidden], x_stride
+  ConstElements x;                  // [tokens, hidden], x_stride
   int64_t x_stride = 0;
-  float* out = nullptr;         // [rows, hidden]
-  const float* dout = nullptr;  // [rows, hidden]
-  float* dx = nullptr;          // [tokens, hidden], dx_stride
+  Elements out;        // [rows, hidden]
+  ConstElements dout;  // [rows, hidden]
+  Elements dx;         // [tokens, hidden], dx_stride
   int64_t dx_stride = 0;
 };
 
@@ -650,17 +652,19 @@ struct MoePermuteParams {
 //                           order fixed by hidden alone, 0 for a dropped assignment (overwritten). Either
 //                           output may be null (not computed).
 // So padding changes nothing but the sorted rows: out, dx and dweights are bitwise those of align = 1.
+// y, out, dout and dy are fp32 or bf16, each its own; the weights and every sum stay fp32 (a bf16 out or dy
+// is the fp32 result rounded once).
 struct MoeUnpermuteParams {
   int64_t tokens = 0, top_k = 0, hidden = 0, rows = 0;
   const int32_t* row_of = nullptr;  // [tokens * top_k]
   const int32_t* source = nullptr;  // [rows]: backward's dy
   const float* weights = nullptr;   // [tokens * top_k]
-  const float* y = nullptr;         // [rows, hidden]
-  float* out = nullptr;             // [tokens, hidden], out_stride
+  ConstElements y;                  // [rows, hidden]
+  Elements out;                     // [tokens, hidden], out_stride
   int64_t out_stride = 0;
-  const float* dout = nullptr;  // [tokens, hidden], dout_stride
+  ConstElements dout;  // [tokens, hidden], dout_stride
   int64_t dout_stride = 0;
-  float* dy = nullptr;        // [rows, hidden], optional
+  Elements dy;                // [rows, hidden], optional
   float* dweights = nullptr;  // [tokens * top_k], optional
 };
 

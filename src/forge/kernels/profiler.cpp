@@ -30,6 +30,8 @@ struct Cost {
 };
 
 double d(int64_t v) { return static_cast<double>(v); }
+// Bytes per element of an fp32 or bf16 tensor.
+double size_of(ConstElements p) { return d(dtype_size(p.dtype())); }
 char layout(bool trans) { return trans ? 'T' : 'N'; }
 
 std::string matrix(int64_t rows, int64_t cols) { return fmt::format("{}x{}", rows, cols); }
@@ -243,15 +245,18 @@ std::string moe_rows(int64_t tokens, int64_t top_k, int64_t hidden, int64_t rows
 }
 
 Cost moe_permute(const MoePermuteParams& p) {
-  return {moe_rows(p.tokens, p.top_k, p.hidden, p.rows), 0, 8 * d(p.rows) * d(p.hidden) + 4 * d(p.rows)};
+  return {moe_rows(p.tokens, p.top_k, p.hidden, p.rows), 0,
+          (size_of(p.x) + size_of(p.out)) * d(p.rows) * d(p.hidden) + 4 * d(p.rows)};
 }
 Cost moe_permute_backward(const MoePermuteParams& p) {
   return {moe_rows(p.tokens, p.top_k, p.hidden, p.rows), d(p.rows) * d(p.hidden),
-          4 * (d(p.rows) + d(p.tokens)) * d(p.hidden) + 4 * d(p.tokens) * d(p.top_k)};
+          (size_of(p.dout) * d(p.rows) + size_of(p.dx) * d(p.tokens)) * d(p.hidden) +
+              4 * d(p.tokens) * d(p.top_k)};
 }
 Cost moe_unpermute(const MoeUnpermuteParams& p) {
-  return {moe_rows(p.tokens, p.top_k, p.hidden, p.rows), 2 * d(p.rows) * d(p.hidden),
-          4 * (d(p.rows) + d(p.tokens)) * d(p.hidden) + 8 * d(p.tokens) * d(p.top_k)};
+  return {
+      moe_rows(p.tokens, p.top_k, p.hidden, p.rows), 2 * d(p.rows) * d(p.hidden),
+      (size_of(p.y) * d(p.rows) + size_of(p.out) * d(p.tokens)) * d(p.hidden) + 8 * d(p.tokens) * d(p.top_k)};
 }
 // dy: read dout, write dy (R rows); dweights: read dout and y again, a dot product per kept row.
 Cost moe_unpermute_backward(const MoeUnpermuteParams& p) {
@@ -259,7 +264,8 @@ Cost moe_unpermute_backward(const MoeUnpermuteParams& p) {
   return {
       moe_rows(p.tokens, p.top_k, p.hidden, p.rows) + (p.dy ? " dy" : "") + (p.dweights ? " dweights" : ""),
       (p.dy ? rows : 0) + (p.dweights ? 2 * rows : 0),
-      (p.dy ? 8 * rows + 8 * d(p.rows) : 0) + (p.dweights ? 8 * rows + 8 * d(p.tokens) * d(p.top_k) : 0)};
+      (p.dy ? (size_of(p.dout) + size_of(p.dy)) * rows + 8 * d(p.rows) : 0) +
+          (p.dweights ? (size_of(p.dout) + size_of(p.y)) * rows + 8 * d(p.tokens) * d(p.top_k) : 0)};
 }
 
 // Grouped GEMMs: 2 R n k FLOPs over the R grouped rows (or contraction), the operands each read once, every

@@ -84,8 +84,7 @@ Tensor regroup_rows(const Tensor& rows, int64_t cols, const DispatchPlan& plan, 
   if (plan.ranks == 1) return rows;
   const int64_t n = plan.received();
   FORGE_CHECK(rows.numel() == n * cols, "regroup_rows: {} elements for {} rows of {}", rows.numel(), n, cols);
-  FORGE_CHECK(rows.dtype() == DType::f32, "regroup_rows moves fp32 rows");
-  Tensor out = Tensor::empty({n, cols}, DType::f32, rows.device());
+  Tensor out = Tensor::empty({n, cols}, rows.dtype(), rows.device());
   if (rows.device() == Device::cpu) {
     for_each_block(plan, to_expert_major, [&](int64_t from, int64_t to, int64_t count) {
       out.view(to * cols, {count, cols}).copy_from(rows.view(from * cols, {count, cols}));
@@ -101,7 +100,7 @@ Tensor regroup_rows(const Tensor& rows, int64_t cols, const DispatchPlan& plan, 
   const Tensor index = from.to(rows.device());
   ops::MoePermuteParams p;
   p.tokens = n, p.top_k = 1, p.hidden = cols, p.rows = n;
-  p.source = index.i32(), p.x = rows.f32(), p.out = out.f32();
+  p.source = index.i32(), p.x = rows.elements(), p.out = out.elements();
   ops::moe_permute(p, rows.device());
   return out;
 }
@@ -120,7 +119,7 @@ void ExpertDispatch::start(ExpertParallel* ep, const DispatchPlan& plan, const T
   FORGE_CHECK(rows.numel() == sum(out_rows) * cols, "ExpertDispatch: {} elements for {} rows of {}",
               rows.numel(), sum(out_rows), cols);
   send_ = to_experts ? rows : regroup_rows(rows, cols, plan, /*to_expert_major=*/false);
-  recv_ = Tensor::empty({sum(in_rows), cols}, DType::f32, rows.device());
+  recv_ = Tensor::empty({sum(in_rows), cols}, rows.dtype(), rows.device());
   transfer_ = ep->all_to_all_rows(send_, out_rows, recv_, in_rows, cols);
 }
 

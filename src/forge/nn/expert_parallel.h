@@ -41,9 +41,10 @@ class ExpertParallel {
   virtual int size() const = 0;
   // Host, synchronous: send[size * n] (block j for rank j) -> recv[size * n] (block j from rank j).
   virtual void exchange_counts(const int64_t* send, int64_t* recv, int64_t n) = 0;
-  // Rows of `cols` floats, fp32: send's first send_rows[0] rows go to rank 0, the next send_rows[1] to rank
-  // 1, ...; recv receives recv_rows[j] rows from rank j in rank order. Asynchronous: both tensors must stay
-  // alive and untouched until wait(). On the tensors' device (a GPU's through its own communicator).
+  // Rows of `cols` elements, fp32 or bf16 (send's and recv's dtype, the same): send's first send_rows[0] rows
+  // go to rank 0, the next send_rows[1] to rank 1, ...; recv receives recv_rows[j] rows from rank j in rank
+  // order. Asynchronous: both tensors must stay alive and untouched until wait(). On the tensors' device (a
+  // GPU's through its own communicator).
   virtual std::unique_ptr<Transfer> all_to_all_rows(const Tensor& send, std::span<const int64_t> send_rows,
                                                     const Tensor& recv, std::span<const int64_t> recv_rows,
                                                     int64_t cols) = 0;
@@ -67,13 +68,13 @@ struct DispatchPlan {
 // Collective over ep (the counts' exchange). ep null or of one rank: every expert is local, nothing moves.
 DispatchPlan plan_dispatch(ExpertParallel* ep, std::span<const int64_t> offsets);
 
-// Moves rows [n, cols] (fp32) along a plan: to the experts (source-sorted rows in, expert-major local rows
-// out) or back from them (expert-major in, source-sorted out). start() launches the transfer and returns at
-// once, so that other work (the shared experts) runs while the rows travel; finish() waits and returns the
-// moved rows. Without other ranks the rows are returned as they are. Inside an overlapped pair
-// (core/fibers.h: DualPipe's forward of one micro-batch beside the backward of another) finish() first
-// yields to the partner, whose compute then hides the transfer; it yields at every finish of a moving
-// transfer, whatever the timing, so that every rank interleaves the same way.
+// Moves rows [n, cols] (fp32 or bf16, in their dtype) along a plan: to the experts (source-sorted rows in,
+// expert-major local rows out) or back from them (expert-major in, source-sorted out). start() launches the
+// transfer and returns at once, so that other work (the shared experts) runs while the rows travel; finish()
+// waits and returns the moved rows. Without other ranks the rows are returned as they are. Inside an
+// overlapped pair (core/fibers.h: DualPipe's forward of one micro-batch beside the backward of another)
+// finish() first yields to the partner, whose compute then hides the transfer; it yields at every finish of a
+// moving transfer, whatever the timing, so that every rank interleaves the same way.
 class ExpertDispatch {
  public:
   void start(ExpertParallel* ep, const DispatchPlan& plan, const Tensor& rows, int64_t cols, bool to_experts);

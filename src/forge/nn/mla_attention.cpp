@@ -9,27 +9,33 @@
 namespace forge::nn {
 namespace {
 
-// Strided row copies through kv_append, the op table's pure copy (bitwise on every backend): for r < rows and
-// g < groups, `width` floats from src + r * src_stride + g * width to dst + r * dst_stride + g *
-// group_stride. kv_append writes its keys and values rows alike: both go to dst, or the values to dst2 when
-// given (a second copy of the same rows in the same call).
-void copy_rows(const float* src, int64_t src_stride, float* dst, int64_t dst_stride, int64_t rows,
-               int64_t width, Device device, int64_t groups = 1, int64_t group_stride = 0,
-               float* dst2 = nullptr) {
+// dst[r, g, :width] (+)= src[r, g, :width] for r < rows, g < groups: rows src_stride / dst_stride elements
+// apart, groups src_group / dst_group apart (src_group 0: one source row for every group), fp32 or bf16 on
+// either side (a bf16 destination rounds once; fp32 to fp32 and bf16 to bf16 are bitwise copies).
+void copy_rows(ConstElements src, int64_t src_stride, Elements dst, int64_t dst_stride, int64_t rows,
+               int64_t width, Device device, int64_t groups = 1, int64_t src_group = 0, int64_t dst_group = 0,
+               bool accumulate = false) {
   if (rows == 0) return;
-  ops::KvAppendParams p;
-  p.batch = rows, p.tokens = 1, p.kv_heads = groups, p.head_dim = width;
-  p.qkv = src, p.qkv_stride = src_stride, p.k_offset = 0, p.v_offset = 0;
-  p.keys = dst, p.values = dst2 ? dst2 : dst, p.batch_stride = dst_stride, p.head_stride = group_stride,
-  p.position = 0;
-  ops::kv_append(p, device);
+  ops::StridedCopyParams p;
+  p.shape[0] = rows, p.shape[1] = groups, p.shape[2] = width;
+  p.src = src, p.src_stride[0] = src_stride, p.src_stride[1] = src_group;
+  p.dst = dst, p.dst_stride[0] = dst_stride, p.dst_stride[1] = dst_group;
+  p.accumulate = accumulate;
+  ops::strided_copy(p, device);
 }
 
 }  // namespace
 
 MlaAttention::MlaAttention(ParameterStore* store, MlaParams params, MlaShape shape, const RopeTable* rope,
                            ComputeOptions options)
-    : store_(store), params_(params), shape_(shape), rope_(rope), options_(options) {
+    : store_(store),
+      params_(params),
+      shape_(shape),
+      rope_(rope),
+      options_(options),
+      act_dtype_(options.activation_dtype == DType::bf16 && options.gemm_dtype == DType::bf16 && !options.fp8
+                     ? DType::bf16
+                     : DType::f32) {
   const MlaShape& s = shape_;
   FORGE_CHECK(s.hidden > 0 && s.heads > 0 && s.kv_lora_rank > 0 && s.qk_nope_head_dim > 0 &&
                   s.qk_rope_head_dim > 0 && s.qk_rope_head_dim % 2 == 0 && s.v_head_dim > 0 &&
@@ -70,13 +76,14 @@ std::vector<int> MlaAttention::replicated_params() const {
 }
 
 // Each head's rope columns q[:, h, dn:]: the rope op takes heads head_dim apart, so one call per head.
-void MlaAttention::rope_q(float* q, int64_t batch, int64_t seq, bool inverse, int64_t first_position) const {
+void MlaAttention::rope_q(Elements q, int64_t batch, int64_t seq, bool inverse,
+                          int64_t first_position) const {
   for (int64_t h = 0; h < shape_.heads; ++h)
     rope_k(q + h * shape_.qk_head_dim() + shape_.qk_nope_head_dim, shape_.q_dim(), batch, seq, inverse,
            first_position);
 }
 
-void MlaAttention::rope_k(float* x, int64_t token_stride, int64_t batch, int64_t seq, bool inverse,
+void MlaAttention::rope_k(Elements x, int64_t token_stride, int64_t batch, int64_t seq, bool inverse,
                           int64_t first_position) const {
   if (!options_.cp) return rope_rows(x, token_stride, batch, seq, inverse, first_position);
   // Context parallelism (training only): each sequence's two local chunks at their global positions.
@@ -87,7 +94,7 @@ void MlaAttention::rope_k(float* x, int64_t token_stride, int64_t batch, int64_t
                 options_.cp->first_position(h, seq));
 }
 
-void MlaAttention::rope_rows(float* x, int64_t token_stride, int64_t batch, int64_t seq, bool inverse,
+void MlaAttention::rope_rows(Elements x, int64_t token_stride, int64_t batch, int64_t seq, bool inverse,
                              int64_t first_position) const {
   FORGE_CHECK(first_position + seq <= rope_->positions,
               "positions up to {} exceed the RoPE table ({} positions)", first_position + seq,
@@ -101,56 +108,56 @@ void MlaAttention::rope_rows(float* x, int64_t token_stride, int64_t batch, int6
 }
 
 void MlaAttention::project(const Tensor& h, int64_t batch, int64_t seq, int64_t first_position, Saved* saved,
-                           Tensor& q, Tensor& kv_a, Tensor* kv) const {
+                           DType dtype, Tensor& q, Tensor& kv_a, Tensor* kv) const {
   const MlaShape& s = shape_;
   const int64_t rows = batch * seq, L = s.kv_lora_rank;
   Saved local;
   Saved& keep = saved ? *saved : local;
   if (s.q_lora_rank > 0) {
     keep.h_q = q_a_.input(h);
-    Tensor q_latent = q_norm_.forward(q_a_.forward(keep.h_q), keep.q_norm);
+    Tensor q_latent = q_norm_.forward(q_a_.forward(keep.h_q, dtype), keep.q_norm, dtype);
     keep.q_latent = q_b_.input(q_latent);
-    q = q_b_.forward(keep.q_latent);
+    q = q_b_.forward(keep.q_latent, dtype);
   } else {
     keep.h_q = q_.input(h);
-    q = q_.forward(keep.h_q);
+    q = q_.forward(keep.h_q, dtype);
   }
-  rope_q(q.f32(), batch, seq, false, first_position);
+  rope_q(q.elements(), batch, seq, false, first_position);
 
   // Without FP8 both projections read h in the GEMM dtype: one conversion, shared (an FP8 operand carries its
   // own Linear's scales).
   const Linear& q_in = s.q_lora_rank > 0 ? q_a_ : q_;
   keep.h_kv = kv_a_.fp8() || q_in.fp8() ? kv_a_.input(h) : keep.h_q;
-  kv_a = kv_a_.forward(keep.h_kv);
-  Tensor latent = Tensor::empty({rows, L}, DType::f32, options_.device);
-  copy_rows(kv_a.f32(), s.kv_a_dim(), latent.f32(), L, rows, L, options_.device);
-  rope_k(kv_a.f32() + L, s.kv_a_dim(), batch, seq, false, first_position);
-  Tensor kv_latent = kv_norm_.forward(latent, keep.kv_norm);
+  kv_a = kv_a_.forward(keep.h_kv, dtype);
+  Tensor latent = Tensor::empty({rows, L}, dtype, options_.device);
+  copy_rows(kv_a.elements(), s.kv_a_dim(), latent.elements(), L, rows, L, options_.device);
+  rope_k(kv_a.elements() + L, s.kv_a_dim(), batch, seq, false, first_position);
+  Tensor kv_latent = kv_norm_.forward(latent, keep.kv_norm, dtype);
   if (!saved)  // inference: the cache row is [normed latent, rotated rope key]
-    copy_rows(kv_latent.f32(), L, kv_a.f32(), s.kv_a_dim(), rows, L, options_.device);
+    copy_rows(kv_latent.elements(), L, kv_a.elements(), s.kv_a_dim(), rows, L, options_.device);
   if (!kv) return;
   keep.kv_latent = kv_b_.input(kv_latent);
-  *kv = kv_b_.forward(keep.kv_latent);
+  *kv = kv_b_.forward(keep.kv_latent, dtype);
 }
 
 void MlaAttention::expand_keys(const Tensor& kv, const Tensor& kv_a, int64_t rows, Saved& saved) const {
   const MlaShape& s = shape_;
   const int64_t H = s.heads, dn = s.qk_nope_head_dim, dr = s.qk_rope_head_dim, dv = s.v_head_dim;
   const int64_t qk = s.qk_head_dim(), kv_head = dn + dv;
-  saved.k = Tensor::empty({rows, s.q_dim()}, DType::f32, options_.device);
-  saved.v = Tensor::empty({rows, s.out_dim()}, DType::f32, options_.device);
-  copy_rows(kv.f32(), kv_head, saved.k.f32(), qk, rows * H, dn, options_.device);
-  copy_rows(kv.f32() + dn, kv_head, saved.v.f32(), dv, rows * H, dv, options_.device);
-  for (int64_t head = 0; head < H; head += 2)  // the shared rope key into two heads per copy
-    copy_rows(kv_a.f32() + s.kv_lora_rank, s.kv_a_dim(), saved.k.f32() + head * qk + dn, s.q_dim(), rows, dr,
-              options_.device, 1, 0, saved.k.f32() + std::min(head + 1, H - 1) * qk + dn);
+  saved.k = Tensor::empty({rows, s.q_dim()}, kv.dtype(), options_.device);
+  saved.v = Tensor::empty({rows, s.out_dim()}, kv.dtype(), options_.device);
+  copy_rows(kv.elements(), kv_head, saved.k.elements(), qk, rows * H, dn, options_.device);
+  copy_rows(kv.elements() + dn, kv_head, saved.v.elements(), dv, rows * H, dv, options_.device);
+  // The shared rope key into every head.
+  copy_rows(kv_a.elements() + s.kv_lora_rank, s.kv_a_dim(), saved.k.elements() + dn, s.q_dim(), rows, dr,
+            options_.device, H, 0, qk);
 }
 
 ops::AttentionParams MlaAttention::core_params(const Saved& saved, int64_t batch, int64_t seq) const {
   ops::AttentionParams p;
   p.batch = batch, p.seq = seq, p.heads = shape_.heads, p.kv_heads = shape_.heads;
   p.head_dim = shape_.qk_head_dim(), p.v_head_dim = shape_.v_head_dim;
-  p.q = saved.q.f32(), p.k = saved.k.f32(), p.v = saved.v.f32();
+  p.q = saved.q.elements(), p.k = saved.k.elements(), p.v = saved.v.elements();
   p.q_stride = p.k_stride = shape_.q_dim(), p.v_stride = shape_.out_dim();
   p.out_stride = shape_.out_dim();
   p.scale = shape_.softmax_scale;
@@ -159,10 +166,10 @@ ops::AttentionParams MlaAttention::core_params(const Saved& saved, int64_t batch
 }
 
 void MlaAttention::core_forward(Saved& saved, int64_t batch, int64_t seq) const {
-  saved.out = Tensor::empty({batch * seq, shape_.out_dim()}, DType::f32, options_.device);
+  saved.out = Tensor::empty({batch * seq, shape_.out_dim()}, saved.q.dtype(), options_.device);
   saved.lse = Tensor::empty({batch, shape_.heads, seq}, DType::f32, options_.device);
   ops::AttentionParams p = core_params(saved, batch, seq);
-  p.out = saved.out.f32(), p.lse = saved.lse.f32();
+  p.out = saved.out.elements(), p.lse = saved.lse.f32();
   if (options_.cp)
     options_.cp->attention_forward(p);
   else
@@ -172,11 +179,11 @@ void MlaAttention::core_forward(Saved& saved, int64_t batch, int64_t seq) const 
 Tensor MlaAttention::forward(const Tensor& h, int64_t batch, int64_t seq, Saved& saved,
                              bool keep_core) const {
   Tensor kv_a, kv;
-  project(gather_in(options_.tp, h), batch, seq, 0, &saved, saved.q, kv_a, &kv);
+  project(gather_in(options_.tp, h), batch, seq, 0, &saved, act_dtype_, saved.q, kv_a, &kv);
   expand_keys(kv, kv_a, batch * seq, saved);
   core_forward(saved, batch, seq);
   saved.out_op = o_.input(saved.out);
-  Tensor y = o_.forward(saved.out_op);
+  Tensor y = o_.forward(saved.out_op, act_dtype_);
   if (!keep_core) saved.out = Tensor(), saved.lse = Tensor(), saved.out_op = GemmOperand{};
   return reduce_out(options_.tp, y);
 }
@@ -192,15 +199,16 @@ Tensor MlaAttention::backward_input(const Tensor& dy, int64_t batch, int64_t seq
     o_.keep_for_backward(saved.out_op);
   }
   saved.dy = o_.grad_output(gather_in(options_.tp, dy));
-  Tensor dout = o_.backward_input(saved.dy);
+  const DType dtype = act_dtype_;
+  Tensor dout = o_.backward_input(saved.dy, dtype);
 
-  Tensor dq = Tensor::empty({rows, s.q_dim()}, DType::f32, device);
-  Tensor dk = Tensor::empty({rows, s.q_dim()}, DType::f32, device);
-  Tensor dvalue = Tensor::empty({rows, s.out_dim()}, DType::f32, device);
+  Tensor dq = Tensor::empty({rows, s.q_dim()}, dtype, device);
+  Tensor dk = Tensor::empty({rows, s.q_dim()}, dtype, device);
+  Tensor dvalue = Tensor::empty({rows, s.out_dim()}, dtype, device);
   ops::AttentionParams p = core_params(saved, batch, seq);
-  p.out = saved.out.f32(), p.lse = saved.lse.f32();
-  p.dout = dout.f32(), p.dout_stride = s.out_dim();
-  p.dq = dq.f32(), p.dk = dk.f32(), p.dv = dvalue.f32();
+  p.out = saved.out.elements(), p.lse = saved.lse.f32();
+  p.dout = dout.elements(), p.dout_stride = s.out_dim();
+  p.dq = dq.elements(), p.dk = dk.elements(), p.dv = dvalue.elements();
   p.dq_stride = p.dk_stride = s.q_dim(), p.dv_stride = s.out_dim();
   if (options_.cp)
     options_.cp->attention_backward(p);
@@ -208,42 +216,43 @@ Tensor MlaAttention::backward_input(const Tensor& dy, int64_t batch, int64_t seq
     ops::attention_backward(p, device);
   // The core is no longer needed; o_proj's weight gradient keeps out_op.
   saved.out = Tensor(), saved.lse = Tensor(), saved.q = Tensor(), saved.k = Tensor(), saved.v = Tensor();
-  rope_q(dq.f32(), batch, seq, true, 0);
+  rope_q(dq.elements(), batch, seq, true, 0);
 
   // kv_b_proj's output gradient: per head [dk_nope, dv].
-  Tensor dkv = Tensor::empty({rows, s.kv_dim()}, DType::f32, device);
-  copy_rows(dk.f32(), qk, dkv.f32(), kv_head, rows * H, dn, device);
-  copy_rows(dvalue.f32(), dv, dkv.f32() + dn, kv_head, rows * H, dv, device);
-  // The shared rope key's gradient is the sum over heads: each head's key gradients side by side ([H, rows,
-  // qk]), summed in head order; the rope columns of the sum, rotated back, are kv_a's last dr columns.
-  Tensor by_head = Tensor::empty({H, rows, qk}, DType::f32, device);
-  copy_rows(dk.f32(), s.q_dim(), by_head.f32(), qk, rows, qk, device, H, rows * qk);
-  for (int64_t head = 1; head < H; ++head)
-    ops::add_inplace(by_head.f32(), by_head.f32() + head * rows * qk, rows * qk, device);
-  rope_k(by_head.f32() + dn, qk, batch, seq, true, 0);
+  Tensor dkv = Tensor::empty({rows, s.kv_dim()}, dtype, device);
+  copy_rows(dk.elements(), qk, dkv.elements(), kv_head, rows * H, dn, device);
+  copy_rows(dvalue.elements(), dv, dkv.elements() + dn, kv_head, rows * H, dv, device);
+  // The shared rope key's gradient is the sum over heads of their rope columns, in fp32 and head order;
+  // rotated back, it is kv_a's last dr columns.
+  Tensor rope_key = Tensor::empty({rows, dr}, DType::f32, device);
+  for (int64_t head = 0; head < H; ++head)
+    copy_rows(dk.elements() + head * qk + dn, s.q_dim(), rope_key.elements(), dr, rows, dr, device, 1, 0, 0,
+              /*accumulate=*/head > 0);
+  rope_k(rope_key.elements(), dr, batch, seq, true, 0);
   dk = Tensor(), dvalue = Tensor();
 
   saved.dkv = kv_b_.grad_output(dkv);
-  Tensor dlatent = kv_norm_.backward_input(kv_b_.backward_input(saved.dkv), saved.kv_norm);
-  Tensor dkv_a = Tensor::empty({rows, s.kv_a_dim()}, DType::f32, device);
-  copy_rows(dlatent.f32(), L, dkv_a.f32(), s.kv_a_dim(), rows, L, device);
-  copy_rows(by_head.f32() + dn, qk, dkv_a.f32() + L, s.kv_a_dim(), rows, dr, device);
-  by_head = Tensor();
+  Tensor dlatent = kv_norm_.backward_input(kv_b_.backward_input(saved.dkv, dtype), saved.kv_norm, dtype);
+  Tensor dkv_a = Tensor::empty({rows, s.kv_a_dim()}, dtype, device);
+  copy_rows(dlatent.elements(), L, dkv_a.elements(), s.kv_a_dim(), rows, L, device);
+  copy_rows(rope_key.elements(), dr, dkv_a.elements() + L, s.kv_a_dim(), rows, dr, device);
+  rope_key = Tensor();
   saved.dkv_a = kv_a_.grad_output(dkv_a);
+  // The input's gradient sums the kv and q paths' in fp32, rounded once to the activation dtype.
   Tensor dh = kv_a_.backward_input(saved.dkv_a);
 
   Tensor dh_q;
   if (s.q_lora_rank > 0) {
     saved.dq = q_b_.grad_output(dq);
-    Tensor dq_latent = q_norm_.backward_input(q_b_.backward_input(saved.dq), saved.q_norm);
+    Tensor dq_latent = q_norm_.backward_input(q_b_.backward_input(saved.dq, dtype), saved.q_norm, dtype);
     saved.dq_latent = q_a_.grad_output(dq_latent);
     dh_q = q_a_.backward_input(saved.dq_latent);
   } else {
     saved.dq = q_.grad_output(dq);
     dh_q = q_.backward_input(saved.dq);
   }
-  ops::add_inplace(dh.f32(), dh_q.f32(), dh.numel(), device);
-  return reduce_out(options_.tp, dh);
+  ops::add_inplace(dh.elements(), dh_q.elements(), dh.numel(), device);
+  return reduce_out(options_.tp, to_dtype(dh, dtype));
 }
 
 void MlaAttention::backward_weight(Saved& saved) const {
@@ -283,7 +292,7 @@ Tensor MlaAttention::forward_cached(const Tensor& h, int64_t batch, int64_t toke
   // head_dim dn + dr and dv (a third of the absorbed form's work per query-key pair at DeepSeek-V3's sizes).
   const bool prefill = cache.length == 0;
   Tensor q, kv_a, kv;
-  project(h, batch, tokens, cache.length, nullptr, q, kv_a, prefill ? &kv : nullptr);
+  project(h, batch, tokens, cache.length, nullptr, DType::f32, q, kv_a, prefill ? &kv : nullptr);
   ops::KvAppendParams append;
   append.batch = batch, append.tokens = tokens, append.kv_heads = 1, append.head_dim = row;
   append.qkv = kv_a.f32(), append.qkv_stride = row, append.k_offset = 0, append.v_offset = 0;
@@ -312,7 +321,7 @@ Tensor MlaAttention::forward_cached(const Tensor& h, int64_t batch, int64_t toke
     g.c = query.f32() + head * row, g.ldc = H * row;
     ops::gemm(g, device);
   }
-  copy_rows(q.f32() + dn, qk, query.f32() + L, row, rows * H, s.qk_rope_head_dim, device);
+  copy_rows(q.elements() + dn, qk, query.elements() + L, row, rows * H, s.qk_rope_head_dim, device);
 
   // Multi-query attention over the cache: one kv head of L + dr, values its first L columns.
   Tensor latent_out = Tensor::empty({rows, H * L}, DType::f32, device);

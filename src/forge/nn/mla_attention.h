@@ -71,7 +71,7 @@ class MlaAttention final : public LayerPart {
     RmsNorm::Saved q_norm, kv_norm;   // the latent norms
     GemmOperand q_latent, kv_latent;  // the normed latents as q_b_proj and kv_b_proj read them
     Tensor q, k, v;                   // the attention core's inputs: q and k [rows, H, dn + dr] after RoPE,
-                                      // v [rows, H, dv]
+                                      // v [rows, H, dv] (in the activation dtype)
     Tensor out, lse;                  // the core's output and log-sum-exp (absent under selective recompute)
     GemmOperand out_op;               // the core's output as o_proj's operand
     GemmOperand dy, dq, dq_latent, dkv, dkv_a;  // kept from backward_input for backward_weight
@@ -103,6 +103,7 @@ class MlaAttention final : public LayerPart {
   void backward_weight(LayerPart::Saved& saved) const override {
     backward_weight(static_cast<Saved&>(saved));
   }
+  DType input_dtype() const override { return act_dtype_; }
   Tensor forward_cached(const Tensor& h, int64_t batch, int64_t tokens, const KvLayer* cache) const override {
     FORGE_CHECK(cache != nullptr, "MLA's cached inference needs a KV cache");
     return forward_cached(h, batch, tokens, *cache);
@@ -118,15 +119,16 @@ class MlaAttention final : public LayerPart {
   // q [rows, H (dn + dr)] and kv_a [rows, L + dr] from h, RoPE applied; keeps the operands and norm states in
   // saved (null: inference, nothing kept, and kv_a becomes the cache row [normed latent, rope key]). kv (when
   // not null): [rows, H (dn + dv)] from the normed latent.
-  void project(const Tensor& h, int64_t batch, int64_t seq, int64_t first_position, Saved* saved, Tensor& q,
-               Tensor& kv_a, Tensor* kv) const;
+  // dtype: q's, kv_a's, kv's and the latents' (the activation dtype in training, fp32 in inference).
+  void project(const Tensor& h, int64_t batch, int64_t seq, int64_t first_position, Saved* saved, DType dtype,
+               Tensor& q, Tensor& kv_a, Tensor* kv) const;
   // The core's keys [k_nope (per head), k_rope (shared)] and values into saved.k and saved.v, each head's
   // columns together.
   void expand_keys(const Tensor& kv, const Tensor& kv_a, int64_t rows, Saved& saved) const;
-  void rope_q(float* q, int64_t batch, int64_t seq, bool inverse, int64_t first_position) const;
-  void rope_k(float* x, int64_t token_stride, int64_t batch, int64_t seq, bool inverse,
+  void rope_q(Elements q, int64_t batch, int64_t seq, bool inverse, int64_t first_position) const;
+  void rope_k(Elements x, int64_t token_stride, int64_t batch, int64_t seq, bool inverse,
               int64_t first_position) const;
-  void rope_rows(float* x, int64_t token_stride, int64_t batch, int64_t seq, bool inverse,
+  void rope_rows(Elements x, int64_t token_stride, int64_t batch, int64_t seq, bool inverse,
                  int64_t first_position) const;
   ops::AttentionParams core_params(const Saved& saved, int64_t batch, int64_t seq) const;
   void core_forward(Saved& saved, int64_t batch, int64_t seq) const;
@@ -138,6 +140,11 @@ class MlaAttention final : public LayerPart {
   MlaShape shape_;
   const RopeTable* rope_ = nullptr;
   ComputeOptions options_;
+  // The input, the projections' outputs and latents, the core's q, k, v and output, the output and all their
+  // gradients: bf16 under ComputeOptions::activation_dtype bf16 (with bf16 GEMMs, not FP8), else fp32. The
+  // shared rope key's gradient sums the heads in fp32, and the input's gradient its two paths. Cached
+  // inference stays fp32.
+  DType act_dtype_ = DType::f32;
 };
 
 }  // namespace forge::nn

@@ -21,7 +21,15 @@ GemmOperand operand_of(Tensor data) {
 
 Moe::Moe(ParameterStore* store, MoeParams params, MoeShape shape, ComputeOptions options, MoeStats* stats,
          const MoeStepScale* scale)
-    : store_(store), params_(params), shape_(shape), options_(options), stats_(stats), scale_(scale) {
+    : store_(store),
+      params_(params),
+      shape_(shape),
+      options_(options),
+      stats_(stats),
+      scale_(scale),
+      act_dtype_(options.activation_dtype == DType::bf16 && options.gemm_dtype == DType::bf16 && !options.fp8
+                     ? DType::bf16
+                     : DType::f32) {
   FORGE_CHECK(shape.experts > 0 && shape.top_k > 0 && shape.expert_ffn > 0 && shape.hidden > 0,
               "Moe: bad shape experts={} top_k={} expert_ffn={} hidden={}", shape.experts, shape.top_k,
               shape.expert_ffn, shape.hidden);
@@ -55,14 +63,14 @@ Tensor Moe::weights(DType dtype, int first, int count, int64_t cols) const {
 // C [rows, n] = A_g [rows_g, k] @ op(W_g) per local expert, W_g the g-th of `count / experts`-parameter
 // blocks from `first` (stored [n, k]; trans_b = false reads it as [k, n], the input gradient's dx = dy W_g).
 Tensor Moe::grouped(const GemmOperand& a, int64_t rows, int first, int count, int64_t n, int64_t k,
-                    bool trans_b, const std::vector<int64_t>& offsets) const {
-  Tensor c = Tensor::empty({rows, n}, DType::f32, options_.device);
+                    bool trans_b, const std::vector<int64_t>& offsets, DType out_dtype) const {
+  Tensor c = Tensor::empty({rows, n}, out_dtype, options_.device);
   if (rows == 0) return c;
   const Tensor w = weights(a.data.dtype(), first, count, trans_b ? k : n);
   ops::GroupedGemmParams p;
   p.groups = local_experts(), p.offsets = offsets.data(), p.n = n, p.k = k;
   p.a = a.data.raw(), p.lda = k, p.b = w.raw(), p.ldb = trans_b ? k : n, p.trans_b = trans_b;
-  p.b_group_stride = n * k, p.ab_dtype = a.data.dtype(), p.c = c.f32(), p.ldc = n;
+  p.b_group_stride = n * k, p.ab_dtype = a.data.dtype(), p.c = c.raw(), p.c_dtype = out_dtype, p.ldc = n;
   ops::m_grouped_gemm(p, options_.device);
   return c;
 }
@@ -81,13 +89,14 @@ void Moe::grouped_weight_grad(const GemmOperand& dy, const GemmOperand& x, int f
   for (int id = first; id < first + count; ++id) store_->note_grad(id);
 }
 
-// silu(gate) * up of the sorted rows [R, 2 ffn].
+// silu(gate) * up of the sorted rows [R, 2 ffn], in gate_up's dtype.
 Tensor Moe::swiglu(const Tensor& gate_up) const {
   const int64_t rows = gate_up.numel() / (2 * shape_.expert_ffn);
-  Tensor act = Tensor::empty({rows, shape_.expert_ffn}, DType::f32, options_.device);
+  Tensor act = Tensor::empty({rows, shape_.expert_ffn}, gate_up.dtype(), options_.device);
   if (rows > 0) {
     ops::SwigluParams sw;
-    sw.rows = rows, sw.ffn = shape_.expert_ffn, sw.gate_up = gate_up.f32(), sw.out = act.f32();
+    sw.rows = rows, sw.ffn = shape_.expert_ffn, sw.dtype = gate_up.dtype(), sw.gate_up = gate_up.raw(),
+    sw.out = act.raw();
     ops::swiglu_forward(sw, options_.device);
   }
   return act;
@@ -130,18 +139,20 @@ Tensor Moe::fp8_down_forward(Saved& s, bool forward) const {
 }
 
 template <typename Overlapped>
-Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training,
+Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training, DType out_dtype,
                            Overlapped overlapped) const {
   const Device device = options_.device;
   const int64_t hidden = shape_.hidden, experts = shape_.experts, k = shape_.top_k, ffn = shape_.expert_ffn;
   const int64_t local = local_experts();
   const int64_t rows = h.numel() / hidden;
 
-  // Router logits in fp32 (the scores decide the routing; bf16 would flip near-ties).
+  // Router logits in fp32 (the scores decide the routing; bf16 would flip near-ties), from h widened to fp32
+  // when it is bf16 (as Hugging Face's DeepSeek-V3 router reads a bf16 model's hidden states).
   Tensor logits = Tensor::empty({rows, experts}, DType::f32, device);
   if (rows > 0) {
+    const Tensor h32 = to_dtype(h, DType::f32);
     ops::GemmParams g;
-    g.m = rows, g.n = experts, g.k = hidden, g.a = h.f32(), g.lda = hidden;
+    g.m = rows, g.n = experts, g.k = hidden, g.a = h32.f32(), g.lda = hidden;
     g.b = store_->param(params_.router).f32(), g.ldb = hidden, g.trans_b = true, g.c = logits.f32(),
     g.ldc = experts;
     ops::gemm(g, device);
@@ -237,10 +248,11 @@ Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training
     }
   }
 
-  Tensor sorted_xs = Tensor::empty({sorted, hidden}, DType::f32, device);
+  // The rows travel and reach the experts as their GEMMs read them (bf16 GEMMs: bf16, rounded once here).
+  Tensor sorted_xs = Tensor::empty({sorted, hidden}, rows_dtype(), device);
   ops::MoePermuteParams pp;
   pp.tokens = rows, pp.top_k = k, pp.hidden = hidden, pp.rows = sorted, pp.row_of = s.row_of.i32();
-  pp.source = s.source.i32(), pp.x = h.f32(), pp.out = sorted_xs.f32();
+  pp.source = s.source.i32(), pp.x = h.elements(), pp.out = sorted_xs.elements();
   ops::moe_permute(pp, device);
 
   // To the experts' ranks (nothing moves without expert parallelism); the shared experts run meanwhile.
@@ -264,19 +276,19 @@ Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training
         });
     ys = fp8_down_forward(s, true);
   } else {
-    s.xs = operand_of(to_gemm_dtype(xs, options_.gemm_dtype));
+    s.xs = operand_of(xs);
     s.gate_up = grouped(s.xs, received, params_.first_gate_up, 2 * static_cast<int>(local), 2 * ffn, hidden,
-                        true, offsets_local);
+                        true, offsets_local, act_dtype_);
     s.act = activation(s.gate_up);
     ys = grouped(s.act, received, params_.first_down, static_cast<int>(local), hidden, ffn, true,
-                 offsets_local);
+                 offsets_local, act_dtype_);
   }
   s.ys = combine_rows(options_.ep, s.plan, ys, hidden);  // back to the tokens' rank, in sorted order
 
-  Tensor out = Tensor::empty({rows, hidden}, DType::f32, device);
+  Tensor out = Tensor::empty({rows, hidden}, out_dtype, device);
   ops::MoeUnpermuteParams u;
   u.tokens = rows, u.top_k = k, u.hidden = hidden, u.rows = sorted, u.row_of = s.row_of.i32();
-  u.source = s.source.i32(), u.weights = s.weights.f32(), u.y = s.ys.f32(), u.out = out.f32();
+  u.source = s.source.i32(), u.weights = s.weights.f32(), u.y = s.ys.elements(), u.out = out.elements();
   ops::moe_unpermute(u, device);
   return out;
 }
@@ -285,7 +297,7 @@ Tensor Moe::forward(const Tensor& h, int64_t, int64_t seq, LayerPart::Saved& sav
   Saved& s = static_cast<Saved&>(saved);
   const Tensor full = gather_in(options_.tp, h);
   Tensor z;  // the shared experts' output, computed while the routed rows travel
-  Tensor y = reduce_out(options_.tp, routed_forward(full, seq, s, true, [&] {
+  Tensor y = reduce_out(options_.tp, routed_forward(full, seq, s, true, act_dtype_, [&] {
                           if (shared_) z = shared_->forward(h, s.shared, keep_all);
                         }));
   if (!keep_all)
@@ -314,12 +326,13 @@ Tensor Moe::backward_input(const Tensor& dy_in, int64_t, int64_t, LayerPart::Sav
 
   // Through the combination: each sorted row's gradient, and the gates' (partial over tp ranks, whose expert
   // outputs are partial sums).
-  Tensor dys = Tensor::empty({sorted, hidden}, DType::f32, device);
+  // dys travels and reaches the experts as their GEMMs read it, like the forward's rows.
+  Tensor dys = Tensor::empty({sorted, hidden}, rows_dtype(), device);
   Tensor dweights = Tensor::empty({rows, k}, DType::f32, device);
   ops::MoeUnpermuteParams u;
   u.tokens = rows, u.top_k = k, u.hidden = hidden, u.rows = sorted, u.row_of = s.row_of.i32();
-  u.source = s.source.i32(), u.weights = s.weights.f32(), u.y = s.ys.f32(), u.dout = dy.f32();
-  u.dy = dys.f32(), u.dweights = dweights.f32();
+  u.source = s.source.i32(), u.weights = s.weights.f32(), u.y = s.ys.elements(), u.dout = dy.elements();
+  u.dy = dys.elements(), u.dweights = dweights.f32();
   ops::moe_unpermute_backward(u, device);
   s.ys = Tensor();
   if (options_.tp) options_.tp->all_reduce_sum(dweights.f32(), dweights.numel(), device);
@@ -345,15 +358,15 @@ Tensor Moe::backward_input(const Tensor& dy_in, int64_t, int64_t, LayerPart::Sav
         });
   } else {
     if (!s.act.defined()) s.act = activation(s.gate_up);  // selective recompute
-    s.dys = operand_of(to_gemm_dtype(local_dys, options_.gemm_dtype));
+    s.dys = operand_of(local_dys);
     dact = grouped(s.dys, received, params_.first_down, static_cast<int>(local), ffn, hidden, false,
-                   offsets_local);
+                   offsets_local, act_dtype_);
   }
-  Tensor dgate_up = Tensor::empty({received, 2 * ffn}, DType::f32, device);
+  Tensor dgate_up = Tensor::empty({received, 2 * ffn}, act_dtype_, device);
   if (received > 0) {
     ops::SwigluParams sw;
-    sw.rows = received, sw.ffn = ffn, sw.gate_up = s.gate_up.f32(), sw.dout = dact.f32(),
-    sw.dgate_up = dgate_up.f32();
+    sw.rows = received, sw.ffn = ffn, sw.dtype = act_dtype_, sw.gate_up = s.gate_up.raw(),
+    sw.dout = dact.raw(), sw.dgate_up = dgate_up.raw();
     ops::swiglu_backward(sw, device);
   }
   s.gate_up = Tensor();
@@ -369,13 +382,13 @@ Tensor Moe::backward_input(const Tensor& dy_in, int64_t, int64_t, LayerPart::Sav
   } else {
     s.dgate_up = operand_of(to_gemm_dtype(dgate_up, options_.gemm_dtype));
     local_dxs = grouped(s.dgate_up, received, params_.first_gate_up, 2 * static_cast<int>(local), hidden,
-                        2 * ffn, false, offsets_local);
+                        2 * ffn, false, offsets_local, act_dtype_);
   }
   const Tensor dxs = combine_rows(options_.ep, s.plan, local_dxs, hidden);  // back, in sorted order
   Tensor dh = Tensor::empty({rows, hidden}, DType::f32, device);
   ops::MoePermuteParams pp;
   pp.tokens = rows, pp.top_k = k, pp.hidden = hidden, pp.rows = sorted, pp.row_of = s.row_of.i32();
-  pp.source = s.source.i32(), pp.dout = dxs.f32(), pp.dx = dh.f32();
+  pp.source = s.source.i32(), pp.dout = dxs.elements(), pp.dx = dh.f32();
   ops::moe_permute_backward(pp, device);
 
   // Through the router: the gates' gradient and the balance loss's, to the logits and on to h. Every rank
@@ -405,7 +418,9 @@ Tensor Moe::backward_input(const Tensor& dy_in, int64_t, int64_t, LayerPart::Sav
     ops::gemm(g, device);
   }
   s.scores = s.score_sums = s.fraction = s.aux_fraction = s.weights = s.expert_ids = Tensor();
-  Tensor dx = reduce_out(options_.tp, dh);
+  // dh sums the experts' and the router's gradients in fp32; its partial sums cross the tp group in the
+  // activation dtype.
+  Tensor dx = reduce_out(options_.tp, options_.tp_size() > 1 ? to_dtype(dh, act_dtype_) : dh);
   if (shared_) ops::add_inplace(dx.elements(), dz.elements(), dx.numel(), device);
   return dx;
 }
@@ -439,7 +454,8 @@ void Moe::backward_weight(LayerPart::Saved& saved) const {
   if (rows > 0) {
     ops::GemmParams g;
     g.m = experts, g.n = hidden, g.k = rows, g.a = s.dlogits.f32(), g.lda = experts, g.trans_a = true;
-    g.b = s.h.f32(), g.ldb = hidden, g.c = store_->grad(params_.router).f32(), g.ldc = hidden, g.beta = 1.0f;
+    const Tensor h32 = to_dtype(s.h, DType::f32);
+    g.b = h32.f32(), g.ldb = hidden, g.c = store_->grad(params_.router).f32(), g.ldc = hidden, g.beta = 1.0f;
     ops::gemm(g, options_.device);
   }
   store_->note_grad(params_.router);
@@ -452,7 +468,7 @@ Tensor Moe::forward_cached(const Tensor& h, int64_t, int64_t, const KvLayer*) co
   Saved scratch;
   const Tensor full = gather_in(options_.tp, h);
   Tensor z;
-  Tensor y = reduce_out(options_.tp, routed_forward(full, 0, scratch, false, [&] {
+  Tensor y = reduce_out(options_.tp, routed_forward(full, 0, scratch, false, DType::f32, [&] {
                           Mlp::Saved shared;
                           if (shared_) z = shared_->forward(h, shared, false);
                         }));

@@ -18,6 +18,10 @@
 // never does: its rows are a prefill chunk or one decode step of every sequence in the batch, and a generated
 // token must not depend on how the prompt was chunked or on which other sequences share its batch.
 //
+// Dtypes: the sorted rows and their gradients travel (expert parallelism) and reach the experts in the dtype
+// their GEMMs read (bf16 GEMMs: bf16); with bf16 activations the experts' outputs, the combination and the
+// layer's output are bf16 too, while the router reads its input widened to fp32 and computes in fp32.
+//
 // FP8 (ComputeOptions::fp8): every routed expert's gate|up and down run as their own FP8 Linears
 // (nn/linear.h) over the expert's contiguous rows: their own weight casts and scales (delayed: their own amax
 // history; block: 1x128 tiles of each expert's rows, so no tile of the weight gradient's token dimension
@@ -118,7 +122,7 @@ struct MoeStepScale {
 class Moe final : public LayerPart {
  public:
   struct Saved : LayerPart::Saved {
-    Tensor h;                             // the router's input (gathered rows), fp32
+    Tensor h;                             // the router's input (gathered rows), in the activation dtype
     Tensor expert_ids, weights;           // [rows, top_k]
     Tensor scores, score_sums, fraction;  // router state for its backward
     Tensor row_of, source;                // the sort
@@ -131,7 +135,7 @@ class Moe final : public LayerPart {
     float aux_scale = 0;
     // The experts' rows (R of them: local_offsets.back()):
     GemmOperand xs;             // permuted rows as the gate|up GEMMs read them
-    Tensor gate_up;             // fp32 [R, 2 ffn]
+    Tensor gate_up;             // [R, 2 ffn], in the activation dtype
     GemmOperand act;            // silu(gate) * up as the down GEMMs read it
     Tensor ys;                  // expert outputs (unweighted) in sorted order, back on the tokens' rank
     GemmOperand dys, dgate_up;  // from backward_input, for backward_weight
@@ -161,6 +165,7 @@ class Moe final : public LayerPart {
   Tensor backward_input(const Tensor& dy, int64_t batch, int64_t seq, LayerPart::Saved& saved) const override;
   void backward_weight(LayerPart::Saved& saved) const override;
   Tensor forward_cached(const Tensor& h, int64_t batch, int64_t tokens, const KvLayer* cache) const override;
+  DType input_dtype() const override { return act_dtype_; }
 
   const MoeShape& shape() const { return shape_; }
   // bias += rate * sign(mean - load) from stats->load (which the caller has summed over data-parallel ranks),
@@ -172,7 +177,9 @@ class Moe final : public LayerPart {
   // a micro-batch of forward (training or evaluation: balance losses, statistics, capacity); false:
   // forward_cached. overlapped runs while the dispatch's rows travel.
   template <typename Overlapped>
-  Tensor routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training, Overlapped overlapped) const;
+  // out_dtype: the combined output's.
+  Tensor routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training, DType out_dtype,
+                        Overlapped overlapped) const;
   // Under context parallelism: the balance losses' f and P over the whole groups, whose tokens the cp ranks
   // share (rewrites s.fraction, s.aux_fraction, losses and aux_loss).
   void balance_over_context(Saved& s, int64_t rows, int64_t seq, bool aux, Tensor& losses,
@@ -182,13 +189,16 @@ class Moe final : public LayerPart {
   std::vector<char> padded_rows(int64_t rows, int64_t seq) const;
   int64_t local_experts() const { return shape_.experts / options_.ep_size(); }
   Tensor grouped(const GemmOperand& a, int64_t rows, int first, int count, int64_t n, int64_t k, bool trans_b,
-                 const std::vector<int64_t>& offsets) const;
+                 const std::vector<int64_t>& offsets, DType out_dtype) const;
   void grouped_weight_grad(const GemmOperand& dy, const GemmOperand& x, int first, int count, int64_t m,
                            int64_t n, const std::vector<int64_t>& offsets) const;
   Tensor weights(DType dtype, int first, int count, int64_t cols) const;
   GemmOperand activation(const Tensor& gate_up) const;
-  Tensor swiglu(const Tensor& gate_up) const;  // fp32 [R, ffn]
+  Tensor swiglu(const Tensor& gate_up) const;  // [R, ffn], in gate_up's dtype
   bool fp8() const { return !fp8_gate_up_.empty(); }
+  // The dtype the sorted rows and their gradients travel in: what the experts' GEMMs read (FP8: fp32, which
+  // each expert's Linear casts).
+  DType rows_dtype() const { return fp8() ? DType::f32 : options_.gemm_dtype; }
   // FP8: for every expert with rows, op(expert's operand, its rows of `in` [R, in_cols], its rows of `out`
   // [R, out_cols]); the result tensor `out` is allocated here.
   template <typename Op>
@@ -204,6 +214,10 @@ class Moe final : public LayerPart {
   const MoeStepScale* scale_ = nullptr;
   std::unique_ptr<Mlp> shared_;
   std::vector<Linear> fp8_gate_up_, fp8_down_;  // FP8: per expert
+  // The input, the experts' gate|up, SwiGLU and outputs, the output and their gradients: bf16 under
+  // ComputeOptions::activation_dtype bf16 (with bf16 GEMMs, not FP8), else fp32. The router, its gates and
+  // the sum of a token's input gradient over its experts and the router stay fp32.
+  DType act_dtype_ = DType::f32;
 };
 
 }  // namespace forge::nn

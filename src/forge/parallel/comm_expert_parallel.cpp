@@ -39,7 +39,8 @@ std::unique_ptr<nn::ExpertParallel::Transfer> CommExpertParallel::all_to_all_row
   const int n = size();
   FORGE_CHECK(static_cast<int>(send_rows.size()) == n && static_cast<int>(recv_rows.size()) == n,
               "expert all-to-all: {} and {} row counts for {} ranks", send_rows.size(), recv_rows.size(), n);
-  FORGE_CHECK(send.dtype() == DType::f32 && recv.dtype() == DType::f32, "expert all-to-all moves fp32 rows");
+  FORGE_CHECK(send.dtype() == recv.dtype() && (send.dtype() == DType::f32 || send.dtype() == DType::bf16),
+              "expert all-to-all moves fp32 or bf16 rows, the same on both sides");
   const bool on_device = send.device() != Device::cpu;
   comm::Communicator* group = on_device ? device_group_ : group_;
   FORGE_CHECK(group != nullptr, "expert parallelism: device rows, but the group has no device communicator");
@@ -51,9 +52,9 @@ std::unique_ptr<nn::ExpertParallel::Transfer> CommExpertParallel::all_to_all_row
   }
   FORGE_CHECK(s <= send.numel() && r <= recv.numel(),
               "expert all-to-all: {} / {} elements in buffers of {} / {}", s, r, send.numel(), recv.numel());
-  comm::Request request =
-      group->all_to_allv(send.numel() > 0 ? send.raw() : nullptr, send_counts, send_displs,
-                         recv.numel() > 0 ? recv.raw() : nullptr, recv_counts, recv_displs, comm::Type::f32);
+  comm::Request request = group->all_to_allv(send.numel() > 0 ? send.raw() : nullptr, send_counts,
+                                             send_displs, recv.numel() > 0 ? recv.raw() : nullptr,
+                                             recv_counts, recv_displs, comm::type_of(send.dtype()));
   return std::make_unique<CommTransfer>(group, std::move(request), on_device);
 }
 

@@ -58,15 +58,22 @@ ContextSplitProblem context_split_problem(int cp, ContextAttention mode, int64_t
 
 namespace {
 
-// A working buffer of n floats on the device the attention runs on, from forge's allocator (core/memory.h on
-// the host, the device's caching allocator on a GPU), so that a run's peak memory counts the attention's
-// travelling keys and values and partial results. Moving one into another (std::swap) swaps the memory.
-class Floats {
+// A working buffer of n elements (fp32, or bf16: the dtype the attention's tensors travel in) on the device
+// the attention runs on, from forge's allocator (core/memory.h on the host, the device's caching allocator on
+// a GPU), so that a run's peak memory counts the attention's travelling keys and values and partial results.
+// Moving one into another (std::swap) swaps the memory.
+class Buffer {
  public:
-  Floats() = default;
-  Floats(int64_t n, Device device) : t_(n > 0 ? Tensor::empty({n}, DType::f32, device) : Tensor()), n_(n) {}
-  float* data() const { return n_ > 0 ? t_.f32() : nullptr; }
+  Buffer() = default;
+  Buffer(int64_t n, DType dtype, Device device)
+      : t_(n > 0 ? Tensor::empty({n}, dtype, device) : Tensor()), n_(n), dtype_(dtype) {}
+  Elements data() const {
+    if (n_ == 0) return nullptr;
+    return dtype_ == DType::bf16 ? Elements(t_.bf16()) : Elements(t_.f32());
+  }
+  DType dtype() const { return dtype_; }
   int64_t size() const { return n_; }
+  int64_t bytes() const { return n_ * static_cast<int64_t>(dtype_size(dtype_)); }
   void zero() {
     if (n_ > 0) t_.fill_zero();
   }
@@ -74,14 +81,21 @@ class Floats {
  private:
   Tensor t_;
   int64_t n_ = 0;
+  DType dtype_ = DType::f32;
+};
+// The fp32 ones: partial results, their merges and sums.
+class Floats : public Buffer {
+ public:
+  Floats() = default;
+  Floats(int64_t n, Device device) : Buffer(n, DType::f32, device) {}
+  float* data() const { return Buffer::data().f32(); }
 };
 
 // dst (+)= src over [n0, n1, n2] elements, each side with its strides (ops::strided_copy).
 struct Strides {
   int64_t s0, s1, s2;
 };
-// fp32 or bf16 on either side (the attention's q, k, v, out and their gradients may be bf16; the ring's and
-// the exchanges' buffers are fp32).
+// fp32 or bf16 on either side (a bf16 destination rounds once).
 void copy3(Device device, int64_t n0, int64_t n1, int64_t n2, ConstElements src, Strides from, Elements dst,
            Strides to, bool accumulate = false) {
   ops::StridedCopyParams c;
@@ -119,8 +133,8 @@ struct CallTimer {
     stats->wait_seconds += seconds_between(mark, now);
     mark = now;
   }
-  void sent(int64_t floats) {
-    if (stats) stats->bytes_sent += floats * static_cast<int64_t>(sizeof(float));
+  void sent(int64_t bytes) {
+    if (stats) stats->bytes_sent += bytes;
   }
 };
 
@@ -130,6 +144,7 @@ constexpr int kKvTag = 31, kGradientTag = 32;
 struct Dims {
   int64_t batch, local, chunk, heads, kv_heads, head_dim, v_dim;
   Device device;
+  DType io;  // the attention's tensors' dtype: what q, k, v, out and their gradients travel in
   int64_t q_width() const { return heads * head_dim; }
   int64_t k_width() const { return kv_heads * head_dim; }
   int64_t v_width() const { return kv_heads * v_dim; }
@@ -153,7 +168,8 @@ Dims check(const comm::Communicator& cp, const ContextSplit& split, const ops::A
                p.kv_heads,
                p.head_dim,
                p.v_head_dim > 0 ? p.v_head_dim : p.head_dim,
-               device};
+               device,
+               p.dtype()};
   FORGE_CHECK(p.q_stride >= d.q_width() && p.k_stride >= d.k_width() && p.v_stride >= d.v_width() &&
                   p.out_stride >= d.out_width(),
               "{}: token strides too small", what);
@@ -162,11 +178,11 @@ Dims check(const comm::Communicator& cp, const ContextSplit& split, const ops::A
 
 // Rows [half·chunk, (half + 1)·chunk) of every sequence of x ([batch, local] rows of `width` floats, `stride`
 // apart) into dense [batch, chunk, width], and back (overwriting).
-void pack_half(const Dims& d, ConstElements x, int64_t stride, int64_t width, int half, float* out) {
+void pack_half(const Dims& d, ConstElements x, int64_t stride, int64_t width, int half, Elements out) {
   copy3(d.device, d.batch, d.chunk, width, x + half * d.chunk * stride, {d.local * stride, stride, 1}, out,
         {d.chunk * width, width, 1});
 }
-void unpack_half(const Dims& d, const float* in, int64_t width, int half, Elements x, int64_t stride) {
+void unpack_half(const Dims& d, ConstElements in, int64_t width, int half, Elements x, int64_t stride) {
   copy3(d.device, d.batch, d.chunk, width, in, {d.chunk * width, width, 1}, x + half * d.chunk * stride,
         {d.local * stride, stride, 1});
 }
@@ -178,7 +194,11 @@ void unpack_lse(const Dims& d, const float* in, int half, float* lse) {
   copy3(d.device, 1, d.batch * d.heads, d.chunk, in, {0, d.chunk, 1}, lse + half * d.chunk, {0, d.local, 1});
 }
 
-void add_into(const Dims& d, float* y, const float* x, int64_t n) { ops::add_inplace(y, x, n, d.device); }
+void add_into(const Dims& d, Elements y, ConstElements x, int64_t n) { ops::add_inplace(y, x, n, d.device); }
+// y = x, converted (x itself when it is fp32 already).
+void copy_into(const Dims& d, Elements y, ConstElements x, int64_t n) {
+  copy3(d.device, 1, 1, n, x, {0, 0, 1}, y, {0, 0, 1});
+}
 
 // Merges a block's partial attention (out_b, lse_b) into the running one (out, lse) by their log-sum-exps.
 void merge(const Dims& d, float* out, float* lse, const float* out_b, const float* lse_b) {
@@ -189,17 +209,25 @@ void merge(const Dims& d, float* out, float* lse, const float* out_b, const floa
 }
 
 // The keys and values of one rank as they travel the ring: [K half 0 | K half 1 | V half 0 | V half 1],
-// each dense [batch, chunk, width].
+// each dense [batch, chunk, width], in `dtype` (the attention's while they travel; fp32 where the blocks read
+// them and where their gradients gather).
 struct KvBlocks {
   Dims d;
-  Floats data;
-  explicit KvBlocks(const Dims& dims)
-      : d(dims), data(2 * d.batch * d.chunk * (d.k_width() + d.v_width()), d.device) {}
-  float* k(int half) { return data.data() + half * d.batch * d.chunk * d.k_width(); }
-  float* v(int half) {
+  Buffer data;
+  // allocate false: none (the widened blocks of an fp32 ring, which reads its travelling ones).
+  KvBlocks(const Dims& dims, DType dtype, bool allocate = true)
+      : d(dims), data(allocate ? 2 * d.batch * d.chunk * (d.k_width() + d.v_width()) : 0, dtype, d.device) {}
+  Elements k(int half) const { return data.data() + half * d.batch * d.chunk * d.k_width(); }
+  Elements v(int half) const {
     return data.data() + 2 * d.batch * d.chunk * d.k_width() + half * d.batch * d.chunk * d.v_width();
   }
   int64_t count() const { return data.size(); }
+  // The fp32 blocks the attention reads: these (fp32 already), or `scratch` filled with them.
+  const KvBlocks& in_fp32(KvBlocks& scratch) const {
+    if (data.dtype() == DType::f32) return *this;
+    copy_into(d, scratch.data.data(), data.data(), count());
+    return scratch;
+  }
 };
 
 // One block of the ring: the local query half `qi` against key half `kh` of rank `source`; false when the
@@ -216,7 +244,7 @@ bool block(const ContextSplit& split, const Dims& d, int64_t window, int qi, int
 }
 
 ops::AttentionParams block_params(const Dims& d, const ops::AttentionParams& p, const float* q,
-                                  const float* k, const float* v, bool causal, int64_t offset) {
+                                  ConstElements k, ConstElements v, bool causal, int64_t offset) {
   ops::AttentionParams a;
   a.batch = d.batch, a.seq = d.chunk, a.heads = d.heads, a.kv_heads = d.kv_heads, a.head_dim = d.head_dim;
   a.v_head_dim = d.v_dim;
@@ -243,11 +271,12 @@ void progress(std::pair<comm::Request, comm::Request>& transfer) {
 // Starts the exchange of the ring: `send` to the next rank, `recv` from the previous one. Tested at once: a
 // NCCL communicator launches posted operations (the two as one group) at its next test, so the transfer
 // starts behind the packing rather than behind the first attention block.
-std::pair<comm::Request, comm::Request> pass_on(comm::Communicator& cp, const float* send, float* recv,
-                                                int64_t count, int tag) {
+std::pair<comm::Request, comm::Request> pass_on(comm::Communicator& cp, const Buffer& send, Buffer& recv,
+                                                int tag) {
   const int next = (cp.rank() + 1) % cp.size(), previous = (cp.rank() + cp.size() - 1) % cp.size();
-  comm::Request r = cp.recv(recv, count, comm::Type::f32, previous, tag);
-  comm::Request s = cp.send(send, count, comm::Type::f32, next, tag);
+  const comm::Type type = comm::type_of(send.dtype());
+  comm::Request r = cp.recv(recv.data().get(), recv.size(), type, previous, tag);
+  comm::Request s = cp.send(send.data().get(), send.size(), type, next, tag);
   s.test();
   return {std::move(s), std::move(r)};
 }
@@ -259,7 +288,9 @@ void finish(comm::Communicator& cp, std::pair<comm::Request, comm::Request>& tra
 }
 
 // The first block a query half sees (at step 0: its own diagonal chunk, or for the late half the early chunk
-// of its own rank) writes that half's result directly; later ones merge into it.
+// of its own rank) writes that half's result directly; later ones merge into it. The keys and values travel
+// in the attention's dtype (bf16 in a bf16 run: half the bytes) and are widened for the blocks, which
+// compute, merge and keep their partial results in fp32; the result is rounded once when unpacked.
 void ring_forward(comm::Communicator& cp, const ContextSplit& split, const Dims& d,
                   const ops::AttentionParams& p, CallTimer& timer) {
   const Device dev = d.device;
@@ -268,7 +299,7 @@ void ring_forward(comm::Communicator& cp, const ContextSplit& split, const Dims&
   Floats q[2] = {Floats(q_half, dev), Floats(q_half, dev)},
          out[2] = {Floats(out_half, dev), Floats(out_half, dev)},
          lse[2] = {Floats(lse_half, dev), Floats(lse_half, dev)};
-  KvBlocks current(d), next(d);
+  KvBlocks current(d, d.io), next(d, d.io), widened(d, DType::f32, d.io != DType::f32);
   for (int h = 0; h < 2; ++h) {
     pack_half(d, p.q, p.q_stride, d.q_width(), h, q[h].data());
     pack_half(d, p.k, p.k_stride, d.k_width(), h, current.k(h));
@@ -280,16 +311,16 @@ void ring_forward(comm::Communicator& cp, const ContextSplit& split, const Dims&
     const int source = (split.rank - step + split.cp) % split.cp;
     std::pair<comm::Request, comm::Request> transfer;
     if (step + 1 < split.cp) {
-      transfer = pass_on(cp, current.data.data(), next.data.data(), current.count(), kKvTag);
-      timer.sent(current.count());
+      transfer = pass_on(cp, current.data, next.data, kKvTag);
+      timer.sent(current.data.bytes());
     }
+    const KvBlocks& kv = current.in_fp32(widened);
     for (int qi = 0; qi < 2; ++qi)
       for (int kh = 0; kh < 2; ++kh) {
         bool causal = false;
         int64_t offset = 0;
         if (!block(split, d, p.window, qi, source, kh, &causal, &offset)) continue;
-        ops::AttentionParams a =
-            block_params(d, p, q[qi].data(), current.k(kh), current.v(kh), causal, offset);
+        ops::AttentionParams a = block_params(d, p, q[qi].data(), kv.k(kh), kv.v(kh), causal, offset);
         const bool first = !started[qi];
         a.out = first ? out[qi].data() : out_b.data(), a.lse = first ? lse[qi].data() : lse_b.data();
         ops::attention_forward(a, dev);
@@ -310,6 +341,8 @@ void ring_forward(comm::Communicator& cp, const ContextSplit& split, const Dims&
   timer.computed();
 }
 
+// The keys and values travel as in forward; their gradients gather in fp32 on each rank and travel in the
+// attention's dtype (each hop's sum rounded once).
 void ring_backward(comm::Communicator& cp, const ContextSplit& split, const Dims& d,
                    const ops::AttentionParams& p, CallTimer& timer) {
   const Device dev = d.device;
@@ -318,7 +351,9 @@ void ring_backward(comm::Communicator& cp, const ContextSplit& split, const Dims
   auto pair = [&](int64_t n) { return std::array<Floats, 2>{Floats(n, dev), Floats(n, dev)}; };
   std::array<Floats, 2> q = pair(q_half), out = pair(out_half), dout = pair(out_half), lse = pair(lse_half),
                         dq = pair(q_half);
-  KvBlocks current(d), next(d), mine(d), travelling(d), arrived(d);
+  const bool narrow = d.io != DType::f32;
+  KvBlocks current(d, d.io), next(d, d.io), widened(d, DType::f32, narrow), mine(d, DType::f32),
+      travelling(d, d.io), arrived(d, d.io);
   for (int h = 0; h < 2; ++h) {
     pack_half(d, p.q, p.q_stride, d.q_width(), h, q[h].data());
     pack_half(d, p.out, p.out_stride, d.out_width(), h, out[h].data());
@@ -337,17 +372,17 @@ void ring_backward(comm::Communicator& cp, const ContextSplit& split, const Dims
     const int source = (split.rank - step + split.cp) % split.cp;
     std::pair<comm::Request, comm::Request> transfer;
     if (step + 1 < split.cp) {
-      transfer = pass_on(cp, current.data.data(), next.data.data(), current.count(), kKvTag);
-      timer.sent(current.count());
+      transfer = pass_on(cp, current.data, next.data, kKvTag);
+      timer.sent(current.data.bytes());
     }
+    const KvBlocks& kv = current.in_fp32(widened);
     mine.data.zero();
     for (int qi = 0; qi < 2; ++qi)
       for (int kh = 0; kh < 2; ++kh) {
         bool causal = false;
         int64_t offset = 0;
         if (!block(split, d, p.window, qi, source, kh, &causal, &offset)) continue;
-        ops::AttentionParams a =
-            block_params(d, p, q[qi].data(), current.k(kh), current.v(kh), causal, offset);
+        ops::AttentionParams a = block_params(d, p, q[qi].data(), kv.k(kh), kv.v(kh), causal, offset);
         a.out = out[qi].data(), a.lse = lse[qi].data();
         a.dout = dout[qi].data(), a.dout_stride = d.out_width();
         a.dq = dq_b.data(), a.dk = dk_b.data(), a.dv = dv_b.data();
@@ -361,10 +396,13 @@ void ring_backward(comm::Communicator& cp, const ContextSplit& split, const Dims
     timer.computed(true);
     finish(cp, gradients);  // the previous hop: travelling is free, arrived full
     timer.waited();
-    std::swap(travelling.data, mine.data);  // mine is zeroed again next step
-    if (step > 0) add_into(d, travelling.data.data(), arrived.data.data(), travelling.data.size());
-    gradients = pass_on(cp, travelling.data.data(), arrived.data.data(), travelling.count(), kGradientTag);
-    timer.sent(travelling.count());
+    if (step > 0) add_into(d, mine.data.data(), arrived.data.data(), mine.count());
+    if (narrow)
+      copy_into(d, travelling.data.data(), mine.data.data(), mine.count());
+    else
+      std::swap(travelling.data, mine.data);  // mine is zeroed again next step
+    gradients = pass_on(cp, travelling.data, arrived.data, kGradientTag);
+    timer.sent(travelling.data.bytes());
     timer.computed();
     finish(cp, transfer);
     timer.waited();
@@ -382,7 +420,8 @@ void ring_backward(comm::Communicator& cp, const ContextSplit& split, const Dims
 }
 
 // All-to-all (Ulysses): the local tokens of every head group out to the group's rank, the whole sequence of
-// this rank's head group back.
+// this rank's head group back, in the attention's dtype (bf16 in a bf16 run: half the bytes, and the
+// attention over the whole sequence is the one-rank bf16 kernel's); the log-sum-exp in fp32.
 struct Ulysses {
   const ContextSplit& split;
   Dims d;
@@ -391,7 +430,7 @@ struct Ulysses {
 
   // q, k and v of this rank's heads over the whole sequence.
   struct Inputs {
-    Floats q, k, v;
+    Buffer q, k, v;
   };
   Inputs gather_inputs(comm::Communicator& cp, const ops::AttentionParams& p) const {
     const int64_t hq = d.heads / split.cp, hk = d.kv_heads / split.cp;
@@ -399,26 +438,27 @@ struct Ulysses {
             gather(cp, p.v, p.v_stride, hk * d.v_dim)};
   }
 
-  // One all-to-all of `block` floats per rank, timed (all of it waited for: nothing computes meanwhile).
-  void exchange(comm::Communicator& cp, const Floats& send, Floats& recv, int64_t block) const {
+  // One all-to-all of `block` elements per rank, timed (all of it waited for: nothing computes meanwhile).
+  void exchange(comm::Communicator& cp, const Buffer& send, Buffer& recv, int64_t block) const {
     timer.computed();
-    comm::Request r = cp.all_to_all(send.data(), recv.data(), block, comm::Type::f32);
+    comm::Request r = cp.all_to_all(send.data().get(), recv.data().get(), block, comm::type_of(send.dtype()));
     cp.wait_on_stream(r);
     timer.waited();
-    timer.sent(block * (split.cp - 1));
+    timer.sent(block * (split.cp - 1) * static_cast<int64_t>(dtype_size(send.dtype())));
   }
 
   // x [batch, local, cp groups x cols] (rows `stride` apart) -> on rank j: the whole sequence
-  // [batch, seq, cols] of column group j, gathered from every rank's local tokens.
-  Floats gather(comm::Communicator& cp, ConstElements x, int64_t stride, int64_t cols) const {
+  // [batch, seq, cols] of column group j, gathered from every rank's local tokens, in x's dtype.
+  Buffer gather(comm::Communicator& cp, ConstElements x, int64_t stride, int64_t cols) const {
     const int n = split.cp;
     const int64_t block = d.batch * d.local * cols;
-    Floats send(n * block, d.device), recv(n * block, d.device);
+    const DType dtype = x.dtype();
+    Buffer send(n * block, dtype, d.device), recv(n * block, dtype, d.device);
     for (int j = 0; j < n; ++j)
       copy3(d.device, 1, d.batch * d.local, cols, x + j * cols, {0, stride, 1}, send.data() + j * block,
             {0, cols, 1});
     exchange(cp, send, recv, block);
-    Floats whole(d.batch * seq() * cols, d.device);
+    Buffer whole(d.batch * seq() * cols, dtype, d.device);
     for (int src = 0; src < n; ++src)
       for (int h = 0; h < 2; ++h)  // rank src's half h: chunk chunk_of(h, src) of every sequence
         copy3(d.device, d.batch, d.chunk, cols, recv.data() + src * block + h * d.chunk * cols,
@@ -428,10 +468,10 @@ struct Ulysses {
   }
   // The inverse: whole [batch, seq, cols] of this rank's group -> every rank's local tokens, into column
   // group `my group` of x [batch, local, cp x cols].
-  void scatter(comm::Communicator& cp, const Floats& whole, int64_t cols, Elements x, int64_t stride) const {
+  void scatter(comm::Communicator& cp, const Buffer& whole, int64_t cols, Elements x, int64_t stride) const {
     const int n = split.cp;
     const int64_t block = d.batch * d.local * cols;
-    Floats send(n * block, d.device), recv(n * block, d.device);
+    Buffer send(n * block, whole.dtype(), d.device), recv(n * block, whole.dtype(), d.device);
     for (int dst = 0; dst < n; ++dst)
       for (int h = 0; h < 2; ++h)
         copy3(d.device, d.batch, d.chunk, cols, whole.data() + split.chunk_of(h, dst) * d.chunk * cols,
@@ -450,21 +490,21 @@ struct Ulysses {
           {d.local * d.heads, 1, d.heads});
     return rows;
   }
-  void rows_to_lse(const Floats& rows, float* lse) const {
+  void rows_to_lse(const Buffer& rows, float* lse) const {
     copy3(d.device, d.batch, d.heads, d.local, rows.data(), {d.local * d.heads, 1, d.heads}, lse,
           {d.heads * d.local, d.local, 1});
   }
   // whole-sequence [batch, seq, group heads] <-> the kernel's [batch, group heads, seq].
-  Floats transpose(const Floats& x, int64_t heads, bool to_heads_major) const {
-    Floats y(x.size(), d.device);
+  Buffer transpose(const Buffer& x, int64_t heads, bool to_heads_major) const {
+    Buffer y(x.size(), x.dtype(), d.device);
     const Strides token_major{seq() * heads, 1, heads}, head_major{heads * seq(), seq(), 1};
     copy3(d.device, d.batch, heads, seq(), x.data(), to_heads_major ? token_major : head_major, y.data(),
           to_heads_major ? head_major : token_major);
     return y;
   }
 
-  ops::AttentionParams whole_params(const ops::AttentionParams& p, const float* q, const float* k,
-                                    const float* v) const {
+  ops::AttentionParams whole_params(const ops::AttentionParams& p, ConstElements q, ConstElements k,
+                                    ConstElements v) const {
     const int n = split.cp;
     ops::AttentionParams a;
     a.batch = d.batch, a.seq = seq(), a.heads = d.heads / n, a.kv_heads = d.kv_heads / n;
@@ -494,8 +534,9 @@ void all_to_all_forward(comm::Communicator& cp, const ContextSplit& split, const
   const Ulysses u{split, d, timer};
   const int64_t hq = d.heads / split.cp;
   const Ulysses::Inputs in = u.gather_inputs(cp, p);
-  const Floats &q = in.q, &k = in.k, &v = in.v;
-  Floats out(d.batch * split.seq * hq * d.v_dim, d.device), lse(d.batch * hq * split.seq, d.device);
+  const Buffer &q = in.q, &k = in.k, &v = in.v;
+  Buffer out(d.batch * split.seq * hq * d.v_dim, d.io, d.device);
+  Floats lse(d.batch * hq * split.seq, d.device);
   ops::AttentionParams a = u.whole_params(p, q.data(), k.data(), v.data());
   a.out = out.data(), a.lse = lse.data();
   ops::attention_forward(a, d.device);
@@ -512,14 +553,14 @@ void all_to_all_backward(comm::Communicator& cp, const ContextSplit& split, cons
   const Ulysses u{split, d, timer};
   const int64_t hq = d.heads / split.cp, hk = d.kv_heads / split.cp;
   const Ulysses::Inputs in = u.gather_inputs(cp, p);
-  const Floats &q = in.q, &k = in.k, &v = in.v;
-  const Floats dout = u.gather(cp, p.dout, p.dout_stride, hq * d.v_dim);
-  Floats out = u.gather(cp, p.out, p.out_stride, hq * d.v_dim);
+  const Buffer &q = in.q, &k = in.k, &v = in.v;
+  const Buffer dout = u.gather(cp, p.dout, p.dout_stride, hq * d.v_dim);
+  Buffer out = u.gather(cp, p.out, p.out_stride, hq * d.v_dim);
   const Floats rows = u.lse_rows(p.lse);
-  Floats lse = u.transpose(u.gather(cp, rows.data(), d.heads, hq), hq, true);
-  Floats dq(q.size(), d.device), dk(k.size(), d.device), dv(v.size(), d.device);
+  Buffer lse = u.transpose(u.gather(cp, rows.data(), d.heads, hq), hq, true);
+  Buffer dq(q.size(), d.io, d.device), dk(k.size(), d.io, d.device), dv(v.size(), d.io, d.device);
   ops::AttentionParams a = u.whole_params(p, q.data(), k.data(), v.data());
-  a.out = out.data(), a.lse = lse.data();
+  a.out = out.data(), a.lse = lse.data().f32();
   a.dout = dout.data(), a.dout_stride = hq * d.v_dim;
   a.dq = dq.data(), a.dk = dk.data(), a.dv = dv.data();
   a.dq_stride = a.q_stride, a.dk_stride = a.k_stride, a.dv_stride = a.v_stride;

@@ -6,6 +6,7 @@
 
 #include "forge/core/device.h"
 #include "forge/core/error.h"
+#include "forge/kernels/ops.h"
 
 namespace forge::parallel {
 
@@ -44,6 +45,8 @@ GradBuckets::GradBuckets(ParameterStore* store, comm::Communicator* dp, BucketOp
     fail("gradient buckets over a parameter store built without gradients (inference)");
   if (options.bucket_bytes <= 0)
     fail("gradient bucket size must be positive, got {} bytes", options.bucket_bytes);
+  if (options.reduce_dtype != DType::f32 && options.reduce_dtype != DType::bf16)
+    fail("gradient reductions run in fp32 or bf16, not {}", dtype_name(options.reduce_dtype));
   // Gradients on a device reduce over a communicator of device memory (NCCL, or the one-rank one): MPI here
   // would be handed device pointers.
   if (store->device() != Device::cpu && std::string_view(dp->backend()) == "mpi")
@@ -69,7 +72,7 @@ GradBuckets::GradBuckets(ParameterStore* store, comm::Communicator* dp, BucketOp
     if (b.padded_size() != b.size()) padded_size = std::max(padded_size, b.padded_size());
     buckets_.push_back(b);
   }
-  if (options.shard) {
+  if (options.shard && !in_bf16()) {  // bf16 reductions stage each bucket while it is in flight
     reduced_ = Tensor::zeros({reduced_total}, DType::f32, store->device());
     if (padded_size > 0) padded_ = Tensor::zeros({padded_size}, DType::f32, store->device());
   }
@@ -187,8 +190,8 @@ void GradBuckets::finish() {
   }
   busy += std::max(0.0, span_end - span_begin);
   const int64_t elements = buckets_.empty() ? 0 : buckets_.back().end - buckets_.front().begin;
-  last_step_ =
-      GradReductionStats{1, elements * static_cast<int64_t>(sizeof(float)), finished - started, busy};
+  last_step_ = GradReductionStats{1, elements * static_cast<int64_t>(dtype_size(options_.reduce_dtype)),
+                                  finished - started, busy};
   total_.steps += 1;
   total_.bytes += last_step_.bytes;
   total_.exposed_seconds += last_step_.exposed_seconds;
@@ -205,6 +208,7 @@ void GradBuckets::launch(int bucket) {
   // One rank: the sum over dp is the bucket itself, already in place (and a device bucket must not reach the
   // one-rank communicator's host copy).
   if (dp_->size() == 1) return;
+  if (in_bf16()) return launch_bf16(bucket);
   if (!options_.shard) {
     f.request = dp_->all_reduce(grads + b.begin, b.size(), comm::Type::f32, comm::ReduceOp::sum);
     return;
@@ -221,6 +225,24 @@ void GradBuckets::launch(int bucket) {
                                   comm::Type::f32, comm::ReduceOp::sum);
 }
 
+// The bucket rounded to bf16 into its staging copy (zero padding under shard, in the device's stream order),
+// all-reduced in place or reduce-scattered into this rank's shard.
+void GradBuckets::launch_bf16(int bucket) {
+  const GradBucket& b = buckets_[bucket];
+  InFlight& f = in_flight_[bucket];
+  const Device device = store_->device();
+  f.staged = Tensor::empty({b.padded_size()}, DType::bf16, device);
+  ops::convert_to_bf16(store_->grads().f32() + b.begin, f.staged.bf16(), b.size(), device);
+  if (b.padded_size() != b.size()) f.staged.view(b.size(), {b.padded_size() - b.size()}).fill_zero();
+  if (!options_.shard) {
+    f.request = dp_->all_reduce(f.staged.bf16(), b.size(), comm::Type::bf16, comm::ReduceOp::sum);
+    return;
+  }
+  f.received = Tensor::empty({b.shard_size}, DType::bf16, device);
+  f.request = dp_->reduce_scatter(f.staged.bf16(), f.received.bf16(), b.shard_size, comm::Type::bf16,
+                                  comm::ReduceOp::sum);
+}
+
 void GradBuckets::poll() {
   for (int i = static_cast<int>(buckets_.size()) - 1; i >= 0; --i) {
     InFlight& f = in_flight_[i];
@@ -231,7 +253,20 @@ void GradBuckets::poll() {
 }
 
 void GradBuckets::complete(int bucket) {
-  in_flight_[bucket].completed = true;
+  InFlight& f = in_flight_[bucket];
+  f.completed = true;
+  if (in_bf16() && dp_->size() > 1) {  // the reduced bf16 values, widened into the owned range
+    auto [lo, hi] = owned_range(bucket);
+    const Tensor& sum = options_.shard ? f.received : f.staged;
+    if (hi > lo) {
+      ops::StridedCopyParams c;
+      c.shape[2] = hi - lo;
+      c.src = ConstElements(sum.bf16()), c.dst = store_->grads().f32() + lo;
+      ops::strided_copy(c, store_->device());
+    }
+    f.staged = f.received = Tensor();
+    return;
+  }
   if (!options_.shard || dp_->size() == 1) return;
   // The bucket's gradients are final and its send has completed: the reduced shard may replace them.
   auto [lo, hi] = owned_range(bucket);

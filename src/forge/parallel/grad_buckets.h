@@ -9,7 +9,8 @@
 // shard (ZeRO, Megatron's distributed-optimizer layout): every bucket splits into dp equal shards (the last
 // one padded in a staging copy) and is reduce-scattered: after finish(), rank r holds the summed gradient
 // of shard r of every bucket (its owned ranges); elsewhere its gradient buffer keeps its local values.
-// Without shard, buckets are all-reduced in place and every rank owns the whole buffer.
+// Without shard, buckets are all-reduced in place and every rank owns the whole buffer. With
+// BucketOptions::reduce_dtype bf16 a bucket travels as a bf16 copy, reduced and widened back on completion.
 //
 // Gradients in device memory reduce over a communicator of that memory (NCCL); the staging copies run in the
 // device's stream order, which the communicator waits for before it starts. With one dp rank nothing is
@@ -39,6 +40,11 @@ struct BucketOptions {
   bool shard = false;                 // ZeRO: reduce-scatter, each rank owns one shard of every bucket
   bool overlap = true;                // launch buckets as they become ready; off: everything in finish()
   std::string group = "dense";        // the parameter group (ParamInfo::group) these buckets reduce
+  // What the buckets travel and are summed in: f32, or bf16 (Megatron's grad_reduce_in_bf16): each bucket
+  // rounded to bf16 once reduced (after the micro-batches' local fp32 accumulation), summed by the
+  // communicator in fp32 and rounded at each of its additions, widened back into the fp32 gradients. Half
+  // the bytes; the staging copies live while their bucket is in flight.
+  DType reduce_dtype = DType::f32;
 };
 
 // The bucket size when a run asks for none (parallel.bucket_mb = 0). Host memory over MPI: 4 MiB, small
@@ -115,7 +121,10 @@ class GradBuckets {
     comm::Request request;
     double launched_at = 0, completed_at = 0;
     bool launched = false, completed = false;
+    Tensor staged, received;  // bf16 reductions: the bucket in bf16 (padded under shard), the reduced shard
   };
+  bool in_bf16() const { return options_.reduce_dtype == DType::bf16; }
+  void launch_bf16(int bucket);
   void launch(int bucket);
   void complete(int bucket);  // after the request finished: copy the reduced shard into the gradients
   void poll();

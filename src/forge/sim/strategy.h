@@ -24,7 +24,8 @@ struct Strategy {
   bool sequence_parallel = false;
   bool distributed_optimizer = false;  // ZeRO-1
   bool overlap_grad_reduce = true;
-  double bucket_mb = 0;  // parallel.bucket_mb (0: by device, parallel::default_bucket_bytes)
+  double bucket_mb = 0;              // parallel.bucket_mb (0: by device, parallel::default_bucket_bytes)
+  bool grad_reduce_in_bf16 = false;  // parallel.grad_reduce_in_bf16
   int64_t vocab_divisible_by = 128;
   int64_t micro_batch = 1;  // sequences per micro-batch
   int64_t grad_accum = 1;   // micro-batches per step (per data-parallel replica)

@@ -152,12 +152,12 @@ class TracedContextParallel final : public nn::ContextParallel {
   }
 
  private:
-  // Sends `bytes` to the next rank while `compute` runs; the event notes the ops it ran.
+  // Sends `count` elements of `type` to the next rank while `compute` runs; the event notes the ops it ran.
   template <typename Compute>
-  void hop(int64_t bytes, Compute compute) {
+  void hop(int64_t count, comm::Type type, Compute compute) {
     const size_t event = log_->events.size();
     const std::vector<ops::OpProfileRow> before = ops::profile_counts();
-    group_.send(nullptr, bytes / 4, comm::Type::f32, (rank() + 1) % size(), 0);
+    group_.send(nullptr, count, type, (rank() + 1) % size(), 0);
     compute();
     if (log_->events.size() > event)
       log_->events[event].overlapped = ran_between(before, ops::profile_counts());
@@ -167,15 +167,20 @@ class TracedContextParallel final : public nn::ContextParallel {
     const int n = size();
     const int64_t local = p.seq, chunk = local / 2, v_dim = p.v_head_dim > 0 ? p.v_head_dim : p.head_dim;
     if (!ring_) return all_to_all(p, backward, v_dim);
-    const int64_t kv_bytes = 4 * p.batch * local * p.kv_heads * (p.head_dim + v_dim);
-    // The ring's working buffers, alive through the call (parallel/context_parallel.cpp): its copies of q,
-    // out and the log-sum-exp (and dout, dq) by halves, the travelling keys and values (two blocks; backward
-    // five, with the gradients gathering), a block's partial result (backward: its gradients).
+    // The keys and values (and their gradients) travel in the attention's dtype.
+    const comm::Type type = comm::type_of(p.dtype());
+    const int64_t kv = p.batch * local * p.kv_heads * (p.head_dim + v_dim);
+    // The ring's working buffers, alive through the call (parallel/context_parallel.cpp): its fp32 copies of
+    // q, out and the log-sum-exp (and dout, dq) by halves, the travelling keys and values (two blocks;
+    // backward four, with the gradients gathering, and this rank's fp32 share of them), their fp32 copy the
+    // blocks read when they travel in bf16, a block's partial result (backward: its gradients).
     const int64_t q = p.batch * local * p.heads * p.head_dim, out = p.batch * local * p.heads * v_dim,
-                  lse = p.batch * p.heads * local, kv = kv_bytes / 4;
-    const int64_t working = backward ? q + 2 * out + lse + q + 5 * kv + q / 2 + kv / 2
-                                     : q + out + lse + 2 * kv + out / 2 + lse / 2;
-    const Tensor buffers = Tensor::empty({working}, DType::f32, device_);
+                  lse = p.batch * p.heads * local;
+    const int64_t element = static_cast<int64_t>(dtype_size(p.dtype())), widened = element < 4 ? kv : 0;
+    const int64_t fp32 = backward ? q + 2 * out + lse + q + kv + widened + q / 2 + kv / 2
+                                  : q + out + lse + widened + out / 2 + lse / 2;
+    const int64_t travelling = (backward ? 4 : 2) * kv * element;
+    const Tensor buffers = Tensor::empty({fp32 + (travelling + 3) / 4}, DType::f32, device_);
     // One chunk-by-chunk block of local half qh over half kh (causal on the diagonal), per sequence.
     auto block = [&](int qh, int kh, bool causal) {
       for (int64_t b = 0; b < p.batch; ++b) {
@@ -207,7 +212,7 @@ class TracedContextParallel final : public nn::ContextParallel {
         }
       };
       if (step + 1 < n)
-        hop(kv_bytes, compute);
+        hop(kv, type, compute);
       else
         compute();
       if (!backward) continue;
@@ -216,42 +221,49 @@ class TracedContextParallel final : public nn::ContextParallel {
       if (step > 0 && gradient < log_->events.size())
         log_->events[gradient].overlapped = ran_between(gradient_start, ops::profile_counts());
       gradient = log_->events.size(), gradient_start = ops::profile_counts();
-      group_.send(nullptr, kv_bytes / 4, comm::Type::f32, (rank() + 1) % n, 0);
+      group_.send(nullptr, kv, type, (rank() + 1) % n, 0);
     }
   }
 
   void all_to_all(const ops::AttentionParams& p, bool backward, int64_t v_dim) {
     const int n = size();
     const int64_t hq = p.heads / n, hk = p.kv_heads / n, seq = p.seq * n, rows = p.batch * p.seq;
-    auto exchange = [&](int64_t cols) {
-      group_.all_to_all(nullptr, nullptr, rows * cols, comm::Type::f32).wait();
+    // Everything travels in the attention's dtype but the log-sum-exp (fp32).
+    const DType dtype = p.dtype();
+    auto exchange = [&](int64_t cols, DType type = DType::f32) {
+      group_.all_to_all(nullptr, nullptr, rows * cols, comm::type_of(type)).wait();
     };
     {  // an exchange's send and receive buffers, each the size of the rank's q (the largest)
-      const Tensor in_flight = Tensor::empty({2 * rows * p.heads * p.head_dim}, DType::f32, device_);
-      exchange(hq * p.head_dim), exchange(hk * p.head_dim), exchange(hk * v_dim);  // q, k, v gathered
+      const Tensor in_flight = Tensor::empty({2 * rows * p.heads * p.head_dim}, dtype, device_);
+      exchange(hq * p.head_dim, dtype), exchange(hk * p.head_dim, dtype),
+          exchange(hk * v_dim, dtype);  // q, k, v gathered
     }
-    if (backward) exchange(hq * v_dim), exchange(hq * v_dim), exchange(hq);  // dout, out, lse
-    auto buffer = [&](int64_t cols) { return Tensor::zeros({p.batch * seq, cols}, DType::f32, device_); };
-    Tensor q = buffer(hq * p.head_dim), k = buffer(hk * p.head_dim), v = buffer(hk * v_dim),
-           out = buffer(hq * v_dim), lse = buffer(hq);
+    if (backward) exchange(hq * v_dim, dtype), exchange(hq * v_dim, dtype), exchange(hq);  // dout, out, lse
+    auto buffer = [&](int64_t cols, DType type) {
+      return Tensor::zeros({p.batch * seq, cols}, type, device_);
+    };
+    Tensor q = buffer(hq * p.head_dim, dtype), k = buffer(hk * p.head_dim, dtype),
+           v = buffer(hk * v_dim, dtype), out = buffer(hq * v_dim, dtype), lse = buffer(hq, DType::f32);
     ops::AttentionParams a;
     a.batch = p.batch, a.seq = seq, a.heads = hq, a.kv_heads = hk, a.head_dim = p.head_dim,
     a.v_head_dim = v_dim;
-    a.q = q.f32(), a.k = k.f32(), a.v = v.f32(), a.out = out.f32(), a.lse = lse.f32();
+    a.q = q.elements(), a.k = k.elements(), a.v = v.elements(), a.out = out.elements(), a.lse = lse.f32();
     a.q_stride = hq * p.head_dim, a.k_stride = hk * p.head_dim, a.v_stride = hk * v_dim,
     a.out_stride = hq * v_dim;
     a.scale = p.scale, a.causal = true;
     if (!backward) {
       ops::attention_forward(a, device_);
-      exchange(hq * v_dim), exchange(hq);  // out, lse back
+      exchange(hq * v_dim, dtype), exchange(hq);  // out, lse back
       return;
     }
-    Tensor dout = buffer(hq * v_dim), dq = buffer(hq * p.head_dim), dk = buffer(hk * p.head_dim),
-           dv = buffer(hk * v_dim);
-    a.dout = dout.f32(), a.dout_stride = hq * v_dim, a.dq = dq.f32(), a.dk = dk.f32(), a.dv = dv.f32();
+    Tensor dout = buffer(hq * v_dim, dtype), dq = buffer(hq * p.head_dim, dtype),
+           dk = buffer(hk * p.head_dim, dtype), dv = buffer(hk * v_dim, dtype);
+    a.dout = dout.elements(), a.dout_stride = hq * v_dim, a.dq = dq.elements(), a.dk = dk.elements(),
+    a.dv = dv.elements();
     a.dq_stride = a.q_stride, a.dk_stride = a.k_stride, a.dv_stride = a.v_stride;
     ops::attention_backward(a, device_);
-    exchange(hq * p.head_dim), exchange(hk * p.head_dim), exchange(hk * v_dim);  // dq, dk, dv back
+    exchange(hq * p.head_dim, dtype), exchange(hk * p.head_dim, dtype),
+        exchange(hk * v_dim, dtype);  // dq, dk, dv back
   }
 
   comm::Communicator& group_;
@@ -423,6 +435,7 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
   bucket_options.bucket_bytes =
       parallel::bucket_bytes_of(s.bucket_mb, options.shaped_for != Device::cpu, s.dp);
   bucket_options.shard = s.distributed_optimizer;
+  bucket_options.reduce_dtype = s.grad_reduce_in_bf16 ? DType::bf16 : DType::f32;
   bucket_options.overlap = s.overlap_grad_reduce && s.dp > 1 && !mirrored && !tied_across;
   parallel::GradBuckets buckets(&store, dp.get(), bucket_options);
   std::vector<parallel::OptimizerGroup> groups{{&buckets, dp.get()}};

@@ -273,6 +273,12 @@ const std::vector<KeySpec>& key_specs() {
        "GPUs as Megatron)",
        {}},
       {"parallel",
+       "grad_reduce_in_bf16",
+       FORGE_FIELD(parallel.grad_reduce_in_bf16),
+       "reduce gradients over data-parallel ranks in bf16 (half the bytes; Megatron's grad_reduce_in_bf16): "
+       "each bucket rounded once after the local fp32 accumulation, widened back",
+       {}},
+      {"parallel",
        "make_vocab_size_divisible_by",
        FORGE_FIELD(parallel.make_vocab_size_divisible_by),
        "with tp > 1: pad the vocabulary to a multiple of this x tp",

@@ -183,6 +183,8 @@ struct TrainConfig {
     bool distributed_optimizer = false;  // ZeRO-1: optimizer state sharded over dp
     bool overlap_grad_reduce = true;
     double bucket_mb = 0;  // 0 = by device (parallel::default_bucket_bytes)
+    // Data-parallel gradient reductions in bf16 (parallel::BucketOptions::reduce_dtype).
+    bool grad_reduce_in_bf16 = false;
     int64_t make_vocab_size_divisible_by = 128;
     double timeout_s = 300;  // 0 = wait forever
     bool operator==(const Parallel&) const = default;

@@ -22,6 +22,7 @@ sim::Strategy strategy_of(const TrainConfig& c, int world_size) {
   s.distributed_optimizer = c.parallel.distributed_optimizer;
   s.overlap_grad_reduce = c.parallel.overlap_grad_reduce;
   s.bucket_mb = c.parallel.bucket_mb;
+  s.grad_reduce_in_bf16 = c.parallel.grad_reduce_in_bf16;
   s.vocab_divisible_by = c.parallel.make_vocab_size_divisible_by;
   s.micro_batch = c.train.micro_batch, s.grad_accum = c.train.grad_accum, s.seq = c.data.seq_len;
   s.recompute = c.train.recompute;

@@ -92,6 +92,7 @@ TrainSetup::TrainSetup(const TrainConfig& c, comm::Communicator& world_)
   parallel::BucketOptions bucket_options;
   bucket_options.bucket_bytes = parallel::bucket_bytes_of(c.parallel.bucket_mb, on_gpu(), dp);
   bucket_options.shard = c.parallel.distributed_optimizer;
+  bucket_options.reduce_dtype = c.parallel.grad_reduce_in_bf16 ? DType::bf16 : DType::f32;
   // DualPipe's mirrored copies are summed once the schedule is done, before the buckets reduce over dp.
   bucket_options.overlap = c.parallel.overlap_grad_reduce && dp > 1 && !mirror && tied_param < 0;
   // On GPUs the gradient buckets reduce device memory: over NCCL, or with one replica over nothing at all.

@@ -243,10 +243,34 @@ struct Results {
   std::vector<float> permuted, dx, combined, dy, dweights;
 };
 
+// The four ops on `on` over the problem's indices and these arrays (fp32 or bf16 rows).
+struct OpArrays {
+  ConstElements x, dsorted, y, dout;
+  const float* weights;
+  Elements permuted, dx, combined, dy;
+  float* dweights;
+};
+inline void launch_ops(Device on, const Problem& pr, const OpArrays& a) {
+  DeviceArray<int32_t> row_of(on, pr.sorted.row_of), source(on, pr.sorted.source);
+  ops::MoePermuteParams p;
+  p.tokens = pr.c.tokens, p.top_k = pr.c.top_k, p.hidden = pr.c.hidden, p.rows = pr.rows;
+  p.row_of = row_of.data(), p.source = source.data();
+  p.x = a.x, p.x_stride = pr.x_stride, p.out = a.permuted;
+  p.dout = a.dsorted, p.dx = a.dx, p.dx_stride = pr.x_stride;
+  FORGE_TEST_OP(moe_permute, on, p);
+  FORGE_TEST_OP(moe_permute_backward, on, p);
+  ops::MoeUnpermuteParams u;
+  u.tokens = pr.c.tokens, u.top_k = pr.c.top_k, u.hidden = pr.c.hidden, u.rows = pr.rows;
+  u.row_of = row_of.data(), u.source = source.data(), u.weights = a.weights, u.y = a.y;
+  u.out = a.combined, u.out_stride = pr.x_stride;
+  u.dout = a.dout, u.dout_stride = pr.x_stride, u.dy = a.dy, u.dweights = a.dweights;
+  FORGE_TEST_OP(moe_unpermute, on, u);
+  FORGE_TEST_OP(moe_unpermute_backward, on, u);
+}
+
 inline Results run_ops(Device on, const Problem& pr) {
   const int64_t tokens = pr.c.tokens, hidden = pr.c.hidden, n = tokens * pr.c.top_k;
   const float nan = std::nanf("");
-  DeviceArray<int32_t> row_of(on, pr.sorted.row_of), source(on, pr.sorted.source);
   DeviceArray<float> x(on, pr.x), dsorted(on, pr.dsorted), weights(on, pr.weights), y(on, pr.y),
       dout(on, pr.dout);
   DeviceArray<float> permuted(on, std::vector<float>(pr.rows * hidden, nan));
@@ -254,22 +278,60 @@ inline Results run_ops(Device on, const Problem& pr) {
   DeviceArray<float> combined(on, std::vector<float>(tokens * pr.x_stride, nan));
   DeviceArray<float> dy(on, std::vector<float>(pr.rows * hidden, nan)),
       dweights(on, std::vector<float>(n, nan));
-  ops::MoePermuteParams p;
-  p.tokens = tokens, p.top_k = pr.c.top_k, p.hidden = hidden, p.rows = pr.rows;
-  p.row_of = row_of.data(), p.source = source.data();
-  p.x = x.data(), p.x_stride = pr.x_stride, p.out = permuted.data();
-  p.dout = dsorted.data(), p.dx = dx.data(), p.dx_stride = pr.x_stride;
-  FORGE_TEST_OP(moe_permute, on, p);
-  FORGE_TEST_OP(moe_permute_backward, on, p);
-  ops::MoeUnpermuteParams u;
-  u.tokens = tokens, u.top_k = pr.c.top_k, u.hidden = hidden, u.rows = pr.rows;
-  u.row_of = row_of.data(), u.source = source.data(), u.weights = weights.data(), u.y = y.data();
-  u.out = combined.data(), u.out_stride = pr.x_stride;
-  u.dout = dout.data(), u.dout_stride = pr.x_stride, u.dy = dy.data(), u.dweights = dweights.data();
-  FORGE_TEST_OP(moe_unpermute, on, u);
-  FORGE_TEST_OP(moe_unpermute_backward, on, u);
+  launch_ops(on, pr,
+             {x.data(), dsorted.data(), y.data(), dout.data(), weights.data(), permuted.data(), dx.data(),
+              combined.data(), dy.data(), dweights.data()});
   return {permuted.download(), token_rows(dx.download(), pr), token_rows(combined.download(), pr),
           dy.download(), dweights.download()};
+}
+
+// The same ops over bf16 rows (every row tensor bf16; the weights and dweights fp32): the inputs are rounded
+// to bf16 first, and each bf16 output must be the fp32 op's output on those inputs, on the same backend,
+// rounded once (permute: a copy; the sums are taken in fp32); dweights, fp32 either way, within the dot
+// products' reduction tolerance.
+inline void expect_bf16_rows_round_the_fp32_results(Device on, Problem pr) {
+  for (std::vector<float>* v : {&pr.x, &pr.dsorted, &pr.y, &pr.dout})
+    for (float& f : *v) f = bf16_to_float(float_to_bf16(f));
+  const Results want = run_ops(on, pr);
+  auto bits = [](const std::vector<float>& v) {
+    std::vector<uint16_t> b(v.size());
+    for (size_t i = 0; i < v.size(); ++i) b[i] = float_to_bf16(v[i]);
+    return b;
+  };
+  const int64_t tokens = pr.c.tokens, hidden = pr.c.hidden;
+  DeviceArray<uint16_t> x(on, bits(pr.x)), dsorted(on, bits(pr.dsorted)), y(on, bits(pr.y)),
+      dout(on, bits(pr.dout));
+  DeviceArray<float> weights(on, pr.weights), dweights(on, tokens * pr.c.top_k);
+  DeviceArray<uint16_t> permuted(on, pr.rows * hidden), dx(on, tokens * pr.x_stride),
+      combined(on, tokens * pr.x_stride), dy(on, pr.rows * hidden);
+  launch_ops(on, pr,
+             {x.data(), dsorted.data(), y.data(), dout.data(), weights.data(), permuted.data(), dx.data(),
+              combined.data(), dy.data(), dweights.data()});
+  auto widen = [](const std::vector<uint16_t>& b) {
+    std::vector<float> v(b.size());
+    for (size_t i = 0; i < b.size(); ++i) v[i] = bf16_to_float(b[i]);
+    return v;
+  };
+  auto rounded = [](std::vector<float> v) {
+    for (float& f : v) f = bf16_to_float(float_to_bf16(f));
+    return v;
+  };
+  testing::expect_bitwise_equal(widen(permuted.download()), want.permuted, pr.what("bf16 moe_permute"));
+  testing::expect_bitwise_equal(token_rows(widen(dx.download()), pr), rounded(want.dx),
+                                pr.what("bf16 moe_permute_backward"));
+  testing::expect_bitwise_equal(token_rows(widen(combined.download()), pr), rounded(want.combined),
+                                pr.what("bf16 moe_unpermute"));
+  testing::expect_bitwise_equal(widen(dy.download()), rounded(want.dy), pr.what("bf16 moe_unpermute dy"));
+  // dweights: the same dot products, whose order of summation a kernel may vectorise differently per dtype.
+  const int64_t k = pr.c.top_k;
+  testing::expect_close(
+      dweights.download(), want.dweights, pr.what("bf16 moe_unpermute dweights"), [&](size_t a) {
+        const int32_t row = pr.sorted.row_of[a];
+        double magnitude = 0;
+        for (int64_t i = 0; row >= 0 && i < hidden; ++i)
+          magnitude += std::abs(double{pr.dout[(a / k) * pr.x_stride + i]} * pr.y[row * hidden + i]);
+        return 2 * testing::reduction_tolerance(hidden) * magnitude;
+      });
 }
 
 class MoeSortOp : public testing::OpTest<Case> {};
@@ -299,6 +361,10 @@ inline void expect_padding_rows_zero(const Results& got, const Problem& pr, cons
 }
 
 class MoePermuteOp : public testing::OpTest<Case> {};
+
+TEST_P(MoePermuteOp, Bf16RowsAreTheFp32ResultsRoundedOnce) {
+  expect_bf16_rows_round_the_fp32_results(device(), Problem(test_case(), 23));
+}
 
 TEST_P(MoePermuteOp, MatchesTheReference) {
   const Problem pr(test_case(), 21);

@@ -27,21 +27,4 @@ inline float load_float(const uint16_t* p, int64_t j) { return bf16_to_float(p[j
 inline void store_float(float* p, int64_t j, float v) { p[j] = v; }
 inline void store_float(uint16_t* p, int64_t j, float v) { p[j] = float_to_bf16(v); }
 
-// f(typed pointer) for an fp32 or bf16 kernel parameter (const float* / const uint16_t*, or the writable
-// ones): nest them to instantiate a kernel for every combination of its tensors' dtypes.
-template <typename F>
-void visit(ConstElements p, F&& f) {
-  if (p.dtype() == DType::bf16)
-    f(p.bf16());
-  else
-    f(p.f32());
-}
-template <typename F>
-void visit(Elements p, F&& f) {
-  if (p.dtype() == DType::bf16)
-    f(p.bf16());
-  else
-    f(p.f32());
-}
-
 }  // namespace forge::cpu

@@ -4,10 +4,14 @@
 // races and the same bits for any thread count. The indices are checked before the parallel loops (an
 // exception must not escape an OpenMP region). A padding row of the sorted side (source -1) is written as
 // zeros and never read.
+#include <algorithm>
 #include <cstring>
 #include <limits>
+#include <type_traits>
+#include <vector>
 
 #include "forge/kernels/cpu/cpu_kernels.h"
+#include "forge/kernels/cpu/element_access.h"
 
 namespace forge::cpu {
 namespace {
@@ -33,6 +37,9 @@ bool stride_ok(const char* op, const char* name, int64_t stride, int64_t hidden,
 
 bool set(const void* pointer, const char* op, const char* name, std::string* reason) {
   return pointer != nullptr || ops::refuse(reason, "{}: {} is null", op, name);
+}
+bool set(ConstElements pointer, const char* op, const char* name, std::string* reason) {
+  return set(pointer.get(), op, name, reason);
 }
 
 int64_t or_hidden(int64_t stride, int64_t hidden) { return stride > 0 ? stride : hidden; }
@@ -95,93 +102,137 @@ bool supports_moe_unpermute_backward(const ops::MoeUnpermuteParams& p, std::stri
   return true;
 }
 
-void moe_permute(const ops::MoePermuteParams& p) {
-  if (std::string why; !supports_moe_permute(p, &why)) fail("{}", why);
-  check_source("moe_permute", p.source, p.rows, p.tokens * p.top_k);
+namespace {
+
+template <typename X, typename Out>
+void permute_rows(const ops::MoePermuteParams& p, const X* x, Out* out) {
   const int64_t hidden = p.hidden, x_stride = or_hidden(p.x_stride, hidden);
 #pragma omp parallel for schedule(static) if (p.rows * hidden > kParallelElements)
   for (int64_t r = 0; r < p.rows; ++r) {
-    if (p.source[r] < 0)
-      std::memset(p.out + r * hidden, 0, hidden * sizeof(float));
-    else
-      std::memcpy(p.out + r * hidden, p.x + (p.source[r] / p.top_k) * x_stride, hidden * sizeof(float));
+    Out* row = out + r * hidden;
+    if (p.source[r] < 0) {
+      std::memset(row, 0, hidden * sizeof(Out));
+    } else if constexpr (std::is_same_v<X, Out>) {
+      std::memcpy(row, x + (p.source[r] / p.top_k) * x_stride, hidden * sizeof(Out));
+    } else {
+      const X* from = x + (p.source[r] / p.top_k) * x_stride;
+      for (int64_t i = 0; i < hidden; ++i) store_float(row, i, load_float(from, i));
+    }
   }
+}
+
+// Each token's top_k sorted rows, weighted (weights null: not), summed in fp32 in increasing j and rounded
+// once to the destination's type: moe_permute_backward's dx and moe_unpermute's out.
+template <typename Src, typename Dst>
+void sum_rows(int64_t tokens, int64_t top_k, int64_t hidden, const int32_t* row_of, const float* weights,
+              const Src* src, Dst* dst, int64_t dst_stride) {
+#pragma omp parallel if (tokens * top_k * hidden > kParallelElements)
+  {
+    std::vector<float> sum(static_cast<size_t>(hidden));
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tokens; ++t) {
+      std::fill(sum.begin(), sum.end(), 0.0f);
+      for (int64_t j = 0; j < top_k; ++j) {
+        const int32_t row = row_of[t * top_k + j];
+        if (row < 0) continue;
+        const Src* from = src + int64_t{row} * hidden;
+        if (weights) {
+          const float w = weights[t * top_k + j];
+#pragma omp simd
+          for (int64_t i = 0; i < hidden; ++i) sum[i] += w * load_float(from, i);
+        } else {
+#pragma omp simd
+          for (int64_t i = 0; i < hidden; ++i) sum[i] += load_float(from, i);
+        }
+      }
+      Dst* out = dst + t * dst_stride;
+      for (int64_t i = 0; i < hidden; ++i) store_float(out, i, sum[i]);
+    }
+  }
+}
+
+template <typename Dout, typename Dy>
+void unpermute_rows_backward_dy(const ops::MoeUnpermuteParams& p, const Dout* dout, Dy* dy) {
+  const int64_t hidden = p.hidden, top_k = p.top_k, dout_stride = or_hidden(p.dout_stride, hidden);
+#pragma omp parallel for schedule(static) if (p.rows * hidden > kParallelElements)
+  for (int64_t r = 0; r < p.rows; ++r) {
+    const int32_t a = p.source[r];
+    Dy* row = dy + r * hidden;
+    if (a < 0) {
+      std::memset(row, 0, hidden * sizeof(Dy));
+      continue;
+    }
+    const float w = p.weights[a];
+    const Dout* d = dout + (a / top_k) * dout_stride;
+    for (int64_t i = 0; i < hidden; ++i) store_float(row, i, w * load_float(d, i));
+  }
+}
+
+template <typename Dout, typename Y>
+void unpermute_rows_backward_weights(const ops::MoeUnpermuteParams& p, const Dout* dout, const Y* y) {
+  const int64_t hidden = p.hidden, top_k = p.top_k, assignments = p.tokens * top_k;
+  const int64_t dout_stride = or_hidden(p.dout_stride, hidden);
+#pragma omp parallel for schedule(static) if (assignments * hidden > kParallelElements)
+  for (int64_t a = 0; a < assignments; ++a) {
+    const int32_t row = p.row_of[a];
+    if (row < 0) {
+      p.dweights[a] = 0.0f;
+      continue;
+    }
+    const Dout* d = dout + (a / top_k) * dout_stride;
+    const Y* yr = y + int64_t{row} * hidden;
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t i = 0; i < hidden; ++i) dot += load_float(d, i) * load_float(yr, i);
+    p.dweights[a] = dot;
+  }
+}
+
+}  // namespace
+
+void moe_permute(const ops::MoePermuteParams& p) {
+  if (std::string why; !supports_moe_permute(p, &why)) fail("{}", why);
+  check_source("moe_permute", p.source, p.rows, p.tokens * p.top_k);
+  if (p.rows == 0) return;
+  visit(p.x, [&](const auto* x) { visit(p.out, [&](auto* out) { permute_rows(p, x, out); }); });
 }
 
 void moe_permute_backward(const ops::MoePermuteParams& p) {
   if (std::string why; !supports_moe_permute_backward(p, &why)) fail("{}", why);
   check_row_of("moe_permute_backward", p.row_of, p.tokens * p.top_k, p.rows);
-  const int64_t hidden = p.hidden, top_k = p.top_k, dx_stride = or_hidden(p.dx_stride, hidden);
-#pragma omp parallel for schedule(static) if (p.tokens * top_k * hidden > kParallelElements)
-  for (int64_t t = 0; t < p.tokens; ++t) {
-    float* dx = p.dx + t * dx_stride;
-    std::memset(dx, 0, hidden * sizeof(float));
-    for (int64_t j = 0; j < top_k; ++j) {
-      const int32_t row = p.row_of[t * top_k + j];
-      if (row < 0) continue;
-      const float* dout = p.dout + int64_t{row} * hidden;
-#pragma omp simd
-      for (int64_t i = 0; i < hidden; ++i) dx[i] += dout[i];
-    }
-  }
+  if (p.tokens == 0) return;
+  visit(p.dout, [&](const auto* d) {
+    visit(p.dx, [&](auto* dx) {
+      sum_rows(p.tokens, p.top_k, p.hidden, p.row_of, nullptr, d, dx, or_hidden(p.dx_stride, p.hidden));
+    });
+  });
 }
 
 void moe_unpermute(const ops::MoeUnpermuteParams& p) {
   if (std::string why; !supports_moe_unpermute(p, &why)) fail("{}", why);
   check_row_of("moe_unpermute", p.row_of, p.tokens * p.top_k, p.rows);
-  const int64_t hidden = p.hidden, top_k = p.top_k, out_stride = or_hidden(p.out_stride, hidden);
-#pragma omp parallel for schedule(static) if (p.tokens * top_k * hidden > kParallelElements)
-  for (int64_t t = 0; t < p.tokens; ++t) {
-    float* out = p.out + t * out_stride;
-    std::memset(out, 0, hidden * sizeof(float));
-    for (int64_t j = 0; j < top_k; ++j) {
-      const int32_t row = p.row_of[t * top_k + j];
-      if (row < 0) continue;
-      const float w = p.weights[t * top_k + j];
-      const float* y = p.y + int64_t{row} * hidden;
-#pragma omp simd
-      for (int64_t i = 0; i < hidden; ++i) out[i] += w * y[i];
-    }
-  }
+  if (p.tokens == 0) return;
+  visit(p.y, [&](const auto* y) {
+    visit(p.out, [&](auto* out) {
+      sum_rows(p.tokens, p.top_k, p.hidden, p.row_of, p.weights, y, out, or_hidden(p.out_stride, p.hidden));
+    });
+  });
 }
 
 void moe_unpermute_backward(const ops::MoeUnpermuteParams& p) {
   if (std::string why; !supports_moe_unpermute_backward(p, &why)) fail("{}", why);
   constexpr const char* op = "moe_unpermute_backward";
-  const int64_t hidden = p.hidden, top_k = p.top_k, assignments = p.tokens * top_k;
-  const int64_t dout_stride = or_hidden(p.dout_stride, hidden);
-  if (p.dy) {
+  const int64_t assignments = p.tokens * p.top_k;
+  if (p.dy && p.rows > 0) {
     check_source(op, p.source, p.rows, assignments);
-#pragma omp parallel for schedule(static) if (p.rows * hidden > kParallelElements)
-    for (int64_t r = 0; r < p.rows; ++r) {
-      const int32_t a = p.source[r];
-      float* dy = p.dy + r * hidden;
-      if (a < 0) {
-        std::memset(dy, 0, hidden * sizeof(float));
-        continue;
-      }
-      const float w = p.weights[a];
-      const float* dout = p.dout + (a / top_k) * dout_stride;
-#pragma omp simd
-      for (int64_t i = 0; i < hidden; ++i) dy[i] = w * dout[i];
-    }
+    visit(p.dout,
+          [&](const auto* d) { visit(p.dy, [&](auto* dy) { unpermute_rows_backward_dy(p, d, dy); }); });
   }
-  if (p.dweights) {
+  if (p.dweights && assignments > 0) {
     check_row_of(op, p.row_of, assignments, p.rows);
-#pragma omp parallel for schedule(static) if (assignments * hidden > kParallelElements)
-    for (int64_t a = 0; a < assignments; ++a) {
-      const int32_t row = p.row_of[a];
-      if (row < 0) {
-        p.dweights[a] = 0.0f;
-        continue;
-      }
-      const float* dout = p.dout + (a / top_k) * dout_stride;
-      const float* y = p.y + int64_t{row} * hidden;
-      float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t i = 0; i < hidden; ++i) dot += dout[i] * y[i];
-      p.dweights[a] = dot;
-    }
+    visit(p.dout, [&](const auto* d) {
+      visit(p.y, [&](const auto* y) { unpermute_rows_backward_weights(p, d, y); });
+    });
   }
 }
 

@@ -92,7 +92,7 @@ bool supports_bias_backward(const ops::BiasParams& p, std::string* reason) {
 void bias_add(const ops::BiasParams& p) {
   if (std::string why; !supports_bias_add(p, &why)) fail_message(why);
   if (p.rows * p.n == 0) return;
-  detail::visit(p.y, [&](auto* y) {
+  visit(p.y, [&](auto* y) {
     add_kernel<<<detail::grid_blocks(p.rows * p.n, kThreads), kThreads, 0, stream()>>>(
         y, p.y_ld > 0 ? p.y_ld : p.n, p.bias, p.rows, p.n);
   });
@@ -106,7 +106,7 @@ void bias_backward(const ops::BiasParams& p) {
   const int64_t column_blocks = (p.n + kColumnThreads - 1) / kColumnThreads;
   detail::StreamScratch partial(static_cast<size_t>(blocks * p.n) * sizeof(float));
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(column_blocks));
-  detail::visit(p.dy, [&](const auto* dy) {
+  visit(p.dy, [&](const auto* dy) {
     partials_kernel<<<grid, kColumnThreads, 0, stream()>>>(dy, p.dy_ld > 0 ? p.dy_ld : p.n, p.rows, p.n,
                                                            partial.as<float>());
   });

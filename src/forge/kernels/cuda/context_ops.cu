@@ -89,8 +89,8 @@ void strided_copy(const ops::StridedCopyParams& p) {
   if (std::string why; !supports_strided_copy(p, &why)) fail_message(why);
   const int64_t n = p.shape[0] * p.shape[1] * p.shape[2];
   if (n == 0) return;
-  detail::visit(p.src, [&](const auto* src) {
-    detail::visit(p.dst, [&](auto* dst) {
+  visit(p.src, [&](const auto* src) {
+    visit(p.dst, [&](auto* dst) {
       strided_copy_kernel<<<blocks_for(n), kThreads, 0, stream()>>>(p, src, dst);
     });
   });

@@ -139,8 +139,8 @@ void convert_to_f32(const uint16_t* x, float* y, int64_t n) {
 void add_inplace(Elements y, ConstElements x, int64_t n) {
   if (std::string why; !supports_add_inplace(y, x, n, &why)) fail_message(why);
   if (n == 0) return;
-  detail::visit(y, [&](auto* out) {
-    detail::visit(x, [&](const auto* in) {
+  visit(y, [&](auto* out) {
+    visit(x, [&](const auto* in) {
       add_inplace_kernel<<<detail::grid_blocks(n, kThreads), kThreads, 0, stream()>>>(out, in, n);
     });
   });

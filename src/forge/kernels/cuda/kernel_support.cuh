@@ -34,6 +34,9 @@ inline bool refuse(std::string* reason, const char* op, const std::string& what)
 inline bool pointer_set(const void* pointer, const char* op, const char* name, std::string* reason) {
   return pointer != nullptr || refuse(reason, op, std::string(name) + " is null");
 }
+inline bool pointer_set(ConstElements pointer, const char* op, const char* name, std::string* reason) {
+  return pointer_set(pointer.get(), op, name, reason);
+}
 
 // Blocks for a grid-stride loop over n items with `threads` per block. The cap only bounds the launch;
 // grid-stride loops make the result independent of it.
@@ -53,23 +56,6 @@ __device__ __forceinline__ void store_element(uint16_t* p, int64_t i, float v) {
   const uint32_t u = __float_as_uint(v);
   const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
   p[i] = static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? ((u >> 16) | 0x40u) : rounded);
-}
-
-// Host side: f(typed pointer) for an fp32 or bf16 op parameter (const float* / const uint16_t*, or the
-// writable ones); nested, they launch a kernel templated on each tensor's element type.
-template <typename F>
-void visit(ConstElements p, F&& f) {
-  if (p.dtype() == DType::bf16)
-    f(p.bf16());
-  else
-    f(p.f32());
-}
-template <typename F>
-void visit(Elements p, F&& f) {
-  if (p.dtype() == DType::bf16)
-    f(p.bf16());
-  else
-    f(p.f32());
 }
 
 // Scratch device memory for work on stream(), from the backend's caching allocator (device_allocator.h).

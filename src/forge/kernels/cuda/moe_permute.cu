@@ -15,81 +15,89 @@
 namespace forge::cuda {
 namespace {
 
+using detail::load_element;
+using detail::store_element;
+
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 1 << 20;
 
 unsigned row_blocks(int64_t rows) { return static_cast<unsigned>(std::clamp<int64_t>(rows, 1, kMaxBlocks)); }
 
+template <typename X, typename Out>
 __global__ void permute_kernel(const int32_t* __restrict__ source, int64_t rows, int64_t assignments,
-                               int64_t top_k, int64_t hidden, const float* __restrict__ x, int64_t x_stride,
-                               float* __restrict__ out) {
+                               int64_t top_k, int64_t hidden, const X* __restrict__ x, int64_t x_stride,
+                               Out* __restrict__ out) {
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const int32_t a = source[r];
-    float* dst = out + r * hidden;
+    Out* dst = out + r * hidden;
     if (a == -1) {
-      for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = 0.0f;
+      for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) store_element(dst, i, 0.0f);
       continue;
     }
     if (a < 0 || a >= assignments) continue;
-    const float* src = x + (a / top_k) * x_stride;
-    for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = src[i];
+    const X* src = x + (a / top_k) * x_stride;
+    for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) store_element(dst, i, load_element(src, i));
   }
 }
 
+template <typename Dout, typename Dx>
 __global__ void permute_backward_kernel(const int32_t* __restrict__ row_of, int64_t tokens, int64_t top_k,
-                                        int64_t rows, int64_t hidden, const float* __restrict__ dout,
-                                        float* __restrict__ dx, int64_t dx_stride) {
+                                        int64_t rows, int64_t hidden, const Dout* __restrict__ dout,
+                                        Dx* __restrict__ dx, int64_t dx_stride) {
   for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
     for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) {
       float sum = 0.0f;
       for (int64_t j = 0; j < top_k; ++j) {
         const int32_t row = row_of[t * top_k + j];
-        if (row >= 0 && row < rows) sum = __fadd_rn(sum, dout[int64_t{row} * hidden + i]);
+        if (row >= 0 && row < rows) sum = __fadd_rn(sum, load_element(dout, int64_t{row} * hidden + i));
       }
-      dx[t * dx_stride + i] = sum;
+      store_element(dx, t * dx_stride + i, sum);
     }
   }
 }
 
+template <typename Y, typename Out>
 __global__ void unpermute_kernel(const int32_t* __restrict__ row_of, const float* __restrict__ weights,
                                  int64_t tokens, int64_t top_k, int64_t rows, int64_t hidden,
-                                 const float* __restrict__ y, float* __restrict__ out, int64_t out_stride) {
+                                 const Y* __restrict__ y, Out* __restrict__ out, int64_t out_stride) {
   for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
     for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) {
       float sum = 0.0f;
       for (int64_t j = 0; j < top_k; ++j) {
         const int32_t row = row_of[t * top_k + j];
         if (row >= 0 && row < rows)
-          sum = __fmaf_rn(weights[t * top_k + j], y[int64_t{row} * hidden + i], sum);
+          sum = __fmaf_rn(weights[t * top_k + j], load_element(y, int64_t{row} * hidden + i), sum);
       }
-      out[t * out_stride + i] = sum;
+      store_element(out, t * out_stride + i, sum);
     }
   }
 }
 
+template <typename Dout, typename Dy>
 __global__ void unpermute_backward_dy_kernel(const int32_t* __restrict__ source,
                                              const float* __restrict__ weights, int64_t rows,
                                              int64_t assignments, int64_t top_k, int64_t hidden,
-                                             const float* __restrict__ dout, int64_t dout_stride,
-                                             float* __restrict__ dy) {
+                                             const Dout* __restrict__ dout, int64_t dout_stride,
+                                             Dy* __restrict__ dy) {
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const int32_t a = source[r];
     if (a == -1) {
-      for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) dy[r * hidden + i] = 0.0f;
+      for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) store_element(dy, r * hidden + i, 0.0f);
       continue;
     }
     if (a < 0 || a >= assignments) continue;
     const float w = weights[a];
-    const float* d = dout + (a / top_k) * dout_stride;
-    for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) dy[r * hidden + i] = __fmul_rn(w, d[i]);
+    const Dout* d = dout + (a / top_k) * dout_stride;
+    for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x)
+      store_element(dy, r * hidden + i, __fmul_rn(w, load_element(d, i)));
   }
 }
 
+template <typename Dout, typename Y>
 __global__ void unpermute_backward_dweights_kernel(const int32_t* __restrict__ row_of, int64_t assignments,
                                                    int64_t top_k, int64_t rows, int64_t hidden,
-                                                   const float* __restrict__ dout, int64_t dout_stride,
-                                                   const float* __restrict__ y,
-                                                   float* __restrict__ dweights) {
+                                                   const Dout* __restrict__ dout, int64_t dout_stride,
+                                                   const Y* __restrict__ y, float* __restrict__ dweights) {
   __shared__ float warp_sums[kThreads / detail::kWarpSize];
   for (int64_t a = blockIdx.x; a < assignments; a += gridDim.x) {
     const int32_t row = row_of[a];  // uniform across the block
@@ -97,10 +105,11 @@ __global__ void unpermute_backward_dweights_kernel(const int32_t* __restrict__ r
       if (threadIdx.x == 0) dweights[a] = 0.0f;
       continue;
     }
-    const float* d = dout + (a / top_k) * dout_stride;
-    const float* yr = y + int64_t{row} * hidden;
+    const Dout* d = dout + (a / top_k) * dout_stride;
+    const Y* yr = y + int64_t{row} * hidden;
     float sum = 0.0f;
-    for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) sum = __fmaf_rn(d[i], yr[i], sum);
+    for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x)
+      sum = __fmaf_rn(load_element(d, i), load_element(yr, i), sum);
     sum = detail::block_sum(sum, warp_sums);
     if (threadIdx.x == 0) dweights[a] = sum;
   }
@@ -181,25 +190,37 @@ bool supports_moe_unpermute_backward(const ops::MoeUnpermuteParams& p, std::stri
 void moe_permute(const ops::MoePermuteParams& p) {
   if (std::string why; !supports_moe_permute(p, &why)) fail_message(why);
   if (p.rows == 0) return;
-  permute_kernel<<<row_blocks(p.rows), kThreads, 0, stream()>>>(
-      p.source, p.rows, p.tokens * p.top_k, p.top_k, p.hidden, p.x, or_hidden(p.x_stride, p.hidden), p.out);
+  visit(p.x, [&](const auto* x) {
+    visit(p.out, [&](auto* out) {
+      permute_kernel<<<row_blocks(p.rows), kThreads, 0, stream()>>>(
+          p.source, p.rows, p.tokens * p.top_k, p.top_k, p.hidden, x, or_hidden(p.x_stride, p.hidden), out);
+    });
+  });
   FORGE_CUDA_CHECK_LAUNCH("moe_permute");
 }
 
 void moe_permute_backward(const ops::MoePermuteParams& p) {
   if (std::string why; !supports_moe_permute_backward(p, &why)) fail_message(why);
   if (p.tokens == 0) return;
-  permute_backward_kernel<<<row_blocks(p.tokens), kThreads, 0, stream()>>>(
-      p.row_of, p.tokens, p.top_k, p.rows, p.hidden, p.dout, p.dx, or_hidden(p.dx_stride, p.hidden));
+  visit(p.dout, [&](const auto* dout) {
+    visit(p.dx, [&](auto* dx) {
+      permute_backward_kernel<<<row_blocks(p.tokens), kThreads, 0, stream()>>>(
+          p.row_of, p.tokens, p.top_k, p.rows, p.hidden, dout, dx, or_hidden(p.dx_stride, p.hidden));
+    });
+  });
   FORGE_CUDA_CHECK_LAUNCH("moe_permute_backward");
 }
 
 void moe_unpermute(const ops::MoeUnpermuteParams& p) {
   if (std::string why; !supports_moe_unpermute(p, &why)) fail_message(why);
   if (p.tokens == 0) return;
-  unpermute_kernel<<<row_blocks(p.tokens), kThreads, 0, stream()>>>(p.row_of, p.weights, p.tokens, p.top_k,
-                                                                    p.rows, p.hidden, p.y, p.out,
-                                                                    or_hidden(p.out_stride, p.hidden));
+  visit(p.y, [&](const auto* y) {
+    visit(p.out, [&](auto* out) {
+      unpermute_kernel<<<row_blocks(p.tokens), kThreads, 0, stream()>>>(
+          p.row_of, p.weights, p.tokens, p.top_k, p.rows, p.hidden, y, out,
+          or_hidden(p.out_stride, p.hidden));
+    });
+  });
   FORGE_CUDA_CHECK_LAUNCH("moe_unpermute");
 }
 
@@ -207,13 +228,21 @@ void moe_unpermute_backward(const ops::MoeUnpermuteParams& p) {
   if (std::string why; !supports_moe_unpermute_backward(p, &why)) fail_message(why);
   const int64_t assignments = p.tokens * p.top_k, dout_stride = or_hidden(p.dout_stride, p.hidden);
   if (p.dy && p.rows > 0) {
-    unpermute_backward_dy_kernel<<<row_blocks(p.rows), kThreads, 0, stream()>>>(
-        p.source, p.weights, p.rows, assignments, p.top_k, p.hidden, p.dout, dout_stride, p.dy);
+    visit(p.dout, [&](const auto* dout) {
+      visit(p.dy, [&](auto* dy) {
+        unpermute_backward_dy_kernel<<<row_blocks(p.rows), kThreads, 0, stream()>>>(
+            p.source, p.weights, p.rows, assignments, p.top_k, p.hidden, dout, dout_stride, dy);
+      });
+    });
     FORGE_CUDA_CHECK_LAUNCH("moe_unpermute_backward");
   }
   if (p.dweights && assignments > 0) {
-    unpermute_backward_dweights_kernel<<<row_blocks(assignments), kThreads, 0, stream()>>>(
-        p.row_of, assignments, p.top_k, p.rows, p.hidden, p.dout, dout_stride, p.y, p.dweights);
+    visit(p.dout, [&](const auto* dout) {
+      visit(p.y, [&](const auto* y) {
+        unpermute_backward_dweights_kernel<<<row_blocks(assignments), kThreads, 0, stream()>>>(
+            p.row_of, assignments, p.top_k, p.rows, p.hidden, dout, dout_stride, y, p.dweights);
+      });
+    });
     FORGE_CUDA_CHECK_LAUNCH("moe_unpermute_backward");
   }
 }

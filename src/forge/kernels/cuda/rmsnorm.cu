@@ -157,8 +157,8 @@ bool supports_rmsnorm_backward_weight(const ops::RmsNormParams& p, std::string* 
 void rmsnorm_forward(const ops::RmsNormParams& p) {
   if (std::string why; !supports_rmsnorm_forward(p, &why)) fail_message(why);
   if (p.rows == 0) return;
-  detail::visit(p.x, [&](const auto* x) {
-    detail::visit(p.y, [&](auto* y) {
+  visit(p.x, [&](const auto* x) {
+    visit(p.y, [&](auto* y) {
       forward_kernel<<<row_grid(p.rows), row_threads(p.dim), 0, stream()>>>(x, p.weight, p.eps, p.rows,
                                                                             p.dim, y, p.rstd);
     });
@@ -169,9 +169,9 @@ void rmsnorm_forward(const ops::RmsNormParams& p) {
 void rmsnorm_backward_input(const ops::RmsNormParams& p) {
   if (std::string why; !supports_rmsnorm_backward_input(p, &why)) fail_message(why);
   if (p.rows == 0) return;
-  detail::visit(p.x, [&](const auto* x) {
-    detail::visit(p.dy, [&](const auto* dy) {
-      detail::visit(p.dx, [&](auto* dx) {
+  visit(p.x, [&](const auto* x) {
+    visit(p.dy, [&](const auto* dy) {
+      visit(p.dx, [&](auto* dx) {
         backward_input_kernel<<<row_grid(p.rows), row_threads(p.dim), 0, stream()>>>(x, p.weight, dy, p.rstd,
                                                                                      p.rows, p.dim, dx);
       });
@@ -187,8 +187,8 @@ void rmsnorm_backward_weight(const ops::RmsNormParams& p) {
   const int64_t column_blocks = (p.dim + kColumnThreads - 1) / kColumnThreads;
   detail::StreamScratch partial(static_cast<size_t>(blocks * p.dim) * sizeof(float));
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(column_blocks));
-  detail::visit(p.x, [&](const auto* x) {
-    detail::visit(p.dy, [&](const auto* dy) {
+  visit(p.x, [&](const auto* x) {
+    visit(p.dy, [&](const auto* dy) {
       weight_partials_kernel<<<grid, kColumnThreads, 0, stream()>>>(x, dy, p.rstd, p.rows, p.dim,
                                                                     partial.as<float>());
     });

@@ -67,7 +67,7 @@ void rope(const ops::RopeParams& p) {
   if (pairs == 0) return;
   // The inverse rotation is the same with sin negated (exact: a sign flip).
   const float sign = p.inverse ? -1.0f : 1.0f;
-  detail::visit(p.x, [&](auto* x) {
+  visit(p.x, [&](auto* x) {
     rope_kernel<<<detail::grid_blocks(pairs, kThreads), kThreads, 0, stream()>>>(
         x, p.cos, p.sin, pairs, p.seq, p.heads, p.head_dim, p.token_stride, p.position_offset, sign,
         p.interleaved);
