@@ -207,6 +207,10 @@ TEST_F(PlanCli, EstimateAndSearchAModelOnShippedHardware) {
   for (const char* part :
        {"memory per device", "activations (", "time per step", "pipeline bubble", "tensor-parallel comm"})
     EXPECT_NE(e.output.find(part), std::string::npos) << part << "\n" << e.output;
+  // train.dtype = auto plans bf16 on a GPU whatever this machine's CPU would pick for itself.
+  EXPECT_NE(e.output.find("precision: bf16 GEMMs, bf16 activations, bf16 residual stream, fp32 gradient"),
+            std::string::npos)
+      << e.output;
   const Outcome s = run_forge("plan search --hardware h100 --model " + model +
                               " --global-batch 16 --seq-len 128 --ranks 4 --top 3");
   EXPECT_EQ(s.status, 0) << s.output;

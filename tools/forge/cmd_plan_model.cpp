@@ -128,11 +128,15 @@ int run_estimate(const ModelPlanOptions& o) {
   train::TrainConfig config =
       o.config_path.empty() ? train::TrainConfig{} : train::TrainConfig::from_toml_file(o.config_path);
   for (const auto& assignment : o.overrides) config.apply_override(assignment);
+  // train.dtype = auto is bf16 on a GPU: a GPU profile (one measured without CPU threads) plans bf16 whatever
+  // this machine's CPU would pick for itself.
+  if (config.train.dtype == train::DtypeChoice::automatic && cluster_of(o, 1).hardware.threads == 0)
+    config.train.dtype = train::DtypeChoice::bf16;
   config.validate();
   const parallel::LayoutSpec l = config.layout_spec();
   const int ranks = o.ranks > 0 ? o.ranks : l.tp * l.cp * l.pp * std::max(1, l.dp);
-  const Strategy s = train::strategy_of(config, ranks);
   Cluster cluster = cluster_of(o, ranks);
+  const Strategy s = train::strategy_of(config, ranks);
   const std::unique_ptr<models::ModelConfig> model = models::read_model_config(config.model.config);
   Simulator sim(*model, std::move(cluster));
   const auto start = std::chrono::steady_clock::now();
