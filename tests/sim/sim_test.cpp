@@ -424,9 +424,9 @@ TEST(DryTrace, Bf16ActivationsHalveTheMessages) {
               static_cast<long long>(fp32.activations), static_cast<long long>(bf16.activations),
               static_cast<double>(fp32.activations) / static_cast<double>(bf16.activations));
   ASSERT_TRUE(fp32.by_group.count("tp") && fp32.by_group.count("dp"));
-  // Tensor parallelism: the layers' gathers and reductions halve; the embedding's reduction of its
-  // vocabulary shards and the loss head's per-row statistics stay fp32 (here 8% of the fp32 bytes).
-  EXPECT_LT(bf16.by_group.at("tp"), 0.55 * static_cast<double>(fp32.by_group.at("tp")));
+  // Tensor parallelism: the layers' gathers and reductions and the embedding's sum of its vocabulary shards
+  // halve; the loss head's per-row statistics stay fp32 (here 4% of the fp32 bytes: 0.52x).
+  EXPECT_LT(bf16.by_group.at("tp"), 0.53 * static_cast<double>(fp32.by_group.at("tp")));
   EXPECT_GT(bf16.by_group.at("tp"), 0.5 * static_cast<double>(fp32.by_group.at("tp")));
   EXPECT_EQ(2 * bf16.pipeline, fp32.pipeline);                // the hidden states between stages
   EXPECT_EQ(bf16.by_group.at("dp"), fp32.by_group.at("dp"));  // fp32 gradient reductions

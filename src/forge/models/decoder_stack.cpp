@@ -339,7 +339,9 @@ StageOutput DecoderStack::run_forward(const MicroBatch& mb, const Tensor& hidden
   Tensor x;
   if (stage_.pre_process) {
     acts->device_ids = ids_on(options_.device, mb.ids, n, acts->ids_holder);
-    x = embedding_.forward(acts->device_ids, n);
+    // Into the residual stream's dtype before the vocabulary shards' sum (not with inserted rows: their
+    // features splice into fp32 rows).
+    x = embedding_.forward(acts->device_ids, n, insertion ? DType::f32 : options_.residual_dtype);
     if (insertion) {
       splice(insertion, x);
       acts->inserted_runs = insertion->runs, acts->inserted_count = insertion->count;
@@ -402,7 +404,8 @@ Tensor DecoderStack::backward_input(const Tensor& doutput, StageActivations& sta
   acts.input_done = true;
   if (!stage_.pre_process) return dx;
   nn::dropout_inplace(options_, acts.dropout, dx, spec_.hidden);
-  acts.dembed = nn::to_dtype(dx, DType::f32);
+  // In the stream's dtype for the embedding, which gathers it so (fp32 where inserted rows are taken out).
+  acts.dembed = acts.inserted_runs.empty() && acts.inserted_count == 0 ? dx : nn::to_dtype(dx, DType::f32);
   take_inserted_rows(acts);
   return Tensor();
 }
@@ -435,7 +438,7 @@ Tensor DecoderStack::backward(const Tensor& doutput, StageActivations& state) {
   acts.input_done = acts.weight_done = true;
   if (!stage_.pre_process) return dx;
   nn::dropout_inplace(options_, acts.dropout, dx, spec_.hidden);
-  acts.dembed = nn::to_dtype(dx, DType::f32);
+  acts.dembed = acts.inserted_runs.empty() && acts.inserted_count == 0 ? dx : nn::to_dtype(dx, DType::f32);
   take_inserted_rows(acts);
   embedding_.backward_weight(acts.device_ids, acts.dembed), acts.dembed = Tensor();
   return Tensor();

@@ -1,6 +1,7 @@
 #include "forge/nn/embedding.h"
 
 #include "forge/kernels/ops.h"
+#include "forge/nn/compute.h"
 #include "forge/nn/tensor_parallel.h"
 
 namespace forge::nn {
@@ -14,7 +15,7 @@ Embedding::Embedding(ParameterStore* store, int weight_param, TensorParallel* tp
       first_(store->info(weight_param).shard.dim == 0 ? store->info(weight_param).shard.start : 0),
       scale_(scale) {}
 
-Tensor Embedding::forward(const int32_t* ids, int64_t rows) const {
+Tensor Embedding::forward(const int32_t* ids, int64_t rows, DType dtype) const {
   // Vocabulary-parallel: each rank looks up the ids of its range (zero rows for the others'), and the partial
   // embeddings sum over the group.
   const Device device = store_->device();
@@ -25,13 +26,13 @@ Tensor Embedding::forward(const int32_t* ids, int64_t rows) const {
   p.vocab_parallel = tp_ != nullptr, p.first = first_;
   ops::embedding_forward(p, device);
   if (scale_ != 1.0f) ops::scale_inplace(y.f32(), scale_, y.numel(), device);
-  return tp_ ? tp_->reduce_out(y) : y;
+  return tp_ ? tp_->reduce_out(to_dtype(y, dtype)) : y;
 }
 
 void Embedding::backward_weight(const int32_t* ids, const Tensor& dy_in) const {
-  if (!store_->trainable(weight_)) return;          // frozen: no weight gradient
-  Tensor dy = tp_ ? tp_->gather_in(dy_in) : dy_in;  // sequence parallel: every row's gradient
-  if (scale_ != 1.0f) {                             // d(scale e)/de: the caller's gradient stays as it was
+  if (!store_->trainable(weight_)) return;                                // frozen: no weight gradient
+  Tensor dy = to_dtype(tp_ ? tp_->gather_in(dy_in) : dy_in, DType::f32);  // sequence parallel: every row's
+  if (scale_ != 1.0f) {  // d(scale e)/de: the caller's gradient stays as it was
     Tensor scaled = Tensor::empty(dy.shape(), DType::f32, store_->device());
     scaled.copy_from(dy);
     ops::scale_inplace(scaled.f32(), scale_, scaled.numel(), store_->device());

@@ -17,7 +17,11 @@ class Embedding {
   Embedding() = default;
   // scale != 1: the looked-up rows are multiplied by it (Gemma's sqrt(hidden)), and so is their gradient.
   Embedding(ParameterStore* store, int weight_param, TensorParallel* tp = nullptr, float scale = 1.0f);
-  Tensor forward(const int32_t* ids, int64_t rows) const;
+  // dtype: what the rows cross the tensor-parallel group in and come back as (fp32, or bf16 for a bf16
+  // residual stream: each element of the sum has one nonzero term, the rank holding its token's row, so
+  // rounding before the sum is rounding the sum); without tensor parallelism the rows stay fp32.
+  Tensor forward(const int32_t* ids, int64_t rows, DType dtype = DType::f32) const;
+  // dy: fp32 or bf16 (gathered under sequence parallelism in its dtype, then widened).
   void backward_weight(const int32_t* ids, const Tensor& dy) const;
 
  private:
