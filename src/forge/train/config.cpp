@@ -853,116 +853,137 @@ std::vector<std::string> TrainConfig::frozen_parts() const {
   return parts;
 }
 
-void TrainConfig::validate() const {
-  auto check = [&](bool ok, std::string_view key, auto value, std::string_view rule) {
-    if (!ok) fail("{}: {} must be {}, got {}", origin_of(key), key, rule, value);
-  };
-  frozen_parts();
+namespace {
+
+// The rules' shared tools: one key against its rule, and the blame of a rule over several keys.
+struct Checks {
+  const TrainConfig& c;
+  template <typename V>
+  void operator()(bool ok, std::string_view key, const V& value, std::string_view rule) const {
+    if (!ok) fail("{}: {} must be {}, got {}", c.origin_of(key), key, rule, value);
+  }
   // A rule over several keys: the message starts with the origin of the first key (in `keys`' order) that
   // was set, and ends naming each other key's origin where it differs, so both culprits are named.
   struct Blame {
     std::string where, others;
   };
-  auto blame = [&](std::initializer_list<std::string_view> keys) {
+  Blame blame(std::initializer_list<std::string_view> keys) const {
     Blame b;
-    auto first = std::find_if(keys.begin(), keys.end(), [&](std::string_view k) { return origins.count(k); });
-    b.where = first != keys.end() ? origin_of(*first) : source;
+    auto first =
+        std::find_if(keys.begin(), keys.end(), [&](std::string_view k) { return c.origins.count(k); });
+    b.where = first != keys.end() ? c.origin_of(*first) : c.source;
     for (std::string_view key : keys) {
-      const std::string from = origin_of(key);
+      const std::string from = c.origin_of(key);
       if (from != b.where)
         b.others += fmt::format("{}{}: {}", b.others.empty() ? " (" : "; ", key,
-                                origins.count(key) ? from : std::string("its default"));
+                                c.origins.count(key) ? from : std::string("its default"));
     }
     if (!b.others.empty()) b.others += ")";
     return b;
-  };
-  auto finite = [](double v) { return std::isfinite(v); };
-  check(!model.config.empty(), "model.config", "\"\"", "a path to a config.json");
-  check(finite(model.init_std) && model.init_std > 0, "model.init_std", model.init_std, "> 0");
+  }
+};
 
-  check(!data.corpus.empty(), "data.corpus", "\"\"", "\"kjv\" or a path to a text file");
-  check(data.heldout_fraction > 0 && data.heldout_fraction < 1, "data.heldout_fraction",
-        data.heldout_fraction, "in (0, 1)");
-  check(data.heldout_parts >= 1 && data.heldout_parts <= 100000, "data.heldout_parts", data.heldout_parts,
-        "in [1, 100000]");
-  check(data.seq_len > 0, "data.seq_len", data.seq_len, "> 0");
-  check(!data.cache_dir.empty(), "data.cache_dir", "\"\"", "a directory");
-  check(!data.tokenizer.empty(), "data.tokenizer", "\"\"", "\"train\", \"bytes\" or a tokenizer.json path");
-  check(data.vocab_size >= 257 && data.vocab_size <= (int64_t{1} << 24), "data.vocab_size", data.vocab_size,
-        "in [257, 16777216] (256 byte tokens, an end-of-text token, then merges)");
+bool is_finite(double v) { return std::isfinite(v); }
 
-  check(train.micro_batch > 0, "train.micro_batch", train.micro_batch, "> 0");
-  check(train.grad_accum > 0, "train.grad_accum", train.grad_accum, "> 0");
-  if (!(train.steps > 0 || (train.steps == 0 && train.max_minutes > 0))) {
-    const Blame b = blame({"train.steps", "train.max_minutes"});
+// model.* and data.*
+void check_model_and_data(const TrainConfig& c, const Checks& k) {
+  k(!c.model.config.empty(), "model.config", "\"\"", "a path to a config.json");
+  k(is_finite(c.model.init_std) && c.model.init_std > 0, "model.init_std", c.model.init_std, "> 0");
+
+  k(!c.data.corpus.empty(), "data.corpus", "\"\"", "\"kjv\" or a path to a text file");
+  k(c.data.heldout_fraction > 0 && c.data.heldout_fraction < 1, "data.heldout_fraction",
+    c.data.heldout_fraction, "in (0, 1)");
+  k(c.data.heldout_parts >= 1 && c.data.heldout_parts <= 100000, "data.heldout_parts", c.data.heldout_parts,
+    "in [1, 100000]");
+  k(c.data.seq_len > 0, "data.seq_len", c.data.seq_len, "> 0");
+  k(!c.data.cache_dir.empty(), "data.cache_dir", "\"\"", "a directory");
+  k(!c.data.tokenizer.empty(), "data.tokenizer", "\"\"", "\"train\", \"bytes\" or a tokenizer.json path");
+  k(c.data.vocab_size >= 257 && c.data.vocab_size <= (int64_t{1} << 24), "data.vocab_size", c.data.vocab_size,
+    "in [257, 16777216] (256 byte tokens, an end-of-text token, then merges)");
+}
+
+// train.*
+void check_training(const TrainConfig& c, const Checks& k) {
+  k(c.train.micro_batch > 0, "train.micro_batch", c.train.micro_batch, "> 0");
+  k(c.train.grad_accum > 0, "train.grad_accum", c.train.grad_accum, "> 0");
+  if (!(c.train.steps > 0 || (c.train.steps == 0 && c.train.max_minutes > 0))) {
+    const Checks::Blame b = k.blame({"train.steps", "train.max_minutes"});
     fail(
         "{}: train.steps must be > 0 (or 0 together with train.max_minutes > 0), got {} with "
         "train.max_minutes = {}{}",
-        b.where, train.steps, train.max_minutes, b.others);
+        b.where, c.train.steps, c.train.max_minutes, b.others);
   }
-  check(finite(train.max_minutes) && train.max_minutes >= 0, "train.max_minutes", train.max_minutes,
-        ">= 0 (0 = no limit)");
-  if (train.activation_dtype == DtypeChoice::bf16 && gemm_dtype() != DType::bf16) {
-    const Blame b = blame({"train.activation_dtype", "train.dtype"});
+  k(is_finite(c.train.max_minutes) && c.train.max_minutes >= 0, "train.max_minutes", c.train.max_minutes,
+    ">= 0 (0 = no limit)");
+  if (c.train.activation_dtype == DtypeChoice::bf16 && c.gemm_dtype() != DType::bf16) {
+    const Checks::Blame b = k.blame({"train.activation_dtype", "train.dtype"});
     fail("{}: train.activation_dtype = bf16 needs bf16 GEMMs, but train.dtype resolves to fp32{}", b.where,
          b.others);
   }
-  check(finite(train.lr) && train.lr > 0, "train.lr", train.lr, "> 0");
-  check(finite(train.min_lr) && train.min_lr >= 0, "train.min_lr", train.min_lr, ">= 0");
-  if (train.min_lr > train.lr) {
-    const Blame b = blame({"train.min_lr", "train.lr"});
-    fail("{}: train.min_lr ({}) must not exceed train.lr ({}){}", b.where, train.min_lr, train.lr, b.others);
+  k(is_finite(c.train.lr) && c.train.lr > 0, "train.lr", c.train.lr, "> 0");
+  k(is_finite(c.train.min_lr) && c.train.min_lr >= 0, "train.min_lr", c.train.min_lr, ">= 0");
+  if (c.train.min_lr > c.train.lr) {
+    const Checks::Blame b = k.blame({"train.min_lr", "train.lr"});
+    fail("{}: train.min_lr ({}) must not exceed train.lr ({}){}", b.where, c.train.min_lr, c.train.lr,
+         b.others);
   }
-  check(train.warmup >= 0, "train.warmup", train.warmup, ">= 0");
-  check(finite(train.wsd_decay_fraction) && train.wsd_decay_fraction > 0 && train.wsd_decay_fraction <= 1,
-        "train.wsd_decay_fraction", train.wsd_decay_fraction, "in (0, 1]");
-  check(finite(train.weight_decay) && train.weight_decay >= 0, "train.weight_decay", train.weight_decay,
-        ">= 0");
-  check(train.hidden_dropout >= 0 && train.hidden_dropout < 1, "train.hidden_dropout", train.hidden_dropout,
-        "in [0, 1)");
-  check(train.beta1 >= 0 && train.beta1 < 1, "train.beta1", train.beta1, "in [0, 1)");
-  check(train.beta2 >= 0 && train.beta2 < 1, "train.beta2", train.beta2, "in [0, 1)");
-  check(finite(train.eps) && train.eps > 0, "train.eps", train.eps, "> 0");
-  check(finite(train.grad_clip) && train.grad_clip >= 0, "train.grad_clip", train.grad_clip,
-        ">= 0 (0 = off)");
+  k(c.train.warmup >= 0, "train.warmup", c.train.warmup, ">= 0");
+  k(is_finite(c.train.wsd_decay_fraction) && c.train.wsd_decay_fraction > 0 &&
+        c.train.wsd_decay_fraction <= 1,
+    "train.wsd_decay_fraction", c.train.wsd_decay_fraction, "in (0, 1]");
+  k(is_finite(c.train.weight_decay) && c.train.weight_decay >= 0, "train.weight_decay", c.train.weight_decay,
+    ">= 0");
+  k(c.train.hidden_dropout >= 0 && c.train.hidden_dropout < 1, "train.hidden_dropout", c.train.hidden_dropout,
+    "in [0, 1)");
+  k(c.train.beta1 >= 0 && c.train.beta1 < 1, "train.beta1", c.train.beta1, "in [0, 1)");
+  k(c.train.beta2 >= 0 && c.train.beta2 < 1, "train.beta2", c.train.beta2, "in [0, 1)");
+  k(is_finite(c.train.eps) && c.train.eps > 0, "train.eps", c.train.eps, "> 0");
+  k(is_finite(c.train.grad_clip) && c.train.grad_clip >= 0, "train.grad_clip", c.train.grad_clip,
+    ">= 0 (0 = off)");
   // OpenMP's runtime crashes on absurd team sizes (100000 threads segfaults libgomp); the trainer checks the
   // machine's cores.
-  check(train.threads >= 0 && train.threads <= kMaxThreads, "train.threads", train.threads,
-        fmt::format("in [0, {}] (0 = all cores)", kMaxThreads));
-  check(finite(train.memory_limit_mb) && train.memory_limit_mb >= 0, "train.memory_limit_mb",
-        train.memory_limit_mb, ">= 0 (0 = no limit)");
-  check(train.memory_limit_mb == 0 || train.device == Device::cpu, "train.memory_limit_mb",
-        train.memory_limit_mb,
-        "0 with train.device = " + std::string(train.device.name()) + " (a GPU's own memory is its limit)");
+  k(c.train.threads >= 0 && c.train.threads <= kMaxThreads, "train.threads", c.train.threads,
+    fmt::format("in [0, {}] (0 = all cores)", kMaxThreads));
+  k(is_finite(c.train.memory_limit_mb) && c.train.memory_limit_mb >= 0, "train.memory_limit_mb",
+    c.train.memory_limit_mb, ">= 0 (0 = no limit)");
+  k(c.train.memory_limit_mb == 0 || c.train.device == Device::cpu, "train.memory_limit_mb",
+    c.train.memory_limit_mb,
+    "0 with train.device = " + std::string(c.train.device.name()) + " (a GPU's own memory is its limit)");
+}
 
+// parallel.*
+void check_parallelism(const TrainConfig& c, const Checks& k) {
   // The layout holds int sizes; the world size is checked against them when the job starts.
   auto parallel_size = [&](std::string_view key, int64_t value) {
-    check(value >= 1, key, value, ">= 1");
-    check(value <= std::numeric_limits<int>::max(), key, value, "at most 2147483647");
+    k(value >= 1, key, value, ">= 1");
+    k(value <= std::numeric_limits<int>::max(), key, value, "at most 2147483647");
   };
-  parallel_size("parallel.tp", parallel.tp);
-  parallel_size("parallel.pp", parallel.pp);
-  parallel_size("parallel.vpp", parallel.vpp);
-  check(parallel.dp >= 0, "parallel.dp", parallel.dp, ">= 1 (or 0 = derived from the world size)");
-  check(parallel.dp <= std::numeric_limits<int>::max(), "parallel.dp", parallel.dp, "at most 2147483647");
-  parallel_size("parallel.cp", parallel.cp);
-  parallel_size("parallel.ep", parallel.ep);
-  check(finite(parallel.bucket_mb) && parallel.bucket_mb >= 0, "parallel.bucket_mb", parallel.bucket_mb,
-        ">= 0 (0 = by device)");
-  check(parallel.make_vocab_size_divisible_by >= 1, "parallel.make_vocab_size_divisible_by",
-        parallel.make_vocab_size_divisible_by, ">= 1");
-  check(finite(parallel.timeout_s) && parallel.timeout_s >= 0, "parallel.timeout_s", parallel.timeout_s,
-        ">= 0 (0 = wait forever)");
+  parallel_size("parallel.tp", c.parallel.tp);
+  parallel_size("parallel.pp", c.parallel.pp);
+  parallel_size("parallel.vpp", c.parallel.vpp);
+  k(c.parallel.dp >= 0, "parallel.dp", c.parallel.dp, ">= 1 (or 0 = derived from the world size)");
+  k(c.parallel.dp <= std::numeric_limits<int>::max(), "parallel.dp", c.parallel.dp, "at most 2147483647");
+  parallel_size("parallel.cp", c.parallel.cp);
+  parallel_size("parallel.ep", c.parallel.ep);
+  k(is_finite(c.parallel.bucket_mb) && c.parallel.bucket_mb >= 0, "parallel.bucket_mb", c.parallel.bucket_mb,
+    ">= 0 (0 = by device)");
+  k(c.parallel.make_vocab_size_divisible_by >= 1, "parallel.make_vocab_size_divisible_by",
+    c.parallel.make_vocab_size_divisible_by, ">= 1");
+  k(is_finite(c.parallel.timeout_s) && c.parallel.timeout_s >= 0, "parallel.timeout_s", c.parallel.timeout_s,
+    ">= 0 (0 = wait forever)");
+}
 
-  if (fp8.recipe != Fp8RecipeChoice::off) {
+// fp8.* (the rules themselves live with the options they govern)
+void check_fp8(const TrainConfig& c, const Checks& k) {
+  if (c.fp8.recipe != Fp8RecipeChoice::off) {
     // The FP8 rules are stated once, with the options they govern (nn::validate and fp8::validate, which
     // fp8_options() runs and whose messages name these keys); here only that the int fields convert.
-    for (auto [key, value] : {std::pair<std::string_view, int64_t>{"fp8.margin", fp8.margin},
-                              {"fp8.accumulator_bits", fp8.accumulator_bits}})
-      check(value >= std::numeric_limits<int>::min() && value <= std::numeric_limits<int>::max(), key, value,
-            "within the range of an int");
+    for (auto [key, value] : {std::pair<std::string_view, int64_t>{"fp8.margin", c.fp8.margin},
+                              {"fp8.accumulator_bits", c.fp8.accumulator_bits}})
+      k(value >= std::numeric_limits<int>::min() && value <= std::numeric_limits<int>::max(), key, value,
+        "within the range of an int");
     try {
-      (void)fp8_options();
+      (void)c.fp8_options();
     } catch (const Error& e) {
       // The message names the key(s) at fault; the recipe is what turned their checks on.
       const std::string_view what = e.what();
@@ -971,95 +992,122 @@ void TrainConfig::validate() const {
         if (spec.section == "fp8" && spec.key != "recipe" &&
             what.find(spec.full_name()) != std::string_view::npos)
           named.push_back(spec.full_name());
-      Blame b;
+      Checks::Blame b;
       switch (named.size()) {
         case 0:
-          b = blame({"fp8.recipe"});
+          b = k.blame({"fp8.recipe"});
           break;
         case 1:
-          b = blame({named[0], "fp8.recipe"});
+          b = k.blame({named[0], "fp8.recipe"});
           break;
         default:
-          b = blame({named[0], named[1], "fp8.recipe"});
+          b = k.blame({named[0], named[1], "fp8.recipe"});
       }
       fail("{}: {}{}", b.where, what, b.others);
     }
   }
+}
 
-  check(finite(moe.bias_update_rate) && moe.bias_update_rate >= 0, "moe.bias_update_rate",
-        moe.bias_update_rate, ">= 0 (0 = fixed biases)");
-  check(finite(moe.seq_aux_loss_coeff) && moe.seq_aux_loss_coeff >= 0, "moe.seq_aux_loss_coeff",
-        moe.seq_aux_loss_coeff, ">= 0 (0 = off)");
-  check(finite(moe.aux_loss_coeff) && moe.aux_loss_coeff >= 0, "moe.aux_loss_coeff", moe.aux_loss_coeff,
-        ">= 0 (0 = off)");
-  check(finite(moe.capacity_factor) && moe.capacity_factor >= 0, "moe.capacity_factor", moe.capacity_factor,
-        ">= 0 (0 = dropless)");
-  if (moe.pad_to_capacity && moe.capacity_factor == 0)
+// moe.*
+void check_moe(const TrainConfig& c, const Checks& k) {
+  k(is_finite(c.moe.bias_update_rate) && c.moe.bias_update_rate >= 0, "moe.bias_update_rate",
+    c.moe.bias_update_rate, ">= 0 (0 = fixed biases)");
+  k(is_finite(c.moe.seq_aux_loss_coeff) && c.moe.seq_aux_loss_coeff >= 0, "moe.seq_aux_loss_coeff",
+    c.moe.seq_aux_loss_coeff, ">= 0 (0 = off)");
+  k(is_finite(c.moe.aux_loss_coeff) && c.moe.aux_loss_coeff >= 0, "moe.aux_loss_coeff", c.moe.aux_loss_coeff,
+    ">= 0 (0 = off)");
+  k(is_finite(c.moe.capacity_factor) && c.moe.capacity_factor >= 0, "moe.capacity_factor",
+    c.moe.capacity_factor, ">= 0 (0 = dropless)");
+  if (c.moe.pad_to_capacity && c.moe.capacity_factor == 0)
     fail(
         "{}: moe.pad_to_capacity = true pads every expert's rows to its capacity, but moe.capacity_factor = "
         "0 "
         "(dropless) sets none; set a capacity_factor or turn the padding off",
-        origin_of("moe.pad_to_capacity"));
-  check(resilience.max_retries >= 0, "resilience.max_retries", resilience.max_retries, ">= 0");
-  check(resilience.snapshot_every >= 0, "resilience.snapshot_every", resilience.snapshot_every,
-        ">= 0 (0 = roll back from disk)");
-  check(finite(resilience.lr_factor) && resilience.lr_factor > 0 && resilience.lr_factor <= 1,
-        "resilience.lr_factor", resilience.lr_factor, "in (0, 1]");
-  check(resilience.lr_steps >= 0, "resilience.lr_steps", resilience.lr_steps, ">= 0");
-  check(finite(resilience.loss_spike) && resilience.loss_spike >= 0, "resilience.loss_spike",
-        resilience.loss_spike, ">= 0 (0 = off)");
-  check(finite(resilience.loss_spike_min) && resilience.loss_spike_min >= 0, "resilience.loss_spike_min",
-        resilience.loss_spike_min, ">= 0");
-  check(finite(resilience.grad_norm_spike) && resilience.grad_norm_spike >= 0, "resilience.grad_norm_spike",
-        resilience.grad_norm_spike, ">= 0 (0 = off)");
-  check(resilience.spike_metric != SpikeMetric::ratio || resilience.loss_spike == 0 ||
-            resilience.loss_spike > 1,
-        "resilience.loss_spike", resilience.loss_spike, "> 1 with spike_metric = ratio (or 0 = off)");
-  check(resilience.spike_metric != SpikeMetric::ratio || resilience.grad_norm_spike == 0 ||
-            resilience.grad_norm_spike > 1,
-        "resilience.grad_norm_spike", resilience.grad_norm_spike,
-        "> 1 with spike_metric = ratio (or 0 = off)");
-  check(resilience.window >= 10, "resilience.window", resilience.window, ">= 10");
-  (void)FaultPlan::parse(resilience.inject, origin_of("resilience.inject") + ": resilience.inject");
-  check(resilience.spike_after >= -1, "resilience.spike_after", resilience.spike_after,
-        ">= 0 (or -1 = train.warmup)");
-  check(finite(mtp.loss_weight) && mtp.loss_weight >= 0, "mtp.loss_weight", mtp.loss_weight, ">= 0");
-  check(mtp.switch_step >= 0, "mtp.switch_step", mtp.switch_step, ">= 0 (0 = no switch)");
-  check(finite(mtp.loss_weight_after) && mtp.loss_weight_after >= 0, "mtp.loss_weight_after",
-        mtp.loss_weight_after, ">= 0");
+        c.origin_of("moe.pad_to_capacity"));
+}
 
-  check(eval.every >= 0, "eval.every", eval.every, ">= 0 (0 = only at the end)");
-  check(eval.batches > 0, "eval.batches", eval.batches, "> 0");
-  check(log.every > 0, "log.every", log.every, "> 0");
-  check(!log.run_dir.empty(), "log.run_dir", "\"\"", "a directory");
-  check(finite(log.peak_gflops) && log.peak_gflops >= 0, "log.peak_gflops", log.peak_gflops,
-        ">= 0 (0 = measure)");
-  check(log.profile_step >= 0, "log.profile_step", log.profile_step, ">= 0 (0 = off)");
-  check(log.expert_load_every >= 0, "log.expert_load_every", log.expert_load_every,
-        ">= 0 (0 = only the last)");
-  check(checkpoint.every >= 0, "checkpoint.every", checkpoint.every, ">= 0 (0 = only at the end)");
-  check(checkpoint.keep_last >= 0, "checkpoint.keep_last", checkpoint.keep_last, ">= 0 (0 = keep all)");
-  check(sample.tokens >= 0, "sample.tokens", sample.tokens, ">= 0");
-  check(finite(sample.temperature) && sample.temperature >= 0, "sample.temperature", sample.temperature,
-        ">= 0 (0 = greedy)");
-  check(sample.top_k >= 0, "sample.top_k", sample.top_k, ">= 0 (0 = all)");
-  check(sample.captions >= 0, "sample.captions", sample.captions, ">= 0 (0 = none)");
-  if (sample.captions > 0 && data.images.empty()) {
-    const Blame b = blame({"sample.captions", "data.images"});
+// resilience.* and mtp.*
+void check_resilience_and_mtp(const TrainConfig& c, const Checks& k) {
+  k(c.resilience.max_retries >= 0, "resilience.max_retries", c.resilience.max_retries, ">= 0");
+  k(c.resilience.snapshot_every >= 0, "resilience.snapshot_every", c.resilience.snapshot_every,
+    ">= 0 (0 = roll back from disk)");
+  k(is_finite(c.resilience.lr_factor) && c.resilience.lr_factor > 0 && c.resilience.lr_factor <= 1,
+    "resilience.lr_factor", c.resilience.lr_factor, "in (0, 1]");
+  k(c.resilience.lr_steps >= 0, "resilience.lr_steps", c.resilience.lr_steps, ">= 0");
+  k(is_finite(c.resilience.loss_spike) && c.resilience.loss_spike >= 0, "resilience.loss_spike",
+    c.resilience.loss_spike, ">= 0 (0 = off)");
+  k(is_finite(c.resilience.loss_spike_min) && c.resilience.loss_spike_min >= 0, "resilience.loss_spike_min",
+    c.resilience.loss_spike_min, ">= 0");
+  k(is_finite(c.resilience.grad_norm_spike) && c.resilience.grad_norm_spike >= 0,
+    "resilience.grad_norm_spike", c.resilience.grad_norm_spike, ">= 0 (0 = off)");
+  k(c.resilience.spike_metric != SpikeMetric::ratio || c.resilience.loss_spike == 0 ||
+        c.resilience.loss_spike > 1,
+    "resilience.loss_spike", c.resilience.loss_spike, "> 1 with spike_metric = ratio (or 0 = off)");
+  k(c.resilience.spike_metric != SpikeMetric::ratio || c.resilience.grad_norm_spike == 0 ||
+        c.resilience.grad_norm_spike > 1,
+    "resilience.grad_norm_spike", c.resilience.grad_norm_spike, "> 1 with spike_metric = ratio (or 0 = off)");
+  k(c.resilience.window >= 10, "resilience.window", c.resilience.window, ">= 10");
+  (void)FaultPlan::parse(c.resilience.inject, c.origin_of("resilience.inject") + ": resilience.inject");
+  k(c.resilience.spike_after >= -1, "resilience.spike_after", c.resilience.spike_after,
+    ">= 0 (or -1 = train.warmup)");
+  k(is_finite(c.mtp.loss_weight) && c.mtp.loss_weight >= 0, "mtp.loss_weight", c.mtp.loss_weight, ">= 0");
+  k(c.mtp.switch_step >= 0, "mtp.switch_step", c.mtp.switch_step, ">= 0 (0 = no switch)");
+  k(is_finite(c.mtp.loss_weight_after) && c.mtp.loss_weight_after >= 0, "mtp.loss_weight_after",
+    c.mtp.loss_weight_after, ">= 0");
+}
+
+// eval.*, log.*, checkpoint.* and sample.*, and the seeds
+void check_outputs(const TrainConfig& c, const Checks& k) {
+  k(c.eval.every >= 0, "eval.every", c.eval.every, ">= 0 (0 = only at the end)");
+  k(c.eval.batches > 0, "eval.batches", c.eval.batches, "> 0");
+  k(c.log.every > 0, "log.every", c.log.every, "> 0");
+  k(!c.log.run_dir.empty(), "log.run_dir", "\"\"", "a directory");
+  k(is_finite(c.log.peak_gflops) && c.log.peak_gflops >= 0, "log.peak_gflops", c.log.peak_gflops,
+    ">= 0 (0 = measure)");
+  k(c.log.profile_step >= 0, "log.profile_step", c.log.profile_step, ">= 0 (0 = off)");
+  k(c.log.expert_load_every >= 0, "log.expert_load_every", c.log.expert_load_every,
+    ">= 0 (0 = only the last)");
+  k(c.checkpoint.every >= 0, "checkpoint.every", c.checkpoint.every, ">= 0 (0 = only at the end)");
+  k(c.checkpoint.keep_last >= 0, "checkpoint.keep_last", c.checkpoint.keep_last, ">= 0 (0 = keep all)");
+  k(c.sample.tokens >= 0, "sample.tokens", c.sample.tokens, ">= 0");
+  k(is_finite(c.sample.temperature) && c.sample.temperature >= 0, "sample.temperature", c.sample.temperature,
+    ">= 0 (0 = greedy)");
+  k(c.sample.top_k >= 0, "sample.top_k", c.sample.top_k, ">= 0 (0 = all)");
+  k(c.sample.captions >= 0, "sample.captions", c.sample.captions, ">= 0 (0 = none)");
+  if (c.sample.captions > 0 && c.data.images.empty()) {
+    const Checks::Blame b = k.blame({"sample.captions", "data.images"});
     fail("{}: sample.captions = {} needs image-text data (data.images), which is not set{}", b.where,
-         sample.captions, b.others);
+         c.sample.captions, b.others);
   }
-  check(model.seed <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()), "model.seed", model.seed,
-        "a TOML integer (< 2^63)");
-  check(sample.seed <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()), "sample.seed", sample.seed,
-        "a TOML integer (< 2^63)");
+  k(c.model.seed <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()), "model.seed", c.model.seed,
+    "a TOML integer (< 2^63)");
+  k(c.sample.seed <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()), "sample.seed", c.sample.seed,
+    "a TOML integer (< 2^63)");
+}
 
-  TrainConfig copy = *this;  // choices are checked through the table so the allowed list lives in one place
+// every string key against its allowed values
+void check_choices(const TrainConfig& c, const Checks& k) {
+  TrainConfig copy = c;  // choices are checked through the table so the allowed list lives in one place
   for (const KeySpec& spec : key_specs()) {
     FieldRef field = spec.field(copy);
     if (auto* text = std::get_if<std::string*>(&field))
-      check_choice(spec, spec.choices, **text, origin_of(spec.full_name()));
+      check_choice(spec, spec.choices, **text, c.origin_of(spec.full_name()));
   }
+}
+
+}  // namespace
+
+void TrainConfig::validate() const {
+  const Checks k{*this};
+  frozen_parts();
+  check_model_and_data(*this, k);
+  check_training(*this, k);
+  check_parallelism(*this, k);
+  check_fp8(*this, k);
+  check_moe(*this, k);
+  check_resilience_and_mtp(*this, k);
+  check_outputs(*this, k);
+  check_choices(*this, k);
 }
 
 std::string TrainConfig::to_toml() const {
