@@ -336,34 +336,36 @@ LossSum NoPipelining::run(Model& model, int count, const std::function<MicroBatc
   return total;
 }
 
-StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule, const StepHooks& hooks) {
-  const TrainConfig& c = setup.config;
-  Model& model = *setup.model;
-  ParameterStore& params = model.params();
-  const int64_t micro = setup.micro, seq = setup.seq, accum = setup.accum, dp = setup.dp;
-  comm::Communicator& world = setup.world;
-  const int64_t step = state.step + 1;
-  // Sample order is that of one rank running dp x accum micro-batches: replica d takes the d-th run. Each
-  // micro-batch has its own ids and targets, which a schedule may still read (the embedding's W) later.
-  // They are read before anything else, and a failure to read them (a damaged dataset file) is agreed over
-  // the world: every rank refuses the step together with nothing changed, rather than one rank leaving the
-  // others waiting inside the step's collectives.
-  // Under context parallelism the cp ranks of a replica read the same sequences and keep their slices.
-  const int64_t first_sample = state.first_sample_of(state.step), local_seq = setup.local_seq();
-  std::vector<std::vector<int32_t>> ids(accum), targets(accum);
-  std::vector<std::vector<float>> pixels(accum);  // image-text data: each micro-batch's images
-  std::vector<int64_t> images(accum, 0);
+namespace {
+
+// One step's micro-batches as this rank reads them, or the error that refused them.
+struct StepData {
+  std::vector<std::vector<int32_t>> ids, targets;
+  std::vector<std::vector<float>> pixels;  // image-text data: each micro-batch's images
+  std::vector<int64_t> images;
+  std::string error;
+};
+
+// Sample order is that of one rank running dp x accum micro-batches: replica d takes the d-th run. Each
+// micro-batch has its own ids and targets, which a schedule may still read (the embedding's W) later. They
+// are read before anything else, and a failure to read them (a damaged dataset file) is agreed over the
+// world: every rank refuses the step together with nothing changed, rather than one rank leaving the others
+// waiting inside the step's collectives. Under context parallelism the cp ranks of a replica read the same
+// sequences and keep their slices.
+StepData read_step_data(TrainSetup& setup, int64_t step, int64_t first_sample, const StepHooks& hooks) {
+  const int64_t micro = setup.micro, seq = setup.seq, accum = setup.accum, local_seq = setup.local_seq();
+  StepData d;
+  d.ids.resize(accum), d.targets.resize(accum), d.pixels.resize(accum), d.images.assign(accum, 0);
   std::vector<int32_t> whole_ids, whole_targets;
-  std::string data_error;
   try {
     for (int64_t m = 0; m < accum; ++m) {
       if (hooks.on_read) hooks.on_read(step, static_cast<int>(m));
-      ids[m].resize(micro * local_seq), targets[m].resize(micro * local_seq);
+      d.ids[m].resize(micro * local_seq), d.targets[m].resize(micro * local_seq);
       whole_ids.resize(micro * seq), whole_targets.resize(micro * seq);
-      images[m] = setup.data->train_batch_images(first_sample + (setup.dp_rank * accum + m) * micro, micro,
-                                                 whole_ids.data(), whole_targets.data(), pixels[m]);
-      setup.context_slice(whole_ids.data(), ids[m].data(), micro);
-      setup.context_slice(whole_targets.data(), targets[m].data(), micro);
+      d.images[m] = setup.data->train_batch_images(first_sample + (setup.dp_rank * accum + m) * micro, micro,
+                                                   whole_ids.data(), whole_targets.data(), d.pixels[m]);
+      setup.context_slice(whole_ids.data(), d.ids[m].data(), micro);
+      setup.context_slice(whole_targets.data(), d.targets[m].data(), micro);
     }
   } catch (const PermanentError&) {
     throw;  // reading it again would fail the same way: not a data error to skip
@@ -371,19 +373,27 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule, 
     throw OutOfMemory(fmt::format("out of memory reading the step's {} x {} micro-batches of {} tokens",
                                   accum, micro, seq));
   } catch (const std::exception& e) {
-    data_error = e.what()[0] ? e.what() : "unknown error";
+    d.error = e.what()[0] ? e.what() : "unknown error";
   }
-  if (world.size() > 1 && comm::all_reduce_max(world, data_error.empty() ? 0.0 : 1.0) > 0) {
-    const std::vector<std::string> errors = comm::all_gather_strings(world, data_error);
-    data_error.clear();
-    for (size_t r = 0; r < errors.size() && data_error.empty(); ++r)
-      if (!errors[r].empty()) data_error = fmt::format("{} (rank {})", errors[r], r);
+  comm::Communicator& world = setup.world;
+  if (world.size() > 1 && comm::all_reduce_max(world, d.error.empty() ? 0.0 : 1.0) > 0) {
+    const std::vector<std::string> errors = comm::all_gather_strings(world, d.error);
+    d.error.clear();
+    for (size_t r = 0; r < errors.size() && d.error.empty(); ++r)
+      if (!errors[r].empty()) d.error = fmt::format("{} (rank {})", errors[r], r);
   }
-  if (!data_error.empty()) {
-    StepResult refused;
-    refused.data_error = data_error;
-    return refused;
-  }
+  return d;
+}
+
+// Forward and backward of every micro-batch under the schedule, the gradients reduced over dp; returns this
+// rank's loss sum.
+LossSum run_micro_batches(TrainSetup& setup, const TrainState& state, Schedule& schedule, StepData& d,
+                          int64_t step, int64_t first_sample, const StepHooks& hooks) {
+  const TrainConfig& c = setup.config;
+  Model& model = *setup.model;
+  ParameterStore& params = model.params();
+  const int64_t micro = setup.micro, seq = setup.seq, accum = setup.accum, dp = setup.dp;
+  const int64_t local_seq = setup.local_seq();
   params.zero_grads();
   params.begin_grad_step(schedule.micro_batches_per_chunk(static_cast<int>(accum)));
   setup.buckets->begin_step();
@@ -407,8 +417,8 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule, 
   }
   LossSum loss = schedule.run(model, static_cast<int>(accum), [&](int m) {
     if (hooks.on_micro_batch) hooks.on_micro_batch(step, m);
-    MicroBatch mb{ids[m].data(), targets[m].data(), micro,    local_seq,
-                  grad_scale,    pixels[m].data(),  images[m]};
+    MicroBatch mb{d.ids[m].data(), d.targets[m].data(), micro,      local_seq,
+                  grad_scale,      d.pixels[m].data(),  d.images[m]};
     mb.first_sample = first_sample + (setup.dp_rank * accum + m) * micro;
     mb.positions = positions.empty() ? nullptr : positions.data();
     return mb;
@@ -419,21 +429,43 @@ StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule, 
   if (setup.expert_buckets) setup.expert_buckets->finish();
   if (hooks.on_gradients) hooks.on_gradients(step, params);
   if (hooks.on_loss) hooks.on_loss(step, loss);
+  return loss;
+}
 
-  StepResult r;
+// The step's loss over the pipeline's last stage and the replicas (and under cp each rank's part of the
+// tokens), and its image count.
+void reduce_loss(TrainSetup& setup, LossSum loss, const StepData& d, StepResult& r) {
   if (setup.layout.pp() > 1) {  // the loss lives on the last stage
     double sums[2] = {loss.sum, static_cast<double>(loss.tokens)};
     comm::all_reduce_sum(setup.pp_group(), sums, 2);
     loss.sum = sums[0], loss.tokens = static_cast<int64_t>(sums[1]);
   }
   r.local_loss = loss.mean();
-  r.images = std::accumulate(images.begin(), images.end(), int64_t{0});
-  if (setup.dp_group().size() > 1) {  // the replicas' losses, and under cp each rank's part of the tokens'
+  r.images = std::accumulate(d.images.begin(), d.images.end(), int64_t{0});
+  if (setup.dp_group().size() > 1) {
     double sums[3] = {loss.sum, static_cast<double>(loss.tokens), static_cast<double>(r.images)};
     comm::all_reduce_sum(setup.dp_group(), sums, 3);
     loss.sum = sums[0], loss.tokens = static_cast<int64_t>(sums[1]), r.images = static_cast<int64_t>(sums[2]);
   }
   r.loss = loss.mean();
+}
+
+}  // namespace
+
+StepResult train_step(TrainSetup& setup, TrainState& state, Schedule& schedule, const StepHooks& hooks) {
+  const TrainConfig& c = setup.config;
+  ParameterStore& params = setup.model->params();
+  comm::Communicator& world = setup.world;
+  const int64_t step = state.step + 1, first_sample = state.first_sample_of(state.step);
+  StepData data = read_step_data(setup, step, first_sample, hooks);
+  if (!data.error.empty()) {
+    StepResult refused;
+    refused.data_error = data.error;
+    return refused;
+  }
+  const LossSum loss = run_micro_batches(setup, state, schedule, data, step, first_sample, hooks);
+  StepResult r;
+  reduce_loss(setup, loss, data, r);
   r.grad_norm = setup.optimizer->grad_norm();
   // A non-finite loss or gradient norm (the same on every rank: both are reduced) is never applied: the
   // weights, the optimizer state and the checkpoints stay those of the last good step. Agreed over the world:
