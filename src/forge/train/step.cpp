@@ -64,6 +64,34 @@ std::string describe_non_finite_step(comm::Communicator& world, const ParameterS
   return where.empty() ? what : fmt::format("{} ({})", what, where);
 }
 
+// Expert parallelism's traffic per slot (rows received, rows sent, the tokens' rank spread summed, its
+// tokens, its maximum), this rank's, gathered over its ep group ([ep][slots][kExpertTraffic]; empty without
+// expert parallelism). Under pp a slot lives on one stage (or on both copies of a mirrored one, which counted
+// one direction's micro-batches each): the counts summed, the maximum a maximum.
+constexpr int64_t kExpertTraffic = 5;
+std::vector<double> gather_expert_traffic(TrainSetup& setup, const std::vector<ExpertLayerView>& views,
+                                          int64_t slots) {
+  const int ep = setup.layout.ep();
+  if (ep <= 1 || slots == 0) return {};
+  std::vector<double> traffic(static_cast<size_t>(kExpertTraffic * slots), 0.0);
+  for (const ExpertLayerView& v : views) {
+    double* at = traffic.data() + kExpertTraffic * v.slot;
+    at[0] += static_cast<double>(v.stats->received), at[1] += static_cast<double>(v.stats->sent);
+    at[2] += v.stats->rank_spread, at[3] += static_cast<double>(v.stats->spread_tokens);
+    at[4] = std::max(at[4], static_cast<double>(v.stats->max_spread));
+  }
+  if (setup.layout.pp() > 1) {
+    std::vector<double> most(static_cast<size_t>(slots));
+    for (int64_t slot = 0; slot < slots; ++slot) most[slot] = traffic[kExpertTraffic * slot + 4];
+    comm::all_reduce_sum(setup.pp_group(), traffic.data(), kExpertTraffic * slots);
+    setup.pp_group().all_reduce(most.data(), slots, comm::Type::f64, comm::ReduceOp::max).wait();
+    for (int64_t slot = 0; slot < slots; ++slot) traffic[kExpertTraffic * slot + 4] = most[slot];
+  }
+  std::vector<double> all(static_cast<size_t>(ep * kExpertTraffic * slots));
+  setup.groups.ep->all_gather(traffic.data(), all.data(), kExpertTraffic * slots, comm::Type::f64).wait();
+  return all;
+}
+
 // The step's expert loads and MTP totals over the global batch, into r; then every MoE layer's bias update
 // (collective over the world). Each rank lays out every MoE layer of the model by slot, filled where its
 // chunks hold the layer, and sums over pp (the stages hold different layers; DualPipe's two copies of a stage
@@ -104,30 +132,8 @@ void finish_balancing(TrainSetup& setup, StepResult& r) {
       at[2] += static_cast<double>(totals[d].top1);
     }
   }
-  // Expert parallelism's traffic per slot (rows received, rows sent, the tokens' rank spread summed, its
-  // tokens, its maximum), this rank's, gathered over its ep group. Under pp a slot lives on one stage (or on
-  // both copies of a mirrored one, which counted one direction's micro-batches each): the counts summed, the
-  // maximum a maximum.
   const int ep = setup.layout.ep();
-  constexpr int64_t kTraffic = 5;
-  std::vector<double> traffic(static_cast<size_t>(kTraffic * slots), 0.0), all_traffic;
-  for (const ExpertLayerView& v : views) {
-    double* at = traffic.data() + kTraffic * v.slot;
-    at[0] += static_cast<double>(v.stats->received), at[1] += static_cast<double>(v.stats->sent);
-    at[2] += v.stats->rank_spread, at[3] += static_cast<double>(v.stats->spread_tokens);
-    at[4] = std::max(at[4], static_cast<double>(v.stats->max_spread));
-  }
-  if (ep > 1 && slots > 0) {
-    if (setup.layout.pp() > 1) {
-      std::vector<double> most(static_cast<size_t>(slots));
-      for (int64_t slot = 0; slot < slots; ++slot) most[slot] = traffic[kTraffic * slot + 4];
-      comm::all_reduce_sum(setup.pp_group(), traffic.data(), kTraffic * slots);
-      setup.pp_group().all_reduce(most.data(), slots, comm::Type::f64, comm::ReduceOp::max).wait();
-      for (int64_t slot = 0; slot < slots; ++slot) traffic[kTraffic * slot + 4] = most[slot];
-    }
-    all_traffic.resize(static_cast<size_t>(ep * kTraffic * slots));
-    setup.groups.ep->all_gather(traffic.data(), all_traffic.data(), kTraffic * slots, comm::Type::f64).wait();
-  }
+  const std::vector<double> all_traffic = gather_expert_traffic(setup, views, slots);
   const int64_t n = static_cast<int64_t>(sums.size());
   if (setup.layout.pp() > 1) {
     comm::all_reduce_sum(setup.pp_group(), sums.data(), n);
@@ -150,7 +156,7 @@ void finish_balancing(TrainSetup& setup, StepResult& r) {
     if (!all_traffic.empty()) {
       double spread = 0, tokens = 0;
       for (int q = 0; q < ep; ++q) {
-        const double* t = all_traffic.data() + (q * slots + slot) * kTraffic;
+        const double* t = all_traffic.data() + (q * slots + slot) * kExpertTraffic;
         e.received.push_back(static_cast<int64_t>(t[0]));
         e.sent += static_cast<int64_t>(t[1]);
         spread += t[2], tokens += t[3];
