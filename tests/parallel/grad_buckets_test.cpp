@@ -5,6 +5,7 @@
 #include <cstring>
 #include <vector>
 
+#include "op_harness.h"
 #include "parallel/dp_test_util.h"
 
 namespace forge::parallel {
@@ -256,6 +257,11 @@ TEST(GradBuckets, MisuseFailsWithAMessage) {
   inference.add("w", {4}, true, Init::zeros);
   inference.allocate(false, /*with_grads=*/false);
   EXPECT_THROW(GradBuckets(&inference, self.get(), {kSmallBucket, false, true}), Error);
+  // Reductions run in fp32 or bf16 only: anything else is one line naming the dtype.
+  BucketOptions fp16{kSmallBucket, false, true};
+  fp16.reduce_dtype = DType::f16;
+  testing::expect_error_containing([&] { GradBuckets(&store, self.get(), fp16); },
+                                   {"gradient reductions run in fp32 or bf16", dtype_name(DType::f16)});
 }
 
 TEST(GradBuckets, DefaultSizeFollowsTheDevice) {

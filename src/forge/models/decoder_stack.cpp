@@ -303,10 +303,16 @@ Tensor DecoderStack::inserted_gradient(StageActivations& state) const {
   return out;
 }
 
-// After B of the first stage: the inserted rows' gradient moves out of dembed (the embedding's own gradient
-// must not see it: those tokens' embeddings were replaced).
-void DecoderStack::take_inserted_rows(Activations& acts) const {
-  if (acts.inserted_runs.empty() && acts.inserted_count == 0) return;
+// After B of the first stage: the gradient at the embedding's output (dropout's backward applied) kept for W,
+// in the stream's dtype, which the embedding gathers it in; with inserted rows in fp32, their gradient moved
+// out of it (the embedding's own gradient must not see it: those tokens' embeddings were replaced).
+void DecoderStack::keep_embedding_gradient(Activations& acts, Tensor dx) const {
+  nn::dropout_inplace(options_, acts.dropout, dx, spec_.hidden);
+  if (acts.inserted_runs.empty() && acts.inserted_count == 0) {
+    acts.dembed = dx;
+    return;
+  }
+  acts.dembed = nn::to_dtype(dx, DType::f32);
   const int64_t h = spec_.hidden;
   acts.dinserted = Tensor::zeros({acts.inserted_count, h}, DType::f32, options_.device);
   for (const InsertedRun& run : acts.inserted_runs) {
@@ -403,10 +409,7 @@ Tensor DecoderStack::backward_input(const Tensor& doutput, StageActivations& sta
     dx = layers_[l].backward_input(dx, acts.batch, acts.seq, acts.layers[l]);
   acts.input_done = true;
   if (!stage_.pre_process) return dx;
-  nn::dropout_inplace(options_, acts.dropout, dx, spec_.hidden);
-  // In the stream's dtype for the embedding, which gathers it so (fp32 where inserted rows are taken out).
-  acts.dembed = acts.inserted_runs.empty() && acts.inserted_count == 0 ? dx : nn::to_dtype(dx, DType::f32);
-  take_inserted_rows(acts);
+  keep_embedding_gradient(acts, dx);
   return Tensor();
 }
 
@@ -437,9 +440,7 @@ Tensor DecoderStack::backward(const Tensor& doutput, StageActivations& state) {
   }
   acts.input_done = acts.weight_done = true;
   if (!stage_.pre_process) return dx;
-  nn::dropout_inplace(options_, acts.dropout, dx, spec_.hidden);
-  acts.dembed = acts.inserted_runs.empty() && acts.inserted_count == 0 ? dx : nn::to_dtype(dx, DType::f32);
-  take_inserted_rows(acts);
+  keep_embedding_gradient(acts, dx);
   embedding_.backward_weight(acts.device_ids, acts.dembed), acts.dembed = Tensor();
   return Tensor();
 }

@@ -242,7 +242,7 @@ class DecoderStack : public Model {
                           std::unique_ptr<StageActivations>* saved);
   Insertion make_insertion(const MicroBatch& mb, int32_t token, const Tensor& inserted) const;
   void splice(const Insertion* insertion, const Tensor& x) const;
-  void take_inserted_rows(Activations& acts) const;
+  void keep_embedding_gradient(Activations& acts, Tensor dx) const;
   Tensor final_hidden(const int32_t* ids, int64_t batch, int64_t seq, const Insertion* insertion);
   Tensor run_cached(const int32_t* ids, int64_t batch, int64_t new_tokens, nn::KvCache& cache,
                     bool all_logits, const Insertion* insertion);
