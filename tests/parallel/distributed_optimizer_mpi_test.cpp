@@ -27,6 +27,13 @@ double primary_sum_squares(const ParameterStore& store, const std::vector<float>
   return sum;
 }
 
+// The toy store with two parameters that modules would read in fp32 (a norm, a bias).
+void build_toy_store_with_kept(ParameterStore& store, bool bf16_shadow) {
+  testing::build_toy_store(store, bf16_shadow);
+  store.keep_fp32(store.find("layer.0.norm"));
+  store.keep_fp32(store.find("layer.1.b"));
+}
+
 // One step of backward emulated parameter by parameter from the last, then the reduction.
 void backward(ParameterStore& store, GradBuckets& buckets, int rank, int step) {
   store.zero_grads();
@@ -42,24 +49,42 @@ void backward(ParameterStore& store, GradBuckets& buckets, int rank, int step) {
 
 class Steps : public ::testing::TestWithParam<bool> {};
 
-// Over several steps, the data-parallel optimizer (each rank its own gradients) follows forge::optim::AdamW on the
-// summed gradients. The toy gradients are dyadic, so the reduced gradients are exactly the sum whatever the
-// reduction order, and the update is the same elementwise kernel on the same inputs: weights and moments
-// must agree to within 1e-6 relative (a few fp32 ulps, for a kernel whose vector body and scalar tail may
-// contract differently where ranges are cut); in practice they agree bitwise.
+// Over several steps, the data-parallel optimizer (each rank its own gradients) follows forge::optim::AdamW
+// on the summed gradients. The toy gradients are dyadic, so the reduced gradients are exactly the sum
+// whatever the reduction order, and the update is the same elementwise kernel on the same inputs: weights and
+// moments must agree to within 1e-6 relative (a few fp32 ulps, for a kernel whose vector body and scalar tail
+// may contract differently where ranges are cut); in practice they agree bitwise. Sharded with the bf16
+// shadow the fp32 masters are sharded too (Megatron's distributed optimizer): the store keeps only the kept
+// parameters in fp32, and the weights (gathered through the gradient buffer) are the same.
 TEST_P(Steps, FollowAdamWOnTheSummedGradients) {
   const bool shard = GetParam();
   comm::Communicator& world = comm::world();
   ParameterStore store, reference;
-  testing::build_toy_store(store, true);
+  build_toy_store_with_kept(store, true);
   testing::build_toy_store(reference, true);
   const int64_t n = store.numel();
   GradBuckets buckets(&store, &world, {kSmallBucket, shard, true});
   const AdamWConfig config{0.9f, 0.95f, 1e-8f, 0.1f};
   DistributedAdamW optimizer(&store, config, &world, nullptr, &buckets);
   AdamW expected(&reference, config);
+  EXPECT_EQ(optimizer.holds_masters(), shard);
+  EXPECT_EQ(store.fp32_released(), shard);
   if (shard) {
-    EXPECT_LT(optimizer.state_bytes(), 2 * n * 4);
+    // Masters and moments: 12 bytes per owned element (kept ones: 8); the store keeps 8 + 1 fp32 values.
+    const int64_t kept = 7 + 1;
+    EXPECT_EQ(store.params().numel(), kept);
+    int64_t owned = 0;
+    for (auto [lo, hi] : optimizer.owned_ranges()) owned += hi - lo;
+    EXPECT_EQ(optimizer.state_bytes(), 2 * owned * 4 + optimizer.master_numel() * 4);
+    EXPECT_LE(optimizer.master_numel(), owned);
+    EXPECT_LT(optimizer.state_bytes(), 3 * n * 4 / world.size() + 3 * 4 * kSmallBucket);
+    // A parameter whose fp32 weights went to the optimizer is refused by name.
+    try {
+      (void)store.param(store.find("layer.0.w"));
+      ADD_FAILURE() << "released fp32 weights read";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("'layer.0.w'"), std::string::npos) << e.what();
+    }
   }
   auto close = [](float got, float want) {
     return std::abs(got - want) <= 1e-6f * std::max(1.0f, std::abs(want));
@@ -74,9 +99,10 @@ TEST_P(Steps, FollowAdamWOnTheSummedGradients) {
     const float scale = clip_coefficient(want_norm, 50.0f);
     optimizer.step(1e-2f, scale);
     expected.step(1e-2f, scale);
+    const std::vector<float> weights = testing::master_weights(store, optimizer, world);
     for (int64_t i = 0; i < n; ++i) {
-      ASSERT_TRUE(close(store.params().f32()[i], reference.params().f32()[i]))
-          << "step " << step << " element " << i << ": " << store.params().f32()[i] << " vs "
+      ASSERT_TRUE(close(weights[i], reference.params().f32()[i]))
+          << "step " << step << " element " << i << ": " << weights[i] << " vs "
           << reference.params().f32()[i];
     }
   }
@@ -89,14 +115,20 @@ TEST_P(Steps, FollowAdamWOnTheSummedGradients) {
     for (int64_t i = piece.flat_begin; i < piece.flat_end; ++i)
       ASSERT_TRUE(close(piece.data[i - piece.flat_begin], want[i])) << piece.name << " element " << i;
   }
-  // Every rank ends with the same weights, bitwise, and a shadow that matches them.
-  std::vector<float> all(n * world.size());
-  world.all_gather(store.params().f32(), all.data(), n, comm::Type::f32).wait();
-  for (int r = 1; r < world.size(); ++r)
-    ASSERT_EQ(std::memcmp(all.data(), all.data() + r * n, n * sizeof(float)), 0)
-        << "rank " << r << " differs";
+  // Every rank ends with the same fp32 weights (whole, or the kept ones), bitwise, and the same shadow, which
+  // matches the masters.
+  const int64_t held = store.params().numel();
+  std::vector<float> all(held * world.size());
+  world.all_gather(store.params().f32(), all.data(), held, comm::Type::f32).wait();
+  std::vector<uint16_t> shadows(n * world.size());
+  world.all_gather(store.params_bf16().bf16(), shadows.data(), n, comm::Type::bf16).wait();
+  for (int r = 1; r < world.size(); ++r) {
+    ASSERT_EQ(std::memcmp(all.data(), all.data() + r * held, held * sizeof(float)), 0) << "rank " << r;
+    ASSERT_EQ(std::memcmp(shadows.data(), shadows.data() + r * n, n * sizeof(uint16_t)), 0) << "rank " << r;
+  }
+  const std::vector<float> weights = testing::master_weights(store, optimizer, world);
   for (int64_t i = 0; i < n; ++i)
-    ASSERT_EQ(store.params_bf16().bf16()[i], f32_to_bf16_bits(store.params().f32()[i])) << "element " << i;
+    ASSERT_EQ(store.params_bf16().bf16()[i], f32_to_bf16_bits(weights[i])) << "element " << i;
   EXPECT_EQ(optimizer.steps_taken(), 4);
 }
 
@@ -141,15 +173,18 @@ INSTANTIATE_TEST_SUITE_P(ZeroOrNot, Norm, ::testing::Bool(),
                          [](const auto& info) { return info.param ? "sharded" : "unsharded"; });
 
 // Across the dp ranks the saved pieces hold each primary element once (per tensor: weight, exp_avg,
-// exp_avg_sq); the load pieces give every rank its whole weights.
+// exp_avg_sq); the load pieces give every rank its whole weights, or with sharded masters (a bf16 shadow)
+// each element's master to its owner alone.
 TEST(DistributedAdamWMpi, CheckpointPiecesSaveEachElementOnce) {
   comm::Communicator& world = comm::world();
-  ParameterStore store;
-  testing::build_toy_store(store, false);
-  const int64_t n = store.numel();
-  for (bool shard : {false, true}) {
+  for (auto [shard, shadow] : {std::pair{false, false}, {true, false}, {false, true}, {true, true}}) {
+    ParameterStore store;
+    build_toy_store_with_kept(store, shadow);
+    const int64_t n = store.numel();
     GradBuckets buckets(&store, &world, {kSmallBucket, shard, true});
     DistributedAdamW optimizer(&store, AdamWConfig{}, &world, nullptr, &buckets);
+    const bool masters = shard && shadow;
+    ASSERT_EQ(optimizer.holds_masters(), masters);
     // Counts per kind (weight, exp_avg, exp_avg_sq) and flat element of the store.
     auto count = [&](const std::vector<ShardPiece>& pieces) {
       std::vector<float> counts(3 * n, 0.0f);
@@ -175,7 +210,8 @@ TEST(DistributedAdamWMpi, CheckpointPiecesSaveEachElementOnce) {
       for (int64_t i = info.offset; i < info.offset + shape_numel(info.shape); ++i) {
         for (int kind = 0; kind < 3; ++kind)
           ASSERT_EQ(saved[kind * n + i], info.shard.primary ? 1.0f : 0.0f) << info.name << " kind " << kind;
-        ASSERT_EQ(load[i], 1.0f) << info.name;  // this rank's whole weights
+        if (!masters) ASSERT_EQ(load[i], 1.0f) << info.name;   // this rank's whole weights
+        if (masters) ASSERT_EQ(loaded[i], 1.0f) << info.name;  // each master on its owner
         for (int kind = 1; kind < 3; ++kind)
           ASSERT_EQ(loaded[kind * n + i], shard ? 1.0f : static_cast<float>(world.size())) << info.name;
       }
@@ -183,10 +219,10 @@ TEST(DistributedAdamWMpi, CheckpointPiecesSaveEachElementOnce) {
   }
 }
 
-// Parameter groups (dense and experts), each with its own gradient buckets and ZeRO-1 shards: the optimizer over
-// both groups follows the one over a store holding the same parameters as one group, bitwise (the update is
-// elementwise; the norm's sum is split per group, so it agrees to rounding), and its checkpoint pieces still
-// save each element once.
+// Parameter groups (dense and experts), each with its own gradient buckets and ZeRO-1 shards: the optimizer
+// over both groups follows the one over a store holding the same parameters as one group, bitwise (the update
+// is elementwise; the norm's sum is split per group, so it agrees to rounding), and its checkpoint pieces
+// still save each element once.
 TEST(DistributedAdamWMpi, ParameterGroupsShardAndUpdateLikeOneGroup) {
   comm::Communicator& world = comm::world();
   auto build = [](ParameterStore& store, bool two_groups) {
@@ -221,15 +257,18 @@ TEST(DistributedAdamWMpi, ParameterGroupsShardAndUpdateLikeOneGroup) {
     const double norm_two = two.grad_norm(), norm_one = one.grad_norm();
     EXPECT_NEAR(norm_two, norm_one, 1e-12 * norm_one) << "step " << step;
     two.step(1e-2f, 1.0f), one.step(1e-2f, 1.0f);
-    ASSERT_EQ(std::memcmp(grouped.params().f32(), single.params().f32(), n * sizeof(float)), 0) << "step " << step;
-    ASSERT_EQ(std::memcmp(grouped.params_bf16().bf16(), single.params_bf16().bf16(), n * sizeof(uint16_t)), 0);
+    ASSERT_EQ(testing::master_weights(grouped, two, world), testing::master_weights(single, one, world))
+        << "step " << step;
+    ASSERT_EQ(std::memcmp(grouped.params_bf16().bf16(), single.params_bf16().bf16(), n * sizeof(uint16_t)),
+              0);
   }
   // Each element of each moment is saved by exactly one rank.
   std::vector<double> counts(2 * n, 0.0);
   for (const auto& piece : two.checkpoint_pieces(false)) {
     const bool first = piece.name.rfind("exp_avg.", 0) == 0;
     const auto& info = grouped.info(grouped.find(piece.name.substr(first ? 8 : 11)));
-    for (int64_t i = piece.flat_begin; i < piece.flat_end; ++i) counts[(first ? 0 : n) + info.offset + i] += 1;
+    for (int64_t i = piece.flat_begin; i < piece.flat_end; ++i)
+      counts[(first ? 0 : n) + info.offset + i] += 1;
   }
   comm::all_reduce_sum(world, counts.data(), static_cast<int64_t>(counts.size()));
   for (int64_t i = 0; i < 2 * n; ++i) ASSERT_EQ(counts[i], 1.0) << "moment element " << i;

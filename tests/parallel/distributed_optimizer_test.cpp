@@ -23,8 +23,8 @@ enum class Mode { no_buckets, unsharded, sharded };
 
 class OneRank : public ::testing::TestWithParam<Mode> {};
 
-// With one dp rank, the distributed optimizer is forge::optim::AdamW bitwise: weights, moments, bf16 shadow and
-// gradient norm, whether it updates through buckets, unsharded or sharded.
+// With one dp rank, the distributed optimizer is forge::optim::AdamW bitwise: weights, moments, bf16 shadow
+// and gradient norm, whether it updates through buckets, unsharded or sharded.
 TEST_P(OneRank, MatchesAdamWBitwise) {
   const Mode mode = GetParam();
   ParameterStore store, reference;
@@ -54,13 +54,19 @@ TEST_P(OneRank, MatchesAdamWBitwise) {
     const float scale = clip_coefficient(norm, 20.0f);
     optimizer.step(1e-2f, scale);
     expected.step(1e-2f, scale);
-    ASSERT_EQ(std::memcmp(store.params().f32(), reference.params().f32(), n * 4), 0) << "step " << step;
+    ASSERT_EQ(
+        std::memcmp(testing::master_weights(store, optimizer, *self).data(), reference.params().f32(), n * 4),
+        0)
+        << "step " << step;
     ASSERT_EQ(std::memcmp(store.params_bf16().bf16(), reference.params_bf16().bf16(), n * 2), 0);
     ASSERT_EQ(std::memcmp(optimizer.exp_avg().f32(), expected.exp_avg().f32(), n * 4), 0);
     ASSERT_EQ(std::memcmp(optimizer.exp_avg_sq().f32(), expected.exp_avg_sq().f32(), n * 4), 0);
   }
   EXPECT_EQ(optimizer.steps_taken(), 5);
-  EXPECT_EQ(optimizer.state_bytes(), 2 * n * 4);
+  // Sharded with the bf16 shadow the optimizer holds the fp32 masters (the store none: nothing is kept).
+  EXPECT_EQ(optimizer.holds_masters(), mode == Mode::sharded);
+  EXPECT_EQ(optimizer.state_bytes(), (mode == Mode::sharded ? 3 : 2) * n * 4);
+  EXPECT_EQ(store.params().numel(), mode == Mode::sharded ? 0 : n);
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, OneRank, ::testing::Values(Mode::no_buckets, Mode::unsharded, Mode::sharded));

@@ -5,12 +5,14 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
 #include "forge/comm/comm.h"
 #include "forge/core/error.h"
 #include "forge/core/parameters.h"
+#include "forge/parallel/distributed_optimizer.h"
 
 namespace forge::testing {
 
@@ -56,6 +58,30 @@ std::vector<float> summed_toy_grads(int ranks, int step, int64_t n, RankOf rank_
   for (int r = 0; r < ranks; ++r)
     for (int64_t i = 0; i < n; ++i) sum[i] += toy_grad(rank_of(r), step, i);
   return sum;
+}
+
+// The fp32 weights the optimizer steps, whole on every rank: the store's (unsharded masters), or with
+// sharded masters each element from its owner (summed over dp: the others add zeros) and the kept
+// parameters from the store.
+inline std::vector<float> master_weights(const ParameterStore& store,
+                                         const parallel::DistributedAdamW& optimizer,
+                                         comm::Communicator& dp) {
+  const int64_t n = store.numel();
+  std::vector<float> w(n, 0.0f);
+  if (!optimizer.holds_masters()) {
+    std::memcpy(w.data(), store.params().f32(), n * sizeof(float));
+    return w;
+  }
+  for (auto [begin, end] : optimizer.owned_ranges())
+    optim::for_each_param_in_range(store, begin, end, [&](const ParamInfo& info, int64_t lo, int64_t hi) {
+      if (!info.keep_fp32)
+        for (int64_t i = lo; i < hi; ++i) w[i] = *optimizer.master(info, i);
+    });
+  comm::all_reduce_sum(dp, w.data(), n);
+  for (int id = 0; id < store.count(); ++id)
+    if (store.info(id).keep_fp32)
+      std::memcpy(w.data() + store.info(id).offset, store.param(id).f32(), store.param(id).bytes());
+  return w;
 }
 
 // A communicator with a rank and a size and no transport: enough to lay out buckets and owned ranges.

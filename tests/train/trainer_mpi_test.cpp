@@ -25,6 +25,7 @@
 #include "forge/models/llama/llama_model.h"
 #include "forge/models/pretrained.h"
 #include "forge/train/device_emulation.h"
+#include "forge/parallel/distributed_optimizer.h"
 #include "forge/train/train_state.h"
 #include "forge/train/trainer.h"
 #include "train/toy_run.h"
@@ -532,16 +533,33 @@ TEST_F(TrainerRuns, ContextParallelHoldsASequenceOneRankCannot) {
 
 // TrainState under tp x dp with ZeRO-1 (4 ranks): a snapshot at step 5, a restore at step 12 and the same
 // steps again give bitwise the losses and each rank's weights of an uninterrupted run, and so does the same
-// state through a disk checkpoint (stopped at step 10, resumed under the same layout).
-TEST_F(TrainerRuns, TrainStateSnapshotAndCheckpointAreBitwiseUnderTpDpZero1) {
+// state through a disk checkpoint (stopped at step 10, resumed under the same layout). In fp32, and in bf16,
+// where the distributed optimizer holds the sharded fp32 masters and the store the bf16 weights.
+class TrainerZero1State : public TrainerRuns, public testing::WithParamInterface<const char*> {};
+
+TEST_P(TrainerZero1State, SnapshotAndCheckpointAreBitwiseUnderTpDp) {
   comm::Communicator& world = comm::world();
   if (world.size() != 4) GTEST_SKIP() << "needs 4 ranks";
-  TrainConfig c = config("straight");
+  TrainConfig c = config(std::string("straight-") + GetParam());
+  c.train.dtype = GetParam();
   c.parallel.tp = 2, c.parallel.dp = 2;
   c.parallel.sequence_parallel = true, c.parallel.distributed_optimizer = true;
-  auto weights = [](const TrainState& s) {
-    const Tensor host = s.params->params().to(Device::cpu);
-    return std::vector<float>(host.f32(), host.f32() + host.numel());
+  const bool masters = std::string(GetParam()) == "bf16";
+  // The rank's fp32 weights, its masters and its bf16 weights, as floats.
+  auto weights = [masters](const TrainState& s) {
+    EXPECT_EQ(s.optimizer->holds_masters(), masters);
+    EXPECT_EQ(s.params->fp32_released(), masters);
+    std::vector<float> all;
+    for (const Tensor* t : {&s.params->params(), &s.optimizer->masters()}) {
+      if (!t->defined()) continue;
+      const Tensor host = t->to(Device::cpu);
+      all.insert(all.end(), host.f32(), host.f32() + host.numel());
+    }
+    if (masters) {
+      const Tensor host = s.params->params_bf16().to(Device::cpu);
+      for (int64_t i = 0; i < host.numel(); ++i) all.push_back(bf16_bits_to_f32(host.bf16()[i]));
+    }
+    return all;
   };
   std::vector<float> straight_final;
   Trainer straight(c, &world);
@@ -551,7 +569,7 @@ TEST_F(TrainerRuns, TrainStateSnapshotAndCheckpointAreBitwiseUnderTpDpZero1) {
   const TrainResult want = straight.run();
   ASSERT_EQ(want.losses.size(), 20u);
 
-  c.log.run_dir = (dir_ / "rolled_back").string();
+  c.log.run_dir = (dir_ / (std::string("rolled_back-") + GetParam())).string();
   TrainState::Snapshot at5;
   bool restored = false;
   std::vector<float> rolled_final;
@@ -567,7 +585,7 @@ TEST_F(TrainerRuns, TrainStateSnapshotAndCheckpointAreBitwiseUnderTpDpZero1) {
   for (int i = 5; i < 12; ++i) EXPECT_EQ(got.losses[i], got.losses[i + 7]) << "step " << i + 1 << " again";
   EXPECT_EQ(rolled_final, straight_final);
 
-  c.log.run_dir = (dir_ / "resumed").string();
+  c.log.run_dir = (dir_ / (std::string("resumed-") + GetParam())).string();
   Trainer first(c, &world);
   first.on_step([](int64_t step) {
     if (step == 10) Trainer::stop_flag().store(true);
@@ -585,6 +603,54 @@ TEST_F(TrainerRuns, TrainStateSnapshotAndCheckpointAreBitwiseUnderTpDpZero1) {
   losses.insert(losses.end(), b.losses.begin(), b.losses.end());
   EXPECT_EQ(losses, want.losses);
   EXPECT_EQ(resumed_final, straight_final);
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, TrainerZero1State, testing::Values("fp32", "bf16"));
+
+// bf16 with the distributed optimizer's sharded masters over all ranks, stopped at step 6 and resumed with
+// tensor parallelism over all ranks (whole masters), and the other way round: each continues the one-rank
+// bf16 run within the bf16 layouts' bound (the checkpoint holds the fp32 masters, whatever holds them).
+TEST_F(TrainerRuns, Bf16ShardedMastersResumeUnderAnotherLayout) {
+  comm::Communicator& world = comm::world();
+  const int n = world.size();
+  auto make = [&](const std::string& run, const char* dtype) {
+    TrainConfig c = config(run);
+    c.train.dtype = dtype;
+    c.train.steps = 12;
+    c.train.grad_accum = 2 * n;
+    return c;
+  };
+  auto self = comm::make_self();
+  const std::string me = std::to_string(world.rank());
+  const TrainResult exact = Trainer(make("masters-fp32-" + me, "fp32"), self.get()).run();
+  const TrainResult want = Trainer(make("masters-bf16-" + me, "bf16"), self.get()).run();
+  const std::function<void(TrainConfig&)> sharded = [n](TrainConfig& c) {
+    c.train.grad_accum = 2, c.parallel.dp = n, c.parallel.distributed_optimizer = true;
+  };
+  const std::function<void(TrainConfig&)> tensor = [n](TrainConfig& c) {
+    c.parallel.tp = n, c.parallel.sequence_parallel = true;
+  };
+  for (int order = 0; order < 2; ++order) {
+    const std::string run = order == 0 ? "masters-dp-tp" : "masters-tp-dp";
+    TrainConfig first = make(run, "bf16");
+    (order == 0 ? sharded : tensor)(first);
+    Trainer a(first, &world);
+    a.on_step([](int64_t step) {
+      if (step == 6) Trainer::stop_flag().store(true);
+    });
+    TrainResult got = a.run();
+    ASSERT_TRUE(got.interrupted);
+    TrainConfig second = make(run, "bf16");
+    (order == 0 ? tensor : sharded)(second);
+    second.checkpoint.resume = "auto";
+    const TrainResult b = Trainer(second, &world).run();
+    ASSERT_EQ(b.steps_done, 12);
+    got.losses.insert(got.losses.end(), b.losses.begin(), b.losses.end());
+    got.grad_norms.insert(got.grad_norms.end(), b.grad_norms.begin(), b.grad_norms.end());
+    got.heldout_loss = b.heldout_loss;
+    SCOPED_TRACE(run);
+    toy::expect_follows_bf16_run(got, want, exact);
+  }
 }
 
 // A NaN in one rank's gradients stops every rank at the same step, naming that rank; no rank applies the

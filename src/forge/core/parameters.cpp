@@ -167,6 +167,7 @@ std::vector<ShardRun> shard_runs(const Shape& local_shape, const Shape& global_s
 
 void ParameterStore::initialize(uint64_t seed) {
   FORGE_CHECK(allocated(), "initialize before allocate");
+  FORGE_CHECK(!released_, "initialize after the fp32 weights moved into the distributed optimizer");
   // Computed on the host (the values are a function of names and indices), then copied to the device.
   Tensor host = device_ == Device::cpu ? params_ : Tensor::empty({total_}, DType::f32);
   for (const auto& p : infos_) {
@@ -195,6 +196,20 @@ void ParameterStore::initialize(uint64_t seed) {
 void ParameterStore::refresh_bf16() {
   mark_updated();
   if (!has_bf16()) return;
+  if (released_) {
+    // The optimizer writes the shadow of the weights it holds; the kept ones convert from here (on a
+    // device through host copies, as below).
+    const Tensor host = device_ == Device::cpu ? params_ : params_.to(Device::cpu);
+    for (size_t id = 0; id < infos_.size(); ++id) {
+      if (fp32_offsets_[id] < 0) continue;
+      const int64_t n = shape_numel(infos_[id].shape);
+      Tensor shadow = params_bf16_.view(infos_[id].offset, {n});
+      Tensor out = device_ == Device::cpu ? shadow : Tensor::empty({n}, DType::bf16);
+      convert_f32_to_bf16(host.f32() + fp32_offsets_[id], out.bf16(), static_cast<size_t>(n));
+      if (device_ != Device::cpu) shadow.copy_from(out);
+    }
+    return;
+  }
   // The core's exact conversion (round to nearest even, NaN kept), which both backends' kernels implement
   // bitwise; a device's store converts a host copy (this runs at initialisation and loads, not per step:
   // the optimizers write the shadow in their own pass).
@@ -226,6 +241,44 @@ Tensor ParameterStore::span(const Tensor& flat, int first, int count, int64_t co
     rows += p.shape[0];
   }
   return flat.view(infos_[first].offset, {rows, cols});
+}
+
+Tensor ParameterStore::fp32_span(int first, int count, int64_t cols) const {
+  const Tensor whole = span(params_bf16_.defined() ? params_bf16_ : params_, first, count, cols);
+  for (int i = first; i < first + count; ++i)
+    FORGE_CHECK(fp32_offset(i) == fp32_offset(first) + (infos_[i].offset - infos_[first].offset),
+                "'{}' is not adjacent to '{}' in the fp32 weights", infos_[i].name, infos_[first].name);
+  return params_.view(fp32_offset(first), whole.shape());
+}
+
+int64_t ParameterStore::fp32_offset(int id) const {
+  const ParamInfo& p = infos_.at(id);
+  if (!released_) return p.offset;
+  FORGE_CHECK(
+      fp32_offsets_[id] >= 0,
+      "the fp32 weights of '{}' are the distributed optimizer's (sharded over dp); the model reads its "
+      "bf16 weights (a module that reads fp32 weights marks them with keep_fp32)",
+      p.name);
+  return fp32_offsets_[id];
+}
+
+void ParameterStore::release_fp32() {
+  FORGE_CHECK(allocated() && has_bf16(), "release_fp32 needs an allocated store with its bf16 shadow");
+  if (released_) return;
+  // Kept and frozen parameters (no optimizer holds those) move to a compact buffer, in offset order:
+  // parameters adjacent in the store stay adjacent there (one matrix for fused GEMMs).
+  fp32_offsets_.assign(infos_.size(), -1);
+  int64_t kept = 0;
+  for (int id : by_offset_)
+    if (infos_[id].keep_fp32 || !infos_[id].trainable)
+      fp32_offsets_[id] = kept, kept += shape_numel(infos_[id].shape);
+  Tensor compact = Tensor::empty({kept}, DType::f32, device_);
+  for (int id : by_offset_)
+    if (fp32_offsets_[id] >= 0)
+      compact.view(fp32_offsets_[id], {shape_numel(infos_[id].shape)})
+          .copy_from(params_.view(infos_[id].offset, {shape_numel(infos_[id].shape)}));
+  params_ = compact;
+  released_ = true;
 }
 
 }  // namespace forge

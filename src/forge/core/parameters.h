@@ -1,8 +1,11 @@
 // ParameterStore: every parameter of a model lives in one fp32 allocation (master weights), its gradient
 // in a second, and its bf16 shadow (the GEMM operand under bf16 compute) in a third; parameters are typed
-// views. Parameters registered one after another are adjacent, which lets q/k/v and gate/up run as one
-// fused GEMM over a single weight view. One allocation per state class makes the optimizer one pass and
-// checkpoints and memory accounting simple.
+// views. Under Megatron's distributed optimizer with bf16 GEMMs the fp32 masters are the optimizer's,
+// sharded over dp (release_fp32): the store then keeps fp32 only for the parameters modules read in fp32
+// (norms, biases, the embedding, the router, FP8 weight casts: keep_fp32), and the bf16 shadow is the
+// model's working copy of everything else. Parameters registered one after another are adjacent, which lets
+// q/k/v and gate/up run as one fused GEMM over a single weight view. One allocation per state class makes the
+// optimizer one pass and checkpoints and memory accounting simple.
 #pragma once
 
 #include <cstdint>
@@ -47,6 +50,9 @@ struct ParamInfo {
   std::string group = "dense";
   // False for a frozen parameter (ParameterStore::freeze): no gradient, no optimizer state, not trained.
   bool trainable = true;
+  // A module reads its fp32 weights (ParameterStore::keep_fp32): they stay whole when the fp32 master
+  // weights move into the distributed optimizer's shards (ParameterStore::release_fp32).
+  bool keep_fp32 = false;
   const Shape& global_shape() const { return shard.global_shape.empty() ? shape : shard.global_shape; }
 };
 
@@ -130,11 +136,26 @@ class ParameterStore {
   const std::vector<int>& ids_by_offset() const { return by_offset_; }
   int find(const std::string& name) const;  // -1 when absent
 
-  Tensor param(int id) const { return params_.view(infos_[id].offset, infos_[id].shape); }
+  // The fp32 weights of a parameter (refused, naming it, when released to the distributed optimizer).
+  Tensor param(int id) const { return params_.view(fp32_offset(id), infos_.at(id).shape); }
   Tensor grad(int id) const;
   // A view spanning `count` adjacent parameters from `first` as one [rows, cols] matrix (each parameter
-  // [rows_i, ...] with cols elements per row).
+  // [rows_i, ...] with cols elements per row) of a buffer laid out like the store (the bf16 shadow, the
+  // gradients; the fp32 weights before release_fp32()).
   Tensor span(const Tensor& flat, int first, int count, int64_t cols) const;
+  // The same span of the fp32 weights, before or after release_fp32().
+  Tensor fp32_span(int first, int count, int64_t cols) const;
+
+  // ---- fp32 weights under the distributed optimizer. keep_fp32 (any time before release) marks a parameter
+  // whose fp32 values a module reads. release_fp32() (the distributed optimizer, once it holds the masters of
+  // its shards) frees the fp32 weights of every trainable parameter not kept: params() becomes the kept
+  // (and frozen) parameters alone, in offset order, each at fp32_offset(id). Needs the bf16 shadow.
+  void keep_fp32(int id) { infos_.at(id).keep_fp32 = true; }
+  bool keeps_fp32(int id) const { return !released_ || fp32_offsets_.at(id) >= 0; }
+  void release_fp32();
+  bool fp32_released() const { return released_; }
+  // Where parameter `id`'s fp32 weights start in params(); fails when released.
+  int64_t fp32_offset(int id) const;
 
   // The flat range [begin, end) of a group's parameters (empty when it has none).
   std::pair<int64_t, int64_t> group_range(const std::string& group) const;
@@ -159,6 +180,7 @@ class ParameterStore {
   int add_grad_listener(std::function<void(int id)> fn);
   void remove_grad_listener(int handle);
 
+  // The fp32 weights: whole, or the kept parameters only once fp32_released().
   const Tensor& params() const { return params_; }
   const Tensor& grads() const { return grads_; }  // [trained_numel()]
   const Tensor& params_bf16() const { return params_bf16_; }
@@ -170,6 +192,8 @@ class ParameterStore {
   std::unordered_map<std::string, int> by_name_;
   int64_t total_ = 0, trained_ = 0;
   uint64_t version_ = 0;
+  bool released_ = false;
+  std::vector<int64_t> fp32_offsets_;  // after release_fp32(): into params_, -1 where released
   void announce_final(int id);
 
   Device device_ = Device::cpu;

@@ -13,13 +13,15 @@ Bias::Bias(ParameterStore* store, std::vector<int> params)
                 "bias '{}' is not a 1-D parameter registered right after '{}'", p.name,
                 store->info(first_).name);
     size_ += p.shape[0];
+    store->keep_fp32(first_ + i);  // added in fp32 (kept ones stay adjacent: one run of fp32_offset)
   }
 }
 
 void Bias::forward(Tensor& y) const {
   FORGE_CHECK(y.numel() % size_ == 0, "bias of {} does not divide a tensor of {} elements", size_, y.numel());
   ops::BiasParams p;
-  p.rows = y.numel() / size_, p.n = size_, p.y = y.elements(), p.bias = values(store_->params()).f32();
+  p.rows = y.numel() / size_, p.n = size_, p.y = y.elements(),
+  p.bias = store_->params().f32() + store_->fp32_offset(first_);
   ops::bias_add(p, store_->device());
 }
 

@@ -13,7 +13,9 @@ Embedding::Embedding(ParameterStore* store, int weight_param, TensorParallel* tp
       dim_(store->info(weight_param).shape.at(1)),
       tp_(tp && tp->size() > 1 ? tp : nullptr),
       first_(store->info(weight_param).shard.dim == 0 ? store->info(weight_param).shard.start : 0),
-      scale_(scale) {}
+      scale_(scale) {
+  store->keep_fp32(weight_param);  // the lookup reads fp32 rows
+}
 
 Tensor Embedding::forward(const int32_t* ids, int64_t rows, DType dtype) const {
   // Vocabulary-parallel: each rank looks up the ids of its range (zero rows for the others'), and the partial

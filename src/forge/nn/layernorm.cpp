@@ -10,6 +10,8 @@ LayerNorm::LayerNorm(ParameterStore* store, int weight_param, int bias_param, fl
       bias_(bias_param),
       dim_(store->info(weight_param).shape.at(0)),
       eps_(eps) {
+  store->keep_fp32(weight_param);  // the kernels read the fp32 weights
+  if (bias_param >= 0) store->keep_fp32(bias_param);
   FORGE_CHECK(bias_ < 0 || store->info(bias_).shape == store->info(weight_).shape,
               "LayerNorm '{}': bias shape differs from the weight's", store->info(weight_).name);
 }

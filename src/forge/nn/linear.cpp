@@ -40,6 +40,8 @@ Linear::Linear(ParameterStore* store, std::vector<int> params, int64_t in_featur
     FORGE_CHECK(params[static_cast<size_t>(i)] == first_ + i,
                 "Linear over '{}': its weights are not registered in a row", store_->info(first_).name);
     out_ += store_->info(first_ + i).shape.at(0);
+    // An fp32 GEMM or an FP8 weight cast reads the fp32 weights.
+    if (gemm_dtype_ != DType::bf16 || fp8_) store_->keep_fp32(first_ + i);
   }
   if (!fp8_) return;
   slot_ = fp8_->add_linear(name.empty() ? store_->info(first_).name : std::move(name), device_,
@@ -60,7 +62,7 @@ Tensor Linear::weight(DType dtype) const {
     FORGE_CHECK(store_->has_bf16(), "bf16 GEMM requested but the model keeps no bf16 weights");
     return store_->span(store_->params_bf16(), first_, count_, in_);
   }
-  return store_->span(store_->params(), first_, count_, in_);
+  return store_->fp32_span(first_, count_, in_);
 }
 
 const Fp8Weight& Linear::fp8_weight() const {
@@ -71,7 +73,7 @@ const Fp8Weight& Linear::fp8_weight() const {
   if (w.version == store_->version() &&
       (!delayed || w.scale == fp8_->delayed_scale(slot_, TensorRole::weight)))
     return w;
-  const Tensor master = store_->span(store_->params(), first_, count_, in_);
+  const Tensor master = store_->fp32_span(first_, count_, in_);
   const DType dtype = fp8_->dtype(TensorRole::weight);
   ops::Fp8CastParams cast;
   cast.rows = out_, cast.cols = in_, cast.x = master.f32(), cast.fp8 = dtype;

@@ -20,6 +20,7 @@ LossHead::LossHead(ParameterStore* store, int weight, int64_t vocab, int64_t voc
       softcap_(softcap) {
   const Shape& shape = store->info(weight).shape;
   local_vocab_ = shape.at(0), dim_ = shape.at(1);
+  if (options_.gemm_dtype != DType::bf16) store->keep_fp32(weight);  // an fp32 GEMM
 }
 
 namespace {

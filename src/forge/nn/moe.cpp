@@ -35,6 +35,9 @@ Moe::Moe(ParameterStore* store, MoeParams params, MoeShape shape, ComputeOptions
               shape.expert_ffn, shape.hidden);
   if (shape.experts % options.ep_size() != 0)
     fail("{} routed experts do not split over parallel.ep = {} ranks", shape.experts, options.ep_size());
+  // The router's GEMM and the correction bias (moved outside the optimizer) are fp32.
+  store->keep_fp32(params.router);
+  if (params.bias >= 0) store->keep_fp32(params.bias);
   const int64_t local = local_experts();
   if (options.fp8) {  // registered with the FP8 context in a fixed order: every gate|up, then every down
     fp8_gate_up_.reserve(static_cast<size_t>(local));
@@ -57,7 +60,7 @@ Tensor Moe::weights(DType dtype, int first, int count, int64_t cols) const {
     FORGE_CHECK(store_->has_bf16(), "bf16 GEMM requested but the model keeps no bf16 weights");
     return store_->span(store_->params_bf16(), first, count, cols);
   }
-  return store_->span(store_->params(), first, count, cols);
+  return store_->fp32_span(first, count, cols);
 }
 
 // C [rows, n] = A_g [rows_g, k] @ op(W_g) per local expert, W_g the g-th of `count / experts`-parameter

@@ -9,7 +9,9 @@ RmsNorm::RmsNorm(ParameterStore* store, int weight_param, float eps, float weigh
       weight_(weight_param),
       dim_(store->info(weight_param).shape.at(0)),
       eps_(eps),
-      offset_(weight_offset) {}
+      offset_(weight_offset) {
+  store->keep_fp32(weight_param);  // the kernels read the fp32 weights
+}
 
 Tensor RmsNorm::forward(const Tensor& x, Saved& saved, DType dtype) const {
   int64_t rows = x.numel() / dim_;

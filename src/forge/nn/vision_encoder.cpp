@@ -44,6 +44,8 @@ VisionEncoder::VisionEncoder(ParameterStore* store, VisionEncoderParams params, 
   if (p.patch_bias >= 0) patch_bias_ = Bias(store, {p.patch_bias});
   FORGE_CHECK((p.class_embedding >= 0) == shape_.class_token,
               "vision encoder: class token parameter mismatch");
+  if (p.class_embedding >= 0) store->keep_fp32(p.class_embedding);  // both added in fp32
+  store->keep_fp32(p.position);
   if (shape_.pre_norm) pre_norm_ = LayerNorm(store, p.pre_norm_weight, p.pre_norm_bias, shape_.eps);
   for (const VisionLayerParams& l : p.layers) {
     Layer layer;

@@ -30,20 +30,31 @@ AdamW::AdamW(ParameterStore* store, AdamWConfig config)
 void adamw_update_range(ParameterStore& store, int64_t begin, int64_t end, float* exp_avg, float* exp_avg_sq,
                         const AdamWConfig& config, float lr, float grad_scale, int64_t step,
                         bool write_bf16) {
+  FORGE_CHECK(!store.fp32_released(),
+              "AdamW over a store whose fp32 weights the distributed optimizer holds");
+  float* params = store.params().f32();
+  adamw_update_range(
+      store, begin, end, [params](const ParamInfo&, int64_t flat) { return params + flat; }, exp_avg,
+      exp_avg_sq, config, lr, grad_scale, step, write_bf16);
+}
+
+void adamw_update_range(ParameterStore& store, int64_t begin, int64_t end, const MasterWeights& masters,
+                        float* exp_avg, float* exp_avg_sq, const AdamWConfig& config, float lr,
+                        float grad_scale, int64_t step, bool write_bf16) {
   FORGE_CHECK(0 <= begin && begin <= end && end <= store.trained_numel(),
               "AdamW range [{}, {}) outside the {} trained parameters", begin, end, store.trained_numel());
-  float* params = store.params().f32();
   const float* grads = store.grads().f32();
   uint16_t* shadow = write_bf16 && store.has_bf16() ? store.params_bf16().bf16() : nullptr;
   // One fused pass per run of adjacent parameters that share their weight decay (the store is one flat
   // buffer): a handful of launches per layer instead of one per tensor.
   int64_t run_lo = 0, run_hi = 0;
+  float* run_params = nullptr;  // the master of element run_lo
   bool run_decay = false;
   auto flush = [&] {
     if (run_hi <= run_lo) return;
     ops::AdamWParams p;
     p.n = run_hi - run_lo;
-    p.param = params + run_lo;
+    p.param = run_params;
     p.grad = grads + run_lo;
     p.exp_avg = exp_avg + (run_lo - begin);
     p.exp_avg_sq = exp_avg_sq + (run_lo - begin);
@@ -56,9 +67,10 @@ void adamw_update_range(ParameterStore& store, int64_t begin, int64_t end, float
     run_lo = run_hi = 0;
   };
   for_each_param_in_range(store, begin, end, [&](const ParamInfo& info, int64_t lo, int64_t hi) {
-    if (lo != run_hi || info.weight_decay != run_decay) {
+    float* master = masters(info, lo);
+    if (lo != run_hi || info.weight_decay != run_decay || master != run_params + (lo - run_lo)) {
       flush();
-      run_lo = lo, run_decay = info.weight_decay;
+      run_lo = lo, run_decay = info.weight_decay, run_params = master;
     }
     run_hi = hi;
   });

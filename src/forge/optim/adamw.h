@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 
 #include "forge/core/parameters.h"
 
@@ -44,9 +45,15 @@ void for_each_param_in_range(const ParameterStore& store, int64_t begin, int64_t
 // parameter so that each piece gets its own weight decay. exp_avg and exp_avg_sq point at the moments of
 // element `begin`. write_bf16: also write the bf16 shadow of the range, in the same pass (when the store
 // has one). Elementwise: updating a range in pieces gives bitwise the same result as in one call.
-void adamw_update_range(ParameterStore& store, int64_t begin, int64_t end, float* exp_avg,
-                        float* exp_avg_sq, const AdamWConfig& config, float lr, float grad_scale,
-                        int64_t step, bool write_bf16);
+void adamw_update_range(ParameterStore& store, int64_t begin, int64_t end, float* exp_avg, float* exp_avg_sq,
+                        const AdamWConfig& config, float lr, float grad_scale, int64_t step, bool write_bf16);
+// Where the fp32 master weight of element `flat` (of parameter `info`) lives.
+using MasterWeights = std::function<float*(const ParamInfo& info, int64_t flat)>;
+// The same with the master weights elsewhere than the store's fp32 buffer (the distributed optimizer's
+// shards): one fused pass per run of elements adjacent in both the store and `masters`.
+void adamw_update_range(ParameterStore& store, int64_t begin, int64_t end, const MasterWeights& masters,
+                        float* exp_avg, float* exp_avg_sq, const AdamWConfig& config, float lr,
+                        float grad_scale, int64_t step, bool write_bf16);
 
 class AdamW {
  public:

@@ -62,6 +62,62 @@ DistributedAdamW::DistributedAdamW(ParameterStore* store, optim::AdamWConfig con
   }
   if (shards > 0) gather_send_ = Tensor::zeros({shards}, DType::f32, store->device());
   if (padded > 0) gather_recv_ = Tensor::zeros({padded}, DType::f32, store->device());
+  bool all_sharded = true;
+  for (size_t g = 0; g < groups_.size(); ++g) all_sharded = all_sharded && group_sharded(g);
+  if (all_sharded && store->has_bf16()) hold_masters();
+}
+
+void DistributedAdamW::hold_masters() {
+  // The masters of the owned ranges' parameters the store does not keep, in offset order.
+  int64_t total = 0;
+  for (auto [begin, end] : owned_)
+    for_each_param_in_range(*store_, begin, end, [&](const ParamInfo& info, int64_t lo, int64_t hi) {
+      if (info.keep_fp32) return;
+      if (!master_runs_.empty() && master_runs_.back().end == lo)
+        master_runs_.back().end = hi;
+      else
+        master_runs_.push_back({lo, hi, total});
+      total += hi - lo;
+    });
+  masters_ = Tensor::empty({total}, DType::f32, store_->device());
+  for (const MasterRun& r : master_runs_)
+    masters_.view(r.offset, {r.end - r.begin}).copy_from(store_->params().view(r.begin, {r.end - r.begin}));
+  store_->release_fp32();
+}
+
+float* DistributedAdamW::master(const ParamInfo& info, int64_t flat, bool host) const {
+  if (!holds_masters() || info.keep_fp32 || !info.trainable) {
+    const int id = static_cast<int>(&info - store_->infos().data());
+    return (host ? host_params_ : store_->params()).f32() + store_->fp32_offset(id) + (flat - info.offset);
+  }
+  auto it = std::upper_bound(master_runs_.begin(), master_runs_.end(), flat,
+                             [](int64_t f, const MasterRun& r) { return f < r.begin; });
+  FORGE_CHECK(it != master_runs_.begin() && flat < std::prev(it)->end,
+              "the master weight of '{}' (element {}) lies outside this rank's shards", info.name, flat);
+  --it;
+  return (host ? host_masters_ : masters_).f32() + it->offset + (flat - it->begin);
+}
+
+void DistributedAdamW::copy_masters(int64_t begin, int64_t end, float* dst) const {
+  // Runs of elements adjacent in their master buffer go in one copy.
+  const float* run = nullptr;
+  int64_t run_lo = 0, run_hi = 0;
+  auto flush = [&] {
+    if (run_hi <= run_lo) return;
+    ops::StridedCopyParams c;
+    c.shape[2] = run_hi - run_lo;
+    c.src = ConstElements(run), c.dst = dst + (run_lo - begin);
+    ops::strided_copy(c, store_->device());
+  };
+  for_each_param_in_range(*store_, begin, end, [&](const ParamInfo& info, int64_t lo, int64_t hi) {
+    const float* src = master(info, lo);
+    if (lo != run_hi || src != run + (lo - run_lo)) {
+      flush();
+      run = src, run_lo = lo;
+    }
+    run_hi = hi;
+  });
+  flush();
 }
 
 double DistributedAdamW::grad_norm() const {
@@ -114,35 +170,46 @@ void DistributedAdamW::step(float lr, float grad_scale) {
   for (size_t r = 0; r < owned_.size(); ++r) {
     const int64_t m = moment_offsets_[r];
     // Sharded: the shadow is refreshed after the gather, over whole buckets.
-    adamw_update_range(*store_, owned_[r].first, owned_[r].second, exp_avg_.f32() + m, exp_avg_sq_.f32() + m,
-                       config_, lr, grad_scale, step_, /*write_bf16=*/!group_sharded(range_group_[r]));
+    adamw_update_range(
+        *store_, owned_[r].first, owned_[r].second,
+        [this](const ParamInfo& info, int64_t flat) { return master(info, flat); }, exp_avg_.f32() + m,
+        exp_avg_sq_.f32() + m, config_, lr, grad_scale, step_,
+        /*write_bf16=*/!group_sharded(range_group_[r]));
   }
-  int64_t send_offset = 0;
-  for (size_t g = 0; g < groups_.size(); ++g)
-    if (group_sharded(g)) gather_params(*groups_[g].buckets, send_offset);
+  gather_params();
   store_->mark_updated();
 }
 
 void DistributedAdamW::gather_params(const GradBuckets& group_buckets, int64_t& send_offset) {
   const auto& buckets = group_buckets.buckets();
-  const Tensor& params = store_->params();
+  // Sharded masters gather into the gradient buffer (spent by now; the same offsets as the weights), from
+  // which the bf16 weights and the kept fp32 weights are written; otherwise into the fp32 weights.
+  const bool masters = holds_masters();
+  const Tensor& whole = masters ? store_->grads() : store_->params();
   // The buckets' communicator: the same ranks as the group's dp (checked in the constructor), over the memory
   // the parameters live in (NCCL on GPUs, where dp carries only host scalars).
   comm::Communicator& group = *group_buckets.dp();
-  // One rank owns everything: its parameters are whole already.
+  // One rank owns everything: its parameters are whole already (its masters are copied to the buffer).
   const bool communicate = group.size() > 1;
   std::vector<comm::Request> requests(buckets.size());
   // Launch every bucket's all-gather, then finish them in order, converting each to bf16 while later ones
   // are still in flight.
-  for (size_t i = buckets.size(); communicate && i-- > 0;) {
+  for (size_t i = buckets.size(); i-- > 0;) {
     const GradBucket& b = buckets[i];
     auto [lo, hi] = group_buckets.owned_range(static_cast<int>(i));
+    if (!communicate) {
+      if (masters) copy_masters(lo, hi, whole.f32() + lo);
+      continue;
+    }
     // The send buffer must not alias the receive buffer (the bucket), so the own shard is staged (in the
     // device's stream order, which the communicator waits for).
     Tensor send = gather_send_.view(send_offset, {b.shard_size});
-    send.view(0, {hi - lo}).copy_from(params.view(lo, {hi - lo}));
+    if (masters)
+      copy_masters(lo, hi, send.f32());
+    else
+      send.view(0, {hi - lo}).copy_from(whole.view(lo, {hi - lo}));
     send.view(hi - lo, {b.shard_size - (hi - lo)}).fill_zero();
-    float* recv = b.padded_size() == b.size() ? params.f32() + b.begin : gather_recv_.f32();
+    float* recv = b.padded_size() == b.size() ? whole.f32() + b.begin : gather_recv_.f32();
     requests[i] = group.all_gather(send.f32(), recv, b.shard_size, comm::Type::f32);
     send_offset += b.shard_size;
   }
@@ -151,11 +218,19 @@ void DistributedAdamW::gather_params(const GradBuckets& group_buckets, int64_t& 
     if (communicate) {
       requests[i].wait();
       if (b.padded_size() != b.size())
-        params.view(b.begin, {b.size()}).copy_from(gather_recv_.view(0, {b.size()}));
+        whole.view(b.begin, {b.size()}).copy_from(gather_recv_.view(0, {b.size()}));
     }
     if (store_->has_bf16())
-      ops::convert_to_bf16(params.f32() + b.begin, store_->params_bf16().bf16() + b.begin, b.size(),
+      ops::convert_to_bf16(whole.f32() + b.begin, store_->params_bf16().bf16() + b.begin, b.size(),
                            store_->device());
+    if (!masters) continue;
+    for_each_param_in_range(*store_, b.begin, b.end, [&](const ParamInfo& info, int64_t lo, int64_t hi) {
+      if (!info.keep_fp32) return;
+      const int id = static_cast<int>(&info - store_->infos().data());
+      store_->params()
+          .view(store_->fp32_offset(id) + (lo - info.offset), {hi - lo})
+          .copy_from(whole.view(lo, {hi - lo}));
+    });
   }
 }
 
@@ -173,7 +248,7 @@ void DistributedAdamW::append_pieces(std::vector<ShardPiece>& pieces, int64_t be
     const bool staged = on_device();
     if (params) {
       piece.name = info.name;
-      piece.data = (staged ? host_params_ : store_->params()).f32() + lo;
+      piece.data = master(info, lo, staged);
       pieces.push_back(piece);
     }
     if (moments) {
@@ -212,38 +287,51 @@ std::vector<ShardPiece> DistributedAdamW::checkpoint_pieces_for_load(bool includ
   stage_on_host(/*download=*/false, include_params);
   std::vector<ShardPiece> pieces;
   // Every rank needs its whole local weights (ZeRO gathers them after each step, so they must start equal),
-  // replicated tensor-parallel copies included; the moments only where it updates.
-  if (include_params)
+  // replicated tensor-parallel copies included; the moments only where it updates. Sharded masters: the
+  // masters where it updates (finish_load gathers the rest) and the frozen parameters.
+  const bool masters = holds_masters();
+  if (include_params && !masters)
     append_pieces(pieces, 0, store_->numel(), -1, /*params=*/true, /*moments=*/false, /*primary_only=*/false);
+  if (include_params && masters && store_->trained_numel() < store_->numel())
+    append_pieces(pieces, store_->trained_numel(), store_->numel(), -1, /*params=*/true, /*moments=*/false,
+                  /*primary_only=*/false);
   for (size_t r = 0; r < owned_.size(); ++r)
-    append_pieces(pieces, owned_[r].first, owned_[r].second, static_cast<int>(r), /*params=*/false,
-                  /*moments=*/true, /*primary_only=*/false);
+    append_pieces(pieces, owned_[r].first, owned_[r].second, static_cast<int>(r),
+                  /*params=*/include_params && masters, /*moments=*/true, /*primary_only=*/false);
   return pieces;
 }
 
 void DistributedAdamW::stage_on_host(bool download, bool with_params) const {
   if (!on_device()) return;
-  host_params_ = Tensor();
+  host_params_ = host_masters_ = Tensor();
   if (download) {
     if (with_params) host_params_ = store_->params().to(Device::cpu);
+    if (with_params && holds_masters()) host_masters_ = masters_.to(Device::cpu);
     host_exp_avg_ = exp_avg_.to(Device::cpu), host_exp_avg_sq_ = exp_avg_sq_.to(Device::cpu);
   } else {
     if (with_params) host_params_ = Tensor::zeros(store_->params().shape(), DType::f32);
+    if (with_params && holds_masters()) host_masters_ = Tensor::zeros(masters_.shape(), DType::f32);
     host_exp_avg_ = Tensor::zeros(exp_avg_.shape(), DType::f32);
     host_exp_avg_sq_ = Tensor::zeros(exp_avg_sq_.shape(), DType::f32);
   }
 }
 
-void DistributedAdamW::finish_save() { host_params_ = host_exp_avg_ = host_exp_avg_sq_ = Tensor(); }
+void DistributedAdamW::finish_save() {
+  host_params_ = host_exp_avg_ = host_exp_avg_sq_ = host_masters_ = Tensor();
+}
 
 void DistributedAdamW::finish_load() {
-  if (!on_device() || !host_exp_avg_.defined()) return;
-  if (host_params_.defined()) {
-    Tensor params = store_->params();
-    params.copy_from(host_params_);
+  if (on_device() && host_exp_avg_.defined()) {
+    if (host_params_.defined()) {
+      Tensor params = store_->params();
+      params.copy_from(host_params_);
+    }
+    if (host_masters_.defined()) masters_.copy_from(host_masters_);
+    exp_avg_.copy_from(host_exp_avg_), exp_avg_sq_.copy_from(host_exp_avg_sq_);
+    finish_save();
   }
-  exp_avg_.copy_from(host_exp_avg_), exp_avg_sq_.copy_from(host_exp_avg_sq_);
-  finish_save();
+  // Each rank loaded the masters it holds: the gather makes the weights whole again everywhere.
+  if (holds_masters()) gather_params();
 }
 
 }  // namespace forge::parallel

@@ -6,6 +6,14 @@
 // holds the whole model again, and refreshes the bf16 shadow. Unsharded: every rank owns everything (the
 // gradients were all-reduced) and the update is exactly forge::optim::AdamW's.
 //
+// Sharded with a bf16 shadow (bf16 GEMMs), the fp32 master weights are sharded too: the optimizer holds the
+// masters of its owned ranges and the store frees its fp32 weights (ParameterStore::release_fp32) except
+// those modules read in fp32 (keep_fp32: norms, biases, the embedding, the router, FP8 weight casts), whose
+// store copy serves as their master. Per parameter a rank then holds 2 bytes of bf16 weights, 4 of fp32
+// gradient and 12/dp of master and moments, Megatron's 6 + 12/dp. The gather runs in fp32 through the
+// gradient buffer, spent once the update is done: every rank's bf16 weights and kept fp32 weights are
+// exactly the owners' (the numbers equal those of unsharded masters bit for bit).
+//
 // On a device (GPUs) the state lives in device memory: the all-gathers run over the gradient buckets'
 // communicator (NCCL), and only host scalars (the norm's sums) go over `dp` and `model_parallel` (MPI).
 //
@@ -19,8 +27,8 @@
 #include <vector>
 
 #include "forge/comm/comm.h"
-#include "forge/core/tensor.h"
 #include "forge/core/parameters.h"
+#include "forge/core/tensor.h"
 #include "forge/optim/adamw.h"
 #include "forge/parallel/grad_buckets.h"
 
@@ -63,16 +71,28 @@ class DistributedAdamW {
   const std::vector<std::pair<int64_t, int64_t>>& owned_ranges() const { return owned_; }
   const Tensor& exp_avg() const { return exp_avg_; }
   const Tensor& exp_avg_sq() const { return exp_avg_sq_; }
-  // Bytes of optimizer state on this rank (both moments).
-  int64_t state_bytes() const { return 2 * exp_avg_.numel() * static_cast<int64_t>(sizeof(float)); }
+  // Bytes of optimizer state on this rank (both moments, and the sharded master weights it holds).
+  int64_t state_bytes() const {
+    return (2 * exp_avg_.numel() + master_numel()) * static_cast<int64_t>(sizeof(float));
+  }
+  // The fp32 master weights this rank holds apart from the store (sharded with a bf16 shadow), in offset
+  // order of the owned ranges, kept parameters left out; undefined otherwise.
+  bool holds_masters() const { return masters_.defined(); }
+  const Tensor& masters() const { return masters_; }
+  int64_t master_numel() const { return holds_masters() ? masters_.numel() : 0; }
+  // The fp32 master weight of element `flat` (a store offset) of parameter `info` (one of the store's
+  // infos()): in the store's fp32 weights, or with sharded masters for a parameter not kept in masters()
+  // (refused outside the owned ranges); host: in the checkpoint staging copies of either.
+  float* master(const ParamInfo& info, int64_t flat, bool host = false) const;
 
   // Pieces to save: the moments ("exp_avg.<name>", "exp_avg_sq.<name>") and, with include_params, the
-  // weights, of primary tensor-parallel copies only, each element from exactly one dp rank (its owner
-  // when sharded, dp rank 0 otherwise).
+  // weights (fp32 masters), of primary tensor-parallel copies only, each element from exactly one dp rank
+  // (its owner when sharded, dp rank 0 otherwise).
   std::vector<ShardPiece> checkpoint_pieces(bool include_params) const;
   // Destinations to load: with include_params the whole local weights on every rank (replicated copies
-  // too), and the moments of every parameter in the owned ranges. Afterwards call finish_load(),
-  // store->refresh_bf16() and set_steps_taken().
+  // too; with sharded masters the owned ranges and frozen parameters only), and the moments of every
+  // parameter in the owned ranges. Afterwards call finish_load() (collective over dp with sharded masters: it
+  // gathers the weights), store->refresh_bf16() and set_steps_taken().
   std::vector<ShardPiece> checkpoint_pieces_for_load(bool include_params) const;
   // State on a device is saved and loaded through host copies: checkpoint_pieces() copies it there first and
   // finish_save() frees them once the checkpoint is written; finish_load() copies what a load wrote back to
@@ -86,6 +106,14 @@ class DistributedAdamW {
     return moment_offsets_[range] + index - owned_[range].first;
   }
   void gather_params(const GradBuckets& buckets, int64_t& send_offset);
+  void gather_params() {
+    int64_t send_offset = 0;
+    for (size_t g = 0; g < groups_.size(); ++g)
+      if (group_sharded(g)) gather_params(*groups_[g].buckets, send_offset);
+  }
+  // Copies the masters of the store's flat range [begin, end) to dst (a device pointer on a device).
+  void copy_masters(int64_t begin, int64_t end, float* dst) const;
+  void hold_masters();
   bool group_sharded(size_t g) const { return groups_[g].buckets && groups_[g].buckets->sharded(); }
   // Appends the pieces of [begin, end) of the store (owned range `range`, or -1: params only).
   void append_pieces(std::vector<ShardPiece>& pieces, int64_t begin, int64_t end, int range, bool params,
@@ -104,7 +132,14 @@ class DistributedAdamW {
   std::vector<size_t> range_group_;  // the group of each owned range
   std::vector<int64_t> moment_offsets_;
   Tensor exp_avg_, exp_avg_sq_;
-  mutable Tensor host_params_, host_exp_avg_, host_exp_avg_sq_;  // device runs: checkpoint staging
+  // Sharded masters: [begin, end) of the store's flat range lies at masters_ offset `offset`.
+  struct MasterRun {
+    int64_t begin = 0, end = 0, offset = 0;
+  };
+  std::vector<MasterRun> master_runs_;
+  Tensor masters_;
+  mutable Tensor host_params_, host_exp_avg_, host_exp_avg_sq_,
+      host_masters_;                  // device runs: checkpoint staging
   Tensor gather_send_, gather_recv_;  // sharded: this rank's shard of a bucket; a padded bucket
   int64_t step_ = 0;
 };

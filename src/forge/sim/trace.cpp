@@ -449,6 +449,9 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
   }
   parallel::DistributedAdamW optimizer(&store, optim::AdamWConfig{0.9f, 0.95f, 1e-8f, 0.1f}, groups,
                                        model_parallel.get());
+  // Sharded masters: the store's fp32 weights moved into the optimizer's shards (its state, counted there).
+  if (optimizer.holds_masters())
+    trace.weights_bytes -= (store.numel() - store.params().numel()) * static_cast<int64_t>(sizeof(float));
 
   Recorder recorder(device, log);
   auto pair = [&](const char* name) { return make_dry_communicator({name, 2, 0}, log); };

@@ -101,7 +101,10 @@ void ProgressLog::banner() {
         s.cp > 1 ? fmt::format(" (gradients reduced over dp x cp = {} ranks)", s.dp_group().size()).c_str()
                  : "",
         s.buckets->buckets().size(), static_cast<double>(s.buckets->bucket_bytes()) / 1048576.0,
-        c_.parallel.distributed_optimizer ? "reduce-scatter + ZeRO-1 (sharded Adam state)" : "all-reduce",
+        !c_.parallel.distributed_optimizer ? "all-reduce"
+        : s.optimizer->holds_masters()
+            ? "reduce-scatter + distributed optimizer (sharded Adam state and fp32 master weights)"
+            : "reduce-scatter + ZeRO-1 (sharded Adam state)",
         c_.parallel.overlap_grad_reduce ? "on" : "off",
         static_cast<double>(s.optimizer->state_bytes()) / 1048576.0, omp_get_max_threads());
   }

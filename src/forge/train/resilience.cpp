@@ -77,9 +77,10 @@ void SnapshotRing::take(const TrainState& state) {
 int64_t SnapshotRing::bytes() const {
   int64_t total = 0;
   for (const TrainState::Snapshot& s : snapshots_)
-    total += static_cast<int64_t>((s.params.size() + s.exp_avg.size() + s.exp_avg_sq.size() +
-                                   s.fp8_history.size() + s.fp8_scales.size()) *
-                                  sizeof(float));
+    total += static_cast<int64_t>((s.params.size() + s.masters.size() + s.exp_avg.size() +
+                                   s.exp_avg_sq.size() + s.fp8_history.size() + s.fp8_scales.size()) *
+                                      sizeof(float) +
+                                  s.params_bf16.size() * sizeof(uint16_t));
   return total;
 }
 

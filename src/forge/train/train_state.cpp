@@ -1,6 +1,7 @@
 #include "forge/train/train_state.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "forge/core/error.h"
 #include "forge/core/memory.h"
@@ -13,22 +14,28 @@ using namespace forge::optim;
 using namespace forge::ckpt;
 namespace {
 
-void copy_to_host(const Tensor& t, std::vector<float>& out) {
+// T: float for fp32 tensors, uint16_t for bf16 ones.
+template <typename T>
+void copy_to_host(const Tensor& t, std::vector<T>& out) {
   out.resize(static_cast<size_t>(t.numel()));
   if (t.numel() == 0) return;
+  FORGE_CHECK(t.bytes() == out.size() * sizeof(T), "snapshot of a {} tensor into {}-byte values",
+              dtype_name(t.dtype()), sizeof(T));
   if (t.device() == Device::cpu) {
-    copy_host_parallel(out.data(), t.f32(), out.size() * sizeof(float));
+    copy_host_parallel(out.data(), t.raw(), t.bytes());
     return;
   }
   const Tensor host = t.to(Device::cpu);  // a GPU's state is staged to the host
-  std::copy(host.f32(), host.f32() + host.numel(), out.begin());
+  std::memcpy(out.data(), host.raw(), host.bytes());
 }
 
-void from_host_vector(Tensor dst, const std::vector<float>& v, const char* what) {
+template <typename T>
+void from_host_vector(Tensor dst, const std::vector<T>& v, const char* what) {
   FORGE_CHECK(static_cast<int64_t>(v.size()) == dst.numel(),
               "restoring {}: the snapshot holds {} values, the state {}", what, v.size(), dst.numel());
-  Tensor host = Tensor::empty({dst.numel()}, DType::f32);
-  std::copy(v.begin(), v.end(), host.f32());
+  if (v.empty()) return;
+  Tensor host = Tensor::empty({dst.numel()}, dst.dtype());
+  std::memcpy(host.raw(), v.data(), host.bytes());
   dst.copy_from(host);
 }
 
@@ -50,6 +57,13 @@ void TrainState::snapshot_into(Snapshot& s) const {
   s.recent_losses = recent_losses, s.recent_grad_norms = recent_grad_norms;
   s.optimizer_steps = optimizer->steps_taken();
   copy_to_host(params->params(), s.params);
+  // Sharded masters: the optimizer's masters and the bf16 weights (the masters of other ranks' shards
+  // behind them are not here) are the rest of the weights.
+  s.masters.clear(), s.params_bf16.clear();
+  if (optimizer->holds_masters()) {
+    copy_to_host(optimizer->masters(), s.masters);
+    copy_to_host(params->params_bf16(), s.params_bf16);
+  }
   copy_to_host(optimizer->exp_avg(), s.exp_avg);
   copy_to_host(optimizer->exp_avg_sq(), s.exp_avg_sq);
   s.fp8_history.clear(), s.fp8_scales.clear();
@@ -68,6 +82,10 @@ void TrainState::restore(const Snapshot& s) {
   recent_losses = s.recent_losses, recent_grad_norms = s.recent_grad_norms;
   optimizer->set_steps_taken(s.optimizer_steps);
   from_host_vector(params->params(), s.params, "the weights");
+  if (optimizer->holds_masters()) {
+    from_host_vector(optimizer->masters(), s.masters, "the master weights");
+    from_host_vector(params->params_bf16(), s.params_bf16, "the bf16 weights");
+  }
   from_host_vector(optimizer->exp_avg(), s.exp_avg, "the first moments");
   from_host_vector(optimizer->exp_avg_sq(), s.exp_avg_sq, "the second moments");
   params->refresh_bf16();        // and a new weight version: FP8 weight casts are made again

@@ -59,6 +59,9 @@ struct TrainState {
     std::vector<double> recent_losses, recent_grad_norms;
     int64_t optimizer_steps = 0;
     std::vector<float> params, exp_avg, exp_avg_sq;
+    // With the distributed optimizer's sharded masters: its masters and the bf16 weights.
+    std::vector<float> masters;
+    std::vector<uint16_t> params_bf16;
     std::vector<float> fp8_history, fp8_scales;
   };
   Snapshot snapshot() const;

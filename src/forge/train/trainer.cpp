@@ -184,6 +184,7 @@ void TrainingRun::add_checkpoint_files() {
   // FP8 state, if any, grows it once).
   if (c_.checkpoint.every > 0 && c_.checkpoint.async)
     checkpoints_->reserve_background_buffer(state_.params->params().numel() +
+                                            setup_->optimizer->master_numel() +
                                             2 * setup_->optimizer->exp_avg().numel());
 }
 
