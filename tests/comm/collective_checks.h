@@ -243,19 +243,28 @@ inline void check_all_gatherv(Communicator& c, Memory& m, Type type, int64_t sca
                     std::to_string(scale) + " on " + describe(c, type));
 }
 
-inline void check_reduce_scatter(Communicator& c, Memory& m, Type type, ReduceOp op, int64_t count) {
+// in_place: recv is this rank's block of send.
+inline void check_reduce_scatter(Communicator& c, Memory& m, Type type, ReduceOp op, int64_t count,
+                                 bool in_place = false) {
   const int n = c.size();
   Values in(type, count * n);
   for (int64_t i = 0; i < count * n; ++i) in.set(i, value(type, c.rank(), i, 2));
   std::vector<double> expected(static_cast<size_t>(count));
   for (int64_t i = 0; i < count; ++i)
     expected[static_cast<size_t>(i)] = reduced_value(op, type, n, c.rank() * count + i, 2);
-  Buffer send(m, type, count * n), recv(m, type, count);
+  Buffer send(m, type, count * n), recv(m, type, in_place ? 0 : count);
   send.upload(in);
-  c.reduce_scatter(send.get(), recv.get(), count, type, op).wait();
-  expect_values(recv.download(), expected,
-                "reduce_scatter " + std::string(reduce_op_name(op)) + " count " + std::to_string(count) +
-                    " on " + describe(c, type));
+  c.reduce_scatter(send.get(), in_place ? send.at(c.rank() * count) : recv.get(), count, type, op).wait();
+  Values got = recv.download();
+  if (in_place) {
+    const Values all = send.download();
+    got = Values(type, count);
+    std::copy(all.data() + c.rank() * count * type_size(type), all.data() + (c.rank() + 1) * count * type_size(type),
+              got.data());
+  }
+  expect_values(got, expected,
+                "reduce_scatter" + std::string(in_place ? " in place " : " ") + reduce_op_name(op) + " count " +
+                    std::to_string(count) + " on " + describe(c, type));
 }
 
 // Element i of the block rank `from` sends to rank `to`.
@@ -349,7 +358,10 @@ inline void check_every_collective(Communicator& c, Memory& m) {
   for (Type type : kTypes) {
     for (ReduceOp op : kOps) {
       for (int64_t count : {0, 1, 1000, 5000}) check_all_reduce(c, m, type, op, count);
-      for (int64_t count : {0, 3, 700}) check_reduce_scatter(c, m, type, op, count);
+      for (int64_t count : {0, 3, 700}) {
+        check_reduce_scatter(c, m, type, op, count);
+        check_reduce_scatter(c, m, type, op, count, /*in_place=*/true);
+      }
     }
     for (int64_t count : {0, 1, 513}) {
       check_all_gather(c, m, type, count, false);

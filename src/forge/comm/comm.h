@@ -100,6 +100,7 @@ class Communicator {
   // recv = concatenation of every rank's send[counts[rank]]; counts has size() entries.
   virtual Request all_gatherv(const void* send, void* recv, std::span<const int64_t> counts, Type type) = 0;
   // send[size * count]: rank r receives recv[count] = reduction over ranks of send[r*count .. (r+1)*count).
+  // recv may be this rank's own block of send (in place); the rest of send is then undefined afterwards.
   virtual Request reduce_scatter(const void* send, void* recv, int64_t count, Type type, ReduceOp op) = 0;
   // send[size * count]: block j goes to rank j; recv[size * count]: block j came from rank j.
   virtual Request all_to_all(const void* send, void* recv, int64_t count, Type type) = 0;

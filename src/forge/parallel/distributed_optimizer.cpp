@@ -52,15 +52,12 @@ DistributedAdamW::DistributedAdamW(ParameterStore* store, optim::AdamWConfig con
   }
   exp_avg_ = Tensor::zeros({total}, DType::f32, store->device());
   exp_avg_sq_ = Tensor::zeros({total}, DType::f32, store->device());
-  int64_t shards = 0, padded = 0;
+  int64_t padded = 0;
   for (size_t g = 0; g < groups_.size(); ++g) {
     if (!group_sharded(g)) continue;
-    for (const GradBucket& b : groups_[g].buckets->buckets()) {
-      shards += b.shard_size;
+    for (const GradBucket& b : groups_[g].buckets->buckets())
       if (b.padded_size() != b.size()) padded = std::max(padded, b.padded_size());
-    }
   }
-  if (shards > 0) gather_send_ = Tensor::zeros({shards}, DType::f32, store->device());
   if (padded > 0) gather_recv_ = Tensor::zeros({padded}, DType::f32, store->device());
   bool all_sharded = true;
   for (size_t g = 0; g < groups_.size(); ++g) all_sharded = all_sharded && group_sharded(g);
@@ -180,7 +177,7 @@ void DistributedAdamW::step(float lr, float grad_scale) {
   store_->mark_updated();
 }
 
-void DistributedAdamW::gather_params(const GradBuckets& group_buckets, int64_t& send_offset) {
+void DistributedAdamW::gather_params(const GradBuckets& group_buckets) {
   const auto& buckets = group_buckets.buckets();
   // Sharded masters gather into the gradient buffer (spent by now; the same offsets as the weights), from
   // which the bf16 weights and the kept fp32 weights are written; otherwise into the fp32 weights.
@@ -201,17 +198,21 @@ void DistributedAdamW::gather_params(const GradBuckets& group_buckets, int64_t& 
       if (masters) copy_masters(lo, hi, whole.f32() + lo);
       continue;
     }
-    // The send buffer must not alias the receive buffer (the bucket), so the own shard is staged (in the
+    // In place: the send is this rank's own block of the receive buffer (the bucket itself, or the padded
+    // copy of a bucket that does not split evenly), written there first unless it is already (in the
     // device's stream order, which the communicator waits for).
-    Tensor send = gather_send_.view(send_offset, {b.shard_size});
-    if (masters)
-      copy_masters(lo, hi, send.f32());
-    else
-      send.view(0, {hi - lo}).copy_from(whole.view(lo, {hi - lo}));
-    send.view(hi - lo, {b.shard_size - (hi - lo)}).fill_zero();
-    float* recv = b.padded_size() == b.size() ? whole.f32() + b.begin : gather_recv_.f32();
-    requests[i] = group.all_gather(send.f32(), recv, b.shard_size, comm::Type::f32);
-    send_offset += b.shard_size;
+    const bool padded = b.padded_size() != b.size();
+    float* recv = padded ? gather_recv_.f32() : whole.f32() + b.begin;
+    float* mine = recv + group.rank() * b.shard_size;
+    if (masters) {
+      copy_masters(lo, hi, mine);
+    } else if (padded) {
+      Tensor own = gather_recv_.view(group.rank() * b.shard_size, {hi - lo});
+      own.copy_from(whole.view(lo, {hi - lo}));
+    }
+    if (padded && hi - lo < b.shard_size)
+      gather_recv_.view(group.rank() * b.shard_size + (hi - lo), {b.shard_size - (hi - lo)}).fill_zero();
+    requests[i] = group.all_gather(mine, recv, b.shard_size, comm::Type::f32);
   }
   for (size_t i = buckets.size(); i-- > 0;) {
     const GradBucket& b = buckets[i];

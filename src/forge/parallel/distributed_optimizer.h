@@ -105,11 +105,10 @@ class DistributedAdamW {
   int64_t moment_index(size_t range, int64_t index) const {
     return moment_offsets_[range] + index - owned_[range].first;
   }
-  void gather_params(const GradBuckets& buckets, int64_t& send_offset);
+  void gather_params(const GradBuckets& buckets);
   void gather_params() {
-    int64_t send_offset = 0;
     for (size_t g = 0; g < groups_.size(); ++g)
-      if (group_sharded(g)) gather_params(*groups_[g].buckets, send_offset);
+      if (group_sharded(g)) gather_params(*groups_[g].buckets);
   }
   // Copies the masters of the store's flat range [begin, end) to dst (a device pointer on a device).
   void copy_masters(int64_t begin, int64_t end, float* dst) const;
@@ -139,8 +138,8 @@ class DistributedAdamW {
   std::vector<MasterRun> master_runs_;
   Tensor masters_;
   mutable Tensor host_params_, host_exp_avg_, host_exp_avg_sq_,
-      host_masters_;                  // device runs: checkpoint staging
-  Tensor gather_send_, gather_recv_;  // sharded: this rank's shard of a bucket; a padded bucket
+      host_masters_;    // device runs: checkpoint staging
+  Tensor gather_recv_;  // sharded: a bucket padded to a multiple of the dp ranks (gathered in place)
   int64_t step_ = 0;
 };
 

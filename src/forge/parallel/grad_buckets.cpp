@@ -60,22 +60,21 @@ GradBuckets::GradBuckets(ParameterStore* store, comm::Communicator* dp, BucketOp
   // Boundaries at multiples of bucket_elements from offset 0 keep every shard aligned; the top bucket (the
   // first to launch) takes the remainder, merged into its neighbour when below half a bucket.
   const int64_t count = n == 0 ? 0 : std::max<int64_t>(1, (n + bucket_elements / 2) / bucket_elements);
-  int64_t reduced_total = 0, padded_size = 0;
+  int64_t padded_size = 0;
   for (int64_t i = 0; i < count; ++i) {
     GradBucket b;
     b.begin = group_begin + i * bucket_elements;
     b.end = group_begin + (i == count - 1 ? n : (i + 1) * bucket_elements);
     b.shards = shards;
     b.shard_size = (b.size() + shards - 1) / shards;
-    shard_offsets_.push_back(reduced_total);
-    reduced_total += b.shard_size;
     if (b.padded_size() != b.size()) padded_size = std::max(padded_size, b.padded_size());
     buckets_.push_back(b);
   }
-  if (options.shard && !in_bf16()) {  // bf16 reductions stage each bucket while it is in flight
-    reduced_ = Tensor::zeros({reduced_total}, DType::f32, store->device());
-    if (padded_size > 0) padded_ = Tensor::zeros({padded_size}, DType::f32, store->device());
-  }
+  // Sharded fp32 reductions run in place (each rank's shard lands in its own block of the bucket); the one
+  // bucket that does not split evenly is staged with a zero tail. bf16 reductions stage each bucket while
+  // it is in flight.
+  if (options.shard && !in_bf16() && padded_size > 0 && dp->size() > 1)
+    padded_ = Tensor::zeros({padded_size}, DType::f32, store->device());
   in_flight_.resize(buckets_.size());
   // Which buckets each of the group's parameters overlaps, and how many parameters each bucket waits for.
   buckets_of_param_.resize(static_cast<size_t>(store->count()));
@@ -213,7 +212,7 @@ void GradBuckets::launch(int bucket) {
     f.request = dp_->all_reduce(grads + b.begin, b.size(), comm::Type::f32, comm::ReduceOp::sum);
     return;
   }
-  const float* send = grads + b.begin;
+  float* send = grads + b.begin;
   if (b.padded_size() != b.size()) {
     // Reduce-scatter needs dp equal blocks: stage the bucket with a zero tail (in stream order on a device:
     // the communicator waits for the device's queued work before it starts).
@@ -221,8 +220,10 @@ void GradBuckets::launch(int bucket) {
     padded_.view(b.size(), {b.padded_size() - b.size()}).fill_zero();
     send = padded_.f32();
   }
-  f.request = dp_->reduce_scatter(send, reduced_.f32() + shard_offsets_[bucket], b.shard_size,
-                                  comm::Type::f32, comm::ReduceOp::sum);
+  // In place: this rank's sum lands in its own block, which is its owned range of the gradients (the rest
+  // of the bucket is left undefined: no one reads another rank's shard).
+  f.request = dp_->reduce_scatter(send, send + dp_->rank() * b.shard_size, b.shard_size, comm::Type::f32,
+                                  comm::ReduceOp::sum);
 }
 
 // The bucket rounded to bf16 into its staging copy (zero padding under shard, in the device's stream order),
@@ -268,10 +269,11 @@ void GradBuckets::complete(int bucket) {
     return;
   }
   if (!options_.shard || dp_->size() == 1) return;
-  // The bucket's gradients are final and its send has completed: the reduced shard may replace them.
+  // Reduced in place; the staged bucket's shard is copied back.
+  const GradBucket& b = buckets_[bucket];
   auto [lo, hi] = owned_range(bucket);
-  if (hi > lo)
-    store_->grads().view(lo, {hi - lo}).copy_from(reduced_.view(shard_offsets_[bucket], {hi - lo}));
+  if (hi > lo && b.padded_size() != b.size())
+    store_->grads().view(lo, {hi - lo}).copy_from(padded_.view(dp_->rank() * b.shard_size, {hi - lo}));
 }
 
 }  // namespace forge::parallel

@@ -7,8 +7,10 @@
 // the schedule runs the weight gradients in, so communication runs while other layers still compute.
 //
 // shard (ZeRO, Megatron's distributed-optimizer layout): every bucket splits into dp equal shards (the last
-// one padded in a staging copy) and is reduce-scattered: after finish(), rank r holds the summed gradient
-// of shard r of every bucket (its owned ranges); elsewhere its gradient buffer keeps its local values.
+// one padded in a staging copy) and is reduce-scattered in place: after finish(), rank r holds the summed
+// gradient of shard r of every bucket (its owned ranges); elsewhere its gradient buffer is undefined (fp32
+// reductions overwrite it: no buffer of the reduced shards beside the gradients, as Megatron's; bf16 ones
+// leave the local values).
 // Without shard, buckets are all-reduced in place and every rank owns the whole buffer. With
 // BucketOptions::reduce_dtype bf16 a bucket travels as a bf16 copy, reduced and widened back on completion.
 //
@@ -134,8 +136,6 @@ class GradBuckets {
   comm::Communicator* dp_;
   BucketOptions options_;
   std::vector<GradBucket> buckets_;
-  std::vector<int64_t> shard_offsets_;  // of each bucket's shard in reduced_
-  Tensor reduced_;                      // under shard: the reduce-scatter results, one shard per bucket
   Tensor padded_;  // under shard: send buffer of the one bucket that does not divide into dp shards
   std::vector<InFlight> in_flight_;
   std::vector<std::vector<int>> buckets_of_param_;  // per parameter id: the buckets it overlaps

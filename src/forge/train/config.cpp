@@ -259,7 +259,7 @@ const std::vector<KeySpec>& key_specs() {
       {"parallel",
        "distributed_optimizer",
        FORGE_FIELD(parallel.distributed_optimizer),
-       "ZeRO-1: shard the Adam state over dp (reduce-scatter grads, all-gather weights)",
+       "Megatron's distributed optimizer: shard the Adam state, and under bf16 the fp32 master weights, over dp (reduce-scatter grads, all-gather weights)",
        {}},
       {"parallel",
        "overlap_grad_reduce",

@@ -14,9 +14,11 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <functional>
 #include <mutex>
-#include <thread>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "forge/comm/comm_internal.h"
@@ -131,6 +133,7 @@ class MpiWork final : public Work {
     int flag = 0;
     FORGE_MPI_CHECK(MPI_Test(&request, &flag, MPI_STATUS_IGNORE));
     done_ = flag != 0;
+    if (done_ && on_complete) on_complete();
     return done_;
   }
   const char* operation() const override { return op_; }
@@ -141,8 +144,9 @@ class MpiWork final : public Work {
   }
 
   MPI_Request request = MPI_REQUEST_NULL;
-  std::vector<int> arrays;  // counts and displacements that MPI reads until the operation completes
-  int peer = -1, tag = 0;   // point-to-point only
+  std::vector<int> arrays;            // counts and displacements that MPI reads until the operation completes
+  int peer = -1, tag = 0;             // point-to-point only
+  std::function<void()> on_complete;  // runs once, when the operation is found complete
 
  private:
   const char* op_;
@@ -164,8 +168,9 @@ class Watchdog {
   void arm(double timeout_s, std::string message) {
     if (timeout_s <= 0) return;
     std::lock_guard lock(mutex_);
-    deadline_ = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                                       std::chrono::duration<double>(timeout_s));
+    deadline_ =
+        std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                               std::chrono::duration<double>(timeout_s));
     message_ = std::move(message);
     armed_ = true;
     wake_.notify_one();
@@ -176,7 +181,9 @@ class Watchdog {
   }
 
  private:
-  Watchdog() { std::thread([this] { run(); }).detach(); }
+  Watchdog() {
+    std::thread([this] { run(); }).detach();
+  }
   void run() {
     std::unique_lock lock(mutex_);
     for (;;) {
@@ -261,9 +268,20 @@ class MpiCommunicator final : public Communicator {
   Request reduce_scatter(const void* send, void* recv, int64_t count, Type type, ReduceOp op) override {
     check_pair("reduce_scatter", send, recv, count * size_, count);
     const int n = to_int("reduce_scatter", count, "count");
+    const size_t bytes = static_cast<size_t>(count) * type_size(type);
+    const bool in_place = count > 0 && recv == static_cast<const char*>(send) + rank_ * bytes;
     auto work = start("reduce_scatter");
-    FORGE_MPI_CHECK(
-        MPI_Ireduce_scatter_block(send, recv, n, datatype(type), reduction(type, op), comm_, &work->request));
+    if (in_place) {
+      // MPI's in-place form reads send and leaves this rank's result at its start: moved to its own block
+      // once complete.
+      void* buffer = const_cast<void*>(send);
+      if (rank_ > 0) work->on_complete = [buffer, recv, bytes] { std::memmove(recv, buffer, bytes); };
+      FORGE_MPI_CHECK(MPI_Ireduce_scatter_block(MPI_IN_PLACE, buffer, n, datatype(type), reduction(type, op),
+                                                comm_, &work->request));
+    } else {
+      FORGE_MPI_CHECK(MPI_Ireduce_scatter_block(send, recv, n, datatype(type), reduction(type, op), comm_,
+                                                &work->request));
+    }
     return {std::move(work), this};
   }
 
