@@ -1,7 +1,6 @@
 // Sampling (temperature, top-k, top-p in Hugging Face's order, greedy) against an independent reference of
 // the distribution each setting defines, and generation's contracts: determinism by seed, a draw per token
 // that depends only on (seed, n), stop tokens, the context limit, streaming, and refused settings.
-#include "forge/models/llama/llama_model.h"
 #include "forge/models/sampling.h"
 
 #include <gtest/gtest.h>
@@ -12,6 +11,7 @@
 #include <set>
 #include <vector>
 
+#include "forge/models/llama/llama_model.h"
 #include "op_harness.h"
 
 namespace forge {
@@ -176,6 +176,19 @@ TEST_F(Generation, DeterministicBySeedAndPrefixStable) {
   EXPECT_EQ(sampling_draw(5, 3), sampling_draw(5, 3));
   EXPECT_NE(sampling_draw(5, 3), sampling_draw(5, 4));
   EXPECT_NE(sampling_draw(5, 3), sampling_draw(6, 3));
+}
+
+// A vocabulary limit (the tokenizer's, under a padded model vocabulary) keeps every draw below it, and is
+// the greedy choice among those ids; a negative one is refused.
+TEST_F(Generation, VocabLimitKeepsDrawsBelowIt) {
+  SamplingOptions o = settings(1.5, 0, 1);
+  o.max_new_tokens = 40;
+  const auto free_run = generate_sequence(*model_, prompt_, o).tokens;
+  ASSERT_TRUE(std::any_of(free_run.begin(), free_run.end(), [](int32_t t) { return t >= 10; }));
+  o.vocab_limit = 10;
+  for (int32_t t : generate_sequence(*model_, prompt_, o).tokens) EXPECT_LT(t, 10);
+  o.vocab_limit = -1;
+  EXPECT_THROW(generate_sequence(*model_, prompt_, o), Error);
 }
 
 TEST_F(Generation, TopKOneEqualsGreedy) {

@@ -82,6 +82,7 @@ class TextCodec {
     return tokenizer_text::utf8_lossy(bytes);
   }
   std::optional<int32_t> eos_id() const { return tokenizer_ ? tokenizer_->eos_id() : std::nullopt; }
+  int64_t vocab_size() const { return tokenizer_ ? tokenizer_->vocab_size() : 256; }
 
  private:
   std::optional<Tokenizer> tokenizer_;
@@ -231,6 +232,7 @@ int run_generate(GenerateOptions o) {
   if (auto eos = codec.eos_id(); eos && std::find(stop.begin(), stop.end(), *eos) == stop.end())
     stop.push_back(*eos);
   sampling.stop_tokens = stop;
+  sampling.vocab_limit = codec.vocab_size();
   std::vector<int32_t> ids;
   Tensor pixels;
   if (o.image.empty()) {

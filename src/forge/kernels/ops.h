@@ -379,7 +379,7 @@ struct EmbeddingParams {
   bool vocab_parallel = false;
   int64_t first = 0;
   const int32_t* ids = nullptr;
-  const float* weight = nullptr;
+  ConstElements weight;  // fp32 or bf16 rows; forward widens them exactly into fp32 out
   float* out = nullptr;
   const float* dout = nullptr;
   float* dweight = nullptr;

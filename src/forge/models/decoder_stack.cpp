@@ -184,7 +184,14 @@ void DecoderStack::build_modules() {
     local_rope_.sin = local_rope_.sin.to(options_.device);
     spec_.local_rope = nn::RopeTable{};
   }
-  if (embed_id_ >= 0) embedding_ = nn::Embedding(&params_, embed_id_, tp(), spec_.embedding_scale);
+  if (embed_id_ >= 0) {
+    // The rows may come from the bf16 weights where they go straight into a bf16 residual stream (rounding
+    // the fp32 rows would give the same numbers); scaled, or into fp32 residuals, they are read in fp32.
+    const bool bf16_rows = options_.gemm_dtype == DType::bf16 && options_.residual_dtype == DType::bf16 &&
+                           spec_.embedding_scale == 1.0f;
+    embedding_ =
+        nn::Embedding(&params_, embed_id_, tp(), spec_.embedding_scale, bf16_rows ? DType::bf16 : DType::f32);
+  }
   for (size_t l = 0; l < layer_ids_.size(); ++l) {
     const int64_t i = stage_.first_layer + static_cast<int64_t>(l);
     layers_.push_back(make_layer(i, layer_ids_[l], layer_options(i)));

@@ -26,6 +26,8 @@ void validate_sampling_options(const SamplingOptions& o) {
   if (!(o.top_p > 0 && o.top_p <= 1)) fail("sampling top-p must be in (0, 1] (1 = off), got {}", o.top_p);
   if (o.max_new_tokens < 0) fail("max_new_tokens must be >= 0, got {}", o.max_new_tokens);
   if (o.context < 0) fail("sampling context must be >= 0 (0 = max_position_embeddings), got {}", o.context);
+  if (o.vocab_limit < 0)
+    fail("sampling vocab_limit must be >= 0 (0 = the model's vocabulary), got {}", o.vocab_limit);
 }
 
 int32_t pick_token(const float* logits, int64_t vocab, const SamplingOptions& o, double draw) {
@@ -155,7 +157,7 @@ GenerationResult generate_sequence(Model& model, const std::vector<int32_t>& pro
   // at the latest when it fills the context.
   const int64_t capacity = std::min(result.context - 1, result.prompt_tokens + options.max_new_tokens - 1);
   nn::KvCache cache = model.make_cache(1, capacity);
-  const int64_t vocab = config.vocab;
+  const int64_t vocab = options.vocab_limit > 0 ? std::min(config.vocab, options.vocab_limit) : config.vocab;
   auto start = std::chrono::steady_clock::now();
   Tensor logits = model.forward_cached_images(prompt.data(), 1, result.prompt_tokens, cache, options.pixels,
                                               options.images);

@@ -29,7 +29,10 @@ struct SamplingOptions {
   int64_t top_k = 40;        // 0 = whole vocabulary
   double top_p = 1.0;        // nucleus mass in (0, 1]; 1 = off
   uint64_t seed = 7;
-  std::vector<int32_t> stop_tokens;       // e.g. the tokenizer's end-of-sequence id(s)
+  std::vector<int32_t> stop_tokens;  // e.g. the tokenizer's end-of-sequence id(s)
+  // > 0: only ids below it are drawn (the tokenizer's vocabulary, where the model's is padded past it: an
+  // untrained model's draws would otherwise reach ids no tokenizer can decode).
+  int64_t vocab_limit = 0;
   std::function<void(int32_t)> on_token;  // called with every new token as soon as it is chosen
   // A multimodal prompt's images ([images, channels, height, width], normalised, on the host): their features
   // replace the prompt's image tokens (Model::forward_cached_images).

@@ -6,7 +6,8 @@
 
 namespace forge::nn {
 
-Embedding::Embedding(ParameterStore* store, int weight_param, TensorParallel* tp, float scale)
+Embedding::Embedding(ParameterStore* store, int weight_param, TensorParallel* tp, float scale,
+                     DType weights_dtype)
     : store_(store),
       weight_(weight_param),
       vocab_(store->info(weight_param).shape.at(0)),
@@ -14,7 +15,7 @@ Embedding::Embedding(ParameterStore* store, int weight_param, TensorParallel* tp
       tp_(tp && tp->size() > 1 ? tp : nullptr),
       first_(store->info(weight_param).shard.dim == 0 ? store->info(weight_param).shard.start : 0),
       scale_(scale) {
-  store->keep_fp32(weight_param);  // the lookup reads fp32 rows
+  if (weights_dtype != DType::bf16) store->keep_fp32(weight_param);  // the lookup reads fp32 rows
 }
 
 Tensor Embedding::forward(const int32_t* ids, int64_t rows, DType dtype) const {
@@ -23,8 +24,13 @@ Tensor Embedding::forward(const int32_t* ids, int64_t rows, DType dtype) const {
   const Device device = store_->device();
   Tensor y = Tensor::empty({rows, dim_}, DType::f32, device);
   ops::EmbeddingParams p;
-  p.rows = rows, p.dim = dim_, p.vocab = vocab_, p.ids = ids, p.weight = store_->param(weight_).f32(),
-  p.out = y.f32();
+  p.rows = rows, p.dim = dim_, p.vocab = vocab_, p.ids = ids, p.out = y.f32();
+  if (store_->keeps_fp32(weight_)) {
+    p.weight = store_->param(weight_).f32();
+  } else {
+    const ParamInfo& info = store_->info(weight_);
+    p.weight = store_->params_bf16().view(info.offset, info.shape).bf16();
+  }
   p.vocab_parallel = tp_ != nullptr, p.first = first_;
   ops::embedding_forward(p, device);
   if (scale_ != 1.0f) ops::scale_inplace(y.f32(), scale_, y.numel(), device);

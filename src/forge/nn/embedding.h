@@ -16,7 +16,12 @@ class Embedding {
  public:
   Embedding() = default;
   // scale != 1: the looked-up rows are multiplied by it (Gemma's sqrt(hidden)), and so is their gradient.
-  Embedding(ParameterStore* store, int weight_param, TensorParallel* tp = nullptr, float scale = 1.0f);
+  // weights_dtype bf16 (the store keeps a bf16 shadow, and the caller rounds the rows to bf16 anyway): the
+  // table is not kept in fp32 (ParameterStore::keep_fp32), and once the distributed optimizer holds its fp32
+  // masters the lookup reads the bf16 rows, as Megatron's bf16 weights are; until then it reads fp32 rows.
+  // (With hidden dropout the rows are scaled before that rounding: from bf16 rows, a second rounding.)
+  Embedding(ParameterStore* store, int weight_param, TensorParallel* tp = nullptr, float scale = 1.0f,
+            DType weights_dtype = DType::f32);
   // dtype: what the rows cross the tensor-parallel group in and come back as (fp32, or bf16 for a bf16
   // residual stream: each element of the sum has one nonzero term, the rank holding its token's row, so
   // rounding before the sum is rounding the sum); without tensor parallelism the rows stay fp32.

@@ -311,7 +311,14 @@ Tensor MlaAttention::forward_cached(const Tensor& h, int64_t batch, int64_t toke
 
   // Absorbed queries [rows, H, L + dr]: q_nope_h . W_kb_h (W_kb_h = kv_b_proj's rows of head h's k_nope, [dn,
   // L]), then the rotated q_rope_h.
-  const float* w_kv_b = store_->param(params_.kv_b).f32();
+  // fp32 weights; where the distributed optimizer holds them (sampling from a training model), the bf16
+  // ones widened, one layer's at a time.
+  const ParamInfo& kv_b_info = store_->info(params_.kv_b);
+  const Tensor kv_b =
+      store_->keeps_fp32(params_.kv_b)
+          ? store_->param(params_.kv_b)
+          : to_dtype(store_->params_bf16().view(kv_b_info.offset, kv_b_info.shape), DType::f32);
+  const float* w_kv_b = kv_b.f32();
   Tensor query = Tensor::empty({rows, H * row}, DType::f32, device);
   for (int64_t head = 0; head < H; ++head) {
     ops::GemmParams g;

@@ -165,6 +165,7 @@ void Evaluation::sample(TrainResult& result) {
   so.max_new_tokens = c_.sample.tokens, so.context = setup_.seq, so.temperature = c_.sample.temperature;
   so.top_k = c_.sample.top_k, so.seed = c_.sample.seed;
   const TextCodec& codec = setup_.data->codec();
+  so.vocab_limit = codec.vocab_size();
   std::vector<int32_t> prompt = codec.encode(c_.sample.prompt.empty() ? std::string("\n") : c_.sample.prompt);
   std::vector<int32_t> out = generate(generation_model(), prompt, so);
   result.sample = c_.sample.prompt + codec.decode(out);

@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "forge/core/dtype.h"
 #include "forge/kernels/ops.h"
 #include "op_harness.h"
 
@@ -101,6 +102,33 @@ TEST_P(EmbeddingOp, ForwardGathersRows) {
     return;
   }
   testing::expect_bitwise_equal(run(device(), pr, false), cpu, pr.what("embedding_forward"));
+}
+
+// bf16 rows (the distributed optimizer's bf16 weights): out is each row widened exactly, on every backend,
+// plain and vocabulary-parallel.
+TEST_P(EmbeddingOp, Bf16RowsWidenExactly) {
+  const Problem pr(test_case(), 85);
+  const int64_t rows = pr.c.rows, dim = pr.c.dim;
+  std::vector<uint16_t> table(pr.weight.size());
+  for (size_t i = 0; i < table.size(); ++i) table[i] = f32_to_bf16_bits(pr.weight[i]);
+  for (bool parallel : {false, true}) {
+    const int64_t first = parallel ? pr.c.vocab / 3 : 0;
+    const int64_t local = parallel ? std::max<int64_t>(1, pr.c.vocab / 3) : pr.c.vocab;
+    Buffers b(device(), pr, local);
+    DeviceArray<uint16_t> weight(device(), std::vector<uint16_t>(table.begin(), table.begin() + local * dim));
+    ops::EmbeddingParams p = b.params(pr, local);
+    p.weight = weight.data(), p.vocab_parallel = parallel, p.first = first;
+    FORGE_TEST_OP(embedding_forward, device(), p);
+    const std::vector<float> out = b.out.download();
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t row = pr.ids[r] - first;
+      const bool mine = row >= 0 && row < local;
+      for (int64_t j = 0; j < dim; ++j)
+        ASSERT_EQ(out[r * dim + j], mine ? bf16_bits_to_f32(table[row * dim + j]) : 0.0f)
+            << pr.what("bf16 embedding_forward") << (parallel ? " vocab-parallel" : "") << " row " << r << ", "
+            << j;
+    }
+  }
 }
 
 TEST_P(EmbeddingOp, BackwardWeight) {

@@ -49,13 +49,18 @@ bool supports_embedding_backward_weight(const ops::EmbeddingParams& p, std::stri
 void embedding_forward(const ops::EmbeddingParams& p) {
   check_ids(p, "embedding_forward");
   const size_t row_bytes = p.dim * sizeof(float);
+  const float* f32 = p.weight.f32();
+  const uint16_t* bf16 = p.weight.bf16();
 #pragma omp parallel for schedule(static) if (p.rows * p.dim > (1 << 14))
   for (int64_t r = 0; r < p.rows; ++r) {
     const int64_t local = local_row(p, r);
-    if (local >= 0)
-      std::memcpy(p.out + r * p.dim, p.weight + local * p.dim, row_bytes);
+    float* out = p.out + r * p.dim;
+    if (local < 0)
+      std::memset(out, 0, row_bytes);
+    else if (f32)
+      std::memcpy(out, f32 + local * p.dim, row_bytes);
     else
-      std::memset(p.out + r * p.dim, 0, row_bytes);
+      for (int64_t j = 0; j < p.dim; ++j) out[j] = bf16_bits_to_f32(bf16[local * p.dim + j]);
   }
 }
 

@@ -21,6 +21,7 @@
 
 namespace forge::cuda {
 namespace {
+using detail::load_element;
 
 constexpr int kThreads = 256;
 constexpr int64_t kMaxGrid = 0x7fffffff;
@@ -69,8 +70,9 @@ void check_ids(const ops::EmbeddingParams& p, const char* op) {
 
 // first: the global id of the weight's row 0 (0 unless vocabulary-parallel, where ids outside [first, first +
 // vocab) give zero rows; without it every id was checked to lie in [0, vocab)).
-__global__ void forward_kernel(const int32_t* __restrict__ ids, const float* __restrict__ weight,
-                               int64_t rows, int64_t dim, int64_t vocab, int64_t first, float* __restrict__ out) {
+template <typename T>
+__global__ void forward_kernel(const int32_t* __restrict__ ids, const T* __restrict__ weight, int64_t rows,
+                               int64_t dim, int64_t vocab, int64_t first, float* __restrict__ out) {
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const int64_t local = int64_t{ids[row]} - first;
     float* dst = out + row * dim;
@@ -78,8 +80,8 @@ __global__ void forward_kernel(const int32_t* __restrict__ ids, const float* __r
       for (int64_t j = threadIdx.x; j < dim; j += blockDim.x) dst[j] = 0.0f;
       continue;
     }
-    const float* src = weight + local * dim;
-    for (int64_t j = threadIdx.x; j < dim; j += blockDim.x) dst[j] = src[j];
+    const T* src = weight + local * dim;
+    for (int64_t j = threadIdx.x; j < dim; j += blockDim.x) dst[j] = load_element(src, j);
   }
 }
 
@@ -163,8 +165,10 @@ void embedding_forward(const ops::EmbeddingParams& p) {
   if (std::string why; !supports_embedding_forward(p, &why)) fail_message(why);
   check_ids(p, op);
   if (p.rows == 0) return;
-  forward_kernel<<<static_cast<unsigned>(std::min(p.rows, kMaxGrid)), kThreads, 0, stream()>>>(
-      p.ids, p.weight, p.rows, p.dim, p.vocab, p.vocab_parallel ? p.first : 0, p.out);
+  visit(p.weight, [&](const auto* weight) {
+    forward_kernel<<<static_cast<unsigned>(std::min(p.rows, kMaxGrid)), kThreads, 0, stream()>>>(
+        p.ids, weight, p.rows, p.dim, p.vocab, p.vocab_parallel ? p.first : 0, p.out);
+  });
   FORGE_CUDA_CHECK_LAUNCH(op);
 }
 

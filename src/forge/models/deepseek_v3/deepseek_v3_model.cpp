@@ -134,6 +134,8 @@ class MtpTail final : public StackTail {
       tp_ = std::make_unique<nn::WithoutSequenceParallel>(stack.tp());
     nn::ComputeOptions head_options = options;
     if (tp_) head_options.tp = tp_.get();
+    // fp32 rows: they feed enorm's fp32 input (which keeps the table in fp32 under the distributed
+    // optimizer).
     embedding_ =
         nn::Embedding(&params, stack.embedding_id(), head_options.tp_size() > 1 ? head_options.tp : nullptr);
     head_ = nn::LossHead(&params, stack.head_id(), config_.vocab_size, stack.vocab_start(), head_options);
