@@ -461,6 +461,38 @@ TEST(DryTrace, Bf16ActivationsHalveTheMessages) {
   }
 }
 
+// The distributed optimizer's static memory per parameter, traced as a run holds it: in bf16 2 bytes of bf16
+// weights and 4 of fp32 gradient whole, 12/dp of fp32 masters and Adam moments, plus the parameters modules
+// read in fp32 (norm weights: the embedding's rows go straight into the bf16 residual stream) kept whole in
+// fp32; in fp32 the weights are the masters, 8 + 8/dp; without it 10 + 8 (bf16) and 8 + 8 (fp32). No other
+// buffer beside them: the collectives run in place (the toy LLaMA's buckets all divide by dp).
+TEST(DryTrace, DistributedOptimizerHoldsMegatronsBytesPerParameter) {
+  const std::unique_ptr<models::ModelConfig> config = models::read_model_config(kLlama);
+  TraceOptions for_cpu;
+  for_cpu.shaped_for = Device::cpu;
+  const nlohmann::json json = config->to_json();
+  const int64_t hidden = json["hidden_size"], layers = json["num_hidden_layers"];
+  const int64_t norms = (2 * layers + 1) * hidden;  // the fp32 weights kept whole under sharded masters
+  for (DType dtype : {DType::bf16, DType::f32})
+    for (int dp : {1, 2, 4})
+      for (bool sharded : {false, true}) {
+        Strategy s = small(1, "none");
+        s.dp = dp, s.grad_accum = 1, s.distributed_optimizer = sharded;
+        s.dtype = s.activation_dtype = dtype;
+        const RankTrace t = trace_rank(*config, s, 0, for_cpu);
+        const double n = static_cast<double>(t.parameters);
+        const double weights = dtype == DType::bf16 ? (sharded ? 6 * n + 4.0 * norms : 10 * n) : 8 * n;
+        const double optimizer =
+            sharded ? (dtype == DType::bf16 ? 12 * (n - norms) + 8.0 * norms : 8 * n) / dp : 8 * n;
+        const std::string what = fmt::format("{} dp {}{}", dtype_name(dtype), dp, sharded ? " sharded" : "");
+        // The model's other buffers (RoPE tables: 32 KiB here) and the allocator's 512-byte rounding.
+        EXPECT_NEAR(static_cast<double>(t.weights_bytes), weights, 65536) << what;
+        EXPECT_NEAR(static_cast<double>(t.static_bytes - t.weights_bytes), optimizer,
+                    8192 + 0.001 * optimizer)
+            << what;
+      }
+}
+
 TEST(DryTrace, ContextParallelRanksHoldTheirChunks) {
   const std::unique_ptr<models::ModelConfig> config = models::read_model_config(kLlama);
   TraceOptions for_cpu, cpu;
