@@ -210,8 +210,11 @@ TEST(DistributedAdamWMpi, CheckpointPiecesSaveEachElementOnce) {
       for (int64_t i = info.offset; i < info.offset + shape_numel(info.shape); ++i) {
         for (int kind = 0; kind < 3; ++kind)
           ASSERT_EQ(saved[kind * n + i], info.shard.primary ? 1.0f : 0.0f) << info.name << " kind " << kind;
-        if (!masters) ASSERT_EQ(load[i], 1.0f) << info.name;   // this rank's whole weights
-        if (masters) ASSERT_EQ(loaded[i], 1.0f) << info.name;  // each master on its owner
+        if (masters) {
+          ASSERT_EQ(loaded[i], 1.0f) << info.name;  // each master on its owner
+        } else {
+          ASSERT_EQ(load[i], 1.0f) << info.name;  // this rank's whole weights
+        }
         for (int kind = 1; kind < 3; ++kind)
           ASSERT_EQ(loaded[kind * n + i], shard ? 1.0f : static_cast<float>(world.size())) << info.name;
       }
