@@ -71,6 +71,23 @@ TEST_P(OneRank, MatchesAdamWBitwise) {
 
 INSTANTIATE_TEST_SUITE_P(Modes, OneRank, ::testing::Values(Mode::no_buckets, Mode::unsharded, Mode::sharded));
 
+// The masters move out of the store once: a second sharded optimizer over it is refused (it would take the
+// kept parameters' buffer for the whole fp32 weights), with one line saying so.
+TEST(DistributedAdamW, ASecondShardedOptimizerOverOneStoreIsRefused) {
+  ParameterStore store;
+  testing::build_toy_store(store, true);
+  auto self = comm::make_self("dp");
+  GradBuckets buckets(&store, self.get(), BucketOptions{kSmallBucket, true, true});
+  DistributedAdamW first(&store, AdamWConfig{}, self.get(), nullptr, &buckets);
+  ASSERT_TRUE(first.holds_masters());
+  try {
+    DistributedAdamW second(&store, AdamWConfig{}, self.get(), nullptr, &buckets);
+    ADD_FAILURE() << "a second optimizer took the released store";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("already held"), std::string::npos) << e.what();
+  }
+}
+
 TEST(DistributedAdamW, GradNormSkipsReplicatedCopies) {
   ParameterStore store;
   testing::build_toy_store(store, false, /*replica_primary=*/false);

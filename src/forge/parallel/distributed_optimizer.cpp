@@ -65,6 +65,8 @@ DistributedAdamW::DistributedAdamW(ParameterStore* store, optim::AdamWConfig con
 }
 
 void DistributedAdamW::hold_masters() {
+  if (store_->fp32_released())
+    fail("a second sharded optimizer over one parameter store: its fp32 master weights are already held");
   // The masters of the owned ranges' parameters the store does not keep, in offset order.
   int64_t total = 0;
   for (auto [begin, end] : owned_)
