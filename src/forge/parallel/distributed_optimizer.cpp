@@ -10,6 +10,12 @@
 
 namespace forge::parallel {
 using namespace forge::optim;
+namespace {
+// Where store element `flat` (of parameter `info`, one of the store's infos()) lies in its fp32 weights.
+int64_t fp32_index(const ParameterStore& store, const ParamInfo& info, int64_t flat) {
+  return store.fp32_offset(static_cast<int>(&info - store.infos().data())) + (flat - info.offset);
+}
+}  // namespace
 
 DistributedAdamW::DistributedAdamW(ParameterStore* store, optim::AdamWConfig config,
                                    std::vector<OptimizerGroup> groups, comm::Communicator* model_parallel)
@@ -86,8 +92,7 @@ void DistributedAdamW::hold_masters() {
 
 float* DistributedAdamW::master(const ParamInfo& info, int64_t flat, bool host) const {
   if (!holds_masters() || info.keep_fp32 || !info.trainable) {
-    const int id = static_cast<int>(&info - store_->infos().data());
-    return (host ? host_params_ : store_->params()).f32() + store_->fp32_offset(id) + (flat - info.offset);
+    return (host ? host_params_ : store_->params()).f32() + fp32_index(*store_, info, flat);
   }
   auto it = std::upper_bound(master_runs_.begin(), master_runs_.end(), flat,
                              [](int64_t f, const MasterRun& r) { return f < r.begin; });
@@ -229,10 +234,7 @@ void DistributedAdamW::gather_params(const GradBuckets& group_buckets) {
     if (!masters) continue;
     for_each_param_in_range(*store_, b.begin, b.end, [&](const ParamInfo& info, int64_t lo, int64_t hi) {
       if (!info.keep_fp32) return;
-      const int id = static_cast<int>(&info - store_->infos().data());
-      store_->params()
-          .view(store_->fp32_offset(id) + (lo - info.offset), {hi - lo})
-          .copy_from(whole.view(lo, {hi - lo}));
+      store_->params().view(fp32_index(*store_, info, lo), {hi - lo}).copy_from(whole.view(lo, {hi - lo}));
     });
   }
 }
