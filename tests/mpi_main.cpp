@@ -7,13 +7,13 @@
 
 namespace {
 // Prints nothing but failed assertions (ranks other than 0).
-class FailuresOnly : public testing::EmptyTestEventListener {
+class FailuresOnly : public ::testing::EmptyTestEventListener {
  public:
   explicit FailuresOnly(int rank) : rank_(rank) {}
   void OnTestPartResult(const testing::TestPartResult& r) override {
     if (r.failed())
-      std::fprintf(stderr, "[rank %d] %s:%d: %s\n", rank_, r.file_name() ? r.file_name() : "?", r.line_number(),
-                   r.summary());
+      std::fprintf(stderr, "[rank %d] %s:%d: %s\n", rank_, r.file_name() ? r.file_name() : "?",
+                   r.line_number(), r.summary());
   }
 
  private:
@@ -22,11 +22,11 @@ class FailuresOnly : public testing::EmptyTestEventListener {
 }  // namespace
 
 int main(int argc, char** argv) {
-  testing::InitGoogleTest(&argc, argv);
+  ::testing::InitGoogleTest(&argc, argv);
   forge::comm::Communicator& world = forge::comm::world(/*force_mpi=*/true);
   world.set_timeout_seconds(120);  // a test that deadlocks is reported, not waited on
   if (world.rank() != 0) {
-    auto& listeners = testing::UnitTest::GetInstance()->listeners();
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
     delete listeners.Release(listeners.default_result_printer());
     listeners.Append(new FailuresOnly(world.rank()));
   }

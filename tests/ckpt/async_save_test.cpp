@@ -16,7 +16,7 @@
 #include "forge/core/error.h"
 #include "forge/core/fault_injection.h"
 
-namespace forge::ckpt {
+namespace forge::ckpt::async_save_test {
 namespace {
 namespace fs = std::filesystem;
 
@@ -120,4 +120,4 @@ TEST_F(AsyncSave, FailedWriteIsThrownByFinishAndCommitsNothing) {
 }
 
 }  // namespace
-}  // namespace forge::ckpt
+}  // namespace forge::ckpt::async_save_test

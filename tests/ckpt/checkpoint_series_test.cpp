@@ -13,7 +13,7 @@
 #include "forge/comm/comm.h"
 #include "forge/core/error.h"
 
-namespace forge::ckpt {
+namespace forge::ckpt::checkpoint_series_test {
 namespace {
 namespace fs = std::filesystem;
 
@@ -122,4 +122,4 @@ TEST_F(CheckpointSeriesTest, ProblemsAreClassedAsDamageOrSomethingMissing) {
 }
 
 }  // namespace
-}  // namespace forge::ckpt
+}  // namespace forge::ckpt::checkpoint_series_test

@@ -11,7 +11,7 @@
 
 #include "forge/core/error.h"
 
-namespace forge {
+namespace forge::finite_check_test {
 using namespace forge::ckpt;
 namespace {
 
@@ -53,4 +53,4 @@ TEST(FiniteCheck, CountsEveryNonFiniteValueAndNamesTheFirst) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::finite_check_test

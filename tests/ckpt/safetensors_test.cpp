@@ -11,7 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
-namespace forge {
+namespace forge::safetensors_test {
 using namespace forge::ckpt;
 namespace {
 
@@ -478,4 +478,4 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, LlamaFixtureTest,
                          [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::safetensors_test

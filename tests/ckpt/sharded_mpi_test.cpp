@@ -9,7 +9,7 @@
 #include "forge/ckpt/sharded.h"
 #include "op_harness.h"
 
-namespace forge {
+namespace forge::sharded_mpi_test {
 using namespace forge::ckpt;
 namespace {
 
@@ -121,4 +121,4 @@ TEST(ShardedMpi, AMissingShardFailsTheLoadEverywhere) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::sharded_mpi_test

@@ -14,16 +14,18 @@
 #include <fstream>
 #include <set>
 
-#include "models/pretrained_test_util.h"
 #include "ckpt/sharded_test_util.h"
 #include "forge/ckpt/checkpoint.h"
-#include "forge/models/pretrained.h"
 #include "forge/ckpt/safetensors.h"
+#include "forge/models/pretrained.h"
 #include "forge/optim/adamw.h"
+#include "models/pretrained_test_util.h"
 #include "op_harness.h"
 
-namespace forge {
-using namespace forge::optim; using namespace forge::models; using namespace forge::ckpt;
+namespace forge::sharded_test {
+using namespace forge::optim;
+using namespace forge::models;
+using namespace forge::ckpt;
 namespace {
 
 namespace fs = std::filesystem;
@@ -218,8 +220,8 @@ TEST_F(ShardedTest, ModelAndOptimizerRoundTripIsBitwise) {
   // A save that records no AdamW count (the collective entry point, as a trainer may call it): the
   // optimizer resumes at the training step.
   state.step = 4;
-  save_sharded_checkpoint(path("no_count"), *self_, parameter_store_pieces(model->params(), &optimizer.moments(), true),
-                          state);
+  save_sharded_checkpoint(path("no_count"), *self_,
+                          parameter_store_pieces(model->params(), &optimizer.moments(), true), state);
   EXPECT_EQ(read_checkpoint_manifest(path("no_count")).optimizer_steps, -1);
   load_checkpoint(path("no_count"), other->params(), &other_optimizer.moments());
   EXPECT_EQ(other_optimizer.steps_taken(), 4);
@@ -227,8 +229,9 @@ TEST_F(ShardedTest, ModelAndOptimizerRoundTripIsBitwise) {
   // Weights only: no optimizer state, and asking for it says so.
   save_checkpoint(path("weights"), model->params(), nullptr, state);
   EXPECT_EQ(read_checkpoint_manifest(path("weights")).optimizer_steps, -1);
-  expect_error_containing([&] { load_checkpoint(path("weights"), other->params(), &other_optimizer.moments()); },
-                          {"weights", "holds no optimizer state"});
+  expect_error_containing(
+      [&] { load_checkpoint(path("weights"), other->params(), &other_optimizer.moments()); },
+      {"weights", "holds no optimizer state"});
   load_checkpoint(path("weights"), other->params(), nullptr);
 }
 
@@ -639,10 +642,11 @@ TEST_F(ShardedTest, EditedManifestIsRefusedAsCorrupt) {
   std::string twice = text;
   twice.insert(twice.find("\"step\""), "\"step\": 3,\n  ");
   std::ofstream(file) << twice;
-  expect_error_containing([&] { read_checkpoint_manifest(path("c")); }, {"manifest.json", "key 'step' appears twice"});
+  expect_error_containing([&] { read_checkpoint_manifest(path("c")); },
+                          {"manifest.json", "key 'step' appears twice"});
   std::ofstream(file) << text;
   load_and_check(path("c"), SimLayout{1, 1, false}, toy_tensors(), "restored manifest");
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::sharded_test

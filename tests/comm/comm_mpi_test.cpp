@@ -15,7 +15,7 @@
 #include "forge/core/dtype.h"
 #include "forge/core/error.h"
 
-namespace forge::comm {
+namespace forge::comm::comm_mpi_test {
 namespace {
 
 Communicator& the_world() { return world(); }  // tests/mpi_main.cpp created it with MPI
@@ -83,7 +83,8 @@ TEST(CommMpi, SplitWithNegativeColorLeavesTheRankOut) {
 TEST(CommMpi, WaitOnStreamWaitsOnTheHost) {
   Communicator& w = world();
   std::vector<float> values(1000, static_cast<float>(w.rank() + 1));
-  Request request = w.all_reduce(values.data(), static_cast<int64_t>(values.size()), Type::f32, ReduceOp::sum);
+  Request request =
+      w.all_reduce(values.data(), static_cast<int64_t>(values.size()), Type::f32, ReduceOp::sum);
   w.wait_on_stream(request);
   EXPECT_FALSE(request.pending());
   const float want = static_cast<float>(w.size() * (w.size() + 1) / 2);
@@ -178,7 +179,8 @@ TEST(CommMpi, BlockingAllReduceMatchesTheRequest) {
   Communicator& w = world();
   for (int64_t count : {int64_t{0}, int64_t{7}, int64_t{300000}}) {
     std::vector<float> a(count), b(count);
-    for (int64_t i = 0; i < count; ++i) a[i] = b[i] = static_cast<float>((i * 7 + w.rank() * 13) % 101) / 8.0f;
+    for (int64_t i = 0; i < count; ++i)
+      a[i] = b[i] = static_cast<float>((i * 7 + w.rank() * 13) % 101) / 8.0f;
     w.all_reduce(a.data(), count, Type::f32, ReduceOp::sum).wait();
     w.all_reduce_blocking(b.data(), count, Type::f32, ReduceOp::sum);
     EXPECT_EQ(a, b) << count;  // multiples of 1/8: exact in any order
@@ -239,4 +241,4 @@ TEST(CommMpi, ArgumentsAreCheckedBeforeAnyMpiCall) {
 }
 
 }  // namespace
-}  // namespace forge::comm
+}  // namespace forge::comm::comm_mpi_test

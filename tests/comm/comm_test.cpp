@@ -21,7 +21,7 @@
 #include "forge/comm/nccl/device_memory.h"
 #include "forge/core/error.h"
 
-namespace forge::comm {
+namespace forge::comm::comm_test {
 namespace {
 
 // Sets (or, with nullptr, removes) an environment variable for one scope.
@@ -365,4 +365,4 @@ TEST(CommMpiClean, JobWithoutAStallSucceeds) {
 }
 
 }  // namespace
-}  // namespace forge::comm
+}  // namespace forge::comm::comm_test

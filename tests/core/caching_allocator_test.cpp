@@ -11,7 +11,7 @@
 #include "forge/core/error.h"
 #include "op_harness.h"
 
-namespace forge {
+namespace forge::caching_allocator_test {
 namespace {
 
 // A malloc-backed raw allocator that counts calls, remembers what is outstanding and can run out of memory
@@ -268,4 +268,4 @@ TEST(CachingAllocator, BackendNeedsBothFunctions) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::caching_allocator_test

@@ -16,7 +16,7 @@
 
 #include "forge/core/error.h"
 
-namespace forge {
+namespace forge::dtype_test {
 namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -415,4 +415,4 @@ TEST(DType, BulkDecodeEqualsScalarBitwise) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::dtype_test

@@ -8,7 +8,7 @@
 
 #include "forge/core/error.h"
 
-namespace forge {
+namespace forge::fibers_test {
 namespace {
 
 TEST(Fibers, TakeTurnsAtEveryYield) {
@@ -109,4 +109,4 @@ TEST(Fibers, NotReentrant) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::fibers_test

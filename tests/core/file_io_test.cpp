@@ -10,7 +10,7 @@
 
 #include "forge/core/error.h"
 
-namespace forge {
+namespace forge::file_io_test {
 namespace {
 namespace fs = std::filesystem;
 
@@ -46,7 +46,8 @@ TEST(FileIo, WriteFileAtomicallyReportsAFullDisk) {
   fs::remove_all(dir);
   fs::create_directories(dir);
   fs::create_symlink("/dev/full", dir / "f.txt.tmp");  // the temporary's writes go to the full device
-  const std::string e = error_of([&] { write_file_atomically(dir / "f.txt", std::string(1 << 16, 'x'), "metrics"); });
+  const std::string e =
+      error_of([&] { write_file_atomically(dir / "f.txt", std::string(1 << 16, 'x'), "metrics"); });
   EXPECT_NE(e.find("No space left on device"), std::string::npos) << e;
   EXPECT_FALSE(fs::exists(dir / "f.txt"));
   EXPECT_FALSE(fs::exists(fs::symlink_status(dir / "f.txt.tmp")));
@@ -54,8 +55,10 @@ TEST(FileIo, WriteFileAtomicallyReportsAFullDisk) {
 }
 
 TEST(FileIo, ParseJsonStrictRefusesDuplicateKeysAtAnyDepth) {
-  EXPECT_EQ(parse_json_strict(R"({"a": 1, "b": {"a": 2}, "c": [{"a": 1}, {"a": 2}]})", "x.json")["b"]["a"], 2);
-  EXPECT_EQ(error_of([] { parse_json_strict(R"({"a": 1, "a": 2})", "x.json"); }), "x.json: key 'a' appears twice");
+  EXPECT_EQ(parse_json_strict(R"({"a": 1, "b": {"a": 2}, "c": [{"a": 1}, {"a": 2}]})", "x.json")["b"]["a"],
+            2);
+  EXPECT_EQ(error_of([] { parse_json_strict(R"({"a": 1, "a": 2})", "x.json"); }),
+            "x.json: key 'a' appears twice");
   EXPECT_EQ(error_of([] { parse_json_strict(R"({"s": {"k": 1, "j": 2, "k": 3}})", "m.json"); }),
             "m.json: key 's.k' appears twice");
   EXPECT_EQ(error_of([] { parse_json_strict(R"({"t": [{"x": 1}, {"x": 2, "x": 3}]})", "m.json"); }),
@@ -65,4 +68,4 @@ TEST(FileIo, ParseJsonStrictRefusesDuplicateKeysAtAnyDepth) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::file_io_test

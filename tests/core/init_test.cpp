@@ -10,7 +10,7 @@
 #include "forge/core/error.h"
 #include "forge/core/philox.h"
 
-namespace forge {
+namespace forge::init_test {
 namespace {
 
 constexpr uint64_t kSeed = 1234;
@@ -150,4 +150,4 @@ TEST(Init, BadArgumentsThrow) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::init_test

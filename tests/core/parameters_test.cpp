@@ -10,7 +10,7 @@
 
 #include "forge/core/error.h"
 
-namespace forge {
+namespace forge::parameters_test {
 
 void PrintTo(const ShardRun& r, std::ostream* os) {
   *os << "{" << r.local << ", " << r.global << ", " << r.count << "}";
@@ -145,4 +145,4 @@ TEST(ParameterStore, FrozenParametersHaveNoGradient) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::parameters_test

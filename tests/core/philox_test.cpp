@@ -6,7 +6,7 @@
 #include <cmath>
 #include <set>
 
-namespace forge {
+namespace forge::philox_test {
 namespace {
 
 // Known-answer vectors of Random123 (kat_vectors, the "philox4x32 10" lines: counter, key, expected).
@@ -108,4 +108,4 @@ TEST(Philox, BoxMullerEndpointsAndMoments) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::philox_test

@@ -6,7 +6,7 @@
 
 #include "forge/core/device.h"
 
-namespace forge {
+namespace forge::tensor_test {
 namespace {
 
 TEST(Tensor, EmptyHasShapeDtypeAndAlignment) {
@@ -68,9 +68,9 @@ TEST(Tensor, BadShapesAndAccessThrow) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::tensor_test
 
-namespace forge {
+namespace forge::tensor_test {
 namespace {
 
 TEST(Tensor, ToTheSameDeviceIsTheTensorItself) {
@@ -99,11 +99,12 @@ TEST(Device, NamesAndRefusals) {
       FAIL() << "a CUDA tensor without a GPU";
     } catch (const Error& e) {
       const std::string what = e.what();
-      EXPECT_TRUE(what.find("no usable GPU") != std::string::npos || what.find("CUDA backend") != std::string::npos)
+      EXPECT_TRUE(what.find("no usable GPU") != std::string::npos ||
+                  what.find("CUDA backend") != std::string::npos)
           << what;
     }
   }
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::tensor_test

@@ -14,7 +14,7 @@
 #include "forge/core/error.h"
 #include "forge/fp8/scaling.h"
 
-namespace forge::fp8 {
+namespace forge::fp8::quantize_test {
 namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -285,11 +285,12 @@ TEST(Fp8BlockQuantize, WithTransposeEqualsBothSeparatePasses) {
     for (DType fp8 : kFormats) {
       for (bool power_of_two : {false, true}) {
         std::vector<uint8_t> q1(rows * cols), qt1(rows * cols), q2(rows * cols), qt2(rows * cols);
-        std::vector<float> s1(rows * num_blocks(cols)), st1(cols * num_blocks(rows)), s2(s1.size()), st2(st1.size());
+        std::vector<float> s1(rows * num_blocks(cols)), st1(cols * num_blocks(rows)), s2(s1.size()),
+            st2(st1.size());
         quantize_1x128(x.data(), rows, cols, fp8, power_of_two, q1.data(), s1.data());
         quantize_1x128_transposed(x.data(), rows, cols, fp8, power_of_two, qt1.data(), st1.data());
-        quantize_1x128_with_transpose(x.data(), rows, cols, fp8, power_of_two, q2.data(), s2.data(), qt2.data(),
-                                      st2.data());
+        quantize_1x128_with_transpose(x.data(), rows, cols, fp8, power_of_two, q2.data(), s2.data(),
+                                      qt2.data(), st2.data());
         EXPECT_EQ(q2, q1) << rows << "x" << cols;
         EXPECT_EQ(qt2, qt1) << rows << "x" << cols;
         EXPECT_EQ(0, std::memcmp(s2.data(), s1.data(), s1.size() * sizeof(float))) << rows << "x" << cols;
@@ -368,4 +369,4 @@ TEST(Fp8BlockQuantize, RejectsNonFp8Dtype) {
 }
 
 }  // namespace
-}  // namespace forge::fp8
+}  // namespace forge::fp8::quantize_test

@@ -6,7 +6,7 @@
 
 #include "forge/core/error.h"
 
-namespace forge::fp8 {
+namespace forge::fp8::recipe_test {
 namespace {
 
 // The message of the forge::Error that fn throws ("" if it throws none).
@@ -78,4 +78,4 @@ TEST(Fp8Recipe, DefaultsAndValidation) {
 }
 
 }  // namespace
-}  // namespace forge::fp8
+}  // namespace forge::fp8::recipe_test

@@ -8,7 +8,7 @@
 
 #include "forge/core/error.h"
 
-namespace forge::fp8 {
+namespace forge::fp8::scaling_test {
 namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -171,4 +171,4 @@ TEST(Fp8DelayedScalingGroup, ContiguousAmaxesForOneReduction) {
 }
 
 }  // namespace
-}  // namespace forge::fp8
+}  // namespace forge::fp8::scaling_test

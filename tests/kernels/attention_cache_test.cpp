@@ -16,7 +16,7 @@
 #include "forge/kernels/ops.h"
 #include "op_harness.h"
 
-namespace forge {
+namespace forge::attention_cache_test {
 namespace {
 
 struct CacheCase {
@@ -186,4 +186,4 @@ TEST(AttentionCache, ACacheOfOnePositionRuns) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::attention_cache_test

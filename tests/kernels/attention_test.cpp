@@ -13,8 +13,7 @@
 #include "forge/kernels/ops.h"
 #include "op_harness.h"
 
-namespace forge {
-namespace op_tests::attention {
+namespace forge::op_tests::attention {
 FORGE_INSTANTIATE_OP_TEST(AttentionOp, kCases, testing::Backend::cpu, testing::Backend::emulated);
 FORGE_INSTANTIATE_OP_TEST(AttentionCacheOp, kCacheCases, testing::Backend::cpu, testing::Backend::emulated);
 FORGE_INSTANTIATE_OP_TEST(AttentionFixed, testing::kFixedCase, testing::Backend::cpu,
@@ -40,7 +39,9 @@ FORGE_INSTANTIATE_OP_TEST(AttentionWindowCacheOp, kWindowCacheCases, testing::Ba
 // Soft-capping reuses the window tests: against the double reference, gradients by finite differences.
 FORGE_INSTANTIATE_OP_TEST_NAMED(Softcap, AttentionWindowOp, kSoftcapCases, testing::Backend::cpu);
 FORGE_INSTANTIATE_OP_TEST_NAMED(Softcap, AttentionWindowCacheOp, kSoftcapCacheCases, testing::Backend::cpu);
-}  // namespace op_tests::attention
+}  // namespace forge::op_tests::attention
+
+namespace forge::attention_test {
 
 namespace {
 
@@ -158,4 +159,4 @@ TEST(AttentionErrors, RejectsBadShapes) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::attention_test

@@ -7,7 +7,7 @@
 #include "forge/kernels/ops.h"
 #include "op_harness.h"
 
-namespace forge::op_tests::bias {
+namespace forge::op_tests::bias::bias_test {
 namespace {
 
 FORGE_INSTANTIATE_OP_TEST(BiasOp, kCases, testing::Backend::cpu, testing::Backend::emulated);
@@ -30,4 +30,4 @@ TEST(Bias, ResultsDoNotDependOnThreadCount) {
 }
 
 }  // namespace
-}  // namespace forge::op_tests::bias
+}  // namespace forge::op_tests::bias::bias_test

@@ -3,7 +3,7 @@
 
 #include "op_harness.h"
 
-namespace forge::op_tests::dropout {
+namespace forge::op_tests::dropout::dropout_test {
 namespace {
 
 FORGE_INSTANTIATE_OP_TEST(DropoutOp, kCases, testing::Backend::cpu, testing::Backend::emulated);
@@ -11,4 +11,4 @@ FORGE_INSTANTIATE_OP_TEST(DropoutRate, testing::kFixedCase, testing::Backend::cp
                           testing::Backend::emulated);
 
 }  // namespace
-}  // namespace forge::op_tests::dropout
+}  // namespace forge::op_tests::dropout::dropout_test

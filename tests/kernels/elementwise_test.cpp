@@ -1,13 +1,14 @@
-// The element-wise ops: the op tests (op_tests/elementwise.h) on the CPU and the device emulation, and what only
-// the CPU kernel promises (sum_squares independent of the OpenMP thread count).
+// The element-wise ops: the op tests (op_tests/elementwise.h) on the CPU and the device emulation, and what
+// only the CPU kernel promises (sum_squares independent of the OpenMP thread count).
+#include "kernels/op_tests/elementwise.h"
+
 #include <gtest/gtest.h>
 #include <omp.h>
 
 #include "forge/kernels/ops.h"
-#include "kernels/op_tests/elementwise.h"
 #include "op_harness.h"
 
-namespace forge::op_tests::elementwise {
+namespace forge::op_tests::elementwise::elementwise_test {
 namespace {
 
 FORGE_INSTANTIATE_OP_TEST(ElementwiseOp, kCases, testing::Backend::cpu, testing::Backend::emulated);
@@ -29,4 +30,4 @@ TEST(Elementwise, SumSquaresDoesNotDependOnThreadCount) {
 }
 
 }  // namespace
-}  // namespace forge::op_tests::elementwise
+}  // namespace forge::op_tests::elementwise::elementwise_test

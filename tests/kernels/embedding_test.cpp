@@ -1,13 +1,14 @@
-// Embedding: the op tests (op_tests/embedding.h) on the CPU and the device emulation, and what only the CPU kernel
-// promises (a scatter-add independent of the OpenMP thread count).
+// Embedding: the op tests (op_tests/embedding.h) on the CPU and the device emulation, and what only the CPU
+// kernel promises (a scatter-add independent of the OpenMP thread count).
+#include "kernels/op_tests/embedding.h"
+
 #include <gtest/gtest.h>
 #include <omp.h>
 
 #include "forge/kernels/ops.h"
-#include "kernels/op_tests/embedding.h"
 #include "op_harness.h"
 
-namespace forge::op_tests::embedding {
+namespace forge::op_tests::embedding::embedding_test {
 namespace {
 
 FORGE_INSTANTIATE_OP_TEST(EmbeddingOp, kCases, testing::Backend::cpu, testing::Backend::emulated);
@@ -26,4 +27,4 @@ TEST(Embedding, BackwardWeightDoesNotDependOnThreadCount) {
 }
 
 }  // namespace
-}  // namespace forge::op_tests::embedding
+}  // namespace forge::op_tests::embedding::embedding_test

@@ -1,6 +1,7 @@
-// The device emulation (kernels/emulated_device.h): while it lives Device::cuda is usable and runs the CPU kernels
-// on memory the host cannot touch outside ops and copies. A host read of device memory or a freed allocation
-// dies naming the address; a host pointer (or a freed one) handed to a device op is one line naming the op and the field.
+// The device emulation (kernels/emulated_device.h): while it lives Device::cuda is usable and runs the CPU
+// kernels on memory the host cannot touch outside ops and copies. A host read of device memory or a freed
+// allocation dies naming the address; a host pointer (or a freed one) handed to a device op is one line
+// naming the op and the field.
 #include "forge/kernels/emulated_device.h"
 
 #include <gtest/gtest.h>
@@ -14,18 +15,20 @@
 #include "forge/kernels/ops.h"
 #include "op_harness.h"
 
-namespace forge {
+namespace forge::emulated_device_test {
 namespace {
 
 Tensor device_copy(const std::vector<float>& host) {
   Tensor t = Tensor::empty({static_cast<int64_t>(host.size())}, DType::f32, Device::cuda);
-  device_memory(Device::cuda).copy(t.raw(), Device::cuda, host.data(), Device::cpu, host.size() * sizeof(float));
+  device_memory(Device::cuda)
+      .copy(t.raw(), Device::cuda, host.data(), Device::cpu, host.size() * sizeof(float));
   return t;
 }
 
 std::vector<float> host_copy(const Tensor& t) {
   std::vector<float> host(static_cast<size_t>(t.numel()));
-  device_memory(Device::cuda).copy(host.data(), Device::cpu, t.raw(), Device::cuda, host.size() * sizeof(float));
+  device_memory(Device::cuda)
+      .copy(host.data(), Device::cpu, t.raw(), Device::cuda, host.size() * sizeof(float));
   return host;
 }
 
@@ -61,7 +64,8 @@ TEST(EmulatedDevice, HostPointersHandedToDeviceOpsAreOneLine) {
     ops::add_inplace(d.f32(), host.data(), 16, Device::cuda);
     ADD_FAILURE() << "expected an error";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("add_inplace on the emulated device: argument 2 = "), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("add_inplace on the emulated device: argument 2 = "),
+              std::string::npos)
         << e.what();
     EXPECT_NE(std::string(e.what()).find("is not device memory (a host pointer handed to a device op)"),
               std::string::npos)
@@ -78,14 +82,15 @@ TEST(EmulatedDevice, HostPointersHandedToDeviceOpsAreOneLine) {
   EXPECT_THROW(EmulatedDevice(), Error);  // one emulation at a time
 }
 
-// Where the CUDA backend's limits are narrower than the CPU kernels' (FP8 GEMMs NT only, 16-byte aligned), the
-// emulation applies them too (builds with the CUDA backend): what a GPU would refuse is refused here.
+// Where the CUDA backend's limits are narrower than the CPU kernels' (FP8 GEMMs NT only, 16-byte aligned),
+// the emulation applies them too (builds with the CUDA backend): what a GPU would refuse is refused here.
 TEST(EmulatedDevice, CudaBackendLimitsApply) {
 #ifndef FORGE_HAVE_CUDA
   GTEST_SKIP() << "built without the CUDA backend";
 #else
   EmulatedDevice emulation;
-  Tensor a = Tensor::zeros({32, 32}, DType::e4m3, Device::cuda), c = Tensor::zeros({32, 32}, DType::f32, Device::cuda);
+  Tensor a = Tensor::zeros({32, 32}, DType::e4m3, Device::cuda),
+         c = Tensor::zeros({32, 32}, DType::f32, Device::cuda);
   ops::Fp8GemmParams p;
   p.m = p.n = p.k = 32, p.a = a.data<uint8_t>(), p.lda = 32, p.b = a.data<uint8_t>(), p.ldb = 32;
   p.c = c.f32(), p.ldc = 32;  // NN: the CPU kernel takes it, FP8 tensor cores do not
@@ -119,7 +124,8 @@ TEST(EmulatedDevice, CheckOnlyRunsNothingAndCommitsNothing) {
       ops::add_inplace(big.f32(), small.data(), 2, Device::cuda);
       ADD_FAILURE() << "expected an error";
     } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("add_inplace on the emulated device: argument 2"), std::string::npos);
+      EXPECT_NE(std::string(e.what()).find("add_inplace on the emulated device: argument 2"),
+                std::string::npos);
     }
   }
   EXPECT_EQ(EmulatedDevice::ops_run(), 2);
@@ -201,10 +207,11 @@ TEST(EmulatedDevice, FreedMemoryIsNoDeviceMemory) {
     ops::scale_inplace(stale, 2.0f, 64, Device::cuda);
     ADD_FAILURE() << "expected an error";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("scale_inplace on the emulated device: argument 1 = "), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("scale_inplace on the emulated device: argument 1 = "),
+              std::string::npos)
         << e.what();
   }
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::emulated_device_test

@@ -21,12 +21,13 @@
 #include "forge/kernels/ops.h"
 #include "op_harness.h"
 
-namespace forge {
-namespace op_tests::fp8_current_scaling {
+namespace forge::op_tests::fp8_current_scaling {
 FORGE_INSTANTIATE_OP_TEST(Fp8CurrentScalingOp, kCases, testing::Backend::cpu, testing::Backend::emulated);
 FORGE_INSTANTIATE_OP_TEST(Fp8CurrentScalingFixed, testing::kFixedCase, testing::Backend::cpu,
                           testing::Backend::emulated);
-}  // namespace op_tests::fp8_current_scaling
+}  // namespace forge::op_tests::fp8_current_scaling
+
+namespace forge::fp8_current_scaling_test {
 
 namespace {
 
@@ -79,4 +80,4 @@ TEST(Fp8CurrentScaling, GemmScalePointersAreTheValues) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::fp8_current_scaling_test

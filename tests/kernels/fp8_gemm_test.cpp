@@ -20,12 +20,13 @@
 #include "forge/kernels/ops.h"
 #include "op_harness.h"
 
-namespace forge {
-namespace op_tests::fp8_gemm {
+namespace forge::op_tests::fp8_gemm {
 FORGE_INSTANTIATE_OP_TEST(Fp8GemmOp, kCases, testing::Backend::cpu, testing::Backend::emulated);
 FORGE_INSTANTIATE_OP_TEST(Fp8GemmFixed, testing::kFixedCase, testing::Backend::cpu,
                           testing::Backend::emulated);
-}  // namespace op_tests::fp8_gemm
+}  // namespace forge::op_tests::fp8_gemm
+
+namespace forge::fp8_gemm_test {
 
 namespace {
 
@@ -531,4 +532,4 @@ TEST(Fp8GemmErrors, NameTheCulprit) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::fp8_gemm_test

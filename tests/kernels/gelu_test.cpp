@@ -7,7 +7,7 @@
 #include "forge/kernels/ops.h"
 #include "op_harness.h"
 
-namespace forge::op_tests::gelu {
+namespace forge::op_tests::gelu::gelu_test {
 namespace {
 
 FORGE_INSTANTIATE_OP_TEST(GeluOp, kCases, testing::Backend::cpu, testing::Backend::emulated);
@@ -53,4 +53,4 @@ TEST(Gelu, ResultsDoNotDependOnThreadCount) {
 }
 
 }  // namespace
-}  // namespace forge::op_tests::gelu
+}  // namespace forge::op_tests::gelu::gelu_test

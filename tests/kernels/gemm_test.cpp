@@ -12,7 +12,7 @@
 #include "forge/kernels/ops.h"
 #include "op_harness.h"
 
-namespace forge::op_tests::gemm {
+namespace forge::op_tests::gemm::gemm_test {
 namespace {
 
 FORGE_INSTANTIATE_OP_TEST(GemmOp, kCases, testing::Backend::cpu, testing::Backend::emulated);
@@ -87,4 +87,4 @@ TEST(GemmErrors, OutputDtypeIsFp32OrBf16FromBf16Operands) {
 }
 
 }  // namespace
-}  // namespace forge::op_tests::gemm
+}  // namespace forge::op_tests::gemm::gemm_test

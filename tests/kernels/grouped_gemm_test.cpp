@@ -10,7 +10,7 @@
 #include "forge/kernels/ops.h"
 #include "op_harness.h"
 
-namespace forge::op_tests::grouped_gemm {
+namespace forge::op_tests::grouped_gemm::grouped_gemm_test {
 namespace {
 
 FORGE_INSTANTIATE_OP_TEST(GroupedGemmOp, kCases, testing::Backend::cpu, testing::Backend::emulated);
@@ -56,4 +56,4 @@ TEST(GroupedGemm, ThreeLayoutsAreOneAnothersGradients) {
 }
 
 }  // namespace
-}  // namespace forge::op_tests::grouped_gemm
+}  // namespace forge::op_tests::grouped_gemm::grouped_gemm_test

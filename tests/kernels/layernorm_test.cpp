@@ -7,7 +7,7 @@
 #include "forge/kernels/ops.h"
 #include "op_harness.h"
 
-namespace forge::op_tests::layernorm {
+namespace forge::op_tests::layernorm::layernorm_test {
 namespace {
 
 FORGE_INSTANTIATE_OP_TEST(LayerNormOp, kCases, testing::Backend::cpu, testing::Backend::emulated);
@@ -33,4 +33,4 @@ TEST(LayerNorm, ResultsDoNotDependOnThreadCount) {
 }
 
 }  // namespace
-}  // namespace forge::op_tests::layernorm
+}  // namespace forge::op_tests::layernorm::layernorm_test

@@ -11,7 +11,7 @@
 #include "forge/kernels/ops.h"
 #include "op_harness.h"
 
-namespace forge::op_tests::linear_cross_entropy {
+namespace forge::op_tests::linear_cross_entropy::linear_cross_entropy_test {
 namespace {
 
 FORGE_INSTANTIATE_OP_TEST(LinearCrossEntropyOp, kCases, testing::Backend::cpu, testing::Backend::emulated);
@@ -67,4 +67,4 @@ TEST(LinearCrossEntropy, WorkspaceSize) {
 }
 
 }  // namespace
-}  // namespace forge::op_tests::linear_cross_entropy
+}  // namespace forge::op_tests::linear_cross_entropy::linear_cross_entropy_test

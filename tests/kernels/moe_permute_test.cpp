@@ -6,7 +6,7 @@
 
 #include "op_harness.h"
 
-namespace forge::op_tests::moe_permute {
+namespace forge::op_tests::moe_permute::moe_permute_test {
 namespace {
 
 FORGE_INSTANTIATE_OP_TEST(MoeSortOp, kCases, testing::Backend::cpu, testing::Backend::emulated);
@@ -66,4 +66,4 @@ TEST(MoePermute, SourceMinusOneIsPaddingBelowIsOneLine) {
 }
 
 }  // namespace
-}  // namespace forge::op_tests::moe_permute
+}  // namespace forge::op_tests::moe_permute::moe_permute_test

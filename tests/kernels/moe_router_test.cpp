@@ -3,7 +3,7 @@
 
 #include "op_harness.h"
 
-namespace forge::op_tests::moe_router {
+namespace forge::op_tests::moe_router::moe_router_test {
 namespace {
 
 FORGE_INSTANTIATE_OP_TEST(MoeRouterOp, kCases, testing::Backend::cpu, testing::Backend::emulated);
@@ -11,4 +11,4 @@ FORGE_INSTANTIATE_OP_TEST(MoeRouterHandMade, testing::kFixedCase, testing::Backe
                           testing::Backend::emulated);
 
 }  // namespace
-}  // namespace forge::op_tests::moe_router
+}  // namespace forge::op_tests::moe_router::moe_router_test

@@ -20,11 +20,12 @@
 #include "kernels/op_tests/empty_inputs.h"
 #include "op_harness.h"
 
-namespace forge {
-namespace op_tests::empty_inputs {
+namespace forge::op_tests::empty_inputs {
 FORGE_INSTANTIATE_OP_TEST(EmptyInputs, testing::kFixedCase, testing::Backend::cpu,
                           testing::Backend::emulated);
-}  // namespace op_tests::empty_inputs
+}  // namespace forge::op_tests::empty_inputs
+
+namespace forge::op_support_test {
 
 namespace {
 
@@ -586,4 +587,4 @@ TEST(OpSupport, MoeEmulatedDeviceTakesHostOffsets) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::op_support_test

@@ -16,7 +16,7 @@
 #include "forge/kernels/ops.h"
 #include "op_harness.h"
 
-namespace forge {
+namespace forge::profiler_test {
 namespace {
 
 const ops::OpProfileRow* find_row(const ops::OpProfile& p, const std::string& op, const std::string& detail) {
@@ -303,4 +303,4 @@ TEST(Profiler, MisuseIsOneLine) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::profiler_test

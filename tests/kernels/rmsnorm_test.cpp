@@ -1,15 +1,16 @@
-// RMSNorm: the op tests (op_tests/rmsnorm.h) on the CPU and the device emulation, and what only the CPU kernel
-// promises (results independent of the OpenMP thread count).
+// RMSNorm: the op tests (op_tests/rmsnorm.h) on the CPU and the device emulation, and what only the CPU
+// kernel promises (results independent of the OpenMP thread count).
+#include "kernels/op_tests/rmsnorm.h"
+
 #include <gtest/gtest.h>
 #include <omp.h>
 
 #include <cstring>
 
 #include "forge/kernels/ops.h"
-#include "kernels/op_tests/rmsnorm.h"
 #include "op_harness.h"
 
-namespace forge::op_tests::rmsnorm {
+namespace forge::op_tests::rmsnorm::rmsnorm_test {
 namespace {
 
 FORGE_INSTANTIATE_OP_TEST(RmsNormOp, kCases, testing::Backend::cpu, testing::Backend::emulated);
@@ -32,4 +33,4 @@ TEST(RmsNorm, ResultsDoNotDependOnThreadCount) {
 }
 
 }  // namespace
-}  // namespace forge::op_tests::rmsnorm
+}  // namespace forge::op_tests::rmsnorm::rmsnorm_test

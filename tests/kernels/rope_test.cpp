@@ -11,10 +11,11 @@
 #include "forge/kernels/rope_tables.h"
 #include "op_harness.h"
 
-namespace forge {
-namespace op_tests::rope {
+namespace forge::op_tests::rope {
 FORGE_INSTANTIATE_OP_TEST(RopeOp, kCases, testing::Backend::cpu, testing::Backend::emulated);
-}  // namespace op_tests::rope
+}  // namespace forge::op_tests::rope
+
+namespace forge::rope_test {
 
 namespace {
 
@@ -128,4 +129,4 @@ TEST(RopeTables, RejectsOddHeadDim) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::rope_test

@@ -6,7 +6,7 @@
 #include <limits>
 #include <vector>
 
-namespace forge {
+namespace forge::simd_exp_test {
 namespace {
 
 TEST(SimdExp, MatchesDoubleExpWithinTwoUlp) {
@@ -34,4 +34,4 @@ TEST(SimdExp, NeverReturnsDenormalsOrInfinity) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::simd_exp_test

@@ -11,7 +11,7 @@
 #include "forge/core/error.h"
 #include "op_harness.h"
 
-namespace forge::op_tests::swiglu {
+namespace forge::op_tests::swiglu::swiglu_test {
 namespace {
 
 FORGE_INSTANTIATE_OP_TEST(SwigluOp, kCases, testing::Backend::cpu, testing::Backend::emulated);
@@ -90,4 +90,4 @@ TEST(GegluCpu, GateIsTheTanhGelu) {
 }
 
 }  // namespace
-}  // namespace forge::op_tests::swiglu
+}  // namespace forge::op_tests::swiglu::swiglu_test

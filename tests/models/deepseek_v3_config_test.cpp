@@ -9,7 +9,7 @@
 
 #include "forge/core/error.h"
 
-namespace forge {
+namespace forge::deepseek_v3_config_test {
 using namespace forge::models;
 namespace {
 
@@ -468,4 +468,4 @@ TEST(DeepseekV3Config, MemoryIsCheckedBeforeAllocation) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::deepseek_v3_config_test

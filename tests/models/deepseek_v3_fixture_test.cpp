@@ -10,13 +10,14 @@
 
 #include "forge/ckpt/safetensors.h"
 #include "forge/models/deepseek_v3/deepseek_v3_config.h"
+#include "test_files.h"
 
-namespace forge {
+namespace forge::deepseek_v3_fixture_test {
 using namespace forge::models;
 using namespace forge::ckpt;
 namespace {
 
-std::string fixture(const std::string& name) { return std::string(FORGE_FIXTURE_DIR) + "/" + name; }
+using testing::fixture;
 
 class DeepseekV3Fixture : public ::testing::TestWithParam<std::string> {
  protected:
@@ -192,4 +193,4 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, DeepseekV3Fixture,
                          ::testing::Values("deepseek_v3_tiny", "deepseek_v3_yarn_mtp", "deepseek_v3_mtp2"));
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::deepseek_v3_fixture_test

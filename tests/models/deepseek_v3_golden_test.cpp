@@ -18,25 +18,18 @@
 #include "forge/models/pretrained.h"
 #include "forge/optim/adamw.h"
 #include "op_harness.h"
+#include "test_files.h"
 
-namespace forge {
+namespace forge::deepseek_v3_golden_test {
 using namespace forge::optim;
 using namespace forge::models;
 using namespace forge::ckpt;
 namespace {
 
-std::string fixture(const std::string& name) { return std::string(FORGE_FIXTURE_DIR) + "/" + name; }
+using testing::fixture;
 
 // Largest |got - want| over want's largest magnitude.
-double rel_error(const Tensor& got, const Tensor& want) {
-  EXPECT_EQ(got.numel(), want.numel());
-  double max_diff = 0, max_ref = 0;
-  for (int64_t i = 0; i < got.numel(); ++i) {
-    max_diff = std::max(max_diff, std::abs(double(got.f32()[i]) - want.f32()[i]));
-    max_ref = std::max(max_ref, std::abs(double(want.f32()[i])));
-  }
-  return max_diff / (max_ref + 1e-30);
-}
+using testing::rel_error;
 
 bool is_bias(const std::string& name) { return name.ends_with(".mlp.gate.e_score_correction_bias"); }
 
@@ -408,4 +401,4 @@ TEST(DeepseekV3Mtp, ReleaseCheckpointWithDuplicatesLoads) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::deepseek_v3_golden_test

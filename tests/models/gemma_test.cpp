@@ -13,7 +13,7 @@
 #include "family_model_checks.h"
 #include "op_harness.h"
 
-namespace forge {
+namespace forge::gemma_test {
 using namespace forge::models;
 namespace {
 
@@ -205,4 +205,4 @@ TEST(GemmaModel, HuggingFaceFolderInAndOut) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::gemma_test

@@ -14,13 +14,14 @@
 #include "forge/models/llama/llama_model.h"
 #include "forge/models/sampling.h"
 #include "op_harness.h"
+#include "test_files.h"
 
-namespace forge {
+namespace forge::kv_cache_test {
 using namespace forge::models;
 using namespace forge::ckpt;
 namespace {
 
-std::string fixture(const std::string& name) { return std::string(FORGE_FIXTURE_DIR) + "/" + name; }
+using testing::fixture;
 
 // The fixture's weights (the PyTorch twin's, or transformers' for Qwen3 and Mistral), under the given GEMM
 // dtype; the family comes from the config's `architectures`.
@@ -168,4 +169,4 @@ TEST(KvCacheReuse, ResetGivesTheSameLogits) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::kv_cache_test

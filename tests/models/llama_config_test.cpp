@@ -8,7 +8,7 @@
 
 #include "forge/core/error.h"
 
-namespace forge {
+namespace forge::llama_config_test {
 using namespace forge::models;
 namespace {
 
@@ -354,4 +354,4 @@ TEST(LlamaConfigErrors, FileErrorsNameThePath) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::llama_config_test

@@ -8,7 +8,7 @@
 #include "forge/models/llama/llama_model.h"
 #include "op_harness.h"
 
-namespace forge {
+namespace forge::llama_memory_test {
 using namespace forge::models;
 namespace {
 
@@ -32,4 +32,4 @@ TEST(LlamaModel, RefusesAModelTooBigForTheMachineBeforeAllocating) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::llama_memory_test

@@ -6,7 +6,7 @@
 
 #include "forge/core/error.h"
 
-namespace forge {
+namespace forge::llava_config_test {
 using namespace forge::models;
 namespace {
 
@@ -234,4 +234,4 @@ TEST(LlavaConfig, BadInputIsRefusedWithOneLine) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::llava_config_test

@@ -16,24 +16,17 @@
 #include "forge/models/llava/llava_model.h"
 #include "forge/models/pretrained.h"
 #include "op_harness.h"
+#include "test_files.h"
 
-namespace forge {
+namespace forge::llava_golden_test {
 using namespace forge::models;
 using namespace forge::ckpt;
 namespace {
 
-std::string fixture(const std::string& name) { return std::string(FORGE_FIXTURE_DIR) + "/" + name; }
+using testing::fixture;
 
 // Largest |got - want| over want's largest magnitude.
-double rel_error(const Tensor& got, const Tensor& want) {
-  EXPECT_EQ(got.numel(), want.numel());
-  double max_diff = 0, max_ref = 0;
-  for (int64_t i = 0; i < std::min(got.numel(), want.numel()); ++i) {
-    max_diff = std::max(max_diff, std::abs(double(got.f32()[i]) - want.f32()[i]));
-    max_ref = std::max(max_ref, std::abs(double(want.f32()[i])));
-  }
-  return max_diff / (max_ref + 1e-30);
-}
+using testing::rel_error;
 
 class LlavaGolden : public ::testing::TestWithParam<std::string> {
  protected:
@@ -263,4 +256,4 @@ TEST_P(LlavaGolden, CachedPrefillWithImagesMatchesTheFullForward) {
 INSTANTIATE_TEST_SUITE_P(Fixtures, LlavaGolden, ::testing::Values("llava_clip_tiny", "llava_siglip_tiny"));
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::llava_golden_test

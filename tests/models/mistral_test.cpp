@@ -12,7 +12,7 @@
 #include "forge/models/llama/llama_model.h"
 #include "op_harness.h"
 
-namespace forge {
+namespace forge::mistral_test {
 using namespace forge::models;
 namespace {
 
@@ -119,4 +119,4 @@ TEST(MistralModel, HuggingFaceFolderInAndOut) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::mistral_test

@@ -13,15 +13,17 @@
 #include <set>
 #include <tuple>
 
-#include "models/pretrained_test_util.h"
 #include "forge/ckpt/checkpoint.h"
-#include "forge/models/pretrained.h"
 #include "forge/ckpt/safetensors.h"
+#include "forge/models/pretrained.h"
 #include "forge/optim/adamw.h"
+#include "models/pretrained_test_util.h"
 #include "op_harness.h"
 
-namespace forge {
-using namespace forge::optim; using namespace forge::models; using namespace forge::ckpt;
+namespace forge::pretrained_errors_test {
+using namespace forge::optim;
+using namespace forge::models;
+using namespace forge::ckpt;
 namespace {
 
 namespace fs = std::filesystem;
@@ -115,9 +117,10 @@ TEST_F(PretrainedTest, RejectsNonFiniteWeightsNamingTensorFileAndIndex) {
       std::numeric_limits<float>::infinity();
   const fs::path checkpoint = path("inf_ckpt");
   save_checkpoint(checkpoint.string(), source->params(), nullptr, {0, tiny_config_json(false), {}});
-  expect_error_containing([&] { load_pretrained_weights(open_pretrained(checkpoint), target->params()); },
-                          {"checkpoint " + checkpoint.string() + ": shard-00000-of-00001.safetensors: tensor 'model.norm.weight'",
-                           "holds 1 non-finite value (NaN or infinity) of 16", "index 15 (inf)"});
+  expect_error_containing(
+      [&] { load_pretrained_weights(open_pretrained(checkpoint), target->params()); },
+      {"checkpoint " + checkpoint.string() + ": shard-00000-of-00001.safetensors: tensor 'model.norm.weight'",
+       "holds 1 non-finite value (NaN or infinity) of 16", "index 15 (inf)"});
 }
 
 TEST_F(PretrainedTest, RejectsCorruptSafetensorsNamingTheFile) {
@@ -361,4 +364,4 @@ TEST_F(PretrainedTest, ForgeCheckpointInputIsChecked) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::pretrained_errors_test

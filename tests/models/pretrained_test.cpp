@@ -16,15 +16,17 @@
 #include <set>
 #include <tuple>
 
-#include "models/pretrained_test_util.h"
 #include "forge/ckpt/checkpoint.h"
 #include "forge/ckpt/safetensors.h"
 #include "forge/ckpt/sharded.h"
 #include "forge/optim/adamw.h"
+#include "models/pretrained_test_util.h"
 #include "op_harness.h"
 
-namespace forge {
-using namespace forge::optim; using namespace forge::models; using namespace forge::ckpt;
+namespace forge::pretrained_test {
+using namespace forge::optim;
+using namespace forge::models;
+using namespace forge::ckpt;
 namespace {
 
 namespace fs = std::filesystem;
@@ -432,4 +434,4 @@ TEST(ParseByteSize, AcceptsHuggingFaceSizes) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::pretrained_test

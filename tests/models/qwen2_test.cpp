@@ -20,7 +20,7 @@
 #include "forge/models/pretrained.h"
 #include "op_harness.h"
 
-namespace forge {
+namespace forge::qwen2_test {
 using namespace forge::models;
 namespace {
 
@@ -190,4 +190,4 @@ TEST(Qwen2Model, HuggingFaceFolderInAndOut) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::qwen2_test

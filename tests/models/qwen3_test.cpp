@@ -11,7 +11,7 @@
 #include "forge/models/llama/llama_model.h"
 #include "op_harness.h"
 
-namespace forge {
+namespace forge::qwen3_test {
 using namespace forge::models;
 namespace {
 
@@ -144,4 +144,4 @@ TEST(Qwen3Model, HuggingFaceFolderInAndOut) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::qwen3_test

@@ -14,7 +14,7 @@
 #include "forge/models/llama/llama_model.h"
 #include "op_harness.h"
 
-namespace forge {
+namespace forge::sampling_test {
 using namespace forge::models;
 namespace {
 
@@ -260,4 +260,4 @@ TEST_F(Generation, RefusesBadSettingsAndPrompts) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::sampling_test

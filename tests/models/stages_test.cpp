@@ -14,7 +14,7 @@
 #include "forge/models/model.h"
 #include "op_harness.h"
 
-namespace forge {
+namespace forge::stages_test {
 using namespace forge::models;
 namespace {
 
@@ -159,4 +159,4 @@ TEST_P(Stages, SplitsLayersEvenlyAndRefusesWholeModelCallsOnAStage) {
 INSTANTIATE_TEST_SUITE_P(GemmDtypes, Stages, ::testing::Values(DType::f32, DType::bf16));
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::stages_test

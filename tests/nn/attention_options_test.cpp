@@ -13,7 +13,7 @@
 #include "forge/nn/attention.h"
 #include "op_harness.h"
 
-namespace forge::nn {
+namespace forge::nn::attention_options_test {
 namespace {
 
 constexpr int64_t kBatch = 2, kSeq = 7, kHidden = 16, kHeads = 4, kKvHeads = 2, kDim = 6;
@@ -175,4 +175,4 @@ INSTANTIATE_TEST_SUITE_P(Options, AttentionOptions,
                          [](const auto& info) { return info.param.name(); });
 
 }  // namespace
-}  // namespace forge::nn
+}  // namespace forge::nn::attention_options_test

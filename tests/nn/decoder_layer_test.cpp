@@ -13,7 +13,7 @@
 #include "nn/layer_stack.h"
 #include "op_harness.h"
 
-namespace forge::nn {
+namespace forge::nn::decoder_layer_test {
 namespace {
 using namespace testing_layers;
 
@@ -317,4 +317,4 @@ TEST(LayerDropout, TrainingOnlyAndRecomputedAlike) {
 }
 
 }  // namespace
-}  // namespace forge::nn
+}  // namespace forge::nn::decoder_layer_test

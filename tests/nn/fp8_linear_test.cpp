@@ -8,12 +8,11 @@
 // GEMMs with host values), with a tensor-parallel group max-reducing the weight's amax.
 #include <gtest/gtest.h>
 
-#include <memory>
-
 #include <bit>
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -25,7 +24,7 @@
 #include "forge/nn/tensor_parallel.h"
 #include "fp8_fake_quantize.h"
 
-namespace forge::nn {
+namespace forge::nn::fp8_linear_test {
 namespace {
 
 using fp8::Recipe;
@@ -150,7 +149,8 @@ TEST(Fp8Linear, CurrentScalingMatchesFakeQuantisedReference) {
   const auto dyq = fake_quantize(f.dy, kRows, kOut, kRows, kOut, e5, false);
   EXPECT_LT(relative_error(r.y.f32(), matmul(xq, wq, kRows, kOut, kIn, true)), 1e-5);
   EXPECT_LT(relative_error(r.dx.f32(), matmul(dyq, wq, kRows, kIn, kOut, false)), 1e-5);
-  EXPECT_LT(relative_error(r.dw.data(), matmul(transpose(dyq, kRows, kOut), xq, kOut, kIn, kRows, false)), 1e-5);
+  EXPECT_LT(relative_error(r.dw.data(), matmul(transpose(dyq, kRows, kOut), xq, kOut, kIn, kRows, false)),
+            1e-5);
 }
 
 TEST(Fp8Linear, BlockScalingMatchesFakeQuantisedReference) {
@@ -214,8 +214,9 @@ TEST(Fp8Linear, DelayedScalingUsesThePreviousStepsAmaxes) {
   const auto dyq = fake_quantize(f.dy, kRows, kOut, kRows, kOut, e5, false, sdy);
   EXPECT_LT(relative_error(second.y.f32(), matmul(xq, wq, kRows, kOut, kIn, true)), 1e-5);
   EXPECT_LT(relative_error(second.dx.f32(), matmul(dyq, wq, kRows, kIn, kOut, false)), 1e-5);
-  EXPECT_LT(relative_error(second.dw.data(), matmul(transpose(dyq, kRows, kOut), xq, kOut, kIn, kRows, false)),
-            1e-5);
+  EXPECT_LT(
+      relative_error(second.dw.data(), matmul(transpose(dyq, kRows, kOut), xq, kOut, kIn, kRows, false)),
+      1e-5);
 }
 
 TEST(Fp8Linear, EvaluationDoesNotRecordAmaxes) {
@@ -273,7 +274,8 @@ TEST_P(Fp8LinearSavedInputs, GemmDtypeInputsGiveTheSameGradientsAndCostMore) {
   saved_high.save_fp8_inputs = false;
   Fixture a(saved_fp8), b(saved_high);  // fp32 GEMM dtype: the re-cast reads the exact input
   const Fixture::Result ra = a.step(), rb = b.step();
-  for (int64_t i = 0; i < kOut * kIn; ++i) ASSERT_EQ(ra.dw[static_cast<size_t>(i)], rb.dw[static_cast<size_t>(i)]);
+  for (int64_t i = 0; i < kOut * kIn; ++i)
+    ASSERT_EQ(ra.dw[static_cast<size_t>(i)], rb.dw[static_cast<size_t>(i)]);
   // FP8 codes: one byte per element (plus tile scales under the block recipe); fp32: four. The current recipe
   // keeps amax, scale and scale_inv (three floats) with either.
   const int64_t elements = kRows * kIn;
@@ -298,9 +300,9 @@ TEST(Fp8Linear, LimitedAccumulatorChangesTheResultSlightly) {
   EXPECT_LT(err, 1e-2);
 }
 
-// forward_fast_accumulation (TransformerEngine's default) makes the forward GEMM accumulate without promotion,
-// and leaves the gradient GEMMs promoting: under the accumulator model, y is that of a Linear that never
-// promotes, dx and dW those of one that promotes every promote_every.
+// forward_fast_accumulation (TransformerEngine's default) makes the forward GEMM accumulate without
+// promotion, and leaves the gradient GEMMs promoting: under the accumulator model, y is that of a Linear that
+// never promotes, dx and dW those of one that promotes every promote_every.
 TEST(Fp8Linear, FastAccumulationIsTheForwardsOnly) {
   Fp8Options fast = options_for(Recipe::current);
   fast.accumulator_bits = 10, fast.promote_every = 32;
@@ -487,4 +489,4 @@ TEST(Fp8Context, OnlyDelayedScalingKeepsAHistory) {
 }
 
 }  // namespace
-}  // namespace forge::nn
+}  // namespace forge::nn::fp8_linear_test

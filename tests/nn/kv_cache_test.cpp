@@ -10,7 +10,7 @@
 #include "nn/layer_stack.h"
 #include "op_harness.h"
 
-namespace forge::nn {
+namespace forge::nn::kv_cache_test {
 namespace {
 using namespace testing_layers;
 
@@ -83,7 +83,8 @@ TEST_P(CachedLayer, ChunksReproduceTheFullForward) {
     for (int64_t t = 0; t < seq; ++t)
       for (int64_t g = 0; g < 2; ++g)
         for (int64_t d = 0; d < 8; ++d)
-          ASSERT_NEAR(layer.keys[layer.at(b, g, t) + d], qkv.f32()[(b * seq + t) * 64 + 32 + g * 8 + d], 1e-6 * scale)
+          ASSERT_NEAR(layer.keys[layer.at(b, g, t) + d], qkv.f32()[(b * seq + t) * 64 + 32 + g * 8 + d],
+                      1e-6 * scale)
               << "token " << t << " of sequence " << b;
 }
 
@@ -127,4 +128,4 @@ TEST(KvCache, LayoutAndBookkeeping) {
 }
 
 }  // namespace
-}  // namespace forge::nn
+}  // namespace forge::nn::kv_cache_test

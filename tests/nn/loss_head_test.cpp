@@ -21,7 +21,7 @@
 #include "forge/nn/tensor_parallel.h"
 #include "nn/loss_head_problem.h"
 
-namespace forge::nn {
+namespace forge::nn::loss_head_test {
 namespace {
 using namespace loss_head_testing;
 
@@ -188,4 +188,4 @@ TEST(LossHeadTop1, EmulatedDeviceMatchesTheBruteForceCount) {
 }
 
 }  // namespace
-}  // namespace forge::nn
+}  // namespace forge::nn::loss_head_test

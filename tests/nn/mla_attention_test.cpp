@@ -21,7 +21,7 @@
 #include "forge/nn/tensor_parallel.h"
 #include "op_harness.h"
 
-namespace forge::nn {
+namespace forge::nn::mla_attention_test {
 namespace {
 
 struct Config {
@@ -677,4 +677,4 @@ TEST(MlaTensorParallel, TwoRanksOfOneHeadSumToTheWhole) {
 }
 
 }  // namespace
-}  // namespace forge::nn
+}  // namespace forge::nn::mla_attention_test

@@ -19,7 +19,7 @@
 #include "kernels/op_tests/moe_router_reference.h"
 #include "op_harness.h"
 
-namespace forge::nn {
+namespace forge::nn::moe_test {
 namespace {
 
 constexpr int64_t kHidden = 8, kExperts = 6, kTopK = 2, kFfn = 6, kSharedFfn = 4, kBatch = 2, kSeq = 5;
@@ -541,4 +541,4 @@ TEST(MoeFp8, SelectiveRecomputeIsBitwiseTheSame) {
 }
 
 }  // namespace
-}  // namespace forge::nn
+}  // namespace forge::nn::moe_test

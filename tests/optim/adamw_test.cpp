@@ -10,7 +10,7 @@
 #include "forge/core/dtype.h"
 #include "forge/kernels/ops.h"
 
-namespace forge {
+namespace forge::adamw_test {
 using namespace forge::optim;
 namespace {
 
@@ -161,4 +161,4 @@ TEST(GlobalGradNorm, IsTheNormOfTheWholeBuffer) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::adamw_test

@@ -7,7 +7,7 @@
 
 #include "forge/core/error.h"
 
-namespace forge {
+namespace forge::lr_schedule_test {
 using namespace forge::optim;
 namespace {
 
@@ -104,4 +104,4 @@ TEST(LrSchedule, KindNames) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::lr_schedule_test

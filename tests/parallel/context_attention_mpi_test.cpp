@@ -17,7 +17,7 @@
 #include "forge/kernels/ops.h"
 #include "forge/parallel/context_parallel.h"
 
-namespace forge::parallel {
+namespace forge::parallel::context_attention_mpi_test {
 namespace {
 
 std::vector<float> random_floats(size_t n, uint32_t seed) {
@@ -218,4 +218,4 @@ TEST(ContextAttention, BadRequestsAreOneLine) {
 }
 
 }  // namespace
-}  // namespace forge::parallel
+}  // namespace forge::parallel::context_attention_mpi_test

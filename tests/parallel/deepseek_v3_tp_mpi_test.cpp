@@ -16,12 +16,13 @@
 #include "forge/comm/comm.h"
 #include "forge/models/deepseek_v3/deepseek_v3_model.h"
 #include "forge/parallel/comm_tensor_parallel.h"
+#include "test_files.h"
 
-namespace forge {
+namespace forge::deepseek_v3_tp_mpi_test {
 using namespace forge::models;
 namespace {
 
-std::string fixture(const std::string& name) { return std::string(FORGE_FIXTURE_DIR) + "/" + name; }
+using testing::fixture;
 
 // Every parameter of `params` from the file: the whole tensor, or this rank's shard of it.
 void load_shards(const ckpt::SafetensorsFile& file, ParameterStore& params) {
@@ -40,7 +41,7 @@ struct Case {
   bool sequence_parallel;
 };
 
-class DeepseekV3TensorParallel : public testing::TestWithParam<Case> {};
+class DeepseekV3TensorParallel : public ::testing::TestWithParam<Case> {};
 
 TEST_P(DeepseekV3TensorParallel, MatchesOneRank) {
   comm::Communicator& world = comm::world();
@@ -111,13 +112,13 @@ TEST_P(DeepseekV3TensorParallel, MatchesOneRank) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, DeepseekV3TensorParallel,
-                         testing::Values(Case{"deepseek_v3_tiny", false}, Case{"deepseek_v3_tiny", true},
-                                         Case{"deepseek_v3_yarn_mtp", false},
-                                         Case{"deepseek_v3_yarn_mtp", true}, Case{"deepseek_v3_mtp2", false},
-                                         Case{"deepseek_v3_mtp2", true}),
+                         ::testing::Values(Case{"deepseek_v3_tiny", false}, Case{"deepseek_v3_tiny", true},
+                                           Case{"deepseek_v3_yarn_mtp", false},
+                                           Case{"deepseek_v3_yarn_mtp", true},
+                                           Case{"deepseek_v3_mtp2", false}, Case{"deepseek_v3_mtp2", true}),
                          [](const auto& info) {
                            return info.param.fixture.substr(12) + (info.param.sequence_parallel ? "_sp" : "");
                          });
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::deepseek_v3_tp_mpi_test

@@ -10,7 +10,7 @@
 #include "forge/parallel/distributed_optimizer.h"
 #include "parallel/dp_test_util.h"
 
-namespace forge::parallel {
+namespace forge::parallel::distributed_optimizer_mpi_test {
 using namespace forge::optim;
 namespace {
 
@@ -280,4 +280,4 @@ TEST(DistributedAdamWMpi, ParameterGroupsShardAndUpdateLikeOneGroup) {
 }
 
 }  // namespace
-}  // namespace forge::parallel
+}  // namespace forge::parallel::distributed_optimizer_mpi_test

@@ -11,7 +11,7 @@
 
 #include "parallel/dp_test_util.h"
 
-namespace forge::parallel {
+namespace forge::parallel::distributed_optimizer_test {
 using namespace forge::optim;
 namespace {
 
@@ -216,4 +216,4 @@ TEST(DistributedAdamW, RejectsMismatchedBuckets) {
 }
 
 }  // namespace
-}  // namespace forge::parallel
+}  // namespace forge::parallel::distributed_optimizer_test

@@ -19,7 +19,7 @@
 #include "forge/nn/expert_parallel.h"
 #include "forge/parallel/comm_expert_parallel.h"
 
-namespace forge {
+namespace forge::expert_dispatch_mpi_test {
 namespace {
 
 constexpr int64_t kLocal = 2;  // experts per rank
@@ -218,4 +218,4 @@ TEST(ExpertDispatch, OneRankPlanMovesNothing) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::expert_dispatch_mpi_test

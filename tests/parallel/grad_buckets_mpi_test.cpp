@@ -9,7 +9,7 @@
 #include "forge/parallel/grad_buckets.h"
 #include "parallel/dp_test_util.h"
 
-namespace forge::parallel {
+namespace forge::parallel::grad_buckets_mpi_test {
 namespace {
 
 // 160 bytes: several buckets over the 421-element toy store, boundaries inside parameters, a padded top
@@ -147,4 +147,4 @@ TEST(GradBucketsMpi, ReducesOverASubGroup) {
 }
 
 }  // namespace
-}  // namespace forge::parallel
+}  // namespace forge::parallel::grad_buckets_mpi_test

@@ -8,7 +8,7 @@
 #include "op_harness.h"
 #include "parallel/dp_test_util.h"
 
-namespace forge::parallel {
+namespace forge::parallel::grad_buckets_test {
 namespace {
 
 using testing::FakeGroup;
@@ -278,4 +278,4 @@ TEST(GradBuckets, DefaultSizeFollowsTheDevice) {
 }
 
 }  // namespace
-}  // namespace forge::parallel
+}  // namespace forge::parallel::grad_buckets_test

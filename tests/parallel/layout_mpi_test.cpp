@@ -8,7 +8,7 @@
 #include "forge/parallel/layout.h"
 #include "op_harness.h"
 
-namespace forge::parallel {
+namespace forge::parallel::layout_mpi_test {
 namespace {
 
 using forge::testing::expect_error_containing;
@@ -78,4 +78,4 @@ TEST(MakeGroups, WrongSizesFailOnEveryRankBeforeAnyCollective) {
 }
 
 }  // namespace
-}  // namespace forge::parallel
+}  // namespace forge::parallel::layout_mpi_test

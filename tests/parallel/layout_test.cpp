@@ -7,7 +7,7 @@
 
 #include "op_harness.h"
 
-namespace forge::parallel {
+namespace forge::parallel::layout_test {
 namespace {
 
 using forge::testing::expect_error_containing;
@@ -298,4 +298,4 @@ TEST(PaddedVocabErrors, BadInputs) {
 }
 
 }  // namespace
-}  // namespace forge::parallel
+}  // namespace forge::parallel::layout_test

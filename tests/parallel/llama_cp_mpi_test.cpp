@@ -17,7 +17,7 @@
 #include "forge/parallel/comm_context_parallel.h"
 #include "parallel/family_stacks.h"
 
-namespace forge {
+namespace forge::llama_cp_mpi_test {
 using namespace forge::models;
 namespace {
 
@@ -29,7 +29,7 @@ struct Case {
   int gemma = 0;  // 2 or 3: a Gemma of that generation (window and QK-norm its own)
 };
 
-class LlamaContextParallel : public testing::TestWithParam<Case> {};
+class LlamaContextParallel : public ::testing::TestWithParam<Case> {};
 
 TEST_P(LlamaContextParallel, MatchesOneRank) {
   comm::Communicator& world = comm::world();
@@ -59,7 +59,8 @@ TEST_P(LlamaContextParallel, MatchesOneRank) {
   auto split_holder = layout_models::make_stack(config, split_options);
   DecoderStack& split = *split_holder;
   split.initialize(7);
-  if (c.gemma) layout_models::set_gemma_norms(reference.params()), layout_models::set_gemma_norms(split.params());
+  if (c.gemma)
+    layout_models::set_gemma_norms(reference.params()), layout_models::set_gemma_norms(split.params());
 
   const int64_t batch = 2, seq = 2 * cp * 3;
   std::vector<int32_t> ids(batch * seq), targets(batch * seq);
@@ -109,19 +110,19 @@ TEST_P(LlamaContextParallel, MatchesOneRank) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, LlamaContextParallel,
-                         testing::Values(Case{parallel::ContextAttention::ring, 2},
-                                         Case{parallel::ContextAttention::ring, 1},
-                                         Case{parallel::ContextAttention::all_to_all, 0},
-                                         // Chunks of 3 tokens: a window of 4 reaches into the chunk before
-                                         // (cut by position) and hides the ones further back (skipped); 7
-                                         // spans two chunks and a half; QK-norm alongside.
-                                         Case{parallel::ContextAttention::ring, 2, 4},
-                                         Case{parallel::ContextAttention::ring, 1, 7, true},
-                                         Case{parallel::ContextAttention::all_to_all, 0, 4},
-                                         // Gemma 2 (window 5, soft caps) and 3 (local RoPE, QK-norm).
-                                         Case{parallel::ContextAttention::ring, 2, 0, false, 2},
-                                         Case{parallel::ContextAttention::ring, 1, 0, false, 3},
-                                         Case{parallel::ContextAttention::all_to_all, 0, 0, false, 2}),
+                         ::testing::Values(Case{parallel::ContextAttention::ring, 2},
+                                           Case{parallel::ContextAttention::ring, 1},
+                                           Case{parallel::ContextAttention::all_to_all, 0},
+                                           // Chunks of 3 tokens: a window of 4 reaches into the chunk before
+                                           // (cut by position) and hides the ones further back (skipped); 7
+                                           // spans two chunks and a half; QK-norm alongside.
+                                           Case{parallel::ContextAttention::ring, 2, 4},
+                                           Case{parallel::ContextAttention::ring, 1, 7, true},
+                                           Case{parallel::ContextAttention::all_to_all, 0, 4},
+                                           // Gemma 2 (window 5, soft caps) and 3 (local RoPE, QK-norm).
+                                           Case{parallel::ContextAttention::ring, 2, 0, false, 2},
+                                           Case{parallel::ContextAttention::ring, 1, 0, false, 3},
+                                           Case{parallel::ContextAttention::all_to_all, 0, 0, false, 2}),
                          [](const auto& info) {
                            return std::string(parallel::context_attention_name(info.param.mode)) + "_kv" +
                                   std::to_string(info.param.kv_heads) +
@@ -131,4 +132,4 @@ INSTANTIATE_TEST_SUITE_P(Modes, LlamaContextParallel,
                          });
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::llama_cp_mpi_test

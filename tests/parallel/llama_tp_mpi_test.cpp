@@ -17,7 +17,7 @@
 #include "forge/parallel/comm_tensor_parallel.h"
 #include "parallel/family_stacks.h"
 
-namespace forge {
+namespace forge::llama_tp_mpi_test {
 using namespace forge::models;
 namespace {
 
@@ -61,7 +61,7 @@ void set_biases(ParameterStore& store) {
   store.refresh_bf16();
 }
 
-class LlamaTensorParallel : public testing::TestWithParam<Case> {};
+class LlamaTensorParallel : public ::testing::TestWithParam<Case> {};
 
 TEST_P(LlamaTensorParallel, MatchesOneRank) {
   comm::Communicator& world = comm::world();
@@ -152,16 +152,16 @@ TEST_P(LlamaTensorParallel, MatchesOneRank) {
 
 INSTANTIATE_TEST_SUITE_P(
     Layouts, LlamaTensorParallel,
-    testing::Values(Case{4, false, false}, Case{4, true, false}, Case{2, false, false}, Case{2, true, true},
-                    Case{1, true, false}, Case{2, true, false, true}, Case{1, false, true, true},
-                    // Qwen3 (QK-norm, kv heads split and replicated), Mistral (a
-                    // window of 5 over 12 positions), both
-                    Case{2, true, false, false, true}, Case{1, false, false, false, true},
-                    Case{2, false, false, false, false, 5}, Case{1, true, true, false, true, 5},
-                    // Gemma 2 and 3: sandwich norms (summed over the group under sequence
-                    // parallelism), soft caps, GeGLU, tied head, local RoPE and QK-norm
-                    Case{2, true, true, false, false, 0, 2}, Case{1, false, true, false, false, 0, 3},
-                    Case{2, true, true, false, false, 0, 3}),
+    ::testing::Values(Case{4, false, false}, Case{4, true, false}, Case{2, false, false}, Case{2, true, true},
+                      Case{1, true, false}, Case{2, true, false, true}, Case{1, false, true, true},
+                      // Qwen3 (QK-norm, kv heads split and replicated), Mistral (a
+                      // window of 5 over 12 positions), both
+                      Case{2, true, false, false, true}, Case{1, false, false, false, true},
+                      Case{2, false, false, false, false, 5}, Case{1, true, true, false, true, 5},
+                      // Gemma 2 and 3: sandwich norms (summed over the group under sequence
+                      // parallelism), soft caps, GeGLU, tied head, local RoPE and QK-norm
+                      Case{2, true, true, false, false, 0, 2}, Case{1, false, true, false, false, 0, 3},
+                      Case{2, true, true, false, false, 0, 3}),
     [](const auto& info) {
       return "kv" + std::to_string(info.param.kv_heads) + (info.param.sequence_parallel ? "_sp" : "") +
              (info.param.tied ? "_tied" : "") + (info.param.bias ? "_bias" : "") +
@@ -188,4 +188,4 @@ TEST(LlamaTensorParallelErrors, SequenceParallelNeedsDivisibleRows) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::llama_tp_mpi_test

@@ -11,7 +11,7 @@
 #include "forge/parallel/comm_tensor_parallel.h"
 #include "nn/loss_head_problem.h"
 
-namespace forge {
+namespace forge::loss_head_tp_mpi_test {
 namespace {
 using namespace nn::loss_head_testing;
 
@@ -51,4 +51,4 @@ TEST(LossHeadTop1TensorParallel, MatchesTheBruteForceCount) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::loss_head_tp_mpi_test

@@ -14,7 +14,7 @@
 
 #include "forge/core/error.h"
 
-namespace forge::report {
+namespace forge::report::report_test {
 namespace {
 
 namespace fs = std::filesystem;
@@ -136,7 +136,7 @@ TEST_F(ReportTest, HeldOutCaptionsGetTheirSection) {
   const std::string html = render_html({run});
   EXPECT_NE(html.find("460 of 600 exactly right (76.7%), 89.5% of their tokens"), std::string::npos);
   EXPECT_NE(html.find("a large black <mark>circl</mark>e"), std::string::npos);  // byte by byte
-  EXPECT_NE(html.find("a &lt;purple&gt; triangle"), std::string::npos);  // escaped
+  EXPECT_NE(html.find("a &lt;purple&gt; triangle"), std::string::npos);          // escaped
   EXPECT_EQ(page_data(html)["runs"][0]["captions"]["exact"], 460);
 }
 
@@ -284,4 +284,4 @@ TEST_F(ReportTest, AMillionLineRunMakesAPageOfAFewMegabytes) {
 }
 
 }  // namespace
-}  // namespace forge::report
+}  // namespace forge::report::report_test

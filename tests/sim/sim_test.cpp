@@ -14,7 +14,7 @@
 #include "forge/sim/hardware.h"
 #include "forge/sim/trace.h"
 
-namespace forge::sim {
+namespace forge::sim::sim_test {
 namespace {
 
 const std::string kLlama = std::string(FORGE_FIXTURE_DIR) + "/../../configs/llama-default.json";
@@ -561,4 +561,4 @@ TEST(DryTrace, ContextParallelRanksHoldTheirChunks) {
 }
 
 }  // namespace
-}  // namespace forge::sim
+}  // namespace forge::sim::sim_test

@@ -21,7 +21,7 @@
 #include "forge/ckpt/checkpoint_dir.h"
 #include "tools/cli_harness.h"
 
-namespace forge::testing::cli {
+namespace forge::testing::cli::checkpoint_kill_cli_test {
 using namespace forge::ckpt;
 namespace {
 
@@ -324,4 +324,4 @@ TEST_F(CheckpointKill, RanksDieWithTheirKilledMpirun) {
 }
 
 }  // namespace
-}  // namespace forge::testing::cli
+}  // namespace forge::testing::cli::checkpoint_kill_cli_test

@@ -18,7 +18,7 @@
 #include "forge/models/llama/llama_model.h"
 #include "tools/cli_harness.h"
 
-namespace forge {
+namespace forge::checkpoint_series_cli_test {
 using namespace forge::models;
 using namespace forge::ckpt;
 namespace {
@@ -162,4 +162,4 @@ TEST_F(CheckpointSeriesCli, ADamagedLatestIsNotedAndTheNewestStepRead) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::checkpoint_series_cli_test

@@ -14,7 +14,7 @@
 #include "forge/data/tokenizer/tokenizer.h"
 #include "tools/cli_harness.h"
 
-namespace forge {
+namespace forge::data_cli_test {
 using namespace forge::data;
 namespace {
 namespace fs = std::filesystem;
@@ -182,4 +182,4 @@ TEST_F(DataCli, BadArguments) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::data_cli_test

@@ -11,7 +11,7 @@
 
 #include "tools/cli_harness.h"
 
-namespace forge::testing::cli {
+namespace forge::testing::cli::deepseek_v3_cli_test {
 namespace {
 namespace fs = std::filesystem;
 
@@ -33,10 +33,12 @@ class DeepseekV3Cli : public ScratchDirTest {
   }
   std::string train_args(const std::string& run, const std::string& extra = "") const {
     return "train --set model.config=" + path("deepseek.json") + " --set data.corpus=" + path("corpus.txt") +
-           " --set data.tokenizer=train --set data.vocab_size=300 --set data.seq_len=32 --set train.micro_batch=2 --set train.steps=4" +
+           " --set data.tokenizer=train --set data.vocab_size=300 --set data.seq_len=32 --set "
+           "train.micro_batch=2 --set train.steps=4" +
            " --set train.warmup=1 --set train.dtype=fp32 --set eval.every=0 --set eval.batches=1" +
            " --set data.heldout_fraction=0.05 --set log.peak_gflops=100 --set sample.tokens=0" +
-           " --set log.every=1 --set data.cache_dir=" + path("cache") + " --set log.run_dir=" + path(run) + extra;
+           " --set log.every=1 --set data.cache_dir=" + path("cache") + " --set log.run_dir=" + path(run) +
+           extra;
   }
   RunOptions quiet() const { return {Stderr::merged, std::nullopt, "OMP_NUM_THREADS=1"}; }
 };
@@ -45,7 +47,8 @@ class DeepseekV3Cli : public ScratchDirTest {
 std::string greedy_text(const std::string& model) {
   RunOptions o;
   o.stderr_to = Stderr::discarded, o.environment = "OMP_NUM_THREADS=1";
-  const Outcome out = run_forge("generate --model " + model + " --prompt 'In the' --max-new-tokens 24 --greedy", o);
+  const Outcome out =
+      run_forge("generate --model " + model + " --prompt 'In the' --max-new-tokens 24 --greedy", o);
   EXPECT_EQ(out.status, 0) << out.output;
   return out.output;
 }
@@ -72,9 +75,8 @@ TEST_F(DeepseekV3Cli, TrainConvertGenerateEvalAndContinue) {
                                  quiet());
   ASSERT_EQ(bf16.status, 0) << bf16.output;
   EXPECT_TRUE(fs::exists(path("hf_bf16") + "/model.safetensors.index.json"));
-  const Outcome back = run_forge("convert --input " + path("hf_bf16") + " --output " + path("forge_again") +
-                                     " --to forge",
-                                 quiet());
+  const Outcome back = run_forge(
+      "convert --input " + path("hf_bf16") + " --output " + path("forge_again") + " --to forge", quiet());
   ASSERT_EQ(back.status, 0) << back.output;
 
   const std::string text = greedy_text(checkpoint);
@@ -84,8 +86,8 @@ TEST_F(DeepseekV3Cli, TrainConvertGenerateEvalAndContinue) {
 
   // The run's learnt tokenizer travels with the checkpoint and its export.
   ASSERT_TRUE(fs::exists(path("hf") + "/tokenizer.json"));
-  const Outcome data = run_forge("data preprocess --input " + path("corpus.txt") + " --tokenizer " + path("hf") +
-                                     "/tokenizer.json --output-prefix " + path("tokens"),
+  const Outcome data = run_forge("data preprocess --input " + path("corpus.txt") + " --tokenizer " +
+                                     path("hf") + "/tokenizer.json --output-prefix " + path("tokens"),
                                  quiet());
   ASSERT_EQ(data.status, 0) << data.output;
   auto eval_loss = [&](const std::string& model) {
@@ -127,10 +129,10 @@ TEST_F(DeepseekV3Cli, BadSettingsGetOneLine) {
   expect_one_line_error(train_args("bad", " --set moe.pad_to_capacity=true"), "moe.pad_to_capacity");
 }
 
-// The GPU path of a DeepSeek-V3 training step, on the host (FORGE_EMULATE_DEVICE=1: kernels/emulated_device.h,
-// where host code touching device memory dies and every op's parameters must be ones the CUDA backend
-// takes), in bf16 and in FP8 block scaling: every expert's FP8 GEMMs then need their rows in multiples of 16,
-// which the sort's padding provides. Widths are multiples of 16 for the same reason.
+// The GPU path of a DeepSeek-V3 training step, on the host (FORGE_EMULATE_DEVICE=1:
+// kernels/emulated_device.h, where host code touching device memory dies and every op's parameters must be
+// ones the CUDA backend takes), in bf16 and in FP8 block scaling: every expert's FP8 GEMMs then need their
+// rows in multiples of 16, which the sort's padding provides. Widths are multiples of 16 for the same reason.
 TEST_F(DeepseekV3Cli, TrainingStepRunsOnTheEmulatedDeviceInFp8) {
   write("deepseek16.json", R"({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
     "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2,
@@ -141,14 +143,14 @@ TEST_F(DeepseekV3Cli, TrainingStepRunsOnTheEmulatedDeviceInFp8) {
     "vocab_size": 300, "max_position_embeddings": 64})");
   for (const char* fp8 : {"off", "block"}) {
     SCOPED_TRACE(fp8);
-    const Outcome o = run_forge("bench --model " + path("deepseek16.json") +
-                                    " --device cuda --batch 2 --seq 32 --grad-accum 2 --steps 1 --warmup 1 --fp8 " +
-                                    fp8,
-                                {Stderr::merged, std::nullopt, "FORGE_EMULATE_DEVICE=1 OMP_NUM_THREADS=1"});
+    const Outcome o =
+        run_forge("bench --model " + path("deepseek16.json") +
+                      " --device cuda --batch 2 --seq 32 --grad-accum 2 --steps 1 --warmup 1 --fp8 " + fp8,
+                  {Stderr::merged, std::nullopt, "FORGE_EMULATE_DEVICE=1 OMP_NUM_THREADS=1"});
     EXPECT_EQ(o.status, 0) << o.output;
     EXPECT_NE(o.output.find("cuda is emulated on the host"), std::string::npos) << o.output;
   }
 }
 
 }  // namespace
-}  // namespace forge::testing::cli
+}  // namespace forge::testing::cli::deepseek_v3_cli_test

@@ -27,7 +27,7 @@
 #include "tools/cli_harness.h"
 #include "train/toy_run.h"
 
-namespace forge {
+namespace forge::eval_cli_test {
 using namespace forge::models;
 using namespace forge::data;
 using namespace forge::ckpt;
@@ -243,9 +243,9 @@ TEST_F(EvalCli, ImageTextAnswersAndCaptions) {
   expect_one_line_error("eval --model " + (dir_ / "llava").string() + " --images " +
                             (dir_ / "none.jsonl").string() + " --seq-len 88",
                         "none.jsonl");
-  expect_one_line_error("eval --model " + (dir_ / "llava").string() + " --images " + heldout.string() +
-                            " --seq-len 88",
-                        "has no tokenizer.json");
+  expect_one_line_error(
+      "eval --model " + (dir_ / "llava").string() + " --images " + heldout.string() + " --seq-len 88",
+      "has no tokenizer.json");
 }
 
 TEST_F(EvalCli, BadArguments) {
@@ -263,4 +263,4 @@ TEST_F(EvalCli, BadArguments) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::eval_cli_test

@@ -28,7 +28,7 @@
 #include "tools/cli_harness.h"
 #include "train/toy_run.h"
 
-namespace forge {
+namespace forge::generate_cli_test {
 using namespace forge::models;
 using namespace forge::data;
 using namespace forge::ckpt;
@@ -293,4 +293,4 @@ TEST_F(GenerateCli, BadInputGetsOneErrorLine) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::generate_cli_test

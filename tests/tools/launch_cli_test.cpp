@@ -15,7 +15,7 @@
 
 #include "tools/cli_harness.h"
 
-namespace forge::testing::cli {
+namespace forge::testing::cli::launch_cli_test {
 namespace {
 
 std::vector<std::string> lines_of(const std::string& text) {
@@ -217,4 +217,4 @@ TEST_F(LaunchCli, BadInputIsOneLine) {
 }
 
 }  // namespace
-}  // namespace forge::testing::cli
+}  // namespace forge::testing::cli::launch_cli_test

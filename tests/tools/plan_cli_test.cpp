@@ -13,7 +13,7 @@
 #include "forge/sim/hardware.h"
 #include "tools/cli_harness.h"
 
-namespace forge {
+namespace forge::plan_cli_test {
 namespace {
 namespace fs = std::filesystem;
 using testing::cli::expect_one_line_error;
@@ -318,4 +318,4 @@ TEST_F(PlanCli, SimulatorRefusesBadInput) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::plan_cli_test

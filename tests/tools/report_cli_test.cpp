@@ -15,7 +15,7 @@
 
 #include "tools/cli_harness.h"
 
-namespace forge::testing::cli {
+namespace forge::testing::cli::report_cli_test {
 namespace {
 
 const fs::path kRepo = fs::path(FORGE_FIXTURE_DIR).parent_path().parent_path();
@@ -246,4 +246,4 @@ TEST_F(ReportCli, BadInputIsOneLine) {
 }
 
 }  // namespace
-}  // namespace forge::testing::cli
+}  // namespace forge::testing::cli::report_cli_test

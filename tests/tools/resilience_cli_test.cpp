@@ -15,7 +15,7 @@
 #include "forge/ckpt/checkpoint_dir.h"
 #include "tools/cli_harness.h"
 
-namespace forge::testing::cli {
+namespace forge::testing::cli::resilience_cli_test {
 using namespace forge::ckpt;
 namespace {
 
@@ -182,4 +182,4 @@ TEST_F(ResilienceCli, KilledRankUnderTensorAndDataParallelResumesExactly) {
 }
 
 }  // namespace
-}  // namespace forge::testing::cli
+}  // namespace forge::testing::cli::resilience_cli_test

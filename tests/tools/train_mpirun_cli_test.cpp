@@ -9,7 +9,7 @@
 
 #include "tools/cli_harness.h"
 
-namespace forge::testing::cli {
+namespace forge::testing::cli::train_mpirun_cli_test {
 namespace {
 
 RunOptions mpirun(int ranks) {
@@ -165,4 +165,4 @@ TEST_F(TrainMpirun, SigtermToTheRanksSavesAndExits130) {
 }
 
 }  // namespace
-}  // namespace forge::testing::cli
+}  // namespace forge::testing::cli::train_mpirun_cli_test

@@ -10,7 +10,7 @@
 #include "forge/core/file_io.h"
 #include "op_harness.h"
 
-namespace forge {
+namespace forge::config_test {
 using namespace forge::optim;
 using namespace forge::train;
 namespace {
@@ -508,4 +508,4 @@ TEST(TrainConfig, DerivedSettings) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::config_test

@@ -11,7 +11,7 @@
 
 #include "forge/core/error.h"
 
-namespace forge {
+namespace forge::metrics_test {
 using namespace forge::train;
 namespace {
 
@@ -203,4 +203,4 @@ TEST(ProgressBar, SilentWhenNotATerminal) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::metrics_test

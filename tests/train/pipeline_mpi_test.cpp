@@ -25,7 +25,7 @@
 #include "forge/train/pipeline_chunk.h"
 #include "forge/train/step.h"
 
-namespace forge {
+namespace forge::pipeline_mpi_test {
 using namespace forge::models;
 using namespace forge::train;
 namespace {
@@ -254,4 +254,4 @@ TEST(PipelineLinks, EmulatedDeviceTransfersRunInPostingOrder) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::pipeline_mpi_test

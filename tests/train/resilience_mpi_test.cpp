@@ -18,25 +18,16 @@
 #include "forge/train/device_emulation.h"
 #include "forge/train/train_state.h"
 #include "forge/train/trainer.h"
+#include "test_files.h"
 #include "train/toy_run.h"
 
-namespace forge {
+namespace forge::resilience_mpi_test {
 using namespace forge::ckpt;
 using namespace forge::train;
 namespace {
+using testing::read_file;
+using toy::host_weights;
 namespace fs = std::filesystem;
-
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-std::vector<float> host_weights(const TrainState& s) {
-  const Tensor host = s.params->params().to(Device::cpu);
-  return std::vector<float>(host.f32(), host.f32() + host.numel());
-}
 
 // What a clean run does to skip the samples of steps s.step + 1 .. to: step s.step + 1 reads the samples
 // step to + 1 would have.
@@ -46,7 +37,7 @@ void skip_to(TrainState& s, int64_t to) {
   s.base_samples = resume_at;
 }
 
-class ResilienceRuns : public testing::Test {
+class ResilienceRuns : public ::testing::Test {
  protected:
   void SetUp() override { dir_ = toy::make_shared_test_dir(comm::world(), "forge_resilience_mpi"); }
   void TearDown() override { toy::remove_shared_test_dir(comm::world(), dir_); }
@@ -168,7 +159,7 @@ TEST_F(ResilienceRuns, AsynchronousCheckpointsMatchSynchronousOnesOnEveryRank) {
     const fs::path a = sync.checkpoint_dir() / checkpoint_step_name(step),
                    b = async.checkpoint_dir() / checkpoint_step_name(step);
     ASSERT_TRUE(fs::exists(b / "manifest.json")) << b;
-    EXPECT_EQ(slurp(a / shard), slurp(b / shard)) << step;
+    EXPECT_EQ(read_file(a / shard), read_file(b / shard)) << step;
   }
 }
 
@@ -202,11 +193,11 @@ TEST_F(ResilienceRuns, OnEmulatedGpusRollbackAndBackgroundSavesAreExact) {
   world.barrier().wait();
   const std::string shard = shard_file_name(world.rank(), world.size());
   for (int step = 1; step <= 8; ++step)
-    EXPECT_EQ(slurp(sync.checkpoint_dir() / checkpoint_step_name(step) / shard),
-              slurp(async.checkpoint_dir() / checkpoint_step_name(step) / shard))
+    EXPECT_EQ(read_file(sync.checkpoint_dir() / checkpoint_step_name(step) / shard),
+              read_file(async.checkpoint_dir() / checkpoint_step_name(step) / shard))
         << step;
   EXPECT_EQ(EmulatedDevice::live_allocations(), 0);
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::resilience_mpi_test

@@ -21,20 +21,16 @@
 #include "forge/core/error.h"
 #include "forge/train/faults.h"
 #include "forge/train/trainer.h"
+#include "test_files.h"
 #include "train/toy_run.h"
 
-namespace forge {
+namespace forge::resilience_test {
 using namespace forge::ckpt;
 using namespace forge::train;
 namespace {
+using testing::read_file;
+using toy::host_weights;
 namespace fs = std::filesystem;
-
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
 
 std::string error_of(const TrainConfig& c) {
   try {
@@ -44,11 +40,6 @@ std::string error_of(const TrainConfig& c) {
     return e.what();
   }
   return "";
-}
-
-std::vector<float> host_weights(const TrainState& s) {
-  const Tensor host = s.params->params().to(Device::cpu);
-  return std::vector<float>(host.f32(), host.f32() + host.numel());
 }
 
 std::vector<nlohmann::json> events(const TrainConfig& c, const std::string& kind) {
@@ -237,10 +228,10 @@ TEST_F(Resilience, TransientNanLossRollsBackToTheSnapshotAndEqualsTheCleanRunTha
   const std::vector<float> clean = clean_skipping("clean", 4, 5, &want);
   TrainConfig c = config("nan");
   c.resilience.inject = "nan_loss step=5";
-  testing::internal::CaptureStdout();
+  ::testing::internal::CaptureStdout();
   TrainResult got;
   const std::vector<float> rolled = final_weights(c, &got);
-  const std::string out = testing::internal::GetCapturedStdout();
+  const std::string out = ::testing::internal::GetCapturedStdout();
   EXPECT_EQ(rolled, clean);
   EXPECT_EQ(got.losses, want.losses);
   EXPECT_EQ(got.rollbacks, 1);
@@ -467,7 +458,8 @@ TEST_F(Resilience, AsynchronousCheckpointsAreByteIdenticalToSynchronousOnes) {
     const fs::path a = sync.checkpoint_dir() / checkpoint_step_name(step),
                    b = async.checkpoint_dir() / checkpoint_step_name(step);
     ASSERT_TRUE(fs::exists(b / "manifest.json")) << b;
-    EXPECT_EQ(slurp(a / "shard-00000-of-00001.safetensors"), slurp(b / "shard-00000-of-00001.safetensors"))
+    EXPECT_EQ(read_file(a / "shard-00000-of-00001.safetensors"),
+              read_file(b / "shard-00000-of-00001.safetensors"))
         << step;
   }
   const std::vector<nlohmann::json> saves = events(async, "checkpoint");
@@ -485,9 +477,9 @@ TEST_F(Resilience, FullDiskDuringAPeriodicSaveKeepsTrainingAndThePreviousCheckpo
     c.checkpoint.keep_last = 0;
     c.checkpoint.async = async;
     c.resilience.inject = "disk_full step=4";
-    testing::internal::CaptureStdout();
+    ::testing::internal::CaptureStdout();
     const std::vector<float> weights = final_weights(c);
-    const std::string out = testing::internal::GetCapturedStdout();
+    const std::string out = ::testing::internal::GetCapturedStdout();
     EXPECT_EQ(weights, final_weights(config(async ? "ref_async" : "ref_sync")));
     EXPECT_NE(out.find("checkpoint of step 4 failed: "), std::string::npos) << out;
     EXPECT_NE(out.find("No space left on device"), std::string::npos) << out;
@@ -516,10 +508,10 @@ TEST_F(Resilience, ResumeAutoSkipsADamagedNewestCheckpoint) {
     EXPECT_TRUE(first.run().interrupted);
     c.resilience.inject = "";
     c.checkpoint.resume = "auto";
-    testing::internal::CaptureStdout();
+    ::testing::internal::CaptureStdout();
     TrainResult r;
     const std::vector<float> resumed = final_weights(c, &r);
-    const std::string out = testing::internal::GetCapturedStdout();
+    const std::string out = ::testing::internal::GetCapturedStdout();
     EXPECT_EQ(resumed, straight) << fault;
     EXPECT_EQ(r.losses.size(), 4u) << out;  // steps 5..8
     EXPECT_NE(out.find("step-00000005"), std::string::npos) << out;
@@ -529,4 +521,4 @@ TEST_F(Resilience, ResumeAutoSkipsADamagedNewestCheckpoint) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::resilience_test

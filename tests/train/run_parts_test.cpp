@@ -23,7 +23,7 @@
 #include "forge/train/step.h"
 #include "toy_run.h"
 
-namespace forge::train {
+namespace forge::train::run_parts_test {
 namespace {
 namespace fs = std::filesystem;
 
@@ -295,4 +295,4 @@ TEST_F(RunParts, ProgressLogRecordsTheFirstEveryNthAndTheLastStep) {
 }
 
 }  // namespace
-}  // namespace forge::train
+}  // namespace forge::train::run_parts_test

@@ -1,13 +1,12 @@
 // The `forge bench` measurement (train/throughput.h): a step of grad_accum micro-batches trains on the same
-// sequences as one micro-batch of all of them, so losses agree up to the order of fp32 sums, and bad sizes are
-// one clear error.
-#include "forge/models/llama/llama_model.h"
+// sequences as one micro-batch of all of them, so losses agree up to the order of fp32 sums, and bad sizes
+// are one clear error.
 #include "forge/train/throughput.h"
 
 #include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
 
 #include <cmath>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 
@@ -15,10 +14,12 @@
 #include "forge/core/error.h"
 #include "forge/fp8/recipe.h"
 #include "forge/kernels/emulated_device.h"
+#include "forge/models/llama/llama_model.h"
 #include "forge/train/device_emulation.h"
 
-namespace forge {
-using namespace forge::models; using namespace forge::train;
+namespace forge::throughput_test {
+using namespace forge::models;
+using namespace forge::train;
 namespace {
 
 LlamaConfig tiny() {
@@ -56,8 +57,8 @@ TEST(Throughput, ProfileStepsFollowTheTimedOnes) {
   ASSERT_TRUE(r.profile.has_value());
   EXPECT_EQ(r.profile_steps, 1);
   EXPECT_EQ(r.losses.size(), 4u);  // warm-up, two timed steps, the profiled one
-  // A micro-batch runs 12 GEMMs per layer (4 Linears: forward, backward input, backward weight); the loss head
-  // is its own op. Two layers, two micro-batches.
+  // A micro-batch runs 12 GEMMs per layer (4 Linears: forward, backward input, backward weight); the loss
+  // head is its own op. Two layers, two micro-batches.
   int64_t gemms = 0, heads = 0, adamw = 0;
   for (const ops::OpProfileRow& row : r.profile->rows) {
     if (row.op == "gemm") gemms += row.calls;
@@ -72,9 +73,9 @@ TEST(Throughput, ProfileStepsFollowTheTimedOnes) {
 }
 
 // On a GPU every read-back makes the host wait for the device's queue. A training step on the device (under
-// the device emulation, which counts the traffic) reads back one loss per micro-batch and the gradient norm once,
-// plus the step's amaxes under delayed scaling, and uploads each micro-batch's inputs and targets: nothing per
-// layer or per op. A change that adds a synchronisation to the step fails here.
+// the device emulation, which counts the traffic) reads back one loss per micro-batch and the gradient norm
+// once, plus the step's amaxes under delayed scaling, and uploads each micro-batch's inputs and targets:
+// nothing per layer or per op. A change that adds a synchronisation to the step fails here.
 TEST(Throughput, DeviceStepsWaitForTheDeviceOncePerMicroBatch) {
   for (const char* recipe : {"off", "delayed", "current", "block"})
     for (int64_t accum : {1, 2}) {
@@ -114,4 +115,4 @@ TEST(Throughput, NonPositiveSizesAreOneError) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::throughput_test

@@ -20,6 +20,7 @@
 #include "forge/data/image/synthetic_images.h"
 #include "forge/models/pretrained.h"
 #include "forge/train/config.h"
+#include "forge/train/train_state.h"
 #include "forge/train/trainer.h"
 
 namespace forge::toy {
@@ -243,6 +244,12 @@ inline TrainConfig llava_toy_config(const std::filesystem::path& dir, const std:
   c.log.run_dir = (dir / run).string();
   c.sample.tokens = 0;
   return c;
+}
+
+// The store's fp32 weights, on the host.
+inline std::vector<float> host_weights(const TrainState& s) {
+  const Tensor host = s.params->params().to(Device::cpu);
+  return std::vector<float>(host.f32(), host.f32() + host.numel());
 }
 
 }  // namespace forge::toy

@@ -12,14 +12,12 @@
 #include "forge/train/trainer.h"
 #include "train/toy_run.h"
 
-namespace forge {
-using namespace forge::optim; using namespace forge::ckpt; using namespace forge::train;
+namespace forge::train_state_test {
+using namespace forge::optim;
+using namespace forge::ckpt;
+using namespace forge::train;
 namespace {
-
-std::vector<float> host_weights(const TrainState& s) {
-  const Tensor host = s.params->params().to(Device::cpu);
-  return std::vector<float>(host.f32(), host.f32() + host.numel());
-}
+using toy::host_weights;
 
 class TrainStateRollback : public ::testing::TestWithParam<const char*> {};
 
@@ -74,4 +72,4 @@ INSTANTIATE_TEST_SUITE_P(Fp8, TrainStateRollback, ::testing::Values("off", "dela
                          [](const auto& info) { return std::string(info.param); });
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::train_state_test

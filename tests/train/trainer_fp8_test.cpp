@@ -14,7 +14,7 @@
 #include "forge/train/trainer.h"
 #include "train/toy_run.h"
 
-namespace forge {
+namespace forge::trainer_fp8_test {
 using namespace forge::optim;
 using namespace forge::models;
 using namespace forge::ckpt;
@@ -163,4 +163,4 @@ TEST_F(TrainerFp8, RefusesSettingsThatLeaveNoLayerInFp8) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::trainer_fp8_test

@@ -28,7 +28,7 @@
 #include "forge/train/trainer.h"
 #include "train/toy_run.h"
 
-namespace forge {
+namespace forge::trainer_moe_mpi_test {
 using namespace forge::train;
 namespace {
 namespace fs = std::filesystem;
@@ -67,7 +67,7 @@ MoeCase on_emulated_gpus(MoeCase c) {
   return c;
 }
 
-class MoeLayouts : public testing::TestWithParam<MoeCase> {
+class MoeLayouts : public ::testing::TestWithParam<MoeCase> {
  protected:
   void SetUp() override {
     dir_ = toy::make_shared_test_dir(comm::world(), "forge_trainer_moe_mpi", [](const fs::path& dir) {
@@ -189,7 +189,7 @@ TEST_P(MoeLayouts, ReproduceTheOneRankRun) {
 
 INSTANTIATE_TEST_SUITE_P(
     Layouts, MoeLayouts,
-    testing::Values(
+    ::testing::Values(
         MoeCase{"tp2", 2}, MoeCase{"tp2_sp", 2, 1, 1, false, "1f1b", 3, 2, "", 0, 0, true},
         MoeCase{"dp2", 1, 2}, MoeCase{"dp2_zero1", 1, 2, 1, true},
         MoeCase{"pp2_1f1b", 1, 1, 2, false, "1f1b", 3, 2, "2,1"},
@@ -231,7 +231,7 @@ INSTANTIATE_TEST_SUITE_P(
 // experts spread over every rank (ep = world) resumes with each rank holding all of them (ep = 1, ZeRO-1),
 // and one stopped with ep = 1 resumes with ep = world (the experts' Adam state sharded over no one but the
 // expert-data-parallel ranks); both continue the one-rank run's losses.
-class ExpertParallelRuns : public testing::Test {
+class ExpertParallelRuns : public ::testing::Test {
  protected:
   void SetUp() override {
     dir_ = toy::make_shared_test_dir(comm::world(), "forge_trainer_ep_mpi", [](const fs::path& dir) {
@@ -562,7 +562,7 @@ struct MoeFp8Case {
 
 // A shared folder holding the toy DeepSeek-V3 config, for tests parameterised on a layout case.
 template <typename Case>
-class DeepSeekLayouts : public testing::TestWithParam<Case> {
+class DeepSeekLayouts : public ::testing::TestWithParam<Case> {
  protected:
   void SetUp() override {
     dir_ = toy::make_shared_test_dir(comm::world(), "forge_trainer_moe_layouts_mpi",
@@ -611,11 +611,11 @@ TEST_P(MoeFp8Layouts, FollowTheOneRankFp8Run) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, MoeFp8Layouts,
-                         testing::Values(MoeFp8Case{"block_tp2", "block", 2},
-                                         MoeFp8Case{"current_tp2", "current", 2},
-                                         MoeFp8Case{"delayed_dp2_zero1", "delayed", 1, 2},
-                                         MoeFp8Case{"block_pp2", "block", 1, 1, 2},
-                                         MoeFp8Case{"block_dp2_ep2", "block", 1, 2, 1, 2}),
+                         ::testing::Values(MoeFp8Case{"block_tp2", "block", 2},
+                                           MoeFp8Case{"current_tp2", "current", 2},
+                                           MoeFp8Case{"delayed_dp2_zero1", "delayed", 1, 2},
+                                           MoeFp8Case{"block_pp2", "block", 1, 1, 2},
+                                           MoeFp8Case{"block_dp2_ep2", "block", 1, 2, 1, 2}),
                          [](const auto& info) { return std::string(info.param.name); });
 
 // DeepSeek-V3 in bf16 (MLA, the experts' rows and outputs, the dense layer's MLP, the residual stream and
@@ -653,10 +653,10 @@ TEST_P(MoeBf16Layouts, FollowTheOneRankBf16Run) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, MoeBf16Layouts,
-                         testing::Values(MoeBf16Case{"tp2_sp", 2}, MoeBf16Case{"dp2_ep2", 1, 2, 1, 2},
-                                         MoeBf16Case{"pp2", 1, 1, 2}, MoeBf16Case{"cp2", 1, 1, 1, 1, 2},
-                                         MoeBf16Case{"cp2_a2a_ep2", 1, 1, 1, 2, 2, "a2a"}),
+                         ::testing::Values(MoeBf16Case{"tp2_sp", 2}, MoeBf16Case{"dp2_ep2", 1, 2, 1, 2},
+                                           MoeBf16Case{"pp2", 1, 1, 2}, MoeBf16Case{"cp2", 1, 1, 1, 1, 2},
+                                           MoeBf16Case{"cp2_a2a_ep2", 1, 1, 1, 2, 2, "a2a"}),
                          [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::trainer_moe_mpi_test

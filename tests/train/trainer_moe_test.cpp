@@ -17,21 +17,15 @@
 #include "forge/models/pretrained.h"
 #include "forge/train/step.h"
 #include "forge/train/trainer.h"
+#include "test_files.h"
 #include "train/toy_run.h"
 
-namespace forge {
+namespace forge::trainer_moe_test {
 using namespace forge::ckpt;
 using namespace forge::train;
 namespace {
+using testing::read_file;
 namespace fs = std::filesystem;
-
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  EXPECT_TRUE(in) << p;
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
 
 class TrainerMoe : public ::testing::Test {
  protected:
@@ -302,7 +296,8 @@ TEST(BalanceMetrics, RecordsAndSummary) {
   StepResult r;
   EXPECT_TRUE(balance_metrics(r).fields.empty());
   EXPECT_EQ(balance_metrics(r).summary, "");
-  // Field by field: a braced initializer would leave the expert-parallel fields to -Wmissing-field-initializers.
+  // Field by field: a braced initializer would leave the expert-parallel fields to
+  // -Wmissing-field-initializers.
   auto layer_report = [](int64_t layer, std::vector<double> load, double balance, double aux, int64_t dropped,
                          double bias_norm) {
     ExpertLayerReport e;
@@ -338,4 +333,4 @@ TEST(BalanceMetrics, RecordsAndSummary) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::trainer_moe_test

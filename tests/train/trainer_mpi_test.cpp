@@ -24,13 +24,13 @@
 #include "forge/kernels/emulated_device.h"
 #include "forge/models/llama/llama_model.h"
 #include "forge/models/pretrained.h"
-#include "forge/train/device_emulation.h"
 #include "forge/parallel/distributed_optimizer.h"
+#include "forge/train/device_emulation.h"
 #include "forge/train/train_state.h"
 #include "forge/train/trainer.h"
 #include "train/toy_run.h"
 
-namespace forge {
+namespace forge::trainer_mpi_test {
 using namespace forge::optim;
 using namespace forge::models;
 using namespace forge::ckpt;
@@ -52,7 +52,7 @@ std::string name_of(const Layout& l) {
          (l.sequence_parallel ? "_sp" : "") + (l.zero ? "_zero1" : "") + (l.dropout > 0 ? "_dropout" : "");
 }
 
-class TrainerRuns : public testing::Test {
+class TrainerRuns : public ::testing::Test {
  protected:
   void SetUp() override { dir_ = toy::make_shared_test_dir(comm::world(), "forge_trainer_mpi"); }
   void TearDown() override { toy::remove_shared_test_dir(comm::world(), dir_); }
@@ -74,7 +74,7 @@ class TrainerRuns : public testing::Test {
   fs::path dir_;
 };
 
-class TrainerLayouts : public TrainerRuns, public testing::WithParamInterface<Layout> {};
+class TrainerLayouts : public TrainerRuns, public ::testing::WithParamInterface<Layout> {};
 
 TEST_P(TrainerLayouts, ReproduceTheOneRankRun) {
   comm::Communicator& world = comm::world();
@@ -118,19 +118,19 @@ TEST_P(TrainerLayouts, ReproduceTheOneRankRun) {
 
 INSTANTIATE_TEST_SUITE_P(
     Layouts, TrainerLayouts,
-    testing::Values(Layout{2, 1, false, false}, Layout{2, 1, true, false}, Layout{1, 2, false, false},
-                    Layout{1, 2, false, true}, Layout{2, 2, false, false}, Layout{2, 2, true, true},
-                    Layout{4, 1, false, false}, Layout{4, 1, true, false},
-                    // Context parallelism: every sequence's 16 tokens over 2 or 4
-                    // ranks, alone and beside tp (with sp) and dp (with ZeRO-1).
-                    Layout{1, 1, false, false, 2, "p2p"}, Layout{1, 1, false, false, 2, "a2a"},
-                    Layout{1, 1, false, false, 4, "p2p"}, Layout{2, 1, true, false, 2, "p2p"},
-                    Layout{1, 2, false, true, 2, "p2p"}, Layout{1, 2, false, true, 2, "a2a"},
-                    // Hidden dropout: each element's mask follows its sample and position, so sequence
-                    // shards, replicas, accumulation and context slices drop what one rank drops.
-                    Layout{2, 1, true, false, 1, "p2p", 0.2}, Layout{1, 2, false, true, 1, "p2p", 0.2},
-                    Layout{2, 2, true, true, 1, "p2p", 0.2}, Layout{1, 1, false, false, 2, "p2p", 0.2},
-                    Layout{1, 1, false, false, 2, "a2a", 0.2}, Layout{2, 1, true, false, 2, "p2p", 0.2}),
+    ::testing::Values(Layout{2, 1, false, false}, Layout{2, 1, true, false}, Layout{1, 2, false, false},
+                      Layout{1, 2, false, true}, Layout{2, 2, false, false}, Layout{2, 2, true, true},
+                      Layout{4, 1, false, false}, Layout{4, 1, true, false},
+                      // Context parallelism: every sequence's 16 tokens over 2 or 4
+                      // ranks, alone and beside tp (with sp) and dp (with ZeRO-1).
+                      Layout{1, 1, false, false, 2, "p2p"}, Layout{1, 1, false, false, 2, "a2a"},
+                      Layout{1, 1, false, false, 4, "p2p"}, Layout{2, 1, true, false, 2, "p2p"},
+                      Layout{1, 2, false, true, 2, "p2p"}, Layout{1, 2, false, true, 2, "a2a"},
+                      // Hidden dropout: each element's mask follows its sample and position, so sequence
+                      // shards, replicas, accumulation and context slices drop what one rank drops.
+                      Layout{2, 1, true, false, 1, "p2p", 0.2}, Layout{1, 2, false, true, 1, "p2p", 0.2},
+                      Layout{2, 2, true, true, 1, "p2p", 0.2}, Layout{1, 1, false, false, 2, "p2p", 0.2},
+                      Layout{1, 1, false, false, 2, "a2a", 0.2}, Layout{2, 1, true, false, 2, "p2p", 0.2}),
     [](const auto& info) { return name_of(info.param); });
 
 // bf16 runs (bf16 GEMMs, activations, residual stream and messages) under every layout against the one-rank
@@ -149,7 +149,7 @@ struct Bf16Layout {
   bool grad_reduce_in_bf16 = false;
 };
 
-class TrainerBf16Layouts : public TrainerRuns, public testing::WithParamInterface<Bf16Layout> {};
+class TrainerBf16Layouts : public TrainerRuns, public ::testing::WithParamInterface<Bf16Layout> {};
 
 TEST_P(TrainerBf16Layouts, FollowTheOneRankBf16Run) {
   comm::Communicator& world = comm::world();
@@ -192,17 +192,17 @@ TEST_P(TrainerBf16Layouts, FollowTheOneRankBf16Run) {
 
 INSTANTIATE_TEST_SUITE_P(
     Layouts, TrainerBf16Layouts,
-    testing::Values(Bf16Layout{"tp2", 2}, Bf16Layout{"tp2_sp", 2, 1, 1, 1, true},
-                    Bf16Layout{"dp2_zero1", 1, 2, 1, 1, false, true}, Bf16Layout{"cp2_p2p", 1, 1, 2},
-                    Bf16Layout{"cp2_a2a", 1, 1, 2, 1, false, false, "a2a"}, Bf16Layout{"pp2", 1, 1, 1, 2},
-                    Bf16Layout{"pp2_dualpipev", 1, 1, 1, 2, false, false, "p2p", "dualpipev", false, 4, 4},
-                    Bf16Layout{"pp2_fp32_residual", 1, 1, 1, 2, false, false, "p2p", "1f1b", true},
-                    Bf16Layout{"tp2_sp_dp2_zero1", 2, 2, 1, 1, true, true},
-                    Bf16Layout{"tp2_sp_pp2", 2, 1, 1, 2, true},
-                    Bf16Layout{"dp2_grad_reduce_in_bf16", 1, 2, 1, 1, false, false, "p2p", "1f1b", false, 2,
-                               2, true},
-                    Bf16Layout{"dp2_zero1_grad_reduce_in_bf16", 1, 2, 1, 1, false, true, "p2p", "1f1b", false,
-                               2, 2, true}),
+    ::testing::Values(Bf16Layout{"tp2", 2}, Bf16Layout{"tp2_sp", 2, 1, 1, 1, true},
+                      Bf16Layout{"dp2_zero1", 1, 2, 1, 1, false, true}, Bf16Layout{"cp2_p2p", 1, 1, 2},
+                      Bf16Layout{"cp2_a2a", 1, 1, 2, 1, false, false, "a2a"}, Bf16Layout{"pp2", 1, 1, 1, 2},
+                      Bf16Layout{"pp2_dualpipev", 1, 1, 1, 2, false, false, "p2p", "dualpipev", false, 4, 4},
+                      Bf16Layout{"pp2_fp32_residual", 1, 1, 1, 2, false, false, "p2p", "1f1b", true},
+                      Bf16Layout{"tp2_sp_dp2_zero1", 2, 2, 1, 1, true, true},
+                      Bf16Layout{"tp2_sp_pp2", 2, 1, 1, 2, true},
+                      Bf16Layout{"dp2_grad_reduce_in_bf16", 1, 2, 1, 1, false, false, "p2p", "1f1b", false, 2,
+                                 2, true},
+                      Bf16Layout{"dp2_zero1_grad_reduce_in_bf16", 1, 2, 1, 1, false, true, "p2p", "1f1b",
+                                 false, 2, 2, true}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // The families beside LLaMA, each under tp 2 with sequence parallelism, dp 2 with ZeRO-1, cp 2 and pp 2:
@@ -241,7 +241,7 @@ const char* family_config(const std::string& family) {
   return gemma3.c_str();
 }
 
-class TrainerFamilyLayouts : public TrainerRuns, public testing::WithParamInterface<FamilyLayout> {};
+class TrainerFamilyLayouts : public TrainerRuns, public ::testing::WithParamInterface<FamilyLayout> {};
 
 TEST_P(TrainerFamilyLayouts, FollowTheOneRankRun) {
   comm::Communicator& world = comm::world();
@@ -295,7 +295,7 @@ std::vector<FamilyLayout> family_layouts() {
   return all;
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, TrainerFamilyLayouts, testing::ValuesIn(family_layouts()),
+INSTANTIATE_TEST_SUITE_P(Families, TrainerFamilyLayouts, ::testing::ValuesIn(family_layouts()),
                          [](const auto& info) {
                            const FamilyLayout& l = info.param;
                            return std::string(l.family) +
@@ -318,7 +318,7 @@ struct Fp8Case {
   bool tensor_parallel;  // tp = world with sequence parallelism, else dp = world with ZeRO-1
 };
 
-class TrainerFp8Layouts : public TrainerRuns, public testing::WithParamInterface<Fp8Case> {};
+class TrainerFp8Layouts : public TrainerRuns, public ::testing::WithParamInterface<Fp8Case> {};
 
 TEST_P(TrainerFp8Layouts, FollowTheOneRankFp8Run) {
   comm::Communicator& world = comm::world();
@@ -389,9 +389,9 @@ TEST_F(TrainerRuns, Fp8DelayedScalesAgreeAcrossRanksAndWithOneRank) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Recipes, TrainerFp8Layouts,
-                         testing::Values(Fp8Case{"delayed", true}, Fp8Case{"delayed", false},
-                                         Fp8Case{"current", true}, Fp8Case{"current", false},
-                                         Fp8Case{"block", true}, Fp8Case{"block", false}),
+                         ::testing::Values(Fp8Case{"delayed", true}, Fp8Case{"delayed", false},
+                                           Fp8Case{"current", true}, Fp8Case{"current", false},
+                                           Fp8Case{"block", true}, Fp8Case{"block", false}),
                          [](const auto& info) {
                            return std::string(info.param.recipe) +
                                   (info.param.tensor_parallel ? "_tp_sp" : "_dp_zero1");
@@ -535,7 +535,7 @@ TEST_F(TrainerRuns, ContextParallelHoldsASequenceOneRankCannot) {
 // steps again give bitwise the losses and each rank's weights of an uninterrupted run, and so does the same
 // state through a disk checkpoint (stopped at step 10, resumed under the same layout). In fp32, and in bf16,
 // where the distributed optimizer holds the sharded fp32 masters and the store the bf16 weights.
-class TrainerZero1State : public TrainerRuns, public testing::WithParamInterface<const char*> {};
+class TrainerZero1State : public TrainerRuns, public ::testing::WithParamInterface<const char*> {};
 
 TEST_P(TrainerZero1State, SnapshotAndCheckpointAreBitwiseUnderTpDp) {
   comm::Communicator& world = comm::world();
@@ -605,7 +605,7 @@ TEST_P(TrainerZero1State, SnapshotAndCheckpointAreBitwiseUnderTpDp) {
   EXPECT_EQ(resumed_final, straight_final);
 }
 
-INSTANTIATE_TEST_SUITE_P(Dtypes, TrainerZero1State, testing::Values("fp32", "bf16"));
+INSTANTIATE_TEST_SUITE_P(Dtypes, TrainerZero1State, ::testing::Values("fp32", "bf16"));
 
 // bf16 with the distributed optimizer's sharded masters over all ranks, stopped at step 6 and resumed with
 // tensor parallelism over all ranks (whole masters), and the other way round: each continues the one-rank
@@ -866,4 +866,4 @@ TEST(TrainerLayoutErrors, WorldSizeMismatchIsOneClearError) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::trainer_mpi_test

@@ -15,7 +15,7 @@
 #include "forge/train/trainer.h"
 #include "train/toy_run.h"
 
-namespace forge {
+namespace forge::trainer_multimodal_mpi_test {
 using namespace forge::train;
 namespace {
 namespace fs = std::filesystem;
@@ -25,7 +25,7 @@ struct Layout {
   bool sequence_parallel = false, zero = false;
 };
 
-class MultimodalLayouts : public testing::TestWithParam<Layout> {
+class MultimodalLayouts : public ::testing::TestWithParam<Layout> {
  protected:
   void SetUp() override {
     dir_ = toy::make_shared_test_dir(comm::world(), "forge_multimodal_mpi",
@@ -78,11 +78,11 @@ TEST_P(MultimodalLayouts, ReproduceTheOneRankRun) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, MultimodalLayouts,
-                         testing::Values(Layout{.tp = 2}, Layout{.tp = 2, .sequence_parallel = true},
-                                         Layout{.dp = 2}, Layout{.dp = 2, .zero = true}, Layout{.pp = 2},
-                                         Layout{.tp = 2, .dp = 2, .sequence_parallel = true, .zero = true},
-                                         Layout{.tp = 2, .pp = 2}),
-                         [](const testing::TestParamInfo<Layout>& info) {
+                         ::testing::Values(Layout{.tp = 2}, Layout{.tp = 2, .sequence_parallel = true},
+                                           Layout{.dp = 2}, Layout{.dp = 2, .zero = true}, Layout{.pp = 2},
+                                           Layout{.tp = 2, .dp = 2, .sequence_parallel = true, .zero = true},
+                                           Layout{.tp = 2, .pp = 2}),
+                         [](const ::testing::TestParamInfo<Layout>& info) {
                            const Layout& l = info.param;
                            return "tp" + std::to_string(l.tp) + "_dp" + std::to_string(l.dp) + "_pp" +
                                   std::to_string(l.pp) + (l.sequence_parallel ? "_sp" : "") +
@@ -125,10 +125,10 @@ TEST_P(MultimodalFp8Layouts, FollowTheOneRankFp8Run) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, MultimodalFp8Layouts,
-                         testing::Values(Layout{.tp = 2, .sequence_parallel = true},
-                                         Layout{.dp = 2, .zero = true}, Layout{.pp = 2},
-                                         Layout{.tp = 2, .dp = 2, .sequence_parallel = true, .zero = true}),
-                         [](const testing::TestParamInfo<Layout>& info) {
+                         ::testing::Values(Layout{.tp = 2, .sequence_parallel = true},
+                                           Layout{.dp = 2, .zero = true}, Layout{.pp = 2},
+                                           Layout{.tp = 2, .dp = 2, .sequence_parallel = true, .zero = true}),
+                         [](const ::testing::TestParamInfo<Layout>& info) {
                            const Layout& l = info.param;
                            return "tp" + std::to_string(l.tp) + "_dp" + std::to_string(l.dp) + "_pp" +
                                   std::to_string(l.pp) + (l.sequence_parallel ? "_sp" : "") +
@@ -136,4 +136,4 @@ INSTANTIATE_TEST_SUITE_P(Layouts, MultimodalFp8Layouts,
                          });
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::trainer_multimodal_mpi_test

@@ -18,7 +18,7 @@
 #include "forge/train/training_data.h"
 #include "train/toy_run.h"
 
-namespace forge {
+namespace forge::trainer_multimodal_test {
 using namespace forge::train;
 namespace {
 namespace fs = std::filesystem;
@@ -53,9 +53,9 @@ TEST_F(TrainerMultimodal, CaptionsHeldOutImagesGreedily) {
   c.train.steps = 20;
   c.train.dtype = "fp32";  // the oracle below runs in fp32: greedy choices must not hinge on bf16 rounding
   c.sample.captions = 5;
-  testing::internal::CaptureStdout();
+  ::testing::internal::CaptureStdout();
   const TrainResult r = Trainer(c).run();
-  const std::string out = testing::internal::GetCapturedStdout();
+  const std::string out = ::testing::internal::GetCapturedStdout();
   ASSERT_EQ(r.captions, 5);
   EXPECT_NE(out.find("held-out captions (greedy, 5 samples"), std::string::npos) << out;
 
@@ -155,9 +155,9 @@ TEST_F(TrainerMultimodal, ResumesWithTheEncoderNewlyInFp8) {
   c.fp8.recipe = "delayed", c.train.steps = 4;
   Trainer(c).run();
   c.fp8.vision = true, c.train.steps = 6, c.checkpoint.resume = "auto";
-  testing::internal::CaptureStdout();
+  ::testing::internal::CaptureStdout();
   const TrainResult r = Trainer(c).run();
-  const std::string out = testing::internal::GetCapturedStdout();
+  const std::string out = ::testing::internal::GetCapturedStdout();
   EXPECT_EQ(r.losses.size(), 2u);
   EXPECT_NE(out.find("no FP8 scaling state for 10 of this run's FP8 Linears"), std::string::npos) << out;
 }
@@ -230,9 +230,9 @@ TEST_F(TrainerMultimodal, BadLinesStopTheRunOrAreSkipped) {
   }
   c.data.skip_bad_samples = true;
   c.train.steps = 2;
-  testing::internal::CaptureStdout();
+  ::testing::internal::CaptureStdout();
   const TrainResult r = Trainer(c).run();
-  const std::string out = testing::internal::GetCapturedStdout();
+  const std::string out = ::testing::internal::GetCapturedStdout();
   EXPECT_EQ(r.losses.size(), 2u);
   EXPECT_NE(out.find("skipped 1 bad"), std::string::npos) << out;
 }
@@ -270,4 +270,4 @@ TEST_F(TrainerMultimodal, RefusesMisconfigurationsWithOneLine) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::trainer_multimodal_test

@@ -24,13 +24,13 @@
 #include "forge/train/trainer.h"
 #include "train/toy_run.h"
 
-namespace forge {
+namespace forge::trainer_pipeline_mpi_test {
 using namespace forge::models;
 using namespace forge::train;
 namespace {
 namespace fs = std::filesystem;
 
-class PipelineRuns : public testing::Test {
+class PipelineRuns : public ::testing::Test {
  protected:
   // The toy inputs, and 4- and 8-layer models (up to 8 stages), untied and tied.
   void SetUp() override {
@@ -108,7 +108,7 @@ PipelineCase chunked(const char* name, int pp, int tp, int dp, const char* sched
   return c;
 }
 
-class PipelineLayouts : public PipelineRuns, public testing::WithParamInterface<PipelineCase> {};
+class PipelineLayouts : public PipelineRuns, public ::testing::WithParamInterface<PipelineCase> {};
 
 TEST_P(PipelineLayouts, ReproduceTheOneRankRun) {
   comm::Communicator& world = comm::world();
@@ -159,7 +159,7 @@ TEST_P(PipelineLayouts, ReproduceTheOneRankRun) {
 
 INSTANTIATE_TEST_SUITE_P(
     Layouts, PipelineLayouts,
-    testing::Values(
+    ::testing::Values(
         PipelineCase{"pp2_1f1b", 2, 1, 1, "1f1b"}, PipelineCase{"pp2_zbh1", 2, 1, 1, "zb-h1"},
         PipelineCase{"pp2_1f1b_recompute_full", 2, 1, 1, "1f1b", false, false, "full"},
         PipelineCase{"pp2_zbh1_uneven_1_3", 2, 1, 1, "zb-h1", false, false, "none", "1,3"},
@@ -471,4 +471,4 @@ TEST_F(PipelineRuns, BadPipelineSettingsAreOneLineEach) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::trainer_pipeline_mpi_test

@@ -16,25 +16,24 @@
 #include "forge/ckpt/checkpoint.h"
 #include "forge/ckpt/checkpoint_dir.h"
 #include "forge/core/error.h"
+#include "forge/core/parameters.h"
 #include "forge/data/text/indexed_dataset.h"
 #include "forge/data/tokenizer/bpe_trainer.h"
 #include "forge/models/llama/llama_model.h"
-#include "forge/core/parameters.h"
 #include "forge/train/run_directory.h"
 #include "forge/train/trainer.h"
+#include "test_files.h"
 #include "train/toy_run.h"
 
-namespace forge {
-using namespace forge::optim; using namespace forge::models; using namespace forge::data; using namespace forge::ckpt; using namespace forge::train;
+namespace forge::trainer_safety_test {
+using namespace forge::optim;
+using namespace forge::models;
+using namespace forge::data;
+using namespace forge::ckpt;
+using namespace forge::train;
 namespace {
+using testing::read_file;
 namespace fs = std::filesystem;
-
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
 
 std::string error_of(TrainConfig c, std::function<void(Trainer&)> setup = {}) {
   try {
@@ -82,9 +81,9 @@ TEST_F(TrainerSafety, NonFiniteGradientIsNeverAppliedNorSaved) {
   TrainConfig clean = config("clean");
   clean.train.steps = 3;
   Trainer(clean).run();
-  EXPECT_EQ(slurp(toy::latest_checkpoint(c) / "shard-00000-of-00001.safetensors"),
-            slurp(toy::latest_checkpoint(clean) / "shard-00000-of-00001.safetensors"));
-  const std::string metrics = slurp(fs::path(c.log.run_dir) / "metrics.jsonl");
+  EXPECT_EQ(read_file(toy::latest_checkpoint(c) / "shard-00000-of-00001.safetensors"),
+            read_file(toy::latest_checkpoint(clean) / "shard-00000-of-00001.safetensors"));
+  const std::string metrics = read_file(fs::path(c.log.run_dir) / "metrics.jsonl");
   EXPECT_NE(metrics.find("\"event\":\"anomaly\""), std::string::npos) << metrics;
 
   // A non-finite loss is refused the same way, as the loss.
@@ -109,7 +108,7 @@ TEST_F(TrainerSafety, ResumeAutoNeverStartsOverCheckpointData) {
   c.checkpoint.resume = "auto";
   const std::string e = error_of(c);
   EXPECT_NE(e.find("is incomplete: it has no manifest.json"), std::string::npos) << e;
-  EXPECT_EQ(slurp(fs::path(c.log.run_dir) / "metrics.jsonl"), "{\"step\": 1, \"loss\": 5.0}\n");
+  EXPECT_EQ(read_file(fs::path(c.log.run_dir) / "metrics.jsonl"), "{\"step\": 1, \"loss\": 5.0}\n");
   EXPECT_TRUE(fs::exists(c.checkpoint_dir() / "shard-00000-of-00001.safetensors"));
 
   // Step folders none of which is complete: refused too, naming the newest.
@@ -143,15 +142,14 @@ TEST_F(TrainerSafety, ResumeAutoFallsBackToTheNewestCompleteCheckpoint) {
   EXPECT_TRUE(first.run().interrupted);
   fs::remove(c.checkpoint_dir() / "step-00000004" / "manifest.json");
   c.checkpoint.resume = "auto";
-  testing::internal::CaptureStdout();
+  ::testing::internal::CaptureStdout();
   const TrainResult r = Trainer(c).run();
-  const std::string out = testing::internal::GetCapturedStdout();
-  EXPECT_NE(out.find("passed over step-00000004: it has no manifest.json"), std::string::npos)
-      << out;
+  const std::string out = ::testing::internal::GetCapturedStdout();
+  EXPECT_NE(out.find("passed over step-00000004: it has no manifest.json"), std::string::npos) << out;
   EXPECT_NE(out.find("at step 3"), std::string::npos) << out;
   EXPECT_EQ(r.losses.size(), 3u);
-  EXPECT_EQ(slurp(toy::latest_checkpoint(c) / "shard-00000-of-00001.safetensors"),
-            slurp(toy::latest_checkpoint(straight) / "shard-00000-of-00001.safetensors"));
+  EXPECT_EQ(read_file(toy::latest_checkpoint(c) / "shard-00000-of-00001.safetensors"),
+            read_file(toy::latest_checkpoint(straight) / "shard-00000-of-00001.safetensors"));
   // Only the newest keep_last (3) checkpoints remain, and metrics.jsonl has each step once.
   EXPECT_FALSE(fs::exists(c.checkpoint_dir() / "step-00000003"));
   EXPECT_TRUE(fs::exists(c.checkpoint_dir() / "step-00000004"));
@@ -167,9 +165,9 @@ TEST_F(TrainerSafety, ResumeAutoNotesALatestThatIsNotText) {
   std::ofstream(c.checkpoint_dir() / "latest", std::ios::binary | std::ios::trunc) << "\xff\xfe\n";
   c.train.steps = 6;
   c.checkpoint.resume = "auto";
-  testing::internal::CaptureStdout();
+  ::testing::internal::CaptureStdout();
   const TrainResult r = Trainer(c).run();
-  const std::string out = testing::internal::GetCapturedStdout();
+  const std::string out = ::testing::internal::GetCapturedStdout();
   EXPECT_NE(out.find((c.checkpoint_dir() / "latest").string() + " is not text (not valid UTF-8)"),
             std::string::npos)
       << out;
@@ -200,7 +198,8 @@ TEST_F(TrainerSafety, AStepLargerThanMemoryIsRefusedUpFront) {
   c.train.micro_batch = 100000;
   c.train.memory_limit_mb = 100;
   e = error_of(c);
-  EXPECT_NE(e.find("train.micro_batch = 100000: one micro-batch's activations need at least"), std::string::npos)
+  EXPECT_NE(e.find("train.micro_batch = 100000: one micro-batch's activations need at least"),
+            std::string::npos)
       << e;
   EXPECT_NE(e.find("train.memory_limit_mb's 0.1 GiB"), std::string::npos) << e;
   EXPECT_FALSE(fs::exists(fs::path(c.log.run_dir) / "metrics.jsonl"));
@@ -246,12 +245,13 @@ TEST_F(TrainerSafety, FreshRunOverCheckpointsIsRefusedUnlessOverwrite) {
   TrainConfig c = config("used");
   c.train.steps = 2;
   Trainer(c).run();
-  const std::string before = slurp(fs::path(c.log.run_dir) / "metrics.jsonl");
+  const std::string before = read_file(fs::path(c.log.run_dir) / "metrics.jsonl");
   const std::string e = error_of(c);
-  EXPECT_NE(e.find("already holds checkpoints (its latest complete checkpoint is step 2)"), std::string::npos) << e;
+  EXPECT_NE(e.find("already holds checkpoints (its latest complete checkpoint is step 2)"), std::string::npos)
+      << e;
   EXPECT_NE(e.find("checkpoint.resume=auto"), std::string::npos) << e;
   EXPECT_NE(e.find("checkpoint.overwrite=true"), std::string::npos) << e;
-  EXPECT_EQ(slurp(fs::path(c.log.run_dir) / "metrics.jsonl"), before);
+  EXPECT_EQ(read_file(fs::path(c.log.run_dir) / "metrics.jsonl"), before);
 
   TrainConfig other = config("other");
   other.train.steps = 1;
@@ -273,7 +273,8 @@ TEST_F(TrainerSafety, TwoRunsCannotShareARunDirectory) {
   TrainConfig c = config("shared");
   DirectoryLock held(c.log.run_dir, "log.run_dir");
   const std::string e = error_of(c);
-  EXPECT_NE(e.find("log.run_dir " + c.log.run_dir + " is in use by another forge run (pid "), std::string::npos)
+  EXPECT_NE(e.find("log.run_dir " + c.log.run_dir + " is in use by another forge run (pid "),
+            std::string::npos)
       << e;
   TrainConfig elsewhere = config("own");
   elsewhere.checkpoint.dir = (dir_ / "shared_checkpoints").string();
@@ -354,9 +355,9 @@ TEST_F(TrainerSafety, ResumeEdgeCases) {
   c.checkpoint.resume = "auto";
   Trainer again(c);
   Trainer::stop_flag() = true;  // stops before the first step
-  testing::internal::CaptureStdout();
+  ::testing::internal::CaptureStdout();
   EXPECT_TRUE(again.run().interrupted);
-  const std::string out = testing::internal::GetCapturedStdout();
+  const std::string out = ::testing::internal::GetCapturedStdout();
   EXPECT_NE(out.find("checkpoint of step 2 is already saved"), std::string::npos) << out;
   EXPECT_EQ(fs::last_write_time(toy::latest_checkpoint(c) / "manifest.json"), written);
 
@@ -376,7 +377,8 @@ TEST_F(TrainerSafety, ThreadsBeyondTheCoresAreRefused) {
   TrainConfig c = config("threads");
   c.train.threads = omp_get_num_procs() + 1;
   const std::string e = error_of(c);
-  EXPECT_NE(e.find("train.threads = " + std::to_string(omp_get_num_procs() + 1) + " exceeds the"), std::string::npos)
+  EXPECT_NE(e.find("train.threads = " + std::to_string(omp_get_num_procs() + 1) + " exceeds the"),
+            std::string::npos)
       << e;
 }
 
@@ -392,14 +394,14 @@ TEST_F(TrainerSafety, CtrlCDuringTheFinalEvaluationEndsInterruptedWithTheFinalCh
   EXPECT_TRUE(r.interrupted);
   EXPECT_EQ(r.steps_done, 6);
   EXPECT_EQ(read_checkpoint_manifest(c.checkpoint_dir().string()).extra.at("reason"), "final");
-  EXPECT_EQ(slurp(fs::path(c.log.run_dir) / "metrics.jsonl").find("\"final\":true"), std::string::npos);
+  EXPECT_EQ(read_file(fs::path(c.log.run_dir) / "metrics.jsonl").find("\"final\":true"), std::string::npos);
   EXPECT_FALSE(Trainer::stop_flag().load());
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::trainer_safety_test
 
-namespace forge {
+namespace forge::trainer_safety_test {
 namespace {
 
 // A run of forge before step folders kept one checkpoint folder at <run_dir>/checkpoint itself (manifest
@@ -415,10 +417,11 @@ TEST_F(TrainerSafety, OldSingleFolderLayoutResumesAndIsReplaced) {
   });
   first.run();
   const fs::path root = c.checkpoint_dir(), step3 = root / "step-00000003";
-  for (const auto& entry : fs::directory_iterator(step3)) fs::rename(entry.path(), root / entry.path().filename());
+  for (const auto& entry : fs::directory_iterator(step3))
+    fs::rename(entry.path(), root / entry.path().filename());
   fs::remove(step3);
   fs::remove(root / "latest");
-  nlohmann::json manifest = nlohmann::json::parse(slurp(root / "manifest.json"));
+  nlohmann::json manifest = nlohmann::json::parse(read_file(root / "manifest.json"));
   manifest.erase("checksum");
   manifest["version"] = 2;
   std::ofstream(root / "manifest.json") << manifest.dump(2);
@@ -429,9 +432,9 @@ TEST_F(TrainerSafety, OldSingleFolderLayoutResumesAndIsReplaced) {
   EXPECT_EQ(r.losses.size(), 3u);
   EXPECT_FALSE(fs::exists(root / "manifest.json"));
   EXPECT_FALSE(fs::exists(root / "shard-00000-of-00001.safetensors"));
-  EXPECT_EQ(slurp(toy::latest_checkpoint(c) / "shard-00000-of-00001.safetensors"),
-            slurp(toy::latest_checkpoint(straight) / "shard-00000-of-00001.safetensors"));
+  EXPECT_EQ(read_file(toy::latest_checkpoint(c) / "shard-00000-of-00001.safetensors"),
+            read_file(toy::latest_checkpoint(straight) / "shard-00000-of-00001.safetensors"));
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::trainer_safety_test

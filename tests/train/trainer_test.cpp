@@ -14,22 +14,16 @@
 #include "forge/ckpt/checkpoint.h"
 #include "forge/core/device.h"
 #include "forge/kernels/profiler.h"
+#include "test_files.h"
 #include "train/toy_run.h"
 
-namespace forge {
+namespace forge::trainer_test {
 using namespace forge::optim;
 using namespace forge::ckpt;
 using namespace forge::train;
 namespace {
+using testing::read_file;
 namespace fs = std::filesystem;
-
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  EXPECT_TRUE(in) << p;  // a comparison of two missing files must not pass
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
 
 class TrainerTest : public ::testing::Test {
  protected:
@@ -264,4 +258,4 @@ TEST_F(TrainerTest, IncompleteCheckpointIsRefused) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::trainer_test

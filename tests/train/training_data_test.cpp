@@ -17,7 +17,7 @@
 #include "op_harness.h"
 #include "train/toy_run.h"
 
-namespace forge {
+namespace forge::training_data_test {
 using namespace forge::optim;
 using namespace forge::models;
 using namespace forge::data;
@@ -261,4 +261,4 @@ TEST_F(TrainingDataTest, DatasetTokensOutsideTheVocabularyNameTheFile) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::training_data_test

@@ -13,7 +13,7 @@
 #include "forge/kernels/cuda/runtime.h"
 #endif
 
-namespace forge::comm {
+namespace forge::comm::comm_nccl_test {
 namespace {
 
 class DeviceMemory final : public checks::Memory {
@@ -79,8 +79,8 @@ TEST(CommNccl, WaitOnStreamOrdersTheKernelsStreamAfterTheCollective) {
   size_t bad = 0, first = 0;
   for (size_t i = 0; i < got.size(); ++i)
     if (got[i] != want && bad++ == 0) first = i;
-  EXPECT_EQ(bad, 0u) << bad << " of " << got.size() << " elements differ; first at " << first << ": " << got[first]
-                     << ", want " << want;
+  EXPECT_EQ(bad, 0u) << bad << " of " << got.size() << " elements differ; first at " << first << ": "
+                     << got[first] << ", want " << want;
 
   // An operation the host already waited for needs no ordering: wait_on_stream only spends the handle.
   Request done = nccl->all_reduce(sum.data(), 1, Type::f32, ReduceOp::max);
@@ -91,4 +91,4 @@ TEST(CommNccl, WaitOnStreamOrdersTheKernelsStreamAfterTheCollective) {
 #endif
 
 }  // namespace
-}  // namespace forge::comm
+}  // namespace forge::comm::comm_nccl_test

@@ -11,7 +11,7 @@
 #include "data/image_test_util.h"
 #include "forge/core/error.h"
 
-namespace forge::data {
+namespace forge::data::image_processor_test {
 namespace {
 
 using image_test::fixture_dir;
@@ -185,4 +185,4 @@ TEST(ImageProcessor, LegacyAndDefaultKeysAreRead) {
 }
 
 }  // namespace
-}  // namespace forge::data
+}  // namespace forge::data::image_processor_test

@@ -17,7 +17,7 @@
 #include "forge/core/file_io.h"
 #include "forge/data/image/image_resize.h"
 
-namespace forge::data {
+namespace forge::data::image_test {
 namespace {
 
 using image_test::fixture_dir;
@@ -306,4 +306,4 @@ TEST(Image, RandomMutationsNeverCrashOrHang) {
 }
 
 }  // namespace
-}  // namespace forge::data
+}  // namespace forge::data::image_test

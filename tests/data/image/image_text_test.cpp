@@ -13,14 +13,14 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "data/tokenizer_test_util.h"
 #include "forge/core/error.h"
 #include "forge/core/file_io.h"
 #include "forge/data/image/image.h"
 #include "forge/data/image/image_processor.h"
 #include "forge/data/tokenizer/tokenizer.h"
-#include "data/tokenizer_test_util.h"
 
-namespace forge::data {
+namespace forge::data::image_text_test {
 namespace {
 
 namespace fs = std::filesystem;
@@ -505,4 +505,4 @@ TEST_F(PackedImageTextTest, TruncatedOrCorruptFilesFailWithOneLine) {
 }
 
 }  // namespace
-}  // namespace forge::data
+}  // namespace forge::data::image_text_test

@@ -17,7 +17,7 @@
 #include "forge/data/image/image_processor.h"
 #include "forge/data/image/image_text.h"
 
-namespace forge::data {
+namespace forge::data::synthetic_images_test {
 namespace {
 
 namespace fs = std::filesystem;
@@ -189,4 +189,4 @@ TEST(SyntheticImages, BadOptions) {
 }
 
 }  // namespace
-}  // namespace forge::data
+}  // namespace forge::data::synthetic_images_test

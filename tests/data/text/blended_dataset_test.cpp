@@ -11,7 +11,7 @@
 #include "forge/core/error.h"
 #include "op_harness.h"
 
-namespace forge {
+namespace forge::blended_dataset_test {
 using namespace forge::data;
 namespace {
 
@@ -180,4 +180,4 @@ TEST_F(Blend, OpensPrefixesWithASplit) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::blended_dataset_test

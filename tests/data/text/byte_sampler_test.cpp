@@ -7,7 +7,7 @@
 
 #include "forge/core/error.h"
 
-namespace forge {
+namespace forge::byte_sampler_test {
 using namespace forge::data;
 namespace {
 
@@ -132,4 +132,4 @@ TEST(ByteSampler, SequentialWindowsTileTheTextAndWrap) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::byte_sampler_test

@@ -14,7 +14,7 @@
 #include "forge/core/error.h"
 #include "op_harness.h"
 
-namespace forge {
+namespace forge::gpt_dataset_test {
 using namespace forge::data;
 namespace {
 
@@ -297,4 +297,4 @@ TEST(GptDataset, TokensOutsideTheVocabularyNameTheFile) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::gpt_dataset_test

@@ -15,7 +15,7 @@
 #include "forge/core/error.h"
 #include "op_harness.h"
 
-namespace forge {
+namespace forge::indexed_dataset_test {
 using namespace forge::data;
 namespace {
 
@@ -401,4 +401,4 @@ TEST_F(MalformedDataset, DocumentIndexMustEndAtSequenceCount) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::indexed_dataset_test

@@ -13,7 +13,7 @@
 #include "forge/data/text/indexed_dataset.h"
 #include "op_harness.h"
 
-namespace forge {
+namespace forge::preprocess_test {
 using namespace forge::data;
 namespace {
 
@@ -173,4 +173,4 @@ TEST_F(Preprocess, ErrorsNameFileAndLineAndLeaveNoDataset) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::preprocess_test

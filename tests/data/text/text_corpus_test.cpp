@@ -13,7 +13,7 @@
 #include "forge/core/file_io.h"
 #include "op_harness.h"
 
-namespace forge {
+namespace forge::text_corpus_test {
 using namespace forge::data;
 namespace {
 
@@ -245,4 +245,4 @@ TEST(TextCorpus, SplitEdgeCases) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::text_corpus_test

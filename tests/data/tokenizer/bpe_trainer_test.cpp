@@ -11,7 +11,7 @@
 #include "forge/core/error.h"
 #include "op_harness.h"
 
-namespace forge {
+namespace forge::bpe_trainer_test {
 using namespace forge::data;
 namespace {
 
@@ -179,4 +179,4 @@ TEST(BpeTrainer, RejectsBadOptionsAndInput) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::bpe_trainer_test

@@ -15,7 +15,7 @@
 #include "forge/data/tokenizer/tokenizer_text.h"
 #include "op_harness.h"
 
-namespace forge {
+namespace forge::tokenizer_families_test {
 using namespace forge::data;
 namespace {
 
@@ -290,4 +290,4 @@ TEST(TokenizerFamilies, AcceptsTheOlderAndRarerForms) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::tokenizer_families_test

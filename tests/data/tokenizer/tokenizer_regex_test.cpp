@@ -10,7 +10,7 @@
 #include "forge/data/tokenizer/tokenizer_text.h"
 #include "op_harness.h"
 
-namespace forge {
+namespace forge::tokenizer_regex_test {
 using namespace forge::data;
 namespace {
 
@@ -110,4 +110,4 @@ TEST(TokenizerRegex, WordCharacters) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::tokenizer_regex_test

@@ -18,7 +18,7 @@
 #include "forge/data/tokenizer/tokenizer_text.h"
 #include "op_harness.h"
 
-namespace forge {
+namespace forge::tokenizer_test {
 using namespace forge::data;
 namespace {
 
@@ -447,4 +447,4 @@ TEST(Tokenizer, AcceptsAlternativeForms) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::tokenizer_test

@@ -10,12 +10,13 @@
 #include "forge/kernels/ops.h"
 #include "op_harness.h"
 
-namespace forge {
-namespace op_tests::attention {
+namespace forge::op_tests::attention {
 FORGE_INSTANTIATE_OP_TEST(AttentionOp, kCases, testing::Backend::gpu);
 FORGE_INSTANTIATE_OP_TEST(AttentionCacheOp, kCacheCases, testing::Backend::gpu);
 FORGE_INSTANTIATE_OP_TEST(AttentionFixed, testing::kFixedCase, testing::Backend::gpu);
-}  // namespace op_tests::attention
+}  // namespace forge::op_tests::attention
+
+namespace forge::attention_test {
 
 namespace {
 
@@ -53,4 +54,4 @@ TEST(CudaAttentionErrors, RejectsBadParametersBeforeTouchingTheDevice) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::attention_test

@@ -16,13 +16,14 @@
 #include "kernels/op_tests/linear_cross_entropy.h"
 #include "op_harness.h"
 
-namespace forge {
-namespace op_tests::linear_cross_entropy {
+namespace forge::op_tests::linear_cross_entropy {
 FORGE_INSTANTIATE_OP_TEST(LinearCrossEntropyOp, kCases, testing::Backend::gpu);
 FORGE_INSTANTIATE_OP_TEST(LinearCrossEntropyMisalignedWorkspace, kMisalignedWorkspaceCases,
                           testing::Backend::gpu);
 FORGE_INSTANTIATE_OP_TEST(LinearCrossEntropyFixed, testing::kFixedCase, testing::Backend::gpu);
-}  // namespace op_tests::linear_cross_entropy
+}  // namespace forge::op_tests::linear_cross_entropy
+
+namespace forge::cross_entropy_test {
 
 namespace {
 
@@ -121,4 +122,4 @@ TEST(CudaLinearCrossEntropyErrors, NoRowsIsANoOp) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::cross_entropy_test

@@ -23,7 +23,7 @@
 #include "forge/kernels/ops.h"
 #include "op_harness.h"
 
-namespace forge {
+namespace forge::fp8_block_gemm_test {
 namespace {
 
 using cuda::DeviceBuffer;
@@ -285,4 +285,4 @@ TEST(CudaFp8BlockGemmErrors, ValidParametersWithoutAGpuFailWithOneLine) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::fp8_block_gemm_test

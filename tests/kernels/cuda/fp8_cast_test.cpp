@@ -16,11 +16,12 @@
 #include "forge/kernels/ops.h"
 #include "op_harness.h"
 
-namespace forge {
-namespace op_tests::fp8_cast {
+namespace forge::op_tests::fp8_cast {
 FORGE_INSTANTIATE_OP_TEST(Fp8CastOp, kCases, testing::Backend::gpu);
 FORGE_INSTANTIATE_OP_TEST(Fp8CastFixed, testing::kFixedCase, testing::Backend::gpu);
-}  // namespace op_tests::fp8_cast
+}  // namespace forge::op_tests::fp8_cast
+
+namespace forge::fp8_cast_test {
 
 namespace {
 
@@ -116,4 +117,4 @@ TEST(CudaFp8Cast, Quantize128x128RejectsBadArguments) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::fp8_cast_test

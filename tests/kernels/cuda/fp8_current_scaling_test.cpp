@@ -32,14 +32,15 @@
 #include "kernels/cuda/bitwise_compare.h"
 #include "op_harness.h"
 
-namespace forge {
-namespace op_tests::fp8_current_scaling {
+namespace forge::op_tests::fp8_current_scaling {
 FORGE_INSTANTIATE_OP_TEST(Fp8CurrentScalingOp, kCases, testing::Backend::gpu);
 FORGE_INSTANTIATE_OP_TEST(Fp8CurrentScalingFixed, testing::kFixedCase, testing::Backend::gpu);
 // The GEMM tests skip on a GPU without FP8 tensor cores.
 const bool kFp8GemmQuery = (
     gpu_runs_fp8_gemms = [] { return cuda::compute_capability() >= 89; }, true);
-}  // namespace op_tests::fp8_current_scaling
+}  // namespace forge::op_tests::fp8_current_scaling
+
+namespace forge::fp8_current_scaling_test {
 
 namespace {
 
@@ -268,4 +269,4 @@ TEST(CudaFp8CurrentScaling, ChainRunsWithoutWaitingForTheDevice) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::fp8_current_scaling_test

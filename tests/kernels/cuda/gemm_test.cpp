@@ -25,7 +25,7 @@
 #include "kernels/op_tests/fp8_gemm.h"
 #include "op_harness.h"
 
-namespace forge {
+namespace forge::gemm_test {
 namespace {
 
 using cuda::DeviceBuffer;
@@ -84,16 +84,21 @@ void expect_close(const std::vector<float>& got, const std::vector<float>& want,
 // bounds) on the GPU, and what only the GPU refuses.
 
 }  // namespace
-namespace op_tests::gemm {
+}  // namespace forge::gemm_test
+
+namespace forge::op_tests::gemm {
 FORGE_INSTANTIATE_OP_TEST(GemmOp, kCases, testing::Backend::gpu);
-}  // namespace op_tests::gemm
-namespace op_tests::fp8_gemm {
+}  // namespace forge::op_tests::gemm
+
+namespace forge::op_tests::fp8_gemm {
 FORGE_INSTANTIATE_OP_TEST(Fp8GemmOp, kCases, testing::Backend::gpu);
 FORGE_INSTANTIATE_OP_TEST(Fp8GemmFixed, testing::kFixedCase, testing::Backend::gpu);
 // The FP8 tests skip on a GPU without FP8 tensor cores.
 const bool kFp8GemmQuery = (
     gpu_runs_fp8_gemms = [] { return cuda::compute_capability() >= 89; }, true);
-}  // namespace op_tests::fp8_gemm
+}  // namespace forge::op_tests::fp8_gemm
+
+namespace forge::gemm_test {
 namespace {
 
 // cuBLASLt is loaded on the first GEMM, not linked (gemm_cublaslt.cpp): every function the GEMMs call must be
@@ -401,4 +406,4 @@ TEST(CudaDeviceAllocator, WithoutAGpuAllocationFailsCleanly) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::gemm_test

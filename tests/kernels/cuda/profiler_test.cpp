@@ -1,16 +1,17 @@
 // The op profiler on a GPU: ops are bracketed by events on the compute stream, so a profile adds no
 // synchronisation; the rows carry the device's time of each op, their sum fits inside the wall time, and the
 // profiled ops compute what the unprofiled ones do.
+#include "forge/kernels/profiler.h"
+
 #include <gtest/gtest.h>
 
 #include <vector>
 
 #include "forge/kernels/cuda/runtime.h"
 #include "forge/kernels/ops.h"
-#include "forge/kernels/profiler.h"
 #include "op_harness.h"
 
-namespace forge {
+namespace forge::profiler_test {
 namespace {
 
 using cuda::DeviceBuffer;
@@ -49,4 +50,4 @@ TEST(CudaProfiler, TimesDeviceOpsOnTheStream) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::profiler_test

@@ -15,13 +15,14 @@
 #include "forge/core/device.h"
 #include "forge/models/deepseek_v3/deepseek_v3_model.h"
 #include "forge/optim/adamw.h"
+#include "test_files.h"
 
-namespace forge {
+namespace forge::deepseek_v3_cuda_test {
 using namespace forge::optim;
 using namespace forge::models;
 namespace {
 
-std::string fixture(const std::string& name) { return std::string(FORGE_FIXTURE_DIR) + "/" + name; }
+using testing::fixture;
 
 double dissimilarity(const std::vector<float>& x, const std::vector<float>& y) {
   double xy = 0, xx = 0, yy = 0;
@@ -106,4 +107,4 @@ TEST_P(DeepseekV3Cuda, CachedInferenceMatchesCpu) {
 FORGE_INSTANTIATE_DEVICE_BACKENDS(DeepseekV3Cuda);
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::deepseek_v3_cuda_test

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "device_backends.h"
 #include "forge/core/device.h"
 #include "forge/core/error.h"
 #include "forge/data/text/byte_sampler.h"
@@ -26,10 +27,12 @@
 #include "forge/models/llama/llama_model.h"
 #include "forge/nn/fp8_context.h"
 #include "forge/optim/adamw.h"
-#include "device_backends.h"
 
-namespace forge {
-using namespace forge::optim; using namespace forge::models; using namespace forge::data; using namespace forge::train;
+namespace forge::llama_cuda_test {
+using namespace forge::optim;
+using namespace forge::models;
+using namespace forge::data;
+using namespace forge::train;
 namespace {
 
 // Dimensions are multiples of 128 where FP8 tensor cores and 128-wide scale blocks want them; the vocabulary
@@ -51,14 +54,16 @@ Tokens tokens(int64_t batch, int64_t seq, int64_t vocab) {
   Tokens t;
   for (int64_t i = 0; i < batch * seq; ++i) {
     t.ids.push_back(static_cast<int32_t>(splitmix64(2 * i) % vocab));
-    t.targets.push_back(i % 17 == 5 ? -1 : static_cast<int32_t>(splitmix64(2 * i + 1) % vocab));  // a few ignored
+    t.targets.push_back(i % 17 == 5 ? -1
+                                    : static_cast<int32_t>(splitmix64(2 * i + 1) % vocab));  // a few ignored
   }
   return t;
 }
 
 double dissimilarity(const std::vector<float>& x, const std::vector<float>& y) {
   double xy = 0, xx = 0, yy = 0;
-  for (size_t i = 0; i < x.size(); ++i) xy += double(x[i]) * y[i], xx += double(x[i]) * x[i], yy += double(y[i]) * y[i];
+  for (size_t i = 0; i < x.size(); ++i)
+    xy += double(x[i]) * y[i], xx += double(x[i]) * x[i], yy += double(y[i]) * y[i];
   return xx + yy == 0 ? 0 : 1 - 2 * xy / (xx + yy);
 }
 
@@ -114,18 +119,21 @@ void expect_close_runs(const TrainRun& gpu, const TrainRun& cpu, double loss_rel
 class LlamaCuda : public DeviceBackendTest {};
 
 TEST_P(LlamaCuda, Bf16TrainingMatchesCpu) {
-  const TrainRun gpu = train(Device::cuda, DType::bf16, std::nullopt, 3), cpu = train(Device::cpu, DType::bf16, std::nullopt, 3);
+  const TrainRun gpu = train(Device::cuda, DType::bf16, std::nullopt, 3),
+                 cpu = train(Device::cpu, DType::bf16, std::nullopt, 3);
   EXPECT_NEAR(cpu.losses[0], std::log(1000.0), 0.5);  // a fresh model: about uniform
   expect_close_runs(gpu, cpu, 2e-3, 1e-4, "bf16");
 }
 
 TEST_P(LlamaCuda, Fp32TrainingMatchesCpu) {
-  const TrainRun gpu = train(Device::cuda, DType::f32, std::nullopt, 2), cpu = train(Device::cpu, DType::f32, std::nullopt, 2);
+  const TrainRun gpu = train(Device::cuda, DType::f32, std::nullopt, 2),
+                 cpu = train(Device::cpu, DType::f32, std::nullopt, 2);
   expect_close_runs(gpu, cpu, 2e-3, 1e-4, "fp32");
 }
 
 TEST_P(LlamaCuda, TrainingIsBitwiseRepeatable) {
-  const TrainRun a = train(Device::cuda, DType::bf16, std::nullopt, 2), b = train(Device::cuda, DType::bf16, std::nullopt, 2);
+  const TrainRun a = train(Device::cuda, DType::bf16, std::nullopt, 2),
+                 b = train(Device::cuda, DType::bf16, std::nullopt, 2);
   EXPECT_EQ(a.losses, b.losses);
   EXPECT_EQ(a.first_grads, b.first_grads);
   EXPECT_EQ(a.final_params, b.final_params);
@@ -198,4 +206,4 @@ TEST(LlamaCudaErrors, NoGpuIsOneClearError) {
 }
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::llama_cuda_test

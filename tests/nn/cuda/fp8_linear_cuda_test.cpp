@@ -21,14 +21,14 @@
 #include <string>
 #include <vector>
 
+#include "device_backends.h"
 #include "forge/core/device.h"
 #include "forge/kernels/cuda/runtime.h"
 #include "forge/nn/fp8_context.h"
 #include "forge/nn/linear.h"
-#include "device_backends.h"
 #include "op_harness.h"
 
-namespace forge::nn {
+namespace forge::nn::fp8_linear_cuda_test {
 using namespace forge::train;
 namespace {
 
@@ -161,8 +161,8 @@ TEST_P(Fp8LinearCuda, InputsRecastInBackwardGiveTheSameBits) {
   expect_bitwise(saved_fp32.y, saved_fp8.y, "y");
 }
 
-// A token count FP8 tensor cores do not tile (24 rows) is refused before any kernel runs, naming the Linear (its
-// operand check; the support query before each FP8 GEMM backs it up for what only the backend knows).
+// A token count FP8 tensor cores do not tile (24 rows) is refused before any kernel runs, naming the Linear
+// (its operand check; the support query before each FP8 GEMM backs it up for what only the backend knows).
 TEST_P(Fp8LinearCuda, UnsupportedShapeIsRefusedNamingTheLinear) {
   constexpr int64_t rows = 24;
   ParameterStore store;
@@ -181,7 +181,8 @@ TEST_P(Fp8LinearCuda, UnsupportedShapeIsRefusedNamingTheLinear) {
       [&] {
         GemmOperand xo = linear.input(on(Device::cuda, random_matrix(rows * kIn, 1.0f, 4), {rows, kIn}));
         linear.forward(xo);
-        GemmOperand dyo = linear.grad_output(on(Device::cuda, random_matrix(rows * kOut, 1e-4f, 5), {rows, kOut}));
+        GemmOperand dyo =
+            linear.grad_output(on(Device::cuda, random_matrix(rows * kOut, 1e-4f, 5), {rows, kOut}));
         linear.backward_input(dyo);
         linear.backward_weight(dyo, xo);
       },
@@ -191,4 +192,4 @@ TEST_P(Fp8LinearCuda, UnsupportedShapeIsRefusedNamingTheLinear) {
 FORGE_INSTANTIATE_DEVICE_BACKENDS(Fp8LinearCuda);
 
 }  // namespace
-}  // namespace forge::nn
+}  // namespace forge::nn::fp8_linear_cuda_test

@@ -15,7 +15,7 @@
 #include "forge/nn/mla_attention.h"
 #include "op_harness.h"
 
-namespace forge::nn {
+namespace forge::nn::mla_attention_cuda_test {
 namespace {
 
 constexpr int64_t kBatch = 2, kSeq = 9, kPositions = 16;
@@ -119,4 +119,4 @@ TEST_P(MlaOnDevice, MatchesTheCpu) {
 FORGE_INSTANTIATE_DEVICE_BACKENDS(MlaOnDevice);
 
 }  // namespace
-}  // namespace forge::nn
+}  // namespace forge::nn::mla_attention_cuda_test

@@ -12,7 +12,7 @@
 #include "forge/core/error.h"
 #include "forge/parallel/pipeline/replay.h"
 
-namespace forge::pipeline {
+namespace forge::pipeline::schedule_test {
 namespace {
 
 Schedule make(const std::string& name, int ranks, int micro_batches, int vpp = 1) {
@@ -333,4 +333,4 @@ TEST(PipelineReplay, OverlappedPairsHideTheirTransfers) {
 }
 
 }  // namespace
-}  // namespace forge::pipeline
+}  // namespace forge::pipeline::schedule_test

@@ -15,7 +15,7 @@
 #include "forge/parallel/pipeline/schedule.h"
 #include "forge/report/timeline_svg.h"
 
-namespace forge::pipeline {
+namespace forge::pipeline::timeline_test {
 namespace {
 using report::timeline_svg;
 
@@ -197,4 +197,4 @@ TEST(PipelineTimeline, CommunicationSpansAreOptional) {
 }
 
 }  // namespace
-}  // namespace forge::pipeline
+}  // namespace forge::pipeline::timeline_test

@@ -1,21 +1,24 @@
 // `forge train` with train.device = cuda against the same run on the CPU, and a GPU run interrupted and
-// resumed (also under ZeRO-1): the toy run of toy_run.h (2 layers of hidden 32, head_dim 8, byte vocabulary). The GPU's attention
-// rounds its tensor-core operands to bf16, which moves each loss by ~1e-3 relative at most (see
-// tests/models/cuda/llama_cuda_test.cpp); the GPU kernels are deterministic, so a resumed GPU run repeats the
-// uninterrupted one bit for bit. Each case runs on the GPU (skipped without one) and under the device emulation
-// (device_backends.h), where the "device" runs the CPU kernels and faults on host access to its memory.
+// resumed (also under ZeRO-1): the toy run of toy_run.h (2 layers of hidden 32, head_dim 8, byte vocabulary).
+// The GPU's attention rounds its tensor-core operands to bf16, which moves each loss by ~1e-3 relative at
+// most (see tests/models/cuda/llama_cuda_test.cpp); the GPU kernels are deterministic, so a resumed GPU run
+// repeats the uninterrupted one bit for bit. Each case runs on the GPU (skipped without one) and under the
+// device emulation (device_backends.h), where the "device" runs the CPU kernels and faults on host access to
+// its memory.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <filesystem>
 
-#include "forge/ckpt/checkpoint.h"
 #include "device_backends.h"
+#include "forge/ckpt/checkpoint.h"
 #include "forge/train/trainer.h"
 #include "train/toy_run.h"
 
-namespace forge {
-using namespace forge::optim; using namespace forge::ckpt; using namespace forge::train;
+namespace forge::trainer_cuda_test {
+using namespace forge::optim;
+using namespace forge::ckpt;
+using namespace forge::train;
 namespace {
 
 namespace fs = std::filesystem;
@@ -97,4 +100,4 @@ TEST_P(TrainerCuda, ShardedOptimizerOnOneGpuIsThePlainOneAndResumes) {
 FORGE_INSTANTIATE_DEVICE_BACKENDS(TrainerCuda);
 
 }  // namespace
-}  // namespace forge
+}  // namespace forge::trainer_cuda_test
