@@ -12,6 +12,7 @@
 #include "forge/core/device.h"
 #include "tools/cli_harness.h"
 
+namespace forge::cli_test {
 namespace {
 namespace fs = std::filesystem;
 using forge::testing::cli::expect_one_line_error;
@@ -149,8 +150,6 @@ TEST_F(Cli, CtrlCSavesACheckpointAndExits130) {
   EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
 }
 
-}  // namespace
-
 // forge bench on a GPU: bad values and a machine without one get one line each.
 TEST_F(Cli, BenchDeviceAndFp8Refusals) {
   const std::string kDefaultModel =
@@ -175,13 +174,11 @@ TEST_F(Cli, BenchDeviceAndFp8Refusals) {
     expect_one_line_error("bench --model " + kDefaultModel + " --device cuda --steps 1", "no usable GPU");
 }
 
-namespace {
 forge::testing::cli::RunOptions environment(std::string variables) {
   forge::testing::cli::RunOptions options;
   options.environment = std::move(variables);
   return options;
 }
-}  // namespace
 
 // The GPU benchmark's command (bench/gpu/run_all.sh) on its whole GPU path, on the host:
 // FORGE_EMULATE_DEVICE=1 runs --device cuda under the device emulation (kernels/emulated_device.h), where any
@@ -221,3 +218,6 @@ TEST_F(Cli, BenchGpuPathDryRun) {
   expect_one_line_error(args, "FORGE_EMULATE_DEVICE=2: expected 1 (run on the host) or dry (check only)",
                         environment("FORGE_EMULATE_DEVICE=2"));
 }
+
+}  // namespace
+}  // namespace forge::cli_test

@@ -14,8 +14,10 @@
 #include "forge/ckpt/safetensors.h"
 #include "forge/models/llama/llama_config.h"
 #include "tools/cli_harness.h"
-using namespace forge::models; using namespace forge::ckpt;
+using namespace forge::models;
+using namespace forge::ckpt;
 
+namespace forge::convert_cli_test {
 namespace {
 namespace fs = std::filesystem;
 using forge::testing::cli::expect_one_line_error;
@@ -224,3 +226,4 @@ TEST_F(ConvertCli, ForgeCheckpointRecordsTheTrainersModelConfig) {
 }
 
 }  // namespace
+}  // namespace forge::convert_cli_test

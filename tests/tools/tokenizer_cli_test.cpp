@@ -10,6 +10,7 @@
 #include "tools/cli_harness.h"
 using namespace forge::data;
 
+namespace forge::tokenizer_cli_test {
 namespace {
 namespace fs = std::filesystem;
 using forge::testing::cli::expect_one_line_error;
@@ -117,3 +118,4 @@ TEST_F(TokenizerCli, ErrorsAreOneLine) {
 }
 
 }  // namespace
+}  // namespace forge::tokenizer_cli_test
