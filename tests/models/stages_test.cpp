@@ -9,6 +9,7 @@
 #include <memory>
 #include <vector>
 
+#include "forge/core/memory.h"
 #include "forge/core/philox.h"
 #include "forge/models/llama/llama_model.h"
 #include "forge/models/model.h"
@@ -157,6 +158,43 @@ TEST_P(Stages, SplitsLayersEvenlyAndRefusesWholeModelCallsOnAStage) {
 }
 
 INSTANTIATE_TEST_SUITE_P(GemmDtypes, Stages, ::testing::Values(DType::f32, DType::bf16));
+
+// Block recompute (ComputeOptions::recompute_layers): only the first layers of each stage recompute. The
+// losses and gradients stay bitwise those of no recompute (recomputation is exact), and what a stage's
+// forward keeps for backward falls strictly between no recompute and full recompute of every layer.
+TEST(StagesRecompute, OnlyTheFirstLayersOfEachStageRecomputeBitwise) {
+  const nn::ComputeOptions none{DType::f32, nn::Recompute::none}, full{DType::f32, nn::Recompute::full};
+  nn::ComputeOptions block = full;
+  block.recompute_layers = 1;
+  const Outcome kept_all = run(2, Order::b_then_w, none), first_only = run(2, Order::b_then_w, block);
+  EXPECT_EQ(kept_all.losses, first_only.losses);
+  for (int s = 0; s < 2; ++s)
+    EXPECT_TRUE(same_bits(kept_all.stages[s]->params().grads(), first_only.stages[s]->params().grads()))
+        << "stage " << s;
+  // The bytes a forward leaves for backward on each stage (three layers each).
+  const LlamaConfig config = six_layers();
+  const Batch batch = micro_batches(config.vocab_size)[0];
+  auto kept_bytes = [&](const nn::ComputeOptions& options, int stage) {
+    auto model = build_model(config, options, StageSpec::split(6, 2, stage), 0.02f);
+    model->initialize(11);
+    const Tensor hidden = stage == 0 ? Tensor() : Tensor::zeros({kBatch * kSeq, 32}, DType::f32);
+    const int64_t live = memory_stats().live_bytes;
+    std::unique_ptr<StageActivations> saved;
+    model->forward({batch.ids.data(), batch.targets.data(), kBatch, kSeq, 1.0f}, hidden, &saved);
+    return memory_stats().live_bytes - live;
+  };
+  for (int stage = 0; stage < 2; ++stage) {
+    const int64_t n = kept_bytes(none, stage), b = kept_bytes(block, stage), f = kept_bytes(full, stage);
+    EXPECT_GT(n, b) << "stage " << stage;
+    EXPECT_GT(b, f) << "stage " << stage;
+    // Three layers, one recomputed: a third of the layers' savings (the head's share is the same in all).
+    EXPECT_NEAR(static_cast<double>(n - b) / static_cast<double>(n - f), 1.0 / 3.0, 0.05)
+        << "stage " << stage;
+  }
+  // Counting past the stage's layers recomputes them all: the same as full recompute.
+  block.recompute_layers = 3;
+  EXPECT_EQ(kept_bytes(block, 1), kept_bytes(full, 1));
+}
 
 }  // namespace
 }  // namespace forge::stages_test

@@ -29,9 +29,13 @@ std::map<std::string, int64_t> calls_of(const RankTrace& t) {
   return out;
 }
 
+// recompute: a policy, or "full/N" for block recompute of each stage's first N layers.
 Strategy small(int tp, const std::string& recompute) {
   Strategy s;
-  s.tp = tp, s.dp = 1, s.micro_batch = 2, s.seq = 64, s.recompute = nn::recompute_from_name(recompute);
+  const size_t slash = recompute.find('/');
+  s.tp = tp, s.dp = 1, s.micro_batch = 2, s.seq = 64,
+  s.recompute = nn::recompute_from_name(recompute.substr(0, slash));
+  if (slash != std::string::npos) s.recompute_layers = std::stoll(recompute.substr(slash + 1));
   s.sequence_parallel = tp > 1;
   return s;
 }
@@ -85,7 +89,9 @@ INSTANTIATE_TEST_SUITE_P(Models, DryTrace,
                          ::testing::Values(std::make_tuple(kLlama, 1, std::string("none")),
                                            std::make_tuple(kLlama, 2, std::string("selective")),
                                            std::make_tuple(kLlama, 1, std::string("full")),
-                                           std::make_tuple(kDeepSeek, 1, std::string("none"))));
+                                           std::make_tuple(kLlama, 2, std::string("full/2")),
+                                           std::make_tuple(kDeepSeek, 1, std::string("none")),
+                                           std::make_tuple(kDeepSeek, 1, std::string("selective/1"))));
 
 // Experts with a capacity, padded to it: a real router's expert GEMMs have the shapes of the dry run's
 // balanced one, op for op, and the strategy says so in its description and its --set line.
@@ -293,7 +299,19 @@ TEST(Simulator, ReplaysTheScheduleForMemoryAndTime) {
   EXPECT_LT(longer.time.bubble / longer.time.step, one_f_one_b.time.bubble / one_f_one_b.time.step);
   // Full recompute keeps less.
   s.recompute = nn::Recompute::full;
-  EXPECT_LT(sim.estimate(s).memory.activations, longer.memory.activations);
+  const Estimate full = sim.estimate(s);
+  EXPECT_LT(full.memory.activations, longer.memory.activations);
+  // Block recompute (one of each stage's three layers) keeps less than none and more than full, and
+  // spends less time recomputing than full.
+  s.recompute_layers = 1;
+  const Estimate block = sim.estimate(s);
+  EXPECT_LT(block.memory.activations, longer.memory.activations);
+  EXPECT_GT(block.memory.activations, full.memory.activations);
+  EXPECT_LT(block.time.step, full.time.step);
+  EXPECT_GT(block.time.step, longer.time.step);
+  EXPECT_NE(s.describe().find("rc:full/1"), std::string::npos) << s.describe();
+  EXPECT_NE(s.set_line().find("--set train.recompute=full --set train.recompute_layers=1"), std::string::npos)
+      << s.set_line();
   // Data parallelism adds the reductions; ZeRO-1 shards the optimizer state.
   Strategy d = small(1, "none");
   d.dp = 4;

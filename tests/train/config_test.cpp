@@ -90,7 +90,7 @@ TEST(TrainConfig, DefaultTomlFileEqualsBuiltInDefaults) {
     ++keys;
     EXPECT_NE(line.find(" # "), std::string::npos) << "no comment: " << line;
   }
-  EXPECT_EQ(keys, 115);
+  EXPECT_EQ(keys, 116);
 }
 
 TEST(TrainConfig, DefaultTomlFileIsTheGeneratedText) {
@@ -373,6 +373,11 @@ TEST(TrainConfigErrors, Validation) {
                  {"test.toml: train.min_lr (0.01) must not exceed train.lr (0.003)"});
   expect_invalid([](TrainConfig& c) { c.train.lr = 0; }, {"train.lr must be > 0"});
   expect_invalid([](TrainConfig& c) { c.train.min_lr = -1e-4; }, {"train.min_lr must be >= 0"});
+  expect_invalid([](TrainConfig& c) { c.train.recompute_layers = -1; },
+                 {"train.recompute_layers must be >= 0 (0 = every layer), got -1"});
+  expect_invalid(
+      [](TrainConfig& c) { c.train.recompute_layers = 2; },
+      {"train.recompute_layers = 2 limits recomputation to some layers, but train.recompute is none"});
   expect_invalid([](TrainConfig& c) { c.data.heldout_fraction = 0; }, {"data.heldout_fraction", "(0, 1)"});
   expect_invalid([](TrainConfig& c) { c.data.heldout_fraction = 1; }, {"data.heldout_fraction"});
   expect_invalid([](TrainConfig& c) { c.data.seq_len = 0; }, {"data.seq_len must be > 0, got 0"});

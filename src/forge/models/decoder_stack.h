@@ -193,8 +193,8 @@ class DecoderStack : public Model {
   // number: 0 for the first one registered).
   int register_extra_layer(int64_t index, float init_std);
   nn::DecoderLayer build_extra_layer(int registration, const nn::ComputeOptions& options);
-  // The compute options of layer `index`: FP8 or not (the first and last fp8.bf16_*_layers keep the GEMM
-  // dtype; an extension's layers count as last).
+  // The compute options of layer `index`: its recompute policy (ComputeOptions::recompute_layers) and FP8
+  // or not (the first and last fp8.bf16_*_layers keep the GEMM dtype; an extension's layers count as last).
   nn::ComputeOptions layer_options(int64_t index) const;
   nn::TensorParallel* tp() const;                        // null unless split over more than one rank
   const std::string& source() const { return source_; }  // the config's path, for messages

@@ -28,12 +28,15 @@ Init DecoderStack::norm_weight_init() const {
   return spec_.norm_weight_offset != 0.0f ? Init::zeros : Init::ones;
 }
 
-// FP8: every decoder layer's Linears except the first and last bf16_*_layers, which stay in the GEMM dtype
-// (the layers nearest the embedding and the loss are the most sensitive to precision); an extension's layers
-// (indices past the last) count as last layers. Norms, attention itself, routers and the heads never run in
-// FP8.
+// Recompute: with recompute_layers > 0, only the stage's first recompute_layers layers (an extension's
+// counted after the stage's own) recompute. FP8: every decoder layer's Linears except the first and last
+// bf16_*_layers, which stay in the GEMM dtype (the layers nearest the embedding and the loss are the most
+// sensitive to precision); an extension's layers (indices past the last) count as last layers. Norms,
+// attention itself, routers and the heads never run in FP8.
 nn::ComputeOptions DecoderStack::layer_options(int64_t index) const {
   nn::ComputeOptions o = options_;
+  if (o.recompute_layers > 0 && index - stage_.first_layer >= o.recompute_layers)
+    o.recompute = nn::Recompute::none;
   if (o.fp8) {
     const nn::Fp8Options& f = o.fp8->options();
     if (index < f.bf16_first_layers || index >= spec_.layers - f.bf16_last_layers) o.fp8 = nullptr;

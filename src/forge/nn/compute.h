@@ -76,6 +76,11 @@ struct ComputeOptions {
   // its masks drawn under dropout_seed.
   float hidden_dropout = 0.0f;
   uint64_t dropout_seed = 0;
+  // > 0: `recompute` (above) applies to the first this many decoder layers of each pipeline stage (each chunk
+  // of an interleaved or V schedule, counted from the chunk's first layer; a DeepSeek-V3's MTP layers count
+  // after the stage's own), and the rest keep every activation: Megatron's --recompute-method block
+  // --recompute-num-layers. Recompute as few layers as memory requires. 0: every layer.
+  int64_t recompute_layers = 0;
   int tp_rank() const;
   int tp_size() const;
   int ep_rank() const;

@@ -13,7 +13,9 @@ std::string Strategy::describe() const {
     out += fmt::format(" {}{}", pipeline::schedule_name(schedule),
                        schedule == pipeline::ScheduleKind::interleaved ? fmt::format("x{}", vpp) : "");
   out += fmt::format(" mb{}x{}", micro_batch, grad_accum);
-  if (recompute != nn::Recompute::none) out += fmt::format(" rc:{}", nn::recompute_name(recompute));
+  if (recompute != nn::Recompute::none)
+    out += fmt::format(" rc:{}{}", nn::recompute_name(recompute),
+                       recompute_layers > 0 ? fmt::format("/{}", recompute_layers) : "");
   if (distributed_optimizer && dp > 1) out += " zero1";
   if (sequence_parallel && tp > 1) out += " sp";
   if (fp8) out += " fp8:" + fp8_recipe;
@@ -35,6 +37,8 @@ std::string Strategy::set_line() const {
   if (dp > 1) out += fmt::format(" --set parallel.distributed_optimizer={}", distributed_optimizer);
   out += fmt::format(" --set train.micro_batch={} --set train.grad_accum={} --set train.recompute={}",
                      micro_batch, grad_accum, nn::recompute_name(recompute));
+  if (recompute != nn::Recompute::none && recompute_layers > 0)
+    out += fmt::format(" --set train.recompute_layers={}", recompute_layers);
   if (fp8) out += " --set fp8.recipe=" + fp8_recipe;
   if (moe_capacity_factor > 0)
     out += fmt::format(" --set moe.capacity_factor={:g} --set moe.pad_to_capacity={}", moe_capacity_factor,

@@ -31,6 +31,7 @@ struct Strategy {
   int64_t grad_accum = 1;   // micro-batches per step (per data-parallel replica)
   int64_t seq = 0;
   nn::Recompute recompute = nn::Recompute::none;
+  int64_t recompute_layers = 0;          // train.recompute_layers (0: every layer recomputes per `recompute`)
   DType dtype = DType::bf16;             // GEMM operands: bf16 | f32
   DType activation_dtype = DType::bf16;  // train.activation_dtype resolved (bf16 needs bf16 GEMMs)
   bool fp32_residual = false;            // train.fp32_residual

@@ -185,6 +185,12 @@ const std::vector<KeySpec>& key_specs() {
        {}},
       {"train", "recompute", FORGE_FIELD(train.recompute), "activation recomputation", {}},
       {"train",
+       "recompute_layers",
+       FORGE_FIELD(train.recompute_layers),
+       "recompute only the first this many layers of each pipeline stage (each chunk of an interleaved or V "
+       "schedule), the rest keeping their activations: Megatron's block recompute (0 = every layer)",
+       {}},
+      {"train",
        "freeze",
        FORGE_FIELD(train.freeze),
        "parts of a multimodal model that do not train, comma-separated: vision, projector, language (\"\" = "
@@ -259,7 +265,8 @@ const std::vector<KeySpec>& key_specs() {
       {"parallel",
        "distributed_optimizer",
        FORGE_FIELD(parallel.distributed_optimizer),
-       "Megatron's distributed optimizer: shard the Adam state, and under bf16 the fp32 master weights, over dp (reduce-scatter grads, all-gather weights)",
+       "Megatron's distributed optimizer: shard the Adam state, and under bf16 the fp32 master weights, over "
+       "dp (reduce-scatter grads, all-gather weights)",
        {}},
       {"parallel",
        "overlap_grad_reduce",
@@ -940,6 +947,13 @@ void check_training(const TrainConfig& c, const Checks& k) {
   k(is_finite(c.train.eps) && c.train.eps > 0, "train.eps", c.train.eps, "> 0");
   k(is_finite(c.train.grad_clip) && c.train.grad_clip >= 0, "train.grad_clip", c.train.grad_clip,
     ">= 0 (0 = off)");
+  k(c.train.recompute_layers >= 0, "train.recompute_layers", c.train.recompute_layers,
+    ">= 0 (0 = every layer)");
+  if (c.train.recompute_layers > 0 && c.train.recompute == nn::Recompute::none) {
+    const Checks::Blame b = k.blame({"train.recompute_layers", "train.recompute"});
+    fail("{}: train.recompute_layers = {} limits recomputation to some layers, but train.recompute is none{}",
+         b.where, c.train.recompute_layers, b.others);
+  }
   // OpenMP's runtime crashes on absurd team sizes (100000 threads segfaults libgomp); the trainer checks the
   // machine's cores.
   k(c.train.threads >= 0 && c.train.threads <= kMaxThreads, "train.threads", c.train.threads,
@@ -1165,6 +1179,13 @@ DType TrainConfig::gemm_dtype() const {
   if (train.dtype == DtypeChoice::automatic)
     return train.device != Device::cpu || cpu_has_native_bf16() ? DType::bf16 : DType::f32;
   return train.dtype == DtypeChoice::bf16 ? DType::bf16 : DType::f32;
+}
+
+std::string TrainConfig::recompute_summary() const {
+  std::string out(train.recompute.name());
+  if (train.recompute != nn::Recompute::none && train.recompute_layers > 0)
+    out += fmt::format(", first {} layers per stage", train.recompute_layers);
+  return out;
 }
 
 DType TrainConfig::activation_dtype() const {

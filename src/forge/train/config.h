@@ -127,6 +127,9 @@ struct TrainConfig {
     // fp32_residual_connection; nn::ComputeOptions::residual_dtype).
     bool fp32_residual = false;
     Choice<nn::Recompute> recompute = nn::Recompute::none;
+    // > 0: recompute only the first this many layers of each pipeline stage (nn::ComputeOptions::
+    // recompute_layers; Megatron's --recompute-method block --recompute-num-layers). 0 = every layer.
+    int64_t recompute_layers = 0;
     std::string freeze;   // parts that do not train, comma-separated (a LLaVA's vision,projector,language)
     int64_t threads = 0;  // 0 = all cores
     double memory_limit_mb = 0;  // cap on each rank's host tensors (0 = none; train.device = cpu)
@@ -290,6 +293,8 @@ struct TrainConfig {
   DType gemm_dtype() const;
   // train.activation_dtype resolved (auto: gemm_dtype()). Call after validate().
   DType activation_dtype() const;
+  // train.recompute for logs: "none", "full", or "full, first 4 layers per stage" (train.recompute_layers).
+  std::string recompute_summary() const;
   // The residual stream's dtype: the activation dtype, or fp32 with train.fp32_residual or an FP8 recipe.
   // Call after validate().
   DType residual_dtype() const;

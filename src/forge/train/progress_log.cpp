@@ -75,9 +75,9 @@ void ProgressLog::banner() {
       static_cast<double>(s.model_config->num_parameters()) / 1e6,
       (s.dtype_name + (c_.train.dtype == DtypeChoice::automatic ? " (auto)" : "")).c_str(),
       on_gpu ? (" on " + std::string(device_name(s.options.device))).c_str() : "", s.fp8_summary.c_str(),
-      std::string(c_.train.recompute.name()).c_str(), static_cast<long long>(step_tokens_),
-      static_cast<long long>(s.micro), static_cast<long long>(s.accum), static_cast<long long>(s.seq),
-      static_cast<long long>(s.dp), s.options.fp8 && on_gpu ? "fp8" : s.dtype_name.c_str(), peak_gflops_,
+      c_.recompute_summary().c_str(), static_cast<long long>(step_tokens_), static_cast<long long>(s.micro),
+      static_cast<long long>(s.accum), static_cast<long long>(s.seq), static_cast<long long>(s.dp),
+      s.options.fp8 && on_gpu ? "fp8" : s.dtype_name.c_str(), peak_gflops_,
       c_.log.peak_gflops > 0 ? "given"
       : on_gpu               ? "H100/H200 dense"
                              : "measured");

@@ -251,8 +251,7 @@ bool TrainingRun::run_step(TrainResult& result) {
     result.peak_activation_bytes =
         (s.on_gpu() ? device_memory(device).peak_allocated() : memory_stats().peak_bytes) - live_before;
     log_.say("peak activation memory %.1f MiB per micro-batch (recompute %s)\n",
-             static_cast<double>(result.peak_activation_bytes) / 1048576.0,
-             std::string(c_.train.recompute.name()).c_str());
+             static_cast<double>(result.peak_activation_bytes) / 1048576.0, c_.recompute_summary().c_str());
   }
   if (!r.applied) {
     if (profile_this_step) ops::profile_end();
