@@ -325,13 +325,13 @@ int run_search(const ModelPlanOptions& o) {
     fail("no strategy runs this model on {} ranks", ranks);
   }
   std::sort(fitting.begin(), fitting.end(), faster);
-  std::printf("\n%4s  %-36s %11s %9s %10s %8s %9s %6s\n", "rank", "strategy", "tokens/s", "step ms", "memory",
+  std::printf("\n%4s  %-46s %11s %9s %10s %8s %9s %6s\n", "rank", "strategy", "tokens/s", "step ms", "memory",
               "bubble", "exp.comm", "MFU");
   for (size_t i = 0; i < fitting.size() && static_cast<int>(i) < o.top; ++i) {
     const Estimate& e = fitting[i];
     const double exposed =
         e.time.tp_comm + e.time.ep_comm + e.time.cp_comm + e.time.pp_comm + e.time.dp_exposed;
-    std::printf("%4zu  %-36s %11.0f %9.2f %10s %7.1f%% %8.2fms %5.1f%%\n", i + 1,
+    std::printf("%4zu  %-46s %11.0f %9.2f %10s %7.1f%% %8.2fms %5.1f%%\n", i + 1,
                 e.strategy.describe().c_str(), e.time.tokens_per_s, 1e3 * e.time.step,
                 human_bytes(e.memory.total).c_str(), 100 * e.time.bubble / e.time.step, 1e3 * exposed,
                 100 * e.time.mfu);
