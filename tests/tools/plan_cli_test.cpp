@@ -220,6 +220,18 @@ TEST_F(PlanCli, EstimateAndSearchAModelOnShippedHardware) {
   expect_does_not_fit("plan estimate --set model.config=" + model);
 }
 
+// The search lays out a mixture-of-experts model with expert parallelism too (each divisor of dp x cp that
+// divides the routed experts), and its --set lines say so.
+TEST_F(PlanCli, SearchTriesExpertParallelism) {
+  const std::string model = std::string(FORGE_FIXTURE_DIR) + "/../../configs/deepseek-v3-tiny.json";
+  const Outcome s = run_forge("plan search --hardware h100 --model " + model +
+                              " --global-batch 4 --seq-len 64 --ranks 4 --top 1000");
+  ASSERT_EQ(s.status, 0) << s.output;
+  EXPECT_NE(s.output.find(" ep2 "), std::string::npos) << s.output;
+  EXPECT_NE(s.output.find(" ep4 "), std::string::npos) << s.output;
+  EXPECT_NE(s.output.find(" dualpipe "), std::string::npos) << s.output;
+}
+
 // Generation on one device: weights, KV cache and the prefill's transient, prefill and decode times; a
 // device too small says so with exit status 2; a request the model cannot run is one line.
 TEST_F(PlanCli, GenerationOnOneDevice) {

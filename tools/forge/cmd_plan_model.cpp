@@ -207,6 +207,7 @@ int run_search(const ModelPlanOptions& o) {
   if (o.seq_len > shape.max_positions)
     fail("--seq-len {} exceeds max_position_embeddings {} of {}", o.seq_len, shape.max_positions, o.model);
   Simulator sim(*model, cluster);
+  const int64_t experts = model->to_json().value("n_routed_experts", int64_t{0});
   std::optional<nn::Fp8Options> fp8;
   if (o.fp8 != "off") {
     train::TrainConfig c;
@@ -240,47 +241,52 @@ int run_search(const ModelPlanOptions& o) {
           using pipeline::ScheduleKind;
           std::vector<std::pair<ScheduleKind, int>> schedules{{ScheduleKind::one_f_one_b, 1}};
           if (pp > 1)
-            schedules = {{ScheduleKind::one_f_one_b, 1},
-                         {ScheduleKind::interleaved, 2},
-                         {ScheduleKind::zb_h1, 1},
-                         {ScheduleKind::zbv, 1},
+            schedules = {{ScheduleKind::one_f_one_b, 1}, {ScheduleKind::interleaved, 2},
+                         {ScheduleKind::interleaved, 4}, {ScheduleKind::zb_h1, 1},
+                         {ScheduleKind::zbv, 1},         {ScheduleKind::dualpipe, 1},
                          {ScheduleKind::dualpipev, 1}};
+          // Expert parallelism (MoE models): every divisor of dp x cp that divides the routed experts.
+          std::vector<int> eps{1};
+          for (int ep : divisors(static_cast<int64_t>(dp) * cp))
+            if (ep > 1 && experts % ep == 0) eps.push_back(ep);
           for (int64_t mb : {1, 2, 4, 8}) {
             if ((o.global_batch / dp) % mb) continue;
             const int64_t accum = o.global_batch / dp / mb;
-            for (const auto& [schedule, vpp] : schedules)
-              for (nn::Recompute recompute :
-                   {nn::Recompute::none, nn::Recompute::selective, nn::Recompute::full})
-                for (bool zero : {false, true}) {
-                  if (zero && dp == 1) continue;
-                  Strategy s;
-                  s.tp = tp, s.pp = pp, s.dp = dp, s.schedule = schedule, s.vpp = vpp;
-                  s.cp = cp, s.cp_comm = cp_comm;
-                  s.sequence_parallel = tp > 1 && (o.seq_len / cp) % tp == 0;
-                  s.distributed_optimizer = zero;
-                  s.micro_batch = mb, s.grad_accum = accum, s.seq = o.seq_len, s.recompute = recompute;
-                  s.fp8 = fp8, s.fp8_recipe = o.fp8;
-                  if (pp > 1 &&
-                      !pipeline::schedule_refusal({schedule, pp, static_cast<int>(accum), vpp}).empty())
-                    continue;
-                  if (pp > 1 &&
-                      shape.layers % pipeline::stage_count({schedule, pp, static_cast<int>(accum), vpp}) != 0)
-                    continue;
-                  ++tried;
-                  Estimate e;
-                  try {
-                    e = sim.estimate(s);
-                  } catch (const Error&) {
-                    ++refused;
-                    continue;
+            for (int ep : eps)
+              for (const auto& [schedule, vpp] : schedules)
+                for (nn::Recompute recompute :
+                     {nn::Recompute::none, nn::Recompute::selective, nn::Recompute::full})
+                  for (bool zero : {false, true}) {
+                    if (zero && dp == 1) continue;
+                    Strategy s;
+                    s.tp = tp, s.pp = pp, s.dp = dp, s.schedule = schedule, s.vpp = vpp, s.ep = ep;
+                    s.cp = cp, s.cp_comm = cp_comm;
+                    s.sequence_parallel = tp > 1 && (o.seq_len / cp) % tp == 0;
+                    s.distributed_optimizer = zero;
+                    s.micro_batch = mb, s.grad_accum = accum, s.seq = o.seq_len, s.recompute = recompute;
+                    s.fp8 = fp8, s.fp8_recipe = o.fp8;
+                    if (pp > 1 &&
+                        !pipeline::schedule_refusal({schedule, pp, static_cast<int>(accum), vpp}).empty())
+                      continue;
+                    if (pp > 1 &&
+                        shape.layers % pipeline::stage_count({schedule, pp, static_cast<int>(accum), vpp}) !=
+                            0)
+                      continue;
+                    ++tried;
+                    Estimate e;
+                    try {
+                      e = sim.estimate(s);
+                    } catch (const Error&) {
+                      ++refused;
+                      continue;
+                    }
+                    if (!e.fits) {
+                      ++too_big;
+                      if (smallest.memory.total < 0 || e.memory.total < smallest.memory.total) smallest = e;
+                      continue;
+                    }
+                    fitting.push_back(e);
                   }
-                  if (!e.fits) {
-                    ++too_big;
-                    if (smallest.memory.total < 0 || e.memory.total < smallest.memory.total) smallest = e;
-                    continue;
-                  }
-                  fitting.push_back(e);
-                }
           }
         }
     }
@@ -632,14 +638,14 @@ void add_plan_model_subcommands(CLI::App* plan,
       ->capture_default_str();
   add_hardware_options(search, *o);
   search->footer(
-      "Tries tp and pp over the divisors of the ranks (dp takes the rest), every pipeline schedule, "
-      "micro-batches "
-      "of 1, 2, 4, 8, recompute none/selective/full, ZeRO-1 on and off, sequence parallelism with tp; the "
-      "fastest full-recompute strategies again with the fewest recomputed layers per stage that fit "
-      "(train.recompute_layers). Prints the "
-      "best by predicted tokens/s with memory per device, pipeline bubble, exposed communication and MFU, "
-      "and the "
-      "--set line to train with the best.");
+      "Tries tp, cp and pp over the divisors of the ranks (dp takes the rest), every pipeline schedule "
+      "(interleaved with 2 and 4 chunks per rank), expert parallelism over the divisors of dp x cp that "
+      "divide "
+      "a MoE model's routed experts, micro-batches of 1, 2, 4, 8, recompute none/selective/full, ZeRO-1 on "
+      "and off, sequence parallelism with tp; then the fastest full-recompute strategies again with the "
+      "fewest recomputed layers per stage that fit (train.recompute_layers). Prints the best by predicted "
+      "tokens/s with memory per device, pipeline bubble, exposed communication and MFU, and the --set line "
+      "to train with the best.");
   runners.push_back({search, [o] { return run_search(*o); }});
 
   auto* generate = plan->add_subcommand(
