@@ -310,6 +310,11 @@ TEST(Simulator, ReplaysTheScheduleForMemoryAndTime) {
   EXPECT_LT(block.time.step, full.time.step);
   EXPECT_GT(block.time.step, longer.time.step);
   EXPECT_NE(s.describe().find("rc:full/1"), std::string::npos) << s.describe();
+  s.pp_layers = "2,4";
+  EXPECT_NE(s.describe().find("1f1b uneven"), std::string::npos) << s.describe();
+  EXPECT_NE(s.set_line().find("--set parallel.schedule=1f1b --set parallel.pp_layers=2,4"), std::string::npos)
+      << s.set_line();
+  s.pp_layers.clear();
   EXPECT_NE(s.set_line().find("--set train.recompute=full --set train.recompute_layers=1"), std::string::npos)
       << s.set_line();
   // Data parallelism adds the reductions; ZeRO-1 shards the optimizer state.

@@ -216,6 +216,14 @@ TEST_F(PlanCli, EstimateAndSearchAModelOnShippedHardware) {
   EXPECT_EQ(s.status, 0) << s.output;
   EXPECT_NE(s.output.find("train with the best: forge train"), std::string::npos) << s.output;
   EXPECT_NE(s.output.find("--set parallel.tp="), std::string::npos) << s.output;
+  // More than eight GPUs of a shipped profile: nodes of eight, unless told otherwise.
+  const std::string sixteen = "plan estimate --hardware h100 --set model.config=" + model +
+                              " --set data.seq_len=128 --set parallel.dp=16";
+  const Outcome n = run_forge(sixteen);
+  EXPECT_EQ(n.status, 0) << n.output;
+  EXPECT_NE(n.output.find("8 device(s) per node x 2 node(s)"), std::string::npos) << n.output;
+  const Outcome one = run_forge(sixteen + " --devices-per-node 16");
+  EXPECT_NE(one.output.find("16 device(s) per node x 1 node(s)"), std::string::npos) << one.output;
   // A profile too small for the model: exit status 2 and what dominates.
   expect_does_not_fit("plan estimate --set model.config=" + model);
 }
@@ -230,6 +238,8 @@ TEST_F(PlanCli, SearchTriesExpertParallelism) {
   EXPECT_NE(s.output.find(" ep2 "), std::string::npos) << s.output;
   EXPECT_NE(s.output.find(" ep4 "), std::string::npos) << s.output;
   EXPECT_NE(s.output.find(" dualpipe "), std::string::npos) << s.output;
+  // Four stages of its six layers: placed unevenly, and the --set line would place them so.
+  EXPECT_NE(s.output.find("pp4 dp1 1f1b uneven"), std::string::npos) << s.output;
 }
 
 // Generation on one device: weights, KV cache and the prefill's transient, prefill and decode times; a

@@ -101,6 +101,20 @@ TEST(TrainConfig, DefaultTomlFileIsTheGeneratedText) {
   EXPECT_EQ(text.substr(text.size() - generated.size()), generated);
 }
 
+// What the logs say of recomputation.
+TEST(TrainConfig, RecomputeSummaryNamesTheLayers) {
+  TrainConfig c;
+  EXPECT_EQ(c.recompute_summary(), "none");
+  c.train.recompute = "full";
+  EXPECT_EQ(c.recompute_summary(), "full");
+  c.train.recompute_layers = 1;
+  EXPECT_EQ(c.recompute_summary(), "full, first layer of each stage");
+  c.train.recompute_layers = 4;
+  EXPECT_EQ(c.recompute_summary(), "full, first 4 layers of each stage");
+  c = TrainConfig::from_toml_string("[train]\nrecompute = \"selective\"\nrecompute_layers = 2\n", "a.toml");
+  EXPECT_EQ(c.recompute_summary(), "selective, first 2 layers of each stage");
+}
+
 TEST(TrainConfig, PartialFileKeepsDefaults) {
   const TrainConfig c = TrainConfig::from_toml_string(
       "[train]\nsteps = 50\nlr = 1  # an integer is fine for a float key\n[sample]\nprompt = \"In the\"\n",

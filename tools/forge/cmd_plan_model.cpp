@@ -110,6 +110,8 @@ std::vector<std::string> word_list(const std::string& text, const char* option,
   return out;
 }
 
+constexpr int kGpusPerNode = 8;
+
 Cluster cluster_of(const ModelPlanOptions& o, int default_devices) {
   if (!o.cluster.empty() && !o.hardware.empty()) fail("give --cluster or --hardware, not both");
   Cluster c;
@@ -119,6 +121,14 @@ Cluster cluster_of(const ModelPlanOptions& o, int default_devices) {
     if (o.hardware.empty())
       fail("no hardware: give --cluster FILE or --hardware NAME|FILE (see forge plan --help)");
     c = Cluster::single_node(HardwareProfile::read(resolve_profile(o.hardware)), default_devices);
+    // A GPU profile (no CPU threads) over more than eight GPUs: nodes of eight, as GPU servers come, their
+    // links between nodes the profile's network (one node of 2048 GPUs would send everything over NVLink).
+    // Nodes enough for the devices at the per-node count given.
+    if (o.devices_per_node > 0)
+      c.devices_per_node = o.devices_per_node;
+    else if (c.hardware.threads == 0 && default_devices > kGpusPerNode)
+      c.devices_per_node = kGpusPerNode;
+    c.nodes = (std::max(1, default_devices) + c.devices_per_node - 1) / c.devices_per_node;
   }
   if (o.devices_per_node > 0) c.devices_per_node = o.devices_per_node;
   if (o.nodes > 0) c.nodes = o.nodes;
@@ -268,10 +278,13 @@ int run_search(const ModelPlanOptions& o) {
                     if (pp > 1 &&
                         !pipeline::schedule_refusal({schedule, pp, static_cast<int>(accum), vpp}).empty())
                       continue;
-                    if (pp > 1 &&
-                        shape.layers % pipeline::stage_count({schedule, pp, static_cast<int>(accum), vpp}) !=
-                            0)
-                      continue;
+                    if (pp > 1) {
+                      const int stages = pipeline::stage_count({schedule, pp, static_cast<int>(accum), vpp});
+                      if (stages > shape.layers) continue;
+                      // Stages that do not divide the layers take them as evenly as possible.
+                      if (shape.layers % stages != 0)
+                        s.pp_layers = pipeline::uneven_layer_counts(shape.layers, stages);
+                    }
                     ++tried;
                     Estimate e;
                     try {
@@ -596,7 +609,7 @@ void add_hardware_options(CLI::App* app, ModelPlanOptions& o) {
       ->type_name("FILE");
   app->add_option("--hardware", o.hardware,
                   "a hardware profile instead of a cluster: a shipped one (h100, h200, a100, b200) or a file "
-                  "(forge plan calibrate writes one); one node")
+                  "(forge plan calibrate writes one); one node, or nodes of 8 for more than 8 GPUs")
       ->type_name("NAME|FILE");
   app->add_option("--devices-per-node", o.devices_per_node, "override the cluster's devices per node")
       ->type_name("N");
@@ -639,7 +652,8 @@ void add_plan_model_subcommands(CLI::App* plan,
   add_hardware_options(search, *o);
   search->footer(
       "Tries tp, cp and pp over the divisors of the ranks (dp takes the rest), every pipeline schedule "
-      "(interleaved with 2 and 4 chunks per rank), expert parallelism over the divisors of dp x cp that "
+      "(interleaved with 2 and 4 chunks per rank; stages that do not divide the layers placed unevenly), "
+      "expert parallelism over the divisors of dp x cp that "
       "divide "
       "a MoE model's routed experts, micro-batches of 1, 2, 4, 8, recompute none/selective/full, ZeRO-1 on "
       "and off, sequence parallelism with tp; then the fastest full-recompute strategies again with the "

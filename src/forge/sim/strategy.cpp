@@ -12,6 +12,7 @@ std::string Strategy::describe() const {
   if (pp > 1)
     out += fmt::format(" {}{}", pipeline::schedule_name(schedule),
                        schedule == pipeline::ScheduleKind::interleaved ? fmt::format("x{}", vpp) : "");
+  if (pp > 1 && !pp_layers.empty()) out += " uneven";
   out += fmt::format(" mb{}x{}", micro_batch, grad_accum);
   if (recompute != nn::Recompute::none)
     out += fmt::format(" rc:{}{}", nn::recompute_name(recompute),
@@ -31,6 +32,7 @@ std::string Strategy::set_line() const {
                        parallel::context_attention_setting(cp_comm));
   if (ep > 1) out += fmt::format(" --set parallel.ep={}", ep);
   if (pp > 1) out += fmt::format(" --set parallel.schedule={}", pipeline::schedule_name(schedule));
+  if (pp > 1 && !pp_layers.empty()) out += " --set parallel.pp_layers=" + pp_layers;
   if (pp > 1 && schedule == pipeline::ScheduleKind::interleaved)
     out += fmt::format(" --set parallel.vpp={}", vpp);
   if (tp > 1) out += fmt::format(" --set parallel.sequence_parallel={}", sequence_parallel);

@@ -1184,7 +1184,9 @@ DType TrainConfig::gemm_dtype() const {
 std::string TrainConfig::recompute_summary() const {
   std::string out(train.recompute.name());
   if (train.recompute != nn::Recompute::none && train.recompute_layers > 0)
-    out += fmt::format(", first {} layers per stage", train.recompute_layers);
+    out += train.recompute_layers == 1
+               ? std::string(", first layer of each stage")
+               : fmt::format(", first {} layers of each stage", train.recompute_layers);
   return out;
 }
 

@@ -293,7 +293,7 @@ struct TrainConfig {
   DType gemm_dtype() const;
   // train.activation_dtype resolved (auto: gemm_dtype()). Call after validate().
   DType activation_dtype() const;
-  // train.recompute for logs: "none", "full", or "full, first 4 layers per stage" (train.recompute_layers).
+  // train.recompute for logs: "none", "full", or "full, first 4 layers of each stage" (recompute_layers).
   std::string recompute_summary() const;
   // The residual stream's dtype: the activation dtype, or fp32 with train.fp32_residual or an FP8 recipe.
   // Call after validate().

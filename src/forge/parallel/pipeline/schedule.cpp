@@ -213,6 +213,12 @@ Schedule make_schedule(const ScheduleRequest& request) {
   return s;
 }
 
+std::string uneven_layer_counts(int64_t layers, int stages) {
+  std::vector<int64_t> counts(static_cast<size_t>(stages), layers / stages);
+  for (int64_t i = 0; i < layers % stages; ++i) ++counts[static_cast<size_t>(stages - 1 - i)];
+  return fmt::format("{}", fmt::join(counts, ","));
+}
+
 std::vector<int64_t> stage_layer_counts(int64_t layers, int stages, const std::string& counts,
                                         const std::string& stages_from) {
   std::vector<int64_t> out;
@@ -224,11 +230,7 @@ std::vector<int64_t> stage_layer_counts(int64_t layers, int stages, const std::s
       fail(
           "{} makes {} pipeline stages, which do not divide num_hidden_layers = {}; place them unevenly with "
           "parallel.pp_layers (e.g. \"{}\")",
-          stages_from, stages, layers, [&] {
-            std::vector<int64_t> even(stages, layers / stages);
-            for (int64_t i = 0; i < layers % stages; ++i) ++even[stages - 1 - i];
-            return fmt::format("{}", fmt::join(even, ","));
-          }());
+          stages_from, stages, layers, uneven_layer_counts(layers, stages));
     out.assign(stages, layers / stages);
     return out;
   }

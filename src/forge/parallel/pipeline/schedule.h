@@ -118,6 +118,9 @@ Schedule make_schedule(const ScheduleRequest& request);
 // ("parallel.pp = 4").
 std::vector<int64_t> stage_layer_counts(int64_t layers, int stages, const std::string& counts,
                                         const std::string& stages_from);
+// A parallel.pp_layers value for `stages` stages that do not divide `layers` (1 <= stages <= layers): as even
+// as it gets, the extra layers on the last stages ("3,3,3,4,4,...").
+std::string uneven_layer_counts(int64_t layers, int stages);
 
 // The schedule's compute actions in order, with the sends and receives the placement implies added: a send
 // right after the action producing a message for another rank, each receive before the compute action
