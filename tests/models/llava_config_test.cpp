@@ -2,9 +2,13 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstring>
 #include <nlohmann/json.hpp>
+#include <vector>
 
 #include "forge/core/error.h"
+#include "forge/models/llava/llava_model.h"
 
 namespace forge::llava_config_test {
 using namespace forge::models;
@@ -149,6 +153,31 @@ TEST(LlavaConfig, TrainedFlopsCountWhatTheStepRuns) {
   EXPECT_DOUBLE_EQ(c.trained_flops_per_token(64, Parts{"vision"}), 6 * parameters + attention);
   EXPECT_DOUBLE_EQ(c.trained_flops_per_token(64, Parts{"language"}), 4 * parameters + attention);
   EXPECT_DOUBLE_EQ(c.flops_per_token(64), 6 * parameters + attention);
+}
+
+// "default" drops the first encoder position whatever the tower, as Hugging Face does (features[:, 1:]): for
+// a SigLIP, which has no class token, its first patch. The image features are then the "full" ones without
+// their first row, bit for bit.
+TEST(LlavaConfig, DefaultSelectionDropsASiglipsFirstPatchAsHuggingFaceDoes) {
+  json j = tiny_siglip();
+  const LlavaConfig full = LlavaConfig::from_json(j, "llava.json");
+  j["vision_feature_select_strategy"] = "default";
+  const LlavaConfig dropped = LlavaConfig::from_json(j, "llava.json");
+  EXPECT_EQ(dropped.tokens_per_image(), 15);
+  EXPECT_EQ(dropped.to_json()["vision_feature_select_strategy"], "default");
+  j.erase("vision_feature_select_strategy");  // Hugging Face's default when the key is missing
+  EXPECT_EQ(LlavaConfig::from_json(j, "llava.json").tokens_per_image(), 15);
+
+  LlavaModel a(full, nn::ComputeOptions{DType::f32, nn::Recompute::none}),
+      b(dropped, nn::ComputeOptions{DType::f32, nn::Recompute::none});
+  a.initialize(7), b.initialize(7);
+  std::vector<float> pixels(3 * 32 * 32);
+  for (size_t i = 0; i < pixels.size(); ++i) pixels[i] = std::sin(0.37f * static_cast<float>(i));
+  const Tensor all = a.image_features(pixels.data(), 1), kept = b.image_features(pixels.data(), 1);
+  ASSERT_EQ(all.shape()[0], 16);
+  ASSERT_EQ(kept.shape()[0], 15);
+  const int64_t width = all.shape()[1];
+  EXPECT_EQ(0, std::memcmp(all.f32() + width, kept.f32(), sizeof(float) * 15 * width));
 }
 
 TEST(LlavaConfig, SiglipEncoderHasNoClassTokenAndABiasedPatchEmbedding) {

@@ -38,8 +38,9 @@ struct LlavaConfig final : ModelConfig {
   // output is 0, layer i's is i + 1; negative from the end): several are concatenated along channels.
   std::vector<int64_t> vision_feature_layers = {-2};
   bool vision_feature_layer_is_list = false;  // how the file wrote it (for the round trip)
-  bool full_features = false;                 // vision_feature_select_strategy: "full" keeps the class token
-  int64_t image_seq_length = 576;             // HF's processor setting, kept for the round trip
+  bool full_features = false;  // vision_feature_select_strategy: "full" keeps every position, "default" drops
+                               // the first (tokens_per_image)
+  int64_t image_seq_length = 576;  // HF's processor setting, kept for the round trip
   std::string origin;
 
   bool operator==(const LlavaConfig& o) const { return to_json() == o.to_json(); }
@@ -77,10 +78,10 @@ struct LlavaConfig final : ModelConfig {
     return ImageInput{vision.num_channels, vision.image_size, vision.image_size,
                       static_cast<int32_t>(image_token_index), tokens_per_image()};
   }
-  // Image tokens per image in the text: the patches, plus the class token under "full".
-  int64_t tokens_per_image() const {
-    return vision.num_patches() + (full_features && vision.has_class_token() ? 1 : 0);
-  }
+  // Image tokens per image in the text: every encoder position under "full"; under "default" all but the
+  // first, whatever the tower, as Hugging Face selects them (features[:, 1:]): a CLIP's class token, or a
+  // SigLIP's first patch.
+  int64_t tokens_per_image() const { return vision.num_positions() - (full_features ? 0 : 1); }
   // Columns of the projector's input: the encoder's hidden size times the feature layers.
   int64_t projector_input() const {
     return vision.hidden_size * static_cast<int64_t>(vision_feature_layers.size());
