@@ -216,6 +216,8 @@ TEST_F(PlanCli, EstimateAndSearchAModelOnShippedHardware) {
   EXPECT_EQ(s.status, 0) << s.output;
   EXPECT_NE(s.output.find("train with the best: forge train"), std::string::npos) << s.output;
   EXPECT_NE(s.output.find("--set parallel.tp="), std::string::npos) << s.output;
+  // A dense model: no expert parallelism tried, nothing refused.
+  EXPECT_NE(s.output.find(", 0 refused"), std::string::npos) << s.output;
   // More than eight GPUs of a shipped profile: nodes of eight, unless told otherwise.
   const std::string sixteen = "plan estimate --hardware h100 --set model.config=" + model +
                               " --set data.seq_len=128 --set parallel.dp=16";

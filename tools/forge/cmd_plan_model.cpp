@@ -228,6 +228,16 @@ int run_search(const ModelPlanOptions& o) {
   const auto start = std::chrono::steady_clock::now();
   std::vector<Estimate> fitting;
   int64_t tried = 0, refused = 0, too_big = 0;
+  // A long search says how far it is, on stderr, every 10 seconds.
+  auto last_progress = start;
+  auto progress = [&] {
+    const auto now = std::chrono::steady_clock::now();
+    if (now - last_progress < std::chrono::seconds(10)) return;
+    last_progress = now;
+    std::fprintf(stderr, "search: %lld strategies tried (%lld rank traces), %zu fit so far, %.0f s\n",
+                 static_cast<long long>(tried), static_cast<long long>(sim.traces_run()), fitting.size(),
+                 std::chrono::duration<double>(now - start).count());
+  };
   Estimate smallest;
   smallest.memory.total = -1;
   for (int tp : divisors(ranks)) {
@@ -258,7 +268,7 @@ int run_search(const ModelPlanOptions& o) {
           // Expert parallelism (MoE models): every divisor of dp x cp that divides the routed experts.
           std::vector<int> eps{1};
           for (int ep : divisors(static_cast<int64_t>(dp) * cp))
-            if (ep > 1 && experts % ep == 0) eps.push_back(ep);
+            if (ep > 1 && experts > 0 && experts % ep == 0) eps.push_back(ep);
           for (int64_t mb : {1, 2, 4, 8}) {
             if ((o.global_batch / dp) % mb) continue;
             const int64_t accum = o.global_batch / dp / mb;
@@ -286,6 +296,7 @@ int run_search(const ModelPlanOptions& o) {
                         s.pp_layers = pipeline::uneven_layer_counts(shape.layers, stages);
                     }
                     ++tried;
+                    progress();
                     Estimate e;
                     try {
                       e = sim.estimate(s);
@@ -322,6 +333,7 @@ int run_search(const ModelPlanOptions& o) {
     while (lo <= hi) {
       s.recompute_layers = (lo + hi) / 2;
       ++tried;
+      progress();
       Estimate e = sim.estimate(s);
       if (e.fits)
         hi = s.recompute_layers - 1, fewest = std::move(e);
