@@ -1,8 +1,8 @@
 // Pipeline-parallel training runs against the one-rank run: 12 steps of a 4-layer toy LLaMA under pp = 2
 // and 4, with the 1F1B and ZB-H1 schedules, alone and with tensor (+ sequence) parallelism, data parallelism
-// with ZeRO-1, full recompute, an uneven layer split and an FP8 recipe. Every step's loss within 2e-5
-// relative, gradient norm within 1e-3, the held-out loss within 2e-5 and every final weight within 2e-4 of
-// its tensor's largest magnitude (the tolerances of trainer_mpi_test.cpp: pipelining itself sums nothing in
+// with ZeRO-1, full recompute and block recompute (train.recompute_layers), an uneven layer split and an FP8
+// recipe. Every step's loss within 2e-5 relative, gradient norm within 1e-3, the held-out loss within 2e-5
+// and every final weight within 2e-4 of its tensor's largest magnitude (the tolerances of trainer_mpi_test.cpp: pipelining itself sums nothing in
 // another order, but the gradient norm is summed over the stages, and tp / dp reorder their sums). A
 // checkpoint written under pp = 2 resumes under dp = 2, and the bad pipeline settings are one line each.
 #include <gtest/gtest.h>
@@ -75,8 +75,17 @@ struct PipelineCase {
   const char* fp8 = "off";
   int vpp = 1, layers = 4, accum = 4;
   bool tied = false;
-  int cp = 1;  // context parallel (ring attention) inside each stage
+  int cp = 1;                // context parallel (ring attention) inside each stage
+  int recompute_layers = 0;  // train.recompute_layers: only each stage's first layers recompute
 };
+
+// Block recompute: the first layer of each stage recomputes, the others keep their activations (with the
+// W passes of zero-bubble deferred past them).
+PipelineCase block_recompute(const char* name, int pp, const char* schedule) {
+  PipelineCase c{name, pp, 1, 1, schedule, false, false, "full"};
+  c.recompute_layers = 1;
+  return c;
+}
 
 // Context parallelism inside the stages: each micro-batch's sequences split over cp = 2 between the hops.
 PipelineCase context(const char* name, const char* schedule, int accum) {
@@ -121,6 +130,7 @@ TEST_P(PipelineLayouts, ReproduceTheOneRankRun) {
     c.model.config =
         (dir_ / ("config" + std::to_string(p.layers) + (p.tied ? "_tied" : "") + ".json")).string();
     c.train.recompute = p.recompute;
+    c.train.recompute_layers = p.recompute_layers;
     if (fp8) c.train.dtype = "bf16", c.fp8.recipe = p.fp8;
     return c;
   };
@@ -162,6 +172,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         PipelineCase{"pp2_1f1b", 2, 1, 1, "1f1b"}, PipelineCase{"pp2_zbh1", 2, 1, 1, "zb-h1"},
         PipelineCase{"pp2_1f1b_recompute_full", 2, 1, 1, "1f1b", false, false, "full"},
+        block_recompute("pp2_zbh1_recompute_first_layer", 2, "zb-h1"),
+        block_recompute("pp4_1f1b_recompute_first_layer", 4, "1f1b"),
         PipelineCase{"pp2_zbh1_uneven_1_3", 2, 1, 1, "zb-h1", false, false, "none", "1,3"},
         PipelineCase{"pp2_1f1b_fp8_current", 2, 1, 1, "1f1b", false, false, "none", "", "current"},
         PipelineCase{"pp4_1f1b", 4, 1, 1, "1f1b"}, PipelineCase{"pp4_zbh1", 4, 1, 1, "zb-h1"},
