@@ -2,9 +2,9 @@
 // and 4, with the 1F1B and ZB-H1 schedules, alone and with tensor (+ sequence) parallelism, data parallelism
 // with ZeRO-1, full recompute and block recompute (train.recompute_layers), an uneven layer split and an FP8
 // recipe. Every step's loss within 2e-5 relative, gradient norm within 1e-3, the held-out loss within 2e-5
-// and every final weight within 2e-4 of its tensor's largest magnitude (the tolerances of trainer_mpi_test.cpp: pipelining itself sums nothing in
-// another order, but the gradient norm is summed over the stages, and tp / dp reorder their sums). A
-// checkpoint written under pp = 2 resumes under dp = 2, and the bad pipeline settings are one line each.
+// and every final weight within 2e-4 of its tensor's largest magnitude (the tolerances of
+// trainer_mpi_test.cpp: pipelining itself sums nothing in another order, but the gradient norm is summed
+// over the stages, and tp / dp reorder their sums). A checkpoint written under pp = 2 resumes under dp = 2, and the bad pipeline settings are one line each.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
