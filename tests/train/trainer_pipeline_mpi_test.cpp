@@ -4,7 +4,8 @@
 // recipe. Every step's loss within 2e-5 relative, gradient norm within 1e-3, the held-out loss within 2e-5
 // and every final weight within 2e-4 of its tensor's largest magnitude (the tolerances of
 // trainer_mpi_test.cpp: pipelining itself sums nothing in another order, but the gradient norm is summed
-// over the stages, and tp / dp reorder their sums). A checkpoint written under pp = 2 resumes under dp = 2, and the bad pipeline settings are one line each.
+// over the stages, and tp / dp reorder their sums). A checkpoint written under pp = 2 resumes under dp = 2,
+// and the bad pipeline settings are one line each.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
