@@ -192,6 +192,9 @@ Estimate Simulator::estimate(const Strategy& s) {
   e.strategy = s;
   TimeEstimate& t = e.time;
   last_.clear();
+  // The cache is bounded: a search of thousands of strategies re-uses few traces, and each can take
+  // megabytes (every one kept, a 70B search outgrew 24 GB). Emptied between estimates, never during one.
+  if (cache_.size() >= kMaxCachedTraces) cache_.clear();
   for (int r = 0; r < s.pp; ++r) last_.push_back(&trace(s, r));
 
   // Per-stage action costs, and each rank's work outside the schedule.

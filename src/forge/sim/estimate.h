@@ -82,6 +82,7 @@ class Simulator {
   std::unique_ptr<models::ModelConfig> config_;
   Cluster cluster_;
   TraceOptions options_;
+  static constexpr size_t kMaxCachedTraces = 256;
   std::map<std::string, std::unique_ptr<RankTrace>> cache_;
   std::vector<const RankTrace*> last_;
   int64_t traces_run_ = 0;
