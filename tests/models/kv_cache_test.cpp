@@ -23,12 +23,11 @@ namespace {
 
 using testing::fixture;
 
-// The fixture's weights (the PyTorch twin's, or transformers' for Qwen3 and Mistral), under the given GEMM
-// dtype; the family comes from the config's `architectures`.
-std::unique_ptr<LlamaModel> fixture_model(const std::string& name, DType gemm_dtype) {
+// The fixture's weights (the PyTorch twin's, or transformers' for the other families), under the given GEMM
+// dtype; the family (and so the model built) comes from the config's `architectures`.
+std::unique_ptr<Model> fixture_model(const std::string& name, DType gemm_dtype) {
   const auto config = read_model_config(fixture(name + ".config.json"));
-  auto model = std::make_unique<LlamaModel>(dynamic_cast<const LlamaConfig&>(*config),
-                                            nn::ComputeOptions{gemm_dtype, nn::Recompute::none});
+  auto model = build_model(*config, nn::ComputeOptions{gemm_dtype, nn::Recompute::none});
   SafetensorsFile file = SafetensorsFile::open(fixture(name + ".safetensors"));
   auto& params = model->params();
   for (int i = 0; i < params.count(); ++i) file.read_into(params.info(i).name, params.param(i));
@@ -65,7 +64,7 @@ class KvCacheLogits : public ::testing::TestWithParam<Case> {};
 
 TEST_P(KvCacheLogits, MatchFullForward) {
   auto model = fixture_model(GetParam().fixture, GetParam().gemm_dtype);
-  const int64_t batch = 2, seq = 45, vocab = model->config().vocab_size;
+  const int64_t batch = 2, seq = 45, vocab = model->config().shape().vocab;
   const std::vector<int32_t> ids = random_ids(batch * seq, vocab, 7);
   const Tensor full = model->logits(ids.data(), batch, seq);
   // fp32: the same GEMMs; only the attention's summation order differs (~1e-6). bf16: that difference can
@@ -105,7 +104,9 @@ INSTANTIATE_TEST_SUITE_P(
                       // and prefill kernels cut at each query's window; Qwen3: QK-norm
                       Case{"mistral_tiny_window", DType::f32}, Case{"qwen3_tiny", DType::f32},
                       // Gemma 2: soft caps in the decode kernel and the logits; Gemma 3: local RoPE
-                      Case{"gemma2_tiny", DType::f32}, Case{"gemma3_tiny", DType::f32}),
+                      Case{"gemma2_tiny", DType::f32}, Case{"gemma3_tiny", DType::f32},
+                      // StarCoder2: LayerNorms, biases, the GELU MLP; a window with a tied head
+                      Case{"starcoder2_tiny", DType::f32}, Case{"starcoder2_tiny_tied_window", DType::f32}),
     [](const auto& info) {
       return info.param.fixture + (info.param.gemm_dtype == DType::bf16 ? "_bf16" : "_fp32");
     });
@@ -115,7 +116,7 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(KvCacheGeneration, GreedyEqualsUncachedArgmax) {
   for (const char* name : {"llama_tiny", "llama_tiny_tied_llama3"}) {
     auto model = fixture_model(name, DType::f32);
-    const int64_t vocab = model->config().vocab_size;
+    const int64_t vocab = model->config().shape().vocab;
     const std::vector<int32_t> prompt = random_ids(6, vocab, 11);
     std::vector<int32_t> sequence = prompt;
     for (int n = 0; n < 40; ++n) {
@@ -134,7 +135,7 @@ TEST(KvCacheGeneration, GreedyEqualsUncachedArgmax) {
 
 TEST(KvCacheErrors, CapacityPositionsAndShape) {
   auto model = fixture_model("llama_tiny", DType::f32);  // max_position_embeddings 64
-  const std::vector<int32_t> ids = random_ids(70, model->config().vocab_size, 3);
+  const std::vector<int32_t> ids = random_ids(70, model->config().shape().vocab, 3);
   KvCache small = model->make_cache(1, 10);
   model->forward_cached(ids.data(), 1, 8, small);
   testing::expect_error_containing([&] { model->forward_cached(ids.data(), 1, 3, small); },
@@ -160,7 +161,7 @@ TEST(KvCacheErrors, CapacityPositionsAndShape) {
 // A cache can be reset and reused for a new sequence with identical results.
 TEST(KvCacheReuse, ResetGivesTheSameLogits) {
   auto model = fixture_model("llama_tiny", DType::f32);
-  const std::vector<int32_t> ids = random_ids(12, model->config().vocab_size, 5);
+  const std::vector<int32_t> ids = random_ids(12, model->config().shape().vocab, 5);
   KvCache cache = model->make_cache(1, 12);
   Tensor first = model->forward_cached(ids.data(), 1, 12, cache);
   cache.reset();

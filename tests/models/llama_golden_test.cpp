@@ -18,6 +18,7 @@
 #include "forge/models/mistral/mistral.h"
 #include "forge/models/qwen2/qwen2.h"
 #include "forge/models/qwen3/qwen3.h"
+#include "forge/models/starcoder2/starcoder2.h"
 #include "forge/optim/adamw.h"
 #include "op_harness.h"
 #include "test_files.h"
@@ -143,6 +144,8 @@ INSTANTIATE_TEST_SUITE_P(Qwen2, LlamaGolden, ::testing::Values("qwen2_tiny", "qw
 INSTANTIATE_TEST_SUITE_P(Qwen3, LlamaGolden, ::testing::Values("qwen3_tiny", "qwen3_tiny_tied"));
 INSTANTIATE_TEST_SUITE_P(Mistral, LlamaGolden, ::testing::Values("mistral_tiny_window", "mistral_tiny"));
 INSTANTIATE_TEST_SUITE_P(Gemma, LlamaGolden, ::testing::Values("gemma2_tiny", "gemma3_tiny"));
+INSTANTIATE_TEST_SUITE_P(Starcoder2, LlamaGolden,
+                         ::testing::Values("starcoder2_tiny", "starcoder2_tiny_tied_window"));
 
 // The fixtures' configs are what transformers wrote: the family comes from `architectures`, and every
 // parameter forge registers is a tensor of the checkpoint (biases and QK-norms included), in the config's
@@ -189,6 +192,19 @@ TEST(MistralGolden, ConfigReadsTheWindow) {
   expect_parameters_are_the_checkpoints(*config, "mistral_tiny_window");
   const auto none = read_model_config(fixture("mistral_tiny.config.json"));
   EXPECT_EQ(dynamic_cast<const MistralConfig&>(*none).attention_window, 0);  // sliding_window: null
+}
+
+TEST(Starcoder2Golden, ConfigsReadAsStarcoder2) {
+  const auto config = read_model_config(fixture("starcoder2_tiny.config.json"));
+  ASSERT_EQ(config->architecture(), "Starcoder2ForCausalLM");
+  EXPECT_TRUE(dynamic_cast<const Starcoder2Config&>(*config).use_bias);
+  expect_parameters_are_the_checkpoints(*config, "starcoder2_tiny");
+  const auto tied = read_model_config(fixture("starcoder2_tiny_tied_window.config.json"));
+  const auto& c = dynamic_cast<const Starcoder2Config&>(*tied);
+  EXPECT_FALSE(c.use_bias);
+  EXPECT_EQ(c.attention_window, 5);
+  EXPECT_TRUE(c.tie_word_embeddings);
+  expect_parameters_are_the_checkpoints(*tied, "starcoder2_tiny_tied_window");
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Golden fixtures for forge's Qwen3 and Mistral from Hugging Face transformers' own Qwen3ForCausalLM and
-MistralForCausalLM (not twins).
+"""Golden fixtures for forge's Qwen3, Mistral and StarCoder2 from Hugging Face transformers' own
+Qwen3ForCausalLM, MistralForCausalLM and Starcoder2ForCausalLM (not twins).
 
     OMP_NUM_THREADS=1 /tmp/venv/bin/python tests/reference/families_golden.py           # every fixture
     OMP_NUM_THREADS=1 /tmp/venv/bin/python tests/reference/families_golden.py --check   # fp32 vs float64
@@ -14,20 +14,25 @@ adds shows in its fixtures:
   that is not hidden_size / num_attention_heads (8).
 - Mistral: `sliding_window` 5 against sequences of 12 and 16 (a query at position i sees keys j with
   i - 5 < j <= i, transformers' masking_utils.sliding_window_overlay), and one config without a window.
+- StarCoder2: LayerNorms with biases (`norm_epsilon`), the ungated MLP `c_proj(gelu_tanh(c_fc(x)))`, and
+  with `use_bias` biases on q, k, v, o, c_fc and c_proj (every bias initialised 0.1 * normal, every 1-D
+  weight 1 + 0.1 * normal); one config with biases and full attention, one tied, without biases and with a
+  window of 5.
 
 `--check` also reports how much the family's own option moves the float64 logits (QK-norm weights set to
-one, resp. the window removed): it must matter.
+one, the window removed, resp. every bias zeroed): it must matter.
 """
 
 import os
 import sys
 
 import torch
-from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM, Starcoder2Config,
+                          Starcoder2ForCausalLM)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import qwen2_golden  # noqa: E402  (the procedure: generate, check, AdamW run, file format)
-from qwen2_golden import load, logits_of  # noqa: E402
+from qwen2_golden import bias_effect, load, logits_of  # noqa: E402
 
 COMMON = dict(
     vocab_size=64,
@@ -64,12 +69,12 @@ def builder(config_class, model_class):
     return build
 
 
-def config_writer(keys):
+def config_writer(keys, base=None):
     """The architecture keys of config.to_dict(), as save_pretrained would write them."""
     def config_json(config):
         full = config.to_dict()
         out = {}
-        for key in BASE_KEYS + keys:
+        for key in (BASE_KEYS if base is None else base) + keys:
             if key in full:
                 out[key] = full[key]
             elif key == "rope_theta":  # transformers 5 keeps it inside rope_parameters
@@ -121,6 +126,33 @@ MISTRAL = dict(
     model_class="transformers.MistralForCausalLM (attn_implementation=eager, float32)",
 )
 
+STARCODER2_KEYS = [
+    "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "hidden_act", "max_position_embeddings", "norm_epsilon",
+    "rope_theta", "tie_word_embeddings", "use_bias", "sliding_window", "attention_dropout",
+    "residual_dropout", "embedding_dropout",
+]
+STARCODER2 = dict(
+    NOTES,
+    build=builder(Starcoder2Config, Starcoder2ForCausalLM),
+    config_json=config_writer([], STARCODER2_KEYS),
+    option="the biases",
+    option_effect=bias_effect,
+    weight_decay_applies_to="2-D weights (matrices, embeddings); 1-D weights (LayerNorms, biases) get 0",
+    init="matrices normal(0, 0.02); biases 0.1*normal; other 1-D weights 1 + 0.1*normal",
+    model_class="transformers.Starcoder2ForCausalLM (attn_implementation=eager, float32)",
+)
+STARCODER2_COMMON = dict(
+    {k: v for k, v in COMMON.items() if k != "rms_norm_eps"},
+    hidden_act="gelu_pytorch_tanh",
+    norm_epsilon=1e-5,
+    rope_theta=10000.0,
+    use_bias=True,
+    sliding_window=None,
+    residual_dropout=0.0,
+    embedding_dropout=0.0,
+)
+
 # Seeds: the first small ones whose AdamW run is well conditioned (qwen2_golden's float64 replay).
 CONFIGS = {
     "qwen3_tiny": (QWEN3, dict(model=dict(COMMON, head_dim=12, rope_theta=10000.0, attention_bias=False,
@@ -132,6 +164,10 @@ CONFIGS = {
                                           seq=12, seed=3)),
     "mistral_tiny": (MISTRAL, dict(model=dict(COMMON, num_key_value_heads=1, head_dim=12, sliding_window=None,
                                               rope_theta=1e6), batch=2, seq=16, seed=6)),
+    "starcoder2_tiny": (STARCODER2, dict(model=dict(STARCODER2_COMMON), batch=2, seq=12, seed=5)),
+    "starcoder2_tiny_tied_window": (STARCODER2, dict(
+        model=dict(STARCODER2_COMMON, num_key_value_heads=1, tie_word_embeddings=True, use_bias=False,
+                   sliding_window=5, rope_theta=1e5), batch=2, seq=16, seed=5)),
 }
 
 

@@ -208,7 +208,8 @@ INSTANTIATE_TEST_SUITE_P(
 // The families beside LLaMA, each under tp 2 with sequence parallelism, dp 2 with ZeRO-1, cp 2 and pp 2:
 // each follows its own one-rank run as the LLaMA does above. Their toy configs keep what sets each apart:
 // Qwen2's q/k/v biases, Qwen3's QK-norm, Mistral's window, Gemma 2's soft caps, sandwich norms and GeGLU,
-// Gemma 3's local RoPE and QK-norm (1 + w), with windows of 5 over 16-token sequences.
+// Gemma 3's local RoPE and QK-norm (1 + w), StarCoder2's LayerNorms, GELU MLP and biases on every projection
+// (the output projections' added after the tensor-parallel sum), with windows of 5 over 16-token sequences.
 struct FamilyLayout {
   const char* family;
   int tp, dp, cp, pp;
@@ -237,7 +238,13 @@ const char* family_config(const std::string& family) {
   if (family == "qwen2") return qwen2.c_str();
   if (family == "qwen3") return qwen3.c_str();
   if (family == "mistral") return mistral.c_str();
+  static const std::string starcoder2 =
+      R"({"architectures": ["Starcoder2ForCausalLM"], "model_type": "starcoder2", "sliding_window": 5,
+    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 8, "norm_epsilon": 1e-5, "vocab_size": 256,
+    "max_position_embeddings": 64, "tie_word_embeddings": false})";
   if (family == "gemma2") return gemma2.c_str();
+  if (family == "starcoder2") return starcoder2.c_str();
   return gemma3.c_str();
 }
 
@@ -284,7 +291,7 @@ TEST_P(TrainerFamilyLayouts, FollowTheOneRankRun) {
 
 std::vector<FamilyLayout> family_layouts() {
   std::vector<FamilyLayout> all;
-  for (const char* family : {"qwen2", "qwen3", "mistral", "gemma2", "gemma3"})
+  for (const char* family : {"qwen2", "qwen3", "mistral", "gemma2", "gemma3", "starcoder2"})
     for (FamilyLayout l : {FamilyLayout{"", 2, 1, 1, 1}, FamilyLayout{"", 1, 2, 1, 1},
                            FamilyLayout{"", 1, 1, 2, 1}, FamilyLayout{"", 1, 1, 1, 2}})
       l.family = family, all.push_back(l);

@@ -51,7 +51,7 @@ struct DecoderStack::Activations final : StageActivations {
   Tensor ids_holder;
   const int32_t* device_ids = nullptr;
   std::vector<nn::DecoderLayer::Saved> layers;
-  nn::RmsNorm::Saved norm;
+  nn::Norm::Saved norm;
   Tensor dhead;   // last stage: the loss head's gradient at the final norm's output, for B
   Tensor dembed;  // first stage: the gradient at the embedding's output, for W
   std::vector<InsertedRun> inserted_runs;  // forward_inserted: where the inserted rows went
@@ -135,7 +135,6 @@ void DecoderStack::register_parameters(float init_std) {
   padded_vocab_ = tp_size > 1 ? (v + unit - 1) / unit * unit : v;
   local_vocab_ = padded_vocab_ / tp_size, vocab_start_ = rank * local_vocab_;
   const ShardSpec vocab_shard{0, vocab_start_, {v, h}, true};
-  const ShardSpec replicated{-1, 0, {}, rank == 0};
 
   // The embedding: the first stage's, a tail's input, and with tied embeddings the last stage's head (a last
   // stage without the first holds its own copy under the same name, the same values since initialisation
@@ -156,7 +155,7 @@ void DecoderStack::register_parameters(float init_std) {
   for (int64_t i = stage_.first_layer; i < stage_.end_layer; ++i)
     layer_ids_.push_back(register_layer(i, init_std));
   if (stage_.post_process) {
-    norm_id_ = params_.add(prefix_ + "model.norm.weight", {h}, false, norm_weight_init(), 0.02f, replicated);
+    norm_id_ = register_norm(prefix_ + "model.norm");
     if (tied) {
       head_id_ = embed_id_;
       embedding_uses += head_reads;
@@ -197,8 +196,7 @@ void DecoderStack::build_modules() {
     layers_.push_back(make_layer(i, layer_ids_[l], layer_options(i)));
   }
   if (stage_.post_process) {
-    final_norm_ =
-        nn::RmsNorm(&params_, norm_id_, static_cast<float>(spec_.norm_eps), spec_.norm_weight_offset);
+    final_norm_ = make_norm(norm_id_);
     head_ = nn::LossHead(&params_, head_id_, spec_.vocab, vocab_start_, options_, spec_.final_softcap);
     if (tail_) tail_->build(*this);
   }
@@ -383,7 +381,7 @@ StageOutput DecoderStack::run_forward(const MicroBatch& mb, const Tensor& hidden
   if (!stage_.post_process) {
     out.hidden = x;
   } else {
-    nn::RmsNorm::Saved scratch;
+    nn::Norm::Saved scratch;
     const Tensor normed = final_norm_.forward(x, saved ? acts->norm : scratch);
     Tensor targets_holder;
     const int32_t* device_targets = ids_on(options_.device, mb.targets, n, targets_holder);
@@ -468,7 +466,7 @@ Tensor DecoderStack::final_hidden(const int32_t* ids, int64_t batch, int64_t seq
     nn::DecoderLayer::Saved scratch;
     x = layer.forward(x, batch, seq, scratch);
   }
-  nn::RmsNorm::Saved scratch;
+  nn::Norm::Saved scratch;
   return final_norm_.forward(x, scratch);
 }
 
@@ -541,7 +539,7 @@ Tensor DecoderStack::run_cached(const int32_t* ids, int64_t batch, int64_t new_t
       last.view(b * h, {h}).copy_from(x.view(((b + 1) * new_tokens - 1) * h, {h}));
     x = last;
   }
-  nn::RmsNorm::Saved norm_saved;
+  nn::Norm::Saved norm_saved;
   return head_.logits(final_norm_.forward(x, norm_saved)).to(Device::cpu);
 }
 

@@ -25,17 +25,19 @@
 #include "forge/nn/attention.h"
 #include "forge/nn/decoder_layer.h"
 #include "forge/nn/embedding.h"
+#include "forge/nn/gelu_mlp.h"
 #include "forge/nn/loss_head.h"
 #include "forge/nn/mla_attention.h"
 #include "forge/nn/mlp.h"
 #include "forge/nn/moe.h"
-#include "forge/nn/rmsnorm.h"
+#include "forge/nn/norm.h"
 
 namespace forge::models {
 
 enum class AttentionKind { gqa, mla };  // grouped-query (MHA when kv heads = heads); latent (MLA)
-// down(silu(gate(x)) * up(x)); down(gelu_tanh(gate(x)) * up(x)) (Gemma); routed experts (+ shared)
-enum class FeedForwardKind { swiglu, geglu, moe };
+// down(silu(gate(x)) * up(x)); down(gelu_tanh(gate(x)) * up(x)) (Gemma); c_proj(gelu(c_fc(x))), ungated
+// (StarCoder2; the GELU DecoderSpec::gelu); routed experts (+ shared)
+enum class FeedForwardKind { swiglu, geglu, gelu_mlp, moe };
 
 // One decoder layer, as its family chooses it.
 struct LayerSpec {
@@ -55,6 +57,9 @@ struct LayerSpec {
   // post_feedforward_layernorm; without: input_layernorm and post_attention_layernorm (before the
   // feed-forward).
   bool sandwich_norms = false;
+  // gqa: a bias on o_proj; gelu_mlp: biases on c_fc and c_proj (StarCoder2's use_bias). The output
+  // projections' biases are added once their tensor-parallel sum is done (nn::BranchBiases).
+  bool dense_bias = false;
 };
 
 // A whole model's description. Sizes are the model's, not a tensor-parallel rank's: the stack splits them.
@@ -75,8 +80,13 @@ struct DecoderSpec {
   // cos/sin [max_positions, rotary dims / 2] on the host; the stack moves them to the device. local_rope:
   // the table of layers whose spec asks for it (empty when none does).
   nn::RopeTable rope, local_rope;
+  // The layers' and the final norm's kind: RMSNorm, or LayerNorm (StarCoder2) with a bias when norm_bias
+  // ("<norm>.bias", registered right after "<norm>.weight"). QK-norms and MLA's latent norms are RMSNorms.
+  nn::NormKind norm = nn::NormKind::rms;
+  bool norm_bias = false;
   // Every RMSNorm of the stack scales by weight + this (Gemma: 1 + w, its norm weights starting at zero).
   float norm_weight_offset = 0.0f;
+  ops::GeluKind gelu = ops::GeluKind::tanh;  // gelu_mlp layers' activation
   // The embedding's rows are multiplied by this (Gemma: sqrt(hidden)).
   float embedding_scale = 1.0f;
   // > 0: the head's logits are soft-capped (Gemma 2's final_logit_softcapping).
@@ -219,12 +229,19 @@ class DecoderStack : public Model {
     int q_bias = -1;  // the first of q|k|v's biases (-1: none)
     nn::MlaParams mla;
     nn::MlpParams mlp;
+    nn::GeluMlpParams gelu_mlp;
     nn::MoeParams moe;
+    int mixer_bias = -1, ffn_bias = -1;  // o_proj's and c_proj's biases (dense_bias)
   };
   void check_stage_and_split(bool with_grads);
   // Where the micro-batch's local rows sit in the data, for hidden dropout (inactive without it).
   nn::DropoutRows dropout_rows(const MicroBatch& mb, Tensor& positions_holder) const;
   Init norm_weight_init() const;
+  // A norm's weight "<name>.weight" (and bias, with DecoderSpec::norm_bias), replicated; its weight's id.
+  int register_norm(const std::string& name);
+  nn::Norm make_norm(int weight) const;
+  // The ids of every parameter of the norms whose weights are `weights` (-1 skipped): weights and biases.
+  std::vector<int> norm_parameters(std::initializer_list<int> weights) const;
   void register_parameters(float init_std);
   void build_modules();
   LayerIds register_layer(int64_t index, float init_std);
@@ -232,6 +249,7 @@ class DecoderStack : public Model {
                     LayerIds& ids);
   void register_mla(const std::string& p, float init_std, float out_std, LayerIds& ids);
   void register_mlp(const std::string& p, int64_t width, float init_std, float out_std, nn::MlpParams& ids);
+  void register_gelu_mlp(const std::string& p, bool bias, float init_std, float out_std, LayerIds& ids);
   void register_moe(const std::string& p, float init_std, float out_std, LayerIds& ids);
   nn::DecoderLayer make_layer(int64_t index, const LayerIds& ids, const nn::ComputeOptions& options);
   void register_tensor_parallel_sums();
@@ -264,7 +282,7 @@ class DecoderStack : public Model {
   std::vector<LayerIds> layer_ids_;                      // per local layer
   std::vector<std::pair<int64_t, LayerIds>> extra_ids_;  // an extension's layers: index, ids
   std::vector<nn::DecoderLayer> layers_;
-  nn::RmsNorm final_norm_;
+  nn::Norm final_norm_;
   nn::LossHead head_;
   std::deque<nn::MoeStats> moe_stats_;  // stable addresses: the Moe layers point at them
   std::vector<const nn::Moe*> moe_layers_;

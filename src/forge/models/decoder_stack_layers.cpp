@@ -28,6 +28,31 @@ Init DecoderStack::norm_weight_init() const {
   return spec_.norm_weight_offset != 0.0f ? Init::zeros : Init::ones;
 }
 
+int DecoderStack::register_norm(const std::string& name) {
+  const ShardSpec replicated{-1, 0, {}, options_.tp_rank() == 0};  // every rank holds the norms
+  const int weight =
+      params_.add(name + ".weight", {spec_.hidden}, false, norm_weight_init(), 0.02f, replicated);
+  if (spec_.norm_bias) params_.add(name + ".bias", {spec_.hidden}, false, Init::zeros, 0.0f, replicated);
+  return weight;
+}
+
+nn::Norm DecoderStack::make_norm(int weight) const {
+  const auto eps = static_cast<float>(spec_.norm_eps);
+  if (spec_.norm == nn::NormKind::layer)
+    return nn::Norm(nn::LayerNorm(&params_, weight, spec_.norm_bias ? weight + 1 : -1, eps));
+  return nn::Norm(nn::RmsNorm(&params_, weight, eps, spec_.norm_weight_offset));
+}
+
+std::vector<int> DecoderStack::norm_parameters(std::initializer_list<int> weights) const {
+  std::vector<int> ids;
+  for (int weight : weights) {
+    if (weight < 0) continue;
+    ids.push_back(weight);
+    if (spec_.norm_bias) ids.push_back(weight + 1);
+  }
+  return ids;
+}
+
 // Recompute: with recompute_layers > 0, only the stage's first recompute_layers layers (an extension's
 // counted after the stage's own) recompute. FP8: every decoder layer's Linears except the first and last
 // bf16_*_layers, which stay in the GEMM dtype (the layers nearest the embedding and the loss are the most
@@ -50,31 +75,28 @@ DecoderStack::LayerIds DecoderStack::register_layer(int64_t index, float init_st
               "{}: layer {} has no layer spec", source_, index);
   const LayerSpec& layer = spec_.layer_specs[static_cast<size_t>(index)];
   const std::string p = prefix_ + "model.layers." + std::to_string(index) + ".";
-  const ShardSpec replicated{-1, 0, {}, options_.tp_rank() == 0};  // every rank holds the norms
   // Output projections feed the residual stream: scale their init by 1/sqrt(2 * depth) (GPT-2/Megatron).
   const float out_std = init_std / std::sqrt(2.0f * static_cast<float>(spec_.init_depth));
-  const int64_t h = spec_.hidden;
-  const Init norm_init = norm_weight_init();
-  auto norm = [&](const char* name) {
-    return params_.add(p + name, {h}, false, norm_init, 0.02f, replicated);
-  };
+  auto norm = [&](const char* name) { return register_norm(p + name); };
   LayerIds ids;
-  ids.norm1 = norm("input_layernorm.weight");
+  ids.norm1 = norm("input_layernorm");
   if (layer.attention == AttentionKind::gqa)
     register_gqa(p + "self_attn.", layer, init_std, out_std, ids);
   else
     register_mla(p + "self_attn.", init_std, out_std, ids);
   if (layer.sandwich_norms) {
-    ids.post1 = norm("post_attention_layernorm.weight");
-    ids.norm2 = norm("pre_feedforward_layernorm.weight");
+    ids.post1 = norm("post_attention_layernorm");
+    ids.norm2 = norm("pre_feedforward_layernorm");
   } else {
-    ids.norm2 = norm("post_attention_layernorm.weight");
+    ids.norm2 = norm("post_attention_layernorm");
   }
   if (layer.feed_forward == FeedForwardKind::moe)
     register_moe(p + "mlp.", init_std, out_std, ids);
+  else if (layer.feed_forward == FeedForwardKind::gelu_mlp)
+    register_gelu_mlp(p + "mlp.", layer.dense_bias, init_std, out_std, ids);
   else
     register_mlp(p + "mlp.", spec_.ffn, init_std, out_std, ids.mlp);
-  if (layer.sandwich_norms) ids.post2 = norm("post_feedforward_layernorm.weight");
+  if (layer.sandwich_norms) ids.post2 = norm("post_feedforward_layernorm");
   return ids;
 }
 
@@ -105,6 +127,9 @@ void DecoderStack::register_gqa(const std::string& a, const LayerSpec& layer, fl
   }
   ids.gqa.o = params_.add(a + "o_proj.weight", {hidden, l.heads * d}, true, Init::normal, out_std,
                           split({hidden, qd}, 1, r * l.heads * d));
+  if (layer.dense_bias)  // whole on every rank: added after the row-parallel sum
+    ids.mixer_bias =
+        params_.add(a + "o_proj.bias", {hidden}, false, Init::zeros, 0.0f, ShardSpec{-1, 0, {}, r == 0});
   if (layer.qk_norm) {
     // Every rank holds the whole [head_dim] weights and normalises its own heads with them.
     const ShardSpec replicated{-1, 0, {}, r == 0};
@@ -158,6 +183,23 @@ void DecoderStack::register_mlp(const std::string& m, int64_t width, float init_
       params_.add(m + "down_proj.weight", {h, f}, true, Init::normal, out_std, split({h, width}, 1, r * f));
 }
 
+// c_fc column-parallel with its bias, c_proj row-parallel; c_proj's bias whole on every rank.
+void DecoderStack::register_gelu_mlp(const std::string& m, bool bias, float init_std, float out_std,
+                                     LayerIds& ids) {
+  const int tp = options_.tp_size(), r = options_.tp_rank();
+  const int64_t h = spec_.hidden, width = spec_.ffn, f = width / tp;
+  ids.gelu_mlp.fc =
+      params_.add(m + "c_fc.weight", {f, h}, true, Init::normal, init_std, split({width, h}, 0, r * f));
+  if (bias)
+    ids.gelu_mlp.fc_bias =
+        params_.add(m + "c_fc.bias", {f}, false, Init::zeros, 0.0f, split({width}, 0, r * f));
+  ids.gelu_mlp.proj =
+      params_.add(m + "c_proj.weight", {h, f}, true, Init::normal, out_std, split({h, width}, 1, r * f));
+  if (bias)
+    ids.ffn_bias =
+        params_.add(m + "c_proj.bias", {h}, false, Init::zeros, 0.0f, ShardSpec{-1, 0, {}, r == 0});
+}
+
 // The routed experts go gate_0, up_0, gate_1, up_1, ..., then down_0, down_1, ... (nn::Moe's stacked
 // operands); the names are Hugging Face's, so the order does not matter to loading. The router's correction
 // bias is a parameter that never gets a gradient (weight decay off), moved once per optimizer step.
@@ -208,7 +250,9 @@ nn::DecoderLayer DecoderStack::make_layer(int64_t index, const LayerIds& ids,
     mla.heads = s.mla.heads / tp;
     mixer = std::make_unique<nn::MlaAttention>(&params_, ids.mla, mla, &rope_, options);
   }
-  if (layer.feed_forward != FeedForwardKind::moe) {
+  if (layer.feed_forward == FeedForwardKind::gelu_mlp) {
+    ffn = std::make_unique<nn::GeluMlp>(&params_, ids.gelu_mlp, s.hidden, s.ffn / tp, options, s.gelu);
+  } else if (layer.feed_forward != FeedForwardKind::moe) {
     const auto act = layer.feed_forward == FeedForwardKind::geglu ? ops::GluActivation::gelu_tanh
                                                                   : ops::GluActivation::silu;
     ffn = std::make_unique<nn::Mlp>(&params_, ids.mlp, s.hidden, s.ffn / tp, options, act);
@@ -228,8 +272,10 @@ nn::DecoderLayer DecoderStack::make_layer(int64_t index, const LayerIds& ids,
     ffn = std::move(experts);
   }
   const nn::LayerNorms norms{
-      ids.norm1, ids.post1, ids.norm2, ids.post2, static_cast<float>(s.norm_eps), s.norm_weight_offset};
-  return nn::DecoderLayer(&params_, norms, std::move(mixer), std::move(ffn), options);
+      ids.norm1, ids.post1,  ids.norm2, ids.post2, static_cast<float>(s.norm_eps), s.norm_weight_offset,
+      s.norm,    s.norm_bias};
+  return nn::DecoderLayer(&params_, norms, std::move(mixer), std::move(ffn), options,
+                          nn::BranchBiases{ids.mixer_bias, ids.ffn_bias});
 }
 
 int DecoderStack::register_extra_layer(int64_t index, float init_std) {
@@ -254,7 +300,8 @@ void DecoderStack::sum_over_group(int id) {
 // over the group as soon as they are final: MLA's replicated latent projections and norms and the QK-norm
 // weights (each rank saw only its heads; a kv head replicated over ranks saw part of its gradient on each),
 // kv heads replicated over ranks (each holder saw only its own query heads), the norm weights under sequence
-// parallelism (each rank normed only its rows), and what the tail names.
+// parallelism (each rank normed only its rows; so too the norms' biases and the output projections' biases,
+// each rank adding them to its rows only), and what the tail names.
 void DecoderStack::register_tensor_parallel_sums() {
   nn::TensorParallel* group = tp();
   if (!group) return;
@@ -268,10 +315,12 @@ void DecoderStack::register_tensor_parallel_sums() {
     for (int id : tail_->tensor_parallel_sums()) sum_over_group(id);
   if (group->sequence_parallel()) {
     for (const LayerIds& ids : layer_ids_) {
-      sum_over_group(ids.norm1), sum_over_group(ids.norm2);
-      if (ids.post1 >= 0) sum_over_group(ids.post1), sum_over_group(ids.post2);
+      for (int id : norm_parameters({ids.norm1, ids.norm2, ids.post1, ids.post2})) sum_over_group(id);
+      for (int id : {ids.mixer_bias, ids.ffn_bias})
+        if (id >= 0) sum_over_group(id);
     }
-    if (stage_.post_process) sum_over_group(norm_id_);
+    if (stage_.post_process)
+      for (int id : norm_parameters({norm_id_})) sum_over_group(id);
   }
   const int64_t kv_heads = spec_.kv_heads;
   if (kv_heads >= group->size()) return;

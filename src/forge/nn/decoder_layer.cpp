@@ -9,20 +9,13 @@ DecoderLayer::DecoderLayer(ParameterStore* store, int norm1, std::unique_ptr<Lay
     : DecoderLayer(store, LayerNorms{norm1, -1, norm2, -1, norm_eps, 0.0f}, std::move(mixer), std::move(ffn),
                    options) {}
 
-DecoderLayer::DecoderLayer(ParameterStore* store, const LayerNorms& norms, std::unique_ptr<LayerPart> mixer,
-                           std::unique_ptr<LayerPart> ffn, ComputeOptions options)
-    : options_(options),
-      norm1_(store, norms.before_mixer, norms.eps, norms.weight_offset),
-      norm2_(store, norms.before_ffn, norms.eps, norms.weight_offset),
-      mixer_(std::move(mixer)),
-      ffn_(std::move(ffn)) {
-  if ((post1_on_ = norms.after_mixer >= 0))
-    post1_ = RmsNorm(store, norms.after_mixer, norms.eps, norms.weight_offset);
-  if ((post2_on_ = norms.after_ffn >= 0))
-    post2_ = RmsNorm(store, norms.after_ffn, norms.eps, norms.weight_offset);
-}
-
 namespace {
+
+Norm make_norm(ParameterStore* store, const LayerNorms& norms, int weight) {
+  if (norms.kind == NormKind::layer)
+    return Norm(LayerNorm(store, weight, norms.bias ? weight + 1 : -1, norms.eps));
+  return Norm(RmsNorm(store, weight, norms.eps, norms.weight_offset));
+}
 
 // The feed-forward's dropout site: the one after the mixer's.
 DropoutRows ffn_rows(DropoutRows rows) {
@@ -31,6 +24,19 @@ DropoutRows ffn_rows(DropoutRows rows) {
 }
 
 }  // namespace
+
+DecoderLayer::DecoderLayer(ParameterStore* store, const LayerNorms& norms, std::unique_ptr<LayerPart> mixer,
+                           std::unique_ptr<LayerPart> ffn, ComputeOptions options, BranchBiases biases)
+    : options_(options),
+      norm1_(make_norm(store, norms, norms.before_mixer)),
+      norm2_(make_norm(store, norms, norms.before_ffn)),
+      mixer_(std::move(mixer)),
+      ffn_(std::move(ffn)) {
+  if ((post1_on_ = norms.after_mixer >= 0)) post1_ = make_norm(store, norms, norms.after_mixer);
+  if ((post2_on_ = norms.after_ffn >= 0)) post2_ = make_norm(store, norms, norms.after_ffn);
+  if (biases.mixer >= 0) mixer_bias_ = Bias(store, {biases.mixer});
+  if (biases.ffn >= 0) ffn_bias_ = Bias(store, {biases.ffn});
+}
 
 // x + branch in x's dtype (the residual stream's), the sum rounded once: in place in the branch (this layer's
 // own fresh tensor) when it holds that dtype; an fp32 branch onto a bf16 stream is summed in fp32 and
@@ -57,11 +63,13 @@ Tensor DecoderLayer::run_forward(const Tensor& x, int64_t batch, int64_t seq, Sa
   const int64_t hidden = norm1_.dim();
   Tensor h1 = norm1_.forward(x, saved.norm1, mixer_->input_dtype());
   Tensor b1 = mixer_->forward(h1, batch, seq, *saved.mixer, keep_cores);
+  if (mixer_bias_.defined()) mixer_bias_.forward(b1);
   if (post1_on_) b1 = post1_.forward(b1, saved.post1, x.dtype());
   dropout_inplace(options_, saved.dropout, b1, hidden);
   Tensor x2 = residual_add(x, std::move(b1));
   Tensor h2 = norm2_.forward(x2, saved.norm2, ffn_->input_dtype());
   Tensor b2 = ffn_->forward(h2, batch, seq, *saved.ffn, keep_cores);
+  if (ffn_bias_.defined()) ffn_bias_.forward(b2);
   if (post2_on_) b2 = post2_.forward(b2, saved.post2, x.dtype());
   dropout_inplace(options_, ffn_rows(saved.dropout), b2, hidden);
   saved.complete = true;
@@ -93,6 +101,7 @@ Tensor DecoderLayer::backward_input(const Tensor& dy, int64_t batch, int64_t seq
   const Tensor dbranch2 = dropout_copy(options_, ffn_rows(saved.dropout), dy, hidden);
   Tensor dffn = post2_on_ ? post2_.backward_input(dbranch2, saved.post2, ffn_->input_dtype())
                           : to_dtype(dbranch2, ffn_->input_dtype());
+  if (ffn_bias_.defined()) saved.dbias_ffn = ffn_bias_.backward_input(dffn);
   Tensor dh2 = ffn_->backward_input(dffn, batch, seq, *saved.ffn);
   Tensor dx2 = norm2_.backward_input(dh2, saved.norm2, residual);
   ops::add_inplace(dx2.elements(), dy.elements(), dy.numel(), device);
@@ -100,6 +109,7 @@ Tensor DecoderLayer::backward_input(const Tensor& dy, int64_t batch, int64_t seq
   const Tensor dbranch1 = dropout_copy(options_, saved.dropout, dx2, hidden);
   Tensor dmixer = post1_on_ ? post1_.backward_input(dbranch1, saved.post1, mixer_->input_dtype())
                             : to_dtype(dbranch1, mixer_->input_dtype());
+  if (mixer_bias_.defined()) saved.dbias_mixer = mixer_bias_.backward_input(dmixer);
   Tensor dh1 = mixer_->backward_input(dmixer, batch, seq, *saved.mixer);
   Tensor dx = norm1_.backward_input(dh1, saved.norm1, residual);
   ops::add_inplace(dx.elements(), dx2.elements(), dx2.numel(), device);
@@ -109,9 +119,11 @@ Tensor DecoderLayer::backward_input(const Tensor& dy, int64_t batch, int64_t seq
 
 void DecoderLayer::backward_weight(Saved& saved) const {
   if (post2_on_) post2_.backward_weight(saved.post2);
+  if (ffn_bias_.defined()) ffn_bias_.backward_weight(saved.dbias_ffn);
   ffn_->backward_weight(*saved.ffn);
   norm2_.backward_weight(saved.norm2);
   if (post1_on_) post1_.backward_weight(saved.post1);
+  if (mixer_bias_.defined()) mixer_bias_.backward_weight(saved.dbias_mixer);
   mixer_->backward_weight(*saved.mixer);
   norm1_.backward_weight(saved.norm1);
   saved = Saved{};
@@ -119,11 +131,13 @@ void DecoderLayer::backward_weight(Saved& saved) const {
 
 Tensor DecoderLayer::forward_cached(const Tensor& x, int64_t batch, int64_t tokens,
                                     const KvLayer& cache) const {
-  RmsNorm::Saved scratch;  // inference: nothing is kept
+  Norm::Saved scratch;  // inference: nothing is kept
   Tensor x2 = mixer_->forward_cached(norm1_.forward(x, scratch), batch, tokens, &cache);
+  if (mixer_bias_.defined()) mixer_bias_.forward(x2);
   if (post1_on_) x2 = post1_.forward(x2, scratch);
   ops::add_inplace(x2.f32(), x.f32(), x.numel(), options_.device);
   Tensor y = ffn_->forward_cached(norm2_.forward(x2, scratch), batch, tokens, nullptr);
+  if (ffn_bias_.defined()) ffn_bias_.forward(y);
   if (post2_on_) y = post2_.forward(y, scratch);
   ops::add_inplace(y.f32(), x2.f32(), x2.numel(), options_.device);
   return y;

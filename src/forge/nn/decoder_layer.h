@@ -4,31 +4,43 @@
 // bf16 run; ComputeOptions::residual_dtype); the norms write each part's input in the dtype the part takes
 // (LayerPart::input_dtype), and each branch joins the stream with one rounding. Some families norm each
 // part's output too before it joins the residual stream (Gemma's sandwich: x + post1(mixer(norm1(x))), then +
-// post2(ffn(norm2(.)))). Its three entry points follow the module contract: forward, backward_input (B, the
+// post2(ffn(norm2(.)))). The norms are RMSNorms or LayerNorms (nn/norm.h), and some families put a bias on
+// each part's output projection (StarCoder2's o_proj and c_proj), which the layer adds to the part's output
+// (BranchBiases). Its three entry points follow the module contract: forward, backward_input (B, the
 // critical path) and backward_weight (W, may run later).
 #pragma once
 
 #include <memory>
 
+#include "forge/nn/bias.h"
 #include "forge/nn/compute.h"
 #include "forge/nn/layer_part.h"
-#include "forge/nn/rmsnorm.h"
+#include "forge/nn/norm.h"
 
 namespace forge::nn {
 
-// A layer's RMSNorms by weight id in the store: before the mixer and before the feed-forward, and after each
+// A layer's norms by weight id in the store: before the mixer and before the feed-forward, and after each
 // (-1: none).
 struct LayerNorms {
   int before_mixer = -1, after_mixer = -1, before_ffn = -1, after_ffn = -1;
   float eps = 1e-6f;
-  float weight_offset = 0.0f;  // the norms scale by weight + offset (Gemma: 1 + w)
+  float weight_offset = 0.0f;  // RMSNorms scale by weight + offset (Gemma: 1 + w)
+  NormKind kind = NormKind::rms;
+  bool bias = false;  // LayerNorms: each has a bias, registered right after its weight (id weight + 1)
+};
+
+// Biases added to the mixer's and the feed-forward's outputs, by id in the store (-1: none): the biases of
+// their output projections, which the layer adds once the part's tensor-parallel sum is done.
+struct BranchBiases {
+  int mixer = -1, ffn = -1;
 };
 
 class DecoderLayer {
  public:
   struct Saved {
     Tensor x;  // layer input (always kept)
-    RmsNorm::Saved norm1, norm2, post1, post2;
+    Norm::Saved norm1, norm2, post1, post2;
+    Tensor dbias_mixer, dbias_ffn;  // the branch biases' gradients, from B for W
     std::unique_ptr<LayerPart::Saved> mixer, ffn;
     bool complete = false;  // false under full recompute until backward recomputes the layer
     // Set by the caller before forward: where the micro-batch's rows sit, for hidden dropout on the mixer's
@@ -41,7 +53,7 @@ class DecoderLayer {
   DecoderLayer(ParameterStore* store, int norm1, std::unique_ptr<LayerPart> mixer, int norm2,
                std::unique_ptr<LayerPart> ffn, float norm_eps, ComputeOptions options);
   DecoderLayer(ParameterStore* store, const LayerNorms& norms, std::unique_ptr<LayerPart> mixer,
-               std::unique_ptr<LayerPart> ffn, ComputeOptions options);
+               std::unique_ptr<LayerPart> ffn, ComputeOptions options, BranchBiases biases = {});
 
   Tensor forward(const Tensor& x, int64_t batch, int64_t seq, Saved& saved) const;
   Tensor backward_input(const Tensor& dy, int64_t batch, int64_t seq, Saved& saved) const;
@@ -58,8 +70,9 @@ class DecoderLayer {
   Tensor residual_add(const Tensor& x, Tensor branch) const;
 
   ComputeOptions options_;
-  RmsNorm norm1_, norm2_, post1_, post2_;  // post1_, post2_: absent (no store) without sandwich norms
+  Norm norm1_, norm2_, post1_, post2_;  // post1_, post2_: absent without sandwich norms
   bool post1_on_ = false, post2_on_ = false;
+  Bias mixer_bias_, ffn_bias_;  // undefined: none
   std::unique_ptr<LayerPart> mixer_, ffn_;
 };
 

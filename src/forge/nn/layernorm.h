@@ -1,6 +1,7 @@
 // LayerNorm module (PyTorch's nn.LayerNorm over the last dimension): y = (x - mean) / sqrt(var + eps) *
-// weight
-// + bias. B (backward_input) writes dx; W (backward_weight) accumulates the weight's and bias' gradients.
+// weight + bias. B (backward_input) writes dx; W (backward_weight) accumulates the weight's and bias'
+// gradients. The kernels compute in fp32: a bf16 input or gradient is widened on the way in (kept as given,
+// widened again in B and W) and a bf16 output rounded once on the way out.
 #pragma once
 
 #include "forge/core/parameters.h"
@@ -18,11 +19,14 @@ class LayerNorm {
   // bias_param -1: no bias.
   LayerNorm(ParameterStore* store, int weight_param, int bias_param, float eps);
 
-  Tensor forward(const Tensor& x, Saved& saved) const;
+  // x fp32 or bf16; y in `dtype`.
+  Tensor forward(const Tensor& x, Saved& saved, DType dtype = DType::f32) const;
   // Inference: keeps nothing.
   Tensor forward(const Tensor& x) const;
-  Tensor backward_input(const Tensor& dy, Saved& saved) const;  // dx (a fresh tensor)
+  // dy fp32 or bf16; dx (a fresh tensor) in `dtype`.
+  Tensor backward_input(const Tensor& dy, Saved& saved, DType dtype = DType::f32) const;
   void backward_weight(Saved& saved) const;  // dweight, dbias += ...; then releases the saved tensors
+  int64_t dim() const { return dim_; }
 
  private:
   ParameterStore* store_ = nullptr;

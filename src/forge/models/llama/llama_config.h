@@ -90,10 +90,11 @@ struct LlamaConfig : ModelConfig {
 
   int64_t q_size() const { return num_attention_heads * head_dim; }
   int64_t kv_size() const { return num_key_value_heads * head_dim; }
-  // Weights of the q, k, v, o and gate, up, down projections of one layer.
-  int64_t matmul_parameters_per_layer() const;
-  // The q, k and v biases and the QK-norm weights of one layer (0 without them).
-  int64_t bias_parameters_per_layer() const {
+  // Weights of the q, k, v, o and gate, up, down projections of one layer (a family with another MLP
+  // overrides it, and the FLOPs and parameter count follow).
+  virtual int64_t matmul_parameters_per_layer() const;
+  // The q, k and v biases and the QK-norm weights of one layer (0 without them); a family's other biases.
+  virtual int64_t bias_parameters_per_layer() const {
     return (qkv_bias ? q_size() + 2 * kv_size() : 0) + (qk_norm ? 2 * head_dim : 0);
   }
   // All trainable parameters (embedding, layers with their norms, final norm, lm_head unless tied).
