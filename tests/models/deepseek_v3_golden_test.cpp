@@ -244,24 +244,34 @@ TEST_P(DeepseekV3Golden, BackwardSplitEqualsFusedBitwise) {
   EXPECT_EQ(0, std::memcmp(ga.raw(), gb.raw(), ga.bytes()));
 }
 
-// Selective and full recomputation train bitwise like keeping every activation.
+// Selective and full recomputation train bitwise like keeping every activation, and so does selective
+// recompute of chosen modules: MLA's up-projections alone, the norms' outputs alone (the router's and the
+// shared experts' inputs rebuilt), every module; in fp32 and with bf16 activations.
 TEST_P(DeepseekV3Golden, RecomputeTrainsBitwiseLikeKeepingEverything) {
   Tensor ids = file_->read("input_ids"), labels = file_->read("labels");
   const int64_t batch = ids.dim(0), seq = ids.dim(1);
   const float scale = 1.0f / static_cast<float>(valid_targets(labels));
-  Tensor want;
-  for (nn::Recompute r : {nn::Recompute::none, nn::Recompute::selective, nn::Recompute::full}) {
-    auto model = load_model({}, StageSpec::whole(), {DType::f32, r});
-    model->set_balance_scale(balance_scale(batch));
-    model->params().zero_grads();
-    model->forward_backward(ids.i32(), labels.i32(), batch, seq, scale);
-    const Tensor grads = model->params().grads();
-    if (r == nn::Recompute::none) {
-      want = grads.to(Device::cpu);
-      continue;
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    Tensor want;
+    for (const char* policy :
+         {"none", "selective", "full", "mla_up_proj", "norm", "core_attn,mlp_act,moe_act,norm,mla_up_proj"}) {
+      const std::string name = policy;
+      const bool modules = name != "none" && name != "selective" && name != "full";
+      nn::ComputeOptions o{dtype, modules ? nn::Recompute::selective : nn::recompute_from_name(name)};
+      if (modules) o.recompute_modules = nn::recompute_modules_from_names(name);
+      o.activation_dtype = dtype;
+      auto model = load_model({}, StageSpec::whole(), o);
+      model->set_balance_scale(balance_scale(batch));
+      model->params().zero_grads();
+      model->forward_backward(ids.i32(), labels.i32(), batch, seq, scale);
+      const Tensor grads = model->params().grads();
+      if (name == "none") {
+        want = grads.to(Device::cpu);
+        continue;
+      }
+      ASSERT_EQ(grads.bytes(), want.bytes());
+      EXPECT_EQ(0, std::memcmp(grads.raw(), want.raw(), want.bytes())) << name << " " << dtype_name(dtype);
     }
-    ASSERT_EQ(grads.bytes(), want.bytes());
-    EXPECT_EQ(0, std::memcmp(grads.raw(), want.raw(), want.bytes())) << nn::recompute_name(r);
   }
 }
 

@@ -1,6 +1,7 @@
 // Checks every LLaMA-family model on the decoder stack must pass whatever its per-layer options (Qwen2's
 // biases, Qwen3's QK-norm, Mistral's sliding window): the option changes the logits (it is wired in), the
-// split backward (B then W) gives the fused order's gradients bit for bit under every recompute policy, and
+// split backward (B then W) gives the fused order's gradients bit for bit under every recompute policy (and
+// the same gradients under each), and
 // a Hugging Face folder of the family goes out and comes back bit for bit.
 #pragma once
 
@@ -42,9 +43,14 @@ inline void expect_split_backward_bitwise(const models::ModelConfig& config, int
   std::vector<int32_t> ids(2 * seq), targets(2 * seq);
   for (int64_t i = 0; i < 2 * seq; ++i)
     ids[i] = static_cast<int32_t>((i * 7 + 3) % 64), targets[i] = static_cast<int32_t>((i * 5 + 1) % 64);
-  for (nn::Recompute recompute : {nn::Recompute::none, nn::Recompute::selective, nn::Recompute::full}) {
-    auto fused = models::build_model(config, {DType::f32, recompute}),
-         split = models::build_model(config, {DType::f32, recompute});
+  // The fourth run: selective recompute of the norms' outputs too. Every policy gives none's gradients.
+  Tensor none;
+  int run = 0;
+  for (nn::Recompute recompute :
+       {nn::Recompute::none, nn::Recompute::selective, nn::Recompute::full, nn::Recompute::selective}) {
+    nn::ComputeOptions options{DType::f32, recompute};
+    if (run++ == 3) options.recompute_modules = nn::recompute_modules_from_names("core_attn,mlp_act,norm");
+    auto fused = models::build_model(config, options), split = models::build_model(config, options);
     fused->initialize(3), split->initialize(3);
     fused->params().zero_grads(), split->params().zero_grads();
     fused->forward_backward(ids.data(), targets.data(), 2, seq, 0.1f);
@@ -55,6 +61,9 @@ inline void expect_split_backward_bitwise(const models::ModelConfig& config, int
     split->backward_weight(*saved);
     const Tensor a = fused->params().grads(), b = split->params().grads();
     EXPECT_EQ(0, std::memcmp(a.raw(), b.raw(), a.bytes())) << nn::recompute_name(recompute);
+    if (recompute == nn::Recompute::none && run == 1) none = a.clone();
+    EXPECT_EQ(0, std::memcmp(a.raw(), none.raw(), a.bytes()))
+        << nn::recompute_name(recompute) << " run " << run;
     check_grads(fused->params());
   }
 }

@@ -125,6 +125,16 @@ TEST_P(LayerContract, RecomputePoliciesGiveIdenticalGradients) {
     EXPECT_TRUE(bitwise_equal(dx, dx_ref)) << recompute_name(policy);
     EXPECT_TRUE(bitwise_equal(s.store.grads(), reference.store.grads())) << recompute_name(policy);
   }
+  // Selective recompute of chosen modules: the norms alone (their outputs rebuilt before each part's
+  // backward), the activation alone, every module.
+  for (const char* modules : {"norm", "mlp_act", "core_attn,mlp_act,norm"}) {
+    ComputeOptions o = options_of(GetParam(), Recompute::selective);
+    o.recompute_modules = recompute_modules_from_names(modules);
+    Stack s(kLayers, o, shape, 16);
+    Tensor dx = run(s, x, dy, true);
+    EXPECT_TRUE(bitwise_equal(dx, dx_ref)) << modules;
+    EXPECT_TRUE(bitwise_equal(s.store.grads(), reference.store.grads())) << modules;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(GemmDtypes, LayerContract,
@@ -204,10 +214,13 @@ TEST(LayerMemory, RecomputeLowersPeakActivationMemory) {
   const int64_t batch = 4, seq = 128, layers = 4, rows = batch * seq;
   Tensor x = from_vector(testing::random_floats(rows * 128, 5), {rows, 128});
   Tensor dy = from_vector(testing::random_floats(rows * 128, 6), {rows, 128});
-  int64_t peaks[3];
+  int64_t peaks[4];
   int i = 0;
-  for (Recompute policy : {Recompute::none, Recompute::selective, Recompute::full}) {
-    Stack s(layers, {DType::bf16, policy}, shape, seq);
+  // The fourth: selective with the norms' outputs recomputed too.
+  for (Recompute policy : {Recompute::none, Recompute::selective, Recompute::selective, Recompute::full}) {
+    ComputeOptions o{DType::bf16, policy};
+    if (i == 2) o.recompute_modules = recompute_modules_from_names("core_attn,mlp_act,norm");
+    Stack s(layers, o, shape, seq);
     int64_t live = memory_stats().live_bytes;
     reset_peak_memory();
     std::vector<DecoderLayer::Saved> saved(layers);
@@ -219,12 +232,13 @@ TEST(LayerMemory, RecomputeLowersPeakActivationMemory) {
       s.layers[l].backward_weight(saved[l]);
     }
     peaks[i++] = memory_stats().peak_bytes - live;
-    std::printf("recompute %-9s peak activation memory %.2f MiB (4 layers, %lld tokens, hidden 128)\n",
-                std::string(recompute_name(policy)).c_str(), peaks[i - 1] / 1048576.0,
-                static_cast<long long>(rows));
+    std::printf("recompute %-9s%s peak activation memory %.2f MiB (4 layers, %lld tokens, hidden 128)\n",
+                std::string(recompute_name(policy)).c_str(), i == 3 ? " + norm" : "",
+                peaks[i - 1] / 1048576.0, static_cast<long long>(rows));
   }
   EXPECT_GT(peaks[0], peaks[1]);
   EXPECT_GT(peaks[1], peaks[2]);
+  EXPECT_GT(peaks[2], peaks[3]);
 }
 
 // Hidden dropout at rate 0.3 over the test's micro-batch: samples from 40, every position its own.

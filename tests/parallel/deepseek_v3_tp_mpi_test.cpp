@@ -39,6 +39,9 @@ void load_shards(const ckpt::SafetensorsFile& file, ParameterStore& params) {
 struct Case {
   std::string fixture;
   bool sequence_parallel;
+  // The split model recomputes every module selectively (MLA's up-projections, the norms' outputs and so the
+  // all-gathers of sequence parallelism, the experts' activations) where the reference keeps everything.
+  bool fine_recompute = false;
 };
 
 class DeepseekV3TensorParallel : public ::testing::TestWithParam<Case> {};
@@ -58,6 +61,10 @@ TEST_P(DeepseekV3TensorParallel, MatchesOneRank) {
   nn::ComputeOptions split_options = options;
   split_options.tp = &group;
   split_options.vocab_divisible_by = 8;
+  if (c.fine_recompute)
+    split_options.recompute = nn::Recompute::selective,
+    split_options.recompute_modules =
+        nn::recompute_modules_from_names("core_attn,mlp_act,moe_act,norm,mla_up_proj");
   DeepseekV3Model split(config, split_options);
   load_shards(file, split.params());
 
@@ -115,9 +122,13 @@ INSTANTIATE_TEST_SUITE_P(Layouts, DeepseekV3TensorParallel,
                          ::testing::Values(Case{"deepseek_v3_tiny", false}, Case{"deepseek_v3_tiny", true},
                                            Case{"deepseek_v3_yarn_mtp", false},
                                            Case{"deepseek_v3_yarn_mtp", true},
-                                           Case{"deepseek_v3_mtp2", false}, Case{"deepseek_v3_mtp2", true}),
+                                           Case{"deepseek_v3_mtp2", false}, Case{"deepseek_v3_mtp2", true},
+                                           Case{"deepseek_v3_tiny", true, true},
+                                           Case{"deepseek_v3_yarn_mtp", false, true}),
                          [](const auto& info) {
-                           return info.param.fixture.substr(12) + (info.param.sequence_parallel ? "_sp" : "");
+                           return info.param.fixture.substr(12) +
+                                  (info.param.sequence_parallel ? "_sp" : "") +
+                                  (info.param.fine_recompute ? "_recompute_modules" : "");
                          });
 
 }  // namespace

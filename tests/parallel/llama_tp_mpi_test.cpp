@@ -41,6 +41,9 @@ struct Case {
   bool qk_norm = false;
   int64_t window = 0;
   int gemma = 0;  // 2 or 3: a Gemma of that generation (the other options unused)
+  // The split model recomputes every module selectively (the norms' outputs, and so the all-gathers of
+  // sequence parallelism, the attention core, the MLP activation) where the reference keeps everything.
+  bool fine_recompute = false;
 };
 
 // Biases start at zero and QK-norm weights at one; give them values that depend only on the name and the
@@ -82,6 +85,9 @@ TEST_P(LlamaTensorParallel, MatchesOneRank) {
   nn::ComputeOptions split_options = options;
   split_options.tp = &group;
   split_options.vocab_divisible_by = 8;
+  if (c.fine_recompute)
+    split_options.recompute = nn::Recompute::selective,
+    split_options.recompute_modules = nn::recompute_modules_from_names("core_attn,mlp_act,norm");
   auto split_holder = layout_models::make_stack(config, split_options);
   DecoderStack& split = *split_holder;
   split.initialize(7);
@@ -161,13 +167,18 @@ INSTANTIATE_TEST_SUITE_P(
                       // Gemma 2 and 3: sandwich norms (summed over the group under sequence
                       // parallelism), soft caps, GeGLU, tied head, local RoPE and QK-norm
                       Case{2, true, true, false, false, 0, 2}, Case{1, false, true, false, false, 0, 3},
-                      Case{2, true, true, false, false, 0, 3}),
+                      Case{2, true, true, false, false, 0, 3},
+                      // Every module recomputed: plain, with biases, and around Gemma 2's sandwich norms
+                      Case{2, true, false, false, false, 0, 0, true},
+                      Case{1, true, false, true, false, 0, 0, true},
+                      Case{2, false, true, false, false, 0, 2, true}),
     [](const auto& info) {
       return "kv" + std::to_string(info.param.kv_heads) + (info.param.sequence_parallel ? "_sp" : "") +
              (info.param.tied ? "_tied" : "") + (info.param.bias ? "_bias" : "") +
              (info.param.qk_norm ? "_qknorm" : "") +
              (info.param.window ? "_window" + std::to_string(info.param.window) : "") +
-             (info.param.gemma ? "_gemma" + std::to_string(info.param.gemma) : "");
+             (info.param.gemma ? "_gemma" + std::to_string(info.param.gemma) : "") +
+             (info.param.fine_recompute ? "_recompute_modules" : "");
     });
 
 TEST(LlamaTensorParallelErrors, SequenceParallelNeedsDivisibleRows) {

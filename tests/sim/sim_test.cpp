@@ -29,13 +29,15 @@ std::map<std::string, int64_t> calls_of(const RankTrace& t) {
   return out;
 }
 
-// recompute: a policy, or "full/N" for block recompute of each stage's first N layers.
+// recompute: a policy, "full/N" for block recompute of each stage's first N layers, or "selective:modules".
 Strategy small(int tp, const std::string& recompute) {
   Strategy s;
-  const size_t slash = recompute.find('/');
+  const size_t slash = recompute.find('/'), colon = recompute.find(':');
   s.tp = tp, s.dp = 1, s.micro_batch = 2, s.seq = 64,
-  s.recompute = nn::recompute_from_name(recompute.substr(0, slash));
+  s.recompute = nn::recompute_from_name(recompute.substr(0, std::min(slash, colon)));
   if (slash != std::string::npos) s.recompute_layers = std::stoll(recompute.substr(slash + 1));
+  if (colon != std::string::npos)
+    s.recompute_modules = nn::recompute_modules_from_names(recompute.substr(colon + 1));
   s.sequence_parallel = tp > 1;
   return s;
 }
@@ -85,13 +87,16 @@ TEST_P(DryTrace, HasTheOpsAndMemoryOfTheMeasuredStep) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, DryTrace,
-                         ::testing::Values(std::make_tuple(kLlama, 1, std::string("none")),
-                                           std::make_tuple(kLlama, 2, std::string("selective")),
-                                           std::make_tuple(kLlama, 1, std::string("full")),
-                                           std::make_tuple(kLlama, 2, std::string("full/2")),
-                                           std::make_tuple(kDeepSeek, 1, std::string("none")),
-                                           std::make_tuple(kDeepSeek, 1, std::string("selective/1"))));
+INSTANTIATE_TEST_SUITE_P(
+    Models, DryTrace,
+    ::testing::Values(std::make_tuple(kLlama, 1, std::string("none")),
+                      std::make_tuple(kLlama, 2, std::string("selective")),
+                      std::make_tuple(kLlama, 1, std::string("full")),
+                      std::make_tuple(kLlama, 2, std::string("full/2")),
+                      std::make_tuple(kDeepSeek, 1, std::string("none")),
+                      std::make_tuple(kDeepSeek, 1, std::string("selective/1")),
+                      std::make_tuple(kLlama, 2, std::string("selective:core_attn,norm")),
+                      std::make_tuple(kDeepSeek, 1, std::string("selective:moe_act,norm,mla_up_proj"))));
 
 // Experts with a capacity, padded to it: a real router's expert GEMMs have the shapes of the dry run's
 // balanced one, op for op, and the strategy says so in its description and its --set line.
@@ -317,6 +322,18 @@ TEST(Simulator, ReplaysTheScheduleForMemoryAndTime) {
   s.pp_layers.clear();
   EXPECT_NE(s.set_line().find("--set train.recompute=full --set train.recompute_layers=1"), std::string::npos)
       << s.set_line();
+  // Selective recompute of every module keeps less than the default selective set and more than full.
+  Strategy m = s;
+  m.recompute_layers = 0, m.recompute = nn::Recompute::selective;
+  const Estimate selective = sim.estimate(m);
+  m.recompute_modules = nn::recompute_modules_from_names("core_attn,mlp_act,moe_act,norm,mla_up_proj");
+  const Estimate fine = sim.estimate(m);
+  EXPECT_LT(fine.memory.activations, selective.memory.activations);
+  EXPECT_GT(fine.memory.activations, full.memory.activations);
+  EXPECT_NE(m.describe().find("rc:selective[attn,mlp,moe,norm,up]"), std::string::npos) << m.describe();
+  EXPECT_NE(m.set_line().find("--set train.recompute_modules=core_attn,mlp_act,moe_act,norm,mla_up_proj"),
+            std::string::npos)
+      << m.set_line();
   // Data parallelism adds the reductions; ZeRO-1 shards the optimizer state.
   Strategy d = small(1, "none");
   d.dp = 4;

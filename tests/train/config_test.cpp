@@ -90,7 +90,7 @@ TEST(TrainConfig, DefaultTomlFileEqualsBuiltInDefaults) {
     ++keys;
     EXPECT_NE(line.find(" # "), std::string::npos) << "no comment: " << line;
   }
-  EXPECT_EQ(keys, 116);
+  EXPECT_EQ(keys, 117);
 }
 
 TEST(TrainConfig, DefaultTomlFileIsTheGeneratedText) {
@@ -113,6 +113,11 @@ TEST(TrainConfig, RecomputeSummaryNamesTheLayers) {
   EXPECT_EQ(c.recompute_summary(), "full, first 4 layers of each stage");
   c = TrainConfig::from_toml_string("[train]\nrecompute = \"selective\"\nrecompute_layers = 2\n", "a.toml");
   EXPECT_EQ(c.recompute_summary(), "selective, first 2 layers of each stage");
+  c = TrainConfig::from_toml_string(
+      "[train]\nrecompute = \"selective\"\nrecompute_modules = \"norm, mla_up_proj\"\n", "a.toml");
+  EXPECT_EQ(c.recompute_summary(), "selective (norm,mla_up_proj)");
+  EXPECT_EQ(c.recompute_modules(),
+            nn::module_bit(nn::RecomputeModule::norm) | nn::module_bit(nn::RecomputeModule::mla_up_proj));
 }
 
 TEST(TrainConfig, PartialFileKeepsDefaults) {
@@ -392,6 +397,12 @@ TEST(TrainConfigErrors, Validation) {
   expect_invalid(
       [](TrainConfig& c) { c.train.recompute_layers = 2; },
       {"train.recompute_layers = 2 limits recomputation to some layers, but train.recompute is none"});
+  expect_invalid(
+      [](TrainConfig& c) { c.train.recompute = "selective", c.train.recompute_modules = "norm,attn"; },
+      {"train.recompute_modules = \"norm,attn\": unknown recompute module 'attn' (expected core_attn"});
+  expect_invalid([](TrainConfig& c) { c.train.recompute = "full", c.train.recompute_modules = "norm"; },
+                 {"train.recompute_modules = \"norm\" chooses what selective recompute drops, but "
+                  "train.recompute is full"});
   expect_invalid([](TrainConfig& c) { c.data.heldout_fraction = 0; }, {"data.heldout_fraction", "(0, 1)"});
   expect_invalid([](TrainConfig& c) { c.data.heldout_fraction = 1; }, {"data.heldout_fraction"});
   expect_invalid([](TrainConfig& c) { c.data.seq_len = 0; }, {"data.seq_len must be > 0, got 0"});

@@ -342,6 +342,21 @@ int run_search(const ModelPlanOptions& o) {
     }
     if (fewest) fitting.push_back(std::move(*fewest));
   }
+  // Fine-grained recompute: the fastest full-recompute strategies again with selective recompute of every
+  // module (the attention core, the activations, the norms' outputs, MLA's up-projections), which recomputes
+  // little but drops most of a layer's activations.
+  constexpr uint32_t kEveryModule = nn::kDefaultRecomputeModules | nn::module_bit(nn::RecomputeModule::norm) |
+                                    nn::module_bit(nn::RecomputeModule::mla_up_proj);
+  for (size_t i = 0, refined = 0; i < found && static_cast<int>(refined) < o.top; ++i) {
+    Strategy s = fitting[i].strategy;
+    if (s.recompute != nn::Recompute::full || s.recompute_layers > 0) continue;
+    ++refined;
+    s.recompute = nn::Recompute::selective, s.recompute_modules = kEveryModule;
+    ++tried;
+    progress();
+    Estimate e = sim.estimate(s);
+    if (e.fits) fitting.push_back(std::move(e));
+  }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf("search: %s on %d x %s (%s), global batch %lld x %lld tokens\n", o.model.c_str(), ranks,
               cluster.hardware.name.c_str(), cluster.hardware.kind.c_str(),
@@ -669,7 +684,8 @@ void add_plan_model_subcommands(CLI::App* plan,
       "divide "
       "a MoE model's routed experts, micro-batches of 1, 2, 4, 8, recompute none/selective/full, ZeRO-1 on "
       "and off, sequence parallelism with tp; then the fastest full-recompute strategies again with the "
-      "fewest recomputed layers per stage that fit (train.recompute_layers). Prints the best by predicted "
+      "fewest recomputed layers per stage that fit (train.recompute_layers), and with selective recompute of "
+      "every module (train.recompute_modules). Prints the best by predicted "
       "tokens/s with memory per device, pipeline bubble, exposed communication and MFU, and the --set line "
       "to train with the best.");
   runners.push_back({search, [o] { return run_search(*o); }});

@@ -146,10 +146,18 @@ Tensor Attention::forward(const Tensor& h, int64_t batch, int64_t seq, Saved& sa
   core_forward(saved.qkv, batch, seq, out, lse);
   GemmOperand out_op = o_.input(out);
   Tensor y = o_.forward(out_op, act_dtype_);
-  if (keep_core) {
+  if (keep_core || !options_.recomputes(RecomputeModule::core_attn)) {
     saved.out = out, saved.lse = lse, saved.out_op = std::move(out_op);
   }
   return reduce_out(options_.tp, y);
+}
+
+void Attention::drop_input(LayerPart::Saved& saved) const { static_cast<Saved&>(saved).h = GemmOperand{}; }
+
+void Attention::restore_input(const Tensor& h, LayerPart::Saved& base) const {
+  Saved& saved = static_cast<Saved&>(base);
+  saved.h = qkv_.input(gather_in(options_.tp, h));
+  qkv_.keep_for_backward(saved.h);
 }
 
 Tensor Attention::backward_input(const Tensor& dy, int64_t batch, int64_t seq, Saved& saved) const {

@@ -77,6 +77,8 @@ class Attention final : public LayerPart {
     backward_weight(static_cast<Saved&>(saved));
   }
   DType input_dtype() const override { return act_dtype_; }
+  void drop_input(LayerPart::Saved& saved) const override;
+  void restore_input(const Tensor& h, LayerPart::Saved& saved) const override;
   Tensor forward_cached(const Tensor& h, int64_t batch, int64_t tokens, const KvLayer* cache) const override {
     FORGE_CHECK(cache != nullptr, "attention's cached inference needs a KV cache");
     return forward_cached(h, batch, tokens, *cache);

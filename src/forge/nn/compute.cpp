@@ -1,5 +1,7 @@
 #include "forge/nn/compute.h"
 
+#include <utility>
+
 #include "forge/kernels/ops.h"
 #include "forge/nn/expert_parallel.h"
 #include "forge/nn/tensor_parallel.h"
@@ -23,6 +25,49 @@ std::string_view recompute_name(Recompute r) {
       return "full";
   }
   return "?";
+}
+
+namespace {
+constexpr std::pair<RecomputeModule, std::string_view> kModuleNames[] = {
+    {RecomputeModule::core_attn, "core_attn"},
+    {RecomputeModule::mlp_act, "mlp_act"},
+    {RecomputeModule::moe_act, "moe_act"},
+    {RecomputeModule::norm, "norm"},
+    {RecomputeModule::mla_up_proj, "mla_up_proj"}};
+}  // namespace
+
+uint32_t recompute_modules_from_names(std::string_view list) {
+  uint32_t modules = 0;
+  while (!list.empty()) {
+    const size_t comma = list.find(',');
+    std::string_view word = list.substr(0, comma);
+    list = comma == std::string_view::npos ? std::string_view() : list.substr(comma + 1);
+    while (!word.empty() && word.front() == ' ') word.remove_prefix(1);
+    while (!word.empty() && word.back() == ' ') word.remove_suffix(1);
+    bool known = false;
+    for (const auto& [module, name] : kModuleNames)
+      if (word == name) modules |= module_bit(module), known = true;
+    if (!known)
+      fail("unknown recompute module '{}' (expected core_attn, mlp_act, moe_act, norm or mla_up_proj)", word);
+  }
+  return modules;
+}
+
+std::string recompute_modules_names(uint32_t modules) {
+  std::string out;
+  for (const auto& [module, name] : kModuleNames)
+    if (modules & module_bit(module)) {
+      if (!out.empty()) out += ',';
+      out += name;
+    }
+  return out;
+}
+
+bool ComputeOptions::recomputes(RecomputeModule m) const {
+  if (recompute == Recompute::none) return false;
+  const uint32_t set = recompute == Recompute::selective && recompute_modules != 0 ? recompute_modules
+                                                                                   : kDefaultRecomputeModules;
+  return (set & module_bit(m)) != 0;
 }
 
 int ComputeOptions::tp_rank() const { return tp ? tp->rank() : 0; }

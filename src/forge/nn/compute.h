@@ -1,6 +1,7 @@
 // Options shared by every module of a model: the GEMM operand type and the recompute policy.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -16,6 +17,31 @@ namespace forge::nn {
 enum class Recompute { none, selective, full };
 Recompute recompute_from_name(std::string_view name);
 std::string_view recompute_name(Recompute r);
+
+// What selective recompute drops from a micro-batch's saved activations, each recomputed in backward
+// (ComputeOptions::recompute_modules; train.recompute_modules):
+//   core_attn    the attention core's output and statistics (GQA and MLA), from q|k|v
+//   mlp_act      the MLP activation (SwiGLU, GeGLU, GELU) of dense MLPs and shared experts, from its input
+//   moe_act      the routed experts' activation
+//   norm         the norms' outputs each part keeps as its GEMMs' input (under sequence parallelism the
+//                gathered rows): the norm runs again in backward, and the all-gather (Megatron's layernorm)
+//   mla_up_proj  MLA's up-projected q, k and v (with a q LoRA; without one, k and v), from the latents
+enum class RecomputeModule : uint32_t {
+  core_attn = 1u << 0,
+  mlp_act = 1u << 1,
+  moe_act = 1u << 2,
+  norm = 1u << 3,
+  mla_up_proj = 1u << 4
+};
+constexpr uint32_t module_bit(RecomputeModule m) { return static_cast<uint32_t>(m); }
+// Selective recompute's modules unless told otherwise.
+constexpr uint32_t kDefaultRecomputeModules = module_bit(RecomputeModule::core_attn) |
+                                              module_bit(RecomputeModule::mlp_act) |
+                                              module_bit(RecomputeModule::moe_act);
+// "core_attn,norm" -> the mask; an unknown name is an error naming it and the modules ("" -> 0: the default).
+uint32_t recompute_modules_from_names(std::string_view comma_list);
+// The mask's names, comma-separated in the order above ("" for 0).
+std::string recompute_modules_names(uint32_t modules);
 
 class TensorParallel;
 class ContextParallel;
@@ -81,6 +107,12 @@ struct ComputeOptions {
   // after the stage's own), and the rest keep every activation: Megatron's --recompute-method block
   // --recompute-num-layers. Recompute as few layers as memory requires. 0: every layer.
   int64_t recompute_layers = 0;
+  // Under Recompute::selective, the modules whose saved activations are dropped and recomputed (a mask of
+  // RecomputeModule; 0: kDefaultRecomputeModules).
+  uint32_t recompute_modules = 0;
+  // Whether a forward that may drop activations drops module m's: under selective the modules above, under
+  // full the default set (the layer's transient peak; it keeps only its input anyway), under none nothing.
+  bool recomputes(RecomputeModule m) const;
   int tp_rank() const;
   int tp_size() const;
   int ep_rank() const;

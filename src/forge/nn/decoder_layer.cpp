@@ -62,13 +62,19 @@ Tensor DecoderLayer::run_forward(const Tensor& x, int64_t batch, int64_t seq, Sa
   if (!saved.ffn) saved.ffn = ffn_->new_saved();
   const int64_t hidden = norm1_.dim();
   Tensor h1 = norm1_.forward(x, saved.norm1, mixer_->input_dtype());
+  const bool drop_inputs = !keep_cores && options_.recomputes(RecomputeModule::norm);
   Tensor b1 = mixer_->forward(h1, batch, seq, *saved.mixer, keep_cores);
+  if (drop_inputs) mixer_->drop_input(*saved.mixer);
+  h1 = Tensor();
   if (mixer_bias_.defined()) mixer_bias_.forward(b1);
   if (post1_on_) b1 = post1_.forward(b1, saved.post1, x.dtype());
   dropout_inplace(options_, saved.dropout, b1, hidden);
   Tensor x2 = residual_add(x, std::move(b1));
   Tensor h2 = norm2_.forward(x2, saved.norm2, ffn_->input_dtype());
   Tensor b2 = ffn_->forward(h2, batch, seq, *saved.ffn, keep_cores);
+  if (drop_inputs) ffn_->drop_input(*saved.ffn);
+  h2 = Tensor();
+  saved.inputs_dropped = drop_inputs;
   if (ffn_bias_.defined()) ffn_bias_.forward(b2);
   if (post2_on_) b2 = post2_.forward(b2, saved.post2, x.dtype());
   dropout_inplace(options_, ffn_rows(saved.dropout), b2, hidden);
@@ -102,6 +108,10 @@ Tensor DecoderLayer::backward_input(const Tensor& dy, int64_t batch, int64_t seq
   Tensor dffn = post2_on_ ? post2_.backward_input(dbranch2, saved.post2, ffn_->input_dtype())
                           : to_dtype(dbranch2, ffn_->input_dtype());
   if (ffn_bias_.defined()) saved.dbias_ffn = ffn_bias_.backward_input(dffn);
+  if (saved.inputs_dropped) {  // the norm again, from its kept input
+    Norm::Saved scratch;
+    ffn_->restore_input(norm2_.forward(norm2_.input(saved.norm2), scratch, ffn_->input_dtype()), *saved.ffn);
+  }
   Tensor dh2 = ffn_->backward_input(dffn, batch, seq, *saved.ffn);
   Tensor dx2 = norm2_.backward_input(dh2, saved.norm2, residual);
   ops::add_inplace(dx2.elements(), dy.elements(), dy.numel(), device);
@@ -110,6 +120,10 @@ Tensor DecoderLayer::backward_input(const Tensor& dy, int64_t batch, int64_t seq
   Tensor dmixer = post1_on_ ? post1_.backward_input(dbranch1, saved.post1, mixer_->input_dtype())
                             : to_dtype(dbranch1, mixer_->input_dtype());
   if (mixer_bias_.defined()) saved.dbias_mixer = mixer_bias_.backward_input(dmixer);
+  if (saved.inputs_dropped) {
+    Norm::Saved scratch;
+    mixer_->restore_input(norm1_.forward(saved.x, scratch, mixer_->input_dtype()), *saved.mixer);
+  }
   Tensor dh1 = mixer_->backward_input(dmixer, batch, seq, *saved.mixer);
   Tensor dx = norm1_.backward_input(dh1, saved.norm1, residual);
   ops::add_inplace(dx.elements(), dx2.elements(), dx2.numel(), device);

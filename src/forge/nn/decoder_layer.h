@@ -42,7 +42,8 @@ class DecoderLayer {
     Norm::Saved norm1, norm2, post1, post2;
     Tensor dbias_mixer, dbias_ffn;  // the branch biases' gradients, from B for W
     std::unique_ptr<LayerPart::Saved> mixer, ffn;
-    bool complete = false;  // false under full recompute until backward recomputes the layer
+    bool complete = false;        // false under full recompute until backward recomputes the layer
+    bool inputs_dropped = false;  // RecomputeModule::norm: the parts' normed inputs are to be rebuilt
     // Set by the caller before forward: where the micro-batch's rows sit, for hidden dropout on the mixer's
     // and the feed-forward's outputs (sites stream and stream + 1; inactive by default: no dropout).
     DropoutRows dropout;

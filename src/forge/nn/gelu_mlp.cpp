@@ -36,8 +36,16 @@ Tensor GeluMlp::run_forward(const Tensor& h, Saved& saved, bool keep_activation,
   if (fc_bias_.defined()) fc_bias_.forward(saved.pre);
   GemmOperand act = proj_.input(activation(saved.pre));
   Tensor y = proj_.forward(act, output);
-  if (keep_activation) saved.act = std::move(act);
+  if (keep_activation || !options_.recomputes(RecomputeModule::mlp_act)) saved.act = std::move(act);
   return reduce_out(options_.tp, y);
+}
+
+void GeluMlp::drop_input(LayerPart::Saved& saved) const { static_cast<Saved&>(saved).h = GemmOperand{}; }
+
+void GeluMlp::restore_input(const Tensor& h, LayerPart::Saved& base) const {
+  Saved& saved = static_cast<Saved&>(base);
+  saved.h = fc_.input(gather_in(options_.tp, h));
+  fc_.keep_for_backward(saved.h);
 }
 
 Tensor GeluMlp::backward_input(const Tensor& dy, int64_t, int64_t, LayerPart::Saved& base) const {

@@ -44,6 +44,8 @@ class GeluMlp final : public LayerPart {
     return run_forward(h, scratch, false, DType::f32);
   }
   DType input_dtype() const override { return act_dtype_; }
+  void drop_input(LayerPart::Saved& saved) const override;
+  void restore_input(const Tensor& h, LayerPart::Saved& saved) const override;
 
  private:
   Tensor run_forward(const Tensor& h, Saved& saved, bool keep_activation, DType output) const;

@@ -36,6 +36,11 @@ class LayerPart {
   // The dtype the part takes its input h and its output's gradient dy in (the norm before it writes h so);
   // it returns its output and h's gradient in a dtype of its own (fp32, or bf16 with bf16 activations).
   virtual DType input_dtype() const { return DType::f32; }
+  // Recompute of the norms (RecomputeModule::norm): after forward, forget the normed input h kept for the
+  // weight gradients; before backward_input, take it back (the norm run again, in input_dtype()). Parts that
+  // keep no such input ignore both.
+  virtual void drop_input(Saved&) const {}
+  virtual void restore_input(const Tensor& h, Saved&) const {}
 };
 
 }  // namespace forge::nn

@@ -140,7 +140,8 @@ void MlaAttention::project(const Tensor& h, int64_t batch, int64_t seq, int64_t 
   *kv = kv_b_.forward(keep.kv_latent, dtype);
 }
 
-void MlaAttention::expand_keys(const Tensor& kv, const Tensor& kv_a, int64_t rows, Saved& saved) const {
+void MlaAttention::expand_keys(const Tensor& kv, ConstElements rope_key, int64_t rope_stride, int64_t rows,
+                               Saved& saved) const {
   const MlaShape& s = shape_;
   const int64_t H = s.heads, dn = s.qk_nope_head_dim, dr = s.qk_rope_head_dim, dv = s.v_head_dim;
   const int64_t qk = s.qk_head_dim(), kv_head = dn + dv;
@@ -149,8 +150,7 @@ void MlaAttention::expand_keys(const Tensor& kv, const Tensor& kv_a, int64_t row
   copy_rows(kv.elements(), kv_head, saved.k.elements(), qk, rows * H, dn, options_.device);
   copy_rows(kv.elements() + dn, kv_head, saved.v.elements(), dv, rows * H, dv, options_.device);
   // The shared rope key into every head.
-  copy_rows(kv_a.elements() + s.kv_lora_rank, s.kv_a_dim(), saved.k.elements() + dn, s.q_dim(), rows, dr,
-            options_.device, H, 0, qk);
+  copy_rows(rope_key, rope_stride, saved.k.elements() + dn, s.q_dim(), rows, dr, options_.device, H, 0, qk);
 }
 
 ops::AttentionParams MlaAttention::core_params(const Saved& saved, int64_t batch, int64_t seq) const {
@@ -180,12 +180,52 @@ Tensor MlaAttention::forward(const Tensor& h, int64_t batch, int64_t seq, Saved&
                              bool keep_core) const {
   Tensor kv_a, kv;
   project(gather_in(options_.tp, h), batch, seq, 0, &saved, act_dtype_, saved.q, kv_a, &kv);
-  expand_keys(kv, kv_a, batch * seq, saved);
+  const int64_t rows = batch * seq, L = shape_.kv_lora_rank, dr = shape_.qk_rope_head_dim;
+  expand_keys(kv, kv_a.elements() + L, shape_.kv_a_dim(), rows, saved);
   core_forward(saved, batch, seq);
   saved.out_op = o_.input(saved.out);
   Tensor y = o_.forward(saved.out_op, act_dtype_);
-  if (!keep_core) saved.out = Tensor(), saved.lse = Tensor(), saved.out_op = GemmOperand{};
+  if (!keep_core && options_.recomputes(RecomputeModule::core_attn))
+    saved.out = Tensor(), saved.lse = Tensor(), saved.out_op = GemmOperand{};
+  if (!keep_core && options_.recomputes(RecomputeModule::mla_up_proj)) {
+    saved.rope_key = Tensor::empty({rows, dr}, kv_a.dtype(), options_.device);
+    copy_rows(kv_a.elements() + L, shape_.kv_a_dim(), saved.rope_key.elements(), dr, rows, dr,
+              options_.device);
+    if (shape_.q_lora_rank > 0) saved.q = Tensor();  // without a LoRA q comes from h: kept
+    saved.k = Tensor(), saved.v = Tensor();
+  }
   return reduce_out(options_.tp, y);
+}
+
+void MlaAttention::recompute_up_projections(Saved& saved, int64_t batch, int64_t seq) const {
+  const DType dtype = act_dtype_;
+  if (!saved.q.defined()) {
+    RmsNorm::Saved scratch;
+    GemmOperand latent = q_b_.input(q_norm_.forward(saved.q_norm.x, scratch, dtype));
+    saved.q = q_b_.forward(latent, dtype);
+    rope_q(saved.q.elements(), batch, seq, false, 0);
+  }
+  RmsNorm::Saved scratch;
+  GemmOperand latent = kv_b_.input(kv_norm_.forward(saved.kv_norm.x, scratch, dtype));
+  const Tensor kv = kv_b_.forward(latent, dtype);
+  expand_keys(kv, saved.rope_key.elements(), shape_.qk_rope_head_dim, batch * seq, saved);
+  saved.rope_key = Tensor();
+}
+
+void MlaAttention::drop_input(LayerPart::Saved& base) const {
+  Saved& saved = static_cast<Saved&>(base);
+  saved.h_q = GemmOperand{}, saved.h_kv = GemmOperand{};
+}
+
+// As project() makes them: one shared operand without FP8.
+void MlaAttention::restore_input(const Tensor& h, LayerPart::Saved& base) const {
+  Saved& saved = static_cast<Saved&>(base);
+  const Tensor full = gather_in(options_.tp, h);
+  const Linear& q_in = shape_.q_lora_rank > 0 ? q_a_ : q_;
+  saved.h_q = q_in.input(full);
+  saved.h_kv = kv_a_.fp8() || q_in.fp8() ? kv_a_.input(full) : saved.h_q;
+  q_in.keep_for_backward(saved.h_q);
+  if (kv_a_.fp8() || q_in.fp8()) kv_a_.keep_for_backward(saved.h_kv);
 }
 
 Tensor MlaAttention::backward_input(const Tensor& dy, int64_t batch, int64_t seq, Saved& saved) const {
@@ -193,6 +233,7 @@ Tensor MlaAttention::backward_input(const Tensor& dy, int64_t batch, int64_t seq
   const int64_t rows = batch * seq, H = s.heads, dn = s.qk_nope_head_dim, dr = s.qk_rope_head_dim;
   const int64_t dv = s.v_head_dim, qk = s.qk_head_dim(), kv_head = dn + dv, L = s.kv_lora_rank;
   const Device device = options_.device;
+  if (!saved.k.defined()) recompute_up_projections(saved, batch, seq);
   if (!saved.out.defined()) {  // selective recompute of the attention core
     core_forward(saved, batch, seq);
     saved.out_op = o_.input(saved.out);
@@ -303,7 +344,7 @@ Tensor MlaAttention::forward_cached(const Tensor& h, int64_t batch, int64_t toke
   if (prefill) {
     Saved core;
     core.q = q;
-    expand_keys(kv, kv_a, rows, core);
+    expand_keys(kv, kv_a.elements() + shape_.kv_lora_rank, shape_.kv_a_dim(), rows, core);
     core_forward(core, batch, tokens);
     GemmOperand out_op = o_.input(core.out);
     return o_.forward(out_op);

@@ -72,6 +72,7 @@ class MlaAttention final : public LayerPart {
     GemmOperand q_latent, kv_latent;  // the normed latents as q_b_proj and kv_b_proj read them
     Tensor q, k, v;                   // the attention core's inputs: q and k [rows, H, dn + dr] after RoPE,
                                       // v [rows, H, dv] (in the activation dtype)
+    Tensor rope_key;                  // recompute of the up-projections: the rotated rope key [rows, dr]
     Tensor out, lse;                  // the core's output and log-sum-exp (absent under selective recompute)
     GemmOperand out_op;               // the core's output as o_proj's operand
     GemmOperand dy, dq, dq_latent, dkv, dkv_a;  // kept from backward_input for backward_weight
@@ -104,6 +105,8 @@ class MlaAttention final : public LayerPart {
     backward_weight(static_cast<Saved&>(saved));
   }
   DType input_dtype() const override { return act_dtype_; }
+  void drop_input(LayerPart::Saved& saved) const override;
+  void restore_input(const Tensor& h, LayerPart::Saved& saved) const override;
   Tensor forward_cached(const Tensor& h, int64_t batch, int64_t tokens, const KvLayer* cache) const override {
     FORGE_CHECK(cache != nullptr, "MLA's cached inference needs a KV cache");
     return forward_cached(h, batch, tokens, *cache);
@@ -124,7 +127,11 @@ class MlaAttention final : public LayerPart {
                Tensor& q, Tensor& kv_a, Tensor* kv) const;
   // The core's keys [k_nope (per head), k_rope (shared)] and values into saved.k and saved.v, each head's
   // columns together.
-  void expand_keys(const Tensor& kv, const Tensor& kv_a, int64_t rows, Saved& saved) const;
+  // k and v [rows, H, ...] from kv_b's output and the rotated rope key (rope_stride elements between rows).
+  void expand_keys(const Tensor& kv, ConstElements rope_key, int64_t rope_stride, int64_t rows,
+                   Saved& saved) const;
+  // RecomputeModule::mla_up_proj: q (with a q LoRA), k and v again from the latents' norms' saved inputs.
+  void recompute_up_projections(Saved& saved, int64_t batch, int64_t seq) const;
   void rope_q(Elements q, int64_t batch, int64_t seq, bool inverse, int64_t first_position) const;
   void rope_k(Elements x, int64_t token_stride, int64_t batch, int64_t seq, bool inverse,
               int64_t first_position) const;

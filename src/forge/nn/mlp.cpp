@@ -36,8 +36,16 @@ Tensor Mlp::run_forward(const Tensor& h, Saved& saved, bool keep_activation, DTy
   saved.gate_up = gate_up_.forward(saved.h, act_dtype_);
   GemmOperand act = down_.input(activation(saved.gate_up));
   Tensor y = down_.forward(act, output);
-  if (keep_activation) saved.act = std::move(act);
+  if (keep_activation || !options_.recomputes(RecomputeModule::mlp_act)) saved.act = std::move(act);
   return reduce_out(options_.tp, y);
+}
+
+void Mlp::drop_input(LayerPart::Saved& saved) const { static_cast<Saved&>(saved).h = GemmOperand{}; }
+
+void Mlp::restore_input(const Tensor& h, LayerPart::Saved& base) const {
+  Saved& saved = static_cast<Saved&>(base);
+  saved.h = gate_up_.input(gather_in(options_.tp, h));
+  gate_up_.keep_for_backward(saved.h);
 }
 
 Tensor Mlp::backward_input(const Tensor& dy, Saved& saved) const {

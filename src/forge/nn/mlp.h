@@ -49,6 +49,8 @@ class Mlp final : public LayerPart {
     return run_forward(h, scratch, false, DType::f32);
   }
   DType input_dtype() const override { return act_dtype_; }
+  void drop_input(LayerPart::Saved& saved) const override;
+  void restore_input(const Tensor& h, LayerPart::Saved& saved) const override;
 
  private:
   Tensor run_forward(const Tensor& h, Saved& saved, bool keep_activation, DType output) const;

@@ -303,10 +303,24 @@ Tensor Moe::forward(const Tensor& h, int64_t, int64_t seq, LayerPart::Saved& sav
   Tensor y = reduce_out(options_.tp, routed_forward(full, seq, s, true, act_dtype_, [&] {
                           if (shared_) z = shared_->forward(h, s.shared, keep_all);
                         }));
-  if (!keep_all)
+  if (!keep_all && options_.recomputes(RecomputeModule::moe_act))
     s.act = GemmOperand{}, s.expert_act.clear();  // selective recompute: SwiGLU again in backward
   if (shared_) ops::add_inplace(y.elements(), z.elements(), y.numel(), options_.device);
   return y;
+}
+
+// The router's input (its weight gradient reads it; the experts keep their own permuted rows) and the shared
+// experts' input.
+void Moe::drop_input(LayerPart::Saved& saved) const {
+  Saved& s = static_cast<Saved&>(saved);
+  s.h = Tensor();
+  if (shared_) shared_->drop_input(s.shared);
+}
+
+void Moe::restore_input(const Tensor& h, LayerPart::Saved& saved) const {
+  Saved& s = static_cast<Saved&>(saved);
+  s.h = gather_in(options_.tp, h);
+  if (shared_) shared_->restore_input(h, s.shared);
 }
 
 Tensor Moe::backward_input(const Tensor& dy_in, int64_t, int64_t, LayerPart::Saved& saved) const {

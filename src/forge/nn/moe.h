@@ -166,6 +166,8 @@ class Moe final : public LayerPart {
   void backward_weight(LayerPart::Saved& saved) const override;
   Tensor forward_cached(const Tensor& h, int64_t batch, int64_t tokens, const KvLayer* cache) const override;
   DType input_dtype() const override { return act_dtype_; }
+  void drop_input(LayerPart::Saved& saved) const override;
+  void restore_input(const Tensor& h, LayerPart::Saved& saved) const override;
 
   const MoeShape& shape() const { return shape_; }
   // bias += rate * sign(mean - load) from stats->load (which the caller has summed over data-parallel ranks),

@@ -37,6 +37,8 @@ class Norm {
       rms_.backward_weight(saved.rms);
   }
   int64_t dim() const { return is_layer_ ? layer_.dim() : rms_.dim(); }
+  // The input forward kept (the norm runs again from it under RecomputeModule::norm).
+  const Tensor& input(const Saved& saved) const { return is_layer_ ? saved.layer.x : saved.rms.x; }
 
  private:
   RmsNorm rms_;

@@ -439,13 +439,28 @@ std::string settings_table(const std::vector<RunData>& runs) {
     for (const auto& [k, v] : r.settings) keys.insert(k);
   std::vector<std::string> shown;
   if (runs.size() == 1) {
-    for (const char* k :
-         {"model.config",   "model.init_from",   "data.corpus",      "data.dataset",
-          "data.seq_len",   "train.micro_batch", "train.grad_accum", "train.lr",
-          "train.schedule", "train.dtype",       "train.recompute",  "train.recompute_layers",
-          "train.device",   "parallel.tp",       "parallel.pp",      "parallel.schedule",
-          "parallel.dp",    "parallel.ep",       "parallel.cp",      "parallel.distributed_optimizer",
-          "fp8.recipe"})
+    for (const char* k : {"model.config",
+                          "model.init_from",
+                          "data.corpus",
+                          "data.dataset",
+                          "data.seq_len",
+                          "train.micro_batch",
+                          "train.grad_accum",
+                          "train.lr",
+                          "train.schedule",
+                          "train.dtype",
+                          "train.recompute",
+                          "train.recompute_layers",
+                          "train.recompute_modules",
+                          "train.device",
+                          "parallel.tp",
+                          "parallel.pp",
+                          "parallel.schedule",
+                          "parallel.dp",
+                          "parallel.ep",
+                          "parallel.cp",
+                          "parallel.distributed_optimizer",
+                          "fp8.recipe"})
       if (keys.count(k)) shown.push_back(k);
   } else {
     for (const std::string& k : keys) {

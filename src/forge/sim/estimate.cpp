@@ -14,13 +14,13 @@ namespace forge::sim {
 namespace {
 
 std::string trace_key(const Strategy& s, int pp_rank) {
-  return fmt::format("{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}",
+  return fmt::format("{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}",
                      s.cp, static_cast<int>(s.cp_comm), s.tp, s.pp, s.dp, s.ep, s.ep_overlap, s.vpp,
                      static_cast<int>(s.schedule), s.pp_layers, s.sequence_parallel, s.distributed_optimizer,
                      s.overlap_grad_reduce, s.bucket_mb, s.grad_reduce_in_bf16, s.micro_batch, s.grad_accum,
-                     s.seq, static_cast<int>(s.recompute), s.recompute_layers, dtype_name(s.dtype),
-                     s.fp8_recipe, dtype_name(s.activation_dtype), s.fp32_residual, s.moe_capacity_factor,
-                     s.moe_pad_to_capacity, s.vocab_divisible_by, pp_rank);
+                     s.seq, static_cast<int>(s.recompute), s.recompute_layers, s.recompute_modules,
+                     dtype_name(s.dtype), s.fp8_recipe, dtype_name(s.activation_dtype), s.fp32_residual,
+                     s.moe_capacity_factor, s.moe_pad_to_capacity, s.vocab_divisible_by, pp_rank);
 }
 
 parallel::Dim dim_of(const std::string& group) {

@@ -3,6 +3,24 @@
 #include <fmt/format.h>
 
 namespace forge::sim {
+namespace {
+
+// Selective recompute's modules, short: "attn,mlp,moe,norm,up".
+std::string short_modules(uint32_t modules) {
+  using nn::RecomputeModule;
+  std::string out;
+  for (const auto& [module, name] :
+       {std::pair{RecomputeModule::core_attn, "attn"}, std::pair{RecomputeModule::mlp_act, "mlp"},
+        std::pair{RecomputeModule::moe_act, "moe"}, std::pair{RecomputeModule::norm, "norm"},
+        std::pair{RecomputeModule::mla_up_proj, "up"}})
+    if (modules & nn::module_bit(module)) {
+      if (!out.empty()) out += ',';
+      out += name;
+    }
+  return out;
+}
+
+}  // namespace
 
 std::string Strategy::describe() const {
   std::string out = fmt::format("tp{} pp{} dp{}", tp, pp, dp);
@@ -15,7 +33,10 @@ std::string Strategy::describe() const {
   if (pp > 1 && !pp_layers.empty()) out += " uneven";
   out += fmt::format(" mb{}x{}", micro_batch, grad_accum);
   if (recompute != nn::Recompute::none)
-    out += fmt::format(" rc:{}{}", nn::recompute_name(recompute),
+    out += fmt::format(" rc:{}{}{}", nn::recompute_name(recompute),
+                       recompute == nn::Recompute::selective && recompute_modules != 0
+                           ? fmt::format("[{}]", short_modules(recompute_modules))
+                           : "",
                        recompute_layers > 0 ? fmt::format("/{}", recompute_layers) : "");
   if (distributed_optimizer && dp > 1) out += " zero1";
   if (sequence_parallel && tp > 1) out += " sp";
@@ -41,6 +62,8 @@ std::string Strategy::set_line() const {
                      micro_batch, grad_accum, nn::recompute_name(recompute));
   if (recompute != nn::Recompute::none && recompute_layers > 0)
     out += fmt::format(" --set train.recompute_layers={}", recompute_layers);
+  if (recompute == nn::Recompute::selective && recompute_modules != 0)
+    out += " --set train.recompute_modules=" + nn::recompute_modules_names(recompute_modules);
   if (fp8) out += " --set fp8.recipe=" + fp8_recipe;
   if (moe_capacity_factor > 0)
     out += fmt::format(" --set moe.capacity_factor={:g} --set moe.pad_to_capacity={}", moe_capacity_factor,

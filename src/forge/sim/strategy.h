@@ -32,6 +32,7 @@ struct Strategy {
   int64_t seq = 0;
   nn::Recompute recompute = nn::Recompute::none;
   int64_t recompute_layers = 0;          // train.recompute_layers (0: every layer recomputes per `recompute`)
+  uint32_t recompute_modules = 0;        // train.recompute_modules (nn::RecomputeModule mask; 0: the default)
   DType dtype = DType::bf16;             // GEMM operands: bf16 | f32
   DType activation_dtype = DType::bf16;  // train.activation_dtype resolved (bf16 needs bf16 GEMMs)
   bool fp32_residual = false;            // train.fp32_residual

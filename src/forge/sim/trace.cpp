@@ -360,6 +360,7 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
   o.residual_dtype = s.fp32_residual || s.fp8 ? DType::f32 : o.activation_dtype;  // TrainConfig's rule
   o.recompute = s.recompute;
   o.recompute_layers = s.recompute_layers;
+  o.recompute_modules = s.recompute_modules;
   o.vocab_divisible_by = s.vocab_divisible_by;
   const bool on_device = device != Device::cpu;
   parallel::CommTensorParallel tensor_parallel(tp.get(), s.sequence_parallel, on_device ? tp.get() : nullptr);

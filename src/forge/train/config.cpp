@@ -191,6 +191,13 @@ const std::vector<KeySpec>& key_specs() {
        "schedule), the rest keeping their activations: Megatron's block recompute (0 = every layer)",
        {}},
       {"train",
+       "recompute_modules",
+       FORGE_FIELD(train.recompute_modules),
+       "with recompute = selective, what to drop and recompute in backward, comma-separated: core_attn, "
+       "mlp_act, moe_act, norm (the norms' outputs the GEMMs keep), mla_up_proj (MLA's q, k, v) (\"\" = "
+       "core_attn,mlp_act,moe_act)",
+       {}},
+      {"train",
        "freeze",
        FORGE_FIELD(train.freeze),
        "parts of a multimodal model that do not train, comma-separated: vision, projector, language (\"\" = "
@@ -954,6 +961,22 @@ void check_training(const TrainConfig& c, const Checks& k) {
     fail("{}: train.recompute_layers = {} limits recomputation to some layers, but train.recompute is none{}",
          b.where, c.train.recompute_layers, b.others);
   }
+  if (!c.train.recompute_modules.empty()) {
+    try {
+      (void)nn::recompute_modules_from_names(c.train.recompute_modules);
+    } catch (const Error& e) {
+      fail("{}: train.recompute_modules = \"{}\": {}", c.origin_of("train.recompute_modules"),
+           c.train.recompute_modules, e.what());
+    }
+    if (c.train.recompute != nn::Recompute::selective) {
+      const Checks::Blame b = k.blame({"train.recompute_modules", "train.recompute"});
+      fail(
+          "{}: train.recompute_modules = \"{}\" chooses what selective recompute drops, but train.recompute "
+          "is "
+          "{}{}",
+          b.where, c.train.recompute_modules, c.train.recompute.name(), b.others);
+    }
+  }
   // OpenMP's runtime crashes on absurd team sizes (100000 threads segfaults libgomp); the trainer checks the
   // machine's cores.
   k(c.train.threads >= 0 && c.train.threads <= kMaxThreads, "train.threads", c.train.threads,
@@ -1181,8 +1204,16 @@ DType TrainConfig::gemm_dtype() const {
   return train.dtype == DtypeChoice::bf16 ? DType::bf16 : DType::f32;
 }
 
+uint32_t TrainConfig::recompute_modules() const {
+  return train.recompute == nn::Recompute::selective
+             ? nn::recompute_modules_from_names(train.recompute_modules)
+             : 0;
+}
+
 std::string TrainConfig::recompute_summary() const {
   std::string out(train.recompute.name());
+  if (train.recompute == nn::Recompute::selective && !train.recompute_modules.empty())
+    out += fmt::format(" ({})", nn::recompute_modules_names(recompute_modules()));
   if (train.recompute != nn::Recompute::none && train.recompute_layers > 0)
     out += train.recompute_layers == 1
                ? std::string(", first layer of each stage")

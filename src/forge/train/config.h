@@ -130,6 +130,9 @@ struct TrainConfig {
     // > 0: recompute only the first this many layers of each pipeline stage (nn::ComputeOptions::
     // recompute_layers; Megatron's --recompute-method block --recompute-num-layers). 0 = every layer.
     int64_t recompute_layers = 0;
+    // With recompute = selective, what is dropped and recomputed, comma-separated (nn::RecomputeModule's
+    // names: core_attn, mlp_act, moe_act, norm, mla_up_proj); "" = core_attn,mlp_act,moe_act.
+    std::string recompute_modules;
     std::string freeze;   // parts that do not train, comma-separated (a LLaVA's vision,projector,language)
     int64_t threads = 0;  // 0 = all cores
     double memory_limit_mb = 0;  // cap on each rank's host tensors (0 = none; train.device = cpu)
@@ -295,6 +298,8 @@ struct TrainConfig {
   DType activation_dtype() const;
   // train.recompute for logs: "none", "full", or "full, first 4 layers of each stage" (recompute_layers).
   std::string recompute_summary() const;
+  // train.recompute_modules as nn::ComputeOptions::recompute_modules (0: the default). Call after validate().
+  uint32_t recompute_modules() const;
   // The residual stream's dtype: the activation dtype, or fp32 with train.fp32_residual or an FP8 recipe.
   // Call after validate().
   DType residual_dtype() const;

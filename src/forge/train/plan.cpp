@@ -27,6 +27,7 @@ sim::Strategy strategy_of(const TrainConfig& c, int world_size) {
   s.micro_batch = c.train.micro_batch, s.grad_accum = c.train.grad_accum, s.seq = c.data.seq_len;
   s.recompute = c.train.recompute;
   s.recompute_layers = c.train.recompute_layers;
+  s.recompute_modules = c.recompute_modules();
   s.dtype = c.gemm_dtype();
   s.activation_dtype = c.activation_dtype();
   s.fp32_residual = c.train.fp32_residual;

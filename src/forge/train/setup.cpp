@@ -377,6 +377,7 @@ void TrainSetup::make_compute_options() {
   dtype_name = options.gemm_dtype == DType::bf16 ? "bf16" : "fp32";
   options.recompute = c.train.recompute;
   options.recompute_layers = c.train.recompute_layers;
+  options.recompute_modules = c.recompute_modules();
   options.frozen = c.frozen_parts();
   tensor_parallel = std::make_unique<parallel::CommTensorParallel>(
       groups.tp.get(), c.parallel.sequence_parallel, tp_nccl.get());
