@@ -594,6 +594,8 @@ TEST_P(MoeFp8Layouts, FollowTheOneRankFp8Run) {
     TrainConfig c = deepseek_config(run, "bf16");
     c.fp8.recipe = p.recipe;
     c.fp8.amax_history_len = 8;
+    // fp32 activations: the FP8 machinery compared, not bf16's drift (trainer_mpi_test's Fp8Case).
+    c.train.activation_dtype = "fp32";
     return c;
   };
   TrainConfig ref = fp8_config("reference-" + std::to_string(world.rank()));

@@ -320,9 +320,14 @@ INSTANTIATE_TEST_SUITE_P(Families, TrainerFamilyLayouts, ::testing::ValuesIn(fam
 // amplify; so the first steps are checked tightly and the rest loosely. (The block recipe's 1x128 tiles
 // along a split dimension also cover other elements on a shard than on one rank at these toy widths; with
 // power-of-two scales that rarely changes a code.)
+// These runs keep fp32 activations (train.activation_dtype = fp32), so that what they compare is the FP8
+// machinery: with bf16 activations a layout also rounds other values to bf16 before they are cast, and the
+// runs drift apart as bf16 runs do (the bf16_activations cases, checked as toy::expect_follows_bf16_run
+// checks a bf16 layout: within three times the one-rank run's distance from its fp32-activation twin).
 struct Fp8Case {
   const char* recipe;
   bool tensor_parallel;  // tp = world with sequence parallelism, else dp = world with ZeRO-1
+  bool bf16_activations = false;
 };
 
 class TrainerFp8Layouts : public TrainerRuns, public ::testing::WithParamInterface<Fp8Case> {};
@@ -331,19 +336,21 @@ TEST_P(TrainerFp8Layouts, FollowTheOneRankFp8Run) {
   comm::Communicator& world = comm::world();
   const Fp8Case f = GetParam();
   const int n = world.size();
-  auto fp8_config = [&](const std::string& run) {
+  auto fp8_config = [&](const std::string& run, const char* activations) {
     TrainConfig c = config(run);
     c.train.dtype = "bf16";
+    c.train.activation_dtype = activations;
     c.fp8.recipe = f.recipe;
     c.fp8.amax_history_len = 8;
     return c;
   };
-  TrainConfig ref = fp8_config("reference-" + std::to_string(world.rank()));
+  const char* activations = f.bf16_activations ? "bf16" : "fp32";
+  TrainConfig ref = fp8_config("reference-" + std::to_string(world.rank()), activations);
   ref.train.grad_accum = f.tensor_parallel ? 2 : 2 * n;
   auto self = comm::make_self();
   TrainResult want = Trainer(ref, self.get()).run();
 
-  TrainConfig par = fp8_config("parallel");
+  TrainConfig par = fp8_config("parallel", activations);
   if (f.tensor_parallel) {
     par.parallel.tp = n;
     par.parallel.sequence_parallel = true;
@@ -352,6 +359,13 @@ TEST_P(TrainerFp8Layouts, FollowTheOneRankFp8Run) {
     par.parallel.distributed_optimizer = true;
   }
   TrainResult got = Trainer(par, &world).run();
+  if (f.bf16_activations) {
+    TrainConfig twin = fp8_config("fp32-activations-" + std::to_string(world.rank()), "fp32");
+    twin.train.grad_accum = ref.train.grad_accum;
+    const TrainResult exact = Trainer(twin, self.get()).run();
+    toy::expect_follows_bf16_run(got, want, exact, 4);
+    return;
+  }
   // dp layouts stay bitwise equal for the first 6-14 steps; the tolerances are toy_run.h's.
   toy::expect_follows_fp8_run(got.losses, got.heldout_loss, want.losses, want.heldout_loss);
 }
@@ -367,6 +381,7 @@ TEST_F(TrainerRuns, Fp8DelayedScalesAgreeAcrossRanksAndWithOneRank) {
     auto fp8_config = [&](const std::string& run) {
       TrainConfig c = config(run);
       c.train.dtype = "bf16";
+      c.train.activation_dtype = "fp32";  // the scales' agreement, not bf16's drift (see Fp8Case)
       c.train.steps = 3;
       c.fp8.recipe = "delayed";
       return c;
@@ -398,10 +413,13 @@ TEST_F(TrainerRuns, Fp8DelayedScalesAgreeAcrossRanksAndWithOneRank) {
 INSTANTIATE_TEST_SUITE_P(Recipes, TrainerFp8Layouts,
                          ::testing::Values(Fp8Case{"delayed", true}, Fp8Case{"delayed", false},
                                            Fp8Case{"current", true}, Fp8Case{"current", false},
-                                           Fp8Case{"block", true}, Fp8Case{"block", false}),
+                                           Fp8Case{"block", true}, Fp8Case{"block", false},
+                                           Fp8Case{"delayed", true, true}, Fp8Case{"block", false, true},
+                                           Fp8Case{"current", false, true}),
                          [](const auto& info) {
                            return std::string(info.param.recipe) +
-                                  (info.param.tensor_parallel ? "_tp_sp" : "_dp_zero1");
+                                  (info.param.tensor_parallel ? "_tp_sp" : "_dp_zero1") +
+                                  (info.param.bf16_activations ? "_bf16_activations" : "");
                          });
 
 // A checkpoint saved under one layout resumes under another (tp-split weights and ZeRO-sharded Adam state

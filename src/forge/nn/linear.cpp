@@ -105,9 +105,9 @@ const Fp8Weight& Linear::fp8_weight() const {
 
 GemmOperand Linear::quantize(const Tensor& x, int64_t cols, TensorRole role, bool with_rows,
                              bool with_transpose, const GemmOperand* scale_of) const {
-  FORGE_CHECK(x.dtype() == DType::f32 && x.numel() % cols == 0,
-              "FP8 Linear '{}': expected an fp32 operand of [*, {}], got {} {}", fp8_->linear_name(slot_),
-              cols, dtype_name(x.dtype()), shape_string(x.shape()));
+  FORGE_CHECK((x.dtype() == DType::f32 || x.dtype() == DType::bf16) && x.numel() % cols == 0,
+              "FP8 Linear '{}': expected an fp32 or bf16 operand of [*, {}], got {} {}",
+              fp8_->linear_name(slot_), cols, dtype_name(x.dtype()), shape_string(x.shape()));
   const int64_t rows = x.numel() / cols;
   // Tensor cores read FP8 operands in rows of 16-byte multiples; the transposed copies' rows are the tokens.
   if (tensor_core_shapes_ && (rows % 16 != 0 || cols % 16 != 0))
@@ -122,7 +122,9 @@ GemmOperand Linear::quantize(const Tensor& x, int64_t cols, TensorRole role, boo
   if (with_transpose) op.data_t = Tensor::empty({cols, rows}, dtype, device_);
   if (!with_rows && !with_transpose) return op;
   ops::Fp8CastParams cast;
-  cast.rows = rows, cast.cols = cols, cast.x = x.f32(), cast.fp8 = dtype;
+  // A bf16 activation is widened for the cast kernels, which read fp32 (exact: every bf16 is an fp32).
+  const Tensor x32 = to_dtype(x, DType::f32);
+  cast.rows = rows, cast.cols = cols, cast.x = x32.f32(), cast.fp8 = dtype;
   if (with_rows) cast.q = codes(op.data);
   if (with_transpose) cast.q_t = codes(op.data_t);
   if (rc.recipe == Recipe::block) {
@@ -148,7 +150,7 @@ GemmOperand Linear::quantize(const Tensor& x, int64_t cols, TensorRole role, boo
     } else {
       op.scales = Tensor::empty({kScaleFloats}, DType::f32, device_);
       float* scales = op.scales.f32();
-      ops::amax_to(x.f32(), x.numel(), scales + kAmax, device_);
+      ops::amax_to(x32.f32(), x32.numel(), scales + kAmax, device_);
       cast.amax_in = scales + kAmax;
       cast.scale_out = scales + kScale, cast.scale_inv_out = scales + kScaleInv;
     }

@@ -357,7 +357,7 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
   o.shaped_for = options.shaped_for;
   o.gemm_dtype = s.dtype;
   o.activation_dtype = s.dtype == DType::bf16 ? s.activation_dtype : DType::f32;
-  o.residual_dtype = s.fp32_residual || s.fp8 ? DType::f32 : o.activation_dtype;  // TrainConfig's rule
+  o.residual_dtype = s.fp32_residual ? DType::f32 : o.activation_dtype;  // TrainConfig's rule
   o.recompute = s.recompute;
   o.recompute_layers = s.recompute_layers;
   o.recompute_modules = s.recompute_modules;

@@ -1228,9 +1228,7 @@ DType TrainConfig::activation_dtype() const {
 
 // FP8 Linears take fp32 inputs so far (their casts read fp32): the parts of an FP8 run take fp32, and so does
 // the stream between them.
-DType TrainConfig::residual_dtype() const {
-  return train.fp32_residual || fp8.recipe != Fp8RecipeChoice::off ? DType::f32 : activation_dtype();
-}
+DType TrainConfig::residual_dtype() const { return train.fp32_residual ? DType::f32 : activation_dtype(); }
 
 LrSchedule TrainConfig::lr_schedule() const {
   LrSchedule schedule;

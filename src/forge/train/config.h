@@ -300,7 +300,7 @@ struct TrainConfig {
   std::string recompute_summary() const;
   // train.recompute_modules as nn::ComputeOptions::recompute_modules (0: the default). Call after validate().
   uint32_t recompute_modules() const;
-  // The residual stream's dtype: the activation dtype, or fp32 with train.fp32_residual or an FP8 recipe.
+  // The residual stream's dtype: the activation dtype, or fp32 with train.fp32_residual.
   // Call after validate().
   DType residual_dtype() const;
   // [fp8] as the model's FP8 options; std::nullopt when fp8.recipe = "off". Call after validate().
