@@ -33,9 +33,8 @@ MlaAttention::MlaAttention(ParameterStore* store, MlaParams params, MlaShape sha
       shape_(shape),
       rope_(rope),
       options_(options),
-      act_dtype_(options.activation_dtype == DType::bf16 && options.gemm_dtype == DType::bf16 && !options.fp8
-                     ? DType::bf16
-                     : DType::f32) {
+      act_dtype_(options.activation_dtype == DType::bf16 && options.gemm_dtype == DType::bf16 ? DType::bf16
+                                                                                               : DType::f32) {
   const MlaShape& s = shape_;
   FORGE_CHECK(s.hidden > 0 && s.heads > 0 && s.kv_lora_rank > 0 && s.qk_nope_head_dim > 0 &&
                   s.qk_rope_head_dim > 0 && s.qk_rope_head_dim % 2 == 0 && s.v_head_dim > 0 &&

@@ -395,7 +395,7 @@ std::string format_estimate(const Estimate& e, const Simulator& sim) {
   const DType activations = s.dtype == DType::bf16 ? s.activation_dtype : DType::f32;
   out += fmt::format("precision: {} GEMMs{}, {} activations, {} residual stream, {} gradient reductions\n",
                      dtype_name(s.dtype), s.fp8 ? " (fp8:" + s.fp8_recipe + ")" : "", dtype_name(activations),
-                     dtype_name(s.fp32_residual || s.fp8 ? DType::f32 : activations),
+                     dtype_name(s.fp32_residual ? DType::f32 : activations),
                      s.grad_reduce_in_bf16 ? "bf16" : "fp32");
   out += fmt::format("hardware: {} ({}), {} device(s) per node x {} node(s)\n", sim.cluster().hardware.name,
                      sim.cluster().hardware.kind, sim.cluster().devices_per_node, sim.cluster().nodes);
