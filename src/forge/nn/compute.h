@@ -90,9 +90,9 @@ struct ComputeOptions {
   // The dtype of the activations whose kernels take it (bf16 needs bf16 GEMMs): the gated and GELU MLPs' and
   // GQA attention's inputs (the norms write them), their insides (gate|up, the GLU's output; q|k|v, the
   // core's output) and outputs, every gradient of those, and so the tensor-parallel messages around them
-  // (nn/mlp.h, nn/attention.h), and MLA's. FP8 Linears cast them from bf16 (widened for the cast kernels).
-  // The MoE experts take bf16 with bf16 GEMMs and fp32 under FP8. bf16 halves those tensors' memory and their
-  // bytes through memory and over links.
+  // (nn/mlp.h, nn/attention.h), MLA's and the MoE experts' sorted rows. FP8 Linears cast them from bf16
+  // (widened for the cast kernels). bf16 halves those tensors' memory and their bytes through memory and over
+  // links.
   DType activation_dtype = DType::f32;
   // The residual stream between layers (and so the pipeline's messages): bf16 with bf16 activations, or fp32
   // (train.fp32_residual, Megatron's fp32_residual_connection). Each layer adds its parts' outputs to it

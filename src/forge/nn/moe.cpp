@@ -27,9 +27,8 @@ Moe::Moe(ParameterStore* store, MoeParams params, MoeShape shape, ComputeOptions
       options_(options),
       stats_(stats),
       scale_(scale),
-      act_dtype_(options.activation_dtype == DType::bf16 && options.gemm_dtype == DType::bf16 && !options.fp8
-                     ? DType::bf16
-                     : DType::f32) {
+      act_dtype_(options.activation_dtype == DType::bf16 && options.gemm_dtype == DType::bf16 ? DType::bf16
+                                                                                              : DType::f32) {
   FORGE_CHECK(shape.experts > 0 && shape.top_k > 0 && shape.expert_ffn > 0 && shape.hidden > 0,
               "Moe: bad shape experts={} top_k={} expert_ffn={} hidden={}", shape.experts, shape.top_k,
               shape.expert_ffn, shape.hidden);
@@ -114,7 +113,7 @@ template <typename Op>
 Tensor Moe::per_expert(const Tensor& in, int64_t in_cols, int64_t out_cols,
                        const std::vector<int64_t>& offsets, Op op) const {
   Tensor out;
-  if (out_cols > 0) out = Tensor::empty({offsets.back(), out_cols}, DType::f32, options_.device);
+  if (out_cols > 0) out = Tensor::empty({offsets.back(), out_cols}, act_dtype_, options_.device);
   for (int64_t e = 0; e < local_experts(); ++e) {
     const int64_t begin = offsets[e], rows = offsets[e + 1] - begin;
     if (rows == 0) continue;
@@ -135,7 +134,7 @@ Tensor Moe::fp8_down_forward(Saved& s, bool forward) const {
                       GemmOperand& op = s.expert_act[static_cast<size_t>(e)];
                       op = down.input(a);
                       if (forward)
-                        down.forward(op, y);
+                        down.forward(op, y, y.dtype());
                       else
                         down.keep_for_backward(op);
                     });
@@ -275,7 +274,7 @@ Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training
         per_expert(xs, hidden, 2 * ffn, offsets_local, [&](int64_t e, const Tensor& x, const Tensor& y) {
           GemmOperand& op = s.expert_xs[static_cast<size_t>(e)];
           op = fp8_gate_up_[static_cast<size_t>(e)].input(x);
-          fp8_gate_up_[static_cast<size_t>(e)].forward(op, y);
+          fp8_gate_up_[static_cast<size_t>(e)].forward(op, y, y.dtype());
         });
     ys = fp8_down_forward(s, true);
   } else {
@@ -371,7 +370,7 @@ Tensor Moe::backward_input(const Tensor& dy_in, int64_t, int64_t, LayerPart::Sav
         per_expert(local_dys, hidden, ffn, offsets_local, [&](int64_t e, const Tensor& d, const Tensor& dx) {
           GemmOperand& op = s.expert_dys[static_cast<size_t>(e)];
           op = fp8_down_[static_cast<size_t>(e)].grad_output(d);
-          fp8_down_[static_cast<size_t>(e)].backward_input(op, dx);
+          fp8_down_[static_cast<size_t>(e)].backward_input(op, dx, dx.dtype());
         });
   } else {
     if (!s.act.defined()) s.act = activation(s.gate_up);  // selective recompute
@@ -394,7 +393,7 @@ Tensor Moe::backward_input(const Tensor& dy_in, int64_t, int64_t, LayerPart::Sav
                            [&](int64_t e, const Tensor& d, const Tensor& dx) {
                              GemmOperand& op = s.expert_dgate_up[static_cast<size_t>(e)];
                              op = fp8_gate_up_[static_cast<size_t>(e)].grad_output(d);
-                             fp8_gate_up_[static_cast<size_t>(e)].backward_input(op, dx);
+                             fp8_gate_up_[static_cast<size_t>(e)].backward_input(op, dx, dx.dtype());
                            });
   } else {
     s.dgate_up = operand_of(to_gemm_dtype(dgate_up, options_.gemm_dtype));

@@ -198,11 +198,11 @@ class Moe final : public LayerPart {
   GemmOperand activation(const Tensor& gate_up) const;
   Tensor swiglu(const Tensor& gate_up) const;  // [R, ffn], in gate_up's dtype
   bool fp8() const { return !fp8_gate_up_.empty(); }
-  // The dtype the sorted rows and their gradients travel in: what the experts' GEMMs read (FP8: fp32, which
-  // each expert's Linear casts).
-  DType rows_dtype() const { return fp8() ? DType::f32 : options_.gemm_dtype; }
+  // The dtype the sorted rows and their gradients travel in: what the experts' GEMMs read (FP8: the
+  // activation dtype, which each expert's Linear casts).
+  DType rows_dtype() const { return fp8() ? act_dtype_ : options_.gemm_dtype; }
   // FP8: for every expert with rows, op(expert's operand, its rows of `in` [R, in_cols], its rows of `out`
-  // [R, out_cols]); the result tensor `out` is allocated here.
+  // [R, out_cols]); the result tensor `out` (in the activation dtype) is allocated here.
   template <typename Op>
   Tensor per_expert(const Tensor& in, int64_t in_cols, int64_t out_cols, const std::vector<int64_t>& offsets,
                     Op op) const;
