@@ -37,10 +37,8 @@ int DecoderStack::register_norm(const std::string& name) {
 }
 
 nn::Norm DecoderStack::make_norm(int weight) const {
-  const auto eps = static_cast<float>(spec_.norm_eps);
-  if (spec_.norm == nn::NormKind::layer)
-    return nn::Norm(nn::LayerNorm(&params_, weight, spec_.norm_bias ? weight + 1 : -1, eps));
-  return nn::Norm(nn::RmsNorm(&params_, weight, eps, spec_.norm_weight_offset));
+  return nn::make_norm(&params_, spec_.norm, weight, spec_.norm_bias, static_cast<float>(spec_.norm_eps),
+                       spec_.norm_weight_offset);
 }
 
 std::vector<int> DecoderStack::norm_parameters(std::initializer_list<int> weights) const {

@@ -42,8 +42,7 @@ Attention::Attention(ParameterStore* store, AttentionParams params, AttentionSha
       window_(params.window),
       scale_(params.scale > 0.0f ? params.scale : 1.0f / std::sqrt(static_cast<float>(shape.head_dim))),
       softcap_(params.softcap),
-      act_dtype_(options.activation_dtype == DType::bf16 && options.gemm_dtype == DType::bf16 ? DType::bf16
-                                                                                              : DType::f32) {
+      act_dtype_(options.part_dtype()) {
   FORGE_CHECK(qkv_.out_features() == shape.qkv_dim(), "q|k|v weights give {} rows, expected {}",
               qkv_.out_features(), shape.qkv_dim());
   if (params.bias >= 0) {

@@ -114,6 +114,11 @@ struct ComputeOptions {
   // Whether a forward that may drop activations drops module m's: under selective the modules above, under
   // full the default set (the layer's transient peak; it keeps only its input anyway), under none nothing.
   bool recomputes(RecomputeModule m) const;
+  // The dtype the parts (attention, MLPs, experts) keep their activations in: activation_dtype where the
+  // GEMMs are bf16, else fp32.
+  DType part_dtype() const {
+    return activation_dtype == DType::bf16 && gemm_dtype == DType::bf16 ? DType::bf16 : DType::f32;
+  }
   int tp_rank() const;
   int tp_size() const;
   int ep_rank() const;

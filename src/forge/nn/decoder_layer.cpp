@@ -12,9 +12,7 @@ DecoderLayer::DecoderLayer(ParameterStore* store, int norm1, std::unique_ptr<Lay
 namespace {
 
 Norm make_norm(ParameterStore* store, const LayerNorms& norms, int weight) {
-  if (norms.kind == NormKind::layer)
-    return Norm(LayerNorm(store, weight, norms.bias ? weight + 1 : -1, norms.eps));
-  return Norm(RmsNorm(store, weight, norms.eps, norms.weight_offset));
+  return nn::make_norm(store, norms.kind, weight, norms.bias, norms.eps, norms.weight_offset);
 }
 
 // The feed-forward's dropout site: the one after the mixer's.

@@ -11,8 +11,7 @@ GeluMlp::GeluMlp(ParameterStore* store, GeluMlpParams params, int64_t hidden, in
       ffn_(ffn),
       options_(options),
       kind_(kind),
-      act_dtype_(options.activation_dtype == DType::bf16 && options.gemm_dtype == DType::bf16 ? DType::bf16
-                                                                                              : DType::f32) {
+      act_dtype_(options.part_dtype()) {
   if (params.fc_bias >= 0) {
     fc_bias_ = Bias(store, {params.fc_bias});
     FORGE_CHECK(fc_bias_.size() == ffn, "the MLP's fc bias has {} values, expected {}", fc_bias_.size(), ffn);

@@ -1,8 +1,8 @@
 // The two-layer MLP of GPT-style families (StarCoder2's mlp.c_fc and mlp.c_proj): proj(gelu(fc(x) + b)).
 // fc is column-parallel (its bias split with it), proj row-parallel; proj's bias, when the family has one,
-// is added by the decoder layer once the tensor-parallel sum is done (nn::BranchBiases). With a bf16
-// activation dtype (ComputeOptions::activation_dtype, neither Linear in FP8), fc writes bf16 (saved for the
-// backward at half the memory) and its gradient is bf16; the GELU kernels compute in fp32 in between.
+// is added by the decoder layer once the tensor-parallel sum is done (nn::BranchBiases). With bf16
+// activations (ComputeOptions::part_dtype), fc writes bf16 (saved for the backward at half the memory) and
+// its gradient is bf16; the GELU kernels compute in fp32 in between.
 #pragma once
 
 #include "forge/kernels/ops.h"

@@ -33,8 +33,7 @@ MlaAttention::MlaAttention(ParameterStore* store, MlaParams params, MlaShape sha
       shape_(shape),
       rope_(rope),
       options_(options),
-      act_dtype_(options.activation_dtype == DType::bf16 && options.gemm_dtype == DType::bf16 ? DType::bf16
-                                                                                               : DType::f32) {
+      act_dtype_(options.part_dtype()) {
   const MlaShape& s = shape_;
   FORGE_CHECK(s.hidden > 0 && s.heads > 0 && s.kv_lora_rank > 0 && s.qk_nope_head_dim > 0 &&
                   s.qk_rope_head_dim > 0 && s.qk_rope_head_dim % 2 == 0 && s.v_head_dim > 0 &&
@@ -112,21 +111,16 @@ void MlaAttention::project(const Tensor& h, int64_t batch, int64_t seq, int64_t 
   const int64_t rows = batch * seq, L = s.kv_lora_rank;
   Saved local;
   Saved& keep = saved ? *saved : local;
+  make_inputs(h, keep);
   if (s.q_lora_rank > 0) {
-    keep.h_q = q_a_.input(h);
     Tensor q_latent = q_norm_.forward(q_a_.forward(keep.h_q, dtype), keep.q_norm, dtype);
     keep.q_latent = q_b_.input(q_latent);
     q = q_b_.forward(keep.q_latent, dtype);
   } else {
-    keep.h_q = q_.input(h);
     q = q_.forward(keep.h_q, dtype);
   }
   rope_q(q.elements(), batch, seq, false, first_position);
 
-  // Without FP8 both projections read h in the GEMM dtype: one conversion, shared (an FP8 operand carries its
-  // own Linear's scales).
-  const Linear& q_in = s.q_lora_rank > 0 ? q_a_ : q_;
-  keep.h_kv = kv_a_.fp8() || q_in.fp8() ? kv_a_.input(h) : keep.h_q;
   kv_a = kv_a_.forward(keep.h_kv, dtype);
   Tensor latent = Tensor::empty({rows, L}, dtype, options_.device);
   copy_rows(kv_a.elements(), s.kv_a_dim(), latent.elements(), L, rows, L, options_.device);
@@ -216,15 +210,19 @@ void MlaAttention::drop_input(LayerPart::Saved& base) const {
   saved.h_q = GemmOperand{}, saved.h_kv = GemmOperand{};
 }
 
-// As project() makes them: one shared operand without FP8.
+// Without FP8 both projections read h in the GEMM dtype: one conversion, shared (an FP8 operand carries its
+// own Linear's scales).
+void MlaAttention::make_inputs(const Tensor& h, Saved& saved) const {
+  const Linear& q_in = shape_.q_lora_rank > 0 ? q_a_ : q_;
+  saved.h_q = q_in.input(h);
+  saved.h_kv = kv_a_.fp8() || q_in.fp8() ? kv_a_.input(h) : saved.h_q;
+}
+
 void MlaAttention::restore_input(const Tensor& h, LayerPart::Saved& base) const {
   Saved& saved = static_cast<Saved&>(base);
-  const Tensor full = gather_in(options_.tp, h);
-  const Linear& q_in = shape_.q_lora_rank > 0 ? q_a_ : q_;
-  saved.h_q = q_in.input(full);
-  saved.h_kv = kv_a_.fp8() || q_in.fp8() ? kv_a_.input(full) : saved.h_q;
-  q_in.keep_for_backward(saved.h_q);
-  if (kv_a_.fp8() || q_in.fp8()) kv_a_.keep_for_backward(saved.h_kv);
+  make_inputs(gather_in(options_.tp, h), saved);
+  (shape_.q_lora_rank > 0 ? q_a_ : q_).keep_for_backward(saved.h_q);
+  kv_a_.keep_for_backward(saved.h_kv);
 }
 
 Tensor MlaAttention::backward_input(const Tensor& dy, int64_t batch, int64_t seq, Saved& saved) const {

@@ -130,6 +130,8 @@ class MlaAttention final : public LayerPart {
   // k and v [rows, H, ...] from kv_b's output and the rotated rope key (rope_stride elements between rows).
   void expand_keys(const Tensor& kv, ConstElements rope_key, int64_t rope_stride, int64_t rows,
                    Saved& saved) const;
+  // h_q and h_kv, the input as the first projections read it.
+  void make_inputs(const Tensor& h, Saved& saved) const;
   // RecomputeModule::mla_up_proj: q (with a q LoRA), k and v again from the latents' norms' saved inputs.
   void recompute_up_projections(Saved& saved, int64_t batch, int64_t seq) const;
   void rope_q(Elements q, int64_t batch, int64_t seq, bool inverse, int64_t first_position) const;

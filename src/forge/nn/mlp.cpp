@@ -12,8 +12,7 @@ Mlp::Mlp(ParameterStore* store, MlpParams params, int64_t hidden, int64_t ffn, C
       ffn_(ffn),
       options_(options),
       activation_(activation),
-      act_dtype_(options.activation_dtype == DType::bf16 && options.gemm_dtype == DType::bf16 ? DType::bf16
-                                                                                              : DType::f32) {}
+      act_dtype_(options.part_dtype()) {}
 
 Tensor Mlp::activation(const Tensor& gate_up) const {
   int64_t rows = gate_up.numel() / (2 * ffn_);

@@ -27,8 +27,7 @@ Moe::Moe(ParameterStore* store, MoeParams params, MoeShape shape, ComputeOptions
       options_(options),
       stats_(stats),
       scale_(scale),
-      act_dtype_(options.activation_dtype == DType::bf16 && options.gemm_dtype == DType::bf16 ? DType::bf16
-                                                                                              : DType::f32) {
+      act_dtype_(options.part_dtype()) {
   FORGE_CHECK(shape.experts > 0 && shape.top_k > 0 && shape.expert_ffn > 0 && shape.hidden > 0,
               "Moe: bad shape experts={} top_k={} expert_ffn={} hidden={}", shape.experts, shape.top_k,
               shape.expert_ffn, shape.hidden);

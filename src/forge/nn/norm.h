@@ -46,4 +46,12 @@ class Norm {
   bool is_layer_ = false;
 };
 
+// The norm of weight `weight` in the store: an RMSNorm scaling by weight + weight_offset, or a LayerNorm
+// whose bias (with `bias`) is the parameter registered right after its weight.
+inline Norm make_norm(ParameterStore* store, NormKind kind, int weight, bool bias, float eps,
+                      float weight_offset) {
+  if (kind == NormKind::layer) return Norm(LayerNorm(store, weight, bias ? weight + 1 : -1, eps));
+  return Norm(RmsNorm(store, weight, eps, weight_offset));
+}
+
 }  // namespace forge::nn
