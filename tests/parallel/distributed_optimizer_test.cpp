@@ -88,6 +88,22 @@ TEST(DistributedAdamW, ASecondShardedOptimizerOverOneStoreIsRefused) {
   }
 }
 
+// Offload moves a device's state to the host: over a store on the host it is refused with one line (the
+// offloaded update itself runs on emulated GPUs in trainer_mpi_test).
+TEST(DistributedAdamW, OffloadOfAHostStoreIsRefused) {
+  ParameterStore store;
+  testing::build_toy_store(store, true);
+  auto self = comm::make_self("dp");
+  GradBuckets buckets(&store, self.get(), BucketOptions{kSmallBucket, false, true});
+  try {
+    DistributedAdamW offloaded(&store, AdamWConfig{}, {{&buckets, self.get()}}, nullptr,
+                               OptimizerOffload::host);
+    ADD_FAILURE() << "a host store was offloaded";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("these parameters are on the host"), std::string::npos) << e.what();
+  }
+}
+
 TEST(DistributedAdamW, GradNormSkipsReplicatedCopies) {
   ParameterStore store;
   testing::build_toy_store(store, false, /*replica_primary=*/false);

@@ -90,7 +90,7 @@ TEST(TrainConfig, DefaultTomlFileEqualsBuiltInDefaults) {
     ++keys;
     EXPECT_NE(line.find(" # "), std::string::npos) << "no comment: " << line;
   }
-  EXPECT_EQ(keys, 117);
+  EXPECT_EQ(keys, 118);
 }
 
 TEST(TrainConfig, DefaultTomlFileIsTheGeneratedText) {
@@ -403,6 +403,14 @@ TEST(TrainConfigErrors, Validation) {
   expect_invalid([](TrainConfig& c) { c.train.recompute = "full", c.train.recompute_modules = "norm"; },
                  {"train.recompute_modules = \"norm\" chooses what selective recompute drops, but "
                   "train.recompute is full"});
+  expect_invalid([](TrainConfig& c) { c.train.optimizer_offload = true; },
+                 {"train.optimizer_offload = true moves a GPU's optimizer state to the host, but "
+                  "train.device = cpu keeps it there already"});
+  expect_invalid(
+      [](TrainConfig& c) {
+        c.train.optimizer_offload = true, c.train.device = "cuda", c.train.dtype = "fp32";
+      },
+      {"train.optimizer_offload = true needs bf16 weights on the device (train.dtype = bf16), not fp32"});
   expect_invalid([](TrainConfig& c) { c.data.heldout_fraction = 0; }, {"data.heldout_fraction", "(0, 1)"});
   expect_invalid([](TrainConfig& c) { c.data.heldout_fraction = 1; }, {"data.heldout_fraction"});
   expect_invalid([](TrainConfig& c) { c.data.seq_len = 0; }, {"data.seq_len must be > 0, got 0"});

@@ -678,6 +678,106 @@ TEST_F(TrainerRuns, Bf16ShardedMastersResumeUnderAnotherLayout) {
   }
 }
 
+// Optimizer offload on emulated GPUs (bf16 weights; the fp32 masters and both moments in host memory, the
+// update there): the host runs the same CPU AdamW kernel the emulated device does, so every loss and
+// gradient norm equals the device update's bit for bit, replicated and sharded over all ranks. The device
+// holds exactly the offloaded state fewer bytes at its peak (the device update's moments and masters, and
+// the fp32 weights offload frees). A run stopped at step 6 resumes offloaded bitwise, and loads under the
+// device update on another dp layout (the checkpoint is layout-free) within the bf16 layouts' bound.
+TEST_F(TrainerRuns, OptimizerOffloadOnEmulatedGpusIsTheDeviceUpdate) {
+  comm::Communicator& world = comm::world();
+  const int n = world.size();
+  const std::string me = std::to_string(world.rank());
+  auto make = [&](const std::string& run, bool zero, bool offload) {
+    TrainConfig c = config(run);
+    c.train.steps = 12;
+    c.train.device = "cuda";
+    c.train.dtype = "bf16";
+    c.train.grad_accum = 2;
+    c.parallel.dp = n, c.parallel.distributed_optimizer = zero;
+    c.train.optimizer_offload = offload;
+    return c;
+  };
+  struct Run {
+    TrainResult result;
+    int64_t peak = 0, state_bytes = 0, fp32_weights = 0, host_bytes = 0;
+  };
+  auto run = [&](TrainConfig c, const std::function<void(Trainer&)>& hook = {}) {
+    DeviceEmulation emulation;  // its own: its peak is this run's
+    if (!toy::every_rank_has_a_gpu(world)) return Run{};
+    Trainer t(c, &world);
+    Run r;
+    t.on_state([&](TrainState& s) {
+      r.state_bytes = s.optimizer->state_bytes(), r.host_bytes = s.optimizer->host_bytes();
+      r.fp32_weights = s.params->params().numel();
+    });
+    if (hook) hook(t);
+    r.result = t.run();
+    r.peak = EmulatedDevice::peak_bytes();
+    return r;
+  };
+  for (bool zero : {false, true}) {
+    SCOPED_TRACE(zero ? "sharded" : "replicated");
+    const std::string tag = zero ? "zero" : "all";
+    const Run device = run(make("offload-device-" + tag, zero, false));
+    const Run host = run(make("offload-host-" + tag, zero, true));
+    ASSERT_EQ(host.result.losses.size(), 12u);
+    EXPECT_EQ(host.result.losses, device.result.losses);
+    EXPECT_EQ(host.result.grad_norms, device.result.grad_norms);
+    EXPECT_EQ(host.result.heldout_loss, device.result.heldout_loss);
+    // On the host, per owned element: fp32 master and two moments (12 bytes), and the gradient's landing
+    // place (4).
+    EXPECT_EQ(3 * host.host_bytes, 4 * host.state_bytes);
+    EXPECT_EQ(device.peak - host.peak, device.state_bytes + 4 * (device.fp32_weights - host.fp32_weights));
+  }
+  // Stopped at step 6, resumed offloaded (bitwise) and under the device update on dp 1 (within bounds).
+  TrainConfig first = make("offload-resume", true, true);
+  const Run stopped = run(first, [](Trainer& t) {
+    t.on_step([](int64_t step) {
+      if (step == 6) Trainer::stop_flag().store(true);
+    });
+  });
+  ASSERT_TRUE(stopped.result.interrupted);
+  TrainConfig again = make("offload-resume", true, true);
+  again.checkpoint.resume = "auto";
+  const Run resumed = run(again);
+  const Run straight = run(make("offload-straight", true, true));
+  std::vector<double> losses = stopped.result.losses;
+  losses.insert(losses.end(), resumed.result.losses.begin(), resumed.result.losses.end());
+  EXPECT_EQ(losses, straight.result.losses);
+  EXPECT_EQ(resumed.result.heldout_loss, straight.result.heldout_loss);
+
+  auto self = comm::make_self();
+  auto reference = [&](const char* dtype) {
+    TrainConfig c = make("offload-reference-" + std::string(dtype) + "-" + me, false, false);
+    c.train.device = "cpu", c.train.dtype = dtype, c.parallel.dp = 1,
+    c.parallel.distributed_optimizer = false;
+    c.train.grad_accum = 2 * n;
+    return Trainer(c, self.get()).run();
+  };
+  const TrainResult exact = reference("fp32"), want = reference("bf16");
+  // The step-6 checkpoint of another offloaded run, loaded with all ranks tensor-parallel (dp 1, the device
+  // update).
+  TrainResult got = stopped.result;
+  const Run stopped_again = run(make("offload-switch", true, true), [](Trainer& t) {
+    t.on_step([](int64_t step) {
+      if (step == 6) Trainer::stop_flag().store(true);
+    });
+  });
+  ASSERT_TRUE(stopped_again.result.interrupted);
+  TrainConfig other = make("offload-switch", false, false);
+  other.parallel.dp = 1, other.parallel.tp = n, other.parallel.sequence_parallel = n > 1;
+  other.train.grad_accum = 2 * n;
+  other.checkpoint.resume = "auto";
+  const Run switched = run(other);
+  ASSERT_EQ(switched.result.steps_done, 12);
+  got.losses.insert(got.losses.end(), switched.result.losses.begin(), switched.result.losses.end());
+  got.grad_norms.insert(got.grad_norms.end(), switched.result.grad_norms.begin(),
+                        switched.result.grad_norms.end());
+  got.heldout_loss = switched.result.heldout_loss;
+  toy::expect_follows_bf16_run(got, want, exact);
+}
+
 // A NaN in one rank's gradients stops every rank at the same step, naming that rank; no rank applies the
 // step and the checkpoint stays the previous step's.
 TEST_F(TrainerRuns, NonFiniteGradientOnOneRankStopsEveryRank) {

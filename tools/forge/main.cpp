@@ -88,9 +88,11 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (emulation && forge::EmulatedDevice::check_only())
-    std::fprintf(stderr, "forge: dry run: %lld device ops checked, peak device memory %.2f GiB\n",
+    std::fprintf(stderr,
+                 "forge: dry run: %lld device ops checked, peak device memory %.2f GiB (%lld bytes)\n",
                  static_cast<long long>(forge::EmulatedDevice::ops_run()),
-                 static_cast<double>(forge::EmulatedDevice::peak_bytes()) / (1 << 30));
+                 static_cast<double>(forge::EmulatedDevice::peak_bytes()) / (1 << 30),
+                 static_cast<long long>(forge::EmulatedDevice::peak_bytes()));
   forge::comm::finalize();
   return status;
 }

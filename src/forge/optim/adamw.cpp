@@ -40,10 +40,17 @@ void adamw_update_range(ParameterStore& store, int64_t begin, int64_t end, float
 
 void adamw_update_range(ParameterStore& store, int64_t begin, int64_t end, const MasterWeights& masters,
                         float* exp_avg, float* exp_avg_sq, const AdamWConfig& config, float lr,
-                        float grad_scale, int64_t step, bool write_bf16) {
+                        float grad_scale, int64_t step, bool write_bf16, const float* range_grads,
+                        Device range_device) {
   FORGE_CHECK(0 <= begin && begin <= end && end <= store.trained_numel(),
               "AdamW range [{}, {}) outside the {} trained parameters", begin, end, store.trained_numel());
-  const float* grads = store.grads().f32();
+  FORGE_CHECK(!range_grads || !write_bf16, "an update of separate gradients writes no bf16 shadow");
+  // The gradient of store element `flat`: the separate gradients hold element `begin` at range_grads.
+  const float* store_grads = range_grads ? nullptr : store.grads().f32();
+  auto grad_of = [&](int64_t flat) {
+    return range_grads ? range_grads + (flat - begin) : store_grads + flat;
+  };
+  const Device device = range_grads ? range_device : store.device();
   uint16_t* shadow = write_bf16 && store.has_bf16() ? store.params_bf16().bf16() : nullptr;
   // One fused pass per run of adjacent parameters that share their weight decay (the store is one flat
   // buffer): a handful of launches per layer instead of one per tensor.
@@ -55,7 +62,7 @@ void adamw_update_range(ParameterStore& store, int64_t begin, int64_t end, const
     ops::AdamWParams p;
     p.n = run_hi - run_lo;
     p.param = run_params;
-    p.grad = grads + run_lo;
+    p.grad = grad_of(run_lo);
     p.exp_avg = exp_avg + (run_lo - begin);
     p.exp_avg_sq = exp_avg_sq + (run_lo - begin);
     p.param_bf16 = shadow ? shadow + run_lo : nullptr;
@@ -63,7 +70,7 @@ void adamw_update_range(ParameterStore& store, int64_t begin, int64_t end, const
     p.weight_decay = run_decay ? config.weight_decay : 0.0f;
     p.step = step;
     p.grad_scale = grad_scale;
-    ops::adamw(p, store.device());
+    ops::adamw(p, device);
     run_lo = run_hi = 0;
   };
   for_each_param_in_range(store, begin, end, [&](const ParamInfo& info, int64_t lo, int64_t hi) {

@@ -50,10 +50,13 @@ void adamw_update_range(ParameterStore& store, int64_t begin, int64_t end, float
 // Where the fp32 master weight of element `flat` (of parameter `info`) lives.
 using MasterWeights = std::function<float*(const ParamInfo& info, int64_t flat)>;
 // The same with the master weights elsewhere than the store's fp32 buffer (the distributed optimizer's
-// shards): one fused pass per run of elements adjacent in both the store and `masters`.
+// shards): one fused pass per run of elements adjacent in both the store and `masters`. grads: the
+// gradient of element `begin` when not the store's (an offloaded optimizer's host copy), and the device
+// the update then runs on (the host); null: the store's gradients, on the store's device.
 void adamw_update_range(ParameterStore& store, int64_t begin, int64_t end, const MasterWeights& masters,
                         float* exp_avg, float* exp_avg_sq, const AdamWConfig& config, float lr,
-                        float grad_scale, int64_t step, bool write_bf16);
+                        float grad_scale, int64_t step, bool write_bf16, const float* grads = nullptr,
+                        Device device = Device::cpu);
 
 class AdamW {
  public:

@@ -6,6 +6,7 @@
 
 #include "forge/core/dtype.h"
 #include "forge/core/error.h"
+#include "forge/kernels/emulated_device.h"
 #include "forge/kernels/ops.h"
 
 namespace forge::parallel {
@@ -18,11 +19,26 @@ int64_t fp32_index(const ParameterStore& store, const ParamInfo& info, int64_t f
 }  // namespace
 
 DistributedAdamW::DistributedAdamW(ParameterStore* store, optim::AdamWConfig config,
-                                   std::vector<OptimizerGroup> groups, comm::Communicator* model_parallel)
-    : store_(store), config_(config), groups_(std::move(groups)), model_parallel_(model_parallel) {
+                                   std::vector<OptimizerGroup> groups, comm::Communicator* model_parallel,
+                                   OptimizerOffload offload)
+    : store_(store),
+      config_(config),
+      groups_(std::move(groups)),
+      model_parallel_(model_parallel),
+      offload_(offload) {
   FORGE_CHECK(store != nullptr && !groups_.empty(),
               "the distributed optimizer needs a parameter store and its groups");
   if (!store->has_grads()) fail("AdamW over a parameter store built without gradients (inference)");
+  if (offloaded()) {
+    if (!on_device())
+      fail("optimizer offload moves a GPU's optimizer state to the host: these parameters are on the host");
+    if (!store->has_bf16())
+      fail(
+          "optimizer offload needs bf16 weights on the device (train.dtype = bf16): with fp32 ones the fp32 "
+          "weights stay on the device and only the moments would move");
+    for (const OptimizerGroup& g : groups_)
+      FORGE_CHECK(g.buckets != nullptr, "optimizer offload needs every group's gradient buckets");
+  }
   for (size_t g = 0; g < groups_.size(); ++g) {
     const GradBuckets* buckets = groups_[g].buckets;
     comm::Communicator* dp = groups_[g].dp;
@@ -56,8 +72,17 @@ DistributedAdamW::DistributedAdamW(ParameterStore* store, optim::AdamWConfig con
     moment_offsets_.push_back(total);
     total += hi - lo;
   }
-  exp_avg_ = Tensor::zeros({total}, DType::f32, store->device());
-  exp_avg_sq_ = Tensor::zeros({total}, DType::f32, store->device());
+  moment_numel_ = total;
+  if (offloaded()) {
+    if (!dry_host()) {
+      exp_avg_ = Tensor::zeros({total}, DType::f32);
+      exp_avg_sq_ = Tensor::zeros({total}, DType::f32);
+      host_grads_ = Tensor::empty({total}, DType::f32);
+    }
+  } else {
+    exp_avg_ = Tensor::zeros({total}, DType::f32, store->device());
+    exp_avg_sq_ = Tensor::zeros({total}, DType::f32, store->device());
+  }
   int64_t padded = 0;
   for (size_t g = 0; g < groups_.size(); ++g) {
     if (!group_sharded(g)) continue;
@@ -67,50 +92,63 @@ DistributedAdamW::DistributedAdamW(ParameterStore* store, optim::AdamWConfig con
   if (padded > 0) gather_recv_ = Tensor::zeros({padded}, DType::f32, store->device());
   bool all_sharded = true;
   for (size_t g = 0; g < groups_.size(); ++g) all_sharded = all_sharded && group_sharded(g);
-  if (all_sharded && store->has_bf16()) hold_masters();
+  if ((all_sharded || offloaded()) && store->has_bf16()) hold_masters();
 }
+
+bool DistributedAdamW::dry_host() const { return offloaded() && EmulatedDevice::check_only(); }
 
 void DistributedAdamW::hold_masters() {
   if (store_->fp32_released())
     fail("a second sharded optimizer over one parameter store: its fp32 master weights are already held");
-  // The masters of the owned ranges' parameters the store does not keep, in offset order.
+  // The masters of the owned ranges' parameters the store does not keep (offloaded: of all of them), in
+  // offset order.
   int64_t total = 0;
   for (auto [begin, end] : owned_)
     for_each_param_in_range(*store_, begin, end, [&](const ParamInfo& info, int64_t lo, int64_t hi) {
-      if (info.keep_fp32) return;
+      if (info.keep_fp32 && !offloaded()) return;
       if (!master_runs_.empty() && master_runs_.back().end == lo)
         master_runs_.back().end = hi;
       else
         master_runs_.push_back({lo, hi, total});
       total += hi - lo;
     });
-  masters_ = Tensor::empty({total}, DType::f32, store_->device());
-  for (const MasterRun& r : master_runs_)
-    masters_.view(r.offset, {r.end - r.begin}).copy_from(store_->params().view(r.begin, {r.end - r.begin}));
+  master_numel_ = total;
+  if (!dry_host()) {
+    masters_ = Tensor::empty({total}, DType::f32, offloaded() ? Device::cpu : store_->device());
+    for (const MasterRun& r : master_runs_)
+      masters_.view(r.offset, {r.end - r.begin}).copy_from(store_->params().view(r.begin, {r.end - r.begin}));
+  }
   store_->release_fp32();
 }
 
 float* DistributedAdamW::master(const ParamInfo& info, int64_t flat, bool host) const {
-  if (!holds_masters() || info.keep_fp32 || !info.trainable) {
+  if (!holds_masters() || (info.keep_fp32 && !offloaded()) || !info.trainable) {
     return (host ? host_params_ : store_->params()).f32() + fp32_index(*store_, info, flat);
   }
+  FORGE_CHECK(masters_.defined(), "the master weights of a dry run are not held");
   auto it = std::upper_bound(master_runs_.begin(), master_runs_.end(), flat,
                              [](int64_t f, const MasterRun& r) { return f < r.begin; });
   FORGE_CHECK(it != master_runs_.begin() && flat < std::prev(it)->end,
               "the master weight of '{}' (element {}) lies outside this rank's shards", info.name, flat);
   --it;
-  return (host ? host_masters_ : masters_).f32() + it->offset + (flat - it->begin);
+  return (host && !offloaded() ? host_masters_ : masters_).f32() + it->offset + (flat - it->begin);
 }
 
-void DistributedAdamW::copy_masters(int64_t begin, int64_t end, float* dst) const {
+void DistributedAdamW::copy_masters(int64_t begin, int64_t end, Tensor dst) const {
+  if (dry_host()) return;  // nothing held, nothing moves
   // Runs of elements adjacent in their master buffer go in one copy.
   const float* run = nullptr;
   int64_t run_lo = 0, run_hi = 0;
   auto flush = [&] {
     if (run_hi <= run_lo) return;
+    if (offloaded()) {  // host to device: every owned element's master is in masters_
+      dst.view(run_lo - begin, {run_hi - run_lo})
+          .copy_from(masters_.view(run - masters_.f32(), {run_hi - run_lo}));
+      return;
+    }
     ops::StridedCopyParams c;
     c.shape[2] = run_hi - run_lo;
-    c.src = ConstElements(run), c.dst = dst + (run_lo - begin);
+    c.src = ConstElements(run), c.dst = dst.f32() + (run_lo - begin);
     ops::strided_copy(c, store_->device());
   };
   for_each_param_in_range(*store_, begin, end, [&](const ParamInfo& info, int64_t lo, int64_t hi) {
@@ -171,6 +209,12 @@ double DistributedAdamW::grad_norm() const {
 
 void DistributedAdamW::step(float lr, float grad_scale) {
   ++step_;
+  if (offloaded()) {
+    step_on_host(lr, grad_scale);
+    gather_params();
+    store_->mark_updated();
+    return;
+  }
   for (size_t r = 0; r < owned_.size(); ++r) {
     const int64_t m = moment_offsets_[r];
     // Sharded: the shadow is refreshed after the gather, over whole buckets.
@@ -184,6 +228,18 @@ void DistributedAdamW::step(float lr, float grad_scale) {
   store_->mark_updated();
 }
 
+void DistributedAdamW::step_on_host(float lr, float grad_scale) {
+  if (dry_host()) return;
+  const auto host_masters = [this](const ParamInfo& info, int64_t flat) { return master(info, flat); };
+  for (size_t r = 0; r < owned_.size(); ++r) {
+    const auto [lo, hi] = owned_[r];
+    const int64_t m = moment_offsets_[r];
+    host_grads_.view(m, {hi - lo}).copy_from(store_->grads().view(lo, {hi - lo}));
+    adamw_update_range(*store_, lo, hi, host_masters, exp_avg_.f32() + m, exp_avg_sq_.f32() + m, config_, lr,
+                       grad_scale, step_, /*write_bf16=*/false, host_grads_.f32() + m, Device::cpu);
+  }
+}
+
 void DistributedAdamW::gather_params(const GradBuckets& group_buckets) {
   const auto& buckets = group_buckets.buckets();
   // Sharded masters gather into the gradient buffer (spent by now; the same offsets as the weights), from
@@ -193,16 +249,18 @@ void DistributedAdamW::gather_params(const GradBuckets& group_buckets) {
   // The buckets' communicator: the same ranks as the group's dp (checked in the constructor), over the memory
   // the parameters live in (NCCL on GPUs, where dp carries only host scalars).
   comm::Communicator& group = *group_buckets.dp();
-  // One rank owns everything: its parameters are whole already (its masters are copied to the buffer).
-  const bool communicate = group.size() > 1;
+  // One rank owns everything: its parameters are whole already (its masters are copied to the buffer). So
+  // does every rank of an unsharded group (offloaded: it updated everything on the host).
+  const bool sharded = group_buckets.sharded();
+  const bool communicate = sharded && group.size() > 1;
   std::vector<comm::Request> requests(buckets.size());
   // Launch every bucket's all-gather, then finish them in order, converting each to bf16 while later ones
   // are still in flight.
   for (size_t i = buckets.size(); i-- > 0;) {
     const GradBucket& b = buckets[i];
-    auto [lo, hi] = group_buckets.owned_range(static_cast<int>(i));
+    auto [lo, hi] = sharded ? group_buckets.owned_range(static_cast<int>(i)) : std::pair{b.begin, b.end};
     if (!communicate) {
-      if (masters) copy_masters(lo, hi, whole.f32() + lo);
+      if (masters) copy_masters(lo, hi, whole.view(lo, {hi - lo}));
       continue;
     }
     // In place: the send is this rank's own block of the receive buffer (the bucket itself, or the padded
@@ -212,7 +270,9 @@ void DistributedAdamW::gather_params(const GradBuckets& group_buckets) {
     float* recv = padded ? gather_recv_.f32() : whole.f32() + b.begin;
     float* mine = recv + group.rank() * b.shard_size;
     if (masters) {
-      copy_masters(lo, hi, mine);
+      copy_masters(lo, hi,
+                   padded ? gather_recv_.view(group.rank() * b.shard_size, {hi - lo})
+                          : whole.view(b.begin + group.rank() * b.shard_size, {hi - lo}));
     } else if (padded) {
       Tensor own = gather_recv_.view(group.rank() * b.shard_size, {hi - lo});
       own.copy_from(whole.view(lo, {hi - lo}));
@@ -250,7 +310,7 @@ void DistributedAdamW::append_pieces(std::vector<ShardPiece>& pieces, int64_t be
     piece.split_start = info.shard.start;
     piece.flat_begin = lo - info.offset;
     piece.flat_end = hi - info.offset;
-    const bool staged = on_device();
+    const bool staged = on_device();  // the store's weights live there (offloaded masters on the host)
     if (params) {
       piece.name = info.name;
       piece.data = master(info, lo, staged);
@@ -259,10 +319,10 @@ void DistributedAdamW::append_pieces(std::vector<ShardPiece>& pieces, int64_t be
     if (moments) {
       const int64_t m = moment_index(static_cast<size_t>(range), lo);
       piece.name = "exp_avg." + info.name;
-      piece.data = (staged ? host_exp_avg_ : exp_avg_).f32() + m;
+      piece.data = (state_on_device() ? host_exp_avg_ : exp_avg_).f32() + m;
       pieces.push_back(piece);
       piece.name = "exp_avg_sq." + info.name;
-      piece.data = (staged ? host_exp_avg_sq_ : exp_avg_sq_).f32() + m;
+      piece.data = (state_on_device() ? host_exp_avg_sq_ : exp_avg_sq_).f32() + m;
       pieces.push_back(piece);
     }
   });
@@ -309,12 +369,16 @@ std::vector<ShardPiece> DistributedAdamW::checkpoint_pieces_for_load(bool includ
 void DistributedAdamW::stage_on_host(bool download, bool with_params) const {
   if (!on_device()) return;
   host_params_ = host_masters_ = Tensor();
+  // Offloaded, the masters and moments are host memory already: only the store's weights (kept, frozen)
+  // are staged.
   if (download) {
     if (with_params) host_params_ = store_->params().to(Device::cpu);
+    if (!state_on_device()) return;
     if (with_params && holds_masters()) host_masters_ = masters_.to(Device::cpu);
     host_exp_avg_ = exp_avg_.to(Device::cpu), host_exp_avg_sq_ = exp_avg_sq_.to(Device::cpu);
   } else {
     if (with_params) host_params_ = Tensor::zeros(store_->params().shape(), DType::f32);
+    if (!state_on_device()) return;
     if (with_params && holds_masters()) host_masters_ = Tensor::zeros(masters_.shape(), DType::f32);
     host_exp_avg_ = Tensor::zeros(exp_avg_.shape(), DType::f32);
     host_exp_avg_sq_ = Tensor::zeros(exp_avg_sq_.shape(), DType::f32);
@@ -326,13 +390,13 @@ void DistributedAdamW::finish_save() {
 }
 
 void DistributedAdamW::finish_load() {
-  if (on_device() && host_exp_avg_.defined()) {
+  if (on_device() && (host_exp_avg_.defined() || host_params_.defined())) {
     if (host_params_.defined()) {
       Tensor params = store_->params();
       params.copy_from(host_params_);
     }
     if (host_masters_.defined()) masters_.copy_from(host_masters_);
-    exp_avg_.copy_from(host_exp_avg_), exp_avg_sq_.copy_from(host_exp_avg_sq_);
+    if (host_exp_avg_.defined()) exp_avg_.copy_from(host_exp_avg_), exp_avg_sq_.copy_from(host_exp_avg_sq_);
     finish_save();
   }
   // Each rank loaded the masters it holds: the gather makes the weights whole again everywhere.

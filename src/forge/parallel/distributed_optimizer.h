@@ -17,6 +17,18 @@
 // On a device (GPUs) the state lives in device memory: the all-gathers run over the gradient buckets'
 // communicator (NCCL), and only host scalars (the norm's sums) go over `dp` and `model_parallel` (MPI).
 //
+// Offloaded (OptimizerOffload::host, a device run with a bf16 shadow: Megatron's optimizer CPU offload,
+// DeepSpeed's ZeRO-Offload): the fp32 masters of every owned parameter (the kept ones too) and both moments
+// live in host memory, and the device frees its fp32 weights but the kept ones. Each step copies the owned
+// ranges' reduced gradients to the host, updates there (the CPU AdamW kernel, the same arithmetic as the
+// device's, so the numbers are bitwise those of the device update), and copies the updated fp32 weights back
+// into the gradient buffer, from where the gather (sharded) or a local copy (unsharded) writes the bf16
+// weights and the kept fp32 ones. The device then holds 2 bytes of bf16 weights and 4 of fp32 gradient per
+// parameter (plus the kept parameters' fp32), the host 16 per owned parameter (masters, moments, the
+// gradients' landing buffer). In the device emulation's dry run (kernels/emulated_device.h, check_only) the
+// host state is counted, not allocated, and the host update is skipped, so models far larger than this
+// machine plan their offloaded runs.
+//
 // The gradient norm counts each element of the model once: over the owned ranges, only parameters whose
 // ShardSpec is primary (a replicated copy on a higher tensor-parallel rank is skipped), summed over dp
 // when sharded and over the model-parallel group (tp x pp ranks holding different parts) always.
@@ -44,13 +56,16 @@ struct OptimizerGroup {
   comm::Communicator* parts = nullptr;
 };
 
+// Where the optimizer's state lives.
+enum class OptimizerOffload { none, host };
+
 class DistributedAdamW {
  public:
   // One group per parameter group of the store (ParamInfo::group: dense, experts, ...), each sharded or not
   // over its own data-parallel ranks. model_parallel may be null (one model-parallel rank). All pointers must
   // outlive the optimizer.
   DistributedAdamW(ParameterStore* store, optim::AdamWConfig config, std::vector<OptimizerGroup> groups,
-                   comm::Communicator* model_parallel);
+                   comm::Communicator* model_parallel, OptimizerOffload offload = OptimizerOffload::none);
   // One group. buckets may be null (unsharded, nothing to gather); when sharded, it must reduce over `dp`.
   DistributedAdamW(ParameterStore* store, optim::AdamWConfig config, comm::Communicator* dp,
                    comm::Communicator* model_parallel, const GradBuckets* buckets)
@@ -69,17 +84,30 @@ class DistributedAdamW {
   bool sharded() const { return sharded_; }
   // Flat ranges of the store this rank updates, in offset order; the moments are their concatenation.
   const std::vector<std::pair<int64_t, int64_t>>& owned_ranges() const { return owned_; }
-  const Tensor& exp_avg() const { return exp_avg_; }
+  const Tensor& exp_avg() const { return exp_avg_; }  // undefined in an offloaded dry run
+  int64_t moment_numel() const { return moment_numel_; }
   const Tensor& exp_avg_sq() const { return exp_avg_sq_; }
-  // Bytes of optimizer state on this rank (both moments, and the sharded master weights it holds).
+  // Bytes of optimizer state on this rank (both moments, and the sharded master weights it holds), wherever
+  // it lives.
   int64_t state_bytes() const {
-    return (2 * exp_avg_.numel() + master_numel()) * static_cast<int64_t>(sizeof(float));
+    return (2 * moment_numel_ + master_numel()) * static_cast<int64_t>(sizeof(float));
+  }
+  bool offloaded() const { return offload_ == OptimizerOffload::host; }
+  // Host memory the offloaded state takes (the state and the gradients' landing buffer; counted, not
+  // allocated, in a dry run); 0 unless offloaded.
+  int64_t host_bytes() const {
+    return offloaded() ? state_bytes() + moment_numel_ * static_cast<int64_t>(sizeof(float)) : 0;
+  }
+  // Bytes each step copies to the host (owned gradients) and back (updated owned fp32 weights); 0 unless
+  // offloaded.
+  int64_t offload_copy_bytes() const {
+    return offloaded() ? 2 * moment_numel_ * static_cast<int64_t>(sizeof(float)) : 0;
   }
   // The fp32 master weights this rank holds apart from the store (sharded with a bf16 shadow), in offset
   // order of the owned ranges, kept parameters left out; undefined otherwise.
-  bool holds_masters() const { return masters_.defined(); }
+  bool holds_masters() const { return master_numel_ > 0 || masters_.defined(); }
   const Tensor& masters() const { return masters_; }
-  int64_t master_numel() const { return holds_masters() ? masters_.numel() : 0; }
+  int64_t master_numel() const { return master_numel_; }
   // The fp32 master weight of element `flat` (a store offset) of parameter `info` (one of the store's
   // infos()): in the store's fp32 weights, or with sharded masters for a parameter not kept in masters()
   // (refused outside the owned ranges); host: in the checkpoint staging copies of either.
@@ -108,10 +136,15 @@ class DistributedAdamW {
   void gather_params(const GradBuckets& buckets);
   void gather_params() {
     for (size_t g = 0; g < groups_.size(); ++g)
-      if (group_sharded(g)) gather_params(*groups_[g].buckets);
+      if (group_sharded(g) || (offloaded() && groups_[g].buckets)) gather_params(*groups_[g].buckets);
   }
-  // Copies the masters of the store's flat range [begin, end) to dst (a device pointer on a device).
-  void copy_masters(int64_t begin, int64_t end, float* dst) const;
+  // Copies the masters of the store's flat range [begin, end) to dst, a view of the weights' device (or
+  // the host's) memory.
+  void copy_masters(int64_t begin, int64_t end, Tensor dst) const;
+  // The offloaded update: gradients to the host, AdamW there.
+  void step_on_host(float lr, float grad_scale);
+  // A dry run (the emulation's check_only) with offload: host state counted, not allocated.
+  bool dry_host() const;
   void hold_masters();
   bool group_sharded(size_t g) const { return groups_[g].buckets && groups_[g].buckets->sharded(); }
   // Appends the pieces of [begin, end) of the store (owned range `range`, or -1: params only).
@@ -121,12 +154,16 @@ class DistributedAdamW {
   // device now; otherwise allocated for a load).
   void stage_on_host(bool download, bool with_params) const;
   bool on_device() const { return store_->device() != Device::cpu; }
+  // Whether the moments (and sharded masters) live on a device: checkpoints stage them through the host.
+  bool state_on_device() const { return on_device() && !offloaded(); }
 
   ParameterStore* store_;
   optim::AdamWConfig config_;
   std::vector<OptimizerGroup> groups_;
   comm::Communicator* model_parallel_;
+  OptimizerOffload offload_ = OptimizerOffload::none;
   bool sharded_ = false;  // any group
+  int64_t moment_numel_ = 0, master_numel_ = 0;
   std::vector<std::pair<int64_t, int64_t>> owned_;
   std::vector<size_t> range_group_;  // the group of each owned range
   std::vector<int64_t> moment_offsets_;
@@ -140,6 +177,7 @@ class DistributedAdamW {
   mutable Tensor host_params_, host_exp_avg_, host_exp_avg_sq_,
       host_masters_;    // device runs: checkpoint staging
   Tensor gather_recv_;  // sharded: a bucket padded to a multiple of the dp ranks (gathered in place)
+  Tensor host_grads_;   // offloaded: the owned ranges' gradients, in moment order
   int64_t step_ = 0;
 };
 

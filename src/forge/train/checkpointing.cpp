@@ -9,6 +9,7 @@
 #include "forge/comm/comm.h"
 #include "forge/core/error.h"
 #include "forge/core/fault_injection.h"
+#include "forge/kernels/emulated_device.h"
 #include "forge/models/model.h"
 #include "forge/train/training_data.h"
 
@@ -235,6 +236,13 @@ CheckpointState Checkpointing::manifest_to_save(const char* why) const {
 }
 
 void Checkpointing::save(const char* why, bool background) {
+  // A dry run's state is zeros (kernels/emulated_device.h) and its model may be far larger than this
+  // machine's memory and disk: nothing is written.
+  if (EmulatedDevice::check_only()) {
+    log_.say("dry run: no checkpoint of step %lld is written (%s)\n", static_cast<long long>(state_.step),
+             why);
+    return;
+  }
   // At most one save in flight: the previous one commits first (which may be this very step's).
   const bool was_in_flight = async_ != nullptr;
   if (async_) commit_pending();

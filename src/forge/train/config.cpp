@@ -198,6 +198,13 @@ const std::vector<KeySpec>& key_specs() {
        "core_attn,mlp_act,moe_act)",
        {}},
       {"train",
+       "optimizer_offload",
+       FORGE_FIELD(train.optimizer_offload),
+       "on a GPU, keep the fp32 master weights and both Adam moments in host memory and update there "
+       "(Megatron's optimizer CPU offload): the device keeps bf16 weights and fp32 gradients, 12 bytes per "
+       "parameter fewer; each step copies the gradients down and the weights back (needs train.dtype = bf16)",
+       {}},
+      {"train",
        "freeze",
        FORGE_FIELD(train.freeze),
        "parts of a multimodal model that do not train, comma-separated: vision, projector, language (\"\" = "
@@ -983,6 +990,19 @@ void check_training(const TrainConfig& c, const Checks& k) {
     fmt::format("in [0, {}] (0 = all cores)", kMaxThreads));
   k(is_finite(c.train.memory_limit_mb) && c.train.memory_limit_mb >= 0, "train.memory_limit_mb",
     c.train.memory_limit_mb, ">= 0 (0 = no limit)");
+  if (c.train.optimizer_offload) {
+    const Checks::Blame b = k.blame({"train.optimizer_offload", "train.device"});
+    if (c.train.device == Device::cpu)
+      fail(
+          "{}: train.optimizer_offload = true moves a GPU's optimizer state to the host, but train.device = "
+          "cpu keeps it there already{}",
+          b.where, b.others);
+    if (c.gemm_dtype() != DType::bf16)
+      fail(
+          "{}: train.optimizer_offload = true needs bf16 weights on the device (train.dtype = bf16), not {}: "
+          "with fp32 ones the device keeps its fp32 weights",
+          c.origin_of("train.optimizer_offload"), dtype_name(c.gemm_dtype()));
+  }
   k(c.train.memory_limit_mb == 0 || c.train.device == Device::cpu, "train.memory_limit_mb",
     c.train.memory_limit_mb,
     "0 with train.device = " + std::string(c.train.device.name()) + " (a GPU's own memory is its limit)");

@@ -133,6 +133,8 @@ struct TrainConfig {
     // With recompute = selective, what is dropped and recomputed, comma-separated (nn::RecomputeModule's
     // names: core_attn, mlp_act, moe_act, norm, mla_up_proj); "" = core_attn,mlp_act,moe_act.
     std::string recompute_modules;
+    // On a GPU: the fp32 masters and Adam moments in host memory, updated there (parallel::OptimizerOffload).
+    bool optimizer_offload = false;
     std::string freeze;   // parts that do not train, comma-separated (a LLaVA's vision,projector,language)
     int64_t threads = 0;  // 0 = all cores
     double memory_limit_mb = 0;  // cap on each rank's host tensors (0 = none; train.device = cpu)

@@ -95,7 +95,7 @@ void ProgressLog::banner() {
               : "ring (keys and values passed around, blocks merged by log-sum-exp)");
     log_.say(
         "tensor parallel %d%s | data parallel %lld%s: %zu gradient buckets of <= %.1f MiB, %s, overlap %s | "
-        "optimizer state %.1f MiB per rank | %d OpenMP threads per rank\n",
+        "optimizer state %.1f MiB per rank%s | %d OpenMP threads per rank\n",
         s.layout.tp(), c_.parallel.sequence_parallel ? " + sequence parallel" : "",
         static_cast<long long>(s.dp),
         s.cp > 1 ? fmt::format(" (gradients reduced over dp x cp = {} ranks)", s.dp_group().size()).c_str()
@@ -106,7 +106,8 @@ void ProgressLog::banner() {
             ? "reduce-scatter + distributed optimizer (sharded Adam state and fp32 master weights)"
             : "reduce-scatter + ZeRO-1 (sharded Adam state)",
         c_.parallel.overlap_grad_reduce ? "on" : "off",
-        static_cast<double>(s.optimizer->state_bytes()) / 1048576.0, omp_get_max_threads());
+        static_cast<double>(s.optimizer->state_bytes()) / 1048576.0,
+        s.optimizer->offloaded() ? " (offloaded: in host memory, updated there)" : "", omp_get_max_threads());
   }
   log_.say("%s\n", s.data->describe().c_str());
 }

@@ -116,8 +116,9 @@ TrainSetup::TrainSetup(const TrainConfig& c, comm::Communicator& world_)
     expert_buckets = std::make_unique<parallel::GradBuckets>(&model->params(), expert_group, expert_options);
     optimizer_groups.push_back({expert_buckets.get(), groups.expert_dp.get(), groups.ep.get()});
   }
-  optimizer = std::make_unique<parallel::DistributedAdamW>(&model->params(), adam_config, optimizer_groups,
-                                                           groups.model_parallel.get());
+  optimizer = std::make_unique<parallel::DistributedAdamW>(
+      &model->params(), adam_config, optimizer_groups, groups.model_parallel.get(),
+      c.train.optimizer_offload ? parallel::OptimizerOffload::host : parallel::OptimizerOffload::none);
   schedule = c.lr_schedule();
 }
 

@@ -17,8 +17,8 @@ namespace {
 // T: float for fp32 tensors, uint16_t for bf16 ones.
 template <typename T>
 void copy_to_host(const Tensor& t, std::vector<T>& out) {
-  out.resize(static_cast<size_t>(t.numel()));
-  if (t.numel() == 0) return;
+  out.resize(t.defined() ? static_cast<size_t>(t.numel()) : 0);  // undefined: an offloaded dry run's state
+  if (out.empty()) return;
   FORGE_CHECK(t.bytes() == out.size() * sizeof(T), "snapshot of a {} tensor into {}-byte values",
               dtype_name(t.dtype()), sizeof(T));
   if (t.device() == Device::cpu) {
@@ -31,7 +31,7 @@ void copy_to_host(const Tensor& t, std::vector<T>& out) {
 
 template <typename T>
 void from_host_vector(Tensor dst, const std::vector<T>& v, const char* what) {
-  FORGE_CHECK(static_cast<int64_t>(v.size()) == dst.numel(),
+  FORGE_CHECK(static_cast<int64_t>(v.size()) == (dst.defined() ? dst.numel() : 0),
               "restoring {}: the snapshot holds {} values, the state {}", what, v.size(), dst.numel());
   if (v.empty()) return;
   Tensor host = Tensor::empty({dst.numel()}, dst.dtype());

@@ -185,7 +185,7 @@ void TrainingRun::add_checkpoint_files() {
   if (c_.checkpoint.every > 0 && c_.checkpoint.async)
     checkpoints_->reserve_background_buffer(state_.params->params().numel() +
                                             setup_->optimizer->master_numel() +
-                                            2 * setup_->optimizer->exp_avg().numel());
+                                            2 * setup_->optimizer->moment_numel());
 }
 
 // Every rank must take the same decision to stop (Ctrl-C reaches ranks at different moments; clocks differ):
