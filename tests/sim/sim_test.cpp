@@ -267,6 +267,9 @@ TEST(HardwareProfile, RefusesMalformedInput) {
   std::string share = text;
   share.replace(share.find("latency_us = 2"), 14, "latency_us = 2\nhost_share = 1.5");
   expect_refused(share, "link.node.host_share");
+  std::string host = text;
+  host.replace(host.find("op_overhead_us = 1"), 18, "op_overhead_us = 1\nhost_link_gbs = 50");
+  expect_refused(host, "give all three or none");
   expect_refused("[hardware\n", "bad.toml:");
   expect_refused("[link.node]\nbandwidth_gbs = 1\n", "missing table [hardware]");
   EXPECT_THROW((void)Cluster::parse("[cluster]\nhardware = \"no-such-gpu\"\n", "c.toml"), Error);
@@ -531,6 +534,70 @@ TEST(DryTrace, DistributedOptimizerHoldsMegatronsBytesPerParameter) {
                     8192 + 0.001 * optimizer)
             << what;
       }
+}
+
+// Optimizer offload on the dry device: the device keeps 2 bytes of bf16 weights and 4 of fp32 gradient per
+// parameter and the norms' fp32 weights, and no optimizer state; the host holds 16 bytes per owned element
+// (fp32 master, two moments, the gradient's landing place), of everything replicated or 1/dp sharded, and
+// each step copies 8 bytes per owned element (the gradient down, the updated weight back). The estimate
+// costs that traffic over the host link and the update's 28 bytes per element over the host's memory,
+// refuses offload on hardware that does not describe its host, and says when the host's share is too small.
+TEST(DryTrace, OptimizerOffloadLeavesTheDeviceItsBf16WeightsAndGradients) {
+  const std::unique_ptr<models::ModelConfig> config = models::read_model_config(kLlama);
+  const nlohmann::json json = config->to_json();
+  const int64_t hidden = json["hidden_size"], layers = json["num_hidden_layers"];
+  const int64_t norms = (2 * layers + 1) * hidden;
+  for (int dp : {1, 2, 4})
+    for (bool sharded : {false, true}) {
+      Strategy s = small(1, "none");
+      s.dp = dp, s.grad_accum = 1, s.distributed_optimizer = sharded, s.optimizer_offload = true;
+      const RankTrace t = trace_rank(*config, s, 0);
+      const std::string what = fmt::format("dp {}{}", dp, sharded ? " sharded" : "");
+      const int64_t n = t.parameters, owned = sharded ? n / dp : n;
+      // The model's other buffers (RoPE tables) and the allocator's rounding to 2 MiB blocks from 1 MiB.
+      EXPECT_NEAR(static_cast<double>(t.weights_bytes), 6.0 * static_cast<double>(n) + 4.0 * norms, 8 << 20)
+          << what;
+      EXPECT_NEAR(static_cast<double>(t.static_bytes - t.weights_bytes), 0, 4 << 20) << what;
+      EXPECT_EQ(t.offload_update_elements, owned) << what;
+      EXPECT_EQ(t.host_bytes, 16 * owned) << what;
+      EXPECT_EQ(t.offload_copy_bytes, 8 * owned) << what;
+    }
+  HardwareProfile h = HardwareProfile::parse(kProfile, "t.toml");
+  h.memory_gib = 100;
+  Strategy s = small(1, "none");
+  s.optimizer_offload = true;
+  try {
+    Simulator(*config, Cluster::single_node(h, 1)).estimate(s);
+    ADD_FAILURE() << "offload on hardware without a host";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("optimizer offload needs the host behind each device"),
+              std::string::npos)
+        << e.what();
+  }
+  h.host_link_gbs = 10, h.host_memory_bandwidth_gbs = 20, h.host_memory_gib = 100;
+  Simulator sim(*config, Cluster::single_node(h, 1));
+  const Estimate with = sim.estimate(s);
+  const RankTrace& t = *sim.last_traces()[0];
+  EXPECT_TRUE(with.fits) << with.over;
+  EXPECT_DOUBLE_EQ(with.time.offload, static_cast<double>(t.offload_copy_bytes) / 10e9 +
+                                          28.0 * static_cast<double>(t.offload_update_elements) / 20e9);
+  EXPECT_EQ(with.memory.host, t.host_bytes);
+  s.optimizer_offload = false;
+  const Estimate without = sim.estimate(s);
+  EXPECT_EQ(without.time.offload, 0);
+  // The step trades the device's update for the offload.
+  EXPECT_NEAR(with.time.step - without.time.step,
+              with.time.offload - (without.time.optimizer - with.time.optimizer), 1e-9);
+  EXPECT_GT(without.time.optimizer, with.time.optimizer);
+  EXPECT_LT(with.memory.total, without.memory.total);
+  s.optimizer_offload = true;
+  h.host_memory_gib = 1e-4;
+  const Estimate small_host = Simulator(*config, Cluster::single_node(h, 1)).estimate(s);
+  EXPECT_FALSE(small_host.fits);
+  EXPECT_NE(small_host.over.find("of host memory behind each test device"), std::string::npos)
+      << small_host.over;
+  s.dtype = s.activation_dtype = DType::f32;
+  EXPECT_THROW(sim.estimate(s), Error);
 }
 
 TEST(DryTrace, ContextParallelRanksHoldTheirChunks) {

@@ -244,6 +244,32 @@ TEST_F(PlanCli, SearchTriesExpertParallelism) {
   EXPECT_NE(s.output.find("pp4 dp1 1f1b uneven"), std::string::npos) << s.output;
 }
 
+// LLaMA-3-8B (32 layers, sequence 8192) on one H100: without optimizer offload nothing fits (18 bytes per
+// parameter before activations), so the search picks offload with recompute where it must, and its estimate
+// says where the state went and what the copies and the host's update cost.
+TEST_F(PlanCli, SearchOffloadsTheOptimizerWhereNothingElseFits) {
+  const std::string model = std::string(FORGE_FIXTURE_DIR) + "/../../bench/sim/published/llama3-8b.json";
+  const Outcome s = run_forge("plan search --hardware h100 --model " + model +
+                              " --global-batch 8 --seq-len 8192 --ranks 1 --top 3");
+  ASSERT_EQ(s.status, 0) << s.output;
+  EXPECT_NE(s.output.find("   1  tp1 pp1 dp1 mb1x8 rc:"), std::string::npos) << s.output;
+  EXPECT_NE(s.output.find("--set train.optimizer_offload=true"), std::string::npos) << s.output;
+  const std::string estimate = "plan estimate --set model.config=" + model +
+                               " --set data.seq_len=8192 --set train.grad_accum=8 --set train.recompute=full";
+  const Outcome whole = run_forge(estimate + " --hardware h100");
+  EXPECT_EQ(whole.status, 2) << whole.output;
+  const Outcome e = run_forge(estimate + " --hardware h100 --set train.optimizer_offload=true");
+  EXPECT_EQ(e.status, 0) << e.output;
+  for (const char* part : {"(offloaded: host memory per device", "optimizer offload ", "rc:full offload"})
+    EXPECT_NE(e.output.find(part), std::string::npos) << part << "\n" << e.output;
+  // A profile that does not describe the host behind its devices cannot offload: one line.
+  const std::string hostless = write("hostless.toml",
+                                     "[hardware]\nname = \"hostless\"\nmemory_gib = 80\nbf16_tflops = 1\n"
+                                     "memory_bandwidth_gbs = 10\n[link.node]\nbandwidth_gbs = 1\n");
+  expect_one_line_error(estimate + " --hardware " + hostless + " --set train.optimizer_offload=true",
+                        "optimizer offload needs the host behind each device");
+}
+
 // Generation on one device: weights, KV cache and the prefill's transient, prefill and decode times; a
 // device too small says so with exit status 2; a request the model cannot run is one line.
 TEST_F(PlanCli, GenerationOnOneDevice) {

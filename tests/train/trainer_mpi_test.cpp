@@ -700,20 +700,24 @@ TEST_F(TrainerRuns, OptimizerOffloadOnEmulatedGpusIsTheDeviceUpdate) {
   };
   struct Run {
     TrainResult result;
-    int64_t peak = 0, state_bytes = 0, fp32_weights = 0, host_bytes = 0;
+    int64_t peak = 0, state_bytes = 0, fp32_weights = 0, host_bytes = 0, pinned = 0, pinned_after = 0;
   };
   auto run = [&](TrainConfig c, const std::function<void(Trainer&)>& hook = {}) {
     DeviceEmulation emulation;  // its own: its peak is this run's
     if (!toy::every_rank_has_a_gpu(world)) return Run{};
-    Trainer t(c, &world);
     Run r;
-    t.on_state([&](TrainState& s) {
-      r.state_bytes = s.optimizer->state_bytes(), r.host_bytes = s.optimizer->host_bytes();
-      r.fp32_weights = s.params->params().numel();
-    });
-    if (hook) hook(t);
-    r.result = t.run();
+    {
+      Trainer t(c, &world);
+      t.on_state([&](TrainState& s) {
+        r.state_bytes = s.optimizer->state_bytes(), r.host_bytes = s.optimizer->host_bytes();
+        r.fp32_weights = s.params->params().numel();
+        r.pinned = EmulatedDevice::pinned_bytes();
+      });
+      if (hook) hook(t);
+      r.result = t.run();
+    }
     r.peak = EmulatedDevice::peak_bytes();
+    r.pinned_after = EmulatedDevice::pinned_bytes();  // the optimizer unpinned its buffers
     return r;
   };
   for (bool zero : {false, true}) {
@@ -728,6 +732,9 @@ TEST_F(TrainerRuns, OptimizerOffloadOnEmulatedGpusIsTheDeviceUpdate) {
     // On the host, per owned element: fp32 master and two moments (12 bytes), and the gradient's landing
     // place (4).
     EXPECT_EQ(3 * host.host_bytes, 4 * host.state_bytes);
+    EXPECT_EQ(host.pinned, host.host_bytes);  // all of it pinned for the copies
+    EXPECT_EQ(device.pinned, 0);
+    EXPECT_EQ(host.pinned_after, 0);
     EXPECT_EQ(device.peak - host.peak, device.state_bytes + 4 * (device.fp32_weights - host.fp32_weights));
   }
   // Stopped at step 6, resumed offloaded (bitwise) and under the device update on dp 1 (within bounds).

@@ -139,10 +139,12 @@ int run_estimate(const ModelPlanOptions& o) {
   train::TrainConfig config =
       o.config_path.empty() ? train::TrainConfig{} : train::TrainConfig::from_toml_file(o.config_path);
   for (const auto& assignment : o.overrides) config.apply_override(assignment);
-  // train.dtype = auto is bf16 on a GPU: a GPU profile (one measured without CPU threads) plans bf16 whatever
-  // this machine's CPU would pick for itself.
-  if (config.train.dtype == train::DtypeChoice::automatic && cluster_of(o, 1).hardware.threads == 0)
-    config.train.dtype = train::DtypeChoice::bf16;
+  // A GPU profile (one measured without CPU threads) plans a GPU run: train.dtype = auto is bf16 whatever
+  // this machine's CPU would pick for itself, and train.device is cuda unless given.
+  if (cluster_of(o, 1).hardware.threads == 0) {
+    if (config.train.dtype == train::DtypeChoice::automatic) config.train.dtype = train::DtypeChoice::bf16;
+    if (!config.origins.count("train.device")) config.train.device = "cuda";
+  }
   config.validate();
   const parallel::LayoutSpec l = config.layout_spec();
   const int ranks = o.ranks > 0 ? o.ranks : l.tp * l.cp * l.pp * std::max(1, l.dp);
@@ -240,6 +242,7 @@ int run_search(const ModelPlanOptions& o) {
   };
   Estimate smallest;
   smallest.memory.total = -1;
+  const bool offload_possible = cluster.hardware.host_link_gbs > 0;
   for (int tp : divisors(ranks)) {
     if (shape.heads % tp || shape.ffn % tp || (shape.kv_heads % tp && tp % shape.kv_heads)) continue;
     for (int cp : divisors(ranks / tp)) {
@@ -303,6 +306,14 @@ int run_search(const ModelPlanOptions& o) {
                     } catch (const Error&) {
                       ++refused;
                       continue;
+                    }
+                    // Optimizer offload only adds time and only saves device memory: tried where the
+                    // strategy does not fit without it (on hardware with a host behind each device).
+                    if (!e.fits && offload_possible) {
+                      s.optimizer_offload = true;
+                      ++tried;
+                      Estimate offloaded = sim.estimate(s);
+                      if (offloaded.fits || offloaded.memory.total < e.memory.total) e = std::move(offloaded);
                     }
                     if (!e.fits) {
                       ++too_big;
@@ -683,7 +694,9 @@ void add_plan_model_subcommands(CLI::App* plan,
       "expert parallelism over the divisors of dp x cp that "
       "divide "
       "a MoE model's routed experts, micro-batches of 1, 2, 4, 8, recompute none/selective/full, ZeRO-1 on "
-      "and off, sequence parallelism with tp; then the fastest full-recompute strategies again with the "
+      "and off, sequence parallelism with tp, and optimizer offload (train.optimizer_offload) where a "
+      "strategy does not fit without it and the hardware profile describes the host behind each device; "
+      "then the fastest full-recompute strategies again with the "
       "fewest recomputed layers per stage that fit (train.recompute_layers), and with selective recompute of "
       "every module (train.recompute_modules). Prints the best by predicted "
       "tokens/s with memory per device, pipeline bubble, exposed communication and MFU, and the --set line "

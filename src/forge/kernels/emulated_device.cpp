@@ -47,6 +47,7 @@ struct State {
   EmulatedDevice::Traffic traffic;
   // A dry run's answers: what the host reads back from a device buffer (by base address) instead of zeros.
   std::map<uintptr_t, std::vector<char>> answers;
+  std::map<uintptr_t, size_t> pinned;  // pinned host ranges (DeviceMemory::pin_host), by address
   struct sigaction previous_segv {
   }, previous_bus{};
 };
@@ -426,6 +427,21 @@ const DeviceMemory& emulated_memory() {
         std::lock_guard lock(g_state->mutex);
         g_state->peak_bytes = g_state->live_bytes;
       },
+      // Pinning: what the CUDA runtime refuses (device memory, a range pinned twice, unpinning what is not
+      // pinned) fails here too.
+      [](void* p, size_t bytes) {
+        std::lock_guard lock(g_state->mutex);
+        const auto at = reinterpret_cast<uintptr_t>(p);
+        if (!p || bytes == 0 || find(*g_state, at) != nullptr)
+          fail("device emulation: pin_host of {} ({} bytes): not a host range", p, bytes);
+        if (!g_state->pinned.emplace(at, bytes).second)
+          fail("device emulation: pin_host of {}: already pinned", p);
+      },
+      [](void* p) {
+        std::lock_guard lock(g_state->mutex);
+        if (g_state->pinned.erase(reinterpret_cast<uintptr_t>(p)) == 0)
+          fail("device emulation: unpin_host of {}: not pinned", p);
+      },
   };
   return memory;
 }
@@ -521,6 +537,14 @@ int64_t EmulatedDevice::peak_bytes() {
 }
 
 EmulatedDevice::Traffic EmulatedDevice::traffic() { return g_state ? g_state->traffic : Traffic{}; }
+
+int64_t EmulatedDevice::pinned_bytes() {
+  if (!g_state) return 0;
+  std::lock_guard lock(g_state->mutex);
+  int64_t total = 0;
+  for (const auto& [at, bytes] : g_state->pinned) total += static_cast<int64_t>(bytes);
+  return total;
+}
 
 bool EmulatedDevice::is_device_memory(const void* p) {
   if (!g_state || !p) return false;

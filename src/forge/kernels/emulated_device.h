@@ -58,6 +58,8 @@ class EmulatedDevice {
         0;  // ops whose result the host waits for: sum_squares, amax, a cast returning amax
   };
   static Traffic traffic();
+  // Host memory pinned now (DeviceMemory::pin_host), in bytes.
+  static int64_t pinned_bytes();
   // Whether p lies inside live device memory (false when no emulation is active).
   static bool is_device_memory(const void* p);
 

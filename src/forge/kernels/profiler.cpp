@@ -454,6 +454,8 @@ const DeviceMemory& timing_memory() {
       [] { return inner_memory().stream(); },
       [] { return inner_memory().peak_allocated(); },
       [] { inner_memory().reset_peak(); },
+      [](void* p, size_t bytes) { inner_memory().pin_host(p, bytes); },
+      [](void* p) { inner_memory().unpin_host(p); },
   };
   return memory;
 }

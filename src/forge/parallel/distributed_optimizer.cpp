@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "forge/core/device.h"
 #include "forge/core/dtype.h"
 #include "forge/core/error.h"
 #include "forge/kernels/emulated_device.h"
@@ -78,6 +79,7 @@ DistributedAdamW::DistributedAdamW(ParameterStore* store, optim::AdamWConfig con
       exp_avg_ = Tensor::zeros({total}, DType::f32);
       exp_avg_sq_ = Tensor::zeros({total}, DType::f32);
       host_grads_ = Tensor::empty({total}, DType::f32);
+      pin(exp_avg_), pin(exp_avg_sq_), pin(host_grads_);
     }
   } else {
     exp_avg_ = Tensor::zeros({total}, DType::f32, store->device());
@@ -95,7 +97,17 @@ DistributedAdamW::DistributedAdamW(ParameterStore* store, optim::AdamWConfig con
   if ((all_sharded || offloaded()) && store->has_bf16()) hold_masters();
 }
 
+DistributedAdamW::~DistributedAdamW() {
+  for (void* p : pinned_) device_memory(store_->device()).unpin_host(p);
+}
+
 bool DistributedAdamW::dry_host() const { return offloaded() && EmulatedDevice::check_only(); }
+
+void DistributedAdamW::pin(const Tensor& host) {
+  if (host.numel() == 0) return;
+  device_memory(store_->device()).pin_host(host.raw(), host.bytes());
+  pinned_.push_back(host.raw());
+}
 
 void DistributedAdamW::hold_masters() {
   if (store_->fp32_released())
@@ -117,6 +129,7 @@ void DistributedAdamW::hold_masters() {
     masters_ = Tensor::empty({total}, DType::f32, offloaded() ? Device::cpu : store_->device());
     for (const MasterRun& r : master_runs_)
       masters_.view(r.offset, {r.end - r.begin}).copy_from(store_->params().view(r.begin, {r.end - r.begin}));
+    if (offloaded()) pin(masters_);
   }
   store_->release_fp32();
 }

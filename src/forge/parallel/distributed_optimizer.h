@@ -70,6 +70,9 @@ class DistributedAdamW {
   DistributedAdamW(ParameterStore* store, optim::AdamWConfig config, comm::Communicator* dp,
                    comm::Communicator* model_parallel, const GradBuckets* buckets)
       : DistributedAdamW(store, config, std::vector<OptimizerGroup>{{buckets, dp}}, model_parallel) {}
+  ~DistributedAdamW();  // unpins the offloaded state
+  DistributedAdamW(const DistributedAdamW&) = delete;
+  DistributedAdamW& operator=(const DistributedAdamW&) = delete;
 
   // Global gradient norm (collective over each sharded group's dp and over model_parallel). Call after
   // GradBuckets::finish(): only the owned ranges hold summed gradients.
@@ -145,6 +148,9 @@ class DistributedAdamW {
   void step_on_host(float lr, float grad_scale);
   // A dry run (the emulation's check_only) with offload: host state counted, not allocated.
   bool dry_host() const;
+  // Pins an offloaded host buffer (fast copies to and from the device), unpinned by the destructor.
+  void pin(const Tensor& host);
+  std::vector<void*> pinned_;
   void hold_masters();
   bool group_sharded(size_t g) const { return groups_[g].buckets && groups_[g].buckets->sharded(); }
   // Appends the pieces of [begin, end) of the store (owned range `range`, or -1: params only).

@@ -14,13 +14,14 @@ namespace forge::sim {
 namespace {
 
 std::string trace_key(const Strategy& s, int pp_rank) {
-  return fmt::format("{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}",
-                     s.cp, static_cast<int>(s.cp_comm), s.tp, s.pp, s.dp, s.ep, s.ep_overlap, s.vpp,
-                     static_cast<int>(s.schedule), s.pp_layers, s.sequence_parallel, s.distributed_optimizer,
-                     s.overlap_grad_reduce, s.bucket_mb, s.grad_reduce_in_bf16, s.micro_batch, s.grad_accum,
-                     s.seq, static_cast<int>(s.recompute), s.recompute_layers, s.recompute_modules,
-                     dtype_name(s.dtype), s.fp8_recipe, dtype_name(s.activation_dtype), s.fp32_residual,
-                     s.moe_capacity_factor, s.moe_pad_to_capacity, s.vocab_divisible_by, pp_rank);
+  return fmt::format(
+      "{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}", s.cp,
+      static_cast<int>(s.cp_comm), s.tp, s.pp, s.dp, s.ep, s.ep_overlap, s.vpp, static_cast<int>(s.schedule),
+      s.pp_layers, s.sequence_parallel, s.distributed_optimizer, s.optimizer_offload, s.overlap_grad_reduce,
+      s.bucket_mb, s.grad_reduce_in_bf16, s.micro_batch, s.grad_accum, s.seq, static_cast<int>(s.recompute),
+      s.recompute_layers, s.recompute_modules, dtype_name(s.dtype), s.fp8_recipe,
+      dtype_name(s.activation_dtype), s.fp32_residual, s.moe_capacity_factor, s.moe_pad_to_capacity,
+      s.vocab_divisible_by, pp_rank);
 }
 
 parallel::Dim dim_of(const std::string& group) {
@@ -188,6 +189,14 @@ Estimate Simulator::estimate(const Strategy& s) {
          cluster_.devices());
   if (s.micro_batch < 1 || s.grad_accum < 1 || s.seq < 1)
     fail("strategy {}: micro-batch, micro-batches per step and sequence length must be >= 1", s.describe());
+  const HardwareProfile& hw = cluster_.hardware;
+  if (s.optimizer_offload && hw.host_link_gbs <= 0)
+    fail(
+        "strategy {}: optimizer offload needs the host behind each device (host_link_gbs, "
+        "host_memory_bandwidth_gbs, host_memory_gib), which {} ({}) does not describe",
+        s.describe(), hw.name, hw.source.empty() ? "built in" : hw.source);
+  if (s.optimizer_offload && s.dtype != DType::bf16)
+    fail("strategy {}: optimizer offload needs bf16 GEMMs (the device keeps bf16 weights)", s.describe());
   Estimate e;
   e.strategy = s;
   TimeEstimate& t = e.time;
@@ -209,7 +218,7 @@ Estimate Simulator::estimate(const Strategy& s) {
   costs.per_stage.assign(static_cast<size_t>(stages), {});
   std::vector<double> before(static_cast<size_t>(s.pp)), after(static_cast<size_t>(s.pp)),
       dp_exposed(static_cast<size_t>(s.pp)), dp_total(static_cast<size_t>(s.pp)),
-      updates(static_cast<size_t>(s.pp));
+      updates(static_cast<size_t>(s.pp)), offloads(static_cast<size_t>(s.pp));
   std::vector<TimeEstimate> comm_of(static_cast<size_t>(s.pp));
   double send = 0, latency = 0;
   for (int r = 0; r < s.pp; ++r) {
@@ -275,7 +284,12 @@ Estimate Simulator::estimate(const Strategy& s) {
         dp_total[static_cast<size_t>(r)] += c, dp_exposed[static_cast<size_t>(r)] += c;
     }
     updates[static_cast<size_t>(r)] = cost.ops(rt.step_end);
-    after[static_cast<size_t>(r)] = updates[static_cast<size_t>(r)] + end_comm;
+    if (rt.offload_update_elements > 0)
+      offloads[static_cast<size_t>(r)] =
+          static_cast<double>(rt.offload_copy_bytes) / (hw.host_link_gbs * 1e9) +
+          28.0 * static_cast<double>(rt.offload_update_elements) / (hw.host_memory_bandwidth_gbs * 1e9);
+    after[static_cast<size_t>(r)] =
+        updates[static_cast<size_t>(r)] + offloads[static_cast<size_t>(r)] + end_comm;
   }
 
   // The schedule: replayed on the same action lists the executor runs (one stage: F and B per micro-batch).
@@ -312,6 +326,7 @@ Estimate Simulator::estimate(const Strategy& s) {
   t.tp_comm = comm_of[w].tp_comm, t.ep_comm = comm_of[w].ep_comm, t.cp_comm = comm_of[w].cp_comm;
   t.dp_comm = dp_total[w], t.dp_exposed = dp_exposed[w];
   t.optimizer = updates[w];
+  t.offload = offloads[w];
   t.tokens_per_s = static_cast<double>(s.tokens_per_step()) / t.step;
   t.mfu = t.tokens_per_s * config_->flops_per_token(s.seq) /
           (static_cast<double>(s.world()) * cluster_.hardware.bf16_tflops * 1e12);
@@ -338,10 +353,20 @@ Estimate Simulator::estimate(const Strategy& s) {
     m.activations = held.bytes, m.transient = std::max(held.transient, update - held.bytes);
     m.in_flight = held.in_flight, m.pp_rank = r;
     m.total = m.weights + m.optimizer + m.activations + m.transient;
+    m.host = rt.host_bytes;
     if (m.total > e.memory.total) e.memory = m;
   }
   e.over = over_memory(cluster_.hardware, e.memory.total,
                        fmt::format(" per device on pp rank {}", e.memory.pp_rank), e.memory.dominant());
+  // The offloaded state must fit the device's share of its host.
+  int64_t host = 0;
+  for (const RankTrace* rt : last_) host = std::max(host, rt->host_bytes);
+  const int64_t host_capacity = static_cast<int64_t>(hw.host_memory_gib * 1073741824.0);
+  if (e.over.empty() && host > host_capacity)
+    e.over = fmt::format(
+        "the offloaded optimizer state needs {} of host memory per device, {} over the {} "
+        "of host memory behind each {}",
+        human_bytes(host), human_bytes(host - host_capacity), human_bytes(host_capacity), hw.name);
   e.fits = e.over.empty();
   return e;
 }
@@ -403,6 +428,8 @@ std::string format_estimate(const Estimate& e, const Simulator& sim) {
                      e.fits ? "" : "  -- does not fit: " + e.over);
   out += fmt::format("  parameters, bf16 shadow, gradients  {:>12}\n", human_bytes(m.weights));
   out += fmt::format("  optimizer state (and FP8 state)     {:>12}\n", human_bytes(m.optimizer));
+  if (s.optimizer_offload)
+    out += fmt::format("  (offloaded: host memory per device  {:>12})\n", human_bytes(m.host));
   out +=
       fmt::format("  activations ({} in flight)          {:>12}\n", m.in_flight, human_bytes(m.activations));
   out += fmt::format("  largest transient                   {:>12}\n", human_bytes(m.transient));
@@ -419,6 +446,10 @@ std::string format_estimate(const Estimate& e, const Simulator& sim) {
   out += fmt::format("  data-parallel comm       {:>10.2f} ms ({:.2f} ms exposed)\n", 1e3 * t.dp_comm,
                      1e3 * t.dp_exposed);
   out += fmt::format("  optimizer update         {:>10.2f} ms\n", 1e3 * t.optimizer);
+  if (s.optimizer_offload)
+    out += fmt::format(
+        "  optimizer offload        {:>10.2f} ms (gradients to the host, update there, weights back)\n",
+        1e3 * t.offload);
   return out;
 }
 

@@ -25,6 +25,7 @@ struct MemoryEstimate {
   // sharded under ZeRO-1; FP8 scales and histories), the activations it holds at once, the largest transient
   // of an action on top of them, and the total.
   int64_t weights = 0, optimizer = 0, activations = 0, transient = 0, total = 0;
+  int64_t host = 0;   // optimizer offload: that rank's state in host memory (not in total)
   int in_flight = 0;  // micro-batch chunks whose activations are held at that peak
   int pp_rank = 0;
   std::string dominant() const;  // "activations", ...
@@ -41,6 +42,10 @@ struct TimeEstimate {
   double dp_comm = 0;     // data-parallel reductions (and ZeRO-1's all-gather) in all
   double dp_exposed = 0;  // the part not hidden under backward
   double optimizer = 0;   // the update and its norm (ops)
+  // Optimizer offload: the owned gradients copied to the host, updated there (AdamW reads and writes 28
+  // bytes per element of host memory), the weights copied back, one range after another as the optimizer
+  // runs them (parallel/distributed_optimizer.h).
+  double offload = 0;
   double tokens_per_s = 0, mfu = 0;
 };
 

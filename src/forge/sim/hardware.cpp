@@ -160,6 +160,15 @@ HardwareProfile HardwareProfile::parse(const std::string& text, const std::strin
     h.attention_efficiency = f.number("attention_efficiency", 0.5, 1e-4, 1);
     h.memory_bandwidth_gbs = f.number("memory_bandwidth_gbs", 0, 1e-3, 1e6, true);
     h.op_overhead_us = f.number("op_overhead_us", 0, 0, 1e6);
+    h.host_link_gbs = f.number("host_link_gbs", 0, 0, 1e6);
+    h.host_memory_bandwidth_gbs = f.number("host_memory_bandwidth_gbs", 0, 0, 1e6);
+    h.host_memory_gib = f.number("host_memory_gib", 0, 0, 1e9);
+    if ((h.host_link_gbs > 0) != (h.host_memory_bandwidth_gbs > 0) ||
+        (h.host_link_gbs > 0) != (h.host_memory_gib > 0))
+      fail(
+          "{}: 'hardware.host_link_gbs', 'host_memory_bandwidth_gbs' and 'host_memory_gib' describe the host "
+          "behind each device together: give all three or none",
+          source);
     if (const toml::node* n = f.raw("gemm_efficiency")) {
       const toml::array* a = n->as_array();
       if (!a)
@@ -212,6 +221,10 @@ std::string HardwareProfile::to_toml() const {
   out << fmt::format(
       "attention_efficiency = {:.6g}\nmemory_bandwidth_gbs = {:.6g}\nop_overhead_us = {:.6g}\n",
       attention_efficiency, memory_bandwidth_gbs, op_overhead_us);
+  if (host_link_gbs > 0)
+    out << fmt::format(
+        "host_link_gbs = {:.6g}\nhost_memory_bandwidth_gbs = {:.6g}\nhost_memory_gib = {:.6g}\n",
+        host_link_gbs, host_memory_bandwidth_gbs, host_memory_gib);
   auto link = [&](const char* name, const Link& l) {
     out << fmt::format("\n[link.{}]\nbandwidth_gbs = {:.6g}\nlatency_us = {:.6g}\n", name, l.bandwidth_gbs,
                        l.latency_us);

@@ -46,6 +46,10 @@ struct HardwareProfile {
       gemm_efficiency;                // (log10 FLOPs of one call, fraction of peak), sorted
   double attention_efficiency = 0.5;  // fused attention's fraction of the bf16 peak
   double memory_bandwidth_gbs = 0;    // what memory-bound ops reach
+  // The host behind each device, for optimizer offload (0: none, as in CPU profiles): the device's host
+  // link (PCIe, GB/s each way), the host memory bandwidth and the host memory its share of the host gives
+  // it (the host's divided by the devices per node).
+  double host_link_gbs = 0, host_memory_bandwidth_gbs = 0, host_memory_gib = 0;
   // Per op call, on top of its cost: a kernel launch, a parallel region, the host's work between ops
   // (calibrate measures it: a step's wall time less its ops' times, over the op calls).
   double op_overhead_us = 0;

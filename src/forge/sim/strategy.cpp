@@ -39,6 +39,7 @@ std::string Strategy::describe() const {
                            : "",
                        recompute_layers > 0 ? fmt::format("/{}", recompute_layers) : "");
   if (distributed_optimizer && dp > 1) out += " zero1";
+  if (optimizer_offload) out += " offload";
   if (sequence_parallel && tp > 1) out += " sp";
   if (fp8) out += " fp8:" + fp8_recipe;
   if (moe_capacity_factor > 0)
@@ -58,6 +59,7 @@ std::string Strategy::set_line() const {
     out += fmt::format(" --set parallel.vpp={}", vpp);
   if (tp > 1) out += fmt::format(" --set parallel.sequence_parallel={}", sequence_parallel);
   if (dp > 1) out += fmt::format(" --set parallel.distributed_optimizer={}", distributed_optimizer);
+  if (optimizer_offload) out += " --set train.optimizer_offload=true";
   out += fmt::format(" --set train.micro_batch={} --set train.grad_accum={} --set train.recompute={}",
                      micro_batch, grad_accum, nn::recompute_name(recompute));
   if (recompute != nn::Recompute::none && recompute_layers > 0)

@@ -23,6 +23,7 @@ struct Strategy {
   std::string pp_layers;                                                  // parallel.pp_layers ("" = even)
   bool sequence_parallel = false;
   bool distributed_optimizer = false;  // ZeRO-1
+  bool optimizer_offload = false;      // train.optimizer_offload: masters and moments in host memory
   bool overlap_grad_reduce = true;
   double bucket_mb = 0;              // parallel.bucket_mb (0: by device, parallel::default_bucket_bytes)
   bool grad_reduce_in_bf16 = false;  // parallel.grad_reduce_in_bf16

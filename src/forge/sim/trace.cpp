@@ -449,8 +449,12 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
     expert_buckets = std::make_unique<parallel::GradBuckets>(&store, expert_dp.get(), expert_options);
     groups.push_back({expert_buckets.get(), expert_dp.get(), ep.get()});
   }
-  parallel::DistributedAdamW optimizer(&store, optim::AdamWConfig{0.9f, 0.95f, 1e-8f, 0.1f}, groups,
-                                       model_parallel.get());
+  parallel::DistributedAdamW optimizer(
+      &store, optim::AdamWConfig{0.9f, 0.95f, 1e-8f, 0.1f}, groups, model_parallel.get(),
+      s.optimizer_offload ? parallel::OptimizerOffload::host : parallel::OptimizerOffload::none);
+  trace.host_bytes = optimizer.host_bytes();
+  trace.offload_copy_bytes = optimizer.offload_copy_bytes();
+  trace.offload_update_elements = optimizer.offloaded() ? optimizer.moment_numel() : 0;
   // Sharded masters: the store's fp32 weights moved into the optimizer's shards (its state, counted there).
   if (optimizer.holds_masters())
     trace.weights_bytes -= (store.numel() - store.params().numel()) * static_cast<int64_t>(sizeof(float));

@@ -20,6 +20,7 @@ sim::Strategy strategy_of(const TrainConfig& c, int world_size) {
   s.pp_layers = c.parallel.pp_layers;
   s.sequence_parallel = c.parallel.sequence_parallel;
   s.distributed_optimizer = c.parallel.distributed_optimizer;
+  s.optimizer_offload = c.train.optimizer_offload;
   s.overlap_grad_reduce = c.parallel.overlap_grad_reduce;
   s.bucket_mb = c.parallel.bucket_mb;
   s.grad_reduce_in_bf16 = c.parallel.grad_reduce_in_bf16;

@@ -7,6 +7,7 @@
 
 #include "forge/core/device.h"
 #include "forge/fp8/recipe.h"
+#include "forge/kernels/emulated_device.h"
 #include "forge/parallel/pipeline/replay.h"
 
 namespace forge::train {
@@ -85,7 +86,9 @@ TrainSetup::TrainSetup(const TrainConfig& c, comm::Communicator& world_)
   make_pipeline();
   build_chunks();  // refuses a model larger than memory, before the step's own check
   check_step_fits();
-  model->initialize(c.model.seed);
+  // A dry run's device holds zeros whatever is written (kernels/emulated_device.h): the host's fp32 copy of a
+  // model far larger than this machine is not made.
+  if (!EmulatedDevice::check_only()) model->initialize(c.model.seed);
   if (init_source) load_pretrained_weights(*init_source, model->params());
 
   // Data parallelism: gradients reduced in buckets while backward runs (sharded under ZeRO-1).

@@ -58,12 +58,27 @@ void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device
   if (to_host || from_host) synchronize();
 }
 
+void pin_host(void* ptr, size_t bytes) {
+  FORGE_CUDA_CHECK(cudaHostRegister(ptr, bytes, cudaHostRegisterDefault));
+}
+void unpin_host(void* ptr) { FORGE_CUDA_CHECK(cudaHostUnregister(ptr)); }
+
 }  // namespace
 
 const DeviceMemory& device_memory_interface() {
-  static const DeviceMemory memory{"cuda",       device_alloc,  device_free,   zero_bytes,    copy_bytes,
-                                   synchronize, device_count, select_device, [] { return static_cast<void*>(stream()); },
-                                   [] { return allocator_stats().peak_allocated_bytes; }, reset_peak_allocated};
+  static const DeviceMemory memory{"cuda",
+                                   device_alloc,
+                                   device_free,
+                                   zero_bytes,
+                                   copy_bytes,
+                                   synchronize,
+                                   device_count,
+                                   select_device,
+                                   [] { return static_cast<void*>(stream()); },
+                                   [] { return allocator_stats().peak_allocated_bytes; },
+                                   reset_peak_allocated,
+                                   pin_host,
+                                   unpin_host};
   return memory;
 }
 
