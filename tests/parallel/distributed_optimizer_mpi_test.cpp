@@ -55,7 +55,7 @@ class Steps : public ::testing::TestWithParam<bool> {};
 // moments must agree to within 1e-6 relative (a few fp32 ulps, for a kernel whose vector body and scalar tail
 // may contract differently where ranges are cut); in practice they agree bitwise. Sharded with the bf16
 // shadow the fp32 masters are sharded too (Megatron's distributed optimizer): the store keeps only the kept
-// parameters in fp32, and the weights (gathered through the gradient buffer) are the same.
+// parameters in fp32, and the weights (gathered in bf16, the kept parameters' fp32 beside them) are the same.
 TEST_P(Steps, FollowAdamWOnTheSummedGradients) {
   const bool shard = GetParam();
   comm::Communicator& world = comm::world();

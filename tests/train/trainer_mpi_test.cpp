@@ -729,9 +729,11 @@ TEST_F(TrainerRuns, OptimizerOffloadOnEmulatedGpusIsTheDeviceUpdate) {
     EXPECT_EQ(host.result.losses, device.result.losses);
     EXPECT_EQ(host.result.grad_norms, device.result.grad_norms);
     EXPECT_EQ(host.result.heldout_loss, device.result.heldout_loss);
-    // On the host, per owned element: fp32 master and two moments (12 bytes), and the gradient's landing
-    // place (4).
-    EXPECT_EQ(3 * host.host_bytes, 4 * host.state_bytes);
+    // On the host, per owned element: fp32 master and two moments (12 bytes), the gradient's landing place
+    // (4), and the bf16 staging of the widest bucket's owned part.
+    const int64_t owned = host.state_bytes / 12;
+    EXPECT_GE(host.host_bytes, 16 * owned);
+    EXPECT_LE(host.host_bytes, 18 * owned);
     EXPECT_EQ(host.pinned, host.host_bytes);  // all of it pinned for the copies
     EXPECT_EQ(device.pinned, 0);
     EXPECT_EQ(host.pinned_after, 0);

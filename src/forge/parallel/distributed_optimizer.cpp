@@ -95,6 +95,7 @@ DistributedAdamW::DistributedAdamW(ParameterStore* store, optim::AdamWConfig con
   bool all_sharded = true;
   for (size_t g = 0; g < groups_.size(); ++g) all_sharded = all_sharded && group_sharded(g);
   if ((all_sharded || offloaded()) && store->has_bf16()) hold_masters();
+  plan_bf16_gathers();
 }
 
 DistributedAdamW::~DistributedAdamW() {
@@ -147,22 +148,12 @@ float* DistributedAdamW::master(const ParamInfo& info, int64_t flat, bool host) 
   return (host && !offloaded() ? host_masters_ : masters_).f32() + it->offset + (flat - it->begin);
 }
 
-void DistributedAdamW::copy_masters(int64_t begin, int64_t end, Tensor dst) const {
-  if (dry_host()) return;  // nothing held, nothing moves
-  // Runs of elements adjacent in their master buffer go in one copy.
+template <typename Fn>
+void DistributedAdamW::for_each_master_run(int64_t begin, int64_t end, Fn&& fn) const {
   const float* run = nullptr;
   int64_t run_lo = 0, run_hi = 0;
   auto flush = [&] {
-    if (run_hi <= run_lo) return;
-    if (offloaded()) {  // host to device: every owned element's master is in masters_
-      dst.view(run_lo - begin, {run_hi - run_lo})
-          .copy_from(masters_.view(run - masters_.f32(), {run_hi - run_lo}));
-      return;
-    }
-    ops::StridedCopyParams c;
-    c.shape[2] = run_hi - run_lo;
-    c.src = ConstElements(run), c.dst = dst.f32() + (run_lo - begin);
-    ops::strided_copy(c, store_->device());
+    if (run_hi > run_lo) fn(run, run_lo, run_hi);
   };
   for_each_param_in_range(*store_, begin, end, [&](const ParamInfo& info, int64_t lo, int64_t hi) {
     const float* src = master(info, lo);
@@ -173,6 +164,111 @@ void DistributedAdamW::copy_masters(int64_t begin, int64_t end, Tensor dst) cons
     run_hi = hi;
   });
   flush();
+}
+
+void DistributedAdamW::copy_masters(int64_t begin, int64_t end, Tensor dst) const {
+  if (dry_host()) return;  // nothing held, nothing moves
+  // Runs of elements adjacent in their master buffer go in one copy.
+  for_each_master_run(begin, end, [&](const float* src, int64_t lo, int64_t hi) {
+    if (offloaded()) {  // host to device: every owned element's master is in masters_
+      dst.view(lo - begin, {hi - lo}).copy_from(masters_.view(src - masters_.f32(), {hi - lo}));
+      return;
+    }
+    ops::StridedCopyParams c;
+    c.shape[2] = hi - lo;
+    c.src = ConstElements(src), c.dst = dst.f32() + (lo - begin);
+    ops::strided_copy(c, store_->device());
+  });
+}
+
+void DistributedAdamW::write_bf16(int64_t begin, int64_t end, Tensor dst) {
+  if (dry_host()) return;
+  if (!offloaded()) {
+    for_each_master_run(begin, end, [&](const float* src, int64_t lo, int64_t hi) {
+      ops::convert_to_bf16(src, dst.bf16() + (lo - begin), hi - lo, store_->device());
+    });
+    return;
+  }
+  // On the host, then one copy of the range's bf16 (half the bytes of its fp32); the kept parameters'
+  // masters go to the store's fp32 weights as they are.
+  Tensor staging = host_bf16_.view(0, {end - begin});
+  for_each_master_run(begin, end, [&](const float* src, int64_t lo, int64_t hi) {
+    ops::convert_to_bf16(src, staging.bf16() + (lo - begin), hi - lo, Device::cpu);
+  });
+  dst.copy_from(staging);
+  for_each_param_in_range(*store_, begin, end, [&](const ParamInfo& info, int64_t lo, int64_t hi) {
+    if (!info.keep_fp32) return;
+    store_->params()
+        .view(fp32_index(*store_, info, lo), {hi - lo})
+        .copy_from(masters_.view(master(info, lo) - masters_.f32(), {hi - lo}));
+  });
+}
+
+void DistributedAdamW::plan_bf16_gathers() {
+  bf16_gather_.assign(groups_.size(), false);
+  kept_gathers_.assign(groups_.size(), {});
+  kept_send_.assign(groups_.size(), Tensor());
+  kept_recv_.assign(groups_.size(), Tensor());
+  if (!holds_masters()) return;
+  int64_t padded = 0, widest = 0;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const GradBuckets* gb = groups_[g].buckets;
+    if (!gb) continue;
+    // Mostly kept in fp32 (FP8 recipes keep every Linear's): the fp32 gather moves fewer bytes.
+    int64_t kept = 0, total = 0;
+    for (const GradBucket& b : gb->buckets()) {
+      total += b.size();
+      for_each_param_in_range(*store_, b.begin, b.end, [&](const ParamInfo& info, int64_t lo, int64_t hi) {
+        if (info.keep_fp32) kept += hi - lo;
+      });
+    }
+    if (2 * kept >= total) continue;
+    bf16_gather_[g] = true;
+    const int ranks = gb->sharded() ? gb->dp()->size() : 1;
+    int64_t send = 0, recv = 0;
+    for (const GradBucket& b : gb->buckets()) {
+      KeptGather k;
+      k.runs.resize(static_cast<size_t>(ranks));
+      k.counts.assign(static_cast<size_t>(ranks), 0);
+      for (int q = 0; q < ranks; ++q) {
+        const int64_t lo = gb->sharded() ? std::min(b.end, b.begin + q * b.shard_size) : b.begin;
+        const int64_t hi = gb->sharded() ? std::min(b.end, lo + b.shard_size) : b.end;
+        for_each_param_in_range(*store_, lo, hi, [&](const ParamInfo& info, int64_t l, int64_t h) {
+          if (!info.keep_fp32) return;
+          k.runs[static_cast<size_t>(q)].push_back({fp32_index(*store_, info, l), h - l});
+          k.counts[static_cast<size_t>(q)] += h - l;
+        });
+        k.total += k.counts[static_cast<size_t>(q)];
+      }
+      k.send_offset = send, k.recv_offset = recv;
+      send += k.counts[static_cast<size_t>(ranks > 1 ? gb->dp()->rank() : 0)], recv += k.total;
+      if (ranks > 1 && b.padded_size() != b.size()) padded = std::max(padded, b.padded_size());
+      const auto [lo, hi] = gb->owned_range(static_cast<int>(&b - gb->buckets().data()));
+      widest = std::max(widest, hi - lo);
+      kept_gathers_[g].push_back(std::move(k));
+    }
+    if (ranks > 1 && recv > 0) {
+      kept_send_[g] = Tensor::zeros({std::max<int64_t>(send, 1)}, DType::f32, store_->device());
+      kept_recv_[g] = Tensor::zeros({recv}, DType::f32, store_->device());
+    }
+  }
+  if (padded > 0) bf16_recv_ = Tensor::zeros({padded}, DType::bf16, store_->device());
+  if (!offloaded()) return;
+  if (widest > 0) host_staging_bytes_ = widest * static_cast<int64_t>(sizeof(uint16_t));
+  if (widest > 0 && !dry_host()) {
+    host_bf16_ = Tensor::empty({widest}, DType::bf16);
+    pin(host_bf16_);
+  }
+  // Each step: the owned gradients down in fp32, the owned weights up in bf16 (and the kept ones in fp32)
+  // where the group gathers in bf16, in fp32 otherwise.
+  for (size_t r = 0; r < owned_.size(); ++r) {
+    offload_copy_bytes_ += 4 * (owned_[r].second - owned_[r].first);
+    for_each_param_in_range(*store_, owned_[r].first, owned_[r].second,
+                            [&](const ParamInfo& info, int64_t lo, int64_t hi) {
+                              const bool bf16 = bf16_gather_[range_group_[r]];
+                              offload_copy_bytes_ += (hi - lo) * (!bf16 ? 4 : info.keep_fp32 ? 6 : 2);
+                            });
+  }
 }
 
 double DistributedAdamW::grad_norm() const {
@@ -253,7 +349,64 @@ void DistributedAdamW::step_on_host(float lr, float grad_scale) {
   }
 }
 
-void DistributedAdamW::gather_params(const GradBuckets& group_buckets) {
+void DistributedAdamW::gather_params(size_t g) {
+  if (bf16_gather_[g])
+    gather_bf16(g);
+  else
+    gather_fp32(*groups_[g].buckets);
+}
+
+void DistributedAdamW::gather_bf16(size_t g) {
+  const GradBuckets& group_buckets = *groups_[g].buckets;
+  const auto& buckets = group_buckets.buckets();
+  comm::Communicator& group = *group_buckets.dp();
+  const bool communicate = group_buckets.sharded() && group.size() > 1;
+  const Tensor& bf16 = store_->params_bf16();
+  const Tensor& fp32 = store_->params();
+  std::vector<comm::Request> requests(buckets.size()), kept_requests(buckets.size());
+  // Launch every bucket's gathers (its bf16 weights in place, its kept parameters' fp32 beside them), then
+  // finish them in order.
+  for (size_t i = buckets.size(); i-- > 0;) {
+    const GradBucket& b = buckets[i];
+    const auto [lo, hi] = group_buckets.owned_range(static_cast<int>(i));
+    const bool padded = communicate && b.padded_size() != b.size();
+    const int64_t at = padded ? group.rank() * b.shard_size : lo;
+    const Tensor& into = padded ? bf16_recv_ : bf16;
+    write_bf16(lo, hi, into.view(at, {hi - lo}));
+    if (!communicate) continue;
+    if (padded && hi - lo < b.shard_size)
+      bf16_recv_.view(at + (hi - lo), {b.shard_size - (hi - lo)}).fill_zero();
+    uint16_t* recv = padded ? bf16_recv_.bf16() : bf16.bf16() + b.begin;
+    requests[i] = group.all_gather(recv + group.rank() * b.shard_size, recv, b.shard_size, comm::Type::bf16);
+    const KeptGather& k = kept_gathers_[g][i];
+    if (k.total == 0) continue;
+    int64_t packed = k.send_offset;
+    for (const auto& [offset, count] : k.runs[static_cast<size_t>(group.rank())]) {
+      kept_send_[g].view(packed, {count}).copy_from(fp32.view(offset, {count}));
+      packed += count;
+    }
+    kept_requests[i] = group.all_gatherv(kept_send_[g].f32() + k.send_offset,
+                                         kept_recv_[g].f32() + k.recv_offset, k.counts, comm::Type::f32);
+  }
+  if (!communicate) return;
+  for (size_t i = buckets.size(); i-- > 0;) {
+    const GradBucket& b = buckets[i];
+    requests[i].wait();
+    if (b.padded_size() != b.size()) bf16.view(b.begin, {b.size()}).copy_from(bf16_recv_.view(0, {b.size()}));
+    const KeptGather& k = kept_gathers_[g][i];
+    if (k.total == 0) continue;
+    kept_requests[i].wait();
+    int64_t from = k.recv_offset;
+    for (size_t q = 0; q < k.runs.size(); ++q)
+      for (const auto& [offset, count] : k.runs[q]) {
+        if (static_cast<int>(q) != group.rank())
+          fp32.view(offset, {count}).copy_from(kept_recv_[g].view(from, {count}));
+        from += count;
+      }
+  }
+}
+
+void DistributedAdamW::gather_fp32(const GradBuckets& group_buckets) {
   const auto& buckets = group_buckets.buckets();
   // Sharded masters gather into the gradient buffer (spent by now; the same offsets as the weights), from
   // which the bf16 weights and the kept fp32 weights are written; otherwise into the fp32 weights.

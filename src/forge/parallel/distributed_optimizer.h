@@ -10,9 +10,12 @@
 // masters of its owned ranges and the store frees its fp32 weights (ParameterStore::release_fp32) except
 // those modules read in fp32 (keep_fp32: norms, biases, the embedding, the router, FP8 weight casts), whose
 // store copy serves as their master. Per parameter a rank then holds 2 bytes of bf16 weights, 4 of fp32
-// gradient and 12/dp of master and moments, Megatron's 6 + 12/dp. The gather runs in fp32 through the
-// gradient buffer, spent once the update is done: every rank's bf16 weights and kept fp32 weights are
-// exactly the owners' (the numbers equal those of unsharded masters bit for bit).
+// gradient and 12/dp of master and moments, Megatron's 6 + 12/dp. The gather moves bf16 (Megatron's bf16
+// parameter gather): each owner writes the bf16 of its updated masters into the bf16 weights, which are
+// all-gathered in place, and the kept parameters' fp32 values of each shard are all-gathered beside them;
+// a group mostly kept in fp32 (FP8 recipes keep every Linear's weights) gathers in fp32 through the gradient
+// buffer, spent once the update is done, instead. Either way every rank's bf16 weights and kept fp32
+// weights are exactly the owners' (the numbers equal those of unsharded masters bit for bit).
 //
 // On a device (GPUs) the state lives in device memory: the all-gathers run over the gradient buckets'
 // communicator (NCCL), and only host scalars (the norm's sums) go over `dp` and `model_parallel` (MPI).
@@ -96,16 +99,16 @@ class DistributedAdamW {
     return (2 * moment_numel_ + master_numel()) * static_cast<int64_t>(sizeof(float));
   }
   bool offloaded() const { return offload_ == OptimizerOffload::host; }
-  // Host memory the offloaded state takes (the state and the gradients' landing buffer; counted, not
-  // allocated, in a dry run); 0 unless offloaded.
+  // Host memory the offloaded state takes (the state, the gradients' landing buffer and the bf16 staging of
+  // the widest bucket; counted, not allocated, in a dry run); 0 unless offloaded.
   int64_t host_bytes() const {
-    return offloaded() ? state_bytes() + moment_numel_ * static_cast<int64_t>(sizeof(float)) : 0;
+    return offloaded()
+               ? state_bytes() + moment_numel_ * static_cast<int64_t>(sizeof(float)) + host_staging_bytes_
+               : 0;
   }
-  // Bytes each step copies to the host (owned gradients) and back (updated owned fp32 weights); 0 unless
-  // offloaded.
-  int64_t offload_copy_bytes() const {
-    return offloaded() ? 2 * moment_numel_ * static_cast<int64_t>(sizeof(float)) : 0;
-  }
+  // Bytes each step copies to the host (owned gradients, fp32) and back (the updated owned weights: bf16,
+  // or fp32 where the group gathers in fp32 or keeps the parameter in fp32); 0 unless offloaded.
+  int64_t offload_copy_bytes() const { return offloaded() ? offload_copy_bytes_ : 0; }
   // The fp32 master weights this rank holds apart from the store (sharded with a bf16 shadow), in offset
   // order of the owned ranges, kept parameters left out; undefined otherwise.
   bool holds_masters() const { return master_numel_ > 0 || masters_.defined(); }
@@ -136,14 +139,35 @@ class DistributedAdamW {
   int64_t moment_index(size_t range, int64_t index) const {
     return moment_offsets_[range] + index - owned_[range].first;
   }
-  void gather_params(const GradBuckets& buckets);
+  // The updated weights made whole on every rank of group g: in fp32 through the gradient buffer (fp32
+  // weights, or most of the group kept in fp32, as under FP8), else in bf16 straight into the bf16 weights
+  // with the kept parameters' fp32 values gathered beside them (Megatron's bf16 parameter gather).
+  void gather_params(size_t g);
   void gather_params() {
     for (size_t g = 0; g < groups_.size(); ++g)
-      if (group_sharded(g) || (offloaded() && groups_[g].buckets)) gather_params(*groups_[g].buckets);
+      if (group_sharded(g) || (offloaded() && groups_[g].buckets)) gather_params(g);
   }
+  void gather_fp32(const GradBuckets& buckets);
+  void gather_bf16(size_t g);
+  // Calls fn(src, lo, hi) for each run of the store's flat range [begin, end) whose masters lie adjacent
+  // (src: the master of element lo, in the masters' memory).
+  template <typename Fn>
+  void for_each_master_run(int64_t begin, int64_t end, Fn&& fn) const;
   // Copies the masters of the store's flat range [begin, end) to dst, a view of the weights' device (or
   // the host's) memory.
   void copy_masters(int64_t begin, int64_t end, Tensor dst) const;
+  // Writes the bf16 of the masters of [begin, end) into dst (bf16 device memory); offloaded, also copies the
+  // kept parameters' masters of the range into the store's fp32 weights.
+  void write_bf16(int64_t begin, int64_t end, Tensor dst);
+  // How each bucket of a bf16-gathered group gathers its kept parameters: per rank, the runs (fp32 offset
+  // in the store's weights, count) its shard holds, their counts, and where the bucket's block lies in the
+  // group's send and receive buffers.
+  struct KeptGather {
+    std::vector<std::vector<std::pair<int64_t, int64_t>>> runs;  // by dp rank
+    std::vector<int64_t> counts;                                 // by dp rank
+    int64_t send_offset = 0, recv_offset = 0, total = 0;
+  };
+  void plan_bf16_gathers();
   // The offloaded update: gradients to the host, AdamW there.
   void step_on_host(float lr, float grad_scale);
   // A dry run (the emulation's check_only) with offload: host state counted, not allocated.
@@ -184,6 +208,14 @@ class DistributedAdamW {
       host_masters_;    // device runs: checkpoint staging
   Tensor gather_recv_;  // sharded: a bucket padded to a multiple of the dp ranks (gathered in place)
   Tensor host_grads_;   // offloaded: the owned ranges' gradients, in moment order
+  // bf16 gathers: by group, whether it gathers in bf16, and per bucket its kept parameters' gather; the
+  // padded receive buffer in bf16, the kept values' send and receive buffers by group, the offloaded bf16
+  // staging on the host.
+  std::vector<bool> bf16_gather_;
+  std::vector<std::vector<KeptGather>> kept_gathers_;
+  std::vector<Tensor> kept_send_, kept_recv_;
+  Tensor bf16_recv_, host_bf16_;
+  int64_t host_staging_bytes_ = 0, offload_copy_bytes_ = 0;
   int64_t step_ = 0;
 };
 
