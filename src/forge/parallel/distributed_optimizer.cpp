@@ -99,6 +99,7 @@ DistributedAdamW::DistributedAdamW(ParameterStore* store, optim::AdamWConfig con
 }
 
 DistributedAdamW::~DistributedAdamW() {
+  worker_.reset();  // the queued updates finish first
   for (void* p : pinned_) device_memory(store_->device()).unpin_host(p);
 }
 
@@ -262,13 +263,41 @@ void DistributedAdamW::plan_bf16_gathers() {
   // Each step: the owned gradients down in fp32, the owned weights up in bf16 (and the kept ones in fp32)
   // where the group gathers in bf16, in fp32 otherwise.
   for (size_t r = 0; r < owned_.size(); ++r) {
-    offload_copy_bytes_ += 4 * (owned_[r].second - owned_[r].first);
+    offload_down_bytes_ += 4 * (owned_[r].second - owned_[r].first);
     for_each_param_in_range(*store_, owned_[r].first, owned_[r].second,
                             [&](const ParamInfo& info, int64_t lo, int64_t hi) {
                               const bool bf16 = bf16_gather_[range_group_[r]];
-                              offload_copy_bytes_ += (hi - lo) * (!bf16 ? 4 : info.keep_fp32 ? 6 : 2);
+                              offload_up_bytes_ += (hi - lo) * (!bf16 ? 4 : info.keep_fp32 ? 6 : 2);
                             });
   }
+  plan_offload_chunks();
+}
+
+void DistributedAdamW::plan_offload_chunks() {
+  chunk_of_bucket_.assign(groups_.size(), {});
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const GradBuckets& gb = *groups_[g].buckets;
+    chunk_of_bucket_[g].assign(gb.buckets().size(), -1);
+    for (size_t i = gb.buckets().size(); i-- > 0;) {  // the gathers' order
+      const auto [lo, hi] = gb.owned_range(static_cast<int>(i));
+      if (lo == hi) continue;
+      size_t r = 0;
+      while (r < owned_.size() && !(range_group_[r] == g && owned_[r].first <= lo && hi <= owned_[r].second))
+        ++r;
+      FORGE_CHECK(r < owned_.size(), "bucket {} of optimizer group {} lies outside the owned ranges", i, g);
+      chunk_of_bucket_[g][i] = static_cast<int>(chunks_.size());
+      chunks_.push_back({lo, hi, moment_index(r, lo)});
+    }
+  }
+  chunk_ticket_.assign(chunks_.size(), -1);
+  if (!dry_host()) worker_ = std::make_unique<WorkerThread>();
+}
+
+void DistributedAdamW::await_update(size_t g, size_t i) {
+  if (!worker_) return;
+  const int c = chunk_of_bucket_[g][i];
+  if (c >= 0 && chunk_ticket_[static_cast<size_t>(c)] >= 0)
+    worker_->wait(chunk_ticket_[static_cast<size_t>(c)]);
 }
 
 double DistributedAdamW::grad_norm() const {
@@ -321,6 +350,8 @@ void DistributedAdamW::step(float lr, float grad_scale) {
   if (offloaded()) {
     step_on_host(lr, grad_scale);
     gather_params();
+    if (worker_) worker_->wait_all();
+    std::fill(chunk_ticket_.begin(), chunk_ticket_.end(), -1);
     store_->mark_updated();
     return;
   }
@@ -339,13 +370,17 @@ void DistributedAdamW::step(float lr, float grad_scale) {
 
 void DistributedAdamW::step_on_host(float lr, float grad_scale) {
   if (dry_host()) return;
-  const auto host_masters = [this](const ParamInfo& info, int64_t flat) { return master(info, flat); };
-  for (size_t r = 0; r < owned_.size(); ++r) {
-    const auto [lo, hi] = owned_[r];
-    const int64_t m = moment_offsets_[r];
-    host_grads_.view(m, {hi - lo}).copy_from(store_->grads().view(lo, {hi - lo}));
-    adamw_update_range(*store_, lo, hi, host_masters, exp_avg_.f32() + m, exp_avg_sq_.f32() + m, config_, lr,
-                       grad_scale, step_, /*write_bf16=*/false, host_grads_.f32() + m, Device::cpu);
+  // Each chunk's gradients come down while the worker updates the previous chunk; the gathers then wait for
+  // each chunk's update before sending its weights up (while the worker goes on with the next).
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    const OffloadChunk k = chunks_[c];
+    host_grads_.view(k.moments, {k.hi - k.lo}).copy_from(store_->grads().view(k.lo, {k.hi - k.lo}));
+    chunk_ticket_[c] = worker_->submit([this, k, lr, grad_scale, step = step_] {
+      adamw_update_range(
+          *store_, k.lo, k.hi, [this](const ParamInfo& info, int64_t flat) { return master(info, flat); },
+          exp_avg_.f32() + k.moments, exp_avg_sq_.f32() + k.moments, config_, lr, grad_scale, step,
+          /*write_bf16=*/false, host_grads_.f32() + k.moments, Device::cpu);
+    });
   }
 }
 
@@ -353,7 +388,7 @@ void DistributedAdamW::gather_params(size_t g) {
   if (bf16_gather_[g])
     gather_bf16(g);
   else
-    gather_fp32(*groups_[g].buckets);
+    gather_fp32(g);
 }
 
 void DistributedAdamW::gather_bf16(size_t g) {
@@ -372,6 +407,7 @@ void DistributedAdamW::gather_bf16(size_t g) {
     const bool padded = communicate && b.padded_size() != b.size();
     const int64_t at = padded ? group.rank() * b.shard_size : lo;
     const Tensor& into = padded ? bf16_recv_ : bf16;
+    await_update(g, i);
     write_bf16(lo, hi, into.view(at, {hi - lo}));
     if (!communicate) continue;
     if (padded && hi - lo < b.shard_size)
@@ -406,7 +442,8 @@ void DistributedAdamW::gather_bf16(size_t g) {
   }
 }
 
-void DistributedAdamW::gather_fp32(const GradBuckets& group_buckets) {
+void DistributedAdamW::gather_fp32(size_t g) {
+  const GradBuckets& group_buckets = *groups_[g].buckets;
   const auto& buckets = group_buckets.buckets();
   // Sharded masters gather into the gradient buffer (spent by now; the same offsets as the weights), from
   // which the bf16 weights and the kept fp32 weights are written; otherwise into the fp32 weights.
@@ -425,6 +462,7 @@ void DistributedAdamW::gather_fp32(const GradBuckets& group_buckets) {
   for (size_t i = buckets.size(); i-- > 0;) {
     const GradBucket& b = buckets[i];
     auto [lo, hi] = sharded ? group_buckets.owned_range(static_cast<int>(i)) : std::pair{b.begin, b.end};
+    await_update(g, i);
     if (!communicate) {
       if (masters) copy_masters(lo, hi, whole.view(lo, {hi - lo}));
       continue;

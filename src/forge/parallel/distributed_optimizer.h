@@ -38,12 +38,14 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <utility>
 #include <vector>
 
 #include "forge/comm/comm.h"
 #include "forge/core/parameters.h"
 #include "forge/core/tensor.h"
+#include "forge/core/worker_thread.h"
 #include "forge/optim/adamw.h"
 #include "forge/parallel/grad_buckets.h"
 
@@ -107,8 +109,11 @@ class DistributedAdamW {
                : 0;
   }
   // Bytes each step copies to the host (owned gradients, fp32) and back (the updated owned weights: bf16,
-  // or fp32 where the group gathers in fp32 or keeps the parameter in fp32); 0 unless offloaded.
-  int64_t offload_copy_bytes() const { return offloaded() ? offload_copy_bytes_ : 0; }
+  // or fp32 where the group gathers in fp32 or keeps the parameter in fp32), and the pieces (a bucket's
+  // owned part each) the three stages pipeline over; 0 unless offloaded.
+  int64_t offload_down_bytes() const { return offload_down_bytes_; }
+  int64_t offload_up_bytes() const { return offload_up_bytes_; }
+  int64_t offload_chunks() const { return static_cast<int64_t>(chunks_.size()); }
   // The fp32 master weights this rank holds apart from the store (sharded with a bf16 shadow), in offset
   // order of the owned ranges, kept parameters left out; undefined otherwise.
   bool holds_masters() const { return master_numel_ > 0 || masters_.defined(); }
@@ -147,7 +152,9 @@ class DistributedAdamW {
     for (size_t g = 0; g < groups_.size(); ++g)
       if (group_sharded(g) || (offloaded() && groups_[g].buckets)) gather_params(g);
   }
-  void gather_fp32(const GradBuckets& buckets);
+  void gather_fp32(size_t g);
+  // Offloaded: waits for the host's update of bucket i of group g (queued by step_on_host).
+  void await_update(size_t g, size_t i);
   void gather_bf16(size_t g);
   // Calls fn(src, lo, hi) for each run of the store's flat range [begin, end) whose masters lie adjacent
   // (src: the master of element lo, in the masters' memory).
@@ -168,6 +175,7 @@ class DistributedAdamW {
     int64_t send_offset = 0, recv_offset = 0, total = 0;
   };
   void plan_bf16_gathers();
+  void plan_offload_chunks();
   // The offloaded update: gradients to the host, AdamW there.
   void step_on_host(float lr, float grad_scale);
   // A dry run (the emulation's check_only) with offload: host state counted, not allocated.
@@ -215,7 +223,18 @@ class DistributedAdamW {
   std::vector<std::vector<KeptGather>> kept_gathers_;
   std::vector<Tensor> kept_send_, kept_recv_;
   Tensor bf16_recv_, host_bf16_;
-  int64_t host_staging_bytes_ = 0, offload_copy_bytes_ = 0;
+  int64_t host_staging_bytes_ = 0, offload_down_bytes_ = 0, offload_up_bytes_ = 0;
+  // Offloaded: each bucket's owned part (its moments at `moments`), in the order the gathers take them; per
+  // group and bucket its chunk (-1: none); the worker's ticket of each chunk's update this step (-1: none
+  // pending). The host updates one chunk while the calling thread copies the next one's gradients down and
+  // the previous one's weights up.
+  struct OffloadChunk {
+    int64_t lo = 0, hi = 0, moments = 0;
+  };
+  std::vector<OffloadChunk> chunks_;
+  std::vector<std::vector<int>> chunk_of_bucket_;
+  std::vector<int64_t> chunk_ticket_;
+  std::unique_ptr<WorkerThread> worker_;
   int64_t step_ = 0;
 };
 

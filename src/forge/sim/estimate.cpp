@@ -145,6 +145,19 @@ Held peak_held(const pipeline::Schedule& schedule, const pipeline::Replay& repla
 }  // namespace
 
 // "" when `total` bytes fit in a device of h; else by how much they do not, and what dominates.
+// The offloaded update: gradients down, the host's update, weights up, pipelined over the chunks (each
+// stage of a chunk overlaps the other stages of its neighbours; the link carries both directions at once):
+// the slowest stage's total, plus one chunk's worth of the other two filling and draining the pipeline.
+static double offload_seconds(const HardwareProfile& hw, const RankTrace& rt) {
+  const double down = static_cast<double>(rt.offload_down_bytes) / (hw.host_link_gbs * 1e9);
+  const double up = static_cast<double>(rt.offload_up_bytes) / (hw.host_link_gbs * 1e9);
+  const double update =
+      28.0 * static_cast<double>(rt.offload_update_elements) / (hw.host_memory_bandwidth_gbs * 1e9);
+  const double slowest = std::max({down, up, update});
+  return slowest +
+         (down + up + update - slowest) / static_cast<double>(std::max<int64_t>(1, rt.offload_chunks));
+}
+
 static std::string over_memory(const HardwareProfile& h, int64_t total, const std::string& where,
                                const std::string& dominant) {
   const int64_t capacity = static_cast<int64_t>(h.memory_gib * 1073741824.0);
@@ -284,10 +297,7 @@ Estimate Simulator::estimate(const Strategy& s) {
         dp_total[static_cast<size_t>(r)] += c, dp_exposed[static_cast<size_t>(r)] += c;
     }
     updates[static_cast<size_t>(r)] = cost.ops(rt.step_end);
-    if (rt.offload_update_elements > 0)
-      offloads[static_cast<size_t>(r)] =
-          static_cast<double>(rt.offload_copy_bytes) / (hw.host_link_gbs * 1e9) +
-          28.0 * static_cast<double>(rt.offload_update_elements) / (hw.host_memory_bandwidth_gbs * 1e9);
+    if (rt.offload_update_elements > 0) offloads[static_cast<size_t>(r)] = offload_seconds(hw, rt);
     after[static_cast<size_t>(r)] =
         updates[static_cast<size_t>(r)] + offloads[static_cast<size_t>(r)] + end_comm;
   }

@@ -43,7 +43,7 @@ struct TimeEstimate {
   double dp_exposed = 0;  // the part not hidden under backward
   double optimizer = 0;   // the update and its norm (ops)
   // Optimizer offload: the owned gradients copied to the host, updated there (AdamW reads and writes 28
-  // bytes per element of host memory), the weights copied back, one range after another as the optimizer
+  // bytes per element of host memory), the weights copied back, pipelined bucket by bucket as the optimizer
   // runs them (parallel/distributed_optimizer.h).
   double offload = 0;
   double tokens_per_s = 0, mfu = 0;

@@ -453,7 +453,9 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
       &store, optim::AdamWConfig{0.9f, 0.95f, 1e-8f, 0.1f}, groups, model_parallel.get(),
       s.optimizer_offload ? parallel::OptimizerOffload::host : parallel::OptimizerOffload::none);
   trace.host_bytes = optimizer.host_bytes();
-  trace.offload_copy_bytes = optimizer.offload_copy_bytes();
+  trace.offload_down_bytes = optimizer.offload_down_bytes();
+  trace.offload_up_bytes = optimizer.offload_up_bytes();
+  trace.offload_chunks = optimizer.offload_chunks();
   trace.offload_update_elements = optimizer.offloaded() ? optimizer.moment_numel() : 0;
   // Sharded masters: the store's fp32 weights moved into the optimizer's shards (its state, counted there).
   if (optimizer.holds_masters())

@@ -57,9 +57,10 @@ struct RankTrace {
   // Memory: the parameters with their bf16 shadow and gradients (after the build), the optimizer's moments
   // and FP8 state (what the first update adds), and all of it (live between steps).
   int64_t weights_bytes = 0, optimizer_bytes = 0, static_bytes = 0;
-  // Optimizer offload: the host memory its state takes, the bytes each step copies between device and host
-  // (gradients down, weights up) and the elements the host updates.
-  int64_t host_bytes = 0, offload_copy_bytes = 0, offload_update_elements = 0;
+  // Optimizer offload: the host memory its state takes, the bytes each step copies to the host (gradients)
+  // and back (weights), the elements the host updates, and the chunks (buckets) it pipelines them in.
+  int64_t host_bytes = 0, offload_down_bytes = 0, offload_up_bytes = 0, offload_update_elements = 0,
+          offload_chunks = 0;
   int64_t parameters = 0;  // this rank's parameter elements
 
   // Every phase of the step: the step's own, then each chunk's.
