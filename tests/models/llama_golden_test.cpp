@@ -11,11 +11,15 @@
 
 #include <cmath>
 #include <cstring>
+#include <nlohmann/json.hpp>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "forge/ckpt/safetensors.h"
 #include "forge/models/llama/llama_model.h"
 #include "forge/models/mistral/mistral.h"
+#include "forge/models/mixtral/mixtral.h"
 #include "forge/models/qwen2/qwen2.h"
 #include "forge/models/qwen3/qwen3.h"
 #include "forge/models/starcoder2/starcoder2.h"
@@ -146,6 +150,7 @@ INSTANTIATE_TEST_SUITE_P(Mistral, LlamaGolden, ::testing::Values("mistral_tiny_w
 INSTANTIATE_TEST_SUITE_P(Gemma, LlamaGolden, ::testing::Values("gemma2_tiny", "gemma3_tiny"));
 INSTANTIATE_TEST_SUITE_P(Starcoder2, LlamaGolden,
                          ::testing::Values("starcoder2_tiny", "starcoder2_tiny_tied_window"));
+INSTANTIATE_TEST_SUITE_P(Mixtral, LlamaGolden, ::testing::Values("mixtral_tiny_window", "mixtral_tiny_tied"));
 
 // The fixtures' configs are what transformers wrote: the family comes from `architectures`, and every
 // parameter forge registers is a tensor of the checkpoint (biases and QK-norms included), in the config's
@@ -205,6 +210,41 @@ TEST(Starcoder2Golden, ConfigsReadAsStarcoder2) {
   EXPECT_EQ(c.attention_window, 5);
   EXPECT_TRUE(c.tie_word_embeddings);
   expect_parameters_are_the_checkpoints(*tied, "starcoder2_tiny_tied_window");
+}
+
+// Mixtral: the experts under the released checkpoints' names, the router's softmax top-2 of 4, the window;
+// no correction bias (DeepSeek-V3's), and refusals of what forge does not compute.
+TEST(MixtralGolden, ConfigsReadAsMixtral) {
+  const auto config = read_model_config(fixture("mixtral_tiny_window.config.json"));
+  ASSERT_EQ(config->architecture(), "MixtralForCausalLM");
+  const auto& c = dynamic_cast<const MixtralConfig&>(*config);
+  EXPECT_EQ(c.num_local_experts, 4);
+  EXPECT_EQ(c.num_experts_per_tok, 2);
+  EXPECT_EQ(c.attention_window, 5);
+  EXPECT_EQ(config->routed_experts(), 4);
+  expect_parameters_are_the_checkpoints(*config, "mixtral_tiny_window");
+  const auto tied = read_model_config(fixture("mixtral_tiny_tied.config.json"));
+  EXPECT_TRUE(dynamic_cast<const MixtralConfig&>(*tied).tie_word_embeddings);
+  EXPECT_EQ(dynamic_cast<const MixtralConfig&>(*tied).attention_window, 0);
+  expect_parameters_are_the_checkpoints(*tied, "mixtral_tiny_tied");
+  // Two of four experts per token: the FLOPs count the router and the two, the parameters all four.
+  const auto& m = dynamic_cast<const MixtralConfig&>(*config);
+  EXPECT_LT(m.flops_per_token(12), 6.0 * static_cast<double>(m.num_parameters()) + 12.0 * 2 * 12 * 32);
+  nlohmann::json j = config->to_json();
+  EXPECT_EQ(MixtralConfig::from_json(j, "round trip").to_json(), j);
+  for (const auto& [key, value, culprit] : std::vector<std::tuple<std::string, nlohmann::json, std::string>>{
+           {"output_router_logits", true, "key 'output_router_logits' is true"},
+           {"router_jitter_noise", 0.01, "key 'router_jitter_noise' must be 0"},
+           {"num_experts_per_tok", 5, "key 'num_experts_per_tok' (5) exceeds 'num_local_experts' (4)"}}) {
+    nlohmann::json bad = j;
+    bad[key] = value;
+    try {
+      (void)MixtralConfig::from_json(bad, "bad.json");
+      ADD_FAILURE() << key << " accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("bad.json: " + culprit), std::string::npos) << e.what();
+    }
+  }
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Golden fixtures for forge's Qwen3, Mistral and StarCoder2 from Hugging Face transformers' own
-Qwen3ForCausalLM, MistralForCausalLM and Starcoder2ForCausalLM (not twins).
+"""Golden fixtures for forge's Qwen3, Mistral, StarCoder2 and Mixtral from Hugging Face transformers' own
+Qwen3ForCausalLM, MistralForCausalLM, Starcoder2ForCausalLM and MixtralForCausalLM (not twins).
 
     OMP_NUM_THREADS=1 /tmp/venv/bin/python tests/reference/families_golden.py           # every fixture
     OMP_NUM_THREADS=1 /tmp/venv/bin/python tests/reference/families_golden.py --check   # fp32 vs float64
@@ -19,6 +19,12 @@ adds shows in its fixtures:
   weight 1 + 0.1 * normal); one config with biases and full attention, one tied, without biases and with a
   window of 5.
 
+- Mixtral: every layer's feed-forward a sparse mixture of 4 SwiGLU experts, the router's softmax top-2
+  renormalised; transformers 5 fuses the experts into `mlp.experts.gate_up_proj` [experts, 2 x ffn, hidden]
+  (gate rows first) and `mlp.experts.down_proj`, which the fixtures store under the released checkpoints'
+  names (`block_sparse_moe.gate.weight`, `block_sparse_moe.experts.<e>.w1`, `w3`, `w2`), as transformers'
+  own conversion mapping reads them. One config with a window of 5, one tied without.
+
 `--check` also reports how much the family's own option moves the float64 logits (QK-norm weights set to
 one, the window removed, resp. every bias zeroed): it must matter.
 """
@@ -27,8 +33,8 @@ import os
 import sys
 
 import torch
-from transformers import (MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM, Starcoder2Config,
-                          Starcoder2ForCausalLM)
+from transformers import (MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM, Starcoder2Config, Starcoder2ForCausalLM)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import qwen2_golden  # noqa: E402  (the procedure: generate, check, AdamW run, file format)
@@ -55,10 +61,11 @@ BASE_KEYS = [
 ]
 
 
-def builder(config_class, model_class):
+def builder(config_class, model_class, **implementations):
     """build(model, dtype): the HF model of the config dict `model`, eager attention, as qwen2_golden's."""
     def build(model, dtype=torch.float32):
-        config = config_class(architectures=[model_class.__name__], attn_implementation="eager", **model)
+        config = config_class(architectures=[model_class.__name__], attn_implementation="eager",
+                              **implementations, **model)
         torch.manual_seed(0)  # transformers' own init draws from the global generator; overwritten anyway
         net = model_class(config).to(dtype)
         net.eval()
@@ -126,6 +133,51 @@ MISTRAL = dict(
     model_class="transformers.MistralForCausalLM (attn_implementation=eager, float32)",
 )
 
+def mixtral_checkpoint_names(tensors):
+    """The module's fused experts split into the released checkpoints' per-expert tensors."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            p = name[: -len("mlp.experts.gate_up_proj")] + "block_sparse_moe.experts."
+            ffn = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{p}{e}.w1.weight"] = t[e, :ffn].clone()
+                out[f"{p}{e}.w3.weight"] = t[e, ffn:].clone()
+        elif name.endswith(".mlp.experts.down_proj"):
+            p = name[: -len("mlp.experts.down_proj")] + "block_sparse_moe.experts."
+            for e in range(t.shape[0]):
+                out[f"{p}{e}.w2.weight"] = t[e].clone()
+        elif ".mlp.gate." in name:
+            out[name.replace(".mlp.gate.", ".block_sparse_moe.gate.")] = t
+        else:
+            out[name] = t
+    return out
+
+
+def routing_effect(spec, initial, input_ids, ref, ref_logits):
+    """How far the float64 logits move when every token takes every expert (renormalised)."""
+    model = dict(spec["model"], num_experts_per_tok=spec["model"]["num_local_experts"])
+    net = MIXTRAL["build"](model, torch.float64)
+    load(net, initial)
+    with torch.no_grad():
+        return float((logits_of(net, input_ids) - ref_logits).abs().max())
+
+
+MIXTRAL = dict(
+    NOTES,
+    # The experts one by one (the grouped-GEMM path takes no float64, which --check and the seed check use).
+    build=builder(MixtralConfig, MixtralForCausalLM, experts_implementation="eager"),
+    config_json=config_writer(["head_dim", "sliding_window", "num_local_experts", "num_experts_per_tok",
+                               "output_router_logits", "router_aux_loss_coef", "router_jitter_noise"]),
+    option="top-2 routing",
+    option_effect=routing_effect,
+    checkpoint_names=mixtral_checkpoint_names,
+    model_class="transformers.MixtralForCausalLM (attn_implementation=eager, float32; experts stored under "
+                "the released checkpoints' names)",
+)
+MIXTRAL_COMMON = dict(COMMON, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+                      output_router_logits=False, router_aux_loss_coef=0.001, router_jitter_noise=0.0)
+
 STARCODER2_KEYS = [
     "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "hidden_act", "max_position_embeddings", "norm_epsilon",
@@ -168,6 +220,11 @@ CONFIGS = {
     "starcoder2_tiny_tied_window": (STARCODER2, dict(
         model=dict(STARCODER2_COMMON, num_key_value_heads=1, tie_word_embeddings=True, use_bias=False,
                    sliding_window=5, rope_theta=1e5), batch=2, seq=16, seed=5)),
+    "mixtral_tiny_window": (MIXTRAL, dict(model=dict(MIXTRAL_COMMON, sliding_window=5, rope_theta=1e6), batch=2,
+                                          seq=12, seed=2)),
+    "mixtral_tiny_tied": (MIXTRAL, dict(model=dict(MIXTRAL_COMMON, num_key_value_heads=1, head_dim=12,
+                                                   tie_word_embeddings=True, sliding_window=None,
+                                                   rope_theta=10000.0), batch=2, seq=16, seed=1)),
 }
 
 

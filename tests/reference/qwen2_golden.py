@@ -199,6 +199,10 @@ def generate(name, spec, family=None):
     fp64_rel = max(float((final[n].double() - final64[n]).abs().max() / final64[n].abs().max()) for n in final)
     assert fp64_rel < 1e-4, f"{name}: final weights {fp64_rel:.2e} from float64; pick another seed"
 
+    # A family whose modules fuse tensors that checkpoints keep apart (transformers 5's MoE experts) maps
+    # every weight-shaped dict to the checkpoint's names.
+    to_checkpoint = family.get("checkpoint_names", lambda tensors: tensors)
+    initial, grads, final = to_checkpoint(initial), to_checkpoint(grads), to_checkpoint(final)
     tensors = [(n, t) for n, t in initial.items()]
     tensors += [("input_ids", input_ids), ("labels", labels), ("logits", logits.detach()),
                 ("loss", loss.detach().reshape(1)), ("rope.inv_freq", inv_freq)]

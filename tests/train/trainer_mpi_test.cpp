@@ -209,11 +209,13 @@ INSTANTIATE_TEST_SUITE_P(
 // each follows its own one-rank run as the LLaMA does above. Their toy configs keep what sets each apart:
 // Qwen2's q/k/v biases, Qwen3's QK-norm, Mistral's window, Gemma 2's soft caps, sandwich norms and GeGLU,
 // Gemma 3's local RoPE and QK-norm (1 + w), StarCoder2's LayerNorms, GELU MLP and biases on every projection
-// (the output projections' added after the tensor-parallel sum), with windows of 5 over 16-token sequences.
+// (the output projections' added after the tensor-parallel sum), Mixtral's softmax top-2 of 4 experts (also
+// under ep 2), with windows of 5 over 16-token sequences.
 struct FamilyLayout {
   const char* family;
   int tp, dp, cp, pp;
   double dropout = 0.0;  // train.hidden_dropout
+  int ep = 1;
 };
 
 const char* family_config(const std::string& family) {
@@ -243,8 +245,12 @@ const char* family_config(const std::string& family) {
     "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
     "num_key_value_heads": 2, "head_dim": 8, "norm_epsilon": 1e-5, "vocab_size": 256,
     "max_position_embeddings": 64, "tie_word_embeddings": false})";
+  static const std::string mixtral = R"({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+    "sliding_window": 5, "num_local_experts": 4, "num_experts_per_tok": 2, )" +
+                                     common + "}";
   if (family == "gemma2") return gemma2.c_str();
   if (family == "starcoder2") return starcoder2.c_str();
+  if (family == "mixtral") return mixtral.c_str();
   return gemma3.c_str();
 }
 
@@ -272,6 +278,7 @@ TEST_P(TrainerFamilyLayouts, FollowTheOneRankRun) {
 
   TrainConfig par = make("parallel");
   par.parallel.tp = l.tp, par.parallel.dp = l.dp, par.parallel.cp = l.cp, par.parallel.pp = l.pp;
+  par.parallel.ep = l.ep;
   par.parallel.sequence_parallel = l.tp > 1;
   par.parallel.distributed_optimizer = l.dp > 1;
   par.train.grad_accum = 2;
@@ -291,7 +298,7 @@ TEST_P(TrainerFamilyLayouts, FollowTheOneRankRun) {
 
 std::vector<FamilyLayout> family_layouts() {
   std::vector<FamilyLayout> all;
-  for (const char* family : {"qwen2", "qwen3", "mistral", "gemma2", "gemma3", "starcoder2"})
+  for (const char* family : {"qwen2", "qwen3", "mistral", "gemma2", "gemma3", "starcoder2", "mixtral"})
     for (FamilyLayout l : {FamilyLayout{"", 2, 1, 1, 1}, FamilyLayout{"", 1, 2, 1, 1},
                            FamilyLayout{"", 1, 1, 2, 1}, FamilyLayout{"", 1, 1, 1, 2}})
       l.family = family, all.push_back(l);
@@ -299,6 +306,7 @@ std::vector<FamilyLayout> family_layouts() {
   // around Gemma 2's sandwich norms under sequence parallelism.
   all.push_back({"mistral", 1, 1, 1, 2, 0.2});
   all.push_back({"gemma2", 2, 1, 1, 1, 0.2});
+  all.push_back({"mixtral", 1, 2, 1, 1, 0.0, 2});  // each rank two of the four experts
   return all;
 }
 
@@ -307,6 +315,7 @@ INSTANTIATE_TEST_SUITE_P(Families, TrainerFamilyLayouts, ::testing::ValuesIn(fam
                            const FamilyLayout& l = info.param;
                            return std::string(l.family) +
                                   (l.tp > 1   ? "_tp2_sp"
+                                   : l.ep > 1 ? "_dp2_ep2_zero1"
                                    : l.dp > 1 ? "_dp2_zero1"
                                    : l.cp > 1 ? "_cp2"
                                               : "_pp2") +

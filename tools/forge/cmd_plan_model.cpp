@@ -219,7 +219,7 @@ int run_search(const ModelPlanOptions& o) {
   if (o.seq_len > shape.max_positions)
     fail("--seq-len {} exceeds max_position_embeddings {} of {}", o.seq_len, shape.max_positions, o.model);
   Simulator sim(*model, cluster);
-  const int64_t experts = model->to_json().value("n_routed_experts", int64_t{0});
+  const int64_t experts = model->routed_experts();
   std::optional<nn::Fp8Options> fp8;
   if (o.fp8 != "off") {
     train::TrainConfig c;

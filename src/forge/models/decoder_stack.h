@@ -75,6 +75,15 @@ struct DecoderSpec {
   // moe layers: widths are the model's (expert_ffn per routed expert, shared_ffn all shared experts);
   // capacity and padding come from the compute options.
   nn::MoeShape moe;
+  // moe layers' Hugging Face names: "<block>gate.weight" (the router), "<block>experts.<e>.<gate>.weight",
+  // <up>, <down>, "<block>shared_experts.*"; with correction_bias the router's
+  // "<block>gate.e_score_correction_bias" (DeepSeek-V3's; Mixtral has none, and names block_sparse_moe.
+  // w1, w3, w2).
+  struct MoeNames {
+    std::string block = "mlp.", gate = "gate_proj", up = "up_proj", down = "down_proj";
+    bool correction_bias = true;
+  };
+  MoeNames moe_names;
   // Per layer index: the model's layers, then any an extension builds (DeepSeek-V3's MTP modules' layers).
   std::vector<LayerSpec> layer_specs;
   // cos/sin [max_positions, rotary dims / 2] on the host; the stack moves them to the device. local_rope:

@@ -89,7 +89,7 @@ DecoderStack::LayerIds DecoderStack::register_layer(int64_t index, float init_st
     ids.norm2 = norm("post_attention_layernorm");
   }
   if (layer.feed_forward == FeedForwardKind::moe)
-    register_moe(p + "mlp.", init_std, out_std, ids);
+    register_moe(p + spec_.moe_names.block, init_std, out_std, ids);
   else if (layer.feed_forward == FeedForwardKind::gelu_mlp)
     register_gelu_mlp(p + "mlp.", layer.dense_bias, init_std, out_std, ids);
   else
@@ -206,24 +206,26 @@ void DecoderStack::register_moe(const std::string& p, float init_std, float out_
   const int tp = options_.tp_size(), r = options_.tp_rank();
   const int64_t h = spec_.hidden, experts = c.experts, width = c.expert_ffn, f = width / tp;
   const ShardSpec replicated{-1, 0, {}, r == 0};
+  const DecoderSpec::MoeNames& names = spec_.moe_names;
   ids.moe.router = params_.add(p + "gate.weight", {experts, h}, true, Init::normal, init_std, replicated);
-  ids.moe.bias =
-      params_.add(p + "gate.e_score_correction_bias", {experts}, false, Init::zeros, 0.0f, replicated);
+  if (names.correction_bias)
+    ids.moe.bias =
+        params_.add(p + "gate.e_score_correction_bias", {experts}, false, Init::zeros, 0.0f, replicated);
   // Expert parallelism: this rank's experts only, under their global names, in their own reduction group
   // (over the expert-data-parallel ranks that hold the same experts).
   const int64_t local = experts / options_.ep_size(), first = options_.ep_rank() * local;
   const std::string group = options_.ep_size() > 1 ? "experts" : "dense";
   for (int64_t e = first; e < first + local; ++e) {
     const std::string m = p + "experts." + std::to_string(e) + ".";
-    const int gate = params_.add(m + "gate_proj.weight", {f, h}, true, Init::normal, init_std,
+    const int gate = params_.add(m + names.gate + ".weight", {f, h}, true, Init::normal, init_std,
                                  split({width, h}, 0, r * f), group);
-    params_.add(m + "up_proj.weight", {f, h}, true, Init::normal, init_std, split({width, h}, 0, r * f),
+    params_.add(m + names.up + ".weight", {f, h}, true, Init::normal, init_std, split({width, h}, 0, r * f),
                 group);
     if (e == first) ids.moe.first_gate_up = gate;
   }
   for (int64_t e = first; e < first + local; ++e) {
     const std::string m = p + "experts." + std::to_string(e) + ".";
-    const int down = params_.add(m + "down_proj.weight", {h, f}, true, Init::normal, out_std,
+    const int down = params_.add(m + names.down + ".weight", {h, f}, true, Init::normal, out_std,
                                  split({h, width}, 1, r * f), group);
     if (e == first) ids.moe.first_down = down;
   }

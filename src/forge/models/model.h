@@ -83,6 +83,8 @@ class ModelConfig {
     (void)frozen;
     return 0;
   }
+  // Routed experts per MoE layer (what expert parallelism splits); 0 for a dense model.
+  virtual int64_t routed_experts() const { return 0; }
   // A multimodal model's image input; none for a text model. What the trainer's data, evaluation and
   // generation need to know of a model's images, whatever its family.
   virtual std::optional<ImageInput> image_input() const { return std::nullopt; }

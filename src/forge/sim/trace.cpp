@@ -335,8 +335,7 @@ RankTrace trace_rank(const models::ModelConfig& config, const Strategy& s, int p
         "= {}",
         s.seq, s.cp, s.tp);
   if (s.ep > 1) {
-    const nlohmann::json json = config.to_json();
-    const int64_t experts = json.value("n_routed_experts", int64_t{0});
+    const int64_t experts = config.routed_experts();
     if (experts <= 0 || experts % s.ep != 0)
       fail("parallel.ep = {} does not divide the {} routed experts of {}", s.ep, experts, config.source());
   }

@@ -289,13 +289,12 @@ void TrainSetup::check_model_fits() const {
   parallel::validate_model_fit(layout, {s.hidden, s.heads, s.kv_heads, s.ffn, s.vocab, s.layers},
                                c.parallel.make_vocab_size_divisible_by);
   if (layout.ep() > 1) {
-    const nlohmann::json json = model_config->to_json();
-    const int64_t experts = json.value("n_routed_experts", int64_t{0});
+    const int64_t experts = model_config->routed_experts();
     if (experts <= 0)
       fail("{}: parallel.ep = {} spreads routed experts over ranks, but {} ({}) has none",
            c.origin_of("parallel.ep"), layout.ep(), model_source, model_config->architecture());
     if (experts % layout.ep() != 0)
-      fail("{}: parallel.ep = {} does not divide n_routed_experts = {} of {}", c.origin_of("parallel.ep"),
+      fail("{}: parallel.ep = {} does not divide the {} routed experts of {}", c.origin_of("parallel.ep"),
            layout.ep(), experts, model_source);
   }
   // Context parallelism cuts every sequence into 2 x cp chunks (two per rank, one early and one late, for

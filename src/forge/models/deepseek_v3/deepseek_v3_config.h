@@ -110,6 +110,7 @@ struct DeepseekV3Config final : ModelConfig {
   // MLP.
   bool is_moe_layer(int64_t layer) const { return layer >= first_k_dense_replace; }
   int64_t experts_per_group() const { return n_routed_experts / n_group; }
+  int64_t routed_experts() const override { return n_routed_experts; }
 
   // RoPE of the qk_rope_head_dim channels: the qk_rope_head_dim / 2 frequencies (YaRN-blended when
   // configured), the factor cos and sin are multiplied by (YaRN's attention_factor, else 1), and the softmax

@@ -1,0 +1,80 @@
+// Mixtral: its parts on the decoder stack (the router and the experts under the released checkpoints'
+// names, no correction bias) and a Hugging Face folder in and out. The config reader and the golden tests
+// against transformers are in llama_golden_test.cpp (the Mixtral instantiation and MixtralGolden); KV-cache
+// decoding in kv_cache_test.cpp; the parallel layouts, expert parallelism included, in trainer_mpi_test.cpp.
+#include "forge/models/mixtral/mixtral.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "family_model_checks.h"
+#include "op_harness.h"
+
+namespace forge::mixtral_test {
+using namespace forge::models;
+namespace {
+
+using nlohmann::json;
+
+json tiny() {
+  return json{{"architectures", {"MixtralForCausalLM"}},
+              {"model_type", "mixtral"},
+              {"hidden_size", 32},
+              {"intermediate_size", 24},
+              {"num_hidden_layers", 2},
+              {"num_attention_heads", 4},
+              {"num_key_value_heads", 2},
+              {"vocab_size", 64},
+              {"max_position_embeddings", 64},
+              {"num_local_experts", 4},
+              {"num_experts_per_tok", 2}};
+}
+
+// Hugging Face's MixtralConfig defaults fill what the file leaves out: Mixtral-8x7B, full attention.
+TEST(MixtralConfig, HuggingFaceDefaults) {
+  const MixtralConfig c = MixtralConfig::from_json(json{{"model_type", "mixtral"}}, "empty.json");
+  EXPECT_EQ(c.hidden_size, 4096);
+  EXPECT_EQ(c.num_local_experts, 8);
+  EXPECT_EQ(c.num_experts_per_tok, 2);
+  EXPECT_EQ(c.attention_window, 0);
+  EXPECT_DOUBLE_EQ(c.rope_theta, 1e6);
+  EXPECT_DOUBLE_EQ(c.rms_norm_eps, 1e-5);
+  // Mixtral-8x7B: 46.7B parameters, of which a token runs 12.9B: 12.75B in matrix products (two experts,
+  // the router, the attention, the head; the embedding's 0.13B are a lookup).
+  EXPECT_NEAR(static_cast<double>(c.num_parameters()), 46.70e9, 0.01e9);
+  EXPECT_NEAR(c.flops_per_token(1) / 6.0, 12.75e9, 0.01e9);
+}
+
+// B then W equals the fused backward bitwise under every recompute policy, the router and every expert
+// learn, and there is no correction bias.
+TEST(MixtralModel, SplitBackwardIsBitwiseAndEveryExpertLearns) {
+  const MixtralConfig config = MixtralConfig::from_json(tiny(), "tiny.json");
+  testing::expect_split_backward_bitwise(config, 12, [&](const ParameterStore& params) {
+    int experts = 0;
+    for (int i = 0; i < params.count(); ++i) {
+      const std::string& name = params.info(i).name;
+      EXPECT_EQ(name.find("e_score_correction_bias"), std::string::npos) << name;
+      if (name.find("block_sparse_moe.") == std::string::npos) continue;
+      double sum = 0;
+      for (int64_t k = 0; k < params.grad(i).numel(); ++k) sum += std::abs(params.grad(i).f32()[k]);
+      EXPECT_GT(sum, 0.0) << name;
+      ++experts;
+    }
+    EXPECT_EQ(experts, 2 * (1 + 4 * 3));  // per layer the router and four experts' w1, w3, w2
+  });
+}
+
+TEST(MixtralModel, HuggingFaceFolderInAndOut) {
+  testing::expect_hugging_face_round_trip("mixtral_tiny_window", "MixtralForCausalLM", "mixtral",
+                                          "model.layers.1.block_sparse_moe.experts.3.w2.weight",
+                                          "model.layers.0.block_sparse_moe.gate.weight");
+  testing::expect_hugging_face_round_trip("mixtral_tiny_tied", "MixtralForCausalLM", "mixtral",
+                                          "model.layers.0.block_sparse_moe.experts.0.w1.weight",
+                                          "model.layers.1.block_sparse_moe.experts.2.w3.weight");
+}
+
+}  // namespace
+}  // namespace forge::mixtral_test
