@@ -108,7 +108,9 @@ INSTANTIATE_TEST_SUITE_P(
                       // StarCoder2: LayerNorms, biases, the GELU MLP; a window with a tied head
                       Case{"starcoder2_tiny", DType::f32}, Case{"starcoder2_tiny_tied_window", DType::f32},
                       // Mixtral: the experts decode a token at a time, with the window
-                      Case{"mixtral_tiny_window", DType::f32}),
+                      Case{"mixtral_tiny_window", DType::f32},
+                      // Qwen3-MoE: a dense layer, then experts, with QK-norm
+                      Case{"qwen3_moe_tiny", DType::f32}),
     [](const auto& info) {
       return info.param.fixture + (info.param.gemm_dtype == DType::bf16 ? "_bf16" : "_fp32");
     });

@@ -22,6 +22,7 @@
 #include "forge/models/mixtral/mixtral.h"
 #include "forge/models/qwen2/qwen2.h"
 #include "forge/models/qwen3/qwen3.h"
+#include "forge/models/qwen3_moe/qwen3_moe.h"
 #include "forge/models/starcoder2/starcoder2.h"
 #include "forge/optim/adamw.h"
 #include "op_harness.h"
@@ -151,6 +152,7 @@ INSTANTIATE_TEST_SUITE_P(Gemma, LlamaGolden, ::testing::Values("gemma2_tiny", "g
 INSTANTIATE_TEST_SUITE_P(Starcoder2, LlamaGolden,
                          ::testing::Values("starcoder2_tiny", "starcoder2_tiny_tied_window"));
 INSTANTIATE_TEST_SUITE_P(Mixtral, LlamaGolden, ::testing::Values("mixtral_tiny_window", "mixtral_tiny_tied"));
+INSTANTIATE_TEST_SUITE_P(Qwen3Moe, LlamaGolden, ::testing::Values("qwen3_moe_tiny", "qwen3_moe_tiny_tied"));
 
 // The fixtures' configs are what transformers wrote: the family comes from `architectures`, and every
 // parameter forge registers is a tensor of the checkpoint (biases and QK-norms included), in the config's
@@ -240,6 +242,40 @@ TEST(MixtralGolden, ConfigsReadAsMixtral) {
     bad[key] = value;
     try {
       (void)MixtralConfig::from_json(bad, "bad.json");
+      ADD_FAILURE() << key << " accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("bad.json: " + culprit), std::string::npos) << e.what();
+    }
+  }
+}
+
+// Qwen3-MoE: layer 0 dense (mlp_only_layers), layer 1 four experts; norm_topk_prob either way; the experts
+// under the released checkpoints' names; num_experts read from transformers 5's num_local_experts too.
+TEST(Qwen3MoeGolden, ConfigsReadAsQwen3Moe) {
+  const auto config = read_model_config(fixture("qwen3_moe_tiny.config.json"));
+  ASSERT_EQ(config->architecture(), "Qwen3MoeForCausalLM");
+  const auto& c = dynamic_cast<const Qwen3MoeConfig&>(*config);
+  EXPECT_EQ(c.num_experts, 4);
+  EXPECT_FALSE(c.norm_topk_prob);
+  EXPECT_TRUE(c.qk_norm);
+  EXPECT_FALSE(c.is_moe_layer(0));
+  EXPECT_TRUE(c.is_moe_layer(1));
+  expect_parameters_are_the_checkpoints(*config, "qwen3_moe_tiny");
+  const auto tied = read_model_config(fixture("qwen3_moe_tiny_tied.config.json"));
+  EXPECT_TRUE(dynamic_cast<const Qwen3MoeConfig&>(*tied).norm_topk_prob);
+  expect_parameters_are_the_checkpoints(*tied, "qwen3_moe_tiny_tied");
+  nlohmann::json j = config->to_json();
+  EXPECT_EQ(Qwen3MoeConfig::from_json(j, "round trip").to_json(), j);
+  for (const auto& [key, value, culprit] : std::vector<std::tuple<std::string, nlohmann::json, std::string>>{
+           {"output_router_logits", true, "key 'output_router_logits' is true"},
+           {"num_local_experts", 8, "keys 'num_experts' (4) and 'num_local_experts' (8) disagree"},
+           {"mlp_only_layers", nlohmann::json::array({2}),
+            "key 'mlp_only_layers' holds 2, not a layer index"},
+           {"use_sliding_window", true, "key 'use_sliding_window' is true"}}) {
+    nlohmann::json bad = j;
+    bad[key] = value;
+    try {
+      (void)Qwen3MoeConfig::from_json(bad, "bad.json");
       ADD_FAILURE() << key << " accepted";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("bad.json: " + culprit), std::string::npos) << e.what();

@@ -1,7 +1,8 @@
-// Mixtral: its parts on the decoder stack (the router and the experts under the released checkpoints'
-// names, no correction bias) and a Hugging Face folder in and out. The config reader and the golden tests
-// against transformers are in llama_golden_test.cpp (the Mixtral instantiation and MixtralGolden); KV-cache
-// decoding in kv_cache_test.cpp; the parallel layouts, expert parallelism included, in trainer_mpi_test.cpp.
+// Mixtral and Qwen3-MoE, the MoE families on the LLaMA-family readers: Mixtral's parts on the decoder stack
+// (the router and the experts under the released checkpoints' names, no correction bias) and a Hugging Face
+// folder in and out. The config reader and the golden tests against transformers are in llama_golden_test.cpp
+// (the Mixtral instantiation and MixtralGolden); KV-cache decoding in kv_cache_test.cpp; the parallel
+// layouts, expert parallelism included, in trainer_mpi_test.cpp.
 #include "forge/models/mixtral/mixtral.h"
 
 #include <gtest/gtest.h>
@@ -11,6 +12,7 @@
 #include <string>
 
 #include "family_model_checks.h"
+#include "forge/models/qwen3_moe/qwen3_moe.h"
 #include "op_harness.h"
 
 namespace forge::mixtral_test {
@@ -65,6 +67,37 @@ TEST(MixtralModel, SplitBackwardIsBitwiseAndEveryExpertLearns) {
     }
     EXPECT_EQ(experts, 2 * (1 + 4 * 3));  // per layer the router and four experts' w1, w3, w2
   });
+}
+
+TEST(Qwen3MoeModel, HuggingFaceFolderInAndOut) {
+  testing::expect_hugging_face_round_trip("qwen3_moe_tiny", "Qwen3MoeForCausalLM", "qwen3_moe",
+                                          "model.layers.0.mlp.down_proj.weight",
+                                          "model.layers.1.mlp.experts.3.down_proj.weight");
+  testing::expect_hugging_face_round_trip("qwen3_moe_tiny_tied", "Qwen3MoeForCausalLM", "qwen3_moe",
+                                          "model.layers.0.mlp.experts.1.up_proj.weight",
+                                          "model.layers.1.mlp.gate.weight");
+}
+
+// Hugging Face's Qwen3MoeConfig defaults; Qwen3-30B-A3B's published shape: 30.5B parameters, 3.3B per token.
+TEST(Qwen3MoeConfig, HuggingFaceDefaultsAndQwen3_30B_A3B) {
+  const Qwen3MoeConfig d = Qwen3MoeConfig::from_json(json{{"model_type", "qwen3_moe"}}, "empty.json");
+  EXPECT_EQ(d.num_experts, 128);
+  EXPECT_EQ(d.num_experts_per_tok, 8);
+  EXPECT_EQ(d.head_dim, 64);  // hidden_size / num_attention_heads when absent
+  const Qwen3MoeConfig c = Qwen3MoeConfig::from_json(json{{"model_type", "qwen3_moe"},
+                                                          {"hidden_size", 2048},
+                                                          {"num_hidden_layers", 48},
+                                                          {"head_dim", 128},
+                                                          {"num_attention_heads", 32},
+                                                          {"num_key_value_heads", 4},
+                                                          {"moe_intermediate_size", 768},
+                                                          {"num_experts", 128},
+                                                          {"num_experts_per_tok", 8},
+                                                          {"norm_topk_prob", true},
+                                                          {"max_window_layers", 48}},
+                                                     "qwen3-30b-a3b.json");
+  EXPECT_NEAR(static_cast<double>(c.num_parameters()), 30.53e9, 0.01e9);
+  EXPECT_EQ(c.to_json()["max_window_layers"], 48);
 }
 
 TEST(MixtralModel, HuggingFaceFolderInAndOut) {

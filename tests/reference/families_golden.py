@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Golden fixtures for forge's Qwen3, Mistral, StarCoder2 and Mixtral from Hugging Face transformers' own
-Qwen3ForCausalLM, MistralForCausalLM, Starcoder2ForCausalLM and MixtralForCausalLM (not twins).
+"""Golden fixtures for forge's Qwen3, Mistral, StarCoder2, Mixtral and Qwen3-MoE from Hugging Face
+transformers' own Qwen3ForCausalLM, MistralForCausalLM, Starcoder2ForCausalLM, MixtralForCausalLM and
+Qwen3MoeForCausalLM (not twins).
 
     OMP_NUM_THREADS=1 /tmp/venv/bin/python tests/reference/families_golden.py           # every fixture
     OMP_NUM_THREADS=1 /tmp/venv/bin/python tests/reference/families_golden.py --check   # fp32 vs float64
@@ -24,6 +25,10 @@ adds shows in its fixtures:
   (gate rows first) and `mlp.experts.down_proj`, which the fixtures store under the released checkpoints'
   names (`block_sparse_moe.gate.weight`, `block_sparse_moe.experts.<e>.w1`, `w3`, `w2`), as transformers'
   own conversion mapping reads them. One config with a window of 5, one tied without.
+- Qwen3-MoE: Qwen3's QK-norm with MoE feed-forwards of 4 experts (top-2 of a softmax), stored like
+  Mixtral's under the released names (`mlp.experts.<e>.gate_proj`, `up_proj`, `down_proj`); one config with
+  layer 0 dense (`mlp_only_layers`) and the top-2 weights as the softmax gives them, one tied with
+  `norm_topk_prob`.
 
 `--check` also reports how much the family's own option moves the float64 logits (QK-norm weights set to
 one, the window removed, resp. every bias zeroed): it must matter.
@@ -34,7 +39,8 @@ import sys
 
 import torch
 from transformers import (MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM, Starcoder2Config, Starcoder2ForCausalLM)
+                          Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, Starcoder2Config,
+                          Starcoder2ForCausalLM)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import qwen2_golden  # noqa: E402  (the procedure: generate, check, AdamW run, file format)
@@ -154,10 +160,32 @@ def mixtral_checkpoint_names(tensors):
     return out
 
 
+def qwen3_moe_checkpoint_names(tensors):
+    """The module's fused experts split into the released checkpoints' per-expert tensors."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            p = name[: -len("gate_up_proj")]
+            ffn = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{p}{e}.gate_proj.weight"] = t[e, :ffn].clone()
+                out[f"{p}{e}.up_proj.weight"] = t[e, ffn:].clone()
+        elif name.endswith(".mlp.experts.down_proj"):
+            p = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{p}{e}.down_proj.weight"] = t[e].clone()
+        else:
+            out[name] = t
+    return out
+
+
 def routing_effect(spec, initial, input_ids, ref, ref_logits):
     """How far the float64 logits move when every token takes every expert (renormalised)."""
-    model = dict(spec["model"], num_experts_per_tok=spec["model"]["num_local_experts"])
-    net = MIXTRAL["build"](model, torch.float64)
+    model = spec["model"]
+    experts = model.get("num_local_experts", model.get("num_experts"))
+    family = MIXTRAL if "num_local_experts" in model else QWEN3_MOE
+    net = family["build"](dict(model, num_experts_per_tok=experts, norm_topk_prob=True)
+                          if family is QWEN3_MOE else dict(model, num_experts_per_tok=experts), torch.float64)
     load(net, initial)
     with torch.no_grad():
         return float((logits_of(net, input_ids) - ref_logits).abs().max())
@@ -177,6 +205,25 @@ MIXTRAL = dict(
 )
 MIXTRAL_COMMON = dict(COMMON, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
                       output_router_logits=False, router_aux_loss_coef=0.001, router_jitter_noise=0.0)
+
+QWEN3_MOE = dict(
+    NOTES,
+    build=builder(Qwen3MoeConfig, Qwen3MoeForCausalLM, experts_implementation="eager"),
+    # transformers 5 writes num_experts as num_local_experts (its attribute map); released configs say
+    # num_experts: forge reads either.
+    config_json=config_writer(["attention_bias", "head_dim", "use_sliding_window", "sliding_window",
+                               "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                               "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob", "output_router_logits",
+                               "router_aux_loss_coef"]),
+    option="top-2 routing",
+    option_effect=routing_effect,
+    checkpoint_names=qwen3_moe_checkpoint_names,
+    model_class="transformers.Qwen3MoeForCausalLM (attn_implementation=eager, float32; experts stored under "
+                "the released checkpoints' names)",
+)
+QWEN3_MOE_COMMON = dict(COMMON, head_dim=12, rope_theta=10000.0, attention_bias=False, use_sliding_window=False,
+                        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1,
+                        output_router_logits=False, router_aux_loss_coef=0.001)
 
 STARCODER2_KEYS = [
     "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -222,6 +269,11 @@ CONFIGS = {
                    sliding_window=5, rope_theta=1e5), batch=2, seq=16, seed=5)),
     "mixtral_tiny_window": (MIXTRAL, dict(model=dict(MIXTRAL_COMMON, sliding_window=5, rope_theta=1e6), batch=2,
                                           seq=12, seed=2)),
+    "qwen3_moe_tiny": (QWEN3_MOE, dict(model=dict(QWEN3_MOE_COMMON, mlp_only_layers=[0], norm_topk_prob=False),
+                                       batch=2, seq=12, seed=2)),
+    "qwen3_moe_tiny_tied": (QWEN3_MOE, dict(model=dict(QWEN3_MOE_COMMON, mlp_only_layers=[], norm_topk_prob=True,
+                                                       num_key_value_heads=1, tie_word_embeddings=True,
+                                                       rope_theta=1e6), batch=2, seq=16, seed=1)),
     "mixtral_tiny_tied": (MIXTRAL, dict(model=dict(MIXTRAL_COMMON, num_key_value_heads=1, head_dim=12,
                                                    tie_word_embeddings=True, sliding_window=None,
                                                    rope_theta=10000.0), batch=2, seq=16, seed=1)),

@@ -209,8 +209,9 @@ INSTANTIATE_TEST_SUITE_P(
 // each follows its own one-rank run as the LLaMA does above. Their toy configs keep what sets each apart:
 // Qwen2's q/k/v biases, Qwen3's QK-norm, Mistral's window, Gemma 2's soft caps, sandwich norms and GeGLU,
 // Gemma 3's local RoPE and QK-norm (1 + w), StarCoder2's LayerNorms, GELU MLP and biases on every projection
-// (the output projections' added after the tensor-parallel sum), Mixtral's softmax top-2 of 4 experts (also
-// under ep 2), with windows of 5 over 16-token sequences.
+// (the output projections' added after the tensor-parallel sum), Mixtral's softmax top-2 of 4 experts and
+// Qwen3-MoE's (a dense layer, then experts; both also under ep 2), with windows of 5 over 16-token
+// sequences.
 struct FamilyLayout {
   const char* family;
   int tp, dp, cp, pp;
@@ -251,6 +252,12 @@ const char* family_config(const std::string& family) {
   if (family == "gemma2") return gemma2.c_str();
   if (family == "starcoder2") return starcoder2.c_str();
   if (family == "mixtral") return mixtral.c_str();
+  static const std::string qwen3_moe =
+      R"({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+    "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "mlp_only_layers": [0],
+    "norm_topk_prob": true, )" +
+      common + "}";
+  if (family == "qwen3_moe") return qwen3_moe.c_str();
   return gemma3.c_str();
 }
 
@@ -298,7 +305,8 @@ TEST_P(TrainerFamilyLayouts, FollowTheOneRankRun) {
 
 std::vector<FamilyLayout> family_layouts() {
   std::vector<FamilyLayout> all;
-  for (const char* family : {"qwen2", "qwen3", "mistral", "gemma2", "gemma3", "starcoder2", "mixtral"})
+  for (const char* family :
+       {"qwen2", "qwen3", "mistral", "gemma2", "gemma3", "starcoder2", "mixtral", "qwen3_moe"})
     for (FamilyLayout l : {FamilyLayout{"", 2, 1, 1, 1}, FamilyLayout{"", 1, 2, 1, 1},
                            FamilyLayout{"", 1, 1, 2, 1}, FamilyLayout{"", 1, 1, 1, 2}})
       l.family = family, all.push_back(l);
@@ -307,6 +315,7 @@ std::vector<FamilyLayout> family_layouts() {
   all.push_back({"mistral", 1, 1, 1, 2, 0.2});
   all.push_back({"gemma2", 2, 1, 1, 1, 0.2});
   all.push_back({"mixtral", 1, 2, 1, 1, 0.0, 2});  // each rank two of the four experts
+  all.push_back({"qwen3_moe", 1, 2, 1, 1, 0.0, 2});
   return all;
 }
 

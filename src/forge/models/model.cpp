@@ -12,6 +12,7 @@
 #include "forge/models/mixtral/mixtral.h"
 #include "forge/models/qwen2/qwen2.h"
 #include "forge/models/qwen3/qwen3.h"
+#include "forge/models/qwen3_moe/qwen3_moe.h"
 #include "forge/models/starcoder2/starcoder2.h"
 
 namespace forge::models {
@@ -69,8 +70,9 @@ Tensor Model::forward_cached_images(const int32_t* ids, int64_t batch, int64_t n
 // Every family forge implements: one line here per models/<family>/.
 const std::vector<ModelFamily>& model_families() {
   static const std::vector<ModelFamily> families = {
-      llama_family(),   deepseek_v3_family(), llava_family(),  qwen2_family(),      qwen3_family(),
-      mistral_family(), gemma2_family(),      gemma3_family(), starcoder2_family(), mixtral_family()};
+      llama_family(),      deepseek_v3_family(), llava_family(),    qwen2_family(),
+      qwen3_family(),      mistral_family(),     gemma2_family(),   gemma3_family(),
+      starcoder2_family(), mixtral_family(),     qwen3_moe_family()};
   return families;
 }
 

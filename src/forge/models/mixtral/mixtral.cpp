@@ -5,6 +5,7 @@
 #include "forge/core/error.h"
 #include "forge/models/config_json.h"
 #include "forge/models/llama/llama_model.h"
+#include "forge/models/moe_layers.h"
 
 namespace forge::models {
 namespace {
@@ -12,6 +13,8 @@ using nlohmann::json;
 using namespace config_json;
 
 // Hugging Face's MixtralConfig defaults (Mixtral-8x7B's shape) for the keys a file may leave out.
+const DecoderSpec::MoeNames kNames{"block_sparse_moe.", "w1", "w3", "w2", /*correction_bias=*/false};
+
 const json kDefaults = {{"vocab_size", 32000},
                         {"hidden_size", 4096},
                         {"intermediate_size", 14336},
@@ -75,35 +78,21 @@ std::vector<std::pair<std::string, Shape>> MixtralConfig::tensor_shapes() const 
       continue;
     }
     if (name.find(".mlp.gate_proj.") == std::string::npos) continue;  // the block once, at gate_proj
-    const std::string p = name.substr(0, at) + ".block_sparse_moe.";
-    shapes.push_back({p + "gate.weight", {num_local_experts, h}});
-    for (int64_t e = 0; e < num_local_experts; ++e) {
-      const std::string m = p + "experts." + std::to_string(e) + ".";
-      shapes.push_back({m + "w1.weight", {f, h}});
-      shapes.push_back({m + "w3.weight", {f, h}});
-    }
-    for (int64_t e = 0; e < num_local_experts; ++e)
-      shapes.push_back({p + "experts." + std::to_string(e) + ".w2.weight", {h, f}});
+    append_moe_shapes(shapes, name.substr(0, at + 1), kNames, num_local_experts, h, f);
   }
   return shapes;
 }
 
 int64_t MixtralConfig::matmul_parameters_per_layer() const {
-  const int64_t attention = hidden_size * q_size() + 2 * hidden_size * kv_size() + q_size() * hidden_size;
-  return attention + num_local_experts * hidden_size +
-         num_local_experts * 3 * hidden_size * intermediate_size;
+  return attention_matmul_parameters(*this) +
+         moe_matmul_parameters(num_local_experts, hidden_size, intermediate_size);
 }
 
 double MixtralConfig::flops_per_token(int64_t seq_len) const {
-  const double h = static_cast<double>(hidden_size);
   const double active =
-      h * static_cast<double>(q_size() * 2 + 2 * kv_size()) + static_cast<double>(num_local_experts) * h +
-      static_cast<double>(num_experts_per_tok) * 3.0 * h * static_cast<double>(intermediate_size);
-  const double matmul = 2.0 * (static_cast<double>(num_hidden_layers) * active +
-                               static_cast<double>(vocab_size) * static_cast<double>(hidden_size));
-  const double attention = 12.0 * static_cast<double>(num_hidden_layers) * static_cast<double>(seq_len) *
-                           static_cast<double>(q_size());
-  return 3.0 * matmul + attention;
+      static_cast<double>(attention_matmul_parameters(*this) + num_local_experts * hidden_size +
+                          num_experts_per_tok * 3 * hidden_size * intermediate_size);
+  return decoder_flops_per_token(*this, static_cast<double>(num_hidden_layers) * active, seq_len);
 }
 
 namespace {
@@ -114,7 +103,7 @@ DecoderSpec mixtral_spec(const MixtralConfig& config) {
   s.moe.top_k = config.num_experts_per_tok;
   s.moe.expert_ffn = config.intermediate_size, s.moe.shared_ffn = 0;
   s.moe.score = ops::MoeScore::softmax, s.moe.normalize = true, s.moe.scaling = 1.0f;
-  s.moe_names = {"block_sparse_moe.", "w1", "w3", "w2", /*correction_bias=*/false};
+  s.moe_names = kNames;
   return s;
 }
 }  // namespace
