@@ -214,6 +214,23 @@ TEST(Starcoder2Golden, ConfigsReadAsStarcoder2) {
   expect_parameters_are_the_checkpoints(*tied, "starcoder2_tiny_tied_window");
 }
 
+// Each (key, value) set on `good` is refused by Config::from_json with one line holding "bad.json:
+// <culprit>".
+template <typename Config>
+void expect_refusals(const nlohmann::json& good,
+                     const std::vector<std::tuple<std::string, nlohmann::json, std::string>>& cases) {
+  for (const auto& [key, value, culprit] : cases) {
+    nlohmann::json bad = good;
+    bad[key] = value;
+    try {
+      (void)Config::from_json(bad, "bad.json");
+      ADD_FAILURE() << key << " accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("bad.json: " + culprit), std::string::npos) << e.what();
+    }
+  }
+}
+
 // Mixtral: the experts under the released checkpoints' names, the router's softmax top-2 of 4, the window;
 // no correction bias (DeepSeek-V3's), and refusals of what forge does not compute.
 TEST(MixtralGolden, ConfigsReadAsMixtral) {
@@ -234,19 +251,10 @@ TEST(MixtralGolden, ConfigsReadAsMixtral) {
   EXPECT_LT(m.flops_per_token(12), 6.0 * static_cast<double>(m.num_parameters()) + 12.0 * 2 * 12 * 32);
   nlohmann::json j = config->to_json();
   EXPECT_EQ(MixtralConfig::from_json(j, "round trip").to_json(), j);
-  for (const auto& [key, value, culprit] : std::vector<std::tuple<std::string, nlohmann::json, std::string>>{
-           {"output_router_logits", true, "key 'output_router_logits' is true"},
-           {"router_jitter_noise", 0.01, "key 'router_jitter_noise' must be 0"},
-           {"num_experts_per_tok", 5, "key 'num_experts_per_tok' (5) exceeds 'num_local_experts' (4)"}}) {
-    nlohmann::json bad = j;
-    bad[key] = value;
-    try {
-      (void)MixtralConfig::from_json(bad, "bad.json");
-      ADD_FAILURE() << key << " accepted";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("bad.json: " + culprit), std::string::npos) << e.what();
-    }
-  }
+  expect_refusals<MixtralConfig>(
+      j, {{"output_router_logits", true, "key 'output_router_logits' is true"},
+          {"router_jitter_noise", 0.01, "key 'router_jitter_noise' must be 0"},
+          {"num_experts_per_tok", 5, "key 'num_experts_per_tok' (5) exceeds 'num_local_experts' (4)"}});
 }
 
 // Qwen3-MoE: layer 0 dense (mlp_only_layers), layer 1 four experts; norm_topk_prob either way; the experts
@@ -266,21 +274,11 @@ TEST(Qwen3MoeGolden, ConfigsReadAsQwen3Moe) {
   expect_parameters_are_the_checkpoints(*tied, "qwen3_moe_tiny_tied");
   nlohmann::json j = config->to_json();
   EXPECT_EQ(Qwen3MoeConfig::from_json(j, "round trip").to_json(), j);
-  for (const auto& [key, value, culprit] : std::vector<std::tuple<std::string, nlohmann::json, std::string>>{
-           {"output_router_logits", true, "key 'output_router_logits' is true"},
-           {"num_local_experts", 8, "keys 'num_experts' (4) and 'num_local_experts' (8) disagree"},
-           {"mlp_only_layers", nlohmann::json::array({2}),
-            "key 'mlp_only_layers' holds 2, not a layer index"},
-           {"use_sliding_window", true, "key 'use_sliding_window' is true"}}) {
-    nlohmann::json bad = j;
-    bad[key] = value;
-    try {
-      (void)Qwen3MoeConfig::from_json(bad, "bad.json");
-      ADD_FAILURE() << key << " accepted";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("bad.json: " + culprit), std::string::npos) << e.what();
-    }
-  }
+  expect_refusals<Qwen3MoeConfig>(
+      j, {{"output_router_logits", true, "key 'output_router_logits' is true"},
+          {"num_local_experts", 8, "keys 'num_experts' (4) and 'num_local_experts' (8) disagree"},
+          {"mlp_only_layers", nlohmann::json::array({2}), "key 'mlp_only_layers' holds 2, not a layer index"},
+          {"use_sliding_window", true, "key 'use_sliding_window' is true"}});
 }
 
 }  // namespace

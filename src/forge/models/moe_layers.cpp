@@ -1,6 +1,9 @@
 #include "forge/models/moe_layers.h"
 
+#include <nlohmann/json.hpp>
+
 #include "forge/core/error.h"
+#include "forge/models/config_json.h"
 
 namespace forge::models {
 
@@ -16,6 +19,23 @@ void append_moe_shapes(std::vector<std::pair<std::string, Shape>>& shapes, const
   }
   for (int64_t e = 0; e < experts; ++e)
     shapes.push_back({p + "experts." + std::to_string(e) + "." + names.down + ".weight", {hidden, ffn}});
+}
+
+void set_softmax_moe(DecoderSpec& spec, int64_t hidden, int64_t experts, int64_t top_k, int64_t ffn,
+                     bool normalize, const DecoderSpec::MoeNames& names) {
+  spec.moe.hidden = hidden, spec.moe.experts = experts, spec.moe.top_k = top_k;
+  spec.moe.expert_ffn = ffn, spec.moe.shared_ffn = 0;
+  spec.moe.score = ops::MoeScore::softmax, spec.moe.normalize = normalize, spec.moe.scaling = 1.0f;
+  spec.moe_names = names;
+}
+
+void refuse_router_logits_loss(const nlohmann::json& config, std::string_view source) {
+  if (config_json::read_bool(config, "output_router_logits", source).value_or(false))
+    fail(
+        "{}: key 'output_router_logits' is true: Hugging Face then adds its load-balancing loss over every "
+        "layer's router logits, which forge does not compute (set it false; forge's balancing losses are "
+        "moe.seq_aux_loss_coeff and moe.aux_loss_coeff)",
+        source);
 }
 
 }  // namespace forge::models

@@ -3,7 +3,9 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -16,6 +18,15 @@ namespace forge::models {
 // (expert by expert), then every down [hidden, ffn] (names.correction_bias is not supported here).
 void append_moe_shapes(std::vector<std::pair<std::string, Shape>>& shapes, const std::string& layer,
                        const DecoderSpec::MoeNames& names, int64_t experts, int64_t hidden, int64_t ffn);
+
+// The spec's MoE layer of a Mixtral-style family: softmax scores, top_k of `experts` SwiGLU experts of width
+// ffn (renormalised when `normalize`), no shared experts, under `names`. The family marks its MoE layers.
+void set_softmax_moe(DecoderSpec& spec, int64_t hidden, int64_t experts, int64_t top_k, int64_t ffn,
+                     bool normalize, const DecoderSpec::MoeNames& names);
+
+// Refuses output_router_logits = true (Hugging Face's load-balancing loss over every layer's router logits,
+// which forge does not compute) in one line naming the key.
+void refuse_router_logits_loss(const nlohmann::json& config, std::string_view source);
 
 // Weights of a MoE layer's matrix products: the router and `experts` SwiGLU experts of width ffn.
 inline int64_t moe_matmul_parameters(int64_t experts, int64_t hidden, int64_t ffn) {

@@ -45,12 +45,7 @@ MixtralConfig MixtralConfig::from_json(const json& j, std::string_view source) {
   if (c.num_experts_per_tok > c.num_local_experts)
     fail("{}: key 'num_experts_per_tok' ({}) exceeds 'num_local_experts' ({})", source, c.num_experts_per_tok,
          c.num_local_experts);
-  if (read_bool(j, "output_router_logits", source).value_or(false))
-    fail(
-        "{}: key 'output_router_logits' is true: Hugging Face then adds its load-balancing loss over every "
-        "layer's router logits, which forge does not compute (set it false; forge's balancing losses are "
-        "moe.seq_aux_loss_coeff and moe.aux_loss_coeff)",
-        source);
+  refuse_router_logits_loss(j, source);
   c.router_aux_loss_coef = read_number(j, "router_aux_loss_coef", source).value_or(c.router_aux_loss_coef);
   if (read_number(j, "router_jitter_noise", source).value_or(0.0) != 0.0)
     fail("{}: key 'router_jitter_noise' must be 0 (forge's router does not perturb its inputs)", source);
@@ -99,11 +94,8 @@ namespace {
 DecoderSpec mixtral_spec(const MixtralConfig& config) {
   DecoderSpec s = llama_spec(config);
   for (LayerSpec& layer : s.layer_specs) layer.feed_forward = FeedForwardKind::moe;
-  s.moe.hidden = config.hidden_size, s.moe.experts = config.num_local_experts;
-  s.moe.top_k = config.num_experts_per_tok;
-  s.moe.expert_ffn = config.intermediate_size, s.moe.shared_ffn = 0;
-  s.moe.score = ops::MoeScore::softmax, s.moe.normalize = true, s.moe.scaling = 1.0f;
-  s.moe_names = kNames;
+  set_softmax_moe(s, config.hidden_size, config.num_local_experts, config.num_experts_per_tok,
+                  config.intermediate_size, /*normalize=*/true, kNames);
   return s;
 }
 }  // namespace

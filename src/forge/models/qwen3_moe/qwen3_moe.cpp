@@ -32,8 +32,8 @@ Qwen3MoeConfig Qwen3MoeConfig::from_json(const json& j, std::string_view source)
   static_cast<LlamaConfig&>(c) = LlamaConfig::from_family_json(
       j, source, "qwen3_moe",
       {"use_sliding_window", "sliding_window", "max_window_layers", "attention_bias", "num_experts",
-       "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
-       "norm_topk_prob", "output_router_logits", "router_aux_loss_coef"},
+       "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
+       "mlp_only_layers", "norm_topk_prob", "output_router_logits", "router_aux_loss_coef"},
       kDefaults);
   c.qk_norm = true;
   require_full_attention(j, source, "Qwen3-MoE");
@@ -46,7 +46,8 @@ Qwen3MoeConfig Qwen3MoeConfig::from_json(const json& j, std::string_view source)
   }
   c.max_window_layers = read_integer(j, "max_window_layers", source);
   // Released configs say num_experts; transformers 5 writes it as num_local_experts (its attribute map).
-  const auto experts = read_integer(j, "num_experts", source), local = read_integer(j, "num_local_experts", source);
+  const auto experts = read_integer(j, "num_experts", source),
+             local = read_integer(j, "num_local_experts", source);
   if (experts && local && *experts != *local)
     fail("{}: keys 'num_experts' ({}) and 'num_local_experts' ({}) disagree", source, *experts, *local);
   c.num_experts = experts ? *experts : local.value_or(c.num_experts);
@@ -71,12 +72,7 @@ Qwen3MoeConfig Qwen3MoeConfig::from_json(const json& j, std::string_view source)
     }
   }
   c.norm_topk_prob = read_bool(j, "norm_topk_prob", source).value_or(c.norm_topk_prob);
-  if (read_bool(j, "output_router_logits", source).value_or(false))
-    fail(
-        "{}: key 'output_router_logits' is true: Hugging Face then adds its load-balancing loss over every "
-        "layer's router logits, which forge does not compute (set it false; forge's balancing losses are "
-        "moe.seq_aux_loss_coeff and moe.aux_loss_coeff)",
-        source);
+  refuse_router_logits_loss(j, source);
   c.router_aux_loss_coef = read_number(j, "router_aux_loss_coef", source).value_or(c.router_aux_loss_coef);
   c.validate(source);
   return c;
@@ -141,11 +137,8 @@ DecoderSpec qwen3_moe_spec(const Qwen3MoeConfig& config) {
   DecoderSpec s = llama_spec(config);
   for (size_t i = 0; i < s.layer_specs.size(); ++i)
     if (config.is_moe_layer(static_cast<int64_t>(i))) s.layer_specs[i].feed_forward = FeedForwardKind::moe;
-  s.moe.hidden = config.hidden_size, s.moe.experts = config.num_experts;
-  s.moe.top_k = config.num_experts_per_tok;
-  s.moe.expert_ffn = config.moe_intermediate_size, s.moe.shared_ffn = 0;
-  s.moe.score = ops::MoeScore::softmax, s.moe.normalize = config.norm_topk_prob, s.moe.scaling = 1.0f;
-  s.moe_names = kNames;
+  set_softmax_moe(s, config.hidden_size, config.num_experts, config.num_experts_per_tok,
+                  config.moe_intermediate_size, config.norm_topk_prob, kNames);
   return s;
 }
 }  // namespace
