@@ -137,6 +137,26 @@ TEST(KvCacheGeneration, GreedyEqualsUncachedArgmax) {
   }
 }
 
+// forge's greedy generation (its KV cache, as forge generate --greedy runs it) equals transformers' own
+// model.generate(do_sample=False) on the same weights and prompt, token for token, for every family whose
+// fixtures come from transformers (greedy.prompt, greedy.tokens: written by tests/reference/qwen2_golden.py's
+// procedure).
+TEST(KvCacheGeneration, GreedyEqualsTransformersGenerate) {
+  for (const char* name :
+       {"qwen2_tiny", "qwen2_tiny_tied", "qwen3_tiny", "qwen3_tiny_tied", "mistral_tiny_window",
+        "mistral_tiny", "gemma2_tiny", "gemma3_tiny", "starcoder2_tiny", "starcoder2_tiny_tied_window",
+        "mixtral_tiny_window", "mixtral_tiny_tied", "qwen3_moe_tiny", "qwen3_moe_tiny_tied"}) {
+    auto model = fixture_model(name, DType::f32);
+    SafetensorsFile file = SafetensorsFile::open(fixture(std::string(name) + ".safetensors"));
+    const Tensor prompt = file.read("greedy.prompt"), want = file.read("greedy.tokens");
+    SamplingOptions options;
+    options.temperature = 0, options.max_new_tokens = want.numel();
+    const GenerationResult got =
+        generate_sequence(*model, std::vector<int32_t>(prompt.i32(), prompt.i32() + prompt.numel()), options);
+    EXPECT_EQ(got.tokens, std::vector<int32_t>(want.i32(), want.i32() + want.numel())) << name;
+  }
+}
+
 TEST(KvCacheErrors, CapacityPositionsAndShape) {
   auto model = fixture_model("llama_tiny", DType::f32);  // max_position_embeddings 64
   const std::vector<int32_t> ids = random_ids(70, model->config().shape().vocab, 3);

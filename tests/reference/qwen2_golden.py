@@ -133,6 +133,25 @@ def logits_of(net, input_ids):
     return net(input_ids=input_ids.long(), use_cache=False).logits
 
 
+GREEDY_PROMPT, GREEDY_NEW = 8, 16
+
+
+def greedy_tokens(net, input_ids):
+    """Greedy decoding of GREEDY_NEW tokens after the first GREEDY_PROMPT ids of the batch's first row, by
+    transformers' model itself: the whole sequence through its forward for every new token, the argmax of
+    the last row (no end-of-sequence token). forge generate --greedy (with its KV cache) must print these.
+
+    Not model.generate(): in transformers 5.25 its cached decoding of the MoE fixtures (Mixtral with a
+    window, Qwen3-MoE with a dense layer) picks other tokens than the model's own forward on the same
+    prefix, by margins of 1e-2 (not rounding); for the dense families the two agree."""
+    sequence = input_ids[:1, :GREEDY_PROMPT].long()
+    with torch.no_grad():
+        for _ in range(GREEDY_NEW):
+            last = logits_of(net, sequence)[0, -1]
+            sequence = torch.cat([sequence, last.argmax().reshape(1, 1)], dim=1)
+    return sequence[0, GREEDY_PROMPT:].to(torch.int32).contiguous()
+
+
 def adamw_run(initial, model, batches, dtype=torch.float32, family=None):
     """llama_twin.adamw_run on the HF model: torch AdamW (foreach=False), weight decay on 2-D tensors only
     (the biases are 1-D and get none, like the norm weights), clip_grad_norm_ before each step.
@@ -181,6 +200,7 @@ def generate(name, spec, family=None):
     net, initial, input_ids, labels, step_batches = first_batch(name, spec, family)
 
     logits = logits_of(net, input_ids)
+    greedy = greedy_tokens(net, input_ids)
     loss = mean_loss(logits, labels)
     loss.backward()
     named = dict(net.named_parameters())
@@ -205,7 +225,8 @@ def generate(name, spec, family=None):
     initial, grads, final = to_checkpoint(initial), to_checkpoint(grads), to_checkpoint(final)
     tensors = [(n, t) for n, t in initial.items()]
     tensors += [("input_ids", input_ids), ("labels", labels), ("logits", logits.detach()),
-                ("loss", loss.detach().reshape(1)), ("rope.inv_freq", inv_freq)]
+                ("loss", loss.detach().reshape(1)), ("rope.inv_freq", inv_freq),
+                ("greedy.prompt", input_ids[0, :GREEDY_PROMPT].contiguous()), ("greedy.tokens", greedy)]
     tensors += [("grad." + n, grads[n]) for n in initial]
     for k, (step_ids, step_labels) in enumerate(step_batches):
         tensors += [(f"step{k}.input_ids", step_ids), (f"step{k}.labels", step_labels)]
