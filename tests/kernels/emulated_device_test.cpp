@@ -82,6 +82,22 @@ TEST(EmulatedDevice, HostPointersHandedToDeviceOpsAreOneLine) {
   EXPECT_THROW(EmulatedDevice(), Error);  // one emulation at a time
 }
 
+// Pinning host memory (an offloaded optimizer's state): counted while pinned; what the CUDA runtime refuses
+// (device memory, a range pinned twice, unpinning what is not pinned) is one line here too.
+TEST(EmulatedDevice, PinsHostMemoryAndRefusesWhatCudaWould) {
+  EmulatedDevice emulation;
+  const DeviceMemory& memory = device_memory(Device::cuda);
+  std::vector<float> host(256);
+  memory.pin_host(host.data(), host.size() * sizeof(float));
+  EXPECT_EQ(EmulatedDevice::pinned_bytes(), 1024);
+  testing::expect_error_containing([&] { memory.pin_host(host.data(), 1024); }, {"already pinned"});
+  Tensor d = Tensor::zeros({16}, DType::f32, Device::cuda);
+  testing::expect_error_containing([&] { memory.pin_host(d.raw(), 64); }, {"pin_host", "not a host range"});
+  memory.unpin_host(host.data());
+  EXPECT_EQ(EmulatedDevice::pinned_bytes(), 0);
+  testing::expect_error_containing([&] { memory.unpin_host(host.data()); }, {"unpin_host", "not pinned"});
+}
+
 // Where the CUDA backend's limits are narrower than the CPU kernels' (FP8 GEMMs NT only, 16-byte aligned),
 // the emulation applies them too (builds with the CUDA backend): what a GPU would refuse is refused here.
 TEST(EmulatedDevice, CudaBackendLimitsApply) {
