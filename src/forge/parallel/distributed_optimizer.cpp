@@ -228,12 +228,12 @@ void DistributedAdamW::plan_bf16_gathers() {
     const int ranks = gb->sharded() ? gb->dp()->size() : 1;
     int64_t send = 0, recv = 0;
     for (const GradBucket& b : gb->buckets()) {
+      const int bucket = static_cast<int>(&b - gb->buckets().data());
       KeptGather k;
       k.runs.resize(static_cast<size_t>(ranks));
       k.counts.assign(static_cast<size_t>(ranks), 0);
       for (int q = 0; q < ranks; ++q) {
-        const int64_t lo = gb->sharded() ? std::min(b.end, b.begin + q * b.shard_size) : b.begin;
-        const int64_t hi = gb->sharded() ? std::min(b.end, lo + b.shard_size) : b.end;
+        const auto [lo, hi] = gb->owned_range(bucket, q);
         for_each_param_in_range(*store_, lo, hi, [&](const ParamInfo& info, int64_t l, int64_t h) {
           if (!info.keep_fp32) return;
           k.runs[static_cast<size_t>(q)].push_back({fp32_index(*store_, info, l), h - l});
@@ -244,7 +244,7 @@ void DistributedAdamW::plan_bf16_gathers() {
       k.send_offset = send, k.recv_offset = recv;
       send += k.counts[static_cast<size_t>(ranks > 1 ? gb->dp()->rank() : 0)], recv += k.total;
       if (ranks > 1 && b.padded_size() != b.size()) padded = std::max(padded, b.padded_size());
-      const auto [lo, hi] = gb->owned_range(static_cast<int>(&b - gb->buckets().data()));
+      const auto [lo, hi] = gb->owned_range(bucket);
       widest = std::max(widest, hi - lo);
       kept_gathers_[g].push_back(std::move(k));
     }
@@ -454,14 +454,13 @@ void DistributedAdamW::gather_fp32(size_t g) {
   comm::Communicator& group = *group_buckets.dp();
   // One rank owns everything: its parameters are whole already (its masters are copied to the buffer). So
   // does every rank of an unsharded group (offloaded: it updated everything on the host).
-  const bool sharded = group_buckets.sharded();
-  const bool communicate = sharded && group.size() > 1;
+  const bool communicate = group_buckets.sharded() && group.size() > 1;
   std::vector<comm::Request> requests(buckets.size());
   // Launch every bucket's all-gather, then finish them in order, converting each to bf16 while later ones
   // are still in flight.
   for (size_t i = buckets.size(); i-- > 0;) {
     const GradBucket& b = buckets[i];
-    auto [lo, hi] = sharded ? group_buckets.owned_range(static_cast<int>(i)) : std::pair{b.begin, b.end};
+    auto [lo, hi] = group_buckets.owned_range(static_cast<int>(i));  // the whole bucket when unsharded
     await_update(g, i);
     if (!communicate) {
       if (masters) copy_masters(lo, hi, whole.view(lo, {hi - lo}));

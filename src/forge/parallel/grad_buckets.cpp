@@ -100,10 +100,10 @@ GradBuckets::~GradBuckets() {
   }
 }
 
-std::pair<int64_t, int64_t> GradBuckets::owned_range(int bucket) const {
+std::pair<int64_t, int64_t> GradBuckets::owned_range(int bucket, int rank) const {
   const GradBucket& b = buckets_.at(bucket);
   if (!options_.shard) return {b.begin, b.end};
-  const int64_t lo = std::min(b.end, b.begin + dp_->rank() * b.shard_size);
+  const int64_t lo = std::min(b.end, b.begin + rank * b.shard_size);
   return {lo, std::min(b.end, lo + b.shard_size)};
 }
 

@@ -109,7 +109,11 @@ class GradBuckets {
   // In offset order; launched from the last.
   const std::vector<GradBucket>& buckets() const { return buckets_; }
   // This rank's shard of bucket i, clipped to the bucket (may be empty); the whole bucket when unsharded.
-  std::pair<int64_t, int64_t> owned_range(int bucket) const;
+  std::pair<int64_t, int64_t> owned_range(int bucket) const {
+    return owned_range(bucket, options_.shard ? dp_->rank() : 0);
+  }
+  // The same for dp rank `rank` (the whole bucket when unsharded).
+  std::pair<int64_t, int64_t> owned_range(int bucket, int rank) const;
   // The non-empty owned ranges of every bucket, in offset order; {[0, numel)} when unsharded.
   std::vector<std::pair<int64_t, int64_t>> owned_ranges() const;
   int buckets_launched() const { return launched_; }  // in the current step
