@@ -1,11 +1,13 @@
 // GPU FP8 cast bandwidth (bench/gpu/run_all.sh): forge's CUDA casts (kernels/cuda/fp8_cast.cu) on fp32 inputs
-// of a LLaMA-3-8B layer at 8192 tokens, [8192, 4096] (hidden) and [8192, 14336] (ffn), in GB/s of bytes read
-// plus bytes written (x once, each FP8 output once, the scales), against
+// (the weights' masters) and bf16 inputs (a bf16 run's activations, read as they are) of a LLaMA-3-8B layer
+// at 8192 tokens, [8192, 4096] (hidden) and [8192, 14336] (ffn), in GB/s of bytes read plus bytes written (x
+// once, each FP8 output once, the scales), against
 //   - the memory-bandwidth roofline (H200: 4.8 TB/s), and
 //   - a measured peer: cudaMemcpyAsync device-to-device of the same input (4 bytes read + 4 written per
 //     element), the bandwidth a plain streaming kernel reaches on this device.
 // Casts: amax, the per-tensor cast (q, q_t, both; these return the amax to the host, so every call includes
-// one synchronisation, as in training), 1x128 (q, q_t, both) and 128x128 (q, q + q_t).
+// one synchronisation, as in training), 1x128 (q, q_t, both) and 128x128 (q, q + q_t); from bf16: amax_to,
+// the per-tensor cast with its transpose and 1x128 both (what a bf16 step's activations and gradients take).
 //
 // One sample times `batch` back-to-back calls between two CUDA events; samples alternate between forge and
 // the peer; the median sample is reported. Without a usable GPU it prints one line and exits 0.
@@ -20,12 +22,12 @@
 #include <string>
 #include <vector>
 
+#include "bench_support.h"
 #include "forge/core/dtype.h"
 #include "forge/core/error.h"
 #include "forge/kernels/cuda/cuda_kernels.h"
 #include "forge/kernels/cuda/runtime.h"
 #include "forge/kernels/ops.h"
-#include "bench_support.h"
 
 namespace forge::cuda {
 namespace {
@@ -63,40 +65,46 @@ Timing time_pair(const std::function<void()>& forge_call, const std::function<vo
   return {ms[0], ms[1]};
 }
 
-// Device buffers for one shape: x, both code layouts and both scale arrays (sized for 1x128, the larger),
-// and the peer's copy destination.
+// Device buffers for one shape: x (and its bf16 copy), both code layouts and both scale arrays (sized for
+// 1x128, the larger), and the peer's copy destination.
 struct Buffers {
-  DeviceBuffer x, q, q_t, scale_inv, scale_inv_t, copy;
+  DeviceBuffer x, x16, q, q_t, scale_inv, scale_inv_t, copy, amax_out;
   explicit Buffers(const Shape& sh)
       : x(sh.rows * sh.cols * sizeof(float)),
+        x16(sh.rows * sh.cols * sizeof(uint16_t)),
         q(sh.rows * sh.cols),
         q_t(sh.rows * sh.cols),
         scale_inv(sh.rows * ((sh.cols + 127) / 128) * sizeof(float)),
         scale_inv_t(sh.cols * ((sh.rows + 127) / 128) * sizeof(float)),
-        copy(sh.rows * sh.cols * sizeof(float)) {}
+        copy(sh.rows * sh.cols * sizeof(float)),
+        amax_out(sizeof(float)) {}
 };
 
 struct Cast {
   const char* name;
   bool q, q_t;
   enum Kind { amax, per_tensor, tile_1x128, block_128x128 } kind;
+  bool bf16;  // x in bf16
 };
 const Cast kCasts[] = {
-    {"amax", false, false, Cast::amax},
-    {"cast_q", true, false, Cast::per_tensor},
-    {"cast_q_t", false, true, Cast::per_tensor},
-    {"cast_transpose", true, true, Cast::per_tensor},
-    {"1x128_q", true, false, Cast::tile_1x128},
-    {"1x128_q_t", false, true, Cast::tile_1x128},
-    {"1x128_both", true, true, Cast::tile_1x128},
-    {"128x128_q", true, false, Cast::block_128x128},
-    {"128x128_both", true, true, Cast::block_128x128},
+    {"amax", false, false, Cast::amax, false},
+    {"cast_q", true, false, Cast::per_tensor, false},
+    {"cast_q_t", false, true, Cast::per_tensor, false},
+    {"cast_transpose", true, true, Cast::per_tensor, false},
+    {"1x128_q", true, false, Cast::tile_1x128, false},
+    {"1x128_q_t", false, true, Cast::tile_1x128, false},
+    {"1x128_both", true, true, Cast::tile_1x128, false},
+    {"128x128_q", true, false, Cast::block_128x128, false},
+    {"128x128_both", true, true, Cast::block_128x128, false},
+    {"bf16_amax_to", false, false, Cast::amax, true},
+    {"bf16_cast_tr", true, true, Cast::per_tensor, true},
+    {"bf16_1x128", true, true, Cast::tile_1x128, true},
 };
 
 // Bytes one call moves: x read once, one byte per element per FP8 output, 4 per scale.
 double bytes_moved(const Cast& c, const Shape& sh) {
   const double n = static_cast<double>(sh.rows) * sh.cols;
-  double bytes = 4 * n + (c.q ? n : 0) + (c.q_t ? n : 0);
+  double bytes = (c.bf16 ? 2 : 4) * n + (c.q ? n : 0) + (c.q_t ? n : 0);
   const double row_blocks = static_cast<double>((sh.rows + 127) / 128), col_blocks = (sh.cols + 127) / 128;
   if (c.kind == Cast::tile_1x128)
     bytes += 4 * ((c.q ? sh.rows * col_blocks : 0) + (c.q_t ? sh.cols * row_blocks : 0));
@@ -106,14 +114,21 @@ double bytes_moved(const Cast& c, const Shape& sh) {
 
 std::function<void()> forge_call(const Cast& c, const Shape& sh, const Buffers& b) {
   ops::Fp8CastParams p;
-  p.rows = sh.rows, p.cols = sh.cols, p.x = b.x.as<float>(), p.fp8 = DType::e4m3, p.scale = 0.75f;
+  p.rows = sh.rows, p.cols = sh.cols, p.fp8 = DType::e4m3, p.scale = 0.75f;
+  if (c.bf16)
+    p.x = b.x16.as<uint16_t>();
+  else
+    p.x = b.x.as<float>();
   p.q = c.q ? b.q.as<uint8_t>() : nullptr;
   p.q_t = c.q_t ? b.q_t.as<uint8_t>() : nullptr;
   p.scale_inv = c.q ? b.scale_inv.as<float>() : nullptr;
   p.scale_inv_t = c.q_t ? b.scale_inv_t.as<float>() : nullptr;
   switch (c.kind) {
     case Cast::amax:
-      return [p] { cuda::amax(p.x, p.rows * p.cols); };
+      // fp32: the host-returning amax (one synchronisation); bf16: amax_to, into device memory in stream
+      // order, as current scaling runs it on activations.
+      if (c.bf16) return [p, out = b.amax_out.as<float>()] { cuda::amax_to(p.x, p.rows * p.cols, out); };
+      return [p] { cuda::amax(p.x.f32(), p.rows * p.cols); };
     case Cast::per_tensor:
       return [p] { cuda::fp8_cast_transpose(p); };
     case Cast::tile_1x128:
@@ -146,6 +161,7 @@ int run(const Options& o) {
     try {
       Buffers b(sh);
       fill(b.x, 1);
+      cuda::convert_to_bf16(b.x.as<float>(), b.x16.as<uint16_t>(), sh.rows * sh.cols);
       const size_t x_bytes = static_cast<size_t>(sh.rows * sh.cols) * sizeof(float);
       auto peer_call = [&] {
         FORGE_CUDA_CHECK(
@@ -162,14 +178,15 @@ int run(const Options& o) {
         if (json)
           std::fprintf(
               json, "%s\n",
-              fmt::format("{{\"bench\": \"fp8_cast\", \"cast\": \"{}\", \"shape\": \"{}\", \"rows\": {}, "
-                          "\"cols\": {}, \"fp8\": \"e4m3\", \"bytes\": {:.0f}, \"forge_ms\": {:.5f}, "
-                          "\"forge_gbps\": {:.1f}, \"roofline_gbps\": {:.0f}, \"roofline_fraction\": {:.4f}, "
-                          "\"peer\": \"cudaMemcpyAsync D2D\", \"peer_ms\": {:.5f}, \"peer_gbps\": {:.1f}, "
-                          "\"ratio\": {:.4f}, \"samples\": {}, \"batch\": {}, \"device\": \"{}\"}}",
-                          c.name, sh.name, sh.rows, sh.cols, bytes_moved(c, sh), t.forge_ms, gbps,
-                          kRooflineGBps, gbps / kRooflineGBps, t.peer_ms, peer_gbps, gbps / peer_gbps,
-                          o.samples, o.batch, device)
+              fmt::format(
+                  "{{\"bench\": \"fp8_cast\", \"cast\": \"{}\", \"shape\": \"{}\", \"rows\": {}, "
+                  "\"cols\": {}, \"x\": \"{}\", \"fp8\": \"e4m3\", \"bytes\": {:.0f}, \"forge_ms\": {:.5f}, "
+                  "\"forge_gbps\": {:.1f}, \"roofline_gbps\": {:.0f}, \"roofline_fraction\": {:.4f}, "
+                  "\"peer\": \"cudaMemcpyAsync D2D\", \"peer_ms\": {:.5f}, \"peer_gbps\": {:.1f}, "
+                  "\"ratio\": {:.4f}, \"samples\": {}, \"batch\": {}, \"device\": \"{}\"}}",
+                  c.name, sh.name, sh.rows, sh.cols, c.bf16 ? "bf16" : "fp32", bytes_moved(c, sh), t.forge_ms,
+                  gbps, kRooflineGBps, gbps / kRooflineGBps, t.peer_ms, peer_gbps, gbps / peer_gbps,
+                  o.samples, o.batch, device)
                   .c_str());
       }
     } catch (const Error& e) {

@@ -52,7 +52,6 @@ int run_bench(const BenchOptions& o) {
   if (options.activation_dtype == DType::bf16 && dtype != DType::bf16)
     fail("bench: --activation-dtype bf16 needs --dtype bf16");
   const std::optional<nn::Fp8Options> fp8 = fp8_options(o.fp8);
-  if (fp8) options.residual_dtype = DType::f32;  // FP8 Linears take fp32 inputs (TrainConfig::residual_dtype)
   const bool cuda = options.device == Device::cuda;
   if (cuda && !device_usable(options.device))
     fail("bench: --device cuda, but no usable GPU (or no CUDA backend)");

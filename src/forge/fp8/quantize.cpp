@@ -55,19 +55,26 @@ inline void decode(const uint8_t* q, float* x, int64_t n, DType fp8) {
     convert_e5m2_to_f32(q, x, static_cast<size_t>(n));
 }
 
+// One element of an fp32 or bf16 input as fp32 (a bf16 widens exactly: its bits are the float's top half).
+inline float load(const float* x, int64_t i) { return x[i]; }
+inline float load(const uint16_t* x, int64_t i) { return bf16_to_float(x[i]); }
+
 // staged[i] = x[i] * scale; returns max(bits, max |x[i]| bits).
-inline uint32_t stage(const float* __restrict x, int64_t n, float scale, float* __restrict staged,
+template <typename T>
+inline uint32_t stage(const T* __restrict x, int64_t n, float scale, float* __restrict staged,
                       uint32_t bits) {
   for (int64_t i = 0; i < n; ++i) {
-    bits = std::max(bits, abs_bits(x[i]));
-    staged[i] = x[i] * scale;
+    const float v = load(x, i);
+    bits = std::max(bits, abs_bits(v));
+    staged[i] = v * scale;
   }
   return bits;
 }
 
-inline uint32_t amax_bits(const float* __restrict x, int64_t n) {
+template <typename T>
+inline uint32_t amax_bits(const T* __restrict x, int64_t n) {
   uint32_t bits = 0;
-  for (int64_t i = 0; i < n; ++i) bits = std::max(bits, abs_bits(x[i]));
+  for (int64_t i = 0; i < n; ++i) bits = std::max(bits, abs_bits(load(x, i)));
   return bits;
 }
 
@@ -80,9 +87,8 @@ inline float block_scale(uint32_t bits, float max, bool power_of_two) {
   return compute_scale(amax_from_bits(bits), max, 0, 1.0f, power_of_two);
 }
 
-}  // namespace
-
-float compute_amax(const float* x, int64_t n) {
+template <typename T>
+float compute_amax_of(const T* x, int64_t n) {
   const int64_t chunks = (n + kChunk - 1) / kChunk;
   uint32_t bits = 0;
 #pragma omp parallel for schedule(static) reduction(max : bits) if (n >= kParallelMin)
@@ -93,7 +99,8 @@ float compute_amax(const float* x, int64_t n) {
   return amax_from_bits(bits);
 }
 
-float quantize(const float* x, int64_t n, float scale, DType fp8, uint8_t* q) {
+template <typename T>
+float quantize_of(const T* x, int64_t n, float scale, DType fp8, uint8_t* q) {
   check_args("quantize", fp8, 1, n);
   const int64_t chunks = (n + kChunk - 1) / kChunk;
   uint32_t bits = 0;
@@ -107,19 +114,9 @@ float quantize(const float* x, int64_t n, float scale, DType fp8, uint8_t* q) {
   return amax_from_bits(bits);
 }
 
-void dequantize(const uint8_t* q, int64_t n, float scale_inv, DType fp8, float* x) {
-  check_args("dequantize", fp8, 1, n);
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
-#pragma omp parallel for schedule(static) if (n >= kParallelMin)
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t begin = c * kChunk, len = std::min(kChunk, n - begin);
-    decode(q + begin, x + begin, len, fp8);
-    scale_in_place(x + begin, len, scale_inv);
-  }
-}
-
-float cast_transpose(const float* x, int64_t rows, int64_t cols, float scale, DType fp8, uint8_t* q_rowwise,
-                     uint8_t* q_colwise) {
+template <typename T>
+float cast_transpose_of(const T* x, int64_t rows, int64_t cols, float scale, DType fp8, uint8_t* q_rowwise,
+                        uint8_t* q_colwise) {
   check_args("cast_transpose", fp8, rows, cols);
   const int64_t row_tiles = (rows + kTransposeTile - 1) / kTransposeTile;
   const int64_t col_tiles = (cols + kTransposeTile - 1) / kTransposeTile;
@@ -145,8 +142,9 @@ float cast_transpose(const float* x, int64_t rows, int64_t cols, float scale, DT
   return amax_from_bits(bits);
 }
 
-void quantize_1x128(const float* x, int64_t rows, int64_t cols, DType fp8, bool power_of_two_scales,
-                    uint8_t* q, float* scale_inv) {
+template <typename T>
+void quantize_1x128_of(const T* x, int64_t rows, int64_t cols, DType fp8, bool power_of_two_scales,
+                       uint8_t* q, float* scale_inv) {
   check_args("quantize_1x128", fp8, rows, cols);
   if (rows == 0 || cols == 0) return;
   const float max = fp8_max(fp8);
@@ -161,7 +159,7 @@ void quantize_1x128(const float* x, int64_t rows, int64_t cols, DType fp8, bool 
     for (int64_t seg = 0; seg < cols; seg += kChunk) {
       const int64_t seg_len = std::min(kChunk, cols - seg);
       for (int64_t r = r0; r < r1; ++r) {
-        const float* xr = x + r * cols + seg;
+        const T* xr = x + r * cols + seg;
         float* sr = staged + (r - r0) * seg_len;
         for (int64_t t = 0; t < seg_len; t += kBlockTile) {
           const int64_t len = std::min(kBlockTile, seg_len - t);
@@ -179,8 +177,9 @@ void quantize_1x128(const float* x, int64_t rows, int64_t cols, DType fp8, bool 
   }
 }
 
-void quantize_1x128_transposed(const float* x, int64_t rows, int64_t cols, DType fp8,
-                               bool power_of_two_scales, uint8_t* q_t, float* scale_inv_t) {
+template <typename T>
+void quantize_1x128_transposed_of(const T* x, int64_t rows, int64_t cols, DType fp8, bool power_of_two_scales,
+                                  uint8_t* q_t, float* scale_inv_t) {
   check_args("quantize_1x128_transposed", fp8, rows, cols);
   const float max = fp8_max(fp8);
   const int64_t k_blocks = num_blocks(rows);
@@ -194,8 +193,8 @@ void quantize_1x128_transposed(const float* x, int64_t rows, int64_t cols, DType
       const int64_t r0 = kb * kBlockTile, c0 = ct * kBlockRows;
       const int64_t tr = std::min(kBlockTile, rows - r0), tc = std::min(kBlockRows, cols - c0);
       for (int64_t r = 0; r < tr; ++r) {
-        const float* xr = x + (r0 + r) * cols + c0;
-        for (int64_t c = 0; c < tc; ++c) staged[c * tr + r] = xr[c];
+        const T* xr = x + (r0 + r) * cols + c0;
+        for (int64_t c = 0; c < tc; ++c) staged[c * tr + r] = load(xr, c);
       }
       for (int64_t c = 0; c < tc; ++c) {
         float* column = staged + c * tr;
@@ -209,8 +208,10 @@ void quantize_1x128_transposed(const float* x, int64_t rows, int64_t cols, DType
   }
 }
 
-void quantize_1x128_with_transpose(const float* x, int64_t rows, int64_t cols, DType fp8, bool power_of_two_scales,
-                                   uint8_t* q, float* scale_inv, uint8_t* q_t, float* scale_inv_t) {
+template <typename T>
+void quantize_1x128_with_transpose_of(const T* x, int64_t rows, int64_t cols, DType fp8,
+                                      bool power_of_two_scales, uint8_t* q, float* scale_inv, uint8_t* q_t,
+                                      float* scale_inv_t) {
   check_args("quantize_1x128_with_transpose", fp8, rows, cols);
   const float max = fp8_max(fp8);
   const int64_t row_blocks = num_blocks(rows), col_blocks = num_blocks(cols);
@@ -228,8 +229,8 @@ void quantize_1x128_with_transpose(const float* x, int64_t rows, int64_t cols, D
       for (int64_t s = 0; s < tr; s += kBlockRows) {
         const int64_t sr = std::min(kBlockRows, tr - s);
         for (int64_t r = 0; r < sr; ++r) {
-          const float* xr = x + (r0 + s + r) * cols + c0;
-          for (int64_t c = 0; c < tc; ++c) column_bits[c] = std::max(column_bits[c], abs_bits(xr[c]));
+          const T* xr = x + (r0 + s + r) * cols + c0;
+          for (int64_t c = 0; c < tc; ++c) column_bits[c] = std::max(column_bits[c], abs_bits(load(xr, c)));
           const float scale = block_scale(amax_bits(xr, tc), max, power_of_two_scales);
           scale_inv[(r0 + s + r) * col_blocks + kb] = 1.0f / scale;
           stage(xr, tc, scale, staged + r * tc, 0);
@@ -246,8 +247,8 @@ void quantize_1x128_with_transpose(const float* x, int64_t rows, int64_t cols, D
           scale_inv_t[(c0 + s + c) * row_blocks + rb] = 1.0f / scales[c];
         }
         for (int64_t r = 0; r < tr; ++r) {
-          const float* xr = x + (r0 + r) * cols + c0 + s;
-          for (int64_t c = 0; c < sc; ++c) staged[c * tr + r] = xr[c] * scales[c];
+          const T* xr = x + (r0 + r) * cols + c0 + s;
+          for (int64_t c = 0; c < sc; ++c) staged[c * tr + r] = load(xr, c) * scales[c];
         }
         encode(staged, tile, tr * sc, fp8);
         for (int64_t c = 0; c < sc; ++c) std::memcpy(q_t + (c0 + s + c) * rows + r0, tile + c * tr, tr);
@@ -256,8 +257,9 @@ void quantize_1x128_with_transpose(const float* x, int64_t rows, int64_t cols, D
   }
 }
 
-void quantize_128x128(const float* x, int64_t rows, int64_t cols, DType fp8, bool power_of_two_scales,
-                      uint8_t* q, float* scale_inv, uint8_t* q_transposed, float* scale_inv_transposed) {
+template <typename T>
+void quantize_128x128_of(const T* x, int64_t rows, int64_t cols, DType fp8, bool power_of_two_scales,
+                         uint8_t* q, float* scale_inv, uint8_t* q_transposed, float* scale_inv_transposed) {
   check_args("quantize_128x128", fp8, rows, cols);
   const float max = fp8_max(fp8);
   const int64_t row_blocks = num_blocks(rows), k_blocks = num_blocks(cols);
@@ -287,6 +289,66 @@ void quantize_128x128(const float* x, int64_t rows, int64_t cols, DType fp8, boo
         }
       }
     }
+  }
+}
+
+}  // namespace
+
+float compute_amax(ConstElements x, int64_t n) {
+  float amax = 0.0f;
+  visit(x, [&](const auto* p) { amax = compute_amax_of(p, n); });
+  return amax;
+}
+
+float quantize(ConstElements x, int64_t n, float scale, DType fp8, uint8_t* q) {
+  float amax = 0.0f;
+  visit(x, [&](const auto* p) { amax = quantize_of(p, n, scale, fp8, q); });
+  return amax;
+}
+
+float cast_transpose(ConstElements x, int64_t rows, int64_t cols, float scale, DType fp8, uint8_t* q_rowwise,
+                     uint8_t* q_colwise) {
+  float amax = 0.0f;
+  visit(x, [&](const auto* p) { amax = cast_transpose_of(p, rows, cols, scale, fp8, q_rowwise, q_colwise); });
+  return amax;
+}
+
+void quantize_1x128(ConstElements x, int64_t rows, int64_t cols, DType fp8, bool power_of_two_scales,
+                    uint8_t* q, float* scale_inv) {
+  visit(x, [&](const auto* p) { quantize_1x128_of(p, rows, cols, fp8, power_of_two_scales, q, scale_inv); });
+}
+
+void quantize_1x128_transposed(ConstElements x, int64_t rows, int64_t cols, DType fp8,
+                               bool power_of_two_scales, uint8_t* q_t, float* scale_inv_t) {
+  visit(x, [&](const auto* p) {
+    quantize_1x128_transposed_of(p, rows, cols, fp8, power_of_two_scales, q_t, scale_inv_t);
+  });
+}
+
+void quantize_1x128_with_transpose(ConstElements x, int64_t rows, int64_t cols, DType fp8,
+                                   bool power_of_two_scales, uint8_t* q, float* scale_inv, uint8_t* q_t,
+                                   float* scale_inv_t) {
+  visit(x, [&](const auto* p) {
+    quantize_1x128_with_transpose_of(p, rows, cols, fp8, power_of_two_scales, q, scale_inv, q_t, scale_inv_t);
+  });
+}
+
+void quantize_128x128(ConstElements x, int64_t rows, int64_t cols, DType fp8, bool power_of_two_scales,
+                      uint8_t* q, float* scale_inv, uint8_t* q_transposed, float* scale_inv_transposed) {
+  visit(x, [&](const auto* p) {
+    quantize_128x128_of(p, rows, cols, fp8, power_of_two_scales, q, scale_inv, q_transposed,
+                        scale_inv_transposed);
+  });
+}
+
+void dequantize(const uint8_t* q, int64_t n, float scale_inv, DType fp8, float* x) {
+  check_args("dequantize", fp8, 1, n);
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t begin = c * kChunk, len = std::min(kChunk, n - begin);
+    decode(q + begin, x + begin, len, fp8);
+    scale_in_place(x + begin, len, scale_inv);
   }
 }
 

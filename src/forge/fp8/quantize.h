@@ -5,6 +5,9 @@
 // product; NaN stays NaN, +-inf saturates to +-max. Large inputs run OpenMP-parallel; every result
 // (including amax, a max) is independent of the thread count.
 //
+// The input x is fp32 or bf16 (ConstElements: a float* or the bits of bf16 as uint16_t*); a bf16 element is
+// widened exactly as it is read, so casting a bf16 tensor gives the codes of its fp32 copy, bit for bit.
+//
 // amax = max |x| over the input; NaN when any element is NaN (so an anomaly is visible to the caller),
 // inf when any is infinite. compute_scale() keeps the previous scale for either.
 //
@@ -25,37 +28,39 @@
 #include <cstdint>
 
 #include "forge/core/dtype.h"
+#include "forge/core/element_ptr.h"
 #include "forge/fp8/recipe.h"
 
 namespace forge::fp8 {
 
 // max |x[i]| (NaN if any x[i] is NaN).
-float compute_amax(const float* x, int64_t n);
+float compute_amax(ConstElements x, int64_t n);
 
 // q[i] = fp8(x[i] * scale); returns amax of x, computed in the same pass. fp8 is DType::e4m3 or e5m2.
-float quantize(const float* x, int64_t n, float scale, DType fp8, uint8_t* q);
+float quantize(ConstElements x, int64_t n, float scale, DType fp8, uint8_t* q);
 // x[i] = float(q[i]) * scale_inv.
 void dequantize(const uint8_t* q, int64_t n, float scale_inv, DType fp8, float* x);
 
 // One pass over x [rows, cols]: q_rowwise [rows, cols] = fp8(x * scale) and q_colwise [cols, rows] its
 // transpose (same scale, same codes); returns amax of x. Bitwise equal to quantize() then a transpose.
-float cast_transpose(const float* x, int64_t rows, int64_t cols, float scale, DType fp8, uint8_t* q_rowwise,
+float cast_transpose(ConstElements x, int64_t rows, int64_t cols, float scale, DType fp8, uint8_t* q_rowwise,
                      uint8_t* q_colwise);
 
 // Block quantisation; layouts in the header comment.
-void quantize_1x128(const float* x, int64_t rows, int64_t cols, DType fp8, bool power_of_two_scales,
+void quantize_1x128(ConstElements x, int64_t rows, int64_t cols, DType fp8, bool power_of_two_scales,
                     uint8_t* q, float* scale_inv);
-void quantize_1x128_transposed(const float* x, int64_t rows, int64_t cols, DType fp8,
+void quantize_1x128_transposed(ConstElements x, int64_t rows, int64_t cols, DType fp8,
                                bool power_of_two_scales, uint8_t* q_t, float* scale_inv_t);
 // Both of the above from one read of x (tile by tile): bitwise equal to quantize_1x128 followed by
 // quantize_1x128_transposed. The block recipe's activations and gradients need both: 1x128 tiles along
 // their features for forward and the input gradient, along the tokens for the weight gradient.
-void quantize_1x128_with_transpose(const float* x, int64_t rows, int64_t cols, DType fp8, bool power_of_two_scales,
-                                   uint8_t* q, float* scale_inv, uint8_t* q_t, float* scale_inv_t);
+void quantize_1x128_with_transpose(ConstElements x, int64_t rows, int64_t cols, DType fp8,
+                                   bool power_of_two_scales, uint8_t* q, float* scale_inv, uint8_t* q_t,
+                                   float* scale_inv_t);
 // q_transposed ([cols, rows]) and scale_inv_transposed ([ceil(cols/128)][ceil(rows/128)]) are optional
 // (null to skip): the 128x128 quantisation of x^T is the transpose of x's, block for block, with the same
 // scales, so the backward GEMM's weight operand comes from the same pass.
-void quantize_128x128(const float* x, int64_t rows, int64_t cols, DType fp8, bool power_of_two_scales,
+void quantize_128x128(ConstElements x, int64_t rows, int64_t cols, DType fp8, bool power_of_two_scales,
                       uint8_t* q, float* scale_inv, uint8_t* q_transposed = nullptr,
                       float* scale_inv_transposed = nullptr);
 void dequantize_1x128(const uint8_t* q, int64_t rows, int64_t cols, const float* scale_inv, DType fp8,

@@ -52,8 +52,9 @@
   /* max |x[i]| on the host (NaN when any element is NaN; 0 for n = 0). On a GPU this waits for the device. */ \
   X(amax, float, (const float* x, int64_t n), (x, n))                                                          \
   /* The same max written to *out, one float in memory of the op's device, where the op runs: on a GPU in      \
-     stream order, without a synchronisation (the input of a device-side scale: Fp8CastParams::amax_in). */    \
-  X(amax_to, void, (const float* x, int64_t n, float* out), (x, n, out))                                       \
+     stream order, without a synchronisation (the input of a device-side scale: Fp8CastParams::amax_in). x is  \
+     fp32 or bf16. */                                                                                          \
+  X(amax_to, void, (ConstElements x, int64_t n, float* out), (x, n, out))                                      \
   X(fp8_cast_transpose, float, (const ops::Fp8CastParams& p), (p))                                             \
   X(fp8_quantize_1x128, void, (const ops::Fp8CastParams& p), (p))                                              \
   X(fp8_quantize_128x128, void, (const ops::Fp8CastParams& p), (p))                                            \

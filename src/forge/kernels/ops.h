@@ -452,7 +452,9 @@ struct AdamWParams {
 };
 
 // FP8 casts (semantics, saturation and block layouts: fp8/quantize.h, whose functions the CPU table runs). x
-// is [rows, cols] fp32; codes are one byte each in `fp8` (e4m3 or e5m2). Outputs not wanted are null.
+// is [rows, cols] fp32 or bf16, read as it is (a bf16 element is widened exactly where it is loaded, so a
+// bf16 activation needs no fp32 copy before its cast); codes are one byte each in `fp8` (e4m3 or e5m2).
+// Outputs not wanted are null.
 //   fp8_cast_transpose    per-tensor `scale`: q [rows, cols] = fp8(x * scale) and/or q_t [cols, rows], its
 //                         transpose with the same codes; returns amax of x (max |x|, NaN when any element is
 //                         NaN) on the host, computed in the same pass. Either q or q_t may be null. With
@@ -479,7 +481,7 @@ struct AdamWParams {
 // fp8_max / amax (rounded down to a power of two when power_of_two_scales), 1 for an amax of 0, inf or NaN.
 struct Fp8CastParams {
   int64_t rows = 0, cols = 0;
-  const float* x = nullptr;
+  ConstElements x;
   DType fp8 = DType::e4m3;
   float scale = 1.0f;                // per-tensor casts
   float* amax_accumulate = nullptr;  // per-tensor casts: see above

@@ -73,8 +73,9 @@ Cost attention_cost(const AttentionParams& p, bool backward) {
 Cost cast_cost(const Fp8CastParams& p, const char* blocks) {
   const double n = d(p.rows) * d(p.cols);
   std::string what = p.q && p.q_t ? "rows+transpose" : p.q_t ? "transpose" : "rows";
-  return {fmt::format("{} {} {}{}", dtype_name(p.fp8), matrix(p.rows, p.cols), what, blocks), 0,
-          4 * n + n * ((p.q ? 1 : 0) + (p.q_t ? 1 : 0))};
+  return {fmt::format("{} {} {} from {}{}", dtype_name(p.fp8), matrix(p.rows, p.cols), what,
+                      dtype_name(p.x.dtype()), blocks),
+          0, size_of(p.x) * n + n * ((p.q ? 1 : 0) + (p.q_t ? 1 : 0))};
 }
 
 // What each op costs, by the op's name (op_list.h): the row's detail, the FLOPs and the bytes of one call.
@@ -187,7 +188,7 @@ Cost softcap_inplace(float*, float, int64_t n) { return {vector_of(n), 2 * d(n),
 Cost convert_to_bf16(const float*, uint16_t*, int64_t n) { return {vector_of(n), 0, 6 * d(n)}; }
 Cost convert_to_f32(const uint16_t*, float*, int64_t n) { return {vector_of(n), 0, 6 * d(n)}; }
 Cost amax(const float*, int64_t n) { return {vector_of(n), 0, 4 * d(n)}; }
-Cost amax_to(const float*, int64_t n, float*) { return {vector_of(n), 0, 4 * d(n)}; }
+Cost amax_to(ConstElements x, int64_t n, float*) { return {vector_of(n), 0, size_of(x) * d(n)}; }
 
 Cost fp8_cast_transpose(const Fp8CastParams& p) { return cast_cost(p, ""); }
 Cost fp8_quantize_1x128(const Fp8CastParams& p) { return cast_cost(p, " 1x128"); }

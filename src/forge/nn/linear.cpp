@@ -122,9 +122,9 @@ GemmOperand Linear::quantize(const Tensor& x, int64_t cols, TensorRole role, boo
   if (with_transpose) op.data_t = Tensor::empty({cols, rows}, dtype, device_);
   if (!with_rows && !with_transpose) return op;
   ops::Fp8CastParams cast;
-  // A bf16 activation is widened for the cast kernels, which read fp32 (exact: every bf16 is an fp32).
-  const Tensor x32 = to_dtype(x, DType::f32);
-  cast.rows = rows, cast.cols = cols, cast.x = x32.f32(), cast.fp8 = dtype;
+  // The cast kernels read a bf16 activation as it is (widening each element in registers): no fp32 copy.
+  const ConstElements xe = x.elements();
+  cast.rows = rows, cast.cols = cols, cast.x = xe, cast.fp8 = dtype;
   if (with_rows) cast.q = codes(op.data);
   if (with_transpose) cast.q_t = codes(op.data_t);
   if (rc.recipe == Recipe::block) {
@@ -150,7 +150,7 @@ GemmOperand Linear::quantize(const Tensor& x, int64_t cols, TensorRole role, boo
     } else {
       op.scales = Tensor::empty({kScaleFloats}, DType::f32, device_);
       float* scales = op.scales.f32();
-      ops::amax_to(x32.f32(), x32.numel(), scales + kAmax, device_);
+      ops::amax_to(xe, x.numel(), scales + kAmax, device_);
       cast.amax_in = scales + kAmax;
       cast.scale_out = scales + kScale, cast.scale_inv_out = scales + kScaleInv;
     }
@@ -314,13 +314,8 @@ void Linear::accumulate_weight_grad(const GemmOperand& dy, const GemmOperand& x)
   GemmOperand recast;
   const GemmOperand* xs = &x;
   if (x.high.defined()) {
-    Tensor xf = x.high;
-    if (xf.dtype() != DType::f32) {
-      xf = Tensor::empty(x.high.shape(), DType::f32, device_);
-      ops::convert_to_f32(x.high.bf16(), xf.f32(), xf.numel(), device_);
-    }
     const bool block = fp8_->recipe() == Recipe::block;
-    recast = quantize(xf, in_, TensorRole::input, /*with_rows=*/false, /*with_transpose=*/true,
+    recast = quantize(x.high, in_, TensorRole::input, /*with_rows=*/false, /*with_transpose=*/true,
                       block ? nullptr : &x);
     xs = &recast;
   }

@@ -1246,8 +1246,7 @@ DType TrainConfig::activation_dtype() const {
   return train.activation_dtype == DtypeChoice::bf16 ? DType::bf16 : DType::f32;
 }
 
-// FP8 Linears take fp32 inputs so far (their casts read fp32): the parts of an FP8 run take fp32, and so does
-// the stream between them.
+// FP8 runs too: their casts read bf16 activations as they are.
 DType TrainConfig::residual_dtype() const { return train.fp32_residual ? DType::f32 : activation_dtype(); }
 
 LrSchedule TrainConfig::lr_schedule() const {

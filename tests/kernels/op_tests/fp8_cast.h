@@ -8,7 +8,9 @@
 // vector loads), values with few mantissa bits so that power-of-two scales put many products exactly on FP8
 // rounding ties, FP8 subnormal and saturating products, fp32 subnormal inputs (an all-subnormal tile's scale
 // overflows to FLT_MAX), NaN of both signs, +-inf, -0 and all-zero tiles. Outputs sit between guard bytes
-// filled with a sentinel: an element a backend fails to write or a write out of bounds both show up. The amax
+// filled with a sentinel: an element a backend fails to write or a write out of bounds both show up. A bf16 x
+// (the activations of a bf16 run) is read as it is: its codes, scales and amax must be the CPU table's on the
+// fp32 copy of the same values, bitwise (every bf16 is an fp32). The amax
 // alone (ops::amax) is an element-wise op test (op_tests/elementwise.h); casts whose scale comes from an amax
 // in memory are in op_tests/fp8_current_scaling.h.
 #pragma once
@@ -158,17 +160,18 @@ struct CastCase {
   Cast cast = Cast::per_tensor;
   int64_t rows = 0, cols = 0;
   DType fp8 = DType::e4m3;
+  DType x_dtype = DType::f32;  // bf16: x rounded to bf16 and cast from there
   bool q = true, q_t = true;
   float scale = 1.0f;
   bool power_of_two = false;
-  // Offsets of x (in floats), q and q_t (in bytes) from aligned addresses: nonzero forces the scalar paths.
+  // Offsets of x (in elements), q and q_t (in bytes) from aligned addresses: nonzero forces the scalar paths.
   size_t x_offset = 0, q_offset = 0, q_t_offset = 0;
   uint8_t sentinel = 0xa5;
 
   std::string name() const {
     std::ostringstream out;
     out << cast_name(cast) << " " << shape_name(rows, cols) << " " << dtype_name(fp8) << (q ? " q" : "")
-        << (q_t ? " q_t" : "");
+        << (q_t ? " q_t" : "") << " from " << dtype_name(x_dtype);
     if (cast == Cast::per_tensor)
       out << " scale " << scale << " (" << test::hex(std::bit_cast<uint32_t>(scale)) << ")";
     else
@@ -222,11 +225,25 @@ inline CastResult run_cpu(const CastCase& c, const std::vector<float>& x) {
   return r;
 }
 
-// The cast on `on`, x and the outputs at the case's offsets, the outputs between guards.
-inline CastResult run_on(Device on, const CastCase& c, const std::vector<float>& x) {
+// x rounded to bf16 (its bits), and those values back in fp32 (exact).
+inline std::vector<uint16_t> to_bf16(const std::vector<float>& x) {
+  std::vector<uint16_t> bits(x.size());
+  for (size_t i = 0; i < x.size(); ++i) bits[i] = f32_to_bf16_bits(x[i]);
+  return bits;
+}
+inline std::vector<float> widen(const std::vector<uint16_t>& bits) {
+  std::vector<float> x(bits.size());
+  for (size_t i = 0; i < bits.size(); ++i) x[i] = bf16_bits_to_f32(bits[i]);
+  return x;
+}
+
+// The cast on `on`, x (float, or bf16 bits as uint16_t) and the outputs at the case's offsets, the outputs
+// between guards.
+template <typename T>
+CastResult run_on(Device on, const CastCase& c, const std::vector<T>& x) {
   const size_t n = static_cast<size_t>(c.rows * c.cols);
   const bool block = c.cast != Cast::per_tensor;
-  DeviceArray<float> dx(on, x, c.x_offset);
+  DeviceArray<T> dx(on, x, c.x_offset);
   GuardedOutput<uint8_t> q(on, c.q ? n : 0, c.sentinel, c.q_offset),
       q_t(on, c.q_t ? n : 0, c.sentinel, c.q_t_offset);
   GuardedOutput<float> scale_inv(on, block && c.q ? static_cast<size_t>(c.scale_count()) : 0, c.sentinel);
@@ -264,8 +281,15 @@ inline void expect_same(const CastResult& got, const CastResult& cpu, const Cast
   if (c.cast == Cast::per_tensor) expect_same_amax(got.amax, cpu.amax, what);
 }
 
+// The case on `on` against the CPU table on plain fp32 arrays; with a bf16 x, x is rounded to bf16 first and
+// the reference casts the fp32 copy of the rounded values.
 inline void check_case(Device on, const CastCase& c, const std::vector<float>& x) {
   SCOPED_TRACE(c.name());
+  if (c.x_dtype == DType::bf16) {
+    const std::vector<uint16_t> x16 = to_bf16(x);
+    expect_same(run_on(on, c, x16), run_cpu(c, widen(x16)), c, c.name());
+    return;
+  }
   expect_same(run_on(on, c, x), run_cpu(c, x), c, c.name());
 }
 
@@ -325,6 +349,21 @@ TEST_P(Fp8CastOp, Quantize128x128) {
       }
 }
 
+// bf16 activations cast as they are (no fp32 copy): every cast and output layout, both FP8 formats, the
+// specials (NaN, inf, subnormals round to bf16 subnormals or zero) included.
+TEST_P(Fp8CastOp, Bf16Inputs) {
+  const Case& s = test_case();
+  const std::vector<float> x = make_input(s.rows, s.cols, 81);
+  for (Cast cast : {Cast::per_tensor, Cast::tile_1x128, Cast::block_128x128})
+    for (DType fp8 : {DType::e4m3, DType::e5m2})
+      for (auto [q, q_t] : cast == Cast::block_128x128 ? kRowwiseOutputs : kAnyOutputs) {
+        CastCase c;
+        c.cast = cast, c.rows = s.rows, c.cols = s.cols, c.fp8 = fp8, c.q = q, c.q_t = q_t, c.scale = 0.7f;
+        c.power_of_two = fp8 == DType::e4m3, c.x_dtype = DType::bf16;
+        check_case(device(), c, x);
+      }
+}
+
 class Fp8CastFixed : public testing::OpTest<testing::FixedCase> {};
 
 // The delayed recipe's amax accumulators: the per-tensor cast folds its amax into a float where it runs (max,
@@ -376,15 +415,16 @@ TEST_P(Fp8CastFixed, UnalignedPointers) {
   struct Offsets {
     size_t x, q, q_t;
   };
-  for (Offsets o : {Offsets{1, 0, 0}, Offsets{0, 1, 2}, Offsets{2, 3, 1}})
-    for (Cast cast : {Cast::per_tensor, Cast::tile_1x128, Cast::block_128x128})
-      for (auto [q, q_t] : cast == Cast::block_128x128 ? kRowwiseOutputs : kAnyOutputs) {
-        CastCase c;
-        c.cast = cast, c.rows = 300, c.cols = 1000, c.fp8 = DType::e4m3, c.q = q, c.q_t = q_t,
-        c.scale = 0x1p-2f;
-        c.x_offset = o.x, c.q_offset = o.q, c.q_t_offset = o.q_t;
-        check_case(device(), c, x);
-      }
+  for (DType x_dtype : {DType::f32, DType::bf16})
+    for (Offsets o : {Offsets{1, 0, 0}, Offsets{0, 1, 2}, Offsets{2, 3, 1}})
+      for (Cast cast : {Cast::per_tensor, Cast::tile_1x128, Cast::block_128x128})
+        for (auto [q, q_t] : cast == Cast::block_128x128 ? kRowwiseOutputs : kAnyOutputs) {
+          CastCase c;
+          c.cast = cast, c.rows = 300, c.cols = 1000, c.fp8 = DType::e4m3, c.q = q, c.q_t = q_t,
+          c.scale = 0x1p-2f, c.x_dtype = x_dtype;
+          c.x_offset = o.x, c.q_offset = o.q, c.q_t_offset = o.q_t;
+          check_case(device(), c, x);
+        }
 }
 
 // More tiles than the CUDA tiled kernels' grid (1024 CTAs) and more elements than one round of its flat
@@ -402,6 +442,11 @@ TEST_P(Fp8CastFixed, LargeInputs) {
   check_case(device(), c, x);
   c.cast = Cast::block_128x128, c.fp8 = DType::e5m2;
   check_case(device(), c, x);
+  c.x_dtype = DType::bf16;
+  for (Cast cast : {Cast::per_tensor, Cast::tile_1x128, Cast::block_128x128}) {
+    c.cast = cast;
+    check_case(device(), c, x);
+  }
 }
 
 // The same call twice gives the same bits (and fills outputs that started from different sentinels alike,

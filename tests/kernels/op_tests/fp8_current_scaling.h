@@ -374,19 +374,29 @@ TEST_P(Fp8CurrentScalingFixed, NegativeMarginIsRefused) {
 
 // amax_to writes what the CPU's amax returns (on the CPU) or the CPU's amax_to writes (elsewhere), bitwise:
 // -inf, NaNs of either sign with payloads (in the tail too), signalling NaN, all zeros, near -FLT_MAX; sizes
-// that take the CUDA flat kernel through several CTAs and a scalar tail, x off 16-byte alignment.
+// that take the CUDA flat kernel through several CTAs and a scalar tail, x off 16-byte alignment. A bf16 x
+// (its values rounded to bf16) gives the amax of its fp32 copy.
 TEST_P(Fp8CurrentScalingFixed, AmaxToWritesTheAmax) {
-  auto check = [&](const std::vector<float>& x, size_t offset, const std::string& what) {
-    const int64_t n = static_cast<int64_t>(x.size());
-    DeviceArray<float> dx(device(), x, offset);
+  auto check_one = [&](const std::vector<float>& x, auto dx, int64_t n, const std::string& what) {
     Guarded out(device(), sizeof(float));  // starts as sentinel bytes: the op must write it
-    FORGE_TEST_OP(amax_to, device(), dx.data(), n, out.floats());
+    FORGE_TEST_OP(amax_to, device(), dx, n, out.floats());
     float want = 0;
     if (on_cpu())
       want = ops::amax(x.data(), n);
     else
       ops::amax_to(x.data(), n, &want);
     test::expect_bitwise(out.download_floats(what), std::vector<float>{want}, what);
+  };
+  auto check = [&](const std::vector<float>& x, size_t offset, const std::string& what) {
+    const int64_t n = static_cast<int64_t>(x.size());
+    DeviceArray<float> dx(device(), x, offset);
+    check_one(x, dx.data(), n, what);
+    std::vector<uint16_t> x16(x.size());
+    std::vector<float> widened(x.size());
+    for (size_t i = 0; i < x.size(); ++i)
+      x16[i] = f32_to_bf16_bits(x[i]), widened[i] = bf16_bits_to_f32(x16[i]);
+    DeviceArray<uint16_t> dx16(device(), x16, offset);
+    check_one(widened, dx16.data(), n, what + " bf16");
   };
   for (int64_t n :
        {int64_t{0}, int64_t{1}, int64_t{5}, int64_t{1000}, int64_t{300001}, (int64_t{1} << 22) + 3}) {

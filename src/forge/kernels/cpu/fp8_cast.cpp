@@ -15,7 +15,7 @@ namespace forge::cpu {
 bool supports_convert_to_bf16(const float*, uint16_t*, int64_t, std::string*) { return true; }
 bool supports_convert_to_f32(const uint16_t*, float*, int64_t, std::string*) { return true; }
 bool supports_amax(const float*, int64_t, std::string*) { return true; }
-bool supports_amax_to(const float* x, int64_t n, float* out, std::string* reason) {
+bool supports_amax_to(ConstElements x, int64_t n, float* out, std::string* reason) {
   if (n >= 0 && out && (n == 0 || x)) return true;
   return ops::refuse(reason, "amax_to: bad arguments (n = {}, x {}, out {})", n, x ? "set" : "null",
                      out ? "set" : "null");
@@ -23,7 +23,8 @@ bool supports_amax_to(const float* x, int64_t n, float* out, std::string* reason
 
 bool supports_fp8_cast_transpose(const ops::Fp8CastParams& p, std::string* reason) {
   if (!p.q && !p.q_t) return ops::refuse(reason, "fp8_cast_transpose: neither output is given");
-  if (p.amax_in && p.margin < 0) return ops::refuse(reason, "fp8_cast_transpose: negative margin {}", p.margin);
+  if (p.amax_in && p.margin < 0)
+    return ops::refuse(reason, "fp8_cast_transpose: negative margin {}", p.margin);
   return true;
 }
 
@@ -42,11 +43,15 @@ bool supports_fp8_quantize_128x128(const ops::Fp8CastParams& p, std::string* rea
   return true;
 }
 
-void convert_to_bf16(const float* x, uint16_t* y, int64_t n) { convert_f32_to_bf16(x, y, static_cast<size_t>(n)); }
-void convert_to_f32(const uint16_t* x, float* y, int64_t n) { convert_bf16_to_f32(x, y, static_cast<size_t>(n)); }
+void convert_to_bf16(const float* x, uint16_t* y, int64_t n) {
+  convert_f32_to_bf16(x, y, static_cast<size_t>(n));
+}
+void convert_to_f32(const uint16_t* x, float* y, int64_t n) {
+  convert_bf16_to_f32(x, y, static_cast<size_t>(n));
+}
 float amax(const float* x, int64_t n) { return fp8::compute_amax(x, n); }
 
-void amax_to(const float* x, int64_t n, float* out) {
+void amax_to(ConstElements x, int64_t n, float* out) {
   if (std::string why; !supports_amax_to(x, n, out, &why)) fail("{}", why);
   *out = fp8::compute_amax(x, n);
 }
@@ -68,7 +73,8 @@ float fp8_cast_transpose(const ops::Fp8CastParams& p) {
     cast.scale = fp8::compute_scale(*p.amax_in, fp8::fp8_max(p.fp8), p.margin, 1.0f);
   }
   const float amax = cast_transpose_amax(cast);
-  if (float* acc = p.amax_accumulate) *acc = std::isnan(*acc) || std::isnan(amax) ? NAN : std::max(*acc, amax);
+  if (float* acc = p.amax_accumulate)
+    *acc = std::isnan(*acc) || std::isnan(amax) ? NAN : std::max(*acc, amax);
   if (p.scale_out) *p.scale_out = cast.scale;
   if (p.scale_inv_out) *p.scale_inv_out = 1.0f / cast.scale;
   return amax;
@@ -77,8 +83,8 @@ float fp8_cast_transpose(const ops::Fp8CastParams& p) {
 void fp8_quantize_1x128(const ops::Fp8CastParams& p) {
   if (std::string why; !supports_fp8_quantize_1x128(p, &why)) fail("{}", why);
   if (p.q && p.q_t)
-    fp8::quantize_1x128_with_transpose(p.x, p.rows, p.cols, p.fp8, p.power_of_two_scales, p.q, p.scale_inv, p.q_t,
-                                       p.scale_inv_t);
+    fp8::quantize_1x128_with_transpose(p.x, p.rows, p.cols, p.fp8, p.power_of_two_scales, p.q, p.scale_inv,
+                                       p.q_t, p.scale_inv_t);
   else if (p.q)
     fp8::quantize_1x128(p.x, p.rows, p.cols, p.fp8, p.power_of_two_scales, p.q, p.scale_inv);
   else
@@ -87,7 +93,8 @@ void fp8_quantize_1x128(const ops::Fp8CastParams& p) {
 
 void fp8_quantize_128x128(const ops::Fp8CastParams& p) {
   if (std::string why; !supports_fp8_quantize_128x128(p, &why)) fail("{}", why);
-  fp8::quantize_128x128(p.x, p.rows, p.cols, p.fp8, p.power_of_two_scales, p.q, p.scale_inv, p.q_t, p.scale_inv_t);
+  fp8::quantize_128x128(p.x, p.rows, p.cols, p.fp8, p.power_of_two_scales, p.q, p.scale_inv, p.q_t,
+                        p.scale_inv_t);
 }
 
 }  // namespace forge::cpu

@@ -9,8 +9,10 @@
 //     over 8 per-warp partials in shared memory;
 //   - q is written straight from registers (4 rows x 32 bytes per warp store) and q_t through a tile of
 //     codes transposed in shared memory, read back along its rows (128 contiguous bytes per warp store).
-// x is read from memory once per cast. Per-tensor casts without q_t need no tile and run an element-wise
-// kernel; amax runs its own reduction.
+// x is read from memory once per cast, as it is: fp32 in float4s or bf16 in groups of four (8 bytes), each
+// bf16 widened exactly in registers, so a bf16 activation is cast without an fp32 copy and its codes are
+// those of the fp32 copy. Per-tensor casts without q_t need no tile and run an element-wise kernel; amax runs
+// its own reduction.
 //
 // Current scaling stays in stream order: amax_to reduces max |x| into device memory (a memset and one
 // kernel), and the per-tensor cast that follows takes its scale from there (TensorScale): every CTA reads the
@@ -67,7 +69,7 @@ struct TensorScale {
 };
 
 struct TileArgs {
-  const float* x;
+  const void* x;  // float or uint16_t (bf16): the kernel's T
   int64_t rows, cols, row_blocks, col_blocks;
   uint8_t* q;
   uint8_t* q_t;
@@ -75,11 +77,22 @@ struct TileArgs {
   float* scale_inv_t;
   TensorScale tensor_scale;  // per_tensor
   bool power_of_two;
-  // float4 loads of x, uint32 stores of q / q_t (shapes and alignment checked on the host).
+  // Four-element loads of x (16 bytes of fp32, 8 of bf16), uint32 stores of q / q_t (shapes and alignment
+  // checked on the host).
   bool vector_x, vector_q, vector_q_t;
   Fp8Encoding encoding;
   unsigned* amax;  // per_tensor, optional: the device-wide max of |x| bits
 };
+
+// Four consecutive elements of x as fp32 (one aligned load); bf16's bits are the top half of the float's.
+__device__ __forceinline__ float4 load4(const float* x) { return *reinterpret_cast<const float4*>(x); }
+__device__ __forceinline__ float4 load4(const uint16_t* x) {
+  const uint2 u = *reinterpret_cast<const uint2*>(x);
+  return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u),
+                     __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xffff0000u));
+}
+__device__ __forceinline__ float load1(const float* x) { return *x; }
+__device__ __forceinline__ float load1(const uint16_t* x) { return __uint_as_float(uint32_t{*x} << 16); }
 
 __device__ __forceinline__ uint32_t pack4(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3) {
   return c0 | (c1 << 8) | (c2 << 16) | (c3 << 24);
@@ -112,21 +125,21 @@ __device__ __forceinline__ float resolve_scale(const TensorScale& t) {
   return s;
 }
 
+template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    amax_kernel(const float* __restrict__ x, int64_t n, bool vector, unsigned* __restrict__ amax) {
+    amax_kernel(const T* __restrict__ x, int64_t n, bool vector, unsigned* __restrict__ amax) {
   const int64_t stride = int64_t{gridDim.x} * blockDim.x;
   const int64_t tid = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   uint32_t m = 0;
   int64_t scalar_begin = 0;
   if (vector) {
-    const float4* x4 = reinterpret_cast<const float4*>(x);
     const int64_t groups = n / 4;
     for (int64_t base = tid; base < groups; base += kUnroll * stride) {
       float4 f[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t g = base + u * stride;
-        f[u] = g < groups ? x4[g] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        f[u] = g < groups ? load4(x + 4 * g) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
@@ -135,13 +148,14 @@ __global__ void __launch_bounds__(kThreads)
     }
     scalar_begin = groups * 4;
   }
-  for (int64_t i = scalar_begin + tid; i < n; i += stride) m = max(m, detail::abs_bits(x[i]));
+  for (int64_t i = scalar_begin + tid; i < n; i += stride) m = max(m, detail::abs_bits(load1(x + i)));
   block_max_to_global(m, amax);
 }
 
 // Per-tensor q = fp8(x * scale) over a flat array (no transpose), and the amax when asked (amax not null).
+template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    cast_kernel(const float* __restrict__ x, int64_t n, const TensorScale tensor_scale, Fp8Encoding e,
+    cast_kernel(const T* __restrict__ x, int64_t n, const TensorScale tensor_scale, Fp8Encoding e,
                 bool vector, uint8_t* __restrict__ q, unsigned* __restrict__ amax) {
   const float scale = resolve_scale(tensor_scale);
   const int64_t stride = int64_t{gridDim.x} * blockDim.x;
@@ -149,7 +163,6 @@ __global__ void __launch_bounds__(kThreads)
   uint32_t m = 0;
   int64_t scalar_begin = 0;
   if (vector) {
-    const float4* x4 = reinterpret_cast<const float4*>(x);
     uint32_t* q4 = reinterpret_cast<uint32_t*>(q);
     const int64_t groups = n / 4;
     for (int64_t base = tid; base < groups; base += kUnroll * stride) {
@@ -157,7 +170,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t g = base + u * stride;
-        f[u] = g < groups ? x4[g] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        f[u] = g < groups ? load4(x + 4 * g) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -173,7 +186,7 @@ __global__ void __launch_bounds__(kThreads)
     scalar_begin = groups * 4;
   }
   for (int64_t i = scalar_begin + tid; i < n; i += stride) {
-    const float v = x[i];
+    const float v = load1(x + i);
     m = max(m, detail::abs_bits(v));
     q[i] = static_cast<uint8_t>(detail::encode_product(v, scale, e));
   }
@@ -182,7 +195,7 @@ __global__ void __launch_bounds__(kThreads)
 
 // The tiled casts (see the header comment). kRowwise writes q (and, for the block scalings, scale_inv);
 // kColwise writes q_t (and scale_inv_t).
-template <TileScaling kScaling, bool kRowwise, bool kColwise>
+template <typename T, TileScaling kScaling, bool kRowwise, bool kColwise>
 __global__ void __launch_bounds__(kTileThreads, 2) tile_cast_kernel(const TileArgs args) {
   constexpr bool kColumnScales = kScaling == TileScaling::tile_1x128 && kColwise;
   constexpr bool kTileScale = kScaling == TileScaling::block_128x128;
@@ -216,18 +229,17 @@ __global__ void __launch_bounds__(kTileThreads, 2) tile_cast_kernel(const TileAr
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = 32 * i + 4 * warp + b;
-      const float* src = args.x + (r0 + r) * cols + c0;
+      const T* src = static_cast<const T*>(args.x) + (r0 + r) * cols + c0;
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const int c = 32 * k + 4 * a;
         if (args.vector_x) {
           // cols % 4 == 0, so tc % 4 == 0: the four columns are valid together.
-          const float4 f = r < tr && c < tc ? *reinterpret_cast<const float4*>(src + c)
-                                            : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          const float4 f = r < tr && c < tc ? load4(src + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
           v[i][k][0] = f.x, v[i][k][1] = f.y, v[i][k][2] = f.z, v[i][k][3] = f.w;
         } else {
 #pragma unroll
-          for (int j = 0; j < 4; ++j) v[i][k][j] = r < tr && c + j < tc ? src[c + j] : 0.0f;
+          for (int j = 0; j < 4; ++j) v[i][k][j] = r < tr && c + j < tc ? load1(src + c + j) : 0.0f;
         }
       }
     }
@@ -410,6 +422,9 @@ bool aligned(const void* pointer, uintptr_t bytes) {
   return reinterpret_cast<uintptr_t>(pointer) % bytes == 0;
 }
 
+// Whether x can be read four elements at a time (16 bytes of fp32, 8 of bf16).
+bool aligned4(ConstElements x) { return aligned(x.get(), 4 * dtype_size(x.dtype())); }
+
 // Checks shared by every cast's predicate, after its outputs'.
 bool cast_ok(const char* op, const ops::Fp8CastParams& p, std::string* reason) {
   using detail::refuse;
@@ -417,9 +432,11 @@ bool cast_ok(const char* op, const ops::Fp8CastParams& p, std::string* reason) {
     return refuse(reason, op,
                   std::string(dtype_name(p.fp8)) + " is not an FP8 dtype (expected fp8_e4m3 or fp8_e5m2)");
   if (p.rows < 0 || p.cols < 0)
-    return refuse(reason, op, "negative shape [" + std::to_string(p.rows) + ", " + std::to_string(p.cols) + "]");
+    return refuse(reason, op,
+                  "negative shape [" + std::to_string(p.rows) + ", " + std::to_string(p.cols) + "]");
   if (p.cols > 0 && p.rows > INT64_MAX / p.cols)
-    return refuse(reason, op, "shape [" + std::to_string(p.rows) + ", " + std::to_string(p.cols) + "] is too large");
+    return refuse(reason, op,
+                  "shape [" + std::to_string(p.rows) + ", " + std::to_string(p.cols) + "] is too large");
   return p.rows == 0 || p.cols == 0 || detail::pointer_set(p.x, op, "x", reason);
 }
 
@@ -435,13 +452,13 @@ TensorScale tensor_scale(const ops::Fp8CastParams& p) {
 
 TileArgs tile_args(const ops::Fp8CastParams& p) {
   TileArgs t{};
-  t.x = p.x;
+  t.x = p.x.get();
   t.rows = p.rows, t.cols = p.cols;
   t.row_blocks = (p.rows + kTile - 1) / kTile, t.col_blocks = (p.cols + kTile - 1) / kTile;
   t.q = p.q, t.q_t = p.q_t, t.scale_inv = p.scale_inv, t.scale_inv_t = p.scale_inv_t;
   t.tensor_scale = tensor_scale(p);
   t.power_of_two = p.power_of_two_scales;
-  t.vector_x = aligned(p.x, 16) && p.cols % 4 == 0;
+  t.vector_x = aligned4(p.x) && p.cols % 4 == 0;
   t.vector_q = aligned(p.q, 4) && p.cols % 4 == 0;
   t.vector_q_t = aligned(p.q_t, 4) && p.rows % 4 == 0;
   t.encoding = encoding_for(p.fp8);
@@ -450,10 +467,13 @@ TileArgs tile_args(const ops::Fp8CastParams& p) {
 }
 
 template <TileScaling kScaling, bool kRowwise, bool kColwise>
-void launch_tiles(const TileArgs& t, const char* op) {
+void launch_tiles(const TileArgs& t, DType x_dtype, const char* op) {
   const int64_t tiles = t.row_blocks * t.col_blocks;
   const auto grid = static_cast<unsigned>(tiles < kMaxTileGrid ? tiles : kMaxTileGrid);
-  tile_cast_kernel<kScaling, kRowwise, kColwise><<<grid, kTileThreads, 0, stream()>>>(t);
+  if (x_dtype == DType::bf16)
+    tile_cast_kernel<uint16_t, kScaling, kRowwise, kColwise><<<grid, kTileThreads, 0, stream()>>>(t);
+  else
+    tile_cast_kernel<float, kScaling, kRowwise, kColwise><<<grid, kTileThreads, 0, stream()>>>(t);
   FORGE_CUDA_CHECK_LAUNCH(op);
 }
 
@@ -476,10 +496,10 @@ class DeviceAmax {
 };
 
 // Folds max |x| bits into *word (zeroed by the caller); n > 0.
-void launch_amax(const char* op, const float* x, int64_t n, unsigned* word) {
-  const bool vector = aligned(x, 16);
+void launch_amax(const char* op, ConstElements x, int64_t n, unsigned* word) {
+  const bool vector = aligned4(x);
   const unsigned grid = detail::grid_blocks((n + 3) / 4, kThreads * kUnroll, kMaxFlatGrid);
-  amax_kernel<<<grid, kThreads, 0, stream()>>>(x, n, vector, word);
+  visit(x, [&](const auto* typed) { amax_kernel<<<grid, kThreads, 0, stream()>>>(typed, n, vector, word); });
   FORGE_CUDA_CHECK_LAUNCH(op);
 }
 
@@ -490,7 +510,7 @@ bool supports_amax(const float* x, int64_t n, std::string* reason) {
   return n == 0 || detail::pointer_set(x, "amax", "x", reason);
 }
 
-bool supports_amax_to(const float* x, int64_t n, float* out, std::string* reason) {
+bool supports_amax_to(ConstElements x, int64_t n, float* out, std::string* reason) {
   constexpr const char* op = "amax_to";
   if (n < 0) return detail::refuse(reason, op, "negative size " + std::to_string(n));
   return detail::pointer_set(out, op, "out", reason) && (n == 0 || detail::pointer_set(x, op, "x", reason));
@@ -500,7 +520,8 @@ bool supports_fp8_cast_transpose(const ops::Fp8CastParams& p, std::string* reaso
   constexpr const char* op = "fp8_cast_transpose";
   if (!p.q && !p.q_t) return detail::refuse(reason, op, "neither q nor q_t is given");
   if (!cast_ok(op, p, reason)) return false;
-  if (p.amax_in && p.margin < 0) return detail::refuse(reason, op, "negative margin " + std::to_string(p.margin));
+  if (p.amax_in && p.margin < 0)
+    return detail::refuse(reason, op, "negative margin " + std::to_string(p.margin));
   return true;
 }
 
@@ -528,7 +549,7 @@ float amax(const float* x, int64_t n) {
   return result.read();
 }
 
-void amax_to(const float* x, int64_t n, float* out) {
+void amax_to(ConstElements x, int64_t n, float* out) {
   constexpr const char* op = "amax_to";
   if (std::string why; !supports_amax_to(x, n, out, &why)) fail_message(why);
   // out becomes the word the kernel max-reduces into: +0's bits, then the max of |x|'s bits, which read as a
@@ -554,18 +575,21 @@ float fp8_cast_transpose(const ops::Fp8CastParams& p) {
     amax_word = result.emplace().word();
   if (!p.q_t || n == 0) {
     // Row-major q alone is an element-wise cast of the flat array (an empty one still writes the scale).
-    const bool vector = aligned(p.x, 16) && aligned(p.q, 4);
+    const bool vector = aligned4(p.x) && aligned(p.q, 4);
     const unsigned grid = detail::grid_blocks((n + 3) / 4, kThreads * kUnroll, kMaxFlatGrid);
-    cast_kernel<<<grid, kThreads, 0, stream()>>>(p.x, n, tensor_scale(p), encoding_for(p.fp8), vector, p.q,
-                                                 amax_word);
+    const TensorScale scale = tensor_scale(p);
+    const Fp8Encoding encoding = encoding_for(p.fp8);
+    visit(p.x, [&](const auto* x) {
+      cast_kernel<<<grid, kThreads, 0, stream()>>>(x, n, scale, encoding, vector, p.q, amax_word);
+    });
     FORGE_CUDA_CHECK_LAUNCH(op);
   } else {
     TileArgs t = tile_args(p);
     t.amax = amax_word;
     if (p.q)
-      launch_tiles<TileScaling::per_tensor, true, true>(t, op);
+      launch_tiles<TileScaling::per_tensor, true, true>(t, p.x.dtype(), op);
     else
-      launch_tiles<TileScaling::per_tensor, false, true>(t, op);
+      launch_tiles<TileScaling::per_tensor, false, true>(t, p.x.dtype(), op);
   }
   return result ? result->read() : 0.0f;
 }
@@ -576,11 +600,11 @@ void fp8_quantize_1x128(const ops::Fp8CastParams& p) {
   if (p.rows == 0 || p.cols == 0) return;
   const TileArgs t = tile_args(p);
   if (p.q && p.q_t)
-    launch_tiles<TileScaling::tile_1x128, true, true>(t, op);
+    launch_tiles<TileScaling::tile_1x128, true, true>(t, p.x.dtype(), op);
   else if (p.q)
-    launch_tiles<TileScaling::tile_1x128, true, false>(t, op);
+    launch_tiles<TileScaling::tile_1x128, true, false>(t, p.x.dtype(), op);
   else
-    launch_tiles<TileScaling::tile_1x128, false, true>(t, op);
+    launch_tiles<TileScaling::tile_1x128, false, true>(t, p.x.dtype(), op);
 }
 
 void fp8_quantize_128x128(const ops::Fp8CastParams& p) {
@@ -589,9 +613,9 @@ void fp8_quantize_128x128(const ops::Fp8CastParams& p) {
   if (p.rows == 0 || p.cols == 0) return;
   const TileArgs t = tile_args(p);
   if (p.q_t)
-    launch_tiles<TileScaling::block_128x128, true, true>(t, op);
+    launch_tiles<TileScaling::block_128x128, true, true>(t, p.x.dtype(), op);
   else
-    launch_tiles<TileScaling::block_128x128, true, false>(t, op);
+    launch_tiles<TileScaling::block_128x128, true, false>(t, p.x.dtype(), op);
 }
 
 }  // namespace forge::cuda
