@@ -52,6 +52,14 @@ class LlamaGolden : public ::testing::TestWithParam<std::string> {
     params.refresh_bf16();
     return model;
   }
+  // The loss transformers trains on: the mean cross-entropy, plus with output_router_logits its
+  // load-balancing loss times router_aux_loss_coef, whose value forge reports per MoE layer (summed here).
+  static double training_loss(Model& model, const LossSum& loss) {
+    const auto* stack = dynamic_cast<const DecoderStack*>(&model);
+    const double aux =
+        stack && stack->router_aux_loss_coef() > 0 ? stack->aux_loss(stack->router_aux_loss_coef()) : 0.0;
+    return loss.mean() + aux;
+  }
   std::unique_ptr<SafetensorsFile> file_;
   std::unique_ptr<ModelConfig> config_;
 };
@@ -71,7 +79,11 @@ TEST_P(LlamaGolden, LogitsLossAndGradients) {
   LossSum loss =
       model->forward_backward(ids.i32(), labels.i32(), batch, seq, 1.0f / static_cast<float>(valid));
   EXPECT_EQ(loss.tokens, valid);
-  EXPECT_NEAR(loss.mean(), file_->read("loss").f32()[0], 1e-5);
+  EXPECT_NEAR(training_loss(*model, loss), file_->read("loss").f32()[0], 1e-5);
+  if (file_->find("router_aux_loss")) {  // transformers' own load-balancing loss, before its coefficient
+    const auto& stack = dynamic_cast<const DecoderStack&>(*model);
+    EXPECT_NEAR(stack.aux_loss(1.0), file_->read("router_aux_loss").f32()[0], 1e-6);
+  }
 
   // Gradients: 1e-5 relative per tensor (they pass through more reductions than the logits; measured at
   // most 1.9e-6 over the eight fixtures).
@@ -96,9 +108,10 @@ TEST_P(LlamaGolden, AdamWStepsWithClipping) {
     int64_t valid = 0;
     for (int64_t i = 0; i < labels.numel(); ++i) valid += labels.i32()[i] >= 0;
     model->params().zero_grads();
+    model->begin_train_step(TrainStepSettings{});  // one micro-batch a step: the MoE statistics restart
     LossSum loss = model->forward_backward(ids.i32(), labels.i32(), ids.dim(0), ids.dim(1), 1.0f / valid);
     double norm = global_grad_norm(model->params());
-    EXPECT_NEAR(loss.mean(), want_losses.f32()[step], 2e-5) << "step " << step;
+    EXPECT_NEAR(training_loss(*model, loss), want_losses.f32()[step], 2e-5) << "step " << step;
     EXPECT_NEAR(norm, want_norms.f32()[step], 1e-4 * want_norms.f32()[step]) << "step " << step;
     optimizer.step(lr, clip_coefficient(norm, max_norm));
   }
@@ -151,8 +164,10 @@ INSTANTIATE_TEST_SUITE_P(Mistral, LlamaGolden, ::testing::Values("mistral_tiny_w
 INSTANTIATE_TEST_SUITE_P(Gemma, LlamaGolden, ::testing::Values("gemma2_tiny", "gemma3_tiny"));
 INSTANTIATE_TEST_SUITE_P(Starcoder2, LlamaGolden,
                          ::testing::Values("starcoder2_tiny", "starcoder2_tiny_tied_window"));
-INSTANTIATE_TEST_SUITE_P(Mixtral, LlamaGolden, ::testing::Values("mixtral_tiny_window", "mixtral_tiny_tied"));
-INSTANTIATE_TEST_SUITE_P(Qwen3Moe, LlamaGolden, ::testing::Values("qwen3_moe_tiny", "qwen3_moe_tiny_tied"));
+INSTANTIATE_TEST_SUITE_P(Mixtral, LlamaGolden,
+                         ::testing::Values("mixtral_tiny_window", "mixtral_tiny_tied", "mixtral_tiny_aux"));
+INSTANTIATE_TEST_SUITE_P(Qwen3Moe, LlamaGolden,
+                         ::testing::Values("qwen3_moe_tiny", "qwen3_moe_tiny_tied", "qwen3_moe_tiny_aux"));
 
 // The fixtures' configs are what transformers wrote: the family comes from `architectures`, and every
 // parameter forge registers is a tensor of the checkpoint (biases and QK-norms included), in the config's
@@ -252,7 +267,8 @@ TEST(MixtralGolden, ConfigsReadAsMixtral) {
   nlohmann::json j = config->to_json();
   EXPECT_EQ(MixtralConfig::from_json(j, "round trip").to_json(), j);
   expect_refusals<MixtralConfig>(
-      j, {{"output_router_logits", true, "key 'output_router_logits' is true"},
+      j, {{"router_aux_loss_coef", -0.5, "key 'router_aux_loss_coef' must be a finite number >= 0, got -0.5"},
+          {"output_router_logits", 1, "key 'output_router_logits'"},
           {"router_jitter_noise", 0.01, "key 'router_jitter_noise' must be 0"},
           {"num_experts_per_tok", 5, "key 'num_experts_per_tok' (5) exceeds 'num_local_experts' (4)"}});
 }
@@ -275,7 +291,7 @@ TEST(Qwen3MoeGolden, ConfigsReadAsQwen3Moe) {
   nlohmann::json j = config->to_json();
   EXPECT_EQ(Qwen3MoeConfig::from_json(j, "round trip").to_json(), j);
   expect_refusals<Qwen3MoeConfig>(
-      j, {{"output_router_logits", true, "key 'output_router_logits' is true"},
+      j, {{"router_aux_loss_coef", -1, "key 'router_aux_loss_coef' must be a finite number >= 0, got -1"},
           {"num_local_experts", 8, "keys 'num_experts' (4) and 'num_local_experts' (8) disagree"},
           {"mlp_only_layers", nlohmann::json::array({2}), "key 'mlp_only_layers' holds 2, not a layer index"},
           {"use_sliding_window", true, "key 'use_sliding_window' is true"}});

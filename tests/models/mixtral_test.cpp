@@ -10,6 +10,7 @@
 #include <cmath>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "family_model_checks.h"
 #include "forge/models/qwen3_moe/qwen3_moe.h"
@@ -98,6 +99,48 @@ TEST(Qwen3MoeConfig, HuggingFaceDefaultsAndQwen3_30B_A3B) {
                                                      "qwen3-30b-a3b.json");
   EXPECT_NEAR(static_cast<double>(c.num_parameters()), 30.53e9, 0.01e9);
   EXPECT_EQ(c.to_json()["max_window_layers"], 48);
+}
+
+// output_router_logits: Hugging Face's load-balancing loss over both layers' routers. Zero router weights
+// give every expert the probability 1/4 and send every token to experts 0 and 1 (ties go to the lower
+// index): transformers' E x sum_e (assignments to e / (L T)) x P_e = 4 x (1/2 x 1/4 + 1/2 x 1/4) = 2.
+// Every layer's router learns from it, under every recompute policy alike; a model cut into pipeline stages
+// is refused in one line.
+TEST(MixtralModel, RouterLoadBalancingLossOverEveryLayer) {
+  json j = tiny();
+  j["output_router_logits"] = true, j["router_aux_loss_coef"] = 0.5;
+  const MixtralConfig config = MixtralConfig::from_json(j, "aux.json");
+  EXPECT_DOUBLE_EQ(config.training_router_aux_loss_coef(), 0.5);
+  EXPECT_EQ(config.to_json()["output_router_logits"], true);
+  MixtralModel model(config, {DType::f32, nn::Recompute::none});
+  EXPECT_DOUBLE_EQ(model.router_aux_loss_coef(), 0.5);
+  model.initialize(3);
+  ParameterStore& params = model.params();
+  std::vector<int> routers;
+  for (int i = 0; i < params.count(); ++i)
+    if (params.info(i).name.find("block_sparse_moe.gate.") != std::string::npos) routers.push_back(i);
+  ASSERT_EQ(routers.size(), 2u);
+  for (int i : routers) params.param(i).fill_zero();
+  std::vector<int32_t> ids(2 * 12), targets(2 * 12);
+  for (size_t t = 0; t < ids.size(); ++t) ids[t] = static_cast<int32_t>(t * 7 % 64), targets[t] = ids[t];
+  params.zero_grads();
+  model.begin_train_step(TrainStepSettings{});
+  model.forward_backward(ids.data(), targets.data(), 2, 12, 1.0f / 24);
+  EXPECT_NEAR(model.aux_loss(1.0), 2.0, 1e-6);
+  EXPECT_NEAR(model.aux_loss(0.5), 1.0, 1e-6);
+  for (int i : routers) {
+    double sum = 0;
+    for (int64_t k = 0; k < params.grad(i).numel(); ++k) sum += std::abs(params.grad(i).f32()[k]);
+    EXPECT_GT(sum, 0.0) << params.info(i).name;
+  }
+  // Every recompute policy (a layer's forward run again in backward records the same routing) and the split
+  // backward give the gradients of none, bitwise.
+  testing::expect_split_backward_bitwise(config, 12, [](const ParameterStore&) {});
+  testing::expect_error_containing(
+      [&] {
+        MixtralModel stage(config, {DType::f32, nn::Recompute::none}, 0.02f, true, StageSpec::split(2, 2, 0));
+      },
+      {"aux.json", "output_router_logits = true", "every layer on one pipeline stage", "[0, 1)"});
 }
 
 TEST(MixtralModel, HuggingFaceFolderInAndOut) {

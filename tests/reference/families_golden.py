@@ -29,6 +29,9 @@ adds shows in its fixtures:
   Mixtral's under the released names (`mlp.experts.<e>.gate_proj`, `up_proj`, `down_proj`); one config with
   layer 0 dense (`mlp_only_layers`) and the top-2 weights as the softmax gives them, one tied with
   `norm_topk_prob`.
+- Mixtral and Qwen3-MoE with output_router_logits (`*_aux`): the loss adds router_aux_loss_coef times the
+  load-balancing loss transformers computes over every layer's router logits at once (its aux_loss, also
+  stored as `router_aux_loss`); the gradients and the AdamW run follow that loss.
 
 `--check` also reports how much the family's own option moves the float64 logits (QK-norm weights set to
 one, the window removed, resp. every bias zeroed): it must matter.
@@ -277,6 +280,15 @@ CONFIGS = {
     "mixtral_tiny_tied": (MIXTRAL, dict(model=dict(MIXTRAL_COMMON, num_key_value_heads=1, head_dim=12,
                                                    tie_word_embeddings=True, sliding_window=None,
                                                    rope_theta=10000.0), batch=2, seq=16, seed=1)),
+    # Hugging Face's load-balancing loss (output_router_logits) with a coefficient large enough to move every
+    # router gradient: over Mixtral's two MoE layers, and over Qwen3-MoE's two of three (layer 1 dense).
+    "mixtral_tiny_aux": (MIXTRAL, dict(model=dict(MIXTRAL_COMMON, sliding_window=None, rope_theta=1e6,
+                                                  output_router_logits=True, router_aux_loss_coef=0.3),
+                                       batch=2, seq=12, seed=1)),
+    "qwen3_moe_tiny_aux": (QWEN3_MOE, dict(model=dict(QWEN3_MOE_COMMON, num_hidden_layers=3, mlp_only_layers=[1],
+                                                      norm_topk_prob=True, output_router_logits=True,
+                                                      router_aux_loss_coef=0.1),
+                                           batch=2, seq=12, seed=1)),
 }
 
 

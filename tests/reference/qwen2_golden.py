@@ -133,6 +133,19 @@ def logits_of(net, input_ids):
     return net(input_ids=input_ids.long(), use_cache=False).logits
 
 
+def forward_loss(net, input_ids, labels):
+    """Logits and the training loss: the mean cross-entropy, plus, when the config sets output_router_logits
+    (Mixtral, Qwen3-MoE), router_aux_loss_coef times the load-balancing loss transformers' model computes
+    itself (its aux_loss: load_balancing_loss_func over every layer's router logits), as its own loss adds
+    it. Returns (logits, loss, aux_loss or None)."""
+    if getattr(net.config, "output_router_logits", False):
+        out = net(input_ids=input_ids.long(), use_cache=False, output_router_logits=True)
+        return out.logits, mean_loss(out.logits, labels) + net.config.router_aux_loss_coef * out.aux_loss, \
+            out.aux_loss
+    logits = logits_of(net, input_ids)
+    return logits, mean_loss(logits, labels), None
+
+
 GREEDY_PROMPT, GREEDY_NEW = 8, 16
 
 
@@ -171,7 +184,7 @@ def adamw_run(initial, model, batches, dtype=torch.float32, family=None):
     losses, grad_norms = [], []
     for input_ids, labels in batches:
         optimizer.zero_grad(set_to_none=True)
-        loss = mean_loss(logits_of(net, input_ids), labels)
+        _, loss, _ = forward_loss(net, input_ids, labels)
         loss.backward()
         grad_norms.append(float(torch.nn.utils.clip_grad_norm_(ordered, ADAMW["max_grad_norm"])))
         losses.append(float(loss.detach()))
@@ -199,9 +212,8 @@ def generate(name, spec, family=None):
     model = spec["model"]
     net, initial, input_ids, labels, step_batches = first_batch(name, spec, family)
 
-    logits = logits_of(net, input_ids)
+    logits, loss, aux_loss = forward_loss(net, input_ids, labels)
     greedy = greedy_tokens(net, input_ids)
-    loss = mean_loss(logits, labels)
     loss.backward()
     named = dict(net.named_parameters())
     grads = {n: named[n].grad.detach().clone() for n in initial}
@@ -227,6 +239,8 @@ def generate(name, spec, family=None):
     tensors += [("input_ids", input_ids), ("labels", labels), ("logits", logits.detach()),
                 ("loss", loss.detach().reshape(1)), ("rope.inv_freq", inv_freq),
                 ("greedy.prompt", input_ids[0, :GREEDY_PROMPT].contiguous()), ("greedy.tokens", greedy)]
+    if aux_loss is not None:  # the load-balancing loss before its coefficient (loss holds both)
+        tensors += [("router_aux_loss", aux_loss.detach().reshape(1))]
     tensors += [("grad." + n, grads[n]) for n in initial]
     for k, (step_ids, step_labels) in enumerate(step_batches):
         tensors += [(f"step{k}.input_ids", step_ids), (f"step{k}.labels", step_labels)]
@@ -239,7 +253,8 @@ def generate(name, spec, family=None):
         optimizer="torch.optim.AdamW(foreach=False)",
         weight_decay_applies_to=family["weight_decay_applies_to"],
         grad_clip="torch.nn.utils.clip_grad_norm_: coef = max_grad_norm / (norm + 1e-6), applied when < 1",
-        loss="mean cross-entropy over labels != -100; labels already shifted",
+        loss="mean cross-entropy over labels != -100; labels already shifted" +
+             (" + router_aux_loss_coef x router_aux_loss (transformers' aux_loss)" if aux_loss is not None else ""),
         ignore_index=str(IGNORE_INDEX),
         seed=str(spec["seed"]),
         init=family["init"],
@@ -265,13 +280,11 @@ def check(name, spec, family=None):
     family's own option moves the float64 logits (it must matter)."""
     family = family or QWEN2
     net, initial, input_ids, labels, _ = first_batch(name, spec, family)
-    logits = logits_of(net, input_ids)
-    loss = mean_loss(logits, labels)
+    logits, loss, _ = forward_loss(net, input_ids, labels)
     loss.backward()
     ref = family["build"](spec["model"], torch.float64)
     load(ref, initial)
-    ref_logits = logits_of(ref, input_ids)
-    ref_loss = mean_loss(ref_logits, labels)
+    ref_logits, ref_loss, _ = forward_loss(ref, input_ids, labels)
     ref_loss.backward()
     logit_error = float((logits.detach().double() - ref_logits.detach()).abs().max())
     loss_error = abs(float(loss.detach()) - float(ref_loss.detach()))

@@ -17,6 +17,7 @@
 #include "forge/models/pretrained.h"
 #include "forge/train/step.h"
 #include "forge/train/trainer.h"
+#include "op_harness.h"
 #include "test_files.h"
 #include "train/toy_run.h"
 
@@ -154,6 +155,46 @@ TEST_F(TrainerMoe, AuxLossAndCapacityLearnAndAreRecorded) {
     dropped_in_run += static_cast<int64_t>(dropped);
   }
   EXPECT_GT(dropped_in_run, 0) << "capacity 1.0 never dropped: the test checks nothing";
+}
+
+// Mixtral with output_router_logits: Hugging Face's load-balancing loss is reported as the auxiliary loss,
+// each layer its share (summing to the loss, which near-uniform routing puts near top_k x the coefficient);
+// forge's own per-layer auxiliary loss beside it is refused in one line.
+TEST_F(TrainerMoe, RouterLoadBalancingLossIsRecorded) {
+  nlohmann::json j = {{"architectures", {"MixtralForCausalLM"}},
+                      {"model_type", "mixtral"},
+                      {"hidden_size", 32},
+                      {"intermediate_size", 24},
+                      {"num_hidden_layers", 2},
+                      {"num_attention_heads", 4},
+                      {"num_key_value_heads", 2},
+                      {"vocab_size", 256},
+                      {"max_position_embeddings", 64},
+                      {"num_local_experts", 4},
+                      {"num_experts_per_tok", 2},
+                      {"output_router_logits", true},
+                      {"router_aux_loss_coef", 0.02}};
+  std::ofstream(dir_ / "mixtral.json") << j.dump();
+  TrainConfig c = config("router-aux");
+  c.model.config = (dir_ / "mixtral.json").string();
+  c.train.steps = 4;
+  const TrainResult r = Trainer(c).run();
+  ASSERT_EQ(r.losses.size(), 4u);
+  const std::vector<nlohmann::json> steps = toy::step_records(c);
+  ASSERT_EQ(steps.size(), 4u);
+  for (const nlohmann::json& step : steps) {
+    const nlohmann::json& moe = step["moe"];
+    ASSERT_EQ(moe["layers"].size(), 2u) << step;
+    double total = 0;
+    for (const nlohmann::json& layer : moe["layers"]) total += layer["aux_loss"].get<double>();
+    EXPECT_NEAR(moe["aux_loss"].get<double>(), total, 1e-12);
+    EXPECT_GT(total, 0.02 * 2 * 0.9) << step;  // k x coefficient at uniform routing, more when unbalanced
+    EXPECT_LT(total, 0.02 * 2 * 2.0) << step;
+  }
+  c.moe.aux_loss_coeff = 0.01;
+  c.log.run_dir = (dir_ / "router-aux-both").string();
+  testing::expect_error_containing([&] { Trainer(c).run(); },
+                                   {"moe.aux_loss_coeff = 0.01", "mixtral.json", "keep one"});
 }
 
 // moe.pad_to_capacity fills every expert's rows to its capacity with zero rows (fixed GEMM shapes): more

@@ -76,6 +76,18 @@ DecoderStack::DecoderStack(const ModelConfig& config, DecoderSpec spec, nn::Comp
       params_(into ? *into : own_params_),
       tail_(std::move(tail)) {
   check_stage_and_split(with_grads);
+  if (spec_.router_aux_loss_coef > 0) {
+    // One loss over every MoE layer's routing: each layer's backward reads all layers' (nn::MoeRouterAux).
+    if (stage_.first_layer != 0 || stage_.end_layer != spec_.layers)
+      fail(
+          "{}: output_router_logits = true (Hugging Face's load-balancing loss over every layer's router at "
+          "once) needs every layer on one pipeline stage; this stage holds layers [{}, {}) (set parallel.pp "
+          "= "
+          "1, or output_router_logits false)",
+          source_, stage_.first_layer, stage_.end_layer);
+    router_aux_.reset(expert_layer_count(), spec_.moe.experts);
+    moe_scale_.router_aux = static_cast<float>(spec_.router_aux_loss_coef);
+  }
   register_parameters(init_std);
   if (!into) params_.allocate(options.gemm_dtype == DType::bf16, with_grads, options.device);
   build_modules();
@@ -548,6 +560,7 @@ Tensor DecoderStack::run_cached(const int32_t* ids, int64_t batch, int64_t new_t
 void DecoderStack::begin_train_step(const TrainStepSettings& settings) {
   set_balance_scale(settings.balance_scale);
   set_aux_loss_scale(settings.aux_loss_scale);
+  moe_scale_.router_aux = static_cast<float>(spec_.router_aux_loss_coef * settings.micro_batch_weight);
   for (nn::MoeStats& s : moe_stats_) s.reset(spec_.moe.experts);
   if (tail_) tail_->begin_train_step(settings);
 }

@@ -84,6 +84,9 @@ struct DecoderSpec {
     bool correction_bias = true;
   };
   MoeNames moe_names;
+  // > 0: Hugging Face's load-balancing loss over every MoE layer's router (nn::MoeRouterAux; Mixtral's and
+  // Qwen3-MoE's output_router_logits) with this coefficient (router_aux_loss_coef).
+  double router_aux_loss_coef = 0;
   // Per layer index: the model's layers, then any an extension builds (DeepSeek-V3's MTP modules' layers).
   std::vector<LayerSpec> layer_specs;
   // cos/sin [max_positions, rotary dims / 2] on the host; the stack moves them to the device. local_rope:
@@ -201,6 +204,9 @@ class DecoderStack : public Model {
   // over the local MoE layers, from the statistics.
   double balance_loss(double coefficient) const;
   double aux_loss(double coefficient) const;
+  // > 0: Hugging Face's load-balancing loss is on with this coefficient
+  // (ModelConfig::training_router_aux_loss_coef); its value is aux_loss(router_aux_loss_coef()).
+  double router_aux_loss_coef() const { return spec_.router_aux_loss_coef; }
 
   // Module access for tests of the backward split.
   const std::vector<nn::DecoderLayer>& layers() const { return layers_; }
@@ -297,6 +303,7 @@ class DecoderStack : public Model {
   std::vector<const nn::Moe*> moe_layers_;
   std::vector<std::pair<int64_t, int>> moe_layer_ids_;  // per local MoE layer: its index, its bias id
   nn::MoeStepScale moe_scale_;
+  nn::MoeRouterAux router_aux_;  // with spec_.router_aux_loss_coef > 0
   std::unique_ptr<StackTail> tail_;
 };
 

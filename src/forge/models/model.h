@@ -85,6 +85,9 @@ class ModelConfig {
   }
   // Routed experts per MoE layer (what expert parallelism splits); 0 for a dense model.
   virtual int64_t routed_experts() const { return 0; }
+  // > 0: training adds Hugging Face's load-balancing loss over every MoE layer's router logits at once with
+  // this coefficient (Mixtral's and Qwen3-MoE's output_router_logits = true; nn::MoeRouterAux).
+  virtual double training_router_aux_loss_coef() const { return 0; }
   // A multimodal model's image input; none for a text model. What the trainer's data, evaluation and
   // generation need to know of a model's images, whatever its family.
   virtual std::optional<ImageInput> image_input() const { return std::nullopt; }
@@ -154,6 +157,9 @@ struct TrainStepSettings {
   // d(total loss) / d(one micro-batch's auxiliary loss in one MoE layer): the classic auxiliary loss's
   // coefficient divided by the micro-batches of the global batch (0: no auxiliary loss).
   float aux_loss_scale = 0.0f;
+  // d(total loss) / d(one micro-batch's loss) for losses a family defines per micro-batch (Hugging Face's
+  // load-balancing loss, Model::router_aux_loss_coef): 1 / the micro-batches of the global batch.
+  float micro_batch_weight = 1.0f;
   float mtp_weight = 0.0f;  // lambda of main + lambda / D * sum_k L_k
 };
 

@@ -1,5 +1,6 @@
 #include "forge/models/moe_layers.h"
 
+#include <cmath>
 #include <nlohmann/json.hpp>
 
 #include "forge/core/error.h"
@@ -29,13 +30,11 @@ void set_softmax_moe(DecoderSpec& spec, int64_t hidden, int64_t experts, int64_t
   spec.moe_names = names;
 }
 
-void refuse_router_logits_loss(const nlohmann::json& config, std::string_view source) {
-  if (config_json::read_bool(config, "output_router_logits", source).value_or(false))
-    fail(
-        "{}: key 'output_router_logits' is true: Hugging Face then adds its load-balancing loss over every "
-        "layer's router logits, which forge does not compute (set it false; forge's balancing losses are "
-        "moe.seq_aux_loss_coeff and moe.aux_loss_coeff)",
-        source);
+double read_router_aux_loss_coef(const nlohmann::json& config, std::string_view source, double fallback) {
+  const double coef = config_json::read_number(config, "router_aux_loss_coef", source).value_or(fallback);
+  if (!std::isfinite(coef) || coef < 0)
+    fail("{}: key 'router_aux_loss_coef' must be a finite number >= 0, got {}", source, coef);
+  return coef;
 }
 
 }  // namespace forge::models

@@ -24,9 +24,9 @@ void append_moe_shapes(std::vector<std::pair<std::string, Shape>>& shapes, const
 void set_softmax_moe(DecoderSpec& spec, int64_t hidden, int64_t experts, int64_t top_k, int64_t ffn,
                      bool normalize, const DecoderSpec::MoeNames& names);
 
-// Refuses output_router_logits = true (Hugging Face's load-balancing loss over every layer's router logits,
-// which forge does not compute) in one line naming the key.
-void refuse_router_logits_loss(const nlohmann::json& config, std::string_view source);
+// router_aux_loss_coef (the weight of Hugging Face's load-balancing loss with output_router_logits), or
+// `fallback` when absent; a negative or non-finite value is refused in one line naming the key.
+double read_router_aux_loss_coef(const nlohmann::json& config, std::string_view source, double fallback);
 
 // Weights of a MoE layer's matrix products: the router and `experts` SwiGLU experts of width ffn.
 inline int64_t moe_matmul_parameters(int64_t experts, int64_t hidden, int64_t ffn) {

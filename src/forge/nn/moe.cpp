@@ -20,14 +20,18 @@ GemmOperand operand_of(Tensor data) {
 }  // namespace
 
 Moe::Moe(ParameterStore* store, MoeParams params, MoeShape shape, ComputeOptions options, MoeStats* stats,
-         const MoeStepScale* scale)
+         const MoeStepScale* scale, MoeRouterAux* router_aux, int64_t slot)
     : store_(store),
       params_(params),
       shape_(shape),
       options_(options),
       stats_(stats),
       scale_(scale),
+      router_aux_(router_aux),
+      slot_(slot),
       act_dtype_(options.part_dtype()) {
+  FORGE_CHECK(!router_aux || (slot >= 0 && slot < router_aux->layers), "Moe: router_aux slot {} of {}", slot,
+              router_aux ? router_aux->layers : 0);
   FORGE_CHECK(shape.experts > 0 && shape.top_k > 0 && shape.expert_ffn > 0 && shape.hidden > 0,
               "Moe: bad shape experts={} top_k={} expert_ffn={} hidden={}", shape.experts, shape.top_k,
               shape.expert_ffn, shape.hidden);
@@ -172,7 +176,10 @@ Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training
   // auxiliary loss over the whole micro-batch (every rank of a tp group routes the same gathered rows): only
   // when it has a coefficient.
   const bool balance = training && seq > 0 && rows % seq == 0 && (stats_ || (scale_ && scale_->balance != 0));
-  const bool aux = training && rows > 0 && scale_ && scale_->aux != 0;
+  const bool router_aux = training && rows > 0 && scale_ && router_aux_ && scale_->router_aux != 0;
+  FORGE_CHECK(!router_aux || scale_->aux == 0,
+              "Moe: the classic auxiliary loss and Hugging Face's load-balancing loss are both on");
+  const bool aux = router_aux || (training && rows > 0 && scale_ && scale_->aux != 0);
   Tensor losses, aux_loss;
   if (balance || aux) s.score_sums = Tensor::empty({rows}, DType::f32, device);
   if (balance) {
@@ -187,11 +194,13 @@ Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training
     r.score_sums = s.score_sums.f32(), r.aux_fraction = s.aux_fraction.f32(), r.aux_loss = aux_loss.f32();
   }
   s.balance_scale = balance && scale_ ? scale_->balance : 0.0f;
-  s.aux_scale = aux ? scale_->aux : 0.0f;
+  s.aux_scale = router_aux ? scale_->router_aux : aux ? scale_->aux : 0.0f;
   ops::moe_router_forward(r, device);
   s.padded = training ? padded_rows(rows, seq) : std::vector<char>();
-  if (options_.cp && (balance || aux))
-    balance_over_context(s, rows, balance ? seq : 0, aux, losses, aux_loss);
+  const bool classic_aux = aux && !router_aux;
+  if (options_.cp && (balance || classic_aux))
+    balance_over_context(s, rows, balance ? seq : 0, classic_aux, losses, aux_loss);
+  if (router_aux) record_router_aux(s, rows);
 
   // Sort the assignments by expert; the grouped GEMMs take the offsets on the host. Capacity in forward
   // only (see moe.h); the counts are taken before the drop.
@@ -232,7 +241,7 @@ Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training
       for (int64_t i = 0; i < host_losses.numel(); ++i) sum += host_losses.f32()[i];
       s.balance_sum = sum, s.sequences = rows / seq;
     }
-    if (aux) s.aux_sum = aux_loss.to(Device::cpu).f32()[0], s.micro_batches = 1;
+    if (classic_aux) s.aux_sum = aux_loss.to(Device::cpu).f32()[0], s.micro_batches = 1;
     s.rank_spread = 0, s.max_spread = 0;
     if (options_.ep_size() > 1 && rows > 0) {
       const Tensor ids = s.expert_ids.to(Device::cpu);
@@ -328,6 +337,9 @@ Tensor Moe::backward_input(const Tensor& dy_in, int64_t, int64_t, LayerPart::Sav
   const int64_t rows = s.h.numel() / hidden, sorted = s.offsets.back();
   const int64_t local = local_experts(), received = s.plan.received();
   const std::vector<int64_t>& offsets_local = s.plan.local_offsets;
+  // Hugging Face's load-balancing loss: every layer has recorded its f and P of this micro-batch by now.
+  if (s.aux_scale != 0.0f && scale_ && scale_->router_aux != 0.0f && router_aux_)
+    s.aux_sum = router_aux_fraction(s), s.micro_batches = 1;
   if (stats_ && !s.load.empty()) {
     for (int64_t e = 0; e < experts; ++e) stats_->load[e] += s.load[e];
     stats_->dropped += s.dropped;
@@ -580,6 +592,55 @@ void Moe::balance_over_context(Saved& s, int64_t rows, int64_t seq, bool aux, Te
   if (on_host) return;
   if (groups > 0) s.fraction.copy_from(fraction), losses.copy_from(host_losses);
   if (aux) s.aux_fraction.copy_from(aux_fraction), aux_loss.copy_from(host_aux_loss);
+}
+
+// f_l and P_l on the host from the router's outputs (small: tokens x experts), padding left out, summed over
+// the cp group when there is one.
+void Moe::record_router_aux(Saved& s, int64_t rows) const {
+  const int64_t experts = shape_.experts, k = shape_.top_k;
+  std::vector<double> sums(static_cast<size_t>(2 * experts + 1), 0.0);  // [counts | sum of s / n | tokens]
+  const Tensor host_scores = s.scores.to(Device::cpu), host_sums = s.score_sums.to(Device::cpu),
+               host_ids = s.expert_ids.to(Device::cpu);
+  const float* scores = host_scores.f32();
+  const float* score_sums = host_sums.f32();
+  const int32_t* ids = host_ids.i32();
+  for (int64_t t = 0; t < rows; ++t) {
+    if (!s.padded.empty() && s.padded[t]) continue;
+    for (int64_t e = 0; e < experts; ++e)
+      sums[experts + e] += double{scores[t * experts + e]} / score_sums[t];
+    for (int64_t j = 0; j < k; ++j) sums[ids[t * k + j]] += 1;
+    sums[2 * experts] += 1;
+  }
+  if (options_.cp) {
+    std::vector<float> wire(sums.begin(), sums.end());  // counts and tokens are exact in fp32
+    options_.cp->all_reduce_sum(wire.data(), static_cast<int64_t>(wire.size()));
+    std::copy(wire.begin(), wire.end(), sums.begin());
+  }
+  const double tokens = sums[2 * experts];
+  std::vector<double>& f = router_aux_->fraction[static_cast<size_t>(slot_)];
+  std::vector<double>& p = router_aux_->probability[static_cast<size_t>(slot_)];
+  for (int64_t e = 0; e < experts; ++e) {
+    f[e] = tokens > 0 ? static_cast<double>(experts) / (static_cast<double>(k) * tokens) * sums[e] : 0.0;
+    p[e] = tokens > 0 ? sums[experts + e] / tokens : 0.0;
+  }
+  // The backward divides by the rows it is given: the group's loss over `tokens` of them.
+  if (options_.cp && tokens > 0) s.aux_scale *= static_cast<float>(static_cast<double>(rows) / tokens);
+}
+
+double Moe::router_aux_fraction(Saved& s) const {
+  const int64_t experts = shape_.experts, layers = router_aux_->layers;
+  const double per_layer = static_cast<double>(shape_.top_k) / static_cast<double>(layers);
+  Tensor fraction = Tensor::empty({experts}, DType::f32);
+  double share = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    double mean = 0;
+    for (int64_t l = 0; l < layers; ++l) mean += router_aux_->fraction[static_cast<size_t>(l)][e];
+    mean /= static_cast<double>(layers);
+    fraction.f32()[e] = static_cast<float>(per_layer * mean);
+    share += per_layer * mean * router_aux_->probability[static_cast<size_t>(slot_)][e];
+  }
+  s.aux_fraction.copy_from(fraction);
+  return share;
 }
 
 }  // namespace forge::nn

@@ -9,7 +9,8 @@
 // per optimizer step from the tokens each expert received over the global batch (apply_bias_update, after the
 // caller has summed the loads over its data-parallel ranks); the optional sequence-wise balance loss
 // alpha * mean over sequences of sum_i f_i P_i and the optional classic auxiliary loss (the same over each
-// micro-batch's tokens together) reach the router through their gradients (MoeStepScale).
+// micro-batch's tokens together) reach the router through their gradients (MoeStepScale); so does Hugging
+// Face's load-balancing loss over every layer's router at once (MoeRouterAux).
 //
 // Capacity (MoeShape::capacity_factor > 0): an expert takes at most ceil(rows * top_k / experts * factor) of
 // a micro-batch's assignments, in assignment order; a dropped one contributes nothing (the token keeps the
@@ -93,7 +94,9 @@ struct MoeStats {
   std::vector<double> load;  // tokens routed to each expert by this step's training micro-batches
   double balance_sum = 0;    // sum over their sequences of sum_i f_i P_i (before the coefficient)
   int64_t sequences = 0;
-  double aux_sum = 0;         // sum over the micro-batches of their sum_i f_i P_i (computed when aux != 0)
+  // sum over the micro-batches of their sum_i f_i P_i (computed when aux != 0); with router_aux, this layer's
+  // share of MoeRouterAux's loss, (k / L) sum_e fbar[e] P_l[e] (the layers' shares add up to the loss)
+  double aux_sum = 0;
   int64_t micro_batches = 0;  // those aux_sum counts
   int64_t dropped = 0;        // assignments over capacity
   // Expert parallelism: rows this rank's experts took (from every rank, its own included) and rows it sent
@@ -113,10 +116,35 @@ struct MoeStats {
 // Set by the model for each step, read at forward and kept with the micro-batch. balance: d(total loss) /
 // d(balance loss of one sequence), the coefficient divided by the sequences of the global batch; aux:
 // d(total loss) / d(auxiliary loss of one micro-batch), its coefficient divided by the micro-batches of the
-// global batch (0: that loss is off).
+// global batch; router_aux: the same for Hugging Face's load-balancing loss (MoeRouterAux) with the model's
+// router_aux_loss_coef (0: that loss is off). aux and router_aux are not both on.
 struct MoeStepScale {
   float balance = 0.0f;
   float aux = 0.0f;
+  float router_aux = 0.0f;
+};
+
+// Hugging Face's load-balancing loss of Mixtral and Qwen3-MoE (output_router_logits = true;
+// transformers' load_balancing_loss_func): one loss over the router logits of every MoE layer at once, their
+// tokens concatenated. With T tokens in the micro-batch, L MoE layers, f_l[e] = E / (k T) x the assignments
+// layer l gave expert e and P_l[e] layer l's mean probability of e (the softmax, as the classic loss's P):
+//   loss = k x sum_e fbar[e] Pbar[e],   fbar, Pbar the means of f_l, P_l over the layers
+// (= E x sum_e (assignments to e over all layers / (L T)) x (mean probability of e over all layers), the
+// value transformers computes). Its gradient reaches layer l's router as the classic auxiliary loss's does,
+// with f = (k / L) fbar in place of the layer's own f. Each layer records its f_l and P_l at forward (a
+// recomputed forward records the same values again) and reads every layer's in backward, so every layer of
+// the model must run on this process (no pipeline parallelism) and one micro-batch's forward and backward
+// must not interleave with another's (the trainer does not pair micro-batches under expert parallelism
+// then). Under context parallelism f and P are over the whole micro-batch, as the classic loss's.
+struct MoeRouterAux {
+  int64_t layers = 0;                            // L
+  std::vector<std::vector<double>> fraction;     // [layer slot][experts]: this micro-batch's f_l
+  std::vector<std::vector<double>> probability;  // [layer slot][experts]: P_l
+  void reset(int64_t moe_layers, int64_t experts) {
+    layers = moe_layers;
+    fraction.assign(static_cast<size_t>(moe_layers), std::vector<double>(static_cast<size_t>(experts), 0.0));
+    probability = fraction;
+  }
 };
 
 class Moe final : public LayerPart {
@@ -155,9 +183,10 @@ class Moe final : public LayerPart {
   };
 
   Moe() = default;
-  // stats, scale: owned by the model (null: no statistics / no balance loss).
+  // stats, scale, router_aux: owned by the model (null: no statistics / no balance loss / no Hugging Face
+  // load-balancing loss); slot: this layer's row of router_aux.
   Moe(ParameterStore* store, MoeParams params, MoeShape shape, ComputeOptions options, MoeStats* stats,
-      const MoeStepScale* scale);
+      const MoeStepScale* scale, MoeRouterAux* router_aux = nullptr, int64_t slot = -1);
 
   std::unique_ptr<LayerPart::Saved> new_saved() const override { return std::make_unique<Saved>(); }
   Tensor forward(const Tensor& h, int64_t batch, int64_t seq, LayerPart::Saved& saved,
@@ -186,6 +215,11 @@ class Moe final : public LayerPart {
   // share (rewrites s.fraction, s.aux_fraction, losses and aux_loss).
   void balance_over_context(Saved& s, int64_t rows, int64_t seq, bool aux, Tensor& losses,
                             Tensor& aux_loss) const;
+  // Hugging Face's load-balancing loss: this layer's f_l and P_l of the micro-batch into router_aux_ (over
+  // the cp group's tokens, rescaling s.aux_scale as balance_over_context does).
+  void record_router_aux(Saved& s, int64_t rows) const;
+  // Its backward: s.aux_fraction becomes (k / L) fbar; returns this layer's share of the loss.
+  double router_aux_fraction(Saved& s) const;
   // The rows of a micro-batch of `seq`-row sequences (this rank's tokens) that are padding (padded_tail);
   // empty when none are.
   std::vector<char> padded_rows(int64_t rows, int64_t seq) const;
@@ -214,6 +248,8 @@ class Moe final : public LayerPart {
   ComputeOptions options_;
   MoeStats* stats_ = nullptr;
   const MoeStepScale* scale_ = nullptr;
+  MoeRouterAux* router_aux_ = nullptr;
+  int64_t slot_ = -1;
   std::unique_ptr<Mlp> shared_;
   std::vector<Linear> fp8_gate_up_, fp8_down_;  // FP8: per expert
   // The input, the experts' gate|up, SwiGLU and outputs, the output and their gradients: bf16 under

@@ -297,6 +297,20 @@ void TrainSetup::check_model_fits() const {
       fail("{}: parallel.ep = {} does not divide the {} routed experts of {}", c.origin_of("parallel.ep"),
            layout.ep(), experts, model_source);
   }
+  if (model_config->training_router_aux_loss_coef() > 0) {
+    // Hugging Face's load-balancing loss couples every MoE layer's routing (nn::MoeRouterAux).
+    if (layout.pp() > 1)
+      fail(
+          "{}: parallel.pp = {} splits the layers over stages, but {} sets output_router_logits = true, "
+          "whose load-balancing loss is one loss over every layer's router at once (set parallel.pp = 1, or "
+          "output_router_logits false)",
+          c.origin_of("parallel.pp"), layout.pp(), model_source);
+    if (c.moe.aux_loss_coeff > 0)
+      fail(
+          "{}: moe.aux_loss_coeff = {} adds forge's per-layer auxiliary loss, and {} sets "
+          "output_router_logits = true, which adds Hugging Face's over all layers: keep one",
+          c.origin_of("moe.aux_loss_coeff"), c.moe.aux_loss_coeff, model_source);
+  }
   // Context parallelism cuts every sequence into 2 x cp chunks (two per rank, one early and one late, for
   // causal balance); all-to-all attention scatters each tensor-parallel rank's heads over cp.
   const int cp_size = layout.cp();

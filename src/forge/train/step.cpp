@@ -103,6 +103,9 @@ void finish_balancing(TrainSetup& setup, StepResult& r) {
   const int64_t slots = first.expert_layer_count(), experts = first.routed_experts(),
                 depth = first.mtp_depth_count();
   if (slots == 0 && depth == 0) return;
+  // The classic auxiliary loss's, or Hugging Face's load-balancing loss's (each layer's aux_sum its share).
+  const double aux_coefficient =
+      c.moe.aux_loss_coeff > 0 ? c.moe.aux_loss_coeff : setup.model_config->training_router_aux_loss_coef();
   const int64_t stride = experts + 5;  // loads, balance sum, sequences, aux sum, micro-batches, dropped
   std::vector<double> sums(static_cast<size_t>(slots * stride + 3 * depth), 0.0);
   std::vector<double> maxes(static_cast<size_t>(2 * slots), 0.0);  // layer index, bias norm
@@ -151,7 +154,7 @@ void finish_balancing(TrainSetup& setup, StepResult& r) {
     e.layer = static_cast<int64_t>(maxes[2 * slot]), e.bias_norm = maxes[2 * slot + 1];
     e.load.assign(at, at + experts);
     e.balance_loss = at[experts + 1] > 0 ? c.moe.seq_aux_loss_coeff * at[experts] / at[experts + 1] : 0.0;
-    e.aux_loss = at[experts + 3] > 0 ? c.moe.aux_loss_coeff * at[experts + 2] / at[experts + 3] : 0.0;
+    e.aux_loss = at[experts + 3] > 0 ? aux_coefficient * at[experts + 2] / at[experts + 3] : 0.0;
     e.dropped = static_cast<int64_t>(at[experts + 4]);
     if (!all_traffic.empty()) {
       double spread = 0, tokens = 0;
@@ -165,7 +168,7 @@ void finish_balancing(TrainSetup& setup, StepResult& r) {
       e.ranks_per_token = tokens > 0 ? spread / tokens : 0.0;
     }
   }
-  r.with_aux_loss = c.moe.aux_loss_coeff > 0 && slots > 0;
+  r.with_aux_loss = aux_coefficient > 0 && slots > 0;
   r.with_capacity = c.moe.capacity_factor > 0 && slots > 0;
   r.mtp.resize(static_cast<size_t>(depth));
   for (int64_t d = 0; d < depth; ++d) {
@@ -411,6 +414,7 @@ LossSum run_micro_batches(TrainSetup& setup, const TrainState& state, Schedule& 
   settings.balance_scale =
       static_cast<float>(c.moe.seq_aux_loss_coeff / static_cast<double>(micro * accum * dp));
   settings.aux_loss_scale = static_cast<float>(c.moe.aux_loss_coeff / static_cast<double>(accum * dp));
+  settings.micro_batch_weight = static_cast<float>(1.0 / static_cast<double>(accum * dp));
   settings.mtp_weight = static_cast<float>(c.mtp_loss_weight_at(state.step + 1));
   for (Model* m : setup.chunks()) m->begin_train_step(settings);
   // Where each local position sits in its sequence (context parallelism keeps a slice), for dropout's masks.

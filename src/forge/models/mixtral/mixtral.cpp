@@ -45,8 +45,8 @@ MixtralConfig MixtralConfig::from_json(const json& j, std::string_view source) {
   if (c.num_experts_per_tok > c.num_local_experts)
     fail("{}: key 'num_experts_per_tok' ({}) exceeds 'num_local_experts' ({})", source, c.num_experts_per_tok,
          c.num_local_experts);
-  refuse_router_logits_loss(j, source);
-  c.router_aux_loss_coef = read_number(j, "router_aux_loss_coef", source).value_or(c.router_aux_loss_coef);
+  c.output_router_logits = read_bool(j, "output_router_logits", source).value_or(false);
+  c.router_aux_loss_coef = read_router_aux_loss_coef(j, source, c.router_aux_loss_coef);
   if (read_number(j, "router_jitter_noise", source).value_or(0.0) != 0.0)
     fail("{}: key 'router_jitter_noise' must be 0 (forge's router does not perturb its inputs)", source);
   c.validate(source);
@@ -57,7 +57,7 @@ json MixtralConfig::to_json() const {
   json j = family_json("MixtralForCausalLM", "mixtral");
   j["sliding_window"] = attention_window > 0 ? json(attention_window) : json(nullptr);
   j["num_local_experts"] = num_local_experts, j["num_experts_per_tok"] = num_experts_per_tok;
-  j["output_router_logits"] = false, j["router_aux_loss_coef"] = router_aux_loss_coef;
+  j["output_router_logits"] = output_router_logits, j["router_aux_loss_coef"] = router_aux_loss_coef;
   j["router_jitter_noise"] = 0.0;
   return j;
 }
@@ -96,6 +96,7 @@ DecoderSpec mixtral_spec(const MixtralConfig& config) {
   for (LayerSpec& layer : s.layer_specs) layer.feed_forward = FeedForwardKind::moe;
   set_softmax_moe(s, config.hidden_size, config.num_local_experts, config.num_experts_per_tok,
                   config.intermediate_size, /*normalize=*/true, kNames);
+  s.router_aux_loss_coef = config.training_router_aux_loss_coef();
   return s;
 }
 }  // namespace

@@ -5,10 +5,11 @@
 // is the LLaMA's (with Mistral's optional sliding window), every layer's feed-forward the stack's MoE with
 // softmax scores, normalised top-k, no shared experts and no correction bias, under Mixtral's names.
 //
-// Hugging Face adds its load-balancing loss (router_aux_loss_coef times a loss over every layer's router
-// logits at once) only with output_router_logits = true; forge does not compute that loss, and refuses the
-// key set true in one line (forge's own balancing losses are moe.seq_aux_loss_coeff and moe.aux_loss_coeff).
-// router_jitter_noise other than 0 is refused too.
+// With output_router_logits = true, training adds Hugging Face's load-balancing loss: router_aux_loss_coef
+// times one loss over every layer's router logits at once (nn::MoeRouterAux; transformers'
+// load_balancing_loss_func), as MixtralForCausalLM adds it to its loss; it needs every layer on one pipeline
+// stage and replaces forge's classic moe.aux_loss_coeff (not both). router_jitter_noise other than 0 is
+// refused.
 #pragma once
 
 #include <cstdint>
@@ -27,7 +28,8 @@ namespace forge::models {
 struct MixtralConfig final : LlamaConfig {
   int64_t num_local_experts = 8;
   int64_t num_experts_per_tok = 2;
-  double router_aux_loss_coef = 0.001;  // kept for a faithful round trip (output_router_logits is false)
+  bool output_router_logits = false;
+  double router_aux_loss_coef = 0.001;  // used with output_router_logits, kept for a faithful round trip
 
   std::unique_ptr<ModelConfig> clone() const override { return std::make_unique<MixtralConfig>(*this); }
   std::string architecture() const override { return "MixtralForCausalLM"; }
@@ -37,6 +39,9 @@ struct MixtralConfig final : LlamaConfig {
   static MixtralConfig from_json(const nlohmann::json& json, std::string_view source_name);
   std::vector<std::pair<std::string, Shape>> tensor_shapes() const override;
   int64_t routed_experts() const override { return num_local_experts; }
+  double training_router_aux_loss_coef() const override {
+    return output_router_logits ? router_aux_loss_coef : 0;
+  }
   // Every expert's weights and the router (the parameter count); the FLOPs count the experts a token runs.
   int64_t matmul_parameters_per_layer() const override;
   // Model FLOPs per trained token: LLaMA's accounting with num_experts_per_tok experts and the router per

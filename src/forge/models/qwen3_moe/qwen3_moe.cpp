@@ -72,8 +72,8 @@ Qwen3MoeConfig Qwen3MoeConfig::from_json(const json& j, std::string_view source)
     }
   }
   c.norm_topk_prob = read_bool(j, "norm_topk_prob", source).value_or(c.norm_topk_prob);
-  refuse_router_logits_loss(j, source);
-  c.router_aux_loss_coef = read_number(j, "router_aux_loss_coef", source).value_or(c.router_aux_loss_coef);
+  c.output_router_logits = read_bool(j, "output_router_logits", source).value_or(false);
+  c.router_aux_loss_coef = read_router_aux_loss_coef(j, source, c.router_aux_loss_coef);
   c.validate(source);
   return c;
 }
@@ -86,7 +86,7 @@ json Qwen3MoeConfig::to_json() const {
   j["num_experts"] = num_experts, j["num_experts_per_tok"] = num_experts_per_tok;
   j["moe_intermediate_size"] = moe_intermediate_size, j["decoder_sparse_step"] = decoder_sparse_step;
   j["mlp_only_layers"] = mlp_only_layers, j["norm_topk_prob"] = norm_topk_prob;
-  j["output_router_logits"] = false, j["router_aux_loss_coef"] = router_aux_loss_coef;
+  j["output_router_logits"] = output_router_logits, j["router_aux_loss_coef"] = router_aux_loss_coef;
   return j;
 }
 
@@ -139,6 +139,7 @@ DecoderSpec qwen3_moe_spec(const Qwen3MoeConfig& config) {
     if (config.is_moe_layer(static_cast<int64_t>(i))) s.layer_specs[i].feed_forward = FeedForwardKind::moe;
   set_softmax_moe(s, config.hidden_size, config.num_experts, config.num_experts_per_tok,
                   config.moe_intermediate_size, config.norm_topk_prob, kNames);
+  s.router_aux_loss_coef = config.training_router_aux_loss_coef();
   return s;
 }
 }  // namespace

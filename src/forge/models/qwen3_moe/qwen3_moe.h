@@ -6,9 +6,9 @@
 // Qwen3's dense MLP (intermediate_size). On the one decoder stack, on the MoE layer DeepSeek-V3 uses (no
 // shared experts, no correction bias).
 //
-// Hugging Face adds its load-balancing loss (over every layer's router logits at once) only with
-// output_router_logits = true, which forge refuses in one line, as it does sliding-window layers
-// (use_sliding_window) and attention_bias = true.
+// With output_router_logits = true, training adds Hugging Face's load-balancing loss over every MoE layer's
+// router logits at once (Mixtral's, nn::MoeRouterAux). Sliding-window layers (use_sliding_window) and
+// attention_bias = true are refused in one line.
 #pragma once
 
 #include <cstdint>
@@ -32,7 +32,8 @@ struct Qwen3MoeConfig final : LlamaConfig {
   int64_t decoder_sparse_step = 1;
   std::vector<int64_t> mlp_only_layers;
   bool norm_topk_prob = false;
-  double router_aux_loss_coef = 0.001;       // kept for a faithful round trip (output_router_logits is false)
+  bool output_router_logits = false;
+  double router_aux_loss_coef = 0.001;       // used with output_router_logits, kept for a faithful round trip
   std::optional<int64_t> max_window_layers;  // the same (sliding windows are off)
   std::optional<int64_t> sliding_window;     // the same (null: transformers writes none without windows)
 
@@ -47,6 +48,9 @@ struct Qwen3MoeConfig final : LlamaConfig {
   bool is_moe_layer(int64_t index) const;
   std::vector<std::pair<std::string, Shape>> tensor_shapes() const override;
   int64_t routed_experts() const override { return num_experts; }
+  double training_router_aux_loss_coef() const override {
+    return output_router_logits ? router_aux_loss_coef : 0;
+  }
   int64_t num_parameters() const override;
   // LLaMA's accounting with the experts a token takes (and the router) in the MoE layers.
   double flops_per_token(int64_t seq_len) const override;
