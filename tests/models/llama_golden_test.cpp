@@ -102,7 +102,11 @@ TEST_P(LlamaGolden, AdamWStepsWithClipping) {
   const float lr = std::stof(meta.at("lr")), max_norm = std::stof(meta.at("max_grad_norm"));
   AdamW optimizer(&model->params(), adam);
   Tensor want_losses = file_->read("adamw.losses"), want_norms = file_->read("adamw.grad_norms");
-  for (int step = 0; step < want_losses.numel(); ++step) {  // three steps (Gemma's fixtures: eight)
+  // Eight steps (the LLaMA fixtures of llama_twin.py: three). The gradient norm drifts with the weights:
+  // after eight steps fp32 summation orders part it by up to 1.1e-4 (qwen2_tiny's eighth, measured), 1e-4 in
+  // three.
+  const double norm_bound = want_losses.numel() > 3 ? 3e-4 : 1e-4;
+  for (int step = 0; step < want_losses.numel(); ++step) {
     Tensor ids = file_->read("step" + std::to_string(step) + ".input_ids");
     Tensor labels = file_->read("step" + std::to_string(step) + ".labels");
     int64_t valid = 0;
@@ -112,14 +116,14 @@ TEST_P(LlamaGolden, AdamWStepsWithClipping) {
     LossSum loss = model->forward_backward(ids.i32(), labels.i32(), ids.dim(0), ids.dim(1), 1.0f / valid);
     double norm = global_grad_norm(model->params());
     EXPECT_NEAR(training_loss(*model, loss), want_losses.f32()[step], 2e-5) << "step " << step;
-    EXPECT_NEAR(norm, want_norms.f32()[step], 1e-4 * want_norms.f32()[step]) << "step " << step;
+    EXPECT_NEAR(norm, want_norms.f32()[step], norm_bound * want_norms.f32()[step]) << "step " << step;
     optimizer.step(lr, clip_coefficient(norm, max_norm));
   }
   // After three updates at lr 1e-2 the weights agree to fp32 noise amplified by Adam's normalisation
   // (m / sqrt(v) of a near-zero gradient magnifies rounding differences): 3e-4 of the tensor's largest
-  // weight, i.e. ~1e-5 absolute against per-step updates of 1e-2. Gemma's eight updates amplify it further:
-  // 3.07e-4 on a Xeon with AMX, whose oneDNN fp32 kernels sum in another order than the fixtures' machine;
-  // 5e-4 there.
+  // weight, i.e. ~1e-5 absolute against per-step updates of 1e-2. The families' eight updates amplify it
+  // further: 3.07e-4 (Gemma) on a Xeon with AMX, whose oneDNN fp32 kernels sum in another order than the
+  // fixtures' machine; 5e-4 there.
   const double bound = want_losses.numel() > 3 ? 5e-4 : 3e-4;
   auto& params = model->params();
   for (int i = 0; i < params.count(); ++i) {

@@ -123,6 +123,7 @@ NOTES = dict(
     weight_decay_applies_to="2-D weights (matrices, embeddings); 1-D weights (norms, QK-norms) get 0",
     init="matrices normal(0, 0.02); 1-D weights 1 + 0.1*normal",
     generator="tests/reference/families_golden.py",
+    adamw_steps=8,
 )
 QWEN3 = dict(
     NOTES,

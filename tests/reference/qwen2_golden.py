@@ -15,8 +15,9 @@ on the CPU), Python 3.11; the versions are also in each file's __metadata__ (`tr
 For each config below it writes tests/fixtures/<name>.config.json (the architecture keys of
 Qwen2Config.to_dict()) and tests/fixtures/<name>.safetensors in exactly the format of llama_twin.py's
 fixtures: the initial weights under their Hugging Face names (plus the q/k/v projection biases), one batch
-with its logits, loss and gradients, `rope.inv_freq`, and a 3-step AdamW run with gradient clipping whose
-procedure and hyper-parameters are llama_twin.py's (imported from it). Everything is fp32, eager
+with its logits, loss and gradients, `rope.inv_freq`, and an 8-step AdamW run with gradient clipping (the
+families' `adamw_steps`; llama_twin.py's runs take 3) whose procedure and hyper-parameters are
+llama_twin.py's (imported from it). Everything is fp32, eager
 attention, single-threaded, seeded and deterministic, so re-running reproduces the files byte for byte
 with the same torch/transformers build.
 
@@ -319,6 +320,7 @@ QWEN2 = dict(
     init="matrices normal(0, 0.02); norm weights 1 + 0.1*normal; q/k/v biases 0.1*normal",
     model_class="transformers.Qwen2ForCausalLM (attn_implementation=eager, float32)",
     generator="tests/reference/qwen2_golden.py",
+    adamw_steps=8,
 )
 
 
