@@ -33,5 +33,26 @@ TEST(SimdExp, NeverReturnsDenormalsOrInfinity) {
   EXPECT_TRUE(std::isnan(cpu::simd_exp(std::numeric_limits<float>::quiet_NaN())));
 }
 
+// Against double tanh over [-12, 12] (both formulas, the switch at 0.3 and the clamp at 10), relative where
+// |tanh| is not tiny; odd; +-1 at the ends; NaN through.
+TEST(SimdTanh, MatchesDoubleTanhWithinOneMillionth) {
+  const int n = 1 << 18;
+  std::vector<float> x(n), y(n);
+  for (int i = 0; i < n; ++i) x[i] = -12.0f + 24.0f * static_cast<float>(i) / n;
+#pragma omp simd
+  for (int i = 0; i < n; ++i) y[i] = cpu::simd_tanh(x[i]);
+  double worst = 0;
+  for (int i = 0; i < n; ++i) {
+    const double want = std::tanh(double{x[i]});
+    worst = std::max(worst, std::abs(y[i] - want) / std::max(std::abs(want), 1e-30));
+    ASSERT_EQ(cpu::simd_tanh(-x[i]), -y[i]) << x[i];
+  }
+  EXPECT_LT(worst, 1e-6);
+  for (float tiny : {1e-30f, 1e-8f, 0.0f, -0.0f}) EXPECT_EQ(cpu::simd_tanh(tiny), tiny);
+  EXPECT_EQ(cpu::simd_tanh(50.0f), 1.0f);
+  EXPECT_EQ(cpu::simd_tanh(-std::numeric_limits<float>::infinity()), -1.0f);
+  EXPECT_TRUE(std::isnan(cpu::simd_tanh(std::numeric_limits<float>::quiet_NaN())));
+}
+
 }  // namespace
 }  // namespace forge::simd_exp_test

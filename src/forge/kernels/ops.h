@@ -8,6 +8,8 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "forge/core/dtype.h"
 #include "forge/core/element_ptr.h"
@@ -675,8 +677,10 @@ struct MoeUnpermuteParams {
 // groups runs on the host); it must be non-decreasing from offsets[0] >= 0 (checked when the op runs), and
 // group g owns rows rows_g = [offsets[g], offsets[g + 1]). Operands and output follow GemmParams exactly:
 // ab_dtype f32 or bf16; c_dtype f32, or bf16 with bf16 operands (the fp32 result rounded once); lda, ldb, ldc
-// its leading dimensions. Each non-empty group runs one GEMM of its sub-matrices, on the CPU ops::gemm's,
-// bitwise.
+// its leading dimensions. Each non-empty group runs one GEMM of its sub-matrices; on the CPU ops::gemm's over
+// the pieces grouped_gemm_pieces cuts its rows into, bitwise (m_grouped: each piece's rows of A and C;
+// k_grouped: each piece's rows of A and B, accumulated into an fp32 C_g in turn, the first with beta, the
+// others with 1; a bf16 C_g, rounded once, takes the group whole).
 //   m_grouped_gemm  M grouped (an expert's forward and input gradient): for every g,
 //                   C[rows_g, :n] = alpha * A[rows_g, :k] @ op(B_g) + beta * C[rows_g, :n], with A [R, k] and
 //                   C [R, n]; B_g = b + g * b_group_stride elements, stored [n, k] with trans_b (y = x W_g^T,
@@ -719,6 +723,15 @@ void check_grouped_gemm_offsets(const char* op, bool k_grouped, const GroupedGem
 // Group g's GEMM (offsets[g + 1] > offsets[g]): its sub-matrices as GemmParams.
 GemmParams m_grouped_gemm_group(const GroupedGemmParams& p, int64_t g);
 GemmParams k_grouped_gemm_group(const GroupedGemmParams& p, int64_t g);
+// The CPU's pieces of a group of `rows` rows, as (first row, rows) in order: whole chunks of 256 rows, then
+// one piece of a multiple of 32, then the rest. oneDNN compiles a kernel per GEMM shape (about 1.4 ms on a
+// Xeon with AMX) and the groups' sizes change every micro-batch: run whole, a Mixtral step spent a third of
+// its time compiling, and the compiled kernels piled up without bound. In pieces, a layout has at most 39
+// shapes.
+std::vector<std::pair<int64_t, int64_t>> grouped_gemm_pieces(int64_t rows);
+// Piece [first, first + rows) of group g's GEMM (q = m_grouped_gemm_group or k_grouped_gemm_group's): its
+// rows of A and C (m_grouped), or of A and B with beta = 1 after the first piece (k_grouped).
+GemmParams grouped_gemm_piece(const GemmParams& q, bool k_grouped, int64_t first, int64_t rows);
 
 // The op list (op_list.h) names every op once; everything below follows from it.
 enum class OpId : int {

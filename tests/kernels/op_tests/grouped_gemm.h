@@ -1,9 +1,9 @@
 // The grouped GEMMs (ops::m_grouped_gemm, ops::k_grouped_gemm), written once for every backend
 // (op_harness.h).
 //
-// On the CPU: against the double-precision reference, and bitwise equal to one ops::gemm per non-empty group
-// on the same sub-matrices (fp32 and bf16 operands, fp32 and bf16 C: the CPU kernel is that loop, and this is
-// what lets a MoE layer be checked against per-expert dense Linears); grouped_gemm_test.cpp checks the three
+// On the CPU: against the double-precision reference, and bitwise equal to ops::gemm calls on the same
+// sub-matrices, each non-empty group's in the pieces ops::grouped_gemm_pieces cuts its rows into (fp32 and
+// bf16 operands, fp32 and bf16 C: the CPU kernel is that loop); grouped_gemm_test.cpp checks the three
 // layouts as one another's gradients by finite differences. Elsewhere against the CPU kernel within gemm.h's
 // bound: 2 (k + 8) 2^-23 of the magnitude sum |a b| (+ |beta c|), plus a bf16 ulp for a bf16 C.
 #pragma once
@@ -57,6 +57,7 @@ inline std::vector<Case> make_cases() {
       {23},              // one group
       {0, 0, 0},         // nothing to do
       {31, 7, 64, 13},   // odd sizes
+      {300, 0, 555},     // the CPU's pieces: 256 + 32 + 12 rows; 2 x 256 + 32 + 11
   };
   std::vector<Case> cases;
   for (auto [ab, c] :
@@ -179,15 +180,22 @@ inline std::vector<uint8_t> run_grouped(Device on, const Problem& pr) {
   return c.download();
 }
 
-// One ops::gemm per non-empty group (and the empty k_grouped groups' beta * C, as the op documents) on the
-// CPU: the per-expert loop the grouped op replaces.
+// ops::gemm per non-empty group, in its pieces (and the empty k_grouped groups' beta * C, as the op
+// documents) on the CPU: the per-expert loop the grouped op replaces.
 inline std::vector<uint8_t> run_per_group(const Problem& pr) {
   std::vector<uint8_t> a = pr.a_bytes, b = pr.b_bytes, c = pr.c_bytes;
   ops::GroupedGemmParams p = pr.p;
   p.offsets = pr.offsets.data(), p.a = a.data(), p.b = b.data(), p.c = c.data();
   for (int64_t g = 0; g < p.groups; ++g) {
     if (pr.offsets[g + 1] > pr.offsets[g]) {
-      ops::gemm(pr.c.k_grouped ? ops::k_grouped_gemm_group(p, g) : ops::m_grouped_gemm_group(p, g));
+      const ops::GemmParams q =
+          pr.c.k_grouped ? ops::k_grouped_gemm_group(p, g) : ops::m_grouped_gemm_group(p, g);
+      if (pr.c.k_grouped && p.c_dtype == DType::bf16) {  // rounded once: the group whole
+        ops::gemm(q);
+        continue;
+      }
+      for (const auto& [first, rows] : ops::grouped_gemm_pieces(pr.offsets[g + 1] - pr.offsets[g]))
+        ops::gemm(ops::grouped_gemm_piece(q, pr.c.k_grouped, first, rows));
       continue;
     }
     if (!pr.c.k_grouped || p.beta == 1) continue;

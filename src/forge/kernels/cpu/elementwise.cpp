@@ -7,6 +7,7 @@
 
 #include "forge/kernels/cpu/cpu_kernels.h"
 #include "forge/kernels/cpu/element_access.h"
+#include "forge/kernels/cpu/simd_exp.h"
 
 namespace forge::cpu {
 namespace {
@@ -46,7 +47,7 @@ void softcap_inplace(float* x, float cap, int64_t n) {
   if (std::string why; !supports_softcap_inplace(x, cap, n, &why)) fail("{}", why);
   const float inverse = 1.0f / cap;
 #pragma omp parallel for schedule(static) if (n > kParallelThreshold)
-  for (int64_t i = 0; i < n; ++i) x[i] = cap * std::tanh(x[i] * inverse);
+  for (int64_t i = 0; i < n; ++i) x[i] = cap * simd_tanh(x[i] * inverse);
 }
 
 double sum_squares(const float* x, int64_t n) {

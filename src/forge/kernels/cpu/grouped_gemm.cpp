@@ -1,8 +1,10 @@
-// m_grouped_gemm / k_grouped_gemm (ops.h, GroupedGemmParams): a loop over the groups, each non-empty one a
-// single call of the CPU GEMM (gemm_onednn.cpp) on its contiguous segment, so a grouped GEMM is bitwise the
-// per-group ops::gemm calls (bf16 operands and bf16 C included) and the GEMM's own threading does the work.
-// Also the group arithmetic both backends share (the ops:: functions below).
+// m_grouped_gemm / k_grouped_gemm (ops.h, GroupedGemmParams): a loop over the groups, each non-empty one the
+// CPU GEMM (gemm_onednn.cpp) on its contiguous segment, in the pieces of a few fixed sizes that
+// ops::grouped_gemm_pieces cuts it into (oneDNN compiles a kernel per shape), so a grouped GEMM is bitwise
+// those ops::gemm calls (bf16 operands and bf16 C included) and the GEMM's own threading does the work. Also
+// the group arithmetic both backends share (the ops:: functions below).
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "forge/kernels/cpu/cpu_kernels.h"
@@ -80,6 +82,31 @@ GemmParams k_grouped_gemm_group(const GroupedGemmParams& p, int64_t g) {
   return q;
 }
 
+std::vector<std::pair<int64_t, int64_t>> grouped_gemm_pieces(int64_t rows) {
+  constexpr int64_t kChunk = 256, kStep = 32;
+  std::vector<std::pair<int64_t, int64_t>> pieces;
+  int64_t first = 0;
+  for (; rows - first >= kChunk; first += kChunk) pieces.emplace_back(first, kChunk);
+  if (const int64_t steps = (rows - first) / kStep * kStep; steps > 0)
+    pieces.emplace_back(first, steps), first += steps;
+  if (rows > first) pieces.emplace_back(first, rows - first);
+  return pieces;
+}
+
+GemmParams grouped_gemm_piece(const GemmParams& q, bool k_grouped, int64_t first, int64_t rows) {
+  GemmParams piece = q;
+  piece.a = advance(q.a, first * q.lda, q.ab_dtype);
+  if (k_grouped) {
+    piece.k = rows;
+    piece.b = advance(q.b, first * q.ldb, q.ab_dtype);
+    if (first > 0) piece.beta = 1.0f;
+  } else {
+    piece.m = rows;
+    piece.c = const_cast<void*>(advance(q.c, first * q.ldc, q.c_dtype));
+  }
+  return piece;
+}
+
 }  // namespace forge::ops
 
 namespace forge::cpu {
@@ -114,11 +141,21 @@ bool supports_k_grouped_gemm(const ops::GroupedGemmParams& p, std::string* reaso
   return ops::supports_grouped_gemm("k_grouped_gemm", true, p, reason);
 }
 
+namespace {
+// Group g's GEMM q in its pieces (a k_grouped bf16 C whole: pieces would round it after each).
+void gemm_in_pieces(const ops::GemmParams& q, bool k_grouped, int64_t rows) {
+  if (k_grouped && q.c_dtype == DType::bf16) return cpu::gemm(q);
+  for (const auto& [first, count] : ops::grouped_gemm_pieces(rows))
+    cpu::gemm(ops::grouped_gemm_piece(q, k_grouped, first, count));
+}
+}  // namespace
+
 void m_grouped_gemm(const ops::GroupedGemmParams& p) {
   if (std::string why; !supports_m_grouped_gemm(p, &why)) fail("{}", why);
   ops::check_grouped_gemm_offsets("m_grouped_gemm", false, p);
   for (int64_t g = 0; g < p.groups; ++g)
-    if (p.offsets[g + 1] > p.offsets[g]) cpu::gemm(ops::m_grouped_gemm_group(p, g));
+    if (p.offsets[g + 1] > p.offsets[g])
+      gemm_in_pieces(ops::m_grouped_gemm_group(p, g), false, p.offsets[g + 1] - p.offsets[g]);
 }
 
 void k_grouped_gemm(const ops::GroupedGemmParams& p) {
@@ -126,7 +163,7 @@ void k_grouped_gemm(const ops::GroupedGemmParams& p) {
   ops::check_grouped_gemm_offsets("k_grouped_gemm", true, p);
   for (int64_t g = 0; g < p.groups; ++g) {
     if (p.offsets[g + 1] > p.offsets[g])
-      cpu::gemm(ops::k_grouped_gemm_group(p, g));
+      gemm_in_pieces(ops::k_grouped_gemm_group(p, g), true, p.offsets[g + 1] - p.offsets[g]);
     else
       scale_group_output(p, g);
   }

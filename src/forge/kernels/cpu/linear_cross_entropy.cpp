@@ -63,7 +63,7 @@ void cap_logits(const ops::LinearCrossEntropyParams& p, int64_t width, float* lo
   if (p.softcap <= 0.0f) return;
   const float cap = p.softcap, inverse = 1.0f / cap;
 #pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < p.rows * width; ++i) logits[i] = cap * std::tanh(logits[i] * inverse);
+  for (int64_t i = 0; i < p.rows * width; ++i) logits[i] = cap * simd_tanh(logits[i] * inverse);
 }
 
 // logits[rows, width] = hidden @ W[first : first + width]^T, soft-capped when the head caps.

@@ -3,9 +3,15 @@
 // accurate to about 2 ulp. It never returns a denormal: for x < -87 (true value below ~1.6e-38) it returns
 // 0, because denormal operands slow every later multiply by orders of magnitude (a peaked softmax is full
 // of them). x > 88 returns exp(88) ~ 1.7e38 rather than inf; NaN propagates.
+//
+// tanh() on the same arithmetic (glibc's tanhf is scalar too: Gemma 2's soft-capped logits spent three times
+// the loss head's GEMM in it): the odd Taylor series through x^9 below |x| = 0.3 (truncation under 2e-8 of
+// x), above it 1 - 2 / (exp(2|x|) + 1) with x's sign, within 1e-6 of tanh relative (checked in
+// simd_exp_test.cpp); +-1 beyond |x| = 10, where tanh rounds to it; NaN propagates.
 #pragma once
 
 #include <bit>
+#include <cmath>
 #include <cstdint>
 
 namespace forge::cpu {
@@ -30,6 +36,18 @@ inline float simd_exp(float x) {
   p = p * r + 1.0f;
   const float scale = std::bit_cast<float>((static_cast<int32_t>(k) + 127) << 23);
   return underflow ? 0.0f : p * scale;
+}
+
+inline float simd_tanh(float x) {
+  const float a = std::fabs(x), x2 = x * x;
+  float p = 62.0f / 2835.0f;
+  p = p * x2 - 17.0f / 315.0f;
+  p = p * x2 + 2.0f / 15.0f;
+  p = p * x2 - 1.0f / 3.0f;
+  const float small = x + x * x2 * p;
+  const float e = simd_exp(2.0f * (a > 10.0f ? 10.0f : a));
+  const float large = std::copysign(1.0f - 2.0f / (e + 1.0f), x);
+  return a < 0.3f ? small : large;
 }
 
 }  // namespace forge::cpu
