@@ -9,6 +9,7 @@
 #include <string>
 
 #include "forge/core/dtype.h"
+#include "forge/kernels/cpu/cpu_kernels.h"
 #include "forge/kernels/ops.h"
 #include "op_harness.h"
 
@@ -84,6 +85,26 @@ TEST(GemmErrors, OutputDtypeIsFp32OrBf16FromBf16Operands) {
   p.c_dtype = DType::bf16;  // fp32 operands
   testing::expect_error_containing([&] { ops::gemm(p); },
                                    {"gemm", "c_dtype bf16 needs bf16 operands", "fp32"});
+}
+
+// The compiled kernels are kept for the kGemmCacheSize most recently used shapes: more shapes than that leave
+// the cache at its size, and a shape evicted long ago compiles again and computes the same bits.
+TEST(GemmCache, HoldsTheMostRecentShapesOnly) {
+  const int64_t k = 8, n = 4, shapes = cpu::kGemmCacheSize + 40;
+  const std::vector<float> a = testing::random_floats(static_cast<size_t>(shapes * k), 5),
+                           b = testing::random_floats(static_cast<size_t>(k * n), 6);
+  auto run = [&](int64_t m) {
+    std::vector<float> c(static_cast<size_t>(m * n));
+    ops::GemmParams p;
+    p.m = m, p.n = n, p.k = k, p.lda = k, p.ldb = n, p.ldc = n;
+    p.a = a.data(), p.b = b.data(), p.c = c.data();
+    cpu::gemm(p);
+    return c;
+  };
+  const std::vector<float> first = run(1);
+  for (int64_t m = 2; m <= shapes; ++m) run(m);
+  EXPECT_EQ(cpu::gemm_cache_entries(), cpu::kGemmCacheSize);
+  EXPECT_EQ(run(1), first);
 }
 
 }  // namespace

@@ -19,6 +19,11 @@ namespace forge::cpu {
 // experts: moe_sort.cpp, moe_permute.cpp (permutes and unpermutes), grouped_gemm.cpp.
 FORGE_OPS(FORGE_OP_DECLARE_KERNEL)
 
+// The CPU GEMM keeps the compiled oneDNN kernels of its kGemmCacheSize most recently used shapes
+// (gemm_onednn.cpp); how many it holds now.
+constexpr int64_t kGemmCacheSize = 512;
+int64_t gemm_cache_entries();
+
 // A GEMM with a bf16 C (gemm, fp8_gemm): run(q) is the fp32-output kernel, given params q whose C is fp32
 // scratch with C's leading dimension (holding the old C widened when beta != 0); each row's cols are then
 // rounded into C once, its padding left alone. So a bf16 C is the fp32 result rounded, bitwise.

@@ -1,6 +1,9 @@
 // GEMM through oneDNN matmul. Transposes are expressed as strides on the memory descriptors, so NN, NT
 // and TN all run without copies; bf16 operands accumulate in fp32 (AVX512-BF16 where the CPU has it).
-// Primitives are created once per (shape, layout, dtype, alpha, beta) and cached.
+// Primitives are created once per (shape, layout, dtype, alpha, beta) and cached, the kGemmCacheSize most
+// recently used of them: shapes that change from call to call (generation's prompts, FP8 experts' rows) would
+// otherwise pile up compiled kernels without bound (the grouped GEMMs cut their groups into a few fixed
+// sizes, grouped_gemm.cpp).
 //
 // On CPUs without native bf16 dot products (no AVX512-BF16, no AMX) oneDNN emulates bf16 matmul at a
 // third of its fp32 rate. Every bf16 value is exact in fp32, so there the operands are widened and the
@@ -12,7 +15,9 @@
 // Otherwise (beta != 0 reads the old C, or bf16 emulated through fp32) it goes through fp32 scratch: the
 // fp32-output GEMM writes it and one pass rounds it into C.
 #include <dnnl.hpp>
+#include <list>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <tuple>
 #include <vector>
@@ -95,7 +100,43 @@ void gemm_bf16_widened(const ops::GemmParams& p) {
   forge::cpu::gemm(q);
 }
 
+// The cache: primitives by key, and the keys from the most to the least recently used. Callers hold a
+// shared_ptr, so evicting a primitive another thread is running leaves it alive until that call ends.
+struct GemmCache {
+  std::mutex mutex;
+  std::map<GemmKey, std::pair<std::shared_ptr<const GemmPrimitive>, std::list<GemmKey>::iterator>> entries;
+  std::list<GemmKey> recency;
+};
+
+GemmCache& gemm_cache() {
+  static GemmCache cache;
+  return cache;
+}
+
+std::shared_ptr<const GemmPrimitive> cached_primitive(const GemmKey& key) {
+  GemmCache& cache = gemm_cache();
+  std::lock_guard<std::mutex> lock(cache.mutex);
+  if (auto it = cache.entries.find(key); it != cache.entries.end()) {
+    cache.recency.splice(cache.recency.begin(), cache.recency, it->second.second);
+    return it->second.first;
+  }
+  auto primitive = std::make_shared<const GemmPrimitive>(make_primitive(key));
+  cache.recency.push_front(key);
+  cache.entries.emplace(key, std::pair{primitive, cache.recency.begin()});
+  if (static_cast<int64_t>(cache.entries.size()) > kGemmCacheSize) {
+    cache.entries.erase(cache.recency.back());
+    cache.recency.pop_back();
+  }
+  return primitive;
+}
+
 }  // namespace
+
+int64_t gemm_cache_entries() {
+  GemmCache& cache = gemm_cache();
+  std::lock_guard<std::mutex> lock(cache.mutex);
+  return static_cast<int64_t>(cache.entries.size());
+}
 
 bool supports_gemm(const ops::GemmParams& p, std::string* reason) {
   if (p.ab_dtype != DType::f32 && p.ab_dtype != DType::bf16)
@@ -114,15 +155,7 @@ void gemm(const ops::GemmParams& p) {
   if (p.ab_dtype == DType::bf16 && !native_bf16) return gemm_bf16_widened(p);
   GemmKey key{p.m,       p.n,       p.k,        p.lda,     p.ldb,   p.ldc,
               p.trans_a, p.trans_b, p.ab_dtype, p.c_dtype, p.alpha, p.beta};
-  static std::mutex mutex;
-  static std::map<GemmKey, GemmPrimitive> cache;
-  const GemmPrimitive* prim;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    auto it = cache.find(key);
-    if (it == cache.end()) it = cache.emplace(key, make_primitive(key)).first;
-    prim = &it->second;
-  }
+  const std::shared_ptr<const GemmPrimitive> prim = cached_primitive(key);
   auto& engine = cpu_engine();
   thread_local dnnl::stream stream(engine);
   dnnl::memory a(prim->a, engine, const_cast<void*>(p.a));
