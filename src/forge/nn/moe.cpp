@@ -17,6 +17,30 @@ GemmOperand operand_of(Tensor data) {
   return op;
 }
 
+// The router's outputs read back to the host (small: tokens x experts), for the balance losses' sums over
+// token groups that span ranks or layers.
+struct HostRouting {
+  Tensor scores, score_sums, ids;
+  explicit HostRouting(const Moe::Saved& s)
+      : scores(s.scores.to(Device::cpu)),
+        score_sums(s.score_sums.to(Device::cpu)),
+        ids(s.expert_ids.to(Device::cpu)) {}
+  // Over rows [first, first + tokens), padding left out: at[e] += the assignments to expert e, at[E + e] +=
+  // the sum of s / n over the rows, at[2 E] += the rows.
+  void add_sums(const std::vector<char>& padded, int64_t experts, int64_t k, int64_t first, int64_t tokens,
+                double* at) const {
+    const float* s = scores.f32();
+    const float* n = score_sums.f32();
+    const int32_t* e_ids = ids.i32();
+    for (int64_t t = first; t < first + tokens; ++t) {
+      if (!padded.empty() && padded[t]) continue;
+      for (int64_t e = 0; e < experts; ++e) at[experts + e] += s[t * experts + e] / n[t];
+      for (int64_t j = 0; j < k; ++j) at[e_ids[t * k + j]] += 1;
+      at[2 * experts] += 1;
+    }
+  }
+};
+
 }  // namespace
 
 Moe::Moe(ParameterStore* store, MoeParams params, MoeShape shape, ComputeOptions options, MoeStats* stats,
@@ -542,11 +566,7 @@ void Moe::balance_over_context(Saved& s, int64_t rows, int64_t seq, bool aux, Te
   const int64_t experts = shape_.experts, k = shape_.top_k, groups = seq > 0 ? rows / seq : 0;
   const int64_t width = 2 * experts + 1;  // [counts | sum of s / n | tokens]
   std::vector<float> sums(static_cast<size_t>((groups + (aux ? 1 : 0)) * width), 0.0f);
-  const Tensor host_scores = s.scores.to(Device::cpu), host_sums = s.score_sums.to(Device::cpu),
-               host_ids = s.expert_ids.to(Device::cpu);
-  const float* scores = host_scores.f32();
-  const float* score_sums = host_sums.f32();
-  const int32_t* ids = host_ids.i32();
+  const HostRouting routing(s);
   // What the group's statistics overwrite: host tensors (the router's own on the CPU), copied back after.
   const bool on_host =
       s.fraction.defined() ? s.fraction.device() == Device::cpu : s.aux_fraction.device() == Device::cpu;
@@ -556,15 +576,10 @@ void Moe::balance_over_context(Saved& s, int64_t rows, int64_t seq, bool aux, Te
   Tensor fraction = host_of(s.fraction), aux_fraction = host_of(s.aux_fraction),
          host_losses = host_of(losses), host_aux_loss = host_of(aux_loss);
   auto local_sums = [&](int64_t group, int64_t first, int64_t tokens) {
-    float* at = sums.data() + group * width;
-    std::vector<double> mean(static_cast<size_t>(experts), 0.0);
-    for (int64_t t = first; t < first + tokens; ++t) {
-      if (!s.padded.empty() && s.padded[t]) continue;
-      for (int64_t e = 0; e < experts; ++e) mean[e] += scores[t * experts + e] / score_sums[t];
-      for (int64_t j = 0; j < k; ++j) at[ids[t * k + j]] += 1;
-      at[2 * experts] += 1;
-    }
-    for (int64_t e = 0; e < experts; ++e) at[experts + e] = static_cast<float>(mean[e]);
+    std::vector<double> at(static_cast<size_t>(width), 0.0);
+    routing.add_sums(s.padded, experts, k, first, tokens, at.data());
+    std::copy(at.begin(), at.end(),
+              sums.begin() + group * width);  // counts exact in fp32, means rounded once
   };
   for (int64_t q = 0; q < groups; ++q) local_sums(q, q * seq, seq);
   if (aux) local_sums(groups, 0, rows);
@@ -599,18 +614,7 @@ void Moe::balance_over_context(Saved& s, int64_t rows, int64_t seq, bool aux, Te
 void Moe::record_router_aux(Saved& s, int64_t rows) const {
   const int64_t experts = shape_.experts, k = shape_.top_k;
   std::vector<double> sums(static_cast<size_t>(2 * experts + 1), 0.0);  // [counts | sum of s / n | tokens]
-  const Tensor host_scores = s.scores.to(Device::cpu), host_sums = s.score_sums.to(Device::cpu),
-               host_ids = s.expert_ids.to(Device::cpu);
-  const float* scores = host_scores.f32();
-  const float* score_sums = host_sums.f32();
-  const int32_t* ids = host_ids.i32();
-  for (int64_t t = 0; t < rows; ++t) {
-    if (!s.padded.empty() && s.padded[t]) continue;
-    for (int64_t e = 0; e < experts; ++e)
-      sums[experts + e] += double{scores[t * experts + e]} / score_sums[t];
-    for (int64_t j = 0; j < k; ++j) sums[ids[t * k + j]] += 1;
-    sums[2 * experts] += 1;
-  }
+  HostRouting(s).add_sums(s.padded, experts, k, 0, rows, sums.data());
   if (options_.cp) {
     std::vector<float> wire(sums.begin(), sums.end());  // counts and tokens are exact in fp32
     options_.cp->all_reduce_sum(wire.data(), static_cast<int64_t>(wire.size()));
