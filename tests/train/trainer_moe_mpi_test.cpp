@@ -651,7 +651,12 @@ TEST_P(MoeBf16Layouts, FollowTheOneRankBf16Run) {
   if (p.pp > 1) par.parallel.pp_layers = "2,1";
   par.train.grad_accum = 2;
   const TrainResult got = Trainer(par, &world).run();
-  toy::expect_follows_bf16_run(got, want, exact);
+  // Five times the one-rank bf16 run's distance from fp32 (not three, as the dense layouts): a bf16 rounding
+  // that flips a token's expert sends two bf16 runs apart by more than the pair of one-rank runs, whose
+  // routing agreed longer. Measured on a CPU with AVX512-BF16 and no AMX (oneDNN's kernels there round
+  // otherwise): tp 2 with sequence parallelism reached 4.2x at step 3's gradient norm (0.0070 against 0.0017)
+  // while the losses stayed within 3x.
+  toy::expect_follows_bf16_run(got, want, exact, 5);
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, MoeBf16Layouts,

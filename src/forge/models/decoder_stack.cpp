@@ -58,6 +58,7 @@ struct DecoderStack::Activations final : StageActivations {
   int64_t inserted_count = 0;
   Tensor dinserted;                        // their gradient, taken out of dembed
   nn::DropoutRows dropout;                 // where the rows sit (hidden dropout; inactive outside training)
+  nn::MoeRouterAux routing;                // with Hugging Face's load-balancing loss: its record
   Tensor positions_holder;                 // dropout.positions on a GPU
   std::unique_ptr<StageActivations> tail;  // the tail's
   bool input_done = false;                 // backward_input ran
@@ -76,18 +77,8 @@ DecoderStack::DecoderStack(const ModelConfig& config, DecoderSpec spec, nn::Comp
       params_(into ? *into : own_params_),
       tail_(std::move(tail)) {
   check_stage_and_split(with_grads);
-  if (spec_.router_aux_loss_coef > 0) {
-    // One loss over every MoE layer's routing: each layer's backward reads all layers' (nn::MoeRouterAux).
-    if (stage_.first_layer != 0 || stage_.end_layer != spec_.layers)
-      fail(
-          "{}: output_router_logits = true (Hugging Face's load-balancing loss over every layer's router at "
-          "once) needs every layer on one pipeline stage; this stage holds layers [{}, {}) (set parallel.pp "
-          "= "
-          "1, or output_router_logits false)",
-          source_, stage_.first_layer, stage_.end_layer);
-    router_aux_.reset(expert_layer_count(), spec_.moe.experts);
-    moe_scale_.router_aux = static_cast<float>(spec_.router_aux_loss_coef);
-  }
+  // One loss over every MoE layer's routing: each layer's backward reads all layers' (nn::MoeRouterAux).
+  if (spec_.router_aux_loss_coef > 0) moe_scale_.router_aux = static_cast<float>(spec_.router_aux_loss_coef);
   register_parameters(init_std);
   if (!into) params_.allocate(options.gemm_dtype == DType::bf16, with_grads, options.device);
   build_modules();
@@ -377,6 +368,7 @@ StageOutput DecoderStack::run_forward(const MicroBatch& mb, const Tensor& hidden
     x = hidden;
   }
   acts->dropout = dropout_rows(mb, acts->positions_holder);
+  nn::MoeRouterAux* routing = saved ? begin_routing(mb, acts->routing) : nullptr;
   if (stage_.pre_process) {
     nn::dropout_inplace(options_, acts->dropout, x, spec_.hidden);  // site 0
     x = nn::to_dtype(x, options_.residual_dtype);
@@ -387,11 +379,13 @@ StageOutput DecoderStack::run_forward(const MicroBatch& mb, const Tensor& hidden
     nn::DecoderLayer::Saved& kept = saved ? acts->layers[l] : scratch;
     kept.dropout = acts->dropout;  // sites 1 + 2 i and 2 + 2 i of layer i
     kept.dropout.stream = static_cast<uint32_t>(1 + 2 * (stage_.first_layer + static_cast<int64_t>(l)));
+    kept.router_aux = routing;
     x = layers_[l].forward(x, mb.batch, mb.seq, kept);
   }
   StageOutput out;
   if (!stage_.post_process) {
     out.hidden = x;
+    if (routing) out.routing = routing->through_here();
   } else {
     nn::Norm::Saved scratch;
     const Tensor normed = final_norm_.forward(x, saved ? acts->norm : scratch);
@@ -404,6 +398,30 @@ StageOutput DecoderStack::run_forward(const MicroBatch& mb, const Tensor& hidden
   }
   if (saved) *saved = std::move(acts);
   return out;
+}
+
+// Hugging Face's load-balancing loss: the micro-batch's record, with the earlier stages' sums; null when the
+// loss is off.
+nn::MoeRouterAux* DecoderStack::begin_routing(const MicroBatch& mb, nn::MoeRouterAux& record) const {
+  if (spec_.router_aux_loss_coef <= 0) return nullptr;
+  const int64_t experts = spec_.moe.experts;
+  record.reset(expert_layer_count(), static_cast<int64_t>(moe_layers_.size()), experts);
+  FORGE_CHECK(stage_.pre_process || mb.routing_before,
+              "layers {}..{}: a training forward without the earlier stages' routing", stage_.first_layer,
+              stage_.end_layer);
+  if (!stage_.pre_process) std::copy(mb.routing_before, mb.routing_before + experts, record.before.begin());
+  return &record;
+}
+
+// Before a micro-batch's backward: its routing over every layer, which the last stage has whole and the
+// others are given (StageActivations::routing_total).
+void DecoderStack::finish_routing(Activations& acts) const {
+  if (spec_.router_aux_loss_coef <= 0 || acts.routing.layers == 0) return;
+  if (stage_.post_process) acts.routing_total = acts.routing.through_here();
+  FORGE_CHECK(static_cast<int64_t>(acts.routing_total.size()) == spec_.moe.experts,
+              "layers {}..{}: backward without the later stages' routing", stage_.first_layer,
+              stage_.end_layer);
+  acts.routing.total = acts.routing_total;
 }
 
 Tensor DecoderStack::head_backward(Activations& acts, bool fused) {
@@ -420,6 +438,7 @@ Tensor DecoderStack::backward_input(const Tensor& doutput, StageActivations& sta
   auto& acts = static_cast<Activations&>(state);
   FORGE_CHECK(!acts.input_done, "backward_input ran twice for one micro-batch");
   const nn::Fp8Recording fp8_recording(options_.fp8, true);
+  finish_routing(acts);
   Tensor dx = stage_.post_process ? head_backward(acts, false) : doutput;
   FORGE_CHECK(dx.defined(), "backward_input of a stage that is not the last needs its output's gradient");
   for (size_t l = layers_.size(); l-- > 0;)
@@ -449,6 +468,7 @@ Tensor DecoderStack::backward(const Tensor& doutput, StageActivations& state) {
   auto& acts = static_cast<Activations&>(state);
   FORGE_CHECK(!acts.input_done, "backward ran twice for one micro-batch");
   const nn::Fp8Recording fp8_recording(options_.fp8, true);
+  finish_routing(acts);
   Tensor dx = stage_.post_process ? head_backward(acts, true) : doutput;
   FORGE_CHECK(dx.defined(), "backward of a stage that is not the last needs its output's gradient");
   for (size_t l = layers_.size(); l-- > 0;) {

@@ -207,6 +207,9 @@ class DecoderStack : public Model {
   // > 0: Hugging Face's load-balancing loss is on with this coefficient
   // (ModelConfig::training_router_aux_loss_coef); its value is aux_loss(router_aux_loss_coef()).
   double router_aux_loss_coef() const { return spec_.router_aux_loss_coef; }
+  int64_t stage_routing_size() const override {
+    return spec_.router_aux_loss_coef > 0 ? spec_.moe.experts : 0;
+  }
 
   // Module access for tests of the backward split.
   const std::vector<nn::DecoderLayer>& layers() const { return layers_; }
@@ -281,6 +284,8 @@ class DecoderStack : public Model {
                     bool all_logits, const Insertion* insertion);
   // The tail's B (and W when fused), then the final norm's, from the loss head's gradient; their sum.
   Tensor head_backward(Activations& acts, bool fused);
+  nn::MoeRouterAux* begin_routing(const MicroBatch& mb, nn::MoeRouterAux& record) const;
+  void finish_routing(Activations& acts) const;
 
   std::unique_ptr<ModelConfig> config_;
   DecoderSpec spec_;
@@ -303,7 +308,6 @@ class DecoderStack : public Model {
   std::vector<const nn::Moe*> moe_layers_;
   std::vector<std::pair<int64_t, int>> moe_layer_ids_;  // per local MoE layer: its index, its bias id
   nn::MoeStepScale moe_scale_;
-  nn::MoeRouterAux router_aux_;  // with spec_.router_aux_loss_coef > 0
   std::unique_ptr<StackTail> tail_;
 };
 

@@ -267,7 +267,7 @@ nn::DecoderLayer DecoderStack::make_layer(int64_t index, const LayerIds& ids,
     moe_stats_.emplace_back();
     const int64_t slot = static_cast<int64_t>(moe_stats_.size()) - 1;
     auto experts = std::make_unique<nn::Moe>(&params_, ids.moe, moe, options, &moe_stats_.back(), &moe_scale_,
-                                             router_aux_.layers > 0 ? &router_aux_ : nullptr, slot);
+                                             spec_.router_aux_loss_coef > 0 ? slot : -1);
     moe_layers_.push_back(experts.get());
     moe_layer_ids_.emplace_back(index, ids.moe.bias);
     ffn = std::move(experts);

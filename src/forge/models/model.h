@@ -134,18 +134,28 @@ struct MicroBatch {
   // no dropout.
   int64_t first_sample = -1;
   const int32_t* positions = nullptr;
+  // A training micro-batch on a stage that is not the first, with Model::stage_routing_size() > 0: what the
+  // earlier stages' output said (StageOutput::routing).
+  const double* routing_before = nullptr;
 };
 
 // What a stage keeps of one micro-batch between forward, backward_input and backward_weight.
 class StageActivations {
  public:
   virtual ~StageActivations() = default;
+  // With Model::stage_routing_size() > 0: the micro-batch's routing over every stage's layers. Set by the
+  // caller before the backward of a stage that is not the last (from the next stage's backward); the last
+  // stage's backward sets it. Either way the earlier stage's backward is given it after.
+  std::vector<double> routing_total;
 };
 
 struct StageOutput {
   Tensor
       hidden;  // not the last stage: [rows, hidden] for the next stage (rows / tp under sequence parallelism)
   LossSum loss;  // the last stage
+  // Not the last stage, with Model::stage_routing_size() > 0: the routing through this stage, for the next
+  // (MicroBatch::routing_before).
+  std::vector<double> routing;
 };
 
 // ---- What the trainer sets and reads each step in families with routed experts or multi-token prediction
@@ -201,6 +211,12 @@ class Model {
   // B and W in the fused order (each layer's W right after its B: the least memory), bitwise the same
   // gradients as backward_input then backward_weight. Returns what backward_input returns.
   virtual Tensor backward(const Tensor& doutput, StageActivations& saved) = 0;
+  // Besides the hidden states and their gradients, the values of this many doubles travel between pipeline
+  // stages with each training micro-batch (0: none): a loss over every layer at once, Hugging Face's
+  // load-balancing loss (nn::MoeRouterAux), needs the sums of every stage's routing. Forward, each stage
+  // hands on StageOutput::routing (MicroBatch::routing_before of the next); backward, the last stage's
+  // StageActivations::routing_total goes back to every earlier stage's.
+  virtual int64_t stage_routing_size() const { return 0; }
 
   // ---- Whole-model conveniences (one stage holding everything).
   // One micro-batch's forward, loss and backward (B then W); gradients accumulate (+=). Outside a counted

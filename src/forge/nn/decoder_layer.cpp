@@ -58,6 +58,7 @@ Tensor DecoderLayer::run_forward(const Tensor& x, int64_t batch, int64_t seq, Sa
   saved.x = x;
   if (!saved.mixer) saved.mixer = mixer_->new_saved();
   if (!saved.ffn) saved.ffn = ffn_->new_saved();
+  saved.mixer->router_aux = saved.ffn->router_aux = saved.router_aux;
   const int64_t hidden = norm1_.dim();
   Tensor h1 = norm1_.forward(x, saved.norm1, mixer_->input_dtype());
   const bool drop_inputs = !keep_cores && options_.recomputes(RecomputeModule::norm);
@@ -86,10 +87,12 @@ Tensor DecoderLayer::forward(const Tensor& x, int64_t batch, int64_t seq, Saved&
   // Full recompute: run the layer, keep only its input (and where its rows sit, for the same masks again).
   Saved scratch;
   scratch.dropout = saved.dropout;
+  scratch.router_aux = saved.router_aux;
   Tensor y = run_forward(x, batch, seq, scratch, false);
   saved = Saved{};
   saved.x = x;
   saved.dropout = scratch.dropout;
+  saved.router_aux = scratch.router_aux;
   return y;
 }
 

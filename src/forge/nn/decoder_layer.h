@@ -47,6 +47,8 @@ class DecoderLayer {
     // Set by the caller before forward: where the micro-batch's rows sit, for hidden dropout on the mixer's
     // and the feed-forward's outputs (sites stream and stream + 1; inactive by default: no dropout).
     DropoutRows dropout;
+    // Set by the caller before forward: the micro-batch's MoeRouterAux (null: none), handed to the parts.
+    MoeRouterAux* router_aux = nullptr;
   };
 
   DecoderLayer() = default;

@@ -13,11 +13,17 @@
 
 namespace forge::nn {
 
+struct MoeRouterAux;
+
 class LayerPart {
  public:
   // What one micro-batch keeps between forward and backward; each part derives its own.
   struct Saved {
     virtual ~Saved() = default;
+    // Set by the caller (DecoderLayer) before forward: the micro-batch's record of Hugging Face's
+    // load-balancing loss, which MoE layers taking part in it write at forward and read in backward (null:
+    // none; other parts ignore it).
+    MoeRouterAux* router_aux = nullptr;
   };
   virtual ~LayerPart() = default;
   virtual std::unique_ptr<Saved> new_saved() const = 0;

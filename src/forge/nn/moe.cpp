@@ -44,18 +44,15 @@ struct HostRouting {
 }  // namespace
 
 Moe::Moe(ParameterStore* store, MoeParams params, MoeShape shape, ComputeOptions options, MoeStats* stats,
-         const MoeStepScale* scale, MoeRouterAux* router_aux, int64_t slot)
+         const MoeStepScale* scale, int64_t router_aux_slot)
     : store_(store),
       params_(params),
       shape_(shape),
       options_(options),
       stats_(stats),
       scale_(scale),
-      router_aux_(router_aux),
-      slot_(slot),
+      router_aux_slot_(router_aux_slot),
       act_dtype_(options.part_dtype()) {
-  FORGE_CHECK(!router_aux || (slot >= 0 && slot < router_aux->layers), "Moe: router_aux slot {} of {}", slot,
-              router_aux ? router_aux->layers : 0);
   FORGE_CHECK(shape.experts > 0 && shape.top_k > 0 && shape.expert_ffn > 0 && shape.hidden > 0,
               "Moe: bad shape experts={} top_k={} expert_ffn={} hidden={}", shape.experts, shape.top_k,
               shape.expert_ffn, shape.hidden);
@@ -200,7 +197,9 @@ Tensor Moe::routed_forward(const Tensor& h, int64_t seq, Saved& s, bool training
   // auxiliary loss over the whole micro-batch (every rank of a tp group routes the same gathered rows): only
   // when it has a coefficient.
   const bool balance = training && seq > 0 && rows % seq == 0 && (stats_ || (scale_ && scale_->balance != 0));
-  const bool router_aux = training && rows > 0 && scale_ && router_aux_ && scale_->router_aux != 0;
+  // Hugging Face's load-balancing loss: with its record (a training forward; evaluation keeps none).
+  const bool router_aux =
+      training && rows > 0 && scale_ && router_aux_slot_ >= 0 && s.router_aux && scale_->router_aux != 0;
   FORGE_CHECK(!router_aux || scale_->aux == 0,
               "Moe: the classic auxiliary loss and Hugging Face's load-balancing loss are both on");
   const bool aux = router_aux || (training && rows > 0 && scale_ && scale_->aux != 0);
@@ -361,8 +360,8 @@ Tensor Moe::backward_input(const Tensor& dy_in, int64_t, int64_t, LayerPart::Sav
   const int64_t rows = s.h.numel() / hidden, sorted = s.offsets.back();
   const int64_t local = local_experts(), received = s.plan.received();
   const std::vector<int64_t>& offsets_local = s.plan.local_offsets;
-  // Hugging Face's load-balancing loss: every layer has recorded its f and P of this micro-batch by now.
-  if (s.aux_scale != 0.0f && scale_ && scale_->router_aux != 0.0f && router_aux_)
+  // Hugging Face's load-balancing loss: the model has set the micro-batch's total over every layer by now.
+  if (s.aux_scale != 0.0f && scale_ && scale_->router_aux != 0.0f && router_aux_slot_ >= 0 && s.router_aux)
     s.aux_sum = router_aux_fraction(s), s.micro_batches = 1;
   if (stats_ && !s.load.empty()) {
     for (int64_t e = 0; e < experts; ++e) stats_->load[e] += s.load[e];
@@ -621,8 +620,11 @@ void Moe::record_router_aux(Saved& s, int64_t rows) const {
     std::copy(wire.begin(), wire.end(), sums.begin());
   }
   const double tokens = sums[2 * experts];
-  std::vector<double>& f = router_aux_->fraction[static_cast<size_t>(slot_)];
-  std::vector<double>& p = router_aux_->probability[static_cast<size_t>(slot_)];
+  MoeRouterAux& record = *s.router_aux;
+  FORGE_CHECK(router_aux_slot_ < static_cast<int64_t>(record.fraction.size()),
+              "Moe: router_aux slot {} of a record for {} layers", router_aux_slot_, record.fraction.size());
+  std::vector<double>& f = record.fraction[static_cast<size_t>(router_aux_slot_)];
+  std::vector<double>& p = record.probability[static_cast<size_t>(router_aux_slot_)];
   for (int64_t e = 0; e < experts; ++e) {
     f[e] = tokens > 0 ? static_cast<double>(experts) / (static_cast<double>(k) * tokens) * sums[e] : 0.0;
     p[e] = tokens > 0 ? sums[experts + e] / tokens : 0.0;
@@ -632,16 +634,20 @@ void Moe::record_router_aux(Saved& s, int64_t rows) const {
 }
 
 double Moe::router_aux_fraction(Saved& s) const {
-  const int64_t experts = shape_.experts, layers = router_aux_->layers;
+  const MoeRouterAux& record = *s.router_aux;
+  const int64_t experts = shape_.experts, layers = record.layers;
+  FORGE_CHECK(
+      static_cast<int64_t>(record.total.size()) == experts && layers > 0,
+      "Moe: backward of Hugging Face's load-balancing loss before the model set its total over the {} "
+      "layers",
+      layers);
   const double per_layer = static_cast<double>(shape_.top_k) / static_cast<double>(layers);
   Tensor fraction = Tensor::empty({experts}, DType::f32);
   double share = 0;
   for (int64_t e = 0; e < experts; ++e) {
-    double mean = 0;
-    for (int64_t l = 0; l < layers; ++l) mean += router_aux_->fraction[static_cast<size_t>(l)][e];
-    mean /= static_cast<double>(layers);
+    const double mean = record.total[e] / static_cast<double>(layers);
     fraction.f32()[e] = static_cast<float>(per_layer * mean);
-    share += per_layer * mean * router_aux_->probability[static_cast<size_t>(slot_)][e];
+    share += per_layer * mean * record.probability[static_cast<size_t>(router_aux_slot_)][e];
   }
   s.aux_fraction.copy_from(fraction);
   return share;

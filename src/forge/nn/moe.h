@@ -131,19 +131,33 @@ struct MoeStepScale {
 //   loss = k x sum_e fbar[e] Pbar[e],   fbar, Pbar the means of f_l, P_l over the layers
 // (= E x sum_e (assignments to e over all layers / (L T)) x (mean probability of e over all layers), the
 // value transformers computes). Its gradient reaches layer l's router as the classic auxiliary loss's does,
-// with f = (k / L) fbar in place of the layer's own f. Each layer records its f_l and P_l at forward (a
-// recomputed forward records the same values again) and reads every layer's in backward, so every layer of
-// the model must run on this process (no pipeline parallelism) and one micro-batch's forward and backward
-// must not interleave with another's (the trainer does not pair micro-batches under expert parallelism
-// then). Under context parallelism f and P are over the whole micro-batch, as the classic loss's.
+// with f = (k / L) fbar in place of the layer's own f. One record per micro-batch, kept with its activations
+// (so that pipeline stages and overlapped pairs may hold several micro-batches at once): each layer of the
+// stage writes its f_l and P_l at forward (a recomputed forward writes the same values again); before the
+// stage's backward the model sets `total`, the sum of f_l over all L layers, and each layer reads it. Under
+// pipeline parallelism the stages' sums travel with the hidden states: forward, `before` (the earlier
+// stages' layers); backward, `total` (models::Model::stage_routing_size). Under context parallelism f and P
+// are over the whole micro-batch, as the classic loss's.
 struct MoeRouterAux {
-  int64_t layers = 0;                            // L
-  std::vector<std::vector<double>> fraction;     // [layer slot][experts]: this micro-batch's f_l
-  std::vector<std::vector<double>> probability;  // [layer slot][experts]: P_l
-  void reset(int64_t moe_layers, int64_t experts) {
-    layers = moe_layers;
-    fraction.assign(static_cast<size_t>(moe_layers), std::vector<double>(static_cast<size_t>(experts), 0.0));
+  int64_t layers = 0;                            // L, the model's MoE layers over every stage
+  std::vector<std::vector<double>> fraction;     // [local slot][experts]: this stage's layers' f_l
+  std::vector<std::vector<double>> probability;  // [local slot][experts]: P_l
+  std::vector<double> before;                    // [experts]: sum of f_l over the earlier stages' layers
+  std::vector<double> total;                     // [experts]: sum of f_l over all L (set before backward)
+  void reset(int64_t model_layers, int64_t local_layers, int64_t experts) {
+    layers = model_layers;
+    before.assign(static_cast<size_t>(experts), 0.0);
+    fraction.assign(static_cast<size_t>(local_layers), before);
     probability = fraction;
+    total.clear();
+  }
+  // before + this stage's f_l, added in layer order (the same sums, bit for bit, however the layers are cut
+  // into stages).
+  std::vector<double> through_here() const {
+    std::vector<double> sum = before;
+    for (const std::vector<double>& f : fraction)
+      for (size_t e = 0; e < sum.size(); ++e) sum[e] += f[e];
+    return sum;
   }
 };
 
@@ -183,10 +197,11 @@ class Moe final : public LayerPart {
   };
 
   Moe() = default;
-  // stats, scale, router_aux: owned by the model (null: no statistics / no balance loss / no Hugging Face
-  // load-balancing loss); slot: this layer's row of router_aux.
+  // stats, scale: owned by the model (null: no statistics / no balance loss); router_aux_slot: this layer's
+  // row in each micro-batch's MoeRouterAux (LayerPart::Saved::router_aux), -1: it takes no part in Hugging
+  // Face's load-balancing loss.
   Moe(ParameterStore* store, MoeParams params, MoeShape shape, ComputeOptions options, MoeStats* stats,
-      const MoeStepScale* scale, MoeRouterAux* router_aux = nullptr, int64_t slot = -1);
+      const MoeStepScale* scale, int64_t router_aux_slot = -1);
 
   std::unique_ptr<LayerPart::Saved> new_saved() const override { return std::make_unique<Saved>(); }
   Tensor forward(const Tensor& h, int64_t batch, int64_t seq, LayerPart::Saved& saved,
@@ -215,8 +230,8 @@ class Moe final : public LayerPart {
   // share (rewrites s.fraction, s.aux_fraction, losses and aux_loss).
   void balance_over_context(Saved& s, int64_t rows, int64_t seq, bool aux, Tensor& losses,
                             Tensor& aux_loss) const;
-  // Hugging Face's load-balancing loss: this layer's f_l and P_l of the micro-batch into router_aux_ (over
-  // the cp group's tokens, rescaling s.aux_scale as balance_over_context does).
+  // Hugging Face's load-balancing loss: this layer's f_l and P_l of the micro-batch into its record
+  // (s.router_aux; over the cp group's tokens, rescaling s.aux_scale as balance_over_context does).
   void record_router_aux(Saved& s, int64_t rows) const;
   // Its backward: s.aux_fraction becomes (k / L) fbar; returns this layer's share of the loss.
   double router_aux_fraction(Saved& s) const;
@@ -248,8 +263,7 @@ class Moe final : public LayerPart {
   ComputeOptions options_;
   MoeStats* stats_ = nullptr;
   const MoeStepScale* scale_ = nullptr;
-  MoeRouterAux* router_aux_ = nullptr;
-  int64_t slot_ = -1;
+  int64_t router_aux_slot_ = -1;
   std::unique_ptr<Mlp> shared_;
   std::vector<Linear> fp8_gate_up_, fp8_down_;  // FP8: per expert
   // The input, the experts' gate|up, SwiGLU and outputs, the output and their gradients: bf16 under

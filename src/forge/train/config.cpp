@@ -268,9 +268,8 @@ const std::vector<KeySpec>& key_specs() {
        "ep_overlap",
        FORGE_FIELD(parallel.ep_overlap),
        "with ep > 1: the shared experts compute while tokens travel, and overlapped pairs (DualPipe's, or "
-       "without pipeline stages the forward of each micro-batch beside the backward of the one before, unless "
-       "the model sets output_router_logits) interleave their two micro-batches at the all-to-alls (false: wait "
-       "where each transfer starts)",
+       "without pipeline stages the forward of each micro-batch beside the backward of the one before) "
+       "interleave their two micro-batches at the all-to-alls (false: wait where each transfer starts)",
        {}},
       {"parallel",
        "sequence_parallel",

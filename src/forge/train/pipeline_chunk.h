@@ -1,11 +1,14 @@
 // A model stage as a pipeline chunk (parallel/pipeline/executor.h): the executor hands it micro-batch
 // numbers and hidden states; it runs the stage's forward, backward_input and backward_weight, keeps each
-// in-flight micro-batch's activations, and on the last stage sums the loss.
+// in-flight micro-batch's activations, and on the last stage sums the loss. A model with routing to hand on
+// (models::Model::stage_routing_size) has it travel in rows appended to each message, the doubles' bytes as
+// they are (exact whatever the dtype of the hidden states).
 #pragma once
 
 #include <functional>
 #include <map>
 #include <memory>
+#include <vector>
 
 #include "forge/models/model.h"
 #include "forge/parallel/pipeline/executor.h"
@@ -19,7 +22,7 @@ class ModelChunk final : public pipeline::Chunk {
   // sequence parallelism).
   ModelChunk(models::Model& model, std::function<models::MicroBatch(int)> micro_batch, int64_t rows);
 
-  Shape activation_shape() const override { return {rows_, model_.config().shape().hidden}; }
+  Shape activation_shape() const override { return {rows_ + routing_rows_, model_.config().shape().hidden}; }
   DType activation_dtype() const override { return model_.options().residual_dtype; }
   Device device() const override { return model_.options().device; }
   Tensor forward(int micro_batch, const Tensor& input) override;
@@ -43,10 +46,14 @@ class ModelChunk final : public pipeline::Chunk {
 
  private:
   models::StageActivations& saved(int micro_batch);
+  // A message: the stage's hidden states (or their gradient) [rows, hidden] and the routing rows after them.
+  Tensor with_routing(const Tensor& hidden, const std::vector<double>& routing) const;
+  Tensor without_routing(const Tensor& message, std::vector<double>& routing) const;
 
   models::Model& model_;
   std::function<models::MicroBatch(int)> micro_batch_;
   int64_t rows_;
+  int64_t routing_rows_ = 0;  // rows of the message after the hidden states
   std::map<int, std::unique_ptr<models::StageActivations>> saved_;
   models::LossSum loss_;
 };

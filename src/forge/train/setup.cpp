@@ -298,13 +298,6 @@ void TrainSetup::check_model_fits() const {
            layout.ep(), experts, model_source);
   }
   if (model_config->training_router_aux_loss_coef() > 0) {
-    // Hugging Face's load-balancing loss couples every MoE layer's routing (nn::MoeRouterAux).
-    if (layout.pp() > 1)
-      fail(
-          "{}: parallel.pp = {} splits the layers over stages, but {} sets output_router_logits = true, "
-          "whose load-balancing loss is one loss over every layer's router at once (set parallel.pp = 1, or "
-          "output_router_logits false)",
-          c.origin_of("parallel.pp"), layout.pp(), model_source);
     if (c.moe.aux_loss_coeff > 0)
       fail(
           "{}: moe.aux_loss_coeff = {} adds forge's per-layer auxiliary loss, and {} sets "

@@ -87,10 +87,8 @@ void TrainingRun::make_schedule() {
     return;
   }
   // Expert parallelism with its overlap: the step's micro-batches in overlapped pairs (1F1B on one stage),
-  // each one's all-to-alls under the other's compute. Not with Hugging Face's load-balancing loss, whose
-  // backward reads every layer's routing of its micro-batch (nn::MoeRouterAux): one micro-batch at a time.
-  const bool paired = s.layout.ep() > 1 && c_.parallel.ep_overlap && s.accum > 1 &&
-                      s.model_config->training_router_aux_loss_coef() == 0;
+  // each one's all-to-alls under the other's compute.
+  const bool paired = s.layout.ep() > 1 && c_.parallel.ep_overlap && s.accum > 1;
   schedule_ =
       std::make_unique<NoPipelining>(paired ? NoPipelining::Order::paired : NoPipelining::Order::fused);
 }

@@ -7,9 +7,9 @@
 //
 // With output_router_logits = true, training adds Hugging Face's load-balancing loss: router_aux_loss_coef
 // times one loss over every layer's router logits at once (nn::MoeRouterAux; transformers'
-// load_balancing_loss_func), as MixtralForCausalLM adds it to its loss; it needs every layer on one pipeline
-// stage and replaces forge's classic moe.aux_loss_coeff (not both). router_jitter_noise other than 0 is
-// refused.
+// load_balancing_loss_func), as MixtralForCausalLM adds it to its loss, under every layout (pipeline stages
+// hand on their layers' routing); it replaces forge's classic moe.aux_loss_coeff (not both).
+// router_jitter_noise other than 0 is refused.
 #pragma once
 
 #include <cstdint>
