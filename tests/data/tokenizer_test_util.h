@@ -12,16 +12,12 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "test_files.h"
+
 namespace forge::testing {
 
 inline std::filesystem::path tokenizer_fixture(const std::string& name) {
   return std::filesystem::path(FORGE_FIXTURE_DIR) / "tokenizer" / name;
-}
-
-inline std::string read_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  EXPECT_TRUE(in.good()) << path;
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
 inline nlohmann::json read_json(const std::filesystem::path& path) {

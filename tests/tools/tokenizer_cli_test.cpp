@@ -1,8 +1,10 @@
-// forge tokenizer train / encode / decode, run as the real binary.
+// forge tokenizer train / encode / decode / chat, run as the real binary.
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -115,6 +117,69 @@ TEST_F(TokenizerCli, ErrorsAreOneLine) {
   EXPECT_NE(run_forge("tokenizer").status, 0);
   EXPECT_NE(run_forge("tokenizer encode --text x").status, 0);  // --tokenizer is required
   EXPECT_EQ(run_forge("tokenizer --help").status, 0);
+}
+
+// forge tokenizer chat renders a conversation as transformers does (the Qwen3 fixture's conversation with
+// tools, from a tokenizer_config.json and from a folder), takes variables and the generation prompt, prints
+// the rendering's ids with a tokenizer, and refuses bad input in one line.
+TEST_F(TokenizerCli, ChatRendersAsTransformers) {
+  const auto fixture = nlohmann::ordered_json::parse(
+      forge::testing::cli::read_file(fs::path(FORGE_FIXTURE_DIR) / "chat" / "qwen3.json"));
+  const fs::path config = dir_ / "tokenizer_config.json";
+  std::ofstream(config) << fixture["tokenizer_config"].dump();
+  for (const auto& c : fixture["cases"]) {
+    const std::string name = c["name"].get<std::string>();
+    if (name != "tools" && name != "thinking_off") continue;
+    SCOPED_TRACE(name);
+    const fs::path messages = dir_ / (name + ".json");
+    nlohmann::ordered_json row;
+    row["messages"] = c["messages"];
+    if (c["options"].contains("tools")) row["tools"] = c["options"]["tools"];
+    std::ofstream(messages) << row.dump();
+    std::string args = "tokenizer chat --template " + quote(config) + " --messages " + quote(messages);
+    if (c["options"].value("add_generation_prompt", false)) args += " --add-generation-prompt";
+    if (c["options"].contains("enable_thinking")) args += " --var enable_thinking=false";
+    const Outcome o = run_forge(args, kStdoutOnly);
+    ASSERT_EQ(o.status, 0) << o.output;
+    EXPECT_EQ(o.output, c["text"].get<std::string>());
+    // The folder form, the messages on standard input.
+    const Outcome from_dir =
+        run_forge("tokenizer chat --template " + quote(dir_) + " " +
+                      (name == "thinking_off" ? "--add-generation-prompt --var enable_thinking=false" : "") +
+                      " < " + quote(messages),
+                  kStdoutOnly);
+    EXPECT_EQ(from_dir.output, c["text"].get<std::string>());
+  }
+  // Token ids of the rendering (no special tokens added, as apply_chat_template(tokenize=True)).
+  const fs::path tokenizer = fs::path(FORGE_FIXTURE_DIR) / "tokenizer" / "families" / "qwen3.tokenizer.json";
+  const fs::path hi = dir_ / "hi.json";
+  std::ofstream(hi) << R"([{"role": "user", "content": "Hello"}])";
+  const Outcome ids = run_forge("tokenizer chat --template " + quote(config) + " --messages " + quote(hi) +
+                                    " --tokenizer " + quote(tokenizer),
+                                kStdoutOnly);
+  ASSERT_EQ(ids.status, 0) << ids.output;
+  const std::string text = "<|im_start|>user\nHello<|im_end|>\n";
+  EXPECT_EQ(ids.output, join_ids(Tokenizer::from_file(tokenizer).encode(text)) + "\n");
+}
+
+TEST_F(TokenizerCli, ChatErrorsAreOneLine) {
+  const fs::path jinja = dir_ / "t.jinja", good = dir_ / "good.json", bad = dir_ / "bad.json";
+  std::ofstream(jinja) << "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role "
+                          "not supported') }}{% endif %}{{ m.content }}{% endfor %}";
+  std::ofstream(good) << R"([{"role": "system", "content": "x"}])";
+  std::ofstream(bad) << R"([{"role": "user", "content": )";
+  expect_one_line_error("tokenizer chat --template " + quote(jinja) + " --messages " + quote(good),
+                        "System role not supported");
+  expect_one_line_error("tokenizer chat --template " + quote(jinja) + " --messages " + quote(bad),
+                        "bad.json");
+  expect_one_line_error("tokenizer chat --template " + quote(dir_ / "missing") + " --messages " + quote(good),
+                        "missing");
+  expect_one_line_error(
+      "tokenizer chat --template " + quote(jinja) + " --messages " + quote(good) + " --var x", "--var 'x'");
+  const fs::path broken = dir_ / "broken.jinja";
+  std::ofstream(broken) << "line\n{% if %}";
+  expect_one_line_error("tokenizer chat --template " + quote(broken) + " --messages " + quote(good),
+                        "broken.jinja: line 2");
 }
 
 }  // namespace

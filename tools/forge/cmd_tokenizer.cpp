@@ -1,6 +1,9 @@
-// forge tokenizer: train a byte-level BPE tokenizer, and encode or decode text with a tokenizer.json.
+// forge tokenizer: train a byte-level BPE tokenizer, encode or decode text with a tokenizer.json, and render
+// a conversation with a Hugging Face chat template.
 #include <cerrno>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <iterator>
 #include <memory>
@@ -11,6 +14,7 @@
 #include "commands.h"
 #include "forge/core/error.h"
 #include "forge/data/tokenizer/bpe_trainer.h"
+#include "forge/data/tokenizer/chat_template.h"
 #include "forge/data/tokenizer/tokenizer.h"
 
 namespace forge::cli {
@@ -29,6 +33,10 @@ struct TokenizerOptions {
   std::string text;
   bool text_given = false, add_special_tokens = false, skip_special_tokens = false;
   std::vector<std::string> ids;
+  // chat
+  std::string chat_template, template_name, messages, tools;
+  std::vector<std::string> variables;
+  bool add_generation_prompt = false, continue_final_message = false, spans = false;
 };
 
 std::string read_stdin() {
@@ -97,13 +105,83 @@ int run_decode(const TokenizerOptions& o) {
   return 0;
 }
 
+std::string read_file_or_stdin(const std::string& path, const char* what) {
+  if (path.empty() || path == "-") return read_stdin();
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("tokenizer chat: {} '{}' cannot be read", what, path);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+nlohmann::ordered_json parse_json(const std::string& text, const std::string& source) {
+  try {
+    return nlohmann::ordered_json::parse(text);
+  } catch (const nlohmann::ordered_json::parse_error& e) {
+    fail("tokenizer chat: {} is not valid JSON: {}", source, e.what());
+  }
+}
+
+// A folder, a tokenizer_config.json, or a template file (.jinja) by itself.
+ChatTemplate load_chat_template(const std::string& path, const std::string& name) {
+  namespace fs = std::filesystem;
+  if (fs::is_directory(path)) return ChatTemplate::from_folder(path, name);
+  if (!fs::is_regular_file(path))
+    fail("tokenizer chat: --template '{}' is neither a folder nor a file", path);
+  const std::string text = read_file_or_stdin(path, "--template");
+  if (fs::path(path).extension() == ".json")
+    return ChatTemplate::from_tokenizer_config(parse_json(text, path), path, name);
+  if (!name.empty())
+    fail("tokenizer chat: --name picks one of a tokenizer_config.json's templates, not of {}", path);
+  return ChatTemplate(text, path, nlohmann::ordered_json::object());
+}
+
+int run_chat(const TokenizerOptions& o) {
+  const ChatTemplate chat = load_chat_template(o.chat_template, o.template_name);
+  const std::string source = o.messages.empty() || o.messages == "-" ? "standard input" : o.messages;
+  nlohmann::ordered_json conversation = parse_json(read_file_or_stdin(o.messages, "--messages"), source);
+  ChatOptions options;
+  // {"messages": [...], "tools": [...]} (the common dataset row) or the messages' array itself.
+  if (conversation.is_object()) {
+    if (!conversation.contains("messages")) fail("tokenizer chat: {} has no 'messages'", source);
+    if (conversation.contains("tools")) options.tools = conversation["tools"];
+    conversation = nlohmann::ordered_json(conversation["messages"]);
+  }
+  if (!o.tools.empty()) options.tools = parse_json(read_file_or_stdin(o.tools, "--tools"), o.tools);
+  options.add_generation_prompt = o.add_generation_prompt;
+  options.continue_final_message = o.continue_final_message;
+  for (const std::string& v : o.variables) {
+    const size_t eq = v.find('=');
+    if (eq == std::string::npos || eq == 0) fail("tokenizer chat: --var '{}' is not name=value", v);
+    const std::string value = v.substr(eq + 1);
+    // A JSON value where it reads as one (true, 3, "x", [..]), else the text itself.
+    options.variables[v.substr(0, eq)] = nlohmann::ordered_json::accept(value)
+                                             ? nlohmann::ordered_json::parse(value)
+                                             : nlohmann::ordered_json(value);
+  }
+  const jinja::Rendered rendered = chat.render(conversation, options);
+  if (!o.tokenizer.empty()) {
+    const Tokenizer tokenizer = Tokenizer::from_file(o.tokenizer);
+    const std::vector<int32_t> ids = tokenizer.encode(rendered.text, false);
+    std::string line;
+    for (size_t i = 0; i < ids.size(); ++i) line += (i ? " " : "") + std::to_string(ids[i]);
+    std::printf("%s\n", line.c_str());
+    return 0;
+  }
+  std::fwrite(rendered.text.data(), 1, rendered.text.size(), stdout);
+  if (o.spans)
+    for (const auto& [begin, end] : rendered.generation)
+      std::fprintf(stderr, "generation [%zu, %zu)\n", begin, end);
+  return 0;
+}
+
 }  // namespace
 
 void add_tokenizer_command(CLI::App& app, Commands& commands) {
   auto o = std::make_shared<TokenizerOptions>();
   auto* tok = app.add_subcommand("tokenizer",
                                  "Train byte-level BPE tokenizers; encode and decode text with a "
-                                 "Hugging Face tokenizer.json");
+                                 "Hugging Face tokenizer.json; render conversations with chat templates");
   tok->require_subcommand(1);
 
   auto* train =
@@ -136,10 +214,39 @@ void add_tokenizer_command(CLI::App& app, Commands& commands) {
   decode->add_flag("--skip-special-tokens", o->skip_special_tokens, "leave special tokens out");
   decode->footer("The text is written exactly, without a trailing newline.");
 
-  commands.push_back({tok, [o, train, encode, decode] {
+  auto* chat = tok->add_subcommand(
+      "chat",
+      "Render a conversation with a Hugging Face chat template, as transformers' apply_chat_template");
+  chat->add_option("--template", o->chat_template,
+                   "a model or tokenizer folder (chat_template.jinja or tokenizer_config.json), a "
+                   "tokenizer_config.json, or a .jinja file")
+      ->required();
+  chat->add_option("--name", o->template_name,
+                   "which of a tokenizer_config.json's named templates (default: default)");
+  chat->add_option("--messages", o->messages,
+                   "JSON file: the messages' array, or an object with 'messages' (and 'tools') "
+                   "(default: standard input)");
+  chat->add_option("--tools", o->tools, "JSON file: a list of tool schemas");
+  chat->add_flag("--add-generation-prompt", o->add_generation_prompt, "end with the assistant's turn header");
+  chat->add_flag("--continue-final-message", o->continue_final_message,
+                 "end where the last message's content ends, for generation to continue it");
+  chat->add_option(
+      "--var", o->variables,
+      "a template variable, name=value (value as JSON where it parses, e.g. enable_thinking=false; "
+      "repeatable)");
+  chat->add_option("--tokenizer", o->tokenizer, "tokenizer.json: print the rendering's token ids instead")
+      ->check(CLI::ExistingFile);
+  chat->add_flag("--spans", o->spans,
+                 "also print the {% generation %} spans (byte ranges) to standard error");
+  chat->footer(
+      "The text is written exactly, without a trailing newline. Special tokens come from the "
+      "template's tokenizer_config.json (or --var bos_token=...).");
+
+  commands.push_back({tok, [o, train, encode, decode, chat] {
                         if (*train) return run_train(*o);
                         if (*encode) return run_encode(*o);
                         if (*decode) return run_decode(*o);
+                        if (*chat) return run_chat(*o);
                         return 1;
                       }});
 }
