@@ -10,6 +10,13 @@
 #                                         empty and unusual contents, content blocks, reasoning, tool calls,
 #                                         continue_final_message; a conversation the template refuses keeps
 #                                         transformers' error message
+#   tests/fixtures/chat/sft_masks.json    supervised fine-tuning: conversations tokenized with
+#                                         apply_chat_template(tokenize=True) and their assistant-token masks:
+#                                         return_assistant_tokens_mask for a template with {% generation %}
+#                                         blocks; for templates without, the tokens (offsets from tokenizers)
+#                                         overlapping each assistant message's prefix span (what rendering
+#                                         through the message adds to rendering before it with the generation
+#                                         prompt), or the refusal when a template breaks that prefix rule
 #
 # The families' templates are those the axolotl package ships (Apache-2.0; PyPI's axolotl 0.19.0, read from its
 # wheel, which pip downloads without installing), copies of the templates the models' own tokenizer_config.json
@@ -217,6 +224,90 @@ def family_fixtures(templates):
         print(family, sum("text" in c for c in cases), "rendered,", sum("error" in c for c in cases), "refused")
 
 
+# A ChatML template with {% generation %} around what the assistant says (its content and end of turn), as
+# templates that support return_assistant_tokens_mask write it.
+CHATML_GENERATION = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
+    "{% endgeneration %}{{ '\\n' }}{% else %}{{ message['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def sft_conversations():
+    q = {"role": "user", "content": "Quote Genesis 1:3."}
+    a = {"role": "assistant", "content": "And God said, Let there be light: and there was light."}
+    q2 = {"role": "user", "content": "Which book? Answer in one word, 中文 or English."}
+    a2 = {"role": "assistant", "content": "Genesis."}
+    return [
+        ("one_turn", [q, a], None),
+        ("system_two_turns", [{"role": "system", "content": "Answer from the King James Bible."}, q, a, q2, a2], None),
+        ("empty_answer", [q, {"role": "assistant", "content": ""}, q2, a2], None),
+        ("reasoning", [q, dict(a, reasoning_content="A quote."), q2, dict(a2, reasoning_content="One word.")], None),
+        ("tools", [q, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+            "name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                   {"role": "tool", "content": "21"}, {"role": "assistant", "content": "21 degrees."}], TOOLS),
+    ]
+
+
+def prefix_spans(tok, messages, tools):
+    full = tok.apply_chat_template(messages, tools=tools, tokenize=False)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = tok.apply_chat_template(messages[:i], tools=tools, tokenize=False, add_generation_prompt=True) if i else ""
+        through = tok.apply_chat_template(messages[: i + 1], tools=tools, tokenize=False)
+        if not through.startswith(before) or not full.startswith(through):
+            return full, None
+        spans.append((len(before), len(through)))
+    return full, spans
+
+
+def overlap_mask(offsets, spans):
+    return [int(any(s < e and a < e and b > s for s, e in spans)) for a, b in offsets]
+
+
+def sft_fixture(templates):
+    setups = [  # name, template, special tokens, tokenizer fixture
+        ("chatml_generation", CHATML_GENERATION, {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, "qwen3"),
+        ("qwen2_5", templates["qwen_25.jinja"], {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, "qwen3"),
+        ("qwen3", templates["qwen3.jinja"], {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, "qwen3"),
+        ("mistral_v1", templates["mistral_v1.jinja"], {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"},
+         "mistral_v1"),
+    ]
+    out = []
+    for name, template, special, tok_name in setups:
+        tok_path = os.path.join(ROOT, "tests", "fixtures", "tokenizer", "families", tok_name + ".tokenizer.json")
+        tok = PreTrainedTokenizerFast(tokenizer_file=tok_path, **special)
+        tok.chat_template = template
+        cases = []
+        for cname, messages, tools in sft_conversations():
+            case = {"name": cname, "messages": messages, "tools": tools}
+            try:
+                if "{% generation %}" in template:
+                    enc = tok.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
+                                                  return_assistant_tokens_mask=True)
+                    case["ids"], case["mask"] = list(enc["input_ids"]), list(enc["assistant_masks"])
+                else:
+                    full, spans = prefix_spans(tok, messages, tools)
+                    if spans is None:
+                        case["error"] = "the template breaks the prefix rule"
+                    else:
+                        enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+                        ids = tok.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True)["input_ids"]
+                        assert list(ids) == list(enc["input_ids"])
+                        case["ids"], case["mask"] = list(enc["input_ids"]), overlap_mask(enc["offset_mapping"], spans)
+            except Exception as e:
+                case["error"] = f"{type(e).__name__}: {e}"
+            cases.append(case)
+        out.append({"name": name, "tokenizer": f"tokenizer/families/{tok_name}.tokenizer.json",
+                    "tokenizer_config": {"chat_template": template, **special}, "cases": cases})
+        print("sft", name, sum("ids" in c for c in cases), "masked,", sum("error" in c for c in cases), "refused")
+    with open(os.path.join(OUT, "sft_masks.json"), "w", encoding="utf-8") as f:
+        json.dump(out, f, ensure_ascii=False, indent=1)
+        f.write("\n")
+
+
 def axolotl_templates():
     with tempfile.TemporaryDirectory() as d:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", d, AXOLOTL], check=True)
@@ -231,7 +322,9 @@ def main():
     with open(os.path.join(OUT, "jinja_cases.json"), "w", encoding="utf-8") as f:
         json.dump(jinja_cases(), f, ensure_ascii=False, indent=1)
         f.write("\n")
-    family_fixtures(axolotl_templates())
+    templates = axolotl_templates()
+    family_fixtures(templates)
+    sft_fixture(templates)
 
 
 if __name__ == "__main__":

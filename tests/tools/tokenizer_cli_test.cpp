@@ -160,6 +160,22 @@ TEST_F(TokenizerCli, ChatRendersAsTransformers) {
   ASSERT_EQ(ids.status, 0) << ids.output;
   const std::string text = "<|im_start|>user\nHello<|im_end|>\n";
   EXPECT_EQ(ids.output, join_ids(Tokenizer::from_file(tokenizer).encode(text)) + "\n");
+  // --mask: the ids, then the assistant tokens fine-tuning trains on (Qwen2.5's template, the prefix rule).
+  const auto sft = nlohmann::ordered_json::parse(
+      forge::testing::cli::read_file(fs::path(FORGE_FIXTURE_DIR) / "chat" / "sft_masks.json"));
+  for (const auto& setup : sft) {
+    if (setup["name"] != "qwen2_5") continue;
+    const fs::path qwen = dir_ / "qwen2_5.json", conversation = dir_ / "conversation.json";
+    std::ofstream(qwen) << setup["tokenizer_config"].dump();
+    const auto& c = setup["cases"][1];
+    std::ofstream(conversation) << c["messages"].dump();
+    const Outcome mask = run_forge("tokenizer chat --mask --template " + quote(qwen) + " --messages " +
+                                       quote(conversation) + " --tokenizer " + quote(tokenizer),
+                                   kStdoutOnly);
+    ASSERT_EQ(mask.status, 0) << mask.output;
+    EXPECT_EQ(mask.output, join_ids(c["ids"].get<std::vector<int32_t>>()) + "\n" +
+                               join_ids(c["mask"].get<std::vector<int32_t>>()) + "\n");
+  }
 }
 
 TEST_F(TokenizerCli, ChatErrorsAreOneLine) {

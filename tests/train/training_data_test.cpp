@@ -10,6 +10,7 @@
 
 #include "forge/ckpt/safetensors.h"
 #include "forge/data/text/indexed_dataset.h"
+#include "forge/data/text/sft_data.h"
 #include "forge/data/text/text_corpus.h"
 #include "forge/models/llama/llama_model.h"
 #include "forge/models/pretrained.h"
@@ -258,6 +259,95 @@ TEST_F(TrainingDataTest, DatasetTokensOutsideTheVocabularyNameTheFile) {
       {(dir_ / "wide.bin").string() + ": document 0, position 77: token id 300 is outside the "
                                       "vocabulary of the tokenizer bytes",
        "[0, 256)"});
+}
+
+// Supervised fine-tuning data: a folder with the tokenizer (Qwen's vocabulary) and a ChatML template with
+// {% generation %} blocks, and conversations whose answer is a function of the question.
+class SftDataTest : public TrainingDataTest {
+ protected:
+  void SetUp() override {
+    TrainingDataTest::SetUp();
+    write_model(2048);
+    fs::create_directories(dir_ / "tok");
+    fs::copy_file(fs::path(FORGE_FIXTURE_DIR) / "tokenizer" / "families" / "qwen3.tokenizer.json",
+                  dir_ / "tok" / "tokenizer.json");
+    const nlohmann::ordered_json fixture =
+        nlohmann::ordered_json::parse(forge::testing::read_file(testing::fixture("chat/sft_masks.json")));
+    for (const auto& setup : fixture)
+      if (setup["name"] == "chatml_generation")
+        std::ofstream(dir_ / "tok" / "tokenizer_config.json") << setup["tokenizer_config"].dump();
+    std::ofstream sft(dir_ / "sft.jsonl");
+    const char* words[] = {"light", "water", "earth", "heaven", "day", "night", "sea", "tree"};
+    for (int i = 0; i < 40; ++i) {
+      nlohmann::ordered_json row;
+      const std::string w = words[i % 8];
+      row["messages"] = {{{"role", "user"}, {"content", "Which word? " + w}},
+                         {{"role", "assistant"}, {"content", w}}};
+      sft << row.dump() << "\n";
+    }
+  }
+  TrainConfig sft_config(const std::string& run) const {
+    TrainConfig c = config(run);
+    c.data.tokenizer = (dir_ / "tok" / "tokenizer.json").string();
+    c.data.sft = (dir_ / "sft.jsonl").string();
+    c.data.heldout_fraction = 0.2;
+    return c;
+  }
+};
+
+// One conversation per sequence: each epoch serves every training conversation once, in an order drawn from
+// the seed, with the held-out tail (the last 20%) kept apart; the rows are those of data::SftDataset.
+TEST_F(SftDataTest, ServesEachConversationOncePerEpoch) {
+  const TrainConfig c = sft_config("serve");
+  const std::unique_ptr<TrainingData> data = open_training_data(c);
+  EXPECT_NE(data->describe().find("32 training conversations, 8 held out"), std::string::npos)
+      << data->describe();
+  EXPECT_EQ(data->heldout_windows(), 8);
+  const ChatTemplate chat = ChatTemplate::from_folder(dir_ / "tok");
+  SftOptions o;
+  o.seq_len = c.data.seq_len;
+  const SftDataset set = SftDataset::from_jsonl(c.data.sft, chat, *data->codec().tokenizer(), o);
+  const int64_t t = c.data.seq_len;
+  std::vector<int32_t> ids(32 * t), targets(32 * t), want_ids(t), want_targets(t);
+  data->train_batch(0, 32, ids.data(), targets.data());
+  std::vector<int> seen(40, 0);
+  for (int64_t r = 0; r < 32; ++r)
+    for (int64_t k = 0; k < 40; ++k) {
+      set.fill(k, want_ids.data(), want_targets.data());
+      if (std::equal(want_ids.begin(), want_ids.end(), ids.begin() + r * t) &&
+          std::equal(want_targets.begin(), want_targets.end(), targets.begin() + r * t)) {
+        ++seen[k];
+        break;
+      }
+    }
+  // Conversations k and k + 8 are the same text: count by word.
+  for (int w = 0; w < 8; ++w) EXPECT_EQ(seen[w], 4) << w;
+  std::vector<int32_t> heldout(t), heldout_targets(t);
+  data->heldout_batch(0, 1, heldout.data(), heldout_targets.data());
+  set.fill(32, want_ids.data(), want_targets.data());
+  EXPECT_EQ(heldout, want_ids);
+  EXPECT_EQ(heldout_targets, want_targets);
+}
+
+// Training on the conversations learns the answers: the held-out loss (over the answers' tokens) falls far
+// below the untrained model's; sft_loss = all trains on the questions' tokens too. Misconfigurations are one
+// line naming the key.
+TEST_F(SftDataTest, TrainsOnTheAnswers) {
+  TrainConfig c = sft_config("sft");
+  c.train.steps = 30;
+  const TrainResult r = Trainer(c).run();
+  ASSERT_EQ(r.losses.size(), 30u);
+  EXPECT_LT(r.losses.back(), 0.5 * r.losses.front());
+  EXPECT_LT(r.heldout_loss, 0.5 * r.losses.front());
+  TrainConfig all = sft_config("all");
+  all.data.sft_loss = SftLoss::all;
+  EXPECT_NE(open_training_data(all)->describe().find("every token"), std::string::npos);
+  TrainConfig bytes = sft_config("bytes");
+  bytes.data.tokenizer = "bytes";
+  expect_error_containing([&] { open_training_data(bytes); }, {"data.sft", "data.tokenizer"});
+  TrainConfig missing = sft_config("missing");
+  missing.data.chat_template = (dir_ / "nowhere").string();
+  expect_error_containing([&] { open_training_data(missing); }, {"nowhere", "neither a folder nor a file"});
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 
 #include "commands.h"
 #include "forge/core/error.h"
+#include "forge/data/text/sft_data.h"
 #include "forge/data/tokenizer/bpe_trainer.h"
 #include "forge/data/tokenizer/chat_template.h"
 #include "forge/data/tokenizer/tokenizer.h"
@@ -36,7 +37,7 @@ struct TokenizerOptions {
   // chat
   std::string chat_template, template_name, messages, tools;
   std::vector<std::string> variables;
-  bool add_generation_prompt = false, continue_final_message = false, spans = false;
+  bool add_generation_prompt = false, continue_final_message = false, spans = false, mask = false;
 };
 
 std::string read_stdin() {
@@ -122,22 +123,8 @@ nlohmann::ordered_json parse_json(const std::string& text, const std::string& so
   }
 }
 
-// A folder, a tokenizer_config.json, or a template file (.jinja) by itself.
-ChatTemplate load_chat_template(const std::string& path, const std::string& name) {
-  namespace fs = std::filesystem;
-  if (fs::is_directory(path)) return ChatTemplate::from_folder(path, name);
-  if (!fs::is_regular_file(path))
-    fail("tokenizer chat: --template '{}' is neither a folder nor a file", path);
-  const std::string text = read_file_or_stdin(path, "--template");
-  if (fs::path(path).extension() == ".json")
-    return ChatTemplate::from_tokenizer_config(parse_json(text, path), path, name);
-  if (!name.empty())
-    fail("tokenizer chat: --name picks one of a tokenizer_config.json's templates, not of {}", path);
-  return ChatTemplate(text, path, nlohmann::ordered_json::object());
-}
-
 int run_chat(const TokenizerOptions& o) {
-  const ChatTemplate chat = load_chat_template(o.chat_template, o.template_name);
+  const ChatTemplate chat = ChatTemplate::from_path(o.chat_template, o.template_name);
   const std::string source = o.messages.empty() || o.messages == "-" ? "standard input" : o.messages;
   nlohmann::ordered_json conversation = parse_json(read_file_or_stdin(o.messages, "--messages"), source);
   ChatOptions options;
@@ -158,6 +145,20 @@ int run_chat(const TokenizerOptions& o) {
     options.variables[v.substr(0, eq)] = nlohmann::ordered_json::accept(value)
                                              ? nlohmann::ordered_json::parse(value)
                                              : nlohmann::ordered_json(value);
+  }
+  if (o.mask) {  // the ids and, below them, which ones fine-tuning trains on
+    if (o.tokenizer.empty()) fail("tokenizer chat: --mask needs --tokenizer");
+    if (o.add_generation_prompt || o.continue_final_message || !o.variables.empty())
+      fail(
+          "tokenizer chat: --mask shows a training conversation as is (no generation prompt, continuation or "
+          "--var)");
+    const Tokenizer tokenizer = Tokenizer::from_file(o.tokenizer);
+    const SftConversation c = tokenize_conversation(chat, tokenizer, conversation, options.tools, false);
+    std::string ids, mask;
+    for (size_t i = 0; i < c.ids.size(); ++i)
+      ids += (i ? " " : "") + std::to_string(c.ids[i]), mask += (i ? " " : "") + std::to_string(c.trained[i]);
+    std::printf("%s\n%s\n", ids.c_str(), mask.c_str());
+    return 0;
   }
   const jinja::Rendered rendered = chat.render(conversation, options);
   if (!o.tokenizer.empty()) {
@@ -238,6 +239,9 @@ void add_tokenizer_command(CLI::App& app, Commands& commands) {
       ->check(CLI::ExistingFile);
   chat->add_flag("--spans", o->spans,
                  "also print the {% generation %} spans (byte ranges) to standard error");
+  chat->add_flag("--mask", o->mask,
+                 "with --tokenizer: print the ids, then a line of 0/1 marking the assistant's tokens that "
+                 "fine-tuning trains on (data.sft)");
   chat->footer(
       "The text is written exactly, without a trailing newline. Special tokens come from the "
       "template's tokenizer_config.json (or --var bos_token=...).");

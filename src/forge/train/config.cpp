@@ -118,8 +118,31 @@ const std::vector<KeySpec>& key_specs() {
       {"data",
        "skip_bad_samples",
        FORGE_FIELD(data.skip_bad_samples),
-       "image-text data: skip (and count) lines that are malformed, name a missing or undecodable image, or "
-       "whose image tokens do not fit in seq_len (false: the first such line is an error)",
+       "image-text and SFT data: skip (and count) lines that are malformed, name a missing or undecodable "
+       "image, or whose image tokens do not fit in seq_len (false: the first such line is an error)",
+       {}},
+      {"data",
+       "sft",
+       FORGE_FIELD(data.sft),
+       "supervised fine-tuning: a JSONL of conversations (messages, or ShareGPT's conversations) rendered "
+       "with "
+       "the chat template, one per sequence (\"\" = pretraining data)",
+       {}},
+      {"data",
+       "heldout_sft",
+       FORGE_FIELD(data.heldout_sft),
+       "held-out conversations (\"\" = the last data.heldout_fraction of data.sft's)",
+       {}},
+      {"data",
+       "chat_template",
+       FORGE_FIELD(data.chat_template),
+       "with data.sft: a folder (chat_template.jinja or tokenizer_config.json), a tokenizer_config.json or a "
+       ".jinja file (\"\" = the folder of data.tokenizer)",
+       {}},
+      {"data",
+       "sft_loss",
+       FORGE_FIELD(data.sft_loss),
+       "with data.sft: the loss on the assistant's tokens, or on every token",
        {}},
 
       {"train", "micro_batch", FORGE_FIELD(train.micro_batch), "sequences per micro-batch", {}},

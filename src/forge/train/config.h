@@ -30,6 +30,7 @@ namespace forge::train {
 // serve as they are (Device, nn::Recompute, optim::LrSchedule::Kind, fp8::AmaxCompute,
 // parallel::ContextAttention).
 enum class DataOrder { shuffle, sequential };
+enum class SftLoss { assistant, all };
 enum class DtypeChoice { automatic, bf16, fp32 };
 enum class Fp8RecipeChoice { off, delayed, current, block };
 enum class Fp8FormatChoice { automatic, hybrid, e4m3 };
@@ -46,6 +47,7 @@ enum class SpikeMetric { ratio, zscore };
     }                                                \
   };
 FORGE_CHOICE_NAMES(DataOrder, {DataOrder::shuffle, "shuffle"}, {DataOrder::sequential, "sequential"})
+FORGE_CHOICE_NAMES(SftLoss, {SftLoss::assistant, "assistant"}, {SftLoss::all, "all"})
 FORGE_CHOICE_NAMES(optim::LrSchedule::Kind, {optim::LrSchedule::Kind::cosine, "cosine"},
                    {optim::LrSchedule::Kind::wsd, "wsd"}, {optim::LrSchedule::Kind::constant, "constant"})
 FORGE_CHOICE_NAMES(Device, {Device::cpu, "cpu"}, {Device::cuda, "cuda"})
@@ -99,7 +101,12 @@ struct TrainConfig {
     std::string images;             // "" = text data
     std::string heldout_images;     // "" = the last data.heldout_fraction of data.images' samples
     std::string image_processor;    // preprocessor_config.json; "" = the one beside data.images
-    bool skip_bad_samples = false;  // image-text: skip and count bad lines instead of stopping
+    bool skip_bad_samples = false;  // image-text and SFT: skip and count bad lines instead of stopping
+    // Supervised fine-tuning (docs/fine-tuning.md): conversations as JSONL, through the chat template.
+    std::string sft;                                // "" = pretraining data
+    std::string heldout_sft;                        // "" = the last data.heldout_fraction of data.sft's
+    std::string chat_template;                      // "" = the folder of data.tokenizer
+    Choice<SftLoss> sft_loss = SftLoss::assistant;  // the loss on the assistant's tokens, or on all
     bool operator==(const Data&) const = default;
   };
   struct Train {

@@ -208,6 +208,7 @@ class DatasetData final : public TrainingData {
 
 std::unique_ptr<TrainingData> open_training_data(const TrainConfig& config,
                                                  const models::ModelConfig* model) {
+  if (!config.data.sft.empty()) return open_sft_data(config);
   if (!config.data.images.empty()) {
     if (model) return open_image_text_data(config, *model);
     return open_image_text_data(config, *models::read_model_config(config.model.config));

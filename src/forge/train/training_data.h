@@ -118,4 +118,11 @@ std::unique_ptr<TrainingData> open_training_data(const TrainConfig& config,
 std::unique_ptr<TrainingData> open_image_text_data(const TrainConfig& config,
                                                    const models::ModelConfig& model);
 
+// data.sft (a JSONL of conversations) and its held-out part (data.heldout_sft, else the last
+// data.heldout_fraction of its conversations), rendered with data.chat_template (or the chat template beside
+// data.tokenizer) and tokenized with data.tokenizer, a tokenizer.json: one conversation per sequence, the
+// loss on the assistant's tokens (data.sft_loss). Training conversations are drawn in a permutation per
+// epoch, from model.seed; held-out ones in order.
+std::unique_ptr<TrainingData> open_sft_data(const TrainConfig& config);
+
 }  // namespace forge::train

@@ -104,6 +104,24 @@ ChatTemplate ChatTemplate::from_folder(const std::filesystem::path& dir, const s
   return from_tokenizer_config(config, config_path.string(), name);
 }
 
+ChatTemplate ChatTemplate::from_path(const std::filesystem::path& path, const std::string& name) {
+  if (std::filesystem::is_directory(path)) return from_folder(path, name);
+  if (!std::filesystem::is_regular_file(path)) fail("{}: is neither a folder nor a file", path.string());
+  const std::string text = read_text(path);
+  if (path.extension() == ".json") {
+    ordered_json config;
+    try {
+      config = ordered_json::parse(text);
+    } catch (const ordered_json::parse_error& e) {
+      fail("{}: not valid JSON: {}", path.string(), e.what());
+    }
+    return from_tokenizer_config(config, path.string(), name);
+  }
+  if (!name.empty() && name != "default")
+    fail("{}: a template file holds one template, not one named '{}'", path.string(), name);
+  return ChatTemplate(text, path.string(), ordered_json::object());
+}
+
 jinja::Rendered ChatTemplate::render(const ordered_json& messages, const ChatOptions& options) const {
   if (!messages.is_array()) fail("{}: the conversation must be a JSON array of messages", source_);
   if (messages.empty()) fail("{}: the conversation is empty; give at least one message", source_);

@@ -36,6 +36,9 @@ class ChatTemplate {
   // one of several named templates ("" = "default"). Throws forge::Error naming the file for a folder with no
   // template, a name it does not have, or a template that does not parse.
   static ChatTemplate from_folder(const std::filesystem::path& dir, const std::string& name = "");
+  // A folder (from_folder), a tokenizer_config.json, or a template file (any other name: its text, with no
+  // special tokens). `name` as from_folder; a template file has one.
+  static ChatTemplate from_path(const std::filesystem::path& path, const std::string& name = "");
   // The parsed tokenizer_config.json (source: its name in errors).
   static ChatTemplate from_tokenizer_config(const nlohmann::ordered_json& config, std::string_view source,
                                             const std::string& name = "");

@@ -1,0 +1,112 @@
+// The trainer's supervised fine-tuning data: data::SftDataset (conversations through the chat template)
+// behind TrainingData.
+#include "forge/data/text/sft_data.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <numeric>
+#include <random>
+
+#include "forge/core/error.h"
+#include "forge/train/training_data.h"
+
+namespace forge::train {
+namespace {
+
+namespace fs = std::filesystem;
+
+class SftData final : public TrainingData {
+ public:
+  SftData(TextCodec codec, const TrainConfig& config)
+      : TrainingData(std::move(codec)), config_(config), seed_(config.model.seed) {
+    const fs::path tokenizer_path = config.data.tokenizer;
+    const fs::path template_path = config.data.chat_template.empty() ? tokenizer_path.parent_path()
+                                                                     : fs::path(config.data.chat_template);
+    chat_ = std::make_unique<data::ChatTemplate>(data::ChatTemplate::from_path(template_path));
+    data::SftOptions options;
+    options.seq_len = config.data.seq_len;
+    options.loss_on_all = config.data.sft_loss == SftLoss::all;
+    options.skip_bad = config.data.skip_bad_samples;
+    const data::Tokenizer& tokenizer = *codec_.tokenizer();
+    train_ = std::make_unique<data::SftDataset>(
+        data::SftDataset::from_jsonl(config.data.sft, *chat_, tokenizer, options));
+    if (!config.data.heldout_sft.empty()) {
+      heldout_ = std::make_unique<data::SftDataset>(
+          data::SftDataset::from_jsonl(config.data.heldout_sft, *chat_, tokenizer, options));
+      train_samples_ = train_->size();
+      heldout_first_ = 0, heldout_samples_ = heldout_->size();
+    } else {  // the file's last conversations
+      const int64_t n = train_->size();
+      heldout_samples_ = std::min<int64_t>(
+          n - 1,
+          std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(n) * config.data.heldout_fraction)));
+      train_samples_ = n - heldout_samples_;
+      heldout_first_ = train_samples_;
+    }
+    if (train_samples_ < 1 || heldout_samples_ < 1)
+      fail("data.sft: '{}' holds {} usable conversations: too few to train on and hold some out",
+           config.data.sft, train_->size());
+  }
+
+  void train_batch(int64_t first, int64_t batch, int32_t* ids, int32_t* targets) const override {
+    const int64_t t = config_.data.seq_len;
+    for (int64_t i = 0; i < batch; ++i)
+      train_->fill(training_sample(first + i), ids + i * t, targets + i * t);
+  }
+  int64_t heldout_windows() const override { return heldout_samples_; }
+  void heldout_batch(int64_t first, int64_t batch, int32_t* ids, int32_t* targets) const override {
+    const int64_t t = config_.data.seq_len;
+    const data::SftDataset& set = heldout_ ? *heldout_ : *train_;
+    for (int64_t i = 0; i < batch; ++i)
+      set.fill(heldout_first_ + (first + i) % heldout_samples_, ids + i * t, targets + i * t);
+  }
+  std::string describe() const override {
+    const int64_t skipped = train_->skipped_bad() + train_->skipped_untrained();
+    return fmt::format(
+        "SFT {}: {} training conversations, {} held out | {} trained tokens ({}) | template {} | tokenizer "
+        "{}{}{}",
+        config_.data.sft, train_samples_, heldout_samples_, train_->trained_tokens(),
+        config_.data.sft_loss == SftLoss::all ? "every token" : "the assistant's", chat_->source(),
+        codec_.description(),
+        train_->truncated() > 0 ? fmt::format(" | {} cut to seq_len", train_->truncated()) : "",
+        skipped > 0 ? fmt::format(" | skipped {} bad, {} with nothing to train", train_->skipped_bad(),
+                                  train_->skipped_untrained())
+                    : "");
+  }
+
+ private:
+  // Conversation `index` of the training stream: each epoch a permutation drawn from (model.seed, epoch).
+  int64_t training_sample(int64_t index) const {
+    const int64_t epoch = index / train_samples_;
+    if (epoch != epoch_ || order_.empty()) {
+      order_.resize(static_cast<size_t>(train_samples_));
+      std::iota(order_.begin(), order_.end(), int64_t{0});
+      std::mt19937_64 rng(seed_ * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(epoch));
+      for (size_t i = order_.size(); i > 1; --i) std::swap(order_[i - 1], order_[rng() % i]);
+      epoch_ = epoch;
+    }
+    return order_[static_cast<size_t>(index % train_samples_)];
+  }
+
+  TrainConfig config_;
+  uint64_t seed_ = 0;
+  std::unique_ptr<data::ChatTemplate> chat_;
+  std::unique_ptr<data::SftDataset> train_, heldout_;
+  int64_t train_samples_ = 0, heldout_first_ = 0, heldout_samples_ = 0;
+  mutable std::vector<int64_t> order_;
+  mutable int64_t epoch_ = -1;
+};
+
+}  // namespace
+
+std::unique_ptr<TrainingData> open_sft_data(const TrainConfig& config) {
+  if (config.tokenizer_source() != TokenizerSource::file)
+    fail(
+        "data.sft: data.tokenizer must name the model's tokenizer.json (conversations are tokenized with "
+        "it)");
+  if (!config.data.images.empty() || !config.data.dataset.empty())
+    fail("data.sft: set one of data.sft, data.images and data.dataset");
+  return std::make_unique<SftData>(make_text_codec(config, {}), config);
+}
+
+}  // namespace forge::train
