@@ -333,6 +333,67 @@ TEST_P(TrainerFamilyLayouts, FollowTheOneRankRun) {
                             fs::path(par.log.run_dir) / "checkpoint", l.dropout > 0 ? 4e-4 : 2e-4);
 }
 
+// Fine-tuning on conversations averages the loss over the step's trained tokens (counted over dp, once per
+// tp and pp group): under tp 2 with sequence parallelism, dp 2 with ZeRO-1 and pp 2 it follows the one-rank
+// run.
+class TrainerSftLayouts : public TrainerRuns, public ::testing::WithParamInterface<FamilyLayout> {};
+
+TEST_P(TrainerSftLayouts, FollowTheOneRankRun) {
+  comm::Communicator& world = comm::world();
+  const FamilyLayout l = GetParam();
+  if (l.tp * l.dp * l.cp * l.pp != world.size())
+    GTEST_SKIP() << "needs " << l.tp * l.dp * l.cp * l.pp << " ranks";
+  if (world.rank() == 0) {
+    fs::create_directories(dir_ / "tok");
+    fs::copy_file(fs::path(FORGE_FIXTURE_DIR) / "tokenizer" / "families" / "qwen3.tokenizer.json",
+                  dir_ / "tok" / "tokenizer.json");
+    std::ofstream(dir_ / "tok" / "tokenizer_config.json")
+        << R"({"eos_token": "<|im_end|>", "chat_template": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"})";
+    std::ofstream sft(dir_ / "sft.jsonl");
+    for (int i = 0; i < 24; ++i)  // answers of different lengths: the trained tokens differ per micro-batch
+      sft << R"({"messages": [{"role": "user", "content": "Say )" << i
+          << R"("}, {"role": "assistant", "content": ")"
+          << std::string(static_cast<size_t>(1 + i % 5), static_cast<char>('a' + i % 7)) << R"("}]})"
+          << "\n";
+    std::string model = family_config("qwen2");  // Qwen's 2026-token vocabulary
+    model.replace(model.find(R"("vocab_size": 256)"), 17, R"("vocab_size": 2048)");
+    std::ofstream(dir_ / "qwen2.json") << model;
+  }
+  world.barrier().wait();
+  auto make = [&](const std::string& run) {
+    TrainConfig c = config(run);
+    c.model.config = (dir_ / "qwen2.json").string();
+    c.data.tokenizer = (dir_ / "tok" / "tokenizer.json").string();
+    c.data.sft = (dir_ / "sft.jsonl").string();
+    c.data.seq_len = 24;
+    c.data.heldout_fraction = 0.2;
+    c.train.steps = 8;
+    return c;
+  };
+  TrainConfig ref = make("reference-" + std::to_string(world.rank()));
+  ref.train.grad_accum = 2 * l.dp;
+  auto self = comm::make_self();
+  const TrainResult want = Trainer(ref, self.get()).run();
+  TrainConfig par = make("parallel");
+  par.parallel.tp = l.tp, par.parallel.dp = l.dp, par.parallel.pp = l.pp;
+  par.parallel.sequence_parallel = l.tp > 1;
+  par.parallel.distributed_optimizer = l.dp > 1;
+  par.train.grad_accum = 2;
+  const TrainResult got = Trainer(par, &world).run();
+  ASSERT_EQ(got.losses.size(), want.losses.size());
+  for (size_t s = 0; s < want.losses.size(); ++s) {
+    EXPECT_NEAR(got.losses[s], want.losses[s], 2e-5 * want.losses[s]) << "step " << s + 1;
+    EXPECT_NEAR(got.grad_norms[s], want.grad_norms[s], 1e-3 * want.grad_norms[s]) << "step " << s + 1;
+  }
+  EXPECT_NEAR(got.heldout_loss, want.heldout_loss, 2e-5 * want.heldout_loss);
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, TrainerSftLayouts,
+                         ::testing::Values(FamilyLayout{"tp2_sp", 2, 1, 1, 1},
+                                           FamilyLayout{"dp2_zero1", 1, 2, 1, 1},
+                                           FamilyLayout{"pp2", 1, 1, 1, 2}),
+                         [](const auto& info) { return std::string(info.param.family); });
+
 std::string test_name(std::string text) {
   std::replace(text.begin(), text.end(), '-', '_');
   return text;

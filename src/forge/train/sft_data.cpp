@@ -54,6 +54,7 @@ class SftData final : public TrainingData {
       train_->fill(training_sample(first + i), ids + i * t, targets + i * t);
   }
   int64_t heldout_windows() const override { return heldout_samples_; }
+  bool loss_per_trained_token() const override { return true; }
   void heldout_batch(int64_t first, int64_t batch, int32_t* ids, int32_t* targets) const override {
     const int64_t t = config_.data.seq_len;
     const data::SftDataset& set = heldout_ ? *heldout_ : *train_;

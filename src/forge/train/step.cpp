@@ -408,8 +408,18 @@ LossSum run_micro_batches(TrainSetup& setup, const TrainState& state, Schedule& 
   setup.buckets->begin_step();
   if (setup.expert_buckets) setup.expert_buckets->begin_step();
   // Over every token of the step: each cp rank holds seq / cp of each sequence, whose sums add up over dp x
-  // cp.
-  const float grad_scale = 1.0f / static_cast<float>(micro * accum * dp * seq);
+  // cp. Fine-tuning data averages over the step's trained tokens instead (transformers' num_items_in_batch),
+  // counted over the world, where every tp and pp rank holds the same tokens as its group.
+  double averaged = static_cast<double>(micro * accum * dp * seq);
+  if (setup.data->loss_per_trained_token()) {
+    double trained = 0;
+    for (const std::vector<int32_t>& t : d.targets)
+      trained += static_cast<double>(std::count_if(t.begin(), t.end(), [](int32_t x) { return x >= 0; }));
+    trained = comm::all_reduce_sum(setup.world, trained) /
+              static_cast<double>(setup.layout.tp() * setup.layout.pp());
+    averaged = std::max(trained, 1.0);
+  }
+  const float grad_scale = static_cast<float>(1.0 / averaged);
   TrainStepSettings settings;
   settings.balance_scale =
       static_cast<float>(c.moe.seq_aux_loss_coeff / static_cast<double>(micro * accum * dp));

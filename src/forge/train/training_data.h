@@ -77,6 +77,9 @@ class TrainingData {
                              int32_t* targets) const = 0;
   // One line for the run log.
   virtual std::string describe() const = 0;
+  // True: a step's loss is the mean over its trained tokens (targets >= 0), as transformers averages
+  // fine-tuning losses; false: over all its positions (pretraining, where every position is trained).
+  virtual bool loss_per_trained_token() const { return false; }
 
   // Image-text data (data.images): train_batch / heldout_batch and the images of those samples, as normalised
   // pixels [images, channels, height, width] in order of appearance (`pixels` resized to fit); returns the
