@@ -5,6 +5,7 @@
 // practical peak on the same threads).
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 
@@ -67,6 +68,53 @@ void BM_AttentionBackward(benchmark::State& state) {
       benchmark::Counter(2.5 * buffers.forward_flops() * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 BENCHMARK(BM_AttentionBackward)->Arg(512)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// Packed documents (document masks), as nn::Attention runs them: each sequence of seq tokens holds documents
+// of range(1) tokens, and the kernel runs once per document over its own keys. The peer is the unmasked
+// kernel over the same total length (BM_AttentionForward / BM_AttentionBackward at that seq): with documents
+// of length L the work falls to L / seq of it.
+void run_documents(AttentionBuffers& buffers, int64_t length, bool backward) {
+  const ops::AttentionParams& whole = buffers.params;
+  const int64_t h = buffers.heads, qd = h * buffers.head_dim;
+  for (int64_t b = 0; b < buffers.batch; ++b)
+    for (int64_t t = 0; t < buffers.seq; t += length) {
+      const int64_t row = b * buffers.seq + t, n = std::min(length, buffers.seq - t);
+      ops::AttentionParams p = whole;
+      p.batch = 1, p.seq = n;
+      p.q = whole.q + row * whole.q_stride, p.k = whole.k + row * whole.k_stride,
+      p.v = whole.v + row * whole.v_stride;
+      p.out = whole.out + row * qd, p.lse = whole.lse + row * h;
+      p.dout = whole.dout + row * qd;
+      p.dq = whole.dq + row * whole.dq_stride, p.dk = whole.dk + row * whole.dk_stride;
+      p.dv = whole.dv + row * whole.dv_stride;
+      if (backward)
+        ops::attention_backward(p);
+      else
+        ops::attention_forward(p);
+    }
+}
+
+void BM_AttentionDocumentsForward(benchmark::State& state) {
+  AttentionBuffers buffers(4, state.range(0), 8, 4, 64);
+  for (auto _ : state) {
+    run_documents(buffers, state.range(1), false);
+    benchmark::ClobberMemory();
+  }
+  state.counters["documents"] = static_cast<double>(4 * state.range(0) / state.range(1));
+}
+BENCHMARK(BM_AttentionDocumentsForward)->Args({2048, 256})->Unit(benchmark::kMillisecond)->UseRealTime();
+
+void BM_AttentionDocumentsBackward(benchmark::State& state) {
+  AttentionBuffers buffers(4, state.range(0), 8, 4, 64);
+  run_documents(buffers, state.range(1), false);
+  for (auto _ : state) {
+    run_documents(buffers, state.range(1), true);
+    benchmark::ClobberMemory();
+  }
+}
+BENCHMARK(BM_AttentionDocumentsBackward)->Args({2048, 256})->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_AttentionForward)->Arg(2048)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_AttentionBackward)->Arg(2048)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 // Peer: C = A B, fp32, 1024^3 (about the forward's FLOP count, 2x).
 void BM_AttentionPeerGemm(benchmark::State& state) {

@@ -335,7 +335,8 @@ TEST_P(TrainerFamilyLayouts, FollowTheOneRankRun) {
 
 // Fine-tuning on conversations averages the loss over the step's trained tokens (counted over dp, once per
 // tp and pp group): under tp 2 with sequence parallelism, dp 2 with ZeRO-1 and pp 2 it follows the one-rank
-// run.
+// run, one conversation per sequence or packed (attention within each conversation, over the gathered rows
+// under sequence parallelism, the documents handed to every stage).
 class TrainerSftLayouts : public TrainerRuns, public ::testing::WithParamInterface<FamilyLayout> {};
 
 TEST_P(TrainerSftLayouts, FollowTheOneRankRun) {
@@ -365,7 +366,8 @@ TEST_P(TrainerSftLayouts, FollowTheOneRankRun) {
     c.model.config = (dir_ / "qwen2.json").string();
     c.data.tokenizer = (dir_ / "tok" / "tokenizer.json").string();
     c.data.sft = (dir_ / "sft.jsonl").string();
-    c.data.seq_len = 24;
+    c.data.sft_pack = std::string(l.family).find("packed") != std::string::npos;
+    c.data.seq_len = c.data.sft_pack ? 64 : 24;  // packed: three or four conversations a sequence
     c.data.heldout_fraction = 0.2;
     c.train.steps = 8;
     return c;
@@ -388,11 +390,12 @@ TEST_P(TrainerSftLayouts, FollowTheOneRankRun) {
   EXPECT_NEAR(got.heldout_loss, want.heldout_loss, 2e-5 * want.heldout_loss);
 }
 
-INSTANTIATE_TEST_SUITE_P(Layouts, TrainerSftLayouts,
-                         ::testing::Values(FamilyLayout{"tp2_sp", 2, 1, 1, 1},
-                                           FamilyLayout{"dp2_zero1", 1, 2, 1, 1},
-                                           FamilyLayout{"pp2", 1, 1, 1, 2}),
-                         [](const auto& info) { return std::string(info.param.family); });
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, TrainerSftLayouts,
+    ::testing::Values(FamilyLayout{"tp2_sp", 2, 1, 1, 1}, FamilyLayout{"dp2_zero1", 1, 2, 1, 1},
+                      FamilyLayout{"pp2", 1, 1, 1, 2}, FamilyLayout{"tp2_sp_packed", 2, 1, 1, 1},
+                      FamilyLayout{"dp2_zero1_packed", 1, 2, 1, 1}, FamilyLayout{"pp2_packed", 1, 1, 1, 2}),
+    [](const auto& info) { return std::string(info.param.family); });
 
 std::string test_name(std::string text) {
   std::replace(text.begin(), text.end(), '-', '_');

@@ -329,6 +329,50 @@ TEST_F(SftDataTest, ServesEachConversationOncePerEpoch) {
   EXPECT_EQ(heldout_targets, want_targets);
 }
 
+// Packed, the conversations fill fewer sequences and train as well: each attends only to itself.
+TEST_F(SftDataTest, PackedConversationsTrain) {
+  TrainConfig c = sft_config("packed");
+  c.data.sft_pack = true;
+  c.train.steps = 30;
+  const std::unique_ptr<TrainingData> data = open_training_data(c);
+  EXPECT_NE(data->describe().find("sequences packing 32 conversations"), std::string::npos)
+      << data->describe();
+  std::vector<int64_t> documents;
+  data->train_documents(0, 2, documents);
+  int64_t rows = 0;
+  for (const int64_t d : documents) rows += d;
+  EXPECT_EQ(rows, 2 * c.data.seq_len);
+  EXPECT_GT(documents.size(), 2u);
+  const TrainResult r = Trainer(c).run();
+  EXPECT_LT(r.losses.back(), 0.5 * r.losses.front());
+  EXPECT_LT(r.heldout_loss, 0.5 * r.losses.front());
+}
+
+// Pretraining documents end at each end-of-sequence token (and at the end of the sequence).
+TEST(DocumentMask, DocumentsEndAfterEachEos) {
+  const std::vector<int32_t> ids = {1, 2, 9, 3, 9, 9, 4, 5, /**/ 9, 1, 2, 3, 4, 5, 6, 9};
+  EXPECT_EQ(documents_at_eos(ids.data(), 2, 8, 9), (std::vector<int64_t>{3, 2, 1, 2, 1, 7}));
+}
+
+// Pretraining with document masks: a corpus whose documents end with <|endoftext|> (the trained BPE's
+// end-of-sequence token) trains with attention cut there; a codec without an end-of-sequence token, and
+// context parallelism, are refused in one line.
+TEST_F(TrainingDataTest, DocumentMaskedPretraining) {
+  {
+    std::ofstream corpus(dir_ / "corpus.txt");
+    for (int i = 0; i < 300; ++i) corpus << "The word " << i % 17 << " was with the light.<|endoftext|>\n";
+  }
+  write_model(300);
+  TrainConfig c = config("masked");
+  c.data.document_mask = true;
+  c.train.steps = 10;
+  const TrainResult r = Trainer(c).run();
+  EXPECT_LT(r.losses.back(), r.losses.front());
+  TrainConfig bytes = config("bytes");
+  bytes.data.document_mask = true, bytes.data.tokenizer = "bytes";
+  expect_error_containing([&] { Trainer(bytes).run(); }, {"data.document_mask", "end-of-sequence"});
+}
+
 // Training on the conversations learns the answers: the held-out loss (over the answers' tokens) falls far
 // below the untrained model's; sft_loss = all trains on the questions' tokens too. Misconfigurations are one
 // line naming the key.

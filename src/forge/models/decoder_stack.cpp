@@ -223,6 +223,21 @@ void DecoderStack::check_ids(const int32_t* ids, int64_t n) const {
       fail("token id {} at position {} is outside the vocabulary [0, {})", ids[i], i, spec_.vocab);
 }
 
+void DecoderStack::check_documents(const MicroBatch& mb) const {
+  if (!mb.documents) return;
+  if (options_.cp) fail("packed documents (document masks) are not supported under context parallelism yet");
+  int64_t row = 0;
+  for (const int64_t length : *mb.documents) {
+    if (length < 1 || row / mb.seq != (row + length - 1) / mb.seq)
+      fail("packed documents: a document of {} tokens at row {} does not lie within one sequence of {}",
+           length, row, mb.seq);
+    row += length;
+  }
+  if (row != mb.batch * mb.seq)
+    fail("packed documents: their lengths add up to {} tokens, the micro-batch holds {} x {}", row, mb.batch,
+         mb.seq);
+}
+
 void DecoderStack::check_inputs(const MicroBatch& mb) const {
   if (mb.batch <= 0 || mb.seq <= 0)
     fail("batch ({}) and sequence length ({}) must be positive", mb.batch, mb.seq);
@@ -344,6 +359,7 @@ StageOutput DecoderStack::run_forward(const MicroBatch& mb, const Tensor& hidden
   if (saved && !params_.has_grads())
     fail("forward for backward: this model was built for inference, without gradients");
   check_inputs(mb);
+  check_documents(mb);
   if (stage_.post_process) FORGE_CHECK(mb.targets != nullptr, "the last stage needs targets");
   // Training micro-batches (those that will run backward) feed the FP8 amax history.
   const nn::Fp8Recording fp8_recording(options_.fp8, saved != nullptr);
@@ -380,6 +396,7 @@ StageOutput DecoderStack::run_forward(const MicroBatch& mb, const Tensor& hidden
     kept.dropout = acts->dropout;  // sites 1 + 2 i and 2 + 2 i of layer i
     kept.dropout.stream = static_cast<uint32_t>(1 + 2 * (stage_.first_layer + static_cast<int64_t>(l)));
     kept.router_aux = routing;
+    kept.documents = mb.documents;
     x = layers_[l].forward(x, mb.batch, mb.seq, kept);
   }
   StageOutput out;

@@ -285,6 +285,7 @@ class DecoderStack : public Model {
   // The tail's B (and W when fused), then the final norm's, from the loss head's gradient; their sum.
   Tensor head_backward(Activations& acts, bool fused);
   nn::MoeRouterAux* begin_routing(const MicroBatch& mb, nn::MoeRouterAux& record) const;
+  void check_documents(const MicroBatch& mb) const;
   void finish_routing(Activations& acts) const;
 
   std::unique_ptr<ModelConfig> config_;

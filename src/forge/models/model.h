@@ -137,6 +137,11 @@ struct MicroBatch {
   // A training micro-batch on a stage that is not the first, with Model::stage_routing_size() > 0: what the
   // earlier stages' output said (StageOutput::routing).
   const double* routing_before = nullptr;
+  // Packed documents: the lengths of the documents over the batch * seq rows, in order, each within one
+  // sequence (null: each sequence is one document). Attention stays within each document and positions
+  // restart at its start (nn::LayerPart::Saved::documents); the targets should not cross documents (the
+  // data's job: a document's last token predicts nothing).
+  const std::vector<int64_t>* documents = nullptr;
 };
 
 // What a stage keeps of one micro-batch between forward, backward_input and backward_weight.

@@ -113,7 +113,17 @@ void Attention::apply_rope(Elements qkv, int64_t batch, int64_t seq, bool invers
   ops::rope(p, options_.device);
 }
 
-void Attention::rope_for_training(Elements qkv, int64_t batch, int64_t seq, bool inverse) const {
+void Attention::rope_for_training(Elements qkv, int64_t batch, int64_t seq,
+                                  const std::vector<int64_t>* documents, bool inverse) const {
+  if (documents) {
+    FORGE_CHECK(!options_.cp, "packed documents under context parallelism");
+    int64_t row = 0;
+    for (const int64_t length : *documents) {
+      apply_rope(qkv + row * shape_.qkv_dim(), 1, length, inverse);
+      row += length;
+    }
+    return;
+  }
   if (!options_.cp) return apply_rope(qkv, batch, seq, inverse);
   const int64_t half = seq / 2, stride = shape_.qkv_dim();
   for (int64_t b = 0; b < batch; ++b)
@@ -121,10 +131,21 @@ void Attention::rope_for_training(Elements qkv, int64_t batch, int64_t seq, bool
       apply_rope(qkv + (b * seq + h * half) * stride, 1, half, inverse, options_.cp->first_position(h, seq));
 }
 
-void Attention::core_forward(Tensor& qkv, int64_t batch, int64_t seq, Tensor& out, Tensor& lse) const {
+void Attention::core_forward(Tensor& qkv, int64_t batch, int64_t seq, const std::vector<int64_t>* documents,
+                             Tensor& out, Tensor& lse) const {
   const int64_t rows = batch * seq, qd = shape_.heads * shape_.head_dim;
   out = Tensor::empty({rows, qd}, act_dtype_, options_.device);
   lse = Tensor::empty({batch, shape_.heads, seq}, DType::f32, options_.device);
+  if (documents) {  // lse holds [heads, length] per document, in order
+    int64_t row = 0;
+    for (const int64_t length : *documents) {
+      ops::AttentionParams p = core_params(qkv.elements() + row * shape_.qkv_dim(), 1, length);
+      p.out = out.elements() + row * qd, p.lse = lse.f32() + row * shape_.heads;
+      ops::attention_forward(p, options_.device);
+      row += length;
+    }
+    return;
+  }
   ops::AttentionParams p = core_params(qkv.elements(), batch, seq);
   p.out = out.elements(), p.lse = lse.f32();
   if (options_.cp)
@@ -138,9 +159,9 @@ Tensor Attention::forward(const Tensor& h, int64_t batch, int64_t seq, Saved& sa
   saved.qkv = qkv_.forward(saved.h, act_dtype_);
   if (qkv_bias_.defined()) qkv_bias_.forward(saved.qkv);
   if (qk_norm_) qk_norm_forward(saved.qkv, saved.q_norm, saved.k_norm);
-  rope_for_training(saved.qkv.elements(), batch, seq, false);
+  rope_for_training(saved.qkv.elements(), batch, seq, saved.documents, false);
   Tensor out, lse;
-  core_forward(saved.qkv, batch, seq, out, lse);
+  core_forward(saved.qkv, batch, seq, saved.documents, out, lse);
   GemmOperand out_op = o_.input(out);
   Tensor y = o_.forward(out_op, act_dtype_);
   if (keep_core || !options_.recomputes(RecomputeModule::core_attn)) {
@@ -159,7 +180,7 @@ void Attention::restore_input(const Tensor& h, LayerPart::Saved& base) const {
 
 Tensor Attention::backward_input(const Tensor& dy, int64_t batch, int64_t seq, Saved& saved) const {
   if (!saved.out.defined()) {  // selective recompute of the attention core
-    core_forward(saved.qkv, batch, seq, saved.out, saved.lse);
+    core_forward(saved.qkv, batch, seq, saved.documents, saved.out, saved.lse);
     saved.out_op = o_.input(saved.out);
     o_.keep_for_backward(saved.out_op);
   }
@@ -169,19 +190,30 @@ Tensor Attention::backward_input(const Tensor& dy, int64_t batch, int64_t seq, S
   const int64_t rows = batch * seq, qd = shape_.heads * shape_.head_dim,
                 kd = shape_.kv_heads * shape_.head_dim;
   Tensor dqkv = Tensor::empty({rows, shape_.qkv_dim()}, act_dtype_, options_.device);
-  ops::AttentionParams p = core_params(saved.qkv.elements(), batch, seq);
-  p.out = saved.out.elements(), p.lse = saved.lse.f32();
-  p.dout = dout.elements(), p.dout_stride = qd;
-  p.dq = dqkv.elements(), p.dk = p.dq + qd, p.dv = p.dq + qd + kd;
-  p.dq_stride = p.dk_stride = p.dv_stride = shape_.qkv_dim();
-  if (options_.cp)
-    options_.cp->attention_backward(p);
-  else
-    ops::attention_backward(p, options_.device);
+  auto params = [&](int64_t row, int64_t b, int64_t s) {
+    const int64_t stride = shape_.qkv_dim();
+    ops::AttentionParams p = core_params(saved.qkv.elements() + row * stride, b, s);
+    p.out = saved.out.elements() + row * qd, p.lse = saved.lse.f32() + row * shape_.heads;
+    p.dout = dout.elements() + row * qd, p.dout_stride = qd;
+    p.dq = dqkv.elements() + row * stride, p.dk = p.dq + qd, p.dv = p.dq + qd + kd;
+    p.dq_stride = p.dk_stride = p.dv_stride = stride;
+    return p;
+  };
+  if (saved.documents) {
+    int64_t row = 0;
+    for (const int64_t length : *saved.documents) {
+      ops::attention_backward(params(row, 1, length), options_.device);
+      row += length;
+    }
+  } else if (options_.cp) {
+    options_.cp->attention_backward(params(0, batch, seq));
+  } else {
+    ops::attention_backward(params(0, batch, seq), options_.device);
+  }
   // The core is no longer needed; the o-projection's weight gradient keeps out_op.
   saved.out = Tensor(), saved.lse = Tensor(), saved.qkv = Tensor();
 
-  rope_for_training(dqkv.elements(), batch, seq, true);
+  rope_for_training(dqkv.elements(), batch, seq, saved.documents, true);
   if (qk_norm_) qk_norm_backward_input(dqkv, saved);
   if (qkv_bias_.defined()) saved.dbias = qkv_bias_.backward_input(dqkv);
   saved.dqkv = qkv_.grad_output(dqkv);

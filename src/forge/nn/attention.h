@@ -91,11 +91,15 @@ class Attention final : public LayerPart {
   Tensor forward_cached(const Tensor& h, int64_t batch, int64_t tokens, const KvLayer& cache) const;
 
  private:
-  void core_forward(Tensor& qkv, int64_t batch, int64_t seq, Tensor& out, Tensor& lse) const;
+  // documents (LayerPart::Saved::documents): attention within each packed document, one call of the kernel
+  // per document (its keys only: no mask tensor, and the work of the documents' triangles alone).
+  void core_forward(Tensor& qkv, int64_t batch, int64_t seq, const std::vector<int64_t>* documents,
+                    Tensor& out, Tensor& lse) const;
   void apply_rope(Elements qkv, int64_t batch, int64_t seq, bool inverse, int64_t first_position = 0) const;
-  // Training's RoPE: at positions 0.. of each sequence, or under context parallelism each local half at its
-  // global positions.
-  void rope_for_training(Elements qkv, int64_t batch, int64_t seq, bool inverse) const;
+  // Training's RoPE: at positions 0.. of each sequence (of each packed document), or under context
+  // parallelism each local half at its global positions.
+  void rope_for_training(Elements qkv, int64_t batch, int64_t seq, const std::vector<int64_t>* documents,
+                         bool inverse) const;
   // QK-norm in place on the q and k columns of qkv [rows, qkv_dim], and its B (on dqkv); W is the norms'.
   void qk_norm_forward(Tensor& qkv, RmsNorm::Saved& q_saved, RmsNorm::Saved& k_saved) const;
   void qk_norm_backward_input(Tensor& dqkv, Saved& saved) const;

@@ -59,6 +59,7 @@ Tensor DecoderLayer::run_forward(const Tensor& x, int64_t batch, int64_t seq, Sa
   if (!saved.mixer) saved.mixer = mixer_->new_saved();
   if (!saved.ffn) saved.ffn = ffn_->new_saved();
   saved.mixer->router_aux = saved.ffn->router_aux = saved.router_aux;
+  saved.mixer->documents = saved.ffn->documents = saved.documents;
   const int64_t hidden = norm1_.dim();
   Tensor h1 = norm1_.forward(x, saved.norm1, mixer_->input_dtype());
   const bool drop_inputs = !keep_cores && options_.recomputes(RecomputeModule::norm);
@@ -88,11 +89,13 @@ Tensor DecoderLayer::forward(const Tensor& x, int64_t batch, int64_t seq, Saved&
   Saved scratch;
   scratch.dropout = saved.dropout;
   scratch.router_aux = saved.router_aux;
+  scratch.documents = saved.documents;
   Tensor y = run_forward(x, batch, seq, scratch, false);
   saved = Saved{};
   saved.x = x;
   saved.dropout = scratch.dropout;
   saved.router_aux = scratch.router_aux;
+  saved.documents = scratch.documents;
   return y;
 }
 

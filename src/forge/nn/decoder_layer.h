@@ -49,6 +49,8 @@ class DecoderLayer {
     DropoutRows dropout;
     // Set by the caller before forward: the micro-batch's MoeRouterAux (null: none), handed to the parts.
     MoeRouterAux* router_aux = nullptr;
+    // Set by the caller before forward: packed documents (LayerPart::Saved::documents; null: none).
+    const std::vector<int64_t>* documents = nullptr;
   };
 
   DecoderLayer() = default;

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "forge/core/tensor.h"
 #include "forge/nn/kv_cache.h"
@@ -24,6 +25,11 @@ class LayerPart {
     // load-balancing loss, which MoE layers taking part in it write at forward and read in backward (null:
     // none; other parts ignore it).
     MoeRouterAux* router_aux = nullptr;
+    // Set by the caller (DecoderLayer) before forward: packed documents, the lengths of the documents over
+    // the micro-batch's batch * seq rows in order, each within one sequence (null: every sequence is one
+    // document). Token mixers attend within each document only, its positions restarting at 0 (Megatron's
+    // reset_attention_mask and reset_position_ids); other parts ignore it.
+    const std::vector<int64_t>* documents = nullptr;
   };
   virtual ~LayerPart() = default;
   virtual std::unique_ptr<Saved> new_saved() const = 0;

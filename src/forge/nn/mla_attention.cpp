@@ -171,6 +171,10 @@ void MlaAttention::core_forward(Saved& saved, int64_t batch, int64_t seq) const 
 
 Tensor MlaAttention::forward(const Tensor& h, int64_t batch, int64_t seq, Saved& saved,
                              bool keep_core) const {
+  if (saved.documents)
+    fail(
+        "packed documents (document masks) are not supported with MLA attention yet (DeepSeek-V3); train it "
+        "on unpacked sequences");
   Tensor kv_a, kv;
   project(gather_in(options_.tp, h), batch, seq, 0, &saved, act_dtype_, saved.q, kv_a, &kv);
   const int64_t rows = batch * seq, L = shape_.kv_lora_rank, dr = shape_.qk_rope_head_dim;

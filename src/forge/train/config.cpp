@@ -144,6 +144,19 @@ const std::vector<KeySpec>& key_specs() {
        FORGE_FIELD(data.sft_loss),
        "with data.sft: the loss on the assistant's tokens, or on every token",
        {}},
+      {"data",
+       "sft_pack",
+       FORGE_FIELD(data.sft_pack),
+       "with data.sft: pack several conversations into each sequence, each attending only to itself with its "
+       "positions restarting (false: one conversation per sequence, padded)",
+       {}},
+      {"data",
+       "document_mask",
+       FORGE_FIELD(data.document_mask),
+       "pretraining data: attend within documents only, a document ending at each end-of-sequence token of "
+       "data.tokenizer, positions restarting after it (Megatron's reset_attention_mask and "
+       "reset_position_ids)",
+       {}},
 
       {"train", "micro_batch", FORGE_FIELD(train.micro_batch), "sequences per micro-batch", {}},
       {"train", "grad_accum", FORGE_FIELD(train.grad_accum), "micro-batches per optimizer step", {}},

@@ -107,6 +107,8 @@ struct TrainConfig {
     std::string heldout_sft;                        // "" = the last data.heldout_fraction of data.sft's
     std::string chat_template;                      // "" = the folder of data.tokenizer
     Choice<SftLoss> sft_loss = SftLoss::assistant;  // the loss on the assistant's tokens, or on all
+    bool sft_pack = false;       // several conversations per sequence, each attending to itself
+    bool document_mask = false;  // pretraining: attention within documents, cut after each EOS token
     bool operator==(const Data&) const = default;
   };
   struct Train {

@@ -11,6 +11,7 @@
 #include "forge/models/captions.h"
 #include "forge/models/pretrained.h"
 #include "forge/models/sampling.h"
+#include "forge/train/training_data.h"
 
 namespace forge::train {
 using namespace forge::models;
@@ -45,7 +46,12 @@ HeldOut evaluate(const TrainSetup& s, Pipelining* pipelining, int64_t windows, c
     const int64_t images = s.data->heldout_batch_images(mine ? w : 0, b, ids.data(), targets.data(), pixels);
     s.context_slice(ids.data(), local_ids.data(), b);
     s.context_slice(targets.data(), local_targets.data(), b);
-    const MicroBatch mb{local_ids.data(), local_targets.data(), b, local_seq, 0.0f, pixels.data(), images};
+    MicroBatch mb{local_ids.data(), local_targets.data(), b, local_seq, 0.0f, pixels.data(), images};
+    std::vector<int64_t> documents;
+    if (s.config.data.document_mask) {
+      documents = documents_at_eos(ids.data(), b, local_seq, *s.data->codec().eos_id());
+      mb.documents = &documents;
+    }
     LossSum part = pipelining ? pipelining->forward_loss(mb) : s.model->forward(mb, Tensor(), nullptr).loss;
     if (!mine) continue;
     total.loss.sum += part.sum, total.loss.tokens += part.tokens;

@@ -72,6 +72,19 @@ TrainSetup::TrainSetup(const TrainConfig& c, comm::Communicator& world_)
         "{}: context parallelism splits sequences, and image-text data's images are whole in one (set "
         "parallel.cp = 1)",
         c.origin_of("parallel.cp"));
+  if ((c.data.document_mask || (c.data.sft_pack && !c.data.sft.empty())) && layout.cp() > 1)
+    fail("{}: document masks (data.{}) are not supported under context parallelism yet (set parallel.cp = 1)",
+         c.origin_of("parallel.cp"), c.data.document_mask ? "document_mask" : "sft_pack");
+  if (c.data.document_mask) {
+    if (!c.data.sft.empty() || !c.data.images.empty())
+      fail(
+          "{}: data.document_mask cuts pretraining text at end-of-sequence tokens; fine-tuning data packs "
+          "with data.sft_pack, image-text data does not pack",
+          c.origin_of("data.document_mask"));
+    if (!data->codec().eos_id())
+      fail("{}: data.document_mask ends documents at the end-of-sequence token, and {} has none",
+           c.origin_of("data.document_mask"), data->codec().description());
+  }
   if (!c.train.freeze.empty() && model_config->architecture() != "LlavaForConditionalGeneration")
     fail("{}: train.freeze = \"{}\" freezes parts of a multimodal model; {} is one {}",
          c.origin_of("train.freeze"), c.train.freeze, model_source, model_config->architecture());

@@ -46,12 +46,38 @@ class SftData final : public TrainingData {
     if (train_samples_ < 1 || heldout_samples_ < 1)
       fail("data.sft: '{}' holds {} usable conversations: too few to train on and hold some out",
            config.data.sft, train_->size());
+    if (config.data.sft_pack) {  // the training conversations in an order from the seed, packed once
+      conversations_ = train_samples_;
+      std::vector<int64_t> order(static_cast<size_t>(train_samples_));
+      std::iota(order.begin(), order.end(), int64_t{0});
+      std::mt19937_64 rng(seed_ * 0x2545F4914F6CDD1Dull + 1);
+      for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[rng() % i]);
+      packs_ = train_->pack(order);
+      train_samples_ = static_cast<int64_t>(packs_.size());
+    }
   }
 
   void train_batch(int64_t first, int64_t batch, int32_t* ids, int32_t* targets) const override {
     const int64_t t = config_.data.seq_len;
-    for (int64_t i = 0; i < batch; ++i)
-      train_->fill(training_sample(first + i), ids + i * t, targets + i * t);
+    std::vector<int64_t> documents;
+    for (int64_t i = 0; i < batch; ++i) {
+      const int64_t sample = training_sample(first + i);
+      if (packs_.empty())
+        train_->fill(sample, ids + i * t, targets + i * t);
+      else
+        train_->fill_packed(packs_[static_cast<size_t>(sample)], ids + i * t, targets + i * t, documents);
+    }
+  }
+  void train_documents(int64_t first, int64_t batch, std::vector<int64_t>& lengths) const override {
+    lengths.clear();
+    if (packs_.empty()) return;
+    std::vector<int64_t> documents;
+    std::vector<int32_t> ids(static_cast<size_t>(config_.data.seq_len)), targets(ids.size());
+    for (int64_t i = 0; i < batch; ++i) {
+      train_->fill_packed(packs_[static_cast<size_t>(training_sample(first + i))], ids.data(), targets.data(),
+                          documents);
+      lengths.insert(lengths.end(), documents.begin(), documents.end());
+    }
   }
   int64_t heldout_windows() const override { return heldout_samples_; }
   bool loss_per_trained_token() const override { return true; }
@@ -64,9 +90,10 @@ class SftData final : public TrainingData {
   std::string describe() const override {
     const int64_t skipped = train_->skipped_bad() + train_->skipped_untrained();
     return fmt::format(
-        "SFT {}: {} training conversations, {} held out | {} trained tokens ({}) | template {} | tokenizer "
-        "{}{}{}",
-        config_.data.sft, train_samples_, heldout_samples_, train_->trained_tokens(),
+        "SFT {}: {} training {}, {} held out | {} trained tokens ({}) | template {} | tokenizer {}{}{}",
+        config_.data.sft, train_samples_,
+        packs_.empty() ? "conversations" : fmt::format("sequences packing {} conversations", conversations_),
+        heldout_samples_, train_->trained_tokens(),
         config_.data.sft_loss == SftLoss::all ? "every token" : "the assistant's", chat_->source(),
         codec_.description(),
         train_->truncated() > 0 ? fmt::format(" | {} cut to seq_len", train_->truncated()) : "",
@@ -94,6 +121,8 @@ class SftData final : public TrainingData {
   std::unique_ptr<data::ChatTemplate> chat_;
   std::unique_ptr<data::SftDataset> train_, heldout_;
   int64_t train_samples_ = 0, heldout_first_ = 0, heldout_samples_ = 0;
+  std::vector<std::vector<int64_t>> packs_;  // data.sft_pack: each training sequence's conversations
+  int64_t conversations_ = 0;                // data.sft_pack: the training conversations packed
   mutable std::vector<int64_t> order_;
   mutable int64_t epoch_ = -1;
 };

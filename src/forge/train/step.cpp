@@ -350,7 +350,8 @@ namespace {
 // One step's micro-batches as this rank reads them, or the error that refused them.
 struct StepData {
   std::vector<std::vector<int32_t>> ids, targets;
-  std::vector<std::vector<float>> pixels;  // image-text data: each micro-batch's images
+  std::vector<std::vector<int64_t>> documents;  // packed documents per micro-batch (empty: none)
+  std::vector<std::vector<float>> pixels;       // image-text data: each micro-batch's images
   std::vector<int64_t> images;
   std::string error;
 };
@@ -365,6 +366,7 @@ StepData read_step_data(TrainSetup& setup, int64_t step, int64_t first_sample, c
   const int64_t micro = setup.micro, seq = setup.seq, accum = setup.accum, local_seq = setup.local_seq();
   StepData d;
   d.ids.resize(accum), d.targets.resize(accum), d.pixels.resize(accum), d.images.assign(accum, 0);
+  d.documents.resize(accum);
   std::vector<int32_t> whole_ids, whole_targets;
   try {
     for (int64_t m = 0; m < accum; ++m) {
@@ -373,6 +375,11 @@ StepData read_step_data(TrainSetup& setup, int64_t step, int64_t first_sample, c
       whole_ids.resize(micro * seq), whole_targets.resize(micro * seq);
       d.images[m] = setup.data->train_batch_images(first_sample + (setup.dp_rank * accum + m) * micro, micro,
                                                    whole_ids.data(), whole_targets.data(), d.pixels[m]);
+      const int64_t first = first_sample + (setup.dp_rank * accum + m) * micro;
+      if (setup.config.data.document_mask)
+        d.documents[m] = documents_at_eos(whole_ids.data(), micro, seq, *setup.data->codec().eos_id());
+      else
+        setup.data->train_documents(first, micro, d.documents[m]);
       setup.context_slice(whole_ids.data(), d.ids[m].data(), micro);
       setup.context_slice(whole_targets.data(), d.targets[m].data(), micro);
     }
@@ -441,6 +448,7 @@ LossSum run_micro_batches(TrainSetup& setup, const TrainState& state, Schedule& 
                   grad_scale,      d.pixels[m].data(),  d.images[m]};
     mb.first_sample = first_sample + (setup.dp_rank * accum + m) * micro;
     mb.positions = positions.empty() ? nullptr : positions.data();
+    mb.documents = d.documents[m].empty() ? nullptr : &d.documents[m];
     return mb;
   });
   FORGE_CHECK(!params.grad_step_active(),

@@ -206,6 +206,16 @@ class DatasetData final : public TrainingData {
 
 }  // namespace
 
+std::vector<int64_t> documents_at_eos(const int32_t* ids, int64_t batch, int64_t seq, int32_t eos) {
+  std::vector<int64_t> lengths;
+  for (int64_t b = 0; b < batch; ++b) {
+    int64_t start = 0;
+    for (int64_t t = 0; t < seq; ++t)
+      if (ids[b * seq + t] == eos || t + 1 == seq) lengths.push_back(t + 1 - start), start = t + 1;
+  }
+  return lengths;
+}
+
 std::unique_ptr<TrainingData> open_training_data(const TrainConfig& config,
                                                  const models::ModelConfig* model) {
   if (!config.data.sft.empty()) return open_sft_data(config);

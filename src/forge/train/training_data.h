@@ -77,6 +77,11 @@ class TrainingData {
                              int32_t* targets) const = 0;
   // One line for the run log.
   virtual std::string describe() const = 0;
+  // Packed documents of training samples first_sample .. first_sample + batch - 1 (models::MicroBatch::
+  // documents: lengths over the batch's rows in order), or empty when each sequence is one document.
+  virtual void train_documents(int64_t first_sample, int64_t batch, std::vector<int64_t>& lengths) const {
+    lengths.clear();
+  }
   // True: a step's loss is the mean over its trained tokens (targets >= 0), as transformers averages
   // fine-tuning losses; false: over all its positions (pretraining, where every position is trained).
   virtual bool loss_per_trained_token() const { return false; }
@@ -127,5 +132,9 @@ std::unique_ptr<TrainingData> open_image_text_data(const TrainConfig& config,
 // loss on the assistant's tokens (data.sft_loss). Training conversations are drawn in a permutation per
 // epoch, from model.seed; held-out ones in order.
 std::unique_ptr<TrainingData> open_sft_data(const TrainConfig& config);
+
+// data.document_mask: each sequence of ids [batch, seq] cut after every `eos` token into documents (their
+// lengths, in order; Megatron's reset_attention_mask and reset_position_ids).
+std::vector<int64_t> documents_at_eos(const int32_t* ids, int64_t batch, int64_t seq, int32_t eos);
 
 }  // namespace forge::train

@@ -113,6 +113,46 @@ TEST_F(SftFile, SamplesTrainOnTheAssistantAndShareGptIsAnAlias) {
   EXPECT_EQ(targets[n - 3], *tokenizer_->token_to_id("<|im_end|>"));
 }
 
+// Packing: conversations join a sequence while they fit, in the given order; each sequence holds them one
+// after another with their own targets (none across a boundary), the padding last, and the documents'
+// lengths.
+TEST_F(SftFile, PacksConversationsWithTheirDocuments) {
+  std::string text;
+  for (int i = 0; i < 5; ++i)
+    text += R"({"messages": [{"role": "user", "content": "Q)" + std::to_string(i) +
+            R"("}, {"role": "assistant", "content": ")" + std::string(static_cast<size_t>(1 + 3 * i), 'x') +
+            R"("}]})" + "\n";
+  const SftDataset set = open(write(text), 40);
+  ASSERT_EQ(set.size(), 5);
+  const std::vector<std::vector<int64_t>> packs = set.pack({4, 0, 1, 2, 3});
+  int64_t packed = 0;
+  for (const auto& p : packs) {
+    int64_t used = 0;
+    for (const int64_t i : p) used += set.positions(i), ++packed;
+    EXPECT_LE(used, 40);
+  }
+  EXPECT_EQ(packed, 5);
+  EXPECT_EQ(packs[0][0], 4);
+  std::vector<int32_t> ids(40), targets(40), one_ids(40), one_targets(40);
+  std::vector<int64_t> documents;
+  set.fill_packed(packs.back(), ids.data(), targets.data(), documents);
+  int64_t at = 0;
+  for (size_t d = 0; d < packs.back().size(); ++d) {
+    const int64_t i = packs.back()[d], n = set.positions(i);
+    EXPECT_EQ(documents[d], n);
+    set.fill(i, one_ids.data(), one_targets.data());
+    for (int64_t t = 0; t < n; ++t) {
+      EXPECT_EQ(ids[at + t], one_ids[t]);
+      EXPECT_EQ(targets[at + t], one_targets[t]);  // the last token of a conversation predicts nothing
+    }
+    at += n;
+  }
+  if (at < 40) {
+    EXPECT_EQ(documents.back(), 40 - at);
+  }
+  for (int64_t t = at; t < 40; ++t) EXPECT_EQ(targets[t], -1);
+}
+
 // Longer conversations are cut to seq_len + 1 tokens and counted; those left without a trained token (the
 // answer cut off, or no assistant turn) are skipped and counted.
 TEST_F(SftFile, TruncatesAndSkipsWhatTrainsNothing) {

@@ -185,6 +185,40 @@ SftDataset SftDataset::from_jsonl(const std::filesystem::path& path, const ChatT
   return set;
 }
 
+int64_t SftDataset::positions(int64_t i) const {
+  return std::min<int64_t>(static_cast<int64_t>(conversation(i).ids.size()), seq_len_);
+}
+
+std::vector<std::vector<int64_t>> SftDataset::pack(const std::vector<int64_t>& order) const {
+  std::vector<std::vector<int64_t>> packs;
+  int64_t used = seq_len_;
+  for (const int64_t i : order) {
+    const int64_t n = positions(i);
+    if (used + n > seq_len_) packs.emplace_back(), used = 0;
+    packs.back().push_back(i), used += n;
+  }
+  return packs;
+}
+
+void SftDataset::fill_packed(const std::vector<int64_t>& members, int32_t* ids, int32_t* targets,
+                             std::vector<int64_t>& documents) const {
+  documents.clear();
+  int64_t at = 0;
+  for (const int64_t i : members) {
+    const SftConversation& c = conversation(i);
+    const int64_t n = static_cast<int64_t>(c.ids.size()), length = positions(i);
+    FORGE_CHECK(at + length <= seq_len_, "packed conversations overflow a sequence of {}", seq_len_);
+    for (int64_t t = 0; t < length; ++t) {
+      ids[at + t] = c.ids[static_cast<size_t>(t)];
+      targets[at + t] =
+          t + 1 < n && c.trained[static_cast<size_t>(t + 1)] ? c.ids[static_cast<size_t>(t + 1)] : -1;
+    }
+    documents.push_back(length), at += length;
+  }
+  if (at < seq_len_) documents.push_back(seq_len_ - at);
+  for (; at < seq_len_; ++at) ids[at] = pad_id_, targets[at] = -1;
+}
+
 void SftDataset::fill(int64_t i, int32_t* ids, int32_t* targets) const {
   const SftConversation& c = conversation(i);
   const int64_t n = static_cast<int64_t>(c.ids.size());

@@ -64,6 +64,15 @@ class SftDataset {
   int64_t seq_len() const { return seq_len_; }
   // ids and targets [seq_len] of conversation i.
   void fill(int64_t i, int32_t* ids, int32_t* targets) const;
+  // Packing: the conversations `members` one after another in one sequence of seq_len (a conversation cut to
+  // seq_len + 1 tokens takes seq_len positions, its last token only a target), then padding; `documents`
+  // gets their lengths (and the padding's, when there is any), for attention within each.
+  void fill_packed(const std::vector<int64_t>& members, int32_t* ids, int32_t* targets,
+                   std::vector<int64_t>& documents) const;
+  // Packs conversations in the given order: each joins the current sequence when it fits, else starts the
+  // next one (greedy, order kept). Returns each sequence's members.
+  std::vector<std::vector<int64_t>> pack(const std::vector<int64_t>& order) const;
+  int64_t positions(int64_t i) const;  // the positions conversation i takes in a sequence
   const SftConversation& conversation(int64_t i) const { return conversations_.at(static_cast<size_t>(i)); }
 
   int64_t lines() const { return lines_; }
