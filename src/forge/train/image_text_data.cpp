@@ -60,6 +60,7 @@ class ImageTextData final : public TrainingData {
     if (train_samples_ < 1 || heldout_samples_ < 1)
       fail("data.images: '{}' holds {} samples: too few to train on and hold some out", images,
            train_->num_samples());
+    order_ = EpochOrder(seed_, train_samples_);
   }
 
   bool has_images() const override { return true; }
@@ -76,7 +77,7 @@ class ImageTextData final : public TrainingData {
   int64_t train_batch_images(int64_t first, int64_t batch, int32_t* ids, int32_t* targets,
                              std::vector<float>& pixels) const override {
     std::vector<int64_t> indices(static_cast<size_t>(batch));
-    for (int64_t i = 0; i < batch; ++i) indices[static_cast<size_t>(i)] = training_sample(first + i);
+    for (int64_t i = 0; i < batch; ++i) indices[static_cast<size_t>(i)] = order_(first + i);
     return fill(*train_, indices, ids, targets, pixels);
   }
   int64_t heldout_batch_images(int64_t first, int64_t batch, int32_t* ids, int32_t* targets,
@@ -113,18 +114,6 @@ class ImageTextData final : public TrainingData {
         data::ImageTextDataset::from_jsonl(path, encoder_, *processor_, options));
   }
   // Sample `index` of the training stream: epoch index / n takes the samples in a permutation drawn from
-  // (model.seed, epoch).
-  int64_t training_sample(int64_t index) const {
-    const int64_t epoch = index / train_samples_;
-    if (epoch != epoch_ || order_.empty()) {
-      order_.resize(static_cast<size_t>(train_samples_));
-      std::iota(order_.begin(), order_.end(), int64_t{0});
-      std::mt19937_64 rng(seed_ * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(epoch));
-      for (size_t i = order_.size(); i > 1; --i) std::swap(order_[i - 1], order_[rng() % i]);
-      epoch_ = epoch;
-    }
-    return order_[static_cast<size_t>(index % train_samples_)];
-  }
   static int64_t fill(const data::ImageTextDataset& set, const std::vector<int64_t>& indices, int32_t* ids,
                       int32_t* targets, std::vector<float>& pixels) {
     const int64_t images = set.count_images(indices);
@@ -140,8 +129,7 @@ class ImageTextData final : public TrainingData {
   std::unique_ptr<data::ImageTextDataset> train_, heldout_;
   std::string processor_json_;
   int64_t train_samples_ = 0, heldout_first_ = 0, heldout_samples_ = 0;
-  mutable std::vector<int64_t> order_;
-  mutable int64_t epoch_ = -1;
+  EpochOrder order_;  // the training stream's samples, a permutation per epoch
 };
 
 }  // namespace

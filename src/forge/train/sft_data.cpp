@@ -55,13 +55,14 @@ class SftData final : public TrainingData {
       packs_ = train_->pack(order);
       train_samples_ = static_cast<int64_t>(packs_.size());
     }
+    order_ = EpochOrder(seed_, train_samples_);
   }
 
   void train_batch(int64_t first, int64_t batch, int32_t* ids, int32_t* targets) const override {
     const int64_t t = config_.data.seq_len;
     std::vector<int64_t> documents;
     for (int64_t i = 0; i < batch; ++i) {
-      const int64_t sample = training_sample(first + i);
+      const int64_t sample = order_(first + i);
       if (packs_.empty())
         train_->fill(sample, ids + i * t, targets + i * t);
       else
@@ -74,7 +75,7 @@ class SftData final : public TrainingData {
     std::vector<int64_t> documents;
     std::vector<int32_t> ids(static_cast<size_t>(config_.data.seq_len)), targets(ids.size());
     for (int64_t i = 0; i < batch; ++i) {
-      train_->fill_packed(packs_[static_cast<size_t>(training_sample(first + i))], ids.data(), targets.data(),
+      train_->fill_packed(packs_[static_cast<size_t>(order_(first + i))], ids.data(), targets.data(),
                           documents);
       lengths.insert(lengths.end(), documents.begin(), documents.end());
     }
@@ -103,19 +104,6 @@ class SftData final : public TrainingData {
   }
 
  private:
-  // Conversation `index` of the training stream: each epoch a permutation drawn from (model.seed, epoch).
-  int64_t training_sample(int64_t index) const {
-    const int64_t epoch = index / train_samples_;
-    if (epoch != epoch_ || order_.empty()) {
-      order_.resize(static_cast<size_t>(train_samples_));
-      std::iota(order_.begin(), order_.end(), int64_t{0});
-      std::mt19937_64 rng(seed_ * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(epoch));
-      for (size_t i = order_.size(); i > 1; --i) std::swap(order_[i - 1], order_[rng() % i]);
-      epoch_ = epoch;
-    }
-    return order_[static_cast<size_t>(index % train_samples_)];
-  }
-
   TrainConfig config_;
   uint64_t seed_ = 0;
   std::unique_ptr<data::ChatTemplate> chat_;
@@ -123,8 +111,7 @@ class SftData final : public TrainingData {
   int64_t train_samples_ = 0, heldout_first_ = 0, heldout_samples_ = 0;
   std::vector<std::vector<int64_t>> packs_;  // data.sft_pack: each training sequence's conversations
   int64_t conversations_ = 0;                // data.sft_pack: the training conversations packed
-  mutable std::vector<int64_t> order_;
-  mutable int64_t epoch_ = -1;
+  EpochOrder order_;                         // the training stream's samples, a permutation per epoch
 };
 
 }  // namespace

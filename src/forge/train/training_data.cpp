@@ -4,6 +4,8 @@
 
 #include <chrono>
 #include <cstdio>
+#include <numeric>
+#include <random>
 
 #include "forge/core/error.h"
 #include "forge/data/text/blended_dataset.h"
@@ -205,6 +207,18 @@ class DatasetData final : public TrainingData {
 };
 
 }  // namespace
+
+int64_t EpochOrder::operator()(int64_t index) const {
+  const int64_t epoch = index / count_;
+  if (epoch != epoch_ || order_.empty()) {
+    order_.resize(static_cast<size_t>(count_));
+    std::iota(order_.begin(), order_.end(), int64_t{0});
+    std::mt19937_64 rng(seed_ * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(epoch));
+    for (size_t i = order_.size(); i > 1; --i) std::swap(order_[i - 1], order_[rng() % i]);
+    epoch_ = epoch;
+  }
+  return order_[static_cast<size_t>(index % count_)];
+}
 
 std::vector<int64_t> documents_at_eos(const int32_t* ids, int64_t batch, int64_t seq, int32_t eos) {
   std::vector<int64_t> lengths;

@@ -63,6 +63,21 @@ struct CorpusTokens {
 // training part only, and encodes both parts.
 CorpusTokens prepare_corpus(const TrainConfig& config);
 
+// Sample `index` of a training stream over `count` samples: epoch index / count takes them in a permutation
+// drawn from (seed, epoch). The current epoch's permutation is kept.
+class EpochOrder {
+ public:
+  EpochOrder() = default;
+  EpochOrder(uint64_t seed, int64_t count) : seed_(seed), count_(count) {}
+  int64_t operator()(int64_t index) const;
+
+ private:
+  uint64_t seed_ = 0;
+  int64_t count_ = 0;
+  mutable std::vector<int64_t> order_;
+  mutable int64_t epoch_ = -1;
+};
+
 // Windows of data.seq_len input ids and their next-token targets ([batch, seq_len] row-major each).
 class TrainingData {
  public:

@@ -590,32 +590,23 @@ class Parser {
     }
     return cmp ? std::move(cmp) : std::move(first);
   }
-  ExprPtr parse_math1() {
-    ExprPtr left = parse_concat();
-    while (is_op("+") || is_op("-")) {
-      const std::string op = next().text;
-      left = binary(ExprKind::binary, op, std::move(left), parse_concat());
+  // A left-associative level of binary operators over the next level's operands.
+  ExprPtr parse_level(std::initializer_list<const char*> ops, ExprPtr (Parser::*operand)()) {
+    ExprPtr left = (this->*operand)();
+    while (true) {
+      const char* hit = nullptr;
+      for (const char* op : ops)
+        if (is_op(op)) hit = op;
+      if (!hit) return left;
+      next();
+      left = binary(ExprKind::binary, hit, std::move(left), (this->*operand)());
     }
-    return left;
   }
-  ExprPtr parse_concat() {
-    ExprPtr left = parse_math2();
-    while (accept_op("~")) left = binary(ExprKind::binary, "~", std::move(left), parse_math2());
-    return left;
-  }
-  ExprPtr parse_math2() {
-    ExprPtr left = parse_pow();
-    while (is_op("*") || is_op("/") || is_op("//") || is_op("%")) {
-      const std::string op = next().text;
-      left = binary(ExprKind::binary, op, std::move(left), parse_pow());
-    }
-    return left;
-  }
-  ExprPtr parse_pow() {
-    ExprPtr left = parse_unary(true);
-    while (accept_op("**")) left = binary(ExprKind::binary, "**", std::move(left), parse_unary(true));
-    return left;
-  }
+  ExprPtr parse_math1() { return parse_level({"+", "-"}, &Parser::parse_concat); }
+  ExprPtr parse_concat() { return parse_level({"~"}, &Parser::parse_math2); }
+  ExprPtr parse_math2() { return parse_level({"*", "/", "//", "%"}, &Parser::parse_pow); }
+  ExprPtr parse_pow() { return parse_level({"**"}, &Parser::parse_operand); }
+  ExprPtr parse_operand() { return parse_unary(true); }
   ExprPtr parse_unary(bool with_filter) {
     ExprPtr node;
     if (is_op("-") || is_op("+")) {
