@@ -1,8 +1,8 @@
 // Packed documents (document masks): a micro-batch that packs several documents into its sequences gives each
 // document's loss and every gradient of running each document alone, in fp32 within 1e-6, for a LLaMA, a
-// Qwen2 (q/k/v biases), a Mistral with a sliding window shorter than the documents, Qwen3's QK-norm and a
-// Gemma 2 (soft-capped attention), under every recompute policy; malformed document lists are refused in one
-// line, as is MLA (not yet supported).
+// Qwen2 (q/k/v biases), a Mistral with a sliding window shorter than the documents, Qwen3's QK-norm, a
+// Gemma 2 (soft-capped attention) and DeepSeek-V3's MLA (with and without a q LoRA), under every recompute
+// policy; malformed document lists are refused in one line.
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
@@ -30,6 +30,17 @@ json config_of(const std::string& family) {
   if (family == "qwen3") c["architectures"] = {"Qwen3ForCausalLM"}, c["model_type"] = "qwen3";
   if (family == "mistral")
     c["architectures"] = {"MistralForCausalLM"}, c["model_type"] = "mistral", c["sliding_window"] = 3;
+  if (family == "deepseek_v3" || family == "deepseek_v3_q_lora") {  // MLA; every layer dense, no MTP
+    c["architectures"] = {"DeepseekV3ForCausalLM"}, c["model_type"] = "deepseek_v3";
+    c["q_lora_rank"] = family == "deepseek_v3" ? json(nullptr) : json(12);
+    c["kv_lora_rank"] = 16, c["qk_nope_head_dim"] = 8, c["qk_rope_head_dim"] = 4, c["v_head_dim"] = 6;
+    c["num_key_value_heads"] = 4, c["first_k_dense_replace"] = 2, c["num_nextn_predict_layers"] = 0;
+    c["n_routed_experts"] = 4, c["num_experts_per_tok"] = 2, c["moe_intermediate_size"] = 8, c["n_group"] = 1;
+    c["topk_group"] = 1, c["rope_interleave"] = true, c["n_shared_experts"] = 1, c["routed_scaling_factor"] = 1.0;
+    c["norm_topk_prob"] = true, c["scoring_func"] = "sigmoid", c["topk_method"] = "noaux_tc";
+    c["tie_word_embeddings"] = false, c["rope_theta"] = 10000.0;
+    c.erase("head_dim");  // derived from qk_rope_head_dim
+  }
   if (family == "gemma2")
     c["architectures"] = {"Gemma2ForCausalLM"}, c["model_type"] = "gemma2", c["sliding_window"] = 4,
     c["attn_logit_softcapping"] = 20.0, c["final_logit_softcapping"] = 10.0, c["query_pre_attn_scalar"] = 8;
@@ -110,7 +121,8 @@ TEST_P(PackedDocuments, EqualEachDocumentAlone) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, PackedDocuments,
-                         ::testing::Values("llama", "qwen2", "qwen3", "mistral", "gemma2"));
+                         ::testing::Values("llama", "qwen2", "qwen3", "mistral", "gemma2", "deepseek_v3",
+                                           "deepseek_v3_q_lora"));
 
 TEST(PackedDocuments, RefusesMalformedDocumentLists) {
   const auto config = parse_model_config(config_of("llama"), "documents test");

@@ -74,15 +74,23 @@ std::vector<int> MlaAttention::replicated_params() const {
 }
 
 // Each head's rope columns q[:, h, dn:]: the rope op takes heads head_dim apart, so one call per head.
-void MlaAttention::rope_q(Elements q, int64_t batch, int64_t seq, bool inverse,
-                          int64_t first_position) const {
+void MlaAttention::rope_q(Elements q, int64_t batch, int64_t seq, bool inverse, int64_t first_position,
+                          const std::vector<int64_t>* documents) const {
   for (int64_t h = 0; h < shape_.heads; ++h)
     rope_k(q + h * shape_.qk_head_dim() + shape_.qk_nope_head_dim, shape_.q_dim(), batch, seq, inverse,
-           first_position);
+           first_position, documents);
 }
 
 void MlaAttention::rope_k(Elements x, int64_t token_stride, int64_t batch, int64_t seq, bool inverse,
-                          int64_t first_position) const {
+                          int64_t first_position, const std::vector<int64_t>* documents) const {
+  if (documents) {
+    int64_t row = 0;
+    for (const int64_t length : *documents) {
+      rope_rows(x + row * token_stride, token_stride, 1, length, inverse, 0);
+      row += length;
+    }
+    return;
+  }
   if (!options_.cp) return rope_rows(x, token_stride, batch, seq, inverse, first_position);
   // Context parallelism (training only): each sequence's two local chunks at their global positions.
   const int64_t half = seq / 2;
@@ -119,12 +127,13 @@ void MlaAttention::project(const Tensor& h, int64_t batch, int64_t seq, int64_t 
   } else {
     q = q_.forward(keep.h_q, dtype);
   }
-  rope_q(q.elements(), batch, seq, false, first_position);
+  const std::vector<int64_t>* documents = saved ? saved->documents : nullptr;
+  rope_q(q.elements(), batch, seq, false, first_position, documents);
 
   kv_a = kv_a_.forward(keep.h_kv, dtype);
   Tensor latent = Tensor::empty({rows, L}, dtype, options_.device);
   copy_rows(kv_a.elements(), s.kv_a_dim(), latent.elements(), L, rows, L, options_.device);
-  rope_k(kv_a.elements() + L, s.kv_a_dim(), batch, seq, false, first_position);
+  rope_k(kv_a.elements() + L, s.kv_a_dim(), batch, seq, false, first_position, documents);
   Tensor kv_latent = kv_norm_.forward(latent, keep.kv_norm, dtype);
   if (!saved)  // inference: the cache row is [normed latent, rotated rope key]
     copy_rows(kv_latent.elements(), L, kv_a.elements(), s.kv_a_dim(), rows, L, options_.device);
@@ -146,11 +155,13 @@ void MlaAttention::expand_keys(const Tensor& kv, ConstElements rope_key, int64_t
   copy_rows(rope_key, rope_stride, saved.k.elements() + dn, s.q_dim(), rows, dr, options_.device, H, 0, qk);
 }
 
-ops::AttentionParams MlaAttention::core_params(const Saved& saved, int64_t batch, int64_t seq) const {
+ops::AttentionParams MlaAttention::core_params(const Saved& saved, int64_t batch, int64_t seq,
+                                               int64_t row) const {
   ops::AttentionParams p;
   p.batch = batch, p.seq = seq, p.heads = shape_.heads, p.kv_heads = shape_.heads;
   p.head_dim = shape_.qk_head_dim(), p.v_head_dim = shape_.v_head_dim;
-  p.q = saved.q.elements(), p.k = saved.k.elements(), p.v = saved.v.elements();
+  p.q = saved.q.elements() + row * shape_.q_dim(), p.k = saved.k.elements() + row * shape_.q_dim();
+  p.v = saved.v.elements() + row * shape_.out_dim();
   p.q_stride = p.k_stride = shape_.q_dim(), p.v_stride = shape_.out_dim();
   p.out_stride = shape_.out_dim();
   p.scale = shape_.softmax_scale;
@@ -161,6 +172,16 @@ ops::AttentionParams MlaAttention::core_params(const Saved& saved, int64_t batch
 void MlaAttention::core_forward(Saved& saved, int64_t batch, int64_t seq) const {
   saved.out = Tensor::empty({batch * seq, shape_.out_dim()}, saved.q.dtype(), options_.device);
   saved.lse = Tensor::empty({batch, shape_.heads, seq}, DType::f32, options_.device);
+  if (saved.documents) {  // lse holds [heads, length] per document, in order
+    int64_t row = 0;
+    for (const int64_t length : *saved.documents) {
+      ops::AttentionParams p = core_params(saved, 1, length, row);
+      p.out = saved.out.elements() + row * shape_.out_dim(), p.lse = saved.lse.f32() + row * shape_.heads;
+      ops::attention_forward(p, options_.device);
+      row += length;
+    }
+    return;
+  }
   ops::AttentionParams p = core_params(saved, batch, seq);
   p.out = saved.out.elements(), p.lse = saved.lse.f32();
   if (options_.cp)
@@ -171,10 +192,6 @@ void MlaAttention::core_forward(Saved& saved, int64_t batch, int64_t seq) const 
 
 Tensor MlaAttention::forward(const Tensor& h, int64_t batch, int64_t seq, Saved& saved,
                              bool keep_core) const {
-  if (saved.documents)
-    fail(
-        "packed documents (document masks) are not supported with MLA attention yet (DeepSeek-V3); train it "
-        "on unpacked sequences");
   Tensor kv_a, kv;
   project(gather_in(options_.tp, h), batch, seq, 0, &saved, act_dtype_, saved.q, kv_a, &kv);
   const int64_t rows = batch * seq, L = shape_.kv_lora_rank, dr = shape_.qk_rope_head_dim;
@@ -200,7 +217,7 @@ void MlaAttention::recompute_up_projections(Saved& saved, int64_t batch, int64_t
     RmsNorm::Saved scratch;
     GemmOperand latent = q_b_.input(q_norm_.forward(saved.q_norm.x, scratch, dtype));
     saved.q = q_b_.forward(latent, dtype);
-    rope_q(saved.q.elements(), batch, seq, false, 0);
+    rope_q(saved.q.elements(), batch, seq, false, 0, saved.documents);
   }
   RmsNorm::Saved scratch;
   GemmOperand latent = kv_b_.input(kv_norm_.forward(saved.kv_norm.x, scratch, dtype));
@@ -247,18 +264,29 @@ Tensor MlaAttention::backward_input(const Tensor& dy, int64_t batch, int64_t seq
   Tensor dq = Tensor::empty({rows, s.q_dim()}, dtype, device);
   Tensor dk = Tensor::empty({rows, s.q_dim()}, dtype, device);
   Tensor dvalue = Tensor::empty({rows, s.out_dim()}, dtype, device);
-  ops::AttentionParams p = core_params(saved, batch, seq);
-  p.out = saved.out.elements(), p.lse = saved.lse.f32();
-  p.dout = dout.elements(), p.dout_stride = s.out_dim();
-  p.dq = dq.elements(), p.dk = dk.elements(), p.dv = dvalue.elements();
-  p.dq_stride = p.dk_stride = s.q_dim(), p.dv_stride = s.out_dim();
-  if (options_.cp)
-    options_.cp->attention_backward(p);
-  else
-    ops::attention_backward(p, device);
+  auto params = [&](int64_t row, int64_t b, int64_t t) {
+    ops::AttentionParams p = core_params(saved, b, t, row);
+    p.out = saved.out.elements() + row * s.out_dim(), p.lse = saved.lse.f32() + row * H;
+    p.dout = dout.elements() + row * s.out_dim(), p.dout_stride = s.out_dim();
+    p.dq = dq.elements() + row * s.q_dim(), p.dk = dk.elements() + row * s.q_dim();
+    p.dv = dvalue.elements() + row * s.out_dim();
+    p.dq_stride = p.dk_stride = s.q_dim(), p.dv_stride = s.out_dim();
+    return p;
+  };
+  if (saved.documents) {
+    int64_t row = 0;
+    for (const int64_t length : *saved.documents) {
+      ops::attention_backward(params(row, 1, length), device);
+      row += length;
+    }
+  } else if (options_.cp) {
+    options_.cp->attention_backward(params(0, batch, seq));
+  } else {
+    ops::attention_backward(params(0, batch, seq), device);
+  }
   // The core is no longer needed; o_proj's weight gradient keeps out_op.
   saved.out = Tensor(), saved.lse = Tensor(), saved.q = Tensor(), saved.k = Tensor(), saved.v = Tensor();
-  rope_q(dq.elements(), batch, seq, true, 0);
+  rope_q(dq.elements(), batch, seq, true, 0, saved.documents);
 
   // kv_b_proj's output gradient: per head [dk_nope, dv].
   Tensor dkv = Tensor::empty({rows, s.kv_dim()}, dtype, device);
@@ -270,7 +298,7 @@ Tensor MlaAttention::backward_input(const Tensor& dy, int64_t batch, int64_t seq
   for (int64_t head = 0; head < H; ++head)
     copy_rows(dk.elements() + head * qk + dn, s.q_dim(), rope_key.elements(), dr, rows, dr, device, 1, 0, 0,
               /*accumulate=*/head > 0);
-  rope_k(rope_key.elements(), dr, batch, seq, true, 0);
+  rope_k(rope_key.elements(), dr, batch, seq, true, 0, saved.documents);
   dk = Tensor(), dvalue = Tensor();
 
   saved.dkv = kv_b_.grad_output(dkv);

@@ -134,12 +134,15 @@ class MlaAttention final : public LayerPart {
   void make_inputs(const Tensor& h, Saved& saved) const;
   // RecomputeModule::mla_up_proj: q (with a q LoRA), k and v again from the latents' norms' saved inputs.
   void recompute_up_projections(Saved& saved, int64_t batch, int64_t seq) const;
-  void rope_q(Elements q, int64_t batch, int64_t seq, bool inverse, int64_t first_position) const;
+  // documents (LayerPart::Saved::documents): positions restart at each packed document's start.
+  void rope_q(Elements q, int64_t batch, int64_t seq, bool inverse, int64_t first_position,
+              const std::vector<int64_t>* documents = nullptr) const;
   void rope_k(Elements x, int64_t token_stride, int64_t batch, int64_t seq, bool inverse,
-              int64_t first_position) const;
+              int64_t first_position, const std::vector<int64_t>* documents = nullptr) const;
   void rope_rows(Elements x, int64_t token_stride, int64_t batch, int64_t seq, bool inverse,
                  int64_t first_position) const;
-  ops::AttentionParams core_params(const Saved& saved, int64_t batch, int64_t seq) const;
+  // The core over rows [row, row + batch * seq) (a packed document: batch 1, its length).
+  ops::AttentionParams core_params(const Saved& saved, int64_t batch, int64_t seq, int64_t row = 0) const;
   void core_forward(Saved& saved, int64_t batch, int64_t seq) const;
 
   ParameterStore* store_ = nullptr;
