@@ -90,7 +90,7 @@ TEST(TrainConfig, DefaultTomlFileEqualsBuiltInDefaults) {
     ++keys;
     EXPECT_NE(line.find(" # "), std::string::npos) << "no comment: " << line;
   }
-  EXPECT_EQ(keys, 124);
+  EXPECT_EQ(keys, 125);
 }
 
 TEST(TrainConfig, DefaultTomlFileIsTheGeneratedText) {

@@ -618,6 +618,12 @@ const std::vector<KeySpec>& key_specs() {
        "image-text data: after training, answer this many held-out samples greedily and count the answers "
        "equal to their reference, token for token (0 = none)",
        {}},
+      {"sample",
+       "answers",
+       FORGE_FIELD(sample.answers),
+       "fine-tuning data (data.sft): after training, answer the first assistant turn of this many held-out "
+       "conversations greedily and count the answers equal to their reference, token for token (0 = none)",
+       {}},
   };
   return specs;
 }
@@ -1167,6 +1173,12 @@ void check_outputs(const TrainConfig& c, const Checks& k) {
     ">= 0 (0 = greedy)");
   k(c.sample.top_k >= 0, "sample.top_k", c.sample.top_k, ">= 0 (0 = all)");
   k(c.sample.captions >= 0, "sample.captions", c.sample.captions, ">= 0 (0 = none)");
+  k(c.sample.answers >= 0, "sample.answers", c.sample.answers, ">= 0 (0 = none)");
+  if (c.sample.answers > 0 && c.data.sft.empty()) {
+    const Checks::Blame b = k.blame({"sample.answers", "data.sft"});
+    fail("{}: sample.answers = {} needs fine-tuning data (data.sft), which is not set{}", b.where,
+         c.sample.answers, b.others);
+  }
   if (c.sample.captions > 0 && c.data.images.empty()) {
     const Checks::Blame b = k.blame({"sample.captions", "data.images"});
     fail("{}: sample.captions = {} needs image-text data (data.images), which is not set{}", b.where,

@@ -181,6 +181,7 @@ struct TrainConfig {
     int64_t top_k = 40;        // 0 = whole vocabulary
     uint64_t seed = 7;
     int64_t captions = 0;  // image-text data: held-out samples captioned greedily after training
+    int64_t answers = 0;   // fine-tuning data: held-out conversations answered greedily after training
     bool operator==(const Sample&) const = default;
   };
   // How the world's ranks are split (see forge/parallel/layout.h) and how gradients travel between them.

@@ -129,9 +129,9 @@ Model& Evaluation::generation_model() {
   return *whole_;
 }
 
-void Evaluation::caption(int64_t step, TrainResult& result) {
+void Evaluation::caption(int64_t step, TrainResult& result, int64_t count, const char* what) {
   const TrainingData& data = *setup_.data;
-  const int64_t n = std::min(c_.sample.captions, data.heldout_windows());
+  const int64_t n = std::min(count, data.heldout_windows());
   const TextCodec& codec = data.codec();
   Model& model = generation_model();
   const int64_t seq = setup_.seq;
@@ -144,7 +144,7 @@ void Evaluation::caption(int64_t step, TrainResult& result) {
     score.add(model, i, ids.data(), targets.data(), seq, pixels.data(), images);
   }
   if (score.count() == 0) {
-    log_.say("captions: none of the %lld held-out samples has an answer to compare\n",
+    log_.say("%s: none of the %lld held-out samples has an answer to compare\n", what,
              static_cast<long long>(n));
     return;
   }
@@ -152,9 +152,9 @@ void Evaluation::caption(int64_t step, TrainResult& result) {
   result.caption_token_accuracy = score.token_accuracy();
   const models::CaptionDecode decode = [&](std::span<const int32_t> ids) { return codec.decode(ids); };
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  log_.say("%s\n", models::caption_summary("held-out captions", score, seconds).c_str());
+  log_.say("%s\n", models::caption_summary(std::string("held-out ") + what, score, seconds).c_str());
   for (const std::string& line : models::caption_lines(score, decode, 4)) log_.say("%s\n", line.c_str());
-  records_.write({{"event", "captions"},
+  records_.write({{"event", what},
                   {"step", step},
                   {"count", score.count()},
                   {"exact", score.exact()},

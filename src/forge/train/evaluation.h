@@ -53,7 +53,10 @@ class Evaluation {
   void sample(TrainResult& result);
   // On the first rank, image-text data: sample.captions held-out images answered greedily and scored
   // against their references (a line, examples and a record).
-  void caption(int64_t step, TrainResult& result);
+  // Greedy answers to `count` held-out samples scored against their references (models/captions.h):
+  // sample.captions for image-text data, sample.answers for fine-tuning conversations (`what`: "captions" or
+  // "answers", in the log line and the metrics event).
+  void caption(int64_t step, TrainResult& result, int64_t count, const char* what);
 
  private:
   models::Model& generation_model();

@@ -391,7 +391,9 @@ TrainResult TrainingRun::finish(TrainResult result) {
   write_report();
   if (c_.sample.tokens > 0 && log_.leader()) evaluation_->sample(result);
   if (c_.sample.captions > 0 && log_.leader() && !result.interrupted)
-    evaluation_->caption(state_.step, result);
+    evaluation_->caption(state_.step, result, c_.sample.captions, "captions");
+  if (c_.sample.answers > 0 && log_.leader() && !result.interrupted)
+    evaluation_->caption(state_.step, result, c_.sample.answers, "answers");
   return result;
 }
 

@@ -35,8 +35,9 @@ struct TrainResult {
   int64_t rollbacks = 0;            // automatic rollbacks after anomalies (docs/resilience.md)
   bool time_limit_reached = false;  // stopped by train.max_minutes before the planned/configured steps
   std::string sample;               // generated text ("" when sample.tokens == 0)
-  // sample.captions: held-out image-text samples answered greedily after training, how many answers equal
-  // their reference token for token, and the share of reference tokens matched at their position.
+  // sample.captions (image-text) or sample.answers (fine-tuning conversations): held-out samples answered
+  // greedily after training, how many answers equal their reference token for token, and the share of
+  // reference tokens matched at their position.
   int64_t captions = 0, captions_exact = 0;
   double caption_token_accuracy = 0;
   int64_t peak_activation_bytes = 0;
