@@ -263,6 +263,34 @@ TEST_F(GenerateCli, TokenizerBosAndEndOfSequence) {
   expect_one_line_error(args, "generation_config.json: key 'eos_token_id' appears twice");
 }
 
+// --messages: the conversation rendered with the folder's chat template and its generation prompt, encoded
+// without added special tokens, answered greedily as the library answers those ids; the template's
+// eos_token stops it.
+TEST_F(GenerateCli, AnswersAConversationThroughTheChatTemplate) {
+  const Tokenizer tokenizer = Tokenizer::from_file(dir_ / "hf" / "tokenizer.json");
+  std::ofstream(dir_ / "hf" / "tokenizer_config.json")
+      << R"({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "chat_template": "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"})";
+  std::ofstream(dir_ / "chat.json")
+      << R"({"messages": [{"role": "user", "content": "the quick brown fox"}]})";
+  const std::string rendered = "<|begin_of_text|>user: the quick brown fox\nassistant:";
+  const std::vector<int32_t> ids = tokenizer.encode(rendered, false);
+  ASSERT_EQ(ids.front(), *tokenizer.bos_id());  // the template's BOS, not one added by the tokenizer
+  auto lm = load_pretrained_model(dir_ / "hf", {DType::f32, nn::Recompute::none});
+  SamplingOptions greedy;
+  greedy.temperature = 0, greedy.max_new_tokens = 6;
+  if (auto eos = tokenizer.eos_id()) greedy.stop_tokens = {*eos};
+  const GenerationResult answer = generate_sequence(*lm, ids, greedy);
+  const std::string args = "generate" + model("hf") + " --messages " + (dir_ / "chat.json").string() +
+                           " --greedy --max-new-tokens 6";
+  Outcome o = run(args);
+  ASSERT_EQ(o.status, 0) << o.err;
+  EXPECT_EQ(o.output, with_newline(rendered + tokenizer.decode(answer.tokens, true)));
+  EXPECT_NE(o.err.find("prompt " + std::to_string(ids.size()) + " tokens"), std::string::npos) << o.err;
+  expect_one_line_error(args + " --prompt x", "--messages");
+  std::ofstream(dir_ / "bad.json") << "[{";
+  expect_one_line_error("generate" + model("hf") + " --messages " + (dir_ / "bad.json").string(), "bad.json");
+}
+
 TEST_F(GenerateCli, BadInputGetsOneErrorLine) {
   const std::string bytes = "generate" + model("bytes");
   expect_one_line_error("generate --model " + (dir_ / "missing").string() + " --prompt hi", "missing");

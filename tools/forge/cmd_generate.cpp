@@ -6,6 +6,10 @@
 // The prompt is encoded with the tokenizer's special tokens (BOS). Generation stops at max-new-tokens, at an
 // end-of-sequence token (the tokenizer's and generation_config.json's eos_token_id), or when the context
 // (max_position_embeddings) is full.
+//
+// Chat: --messages FILE renders a conversation with the model's chat template (or --chat-template) and its
+// generation prompt, as transformers' apply_chat_template(add_generation_prompt=True), encodes it without
+// adding special tokens (the template writes them) and stops at the template's eos_token too.
 #include <unistd.h>
 
 #include <algorithm>
@@ -26,6 +30,7 @@
 #include "forge/core/file_io.h"
 #include "forge/data/image/image.h"
 #include "forge/data/image/image_processor.h"
+#include "forge/data/tokenizer/chat_template.h"
 #include "forge/data/tokenizer/tokenizer.h"
 #include "forge/data/tokenizer/tokenizer_text.h"
 #include "forge/models/pretrained.h"
@@ -38,7 +43,8 @@ namespace {
 namespace fs = std::filesystem;
 
 struct GenerateOptions {
-  std::string model, tokenizer, prompt, dtype = "fp32", device = "cpu", image, image_processor;
+  std::string model, tokenizer, prompt, dtype = "fp32", device = "cpu", image, image_processor, messages,
+                                        chat_template;
   bool prompt_given = false, greedy = false, no_stream = false;
   int64_t max_new_tokens = 128, top_k = 40;
   double temperature = 0.8, top_p = 1.0;
@@ -69,8 +75,8 @@ class TextCodec {
           model_dir.string(), vocab);
     }
   }
-  std::vector<int32_t> encode(const std::string& text) const {
-    if (tokenizer_) return tokenizer_->encode(text, /*add_special_tokens=*/true);
+  std::vector<int32_t> encode(const std::string& text, bool add_special_tokens = true) const {
+    if (tokenizer_) return tokenizer_->encode(text, add_special_tokens);
     return {reinterpret_cast<const uint8_t*>(text.data()),
             reinterpret_cast<const uint8_t*>(text.data()) + text.size()};
   }
@@ -82,6 +88,9 @@ class TextCodec {
     return tokenizer_text::utf8_lossy(bytes);
   }
   std::optional<int32_t> eos_id() const { return tokenizer_ ? tokenizer_->eos_id() : std::nullopt; }
+  std::optional<int32_t> token_id(const std::string& token) const {
+    return tokenizer_ ? tokenizer_->token_to_id(token) : std::nullopt;
+  }
   int64_t vocab_size() const { return tokenizer_ ? tokenizer_->vocab_size() : 256; }
 
  private:
@@ -215,8 +224,10 @@ int run_generate(GenerateOptions o) {
   const DType dtype = dtype_from_name(o.dtype);
   if (dtype != DType::f32 && dtype != DType::bf16)
     fail("generate: --dtype must be fp32 or bf16, got '{}'", o.dtype);
-  const std::string prompt = read_prompt(o);
-  if (prompt.empty() && o.image.empty()) fail("generate: the prompt is empty");
+  if (!o.messages.empty() && (o.prompt_given || !o.image.empty()))
+    fail("generate: --messages renders the prompt from a conversation; leave out --prompt and --image");
+  std::string prompt = o.messages.empty() ? read_prompt(o) : std::string();
+  if (prompt.empty() && o.image.empty() && o.messages.empty()) fail("generate: the prompt is empty");
 
   nn::ComputeOptions compute{dtype, nn::Recompute::none};
   compute.device = device_from_name(o.device);
@@ -231,13 +242,37 @@ int run_generate(GenerateOptions o) {
   std::vector<int32_t> stop = generation_config_eos(o.model_dir, vocab);
   if (auto eos = codec.eos_id(); eos && std::find(stop.begin(), stop.end(), *eos) == stop.end())
     stop.push_back(*eos);
+  std::vector<int32_t> ids;
+  if (!o.messages.empty()) {
+    const ChatTemplate chat =
+        ChatTemplate::from_path(o.chat_template.empty() ? o.model_dir : fs::path(o.chat_template));
+    nlohmann::ordered_json conversation;
+    try {
+      conversation = nlohmann::ordered_json::parse(read_file(o.messages, "--messages"));
+    } catch (const nlohmann::ordered_json::parse_error& e) {
+      fail("generate: --messages {} is not valid JSON: {}", o.messages, e.what());
+    }
+    ChatOptions options;
+    options.add_generation_prompt = true;
+    if (conversation.is_object()) {  // {"messages": [...], "tools": [...]}
+      if (!conversation.contains("messages")) fail("generate: --messages {} has no 'messages'", o.messages);
+      if (conversation.contains("tools")) options.tools = conversation["tools"];
+      conversation = nlohmann::ordered_json(conversation["messages"]);
+    }
+    prompt = chat.render(conversation, options).text;
+    ids = codec.encode(prompt, /*add_special_tokens=*/false);
+    const auto& special = chat.special_tokens();
+    if (special.contains("eos_token"))
+      if (const auto id = codec.token_id(special["eos_token"].get<std::string>());
+          id && std::find(stop.begin(), stop.end(), *id) == stop.end())
+        stop.push_back(*id);
+  }
   sampling.stop_tokens = stop;
   sampling.vocab_limit = codec.vocab_size();
-  std::vector<int32_t> ids;
   Tensor pixels;
-  if (o.image.empty()) {
+  if (o.messages.empty() && o.image.empty()) {
     ids = codec.encode(prompt);
-  } else {
+  } else if (o.messages.empty()) {
     ImagePrompt p = image_prompt(o, *model, codec, prompt);
     ids = std::move(p.ids), pixels = std::move(p.pixels);
     sampling.pixels = pixels.f32(), sampling.images = 1;
@@ -290,6 +325,13 @@ void add_generate_command(CLI::App& app, Commands& commands) {
   generate->add_option("--image-processor", o->image_processor,
                        "with --image: the preprocessor_config.json (default: DIR/preprocessor_config.json)");
   auto* prompt = generate->add_option("--prompt", o->prompt, "text to continue (default: read from stdin)");
+  generate->add_option(
+      "--messages", o->messages,
+      "a conversation (JSON: the messages' array, or an object with 'messages' and 'tools') to "
+      "answer: rendered with the model's chat template and its generation prompt");
+  generate->add_option(
+      "--chat-template", o->chat_template,
+      "with --messages: a folder, tokenizer_config.json or .jinja file (default: the model's)");
   generate->add_option("--max-new-tokens", o->max_new_tokens, "tokens to generate at most")
       ->capture_default_str();
   generate->add_option("--temperature", o->temperature, "softmax temperature (0 = greedy)")
