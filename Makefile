@@ -5,7 +5,7 @@ BUILD ?= build
 CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
 RUN_ARGS ?=
 
-.PHONY: all deps deps-bench configure build build-cli run run-multimodal test bench clean
+.PHONY: all deps deps-bench configure build build-cli run run-multimodal run-finetune test bench clean
 
 all: build
 
@@ -38,6 +38,14 @@ run: build-cli
 run-multimodal: build-cli
 	@grep -qs '"version": 2' data/shapes/synth.json || $(BUILD)/bin/forge data synth-images --out data/shapes --count 6000 --size 32
 	$(BUILD)/bin/forge train --config configs/llava-tiny.toml --set checkpoint.overwrite=true $(RUN_ARGS)
+
+# The fine-tuning job: the default job's model (trained first when runs/default has no checkpoint) learns to
+# name the book of a KJV verse from questions forge writes (data/kjv-qa), packed with document masks, then
+# answers the held-out questions (configs/finetune-kjv.toml; docs/fine-tuning.md).
+run-finetune: build-cli
+	@test -d runs/default/checkpoint || $(BUILD)/bin/forge train --config configs/default.toml --set checkpoint.overwrite=true
+	@test -s data/kjv-qa/train.jsonl || $(BUILD)/bin/forge data synth-qa --out data/kjv-qa
+	$(BUILD)/bin/forge train --config configs/finetune-kjv.toml --set checkpoint.overwrite=true $(RUN_ARGS)
 
 test: build
 	# One test at a time: each test already uses every core through OpenMP, and two at once make

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "forge/data/text/indexed_dataset.h"
+#include "forge/data/tokenizer/chat_template.h"
 #include "forge/data/tokenizer/tokenizer.h"
 #include "tools/cli_harness.h"
 
@@ -179,6 +180,35 @@ TEST_F(DataCli, BadArguments) {
   // data info validates the dataset.
   std::ofstream(path("x.idx"), std::ios::binary | std::ios::app) << "junk";
   expect_one_line_error("data info --data " + path("x"), path("x.idx"));
+}
+
+// forge data synth-qa: every KJV verse as a question naming its book, 5% held out from every book, and a
+// chat template that renders them (with the tokenizer's <|endoftext|> ending each answer).
+TEST_F(DataCli, SynthQaWritesTheVersesAsQuestions) {
+  const Outcome o = run_forge("data synth-qa --out " + path("qa"));
+  ASSERT_EQ(o.status, 0) << o.output;
+  EXPECT_NE(o.output.find("(31102 verses, 66 books)"), std::string::npos) << o.output;
+  auto lines = [&](const std::string& name) {
+    std::vector<nlohmann::ordered_json> rows;
+    std::ifstream in(dir_ / "qa" / name);
+    for (std::string line; std::getline(in, line);) rows.push_back(nlohmann::ordered_json::parse(line));
+    return rows;
+  };
+  const auto train = lines("train.jsonl"), heldout = lines("heldout.jsonl");
+  EXPECT_EQ(train.size() + heldout.size(), 31102u);
+  EXPECT_NEAR(static_cast<double>(heldout.size()) / 31102, 0.05, 0.005);
+  EXPECT_EQ(train.front()["id"], "Genesis 1:1");
+  EXPECT_EQ(train.front()["messages"][1]["content"], "Genesis");
+  EXPECT_EQ(train.back()["messages"][1]["content"], "Revelation");
+  const ChatTemplate chat = ChatTemplate::from_folder(dir_ / "qa");
+  EXPECT_EQ(
+      chat.render(train.front()["messages"]).text,
+      "Question: Which book of the Bible has this verse? In the beginning God created the heaven and the "
+      "earth.\nAnswer: Genesis<|endoftext|>\n");
+  // The same seed, the same split.
+  ASSERT_EQ(run_forge("data synth-qa --out " + path("again")).status, 0);
+  EXPECT_EQ(read_file(dir_ / "qa" / "heldout.jsonl"), read_file(dir_ / "again" / "heldout.jsonl"));
+  expect_one_line_error("data synth-qa --out " + path("bad") + " --heldout 1.5", "--heldout");
 }
 
 }  // namespace

@@ -333,6 +333,7 @@ TEST_F(SftDataTest, ServesEachConversationOncePerEpoch) {
 TEST_F(SftDataTest, PackedConversationsTrain) {
   TrainConfig c = sft_config("packed");
   c.data.sft_pack = true;
+  c.data.seq_len = 64;  // several conversations a sequence
   c.train.steps = 30;
   const std::unique_ptr<TrainingData> data = open_training_data(c);
   EXPECT_NE(data->describe().find("sequences packing 32 conversations"), std::string::npos)
@@ -391,6 +392,11 @@ TEST_F(SftDataTest, TrainsOnTheAnswers) {
   TrainConfig all = sft_config("all");
   all.data.sft_loss = SftLoss::all;
   EXPECT_NE(open_training_data(all)->describe().find("every token"), std::string::npos);
+  // Fine-tuning a checkpoint: without data.tokenizer, the checkpoint's own tokenizer.json.
+  TrainConfig again = sft_config("again");
+  again.data.tokenizer = "train", again.model.init_from = (dir_ / "sft" / "checkpoint").string();
+  again.data.chat_template = (dir_ / "tok").string();
+  EXPECT_NE(open_training_data(again)->describe().find("checkpoint"), std::string::npos);
   TrainConfig bytes = sft_config("bytes");
   bytes.data.tokenizer = "bytes";
   expect_error_containing([&] { open_training_data(bytes); }, {"data.sft", "data.tokenizer"});

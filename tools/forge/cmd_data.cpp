@@ -9,11 +9,14 @@
 
 #include "commands.h"
 #include "forge/core/error.h"
+#include "forge/core/file_io.h"
+#include "forge/core/philox.h"
 #include "forge/data/image/image_processor.h"
 #include "forge/data/image/image_text.h"
 #include "forge/data/image/synthetic_images.h"
 #include "forge/data/text/indexed_dataset.h"
 #include "forge/data/text/preprocess.h"
+#include "forge/data/text/text_corpus.h"
 #include "forge/data/tokenizer/tokenizer.h"
 
 namespace forge::cli {
@@ -39,6 +42,9 @@ struct DataOptions {
   int64_t synth_count = 0, synth_size = 64;
   uint64_t synth_seed = 0;
   double synth_heldout = 0.1;
+  std::string qa_out;
+  double qa_heldout = 0.05;
+  uint64_t qa_seed = 1;
   int image_workers = 0;  // preprocess-images, synth-images: 0 = OpenMP's default
 };
 
@@ -88,6 +94,49 @@ int run_preprocess_images(const DataOptions& o) {
   std::printf("\nwrote %s (%.2f MB) in %.2f s: %.0f images/s\n", o.image_output.c_str(),
               static_cast<double>(stats.bytes) / 1e6, stats.seconds,
               static_cast<double>(stats.images) / seconds);
+  return 0;
+}
+
+// The KJV as questions and answers for fine-tuning: "Which book of the Bible has this verse?" for every
+// verse, answered with the book's name; a chat template in plain text ending each answer with <|endoftext|>
+// (the end-of-sequence token of the tokenizer `forge train` learns on the KJV).
+int run_synth_qa(const DataOptions& o) {
+  if (o.qa_out.empty()) fail("data synth-qa: --out DIR is required");
+  if (!(o.qa_heldout > 0 && o.qa_heldout < 1))
+    fail("data synth-qa: --heldout must be in (0, 1), got {}", o.qa_heldout);
+  const std::vector<KjvVerse> verses = load_kjv_verses();
+  std::filesystem::create_directories(o.qa_out);
+  std::string train, heldout;
+  int64_t held = 0;
+  for (size_t i = 0; i < verses.size(); ++i) {
+    nlohmann::ordered_json row;
+    row["id"] = fmt::format("{} {}:{}", verses[i].book, verses[i].chapter, verses[i].verse);
+    row["messages"] = {
+        {{"role", "user"}, {"content", "Which book of the Bible has this verse? " + verses[i].text}},
+        {{"role", "assistant"}, {"content", verses[i].book}}};
+    // Held out by a draw per verse from (seed, index): spread over every book.
+    const uint32_t draw =
+        philox4x32_10({static_cast<uint32_t>(i), 0, 0, 0},
+                      {static_cast<uint32_t>(o.qa_seed), static_cast<uint32_t>(o.qa_seed >> 32)})[0];
+    const bool out = static_cast<double>(draw) / 4294967296.0 < o.qa_heldout;
+    (out ? heldout : train) += row.dump() + "\n";
+    held += out;
+  }
+  const std::filesystem::path dir = o.qa_out;
+  write_file_atomically(dir / "train.jsonl", train, "questions");
+  write_file_atomically(dir / "heldout.jsonl", heldout, "questions");
+  nlohmann::ordered_json config;
+  config["eos_token"] = "<|endoftext|>";
+  config["chat_template"] =
+      "{% for m in messages %}{% if m.role == 'user' %}{{ 'Question: ' + m.content + '\\n' }}"
+      "{% elif m.role == 'assistant' %}{{ 'Answer: ' + m.content + eos_token + '\\n' }}{% endif %}{% endfor "
+      "%}"
+      "{% if add_generation_prompt %}{{ 'Answer:' }}{% endif %}";
+  write_file_atomically(dir / "tokenizer_config.json", config.dump(2) + "\n", "chat template");
+  std::printf(
+      "wrote %lld training and %lld held-out questions (%zu verses, 66 books) and a chat template to %s\n",
+      static_cast<long long>(verses.size()) - held, static_cast<long long>(held), verses.size(),
+      o.qa_out.c_str());
   return 0;
 }
 
@@ -268,7 +317,17 @@ void add_data_command(CLI::App& app, Commands& commands) {
       "background; "
       "its caption says so (\"a large red circle on the left and a small blue square at the top\").");
 
-  commands.push_back({data, [o, pre, info, images, synth] {
+  auto* qa = data->add_subcommand(
+      "synth-qa",
+      "Write the KJV as fine-tuning conversations (\"Which book of the Bible has this verse?\"), train.jsonl "
+      "and heldout.jsonl, with a plain-text chat template in tokenizer_config.json");
+  qa->add_option("--out", o->qa_out, "output folder");
+  qa->add_option("--heldout", o->qa_heldout,
+                 "fraction of the verses held out (drawn per verse from the seed)")
+      ->capture_default_str();
+  qa->add_option("--seed", o->qa_seed, "seed of the held-out draw")->capture_default_str();
+  commands.push_back({data, [o, pre, info, images, synth, qa] {
+                        if (*qa) return run_synth_qa(*o);
                         if (*pre) return run_preprocess(*o);
                         if (*info) return run_info(*o);
                         if (*images) return run_preprocess_images(*o);

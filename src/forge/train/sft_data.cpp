@@ -8,6 +8,7 @@
 #include <random>
 
 #include "forge/core/error.h"
+#include "forge/models/pretrained.h"
 #include "forge/train/training_data.h"
 
 namespace forge::train {
@@ -116,11 +117,21 @@ class SftData final : public TrainingData {
 
 }  // namespace
 
-std::unique_ptr<TrainingData> open_sft_data(const TrainConfig& config) {
+std::unique_ptr<TrainingData> open_sft_data(const TrainConfig& given) {
+  TrainConfig config = given;
+  if (config.tokenizer_source() == TokenizerSource::train && !config.model.init_from.empty()) {
+    // Fine-tuning a model: its own tokenizer, beside its weights.
+    const fs::path dir = models::open_pretrained(config.model.init_from).dir;
+    if (!fs::exists(dir / "tokenizer.json"))
+      fail("data.sft: model.init_from {} has no tokenizer.json; set data.tokenizer to the model's",
+           dir.string());
+    config.data.tokenizer = (dir / "tokenizer.json").string();
+  }
   if (config.tokenizer_source() != TokenizerSource::file)
     fail(
         "data.sft: data.tokenizer must name the model's tokenizer.json (conversations are tokenized with "
-        "it)");
+        "it), "
+        "or model.init_from a model that has one");
   if (!config.data.images.empty() || !config.data.dataset.empty())
     fail("data.sft: set one of data.sft, data.images and data.dataset");
   return std::make_unique<SftData>(make_text_codec(config, {}), config);

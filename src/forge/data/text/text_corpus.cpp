@@ -122,6 +122,108 @@ std::string strip_verse_labels(std::string_view output) {
   return text;
 }
 
+std::vector<KjvVerse> load_kjv_verses() {
+  static const char* const kBooks[] = {"Genesis",
+                                       "Exodus",
+                                       "Leviticus",
+                                       "Numbers",
+                                       "Deuteronomy",
+                                       "Joshua",
+                                       "Judges",
+                                       "Ruth",
+                                       "1 Samuel",
+                                       "2 Samuel",
+                                       "1 Kings",
+                                       "2 Kings",
+                                       "1 Chronicles",
+                                       "2 Chronicles",
+                                       "Ezra",
+                                       "Nehemiah",
+                                       "Esther",
+                                       "Job",
+                                       "Psalms",
+                                       "Proverbs",
+                                       "Ecclesiastes",
+                                       "Song of Solomon",
+                                       "Isaiah",
+                                       "Jeremiah",
+                                       "Lamentations",
+                                       "Ezekiel",
+                                       "Daniel",
+                                       "Hosea",
+                                       "Joel",
+                                       "Amos",
+                                       "Obadiah",
+                                       "Jonah",
+                                       "Micah",
+                                       "Nahum",
+                                       "Habakkuk",
+                                       "Zephaniah",
+                                       "Haggai",
+                                       "Zechariah",
+                                       "Malachi",
+                                       "Matthew",
+                                       "Mark",
+                                       "Luke",
+                                       "John",
+                                       "Acts",
+                                       "Romans",
+                                       "1 Corinthians",
+                                       "2 Corinthians",
+                                       "Galatians",
+                                       "Ephesians",
+                                       "Philippians",
+                                       "Colossians",
+                                       "1 Thessalonians",
+                                       "2 Thessalonians",
+                                       "1 Timothy",
+                                       "2 Timothy",
+                                       "Titus",
+                                       "Philemon",
+                                       "Hebrews",
+                                       "James",
+                                       "1 Peter",
+                                       "2 Peter",
+                                       "1 John",
+                                       "2 John",
+                                       "3 John",
+                                       "Jude",
+                                       "Revelation"};
+  const std::string output = run_bible_program();
+  std::vector<KjvVerse> verses;
+  std::string abbreviation;  // the current book's, as `bible` labels it ("Ge", "Exo", ...)
+  int book = -1;
+  size_t at = 0;
+  while (at < output.size()) {
+    size_t end = output.find('\n', at);
+    if (end == std::string::npos) end = output.size();
+    std::string_view line(output.data() + at, end - at);
+    at = end + 1;
+    while (!line.empty() && (line.back() == ' ' || line.back() == '\r')) line.remove_suffix(1);
+    const size_t label = verse_label_length(line);
+    if (label == 0) {
+      if (!verses.empty() && !line.empty())
+        verses.back().text.append(1, ' ').append(line.substr(line.find_first_not_of(" \t")));
+      continue;
+    }
+    const std::string_view ref = line.substr(0, line.find(' '));
+    const size_t colon = ref.find(':');
+    size_t digits = colon;
+    while (digits > 1 && std::isdigit(static_cast<unsigned char>(ref[digits - 1]))) --digits;
+    const std::string name(ref.substr(0, digits));
+    if (name != abbreviation) abbreviation = name, ++book;
+    if (book >= 66) fail("default corpus 'kjv': more than 66 books in the output of 'bible'");
+    KjvVerse v;
+    v.book = kBooks[book];
+    v.chapter = std::stoi(std::string(ref.substr(digits, colon - digits)));
+    v.verse = std::stoi(std::string(ref.substr(colon + 1)));
+    v.text = std::string(line.substr(label));
+    verses.push_back(std::move(v));
+  }
+  if (book != 65) fail("default corpus 'kjv': expected 66 books from 'bible', found {}", book + 1);
+  return verses;
+}
+
 std::string load_kjv_text(const std::filesystem::path& cache_dir) {
   const std::filesystem::path cache = cache_dir / "kjv.txt";
   std::error_code ec;

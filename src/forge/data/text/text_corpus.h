@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace forge::data {
 
@@ -19,6 +20,15 @@ std::string load_kjv_text(const std::filesystem::path& cache_dir);
 // label continues the previous verse (in case the program wraps long lines). Throws if no line carries a
 // label, since then the input is not `bible -f` output.
 std::string strip_verse_labels(std::string_view bible_output);
+
+// The KJV's verses with their references, in canonical order, from `bible -f Gen1:1-Rev22:21` (not
+// cached): book (its full name, "Genesis" ... "Revelation"), chapter, verse and text.
+struct KjvVerse {
+  std::string book;
+  int chapter = 0, verse = 0;
+  std::string text;
+};
+std::vector<KjvVerse> load_kjv_verses();
 
 // A user corpus. Throws forge::Error naming the path if it is missing, unreadable or empty.
 std::string load_text_file(const std::filesystem::path& path);
