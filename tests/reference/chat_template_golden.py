@@ -257,9 +257,15 @@ def prefix_spans(tok, messages, tools):
             continue
         before = tok.apply_chat_template(messages[:i], tools=tools, tokenize=False, add_generation_prompt=True) if i else ""
         through = tok.apply_chat_template(messages[: i + 1], tools=tools, tokenize=False)
-        if not through.startswith(before) or not full.startswith(through):
+        start = len(os.path.commonprefix([before, full]))
+        if start == len(before) and through.startswith(before) and full.startswith(through):
+            spans.append((start, len(through)))
+            continue
+        # Rendered otherwise once later turns follow (Qwen3): the turn ends at the first eos_token after it.
+        end = full.find(tok.eos_token, start) if tok.eos_token else -1
+        if end < 0:
             return full, None
-        spans.append((len(before), len(through)))
+        spans.append((start, end + len(tok.eos_token)))
     return full, spans
 
 

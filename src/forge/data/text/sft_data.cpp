@@ -49,16 +49,27 @@ std::vector<std::pair<size_t, size_t>> prefix_spans(const ChatTemplate& chat, co
     const std::string through =
         chat.render(ordered_json(std::vector<ordered_json>(messages.begin(), messages.begin() + i + 1)), base)
             .text;
-    if (through.compare(0, before.size(), before) != 0 || full.compare(0, through.size(), through) != 0)
+    // Where the whole conversation stops agreeing with the one before the message and its generation prompt
+    // (all of that prompt, unless the template's prompt opens what an earlier turn then renders otherwise,
+    // as Qwen3's "<think>").
+    size_t start = 0;
+    while (start < before.size() && start < full.size() && before[start] == full[start]) ++start;
+    if (start == before.size() && through.compare(0, start, before) == 0 &&
+        full.compare(0, through.size(), through) == 0) {
+      spans.emplace_back(start, through.size());
+      continue;
+    }
+    // The turn renders otherwise once later turns follow (Qwen3 drops an earlier turn's reasoning): it ends
+    // at the template's end-of-sequence token, the first after its start.
+    const std::string eos = chat.special_tokens().value("eos_token", "");
+    const size_t end = eos.empty() ? std::string::npos : full.find(eos, start);
+    if (end == std::string::npos)
       fail(
-          "{}: the chat template does not render the conversation before assistant message {} as the start "
-          "of "
-          "the conversation with it (as Qwen3's drops the reasoning of earlier turns), so the assistant's "
-          "tokens "
-          "cannot be told apart; use a template with {{% generation %}} blocks, or train on every token "
+          "{}: the chat template renders assistant message {} differently once later turns follow, and no "
+          "eos_token ends it; use a template with {{% generation %}} blocks, or train on every token "
           "(data.sft_loss = \"all\")",
           chat.source(), i + 1);
-    spans.emplace_back(before.size(), through.size());
+    spans.emplace_back(start, end + eos.size());
   }
   return spans;
 }

@@ -9,12 +9,13 @@
 //
 // Loss mask. The assistant's tokens are those the template's {% generation %} blocks render, as
 // transformers' return_assistant_tokens_mask reads them, when the template has such blocks. Otherwise each
-// assistant message's span is what rendering the conversation through that message adds to rendering the
-// conversation before it with the generation prompt (its content and the template's end of turn, e.g.
-// "...<|im_end|>\n"); a template that does not render earlier turns as a prefix of later ones (Qwen3 drops
-// the reasoning of earlier turns) has no such spans, and its conversations are refused unless the loss is on
-// every token. A token is trained when its text overlaps a span (transformers' rule); with loss_on = all,
-// every token is. Tokens: the whole rendering encoded at once (no special tokens added, as
+// assistant message's span starts where the whole conversation stops agreeing with the conversation before
+// the message rendered with the generation prompt, and ends where rendering the conversation through the
+// message ends (its content and the template's end of turn, e.g. "...<|im_end|>\n") when that rendering is
+// the start of the whole; a template that renders an earlier turn otherwise once later turns follow (Qwen3
+// drops its reasoning) ends the turn at the first eos_token after its start instead, and one with no
+// eos_token there is refused. A token is trained when its text overlaps a span (transformers' rule); with
+// loss_on_all every token is. Tokens: the whole rendering encoded at once (no special tokens added, as
 // apply_chat_template(tokenize=True)).
 //
 // Samples. Conversation i is ids[0 .. seq_len) (padded with the tokenizer's pad token, else its EOS, else
