@@ -51,9 +51,7 @@ class ImageTextData final : public TrainingData {
       heldout_first_ = 0, heldout_samples_ = heldout_->num_samples();
     } else {  // the tail of the training file, as the corpus' held-out tail
       const int64_t n = train_->num_samples();
-      heldout_samples_ = std::min<int64_t>(
-          n - 1,
-          std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(n) * config.data.heldout_fraction)));
+      heldout_samples_ = heldout_tail(n, config.data.heldout_fraction);
       train_samples_ = n - heldout_samples_;
       heldout_first_ = train_samples_;
     }

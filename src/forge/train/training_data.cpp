@@ -208,6 +208,11 @@ class DatasetData final : public TrainingData {
 
 }  // namespace
 
+int64_t heldout_tail(int64_t count, double heldout_fraction) {
+  return std::min<int64_t>(
+      count - 1, std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(count) * heldout_fraction)));
+}
+
 int64_t EpochOrder::operator()(int64_t index) const {
   const int64_t epoch = index / count_;
   if (epoch != epoch_ || order_.empty()) {

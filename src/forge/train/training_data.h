@@ -63,6 +63,10 @@ struct CorpusTokens {
 // training part only, and encodes both parts.
 CorpusTokens prepare_corpus(const TrainConfig& config);
 
+// Samples held out of a set of `count` when no held-out file is given: its last heldout_fraction, at least
+// one and at most count - 1.
+int64_t heldout_tail(int64_t count, double heldout_fraction);
+
 // Sample `index` of a training stream over `count` samples: epoch index / count takes them in a permutation
 // drawn from (seed, epoch). The current epoch's permutation is kept.
 class EpochOrder {

@@ -511,27 +511,18 @@ class Parser {
   }
 
   // ---- Expressions (Jinja2's precedence).
-  ExprPtr parse_tuple_expr() {
-    ExprPtr first = parse_expression();
+  // An element, or elements separated by commas as a tuple (a trailing comma allowed).
+  ExprPtr parse_tuple_of(ExprPtr (Parser::*element)()) {
+    ExprPtr first = (this->*element)();
     if (!is_op(",")) return first;
     auto t = make(ExprKind::tuple, first->line);
     t->args.push_back(std::move(first));
-    while (accept_op(",")) {
-      if (at_end()) break;
-      t->args.push_back(parse_expression());
-    }
+    while (accept_op(",") && !at_end()) t->args.push_back((this->*element)());
     return t;
   }
-
+  ExprPtr parse_tuple_expr() { return parse_tuple_of(&Parser::parse_expression); }
   // A for loop's iterable: no conditional expression (its `if` filters the loop).
-  ExprPtr parse_or_tuple_without_if() {
-    ExprPtr first = parse_or();
-    if (!is_op(",")) return first;
-    auto t = make(ExprKind::tuple, first->line);
-    t->args.push_back(std::move(first));
-    while (accept_op(",")) t->args.push_back(parse_or());
-    return t;
-  }
+  ExprPtr parse_or_tuple_without_if() { return parse_tuple_of(&Parser::parse_or); }
 
   ExprPtr parse_expression() {
     ExprPtr e = parse_or();
