@@ -59,25 +59,19 @@ class SftData final : public TrainingData {
 
   void train_batch(int64_t first, int64_t batch, int32_t* ids, int32_t* targets) const override {
     const int64_t t = config_.data.seq_len;
-    std::vector<int64_t> documents;
     for (int64_t i = 0; i < batch; ++i) {
       const int64_t sample = order_(first + i);
       if (packs_.empty())
         train_->fill(sample, ids + i * t, targets + i * t);
       else
-        train_->fill_packed(packs_[static_cast<size_t>(sample)], ids + i * t, targets + i * t, documents);
+        train_->fill_packed(packs_[static_cast<size_t>(sample)], ids + i * t, targets + i * t);
     }
   }
   void train_documents(int64_t first, int64_t batch, std::vector<int64_t>& lengths) const override {
     lengths.clear();
     if (packs_.empty()) return;
-    std::vector<int64_t> documents;
-    std::vector<int32_t> ids(static_cast<size_t>(config_.data.seq_len)), targets(ids.size());
-    for (int64_t i = 0; i < batch; ++i) {
-      train_->fill_packed(packs_[static_cast<size_t>(order_(first + i))], ids.data(), targets.data(),
-                          documents);
-      lengths.insert(lengths.end(), documents.begin(), documents.end());
-    }
+    for (int64_t i = 0; i < batch; ++i)
+      train_->packed_documents(packs_[static_cast<size_t>(order_(first + i))], lengths);
   }
   int64_t heldout_windows() const override { return heldout_samples_; }
   bool loss_per_trained_token() const override { return true; }

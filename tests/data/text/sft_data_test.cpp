@@ -135,7 +135,8 @@ TEST_F(SftFile, PacksConversationsWithTheirDocuments) {
   EXPECT_EQ(packs[0][0], 4);
   std::vector<int32_t> ids(40), targets(40), one_ids(40), one_targets(40);
   std::vector<int64_t> documents;
-  set.fill_packed(packs.back(), ids.data(), targets.data(), documents);
+  set.fill_packed(packs.back(), ids.data(), targets.data());
+  set.packed_documents(packs.back(), documents);
   int64_t at = 0;
   for (size_t d = 0; d < packs.back().size(); ++d) {
     const int64_t i = packs.back()[d], n = set.positions(i);

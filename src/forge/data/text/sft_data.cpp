@@ -211,9 +211,7 @@ std::vector<std::vector<int64_t>> SftDataset::pack(const std::vector<int64_t>& o
   return packs;
 }
 
-void SftDataset::fill_packed(const std::vector<int64_t>& members, int32_t* ids, int32_t* targets,
-                             std::vector<int64_t>& documents) const {
-  documents.clear();
+void SftDataset::fill_packed(const std::vector<int64_t>& members, int32_t* ids, int32_t* targets) const {
   int64_t at = 0;
   for (const int64_t i : members) {
     const SftConversation& c = conversation(i);
@@ -224,10 +222,16 @@ void SftDataset::fill_packed(const std::vector<int64_t>& members, int32_t* ids, 
       targets[at + t] =
           t + 1 < n && c.trained[static_cast<size_t>(t + 1)] ? c.ids[static_cast<size_t>(t + 1)] : -1;
     }
-    documents.push_back(length), at += length;
+    at += length;
   }
-  if (at < seq_len_) documents.push_back(seq_len_ - at);
   for (; at < seq_len_; ++at) ids[at] = pad_id_, targets[at] = -1;
+}
+
+void SftDataset::packed_documents(const std::vector<int64_t>& members,
+                                  std::vector<int64_t>& documents) const {
+  int64_t at = 0;
+  for (const int64_t i : members) documents.push_back(positions(i)), at += positions(i);
+  if (at < seq_len_) documents.push_back(seq_len_ - at);
 }
 
 void SftDataset::fill(int64_t i, int32_t* ids, int32_t* targets) const {

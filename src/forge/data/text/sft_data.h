@@ -66,10 +66,11 @@ class SftDataset {
   // ids and targets [seq_len] of conversation i.
   void fill(int64_t i, int32_t* ids, int32_t* targets) const;
   // Packing: the conversations `members` one after another in one sequence of seq_len (a conversation cut to
-  // seq_len + 1 tokens takes seq_len positions, its last token only a target), then padding; `documents`
-  // gets their lengths (and the padding's, when there is any), for attention within each.
-  void fill_packed(const std::vector<int64_t>& members, int32_t* ids, int32_t* targets,
-                   std::vector<int64_t>& documents) const;
+  // seq_len + 1 tokens takes seq_len positions, its last token only a target), then padding.
+  void fill_packed(const std::vector<int64_t>& members, int32_t* ids, int32_t* targets) const;
+  // Appends that sequence's document lengths: the members', then the padding's when there is any (for
+  // attention within each).
+  void packed_documents(const std::vector<int64_t>& members, std::vector<int64_t>& documents) const;
   // Packs conversations in the given order: each joins the current sequence when it fits, else starts the
   // next one (greedy, order kept). Returns each sequence's members.
   std::vector<std::vector<int64_t>> pack(const std::vector<int64_t>& order) const;

@@ -91,11 +91,13 @@ void write_cache(const std::filesystem::path& cache, std::string_view text) {
   }
 }
 
-}  // namespace
-
-std::string strip_verse_labels(std::string_view output) {
+// Each verse of `bible -f` output, in order: its label ("Ge1:1") and its text, a wrapped continuation line
+// rejoined with one space. Text before the first label (a banner) is dropped. Throws when no line carries
+// a label, since then the input is not `bible -f` output.
+template <typename OnVerse>
+void for_each_verse(std::string_view output, OnVerse on_verse) {
+  std::string_view label;
   std::string text;
-  text.reserve(output.size());
   bool seen_label = false;
   while (!output.empty()) {
     size_t newline = output.find('\n');
@@ -104,21 +106,27 @@ std::string strip_verse_labels(std::string_view output) {
     if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
     while (!line.empty() && (line.back() == ' ' || line.back() == '\t')) line.remove_suffix(1);
     if (line.empty()) continue;
-    size_t label = verse_label_length(line);
-    if (label > 0) {
+    const size_t length = verse_label_length(line);
+    if (length > 0) {
+      if (seen_label) on_verse(label, std::move(text));
       seen_label = true;
-      text.append(line.substr(label));
-      text.push_back('\n');
+      label = line.substr(0, line.find_first_of(" \t")), text = std::string(line.substr(length));
     } else if (seen_label) {
-      // A wrapped continuation of the previous verse: rejoin it on the verse's line.
       while (line.front() == ' ' || line.front() == '\t') line.remove_prefix(1);
-      text.back() = ' ';
-      text.append(line);
-      text.push_back('\n');
+      text.append(1, ' ').append(line);
     }
-    // Text before the first label (a banner) is dropped.
   }
   if (!seen_label) fail("default corpus 'kjv': unexpected output from 'bible' (no verse labels found)");
+  on_verse(label, std::move(text));
+}
+
+}  // namespace
+
+std::string strip_verse_labels(std::string_view output) {
+  std::string text;
+  text.reserve(output.size());
+  for_each_verse(output,
+                 [&](std::string_view, const std::string& verse) { text.append(verse).push_back('\n'); });
   return text;
 }
 
@@ -189,24 +197,10 @@ std::vector<KjvVerse> load_kjv_verses() {
                                        "3 John",
                                        "Jude",
                                        "Revelation"};
-  const std::string output = run_bible_program();
   std::vector<KjvVerse> verses;
   std::string abbreviation;  // the current book's, as `bible` labels it ("Ge", "Exo", ...)
   int book = -1;
-  size_t at = 0;
-  while (at < output.size()) {
-    size_t end = output.find('\n', at);
-    if (end == std::string::npos) end = output.size();
-    std::string_view line(output.data() + at, end - at);
-    at = end + 1;
-    while (!line.empty() && (line.back() == ' ' || line.back() == '\r')) line.remove_suffix(1);
-    const size_t label = verse_label_length(line);
-    if (label == 0) {
-      if (!verses.empty() && !line.empty())
-        verses.back().text.append(1, ' ').append(line.substr(line.find_first_not_of(" \t")));
-      continue;
-    }
-    const std::string_view ref = line.substr(0, line.find(' '));
+  for_each_verse(run_bible_program(), [&](std::string_view ref, std::string text) {
     const size_t colon = ref.find(':');
     size_t digits = colon;
     while (digits > 1 && std::isdigit(static_cast<unsigned char>(ref[digits - 1]))) --digits;
@@ -217,9 +211,9 @@ std::vector<KjvVerse> load_kjv_verses() {
     v.book = kBooks[book];
     v.chapter = std::stoi(std::string(ref.substr(digits, colon - digits)));
     v.verse = std::stoi(std::string(ref.substr(colon + 1)));
-    v.text = std::string(line.substr(label));
+    v.text = std::move(text);
     verses.push_back(std::move(v));
-  }
+  });
   if (book != 65) fail("default corpus 'kjv': expected 66 books from 'bible', found {}", book + 1);
   return verses;
 }
